@@ -1,0 +1,13 @@
+"""The model's hot path. Each op dispatches to Triton on CUDA tensors (or under
+TRITON_INTERPRET=1) and to its plain-torch reference otherwise."""
+from kernels.activation import silu_and_mul
+from kernels.decode_attention import paged_decode_attention
+from kernels.extend_attention import paged_extend_attention
+from kernels.kv_store import store_kv
+from kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kernels.rope import qk_norm_rope, rope_cos_sin_cache
+
+__all__ = [
+    "fused_add_rms_norm", "paged_decode_attention", "paged_extend_attention",
+    "qk_norm_rope", "rms_norm", "rope_cos_sin_cache", "silu_and_mul", "store_kv",
+]
