@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Sets up a fresh Debian/Ubuntu machine for MILI: redis-server, a venv, and the Python deps.
+# Usage: scripts/bootstrap.sh [--dev]   (--dev adds the test dependencies)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+apt_install() {
+  echo "[bootstrap] apt-get install $*"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "$@" >/dev/null
+}
+
+command -v redis-server >/dev/null || apt_install redis-server
+python3 -c 'import sys; assert sys.version_info >= (3, 10), "MILI needs Python 3.10+"'
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv 2>/dev/null || { apt_install python3-venv; python3 -m venv .venv; }
+fi
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+
+# Without a GPU, pin the CPU build: an unpinned torch pulls several GB of CUDA wheels.
+if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    pip install torch
+  else
+    pip install torch==2.13.0
+  fi
+fi
+
+extra=""
+[ "${1:-}" = "--dev" ] && extra="[dev]"
+pip install -e ".${extra}"
+echo "[bootstrap] ready: $(.venv/bin/python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
