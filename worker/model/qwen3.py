@@ -1,0 +1,173 @@
+"""Qwen3 decoder over a flattened varlen batch and a paged KV cache.
+
+Numerics follow transformers' Qwen3ForCausalLM: pre-norm blocks, per-head q/k RMSNorm before
+neox RoPE, GQA attention scaled by head_dim**-0.5, SwiGLU MLP. Every hot-path op goes through
+`kernels`, which picks Triton or the torch reference. Weights are allocated uninitialized and
+filled by `worker.model.loader`; q/k/v and gate/up are fused into one projection each.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from worker.model.batch import AttentionMetadata, KVCaches
+from worker.model.config import Qwen3Config
+
+
+def empty_weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # No init: the loader overwrites every weight, and initializing 0.6B parameters on CPU costs seconds.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = empty_weight(out_features, in_features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = empty_weight(num_embeddings, dim, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = empty_weight(size, dtype=dtype)
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without a residual: norm(x). With one: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: Qwen3Config, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.eps = config.rms_norm_eps
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, dtype)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, positions, cos_sin, self.eps)
+        k_cache, v_cache = kv_cache
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            out = kernels.paged_decode_attention(
+                q, k_cache, v_cache, meta.page_table, meta.seq_lens, self.scale
+            )
+        else:
+            out = kernels.paged_extend_attention(
+                q, k_cache, v_cache, meta.page_table, meta.cu_seqlens_q, meta.prefix_lens,
+                self.scale, meta.max_q_len,
+            )
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config: Qwen3Config, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Qwen3Attention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = Qwen3MLP(config, dtype)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (block output, residual stream before it); the next norm adds the two.
+
+        Deferring each residual add into the following fused add+norm computes the same sums
+        as transformers' `residual + hidden` in the same order, so fp32 results match it.
+        """
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta, kv_cache, cos_sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: Qwen3Config, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # fp32 whatever the weights' dtype, like transformers' rotary embedding; not a checkpoint tensor.
+        cos_sin = kernels.rope_cos_sin_cache(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: KVCaches
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, meta, kv_cache, self.cos_sin)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Build under `with torch.device(...)` and load weights with `worker.model.loader.load_model`.
+
+    Create it in its final dtype rather than calling `.to(dtype)` afterwards, which would also
+    cast the fp32 RoPE table.
+    """
+
+    def __init__(self, config: Qwen3Config, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config, dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: KVCaches
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, meta, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab] in float32."""
+        head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, head).float()
