@@ -1,0 +1,244 @@
+"""The tokenizer of a Hugging Face checkpoint directory.
+
+tokenizer.json runs in `tokenizers`; the chat template comes from chat_template.jinja or
+tokenizer_config.json and renders the way `transformers` renders it; stop ids are the union of
+what tokenizer_config.json, generation_config.json and config.json name; IncrementalDetokenizer
+turns generated ids into text deltas for streaming.
+"""
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from producer_client.errors import MiliError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG_FILE = "generation_config.json"
+MODEL_CONFIG_FILE = "config.json"
+# The named special tokens transformers hands to every chat template (as strings, when set).
+TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class TokenizerError(MiliError):
+    """A tokenizer file of a checkpoint is missing or malformed; the message names the file."""
+
+    code = "tokenizer_error"
+
+
+class ChatTemplateError(MiliError):
+    """The chat template is absent or cannot render these messages."""
+
+    code = "chat_template_error"
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        chat_template: jinja2.Template | None,
+        template_tokens: Mapping[str, str],
+        eos_token_ids: frozenset[int],
+        source: Path,
+    ):
+        self.backend = backend
+        self.chat_template = chat_template
+        self.template_tokens = dict(template_tokens)
+        self.eos_token_ids = eos_token_ids
+        self.source = source
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        backend = load_backend(path / TOKENIZER_FILE)
+        config_path = path / TOKENIZER_CONFIG_FILE
+        config = read_json_object(config_path) if config_path.exists() else {}
+        template_tokens = read_template_tokens(config, config_path)
+        return cls(
+            backend=backend,
+            chat_template=load_chat_template(path, config),
+            template_tokens=template_tokens,
+            eos_token_ids=collect_eos_token_ids(path, backend, template_tokens.get("eos_token")),
+            source=path,
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tokenize: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render like transformers' apply_chat_template; extra kwargs reach the template."""
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                f"{self.source}: no chat template ({TOKENIZER_CONFIG_FILE} has no chat_template "
+                f"and there is no {CHAT_TEMPLATE_FILE})"
+            )
+        context = {
+            **self.template_tokens,
+            **kwargs,
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+            "enable_thinking": enable_thinking,
+        }
+        try:
+            text = self.chat_template.render(**context)
+        # Templates are untrusted programs over caller data: any failure is this conversation's.
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            raise ChatTemplateError(f"chat template of {self.source}: {e}") from e
+        # The template writes the special tokens itself, so encoding must not add more.
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class IncrementalDetokenizer:
+    """Text deltas for streaming that concatenate to decode(all ids).
+
+    Decoding tokens one at a time splits multi-byte characters across tokens and, in
+    SentencePiece-style vocabularies, drops a word's leading space. As in vLLM's
+    detokenize_incrementally, each push decodes a window that starts where earlier text was
+    emitted whole (`prefix_offset`), without and with the unread tokens, and emits the
+    difference. A window ending in U+FFFD is an unfinished character: it waits for more ids.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def push(self, new_ids: Iterable[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix_text, text = self._decode_window()
+        if len(text) <= len(prefix_text) or text.endswith(REPLACEMENT_CHAR):
+            return ""
+        return self._advance(text[len(prefix_text) :])
+
+    def flush(self) -> str:
+        """At the end of a stream: the text push held back, an unfinished character as U+FFFD."""
+        prefix_text, text = self._decode_window()
+        return self._advance(text[len(prefix_text) :])
+
+    def _decode_window(self) -> tuple[str, str]:
+        window = self.ids[self.prefix_offset :]
+        read = self.read_offset - self.prefix_offset
+        decode = self.tokenizer.decode
+        return decode(window[:read], self.skip_special_tokens), decode(window, self.skip_special_tokens)
+
+    def _advance(self, delta: str) -> str:
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return delta
+
+
+def load_backend(path: Path) -> tokenizers.Tokenizer:
+    if not path.is_file():
+        raise TokenizerError(f"{path}: file not found")
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for every malformed file
+        raise TokenizerError(f"{path}: not a valid tokenizers file ({e})") from None
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise TokenizerError(f"{path}: expected a JSON object")
+    return raw
+
+
+def read_template_tokens(config: Mapping[str, Any], config_path: Path) -> dict[str, str]:
+    """bos_token, eos_token, ...: a string, an AddedToken object ({"content": ...}) or null."""
+    tokens = {}
+    for name in TEMPLATE_TOKEN_NAMES:
+        value = config.get(name)
+        if isinstance(value, Mapping):
+            value = value.get("content")
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise TokenizerError(f"{config_path}: {name} must be a string or null, got {value!r}")
+        tokens[name] = value
+    return tokens
+
+
+def load_chat_template(path: Path, config: Mapping[str, Any]) -> jinja2.Template | None:
+    """chat_template.jinja wins over tokenizer_config.json's chat_template, as in transformers."""
+    template_path = path / CHAT_TEMPLATE_FILE
+    if template_path.is_file():
+        return compile_chat_template(template_path.read_text(encoding="utf-8"), template_path)
+    source = config.get("chat_template")
+    if source is None:
+        return None
+    if not isinstance(source, str):
+        raise TokenizerError(f"{path / TOKENIZER_CONFIG_FILE}: chat_template must be a string")
+    return compile_chat_template(source, path / TOKENIZER_CONFIG_FILE)
+
+
+def compile_chat_template(source: str, origin: Path) -> jinja2.Template:
+    try:
+        return chat_template_environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"{origin}: chat template line {e.lineno}: {e.message}") from None
+
+
+def chat_template_environment() -> ImmutableSandboxedEnvironment:
+    """transformers' template environment: sandboxed, trim/lstrip blocks, its tojson and helpers."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = template_tojson
+    env.globals["raise_exception"] = template_raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def template_tojson(value: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja's own tojson escapes <, >, & and ' for HTML, which would change the prompt.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def template_raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def collect_eos_token_ids(path: Path, backend: tokenizers.Tokenizer, eos_token: str | None) -> frozenset[int]:
+    """Every id any of the checkpoint's files names as end of sequence."""
+    ids = set()
+    if eos_token is not None:
+        eos_id = backend.token_to_id(eos_token)
+        if eos_id is None:
+            raise TokenizerError(f"{path / TOKENIZER_CONFIG_FILE}: eos_token {eos_token!r} is not in {TOKENIZER_FILE}")
+        ids.add(eos_id)
+    for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
+        if (path / name).exists():
+            ids.update(read_eos_token_id(path / name))
+    return frozenset(ids)
+
+
+def read_eos_token_id(path: Path) -> list[int]:
+    value = read_json_object(path).get("eos_token_id")
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    for v in values:
+        if type(v) is not int or v < 0:
+            raise TokenizerError(f"{path}: eos_token_id must be a non-negative int or a list of them, got {value!r}")
+    return values
