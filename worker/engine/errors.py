@@ -1,0 +1,26 @@
+"""Engine errors. Their codes reach failed job results, so a client can branch on them."""
+from producer_client.errors import InvalidArgument, MiliError
+
+
+class PromptTooLong(InvalidArgument):
+    """The prompt leaves no room for output within max_model_len."""
+
+    code = "prompt_too_long"
+
+
+class KVCapacityExceeded(MiliError):
+    """The request needs more KV pages than the whole pool holds, so it can never run."""
+
+    code = "kv_capacity_exceeded"
+
+
+class KVCacheTooSmall(MiliError):
+    """The configured KV memory does not hold a single page."""
+
+    code = "kv_cache_too_small"
+
+
+class OutOfPages(MiliError):
+    """More pages were asked for than are free. The scheduler checks first, so this is a bug."""
+
+    code = "out_of_pages"
