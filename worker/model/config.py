@@ -39,7 +39,13 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def describe_validation_error(e: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors())
+    """'field: problem; ...', in words a config.json author can act on."""
+    problems = []
+    for err in e.errors():
+        problem = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+        field = ".".join(map(str, err["loc"]))
+        problems.append(f"{field}: {problem}" if field else problem)
+    return "; ".join(problems)
 
 
 def reject_unsupported(raw: dict[str, Any], source: str) -> None:

@@ -134,6 +134,6 @@ def copy_tensor(f, name: str, dest: torch.Tensor, path: Path) -> None:
     shape = list(f.get_slice(name).get_shape())
     if shape != list(dest.shape):
         raise CheckpointError(
-            f"{path.name}: tensor {name} has shape {shape}, expected {list(dest.shape)} from config.json"
+            f"{path}: tensor {name} has shape {shape}, expected {list(dest.shape)} from config.json"
         )
     dest.copy_(f.get_tensor(name))
