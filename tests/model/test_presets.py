@@ -1,0 +1,126 @@
+"""Presets: written once into the cache directory, atomically, then reused; loadable; real tokenizer."""
+import threading
+
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+
+from tests.model.paged import PagedModelRunner
+from worker.model import presets
+from worker.model.config import CheckpointError, Qwen3Config
+from worker.model.loader import load_model
+from worker.model.presets import PRESETS, checkpoint_shapes, resolve_model_path
+from worker.model.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("mili_cache")
+        mp.setenv("MILI_CACHE_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def tiny(cache_dir):
+    """The tiny preset, first resolved by three threads at once; returns (its path, write count)."""
+    writes = []
+    write_preset = presets.write_preset
+
+    def counting_write(*args):
+        writes.append(args)
+        write_preset(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(presets, "write_preset", counting_write)
+        paths = []
+        threads = [threading.Thread(target=lambda: paths.append(resolve_model_path("tiny"))) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(paths) == 3 and len(set(paths)) == 1
+    return paths[0], len(writes)
+
+
+def test_concurrent_first_use_writes_tiny_once_and_leaves_no_temp_dirs(cache_dir, tiny):
+    path, writes = tiny
+    assert writes == 1
+    assert path.parent == cache_dir / "presets" and path.name.startswith("tiny-")
+    assert [p.name for p in path.parent.iterdir() if p.is_dir()] == [path.name]
+    assert {p.name for p in path.iterdir()} == {
+        "config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    }
+
+
+def test_second_resolve_reuses_the_written_directory(tiny, monkeypatch):
+    path, _ = tiny
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    monkeypatch.setattr(presets, "write_preset", lambda *a: pytest.fail("preset written twice"))
+    assert resolve_model_path("tiny") == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_tiny_loads_with_the_qwen3_tokenizer_and_generation_config(tiny):
+    path, _ = tiny
+    model, config, generation = load_model(path)
+    assert (config.vocab_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
+        151936, 4, 2, 64,
+    )
+    assert config.tie_word_embeddings and model.model.norm.weight.dtype == torch.float32
+    assert generation.eos_token_ids == [151645, 151643]
+    tokenizer = Tokenizer.from_dir(path)
+    assert tokenizer.encode("<|im_start|>user<|im_end|>")[0] == 151644
+    assert {151643, 151645} <= tokenizer.eos_token_ids
+
+
+def test_tiny_logits_are_non_degenerate_and_match_transformers(tiny):
+    path, _ = tiny
+    prompt = [9707, 11, 1879, 0, 151644, 872, 198, 3838, 374, 279, 6722, 30]
+    runner = PagedModelRunner(load_model(path).model)
+    logits = runner.extend({runner.add_sequence(): prompt})[0]
+    with torch.inference_mode():
+        expected = HFQwen3ForCausalLM.from_pretrained(path, torch_dtype=torch.float32)(torch.tensor([prompt])).logits[0]
+    assert ((logits - expected).abs().max() / expected.abs().max()).item() <= 1e-4
+    # HF-scale init (std 0.02) with unit norms: logits spread, and each position prefers something else.
+    assert 0.05 < logits.std(-1).min().item() and logits.std(-1).max().item() < 2.0
+    assert len(set(logits.argmax(-1).tolist())) > len(prompt) // 2
+
+
+def test_abandoned_temp_dirs_are_removed_when_the_preset_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("MILI_CACHE_DIR", str(tmp_path))
+    micro = presets.Preset(presets.qwen3_config(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
+    ), torch.float32)
+    monkeypatch.setitem(PRESETS, "micro", micro)
+    monkeypatch.setattr(presets, "write_qwen3_tokenizer_files", lambda out_dir: None)
+    abandoned = tmp_path / "presets" / f".micro-{micro.fingerprint()}.dead1234"
+    abandoned.mkdir(parents=True)
+    (abandoned / "config.json").write_text("{")
+    path = resolve_model_path("micro")
+    assert not abandoned.exists()
+    assert load_model(path).config.num_hidden_layers == 1
+
+
+def test_a_directory_resolves_to_itself_and_anything_else_is_an_error(tmp_path):
+    assert resolve_model_path(str(tmp_path)) == tmp_path
+    with pytest.raises(CheckpointError, match=r"tiyn: no such checkpoint directory, nor a preset \(tiny, small, qwen3-0.6b\)"):
+        resolve_model_path("tiyn")
+
+
+def test_preset_sizes():
+    def params(name):
+        shapes = checkpoint_shapes(Qwen3Config.model_validate(PRESETS[name].config))
+        return sum(shape.numel() for shape in shapes.values())
+
+    assert params("tiny") == 20_432_512
+    assert 95e6 < params("small") < 110e6
+    # Qwen3-0.6B's published count: 0.6B in all, 0.44B without the (tied) embedding.
+    assert params("qwen3-0.6b") == 596_049_920
+    assert params("qwen3-0.6b") - 151936 * 1024 == 440_467_456
+    config = PRESETS["qwen3-0.6b"].config
+    assert (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]) == (1024, 28, 3072)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (16, 8, 128)
+    assert (config["rope_theta"], config["max_position_embeddings"], config["tie_word_embeddings"]) == (1e6, 40960, True)
+    assert PRESETS["qwen3-0.6b"].dtype == torch.bfloat16
