@@ -1,0 +1,153 @@
+"""Batched sampling with per-request parameters, in vLLM's order:
+penalties and min_tokens masking on the raw logits, then greedy rows take the argmax and
+the others go through temperature -> min_p -> top_k -> top_p -> a draw.
+
+Draws use the exponential race (argmax of p / q with q ~ Exp(1)), which samples from p;
+a seeded request fills its own row of q from its own generator, so its tokens depend on
+its seed and its logits only, whatever else shares the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from producer_client.schema import SamplingParams
+from worker.engine.request import Request, TokenLogprob
+
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy, as in vLLM (dividing by them overflows)
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_BELOW
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: list[int]):
+        self.eos_token_ids = eos_token_ids
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        """logits [N, V] float32, one row per request, in the same order."""
+        raw_logprobs = self._raw_logprobs(logits, requests)
+        logits = logits.clone()
+        apply_penalties(logits, requests)
+        self._suppress_stops_before_min_tokens(logits, requests)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not is_greedy(r.params)]
+        if random_rows:
+            picked = [requests[i] for i in random_rows]
+            tokens[random_rows] = sample_random(logits[random_rows], picked)
+        token_ids = tokens.tolist()
+        return SampleResult(token_ids, self._logprobs(raw_logprobs, requests, token_ids))
+
+    def _raw_logprobs(self, logits: torch.Tensor, requests: list[Request]) -> dict[int, torch.Tensor]:
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        if not rows:
+            return {}
+        lp = torch.log_softmax(logits[rows], dim=-1)
+        return {row: lp[j] for j, row in enumerate(rows)}
+
+    def _logprobs(
+        self, raw: dict[int, torch.Tensor], requests: list[Request], token_ids: list[int],
+    ) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * len(requests)
+        for row, lp in raw.items():
+            n = requests[row].params.logprobs
+            top_lp, top_ids = lp.topk(n) if n else (lp[:0], lp[:0].long())
+            top = tuple(zip(top_ids.tolist(), top_lp.tolist()))
+            out[row] = TokenLogprob(token_ids[row], float(lp[token_ids[row]]), top)
+        return out
+
+    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        for i, r in enumerate(requests):
+            if r.num_output_tokens < r.params.min_tokens:
+                ids = list(r.params.stop_token_ids)
+                if not r.params.ignore_eos:
+                    ids += self.eos_token_ids
+                logits[i, ids] = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """vLLM semantics: the repetition penalty covers prompt and output tokens (divides positive
+    logits, multiplies negative ones); presence and frequency penalties cover output tokens only."""
+    rows = [i for i, r in enumerate(requests) if has_penalties(r.params)]
+    if not rows:
+        return
+    picked = [requests[i] for i in rows]
+    device, vocab = logits.device, logits.shape[1]
+    sub = logits[rows]
+    counts = token_counts([r.output_token_ids for r in picked], vocab, device)
+    rep = torch.tensor([r.params.repetition_penalty for r in picked], device=device)[:, None]
+    seen = token_counts([r.token_ids for r in picked], vocab, device) > 0
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([r.params.frequency_penalty for r in picked], device=device)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in picked], device=device)[:, None]
+    sub -= freq * counts + pres * (counts > 0)
+    logits[rows] = sub
+
+
+def token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(token_lists), vocab] float32: how often each token id occurs in each list."""
+    counts = torch.zeros(len(token_lists), vocab, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor([len(t) for t in token_lists]))
+    ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
+    counts.index_put_((rows.to(device), ids.to(device)), torch.ones(len(ids), device=device), accumulate=True)
+    return counts
+
+
+def sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """logits [R, V] of non-greedy requests -> [R] sampled token ids."""
+    device = logits.device
+    temps = torch.tensor([r.params.temperature for r in requests], device=device)[:, None]
+    logits = logits / temps
+    if any(r.params.min_p > 0 for r in requests):
+        apply_min_p(logits, torch.tensor([r.params.min_p for r in requests], device=device))
+    if any(r.params.top_k > 0 for r in requests):
+        apply_top_k(logits, torch.tensor([r.params.top_k or logits.shape[1] for r in requests], device=device))
+    if any(r.params.top_p < 1.0 for r in requests):
+        logits = apply_top_p(logits, torch.tensor([r.params.top_p for r in requests], device=device))
+    probs = logits.softmax(dim=-1)
+    return (probs / exponential_noise(probs, requests)).argmax(dim=-1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Drops tokens whose probability is under min_p times the most likely token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> None:
+    """Keeps each row's k largest logits (ties with the k-th are kept)."""
+    k = k.clamp(max=logits.shape[1])
+    top = logits.topk(int(k.max()), dim=-1).values
+    kth = top.gather(1, (k - 1)[:, None])
+    logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keeps the smallest set of most likely tokens whose mass reaches p (always at least one)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits.masked_fill_(mass_before >= p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def exponential_noise(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    q = torch.empty_like(probs).exponential_()
+    for i, r in enumerate(requests):
+        if r.generator is not None:
+            q[i].exponential_(generator=r.generator)
+    return q

@@ -1,0 +1,216 @@
+"""Continuous batching: which requests run this step, and how many tokens each extends.
+
+Each step, in order of importance (priority, then arrival; see `Request.sort_key`):
+1. every running request that is decoding gets its one token;
+2. running requests still in prefill get chunks under the token budget;
+3. waiting requests are admitted while their pages (after the prefix match) and the
+   budget allow, and none was preempted this step.
+When a request cannot get the pages it needs, the cache evicts unlocked leaves; if that is
+not enough the least important running request is preempted (vLLM's recompute
+preemption: its pages go back, its KV pages are offered to the prefix cache, and it waits
+to be recomputed). The most important request is never preempted for a less important
+one, so it always progresses; a request that cannot fit even alone fails with
+`kv_capacity_exceeded`. That is why the scheduler cannot deadlock.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass, field
+
+from worker.engine.errors import KVCapacityExceeded
+from worker.engine.kv_pool import PageAllocator, pages_for
+from worker.engine.radix_cache import RadixCache
+from worker.engine.request import ErrorInfo, Request, RequestStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """The model extends `request.token_ids[start : start + num_tokens]` this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool  # the chunk reaches the end of the sequence, so it yields the next token
+
+    @classmethod
+    def of(cls, req: Request, num_tokens: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return cls(req, start, num_tokens, start + num_tokens == len(req.token_ids))
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # ended with an error while scheduling
+
+
+class Scheduler:
+    def __init__(
+        self, allocator: PageAllocator, cache: RadixCache, page_size: int,
+        max_running: int, max_num_batched_tokens: int,
+    ):
+        self.allocator = allocator
+        self.cache = cache
+        self.page_size = page_size
+        self.max_running = max_running
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Request] = []  # both kept sorted by Request.sort_key
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        planned: dict[Request, int] = {}  # insertion-ordered: the step's chunks
+        budget = self.max_num_batched_tokens
+        preempted = False
+        for decoding in (True, False):
+            for req in list(self.running):
+                if req.status is not RequestStatus.RUNNING or (req.num_uncomputed_tokens == 1) != decoding:
+                    continue
+                n = min(req.num_uncomputed_tokens, budget)
+                if n == 0:
+                    continue
+                grown, victims = self._grow(req, n, out)
+                for v in victims:
+                    budget += planned.pop(v, 0)
+                preempted |= bool(victims)
+                if grown:
+                    planned[req] = n
+                    budget -= n
+        if not preempted:
+            budget = self._admit(planned, budget, out)
+        out.chunks = [ScheduledChunk.of(r, n) for r, n in planned.items()]
+        return out
+
+    def commit(self, chunks: list[ScheduledChunk]) -> None:
+        """Records that the model computed the chunks' KV."""
+        for c in chunks:
+            c.request.num_computed_tokens += c.num_tokens
+            if c.num_tokens > 1:  # prefill progress: share its full pages as soon as they exist
+                self._cache_computed_pages(c.request)
+
+    def finish(self, req: Request) -> None:
+        """Takes a finished request out of the running set and returns its pages."""
+        self.running.remove(req)
+        self._release(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self._release(req)
+                    return req
+        return None
+
+    def pages_owed(self) -> int:
+        """Pages that running requests still need to finish their prefill (promised at admission)."""
+        return sum(max(0, pages_for(len(r.token_ids), self.page_size) - len(r.pages)) for r in self.running)
+
+    def _admit(self, planned: dict[Request, int], budget: int, out: SchedulerOutput) -> int:
+        owed = self.pages_owed()
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            if pages_for(len(req.token_ids), self.page_size) > self.allocator.num_pages:
+                self.waiting.pop(0)
+                self._fail_too_large(req, out)
+                continue
+            match = self.cache.match_prefix(req.token_ids[:-1])  # the last token must run to sample
+            self.cache.lock(match.node)
+            need = pages_for(len(req.token_ids), self.page_size) - len(match.pages)
+            if need > self.allocator.num_free + self.cache.evictable_pages - owed:
+                self.cache.unlock(match.node)
+                break
+            self.waiting.pop(0)
+            self._start(req, match.pages, match.node)
+            n = min(req.num_uncomputed_tokens, budget)
+            self._allocate(req, pages_for(req.num_computed_tokens + n, self.page_size) - len(req.pages))
+            owed += pages_for(len(req.token_ids), self.page_size) - len(req.pages)
+            planned[req] = n
+            budget -= n
+        return budget
+
+    def _start(self, req: Request, pages: list[int], node) -> None:
+        self.allocator.incref(pages)
+        req.pages = list(pages)
+        req.cache_node = node
+        req.num_computed_tokens = len(pages) * self.page_size
+        if req.num_preemptions == 0:
+            req.num_cached_prompt_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+            self.cache.record_lookup(req.num_prompt_tokens, req.num_cached_prompt_tokens)
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=lambda r: r.sort_key)
+
+    def _grow(self, req: Request, n: int, out: SchedulerOutput) -> tuple[bool, list[Request]]:
+        """Gives `req` the pages for `n` more tokens, evicting cache leaves and then preempting
+        less important requests. Returns (whether it got them, the requests preempted)."""
+        need = pages_for(req.num_computed_tokens + n, self.page_size) - len(req.pages)
+        victims: list[Request] = []
+        while need > self.allocator.num_free:
+            if self.cache.evict(need - self.allocator.num_free) > 0:
+                continue
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                self.running.remove(req)
+                self._fail_too_large(req, out)
+                return False, victims
+            self._preempt(victim)
+            victims.append(victim)
+            if victim is req:
+                return False, victims
+        self._allocate(req, need)
+        return True, victims
+
+    def _allocate(self, req: Request, n: int) -> None:
+        if n > self.allocator.num_free:
+            self.cache.evict(n - self.allocator.num_free)
+        req.pages.extend(self.allocator.allocate(n))
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(req)
+        log.info("preempted request %s (%d tokens, priority %d)", req.request_id, len(req.token_ids), req.priority)
+
+    def _fail_too_large(self, req: Request, out: SchedulerOutput) -> None:
+        self._release(req)
+        error = KVCapacityExceeded(
+            f"request {req.request_id} needs {pages_for(len(req.token_ids), self.page_size)} KV pages "
+            f"for its {len(req.token_ids)} tokens; the whole pool holds {self.allocator.num_pages} pages "
+            f"of {self.page_size} tokens"
+        )
+        req.finish("error", ErrorInfo(error.code, error.message))
+        out.failed.append(req)
+        log.warning("%s", error.message)
+
+    def _release(self, req: Request) -> None:
+        """Returns the request's pages, first offering its computed full pages to the prefix cache."""
+        self._cache_computed_pages(req)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+            req.cache_node = None
+        self.allocator.decref(req.pages)
+        req.pages = []
+        req.num_computed_tokens = 0
+
+    def _cache_computed_pages(self, req: Request) -> None:
+        full = req.num_computed_tokens // self.page_size
+        if full == 0 or not self.cache.enabled:
+            return
+        node = self.cache.insert(req.token_ids[: full * self.page_size], req.pages[:full])
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = node
