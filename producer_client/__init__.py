@@ -1,0 +1,17 @@
+"""MILI's producer library: submit generation jobs to a Redis queue and read their results.
+Depends on redis and pydantic only, so a producer host needs no GPU stack."""
+from producer_client import errors
+from producer_client.aio import AsyncClient
+from producer_client.client import Client
+from producer_client.errors import (
+    InvalidArgument, JobFailed, JobNotFound, JobTimeout, MiliError, QueueFull,
+)
+from producer_client.schema import (
+    ChatMessage, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams, Timings, TokenDelta, Usage,
+)
+
+__all__ = [
+    "AsyncClient", "ChatMessage", "Client", "InvalidArgument", "JobFailed", "JobNotFound", "JobRequest",
+    "JobResult", "JobStatus", "JobTimeout", "MiliError", "QueueFull", "QueueStats", "SamplingParams",
+    "Timings", "TokenDelta", "Usage", "errors",
+]

@@ -1,4 +1,10 @@
 """Typed errors. Each carries a stable `code`; failed job results use the same codes."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from producer_client.schema import JobResult
 
 
 class MiliError(Exception):
@@ -17,3 +23,64 @@ class InvalidArgument(MiliError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class BodyTooLarge(InvalidArgument):
+    """The job's JSON body exceeds the size limit."""
+
+    code = "body_too_large"
+
+
+class InvalidBody(MiliError):
+    """A queue entry whose body is not a JSON object, or that lacks a required field."""
+
+    code = "invalid_body"
+
+
+class UnsupportedVersion(MiliError):
+    """A queue entry written for a protocol version this worker does not speak."""
+
+    code = "unsupported_version"
+
+
+class QueueFull(MiliError):
+    """The queue holds `max_depth` unacknowledged jobs already; retry later."""
+
+    code = "queue_full"
+
+    def __init__(self, queue: str, depth: int, max_depth: int):
+        super().__init__(f"queue {queue!r} holds {depth} jobs, the maximum is {max_depth}")
+        self.queue = queue
+        self.depth = depth
+        self.max_depth = max_depth
+
+
+class JobNotFound(MiliError):
+    """No such job: never submitted, or its result has expired."""
+
+    code = "not_found"
+
+    def __init__(self, job_id: str):
+        super().__init__(f"job {job_id!r} not found (never submitted, or its result expired)")
+        self.job_id = job_id
+
+
+class JobTimeout(MiliError):
+    """Waiting for a job timed out. The job itself may still be queued or running."""
+
+    code = "timeout"
+
+    def __init__(self, job_id: str, timeout: float):
+        super().__init__(f"job {job_id!r} did not finish within {timeout:g}s")
+        self.job_id = job_id
+        self.timeout = timeout
+
+
+class JobFailed(MiliError):
+    """The job ended as `failed`; `code` and `message` come from the worker's error."""
+
+    def __init__(self, code: str, message: str, result: JobResult | None = None):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.result = result

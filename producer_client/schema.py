@@ -1,9 +1,11 @@
 """Wire models shared by the client and the worker (pydantic only: no torch here)."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from producer_client.errors import InvalidArgument
+from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -50,7 +52,158 @@ class SamplingParams(BaseModel):
             raise InvalidArgument("stop_token_ids", "token ids must be non-negative")
 
 
-def invalid_argument_from(error: ValidationError) -> InvalidArgument:
+def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArgument:
+    """The first error, its field named as users write it (`max_tokens`, not `params.max_tokens`)."""
     first = error.errors()[0]
     field = ".".join(str(p) for p in first["loc"]) or "body"
-    return InvalidArgument(field, first["msg"])
+    return InvalidArgument(field.removeprefix(strip), first["msg"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Protocol v1 wire models. A queue entry is {id, v, body}; `body` is a JobRequest as JSON.
+
+MAX_BODY_BYTES = 1 << 20
+MAX_TOKENS_LIMIT = 32768
+JobState = Literal["queued", "running", "done", "failed", "cancelled", "expired"]
+FINAL_STATES = frozenset({"done", "failed", "cancelled", "expired"})
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class JobRequest(BaseModel):
+    """What a producer asks for: exactly one of prompt, messages or input_ids, and how to sample.
+
+    `timeout_s` counts from the moment the job entered the queue (its stream entry id), on
+    the Redis clock, so producer and worker clocks never need to agree.
+    `priority` orders jobs a worker has admitted (lower runs sooner, as in vLLM); the queue
+    itself is FIFO.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    input_ids: list[int] | None = Field(None, min_length=1)
+    params: SamplingParams = SamplingParams()
+    priority: int = Field(0, ge=-1000, le=1000)
+    timeout_s: float | None = Field(None, gt=0.0, le=7 * 24 * 3600)
+
+    @classmethod
+    def from_json(cls, body: str | bytes, max_body_bytes: int, max_tokens_limit: int) -> JobRequest:
+        """Validate a queue entry's body exactly as strictly as the client validated it."""
+        size = len(body.encode() if isinstance(body, str) else body)
+        if size > max_body_bytes:
+            raise BodyTooLarge("body", f"{size} bytes exceeds the limit of {max_body_bytes}")
+        try:
+            request = cls.model_validate_json(body, strict=True)
+        except ValidationError as e:
+            first = e.errors()[0]
+            if first["type"] in ("json_invalid", "json_type", "model_type") or not first["loc"]:
+                raise InvalidBody(f"body is not a JSON object of a job: {first['msg']}") from None
+            raise invalid_argument_from(e, strip="params.") from None
+        request.check(max_tokens_limit)
+        return request
+
+    def check(self, max_tokens_limit: int) -> None:
+        """The rules a field-by-field schema cannot state."""
+        given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise InvalidArgument("prompt", "give exactly one of prompt, messages or input_ids")
+        if self.input_ids is not None and any(t < 0 for t in self.input_ids):
+            raise InvalidArgument("input_ids", "token ids must be non-negative")
+        if self.params.max_tokens > max_tokens_limit:
+            raise InvalidArgument("max_tokens", f"{self.params.max_tokens} exceeds the limit of {max_tokens_limit}")
+        self.params.check_consistency()
+
+    def to_json(self) -> str:
+        return self.model_dump_json(exclude_defaults=True)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+class Timings(BaseModel):
+    """Epoch seconds. `queued_at` is the stream entry's time (Redis clock); the rest are the worker's."""
+
+    queued_at: float | None = None
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def queue_s(self) -> float | None:
+        return _between(self.queued_at, self.started_at)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return _between(self.queued_at, self.first_token_at)
+
+    @property
+    def e2e_s(self) -> float | None:
+        return _between(self.queued_at, self.finished_at)
+
+
+def _between(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
+
+
+class ErrorInfo(BaseModel):
+    code: str
+    message: str
+
+
+class TokenLogprob(BaseModel):
+    """The sampled token's log-probability and the `top` most likely (token id, logprob) pairs."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class JobResult(BaseModel):
+    """The final word on a job, written once to its hash and sent as its `end` event."""
+
+    id: str
+    status: JobState
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage = Usage()
+    timings: Timings = Timings()
+    error: ErrorInfo | None = None
+    logprobs: list[TokenLogprob] | None = None
+    worker: str | None = None
+
+
+class JobStatus(BaseModel):
+    id: str
+    status: JobState
+    tokens: int = 0  # generated so far
+    worker: str | None = None
+    cancel_requested: bool = False
+    result: JobResult | None = None
+
+
+class TokenDelta(BaseModel):
+    """One `tokens` event. Pass `event_id` as `after=` to resume a stream just past it."""
+
+    event_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+class QueueStats(BaseModel):
+    queue: str
+    depth: int  # entries not yet acknowledged: waiting + pending
+    pending: int  # delivered to a worker, not yet acknowledged
+    waiting: int  # not yet delivered to any worker (the group's lag)
+    workers: list[str]  # names of workers with a fresh heartbeat

@@ -1,0 +1,157 @@
+"""The synchronous client. Redis URLs with AUTH and TLS (`rediss://user:pass@host`) pass straight
+to redis-py. Every argument is validated before the first command is sent."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+
+from producer_client import protocol
+from producer_client.errors import JobNotFound, QueueFull
+from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
+from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
+from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta
+from producer_client.scripts import CANCEL_JOB
+
+
+class Client:
+    """Submit jobs to a MILI queue and read their results.
+
+    `max_queue_depth` is the backpressure bound: `submit` raises QueueFull when the queue
+    already holds that many unacknowledged entries (None: no bound). It is checked before
+    the XADD, so concurrent producers may overshoot it by their number; entries are never
+    trimmed to enforce it.
+    """
+
+    def __init__(
+        self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
+        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH,
+    ):
+        self.queue = check_name("queue", queue)
+        self.keys = Keys(prefix)
+        self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
+        self.redis = redis.Redis.from_url(url, decode_responses=True)
+        self._cancel_job = self.redis.register_script(CANCEL_JOB)
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def submit(
+        self, prompt: str | None = None, *, messages: list[dict] | None = None, input_ids: list[int] | None = None,
+        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0, **sampling: Any,
+    ) -> str:
+        """Enqueue a job and return its id. `sampling` takes SamplingParams' fields (max_tokens,
+        temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same id."""
+        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling)
+        self._check_depth()
+        if job.idempotent:
+            if not self.redis.hsetnx(self.keys.job(job.job_id), "status", "queued"):
+                return job.job_id
+            self._enqueue_or_forget(job)
+        else:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hset(self.keys.job(job.job_id), "status", "queued")
+            pipe.xadd(self.keys.queue(self.queue), job.entry())
+            pipe.execute()
+        return job.job_id
+
+    def result(self, job_id: str, timeout: float | None = None) -> JobResult:
+        """Block until the job ends (XREAD BLOCK on its event stream; no polling) and return its
+        result. Raises JobFailed for a failed job, JobTimeout, JobNotFound."""
+        job_id = protocol.check_job_id(job_id)
+        deadline = Deadline(job_id, protocol.check_timeout(timeout))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(self.keys.job(job_id), "status")
+        pipe.xrevrange(self.keys.events(job_id), count=1)
+        status, last = pipe.execute()
+        if status is None:
+            raise JobNotFound(job_id)
+        # The last event, not the hash, says whether the job ended: the end event and the
+        # result are written by one script, and reading on from the last event misses nothing.
+        after, end = protocol.end_event(last)
+        while end is None:
+            for event_id, fields in self._read_events(job_id, after, deadline):
+                after = event_id
+                if fields["type"] == "end":
+                    end = fields["data"]
+                    break
+        return protocol.finished(job_id, end)
+
+    def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
+        """Yield the job's token deltas until it ends. Resume after a disconnect with
+        `after=` the last delta's `event_id`: nothing is lost or repeated. A failed job
+        raises JobFailed at its end."""
+        job_id = protocol.check_job_id(job_id)
+        after = protocol.check_event_id(after)
+        deadline = Deadline(job_id, protocol.check_timeout(timeout))
+        if not self.redis.exists(self.keys.job(job_id)):
+            raise JobNotFound(job_id)
+        while True:
+            for event_id, fields in self._read_events(job_id, after, deadline):
+                after = event_id
+                if fields["type"] == "tokens":
+                    yield protocol.token_delta(event_id, fields["data"])
+                elif fields["type"] == "end":
+                    protocol.finished(job_id, fields["data"])
+                    return
+
+    def status(self, job_id: str) -> JobStatus:
+        job_id = protocol.check_job_id(job_id)
+        return protocol.job_status(job_id, self.redis.hgetall(self.keys.job(job_id)))
+
+    def cancel(self, job_id: str) -> JobStatus:
+        """A queued job is cancelled at once; a running one stops within one engine step and
+        keeps its partial output. Returns the status right after the request."""
+        job_id = protocol.check_job_id(job_id)
+        keys = [self.keys.job(job_id), self.keys.events(job_id)]
+        if self._cancel_job(keys=keys, args=[protocol.cancelled_result(job_id)]) is None:
+            raise JobNotFound(job_id)
+        return self.status(job_id)
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
+        """submit() then result()."""
+        protocol.check_timeout(timeout)
+        return self.result(self.submit(prompt, **kwargs), timeout=timeout)
+
+    def queue_stats(self) -> QueueStats:
+        queue_key = self.keys.queue(self.queue)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xlen(queue_key)
+        pipe.zrange(self.keys.workers(self.queue), 0, -1)
+        depth, names = pipe.execute()
+        # XINFO GROUPS fails on a stream that does not exist; an empty one has nothing to say.
+        if depth:
+            pipe.xinfo_groups(queue_key)
+        for name in names:
+            pipe.exists(self.keys.worker(name))
+        replies = pipe.execute()
+        groups = replies.pop(0) if depth else []
+        return protocol.queue_stats(self.queue, depth, groups, names, replies)
+
+    def _check_depth(self) -> None:
+        if self.max_queue_depth is not None:
+            depth = self.redis.xlen(self.keys.queue(self.queue))
+            if depth >= self.max_queue_depth:
+                raise QueueFull(self.queue, depth, self.max_queue_depth)
+
+    def _enqueue_or_forget(self, job: NewJob) -> None:
+        # If the XADD fails, drop the job hash so that a retry with the same request_id
+        # enqueues the job instead of finding a job that will never run.
+        try:
+            self.redis.xadd(self.keys.queue(self.queue), job.entry())
+        except BaseException:
+            self.redis.delete(self.keys.job(job.job_id))
+            raise
+
+    def _read_events(self, job_id: str, after: str, deadline: Deadline) -> list:
+        reply = self.redis.xread({self.keys.events(job_id): after}, count=EVENT_BATCH, block=deadline.block_ms())
+        if not reply:
+            raise deadline.expired()
+        return reply[0][1]

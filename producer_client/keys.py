@@ -1,0 +1,62 @@
+"""Every Redis key MILI uses (protocol v1), and nothing else: no other module builds a key.
+
+The part of a key in braces is a Redis Cluster hash tag. All keys of one job share a slot
+(`job`, `events`), and so do all keys of one queue (`queue`, `dead`, `workers`). That lets
+the single-job Lua scripts touch a job's hash and its event stream atomically, while no
+command or script ever spans a job's keys and a queue's keys.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from producer_client.errors import InvalidArgument
+
+PROTOCOL_VERSION = 1
+GROUP = "workers"  # the consumer group every worker of a queue reads through
+DEFAULT_PREFIX = "mili"
+
+# Job ids, request ids, queue and worker names all end up inside keys: no braces
+# (they would break the hash tag), no whitespace, bounded length.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
+
+
+def check_name(field: str, value: object) -> str:
+    """Return `value` if it can be part of a key, else raise InvalidArgument naming `field`."""
+    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
+        raise InvalidArgument(
+            field, "must be 1-128 characters of letters, digits and ._:@/- starting with a letter or digit"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self):
+        check_name("prefix", self.prefix)
+
+    def queue(self, queue: str) -> str:
+        """Stream of jobs, read by the consumer group `workers`: fields id, v, body."""
+        return f"{self.prefix}:q:{{{queue}}}"
+
+    def dead(self, queue: str) -> str:
+        """Stream of dead-lettered jobs, with the reason."""
+        return f"{self.prefix}:dead:{{{queue}}}"
+
+    def workers(self, queue: str) -> str:
+        """Sorted set of the queue's workers, scored by when their heartbeat goes stale."""
+        return f"{self.prefix}:workers:{{{queue}}}"
+
+    def job(self, job_id: str) -> str:
+        """Hash: status, worker, entry, tokens so far, cancel flag, and the final result JSON."""
+        return f"{self.prefix}:job:{{{job_id}}}"
+
+    def events(self, job_id: str) -> str:
+        """Stream of the job's events: start, tokens, end."""
+        return f"{self.prefix}:ev:{{{job_id}}}"
+
+    def worker(self, name: str) -> str:
+        """Heartbeat hash of one worker, with a TTL."""
+        return f"{self.prefix}:worker:{{{name}}}"

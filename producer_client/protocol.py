@@ -1,0 +1,167 @@
+"""What the sync and asyncio clients share: building jobs and reading Redis replies.
+No I/O here, so `Client` and `AsyncClient` differ only in how they talk to Redis."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from producer_client.errors import (
+    BodyTooLarge, InvalidArgument, JobFailed, JobNotFound, JobTimeout,
+)
+from producer_client.keys import GROUP, PROTOCOL_VERSION, check_name
+from producer_client.schema import (
+    MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
+    TokenDelta, TokenLogprob, Timings, invalid_argument_from,
+)
+
+DEFAULT_URL = "redis://localhost:6379/0"
+DEFAULT_MAX_QUEUE_DEPTH = 10_000
+EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
+EVENT_ID = re.compile(r"\d{1,20}-\d{1,20}")
+
+
+@dataclass(frozen=True)
+class NewJob:
+    job_id: str
+    body: str
+    idempotent: bool  # the id came from the caller's request_id, so it may exist already
+
+    def entry(self) -> dict[str, str]:
+        return {"id": self.job_id, "v": str(PROTOCOL_VERSION), "body": self.body}
+
+
+def build_job(
+    prompt: Any, messages: Any, input_ids: Any, request_id: Any, timeout_s: Any, priority: Any,
+    sampling: dict[str, Any],
+) -> NewJob:
+    """Validate every argument the way the worker will, before anything touches Redis."""
+    try:
+        params = SamplingParams.model_validate(sampling, strict=True)
+        request = JobRequest.model_validate(
+            {"prompt": prompt, "messages": messages, "input_ids": input_ids, "params": params,
+             "priority": priority, "timeout_s": timeout_s},
+            strict=True,
+        )
+    except ValidationError as e:
+        raise invalid_argument_from(e, strip="params.") from None
+    request.check(MAX_TOKENS_LIMIT)
+    body = request.to_json()
+    if len(body.encode()) > MAX_BODY_BYTES:
+        raise BodyTooLarge("body", f"{len(body.encode())} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    if request_id is None:
+        return NewJob(uuid.uuid4().hex, body, idempotent=False)
+    return NewJob(check_name("request_id", request_id), body, idempotent=True)
+
+
+def check_job_id(job_id: Any) -> str:
+    return check_name("job_id", job_id)
+
+
+def check_event_id(after: Any) -> str:
+    if not isinstance(after, str) or not EVENT_ID.fullmatch(after):
+        raise InvalidArgument("after", "must be an event id such as '1700000000000-0'")
+    return after
+
+
+def check_timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or math.isinf(timeout):
+        raise InvalidArgument("timeout", "must be a positive number of seconds, or None to wait forever")
+    return float(timeout)
+
+
+def check_max_queue_depth(max_queue_depth: Any) -> int | None:
+    if max_queue_depth is not None and (
+        isinstance(max_queue_depth, bool) or not isinstance(max_queue_depth, int) or max_queue_depth < 1
+    ):
+        raise InvalidArgument("max_queue_depth", "must be a positive integer, or None for no limit")
+    return max_queue_depth
+
+
+class Deadline:
+    """Turns a caller's timeout into XREAD BLOCK milliseconds (0 = block forever)."""
+
+    def __init__(self, job_id: str, timeout: float | None):
+        self.job_id = job_id
+        self.timeout = timeout
+        self.at = None if timeout is None else time.monotonic() + timeout
+
+    def block_ms(self) -> int:
+        if self.at is None:
+            return 0
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise JobTimeout(self.job_id, self.timeout)
+        return max(1, int(left * 1000))
+
+    def expired(self) -> JobTimeout:
+        return JobTimeout(self.job_id, self.timeout)
+
+
+def cancelled_result(job_id: str) -> str:
+    """The result a job gets when it is cancelled before any worker started it."""
+    return JobResult(
+        id=job_id, status="cancelled", finish_reason="abort", timings=Timings(finished_at=time.time()),
+    ).model_dump_json()
+
+
+def finished(job_id: str, result_json: str) -> JobResult:
+    """The job's final result; a failed job raises JobFailed carrying it."""
+    result = JobResult.model_validate_json(result_json)
+    if result.status == "failed":
+        error = result.error
+        raise JobFailed(error.code if error else "error", error.message if error else "failed", result)
+    return result
+
+
+def token_delta(event_id: str, data: str) -> TokenDelta:
+    payload = json.loads(data)
+    logprobs = payload.get("logprobs")
+    return TokenDelta(
+        event_id=event_id, token_ids=payload["ids"], text=payload["text"],
+        logprobs=None if logprobs is None else [TokenLogprob.model_validate(lp) for lp in logprobs],
+    )
+
+
+def end_event(last_events: list) -> tuple[str, str | None]:
+    """From an XREVRANGE COUNT 1 reply: the id to read on from, and the end event's data if it is one."""
+    if not last_events:
+        return "0-0", None
+    event_id, fields = last_events[0]
+    return event_id, fields["data"] if fields.get("type") == "end" else None
+
+
+def job_status(job_id: str, fields: dict[str, str]) -> JobStatus:
+    if not fields:
+        raise JobNotFound(job_id)
+    result = fields.get("result")
+    return JobStatus(
+        id=job_id,
+        status=fields["status"],
+        tokens=int(fields.get("tokens", 0)),
+        worker=fields.get("worker"),
+        cancel_requested=fields.get("cancel") == "1",
+        result=None if result is None else JobResult.model_validate_json(result),
+    )
+
+
+def queue_stats(queue: str, depth: int, groups: list[dict], names: list[str], alive: list[int]) -> QueueStats:
+    """From XLEN, XINFO GROUPS (empty when the queue is empty), the worker index and EXISTS
+    on each worker's heartbeat key: the heartbeat's TTL runs on the Redis clock."""
+    group = next((g for g in groups if g["name"] == GROUP), None)
+    pending = group["pending"] if group else 0
+    lag = group.get("lag") if group else None
+    # Acked entries are deleted, so depth = waiting + pending whenever Redis cannot tell the lag.
+    waiting = lag if lag is not None else depth - pending
+    return QueueStats(
+        queue=queue, depth=depth, pending=pending, waiting=waiting,
+        workers=[n for n, a in zip(names, alive) if a],
+    )
