@@ -1,0 +1,135 @@
+"""The demo behind the README's run command: a private Redis, one worker process, and a few
+jobs sent through the producer client (one streamed live, one chat), then the results and
+the worker's own metrics, and a clean shutdown of both."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from producer_client import Client, JobResult
+from worker.embedded_redis import EmbeddedRedis
+
+WORKER_NAME = "demo-worker"
+WORKER_START_TIMEOUT_S = 600.0  # the first run writes the preset's checkpoint
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Redis streams are"]
+MAX_TOKENS = 24
+
+
+def demo(model: str) -> int:
+    with tempfile.TemporaryDirectory(prefix="mili-demo-") as tmp, EmbeddedRedis() as server:
+        log_path = Path(tmp) / "worker.log"
+        print(f"redis-server (embedded): {server.url}")
+        with log_path.open("w") as log_file:
+            worker = start_worker(model, server.url, log_file)
+            try:
+                with Client(server.url) as client:
+                    port = wait_for_worker(client, worker, log_path)
+                    run_jobs(client)
+                    print_metrics(port)
+            finally:
+                stop_worker(worker)
+        print(f"\nworker log ({log_path.name}):")
+        for line in log_path.read_text().splitlines():
+            print(f"  | {line}")
+    print("\nworker and redis-server stopped.")
+    return 0
+
+
+def start_worker(model: str, url: str, log_file) -> subprocess.Popen:
+    command = [
+        sys.executable, "-m", "worker", "serve", "--model", model, "--redis", url, "--name", WORKER_NAME,
+        "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--kv-cache-mib", "256",
+    ]
+    print(f"worker: {' '.join(command[1:])}")
+    return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+
+
+def wait_for_worker(client: Client, worker: subprocess.Popen, log_path: Path) -> int:
+    """Wait for the worker's first heartbeat; returns its metrics port."""
+    print(f"waiting for the worker to load {WORKER_NAME}'s model...", flush=True)
+    deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+    while WORKER_NAME not in client.queue_stats().workers:
+        if worker.poll() is not None:
+            raise SystemExit(f"the worker exited with code {worker.returncode}:\n{log_path.read_text()}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the worker did not start within {WORKER_START_TIMEOUT_S:g}s")
+        time.sleep(0.1)
+    return int(client.redis.hget(client.keys.worker(WORKER_NAME), "metrics_port"))
+
+
+def run_jobs(client: Client) -> None:
+    print("\n== one job, streamed token by token (greedy, random weights: expect gibberish) ==")
+    job_id = client.submit("Once upon a time", max_tokens=MAX_TOKENS, temperature=0.0)
+    print(f"[{job_id}] Once upon a time", end="", flush=True)
+    for delta in client.stream(job_id, timeout=120):
+        print(delta.text, end="", flush=True)
+    print()
+    show(client.result(job_id, timeout=10))
+
+    print("\n== a chat job (messages through the checkpoint's chat template) ==")
+    chat = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
+    show(client.generate(messages=chat, max_tokens=MAX_TOKENS, temperature=0.0, timeout=120))
+
+    print(f"\n== {len(PROMPTS)} jobs submitted at once (batched by the engine), one idempotent retry ==")
+    ids = [client.submit(p, max_tokens=MAX_TOKENS, temperature=0.0, request_id=f"demo-{i}") for i, p in enumerate(PROMPTS)]
+    again = client.submit(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, request_id="demo-0")
+    print(f"resubmitting request_id demo-0 returned the same job: {again == ids[0]}")
+    for prompt, job_id in zip(PROMPTS, ids):
+        result = client.result(job_id, timeout=120)
+        print(f"{prompt!r} ->")
+        show(result)
+    print(f"\nqueue: {client.queue_stats().model_dump()}")
+
+
+def show(result: JobResult) -> None:
+    t, u = result.timings, result.usage
+    print(f"  text: {result.text!r}")
+    print(
+        f"  {result.status} ({result.finish_reason}), {u.prompt_tokens} prompt + {u.completion_tokens} output tokens "
+        f"({u.cached_prompt_tokens} cached); queue {t.queue_s * 1000:.1f} ms, first token {t.ttft_s * 1000:.1f} ms, "
+        f"total {t.e2e_s * 1000:.1f} ms; worker {result.worker}"
+    )
+
+
+def print_metrics(port: int) -> None:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text) if family.name.startswith("mili_")
+        for s in family.samples
+    }
+
+    def value(name: str, **labels) -> float:
+        return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def mean_ms(name: str) -> str:
+        count = value(f"{name}_count")
+        return f"{value(f'{name}_sum') / count * 1000:.1f} ms" if count else "-"
+
+    outcomes = ", ".join(f"{o} {value('mili_jobs_total', outcome=o):g}" for o in ("done", "failed", "cancelled", "expired"))
+    print(f"\n== worker metrics (http://127.0.0.1:{port}/metrics) ==")
+    print(f"  jobs: {outcomes}")
+    print(f"  tokens: {value('mili_prompt_tokens_total'):g} prompt, {value('mili_generation_tokens_total'):g} generated")
+    print(
+        f"  mean time to first token {mean_ms('mili_time_to_first_token_seconds')}, per output token "
+        f"{mean_ms('mili_time_per_output_token_seconds')}, end to end {mean_ms('mili_e2e_request_latency_seconds')}"
+    )
+    queries = value("mili_prefix_cache_queries_total")
+    hits = value("mili_prefix_cache_hits_total")
+    print(f"  prefix cache: {hits:g} of {queries:g} prompt tokens hit; KV cache usage {value('mili_kv_cache_usage_perc'):.1%}")
+
+
+def stop_worker(worker: subprocess.Popen) -> None:
+    if worker.poll() is None:
+        worker.terminate()  # SIGTERM: the worker drains and exits
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()

@@ -1,0 +1,93 @@
+"""A private redis-server for one-host runs, the demo and the tests: its own temp dir,
+listening on a unix socket (or on 127.0.0.1:port), no persistence, stopped on exit."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from producer_client.errors import MiliError
+
+START_TIMEOUT_S = 10.0
+INSTALL_HINT = (
+    "redis-server was not found on PATH. Install it (Debian/Ubuntu: sudo apt-get install redis-server; "
+    "macOS: brew install redis), or point the worker at a running Redis with --redis redis://HOST:6379/0."
+)
+
+
+class RedisServerError(MiliError):
+    code = "redis_server_error"
+
+
+class EmbeddedRedis:
+    def __init__(self, port: int | None = None):
+        """`port`: listen on 127.0.0.1:port; None: a unix socket in the temp dir (no TCP at all)."""
+        self.port = port
+        self.dir: Path | None = None
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is not None:
+            return f"redis://127.0.0.1:{self.port}/0"
+        return f"unix://{self.dir / 'redis.sock'}"
+
+    def start(self) -> EmbeddedRedis:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RedisServerError(INSTALL_HINT)
+        self.dir = Path(tempfile.mkdtemp(prefix="mili-redis-"))
+        listen = ["--port", "0", "--unixsocket", str(self.dir / "redis.sock"), "--unixsocketperm", "700"]
+        if self.port is not None:
+            listen = ["--port", str(self.port), "--bind", "127.0.0.1"]
+        self.process = subprocess.Popen(
+            [binary, *listen, "--dir", str(self.dir), "--save", "", "--appendonly", "no",
+             "--logfile", str(self.dir / "redis.log"), "--daemonize", "no"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        self._wait_ready()
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            self.process = None
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        client = redis.Redis.from_url(self.url)
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    log_file = self.dir / "redis.log"
+                    log = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
+                    self.stop()
+                    raise RedisServerError(f"redis-server exited at start:\n{log}")
+                try:
+                    client.ping()
+                    return
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise RedisServerError(f"redis-server did not answer within {START_TIMEOUT_S:g}s") from None
+                    time.sleep(0.01)
+        finally:
+            client.close()

@@ -1,0 +1,77 @@
+"""Prometheus metrics in vLLM's vocabulary with a `mili_` prefix, in a registry of this
+worker's own (no global state: tests run several workers in one process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from producer_client.schema import JobResult
+
+# vLLM's buckets, widened at the low end where a CPU-free queue path lives.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+OUTCOMES = ("done", "failed", "cancelled", "expired", "dead_lettered")
+
+
+class WorkerMetrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests_running = Gauge("mili_num_requests_running", "Jobs in the engine that have produced a token.", registry=r)
+        self.requests_waiting = Gauge(
+            "mili_num_requests_waiting", "Jobs in the engine still waiting for their first token.", registry=r
+        )
+        self.queue_depth = Gauge("mili_queue_depth", "Unacknowledged entries in the queue stream (XLEN).", registry=r)
+        self.kv_cache_usage = Gauge(
+            "mili_kv_cache_usage_perc", "Fraction of KV pages in use or promised to admitted jobs (0-1).", registry=r
+        )
+        self.ttft = Histogram(
+            "mili_time_to_first_token_seconds", "From enqueue to the first token.", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "mili_time_per_output_token_seconds", "Mean time between output tokens, per job.", buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "mili_e2e_request_latency_seconds", "From enqueue to the final result.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_time = Histogram(
+            "mili_request_queue_time_seconds", "From enqueue to a worker starting the job.", buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("mili_prompt_tokens", "Prompt tokens of finished jobs.", registry=r)
+        self.generation_tokens = Counter("mili_generation_tokens", "Tokens generated.", registry=r)
+        self.prefix_cache_queries = Counter(
+            "mili_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        self.prefix_cache_hits = Counter("mili_prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        self.preemptions = Counter("mili_num_preemptions", "Requests preempted for lack of KV pages.", registry=r)
+        self.jobs = Counter("mili_jobs", "Jobs this worker ended, by outcome.", ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.jobs.labels(outcome)  # exported at 0 from the start, so rates are defined
+        self._engine_totals = (0, 0, 0)
+
+    def serve(self, host: str, port: int) -> tuple[object, int]:
+        """Start the HTTP endpoint; returns (server, bound port). Port 0 binds any free port."""
+        server, _ = start_http_server(port, host, registry=self.registry)
+        return server, server.server_port
+
+    def job_ended(self, result: JobResult) -> None:
+        self.jobs.labels(result.status).inc()
+        t = result.timings
+        if result.status != "done":
+            return
+        self.prompt_tokens.inc(result.usage.prompt_tokens)
+        for histogram, seconds in ((self.e2e, t.e2e_s), (self.queue_time, t.queue_s), (self.ttft, t.ttft_s)):
+            if seconds is not None:
+                histogram.observe(max(0.0, seconds))
+        n = result.usage.completion_tokens
+        if n > 1 and t.first_token_at is not None and t.finished_at is not None:
+            self.tpot.observe((t.finished_at - t.first_token_at) / (n - 1))
+
+    def engine_totals(self, queried: int, hits: int, preemptions: int) -> None:
+        """Counters from the engine's running totals (EngineStats)."""
+        last_q, last_h, last_p = self._engine_totals
+        self.prefix_cache_queries.inc(queried - last_q)
+        self.prefix_cache_hits.inc(hits - last_h)
+        self.preemptions.inc(preemptions - last_p)
+        self._engine_totals = (queried, hits, preemptions)
