@@ -88,7 +88,7 @@ def load_engine(settings: WorkerSettings):
         return EchoEngine(settings.engine), "cpu"
     import torch
 
-    from worker.engine import Engine
+    from worker.engine.engine import Engine
 
     device = settings.device
     if device == "auto":

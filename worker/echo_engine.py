@@ -12,7 +12,9 @@ from typing import Any
 
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
-from worker.engine import Capacity, EngineSettings, EngineStats, RequestOutput, Usage
+from worker.engine.engine import Capacity, EngineStats
+from worker.engine.request import RequestOutput, Usage
+from worker.engine.settings import EngineSettings
 from worker.engine.errors import KVCapacityExceeded, PromptTooLong
 
 DEFAULT_NUM_PAGES = 4096
