@@ -208,7 +208,8 @@ def test_shape_mismatch(tmp_path):
 def test_unsupported_model_type(tmp_path):
     ckpt = write_checkpoint(tmp_path)
     edit_json(ckpt / "config.json", model_type="llama")
-    with pytest.raises(UnsupportedModel, match=r"config\.json: model_type 'llama' is not supported \(this worker runs 'qwen3'\)") as e:
+    message = r"config\.json: model_type 'llama' is not supported \(only 'qwen3'\)"
+    with pytest.raises(UnsupportedModel, match=message) as e:
         load_model(ckpt)
     assert e.value.code == "unsupported_model"
 
@@ -216,7 +217,23 @@ def test_unsupported_model_type(tmp_path):
 def test_rope_scaling_is_unsupported(tmp_path):
     ckpt = write_checkpoint(tmp_path)
     edit_json(ckpt / "config.json", rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(UnsupportedModel, match=r"config\.json: rope_scaling \{'rope_type': 'yarn', 'factor': 4\.0\} is not supported"):
+    with pytest.raises(
+        UnsupportedModel,
+        match=r"config\.json: rope_scaling \{'rope_type': 'yarn', 'factor': 4\.0\} is not supported \(only None\)",
+    ):
+        load_model(ckpt)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"attention_bias": True}, "attention_bias True"),
+    ({"use_sliding_window": True}, "use_sliding_window True"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters.rope_type 'yarn'"),
+])
+def test_features_qwen3_does_not_use_are_unsupported(tmp_path, changes, message):
+    ckpt = write_checkpoint(tmp_path)
+    edit_json(ckpt / "config.json", **changes)
+    with pytest.raises(UnsupportedModel, match=rf"config\.json: {message} is not supported"):
         load_model(ckpt)
 
 

@@ -105,7 +105,8 @@ def test_abandoned_temp_dirs_are_removed_when_the_preset_is_written(tmp_path, mo
 
 def test_a_directory_resolves_to_itself_and_anything_else_is_an_error(tmp_path):
     assert resolve_model_path(str(tmp_path)) == tmp_path
-    with pytest.raises(CheckpointError, match=r"tiyn: no such checkpoint directory, nor a preset \(tiny, small, qwen3-0.6b\)"):
+    message = r"tiyn: no such checkpoint directory, nor a preset \(tiny, small, qwen3-0.6b\)"
+    with pytest.raises(CheckpointError, match=message):
         resolve_model_path("tiyn")
 
 

@@ -60,7 +60,7 @@ def reject_unsupported(raw: dict[str, Any], source: str) -> None:
     ]
     for field, value, supported in checks:
         if value != supported:
-            raise UnsupportedModel(f"{source}: {field} {value!r} is not supported (this worker runs {supported!r})")
+            raise UnsupportedModel(f"{source}: {field} {value!r} is not supported (only {supported!r})")
 
 
 class Qwen3Config(BaseModel):
@@ -127,7 +127,9 @@ class GenerationConfig(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    eos_token_ids: list[int] = Field(default_factory=list, validation_alias=AliasChoices("eos_token_id", "eos_token_ids"))
+    eos_token_ids: list[int] = Field(
+        default_factory=list, validation_alias=AliasChoices("eos_token_id", "eos_token_ids")
+    )
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     do_sample: bool | None = None

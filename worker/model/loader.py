@@ -28,7 +28,9 @@ class LoadedModel(NamedTuple):
     generation_config: GenerationConfig
 
 
-def load_model(path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(
+    path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+) -> LoadedModel:
     """dtype: float32/bfloat16/float16 (or fp32/bf16/fp16); None means config.json's torch_dtype."""
     ckpt = Path(path)
     if not ckpt.is_dir():

@@ -61,7 +61,6 @@ class Qwen3Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.eps = config.rms_norm_eps
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, dtype)
         self.o_proj = Linear(self.q_size, config.hidden_size, dtype)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -75,7 +74,9 @@ class Qwen3Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, positions, cos_sin, self.eps)
+        q, k = kernels.qk_norm_rope(
+            q, k, self.q_norm.weight, self.k_norm.weight, positions, cos_sin, self.q_norm.eps
+        )
         k_cache, v_cache = kv_cache
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
