@@ -1,0 +1,107 @@
+"""`mili`: the producer client from a shell.
+
+    mili submit "text" --max-tokens 32 [--stream]    prints the job id (or streams the text)
+    mili status ID | mili result ID | mili cancel ID | mili stats
+
+--redis (env MILI_REDIS_URL) and --queue (env MILI_QUEUE) pick the queue.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import redis
+
+from producer_client.client import Client
+from producer_client.errors import MiliError
+from producer_client.protocol import DEFAULT_URL
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        with Client(args.redis, args.queue, prefix=args.prefix) as client:
+            return args.run(client, args)
+    except MiliError as e:
+        print(f"error: {e.code}: {e.message}", file=sys.stderr)
+        return 1
+    except redis.RedisError as e:
+        print(f"error: redis at {args.redis}: {e}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mili", description="Submit jobs to a MILI queue and read their results.")
+    parser.add_argument("--redis", default=os.environ.get("MILI_REDIS_URL", DEFAULT_URL), help="Redis URL (env MILI_REDIS_URL)")
+    parser.add_argument("--queue", default=os.environ.get("MILI_QUEUE", "default"), help="queue name (env MILI_QUEUE)")
+    parser.add_argument("--prefix", default=os.environ.get("MILI_PREFIX", "mili"), help="key prefix (env MILI_PREFIX)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    submit = commands.add_parser("submit", help="enqueue a prompt; prints the job id")
+    submit.add_argument("prompt")
+    submit.add_argument("--max-tokens", type=int, default=256)
+    submit.add_argument("--temperature", type=float, default=1.0)
+    submit.add_argument("--top-p", type=float, default=1.0)
+    submit.add_argument("--top-k", type=int, default=0)
+    submit.add_argument("--seed", type=int)
+    submit.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    submit.add_argument("--request-id", help="idempotency key")
+    submit.add_argument("--timeout-s", type=float, help="deadline, counted from the enqueue")
+    submit.add_argument("--priority", type=int, default=0)
+    submit.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    submit.set_defaults(run=cmd_submit)
+
+    for name, run, text in (
+        ("status", cmd_status, "print a job's status as JSON"),
+        ("result", cmd_result, "wait for a job's result and print it as JSON"),
+        ("cancel", cmd_cancel, "cancel a job; prints its status"),
+    ):
+        command = commands.add_parser(name, help=text)
+        command.add_argument("job_id")
+        if name == "result":
+            command.add_argument("--timeout", type=float, help="seconds to wait (default: forever)")
+        command.set_defaults(run=run)
+    commands.add_parser("stats", help="queue depth, pending, waiting, live workers").set_defaults(run=cmd_stats)
+    return parser
+
+
+def cmd_submit(client: Client, args: argparse.Namespace) -> int:
+    job_id = client.submit(
+        args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop, request_id=args.request_id, timeout_s=args.timeout_s, priority=args.priority,
+    )
+    if not args.stream:
+        print(job_id)
+        return 0
+    print(f"job {job_id}", file=sys.stderr)
+    for delta in client.stream(job_id):
+        print(delta.text, end="", flush=True)
+    print()
+    result = client.result(job_id)
+    print(f"{result.status} ({result.finish_reason}), {result.usage.completion_tokens} tokens", file=sys.stderr)
+    return 0
+
+
+def cmd_status(client: Client, args: argparse.Namespace) -> int:
+    print(client.status(args.job_id).model_dump_json(indent=2))
+    return 0
+
+
+def cmd_result(client: Client, args: argparse.Namespace) -> int:
+    print(client.result(args.job_id, timeout=args.timeout).model_dump_json(indent=2))
+    return 0
+
+
+def cmd_cancel(client: Client, args: argparse.Namespace) -> int:
+    print(client.cancel(args.job_id).model_dump_json(indent=2))
+    return 0
+
+
+def cmd_stats(client: Client, args: argparse.Namespace) -> int:
+    print(client.queue_stats().model_dump_json(indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

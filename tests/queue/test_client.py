@@ -1,0 +1,153 @@
+"""The producer client against a real redis-server with no worker: validation, idempotency,
+backpressure, status, cancel of a queued job. Every test runs with Client and AsyncClient."""
+import uuid
+
+import pytest
+
+from producer_client import InvalidArgument, JobNotFound, JobTimeout, QueueFull
+from producer_client.keys import GROUP, Keys
+from tests.redis_support import free_port, make_client
+
+DEAD_URL = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens: any command would raise ConnectionError
+
+
+@pytest.fixture
+def queue():
+    return f"q-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def client(client_kind, redis_server, queue):
+    c = make_client(client_kind, redis_server.url, queue)
+    yield c
+    c.close()
+
+
+BAD_SUBMITS = [
+    (dict(prompt="hi", max_tokens=0), "max_tokens"),
+    (dict(prompt="hi", max_tokens=40000), "max_tokens"),
+    (dict(prompt="hi", max_tokens="8"), "max_tokens"),
+    (dict(prompt="hi", temperature=-0.5), "temperature"),
+    (dict(prompt="hi", top_p=1.5), "top_p"),
+    (dict(prompt="hi", stop=["x"] * 17), "stop"),
+    (dict(prompt="hi", stop=["y" * 257]), "stop"),
+    (dict(prompt="hi", logprobs=50), "logprobs"),
+    (dict(prompt="hi", min_tokens=9, max_tokens=8), "min_tokens"),
+    (dict(prompt="hi", colour="red"), "colour"),
+    (dict(), "prompt"),
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="hi", input_ids=[1, 2]), "prompt"),
+    (dict(messages=[{"role": "robot", "content": "x"}]), "messages.0.role"),
+    (dict(messages=[{"role": "user"}]), "messages.0.content"),
+    (dict(input_ids=[1, -2]), "input_ids"),
+    (dict(prompt="hi", request_id="has space"), "request_id"),
+    (dict(prompt="hi", request_id="{tag}"), "request_id"),
+    (dict(prompt="hi", timeout_s=0), "timeout_s"),
+    (dict(prompt="hi", priority=10**6), "priority"),
+    (dict(prompt="x" * (1 << 20)), "body"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field", BAD_SUBMITS)
+def test_invalid_arguments_raise_before_anything_reaches_redis(client_kind, kwargs, field):
+    c = make_client(client_kind, DEAD_URL, "default")
+    try:
+        with pytest.raises(InvalidArgument) as e:
+            c.submit(**kwargs)
+        assert e.value.field == field
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (lambda c: c.result("bad id"), "job_id"),
+        (lambda c: c.result("ok", timeout=-1), "timeout"),
+        (lambda c: list(c.stream("ok", after="latest")), "after"),
+        (lambda c: c.status("a{b}"), "job_id"),
+        (lambda c: c.cancel(""), "job_id"),
+        (lambda c: c.generate("hi", timeout=0), "timeout"),
+    ],
+)
+def test_invalid_reads_raise_before_anything_reaches_redis(client_kind, call, field):
+    c = make_client(client_kind, DEAD_URL, "default")
+    try:
+        with pytest.raises(InvalidArgument) as e:
+            call(c)
+        assert e.value.field == field
+    finally:
+        c.close()
+
+
+def test_invalid_client_settings_raise(client_kind):
+    with pytest.raises(InvalidArgument) as e:
+        make_client(client_kind, DEAD_URL, "bad queue")
+    assert e.value.field == "queue"
+    with pytest.raises(InvalidArgument) as e:
+        make_client(client_kind, DEAD_URL, "q", max_queue_depth=0)
+    assert e.value.field == "max_queue_depth"
+
+
+def test_same_request_id_twice_gives_one_job_and_one_stream_entry(client, redis_client, queue):
+    request_id = f"order-{queue}"
+    first = client.submit("hello", max_tokens=4, request_id=request_id)
+    second = client.submit("hello again", max_tokens=8, request_id=request_id)
+    assert first == second == request_id
+    entries = redis_client.xrange(Keys().queue(queue))
+    assert len(entries) == 1
+    assert entries[0][1]["id"] == request_id
+    assert '"hello"' in entries[0][1]["body"]
+
+
+def test_submit_raises_queue_full_at_the_configured_depth(client_kind, redis_server, redis_client, queue):
+    c = make_client(client_kind, redis_server.url, queue, max_queue_depth=3)
+    try:
+        for _ in range(3):
+            c.submit("x", max_tokens=1)
+        with pytest.raises(QueueFull) as e:
+            c.submit("x", max_tokens=1)
+        assert (e.value.depth, e.value.max_depth, e.value.code) == (3, 3, "queue_full")
+        with pytest.raises(QueueFull):
+            c.submit("x", max_tokens=1, request_id=f"never-{queue}")
+        assert not redis_client.exists(Keys().job(f"never-{queue}"))
+    finally:
+        c.close()
+    assert redis_client.xlen(Keys().queue(queue)) == 3
+
+
+def test_a_queued_job_reports_queued_and_its_result_times_out(client):
+    job_id = client.submit("x", max_tokens=1)
+    status = client.status(job_id)
+    assert (status.status, status.tokens, status.worker, status.result) == ("queued", 0, None, None)
+    with pytest.raises(JobTimeout):
+        client.result(job_id, timeout=0.05)
+    with pytest.raises(JobTimeout):
+        list(client.stream(job_id, timeout=0.05))
+
+
+def test_unknown_jobs_are_not_found(client):
+    for call in (client.status, client.result, client.cancel, lambda j: list(client.stream(j))):
+        with pytest.raises(JobNotFound):
+            call("no-such-job")
+
+
+def test_cancelling_a_queued_job_ends_it_at_once(client):
+    job_id = client.submit("x", max_tokens=1)
+    status = client.cancel(job_id)
+    assert status.status == "cancelled" and status.cancel_requested
+    result = client.result(job_id, timeout=1)
+    assert (result.status, result.finish_reason, result.text, result.token_ids) == ("cancelled", "abort", "", [])
+    assert list(client.stream(job_id, timeout=1)) == []
+    assert client.cancel(job_id).status == "cancelled"  # a second cancel changes nothing
+
+
+def test_queue_stats_count_waiting_and_pending_entries(client, redis_client, queue):
+    assert client.queue_stats().model_dump() == dict(queue=queue, depth=0, pending=0, waiting=0, workers=[])
+    for _ in range(3):
+        client.submit("x", max_tokens=1)
+    stream = Keys().queue(queue)
+    redis_client.xgroup_create(stream, GROUP, id="0")
+    redis_client.xreadgroup(GROUP, "w1", {stream: ">"}, count=1)
+    stats = client.queue_stats()
+    assert (stats.queue, stats.depth, stats.pending, stats.waiting, stats.workers) == (queue, 3, 1, 2, [])

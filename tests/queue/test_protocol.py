@@ -1,0 +1,140 @@
+"""Protocol helpers without a server: key names, wire validation, entry parsing, and the
+worker's batched commands against fakeredis."""
+import json
+import subprocess
+import sys
+
+import fakeredis
+import pytest
+
+from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, UnsupportedVersion
+from producer_client.keys import GROUP, Keys, check_name
+from producer_client.protocol import queue_stats
+from producer_client.schema import JobRequest
+from worker.jobs import entry_time, job_id_of, parse_request
+from worker.queue import Batch, WorkerQueue
+
+LIMITS = dict(max_body_bytes=1000, max_tokens_limit=64)
+
+
+def entry(body, v="1", job_id="job-1"):
+    return {"id": job_id, "v": v, "body": body if isinstance(body, str) else json.dumps(body)}
+
+
+def test_a_jobs_keys_share_one_hash_tag_and_a_queues_keys_another():
+    keys = Keys("mili")
+    assert keys.job("abc") == "mili:job:{abc}"
+    assert keys.events("abc") == "mili:ev:{abc}"
+    assert keys.queue("default") == "mili:q:{default}"
+    assert keys.dead("default") == "mili:dead:{default}"
+    assert keys.workers("default") == "mili:workers:{default}"
+    assert keys.worker("w1") == "mili:worker:{w1}"
+    assert Keys("other").job("abc") == "other:job:{abc}"
+
+
+@pytest.mark.parametrize("name", ["", "a b", "a{b}", "-lead", "x" * 129, 7, None])
+def test_names_that_would_break_a_key_are_rejected(name):
+    with pytest.raises(InvalidArgument) as e:
+        check_name("job_id", name)
+    assert e.value.field == "job_id"
+
+
+def test_a_valid_body_parses():
+    req = parse_request(entry({"prompt": "hi", "params": {"max_tokens": 3, "temperature": 0}}), **LIMITS)
+    assert req.prompt == "hi" and req.params.max_tokens == 3 and req.params.temperature == 0.0
+
+
+@pytest.mark.parametrize(
+    "fields, error, code",
+    [
+        (entry("not json"), InvalidBody, "invalid_body"),
+        (entry("[1, 2]"), InvalidBody, "invalid_body"),
+        (entry({"prompt": "hi"}, v="2"), UnsupportedVersion, "unsupported_version"),
+        ({"v": "1", "body": "{}"}, InvalidBody, "invalid_body"),
+        ({"id": "j", "v": "1"}, InvalidBody, "invalid_body"),
+        (entry({"prompt": 5}), InvalidArgument, "invalid_argument"),
+        (entry({"prompt": "hi", "params": {"max_tokens": "5"}}), InvalidArgument, "invalid_argument"),
+        (entry({"prompt": "hi", "params": {"max_tokens": True}}), InvalidArgument, "invalid_argument"),
+        (entry({"prompt": "hi", "colour": "red"}), InvalidArgument, "invalid_argument"),
+        (entry({"prompt": "hi", "params": {"max_tokens": 65}}), InvalidArgument, "invalid_argument"),
+        (entry({"prompt": "hi", "params": {"temperature": -1}}), InvalidArgument, "invalid_argument"),
+        (entry({"prompt": "hi", "params": {"stop": ["x"] * 17}}), InvalidArgument, "invalid_argument"),
+        (entry({"prompt": "hi", "params": {"logprobs": 21}}), InvalidArgument, "invalid_argument"),
+        (entry({"prompt": "hi", "input_ids": [1]}), InvalidArgument, "invalid_argument"),
+        (entry({"input_ids": [-1]}), InvalidArgument, "invalid_argument"),
+        (entry({"messages": []}), InvalidArgument, "invalid_argument"),
+        (entry({"prompt": "x" * 1000}), BodyTooLarge, "body_too_large"),
+        (entry('{"prompt": "\udcff"}'), InvalidBody, "invalid_body"),  # invalid UTF-8, surrogate-escaped
+    ],
+)
+def test_every_bad_entry_raises_an_error_with_its_code(fields, error, code):
+    with pytest.raises(error) as e:
+        parse_request(fields, **LIMITS)
+    assert e.value.code == code
+
+
+def test_field_errors_name_the_field_as_users_write_it():
+    with pytest.raises(InvalidArgument) as e:
+        JobRequest.from_json(b'{"prompt": "hi", "params": {"top_p": 0}}', **LIMITS)
+    assert e.value.field == "top_p"
+
+
+def test_entries_without_a_usable_id_are_reported_under_their_entry_id():
+    assert job_id_of("17-3", {"id": "ok-1"}) == "ok-1"
+    assert job_id_of("17-3", {"id": "bad id"}) == "entry-17-3"
+    assert job_id_of("17-3", {}) == "entry-17-3"
+    assert entry_time("1700000000123-0") == 1700000000.123
+
+
+def test_acks_go_before_the_read_so_pending_never_grows_past_the_count():
+    r = fakeredis.FakeRedis(decode_responses=True)
+    q = WorkerQueue(r, Keys(), "q", "w1", result_ttl_s=60)
+    q.ensure_group()
+    q.ensure_group()  # a second worker: the group exists already
+    stream = Keys().queue("q")
+    for i in range(3):
+        r.xadd(stream, {"id": f"j{i}"})
+    first = q.read(count=1, block_ms=None, acks=[])
+    assert [f["id"] for _, f in first] == ["j0"]
+    second = q.read(count=1, block_ms=None, acks=[first[0][0]])
+    assert [f["id"] for _, f in second] == ["j1"]
+    assert r.xpending(stream, GROUP)["pending"] == 1
+    assert r.xlen(stream) == 2  # the acked entry is deleted too
+    assert q.read(count=0, block_ms=None, acks=[second[0][0]]) == []
+    assert r.xpending(stream, GROUP)["pending"] == 0
+
+
+def test_publish_reports_cancel_flags_of_watched_jobs():
+    r = fakeredis.FakeRedis(decode_responses=True)
+    q = WorkerQueue(r, Keys(), "q", "w1", result_ttl_s=60)
+    r.hset(Keys().job("a"), "cancel", "1")
+    r.hset(Keys().job("b"), "status", "running")
+    published = q.publish(Batch(watch=["a", "b"]))
+    assert published.cancelled == ["a"]
+    assert published.finished == []
+
+
+def test_heartbeat_writes_a_hash_with_ttl_and_indexes_the_worker():
+    r = fakeredis.FakeRedis(decode_responses=True)
+    q = WorkerQueue(r, Keys(), "q", "w1", result_ttl_s=60)
+    r.xadd(Keys().queue("q"), {"id": "x"})
+    depth = q.heartbeat({"name": "w1", "free_pages": 7}, ttl_s=5)
+    assert depth == 1
+    assert r.hget(Keys().worker("w1"), "free_pages") == "7"
+    assert 0 < r.pttl(Keys().worker("w1")) <= 5000
+    assert r.zrange(Keys().workers("q"), 0, -1) == ["w1"]
+    q.leave()
+    assert not r.exists(Keys().worker("w1"))
+    assert r.zrange(Keys().workers("q"), 0, -1) == []
+
+
+def test_queue_stats_falls_back_to_depth_minus_pending_when_redis_cannot_tell_the_lag():
+    groups = [{"name": GROUP, "pending": 2, "lag": None}]
+    stats = queue_stats("q", depth=5, groups=groups, names=["a", "b"], alive=[1, 0])
+    assert (stats.depth, stats.pending, stats.waiting, stats.workers) == (5, 2, 3, ["a"])
+    assert queue_stats("q", depth=0, groups=[], names=[], alive=[]).waiting == 0
+
+
+def test_importing_the_producer_client_does_not_import_torch():
+    code = "import sys, producer_client, producer_client.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,255 @@
+"""The queue loop in this process, driving the echo engine, against a real redis-server:
+what the protocol promises, independent of the model."""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+
+import pytest
+import redis
+
+from producer_client import JobFailed
+from producer_client.keys import GROUP, Keys
+from tests.redis_support import make_client
+from worker.echo_engine import EchoEngine
+from worker.metrics import WorkerMetrics
+from worker.service import Worker
+from worker.settings import WorkerSettings
+
+KEYS = Keys()
+
+
+class SlowEchoEngine(EchoEngine):
+    """Echo with a fixed step time, so that jobs are running long enough to be acted on."""
+
+    def __init__(self, settings, step_s: float = 0.005, fail_on_step: int | None = None):
+        super().__init__(settings)
+        self.step_s = step_s
+        self.fail_on_step = fail_on_step
+
+    def step(self):
+        time.sleep(self.step_s)
+        if self._steps + 1 == self.fail_on_step:
+            self._steps += 1
+            raise RuntimeError("injected step failure")
+        return super().step()
+
+
+class ThreadedWorker(Worker):
+    def start(self) -> ThreadedWorker:
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+        return self
+
+    def wait_stopped(self, timeout: float = 10) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def queue():
+    return f"q-{uuid.uuid4().hex[:8]}"
+
+
+@contextmanager
+def serving(url: str, queue: str, step_s: float = 0.0, fail_on_step: int | None = None, **overrides):
+    engine_overrides = overrides.pop("engine", {})
+    settings = WorkerSettings.load(
+        None, redis=url, queue=queue, name=f"w-{queue}", block_ms=20, heartbeat_interval_s=0.05, metrics_port=0,
+        engine=engine_overrides, **overrides,
+    )
+    engine = SlowEchoEngine(settings.engine, step_s, fail_on_step)
+    client = redis.Redis.from_url(url, decode_responses=True, encoding_errors="surrogateescape")
+    worker = ThreadedWorker(engine, client, settings, WorkerMetrics(), settings.name).start()
+    try:
+        yield worker
+    finally:
+        worker.request_stop()
+        worker.request_stop()
+        worker.wait_stopped()
+        client.close()
+
+
+@pytest.fixture
+def client(client_kind, redis_server, queue):
+    c = make_client(client_kind, redis_server.url, queue)
+    yield c
+    c.close()
+
+
+def outcome_count(worker: Worker, outcome: str) -> float:
+    return worker.metrics.registry.get_sample_value("mili_jobs_total", {"outcome": outcome})
+
+
+def eventually(condition, timeout: float = 5.0) -> bool:
+    """The worker counts a job after its result is out, so a client may see the result first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_job_round_trips_with_usage_and_ordered_timings(redis_server, client, queue):
+    with serving(redis_server.url, queue) as worker:
+        job_id = client.submit("hello world", max_tokens=5)
+        result = client.result(job_id, timeout=10)
+        assert (result.status, result.text, result.finish_reason, result.worker) == ("done", "hello", "length", worker.name)
+        assert result.token_ids == list(b"hello")
+        assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (11, 5)
+        t = result.timings
+        assert t.queued_at <= t.started_at + 0.01 and t.started_at <= t.first_token_at <= t.finished_at
+        assert client.result(job_id, timeout=1) == result  # a finished job answers from its hash at once
+        status = client.status(job_id)
+        assert (status.status, status.tokens, status.worker) == ("done", 5, worker.name)
+        assert eventually(lambda: outcome_count(worker, "done") == 1)
+
+
+def test_chat_messages_go_through_the_chat_template(redis_server, client, queue):
+    with serving(redis_server.url, queue):
+        result = client.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=100, timeout=10)
+    assert result.text == "user: hi\nassistant: "
+    assert result.finish_reason == "stop"
+
+
+def test_streamed_deltas_concatenate_and_a_resumed_stream_repeats_nothing(redis_server, client, queue):
+    prompt = "héllo wörld — streamed ✓"
+    with serving(redis_server.url, queue, step_s=0.002):
+        job_id = client.submit(prompt, max_tokens=200)
+        whole = list(client.stream(job_id, timeout=10))
+        head = []
+        for delta in client.stream(job_id, timeout=10):
+            head.append(delta)
+            if len(head) == 7:
+                break  # a disconnect mid-stream
+        tail = list(client.stream(job_id, after=head[-1].event_id, timeout=10))
+        result = client.result(job_id, timeout=10)
+    assert head + tail == whole
+    assert "".join(d.text for d in whole) == result.text == prompt
+    assert [t for d in whole for t in d.token_ids] == result.token_ids == list(prompt.encode())
+
+
+def test_cancel_reaches_a_running_job_within_a_step_and_frees_its_pages(redis_server, client, queue):
+    with serving(redis_server.url, queue, step_s=0.02) as worker:
+        free_before = worker.engine.capacity().free_pages
+        job_id = client.submit("x" * 500, max_tokens=500)
+        next(iter(client.stream(job_id, timeout=10)))
+        tokens_before_cancel = client.status(job_id).tokens
+        assert client.cancel(job_id).cancel_requested
+        result = client.result(job_id, timeout=10)
+        assert (result.status, result.finish_reason) == ("cancelled", "abort")
+        # The flag is read with the step that follows the cancel and the job aborted before the
+        # next: at most two more steps' tokens, one more for a step between status and cancel.
+        assert tokens_before_cancel <= result.usage.completion_tokens <= tokens_before_cancel + 3
+        assert result.text == "x" * result.usage.completion_tokens
+        assert worker.engine.capacity().free_pages == free_before
+        assert eventually(lambda: outcome_count(worker, "cancelled") == 1)
+
+
+def test_pending_entries_never_exceed_max_running(redis_server, client, queue, redis_client):
+    with serving(redis_server.url, queue, step_s=0.002, engine={"max_running": 2, "max_num_batched_tokens": 64}) as worker:
+        seen = []
+        read = worker.queue.read
+
+        def read_and_count(*args):
+            entries = read(*args)
+            seen.append(redis_client.xpending(KEYS.queue(queue), GROUP)["pending"])
+            return entries
+
+        worker.queue.read = read_and_count
+        ids = [client.submit("abcdefghij", max_tokens=10) for _ in range(12)]
+        results = [client.result(i, timeout=20) for i in ids]
+    assert all(r.status == "done" and r.text == "abcdefghij" for r in results)
+    assert max(seen) == 2
+    assert redis_client.xlen(KEYS.queue(queue)) == 0  # acked entries are deleted
+
+
+def test_bad_entries_fail_with_their_code_and_the_worker_keeps_serving(redis_server, client, queue, redis_client):
+    raw = redis.Redis.from_url(redis_server.url)  # bytes in, so that invalid UTF-8 can be written
+    stream = KEYS.queue(queue)
+    bad = {
+        "not-json": ({"v": "1", "body": "{oops"}, "invalid_body"),
+        "wrong-type": ({"v": "1", "body": '{"prompt": ["a"]}'}, "invalid_argument"),
+        "unknown-field": ({"v": "1", "body": '{"prompt": "a", "model": "x"}'}, "invalid_argument"),
+        "future": ({"v": "2", "body": '{"prompt": "a"}'}, "unsupported_version"),
+        "bad-utf8": ({"v": "1", "body": b'{"prompt": "\xff\xfe"}'}, "invalid_body"),
+        "too-long": ({"v": "1", "body": '{"input_ids": [%s]}' % ",".join(["7"] * 5000)}, "prompt_too_long"),
+        "out-of-vocab": ({"v": "1", "body": '{"input_ids": [1, 300]}'}, "invalid_argument"),
+        "over-limit": ({"v": "1", "body": '{"prompt": "a", "params": {"max_tokens": 40000}}'}, "invalid_argument"),
+    }
+    bad = {f"{queue}-{name}": ({"id": f"{queue}-{name}", **fields}, code) for name, (fields, code) in bad.items()}
+    with serving(redis_server.url, queue) as worker:
+        good_before = client.submit("good", max_tokens=4)
+        for fields, _ in bad.values():
+            raw.xadd(stream, fields)
+        no_id = raw.xadd(stream, {"v": "1", "body": '{"prompt": "a"}'}).decode()
+        good_after = client.submit("fine", max_tokens=4)
+        assert client.result(good_before, timeout=10).text == "good"
+        assert client.result(good_after, timeout=10).text == "fine"
+        for job_id, (_, code) in bad.items():
+            with pytest.raises(JobFailed) as e:
+                client.result(job_id, timeout=10)
+            assert e.value.code == code, job_id
+            assert e.value.result.status == "failed"
+        with pytest.raises(JobFailed) as e:
+            client.result(f"entry-{no_id}", timeout=10)
+        assert e.value.code == "invalid_body"
+        assert eventually(lambda: outcome_count(worker, "failed") == len(bad) + 1)
+        assert eventually(lambda: outcome_count(worker, "done") == 2)
+    assert redis_client.xlen(stream) == 0
+    raw.close()
+
+
+def test_a_job_past_its_deadline_is_not_started(redis_server, client, queue):
+    job_id = client.submit("late", max_tokens=4, timeout_s=0.05)
+    time.sleep(0.1)
+    with serving(redis_server.url, queue) as worker:
+        result = client.result(job_id, timeout=10)
+        assert (result.status, result.text, result.token_ids) == ("expired", "", [])
+        assert eventually(lambda: outcome_count(worker, "expired") == 1)
+
+
+def test_a_running_job_past_its_deadline_returns_its_partial_output(redis_server, client, queue):
+    with serving(redis_server.url, queue, step_s=0.01):
+        job_id = client.submit("y" * 400, max_tokens=400, timeout_s=0.5)
+        result = client.result(job_id, timeout=10)
+    assert (result.status, result.finish_reason) == ("done", "timeout")
+    assert 0 < result.usage.completion_tokens < 400
+    assert result.text == "y" * result.usage.completion_tokens
+
+
+def test_a_failed_engine_step_fails_its_jobs_and_the_worker_keeps_serving(redis_server, client, queue):
+    with serving(redis_server.url, queue, step_s=0.01, fail_on_step=3):
+        doomed = client.submit("z" * 50, max_tokens=50)
+        with pytest.raises(JobFailed) as e:
+            client.result(doomed, timeout=10)
+        assert e.value.code == "engine_error"
+        assert "injected step failure" in e.value.message
+        assert client.generate("after", max_tokens=5, timeout=10).text == "after"
+
+
+def test_drain_finishes_running_jobs_and_leaves_unread_ones_in_the_stream(redis_server, client, queue, redis_client):
+    with serving(redis_server.url, queue, step_s=0.01, engine={"max_running": 1, "max_num_batched_tokens": 64}) as worker:
+        first = client.submit("a" * 20, max_tokens=20)
+        rest = [client.submit("b", max_tokens=1) for _ in range(2)]
+        next(iter(client.stream(first, timeout=10)))
+        worker.request_stop()
+        assert client.result(first, timeout=10).status == "done"
+        worker.wait_stopped()
+    assert [client.status(j).status for j in rest] == ["queued", "queued"]
+    assert redis_client.xlen(KEYS.queue(queue)) == 2
+    assert redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 0
+    assert redis_client.zrange(KEYS.workers(queue), 0, -1) == []
+
+
+def test_a_job_still_running_when_the_grace_ends_stays_pending(redis_server, client, queue, redis_client):
+    with serving(redis_server.url, queue, step_s=0.01, drain_grace_s=0.1) as worker:
+        job_id = client.submit("c" * 500, max_tokens=500)
+        next(iter(client.stream(job_id, timeout=10)))
+        worker.request_stop()
+        worker.wait_stopped()
+    assert client.status(job_id).status == "running"
+    assert redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 1
