@@ -1,0 +1,67 @@
+"""`python -m worker healthcheck`: exit 0 only when Redis answers PING and this worker's
+heartbeat is live; 1 otherwise (Docker reserves exit code 2, so every failure is 1 and the
+reason goes to stderr, where `docker inspect` and `kubectl describe` show it).
+
+Live means the heartbeat key `mili:worker:{name}` exists. The worker sets its TTL to
+`heartbeat_ttl_s` on every beat and the TTL runs on the Redis clock, so the check needs no
+clock shared between the worker and the checker: the key is there, or it has expired.
+
+Which worker is "this" one: the `name` setting when it is set. Otherwise the worker named
+itself `<hostname>-<pid>`, and the checker, another process, cannot know that pid; it takes
+the workers in the queue's index whose names start with `<hostname>-`. A container or a pod
+has a hostname of its own and runs one worker, so there that is exactly this worker.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+
+import redis
+
+from producer_client.keys import Keys
+from worker.settings import WorkerSettings
+
+# Well inside the HEALTHCHECK and probe timeouts (10 s), so a hung Redis reads as unhealthy
+# and not as a probe timeout.
+REDIS_TIMEOUT_S = 3.0
+
+
+def healthcheck(settings: WorkerSettings) -> int:
+    """The process exit code: 0 healthy, 1 not; says why on stdout or stderr."""
+    if settings.redis == "embedded":
+        return _unhealthy("an embedded Redis is private to its worker; give the worker and the check a Redis URL")
+    client = redis.Redis.from_url(
+        settings.redis, decode_responses=True,
+        socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
+    )
+    try:
+        client.ping()
+        live = live_workers(client, Keys(settings.prefix), settings.queue, settings.name)
+    except redis.RedisError as e:
+        return _unhealthy(f"Redis does not answer: {type(e).__name__}: {e}")
+    finally:
+        client.close()
+    if not live:
+        who = settings.name or f"{socket.gethostname()}-*"
+        return _unhealthy(f"no live heartbeat for worker {who} on queue {settings.queue}")
+    print(f"healthy: worker {', '.join(live)} has a live heartbeat")
+    return 0
+
+
+def live_workers(client: redis.Redis, keys: Keys, queue: str, name: str) -> list[str]:
+    """This worker's name if its heartbeat key exists; with no name, every live worker of this host."""
+    names = [name] if name else this_host_workers(client, keys, queue)
+    pipe = client.pipeline(transaction=False)
+    for n in names:
+        pipe.exists(keys.worker(n))
+    return [n for n, exists in zip(names, pipe.execute()) if exists]
+
+
+def this_host_workers(client: redis.Redis, keys: Keys, queue: str) -> list[str]:
+    prefix = f"{socket.gethostname()}-"
+    return [n for n in client.zrange(keys.workers(queue), 0, -1) if n.startswith(prefix)]
+
+
+def _unhealthy(reason: str) -> int:
+    print(f"unhealthy: {reason}", file=sys.stderr)
+    return 1
