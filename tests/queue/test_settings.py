@@ -1,0 +1,41 @@
+"""Worker settings: config/worker.toml documents every setting with its default, and flags
+beat the environment, which beats the file."""
+import argparse
+import re
+import tomllib
+
+from worker.engine.settings import EngineSettings
+from worker.settings import DEFAULT_CONFIG_FILE, WorkerSettings, add_setting_flags, settings_from_args
+
+
+def parse_flags(*argv: str) -> WorkerSettings:
+    parser = argparse.ArgumentParser()
+    add_setting_flags(parser)
+    return settings_from_args(parser.parse_args(list(argv)))
+
+
+def test_the_shipped_file_lists_every_setting_at_its_default():
+    text = DEFAULT_CONFIG_FILE.read_text()
+    data = tomllib.loads(text)
+    engine = data.pop("engine")
+    assert set(data) == set(WorkerSettings.model_fields) - {"engine"}
+    # Settings whose default is "unset" appear commented out: TOML has no null.
+    commented = set(re.findall(r"^# (\w+) = ", text, flags=re.M))
+    assert set(engine) | commented == set(EngineSettings.model_fields)
+    assert all(EngineSettings.model_fields[name].default is None for name in commented)
+    defaults = WorkerSettings.model_construct()
+    assert {k: getattr(defaults, k) for k in data} == data
+    assert {k: getattr(EngineSettings(), k) for k in engine} == engine
+
+
+def test_flags_beat_the_environment_which_beats_the_file(tmp_path, monkeypatch):
+    config = tmp_path / "worker.toml"
+    config.write_text('queue = "from-file"\nblock_ms = 11\nlog_level = "DEBUG"\n[engine]\nmax_running = 3\npage_size = 32\n')
+    monkeypatch.setenv("MILI_BLOCK_MS", "22")
+    monkeypatch.setenv("MILI_ENGINE__PAGE_SIZE", "64")
+    s = parse_flags("--config", str(config), "--block-ms", "33", "--max-running", "4", "--no-enable-prefix-cache")
+    assert (s.queue, s.log_level) == ("from-file", "DEBUG")  # file over default
+    assert s.engine.page_size == 64  # environment over file
+    assert (s.block_ms, s.engine.max_running, s.engine.enable_prefix_cache) == (33, 4, False)  # flags over all
+    monkeypatch.delenv("MILI_BLOCK_MS")
+    assert parse_flags("--config", str(config)).block_ms == 11
