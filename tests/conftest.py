@@ -1,0 +1,19 @@
+"""Session-wide setup: Triton's interpreter mode, chosen before anything imports triton.
+
+triton.jit decides compiled-or-interpreted when a function is defined, that is when
+triton.language (whose tl.sum, tl.max... are jit functions too) and kernels/ are imported.
+Without CUDA the kernel tests need interpreted kernels, while every other test must keep
+the torch reference path, which kernels.use_triton picks whenever TRITON_INTERPRET is unset
+at call time (and worker processes that tests spawn inherit the environment). So both are
+imported here once with the variable set, and it is unset again; tests/kernels sets it per
+test. A variable set by the caller is left alone.
+"""
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    import triton.language  # noqa: F401
+    import kernels  # noqa: F401
+    del os.environ["TRITON_INTERPRET"]

@@ -1,0 +1,97 @@
+"""Kernel tests: each Triton kernel against its torch reference, compiled on CUDA or through
+Triton's interpreter on CPU.
+
+tests/conftest.py imported triton and kernels/ in interpreter mode; the `device` fixture sets
+TRITON_INTERPRET for one test at a time, so the rest of a `pytest tests` run keeps the
+reference path. Tolerances per dtype are below; the largest error each kernel reached in
+the run is printed at the end (pytest's terminal summary).
+"""
+import importlib
+
+import numpy as np
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime import interpreter
+
+# |actual - expected| <= atol + rtol * |expected|. fp32 allows last-bit differences from
+# summation order and rsqrt/exp2; 16-bit allows a rounding flip of an O(1) value, and in
+# attention the bf16 rounding of softmax weights before P @ V (as every flash kernel does).
+TOLERANCES = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2),
+}
+MAX_ERRORS = pytest.StashKey[dict]()
+
+
+def _bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    # torch rounds to nearest even, as the GPU's cvt.rn.bf16.f32 does.
+    f32 = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    return f32.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def make_interpreter_bf16_faithful(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Teach triton's interpreter the two bf16 operations our kernels rely on.
+
+    The interpreter stores bf16 as raw uint16 bits: it truncates fp32 -> bf16 casts
+    (the GPU rounds to nearest even) and feeds the raw bits of bf16 operands to
+    np.matmul in tl.dot (the GPU multiplies the values, accumulating in fp32).
+    Kernels never do other arithmetic on bf16 values; they upcast first.
+    """
+    builder = interpreter.InterpreterBuilder
+    plain_cast, plain_dot = builder.cast_impl, builder.create_dot
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(_f32_to_bf16_bits(src.data), tl.bfloat16)
+        return plain_cast(self, src, dst_type)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
+            a = interpreter.TensorHandle(_bf16_bits_to_f32(a.data), tl.float32)
+            b = interpreter.TensorHandle(_bf16_bits_to_f32(b.data), tl.float32)
+        return plain_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(builder, "cast_impl", cast_impl)
+    monkeypatch.setattr(builder, "create_dot", create_dot)
+
+
+@pytest.fixture
+def device(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where this test runs the kernels: compiled on CUDA, else interpreted on CPU."""
+    if torch.cuda.is_available():
+        return "cuda"
+    kernel = importlib.import_module("kernels.rms_norm")._rms_norm_kernel
+    if not isinstance(kernel, interpreter.InterpretedFunction):
+        pytest.fail("triton or kernels/ was imported before tests/conftest.py could select interpreter mode")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    make_interpreter_bf16_faithful(monkeypatch)
+    return "cpu"
+
+
+@pytest.fixture
+def check_close(request: pytest.FixtureRequest):
+    """check_close(kernel_name, actual, expected): the dtype's tolerance, and the max error logged."""
+    errors = request.config.stash.setdefault(MAX_ERRORS, {})
+
+    def check(name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+        key = (name, str(expected.dtype).removeprefix("torch."))
+        error = (actual.float() - expected.float()).abs().max().item() if expected.numel() else 0.0
+        errors[key] = max(errors.get(key, 0.0), error)
+        torch.testing.assert_close(actual, expected, **TOLERANCES[expected.dtype])
+
+    return check
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    errors = config.stash.get(MAX_ERRORS, None)
+    if not errors:
+        return
+    terminalreporter.section("kernel max abs error vs reference")
+    for (name, dtype), error in sorted(errors.items()):
+        terminalreporter.write_line(f"{name:32s} {dtype:9s} {error:.3e}")
