@@ -1,7 +1,27 @@
-"""Paged extend (prefill) attention: new tokens over their cached prefix plus each other, causally."""
-import torch
+"""Paged extend (prefill) attention: new tokens over their cached prefix plus each other, causally.
 
-from kernels.decode_attention import attend, gather_context
+Flash-attention tiles with online softmax. A tile's rows are (token, q head) pairs of one kv
+head's group, so each K/V tile is read once for the whole group: a request extending by one
+token (a decode inside a mixed step) costs one pass over its context, not one per q head.
+Keys every row of the tile sees skip the masks; the causal band is masked; keys past the
+tile's last token are never read.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kernels._dispatch import use_triton
+from kernels.decode_attention import LOG2E, attend, attend_kv_tile, check_paged_cache, dot_precision, gather_context
+
+
+
+def tile_config(dtype: torch.dtype) -> dict:
+    """Tile sizes and launch shape per input dtype. 16-bit inputs take the usual Hopper
+    flash-attention shape (128 x 64 tiles on two warpgroups); fp32 dots run on FMA units,
+    so smaller tiles keep their operands in registers."""
+    if dtype == torch.float32:
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 
 
 def paged_extend_attention_reference(
@@ -24,7 +44,93 @@ def paged_extend_attention_reference(
     return out
 
 
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, cu_seqlens_q_ptr, prefix_lens_ptr,
+    q_token_stride, q_head_stride, out_token_stride, out_head_stride,
+    cache_page_stride, cache_slot_stride, cache_head_stride, page_table_stride, qk_scale,
+    GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + batch)
+    q_len = tl.load(cu_seqlens_q_ptr + batch + 1) - q_start
+    first_token = tile * TOKENS_PER_TILE
+    if first_token >= q_len:
+        return
+    prefix = tl.load(prefix_lens_ptr + batch)
+
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    token = first_token + r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    row_mask = (r < TOKENS_PER_TILE * GROUP) & (token < q_len)
+    io_mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
+    q_rows = (q_start + token).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * q_token_stride + head[:, None] * q_head_stride + d[None, :],
+                mask=io_mask, other=0.0)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    page_row_ptr = page_table_ptr + batch * page_table_stride
+    kv_head_offset = kv_head * cache_head_stride
+    last_key = prefix + token  # new token i sees cache rows [0, prefix + i]
+    # Keys [0, prefix + first_token] are visible to every row: whole tiles there need no mask.
+    shared_end = (prefix + first_token + 1) // BLOCK_N * BLOCK_N
+    kv_end = prefix + tl.minimum(first_token + TOKENS_PER_TILE, q_len)
+    for n0 in range(0, shared_end, BLOCK_N):
+        m, l, acc = attend_kv_tile(
+            q, m, l, acc, k_cache_ptr, v_cache_ptr, page_row_ptr, kv_head_offset,
+            cache_page_stride, cache_slot_stride, n0, kv_end, last_key, qk_scale,
+            False, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        )
+    for n0 in range(shared_end, kv_end, BLOCK_N):
+        m, l, acc = attend_kv_tile(
+            q, m, l, acc, k_cache_ptr, v_cache_ptr, page_row_ptr, kv_head_offset,
+            cache_page_stride, cache_slot_stride, n0, kv_end, last_key, qk_scale,
+            True, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        )
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * out_token_stride + head[:, None] * out_head_stride + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_extend_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, prefix_lens: torch.Tensor,
+    scale: float, max_q_len: int,
+) -> torch.Tensor:
+    """Same contract as the reference; max_q_len sizes the grid without a device sync."""
+    check_paged_cache(q, k_cache, v_cache)
+    _, num_q_heads, head_dim = q.shape
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    batch = cu_seqlens_q.shape[0] - 1
+    out = torch.empty_like(q)
+    if q.shape[0] == 0 or batch == 0 or max_q_len == 0:
+        return out
+    group = num_q_heads // kv_heads
+    config = tile_config(q.dtype)
+    if group > config["BLOCK_M"]:
+        raise ValueError(f"{group} q heads per kv head exceed the extend tile's {config['BLOCK_M']} rows")
+    tokens_per_tile = config["BLOCK_M"] // group
+    _extend_kernel[(triton.cdiv(max_q_len, tokens_per_tile), batch, kv_heads)](
+        q, k_cache, v_cache, out, page_table, cu_seqlens_q, prefix_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), scale * LOG2E,
+        GROUP=group, TOKENS_PER_TILE=tokens_per_tile, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=dot_precision(q.dtype), **config,
+    )
+    return out
+
+
 def paged_extend_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, prefix_lens, scale, max_q_len):
+    if use_triton(q):
+        return paged_extend_attention_triton(
+            q, k_cache, v_cache, page_table, cu_seqlens_q, prefix_lens, scale, max_q_len
+        )
     return paged_extend_attention_reference(
         q, k_cache, v_cache, page_table, cu_seqlens_q, prefix_lens, scale, max_q_len
     )
