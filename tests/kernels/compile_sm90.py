@@ -1,0 +1,136 @@
+"""Compile every kernel for an H100 (sm_90) on a machine without a GPU.
+
+The interpreter accepts Python the Triton compiler rejects, so this checks the other half:
+each launcher runs once at production shapes with its kernels swapped for recorders, and
+every recorded launch is compiled ahead of time with ptxas (shipped in the triton wheel).
+Prints one JSON line per compiled kernel: shared memory, registers and spill stack.
+Run with TRITON_INTERPRET unset:  python -m tests.kernels.compile_sm90
+"""
+import importlib
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+# Modules by import_module: kernels/__init__ rebinds some module names to their dispatch functions.
+activation, decode_attention, extend_attention, kv_store, rms_norm, rope = (
+    importlib.import_module(f"kernels.{name}")
+    for name in ("activation", "decode_attention", "extend_attention", "kv_store", "rms_norm", "rope"))
+H100 = GPUTarget("cuda", 90, 32)
+H100_SHARED_BYTES = 227 * 1024
+_TENSOR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+                 torch.int32: "*i32", torch.int64: "*i64"}
+_OPTIONS = ("num_warps", "num_stages")
+
+
+class Recorder:
+    """Stands in for a @triton.jit kernel and keeps each launch's arguments."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+
+
+def _signature(kernel, args, kwargs):
+    """The signature, constexprs and alignment hints that a CUDA launch of these arguments gets."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (name, value) in enumerate(zip(kernel.arg_names, args)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = _TENSOR_TYPES[value.dtype]
+            aligned = value.data_ptr() % 16 == 0
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+            aligned = False
+        elif isinstance(value, int):
+            if value == 1:  # the JIT specializes 1 into a constant
+                signature[name], constexprs[name] = "constexpr", 1
+                continue
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            aligned = value % 16 == 0
+        else:
+            signature[name] = "fp32"
+            aligned = False
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    for name in kernel.arg_names[len(args):]:
+        signature[name], constexprs[name] = "constexpr", kwargs[name]
+    return signature, constexprs, attrs
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    usage = text.split("Resource usage:")[-1].split()
+    return {k.lower(): int(v) for k, v in (item.split(":") for item in usage if ":" in item and item.split(":")[1].isdigit())}
+
+
+def compile_launch(kernel, args, kwargs) -> dict:
+    signature, constexprs, attrs = _signature(kernel, args, kwargs)
+    options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=H100, options=options)
+    usage = _resource_usage(compiled.asm["cubin"])
+    dtype = next(v.dtype for v in args if isinstance(v, torch.Tensor) and v.is_floating_point())
+    return {"kernel": kernel.__name__, "dtype": str(dtype).removeprefix("torch."), **options,
+            "shared_bytes": compiled.metadata.shared, "registers": usage["reg"], "spill_stack_bytes": usage["stack"]}
+
+
+def production_launches() -> list:
+    """Record each launcher once, at Qwen3-8B-like shapes (128-dim heads, 32 q / 8 kv heads)."""
+    launches: list = []
+    modules = (rms_norm, rope, activation, kv_store, decode_attention, extend_attention)
+    for module in modules:
+        for name, value in vars(module).items():
+            if isinstance(value, triton.runtime.jit.JITFunction) and name.startswith("_") and name.endswith("_kernel"):
+                setattr(module, name, Recorder(value, launches))
+    for dtype in (torch.bfloat16, torch.float32):
+        _record_all(dtype)
+    return launches
+
+
+def _record_all(dtype: torch.dtype) -> None:
+    t, hidden, hq, hk, d, pages, page_size = 8, 4096, 32, 8, 128, 64, 16
+    x = torch.randn(t, hidden, dtype=dtype)
+    rms_norm.rms_norm_triton(x, torch.ones(hidden, dtype=dtype), 1e-6)
+    rms_norm.fused_add_rms_norm_triton(x, x, torch.ones(hidden, dtype=dtype), 1e-6)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, dtype=dtype)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
+    positions = torch.arange(t)
+    cos_sin = rope.rope_cos_sin_cache(d, 64, 1e6)
+    rope.qk_norm_rope_triton(q, k, torch.ones(d, dtype=dtype), torch.ones(d, dtype=dtype), positions, cos_sin, 1e-6)
+    activation.silu_and_mul_triton(torch.randn(t, 2 * 12288, dtype=dtype))
+    cache = torch.zeros(pages, page_size, hk, d, dtype=dtype)
+    kv_store.store_kv_triton(k, v, cache, cache.clone(), torch.arange(t))
+    page_table = torch.arange(pages, dtype=torch.int32).view(2, -1)
+    decode_attention.paged_decode_attention_triton(
+        q[:2].contiguous(), cache, cache.clone(), page_table, torch.tensor([300, 17], dtype=torch.int32), d ** -0.5)
+    extend_attention.paged_extend_attention_triton(
+        q.contiguous(), cache, cache.clone(), page_table, torch.tensor([0, 3, 8], dtype=torch.int32),
+        torch.tensor([5, 40], dtype=torch.int32), d ** -0.5, 5)
+
+
+def main() -> int:
+    failures = 0
+    for kernel, args, kwargs in production_launches():
+        try:
+            report = compile_launch(kernel, args, kwargs)
+        except Exception as e:  # report every kernel, not just the first failure
+            report, failures = {"kernel": kernel.__name__, "error": repr(e)[:2000]}, failures + 1
+        print(json.dumps(report), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
