@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import signal
 import socket
 import subprocess
@@ -39,6 +40,17 @@ def redis_client(redis_server):
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     yield client
     client.close()
+
+
+def eventually(condition, timeout: float = 10.0) -> bool:
+    """For effects that follow the result a client sees: the worker acks an entry, counts a
+    job in its metrics and refreshes its heartbeat after the job's result is out."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 class SyncView:
@@ -97,7 +109,10 @@ class WorkerProcess:
 
     def start(self) -> WorkerProcess:
         log_file = self.log_path.open("w")
-        self.process = subprocess.Popen(self.command, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+        # One torch thread each: workers share this machine's cores with each other and
+        # with the tests, and oversubscribed threads make every step several times slower.
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen(self.command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         log_file.close()
         return self
 
@@ -124,8 +139,11 @@ class WorkerProcess:
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+            try:
+                self.terminate(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
         self.redis.close()
 
 

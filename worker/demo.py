@@ -30,8 +30,7 @@ def demo(model: str) -> int:
             try:
                 with Client(server.url) as client:
                     port = wait_for_worker(client, worker, log_path)
-                    run_jobs(client)
-                    print_metrics(port)
+                    print_metrics(port, run_jobs(client))
             finally:
                 stop_worker(worker)
         print(f"\nworker log ({log_path.name}):")
@@ -63,7 +62,8 @@ def wait_for_worker(client: Client, worker: subprocess.Popen, log_path: Path) ->
     return int(client.redis.hget(client.keys.worker(WORKER_NAME), "metrics_port"))
 
 
-def run_jobs(client: Client) -> None:
+def run_jobs(client: Client) -> int:
+    """Returns how many jobs ran."""
     print("\n== one job, streamed token by token (greedy, random weights: expect gibberish) ==")
     job_id = client.submit("Once upon a time", max_tokens=MAX_TOKENS, temperature=0.0)
     print(f"[{job_id}] Once upon a time", end="", flush=True)
@@ -85,6 +85,7 @@ def run_jobs(client: Client) -> None:
         print(f"{prompt!r} ->")
         show(result)
     print(f"\nqueue: {client.queue_stats().model_dump()}")
+    return 2 + len(PROMPTS)
 
 
 def show(result: JobResult) -> None:
@@ -97,13 +98,24 @@ def show(result: JobResult) -> None:
     )
 
 
-def print_metrics(port: int) -> None:
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    samples = {
+    return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text) if family.name.startswith("mili_")
         for s in family.samples
     }
+
+
+def print_metrics(port: int, jobs: int) -> None:
+    # The worker counts a job just after its result goes out, so the last one may lag a moment.
+    deadline = time.monotonic() + 5
+    while True:
+        samples = scrape(port)
+        counted = sum(v for (name, _), v in samples.items() if name == "mili_jobs_total")
+        if counted >= jobs or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
 
     def value(name: str, **labels) -> float:
         return samples.get((name, tuple(sorted(labels.items()))), 0.0)

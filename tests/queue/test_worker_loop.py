@@ -12,7 +12,7 @@ import redis
 
 from producer_client import JobFailed
 from producer_client.keys import GROUP, Keys
-from tests.redis_support import make_client
+from tests.redis_support import eventually, make_client
 from worker.echo_engine import EchoEngine
 from worker.metrics import WorkerMetrics
 from worker.service import Worker
@@ -81,16 +81,6 @@ def client(client_kind, redis_server, queue):
 
 def outcome_count(worker: Worker, outcome: str) -> float:
     return worker.metrics.registry.get_sample_value("mili_jobs_total", {"outcome": outcome})
-
-
-def eventually(condition, timeout: float = 5.0) -> bool:
-    """The worker counts a job after its result is out, so a client may see the result first."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_a_job_round_trips_with_usage_and_ordered_timings(redis_server, client, queue):
