@@ -13,17 +13,30 @@ has a hostname of its own and runs one worker, so there that is exactly this wor
 """
 from __future__ import annotations
 
+import argparse
 import socket
 import sys
 
 import redis
+from pydantic import ValidationError
 
+from producer_client.errors import MiliError
 from producer_client.keys import Keys
-from worker.settings import WorkerSettings
+from worker.settings import WorkerSettings, settings_from_args
 
 # Well inside the HEALTHCHECK and probe timeouts (10 s), so a hung Redis reads as unhealthy
 # and not as a probe timeout.
 REDIS_TIMEOUT_S = 3.0
+
+
+def run_healthcheck(args: argparse.Namespace) -> int:
+    """The `healthcheck` subcommand: the settings the worker reads (flags, MILI_*, the TOML
+    file). Settings that do not load are unhealthy too, with 1 rather than the CLI's 2."""
+    try:
+        settings = settings_from_args(args)
+    except (MiliError, ValidationError, FileNotFoundError) as e:
+        return _unhealthy(f"the settings do not load: {e}")
+    return healthcheck(settings)
 
 
 def healthcheck(settings: WorkerSettings) -> int:
