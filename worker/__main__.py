@@ -2,6 +2,7 @@
 
     python -m worker [serve] --model tiny --redis redis://host:6379/0   run a worker (the default command)
     python -m worker demo                                              the end-to-end demo on an embedded Redis
+    python -m worker healthcheck [--redis URL --name NAME]             exit 0 only if this worker's heartbeat is live
 """
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ import redis
 
 from producer_client.errors import MiliError
 from worker.embedded_redis import EmbeddedRedis
+from worker.healthcheck import run_healthcheck
 from worker.metrics import WorkerMetrics
 from worker.service import Worker
 from worker.settings import WorkerSettings, add_setting_flags, settings_from_args
 
 log = logging.getLogger("worker")
-COMMANDS = ("serve", "demo")
+COMMANDS = ("serve", "demo", "healthcheck")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="start Redis and a worker, run a few jobs through the client, stop")
     demo.add_argument("--model", default="tiny", help="preset or checkpoint directory (default: tiny)")
     demo.set_defaults(run=run_demo)
+    check = commands.add_parser("healthcheck", help="exit 0 only if Redis answers and this worker's heartbeat is live")
+    add_setting_flags(check)
+    check.set_defaults(run=run_healthcheck)
     return parser
 
 
