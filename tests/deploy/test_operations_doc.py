@@ -1,0 +1,103 @@
+"""docs/operations.md (the README's Operations section) says what the code does: its settings
+table is the settings model, its metrics table is what a worker exports, its sizing example is
+the KV pool's arithmetic, and every file it names exists."""
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+import torch
+
+from tests.deploy.support import DOCKER, ROOT, load_compose, redis_server_flags
+from worker.engine.kv_pool import KVCacheShape
+from worker.engine.settings import EngineSettings
+from worker.model.presets import PRESETS
+from worker.settings import WorkerSettings, add_setting_flags
+
+DOC = (ROOT / "docs" / "operations.md").read_text()
+
+
+def table_rows(heading: str) -> list[list[str]]:
+    """The cells of the first table under `### heading`, header and rule left out."""
+    section = DOC.split(f"### {heading}\n", 1)[1].split("\n### ", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def code(cell: str) -> list[str]:
+    return re.findall(r"`([^`]*)`", cell)
+
+
+def rendered_default(value) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    return f"`{value!r}`"
+
+
+def all_settings() -> dict[str, tuple[str, object]]:
+    """{table name: (flag name, default)} for every setting, engine settings as engine.<name>."""
+    settings = {name: (name, f.default) for name, f in WorkerSettings.model_fields.items() if name != "engine"}
+    settings |= {f"engine.{name}": (name, f.default) for name, f in EngineSettings.model_fields.items()}
+    return settings
+
+
+def test_the_settings_table_has_a_row_for_every_setting_with_its_default():
+    rows = {code(row[0])[0]: row for row in table_rows("Settings")}
+    assert set(rows) == set(all_settings())
+    parser = argparse.ArgumentParser()
+    add_setting_flags(parser)
+    known_flags = {option for action in parser._actions for option in action.option_strings}
+    for name, (flag_name, default) in all_settings().items():
+        setting, env, flags, shown_default, meaning = rows[name]
+        assert code(env) == [f"MILI_{name.upper().replace('.', '__')}"], name
+        assert code(flags)[0] == "--" + flag_name.replace("_", "-") and set(code(flags)) <= known_flags, name
+        assert shown_default == rendered_default(default), name
+        assert meaning, name
+
+
+def test_the_metrics_table_lists_exactly_what_a_worker_exports(scraped_families):
+    documented = {}
+    for name_cell, kind, _ in table_rows("Metrics"):
+        documented[re.sub(r"\{.*\}", "", code(name_cell)[0])] = kind
+    exported = {}
+    for family, (kind, _) in scraped_families.items():
+        # prometheus_client exposes each counter's and histogram's creation time as a gauge
+        # family of its own, <family>_created: bookkeeping, not a metric to document.
+        bookkeeping = family.endswith("_created") and family.removesuffix("_created") in scraped_families
+        if family.startswith("mili_") and not bookkeeping:
+            exported[f"{family}_total" if kind == "counter" else family] = kind
+    assert documented == exported
+
+
+def test_the_sizing_example_is_the_kv_pools_arithmetic():
+    shape = PRESETS["qwen3-0.6b"].config
+    kv = KVCacheShape(
+        shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"], 16, PRESETS["qwen3-0.6b"].dtype,
+    )
+    per_token = kv.bytes_per_page // 16
+    assert f"{per_token:,} B per token" in DOC and f"{kv.bytes_per_page:,} B (1.75 MiB)" in DOC
+    pages = int(77 * 2**30 * EngineSettings().gpu_memory_utilization) // kv.bytes_per_page
+    assert f"{pages:,} pages, which is {pages * 16:,} tokens" in DOC
+    tiny = PRESETS["tiny"].config
+    tiny_kv = KVCacheShape(tiny["num_hidden_layers"], tiny["num_key_value_heads"], tiny["head_dim"], 16, torch.float32)
+    assert f"{tiny_kv.bytes_per_page // 16:,} B per token" in DOC
+    cpu_pages = EngineSettings().kv_cache_mib * 2**20 // tiny_kv.bytes_per_page
+    assert f"{cpu_pages:,} pages of 16 tokens" in DOC
+
+
+def test_the_redis_command_matches_the_compose_redis():
+    command = re.search(r"^redis-server (.*) --daemonize yes$", DOC, flags=re.M).group(1)
+    compose_redis = load_compose(DOCKER / "compose.yml")["services"]["redis"]["command"]
+    assert redis_server_flags(["redis-server", *command.split()]) == redis_server_flags(compose_redis)
+
+
+@pytest.mark.parametrize("path", sorted({
+    p.rstrip("/") for p in re.findall(r"`((?:docker|config|docs)/[^`\s]*|\.dockerignore)`", DOC)
+}))
+def test_every_file_it_names_exists(path):
+    assert (ROOT / path).exists()
