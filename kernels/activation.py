@@ -21,7 +21,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, inter, BLOCK: tl.
     mask = cols < inter
     gate = tl.load(x_ptr + token * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + token * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    act: tl.constexpr = out_ptr.dtype.element_ty
+    act = out_ptr.dtype.element_ty
     silu = (gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32)
     tl.store(out_ptr + token * out_stride + cols, (silu * up).to(act), mask=mask)
 

@@ -53,8 +53,8 @@ def _head_norm_rope_kernel(
     x2 = tl.load(x_row + HALF, mask=mask, other=0.0).to(tl.float32)
 
     rstd = tl.div_rn(1.0, tl.sqrt_rn((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps))
-    x_dtype: tl.constexpr = x_ptr.dtype.element_ty
-    act: tl.constexpr = out_ptr.dtype.element_ty
+    x_dtype = x_ptr.dtype.element_ty
+    act = out_ptr.dtype.element_ty
     w1 = tl.load(weight_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)
     w2 = tl.load(weight_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
     n1 = ((x1 * rstd[:, None]).to(x_dtype).to(tl.float32) * w1).to(act).to(tl.float32)
