@@ -1,0 +1,67 @@
+"""A small random Qwen3 checkpoint (with Qwen3's tokenizer) and engines over it.
+
+Weights are drawn with std 0.3 and an untied head so greedy outputs vary from token to token
+(the default 0.02 makes a random model repeat its last token, which would prove little).
+"""
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+
+from worker.engine import Engine, EngineSettings
+from worker.model.loader import load_model
+from worker.model.presets import qwen3_config, write_random_checkpoint
+from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
+from worker.model.tokenizer import Tokenizer
+
+VOCAB = 2048
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    config = qwen3_config(
+        vocab_size=VOCAB, max_position_embeddings=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        tie_word_embeddings=False, initializer_range=0.3, bos_token_id=None, eos_token_id=None,
+    )
+    ckpt = write_random_checkpoint(tmp_path_factory.mktemp("engine_ckpt"), config, seed=3, norm_std=0.1)
+    write_qwen3_tokenizer_files(ckpt)
+    return ckpt
+
+
+@pytest.fixture(scope="session")
+def loaded(checkpoint):
+    return load_model(checkpoint, dtype=torch.float32), Tokenizer.from_dir(checkpoint)
+
+
+@pytest.fixture(scope="session")
+def make_engine(loaded):
+    """Engines share the (stateless) model and tokenizer; each gets its own KV pool."""
+    (model, config, _), tokenizer = loaded
+
+    def make(eos_token_ids=(), **settings) -> Engine:
+        settings = {"num_pages": 256, "page_size": 4, **settings}
+        return Engine(model, config, tokenizer, EngineSettings.parse(**settings), list(eos_token_ids),
+                      torch.device("cpu"))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_model(checkpoint):
+    return HFQwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model):
+    @torch.inference_mode()
+    def greedy(prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=0, **kwargs,
+        )
+        return out[0, len(prompt):].tolist()
+
+    return greedy

@@ -1,0 +1,315 @@
+"""The engine: requests in, per-step token deltas out.
+
+One step reads top to bottom: the scheduler picks chunks -> the runner extends their KV and
+returns logits for the chunks that reach their sequence's end -> the sampler picks tokens
+-> each token is checked against the request's stop conditions and reported as a delta.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from producer_client.errors import InvalidArgument, MiliError
+from producer_client.schema import SamplingParams
+from worker.engine.errors import PromptTooLong
+from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_caches, num_pages_to_allocate, pages_for
+from worker.engine.radix_cache import RadixCache
+from worker.engine.request import (
+    ErrorInfo, FinishReason, GenerationOutput, Request, RequestOutput, TokenLogprob, Usage,
+)
+from worker.engine.runner import ModelRunner
+from worker.engine.sampler import Sampler
+from worker.engine.scheduler import ScheduledChunk, Scheduler
+from worker.engine.settings import EngineSettings
+from worker.engine.stop import TextOutput
+from worker.model.config import Qwen3Config
+from worker.model.loader import load_model
+from worker.model.presets import resolve_model_path
+from worker.model.qwen3 import Qwen3ForCausalLM
+from worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 10.0
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the queue loop may still hand over: request slots, and KV pages not yet spoken for."""
+
+    free_slots: int
+    free_pages: int
+    page_size: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    steps: int
+    computed_tokens: int  # tokens the model ran (prefill chunks, recomputation and decodes)
+    computed_prompt_tokens: int  # of those, prompt positions; cache hits are not among them
+    preemptions: int
+    cache_queried_tokens: int  # prompt tokens looked up in the prefix cache at admission
+    cache_hit_tokens: int  # of those, found cached
+
+
+class Engine:
+    def __init__(
+        self, model: Qwen3ForCausalLM, config: Qwen3Config, tokenizer: Tokenizer,
+        settings: EngineSettings, eos_token_ids: list[int], device: torch.device,
+    ):
+        self.settings = settings
+        self.device = device
+        self.tokenizer = tokenizer
+        self.vocab_size = config.vocab_size
+        self.max_model_len = resolve_max_model_len(settings, config)
+        # Stop tokens the model cannot emit (a small test vocabulary) are dropped, not masked.
+        self.eos_token_ids = sorted(t for t in set(eos_token_ids) if t < config.vocab_size)
+        shape = KVCacheShape(
+            config.num_hidden_layers, config.num_key_value_heads, config.head_dim, settings.page_size,
+            model.model.norm.weight.dtype,
+        )
+        num_pages = num_pages_to_allocate(
+            shape, device, settings.num_pages, settings.kv_cache_mib, settings.gpu_memory_utilization
+        )
+        self.allocator = PageAllocator(num_pages)
+        self.cache = RadixCache(self.allocator, settings.page_size, settings.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            self.allocator, self.cache, settings.page_size, settings.max_running, settings.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(model, allocate_kv_caches(shape, num_pages, device), settings.page_size, device)
+        self.sampler = Sampler(self.eos_token_ids)
+        self._live: dict[str, Request] = {}
+        self._ended: list[RequestOutput] = []  # finals of requests that ended between steps (aborts)
+        self._arrivals = itertools.count()
+        self._generate_ids = itertools.count()
+        self._steps = self._computed_tokens = self._computed_prompt_tokens = 0
+
+    @classmethod
+    def from_pretrained(
+        cls, model: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
+        **settings,
+    ) -> Engine:
+        """A preset name ('tiny', 'small', 'qwen3-0.6b') or a checkpoint directory; settings as in EngineSettings."""
+        engine_settings = EngineSettings.parse(**settings)
+        path = resolve_model_path(model)
+        loaded = load_model(path, dtype, device)
+        tokenizer = Tokenizer.from_dir(path)
+        eos = list(loaded.generation_config.eos_token_ids) + list(tokenizer.eos_token_ids)
+        return cls(loaded.model, loaded.config, tokenizer, engine_settings, eos, torch.device(device))
+
+    # -- the loop interface ------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+    ) -> None:
+        """Queues a request. `priority`: lower runs sooner (as in vLLM); ties go first come, first served.
+
+        Raises InvalidArgument (naming the field) for a bad id, prompt or parameters, and
+        PromptTooLong when the prompt leaves no room for output within max_model_len.
+        """
+        self._check_request(request_id, prompt_token_ids, params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        req = Request(
+            request_id, prompt_token_ids, params, priority, next(self._arrivals),
+            TextOutput(detokenizer, params.stop), generator,
+        )
+        self._live[request_id] = req
+        self.scheduler.add(req)
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one batched model step; returns a delta for every request that produced a token
+        or ended (including those aborted or failed since the last step)."""
+        outputs, self._ended = self._ended, []
+        scheduled = self.scheduler.schedule()
+        for req in scheduled.failed:
+            outputs.append(self._end(req, req.text.finish(), []))
+        if scheduled.chunks:
+            outputs.extend(self._run(scheduled.chunks))
+        return outputs
+
+    def abort(self, request_id: str) -> bool:
+        """Ends a live request; its final output (finish_reason "abort") comes with the next step."""
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        req.finish("abort")
+        self._ended.append(self._end(req, req.text.finish(), []))
+        log.debug("aborted request %s after %d output tokens", request_id, req.num_output_tokens)
+        return True
+
+    def capacity(self) -> Capacity:
+        waiting = self.scheduler.waiting
+        promised = self.scheduler.pages_owed() + sum(pages_for(len(r.token_ids), self.settings.page_size) for r in waiting)
+        available = self.allocator.num_free + self.cache.evictable_pages
+        return Capacity(
+            free_slots=max(0, self.settings.max_running - len(self.scheduler.running) - len(waiting)),
+            free_pages=max(0, available - promised),
+            page_size=self.settings.page_size,
+        )
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live or self._ended)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            self._steps, self._computed_tokens, self._computed_prompt_tokens, self.scheduler.num_preemptions,
+            self.cache.queried_tokens, self.cache.hit_tokens,
+        )
+
+    # -- offline -------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[GenerationOutput]:
+        """Runs the prompts (text, or token id lists) to completion; outputs in input order.
+
+        A request that cannot run (too long, bad token ids) gets an output with finish_reason
+        "error" and its code, and the others still run.
+        """
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise InvalidArgument("params", f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        results: list[GenerationOutput | None] = [None] * len(prompts)
+        index: dict[str, tuple[int, Request]] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            request_id = f"generate-{next(self._generate_ids)}"
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            try:
+                self.add_request(request_id, ids, p)
+            except MiliError as e:
+                results[i] = rejected_output(request_id, ids, e)
+                continue
+            index[request_id] = (i, self._live[request_id])
+        self._run_to_completion(index, results)
+        return results  # type: ignore[return-value]
+
+    def _run_to_completion(self, index: dict[str, tuple[int, Request]], results: list) -> None:
+        start = last_report = time.monotonic()
+        done = out_tokens = 0
+        while done < len(index):
+            for out in self.step():
+                out_tokens += len(out.new_token_ids)
+                if out.finished and out.request_id in index:
+                    i, req = index[out.request_id]
+                    results[i] = generation_output(req)
+                    done += 1
+            now = time.monotonic()
+            if now - last_report >= PROGRESS_EVERY_S:
+                last_report = now
+                log.info(
+                    "generate: %d/%d done, %d output tokens, %.1f tok/s, %d running, %d waiting",
+                    done, len(index), out_tokens, out_tokens / (now - start),
+                    len(self.scheduler.running), len(self.scheduler.waiting),
+                )
+
+    # -- one step ------------------------------------------------------------------------
+
+    def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        self._count_computed(chunks)
+        sampling = [c.request for c in chunks if c.samples]
+        logits = self.runner.run(chunks)
+        self.scheduler.commit(chunks)
+        if not sampling:
+            return []
+        sampled = self.sampler(logits, sampling)
+        return [
+            self._take_token(req, token, lp)
+            for req, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs)
+        ]
+
+    def _count_computed(self, chunks: list[ScheduledChunk]) -> None:
+        self._steps += 1
+        for c in chunks:
+            self._computed_tokens += c.num_tokens
+            self._computed_prompt_tokens += max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
+
+    def _take_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        req.token_ids.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        text, reason = self._check_stop(req, token)
+        logprobs = [logprob] if logprob is not None else None
+        if reason is None:
+            return RequestOutput(req.request_id, [token], text, False, None, req.usage(), logprobs)
+        req.finish(reason)
+        self.scheduler.finish(req)
+        return self._end(req, text, [token], logprobs)
+
+    def _check_stop(self, req: Request, token: int) -> tuple[str, FinishReason | None]:
+        """(text delta, finish reason or None), in vLLM's order: stop tokens, stop strings, length.
+
+        Before min_tokens nothing stops the request (its stop tokens were also masked out of
+        sampling). A stop token's own text is not emitted; a stop string is cut from the text.
+        """
+        p = req.params
+        can_stop = req.num_output_tokens >= p.min_tokens
+        if can_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+            return req.text.finish(), "stop"
+        text, stopped = req.text.push(token, can_stop)
+        if stopped:
+            return text, "stop"
+        if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
+            return text + req.text.finish(), "length"
+        return text, None
+
+    def _end(
+        self, req: Request, text: str, new_token_ids: list[int], logprobs: list[TokenLogprob] | None = None,
+    ) -> RequestOutput:
+        del self._live[req.request_id]
+        log.debug(
+            "request %s finished (%s): %d prompt tokens (%d cached), %d output tokens, %d preemptions",
+            req.request_id, req.finish_reason, req.num_prompt_tokens, req.num_cached_prompt_tokens,
+            req.num_output_tokens, req.num_preemptions,
+        )
+        return RequestOutput(
+            req.request_id, new_token_ids, text, True, req.finish_reason, req.usage(), logprobs, req.error,
+        )
+
+    def _check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._live:
+            raise InvalidArgument("request_id", f"{request_id!r} is already running")
+        if not prompt_token_ids:
+            raise InvalidArgument("prompt_token_ids", "must not be empty")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise InvalidArgument("prompt_token_ids", f"token ids must be in [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLong(
+                "prompt_token_ids",
+                f"{len(prompt_token_ids)} tokens leave no room for output within max_model_len {self.max_model_len}",
+            )
+        params.check_consistency()
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise InvalidArgument("stop_token_ids", f"token ids must be below the vocabulary size {self.vocab_size}")
+
+
+def resolve_max_model_len(settings: EngineSettings, config: Qwen3Config) -> int:
+    # Positions index the model's RoPE table, so the context cannot outgrow it.
+    limit = config.max_position_embeddings
+    if settings.max_model_len is None:
+        return limit
+    if settings.max_model_len > limit:
+        raise InvalidArgument("max_model_len", f"{settings.max_model_len} exceeds the model's context of {limit}")
+    return settings.max_model_len
+
+
+def generation_output(req: Request) -> GenerationOutput:
+    return GenerationOutput(
+        req.request_id, req.prompt_token_ids, req.output_token_ids, req.text.text, req.finish_reason,
+        req.usage(), req.logprobs, req.error,
+    )
+
+
+def rejected_output(request_id: str, prompt_token_ids: list[int], error: MiliError) -> GenerationOutput:
+    return GenerationOutput(
+        request_id, prompt_token_ids, [], "", "error", Usage(len(prompt_token_ids), 0, 0),
+        None, ErrorInfo(error.code, error.message),
+    )

@@ -1,0 +1,69 @@
+"""The model runner: turns a step's chunks into the model's inputs and returns the logits to sample."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.scheduler import ScheduledChunk
+from worker.model.batch import AttentionMetadata, KVCaches
+from worker.model.qwen3 import Qwen3ForCausalLM
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [N] int64: the last new token of each chunk that samples
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3ForCausalLM, kv_caches: KVCaches, page_size: int, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.page_size = page_size
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Extends every chunk's KV; returns [N, vocab] float32 logits, one row per sampling chunk, in order."""
+        inputs = self.prepare(chunks)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        return self.model.compute_logits(hidden[inputs.sample_indices])
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        """Builds the step's metadata with a handful of tensor ops, not per-token Python."""
+        token_ids, q_lens, prefix_lens, tables, samples = [], [], [], [], []
+        for c in chunks:
+            token_ids.extend(c.request.token_ids[c.start : c.start + c.num_tokens])
+            q_lens.append(c.num_tokens)
+            prefix_lens.append(c.start)
+            tables.append(c.request.pages)
+            samples.append(c.samples)
+        q_len, prefix = torch.tensor(q_lens), torch.tensor(prefix_lens)
+        cu_seqlens = torch.zeros(len(chunks) + 1, dtype=torch.int64)
+        torch.cumsum(q_len, 0, out=cu_seqlens[1:])
+        owner = torch.repeat_interleave(torch.arange(len(chunks)), q_len)  # request index of each new token
+        positions = torch.arange(len(token_ids)) - cu_seqlens[owner] + prefix[owner]
+        max_pages = max(len(t) for t in tables)
+        page_table = torch.tensor([t + [0] * (max_pages - len(t)) for t in tables], dtype=torch.int32)
+        ps = self.page_size
+        slot_mapping = page_table[owner, positions // ps].long() * ps + positions % ps
+        meta = AttentionMetadata(
+            is_decode=max(q_lens) == 1,
+            slot_mapping=self._to_device(slot_mapping),
+            page_table=self._to_device(page_table),
+            seq_lens=self._to_device((prefix + q_len).int()),
+            prefix_lens=self._to_device(prefix.int()),
+            cu_seqlens_q=self._to_device(cu_seqlens.int()),
+            max_q_len=max(q_lens),
+        )
+        sample_indices = (cu_seqlens[1:] - 1)[torch.tensor(samples)]
+        return StepInputs(
+            self._to_device(torch.tensor(token_ids)), self._to_device(positions), meta,
+            self._to_device(sample_indices),
+        )
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True)
