@@ -40,12 +40,19 @@ def paged_decode_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
-    """q [B, Hq, D]; page_table [B, max_pages] int32; context_lens [B] (includes the current token)."""
+    """q [B, Hq, D]; page_table [B, max_pages] int32; context_lens [B] (includes the current token).
+
+    This is also the CPU engine's decode path, so each request's q heads are viewed as
+    [Hk, group, D] and every kv head serves its group in place: no per-q-head copy of K/V.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)
     for b, length in enumerate(context_lens.tolist()):
-        k = gather_context(k_cache, page_table[b], length)
-        v = gather_context(v_cache, page_table[b], length)
-        out[b] = attend(q[b : b + 1], k, v, scale, causal_offset=None)[0]
+        k = gather_context(k_cache, page_table[b], length).float()  # [L, Hk, D]
+        v = gather_context(v_cache, page_table[b], length).float()
+        qb = q[b].float().view(num_kv_heads, -1, head_dim)  # [Hk, group, D]
+        scores = (qb @ k.permute(1, 2, 0)) * scale  # [Hk, group, L]
+        out[b] = (scores.softmax(-1) @ v.transpose(0, 1)).reshape(q.shape[1:]).to(q.dtype)
     return out
 
 
