@@ -1,6 +1,6 @@
 """Paged decode attention: one query token per request over its cached context.
 
-Flash-decoding: each request's context is cut into NUM_SPLITS ranges that run as separate
+Flash-decoding: each request's context is cut into num_splits ranges that run as separate
 programs (so a small batch of long contexts still fills the GPU), each leaving a normalized
 partial output and its log-sum-exp; a second kernel merges the splits. A program handles all
 the q heads that share one kv head, so each K/V tile is read once per group (GQA).
@@ -94,16 +94,18 @@ def attend_kv_tile(
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens_ptr, partial_out_ptr, partial_lse_ptr,
     q_batch_stride, q_head_stride, cache_page_stride, cache_slot_stride, cache_head_stride, page_table_stride,
-    num_q_heads, qk_scale,
-    GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    num_q_heads, num_splits, qk_scale,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    # num_splits is a runtime value: it follows the batch size, and a constexpr would
+    # compile a kernel variant for each one the server meets.
     batch = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # Splits cut this request's own context in whole tiles, so no host sync on lengths is needed.
     context_len = tl.load(context_lens_ptr + batch)
-    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, context_len)
 
@@ -128,27 +130,27 @@ def _decode_split_kernel(
     l_safe = tl.where(l > 0, l, 1.0)
     lse = tl.where(l > 0, m + tl.log2(l_safe), float("-inf"))
     out = acc / l_safe[:, None]
-    part = (batch * num_q_heads + heads) * NUM_SPLITS + split
+    part = (batch * num_q_heads + heads) * num_splits + split
     tl.store(partial_lse_ptr + part, lse, mask=g < GROUP)
     tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    partial_out_ptr, partial_lse_ptr, out_ptr, out_batch_stride, out_head_stride, num_q_heads,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    partial_out_ptr, partial_lse_ptr, out_ptr, out_batch_stride, out_head_stride, num_q_heads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    part = (batch * num_q_heads + head) * NUM_SPLITS + s
-    lse = tl.load(partial_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
+    part = (batch * num_q_heads + head) * num_splits + s
+    lse = tl.load(partial_lse_ptr + part, mask=s < num_splits, other=float("-inf"))
     top = tl.max(lse, axis=0)
     # An empty context leaves every split at -inf: all weights 0 and a zero output, as the reference.
     weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     parts = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
-                    mask=(s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM), other=0.0)
+                    mask=(s[:, None] < num_splits) & (d[None, :] < HEAD_DIM), other=0.0)
     total = tl.sum(weight, axis=0)
     out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + batch * out_batch_stride + head * out_head_stride + d,
@@ -199,14 +201,14 @@ def paged_decode_attention_triton(
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, context_lens, partial_out, partial_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        num_q_heads, scale * LOG2E,
-        GROUP=group, NUM_SPLITS=num_splits, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
+        num_q_heads, num_splits, scale * LOG2E,
+        GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
-        partial_out, partial_lse, out, out.stride(0), out.stride(1), num_q_heads,
-        NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        partial_out, partial_lse, out, out.stride(0), out.stride(1), num_q_heads, num_splits,
+        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
         num_warps=1,
     )
     return out
