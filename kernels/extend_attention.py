@@ -14,11 +14,13 @@ from kernels._dispatch import use_triton
 from kernels.decode_attention import LOG2E, attend, attend_kv_tile, check_paged_cache, dot_precision, gather_context
 
 
-
 def tile_config(dtype: torch.dtype) -> dict:
-    """Tile sizes and launch shape per input dtype. 16-bit inputs take the usual Hopper
-    flash-attention shape (128 x 64 tiles on two warpgroups); fp32 dots run on FMA units,
-    so smaller tiles keep their operands in registers."""
+    """Tile sizes and launch shape for an input dtype.
+
+    16-bit inputs take the usual Hopper flash-attention shape (128 x 64 tiles, two
+    warpgroups); fp32 dots run on FMA units, so smaller tiles keep operands in registers
+    (tests/kernels/compile_sm90.py reports registers and spills).
+    """
     if dtype == torch.float32:
         return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
     return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
