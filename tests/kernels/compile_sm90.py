@@ -76,27 +76,30 @@ def _resource_usage(cubin: bytes) -> dict:
     return {k.lower(): int(v) for k, v in (item.split(":") for item in usage if ":" in item and item.split(":")[1].isdigit())}
 
 
-def compile_launch(kernel, args, kwargs) -> dict:
+def compile_launch(kernel, args, kwargs, dtype: torch.dtype) -> dict:
     signature, constexprs, attrs = _signature(kernel, args, kwargs)
     options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=H100, options=options)
     usage = _resource_usage(compiled.asm["cubin"])
-    dtype = next(v.dtype for v in args if isinstance(v, torch.Tensor) and v.is_floating_point())
     return {"kernel": kernel.__name__, "dtype": str(dtype).removeprefix("torch."), **options,
             "shared_bytes": compiled.metadata.shared, "registers": usage["reg"], "spill_stack_bytes": usage["stack"]}
 
 
 def production_launches() -> list:
-    """Record each launcher once, at Qwen3-8B-like shapes (128-dim heads, 32 q / 8 kv heads)."""
+    """(kernel, args, kwargs, model dtype) of each launch the launchers make at Qwen3-8B-like
+    shapes (128-dim heads, 32 q / 8 kv heads)."""
     launches: list = []
     modules = (rms_norm, rope, activation, kv_store, decode_attention, extend_attention)
     for module in modules:
         for name, value in vars(module).items():
             if isinstance(value, triton.runtime.jit.JITFunction) and name.startswith("_") and name.endswith("_kernel"):
                 setattr(module, name, Recorder(value, launches))
+    recorded = []
     for dtype in (torch.bfloat16, torch.float32):
         _record_all(dtype)
-    return launches
+        recorded += [(*launch, dtype) for launch in launches]
+        launches.clear()
+    return recorded
 
 
 def _record_all(dtype: torch.dtype) -> None:
@@ -123,9 +126,9 @@ def _record_all(dtype: torch.dtype) -> None:
 
 def main() -> int:
     failures = 0
-    for kernel, args, kwargs in production_launches():
+    for kernel, args, kwargs, dtype in production_launches():
         try:
-            report = compile_launch(kernel, args, kwargs)
+            report = compile_launch(kernel, args, kwargs, dtype)
         except Exception as e:  # report every kernel, not just the first failure
             report, failures = {"kernel": kernel.__name__, "error": repr(e)[:2000]}, failures + 1
         print(json.dumps(report), flush=True)
