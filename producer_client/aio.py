@@ -6,12 +6,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from producer_client import protocol
+from producer_client import protocol, scripts
 from producer_client.errors import JobNotFound, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta
-from producer_client.scripts import CANCEL_JOB
 
 
 class AsyncClient:
@@ -25,7 +24,6 @@ class AsyncClient:
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
         self.redis = aioredis.Redis.from_url(url, decode_responses=True)
-        self._cancel_job = self.redis.register_script(CANCEL_JOB)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -41,16 +39,16 @@ class AsyncClient:
         request_id: str | None = None, timeout_s: float | None = None, priority: int = 0, **sampling: Any,
     ) -> str:
         job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling)
-        await self._check_depth()
+        job_key = self.keys.job(job.job_id)
         if job.idempotent:
-            if not await self.redis.hsetnx(self.keys.job(job.job_id), "status", "queued"):
+            if not await self.redis.hsetnx(job_key, "status", "queued"):
                 return job.job_id
-            await self._enqueue_or_forget(job)
+            added = await self._enqueue_or_forget(job)
         else:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hset(self.keys.job(job.job_id), "status", "queued")
-            pipe.xadd(self.keys.queue(self.queue), job.entry())
-            await pipe.execute()
+            added = (await scripts.aexecute(self.redis, lambda pipe: (pipe.hset(job_key, "status", "queued"), self._enqueue(pipe, job))))[-1]
+        if not added[0]:
+            await self.redis.delete(job_key)
+            raise QueueFull(self.queue, added[1], self.max_queue_depth)
         return job.job_id
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
@@ -63,13 +61,7 @@ class AsyncClient:
         if status is None:
             raise JobNotFound(job_id)
         after, end = protocol.end_event(last)
-        while end is None:
-            for event_id, fields in await self._read_events(job_id, after, deadline):
-                after = event_id
-                if fields["type"] == "end":
-                    end = fields["data"]
-                    break
-        return protocol.finished(job_id, end)
+        return protocol.finished(job_id, end if end is not None else await self._wait_end(job_id, after, deadline))
 
     async def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenDelta]:
         job_id = protocol.check_job_id(job_id)
@@ -92,14 +84,14 @@ class AsyncClient:
 
     async def cancel(self, job_id: str) -> JobStatus:
         job_id = protocol.check_job_id(job_id)
-        keys = [self.keys.job(job_id), self.keys.events(job_id)]
-        if await self._cancel_job(keys=keys, args=[protocol.cancelled_result(job_id)]) is None:
+        if (await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*protocol.cancel_call(self.keys, job_id))))[0] is None:
             raise JobNotFound(job_id)
         return await self.status(job_id)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
-        protocol.check_timeout(timeout)
-        return await self.result(await self.submit(prompt, **kwargs), timeout=timeout)
+        deadline_s = protocol.check_timeout(timeout)
+        job_id = await self.submit(prompt, **kwargs)
+        return protocol.finished(job_id, await self._wait_end(job_id, "0-0", Deadline(job_id, deadline_s)))
 
     async def queue_stats(self) -> QueueStats:
         queue_key = self.keys.queue(self.queue)
@@ -115,18 +107,22 @@ class AsyncClient:
         groups = replies.pop(0) if depth else []
         return protocol.queue_stats(self.queue, depth, groups, names, replies)
 
-    async def _check_depth(self) -> None:
-        if self.max_queue_depth is not None:
-            depth = await self.redis.xlen(self.keys.queue(self.queue))
-            if depth >= self.max_queue_depth:
-                raise QueueFull(self.queue, depth, self.max_queue_depth)
+    def _enqueue(self, pipe, job: NewJob) -> None:
+        pipe.evalsha(*job.enqueue_call(self.keys, self.queue, self.max_queue_depth))
 
-    async def _enqueue_or_forget(self, job: NewJob) -> None:
+    async def _enqueue_or_forget(self, job: NewJob) -> list:
         try:
-            await self.redis.xadd(self.keys.queue(self.queue), job.entry())
+            return (await scripts.aexecute(self.redis, lambda pipe: self._enqueue(pipe, job)))[0]
         except BaseException:
             await self.redis.delete(self.keys.job(job.job_id))
             raise
+
+    async def _wait_end(self, job_id: str, after: str, deadline: Deadline) -> str:
+        while True:
+            for event_id, fields in await self._read_events(job_id, after, deadline):
+                after = event_id
+                if fields["type"] == "end":
+                    return fields["data"]
 
     async def _read_events(self, job_id: str, after: str, deadline: Deadline) -> list:
         reply = await self.redis.xread(

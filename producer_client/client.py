@@ -7,21 +7,20 @@ from typing import Any
 
 import redis
 
-from producer_client import protocol
+from producer_client import protocol, scripts
 from producer_client.errors import JobNotFound, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta
-from producer_client.scripts import CANCEL_JOB
 
 
 class Client:
     """Submit jobs to a MILI queue and read their results.
 
     `max_queue_depth` is the backpressure bound: `submit` raises QueueFull when the queue
-    already holds that many unacknowledged entries (None: no bound). It is checked before
-    the XADD, so concurrent producers may overshoot it by their number; entries are never
-    trimmed to enforce it.
+    already holds that many unacknowledged entries (None: no bound). The check and the
+    XADD are one script, so the bound holds whatever the number of producers; entries are
+    never trimmed to enforce it.
     """
 
     def __init__(
@@ -32,7 +31,6 @@ class Client:
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
         self.redis = redis.Redis.from_url(url, decode_responses=True)
-        self._cancel_job = self.redis.register_script(CANCEL_JOB)
 
     def close(self) -> None:
         self.redis.close()
@@ -50,16 +48,17 @@ class Client:
         """Enqueue a job and return its id. `sampling` takes SamplingParams' fields (max_tokens,
         temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same id."""
         job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling)
-        self._check_depth()
+        job_key = self.keys.job(job.job_id)
         if job.idempotent:
-            if not self.redis.hsetnx(self.keys.job(job.job_id), "status", "queued"):
+            if not self.redis.hsetnx(job_key, "status", "queued"):
                 return job.job_id
-            self._enqueue_or_forget(job)
+            added = self._enqueue_or_forget(job)
         else:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hset(self.keys.job(job.job_id), "status", "queued")
-            pipe.xadd(self.keys.queue(self.queue), job.entry())
-            pipe.execute()
+            # A fresh id cannot collide: create the job and enqueue it in one round trip.
+            added = scripts.execute(self.redis, lambda pipe: (pipe.hset(job_key, "status", "queued"), self._enqueue(pipe, job)))[-1]
+        if not added[0]:
+            self.redis.delete(job_key)
+            raise QueueFull(self.queue, added[1], self.max_queue_depth)
         return job.job_id
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
@@ -76,13 +75,7 @@ class Client:
         # The last event, not the hash, says whether the job ended: the end event and the
         # result are written by one script, and reading on from the last event misses nothing.
         after, end = protocol.end_event(last)
-        while end is None:
-            for event_id, fields in self._read_events(job_id, after, deadline):
-                after = event_id
-                if fields["type"] == "end":
-                    end = fields["data"]
-                    break
-        return protocol.finished(job_id, end)
+        return protocol.finished(job_id, end if end is not None else self._wait_end(job_id, after, deadline))
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
         """Yield the job's token deltas until it ends. Resume after a disconnect with
@@ -110,15 +103,15 @@ class Client:
         """A queued job is cancelled at once; a running one stops within one engine step and
         keeps its partial output. Returns the status right after the request."""
         job_id = protocol.check_job_id(job_id)
-        keys = [self.keys.job(job_id), self.keys.events(job_id)]
-        if self._cancel_job(keys=keys, args=[protocol.cancelled_result(job_id)]) is None:
+        if scripts.execute(self.redis, lambda pipe: pipe.evalsha(*protocol.cancel_call(self.keys, job_id)))[0] is None:
             raise JobNotFound(job_id)
         return self.status(job_id)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
-        """submit() then result()."""
-        protocol.check_timeout(timeout)
-        return self.result(self.submit(prompt, **kwargs), timeout=timeout)
+        """submit() then wait for the result, reading the job's events from their start."""
+        deadline_s = protocol.check_timeout(timeout)
+        job_id = self.submit(prompt, **kwargs)
+        return protocol.finished(job_id, self._wait_end(job_id, "0-0", Deadline(job_id, deadline_s)))
 
     def queue_stats(self) -> QueueStats:
         queue_key = self.keys.queue(self.queue)
@@ -135,20 +128,25 @@ class Client:
         groups = replies.pop(0) if depth else []
         return protocol.queue_stats(self.queue, depth, groups, names, replies)
 
-    def _check_depth(self) -> None:
-        if self.max_queue_depth is not None:
-            depth = self.redis.xlen(self.keys.queue(self.queue))
-            if depth >= self.max_queue_depth:
-                raise QueueFull(self.queue, depth, self.max_queue_depth)
+    def _enqueue(self, pipe, job: NewJob) -> None:
+        pipe.evalsha(*job.enqueue_call(self.keys, self.queue, self.max_queue_depth))
 
-    def _enqueue_or_forget(self, job: NewJob) -> None:
-        # If the XADD fails, drop the job hash so that a retry with the same request_id
+    def _enqueue_or_forget(self, job: NewJob) -> list:
+        # If the enqueue fails, drop the job hash so that a retry with the same request_id
         # enqueues the job instead of finding a job that will never run.
         try:
-            self.redis.xadd(self.keys.queue(self.queue), job.entry())
+            return scripts.execute(self.redis, lambda pipe: self._enqueue(pipe, job))[0]
         except BaseException:
             self.redis.delete(self.keys.job(job.job_id))
             raise
+
+    def _wait_end(self, job_id: str, after: str, deadline: Deadline) -> str:
+        """The data of the job's end event, read on from `after`."""
+        while True:
+            for event_id, fields in self._read_events(job_id, after, deadline):
+                after = event_id
+                if fields["type"] == "end":
+                    return fields["data"]
 
     def _read_events(self, job_id: str, after: str, deadline: Deadline) -> list:
         reply = self.redis.xread({self.keys.events(job_id): after}, count=EVENT_BATCH, block=deadline.block_ms())

@@ -15,7 +15,8 @@ from pydantic import ValidationError
 from producer_client.errors import (
     BodyTooLarge, InvalidArgument, JobFailed, JobNotFound, JobTimeout,
 )
-from producer_client.keys import GROUP, PROTOCOL_VERSION, check_name
+from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
+from producer_client.scripts import CANCEL, ENQUEUE
 from producer_client.schema import (
     MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
     TokenDelta, TokenLogprob, Timings, invalid_argument_from,
@@ -33,8 +34,9 @@ class NewJob:
     body: str
     idempotent: bool  # the id came from the caller's request_id, so it may exist already
 
-    def entry(self) -> dict[str, str]:
-        return {"id": self.job_id, "v": str(PROTOCOL_VERSION), "body": self.body}
+    def enqueue_call(self, keys: Keys, queue: str, max_depth: int | None) -> tuple:
+        """EVALSHA arguments of ENQUEUE for this job."""
+        return ENQUEUE.sha, 1, keys.queue(queue), max_depth or 0, self.job_id, PROTOCOL_VERSION, self.body
 
 
 def build_job(
@@ -106,11 +108,10 @@ class Deadline:
         return JobTimeout(self.job_id, self.timeout)
 
 
-def cancelled_result(job_id: str) -> str:
-    """The result a job gets when it is cancelled before any worker started it."""
-    return JobResult(
-        id=job_id, status="cancelled", finish_reason="abort", timings=Timings(finished_at=time.time()),
-    ).model_dump_json()
+def cancel_call(keys: Keys, job_id: str) -> tuple:
+    """EVALSHA arguments of CANCEL, with the result the job gets if no worker started it yet."""
+    result = JobResult(id=job_id, status="cancelled", finish_reason="abort", timings=Timings(finished_at=time.time()))
+    return CANCEL.sha, 2, keys.job(job_id), keys.events(job_id), result.model_dump_json()
 
 
 def finished(job_id: str, result_json: str) -> JobResult:

@@ -2,49 +2,51 @@
 that one loop iteration costs at most three round trips (read, claim, publish)."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 
 import redis
 
+from producer_client import scripts
 from producer_client.keys import GROUP, Keys
 from producer_client.schema import JobResult
-from producer_client.scripts import CLAIM_JOB, FINISH_JOB
+from producer_client.scripts import CLAIM, PUBLISH
 
 # Names of workers whose heartbeat is this stale are dropped from the queue's worker index.
 WORKER_INDEX_RETENTION_S = 3600
 
 
 @dataclass
-class Finish:
+class Update:
+    """What one job publishes for one step: each part is optional ('' or None when absent)."""
+
     job_id: str
     entry_id: str
-    result: JobResult
-
-
-@dataclass
-class TokenEvent:
-    job_id: str
-    data: str  # JSON: ids, text, logprobs
-    tokens_so_far: int
+    start: str = ""  # start event JSON: the first publication after the claim
+    tokens: str = ""  # tokens event JSON: ids, text, logprobs
+    tokens_so_far: int = 0
+    final: JobResult | None = None
 
 
 @dataclass
 class Batch:
     """What one loop iteration has to tell Redis, sent in one pipeline."""
 
-    tokens: list[TokenEvent] = field(default_factory=list)
-    finishes: list[Finish] = field(default_factory=list)
-    watch: list[str] = field(default_factory=list)  # running jobs whose cancel flag to read
+    updates: dict[str, Update] = field(default_factory=dict)
+    watch: list[str] = field(default_factory=list)  # running jobs with no update: read their cancel flag
+
+    def update(self, job_id: str, entry_id: str) -> Update:
+        if job_id not in self.updates:
+            self.updates[job_id] = Update(job_id, entry_id)
+        return self.updates[job_id]
 
 
 @dataclass
 class Published:
     # Results now final in Redis, each with whether this call wrote it (False: an earlier
     # finisher did, and this one changed nothing). Either way the entry may be acknowledged.
-    finished: list[tuple[Finish, bool]]
-    cancelled: list[str]  # watched jobs whose cancel flag is set
+    finished: list[tuple[Update, bool]]
+    stop: list[str]  # running jobs to stop: cancelled, or already given a result elsewhere
 
 
 class WorkerQueue:
@@ -55,8 +57,6 @@ class WorkerQueue:
         self.worker = worker
         self.result_ttl_s = result_ttl_s
         self.stream = keys.queue(queue)
-        self._claim = client.register_script(CLAIM_JOB)
-        self._finish = client.register_script(FINISH_JOB)
 
     def ensure_group(self) -> None:
         # From id 0, not $: jobs submitted before the first worker started must run too.
@@ -84,38 +84,41 @@ class WorkerQueue:
         return replies[-1][0][1]
 
     def claim(self, jobs: list[tuple[str, str]]) -> list[str]:
-        """For each (job id, entry id): 'claimed', 'final' or 'duplicate' (see CLAIM_JOB)."""
-        pipe = self.redis.pipeline(transaction=False)
-        start = json.dumps({"worker": self.worker, "started_at": time.time()})
-        for job_id, entry_id in jobs:
-            self._claim(
-                keys=[self.keys.job(job_id), self.keys.events(job_id)],
-                args=[self.worker, entry_id, start, self.result_ttl_s], client=pipe,
-            )
-        return pipe.execute()
+        """For each (job id, entry id): 'claimed', 'final' or 'duplicate' (see CLAIM)."""
+
+        def add(pipe):
+            for job_id, entry_id in jobs:
+                pipe.evalsha(
+                    CLAIM.sha, 2, self.keys.job(job_id), self.keys.events(job_id), self.worker, entry_id,
+                    self.result_ttl_s,
+                )
+
+        return scripts.execute(self.redis, add)
 
     def publish(self, batch: Batch) -> Published:
-        """Token events, final results and cancel checks of one step, in one pipeline. Raises
-        on any Redis error, so a result that was not written is never acknowledged."""
-        pipe = self.redis.pipeline(transaction=False)
-        for ev in batch.tokens:
-            pipe.xadd(self.keys.events(ev.job_id), {"type": "tokens", "data": ev.data})
-            pipe.hset(self.keys.job(ev.job_id), "tokens", ev.tokens_so_far)
-        for f in batch.finishes:
-            self._finish(
-                keys=[self.keys.job(f.job_id), self.keys.events(f.job_id)],
-                args=[f.result.status, f.result.model_dump_json(), len(f.result.token_ids), self.result_ttl_s],
-                client=pipe,
-            )
-        for job_id in batch.watch:
-            pipe.hget(self.keys.job(job_id), "cancel")
-        replies = pipe.execute() if len(pipe) else []
-        written = replies[2 * len(batch.tokens): 2 * len(batch.tokens) + len(batch.finishes)]
-        flags = replies[len(replies) - len(batch.watch):]
-        return Published(
-            finished=[(f, bool(w)) for f, w in zip(batch.finishes, written)],
-            cancelled=[job_id for job_id, flag in zip(batch.watch, flags) if flag == "1"],
-        )
+        """Every job's events of one step, final results and cancel checks, in one pipeline.
+        Raises on any Redis error, so a result that was not written is never acknowledged."""
+        updates = list(batch.updates.values())
+        results = [u.final.model_dump_json() if u.final else "" for u in updates]
+
+        def add(pipe):
+            for u, result in zip(updates, results):
+                pipe.evalsha(
+                    PUBLISH.sha, 2, self.keys.job(u.job_id), self.keys.events(u.job_id), u.start, u.tokens,
+                    u.tokens_so_far, u.final.status if u.final else "", result, self.result_ttl_s,
+                )
+            for job_id in batch.watch:
+                pipe.hget(self.keys.job(job_id), "cancel")
+
+        replies = scripts.execute(self.redis, add)
+        finished, stop = [], []
+        for u, reply in zip(updates, replies):
+            if u.final is not None:
+                finished.append((u, reply == 1))
+            elif reply == "1" or reply == 0:  # cancel flag, or a result written elsewhere
+                stop.append(u.job_id)
+        stop.extend(job_id for job_id, flag in zip(batch.watch, replies[len(updates):]) if flag == "1")
+        return Published(finished, stop)
 
     def heartbeat(self, fields: dict[str, str | int | float], ttl_s: float) -> int:
         """Refresh this worker's heartbeat hash and index entry; returns the queue depth."""

@@ -7,6 +7,7 @@ acknowledged (and deleted) only after its final result is in Redis: at-least-onc
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -22,7 +23,7 @@ from worker.jobs import (
     Job, entry_time, expired_result, failed_result, job_id_of, parse_request, prompt_token_ids, token_event,
 )
 from worker.metrics import WorkerMetrics
-from worker.queue import Batch, Finish, TokenEvent, WorkerQueue
+from worker.queue import Batch, WorkerQueue
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -152,10 +153,10 @@ class Worker:
                 job = self._job_from_entry(job_id, entry_id, fields, now)
             except MiliError as e:
                 log.info("job %s failed before it started: %s: %s", job_id, e.code, e.message)
-                batch.finishes.append(Finish(job_id, entry_id, failed_result(job_id, entry_id, e, self.name)))
+                batch.update(job_id, entry_id).final = failed_result(job_id, entry_id, e, self.name)
                 continue
             if job.deadline is not None and now > job.deadline:
-                batch.finishes.append(Finish(job_id, entry_id, expired_result(job_id, entry_id, self.name)))
+                batch.update(job_id, entry_id).final = expired_result(job_id, entry_id, self.name)
             else:
                 runnable.append(job)
         if not runnable:
@@ -179,15 +180,16 @@ class Worker:
         return Job(job_id, entry_id, request, ids, queued_at=entry_time(entry_id), started_at=now)
 
     def _start(self, job: Job, batch: Batch) -> None:
+        update = batch.update(job.id, job.entry_id)
         try:
             self.engine.add_request(job.id, job.prompt_token_ids, job.request.params, job.request.priority)
         except MiliError as e:
             log.info("job %s rejected by the engine: %s: %s", job.id, e.code, e.message)
             usage = Usage(prompt_tokens=len(job.prompt_token_ids))
-            result = job.result("failed", "error", usage, self.name, ErrorInfo(code=e.code, message=e.message))
-            batch.finishes.append(Finish(job.id, job.entry_id, result))
+            update.final = job.result("failed", "error", usage, self.name, ErrorInfo(code=e.code, message=e.message))
             return
         self.jobs[job.id] = job
+        update.start = json.dumps({"worker": self.name, "started_at": job.started_at})
 
     # -- step ---------------------------------------------------------------------------------
 
@@ -219,7 +221,9 @@ class Worker:
             except Exception:
                 log.exception("job %s: abort after the failed step failed too", job.id)
             usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(job.token_ids))
-            batch.finishes.append(Finish(job.id, job.entry_id, job.result("failed", "error", usage, self.name, info)))
+            update = batch.update(job.id, job.entry_id)
+            update.final = job.result("failed", "error", usage, self.name, info)
+            update.tokens_so_far = len(job.token_ids)
 
     def _collect(self, outputs: list, batch: Batch) -> None:
         now = time.time()
@@ -227,13 +231,16 @@ class Worker:
             job = self.jobs.get(out.request_id)
             if job is None:
                 continue
+            update = batch.update(job.id, job.entry_id)
             if out.new_token_ids or out.text_delta:
-                self._record_delta(job, out, now, batch)
+                update.tokens = self._record_delta(job, out, now)
+            update.tokens_so_far = len(job.token_ids)
             if out.finished:
                 del self.jobs[job.id]
-                batch.finishes.append(Finish(job.id, job.entry_id, self._final_result(job, out)))
+                update.final = self._final_result(job, out)
 
-    def _record_delta(self, job: Job, out, now: float, batch: Batch) -> None:
+    def _record_delta(self, job: Job, out, now: float) -> str:
+        """Add the output's delta to the job; returns its tokens event."""
         if job.first_token_at is None and out.new_token_ids:
             job.first_token_at = now
         job.token_ids.extend(out.new_token_ids)
@@ -243,8 +250,7 @@ class Worker:
             logprobs = [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top)) for lp in out.logprobs]
             job.logprobs = (job.logprobs or []) + logprobs
         self.metrics.generation_tokens.inc(len(out.new_token_ids))
-        data = token_event(out.new_token_ids, out.text_delta, logprobs)
-        batch.tokens.append(TokenEvent(job.id, data, len(job.token_ids)))
+        return token_event(out.new_token_ids, out.text_delta, logprobs)
 
     def _final_result(self, job: Job, out) -> JobResult:
         u = out.usage
@@ -264,18 +270,22 @@ class Worker:
     # -- publish --------------------------------------------------------------------------------
 
     def _publish(self, batch: Batch) -> None:
-        batch.watch = [job_id for job_id, job in self.jobs.items() if job.stop_reason is None]
-        if not (batch.tokens or batch.finishes or batch.watch):
+        batch.watch = [
+            job_id for job_id, job in self.jobs.items() if job.stop_reason is None and job_id not in batch.updates
+        ]
+        if not (batch.updates or batch.watch):
             return
         published = self.queue.publish(batch)
-        for finish, written in published.finished:
-            self.acks.append(finish.entry_id)
+        for update, written in published.finished:
+            self.acks.append(update.entry_id)
             if written:
-                self.metrics.job_ended(finish.result)
-                log_end(finish.result)
-        for job_id in published.cancelled:
-            log.info("job %s cancelled while running", job_id)
-            self._stop(self.jobs[job_id], "cancel")
+                self.metrics.job_ended(update.final)
+                log_end(update.final)
+        for job_id in published.stop:
+            job = self.jobs.get(job_id)
+            if job is not None and job.stop_reason is None:
+                log.info("job %s cancelled while running", job_id)
+                self._stop(job, "cancel")
 
     # -- heartbeat --------------------------------------------------------------------------------
 

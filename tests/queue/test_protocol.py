@@ -110,7 +110,7 @@ def test_publish_reports_cancel_flags_of_watched_jobs():
     r.hset(Keys().job("a"), "cancel", "1")
     r.hset(Keys().job("b"), "status", "running")
     published = q.publish(Batch(watch=["a", "b"]))
-    assert published.cancelled == ["a"]
+    assert published.stop == ["a"]
     assert published.finished == []
 
 

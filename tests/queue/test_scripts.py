@@ -1,13 +1,13 @@
 """The protocol's Lua scripts on a real redis-server: each job status transition is atomic,
-and the first finisher wins."""
+the queue bound is exact, and the first finisher wins."""
 import json
 import uuid
 
 import pytest
 
-from producer_client.keys import Keys
+from producer_client.keys import PROTOCOL_VERSION, Keys
 from producer_client.schema import JobResult
-from producer_client.scripts import CANCEL_JOB, CLAIM_JOB, FINISH_JOB
+from producer_client.scripts import ALL, CANCEL, CLAIM, ENQUEUE, PUBLISH, execute
 
 KEYS = Keys()
 
@@ -17,61 +17,89 @@ def job_id():
     return uuid.uuid4().hex
 
 
-def run(redis_client, script, job_id, *args):
-    return redis_client.register_script(script)(keys=[KEYS.job(job_id), KEYS.events(job_id)], args=list(args))
+def run(redis_client, script, keys, *args):
+    return execute(redis_client, lambda pipe: pipe.evalsha(script.sha, len(keys), *keys, *args))[0]
+
+
+def on_job(redis_client, script, job_id, *args):
+    return run(redis_client, script, [KEYS.job(job_id), KEYS.events(job_id)], *args)
 
 
 def events(redis_client, job_id):
     return [(f["type"], json.loads(f["data"])) for _, f in redis_client.xrange(KEYS.events(job_id))]
 
 
-def result_json(job_id, status, text):
-    return JobResult(id=job_id, status=status, text=text).model_dump_json()
+def final(job_id, status, text):
+    return status, JobResult(id=job_id, status=status, text=text).model_dump_json()
 
 
-def test_a_second_finisher_changes_nothing(redis_client, job_id):
+def test_scripts_load_on_a_server_that_lacks_them(redis_client, job_id):
+    redis_client.script_flush()
+    assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60) == "claimed"
+    assert all(redis_client.script_exists(*(s.sha for s in ALL)))
+
+
+def test_enqueue_refuses_at_the_bound_and_never_trims(redis_client):
+    queue = KEYS.queue(uuid.uuid4().hex)
+    for i in range(2):
+        added, entry_id = run(redis_client, ENQUEUE, [queue], 2, f"j{i}", PROTOCOL_VERSION, "{}")
+        assert added == 1 and entry_id
+    assert run(redis_client, ENQUEUE, [queue], 2, "j2", PROTOCOL_VERSION, "{}") == [0, 2]
+    assert [f["id"] for _, f in redis_client.xrange(queue)] == ["j0", "j1"]
+    assert run(redis_client, ENQUEUE, [queue], 0, "j3", PROTOCOL_VERSION, "{}")[0] == 1  # 0: no bound
+
+
+def test_a_step_is_published_at_once_and_a_second_finisher_changes_nothing(redis_client, job_id):
     redis_client.hset(KEYS.job(job_id), "status", "queued")
-    assert run(redis_client, CLAIM_JOB, job_id, "w1", "1-0", "{}", 60) == "claimed"
-    assert run(redis_client, FINISH_JOB, job_id, "done", result_json(job_id, "done", "first"), 3, 60) == 1
-    assert run(redis_client, FINISH_JOB, job_id, "failed", result_json(job_id, "failed", "second"), 0, 60) == 0
+    assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60) == "claimed"
+    start, tokens = json.dumps({"worker": "w1"}), json.dumps({"ids": [1, 2], "text": "ab"})
+    assert on_job(redis_client, PUBLISH, job_id, start, tokens, 2, "", "", 60) is None  # goes on, not cancelled
+    assert redis_client.hget(KEYS.job(job_id), "tokens") == "2"
+    status, result = final(job_id, "done", "abc")
+    assert on_job(redis_client, PUBLISH, job_id, "", json.dumps({"ids": [3], "text": "c"}), 3, status, result, 60) == 1
+    status, other = final(job_id, "failed", "second")
+    assert on_job(redis_client, PUBLISH, job_id, "", tokens, 9, status, other, 60) == 0
     job = redis_client.hgetall(KEYS.job(job_id))
     assert job["status"] == "done" and job["tokens"] == "3"
-    assert JobResult.model_validate_json(job["result"]).text == "first"
-    assert [t for t, _ in events(redis_client, job_id)] == ["start", "end"]
+    assert JobResult.model_validate_json(job["result"]).text == "abc"
+    assert [t for t, _ in events(redis_client, job_id)] == ["start", "tokens", "tokens", "end"]
     assert 0 < redis_client.ttl(KEYS.job(job_id)) <= 60
     assert 0 < redis_client.ttl(KEYS.events(job_id)) <= 60
 
 
 def test_a_queued_job_cancelled_is_dropped_by_the_worker_that_reads_it(redis_client, job_id):
     redis_client.hset(KEYS.job(job_id), "status", "queued")
-    assert run(redis_client, CANCEL_JOB, job_id, result_json(job_id, "cancelled", "")) == "queued"
+    _, result = final(job_id, "cancelled", "")
+    assert on_job(redis_client, CANCEL, job_id, result) == "queued"
     assert redis_client.hget(KEYS.job(job_id), "status") == "cancelled"
-    assert run(redis_client, CLAIM_JOB, job_id, "w1", "1-0", "{}", 60) == "final"
+    assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60) == "final"
     assert [t for t, _ in events(redis_client, job_id)] == ["end"]
     assert 0 < redis_client.ttl(KEYS.job(job_id)) <= 60  # the worker's claim starts the result TTL
 
 
-def test_cancelling_a_running_job_only_raises_its_flag(redis_client, job_id):
+def test_cancelling_a_running_job_raises_the_flag_its_next_step_reads(redis_client, job_id):
     redis_client.hset(KEYS.job(job_id), "status", "queued")
-    run(redis_client, CLAIM_JOB, job_id, "w1", "1-0", "{}", 60)
-    assert run(redis_client, CANCEL_JOB, job_id, "{}") == "running"
+    on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60)
+    assert on_job(redis_client, CANCEL, job_id, "{}") == "running"
     job = redis_client.hgetall(KEYS.job(job_id))
     assert (job["status"], job["cancel"]) == ("running", "1")
     assert "result" not in job
+    assert on_job(redis_client, PUBLISH, job_id, "", "", 0, "", "", 60) == "1"
 
 
 def test_cancelling_an_unknown_job_returns_nil(redis_client, job_id):
-    assert run(redis_client, CANCEL_JOB, job_id, "{}") is None
+    assert on_job(redis_client, CANCEL, job_id, "{}") is None
     assert not redis_client.exists(KEYS.job(job_id), KEYS.events(job_id))
 
 
 def test_a_second_entry_of_a_running_job_is_a_duplicate(redis_client, job_id):
-    assert run(redis_client, CLAIM_JOB, job_id, "w1", "1-0", "{}", 60) == "claimed"  # raw XADD: no hash yet
-    assert run(redis_client, CLAIM_JOB, job_id, "w2", "2-0", "{}", 60) == "duplicate"
+    assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60) == "claimed"  # raw XADD: no hash yet
+    assert on_job(redis_client, CLAIM, job_id, "w2", "2-0", 60) == "duplicate"
     assert redis_client.hget(KEYS.job(job_id), "worker") == "w1"
 
 
 def test_a_failure_without_a_claim_creates_the_job(redis_client, job_id):
-    assert run(redis_client, FINISH_JOB, job_id, "failed", result_json(job_id, "failed", ""), 0, 60) == 1
+    status, result = final(job_id, "failed", "")
+    assert on_job(redis_client, PUBLISH, job_id, "", "", 0, status, result, 60) == 1
     assert redis_client.hget(KEYS.job(job_id), "status") == "failed"
     assert [t for t, _ in events(redis_client, job_id)] == ["end"]
