@@ -87,7 +87,10 @@ class Worker:
                 self._iterate()
             self.queue.read(0, None, self._take_acks())
         finally:
-            self.queue.leave()
+            try:
+                self.queue.leave()
+            except redis.RedisError as e:  # do not hide why the loop ended
+                log.warning("could not remove the heartbeat: %s", e)
             if self.jobs:
                 log.warning("left %d unfinished jobs pending for other workers: %s", len(self.jobs), list(self.jobs))
 

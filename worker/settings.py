@@ -10,10 +10,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, TomlConfigSettingsSource
 
-from producer_client.keys import DEFAULT_PREFIX
+from producer_client.keys import DEFAULT_PREFIX, check_name
 from producer_client.schema import MAX_BODY_BYTES, MAX_TOKENS_LIMIT
 from worker.engine.settings import EngineSettings
 
@@ -26,24 +26,29 @@ class WorkerSettings(BaseSettings):
         toml_file=DEFAULT_CONFIG_FILE,
     )
 
-    model: str = "tiny"  # a preset (tiny, small, qwen3-0.6b), "echo", or a checkpoint directory
-    device: str = "auto"  # cpu, cuda, cuda:N; auto picks cuda when there is one
-    dtype: str = "auto"  # float32, bfloat16, float16; auto: the checkpoint's own
-    redis: str = "embedded"  # a redis:// rediss:// unix:// URL, or embedded: a private redis-server
-    queue: str = "default"
-    prefix: str = DEFAULT_PREFIX  # namespace of every Redis key
-    name: str = ""  # consumer name in the queue's group; empty: <hostname>-<pid>
-    block_ms: int = Field(500, ge=1, le=60_000)  # longest idle XREADGROUP block; bounds reaction to SIGTERM
-    heartbeat_interval_s: float = Field(1.0, gt=0.0)
-    heartbeat_ttl_s: float = Field(5.0, gt=0.0)  # the worker counts as dead this long after its last heartbeat
-    result_ttl_s: int = Field(3600, ge=1)  # job hash and event stream expire this long after the job ends
-    drain_grace_s: float = Field(30.0, ge=0.0)  # on SIGTERM, running jobs get this long to finish
-    max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1)
-    max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1)
-    metrics_host: str = "0.0.0.0"
-    metrics_port: int = Field(9400, ge=0, le=65535)  # Prometheus endpoint; 0 = any free port (see heartbeat)
-    log_level: str = "INFO"
+    model: str = Field("tiny", description='a preset (tiny, small, qwen3-0.6b), "echo" (no model), or a checkpoint directory')
+    device: str = Field("auto", description="cpu, cuda, cuda:N; auto picks cuda when torch sees one")
+    dtype: str = Field("auto", description="float32, bfloat16, float16; auto keeps the checkpoint's own")
+    redis: str = Field("embedded", description="redis://, rediss:// or unix:// URL; embedded starts a private redis-server")
+    queue: str = Field("default", description="the queue this worker serves")
+    prefix: str = Field(DEFAULT_PREFIX, description="namespace of every Redis key")
+    name: str = Field("", description="consumer name in the queue's group; empty means <hostname>-<pid>")
+    block_ms: int = Field(500, ge=1, le=60_000, description="longest idle XREADGROUP block; bounds the reaction to SIGTERM")
+    heartbeat_interval_s: float = Field(1.0, gt=0.0, description="how often the heartbeat hash is refreshed")
+    heartbeat_ttl_s: float = Field(5.0, gt=0.0, description="the worker counts as dead this long after its last heartbeat")
+    result_ttl_s: int = Field(3600, ge=1, description="a job's hash and event stream expire this long after it ends")
+    drain_grace_s: float = Field(30.0, ge=0.0, description="on SIGTERM, running jobs get this long to finish")
+    max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1, description="larger job bodies fail with body_too_large")
+    max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1, description="larger max_tokens fail with invalid_argument")
+    metrics_host: str = Field("0.0.0.0", description="address of the Prometheus endpoint")
+    metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus endpoint port; 0 binds any free port")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
     engine: EngineSettings = EngineSettings()
+
+    @field_validator("queue", "prefix", "name")
+    @classmethod
+    def _usable_in_keys(cls, value: str, info: ValidationInfo) -> str:
+        return value if value == "" and info.field_name == "name" else check_name(info.field_name, value)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
@@ -69,7 +74,9 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
         else:
-            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper())
+            parser.add_argument(
+                flag, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(), help=field.description,
+            )
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:

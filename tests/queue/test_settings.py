@@ -4,6 +4,9 @@ import argparse
 import re
 import tomllib
 
+import pytest
+
+from producer_client.errors import InvalidArgument
 from worker.engine.settings import EngineSettings
 from worker.settings import DEFAULT_CONFIG_FILE, WorkerSettings, add_setting_flags, settings_from_args
 
@@ -39,3 +42,10 @@ def test_flags_beat_the_environment_which_beats_the_file(tmp_path, monkeypatch):
     assert (s.block_ms, s.engine.max_running, s.engine.enable_prefix_cache) == (33, 4, False)  # flags over all
     monkeypatch.delenv("MILI_BLOCK_MS")
     assert parse_flags("--config", str(config)).block_ms == 11
+
+
+def test_names_that_end_up_in_redis_keys_are_checked():
+    with pytest.raises(InvalidArgument) as e:
+        WorkerSettings.load(None, queue="a b")
+    assert e.value.field == "queue"
+    assert WorkerSettings.load(None, name="").name == ""  # empty: derived from host and pid
