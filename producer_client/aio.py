@@ -54,14 +54,10 @@ class AsyncClient:
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         job_id = protocol.check_job_id(job_id)
         deadline = Deadline(job_id, protocol.check_timeout(timeout))
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hget(self.keys.job(job_id), "status")
-        pipe.xrevrange(self.keys.events(job_id), count=1)
-        status, last = await pipe.execute()
+        status, result = await self.redis.hmget(self.keys.job(job_id), "status", "result")
         if status is None:
             raise JobNotFound(job_id)
-        after, end = protocol.end_event(last)
-        return protocol.finished(job_id, end if end is not None else await self._wait_end(job_id, after, deadline))
+        return protocol.finished(job_id, result if result is not None else await self._wait_done(job_id, deadline))
 
     async def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenDelta]:
         job_id = protocol.check_job_id(job_id)
@@ -75,7 +71,7 @@ class AsyncClient:
                 if fields["type"] == "tokens":
                     yield protocol.token_delta(event_id, fields["data"])
                 elif fields["type"] == "end":
-                    protocol.finished(job_id, fields["data"])
+                    protocol.check_end(fields["data"])
                     return
 
     async def status(self, job_id: str) -> JobStatus:
@@ -84,14 +80,15 @@ class AsyncClient:
 
     async def cancel(self, job_id: str) -> JobStatus:
         job_id = protocol.check_job_id(job_id)
-        if (await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*protocol.cancel_call(self.keys, job_id))))[0] is None:
+        cancel = protocol.cancel_call(self.keys, job_id)
+        if (await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*cancel)))[0] is None:
             raise JobNotFound(job_id)
         return await self.status(job_id)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
         deadline_s = protocol.check_timeout(timeout)
         job_id = await self.submit(prompt, **kwargs)
-        return protocol.finished(job_id, await self._wait_end(job_id, "0-0", Deadline(job_id, deadline_s)))
+        return protocol.finished(job_id, await self._wait_done(job_id, Deadline(job_id, deadline_s)))
 
     async def queue_stats(self) -> QueueStats:
         queue_key = self.keys.queue(self.queue)
@@ -117,12 +114,11 @@ class AsyncClient:
             await self.redis.delete(self.keys.job(job.job_id))
             raise
 
-    async def _wait_end(self, job_id: str, after: str, deadline: Deadline) -> str:
-        while True:
-            for event_id, fields in await self._read_events(job_id, after, deadline):
-                after = event_id
-                if fields["type"] == "end":
-                    return fields["data"]
+    async def _wait_done(self, job_id: str, deadline: Deadline) -> str:
+        reply = await self.redis.xread({self.keys.done(job_id): "0-0"}, count=1, block=deadline.block_ms())
+        if not reply:
+            raise deadline.expired()
+        return reply[0][1][0][1]["data"]
 
     async def _read_events(self, job_id: str, after: str, deadline: Deadline) -> list:
         reply = await self.redis.xread(

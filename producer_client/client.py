@@ -62,20 +62,14 @@ class Client:
         return job.job_id
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
-        """Block until the job ends (XREAD BLOCK on its event stream; no polling) and return its
+        """Block until the job ends (XREAD BLOCK on its `done` stream; no polling) and return its
         result. Raises JobFailed for a failed job, JobTimeout, JobNotFound."""
         job_id = protocol.check_job_id(job_id)
         deadline = Deadline(job_id, protocol.check_timeout(timeout))
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hget(self.keys.job(job_id), "status")
-        pipe.xrevrange(self.keys.events(job_id), count=1)
-        status, last = pipe.execute()
+        status, result = self.redis.hmget(self.keys.job(job_id), "status", "result")
         if status is None:
             raise JobNotFound(job_id)
-        # The last event, not the hash, says whether the job ended: the end event and the
-        # result are written by one script, and reading on from the last event misses nothing.
-        after, end = protocol.end_event(last)
-        return protocol.finished(job_id, end if end is not None else self._wait_end(job_id, after, deadline))
+        return protocol.finished(job_id, result if result is not None else self._wait_done(job_id, deadline))
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
         """Yield the job's token deltas until it ends. Resume after a disconnect with
@@ -92,7 +86,7 @@ class Client:
                 if fields["type"] == "tokens":
                     yield protocol.token_delta(event_id, fields["data"])
                 elif fields["type"] == "end":
-                    protocol.finished(job_id, fields["data"])
+                    protocol.check_end(fields["data"])
                     return
 
     def status(self, job_id: str) -> JobStatus:
@@ -103,15 +97,16 @@ class Client:
         """A queued job is cancelled at once; a running one stops within one engine step and
         keeps its partial output. Returns the status right after the request."""
         job_id = protocol.check_job_id(job_id)
-        if scripts.execute(self.redis, lambda pipe: pipe.evalsha(*protocol.cancel_call(self.keys, job_id)))[0] is None:
+        cancel = protocol.cancel_call(self.keys, job_id)
+        if scripts.execute(self.redis, lambda pipe: pipe.evalsha(*cancel))[0] is None:
             raise JobNotFound(job_id)
         return self.status(job_id)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
-        """submit() then wait for the result, reading the job's events from their start."""
+        """submit() then result(), without looking the job up: it was just created."""
         deadline_s = protocol.check_timeout(timeout)
         job_id = self.submit(prompt, **kwargs)
-        return protocol.finished(job_id, self._wait_end(job_id, "0-0", Deadline(job_id, deadline_s)))
+        return protocol.finished(job_id, self._wait_done(job_id, Deadline(job_id, deadline_s)))
 
     def queue_stats(self) -> QueueStats:
         queue_key = self.keys.queue(self.queue)
@@ -140,13 +135,12 @@ class Client:
             self.redis.delete(self.keys.job(job.job_id))
             raise
 
-    def _wait_end(self, job_id: str, after: str, deadline: Deadline) -> str:
-        """The data of the job's end event, read on from `after`."""
-        while True:
-            for event_id, fields in self._read_events(job_id, after, deadline):
-                after = event_id
-                if fields["type"] == "end":
-                    return fields["data"]
+    def _wait_done(self, job_id: str, deadline: Deadline) -> str:
+        """The job's result JSON, from its `done` stream: there at once if the job has ended."""
+        reply = self.redis.xread({self.keys.done(job_id): "0-0"}, count=1, block=deadline.block_ms())
+        if not reply:
+            raise deadline.expired()
+        return reply[0][1][0][1]["data"]
 
     def _read_events(self, job_id: str, after: str, deadline: Deadline) -> list:
         reply = self.redis.xread({self.keys.events(job_id): after}, count=EVENT_BATCH, block=deadline.block_ms())

@@ -1,7 +1,7 @@
 """Every Redis key MILI uses (protocol v1), and nothing else: no other module builds a key.
 
 The part of a key in braces is a Redis Cluster hash tag. All keys of one job share a slot
-(`job`, `events`), and so do all keys of one queue (`queue`, `dead`, `workers`). That lets
+(`job`, `events`, `done`), and so do all keys of one queue (`queue`, `dead`, `workers`). That lets
 the single-job Lua scripts touch a job's hash and its event stream atomically, while no
 command or script ever spans a job's keys and a queue's keys.
 """
@@ -56,6 +56,11 @@ class Keys:
     def events(self, job_id: str) -> str:
         """Stream of the job's events: start, tokens, end."""
         return f"{self.prefix}:ev:{{{job_id}}}"
+
+    def done(self, job_id: str) -> str:
+        """Stream that gets one entry, the job's result, when the job ends. result() blocks on
+        it and wakes once, however many steps the job takes; the event stream wakes per step."""
+        return f"{self.prefix}:done:{{{job_id}}}"
 
     def worker(self, name: str) -> str:
         """Heartbeat hash of one worker, with a TTL."""

@@ -18,7 +18,7 @@ from producer_client.errors import (
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
 from producer_client.scripts import CANCEL, ENQUEUE
 from producer_client.schema import (
-    MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
+    MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobEnd, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
     TokenDelta, TokenLogprob, Timings, invalid_argument_from,
 )
 
@@ -108,10 +108,15 @@ class Deadline:
         return JobTimeout(self.job_id, self.timeout)
 
 
+def job_keys(keys: Keys, job_id: str) -> tuple[str, str, str]:
+    """The keys every job script takes, in order."""
+    return keys.job(job_id), keys.events(job_id), keys.done(job_id)
+
+
 def cancel_call(keys: Keys, job_id: str) -> tuple:
     """EVALSHA arguments of CANCEL, with the result the job gets if no worker started it yet."""
     result = JobResult(id=job_id, status="cancelled", finish_reason="abort", timings=Timings(finished_at=time.time()))
-    return CANCEL.sha, 2, keys.job(job_id), keys.events(job_id), result.model_dump_json()
+    return CANCEL.sha, 3, *job_keys(keys, job_id), result.model_dump_json(), result.end().model_dump_json()
 
 
 def finished(job_id: str, result_json: str) -> JobResult:
@@ -132,12 +137,11 @@ def token_delta(event_id: str, data: str) -> TokenDelta:
     )
 
 
-def end_event(last_events: list) -> tuple[str, str | None]:
-    """From an XREVRANGE COUNT 1 reply: the id to read on from, and the end event's data if it is one."""
-    if not last_events:
-        return "0-0", None
-    event_id, fields = last_events[0]
-    return event_id, fields["data"] if fields.get("type") == "end" else None
+def check_end(data: str) -> None:
+    """At a stream's `end` event: raise JobFailed if the job failed."""
+    end = JobEnd.model_validate_json(data)
+    if end.status == "failed":
+        raise JobFailed(end.error.code if end.error else "error", end.error.message if end.error else "failed")
 
 
 def job_status(job_id: str, fields: dict[str, str]) -> JobStatus:

@@ -9,7 +9,9 @@ is atomic and Redis Cluster-safe, and a job's status moves only through them:
 
 Event stream entries have two fields: `type` (start | tokens | end) and `data` (JSON). A
 worker publishes a job's events of one engine step in one PUBLISH call, so a reader blocked
-on the stream wakes once per step, not once per event.
+on the stream wakes once per step, not once per event. The job's end also adds its result,
+the one entry it will ever have, to its `done` stream: a reader that wants only the result
+blocks there and wakes once.
 
 Scripts run by EVALSHA; a server that lacks one (fresh, or restarted) answers NOSCRIPT,
 which means the script did not run, so the caller loads the scripts and retries.
@@ -45,29 +47,29 @@ end
 return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])}
 """)
 
-# KEYS: job, events. ARGV: result JSON of a cancelled job. Returns the status before the call,
-# or nil if there is no such job. A queued job ends here and now; a running one gets the flag
-# its worker reads every step.
+# KEYS: job, events, done. ARGV: result and end event JSON of a cancelled job. Returns the status
+# before the call, or nil if there is no such job. A queued job ends here and now; a running one
+# gets the flag its worker reads every step.
 CANCEL = Script("cancel", """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end
 if status == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'cancel', '1', 'result', ARGV[1])
-  redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[1])
+  redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[2])
+  redis.call('XADD', KEYS[3], '*', 'data', ARGV[1])
 elseif status == 'running' then
   redis.call('HSET', KEYS[1], 'cancel', '1')
 end
 return status
 """)
 
-# KEYS: job, events. ARGV: worker, entry id, result TTL seconds.
+# KEYS: job, events, done. ARGV: worker, entry id, result TTL seconds.
 # Returns 'claimed' (run it), 'final' (it already has a result: drop the entry) or
 # 'duplicate' (another entry with the same job id is running it: drop this one).
 # A missing hash is claimed too: a raw XADD bypasses the client that would create it.
 CLAIM = Script("claim", """
 if redis.call('HEXISTS', KEYS[1], 'result') == 1 then
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
+  for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[3]) end
   return 'final'
 end
 if redis.call('HGET', KEYS[1], 'status') == 'running' and redis.call('HGET', KEYS[1], 'entry') ~= ARGV[2] then
@@ -77,8 +79,8 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'entry', ARG
 return 'claimed'
 """)
 
-# KEYS: job, events. ARGV: start JSON, tokens JSON, tokens so far, final status, result JSON,
-# result TTL seconds; '' for an event the step does not have.
+# KEYS: job, events, done. ARGV: start JSON, tokens JSON, tokens so far, final status, result
+# JSON, end event JSON, result TTL seconds; '' for what the step does not have.
 # A job that has a result already gets nothing: 0 (a second finisher changes nothing, not
 # even the event stream). Otherwise the step's events are added, and the call returns 1
 # after writing the result, or the job's cancel flag ('1' or nil) while it goes on.
@@ -91,9 +93,9 @@ if ARGV[2] ~= '' then
 end
 if ARGV[4] == '' then return redis.call('HGET', KEYS[1], 'cancel') end
 redis.call('HSET', KEYS[1], 'status', ARGV[4], 'result', ARGV[5], 'tokens', ARGV[3])
-redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[5])
-redis.call('EXPIRE', KEYS[1], ARGV[6])
-redis.call('EXPIRE', KEYS[2], ARGV[6])
+redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[6])
+redis.call('XADD', KEYS[3], '*', 'data', ARGV[5])
+for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[7]) end
 return 1
 """)
 

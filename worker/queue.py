@@ -9,6 +9,7 @@ import redis
 
 from producer_client import scripts
 from producer_client.keys import GROUP, Keys
+from producer_client.protocol import job_keys
 from producer_client.schema import JobResult
 from producer_client.scripts import CLAIM, PUBLISH
 
@@ -88,10 +89,7 @@ class WorkerQueue:
 
         def add(pipe):
             for job_id, entry_id in jobs:
-                pipe.evalsha(
-                    CLAIM.sha, 2, self.keys.job(job_id), self.keys.events(job_id), self.worker, entry_id,
-                    self.result_ttl_s,
-                )
+                pipe.evalsha(CLAIM.sha, 3, *job_keys(self.keys, job_id), self.worker, entry_id, self.result_ttl_s)
 
         return scripts.execute(self.redis, add)
 
@@ -99,13 +97,16 @@ class WorkerQueue:
         """Every job's events of one step, final results and cancel checks, in one pipeline.
         Raises on any Redis error, so a result that was not written is never acknowledged."""
         updates = list(batch.updates.values())
-        results = [u.final.model_dump_json() if u.final else "" for u in updates]
+        finals = [
+            (u.final.status, u.final.model_dump_json(), u.final.end().model_dump_json()) if u.final else ("", "", "")
+            for u in updates
+        ]
 
         def add(pipe):
-            for u, result in zip(updates, results):
+            for u, final in zip(updates, finals):
                 pipe.evalsha(
-                    PUBLISH.sha, 2, self.keys.job(u.job_id), self.keys.events(u.job_id), u.start, u.tokens,
-                    u.tokens_so_far, u.final.status if u.final else "", result, self.result_ttl_s,
+                    PUBLISH.sha, 3, *job_keys(self.keys, u.job_id), u.start, u.tokens, u.tokens_so_far, *final,
+                    self.result_ttl_s,
                 )
             for job_id in batch.watch:
                 pipe.hget(self.keys.job(job_id), "cancel")

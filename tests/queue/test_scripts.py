@@ -22,7 +22,7 @@ def run(redis_client, script, keys, *args):
 
 
 def on_job(redis_client, script, job_id, *args):
-    return run(redis_client, script, [KEYS.job(job_id), KEYS.events(job_id)], *args)
+    return run(redis_client, script, [KEYS.job(job_id), KEYS.events(job_id), KEYS.done(job_id)], *args)
 
 
 def events(redis_client, job_id):
@@ -30,7 +30,13 @@ def events(redis_client, job_id):
 
 
 def final(job_id, status, text):
-    return status, JobResult(id=job_id, status=status, text=text).model_dump_json()
+    """PUBLISH's final status, result JSON and end event JSON."""
+    result = JobResult(id=job_id, status=status, text=text)
+    return status, result.model_dump_json(), result.end().model_dump_json()
+
+
+def done_entries(redis_client, job_id):
+    return [JobResult.model_validate_json(f["data"]) for _, f in redis_client.xrange(KEYS.done(job_id))]
 
 
 def test_scripts_load_on_a_server_that_lacks_them(redis_client, job_id):
@@ -53,43 +59,46 @@ def test_a_step_is_published_at_once_and_a_second_finisher_changes_nothing(redis
     redis_client.hset(KEYS.job(job_id), "status", "queued")
     assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60) == "claimed"
     start, tokens = json.dumps({"worker": "w1"}), json.dumps({"ids": [1, 2], "text": "ab"})
-    assert on_job(redis_client, PUBLISH, job_id, start, tokens, 2, "", "", 60) is None  # goes on, not cancelled
+    assert on_job(redis_client, PUBLISH, job_id, start, tokens, 2, "", "", "", 60) is None  # goes on, not cancelled
     assert redis_client.hget(KEYS.job(job_id), "tokens") == "2"
-    status, result = final(job_id, "done", "abc")
-    assert on_job(redis_client, PUBLISH, job_id, "", json.dumps({"ids": [3], "text": "c"}), 3, status, result, 60) == 1
-    status, other = final(job_id, "failed", "second")
-    assert on_job(redis_client, PUBLISH, job_id, "", tokens, 9, status, other, 60) == 0
+    last = json.dumps({"ids": [3], "text": "c"})
+    assert on_job(redis_client, PUBLISH, job_id, "", last, 3, *final(job_id, "done", "abc"), 60) == 1
+    assert on_job(redis_client, PUBLISH, job_id, "", tokens, 9, *final(job_id, "failed", "second"), 60) == 0
     job = redis_client.hgetall(KEYS.job(job_id))
     assert job["status"] == "done" and job["tokens"] == "3"
     assert JobResult.model_validate_json(job["result"]).text == "abc"
     assert [t for t, _ in events(redis_client, job_id)] == ["start", "tokens", "tokens", "end"]
-    assert 0 < redis_client.ttl(KEYS.job(job_id)) <= 60
-    assert 0 < redis_client.ttl(KEYS.events(job_id)) <= 60
+    assert events(redis_client, job_id)[-1][1] == {"status": "done", "finish_reason": None, "error": None}
+    assert [r.text for r in done_entries(redis_client, job_id)] == ["abc"]
+    for key in (KEYS.job(job_id), KEYS.events(job_id), KEYS.done(job_id)):
+        assert 0 < redis_client.ttl(key) <= 60
 
 
 def test_a_queued_job_cancelled_is_dropped_by_the_worker_that_reads_it(redis_client, job_id):
     redis_client.hset(KEYS.job(job_id), "status", "queued")
-    _, result = final(job_id, "cancelled", "")
-    assert on_job(redis_client, CANCEL, job_id, result) == "queued"
+    _, result, end = final(job_id, "cancelled", "")
+    assert on_job(redis_client, CANCEL, job_id, result, end) == "queued"
     assert redis_client.hget(KEYS.job(job_id), "status") == "cancelled"
+    assert [r.status for r in done_entries(redis_client, job_id)] == ["cancelled"]
     assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60) == "final"
     assert [t for t, _ in events(redis_client, job_id)] == ["end"]
-    assert 0 < redis_client.ttl(KEYS.job(job_id)) <= 60  # the worker's claim starts the result TTL
+    for key in (KEYS.job(job_id), KEYS.events(job_id), KEYS.done(job_id)):
+        assert 0 < redis_client.ttl(key) <= 60  # the worker's claim starts the result TTL
 
 
 def test_cancelling_a_running_job_raises_the_flag_its_next_step_reads(redis_client, job_id):
     redis_client.hset(KEYS.job(job_id), "status", "queued")
     on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60)
-    assert on_job(redis_client, CANCEL, job_id, "{}") == "running"
+    assert on_job(redis_client, CANCEL, job_id, "{}", "{}") == "running"
     job = redis_client.hgetall(KEYS.job(job_id))
     assert (job["status"], job["cancel"]) == ("running", "1")
     assert "result" not in job
-    assert on_job(redis_client, PUBLISH, job_id, "", "", 0, "", "", 60) == "1"
+    assert on_job(redis_client, PUBLISH, job_id, "", "", 0, "", "", "", 60) == "1"
 
 
 def test_cancelling_an_unknown_job_returns_nil(redis_client, job_id):
-    assert on_job(redis_client, CANCEL, job_id, "{}") is None
-    assert not redis_client.exists(KEYS.job(job_id), KEYS.events(job_id))
+    assert on_job(redis_client, CANCEL, job_id, "{}", "{}") is None
+    assert not redis_client.exists(KEYS.job(job_id), KEYS.events(job_id), KEYS.done(job_id))
 
 
 def test_a_second_entry_of_a_running_job_is_a_duplicate(redis_client, job_id):
@@ -99,7 +108,6 @@ def test_a_second_entry_of_a_running_job_is_a_duplicate(redis_client, job_id):
 
 
 def test_a_failure_without_a_claim_creates_the_job(redis_client, job_id):
-    status, result = final(job_id, "failed", "")
-    assert on_job(redis_client, PUBLISH, job_id, "", "", 0, status, result, 60) == 1
+    assert on_job(redis_client, PUBLISH, job_id, "", "", 0, *final(job_id, "failed", ""), 60) == 1
     assert redis_client.hget(KEYS.job(job_id), "status") == "failed"
     assert [t for t, _ in events(redis_client, job_id)] == ["end"]
