@@ -103,8 +103,8 @@ def test_eos_and_stop_ids_are_masked_until_min_tokens():
 
 def test_logprobs_are_the_raw_distribution_with_the_top_n():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0, 0, 0, 0, 0]])
-    out = Sampler([])(logits, [make_request(temperature=0, logprobs=2, repetition_penalty=5.0, prompt=[1])])
     lp = torch.log_softmax(logits[0], -1)
+    out = Sampler([])(logits, [make_request(temperature=0, logprobs=2, repetition_penalty=5.0, prompt=[1])])
     (got,) = out.logprobs
     # The penalty moves token 1 (3 -> 0.6) below token 2, which is sampled; logprobs stay raw.
     assert got.token_id == 2

@@ -38,9 +38,8 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        """logits [N, V] float32, one row per request, in the same order."""
+        """logits [N, V] float32, one row per request, in the same order; modified in place."""
         raw_logprobs = self._raw_logprobs(logits, requests)
-        logits = logits.clone()
         apply_penalties(logits, requests)
         self._suppress_stops_before_min_tokens(logits, requests)
         tokens = logits.argmax(dim=-1)
