@@ -71,7 +71,7 @@ class AsyncClient:
                 if fields["type"] == "tokens":
                     yield protocol.token_delta(event_id, fields["data"])
                 elif fields["type"] == "end":
-                    protocol.check_end(fields["data"])
+                    protocol.finished(job_id, fields["data"])
                     return
 
     async def status(self, job_id: str) -> JobStatus:

@@ -86,7 +86,7 @@ class Client:
                 if fields["type"] == "tokens":
                     yield protocol.token_delta(event_id, fields["data"])
                 elif fields["type"] == "end":
-                    protocol.check_end(fields["data"])
+                    protocol.finished(job_id, fields["data"])
                     return
 
     def status(self, job_id: str) -> JobStatus:

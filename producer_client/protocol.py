@@ -18,7 +18,7 @@ from producer_client.errors import (
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
 from producer_client.scripts import CANCEL, ENQUEUE
 from producer_client.schema import (
-    MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobEnd, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
+    MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
     TokenDelta, TokenLogprob, Timings, invalid_argument_from,
 )
 
@@ -116,7 +116,7 @@ def job_keys(keys: Keys, job_id: str) -> tuple[str, str, str]:
 def cancel_call(keys: Keys, job_id: str) -> tuple:
     """EVALSHA arguments of CANCEL, with the result the job gets if no worker started it yet."""
     result = JobResult(id=job_id, status="cancelled", finish_reason="abort", timings=Timings(finished_at=time.time()))
-    return CANCEL.sha, 3, *job_keys(keys, job_id), result.model_dump_json(), result.end().model_dump_json()
+    return CANCEL.sha, 3, *job_keys(keys, job_id), result.model_dump_json()
 
 
 def finished(job_id: str, result_json: str) -> JobResult:
@@ -136,12 +136,6 @@ def token_delta(event_id: str, data: str) -> TokenDelta:
         logprobs=None if logprobs is None else [TokenLogprob.model_validate(lp) for lp in logprobs],
     )
 
-
-def check_end(data: str) -> None:
-    """At a stream's `end` event: raise JobFailed if the job failed."""
-    end = JobEnd.model_validate_json(data)
-    if end.status == "failed":
-        raise JobFailed(end.error.code if end.error else "error", end.error.message if end.error else "failed")
 
 
 def job_status(job_id: str, fields: dict[str, str]) -> JobStatus:

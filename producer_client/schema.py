@@ -182,17 +182,6 @@ class JobResult(BaseModel):
     logprobs: list[TokenLogprob] | None = None
     worker: str | None = None
 
-    def end(self) -> JobEnd:
-        return JobEnd(status=self.status, finish_reason=self.finish_reason, error=self.error)
-
-
-class JobEnd(BaseModel):
-    """The `end` event: how the job ended. The whole result is in the job's hash."""
-
-    status: JobState
-    finish_reason: str | None = None
-    error: ErrorInfo | None = None
-
 
 class JobStatus(BaseModel):
     id: str

@@ -47,15 +47,15 @@ end
 return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])}
 """)
 
-# KEYS: job, events, done. ARGV: result and end event JSON of a cancelled job. Returns the status
-# before the call, or nil if there is no such job. A queued job ends here and now; a running one
+# KEYS: job, events, done. ARGV: result JSON of a cancelled job. Returns the status before the
+# call, or nil if there is no such job. A queued job ends here and now; a running one
 # gets the flag its worker reads every step.
 CANCEL = Script("cancel", """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end
 if status == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'cancel', '1', 'result', ARGV[1])
-  redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[2])
+  redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[1])
   redis.call('XADD', KEYS[3], '*', 'data', ARGV[1])
 elseif status == 'running' then
   redis.call('HSET', KEYS[1], 'cancel', '1')
@@ -80,7 +80,7 @@ return 'claimed'
 """)
 
 # KEYS: job, events, done. ARGV: start JSON, tokens JSON, tokens so far, final status, result
-# JSON, end event JSON, result TTL seconds; '' for what the step does not have.
+# JSON, result TTL seconds; '' for what the step does not have.
 # A job that has a result already gets nothing: 0 (a second finisher changes nothing, not
 # even the event stream). Otherwise the step's events are added, and the call returns 1
 # after writing the result, or the job's cancel flag ('1' or nil) while it goes on.
@@ -93,9 +93,9 @@ if ARGV[2] ~= '' then
 end
 if ARGV[4] == '' then return redis.call('HGET', KEYS[1], 'cancel') end
 redis.call('HSET', KEYS[1], 'status', ARGV[4], 'result', ARGV[5], 'tokens', ARGV[3])
-redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[6])
+redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[5])
 redis.call('XADD', KEYS[3], '*', 'data', ARGV[5])
-for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[7]) end
+for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[6]) end
 return 1
 """)
 

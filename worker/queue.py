@@ -97,10 +97,7 @@ class WorkerQueue:
         """Every job's events of one step, final results and cancel checks, in one pipeline.
         Raises on any Redis error, so a result that was not written is never acknowledged."""
         updates = list(batch.updates.values())
-        finals = [
-            (u.final.status, u.final.model_dump_json(), u.final.end().model_dump_json()) if u.final else ("", "", "")
-            for u in updates
-        ]
+        finals = [(u.final.status, u.final.model_dump_json()) if u.final else ("", "") for u in updates]
 
         def add(pipe):
             for u, final in zip(updates, finals):

@@ -30,9 +30,8 @@ def events(redis_client, job_id):
 
 
 def final(job_id, status, text):
-    """PUBLISH's final status, result JSON and end event JSON."""
-    result = JobResult(id=job_id, status=status, text=text)
-    return status, result.model_dump_json(), result.end().model_dump_json()
+    """PUBLISH's final status and result JSON."""
+    return status, JobResult(id=job_id, status=status, text=text).model_dump_json()
 
 
 def done_entries(redis_client, job_id):
@@ -59,7 +58,7 @@ def test_a_step_is_published_at_once_and_a_second_finisher_changes_nothing(redis
     redis_client.hset(KEYS.job(job_id), "status", "queued")
     assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60) == "claimed"
     start, tokens = json.dumps({"worker": "w1"}), json.dumps({"ids": [1, 2], "text": "ab"})
-    assert on_job(redis_client, PUBLISH, job_id, start, tokens, 2, "", "", "", 60) is None  # goes on, not cancelled
+    assert on_job(redis_client, PUBLISH, job_id, start, tokens, 2, "", "", 60) is None  # goes on, not cancelled
     assert redis_client.hget(KEYS.job(job_id), "tokens") == "2"
     last = json.dumps({"ids": [3], "text": "c"})
     assert on_job(redis_client, PUBLISH, job_id, "", last, 3, *final(job_id, "done", "abc"), 60) == 1
@@ -68,7 +67,7 @@ def test_a_step_is_published_at_once_and_a_second_finisher_changes_nothing(redis
     assert job["status"] == "done" and job["tokens"] == "3"
     assert JobResult.model_validate_json(job["result"]).text == "abc"
     assert [t for t, _ in events(redis_client, job_id)] == ["start", "tokens", "tokens", "end"]
-    assert events(redis_client, job_id)[-1][1] == {"status": "done", "finish_reason": None, "error": None}
+    assert events(redis_client, job_id)[-1][1]["text"] == "abc"
     assert [r.text for r in done_entries(redis_client, job_id)] == ["abc"]
     for key in (KEYS.job(job_id), KEYS.events(job_id), KEYS.done(job_id)):
         assert 0 < redis_client.ttl(key) <= 60
@@ -76,8 +75,8 @@ def test_a_step_is_published_at_once_and_a_second_finisher_changes_nothing(redis
 
 def test_a_queued_job_cancelled_is_dropped_by_the_worker_that_reads_it(redis_client, job_id):
     redis_client.hset(KEYS.job(job_id), "status", "queued")
-    _, result, end = final(job_id, "cancelled", "")
-    assert on_job(redis_client, CANCEL, job_id, result, end) == "queued"
+    _, result = final(job_id, "cancelled", "")
+    assert on_job(redis_client, CANCEL, job_id, result) == "queued"
     assert redis_client.hget(KEYS.job(job_id), "status") == "cancelled"
     assert [r.status for r in done_entries(redis_client, job_id)] == ["cancelled"]
     assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60) == "final"
@@ -89,15 +88,15 @@ def test_a_queued_job_cancelled_is_dropped_by_the_worker_that_reads_it(redis_cli
 def test_cancelling_a_running_job_raises_the_flag_its_next_step_reads(redis_client, job_id):
     redis_client.hset(KEYS.job(job_id), "status", "queued")
     on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60)
-    assert on_job(redis_client, CANCEL, job_id, "{}", "{}") == "running"
+    assert on_job(redis_client, CANCEL, job_id, "{}") == "running"
     job = redis_client.hgetall(KEYS.job(job_id))
     assert (job["status"], job["cancel"]) == ("running", "1")
     assert "result" not in job
-    assert on_job(redis_client, PUBLISH, job_id, "", "", 0, "", "", "", 60) == "1"
+    assert on_job(redis_client, PUBLISH, job_id, "", "", 0, "", "", 60) == "1"
 
 
 def test_cancelling_an_unknown_job_returns_nil(redis_client, job_id):
-    assert on_job(redis_client, CANCEL, job_id, "{}", "{}") is None
+    assert on_job(redis_client, CANCEL, job_id, "{}") is None
     assert not redis_client.exists(KEYS.job(job_id), KEYS.events(job_id), KEYS.done(job_id))
 
 
