@@ -1,0 +1,199 @@
+"""Queue benchmark: what the Redis queue path costs, with the model taken out.
+
+One worker process runs the echo engine (`--model echo`: no model; a job's output is its
+prompt, one token per step) on an embedded redis-server; producer processes send short jobs
+through the real client (`Client.generate`: submit, then block on the job's events). In one
+run it prints:
+
+  1. the same engine called directly (tokenize, add_request, step until finished): per-job latency;
+  2. latency through the queue at moderate load (a few producers, each waiting for its
+     result before sending the next), and what the queue path adds to (1);
+  3. throughput at saturation: jobs/s with many concurrent producers, and the CPU time per
+     job of each process (worker, redis-server, producers).
+
+    python bench/queue.py [--procs 4 --threads 4 --seconds 10 --max-tokens 1 --tcp]
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, this file's directory leads sys.path, and bench/queue.py would shadow the
+# standard library's queue module (which redis-py imports): put the repository there instead.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+from producer_client import Client  # noqa: E402  (the producers import nothing heavier)
+
+PROMPT = "hello world"
+QUEUE = "bench"
+
+
+def main() -> None:
+    args = parse_args()
+    from worker.embedded_redis import EmbeddedRedis  # imports torch: not in the producer processes
+
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+    print(f"jobs: prompt {PROMPT!r}, max_tokens {args.max_tokens}, greedy; 1 worker, echo engine\n")
+    direct = direct_latencies(args.latency_jobs, args.max_tokens)
+    report("direct engine call", direct)
+    server = EmbeddedRedis(port=free_port() if args.tcp else None)
+    with server:
+        print(f"redis-server: {server.url}")
+        worker = start_worker(server.url)
+        try:
+            wait_ready(server.url, args.max_tokens)
+            queued = run_producers(server.url, 1, args.latency_producers, args.latency_jobs, None, args.max_tokens)
+            report(f"through the queue, {args.latency_producers} producers (moderate load)", queued["latencies"])
+            for q in (50, 99):
+                print(f"  added by the queue path, p{q}: {(pct(queued['latencies'], q) - pct(direct, q)) * 1e3:.3f} ms")
+            before = cpu_seconds(worker.pid), cpu_seconds(server.process.pid)
+            t0 = time.perf_counter()
+            loaded = run_producers(server.url, args.procs, args.threads, None, args.seconds, args.max_tokens)
+            wall = time.perf_counter() - t0
+            after = cpu_seconds(worker.pid), cpu_seconds(server.process.pid)
+        finally:
+            worker.terminate()
+            worker.wait(timeout=30)
+    n = len(loaded["latencies"])
+    print(f"\nsaturation: {args.procs} processes x {args.threads} producers for {args.seconds:g}s")
+    print(f"  throughput: {n / loaded['elapsed']:.0f} jobs/s end to end ({n} jobs)")
+    report("  latency under saturation", loaded["latencies"])
+    print(
+        f"  CPU per job: worker {(after[0] - before[0]) / n * 1e6:.0f} us, redis-server "
+        f"{(after[1] - before[1]) / n * 1e6:.0f} us, producers {loaded['cpu'] / n * 1e6:.0f} us "
+        f"(wall {wall:.1f}s, load average {os.getloadavg()[0]:.2f} at end)"
+    )
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--procs", type=int, default=4, help="producer processes at saturation")
+    p.add_argument("--threads", type=int, default=4, help="producers (threads, one client each) per process")
+    p.add_argument("--seconds", type=float, default=10.0, help="length of the saturation run")
+    p.add_argument("--latency-producers", type=int, default=2)
+    p.add_argument("--latency-jobs", type=int, default=4000)
+    p.add_argument("--max-tokens", type=int, default=1)
+    p.add_argument("--tcp", action="store_true", help="Redis over TCP on 127.0.0.1 instead of a unix socket")
+    return p.parse_args()
+
+
+def direct_latencies(jobs: int, max_tokens: int) -> list[float]:
+    from producer_client import SamplingParams
+    from worker.echo_engine import EchoEngine
+    from worker.engine.settings import EngineSettings
+
+    engine = EchoEngine(EngineSettings())
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    latencies = []
+    for i in range(jobs):
+        t0 = time.perf_counter()
+        engine.add_request(str(i), engine.tokenizer.encode(PROMPT), params)
+        while not any(out.finished for out in engine.step()):
+            pass
+        latencies.append(time.perf_counter() - t0)
+    return latencies
+
+
+def start_worker(url: str) -> subprocess.Popen:
+    command = [
+        sys.executable, "-m", "worker", "serve", "--model", "echo", "--redis", url, "--queue", QUEUE,
+        "--name", "bench-worker", "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--log-level", "WARNING",
+    ]
+    return subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1])
+
+
+def wait_ready(url: str, max_tokens: int) -> None:
+    with Client(url, QUEUE) as client:
+        for _ in range(200):  # warm up the worker, its connection and the scripts
+            client.generate(PROMPT, max_tokens=max_tokens, temperature=0.0, timeout=120)
+
+
+def run_producers(url: str, procs: int, threads: int, jobs: int | None, seconds: float | None, max_tokens: int) -> dict:
+    """Each producer sends one job at a time and waits for its result, for `jobs` jobs in
+    all or for `seconds`. Returns all latencies, the elapsed time and the producers' CPU."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    go = ctx.Event()
+    per_thread = None if jobs is None else jobs // (procs * threads)
+    children = [
+        ctx.Process(target=producer_process, args=(url, threads, per_thread, seconds, max_tokens, go, results))
+        for _ in range(procs)
+    ]
+    for c in children:
+        c.start()
+    ready = [results.get() for _ in children]  # each says when its clients are connected
+    assert all(r == "ready" for r in ready)
+    t0 = time.perf_counter()
+    go.set()
+    parts = [results.get() for _ in children]
+    elapsed = time.perf_counter() - t0
+    for c in children:
+        c.join()
+    return {
+        "latencies": [x for p in parts for x in p["latencies"]],
+        "elapsed": max(p["elapsed"] for p in parts) if seconds else elapsed,
+        "cpu": sum(p["cpu"] for p in parts),
+    }
+
+
+def producer_process(url, threads, jobs, seconds, max_tokens, go, results) -> None:
+    clients = [Client(url, QUEUE) for _ in range(threads)]
+    for c in clients:
+        c.generate(PROMPT, max_tokens=max_tokens, temperature=0.0, timeout=120)  # connect, load scripts
+    latencies: list[list[float]] = [[] for _ in clients]
+    results.put("ready")
+    go.wait()
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    end = None if seconds is None else t0 + seconds
+
+    def produce(client: Client, out: list[float]) -> None:
+        while (jobs is None or len(out) < jobs) and (end is None or time.perf_counter() < end):
+            start = time.perf_counter()
+            client.generate(PROMPT, max_tokens=max_tokens, temperature=0.0, timeout=120)
+            out.append(time.perf_counter() - start)
+
+    workers = [threading.Thread(target=produce, args=(c, out)) for c, out in zip(clients, latencies)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    elapsed = time.perf_counter() - t0
+    results.put({"latencies": [x for out in latencies for x in out], "elapsed": elapsed, "cpu": time.process_time() - cpu0})
+
+
+def report(label: str, latencies: list[float]) -> None:
+    print(
+        f"{label}: p50 {pct(latencies, 50) * 1e3:.3f} ms, p99 {pct(latencies, 99) * 1e3:.3f} ms, "
+        f"mean {statistics.fmean(latencies) * 1e3:.3f} ms over {len(latencies)} jobs"
+    )
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()
