@@ -115,15 +115,13 @@ class AsyncClient:
             raise
 
     async def _wait_done(self, job_id: str, deadline: Deadline) -> str:
-        reply = await self.redis.xread({self.keys.done(job_id): "0-0"}, count=1, block=deadline.block_ms())
-        if not reply:
-            raise deadline.expired()
-        return reply[0][1][0][1]["data"]
+        while True:
+            reply = await self.redis.xread({self.keys.done(job_id): "0-0"}, count=1, block=deadline.block_ms())
+            if reply:
+                return reply[0][1][0][1]["data"]
 
     async def _read_events(self, job_id: str, after: str, deadline: Deadline) -> list:
         reply = await self.redis.xread(
             {self.keys.events(job_id): after}, count=EVENT_BATCH, block=deadline.block_ms()
         )
-        if not reply:
-            raise deadline.expired()
-        return reply[0][1]
+        return reply[0][1] if reply else []

@@ -137,13 +137,12 @@ class Client:
 
     def _wait_done(self, job_id: str, deadline: Deadline) -> str:
         """The job's result JSON, from its `done` stream: there at once if the job has ended."""
-        reply = self.redis.xread({self.keys.done(job_id): "0-0"}, count=1, block=deadline.block_ms())
-        if not reply:
-            raise deadline.expired()
-        return reply[0][1][0][1]["data"]
+        while True:
+            reply = self.redis.xread({self.keys.done(job_id): "0-0"}, count=1, block=deadline.block_ms())
+            if reply:
+                return reply[0][1][0][1]["data"]
 
     def _read_events(self, job_id: str, after: str, deadline: Deadline) -> list:
+        """Events after `after`; none if a blocking read of at most MAX_BLOCK_MS saw none."""
         reply = self.redis.xread({self.keys.events(job_id): after}, count=EVENT_BATCH, block=deadline.block_ms())
-        if not reply:
-            raise deadline.expired()
-        return reply[0][1]
+        return reply[0][1] if reply else []

@@ -25,6 +25,7 @@ from producer_client.schema import (
 DEFAULT_URL = "redis://localhost:6379/0"
 DEFAULT_MAX_QUEUE_DEPTH = 10_000
 EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
+MAX_BLOCK_MS = 2000  # one blocking read, well inside redis-py's default 5 s socket timeout
 EVENT_ID = re.compile(r"\d{1,20}-\d{1,20}")
 
 
@@ -89,7 +90,10 @@ def check_max_queue_depth(max_queue_depth: Any) -> int | None:
 
 
 class Deadline:
-    """Turns a caller's timeout into XREAD BLOCK milliseconds (0 = block forever)."""
+    """Turns a caller's timeout into XREAD BLOCK milliseconds, one bounded read at a time:
+    redis-py gives up on a socket silent for its socket_timeout (5 s by default), so a long
+    wait is a series of blocking reads of at most MAX_BLOCK_MS each. Raises JobTimeout
+    when the caller's time is up."""
 
     def __init__(self, job_id: str, timeout: float | None):
         self.job_id = job_id
@@ -98,14 +102,11 @@ class Deadline:
 
     def block_ms(self) -> int:
         if self.at is None:
-            return 0
+            return MAX_BLOCK_MS
         left = self.at - time.monotonic()
         if left <= 0:
             raise JobTimeout(self.job_id, self.timeout)
-        return max(1, int(left * 1000))
-
-    def expired(self) -> JobTimeout:
-        return JobTimeout(self.job_id, self.timeout)
+        return max(1, min(MAX_BLOCK_MS, int(left * 1000)))
 
 
 def job_keys(keys: Keys, job_id: str) -> tuple[str, str, str]:

@@ -3,6 +3,7 @@ jobs sent through the producer client (one streamed live, one chat), then the re
 the worker's own metrics, and a clean shutdown of both."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -45,8 +46,11 @@ def start_worker(model: str, url: str, log_file) -> subprocess.Popen:
         sys.executable, "-m", "worker", "serve", "--model", model, "--redis", url, "--name", WORKER_NAME,
         "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--kv-cache-mib", "256",
     ]
-    print(f"worker: {' '.join(command[1:])}")
-    return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+    # Leave a core to redis-server and this client: torch's threads spin while they wait, and
+    # on a small machine an oversubscribed worker runs several times slower.
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) - 1)), **os.environ}
+    print(f"worker: {' '.join(command[1:])} (OMP_NUM_THREADS={env['OMP_NUM_THREADS']})")
+    return subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
 
 
 def wait_for_worker(client: Client, worker: subprocess.Popen, log_path: Path) -> int:
@@ -80,11 +84,11 @@ def run_jobs(client: Client) -> int:
     ids = [client.submit(p, max_tokens=MAX_TOKENS, temperature=0.0, request_id=f"demo-{i}") for i, p in enumerate(PROMPTS)]
     again = client.submit(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, request_id="demo-0")
     print(f"resubmitting request_id demo-0 returned the same job: {again == ids[0]}")
+    print(f"queue right after: {client.queue_stats().model_dump()}")
     for prompt, job_id in zip(PROMPTS, ids):
         result = client.result(job_id, timeout=120)
         print(f"{prompt!r} ->")
         show(result)
-    print(f"\nqueue: {client.queue_stats().model_dump()}")
     return 2 + len(PROMPTS)
 
 

@@ -33,7 +33,8 @@ class WorkerSettings(BaseSettings):
     queue: str = Field("default", description="the queue this worker serves")
     prefix: str = Field(DEFAULT_PREFIX, description="namespace of every Redis key")
     name: str = Field("", description="consumer name in the queue's group; empty means <hostname>-<pid>")
-    block_ms: int = Field(500, ge=1, le=60_000, description="longest idle XREADGROUP block; bounds the reaction to SIGTERM")
+    # At most 2 s: a blocking read must end well inside redis-py's 5 s socket timeout.
+    block_ms: int = Field(500, ge=1, le=2000, description="longest idle XREADGROUP block; bounds the reaction to SIGTERM")
     heartbeat_interval_s: float = Field(1.0, gt=0.0, description="how often the heartbeat hash is refreshed")
     heartbeat_ttl_s: float = Field(5.0, gt=0.0, description="the worker counts as dead this long after its last heartbeat")
     result_ttl_s: int = Field(3600, ge=1, description="a job's hash and event stream expire this long after it ends")

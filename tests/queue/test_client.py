@@ -151,3 +151,12 @@ def test_queue_stats_count_waiting_and_pending_entries(client, redis_client, que
     redis_client.xreadgroup(GROUP, "w1", {stream: ">"}, count=1)
     stats = client.queue_stats()
     assert (stats.queue, stats.depth, stats.pending, stats.waiting, stats.workers) == (queue, 3, 1, 2, [])
+
+
+@pytest.mark.slow
+def test_a_wait_longer_than_the_socket_timeout_reads_in_bounded_blocks(client):
+    # redis-py drops a connection silent for 5 s (its default socket_timeout): a wait of 6 s
+    # must be several blocking reads, and end in JobTimeout, not in a socket error.
+    job_id = client.submit("x", max_tokens=1)
+    with pytest.raises(JobTimeout):
+        client.result(job_id, timeout=6)
