@@ -56,8 +56,9 @@ def build_job(
         raise invalid_argument_from(e, strip="params.") from None
     request.check(MAX_TOKENS_LIMIT)
     body = request.to_json()
-    if len(body.encode()) > MAX_BODY_BYTES:
-        raise BodyTooLarge("body", f"{len(body.encode())} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    size = len(body.encode())
+    if size > MAX_BODY_BYTES:
+        raise BodyTooLarge("body", f"{size} bytes exceeds the limit of {MAX_BODY_BYTES}")
     if request_id is None:
         return NewJob(uuid.uuid4().hex, body, idempotent=False)
     return NewJob(check_name("request_id", request_id), body, idempotent=True)
@@ -136,7 +137,6 @@ def token_delta(event_id: str, data: str) -> TokenDelta:
         event_id=event_id, token_ids=payload["ids"], text=payload["text"],
         logprobs=None if logprobs is None else [TokenLogprob.model_validate(lp) for lp in logprobs],
     )
-
 
 
 def job_status(job_id: str, fields: dict[str, str]) -> JobStatus:
