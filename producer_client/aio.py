@@ -45,7 +45,11 @@ class AsyncClient:
                 return job.job_id
             added = await self._enqueue_or_forget(job)
         else:
-            added = (await scripts.aexecute(self.redis, lambda pipe: (pipe.hset(job_key, "status", "queued"), self._enqueue(pipe, job))))[-1]
+            def create_and_enqueue(pipe):
+                pipe.hset(job_key, "status", "queued")
+                self._enqueue(pipe, job)
+
+            added = (await scripts.aexecute(self.redis, create_and_enqueue))[-1]
         if not added[0]:
             await self.redis.delete(job_key)
             raise QueueFull(self.queue, added[1], self.max_queue_depth)
@@ -54,10 +58,10 @@ class AsyncClient:
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         job_id = protocol.check_job_id(job_id)
         deadline = Deadline(job_id, protocol.check_timeout(timeout))
-        status, result = await self.redis.hmget(self.keys.job(job_id), "status", "result")
-        if status is None:
+        job = await self.redis.hgetall(self.keys.job(job_id))
+        if not job:
             raise JobNotFound(job_id)
-        return protocol.finished(job_id, result if result is not None else await self._wait_done(job_id, deadline))
+        return protocol.finished(job_id, job["result"] if "result" in job else await self._wait_done(job_id, deadline))
 
     async def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenDelta]:
         job_id = protocol.check_job_id(job_id)

@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mili", description="Submit jobs to a MILI queue and read their results.")
-    parser.add_argument("--redis", default=os.environ.get("MILI_REDIS_URL", DEFAULT_URL), help="Redis URL (env MILI_REDIS_URL)")
+    parser.add_argument(
+        "--redis", default=os.environ.get("MILI_REDIS_URL", DEFAULT_URL), help="Redis URL (env MILI_REDIS_URL)"
+    )
     parser.add_argument("--queue", default=os.environ.get("MILI_QUEUE", "default"), help="queue name (env MILI_QUEUE)")
     parser.add_argument("--prefix", default=os.environ.get("MILI_PREFIX", "mili"), help="key prefix (env MILI_PREFIX)")
     commands = parser.add_subparsers(dest="command", required=True)

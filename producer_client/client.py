@@ -55,7 +55,11 @@ class Client:
             added = self._enqueue_or_forget(job)
         else:
             # A fresh id cannot collide: create the job and enqueue it in one round trip.
-            added = scripts.execute(self.redis, lambda pipe: (pipe.hset(job_key, "status", "queued"), self._enqueue(pipe, job)))[-1]
+            def create_and_enqueue(pipe):
+                pipe.hset(job_key, "status", "queued")
+                self._enqueue(pipe, job)
+
+            added = scripts.execute(self.redis, create_and_enqueue)[-1]
         if not added[0]:
             self.redis.delete(job_key)
             raise QueueFull(self.queue, added[1], self.max_queue_depth)
@@ -66,10 +70,10 @@ class Client:
         result. Raises JobFailed for a failed job, JobTimeout, JobNotFound."""
         job_id = protocol.check_job_id(job_id)
         deadline = Deadline(job_id, protocol.check_timeout(timeout))
-        status, result = self.redis.hmget(self.keys.job(job_id), "status", "result")
-        if status is None:
+        job = self.redis.hgetall(self.keys.job(job_id))
+        if not job:
             raise JobNotFound(job_id)
-        return protocol.finished(job_id, result if result is not None else self._wait_done(job_id, deadline))
+        return protocol.finished(job_id, job["result"] if "result" in job else self._wait_done(job_id, deadline))
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
         """Yield the job's token deltas until it ends. Resume after a disconnect with

@@ -59,8 +59,9 @@ class Keys:
 
     def done(self, job_id: str) -> str:
         """Stream that gets one entry, the job's result, when the job ends. result() blocks on
-        it and wakes once, however many steps the job takes; the event stream wakes per step."""
-        return f"{self.prefix}:done:{{{job_id}}}"
+        it and wakes once, however many steps the job takes; the event stream wakes per step.
+        Named under the job's key, so an ACL pattern for job keys covers it."""
+        return f"{self.prefix}:job:{{{job_id}}}:done"
 
     def worker(self, name: str) -> str:
         """Heartbeat hash of one worker, with a TTL."""

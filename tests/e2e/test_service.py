@@ -66,7 +66,8 @@ def test_queue_path_gives_the_offline_engines_greedy_output(client, offline_engi
     ids.append(client.submit(input_ids=[9707, 11, 1879], max_tokens=8, temperature=0.0))
     for job_id, want in zip(ids, expected):
         got = client.result(job_id, timeout=120)
-        assert (got.status, got.token_ids, got.text, got.finish_reason) == ("done", want.token_ids, want.text, want.finish_reason)
+        assert got.status == "done"
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
         assert got.usage.prompt_tokens == len(want.prompt_token_ids)
         assert got.usage.completion_tokens == 8
 
