@@ -65,7 +65,6 @@ def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArg
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_LIMIT = 32768
 JobState = Literal["queued", "running", "done", "failed", "cancelled", "expired"]
-FINAL_STATES = frozenset({"done", "failed", "cancelled", "expired"})
 
 
 class ChatMessage(BaseModel):

@@ -45,7 +45,6 @@ class EngineAPI(Protocol):
     """What the loop needs from an engine (worker.engine.Engine, or worker.echo_engine.EchoEngine)."""
 
     tokenizer: Any
-    max_model_len: int
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any, priority: int = 0) -> None: ...
     def step(self) -> list: ...
