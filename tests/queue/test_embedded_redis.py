@@ -1,7 +1,6 @@
 """The embedded redis-server: private, reachable, gone after stop; a clear message without the binary."""
-import redis
-
 import pytest
+import redis
 
 from worker import embedded_redis
 from worker.embedded_redis import EmbeddedRedis, RedisServerError
