@@ -88,6 +88,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         self._steps = self._computed_tokens = self._computed_prompt_tokens = 0
+        self._log_limits(num_pages)
 
     @classmethod
     def from_pretrained(
@@ -101,6 +102,20 @@ class Engine:
         tokenizer = Tokenizer.from_dir(path)
         eos = list(loaded.generation_config.eos_token_ids) + list(tokenizer.eos_token_ids)
         return cls(loaded.model, loaded.config, tokenizer, engine_settings, eos, torch.device(device))
+
+    def _log_limits(self, num_pages: int) -> None:
+        s = self.settings
+        log.info(
+            "engine: max_model_len %d, %d KV pages x %d tokens, max_running %d, max_num_batched_tokens %d, "
+            "prefix cache %s, eos %s",
+            self.max_model_len, num_pages, s.page_size, s.max_running, s.max_num_batched_tokens,
+            "on" if s.enable_prefix_cache else "off", self.eos_token_ids,
+        )
+        if num_pages * s.page_size < self.max_model_len:
+            log.warning(
+                "the KV pool holds %d tokens, fewer than max_model_len %d: a request that outgrows the "
+                "pool fails with kv_capacity_exceeded", num_pages * s.page_size, self.max_model_len,
+            )
 
     # -- the loop interface ------------------------------------------------------------
 
