@@ -59,7 +59,9 @@ class Result:
         return self.output_tokens / self.seconds
 
 
-def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int) -> Workload:
+def make_workload(
+    num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int,
+) -> Workload:
     rng = random.Random(seed)
     prompts = [[rng.randrange(PROMPT_ID_LIMIT) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
     return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
@@ -112,7 +114,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-prompt", type=int, help="cap the workload's prompt length range")
     p.add_argument("--max-output", type=int, help="cap the workload's output length range")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hf-batch-size", type=int, default=32, help="transformers generate batch size (32 was its best on CPU)")
+    p.add_argument("--hf-batch-size", type=int, default=32, help="transformers batch size (32: its best on CPU)")
     p.add_argument("--skip-hf", action="store_true", help="run our engine only")
     p.add_argument("--threads", type=int, help="torch CPU threads for both engines (default: torch's)")
     p.add_argument("--max-num-batched-tokens", type=int, help="engine setting (default: EngineSettings')")

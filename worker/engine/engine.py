@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,13 +18,13 @@ import torch
 from producer_client.errors import InvalidArgument, MiliError
 from producer_client.schema import SamplingParams
 from worker.engine.errors import PromptTooLong
-from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_caches, num_pages_to_allocate, pages_for
+from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_caches, num_pages_to_allocate
 from worker.engine.radix_cache import RadixCache
 from worker.engine.request import (
     ErrorInfo, FinishReason, GenerationOutput, Request, RequestOutput, TokenLogprob, Usage,
 )
 from worker.engine.runner import ModelRunner
-from worker.engine.sampler import Sampler
+from worker.engine.sampler import Sampler, skip_draws
 from worker.engine.scheduler import ScheduledChunk, Scheduler
 from worker.engine.settings import EngineSettings
 from worker.engine.stop import TextOutput
@@ -121,11 +122,19 @@ class Engine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+        resume_token_ids: Sequence[int] = (),
     ) -> None:
         """Queues a request. `priority`: lower runs sooner (as in vLLM); ties go first come, first served.
 
-        Raises InvalidArgument (naming the field) for a bad id, prompt or parameters, and
-        PromptTooLong when the prompt leaves no room for output within max_model_len.
+        `resume_token_ids` are output tokens an earlier run of this request already produced
+        and reported (a job reclaimed from a worker that died). The request continues after
+        them as if never interrupted: they count as output for usage, penalties, min_tokens
+        and the seed's draws, a stop string they begin can still complete, and neither they
+        nor their text are reported again.
+
+        Raises InvalidArgument (naming the field) for a bad id, prompt, resume tokens or
+        parameters, and PromptTooLong when the prompt leaves no room for output within
+        max_model_len.
         """
         self._check_request(request_id, prompt_token_ids, params)
         generator = None
@@ -137,8 +146,20 @@ class Engine:
             request_id, prompt_token_ids, params, priority, next(self._arrivals),
             TextOutput(detokenizer, params.stop), generator,
         )
+        self._replay(req, list(resume_token_ids))
         self._live[request_id] = req
         self.scheduler.add(req)
+
+    def _replay(self, req: Request, resume_token_ids: list[int]) -> None:
+        """Brings a new request to where it stood after producing `resume_token_ids`."""
+        if resume_token_ids and (min(resume_token_ids) < 0 or max(resume_token_ids) >= self.vocab_size):
+            raise InvalidArgument("resume_token_ids", f"token ids must be in [0, {self.vocab_size})")
+        for n, token in enumerate(resume_token_ids, 1):
+            req.token_ids.append(token)
+            _, reason = self._check_stop(req, token)
+            if reason is not None:
+                raise InvalidArgument("resume_token_ids", f"the request had already ended ({reason}) at token {n}")
+        skip_draws(req, len(resume_token_ids), self.vocab_size)
 
     def step(self) -> list[RequestOutput]:
         """Runs one batched model step; returns a delta for every request that produced a token
@@ -162,12 +183,11 @@ class Engine:
         return True
 
     def capacity(self) -> Capacity:
-        waiting = self.scheduler.waiting
-        promised = self.scheduler.pages_owed() + sum(pages_for(len(r.token_ids), self.settings.page_size) for r in waiting)
+        sched = self.scheduler
         available = self.allocator.num_free + self.cache.evictable_pages
         return Capacity(
-            free_slots=max(0, self.settings.max_running - len(self.scheduler.running) - len(waiting)),
-            free_pages=max(0, available - promised),
+            free_slots=max(0, self.settings.max_running - len(sched.running) - len(sched.waiting)),
+            free_pages=max(0, available - sched.pages_owed() - sched.pages_wanted_by_waiting()),
             page_size=self.settings.page_size,
         )
 

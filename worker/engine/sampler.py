@@ -150,3 +150,14 @@ def exponential_noise(probs: torch.Tensor, requests: list[Request]) -> torch.Ten
         if r.generator is not None:
             q[i].exponential_(generator=r.generator)
     return q
+
+
+def skip_draws(req: Request, num_tokens: int, vocab_size: int) -> None:
+    """Advances a seeded request's generator past the draws of `num_tokens` tokens it sampled
+    in an earlier run, so a resumed request draws what the uninterrupted one would have.
+    Mirrors `exponential_noise`: one row of `vocab_size` exponentials per sampled token."""
+    if req.generator is None or is_greedy(req.params):
+        return
+    row = torch.empty(vocab_size, device=req.generator.device)
+    for _ in range(num_tokens):
+        row.exponential_(generator=req.generator)

@@ -116,6 +116,10 @@ class Scheduler:
         """Pages that running requests still need to finish their prefill (promised at admission)."""
         return sum(max(0, pages_for(len(r.token_ids), self.page_size) - len(r.pages)) for r in self.running)
 
+    def pages_wanted_by_waiting(self) -> int:
+        """Pages the waiting requests' sequences fill (before any prefix-cache hit)."""
+        return sum(pages_for(len(r.token_ids), self.page_size) for r in self.waiting)
+
     def _admit(self, planned: dict[Request, int], budget: int, out: SchedulerOutput) -> int:
         owed = self.pages_owed()
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
