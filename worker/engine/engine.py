@@ -208,7 +208,8 @@ class Engine:
         """Runs the prompts (text, or token id lists) to completion; outputs in input order.
 
         A request that cannot run (too long, bad token ids) gets an output with finish_reason
-        "error" and its code, and the others still run.
+        "error" and its code, and the others still run. It steps the whole engine, so it is
+        not for an engine that a loop also feeds through add_request.
         """
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
