@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-import torch.nn.functional as F
-import triton.testing
+# Run as a script, this file's directory leads sys.path: bench/queue.py would shadow the
+# standard `queue` module (torch imports it) and this file the `kernels` package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-# The repo root goes first: this script's own directory would shadow the `kernels` package with it.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton.testing  # noqa: E402
 
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton  # noqa: E402
 from kernels.decode_attention import (  # noqa: E402
