@@ -126,3 +126,9 @@ def test_settings_that_do_not_load_are_unhealthy_with_exit_code_1(flags, capsys)
     args = build_parser().parse_args(["healthcheck", *flags])
     assert args.run(args) == 1
     assert "unhealthy: the settings do not load" in capsys.readouterr().err
+
+
+def test_the_healthcheck_command_does_not_import_torch():
+    # Docker and Kubernetes run it every few seconds; torch alone costs seconds of CPU.
+    code = "import sys, worker.__main__, worker.healthcheck; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -1,9 +1,19 @@
-"""The inference engine: paged KV cache, radix prefix cache, continuous batching, sampling."""
-from worker.engine.engine import Capacity, Engine, EngineStats
-from worker.engine.request import GenerationOutput, RequestOutput, TokenLogprob, Usage
-from worker.engine.settings import EngineSettings
+"""The inference engine: paged KV cache, radix prefix cache, continuous batching, sampling.
 
-__all__ = [
-    "Capacity", "Engine", "EngineSettings", "EngineStats", "GenerationOutput", "RequestOutput",
-    "TokenLogprob", "Usage",
-]
+Names load on first use (PEP 562): `worker.engine.settings` is imported by the worker's
+settings, and the healthcheck must not pay for importing torch to read them.
+"""
+import importlib
+
+_HOMES = {
+    "Capacity": "engine", "Engine": "engine", "EngineStats": "engine",
+    "GenerationOutput": "request", "RequestOutput": "request", "TokenLogprob": "request", "Usage": "request",
+    "EngineSettings": "settings",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
