@@ -3,7 +3,7 @@
     mili submit "text" --max-tokens 32 [--stream]    prints the job id (or streams the text)
     mili status ID | mili result ID | mili cancel ID | mili stats
 
---redis (env MILI_REDIS_URL) and --queue (env MILI_QUEUE) pick the queue.
+--redis (env MILI_REDIS) and --queue (env MILI_QUEUE) pick the queue.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mili", description="Submit jobs to a MILI queue and read their results.")
     parser.add_argument(
-        "--redis", default=os.environ.get("MILI_REDIS_URL", DEFAULT_URL), help="Redis URL (env MILI_REDIS_URL)"
+        "--redis", default=os.environ.get("MILI_REDIS", DEFAULT_URL), help="Redis URL (env MILI_REDIS)"
     )
     parser.add_argument("--queue", default=os.environ.get("MILI_QUEUE", "default"), help="queue name (env MILI_QUEUE)")
     parser.add_argument("--prefix", default=os.environ.get("MILI_PREFIX", "mili"), help="key prefix (env MILI_PREFIX)")
