@@ -102,7 +102,9 @@ class JobRequest(BaseModel):
             request = cls.model_validate_json(body, strict=True)
         except ValidationError as e:
             first = e.errors()[0]
-            if first["type"] in ("json_invalid", "json_type", "model_type") or not first["loc"]:
+            # Not a JSON object at all: the body is bad. A nested object of the wrong type
+            # (`params: []`) is a bad argument, named like any other.
+            if first["type"] in ("json_invalid", "json_type") or not first["loc"]:
                 raise InvalidBody(f"body is not a JSON object of a job: {first['msg']}") from None
             raise invalid_argument_from(e, strip="params.") from None
         request.check(max_tokens_limit)
