@@ -5,12 +5,18 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 
 from producer_client import protocol, scripts
 from producer_client.errors import JobNotFound, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta
+
+
+def retry_policy() -> Retry:
+    return Retry(ExponentialWithJitterBackoff(base=protocol.RETRY_BASE_S, cap=protocol.RETRY_CAP_S), protocol.RETRIES)
 
 
 class AsyncClient:
@@ -23,7 +29,7 @@ class AsyncClient:
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
-        self.redis = aioredis.Redis.from_url(url, decode_responses=True)
+        self.redis = aioredis.Redis.from_url(url, decode_responses=True, retry=retry_policy())
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -41,12 +47,12 @@ class AsyncClient:
         job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling)
         job_key = self.keys.job(job.job_id)
         if job.idempotent:
-            if not await self.redis.hsetnx(job_key, "status", "queued"):
+            if not (await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys))))[0]:
                 return job.job_id
             added = await self._enqueue_or_forget(job)
         else:
             def create_and_enqueue(pipe):
-                pipe.hset(job_key, "status", "queued")
+                pipe.hsetnx(job_key, "status", "queued")
                 self._enqueue(pipe, job)
 
             added = (await scripts.aexecute(self.redis, create_and_enqueue))[-1]
@@ -112,8 +118,12 @@ class AsyncClient:
         pipe.evalsha(*job.enqueue_call(self.keys, self.queue, self.max_queue_depth))
 
     async def _enqueue_or_forget(self, job: NewJob) -> list:
+        def enqueue_and_record(pipe):
+            self._enqueue(pipe, job)
+            pipe.hset(self.keys.job(job.job_id), "enqueued", "1")
+
         try:
-            return (await scripts.aexecute(self.redis, lambda pipe: self._enqueue(pipe, job)))[0]
+            return (await scripts.aexecute(self.redis, enqueue_and_record))[0]
         except BaseException:
             await self.redis.delete(self.keys.job(job.job_id))
             raise

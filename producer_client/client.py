@@ -6,12 +6,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 
 from producer_client import protocol, scripts
 from producer_client.errors import JobNotFound, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta
+
+
+def retry_policy() -> Retry:
+    return Retry(ExponentialWithJitterBackoff(base=protocol.RETRY_BASE_S, cap=protocol.RETRY_CAP_S), protocol.RETRIES)
 
 
 class Client:
@@ -30,7 +36,7 @@ class Client:
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
-        self.redis = redis.Redis.from_url(url, decode_responses=True)
+        self.redis = redis.Redis.from_url(url, decode_responses=True, retry=retry_policy())
 
     def close(self) -> None:
         self.redis.close()
@@ -50,13 +56,14 @@ class Client:
         job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling)
         job_key = self.keys.job(job.job_id)
         if job.idempotent:
-            if not self.redis.hsetnx(job_key, "status", "queued"):
+            if not scripts.execute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys)))[0]:
                 return job.job_id
             added = self._enqueue_or_forget(job)
         else:
-            # A fresh id cannot collide: create the job and enqueue it in one round trip.
+            # A fresh id cannot collide: create the job and enqueue it in one round trip. HSETNX,
+            # not HSET: a retried pipeline must not set a job a worker has started back to queued.
             def create_and_enqueue(pipe):
-                pipe.hset(job_key, "status", "queued")
+                pipe.hsetnx(job_key, "status", "queued")
                 self._enqueue(pipe, job)
 
             added = scripts.execute(self.redis, create_and_enqueue)[-1]
@@ -131,10 +138,15 @@ class Client:
         pipe.evalsha(*job.enqueue_call(self.keys, self.queue, self.max_queue_depth))
 
     def _enqueue_or_forget(self, job: NewJob) -> list:
-        # If the enqueue fails, drop the job hash so that a retry with the same request_id
-        # enqueues the job instead of finding a job that will never run.
+        # `enqueued` tells a later submit with the same request_id that the entry exists (see
+        # CREATE). If the enqueue fails, drop the job hash so that such a submit enqueues the job
+        # instead of finding a job that will never run.
+        def enqueue_and_record(pipe):
+            self._enqueue(pipe, job)
+            pipe.hset(self.keys.job(job.job_id), "enqueued", "1")
+
         try:
-            return scripts.execute(self.redis, lambda pipe: self._enqueue(pipe, job))[0]
+            return scripts.execute(self.redis, enqueue_and_record)[0]
         except BaseException:
             self.redis.delete(self.keys.job(job.job_id))
             raise

@@ -50,7 +50,8 @@ class Keys:
         return f"{self.prefix}:workers:{{{queue}}}"
 
     def job(self, job_id: str) -> str:
-        """Hash: status, worker, entry, tokens so far, cancel flag, and the final result JSON."""
+        """Hash: status, the claiming worker, its entry and run token, the run that published a
+        start event, tokens so far, cancel and enqueued flags, and the final result JSON."""
         return f"{self.prefix}:job:{{{job_id}}}"
 
     def events(self, job_id: str) -> str:

@@ -16,7 +16,7 @@ from producer_client.errors import (
     BodyTooLarge, InvalidArgument, JobFailed, JobNotFound, JobTimeout,
 )
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
-from producer_client.scripts import CANCEL, ENQUEUE
+from producer_client.scripts import CANCEL, CREATE, ENQUEUE
 from producer_client.schema import (
     MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
     TokenDelta, TokenLogprob, Timings, invalid_argument_from,
@@ -27,6 +27,13 @@ DEFAULT_MAX_QUEUE_DEPTH = 10_000
 EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
 MAX_BLOCK_MS = 2000  # one blocking read, well inside redis-py's default 5 s socket timeout
 EVENT_ID = re.compile(r"\d{1,20}-\d{1,20}")
+# Every call of the clients is safe to repeat: reads, CANCEL, and submits (CREATE and HSETNX
+# never set a started job back to queued; an entry enqueued twice is dropped by the worker that
+# claims the second). So redis-py retries each call on a lost connection, with exponential
+# backoff and jitter: 10 tries over about 4 s, which rides out a Redis restart.
+RETRIES = 10
+RETRY_BASE_S = 0.05
+RETRY_CAP_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,10 @@ class NewJob:
     job_id: str
     body: str
     idempotent: bool  # the id came from the caller's request_id, so it may exist already
+
+    def create_call(self, keys: Keys) -> tuple:
+        """EVALSHA arguments of CREATE for this job (a job whose id the caller chose)."""
+        return CREATE.sha, 1, keys.job(self.job_id)
 
     def enqueue_call(self, keys: Keys, queue: str, max_depth: int | None) -> tuple:
         """EVALSHA arguments of ENQUEUE for this job."""

@@ -1,17 +1,26 @@
-"""The Lua scripts of protocol v1. ENQUEUE touches the queue stream only; every other script
-touches one job's keys only (its hash and its event stream, which share a hash tag). So each
-is atomic and Redis Cluster-safe, and a job's status moves only through them:
+"""The Lua scripts of protocol v1. Each touches the keys of one job only (its hash, event stream
+and done stream) or of one queue only (its stream and dead-letter stream): they share a hash
+tag, so every script is atomic and Redis Cluster-safe. A job's status moves only through them:
 
-    (client HSET/HSETNX status queued) --ENQUEUE--> in the queue stream
-    queued --CLAIM--> running --PUBLISH(final)--> done | failed | cancelled | expired
-    queued --CANCEL-> cancelled            (the worker that reads the entry just drops it)
-    (none) --PUBLISH(final)--> failed      (an entry that never had a valid job)
+    (none) --CREATE--> queued --ENQUEUE--> in the queue stream
+    queued | running --CLAIM--> running (a new run) --PUBLISH(final)--> done | failed | cancelled | expired
+    queued --CANCEL--> cancelled            (the worker that reads the entry just drops it)
 
-Event stream entries have two fields: `type` (start | tokens | end) and `data` (JSON). A
-worker publishes a job's events of one engine step in one PUBLISH call, so a reader blocked
-on the stream wakes once per step, not once per event. The job's end also adds its result,
-the one entry it will ever have, to its `done` stream: a reader that wants only the result
-blocks there and wakes once.
+Every CLAIM starts a new *run*, named by a token the claiming worker chooses. PUBLISH writes only
+for the job's current run, so a worker that lost its job to a reclaim (it stalled, or was cut
+off from Redis) can never add to the job's events or write its result: the run is a fencing
+token. A run's first PUBLISH adds a `start` event; a claim of a job that has tokens already
+resumes it, and its worker continues from the recorded tokens.
+
+Event stream entries have two fields: `type` (start | tokens | end) and `data` (JSON). A worker
+publishes a job's events of one engine step in one PUBLISH call, so a reader blocked on the
+stream wakes once per step, not once per event. The job's end also adds its result, the one
+entry it will ever have, to its `done` stream: a reader that wants only the result blocks there
+and wakes once.
+
+Every script is safe to run twice, because a call whose reply was lost (the connection broke
+after Redis ran it) is retried: PUBLISH adds tokens only if the job's token count is still the
+one they follow and a `start` only once per run, DEADLETTER acts only on an entry still pending.
 
 Scripts run by EVALSHA; a server that lacks one (fresh, or restarted) answers NOSCRIPT,
 which means the script did not run, so the caller loads the scripts and retries.
@@ -35,16 +44,18 @@ class Script:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
-# KEYS: queue. ARGV: max depth (0: no bound), job id, protocol version, body.
-# Returns {1, entry id}, or {0, depth} when the queue is full. Checking and adding in one
-# script makes the bound exact under any number of producers; nothing is ever trimmed.
-ENQUEUE = Script("enqueue", """
-local max = tonumber(ARGV[1])
-if max > 0 then
-  local depth = redis.call('XLEN', KEYS[1])
-  if depth >= max then return {0, depth} end
+# -- a job's keys ---------------------------------------------------------------------------------
+
+# KEYS: job. Creates the job as queued. Returns 1 when the caller should enqueue it: the job is
+# new, or it is queued and no enqueue of it was recorded (`enqueued`: an earlier submit stopped
+# half-way). 0: it exists and is enqueued, or is past queued. Enqueueing twice is harmless:
+# CLAIM drops the second entry.
+CREATE = Script("create", """
+if redis.call('HSETNX', KEYS[1], 'status', 'queued') == 1 then return 1 end
+if redis.call('HGET', KEYS[1], 'status') == 'queued' and not redis.call('HGET', KEYS[1], 'enqueued') then
+  return 1
 end
-return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])}
+return 0
 """)
 
 # KEYS: job, events, done. ARGV: result JSON of a cancelled job. Returns the status before the
@@ -63,61 +74,156 @@ end
 return status
 """)
 
-# KEYS: job, events, done. ARGV: worker, entry id, result TTL seconds.
-# Returns 'claimed' (run it), 'final' (it already has a result: drop the entry) or
-# 'duplicate' (another entry with the same job id is running it: drop this one).
-# A missing hash is claimed too: a raw XADD bypasses the client that would create it.
+# KEYS: job, events, done. ARGV: worker, entry id, result TTL seconds, run token.
+# Returns {'claimed', tokens recorded so far} (run it; more than 0 tokens: resume it),
+# {'final'} (it has a result already: drop the entry) or {'duplicate'} (another entry with the
+# same job id is running it: drop this one). A missing hash is claimed too: a raw XADD bypasses
+# the client that would create it. Claiming the entry a job is running under again is a reclaim:
+# it starts a new run, and the old run's worker can publish nothing more.
 CLAIM = Script("claim", """
 if redis.call('HEXISTS', KEYS[1], 'result') == 1 then
   for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[3]) end
-  return 'final'
+  return {'final'}
 end
 if redis.call('HGET', KEYS[1], 'status') == 'running' and redis.call('HGET', KEYS[1], 'entry') ~= ARGV[2] then
-  return 'duplicate'
+  return {'duplicate'}
 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'entry', ARGV[2])
-return 'claimed'
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'entry', ARGV[2], 'run', ARGV[4])
+return {'claimed', tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')}
 """)
 
-# KEYS: job, events, done. ARGV: start JSON, tokens JSON, tokens so far, final status, result
-# JSON, result TTL seconds; '' for what the step does not have.
-# A job that has a result already gets nothing: 0 (a second finisher changes nothing, not
-# even the event stream). Otherwise the step's events are added, and the call returns 1
-# after writing the result, or the job's cancel flag ('1' or nil) while it goes on.
+# KEYS: job, events, done. ARGV: run token, start JSON, tokens JSON, tokens before them, tokens
+# after them, final status, result JSON, result TTL seconds; '' for what the step does not have.
+# Returns 'ended' (the job has a result: nothing changes, not even the event stream; a second
+# finisher changes nothing), 'lost' (another run holds the job, or the recorded tokens are neither
+# those the update follows nor those it ends with, so this run's view and Redis's differ: nothing
+# changes), 'written' (the result is written), else 'cancel' (its cancel flag is up) or 'ok'.
+# Recorded tokens equal to those the update ends with mean this very update was applied before.
 PUBLISH = Script("publish", """
-if redis.call('HEXISTS', KEYS[1], 'result') == 1 then return 0 end
-if ARGV[1] ~= '' then redis.call('XADD', KEYS[2], '*', 'type', 'start', 'data', ARGV[1]) end
-if ARGV[2] ~= '' then
-  redis.call('XADD', KEYS[2], '*', 'type', 'tokens', 'data', ARGV[2])
-  redis.call('HSET', KEYS[1], 'tokens', ARGV[3])
+if redis.call('HEXISTS', KEYS[1], 'result') == 1 then return 'ended' end
+if redis.call('HGET', KEYS[1], 'run') ~= ARGV[1] then return 'lost' end
+local recorded = redis.call('HGET', KEYS[1], 'tokens') or '0'
+if recorded ~= ARGV[4] and recorded ~= ARGV[5] then return 'lost' end
+if ARGV[2] ~= '' and redis.call('HGET', KEYS[1], 'started') ~= ARGV[1] then
+  redis.call('XADD', KEYS[2], '*', 'type', 'start', 'data', ARGV[2])
+  redis.call('HSET', KEYS[1], 'started', ARGV[1])
 end
-if ARGV[4] == '' then return redis.call('HGET', KEYS[1], 'cancel') end
-redis.call('HSET', KEYS[1], 'status', ARGV[4], 'result', ARGV[5], 'tokens', ARGV[3])
-redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[5])
-redis.call('XADD', KEYS[3], '*', 'data', ARGV[5])
-for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[6]) end
+if ARGV[3] ~= '' and recorded == ARGV[4] then
+  redis.call('XADD', KEYS[2], '*', 'type', 'tokens', 'data', ARGV[3])
+  redis.call('HSET', KEYS[1], 'tokens', ARGV[5])
+end
+if ARGV[6] == '' then
+  if redis.call('HGET', KEYS[1], 'cancel') == '1' then return 'cancel' end
+  return 'ok'
+end
+redis.call('HSET', KEYS[1], 'status', ARGV[6], 'result', ARGV[7], 'tokens', ARGV[5])
+redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[7])
+redis.call('XADD', KEYS[3], '*', 'data', ARGV[7])
+for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[8]) end
+return 'written'
+""")
+
+# -- a queue's keys -------------------------------------------------------------------------------
+
+# KEYS: queue. ARGV: max depth (0: no bound), job id, protocol version, body.
+# Returns {1, entry id}, or {0, depth} when the queue is full. Checking and adding in one
+# script makes the bound exact under any number of producers; nothing is ever trimmed.
+ENQUEUE = Script("enqueue", """
+local max = tonumber(ARGV[1])
+if max > 0 then
+  local depth = redis.call('XLEN', KEYS[1])
+  if depth >= max then return {0, depth} end
+end
+return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])}
+""")
+
+# KEYS: queue. ARGV: group, consumer, entry ids. Resets the idle time of the entries still
+# pending for this consumer (XCLAIM JUSTID: the delivery count stays), so no other worker's
+# XAUTOCLAIM takes them. Returns the ids that are no longer this consumer's: reclaimed by another
+# worker while this one was stalled or cut off. Checking before claiming matters: a plain XCLAIM
+# would take the entry back from the worker now running the job.
+REFRESH = Script("refresh", """
+local mine, lost = {}, {}
+for i = 3, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
+    table.insert(mine, ARGV[i])
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+if #mine > 0 then redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(mine), 'JUSTID') end
+return lost
+""")
+
+# KEYS: queue. ARGV: group, consumer, min idle ms, start id, count.
+# XAUTOCLAIM of up to `count` entries idle longer than `min idle`, each returned with its
+# delivery count (which the claim has just raised): {next start id, {{id, {field, value...},
+# deliveries}...}}.
+RECLAIM = Script("reclaim", """
+local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5])
+local claimed = {}
+for _, entry in ipairs(reply[2]) do
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], entry[1], entry[1], 1)
+  table.insert(claimed, {entry[1], entry[2], pending[1][4]})
+end
+return {reply[1], claimed}
+""")
+
+# KEYS: queue. ARGV: group, consumer, idle ms, entry ids. A draining worker hands its unfinished
+# entries over: each still pending for it is made idle for `idle ms` (so the next XAUTOCLAIM of
+# any worker takes it) with its delivery count lowered by one, which that XAUTOCLAIM restores: a
+# graceful hand-over does not count as a delivery towards max_deliveries. Returns how many.
+RELEASE = Script("release", """
+local released = 0
+for i = 4, #ARGV do
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if #pending == 1 then
+    local count = math.max(0, pending[1][4] - 1)
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'RETRYCOUNT', count, 'JUSTID')
+    released = released + 1
+  end
+end
+return released
+""")
+
+# KEYS: queue, dead. ARGV: group, entry id, dead-letter stream max length, then the dead letter's
+# fields and values. Moves a pending entry to the dead-letter stream: XADD there, XACK and XDEL
+# here, at once. Returns 0, doing nothing, if the entry is no longer pending (moved already).
+DEADLETTER = Script("deadletter", """
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """)
 
-ALL = (ENQUEUE, CANCEL, CLAIM, PUBLISH)
+ALL = (CREATE, CANCEL, CLAIM, PUBLISH, ENQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER)
 
 
-def execute(client, add_commands: Callable) -> list:
+def execute(client, add_commands: Callable, raise_on_error: bool = True) -> list:
     """Build a pipeline with `add_commands` and execute it. If the server lacks our scripts
     (NOSCRIPT: none of them ran), load them all and run the pipeline once more; callers put
-    only scripts and commands that are safe to repeat in such a pipeline."""
+    only scripts and commands that are safe to repeat in such a pipeline. With
+    `raise_on_error=False` a command's error is its reply, for the caller to judge one by one."""
     for attempt in range(2):
         pipe = client.pipeline(transaction=False)
         add_commands(pipe)
         try:
-            return pipe.execute()
+            replies = pipe.execute(raise_on_error=raise_on_error)
         except NoScriptError:
             if attempt:
                 raise
-            loader = client.pipeline(transaction=False)
-            for script in ALL:
-                loader.script_load(script.source)
-            loader.execute()
+        else:
+            if attempt or not any(isinstance(r, NoScriptError) for r in replies):
+                return replies
+        load_scripts(client)
+
+
+def load_scripts(client) -> None:
+    loader = client.pipeline(transaction=False)
+    for script in ALL:
+        loader.script_load(script.source)
+    loader.execute()
 
 
 async def aexecute(client, add_commands: Callable) -> list:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import os
 import signal
 import socket
@@ -40,6 +41,31 @@ def redis_client(redis_server):
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     yield client
     client.close()
+
+
+def events(redis_client, job_id: str) -> list[tuple[str, str, dict]]:
+    """(event id, type, data) of each event in the job's stream."""
+    return [(event_id, f["type"], json.loads(f["data"])) for event_id, f in redis_client.xrange(Keys().events(job_id))]
+
+
+def tokens_published(redis_client, job_id: str) -> list[int]:
+    return [t for _, kind, data in events(redis_client, job_id) if kind == "tokens" for t in data["ids"]]
+
+
+def runs(redis_client, job_id: str) -> list[tuple[dict, list[int]]]:
+    """Each run of the job: its start event's data, and the tokens it published."""
+    out: list[tuple[dict, list[int]]] = []
+    for _, kind, data in events(redis_client, job_id):
+        if kind == "start":
+            out.append((data, []))
+        elif kind == "tokens":
+            out[-1][1].extend(data["ids"])
+    return out
+
+
+def assert_one_final_result(redis_client, job_id: str) -> None:
+    assert [kind for _, kind, _ in events(redis_client, job_id)].count("end") == 1, job_id
+    assert redis_client.xlen(Keys().done(job_id)) == 1, job_id
 
 
 def eventually(condition, timeout: float = 10.0) -> bool:
@@ -154,3 +180,67 @@ def start_workers(workers: list[WorkerProcess]) -> list[WorkerProcess]:
     for w in workers:
         w.wait_ready()
     return workers
+
+
+class RestartableRedis:
+    """A redis-server on a fixed TCP port with AOF (appendfsync everysec), as deployments run it,
+    that a test can stop and start again on the same port and data directory."""
+
+    def __init__(self, data_dir: Path):
+        self.dir = data_dir
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> RestartableRedis:
+        self.process = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--logfile", "redis.log"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis.from_url(self.url)
+        try:
+            assert eventually(lambda: self._answers(client), timeout=10), (self.dir / "redis.log").read_text()
+        finally:
+            client.close()
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM: Redis writes out its AOF and exits, as in a restart or an upgrade."""
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+    def restart(self, down_s: float) -> None:
+        self.stop()
+        time.sleep(down_s)
+        self.start()
+
+    @staticmethod
+    def _answers(client: redis.Redis) -> bool:
+        try:
+            return client.ping()
+        except redis.ConnectionError:  # not listening yet, or loading the AOF
+            return False
+
+
+@pytest.fixture
+def restartable_redis(tmp_path):
+    server = RestartableRedis(tmp_path).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_client_of():
+    """redis_client_of(server): a client of that server, closed after the test."""
+    clients = []
+
+    def connect(server) -> redis.Redis:
+        clients.append(redis.Redis.from_url(server.url, decode_responses=True))
+        return clients[-1]
+
+    yield connect
+    for c in clients:
+        c.close()

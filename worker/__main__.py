@@ -14,12 +14,11 @@ import socket
 import sys
 from contextlib import ExitStack
 
-import redis
-
 from producer_client.errors import MiliError
 from worker.embedded_redis import EmbeddedRedis
 from worker.healthcheck import run_healthcheck
 from worker.metrics import WorkerMetrics
+from worker.queue import connect
 from worker.service import Worker
 from worker.settings import WorkerSettings, add_setting_flags, settings_from_args
 
@@ -68,8 +67,7 @@ def serve_forever(settings: WorkerSettings) -> int:
         if url == "embedded":
             url = stack.enter_context(EmbeddedRedis()).url
             log.info("embedded redis-server at %s (it stops with this worker)", url)
-        # surrogateescape: a producer's invalid UTF-8 must fail its job, not the read.
-        client = redis.Redis.from_url(url, decode_responses=True, encoding_errors="surrogateescape")
+        client = connect(url)
         stack.callback(client.close)
         client.ping()
         engine, device = load_engine(settings)

@@ -1,7 +1,8 @@
 """An engine with no model (`--model echo`): each request's output is its own prompt, one
 token per step, over a byte-level tokenizer. It keeps the Engine API's whole contract (slots,
-KV page accounting, abort, capacity, stats), so it measures and tests the queue path where a
-model's cost would hide it. Of the sampling parameters it honours max_tokens only."""
+KV page accounting, abort, capacity, stats, resuming after given output tokens), so it measures
+and tests the queue path where a model's cost would hide it. Of the sampling parameters it
+honours max_tokens only."""
 from __future__ import annotations
 
 import codecs
@@ -70,17 +71,28 @@ class EchoEngine:
         self._ended: list[RequestOutput] = []
         self._steps = 0
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+        resume_token_ids: Sequence[int] = (),
+    ) -> None:
+        """As Engine.add_request: `resume_token_ids` are output tokens produced already (by an
+        earlier run of the job), counted as output and not emitted again."""
         if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
             raise InvalidArgument("request_id", f"{request_id!r} is already running")
         if not prompt_token_ids or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.tokenizer.vocab_size:
             raise InvalidArgument("prompt_token_ids", f"must be a non-empty list of ids in [0, {self.tokenizer.vocab_size})")
+        if list(resume_token_ids) != list(prompt_token_ids[: len(resume_token_ids)]) or len(resume_token_ids) >= min(
+            len(prompt_token_ids), params.max_tokens
+        ):
+            raise InvalidArgument("resume_token_ids", "must be a proper prefix of the echo this request produces")
         if len(prompt_token_ids) >= self.max_model_len:
             raise PromptTooLong("prompt_token_ids", f"{len(prompt_token_ids)} tokens leave no room for output")
         pages = -(-(len(prompt_token_ids) + params.max_tokens) // self.settings.page_size)
         if pages > self.num_pages:
             raise KVCapacityExceeded(f"request {request_id} needs {pages} KV pages, the pool holds {self.num_pages}")
-        self.waiting.append(EchoRequest(request_id, list(prompt_token_ids), params.max_tokens, pages))
+        req = EchoRequest(request_id, list(prompt_token_ids), params.max_tokens, pages, emitted=len(resume_token_ids))
+        req.decoder.decode(bytes(resume_token_ids))  # the decoder's state after them, their text dropped
+        self.waiting.append(req)
 
     def step(self) -> list[RequestOutput]:
         self._steps += 1

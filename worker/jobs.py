@@ -1,5 +1,6 @@
 """A job as the worker sees it: a queue entry turned into token ids (or into a failure
-with a code), then the deltas it accumulates until its result."""
+with a code), then the deltas it accumulates until its result. A reclaimed job starts from
+the tokens its event stream recorded."""
 from __future__ import annotations
 
 import json
@@ -10,11 +11,34 @@ from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
 from producer_client.keys import NAME_PATTERN, PROTOCOL_VERSION
 from producer_client.schema import ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage
 
+ENTRY_FIELDS = frozenset({"id", "v", "body"})
+
+
+class Poison(MiliError):
+    """The job's entry was delivered more than max_deliveries times: every worker that took it
+    stopped before finishing it. It is moved to the dead-letter stream."""
+
+    code = "poison"
+
+
+@dataclass
+class Delivery:
+    """A queue entry as this worker received it."""
+
+    entry_id: str
+    fields: dict[str, str]
+    deliveries: int = 1  # XPENDING's delivery count: 1 for a first read, raised by every reclaim
+
+    @property
+    def job_id(self) -> str:
+        return job_id_of(self.entry_id, self.fields)
+
 
 @dataclass
 class Job:
     id: str
     entry_id: str
+    run: str  # the fencing token of this worker's claim (see producer_client.scripts)
     request: JobRequest
     prompt_token_ids: list[int]
     queued_at: float
@@ -24,11 +48,41 @@ class Job:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | None = None  # why this worker aborted it: "cancel" or "timeout"
+    resumed_tokens: int = 0  # tokens recorded by earlier runs when this one started
+    admissions: int = 0  # times this worker added it to the engine (again after a failed step)
 
     @property
     def deadline(self) -> float | None:
         timeout = self.request.timeout_s
         return None if timeout is None else self.queued_at + timeout
+
+    @property
+    def engine_id(self) -> str:
+        """The engine's request id for this admission: an output of an earlier admission, aborted
+        after a failed step, must not be taken for this one's. `#` never occurs in job ids."""
+        return f"{self.id}#{self.admissions}"
+
+    def resume(self, events: list[tuple[str, dict[str, str]]]) -> None:
+        """Take over the tokens, text and logprobs that earlier runs recorded, and when the first
+        of them started and produced its first token."""
+        starts = []
+        for event_id, fields in events:
+            payload = json.loads(fields["data"])
+            if fields["type"] == "start":
+                starts.append(payload)
+            elif fields["type"] == "tokens":
+                if self.first_token_at is None and payload["ids"]:
+                    self.first_token_at = entry_time(event_id)
+                self.token_ids.extend(payload["ids"])
+                self.text.append(payload["text"])
+                if payload.get("logprobs") is not None and self.request.params.logprobs is not None:
+                    self.logprobs = (self.logprobs or []) + [TokenLogprob.model_validate(lp) for lp in payload["logprobs"]]
+        if starts:
+            self.started_at = starts[0]["started_at"]
+        self.resumed_tokens = len(self.token_ids)
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(self.token_ids))
 
     def result(
         self, status: JobState, finish_reason: str | None, usage: Usage, worker: str, error: ErrorInfo | None = None,
@@ -60,6 +114,9 @@ def parse_request(fields: dict[str, str], max_body_bytes: int, max_tokens_limit:
         raise InvalidBody("the entry has no valid `id` field")
     if fields.get("v") != str(PROTOCOL_VERSION):
         raise UnsupportedVersion(f"protocol version {fields.get('v')!r}; this worker speaks {PROTOCOL_VERSION}")
+    unknown = sorted(set(fields) - ENTRY_FIELDS)
+    if unknown:
+        raise InvalidBody(f"the entry has fields protocol v{PROTOCOL_VERSION} does not know: {', '.join(map(repr, unknown))}")
     if "body" not in fields:
         raise InvalidBody("the entry has no `body` field")
     try:
@@ -85,7 +142,7 @@ def failed_result(job_id: str, entry_id: str, error: MiliError, worker: str) -> 
     """The result of an entry that never ran."""
     return JobResult(
         id=job_id, status="failed", finish_reason="error", worker=worker,
-        error=ErrorInfo(code=error.code, message=error.message),
+        error=ErrorInfo(code=error.code, message=printable(error.message)),
         timings=Timings(queued_at=entry_time(entry_id), finished_at=time.time()),
     )
 
@@ -95,6 +152,12 @@ def expired_result(job_id: str, entry_id: str, worker: str) -> JobResult:
         id=job_id, status="expired", worker=worker,
         timings=Timings(queued_at=entry_time(entry_id), finished_at=time.time()),
     )
+
+
+def printable(message: str) -> str:
+    """`message` as valid UTF-8: a producer's invalid bytes (surrogate-escaped on our connection)
+    may be quoted in an error message, and must not make the result unwritable."""
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def token_event(token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None) -> str:

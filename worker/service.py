@@ -1,9 +1,16 @@
 """The queue loop: read -> admit -> step -> publish -> ack, until told to stop.
 
-One iteration reads only as many entries as the engine can take now (so waiting jobs stay
-in the shared stream for any idle worker), claims them, runs one engine step, and sends the
-step's token events, final results and cancel checks in one pipeline. An entry is
-acknowledged (and deleted) only after its final result is in Redis: at-least-once delivery.
+One iteration reads only as many entries as the engine can take now (entries reclaimed from
+dead workers first), claims them, runs one engine step, and sends the step's token events,
+final results and cancel checks in one pipeline. An entry is acknowledged (and deleted) only
+after its final result is in Redis: at-least-once delivery. Each claim starts a new run of the
+job whose token fences off every earlier run, so a job's events and its one result come from
+one run at a time; a reclaimed job continues from the tokens its event stream recorded.
+
+Two kinds of trouble stay inside the loop. Redis unreachable: the engine keeps stepping, what
+Redis has not seen waits in the outbox (generation pauses once it holds max_buffered_tokens),
+and the loop tries again with backoff. An engine step that raises: its jobs leave the engine and
+come back one per step, so the job that makes a step fail is found and fails alone.
 """
 from __future__ import annotations
 
@@ -12,6 +19,9 @@ import logging
 import os
 import socket
 import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import redis
@@ -20,13 +30,17 @@ from producer_client.errors import MiliError
 from producer_client.keys import PROTOCOL_VERSION, Keys
 from producer_client.schema import ErrorInfo, JobResult, TokenLogprob, Usage
 from worker.jobs import (
-    Job, entry_time, expired_result, failed_result, job_id_of, parse_request, prompt_token_ids, token_event,
+    Delivery, Job, Poison, entry_time, expired_result, failed_result, parse_request, printable, prompt_token_ids,
 )
 from worker.metrics import WorkerMetrics
-from worker.queue import Batch, WorkerQueue
+from worker.queue import DeadLetter, Outbox, RedisLink, Update, WorkerQueue, is_transient
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+
+# A draining worker makes the entries it hands over look this idle: older than any worker's
+# claim_idle_ms, so the next XAUTOCLAIM anywhere takes them.
+HANDED_OVER_IDLE_MS = 10**10
 
 
 class InternalError(MiliError):
@@ -36,7 +50,7 @@ class InternalError(MiliError):
 
 
 class EngineError(MiliError):
-    """The engine step raised; the jobs in that step fail."""
+    """An engine step raised, and this job was the one that made it fail."""
 
     code = "engine_error"
 
@@ -46,7 +60,10 @@ class EngineAPI(Protocol):
 
     tokenizer: Any
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any, priority: int = 0) -> None: ...
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: Any, priority: int = 0,
+        resume_token_ids: Sequence[int] = (),
+    ) -> None: ...
     def step(self) -> list: ...
     def abort(self, request_id: str) -> bool: ...
     def capacity(self) -> Any: ...
@@ -64,12 +81,19 @@ class Worker:
         self.metrics = metrics
         self.name = name
         self.queue = WorkerQueue(client, Keys(settings.prefix), settings.queue, name, settings.result_ttl_s)
+        self.link = RedisLink(settings.redis_backoff_max_s)
         self.jobs: dict[str, Job] = {}  # claimed and in the engine
+        self.suspects: deque[Job] = deque()  # claimed, out of the engine after a failed step
+        self.probe: Job | None = None  # the suspect re-added last: cleared once it produces output
+        self.outbox = Outbox()  # what Redis has not seen yet
         self.acks: list[str] = []  # entries whose job is final in Redis
+        self.dead_letters: list[DeadLetter] = []  # entries to move to the dead-letter stream
         self.total_pages = engine.capacity().free_pages  # the engine is empty now
         self.drain_deadline: float | None = None
         self.stop_now = False
+        self.paused = False  # generation waits for the outbox to drain
         self.next_heartbeat = 0.0
+        self.next_reclaim = 0.0
         self.identity = {
             "name": name, "queue": settings.queue, "model": settings.model, "device": device,
             "host": socket.gethostname(), "pid": os.getpid(), "protocol": PROTOCOL_VERSION,
@@ -84,18 +108,16 @@ class Worker:
         try:
             while self._should_run():
                 self._iterate()
-            self.queue.read(0, None, self._take_acks())
+            self._hand_over()
         finally:
             try:
                 self.queue.leave()
             except redis.RedisError as e:  # do not hide why the loop ended
                 log.warning("could not remove the heartbeat: %s", e)
-            if self.jobs:
-                log.warning("left %d unfinished jobs pending for other workers: %s", len(self.jobs), list(self.jobs))
 
     def request_stop(self) -> None:
-        """First call (SIGTERM): stop reading, give running jobs drain_grace_s to finish and
-        leave the rest pending, unacknowledged, for other workers. Second call: stop now."""
+        """First call (SIGTERM): stop reading, give running jobs drain_grace_s to finish and hand
+        the rest over to other workers. Second call: stop now (and still hand over)."""
         if self.drain_deadline is None:
             self.drain_deadline = time.monotonic() + self.settings.drain_grace_s
             log.info("draining: %d running jobs, %.0fs grace", len(self.jobs), self.settings.drain_grace_s)
@@ -107,29 +129,70 @@ class Worker:
             return False
         if self.drain_deadline is None:
             return True
-        if not self.engine.has_unfinished():
+        if not (self.engine.has_unfinished() or self.suspects or self.outbox or self.acks or self.dead_letters):
             return False
         return time.monotonic() < self.drain_deadline
+
+    def _hand_over(self) -> None:
+        """The end of a drain: publish what Redis has not seen, acknowledge, and hand the entries
+        of unfinished jobs over to other workers, which resume them from their recorded tokens."""
+        held = list(self._held())
+        try:
+            if self.outbox:
+                self._publish()
+            self._flush_acks()
+            if held:
+                released = self.queue.release(held, HANDED_OVER_IDLE_MS)
+                log.info("handed %d unfinished jobs over to other workers", released)
+        except redis.RedisError as e:
+            if not is_transient(e):
+                raise
+            log.warning(
+                "Redis unreachable at the end (%s): %d unfinished jobs wait claim_idle_ms to be reclaimed, "
+                "and %d tokens not yet published will be generated again", e, len(held), self.outbox.buffered_tokens(),
+            )
 
     # -- one iteration -----------------------------------------------------------------------
 
     def _iterate(self) -> None:
-        self._heartbeat_if_due()
-        batch = Batch()
-        self._admit(self._read(), batch)
-        if self.engine.has_unfinished():
-            self._stop_overdue()
-            self._collect(self._step(batch), batch)
-        self._publish(batch)
+        if self.link.ready():
+            self._exchange(self._receive)
+        stepped = self._step_if_possible()
+        if self.link.ready() and (self.outbox or self.jobs):
+            self._exchange(self._publish)
+        if not stepped and not self.link.up:
+            self.link.wait(self.settings.block_ms / 1000)
 
-    def _read(self) -> list[tuple[str, dict[str, str]]]:
-        busy = self.engine.has_unfinished()
-        return self.queue.read(self._admittable(), None if busy else self._idle_block_ms(), self._take_acks())
+    def _exchange(self, talk: Callable[[], None]) -> None:
+        """Run one exchange with Redis. A transient failure (connection lost, Redis loading or
+        out of memory) marks the link down: everything sent is safe to send again, and what was
+        not acknowledged stays in the outbox, the ack list or the pending list."""
+        buffered = 0 if self.link.up else self.outbox.buffered_tokens()
+        try:
+            talk()
+        except redis.RedisError as e:
+            if not is_transient(e):
+                raise
+            self.link.failed(e)
+            return
+        down_s = self.link.succeeded()
+        if down_s is not None:
+            log.info("Redis is back after %.1fs; %d tokens were buffered meanwhile", down_s, buffered)
+
+    def _receive(self) -> None:
+        self._heartbeat_if_due()
+        room = self._admittable()
+        reclaimed = self._reclaim(room)
+        idle = not (self.engine.has_unfinished() or reclaimed or self.outbox)
+        fresh = self.queue.read(room - len(reclaimed), self._idle_block_ms() if idle else None, self.acks, self.dead_letters)
+        self.acks, self.dead_letters = [], []
+        self._admit(reclaimed + fresh)
 
     def _admittable(self) -> int:
-        """How many entries to read: what the engine can start now. Each job needs a slot
-        and at least one page; its real page need is unknown until it is tokenized."""
-        if self.drain_deadline is not None:
+        """How many entries to take: what the engine can start now. Each job needs a slot and at
+        least one page; its real page need is unknown until it is tokenized. None while draining,
+        and none while suspects of a failed step are being tried one at a time."""
+        if self.drain_deadline is not None or self.suspects or self.probe is not None:
             return 0
         cap = self.engine.capacity()
         return min(cap.free_slots, cap.free_pages)
@@ -138,62 +201,144 @@ class Worker:
         until_heartbeat = int((self.next_heartbeat - time.monotonic()) * 1000)
         return max(1, min(self.settings.block_ms, until_heartbeat))
 
-    def _take_acks(self) -> list[str]:
-        acks, self.acks = self.acks, []
-        return acks
+    def _flush_acks(self) -> None:
+        self.queue.read(0, None, self.acks, self.dead_letters)
+        self.acks, self.dead_letters = [], []
+
+    # -- reclaim --------------------------------------------------------------------------------
+
+    def _reclaim(self, room: int) -> list[Delivery]:
+        """Entries of dead or stalled workers (idle longer than claim_idle_ms), no more than room for."""
+        now = time.monotonic()
+        if room <= 0 or now < self.next_reclaim:
+            return []
+        self.next_reclaim = now + self.settings.reclaim_interval_s
+        deliveries = self.queue.reclaim(room, self.settings.claim_idle_ms)
+        if deliveries:
+            log.info(
+                "reclaimed %d entries idle over %d ms: %s", len(deliveries), self.settings.claim_idle_ms,
+                ", ".join(f"{d.job_id} (delivery {d.deliveries})" for d in deliveries),
+            )
+        return deliveries
 
     # -- admit --------------------------------------------------------------------------------
 
-    def _admit(self, entries: list[tuple[str, dict[str, str]]], batch: Batch) -> None:
-        if not entries:
+    def _admit(self, deliveries: list[Delivery]) -> None:
+        if not deliveries:
             return
         now = time.time()
-        runnable: list[Job] = []
-        for entry_id, fields in entries:
-            job_id = job_id_of(entry_id, fields)
-            try:
-                job = self._job_from_entry(job_id, entry_id, fields, now)
-            except MiliError as e:
-                log.info("job %s failed before it started: %s: %s", job_id, e.code, e.message)
-                batch.update(job_id, entry_id).final = failed_result(job_id, entry_id, e, self.name)
-                continue
-            if job.deadline is not None and now > job.deadline:
-                batch.update(job_id, entry_id).final = expired_result(job_id, entry_id, self.name)
+        runs = [uuid.uuid4().hex for _ in deliveries]
+        prepared = [self._job_from_entry(d, run, now) for d, run in zip(deliveries, runs)]
+        resumed: list[Job] = []
+        claims = self.queue.claim([(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)])
+        held = set(self._held().values())
+        for d, run, job, claimed in zip(deliveries, runs, prepared, claims):
+            if claimed.outcome == "claimed" and d.job_id in held:
+                self._drop(d.job_id)  # its own entry, reclaimed after a stall: the claim fenced the old run
+            if claimed.outcome in ("final", "duplicate"):
+                log.info("dropping entry %s of job %s: %s", d.entry_id, d.job_id, claimed.outcome)
+                self.acks.append(d.entry_id)
+            elif claimed.outcome == "error":
+                log.error("job %s: Redis refused its claim (%s); dead-lettering entry %s", d.job_id, claimed.error, d.entry_id)
+                self.dead_letters.append(DeadLetter(d.entry_id, d.fields, f"claim refused: {claimed.error}", d.deliveries))
+            elif d.deliveries > self.settings.max_deliveries:
+                self._dead_letter_poison(d, run, claimed.recorded_tokens)
+            elif isinstance(job, MiliError):
+                log.info("job %s failed before it started: %s: %s", d.job_id, job.code, job.message)
+                final = failed_result(d.job_id, d.entry_id, job, self.name)
+                self.outbox.add(Update(d.job_id, d.entry_id, run, claimed.recorded_tokens, final=final))
+            elif claimed.recorded_tokens:
+                resumed.append(job)
             else:
-                runnable.append(job)
-        if not runnable:
-            return
-        for job, outcome in zip(runnable, self.queue.claim([(j.id, j.entry_id) for j in runnable])):
-            if outcome == "claimed":
-                self._start(job, batch)
-            else:
-                log.info("dropping entry %s of job %s: %s", job.entry_id, job.id, outcome)
-                self.acks.append(job.entry_id)
+                self._start_unless_expired(job)
+        if resumed:
+            events = self.queue.recorded_events([job.id for job in resumed])
+            for job in resumed:
+                self._resume(job, events[job.id])
 
-    def _job_from_entry(self, job_id: str, entry_id: str, fields: dict[str, str], now: float) -> Job:
+    def _job_from_entry(self, d: Delivery, run: str, now: float) -> Job | MiliError:
         try:
-            request = parse_request(fields, self.settings.max_body_bytes, self.settings.max_tokens_limit)
+            request = parse_request(d.fields, self.settings.max_body_bytes, self.settings.max_tokens_limit)
             ids = prompt_token_ids(request, self.engine.tokenizer)
-        except MiliError:
-            raise
-        except Exception as e:  # a bug must cost one job, not the worker
-            log.exception("job %s: unexpected error while reading its entry", job_id)
-            raise InternalError(f"{type(e).__name__}: {e}") from e
-        return Job(job_id, entry_id, request, ids, queued_at=entry_time(entry_id), started_at=now)
-
-    def _start(self, job: Job, batch: Batch) -> None:
-        update = batch.update(job.id, job.entry_id)
-        try:
-            self.engine.add_request(job.id, job.prompt_token_ids, job.request.params, job.request.priority)
         except MiliError as e:
-            log.info("job %s rejected by the engine: %s: %s", job.id, e.code, e.message)
-            usage = Usage(prompt_tokens=len(job.prompt_token_ids))
-            update.final = job.result("failed", "error", usage, self.name, ErrorInfo(code=e.code, message=e.message))
+            return e
+        except Exception as e:  # a bug must cost one job, not the worker
+            log.exception("job %s: unexpected error while reading its entry", d.job_id)
+            return InternalError(f"{type(e).__name__}: {e}")
+        return Job(d.job_id, d.entry_id, run, request, ids, queued_at=entry_time(d.entry_id), started_at=now)
+
+    def _dead_letter_poison(self, d: Delivery, run: str, recorded_tokens: int) -> None:
+        error = Poison(
+            f"delivered {d.deliveries} times, more than max_deliveries {self.settings.max_deliveries}: "
+            "every worker that took it stopped before finishing it"
+        )
+        log.warning("job %s: %s; moving entry %s to the dead-letter stream", d.job_id, error.message, d.entry_id)
+        letter = DeadLetter(d.entry_id, d.fields, error.message, d.deliveries)
+        final = failed_result(d.job_id, d.entry_id, error, self.name)
+        self.outbox.add(Update(d.job_id, d.entry_id, run, recorded_tokens, final=final, dead_letter=letter))
+
+    def _resume(self, job: Job, events: list[tuple[str, dict[str, str]]]) -> None:
+        try:
+            job.resume(events)
+        except Exception as e:  # events this worker cannot read: fail the job, not the worker
+            log.exception("job %s: its recorded events cannot be read", job.id)
+            self._end_unstarted(job, job.result("failed", "error", job.usage(), self.name, error_info(InternalError(
+                f"its recorded events cannot be read: {type(e).__name__}: {e}"))))
             return
+        log.info("job %s: resuming after %d recorded tokens", job.id, job.resumed_tokens)
+        self._start_unless_expired(job)
+
+    def _start_unless_expired(self, job: Job) -> None:
+        if job.deadline is not None and time.time() > job.deadline:
+            # Never started: expired. Started by an earlier run: it ends now, with what it made.
+            final = job.result("done", "timeout", job.usage(), self.name) if job.token_ids else expired_result(
+                job.id, job.entry_id, self.name
+            )
+            self._end_unstarted(job, final)
+            return
+        update = self.outbox.for_job(job)
+        if self._add_to_engine(job, update):
+            update.start = json.dumps({"worker": self.name, "started_at": time.time(), "resumed_tokens": job.resumed_tokens})
+
+    def _end_unstarted(self, job: Job, final: JobResult) -> None:
+        self.outbox.for_job(job).final = final
+
+    def _add_to_engine(self, job: Job, update: Update) -> bool:
+        """Hand the job to the engine, continuing after its tokens so far; a job the engine
+        refuses ends failed. Returns whether it is in the engine."""
+        job.admissions += 1
+        try:
+            self.engine.add_request(
+                job.engine_id, job.prompt_token_ids, job.request.params, job.request.priority,
+                resume_token_ids=job.token_ids,
+            )
+        except Exception as e:
+            if not isinstance(e, MiliError):
+                log.exception("job %s: the engine's add_request raised", job.id)
+                e = InternalError(f"{type(e).__name__}: {e}")
+            log.info("job %s rejected by the engine: %s: %s", job.id, e.code, e.message)
+            update.final = job.result("failed", "error", job.usage(), self.name, error_info(e))
+            return False
         self.jobs[job.id] = job
-        update.start = json.dumps({"worker": self.name, "started_at": job.started_at})
+        return True
 
     # -- step ---------------------------------------------------------------------------------
+
+    def _step_if_possible(self) -> bool:
+        """One engine step, unless the engine has nothing to do or the outbox is full (Redis has
+        been unreachable for a while: generation waits, the jobs stay in the engine)."""
+        if self.outbox.buffered_tokens() >= self.settings.max_buffered_tokens:
+            if not self.paused:
+                log.warning("%d tokens await publication: generation pauses until Redis is back", self.outbox.buffered_tokens())
+            self.paused = True
+            return False
+        self.paused = False
+        self._try_next_suspect()
+        if not self.engine.has_unfinished():
+            return False
+        self._stop_overdue()
+        self._collect(self._step())
+        return True
 
     def _stop_overdue(self) -> None:
         now = time.time()
@@ -204,55 +349,82 @@ class Worker:
     def _stop(self, job: Job, reason: str) -> None:
         """Abort in the engine; its final output (finish_reason "abort") comes with the next step."""
         job.stop_reason = reason
-        self.engine.abort(job.id)
+        self._abort(job)
 
-    def _step(self, batch: Batch) -> list:
+    def _abort(self, job: Job) -> None:
         try:
-            return self.engine.step()
+            self.engine.abort(job.engine_id)
+        except Exception:
+            log.exception("job %s: the engine's abort raised", job.id)
+
+    def _step(self) -> list:
+        try:
+            outputs = self.engine.step()
         except Exception as e:
-            log.exception("engine step failed; failing its %d jobs", len(self.jobs))
-            self._fail_all(EngineError(f"{type(e).__name__}: {e}"), batch)
+            log.exception("an engine step of %d jobs failed", len(self.jobs))
+            self._isolate_failure(EngineError(f"{type(e).__name__}: {e}"))
             return []
+        return outputs
 
-    def _fail_all(self, error: MiliError, batch: Batch) -> None:
-        info = ErrorInfo(code=error.code, message=error.message)
-        for job in list(self.jobs.values()):
+    def _isolate_failure(self, error: EngineError) -> None:
+        """Take every job out of the engine. The one that failed a step alone, or the suspect
+        re-added last that has produced nothing since, fails; the rest become suspects, re-added
+        one at a time from their tokens so far (KV pages of aborted jobs stay in the prefix
+        cache, so that is cheap), each once the one before has produced output. A fault tied to
+        a job's next position shows at its first step back, so it names its job; the others
+        lose no tokens."""
+        live = list(self.jobs.values())
+        culprit = self.probe if self.probe is not None and self.probe.id in self.jobs else None
+        if culprit is None and len(live) == 1:
+            culprit = live[0]
+        self.probe = None
+        for job in live:
             del self.jobs[job.id]
-            try:
-                self.engine.abort(job.id)
-            except Exception:
-                log.exception("job %s: abort after the failed step failed too", job.id)
-            usage = Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(job.token_ids))
-            update = batch.update(job.id, job.entry_id)
-            update.final = job.result("failed", "error", usage, self.name, info)
-            update.tokens_so_far = len(job.token_ids)
+            self._abort(job)
+            if job is culprit:
+                log.warning("job %s fails: an engine step failed with it: %s", job.id, error.message)
+                self.outbox.for_job(job).final = job.result("failed", "error", job.usage(), self.name, error_info(error))
+            else:
+                self.suspects.append(job)
+        if self.suspects:
+            log.warning("re-adding %d jobs one per step to find the one that makes steps fail", len(self.suspects))
 
-    def _collect(self, outputs: list, batch: Batch) -> None:
+    def _try_next_suspect(self) -> None:
+        if self.probe is not None or not self.suspects:
+            return
+        job = self.suspects.popleft()
+        if job.deadline is not None and time.time() > job.deadline:
+            self._end_unstarted(job, job.result("done", "timeout", job.usage(), self.name))
+            return
+        if self._add_to_engine(job, self.outbox.for_job(job)):
+            self.probe = job
+
+    def _collect(self, outputs: list) -> None:
         now = time.time()
         for out in outputs:
-            job = self.jobs.get(out.request_id)
-            if job is None:
-                continue
-            update = batch.update(job.id, job.entry_id)
+            job = self.jobs.get(out.request_id.rpartition("#")[0])
+            if job is None or out.request_id != job.engine_id:
+                continue  # an aborted admission's last word
+            if job is self.probe:
+                self.probe = None
+            update = self.outbox.for_job(job)
             if out.new_token_ids or out.text_delta:
-                update.tokens = self._record_delta(job, out, now)
-            update.tokens_so_far = len(job.token_ids)
+                self._record_delta(job, update, out, now)
             if out.finished:
                 del self.jobs[job.id]
                 update.final = self._final_result(job, out)
 
-    def _record_delta(self, job: Job, out, now: float) -> str:
-        """Add the output's delta to the job; returns its tokens event."""
+    def _record_delta(self, job: Job, update: Update, out, now: float) -> None:
         if job.first_token_at is None and out.new_token_ids:
             job.first_token_at = now
-        job.token_ids.extend(out.new_token_ids)
-        job.text.append(out.text_delta)
         logprobs = None
         if out.logprobs is not None:
             logprobs = [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top)) for lp in out.logprobs]
             job.logprobs = (job.logprobs or []) + logprobs
+        update.add_tokens(out.new_token_ids, out.text_delta, logprobs)
+        job.token_ids.extend(out.new_token_ids)
+        job.text.append(out.text_delta)
         self.metrics.generation_tokens.inc(len(out.new_token_ids))
-        return token_event(out.new_token_ids, out.text_delta, logprobs)
 
     def _final_result(self, job: Job, out) -> JobResult:
         u = out.usage
@@ -271,40 +443,93 @@ class Worker:
 
     # -- publish --------------------------------------------------------------------------------
 
-    def _publish(self, batch: Batch) -> None:
-        batch.watch = [
-            job_id for job_id, job in self.jobs.items() if job.stop_reason is None and job_id not in batch.updates
+    def _publish(self) -> None:
+        updates = list(self.outbox.updates.values())
+        watch = [
+            (job.id, job.run) for job in self.jobs.values()
+            if job.stop_reason is None and job.id not in self.outbox.updates
         ]
-        if not (batch.updates or batch.watch):
+        if not (updates or watch):
             return
-        published = self.queue.publish(batch)
-        for update, written in published.finished:
-            self.acks.append(update.entry_id)
-            if written:
-                self.metrics.job_ended(update.final)
-                log_end(update.final)
-        for job_id in published.stop:
-            job = self.jobs.get(job_id)
-            if job is not None and job.stop_reason is None:
-                log.info("job %s cancelled while running", job_id)
-                self._stop(job, "cancel")
+        outcomes, watched = self.queue.publish(updates, watch)
+        for update, outcome in zip(updates, outcomes):
+            self.outbox.discard(update.job_id)
+            self._settle(update, outcome)
+        for (job_id, _), outcome in zip(watch, watched):
+            self._react(job_id, outcome)
 
-    # -- heartbeat --------------------------------------------------------------------------------
+    def _settle(self, update: Update, outcome: str | Exception) -> None:
+        if isinstance(outcome, Exception):
+            # The job's keys refused PUBLISH (a key of the wrong type): its entry stays pending,
+            # and the claim that follows a reclaim dead-letters it with the reason.
+            log.error("job %s: Redis refused its update: %s", update.job_id, outcome)
+            self._drop(update.job_id)
+        elif outcome == "lost":
+            log.warning("job %s: another worker has taken it over; this run stops", update.job_id)
+            self._drop(update.job_id)
+        elif outcome in ("written", "ended"):
+            self._drop(update.job_id)  # ended elsewhere while it ran here: a result exists
+            if update.dead_letter is not None:
+                self.dead_letters.append(update.dead_letter)
+            else:
+                self.acks.append(update.entry_id)
+            if outcome == "written" and update.final is not None:
+                self._count_end(update)
+        elif outcome == "cancel":
+            self._react(update.job_id, "cancel")
+
+    def _react(self, job_id: str, outcome: str) -> None:
+        if outcome == "lost":
+            log.warning("job %s: another worker has taken it over; this run stops", job_id)
+            self._drop(job_id)
+            return
+        job = self.jobs.get(job_id)
+        if outcome == "cancel" and job is not None and job.stop_reason is None:
+            log.info("job %s cancelled while running", job_id)
+            self._stop(job, "cancel")
+
+    def _drop(self, job_id: str) -> None:
+        """Forget a job without acknowledging its entry: it is someone else's now, or final."""
+        job = self.jobs.pop(job_id, None)
+        if job is not None:
+            self._abort(job)
+        self.suspects = deque(j for j in self.suspects if j.id != job_id)
+        self.outbox.discard(job_id)
+
+    def _count_end(self, update: Update) -> None:
+        if update.dead_letter is not None:
+            self.metrics.jobs.labels("dead_lettered").inc()
+        else:
+            self.metrics.job_ended(update.final)
+        log_end(update.final)
+
+    # -- heartbeat and ownership -------------------------------------------------------------------
+
+    def _held(self) -> dict[str, str]:
+        """{entry id: job id} of the entries this worker holds: jobs in the engine, suspects, and
+        updates not yet published (a job that ended while Redis was away is still pending)."""
+        held = {u.entry_id: u.job_id for u in self.outbox.updates.values()}
+        held.update((job.entry_id, job.id) for job in [*self.jobs.values(), *self.suspects])
+        return held
 
     def _heartbeat_if_due(self) -> None:
         now = time.monotonic()
         if now < self.next_heartbeat:
             return
-        self.next_heartbeat = now + self.settings.heartbeat_interval_s
         cap = self.engine.capacity()
         started = sum(1 for j in self.jobs.values() if j.first_token_at is not None)
         fields = {
             **self.identity,
             "state": "serving" if self.drain_deadline is None else "draining",
-            "running": len(self.jobs), "free_slots": cap.free_slots, "free_pages": cap.free_pages,
+            "running": len(self.jobs) + len(self.suspects), "free_slots": cap.free_slots, "free_pages": cap.free_pages,
             "total_pages": self.total_pages, "page_size": cap.page_size, "updated_at": time.time(),
         }
-        depth = self.queue.heartbeat(fields, self.settings.heartbeat_ttl_s)
+        held = self._held()
+        depth, lost = self.queue.heartbeat(fields, self.settings.heartbeat_ttl_s, list(held))
+        self.next_heartbeat = now + self.settings.heartbeat_interval_s
+        for entry_id in lost:
+            log.warning("job %s: its entry %s was reclaimed by another worker; this run stops", held[entry_id], entry_id)
+            self._drop(held[entry_id])
         m = self.metrics
         m.queue_depth.set(depth)
         m.requests_running.set(started)
@@ -312,6 +537,10 @@ class Worker:
         m.kv_cache_usage.set(1 - cap.free_pages / self.total_pages if self.total_pages else 0.0)
         stats = self.engine.stats()
         m.engine_totals(stats.cache_queried_tokens, stats.cache_hit_tokens, stats.preemptions)
+
+
+def error_info(error: MiliError) -> ErrorInfo:
+    return ErrorInfo(code=error.code, message=printable(error.message))
 
 
 def log_end(result: JobResult) -> None:

@@ -10,9 +10,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict, TomlConfigSettingsSource
 
+from producer_client.errors import InvalidArgument
 from producer_client.keys import DEFAULT_PREFIX, check_name
 from producer_client.schema import MAX_BODY_BYTES, MAX_TOKENS_LIMIT
 from worker.engine.settings import EngineSettings
@@ -39,6 +40,19 @@ class WorkerSettings(BaseSettings):
     heartbeat_ttl_s: float = Field(5.0, gt=0.0, description="the worker counts as dead this long after its last heartbeat")
     result_ttl_s: int = Field(3600, ge=1, description="a job's hash and event stream expire this long after it ends")
     drain_grace_s: float = Field(30.0, ge=0.0, description="on SIGTERM, running jobs get this long to finish")
+    claim_idle_ms: int = Field(
+        15000, ge=1, description="a job's entry unrefreshed this long (its worker died or stalled) is reclaimed by another worker"
+    )
+    reclaim_interval_s: float = Field(2.0, gt=0.0, description="how often a worker with room looks for entries to reclaim")
+    max_deliveries: int = Field(
+        3, ge=1, description="an entry delivered more often than this goes to the dead-letter stream (code poison)"
+    )
+    max_buffered_tokens: int = Field(
+        262144, ge=1, description="while Redis is unreachable, generation pauses once this many tokens await publication"
+    )
+    redis_backoff_max_s: float = Field(
+        5.0, gt=0.0, description="longest wait between attempts to reach Redis again (the wait doubles from 0.05 s)"
+    )
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1, description="larger job bodies fail with body_too_large")
     max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1, description="larger max_tokens fail with invalid_argument")
     metrics_host: str = Field("0.0.0.0", description="address of the Prometheus endpoint")
@@ -50,6 +64,14 @@ class WorkerSettings(BaseSettings):
     @classmethod
     def _usable_in_keys(cls, value: str, info: ValidationInfo) -> str:
         return value if value == "" and info.field_name == "name" else check_name(info.field_name, value)
+
+    @model_validator(mode="after")
+    def _refresh_before_reclaim(self) -> WorkerSettings:
+        # A live worker refreshes its entries with every heartbeat; a claim_idle_ms that does not
+        # leave room for a late heartbeat would let other workers take its running jobs.
+        if self.claim_idle_ms < 2000 * self.heartbeat_interval_s:
+            raise InvalidArgument("claim_idle_ms", "must be at least twice heartbeat_interval_s")
+        return self
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):

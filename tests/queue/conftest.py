@@ -1,1 +1,1 @@
-from tests.redis_support import client_kind, redis_client, redis_server  # noqa: F401  (fixtures)
+from tests.redis_support import client_kind, redis_client, redis_server, restartable_redis  # noqa: F401  (fixtures)

@@ -12,7 +12,7 @@ from producer_client.keys import GROUP, Keys, check_name
 from producer_client.protocol import queue_stats
 from producer_client.schema import JobRequest
 from worker.jobs import entry_time, job_id_of, parse_request
-from worker.queue import Batch, WorkerQueue
+from worker.queue import WorkerQueue
 
 LIMITS = dict(max_body_bytes=1000, max_tokens_limit=64)
 
@@ -95,31 +95,29 @@ def test_acks_go_before_the_read_so_pending_never_grows_past_the_count():
     for i in range(3):
         r.xadd(stream, {"id": f"j{i}"})
     first = q.read(count=1, block_ms=None, acks=[])
-    assert [f["id"] for _, f in first] == ["j0"]
-    second = q.read(count=1, block_ms=None, acks=[first[0][0]])
-    assert [f["id"] for _, f in second] == ["j1"]
+    assert [(d.fields["id"], d.deliveries) for d in first] == [("j0", 1)]
+    second = q.read(count=1, block_ms=None, acks=[first[0].entry_id])
+    assert [d.fields["id"] for d in second] == ["j1"]
     assert r.xpending(stream, GROUP)["pending"] == 1
     assert r.xlen(stream) == 2  # the acked entry is deleted too
-    assert q.read(count=0, block_ms=None, acks=[second[0][0]]) == []
+    assert q.read(count=0, block_ms=None, acks=[second[0].entry_id]) == []
     assert r.xpending(stream, GROUP)["pending"] == 0
 
 
-def test_publish_reports_cancel_flags_of_watched_jobs():
+def test_publish_reports_cancel_flags_and_lost_runs_of_watched_jobs():
     r = fakeredis.FakeRedis(decode_responses=True)
     q = WorkerQueue(r, Keys(), "q", "w1", result_ttl_s=60)
-    r.hset(Keys().job("a"), "cancel", "1")
-    r.hset(Keys().job("b"), "status", "running")
-    published = q.publish(Batch(watch=["a", "b"]))
-    assert published.stop == ["a"]
-    assert published.finished == []
+    r.hset(Keys().job("a"), mapping={"cancel": "1", "run": "ra"})
+    r.hset(Keys().job("b"), mapping={"status": "running", "run": "rb"})
+    r.hset(Keys().job("c"), mapping={"status": "running", "run": "someone-else"})
+    assert q.publish([], [("a", "ra"), ("b", "rb"), ("c", "rc")]) == ([], ["cancel", "ok", "lost"])
 
 
 def test_heartbeat_writes_a_hash_with_ttl_and_indexes_the_worker():
     r = fakeredis.FakeRedis(decode_responses=True)
     q = WorkerQueue(r, Keys(), "q", "w1", result_ttl_s=60)
     r.xadd(Keys().queue("q"), {"id": "x"})
-    depth = q.heartbeat({"name": "w1", "free_pages": 7}, ttl_s=5)
-    assert depth == 1
+    assert q.heartbeat({"name": "w1", "free_pages": 7}, ttl_s=5, held=[]) == (1, [])
     assert r.hget(Keys().worker("w1"), "free_pages") == "7"
     assert 0 < r.pttl(Keys().worker("w1")) <= 5000
     assert r.zrange(Keys().workers("q"), 0, -1) == ["w1"]

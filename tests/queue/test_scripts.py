@@ -1,13 +1,17 @@
 """The protocol's Lua scripts on a real redis-server: each job status transition is atomic,
-the queue bound is exact, and the first finisher wins."""
+the queue bound is exact, the first finisher wins, a run fences off the runs before it, every
+script is safe to run twice, and a queue's pending entries move only as the loop means them to."""
 import json
+import time
 import uuid
 
 import pytest
 
-from producer_client.keys import PROTOCOL_VERSION, Keys
+from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.schema import JobResult
-from producer_client.scripts import ALL, CANCEL, CLAIM, ENQUEUE, PUBLISH, execute
+from producer_client.scripts import (
+    ALL, CANCEL, CLAIM, CREATE, DEADLETTER, ENQUEUE, PUBLISH, RECLAIM, REFRESH, RELEASE, execute,
+)
 
 KEYS = Keys()
 
@@ -34,13 +38,21 @@ def final(job_id, status, text):
     return status, JobResult(id=job_id, status=status, text=text).model_dump_json()
 
 
+def publish(redis_client, job_id, run, start="", tokens="", before=0, after=0, status="", result=""):
+    return on_job(redis_client, PUBLISH, job_id, run, start, tokens, before, after, status, result, 60)
+
+
+def tokens(*ids):
+    return json.dumps({"ids": list(ids), "text": "".join(chr(96 + i) for i in ids)})
+
+
 def done_entries(redis_client, job_id):
     return [JobResult.model_validate_json(f["data"]) for _, f in redis_client.xrange(KEYS.done(job_id))]
 
 
 def test_scripts_load_on_a_server_that_lacks_them(redis_client, job_id):
     redis_client.script_flush()
-    assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60) == "claimed"
+    assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "run-1") == ["claimed", 0]
     assert all(redis_client.script_exists(*(s.sha for s in ALL)))
 
 
@@ -54,15 +66,26 @@ def test_enqueue_refuses_at_the_bound_and_never_trims(redis_client):
     assert run(redis_client, ENQUEUE, [queue], 0, "j3", PROTOCOL_VERSION, "{}")[0] == 1  # 0: no bound
 
 
+def test_create_says_enqueue_until_an_enqueue_is_recorded(redis_client, job_id):
+    key = KEYS.job(job_id)
+    assert run(redis_client, CREATE, [key]) == 1  # new
+    assert run(redis_client, CREATE, [key]) == 1  # queued, and no enqueue recorded: a submit stopped half-way
+    redis_client.hset(key, "enqueued", "1")
+    assert run(redis_client, CREATE, [key]) == 0
+    redis_client.hset(key, mapping={"status": "running"})
+    redis_client.hdel(key, "enqueued")
+    assert run(redis_client, CREATE, [key]) == 0  # past queued: never set back
+    assert redis_client.hget(key, "status") == "running"
+
+
 def test_a_step_is_published_at_once_and_a_second_finisher_changes_nothing(redis_client, job_id):
     redis_client.hset(KEYS.job(job_id), "status", "queued")
-    assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60) == "claimed"
-    start, tokens = json.dumps({"worker": "w1"}), json.dumps({"ids": [1, 2], "text": "ab"})
-    assert on_job(redis_client, PUBLISH, job_id, start, tokens, 2, "", "", 60) is None  # goes on, not cancelled
+    assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1") == ["claimed", 0]
+    start = json.dumps({"worker": "w1"})
+    assert publish(redis_client, job_id, "r1", start, tokens(1, 2), 0, 2) == "ok"
     assert redis_client.hget(KEYS.job(job_id), "tokens") == "2"
-    last = json.dumps({"ids": [3], "text": "c"})
-    assert on_job(redis_client, PUBLISH, job_id, "", last, 3, *final(job_id, "done", "abc"), 60) == 1
-    assert on_job(redis_client, PUBLISH, job_id, "", tokens, 9, *final(job_id, "failed", "second"), 60) == 0
+    assert publish(redis_client, job_id, "r1", "", tokens(3), 2, 3, *final(job_id, "done", "abc")) == "written"
+    assert publish(redis_client, job_id, "r1", "", tokens(4), 3, 4, *final(job_id, "failed", "second")) == "ended"
     job = redis_client.hgetall(KEYS.job(job_id))
     assert job["status"] == "done" and job["tokens"] == "3"
     assert JobResult.model_validate_json(job["result"]).text == "abc"
@@ -73,13 +96,48 @@ def test_a_step_is_published_at_once_and_a_second_finisher_changes_nothing(redis
         assert 0 < redis_client.ttl(key) <= 60
 
 
+def test_a_publish_sent_twice_records_its_events_once(redis_client, job_id):
+    # A retried call whose first reply was lost: the start once per run, tokens once per count.
+    on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1")
+    for _ in range(2):
+        assert publish(redis_client, job_id, "r1", json.dumps({"worker": "w1"}), tokens(1, 2), 0, 2) == "ok"
+    for _ in range(2):
+        assert publish(redis_client, job_id, "r1", "", tokens(3), 2, 3) == "ok"
+    assert [(t, e.get("ids")) for t, e in events(redis_client, job_id)] == [("start", None), ("tokens", [1, 2]), ("tokens", [3])]
+    assert redis_client.hget(KEYS.job(job_id), "tokens") == "3"
+
+
+def test_a_run_whose_tokens_do_not_follow_the_recorded_ones_is_lost(redis_client, job_id):
+    # Redis lost its last writes (a crash under appendfsync everysec): the run stops, and the
+    # job resumes from what Redis has, rather than leave a gap in the event stream.
+    on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1")
+    publish(redis_client, job_id, "r1", "", tokens(1, 2), 0, 2)
+    assert publish(redis_client, job_id, "r1", "", tokens(5), 4, 5) == "lost"
+    assert publish(redis_client, job_id, "r1", "", "", 4, 4, *final(job_id, "done", "")) == "lost"
+    assert redis_client.hget(KEYS.job(job_id), "tokens") == "2"
+    assert "result" not in redis_client.hgetall(KEYS.job(job_id))
+
+
+def test_a_reclaim_starts_a_new_run_that_fences_off_the_old_one(redis_client, job_id):
+    on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1")
+    publish(redis_client, job_id, "r1", json.dumps({"worker": "w1"}), tokens(1, 2), 0, 2)
+    # w1 stalls; w2 reclaims the same entry and learns how many tokens to resume after.
+    assert on_job(redis_client, CLAIM, job_id, "w2", "1-0", 60, "r2") == ["claimed", 2]
+    assert publish(redis_client, job_id, "r1", "", tokens(3), 2, 3) == "lost"
+    assert publish(redis_client, job_id, "r1", "", tokens(3), 2, 3, *final(job_id, "done", "abc")) == "lost"
+    assert publish(redis_client, job_id, "r2", json.dumps({"worker": "w2"}), tokens(3), 2, 3) == "ok"
+    assert publish(redis_client, job_id, "r2", "", "", 3, 3, *final(job_id, "done", "abc")) == "written"
+    assert [t for t, _ in events(redis_client, job_id)] == ["start", "tokens", "start", "tokens", "end"]
+    assert redis_client.hget(KEYS.job(job_id), "worker") == "w2"
+
+
 def test_a_queued_job_cancelled_is_dropped_by_the_worker_that_reads_it(redis_client, job_id):
     redis_client.hset(KEYS.job(job_id), "status", "queued")
     _, result = final(job_id, "cancelled", "")
     assert on_job(redis_client, CANCEL, job_id, result) == "queued"
     assert redis_client.hget(KEYS.job(job_id), "status") == "cancelled"
     assert [r.status for r in done_entries(redis_client, job_id)] == ["cancelled"]
-    assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60) == "final"
+    assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1") == ["final"]
     assert [t for t, _ in events(redis_client, job_id)] == ["end"]
     for key in (KEYS.job(job_id), KEYS.events(job_id), KEYS.done(job_id)):
         assert 0 < redis_client.ttl(key) <= 60  # the worker's claim starts the result TTL
@@ -87,12 +145,12 @@ def test_a_queued_job_cancelled_is_dropped_by_the_worker_that_reads_it(redis_cli
 
 def test_cancelling_a_running_job_raises_the_flag_its_next_step_reads(redis_client, job_id):
     redis_client.hset(KEYS.job(job_id), "status", "queued")
-    on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60)
+    on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1")
     assert on_job(redis_client, CANCEL, job_id, "{}") == "running"
     job = redis_client.hgetall(KEYS.job(job_id))
     assert (job["status"], job["cancel"]) == ("running", "1")
     assert "result" not in job
-    assert on_job(redis_client, PUBLISH, job_id, "", "", 0, "", "", 60) == "1"
+    assert publish(redis_client, job_id, "r1") == "cancel"
 
 
 def test_cancelling_an_unknown_job_returns_nil(redis_client, job_id):
@@ -101,12 +159,66 @@ def test_cancelling_an_unknown_job_returns_nil(redis_client, job_id):
 
 
 def test_a_second_entry_of_a_running_job_is_a_duplicate(redis_client, job_id):
-    assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60) == "claimed"  # raw XADD: no hash yet
-    assert on_job(redis_client, CLAIM, job_id, "w2", "2-0", 60) == "duplicate"
+    assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1") == ["claimed", 0]  # raw XADD: no hash yet
+    assert on_job(redis_client, CLAIM, job_id, "w2", "2-0", 60, "r2") == ["duplicate"]
     assert redis_client.hget(KEYS.job(job_id), "worker") == "w1"
 
 
-def test_a_failure_without_a_claim_creates_the_job(redis_client, job_id):
-    assert on_job(redis_client, PUBLISH, job_id, "", "", 0, *final(job_id, "failed", ""), 60) == 1
-    assert redis_client.hget(KEYS.job(job_id), "status") == "failed"
-    assert [t for t, _ in events(redis_client, job_id)] == ["end"]
+# -- a queue's pending entries -------------------------------------------------------------------
+
+
+@pytest.fixture
+def stream(redis_client):
+    key = KEYS.queue(uuid.uuid4().hex)
+    redis_client.xgroup_create(key, GROUP, id="0", mkstream=True)
+    return key
+
+
+def deliver(redis_client, stream, consumer, n):
+    ids = [redis_client.xadd(stream, {"id": f"j{i}", "v": "1", "body": "{}"}) for i in range(n)]
+    redis_client.xreadgroup(GROUP, consumer, {stream: ">"}, count=n)
+    return ids
+
+
+def pending(redis_client, stream):
+    """{entry id: (consumer, delivery count)}"""
+    rows = redis_client.xpending_range(stream, GROUP, "-", "+", 100)
+    return {r["message_id"]: (r["consumer"], r["times_delivered"]) for r in rows}
+
+
+def test_refresh_keeps_a_live_workers_entries_and_reports_those_taken_from_it(redis_client, stream):
+    a, b = deliver(redis_client, stream, "w1", 2)
+    time.sleep(0.05)
+    redis_client.xclaim(stream, GROUP, "w2", 0, [b])  # reclaimed while w1 was cut off
+    assert run(redis_client, REFRESH, [stream], GROUP, "w1", a, b) == [b]
+    assert pending(redis_client, stream) == {a: ("w1", 1), b: ("w2", 2)}  # b stays w2's: not taken back
+    assert run(redis_client, RECLAIM, [stream], GROUP, "w3", 40, "0-0", 10)[1] == []  # a is fresh again
+
+
+def test_reclaim_takes_idle_entries_with_their_delivery_count_and_no_more_than_asked(redis_client, stream):
+    first = deliver(redis_client, stream, "w1", 3)
+    time.sleep(0.05)
+    cursor, claimed = run(redis_client, RECLAIM, [stream], GROUP, "w2", 40, "0-0", 2)
+    assert [(entry_id, dict(zip(f[::2], f[1::2]))["id"], n) for entry_id, f, n in claimed] == [
+        (first[0], "j0", 2), (first[1], "j1", 2),
+    ]
+    assert cursor == first[2]  # the next scan starts at the entry this one left
+    assert run(redis_client, RECLAIM, [stream], GROUP, "w2", 40, cursor, 2)[1][0][0] == first[2]
+    assert run(redis_client, RECLAIM, [stream], GROUP, "w3", 40, "0-0", 5)[1] == []  # all just claimed
+
+
+def test_a_released_entry_is_reclaimed_at_once_without_counting_a_delivery(redis_client, stream):
+    (entry_id,) = deliver(redis_client, stream, "w1", 1)
+    assert run(redis_client, RELEASE, [stream], GROUP, "w1", 10**10, entry_id, "0-1") == 1  # 0-1: not w1's
+    _, claimed = run(redis_client, RECLAIM, [stream], GROUP, "w2", 60_000, "0-0", 5)
+    assert [(e, n) for e, _, n in claimed] == [(entry_id, 1)]
+
+
+def test_a_dead_letter_moves_its_entry_once(redis_client, stream):
+    (entry_id,) = deliver(redis_client, stream, "w1", 1)
+    dead = KEYS.dead(stream.removeprefix("mili:q:{").removesuffix("}"))
+    args = [GROUP, entry_id, 100, "id", "j0", "reason", "poison"]
+    assert run(redis_client, DEADLETTER, [stream, dead], *args) == 1
+    assert run(redis_client, DEADLETTER, [stream, dead], *args) == 0
+    assert [f for _, f in redis_client.xrange(dead)] == [{"id": "j0", "reason": "poison"}]
+    assert redis_client.xlen(stream) == 0 and pending(redis_client, stream) == {}

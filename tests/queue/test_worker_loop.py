@@ -2,50 +2,18 @@
 what the protocol promises, independent of the model."""
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from contextlib import contextmanager
 
 import pytest
 import redis
 
 from producer_client import JobFailed
 from producer_client.keys import GROUP, Keys
+from tests.queue.support import outcome_count, serving
 from tests.redis_support import eventually, make_client
-from worker.echo_engine import EchoEngine
-from worker.metrics import WorkerMetrics
-from worker.service import Worker
-from worker.settings import WorkerSettings
 
 KEYS = Keys()
-
-
-class SlowEchoEngine(EchoEngine):
-    """Echo with a fixed step time, so that jobs are running long enough to be acted on."""
-
-    def __init__(self, settings, step_s: float = 0.005, fail_on_step: int | None = None):
-        super().__init__(settings)
-        self.step_s = step_s
-        self.fail_on_step = fail_on_step
-
-    def step(self):
-        time.sleep(self.step_s)
-        if self._steps + 1 == self.fail_on_step:
-            self._steps += 1
-            raise RuntimeError("injected step failure")
-        return super().step()
-
-
-class ThreadedWorker(Worker):
-    def start(self) -> ThreadedWorker:
-        self.thread = threading.Thread(target=self.serve, daemon=True)
-        self.thread.start()
-        return self
-
-    def wait_stopped(self, timeout: float = 10) -> None:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture
@@ -53,34 +21,11 @@ def queue():
     return f"q-{uuid.uuid4().hex[:8]}"
 
 
-@contextmanager
-def serving(url: str, queue: str, step_s: float = 0.0, fail_on_step: int | None = None, **overrides):
-    engine_overrides = overrides.pop("engine", {})
-    settings = WorkerSettings.load(
-        None, redis=url, queue=queue, name=f"w-{queue}", block_ms=20, heartbeat_interval_s=0.05, metrics_port=0,
-        engine=engine_overrides, **overrides,
-    )
-    engine = SlowEchoEngine(settings.engine, step_s, fail_on_step)
-    client = redis.Redis.from_url(url, decode_responses=True, encoding_errors="surrogateescape")
-    worker = ThreadedWorker(engine, client, settings, WorkerMetrics(), settings.name).start()
-    try:
-        yield worker
-    finally:
-        worker.request_stop()
-        worker.request_stop()
-        worker.wait_stopped()
-        client.close()
-
-
 @pytest.fixture
 def client(client_kind, redis_server, queue):
     c = make_client(client_kind, redis_server.url, queue)
     yield c
     c.close()
-
-
-def outcome_count(worker: Worker, outcome: str) -> float:
-    return worker.metrics.registry.get_sample_value("mili_jobs_total", {"outcome": outcome})
 
 
 def test_a_job_round_trips_with_usage_and_ordered_timings(redis_server, client, queue):

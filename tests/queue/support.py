@@ -1,0 +1,65 @@
+"""The queue loop in this process, driving the echo engine, for tests against a real redis-server."""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+from worker.echo_engine import EchoEngine
+from worker.metrics import WorkerMetrics
+from worker.queue import connect
+from worker.service import Worker
+from worker.settings import WorkerSettings
+
+
+class SlowEchoEngine(EchoEngine):
+    """Echo with a fixed step time, so that jobs are running long enough to be acted on."""
+
+    def __init__(self, settings, step_s: float = 0.005, fail_on_step: int | None = None):
+        super().__init__(settings)
+        self.step_s = step_s
+        self.fail_on_step = fail_on_step
+
+    def step(self):
+        time.sleep(self.step_s)
+        if self._steps + 1 == self.fail_on_step:
+            self._steps += 1
+            raise RuntimeError("injected step failure")
+        return super().step()
+
+
+class ThreadedWorker(Worker):
+    def start(self) -> ThreadedWorker:
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+        return self
+
+    def wait_stopped(self, timeout: float = 10) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive()
+
+
+@contextmanager
+def serving(
+    url: str, queue: str, step_s: float = 0.0, fail_on_step: int | None = None, engine_class=SlowEchoEngine,
+    name: str | None = None, **overrides,
+):
+    engine_overrides = overrides.pop("engine", {})
+    settings = WorkerSettings.load(
+        None, redis=url, queue=queue, name=name or f"w-{queue}", block_ms=20, heartbeat_interval_s=0.05,
+        metrics_port=0, engine=engine_overrides, **overrides,
+    )
+    engine = engine_class(settings.engine, step_s, fail_on_step)
+    client = connect(url)
+    worker = ThreadedWorker(engine, client, settings, WorkerMetrics(), settings.name).start()
+    try:
+        yield worker
+    finally:
+        worker.request_stop()
+        worker.request_stop()
+        worker.wait_stopped()
+        client.close()
+
+
+def outcome_count(worker: Worker, outcome: str) -> float:
+    return worker.metrics.registry.get_sample_value("mili_jobs_total", {"outcome": outcome})
