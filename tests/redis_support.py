@@ -53,11 +53,12 @@ def tokens_published(redis_client, job_id: str) -> list[int]:
 
 
 def runs(redis_client, job_id: str) -> list[tuple[dict, list[int]]]:
-    """Each run of the job: its start event's data, and the tokens it published."""
+    """Each run of the job: its start event's data (plus `at`, when Redis added the event), and
+    the tokens it published."""
     out: list[tuple[dict, list[int]]] = []
-    for _, kind, data in events(redis_client, job_id):
+    for event_id, kind, data in events(redis_client, job_id):
         if kind == "start":
-            out.append((data, []))
+            out.append(({**data, "at": int(event_id.split("-")[0]) / 1000}, []))
         elif kind == "tokens":
             out[-1][1].extend(data["ids"])
     return out

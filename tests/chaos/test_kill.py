@@ -1,0 +1,105 @@
+"""kill -9 one of two workers while it generates 20 greedy jobs on the tiny model: every job
+completes with exactly one final result and the output a fault-free run gives, and the event
+streams show that no token recorded before the kill was generated again: the surviving worker
+resumed each job right after the tokens the dead one had published."""
+from __future__ import annotations
+
+import time
+import urllib.request
+import uuid
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from producer_client import SamplingParams
+from producer_client.keys import GROUP, Keys
+from tests.chaos.conftest import FAST_RECLAIM
+from tests.redis_support import (
+    WorkerProcess, assert_one_final_result, eventually, make_client, runs, start_workers, tokens_published,
+)
+
+KEYS = Keys()
+ENGINE = dict(max_running=8, max_model_len=256)
+PROMPTS = [f"Job {i}: tell me something about the number {i * 7}." for i in range(20)]
+# Greedy; every other job with a repetition penalty, which resumed tokens must feed like any output.
+PARAMS = [dict(max_tokens=32, temperature=0.0, ignore_eos=True, repetition_penalty=1.3 if i % 2 else 1.0) for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def fault_free():
+    """The outputs of an uninterrupted run: the engine in this process, one thread like the workers."""
+    from worker.engine.engine import Engine
+
+    engine = Engine.from_pretrained("tiny", kv_cache_mib=64, **ENGINE)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+        return engine.generate(prompts, [SamplingParams(**p) for p in PARAMS])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def generated_tokens(worker: WorkerProcess) -> float:
+    port = int(worker.heartbeat()["metrics_port"])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "mili_generation_tokens")
+    return next(s.value for s in family.samples if s.name == "mili_generation_tokens_total")
+
+
+@pytest.mark.slow
+def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(redis_server, redis_client, fault_free,
+                                                                               tmp_path):
+    queue = f"kill-{uuid.uuid4().hex[:6]}"
+    flags = ("--max-running", str(ENGINE["max_running"]), "--max-model-len", str(ENGINE["max_model_len"]), *FAST_RECLAIM)
+    victim, survivor = start_workers([
+        WorkerProcess(redis_server.url, queue, f"{queue}-{n}", tmp_path, *flags) for n in ("victim", "survivor")
+    ])
+    try:
+        with make_client("sync", redis_server.url, queue) as client:
+            ids = [client.submit(p, **params) for p, params in zip(PROMPTS, PARAMS)]
+
+            def victim_generating() -> bool:
+                jobs = [redis_client.hmget(KEYS.job(j), "worker", "tokens") for j in ids]
+                return sum(w == victim.name and int(t or 0) >= 4 for w, t in jobs) >= 2
+
+            assert eventually(victim_generating, timeout=120), victim.log()
+            victim.process.kill()
+            killed_at = time.time()
+            victim.process.wait()
+            results = [client.result(job_id, timeout=180) for job_id in ids]
+        victim_tokens = resumed_after = 0
+        recoveries = []
+        for job_id, result, want in zip(ids, results, fault_free):
+            assert (result.status, result.finish_reason) == ("done", "length"), job_id
+            assert (result.token_ids, result.text) == (want.token_ids, want.text), job_id
+            assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(want.prompt_token_ids), 32)
+            assert_one_final_result(redis_client, job_id)
+            assert tokens_published(redis_client, job_id) == result.token_ids  # each token once, none missing
+            job_runs = runs(redis_client, job_id)
+            made_before = 0
+            for start, made in job_runs:
+                assert start["resumed_tokens"] == made_before  # each run starts after what was recorded
+                made_before += len(made)
+            *earlier, (last, _) = job_runs
+            assert last["worker"] == result.worker
+            victim_tokens += sum(len(made) for start, made in job_runs if start["worker"] == victim.name)
+            if earlier:  # the victim's, cut short by the kill
+                assert {start["worker"] for start, _ in earlier} == {victim.name} and last["worker"] == survivor.name
+                resumed_after += last["resumed_tokens"]
+                recoveries.append(last["at"] - killed_at)
+        assert recoveries and resumed_after > 0
+        # The survivor generated exactly the tokens the victim had not recorded: none twice.
+        assert eventually(lambda: generated_tokens(survivor) == 32 * 20 - victim_tokens)
+        assert redis_client.xlen(KEYS.queue(queue)) == 0
+        assert redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 0
+        print(
+            f"\nkill -9: {len(recoveries)} jobs resumed after {resumed_after} recorded tokens; recovery "
+            f"(kill to the survivor's start) {min(recoveries):.2f}-{max(recoveries):.2f}s with claim_idle_ms 1000, "
+            f"reclaim_interval_s 0.2, heartbeat_interval_s 0.1"
+        )
+    finally:
+        victim.stop()
+        survivor.stop()
+
