@@ -24,6 +24,20 @@ class SampleResult:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass
+class SampledTokens:
+    """One step's draws as tensors: what `Sampler.sample` leaves on the device for `Sampler.read`.
+
+    Kept apart from the host lists so an overlapped engine can copy them out asynchronously
+    and read them a step later (worker.engine.overlap)."""
+
+    token_ids: torch.Tensor  # [N] int64
+    logprob_rows: list[int]  # the rows whose request asked for logprobs, R of them
+    chosen_logprobs: torch.Tensor | None = None  # [R] the sampled token's raw logprob
+    top_logprobs: torch.Tensor | None = None  # [R, k] the k most likely, k the largest n asked for
+    top_ids: torch.Tensor | None = None  # [R, k]
+
+
 def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_BELOW
 
@@ -36,10 +50,15 @@ class Sampler:
     def __init__(self, eos_token_ids: list[int]):
         self.eos_token_ids = eos_token_ids
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """logits [N, V] float32, one row per request, in the same order; modified in place."""
-        raw_logprobs = self._raw_logprobs(logits, requests)
+        return self.read(self.sample(logits, requests), requests)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
+        """The draws, left on the logits' device: no host sync."""
+        logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
         apply_penalties(logits, requests)
         self._suppress_stops_before_min_tokens(logits, requests)
         tokens = logits.argmax(dim=-1)
@@ -47,26 +66,25 @@ class Sampler:
         if random_rows:
             picked = [requests[i] for i in random_rows]
             tokens[random_rows] = sample_random(logits[random_rows], picked)
-        token_ids = tokens.tolist()
-        return SampleResult(token_ids, self._logprobs(raw_logprobs, requests, token_ids))
+        sampled = SampledTokens(tokens, logprob_rows)
+        if raw_logprobs is not None:
+            k = max(requests[i].params.logprobs for i in logprob_rows)
+            sampled.chosen_logprobs = raw_logprobs.gather(1, tokens[logprob_rows, None]).squeeze(1)
+            sampled.top_logprobs, sampled.top_ids = raw_logprobs.topk(k, dim=-1)
+        return sampled
 
-    def _raw_logprobs(self, logits: torch.Tensor, requests: list[Request]) -> dict[int, torch.Tensor]:
-        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-        if not rows:
-            return {}
-        lp = torch.log_softmax(logits[rows], dim=-1)
-        return {row: lp[j] for j, row in enumerate(rows)}
-
-    def _logprobs(
-        self, raw: dict[int, torch.Tensor], requests: list[Request], token_ids: list[int],
-    ) -> list[TokenLogprob | None]:
-        out: list[TokenLogprob | None] = [None] * len(requests)
-        for row, lp in raw.items():
-            n = requests[row].params.logprobs
-            top_lp, top_ids = lp.topk(n) if n else (lp[:0], lp[:0].long())
-            top = tuple(zip(top_ids.tolist(), top_lp.tolist()))
-            out[row] = TokenLogprob(token_ids[row], float(lp[token_ids[row]]), top)
-        return out
+    def read(self, sampled: SampledTokens, requests: list[Request]) -> SampleResult:
+        """The draws as host lists (a sync when they are still on the device)."""
+        token_ids = sampled.token_ids.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(requests)
+        if sampled.logprob_rows:
+            chosen = sampled.chosen_logprobs.tolist()
+            top_lp, top_ids = sampled.top_logprobs.tolist(), sampled.top_ids.tolist()
+            for j, row in enumerate(sampled.logprob_rows):
+                n = requests[row].params.logprobs
+                top = tuple(zip(top_ids[j][:n], top_lp[j][:n]))
+                logprobs[row] = TokenLogprob(token_ids[row], chosen[j], top)
+        return SampleResult(token_ids, logprobs)
 
     def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> None:
         for i, r in enumerate(requests):
@@ -113,7 +131,8 @@ def sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor
     if any(r.params.min_p > 0 for r in requests):
         apply_min_p(logits, torch.tensor([r.params.min_p for r in requests], device=device))
     if any(r.params.top_k > 0 for r in requests):
-        apply_top_k(logits, torch.tensor([r.params.top_k or logits.shape[1] for r in requests], device=device))
+        ks = [r.params.top_k or logits.shape[1] for r in requests]
+        apply_top_k(logits, torch.tensor(ks, device=device), max(ks))
     if any(r.params.top_p < 1.0 for r in requests):
         logits = apply_top_p(logits, torch.tensor([r.params.top_p for r in requests], device=device))
     probs = logits.softmax(dim=-1)
@@ -127,10 +146,11 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> None:
-    """Keeps each row's k largest logits (ties with the k-th are kept)."""
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor, max_k: int) -> None:
+    """Keeps each row's k largest logits (ties with the k-th are kept). `max_k` is k's largest
+    value, given from the host: reading it from the device would be a sync."""
     k = k.clamp(max=logits.shape[1])
-    top = logits.topk(int(k.max()), dim=-1).values
+    top = logits.topk(min(max_k, logits.shape[1]), dim=-1).values
     kth = top.gather(1, (k - 1)[:, None])
     logits.masked_fill_(logits < kth, float("-inf"))
 
