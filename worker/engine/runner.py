@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker.engine.scheduler import ScheduledChunk
 from worker.model.batch import AttentionMetadata, KVCaches
 from worker.model.qwen3 import Qwen3ForCausalLM
+
+if TYPE_CHECKING:
+    from worker.engine.cuda_graph import DecodeGraphRunner
 
 
 @dataclass
@@ -24,11 +28,19 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.page_size = page_size
         self.device = device
+        self.decode_graphs: DecodeGraphRunner | None = None  # set once captured (CUDA)
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Extends every chunk's KV; returns [N, vocab] float32 logits, one row per sampling chunk, in order."""
+    def run(self, chunks: list[ScheduledChunk], future_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Extends every chunk's KV; returns [N, vocab] float32 logits, one row per sampling chunk, in order.
+
+        `future_tokens`: the previous step's sampled ids, still on the device, for the chunks
+        whose input is a token not yet seen by the host (see worker.engine.overlap)."""
         inputs = self.prepare(chunks)
+        if future_tokens is not None:
+            inputs.input_ids = resolve_future_tokens(inputs.input_ids, future_tokens)
+        if self.decode_graphs is not None and self.decode_graphs.fits(inputs):
+            return self.decode_graphs.run(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         return self.model.compute_logits(hidden[inputs.sample_indices])
 
@@ -67,3 +79,10 @@ class ModelRunner:
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
+
+
+def resolve_future_tokens(input_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:
+    """Input id -(i + 1) stands for row i of the previous step's sampled tokens: replaced on
+    the device, so the host never waits for them (SGLang's future token ids)."""
+    rows = (-input_ids - 1).clamp_(min=0)
+    return torch.where(input_ids < 0, future_tokens[rows], input_ids)

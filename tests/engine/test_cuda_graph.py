@@ -1,0 +1,162 @@
+"""Decode CUDA graphs: the batch-size ladder, padding to it, the padded static inputs, and the
+padded forward against an unpadded eager one. Capture itself needs CUDA; on CPU the graph
+runner runs each padded size eagerly, which is exactly what a graph would replay."""
+from unittest import mock
+
+import pytest
+import torch
+
+from producer_client.schema import SamplingParams
+from tests.engine.test_engine import random_prompts, token_ids
+from worker.engine.cuda_graph import DecodeBuffers, DecodeGraphRunner, capture_sizes, padded_size
+from worker.engine.kv_pool import pages_for
+from worker.engine.runner import StepInputs
+from worker.model.batch import AttentionMetadata
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(("max_batch", "sizes"), [
+    (1, [1]),
+    (3, [1, 2, 3]),
+    (8, [1, 2, 4, 8]),
+    (16, [1, 2, 4, 8, 16]),
+    (20, [1, 2, 4, 8, 16, 20]),
+    (64, [1, 2, 4, 8, 16, 32, 48, 64]),
+    (256, [1, 2, 4, 8] + list(range(16, 257, 16))),
+])
+def test_the_ladder_is_powers_of_two_to_8_then_multiples_of_16_ending_at_max_batch(max_batch, sizes):
+    assert capture_sizes(max_batch) == sizes
+
+
+def test_a_batch_pads_to_the_smallest_captured_size_that_holds_it():
+    sizes = capture_sizes(256)
+    assert [padded_size(b, sizes) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 250, 256)] == [
+        1, 2, 4, 4, 8, 8, 16, 16, 32, 48, 256, 256,
+    ]
+    assert padded_size(257, sizes) is None
+    assert all(padded_size(b, sizes) >= b for b in range(1, 257))
+
+
+def decode_step(slots, page_rows, seq_lens, ids=None, positions=None) -> StepInputs:
+    b = len(slots)
+    width = max(len(r) for r in page_rows)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    return StepInputs(
+        input_ids=torch.tensor(ids or [7 + i for i in range(b)]),
+        positions=torch.tensor(positions or [s - 1 for s in seq_lens]),
+        meta=AttentionMetadata(
+            is_decode=True, slot_mapping=torch.tensor(slots),
+            page_table=torch.tensor([r + [0] * (width - len(r)) for r in page_rows], dtype=torch.int32),
+            seq_lens=seq, prefix_lens=seq - 1, cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32), max_q_len=1,
+        ),
+        sample_indices=torch.arange(b),
+    )
+
+
+def rows(buffers: DecodeBuffers, size: int) -> dict[str, list]:
+    meta = buffers.meta(size)
+    return {
+        "ids": buffers.input_ids[:size].tolist(), "positions": buffers.positions[:size].tolist(),
+        "slots": meta.slot_mapping.tolist(), "pages": meta.page_table.tolist(), "seq": meta.seq_lens.tolist(),
+        "prefix": meta.prefix_lens.tolist(), "cu": meta.cu_seqlens_q.tolist(),
+    }
+
+
+def test_padding_rows_write_nothing_and_read_one_key_of_page_0():
+    buffers = DecodeBuffers(max_batch=8, max_pages=4, device=CPU)
+    # Three requests (contexts 5, 9 and 2 tokens, pages of 4) padded to the captured size 4.
+    buffers.load(decode_step([22, 36, 12], [[5, 5], [1, 2, 9], [3]], [5, 9, 2]), size=4)
+    assert rows(buffers, 4) == {
+        "ids": [7, 8, 9, 0], "positions": [4, 8, 1, 0],
+        "slots": [22, 36, 12, -1],
+        "pages": [[5, 5, 0, 0], [1, 2, 9, 0], [3, 0, 0, 0], [0, 0, 0, 0]],
+        "seq": [5, 9, 2, 1], "prefix": [4, 8, 1, 0], "cu": [0, 1, 2, 3, 4],
+    }
+    assert buffers.meta(4).is_decode and buffers.meta(4).max_q_len == 1
+
+
+def test_a_smaller_batch_leaves_nothing_of_a_larger_one_in_the_rows_it_pads():
+    buffers = DecodeBuffers(max_batch=8, max_pages=4, device=CPU)
+    buffers.load(decode_step([1, 2, 3, 4], [[1, 2, 3, 4]] * 4, [16] * 4), size=4)
+    buffers.load(decode_step([40], [[6, 7]], [6]), size=2)
+    assert rows(buffers, 2) == {
+        "ids": [7, 0], "positions": [5, 0], "slots": [40, -1], "pages": [[6, 7, 0, 0], [0, 0, 0, 0]],
+        "seq": [6, 1], "prefix": [5, 0], "cu": [0, 1, 2],
+    }
+
+
+def test_buffers_at_rest_are_all_padding_rows():
+    assert rows(DecodeBuffers(max_batch=2, max_pages=2, device=CPU), 2) == {
+        "ids": [0, 0], "positions": [0, 0], "slots": [-1, -1], "pages": [[0, 0], [0, 0]],
+        "seq": [1, 1], "prefix": [0, 0], "cu": [0, 1, 2],
+    }
+
+
+def start_decoding(engine, prompts: list[list[int]]) -> StepInputs:
+    """Admits the prompts, runs their prefill, and returns the inputs of the decode step that follows."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=50))
+    engine.step()
+    chunks = engine.scheduler.schedule().chunks
+    assert [c.num_tokens for c in chunks] == [1] * len(prompts)
+    return engine.runner.prepare(chunks)
+
+
+def graph_runner(engine, kv_caches, max_batch: int) -> DecodeGraphRunner:
+    max_pages = pages_for(engine.max_model_len, engine.settings.page_size)
+    return DecodeGraphRunner(engine.runner.model, kv_caches, max_batch, max_pages, CPU)
+
+
+@pytest.mark.parametrize("batch", [3, 5, 7])
+def test_a_padded_decode_step_matches_the_unpadded_eager_one_and_padding_writes_nothing(make_engine, batch):
+    engine = make_engine()
+    inputs = start_decoding(engine, random_prompts(batch, 3, 30, seed=batch))
+    model, caches = engine.runner.model, engine.runner.kv_caches
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    padded_caches = [(k.clone(), v.clone()) for k, v in caches]
+    graphs = graph_runner(engine, padded_caches, max_batch=8)
+    assert graphs.fits(inputs) and padded_size(batch, graphs.sizes) > batch
+
+    padded = graphs.run(inputs)
+    with torch.inference_mode():
+        eager = model.compute_logits(model(inputs.input_ids, inputs.positions, inputs.meta, caches))
+    # A GEMM's blocking depends on its row count, so padded rows change the last bits (on
+    # CUDA too: cuBLAS picks kernels by shape), never the ranking.
+    assert padded.shape == eager.shape == (batch, engine.vocab_size)
+    torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+    assert torch.equal(padded.argmax(-1), eager.argmax(-1))
+    written = inputs.meta.slot_mapping
+    for (k0, v0), (k, v), (pk, pv) in zip(before, caches, padded_caches):
+        flat = [t.view(-1, *t.shape[2:]) for t in (k0, v0, k, v, pk, pv)]
+        torch.testing.assert_close(flat[4][written], flat[2][written], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(flat[5][written], flat[3][written], rtol=1e-5, atol=1e-5)
+        untouched = torch.ones(flat[0].shape[0], dtype=torch.bool)
+        untouched[written] = False
+        assert torch.equal(flat[4][untouched], flat[0][untouched])  # padding rows wrote nothing
+        assert torch.equal(flat[5][untouched], flat[1][untouched])
+
+
+def test_steps_that_are_not_plain_decodes_run_eagerly(make_engine):
+    engine = make_engine()
+    inputs = start_decoding(engine, random_prompts(3, 3, 30, seed=9))
+    assert graph_runner(engine, engine.runner.kv_caches, max_batch=4).fits(inputs)
+    assert not graph_runner(engine, engine.runner.kv_caches, max_batch=2).fits(inputs)  # more rows than the ladder
+    narrow = DecodeGraphRunner(engine.runner.model, engine.runner.kv_caches, 4, 1, CPU)
+    assert inputs.meta.page_table.shape[1] > 1 and not narrow.fits(inputs)
+    extend = StepInputs(inputs.input_ids, inputs.positions, inputs.meta, inputs.sample_indices)
+    extend.meta = AttentionMetadata(**{**vars(inputs.meta), "is_decode": False})
+    assert not graph_runner(engine, engine.runner.kv_caches, max_batch=4).fits(extend)
+
+
+def test_an_engine_replaying_padded_decodes_generates_what_the_eager_engine_does(make_engine):
+    prompts = random_prompts(11, 1, 40, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i) for i in range(11)]  # batches shrink 11 -> 1
+    expected = token_ids(make_engine().generate(prompts, params))
+    engine = make_engine(max_running=11)
+    graphs = graph_runner(engine, engine.runner.kv_caches, max_batch=11)
+    engine.runner.decode_graphs = graphs
+    with mock.patch.object(graphs, "run", wraps=graphs.run) as replays:
+        assert token_ids(engine.generate(prompts, params)) == expected
+    batches = {call.args[0].input_ids.shape[0] for call in replays.call_args_list}
+    assert batches == set(range(1, 12))  # every decode step, at every batch size, went through the graphs
