@@ -178,6 +178,9 @@ class Worker:
         down_s = self.link.succeeded()
         if down_s is not None:
             log.info("Redis is back after %.1fs; %d tokens were buffered meanwhile", down_s, buffered)
+            # Entries of every worker look idle after an outage of all of them (a Redis restart):
+            # reclaim nothing until the live ones have had claim_idle_ms to refresh theirs.
+            self.next_reclaim = time.monotonic() + self.settings.claim_idle_ms / 1000
 
     def _receive(self) -> None:
         self._heartbeat_if_due()
