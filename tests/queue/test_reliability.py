@@ -240,3 +240,18 @@ def test_a_drain_hands_unfinished_jobs_over_and_they_resume_at_once(redis_server
     assert (first["worker"], second["worker"]) == (leaving.name, staying.name)
     assert second["resumed_tokens"] == len(made) > 0
     assert tokens_published(redis_client, job_id) == list(b"h" * 200)
+
+
+def test_an_entry_whose_job_key_is_unusable_is_dead_lettered_and_the_worker_serves_on(
+    redis_server, redis_client, client, queue,
+):
+    job_id = uuid.uuid4().hex
+    redis_client.set(KEYS.job(job_id), "not a hash")  # a key of the wrong type: no script can run on it
+    redis_client.xadd(KEYS.queue(queue), {"id": job_id, "v": PROTOCOL_VERSION, "body": '{"prompt": "x"}'})
+    with serving(redis_server.url, queue) as worker:
+        assert client.generate("next", max_tokens=8, timeout=10).text == "next"
+        assert eventually(lambda: redis_client.xlen(KEYS.dead(queue)) == 1)
+        assert worker.thread.is_alive()
+    ((_, letter),) = redis_client.xrange(KEYS.dead(queue))
+    assert letter["id"] == job_id and "WRONGTYPE" in letter["reason"]
+    assert redis_client.xlen(KEYS.queue(queue)) == 0
