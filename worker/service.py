@@ -136,11 +136,11 @@ class Worker:
     def _hand_over(self) -> None:
         """The end of a drain: publish what Redis has not seen, acknowledge, and hand the entries
         of unfinished jobs over to other workers, which resume them from their recorded tokens."""
-        held = list(self._held())
         try:
             if self.outbox:
                 self._publish()
             self._flush_acks()
+            held = list(self._held())
             if held:
                 released = self.queue.release(held, HANDED_OVER_IDLE_MS)
                 log.info("handed %d unfinished jobs over to other workers", released)
@@ -148,8 +148,8 @@ class Worker:
             if not is_transient(e):
                 raise
             log.warning(
-                "Redis unreachable at the end (%s): %d unfinished jobs wait claim_idle_ms to be reclaimed, "
-                "and %d tokens not yet published will be generated again", e, len(held), self.outbox.buffered_tokens(),
+                "Redis unreachable at the end (%s): %d unfinished jobs wait claim_idle_ms to be reclaimed, and "
+                "%d tokens not yet published will be generated again", e, len(self._held()), self.outbox.buffered_tokens(),
             )
 
     # -- one iteration -----------------------------------------------------------------------
