@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from worker.engine.errors import KVCacheTooSmall, OutOfPages
-from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_caches, num_pages_to_allocate, pages_for
+from worker.engine.errors import OutOfPages
+from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_caches, pages_for
 
 
 def assert_consistent(allocator: PageAllocator) -> None:
@@ -36,17 +36,6 @@ def test_allocating_more_than_free_raises_and_changes_nothing():
 
 def test_pages_for_rounds_up():
     assert [pages_for(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
-
-
-def test_cpu_pool_is_sized_from_the_configured_mib():
-    shape = KVCacheShape(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
-    assert shape.bytes_per_page == 2 * 2 * 4 * 2 * 8 * 4  # k and v, layers, tokens, heads, dim, fp32
-    cpu = torch.device("cpu")
-    assert num_pages_to_allocate(shape, cpu, None, kv_cache_mib=1, gpu_memory_utilization=0.9) == 1024
-    assert num_pages_to_allocate(shape, cpu, 7, kv_cache_mib=1, gpu_memory_utilization=0.9) == 7
-    big = KVCacheShape(num_layers=64, num_kv_heads=64, head_dim=128, page_size=64, dtype=torch.float32)
-    with pytest.raises(KVCacheTooSmall):
-        num_pages_to_allocate(big, cpu, None, kv_cache_mib=1, gpu_memory_utilization=0.9)
 
 
 def test_kv_caches_are_zeroed_per_layer_page_tensors():

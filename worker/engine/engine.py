@@ -18,7 +18,10 @@ import torch
 from producer_client.errors import InvalidArgument, MiliError
 from producer_client.schema import SamplingParams
 from worker.engine.errors import PromptTooLong
-from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_caches, num_pages_to_allocate
+from worker.engine.cuda_graph import DecodeGraphRunner
+from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_caches, pages_for
+from worker.engine.memory import kv_cache_pages, profile_activation_peak
+from worker.engine.overlap import LaunchedStep, drop_placeholders, launched
 from worker.engine.radix_cache import RadixCache
 from worker.engine.request import (
     ErrorInfo, FinishReason, GenerationOutput, Request, RequestOutput, TokenLogprob, Usage,
@@ -74,8 +77,8 @@ class Engine:
             config.num_hidden_layers, config.num_key_value_heads, config.head_dim, settings.page_size,
             model.model.norm.weight.dtype,
         )
-        num_pages = num_pages_to_allocate(
-            shape, device, settings.num_pages, settings.kv_cache_mib, settings.gpu_memory_utilization
+        num_pages = kv_cache_pages(
+            shape, device, settings, lambda: profile_activation_peak(model, shape, settings, config.vocab_size, device),
         )
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(self.allocator, settings.page_size, settings.enable_prefix_cache)
@@ -83,13 +86,26 @@ class Engine:
             self.allocator, self.cache, settings.page_size, settings.max_running, settings.max_num_batched_tokens
         )
         self.runner = ModelRunner(model, allocate_kv_caches(shape, num_pages, device), settings.page_size, device)
+        if settings.cuda_graphs and device.type == "cuda":
+            self.runner.decode_graphs = self._capture_decode_graphs(num_pages)
         self.sampler = Sampler(self.eos_token_ids)
+        self.overlap = overlap_enabled(settings, device)
+        self._in_flight: LaunchedStep | None = None  # overlapped: the step the device may still be running
         self._live: dict[str, Request] = {}
         self._ended: list[RequestOutput] = []  # finals of requests that ended between steps (aborts)
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         self._steps = self._computed_tokens = self._computed_prompt_tokens = 0
         self._log_limits(num_pages)
+
+    def _capture_decode_graphs(self, num_pages: int) -> DecodeGraphRunner:
+        # A page table row never needs more pages than max_model_len tokens fill, nor than the pool has.
+        max_pages = min(pages_for(self.max_model_len, self.settings.page_size), num_pages)
+        graphs = DecodeGraphRunner(
+            self.runner.model, self.runner.kv_caches, self.settings.max_running, max_pages, self.device,
+        )
+        graphs.capture()
+        return graphs
 
     @classmethod
     def from_pretrained(
@@ -108,9 +124,10 @@ class Engine:
         s = self.settings
         log.info(
             "engine: max_model_len %d, %d KV pages x %d tokens, max_running %d, max_num_batched_tokens %d, "
-            "prefix cache %s, eos %s",
+            "prefix cache %s, decode CUDA graphs %s, overlapped scheduling %s, eos %s",
             self.max_model_len, num_pages, s.page_size, s.max_running, s.max_num_batched_tokens,
-            "on" if s.enable_prefix_cache else "off", self.eos_token_ids,
+            on_off(s.enable_prefix_cache), on_off(self.runner.decode_graphs is not None), on_off(self.overlap),
+            self.eos_token_ids,
         )
         if num_pages * s.page_size < self.max_model_len:
             log.warning(
@@ -163,13 +180,22 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one batched model step; returns a delta for every request that produced a token
-        or ended (including those aborted or failed since the last step)."""
+        or ended (including those aborted or failed since the last step).
+
+        Overlapped (`self.overlap`), the step is launched and the previous one's deltas are
+        returned while the device runs it (worker.engine.overlap)."""
         outputs, self._ended = self._ended, []
+        if self._in_flight is not None and self._in_flight.needs_host_tokens:
+            outputs.extend(self._read(self._take_in_flight()))
         scheduled = self.scheduler.schedule()
         for req in scheduled.failed:
             outputs.append(self._end(req, req.text.finish(), []))
-        if scheduled.chunks:
-            outputs.extend(self._run(scheduled.chunks))
+        previous = self._take_in_flight()
+        self._in_flight = self._launch(scheduled.chunks, previous) if scheduled.chunks else None
+        if previous is not None:
+            outputs.extend(self._read(previous))
+        if not self.overlap and self._in_flight is not None:
+            outputs.extend(self._read(self._take_in_flight()))
         return outputs
 
     def abort(self, request_id: str) -> bool:
@@ -249,18 +275,33 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------------
 
-    def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+    def _launch(self, chunks: list[ScheduledChunk], previous: LaunchedStep | None) -> LaunchedStep | None:
+        """Queues the step's model run and sampling; None when no chunk samples."""
         self._count_computed(chunks)
         sampling = [c.request for c in chunks if c.samples]
-        logits = self.runner.run(chunks)
+        logits = self.runner.run(chunks, previous.device_tokens if previous is not None else None)
         self.scheduler.commit(chunks)
         if not sampling:
-            return []
-        sampled = self.sampler(logits, sampling)
-        return [
-            self._take_token(req, token, lp)
-            for req, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs)
-        ]
+            return None
+        return launched(sampling, self.sampler.sample(logits, sampling))
+
+    def _take_in_flight(self) -> LaunchedStep | None:
+        step, self._in_flight = self._in_flight, None
+        return step
+
+    def _read(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Puts the step's tokens in place of their placeholders and checks them, in order."""
+        sampled = self.sampler.read(step.wait(), step.requests)
+        outputs = []
+        for req, index, token, lp in zip(step.requests, step.indices, sampled.token_ids, sampled.logprobs):
+            if req.is_finished:
+                continue  # it ended while this token was in flight: the token is discarded
+            later = req.token_ids[index + 1 :]  # the placeholder of a step launched since
+            del req.token_ids[index:]
+            outputs.append(self._take_token(req, token, lp))
+            if not req.is_finished:
+                req.token_ids.extend(later)
+        return outputs
 
     def _count_computed(self, chunks: list[ScheduledChunk]) -> None:
         self._steps += 1
@@ -301,6 +342,7 @@ class Engine:
         self, req: Request, text: str, new_token_ids: list[int], logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         del self._live[req.request_id]
+        drop_placeholders(req)
         log.debug(
             "request %s finished (%s): %d prompt tokens (%d cached), %d output tokens, %d preemptions",
             req.request_id, req.finish_reason, req.num_prompt_tokens, req.num_cached_prompt_tokens,
@@ -325,6 +367,15 @@ class Engine:
         params.check_consistency()
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidArgument("stop_token_ids", f"token ids must be below the vocabulary size {self.vocab_size}")
+
+
+def on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def overlap_enabled(settings: EngineSettings, device: torch.device) -> bool:
+    # Unset, it follows the device: on CPU the host runs the model itself, so nothing overlaps.
+    return settings.overlap_schedule if settings.overlap_schedule is not None else device.type == "cuda"
 
 
 def resolve_max_model_len(settings: EngineSettings, config: Qwen3Config) -> int:

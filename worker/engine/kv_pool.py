@@ -1,16 +1,13 @@
 """The paged KV cache: per-layer page tensors, preallocated once, and the allocator that owns the pages."""
 from __future__ import annotations
 
-import logging
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from worker.engine.errors import KVCacheTooSmall, OutOfPages
+from worker.engine.errors import OutOfPages
 from worker.model.batch import KVCaches
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -22,9 +19,14 @@ class KVCacheShape:
     dtype: torch.dtype
 
     @property
-    def bytes_per_page(self) -> int:
+    def bytes_per_token(self) -> int:
+        """K and V of one token in every layer."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
 
 
 class PageAllocator:
@@ -75,35 +77,11 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return (num_tokens + page_size - 1) // page_size
 
 
-def num_pages_to_allocate(
-    shape: KVCacheShape, device: torch.device, num_pages: int | None,
-    kv_cache_mib: int, gpu_memory_utilization: float,
-) -> int:
-    """An explicit `num_pages` wins; otherwise a fraction of free GPU memory on CUDA
-    (measured after the weights are loaded), or `kv_cache_mib` of host memory."""
-    if num_pages is not None:
-        return num_pages
-    if device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        budget = int(free_bytes * gpu_memory_utilization)
-    else:
-        budget = kv_cache_mib * 2**20
-    n = budget // shape.bytes_per_page
-    if n < 1:
-        raise KVCacheTooSmall(f"{budget} bytes of KV memory hold no page of {shape.bytes_per_page} bytes")
-    return n
-
-
 def allocate_kv_caches(shape: KVCacheShape, num_pages: int, device: torch.device) -> KVCaches:
     # Zeroed, not empty: attention reads whole pages and masks the tail, and a NaN left
     # in an unused slot would survive a zero attention weight (0 * NaN = NaN).
     dims = (num_pages, shape.page_size, shape.num_kv_heads, shape.head_dim)
-    caches = [
+    return [
         (torch.zeros(dims, dtype=shape.dtype, device=device), torch.zeros(dims, dtype=shape.dtype, device=device))
         for _ in range(shape.num_layers)
     ]
-    log.info(
-        "KV cache: %d pages x %d tokens (%.1f MiB, %s, %s)",
-        num_pages, shape.page_size, num_pages * shape.bytes_per_page / 2**20, shape.dtype, device,
-    )
-    return caches

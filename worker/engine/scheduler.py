@@ -99,8 +99,9 @@ class Scheduler:
                 self._cache_computed_pages(c.request)
 
     def finish(self, req: Request) -> None:
-        """Takes a finished request out of the running set and returns its pages."""
-        self.running.remove(req)
+        """Takes a finished request out of the scheduler and returns its pages. It may be
+        waiting: an overlapped engine reads a token after the request was preempted."""
+        (self.running if req in self.running else self.waiting).remove(req)
         self._release(req)
 
     def abort(self, request_id: str) -> Request | None:

@@ -18,6 +18,8 @@ class EngineSettings(BaseModel):
     max_running: int = Field(256, ge=1)  # requests decoding at once
     max_model_len: int | None = Field(None, ge=2)  # prompt + output; default: the model's context
     enable_prefix_cache: bool = True
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs captured at start (CUDA devices only)
+    overlap_schedule: bool | None = None  # prepare step N+1 while the device runs step N; unset: on CUDA only
 
     @model_validator(mode="after")
     def _decodes_fit_one_step(self) -> "EngineSettings":
