@@ -34,8 +34,12 @@ class FakeModel:
     def __init__(self, events: list):
         self.events = events
         self.model = SimpleNamespace(norm=SimpleNamespace(weight=torch.zeros(1)))  # the KV dtype
+        self.failures = 0  # calls still to fail, as a lost device would
 
     def __call__(self, input_ids, positions, meta, kv_caches):
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("device lost")
         self.events.append(("forward", input_ids.tolist()))
         return torch.stack([input_ids, positions], dim=1)
 
@@ -134,6 +138,19 @@ def test_a_token_in_flight_when_its_request_is_aborted_is_never_reported(fake_en
     assert out.usage.completion_tokens == 1
     assert engine.step() == [] and not engine.has_unfinished()
     assert_all_pages_free_after_clear(engine)
+
+
+def test_a_launch_that_raises_leaves_the_previous_step_in_flight_to_be_read_later(fake_engine):
+    engine, events = fake_engine(overlap=True)
+    prompt = [5, 6, 7]
+    t1, t2 = continuation(prompt, 2)
+    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=2))
+    assert engine.step() == []
+    engine.runner.model.failures = 1
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    assert streams(drive(engine)) == {"a": ([t1, t2], True)}
+    assert events == [("forward", prompt), ("forward", [t1]), ("read", [t1]), ("forward", [t2]), ("read", [t2])]
 
 
 def drive_once(engine: Engine, calls: int) -> list:

@@ -191,7 +191,11 @@ class Engine:
         for req in scheduled.failed:
             outputs.append(self._end(req, req.text.finish(), []))
         previous = self._take_in_flight()
-        self._in_flight = self._launch(scheduled.chunks, previous) if scheduled.chunks else None
+        try:
+            self._in_flight = self._launch(scheduled.chunks, previous) if scheduled.chunks else None
+        except BaseException:
+            self._in_flight = previous  # its placeholders still stand for its tokens
+            raise
         if previous is not None:
             outputs.extend(self._read(previous))
         if not self.overlap and self._in_flight is not None:
