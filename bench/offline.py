@@ -119,7 +119,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch CPU threads for both engines (default: torch's)")
     p.add_argument("--max-num-batched-tokens", type=int, help="engine setting (default: EngineSettings')")
     p.add_argument("--max-running", type=int, help="engine setting (default: EngineSettings')")
+    add_engine_switches(p)
     return p.parse_args()
+
+
+def add_engine_switches(p: argparse.ArgumentParser) -> None:
+    """On/off engine settings, for ablations (default: EngineSettings', which follow the device)."""
+    for name in ("cuda_graphs", "overlap_schedule"):
+        p.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None,
+                       help="engine setting (default: EngineSettings')")
 
 
 def workload_from(args: argparse.Namespace) -> Workload:
@@ -132,7 +140,10 @@ def workload_from(args: argparse.Namespace) -> Workload:
 
 
 def engine_settings(args: argparse.Namespace) -> dict:
-    settings = {"max_num_batched_tokens": args.max_num_batched_tokens, "max_running": args.max_running}
+    settings = {
+        name: getattr(args, name)
+        for name in ("max_num_batched_tokens", "max_running", "cuda_graphs", "overlap_schedule")
+    }
     return {k: v for k, v in settings.items() if v is not None}
 
 
