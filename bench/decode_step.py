@@ -1,0 +1,118 @@
+"""Decode step time at a full batch, beside its memory-bandwidth bound.
+
+A decode step reads every weight once and every running request's whole KV context, so HBM
+bandwidth sets a floor under it:
+
+    bound = (weight bytes + KV bytes of all contexts) / HBM bandwidth (H100: 3.35 TB/s)
+
+The script fills an engine with `--batch` requests of `--context` random prompt tokens, runs
+their prefill, then times decode steps two ways: the model step alone (`ModelRunner.run`,
+which replays the decode CUDA graph on CUDA) and whole engine steps (scheduling, sampling,
+stop checks, outputs). Both print beside the bound; the issue's target is within 2x of it.
+
+    python bench/decode_step.py                      # qwen3-0.6b, bf16, batch 256, context 1024
+    python bench/decode_step.py --model tiny --batch 8 --context 64 --steps 3    # CPU smoke
+"""
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+# Run as a script, this file's directory leads sys.path and would shadow the `kernels` package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import torch  # noqa: E402
+
+from bench.kernels import H100_HBM_BYTES_PER_S  # noqa: E402
+from bench.offline import PROMPT_ID_LIMIT, add_engine_switches, engine_settings  # noqa: E402
+from producer_client.schema import SamplingParams  # noqa: E402
+from worker.engine import Engine, EngineSettings  # noqa: E402
+from worker.engine.engine import overlap_enabled  # noqa: E402
+
+
+def main() -> None:
+    args = parse_args()
+    settings = {"max_running": args.batch, "max_num_batched_tokens": max(args.batch, 8192), **engine_settings(args)}
+    # Filling and the model step need every sampled token on the host; engine steps then run
+    # overlapped or not as asked (the engine reads the switch at each step).
+    overlap = overlap_enabled(EngineSettings.parse(**settings), torch.device(args.device))
+    settings["overlap_schedule"] = False
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **settings)
+    fill(engine, args.batch, args.context, args.warmup + 2 * args.steps + 2)
+    chunks = engine.scheduler.schedule().chunks  # the next decode step; computed repeatedly below, never committed
+    if len(chunks) != args.batch or any(c.num_tokens != 1 for c in chunks):
+        raise RuntimeError(f"expected a decode step of {args.batch} requests, got {len(chunks)} chunks")
+    model_ms = timed(lambda: engine.runner.run(chunks), args.warmup, args.steps, engine.device)
+    engine.overlap = overlap
+    step_ms = timed(engine.step, 1, args.steps, engine.device)
+
+    bound_ms = bound_seconds(engine, chunks) * 1e3
+    print(f"{args.model} on {args.device}: batch {args.batch}, context {args.context}, "
+          f"decode CUDA graphs {'on' if engine.runner.decode_graphs else 'off'}, "
+          f"overlapped scheduling {'on' if engine.overlap else 'off'}")
+    print(f"bound (weights + KV bytes at {H100_HBM_BYTES_PER_S / 1e12:.2f} TB/s): {bound_ms:.3f} ms")
+    print(f"model step:  {model_ms:.3f} ms = {model_ms / bound_ms:.2f}x the bound")
+    print(f"engine step: {step_ms:.3f} ms = {step_ms / bound_ms:.2f}x the bound "
+          f"({args.batch / step_ms * 1e3:,.0f} output tok/s at this batch)")
+
+
+def parse_args() -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-0.6b" if cuda else "tiny", help="preset name or checkpoint directory")
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--dtype", default=None, help="default: the checkpoint's")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, default=20, help="timed steps of each kind")
+    p.add_argument("--warmup", type=int, default=3)
+    add_engine_switches(p)
+    p.set_defaults(max_num_batched_tokens=None, max_running=None)  # set from --batch
+    return p.parse_args()
+
+
+def fill(engine: Engine, batch: int, context: int, max_tokens: int) -> None:
+    """Admits the requests and steps until every one has its first token, so all decode."""
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"decode-{i}", [rng.randrange(PROMPT_ID_LIMIT) for _ in range(context)], params)
+    started: set[str] = set()
+    while len(started) < batch:
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+
+
+def timed(fn, warmup: int, steps: int, device: torch.device) -> float:
+    """Mean milliseconds per call over `steps` back-to-back calls, the device drained at both ends."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bound_seconds(engine: Engine, chunks) -> float:
+    """Bytes a decode step must read once (weights; every context's K and V) over HBM bandwidth.
+    An untied embedding table is not read whole (a step looks up one row per request)."""
+    model = engine.runner.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        embed = model.model.embed_tokens.weight
+        weights -= embed.numel() * embed.element_size()
+    k_cache = engine.runner.kv_caches[0][0]
+    kv_per_token = 2 * len(engine.runner.kv_caches) * k_cache[0, 0].numel() * k_cache.element_size()
+    kv = sum(c.start + c.num_tokens for c in chunks) * kv_per_token
+    return (weights + kv) / H100_HBM_BYTES_PER_S
+
+
+if __name__ == "__main__":
+    main()
