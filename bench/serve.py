@@ -174,7 +174,8 @@ def run_producers(url: str, procs: int, work) -> tuple[list[JobTimes], float]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     go = ctx.Event()
-    shares = [[(work.prompts[j], work.output_lens[j]) for j in range(i, len(work.prompts), procs)] for i in range(procs)]
+    jobs = list(zip(work.prompts, work.output_lens))
+    shares = [jobs[i::procs] for i in range(procs)]
     children = [ctx.Process(target=producer, args=(url, share, go, results)) for share in shares if share]
     for c in children:
         c.start()

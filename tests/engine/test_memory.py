@@ -65,7 +65,9 @@ def test_the_profiled_step_is_the_token_budget_split_evenly_over_max_running_seq
     requests, chunks = profile_batch(EngineSettings(max_num_batched_tokens=10, max_running=4, page_size=2), 100)
     assert [len(r.token_ids) for r in requests] == [3, 3, 2, 2]
     assert [r.pages for r in requests] == [[0, 1], [2, 3], [4], [5]]
-    assert [(c.request, c.start, c.num_tokens, c.samples) for c in chunks] == [(r, 0, len(r.token_ids), True) for r in requests]
+    assert [(c.request, c.start, c.num_tokens, c.samples) for c in chunks] == [
+        (r, 0, len(r.token_ids), True) for r in requests
+    ]
     requests, _ = profile_batch(EngineSettings(max_num_batched_tokens=4096, max_running=256), 151_936)
     assert {len(r.token_ids) for r in requests} == {16} and len(requests) == 256
 
@@ -75,6 +77,7 @@ def test_the_profiled_step_runs_through_the_model_and_every_sampling_feature(loa
     settings = EngineSettings(max_num_batched_tokens=40, max_running=6, page_size=4)
     requests, chunks = profile_batch(settings, config.vocab_size)
     shape = KVCacheShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 4, torch.float32)
-    runner = ModelRunner(model, allocate_kv_caches(shape, sum(len(r.pages) for r in requests), torch.device("cpu")), 4, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    runner = ModelRunner(model, allocate_kv_caches(shape, sum(len(r.pages) for r in requests), cpu), 4, cpu)
     out = Sampler([])(runner.run(chunks), requests)
     assert len(out.token_ids) == 6 and all(len(lp.top) == 20 for lp in out.logprobs)

@@ -34,6 +34,7 @@ import torch
 
 from worker.engine.request import Request
 from worker.engine.sampler import SampledTokens, has_penalties
+from worker.engine.transfer import to_host
 
 
 @dataclass
@@ -83,16 +84,8 @@ def copy_to_host(sampled: SampledTokens) -> tuple[SampledTokens, torch.cuda.Even
     if not sampled.token_ids.is_cuda:
         return sampled, None
     copies = {
-        f.name: pinned_copy(value) for f in fields(sampled)
-        if isinstance(value := getattr(sampled, f.name), torch.Tensor)
+        f.name: to_host(value) for f in fields(sampled) if isinstance(value := getattr(sampled, f.name), torch.Tensor)
     }
     landed = torch.cuda.Event()
     landed.record()
     return replace(sampled, **copies), landed
-
-
-def pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    # Pinned memory, or the copy would be synchronous, which is the stall this module removes.
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out

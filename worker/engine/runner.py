@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.engine.scheduler import ScheduledChunk
+from worker.engine.transfer import to_device
 from worker.model.batch import AttentionMetadata, KVCaches
 from worker.model.qwen3 import Qwen3ForCausalLM
 
@@ -78,7 +79,7 @@ class ModelRunner:
         )
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, non_blocking=True)
+        return to_device(t, self.device)
 
 
 def resolve_future_tokens(input_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from producer_client.schema import SamplingParams
 from worker.engine.request import Request, TokenLogprob
+from worker.engine.transfer import tensor_on, to_device
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy, as in vLLM (dividing by them overflows)
 
@@ -56,20 +57,25 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
-        """The draws, left on the logits' device: no host sync."""
+        """The draws, left on the logits' device: no host sync (host lists reach the device
+        through worker.engine.transfer, indexes included)."""
+        device = logits.device
         logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+        if logprob_rows:
+            logprob_index = tensor_on(logprob_rows, device, torch.long)
+            raw_logprobs = torch.log_softmax(logits[logprob_index], dim=-1)
         apply_penalties(logits, requests)
         self._suppress_stops_before_min_tokens(logits, requests)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not is_greedy(r.params)]
         if random_rows:
             picked = [requests[i] for i in random_rows]
-            tokens[random_rows] = sample_random(logits[random_rows], picked)
+            random_index = tensor_on(random_rows, device, torch.long)
+            tokens[random_index] = sample_random(logits[random_index], picked)
         sampled = SampledTokens(tokens, logprob_rows)
-        if raw_logprobs is not None:
+        if logprob_rows:
             k = max(requests[i].params.logprobs for i in logprob_rows)
-            sampled.chosen_logprobs = raw_logprobs.gather(1, tokens[logprob_rows, None]).squeeze(1)
+            sampled.chosen_logprobs = raw_logprobs.gather(1, tokens[logprob_index, None]).squeeze(1)
             sampled.top_logprobs, sampled.top_ids = raw_logprobs.topk(k, dim=-1)
         return sampled
 
@@ -92,7 +98,7 @@ class Sampler:
                 ids = list(r.params.stop_token_ids)
                 if not r.params.ignore_eos:
                     ids += self.eos_token_ids
-                logits[i, ids] = float("-inf")
+                logits[i, tensor_on(ids, logits.device, torch.long)] = float("-inf")
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -103,15 +109,16 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
         return
     picked = [requests[i] for i in rows]
     device, vocab = logits.device, logits.shape[1]
-    sub = logits[rows]
+    row_index = tensor_on(rows, device, torch.long)
+    sub = logits[row_index]
     counts = token_counts([r.output_token_ids for r in picked], vocab, device)
-    rep = torch.tensor([r.params.repetition_penalty for r in picked], device=device)[:, None]
+    rep = tensor_on([r.params.repetition_penalty for r in picked], device)[:, None]
     seen = token_counts([r.token_ids for r in picked], vocab, device) > 0
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([r.params.frequency_penalty for r in picked], device=device)[:, None]
-    pres = torch.tensor([r.params.presence_penalty for r in picked], device=device)[:, None]
+    freq = tensor_on([r.params.frequency_penalty for r in picked], device)[:, None]
+    pres = tensor_on([r.params.presence_penalty for r in picked], device)[:, None]
     sub -= freq * counts + pres * (counts > 0)
-    logits[rows] = sub
+    logits[row_index] = sub
 
 
 def token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -119,22 +126,23 @@ def token_counts(token_lists: list[list[int]], vocab: int, device: torch.device)
     counts = torch.zeros(len(token_lists), vocab, device=device)
     rows = torch.repeat_interleave(torch.arange(len(token_lists)), torch.tensor([len(t) for t in token_lists]))
     ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
-    counts.index_put_((rows.to(device), ids.to(device)), torch.ones(len(ids), device=device), accumulate=True)
+    ones = torch.ones(len(ids), device=device)
+    counts.index_put_((to_device(rows, device), to_device(ids, device)), ones, accumulate=True)
     return counts
 
 
 def sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """logits [R, V] of non-greedy requests -> [R] sampled token ids."""
     device = logits.device
-    temps = torch.tensor([r.params.temperature for r in requests], device=device)[:, None]
+    temps = tensor_on([r.params.temperature for r in requests], device)[:, None]
     logits = logits / temps
     if any(r.params.min_p > 0 for r in requests):
-        apply_min_p(logits, torch.tensor([r.params.min_p for r in requests], device=device))
+        apply_min_p(logits, tensor_on([r.params.min_p for r in requests], device))
     if any(r.params.top_k > 0 for r in requests):
         ks = [r.params.top_k or logits.shape[1] for r in requests]
-        apply_top_k(logits, torch.tensor(ks, device=device), max(ks))
+        apply_top_k(logits, tensor_on(ks, device), max(ks))
     if any(r.params.top_p < 1.0 for r in requests):
-        logits = apply_top_p(logits, torch.tensor([r.params.top_p for r in requests], device=device))
+        logits = apply_top_p(logits, tensor_on([r.params.top_p for r in requests], device))
     probs = logits.softmax(dim=-1)
     return (probs / exponential_noise(probs, requests)).argmax(dim=-1)
 
