@@ -8,12 +8,15 @@ import torch
 
 from producer_client.schema import SamplingParams
 from tests.engine.test_engine import random_prompts, token_ids
+from worker.engine import Engine, EngineSettings
 from worker.engine.cuda_graph import DecodeBuffers, DecodeGraphRunner, capture_sizes, padded_size
 from worker.engine.kv_pool import pages_for
 from worker.engine.runner import StepInputs
 from worker.model.batch import AttentionMetadata
+from worker.model.loader import load_model
 
 CPU = torch.device("cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a CUDA device")
 
 
 @pytest.mark.parametrize(("max_batch", "sizes"), [
@@ -160,3 +163,25 @@ def test_an_engine_replaying_padded_decodes_generates_what_the_eager_engine_does
         assert token_ids(engine.generate(prompts, params)) == expected
     batches = {call.args[0].input_ids.shape[0] for call in replays.call_args_list}
     assert batches == set(range(1, 12))  # every decode step, at every batch size, went through the graphs
+
+
+@needs_cuda
+def test_on_cuda_captured_graphs_and_overlap_generate_what_eager_synchronous_steps_do(checkpoint, loaded):
+    _, tokenizer = loaded
+    model, config, _ = load_model(checkpoint, dtype=torch.float32, device="cuda")
+    cuda = torch.device("cuda")
+
+    def engine(**settings) -> Engine:
+        settings = EngineSettings.parse(page_size=4, max_running=11, **settings)
+        return Engine(model, config, tokenizer, settings, [], cuda)
+
+    eager = engine(num_pages=256, cuda_graphs=False, overlap_schedule=False)
+    # CUDA's defaults: a profiled pool (a small share: the tiny model's pages are tiny), graphs, overlap.
+    fast = engine(gpu_memory_utilization=0.01)
+    assert fast.runner.decode_graphs is not None and fast.runner.decode_graphs.sizes == [1, 2, 4, 8, 11]
+    assert fast.overlap and fast.allocator.num_pages > 256
+    prompts = random_prompts(11, 1, 40, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i) for i in range(11)]
+    params[3] = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=9)
+    params[4] = SamplingParams(temperature=0, max_tokens=9, repetition_penalty=1.2, logprobs=2)
+    assert token_ids(fast.generate(prompts, params)) == token_ids(eager.generate(prompts, params))
