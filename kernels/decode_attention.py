@@ -15,11 +15,20 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per tile; a tile may span several pages, so each key row finds its own page
 
 
-def gather_context(cache: torch.Tensor, page_row: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached rows of one request, [length, Hk, D]."""
+def gather_context(
+    cache: torch.Tensor, page_row: torch.Tensor, length: int, scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The first `length` cached rows of one request, [length, Hk, D].
+
+    With `scratch` (pages, like the cache's) the rows are copied into it and the result is a
+    view of it: reusing one buffer for a batch's requests spares a fresh allocation, and on
+    CPU its page faults, per request and layer.
+    """
     page_size = cache.shape[1]
-    pages = page_row[: (length + page_size - 1) // page_size].long()
-    return cache[pages].reshape(-1, *cache.shape[2:])[:length]
+    pages = page_row[: (length + page_size - 1) // page_size]
+    # index_select copies page by page; advanced indexing (`cache[pages]`) was measured slower.
+    rows = torch.index_select(cache, 0, pages, out=None if scratch is None else scratch[: len(pages)])
+    return rows.flatten(0, 1)[:length]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None) -> torch.Tensor:
@@ -47,9 +56,11 @@ def paged_decode_attention_reference(
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)
+    k_scratch = k_cache.new_empty(page_table.shape[1], *k_cache.shape[1:])
+    v_scratch = torch.empty_like(k_scratch)
     for b, length in enumerate(context_lens.tolist()):
-        k = gather_context(k_cache, page_table[b], length).float()  # [L, Hk, D]
-        v = gather_context(v_cache, page_table[b], length).float()
+        k = gather_context(k_cache, page_table[b], length, k_scratch).float()  # [L, Hk, D]
+        v = gather_context(v_cache, page_table[b], length, v_scratch).float()
         qb = q[b].float().view(num_kv_heads, -1, head_dim)  # [Hk, group, D]
         scores = (qb @ k.permute(1, 2, 0)) * scale  # [Hk, group, L]
         out[b] = (scores.softmax(-1) @ v.transpose(0, 1)).reshape(q.shape[1:]).to(q.dtype)
