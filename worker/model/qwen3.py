@@ -171,4 +171,19 @@ class Qwen3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab] in float32."""
         head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, head).float()
+        if hidden.device.type != "cpu":
+            return F.linear(hidden, head).float()
+        return lm_head_in_vocab_chunks(hidden, head)
+
+
+# On CPU one [N, H] x [H, vocab] product with Qwen3's 151,936-token vocabulary runs well below
+# the layers' GFLOP/s; in slices of the vocabulary (each [N, 4096] output block small enough to
+# stay in cache) it measured 15-25% faster for N in 8..64 on the dev VM's Zen 4, same values.
+LM_HEAD_CHUNK = 4096
+
+
+def lm_head_in_vocab_chunks(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    logits = torch.empty(hidden.shape[0], head.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, head.shape[0], LM_HEAD_CHUNK):
+        logits[:, start : start + LM_HEAD_CHUNK] = F.linear(hidden, head[start : start + LM_HEAD_CHUNK])
+    return logits
