@@ -100,11 +100,12 @@ return {'claimed', tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')}
 # changes), 'written' (the result is written), else 'cancel' (its cancel flag is up) or 'ok'.
 # Recorded tokens equal to those the update ends with mean this very update was applied before.
 PUBLISH = Script("publish", """
-if redis.call('HEXISTS', KEYS[1], 'result') == 1 then return 'ended' end
-if redis.call('HGET', KEYS[1], 'run') ~= ARGV[1] then return 'lost' end
-local recorded = redis.call('HGET', KEYS[1], 'tokens') or '0'
+local result, run, recorded, started, cancel = unpack(redis.call('HMGET', KEYS[1], 'result', 'run', 'tokens', 'started', 'cancel'))
+if result then return 'ended' end
+if run ~= ARGV[1] then return 'lost' end
+recorded = recorded or '0'
 if recorded ~= ARGV[4] and recorded ~= ARGV[5] then return 'lost' end
-if ARGV[2] ~= '' and redis.call('HGET', KEYS[1], 'started') ~= ARGV[1] then
+if ARGV[2] ~= '' and started ~= ARGV[1] then
   redis.call('XADD', KEYS[2], '*', 'type', 'start', 'data', ARGV[2])
   redis.call('HSET', KEYS[1], 'started', ARGV[1])
 end
@@ -113,7 +114,7 @@ if ARGV[3] ~= '' and recorded == ARGV[4] then
   redis.call('HSET', KEYS[1], 'tokens', ARGV[5])
 end
 if ARGV[6] == '' then
-  if redis.call('HGET', KEYS[1], 'cancel') == '1' then return 'cancel' end
+  if cancel == '1' then return 'cancel' end
   return 'ok'
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[6], 'result', ARGV[7], 'tokens', ARGV[5])

@@ -28,10 +28,10 @@ class Delivery:
     entry_id: str
     fields: dict[str, str]
     deliveries: int = 1  # XPENDING's delivery count: 1 for a first read, raised by every reclaim
+    job_id: str = field(init=False)
 
-    @property
-    def job_id(self) -> str:
-        return job_id_of(self.entry_id, self.fields)
+    def __post_init__(self):
+        self.job_id = job_id_of(self.entry_id, self.fields)
 
 
 @dataclass

@@ -14,6 +14,7 @@ come back one per step, so the job that makes a step fail is found and fails alo
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -94,6 +95,9 @@ class Worker:
         self.paused = False  # generation waits for the outbox to drain
         self.next_heartbeat = 0.0
         self.next_reclaim = 0.0
+        # Run tokens: this process's random prefix and a count, unique across workers and claims.
+        self.instance = uuid.uuid4().hex[:12]
+        self.claims = itertools.count()
         self.identity = {
             "name": name, "queue": settings.queue, "model": settings.model, "device": device,
             "host": socket.gethostname(), "pid": os.getpid(), "protocol": PROTOCOL_VERSION,
@@ -230,13 +234,12 @@ class Worker:
         if not deliveries:
             return
         now = time.time()
-        runs = [uuid.uuid4().hex for _ in deliveries]
+        runs = [f"{self.instance}:{next(self.claims)}" for _ in deliveries]
         prepared = [self._job_from_entry(d, run, now) for d, run in zip(deliveries, runs)]
         resumed: list[Job] = []
         claims = self.queue.claim([(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)])
-        held = set(self._held().values())
         for d, run, job, claimed in zip(deliveries, runs, prepared, claims):
-            if claimed.outcome == "claimed" and d.job_id in held:
+            if claimed.outcome == "claimed" and (d.job_id in self.jobs or any(j.id == d.job_id for j in self.suspects)):
                 self._drop(d.job_id)  # its own entry, reclaimed after a stall: the claim fenced the old run
             if claimed.outcome in ("final", "duplicate"):
                 log.info("dropping entry %s of job %s: %s", d.entry_id, d.job_id, claimed.outcome)
@@ -330,7 +333,7 @@ class Worker:
     def _step_if_possible(self) -> bool:
         """One engine step, unless the engine has nothing to do or the outbox is full (Redis has
         been unreachable for a while: generation waits, the jobs stay in the engine)."""
-        if self.outbox.buffered_tokens() >= self.settings.max_buffered_tokens:
+        if not self.link.up and self.outbox.buffered_tokens() >= self.settings.max_buffered_tokens:
             if not self.paused:
                 log.warning("%d tokens await publication: generation pauses until Redis is back", self.outbox.buffered_tokens())
             self.paused = True
@@ -496,7 +499,8 @@ class Worker:
         job = self.jobs.pop(job_id, None)
         if job is not None:
             self._abort(job)
-        self.suspects = deque(j for j in self.suspects if j.id != job_id)
+        if self.suspects:
+            self.suspects = deque(j for j in self.suspects if j.id != job_id)
         self.outbox.discard(job_id)
 
     def _count_end(self, update: Update) -> None:
