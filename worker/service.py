@@ -333,7 +333,7 @@ class Worker:
     def _step_if_possible(self) -> bool:
         """One engine step, unless the engine has nothing to do or the outbox is full (Redis has
         been unreachable for a while: generation waits, the jobs stay in the engine)."""
-        if not self.link.up and self.outbox.buffered_tokens() >= self.settings.max_buffered_tokens:
+        if self.outbox.buffered_tokens() >= self.settings.max_buffered_tokens:
             if not self.paused:
                 log.warning("%d tokens await publication: generation pauses until Redis is back", self.outbox.buffered_tokens())
             self.paused = True

@@ -42,7 +42,7 @@ def test_sigterm_hands_running_jobs_over_and_none_is_lost(redis_server, redis_cl
                 handed_over += 1
         assert handed_over == 4
         assert redis_client.xlen(KEYS.dead(queue)) == 0
-        assert redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 0
+        assert eventually(lambda: redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 0)
         assert "handed 4 unfinished jobs over" in leaving.log()
     finally:
         leaving.stop()

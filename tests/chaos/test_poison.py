@@ -12,7 +12,7 @@ import pytest
 from producer_client import JobFailed
 from producer_client.keys import GROUP, Keys
 from tests.chaos.conftest import FAST_RECLAIM
-from tests.redis_support import WorkerProcess, make_client
+from tests.redis_support import WorkerProcess, eventually, make_client
 
 KEYS = Keys()
 MAX_DELIVERIES = 2
@@ -52,7 +52,8 @@ def test_a_job_that_kills_every_worker_that_runs_it_is_dead_lettered(redis_serve
         ((_, letter),) = redis_client.xrange(KEYS.dead(queue))
         assert (letter["id"], letter["deliveries"], letter["worker"]) == (job_id, str(MAX_DELIVERIES + 1), survivor.name)
         assert letter["reason"] == e.value.message
-        assert redis_client.xlen(KEYS.queue(queue)) == 0
+        # The last job's entry is acknowledged just after its result is written.
+        assert eventually(lambda: redis_client.xlen(KEYS.queue(queue)) == 0)
         assert redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 0
         assert redis_client.hget(KEYS.job(job_id), "status") == "failed"
         assert survivor.process.poll() is None

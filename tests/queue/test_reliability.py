@@ -21,8 +21,9 @@ from tests.queue.support import SlowEchoEngine, outcome_count, serving
 from tests.redis_support import assert_one_final_result, eventually, events, make_client, runs, tokens_published
 
 KEYS = Keys()
-# Small enough for quick tests, at least twice the heartbeat interval of `serving` (0.05 s).
-FAST_RECLAIM = dict(claim_idle_ms=300, reclaim_interval_s=0.05)
+# Small enough for quick tests, and ten heartbeats of `serving` (0.05 s): a busy machine that
+# starves a worker thread for a moment must not make it look dead.
+FAST_RECLAIM = dict(claim_idle_ms=500, reclaim_interval_s=0.05)
 
 
 @pytest.fixture
@@ -76,16 +77,16 @@ def test_a_reclaimed_job_resumes_after_its_recorded_tokens(redis_server, redis_c
 
 
 def test_a_live_workers_long_job_is_never_reclaimed(redis_server, redis_client, client, queue):
-    # Each step takes 10 ms and the job 150 steps: five times claim_idle_ms, while an idle second
+    # Each step takes 10 ms and the job 200 steps: four times claim_idle_ms, while an idle second
     # worker looks for idle entries every 50 ms.
     with serving(redis_server.url, queue, step_s=0.01, name=f"a-{queue}", **FAST_RECLAIM) as a:
-        job_id = client.submit("z" * 150, max_tokens=150)
+        job_id = client.submit("z" * 200, max_tokens=200)
         next(iter(client.stream(job_id, timeout=10)))
         with serving(redis_server.url, queue, name=f"b-{queue}", **FAST_RECLAIM):
             result = client.result(job_id, timeout=20)
-    assert (result.status, result.worker, result.text) == ("done", a.name, "z" * 150)
+    assert (result.status, result.worker, result.text) == ("done", a.name, "z" * 200)
     assert len(runs(redis_client, job_id)) == 1
-    assert tokens_published(redis_client, job_id) == list(b"z" * 150)
+    assert tokens_published(redis_client, job_id) == list(b"z" * 200)
 
 
 class StallingEchoEngine(SlowEchoEngine):
