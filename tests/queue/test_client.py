@@ -100,6 +100,17 @@ def test_same_request_id_twice_gives_one_job_and_one_stream_entry(client, redis_
     assert '"hello"' in entries[0][1]["body"]
 
 
+def test_a_submit_that_stopped_half_way_is_completed_by_the_next_one(client, redis_client, queue):
+    # The first submit created the job and was cut off before its entry was added (or before
+    # the reply came back): the job would wait forever. A second submit with the same id adds it.
+    request_id = f"half-{queue}"
+    redis_client.hset(Keys().job(request_id), "status", "queued")
+    assert client.submit("hello", max_tokens=4, request_id=request_id) == request_id
+    assert [f["id"] for _, f in redis_client.xrange(Keys().queue(queue))] == [request_id]
+    assert client.submit("hello", max_tokens=4, request_id=request_id) == request_id  # now recorded
+    assert redis_client.xlen(Keys().queue(queue)) == 1
+
+
 def test_submit_raises_queue_full_at_the_configured_depth(client_kind, redis_server, redis_client, queue):
     c = make_client(client_kind, redis_server.url, queue, max_queue_depth=3)
     try:
