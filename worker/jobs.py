@@ -49,18 +49,13 @@ class Job:
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | None = None  # why this worker aborted it: "cancel" or "timeout"
     resumed_tokens: int = 0  # tokens recorded by earlier runs when this one started
-    admissions: int = 0  # times this worker added it to the engine (again after a failed step)
+    # The engine's request id for its latest admission (see Worker._add_to_engine).
+    engine_id: str = ""
 
     @property
     def deadline(self) -> float | None:
         timeout = self.request.timeout_s
         return None if timeout is None else self.queued_at + timeout
-
-    @property
-    def engine_id(self) -> str:
-        """The engine's request id for this admission: an output of an earlier admission, aborted
-        after a failed step, must not be taken for this one's. `#` never occurs in job ids."""
-        return f"{self.id}#{self.admissions}"
 
     def resume(self, events: list[tuple[str, dict[str, str]]]) -> None:
         """Take over the tokens, text and logprobs that earlier runs recorded, and when the first

@@ -98,6 +98,7 @@ class Worker:
         # Run tokens: this process's random prefix and a count, unique across workers and claims.
         self.instance = uuid.uuid4().hex[:12]
         self.claims = itertools.count()
+        self.admissions = itertools.count()  # numbers the engine request ids
         self.identity = {
             "name": name, "queue": settings.queue, "model": settings.model, "device": device,
             "host": socket.gethostname(), "pid": os.getpid(), "protocol": PROTOCOL_VERSION,
@@ -311,8 +312,10 @@ class Worker:
 
     def _add_to_engine(self, job: Job, update: Update) -> bool:
         """Hand the job to the engine, continuing after its tokens so far; a job the engine
-        refuses ends failed. Returns whether it is in the engine."""
-        job.admissions += 1
+        refuses ends failed. Returns whether it is in the engine. Each admission gets a request id
+        of its own: the final output of an aborted earlier one (after a failed step, or a run this
+        worker lost and took back) must not be taken for this one's. `#` never occurs in job ids."""
+        job.engine_id = f"{job.id}#{next(self.admissions)}"
         try:
             self.engine.add_request(
                 job.engine_id, job.prompt_token_ids, job.request.params, job.request.priority,

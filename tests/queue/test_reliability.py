@@ -256,3 +256,21 @@ def test_an_entry_whose_job_key_is_unusable_is_dead_lettered_and_the_worker_serv
     ((_, letter),) = redis_client.xrange(KEYS.dead(queue))
     assert letter["id"] == job_id and "WRONGTYPE" in letter["reason"]
     assert redis_client.xlen(KEYS.queue(queue)) == 0
+
+
+def test_a_job_lost_and_taken_back_by_the_same_worker_runs_to_its_end(redis_server, redis_client, client, queue):
+    # A ghost takes the job over (claims its entry and starts a run) and dies at once. The worker
+    # learns it lost the job, aborts its copy, and reclaims the entry in the next iteration, before
+    # the engine has reported that abort: the abort must not end the job's new admission.
+    stream = KEYS.queue(queue)
+    with serving(redis_server.url, queue, step_s=0.2, **FAST_RECLAIM) as worker:
+        job_id = client.submit("t" * 20, max_tokens=20)
+        next(iter(client.stream(job_id, timeout=10)))
+        (entry,) = redis_client.xpending_range(stream, GROUP, "-", "+", 1)
+        redis_client.xclaim(stream, GROUP, "ghost", 0, [entry["message_id"]], idle=10**9, justid=True)
+        execute(redis_client, lambda pipe: pipe.evalsha(
+            CLAIM.sha, 3, *job_keys(KEYS, job_id), "ghost", entry["message_id"], 60, "ghost-run"))
+        result = client.result(job_id, timeout=20)
+    assert (result.status, result.text, result.worker) == ("done", "t" * 20, worker.name)
+    assert tokens_published(redis_client, job_id) == list(b"t" * 20)
+    assert [start["worker"] for start, _ in runs(redis_client, job_id)] == [worker.name, worker.name]
