@@ -264,13 +264,13 @@ def test_a_job_lost_and_taken_back_by_the_same_worker_runs_to_its_end(redis_serv
     # the engine has reported that abort: the abort must not end the job's new admission.
     stream = KEYS.queue(queue)
     with serving(redis_server.url, queue, step_s=0.2, **FAST_RECLAIM) as worker:
-        job_id = client.submit("t" * 20, max_tokens=20)
+        job_id = client.submit("t" * 10, max_tokens=10)
         next(iter(client.stream(job_id, timeout=10)))
         (entry,) = redis_client.xpending_range(stream, GROUP, "-", "+", 1)
         redis_client.xclaim(stream, GROUP, "ghost", 0, [entry["message_id"]], idle=10**9, justid=True)
         execute(redis_client, lambda pipe: pipe.evalsha(
             CLAIM.sha, 3, *job_keys(KEYS, job_id), "ghost", entry["message_id"], 60, "ghost-run"))
         result = client.result(job_id, timeout=20)
-    assert (result.status, result.text, result.worker) == ("done", "t" * 20, worker.name)
-    assert tokens_published(redis_client, job_id) == list(b"t" * 20)
+    assert (result.status, result.text, result.worker) == ("done", "t" * 10, worker.name)
+    assert tokens_published(redis_client, job_id) == list(b"t" * 10)
     assert [start["worker"] for start, _ in runs(redis_client, job_id)] == [worker.name, worker.name]
