@@ -172,6 +172,8 @@ def test_bad_inputs_fail_with_a_code_and_the_workers_keep_serving(client, redis_
     }
     for job_id, (body, _) in bad.items():
         redis_client.xadd(stream, {"id": job_id, "v": "1", "body": body})
+    # A raw XADD creates no job hash (Client.submit does): the job exists once a worker reads it.
+    assert eventually(lambda: all(redis_client.exists(KEYS.job(job_id)) for job_id in bad), timeout=120)
     for job_id, (_, code) in bad.items():
         with pytest.raises(JobFailed) as e:
             client.result(job_id, timeout=120)
