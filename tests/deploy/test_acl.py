@@ -23,7 +23,7 @@ PASSWORDS = {"PRODUCER_PASSWORD": "producer-secret", "WORKER_PASSWORD": "worker-
 
 
 def acl_commands() -> list[list[str]]:
-    text = (ROOT / "docs" / "operations.md").read_text()
+    text = (ROOT / "README.md").read_text()
     lines = re.findall(r"^ACL SETUSER .+$", text, flags=re.M)
     assert len(lines) == 2, lines
     for placeholder, password in PASSWORDS.items():

@@ -1,4 +1,4 @@
-"""docs/operations.md (the README's Operations section) says what the code does: its settings
+"""The README's Operations section says what the code does: its settings
 table is the settings model, its metrics table is what a worker exports, its sizing example is
 the KV pool's arithmetic, and every file it names exists."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from worker.engine.settings import EngineSettings
 from worker.model.presets import PRESETS
 from worker.settings import WorkerSettings, add_setting_flags
 
-DOC = (ROOT / "docs" / "operations.md").read_text()
+DOC = (ROOT / "README.md").read_text()
 
 
 def table_rows(heading: str) -> list[list[str]]:
