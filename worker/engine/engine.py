@@ -17,7 +17,7 @@ import torch
 
 from producer_client.errors import InvalidArgument, MiliError
 from producer_client.schema import SamplingParams
-from worker.engine.errors import PromptTooLong
+from worker.engine.errors import NonFiniteLogits, PromptTooLong
 from worker.engine.cuda_graph import DecodeGraphRunner
 from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_caches, pages_for
 from worker.engine.memory import kv_cache_pages, profile_activation_peak
@@ -294,14 +294,19 @@ class Engine:
         return step
 
     def _read(self, step: LaunchedStep) -> list[RequestOutput]:
-        """Puts the step's tokens in place of their placeholders and checks them, in order."""
+        """Puts the step's tokens in place of their placeholders and checks them, in order.
+        A request whose logits were not finite fails instead, without the token drawn from them."""
         sampled = self.sampler.read(step.wait(), step.requests)
         outputs = []
-        for req, index, token, lp in zip(step.requests, step.indices, sampled.token_ids, sampled.logprobs):
+        rows = zip(step.requests, step.indices, sampled.token_ids, sampled.logprobs, sampled.finite)
+        for req, index, token, lp, finite in rows:
             if req.is_finished:
                 continue  # it ended while this token was in flight: the token is discarded
             later = req.token_ids[index + 1 :]  # the placeholder of a step launched since
             del req.token_ids[index:]
+            if not finite:
+                outputs.append(self._fail_nonfinite(req))
+                continue
             outputs.append(self._take_token(req, token, lp))
             if not req.is_finished:
                 req.token_ids.extend(later)
@@ -324,6 +329,18 @@ class Engine:
         req.finish(reason)
         self.scheduler.finish(req)
         return self._end(req, text, [token], logprobs)
+
+    def _fail_nonfinite(self, req: Request) -> RequestOutput:
+        """Ends the request with the output it had; the rest of the batch is unaffected (rows
+        never mix)."""
+        error = NonFiniteLogits(
+            f"request {req.request_id}: non-finite logits (a NaN or an infinity) at output token "
+            f"{req.num_output_tokens + 1}"
+        )
+        req.finish("error", ErrorInfo(error.code, error.message))
+        self.scheduler.finish(req)
+        log.warning("%s", error.message)
+        return self._end(req, req.text.finish(), [])
 
     def _check_stop(self, req: Request, token: int) -> tuple[str, FinishReason | None]:
         """(text delta, finish reason or None), in vLLM's order: stop tokens, stop strings, length.

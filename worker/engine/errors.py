@@ -14,6 +14,12 @@ class KVCapacityExceeded(MiliError):
     code = "kv_capacity_exceeded"
 
 
+class NonFiniteLogits(MiliError):
+    """The model produced a NaN or an infinity in the request's logits, so no token can be drawn."""
+
+    code = "nonfinite_logits"
+
+
 class KVCacheTooSmall(MiliError):
     """The configured KV memory does not hold a single page."""
 

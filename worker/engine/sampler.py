@@ -5,6 +5,9 @@ the others go through temperature -> min_p -> top_k -> top_p -> a draw.
 Draws use the exponential race (argmax of p / q with q ~ Exp(1)), which samples from p;
 a seeded request fills its own row of q from its own generator, so its tokens depend on
 its seed and its logits only, whatever else shares the batch.
+
+Each row's logits are also checked for a NaN or an infinity (a numerical fault in the model);
+the flag travels with the draws, so checking costs no host sync of its own.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ GREEDY_BELOW = 1e-5  # temperatures under this are greedy, as in vLLM (dividing 
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    finite: list[bool]  # per row: whether its logits were all finite; a row that was not drew garbage
 
 
 @dataclass
@@ -33,6 +37,7 @@ class SampledTokens:
     and read them a step later (worker.engine.overlap)."""
 
     token_ids: torch.Tensor  # [N] int64
+    finite: torch.Tensor  # [N] bool: the row's raw logits hold no NaN or infinity
     logprob_rows: list[int]  # the rows whose request asked for logprobs, R of them
     chosen_logprobs: torch.Tensor | None = None  # [R] the sampled token's raw logprob
     top_logprobs: torch.Tensor | None = None  # [R, k] the k most likely, k the largest n asked for
@@ -60,6 +65,7 @@ class Sampler:
         """The draws, left on the logits' device: no host sync (host lists reach the device
         through worker.engine.transfer, indexes included)."""
         device = logits.device
+        finite = torch.isfinite(logits).all(dim=-1)  # before masking writes its own -inf
         logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
         if logprob_rows:
             logprob_index = tensor_on(logprob_rows, device, torch.long)
@@ -72,7 +78,7 @@ class Sampler:
             picked = [requests[i] for i in random_rows]
             random_index = tensor_on(random_rows, device, torch.long)
             tokens[random_index] = sample_random(logits[random_index], picked)
-        sampled = SampledTokens(tokens, logprob_rows)
+        sampled = SampledTokens(tokens, finite, logprob_rows)
         if logprob_rows:
             k = max(requests[i].params.logprobs for i in logprob_rows)
             sampled.chosen_logprobs = raw_logprobs.gather(1, tokens[logprob_index, None]).squeeze(1)
@@ -90,7 +96,7 @@ class Sampler:
                 n = requests[row].params.logprobs
                 top = tuple(zip(top_ids[j][:n], top_lp[j][:n]))
                 logprobs[row] = TokenLogprob(token_ids[row], chosen[j], top)
-        return SampleResult(token_ids, logprobs)
+        return SampleResult(token_ids, logprobs, sampled.finite.tolist())
 
     def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> None:
         for i, r in enumerate(requests):
