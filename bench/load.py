@@ -31,6 +31,7 @@ import time  # noqa: E402
 
 import redis  # noqa: E402
 
+from bench.measure import cpu_seconds, free_port, pct  # noqa: E402
 from producer_client import Client, JobFailed  # noqa: E402
 from producer_client.keys import Keys  # noqa: E402
 
@@ -238,23 +239,6 @@ def producer(url: str, index: int, jobs: int, window: int, go, results) -> None:
         t.join()
     out["cpu"] = time.process_time() - cpu0
     results.put(out)
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

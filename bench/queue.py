@@ -30,6 +30,7 @@ import subprocess  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
+from bench.measure import cpu_seconds, free_port, pct  # noqa: E402
 from producer_client import Client  # noqa: E402  (the producers import nothing heavier)
 
 PROMPT = "hello world"
@@ -175,24 +176,6 @@ def report(label: str, latencies: list[float]) -> None:
         f"{label}: p50 {pct(latencies, 50) * 1e3:.3f} ms, p99 {pct(latencies, 99) * 1e3:.3f} ms, "
         f"mean {statistics.fmean(latencies) * 1e3:.3f} ms over {len(latencies)} jobs"
     )
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

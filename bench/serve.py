@@ -32,6 +32,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
+from bench.measure import free_port, pct  # noqa: E402
 from producer_client import Client, JobTimeout  # noqa: E402  (the producers import nothing heavier)
 
 QUEUE = "bench-serve"
@@ -207,19 +208,6 @@ def job_times(result) -> JobTimes:
     t, n = result.timings, result.usage.completion_tokens
     tpot = (t.finished_at - t.first_token_at) / (n - 1) if n > 1 else None
     return JobTimes(n, t.ttft_s, tpot)
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

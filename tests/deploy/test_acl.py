@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import socket
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import redis
 from producer_client import Client
 from producer_client.keys import GROUP, Keys
 from tests.deploy.support import ROOT, environment_without_mili, wait_for
+from tests.redis_support import free_port
 from worker.embedded_redis import EmbeddedRedis
 from worker.healthcheck import healthcheck
 from worker.settings import WorkerSettings
@@ -30,11 +30,6 @@ def acl_commands() -> list[list[str]]:
         lines = [line.replace(placeholder, password) for line in lines]
     return [shlex.split(line) for line in lines]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
