@@ -104,7 +104,12 @@ local result, run, recorded, started, cancel = unpack(redis.call('HMGET', KEYS[1
 if result then return 'ended' end
 if run ~= ARGV[1] then return 'lost' end
 recorded = recorded or '0'
-if recorded ~= ARGV[4] and recorded ~= ARGV[5] then return 'lost' end
+if recorded ~= ARGV[4] and recorded ~= ARGV[5] then
+  -- This run already recorded part of the update: an earlier call applied it and its reply was lost.
+  local n = tonumber(recorded)
+  if n > tonumber(ARGV[4]) and n < tonumber(ARGV[5]) then return 'partial:' .. recorded end
+  return 'lost'
+end
 if ARGV[2] ~= '' and started ~= ARGV[1] then
   redis.call('XADD', KEYS[2], '*', 'type', 'start', 'data', ARGV[2])
   redis.call('HSET', KEYS[1], 'started', ARGV[1])

@@ -81,6 +81,7 @@ class Update:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    step_sizes: list[int] = field(default_factory=list)  # tokens of each merged step, in order
     final: JobResult | None = None
     # Set for a job that ends in the dead-letter stream: after its final result, its entry moves
     # there instead of being acknowledged.
@@ -89,8 +90,26 @@ class Update:
     def add_tokens(self, token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None) -> None:
         self.token_ids.extend(token_ids)
         self.text.append(text)
+        self.step_sizes.append(len(token_ids))
         if logprobs is not None:
             self.logprobs = (self.logprobs or []) + logprobs
+
+    def skip_recorded(self, recorded: int) -> bool:
+        """Drop the leading steps that Redis already recorded (a publish whose reply was lost
+        carried them before more steps merged in). False unless `recorded` ends one of our steps."""
+        done = steps = 0
+        while steps < len(self.step_sizes) and self.tokens_before + done < recorded:
+            done += self.step_sizes[steps]
+            steps += 1
+        if self.tokens_before + done != recorded:
+            return False
+        self.token_ids = self.token_ids[done:]
+        self.text = self.text[steps:]
+        self.step_sizes = self.step_sizes[steps:]
+        if self.logprobs is not None:
+            self.logprobs = self.logprobs[done:]
+        self.tokens_before = recorded
+        return True
 
     def publish_args(self, result_ttl_s: int) -> list:
         # A tokens event without ids (held-back text flushed at the end) only comes with the

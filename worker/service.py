@@ -473,7 +473,9 @@ class Worker:
             # and the claim that follows a reclaim dead-letters it with the reason.
             log.error("job %s: Redis refused its update: %s", update.job_id, outcome)
             self._drop(update.job_id)
-        elif outcome == "lost":
+        elif outcome.startswith("partial:") and update.skip_recorded(int(outcome.split(":", 1)[1])):
+            self.outbox.add(update)  # the rest goes with the next publication
+        elif outcome == "lost" or outcome.startswith("partial:"):
             log.warning("job %s: another worker has taken it over; this run stops", update.job_id)
             self._drop(update.job_id)
         elif outcome in ("written", "ended"):

@@ -107,6 +107,16 @@ def test_a_publish_sent_twice_records_its_events_once(redis_client, job_id):
     assert redis_client.hget(KEYS.job(job_id), "tokens") == "3"
 
 
+def test_a_publish_whose_reply_was_lost_and_then_grew_reports_what_is_recorded(redis_client, job_id):
+    # Redis went away after applying a call but before replying; the worker merged more steps
+    # into the same update meanwhile. PUBLISH names the recorded count instead of fencing the run.
+    on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1")
+    assert publish(redis_client, job_id, "r1", "", tokens(1, 2), 0, 2) == "ok"
+    assert publish(redis_client, job_id, "r1", "", tokens(1, 2, 3), 0, 3) == "partial:2"
+    assert publish(redis_client, job_id, "r2", "", tokens(1, 2, 3), 0, 3) == "lost"
+    assert redis_client.hget(KEYS.job(job_id), "tokens") == "2"
+
+
 def test_a_run_whose_tokens_do_not_follow_the_recorded_ones_is_lost(redis_client, job_id):
     # Redis lost its last writes (a crash under appendfsync everysec): the run stops, and the
     # job resumes from what Redis has, rather than leave a gap in the event stream.
