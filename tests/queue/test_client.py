@@ -1,6 +1,5 @@
 """The producer client against a real redis-server with no worker: validation, idempotency,
 backpressure, status, cancel of a queued job. Every test runs with Client and AsyncClient."""
-import uuid
 
 import pytest
 
@@ -9,18 +8,6 @@ from producer_client.keys import GROUP, Keys
 from tests.redis_support import free_port, make_client
 
 DEAD_URL = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens: any command would raise ConnectionError
-
-
-@pytest.fixture
-def queue():
-    return f"q-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def client(client_kind, redis_server, queue):
-    c = make_client(client_kind, redis_server.url, queue)
-    yield c
-    c.close()
 
 
 BAD_SUBMITS = [

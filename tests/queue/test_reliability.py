@@ -28,11 +28,6 @@ FAST_RECLAIM = dict(claim_idle_ms=500, reclaim_interval_s=0.05)
 
 
 @pytest.fixture
-def queue():
-    return f"q-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
 def client(redis_server, queue):
     c = make_client("sync", redis_server.url, queue)
     yield c

@@ -3,7 +3,6 @@ what the protocol promises, independent of the model."""
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 import redis
@@ -11,21 +10,9 @@ import redis
 from producer_client import JobFailed
 from producer_client.keys import GROUP, Keys
 from tests.queue.support import outcome_count, serving
-from tests.redis_support import eventually, make_client
+from tests.redis_support import eventually
 
 KEYS = Keys()
-
-
-@pytest.fixture
-def queue():
-    return f"q-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture
-def client(client_kind, redis_server, queue):
-    c = make_client(client_kind, redis_server.url, queue)
-    yield c
-    c.close()
 
 
 def test_a_job_round_trips_with_usage_and_ordered_timings(redis_server, client, queue):
