@@ -104,16 +104,8 @@ def left_padded(prompts: list[list[int]], device: str) -> tuple[torch.Tensor, to
 
 
 def parse_args() -> argparse.Namespace:
-    cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-0.6b" if cuda else "small", help="preset name or checkpoint directory")
-    p.add_argument("--device", default="cuda" if cuda else "cpu")
-    p.add_argument("--dtype", default=None, help="default: the checkpoint's (small: float32, qwen3-0.6b: bfloat16)")
-    p.add_argument("--workload", choices=list(WORKLOADS), default="issue")
-    p.add_argument("--num-requests", type=int, help="override the workload's request count")
-    p.add_argument("--max-prompt", type=int, help="cap the workload's prompt length range")
-    p.add_argument("--max-output", type=int, help="cap the workload's output length range")
-    p.add_argument("--seed", type=int, default=0)
+    add_model_and_workload_args(p, default_workload="issue")
     p.add_argument("--hf-batch-size", type=int, default=32, help="transformers batch size (32: its best on CPU)")
     p.add_argument("--skip-hf", action="store_true", help="run our engine only")
     p.add_argument("--threads", type=int, help="torch CPU threads for both engines (default: torch's)")
@@ -121,6 +113,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-running", type=int, help="engine setting (default: EngineSettings')")
     add_engine_switches(p)
     return p.parse_args()
+
+
+def add_model_and_workload_args(p: argparse.ArgumentParser, default_workload: str) -> None:
+    """The model, device and workload flags that offline.py and serve.py share."""
+    cuda = torch.cuda.is_available()
+    p.add_argument("--model", default="qwen3-0.6b" if cuda else "small", help="preset name or checkpoint directory")
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--dtype", default=None, help="default: the checkpoint's (small: float32, qwen3-0.6b: bfloat16)")
+    p.add_argument("--workload", choices=list(WORKLOADS), default=default_workload)
+    p.add_argument("--num-requests", type=int, help="override the workload's request count")
+    p.add_argument("--max-prompt", type=int, help="cap the workload's prompt length range")
+    p.add_argument("--max-output", type=int, help="cap the workload's output length range")
+    p.add_argument("--seed", type=int, default=0)
 
 
 def add_engine_switches(p: argparse.ArgumentParser) -> None:

@@ -83,20 +83,11 @@ def main() -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    import torch  # the parent only: producers spawned from this module must not import torch
+    # Imported here, in the parent only: producers spawned from this module must not import torch.
+    from bench.offline import add_engine_switches, add_model_and_workload_args
 
-    from bench.offline import WORKLOADS, add_engine_switches
-
-    cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-0.6b" if cuda else "small", help="preset name or checkpoint directory")
-    p.add_argument("--device", default="cuda" if cuda else "cpu")
-    p.add_argument("--dtype", default=None, help="default: the checkpoint's (small: float32, qwen3-0.6b: bfloat16)")
-    p.add_argument("--workload", choices=list(WORKLOADS), default="nanovllm")
-    p.add_argument("--num-requests", type=int, help="override the workload's request count")
-    p.add_argument("--max-prompt", type=int, help="cap the workload's prompt length range")
-    p.add_argument("--max-output", type=int, help="cap the workload's output length range")
-    p.add_argument("--seed", type=int, default=0)
+    add_model_and_workload_args(p, default_workload="nanovllm")
     p.add_argument("--max-num-batched-tokens", type=int, help="engine setting (default: EngineSettings')")
     p.add_argument("--max-running", type=int, help="engine setting (default: EngineSettings')")
     add_engine_switches(p)
