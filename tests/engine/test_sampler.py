@@ -5,7 +5,7 @@ import torch
 
 from producer_client.schema import SamplingParams
 from worker.engine.request import Request
-from worker.engine.sampler import Sampler, apply_penalties
+from worker.engine.sampler import Sampler, apply_penalties, rows_finite
 
 V = 8
 
@@ -23,6 +23,13 @@ def test_greedy_rows_take_the_argmax():
     out = Sampler([])(logits, [make_request(temperature=0), make_request(temperature=0)])
     assert out.token_ids == [1, 7]
     assert out.logprobs == [None, None]
+
+
+def test_rows_finite_flags_each_kind_of_nonfinite_value_and_nothing_else():
+    logits = torch.zeros(6, V)
+    logits[1, 3], logits[2, 0], logits[3, 7] = float("nan"), float("inf"), float("-inf")
+    logits[4, 2], logits[5] = -3.4e38, 3.4e38  # the largest finite floats stay finite
+    assert rows_finite(logits).tolist() == [True, False, False, False, True, True]
 
 
 def test_top_k_1_and_a_tiny_top_p_are_greedy_even_when_sampling():
