@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels.cpu_decode_attention import paged_decode_attention_cpu, supports as cpu_kernel_supports
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per tile; a tile may span several pages, so each key row finds its own page
@@ -51,8 +52,9 @@ def paged_decode_attention_reference(
 ) -> torch.Tensor:
     """q [B, Hq, D]; page_table [B, max_pages] int32; context_lens [B] (includes the current token).
 
-    This is also the CPU engine's decode path, so each request's q heads are viewed as
-    [Hk, group, D] and every kv head serves its group in place: no per-q-head copy of K/V.
+    The tests' oracle, and the CPU decode path for 16-bit caches (float32 has
+    kernels.cpu_decode_attention). Each request's q heads are viewed as [Hk, group, D], so
+    every kv head serves its group in place: no per-q-head copy of K/V.
     """
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)
@@ -228,4 +230,6 @@ def paged_decode_attention_triton(
 def paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale):
     if use_triton(q):
         return paged_decode_attention_triton(q, k_cache, v_cache, page_table, context_lens, scale)
+    if cpu_kernel_supports(q):
+        return paged_decode_attention_cpu(q, k_cache, v_cache, page_table, context_lens, scale)
     return paged_decode_attention_reference(q, k_cache, v_cache, page_table, context_lens, scale)

@@ -32,8 +32,9 @@ def op_args(device: str) -> dict:
 def record_calls(op: str, module_name: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     module = importlib.import_module(f"kernels.{module_name}")
-    for path in ("triton", "reference"):
-        monkeypatch.setattr(module, f"{op}_{path}", lambda *args, path=path: calls.append(path))
+    for path in ("triton", "cpu", "reference"):
+        if hasattr(module, f"{op}_{path}"):
+            monkeypatch.setattr(module, f"{op}_{path}", lambda *args, path=path: calls.append(path))
     return calls
 
 
@@ -46,9 +47,18 @@ def test_dispatch_runs_triton_on_cuda_or_under_the_interpreter(op, device, monke
 
 
 @pytest.mark.parametrize("op", list(op_args("cpu")))
-def test_dispatch_runs_the_reference_on_cpu_without_the_interpreter(op, monkeypatch):
+def test_dispatch_runs_the_cpu_paths_without_the_interpreter(op, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     module_name, args = op_args("cpu")[op]
     calls = record_calls(op, module_name, monkeypatch)
     getattr(kernels, op)(*args)
+    # float32 decode attention has a compiled CPU kernel; every other op runs its reference.
+    assert calls == ["cpu" if op == "paged_decode_attention" else "reference"]
+
+
+def test_dispatch_runs_the_decode_reference_for_a_16_bit_cache_on_cpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _, args = op_args("cpu")["paged_decode_attention"]
+    calls = record_calls("paged_decode_attention", "decode_attention", monkeypatch)
+    kernels.paged_decode_attention(*(a.bfloat16() if a.is_floating_point() else a for a in args[:3]), *args[3:])
     assert calls == ["reference"]

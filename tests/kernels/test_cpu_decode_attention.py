@@ -1,0 +1,49 @@
+"""The CPU engine's float32 decode attention (numba) against the torch reference."""
+import pytest
+import torch
+
+from kernels.cpu_decode_attention import paged_decode_attention_cpu
+from kernels.decode_attention import paged_decode_attention_reference
+from tests.kernels.test_decode_attention import decode_case
+
+
+def run_both(case):
+    q, k_cache, v_cache, page_table, context_lens = case
+    scale = q.shape[-1] ** -0.5
+    got = paged_decode_attention_cpu(q, k_cache, v_cache, page_table, context_lens, scale)
+    want = paged_decode_attention_reference(q, k_cache, v_cache, page_table, context_lens, scale)
+    return got, want
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_cpu_decode_matches_reference_over_ragged_contexts(group, head_dim, page_size, check_close):
+    contexts = [1, page_size, page_size + 1, 5 * page_size + 3, 40 * page_size - 1]
+    got, want = run_both(decode_case(group, head_dim, page_size, torch.float32, "cpu", contexts))
+    check_close("paged_decode_attention_cpu", got, want)
+
+
+def test_cpu_decode_reads_int64_context_lengths_and_a_strided_query(check_close):
+    q, k_cache, v_cache, page_table, context_lens = decode_case(2, 64, 16, torch.float32, "cpu", [7, 100])
+    strided_q = torch.cat([q, q], dim=-1)[..., :64]  # the shape of q, not its layout
+    got, want = run_both((strided_q, k_cache, v_cache, page_table, context_lens.long()))
+    check_close("paged_decode_attention_cpu", got, want)
+
+
+def test_cpu_decode_of_an_empty_context_is_zero():
+    q, k_cache, v_cache, page_table, _ = decode_case(2, 64, 16, torch.float32, "cpu", [5, 40])
+    context_lens = torch.tensor([0, 40], dtype=torch.int32)
+    got, want = run_both((q, k_cache, v_cache, page_table, context_lens))
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_cpu_decode_passes_a_nonfinite_value_on_to_its_own_request_only(value):
+    # The sampler's non-finite check relies on a fault upstream reaching the logits.
+    q, k_cache, v_cache, page_table, context_lens = decode_case(2, 64, 16, torch.float32, "cpu", [30, 30])
+    k_cache[page_table[0, 1], 3, 0, 5] = value
+    got, _ = run_both((q, k_cache, v_cache, page_table, context_lens))
+    assert not torch.isfinite(got[0]).all()
+    assert torch.isfinite(got[1]).all()
