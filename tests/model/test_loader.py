@@ -87,7 +87,8 @@ def test_tied_checkpoint_needs_no_lm_head_and_reads_logits_off_the_embedding(tmp
     model = load_model(ckpt).model
     assert not hasattr(model, "lm_head")
     hidden = torch.randn(3, SHAPE["hidden_size"])
-    assert torch.equal(model.compute_logits(hidden), hidden @ model.model.embed_tokens.weight.T)
+    # Close, not equal: the CPU head kernel sums in its own order (kernels/cpu_linear.py).
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.model.embed_tokens.weight.T)
 
 
 def test_sharded_checkpoint_loads_the_same_weights_as_a_single_file(tmp_path):
