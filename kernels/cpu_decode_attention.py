@@ -5,53 +5,59 @@ matmuls, and with a single query row per kv-head group those matmuls are memory-
 on the `small` preset the copy was about half of the reference's time. This kernel reads each
 cached K and V row in place, straight from its page: one pass over K for the scores, one
 over V for the weighted sum, so a step costs about one read of the batch's cached K/V (which
-is what bounds it: a layer's cache outgrows the L3). Measured on the dev VM (1 thread, 36
-requests of 50-770 tokens, 8 q heads over 4 kv heads, head_dim 64): 6.3 ms per layer for
-the reference, 3.2 ms here.
-
-Math is fp32 like the reference's. fastmath is limited to reassociation and contraction,
-which let the dot products vectorize; NaN and infinity keep their IEEE behavior, so a
-numerical fault upstream still reaches the logits, where the sampler catches it.
+is what bounds it: a layer's cache outgrows the L3). Requests are spread over torch's thread
+count. Measured on the dev VM (36 requests of 50-770 tokens, 8 q heads over 4 kv heads,
+head_dim 64, per layer, best of 20): 1 thread 6.2 ms for the reference, 3.5 ms here;
+2 threads 5.2 and 2.0 ms. Math is fp32, like the reference's.
 """
 import numba
 import numpy as np
 import torch
 
-FASTMATH = {"reassoc", "contract"}
+from kernels._numba import FASTMATH, use_torch_thread_count
 
 
-@numba.njit(fastmath=FASTMATH, cache=True, nogil=True)
+@numba.njit(fastmath=FASTMATH, cache=True, nogil=True, parallel=True)
 def _decode(q, k_cache, v_cache, page_table, context_lens, scale, out):  # pragma: no cover - compiled
-    batch, num_q_heads, head_dim = q.shape
+    for b in numba.prange(q.shape[0]):
+        _attend(q[b], k_cache, v_cache, page_table[b], context_lens[b], scale, out[b])
+
+
+@numba.njit(fastmath=FASTMATH, inline="always", nogil=True)
+def _attend(q, k_cache, v_cache, pages, length, scale, out):  # pragma: no cover - compiled
+    """One request's q heads [Hq, D] over its first `length` cached rows.
+
+    Each cached row [Hk, D] is read once for all the q heads, contiguously: work items of one
+    (request, kv head) each, which read the rows in strided pieces, made decode attention 1.5x
+    slower over bench/offline.py's run (7.3 s against 4.9 s, 1 thread)."""
+    num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    longest = 0
-    for b in range(batch):
-        longest = max(longest, context_lens[b])
-    weights = np.empty((num_q_heads, longest), dtype=np.float32)
-    acc = np.empty((num_q_heads, head_dim), dtype=np.float32)
-    for b in range(batch):
-        length = context_lens[b]
-        for t0 in range(0, length, page_size):
-            page = k_cache[page_table[b, t0 // page_size]]  # [page_size, kv heads, head_dim]
-            for s in range(min(page_size, length - t0)):
-                for h in range(num_q_heads):
-                    k_row, q_row = page[s, h // group], q[b, h]
+    weights = np.empty((num_q_heads, length), dtype=np.float32)
+    for t0 in range(0, length, page_size):
+        k_page = k_cache[pages[t0 // page_size]]  # [page_size, Hk, D]
+        for s in range(min(page_size, length - t0)):
+            for kv_head in range(num_kv_heads):
+                k_row = k_page[s, kv_head]
+                for h in range(kv_head * group, (kv_head + 1) * group):
+                    q_row = q[h]
                     dot = np.float32(0.0)
                     for d in range(head_dim):
                         dot += q_row[d] * k_row[d]
                     weights[h, t0 + s] = dot * scale
-        for h in range(num_q_heads):
-            _softmax_in_place(weights[h, :length])
-        acc[:] = 0.0
-        for t0 in range(0, length, page_size):
-            page = v_cache[page_table[b, t0 // page_size]]
-            for s in range(min(page_size, length - t0)):
-                for h in range(num_q_heads):
-                    v_row, w = page[s, h // group], weights[h, t0 + s]
+    for h in range(num_q_heads):
+        _softmax_in_place(weights[h])
+    acc = np.zeros((num_q_heads, head_dim), dtype=np.float32)
+    for t0 in range(0, length, page_size):
+        v_page = v_cache[pages[t0 // page_size]]
+        for s in range(min(page_size, length - t0)):
+            for kv_head in range(num_kv_heads):
+                v_row = v_page[s, kv_head]
+                for h in range(kv_head * group, (kv_head + 1) * group):
+                    w = weights[h, t0 + s]
                     for d in range(head_dim):
                         acc[h, d] += w * v_row[d]
-        out[b] = acc
+    out[:] = acc
 
 
 @numba.njit(fastmath=FASTMATH, cache=True, nogil=True)
@@ -80,6 +86,7 @@ def paged_decode_attention_cpu(
     """Same contract as paged_decode_attention_reference, for float32 CPU tensors."""
     q = q.contiguous()
     out = torch.empty_like(q)
+    use_torch_thread_count()
     _decode(
         q.numpy(), k_cache.numpy(), v_cache.numpy(), page_table.numpy(), context_lens.numpy(),
         np.float32(scale), out.numpy(),

@@ -1,8 +1,11 @@
 """The CPU engine's float32 LM head kernel (numba) against torch's matmul."""
+import numba
 import pytest
 import torch
 
+from kernels.cpu_decode_attention import paged_decode_attention_cpu
 from kernels.cpu_linear import linear_cpu
+from tests.kernels.test_decode_attention import decode_case
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 17])
@@ -29,3 +32,20 @@ def test_cpu_linear_propagates_a_nonfinite_input_to_its_row_only(value):
     x[1, 4] = value
     out = linear_cpu(x, w)
     assert torch.isfinite(out[[0, 2]]).all() and not torch.isfinite(out[1]).any()
+
+
+def test_cpu_kernels_run_on_torch_thread_count_and_give_the_same_bits_on_any():
+    # Each output element is computed by one thread, so the thread count cannot change the sums.
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(203, 64, generator=g)
+    q, k_cache, v_cache, page_table, lens = decode_case(2, 64, 16, torch.float32, "cpu", [3, 70, 129])
+    results = []
+    threads_before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append((linear_cpu(x, w), paged_decode_attention_cpu(q, k_cache, v_cache, page_table, lens, 0.125)))
+            assert numba.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(threads_before)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
