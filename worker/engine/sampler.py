@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu_argmax import argmax_rows_cpu, supports as cpu_argmax_supports
 from producer_client.schema import SamplingParams
 from worker.engine.request import Request, TokenLogprob
 from worker.engine.transfer import tensor_on, to_device
@@ -72,7 +73,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits[logprob_index], dim=-1)
         apply_penalties(logits, requests)
         self._suppress_stops_before_min_tokens(logits, requests)
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         random_rows = [i for i, r in enumerate(requests) if not is_greedy(r.params)]
         if random_rows:
             picked = [requests[i] for i in random_rows]
@@ -105,6 +106,13 @@ class Sampler:
                 if not r.params.ignore_eos:
                     ids += self.eos_token_ids
                 logits[i, tensor_on(ids, logits.device, torch.long)] = float("-inf")
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[N] int64: each row's argmax (the first, on ties)."""
+    if cpu_argmax_supports(logits):
+        return argmax_rows_cpu(logits)
+    return logits.argmax(dim=-1)
 
 
 def rows_finite(logits: torch.Tensor) -> torch.Tensor:
