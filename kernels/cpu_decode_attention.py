@@ -23,7 +23,7 @@ def _decode(q, k_cache, v_cache, page_table, context_lens, scale, out):  # pragm
         _attend(q[b], k_cache, v_cache, page_table[b], context_lens[b], scale, out[b])
 
 
-@numba.njit(fastmath=FASTMATH, inline="always", nogil=True)
+@numba.njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _attend(q, k_cache, v_cache, pages, length, scale, out):  # pragma: no cover - compiled
     """One request's q heads [Hq, D] over its first `length` cached rows.
 

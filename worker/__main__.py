@@ -98,6 +98,7 @@ def load_engine(settings: WorkerSettings):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = None if settings.dtype == "auto" else settings.dtype
     engine = Engine.from_pretrained(settings.model, device=device, dtype=dtype, **settings.engine.model_dump())
+    engine.warm_up()  # before the heartbeat: a worker takes jobs only once its kernels are compiled
     return engine, device
 
 

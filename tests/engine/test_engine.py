@@ -159,3 +159,12 @@ def test_capacity_reports_free_slots_and_unpromised_pages(make_engine):
 def iter_until_done(engine):
     while engine.has_unfinished():
         yield from engine.step()
+
+
+def test_warm_up_leaves_no_trace_in_the_pool_the_cache_or_the_stats(make_engine):
+    engine = make_engine()
+    free_before, stats_before = engine.allocator.num_free, engine.stats()
+    engine.warm_up()
+    assert engine.allocator.num_free == free_before
+    assert engine.stats() == stats_before
+    assert engine.cache.evictable_pages == 0 and not engine.has_unfinished()

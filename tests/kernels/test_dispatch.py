@@ -29,6 +29,10 @@ def op_args(device: str) -> dict:
     }
 
 
+# The float32 ops with a numba-compiled CPU kernel; the others run their torch reference on CPU.
+CPU_KERNELS = {"paged_decode_attention", "rms_norm", "fused_add_rms_norm", "qk_norm_rope"}
+
+
 def record_calls(op: str, module_name: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     module = importlib.import_module(f"kernels.{module_name}")
@@ -52,8 +56,7 @@ def test_dispatch_runs_the_cpu_paths_without_the_interpreter(op, monkeypatch):
     module_name, args = op_args("cpu")[op]
     calls = record_calls(op, module_name, monkeypatch)
     getattr(kernels, op)(*args)
-    # float32 decode attention has a compiled CPU kernel; every other op runs its reference.
-    assert calls == ["cpu" if op == "paged_decode_attention" else "reference"]
+    assert calls == ["cpu" if op in CPU_KERNELS else "reference"]
 
 
 def test_dispatch_runs_the_decode_reference_for_a_16_bit_cache_on_cpu(monkeypatch):
