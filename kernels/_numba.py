@@ -12,17 +12,20 @@ FASTMATH = {"reassoc", "contract"}
 # (workqueue) measured no faster at 2 threads than at 1 in the engine: torch's idle OpenMP
 # threads spin for a while after each op, on the cores numba's threads needed.
 numba.config.THREADING_LAYER = "omp"
-_pool_started = False
+
+
+def _start_pool_keeping_torch_thread_count() -> None:
+    # Starting numba's pool sets OpenMP's default thread count to every core, which torch reads
+    # as its own. Started here, at import, so torch's count can be put back before anyone
+    # relies on it; torch.set_num_threads calls made later apply as usual.
+    threads = torch.get_num_threads()
+    numba.np.ufunc.parallel._launch_threads()
+    torch.set_num_threads(threads)
+
+
+_start_pool_keeping_torch_thread_count()
 
 
 def use_torch_thread_count() -> None:
     """torch.set_num_threads governs the numba kernels too (it is thread-local in numba, and cheap)."""
-    global _pool_started
-    threads = torch.get_num_threads()
-    if not _pool_started:
-        # Starting numba's pool sets OpenMP's default thread count to every core, which torch
-        # reads as its own: put torch's back.
-        numba.np.ufunc.parallel._launch_threads()
-        torch.set_num_threads(threads)
-        _pool_started = True
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
