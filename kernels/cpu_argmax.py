@@ -31,7 +31,7 @@ def _argmax_rows(x, out):  # pragma: no cover - compiled
         out[r] = _first_above(row, blocked, row.size, best, best_index)[1]
 
 
-@numba.njit(fastmath=FASTMATH, cache=True, nogil=True)
+@numba.njit(fastmath=FASTMATH, inline="always", nogil=True)
 def _first_above(row, start, stop, best, best_index):  # pragma: no cover - compiled
     for i in range(start, stop):
         if row[i] > best:

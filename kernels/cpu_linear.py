@@ -32,7 +32,7 @@ def _matmul_wt(x, w, out):  # pragma: no cover - compiled
         _dots(x[r], w, blocked_cols, cols, out[r])
 
 
-@numba.njit(fastmath=FASTMATH, cache=True, nogil=True)
+@numba.njit(fastmath=FASTMATH, inline="always", nogil=True)  # a call per block measured ~10% slower
 def _block(x0, x1, w, c, out0, out1):  # pragma: no cover - compiled
     """out0[c:c+8] = w[c:c+8] @ x0 and out1 likewise: 16 dot products in one pass over the rows."""
     w0, w1, w2, w3, w4, w5, w6, w7 = w[c], w[c + 1], w[c + 2], w[c + 3], w[c + 4], w[c + 5], w[c + 6], w[c + 7]
@@ -50,7 +50,7 @@ def _block(x0, x1, w, c, out0, out1):  # pragma: no cover - compiled
     out1[c + 4], out1[c + 5], out1[c + 6], out1[c + 7] = b4, b5, b6, b7
 
 
-@numba.njit(fastmath=FASTMATH, cache=True, nogil=True)
+@numba.njit(fastmath=FASTMATH, inline="always", nogil=True)
 def _dots(x_row, w, start, stop, out_row):  # pragma: no cover - compiled
     for c in range(start, stop):
         total = np.float32(0.0)

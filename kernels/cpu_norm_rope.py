@@ -14,7 +14,7 @@ import torch
 from kernels._numba import FASTMATH, use_torch_thread_count
 
 
-@numba.njit(fastmath=FASTMATH, cache=True, nogil=True)
+@numba.njit(fastmath=FASTMATH, inline="always", nogil=True)
 def _normalize(x, weight, eps, out):  # pragma: no cover - compiled
     """out = weight * (x / sqrt(mean(x**2) + eps)), as rms_norm_reference rounds it."""
     squares = np.float32(0.0)
@@ -40,7 +40,7 @@ def _add_rms_norm(x, residual, weight, eps, out, residual_out):  # pragma: no co
         _normalize(total, weight, eps, out[row])
 
 
-@numba.njit(fastmath=FASTMATH, cache=True, nogil=True)
+@numba.njit(fastmath=FASTMATH, inline="always", nogil=True)
 def _norm_rope_heads(x, weight, cos, sin, eps, out):  # pragma: no cover - compiled
     """x, out [heads, head_dim]: each head normed, then rotated (neox halves)."""
     half = x.shape[1] // 2
