@@ -4,10 +4,9 @@ import torch
 
 from kernels.cpu_norm_rope import fused_add_rms_norm_cpu, qk_norm_rope_cpu, rms_norm_cpu
 from kernels.rms_norm import fused_add_rms_norm_reference, rms_norm_reference
-from kernels.rope import qk_norm_rope_reference, rope_cos_sin_cache
+from tests.kernels.test_rope import check_against_reference
 
 SHAPES = pytest.mark.parametrize("tokens,hidden", [(1, 64), (7, 200), (300, 512)])
-MAX_POSITION = 4096
 
 
 def randn(*shape, seed):
@@ -32,20 +31,7 @@ def test_cpu_fused_add_rms_norm_matches_reference(tokens, hidden, check_close):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("q_heads,kv_heads", [(2, 2), (8, 4), (16, 2)])
 def test_cpu_qk_norm_rope_matches_reference(q_heads, kv_heads, head_dim, check_close):
-    tokens = 9
-    # q and k are views into one fused qkv row, as the model splits them.
-    qkv = randn(tokens, (q_heads + 2 * kv_heads) * head_dim, seed=q_heads * head_dim) * 2
-    q = qkv[:, : q_heads * head_dim].view(tokens, q_heads, head_dim)
-    k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    q_weight, k_weight = 1 + 0.1 * randn(head_dim, seed=1), 1 + 0.1 * randn(head_dim, seed=2)
-    positions = torch.cat([torch.tensor([0, MAX_POSITION - 1]), torch.randint(0, MAX_POSITION, (tokens - 2,))])
-    cos_sin = rope_cos_sin_cache(head_dim, MAX_POSITION, 1e6)
-    before = qkv.clone()
-    got = qk_norm_rope_cpu(q, k, q_weight, k_weight, positions, cos_sin, 1e-6)
-    want = qk_norm_rope_reference(q, k, q_weight, k_weight, positions, cos_sin, 1e-6)
-    check_close("qk_norm_rope_cpu", got[0], want[0])
-    check_close("qk_norm_rope_cpu", got[1], want[1])
-    assert torch.equal(qkv, before)
+    check_against_reference(qk_norm_rope_cpu, "qk_norm_rope_cpu", q_heads, kv_heads, head_dim, torch.float32, "cpu", check_close)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
