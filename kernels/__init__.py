@@ -1,7 +1,7 @@
 """The model's hot path. Each op dispatches to Triton on CUDA tensors (or under
 TRITON_INTERPRET=1) and to its plain-torch reference otherwise. On CPU, float32 decode
-attention, the norms and the q/k norm + RoPE run numba-compiled kernels instead (kernels.cpu_*),
-as do the LM head and the greedy argmax, which the model and sampler call directly."""
+attention runs a numba-compiled kernel instead (kernels.cpu_decode_attention), as do the LM
+head and the greedy argmax, which the model and the sampler call directly (kernels.cpu_*)."""
 from kernels.activation import silu_and_mul
 from kernels.decode_attention import paged_decode_attention
 from kernels.extend_attention import paged_extend_attention

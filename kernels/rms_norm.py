@@ -4,7 +4,6 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
-from kernels.cpu_norm_rope import fused_add_rms_norm_cpu, rms_norm_cpu, supports as cpu_kernel_supports
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,8 +88,6 @@ def fused_add_rms_norm_triton(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         return rms_norm_triton(x, weight, eps)
-    if cpu_kernel_supports(x):
-        return rms_norm_cpu(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
 
 
@@ -99,6 +96,4 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x):
         return fused_add_rms_norm_triton(x, residual, weight, eps)
-    if cpu_kernel_supports(x):
-        return fused_add_rms_norm_cpu(x, residual, weight, eps)
     return fused_add_rms_norm_reference(x, residual, weight, eps)

@@ -4,7 +4,6 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
-from kernels.cpu_norm_rope import qk_norm_rope_cpu, supports as cpu_kernel_supports
 from kernels.rms_norm import rms_norm_reference
 
 
@@ -104,6 +103,4 @@ def qk_norm_rope_triton(
 def qk_norm_rope(q, k, q_weight, k_weight, positions, cos_sin, eps):
     if use_triton(q):
         return qk_norm_rope_triton(q, k, q_weight, k_weight, positions, cos_sin, eps)
-    if cpu_kernel_supports(q):
-        return qk_norm_rope_cpu(q, k, q_weight, k_weight, positions, cos_sin, eps)
     return qk_norm_rope_reference(q, k, q_weight, k_weight, positions, cos_sin, eps)

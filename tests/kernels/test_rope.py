@@ -7,11 +7,13 @@ from kernels.rope import qk_norm_rope_reference, qk_norm_rope_triton, rope_cos_s
 MAX_POSITION = 4096
 
 
-def check_against_reference(kernel, name, q_heads, kv_heads, head_dim, dtype, device, check_close):
-    """Runs `kernel` and the reference on 9 tokens whose q and k are views into one fused qkv
-    row, as the model splits them; the input must come back untouched."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_heads,kv_heads", [(2, 2), (4, 2), (12, 3), (16, 2)])
+def test_qk_norm_rope_matches_reference(q_heads, kv_heads, head_dim, dtype, device, check_close):
     g = torch.Generator().manual_seed(q_heads * head_dim)
     tokens = 9
+    # q and k are views into one fused qkv row, as the model splits them.
     qkv = (torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=g) * 2).to(dtype=dtype, device=device)
     q = qkv[:, : q_heads * head_dim].view(tokens, q_heads, head_dim)
     k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
@@ -21,15 +23,8 @@ def check_against_reference(kernel, name, q_heads, kv_heads, head_dim, dtype, de
     positions = positions.to(device)
     cos_sin = rope_cos_sin_cache(head_dim, MAX_POSITION, 1e6, device=device)
     before = qkv.clone()
-    got = kernel(q, k, q_weight, k_weight, positions, cos_sin, 1e-6)
+    got = qk_norm_rope_triton(q, k, q_weight, k_weight, positions, cos_sin, 1e-6)
     want = qk_norm_rope_reference(q, k, q_weight, k_weight, positions, cos_sin, 1e-6)
-    check_close(name, got[0], want[0])
-    check_close(name, got[1], want[1])
+    check_close("qk_norm_rope", got[0], want[0])
+    check_close("qk_norm_rope", got[1], want[1])
     assert torch.equal(qkv, before)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("q_heads,kv_heads", [(2, 2), (4, 2), (12, 3), (16, 2)])
-def test_qk_norm_rope_matches_reference(q_heads, kv_heads, head_dim, dtype, device, check_close):
-    check_against_reference(qk_norm_rope_triton, "qk_norm_rope", q_heads, kv_heads, head_dim, dtype, device, check_close)
