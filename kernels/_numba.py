@@ -19,7 +19,11 @@ def _start_pool_keeping_torch_thread_count() -> None:
     # as its own. Started here, at import, so torch's count can be put back before anyone
     # relies on it; torch.set_num_threads calls made later apply as usual.
     threads = torch.get_num_threads()
-    numba.np.ufunc.parallel._launch_threads()
+    try:
+        numba.np.ufunc.parallel._launch_threads()
+    except ValueError:  # no OpenMP runtime numba can load here: any pool it has, at some speed cost
+        numba.config.THREADING_LAYER = "default"
+        numba.np.ufunc.parallel._launch_threads()
     torch.set_num_threads(threads)
 
 
