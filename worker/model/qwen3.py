@@ -175,9 +175,8 @@ class Qwen3ForCausalLM(nn.Module):
         if cpu_linear_supports(hidden, head):
             return linear_cpu(hidden, head, out)
         if hidden.device.type == "cpu":
-            logits = lm_head_in_vocab_chunks(hidden, head)
-        else:
-            logits = F.linear(hidden, head).float()
+            return lm_head_in_vocab_chunks(hidden, head, out)
+        logits = F.linear(hidden, head).float()
         return logits if out is None else out.copy_(logits)
 
 
@@ -188,8 +187,8 @@ class Qwen3ForCausalLM(nn.Module):
 LM_HEAD_CHUNK = 4096
 
 
-def lm_head_in_vocab_chunks(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    logits = torch.empty(hidden.shape[0], head.shape[0], dtype=torch.float32, device=hidden.device)
+def lm_head_in_vocab_chunks(hidden: torch.Tensor, head: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    logits = out if out is not None else torch.empty(hidden.shape[0], head.shape[0], dtype=torch.float32)
     for start in range(0, head.shape[0], LM_HEAD_CHUNK):
         logits[:, start : start + LM_HEAD_CHUNK] = F.linear(hidden, head[start : start + LM_HEAD_CHUNK])
     return logits
