@@ -2,7 +2,9 @@ import uuid
 
 import pytest
 
-from tests.redis_support import client_kind, make_client, redis_client, redis_server, restartable_redis  # noqa: F401  (fixtures)
+from tests.redis_support import (  # noqa: F401  (fixtures)
+    client_kind, make_client, redis_client, redis_client_of, redis_server, restartable_redis,
+)
 
 
 @pytest.fixture

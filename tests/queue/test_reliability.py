@@ -10,7 +10,6 @@ import time
 import uuid
 
 import pytest
-import redis
 
 from producer_client import JobFailed
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
@@ -169,8 +168,13 @@ def test_a_failing_engine_step_fails_only_the_job_that_makes_it_fail(redis_serve
     assert after.text == "still serving"
 
 
-def test_a_redis_outage_buffers_events_and_flushes_them_after(restartable_redis, queue):
-    redis_client = redis.Redis.from_url(restartable_redis.url, decode_responses=True)
+def largest_tokens_event(redis_client, job_id: str) -> int:
+    """How many tokens the job's largest tokens event carried."""
+    return max(len(data["ids"]) for _, kind, data in events(redis_client, job_id) if kind == "tokens")
+
+
+def test_a_redis_outage_buffers_events_and_flushes_them_after(restartable_redis, redis_client_of, queue):
+    redis_client = redis_client_of(restartable_redis)
     with make_client("sync", restartable_redis.url, queue) as client, \
             serving(restartable_redis.url, queue, step_s=0.01, max_buffered_tokens=1000) as worker:
         job_id = client.submit("o" * 300, max_tokens=300)
@@ -181,13 +185,12 @@ def test_a_redis_outage_buffers_events_and_flushes_them_after(restartable_redis,
     assert result.text == "o" * 300
     assert tokens_published(redis_client, job_id) == list(b"o" * 300)
     # Generation went on while Redis was down: one event carries what the outage held back.
-    assert max(len(data["ids"]) for _, kind, data in events(redis_client, job_id) if kind == "tokens") > 20
+    assert largest_tokens_event(redis_client, job_id) > 20
     assert_one_final_result(redis_client, job_id)
-    redis_client.close()
 
 
-def test_generation_pauses_when_the_outbox_is_full(restartable_redis, queue):
-    redis_client = redis.Redis.from_url(restartable_redis.url, decode_responses=True)
+def test_generation_pauses_when_the_outbox_is_full(restartable_redis, redis_client_of, queue):
+    redis_client = redis_client_of(restartable_redis)
     with make_client("sync", restartable_redis.url, queue) as client, \
             serving(restartable_redis.url, queue, step_s=0.005, max_buffered_tokens=15) as worker:
         job_id = client.submit("p" * 200, max_tokens=200)
@@ -200,9 +203,8 @@ def test_generation_pauses_when_the_outbox_is_full(restartable_redis, queue):
         restartable_redis.start()
         result = client.result(job_id, timeout=20)
     assert result.text == "p" * 200
-    assert max(len(data["ids"]) for _, kind, data in events(redis_client, job_id) if kind == "tokens") <= 15
+    assert largest_tokens_event(redis_client, job_id) <= 15
     assert tokens_published(redis_client, job_id) == list(b"p" * 200)
-    redis_client.close()
 
 
 def test_the_client_rides_out_a_redis_restart(restartable_redis, queue):
