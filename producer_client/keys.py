@@ -49,6 +49,12 @@ class Keys:
         """Sorted set of the queue's workers, scored by when their heartbeat goes stale."""
         return f"{self.prefix}:workers:{{{queue}}}"
 
+    def queues(self) -> str:
+        """Sorted set of queue names, scored by the time of their latest worker heartbeat: how
+        `mili stats`, the gateway and the board find every queue without scanning the keyspace.
+        No hash tag: one key for the whole namespace, written in no script."""
+        return f"{self.prefix}:queues"
+
     def job(self, job_id: str) -> str:
         """Hash: status, the claiming worker, its entry and run token, the run that published a
         start event, tokens so far, cancel and enqueued flags, and the final result JSON."""

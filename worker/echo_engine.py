@@ -13,8 +13,7 @@ from typing import Any
 
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
-from worker.engine.engine import Capacity, EngineStats
-from worker.engine.request import RequestOutput, Usage
+from worker.engine.outputs import Capacity, EngineStats, RequestOutput, Usage
 from worker.engine.settings import EngineSettings
 from worker.engine.errors import KVCapacityExceeded, PromptTooLong
 

@@ -270,12 +270,13 @@ class WorkerQueue:
             pipe.pexpire(key, int(ttl_s * 1000))
             pipe.zadd(index, {self.worker: now})
             pipe.zremrangebyscore(index, "-inf", now - WORKER_INDEX_RETENTION_S)
+            pipe.zadd(self.keys.queues(), {self.queue: now})
             pipe.xlen(self.stream)
             if held:
                 pipe.evalsha(REFRESH.sha, 1, self.stream, GROUP, self.worker, *held)
 
         replies = scripts.execute(self.redis, add)
-        return replies[4], replies[5] if held else []
+        return replies[5], replies[6] if held else []
 
     def release(self, entry_ids: list[str], idle_ms: int) -> int:
         """Hand unfinished entries over to other workers (RELEASE); returns how many were ours."""

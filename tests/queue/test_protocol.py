@@ -28,6 +28,7 @@ def test_a_jobs_keys_share_one_hash_tag_and_a_queues_keys_another():
     assert keys.queue("default") == "mili:q:{default}"
     assert keys.dead("default") == "mili:dead:{default}"
     assert keys.workers("default") == "mili:workers:{default}"
+    assert keys.queues() == "mili:queues"
     assert keys.worker("w1") == "mili:worker:{w1}"
     assert Keys("other").job("abc") == "other:job:{abc}"
 
@@ -121,6 +122,7 @@ def test_heartbeat_writes_a_hash_with_ttl_and_indexes_the_worker():
     assert r.hget(Keys().worker("w1"), "free_pages") == "7"
     assert 0 < r.pttl(Keys().worker("w1")) <= 5000
     assert r.zrange(Keys().workers("q"), 0, -1) == ["w1"]
+    assert r.zrange(Keys().queues(), 0, -1) == ["q"]
     q.leave()
     assert not r.exists(Keys().worker("w1"))
     assert r.zrange(Keys().workers("q"), 0, -1) == []
@@ -135,4 +137,13 @@ def test_queue_stats_falls_back_to_depth_minus_pending_when_redis_cannot_tell_th
 
 def test_importing_the_producer_client_does_not_import_torch():
     code = "import sys, producer_client, producer_client.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_worker_on_the_echo_engine_imports_no_model_stack():
+    code = (
+        "import sys; from worker.__main__ import load_engine; from worker.settings import WorkerSettings; "
+        "load_engine(WorkerSettings(model='echo', redis='redis://127.0.0.1:1/0')); "
+        "loaded = [m for m in ('torch', 'numba', 'triton') if m in sys.modules]; assert not loaded, loaded"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -6,8 +6,8 @@ settings, and the healthcheck must not pay for importing torch to read them.
 import importlib
 
 _HOMES = {
-    "Capacity": "engine", "Engine": "engine", "EngineStats": "engine",
-    "GenerationOutput": "request", "RequestOutput": "request", "TokenLogprob": "request", "Usage": "request",
+    "Engine": "engine", "Capacity": "outputs", "EngineStats": "outputs",
+    "GenerationOutput": "outputs", "RequestOutput": "outputs", "TokenLogprob": "outputs", "Usage": "outputs",
     "EngineSettings": "settings",
 }
 __all__ = sorted(_HOMES)

@@ -10,7 +10,6 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,9 +22,10 @@ from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_cache
 from worker.engine.memory import kv_cache_pages, profile_activation_peak
 from worker.engine.overlap import LaunchedStep, drop_placeholders, launched
 from worker.engine.radix_cache import RadixCache
-from worker.engine.request import (
-    ErrorInfo, FinishReason, GenerationOutput, Request, RequestOutput, TokenLogprob, Usage,
+from worker.engine.outputs import (
+    Capacity, EngineStats, ErrorInfo, FinishReason, GenerationOutput, RequestOutput, TokenLogprob, Usage,
 )
+from worker.engine.request import Request
 from worker.engine.runner import ModelRunner
 from worker.engine.sampler import Sampler, skip_draws
 from worker.engine.scheduler import ScheduledChunk, Scheduler
@@ -40,25 +40,6 @@ from worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 10.0
-
-
-@dataclass(frozen=True)
-class Capacity:
-    """What the queue loop may still hand over: request slots, and KV pages not yet spoken for."""
-
-    free_slots: int
-    free_pages: int
-    page_size: int
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    steps: int
-    computed_tokens: int  # tokens the model ran (prefill chunks, recomputation and decodes)
-    computed_prompt_tokens: int  # of those, prompt positions; cache hits are not among them
-    preemptions: int
-    cache_queried_tokens: int  # prompt tokens looked up in the prefix cache at admission
-    cache_hit_tokens: int  # of those, found cached
 
 
 class Engine:

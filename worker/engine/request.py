@@ -1,76 +1,23 @@
-"""A request's state as it moves through the engine, and what the engine reports about it."""
+"""A request's state as it moves through the engine (what the engine reports is in outputs.py)."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
-import torch
+from typing import TYPE_CHECKING
 
 from producer_client.schema import SamplingParams
+from worker.engine.outputs import ErrorInfo, FinishReason, TokenLogprob, Usage
 
 if TYPE_CHECKING:
+    import torch
+
     from worker.engine.radix_cache import TreeNode
     from worker.engine.stop import TextOutput
-
-FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class ErrorInfo:
-    code: str
-    message: str
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """The sampled token's log-probability and the `n` most likely tokens at that position,
-    from the model's raw distribution (before penalties, temperature and filtering)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request: a delta, or the final word on it."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: FinishReason | None
-    usage: Usage
-    logprobs: list[TokenLogprob] | None = None
-    error: ErrorInfo | None = None
-
-
-@dataclass
-class GenerationOutput:
-    """A finished request from `Engine.generate`."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    usage: Usage
-    logprobs: list[TokenLogprob] | None = None
-    error: ErrorInfo | None = None
 
 
 class Request:

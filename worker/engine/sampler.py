@@ -17,7 +17,8 @@ import torch
 
 from kernels.cpu_argmax import argmax_rows_cpu, supports as cpu_argmax_supports
 from producer_client.schema import SamplingParams
-from worker.engine.request import Request, TokenLogprob
+from worker.engine.outputs import TokenLogprob
+from worker.engine.request import Request
 from worker.engine.transfer import tensor_on, to_device
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy, as in vLLM (dividing by them overflows)

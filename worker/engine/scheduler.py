@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from worker.engine.errors import KVCapacityExceeded
 from worker.engine.kv_pool import PageAllocator, pages_for
 from worker.engine.radix_cache import RadixCache
-from worker.engine.request import ErrorInfo, Request, RequestStatus
+from worker.engine.outputs import ErrorInfo
+from worker.engine.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
