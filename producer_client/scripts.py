@@ -22,8 +22,13 @@ Every script is safe to run twice, because a call whose reply was lost (the conn
 after Redis ran it) is retried: PUBLISH adds tokens only if the job's token count is still the
 one they follow and a `start` only once per run, DEADLETTER acts only on an entry still pending.
 
-Scripts run by EVALSHA; a server that lacks one (fresh, or restarted) answers NOSCRIPT,
-which means the script did not run, so the caller loads the scripts and retries.
+Scripts run by EVALSHA; a server that lacks one (fresh, restarted, or SCRIPT FLUSHed) answers
+NOSCRIPT, which means the script did not run, so `execute` loads the scripts and sends again
+only what failed.
+
+A note on Lua: a call that is not the last expression of an argument list yields only its first
+value, so `f(a, unpack(t), 'X')` passes one element of `t`. Scripts build the whole argument
+table and `unpack` it last (tests/queue/test_scripts.py checks every script for this).
 """
 from __future__ import annotations
 
@@ -149,15 +154,16 @@ return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body',
 # worker while this one was stalled or cut off. Checking before claiming matters: a plain XCLAIM
 # would take the entry back from the worker now running the job.
 REFRESH = Script("refresh", """
-local mine, lost = {}, {}
+local claim, lost = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}, {}
 for i = 3, #ARGV do
   if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
-    table.insert(mine, ARGV[i])
+    table.insert(claim, ARGV[i])
   else
     table.insert(lost, ARGV[i])
   end
 end
-if #mine > 0 then redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, unpack(mine), 'JUSTID') end
+table.insert(claim, 'JUSTID')
+if #claim > 6 then redis.call(unpack(claim)) end
 return lost
 """)
 
@@ -207,42 +213,69 @@ ALL = (CREATE, CANCEL, CLAIM, PUBLISH, ENQUEUE, REFRESH, RECLAIM, RELEASE, DEADL
 
 
 def execute(client, add_commands: Callable, raise_on_error: bool = True) -> list:
-    """Build a pipeline with `add_commands` and execute it. If the server lacks our scripts
-    (NOSCRIPT: none of them ran), load them all and run the pipeline once more; callers put
-    only scripts and commands that are safe to repeat in such a pipeline. With
-    `raise_on_error=False` a command's error is its reply, for the caller to judge one by one."""
-    for attempt in range(2):
-        pipe = client.pipeline(transaction=False)
-        add_commands(pipe)
-        try:
-            replies = pipe.execute(raise_on_error=raise_on_error)
-        except NoScriptError:
-            if attempt:
-                raise
-        else:
-            if attempt or not any(isinstance(r, NoScriptError) for r in replies):
-                return replies
+    """Build a pipeline with `add_commands` and execute it. A server that lacks our scripts
+    (fresh, restarted, or SCRIPT FLUSHed) answers NOSCRIPT to each EVALSHA, which then did not
+    run, while the pipeline's other commands did: so the scripts are loaded and only the
+    EVALSHAs that failed are sent again. Nothing runs twice, which matters for commands that are
+    not safe to repeat (an XREADGROUP sent twice would leave the first read's entries pending
+    and unknown to the caller). With `raise_on_error=False` a command's error is its reply, for
+    the caller to judge one by one; otherwise the first error is raised."""
+    pipe = client.pipeline(transaction=False)
+    add_commands(pipe)
+    commands = list(pipe.command_stack)
+    replies = pipe.execute(raise_on_error=False)
+    missing = _lacking_scripts(replies)
+    if missing:
         load_scripts(client)
+        _splice(replies, missing, _resend(client, commands, missing).execute(raise_on_error=False))
+    return _checked(replies, raise_on_error)
+
+
+async def aexecute(client, add_commands: Callable, raise_on_error: bool = True) -> list:
+    """`execute` for a redis.asyncio client."""
+    pipe = client.pipeline(transaction=False)
+    add_commands(pipe)
+    commands = list(pipe.command_stack)
+    replies = await pipe.execute(raise_on_error=False)
+    missing = _lacking_scripts(replies)
+    if missing:
+        await _loader(client).execute()
+        _splice(replies, missing, await _resend(client, commands, missing).execute(raise_on_error=False))
+    return _checked(replies, raise_on_error)
 
 
 def load_scripts(client) -> None:
-    loader = client.pipeline(transaction=False)
+    _loader(client).execute()
+
+
+def _loader(client):
+    pipe = client.pipeline(transaction=False)
     for script in ALL:
-        loader.script_load(script.source)
-    loader.execute()
+        pipe.script_load(script.source)
+    return pipe
 
 
-async def aexecute(client, add_commands: Callable) -> list:
-    """`execute` for a redis.asyncio client."""
-    for attempt in range(2):
-        pipe = client.pipeline(transaction=False)
-        add_commands(pipe)
-        try:
-            return await pipe.execute()
-        except NoScriptError:
-            if attempt:
-                raise
-            loader = client.pipeline(transaction=False)
-            for script in ALL:
-                loader.script_load(script.source)
-            await loader.execute()
+def _lacking_scripts(replies: list) -> list[int]:
+    return [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+
+
+def _resend(client, commands: list, positions: list[int]):
+    """A pipeline of the commands at `positions` again, with the options they had (reply parsing)."""
+    pipe = client.pipeline(transaction=False)
+    for i in positions:
+        args, options = commands[i]
+        pipe.pipeline_execute_command(*args, **options)
+    return pipe
+
+
+def _splice(replies: list, positions: list[int], again: list) -> None:
+    for i, reply in zip(positions, again):
+        replies[i] = reply
+
+
+def _checked(replies: list, raise_on_error: bool) -> list:
+    if raise_on_error:
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+    return replies

@@ -2,6 +2,7 @@
 the queue bound is exact, the first finisher wins, a run fences off the runs before it, every
 script is safe to run twice, and a queue's pending entries move only as the loop means them to."""
 import json
+import re
 import time
 import uuid
 
@@ -48,6 +49,19 @@ def tokens(*ids):
 
 def done_entries(redis_client, job_id):
     return [JobResult.model_validate_json(f["data"]) for _, f in redis_client.xrange(KEYS.done(job_id))]
+
+
+@pytest.mark.parametrize("script", ALL, ids=lambda s: s.name)
+def test_no_script_passes_unpack_anywhere_but_last_in_an_argument_list(script):
+    # Lua truncates a call that is not the last expression of a list to its first value:
+    # f(a, unpack(t), 'X') passes one element of t.
+    for match in re.finditer(r"unpack\(", script.source):
+        depth, end = 1, match.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(script.source[end], 0)
+            end += 1
+        following = script.source[end:].lstrip()
+        assert not following.startswith(","), f"{script.name}: {script.source[match.start():end]} is not last"
 
 
 def test_scripts_load_on_a_server_that_lacks_them(redis_client, job_id):
@@ -203,6 +217,31 @@ def test_refresh_keeps_a_live_workers_entries_and_reports_those_taken_from_it(re
     assert run(redis_client, REFRESH, [stream], GROUP, "w1", a, b) == [b]
     assert pending(redis_client, stream) == {a: ("w1", 1), b: ("w2", 2)}  # b stays w2's: not taken back
     assert run(redis_client, RECLAIM, [stream], GROUP, "w3", 40, "0-0", 10)[1] == []  # a is fresh again
+
+
+def test_refresh_resets_the_idle_time_of_every_entry_it_holds(redis_client, stream):
+    held = deliver(redis_client, stream, "w1", 5)
+    time.sleep(0.2)
+    assert run(redis_client, REFRESH, [stream], GROUP, "w1", *held) == []
+    assert run(redis_client, RECLAIM, [stream], GROUP, "w2", 150, "0-0", 10)[1] == []  # none idle
+    assert pending(redis_client, stream) == {entry_id: ("w1", 1) for entry_id in held}
+
+
+def test_a_pipeline_resent_after_noscript_reads_the_queue_once(redis_client, stream):
+    deliver(redis_client, stream, "w1", 1)
+    ids = [redis_client.xadd(stream, {"id": f"n{i}", "v": "1", "body": "{}"}) for i in range(3)]
+    redis_client.script_flush()
+
+    def refresh_and_read(pipe):
+        pipe.evalsha(REFRESH.sha, 1, stream, GROUP, "w2")
+        pipe.xreadgroup(GROUP, "w2", {stream: ">"}, count=2)
+
+    replies = execute(redis_client, refresh_and_read)
+    assert replies[0] == []  # the script ran once the scripts were loaded
+    read = [entry_id for entry_id, _ in replies[1][0][1]]
+    assert read == ids[:2]
+    # What the caller got is exactly what is pending for it: no second read happened.
+    assert sorted(e for e, (consumer, _) in pending(redis_client, stream).items() if consumer == "w2") == read
 
 
 def test_reclaim_takes_idle_entries_with_their_delivery_count_and_no_more_than_asked(redis_client, stream):
