@@ -4,19 +4,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialWithJitterBackoff
 
 from producer_client import protocol, scripts
+from producer_client.connection import async_retry_policy
 from producer_client.errors import JobNotFound, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta
-
-
-def retry_policy() -> Retry:
-    return Retry(ExponentialWithJitterBackoff(base=protocol.RETRY_BASE_S, cap=protocol.RETRY_CAP_S), protocol.RETRIES)
 
 
 class AsyncClient:
@@ -29,7 +25,7 @@ class AsyncClient:
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
-        self.redis = aioredis.Redis.from_url(url, decode_responses=True, retry=retry_policy())
+        self.redis = aioredis.Redis.from_url(url, decode_responses=True, retry=async_retry_policy())
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -52,7 +48,7 @@ class AsyncClient:
             added = await self._enqueue_or_forget(job)
         else:
             def create_and_enqueue(pipe):
-                pipe.hsetnx(job_key, "status", "queued")
+                pipe.evalsha(*job.create_call(self.keys))
                 self._enqueue(pipe, job)
 
             added = (await scripts.aexecute(self.redis, create_and_enqueue))[-1]
@@ -86,7 +82,10 @@ class AsyncClient:
 
     async def status(self, job_id: str) -> JobStatus:
         job_id = protocol.check_job_id(job_id)
-        return protocol.job_status(job_id, await self.redis.hgetall(self.keys.job(job_id)))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.job(job_id))
+        pipe.time()
+        return protocol.job_status(job_id, *(await pipe.execute()))
 
     async def cancel(self, job_id: str) -> JobStatus:
         job_id = protocol.check_job_id(job_id)
@@ -130,12 +129,18 @@ class AsyncClient:
 
     async def _wait_done(self, job_id: str, deadline: Deadline) -> str:
         while True:
-            reply = await self.redis.xread({self.keys.done(job_id): "0-0"}, count=1, block=deadline.block_ms())
-            if reply:
-                return reply[0][1][0][1]["data"]
+            entries = await self._xread(self.keys.done(job_id), "0-0", 1, deadline)
+            if entries:
+                return entries[0][1]["data"]
 
     async def _read_events(self, job_id: str, after: str, deadline: Deadline) -> list:
-        reply = await self.redis.xread(
-            {self.keys.events(job_id): after}, count=EVENT_BATCH, block=deadline.block_ms()
-        )
+        return await self._xread(self.keys.events(job_id), after, EVENT_BATCH, deadline)
+
+    async def _xread(self, key: str, after: str, count: int, deadline: Deadline) -> list:
+        try:
+            reply = await self.redis.xread({key: after}, count=count, block=deadline.block_ms())
+        except redis.ResponseError as e:
+            if not protocol.read_cut_short(e):
+                raise
+            return []
         return reply[0][1] if reply else []

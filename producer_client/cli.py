@@ -14,6 +14,7 @@ import sys
 import redis
 
 from producer_client.client import Client
+from producer_client.connection import redact_url
 from producer_client.errors import MiliError
 from producer_client.protocol import DEFAULT_URL
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e.code}: {e.message}", file=sys.stderr)
         return 1
     except redis.RedisError as e:
-        print(f"error: redis at {args.redis}: {e}", file=sys.stderr)
+        print(f"error: redis at {redact_url(args.redis)}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
 
 

@@ -6,18 +6,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
-from redis.retry import Retry
 
 from producer_client import protocol, scripts
+from producer_client.connection import retry_policy
 from producer_client.errors import JobNotFound, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta
-
-
-def retry_policy() -> Retry:
-    return Retry(ExponentialWithJitterBackoff(base=protocol.RETRY_BASE_S, cap=protocol.RETRY_CAP_S), protocol.RETRIES)
 
 
 class Client:
@@ -60,10 +55,11 @@ class Client:
                 return job.job_id
             added = self._enqueue_or_forget(job)
         else:
-            # A fresh id cannot collide: create the job and enqueue it in one round trip. HSETNX,
-            # not HSET: a retried pipeline must not set a job a worker has started back to queued.
+            # A fresh id cannot collide: create the job and enqueue it in one round trip. CREATE sets
+            # the status only if there is none: a retried pipeline must not set a job a worker has
+            # started back to queued.
             def create_and_enqueue(pipe):
-                pipe.hsetnx(job_key, "status", "queued")
+                pipe.evalsha(*job.create_call(self.keys))
                 self._enqueue(pipe, job)
 
             added = scripts.execute(self.redis, create_and_enqueue)[-1]
@@ -102,7 +98,10 @@ class Client:
 
     def status(self, job_id: str) -> JobStatus:
         job_id = protocol.check_job_id(job_id)
-        return protocol.job_status(job_id, self.redis.hgetall(self.keys.job(job_id)))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.job(job_id))
+        pipe.time()
+        return protocol.job_status(job_id, *pipe.execute())
 
     def cancel(self, job_id: str) -> JobStatus:
         """A queued job is cancelled at once; a running one stops within one engine step and
@@ -154,11 +153,21 @@ class Client:
     def _wait_done(self, job_id: str, deadline: Deadline) -> str:
         """The job's result JSON, from its `done` stream: there at once if the job has ended."""
         while True:
-            reply = self.redis.xread({self.keys.done(job_id): "0-0"}, count=1, block=deadline.block_ms())
-            if reply:
-                return reply[0][1][0][1]["data"]
+            entries = self._xread(self.keys.done(job_id), "0-0", 1, deadline)
+            if entries:
+                return entries[0][1]["data"]
 
     def _read_events(self, job_id: str, after: str, deadline: Deadline) -> list:
         """Events after `after`; none if a blocking read of at most MAX_BLOCK_MS saw none."""
-        reply = self.redis.xread({self.keys.events(job_id): after}, count=EVENT_BATCH, block=deadline.block_ms())
+        return self._xread(self.keys.events(job_id), after, EVENT_BATCH, deadline)
+
+    def _xread(self, key: str, after: str, count: int, deadline: Deadline) -> list:
+        """One blocking XREAD of one stream: its entries after `after`. A read that Redis cut
+        short (the server changed role in a failover) returns none, and the caller reads again."""
+        try:
+            reply = self.redis.xread({key: after}, count=count, block=deadline.block_ms())
+        except redis.ResponseError as e:
+            if not protocol.read_cut_short(e):
+                raise
+            return []
         return reply[0][1] if reply else []

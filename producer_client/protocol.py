@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from producer_client.connection import reply_code
 from producer_client.errors import (
     BodyTooLarge, InvalidArgument, JobFailed, JobNotFound, JobTimeout,
 )
@@ -27,13 +28,6 @@ DEFAULT_MAX_QUEUE_DEPTH = 10_000
 EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
 MAX_BLOCK_MS = 2000  # one blocking read, well inside redis-py's default 5 s socket timeout
 EVENT_ID = re.compile(r"\d{1,20}-\d{1,20}")
-# Every call of the clients is safe to repeat: reads, CANCEL, and submits (CREATE and HSETNX
-# never set a started job back to queued; an entry enqueued twice is dropped by the worker that
-# claims the second). So redis-py retries each call on a lost connection, with exponential
-# backoff and jitter: 10 tries over about 4 s, which rides out a Redis restart.
-RETRIES = 10
-RETRY_BASE_S = 0.05
-RETRY_CAP_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -41,10 +35,11 @@ class NewJob:
     job_id: str
     body: str
     idempotent: bool  # the id came from the caller's request_id, so it may exist already
+    timeout_ms: int  # 0: no deadline
 
     def create_call(self, keys: Keys) -> tuple:
-        """EVALSHA arguments of CREATE for this job (a job whose id the caller chose)."""
-        return CREATE.sha, 1, keys.job(self.job_id)
+        """EVALSHA arguments of CREATE for this job."""
+        return CREATE.sha, 1, keys.job(self.job_id), self.timeout_ms
 
     def enqueue_call(self, keys: Keys, queue: str, max_depth: int | None) -> tuple:
         """EVALSHA arguments of ENQUEUE for this job."""
@@ -70,9 +65,10 @@ def build_job(
     size = len(body.encode())
     if size > MAX_BODY_BYTES:
         raise BodyTooLarge("body", f"{size} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    timeout_ms = 0 if request.timeout_s is None else max(1, round(request.timeout_s * 1000))
     if request_id is None:
-        return NewJob(uuid.uuid4().hex, body, idempotent=False)
-    return NewJob(check_name("request_id", request_id), body, idempotent=True)
+        return NewJob(uuid.uuid4().hex, body, idempotent=False, timeout_ms=timeout_ms)
+    return NewJob(check_name("request_id", request_id), body, idempotent=True, timeout_ms=timeout_ms)
 
 
 def check_job_id(job_id: Any) -> str:
@@ -121,6 +117,12 @@ class Deadline:
         return max(1, min(MAX_BLOCK_MS, int(left * 1000)))
 
 
+def read_cut_short(error: Exception) -> bool:
+    """A blocking read that Redis ended with UNBLOCKED: the server turned replica, or back, during
+    a failover. Nothing was read; reading again is right."""
+    return reply_code(error) == "UNBLOCKED"
+
+
 def job_keys(keys: Keys, job_id: str) -> tuple[str, str, str]:
     """The keys every job script takes, in order."""
     return keys.job(job_id), keys.events(job_id), keys.done(job_id)
@@ -150,18 +152,30 @@ def token_delta(event_id: str, data: str) -> TokenDelta:
     )
 
 
-def job_status(job_id: str, fields: dict[str, str]) -> JobStatus:
+def job_status(job_id: str, fields: dict[str, str], redis_time: tuple[int, int]) -> JobStatus:
+    """From HGETALL of the job's hash and TIME. A queued job past its deadline is `expired`
+    already: no worker will start it (the first to read its entry records that)."""
     if not fields:
         raise JobNotFound(job_id)
     result = fields.get("result")
+    status = fields["status"]
+    deadline_ms = fields.get("deadline")
+    if status == "queued" and deadline_ms is not None and epoch_ms(redis_time) > int(deadline_ms):
+        status = "expired"
     return JobStatus(
         id=job_id,
-        status=fields["status"],
+        status=status,
         tokens=int(fields.get("tokens", 0)),
         worker=fields.get("worker"),
         cancel_requested=fields.get("cancel") == "1",
         result=None if result is None else JobResult.model_validate_json(result),
     )
+
+
+def epoch_ms(redis_time: tuple[int, int]) -> int:
+    """TIME's reply (seconds, microseconds) in milliseconds."""
+    seconds, micros = redis_time
+    return int(seconds) * 1000 + int(micros) // 1000
 
 
 def queue_stats(queue: str, depth: int, groups: list[dict], names: list[str], alive: list[int]) -> QueueStats:

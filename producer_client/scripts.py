@@ -5,6 +5,8 @@ tag, so every script is atomic and Redis Cluster-safe. A job's status moves only
     (none) --CREATE--> queued --ENQUEUE--> in the queue stream
     queued | running --CLAIM--> running (a new run) --PUBLISH(final)--> done | failed | cancelled | expired
     queued --CANCEL--> cancelled            (the worker that reads the entry just drops it)
+    (none) | queued | running --ADOPT--> running, detached   (Redis lost the group; see ADOPT)
+    running, detached --REQUEUE--> queued --ENQUEUE--> in the queue stream
 
 Every CLAIM starts a new *run*, named by a token the claiming worker chooses. PUBLISH writes only
 for the job's current run, so a worker that lost its job to a reclaim (it stalled, or was cut
@@ -51,12 +53,21 @@ class Script:
 
 # -- a job's keys ---------------------------------------------------------------------------------
 
-# KEYS: job. Creates the job as queued. Returns 1 when the caller should enqueue it: the job is
-# new, or it is queued and no enqueue of it was recorded (`enqueued`: an earlier submit stopped
-# half-way). 0: it exists and is enqueued, or is past queued. Enqueueing twice is harmless:
-# CLAIM drops the second entry.
+# KEYS: job. ARGV: timeout in ms (0 or none: no deadline). Creates the job as queued; with a timeout, its
+# deadline (epoch ms on Redis's clock: TIME) goes into the hash, so that status() reports a queued
+# job past it as expired. Returns 1 when the caller should enqueue it: the job is new, or it is
+# queued and no enqueue of it was recorded (`enqueued`: an earlier submit stopped half-way).
+# 0: it exists and is enqueued, or is past queued. Enqueueing twice is harmless: CLAIM drops the
+# second entry.
 CREATE = Script("create", """
-if redis.call('HSETNX', KEYS[1], 'status', 'queued') == 1 then return 1 end
+if redis.call('HSETNX', KEYS[1], 'status', 'queued') == 1 then
+  local timeout = tonumber(ARGV[1] or '0')
+  if timeout > 0 then
+    local now = redis.call('TIME')
+    redis.call('HSET', KEYS[1], 'deadline', now[1] * 1000 + math.floor(now[2] / 1000) + timeout)
+  end
+  return 1
+end
 if redis.call('HGET', KEYS[1], 'status') == 'queued' and not redis.call('HGET', KEYS[1], 'enqueued') then
   return 1
 end
@@ -80,11 +91,11 @@ return status
 """)
 
 # KEYS: job, events, done. ARGV: worker, entry id, result TTL seconds, run token.
-# Returns {'claimed', tokens recorded so far} (run it; more than 0 tokens: resume it),
-# {'final'} (it has a result already: drop the entry) or {'duplicate'} (another entry with the
-# same job id is running it: drop this one). A missing hash is claimed too: a raw XADD bypasses
-# the client that would create it. Claiming the entry a job is running under again is a reclaim:
-# it starts a new run, and the old run's worker can publish nothing more.
+# Returns {'claimed', tokens recorded so far[, deadline ms]} (run it; more than 0 tokens:
+# resume it), {'final'} (it has a result already: drop the entry) or {'duplicate'} (another entry
+# with the same job id is running it: drop this one). A missing hash is claimed too: a raw XADD
+# bypasses the client that would create it. Claiming the entry a job is running under again is a
+# reclaim: it starts a new run, and the old run's worker can publish nothing more.
 CLAIM = Script("claim", """
 if redis.call('HEXISTS', KEYS[1], 'result') == 1 then
   for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[3]) end
@@ -94,19 +105,27 @@ if redis.call('HGET', KEYS[1], 'status') == 'running' and redis.call('HGET', KEY
   return {'duplicate'}
 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'entry', ARGV[2], 'run', ARGV[4])
-return {'claimed', tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')}
+local tokens, deadline = unpack(redis.call('HMGET', KEYS[1], 'tokens', 'deadline'))
+if deadline then return {'claimed', tonumber(tokens or '0'), deadline} end
+return {'claimed', tonumber(tokens or '0')}
 """)
 
 # KEYS: job, events, done. ARGV: run token, start JSON, tokens JSON, tokens before them, tokens
 # after them, final status, result JSON, result TTL seconds; '' for what the step does not have.
-# Returns 'ended' (the job has a result: nothing changes, not even the event stream; a second
-# finisher changes nothing), 'lost' (another run holds the job, or the recorded tokens are neither
+# Returns 'gone' (Redis has no hash of the job: it lost it, see ADOPT), 'ended' (the job has a
+# result from elsewhere: nothing changes, not even the event
+# stream; a second finisher changes nothing; 'written' again if this very result is the one
+# written, by this run: a call whose reply was lost), 'lost' (another run holds the job, or the recorded tokens are neither
 # those the update follows nor those it ends with, so this run's view and Redis's differ: nothing
 # changes), 'written' (the result is written), else 'cancel' (its cancel flag is up) or 'ok'.
 # Recorded tokens equal to those the update ends with mean this very update was applied before.
 PUBLISH = Script("publish", """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 'gone' end
 local result, run, recorded, started, cancel = unpack(redis.call('HMGET', KEYS[1], 'result', 'run', 'tokens', 'started', 'cancel'))
-if result then return 'ended' end
+if result then
+  if run == ARGV[1] and result == ARGV[7] then return 'written' end
+  return 'ended'
+end
 if run ~= ARGV[1] then return 'lost' end
 recorded = recorded or '0'
 if recorded ~= ARGV[4] and recorded ~= ARGV[5] then
@@ -132,6 +151,35 @@ redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[7])
 redis.call('XADD', KEYS[3], '*', 'data', ARGV[7])
 for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[8]) end
 return 'written'
+""")
+
+# KEYS: job, events, done. ARGV: run token, worker. Redis lost the queue's consumer group
+# (restarted without persistence, flushed, or the group was destroyed), and with it the entries of
+# the jobs this worker holds: the worker keeps running them, detached from any entry. Returns
+# 'ended' (the job has a result), 'lost' (another run holds it), 'adopted' (its hash still has
+# this run) or 'recreated': Redis lost the hash too (or a producer's retried submit recreated it
+# as queued), and it is this run's again with no tokens recorded; the worker then publishes the
+# job's whole output so far, so that its event stream is complete again. Either way the job's
+# `entry` is cleared, so that a stale entry of it, delivered again, is dropped as a duplicate.
+ADOPT = Script("adopt", """
+local status, run, result = unpack(redis.call('HMGET', KEYS[1], 'status', 'run', 'result'))
+if result then return 'ended' end
+if status == 'running' and run ~= ARGV[1] then return 'lost' end
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'entry', '', 'run', ARGV[1])
+if status == 'running' then return 'adopted' end
+redis.call('HDEL', KEYS[1], 'started', 'tokens', 'enqueued')
+return 'recreated'
+""")
+
+# KEYS: job. ARGV: run token. A draining worker gives back a detached job (see ADOPT) that has
+# no entry to hand over: its status goes back to queued, and the worker then enqueues it anew
+# (ENQUEUE), to be claimed and resumed after its recorded tokens. Returns 1, or 0 if the run is
+# not the job's or the job has a result.
+REQUEUE = Script("requeue", """
+local run, result = unpack(redis.call('HMGET', KEYS[1], 'run', 'result'))
+if result or run ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', '')
+return 1
 """)
 
 # -- a queue's keys -------------------------------------------------------------------------------
@@ -209,7 +257,7 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """)
 
-ALL = (CREATE, CANCEL, CLAIM, PUBLISH, ENQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER)
+ALL = (CREATE, CANCEL, CLAIM, PUBLISH, ADOPT, REQUEUE, ENQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER)
 
 
 def execute(client, add_commands: Callable, raise_on_error: bool = True) -> list:

@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -213,8 +214,12 @@ class RestartableRedis:
             self.process.wait(timeout=10)
             self.process = None
 
-    def restart(self, down_s: float) -> None:
+    def restart(self, down_s: float, keep_data: bool = True) -> None:
+        """Stop, wait `down_s`, start again; with keep_data=False the AOF goes first, so Redis
+        comes back empty, as one without persistence does."""
         self.stop()
+        if not keep_data:
+            shutil.rmtree(self.dir / "appendonlydir", ignore_errors=True)
         time.sleep(down_s)
         self.start()
 

@@ -14,11 +14,14 @@ import socket
 import sys
 from contextlib import ExitStack
 
+import redis
+
+from producer_client.connection import is_fatal, redact_url
 from producer_client.errors import MiliError
 from worker.embedded_redis import EmbeddedRedis
 from worker.healthcheck import run_healthcheck
 from worker.metrics import WorkerMetrics
-from worker.queue import connect
+from worker.queue import RedisLink, connect, is_transient
 from worker.service import Worker
 from worker.settings import WorkerSettings, add_setting_flags, settings_from_args
 
@@ -36,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     except MiliError as e:
         print(f"error: {e.code}: {e.message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the worker took a job: nothing to hand over
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,27 +65,78 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def serve_forever(settings: WorkerSettings) -> int:
+    """Bind the metrics port, reach Redis, load the model, serve. What a user can get wrong fails
+    first, in one line: a taken metrics port or Redis refusing our credentials stop the worker
+    before a model loads; a Redis not (yet) reachable is waited for, with backoff."""
     name = settings.name or f"{socket.gethostname()}-{os.getpid()}"
     configure_logging(settings.log_level, name)
     with ExitStack() as stack:
+        metrics = WorkerMetrics()
+        server, port = serve_metrics(metrics, settings)
+        stack.callback(server.shutdown)
+        log.info("metrics on http://%s:%d/metrics", settings.metrics_host, port)
         url = settings.redis
         if url == "embedded":
             url = stack.enter_context(EmbeddedRedis()).url
             log.info("embedded redis-server at %s (it stops with this worker)", url)
         client = connect(url)
         stack.callback(client.close)
-        client.ping()
+        wait_for_redis(client, url, settings.redis_backoff_max_s)
         engine, device = load_engine(settings)
-        metrics = WorkerMetrics()
-        server, port = metrics.serve(settings.metrics_host, settings.metrics_port)
-        stack.callback(server.shutdown)
-        log.info("metrics on http://%s:%d/metrics", settings.metrics_host, port)
         worker = Worker(engine, client, settings, metrics, name, device=device, metrics_port=port)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: worker.request_stop())
-        worker.serve()
+        try:
+            worker.serve()
+        except redis.RedisError as e:
+            if not is_fatal(e):
+                raise
+            raise RedisRefused(f"Redis at {redact_url(url)} refused this worker: {type(e).__name__}: {e}") from None
     log.info("stopped")
     return 0
+
+
+class MetricsPortTaken(MiliError):
+    code = "metrics_port_taken"
+
+
+class RedisRefused(MiliError):
+    """Redis refused the worker's credentials or commands (AUTH, ACL): no retry mends that."""
+
+    code = "redis_refused"
+
+
+def serve_metrics(metrics: WorkerMetrics, settings: WorkerSettings) -> tuple[object, int]:
+    try:
+        return metrics.serve(settings.metrics_host, settings.metrics_port)
+    except OSError as e:
+        raise MetricsPortTaken(
+            f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port} ({e.strerror}): another worker "
+            "on this host? Give each worker its own --metrics-port (MILI_METRICS_PORT), or 0 for any free port"
+        ) from None
+
+
+def wait_for_redis(client, url: str, backoff_max_s: float) -> None:
+    """Return once Redis answers PING. Unreachable or loading: wait and try again, with the same
+    backoff as a running worker (one line when it starts waiting, one when Redis answers)."""
+    link = RedisLink(backoff_max_s)
+    while True:
+        try:
+            client.ping()
+        except redis.RedisError as e:
+            if is_fatal(e):
+                raise RedisRefused(f"Redis at {redact_url(url)} refused this worker: {type(e).__name__}: {e}") from None
+            if not is_transient(e):
+                raise
+            if link.up:
+                log.warning("Redis at %s does not answer (%s: %s); waiting for it", redact_url(url), type(e).__name__, e)
+            link.failed(e, quiet=True)
+            link.wait(backoff_max_s)
+            continue
+        down_s = link.succeeded()
+        if down_s is not None:
+            log.info("Redis at %s answers after %.1fs", redact_url(url), down_s)
+        return
 
 
 def load_engine(settings: WorkerSettings):

@@ -4,7 +4,6 @@ the tokens its event stream recorded."""
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 
 from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
@@ -37,11 +36,13 @@ class Delivery:
 @dataclass
 class Job:
     id: str
-    entry_id: str
+    # None once the job is detached from its entry: Redis lost the queue's group, and the worker
+    # runs the job on (see ADOPT in producer_client.scripts).
+    entry_id: str | None
     run: str  # the fencing token of this worker's claim (see producer_client.scripts)
     request: JobRequest
     prompt_token_ids: list[int]
-    queued_at: float
+    queued_at: float  # on Redis's clock, as every time here
     started_at: float
     first_token_at: float | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -51,11 +52,13 @@ class Job:
     resumed_tokens: int = 0  # tokens recorded by earlier runs when this one started
     # The engine's request id for its latest admission (see Worker._add_to_engine).
     engine_id: str = ""
+    # When the job times out: the `deadline` its producer's CREATE recorded, else its entry's
+    # time plus timeout_s (an entry added without the client). None: no timeout.
+    deadline: float | None = None
 
-    @property
-    def deadline(self) -> float | None:
-        timeout = self.request.timeout_s
-        return None if timeout is None else self.queued_at + timeout
+    def __post_init__(self):
+        if self.deadline is None and self.request.timeout_s is not None:
+            self.deadline = self.queued_at + self.request.timeout_s
 
     def resume(self, events: list[tuple[str, dict[str, str]]]) -> None:
         """Take over the tokens, text and logprobs that earlier runs recorded, and when the first
@@ -80,14 +83,15 @@ class Job:
         return Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(self.token_ids))
 
     def result(
-        self, status: JobState, finish_reason: str | None, usage: Usage, worker: str, error: ErrorInfo | None = None,
+        self, status: JobState, finish_reason: str | None, usage: Usage, worker: str, now: float,
+        error: ErrorInfo | None = None,
     ) -> JobResult:
         return JobResult(
             id=self.id, status=status, text="".join(self.text), token_ids=self.token_ids,
             finish_reason=finish_reason, usage=usage, error=error, logprobs=self.logprobs, worker=worker,
             timings=Timings(
                 queued_at=self.queued_at, started_at=self.started_at, first_token_at=self.first_token_at,
-                finished_at=time.time(),
+                finished_at=now,
             ),
         )
 
@@ -133,19 +137,19 @@ def prompt_token_ids(request: JobRequest, tokenizer) -> list[int]:
     return tokenizer.encode(request.prompt)
 
 
-def failed_result(job_id: str, entry_id: str, error: MiliError, worker: str) -> JobResult:
+def failed_result(job_id: str, entry_id: str, error: MiliError, worker: str, now: float) -> JobResult:
     """The result of an entry that never ran."""
     return JobResult(
         id=job_id, status="failed", finish_reason="error", worker=worker,
         error=ErrorInfo(code=error.code, message=printable(error.message)),
-        timings=Timings(queued_at=entry_time(entry_id), finished_at=time.time()),
+        timings=Timings(queued_at=entry_time(entry_id), finished_at=now),
     )
 
 
-def expired_result(job_id: str, entry_id: str, worker: str) -> JobResult:
+def expired_result(job_id: str, entry_id: str, worker: str, now: float) -> JobResult:
     return JobResult(
         id=job_id, status="expired", worker=worker,
-        timings=Timings(queued_at=entry_time(entry_id), finished_at=time.time()),
+        timings=Timings(queued_at=entry_time(entry_id), finished_at=now),
     )
 
 

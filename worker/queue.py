@@ -1,58 +1,79 @@
 """The worker's side of protocol v1: every Redis command the queue loop sends, batched so that
 one loop iteration costs a few round trips (read, claim, publish), and the outbox that holds
-what Redis has not seen yet while it cannot be reached, with the backoff for reaching it again."""
+what Redis has not seen yet while it cannot be reached, with the backoff for reaching it again.
+
+Every exchange classifies what Redis answered in one place (`_send`): a transient failure
+(connection lost, loading, out of memory, read-only during a failover) raises, and the loop backs
+off and sends the same idempotent commands again; a lost consumer group (Redis restarted empty,
+or flushed) raises GroupLost, and the loop creates it again and adopts the jobs it holds; any
+other error stays in its command's place, charged to the job it concerns."""
 from __future__ import annotations
 
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from producer_client import scripts
-from producer_client.keys import GROUP, Keys
+from producer_client.connection import FATAL_ERRORS, Retry, reply_code
+from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.protocol import job_keys
 from producer_client.schema import JobResult, TokenLogprob
-from producer_client.scripts import CLAIM, DEADLETTER, PUBLISH, RECLAIM, REFRESH, RELEASE
+from producer_client.scripts import ADOPT, CLAIM, DEADLETTER, ENQUEUE, PUBLISH, RECLAIM, REFRESH, RELEASE, REQUEUE
 from worker.jobs import Delivery, Job, token_event
+from worker.replies import (
+    Adopted, Claim, PublishReply, UnknownReply, Watched, parse_adopt, parse_claim, parse_publish, parse_watch,
+)
 
 log = logging.getLogger(__name__)
 
-# Names of workers whose heartbeat is this stale are dropped from the queue's worker index.
+# Names of workers whose heartbeat is this stale are dropped from the queue's worker index (and
+# queues no worker has served for this long from the queue index).
 WORKER_INDEX_RETENTION_S = 3600
 # The dead-letter stream keeps about this many entries (XADD MAXLEN ~): bounded memory, and far
 # more than an operator reads before acting on the alert.
 DEAD_LETTER_MAXLEN = 10_000
 EVENT_PAGE = 1000  # event stream entries per XRANGE when a reclaimed job's events are read
-# Replies that mean "not now" rather than "never": the loop backs off and sends the same
-# (idempotent) commands again. Loading an AOF, a replica promoted by failover, memory full
-# under noeviction, a failing RDB save, a cluster resharding.
-TRANSIENT_REPLIES = frozenset({"LOADING", "READONLY", "MASTERDOWN", "OOM", "MISCONF", "TRYAGAIN", "CLUSTERDOWN", "BUSY"})
+# Failures that mean "not now" rather than "never": the loop backs off and sends the same
+# (idempotent) commands again. redis-py raises most as their own classes (and strips the reply's
+# first word from the message): a lost connection, loading an AOF (BusyLoadingError), memory full
+# under noeviction, a replica not yet promoted by a failover, a cluster resharding or failing over.
+TRANSIENT_ERRORS = (
+    redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
+    redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,
+)
+# Replies with no class of their own in redis-py, recognised by their first word: a script running
+# too long, a failing RDB save, a blocking read cut short because the server turned replica (or
+# back), and (for older redis-py) the classes above.
+TRANSIENT_REPLIES = frozenset({
+    "BUSY", "MISCONF", "UNBLOCKED", "LOADING", "READONLY", "MASTERDOWN", "OOM", "TRYAGAIN", "CLUSTERDOWN",
+})
+
+
+class GroupLost(redis.RedisError):
+    """Redis no longer has the queue's consumer group (NOGROUP): it restarted without
+    persistence, or was flushed, or the group was destroyed. The entries this worker held went
+    with it."""
 
 
 def connect(url: str) -> redis.Redis:
     """The worker's connection. surrogateescape: a producer's invalid UTF-8 must fail its job,
     not the read. One immediate retry replaces a connection Redis closed (a restart); past that
-    the loop's own backoff takes over, so that the engine keeps stepping while Redis is away."""
+    the loop's own backoff takes over, so that the engine keeps stepping while Redis is away.
+    Wrong credentials are not retried at all."""
     return redis.Redis.from_url(url, decode_responses=True, encoding_errors="surrogateescape", retry=Retry(NoBackoff(), 1))
 
 
 def is_transient(error: BaseException) -> bool:
-    if isinstance(error, (redis.ConnectionError, redis.TimeoutError)):
-        return True
-    return isinstance(error, redis.ResponseError) and str(error).split(" ", 1)[0] in TRANSIENT_REPLIES
-
-
-def raise_transient(replies: list) -> list:
-    """Replies of a pipeline run with raise_on_error=False: a transient error stands for the whole
-    pipeline (raise it); any other error stays in its place, for the caller to charge to its job."""
-    for reply in replies:
-        if isinstance(reply, Exception) and is_transient(reply):
-            raise reply
-    return replies
+    if isinstance(error, FATAL_ERRORS):
+        return False
+    return isinstance(error, TRANSIENT_ERRORS) or (
+        isinstance(error, redis.ResponseError) and reply_code(error) in TRANSIENT_REPLIES
+    )
 
 
 @dataclass
@@ -62,9 +83,9 @@ class DeadLetter:
     reason: str
     deliveries: int
 
-    def script_args(self, worker: str) -> list:
+    def script_args(self, worker: str, now: float) -> list:
         letter = {**self.fields, "entry": self.entry_id, "deliveries": self.deliveries, "reason": self.reason,
-                  "worker": worker, "dead_at": time.time()}
+                  "worker": worker, "dead_at": now}
         return [GROUP, self.entry_id, DEAD_LETTER_MAXLEN, *(x for kv in letter.items() for x in kv)]
 
 
@@ -74,7 +95,7 @@ class Update:
     merged into one tokens event (several while Redis is unreachable, else one)."""
 
     job_id: str
-    entry_id: str
+    entry_id: str | None  # None for a job detached from its entry (see ADOPT): nothing to acknowledge
     run: str
     tokens_before: int  # tokens of the job that Redis has already
     start: str = ""  # start event JSON: the run's first publication
@@ -149,22 +170,54 @@ class Outbox:
         return sum(len(u.token_ids) for u in self.updates.values())
 
 
-@dataclass(frozen=True)
-class Claimed:
-    outcome: str  # 'claimed', 'final', 'duplicate', or 'error' (the job's keys refused the script)
-    recorded_tokens: int = 0  # of a claimed job: tokens earlier runs recorded (more than 0: resume it)
-    error: Exception | None = None
+class RedisClock:
+    """Redis's clock as this process sees it. Deadlines count from the enqueue on Redis's clock (an
+    entry's id, a job's `deadline`), so the worker compares them on that clock too, whatever its
+    own host's clock says; timings and heartbeats use it as well, so that they compare across
+    hosts. The offset is measured with TIME at every heartbeat, to within half a round trip."""
+
+    def __init__(self, local: Callable[[], float] = time.time):
+        self.local = local
+        self.offset = 0.0
+
+    def now(self) -> float:
+        return self.local() + self.offset
+
+    def measured(self, sent_at: float, redis_time: tuple[int, int], received_at: float) -> None:
+        seconds, micros = redis_time
+        self.offset = int(seconds) + int(micros) / 1e6 - (sent_at + received_at) / 2
 
 
 class WorkerQueue:
-    def __init__(self, client: redis.Redis, keys: Keys, queue: str, worker: str, result_ttl_s: int):
+    def __init__(
+        self, client: redis.Redis, keys: Keys, queue: str, worker: str, result_ttl_s: int,
+        clock: RedisClock | None = None,
+    ):
         self.redis = client
         self.keys = keys
         self.queue = queue
         self.worker = worker
         self.result_ttl_s = result_ttl_s
+        self.clock = clock or RedisClock()
         self.stream = keys.queue(queue)
         self.reclaim_cursor = "0-0"
+
+    def _send(self, add_commands: Callable, per_command_errors: bool = False) -> list:
+        """One pipeline. A transient error or a lost group raises, whichever command met it (the
+        loop sends everything again later); any other error raises too, unless
+        `per_command_errors`: then it stays in its command's place, for the caller to charge to
+        the job it concerns."""
+        replies = scripts.execute(self.redis, add_commands, raise_on_error=False)
+        errors = [r for r in replies if isinstance(r, Exception)]
+        for error in errors:
+            if is_transient(error):
+                raise error
+        for error in errors:
+            if reply_code(error) == "NOGROUP":
+                raise GroupLost(str(error)) from error
+        if errors and not per_command_errors:
+            raise errors[0]
+        return replies
 
     def ensure_group(self) -> None:
         # From id 0, not $: jobs submitted before the first worker started must run too.
@@ -174,6 +227,15 @@ class WorkerQueue:
             if "BUSYGROUP" not in str(e):
                 raise
 
+    def group_exists(self) -> bool:
+        try:
+            groups = self.redis.xinfo_groups(self.stream)
+        except redis.ResponseError as e:
+            if is_transient(e):
+                raise
+            return False  # no such key: the stream is gone, and its group with it
+        return any(g["name"] == GROUP for g in groups)
+
     def read(
         self, count: int, block_ms: int | None, acks: list[str], dead_letters: list[DeadLetter] = (),
     ) -> list[Delivery]:
@@ -181,19 +243,20 @@ class WorkerQueue:
         The acks go first in the same pipeline, so the pending list never holds a finished job
         while new ones arrive: pending entries <= the engine's slots."""
         dead_key = self.keys.dead(self.queue)
+        now = self.clock.now()
 
         def add(pipe):
             if acks:
                 pipe.xack(self.stream, GROUP, *acks)
                 pipe.xdel(self.stream, *acks)
             for letter in dead_letters:
-                pipe.evalsha(DEADLETTER.sha, 2, self.stream, dead_key, *letter.script_args(self.worker))
+                pipe.evalsha(DEADLETTER.sha, 2, self.stream, dead_key, *letter.script_args(self.worker, now))
             if count > 0:
                 pipe.xreadgroup(GROUP, self.worker, {self.stream: ">"}, count=count, block=block_ms)
 
         if not (acks or dead_letters or count > 0):
             return []
-        replies = scripts.execute(self.redis, add)
+        replies = self._send(add)
         if count <= 0 or not replies[-1]:
             return []
         return [Delivery(entry_id, fields) for entry_id, fields in replies[-1][0][1]]
@@ -203,32 +266,47 @@ class WorkerQueue:
         died or stalled. The scan resumes where the last one stopped, so every pending entry is
         reached in turn."""
         args = (GROUP, self.worker, min_idle_ms, self.reclaim_cursor, count)
-        cursor, claimed = scripts.execute(self.redis, lambda pipe: pipe.evalsha(RECLAIM.sha, 1, self.stream, *args))[0]
+        cursor, claimed = self._send(lambda pipe: pipe.evalsha(RECLAIM.sha, 1, self.stream, *args))[0]
         self.reclaim_cursor = cursor
         return [Delivery(entry_id, dict(zip(flat[::2], flat[1::2])), deliveries) for entry_id, flat, deliveries in claimed]
 
-    def claim(self, jobs: list[tuple[str, str, str]]) -> list[Claimed]:
-        """CLAIM each (job id, entry id, run token)."""
+    def claim(self, jobs: list[tuple[str, str, str]]) -> list[Claim | Exception]:
+        """CLAIM each (job id, entry id, run token). An error in a job's place: its keys refused
+        the script, or the reply is not one CLAIM gives (UnknownReply)."""
 
         def add(pipe):
             for job_id, entry_id, run in jobs:
                 pipe.evalsha(CLAIM.sha, 3, *job_keys(self.keys, job_id), self.worker, entry_id, self.result_ttl_s, run)
 
-        replies = raise_transient(scripts.execute(self.redis, add, raise_on_error=False))
-        return [
-            Claimed("error", error=r) if isinstance(r, Exception) else Claimed(r[0], int(r[1]) if len(r) > 1 else 0)
-            for r in replies
-        ]
+        return [_parsed(parse_claim, r) for r in self._send(add, per_command_errors=True)]
+
+    def adopt(self, jobs: list[tuple[str, str]]) -> list[Adopted | Exception]:
+        """ADOPT each (job id, run token) after Redis lost the group."""
+
+        def add(pipe):
+            for job_id, run in jobs:
+                pipe.evalsha(ADOPT.sha, 3, *job_keys(self.keys, job_id), run, self.worker)
+
+        return [_parsed(parse_adopt, r) for r in self._send(add, per_command_errors=True)]
+
+    def requeue(self, job: Job) -> bool:
+        """Give a detached job back to the queue (REQUEUE, then a fresh entry)."""
+        if not self._send(lambda pipe: pipe.evalsha(REQUEUE.sha, 1, self.keys.job(job.id), job.run))[0]:
+            return False
+        body = job.request.to_json()
+        self._send(lambda pipe: pipe.evalsha(ENQUEUE.sha, 1, self.stream, 0, job.id, PROTOCOL_VERSION, body))
+        return True
 
     def recorded_events(self, job_ids: list[str]) -> dict[str, list[tuple[str, dict[str, str]]]]:
         """Each job's whole event stream, read in pages."""
         events: dict[str, list] = {job_id: [] for job_id in job_ids}
         after = {job_id: "-" for job_id in job_ids}
         while after:
-            pipe = self.redis.pipeline(transaction=False)
-            for job_id, start in after.items():
-                pipe.xrange(self.keys.events(job_id), start, "+", count=EVENT_PAGE)
-            for job_id, page in zip(list(after), pipe.execute()):
+            def add(pipe):
+                for job_id, start in after.items():
+                    pipe.xrange(self.keys.events(job_id), start, "+", count=EVENT_PAGE)
+
+            for job_id, page in zip(list(after), self._send(add)):
                 events[job_id].extend(page)
                 if len(page) < EVENT_PAGE:
                     del after[job_id]
@@ -236,12 +314,14 @@ class WorkerQueue:
                     after[job_id] = "(" + page[-1][0]
         return events
 
-    def publish(self, updates: list[Update], watch: list[tuple[str, str]]) -> tuple[list, list[str]]:
+    def publish(
+        self, updates: list[Update], watch: list[tuple[str, str]],
+    ) -> tuple[list[PublishReply | Exception], list[Watched | Exception]]:
         """Every job's update (events, final result) in one pipeline, and a look at the cancel flag
         and run of each running job in `watch` (job id, run) that has no update. Returns each
-        update's outcome (PUBLISH's reply, or the error its job's keys gave) and each watched
-        job's: 'lost', 'cancel' or 'ok'. Raises on a transient error: nothing is acknowledged
-        unless its result is in Redis."""
+        update's reply and each watched job's state, or in its place the error its job's keys gave
+        (a transient one too: the caller keeps that update for later and backs off). A lost group
+        cannot occur here: these are a job's keys."""
 
         def add(pipe):
             for u in updates:
@@ -249,39 +329,40 @@ class WorkerQueue:
             for job_id, _ in watch:
                 pipe.hmget(self.keys.job(job_id), "cancel", "run")
 
-        replies = raise_transient(scripts.execute(self.redis, add, raise_on_error=False))
-        watched = []
-        for (_, run), reply in zip(watch, replies[len(updates):]):
-            if isinstance(reply, Exception):
-                raise reply
-            cancel, current = reply
-            watched.append("lost" if current != run else "cancel" if cancel == "1" else "ok")
-        return replies[: len(updates)], watched
+        replies = scripts.execute(self.redis, add, raise_on_error=False)
+        published = [_parsed(parse_publish, r) for r in replies[: len(updates)]]
+        watched = [_parsed(lambda r, run=run: parse_watch(r, run), r) for (_, run), r in zip(watch, replies[len(updates):])]
+        return published, watched
 
     def heartbeat(self, fields: dict[str, str | int | float], ttl_s: float, held: list[str]) -> tuple[int, list[str]]:
-        """Refresh this worker's heartbeat hash and index entry, and the idle time of the entries
-        it holds (REFRESH). Returns the queue depth and the held entries it has lost."""
+        """Refresh this worker's heartbeat hash, its place in the worker and queue indexes, the
+        idle time of the entries it holds (REFRESH), and the Redis clock. Returns the queue depth
+        and the held entries it has lost."""
         key = self.keys.worker(self.worker)
         index = self.keys.workers(self.queue)
-        now = time.time()
+        now = self.clock.now()
 
         def add(pipe):
-            pipe.hset(key, mapping=fields)
+            pipe.time()
+            pipe.hset(key, mapping={**fields, "updated_at": now})
             pipe.pexpire(key, int(ttl_s * 1000))
             pipe.zadd(index, {self.worker: now})
             pipe.zremrangebyscore(index, "-inf", now - WORKER_INDEX_RETENTION_S)
             pipe.zadd(self.keys.queues(), {self.queue: now})
+            pipe.zremrangebyscore(self.keys.queues(), "-inf", now - WORKER_INDEX_RETENTION_S)
             pipe.xlen(self.stream)
             if held:
                 pipe.evalsha(REFRESH.sha, 1, self.stream, GROUP, self.worker, *held)
 
-        replies = scripts.execute(self.redis, add)
-        return replies[5], replies[6] if held else []
+        sent_at = self.clock.local()
+        replies = self._send(add)
+        self.clock.measured(sent_at, replies[0], self.clock.local())
+        return replies[7], replies[8] if held else []
 
     def release(self, entry_ids: list[str], idle_ms: int) -> int:
         """Hand unfinished entries over to other workers (RELEASE); returns how many were ours."""
         args = (GROUP, self.worker, idle_ms, *entry_ids)
-        return scripts.execute(self.redis, lambda pipe: pipe.evalsha(RELEASE.sha, 1, self.stream, *args))[0]
+        return self._send(lambda pipe: pipe.evalsha(RELEASE.sha, 1, self.stream, *args))[0]
 
     def leave(self) -> None:
         """Remove this worker's heartbeat: it no longer counts as live."""
@@ -289,6 +370,16 @@ class WorkerQueue:
         pipe.delete(self.keys.worker(self.worker))
         pipe.zrem(self.keys.workers(self.queue), self.worker)
         pipe.execute()
+
+
+def _parsed(parse: Callable, reply: object):
+    """`parse(reply)`, or the error in its place: Redis's own, or UnknownReply."""
+    if isinstance(reply, Exception):
+        return reply
+    try:
+        return parse(reply)
+    except UnknownReply as e:
+        return e
 
 
 class RedisLink:
@@ -312,12 +403,17 @@ class RedisLink:
         """Up, or down and due for another try."""
         return self.down_since is None or time.monotonic() >= self.retry_at
 
-    def failed(self, error: Exception) -> None:
+    def failed(self, error: Exception, quiet: bool = False) -> None:
+        """Redis failed us: wait before the next try. The first failure of an outage is logged
+        unless `quiet` (the caller has said it its own way)."""
         now = time.monotonic()
         if self.down_since is None:
             self.down_since = now
             self.delay = self.BACKOFF_START_S
-            log.warning("Redis unreachable (%s: %s): retrying with backoff; running jobs go on", type(error).__name__, error)
+            if not quiet:
+                log.warning(
+                    "Redis unavailable (%s: %s): retrying with backoff; running jobs go on", type(error).__name__, error,
+                )
         else:
             self.delay = min(self.delay * 2, self.max_s)
             log.debug("Redis still unreachable: %s", error)

@@ -7,10 +7,17 @@ after its final result is in Redis: at-least-once delivery. Each claim starts a 
 job whose token fences off every earlier run, so a job's events and its one result come from
 one run at a time; a reclaimed job continues from the tokens its event stream recorded.
 
-Two kinds of trouble stay inside the loop. Redis unreachable: the engine keeps stepping, what
-Redis has not seen waits in the outbox (generation pauses once it holds max_buffered_tokens),
-and the loop tries again with backoff. An engine step that raises: its jobs leave the engine and
-come back one per step, so the job that makes a step fail is found and fails alone.
+Three kinds of trouble stay inside the loop. Redis unavailable (unreachable, loading, out of
+memory, read-only during a failover): the engine keeps stepping, what Redis has not seen waits in
+the outbox (generation pauses once it holds max_buffered_tokens), and the loop tries again with
+backoff. Redis having lost the queue's consumer group (it restarted empty, or was flushed): the
+loop creates the group again and adopts the jobs it holds, which run on to their results. An
+engine step that raises: its jobs leave the engine and come back one per step, so the job that
+makes a step fail is found and fails alone. Only errors no retry can mend (wrong credentials, an
+ACL that forbids a command) stop the worker.
+
+Every time the worker writes or compares (deadlines, timings, heartbeats) is on Redis's clock
+(RedisClock): producers, workers and Redis need not agree on the time.
 """
 from __future__ import annotations
 
@@ -34,7 +41,10 @@ from worker.jobs import (
     Delivery, Job, Poison, entry_time, expired_result, failed_result, parse_request, printable, prompt_token_ids,
 )
 from worker.metrics import WorkerMetrics
-from worker.queue import DeadLetter, Outbox, RedisLink, Update, WorkerQueue, is_transient
+from worker.queue import (
+    DeadLetter, GroupLost, Outbox, RedisClock, RedisLink, Update, WorkerQueue, is_transient,
+)
+from worker.replies import Adopted, ClaimOutcome, Published, PublishReply, UnknownReply, Watched
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -75,14 +85,18 @@ class EngineAPI(Protocol):
 class Worker:
     def __init__(
         self, engine: EngineAPI, client: redis.Redis, settings: WorkerSettings, metrics: WorkerMetrics,
-        name: str, device: str = "cpu", metrics_port: int | None = None,
+        name: str, device: str = "cpu", metrics_port: int | None = None, clock: RedisClock | None = None,
     ):
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
         self.name = name
-        self.queue = WorkerQueue(client, Keys(settings.prefix), settings.queue, name, settings.result_ttl_s)
+        self.clock = clock or RedisClock()
+        self.queue = WorkerQueue(client, Keys(settings.prefix), settings.queue, name, settings.result_ttl_s, self.clock)
         self.link = RedisLink(settings.redis_backoff_max_s)
+        # The consumer group must be created before the next read: at start, and whenever Redis
+        # has lost it (then the jobs held here are adopted too).
+        self.group_missing = True
         self.jobs: dict[str, Job] = {}  # claimed and in the engine
         self.suspects: deque[Job] = deque()  # claimed, out of the engine after a failed step
         self.probe: Job | None = None  # the suspect re-added last: cleared once it produces output
@@ -108,7 +122,6 @@ class Worker:
     # -- lifecycle -------------------------------------------------------------------------
 
     def serve(self) -> None:
-        self.queue.ensure_group()
         log.info("serving queue %r as %s (%d KV pages)", self.settings.queue, self.name, self.total_pages)
         try:
             while self._should_run():
@@ -142,13 +155,11 @@ class Worker:
         """The end of a drain: publish what Redis has not seen, acknowledge, and hand the entries
         of unfinished jobs over to other workers, which resume them from their recorded tokens."""
         try:
-            if self.outbox:
-                self._publish()
-            self._flush_acks()
-            held = list(self._held())
-            if held:
-                released = self.queue.release(held, HANDED_OVER_IDLE_MS)
-                log.info("handed %d unfinished jobs over to other workers", released)
+            try:
+                self._publish_and_give_back()
+            except GroupLost:
+                self._restore_group()  # every job held here is detached now: give them back anew
+                self._publish_and_give_back()
         except redis.RedisError as e:
             if not is_transient(e):
                 raise
@@ -156,6 +167,23 @@ class Worker:
                 "Redis unreachable at the end (%s): %d unfinished jobs wait claim_idle_ms to be reclaimed, and "
                 "%d tokens not yet published will be generated again", e, len(self._held()), self.outbox.buffered_tokens(),
             )
+
+    def _publish_and_give_back(self) -> None:
+        if self.outbox:
+            self._publish()
+        self._flush_acks()
+        self._give_back_unfinished()
+
+    def _give_back_unfinished(self) -> None:
+        """Held entries become claimable at once (RELEASE); detached jobs, which have no entry,
+        go back to the queue as new entries (REQUEUE)."""
+        held = list(self._held())
+        if held:
+            released = self.queue.release(held, HANDED_OVER_IDLE_MS)
+            log.info("handed %d unfinished jobs over to other workers", released)
+        for job in self._detached():
+            if self.queue.requeue(job):
+                log.info("job %s: detached from its lost entry, enqueued anew for another worker", job.id)
 
     # -- one iteration -----------------------------------------------------------------------
 
@@ -169,12 +197,16 @@ class Worker:
             self.link.wait(self.settings.block_ms / 1000)
 
     def _exchange(self, talk: Callable[[], None]) -> None:
-        """Run one exchange with Redis. A transient failure (connection lost, Redis loading or
-        out of memory) marks the link down: everything sent is safe to send again, and what was
-        not acknowledged stays in the outbox, the ack list or the pending list."""
+        """Run one exchange with Redis. A transient failure (connection lost, Redis loading, out
+        of memory or read-only) marks the link down: everything sent is safe to send again, and
+        what was not acknowledged stays in the outbox, the ack list or the pending list. A lost
+        consumer group is created again before the next read, and the jobs held here adopted."""
         buffered = 0 if self.link.up else self.outbox.buffered_tokens()
         try:
             talk()
+        except GroupLost as e:
+            log.warning("Redis has lost the consumer group of queue %r (%s): creating it again", self.settings.queue, e)
+            self.group_missing = True
         except redis.RedisError as e:
             if not is_transient(e):
                 raise
@@ -188,6 +220,8 @@ class Worker:
             self.next_reclaim = time.monotonic() + self.settings.claim_idle_ms / 1000
 
     def _receive(self) -> None:
+        if self.group_missing:
+            self._restore_group()
         self._heartbeat_if_due()
         room = self._admittable()
         reclaimed = self._reclaim(room)
@@ -213,6 +247,63 @@ class Worker:
         self.queue.read(0, None, self.acks, self.dead_letters)
         self.acks, self.dead_letters = [], []
 
+    # -- a lost consumer group ------------------------------------------------------------------
+
+    def _restore_group(self) -> None:
+        """Create the consumer group; if Redis lost it while this worker held jobs, their entries
+        went with it: adopt each job (ADOPT) and run it on, detached from any entry. Nothing else
+        can take such a job over, and its result reaches its producer as any other."""
+        self.queue.ensure_group()
+        holdings = self._holdings()
+        if holdings:
+            outcomes = self.queue.adopt(list(holdings.items()))
+            for (job_id, run), outcome in zip(holdings.items(), outcomes):
+                if outcome in (Adopted.ADOPTED, Adopted.RECREATED):
+                    self._detach(job_id)
+                    if outcome is Adopted.RECREATED:
+                        self._republish_whole(job_id, run)
+                else:
+                    log.warning("job %s: not adopted after the group was lost (%s); this run stops", job_id, outcome)
+                    self._drop(job_id)
+            log.warning("%d jobs held here run on, detached from their lost entries", len(holdings))
+        self.group_missing = False
+        self.next_heartbeat = 0.0  # the heartbeat and the worker index may be gone as well
+
+    def _holdings(self) -> dict[str, str]:
+        """{job id: run token} of every job this worker holds."""
+        held = {u.job_id: u.run for u in self.outbox.updates.values()}
+        for job in [*self.jobs.values(), *self.suspects]:
+            held.setdefault(job.id, job.run)
+        return held
+
+    def _republish_whole(self, job_id: str, run: str) -> None:
+        """Redis lost the job's events with its hash: the next publication carries a start event
+        and the whole output so far (with the final result, if it has one), so that the event
+        stream is complete again for any reader, or any run that resumes the job from it."""
+        old = self.outbox.updates.get(job_id)
+        final = old.final if old is not None else None
+        job = next((j for j in [*self.jobs.values(), *self.suspects] if j.id == job_id), None)
+        if job is not None:
+            ids, text, logprobs, started_at = job.token_ids, "".join(job.text), job.logprobs, job.started_at
+        else:  # it ended while Redis had it still: its result holds the whole output
+            ids, text, logprobs, started_at = final.token_ids, final.text, final.logprobs, final.timings.started_at
+        update = Update(job_id, None, run, 0, start=start_event(self.name, started_at, 0), final=final)
+        if ids or text:
+            update.add_tokens(list(ids), text, logprobs)
+        self.outbox.add(update)
+
+    def _detach(self, job_id: str) -> None:
+        for job in [self.jobs.get(job_id), *(j for j in self.suspects if j.id == job_id)]:
+            if job is not None:
+                job.entry_id = None
+        update = self.outbox.updates.get(job_id)
+        if update is not None:
+            update.entry_id = None
+            update.dead_letter = None  # no entry left to move
+
+    def _detached(self) -> list[Job]:
+        return [job for job in [*self.jobs.values(), *self.suspects] if job.entry_id is None]
+
     # -- reclaim --------------------------------------------------------------------------------
 
     def _reclaim(self, room: int) -> list[Delivery]:
@@ -234,30 +325,34 @@ class Worker:
     def _admit(self, deliveries: list[Delivery]) -> None:
         if not deliveries:
             return
-        now = time.time()
+        now = self.clock.now()
         runs = [f"{self.instance}:{next(self.claims)}" for _ in deliveries]
         prepared = [self._job_from_entry(d, run, now) for d, run in zip(deliveries, runs)]
         resumed: list[Job] = []
         claims = self.queue.claim([(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)])
-        for d, run, job, claimed in zip(deliveries, runs, prepared, claims):
-            if claimed.outcome == "claimed" and (d.job_id in self.jobs or any(j.id == d.job_id for j in self.suspects)):
+        for d, run, job, claim in zip(deliveries, runs, prepared, claims):
+            if isinstance(claim, Exception):
+                log.error("job %s: Redis refused its claim (%s); dead-lettering entry %s", d.job_id, claim, d.entry_id)
+                self.dead_letters.append(DeadLetter(d.entry_id, d.fields, f"claim refused: {claim}", d.deliveries))
+                continue
+            if claim.outcome is ClaimOutcome.CLAIMED and (d.job_id in self.jobs or any(j.id == d.job_id for j in self.suspects)):
                 self._drop(d.job_id)  # its own entry, reclaimed after a stall: the claim fenced the old run
-            if claimed.outcome in ("final", "duplicate"):
-                log.info("dropping entry %s of job %s: %s", d.entry_id, d.job_id, claimed.outcome)
+            if claim.outcome is not ClaimOutcome.CLAIMED:
+                log.info("dropping entry %s of job %s: %s", d.entry_id, d.job_id, claim.outcome.value)
                 self.acks.append(d.entry_id)
-            elif claimed.outcome == "error":
-                log.error("job %s: Redis refused its claim (%s); dead-lettering entry %s", d.job_id, claimed.error, d.entry_id)
-                self.dead_letters.append(DeadLetter(d.entry_id, d.fields, f"claim refused: {claimed.error}", d.deliveries))
             elif d.deliveries > self.settings.max_deliveries:
-                self._dead_letter_poison(d, run, claimed.recorded_tokens)
+                self._dead_letter_poison(d, run, claim.recorded_tokens)
             elif isinstance(job, MiliError):
                 log.info("job %s failed before it started: %s: %s", d.job_id, job.code, job.message)
-                final = failed_result(d.job_id, d.entry_id, job, self.name)
-                self.outbox.add(Update(d.job_id, d.entry_id, run, claimed.recorded_tokens, final=final))
-            elif claimed.recorded_tokens:
-                resumed.append(job)
+                final = failed_result(d.job_id, d.entry_id, job, self.name, now)
+                self.outbox.add(Update(d.job_id, d.entry_id, run, claim.recorded_tokens, final=final))
             else:
-                self._start_unless_expired(job)
+                if claim.deadline is not None:
+                    job.deadline = claim.deadline
+                if claim.recorded_tokens:
+                    resumed.append(job)
+                else:
+                    self._start_unless_expired(job)
         if resumed:
             events = self.queue.recorded_events([job.id for job in resumed])
             for job in resumed:
@@ -281,7 +376,7 @@ class Worker:
         )
         log.warning("job %s: %s; moving entry %s to the dead-letter stream", d.job_id, error.message, d.entry_id)
         letter = DeadLetter(d.entry_id, d.fields, error.message, d.deliveries)
-        final = failed_result(d.job_id, d.entry_id, error, self.name)
+        final = failed_result(d.job_id, d.entry_id, error, self.name, self.clock.now())
         self.outbox.add(Update(d.job_id, d.entry_id, run, recorded_tokens, final=final, dead_letter=letter))
 
     def _resume(self, job: Job, events: list[tuple[str, dict[str, str]]]) -> None:
@@ -289,23 +384,24 @@ class Worker:
             job.resume(events)
         except Exception as e:  # events this worker cannot read: fail the job, not the worker
             log.exception("job %s: its recorded events cannot be read", job.id)
-            self._end_unstarted(job, job.result("failed", "error", job.usage(), self.name, error_info(InternalError(
-                f"its recorded events cannot be read: {type(e).__name__}: {e}"))))
+            self._end_unstarted(job, job.result("failed", "error", job.usage(), self.name, self.clock.now(), error_info(
+                InternalError(f"its recorded events cannot be read: {type(e).__name__}: {e}"))))
             return
         log.info("job %s: resuming after %d recorded tokens", job.id, job.resumed_tokens)
         self._start_unless_expired(job)
 
     def _start_unless_expired(self, job: Job) -> None:
-        if job.deadline is not None and time.time() > job.deadline:
+        now = self.clock.now()
+        if job.deadline is not None and now > job.deadline:
             # Never started: expired. Started by an earlier run: it ends now, with what it made.
-            final = job.result("done", "timeout", job.usage(), self.name) if job.token_ids else expired_result(
-                job.id, job.entry_id, self.name
+            final = job.result("done", "timeout", job.usage(), self.name, now) if job.token_ids else expired_result(
+                job.id, job.entry_id, self.name, now
             )
             self._end_unstarted(job, final)
             return
         update = self.outbox.for_job(job)
         if self._add_to_engine(job, update):
-            update.start = json.dumps({"worker": self.name, "started_at": time.time(), "resumed_tokens": job.resumed_tokens})
+            update.start = start_event(self.name, now, job.resumed_tokens)
 
     def _end_unstarted(self, job: Job, final: JobResult) -> None:
         self.outbox.for_job(job).final = final
@@ -326,7 +422,7 @@ class Worker:
                 log.exception("job %s: the engine's add_request raised", job.id)
                 e = InternalError(f"{type(e).__name__}: {e}")
             log.info("job %s rejected by the engine: %s: %s", job.id, e.code, e.message)
-            update.final = job.result("failed", "error", job.usage(), self.name, error_info(e))
+            update.final = job.result("failed", "error", job.usage(), self.name, self.clock.now(), error_info(e))
             return False
         self.jobs[job.id] = job
         return True
@@ -350,7 +446,7 @@ class Worker:
         return True
 
     def _stop_overdue(self) -> None:
-        now = time.time()
+        now = self.clock.now()
         for job in list(self.jobs.values()):
             if job.stop_reason is None and job.deadline is not None and now > job.deadline:
                 self._stop(job, "timeout")
@@ -392,7 +488,8 @@ class Worker:
             self._abort(job)
             if job is culprit:
                 log.warning("job %s fails: an engine step failed with it: %s", job.id, error.message)
-                self.outbox.for_job(job).final = job.result("failed", "error", job.usage(), self.name, error_info(error))
+                final = job.result("failed", "error", job.usage(), self.name, self.clock.now(), error_info(error))
+                self.outbox.for_job(job).final = final
             else:
                 self.suspects.append(job)
         if self.suspects:
@@ -402,14 +499,15 @@ class Worker:
         if self.probe is not None or not self.suspects:
             return
         job = self.suspects.popleft()
-        if job.deadline is not None and time.time() > job.deadline:
-            self._end_unstarted(job, job.result("done", "timeout", job.usage(), self.name))
+        now = self.clock.now()
+        if job.deadline is not None and now > job.deadline:
+            self._end_unstarted(job, job.result("done", "timeout", job.usage(), self.name, now))
             return
         if self._add_to_engine(job, self.outbox.for_job(job)):
             self.probe = job
 
     def _collect(self, outputs: list) -> None:
-        now = time.time()
+        now = self.clock.now()
         for out in outputs:
             job = self.jobs.get(out.request_id.rpartition("#")[0])
             if job is None or out.request_id != job.engine_id:
@@ -421,7 +519,7 @@ class Worker:
                 self._record_delta(job, update, out, now)
             if out.finished:
                 del self.jobs[job.id]
-                update.final = self._final_result(job, out)
+                update.final = self._final_result(job, out, now)
 
     def _record_delta(self, job: Job, update: Update, out, now: float) -> None:
         if job.first_token_at is None and out.new_token_ids:
@@ -435,7 +533,7 @@ class Worker:
         job.text.append(out.text_delta)
         self.metrics.generation_tokens.inc(len(out.new_token_ids))
 
-    def _final_result(self, job: Job, out) -> JobResult:
+    def _final_result(self, job: Job, out, now: float) -> JobResult:
         u = out.usage
         usage = Usage(
             prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
@@ -443,12 +541,12 @@ class Worker:
         )
         if out.finish_reason == "abort":
             if job.stop_reason == "timeout":
-                return job.result("done", "timeout", usage, self.name)
-            return job.result("cancelled", "abort", usage, self.name)
+                return job.result("done", "timeout", usage, self.name, now)
+            return job.result("cancelled", "abort", usage, self.name, now)
         if out.error is not None:
             error = ErrorInfo(code=out.error.code, message=out.error.message)
-            return job.result("failed", "error", usage, self.name, error)
-        return job.result("done", out.finish_reason, usage, self.name)
+            return job.result("failed", "error", usage, self.name, now, error)
+        return job.result("done", out.finish_reason, usage, self.name, now)
 
     # -- publish --------------------------------------------------------------------------------
 
@@ -460,42 +558,85 @@ class Worker:
         ]
         if not (updates or watch):
             return
-        outcomes, watched = self.queue.publish(updates, watch)
-        for update, outcome in zip(updates, outcomes):
-            self.outbox.discard(update.job_id)
-            self._settle(update, outcome)
-        for (job_id, _), outcome in zip(watch, watched):
-            self._react(job_id, outcome)
+        published, watched = self.queue.publish(updates, watch)
+        refused: Exception | None = None  # a transient refusal: those updates stay, the link backs off
+        gone: list[str] = []  # jobs whose hash Redis no longer has
+        for update, reply in zip(updates, published):
+            if isinstance(reply, Exception) and is_transient(reply):
+                refused = refused or reply
+            elif isinstance(reply, PublishReply) and reply.outcome is Published.GONE:
+                gone.append(update.job_id)
+            else:
+                self.outbox.discard(update.job_id)
+                self._settle(update, reply)
+        for (job_id, _), state in zip(watch, watched):
+            if isinstance(state, Exception) and is_transient(state):
+                refused = refused or state
+            elif state is Watched.GONE:
+                gone.append(job_id)
+            else:
+                self._react(job_id, state)
+        if refused is not None:
+            raise refused
+        if gone:
+            self._account_for_gone(gone)
 
-    def _settle(self, update: Update, outcome: str | Exception) -> None:
-        if isinstance(outcome, Exception):
+    def _account_for_gone(self, job_ids: list[str]) -> None:
+        """Jobs whose hash Redis no longer has. If the queue's group is gone too, Redis lost its
+        data: the jobs (their updates kept) are adopted before the next read. Otherwise their keys
+        were deleted by hand, and they stop here."""
+        if not self.queue.group_exists():
+            raise GroupLost(f"the hashes of {len(job_ids)} running jobs and the group are gone")
+        for job_id in job_ids:
+            log.warning("job %s: its keys were deleted while it ran; this run stops", job_id)
+            self._drop(job_id)
+
+    def _settle(self, update: Update, reply: PublishReply | Exception) -> None:
+        if isinstance(reply, UnknownReply):
+            self._fail_on_unknown_reply(update, reply)
+        elif isinstance(reply, Exception):
             # The job's keys refused PUBLISH (a key of the wrong type): its entry stays pending,
             # and the claim that follows a reclaim dead-letters it with the reason.
-            log.error("job %s: Redis refused its update: %s", update.job_id, outcome)
+            log.error("job %s: Redis refused its update: %s", update.job_id, reply)
             self._drop(update.job_id)
-        elif outcome.startswith("partial:") and update.skip_recorded(int(outcome.split(":", 1)[1])):
+        elif reply.outcome is Published.PARTIAL and update.skip_recorded(reply.recorded):
             self.outbox.add(update)  # the rest goes with the next publication
-        elif outcome == "lost" or outcome.startswith("partial:"):
+        elif reply.outcome in (Published.LOST, Published.PARTIAL):
             log.warning("job %s: another worker has taken it over; this run stops", update.job_id)
             self._drop(update.job_id)
-        elif outcome in ("written", "ended"):
+        elif reply.outcome in (Published.WRITTEN, Published.ENDED):
             self._drop(update.job_id)  # ended elsewhere while it ran here: a result exists
             if update.dead_letter is not None:
                 self.dead_letters.append(update.dead_letter)
-            else:
+            elif update.entry_id is not None:
                 self.acks.append(update.entry_id)
-            if outcome == "written" and update.final is not None:
+            if reply.outcome is Published.WRITTEN and update.final is not None:
                 self._count_end(update)
-        elif outcome == "cancel":
-            self._react(update.job_id, "cancel")
+        elif reply.outcome is Published.CANCEL:
+            self._react(update.job_id, Watched.CANCEL)
 
-    def _react(self, job_id: str, outcome: str) -> None:
-        if outcome == "lost":
-            log.warning("job %s: another worker has taken it over; this run stops", job_id)
+    def _fail_on_unknown_reply(self, update: Update, error: UnknownReply) -> None:
+        """The job fails with internal_error, its tokens kept for the result; if even its final
+        update gets an answer PUBLISH does not give, the job is dropped, its entry left pending."""
+        log.error("job %s: %s", update.job_id, error)
+        job = self.jobs.pop(update.job_id, None)
+        if update.final is not None or job is None:
+            self._drop(update.job_id)
+            return
+        self._abort(job)
+        update.final = job.result(
+            "failed", "error", job.usage(), self.name, self.clock.now(), error_info(InternalError(str(error)))
+        )
+        self.outbox.add(update)
+
+    def _react(self, job_id: str, state: Watched | Exception) -> None:
+        if isinstance(state, Exception) or state is Watched.LOST:
+            reason = f"its keys refused a read: {state}" if isinstance(state, Exception) else "another worker has taken it over"
+            log.warning("job %s: %s; this run stops", job_id, reason)
             self._drop(job_id)
             return
         job = self.jobs.get(job_id)
-        if outcome == "cancel" and job is not None and job.stop_reason is None:
+        if state is Watched.CANCEL and job is not None and job.stop_reason is None:
             log.info("job %s cancelled while running", job_id)
             self._stop(job, "cancel")
 
@@ -519,9 +660,10 @@ class Worker:
 
     def _held(self) -> dict[str, str]:
         """{entry id: job id} of the entries this worker holds: jobs in the engine, suspects, and
-        updates not yet published (a job that ended while Redis was away is still pending)."""
-        held = {u.entry_id: u.job_id for u in self.outbox.updates.values()}
-        held.update((job.entry_id, job.id) for job in [*self.jobs.values(), *self.suspects])
+        updates not yet published (a job that ended while Redis was away is still pending).
+        Detached jobs have none."""
+        held = {u.entry_id: u.job_id for u in self.outbox.updates.values() if u.entry_id is not None}
+        held.update((job.entry_id, job.id) for job in [*self.jobs.values(), *self.suspects] if job.entry_id is not None)
         return held
 
     def _heartbeat_if_due(self) -> None:
@@ -534,7 +676,7 @@ class Worker:
             **self.identity,
             "state": "serving" if self.drain_deadline is None else "draining",
             "running": len(self.jobs) + len(self.suspects), "free_slots": cap.free_slots, "free_pages": cap.free_pages,
-            "total_pages": self.total_pages, "page_size": cap.page_size, "updated_at": time.time(),
+            "total_pages": self.total_pages, "page_size": cap.page_size,
         }
         held = self._held()
         depth, lost = self.queue.heartbeat(fields, self.settings.heartbeat_ttl_s, list(held))
@@ -549,6 +691,11 @@ class Worker:
         m.kv_cache_usage.set(1 - cap.free_pages / self.total_pages if self.total_pages else 0.0)
         stats = self.engine.stats()
         m.engine_totals(stats.cache_queried_tokens, stats.cache_hit_tokens, stats.preemptions)
+
+
+def start_event(worker: str, started_at: float, resumed_tokens: int) -> str:
+    """A run's `start` event: who runs the job, since when, after how many recorded tokens."""
+    return json.dumps({"worker": worker, "started_at": started_at, "resumed_tokens": resumed_tokens})
 
 
 def error_info(error: MiliError) -> ErrorInfo:

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 from worker.echo_engine import EchoEngine
 from worker.metrics import WorkerMetrics
-from worker.queue import connect
+from worker.queue import RedisClock, connect
 from worker.service import Worker
 from worker.settings import WorkerSettings
 
@@ -42,7 +42,7 @@ class ThreadedWorker(Worker):
 @contextmanager
 def serving(
     url: str, queue: str, step_s: float = 0.0, fail_on_step: int | None = None, engine_class=SlowEchoEngine,
-    name: str | None = None, **overrides,
+    name: str | None = None, clock: RedisClock | None = None, **overrides,
 ):
     engine_overrides = overrides.pop("engine", {})
     settings = WorkerSettings.load(
@@ -51,7 +51,7 @@ def serving(
     )
     engine = engine_class(settings.engine, step_s, fail_on_step)
     client = connect(url)
-    worker = ThreadedWorker(engine, client, settings, WorkerMetrics(), settings.name).start()
+    worker = ThreadedWorker(engine, client, settings, WorkerMetrics(), settings.name, clock=clock).start()
     try:
         yield worker
     finally:

@@ -1,0 +1,88 @@
+"""How a worker process starts when something is wrong, run for real: a Redis that is not there
+yet is waited for (one line, then it serves); wrong credentials and a taken metrics port stop it
+at once with one line, before any model loads; no password ever reaches the output."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from producer_client import Client
+from tests.redis_support import REPO, RestartableRedis, eventually, free_port
+from worker.embedded_redis import EmbeddedRedis
+
+SECRET = "s3cret-Pa55"
+
+
+def worker_command(url: str, *flags: str, model: str = "echo") -> list[str]:
+    return [
+        sys.executable, "-m", "worker", "serve", "--model", model, "--redis", url, "--queue", "start",
+        "--name", "start-w", "--metrics-host", "127.0.0.1", "--heartbeat-interval-s", "0.1", *flags,
+    ]
+
+
+def run_to_exit(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_a_worker_waits_for_a_redis_that_is_not_there_yet_then_serves(tmp_path):
+    server = RestartableRedis(tmp_path)  # its port is chosen; nothing listens on it yet
+    process = subprocess.Popen(
+        worker_command(server.url, "--metrics-port", "0", "--redis-backoff-max-s", "0.2"),
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        time.sleep(2.0)  # several backoff waits
+        assert process.poll() is None
+        server.start()
+        with Client(server.url, "start") as client:
+            assert client.generate("here", max_tokens=4, timeout=30).text == "here"
+    finally:
+        process.terminate()
+        output, _ = process.communicate(timeout=30)
+        server.stop()
+    assert process.returncode == 0, output
+    assert "Traceback" not in output
+    waiting = [line for line in output.splitlines() if "does not answer" in line]
+    assert len(waiting) == 1, output
+    assert "answers after" in output
+
+
+def test_wrong_credentials_stop_the_worker_at_once_with_one_line_and_no_password(tmp_path):
+    with EmbeddedRedis(port=free_port()) as server:
+        admin = Client(server.url, "start").redis
+        admin.config_set("requirepass", SECRET)
+        url = server.url.replace("redis://", f"redis://default:{SECRET}x@")
+        done = run_to_exit(worker_command(url, "--metrics-port", "0"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error: redis_refused: Redis at redis://default:***@")
+    assert "Traceback" not in done.stderr and SECRET not in done.stderr + done.stdout
+
+
+def test_a_taken_metrics_port_stops_the_worker_before_its_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_to_exit(worker_command("embedded", "--metrics-port", str(port), model="tiny"))
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: metrics_port_taken:") and "--metrics-port" in last
+    assert "warmed up" not in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", [
+    ["-m", "producer_client.cli", "--redis", "{url}", "stats"],
+    ["-m", "worker", "healthcheck", "--name", "nobody", "--redis", "{url}"],
+], ids=["mili", "healthcheck"])
+def test_no_password_reaches_the_output_of_a_failing_command(command):
+    url = f"redis://mili:{SECRET}@127.0.0.1:{free_port()}/0"  # nothing listens there
+    done = subprocess.run(
+        [sys.executable, *(arg.format(url=url) for arg in command)], cwd=REPO, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert SECRET not in done.stderr + done.stdout

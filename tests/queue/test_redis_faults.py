@@ -1,0 +1,217 @@
+"""The queue loop through Redis's real failure modes, in this process on the echo engine against
+a real redis-server of the test's own: memory full, a read-only replica, the consumer group lost
+(a flush, a restart without persistence), scripts flushed, connections killed. The worker stays
+up, keeps its jobs and loses no token; and the unit rules behind that: which errors are
+transient, how script replies are typed."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+import redis.exceptions as rex
+
+from producer_client.keys import GROUP, Keys
+from tests.queue.support import SlowEchoEngine, outcome_count, serving
+from tests.redis_support import (
+    assert_one_final_result, eventually, events, free_port, make_client, runs, tokens_published,
+)
+from worker import queue as worker_queue
+from worker.queue import GroupLost, RedisClock, is_transient
+from worker.replies import Published, UnknownReply, parse_claim, parse_publish
+
+KEYS = Keys()
+
+
+def alphabet(n: int, offset: int = 0) -> str:
+    """A prompt whose every position shows: a token out of place changes the echo."""
+    return "".join(chr(97 + (i + offset) % 26) for i in range(n))
+
+
+@pytest.mark.parametrize("error", [
+    redis.ConnectionError("Connection closed by server."),
+    redis.TimeoutError("Timeout reading from socket"),
+    rex.BusyLoadingError("Redis is loading the dataset in memory"),
+    rex.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),  # redis-py strips "OOM"
+    rex.ReadOnlyError("You can't write against a read only replica."),  # and "READONLY"
+    rex.TryAgainError("Multiple keys request during rehashing of slot"),
+    rex.ClusterDownError("The cluster is down"),
+    rex.MasterDownError("Link with MASTER is down and replica-serve-stale-data is set to 'no'."),
+    redis.ResponseError("BUSY Redis is busy running a script."),
+    redis.ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's unable to persist"),
+    redis.ResponseError("UNBLOCKED force unblock from blocking operation, instance state changed"),
+], ids=lambda e: type(e).__name__ + ":" + str(e)[:12])
+def test_redis_refusing_for_now_is_transient(error):
+    assert is_transient(error)
+
+
+@pytest.mark.parametrize("error", [
+    redis.AuthenticationError("invalid username-password pair or user is disabled."),
+    rex.AuthorizationError("NOAUTH"),
+    rex.NoPermissionError("this user has no permissions to run the 'xadd' command"),
+    redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"),
+    GroupLost("NOGROUP No such key"),
+], ids=lambda e: type(e).__name__)
+def test_errors_no_retry_mends_are_not_transient(error):
+    assert not is_transient(error)
+
+
+def test_script_replies_parse_into_their_outcomes_and_anything_else_is_unknown():
+    assert parse_publish("partial:7").recorded == 7 and parse_publish("written").outcome is Published.WRITTEN
+    claim = parse_claim(["claimed", 3, "1700000000123"])
+    assert (claim.recorded_tokens, claim.deadline) == (3, 1700000000.123)
+    for bad_publish in ("OK", "partial:x", "partial:-1", None, 1):
+        with pytest.raises(UnknownReply):
+            parse_publish(bad_publish)
+    for bad_claim in (["claimed"], ["taken", 1], [], "claimed", ["claimed", "many"]):
+        with pytest.raises(UnknownReply):
+            parse_claim(bad_claim)
+
+
+@pytest.fixture
+def admin(restartable_redis, redis_client_of):
+    return redis_client_of(restartable_redis)
+
+
+def running_job(client, prompt: str) -> str:
+    job_id = client.submit(prompt, max_tokens=len(prompt))
+    next(iter(client.stream(job_id, timeout=10)))
+    return job_id
+
+
+def assert_whole_output_once(admin, client, job_id: str, prompt: str) -> None:
+    result = client.result(job_id, timeout=30)
+    assert (result.status, result.text) == ("done", prompt)
+    assert tokens_published(admin, job_id) == list(prompt.encode())
+    assert_one_final_result(admin, job_id)
+
+
+def test_memory_full_pauses_publication_and_loses_nothing(restartable_redis, admin, queue):
+    prompt = alphabet(300)
+    with make_client("sync", restartable_redis.url, queue) as client, \
+            serving(restartable_redis.url, queue, step_s=0.01) as worker:
+        job_id = running_job(client, prompt)
+        admin.config_set("maxmemory", 1)  # every write refused (noeviction), as with memory full
+        time.sleep(1.0)
+        refused_at = len(tokens_published(admin, job_id))
+        time.sleep(0.3)
+        assert len(tokens_published(admin, job_id)) == refused_at  # nothing got in meanwhile
+        admin.config_set("maxmemory", 0)
+        assert_whole_output_once(admin, client, job_id, prompt)
+        assert worker.thread.is_alive() and outcome_count(worker, "done") == 1
+    assert [start["worker"] for start, _ in runs(admin, job_id)] == [worker.name]  # never taken over
+
+
+def test_a_read_only_window_is_ridden_out(restartable_redis, admin, queue):
+    prompt = alphabet(300, offset=5)
+    with make_client("sync", restartable_redis.url, queue) as client, \
+            serving(restartable_redis.url, queue, step_s=0.01) as worker:
+        job_id = running_job(client, prompt)
+        admin.replicaof("127.0.0.1", free_port())  # a replica of a master that never answers: read-only
+        time.sleep(1.0)
+        admin.replicaof("NO", "ONE")
+        assert_whole_output_once(admin, client, job_id, prompt)
+        assert worker.thread.is_alive()
+        assert client.generate("after", max_tokens=5, timeout=10).text == "after"
+
+
+@pytest.mark.parametrize("lose", ["flushall", "restart_empty"])
+def test_jobs_held_when_redis_loses_the_group_run_on_to_their_results(restartable_redis, admin, queue, lose):
+    prompts = [alphabet(250, offset=i) for i in range(3)]
+    with make_client("sync", restartable_redis.url, queue) as client, \
+            serving(restartable_redis.url, queue, step_s=0.01) as worker:
+        ids = [running_job(client, p) for p in prompts]
+        # Producers already waiting for the results, as they would be.
+        with ThreadPoolExecutor(len(ids)) as pool:
+            waiting = [pool.submit(client.result, job_id, 30) for job_id in ids]
+            time.sleep(0.1)
+            if lose == "flushall":
+                admin.flushall()
+            else:
+                restartable_redis.restart(down_s=0.5, keep_data=False)
+            results = [w.result() for w in waiting]
+        assert [(r.status, r.text) for r in results] == [("done", p) for p in prompts]
+        # The group is back, and new jobs run as ever.
+        assert client.generate("new", max_tokens=3, timeout=10).text == "new"
+        assert worker.thread.is_alive()
+        assert eventually(lambda: admin.xlen(KEYS.queue(queue)) == 0)
+        assert admin.xpending(KEYS.queue(queue), GROUP)["pending"] == 0
+    for job_id, prompt in zip(ids, prompts):
+        # The worker wrote the job's whole output again: its event stream is complete, each token once.
+        assert_whole_output_once(admin, client, job_id, prompt)
+        assert [(s["worker"], s["resumed_tokens"]) for s, _ in runs(admin, job_id)] == [(worker.name, 0)]
+
+
+def test_a_drain_gives_detached_jobs_back_to_the_queue(restartable_redis, admin, queue):
+    prompt = alphabet(300)
+    with make_client("sync", restartable_redis.url, queue) as client:
+        with serving(restartable_redis.url, queue, step_s=0.01, drain_grace_s=0.1, name=f"a-{queue}") as leaving:
+            job_id = running_job(client, prompt)
+            admin.flushall()
+            assert eventually(lambda: admin.hget(KEYS.job(job_id), "worker") == leaving.name)  # adopted
+            leaving.request_stop()
+            leaving.wait_stopped()
+        assert client.status(job_id).status == "queued"
+        with serving(restartable_redis.url, queue, step_s=0.002, name=f"b-{queue}") as staying:
+            assert_whole_output_once(admin, client, job_id, prompt)
+    (first, made), (second, _) = runs(admin, job_id)
+    assert (first["worker"], first["resumed_tokens"]) == (leaving.name, 0)
+    assert (second["worker"], second["resumed_tokens"]) == (staying.name, len(made))
+
+
+def test_scripts_flushed_and_connections_killed_mid_run_lose_nothing(restartable_redis, admin, queue):
+    prompts = [alphabet(200, offset=i) for i in range(3)]
+    with make_client("sync", restartable_redis.url, queue) as client, \
+            serving(restartable_redis.url, queue, step_s=0.01) as worker:
+        ids = [running_job(client, p) for p in prompts]
+        for _ in range(3):
+            admin.script_flush()
+            time.sleep(0.1)
+            admin.client_kill_filter(_type="normal", skipme=True)
+            time.sleep(0.1)
+        for job_id, prompt in zip(ids, prompts):
+            assert_whole_output_once(admin, client, job_id, prompt)
+        assert worker.thread.is_alive()
+
+
+def test_deadlines_are_kept_on_redis_clock_whatever_the_workers_clock_says(restartable_redis, admin, queue):
+    ahead = RedisClock(local=lambda: time.time() + 3600)  # this worker's clock is an hour fast
+    with make_client("sync", restartable_redis.url, queue) as client, \
+            serving(restartable_redis.url, queue, step_s=0.01, clock=ahead):
+        on_time = client.submit("x" * 20, max_tokens=20, timeout_s=30)
+        overdue = client.submit("y" * 500, max_tokens=500, timeout_s=1.0)
+        finished = client.result(on_time, timeout=10)
+        stopped = client.result(overdue, timeout=10)
+    assert (finished.status, finished.finish_reason, finished.text) == ("done", "length", "x" * 20)
+    assert (stopped.status, stopped.finish_reason) == ("done", "timeout")
+    assert 0 < stopped.usage.completion_tokens < 500
+    # Its end came at its deadline on Redis's clock (entry time + 1 s), give or take a step.
+    assert stopped.timings.finished_at - stopped.timings.queued_at == pytest.approx(1.0, abs=0.3)
+
+
+def test_a_reply_the_protocol_does_not_define_fails_its_job_and_keeps_its_tokens(
+    restartable_redis, admin, queue, monkeypatch,
+):
+    parse = worker_queue.parse_publish
+    garbled = {"left": 1}
+
+    def garble_the_tenth_token(reply):  # as if PUBLISH answered something v1 never does
+        if reply == "ok" and garbled["left"] and len(tokens_published(admin, job_id)) >= 10:
+            garbled["left"] -= 1
+            reply = "maybe"
+        return parse(reply)
+
+    monkeypatch.setattr(worker_queue, "parse_publish", garble_the_tenth_token)
+    with make_client("sync", restartable_redis.url, queue) as client, \
+            serving(restartable_redis.url, queue, step_s=0.01) as worker:
+        job_id = running_job(client, alphabet(200))
+        with pytest.raises(Exception) as failed:
+            client.result(job_id, timeout=10)
+        assert client.generate("next", max_tokens=4, timeout=10).text == "next"
+        assert worker.thread.is_alive()
+    result = failed.value.result
+    assert (failed.value.code, result.status) == ("internal_error", "failed")
+    assert "'maybe'" in failed.value.message
+    assert result.text == alphabet(len(result.token_ids)) and len(result.token_ids) >= 10
+    assert tokens_published(admin, job_id) == result.token_ids  # every token kept, once

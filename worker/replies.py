@@ -1,0 +1,108 @@
+"""What the protocol's scripts and reads answer the worker, as str-enums. Every reply is parsed here
+and nowhere else; a reply that matches none of them raises UnknownReply, which fails the job it
+concerns instead of being taken for some other outcome."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class UnknownReply(Exception):
+    """Redis answered something the protocol does not define (a server-side script of another
+    version, or a bug): the job concerned fails with code internal_error."""
+
+    def __init__(self, script: str, reply: object):
+        super().__init__(f"{script} answered {reply!r}, which protocol v1 does not define")
+
+
+class ClaimOutcome(str, enum.Enum):
+    CLAIMED = "claimed"  # run it; recorded tokens > 0: resume it
+    FINAL = "final"  # it has a result already: drop the entry
+    DUPLICATE = "duplicate"  # another entry of the same job is running it: drop this one
+
+
+@dataclass(frozen=True)
+class Claim:
+    outcome: ClaimOutcome
+    recorded_tokens: int = 0  # tokens earlier runs recorded
+    deadline: float | None = None  # epoch seconds on Redis's clock, when the producer gave a timeout
+
+
+class Published(str, enum.Enum):
+    OK = "ok"  # recorded; keep running
+    CANCEL = "cancel"  # recorded; the job's cancel flag is up
+    WRITTEN = "written"  # the final result is written (by this run)
+    ENDED = "ended"  # the job had a result from elsewhere: nothing changed
+    LOST = "lost"  # another run holds the job, or Redis's tokens and this run's disagree
+    GONE = "gone"  # Redis has no hash of the job: it lost its data (see ADOPT)
+    PARTIAL = "partial"  # an earlier call's reply was lost: Redis holds `recorded` of this update's tokens
+
+
+@dataclass(frozen=True)
+class PublishReply:
+    outcome: Published
+    recorded: int = 0  # with PARTIAL
+
+
+class Watched(str, enum.Enum):
+    OK = "ok"
+    CANCEL = "cancel"
+    LOST = "lost"
+    GONE = "gone"  # no hash: Redis lost it
+
+
+class Adopted(str, enum.Enum):
+    ADOPTED = "adopted"  # the job is this run's, with no queue entry
+    RECREATED = "recreated"  # the same, and Redis had lost its hash: its output goes out again, whole
+    ENDED = "ended"  # it has a result
+    LOST = "lost"  # another run holds it
+
+
+def parse_claim(reply: object) -> Claim:
+    if isinstance(reply, list) and reply:
+        outcome = _member(ClaimOutcome, reply[0], "CLAIM", reply)
+        if outcome is not ClaimOutcome.CLAIMED:
+            return Claim(outcome)
+        if len(reply) in (2, 3):
+            deadline = _count(reply[2], "CLAIM", reply) / 1000 if len(reply) == 3 else None
+            return Claim(outcome, _count(reply[1], "CLAIM", reply), deadline)
+    raise UnknownReply("CLAIM", reply)
+
+
+def parse_publish(reply: object) -> PublishReply:
+    if isinstance(reply, str) and reply.startswith("partial:"):
+        return PublishReply(Published.PARTIAL, _count(reply.removeprefix("partial:"), "PUBLISH", reply))
+    return PublishReply(_member(Published, reply, "PUBLISH", reply))
+
+
+def parse_watch(reply: object, run: str) -> Watched:
+    """HMGET cancel, run of a running job that had nothing to publish."""
+    if isinstance(reply, list) and len(reply) == 2:
+        cancel, current = reply
+        if current is None:  # every running job's hash has a run
+            return Watched.GONE
+        if current != run:
+            return Watched.LOST
+        return Watched.CANCEL if cancel == "1" else Watched.OK
+    raise UnknownReply("HMGET", reply)
+
+
+def parse_adopt(reply: object) -> Adopted:
+    return _member(Adopted, reply, "ADOPT", reply)
+
+
+def _member(kind: type[enum.Enum], value: object, script: str, reply: object):
+    try:
+        return kind(value)
+    except ValueError:
+        raise UnknownReply(script, reply) from None
+
+
+def _count(value: object, script: str, reply: object) -> int:
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        raise UnknownReply(script, reply) from None
+    if count < 0:
+        raise UnknownReply(script, reply)
+    return count
