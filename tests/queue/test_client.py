@@ -1,6 +1,9 @@
 """The producer client against a real redis-server with no worker: validation, idempotency,
 backpressure, status, cancel of a queued job. Every test runs with Client and AsyncClient."""
 
+import time
+import uuid
+
 import pytest
 
 from producer_client import InvalidArgument, JobNotFound, JobTimeout, QueueFull
@@ -122,6 +125,16 @@ def test_a_queued_job_reports_queued_and_its_result_times_out(client):
         client.result(job_id, timeout=0.05)
     with pytest.raises(JobTimeout):
         list(client.stream(job_id, timeout=0.05))
+
+
+@pytest.mark.parametrize("request_id", [None, "deadline-rid"])
+def test_a_queued_job_past_its_deadline_reads_as_expired_before_any_worker_sees_it(client, request_id):
+    if request_id is not None:
+        request_id = f"{request_id}-{uuid.uuid4().hex[:6]}"
+    job_id = client.submit("x", max_tokens=1, timeout_s=0.3, request_id=request_id)
+    assert client.status(job_id).status == "queued"
+    time.sleep(0.4)
+    assert client.status(job_id).status == "expired"
 
 
 def test_unknown_jobs_are_not_found(client):
