@@ -130,7 +130,7 @@ class WorkerProcess:
         self.command = [
             sys.executable, "-m", "worker", "serve", "--model", model, "--redis", redis_url, "--queue", queue,
             "--name", name, "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--heartbeat-interval-s", "0.1",
-            "--block-ms", "100", "--kv-cache-mib", "64", *flags,
+            "--block-ms", "100", "--redis-backoff-max-s", "0.5", "--kv-cache-mib", "64", *flags,
         ]
         self.process: subprocess.Popen | None = None
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True)

@@ -71,6 +71,13 @@ class WorkerSettings(BaseSettings):
         # leave room for a late heartbeat would let other workers take its running jobs.
         if self.claim_idle_ms < 2000 * self.heartbeat_interval_s:
             raise InvalidArgument("claim_idle_ms", "must be at least twice heartbeat_interval_s")
+        # After an outage every worker waits claim_idle_ms before it reclaims, while a worker whose
+        # backoff wait was longest refreshes its entries only after that wait and a heartbeat.
+        if self.claim_idle_ms <= 1000 * (self.redis_backoff_max_s + self.heartbeat_interval_s):
+            raise InvalidArgument(
+                "claim_idle_ms", "must exceed redis_backoff_max_s + heartbeat_interval_s, or a worker back from a "
+                "Redis outage can lose its running jobs to the others",
+            )
         return self
 
     @classmethod

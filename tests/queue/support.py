@@ -46,8 +46,8 @@ def serving(
 ):
     engine_overrides = overrides.pop("engine", {})
     settings = WorkerSettings.load(
-        None, redis=url, queue=queue, name=name or f"w-{queue}", block_ms=20, heartbeat_interval_s=0.05,
-        metrics_port=0, engine=engine_overrides, **overrides,
+        None, **{"redis": url, "queue": queue, "name": name or f"w-{queue}", "block_ms": 20, "heartbeat_interval_s": 0.05,
+                 "redis_backoff_max_s": 0.2, "metrics_port": 0, "engine": engine_overrides, **overrides},
     )
     engine = engine_class(settings.engine, step_s, fail_on_step)
     client = connect(url)

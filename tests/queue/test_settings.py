@@ -49,3 +49,15 @@ def test_names_that_end_up_in_redis_keys_are_checked():
         WorkerSettings.load(None, queue="a b")
     assert e.value.field == "queue"
     assert WorkerSettings.load(None, name="").name == ""  # empty: derived from host and pid
+
+
+@pytest.mark.parametrize("timing", [
+    dict(claim_idle_ms=1000, heartbeat_interval_s=0.6),  # a late heartbeat would lose the entries
+    dict(claim_idle_ms=5000, redis_backoff_max_s=5.0),  # a worker back from an outage would refresh too late
+    dict(claim_idle_ms=5000, redis_backoff_max_s=4.0, heartbeat_interval_s=1.0),
+])
+def test_a_claim_idle_time_that_would_let_live_workers_lose_their_jobs_is_refused(timing):
+    with pytest.raises(InvalidArgument) as e:
+        WorkerSettings.load(None, **timing)
+    assert e.value.field == "claim_idle_ms"
+    assert WorkerSettings.load(None, **{**timing, "claim_idle_ms": 10_000}).claim_idle_ms == 10_000
