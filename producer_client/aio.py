@@ -41,19 +41,14 @@ class AsyncClient:
         request_id: str | None = None, timeout_s: float | None = None, priority: int = 0, **sampling: Any,
     ) -> str:
         job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling)
-        job_key = self.keys.job(job.job_id)
         if job.idempotent:
             if not (await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys))))[0]:
                 return job.job_id
-            added = await self._enqueue_or_forget(job)
+            added = await self._enqueue_or_forget(job, create=False)
         else:
-            def create_and_enqueue(pipe):
-                pipe.evalsha(*job.create_call(self.keys))
-                self._enqueue(pipe, job)
-
-            added = (await scripts.aexecute(self.redis, create_and_enqueue))[-1]
+            added = await self._enqueue_or_forget(job, create=True)
         if not added[0]:
-            await self.redis.delete(job_key)
+            await self.redis.delete(self.keys.job(job.job_id))
             raise QueueFull(self.queue, added[1], self.max_queue_depth)
         return job.job_id
 
@@ -113,16 +108,10 @@ class AsyncClient:
         groups = replies.pop(0) if depth else []
         return protocol.queue_stats(self.queue, depth, groups, names, replies)
 
-    def _enqueue(self, pipe, job: NewJob) -> None:
-        pipe.evalsha(*job.enqueue_call(self.keys, self.queue, self.max_queue_depth))
-
-    async def _enqueue_or_forget(self, job: NewJob) -> list:
-        def enqueue_and_record(pipe):
-            self._enqueue(pipe, job)
-            pipe.hset(self.keys.job(job.job_id), "enqueued", "1")
-
+    async def _enqueue_or_forget(self, job: NewJob, create: bool) -> list:
+        add = protocol.enqueue_commands(self.keys, self.queue, self.max_queue_depth, job, create)
         try:
-            return (await scripts.aexecute(self.redis, enqueue_and_record))[0]
+            return (await scripts.aexecute(self.redis, add))[-2]
         except BaseException:
             await self.redis.delete(self.keys.job(job.job_id))
             raise

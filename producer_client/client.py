@@ -49,22 +49,15 @@ class Client:
         """Enqueue a job and return its id. `sampling` takes SamplingParams' fields (max_tokens,
         temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same id."""
         job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling)
-        job_key = self.keys.job(job.job_id)
         if job.idempotent:
             if not scripts.execute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys)))[0]:
                 return job.job_id
-            added = self._enqueue_or_forget(job)
+            added = self._enqueue_or_forget(job, create=False)
         else:
-            # A fresh id cannot collide: create the job and enqueue it in one round trip. CREATE sets
-            # the status only if there is none: a retried pipeline must not set a job a worker has
-            # started back to queued.
-            def create_and_enqueue(pipe):
-                pipe.evalsha(*job.create_call(self.keys))
-                self._enqueue(pipe, job)
-
-            added = scripts.execute(self.redis, create_and_enqueue)[-1]
+            # A fresh id cannot collide: create the job and enqueue it in one round trip.
+            added = self._enqueue_or_forget(job, create=True)
         if not added[0]:
-            self.redis.delete(job_key)
+            self.redis.delete(self.keys.job(job.job_id))
             raise QueueFull(self.queue, added[1], self.max_queue_depth)
         return job.job_id
 
@@ -133,19 +126,13 @@ class Client:
         groups = replies.pop(0) if depth else []
         return protocol.queue_stats(self.queue, depth, groups, names, replies)
 
-    def _enqueue(self, pipe, job: NewJob) -> None:
-        pipe.evalsha(*job.enqueue_call(self.keys, self.queue, self.max_queue_depth))
-
-    def _enqueue_or_forget(self, job: NewJob) -> list:
-        # `enqueued` tells a later submit with the same request_id that the entry exists (see
-        # CREATE). If the enqueue fails, drop the job hash so that such a submit enqueues the job
-        # instead of finding a job that will never run.
-        def enqueue_and_record(pipe):
-            self._enqueue(pipe, job)
-            pipe.hset(self.keys.job(job.job_id), "enqueued", "1")
-
+    def _enqueue_or_forget(self, job: NewJob, create: bool) -> list:
+        """ENQUEUE's reply. If the enqueue fails, the job hash goes, so that a later submit with
+        the same request_id enqueues the job instead of finding one that will never run, and no
+        hash of a job that was never taken stays behind."""
+        add = protocol.enqueue_commands(self.keys, self.queue, self.max_queue_depth, job, create)
         try:
-            return scripts.execute(self.redis, enqueue_and_record)[0]
+            return scripts.execute(self.redis, add)[-2]
         except BaseException:
             self.redis.delete(self.keys.job(job.job_id))
             raise

@@ -7,6 +7,7 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,21 @@ class NewJob:
     def enqueue_call(self, keys: Keys, queue: str, max_depth: int | None) -> tuple:
         """EVALSHA arguments of ENQUEUE for this job."""
         return ENQUEUE.sha, 1, keys.queue(queue), max_depth or 0, self.job_id, PROTOCOL_VERSION, self.body
+
+
+def enqueue_commands(keys: Keys, queue: str, max_depth: int | None, job: NewJob, create: bool) -> Callable:
+    """The pipeline that enqueues `job`: CREATE first when `create` (a fresh id cannot collide, so
+    creating and enqueueing take one round trip; CREATE sets the status only if there is none, so
+    a retried pipeline never sets a started job back to queued), then ENQUEUE, then the
+    `enqueued` flag that tells a later submit with the same request_id that the entry exists."""
+
+    def add(pipe) -> None:
+        if create:
+            pipe.evalsha(*job.create_call(keys))
+        pipe.evalsha(*job.enqueue_call(keys, queue, max_depth))
+        pipe.hset(keys.job(job.job_id), "enqueued", "1")
+
+    return add
 
 
 def build_job(

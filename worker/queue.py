@@ -38,6 +38,10 @@ WORKER_INDEX_RETENTION_S = 3600
 # more than an operator reads before acting on the alert.
 DEAD_LETTER_MAXLEN = 10_000
 EVENT_PAGE = 1000  # event stream entries per XRANGE when a reclaimed job's events are read
+# A draining worker makes the entries it hands over look this idle: older than any worker's
+# claim_idle_ms, so the next XAUTOCLAIM anywhere takes them, even just after a Redis restart
+# (RECLAIM takes nothing less idle than a tenth of this then).
+HANDED_OVER_IDLE_MS = 10**10
 # Failures that mean "not now" rather than "never": the loop backs off and sends the same
 # (idempotent) commands again. redis-py raises most as their own classes (and strips the reply's
 # first word from the message): a lost connection, loading an AOF (BusyLoadingError), memory full
@@ -265,7 +269,7 @@ class WorkerQueue:
         """XAUTOCLAIM up to `count` entries idle longer than `min_idle_ms`: jobs of workers that
         died or stalled. The scan resumes where the last one stopped, so every pending entry is
         reached in turn."""
-        args = (GROUP, self.worker, min_idle_ms, self.reclaim_cursor, count)
+        args = (GROUP, self.worker, min_idle_ms, self.reclaim_cursor, count, HANDED_OVER_IDLE_MS // 10)
         cursor, claimed = self._send(lambda pipe: pipe.evalsha(RECLAIM.sha, 1, self.stream, *args))[0]
         self.reclaim_cursor = cursor
         return [Delivery(entry_id, dict(zip(flat[::2], flat[1::2])), deliveries) for entry_id, flat, deliveries in claimed]
@@ -359,9 +363,9 @@ class WorkerQueue:
         self.clock.measured(sent_at, replies[0], self.clock.local())
         return replies[7], replies[8] if held else []
 
-    def release(self, entry_ids: list[str], idle_ms: int) -> int:
+    def release(self, entry_ids: list[str]) -> int:
         """Hand unfinished entries over to other workers (RELEASE); returns how many were ours."""
-        args = (GROUP, self.worker, idle_ms, *entry_ids)
+        args = (GROUP, self.worker, HANDED_OVER_IDLE_MS, *entry_ids)
         return self._send(lambda pipe: pipe.evalsha(RELEASE.sha, 1, self.stream, *args))[0]
 
     def leave(self) -> None:

@@ -49,10 +49,6 @@ from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
-# A draining worker makes the entries it hands over look this idle: older than any worker's
-# claim_idle_ms, so the next XAUTOCLAIM anywhere takes them.
-HANDED_OVER_IDLE_MS = 10**10
-
 
 class InternalError(MiliError):
     """A bug met while handling one job; the job fails and the worker keeps serving."""
@@ -179,7 +175,7 @@ class Worker:
         go back to the queue as new entries (REQUEUE)."""
         held = list(self._held())
         if held:
-            released = self.queue.release(held, HANDED_OVER_IDLE_MS)
+            released = self.queue.release(held)
             log.info("handed %d unfinished jobs over to other workers", released)
         for job in self._detached():
             if self.queue.requeue(job):
@@ -202,6 +198,9 @@ class Worker:
         what was not acknowledged stays in the outbox, the ack list or the pending list. A lost
         consumer group is created again before the next read, and the jobs held here adopted."""
         buffered = 0 if self.link.up else self.outbox.buffered_tokens()
+        if not self.link.up:
+            # Not in this exchange either, should Redis answer now: see below.
+            self.next_reclaim = time.monotonic() + self.settings.claim_idle_ms / 1000
         try:
             talk()
         except GroupLost as e:

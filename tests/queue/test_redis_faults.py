@@ -116,6 +116,22 @@ def test_a_read_only_window_is_ridden_out(restartable_redis, admin, queue):
         assert client.generate("after", max_tokens=5, timeout=10).text == "after"
 
 
+def test_a_read_only_window_longer_than_claim_idle_costs_no_worker_its_jobs(restartable_redis, admin, queue):
+    # While the server is read-only, no worker can refresh its entries, so all of them look idle
+    # afterwards: the first worker to get through must not take the others' jobs.
+    prompt = alphabet(400)
+    fast = dict(claim_idle_ms=500, reclaim_interval_s=0.05)
+    with make_client("sync", restartable_redis.url, queue) as client, \
+            serving(restartable_redis.url, queue, step_s=0.01, name=f"a-{queue}", **fast) as holder:
+        job_id = running_job(client, prompt)
+        with serving(restartable_redis.url, queue, name=f"b-{queue}", **fast):
+            admin.replicaof("127.0.0.1", free_port())
+            time.sleep(1.5)  # three times claim_idle_ms
+            admin.replicaof("NO", "ONE")
+            assert_whole_output_once(admin, client, job_id, prompt)
+    assert [start["worker"] for start, _ in runs(admin, job_id)] == [holder.name]
+
+
 @pytest.mark.parametrize("lose", ["flushall", "restart_empty"])
 def test_jobs_held_when_redis_loses_the_group_run_on_to_their_results(restartable_redis, admin, queue, lose):
     prompts = [alphabet(250, offset=i) for i in range(3)]

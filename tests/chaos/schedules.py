@@ -1,0 +1,354 @@
+"""Random fault schedules against the queue protocol, in the spirit of Jepsen: a seeded generator
+draws a schedule of submits (with and without request_id, some resubmitted), cancels, deadlines,
+workers stalled past claim_idle_ms, killed without cleanup or drained with SIGTERM semantics,
+Redis restarts, SCRIPT FLUSH and out-of-memory windows. Several workers (the echo engine, in this
+process, each with its own Redis connection) and a client run it against a real redis-server;
+then every invariant of the protocol is checked:
+
+  - every job ends exactly once: one final result, one entry in its done stream;
+  - a job's token events are contiguous, never repeated, and equal to its expected output
+    (its echo, whole or cut short by its cancel or deadline);
+  - a job moves from one run to the next only when the worker of the earlier run was killed,
+    stalled or drained: a job whose workers all stayed healthy ran once (delivery count 1), and
+    nothing is dead-lettered unless its workers really died;
+  - once every job has ended, no entry is pending and the queue stream is empty, and every key
+    but the heartbeats, the worker and queue indexes and the emptied queue expires within
+    result_ttl_s.
+
+A failing schedule raises ScheduleFailed naming its seed: `python bench/chaos.py --seed N
+--schedules 1` runs it again. tests/chaos/test_schedules.py runs 100 of them in CI.
+"""
+from __future__ import annotations
+
+import json
+import random
+import string
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from producer_client import Client, JobNotFound
+from producer_client.keys import GROUP, Keys
+from producer_client.schema import JobResult
+from tests.queue.support import SlowEchoEngine, ThreadedWorker
+from worker.metrics import WorkerMetrics
+from worker.queue import connect
+from worker.settings import WorkerSettings
+
+QUEUE = "chaos"
+CLAIM_IDLE_MS = 300
+SETTINGS = dict(
+    queue=QUEUE, block_ms=20, heartbeat_interval_s=0.05, heartbeat_ttl_s=2.0, claim_idle_ms=CLAIM_IDLE_MS,
+    reclaim_interval_s=0.05, redis_backoff_max_s=0.1, drain_grace_s=0.2, max_deliveries=3, result_ttl_s=60,
+    metrics_port=0, engine={"max_running": 4},
+)
+STEP_S = 0.004  # an echo step: a 60-token job runs a quarter of a second
+SETTLE_TIMEOUT_S = 60.0
+
+
+class ScheduleFailed(AssertionError):
+    pass
+
+
+class WorkerKilled(Exception):
+    """Ends a killed worker's thread at the end of its schedule, long after it stopped talking."""
+
+
+class ScheduleWorker(ThreadedWorker):
+    """A worker whose every exchange with Redis and every engine step passes a gate: closed for a
+    while, the worker stalls (no heartbeat, no refresh); closed for good, it is dead, as after
+    kill -9, between two exchanges, with nothing handed over or cleaned up."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.killed = False
+
+    def _pass_gate(self) -> None:
+        self.gate.wait()
+        if self.killed:
+            raise WorkerKilled(self.name)
+
+    def _exchange(self, talk) -> None:
+        self._pass_gate()
+        super()._exchange(talk)
+
+    def _step_if_possible(self) -> bool:
+        self._pass_gate()
+        return super()._step_if_possible()
+
+    def serve(self) -> None:
+        try:
+            super().serve()
+        except WorkerKilled:
+            pass
+
+
+@dataclass
+class Submitted:
+    job_id: str
+    prompt: str
+    max_tokens: int
+    cancelled: bool = False
+
+    @property
+    def expected(self) -> list[int]:
+        return list(self.prompt.encode()[: self.max_tokens])
+
+
+@dataclass
+class Run:
+    """One schedule's world: its workers, client, jobs, and which workers were troubled."""
+
+    seed: int
+    url: str
+    prefix: str
+    rng: random.Random
+    workers: list[ScheduleWorker] = field(default_factory=list)
+    jobs: dict[str, Submitted] = field(default_factory=dict)
+    troubled: set[str] = field(default_factory=set)  # killed, stalled or drained
+    timers: list[threading.Timer] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+    spawned: int = 0
+
+    def fail(self, message: str) -> ScheduleFailed:
+        return ScheduleFailed(f"schedule seed={self.seed}: {message}\nops: {', '.join(self.ops)}")
+
+
+def start_worker(run: Run) -> ScheduleWorker:
+    name = f"{run.prefix}-w{run.spawned}"
+    run.spawned += 1
+    settings = WorkerSettings.load(None, redis=run.url, prefix=run.prefix, name=name, **SETTINGS)
+    engine = SlowEchoEngine(settings.engine, STEP_S)
+    worker = ScheduleWorker(engine, connect(run.url), settings, WorkerMetrics(), name)
+    run.workers.append(worker.start())
+    return worker
+
+
+def live_workers(run: Run) -> list[ScheduleWorker]:
+    return [w for w in run.workers if not w.killed and w.drain_deadline is None]
+
+
+# -- the operations a schedule draws from ----------------------------------------------------------
+
+def op_submit(run: Run, client: Client, admin: redis.Redis) -> str:
+    prompt = "".join(run.rng.choice(string.ascii_letters) for _ in range(run.rng.randint(5, 80)))
+    max_tokens = run.rng.randint(1, 100)
+    timeout_s = run.rng.choice([None] * 6 + [run.rng.uniform(0.05, 1.5)])
+    request_id = run.rng.choice([None, f"rid-{run.rng.randrange(10**9)}"])
+    kwargs = dict(max_tokens=max_tokens, timeout_s=timeout_s, request_id=request_id)
+    try:
+        job_id = client.submit(prompt, **kwargs)
+        if request_id is not None and run.rng.random() < 0.3:
+            assert client.submit(prompt, **kwargs) == job_id  # a retried submit: the same job, enqueued once
+    except (redis.RedisError, OSError) as e:  # refused (memory full): not acknowledged, not counted
+        return f"submit refused ({type(e).__name__})"
+    run.jobs[job_id] = Submitted(job_id, prompt, max_tokens)
+    return f"submit {job_id[:8]}"
+
+
+def op_cancel(run: Run, client: Client, admin: redis.Redis) -> str:
+    if not run.jobs:
+        return "cancel (none)"
+    job = run.rng.choice(list(run.jobs.values()))
+    try:
+        client.cancel(job.job_id)
+    except (redis.RedisError, OSError) as e:
+        return f"cancel refused ({type(e).__name__})"
+    job.cancelled = True
+    return f"cancel {job.job_id[:8]}"
+
+
+def op_stall(run: Run, client: Client, admin: redis.Redis) -> str:
+    worker = pick_worker(run)
+    if worker is None:
+        return "stall (none)"
+    run.troubled.add(worker.name)
+    worker.gate.clear()
+    stall_s = run.rng.uniform(1.2, 3.0) * CLAIM_IDLE_MS / 1000
+    later(run, stall_s, worker.gate.set)
+    return f"stall {worker.name} {stall_s:.2f}s"
+
+
+def op_kill(run: Run, client: Client, admin: redis.Redis) -> str:
+    worker = pick_worker(run)
+    if worker is None:
+        return "kill (none)"
+    run.troubled.add(worker.name)
+    worker.killed = True
+    worker.gate.clear()
+    start_worker(run)
+    return f"kill {worker.name}"
+
+
+def op_drain(run: Run, client: Client, admin: redis.Redis) -> str:
+    worker = pick_worker(run)
+    if worker is None:
+        return "drain (none)"
+    run.troubled.add(worker.name)
+    worker.request_stop()
+    start_worker(run)
+    return f"drain {worker.name}"
+
+
+def op_start(run: Run, client: Client, admin: redis.Redis) -> str:
+    return f"start {start_worker(run).name}"
+
+
+def op_script_flush(run: Run, client: Client, admin: redis.Redis) -> str:
+    admin.script_flush()
+    return "script flush"
+
+
+def op_memory_full(run: Run, client: Client, admin: redis.Redis) -> str:
+    window_s = run.rng.uniform(0.05, 0.4)
+    admin.config_set("maxmemory", 1)
+    later(run, window_s, lambda: admin.config_set("maxmemory", 0))
+    return f"memory full {window_s:.2f}s"
+
+
+def op_sleep(run: Run, client: Client, admin: redis.Redis) -> str:
+    pause_s = run.rng.uniform(0.01, 0.15)
+    time.sleep(pause_s)
+    return f"sleep {pause_s:.2f}s"
+
+
+# Weights: mostly traffic and pauses, faults now and then. A Redis restart is rarer (the
+# runner does it: it owns the server).
+OPS = [(op_submit, 30), (op_sleep, 20), (op_cancel, 4), (op_stall, 4), (op_kill, 3), (op_drain, 2), (op_start, 2),
+       (op_script_flush, 2), (op_memory_full, 2)]
+RESTART_WEIGHT = 1
+
+
+def pick_worker(run: Run) -> ScheduleWorker | None:
+    candidates = [w for w in live_workers(run) if w.gate.is_set()]
+    return run.rng.choice(candidates) if candidates else None
+
+
+def later(run: Run, delay_s: float, action) -> None:
+    timer = threading.Timer(delay_s, action)
+    run.timers.append(timer)
+    timer.start()
+
+
+# -- running a schedule --------------------------------------------------------------------------
+
+def run_schedule(seed: int, server, length: int = 24) -> dict:
+    """Draw schedule `seed`, run it against `server` (a RestartableRedis), check the invariants.
+    Returns counts for the report; raises ScheduleFailed naming the seed."""
+    rng = random.Random(seed)
+    run = Run(seed, server.url, f"chaos{seed}", rng)
+    admin = redis.Redis.from_url(server.url, decode_responses=True)
+    client = Client(server.url, QUEUE, prefix=run.prefix)
+    try:
+        for _ in range(rng.randint(1, 3)):
+            start_worker(run)
+        choices = [op for op, _ in OPS] + [None]
+        weights = [weight for _, weight in OPS] + [RESTART_WEIGHT]
+        for _ in range(length):
+            op = rng.choices(choices, weights=weights)[0]
+            if op is None:
+                down_s = rng.uniform(0.05, 0.3)
+                server.restart(down_s=down_s)
+                run.ops.append(f"redis restart {down_s:.2f}s")
+            else:
+                run.ops.append(op(run, client, admin))
+        for timer in run.timers:
+            timer.join()
+        if not [w for w in live_workers(run) if w.gate.is_set()]:
+            start_worker(run)
+        results = settle(run, admin)
+        check(run, admin, results)
+        return {"jobs": len(run.jobs), "faults": len(run.troubled), "ops": len(run.ops)}
+    finally:
+        for timer in run.timers:
+            timer.cancel()
+        admin.config_set("maxmemory", 0)
+        stop_workers(run)
+        client.close()
+        admin.close()
+
+
+def settle(run: Run, admin: redis.Redis) -> dict[str, JobResult]:
+    """Wait until every job has its final result."""
+    keys = Keys(run.prefix)
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    results: dict[str, JobResult] = {}
+    while len(results) < len(run.jobs):
+        for job_id in run.jobs:
+            if job_id not in results:
+                raw = admin.hget(keys.job(job_id), "result")
+                if raw is not None:
+                    results[job_id] = JobResult.model_validate_json(raw)
+        if time.monotonic() > deadline:
+            missing = [j for j in run.jobs if j not in results]
+            states = {j[:8]: admin.hgetall(keys.job(j)) for j in missing[:5]}
+            raise run.fail(f"{len(missing)} jobs never ended within {SETTLE_TIMEOUT_S:g}s: {states}")
+        time.sleep(0.02)
+    return results
+
+
+def check(run: Run, admin: redis.Redis, results: dict[str, JobResult]) -> None:
+    keys = Keys(run.prefix)
+    for job_id, job in run.jobs.items():
+        check_job(run, admin, keys, job, results[job_id])
+    check_queue_drained(run, admin, keys)
+    check_keys_expire(run, admin, keys)
+
+
+def check_job(run: Run, admin: redis.Redis, keys: Keys, job: Submitted, result: JobResult) -> None:
+    events = [(f["type"], json.loads(f["data"])) for _, f in admin.xrange(keys.events(job.job_id))]
+    ends = [kind for kind, _ in events].count("end")
+    if ends != 1 or admin.xlen(keys.done(job.job_id)) != 1:
+        raise run.fail(f"job {job.job_id}: {ends} end events, {admin.xlen(keys.done(job.job_id))} done entries")
+    published = [t for kind, data in events if kind == "tokens" for t in data["ids"]]
+    if published != result.token_ids or result.token_ids != job.expected[: len(result.token_ids)]:
+        raise run.fail(f"job {job.job_id}: published {published}, result {result.token_ids}, expected {job.expected}")
+    whole = result.status == "done" and result.finish_reason in ("length", "stop")
+    if whole and result.token_ids != job.expected:
+        raise run.fail(f"job {job.job_id}: done ({result.finish_reason}) with {result.token_ids}, not {job.expected}")
+    allowed = {"done", "expired"} | ({"cancelled"} if job.cancelled else set())
+    if result.status == "failed" or result.status not in allowed:
+        dead = result.error is not None and result.error.code == "poison"
+        if not dead:
+            raise run.fail(f"job {job.job_id}: ended {result.status} {result.error}")
+    runs = [data["worker"] for kind, data in events if kind == "start"]
+    movers = set(runs[:-1]) if result.status != "failed" else set(runs)
+    if not movers <= run.troubled:
+        raise run.fail(f"job {job.job_id} moved from healthy workers: runs {runs}, troubled {sorted(run.troubled)}")
+
+
+def check_queue_drained(run: Run, admin: redis.Redis, keys: Keys) -> None:
+    stream = keys.queue(QUEUE)
+    deadline = time.monotonic() + 10
+    while admin.xlen(stream) or admin.xpending(stream, GROUP)["pending"]:
+        if time.monotonic() > deadline:
+            raise run.fail(f"queue not drained: {admin.xlen(stream)} entries, "
+                           f"{admin.xpending(stream, GROUP)['pending']} pending")
+        time.sleep(0.02)
+
+
+def check_keys_expire(run: Run, admin: redis.Redis, keys: Keys) -> None:
+    """Everything but the heartbeats, the indexes, the queue and dead-letter streams goes within
+    result_ttl_s: each job key carries a TTL no longer than that."""
+    staying = {keys.queue(QUEUE), keys.dead(QUEUE), keys.workers(QUEUE), keys.queues()}
+    heartbeats = f"{run.prefix}:worker:"
+    for key in admin.scan_iter(match=f"{run.prefix}:*", count=1000):
+        if key in staying or key.startswith(heartbeats):
+            continue
+        ttl = admin.ttl(key)
+        if not 0 < ttl <= SETTINGS["result_ttl_s"]:
+            raise run.fail(f"key {key} stays: TTL {ttl}")
+
+
+def stop_workers(run: Run) -> None:
+    for worker in run.workers:
+        worker.gate.set()  # a killed worker's thread ends at its gate (its heartbeat is long gone)
+        if not worker.killed:
+            worker.request_stop()
+            worker.request_stop()
+    for worker in run.workers:
+        worker.wait_stopped(timeout=30)
