@@ -1,6 +1,7 @@
 """The asyncio client: `Client`'s methods as coroutines, over redis.asyncio."""
 from __future__ import annotations
 
+import copy
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,7 +13,7 @@ from producer_client import protocol, scripts
 from producer_client.errors import JobNotFound, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
-from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta
+from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
 
 def retry_policy() -> Retry:
@@ -113,6 +114,20 @@ class AsyncClient:
         replies = await pipe.execute()
         groups = replies.pop(0) if depth else []
         return protocol.queue_stats(self.queue, depth, groups, names, replies)
+
+    async def workers(self) -> list[WorkerInfo]:
+        queues = await self.redis.zrange(self.keys.queues(), 0, -1)
+        pipe = self.redis.pipeline(transaction=False)
+        for queue in queues:
+            pipe.zrange(self.keys.workers(queue), 0, -1)
+        for name in [name for names in await pipe.execute() for name in names]:
+            pipe.hgetall(self.keys.worker(name))
+        return protocol.live_workers(await pipe.execute())
+
+    def on_queue(self, queue: str) -> AsyncClient:
+        other = copy.copy(self)
+        other.queue = check_name("queue", queue)
+        return other
 
     def _enqueue(self, pipe, job: NewJob) -> None:
         pipe.evalsha(*job.enqueue_call(self.keys, self.queue, self.max_queue_depth))

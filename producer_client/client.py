@@ -2,6 +2,7 @@
 to redis-py. Every argument is validated before the first command is sent."""
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +14,7 @@ from producer_client import protocol, scripts
 from producer_client.errors import JobNotFound, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
-from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta
+from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
 
 def retry_policy() -> Retry:
@@ -133,6 +134,24 @@ class Client:
         replies = pipe.execute()
         groups = replies.pop(0) if depth else []
         return protocol.queue_stats(self.queue, depth, groups, names, replies)
+
+    def workers(self) -> list[WorkerInfo]:
+        """Every live worker of every queue, from the queue index, each queue's worker index and
+        the heartbeats (an expired heartbeat is a dead worker): which models are served where."""
+        queues = self.redis.zrange(self.keys.queues(), 0, -1)
+        pipe = self.redis.pipeline(transaction=False)
+        for queue in queues:
+            pipe.zrange(self.keys.workers(queue), 0, -1)
+        for name in [name for names in pipe.execute() for name in names]:
+            pipe.hgetall(self.keys.worker(name))
+        return protocol.live_workers(pipe.execute())
+
+    def on_queue(self, queue: str) -> Client:
+        """A client of `queue` with this one's settings, over the same connection pool: one pool
+        serves every queue (closing either client closes it)."""
+        other = copy.copy(self)
+        other.queue = check_name("queue", queue)
+        return other
 
     def _enqueue(self, pipe, job: NewJob) -> None:
         pipe.evalsha(*job.enqueue_call(self.keys, self.queue, self.max_queue_depth))
