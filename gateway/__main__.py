@@ -32,11 +32,14 @@ class GatewayServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
+    serve(settings_from_args(build_parser().parse_args(argv)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mili-gateway", description="MILI's OpenAI-compatible HTTP gateway")
     add_setting_flags(parser)
-    settings = settings_from_args(parser.parse_args(argv))
-    serve(settings)
-    return 0
+    return parser
 
 
 def serve(settings: GatewaySettings) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -34,6 +35,9 @@ from producer_client.keys import NAME_PATTERN
 
 log = logging.getLogger("gateway")
 
+# Where a field is a union, pydantic names the member that failed inside the error's location
+# (`messages.0.content.str`); fields are snake_case, members are types.
+UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*")
 IDEMPOTENCY_KEY_CHARS = 120  # room for the `-<choice>` suffix within a job id's 128 characters
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -143,11 +147,13 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) ->
         spec = generate_job(req)
         gw.check([spec])
         queue = settings.default_queue if req.model is None else await gw.registry.queue_for(req.model)
-        results = await gw.results(request, await gw.submit(request, [spec], queue))
+        jobs = await gw.submit(request, [spec], queue)
+        results = await gw.results(request, jobs)
         if results is None:
             return client_left()
         (result,) = results
-        return json_response(GenerateResponse(generated_text=result.text, finish_reason=finish_reason(result), usage=usage([result], [0])))
+        answer = GenerateResponse(generated_text=result.text, finish_reason=finish_reason(result), usage=usage([result], [0]))
+        return json_response(answer, job_headers(jobs))
 
     @app.get("/health")
     async def health():
@@ -179,7 +185,7 @@ async def parse(request: Request, model: type[Model]) -> Model:
         return model.model_validate_json(await request.body())
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        param = ".".join(str(p) for p in first["loc"] if not UNION_MEMBER.fullmatch(str(p))) or None
         if first["type"] == "extra_forbidden":
             raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unsupported_parameter") from None
         raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None

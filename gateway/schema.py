@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_CHOICES = 128  # jobs one request may create: n, times the prompts of a completion
 
@@ -74,6 +74,15 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     prompt: str | Annotated[list[str], Field(min_length=1)] | NonEmptyIds | Annotated[list[NonEmptyIds], Field(min_length=1)]
     logprobs: int | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_prompt_form(cls, value, handler):
+        # One message instead of one per member of the union.
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("must be a string, a list of strings, a list of token ids or a list of such lists") from None
 
 
 class GenerateRequest(Strict):

@@ -29,7 +29,7 @@ class GatewaySettings(BaseSettings):
         default_factory=list, description="accepted `Authorization: Bearer` keys (JSON list); empty: no authentication"
     )
     models: dict[str, str] = Field(
-        default_factory=dict, description='model name -> queue (JSON object), over what the heartbeats say'
+        default_factory=dict, description="model name -> queue (JSON object), over what the heartbeats say; merged over the file's map",
     )
     default_queue: str = Field("default", description="the queue of a POST /generate that names no model")
     job_timeout_s: float = Field(
