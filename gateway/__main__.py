@@ -13,6 +13,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.lifecycle import Lifecycle
 from gateway.settings import GatewaySettings, add_setting_flags, settings_from_args
+from producer_client import MiliError
 
 # A stream still open this long after SIGTERM is cut; the stop has already told it to end.
 GRACEFUL_SHUTDOWN_S = 10
@@ -32,7 +33,12 @@ class GatewayServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    serve(settings_from_args(build_parser().parse_args(argv)))
+    try:
+        settings = settings_from_args(build_parser().parse_args(argv))
+    except MiliError as e:
+        print(f"error: {e.code}: {e.message}", file=sys.stderr)
+        return 2
+    serve(settings)
     return 0
 
 

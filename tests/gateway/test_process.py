@@ -7,6 +7,7 @@ from pydantic import ValidationError
 
 from gateway.__main__ import build_parser
 from gateway.settings import GatewaySettings, settings_from_args
+from producer_client import InvalidArgument
 from tests.redis_support import REPO
 
 
@@ -37,5 +38,5 @@ def test_the_gateway_joins_an_existing_redis_only():
 
 
 def test_pinned_model_queues_must_be_usable_in_keys():
-    with pytest.raises(ValidationError):
+    with pytest.raises(InvalidArgument, match="models"):
         GatewaySettings(models={"m": "{bad}"})
