@@ -56,15 +56,13 @@ class Jobs:
         self.cancels: set[asyncio.Task] = set()  # held so that they run to their end
 
     async def submit(self, client: AsyncClient, specs: list[JobSpec], key: str | None, request_id: str) -> RequestJobs:
-        """Enqueue one job per spec, once every spec has passed the client's validation. With an
+        """Enqueue one job per spec (see Gateway.check for their validation). With an
         Idempotency-Key, job i is `<key>-<i>`: a retried request finds the same jobs."""
-        for spec in specs:
-            spec.check(self.job_timeout_s)
         submits = [
             client.submit(request_id=None if key is None else f"{key}-{i}", timeout_s=self.job_timeout_s, **spec.submit_kwargs())
             for i, spec in enumerate(specs)
         ]
-        outcomes = await asyncio.gather(*submits, return_exceptions=True)
+        outcomes = [await submits[0]] if len(submits) == 1 else await asyncio.gather(*submits, return_exceptions=True)
         jobs = RequestJobs(client, [o for o in outcomes if isinstance(o, str)], request_id, idempotent=key is not None)
         error = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if error is not None:
@@ -139,7 +137,7 @@ class Inbox:
 
     async def _result(self, index: int, job_id: str) -> None:
         try:
-            self.queue.put_nowait(JobEvent(index, await self.jobs.client.result(job_id, timeout=self.owner.job_timeout_s)))
+            self.queue.put_nowait(JobEvent(index, await self.jobs.client.wait(job_id, timeout=self.owner.job_timeout_s)))
         except Exception as e:
             self.queue.put_nowait(JobEvent(index, e))
 

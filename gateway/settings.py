@@ -35,6 +35,9 @@ class GatewaySettings(BaseSettings):
     job_timeout_s: float = Field(
         600.0, gt=0.0, description="a job's deadline from its enqueue; past it the request ends with 504"
     )
+    max_connections: int = Field(
+        5000, ge=1, description="Redis connections the gateway may hold: each job it waits for holds one (a blocking read)"
+    )
     max_queue_depth: int = Field(DEFAULT_MAX_QUEUE_DEPTH, ge=1, description="a fuller queue answers 429")
     retry_after_s: int = Field(1, ge=1, description="the Retry-After of a 429 (queue full)")
     keepalive_s: float = Field(5.0, gt=0.0, description="a stream with no token for this long gets a ': keep-alive' line")

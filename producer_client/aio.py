@@ -25,12 +25,12 @@ class AsyncClient:
 
     def __init__(
         self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
-        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH,
+        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH, max_connections: int | None = None,
     ):
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
-        self.redis = aioredis.Redis.from_url(url, decode_responses=True, retry=retry_policy())
+        self.redis = aioredis.Redis.from_url(url, decode_responses=True, retry=retry_policy(), max_connections=max_connections)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -69,6 +69,10 @@ class AsyncClient:
         if not job:
             raise JobNotFound(job_id)
         return protocol.finished(job_id, job["result"] if "result" in job else await self._wait_done(job_id, deadline))
+
+    async def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
+        job_id = protocol.check_job_id(job_id)
+        return protocol.finished(job_id, await self._wait_done(job_id, Deadline(job_id, protocol.check_timeout(timeout))))
 
     async def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenDelta]:
         job_id = protocol.check_job_id(job_id)

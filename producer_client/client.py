@@ -27,17 +27,18 @@ class Client:
     `max_queue_depth` is the backpressure bound: `submit` raises QueueFull when the queue
     already holds that many unacknowledged entries (None: no bound). The check and the
     XADD are one script, so the bound holds whatever the number of producers; entries are
-    never trimmed to enforce it.
+    never trimmed to enforce it. `max_connections` bounds the connection pool (None: redis-py's
+    default, 100); every call in flight holds a connection, a blocking read for as long as it waits.
     """
 
     def __init__(
         self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
-        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH,
+        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH, max_connections: int | None = None,
     ):
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
-        self.redis = redis.Redis.from_url(url, decode_responses=True, retry=retry_policy())
+        self.redis = redis.Redis.from_url(url, decode_responses=True, retry=retry_policy(), max_connections=max_connections)
 
     def close(self) -> None:
         self.redis.close()
@@ -82,6 +83,12 @@ class Client:
         if not job:
             raise JobNotFound(job_id)
         return protocol.finished(job_id, job["result"] if "result" in job else self._wait_done(job_id, deadline))
+
+    def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
+        """result() of a job known to exist (this client just submitted it): one blocking read of
+        its `done` stream, without looking the job up first."""
+        job_id = protocol.check_job_id(job_id)
+        return protocol.finished(job_id, self._wait_done(job_id, Deadline(job_id, protocol.check_timeout(timeout))))
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
         """Yield the job's token deltas until it ends. Resume after a disconnect with

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian/Ubuntu machine for MILI: redis-server, a venv, and the Python deps.
-# Usage: scripts/bootstrap.sh [--dev]   (--dev adds the test dependencies)
+# Usage: scripts/bootstrap.sh [--dev]   (the demo's dependencies; --dev adds the test dependencies)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,7 +29,7 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   fi
 fi
 
-extra=""
+extra="[demo]"  # the demo's gateway and the openai SDK it calls
 [ "${1:-}" = "--dev" ] && extra="[dev]"
 pip install -e ".${extra}"
 echo "[bootstrap] ready: $(.venv/bin/python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
