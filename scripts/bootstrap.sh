@@ -13,6 +13,8 @@ apt_install() {
 }
 
 command -v redis-server >/dev/null || apt_install redis-server
+# The gateway's tests read raw Server-Sent Events with curl -N.
+[ "${1:-}" = "--dev" ] && { command -v curl >/dev/null || apt_install curl; }
 python3 -c 'import sys; assert sys.version_info >= (3, 10), "MILI needs Python 3.10+"'
 
 if [ ! -x .venv/bin/python ]; then
