@@ -75,10 +75,13 @@ class Gateway:
         s = self.settings
         return EventStream(events(inbox, renderer, include_usage, s.keepalive_s, self.metrics, s.retry_after_s), headers=job_headers(jobs))
 
-    async def answer(
-        self, request: Request, req: SamplingRequest, specs: list[JobSpec], renderer: ChatRenderer | CompletionRenderer,
-    ) -> Response:
-        """A chat or text completion: enqueue its jobs, then stream them or wait for them."""
+    async def answer(self, request: Request, request_model: type[SamplingRequest], jobs_of, renderer_of, id_prefix: str) -> Response:
+        """A chat or text completion: validate it whole, enqueue its jobs, then stream them or
+        wait for them. `jobs_of` turns the request into job specs, `renderer_of` makes its renderer."""
+        req = await parse(request, request_model)
+        check_stream_options(req)
+        specs = jobs_of(req)
+        renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, [s.prompt_index for s in specs])
         self.check(specs)
         jobs = await self.submit(request, specs, await self.registry.queue_for(req.model))
         if req.stream:
@@ -111,19 +114,11 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) ->
 
     @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(request: Request):
-        req = await parse(request, ChatCompletionRequest)
-        check_stream_options(req)
-        specs = chat_jobs(req)
-        renderer = ChatRenderer(f"chatcmpl-{answer_id(request)}", req.model, [s.prompt_index for s in specs])
-        return await gw.answer(request, req, specs, renderer)
+        return await gw.answer(request, ChatCompletionRequest, chat_jobs, ChatRenderer, "chatcmpl")
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request):
-        req = await parse(request, CompletionRequest)
-        check_stream_options(req)
-        specs = completion_jobs(req)
-        renderer = CompletionRenderer(f"cmpl-{answer_id(request)}", req.model, [s.prompt_index for s in specs])
-        return await gw.answer(request, req, specs, renderer)
+        return await gw.answer(request, CompletionRequest, completion_jobs, CompletionRenderer, "cmpl")
 
     @app.get("/v1/models", dependencies=authorized)
     async def list_models():

@@ -10,15 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import SettingsConfigDict
 
 from producer_client.keys import DEFAULT_PREFIX, check_name
+from producer_client.settings import TomlSettings
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH
 
 DEFAULT_CONFIG_FILE = Path(__file__).resolve().parents[1] / "config" / "gateway.toml"
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(TomlSettings):
     model_config = SettingsConfigDict(env_prefix="MILI_", extra="forbid", frozen=True, toml_file=DEFAULT_CONFIG_FILE)
 
     redis: str = Field("redis://localhost:6379/0", description="redis://, rediss:// or unix:// URL of the queue's Redis")
@@ -63,20 +64,6 @@ class GatewaySettings(BaseSettings):
         for queue in value.values():
             check_name("models", queue)
         return value
-
-    @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
-        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
-
-    @classmethod
-    def load(cls, config_file: Path | None = None, **flags: Any) -> GatewaySettings:
-        """Settings from `flags` over the environment over `config_file` (default: config/gateway.toml)."""
-        if config_file is None:
-            return cls(**flags)
-        if not Path(config_file).is_file():
-            raise FileNotFoundError(f"settings file {config_file} does not exist")
-        bound = type(cls.__name__, (cls,), {"model_config": {**cls.model_config, "toml_file": config_file}})
-        return bound(**flags)
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
