@@ -101,17 +101,19 @@ def open_stream_and_leave(url: str, body: dict, chunks: int) -> str:
 LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
-def test_a_client_that_disconnects_mid_stream_cancels_its_job(gateway, redis_server):
+def test_a_client_that_disconnects_mid_stream_cancels_its_job_within_a_step(gateway, redis_server):
     with Client(redis_server.url, TINY_QUEUE) as client:
-        job_ids = [open_stream_and_leave(gateway.url, LONG, chunks=5) for _ in range(3)]
-        left_at = time.monotonic()
-        assert eventually(lambda: all(client.status(j).status == "cancelled" for j in job_ids), timeout=5)
-        cancelled_after = time.monotonic() - left_at
-        for job_id in job_ids:
+        left = []  # (job id, tokens Redis held when its client left)
+        for _ in range(3):
+            job_id = open_stream_and_leave(gateway.url, LONG, chunks=5)
+            left.append((job_id, client.status(job_id).tokens))
+        assert eventually(lambda: all(client.status(j).status == "cancelled" for j, _ in left), timeout=5)
+        for job_id, tokens_at_leave in left:
             result = client.result(job_id, timeout=5)
             assert result.finish_reason == "abort"
-            assert 5 <= result.usage.completion_tokens < 200  # of 2000: stopped soon after the disconnect
-    assert cancelled_after < 2
+            # The step running when the cancel lands, and the one that publishes the abort; the rest
+            # is slack for this shared 2-core machine. Uncancelled, the job would make 2000.
+            assert result.usage.completion_tokens - tokens_at_leave <= 5, (result.usage, tokens_at_leave)
 
 
 def test_with_cancel_on_disconnect_off_the_job_runs_to_its_end(redis_server, gateway_workers, tmp_path):
