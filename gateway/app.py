@@ -42,14 +42,12 @@ IDEMPOTENCY_KEY_CHARS = 120  # room for the `-<choice>` suffix within a job id's
 Model = TypeVar("Model", bound=BaseModel)
 
 
-
 class Gateway:
     """What the routes share: settings, one Redis client for every queue, the model registry,
     the jobs of open requests and the metrics."""
 
     def __init__(self, settings: GatewaySettings, lifecycle: Lifecycle):
         self.settings = settings
-        self.lifecycle = lifecycle
         self.client = AsyncClient(
             settings.redis, settings.default_queue, prefix=settings.prefix, max_queue_depth=settings.max_queue_depth,
             max_connections=settings.max_connections,
@@ -97,8 +95,8 @@ class Gateway:
                 spec.check(self.settings.job_timeout_s)
 
 
-def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) -> FastAPI:
-    lifecycle = lifecycle or Lifecycle()
+def create_app(settings: GatewaySettings, lifecycle: Lifecycle) -> RequestContext:
+    """The ASGI app: FastAPI's routes inside the request-id and metrics middleware."""
     gw = Gateway(settings, lifecycle)
 
     @asynccontextmanager
@@ -108,7 +106,6 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle | None = None) ->
         await gw.client.aclose()
 
     app = FastAPI(title="MILI gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.gateway = gw
     add_error_handlers(app, settings.retry_after_s)
     authorized = [Depends(api_key_check(settings.api_keys))] if settings.api_keys else []
 
