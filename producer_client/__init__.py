@@ -8,10 +8,11 @@ from producer_client.errors import (
 )
 from producer_client.schema import (
     ChatMessage, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams, Timings, TokenDelta, Usage,
+    WorkerInfo,
 )
 
 __all__ = [
     "AsyncClient", "ChatMessage", "Client", "InvalidArgument", "JobFailed", "JobNotFound", "JobRequest",
     "JobResult", "JobStatus", "JobTimeout", "MiliError", "QueueFull", "QueueStats", "SamplingParams",
-    "Timings", "TokenDelta", "Usage", "errors",
+    "Timings", "TokenDelta", "Usage", "WorkerInfo", "errors",
 ]

@@ -1,6 +1,7 @@
 """The asyncio client: `Client`'s methods as coroutines, over redis.asyncio."""
 from __future__ import annotations
 
+import copy
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,7 +13,7 @@ from producer_client.connection import async_retry_policy
 from producer_client.errors import JobNotFound, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
-from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta
+from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
 
 class AsyncClient:
@@ -20,12 +21,12 @@ class AsyncClient:
 
     def __init__(
         self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
-        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH,
+        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH, max_connections: int | None = None,
     ):
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
-        self.redis = aioredis.Redis.from_url(url, decode_responses=True, retry=async_retry_policy())
+        self.redis = aioredis.Redis.from_url(url, decode_responses=True, retry=async_retry_policy(), max_connections=max_connections)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -59,6 +60,10 @@ class AsyncClient:
         if not job:
             raise JobNotFound(job_id)
         return protocol.finished(job_id, job["result"] if "result" in job else await self._wait_done(job_id, deadline))
+
+    async def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
+        job_id = protocol.check_job_id(job_id)
+        return protocol.finished(job_id, await self._wait_done(job_id, Deadline(job_id, protocol.check_timeout(timeout))))
 
     async def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenDelta]:
         job_id = protocol.check_job_id(job_id)
@@ -107,6 +112,20 @@ class AsyncClient:
         replies = await pipe.execute()
         groups = replies.pop(0) if depth else []
         return protocol.queue_stats(self.queue, depth, groups, names, replies)
+
+    async def workers(self) -> list[WorkerInfo]:
+        queues = await self.redis.zrange(self.keys.queues(), 0, -1)
+        pipe = self.redis.pipeline(transaction=False)
+        for queue in queues:
+            pipe.zrange(self.keys.workers(queue), 0, -1)
+        for name in [name for names in await pipe.execute() for name in names]:
+            pipe.hgetall(self.keys.worker(name))
+        return protocol.live_workers(await pipe.execute())
+
+    def on_queue(self, queue: str) -> AsyncClient:
+        other = copy.copy(self)
+        other.queue = check_name("queue", queue)
+        return other
 
     async def _enqueue_or_forget(self, job: NewJob, create: bool) -> list:
         add = protocol.enqueue_commands(self.keys, self.queue, self.max_queue_depth, job, create)

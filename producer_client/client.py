@@ -2,6 +2,7 @@
 to redis-py. Every argument is validated before the first command is sent."""
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +13,7 @@ from producer_client.connection import retry_policy
 from producer_client.errors import JobNotFound, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
-from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta
+from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
 
 class Client:
@@ -21,17 +22,18 @@ class Client:
     `max_queue_depth` is the backpressure bound: `submit` raises QueueFull when the queue
     already holds that many unacknowledged entries (None: no bound). The check and the
     XADD are one script, so the bound holds whatever the number of producers; entries are
-    never trimmed to enforce it.
+    never trimmed to enforce it. `max_connections` bounds the connection pool (None: redis-py's
+    default, 100); every call in flight holds a connection, a blocking read for as long as it waits.
     """
 
     def __init__(
         self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
-        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH,
+        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH, max_connections: int | None = None,
     ):
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
-        self.redis = redis.Redis.from_url(url, decode_responses=True, retry=retry_policy())
+        self.redis = redis.Redis.from_url(url, decode_responses=True, retry=retry_policy(), max_connections=max_connections)
 
     def close(self) -> None:
         self.redis.close()
@@ -70,6 +72,12 @@ class Client:
         if not job:
             raise JobNotFound(job_id)
         return protocol.finished(job_id, job["result"] if "result" in job else self._wait_done(job_id, deadline))
+
+    def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
+        """result() of a job known to exist (this client just submitted it): one blocking read of
+        its `done` stream, without looking the job up first."""
+        job_id = protocol.check_job_id(job_id)
+        return protocol.finished(job_id, self._wait_done(job_id, Deadline(job_id, protocol.check_timeout(timeout))))
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
         """Yield the job's token deltas until it ends. Resume after a disconnect with
@@ -125,6 +133,24 @@ class Client:
         replies = pipe.execute()
         groups = replies.pop(0) if depth else []
         return protocol.queue_stats(self.queue, depth, groups, names, replies)
+
+    def workers(self) -> list[WorkerInfo]:
+        """Every live worker of every queue, from the queue index, each queue's worker index and
+        the heartbeats (an expired heartbeat is a dead worker): which models are served where."""
+        queues = self.redis.zrange(self.keys.queues(), 0, -1)
+        pipe = self.redis.pipeline(transaction=False)
+        for queue in queues:
+            pipe.zrange(self.keys.workers(queue), 0, -1)
+        for name in [name for names in pipe.execute() for name in names]:
+            pipe.hgetall(self.keys.worker(name))
+        return protocol.live_workers(pipe.execute())
+
+    def on_queue(self, queue: str) -> Client:
+        """A client of `queue` with this one's settings, over the same connection pool: one pool
+        serves every queue (closing either client closes it)."""
+        other = copy.copy(self)
+        other.queue = check_name("queue", queue)
+        return other
 
     def _enqueue_or_forget(self, job: NewJob, create: bool) -> list:
         """ENQUEUE's reply. If the enqueue fails, the job hash goes, so that a later submit with

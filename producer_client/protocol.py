@@ -21,7 +21,7 @@ from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
 from producer_client.scripts import CANCEL, CREATE, ENQUEUE
 from producer_client.schema import (
     MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
-    TokenDelta, TokenLogprob, Timings, invalid_argument_from,
+    TokenDelta, TokenLogprob, Timings, WorkerInfo, invalid_argument_from,
 )
 
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -206,3 +206,8 @@ def queue_stats(queue: str, depth: int, groups: list[dict], names: list[str], al
         queue=queue, depth=depth, pending=pending, waiting=waiting,
         workers=[n for n, a in zip(names, alive) if a],
     )
+
+
+def live_workers(heartbeats: list[dict[str, str]]) -> list[WorkerInfo]:
+    """The workers whose heartbeat hash still exists (HGETALL of an expired one is empty)."""
+    return [WorkerInfo.model_validate(h) for h in heartbeats if h]

@@ -208,3 +208,19 @@ class QueueStats(BaseModel):
     pending: int  # delivered to a worker, not yet acknowledged
     waiting: int  # not yet delivered to any worker (the group's lag)
     workers: list[str]  # names of workers with a fresh heartbeat
+
+
+class WorkerInfo(BaseModel):
+    """A live worker, as its heartbeat hash `mili:worker:{name}` describes it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: str
+    queue: str
+    model: str  # the worker's --model: a preset name, "echo", or a checkpoint path
+    device: str
+    state: Literal["serving", "draining"]
+    running: int
+    free_slots: int
+    free_pages: int
+    started_at: float

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian/Ubuntu machine for MILI: redis-server, a venv, and the Python deps.
-# Usage: scripts/bootstrap.sh [--dev]   (--dev adds the test dependencies)
+# Usage: scripts/bootstrap.sh [--dev]   (the demo's dependencies; --dev adds the test dependencies)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,6 +13,8 @@ apt_install() {
 }
 
 command -v redis-server >/dev/null || apt_install redis-server
+# The gateway's tests read raw Server-Sent Events with curl -N.
+[ "${1:-}" = "--dev" ] && { command -v curl >/dev/null || apt_install curl; }
 python3 -c 'import sys; assert sys.version_info >= (3, 10), "MILI needs Python 3.10+"'
 
 if [ ! -x .venv/bin/python ]; then
@@ -29,7 +31,7 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   fi
 fi
 
-extra=""
+extra="[demo]"  # the demo's gateway and the openai SDK it calls
 [ "${1:-}" = "--dev" ] && extra="[dev]"
 pip install -e ".${extra}"
 echo "[bootstrap] ready: $(.venv/bin/python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"

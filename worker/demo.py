@@ -1,9 +1,11 @@
 """The demo behind the README's run command: a private Redis, one worker process, and a few
-jobs sent through the producer client (one streamed live, one chat), then the results and
-the worker's own metrics, and a clean shutdown of both."""
+jobs sent through the producer client (one streamed live, one chat), one chat through the
+OpenAI-compatible gateway with the official `openai` SDK, then the results and the worker's
+own metrics, and a clean shutdown of all."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +33,8 @@ def demo(model: str) -> int:
             try:
                 with Client(server.url) as client:
                     port = wait_for_worker(client, worker, log_path)
-                    print_metrics(port, run_jobs(client))
+                    jobs = run_jobs(client) + chat_through_gateway(server.url, model, Path(tmp) / "gateway.log")
+                    print_metrics(port, jobs)
             finally:
                 stop_worker(worker)
         print(f"\nworker log ({log_path.name}):")
@@ -90,6 +93,48 @@ def run_jobs(client: Client) -> int:
         print(f"{prompt!r} ->")
         show(result)
     return 2 + len(PROMPTS)
+
+
+def chat_through_gateway(redis_url: str, model: str, log_path: Path) -> int:
+    """One chat through `python -m gateway` with the official openai SDK; returns the jobs it ran."""
+    from openai import OpenAI
+
+    port = free_port()
+    command = [sys.executable, "-m", "gateway", "--redis", redis_url, "--port", str(port), "--log-level", "WARNING"]
+    print(f"\n== the same through the OpenAI-compatible gateway: {' '.join(command[1:])} ==")
+    with log_path.open("w") as log_file:
+        gateway = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        base_url = f"http://127.0.0.1:{port}/v1"
+        wait_for_gateway(f"http://127.0.0.1:{port}/health", gateway, log_path)
+        openai = OpenAI(base_url=base_url, api_key="unused")
+        print(f'OpenAI(base_url="{base_url}").chat.completions.create(model="{model}", messages=[...])')
+        reply = openai.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Name a prime number."}], max_tokens=MAX_TOKENS, temperature=0,
+        )
+        print(f"  {reply.choices[0].message.content!r} ({reply.choices[0].finish_reason}, {reply.usage.total_tokens} tokens)")
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=30)
+    return 1
+
+
+def wait_for_gateway(health_url: str, gateway: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(health_url, timeout=5)
+            return
+        except OSError:
+            if gateway.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the gateway did not start:\n{log_path.read_text()}") from None
+            time.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def show(result: JobResult) -> None:

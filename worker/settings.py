@@ -11,17 +11,18 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import SettingsConfigDict
 
 from producer_client.errors import InvalidArgument
 from producer_client.keys import DEFAULT_PREFIX, check_name
 from producer_client.schema import MAX_BODY_BYTES, MAX_TOKENS_LIMIT
+from producer_client.settings import TomlSettings
 from worker.engine.settings import EngineSettings
 
 DEFAULT_CONFIG_FILE = Path(__file__).resolve().parents[1] / "config" / "worker.toml"
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(TomlSettings):
     model_config = SettingsConfigDict(
         env_prefix="MILI_", env_nested_delimiter="__", extra="forbid", frozen=True,
         toml_file=DEFAULT_CONFIG_FILE,
@@ -79,20 +80,6 @@ class WorkerSettings(BaseSettings):
                 "Redis outage can lose its running jobs to the others",
             )
         return self
-
-    @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
-        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
-
-    @classmethod
-    def load(cls, config_file: Path | None = None, **flags: Any) -> WorkerSettings:
-        """Settings from `flags` over the environment over `config_file` (default: config/worker.toml)."""
-        if config_file is None:
-            return cls(**flags)
-        if not Path(config_file).is_file():
-            raise FileNotFoundError(f"settings file {config_file} does not exist")
-        bound = type(cls.__name__, (cls,), {"model_config": {**cls.model_config, "toml_file": config_file}})
-        return bound(**flags)
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:

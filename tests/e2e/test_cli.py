@@ -57,5 +57,7 @@ def test_the_demo_runs_jobs_through_redis_and_a_worker_and_stops_cleanly():
     out = demo.stdout
     assert "[" in out and "Once upon a time" in out
     assert "resubmitting request_id demo-0 returned the same job: True" in out
-    assert "jobs: done 5, failed 0, cancelled 0, expired 0" in out
+    assert "chat.completions.create(model=\"echo\"" in out
+    assert "'user: Name a prime numbe' (length, 62 tokens)" in out  # the echo worker's 24 tokens, through the gateway
+    assert "jobs: done 6, failed 0, cancelled 0, expired 0" in out
     assert "worker and redis-server stopped." in out

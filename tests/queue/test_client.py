@@ -6,9 +6,10 @@ import uuid
 
 import pytest
 
-from producer_client import InvalidArgument, JobNotFound, JobTimeout, QueueFull
+from producer_client import AsyncClient, Client, InvalidArgument, JobNotFound, JobTimeout, QueueFull
 from producer_client.keys import GROUP, Keys
 from tests.redis_support import free_port, make_client
+from worker.queue import WorkerQueue
 
 DEAD_URL = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens: any command would raise ConnectionError
 
@@ -171,3 +172,37 @@ def test_a_wait_longer_than_the_socket_timeout_reads_in_bounded_blocks(client):
     job_id = client.submit("x", max_tokens=1)
     with pytest.raises(JobTimeout):
         client.result(job_id, timeout=6)
+
+
+def test_workers_lists_the_live_workers_of_every_queue_from_their_heartbeats(client, redis_client, queue):
+    other = f"{queue}-other"
+    heartbeat = {"device": "cpu", "state": "serving", "running": 2, "free_slots": 3, "free_pages": 40, "started_at": 1.5, "pid": 7}
+    for name, worker_queue, model in ((f"{queue}-a", queue, "tiny"), (f"{queue}-b", other, "/models/qwen"), (f"{queue}-dead", queue, "tiny")):
+        fields = {**heartbeat, "name": name, "queue": worker_queue, "model": model}
+        WorkerQueue(redis_client, Keys(), worker_queue, name, result_ttl_s=60).heartbeat(fields, ttl_s=5, held=[])
+    redis_client.delete(Keys().worker(f"{queue}-dead"))  # as when its TTL runs out
+
+    mine = sorted((w for w in client.workers() if w.queue in (queue, other)), key=lambda w: w.name)
+    assert [(w.name, w.queue, w.model, w.state, w.running, w.free_slots, w.free_pages) for w in mine] == [
+        (f"{queue}-a", queue, "tiny", "serving", 2, 3, 40),
+        (f"{queue}-b", other, "/models/qwen", "serving", 2, 3, 40),
+    ]
+
+
+def test_a_client_on_another_queue_shares_the_connection_pool(redis_server, redis_client, queue):
+    with Client(redis_server.url, queue) as client:
+        other = client.on_queue(f"{queue}-2")
+        job_id = other.submit("hi", max_tokens=1)
+        assert (client.queue, other.queue, other.redis) == (queue, f"{queue}-2", client.redis)
+        assert [f["id"] for _, f in redis_client.xrange(Keys().queue(f"{queue}-2"))] == [job_id]
+        assert redis_client.xlen(Keys().queue(queue)) == 0
+        with pytest.raises(InvalidArgument, match="queue"):
+            client.on_queue("{bad}")
+
+
+async def test_an_async_client_on_another_queue_shares_the_connection_pool(redis_server, redis_client, queue):
+    async with AsyncClient(redis_server.url, queue) as client:
+        other = client.on_queue(f"{queue}-2")
+        job_id = await other.submit("hi", max_tokens=1)
+        assert (other.queue, other.redis) == (f"{queue}-2", client.redis)
+        assert [f["id"] for _, f in redis_client.xrange(Keys().queue(f"{queue}-2"))] == [job_id]

@@ -1,0 +1,64 @@
+"""`python -m gateway` (console script `mili-gateway`): serve the HTTP gateway under uvicorn.
+
+    mili-gateway --redis redis://host:6379/0 --host 0.0.0.0 --port 8000
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.lifecycle import Lifecycle
+from gateway.settings import GatewaySettings, add_setting_flags, settings_from_args
+from producer_client import MiliError
+
+# A stream still open this long after SIGTERM is cut; the stop has already told it to end.
+GRACEFUL_SHUTDOWN_S = 10
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server, telling the open requests that the gateway stops before uvicorn waits
+    for them to end (see gateway.lifecycle)."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle):
+        super().__init__(config)
+        self.lifecycle = lifecycle
+
+    def handle_exit(self, sig, frame) -> None:
+        self.lifecycle.stop_from_signal()
+        super().handle_exit(sig, frame)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = settings_from_args(build_parser().parse_args(argv))
+    except MiliError as e:
+        print(f"error: {e.code}: {e.message}", file=sys.stderr)
+        return 2
+    serve(settings)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mili-gateway", description="MILI's OpenAI-compatible HTTP gateway")
+    add_setting_flags(parser)
+    return parser
+
+
+def serve(settings: GatewaySettings) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    lifecycle = Lifecycle()
+    config = uvicorn.Config(
+        create_app(settings, lifecycle), host=settings.host, port=settings.port, access_log=False,
+        log_level=settings.log_level.lower(), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    GatewayServer(config, lifecycle).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""The HTTP routes: OpenAI's chat and text completions and models, the seed's /generate and
+/health, a job's status, and Prometheus metrics. Each request is validated whole before its jobs
+are enqueued, and every response carries the request's id in `x-request-id`."""
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+import redis
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import HTTPException, RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from gateway.errors import APIError, api_error_of, bad_request, not_found, unauthorized
+from gateway.jobs import Jobs, RequestJobs, collect
+from gateway.lifecycle import Lifecycle
+from gateway.metrics import GatewayMetrics
+from gateway.registry import ModelRegistry
+from gateway.render import ChatRenderer, CompletionRenderer, Renderer, finish_reason, usage
+from gateway.requests import JobSpec, chat_jobs, completion_jobs, generate_job
+from gateway.schema import (
+    ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateResponse, Health, ModelList, SamplingRequest,
+)
+from gateway.settings import GatewaySettings
+from gateway.streaming import EventStream, events
+from producer_client import AsyncClient, JobResult, MiliError
+from producer_client.keys import NAME_PATTERN
+
+log = logging.getLogger("gateway")
+
+# Where a field is a union, pydantic names the member that failed inside the error's location
+# (`messages.0.content.str`); fields are snake_case, members are types.
+UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*")
+IDEMPOTENCY_KEY_CHARS = 120  # room for the `-<choice>` suffix within a job id's 128 characters
+Model = TypeVar("Model", bound=BaseModel)
+
+
+class Gateway:
+    """What the routes share: settings, one Redis client for every queue, the model registry,
+    the jobs of open requests and the metrics."""
+
+    def __init__(self, settings: GatewaySettings, lifecycle: Lifecycle):
+        self.settings = settings
+        self.client = AsyncClient(
+            settings.redis, settings.default_queue, prefix=settings.prefix, max_queue_depth=settings.max_queue_depth,
+            max_connections=settings.max_connections,
+        )
+        self.registry = ModelRegistry(self.client, settings.models, settings.workers_refresh_s)
+        self.jobs = Jobs(lifecycle, settings.job_timeout_s, settings.cancel_on_disconnect)
+        self.metrics = GatewayMetrics()
+
+    async def submit(self, request: Request, specs: list[JobSpec], queue: str) -> RequestJobs:
+        jobs = await self.jobs.submit(self.client.on_queue(queue), specs, idempotency_key(request), request.state.request_id)
+        request.state.jobs = f"queue {queue!r} jobs {','.join(jobs.ids)}"  # for the request's log line
+        return jobs
+
+    async def results(self, request: Request, jobs: RequestJobs) -> list[JobResult] | None:
+        """The jobs' results; None if the client left first."""
+        results = await collect(self.jobs.open_inbox(jobs, stream=False, receive=request.receive))
+        if results is None:
+            log.info("request %s: the client left before its results", jobs.request_id)
+        return results
+
+    def stream(self, jobs: RequestJobs, renderer: Renderer, include_usage: bool) -> EventStream:
+        inbox = self.jobs.open_inbox(jobs, stream=True, receive=None)
+        s = self.settings
+        return EventStream(events(inbox, renderer, include_usage, s.keepalive_s, self.metrics, s.retry_after_s), headers=job_headers(jobs))
+
+    async def answer(self, request: Request, request_model: type[SamplingRequest], jobs_of, renderer_of, id_prefix: str) -> Response:
+        """A chat or text completion: validate it whole, enqueue its jobs, then stream them or
+        wait for them. `jobs_of` turns the request into job specs, `renderer_of` makes its renderer."""
+        req = await parse(request, request_model)
+        check_stream_options(req)
+        specs = jobs_of(req)
+        renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, [s.prompt_index for s in specs])
+        self.check(specs)
+        jobs = await self.submit(request, specs, await self.registry.queue_for(req.model))
+        if req.stream:
+            return self.stream(jobs, renderer, include_usage(req))
+        results = await self.results(request, jobs)
+        return client_left() if results is None else json_response(renderer.response(results), job_headers(jobs))
+
+    def check(self, specs: list[JobSpec]) -> None:
+        """Every job of a request passes the client's validation before the first is enqueued.
+        A single job needs no check here: `submit` validates it before it touches Redis."""
+        if len(specs) > 1:
+            for spec in specs:
+                spec.check(self.settings.job_timeout_s)
+
+
+def create_app(settings: GatewaySettings, lifecycle: Lifecycle) -> RequestContext:
+    """The ASGI app: FastAPI's routes inside the request-id and metrics middleware."""
+    gw = Gateway(settings, lifecycle)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        lifecycle.started()
+        yield
+        await gw.client.aclose()
+
+    app = FastAPI(title="MILI gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app, settings.retry_after_s)
+    authorized = [Depends(api_key_check(settings.api_keys))] if settings.api_keys else []
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
+    async def chat_completions(request: Request):
+        return await gw.answer(request, ChatCompletionRequest, chat_jobs, ChatRenderer, "chatcmpl")
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(request: Request):
+        return await gw.answer(request, CompletionRequest, completion_jobs, CompletionRenderer, "cmpl")
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def list_models():
+        return json_response(ModelList(data=(await gw.registry.current()).cards))
+
+    @app.get("/v1/models/{model:path}", dependencies=authorized)
+    async def retrieve_model(model: str):
+        card = next((c for c in (await gw.registry.current(force=True)).cards if c.id == model), None)
+        if card is None:
+            raise not_found(f"the model `{model}` does not exist (no live worker serves it)", "model_not_found", "model")
+        return json_response(card)
+
+    @app.get("/v1/jobs/{job_id:path}", dependencies=authorized)
+    async def job_status(job_id: str):
+        return json_response(await gw.client.status(job_id))
+
+    @app.post("/generate", dependencies=authorized)
+    async def generate(request: Request):
+        req = await parse(request, GenerateRequest)
+        spec = generate_job(req)
+        queue = settings.default_queue if req.model is None else await gw.registry.queue_for(req.model)
+        jobs = await gw.submit(request, [spec], queue)
+        results = await gw.results(request, jobs)
+        if results is None:
+            return client_left()
+        (result,) = results
+        answer = GenerateResponse(generated_text=result.text, finish_reason=finish_reason(result), usage=usage([result], [0]))
+        return json_response(answer, job_headers(jobs))
+
+    @app.get("/health")
+    async def health():
+        cards = (await gw.registry.current()).cards
+        return json_response(Health(model_loaded=bool(cards), models=[c.id for c in cards]))
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    return RequestContext(app, gw.metrics)
+
+
+def client_left() -> Response:
+    return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+
+def job_headers(jobs: RequestJobs) -> dict[str, str]:
+    return {"x-mili-job-ids": ",".join(jobs.ids)}
+
+
+def json_response(model: BaseModel, headers: dict[str, str] | None = None, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, headers=headers, media_type="application/json")
+
+
+async def parse(request: Request, model: type[Model]) -> Model:
+    """The body as `model`, strictly from its JSON; a 400 naming the first bad field."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if not UNION_MEMBER.fullmatch(str(p))) or None
+        if first["type"] == "extra_forbidden":
+            raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unsupported_parameter") from None
+        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+
+
+def check_stream_options(req: SamplingRequest) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def include_usage(req: SamplingRequest) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def idempotency_key(request: Request) -> str | None:
+    key = request.headers.get("idempotency-key")
+    if key is not None and (len(key) > IDEMPOTENCY_KEY_CHARS or not NAME_PATTERN.fullmatch(key)):
+        raise bad_request(
+            f"Idempotency-Key must be 1-{IDEMPOTENCY_KEY_CHARS} letters, digits and ._:@/-, starting with a letter or digit",
+            "Idempotency-Key",
+        )
+    return key
+
+
+def answer_id(request: Request) -> str:
+    """An answer's id: the Idempotency-Key, so that a retried request answers under the same id."""
+    return idempotency_key(request) or request.state.request_id
+
+
+def api_key_check(keys: list[str]):
+    expected = [k.encode() for k in keys]
+
+    async def check(request: Request) -> None:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # compare_digest against every key: the time taken does not tell which key came close.
+        matches = [hmac.compare_digest(given.strip().encode(), k) for k in expected]
+        if scheme.lower() != "bearer" or not any(matches):
+            raise unauthorized()
+
+    return check
+
+
+def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
+    def error_response(error: APIError) -> Response:
+        return json_response(error.body, error.headers, error.status)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, error: APIError):
+        return error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, error: HTTPException):
+        return error_response(APIError(error.status_code, str(error.detail), "invalid_request_error"))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, error: RequestValidationError):
+        return error_response(bad_request(str(error.errors()[0]["msg"])))
+
+    # Client-library and Redis errors have their status codes; anything else is a bug, answered
+    # by Starlette's last-resort handler (which logs it) in the same shape.
+    @app.exception_handler(MiliError)
+    @app.exception_handler(redis.RedisError)
+    async def on_queue_error(request: Request, error: Exception):
+        return error_response(api_error_of(error, retry_after_s))
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, error: Exception):
+        return error_response(APIError(500, "internal error", "server_error"))
+
+
+class RequestContext:
+    """ASGI middleware: a request id for every request (the client's `x-request-id` if usable),
+    sent back in `x-request-id`; the request count by route and status, and the time to the
+    first byte of the body; one log line per request, with its jobs and their queue."""
+
+    def __init__(self, app, metrics: GatewayMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = request_id_of(scope)
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = time.perf_counter()
+        status = 500
+        first_byte = True
+
+        async def send_with_context(message) -> None:
+            nonlocal status, first_byte
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+            elif first_byte and message.get("body"):
+                first_byte = False
+                self.metrics.time_to_first_byte.labels(endpoint(scope)).observe(time.perf_counter() - started)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_context)
+        finally:
+            self.metrics.requests.labels(endpoint(scope), str(status)).inc()
+            log.info(
+                "request %s: %s %s -> %d in %.1f ms%s", request_id, scope["method"], scope["path"], status,
+                (time.perf_counter() - started) * 1000, f"; {scope['state']['jobs']}" if "jobs" in scope["state"] else "",
+            )
+
+
+def request_id_of(scope) -> str:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            given = value.decode("latin-1")
+            if NAME_PATTERN.fullmatch(given):
+                return given
+    return uuid.uuid4().hex
+
+
+def endpoint(scope) -> str:
+    route = scope.get("route")
+    return route.path if route is not None else "unmatched"

@@ -1,0 +1,68 @@
+"""Errors as OpenAI's SDKs expect them: `{"error": {"message", "type", "param", "code"}}` under the
+status code the SDK maps to its exception classes (400 BadRequestError, 401 AuthenticationError,
+404 NotFoundError, 429 RateLimitError, 503/504 InternalServerError, which the SDK retries)."""
+from __future__ import annotations
+
+import redis
+
+from gateway.schema import ErrorBody, ErrorResponse
+from producer_client.errors import InvalidArgument, JobFailed, JobNotFound, JobTimeout, MiliError, QueueFull
+
+# Failure codes of a job that mean its input was bad, found by the worker after the enqueue
+# (only it tokenizes, so only it can tell a prompt longer than the context).
+BAD_INPUT_CODES = frozenset({"invalid_argument", "invalid_body", "body_too_large", "prompt_too_long", "kv_capacity_exceeded"})
+
+
+class APIError(Exception):
+    def __init__(
+        self, status: int, message: str, type: str, code: str | None = None, param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorResponse(error=ErrorBody(message=message, type=type, param=param, code=code))
+        self.headers = headers or {}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_argument") -> APIError:
+    return APIError(400, message, "invalid_request_error", code, param)
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "missing or incorrect API key in `Authorization: Bearer`", "invalid_request_error", "invalid_api_key")
+
+
+def not_found(message: str, code: str, param: str | None = None) -> APIError:
+    return APIError(404, message, "invalid_request_error", code, param)
+
+
+def deadline_passed(message: str) -> APIError:
+    return APIError(504, message, "timeout_error", "deadline_exceeded")
+
+
+def gateway_stopping() -> APIError:
+    return APIError(
+        503, "the gateway is restarting; send the request again (with the same Idempotency-Key to keep its jobs)",
+        "service_unavailable_error", "gateway_stopping",
+    )
+
+
+def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
+    """The HTTP error for a client-library or Redis exception; None for anything else (a bug: 500)."""
+    if isinstance(error, InvalidArgument):
+        return bad_request(error.message, error.field, error.code)
+    if isinstance(error, QueueFull):
+        return APIError(429, error.message, "rate_limit_error", error.code, headers={"Retry-After": str(retry_after_s)})
+    if isinstance(error, JobNotFound):
+        return not_found(error.message, "job_not_found")
+    if isinstance(error, JobTimeout):
+        return deadline_passed(error.message)
+    if isinstance(error, JobFailed):
+        if error.code in BAD_INPUT_CODES:
+            return bad_request(error.message, code=error.code)
+        return APIError(500, error.message, "server_error", error.code)
+    if isinstance(error, MiliError):
+        return APIError(500, error.message, "server_error", error.code)
+    if isinstance(error, redis.RedisError):
+        return APIError(503, f"the queue's Redis is unavailable: {error}", "service_unavailable_error", "redis_unavailable")
+    return None

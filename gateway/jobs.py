@@ -1,0 +1,169 @@
+"""The jobs of one HTTP request: submitted together, watched together, and cancelled together
+when the request ends before them.
+
+Everything a request waits for arrives on one asyncio queue (its inbox): each job's token deltas
+and result (or error) from a task per job, the client leaving, and the gateway stopping. So a
+request never polls, and a keep-alive is just a timeout on the inbox.
+
+When a request ends before its jobs (its client left, another choice failed, its deadline
+passed), the unfinished jobs are cancelled, except:
+- while the gateway stops: its successor will serve the client's retry;
+- when the request carries an Idempotency-Key: the client means to retry, and the retry must
+  find the same jobs running, not cancelled;
+- on a disconnect, when the setting `cancel_on_disconnect` is off.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from gateway.errors import gateway_stopping
+from gateway.lifecycle import Lifecycle
+from gateway.requests import JobSpec
+from producer_client import AsyncClient, JobResult, TokenDelta
+
+log = logging.getLogger("gateway.jobs")
+
+LEFT = object()  # the client disconnected
+Receive = Callable[[], Awaitable[dict]]
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    index: int  # the job's choice index
+    item: TokenDelta | JobResult | Exception
+
+
+@dataclass
+class RequestJobs:
+    client: AsyncClient  # on the request's queue
+    ids: list[str]
+    request_id: str
+    idempotent: bool
+    finished: set[int] = field(default_factory=set)  # indexes of the jobs whose result is in
+
+    def unfinished(self) -> list[str]:
+        return [job_id for i, job_id in enumerate(self.ids) if i not in self.finished]
+
+
+class Jobs:
+    def __init__(self, lifecycle: Lifecycle, job_timeout_s: float, cancel_on_disconnect: bool):
+        self.lifecycle = lifecycle
+        self.job_timeout_s = job_timeout_s
+        self.cancel_on_disconnect = cancel_on_disconnect
+        self.cancels: set[asyncio.Task] = set()  # held so that they run to their end
+
+    async def submit(self, client: AsyncClient, specs: list[JobSpec], key: str | None, request_id: str) -> RequestJobs:
+        """Enqueue one job per spec (see Gateway.check for their validation). With an
+        Idempotency-Key, job i is `<key>-<i>`: a retried request finds the same jobs."""
+        submits = [
+            client.submit(request_id=None if key is None else f"{key}-{i}", timeout_s=self.job_timeout_s, **spec.submit_kwargs())
+            for i, spec in enumerate(specs)
+        ]
+        outcomes = [await submits[0]] if len(submits) == 1 else await asyncio.gather(*submits, return_exceptions=True)
+        jobs = RequestJobs(client, [o for o in outcomes if isinstance(o, str)], request_id, idempotent=key is not None)
+        error = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if error is not None:
+            self.release(jobs, client_left=False)
+            raise error
+        return jobs
+
+    def open_inbox(self, jobs: RequestJobs, stream: bool, receive: Receive | None) -> Inbox:
+        return Inbox(self, jobs, stream, receive)
+
+    def release(self, jobs: RequestJobs, client_left: bool) -> None:
+        """The request ends now: cancel its unfinished jobs, unless they are to be kept (see above)."""
+        unfinished = jobs.unfinished()
+        if not unfinished or self.lifecycle.stopping.is_set() or jobs.idempotent:
+            return
+        if client_left and not self.cancel_on_disconnect:
+            return
+        task = asyncio.ensure_future(self._cancel(jobs, unfinished, "its client left" if client_left else "its request failed"))
+        self.cancels.add(task)
+        task.add_done_callback(self.cancels.discard)
+
+    async def _cancel(self, jobs: RequestJobs, job_ids: list[str], why: str) -> None:
+        for job_id in job_ids:
+            try:
+                await jobs.client.cancel(job_id)
+                log.info("request %s: job %s cancelled: %s", jobs.request_id, job_id, why)
+            except Exception as e:  # a job gone already, or Redis away: nothing else to do
+                log.warning("request %s: could not cancel job %s: %s", jobs.request_id, job_id, e)
+
+
+class Inbox:
+    """One request's queue of JobEvents, LEFT and Lifecycle.STOP; close() stops its tasks."""
+
+    def __init__(self, owner: Jobs, jobs: RequestJobs, stream: bool, receive: Receive | None):
+        self.owner = owner
+        self.jobs = jobs
+        self.queue: asyncio.Queue = asyncio.Queue()
+        watch = self._stream if stream else self._result
+        self.tasks = [asyncio.ensure_future(watch(i, job_id)) for i, job_id in enumerate(jobs.ids)]
+        if receive is not None:
+            self.tasks.append(asyncio.ensure_future(self._watch_disconnect(receive)))
+        owner.lifecycle.inboxes.add(self.queue)
+        if owner.lifecycle.stopping.is_set():
+            self.queue.put_nowait(Lifecycle.STOP)
+
+    async def next(self, timeout: float | None = None):
+        """The next item, or None after `timeout` seconds without one."""
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    def got_result(self, event: JobEvent) -> None:
+        self.jobs.finished.add(event.index)
+
+    def close(self, client_left: bool) -> None:
+        self.owner.lifecycle.inboxes.discard(self.queue)
+        for task in self.tasks:
+            task.cancel()
+        self.owner.release(self.jobs, client_left)
+
+    async def _stream(self, index: int, job_id: str) -> None:
+        client = self.jobs.client
+        try:
+            async for delta in client.stream(job_id, timeout=self.owner.job_timeout_s):
+                self.queue.put_nowait(JobEvent(index, delta))
+            self.queue.put_nowait(JobEvent(index, await client.result(job_id)))
+        except Exception as e:
+            self.queue.put_nowait(JobEvent(index, e))
+
+    async def _result(self, index: int, job_id: str) -> None:
+        try:
+            self.queue.put_nowait(JobEvent(index, await self.jobs.client.wait(job_id, timeout=self.owner.job_timeout_s)))
+        except Exception as e:
+            self.queue.put_nowait(JobEvent(index, e))
+
+    async def _watch_disconnect(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.queue.put_nowait(LEFT)
+
+
+async def collect(inbox: Inbox) -> list[JobResult] | None:
+    """Every job's result, in choice order; None if the client left first. Raises a job's error,
+    or a 503 when the gateway begins to stop."""
+    results: list[JobResult | None] = [None] * len(inbox.jobs.ids)
+    client_left = False
+    try:
+        while len(inbox.jobs.finished) < len(results):
+            item = await inbox.next()
+            if item is LEFT:
+                client_left = True
+                return None
+            if item is Lifecycle.STOP:
+                raise gateway_stopping()
+            if isinstance(item.item, Exception):
+                raise item.item
+            inbox.got_result(item)
+            results[item.index] = item.item
+        return results
+    finally:
+        inbox.close(client_left)

@@ -1,0 +1,88 @@
+"""Gateway settings. Precedence, highest first: command-line flags > MILI_* environment variables
+> the TOML file (config/gateway.toml unless --config names another) > defaults. MILI_REDIS and
+MILI_PREFIX mean what they mean to the workers and the `mili` CLI."""
+from __future__ import annotations
+
+import argparse
+import json
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from producer_client.keys import DEFAULT_PREFIX, check_name
+from producer_client.settings import TomlSettings
+from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH
+
+DEFAULT_CONFIG_FILE = Path(__file__).resolve().parents[1] / "config" / "gateway.toml"
+
+
+class GatewaySettings(TomlSettings):
+    model_config = SettingsConfigDict(env_prefix="MILI_", extra="forbid", frozen=True, toml_file=DEFAULT_CONFIG_FILE)
+
+    redis: str = Field("redis://localhost:6379/0", description="redis://, rediss:// or unix:// URL of the queue's Redis")
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    prefix: str = Field(DEFAULT_PREFIX, description="namespace of every Redis key, as the workers'")
+    api_keys: list[str] = Field(
+        default_factory=list, description="accepted `Authorization: Bearer` keys (JSON list); empty: no authentication"
+    )
+    models: dict[str, str] = Field(
+        default_factory=dict, description="model name -> queue (JSON object), over what the heartbeats say; merged over the file's map",
+    )
+    default_queue: str = Field("default", description="the queue of a POST /generate that names no model")
+    job_timeout_s: float = Field(
+        600.0, gt=0.0, description="a job's deadline from its enqueue; past it the request ends with 504"
+    )
+    max_connections: int = Field(
+        5000, ge=1, description="Redis connections the gateway may hold: each job it waits for holds one (a blocking read)"
+    )
+    max_queue_depth: int = Field(DEFAULT_MAX_QUEUE_DEPTH, ge=1, description="a fuller queue answers 429")
+    retry_after_s: int = Field(1, ge=1, description="the Retry-After of a 429 (queue full)")
+    keepalive_s: float = Field(5.0, gt=0.0, description="a stream with no token for this long gets a ': keep-alive' line")
+    cancel_on_disconnect: bool = Field(True, description="a client that disconnects cancels its jobs")
+    workers_refresh_s: float = Field(1.0, gt=0.0, description="how often the live workers' models are read again")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
+
+    @field_validator("redis")
+    @classmethod
+    def _existing_redis(cls, value: str) -> str:
+        if value == "embedded":
+            raise ValueError("a gateway joins the workers' Redis: give its URL (there is no embedded Redis here)")
+        return value
+
+    @field_validator("prefix", "default_queue")
+    @classmethod
+    def _usable_in_keys(cls, value: str, info) -> str:
+        return check_name(info.field_name, value)
+
+    @field_validator("models")
+    @classmethod
+    def _queues_usable_in_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        for queue in value.values():
+            check_name("models", queue)
+        return value
+
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One `--kebab-case` flag per setting, absent unless given; lists and maps take JSON."""
+    parser.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML settings file")
+    for name, field in GatewaySettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind = _flag_type(field.annotation)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=field.description)
+        else:
+            parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=field.description)
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    given = vars(args)
+    flags = {name: given[name] for name in GatewaySettings.model_fields if name in given}
+    return GatewaySettings.load(given.get("config"), **flags)
+
+
+def _flag_type(annotation: Any):
+    return json.loads if typing.get_origin(annotation) in (list, dict) else annotation

@@ -1,0 +1,60 @@
+"""One redis-server, one worker on the `tiny` preset (a real model: tokenizer, chat template,
+sampling, logprobs), one on the echo engine (the prompt back, byte by byte: fast, and every
+token known in advance), and one gateway in front of them, shared by the whole session:
+a tiny worker takes many seconds to start."""
+import json
+
+import openai
+import pytest
+
+from tests.gateway.support import GatewayProcess
+from tests.redis_support import (  # noqa: F401  (fixtures)
+    WorkerProcess, redis_client, redis_server, start_workers,
+)
+
+TINY_QUEUE = "gw-tiny"
+ECHO_QUEUE = "gw-echo"
+PARKED_QUEUE = "gw-parked"  # no worker serves it until a test starts one: its jobs wait
+PARKED_MODEL = "parked"
+KEEPALIVE_S = 0.2
+
+
+@pytest.fixture(scope="session")
+def gateway_workers(redis_server, tmp_path_factory):  # noqa: F811
+    log_dir = tmp_path_factory.mktemp("gateway-workers")
+    workers = [
+        WorkerProcess(redis_server.url, TINY_QUEUE, "gw-tiny-1", log_dir, model="tiny"),
+        WorkerProcess(redis_server.url, ECHO_QUEUE, "gw-echo-1", log_dir, model="echo"),
+    ]
+    try:
+        yield start_workers(workers)
+    finally:
+        for w in workers:
+            w.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway(redis_server, gateway_workers, tmp_path_factory):  # noqa: F811
+    log_dir = tmp_path_factory.mktemp("gateway")
+    process = GatewayProcess(
+        redis_server.url, log_dir, "--keepalive-s", str(KEEPALIVE_S), "--workers-refresh-s", "0.2",
+        "--models", json.dumps({PARKED_MODEL: PARKED_QUEUE}),
+    )
+    try:
+        yield process.start()
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+def sdk(gateway):
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+async def async_sdk(gateway):
+    client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    yield client
+    await client.close()

@@ -1,0 +1,175 @@
+"""Errors in OpenAI's shape, with the status codes the SDK maps, and bad input refused before
+anything is enqueued. Plain httpx, so that the exact status, headers and body are checked."""
+import json
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from producer_client import Client
+from tests.gateway.conftest import PARKED_MODEL
+from tests.gateway.support import GatewayProcess, job_count, job_ids_in_queue
+from tests.redis_support import free_port
+
+CHAT = [{"role": "user", "content": "hi"}]
+API_KEYS = ["key-one", "key-two"]
+STRICT_TIMEOUT_S = 1.0
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert response.headers["x-request-id"]
+    return body["error"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": CHAT}, "model"),
+    ({"model": "tiny"}, "messages"),
+    ({"model": "tiny", "messages": []}, "messages"),
+    ({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content"),
+    ({"model": "tiny", "messages": CHAT, "temperature": "hot"}, "temperature"),
+    ({"model": "tiny", "messages": CHAT, "temperature": -1}, "temperature"),
+    ({"model": "tiny", "messages": CHAT, "top_p": 0}, "top_p"),
+    ({"model": "tiny", "messages": CHAT, "max_tokens": 0}, "max_tokens"),
+    ({"model": "tiny", "messages": CHAT, "max_completion_tokens": 10**9}, "max_tokens"),
+    ({"model": "tiny", "messages": CHAT, "n": 0}, "n"),
+    ({"model": "tiny", "messages": CHAT, "n": 129}, "n"),
+    ({"model": "tiny", "messages": CHAT, "seed": -1}, "seed"),
+    ({"model": "tiny", "messages": CHAT, "stop": [""]}, "stop"),
+    ({"model": "tiny", "messages": CHAT, "stop": ["x"] * 17}, "stop"),
+    ({"model": "tiny", "messages": CHAT, "presence_penalty": 3}, "presence_penalty"),
+    ({"model": "tiny", "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({"model": "tiny", "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "logprobs"),
+    ({"model": "tiny", "messages": CHAT, "min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ({"model": "tiny", "messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({"model": "tiny", "messages": CHAT, "n": 2, "seed": 2**63 - 1}, "seed"),
+])
+def test_a_bad_chat_argument_is_a_400_naming_it_and_enqueues_nothing(gateway, redis_client, body, param):
+    before = job_count(redis_client)
+    response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body)
+    error = error_of(response)
+    assert response.status_code == 400, response.text
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert job_count(redis_client) == before
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "tiny", "prompt": []}, "prompt"),
+    ({"model": "tiny", "prompt": [[]]}, "prompt"),
+    ({"model": "tiny", "prompt": [1, "two"]}, "prompt"),
+    ({"model": "tiny", "prompt": [-1]}, "input_ids"),
+    ({"model": "tiny", "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"model": "tiny", "prompt": ["a"] * 65, "n": 2}, "n"),
+    ({"model": "tiny", "prompt": "hi", "echo": True}, "echo"),
+])
+def test_a_bad_completion_argument_is_a_400_naming_it_and_enqueues_nothing(gateway, redis_client, body, param):
+    before = job_count(redis_client)
+    response = httpx.post(f"{gateway.url}/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert error_of(response)["param"] == param
+    assert job_count(redis_client) == before
+
+
+def test_a_body_that_is_not_json_is_a_400(gateway, redis_client):
+    before = job_count(redis_client)
+    response = httpx.post(f"{gateway.url}/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and error_of(response)["type"] == "invalid_request_error"
+    assert job_count(redis_client) == before
+
+
+def test_a_bad_idempotency_key_is_a_400(gateway, redis_client):
+    before = job_count(redis_client)
+    response = httpx.post(
+        f"{gateway.url}/v1/chat/completions", json={"model": "tiny", "messages": CHAT}, headers={"Idempotency-Key": "{bad}"},
+    )
+    assert response.status_code == 400 and error_of(response)["param"] == "Idempotency-Key"
+    assert job_count(redis_client) == before
+
+
+def test_an_unknown_model_job_or_route_is_a_404(gateway, sdk):
+    model = httpx.post(f"{gateway.url}/v1/chat/completions", json={"model": "no-such-model", "messages": CHAT})
+    job = httpx.get(f"{gateway.url}/v1/jobs/{uuid.uuid4().hex}")
+    route = httpx.get(f"{gateway.url}/v1/no-such-route")
+    assert (model.status_code, error_of(model)["code"], error_of(model)["param"]) == (404, "model_not_found", "model")
+    assert (job.status_code, error_of(job)["code"]) == (404, "job_not_found")
+    assert route.status_code == 404 and error_of(route)["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("no-such-model")
+
+
+def test_the_request_id_is_the_clients_when_it_sends_a_usable_one(gateway):
+    mine = httpx.get(f"{gateway.url}/health", headers={"x-request-id": "my-request-7"})
+    bad = httpx.get(f"{gateway.url}/health", headers={"x-request-id": "{no}"})
+    assert mine.headers["x-request-id"] == "my-request-7"
+    assert bad.headers["x-request-id"] not in ("{no}", "")
+
+
+@pytest.fixture(scope="module")
+def strict_gateway(redis_server, gateway_workers, tmp_path_factory):
+    """API keys, a queue depth of 2 and a job deadline of STRICT_TIMEOUT_S; two parked models on
+    queues of their own that no worker serves."""
+    suffix = uuid.uuid4().hex[:8]
+    models = {PARKED_MODEL: f"gw-strict-{suffix}", "full": f"gw-full-{suffix}"}
+    gw = GatewayProcess(
+        redis_server.url, tmp_path_factory.mktemp("strict"), "--api-keys", json.dumps(API_KEYS),
+        "--max-queue-depth", "2", "--job-timeout-s", str(STRICT_TIMEOUT_S), "--retry-after-s", "3",
+        "--models", json.dumps(models),
+    )
+    gw.models = models
+    yield gw.start()
+    gw.stop()
+
+
+def test_a_missing_or_wrong_api_key_is_a_401(strict_gateway):
+    url = f"{strict_gateway.url}/v1/models"
+    missing = httpx.get(url)
+    wrong = httpx.get(url, headers={"Authorization": "Bearer key-three"})
+    right = [httpx.get(url, headers={"Authorization": f"Bearer {k}"}) for k in API_KEYS]
+    assert (missing.status_code, wrong.status_code) == (401, 401)
+    assert error_of(missing)["code"] == error_of(wrong)["code"] == "invalid_api_key"
+    assert [r.status_code for r in right] == [200, 200]
+    assert httpx.get(f"{strict_gateway.url}/health").status_code == 200  # probes need no key
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{strict_gateway.url}/v1", api_key="key-three", max_retries=0).models.list()
+
+
+def test_a_full_queue_is_a_429_with_retry_after(strict_gateway, redis_server):
+    with Client(redis_server.url, strict_gateway.models["full"]) as client:
+        waiting = [client.submit("fill", max_tokens=1) for _ in range(2)]
+        try:
+            response = httpx.post(
+                f"{strict_gateway.url}/v1/completions", json={"model": "full", "prompt": "one more"},
+                headers={"Authorization": f"Bearer {API_KEYS[0]}"},
+            )
+        finally:
+            for job_id in waiting:
+                client.cancel(job_id)
+    assert response.status_code == 429
+    assert (error_of(response)["code"], response.headers["retry-after"]) == ("queue_full", "3")
+
+
+def test_a_job_past_its_deadline_is_a_504_and_is_cancelled(strict_gateway, redis_client):
+    auth = {"Authorization": f"Bearer {API_KEYS[1]}"}
+    response = httpx.post(
+        f"{strict_gateway.url}/v1/chat/completions", json={"model": PARKED_MODEL, "messages": CHAT}, headers=auth, timeout=30,
+    )
+    assert response.status_code == 504
+    assert error_of(response)["code"] == "deadline_exceeded"
+    (job_id,) = job_ids_in_queue(redis_client, strict_gateway.models[PARKED_MODEL])
+    status = httpx.get(f"{strict_gateway.url}/v1/jobs/{job_id}", headers=auth).json()
+    assert status["status"] == "cancelled"  # it never ran, and never will
+
+
+def test_redis_unreachable_is_a_503(tmp_path):
+    gw = GatewayProcess(f"redis://127.0.0.1:{free_port()}/0", tmp_path).start()
+    try:
+        chat = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": "tiny", "messages": CHAT}, timeout=30)
+        health = httpx.get(f"{gw.url}/health", timeout=30)
+    finally:
+        gw.stop()
+    assert (chat.status_code, health.status_code) == (503, 503)
+    assert error_of(chat)["code"] == error_of(health)["code"] == "redis_unavailable"

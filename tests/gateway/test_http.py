@@ -1,0 +1,75 @@
+"""The seed's endpoints (POST /generate, GET /health), a job's status, Prometheus metrics and
+the gateway's Idempotency-Key, over plain httpx."""
+import uuid
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from producer_client import Client
+from tests.gateway.conftest import ECHO_QUEUE
+from tests.gateway.support import job_ids_in_queue
+from tests.redis_support import eventually
+
+
+def test_generate_returns_the_text_and_usage_of_its_job(gateway, redis_server):
+    response = httpx.post(f"{gateway.url}/generate", json={"model": "echo", "prompt": "echo me", "max_tokens": 4})
+    body = response.json()
+    job_id = response.headers["x-mili-job-ids"]
+    with Client(redis_server.url, ECHO_QUEUE) as client:
+        result = client.result(job_id, timeout=10)
+    assert response.status_code == 200
+    assert body["generated_text"] == result.text == "echo"
+    assert body["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] == 7 and body["usage"]["completion_tokens"] == 4
+    assert body["usage"]["total_tokens"] == 11
+
+
+def test_generate_without_a_model_goes_to_the_default_queue_and_a_client_that_leaves_cancels_it(gateway, redis_server, redis_client):
+    # No worker serves the default queue here: the job waits until its client gives up.
+    before = set(job_ids_in_queue(redis_client, "default"))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway.url}/generate", json={"prompt": "for the default queue"}, timeout=1)
+    (job_id,) = set(job_ids_in_queue(redis_client, "default")) - before
+    with Client(redis_server.url) as client:
+        assert eventually(lambda: client.status(job_id).status == "cancelled", timeout=5)
+
+
+def test_health_says_a_model_is_loaded_and_which(gateway):
+    body = httpx.get(f"{gateway.url}/health").json()
+    assert body["status"] == "ok" and body["model_loaded"] is True
+    assert {"tiny", "echo"} <= set(body["models"])
+
+
+def test_job_status_of_a_finished_job(gateway):
+    response = httpx.post(f"{gateway.url}/v1/completions", json={"model": "echo", "prompt": "abc", "max_tokens": 8})
+    job_id = response.headers["x-mili-job-ids"]
+    status = httpx.get(f"{gateway.url}/v1/jobs/{job_id}").json()
+    assert (status["id"], status["status"], status["tokens"]) == (job_id, "done", 3)
+    assert status["result"]["text"] == "abc"
+
+
+def test_an_idempotency_key_maps_a_repeated_request_to_the_same_jobs(gateway, redis_client):
+    key = uuid.uuid4().hex
+    body = {"model": "echo", "prompt": "once", "max_tokens": 8, "n": 2}
+    first, again = (httpx.post(f"{gateway.url}/v1/completions", json=body, headers={"Idempotency-Key": key}) for _ in range(2))
+    assert first.headers["x-mili-job-ids"] == again.headers["x-mili-job-ids"] == f"{key}-0,{key}-1"
+    assert first.json()["id"] == again.json()["id"] == f"cmpl-{key}"
+    assert first.json()["choices"] == again.json()["choices"]
+    assert first.headers["x-request-id"] != again.headers["x-request-id"]
+
+
+def test_metrics_count_requests_by_route_and_status_and_time_the_first_byte(gateway):
+    httpx.post(f"{gateway.url}/v1/completions", json={"model": "echo", "prompt": "m", "max_tokens": 1})
+    httpx.post(f"{gateway.url}/v1/completions", json={"model": "echo", "prompt": "m", "max_tokens": 1, "stream": True})
+    httpx.post(f"{gateway.url}/v1/completions", json={"model": "no-such-model", "prompt": "m"})
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(httpx.get(f"{gateway.url}/metrics").text)
+        for s in family.samples
+    }
+    route = ("endpoint", "/v1/completions")
+    assert samples[("mili_gateway_requests_total", (route, ("status", "200")))] >= 2
+    assert samples[("mili_gateway_requests_total", (route, ("status", "404")))] >= 1
+    assert samples[("mili_gateway_time_to_first_byte_seconds_count", (route,))] >= 3
+    assert samples[("mili_gateway_open_streams", ())] == 0

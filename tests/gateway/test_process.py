@@ -1,0 +1,42 @@
+"""The gateway as a program: its settings' precedence, its flags, and what it imports."""
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.__main__ import build_parser
+from gateway.settings import GatewaySettings, settings_from_args
+from producer_client import InvalidArgument
+from tests.redis_support import REPO
+
+
+def test_the_gateway_imports_neither_torch_nor_the_worker():
+    code = (
+        "import sys, gateway.__main__; "
+        "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'worker', 'kernels', 'triton', 'numba'}); "
+        "assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_flags_override_the_environment_which_overrides_the_file(tmp_path, monkeypatch):
+    config = tmp_path / "gateway.toml"
+    config.write_text('port = 9001\nkeepalive_s = 2.5\nredis = "redis://file:6379/0"\n[models]\nqwen = "q1"\n')
+    monkeypatch.setenv("MILI_PORT", "9002")
+    monkeypatch.setenv("MILI_API_KEYS", '["k"]')
+    args = build_parser().parse_args(["--config", str(config), "--redis", "redis://flag:6379/0", "--models", '{"a": "qa"}'])
+    settings = settings_from_args(args)
+    assert (settings.redis, settings.port, settings.keepalive_s) == ("redis://flag:6379/0", 9002, 2.5)
+    assert settings.api_keys == ["k"]
+    assert settings.models == {"qwen": "q1", "a": "qa"}  # a map given twice is merged, the flag's names on top
+
+
+def test_the_gateway_joins_an_existing_redis_only():
+    with pytest.raises(ValidationError, match="no embedded Redis"):
+        GatewaySettings(redis="embedded")
+
+
+def test_pinned_model_queues_must_be_usable_in_keys():
+    with pytest.raises(InvalidArgument, match="models"):
+        GatewaySettings(models={"m": "{bad}"})
