@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 
 import redis
 
-from producer_client import Client, JobNotFound
+from producer_client import Client
+from producer_client.connection import retry_policy
 from producer_client.keys import GROUP, Keys
 from producer_client.schema import JobResult
 from tests.queue.support import SlowEchoEngine, ThreadedWorker
@@ -241,7 +242,8 @@ def run_schedule(seed: int, server, length: int = 24) -> dict:
     Returns counts for the report; raises ScheduleFailed naming the seed."""
     rng = random.Random(seed)
     run = Run(seed, server.url, f"chaos{seed}", rng)
-    admin = redis.Redis.from_url(server.url, decode_responses=True)
+    # Retried like the clients' calls: a memory window may end while Redis restarts.
+    admin = redis.Redis.from_url(server.url, decode_responses=True, retry=retry_policy())
     client = Client(server.url, QUEUE, prefix=run.prefix)
     try:
         for _ in range(rng.randint(1, 3)):

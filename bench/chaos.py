@@ -1,0 +1,67 @@
+"""Random fault schedules against the queue protocol, more of them than CI runs: each draws
+submits, cancels, deadlines, stalled, killed and drained workers, Redis restarts, SCRIPT FLUSH
+and out-of-memory windows from its seed, runs them against one real redis-server, and checks
+every invariant (tests/chaos/schedules.py says which). A failure prints the schedule, its seed
+and what broke; the run goes on and ends with the count of clean schedules.
+
+    python bench/chaos.py [--schedules 1000] [--seed FIRST]      seeds FIRST, FIRST+1, ...
+    python bench/chaos.py --seed 58 --schedules 1                 one schedule again
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, this file's directory leads sys.path, and bench/queue.py would shadow the
+# standard library's queue module (which redis-py imports): put the repository there instead.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import random  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+from tqdm import tqdm  # noqa: E402
+
+from tests.chaos.schedules import ScheduleFailed, run_schedule  # noqa: E402
+from tests.redis_support import RestartableRedis  # noqa: E402
+
+
+def main() -> int:
+    args = parse_args()
+    first = random.randrange(10**6) if args.seed is None else args.seed
+    logging.basicConfig(level=logging.WARNING, filename=args.log, filemode="w",
+                        format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s")
+    server = RestartableRedis(Path(tempfile.mkdtemp(prefix="mili-chaos-"))).start()
+    failed: list[int] = []
+    jobs = 0
+    started = time.monotonic()
+    try:
+        bar = tqdm(range(first, first + args.schedules), unit="schedule", desc=f"seeds from {first}")
+        for seed in bar:
+            logging.warning("=== schedule seed=%d", seed)
+            try:
+                jobs += run_schedule(seed, server)["jobs"]
+            except ScheduleFailed as e:
+                failed.append(seed)
+                tqdm.write(f"FAILED {e}")
+            bar.set_postfix(clean=bar.n + 1 - len(failed), failed=len(failed))
+    finally:
+        server.stop()
+    clean = args.schedules - len(failed)
+    print(f"{clean} of {args.schedules} schedules clean (seeds {first}..{first + args.schedules - 1}), "
+          f"{jobs} jobs, {time.monotonic() - started:.0f} s; failed seeds: {failed or 'none'}; worker log: {args.log}")
+    return 1 if failed else 0
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--schedules", type=int, default=1000, help="how many schedules to run")
+    parser.add_argument("--seed", type=int, help="the first schedule's seed (default: random)")
+    parser.add_argument("--log", default="chaos.log", help="the workers' warnings, by schedule")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
