@@ -24,7 +24,7 @@ import time  # noqa: E402
 
 from tqdm import tqdm  # noqa: E402
 
-from tests.chaos.schedules import ScheduleFailed, run_schedule  # noqa: E402
+from tests.chaos.schedules import STARVED_S, ScheduleFailed, run_schedule  # noqa: E402
 from tests.redis_support import RestartableRedis  # noqa: E402
 
 
@@ -35,14 +35,16 @@ def main() -> int:
                         format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s")
     server = RestartableRedis(Path(tempfile.mkdtemp(prefix="mili-chaos-"))).start()
     failed: list[int] = []
-    jobs = 0
+    jobs = starved = 0
     started = time.monotonic()
     try:
         bar = tqdm(range(first, first + args.schedules), unit="schedule", desc=f"seeds from {first}")
         for seed in bar:
             logging.warning("=== schedule seed=%d", seed)
             try:
-                jobs += run_schedule(seed, server)["jobs"]
+                counts = run_schedule(seed, server)
+                jobs += counts["jobs"]
+                starved += counts["starved"] > 0
             except ScheduleFailed as e:
                 failed.append(seed)
                 tqdm.write(f"FAILED {e}")
@@ -51,7 +53,8 @@ def main() -> int:
         server.stop()
     clean = args.schedules - len(failed)
     print(f"{clean} of {args.schedules} schedules clean (seeds {first}..{first + args.schedules - 1}), "
-          f"{jobs} jobs, {time.monotonic() - started:.0f} s; failed seeds: {failed or 'none'}; worker log: {args.log}")
+          f"{jobs} jobs, {time.monotonic() - started:.0f} s; failed seeds: {failed or 'none'}; {starved} schedules "
+          f"had a worker thread the machine left unscheduled for {STARVED_S * 1000:.0f} ms; worker log: {args.log}")
     return 1 if failed else 0
 
 

@@ -224,7 +224,10 @@ class WorkerQueue:
         return replies
 
     def ensure_group(self) -> None:
-        # From id 0, not $: jobs submitted before the first worker started must run too.
+        # Looked up first: XGROUP CREATE is refused while Redis is out of memory, even for a group
+        # that exists. From id 0, not $: jobs submitted before the first worker started run too.
+        if self.group_exists():
+            return
         try:
             self.redis.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
         except redis.ResponseError as e:

@@ -94,6 +94,7 @@ class Worker:
         # has lost it (then the jobs held here are adopted too).
         self.group_missing = True
         self.jobs: dict[str, Job] = {}  # claimed and in the engine
+        self.unadmitted: list[Delivery] = []  # delivered to this worker, claims not yet settled
         self.suspects: deque[Job] = deque()  # claimed, out of the engine after a failed step
         self.probe: Job | None = None  # the suspect re-added last: cleared once it produces output
         self.outbox = Outbox()  # what Redis has not seen yet
@@ -222,21 +223,26 @@ class Worker:
         if self.group_missing:
             self._restore_group()
         self._heartbeat_if_due()
-        room = self._admittable()
-        reclaimed = self._reclaim(room)
-        idle = not (self.engine.has_unfinished() or reclaimed or self.outbox)
-        fresh = self.queue.read(room - len(reclaimed), self._idle_block_ms() if idle else None, self.acks, self.dead_letters)
+        # Entries delivered to this worker stay in `unadmitted` until their claims are settled, so
+        # that an exchange failing half-way (Redis refusing the claims, a lost connection) forgets
+        # none of them: they are held, refreshed, and admitted at the next try.
+        self.unadmitted += self._reclaim(self._admittable())
+        idle = not (self.engine.has_unfinished() or self.unadmitted or self.outbox)
+        self.unadmitted += self.queue.read(
+            self._admittable(), self._idle_block_ms() if idle else None, self.acks, self.dead_letters,
+        )
         self.acks, self.dead_letters = [], []
-        self._admit(reclaimed + fresh)
+        self._admit()
 
     def _admittable(self) -> int:
-        """How many entries to take: what the engine can start now. Each job needs a slot and at
-        least one page; its real page need is unknown until it is tokenized. None while draining,
-        and none while suspects of a failed step are being tried one at a time."""
+        """How many entries to take: what the engine can start now, less those taken and not yet
+        admitted. Each job needs a slot and at least one page; its real page need is unknown until
+        it is tokenized. None while draining, and none while suspects of a failed step are being
+        tried one at a time."""
         if self.drain_deadline is not None or self.suspects or self.probe is not None:
             return 0
         cap = self.engine.capacity()
-        return min(cap.free_slots, cap.free_pages)
+        return min(cap.free_slots, cap.free_pages) - len(self.unadmitted)
 
     def _idle_block_ms(self) -> int:
         until_heartbeat = int((self.next_heartbeat - time.monotonic()) * 1000)
@@ -253,6 +259,7 @@ class Worker:
         went with it: adopt each job (ADOPT) and run it on, detached from any entry. Nothing else
         can take such a job over, and its result reaches its producer as any other."""
         self.queue.ensure_group()
+        self.unadmitted = []  # their entries are gone with the group
         holdings = self._holdings()
         if holdings:
             outcomes = self.queue.adopt(list(holdings.items()))
@@ -321,14 +328,16 @@ class Worker:
 
     # -- admit --------------------------------------------------------------------------------
 
-    def _admit(self, deliveries: list[Delivery]) -> None:
+    def _admit(self) -> None:
+        deliveries = self.unadmitted
         if not deliveries:
             return
         now = self.clock.now()
         runs = [f"{self.instance}:{next(self.claims)}" for _ in deliveries]
         prepared = [self._job_from_entry(d, run, now) for d, run in zip(deliveries, runs)]
-        resumed: list[Job] = []
+        resumed: list[tuple[Delivery, Job]] = []
         claims = self.queue.claim([(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)])
+        self.unadmitted = []
         for d, run, job, claim in zip(deliveries, runs, prepared, claims):
             if isinstance(claim, Exception):
                 log.error("job %s: Redis refused its claim (%s); dead-lettering entry %s", d.job_id, claim, d.entry_id)
@@ -349,13 +358,20 @@ class Worker:
                 if claim.deadline is not None:
                     job.deadline = claim.deadline
                 if claim.recorded_tokens:
-                    resumed.append(job)
+                    resumed.append((d, job))
                 else:
                     self._start_unless_expired(job)
         if resumed:
-            events = self.queue.recorded_events([job.id for job in resumed])
-            for job in resumed:
-                self._resume(job, events[job.id])
+            self._resume_all(resumed)
+
+    def _resume_all(self, resumed: list[tuple[Delivery, Job]]) -> None:
+        try:
+            events = self.queue.recorded_events([job.id for _, job in resumed])
+        except redis.RedisError:
+            self.unadmitted += [d for d, _ in resumed]  # claimed again at the next try, with a new run
+            raise
+        for _, job in resumed:
+            self._resume(job, events[job.id])
 
     def _job_from_entry(self, d: Delivery, run: str, now: float) -> Job | MiliError:
         try:
@@ -646,6 +662,7 @@ class Worker:
             self._abort(job)
         if self.suspects:
             self.suspects = deque(j for j in self.suspects if j.id != job_id)
+        self.unadmitted = [d for d in self.unadmitted if d.job_id != job_id]
         self.outbox.discard(job_id)
 
     def _count_end(self, update: Update) -> None:
@@ -658,10 +675,11 @@ class Worker:
     # -- heartbeat and ownership -------------------------------------------------------------------
 
     def _held(self) -> dict[str, str]:
-        """{entry id: job id} of the entries this worker holds: jobs in the engine, suspects, and
-        updates not yet published (a job that ended while Redis was away is still pending).
-        Detached jobs have none."""
-        held = {u.entry_id: u.job_id for u in self.outbox.updates.values() if u.entry_id is not None}
+        """{entry id: job id} of the entries this worker holds: delivered and not yet admitted, jobs in
+        the engine, suspects, and updates not yet published (a job that ended while Redis was away
+        is still pending). Detached jobs have none."""
+        held = {d.entry_id: d.job_id for d in self.unadmitted}
+        held.update((u.entry_id, u.job_id) for u in self.outbox.updates.values() if u.entry_id is not None)
         held.update((job.entry_id, job.id) for job in [*self.jobs.values(), *self.suspects] if job.entry_id is not None)
         return held
 

@@ -9,7 +9,8 @@ then every invariant of the protocol is checked:
   - a job's token events are contiguous, never repeated, and equal to its expected output
     (its echo, whole or cut short by its cancel or deadline);
   - a job moves from one run to the next only when the worker of the earlier run was killed,
-    stalled or drained: a job whose workers all stayed healthy ran once (delivery count 1), and
+    stalled or drained (a worker thread the machine left unscheduled for half of claim_idle_ms
+    counts as stalled): a job whose workers all stayed healthy ran once (delivery count 1), and
     nothing is dead-lettered unless its workers really died;
   - once every job has ended, no entry is pending and the queue stream is empty, and every key
     but the heartbeats, the worker and queue indexes and the emptied queue expires within
@@ -46,6 +47,10 @@ SETTINGS = dict(
     metrics_port=0, engine={"max_running": 4},
 )
 STEP_S = 0.004  # an echo step: a 60-token job runs a quarter of a second
+# A worker thread the machine did not run for this long between two exchanges or steps has
+# stalled as surely as one stopped on purpose (a loaded 2-core machine does that): its jobs may
+# move, and the check counts it as troubled.
+STARVED_S = CLAIM_IDLE_MS / 1000 / 2
 SETTLE_TIMEOUT_S = 60.0
 
 
@@ -67,11 +72,16 @@ class ScheduleWorker(ThreadedWorker):
         self.gate = threading.Event()
         self.gate.set()
         self.killed = False
+        self.starved = False
+        self.passed_at = time.monotonic()
 
     def _pass_gate(self) -> None:
+        if time.monotonic() - self.passed_at > STARVED_S:
+            self.starved = True
         self.gate.wait()
         if self.killed:
             raise WorkerKilled(self.name)
+        self.passed_at = time.monotonic()
 
     def _exchange(self, talk) -> None:
         self._pass_gate()
@@ -263,8 +273,10 @@ def run_schedule(seed: int, server, length: int = 24) -> dict:
         if not [w for w in live_workers(run) if w.gate.is_set()]:
             start_worker(run)
         results = settle(run, admin)
+        starved = {w.name for w in run.workers if w.starved}
+        run.troubled |= starved
         check(run, admin, results)
-        return {"jobs": len(run.jobs), "faults": len(run.troubled), "ops": len(run.ops)}
+        return {"jobs": len(run.jobs), "faults": len(run.troubled), "ops": len(run.ops), "starved": len(starved)}
     finally:
         for timer in run.timers:
             timer.cancel()

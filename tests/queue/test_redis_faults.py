@@ -132,6 +132,39 @@ def test_a_read_only_window_longer_than_claim_idle_costs_no_worker_its_jobs(rest
     assert [start["worker"] for start, _ in runs(admin, job_id)] == [holder.name]
 
 
+def test_entries_whose_claims_redis_refused_are_held_and_admitted_later(
+    restartable_redis, admin, queue, monkeypatch,
+):
+    # Reads and XAUTOCLAIM go through while memory is full, CLAIM (it writes the job's hash) does
+    # not: the entries a worker took then are its own, and it must neither forget them nor let
+    # them look idle to the other workers.
+    claim = worker_queue.WorkerQueue.claim
+    refuse_until = time.monotonic() + 3600
+
+    def refused_for_a_while(self, jobs):
+        if time.monotonic() < refuse_until:
+            raise rex.OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+        return claim(self, jobs)
+
+    monkeypatch.setattr(worker_queue.WorkerQueue, "claim", refused_for_a_while)
+    prompt = alphabet(150)
+    fast = dict(claim_idle_ms=500, reclaim_interval_s=0.05)
+    most: dict[str, int] = {}
+    with make_client("sync", restartable_redis.url, queue) as client, \
+            serving(restartable_redis.url, queue, step_s=0.01, name=f"a-{queue}", **fast), \
+            serving(restartable_redis.url, queue, name=f"b-{queue}", **fast):
+        time.sleep(2.0)  # Redis up long enough for reclaims to be allowed
+        job_id = client.submit(prompt, max_tokens=len(prompt))
+        refuse_until = time.monotonic() + 1.5  # three times claim_idle_ms
+        while time.monotonic() < refuse_until:
+            for row in admin.xpending_range(KEYS.queue(queue), GROUP, "-", "+", 10):
+                most[row["consumer"]] = max(most.get(row["consumer"], 0), row["times_delivered"])
+            time.sleep(0.02)
+        assert_whole_output_once(admin, client, job_id, prompt)
+    assert list(most.values()) == [1]  # read once, by one worker, never reclaimed
+    assert len(runs(admin, job_id)) == 1
+
+
 @pytest.mark.parametrize("lose", ["flushall", "restart_empty"])
 def test_jobs_held_when_redis_loses_the_group_run_on_to_their_results(restartable_redis, admin, queue, lose):
     prompts = [alphabet(250, offset=i) for i in range(3)]
