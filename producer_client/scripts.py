@@ -1,28 +1,14 @@
-"""The Lua scripts of protocol v1. Each touches the keys of one job only (its hash, event stream
-and done stream) or of one queue only (its stream and dead-letter stream): they share a hash
-tag, so every script is atomic and Redis Cluster-safe. A job's status moves only through them:
+"""The Lua scripts of protocol v1 that producers run, and how any MILI component runs scripts.
+
+Each script touches the keys of one job only (its hash, event stream and done stream) or of one
+queue only (its stream and dead-letter stream): they share a hash tag, so every script is atomic
+and Redis Cluster-safe. A job is born here:
 
     (none) --CREATE--> queued --ENQUEUE--> in the queue stream
-    queued | running --CLAIM--> running (a new run) --PUBLISH(final)--> done | failed | cancelled | expired
     queued --CANCEL--> cancelled            (the worker that reads the entry just drops it)
-    (none) | queued | running --ADOPT--> running, detached   (Redis lost the group; see ADOPT)
-    running, detached --REQUEUE--> queued --ENQUEUE--> in the queue stream
 
-Every CLAIM starts a new *run*, named by a token the claiming worker chooses. PUBLISH writes only
-for the job's current run, so a worker that lost its job to a reclaim (it stalled, or was cut
-off from Redis) can never add to the job's events or write its result: the run is a fencing
-token. A run's first PUBLISH adds a `start` event; a claim of a job that has tokens already
-resumes it, and its worker continues from the recorded tokens.
-
-Event stream entries have two fields: `type` (start | tokens | end) and `data` (JSON). A worker
-publishes a job's events of one engine step in one PUBLISH call, so a reader blocked on the
-stream wakes once per step, not once per event. The job's end also adds its result, the one
-entry it will ever have, to its `done` stream: a reader that wants only the result blocks there
-and wakes once.
-
-Every script is safe to run twice, because a call whose reply was lost (the connection broke
-after Redis ran it) is retried: PUBLISH adds tokens only if the job's token count is still the
-one they follow and a `start` only once per run, DEADLETTER acts only on an entry still pending.
+and moves on through the worker's scripts (worker/scripts.py). Every script is safe to run
+twice, because a call whose reply was lost (the connection broke after Redis ran it) is retried.
 
 Scripts run by EVALSHA; a server that lacks one (fresh, restarted, or SCRIPT FLUSHed) answers
 NOSCRIPT, which means the script did not run, so `execute` loads the scripts and sends again
@@ -35,7 +21,7 @@ table and `unpack` it last (tests/queue/test_scripts.py checks every script for 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from redis.exceptions import NoScriptError
@@ -90,98 +76,6 @@ end
 return status
 """)
 
-# KEYS: job, events, done. ARGV: worker, entry id, result TTL seconds, run token.
-# Returns {'claimed', tokens recorded so far[, deadline ms]} (run it; more than 0 tokens:
-# resume it), {'final'} (it has a result already: drop the entry) or {'duplicate'} (another entry
-# with the same job id is running it: drop this one). A missing hash is claimed too: a raw XADD
-# bypasses the client that would create it. Claiming the entry a job is running under again is a
-# reclaim: it starts a new run, and the old run's worker can publish nothing more.
-CLAIM = Script("claim", """
-if redis.call('HEXISTS', KEYS[1], 'result') == 1 then
-  for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[3]) end
-  return {'final'}
-end
-if redis.call('HGET', KEYS[1], 'status') == 'running' and redis.call('HGET', KEYS[1], 'entry') ~= ARGV[2] then
-  return {'duplicate'}
-end
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'entry', ARGV[2], 'run', ARGV[4])
-local tokens, deadline = unpack(redis.call('HMGET', KEYS[1], 'tokens', 'deadline'))
-if deadline then return {'claimed', tonumber(tokens or '0'), deadline} end
-return {'claimed', tonumber(tokens or '0')}
-""")
-
-# KEYS: job, events, done. ARGV: run token, start JSON, tokens JSON, tokens before them, tokens
-# after them, final status, result JSON, result TTL seconds; '' for what the step does not have.
-# Returns 'gone' (Redis has no hash of the job: it lost it, see ADOPT), 'ended' (the job has a
-# result from elsewhere: nothing changes, not even the event
-# stream; a second finisher changes nothing; 'written' again if this very result is the one
-# written, by this run: a call whose reply was lost), 'lost' (another run holds the job, or the recorded tokens are neither
-# those the update follows nor those it ends with, so this run's view and Redis's differ: nothing
-# changes), 'written' (the result is written), else 'cancel' (its cancel flag is up) or 'ok'.
-# Recorded tokens equal to those the update ends with mean this very update was applied before.
-PUBLISH = Script("publish", """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 'gone' end
-local result, run, recorded, started, cancel = unpack(redis.call('HMGET', KEYS[1], 'result', 'run', 'tokens', 'started', 'cancel'))
-if result then
-  if run == ARGV[1] and result == ARGV[7] then return 'written' end
-  return 'ended'
-end
-if run ~= ARGV[1] then return 'lost' end
-recorded = recorded or '0'
-if recorded ~= ARGV[4] and recorded ~= ARGV[5] then
-  -- This run already recorded part of the update: an earlier call applied it and its reply was lost.
-  local n = tonumber(recorded)
-  if n > tonumber(ARGV[4]) and n < tonumber(ARGV[5]) then return 'partial:' .. recorded end
-  return 'lost'
-end
-if ARGV[2] ~= '' and started ~= ARGV[1] then
-  redis.call('XADD', KEYS[2], '*', 'type', 'start', 'data', ARGV[2])
-  redis.call('HSET', KEYS[1], 'started', ARGV[1])
-end
-if ARGV[3] ~= '' and recorded == ARGV[4] then
-  redis.call('XADD', KEYS[2], '*', 'type', 'tokens', 'data', ARGV[3])
-  redis.call('HSET', KEYS[1], 'tokens', ARGV[5])
-end
-if ARGV[6] == '' then
-  if cancel == '1' then return 'cancel' end
-  return 'ok'
-end
-redis.call('HSET', KEYS[1], 'status', ARGV[6], 'result', ARGV[7], 'tokens', ARGV[5])
-redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[7])
-redis.call('XADD', KEYS[3], '*', 'data', ARGV[7])
-for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[8]) end
-return 'written'
-""")
-
-# KEYS: job, events, done. ARGV: run token, worker. Redis lost the queue's consumer group
-# (restarted without persistence, flushed, or the group was destroyed), and with it the entries of
-# the jobs this worker holds: the worker keeps running them, detached from any entry. Returns
-# 'ended' (the job has a result), 'lost' (another run holds it), 'adopted' (its hash still has
-# this run) or 'recreated': Redis lost the hash too (or a producer's retried submit recreated it
-# as queued), and it is this run's again with no tokens recorded; the worker then publishes the
-# job's whole output so far, so that its event stream is complete again. Either way the job's
-# `entry` is cleared, so that a stale entry of it, delivered again, is dropped as a duplicate.
-ADOPT = Script("adopt", """
-local status, run, result = unpack(redis.call('HMGET', KEYS[1], 'status', 'run', 'result'))
-if result then return 'ended' end
-if status == 'running' and run ~= ARGV[1] then return 'lost' end
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'entry', '', 'run', ARGV[1])
-if status == 'running' then return 'adopted' end
-redis.call('HDEL', KEYS[1], 'started', 'tokens', 'enqueued')
-return 'recreated'
-""")
-
-# KEYS: job. ARGV: run token. A draining worker gives back a detached job (see ADOPT) that has
-# no entry to hand over: its status goes back to queued, and the worker then enqueues it anew
-# (ENQUEUE), to be claimed and resumed after its recorded tokens. Returns 1, or 0 if the run is
-# not the job's or the job has a result.
-REQUEUE = Script("requeue", """
-local run, result = unpack(redis.call('HMGET', KEYS[1], 'run', 'result'))
-if result or run ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', '')
-return 1
-""")
-
 # -- a queue's keys -------------------------------------------------------------------------------
 
 # KEYS: queue. ARGV: max depth (0: no bound), job id, protocol version, body.
@@ -196,92 +90,25 @@ end
 return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])}
 """)
 
-# KEYS: queue. ARGV: group, consumer, entry ids. Resets the idle time of the entries still
-# pending for this consumer (XCLAIM JUSTID: the delivery count stays), so no other worker's
-# XAUTOCLAIM takes them. Returns the ids that are no longer this consumer's: reclaimed by another
-# worker while this one was stalled or cut off. Checking before claiming matters: a plain XCLAIM
-# would take the entry back from the worker now running the job.
-REFRESH = Script("refresh", """
-local claim, lost = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}, {}
-for i = 3, #ARGV do
-  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
-    table.insert(claim, ARGV[i])
-  else
-    table.insert(lost, ARGV[i])
-  end
-end
-table.insert(claim, 'JUSTID')
-if #claim > 6 then redis.call(unpack(claim)) end
-return lost
-""")
-
-# KEYS: queue. ARGV: group, consumer, min idle ms, start id, count, handed-over idle ms.
-# XAUTOCLAIM of up to `count` entries idle longer than `min idle`, each returned with its
-# delivery count (which the claim has just raised): {next start id, {{id, {field, value...},
-# deliveries}...}}. While Redis itself has been up for less than `min idle`, only entries a
-# draining worker handed over (idle longer than `handed-over idle`, see RELEASE) are taken: after
-# a restart every entry looks idle for as long as the outage lasted, and live workers need the
-# time to reconnect and refresh theirs, however recently the reclaiming worker started.
-RECLAIM = Script("reclaim", """
--- Whole seconds, counted between second boundaries: up for at least one second less than that.
-local uptime = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')) - 1
-local min_idle = ARGV[3]
-if uptime * 1000 < tonumber(ARGV[3]) then min_idle = ARGV[6] end
-local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], min_idle, ARGV[4], 'COUNT', ARGV[5])
-local claimed = {}
-for _, entry in ipairs(reply[2]) do
-  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], entry[1], entry[1], 1)
-  table.insert(claimed, {entry[1], entry[2], pending[1][4]})
-end
-return {reply[1], claimed}
-""")
-
-# KEYS: queue. ARGV: group, consumer, idle ms, entry ids. A draining worker hands its unfinished
-# entries over: each still pending for it is made idle for `idle ms` (so the next XAUTOCLAIM of
-# any worker takes it) with its delivery count lowered by one, which that XAUTOCLAIM restores: a
-# graceful hand-over does not count as a delivery towards max_deliveries. Returns how many.
-RELEASE = Script("release", """
-local released = 0
-for i = 4, #ARGV do
-  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
-  if #pending == 1 then
-    local count = math.max(0, pending[1][4] - 1)
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'RETRYCOUNT', count, 'JUSTID')
-    released = released + 1
-  end
-end
-return released
-""")
-
-# KEYS: queue, dead. ARGV: group, entry id, dead-letter stream max length, then the dead letter's
-# fields and values. Moves a pending entry to the dead-letter stream: XADD there, XACK and XDEL
-# here, at once. Returns 0, doing nothing, if the entry is no longer pending (moved already).
-DEADLETTER = Script("deadletter", """
-if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then return 0 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
-return 1
-""")
-
-ALL = (CREATE, CANCEL, CLAIM, PUBLISH, ADOPT, REQUEUE, ENQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER)
+PRODUCER_SCRIPTS = (CREATE, CANCEL, ENQUEUE)
 
 
-def execute(client, add_commands: Callable, raise_on_error: bool = True) -> list:
+def execute(client, add_commands: Callable, scripts: Sequence[Script] = (), raise_on_error: bool = True) -> list:
     """Build a pipeline with `add_commands` and execute it. A server that lacks our scripts
     (fresh, restarted, or SCRIPT FLUSHed) answers NOSCRIPT to each EVALSHA, which then did not
     run, while the pipeline's other commands did: so the scripts are loaded and only the
     EVALSHAs that failed are sent again. Nothing runs twice, which matters for commands that are
     not safe to repeat (an XREADGROUP sent twice would leave the first read's entries pending
     and unknown to the caller). With `raise_on_error=False` a command's error is its reply, for
-    the caller to judge one by one; otherwise the first error is raised."""
+    the caller to judge one by one; otherwise the first error is raised. `scripts`: those the
+    pipeline may run, beside the producers' own."""
     pipe = client.pipeline(transaction=False)
     add_commands(pipe)
     commands = list(pipe.command_stack)
     replies = pipe.execute(raise_on_error=False)
     missing = _lacking_scripts(replies)
     if missing:
-        load_scripts(client)
+        load_scripts(client, scripts)
         _splice(replies, missing, _resend(client, commands, missing).execute(raise_on_error=False))
     return _checked(replies, raise_on_error)
 
@@ -294,18 +121,19 @@ async def aexecute(client, add_commands: Callable, raise_on_error: bool = True) 
     replies = await pipe.execute(raise_on_error=False)
     missing = _lacking_scripts(replies)
     if missing:
-        await _loader(client).execute()
+        await _loader(client, ()).execute()
         _splice(replies, missing, await _resend(client, commands, missing).execute(raise_on_error=False))
     return _checked(replies, raise_on_error)
 
 
-def load_scripts(client) -> None:
-    _loader(client).execute()
+def load_scripts(client, scripts: Sequence[Script] = ()) -> None:
+    """Load the producers' scripts and `scripts`."""
+    _loader(client, scripts).execute()
 
 
-def _loader(client):
+def _loader(client, scripts: Sequence[Script]):
     pipe = client.pipeline(transaction=False)
-    for script in ALL:
+    for script in (*PRODUCER_SCRIPTS, *scripts):
         pipe.script_load(script.source)
     return pipe
 

@@ -23,8 +23,9 @@ from producer_client.connection import FATAL_ERRORS, Retry, reply_code
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.protocol import job_keys
 from producer_client.schema import JobResult, TokenLogprob
-from producer_client.scripts import ADOPT, CLAIM, DEADLETTER, ENQUEUE, PUBLISH, RECLAIM, REFRESH, RELEASE, REQUEUE
+from producer_client.scripts import ENQUEUE
 from worker.jobs import Delivery, Job, token_event
+from worker.scripts import ADOPT, CLAIM, DEADLETTER, PUBLISH, RECLAIM, REFRESH, RELEASE, REQUEUE, WORKER_SCRIPTS
 from worker.replies import (
     Adopted, Claim, PublishReply, UnknownReply, Watched, parse_adopt, parse_claim, parse_publish, parse_watch,
 )
@@ -211,7 +212,7 @@ class WorkerQueue:
         loop sends everything again later); any other error raises too, unless
         `per_command_errors`: then it stays in its command's place, for the caller to charge to
         the job it concerns."""
-        replies = scripts.execute(self.redis, add_commands, raise_on_error=False)
+        replies = scripts.execute(self.redis, add_commands, WORKER_SCRIPTS, raise_on_error=False)
         errors = [r for r in replies if isinstance(r, Exception)]
         for error in errors:
             if is_transient(error):
@@ -336,7 +337,7 @@ class WorkerQueue:
             for job_id, _ in watch:
                 pipe.hmget(self.keys.job(job_id), "cancel", "run")
 
-        replies = scripts.execute(self.redis, add, raise_on_error=False)
+        replies = scripts.execute(self.redis, add, WORKER_SCRIPTS, raise_on_error=False)
         published = [_parsed(parse_publish, r) for r in replies[: len(updates)]]
         watched = [_parsed(lambda r, run=run: parse_watch(r, run), r) for (_, run), r in zip(watch, replies[len(updates):])]
         return published, watched

@@ -15,9 +15,10 @@ from producer_client import JobFailed
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.protocol import job_keys
 from producer_client.schema import JobRequest
-from producer_client.scripts import CLAIM, PUBLISH, execute
+from producer_client.scripts import execute
 from tests.queue.support import SlowEchoEngine, outcome_count, serving
 from worker.queue import Update
+from worker.scripts import CLAIM, PUBLISH, WORKER_SCRIPTS
 from tests.redis_support import assert_one_final_result, eventually, events, make_client, runs, tokens_published
 
 KEYS = Keys()
@@ -45,7 +46,10 @@ def ghost_takes(redis_client, queue, prompt: str, published: int, **job) -> str:
     ((_, [(entry_id, _)]),) = redis_client.xreadgroup(GROUP, "ghost", {stream: ">"}, count=1)
 
     def call(script, *args):
-        return execute(redis_client, lambda pipe: pipe.evalsha(script.sha, 3, *job_keys(KEYS, job_id), *args))[0]
+        def add(pipe):
+            pipe.evalsha(script.sha, 3, *job_keys(KEYS, job_id), *args)
+
+        return execute(redis_client, add, WORKER_SCRIPTS)[0]
 
     call(CLAIM, "ghost", entry_id, 60, "ghost-run")
     start = json.dumps({"worker": "ghost", "started_at": time.time() - 1, "resumed_tokens": 0})
@@ -267,7 +271,7 @@ def test_a_job_lost_and_taken_back_by_the_same_worker_runs_to_its_end(redis_serv
         (entry,) = redis_client.xpending_range(stream, GROUP, "-", "+", 1)
         redis_client.xclaim(stream, GROUP, "ghost", 0, [entry["message_id"]], idle=10**9, justid=True)
         execute(redis_client, lambda pipe: pipe.evalsha(
-            CLAIM.sha, 3, *job_keys(KEYS, job_id), "ghost", entry["message_id"], 60, "ghost-run"))
+            CLAIM.sha, 3, *job_keys(KEYS, job_id), "ghost", entry["message_id"], 60, "ghost-run"), WORKER_SCRIPTS)
         result = client.result(job_id, timeout=20)
     assert (result.status, result.text, result.worker) == ("done", "t" * 10, worker.name)
     assert tokens_published(redis_client, job_id) == list(b"t" * 10)

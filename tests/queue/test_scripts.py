@@ -10,12 +10,12 @@ import pytest
 
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.schema import JobResult
-from producer_client.scripts import (
-    ALL, CANCEL, CLAIM, CREATE, DEADLETTER, ENQUEUE, PUBLISH, RECLAIM, REFRESH, RELEASE, execute,
-)
+from producer_client.scripts import CANCEL, CREATE, ENQUEUE, PRODUCER_SCRIPTS, execute
 from tests.redis_support import eventually
+from worker.scripts import CLAIM, DEADLETTER, PUBLISH, RECLAIM, REFRESH, RELEASE, WORKER_SCRIPTS
 
 KEYS = Keys()
+ALL = (*PRODUCER_SCRIPTS, *WORKER_SCRIPTS)
 HANDED_OVER = 10**9  # RECLAIM's last argument: entries this idle were handed over (see RELEASE)
 
 
@@ -25,7 +25,7 @@ def job_id():
 
 
 def run(redis_client, script, keys, *args):
-    return execute(redis_client, lambda pipe: pipe.evalsha(script.sha, len(keys), *keys, *args))[0]
+    return execute(redis_client, lambda pipe: pipe.evalsha(script.sha, len(keys), *keys, *args), WORKER_SCRIPTS)[0]
 
 
 def on_job(redis_client, script, job_id, *args):
@@ -238,7 +238,7 @@ def test_a_pipeline_resent_after_noscript_reads_the_queue_once(redis_client, str
         pipe.evalsha(REFRESH.sha, 1, stream, GROUP, "w2")
         pipe.xreadgroup(GROUP, "w2", {stream: ">"}, count=2)
 
-    replies = execute(redis_client, refresh_and_read)
+    replies = execute(redis_client, refresh_and_read, WORKER_SCRIPTS)
     assert replies[0] == []  # the script ran once the scripts were loaded
     read = [entry_id for entry_id, _ in replies[1][0][1]]
     assert read == ids[:2]
