@@ -6,7 +6,8 @@ from __future__ import annotations
 import redis
 
 from gateway.schema import ErrorBody, ErrorResponse
-from producer_client.errors import InvalidArgument, JobFailed, JobNotFound, JobTimeout, MiliError, QueueFull
+from producer_client.errors import InvalidArgument, JobNotFound, JobTimeout, MiliError, QueueFull
+from producer_client.schema import JobFailed
 
 # Failure codes of a job that mean its input was bad, found by the worker after the enqueue
 # (only it tokenizes, so only it can tell a prompt longer than the context).

@@ -3,11 +3,9 @@ Depends on redis and pydantic only, so a producer host needs no GPU stack."""
 from producer_client import errors
 from producer_client.aio import AsyncClient
 from producer_client.client import Client
-from producer_client.errors import (
-    InvalidArgument, JobFailed, JobNotFound, JobTimeout, MiliError, QueueFull,
-)
+from producer_client.errors import InvalidArgument, JobNotFound, JobTimeout, MiliError, QueueFull
 from producer_client.schema import (
-    ChatMessage, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams, Timings, TokenDelta, Usage,
+    ChatMessage, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams, Timings, TokenDelta, Usage,
     WorkerInfo,
 )
 

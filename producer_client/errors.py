@@ -1,10 +1,6 @@
-"""Typed errors. Each carries a stable `code`; failed job results use the same codes."""
+"""Typed errors. Each carries a stable `code`; failed job results use the same codes. JobFailed,
+which carries the failed job's result, is defined beside JobResult in schema.py."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from producer_client.schema import JobResult
 
 
 class MiliError(Exception):
@@ -74,13 +70,3 @@ class JobTimeout(MiliError):
         super().__init__(f"job {job_id!r} did not finish within {timeout:g}s")
         self.job_id = job_id
         self.timeout = timeout
-
-
-class JobFailed(MiliError):
-    """The job ended as `failed`; `code` and `message` come from the worker's error."""
-
-    def __init__(self, code: str, message: str, result: JobResult | None = None):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.result = result

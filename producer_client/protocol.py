@@ -15,12 +15,12 @@ from pydantic import ValidationError
 
 from producer_client.connection import reply_code
 from producer_client.errors import (
-    BodyTooLarge, InvalidArgument, JobFailed, JobNotFound, JobTimeout,
+    BodyTooLarge, InvalidArgument, JobNotFound, JobTimeout,
 )
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
 from producer_client.scripts import CANCEL, CREATE, ENQUEUE
 from producer_client.schema import (
-    MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
+    MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
     TokenDelta, TokenLogprob, Timings, WorkerInfo, invalid_argument_from,
 )
 

@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody
+from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, MiliError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -182,6 +182,16 @@ class JobResult(BaseModel):
     error: ErrorInfo | None = None
     logprobs: list[TokenLogprob] | None = None
     worker: str | None = None
+
+
+class JobFailed(MiliError):
+    """The job ended as `failed`; `code` and `message` come from the worker's error."""
+
+    def __init__(self, code: str, message: str, result: JobResult | None = None):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.result = result
 
 
 class JobStatus(BaseModel):

@@ -20,6 +20,12 @@ class Poison(MiliError):
     code = "poison"
 
 
+class InternalError(MiliError):
+    """A bug met while handling one job; the job fails and the worker keeps serving."""
+
+    code = "internal_error"
+
+
 @dataclass
 class Delivery:
     """A queue entry as this worker received it."""
@@ -83,17 +89,33 @@ class Job:
         return Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(self.token_ids))
 
     def result(
-        self, status: JobState, finish_reason: str | None, usage: Usage, worker: str, now: float,
-        error: ErrorInfo | None = None,
+        self, status: JobState, finish_reason: str | None, worker: str, now: float, usage: Usage | None = None,
+        error: MiliError | ErrorInfo | None = None,
     ) -> JobResult:
-        return JobResult(
-            id=self.id, status=status, text="".join(self.text), token_ids=self.token_ids,
-            finish_reason=finish_reason, usage=usage, error=error, logprobs=self.logprobs, worker=worker,
-            timings=Timings(
-                queued_at=self.queued_at, started_at=self.started_at, first_token_at=self.first_token_at,
-                finished_at=now,
-            ),
+        """The job's final result, with its output so far (usage: the engine's, else counted here)."""
+        return final_result(
+            self.id, status, finish_reason, worker, now, self.queued_at, usage=usage or self.usage(), error=error,
+            output=(self.token_ids, "".join(self.text), self.logprobs),
+            started_at=self.started_at, first_token_at=self.first_token_at,
         )
+
+
+def final_result(
+    job_id: str, status: JobState, finish_reason: str | None, worker: str, now: float, queued_at: float, *,
+    usage: Usage | None = None, error: MiliError | ErrorInfo | None = None,
+    output: tuple[list[int], str, list[TokenLogprob] | None] = ([], "", None),
+    started_at: float | None = None, first_token_at: float | None = None,
+) -> JobResult:
+    """The one way a job's final result is built: a job that ran (Job.result), or an entry that
+    never did (failed on reading, expired unread, dead-lettered)."""
+    token_ids, text, logprobs = output
+    if isinstance(error, MiliError):
+        error = ErrorInfo(code=error.code, message=printable(error.message))
+    return JobResult(
+        id=job_id, status=status, text=text, token_ids=token_ids, finish_reason=finish_reason,
+        usage=usage or Usage(), error=error, logprobs=logprobs, worker=worker,
+        timings=Timings(queued_at=queued_at, started_at=started_at, first_token_at=first_token_at, finished_at=now),
+    )
 
 
 def entry_time(entry_id: str) -> float:
@@ -135,22 +157,6 @@ def prompt_token_ids(request: JobRequest, tokenizer) -> list[int]:
         messages = [m.model_dump() for m in request.messages]
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return tokenizer.encode(request.prompt)
-
-
-def failed_result(job_id: str, entry_id: str, error: MiliError, worker: str, now: float) -> JobResult:
-    """The result of an entry that never ran."""
-    return JobResult(
-        id=job_id, status="failed", finish_reason="error", worker=worker,
-        error=ErrorInfo(code=error.code, message=printable(error.message)),
-        timings=Timings(queued_at=entry_time(entry_id), finished_at=now),
-    )
-
-
-def expired_result(job_id: str, entry_id: str, worker: str, now: float) -> JobResult:
-    return JobResult(
-        id=job_id, status="expired", worker=worker,
-        timings=Timings(queued_at=entry_time(entry_id), finished_at=now),
-    )
 
 
 def printable(message: str) -> str:

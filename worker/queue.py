@@ -1,6 +1,6 @@
 """The worker's side of protocol v1: every Redis command the queue loop sends, batched so that
-one loop iteration costs a few round trips (read, claim, publish), and the outbox that holds
-what Redis has not seen yet while it cannot be reached, with the backoff for reaching it again.
+one loop iteration costs a few round trips (read, claim, publish); Redis's clock as the worker
+sees it; and the backoff for reaching Redis again when it cannot be reached.
 
 Every exchange classifies what Redis answered in one place (`_send`): a transient failure
 (connection lost, loading, out of memory, read-only during a failover) raises, and the loop backs
@@ -13,7 +13,6 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import redis
 from redis.backoff import NoBackoff
@@ -22,22 +21,19 @@ from producer_client import scripts
 from producer_client.connection import FATAL_ERRORS, Retry, reply_code
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.protocol import job_keys
-from producer_client.schema import JobResult, TokenLogprob
 from producer_client.scripts import ENQUEUE
-from worker.jobs import Delivery, Job, token_event
-from worker.scripts import ADOPT, CLAIM, DEADLETTER, PUBLISH, RECLAIM, REFRESH, RELEASE, REQUEUE, WORKER_SCRIPTS
+from worker.jobs import Delivery, Job
+from worker.outbox import DeadLetter, Update
 from worker.replies import (
     Adopted, Claim, PublishReply, UnknownReply, Watched, parse_adopt, parse_claim, parse_publish, parse_watch,
 )
+from worker.scripts import ADOPT, CLAIM, DEADLETTER, PUBLISH, RECLAIM, REFRESH, RELEASE, REQUEUE, WORKER_SCRIPTS
 
 log = logging.getLogger(__name__)
 
 # Names of workers whose heartbeat is this stale are dropped from the queue's worker index (and
 # queues no worker has served for this long from the queue index).
 WORKER_INDEX_RETENTION_S = 3600
-# The dead-letter stream keeps about this many entries (XADD MAXLEN ~): bounded memory, and far
-# more than an operator reads before acting on the alert.
-DEAD_LETTER_MAXLEN = 10_000
 EVENT_PAGE = 1000  # event stream entries per XRANGE when a reclaimed job's events are read
 # A draining worker makes the entries it hands over look this idle: older than any worker's
 # claim_idle_ms, so the next XAUTOCLAIM anywhere takes them, even just after a Redis restart
@@ -79,100 +75,6 @@ def is_transient(error: BaseException) -> bool:
     return isinstance(error, TRANSIENT_ERRORS) or (
         isinstance(error, redis.ResponseError) and reply_code(error) in TRANSIENT_REPLIES
     )
-
-
-@dataclass
-class DeadLetter:
-    entry_id: str
-    fields: dict[str, str]  # the entry's own: id, v, body
-    reason: str
-    deliveries: int
-
-    def script_args(self, worker: str, now: float) -> list:
-        letter = {**self.fields, "entry": self.entry_id, "deliveries": self.deliveries, "reason": self.reason,
-                  "worker": worker, "dead_at": now}
-        return [GROUP, self.entry_id, DEAD_LETTER_MAXLEN, *(x for kv in letter.items() for x in kv)]
-
-
-@dataclass
-class Update:
-    """What one job has to tell Redis and has not yet: the engine steps since its last publication,
-    merged into one tokens event (several while Redis is unreachable, else one)."""
-
-    job_id: str
-    entry_id: str | None  # None for a job detached from its entry (see ADOPT): nothing to acknowledge
-    run: str
-    tokens_before: int  # tokens of the job that Redis has already
-    start: str = ""  # start event JSON: the run's first publication
-    token_ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    step_sizes: list[int] = field(default_factory=list)  # tokens of each merged step, in order
-    final: JobResult | None = None
-    # Set for a job that ends in the dead-letter stream: after its final result, its entry moves
-    # there instead of being acknowledged.
-    dead_letter: DeadLetter | None = None
-
-    def add_tokens(self, token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None) -> None:
-        self.token_ids.extend(token_ids)
-        self.text.append(text)
-        self.step_sizes.append(len(token_ids))
-        if logprobs is not None:
-            self.logprobs = (self.logprobs or []) + logprobs
-
-    def skip_recorded(self, recorded: int) -> bool:
-        """Drop the leading steps that Redis already recorded (a publish whose reply was lost
-        carried them before more steps merged in). False unless `recorded` ends one of our steps."""
-        done = steps = 0
-        while steps < len(self.step_sizes) and self.tokens_before + done < recorded:
-            done += self.step_sizes[steps]
-            steps += 1
-        if self.tokens_before + done != recorded:
-            return False
-        self.token_ids = self.token_ids[done:]
-        self.text = self.text[steps:]
-        self.step_sizes = self.step_sizes[steps:]
-        if self.logprobs is not None:
-            self.logprobs = self.logprobs[done:]
-        self.tokens_before = recorded
-        return True
-
-    def publish_args(self, result_ttl_s: int) -> list:
-        # A tokens event without ids (held-back text flushed at the end) only comes with the
-        # final result, in the same atomic call: PUBLISH's token count check needs ids to
-        # make a repeated call harmless.
-        tokens = token_event(self.token_ids, "".join(self.text), self.logprobs) if self.token_ids or any(self.text) else ""
-        final = (self.final.status, self.final.model_dump_json()) if self.final else ("", "")
-        return [
-            self.run, self.start, tokens, self.tokens_before, self.tokens_before + len(self.token_ids), *final,
-            result_ttl_s,
-        ]
-
-
-class Outbox:
-    """Updates not yet in Redis, one per job. They leave only when a publish has carried them."""
-
-    def __init__(self):
-        self.updates: dict[str, Update] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self.updates)
-
-    def for_job(self, job: Job) -> Update:
-        """The job's pending update; a new one follows the tokens the job has now."""
-        update = self.updates.get(job.id)
-        if update is None:
-            update = self.updates[job.id] = Update(job.id, job.entry_id, job.run, len(job.token_ids))
-        return update
-
-    def add(self, update: Update) -> None:
-        self.updates[update.job_id] = update
-
-    def discard(self, job_id: str) -> None:
-        self.updates.pop(job_id, None)
-
-    def buffered_tokens(self) -> int:
-        return sum(len(u.token_ids) for u in self.updates.values())
 
 
 class RedisClock:

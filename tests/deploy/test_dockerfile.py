@@ -95,8 +95,9 @@ def test_the_dependency_step_reads_the_requirements_from_pyproject(tmp_path):
         capture_output=True, text=True, check=True,
     )
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    # The worker's dependencies and the gateway's extra: the image runs either program.
-    assert result.stdout.split("\n")[:-1] == project["dependencies"] + project["optional-dependencies"]["gateway"]
+    # The client's dependencies, the worker's and the gateway's extras: the image runs either program.
+    extras = project["optional-dependencies"]
+    assert result.stdout.split("\n")[:-1] == project["dependencies"] + extras["worker"] + extras["gateway"]
 
 
 def test_the_entrypoint_is_the_worker_cli():

@@ -104,7 +104,7 @@ def test_a_stalled_worker_is_fenced_off_and_the_job_ends_once(redis_server, redi
         next(iter(client.stream(job_id, timeout=10)))
         with serving(redis_server.url, queue, step_s=0.005, name=f"b-{queue}", **FAST_RECLAIM) as rescuer:
             result = client.result(job_id, timeout=20)
-            assert eventually(lambda: not stalled.jobs)  # the stalled run learnt it lost the job
+            assert eventually(lambda: not stalled.holdings.running)  # the stalled run learnt it lost the job
     assert (result.status, result.worker, result.text) == ("done", rescuer.name, "s" * 100)
     # What the stalled worker made after the reclaim never reached the stream: each token once.
     assert tokens_published(redis_client, job_id) == list(b"s" * 100)

@@ -1,0 +1,73 @@
+"""The plain install is the client: `pip install mili` into a fresh virtual environment gives the
+client library, the `mili` CLI and the wire models with redis and pydantic only. torch is not
+importable there, and the client runs real jobs against a worker (which has the worker extra)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tomllib
+import uuid
+
+import pytest
+
+from tests.deploy.support import ROOT
+from tests.redis_support import WorkerProcess, start_workers
+
+SOURCES = ("pyproject.toml", "README.md", "producer_client", "worker", "kernels", "gateway", "config")
+
+
+@pytest.fixture(scope="module")
+def client_venv(tmp_path_factory):
+    """A fresh venv with `pip install <the project>`, built from a copy (pip builds in the tree)."""
+    root = tmp_path_factory.mktemp("install")
+    source = root / "mili"
+    source.mkdir()
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, source / name)
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run(
+        [venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(source)],
+        check=True, timeout=600,
+    )
+    return venv / "bin"
+
+
+@pytest.mark.slow
+def test_the_plain_install_needs_neither_torch_nor_the_web_stack(client_venv):
+    installed = subprocess.run(
+        [client_venv / "python", "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True,
+    ).stdout.lower()
+    names = {line.split("==")[0] for line in installed.splitlines()}
+    assert {"mili", "redis", "pydantic"} <= names
+    assert not names & {"torch", "triton", "numba", "fastapi", "uvicorn", "pydantic-settings", "prometheus-client"}
+    imports = subprocess.run([client_venv / "python", "-c", "import torch"], capture_output=True, text=True)
+    assert imports.returncode != 0 and "No module named 'torch'" in imports.stderr
+    base = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert [d.split(">")[0].split("[")[0] for d in base] == ["redis", "pydantic"]
+
+
+@pytest.mark.slow
+def test_the_plain_install_runs_jobs_through_a_worker(client_venv, redis_server, tmp_path):
+    queue = f"install-{uuid.uuid4().hex[:6]}"
+    (worker,) = start_workers([WorkerProcess(redis_server.url, queue, queue, tmp_path, model="echo")])
+    try:
+        code = (
+            "import sys; from producer_client import Client; "
+            f"c = Client({redis_server.url!r}, {queue!r}); r = c.generate('plain install', max_tokens=32, timeout=60); "
+            "assert 'torch' not in sys.modules; print(r.status, r.text)"
+        )
+        done = subprocess.run([client_venv / "python", "-c", code], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "done plain install"
+        stats = subprocess.run(
+            [client_venv / "mili", "--redis", redis_server.url, "--queue", queue, "stats"],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert stats.returncode == 0 and queue in stats.stdout, stats.stderr
+    finally:
+        worker.stop()

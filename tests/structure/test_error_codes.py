@@ -1,0 +1,39 @@
+"""README's table of error codes lists every code the code base raises or ends a job with: the
+`code` of each MiliError subclass, each with its meaning and whether retrying helps."""
+from __future__ import annotations
+
+import ast
+import re
+
+from tests.structure.test_layers import ROOT, modules
+
+
+def codes_in_the_code() -> dict[str, str]:
+    """{code: module} for every class-level `code = "..."` in our packages."""
+    found = {}
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for statement in node.body:
+                    if (
+                        isinstance(statement, ast.Assign) and [getattr(t, "id", None) for t in statement.targets] == ["code"]
+                        and isinstance(statement.value, ast.Constant) and isinstance(statement.value.value, str)
+                    ):
+                        found[statement.value.value] = module
+    return found
+
+
+def codes_in_the_readme() -> dict[str, list[str]]:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Error codes"):]
+    section = section[: section.index("\n## ")]
+    return {m[0]: [c.strip() for c in m[1:]] for m in re.findall(r"^\| `(\w+)` \|(.*?)\|(.*?)\|(.*?)\|$", section, re.M)}
+
+
+def test_the_readme_lists_every_error_code_and_only_those():
+    assert sorted(codes_in_the_readme()) == sorted(codes_in_the_code())
+
+
+def test_every_listed_code_says_where_what_and_whether_to_retry():
+    for code, (where, meaning, retry) in codes_in_the_readme().items():
+        assert where and len(meaning) > 20 and retry, code

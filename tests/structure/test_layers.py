@@ -1,0 +1,84 @@
+"""The code base's layering, read from its imports: the client library and wire models at the
+bottom, the gateway beside the worker service on top of them, the engine and the model below
+the service, the kernels at the ground. No import runs the wrong way, and no two modules import
+each other (not even for type hints only)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("producer_client", "gateway", "worker", "kernels")
+# A layer may import its own modules and those of the layers listed for it, nothing else of ours.
+MAY_IMPORT = {
+    "kernels": set(),
+    "producer_client": set(),
+    "worker.model": {"kernels", "producer_client"},
+    "worker.engine": {"worker.model", "kernels", "producer_client"},
+    "worker": {"worker.engine", "worker.model", "kernels", "producer_client"},
+    "gateway": {"producer_client"},
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """Our modules that `path` imports, at any depth of its code (type-checking blocks too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {name for name in names if name in known}
+    return found
+
+
+def layer_of(module: str) -> str:
+    return next(layer for layer in sorted(MAY_IMPORT, key=len, reverse=True)
+                if module == layer or module.startswith(layer + "."))
+
+
+def test_no_import_runs_against_the_layering():
+    known = modules()
+    wrong = []
+    for module, path in known.items():
+        layer = layer_of(module)
+        for target in imports_of(path, set(known)):
+            target_layer = layer_of(target)
+            if target_layer != layer and target_layer not in MAY_IMPORT[layer]:
+                wrong.append(f"{module} ({layer}) imports {target} ({target_layer})")
+    assert wrong == []
+
+
+def test_no_two_modules_import_each_other_even_for_type_hints():
+    known = modules()
+    # A module's own parent packages run before it anyway: `from producer_client import protocol`
+    # in producer_client/client.py is no cycle through producer_client/__init__.py.
+    graph = {
+        module: {target for target in imports_of(path, set(known)) if not module.startswith(target + ".")} - {module}
+        for module, path in known.items()
+    }
+    cycles = set()
+    for start in graph:
+        stack = [(start, (start,))]
+        seen = set()
+        while stack:
+            module, route = stack.pop()
+            for target in graph[module]:
+                if target == start:
+                    cycles.add(" -> ".join(sorted(route)))
+                elif target not in seen:
+                    seen.add(target)
+                    stack.append((target, route + (target,)))
+    assert sorted(cycles) == []

@@ -1,0 +1,191 @@
+"""How an entry becomes a running job: taken (read, or reclaimed from a dead or stalled worker),
+claimed (a new run fences off every earlier one), then started in the engine, resumed after
+the tokens earlier runs recorded, expired, failed with its error code, or dead-lettered."""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+import uuid
+
+import redis
+
+from producer_client.errors import MiliError
+from worker.holdings import EngineAPI, Holdings
+from worker.jobs import (
+    Delivery, InternalError, Job, Poison, entry_time, final_result, parse_request, prompt_token_ids,
+)
+from worker.outbox import DeadLetter, Outbox, Receipts, Update
+from worker.queue import RedisClock, WorkerQueue
+from worker.replies import ClaimOutcome
+from worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class Admission:
+    def __init__(
+        self, queue: WorkerQueue, engine: EngineAPI, holdings: Holdings, outbox: Outbox, receipts: Receipts,
+        settings: WorkerSettings, clock: RedisClock, worker: str,
+    ):
+        self.queue = queue
+        self.engine = engine
+        self.holdings = holdings
+        self.outbox = outbox
+        self.receipts = receipts
+        self.settings = settings
+        self.clock = clock
+        self.worker = worker
+        self.next_reclaim = 0.0
+        # Run tokens: this process's random prefix and a count, unique across workers and claims.
+        self.instance = uuid.uuid4().hex[:12]
+        self.claims = itertools.count()
+        self.admissions = itertools.count()  # numbers the engine request ids
+
+    def room(self) -> int:
+        """How many entries to take: what the engine can start now, less those taken and not yet
+        admitted. Each job needs a slot and at least one page; its real page need is unknown until
+        it is tokenized."""
+        cap = self.engine.capacity()
+        return min(cap.free_slots, cap.free_pages) - len(self.holdings.unadmitted)
+
+    def defer_reclaims(self) -> None:
+        """Reclaim nothing for claim_idle_ms: Redis was out of reach, so every live worker's
+        entries may look idle until it has refreshed them."""
+        self.next_reclaim = time.monotonic() + self.settings.claim_idle_ms / 1000
+
+    def reclaim(self, room: int) -> None:
+        """Take entries of dead or stalled workers (idle longer than claim_idle_ms), no more than
+        room for. Taken entries are held until admitted, so a failed exchange forgets none."""
+        now = time.monotonic()
+        if room <= 0 or now < self.next_reclaim:
+            return
+        self.next_reclaim = now + self.settings.reclaim_interval_s
+        deliveries = self.queue.reclaim(room, self.settings.claim_idle_ms)
+        if deliveries:
+            log.info(
+                "reclaimed %d entries idle over %d ms: %s", len(deliveries), self.settings.claim_idle_ms,
+                ", ".join(f"{d.job_id} (delivery {d.deliveries})" for d in deliveries),
+            )
+        self.holdings.unadmitted += deliveries
+
+    def admit(self) -> None:
+        """Claim every entry taken and not yet admitted, and act on each claim's outcome. If the
+        claims fail (Redis refuses them, the connection breaks), the entries stay held for the
+        next try."""
+        deliveries = self.holdings.unadmitted
+        if not deliveries:
+            return
+        now = self.clock.now()
+        runs = [f"{self.instance}:{next(self.claims)}" for _ in deliveries]
+        prepared = [self._job_from_entry(d, run, now) for d, run in zip(deliveries, runs)]
+        claims = self.queue.claim([(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)])
+        self.holdings.unadmitted = []
+        resumed: list[tuple[Delivery, Job]] = []
+        for d, run, job, claim in zip(deliveries, runs, prepared, claims):
+            if isinstance(claim, Exception):
+                log.error("job %s: Redis refused its claim (%s); dead-lettering entry %s", d.job_id, claim, d.entry_id)
+                self.receipts.dead_letters.append(DeadLetter(d.entry_id, d.fields, f"claim refused: {claim}", d.deliveries))
+                continue
+            if claim.outcome is ClaimOutcome.CLAIMED and self.holdings.find(d.job_id) is not None:
+                self.holdings.drop(d.job_id)  # its own entry, reclaimed after a stall: the claim fenced the old run
+            if claim.outcome is not ClaimOutcome.CLAIMED:
+                log.info("dropping entry %s of job %s: %s", d.entry_id, d.job_id, claim.outcome.value)
+                self.receipts.acks.append(d.entry_id)
+            elif d.deliveries > self.settings.max_deliveries:
+                self._dead_letter_poison(d, run, claim.recorded_tokens)
+            elif isinstance(job, MiliError):
+                log.info("job %s failed before it started: %s: %s", d.job_id, job.code, job.message)
+                final = final_result(d.job_id, "failed", "error", self.worker, now, entry_time(d.entry_id), error=job)
+                self.outbox.add(Update(d.job_id, d.entry_id, run, claim.recorded_tokens, final=final))
+            else:
+                if claim.deadline is not None:
+                    job.deadline = claim.deadline
+                if claim.recorded_tokens:
+                    resumed.append((d, job))
+                else:
+                    self.start_unless_expired(job)
+        if resumed:
+            self._resume_all(resumed)
+
+    def add_to_engine(self, job: Job, update: Update) -> bool:
+        """Hand the job to the engine, continuing after its tokens so far; a job the engine
+        refuses ends failed. Returns whether it is in the engine. Each admission gets a request id
+        of its own: the final output of an aborted earlier one (after a failed step, or a run this
+        worker lost and took back) must not be taken for this one's. `#` never occurs in job ids."""
+        job.engine_id = f"{job.id}#{next(self.admissions)}"
+        try:
+            self.engine.add_request(
+                job.engine_id, job.prompt_token_ids, job.request.params, job.request.priority,
+                resume_token_ids=job.token_ids,
+            )
+        except Exception as e:
+            if not isinstance(e, MiliError):
+                log.exception("job %s: the engine's add_request raised", job.id)
+                e = InternalError(f"{type(e).__name__}: {e}")
+            log.info("job %s rejected by the engine: %s: %s", job.id, e.code, e.message)
+            update.final = job.result("failed", "error", self.worker, self.clock.now(), error=e)
+            return False
+        self.holdings.running[job.id] = job
+        return True
+
+    def start_unless_expired(self, job: Job) -> None:
+        now = self.clock.now()
+        if job.deadline is not None and now > job.deadline:
+            # Never started: expired. Started by an earlier run: it ends now, with what it made.
+            if job.token_ids:
+                final = job.result("done", "timeout", self.worker, now)
+            else:
+                final = final_result(job.id, "expired", None, self.worker, now, job.queued_at)
+            self.outbox.for_job(job).final = final
+            return
+        update = self.outbox.for_job(job)
+        if self.add_to_engine(job, update):
+            update.start = start_event(self.worker, now, job.resumed_tokens)
+
+    def _resume_all(self, resumed: list[tuple[Delivery, Job]]) -> None:
+        try:
+            events = self.queue.recorded_events([job.id for _, job in resumed])
+        except redis.RedisError:
+            self.holdings.unadmitted += [d for d, _ in resumed]  # claimed again at the next try, with a new run
+            raise
+        for _, job in resumed:
+            self._resume(job, events[job.id])
+
+    def _resume(self, job: Job, events: list[tuple[str, dict[str, str]]]) -> None:
+        try:
+            job.resume(events)
+        except Exception as e:  # events this worker cannot read: fail the job, not the worker
+            log.exception("job %s: its recorded events cannot be read", job.id)
+            error = InternalError(f"its recorded events cannot be read: {type(e).__name__}: {e}")
+            self.outbox.for_job(job).final = job.result("failed", "error", self.worker, self.clock.now(), error=error)
+            return
+        log.info("job %s: resuming after %d recorded tokens", job.id, job.resumed_tokens)
+        self.start_unless_expired(job)
+
+    def _job_from_entry(self, d: Delivery, run: str, now: float) -> Job | MiliError:
+        try:
+            request = parse_request(d.fields, self.settings.max_body_bytes, self.settings.max_tokens_limit)
+            ids = prompt_token_ids(request, self.engine.tokenizer)
+        except MiliError as e:
+            return e
+        except Exception as e:  # a bug must cost one job, not the worker
+            log.exception("job %s: unexpected error while reading its entry", d.job_id)
+            return InternalError(f"{type(e).__name__}: {e}")
+        return Job(d.job_id, d.entry_id, run, request, ids, queued_at=entry_time(d.entry_id), started_at=now)
+
+    def _dead_letter_poison(self, d: Delivery, run: str, recorded_tokens: int) -> None:
+        error = Poison(
+            f"delivered {d.deliveries} times, more than max_deliveries {self.settings.max_deliveries}: "
+            "every worker that took it stopped before finishing it"
+        )
+        log.warning("job %s: %s; moving entry %s to the dead-letter stream", d.job_id, error.message, d.entry_id)
+        letter = DeadLetter(d.entry_id, d.fields, error.message, d.deliveries)
+        final = final_result(d.job_id, "failed", "error", self.worker, self.clock.now(), entry_time(d.entry_id), error=error)
+        self.outbox.add(Update(d.job_id, d.entry_id, run, recorded_tokens, final=final, dead_letter=letter))
+
+
+def start_event(worker: str, started_at: float, resumed_tokens: int) -> str:
+    """A run's `start` event: who runs the job, since when, after how many recorded tokens."""
+    return json.dumps({"worker": worker, "started_at": started_at, "resumed_tokens": resumed_tokens})

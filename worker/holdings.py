@@ -1,0 +1,96 @@
+"""Every job a worker holds, wherever it is, and the one way to let go of one."""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any, Protocol
+
+from worker.jobs import Delivery, Job
+from worker.outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+
+class EngineAPI(Protocol):
+    """What the loop needs from an engine (worker.engine.Engine, or worker.echo_engine.EchoEngine)."""
+
+    tokenizer: Any
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: Any, priority: int = 0,
+        resume_token_ids: Any = (),
+    ) -> None: ...
+    def step(self) -> list: ...
+    def abort(self, request_id: str) -> bool: ...
+    def capacity(self) -> Any: ...
+    def has_unfinished(self) -> bool: ...
+    def stats(self) -> Any: ...
+
+
+class Holdings:
+    """A job is held from its delivery until its final result is in Redis: delivered and not yet
+    admitted (its claim not settled), running in the engine, out of the engine after a failed
+    step (a suspect), or ended with an update Redis has not seen (in the outbox, which also holds
+    the unpublished steps of running jobs). Each held entry is refreshed with every heartbeat."""
+
+    def __init__(self, engine: EngineAPI, outbox: Outbox):
+        self.engine = engine
+        self.outbox = outbox
+        self.unadmitted: list[Delivery] = []
+        self.running: dict[str, Job] = {}  # claimed and in the engine
+        self.suspects: deque[Job] = deque()  # claimed, out of the engine after a failed step
+
+    def entries(self) -> dict[str, str]:
+        """{entry id: job id} of the entries this worker holds. Detached jobs have none."""
+        held = {d.entry_id: d.job_id for d in self.unadmitted}
+        held.update((u.entry_id, u.job_id) for u in self.outbox.updates.values() if u.entry_id is not None)
+        held.update((job.entry_id, job.id) for job in self.claimed() if job.entry_id is not None)
+        return held
+
+    def runs(self) -> dict[str, str]:
+        """{job id: run token} of every claimed job."""
+        held = {u.job_id: u.run for u in self.outbox.updates.values()}
+        for job in self.claimed():
+            held.setdefault(job.id, job.run)
+        return held
+
+    def claimed(self) -> list[Job]:
+        """Jobs in the engine and suspects."""
+        return [*self.running.values(), *self.suspects]
+
+    def find(self, job_id: str) -> Job | None:
+        return next((job for job in self.claimed() if job.id == job_id), None)
+
+    def detach(self, job_id: str) -> None:
+        """Redis lost the job's entry: it runs on with none (see ADOPT in worker/scripts.py)."""
+        job = self.find(job_id)
+        if job is not None:
+            job.entry_id = None
+        update = self.outbox.updates.get(job_id)
+        if update is not None:
+            update.entry_id = None
+            update.dead_letter = None  # no entry left to move
+
+    def detached(self) -> list[Job]:
+        return [job for job in self.claimed() if job.entry_id is None]
+
+    def drop(self, job_id: str) -> None:
+        """Let go of a job without acknowledging its entry: it is someone else's now, or final."""
+        job = self.running.pop(job_id, None)
+        if job is not None:
+            self.abort(job)
+        if self.suspects:
+            self.suspects = deque(j for j in self.suspects if j.id != job_id)
+        self.unadmitted = [d for d in self.unadmitted if d.job_id != job_id]
+        self.outbox.discard(job_id)
+
+    def stop(self, job: Job, reason: str) -> None:
+        """Abort in the engine; its final output (finish_reason "abort") comes with the next step."""
+        job.stop_reason = reason
+        self.abort(job)
+
+    def abort(self, job: Job) -> None:
+        try:
+            self.engine.abort(job.engine_id)
+        except Exception:
+            log.exception("job %s: the engine's abort raised", job.id)

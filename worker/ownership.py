@@ -1,0 +1,117 @@
+"""Ownership: a worker keeps every entry it holds from being reclaimed, however long its jobs
+run, by refreshing them with each heartbeat; learns from the refresh which ones another worker
+took while it stalled, and lets go of them; and when Redis has lost the queue's consumer group
+(restarted empty, flushed), creates it again and adopts the jobs it holds."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+from producer_client.keys import PROTOCOL_VERSION
+from worker.admission import start_event
+from worker.holdings import EngineAPI, Holdings
+from worker.metrics import WorkerMetrics
+from worker.outbox import Outbox, Update
+from worker.queue import RedisClock, WorkerQueue
+from worker.replies import Adopted
+from worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class Ownership:
+    def __init__(
+        self, queue: WorkerQueue, engine: EngineAPI, holdings: Holdings, outbox: Outbox, metrics: WorkerMetrics,
+        settings: WorkerSettings, clock: RedisClock, worker: str, device: str, metrics_port: int | None,
+    ):
+        self.queue = queue
+        self.engine = engine
+        self.holdings = holdings
+        self.outbox = outbox
+        self.metrics = metrics
+        self.settings = settings
+        self.clock = clock
+        self.worker = worker
+        self.total_pages = engine.capacity().free_pages  # the engine is empty now
+        self.next_heartbeat = 0.0
+        # The consumer group must be created before the next read: at start, and whenever Redis
+        # has lost it (then the jobs held here are adopted too).
+        self.group_missing = True
+        self.identity = {
+            "name": worker, "queue": settings.queue, "model": settings.model, "device": device,
+            "host": socket.gethostname(), "pid": os.getpid(), "protocol": PROTOCOL_VERSION,
+            "started_at": time.time(), "metrics_port": metrics_port or 0,
+        }
+
+    def ms_to_heartbeat(self) -> int:
+        return int((self.next_heartbeat - time.monotonic()) * 1000)
+
+    def heartbeat_if_due(self, state: str) -> None:
+        """Refresh the heartbeat and every held entry; let go of the entries another worker took."""
+        now = time.monotonic()
+        if now < self.next_heartbeat:
+            return
+        cap = self.engine.capacity()
+        running = self.holdings.running
+        started = sum(1 for j in running.values() if j.first_token_at is not None)
+        fields = {
+            **self.identity, "state": state, "running": len(running) + len(self.holdings.suspects),
+            "free_slots": cap.free_slots, "free_pages": cap.free_pages, "total_pages": self.total_pages,
+            "page_size": cap.page_size,
+        }
+        held = self.holdings.entries()
+        depth, lost = self.queue.heartbeat(fields, self.settings.heartbeat_ttl_s, list(held))
+        self.next_heartbeat = now + self.settings.heartbeat_interval_s
+        for entry_id in lost:
+            log.warning("job %s: its entry %s was reclaimed by another worker; this run stops", held[entry_id], entry_id)
+            self.holdings.drop(held[entry_id])
+        m = self.metrics
+        m.queue_depth.set(depth)
+        m.requests_running.set(started)
+        m.requests_waiting.set(len(running) - started)
+        m.kv_cache_usage.set(1 - cap.free_pages / self.total_pages if self.total_pages else 0.0)
+        stats = self.engine.stats()
+        m.engine_totals(stats.cache_queried_tokens, stats.cache_hit_tokens, stats.preemptions)
+
+    def group_lost(self, error: Exception) -> None:
+        log.warning("Redis has lost the consumer group of queue %r (%s): creating it again", self.settings.queue, error)
+        self.group_missing = True
+
+    def restore_group(self) -> None:
+        """Create the consumer group; if Redis lost it while this worker held jobs, their entries
+        went with it: adopt each job (ADOPT) and run it on, detached from any entry. Nothing else
+        can take such a job over, and its result reaches its producer as any other."""
+        self.queue.ensure_group()
+        self.holdings.unadmitted = []  # their entries are gone with the group
+        runs = self.holdings.runs()
+        if runs:
+            outcomes = self.queue.adopt(list(runs.items()))
+            for (job_id, run), outcome in zip(runs.items(), outcomes):
+                if outcome in (Adopted.ADOPTED, Adopted.RECREATED):
+                    self.holdings.detach(job_id)
+                    if outcome is Adopted.RECREATED:
+                        self._republish_whole(job_id, run)
+                else:
+                    log.warning("job %s: not adopted after the group was lost (%s); this run stops", job_id, outcome)
+                    self.holdings.drop(job_id)
+            log.warning("%d jobs held here run on, detached from their lost entries", len(runs))
+        self.group_missing = False
+        self.next_heartbeat = 0.0  # the heartbeat and the worker index may be gone as well
+
+    def _republish_whole(self, job_id: str, run: str) -> None:
+        """Redis lost the job's events with its hash: the next publication carries a start event
+        and the whole output so far (with the final result, if it has one), so that the event
+        stream is complete again for any reader, or any run that resumes the job from it."""
+        old = self.outbox.updates.get(job_id)
+        final = old.final if old is not None else None
+        job = self.holdings.find(job_id)
+        if job is not None:
+            ids, text, logprobs, started_at = job.token_ids, "".join(job.text), job.logprobs, job.started_at
+        else:  # it ended while Redis had it still: its result holds the whole output
+            ids, text, logprobs, started_at = final.token_ids, final.text, final.logprobs, final.timings.started_at
+        update = Update(job_id, None, run, 0, start=start_event(self.worker, started_at, 0), final=final)
+        if ids or text:
+            update.add_tokens(list(ids), text, logprobs)
+        self.outbox.add(update)
