@@ -89,7 +89,9 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         kind = _scalar_type(field.annotation)
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=field.description,
+            )
         else:
             parser.add_argument(
                 flag, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(), help=field.description,

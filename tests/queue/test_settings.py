@@ -61,3 +61,10 @@ def test_a_claim_idle_time_that_would_let_live_workers_lose_their_jobs_is_refuse
         WorkerSettings.load(None, **timing)
     assert e.value.field == "claim_idle_ms"
     assert WorkerSettings.load(None, **{**timing, "claim_idle_ms": 10_000}).claim_idle_ms == 10_000
+
+
+def test_every_worker_flag_says_what_it_does():
+    parser = argparse.ArgumentParser()
+    add_setting_flags(parser)
+    silent = [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help" and not a.help]
+    assert silent == []

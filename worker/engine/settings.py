@@ -10,16 +10,29 @@ from producer_client.schema import invalid_argument_from
 class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    page_size: int = Field(16, ge=1, le=1024)  # tokens per KV page (and radix-cache granularity)
-    num_pages: int | None = Field(None, ge=1)  # explicit pool size; otherwise sized from memory below
-    kv_cache_mib: int = Field(1024, ge=1)  # host memory for the pool on CPU
-    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=0.98)  # of free GPU memory after loading weights
-    max_num_batched_tokens: int = Field(4096, ge=1)  # tokens per step (prefill chunks + decodes)
-    max_running: int = Field(256, ge=1)  # requests decoding at once
-    max_model_len: int | None = Field(None, ge=2)  # prompt + output; default: the model's context
-    enable_prefix_cache: bool = True
-    cuda_graphs: bool = True  # decode steps replay CUDA graphs captured at start (CUDA devices only)
-    overlap_schedule: bool | None = None  # prepare step N+1 while the device runs step N; unset: on CUDA only
+    page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page (and the prefix cache's granularity)")
+    num_pages: int | None = Field(
+        None, ge=1, description="the KV pool's size in pages; unset: sized from kv_cache_mib (CPU) or "
+        "gpu_memory_utilization (CUDA)",
+    )
+    kv_cache_mib: int = Field(1024, ge=1, description="host memory for the KV pool on CPU")
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0.0, le=0.98, description="fraction of free GPU memory (after the weights) for the KV pool",
+    )
+    max_num_batched_tokens: int = Field(
+        4096, ge=1, description="tokens per engine step: prefill chunks plus one per decoding job",
+    )
+    max_running: int = Field(256, ge=1, description="jobs in the engine at once; the worker reads no more entries")
+    max_model_len: int | None = Field(
+        None, ge=2, description="prompt + output tokens; unset: the model's own context length",
+    )
+    enable_prefix_cache: bool = Field(True, description="reuse KV pages of shared prompt prefixes (radix cache)")
+    cuda_graphs: bool = Field(
+        True, description="decode steps replay CUDA graphs captured at start (CUDA only; prefill runs eagerly)",
+    )
+    overlap_schedule: bool | None = Field(
+        None, description="prepare step N+1, and talk to Redis, while the device runs step N; unset: on CUDA only",
+    )
 
     @model_validator(mode="after")
     def _decodes_fit_one_step(self) -> "EngineSettings":
