@@ -7,6 +7,7 @@ tag, so every script is atomic and Redis Cluster-safe. A job's status moves only
     queued --CANCEL--> cancelled            (the worker that reads the entry just drops it)
     (none) | queued | running --ADOPT--> running, detached   (Redis lost the group; see ADOPT)
     running, detached --REQUEUE--> queued --ENQUEUE--> in the queue stream
+    failed | (none) --RETRY--> queued --REVIVE--> in the queue stream, out of the dead-letter stream
 
 Every CLAIM starts a new *run*, named by a token the claiming worker chooses. PUBLISH writes only
 for the job's current run, so a worker that lost its job to a reclaim (it stalled, or was cut
@@ -182,6 +183,25 @@ redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', '')
 return 1
 """)
 
+# KEYS: job, events, done. ARGV: timeout in ms (0: no deadline). An operator retries a dead-lettered
+# job: one that failed (poison), whose hash expired, or that an earlier retry left queued before its
+# REVIVE. Its hash, events and done entry go, so that result() and stream() of the new run never
+# see the old run's end or tokens, and the job is queued again as CREATE makes it (the deadline
+# counted from now), flagged enqueued: REVIVE follows. Returns {'queued'}, or {'refused', status}
+# for a job that is running or has a final result other than failed, changing nothing.
+RETRY = Script("retry", """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status and status ~= 'failed' and status ~= 'queued' then return {'refused', status} end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+redis.call('HSET', KEYS[1], 'status', 'queued', 'enqueued', '1')
+local timeout = tonumber(ARGV[1])
+if timeout > 0 then
+  local now = redis.call('TIME')
+  redis.call('HSET', KEYS[1], 'deadline', now[1] * 1000 + math.floor(now[2] / 1000) + timeout)
+end
+return {'queued'}
+""")
+
 # -- a queue's keys -------------------------------------------------------------------------------
 
 # KEYS: queue. ARGV: max depth (0: no bound), job id, protocol version, body.
@@ -264,7 +284,15 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """)
 
-ALL = (CREATE, CANCEL, CLAIM, PUBLISH, ADOPT, REQUEUE, ENQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER)
+# KEYS: queue, dead. ARGV: dead letter's entry id, job id, protocol version, body. Moves a dead
+# letter back to the queue as a new entry (a fresh delivery count), in one step: a retry run twice
+# at once enqueues the job once. Returns the new entry's id, or nil if the letter is gone.
+REVIVE = Script("revive", """
+if redis.call('XDEL', KEYS[2], ARGV[1]) == 0 then return false end
+return redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])
+""")
+
+ALL = (CREATE, CANCEL, CLAIM, PUBLISH, ADOPT, REQUEUE, RETRY, ENQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER, REVIVE)
 
 
 def execute(client, add_commands: Callable, raise_on_error: bool = True) -> list:
