@@ -20,12 +20,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from producer_client.dead_letters import DeadLetterNotFound
+from producer_client.dead_letters import find as find_letter
 from producer_client.keys import GROUP, Keys
 from producer_client.protocol import check_limit, entry_time, epoch_ms, queue_stats
-from producer_client.schema import WorkerInfo
+from producer_client.schema import JobStatus, WorkerInfo
 from producer_client.steps import Steps, checked
 
 GONE_SHOWN = 10  # gone workers listed per queue, the most recent first
+WAITING_SCAN = 1000  # waiting entries read, per queue, to find a queued job's
 
 
 class WaitingJob(BaseModel):
@@ -44,6 +47,15 @@ class RunningJob(BaseModel):
     deliveries: int
     idle_s: float  # since its worker last refreshed it (every heartbeat) or took it
     tokens: int  # generated so far
+
+
+class JobEntry(BaseModel):
+    """Where a job's body is while its entry lives: in a queue stream, or in a dead letter."""
+
+    queue: str
+    entry_id: str  # the queue entry's id, or the dead letter's
+    place: Literal["running", "waiting", "dead letter"]
+    fields: dict[str, str]
 
 
 class QueueOverview(BaseModel):
@@ -95,6 +107,12 @@ class QueueInspector:
     def workers(self) -> Any:
         """Every worker of every queue: live and stale ones, and the most recently gone."""
         return self.run(self.client, worker_health(self.keys))
+
+    def entry_of(self, status: JobStatus, queues: list[str]) -> Any:
+        """The job's entry, looked for in `queues`: a running job's by its id, a queued job's among
+        the first WAITING_SCAN waiting entries, a poison job's among the dead letters. None for
+        any other job: its entry is deleted once it ends, and its body with it."""
+        return self.run(self.client, entry_of(self.keys, status, queues))
 
 
 def queue_names(keys: Keys) -> Steps[list[str]]:
@@ -165,6 +183,32 @@ def running(keys: Keys, queue: str, limit: int) -> Steps[list[RunningJob]]:
         )
         for p, job_id, t in zip(pending, job_ids, tokens)
     ]
+
+
+def entry_of(keys: Keys, status: JobStatus, queues: list[str]) -> Steps[JobEntry | None]:
+    (entry_id,) = checked((yield lambda pipe: pipe.hget(keys.job(status.id), "entry")))
+    if entry_id:
+        def add_lookups(pipe) -> None:
+            for queue in queues:
+                pipe.xrange(keys.queue(queue), entry_id, entry_id)
+
+        for queue, entries in zip(queues, checked((yield add_lookups))):
+            if entries and entries[0][1].get("id") == status.id:
+                return JobEntry(queue=queue, entry_id=entry_id, place="running", fields=entries[0][1])
+    if status.status == "queued":
+        for queue in queues:
+            for job in (yield from waiting(keys, queue, WAITING_SCAN)):
+                if job.job_id == status.id:
+                    return JobEntry(queue=queue, entry_id=job.entry_id, place="waiting", fields=job.fields)
+    error = status.result.error if status.result is not None else None
+    if error is not None and error.code == "poison":
+        for queue in queues:
+            try:
+                letter = yield from find_letter(keys, queue, status.id)
+            except DeadLetterNotFound:
+                continue
+            return JobEntry(queue=queue, entry_id=letter.letter_id, place="dead letter", fields=letter.fields)
+    return None
 
 
 def worker_health(keys: Keys) -> Steps[list[WorkerHealth]]:
