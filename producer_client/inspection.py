@@ -28,7 +28,7 @@ from producer_client.schema import JobStatus, WorkerInfo
 from producer_client.steps import Steps, checked
 
 GONE_SHOWN = 10  # gone workers listed per queue, the most recent first
-WAITING_SCAN = 1000  # waiting entries read, per queue, to find a queued job's
+WAITING_SCAN = 1000  # entries read from the head of each queue to find a queued job's
 
 
 class WaitingJob(BaseModel):
@@ -110,7 +110,7 @@ class QueueInspector:
 
     def entry_of(self, status: JobStatus, queues: list[str]) -> Any:
         """The job's entry, looked for in `queues`: a running job's by its id, a queued job's among
-        the first WAITING_SCAN waiting entries, a poison job's among the dead letters. None for
+        the first WAITING_SCAN entries of each, a poison job's among the dead letters. None for
         any other job: its entry is deleted once it ends, and its body with it."""
         return self.run(self.client, entry_of(self.keys, status, queues))
 
@@ -196,10 +196,16 @@ def entry_of(keys: Keys, status: JobStatus, queues: list[str]) -> Steps[JobEntry
             if entries and entries[0][1].get("id") == status.id:
                 return JobEntry(queue=queue, entry_id=entry_id, place="running", fields=entries[0][1])
     if status.status == "queued":
-        for queue in queues:
-            for job in (yield from waiting(keys, queue, WAITING_SCAN)):
-                if job.job_id == status.id:
-                    return JobEntry(queue=queue, entry_id=job.entry_id, place="waiting", fields=job.fields)
+        # From the stream's head, not past the last-delivered id: a worker may have read the entry
+        # and not yet claimed the job.
+        def add_heads(pipe) -> None:
+            for queue in queues:
+                pipe.xrange(keys.queue(queue), "-", "+", count=WAITING_SCAN)
+
+        for queue, entries in zip(queues, checked((yield add_heads))):
+            for entry_id, fields in entries:
+                if fields.get("id") == status.id:
+                    return JobEntry(queue=queue, entry_id=entry_id, place="waiting", fields=fields)
     error = status.result.error if status.result is not None else None
     if error is not None and error.code == "poison":
         for queue in queues:
