@@ -10,16 +10,17 @@ import redis.asyncio as aioredis
 
 from producer_client import protocol, scripts, steps
 from producer_client.connection import async_retry_policy
-from producer_client.dead_letters import DeadLetters
 from producer_client.errors import JobNotFound, QueueFull
-from producer_client.inspection import QueueInspector
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
+from producer_client.operator_views import OperatorViews
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
 
-class AsyncClient:
+class AsyncClient(OperatorViews):
     """See `producer_client.Client`; every method here is its awaitable twin."""
+
+    run_steps = staticmethod(steps.arun)  # drives OperatorViews' operations
 
     def __init__(
         self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
@@ -123,16 +124,6 @@ class AsyncClient:
         for name in [name for names in await pipe.execute() for name in names]:
             pipe.hgetall(self.keys.worker(name))
         return protocol.live_workers(await pipe.execute())
-
-    @property
-    def dead_letters(self) -> DeadLetters:
-        """The queue's dead letters: list, get, retry, purge (producer_client.dead_letters)."""
-        return DeadLetters(self.redis, self.keys, self.queue, steps.arun)
-
-    @property
-    def inspect(self) -> QueueInspector:
-        """What the queue holds now: waiting and running jobs, depth, workers (producer_client.inspection)."""
-        return QueueInspector(self.redis, self.keys, self.queue, steps.arun)
 
     def on_queue(self, queue: str) -> AsyncClient:
         other = copy.copy(self)

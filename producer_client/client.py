@@ -10,15 +10,14 @@ import redis
 
 from producer_client import protocol, scripts, steps
 from producer_client.connection import retry_policy
-from producer_client.dead_letters import DeadLetters
 from producer_client.errors import JobNotFound, QueueFull
-from producer_client.inspection import QueueInspector
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
+from producer_client.operator_views import OperatorViews
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
 
-class Client:
+class Client(OperatorViews):
     """Submit jobs to a MILI queue and read their results.
 
     `max_queue_depth` is the backpressure bound: `submit` raises QueueFull when the queue
@@ -27,6 +26,8 @@ class Client:
     never trimmed to enforce it. `max_connections` bounds the connection pool (None: redis-py's
     default, 100); every call in flight holds a connection, a blocking read for as long as it waits.
     """
+
+    run_steps = staticmethod(steps.run)  # drives OperatorViews' operations
 
     def __init__(
         self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
@@ -146,16 +147,6 @@ class Client:
         for name in [name for names in pipe.execute() for name in names]:
             pipe.hgetall(self.keys.worker(name))
         return protocol.live_workers(pipe.execute())
-
-    @property
-    def dead_letters(self) -> DeadLetters:
-        """The queue's dead letters: list, get, retry, purge (producer_client.dead_letters)."""
-        return DeadLetters(self.redis, self.keys, self.queue, steps.run)
-
-    @property
-    def inspect(self) -> QueueInspector:
-        """What the queue holds now: waiting and running jobs, depth, workers (producer_client.inspection)."""
-        return QueueInspector(self.redis, self.keys, self.queue, steps.run)
 
     def on_queue(self, queue: str) -> Client:
         """A client of `queue` with this one's settings, over the same connection pool: one pool
