@@ -134,7 +134,7 @@ def overview(keys: Keys, queue: str) -> Steps[QueueOverview]:
     checked([now, depth, dead])
     # XINFO fails on a stream that does not exist (no worker has served the queue yet).
     groups, info = (groups, info) if _exists(groups) and _exists(info) else ([], None)
-    stats = queue_stats(queue, depth, checked([groups])[0], [], [])
+    stats = queue_stats(queue, depth, groups, [], [])
     after = _last_delivered(groups)
     (oldest,) = checked((yield lambda pipe: pipe.xrange(stream, after, "+", count=1)))
     at = epoch_ms(now) / 1000
