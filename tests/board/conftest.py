@@ -1,7 +1,7 @@
 """The board's tests: one redis-server, an echo worker, gateways in front of them (one open, one
-with API keys), and a headless Chromium (Debian's, driven by Playwright; scripts/bootstrap.sh
---dev installs it). Every page a browser test opens is saved as a PNG under the session's
-temporary directory (board-screenshots*/), printed at the end of the run."""
+with API keys) and a headless Chromium (Debian's, driven by Playwright; scripts/bootstrap.sh --dev
+installs it), all stopped when this package's tests end. Every page a browser test opens is saved
+as a PNG under the run's temporary directory (board-screenshots*/), whose path is printed."""
 from __future__ import annotations
 
 import json
@@ -26,7 +26,7 @@ CHROMIUM_ARGS = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def board_worker(redis_server, tmp_path_factory):  # noqa: F811
     worker = echo_worker(redis_server.url, ECHO_QUEUE, "board-echo-1", tmp_path_factory.mktemp("board-workers"))
     yield worker
@@ -40,21 +40,21 @@ def gateway_process(redis_server, tmp_path_factory, *flags: str) -> GatewayProce
     ).start()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def open_gateway(redis_server, board_worker, tmp_path_factory):  # noqa: F811
     gateway = gateway_process(redis_server, tmp_path_factory)
     yield gateway
     gateway.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def keyed_gateway(redis_server, tmp_path_factory):  # noqa: F811
     gateway = gateway_process(redis_server, tmp_path_factory, "--api-keys", json.dumps([API_KEY]))
     yield gateway
     gateway.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser():
     assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing: scripts/bootstrap.sh --dev installs Debian's chromium"
     with sync_playwright() as playwright:
@@ -63,7 +63,7 @@ def browser():
         chromium.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def screenshots(tmp_path_factory, request):
     directory = tmp_path_factory.mktemp("board-screenshots")
     yield directory
