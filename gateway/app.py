@@ -3,7 +3,6 @@
 are enqueued, and every response carries the request's id in `x-request-id`."""
 from __future__ import annotations
 
-import hmac
 import logging
 import re
 import time
@@ -18,6 +17,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from gateway.api_keys import bearer_key, key_matches
+from gateway.board import add_board
 from gateway.errors import APIError, api_error_of, bad_request, not_found, unauthorized
 from gateway.jobs import Jobs, RequestJobs, collect
 from gateway.lifecycle import Lifecycle
@@ -154,6 +155,8 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle) -> RequestContex
     async def metrics():
         return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
+    add_board(app, gw.client, settings)
+
     return RequestContext(app, gw.metrics)
 
 
@@ -209,10 +212,8 @@ def api_key_check(keys: list[str]):
     expected = [k.encode() for k in keys]
 
     async def check(request: Request) -> None:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        # compare_digest against every key: the time taken does not tell which key came close.
-        matches = [hmac.compare_digest(given.strip().encode(), k) for k in expected]
-        if scheme.lower() != "bearer" or not any(matches):
+        given = bearer_key(request)
+        if given is None or not key_matches(given, expected):
             raise unauthorized()
 
     return check

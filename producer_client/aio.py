@@ -8,16 +8,19 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from producer_client import protocol, scripts
+from producer_client import protocol, scripts, steps
 from producer_client.connection import async_retry_policy
 from producer_client.errors import JobNotFound, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
+from producer_client.operator_views import OperatorViews
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
 
-class AsyncClient:
+class AsyncClient(OperatorViews):
     """See `producer_client.Client`; every method here is its awaitable twin."""
+
+    run_steps = staticmethod(steps.arun)  # drives OperatorViews' operations
 
     def __init__(
         self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,

@@ -2,6 +2,7 @@
 
     mili submit "text" --max-tokens 32 [--stream]    prints the job id (or streams the text)
     mili status ID | mili result ID | mili cancel ID | mili stats
+    mili dead list|show|retry|purge | mili workers | mili jobs --status S    (producer_client.operator_cli)
 
 --redis (env MILI_REDIS) and --queue (env MILI_QUEUE) pick the queue.
 """
@@ -16,6 +17,7 @@ import redis
 from producer_client.client import Client
 from producer_client.connection import redact_url
 from producer_client.errors import MiliError
+from producer_client.operator_cli import add_commands as add_operator_commands
 from producer_client.protocol import DEFAULT_URL
 
 
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mili", description="Submit jobs to a MILI queue and read their results.")
+    parser = OneLineParser(prog="mili", description="Submit jobs to a MILI queue and read their results.")
     parser.add_argument(
         "--redis", default=os.environ.get("MILI_REDIS", DEFAULT_URL), help="Redis URL (env MILI_REDIS)"
     )
@@ -66,7 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--timeout", type=float, help="seconds to wait (default: forever)")
         command.set_defaults(run=run)
     commands.add_parser("stats", help="queue depth, pending, waiting, live workers").set_defaults(run=cmd_stats)
+    add_operator_commands(commands)
     return parser
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors in one line, as every other error of the CLI (the subcommands' parsers are of
+    this class too)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: invalid_argument: {message} (see {self.prog} --help)\n")
 
 
 def cmd_submit(client: Client, args: argparse.Namespace) -> int:

@@ -8,15 +8,16 @@ from typing import Any
 
 import redis
 
-from producer_client import protocol, scripts
+from producer_client import protocol, scripts, steps
 from producer_client.connection import retry_policy
 from producer_client.errors import JobNotFound, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
+from producer_client.operator_views import OperatorViews
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
 
-class Client:
+class Client(OperatorViews):
     """Submit jobs to a MILI queue and read their results.
 
     `max_queue_depth` is the backpressure bound: `submit` raises QueueFull when the queue
@@ -25,6 +26,8 @@ class Client:
     never trimmed to enforce it. `max_connections` bounds the connection pool (None: redis-py's
     default, 100); every call in flight holds a connection, a blocking read for as long as it waits.
     """
+
+    run_steps = staticmethod(steps.run)  # drives OperatorViews' operations
 
     def __init__(
         self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,

@@ -28,6 +28,7 @@ DEFAULT_URL = "redis://localhost:6379/0"
 DEFAULT_MAX_QUEUE_DEPTH = 10_000
 EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
 MAX_BLOCK_MS = 2000  # one blocking read, well inside redis-py's default 5 s socket timeout
+MAX_LIMIT = 10_000  # items one listing returns at most: as many as a dead-letter stream holds
 EVENT_ID = re.compile(r"\d{1,20}-\d{1,20}")
 
 
@@ -113,6 +114,13 @@ def check_max_queue_depth(max_queue_depth: Any) -> int | None:
     return max_queue_depth
 
 
+def check_limit(limit: Any) -> int:
+    """How many items an operator's listing returns."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise InvalidArgument("limit", f"must be an integer from 1 to {MAX_LIMIT}")
+    return limit
+
+
 class Deadline:
     """Turns a caller's timeout into XREAD BLOCK milliseconds, one bounded read at a time:
     redis-py gives up on a socket silent for its socket_timeout (5 s by default), so a long
@@ -192,6 +200,11 @@ def epoch_ms(redis_time: tuple[int, int]) -> int:
     """TIME's reply (seconds, microseconds) in milliseconds."""
     seconds, micros = redis_time
     return int(seconds) * 1000 + int(micros) // 1000
+
+
+def entry_time(entry_id: str) -> float:
+    """When Redis added a stream entry: its id's milliseconds, in epoch seconds (Redis's clock)."""
+    return int(entry_id.split("-", 1)[0]) / 1000
 
 
 def queue_stats(queue: str, depth: int, groups: list[dict], names: list[str], alive: list[int]) -> QueueStats:

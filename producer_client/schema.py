@@ -233,4 +233,5 @@ class WorkerInfo(BaseModel):
     running: int
     free_slots: int
     free_pages: int
+    total_pages: int = 0  # the KV pool's size: with free_pages, the worker's KV usage
     started_at: float

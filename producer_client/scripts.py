@@ -6,6 +6,7 @@ and Redis Cluster-safe. A job is born here:
 
     (none) --CREATE--> queued --ENQUEUE--> in the queue stream
     queued --CANCEL--> cancelled            (the worker that reads the entry just drops it)
+    failed | (none) --RETRY--> queued --REVIVE--> in the queue stream, out of the dead-letter stream
 
 and moves on through the worker's scripts (worker/scripts.py). Every script is safe to run
 twice, because a call whose reply was lost (the connection broke after Redis ran it) is retried.
@@ -76,6 +77,25 @@ end
 return status
 """)
 
+# KEYS: job, events, done. ARGV: timeout in ms (0: no deadline). An operator retries a dead-lettered
+# job: one that failed (poison), whose hash expired, or that an earlier retry left queued before its
+# REVIVE. Its hash, events and done entry go, so that result() and stream() of the new run never
+# see the old run's end or tokens, and the job is queued again as CREATE makes it (the deadline
+# counted from now), flagged enqueued: REVIVE follows. Returns {'queued'}, or {'refused', status}
+# for a job that is running or has a final result other than failed, changing nothing.
+RETRY = Script("retry", """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status and status ~= 'failed' and status ~= 'queued' then return {'refused', status} end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+redis.call('HSET', KEYS[1], 'status', 'queued', 'enqueued', '1')
+local timeout = tonumber(ARGV[1])
+if timeout > 0 then
+  local now = redis.call('TIME')
+  redis.call('HSET', KEYS[1], 'deadline', now[1] * 1000 + math.floor(now[2] / 1000) + timeout)
+end
+return {'queued'}
+""")
+
 # -- a queue's keys -------------------------------------------------------------------------------
 
 # KEYS: queue. ARGV: max depth (0: no bound), job id, protocol version, body.
@@ -90,7 +110,15 @@ end
 return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])}
 """)
 
-PRODUCER_SCRIPTS = (CREATE, CANCEL, ENQUEUE)
+# KEYS: queue, dead. ARGV: dead letter's entry id, job id, protocol version, body. Moves a dead
+# letter back to the queue as a new entry (a fresh delivery count), in one step: a retry run twice
+# at once enqueues the job once. Returns the new entry's id, or nil if the letter is gone.
+REVIVE = Script("revive", """
+if redis.call('XDEL', KEYS[2], ARGV[1]) == 0 then return false end
+return redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])
+""")
+
+PRODUCER_SCRIPTS = (CREATE, CANCEL, ENQUEUE, RETRY, REVIVE)
 
 
 def execute(client, add_commands: Callable, scripts: Sequence[Script] = (), raise_on_error: bool = True) -> list:

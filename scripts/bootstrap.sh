@@ -13,8 +13,9 @@ apt_install() {
 }
 
 command -v redis-server >/dev/null || apt_install redis-server
-# The gateway's tests read raw Server-Sent Events with curl -N.
+# The gateway's tests read raw Server-Sent Events with curl -N; the board's run in headless Chromium.
 [ "${1:-}" = "--dev" ] && { command -v curl >/dev/null || apt_install curl; }
+[ "${1:-}" = "--dev" ] && { command -v chromium >/dev/null || apt_install chromium; }
 python3 -c 'import sys; assert sys.version_info >= (3, 10), "MILI needs Python 3.10+"'
 
 if [ ! -x .venv/bin/python ]; then

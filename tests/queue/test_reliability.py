@@ -17,7 +17,7 @@ from producer_client.protocol import job_keys
 from producer_client.schema import JobRequest
 from producer_client.scripts import execute
 from tests.queue.support import SlowEchoEngine, outcome_count, serving
-from worker.queue import Update
+from worker.outbox import Update
 from worker.scripts import CLAIM, PUBLISH, WORKER_SCRIPTS
 from tests.redis_support import assert_one_final_result, eventually, events, make_client, runs, tokens_published
 

@@ -1,0 +1,62 @@
+"""Who may see the board: with `api_keys` set, the same keys as the API.
+
+A browser cannot send an `Authorization: Bearer` header when it follows a link, and a key in the
+URL would end up in histories, logs and Referer headers. So the board has a login form: the key
+is posted once, and the answer sets a session cookie that is *signed with that key* (HMAC-SHA256
+of its expiry), not the key itself. Every gateway with the same keys accepts it, with no state
+shared between them; removing a key from `api_keys` ends its sessions; a stolen cookie is worth
+SESSION_S at most and never reveals the key. The cookie is HttpOnly (no script reads it) and
+SameSite=Strict (no other site's page sends it). Board actions (retry, purge, cancel) also need the
+X-MILI-Board header, which a page of another origin cannot add without a CORS preflight that the
+gateway refuses: this also guards an open board (no api_keys) on localhost against a drive-by POST.
+Scripts may use the board's routes with the Bearer header, as the API's."""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Callable
+
+from starlette.requests import Request
+
+from gateway.api_keys import bearer_key, key_matches
+
+COOKIE = "mili_board_session"
+SESSION_S = 12 * 3600
+ACTION_HEADER = "x-mili-board"
+
+
+class BoardAuth:
+    def __init__(self, api_keys: list[str], clock: Callable[[], float] = time.time):
+        self.keys = [k.encode() for k in api_keys]
+        self.clock = clock
+
+    @property
+    def required(self) -> bool:
+        return bool(self.keys)
+
+    def session_for(self, key: str) -> str | None:
+        """The cookie's value for a correct key, else None."""
+        if not key_matches(key, self.keys):
+            return None
+        expires = int(self.clock()) + SESSION_S
+        return f"{expires}.{_sign(key.encode(), expires)}"
+
+    def allows(self, request: Request) -> bool:
+        if not self.required:
+            return True
+        bearer = bearer_key(request)
+        if bearer is not None:
+            return key_matches(bearer, self.keys)
+        return self.session_valid(request.cookies.get(COOKIE, ""))
+
+    def session_valid(self, cookie: str) -> bool:
+        expires, _, signature = cookie.partition(".")
+        if not expires.isdigit() or int(expires) <= self.clock():
+            return False
+        matches = [hmac.compare_digest(signature, _sign(k, int(expires))) for k in self.keys]
+        return any(matches)
+
+
+def _sign(key: bytes, expires: int) -> str:
+    return hmac.new(key, f"mili-board-session:{expires}".encode(), hashlib.sha256).hexdigest()

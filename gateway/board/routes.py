@@ -1,0 +1,156 @@
+"""The board's routes, under /board. Pages and fragments are server-rendered HTML; a page reads
+its fragment again every REFRESH_S, and a job page follows the job's text as Server-Sent Events.
+Job ids and queue names go in the query string: both may hold a `/`."""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+
+from gateway.board.auth import ACTION_HEADER, COOKIE, SESSION_S, BoardAuth
+from gateway.board.pages import environment
+from gateway.board.views import JOBS_SHOWN, BoardReader
+from gateway.errors import APIError, not_found, unauthorized
+from gateway.settings import GatewaySettings
+from gateway.streaming import EventStream
+from producer_client import AsyncClient, JobFailed, JobNotFound, JobTimeout
+from producer_client.dead_letters import DeadLetterNotFound, NotRetryable
+from producer_client.keys import check_name
+from producer_client.protocol import check_event_id
+
+log = logging.getLogger("gateway.board")
+
+
+def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings) -> None:
+    auth = BoardAuth(settings.api_keys)
+    reader = BoardReader(client, {settings.default_queue, *settings.models.values()})
+    pages = environment()
+    router = APIRouter(prefix="/board")
+
+    def html(template: str, request: Request, status: int = 200, **context) -> HTMLResponse:
+        body = pages.get_template(template).render(logout=auth.required and COOKIE in request.cookies, **context)
+        return HTMLResponse(body, status_code=status)
+
+    def to_login() -> RedirectResponse:
+        return RedirectResponse("/board/login", status_code=303)
+
+    async def signed_in(request: Request) -> None:
+        if not auth.allows(request):
+            raise unauthorized()
+
+    async def from_the_board(request: Request) -> None:
+        """An action (it changes something) must come from the board's own script: see auth.py."""
+        await signed_in(request)
+        if request.headers.get(ACTION_HEADER) != "1":
+            raise APIError(403, f"board actions need the {ACTION_HEADER} header", "invalid_request_error", "forbidden")
+
+    @router.get("")
+    async def board(request: Request):
+        if not auth.allows(request):
+            return to_login()
+        return html("board.jinja", request, view=await reader.overview(), shown=JOBS_SHOWN)
+
+    @router.get("/overview", dependencies=[Depends(signed_in)])
+    async def overview(request: Request):
+        return html("overview.jinja", request, view=await reader.overview(), shown=JOBS_SHOWN)
+
+    @router.get("/job")
+    async def job_page(request: Request, id: str):
+        if not auth.allows(request):
+            return to_login()
+        try:
+            view = await reader.job(id)
+        except JobNotFound as e:
+            raise not_found(e.message, "job_not_found") from None
+        return html("job.jinja", request, view=view)
+
+    @router.get("/job/summary", dependencies=[Depends(signed_in)])
+    async def job_summary(request: Request, id: str):
+        return html("job_summary.jinja", request, view=await reader.job(id))
+
+    @router.get("/job/events", dependencies=[Depends(signed_in)])
+    async def job_events(request: Request, id: str):
+        after = check_event_id(request.headers.get("last-event-id", "0-0"))
+        return EventStream(text_events(client, id, after, settings.keepalive_s))
+
+    @router.post("/job/cancel", dependencies=[Depends(from_the_board)])
+    async def cancel(id: str):
+        status = await client.cancel(id)
+        log.info("board: job %s cancel requested; it was %s", id, status.status)
+        return Response(status.model_dump_json(), media_type="application/json")
+
+    @router.post("/dead/retry", dependencies=[Depends(from_the_board)])
+    async def retry(queue: str, letter: str):
+        try:
+            retried = await client.on_queue(check_name("queue", queue)).dead_letters.retry(letter)
+        except (DeadLetterNotFound, NotRetryable) as e:
+            raise action_refused(e) from None
+        log.info("board: dead letter %s of queue %r retried: job %s is entry %s", letter, queue, retried.job_id, retried.entry_id)
+        return Response(retried.model_dump_json(), media_type="application/json")
+
+    @router.post("/dead/purge", dependencies=[Depends(from_the_board)])
+    async def purge(queue: str, letter: str):
+        try:
+            purged = await client.on_queue(check_name("queue", queue)).dead_letters.purge(letter)
+        except DeadLetterNotFound as e:
+            raise action_refused(e) from None
+        log.info("board: dead letter %s of queue %r (job %s) purged", letter, queue, purged.job_id)
+        return Response(purged.model_dump_json(), media_type="application/json")
+
+    @router.get("/login")
+    async def login_form(request: Request):
+        return html("login.jinja", request)
+
+    @router.post("/login")
+    async def login(request: Request):
+        # The form's one field, parsed here: FastAPI's Form() would need python-multipart.
+        key = parse_qs((await request.body()).decode(errors="replace")).get("key", [""])[0]
+        session = auth.session_for(key)
+        if session is None:
+            return html("login.jinja", request, status=401, wrong=True)
+        response = RedirectResponse("/board", status_code=303)
+        response.set_cookie(
+            COOKIE, session, max_age=SESSION_S, path="/board", httponly=True, samesite="strict",
+            secure=request.url.scheme == "https",
+        )
+        return response
+
+    @router.post("/logout")
+    async def logout():
+        response = RedirectResponse("/board/login" if auth.required else "/board", status_code=303)
+        response.delete_cookie(COOKIE, path="/board")
+        return response
+
+    app.include_router(router)
+
+
+def action_refused(error: DeadLetterNotFound | NotRetryable) -> APIError:
+    status = 404 if isinstance(error, DeadLetterNotFound) else 409
+    return APIError(status, error.message, "invalid_request_error", error.code)
+
+
+async def text_events(client: AsyncClient, job_id: str, after: str, keepalive_s: float) -> AsyncIterator[bytes]:
+    """The job's text deltas as `text` events whose id is the job's event id (a reconnecting
+    EventSource sends it back as Last-Event-ID), then one `end` event with the result's
+    finished_at, by which the page tells a later run of the job (a retry) from this one; a
+    comment every `keepalive_s` while nothing comes, so that proxies keep a queued job's stream open."""
+    while True:
+        try:
+            async for delta in client.stream(job_id, after=after, timeout=keepalive_s):
+                after = delta.event_id
+                yield f"id: {after}\nevent: text\ndata: {json.dumps(delta.text)}\n\n".encode()
+            result = (await client.status(job_id)).result
+        except JobTimeout:
+            yield b": keep-alive\n\n"
+            continue
+        except JobFailed as e:
+            result = e.result
+        except JobNotFound:
+            result = None
+        finished = "" if result is None or result.timings.finished_at is None else str(result.timings.finished_at)
+        yield f"event: end\ndata: {json.dumps({'finished': finished})}\n\n".encode()
+        return

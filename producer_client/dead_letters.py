@@ -1,0 +1,254 @@
+"""A queue's dead letters, for operators: list them, show one, retry them, purge them.
+
+A worker moves an entry to `mili:dead:{queue}` once it has been delivered more than
+max_deliveries times (see DEADLETTER): the entry's own fields (id, v, body) plus `entry`,
+`deliveries`, `reason`, `worker` and `dead_at`. The stream keeps about the last 10,000.
+
+A retry re-enqueues the letter's body as a new entry under the same job id (a fresh delivery
+count), in two scripts, because a job's keys and a queue's keys never share a script (Redis
+Cluster): RETRY sets the job back to queued and removes its old result, events and done entry, so
+that result() and stream() wait for the new run; REVIVE then moves the letter back into the queue.
+A retry stopped between the two leaves the letter in place and the job queued, and running it
+again finishes it. A job that is running, or ended other than failed (done, cancelled, expired),
+is refused and keeps its letter.
+
+An ID names a letter by its entry id in the dead-letter stream, or by its job id (the job's
+newest letter: found by reading the stream from its newest end, which holds about 10,000).
+"""
+from __future__ import annotations
+
+import json
+import math
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from producer_client.errors import InvalidArgument, MiliError
+from producer_client.keys import NAME_PATTERN, Keys, check_name
+from producer_client.protocol import EVENT_ID, check_limit, entry_time, epoch_ms, job_keys
+from producer_client.scripts import RETRY, REVIVE
+from producer_client.steps import Steps, checked
+
+DEFAULT_LIMIT = 20
+PAGE = 200  # letters per read when looking for a job id or retrying them all: bodies can be large
+
+
+class DeadLetterNotFound(MiliError):
+    code = "not_found"
+
+    def __init__(self, queue: str, ident: str):
+        super().__init__(f"queue {queue!r} has no dead letter {ident!r} (by entry id or job id)")
+
+
+class NotRetryable(MiliError):
+    """The letter's job is running, or ended other than failed; or the letter names no job."""
+
+    code = "not_retryable"
+
+
+class DeadLetter(BaseModel):
+    """One entry of the dead-letter stream."""
+
+    model_config = ConfigDict(frozen=True)
+
+    queue: str
+    letter_id: str  # its id in the dead-letter stream
+    job_id: str
+    entry_id: str  # the queue entry it was
+    reason: str
+    deliveries: int
+    worker: str  # the worker that moved it
+    dead_at: float  # epoch seconds on Redis's clock: the letter's id
+    fields: dict[str, str]  # every field as the stream holds it, the job's body among them
+
+    @classmethod
+    def from_entry(cls, queue: str, letter_id: str, fields: dict[str, str]) -> DeadLetter:
+        deliveries = fields.get("deliveries", "")
+        return cls(
+            queue=queue, letter_id=letter_id, job_id=fields.get("id", ""), entry_id=fields.get("entry", ""),
+            reason=fields.get("reason", ""), deliveries=int(deliveries) if deliveries.isdigit() else 0,
+            worker=fields.get("worker", ""), dead_at=entry_time(letter_id), fields=fields,
+        )
+
+    def check_retryable(self) -> None:
+        if not NAME_PATTERN.fullmatch(self.job_id):
+            raise NotRetryable(f"dead letter {self.letter_id} has no usable job id")
+        if "body" not in self.fields:
+            raise NotRetryable(f"dead letter {self.letter_id} has no body")
+
+    def timeout_ms(self) -> int:
+        """The body's timeout_s in ms (0: none): a retried job's deadline counts from the retry.
+        A body the worker will refuse has none; the worker fails it with its code."""
+        try:
+            timeout = json.loads(self.fields["body"]).get("timeout_s")
+        except (ValueError, AttributeError):
+            return 0
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            return 0
+        return max(1, round(timeout * 1000))
+
+
+class Retried(BaseModel):
+    """What a retry did with one letter."""
+
+    letter_id: str
+    job_id: str
+    outcome: Literal["retried", "refused", "gone"]  # gone: another retry or a purge took it first
+    entry_id: str | None = None  # the new queue entry
+    reason: str = ""  # why it was refused
+
+
+class RetryReply(str, Enum):
+    QUEUED = "queued"
+    REFUSED = "refused"
+
+
+class DeadLetters:
+    """The dead letters of `queue`. Each method returns its outcome; over an asyncio client (`run`
+    is steps.arun) it returns an awaitable of it. Bad arguments raise InvalidArgument at once."""
+
+    def __init__(self, client, keys: Keys, queue: str, run):
+        self.client = client
+        self.keys = keys
+        self.queue = queue
+        self.run = run
+
+    def list(self, limit: int = DEFAULT_LIMIT) -> Any:
+        """The newest `limit` letters, newest first."""
+        return self.run(self.client, newest(self.keys, self.queue, check_limit(limit)))
+
+    def get(self, ident: str) -> Any:
+        return self.run(self.client, find(self.keys, self.queue, check_name("id", ident)))
+
+    def retry(self, ident: str) -> Any:
+        """Retry one letter; raises NotRetryable, or DeadLetterNotFound."""
+        return self.run(self.client, retry_one(self.keys, self.queue, check_name("id", ident)))
+
+    def retry_all(self) -> Any:
+        """Retry every letter there is now, oldest first; returns what happened to each."""
+        return self.run(self.client, retry_all(self.keys, self.queue))
+
+    def purge(self, ident: str) -> Any:
+        """Remove one letter; returns it. The job's hash (failed, poison) expires as any result."""
+        return self.run(self.client, purge_one(self.keys, self.queue, check_name("id", ident)))
+
+    def purge_all(self) -> Any:
+        """Remove every letter; returns how many."""
+        return self.run(self.client, trim(self.keys, self.queue, "MAXLEN", 0))
+
+    def purge_older_than(self, seconds: float) -> Any:
+        """Remove the letters that died more than `seconds` ago (Redis's clock); returns how many."""
+        return self.run(self.client, purge_older_than(self.keys, self.queue, check_age(seconds)))
+
+
+def check_age(seconds: Any) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+        raise InvalidArgument("older_than", "must be a positive number of seconds")
+    return float(seconds)
+
+
+# -- the operations, as steps (see producer_client.steps) ---------------------------------------------
+
+def newest(keys: Keys, queue: str, limit: int) -> Steps[list[DeadLetter]]:
+    (entries,) = checked((yield lambda pipe: pipe.xrevrange(keys.dead(queue), "+", "-", count=limit)))
+    return [DeadLetter.from_entry(queue, letter_id, fields) for letter_id, fields in entries]
+
+
+def find(keys: Keys, queue: str, ident: str) -> Steps[DeadLetter]:
+    """The letter with entry id `ident`, else the newest letter of job `ident`."""
+    dead = keys.dead(queue)
+    if EVENT_ID.fullmatch(ident):
+        (entries,) = checked((yield lambda pipe: pipe.xrange(dead, ident, ident)))
+        if entries:
+            return DeadLetter.from_entry(queue, *entries[0])
+    before = "+"
+    while True:
+        (page,) = checked((yield lambda pipe, before=before: pipe.xrevrange(dead, before, "-", count=PAGE)))
+        for letter_id, fields in page:
+            if fields.get("id") == ident:
+                return DeadLetter.from_entry(queue, letter_id, fields)
+        if len(page) < PAGE:
+            raise DeadLetterNotFound(queue, ident)
+        before = "(" + page[-1][0]
+
+
+def retry_letters(keys: Keys, queue: str, letters: list[DeadLetter]) -> Steps[list[Retried]]:
+    """RETRY each letter's job, then REVIVE the letters whose job it queued: two round trips."""
+    outcomes: dict[str, Retried] = {}
+    usable = []
+    for letter in letters:
+        try:
+            letter.check_retryable()
+            usable.append(letter)
+        except NotRetryable as e:
+            outcomes[letter.letter_id] = Retried(letter_id=letter.letter_id, job_id=letter.job_id, outcome="refused", reason=e.message)
+
+    def add_retries(pipe) -> None:
+        for letter in usable:
+            pipe.evalsha(RETRY.sha, 3, *job_keys(keys, letter.job_id), letter.timeout_ms())
+
+    queued = []
+    for letter, reply in zip(usable, checked((yield add_retries)) if usable else []):
+        if RetryReply(reply[0]) is RetryReply.QUEUED:
+            queued.append(letter)
+        else:
+            reason = f"job {letter.job_id!r} is {reply[1]}: only a failed job is retried"
+            outcomes[letter.letter_id] = Retried(letter_id=letter.letter_id, job_id=letter.job_id, outcome="refused", reason=reason)
+
+    def add_revivals(pipe) -> None:
+        for letter in queued:
+            f = letter.fields
+            pipe.evalsha(REVIVE.sha, 2, keys.queue(queue), keys.dead(queue), letter.letter_id, letter.job_id, f.get("v", ""), f["body"])
+
+    for letter, entry_id in zip(queued, checked((yield add_revivals)) if queued else []):
+        outcome = "gone" if entry_id is None else "retried"
+        outcomes[letter.letter_id] = Retried(letter_id=letter.letter_id, job_id=letter.job_id, outcome=outcome, entry_id=entry_id)
+    return [outcomes[letter.letter_id] for letter in letters]
+
+
+def retry_one(keys: Keys, queue: str, ident: str) -> Steps[Retried]:
+    letter = yield from find(keys, queue, ident)
+    (outcome,) = yield from retry_letters(keys, queue, [letter])
+    if outcome.outcome == "refused":
+        raise NotRetryable(outcome.reason)
+    if outcome.outcome == "gone":
+        raise DeadLetterNotFound(queue, ident)
+    return outcome
+
+
+def retry_all(keys: Keys, queue: str) -> Steps[list[Retried]]:
+    """Page by page from the oldest letter up to the newest there was at the start: a job that
+    dies again while this runs is not retried twice in one call."""
+    dead = keys.dead(queue)
+    (last,) = checked((yield lambda pipe: pipe.xrevrange(dead, "+", "-", count=1)))
+    outcomes: list[Retried] = []
+    after = "-"
+    while last:
+        (page,) = checked((yield lambda pipe, after=after: pipe.xrange(dead, after, last[0][0], count=PAGE)))
+        outcomes += yield from retry_letters(keys, queue, [DeadLetter.from_entry(queue, *entry) for entry in page])
+        if len(page) < PAGE:
+            break
+        after = "(" + page[-1][0]
+    return outcomes
+
+
+def purge_one(keys: Keys, queue: str, ident: str) -> Steps[DeadLetter]:
+    letter = yield from find(keys, queue, ident)
+    (removed,) = checked((yield lambda pipe: pipe.xdel(keys.dead(queue), letter.letter_id)))
+    if not removed:
+        raise DeadLetterNotFound(queue, ident)
+    return letter
+
+
+def purge_older_than(keys: Keys, queue: str, seconds: float) -> Steps[int]:
+    (now,) = checked((yield lambda pipe: pipe.time()))
+    removed = yield from trim(keys, queue, "MINID", max(0, epoch_ms(now) - round(seconds * 1000)))
+    return removed
+
+
+def trim(keys: Keys, queue: str, strategy: str, threshold: int) -> Steps[int]:
+    """XTRIM, exact (no ~): MAXLEN 0 removes every letter, MINID every one older than `threshold`
+    ms (a letter's id is the time it died)."""
+    (removed,) = checked((yield lambda pipe: pipe.execute_command("XTRIM", keys.dead(queue), strategy, threshold)))
+    return removed

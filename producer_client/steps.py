@@ -1,0 +1,41 @@
+"""Operations written once for both clients. An operation that needs several round trips (read the
+dead letters, then retry the ones found) is a generator: it yields a function that adds commands
+to a pipeline, receives that pipeline's replies, and returns its outcome. `run` drives it over a
+redis.Redis, `arun` over a redis.asyncio.Redis, so `Client` and `AsyncClient` share every line of
+it. Pipelines go through `scripts.execute`, which reloads scripts a server has lost (NOSCRIPT)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any, TypeVar
+
+from producer_client import scripts
+
+T = TypeVar("T")
+# Yields pipeline builders, receives each one's replies (errors in their places), returns a T.
+Steps = Generator[Callable[[Any], None], list, T]
+
+
+def run(client, steps: Steps[T]) -> T:
+    try:
+        add = next(steps)
+        while True:
+            add = steps.send(scripts.execute(client, add, raise_on_error=False))
+    except StopIteration as done:
+        return done.value
+
+
+async def arun(client, steps: Steps[T]) -> T:
+    try:
+        add = next(steps)
+        while True:
+            add = steps.send(await scripts.aexecute(client, add, raise_on_error=False))
+    except StopIteration as done:
+        return done.value
+
+
+def checked(replies: list) -> list:
+    """`replies`, raising the first error among them: for steps that expect none."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies

@@ -1,0 +1,114 @@
+"""The board over plain HTTP: its fragments, its job text as Server-Sent Events (keep-alives while a
+job waits, resumed after Last-Event-ID), its actions' errors, and its protection: with API keys a
+session cookie (HttpOnly, SameSite=Strict, signed, never the key) or the Bearer header, and an
+action header no other site's page can send."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from producer_client import Client
+from tests.board.conftest import API_KEY, ECHO_QUEUE, KEEPALIVE_S, PARKED_QUEUE
+from tests.gateway.support import job_ids_in_queue
+
+ACTION = {"X-MILI-Board": "1"}
+
+
+def sse_lines(url: str, seconds: float, headers: dict | None = None) -> list[str]:
+    """The lines of an event stream read for `seconds` (or to its end)."""
+    lines = []
+    deadline = time.monotonic() + seconds
+    with httpx.stream("GET", url, headers=headers, timeout=seconds + 5) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            lines.append(line)
+            if line == "event: end" or time.monotonic() > deadline:
+                break
+    return lines
+
+
+def test_the_overview_fragment_lists_queues_and_workers(open_gateway, board_worker):
+    fragment = httpx.get(f"{open_gateway.url}/board/overview")
+    assert fragment.status_code == 200 and fragment.headers["content-type"].startswith("text/html")
+    assert f'<tr data-queue="{ECHO_QUEUE}">' in fragment.text and f'<tr data-queue="{PARKED_QUEUE}">' in fragment.text
+    assert f'<tr data-worker="{board_worker.name}" class="live">' in fragment.text
+    assert "<script" not in fragment.text
+
+
+def test_a_waiting_job_s_stream_keeps_alive_for_many_intervals(open_gateway, redis_server, redis_client):
+    with Client(redis_server.url, PARKED_QUEUE) as client:
+        job_id = client.submit("waits", max_tokens=4)
+        lines = sse_lines(f"{open_gateway.url}/board/job/events?id={job_id}", seconds=KEEPALIVE_S * 6)
+        client.cancel(job_id)
+    assert lines.count(": keep-alive") >= 4
+    assert job_id in job_ids_in_queue(redis_client, PARKED_QUEUE)
+
+
+def test_a_job_s_text_resumes_after_the_last_event_id(open_gateway, redis_server, board_worker):
+    with Client(redis_server.url, ECHO_QUEUE) as client:
+        job_id = client.submit("resume me here", max_tokens=14)
+        client.result(job_id, timeout=30)
+        deltas = list(client.stream(job_id))
+    url = f"{open_gateway.url}/board/job/events?id={job_id}"
+    whole = sse_lines(url, seconds=10)
+    texts = [line.removeprefix("data: ") for line in whole if line.startswith('data: "')]
+    assert "".join(json.loads(t) for t in texts) == "resume me here"
+    assert [line.removeprefix("id: ") for line in whole if line.startswith("id: ")] == [d.event_id for d in deltas]
+    rest = sse_lines(url, seconds=10, headers={"Last-Event-ID": deltas[4].event_id})
+    resumed = [line.removeprefix("id: ") for line in rest if line.startswith("id: ")]
+    assert resumed == [d.event_id for d in deltas[5:]] and rest[-1] == "event: end"
+    bad = httpx.get(url, headers={"Last-Event-ID": "not an id"})
+    assert bad.status_code == 400
+
+
+@pytest.mark.parametrize("path, status", [
+    ("/board/dead/retry?queue=board-echo&letter=no-such-job", 404),
+    ("/board/dead/purge?queue=board-echo&letter=1-1", 404),
+    ("/board/dead/retry?queue=%7Bbad%7D&letter=x", 400),
+    ("/board/job/cancel?id=no-such-job", 404),
+])
+def test_actions_on_what_does_not_exist_answer_an_error_and_change_nothing(open_gateway, path, status):
+    answer = httpx.post(f"{open_gateway.url}{path}", headers=ACTION)
+    assert answer.status_code == status, answer.text
+    assert answer.json()["error"]["message"]
+
+
+def test_an_action_without_the_board_s_header_is_forbidden_even_on_an_open_board(open_gateway, redis_server, redis_client):
+    with Client(redis_server.url, PARKED_QUEUE) as client:
+        job_id = client.submit("keep me", max_tokens=4)
+        answer = httpx.post(f"{open_gateway.url}/board/job/cancel?id={job_id}")
+        assert answer.status_code == 403
+        assert client.status(job_id).status == "queued"
+        client.cancel(job_id)
+
+
+def test_a_job_page_of_an_unknown_job_is_not_found(open_gateway):
+    assert httpx.get(f"{open_gateway.url}/board/job?id=no-such-job").status_code == 404
+
+
+def test_with_api_keys_the_board_needs_a_session_or_the_bearer_key(keyed_gateway):
+    url = keyed_gateway.url
+    page = httpx.get(f"{url}/board")
+    assert (page.status_code, page.headers["location"]) == (303, "/board/login")
+    for path in ("/board/overview", "/board/job/summary?id=x", "/board/job/events?id=x"):
+        assert httpx.get(f"{url}{path}").status_code == 401, path
+    assert httpx.get(f"{url}/board/overview", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    assert httpx.get(f"{url}/board/overview", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{url}/board/overview", cookies={"mili_board_session": "99999999999.forged"}).status_code == 401
+
+    wrong = httpx.post(f"{url}/board/login", data={"key": "wrong"})
+    assert wrong.status_code == 401 and "not one of the gateway" in wrong.text and "set-cookie" not in wrong.headers
+    login = httpx.post(f"{url}/board/login", data={"key": API_KEY})
+    assert (login.status_code, login.headers["location"]) == (303, "/board")
+    cookie = login.headers["set-cookie"]
+    assert API_KEY not in cookie
+    assert {"HttpOnly", "SameSite=strict", "Path=/board"} <= {part.strip() for part in cookie.split(";")}
+    with httpx.Client(base_url=url, cookies=login.cookies) as browser_like:
+        assert browser_like.get("/board/overview").status_code == 200
+        assert browser_like.post("/board/job/cancel?id=x").status_code == 403  # a session, but no action header
+        assert browser_like.get("/v1/models").status_code == 401  # the session is the board's only
+        logout = browser_like.post("/board/logout")
+        assert logout.status_code == 303 and 'mili_board_session=""' in logout.headers["set-cookie"]

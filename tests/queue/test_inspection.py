@@ -1,0 +1,103 @@
+"""client.inspect on a real redis-server: the waiting jobs (past the group's last-delivered id), the
+running ones (the pending entries list), a queue's overview, and the workers' heartbeats judged
+live, stale (past half their TTL) and gone, over several TTLs, through the worker's own heartbeat."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from producer_client.errors import InvalidArgument
+from producer_client.keys import GROUP, Keys
+from tests.queue.test_dead_letters import make_poison, settle, take
+from worker.queue import WorkerQueue
+
+KEYS = Keys()
+
+
+def test_waiting_and_running_jobs_come_from_the_stream_and_the_pending_list(client, redis_client, queue):
+    jobs = [client.submit(f"job {i}", max_tokens=4) for i in range(4)]
+    assert [j.job_id for j in settle(client, client.inspect.waiting(10))] == jobs  # no group yet
+    first, _ = take(redis_client, queue, "w1")
+    second, _ = take(redis_client, queue, "w2")
+    redis_client.hset(KEYS.job(jobs[0]), "tokens", 7)
+    time.sleep(0.05)
+    waiting = settle(client, client.inspect.waiting(10))
+    assert [j.job_id for j in waiting] == jobs[2:]
+    assert all(0 <= j.waited_s < 5 for j in waiting)
+    assert [j.job_id for j in settle(client, client.inspect.waiting(1))] == jobs[2:3]
+    running = settle(client, client.inspect.running(10))
+    assert [(r.job_id, r.entry_id, r.worker, r.deliveries, r.tokens) for r in running] == [
+        (jobs[0], first, "w1", 1, 7), (jobs[1], second, "w2", 1, 0),
+    ]
+    assert all(0.05 <= r.idle_s < 5 for r in running)
+
+
+def test_a_queue_without_a_stream_has_nothing(client, queue):
+    overview = settle(client, client.inspect.overview())
+    assert (overview.depth, overview.pending, overview.waiting, overview.dead, overview.oldest_waiting_s, overview.processed) == (
+        0, 0, 0, 0, None, None,
+    )
+    assert settle(client, client.inspect.waiting(5)) == []
+    assert settle(client, client.inspect.running(5)) == []
+
+
+def test_the_overview_counts_depth_pending_waiting_dead_and_processed_entries(client, redis_client, queue):
+    poison = client.submit("poison", max_tokens=4)
+    make_poison(redis_client, queue, poison)
+    for i in range(3):
+        client.submit(f"job {i}", max_tokens=4)
+    entry, _ = take(redis_client, queue)
+    time.sleep(0.2)
+    overview = settle(client, client.inspect.overview())
+    assert (overview.depth, overview.pending, overview.waiting, overview.dead, overview.processed) == (3, 1, 2, 1, 1)
+    assert 0.2 <= overview.oldest_waiting_s < 5  # job 1's: the first no worker has read
+    redis_client.xack(KEYS.queue(queue), GROUP, entry)
+    redis_client.xdel(KEYS.queue(queue), entry)
+    overview = settle(client, client.inspect.overview())
+    assert (overview.depth, overview.pending, overview.processed) == (2, 0, 2)
+
+
+def heartbeat(redis_client, queue: str, name: str, ttl_s: float) -> None:
+    """One heartbeat of a worker named `name`, sent by the worker's own code."""
+    fields = {
+        "name": name, "queue": queue, "model": "echo", "device": "cpu", "state": "serving", "running": 1,
+        "free_slots": 3, "free_pages": 10, "total_pages": 16, "page_size": 16, "started_at": time.time(),
+    }
+    WorkerQueue(redis_client, KEYS, queue, name, result_ttl_s=60).heartbeat(fields, ttl_s, [])
+
+
+def test_a_heartbeat_turns_stale_past_half_its_ttl_and_gone_past_it(client, redis_client, queue):
+    ttl_s = 0.6
+    heartbeat(redis_client, queue, f"{queue}-steady", ttl_s)
+    heartbeat(redis_client, queue, f"{queue}-silent", ttl_s)
+    conditions = {}
+    started = time.monotonic()
+    for at in (0.1, 0.45, 0.9, 1.8, 3.0):  # inside half the TTL, past it, then past the TTL several times over
+        time.sleep(max(0.0, started + at - time.monotonic()))
+        heartbeat(redis_client, queue, f"{queue}-steady", ttl_s)
+        rows = {w.name: w for w in settle(client, client.inspect.workers()) if w.queue == queue}
+        conditions[at] = (rows[f"{queue}-steady"].condition, rows[f"{queue}-silent"].condition)
+        silent = rows[f"{queue}-silent"]
+        assert at - 0.1 <= silent.heartbeat_age_s < at + 0.5
+    assert conditions == {
+        0.1: ("live", "live"), 0.45: ("live", "stale"), 0.9: ("live", "gone"), 1.8: ("live", "gone"), 3.0: ("live", "gone"),
+    }
+    (steady,) = [w for w in settle(client, client.inspect.workers()) if w.name == f"{queue}-steady"]
+    assert (steady.info.model, steady.info.running, steady.info.free_pages, steady.info.total_pages) == ("echo", 1, 10, 16)
+
+
+def test_only_the_most_recently_gone_workers_are_listed(client, redis_client, queue):
+    for i in range(12):
+        redis_client.zadd(KEYS.workers(queue), {f"{queue}-gone-{i}": time.time() - 100 + i})
+    redis_client.zadd(KEYS.queues(), {queue: time.time()})
+    gone = [w.name for w in settle(client, client.inspect.workers()) if w.queue == queue]
+    assert gone == [f"{queue}-gone-{i}" for i in range(11, 1, -1)]
+
+
+@pytest.mark.parametrize("limit", [0, -1, 10_001, 2.5, True, "3"])
+def test_a_listing_needs_a_limit_from_1_to_10000(client, limit):
+    for listing in (client.inspect.waiting, client.inspect.running):
+        with pytest.raises(InvalidArgument) as e:
+            listing(limit)
+        assert e.value.field == "limit"
