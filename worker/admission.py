@@ -12,9 +12,10 @@ import uuid
 import redis
 
 from producer_client.errors import MiliError
+from producer_client.protocol import entry_time
 from worker.holdings import EngineAPI, Holdings
 from worker.jobs import (
-    Delivery, InternalError, Job, Poison, entry_time, final_result, parse_request, prompt_token_ids,
+    Delivery, InternalError, Job, Poison, final_result, parse_request, prompt_token_ids,
 )
 from worker.outbox import DeadLetter, Outbox, Receipts, Update
 from worker.queue import RedisClock, WorkerQueue

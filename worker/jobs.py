@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
 from producer_client.keys import NAME_PATTERN, PROTOCOL_VERSION
+from producer_client.protocol import entry_time
 from producer_client.schema import ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage
 
 ENTRY_FIELDS = frozenset({"id", "v", "body"})
@@ -116,11 +117,6 @@ def final_result(
         usage=usage or Usage(), error=error, logprobs=logprobs, worker=worker,
         timings=Timings(queued_at=queued_at, started_at=started_at, first_token_at=first_token_at, finished_at=now),
     )
-
-
-def entry_time(entry_id: str) -> float:
-    """When Redis added the entry: the milliseconds part of its id."""
-    return int(entry_id.split("-", 1)[0]) / 1000
 
 
 def job_id_of(entry_id: str, fields: dict[str, str]) -> str:

@@ -17,10 +17,10 @@ from producer_client import JobFailed, JobTimeout
 from producer_client.dead_letters import DeadLetterNotFound, NotRetryable
 from producer_client.errors import InvalidArgument
 from producer_client.keys import GROUP, Keys
-from producer_client.protocol import job_keys
+from producer_client.protocol import entry_time, job_keys
 from producer_client.schema import JobResult
 from producer_client.scripts import RETRY, execute
-from worker.jobs import Poison, entry_time, final_result
+from worker.jobs import Poison, final_result
 from worker.outbox import DeadLetter as WorkerDeadLetter
 from worker.scripts import CLAIM, DEADLETTER, PUBLISH, WORKER_SCRIPTS
 

@@ -11,7 +11,8 @@ from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, U
 from producer_client.keys import GROUP, Keys, check_name
 from producer_client.protocol import queue_stats
 from producer_client.schema import JobRequest
-from worker.jobs import entry_time, job_id_of, parse_request
+from producer_client.protocol import entry_time
+from worker.jobs import job_id_of, parse_request
 from worker.queue import WorkerQueue
 
 LIMITS = dict(max_body_bytes=1000, max_tokens_limit=64)
