@@ -102,13 +102,13 @@ class Engine:
         return cls(loaded.model, loaded.config, tokenizer, engine_settings, eos, torch.device(device))
 
     def warm_up(self) -> None:
-        """Runs a two-token prompt and one decode step through the model and the sampler, on a
-        page borrowed from the pool and outside the scheduler: every kernel the engine uses gets
+        """Runs a two-token prompt and one decode step through the model and the sampler, on
+        pages borrowed from the pool and outside the scheduler: every kernel the engine uses gets
         compiled before a job has to wait for it (numba's CPU kernels took about 12 s the first
         time on the dev VM, then load from numba's disk cache; Triton compiles on first use too)."""
         start = time.perf_counter()
         req = Request("warm-up", [0, 1], SamplingParams(temperature=0, max_tokens=2), 0, 0, None, None)
-        req.pages = self.allocator.allocate(1)
+        req.pages = self.allocator.allocate(pages_for(3, self.settings.page_size))  # the prompt and one decode
         try:
             for chunk in (ScheduledChunk(req, 0, 2, True), ScheduledChunk(req, 2, 1, True)):
                 sampled = self.sampler(self.runner.run([chunk]), [req])
