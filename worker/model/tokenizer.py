@@ -14,6 +14,7 @@ from typing import Any
 
 import jinja2
 import tokenizers
+from tokenizers.decoders import DecodeStream
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -26,7 +27,6 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"
 # The named special tokens transformers hands to every chat template (as strings, when set).
 TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-REPLACEMENT_CHAR = "\ufffd"
 
 
 class TokenizerError(MiliError):
@@ -113,39 +113,40 @@ class IncrementalDetokenizer:
     """Text deltas for streaming that concatenate to decode(all ids).
 
     Decoding tokens one at a time splits multi-byte characters across tokens and, in
-    SentencePiece-style vocabularies, drops a word's leading space. As in vLLM's
-    detokenize_incrementally, each push decodes a window that starts where earlier text was
-    emitted whole (`prefix_offset`), without and with the unread tokens, and emits the
-    difference. A window ending in U+FFFD is an unfinished character: it waits for more ids.
+    SentencePiece-style vocabularies, drops a word's leading space. `tokenizers`' own
+    DecodeStream (Rust) handles both as vLLM's detokenize_incrementally does: it decodes a
+    window of the last ids with the new one and emits what the window's text gained, holding
+    it back while it ends in U+FFFD (an unfinished character). One call per token, where the
+    hand-written window decode took two Python-level decodes.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # ids[_context:_emitted] produced the last emitted text; ids[_emitted:] produced none yet.
+        self._context = self._emitted = 0
 
     def push(self, new_ids: Iterable[int]) -> str:
-        self.ids.extend(new_ids)
-        prefix_text, text = self._decode_window()
-        if len(text) <= len(prefix_text) or text.endswith(REPLACEMENT_CHAR):
-            return ""
-        return self._advance(text[len(prefix_text) :])
+        backend, ids = self.tokenizer.backend, self.ids
+        delta = ""
+        for token_id in new_ids:
+            ids.append(token_id)
+            text = self._stream.step(backend, token_id)
+            if text is not None:
+                delta += text
+                self._context, self._emitted = self._emitted, len(ids)
+        return delta
 
     def flush(self) -> str:
         """At the end of a stream: the text push held back, an unfinished character as U+FFFD."""
-        prefix_text, text = self._decode_window()
-        return self._advance(text[len(prefix_text) :])
-
-    def _decode_window(self) -> tuple[str, str]:
-        window = self.ids[self.prefix_offset :]
-        read = self.read_offset - self.prefix_offset
-        decode = self.tokenizer.decode
-        return decode(window[:read], self.skip_special_tokens), decode(window, self.skip_special_tokens)
-
-    def _advance(self, delta: str) -> str:
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self._emitted == len(self.ids):
+            return ""
+        decode, window = self.tokenizer.decode, self.ids[self._context :]
+        emitted = decode(window[: self._emitted - self._context], self.skip_special_tokens)
+        delta = decode(window, self.skip_special_tokens)[len(emitted) :]
+        self._context, self._emitted = self._emitted, len(self.ids)
         return delta
 
 
