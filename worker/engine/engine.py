@@ -25,7 +25,7 @@ from worker.engine.radix_cache import RadixCache
 from worker.engine.outputs import (
     Capacity, EngineStats, ErrorInfo, FinishReason, GenerationOutput, RequestOutput, TokenLogprob, Usage,
 )
-from worker.engine.request import Request
+from worker.engine.request import Request, RequestStatus
 from worker.engine.runner import ModelRunner
 from worker.engine.sampler import Sampler, skip_draws
 from worker.engine.scheduler import ScheduledChunk, Scheduler
@@ -170,7 +170,7 @@ class Engine:
             raise InvalidArgument("resume_token_ids", f"token ids must be in [0, {self.vocab_size})")
         for n, token in enumerate(resume_token_ids, 1):
             req.token_ids.append(token)
-            _, reason = self._check_stop(req, token)
+            _, reason = self._check_stop(req, token, n)
             if reason is not None:
                 raise InvalidArgument("resume_token_ids", f"the request had already ended ({reason}) at token {n}")
         skip_draws(req, len(resume_token_ids), self.vocab_size)
@@ -297,16 +297,13 @@ class Engine:
         outputs = []
         rows = zip(step.requests, step.indices, sampled.token_ids, sampled.logprobs, sampled.finite)
         for req, index, token, lp, finite in rows:
-            if req.is_finished:
+            if req.status is RequestStatus.FINISHED:
                 continue  # it ended while this token was in flight: the token is discarded
-            later = req.token_ids[index + 1 :]  # the placeholder of a step launched since
-            del req.token_ids[index:]
-            if not finite:
+            if finite:
+                outputs.append(self._take_token(req, index, token, lp))
+            else:
+                del req.token_ids[index:]
                 outputs.append(self._fail_nonfinite(req))
-                continue
-            outputs.append(self._take_token(req, token, lp))
-            if not req.is_finished:
-                req.token_ids.extend(later)
         return outputs
 
     def _count_computed(self, chunks: list[ScheduledChunk]) -> None:
@@ -315,14 +312,19 @@ class Engine:
             self._computed_tokens += c.num_tokens
             self._computed_prompt_tokens += max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
 
-    def _take_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        req.token_ids.append(token)
+    def _take_token(self, req: Request, index: int, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        """Puts `token` where its placeholder is, at `index`. A step launched since may have
+        appended its own placeholder after it: that one stays, unless this token ends the request."""
+        req.token_ids[index] = token
         if logprob is not None:
             req.logprobs.append(logprob)
-        text, reason = self._check_stop(req, token)
+        num_output = index + 1 - req.num_prompt_tokens
+        text, reason = self._check_stop(req, token, num_output)
         logprobs = [logprob] if logprob is not None else None
         if reason is None:
-            return RequestOutput(req.request_id, [token], text, False, None, req.usage(), logprobs)
+            usage = Usage(req.num_prompt_tokens, num_output, req.num_cached_prompt_tokens)
+            return RequestOutput(req.request_id, [token], text, False, None, usage, logprobs)
+        del req.token_ids[index + 1 :]
         req.finish(reason)
         self.scheduler.finish(req)
         return self._end(req, text, [token], logprobs)
@@ -339,20 +341,21 @@ class Engine:
         log.warning("%s", error.message)
         return self._end(req, req.text.finish(), [])
 
-    def _check_stop(self, req: Request, token: int) -> tuple[str, FinishReason | None]:
-        """(text delta, finish reason or None), in vLLM's order: stop tokens, stop strings, length.
+    def _check_stop(self, req: Request, token: int, num_output: int) -> tuple[str, FinishReason | None]:
+        """(text delta, finish reason or None) for the request's `num_output`-th output token,
+        `token`, in vLLM's order: stop tokens, stop strings, length.
 
         Before min_tokens nothing stops the request (its stop tokens were also masked out of
         sampling). A stop token's own text is not emitted; a stop string is cut from the text.
         """
         p = req.params
-        can_stop = req.num_output_tokens >= p.min_tokens
+        can_stop = num_output >= p.min_tokens
         if can_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             return req.text.finish(), "stop"
         text, stopped = req.text.push(token, can_stop)
         if stopped:
             return text, "stop"
-        if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
+        if num_output >= p.max_tokens or req.num_prompt_tokens + num_output >= self.max_model_len:
             return text + req.text.finish(), "length"
         return text, None
 
