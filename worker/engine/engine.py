@@ -66,7 +66,9 @@ class Engine:
         self.scheduler = Scheduler(
             self.allocator, self.cache, settings.page_size, settings.max_running, settings.max_num_batched_tokens
         )
-        self.runner = ModelRunner(model, allocate_kv_caches(shape, num_pages, device), settings.page_size, device)
+        self.runner = ModelRunner(
+            model, allocate_kv_caches(shape, num_pages, device), settings.page_size, device, self.scheduler.page_table,
+        )
         if settings.cuda_graphs and device.type == "cuda":
             self.runner.decode_graphs = self._capture_decode_graphs(num_pages)
         self.sampler = Sampler(self.eos_token_ids)
@@ -115,6 +117,7 @@ class Engine:
                 req.token_ids.append(sampled.token_ids[0])
         finally:
             self.allocator.decref(req.pages)
+            self.scheduler.page_table.release(req)
         log.info("warmed up the model and sampler kernels in %.1f s", time.perf_counter() - start)
 
     def _log_limits(self, num_pages: int) -> None:

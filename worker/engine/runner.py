@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from worker.engine.kv_pool import pages_for
+from worker.engine.page_table import PageTable
 from worker.engine.scheduler import ScheduledChunk
 from worker.engine.transfer import to_device
 from worker.model.batch import AttentionMetadata, KVCaches
@@ -24,11 +26,17 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, kv_caches: KVCaches, page_size: int, device: torch.device):
+    def __init__(
+        self, model: Qwen3ForCausalLM, kv_caches: KVCaches, page_size: int, device: torch.device,
+        page_table: PageTable | None = None,
+    ):
         self.model = model
         self.kv_caches = kv_caches
         self.page_size = page_size
         self.device = device
+        # The scheduler's, which frees a request's row with its pages; a runner driven without
+        # a scheduler (the memory profile) keeps rows of its own.
+        self.page_table = page_table if page_table is not None else PageTable()
         self.decode_graphs: DecodeGraphRunner | None = None  # set once captured (CUDA)
         self._logits: torch.Tensor | None = None  # reused on CPU, see compute_logits
 
@@ -60,33 +68,42 @@ class ModelRunner:
         return logits
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        """Builds the step's metadata with a handful of tensor ops, not per-token Python."""
-        token_ids, q_lens, prefix_lens, tables, samples = [], [], [], [], []
-        for c in chunks:
-            token_ids.extend(c.request.token_ids[c.start : c.start + c.num_tokens])
-            q_lens.append(c.num_tokens)
-            prefix_lens.append(c.start)
-            tables.append(c.request.pages)
-            samples.append(c.samples)
-        q_len, prefix = torch.tensor(q_lens), torch.tensor(prefix_lens)
+        """Builds the step's metadata with a handful of tensor ops over per-chunk lists; the
+        page table is a gather of the requests' persistent rows (worker.engine.page_table)."""
+        requests = [c.request for c in chunks]
+        starts = [c.start for c in chunks]
+        q_lens = [c.num_tokens for c in chunks]
+        max_q_len = max(q_lens)
+        if max_q_len == 1:
+            token_ids = [req.token_ids[start] for req, start in zip(requests, starts)]
+        else:
+            token_ids = [t for c in chunks for t in c.request.token_ids[c.start : c.start + c.num_tokens]]
+        prefix, q_len = torch.tensor(starts), torch.tensor(q_lens)
+        seq_lens = prefix + q_len
         cu_seqlens = torch.zeros(len(chunks) + 1, dtype=torch.int64)
         torch.cumsum(q_len, 0, out=cu_seqlens[1:])
-        owner = torch.repeat_interleave(torch.arange(len(chunks)), q_len)  # request index of each new token
-        positions = torch.arange(len(token_ids)) - cu_seqlens[owner] + prefix[owner]
-        max_pages = max(len(t) for t in tables)
-        page_table = torch.tensor([t + [0] * (max_pages - len(t)) for t in tables], dtype=torch.int32)
+        if max_q_len == 1:
+            positions = prefix
+            owner = torch.arange(len(chunks))  # request index of each new token
+        else:
+            owner = torch.repeat_interleave(torch.arange(len(chunks)), q_len)
+            positions = torch.arange(len(token_ids)) - cu_seqlens[owner] + prefix[owner]
         ps = self.page_size
+        width = pages_for(max(s + n for s, n in zip(starts, q_lens)), ps)
+        page_table = self.page_table.gather(self.page_table.rows_for(requests), width)
         slot_mapping = page_table[owner, positions // ps].long() * ps + positions % ps
         meta = AttentionMetadata(
-            is_decode=max(q_lens) == 1,
+            is_decode=max_q_len == 1,
             slot_mapping=self._to_device(slot_mapping),
             page_table=self._to_device(page_table),
-            seq_lens=self._to_device((prefix + q_len).int()),
+            seq_lens=self._to_device(seq_lens.int()),
             prefix_lens=self._to_device(prefix.int()),
             cu_seqlens_q=self._to_device(cu_seqlens.int()),
-            max_q_len=max(q_lens),
+            max_q_len=max_q_len,
         )
-        sample_indices = (cu_seqlens[1:] - 1)[torch.tensor(samples)]
+        sample_indices = cu_seqlens[1:] - 1
+        if not all(c.samples for c in chunks):
+            sample_indices = sample_indices[torch.tensor([c.samples for c in chunks])]
         return StepInputs(
             self._to_device(torch.tensor(token_ids)), self._to_device(positions), meta,
             self._to_device(sample_indices),
