@@ -1,10 +1,11 @@
 """Batched sampling with per-request parameters, in vLLM's order:
 penalties and min_tokens masking on the raw logits, then greedy rows take the argmax and
-the others go through temperature -> min_p -> top_k -> top_p -> a draw.
+the others go through temperature -> min_p -> top_k -> top_p -> a draw
+(worker.engine.random_sampling).
 
-Draws use the exponential race (argmax of p / q with q ~ Exp(1)), which samples from p;
-a seeded request fills its own row of q from its own generator, so its tokens depend on
-its seed and its logits only, whatever else shares the batch.
+What a batch's parameters ask for (which rows are random, want logprobs, carry penalties or
+a min_tokens) is derived once per batch: a decoding batch keeps its requests from step to
+step, so the plan usually carries over and a step costs no per-request Python here.
 
 Each row's logits are also checked for a NaN or an infinity (a numerical fault in the model);
 the flag travels with the draws, so checking costs no host sync of its own.
@@ -18,6 +19,7 @@ import torch
 from kernels.cpu_argmax import argmax_rows_cpu, supports as cpu_argmax_supports
 from producer_client.schema import SamplingParams
 from worker.engine.outputs import TokenLogprob
+from worker.engine.random_sampling import DrawParams, sample_random
 from worker.engine.request import Request
 from worker.engine.transfer import tensor_on, to_device
 
@@ -54,9 +56,35 @@ def has_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
+@dataclass
+class BatchPlan:
+    """What sampling one batch of requests needs from their parameters."""
+
+    requests: list[Request]
+    logprob_rows: list[int]  # rows whose request asked for logprobs
+    min_tokens_rows: list[int]  # rows whose request has a min_tokens (stop ids masked until it is reached)
+    penalized: bool  # some row has a repetition, presence or frequency penalty
+    random_index: torch.Tensor | None  # [R] the rows that draw (the others take the argmax), on the device
+    draw: DrawParams | None  # theirs
+
+    @classmethod
+    def of(cls, requests: list[Request], device: torch.device) -> BatchPlan:
+        params = [r.params for r in requests]
+        random_rows = [i for i, p in enumerate(params) if not is_greedy(p)]
+        return cls(
+            list(requests),
+            [i for i, p in enumerate(params) if p.logprobs is not None],
+            [i for i, p in enumerate(params) if p.min_tokens > 0],
+            any(has_penalties(p) for p in params),
+            tensor_on(random_rows, device, torch.long) if random_rows else None,
+            DrawParams.of([requests[i] for i in random_rows], device) if random_rows else None,
+        )
+
+
 class Sampler:
     def __init__(self, eos_token_ids: list[int]):
         self.eos_token_ids = eos_token_ids
+        self._plan: BatchPlan | None = None  # the last batch's
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """logits [N, V] float32, one row per request, in the same order; modified in place."""
@@ -67,19 +95,19 @@ class Sampler:
         """The draws, left on the logits' device: no host sync (host lists reach the device
         through worker.engine.transfer, indexes included)."""
         device = logits.device
+        plan = self._plan_for(requests, device)
         finite = rows_finite(logits)  # before masking writes its own -inf
-        logprob_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        logprob_rows = plan.logprob_rows
         if logprob_rows:
             logprob_index = tensor_on(logprob_rows, device, torch.long)
             raw_logprobs = torch.log_softmax(logits[logprob_index], dim=-1)
-        apply_penalties(logits, requests)
-        self._suppress_stops_before_min_tokens(logits, requests)
+        if plan.penalized:
+            apply_penalties(logits, requests)
+        if plan.min_tokens_rows:
+            self._suppress_stops_before_min_tokens(logits, requests, plan.min_tokens_rows)
         tokens = greedy_tokens(logits)
-        random_rows = [i for i, r in enumerate(requests) if not is_greedy(r.params)]
-        if random_rows:
-            picked = [requests[i] for i in random_rows]
-            random_index = tensor_on(random_rows, device, torch.long)
-            tokens[random_index] = sample_random(logits[random_index], picked)
+        if plan.draw is not None:
+            tokens[plan.random_index] = sample_random(logits[plan.random_index], plan.draw)
         sampled = SampledTokens(tokens, finite, logprob_rows)
         if logprob_rows:
             k = max(requests[i].params.logprobs for i in logprob_rows)
@@ -100,8 +128,14 @@ class Sampler:
                 logprobs[row] = TokenLogprob(token_ids[row], chosen[j], top)
         return SampleResult(token_ids, logprobs, sampled.finite.tolist())
 
-    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        for i, r in enumerate(requests):
+    def _plan_for(self, requests: list[Request], device: torch.device) -> BatchPlan:
+        if self._plan is None or self._plan.requests != requests:
+            self._plan = BatchPlan.of(requests, device)
+        return self._plan
+
+    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+        for i in rows:
+            r = requests[i]
             if r.num_output_tokens < r.params.min_tokens:
                 ids = list(r.params.stop_token_ids)
                 if not r.params.ignore_eos:
@@ -155,59 +189,10 @@ def token_counts(token_lists: list[list[int]], vocab: int, device: torch.device)
     return counts
 
 
-def sample_random(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """logits [R, V] of non-greedy requests -> [R] sampled token ids."""
-    device = logits.device
-    temps = tensor_on([r.params.temperature for r in requests], device)[:, None]
-    logits = logits / temps
-    if any(r.params.min_p > 0 for r in requests):
-        apply_min_p(logits, tensor_on([r.params.min_p for r in requests], device))
-    if any(r.params.top_k > 0 for r in requests):
-        ks = [r.params.top_k or logits.shape[1] for r in requests]
-        apply_top_k(logits, tensor_on(ks, device), max(ks))
-    if any(r.params.top_p < 1.0 for r in requests):
-        logits = apply_top_p(logits, tensor_on([r.params.top_p for r in requests], device))
-    probs = logits.softmax(dim=-1)
-    return (probs / exponential_noise(probs, requests)).argmax(dim=-1)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
-    """Drops tokens whose probability is under min_p times the most likely token's."""
-    probs = logits.softmax(dim=-1)
-    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-    logits.masked_fill_(probs < threshold, float("-inf"))
-
-
-def apply_top_k(logits: torch.Tensor, k: torch.Tensor, max_k: int) -> None:
-    """Keeps each row's k largest logits (ties with the k-th are kept). `max_k` is k's largest
-    value, given from the host: reading it from the device would be a sync."""
-    k = k.clamp(max=logits.shape[1])
-    top = logits.topk(min(max_k, logits.shape[1]), dim=-1).values
-    kth = top.gather(1, (k - 1)[:, None])
-    logits.masked_fill_(logits < kth, float("-inf"))
-
-
-def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Keeps the smallest set of most likely tokens whose mass reaches p (always at least one)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits.masked_fill_(mass_before >= p[:, None], float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def exponential_noise(probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    q = torch.empty_like(probs).exponential_()
-    for i, r in enumerate(requests):
-        if r.generator is not None:
-            q[i].exponential_(generator=r.generator)
-    return q
-
-
 def skip_draws(req: Request, num_tokens: int, vocab_size: int) -> None:
     """Advances a seeded request's generator past the draws of `num_tokens` tokens it sampled
     in an earlier run, so a resumed request draws what the uninterrupted one would have.
-    Mirrors `exponential_noise`: one row of `vocab_size` exponentials per sampled token."""
+    Mirrors `random_sampling.draw_seeded_noise`: one row of `vocab_size` exponentials per sampled token."""
     if req.generator is None or is_greedy(req.params):
         return
     row = torch.empty(vocab_size, device=req.generator.device)
