@@ -35,7 +35,7 @@ from worker.model.config import Qwen3Config
 from worker.model.loader import load_model
 from worker.model.presets import resolve_model_path
 from worker.model.qwen3 import Qwen3ForCausalLM
-from worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        detokenizer = self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
         req = Request(
             request_id, prompt_token_ids, params, priority, next(self._arrivals),
             TextOutput(detokenizer, params.stop), generator,
