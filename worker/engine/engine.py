@@ -311,9 +311,11 @@ class Engine:
 
     def _count_computed(self, chunks: list[ScheduledChunk]) -> None:
         self._steps += 1
-        for c in chunks:
-            self._computed_tokens += c.num_tokens
-            self._computed_prompt_tokens += max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
+        self._computed_tokens += sum(c.num_tokens for c in chunks)
+        self._computed_prompt_tokens += sum(
+            min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start
+            for c in chunks if c.start < c.request.num_prompt_tokens
+        )
 
     def _take_token(self, req: Request, index: int, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         """Puts `token` where its placeholder is, at `index`. A step launched since may have

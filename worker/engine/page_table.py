@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from worker.engine.request import Request
 
@@ -43,9 +42,9 @@ class PageTable:
             indexes.append(row.index)
         return indexes
 
-    def gather(self, rows: list[int], width: int) -> torch.Tensor:
+    def gather(self, rows: list[int], width: int) -> np.ndarray:
         """[len(rows), width] int32: the first `width` page ids of each row (zeros past a row's pages)."""
-        return torch.from_numpy(self._table[rows, :width])
+        return self._table[rows, :width]
 
     def release(self, req: Request) -> None:
         """Frees the request's row (zeroed); a request that runs again gets a row anew."""

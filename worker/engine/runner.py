@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from worker.engine.kv_pool import pages_for
@@ -68,49 +69,46 @@ class ModelRunner:
         return logits
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        """Builds the step's metadata with a handful of tensor ops over per-chunk lists; the
-        page table is a gather of the requests' persistent rows (worker.engine.page_table)."""
+        """Builds the step's metadata from per-chunk lists in a handful of numpy ops (on the host,
+        a numpy op costs a fraction of a torch op's dispatch); the page table is a gather of the
+        requests' persistent rows (worker.engine.page_table)."""
         requests = [c.request for c in chunks]
-        starts = [c.start for c in chunks]
-        q_lens = [c.num_tokens for c in chunks]
-        max_q_len = max(q_lens)
+        prefix = np.array([c.start for c in chunks], dtype=np.int64)
+        q_len = np.array([c.num_tokens for c in chunks], dtype=np.int64)
+        seq_lens = prefix + q_len
+        cu_seqlens = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(q_len, out=cu_seqlens[1:])
+        max_q_len = int(q_len.max())
         if max_q_len == 1:
-            token_ids = [req.token_ids[start] for req, start in zip(requests, starts)]
+            token_ids = [c.request.token_ids[c.start] for c in chunks]
+            owner, positions = np.arange(len(chunks)), prefix  # owner: the request index of each new token
         else:
             token_ids = [t for c in chunks for t in c.request.token_ids[c.start : c.start + c.num_tokens]]
-        prefix, q_len = torch.tensor(starts), torch.tensor(q_lens)
-        seq_lens = prefix + q_len
-        cu_seqlens = torch.zeros(len(chunks) + 1, dtype=torch.int64)
-        torch.cumsum(q_len, 0, out=cu_seqlens[1:])
-        if max_q_len == 1:
-            positions = prefix
-            owner = torch.arange(len(chunks))  # request index of each new token
-        else:
-            owner = torch.repeat_interleave(torch.arange(len(chunks)), q_len)
-            positions = torch.arange(len(token_ids)) - cu_seqlens[owner] + prefix[owner]
+            owner = np.repeat(np.arange(len(chunks)), q_len)
+            positions = np.arange(len(token_ids)) - cu_seqlens[owner] + prefix[owner]
         ps = self.page_size
-        width = pages_for(max(s + n for s, n in zip(starts, q_lens)), ps)
-        page_table = self.page_table.gather(self.page_table.rows_for(requests), width)
-        slot_mapping = page_table[owner, positions // ps].long() * ps + positions % ps
+        page_table = self.page_table.gather(self.page_table.rows_for(requests), pages_for(int(seq_lens.max()), ps))
+        slot_mapping = page_table[owner, positions // ps].astype(np.int64) * ps + positions % ps
+        sample_indices = cu_seqlens[1:] - 1
+        samples = [c.samples for c in chunks]
+        if False in samples:
+            sample_indices = sample_indices[np.array(samples)]
         meta = AttentionMetadata(
             is_decode=max_q_len == 1,
             slot_mapping=self._to_device(slot_mapping),
             page_table=self._to_device(page_table),
-            seq_lens=self._to_device(seq_lens.int()),
-            prefix_lens=self._to_device(prefix.int()),
-            cu_seqlens_q=self._to_device(cu_seqlens.int()),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            prefix_lens=self._to_device(prefix.astype(np.int32)),
+            cu_seqlens_q=self._to_device(cu_seqlens.astype(np.int32)),
             max_q_len=max_q_len,
         )
-        sample_indices = cu_seqlens[1:] - 1
-        if not all(c.samples for c in chunks):
-            sample_indices = sample_indices[torch.tensor([c.samples for c in chunks])]
         return StepInputs(
-            self._to_device(torch.tensor(token_ids)), self._to_device(positions), meta,
+            self._to_device(np.array(token_ids, dtype=np.int64)), self._to_device(positions), meta,
             self._to_device(sample_indices),
         )
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return to_device(t, self.device)
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return to_device(torch.from_numpy(array), self.device)
 
 
 def resolve_future_tokens(input_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:

@@ -138,6 +138,8 @@ class Scheduler:
         return sum(pages_for(len(r.token_ids), self.page_size) for r in self.waiting)
 
     def _admit(self, planned: dict[Request, int], budget: int, out: SchedulerOutput) -> int:
+        if not self.waiting or budget == 0 or len(self.running) >= self.max_running:
+            return budget  # nothing to admit: spares the pages_owed walk over every running request
         owed = self.pages_owed()
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
