@@ -96,16 +96,19 @@ class Sampler:
         through worker.engine.transfer, indexes included)."""
         device = logits.device
         plan = self._plan_for(requests, device)
-        finite = rows_finite(logits)  # before masking writes its own -inf
         logprob_rows = plan.logprob_rows
         if logprob_rows:
             logprob_index = tensor_on(logprob_rows, device, torch.long)
             raw_logprobs = torch.log_softmax(logits[logprob_index], dim=-1)
-        if plan.penalized:
-            apply_penalties(logits, requests)
-        if plan.min_tokens_rows:
-            self._suppress_stops_before_min_tokens(logits, requests, plan.min_tokens_rows)
-        tokens = greedy_tokens(logits)
+        if plan.penalized or plan.min_tokens_rows:
+            finite = rows_finite(logits)  # before masking writes its own -inf
+            if plan.penalized:
+                apply_penalties(logits, requests)
+            if plan.min_tokens_rows:
+                self._suppress_stops_before_min_tokens(logits, requests, plan.min_tokens_rows)
+            tokens = greedy_tokens(logits)
+        else:
+            tokens, finite = greedy_tokens_and_finite(logits)
         if plan.draw is not None:
             tokens[plan.random_index] = sample_random(logits[plan.random_index], plan.draw)
         sampled = SampledTokens(tokens, finite, logprob_rows)
@@ -148,6 +151,14 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     if cpu_argmax_supports(logits):
         return argmax_rows_cpu(logits)
     return logits.argmax(dim=-1)
+
+
+def greedy_tokens_and_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_tokens and rows_finite, in one pass over the logits on CPU."""
+    if cpu_argmax_supports(logits):
+        finite = torch.empty(logits.shape[0], dtype=torch.bool)
+        return argmax_rows_cpu(logits, finite), finite
+    return logits.argmax(dim=-1), rows_finite(logits)
 
 
 def rows_finite(logits: torch.Tensor) -> torch.Tensor:
