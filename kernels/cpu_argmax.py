@@ -23,18 +23,24 @@ def _argmax_rows(x, out, finite):  # pragma: no cover - compiled
         row = x[r]
         blocked = row.size - row.size % BLOCK
         best, best_index = row[0], 0
-        zeros = np.float32(0.0)  # stays 0 unless the row holds a NaN or an infinity (then NaN)
         for start in range(0, blocked, BLOCK):
             block_max = row[start]
-            for i in range(start, start + BLOCK):
+            for i in range(start + 1, start + BLOCK):
                 block_max = max(block_max, row[i])
-                zeros += row[i] * np.float32(0.0)
             if block_max > best:
                 best, best_index = _first_above(row, start, start + BLOCK, best, best_index)
-        for i in range(blocked, row.size):
-            zeros += row[i] * np.float32(0.0)
         out[r] = _first_above(row, blocked, row.size, best, best_index)[1]
-        finite[r] = zeros == 0
+        finite[r] = _all_finite(row)
+
+
+@numba.njit(fastmath=FASTMATH, inline="always", nogil=True)
+def _all_finite(row):  # pragma: no cover - compiled
+    # x * 0 is 0 for a finite x and NaN for a NaN or an infinity. A loop of its own: folded into
+    # the max loop above, it kept that loop from vectorizing.
+    zeros = np.float32(0.0)
+    for i in range(row.size):
+        zeros += row[i] * np.float32(0.0)
+    return zeros == 0
 
 
 @numba.njit(fastmath=FASTMATH, inline="always", nogil=True)
