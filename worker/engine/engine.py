@@ -107,8 +107,13 @@ class Engine:
         """Runs a two-token prompt and one decode step through the model and the sampler, on
         pages borrowed from the pool and outside the scheduler: every kernel the engine uses gets
         compiled before a job has to wait for it (numba's CPU kernels took about 12 s the first
-        time on the dev VM, then load from numba's disk cache; Triton compiles on first use too)."""
+        time on the dev VM, then load from numba's disk cache; Triton compiles on first use too).
+
+        One prefill and one decode reach every Triton variant serving can launch, because the
+        kernels do not specialize on what changes from step to step (tests/engine/test_warm_up.py
+        checks it against a varied batch). The detokenizer's table is built here too."""
         start = time.perf_counter()
+        self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
         req = Request("warm-up", [0, 1], SamplingParams(temperature=0, max_tokens=2), 0, 0, None, None)
         req.pages = self.allocator.allocate(pages_for(3, self.settings.page_size))  # the prompt and one decode
         try:
