@@ -109,7 +109,9 @@ class Sampler:
             tokens = greedy_tokens(logits)
         else:
             tokens, finite = greedy_tokens_and_finite(logits)
-        if plan.draw is not None:
+        if plan.draw is not None and len(plan.draw.requests) == len(requests):
+            tokens = sample_random(logits, plan.draw)  # every row draws: no gather of their logits
+        elif plan.draw is not None:
             tokens[plan.random_index] = sample_random(logits[plan.random_index], plan.draw)
         sampled = SampledTokens(tokens, finite, logprob_rows)
         if logprob_rows:

@@ -37,11 +37,6 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool  # the chunk reaches the end of the sequence, so it yields the next token
 
-    @classmethod
-    def of(cls, req: Request, num_tokens: int) -> ScheduledChunk:
-        start = req.num_computed_tokens
-        return cls(req, start, num_tokens, start + num_tokens == len(req.token_ids))
-
 
 @dataclass
 class SchedulerOutput:
@@ -92,7 +87,10 @@ class Scheduler:
                 budget, preempted = self._plan_growth(req, n, planned, budget, out, preempted)
         if not preempted:
             budget = self._admit(planned, budget, out)
-        out.chunks = [ScheduledChunk.of(r, n) for r, n in planned.items()]
+        out.chunks = [
+            ScheduledChunk(r, r.num_computed_tokens, n, r.num_computed_tokens + n == len(r.token_ids))
+            for r, n in planned.items()
+        ]
         return out
 
     def _plan_growth(
