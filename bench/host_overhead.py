@@ -17,7 +17,8 @@ configuration at a time, alternating, so both see the same machine.
 
 The stub's vocabulary is `--vocab` tokens (the first ids of Qwen3's, real subwords): the
 sampler's work over a row of the full 151,936-token vocabulary is device work on a GPU, and on
-this CPU it would swamp the host's (bench/RESULTS.md has it measured on its own).
+this CPU it would swamp the host's. A second table measures that work on its own: one
+`Sampler.sample` call on [256, 151,936] logits, top-p and top-k cuts, old code against new.
 """
 import argparse
 import json
@@ -39,7 +40,12 @@ MODES = {
     "sampled": {"temperature": 0.8, "top_p": 0.9},
 }
 CONTEXT = (600, 1600)
-LOGIT_BANK = 8  # distinct logits matrices the stub cycles through, so tokens vary from step to step
+SAMPLER_CASES = {  # name: (logits scale, sampling parameters)
+    "peaked, top_p 0.9": (4.0, {"temperature": 0.8, "top_p": 0.9}),
+    "peaked, top_k 40 + top_p 0.95": (4.0, {"temperature": 0.8, "top_k": 40, "top_p": 0.95}),
+    "flat, top_p 0.9": (1.0, {"temperature": 0.8, "top_p": 0.9}),  # nuclei of thousands: the full sort
+}
+LOGIT_BANK = 8  # row offsets the stub's logits cycle through, so tokens vary from step to step
 
 
 # -- measuring process: imports the engine of one code tree ---------------------------------------
@@ -48,18 +54,18 @@ LOGIT_BANK = 8  # distinct logits matrices the stub cycles through, so tokens va
 class StubModel:
     """Stands in for Qwen3ForCausalLM: hidden states are the input ids, logits are views of a bank.
 
-    On a GPU the logits never touch the host; a copy into the runner's buffer here would write
-    4 MB through the host's caches every step (256 rows of 4,096) and slow down everything
-    after it. The views are safe because nothing in these requests' sampling writes to its
-    logits (no penalties, no min_tokens)."""
+    Step n's logits are rows [n % LOGIT_BANK, n % LOGIT_BANK + batch) of one random matrix, so
+    each request's token changes from step to step. On a GPU the logits never touch the host;
+    copying them into the runner's buffer here would write 4 MB through the host's caches every
+    step (256 rows of 4,096) and slow down everything after it. The views are safe because
+    nothing in these requests' sampling writes to its logits (no penalties, no min_tokens)."""
 
     def __init__(self, vocab: int, max_rows: int, dtype):
         import torch
         from types import SimpleNamespace
 
         self.model = SimpleNamespace(norm=SimpleNamespace(weight=torch.zeros(1, dtype=dtype)))  # the KV dtype
-        generator = torch.Generator().manual_seed(0)
-        self.bank = [torch.randn(max_rows, vocab, generator=generator) * 4 for _ in range(LOGIT_BANK)]
+        self.bank = torch.randn(max_rows + LOGIT_BANK, vocab, generator=torch.Generator().manual_seed(0)) * 4
         self.calls = 0
 
     def __call__(self, input_ids, positions, meta, kv_caches):
@@ -67,7 +73,8 @@ class StubModel:
 
     def compute_logits(self, hidden, out=None):
         self.calls += 1
-        return self.bank[self.calls % LOGIT_BANK][: hidden.shape[0]]
+        first = self.calls % LOGIT_BANK
+        return self.bank[first : first + hidden.shape[0]]
 
 
 class PhaseTimer:
@@ -152,6 +159,26 @@ def measure(batch: int, mode: str, steps: int, vocab: int) -> dict:
     return {k: statistics.median(v[3:]) * 1e3 for k, v in samples.items()}
 
 
+def measure_sampler(rows: int, vocab: int, case: str, calls: int) -> dict:
+    """Median ms of `calls` Sampler.sample calls on fixed [rows, vocab] logits (not written to)."""
+    import torch
+    from producer_client.schema import SamplingParams
+    from worker.engine.request import Request
+    from worker.engine.sampler import Sampler
+
+    scale, params = SAMPLER_CASES[case]
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1)) * scale
+    requests = [Request(f"r{i}", [0], SamplingParams(**params), 0, i, None, None) for i in range(rows)]
+    sampler = Sampler([])
+    sampler.sample(logits, requests)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        sampler.sample(logits, requests)
+        times.append(time.perf_counter() - start)
+    return {"sample": statistics.median(times) * 1e3}
+
+
 def serve_measurements(code: Path, threads: int) -> None:
     """The measuring process: one JSON request per stdin line, one JSON result per stdout line."""
     sys.path.insert(0, str(code))
@@ -160,7 +187,11 @@ def serve_measurements(code: Path, threads: int) -> None:
     torch.set_num_threads(threads)
     for line in sys.stdin:
         job = json.loads(line)
-        print(json.dumps(measure(job["batch"], job["mode"], job["steps"], job["vocab"])), flush=True)
+        if job.pop("kind") == "sampler":
+            result = measure_sampler(**job)
+        else:
+            result = measure(**job)
+        print(json.dumps(result), flush=True)
 
 
 # -- driver ----------------------------------------------------------------------------------------
@@ -203,30 +234,49 @@ def main() -> None:
         serve_measurements(Path(args.serve), args.threads)
         return
     old, new = Measurer(baseline_tree(args.baseline), args.threads), Measurer(REPO, args.threads)
-    print(f"ms per decode step (median of {args.steps}), {args.threads} torch thread(s), stub vocab {args.vocab}, "
-          f"contexts {CONTEXT[0]}-{CONTEXT[1]}; baseline {args.baseline}, {args.rounds} round(s), median of rounds")
-    print(f"{'batch':>5} {'mode':>8} | " + " | ".join(f"{k:>20}" for k in ("step", *PHASES)))
     try:
-        for batch in args.batches:
-            for mode in MODES:
-                rounds = {"old": [], "new": []}
-                for _ in range(args.rounds):
-                    job = {"batch": batch, "mode": mode, "steps": args.steps, "vocab": args.vocab}
-                    rounds["old"].append(old(**job))
-                    rounds["new"].append(new(**job))
-                print(f"{batch:>5} {mode:>8} | " + " | ".join(
-                    compare(rounds, key) for key in ("step", *PHASES)
-                ), flush=True)
+        print_step_table(args, old, new)
+        print_sampler_table(args, old, new)
     finally:
         old.close()
         new.close()
+
+
+def interleaved(old: Measurer, new: Measurer, rounds: int, **job) -> dict:
+    """Each side measured `rounds` times, alternating, so both see the same machine."""
+    results = {"old": [], "new": []}
+    for _ in range(rounds):
+        results["old"].append(old(**job))
+        results["new"].append(new(**job))
+    return results
+
+
+def print_step_table(args: argparse.Namespace, old: Measurer, new: Measurer) -> None:
+    print(f"ms per decode step (median of {args.steps}), {args.threads} torch thread(s), stub vocab {args.vocab}, "
+          f"contexts {CONTEXT[0]}-{CONTEXT[1]}; new / old ({args.baseline}) = ratio, median of {args.rounds} rounds")
+    print(f"{'batch':>5} {'mode':>8} | " + " | ".join(f"{k:>24}" for k in ("step", *PHASES)))
+    for batch in args.batches:
+        for mode in MODES:
+            job = {"kind": "step", "batch": batch, "mode": mode, "steps": args.steps, "vocab": args.vocab}
+            rounds = interleaved(old, new, args.rounds, **job)
+            print(f"{batch:>5} {mode:>8} | " + " | ".join(compare(rounds, key) for key in ("step", *PHASES)),
+                  flush=True)
+
+
+def print_sampler_table(args: argparse.Namespace, old: Measurer, new: Measurer) -> None:
+    rows, vocab = args.sampler_shape
+    print(f"\nms per Sampler.sample on [{rows}, {vocab:,}] logits (median of {args.sampler_calls} calls); "
+          f"new / old = ratio, median of {args.rounds} rounds")
+    for case in SAMPLER_CASES:
+        job = {"kind": "sampler", "rows": rows, "vocab": vocab, "case": case, "calls": args.sampler_calls}
+        print(f"{case:>30} | {compare(interleaved(old, new, args.rounds, **job), 'sample')}", flush=True)
 
 
 def compare(rounds: dict, key: str) -> str:
     """'new / old = ratio' for one column, each the median over rounds."""
     old = statistics.median(r[key] for r in rounds["old"])
     new = statistics.median(r[key] for r in rounds["new"])
-    return f"{new:6.2f} /{old:6.2f} ={new / old:5.2f}x"
+    return f"{new:7.2f} /{old:7.2f} ={new / old:5.2f}x"
 
 
 def parse_args() -> argparse.Namespace:
@@ -236,6 +286,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="alternating old/new measurements per configuration")
     p.add_argument("--vocab", type=int, default=4096, help="the stub's vocabulary (logits columns)")
     p.add_argument("--threads", type=int, default=1, help="torch threads in both measuring processes")
+    p.add_argument("--sampler-shape", type=int, nargs=2, default=[256, 151_936], metavar=("ROWS", "VOCAB"))
+    p.add_argument("--sampler-calls", type=int, default=3, help="timed Sampler.sample calls per round")
     p.add_argument("--baseline", default="67d77dc", help="the commit measured beside this tree")
     p.add_argument("--serve", help=argparse.SUPPRESS)  # internal: be a measuring process for this code tree
     return p.parse_args()
