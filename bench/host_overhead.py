@@ -38,6 +38,7 @@ PHASES = ("schedule", "prepare", "sample", "read")
 MODES = {
     "greedy": {"temperature": 0.0},
     "sampled": {"temperature": 0.8, "top_p": 0.9},
+    "penalized": {"temperature": 0.0, "repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.2},
 }
 CONTEXT = (600, 1600)
 SAMPLER_CASES = {  # name: (logits scale, sampling parameters)
@@ -52,20 +53,21 @@ LOGIT_BANK = 8  # row offsets the stub's logits cycle through, so tokens vary fr
 
 
 class StubModel:
-    """Stands in for Qwen3ForCausalLM: hidden states are the input ids, logits are views of a bank.
+    """Stands in for Qwen3ForCausalLM: hidden states are the input ids, logits come from a bank.
 
     Step n's logits are rows [n % LOGIT_BANK, n % LOGIT_BANK + batch) of one random matrix, so
     each request's token changes from step to step. On a GPU the logits never touch the host;
     copying them into the runner's buffer here would write 4 MB through the host's caches every
-    step (256 rows of 4,096) and slow down everything after it. The views are safe because
-    nothing in these requests' sampling writes to its logits (no penalties, no min_tokens)."""
+    step (256 rows of 4,096) and slow down everything after it, so the stub returns views, and
+    copies only for requests whose sampling writes to its logits (penalties)."""
 
-    def __init__(self, vocab: int, max_rows: int, dtype):
+    def __init__(self, vocab: int, max_rows: int, dtype, copies: bool):
         import torch
         from types import SimpleNamespace
 
         self.model = SimpleNamespace(norm=SimpleNamespace(weight=torch.zeros(1, dtype=dtype)))  # the KV dtype
         self.bank = torch.randn(max_rows + LOGIT_BANK, vocab, generator=torch.Generator().manual_seed(0)) * 4
+        self.copies = copies
         self.calls = 0
 
     def __call__(self, input_ids, positions, meta, kv_caches):
@@ -74,7 +76,8 @@ class StubModel:
     def compute_logits(self, hidden, out=None):
         self.calls += 1
         first = self.calls % LOGIT_BANK
-        return self.bank[first : first + hidden.shape[0]]
+        logits = self.bank[first : first + hidden.shape[0]]
+        return logits.clone() if self.copies else logits
 
 
 class PhaseTimer:
@@ -100,7 +103,7 @@ class PhaseTimer:
             self.totals[k] = 0.0
 
 
-def build_engine(batch: int, vocab: int):
+def build_engine(batch: int, vocab: int, mode: str):
     import torch
     from worker.engine import Engine, EngineSettings
     from worker.model.config import Qwen3Config
@@ -116,7 +119,8 @@ def build_engine(batch: int, vocab: int):
         page_size=16, num_pages=pages, max_running=batch, max_num_batched_tokens=max(4096, batch),
     )
     tokenizer = Tokenizer.from_dir(resolve_model_path("tiny"))
-    return Engine(StubModel(vocab, batch, torch.float32), config, tokenizer, settings, [], torch.device("cpu"))
+    stub = StubModel(vocab, batch, torch.float32, copies=mode == "penalized")
+    return Engine(stub, config, tokenizer, settings, [], torch.device("cpu"))
 
 
 def fill(engine, batch: int, mode: str, seed: int) -> None:
@@ -135,7 +139,7 @@ def fill(engine, batch: int, mode: str, seed: int) -> None:
 
 def measure(batch: int, mode: str, steps: int, vocab: int) -> dict:
     """Median ms per step and per phase over `steps` decode steps of a filled engine."""
-    engine = build_engine(batch, vocab)
+    engine = build_engine(batch, vocab, mode)
     fill(engine, batch, mode, seed=batch)
     timer = PhaseTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")

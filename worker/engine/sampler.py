@@ -5,13 +5,15 @@ the others go through temperature -> min_p -> top_k -> top_p -> a draw
 
 What a batch's parameters ask for (which rows are random, want logprobs, carry penalties or
 a min_tokens) is derived once per batch: a decoding batch keeps its requests from step to
-step, so the plan usually carries over and a step costs no per-request Python here.
+step, so the plan usually carries over and a step costs no per-request Python here. Penalties
+keep each request's token counts on the device, bumped by each draw (PenaltyState).
 
 Each row's logits are also checked for a NaN or an infinity (a numerical fault in the model);
 the flag travels with the draws, so checking costs no host sync of its own.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +65,7 @@ class BatchPlan:
     requests: list[Request]
     logprob_rows: list[int]  # rows whose request asked for logprobs
     min_tokens_rows: list[int]  # rows whose request has a min_tokens (stop ids masked until it is reached)
-    penalized: bool  # some row has a repetition, presence or frequency penalty
+    penalized_rows: list[int]  # rows whose request has a repetition, presence or frequency penalty
     random_index: torch.Tensor | None  # [R] the rows that draw (the others take the argmax), on the device
     draw: DrawParams | None  # theirs
 
@@ -75,7 +77,7 @@ class BatchPlan:
             list(requests),
             [i for i, p in enumerate(params) if p.logprobs is not None],
             [i for i, p in enumerate(params) if p.min_tokens > 0],
-            any(has_penalties(p) for p in params),
+            [i for i, p in enumerate(params) if has_penalties(p)],
             tensor_on(random_rows, device, torch.long) if random_rows else None,
             DrawParams.of([requests[i] for i in random_rows], device) if random_rows else None,
         )
@@ -84,6 +86,7 @@ class BatchPlan:
 class Sampler:
     def __init__(self, eos_token_ids: list[int]):
         self.eos_token_ids = eos_token_ids
+        self.penalties = PenaltyState()
         self._plan: BatchPlan | None = None  # the last batch's
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
@@ -100,10 +103,11 @@ class Sampler:
         if logprob_rows:
             logprob_index = tensor_on(logprob_rows, device, torch.long)
             raw_logprobs = torch.log_softmax(logits[logprob_index], dim=-1)
-        if plan.penalized or plan.min_tokens_rows:
+        penalized = plan.penalized_rows
+        if penalized or plan.min_tokens_rows:
             finite = rows_finite(logits)  # before masking writes its own -inf
-            if plan.penalized:
-                apply_penalties(logits, requests)
+            if penalized:
+                counts = self.penalties.apply(logits, penalized, [requests[i] for i in penalized])
             if plan.min_tokens_rows:
                 self._suppress_stops_before_min_tokens(logits, requests, plan.min_tokens_rows)
             tokens = greedy_tokens(logits)
@@ -113,6 +117,8 @@ class Sampler:
             tokens = sample_random(logits, plan.draw)  # every row draws: no gather of their logits
         elif plan.draw is not None:
             tokens[plan.random_index] = sample_random(logits[plan.random_index], plan.draw)
+        if penalized:
+            self.penalties.count_drawn(counts, penalized, tokens)
         sampled = SampledTokens(tokens, finite, logprob_rows)
         if logprob_rows:
             k = max(requests[i].params.logprobs for i in logprob_rows)
@@ -172,23 +178,72 @@ def rows_finite(logits: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
 
 
+@dataclass
+class TokenCounts:
+    """A penalized request's token statistics on the device, kept from step to step instead of
+    rebuilt from its token lists (a Python-level pass over its whole context, every step)."""
+
+    in_prompt: torch.Tensor  # [V] bool
+    in_output: torch.Tensor  # [V] float32: occurrences so far
+
+    @classmethod
+    def of(cls, req: Request, vocab: int, device: torch.device) -> TokenCounts:
+        """From the request's tokens so far (a resumed request's earlier output included)."""
+        in_prompt = token_counts([req.prompt_token_ids], vocab, device)[0] > 0
+        return cls(in_prompt, token_counts([req.output_token_ids], vocab, device)[0])
+
+
+class PenaltyState:
+    """Each penalized request's TokenCounts, for as long as the request exists."""
+
+    def __init__(self):
+        self._counts: weakref.WeakKeyDictionary[Request, TokenCounts] = weakref.WeakKeyDictionary()
+
+    def apply(self, logits: torch.Tensor, rows: list[int], requests: list[Request]) -> list[TokenCounts]:
+        """Penalizes `rows` of `logits`, whose requests are `requests`; returns their counts, for
+        `count_drawn` once the step's tokens are drawn."""
+        vocab, device = logits.shape[1], logits.device
+        counts = [self._counts_of(req, vocab, device) for req in requests]
+        in_output = torch.stack([c.in_output for c in counts])
+        seen = torch.stack([c.in_prompt for c in counts]) | (in_output > 0)
+        penalize(logits, rows, requests, in_output, seen)
+        return counts
+
+    def count_drawn(self, counts: list[TokenCounts], rows: list[int], tokens: torch.Tensor) -> None:
+        """Adds each row's drawn token to its request's output counts, on the device: the draw
+        is the request's next output token unless the request ends, and then nothing reads them."""
+        one = torch.ones(1, device=tokens.device)
+        for c, row in zip(counts, rows):
+            c.in_output.index_add_(0, tokens[row : row + 1], one)
+
+    def _counts_of(self, req: Request, vocab: int, device: torch.device) -> TokenCounts:
+        counts = self._counts.get(req)
+        if counts is None:
+            counts = self._counts[req] = TokenCounts.of(req, vocab, device)
+        return counts
+
+
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
-    """vLLM semantics: the repetition penalty covers prompt and output tokens (divides positive
-    logits, multiplies negative ones); presence and frequency penalties cover output tokens only."""
+    """Penalizes the rows of the requests that have penalties from their token lists alone,
+    with no counts carried over from earlier steps."""
     rows = [i for i, r in enumerate(requests) if has_penalties(r.params)]
-    if not rows:
-        return
-    picked = [requests[i] for i in rows]
-    device, vocab = logits.device, logits.shape[1]
+    if rows:
+        PenaltyState().apply(logits, rows, [requests[i] for i in rows])
+
+
+def penalize(
+    logits: torch.Tensor, rows: list[int], requests: list[Request], in_output: torch.Tensor, seen: torch.Tensor,
+) -> None:
+    """`rows` of `logits`, one per request: `in_output` [R, V] output token counts, `seen` [R, V]
+    whether each token occurs in the request's prompt or output."""
+    device = logits.device
     row_index = tensor_on(rows, device, torch.long)
     sub = logits[row_index]
-    counts = token_counts([r.output_token_ids for r in picked], vocab, device)
-    rep = tensor_on([r.params.repetition_penalty for r in picked], device)[:, None]
-    seen = token_counts([r.token_ids for r in picked], vocab, device) > 0
+    rep = tensor_on([r.params.repetition_penalty for r in requests], device)[:, None]
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = tensor_on([r.params.frequency_penalty for r in picked], device)[:, None]
-    pres = tensor_on([r.params.presence_penalty for r in picked], device)[:, None]
-    sub -= freq * counts + pres * (counts > 0)
+    freq = tensor_on([r.params.frequency_penalty for r in requests], device)[:, None]
+    pres = tensor_on([r.params.presence_penalty for r in requests], device)[:, None]
+    sub -= freq * in_output + pres * (in_output > 0)
     logits[row_index] = sub
 
 
