@@ -43,10 +43,12 @@ class DrawParams:
     uses_top_p: bool
     uses_top_p_alone: bool  # a row filters by top_p and nothing else
     seeded_rows: list[int]  # rows whose request draws from its own generator
+    seeded_index: torch.Tensor  # the same rows on the device (a list as an index would wait for the device)
 
     @classmethod
     def of(cls, requests: list[Request], device: torch.device) -> DrawParams:
         params = [r.params for r in requests]
+        seeded = [i for i, r in enumerate(requests) if r.generator is not None]
         return cls(
             requests,
             tensor_on([p.temperature for p in params], device)[:, None],
@@ -57,7 +59,8 @@ class DrawParams:
             uses_min_p=any(p.min_p > 0 for p in params),
             uses_top_p=any(p.top_p < 1 for p in params),
             uses_top_p_alone=any(p.top_p < 1 and p.min_p == 0 and p.top_k == 0 for p in params),
-            seeded_rows=[i for i, r in enumerate(requests) if r.generator is not None],
+            seeded_rows=seeded,
+            seeded_index=tensor_on(seeded, device, torch.long),
         )
 
     @property
@@ -116,7 +119,7 @@ def draw_from_candidates(
     settled = inside | (only_top_p & (mass_before[:, -1:] >= params.top_p * total))
     q = torch.empty_like(weights).exponential_()
     if params.seeded_rows:
-        q[params.seeded_rows] = seeded_noise.gather(1, ids[params.seeded_rows])
+        q[params.seeded_index] = seeded_noise.gather(1, ids[params.seeded_index])
     picks = (weights * keep / q).argmax(dim=-1, keepdim=True)
     return ids.gather(1, picks).view(-1), settled.view(-1)
 
@@ -138,7 +141,7 @@ def draw_from_full_rows(logits: torch.Tensor, params: DrawParams, seeded_noise: 
     probs = logits.softmax(dim=-1)
     q = torch.empty_like(probs).exponential_()
     if params.seeded_rows:
-        q[params.seeded_rows] = seeded_noise
+        q[params.seeded_index] = seeded_noise
     return (probs / q).argmax(dim=-1)
 
 
