@@ -25,7 +25,7 @@ from worker.engine.radix_cache import RadixCache
 from worker.engine.outputs import (
     Capacity, EngineStats, ErrorInfo, FinishReason, GenerationOutput, RequestOutput, TokenLogprob, Usage,
 )
-from worker.engine.request import Request
+from worker.engine.request import Request, RequestStatus
 from worker.engine.runner import ModelRunner
 from worker.engine.sampler import Sampler, skip_draws
 from worker.engine.scheduler import ScheduledChunk, Scheduler
@@ -35,7 +35,7 @@ from worker.model.config import Qwen3Config
 from worker.model.loader import load_model
 from worker.model.presets import resolve_model_path
 from worker.model.qwen3 import Qwen3ForCausalLM
-from worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,9 @@ class Engine:
         self.scheduler = Scheduler(
             self.allocator, self.cache, settings.page_size, settings.max_running, settings.max_num_batched_tokens
         )
-        self.runner = ModelRunner(model, allocate_kv_caches(shape, num_pages, device), settings.page_size, device)
+        self.runner = ModelRunner(
+            model, allocate_kv_caches(shape, num_pages, device), settings.page_size, device, self.scheduler.page_table,
+        )
         if settings.cuda_graphs and device.type == "cuda":
             self.runner.decode_graphs = self._capture_decode_graphs(num_pages)
         self.sampler = Sampler(self.eos_token_ids)
@@ -102,19 +104,25 @@ class Engine:
         return cls(loaded.model, loaded.config, tokenizer, engine_settings, eos, torch.device(device))
 
     def warm_up(self) -> None:
-        """Runs a two-token prompt and one decode step through the model and the sampler, on a
-        page borrowed from the pool and outside the scheduler: every kernel the engine uses gets
+        """Runs a two-token prompt and one decode step through the model and the sampler, on
+        pages borrowed from the pool and outside the scheduler: every kernel the engine uses gets
         compiled before a job has to wait for it (numba's CPU kernels took about 12 s the first
-        time on the dev VM, then load from numba's disk cache; Triton compiles on first use too)."""
+        time on the dev VM, then load from numba's disk cache; Triton compiles on first use too).
+
+        One prefill and one decode reach every Triton variant serving can launch, because the
+        kernels do not specialize on what changes from step to step (tests/engine/test_warm_up.py
+        checks it against a varied batch). The detokenizer's table is built here too."""
         start = time.perf_counter()
+        self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
         req = Request("warm-up", [0, 1], SamplingParams(temperature=0, max_tokens=2), 0, 0, None, None)
-        req.pages = self.allocator.allocate(1)
+        req.pages = self.allocator.allocate(pages_for(3, self.settings.page_size))  # the prompt and one decode
         try:
             for chunk in (ScheduledChunk(req, 0, 2, True), ScheduledChunk(req, 2, 1, True)):
                 sampled = self.sampler(self.runner.run([chunk]), [req])
                 req.token_ids.append(sampled.token_ids[0])
         finally:
             self.allocator.decref(req.pages)
+            self.scheduler.page_table.release(req)
         log.info("warmed up the model and sampler kernels in %.1f s", time.perf_counter() - start)
 
     def _log_limits(self, num_pages: int) -> None:
@@ -155,7 +163,7 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        detokenizer = self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
         req = Request(
             request_id, prompt_token_ids, params, priority, next(self._arrivals),
             TextOutput(detokenizer, params.stop), generator,
@@ -170,7 +178,7 @@ class Engine:
             raise InvalidArgument("resume_token_ids", f"token ids must be in [0, {self.vocab_size})")
         for n, token in enumerate(resume_token_ids, 1):
             req.token_ids.append(token)
-            _, reason = self._check_stop(req, token)
+            _, reason = self._check_stop(req, token, n)
             if reason is not None:
                 raise InvalidArgument("resume_token_ids", f"the request had already ended ({reason}) at token {n}")
         skip_draws(req, len(resume_token_ids), self.vocab_size)
@@ -297,32 +305,36 @@ class Engine:
         outputs = []
         rows = zip(step.requests, step.indices, sampled.token_ids, sampled.logprobs, sampled.finite)
         for req, index, token, lp, finite in rows:
-            if req.is_finished:
+            if req.status is RequestStatus.FINISHED:
                 continue  # it ended while this token was in flight: the token is discarded
-            later = req.token_ids[index + 1 :]  # the placeholder of a step launched since
-            del req.token_ids[index:]
-            if not finite:
+            if finite:
+                outputs.append(self._take_token(req, index, token, lp))
+            else:
+                del req.token_ids[index:]
                 outputs.append(self._fail_nonfinite(req))
-                continue
-            outputs.append(self._take_token(req, token, lp))
-            if not req.is_finished:
-                req.token_ids.extend(later)
         return outputs
 
     def _count_computed(self, chunks: list[ScheduledChunk]) -> None:
         self._steps += 1
-        for c in chunks:
-            self._computed_tokens += c.num_tokens
-            self._computed_prompt_tokens += max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
+        self._computed_tokens += sum(c.num_tokens for c in chunks)
+        self._computed_prompt_tokens += sum(
+            min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start
+            for c in chunks if c.start < c.request.num_prompt_tokens
+        )
 
-    def _take_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        req.token_ids.append(token)
+    def _take_token(self, req: Request, index: int, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        """Puts `token` where its placeholder is, at `index`. A step launched since may have
+        appended its own placeholder after it: that one stays, unless this token ends the request."""
+        req.token_ids[index] = token
         if logprob is not None:
             req.logprobs.append(logprob)
-        text, reason = self._check_stop(req, token)
+        num_output = index + 1 - req.num_prompt_tokens
+        text, reason = self._check_stop(req, token, num_output)
         logprobs = [logprob] if logprob is not None else None
         if reason is None:
-            return RequestOutput(req.request_id, [token], text, False, None, req.usage(), logprobs)
+            usage = Usage(req.num_prompt_tokens, num_output, req.num_cached_prompt_tokens)
+            return RequestOutput(req.request_id, [token], text, False, None, usage, logprobs)
+        del req.token_ids[index + 1 :]
         req.finish(reason)
         self.scheduler.finish(req)
         return self._end(req, text, [token], logprobs)
@@ -339,20 +351,21 @@ class Engine:
         log.warning("%s", error.message)
         return self._end(req, req.text.finish(), [])
 
-    def _check_stop(self, req: Request, token: int) -> tuple[str, FinishReason | None]:
-        """(text delta, finish reason or None), in vLLM's order: stop tokens, stop strings, length.
+    def _check_stop(self, req: Request, token: int, num_output: int) -> tuple[str, FinishReason | None]:
+        """(text delta, finish reason or None) for the request's `num_output`-th output token,
+        `token`, in vLLM's order: stop tokens, stop strings, length.
 
         Before min_tokens nothing stops the request (its stop tokens were also masked out of
         sampling). A stop token's own text is not emitted; a stop string is cut from the text.
         """
         p = req.params
-        can_stop = req.num_output_tokens >= p.min_tokens
+        can_stop = num_output >= p.min_tokens
         if can_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             return req.text.finish(), "stop"
         text, stopped = req.text.push(token, can_stop)
         if stopped:
             return text, "stop"
-        if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
+        if num_output >= p.max_tokens or req.num_prompt_tokens + num_output >= self.max_model_len:
             return text + req.text.finish(), "length"
         return text, None
 
