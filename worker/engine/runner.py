@@ -1,7 +1,6 @@
 """The model runner: turns a step's chunks into the model's inputs and returns the logits to sample."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -11,25 +10,17 @@ from worker.engine.kv_pool import pages_for
 from worker.engine.page_table import PageTable
 from worker.engine.scheduler import ScheduledChunk
 from worker.engine.transfer import to_device
-from worker.model.batch import AttentionMetadata, KVCaches
+from worker.model.batch import AttentionMetadata, KVCaches, StepInputs
 from worker.model.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:
     from worker.engine.cuda_graph import DecodeGraphRunner
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    sample_indices: torch.Tensor  # [N] int64: the last new token of each chunk that samples
-
-
 class ModelRunner:
     def __init__(
         self, model: Qwen3ForCausalLM, kv_caches: KVCaches, page_size: int, device: torch.device,
-        page_table: PageTable | None = None,
+        page_table: PageTable | None = None, decode_graphs: DecodeGraphRunner | None = None,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -38,7 +29,7 @@ class ModelRunner:
         # The scheduler's, which frees a request's row with its pages; a runner driven without
         # a scheduler (the memory profile) keeps rows of its own.
         self.page_table = page_table if page_table is not None else PageTable()
-        self.decode_graphs: DecodeGraphRunner | None = None  # set once captured (CUDA)
+        self.decode_graphs = decode_graphs  # captured at start on CUDA: decode steps replay them
         self._logits: torch.Tensor | None = None  # reused on CPU, see compute_logits
 
     @torch.inference_mode()

@@ -22,7 +22,7 @@ from worker.engine.errors import KVCapacityExceeded
 from worker.engine.kv_pool import PageAllocator, pages_for
 from worker.engine.page_table import PageTable
 from worker.engine.radix_cache import RadixCache
-from worker.engine.outputs import ErrorInfo
+from worker.engine.outputs import RequestError
 from worker.engine.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ class Scheduler:
             f"for its {len(req.token_ids)} tokens; the whole pool holds {self.allocator.num_pages} pages "
             f"of {self.page_size} tokens"
         )
-        req.finish("error", ErrorInfo(error.code, error.message))
+        req.finish("error", RequestError(error.code, error.message))
         out.failed.append(req)
         log.warning("%s", error.message)
 
