@@ -2,9 +2,10 @@
 Depends on redis and pydantic only, so a producer host needs no GPU stack."""
 from producer_client import errors
 from producer_client.aio import AsyncClient
+from producer_client.bulk import ResultWatch
 from producer_client.client import Client
 from producer_client.errors import (
-    InvalidArgument, JobFailed, JobNotFound, JobTimeout, MiliError, QueueFull,
+    BulkQueueFull, InvalidArgument, JobFailed, JobNotFound, JobTimeout, MiliError, QueueFull,
 )
 from producer_client.schema import (
     ChatMessage, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams, Timings, TokenDelta, Usage,
@@ -12,7 +13,7 @@ from producer_client.schema import (
 )
 
 __all__ = [
-    "AsyncClient", "ChatMessage", "Client", "InvalidArgument", "JobFailed", "JobNotFound", "JobRequest",
-    "JobResult", "JobStatus", "JobTimeout", "MiliError", "QueueFull", "QueueStats", "SamplingParams",
-    "Timings", "TokenDelta", "Usage", "WorkerInfo", "errors",
+    "AsyncClient", "BulkQueueFull", "ChatMessage", "Client", "InvalidArgument", "JobFailed", "JobNotFound", "JobRequest",
+    "JobResult", "JobStatus", "JobTimeout", "MiliError", "QueueFull", "QueueStats", "ResultWatch",
+    "SamplingParams", "Timings", "TokenDelta", "Usage", "WorkerInfo", "errors",
 ]

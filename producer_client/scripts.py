@@ -196,6 +196,20 @@ end
 return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])}
 """)
 
+# KEYS: queue. ARGV: max depth (0: no bound), protocol version, then each job's id and body.
+# submit_many's ENQUEUE: adds the jobs in order while the queue holds fewer than max depth entries,
+# the bound ENQUEUE keeps for one job, so a chunk that would cross it fills the queue up to it and
+# adds no more. Returns {jobs added, depth after}.
+ENQUEUE_MANY = Script("enqueue_many", """
+local max, depth = tonumber(ARGV[1]), redis.call('XLEN', KEYS[1])
+local room = (#ARGV - 2) / 2
+if max > 0 then room = math.min(room, math.max(0, max - depth)) end
+for i = 1, room do
+  redis.call('XADD', KEYS[1], '*', 'id', ARGV[2 * i + 1], 'v', ARGV[2], 'body', ARGV[2 * i + 2])
+end
+return {room, depth + room}
+""")
+
 # KEYS: queue. ARGV: group, consumer, entry ids. Resets the idle time of the entries still
 # pending for this consumer (XCLAIM JUSTID: the delivery count stays), so no other worker's
 # XAUTOCLAIM takes them. Returns the ids that are no longer this consumer's: reclaimed by another
@@ -264,7 +278,7 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """)
 
-ALL = (CREATE, CANCEL, CLAIM, PUBLISH, ADOPT, REQUEUE, ENQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER)
+ALL = (CREATE, CANCEL, CLAIM, PUBLISH, ADOPT, REQUEUE, ENQUEUE, ENQUEUE_MANY, REFRESH, RECLAIM, RELEASE, DEADLETTER)
 
 
 def execute(client, add_commands: Callable, raise_on_error: bool = True) -> list:
