@@ -208,10 +208,11 @@ def entry_order(entry_id: str) -> tuple[int, int]:
 
 
 def check_exist(keys: Keys, job_ids: list[str]) -> Steps:
-    """Raises JobNotFound for the first of `job_ids` with no job (EXISTS of each job's hash)."""
+    """Raises JobNotFound for the first of `job_ids` with no job: one EXISTS of a chunk's hashes
+    counts them, and only a chunk that comes up short is looked at key by key."""
     for start in range(0, len(job_ids), CHUNK):
         chunk = job_ids[start:start + CHUNK]
-        found = yield lambda pipe: [pipe.exists(keys.job(job_id)) for job_id in chunk]
-        for job_id, exists in zip(chunk, found):
-            if not exists:
-                raise JobNotFound(job_id)
+        (count,) = yield lambda pipe: pipe.exists(*(keys.job(job_id) for job_id in chunk))
+        if count < len(chunk):
+            found = yield lambda pipe: [pipe.exists(keys.job(job_id)) for job_id in chunk]
+            raise JobNotFound(next(job_id for job_id, exists in zip(chunk, found) if not exists))
