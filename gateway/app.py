@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import hmac
 import logging
-import re
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import TypeVar
 
 import redis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import HTTPException, RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -24,7 +22,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
 from gateway.registry import ModelRegistry
 from gateway.render import ChatRenderer, CompletionRenderer, Renderer, finish_reason, usage
-from gateway.requests import JobSpec, chat_jobs, completion_jobs, generate_job
+from gateway.requests import JobSpec, Model, chat_jobs, completion_jobs, generate_job, parse_body
 from gateway.schema import (
     ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateResponse, Health, ModelList, SamplingRequest,
 )
@@ -35,11 +33,7 @@ from producer_client.keys import NAME_PATTERN
 
 log = logging.getLogger("gateway")
 
-# Where a field is a union, pydantic names the member that failed inside the error's location
-# (`messages.0.content.str`); fields are snake_case, members are types.
-UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*")
 IDEMPOTENCY_KEY_CHARS = 120  # room for the `-<choice>` suffix within a job id's 128 characters
-Model = TypeVar("Model", bound=BaseModel)
 
 
 class Gateway:
@@ -170,15 +164,7 @@ def json_response(model: BaseModel, headers: dict[str, str] | None = None, statu
 
 
 async def parse(request: Request, model: type[Model]) -> Model:
-    """The body as `model`, strictly from its JSON; a 400 naming the first bad field."""
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if not UNION_MEMBER.fullmatch(str(p))) or None
-        if first["type"] == "extra_forbidden":
-            raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unsupported_parameter") from None
-        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+    return parse_body(model, await request.body())
 
 
 def check_stream_options(req: SamplingRequest) -> None:
