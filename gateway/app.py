@@ -1,6 +1,7 @@
 """The HTTP routes: OpenAI's chat and text completions and models, the seed's /generate and
-/health, a job's status, and Prometheus metrics. Each request is validated whole before its jobs
-are enqueued, and every response carries the request's id in `x-request-id`."""
+/health, a job's status, and Prometheus metrics (the Batch API's are in gateway.batch_routes).
+Each request is validated whole before its jobs are enqueued, and every response carries the
+request's id in `x-request-id`."""
 from __future__ import annotations
 
 import hmac
@@ -16,6 +17,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from gateway.batch_driver import BatchDriver
+from gateway.batch_routes import batch_router
+from gateway.batch_store import BatchStore
 from gateway.errors import APIError, api_error_of, bad_request, not_found, unauthorized
 from gateway.jobs import Jobs, RequestJobs, collect
 from gateway.lifecycle import Lifecycle
@@ -92,16 +96,21 @@ class Gateway:
 def create_app(settings: GatewaySettings, lifecycle: Lifecycle) -> RequestContext:
     """The ASGI app: FastAPI's routes inside the request-id and metrics middleware."""
     gw = Gateway(settings, lifecycle)
+    batch_store = BatchStore(gw.client.redis, gw.client.keys, settings.batch_ttl_s)
+    batch_driver = BatchDriver(batch_store, gw.client, gw.registry, settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         lifecycle.started()
+        batch_driver.start()
         yield
+        await batch_driver.stop()
         await gw.client.aclose()
 
     app = FastAPI(title="MILI gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app, settings.retry_after_s)
     authorized = [Depends(api_key_check(settings.api_keys))] if settings.api_keys else []
+    app.include_router(batch_router(batch_store, settings, authorized))
 
     @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(request: Request):

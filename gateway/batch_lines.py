@@ -106,6 +106,28 @@ def parse_line(text: str, number: int, urls: frozenset[str] = frozenset(ENDPOINT
     return line
 
 
+def check_lines(text: str, url: str, max_lines: int, max_errors: int = 100) -> tuple[list[str], list[LineError]]:
+    """A batch input file's request lines (blank ones left out), and what is wrong with it: too
+    many lines, lines that are not requests, a url other than the batch's, a custom_id twice. The
+    first `max_errors` errors are kept."""
+    numbered = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if len(numbered) > max_lines:
+        return [], [LineError(numbered[max_lines][0], "too_many_lines", f"{len(numbered)} lines, the limit is {max_lines}")]
+    errors: list[LineError] = []
+    seen: set[str] = set()
+    for number, text_line in numbered:
+        try:
+            line = parse_line(text_line, number, frozenset({url}))
+            if line.custom_id in seen:
+                raise LineError(number, "duplicate_custom_id", f"custom_id {line.custom_id!r} is on an earlier line", "custom_id", line.custom_id)
+            seen.add(line.custom_id)
+        except LineError as e:
+            errors.append(e)
+            if len(errors) == max_errors:
+                break
+    return [line for _, line in numbered], errors
+
+
 def custom_id_of(text: str) -> str | None:
     try:
         value = json.loads(text).get("custom_id")

@@ -133,6 +133,11 @@ class AsyncClient:
             pass
         return []
 
+    async def cancel_many(self, job_ids: Iterable[str]) -> None:
+        job_ids = [protocol.check_job_id(job_id) for job_id in job_ids]
+        if job_ids:
+            await self._execute(bulk.cancel_commands(self.keys, job_ids))
+
     async def queue_stats(self) -> QueueStats:
         queue_key = self.keys.queue(self.queue)
         pipe = self.redis.pipeline(transaction=False)

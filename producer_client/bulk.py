@@ -134,6 +134,11 @@ def forget_commands(jobs: list[NewJob], keys: Keys) -> Callable:
     return lambda pipe: pipe.delete(*(keys.job(job.job_id) for job in jobs))
 
 
+def cancel_commands(keys: Keys, job_ids: list[str]) -> Callable:
+    """CANCEL of each job, in one pipeline."""
+    return lambda pipe: [pipe.evalsha(*protocol.cancel_call(keys, job_id)) for job_id in job_ids]
+
+
 def run_steps(steps: Steps, execute: Callable[[Callable], list]) -> Any:
     """Send each pipeline `steps` yields with `execute`, answer it with the replies (or throw in
     the error); returns what `steps` returns."""

@@ -164,6 +164,12 @@ class Client:
             pass
         return []
 
+    def cancel_many(self, job_ids: Iterable[str]) -> None:
+        """cancel() of each job in one round trip; an id with no job is passed over."""
+        job_ids = [protocol.check_job_id(job_id) for job_id in job_ids]
+        if job_ids:
+            self._execute(bulk.cancel_commands(self.keys, job_ids))
+
     def queue_stats(self) -> QueueStats:
         queue_key = self.keys.queue(self.queue)
         pipe = self.redis.pipeline(transaction=False)

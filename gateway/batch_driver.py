@@ -1,0 +1,359 @@
+"""What moves batches forward. Gateways are stateless and any number may run, so every gateway
+runs a BatchDriver, and each unfinished batch is driven by one gateway at a time: the holder of
+its lease (a Redis key with a TTL, renewed at every step). A gateway that dies stops renewing,
+the lease lapses after `batch_lease_s`, and another gateway (or the same one, restarted) takes
+the batch on where it stood; a gateway that stops gracefully gives its leases up at once.
+
+A batch's lines run as queue jobs whose ids derive from the batch and the line
+(batch_lines.request_id), so a driver that takes a batch over submits its lines in flight again
+and finds their jobs: queued and running ones are not added twice, ended ones are read back, and
+only a job whose result expired from Redis (no gateway drove the batch for longer than the
+workers' result_ttl_s) runs again. A line's answer goes in once (BatchStore.answer). So a batch
+survives any gateway and any worker dying, and each custom_id is answered exactly once.
+
+    validating --(input checked)--> in_progress --(every line answered)--> finalizing --> completed
+    validating --(a bad line)--> failed
+    validating | in_progress --(POST .../cancel)--> cancelling --> cancelled
+    validating | in_progress --(completion_window over)--> expired
+
+On a cancel or at the window's end, the jobs in flight are cancelled; what ends before
+CANCEL_GRACE_S is answered as it ended (a line that finished is in the output file), and every
+line still unanswered gets the error `batch_cancelled` or `batch_expired` in the error file.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import redis
+
+from gateway.batch_lines import (
+    LineError, LineRequest, OutputLine, answer, check_lines, error_answer, line_request, parse_line, request_id,
+    unanswered,
+)
+from gateway.batch_schema import BatchErrors
+from gateway.batch_store import PIECE_BYTES, BatchStore
+from gateway.errors import APIError
+from gateway.registry import ModelRegistry
+from gateway.settings import GatewaySettings
+from producer_client import AsyncClient, BulkQueueFull, JobResult, ResultWatch
+
+log = logging.getLogger("gateway.batch")
+
+CANCEL_GRACE_S = 60.0  # how long the answers of cancelled jobs are awaited before lines are given up
+READ_WAIT_S = 0.5  # the longest wait for results in one step: a cancel is seen within about this
+QUEUE_FULL_WAIT_S = 1.0
+MAX_JOB_TIMEOUT_S = 7 * 24 * 3600  # the longest deadline a job may have (JobRequest.timeout_s)
+ENDED_CODES = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
+
+
+def output_file_id(batch_id: str, kind: str) -> str:
+    """The id of a batch's output or error file: the same whichever gateway finalizes it."""
+    return "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:32]
+
+
+class BatchDriver:
+    def __init__(self, store: BatchStore, client: AsyncClient, registry: ModelRegistry, settings: GatewaySettings):
+        self.store = store
+        self.client = client
+        self.registry = registry
+        self.settings = settings
+        self.holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.lease_ms = int(settings.batch_lease_s * 1000)
+        self.runs: dict[str, asyncio.Task] = {}
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self._look_for_batches())
+
+    async def stop(self) -> None:
+        """Stop driving, and give the leases up: another gateway takes the batches on at once."""
+        tasks = [t for t in (self.task, *self.runs.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _look_for_batches(self) -> None:
+        while True:
+            try:
+                for batch_id in await self.store.unfinished():
+                    if batch_id not in self.runs and await self.store.take_lease(batch_id, self.holder, self.lease_ms):
+                        self._drive(batch_id)
+            except redis.RedisError as e:
+                log.warning("looking for batches to drive: %s: %s", type(e).__name__, e)
+            await asyncio.sleep(self.settings.batch_poll_s)
+
+    def _drive(self, batch_id: str) -> None:
+        log.info("batch %s: driven by %s", batch_id, self.holder)
+        task = asyncio.ensure_future(BatchRun(self, batch_id).drive())
+        self.runs[batch_id] = task
+        task.add_done_callback(lambda _: self.runs.pop(batch_id, None))
+
+
+@dataclass
+class LineJobs:
+    """A request line in flight: its jobs (one per choice) and their results so far."""
+
+    index: int
+    request: LineRequest
+    request_id: str
+    queue: str
+    results: dict[str, JobResult] = field(default_factory=dict)
+
+    @property
+    def job_ids(self) -> list[str]:
+        return [f"{self.request_id}-{i}" for i in range(len(self.request.specs))]
+
+    def submit_specs(self, timeout_s: float) -> list[dict]:
+        return [
+            {**spec.submit_kwargs(), "request_id": job_id, "timeout_s": timeout_s}
+            for spec, job_id in zip(self.request.specs, self.job_ids)
+        ]
+
+
+class BatchRun:
+    """One gateway driving one batch while it holds the batch's lease."""
+
+    def __init__(self, driver: BatchDriver, batch_id: str):
+        self.driver = driver
+        self.store = driver.store
+        self.client = driver.client
+        self.batch_id = batch_id
+        self.watch = ResultWatch(driver.client.keys)
+        self.flying: dict[int, LineJobs] = {}  # line index -> its jobs
+        self.line_of: dict[str, int] = {}  # job id -> line index
+        self.total = 0
+        self.next_line: int | None = None  # None until the run has taken the batch's progress on
+        self.expires_at = 0
+        self.ending: str | None = None  # batch_cancelled or batch_expired once the batch is ending
+        self.retry_at = 0.0
+
+    async def drive(self) -> None:
+        try:
+            while await self.store.renew_lease(self.batch_id, self.driver.holder, self.driver.lease_ms):
+                fields = await self.store.batch_fields(self.batch_id)
+                if not fields or not await self.step(fields):
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Redis away, or a bug: give the batch up; the next look for batches takes it again.
+            log.exception("batch %s: driving stopped", self.batch_id)
+        finally:
+            await asyncio.shield(self._release())
+
+    async def _release(self) -> None:
+        try:
+            await self.store.release_lease(self.batch_id, self.driver.holder)
+        except redis.RedisError:
+            pass  # it lapses by itself
+
+    async def step(self, fields: dict[str, str]) -> bool:
+        """One step of the batch; False once it has ended."""
+        status = fields["status"]
+        self.expires_at = int(fields["expires_at"])
+        if status in ("validating", "in_progress") and time.time() >= self.expires_at:
+            await self.end(fields, "expired")
+        elif status == "validating":
+            await self.validate(fields)
+        elif status == "in_progress":
+            await self.progress(fields)
+        elif status == "cancelling":
+            await self.end(fields, "cancelled")
+        elif status == "finalizing":
+            await self.finalize("completed")
+        else:
+            return False
+        return True
+
+    # -- validating ----------------------------------------------------------------------------
+
+    async def validate(self, fields: dict[str, str]) -> None:
+        """Check the input file whole, as OpenAI does before a batch runs: a bad line fails the
+        batch (its errors name the lines). The lines are copied into the batch, which so owns
+        its input whatever becomes of the file."""
+        file_id = fields["input_file_id"]
+        pieces = [piece async for piece in self.store.file_text(file_id)]
+        if await self.store.file(file_id) is None:
+            return await self.fail([LineError(0, "file_not_found", f"the input file {file_id} no longer exists")])
+        lines, errors = await asyncio.to_thread(check_lines, "".join(pieces), fields["endpoint"], self.driver.settings.batch_max_lines)
+        if errors:
+            return await self.fail(errors)
+        await self.store.store_input(self.batch_id, lines)
+        await self.store.transition(self.batch_id, "validating", "in_progress", "in_progress_at", int(time.time()), total=len(lines))
+        log.info("batch %s: %d lines valid, in progress", self.batch_id, len(lines))
+
+    async def fail(self, errors: list[LineError]) -> None:
+        body = BatchErrors(data=[e.error() for e in errors]).model_dump_json()
+        await self.store.finish(self.batch_id, "failed", "failed_at", int(time.time()), errors=body)
+        log.info("batch %s: failed validation: %s", self.batch_id, errors[0])
+
+    # -- in progress ---------------------------------------------------------------------------
+
+    async def progress(self, fields: dict[str, str]) -> None:
+        if self.next_line is None:
+            await self.take_on(fields, resubmit=True)
+        await self.fill()
+        if self.next_line >= self.total and not self.flying:
+            now = int(time.time())
+            if await self.store.transition(self.batch_id, "in_progress", "finalizing", "finalizing_at", now) == "finalizing":
+                await self.finalize("completed")
+            return
+        await self.collect()
+
+    async def take_on(self, fields: dict[str, str], resubmit: bool) -> None:
+        """Where the batch stands: the lines submitted before and not yet answered are in flight
+        again (submitted again when `resubmit`: their jobs are found, or made anew if they expired)."""
+        self.total = int(fields.get("total", 0))
+        self.next_line = int(fields.get("next_line", 0))
+        lines = await self.prepare(await self.store.unanswered(self.batch_id, self.next_line))
+        if resubmit:
+            await self.submit(lines)
+        else:
+            self.track(lines)
+        log.info("batch %s: taken on at line %d of %d, %d in flight", self.batch_id, self.next_line, self.total, len(self.flying))
+
+    async def fill(self) -> None:
+        """Submit the next lines while fewer than `batch_in_flight` lines are out."""
+        room = self.driver.settings.batch_in_flight - len(self.flying)
+        if room <= 0 or self.next_line >= self.total or time.monotonic() < self.retry_at:
+            return
+        indexes = [i for i in range(self.next_line, min(self.total, self.next_line + room)) if i not in self.flying]
+        refused = await self.submit(await self.prepare(indexes))
+        self.next_line = min(self.total, self.next_line + room) if refused is None else refused
+        await self.store.set_fields(self.batch_id, next_line=self.next_line)
+
+    async def prepare(self, indexes: list[int]) -> list[LineJobs]:
+        """The lines' requests, routed to their queues. A line whose body the HTTP API would refuse
+        (or whose model no queue serves) is answered here with that error."""
+        lines, refused = [], []
+        for index, text in zip(indexes, await self.store.input_lines(self.batch_id, indexes)):
+            line = parse_line(text, index + 1)
+            rid = request_id(self.batch_id, line.custom_id, line.body)
+            try:
+                request = line_request(line, index + 1)
+                queue = await self.driver.registry.queue_for(request.request.model)
+            except APIError as e:
+                refused.append((index, error_answer(line.custom_id, rid, e)))
+                continue
+            lines.append(LineJobs(index, request, rid, queue))
+        await self.store.answer(self.batch_id, refused)
+        return lines
+
+    async def submit(self, lines: list[LineJobs]) -> int | None:
+        """Enqueue the lines' jobs, each queue's in one submit_many. Returns the first line a full
+        queue refused (it and the lines after it in that queue wait), or None."""
+        timeout_s = min(MAX_JOB_TIMEOUT_S, max(1.0, self.expires_at - time.time()))
+        by_queue: dict[str, list[LineJobs]] = {}
+        for line in lines:
+            by_queue.setdefault(line.queue, []).append(line)
+        refused: int | None = None
+        for queue, group in by_queue.items():
+            specs = [spec for line in group for spec in line.submit_specs(timeout_s)]
+            try:
+                await self.client.on_queue(queue).submit_many(specs)
+                taken = group
+            except BulkQueueFull as full:
+                enqueued = set(full.job_ids)
+                taken = [line for line in group if enqueued.issuperset(line.job_ids)]
+                first_out = next(line.index for line in group if not enqueued.issuperset(line.job_ids))
+                refused = first_out if refused is None else min(refused, first_out)
+                self.retry_at = time.monotonic() + QUEUE_FULL_WAIT_S
+                log.info("batch %s: queue %r is full; line %d waits", self.batch_id, queue, first_out)
+            self.track(taken)
+        return refused
+
+    def track(self, lines: list[LineJobs]) -> None:
+        for line in lines:
+            self.flying[line.index] = line
+            for job_id in line.job_ids:
+                self.line_of[job_id] = line.index
+            self.watch.add(line.job_ids)
+
+    async def collect(self) -> None:
+        """Answer the lines whose jobs have all ended since the last step."""
+        if not self.watch:
+            await asyncio.sleep(READ_WAIT_S)
+            return
+        answers = []
+        for result in await self.client.finished(self.watch, timeout=READ_WAIT_S):
+            line = self.flying[self.line_of.pop(result.id)]
+            line.results[result.id] = result
+            if len(line.results) == len(line.job_ids):
+                del self.flying[line.index]
+                answers.append((line.index, self.answer(line)))
+        await self.store.answer(self.batch_id, answers)
+
+    def answer(self, line: LineJobs) -> OutputLine:
+        results = [line.results[job_id] for job_id in line.job_ids]
+        ended_early = any(r.status in ("cancelled", "expired") or r.finish_reason == "timeout" for r in results)
+        if self.ending is not None and ended_early:
+            return unanswered(line.request.custom_id, line.request_id, self.ending, self.ending_message())
+        return answer(line.request, line.request_id, results, self.driver.settings.retry_after_s)
+
+    # -- ending --------------------------------------------------------------------------------
+
+    async def end(self, fields: dict[str, str], final: str) -> None:
+        """Cancelled, or past its window: the jobs in flight are cancelled and given
+        CANCEL_GRACE_S to end; what ended is answered as it ended, every other line as not done."""
+        self.ending = ENDED_CODES[final]
+        if self.next_line is None:
+            await self.take_on(fields, resubmit=False)
+        await self.client.cancel_many(list(self.line_of))
+        grace_until = time.monotonic() + CANCEL_GRACE_S
+        while self.flying and time.monotonic() < grace_until:
+            if not await self.store.renew_lease(self.batch_id, self.driver.holder, self.driver.lease_ms):
+                return
+            await self.collect()
+        await self.give_up_unanswered()
+        await self.finalize(final)
+        log.info("batch %s: %s", self.batch_id, final)
+
+    async def give_up_unanswered(self) -> None:
+        indexes = await self.store.unanswered(self.batch_id, self.total)
+        for start in range(0, len(indexes), 1000):
+            page = indexes[start:start + 1000]
+            texts = await self.store.input_lines(self.batch_id, page)
+            answers = []
+            for index, text in zip(page, texts):
+                line = parse_line(text, index + 1)
+                rid = request_id(self.batch_id, line.custom_id, line.body)
+                answers.append((index, unanswered(line.custom_id, rid, self.ending, self.ending_message())))
+            await self.store.answer(self.batch_id, answers)
+
+    def ending_message(self) -> str:
+        if self.ending == "batch_cancelled":
+            return "the batch was cancelled before this request was done"
+        return "the batch's completion window ended before this request was done"
+
+    async def finalize(self, final: str) -> None:
+        """The answers into the output and error files, then the batch's final status."""
+        now = int(time.time())
+        files = {}
+        for ok, kind, name in ((True, "output", "output_file_id"), (False, "errors", "error_file_id")):
+            file = await self.store.put_file(
+                output_file_id(self.batch_id, kind), f"{self.batch_id}_{kind}.jsonl", "batch_output", self.pieces(ok), now,
+            )
+            if file is not None:
+                files[name] = file.id
+        await self.store.finish(self.batch_id, final, f"{final}_at", now, **files)
+
+    async def pieces(self, ok: bool) -> AsyncIterator[str]:
+        piece: list[str] = []
+        size = 0
+        async for page in self.store.answers(self.batch_id, ok):
+            for text in page:
+                piece.append(text + "\n")
+                size += len(text) + 1
+                if size >= PIECE_BYTES:
+                    yield "".join(piece)
+                    piece, size = [], 0
+        if piece:
+            yield "".join(piece)
