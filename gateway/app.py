@@ -96,7 +96,7 @@ class Gateway:
 def create_app(settings: GatewaySettings, lifecycle: Lifecycle) -> RequestContext:
     """The ASGI app: FastAPI's routes inside the request-id and metrics middleware."""
     gw = Gateway(settings, lifecycle)
-    batch_store = BatchStore(gw.client.redis, gw.client.keys, settings.batch_ttl_s)
+    batch_store = BatchStore(gw.client.redis, gw.client.keys)
     batch_driver = BatchDriver(batch_store, gw.client, gw.registry, settings)
 
     @asynccontextmanager

@@ -134,6 +134,7 @@ class BatchRun:
         self.expires_at = 0
         self.ending: str | None = None  # batch_cancelled or batch_expired once the batch is ending
         self.retry_at = 0.0
+        self.ttl_s = driver.settings.batch_ttl_s  # the batch's own, once read
 
     async def drive(self) -> None:
         try:
@@ -159,6 +160,7 @@ class BatchRun:
         """One step of the batch; False once it has ended."""
         status = fields["status"]
         self.expires_at = int(fields["expires_at"])
+        self.ttl_s = int(fields.get("ttl_s", self.ttl_s))
         if status in ("validating", "in_progress") and time.time() >= self.expires_at:
             await self.end(fields, "expired")
         elif status == "validating":
@@ -192,7 +194,7 @@ class BatchRun:
 
     async def fail(self, errors: list[LineError]) -> None:
         body = BatchErrors(data=[e.error() for e in errors]).model_dump_json()
-        await self.store.finish(self.batch_id, "failed", "failed_at", int(time.time()), errors=body)
+        await self.store.finish(self.batch_id, "failed", "failed_at", int(time.time()), self.ttl_s, errors=body)
         log.info("batch %s: failed validation: %s", self.batch_id, errors[0])
 
     # -- in progress ---------------------------------------------------------------------------
@@ -340,10 +342,11 @@ class BatchRun:
         for ok, kind, name in ((True, "output", "output_file_id"), (False, "errors", "error_file_id")):
             file = await self.store.put_file(
                 output_file_id(self.batch_id, kind), f"{self.batch_id}_{kind}.jsonl", "batch_output", self.pieces(ok), now,
+                self.ttl_s,
             )
             if file is not None:
                 files[name] = file.id
-        await self.store.finish(self.batch_id, final, f"{final}_at", now, **files)
+        await self.store.finish(self.batch_id, final, f"{final}_at", now, self.ttl_s, **files)
 
     async def pieces(self, ok: bool) -> AsyncIterator[str]:
         piece: list[str] = []

@@ -35,7 +35,7 @@ def batch_router(store: BatchStore, settings: GatewaySettings, dependencies: lis
         if purpose != "batch":
             raise bad_request(f"purpose {purpose!r} is not supported: only `batch` files are", "purpose")
         text = check_upload(await file.read(settings.batch_max_file_bytes + 1), settings)
-        saved = await store.put_file(f"file-{uuid.uuid4().hex}", file.filename or "input.jsonl", "batch", each(text_pieces(text)), int(time.time()))
+        saved = await store.put_file(f"file-{uuid.uuid4().hex}", file.filename or "input.jsonl", "batch", each(text_pieces(text)), int(time.time()), settings.batch_ttl_s)
         if saved is None:
             raise bad_request("the file is empty", "file")
         return saved
@@ -76,7 +76,7 @@ def batch_router(store: BatchStore, settings: GatewaySettings, dependencies: lis
             completion_window=req.completion_window, status="validating", created_at=now,
             expires_at=now + duration_s(req.completion_window), request_counts=RequestCounts(), metadata=req.metadata,
         )
-        await store.create_batch(batch)
+        await store.create_batch(batch, settings.batch_ttl_s)
         return batch
 
     @router.get("/v1/batches/{batch_id}")

@@ -4,7 +4,8 @@ sees the same ones and none holds state of its own (see producer_client.keys for
 A file is a hash of metadata and a list of pieces of its text, each a run of whole lines of at
 most PIECE_BYTES: written and read a piece at a time, never one command of the whole file. Files
 expire `ttl_s` after they are written; a batch expires `ttl_s` after it ends, and until then it
-has no TTL, however long it runs.
+has no TTL, however long it runs. A batch records the TTL of the gateway that created it, which
+its output files get too, whichever gateway writes them.
 
 Every write a batch's driver makes is safe to repeat, and to race with a second driver that has
 not yet noticed it lost its lease: a line is answered through ANSWER, whose SETBIT lets only the
@@ -12,6 +13,7 @@ first answer of a line in; statuses move through TRANSITION, from the statuses n
 """
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
@@ -93,10 +95,9 @@ def text_pieces(text: str) -> list[str]:
 
 
 class BatchStore:
-    def __init__(self, client: aioredis.Redis, keys: Keys, ttl_s: int):
+    def __init__(self, client: aioredis.Redis, keys: Keys):
         self.redis = client
         self.keys = keys
-        self.ttl_s = ttl_s
         self.answer_script = client.register_script(ANSWER)
         self.transition_script = client.register_script(TRANSITION)
         self.finish_script = client.register_script(FINISH)
@@ -106,7 +107,7 @@ class BatchStore:
     # -- files ---------------------------------------------------------------------------------
 
     async def put_file(
-        self, file_id: str, filename: str, purpose: str, pieces: AsyncIterator[str], now: int,
+        self, file_id: str, filename: str, purpose: str, pieces: AsyncIterator[str], now: int, ttl_s: int,
     ) -> FileObject | None:
         """Store a file from its pieces (None if there are none): the pieces first, the metadata
         last, so that a file whose writer died half-way is not found, and its pieces expire."""
@@ -116,15 +117,15 @@ class BatchStore:
         async for piece in pieces:
             pipe = self.redis.pipeline(transaction=False)
             pipe.rpush(content, piece)
-            pipe.expire(content, self.ttl_s)
+            pipe.expire(content, ttl_s)
             await pipe.execute()
             size += len(piece.encode())
         if not size:
             return None
-        file = FileObject(id=file_id, bytes=size, created_at=now, expires_at=now + self.ttl_s, filename=filename, purpose=purpose)
+        file = FileObject(id=file_id, bytes=size, created_at=now, expires_at=now + ttl_s, filename=filename, purpose=purpose)
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(self.keys.file(file_id), mapping=file.model_dump())
-        pipe.expire(self.keys.file(file_id), self.ttl_s)
+        pipe.expire(self.keys.file(file_id), ttl_s)
         await pipe.execute()
         return file
 
@@ -145,11 +146,13 @@ class BatchStore:
 
     # -- batches -------------------------------------------------------------------------------
 
-    async def create_batch(self, batch: Batch) -> None:
+    async def create_batch(self, batch: Batch, ttl_s: int) -> None:
+        # Indexed by the time to the microsecond: batches created within a second keep their order.
+        created = time.time()
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(self.keys.batch(batch.id), mapping=batch.fields())
-        pipe.zadd(self.keys.batches(), {batch.id: batch.created_at})
-        pipe.zadd(self.keys.batches_unfinished(), {batch.id: batch.created_at})
+        pipe.hset(self.keys.batch(batch.id), mapping={**batch.fields(), "ttl_s": ttl_s})
+        pipe.zadd(self.keys.batches(), {batch.id: created})
+        pipe.zadd(self.keys.batches_unfinished(), {batch.id: created})
         await pipe.execute()
 
     async def batch_fields(self, batch_id: str) -> dict[str, str]:
@@ -228,10 +231,10 @@ class BatchStore:
             yield page
             start += len(page)
 
-    async def finish(self, batch_id: str, status: str, at_field: str, now: int, **files: str) -> None:
+    async def finish(self, batch_id: str, status: str, at_field: str, now: int, ttl_s: int, **files: str) -> None:
         keys = [self.keys.batch(batch_id), self.keys.batch_input(batch_id), self.keys.batch_answered(batch_id),
                 self.keys.batch_output(batch_id), self.keys.batch_errors(batch_id), self.keys.batch_lease(batch_id)]
-        await self.finish_script(keys=keys, args=[status, at_field, now, self.ttl_s, *(x for kv in files.items() for x in kv)])
+        await self.finish_script(keys=keys, args=[status, at_field, now, ttl_s, *(x for kv in files.items() for x in kv)])
         await self.redis.zrem(self.keys.batches_unfinished(), batch_id)
 
     # -- leases --------------------------------------------------------------------------------
