@@ -30,20 +30,18 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import redis
 
 from gateway.batch_lines import (
-    LineError, LineRequest, OutputLine, answer, check_lines, error_answer, line_request, parse_line, request_id,
-    unanswered,
+    LineError, LineJobs, OutputLine, answer, check_lines, error_answer, line_request, parse_line, request_id, unanswered,
 )
 from gateway.batch_schema import BatchErrors
 from gateway.batch_store import PIECE_BYTES, BatchStore
 from gateway.errors import APIError
 from gateway.registry import ModelRegistry
 from gateway.settings import GatewaySettings
-from producer_client import AsyncClient, BulkQueueFull, JobResult, ResultWatch
+from producer_client import AsyncClient, BulkQueueFull, ResultWatch
 
 log = logging.getLogger("gateway.batch")
 
@@ -97,25 +95,9 @@ class BatchDriver:
         task.add_done_callback(lambda _: self.runs.pop(batch_id, None))
 
 
-@dataclass
-class LineJobs:
-    """A request line in flight: its jobs (one per choice) and their results so far."""
-
-    index: int
-    request: LineRequest
-    request_id: str
-    queue: str
-    results: dict[str, JobResult] = field(default_factory=dict)
-
-    @property
-    def job_ids(self) -> list[str]:
-        return [f"{self.request_id}-{i}" for i in range(len(self.request.specs))]
-
-    def submit_specs(self, timeout_s: float) -> list[dict]:
-        return [
-            {**spec.submit_kwargs(), "request_id": job_id, "timeout_s": timeout_s}
-            for spec, job_id in zip(self.request.specs, self.job_ids)
-        ]
+def index_of(line: LineJobs) -> int:
+    """A line's place in its batch, from 0 (LineRequest.line counts from 1)."""
+    return line.request.line - 1
 
 
 class BatchRun:
@@ -215,11 +197,11 @@ class BatchRun:
         again (submitted again when `resubmit`: their jobs are found, or made anew if they expired)."""
         self.total = int(fields.get("total", 0))
         self.next_line = int(fields.get("next_line", 0))
-        lines = await self.prepare(await self.store.unanswered(self.batch_id, self.next_line))
+        by_queue = await self.prepare(await self.store.unanswered(self.batch_id, self.next_line))
         if resubmit:
-            await self.submit(lines)
+            await self.submit(by_queue)
         else:
-            self.track(lines)
+            self.track([line for lines in by_queue.values() for line in lines])
         log.info("batch %s: taken on at line %d of %d, %d in flight", self.batch_id, self.next_line, self.total, len(self.flying))
 
     async def fill(self) -> None:
@@ -232,10 +214,11 @@ class BatchRun:
         self.next_line = min(self.total, self.next_line + room) if refused is None else refused
         await self.store.set_fields(self.batch_id, next_line=self.next_line)
 
-    async def prepare(self, indexes: list[int]) -> list[LineJobs]:
-        """The lines' requests, routed to their queues. A line whose body the HTTP API would refuse
-        (or whose model no queue serves) is answered here with that error."""
-        lines, refused = [], []
+    async def prepare(self, indexes: list[int]) -> dict[str, list[LineJobs]]:
+        """The lines' requests, by the queue of their model. A line whose body the HTTP API would
+        refuse (or whose model no queue serves) is answered here with that error."""
+        by_queue: dict[str, list[LineJobs]] = {}
+        refused = []
         for index, text in zip(indexes, await self.store.input_lines(self.batch_id, indexes)):
             line = parse_line(text, index + 1)
             rid = request_id(self.batch_id, line.custom_id, line.body)
@@ -245,27 +228,23 @@ class BatchRun:
             except APIError as e:
                 refused.append((index, error_answer(line.custom_id, rid, e)))
                 continue
-            lines.append(LineJobs(index, request, rid, queue))
+            by_queue.setdefault(queue, []).append(LineJobs(request, rid))
         await self.store.answer(self.batch_id, refused)
-        return lines
+        return by_queue
 
-    async def submit(self, lines: list[LineJobs]) -> int | None:
+    async def submit(self, by_queue: dict[str, list[LineJobs]]) -> int | None:
         """Enqueue the lines' jobs, each queue's in one submit_many. Returns the first line a full
         queue refused (it and the lines after it in that queue wait), or None."""
         timeout_s = min(MAX_JOB_TIMEOUT_S, max(1.0, self.expires_at - time.time()))
-        by_queue: dict[str, list[LineJobs]] = {}
-        for line in lines:
-            by_queue.setdefault(line.queue, []).append(line)
         refused: int | None = None
-        for queue, group in by_queue.items():
-            specs = [spec for line in group for spec in line.submit_specs(timeout_s)]
+        for queue, lines in by_queue.items():
             try:
-                await self.client.on_queue(queue).submit_many(specs)
-                taken = group
+                await self.client.on_queue(queue).submit_many([spec for line in lines for spec in line.submit_specs(timeout_s=timeout_s)])
+                taken = lines
             except BulkQueueFull as full:
                 enqueued = set(full.job_ids)
-                taken = [line for line in group if enqueued.issuperset(line.job_ids)]
-                first_out = next(line.index for line in group if not enqueued.issuperset(line.job_ids))
+                taken = [line for line in lines if enqueued.issuperset(line.job_ids)]
+                first_out = next(index_of(line) for line in lines if not enqueued.issuperset(line.job_ids))
                 refused = first_out if refused is None else min(refused, first_out)
                 self.retry_at = time.monotonic() + QUEUE_FULL_WAIT_S
                 log.info("batch %s: queue %r is full; line %d waits", self.batch_id, queue, first_out)
@@ -274,9 +253,9 @@ class BatchRun:
 
     def track(self, lines: list[LineJobs]) -> None:
         for line in lines:
-            self.flying[line.index] = line
+            self.flying[index_of(line)] = line
             for job_id in line.job_ids:
-                self.line_of[job_id] = line.index
+                self.line_of[job_id] = index_of(line)
             self.watch.add(line.job_ids)
 
     async def collect(self) -> None:
@@ -286,15 +265,13 @@ class BatchRun:
             return
         answers = []
         for result in await self.client.finished(self.watch, timeout=READ_WAIT_S):
-            line = self.flying[self.line_of.pop(result.id)]
-            line.results[result.id] = result
-            if len(line.results) == len(line.job_ids):
-                del self.flying[line.index]
-                answers.append((line.index, self.answer(line)))
+            index = self.line_of.pop(result.id)
+            if self.flying[index].add(result):
+                answers.append((index, self.answer(self.flying.pop(index))))
         await self.store.answer(self.batch_id, answers)
 
     def answer(self, line: LineJobs) -> OutputLine:
-        results = [line.results[job_id] for job_id in line.job_ids]
+        results = line.in_choice_order()
         ended_early = any(r.status in ("cancelled", "expired") or r.finish_reason == "timeout" for r in results)
         if self.ending is not None and ended_early:
             return unanswered(line.request.custom_id, line.request_id, self.ending, self.ending_message())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -80,6 +80,34 @@ class LineRequest:
 
     def request_id(self, scope: str) -> str:
         return request_id(scope, self.custom_id, self.body)
+
+
+@dataclass
+class LineJobs:
+    """A request line in flight: its jobs (`<request id>-<choice>`) and their results so far."""
+
+    request: LineRequest
+    request_id: str
+    results: dict[str, JobResult] = field(default_factory=dict)
+
+    @property
+    def job_ids(self) -> list[str]:
+        return [f"{self.request_id}-{i}" for i in range(len(self.request.specs))]
+
+    def submit_specs(self, **options: Any) -> list[dict]:
+        """submit_many's specs of the line's jobs, with `options` (timeout_s...) added."""
+        return [
+            {**spec.submit_kwargs(), "request_id": job_id, **options}
+            for spec, job_id in zip(self.request.specs, self.job_ids)
+        ]
+
+    def add(self, result: JobResult) -> bool:
+        """Record a job's result; True once every job of the line has one."""
+        self.results[result.id] = result
+        return len(self.results) == len(self.request.specs)
+
+    def in_choice_order(self) -> list[JobResult]:
+        return [self.results[job_id] for job_id in self.job_ids]
 
 
 def request_id(scope: str, custom_id: str, body: dict[str, Any]) -> str:

@@ -27,13 +27,12 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from gateway.batch_lines import (
-    LineError, LineRequest, OutputLine, answer, error_answer, line_request, not_a_request, parse_line, request_id,
+    LineError, LineJobs, OutputLine, answer, error_answer, line_request, not_a_request, parse_line, request_id,
 )
 from gateway.errors import APIError
 from producer_client.bulk import ResultWatch
 from producer_client.client import Client
 from producer_client.errors import BulkQueueFull, InvalidArgument
-from producer_client.schema import JobResult
 
 log = logging.getLogger("mili.batch")
 
@@ -105,22 +104,6 @@ def read_answers(path: Path) -> list[OutputLine]:
         except ValidationError:
             raise InvalidArgument("output", f"line {number} of {path} is not an answer of a batch: not this run's file?") from None
     return answers
-
-
-@dataclass
-class LineJobs:
-    """A request line in flight: its job ids (one per choice) and the results in so far."""
-
-    request: LineRequest
-    request_id: str
-    results: dict[str, JobResult] = field(default_factory=dict)
-
-    @property
-    def job_ids(self) -> list[str]:
-        return [f"{self.request_id}-{i}" for i in range(len(self.request.specs))]
-
-    def submit_specs(self) -> list[dict]:
-        return [{**spec.submit_kwargs(), "request_id": job_id} for spec, job_id in zip(self.request.specs, self.job_ids)]
 
 
 class BatchRun:
@@ -224,9 +207,8 @@ class BatchRun:
             return
         for result in self.client.finished(self.watch, timeout=READ_WAIT_S):
             line = self.line_of.pop(result.id)
-            line.results[result.id] = result
-            if len(line.results) == len(line.job_ids):
-                self.write(answer(line.request, line.request_id, [line.results[j] for j in line.job_ids]))
+            if line.add(result):
+                self.write(answer(line.request, line.request_id, line.in_choice_order()))
         self.files.flush()
 
     def write(self, line: OutputLine) -> None:

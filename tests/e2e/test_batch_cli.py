@@ -15,7 +15,7 @@ from tqdm import tqdm
 from producer_client import Client
 from producer_client.batch import AnswerFiles, BatchRun, read_answers
 from producer_client.keys import Keys
-from tests.redis_support import REPO, WorkerProcess, eventually, runs, start_workers
+from tests.redis_support import REPO, echo_workers, eventually, runs
 
 KEYS = Keys()
 RUN_TIMEOUT_S = 180
@@ -29,16 +29,8 @@ def batch_queue():
 @pytest.fixture(scope="module")
 def workers(redis_server, batch_queue, tmp_path_factory):
     """Two echo workers of 8 slots each: a few hundred lines take seconds, time to interrupt."""
-    log_dir = tmp_path_factory.mktemp("batch-cli-workers")
-    procs = [
-        WorkerProcess(redis_server.url, batch_queue, f"{batch_queue}-{i}", log_dir, "--max-running", "8", model="echo")
-        for i in range(2)
-    ]
-    try:
-        yield start_workers(procs)
-    finally:
-        for w in procs:
-            w.stop()
+    with echo_workers(redis_server.url, batch_queue, tmp_path_factory.mktemp("batch-cli-workers"), "--max-running", "8") as procs:
+        yield procs
 
 
 def request_line(custom_id: str, prompt: str, max_tokens: int, chat: bool = False, **body) -> dict:

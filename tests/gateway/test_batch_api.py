@@ -14,7 +14,7 @@ import pytest
 from gateway.batch_store import PIECE_BYTES
 from producer_client.keys import Keys
 from tests.gateway.support import GatewayProcess
-from tests.redis_support import WorkerProcess, start_workers
+from tests.redis_support import echo_workers
 
 KEYS = Keys()
 MODEL = "batch-echo"
@@ -33,14 +33,9 @@ def batch_queue():
 @pytest.fixture(scope="module")
 def batch_workers(redis_server, batch_queue, tmp_path_factory):
     """Two echo workers of 4 slots each, quick to reclaim a killed one's jobs."""
-    log_dir = tmp_path_factory.mktemp("batch-workers")
     flags = ("--max-running", "4", "--claim-idle-ms", "1000", "--reclaim-interval-s", "0.2")
-    workers = [WorkerProcess(redis_server.url, batch_queue, f"{batch_queue}-{i}", log_dir, *flags, model="echo") for i in range(2)]
-    try:
-        yield start_workers(workers)
-    finally:
-        for w in workers:
-            w.stop()
+    with echo_workers(redis_server.url, batch_queue, tmp_path_factory.mktemp("batch-workers"), *flags) as workers:
+        yield workers
 
 
 def gateway_flags(batch_queue: str, *more: str) -> tuple[str, ...]:

@@ -10,7 +10,7 @@ import pytest
 from producer_client import BulkQueueFull, Client, InvalidArgument, JobNotFound, JobTimeout, ResultWatch
 from producer_client.bulk import CHUNK, WINDOW
 from producer_client.keys import Keys
-from tests.redis_support import WorkerProcess, make_client, start_workers
+from tests.redis_support import echo_workers, make_client
 
 KEYS = Keys()
 
@@ -202,17 +202,12 @@ def echo_queue():
 
 
 @pytest.fixture(scope="module")
-def echo_workers(redis_server, echo_queue, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("bulk-workers")
-    workers = [WorkerProcess(redis_server.url, echo_queue, f"{echo_queue}-{i}", log_dir, model="echo") for i in range(2)]
-    try:
-        yield start_workers(workers)
-    finally:
-        for w in workers:
-            w.stop()
+def bulk_workers(redis_server, echo_queue, tmp_path_factory):
+    with echo_workers(redis_server.url, echo_queue, tmp_path_factory.mktemp("bulk-workers")) as workers:
+        yield workers
 
 
-def test_many_jobs_through_two_workers_each_once(client_kind, redis_server, redis_client, echo_queue, echo_workers):
+def test_many_jobs_through_two_workers_each_once(client_kind, redis_server, redis_client, echo_queue, bulk_workers):
     client = make_client(client_kind, redis_server.url, echo_queue)
     try:
         jobs = [{"prompt": f"job {i:05d}", "max_tokens": 64, "temperature": 0.0} for i in range(3 * CHUNK)]
@@ -222,10 +217,10 @@ def test_many_jobs_through_two_workers_each_once(client_kind, redis_server, redi
         client.close()
     assert sorted(results) == sorted(ids)
     assert all(results[job_id].text == job["prompt"] for job_id, job in zip(ids, jobs))
-    assert {r.worker for r in results.values()} == {w.name for w in echo_workers}
+    assert {r.worker for r in results.values()} == {w.name for w in bulk_workers}
 
 
-def test_a_failed_job_is_yielded_and_a_short_job_ends_before_a_long_one(client_kind, redis_server, echo_queue, echo_workers):
+def test_a_failed_job_is_yielded_and_a_short_job_ends_before_a_long_one(client_kind, redis_server, echo_queue, bulk_workers):
     client = make_client(client_kind, redis_server.url, echo_queue)
     try:
         long, bad, short = client.submit_many([
