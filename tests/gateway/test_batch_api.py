@@ -47,19 +47,13 @@ def gateway_flags(batch_queue: str, *more: str) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def batch_gateway(redis_server, batch_queue, batch_workers, tmp_path_factory):
+def gateway(redis_server, batch_queue, batch_workers, tmp_path_factory):
+    """This module's gateway, in place of the session's (conftest's `sdk` then talks to it)."""
     process = GatewayProcess(redis_server.url, tmp_path_factory.mktemp("batch-gateway"), *gateway_flags(batch_queue))
     try:
         yield process.start()
     finally:
         process.stop()
-
-
-@pytest.fixture
-def sdk(batch_gateway):
-    client = openai.OpenAI(base_url=f"{batch_gateway.url}/v1", api_key="unused", max_retries=0)
-    yield client
-    client.close()
 
 
 def chat_line(custom_id: str, content: str, max_tokens: int = 64, **body) -> dict:
@@ -139,11 +133,11 @@ def test_the_sdk_uploads_runs_and_downloads_a_batch(sdk, redis_client, batch_que
     assert redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"] - added_before == 3 * IN_FLIGHT + 2
 
 
-def test_a_killed_worker_and_killed_gateways_lose_no_line(redis_server, redis_client, batch_queue, batch_workers, batch_gateway, tmp_path):
+def test_a_killed_worker_and_killed_gateways_lose_no_line(redis_server, redis_client, batch_queue, batch_workers, gateway, tmp_path):
     """Three gateways drive batches; the one driving this batch is killed (kill -9), and so is a
     worker, mid-batch; the killed gateway starts again. The batch completes, each line once."""
     extra = [GatewayProcess(redis_server.url, tmp_path, *gateway_flags(batch_queue), name=f"gw-{i}").start() for i in range(2)]
-    gateways = [batch_gateway, *extra]
+    gateways = [gateway, *extra]
     sdks = [openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0) for gw in gateways]
     victim_worker = batch_workers[0]
     try:
@@ -214,7 +208,7 @@ def test_a_bad_line_fails_the_batch_in_validation_naming_the_lines(sdk):
     assert [(e.line, e.code) for e in done.errors.data] == [(3, "invalid_json"), (5, "invalid_url"), (7, "duplicate_custom_id")]
 
 
-def test_files_are_refused_and_found_as_the_api_says(sdk, batch_gateway):
+def test_files_are_refused_and_found_as_the_api_says(sdk, gateway):
     with pytest.raises(openai.BadRequestError, match="purpose"):
         sdk.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
     with pytest.raises(openai.BadRequestError, match="exceeds"):
