@@ -166,6 +166,33 @@ def test_a_killed_worker_and_killed_gateways_lose_no_line(redis_server, redis_cl
         victim_worker.start().wait_ready()
 
 
+def test_a_gateway_stopped_gracefully_hands_its_batch_over_at_once(redis_server, redis_client, batch_queue, gateway, tmp_path):
+    """With 60 s leases, a SIGTERM'd gateway's lease is gone as it exits (not left to lapse), and
+    another gateway finishes its batch."""
+    gateway.terminate()  # the module's gateway (1 s leases) sits this one out
+    flags = gateway_flags(batch_queue, "--batch-lease-s", "60")
+    gateways = [GatewayProcess(redis_server.url, tmp_path, *flags, name=f"calm-{i}").start() for i in range(2)]
+    sdks = [openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0) for gw in gateways]
+    try:
+        n = 60
+        batch = run_batch(sdks[0], slow_lines("g", n))
+        wait_for(sdks[0], batch.id, lambda b: b.request_counts.completed >= 5)
+        holder = redis_client.get(KEYS.batch_lease(batch.id))
+        driver = next(i for i, gw in enumerate(gateways) if f"-{gw.process.pid}-" in holder)
+        gateways[driver].terminate()
+        assert "Application shutdown complete." in gateways[driver].log()  # a graceful stop
+        assert redis_client.get(KEYS.batch_lease(batch.id)) != holder
+        done = ended(sdks[1 - driver], batch.id)
+        assert done.status == "completed"
+        assert set(answers(sdks[1 - driver], done.output_file_id)) == {f"g{i}" for i in range(n)}
+    finally:
+        for client in sdks:
+            client.close()
+        for gw in gateways:
+            gw.stop()
+        gateway.start()
+
+
 def test_a_cancelled_batch_keeps_what_finished_and_gives_up_the_rest(sdk):
     n = 150
     batch = run_batch(sdk, slow_lines("c", n))
