@@ -37,7 +37,7 @@ from gateway.batch_lines import (
     LineError, LineJobs, OutputLine, answer, check_lines, error_answer, line_request, parse_line, request_id, unanswered,
 )
 from gateway.batch_schema import BatchErrors
-from gateway.batch_store import PIECE_BYTES, BatchStore
+from gateway.batch_store import BatchStore, Pieces
 from gateway.errors import APIError
 from gateway.registry import ModelRegistry
 from gateway.settings import GatewaySettings
@@ -326,14 +326,10 @@ class BatchRun:
         await self.store.finish(self.batch_id, final, f"{final}_at", now, self.ttl_s, **files)
 
     async def pieces(self, ok: bool) -> AsyncIterator[str]:
-        piece: list[str] = []
-        size = 0
+        pieces = Pieces()
         async for page in self.store.answers(self.batch_id, ok):
             for text in page:
-                piece.append(text + "\n")
-                size += len(text) + 1
-                if size >= PIECE_BYTES:
-                    yield "".join(piece)
-                    piece, size = [], 0
-        if piece:
-            yield "".join(piece)
+                if (piece := pieces.add(text + "\n")) is not None:
+                    yield piece
+        if (last := pieces.rest()) is not None:
+            yield last

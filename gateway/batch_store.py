@@ -2,7 +2,10 @@
 sees the same ones and none holds state of its own (see producer_client.keys for the keys).
 
 A file is a hash of metadata and a list of pieces of its text, each a run of whole lines of at
-most PIECE_BYTES: written and read a piece at a time, never one command of the whole file. Files
+most PIECE_CHARS characters: written and read a piece at a time, never one command of the whole
+file. A batch's copy of its input lines is a hash of runs of LINES_PER_FIELD lines. Both keep a
+value per run of lines rather than per line: Redis's allocator rounds every value up to a size
+class, which on a value per line cost about a fifth of the text again. Files
 expire `ttl_s` after they are written; a batch expires `ttl_s` after it ends, and until then it
 has no TTL, however long it runs. A batch records the TTL of the gateway that created it, which
 its output files get too, whichever gateway writes them.
@@ -22,9 +25,10 @@ from gateway.batch_lines import OutputLine
 from gateway.batch_schema import Batch, BatchList, FileObject
 from producer_client.keys import Keys
 
-PIECE_BYTES = 1 << 20  # a file's text per list element
+PIECE_CHARS = 1 << 18  # a file's text per list element, at most: 1 MiB of UTF-8 at the most
 PIECES_PER_READ = 8
-LINES_PER_WRITE = 1000  # input lines per HSET, answers per LRANGE
+LINES_PER_FIELD = 64  # a batch's input lines per hash field
+ANSWERS_PER_READ = 1000
 
 # KEYS: answered, output, errors, batch. ARGV: line index, 1 (output) or 0 (errors), answer JSON.
 # Returns 1, or 0 (changing nothing) if the line was answered already.
@@ -83,15 +87,34 @@ return 0
 """
 
 
+class Pieces:
+    """Lines (each with its newline) gathered into pieces of at most PIECE_CHARS characters, each
+    ending on a line; a longer line is a piece of its own."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.size = 0
+
+    def add(self, line: str) -> str | None:
+        """The piece that `line` does not fit in, once there is one."""
+        full = None
+        if self.lines and self.size + len(line) > PIECE_CHARS:
+            full = self.rest()
+        self.lines.append(line)
+        self.size += len(line)
+        return full
+
+    def rest(self) -> str | None:
+        piece = "".join(self.lines) or None
+        self.lines, self.size = [], 0
+        return piece
+
+
 def text_pieces(text: str) -> list[str]:
-    """`text` cut after a newline about every PIECE_BYTES (a longer line is one piece)."""
-    pieces, start = [], 0
-    while start < len(text):
-        end = text.find("\n", start + PIECE_BYTES // 4)  # a character is at most 4 bytes
-        end = len(text) if end < 0 else end + 1
-        pieces.append(text[start:end])
-        start = end
-    return pieces
+    pieces = Pieces()
+    whole = [piece for line in text.splitlines(keepends=True) if (piece := pieces.add(line)) is not None]
+    last = pieces.rest()
+    return whole + ([last] if last else [])
 
 
 class BatchStore:
@@ -196,14 +219,23 @@ class BatchStore:
         await self.redis.hset(self.keys.batch(batch_id), mapping=fields)
 
     async def store_input(self, batch_id: str, lines: list[str]) -> None:
+        """Line i goes in field i // LINES_PER_FIELD, with its neighbours (the lines have no newline)."""
         key = self.keys.batch_input(batch_id)
+        runs = {str(n): "\n".join(lines[start:start + LINES_PER_FIELD]) for n, start in enumerate(range(0, len(lines), LINES_PER_FIELD))}
+        names = list(runs)
         pipe = self.redis.pipeline(transaction=False)
-        for start in range(0, len(lines), LINES_PER_WRITE):
-            pipe.hset(key, mapping={str(i): lines[i] for i in range(start, min(start + LINES_PER_WRITE, len(lines)))})
+        for start in range(0, len(names), ANSWERS_PER_READ):
+            pipe.hset(key, mapping={name: runs[name] for name in names[start:start + ANSWERS_PER_READ]})
         await pipe.execute()
 
     async def input_lines(self, batch_id: str, indexes: list[int]) -> list[str]:
-        return await self.redis.hmget(self.keys.batch_input(batch_id), [str(i) for i in indexes]) if indexes else []
+        """The input lines at `indexes`, in that order."""
+        fields = sorted({i // LINES_PER_FIELD for i in indexes})
+        if not fields:
+            return []
+        runs = await self.redis.hmget(self.keys.batch_input(batch_id), [str(n) for n in fields])
+        lines_of = {n: run.split("\n") for n, run in zip(fields, runs)}
+        return [lines_of[i // LINES_PER_FIELD][i % LINES_PER_FIELD] for i in indexes]
 
     async def unanswered(self, batch_id: str, upto: int) -> list[int]:
         """The lines below `upto` not answered yet: those from the first clear bit of the
@@ -227,7 +259,7 @@ class BatchStore:
     async def answers(self, batch_id: str, ok: bool) -> AsyncIterator[list[str]]:
         key = self.keys.batch_output(batch_id) if ok else self.keys.batch_errors(batch_id)
         start = 0
-        while page := await self.redis.lrange(key, start, start + LINES_PER_WRITE - 1):
+        while page := await self.redis.lrange(key, start, start + ANSWERS_PER_READ - 1):
             yield page
             start += len(page)
 

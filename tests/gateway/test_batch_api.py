@@ -11,7 +11,7 @@ import uuid
 import openai
 import pytest
 
-from gateway.batch_store import PIECE_BYTES
+from gateway.batch_store import LINES_PER_FIELD, PIECE_CHARS
 from producer_client.keys import Keys
 from tests.gateway.support import GatewayProcess
 from tests.redis_support import echo_workers
@@ -20,7 +20,7 @@ KEYS = Keys()
 MODEL = "batch-echo"
 IN_FLIGHT = 16  # lines a batch has out at once: the batches below cycle it many times
 MAX_LINES = 600
-MAX_FILE_BYTES = 4 * PIECE_BYTES
+MAX_FILE_BYTES = 8 * PIECE_CHARS
 RUN_TIMEOUT_S = 180
 ENDED = ("completed", "failed", "expired", "cancelled")
 
@@ -103,7 +103,8 @@ def slow_lines(prefix: str, n: int) -> list[dict]:
 
 
 def test_the_sdk_uploads_runs_and_downloads_a_batch(sdk, redis_client, batch_queue):
-    lines = [chat_line(f"r{i}", f"hello {i}") for i in range(3 * IN_FLIGHT)]
+    n = 4 * LINES_PER_FIELD + 5  # the batch keeps its lines in runs of LINES_PER_FIELD; IN_FLIGHT at a time
+    lines = [chat_line(f"r{i}", f"hello {i}") for i in range(n)]
     lines += [
         chat_line("two", "both", n=2, seed=7),
         chat_line("cold", "x", temperature=-1),
@@ -119,8 +120,8 @@ def test_the_sdk_uploads_runs_and_downloads_a_batch(sdk, redis_client, batch_que
     assert batch.expires_at == batch.created_at + 24 * 3600
 
     done = answers(sdk, batch.output_file_id)
-    assert set(done) == {f"r{i}" for i in range(3 * IN_FLIGHT)} | {"two"}
-    assert all(done[f"r{i}"]["response"]["body"]["choices"][0]["message"]["content"] == echo_of(f"hello {i}") for i in range(3 * IN_FLIGHT))
+    assert set(done) == {f"r{i}" for i in range(n)} | {"two"}
+    assert all(done[f"r{i}"]["response"]["body"]["choices"][0]["message"]["content"] == echo_of(f"hello {i}") for i in range(n))
     assert done["r0"]["response"]["status_code"] == 200 and done["r0"]["error"] is None
     assert [c["index"] for c in done["two"]["response"]["body"]["choices"]] == [0, 1]
     failed = answers(sdk, batch.error_file_id)
@@ -129,8 +130,8 @@ def test_the_sdk_uploads_runs_and_downloads_a_batch(sdk, redis_client, batch_que
     }
     output = sdk.files.retrieve(batch.output_file_id)
     assert output.purpose == "batch_output" and output.bytes == len(sdk.files.content(batch.output_file_id).content)
-    # Each line's jobs were enqueued once: 3*IN_FLIGHT single jobs and the two of `two`.
-    assert redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"] - added_before == 3 * IN_FLIGHT + 2
+    # Each line's jobs were enqueued once: n single jobs and the two of `two`.
+    assert redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"] - added_before == n + 2
 
 
 def test_a_killed_worker_and_killed_gateways_lose_no_line(redis_server, redis_client, batch_queue, batch_workers, gateway, tmp_path):
@@ -264,8 +265,8 @@ def test_files_are_refused_and_found_as_the_api_says(sdk, gateway):
 
 
 def test_a_file_of_several_pieces_comes_back_byte_for_byte(sdk):
-    line = json.dumps(chat_line("big", "é" * 3000)) + "\n"  # two bytes a character: pieces cut by bytes
-    text = line * (int(3.5 * PIECE_BYTES) // len(line.encode()))
+    line = json.dumps(chat_line("big", "é" * 3000), ensure_ascii=False) + "\n"  # two bytes a character
+    text = line * (int(3.5 * PIECE_CHARS) // len(line))
     file = sdk.files.create(file=("big.jsonl", io.BytesIO(text.encode())), purpose="batch")
     assert file.bytes == len(text.encode()) and file.filename == "big.jsonl"
     assert sdk.files.content(file.id).content == text.encode()
