@@ -50,6 +50,10 @@ READ_WAIT_S = 0.5  # the longest wait for results in one step: a cancel is seen 
 QUEUE_FULL_WAIT_S = 1.0
 MAX_JOB_TIMEOUT_S = 7 * 24 * 3600  # the longest deadline a job may have (JobRequest.timeout_s)
 ENDED_CODES = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
+UNANSWERED = {
+    "batch_cancelled": "the batch was cancelled before this request was done",
+    "batch_expired": "the batch's completion window ended before this request was done",
+}
 
 
 def output_file_id(batch_id: str, kind: str) -> str:
@@ -199,7 +203,9 @@ class BatchRun:
         self.next_line = int(fields.get("next_line", 0))
         by_queue = await self.prepare(await self.store.unanswered(self.batch_id, self.next_line))
         if resubmit:
-            await self.submit(by_queue)
+            refused = await self.submit(by_queue)
+            if refused is not None:  # fill() goes on from there (lines answered since are answered once)
+                self.next_line = min(self.next_line, refused)
         else:
             self.track([line for lines in by_queue.values() for line in lines])
         log.info("batch %s: taken on at line %d of %d, %d in flight", self.batch_id, self.next_line, self.total, len(self.flying))
@@ -272,10 +278,19 @@ class BatchRun:
 
     def answer(self, line: LineJobs) -> OutputLine:
         results = line.in_choice_order()
-        ended_early = any(r.status in ("cancelled", "expired") or r.finish_reason == "timeout" for r in results)
-        if self.ending is not None and ended_early:
-            return unanswered(line.request.custom_id, line.request_id, self.ending, self.ending_message())
+        code = self.unanswered_code(results)
+        if code is not None:
+            return unanswered(line.request.custom_id, line.request_id, code, UNANSWERED[code])
         return answer(line.request, line.request_id, results, self.driver.settings.retry_after_s)
+
+    def unanswered_code(self, results: list) -> str | None:
+        """batch_expired for a job past its deadline (the window's end), the batch's ending code
+        for a job it cancelled; None for a line answered as the HTTP API would answer it."""
+        if any(r.status == "expired" or r.finish_reason == "timeout" for r in results):
+            return "batch_expired"
+        if self.ending is not None and any(r.status == "cancelled" for r in results):
+            return self.ending
+        return None
 
     # -- ending --------------------------------------------------------------------------------
 
@@ -304,13 +319,8 @@ class BatchRun:
             for index, text in zip(page, texts):
                 line = parse_line(text, index + 1)
                 rid = request_id(self.batch_id, line.custom_id, line.body)
-                answers.append((index, unanswered(line.custom_id, rid, self.ending, self.ending_message())))
+                answers.append((index, unanswered(line.custom_id, rid, self.ending, UNANSWERED[self.ending])))
             await self.store.answer(self.batch_id, answers)
-
-    def ending_message(self) -> str:
-        if self.ending == "batch_cancelled":
-            return "the batch was cancelled before this request was done"
-        return "the batch's completion window ended before this request was done"
 
     async def finalize(self, final: str) -> None:
         """The answers into the output and error files, then the batch's final status."""
