@@ -34,7 +34,8 @@ from collections.abc import AsyncIterator
 import redis
 
 from gateway.batch_lines import (
-    LineError, LineJobs, OutputLine, answer, check_lines, error_answer, line_request, parse_line, request_id, unanswered,
+    LineErrorBody, LineJobs, OutputLine, answer, check_lines, error_answer, line_request, parse_line, request_id,
+    unanswered,
 )
 from gateway.batch_schema import BatchErrors
 from gateway.batch_store import BatchStore, Pieces
@@ -170,18 +171,18 @@ class BatchRun:
         file_id = fields["input_file_id"]
         pieces = [piece async for piece in self.store.file_text(file_id)]
         if await self.store.file(file_id) is None:
-            return await self.fail([LineError(0, "file_not_found", f"the input file {file_id} no longer exists")])
+            return await self.fail([LineErrorBody(code="file_not_found", message=f"the input file {file_id} no longer exists")])
         lines, errors = await asyncio.to_thread(check_lines, "".join(pieces), fields["endpoint"], self.driver.settings.batch_max_lines)
         if errors:
-            return await self.fail(errors)
+            return await self.fail([e.error() for e in errors])
         await self.store.store_input(self.batch_id, lines)
         await self.store.transition(self.batch_id, "validating", "in_progress", "in_progress_at", int(time.time()), total=len(lines))
         log.info("batch %s: %d lines valid, in progress", self.batch_id, len(lines))
 
-    async def fail(self, errors: list[LineError]) -> None:
-        body = BatchErrors(data=[e.error() for e in errors]).model_dump_json()
+    async def fail(self, errors: list[LineErrorBody]) -> None:
+        body = BatchErrors(data=errors).model_dump_json()
         await self.store.finish(self.batch_id, "failed", "failed_at", int(time.time()), self.ttl_s, errors=body)
-        log.info("batch %s: failed validation: %s", self.batch_id, errors[0])
+        log.info("batch %s: failed validation: %s (line %s)", self.batch_id, errors[0].message, errors[0].line)
 
     # -- in progress ---------------------------------------------------------------------------
 
