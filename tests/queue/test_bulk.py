@@ -135,7 +135,7 @@ def canceller(redis_server, queue):
 
 
 def test_as_completed_yields_in_the_order_jobs_end_over_several_windows(client, canceller, queue):
-    ids = client.submit_many(specs(2 * WINDOW + 9))
+    ids = client.submit_many(specs(3 * WINDOW + 9))
     order = ids[:WINDOW][::-1] + ids[WINDOW:][::-1]
     cancel_in_order(client, order[:40])  # ended before the first read: it returns them in order
     thread = threading.Thread(target=cancel_in_order, args=(canceller, order[40:]))
