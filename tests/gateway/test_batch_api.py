@@ -134,6 +134,13 @@ def test_the_sdk_uploads_runs_and_downloads_a_batch(sdk, redis_client, batch_que
     assert redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"] - added_before == n + 2
 
 
+def driving_gateway(sdk, redis_client, batch_id: str, gateways: list[GatewayProcess]) -> tuple[int, str]:
+    """Once the batch is well under way: which of `gateways` holds its lease, and the lease's value."""
+    wait_for(sdk, batch_id, lambda b: b.request_counts.completed >= 5)
+    holder = redis_client.get(KEYS.batch_lease(batch_id))
+    return next(i for i, gw in enumerate(gateways) if f"-{gw.process.pid}-" in holder), holder
+
+
 def test_a_killed_worker_and_killed_gateways_lose_no_line(redis_server, redis_client, batch_queue, batch_workers, gateway, tmp_path):
     """Three gateways drive batches; the one driving this batch is killed (kill -9), and so is a
     worker, mid-batch; the killed gateway starts again. The batch completes, each line once."""
@@ -144,9 +151,7 @@ def test_a_killed_worker_and_killed_gateways_lose_no_line(redis_server, redis_cl
     try:
         n = 120
         batch = run_batch(sdks[0], slow_lines("k", n))
-        wait_for(sdks[0], batch.id, lambda b: b.request_counts.completed >= 10)
-        holder = redis_client.get(KEYS.batch_lease(batch.id))
-        driver = next(i for i, gw in enumerate(gateways) if f"-{gw.process.pid}-" in holder)
+        driver, _ = driving_gateway(sdks[0], redis_client, batch.id, gateways)
         victim_worker.process.kill()
         gateways[driver].kill()
         time.sleep(1.5)  # past the lease: the other gateway takes the batch on
@@ -177,9 +182,7 @@ def test_a_gateway_stopped_gracefully_hands_its_batch_over_at_once(redis_server,
     try:
         n = 60
         batch = run_batch(sdks[0], slow_lines("g", n))
-        wait_for(sdks[0], batch.id, lambda b: b.request_counts.completed >= 5)
-        holder = redis_client.get(KEYS.batch_lease(batch.id))
-        driver = next(i for i, gw in enumerate(gateways) if f"-{gw.process.pid}-" in holder)
+        driver, holder = driving_gateway(sdks[0], redis_client, batch.id, gateways)
         gateways[driver].terminate()
         assert "Application shutdown complete." in gateways[driver].log()  # a graceful stop
         assert redis_client.get(KEYS.batch_lease(batch.id)) != holder
