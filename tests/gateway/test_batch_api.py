@@ -102,6 +102,14 @@ def slow_lines(prefix: str, n: int) -> list[dict]:
     return [chat_line(f"{prefix}{i}", f"{i:04d} " + "x" * 195, max_tokens=300) for i in range(n)]
 
 
+def quick_then_endless(prefix: str, n: int, quick: int) -> list[dict]:
+    """`quick` lines of a few steps, then lines of 3,500 echo steps each: on the workers' 8 slots
+    those take tens of seconds however fast the machine (a step is a round trip to Redis), so a test that
+    ends the batch early finds the quick ones done and the rest not."""
+    lines = [chat_line(f"{prefix}{i}", "hi") for i in range(quick)]
+    return lines + [chat_line(f"{prefix}{i}", "x" * 3500, max_tokens=3500) for i in range(quick, n)]
+
+
 def test_the_sdk_uploads_runs_and_downloads_a_batch(sdk, redis_client, batch_queue):
     n = 4 * LINES_PER_FIELD + 5  # the batch keeps its lines in runs of LINES_PER_FIELD; IN_FLIGHT at a time
     lines = [chat_line(f"r{i}", f"hello {i}") for i in range(n)]
@@ -199,7 +207,7 @@ def test_a_gateway_stopped_gracefully_hands_its_batch_over_at_once(redis_server,
 
 def test_a_cancelled_batch_keeps_what_finished_and_gives_up_the_rest(sdk):
     n = 150
-    batch = run_batch(sdk, slow_lines("c", n))
+    batch = run_batch(sdk, quick_then_endless("c", n, quick=12))
     wait_for(sdk, batch.id, lambda b: b.request_counts.completed >= 10)
     cancelling = sdk.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
@@ -219,8 +227,8 @@ def run_and_finish(sdk):
 
 
 def test_a_batch_past_its_window_expires_with_what_finished(sdk):
-    n = 200  # far more than the 4 s window holds
-    batch = run_batch(sdk, slow_lines("e", n), window="4s")
+    n = 200
+    batch = run_batch(sdk, quick_then_endless("e", n, quick=8), window="4s")
     done = ended(sdk, batch.id)
     assert done.status == "expired" and done.expired_at >= done.expires_at == done.created_at + 4
     finished, given_up = answers(sdk, done.output_file_id), answers(sdk, done.error_file_id)
