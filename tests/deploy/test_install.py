@@ -71,3 +71,16 @@ def test_the_plain_install_runs_jobs_through_a_worker(client_venv, redis_server,
         assert stats.returncode == 0 and queue in stats.stdout, stats.stderr
     finally:
         worker.stop()
+
+
+@pytest.mark.slow
+def test_mili_batch_on_the_plain_install_names_the_extra_it_needs(client_venv, redis_server, tmp_path):
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}\n')
+    done = subprocess.run(
+        [client_venv / "mili", "--redis", redis_server.url, "batch", str(lines), "-o", str(tmp_path / "out.jsonl")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: mili batch needs the gateway extra (pip install 'mili[gateway]')")
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.jsonl").exists()
