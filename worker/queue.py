@@ -42,10 +42,12 @@ HANDED_OVER_IDLE_MS = 10**10
 # Failures that mean "not now" rather than "never": the loop backs off and sends the same
 # (idempotent) commands again. redis-py raises most as their own classes (and strips the reply's
 # first word from the message): a lost connection, loading an AOF (BusyLoadingError), memory full
-# under noeviction, a replica not yet promoted by a failover, a cluster resharding or failing over.
+# under noeviction, a replica not yet promoted by a failover, a cluster resharding or failing over,
+# and NOSCRIPT where the scripts were flushed again between scripts.execute's reload and its resend
+# (the next try loads them once more).
 TRANSIENT_ERRORS = (
     redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
-    redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError, redis.exceptions.NoScriptError,
 )
 # Replies with no class of their own in redis-py, recognised by their first word: a script running
 # too long, a failing RDB save, a blocking read cut short because the server turned replica (or

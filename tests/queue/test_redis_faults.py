@@ -5,6 +5,7 @@ up, keeps its jobs and loses no token; and the unit rules behind that: which err
 transient, how script replies are typed."""
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,6 +13,7 @@ import pytest
 import redis
 import redis.exceptions as rex
 
+from producer_client import scripts
 from producer_client.keys import GROUP, Keys
 from tests.queue.support import GatedWorker, SlowEchoEngine, outcome_count, serving
 from tests.redis_support import (
@@ -41,6 +43,7 @@ def alphabet(n: int, offset: int = 0) -> str:
     redis.ResponseError("BUSY Redis is busy running a script."),
     redis.ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's unable to persist"),
     redis.ResponseError("UNBLOCKED force unblock from blocking operation, instance state changed"),
+    rex.NoScriptError("No matching script. Please use EVAL."),  # flushed again after the reload
 ], ids=lambda e: type(e).__name__ + ":" + str(e)[:12])
 def test_redis_refusing_for_now_is_transient(error):
     assert is_transient(error)
@@ -239,6 +242,31 @@ def test_scripts_flushed_and_connections_killed_mid_run_lose_nothing(restartable
         for job_id, prompt in zip(ids, prompts):
             assert_whole_output_once(admin, client, job_id, prompt)
         assert worker.thread.is_alive()
+
+
+def test_scripts_flushed_again_between_reload_and_resend_lose_nothing(restartable_redis, admin, queue, monkeypatch):
+    """Two SCRIPT FLUSHes in a row can land on either side of the reload that follows a NOSCRIPT,
+    so the resent scripts meet NOSCRIPT again (bench/chaos.py found it: the worker took that for
+    a refusal, dead-lettered a claim and dropped a running job). Here every reload of the first
+    few is flushed at once; the worker tries again later, and every job ends whole, once."""
+    load, flushes = scripts.load_scripts, iter(range(4))
+
+    def load_then_lose(client, more=()):
+        load(client, more)
+        if threading.current_thread() is worker.thread and next(flushes, None) is not None:
+            admin.script_flush()
+
+    prompts = [alphabet(150, offset=i) for i in range(3)]
+    with make_client("sync", restartable_redis.url, queue) as client, \
+            serving(restartable_redis.url, queue, step_s=0.01) as worker:
+        running = [running_job(client, p) for p in prompts[:2]]
+        monkeypatch.setattr(scripts, "load_scripts", load_then_lose)  # the worker's reloads only
+        admin.script_flush()
+        queued = client.submit(prompts[2], max_tokens=150)  # its claim meets the flushes too
+        for job_id, prompt in zip([*running, queued], prompts):
+            assert_whole_output_once(admin, client, job_id, prompt)
+        assert next(flushes, None) is None  # every flush happened
+        assert worker.thread.is_alive() and admin.xlen(KEYS.dead(queue)) == 0
 
 
 def test_deadlines_are_kept_on_redis_clock_whatever_the_workers_clock_says(restartable_redis, admin, queue):
