@@ -6,7 +6,6 @@ honours max_tokens only."""
 from __future__ import annotations
 
 import codecs
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,8 +64,15 @@ class EchoEngine:
         self.tokenizer = ByteTokenizer()
         self.max_model_len = settings.max_model_len or DEFAULT_MAX_MODEL_LEN
         self.num_pages = settings.num_pages or DEFAULT_NUM_PAGES
-        self.waiting: deque[EchoRequest] = deque()
+        # Both by request id, so that admitting, aborting and finding a duplicate cost the same
+        # whether few requests are held or max_running (a bulk load holds that many); the waiting
+        # ones in arrival order.
+        self.waiting: dict[str, EchoRequest] = {}
         self.running: dict[str, EchoRequest] = {}
+        # The echo engine's KV pool is this count: pages held by running requests, and promised
+        # to waiting ones.
+        self.running_pages = 0
+        self.waiting_pages = 0
         self._ended: list[RequestOutput] = []
         self._steps = 0
 
@@ -76,7 +82,7 @@ class EchoEngine:
     ) -> None:
         """As Engine.add_request: `resume_token_ids` are output tokens produced already (by an
         earlier run of the job), counted as output and not emitted again."""
-        if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
+        if request_id in self.running or request_id in self.waiting:
             raise InvalidArgument("request_id", f"{request_id!r} is already running")
         if not prompt_token_ids or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.tokenizer.vocab_size:
             raise InvalidArgument("prompt_token_ids", f"must be a non-empty list of ids in [0, {self.tokenizer.vocab_size})")
@@ -91,7 +97,8 @@ class EchoEngine:
             raise KVCapacityExceeded(f"request {request_id} needs {pages} KV pages, the pool holds {self.num_pages}")
         req = EchoRequest(request_id, list(prompt_token_ids), params.max_tokens, pages, emitted=len(resume_token_ids))
         req.decoder.decode(bytes(resume_token_ids))  # the decoder's state after them, their text dropped
-        self.waiting.append(req)
+        self.waiting[request_id] = req
+        self.waiting_pages += pages
 
     def step(self) -> list[RequestOutput]:
         self._steps += 1
@@ -102,20 +109,20 @@ class EchoEngine:
         return outputs
 
     def abort(self, request_id: str) -> bool:
-        req = self.running.pop(request_id, None)
-        if req is None:
-            req = next((r for r in self.waiting if r.request_id == request_id), None)
-            if req is None:
-                return False
-            self.waiting.remove(req)
+        if request_id in self.running:
+            req = self._release(request_id)
+        elif request_id in self.waiting:
+            req = self.waiting.pop(request_id)
+            self.waiting_pages -= req.pages
+        else:
+            return False
         self._ended.append(RequestOutput(request_id, [], "", True, "abort", req.usage()))
         return True
 
     def capacity(self) -> Capacity:
-        promised = sum(r.pages for r in self.waiting)
         return Capacity(
             free_slots=max(0, self.settings.max_running - len(self.running) - len(self.waiting)),
-            free_pages=max(0, self._free_pages() - promised),
+            free_pages=max(0, self._free_pages() - self.waiting_pages),
             page_size=self.settings.page_size,
         )
 
@@ -126,15 +133,22 @@ class EchoEngine:
         return EngineStats(self._steps, 0, 0, 0, 0, 0)
 
     def _free_pages(self) -> int:
-        return self.num_pages - sum(r.pages for r in self.running.values())
+        return self.num_pages - self.running_pages
 
     def _admit(self) -> None:
-        while (
-            self.waiting and len(self.running) < self.settings.max_running
-            and self.waiting[0].pages <= self._free_pages()
-        ):
-            req = self.waiting.popleft()
+        while self.waiting and len(self.running) < self.settings.max_running:
+            req = next(iter(self.waiting.values()))
+            if req.pages > self._free_pages():
+                return
+            del self.waiting[req.request_id]
+            self.waiting_pages -= req.pages
             self.running[req.request_id] = req
+            self.running_pages += req.pages
+
+    def _release(self, request_id: str) -> EchoRequest:
+        req = self.running.pop(request_id)
+        self.running_pages -= req.pages
+        return req
 
     def _emit_next(self, req: EchoRequest) -> RequestOutput:
         token = req.prompt[req.emitted]
@@ -143,6 +157,6 @@ class EchoEngine:
         text = req.decoder.decode(bytes([token]), final=finished)
         reason = None
         if finished:
-            del self.running[req.request_id]
+            self._release(req.request_id)
             reason = "length" if req.emitted >= req.max_tokens else "stop"
         return RequestOutput(req.request_id, [token], text, finished, reason, req.usage())

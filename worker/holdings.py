@@ -59,7 +59,12 @@ class Holdings:
         return [*self.running.values(), *self.suspects]
 
     def find(self, job_id: str) -> Job | None:
-        return next((job for job in self.claimed() if job.id == job_id), None)
+        """A claimed job by id: looked up in the engine's jobs (every claim of an entry asks, so
+        not by scanning max_running of them), else among the suspects, who are few and rare."""
+        job = self.running.get(job_id)
+        if job is None:
+            job = next((j for j in self.suspects if j.id == job_id), None)
+        return job
 
     def detach(self, job_id: str) -> None:
         """Redis lost the job's entry: it runs on with none (see ADOPT in worker/scripts.py)."""

@@ -122,13 +122,15 @@ class Publication:
 
     def _count_end(self, update: Update) -> None:
         if update.dead_letter is not None:
-            self.metrics.jobs.labels("dead_lettered").inc()
+            self.metrics.jobs["dead_lettered"].inc()
         else:
             self.metrics.job_ended(update.final)
         log_end(update.final)
 
 
 def log_end(result: JobResult) -> None:
+    if not log.isEnabledFor(logging.INFO):  # its arguments cost more than the call
+        return
     t, u = result.timings, result.usage
     log.info(
         "job %s %s (%s): %d prompt tokens (%d cached), %d output tokens; queue %s ttft %s e2e %s%s",
