@@ -25,7 +25,10 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from redis.commands.core import CoreCommands
 from redis.exceptions import NoScriptError
+
+from producer_client.cluster import is_cluster, topology_errors
 
 
 @dataclass(frozen=True)
@@ -121,62 +124,97 @@ return redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARG
 PRODUCER_SCRIPTS = (CREATE, CANCEL, ENQUEUE, RETRY, REVIVE)
 
 
+class Commands(CoreCommands):
+    """What a caller adds to a pipeline, recorded as redis-py's command methods spell it (arguments,
+    and the options that parse the reply) and sent by `execute`: so the commands NOSCRIPT refused
+    can be sent again, whatever kind of pipeline carried them (a cluster's stores them its own way).
+    EVALSHA, TIME and the rest are recorded alike: redis-py's cluster pipeline refuses their
+    methods, not the commands."""
+
+    def __init__(self):
+        self.stack: list[tuple[tuple, dict]] = []
+
+    def execute_command(self, *args, **options):
+        self.stack.append((args, options))
+        return self
+
+    def wait_replicas(self, key: str, replicas: int, timeout_ms: int) -> Commands:
+        """WAIT on the node that holds `key`, after the writes added before it: WAIT counts the
+        replicas that have this connection's writes, so on a cluster it goes to that node's."""
+        self.stack.append((("WAIT", replicas, timeout_ms), {_NODE_OF: key}))
+        return self
+
+
+_NODE_OF = "mili_node_of"  # a recorded command's key whose node must run it; never sent
+
+
 def execute(client, add_commands: Callable, scripts: Sequence[Script] = (), raise_on_error: bool = True) -> list:
-    """Build a pipeline with `add_commands` and execute it. A server that lacks our scripts
-    (fresh, restarted, or SCRIPT FLUSHed) answers NOSCRIPT to each EVALSHA, which then did not
-    run, while the pipeline's other commands did: so the scripts are loaded and only the
-    EVALSHAs that failed are sent again. Nothing runs twice, which matters for commands that are
-    not safe to repeat (an XREADGROUP sent twice would leave the first read's entries pending
-    and unknown to the caller). With `raise_on_error=False` a command's error is its reply, for
-    the caller to judge one by one; otherwise the first error is raised. `scripts`: those the
-    pipeline may run, beside the producers' own."""
-    pipe = client.pipeline(transaction=False)
-    add_commands(pipe)
-    commands = list(pipe.command_stack)
-    replies = pipe.execute(raise_on_error=False)
-    missing = _lacking_scripts(replies)
-    if missing:
-        load_scripts(client, scripts)
-        _splice(replies, missing, _resend(client, commands, missing).execute(raise_on_error=False))
+    """Record commands with `add_commands` and send them in one pipeline; on a cluster, redis-py
+    splits it per node, one round trip to every node at once, and follows MOVED and ASK. A server
+    that lacks our scripts (fresh, restarted, SCRIPT FLUSHed, or a replica just promoted) answers
+    NOSCRIPT to each EVALSHA, which then did not run, while the pipeline's other commands did: so
+    the scripts are loaded (on every master of a cluster) and only the EVALSHAs that failed are
+    sent again. Nothing runs twice, which matters for commands that are not safe to repeat (an
+    XREADGROUP sent twice would leave the first read's entries pending and unknown to the caller).
+    With `raise_on_error=False` a command's error is its reply, for the caller to judge one by
+    one; otherwise the first error is raised. `scripts`: those the pipeline may run, beside the
+    producers' own."""
+    commands = Commands()
+    add_commands(commands)
+    with topology_errors():
+        replies = _pipeline(client, commands.stack).execute(raise_on_error=False)
+        missing = _lacking_scripts(replies)
+        if missing:
+            load_scripts(client, scripts)
+            again = _pipeline(client, [commands.stack[i] for i in missing]).execute(raise_on_error=False)
+            _splice(replies, missing, again)
     return _checked(replies, raise_on_error)
 
 
 async def aexecute(client, add_commands: Callable, raise_on_error: bool = True) -> list:
     """`execute` for a redis.asyncio client."""
-    pipe = client.pipeline(transaction=False)
-    add_commands(pipe)
-    commands = list(pipe.command_stack)
-    replies = await pipe.execute(raise_on_error=False)
-    missing = _lacking_scripts(replies)
-    if missing:
-        await _loader(client, ()).execute()
-        _splice(replies, missing, await _resend(client, commands, missing).execute(raise_on_error=False))
+    commands = Commands()
+    add_commands(commands)
+    with topology_errors():
+        if is_cluster(client) and any(_NODE_OF in options for _, options in commands.stack):
+            await client.initialize()  # the slot table, to route each WAIT to its node; once per client
+        replies = await _pipeline(client, commands.stack).execute(raise_on_error=False)
+        missing = _lacking_scripts(replies)
+        if missing:
+            await _pipeline(client, _script_loads(client, ())).execute()
+            again = await _pipeline(client, [commands.stack[i] for i in missing]).execute(raise_on_error=False)
+            _splice(replies, missing, again)
     return _checked(replies, raise_on_error)
 
 
 def load_scripts(client, scripts: Sequence[Script] = ()) -> None:
-    """Load the producers' scripts and `scripts`."""
-    _loader(client, scripts).execute()
+    """Load the producers' scripts and `scripts`, on every master of a cluster."""
+    with topology_errors():
+        _pipeline(client, _script_loads(client, scripts)).execute()
 
 
-def _loader(client, scripts: Sequence[Script]):
+def _script_loads(client, scripts: Sequence[Script]) -> list[tuple[tuple, dict]]:
+    masters = client.get_primaries() if is_cluster(client) else [None]
+    return [
+        (("SCRIPT LOAD", script.source), {} if node is None else {"target_nodes": node})
+        for node in masters for script in (*PRODUCER_SCRIPTS, *scripts)
+    ]
+
+
+def _pipeline(client, stack: list[tuple[tuple, dict]]):
     pipe = client.pipeline(transaction=False)
-    for script in (*PRODUCER_SCRIPTS, *scripts):
-        pipe.script_load(script.source)
+    for args, options in stack:
+        if _NODE_OF in options:
+            options = dict(options)
+            key = options.pop(_NODE_OF)
+            if is_cluster(client):
+                options["target_nodes"] = client.get_node_from_key(key)
+        pipe.execute_command(*args, **options)
     return pipe
 
 
 def _lacking_scripts(replies: list) -> list[int]:
     return [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-
-
-def _resend(client, commands: list, positions: list[int]):
-    """A pipeline of the commands at `positions` again, with the options they had (reply parsing)."""
-    pipe = client.pipeline(transaction=False)
-    for i in positions:
-        args, options = commands[i]
-        pipe.pipeline_execute_command(*args, **options)
-    return pipe
 
 
 def _splice(replies: list, positions: list[int], again: list) -> None:
