@@ -210,9 +210,9 @@ def connect_async(url: str | RedisURL, **kwargs: Any):
 
 
 def _merged(target: RedisURL, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The caller's keyword arguments and the URL's options, the URL's first (as redis-py's
-    from_url has it for one server)."""
-    return {**kwargs, **target.options}
+    """The caller's keyword arguments (None: redis-py's default, which the cluster clients spell
+    otherwise) and the URL's options, the URL's first, as redis-py's from_url has it."""
+    return {**{k: v for k, v in kwargs.items() if v is not None}, **target.options}
 
 
 def _sentinel_options(target: RedisURL, kwargs: dict[str, Any]) -> dict[str, Any]:
