@@ -11,7 +11,15 @@ run it prints:
   3. throughput at saturation: jobs/s with many concurrent producers, and the CPU time per
      job of each process (worker, redis-server, producers).
 
+With --bulk it measures Client.submit_many and as_completed instead, each beside the same jobs
+sent one at a time (submit(), then wait() for each) in the same run:
+
+  1. submission alone, no worker running: jobs/s enqueued;
+  2. end to end with two echo workers: jobs/s from the first submit to the last result, and
+     the CPU time per job of each process.
+
     python bench/queue.py [--procs 4 --threads 4 --seconds 10 --max-tokens 1 --tcp]
+    python bench/queue.py --bulk [--jobs 100000 --one-at-a-time-jobs 10000 --tcp]
 """
 from __future__ import annotations
 
@@ -39,6 +47,8 @@ QUEUE = "bench"
 
 def main() -> None:
     args = parse_args()
+    if args.bulk:
+        return bulk_main(args)
     from worker.embedded_redis import EmbeddedRedis  # imports torch: not in the producer processes
 
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
@@ -83,6 +93,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--latency-jobs", type=int, default=4000)
     p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--tcp", action="store_true", help="Redis over TCP on 127.0.0.1 instead of a unix socket")
+    p.add_argument("--bulk", action="store_true", help="measure submit_many and as_completed instead")
+    p.add_argument("--jobs", type=int, default=100_000, help="jobs per bulk measurement")
+    p.add_argument("--one-at-a-time-jobs", type=int, default=10_000, help="jobs per one-at-a-time measurement")
     return p.parse_args()
 
 
@@ -103,10 +116,10 @@ def direct_latencies(jobs: int, max_tokens: int) -> list[float]:
     return latencies
 
 
-def start_worker(url: str) -> subprocess.Popen:
+def start_worker(url: str, name: str = "bench-worker") -> subprocess.Popen:
     command = [
         sys.executable, "-m", "worker", "serve", "--model", "echo", "--redis", url, "--queue", QUEUE,
-        "--name", "bench-worker", "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--log-level", "WARNING",
+        "--name", name, "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--log-level", "WARNING",
     ]
     return subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1])
 
@@ -169,6 +182,55 @@ def producer_process(url, threads, jobs, seconds, max_tokens, go, results) -> No
         w.join()
     elapsed = time.perf_counter() - t0
     results.put({"latencies": [x for out in latencies for x in out], "elapsed": elapsed, "cpu": time.process_time() - cpu0})
+
+
+def bulk_main(args: argparse.Namespace) -> None:
+    from worker.embedded_redis import EmbeddedRedis
+
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+    print(f"jobs: prompt {PROMPT!r}, max_tokens {args.max_tokens}, greedy; no bound on the queue's depth\n")
+    with EmbeddedRedis(port=free_port() if args.tcp else None) as server, Client(server.url, QUEUE, max_queue_depth=None) as client:
+        print(f"redis-server: {server.url}")
+        spec = {"prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0.0}
+        one = rate(args.one_at_a_time_jobs, lambda: [client.submit(**spec) for _ in range(args.one_at_a_time_jobs)])
+        many = rate(args.jobs, lambda: client.submit_many([spec] * args.jobs))
+        print(f"submission, no worker: one at a time {one:,.0f} jobs/s ({args.one_at_a_time_jobs:,} jobs), "
+              f"submit_many {many:,.0f} jobs/s ({args.jobs:,} jobs): {many / one:.1f}x")
+        client.redis.flushdb()  # the workers must not start on those
+        workers = [start_worker(server.url, f"bench-worker-{i}") for i in range(2)]
+        try:
+            wait_ready(server.url, args.max_tokens)
+            one = rate(args.one_at_a_time_jobs, lambda: one_at_a_time(client, spec, args.one_at_a_time_jobs))
+            before = [cpu_seconds(w.pid) for w in workers], cpu_seconds(server.process.pid), time.process_time()
+            many = rate(args.jobs, lambda: in_bulk(client, spec, args.jobs))
+            after = [cpu_seconds(w.pid) for w in workers], cpu_seconds(server.process.pid), time.process_time()
+        finally:
+            for w in workers:
+                w.terminate()
+            for w in workers:
+                w.wait(timeout=30)
+    print(f"end to end, 2 echo workers: one at a time (submit, then wait for each) {one:,.0f} jobs/s, "
+          f"submit_many + as_completed {many:,.0f} jobs/s: {many / one:.1f}x")
+    per_job = [(a - b) / args.jobs * 1e6 for a, b in zip(after[0], before[0])]
+    print(f"  CPU per job in bulk: workers {' + '.join(f'{us:.0f}' for us in per_job)} us, redis-server "
+          f"{(after[1] - before[1]) / args.jobs * 1e6:.0f} us, producer {(after[2] - before[2]) / args.jobs * 1e6:.0f} us "
+          f"(load average {os.getloadavg()[0]:.2f} at end)")
+
+
+def rate(jobs: int, run) -> float:
+    t0 = time.perf_counter()
+    run()
+    return jobs / (time.perf_counter() - t0)
+
+
+def one_at_a_time(client: Client, spec: dict, jobs: int) -> None:
+    for job_id in [client.submit(**spec) for _ in range(jobs)]:
+        client.wait(job_id, timeout=120)
+
+
+def in_bulk(client: Client, spec: dict, jobs: int) -> None:
+    ended = sum(1 for _ in client.as_completed(client.submit_many([spec] * jobs), timeout=600))
+    assert ended == jobs
 
 
 def report(label: str, latencies: list[float]) -> None:

@@ -1,23 +1,25 @@
 """The HTTP routes: OpenAI's chat and text completions and models, the seed's /generate and
-/health, a job's status, and Prometheus metrics. Each request is validated whole before its jobs
-are enqueued, and every response carries the request's id in `x-request-id`."""
+/health, a job's status, and Prometheus metrics (the Batch API's are in gateway.batch_routes).
+Each request is validated whole before its jobs are enqueued, and every response carries the
+request's id in `x-request-id`."""
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import TypeVar
 
 import redis
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import HTTPException, RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from gateway.api_keys import bearer_key, key_matches
+from gateway.batch_driver import BatchDriver
+from gateway.batch_routes import batch_router
+from gateway.batch_store import BatchStore
 from gateway.board import add_board
 from gateway.errors import APIError, api_error_of, bad_request, not_found, unauthorized
 from gateway.jobs import Jobs, RequestJobs, collect
@@ -25,7 +27,7 @@ from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
 from gateway.registry import ModelRegistry
 from gateway.render import ChatRenderer, CompletionRenderer, Renderer, finish_reason, usage
-from gateway.requests import JobSpec, chat_jobs, completion_jobs, generate_job
+from gateway.requests import JobSpec, Model, chat_jobs, completion_jobs, generate_job, parse_body
 from gateway.schema import (
     ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateResponse, Health, ModelList, SamplingRequest,
 )
@@ -36,11 +38,7 @@ from producer_client.keys import NAME_PATTERN
 
 log = logging.getLogger("gateway")
 
-# Where a field is a union, pydantic names the member that failed inside the error's location
-# (`messages.0.content.str`); fields are snake_case, members are types.
-UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*")
 IDEMPOTENCY_KEY_CHARS = 120  # room for the `-<choice>` suffix within a job id's 128 characters
-Model = TypeVar("Model", bound=BaseModel)
 
 
 class Gateway:
@@ -100,16 +98,21 @@ class Gateway:
 def create_app(settings: GatewaySettings, lifecycle: Lifecycle) -> RequestContext:
     """The ASGI app: FastAPI's routes inside the request-id and metrics middleware."""
     gw = Gateway(settings, lifecycle)
+    batch_store = BatchStore(gw.client.redis, gw.client.keys)
+    batch_driver = BatchDriver(batch_store, gw.client, gw.registry, settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         lifecycle.started()
+        batch_driver.start()
         yield
+        await batch_driver.stop()
         await gw.client.aclose()
 
     app = FastAPI(title="MILI gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app, settings.retry_after_s)
     authorized = [Depends(api_key_check(settings.api_keys))] if settings.api_keys else []
+    app.include_router(batch_router(batch_store, settings, authorized))
 
     @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(request: Request):
@@ -174,15 +177,7 @@ def json_response(model: BaseModel, headers: dict[str, str] | None = None, statu
 
 
 async def parse(request: Request, model: type[Model]) -> Model:
-    """The body as `model`, strictly from its JSON; a 400 naming the first bad field."""
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if not UNION_MEMBER.fullmatch(str(p))) or None
-        if first["type"] == "extra_forbidden":
-            raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unsupported_parameter") from None
-        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+    return parse_body(model, await request.body())
 
 
 def check_stream_options(req: SamplingRequest) -> None:

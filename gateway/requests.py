@@ -2,8 +2,11 @@
 each checked by the client library's own validation before any is enqueued."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from gateway.errors import bad_request
 from gateway.schema import (
@@ -15,6 +18,10 @@ from producer_client import protocol
 # (SamplingParams.max_tokens) where OpenAI runs to the end of the context: the gateway has no
 # tokenizer to know where that is.
 COMPLETION_MAX_TOKENS = 16
+# Where a field is a union, pydantic names the member that failed inside the error's location
+# (`messages.0.content.str`); fields are snake_case, members are types.
+UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*")
+Model = TypeVar("Model", bound=BaseModel)
 # SamplingRequest fields that pass to SamplingParams under the same name.
 SAMPLING_FIELDS = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p", "min_tokens",
@@ -42,6 +49,18 @@ class JobSpec:
     def check(self, timeout_s: float) -> None:
         """Validate as `submit` will, touching nothing: raises InvalidArgument."""
         protocol.build_job(self.prompt, self.messages, self.input_ids, None, timeout_s, self.priority, self.sampling or {})
+
+
+def parse_body(model: type[Model], body: bytes | str) -> Model:
+    """A request body as `model`, strictly from its JSON; a 400 naming the first bad field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if not UNION_MEMBER.fullmatch(str(p))) or None
+        if first["type"] == "extra_forbidden":
+            raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unsupported_parameter") from None
+        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
 
 
 def chat_jobs(req: ChatCompletionRequest) -> list[JobSpec]:

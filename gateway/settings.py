@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,15 @@ class GatewaySettings(TomlSettings):
     cancel_on_disconnect: bool = Field(True, description="a client that disconnects cancels its jobs")
     workers_refresh_s: float = Field(1.0, gt=0.0, description="how often the live workers' models are read again")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
+    batch_max_file_bytes: int = Field(100 << 20, ge=1, description="the largest file POST /v1/files takes")
+    batch_max_lines: int = Field(50_000, ge=1, description="the most requests a batch input file may hold")
+    batch_completion_windows: list[str] = Field(
+        default_factory=lambda: ["24h"], description='the completion_window values a batch may ask for (JSON list of "<n>s|m|h|d")',
+    )
+    batch_ttl_s: int = Field(7 * 24 * 3600, ge=1, description="files expire this long after they are written, batches after they end")
+    batch_in_flight: int = Field(1000, ge=1, description="a batch's lines submitted ahead of their answers")
+    batch_lease_s: float = Field(10.0, ge=1.0, description="a gateway that stops driving a batch loses it to another after this")
+    batch_poll_s: float = Field(1.0, gt=0.0, description="how often a gateway looks for batches no gateway drives")
 
     @field_validator("redis")
     @classmethod
@@ -64,12 +74,31 @@ class GatewaySettings(TomlSettings):
     def _usable_in_keys(cls, value: str, info) -> str:
         return check_name(info.field_name, value)
 
+    @field_validator("batch_completion_windows")
+    @classmethod
+    def _durations(cls, value: list[str]) -> list[str]:
+        for window in value:
+            duration_s(window)
+        return value
+
     @field_validator("models")
     @classmethod
     def _queues_usable_in_keys(cls, value: dict[str, str]) -> dict[str, str]:
         for queue in value.values():
             check_name("models", queue)
         return value
+
+
+DURATION = re.compile(r"([1-9][0-9]*)([smhd])")
+SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration_s(text: str) -> int:
+    """`24h`, `30m`... in seconds."""
+    match = DURATION.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a duration such as 24h, 30m or 90s")
+    return int(match[1]) * SECONDS[match[2]]
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:

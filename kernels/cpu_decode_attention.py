@@ -6,9 +6,8 @@ on the `small` preset the copy was about half of the reference's time. This kern
 cached K and V row in place, straight from its page: one pass over K for the scores, one
 over V for the weighted sum, so a step costs about one read of the batch's cached K/V (which
 is what bounds it: a layer's cache outgrows the L3). Requests are spread over torch's thread
-count. Measured on the dev VM (36 requests of 50-770 tokens, 8 q heads over 4 kv heads,
-head_dim 64, per layer, best of 20): 1 thread 6.2 ms for the reference, 3.5 ms here;
-2 threads 5.2 and 2.0 ms. Math is fp32, like the reference's.
+count (bench/RESULTS.md has what it measured against the reference). Math is fp32, like the
+reference's.
 """
 import numba
 import numpy as np
@@ -28,8 +27,8 @@ def _attend(q, k_cache, v_cache, pages, length, scale, out):  # pragma: no cover
     """One request's q heads [Hq, D] over its first `length` cached rows.
 
     Each cached row [Hk, D] is read once for all the q heads, contiguously: work items of one
-    (request, kv head) each, which read the rows in strided pieces, made decode attention 1.5x
-    slower over bench/offline.py's run (7.3 s against 4.9 s, 1 thread)."""
+    (request, kv head) each, which read the rows in strided pieces, made decode attention slower
+    over bench/offline.py's run."""
     num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads

@@ -5,9 +5,7 @@ for Qwen3's vocabulary at hidden 512. BLAS packs that weight into its own layout
 call, which for so few rows costs about as much as the arithmetic. This kernel reads the
 weight once, in place: 8 weight rows stay in L1 while every pair of x rows is multiplied by
 them, 16 dot products accumulating in vector registers; blocks of weight rows are spread
-over torch's thread count. Measured on the dev VM (Zen 4, `small`'s head, best of 4), MKL
-against this kernel: 1 thread, 8 rows 48.9 / 33.6 ms, 36 rows 112.2 / 74.3, 64 rows
-158.0 / 116.0; 2 threads 35.3 / 17.1, 61.9 / 37.9, 94.6 / 58.4.
+over torch's thread count. bench/RESULTS.md has what it measured against MKL.
 """
 import numba
 import numpy as np

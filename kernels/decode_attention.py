@@ -14,6 +14,7 @@ from kernels.cpu_decode_attention import paged_decode_attention_cpu, supports as
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per tile; a tile may span several pages, so each key row finds its own page
+MAX_SPLITS = 32  # the merge reads one tile of this many partial results, whatever the split count
 
 
 def gather_context(
@@ -110,7 +111,10 @@ def attend_kv_tile(
     return m_new, l * alpha + tl.sum(p, axis=1), acc
 
 
-@triton.jit
+# Integers that change from step to step are not specialized on. Triton compiles a variant of a
+# kernel for an integer equal to 1 and for one divisible by 16; a variant first met under a
+# request would compile there. So one variant serves every batch, and Engine.warm_up compiles it.
+@triton.jit(do_not_specialize=["page_table_stride", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens_ptr, partial_out_ptr, partial_lse_ptr,
     q_batch_stride, q_head_stride, cache_page_stride, cache_slot_stride, cache_head_stride, page_table_stride,
@@ -118,8 +122,6 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # num_splits is a runtime value: it follows the batch size, and a constexpr would
-    # compile a kernel variant for each one the server meets.
     batch = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -155,7 +157,7 @@ def _decode_split_kernel(
     tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # as the split kernel's
 def _decode_merge_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr, out_batch_stride, out_head_stride, num_q_heads, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -198,7 +200,7 @@ def decode_num_splits(batch: int, kv_heads: int, max_context: int, device: torch
     if device.type != "cuda":
         return 3  # the interpreter: a small number that still exercises the merge
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(2 * sms, batch * kv_heads), triton.cdiv(max_context, BLOCK_N), 32))
+    return max(1, min(triton.cdiv(2 * sms, batch * kv_heads), triton.cdiv(max_context, BLOCK_N), MAX_SPLITS))
 
 
 def paged_decode_attention_triton(
@@ -214,6 +216,8 @@ def paged_decode_attention_triton(
         return out
     if num_splits is None:
         num_splits = decode_num_splits(batch, kv_heads, page_table.shape[1] * page_size, q.device)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits {num_splits} is outside [1, {MAX_SPLITS}]")
     group = num_q_heads // kv_heads
     partial_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     partial_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -228,7 +232,7 @@ def paged_decode_attention_triton(
     )
     _decode_merge_kernel[(batch, num_q_heads)](
         partial_out, partial_lse, out, out.stride(0), out.stride(1), num_q_heads, num_splits,
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        HEAD_DIM=head_dim, BLOCK_S=MAX_SPLITS, BLOCK_D=block_d,
         num_warps=1,
     )
     return out

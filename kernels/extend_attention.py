@@ -46,7 +46,8 @@ def paged_extend_attention_reference(
     return out
 
 
-@triton.jit
+# The page table's width follows the step's longest sequence: not specialized on, as in the decode kernel.
+@triton.jit(do_not_specialize=["page_table_stride"])
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, cu_seqlens_q_ptr, prefix_lens_ptr,
     q_token_stride, q_head_stride, out_token_stride, out_head_stride,

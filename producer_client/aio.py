@@ -3,14 +3,15 @@ modes (producer_client.connection)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import redis
 
-from producer_client import protocol, scripts, steps
+from producer_client import bulk, protocol, scripts, steps
+from producer_client.bulk import ResultWatch
 from producer_client.connection import async_retry_policy, connect_async
-from producer_client.errors import JobNotFound, QueueFull
+from producer_client.errors import JobNotFound, JobTimeout, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.operator_views import OperatorViews
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
@@ -20,7 +21,7 @@ from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta,
 class AsyncClient(OperatorViews):
     """See `producer_client.Client`; every method here is its awaitable twin."""
 
-    run_steps = staticmethod(steps.arun)  # drives OperatorViews' operations
+    run_steps = staticmethod(steps.arun)  # drives the operations of bulk and OperatorViews
 
     def __init__(
         self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
@@ -101,6 +102,44 @@ class AsyncClient(OperatorViews):
         job_id = await self.submit(prompt, **kwargs)
         return protocol.finished(job_id, await self._wait_done(job_id, Deadline(job_id, deadline_s)))
 
+    async def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
+        operation = bulk.submit_steps(self.keys, self.queue, self.max_queue_depth, bulk.build_jobs(jobs))
+        return await self.run_steps(self.redis, operation)
+
+    async def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> AsyncIterator[JobResult]:
+        job_ids = [protocol.check_job_id(job_id) for job_id in job_ids]
+        deadline = Deadline("", protocol.check_timeout(timeout))
+        await self.run_steps(self.redis, bulk.check_exist(self.keys, job_ids))
+        watch = ResultWatch(self.keys, job_ids)
+        while watch:
+            try:
+                results = await self._read_finished(watch, deadline.block_ms())
+            except JobTimeout:
+                raise JobTimeout(watch.first(), deadline.timeout) from None
+            for result in results:
+                yield result
+
+    async def results(self, job_ids: Iterable[str], timeout: float | None = None) -> list[JobResult]:
+        job_ids = list(job_ids)
+        ended = {result.id: result async for result in self.as_completed(job_ids, timeout)}
+        return [ended[job_id] for job_id in job_ids]
+
+    async def finished(self, watch: ResultWatch, timeout: float | None = None) -> list[JobResult]:
+        deadline = Deadline("", protocol.check_timeout(timeout))
+        try:
+            while watch:
+                results = await self._read_finished(watch, deadline.block_ms())
+                if results:
+                    return results
+        except JobTimeout:
+            pass
+        return []
+
+    async def cancel_many(self, job_ids: Iterable[str]) -> None:
+        job_ids = [protocol.check_job_id(job_id) for job_id in job_ids]
+        if job_ids:
+            await self._execute(bulk.cancel_commands(self.keys, job_ids))
+
     async def queue_stats(self) -> QueueStats:
         return await steps.arun(self.redis, protocol.read_queue_stats(self.keys, self.queue))
 
@@ -120,6 +159,19 @@ class AsyncClient(OperatorViews):
             await self.redis.delete(self.keys.job(job.job_id))
             raise
         return protocol.enqueued(job, create, self.replication, replies)
+
+    async def _execute(self, add_commands) -> list:
+        return await scripts.aexecute(self.redis, add_commands)
+
+    async def _read_finished(self, watch: ResultWatch, block_ms: int) -> list[JobResult]:
+        window = watch.window()
+        try:
+            reply = await self.redis.xread(dict.fromkeys(window, "0-0"), count=1, block=block_ms)
+        except redis.ResponseError as e:
+            if not protocol.read_cut_short(e):
+                raise
+            return []
+        return watch.take(window, reply or [])
 
     async def _wait_done(self, job_id: str, deadline: Deadline) -> str:
         while True:

@@ -3,6 +3,7 @@
     mili submit "text" --max-tokens 32 [--stream]    prints the job id (or streams the text)
     mili status ID | mili result ID | mili cancel ID | mili stats
     mili dead list|show|retry|purge | mili workers | mili jobs --status S    (producer_client.operator_cli)
+    mili batch INPUT.jsonl -o OUTPUT.jsonl [-e ERRORS.jsonl]    an OpenAI batch file, resumable
 
 --redis (env MILI_REDIS) and --queue (env MILI_QUEUE) pick the queue.
 """
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
+from pathlib import Path
 
 import redis
 
@@ -19,6 +23,8 @@ from producer_client.connection import redact_url
 from producer_client.errors import MiliError
 from producer_client.operator_cli import add_commands as add_operator_commands
 from producer_client.protocol import DEFAULT_URL
+
+IN_FLIGHT = 4096  # `mili batch`'s jobs out at once: enough to keep many workers busy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
             command.add_argument("--timeout", type=float, help="seconds to wait (default: forever)")
         command.set_defaults(run=run)
     commands.add_parser("stats", help="queue depth, pending, waiting, live workers").set_defaults(run=cmd_stats)
+
+    batch = commands.add_parser("batch", help="run an OpenAI batch file (JSONL); run it again to resume")
+    batch.add_argument("input", type=Path, help="one request a line: custom_id, method, url, body")
+    batch.add_argument("-o", "--output", type=Path, required=True, help="answers, one a line (appended to)")
+    batch.add_argument("-e", "--errors", type=Path, help="failed lines (default: OUTPUT with .errors.jsonl)")
+    batch.add_argument(
+        "--in-flight", type=positive_int, default=IN_FLIGHT, help=f"jobs submitted ahead of their answers (default {IN_FLIGHT})",
+    )
+    batch.set_defaults(run=cmd_batch)
     add_operator_commands(commands)
     return parser
 
@@ -78,6 +93,13 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: invalid_argument: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def cmd_submit(client: Client, args: argparse.Namespace) -> int:
@@ -114,6 +136,33 @@ def cmd_cancel(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_stats(client: Client, args: argparse.Namespace) -> int:
     print(client.queue_stats().model_dump_json(indent=2))
+    return 0
+
+
+def cmd_batch(client: Client, args: argparse.Namespace) -> int:
+    try:  # the OpenAI line format is the gateway's: only this command needs its extra
+        from gateway.batch_file import default_errors_path, run_batch
+    except ImportError as e:
+        print(f"error: mili batch needs the gateway extra (pip install 'mili[gateway]'): {e}", file=sys.stderr)
+        return 2
+
+    errors = args.errors or default_errors_path(args.output)
+    stop = threading.Event()
+
+    def first_ctrl_c(signum, frame) -> None:
+        stop.set()  # the run ends between two exchanges with Redis; a second Ctrl-C ends it at once
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    signal.signal(signal.SIGINT, first_ctrl_c)
+    tally = run_batch(client, args.input, args.output, errors, args.in_flight, stop)
+    answered = tally.done + tally.failed + tally.done_before
+    print(
+        f"{answered} of {tally.lines} lines answered: {tally.done + tally.failed} now ({tally.failed} failed, in "
+        f"{errors}), {tally.done_before} before", file=sys.stderr,
+    )
+    if tally.interrupted:
+        print("interrupted: run the same command again to finish (jobs in flight run on; nothing is submitted twice)", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -4,14 +4,15 @@ validated before the first command is sent."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import redis
 
-from producer_client import protocol, scripts, steps
+from producer_client import bulk, protocol, scripts, steps
+from producer_client.bulk import ResultWatch
 from producer_client.connection import connect, retry_policy
-from producer_client.errors import JobNotFound, QueueFull
+from producer_client.errors import JobNotFound, JobTimeout, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.operator_views import OperatorViews
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
@@ -31,7 +32,7 @@ class Client(OperatorViews):
     NotReplicated: then a failover cannot lose an acknowledged submit.
     """
 
-    run_steps = staticmethod(steps.run)  # drives OperatorViews' operations
+    run_steps = staticmethod(steps.run)  # drives the operations of bulk and OperatorViews
 
     def __init__(
         self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
@@ -125,6 +126,56 @@ class Client(OperatorViews):
         job_id = self.submit(prompt, **kwargs)
         return protocol.finished(job_id, self._wait_done(job_id, Deadline(job_id, deadline_s)))
 
+    def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
+        """Enqueue many jobs, each a dict of submit()'s keyword arguments (`request_id` too), and
+        return their ids in order. Every spec is validated before anything is sent (InvalidArgument
+        names `jobs[<index>].<field>`); the jobs go out in pipelined chunks. The queue's bound holds
+        as for submit(): a queue that fills part-way raises BulkQueueFull (a QueueFull), whose
+        `job_ids` are those of the specs enqueued, a prefix of them; no spec after them was."""
+        operation = bulk.submit_steps(self.keys, self.queue, self.max_queue_depth, bulk.build_jobs(jobs))
+        return self.run_steps(self.redis, operation)
+
+    def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> Iterator[JobResult]:
+        """Yield the jobs' results as they end, in the order they end, a round trip per batch of
+        them (see ResultWatch). A failed job's result is yielded (status `failed`, with its error),
+        not raised. Raises JobNotFound for an id with no job before yielding anything, and
+        JobTimeout, naming an unfinished job, once `timeout` seconds have passed."""
+        job_ids = [protocol.check_job_id(job_id) for job_id in job_ids]
+        deadline = Deadline("", protocol.check_timeout(timeout))
+        self.run_steps(self.redis, bulk.check_exist(self.keys, job_ids))
+        watch = ResultWatch(self.keys, job_ids)
+        while watch:
+            try:
+                yield from self._read_finished(watch, deadline.block_ms())
+            except JobTimeout:
+                raise JobTimeout(watch.first(), deadline.timeout) from None
+
+    def results(self, job_ids: Iterable[str], timeout: float | None = None) -> list[JobResult]:
+        """Every job's result, in the order of `job_ids`, collected as as_completed() does."""
+        job_ids = list(job_ids)
+        ended = {result.id: result for result in self.as_completed(job_ids, timeout)}
+        return [ended[job_id] for job_id in job_ids]
+
+    def finished(self, watch: ResultWatch, timeout: float | None = None) -> list[JobResult]:
+        """The results of the watched jobs that have ended, taken out of `watch`: at once if any
+        has, else as soon as one does; [] if none has within `timeout` seconds. For callers that
+        add jobs as they go (ResultWatch.add); as_completed() is this over a fixed set."""
+        deadline = Deadline("", protocol.check_timeout(timeout))
+        try:
+            while watch:
+                results = self._read_finished(watch, deadline.block_ms())
+                if results:
+                    return results
+        except JobTimeout:
+            pass
+        return []
+
+    def cancel_many(self, job_ids: Iterable[str]) -> None:
+        """cancel() of each job in one round trip; an id with no job is passed over."""
+        job_ids = [protocol.check_job_id(job_id) for job_id in job_ids]
+        if job_ids:
+            self._execute(bulk.cancel_commands(self.keys, job_ids))
+
     def queue_stats(self) -> QueueStats:
         return steps.run(self.redis, protocol.read_queue_stats(self.keys, self.queue))
 
@@ -152,6 +203,21 @@ class Client(OperatorViews):
             self.redis.delete(self.keys.job(job.job_id))
             raise
         return protocol.enqueued(job, create, self.replication, replies)
+
+    def _execute(self, add_commands) -> list:
+        return scripts.execute(self.redis, add_commands)
+
+    def _read_finished(self, watch: ResultWatch, block_ms: int) -> list[JobResult]:
+        """One XREAD of the window's `done` streams: returns at once with every one that has an
+        entry, else blocks up to `block_ms` for the first."""
+        window = watch.window()
+        try:
+            reply = self.redis.xread(dict.fromkeys(window, "0-0"), count=1, block=block_ms)
+        except redis.ResponseError as e:
+            if not protocol.read_cut_short(e):
+                raise
+            return []
+        return watch.take(window, reply or [])
 
     def _wait_done(self, job_id: str, deadline: Deadline) -> str:
         """The job's result JSON, from its `done` stream: there at once if the job has ended."""

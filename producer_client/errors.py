@@ -51,6 +51,16 @@ class QueueFull(MiliError):
         self.max_depth = max_depth
 
 
+class BulkQueueFull(QueueFull):
+    """submit_many met a full queue part-way. `job_ids` are the jobs of the first len(job_ids)
+    specs, in order, all in the queue (or found there, for a request_id seen before); no later
+    spec was enqueued, so submitting those again carries on where this stopped."""
+
+    def __init__(self, queue: str, depth: int, max_depth: int, job_ids: list[str]):
+        super().__init__(queue, depth, max_depth)
+        self.job_ids = job_ids
+
+
 class JobNotFound(MiliError):
     """No such job: never submitted, or its result has expired."""
 

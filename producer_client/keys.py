@@ -3,7 +3,8 @@
 The part of a key in braces is a Redis Cluster hash tag. All keys of one job share a slot
 (`job`, `events`, `done`), and so do all keys of one queue (`queue`, `dead`, `workers`). That lets
 the single-job Lua scripts touch a job's hash and its event stream atomically, while no
-command or script ever spans a job's keys and a queue's keys.
+command or script ever spans a job's keys and a queue's keys. The gateway's Batch API keeps its
+files and batches here too: a file's keys share its id's slot, a batch's keys its id's.
 """
 from __future__ import annotations
 
@@ -73,3 +74,44 @@ class Keys:
     def worker(self, name: str) -> str:
         """Heartbeat hash of one worker, with a TTL."""
         return f"{self.prefix}:worker:{{{name}}}"
+
+    def file(self, file_id: str) -> str:
+        """Hash: an uploaded or output file's metadata (the Batch API's file object)."""
+        return f"{self.prefix}:file:{{{file_id}}}"
+
+    def file_content(self, file_id: str) -> str:
+        """String: the file's bytes, written and read in pieces (APPEND, GETRANGE)."""
+        return f"{self.prefix}:file:{{{file_id}}}:content"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: a batch's object (status, timestamps, request counts, file ids) and how far its
+        driver has got: the lines submitted so far, the driving gateway's lease."""
+        return f"{self.prefix}:batch:{{{batch_id}}}"
+
+    def batch_input(self, batch_id: str) -> str:
+        """Hash: line index -> the batch's input line, copied from its input file once validated."""
+        return f"{self.prefix}:batch:{{{batch_id}}}:input"
+
+    def batch_answered(self, batch_id: str) -> str:
+        """Bitmap: bit i is set once line i is answered (SETBIT's old value: answered once)."""
+        return f"{self.prefix}:batch:{{{batch_id}}}:answered"
+
+    def batch_output(self, batch_id: str) -> str:
+        """List: the answers of the lines that succeeded, in the order they ended."""
+        return f"{self.prefix}:batch:{{{batch_id}}}:output"
+
+    def batch_errors(self, batch_id: str) -> str:
+        """List: the answers of the lines that failed, were cancelled or expired."""
+        return f"{self.prefix}:batch:{{{batch_id}}}:errors"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """String with a TTL: the gateway driving the batch now."""
+        return f"{self.prefix}:batch:{{{batch_id}}}:lease"
+
+    def batches(self) -> str:
+        """Sorted set of batch ids by creation time: GET /v1/batches lists it. No hash tag."""
+        return f"{self.prefix}:batches"
+
+    def batches_unfinished(self) -> str:
+        """Sorted set of the batches not ended yet: where gateways look for one to drive."""
+        return f"{self.prefix}:batches:unfinished"

@@ -121,7 +121,21 @@ if redis.call('XDEL', KEYS[2], ARGV[1]) == 0 then return false end
 return redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])
 """)
 
-PRODUCER_SCRIPTS = (CREATE, CANCEL, ENQUEUE, RETRY, REVIVE)
+# KEYS: queue. ARGV: max depth (0: no bound), protocol version, then each job's id and body.
+# submit_many's ENQUEUE: adds the jobs in order while the queue holds fewer than max depth entries,
+# the bound ENQUEUE keeps for one job, so a chunk that would cross it fills the queue up to it and
+# adds no more. Returns {jobs added, depth after}.
+ENQUEUE_MANY = Script("enqueue_many", """
+local max, depth = tonumber(ARGV[1]), redis.call('XLEN', KEYS[1])
+local room = (#ARGV - 2) / 2
+if max > 0 then room = math.min(room, math.max(0, max - depth)) end
+for i = 1, room do
+  redis.call('XADD', KEYS[1], '*', 'id', ARGV[2 * i + 1], 'v', ARGV[2], 'body', ARGV[2 * i + 2])
+end
+return {room, depth + room}
+""")
+
+PRODUCER_SCRIPTS = (CREATE, CANCEL, ENQUEUE, ENQUEUE_MANY, RETRY, REVIVE)
 
 
 class Commands(CoreCommands):

@@ -1,6 +1,7 @@
 """Operations written once for both clients. An operation that needs several round trips (read the
 dead letters, then retry the ones found) is a generator: it yields a function that adds commands
-to a pipeline, receives that pipeline's replies, and returns its outcome. `run` drives it over a
+to a pipeline, receives that pipeline's replies (a command's error in its place; a round trip that
+failed as a whole is raised inside the generator), and returns its outcome. `run` drives it over a
 redis.Redis, `arun` over a redis.asyncio.Redis, so `Client` and `AsyncClient` share every line of
 it. Pipelines go through `scripts.execute`, which reloads scripts a server has lost (NOSCRIPT)."""
 from __future__ import annotations
@@ -19,7 +20,12 @@ def run(client, steps: Steps[T]) -> T:
     try:
         add = next(steps)
         while True:
-            add = steps.send(scripts.execute(client, add, raise_on_error=False))
+            try:
+                replies = scripts.execute(client, add, raise_on_error=False)
+            except Exception as e:  # the round trip failed as a whole: the operation may clean up
+                add = steps.throw(e)
+            else:
+                add = steps.send(replies)
     except StopIteration as done:
         return done.value
 
@@ -28,7 +34,12 @@ async def arun(client, steps: Steps[T]) -> T:
     try:
         add = next(steps)
         while True:
-            add = steps.send(await scripts.aexecute(client, add, raise_on_error=False))
+            try:
+                replies = await scripts.aexecute(client, add, raise_on_error=False)
+            except Exception as e:
+                add = steps.throw(e)
+            else:
+                add = steps.send(replies)
     except StopIteration as done:
         return done.value
 

@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -214,6 +216,17 @@ def start_workers(workers: list[WorkerProcess]) -> list[WorkerProcess]:
     for w in workers:
         w.wait_ready()
     return workers
+
+
+@contextmanager
+def echo_workers(redis_url: str, queue: str, log_dir: Path, *flags: str, count: int = 2) -> Iterator[list[WorkerProcess]]:
+    """`count` echo workers of `queue` (named after it), started, then stopped at the end."""
+    workers = [WorkerProcess(redis_url, queue, f"{queue}-{i}", log_dir, *flags, model="echo") for i in range(count)]
+    try:
+        yield start_workers(workers)
+    finally:
+        for w in workers:
+            w.stop()
 
 
 class RestartableRedis:

@@ -18,7 +18,7 @@ from worker.jobs import (
     Delivery, InternalError, Job, Poison, final_result, parse_request, prompt_token_ids,
 )
 from worker.outbox import DeadLetter, Outbox, Receipts, Update
-from worker.queue import RedisClock, WorkerQueue
+from worker.queue import HANDED_OVER_IDLE_MS, RedisClock, WorkerQueue
 from worker.replies import ClaimOutcome
 from worker.settings import WorkerSettings
 
@@ -39,6 +39,8 @@ class Admission:
         self.clock = clock
         self.worker = worker
         self.next_reclaim = 0.0
+        # Until then, only entries a drain handed over are taken (see reclaim).
+        self.takes_idle_entries_from = time.monotonic() + settings.claim_idle_ms / 1000
         # Run tokens: this process's random prefix and a count, unique across workers and claims.
         self.instance = uuid.uuid4().hex[:12]
         self.claims = itertools.count()
@@ -52,18 +54,27 @@ class Admission:
         return min(cap.free_slots, cap.free_pages) - len(self.holdings.unadmitted)
 
     def defer_reclaims(self) -> None:
-        """Reclaim nothing for claim_idle_ms: Redis was out of reach, so every live worker's
+        """Take no idle entry for claim_idle_ms: Redis was out of reach, so every live worker's
         entries may look idle until it has refreshed them."""
-        self.next_reclaim = time.monotonic() + self.settings.claim_idle_ms / 1000
+        self.takes_idle_entries_from = time.monotonic() + self.settings.claim_idle_ms / 1000
 
     def reclaim(self, room: int) -> None:
         """Take entries of dead or stalled workers (idle longer than claim_idle_ms), no more than
-        room for. Taken entries are held until admitted, so a failed exchange forgets none."""
+        room for. Taken entries are held until admitted, so a failed exchange forgets none.
+
+        For claim_idle_ms after this worker starts, and after each outage it lived through, it
+        takes only entries a drain handed over: after a Redis restart or failover every entry
+        looks idle for as long as the outage lasted (and as long as Redis took to load its data),
+        and the live workers need that time to reconnect and refresh theirs. A worker that
+        started meanwhile saw no outage, so its own start is what it counts from."""
         now = time.monotonic()
         if room <= 0 or now < self.next_reclaim:
             return
         self.next_reclaim = now + self.settings.reclaim_interval_s
-        deliveries = self.queue.reclaim(room, self.settings.claim_idle_ms)
+        min_idle_ms = self.settings.claim_idle_ms
+        if now < self.takes_idle_entries_from:
+            min_idle_ms = HANDED_OVER_IDLE_MS // 10
+        deliveries = self.queue.reclaim(room, min_idle_ms)
         if deliveries:
             log.info(
                 "reclaimed %d entries idle over %d ms: %s", len(deliveries), self.settings.claim_idle_ms,

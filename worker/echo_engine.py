@@ -13,7 +13,7 @@ from typing import Any
 
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
-from worker.engine.outputs import Capacity, EngineStats, RequestOutput, Usage
+from worker.engine.outputs import Capacity, EngineStats, RequestOutput, TokenCounts
 from worker.engine.settings import EngineSettings
 from worker.engine.errors import KVCapacityExceeded, PromptTooLong
 
@@ -55,8 +55,8 @@ class EchoRequest:
     def target(self) -> int:
         return min(len(self.prompt), self.max_tokens)
 
-    def usage(self) -> Usage:
-        return Usage(len(self.prompt), self.emitted, 0)
+    def usage(self) -> TokenCounts:
+        return TokenCounts(len(self.prompt), self.emitted, 0)
 
 
 class EchoEngine:

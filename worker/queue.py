@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 WORKER_INDEX_RETENTION_S = 3600
 EVENT_PAGE = 1000  # event stream entries per XRANGE when a reclaimed job's events are read
 # A draining worker makes the entries it hands over look this idle: older than any worker's
-# claim_idle_ms, so the next XAUTOCLAIM anywhere takes them, even just after a Redis restart
-# (RECLAIM takes nothing less idle than a tenth of this then).
+# claim_idle_ms, so the next XAUTOCLAIM anywhere takes them, even by a worker that takes nothing
+# else yet (see Admission.reclaim: it asks for a tenth of this then).
 HANDED_OVER_IDLE_MS = 10**10
 
 
@@ -196,7 +196,7 @@ class WorkerQueue:
         """XAUTOCLAIM up to `count` entries idle longer than `min_idle_ms`: jobs of workers that
         died or stalled. The scan resumes where the last one stopped, so every pending entry is
         reached in turn."""
-        args = (GROUP, self.worker, min_idle_ms, self.reclaim_cursor, count, HANDED_OVER_IDLE_MS // 10)
+        args = (GROUP, self.worker, min_idle_ms, self.reclaim_cursor, count)
         cursor, claimed = self._send(lambda pipe: pipe.evalsha(RECLAIM.sha, 1, self.stream, *args))[0]
         self.reclaim_cursor = cursor
         return [Delivery(entry_id, dict(zip(flat[::2], flat[1::2])), deliveries) for entry_id, flat, deliveries in claimed]

@@ -140,19 +140,12 @@ if #claim > 6 then redis.call(unpack(claim)) end
 return lost
 """)
 
-# KEYS: queue. ARGV: group, consumer, min idle ms, start id, count, handed-over idle ms.
+# KEYS: queue. ARGV: group, consumer, min idle ms, start id, count.
 # XAUTOCLAIM of up to `count` entries idle longer than `min idle`, each returned with its
 # delivery count (which the claim has just raised): {next start id, {{id, {field, value...},
-# deliveries}...}}. While Redis itself has been up for less than `min idle`, only entries a
-# draining worker handed over (idle longer than `handed-over idle`, see RELEASE) are taken: after
-# a restart every entry looks idle for as long as the outage lasted, and live workers need the
-# time to reconnect and refresh theirs, however recently the reclaiming worker started.
+# deliveries}...}}.
 RECLAIM = Script("reclaim", """
--- Whole seconds, counted between second boundaries: up for at least one second less than that.
-local uptime = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)')) - 1
-local min_idle = ARGV[3]
-if uptime * 1000 < tonumber(ARGV[3]) then min_idle = ARGV[6] end
-local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], min_idle, ARGV[4], 'COUNT', ARGV[5])
+local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5])
 local claimed = {}
 for _, entry in ipairs(reply[2]) do
   local pending = redis.call('XPENDING', KEYS[1], ARGV[1], entry[1], entry[1], 1)

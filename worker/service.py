@@ -71,6 +71,7 @@ class Worker:
         self.drain_deadline: float | None = None
         self.stop_now = False
         self.paused = False  # generation waits for the outbox to drain
+        self.last_exchange = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -157,8 +158,11 @@ class Worker:
         what was not acknowledged stays in the outbox, the receipts or the pending list. A lost
         consumer group is created again before the next read, and the jobs held here adopted."""
         buffered = 0 if self.link.up else self.outbox.buffered_tokens()
-        if not self.link.up:
-            # Not in this exchange either, should Redis answer now: see below.
+        if not self.link.up or self._was_away():
+            # Not in this exchange either, should Redis answer now: see below. A worker that has
+            # not talked to Redis for longer than any step may take (it stalled) knows as little:
+            # Redis may have restarted meanwhile, and the other workers be refreshing their
+            # entries only now.
             self.admission.defer_reclaims()
         try:
             talk()
@@ -169,12 +173,19 @@ class Worker:
                 raise
             self.link.failed(e)
             return
+        finally:
+            self.last_exchange = time.monotonic()
         down_s = self.link.succeeded()
         if down_s is not None:
             log.info("Redis is back after %.1fs; %d tokens were buffered meanwhile", down_s, buffered)
             # Entries of every worker look idle after an outage of all of them (a Redis restart):
             # reclaim nothing until the live ones have had claim_idle_ms to refresh theirs.
             self.admission.defer_reclaims()
+
+    def _was_away(self) -> bool:
+        """Longer since the last exchange than claim_idle_ms allows a step and a heartbeat."""
+        away_s = time.monotonic() - self.last_exchange
+        return away_s > self.settings.claim_idle_ms / 1000 - self.settings.heartbeat_interval_s
 
     def _receive(self) -> None:
         if self.ownership.group_missing:

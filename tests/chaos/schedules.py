@@ -34,7 +34,7 @@ from producer_client import Client
 from producer_client.connection import retry_policy
 from producer_client.keys import GROUP, Keys
 from producer_client.schema import JobResult
-from tests.queue.support import SlowEchoEngine, ThreadedWorker
+from tests.queue.support import GatedWorker, SlowEchoEngine
 from worker.metrics import WorkerMetrics
 from worker.queue import connect
 from worker.settings import WorkerSettings
@@ -58,44 +58,19 @@ class ScheduleFailed(AssertionError):
     pass
 
 
-class WorkerKilled(Exception):
-    """Ends a killed worker's thread at the end of its schedule, long after it stopped talking."""
-
-
-class ScheduleWorker(ThreadedWorker):
-    """A worker whose every exchange with Redis and every engine step passes a gate: closed for a
-    while, the worker stalls (no heartbeat, no refresh); closed for good, it is dead, as after
-    kill -9, between two exchanges, with nothing handed over or cleaned up."""
+class ScheduleWorker(GatedWorker):
+    """A GatedWorker that also notes when the machine left its thread unscheduled."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.killed = False
         self.starved = False
         self.passed_at = time.monotonic()
 
     def _pass_gate(self) -> None:
         if time.monotonic() - self.passed_at > STARVED_S:
             self.starved = True
-        self.gate.wait()
-        if self.killed:
-            raise WorkerKilled(self.name)
+        super()._pass_gate()
         self.passed_at = time.monotonic()
-
-    def _exchange(self, talk) -> None:
-        self._pass_gate()
-        super()._exchange(talk)
-
-    def _step_if_possible(self) -> bool:
-        self._pass_gate()
-        return super()._step_if_possible()
-
-    def serve(self) -> None:
-        try:
-            super().serve()
-        except WorkerKilled:
-            pass
 
 
 @dataclass

@@ -1,31 +1,36 @@
 """The README's ACL split, run as written against a real redis-server: a producer user can do
 everything the client does and nothing a worker does; a worker user can run the queue loop
-and the healthcheck, and nothing outside the `mili:` prefix."""
+and the healthcheck, and nothing outside the `mili:` prefix; a gateway user runs a batch of the
+Batch API and can do no more than a producer to a job."""
 from __future__ import annotations
 
+import io
+import json
 import re
 import shlex
 import subprocess
 import sys
 
+import openai
 import pytest
 import redis
 
 from producer_client import Client
 from producer_client.keys import GROUP, Keys
 from tests.deploy.support import ROOT, environment_without_mili, wait_for
+from tests.gateway.support import GatewayProcess
 from tests.redis_support import free_port
 from worker.embedded_redis import EmbeddedRedis
 from worker.healthcheck import healthcheck
 from worker.settings import WorkerSettings
 
-PASSWORDS = {"PRODUCER_PASSWORD": "producer-secret", "WORKER_PASSWORD": "worker-secret"}
+PASSWORDS = {"PRODUCER_PASSWORD": "producer-secret", "WORKER_PASSWORD": "worker-secret", "GATEWAY_PASSWORD": "gateway-secret"}
 
 
 def acl_commands() -> list[list[str]]:
     text = (ROOT / "README.md").read_text()
     lines = re.findall(r"^ACL SETUSER .+$", text, flags=re.M)
-    assert len(lines) == 2, lines
+    assert len(lines) == 3, lines
     for placeholder, password in PASSWORDS.items():
         lines = [line.replace(placeholder, password) for line in lines]
     return [shlex.split(line) for line in lines]
@@ -44,6 +49,7 @@ def acl_redis():
             "admin": admin,
             "producer": f"redis://mili-producer:{PASSWORDS['PRODUCER_PASSWORD']}@{base}",
             "worker": f"redis://mili-worker:{PASSWORDS['WORKER_PASSWORD']}@{base}",
+            "gateway": f"redis://mili-gateway:{PASSWORDS['GATEWAY_PASSWORD']}@{base}",
         }
         admin.close()
 
@@ -74,6 +80,9 @@ def test_the_producer_user_can_do_what_the_client_does(acl_redis, acl_worker):
         first = client.submit(prompt="once", max_tokens=8, request_id="acl-request")  # HSETNX path
         assert client.submit(prompt="once", max_tokens=8, request_id="acl-request") == first
         assert client.result(first, timeout=30).text == "once"
+        many = client.submit_many([{"prompt": f"bulk {i}", "max_tokens": 8} for i in range(3)] + [{"prompt": "r", "request_id": "acl-bulk"}])
+        assert sorted(r.text for r in client.as_completed(many, timeout=30)) == ["bulk 0", "bulk 1", "bulk 2", "r"]
+        client.cancel_many(many)
 
 
 def test_the_producer_user_cannot_act_as_a_worker(acl_redis, acl_worker):
@@ -103,3 +112,31 @@ def test_the_worker_user_runs_the_healthcheck_and_stays_in_its_prefix(acl_redis,
         with pytest.raises(redis.exceptions.NoPermissionError):
             command()
     worker.close()
+
+
+def test_the_gateway_user_runs_a_batch_and_is_a_producer_to_jobs(acl_redis, acl_worker, tmp_path):
+    gateway = GatewayProcess(acl_redis["gateway"], tmp_path, "--batch-poll-s", "0.1").start()
+    sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    try:
+        lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "echo", "prompt": f"acl {i}", "max_tokens": 8}} for i in range(3)]
+        text = "".join(json.dumps(line) + "\n" for line in lines)
+        file = sdk.files.create(file=("in.jsonl", io.BytesIO(text.encode())), purpose="batch")
+        batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
+        wait_for(lambda: sdk.batches.retrieve(batch.id).status not in ("validating", "in_progress", "finalizing"), 60, "the batch's end")
+        done = sdk.batches.retrieve(batch.id)
+        assert done.status == "completed", gateway.log()
+        texts = {json.loads(a)["custom_id"]: json.loads(a)["response"]["body"]["choices"][0]["text"]
+                 for a in sdk.files.content(done.output_file_id).text.splitlines()}
+        assert texts == {f"c{i}": f"acl {i}" for i in range(3)}
+        sdk.batches.cancel(sdk.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h").id)
+        assert sdk.files.delete(file.id).deleted
+    finally:
+        sdk.close()
+        gateway.stop()
+    as_gateway = redis.Redis.from_url(acl_redis["gateway"], decode_responses=True)
+    for command in (lambda: as_gateway.expire(Keys().job("x"), 1), lambda: as_gateway.xreadgroup(GROUP, "g", {Keys().queue("default"): ">"}),
+                    lambda: as_gateway.set("not-mili", 1), lambda: as_gateway.rpush(Keys().job("x"), 1)):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            command()
+    as_gateway.close()

@@ -124,3 +124,21 @@ def test_logprobs_zero_gives_only_the_sampled_token():
     out = Sampler([])(torch.zeros(1, V), [make_request(temperature=0, logprobs=0)])
     assert out.logprobs[0].top == ()
     assert out.logprobs[0].logprob == pytest.approx(-math.log(V))
+
+
+def test_penalty_counts_carried_across_steps_equal_counts_from_the_token_lists():
+    """Greedy draws under every penalty for 40 steps, two requests, one of them resumed with
+    earlier output: the sampler's carried-over counts penalize as the lists would."""
+    g = torch.Generator().manual_seed(7)
+    params = dict(temperature=0, repetition_penalty=1.7, presence_penalty=0.6, frequency_penalty=0.4)
+    reqs = [make_request(prompt=[0, 1, 2], **params), make_request(prompt=[3], output=[4, 4, 5], **params)]
+    sampler = Sampler([])
+    for _ in range(40):
+        logits = torch.randn(2, V, generator=g) + torch.arange(V) * 0.1  # greedy would repeat the top ids
+        expected = logits.clone()
+        apply_penalties(expected, reqs)
+        tokens = sampler(logits, reqs).token_ids
+        assert tokens == expected.argmax(-1).tolist()
+        for req, token in zip(reqs, tokens):
+            req.token_ids.append(token)
+    assert len(set(reqs[0].output_token_ids)) == V  # the penalties made it cycle through every id

@@ -43,6 +43,7 @@ def _signature(kernel, args, kwargs):
     """The signature, constexprs and alignment hints that a CUDA launch of these arguments gets."""
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, value) in enumerate(zip(kernel.arg_names, args)):
+        specialized = name not in kernel.do_not_specialize
         if isinstance(value, torch.Tensor):
             signature[name] = _TENSOR_TYPES[value.dtype]
             aligned = value.data_ptr() % 16 == 0
@@ -50,11 +51,11 @@ def _signature(kernel, args, kwargs):
             signature[name] = "i1"
             aligned = False
         elif isinstance(value, int):
-            if value == 1:  # the JIT specializes 1 into a constant
+            if value == 1 and specialized:  # the JIT specializes 1 into a constant
                 signature[name], constexprs[name] = "constexpr", 1
                 continue
             signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-            aligned = value % 16 == 0
+            aligned = value % 16 == 0 and specialized
         else:
             signature[name] = "fp32"
             aligned = False

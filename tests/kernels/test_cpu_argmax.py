@@ -31,3 +31,12 @@ def test_cpu_argmax_skips_masked_logits():
 def test_cpu_argmax_reads_a_strided_view():
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3))[:, ::2]
     assert torch.equal(argmax_rows_cpu(logits), logits.argmax(-1))
+
+
+def test_cpu_argmax_flags_each_row_that_holds_a_nan_or_an_infinity():
+    logits = torch.randn(6, 200, generator=torch.Generator().manual_seed(4))
+    logits[1, 3], logits[2, 130], logits[3, 199], logits[4, 64] = float("nan"), float("inf"), float("-inf"), 3.4e38
+    finite = torch.empty(6, dtype=torch.bool)
+    tokens = argmax_rows_cpu(logits, finite)
+    assert finite.tolist() == [True, False, False, False, True, True]  # the largest finite float is finite
+    assert tokens[[0, 4, 5]].tolist() == logits[[0, 4, 5]].argmax(-1).tolist()

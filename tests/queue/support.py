@@ -39,10 +39,45 @@ class ThreadedWorker(Worker):
         assert not self.thread.is_alive()
 
 
+class WorkerKilled(Exception):
+    """Ends a killed GatedWorker's thread, long after it stopped talking."""
+
+
+class GatedWorker(ThreadedWorker):
+    """A worker whose every exchange with Redis and every engine step passes a gate: closed for a
+    while, the worker stalls (no heartbeat, no refresh); closed for good (`killed`), it is dead,
+    as after kill -9, between two exchanges, with nothing handed over or cleaned up."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.killed = False
+
+    def _pass_gate(self) -> None:
+        self.gate.wait()
+        if self.killed:
+            raise WorkerKilled(self.name)
+
+    def _exchange(self, talk) -> None:
+        self._pass_gate()
+        super()._exchange(talk)
+
+    def _step_if_possible(self) -> bool:
+        self._pass_gate()
+        return super()._step_if_possible()
+
+    def serve(self) -> None:
+        try:
+            super().serve()
+        except WorkerKilled:
+            pass
+
+
 @contextmanager
 def serving(
     url: str, queue: str, step_s: float = 0.0, fail_on_step: int | None = None, engine_class=SlowEchoEngine,
-    name: str | None = None, clock: RedisClock | None = None, **overrides,
+    name: str | None = None, clock: RedisClock | None = None, worker_class=ThreadedWorker, **overrides,
 ):
     engine_overrides = overrides.pop("engine", {})
     settings = WorkerSettings.load(
@@ -51,7 +86,7 @@ def serving(
     )
     engine = engine_class(settings.engine, step_s, fail_on_step)
     client = connect(url)
-    worker = ThreadedWorker(engine, client, settings, WorkerMetrics(), settings.name, clock=clock).start()
+    worker = worker_class(engine, client, settings, WorkerMetrics(), settings.name, clock=clock).start()
     try:
         yield worker
     finally:

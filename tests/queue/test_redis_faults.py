@@ -13,7 +13,7 @@ import redis
 import redis.exceptions as rex
 
 from producer_client.keys import GROUP, Keys
-from tests.queue.support import SlowEchoEngine, outcome_count, serving
+from tests.queue.support import GatedWorker, SlowEchoEngine, outcome_count, serving
 from tests.redis_support import (
     assert_one_final_result, eventually, events, free_port, make_client, runs, tokens_published,
 )
@@ -128,6 +128,23 @@ def test_a_read_only_window_longer_than_claim_idle_costs_no_worker_its_jobs(rest
             admin.replicaof("127.0.0.1", free_port())
             time.sleep(1.5)  # three times claim_idle_ms
             admin.replicaof("NO", "ONE")
+            assert_whole_output_once(admin, client, job_id, prompt)
+    assert [start["worker"] for start, _ in runs(admin, job_id)] == [holder.name]
+
+
+def test_a_worker_that_slept_through_a_redis_restart_takes_no_live_workers_job(restartable_redis, admin, queue):
+    # Frozen while Redis restarted, the sleeper saw no outage; when it wakes, the live worker's
+    # entry looks idle for as long as the outage lasted, until that worker has refreshed it.
+    prompt = alphabet(400)
+    fast = dict(claim_idle_ms=500, reclaim_interval_s=0.02, redis_backoff_max_s=0.4)
+    with make_client("sync", restartable_redis.url, queue) as client, \
+            serving(restartable_redis.url, queue, step_s=0.01, name=f"a-{queue}", **fast) as holder:
+        job_id = running_job(client, prompt)
+        with serving(restartable_redis.url, queue, name=f"b-{queue}", worker_class=GatedWorker, **fast) as sleeper:
+            time.sleep(0.6)  # past the sleeper's first claim_idle_ms
+            sleeper.gate.clear()
+            restartable_redis.restart(down_s=0.7)
+            sleeper.gate.set()
             assert_whole_output_once(admin, client, job_id, prompt)
     assert [start["worker"] for start, _ in runs(admin, job_id)] == [holder.name]
 

@@ -18,7 +18,7 @@ from producer_client.schema import JobRequest
 from producer_client.scripts import execute
 from tests.queue.support import SlowEchoEngine, outcome_count, serving
 from worker.outbox import Update
-from worker.scripts import CLAIM, PUBLISH, WORKER_SCRIPTS
+from worker.scripts import CLAIM, PUBLISH, RELEASE, WORKER_SCRIPTS
 from tests.redis_support import assert_one_final_result, eventually, events, make_client, runs, tokens_published
 
 KEYS = Keys()
@@ -73,6 +73,27 @@ def test_a_reclaimed_job_resumes_after_its_recorded_tokens(redis_server, redis_c
     assert result.timings.started_at == pytest.approx(starts[0]["started_at"])  # the job's start, not this run's
     assert_one_final_result(redis_client, job_id)
     assert redis_client.xlen(KEYS.queue(queue)) == 0
+
+
+def test_a_worker_takes_only_handed_over_entries_in_its_first_claim_idle_ms(redis_server, redis_client, client, queue):
+    # An entry idle for a while may be a live worker's that could not refresh it yet (Redis has
+    # just come back); one a drain handed over is free at once.
+    stale = ghost_takes(redis_client, queue, "stale", published=0)
+    handed = ghost_takes(redis_client, queue, "handed over", published=0)
+    stream = KEYS.queue(queue)
+    pending = {r["message_id"]: r for r in redis_client.xpending_range(stream, GROUP, "-", "+", 10)}
+    stale_entry, handed_entry = sorted(pending)
+    redis_client.xclaim(stream, GROUP, "ghost", 0, [stale_entry], idle=10_000, justid=True)
+    execute(redis_client, lambda pipe: pipe.evalsha(RELEASE.sha, 1, stream, GROUP, "ghost", 10**10, handed_entry),
+            WORKER_SCRIPTS)
+    started = time.time()
+    with serving(redis_server.url, queue, claim_idle_ms=1000, reclaim_interval_s=0.05):
+        assert client.result(handed, timeout=10).text == "handed over"
+        assert client.result(stale, timeout=10).text == "stale"
+    (handed_run, _), = runs(redis_client, handed)
+    (stale_run, _), = runs(redis_client, stale)
+    assert handed_run["at"] - started < 0.5
+    assert stale_run["at"] - started >= 0.95
 
 
 def test_a_live_workers_long_job_is_never_reclaimed(redis_server, redis_client, client, queue):

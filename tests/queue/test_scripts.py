@@ -11,12 +11,10 @@ import pytest
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.schema import JobResult
 from producer_client.scripts import CANCEL, CREATE, ENQUEUE, PRODUCER_SCRIPTS, execute
-from tests.redis_support import eventually
 from worker.scripts import CLAIM, DEADLETTER, PUBLISH, RECLAIM, REFRESH, RELEASE, WORKER_SCRIPTS
 
 KEYS = Keys()
 ALL = (*PRODUCER_SCRIPTS, *WORKER_SCRIPTS)
-HANDED_OVER = 10**9  # RECLAIM's last argument: entries this idle were handed over (see RELEASE)
 
 
 @pytest.fixture
@@ -218,14 +216,14 @@ def test_refresh_keeps_a_live_workers_entries_and_reports_those_taken_from_it(re
     redis_client.xclaim(stream, GROUP, "w2", 0, [b])  # reclaimed while w1 was cut off
     assert run(redis_client, REFRESH, [stream], GROUP, "w1", a, b) == [b]
     assert pending(redis_client, stream) == {a: ("w1", 1), b: ("w2", 2)}  # b stays w2's: not taken back
-    assert run(redis_client, RECLAIM, [stream], GROUP, "w3", 40, "0-0", 10, HANDED_OVER)[1] == []  # a is fresh again
+    assert run(redis_client, RECLAIM, [stream], GROUP, "w3", 40, "0-0", 10)[1] == []  # a is fresh again
 
 
 def test_refresh_resets_the_idle_time_of_every_entry_it_holds(redis_client, stream):
     held = deliver(redis_client, stream, "w1", 5)
     time.sleep(0.2)
     assert run(redis_client, REFRESH, [stream], GROUP, "w1", *held) == []
-    assert run(redis_client, RECLAIM, [stream], GROUP, "w2", 150, "0-0", 10, HANDED_OVER)[1] == []  # none idle
+    assert run(redis_client, RECLAIM, [stream], GROUP, "w2", 150, "0-0", 10)[1] == []  # none idle
     assert pending(redis_client, stream) == {entry_id: ("w1", 1) for entry_id in held}
 
 
@@ -249,38 +247,20 @@ def test_a_pipeline_resent_after_noscript_reads_the_queue_once(redis_client, str
 def test_reclaim_takes_idle_entries_with_their_delivery_count_and_no_more_than_asked(redis_client, stream):
     first = deliver(redis_client, stream, "w1", 3)
     time.sleep(0.05)
-    cursor, claimed = run(redis_client, RECLAIM, [stream], GROUP, "w2", 40, "0-0", 2, HANDED_OVER)
+    cursor, claimed = run(redis_client, RECLAIM, [stream], GROUP, "w2", 40, "0-0", 2)
     assert [(entry_id, dict(zip(f[::2], f[1::2]))["id"], n) for entry_id, f, n in claimed] == [
         (first[0], "j0", 2), (first[1], "j1", 2),
     ]
     assert cursor == first[2]  # the next scan starts at the entry this one left
-    assert run(redis_client, RECLAIM, [stream], GROUP, "w2", 40, cursor, 2, HANDED_OVER)[1][0][0] == first[2]
-    assert run(redis_client, RECLAIM, [stream], GROUP, "w3", 40, "0-0", 5, HANDED_OVER)[1] == []  # all just claimed
+    assert run(redis_client, RECLAIM, [stream], GROUP, "w2", 40, cursor, 2)[1][0][0] == first[2]
+    assert run(redis_client, RECLAIM, [stream], GROUP, "w3", 40, "0-0", 5)[1] == []  # all just claimed
 
 
 def test_a_released_entry_is_reclaimed_at_once_without_counting_a_delivery(redis_client, stream):
     (entry_id,) = deliver(redis_client, stream, "w1", 1)
     assert run(redis_client, RELEASE, [stream], GROUP, "w1", 10**10, entry_id, "0-1") == 1  # 0-1: not w1's
-    _, claimed = run(redis_client, RECLAIM, [stream], GROUP, "w2", 60_000, "0-0", 5, HANDED_OVER)
+    _, claimed = run(redis_client, RECLAIM, [stream], GROUP, "w2", 60_000, "0-0", 5)
     assert [(e, n) for e, _, n in claimed] == [(entry_id, 1)]
-
-
-def test_just_after_a_redis_restart_only_handed_over_entries_are_reclaimed(restartable_redis, redis_client_of):
-    redis_client = redis_client_of(restartable_redis)
-    stream = KEYS.queue(uuid.uuid4().hex)
-    redis_client.xgroup_create(stream, GROUP, id="0", mkstream=True)
-    stale, handed = deliver(redis_client, stream, "w1", 2)
-    redis_client.xclaim(stream, GROUP, "w1", 0, [stale], idle=5000, justid=True)  # as after an outage
-    assert run(redis_client, RELEASE, [stream], GROUP, "w1", 10**10, handed) == 1
-    restartable_redis.restart(down_s=0)
-    redis_client = redis_client_of(restartable_redis)
-    assert redis_client.info("server")["uptime_in_seconds"] <= 1
-    _, claimed = run(redis_client, RECLAIM, [stream], GROUP, "w2", 500, "0-0", 10, HANDED_OVER)
-    assert [e for e, _, _ in claimed] == [handed]  # its owner may be reconnecting: the stale one waits
-    assert eventually(lambda: redis_client.info("server")["uptime_in_seconds"] >= 2, timeout=4)
-    assert run(redis_client, REFRESH, [stream], GROUP, "w2", handed) == []  # w2 keeps what it took
-    _, claimed = run(redis_client, RECLAIM, [stream], GROUP, "w2", 500, "0-0", 10, HANDED_OVER)
-    assert [e for e, _, _ in claimed] == [stale]
 
 
 def test_a_dead_letter_moves_its_entry_once(redis_client, stream):

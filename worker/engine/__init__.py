@@ -6,8 +6,8 @@ settings, and the healthcheck must not pay for importing torch to read them.
 import importlib
 
 _HOMES = {
-    "Engine": "engine", "Capacity": "outputs", "EngineStats": "outputs",
-    "GenerationOutput": "outputs", "RequestOutput": "outputs", "TokenLogprob": "outputs", "Usage": "outputs",
+    "Engine": "engine", "Capacity": "outputs", "EngineStats": "outputs", "GenerationOutput": "outputs",
+    "RequestError": "outputs", "RequestOutput": "outputs", "SampledLogprob": "outputs", "TokenCounts": "outputs",
     "EngineSettings": "settings",
 }
 __all__ = sorted(_HOMES)

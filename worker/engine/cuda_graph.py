@@ -23,8 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from worker.engine.runner import StepInputs
-from worker.model.batch import AttentionMetadata, KVCaches
+from worker.model.batch import AttentionMetadata, KVCaches, StepInputs
 from worker.model.qwen3 import Qwen3ForCausalLM
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,8 @@
 
 One step reads top to bottom: the scheduler picks chunks -> the runner extends their KV and
 returns logits for the chunks that reach their sequence's end -> the sampler picks tokens
--> each token is checked against the request's stop conditions and reported as a delta.
+-> the reader checks each token against the request's stop conditions and reports it as a
+delta (reader.py). `generate`, the engine as a library, is in offline.py.
 """
 from __future__ import annotations
 
@@ -14,35 +15,33 @@ from pathlib import Path
 
 import torch
 
-from producer_client.errors import InvalidArgument, MiliError
+from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
-from worker.engine.errors import NonFiniteLogits, PromptTooLong
 from worker.engine.cuda_graph import DecodeGraphRunner
+from worker.engine.errors import PromptTooLong
 from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_caches, pages_for
 from worker.engine.memory import kv_cache_pages, profile_activation_peak
-from worker.engine.overlap import LaunchedStep, drop_placeholders, launched
+from worker.engine.offline import OfflineGeneration
+from worker.engine.overlap import LaunchedStep, launched
 from worker.engine.radix_cache import RadixCache
-from worker.engine.outputs import (
-    Capacity, EngineStats, ErrorInfo, FinishReason, GenerationOutput, RequestOutput, TokenLogprob, Usage,
-)
+from worker.engine.outputs import Capacity, EngineStats, RequestOutput
+from worker.engine.reader import StepReader
 from worker.engine.request import Request
 from worker.engine.runner import ModelRunner
-from worker.engine.sampler import Sampler, skip_draws
+from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledChunk, Scheduler
 from worker.engine.settings import EngineSettings
 from worker.engine.stop import TextOutput
+from worker.model.batch import KVCaches
 from worker.model.config import Qwen3Config
 from worker.model.loader import load_model
 from worker.model.presets import resolve_model_path
 from worker.model.qwen3 import Qwen3ForCausalLM
-from worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-PROGRESS_EVERY_S = 10.0
-
-
-class Engine:
+class Engine(OfflineGeneration):
     def __init__(
         self, model: Qwen3ForCausalLM, config: Qwen3Config, tokenizer: Tokenizer,
         settings: EngineSettings, eos_token_ids: list[int], device: torch.device,
@@ -66,25 +65,27 @@ class Engine:
         self.scheduler = Scheduler(
             self.allocator, self.cache, settings.page_size, settings.max_running, settings.max_num_batched_tokens
         )
-        self.runner = ModelRunner(model, allocate_kv_caches(shape, num_pages, device), settings.page_size, device)
+        kv_caches = allocate_kv_caches(shape, num_pages, device)
+        graphs = None
         if settings.cuda_graphs and device.type == "cuda":
-            self.runner.decode_graphs = self._capture_decode_graphs(num_pages)
+            graphs = self._capture_decode_graphs(model, kv_caches, num_pages)
+        self.runner = ModelRunner(model, kv_caches, settings.page_size, device, self.scheduler.page_table, graphs)
         self.sampler = Sampler(self.eos_token_ids)
         self.overlap = overlap_enabled(settings, device)
         self._in_flight: LaunchedStep | None = None  # overlapped: the step the device may still be running
-        self._live: dict[str, Request] = {}
+        self.reader = StepReader(self.scheduler, self.eos_token_ids, self.max_model_len, self.vocab_size)
         self._ended: list[RequestOutput] = []  # finals of requests that ended between steps (aborts)
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         self._steps = self._computed_tokens = self._computed_prompt_tokens = 0
         self._log_limits(num_pages)
 
-    def _capture_decode_graphs(self, num_pages: int) -> DecodeGraphRunner:
+    def _capture_decode_graphs(
+        self, model: Qwen3ForCausalLM, kv_caches: KVCaches, num_pages: int,
+    ) -> DecodeGraphRunner:
         # A page table row never needs more pages than max_model_len tokens fill, nor than the pool has.
         max_pages = min(pages_for(self.max_model_len, self.settings.page_size), num_pages)
-        graphs = DecodeGraphRunner(
-            self.runner.model, self.runner.kv_caches, self.settings.max_running, max_pages, self.device,
-        )
+        graphs = DecodeGraphRunner(model, kv_caches, self.settings.max_running, max_pages, self.device)
         graphs.capture()
         return graphs
 
@@ -102,19 +103,25 @@ class Engine:
         return cls(loaded.model, loaded.config, tokenizer, engine_settings, eos, torch.device(device))
 
     def warm_up(self) -> None:
-        """Runs a two-token prompt and one decode step through the model and the sampler, on a
-        page borrowed from the pool and outside the scheduler: every kernel the engine uses gets
-        compiled before a job has to wait for it (numba's CPU kernels took about 12 s the first
-        time on the dev VM, then load from numba's disk cache; Triton compiles on first use too)."""
+        """Runs a two-token prompt and one decode step through the model and the sampler, on
+        pages borrowed from the pool and outside the scheduler: every kernel the engine uses gets
+        compiled before a job has to wait for it (numba's CPU kernels compile for seconds the first
+        time, then load from numba's disk cache; Triton compiles on first use too).
+
+        One prefill and one decode reach every Triton variant serving can launch, because the
+        kernels do not specialize on what changes from step to step (tests/engine/test_warm_up.py
+        checks it against a varied batch). The detokenizer's table is built here too."""
         start = time.perf_counter()
+        self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
         req = Request("warm-up", [0, 1], SamplingParams(temperature=0, max_tokens=2), 0, 0, None, None)
-        req.pages = self.allocator.allocate(1)
+        req.pages = self.allocator.allocate(pages_for(3, self.settings.page_size))  # the prompt and one decode
         try:
             for chunk in (ScheduledChunk(req, 0, 2, True), ScheduledChunk(req, 2, 1, True)):
                 sampled = self.sampler(self.runner.run([chunk]), [req])
                 req.token_ids.append(sampled.token_ids[0])
         finally:
             self.allocator.decref(req.pages)
+            self.scheduler.page_table.release(req)
         log.info("warmed up the model and sampler kernels in %.1f s", time.perf_counter() - start)
 
     def _log_limits(self, num_pages: int) -> None:
@@ -155,25 +162,14 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        detokenizer = self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
         req = Request(
             request_id, prompt_token_ids, params, priority, next(self._arrivals),
             TextOutput(detokenizer, params.stop), generator,
         )
-        self._replay(req, list(resume_token_ids))
-        self._live[request_id] = req
+        self.reader.replay(req, list(resume_token_ids))
+        self.reader.live[request_id] = req
         self.scheduler.add(req)
-
-    def _replay(self, req: Request, resume_token_ids: list[int]) -> None:
-        """Brings a new request to where it stood after producing `resume_token_ids`."""
-        if resume_token_ids and (min(resume_token_ids) < 0 or max(resume_token_ids) >= self.vocab_size):
-            raise InvalidArgument("resume_token_ids", f"token ids must be in [0, {self.vocab_size})")
-        for n, token in enumerate(resume_token_ids, 1):
-            req.token_ids.append(token)
-            _, reason = self._check_stop(req, token)
-            if reason is not None:
-                raise InvalidArgument("resume_token_ids", f"the request had already ended ({reason}) at token {n}")
-        skip_draws(req, len(resume_token_ids), self.vocab_size)
 
     def step(self) -> list[RequestOutput]:
         """Runs one batched model step; returns a delta for every request that produced a token
@@ -186,7 +182,7 @@ class Engine:
             outputs.extend(self._read(self._take_in_flight()))
         scheduled = self.scheduler.schedule()
         for req in scheduled.failed:
-            outputs.append(self._end(req, req.text.finish(), []))
+            outputs.append(self.reader.end(req, req.text.finish(), []))
         previous = self._take_in_flight()
         try:
             self._in_flight = self._launch(scheduled.chunks, previous) if scheduled.chunks else None
@@ -205,7 +201,7 @@ class Engine:
         if req is None:
             return False
         req.finish("abort")
-        self._ended.append(self._end(req, req.text.finish(), []))
+        self._ended.append(self.reader.end(req, req.text.finish(), []))
         log.debug("aborted request %s after %d output tokens", request_id, req.num_output_tokens)
         return True
 
@@ -219,60 +215,13 @@ class Engine:
         )
 
     def has_unfinished(self) -> bool:
-        return bool(self._live or self._ended)
+        return bool(self.reader.live or self._ended)
 
     def stats(self) -> EngineStats:
         return EngineStats(
             self._steps, self._computed_tokens, self._computed_prompt_tokens, self.scheduler.num_preemptions,
             self.cache.queried_tokens, self.cache.hit_tokens,
         )
-
-    # -- offline -------------------------------------------------------------------------
-
-    def generate(
-        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-    ) -> list[GenerationOutput]:
-        """Runs the prompts (text, or token id lists) to completion; outputs in input order.
-
-        A request that cannot run (too long, bad token ids) gets an output with finish_reason
-        "error" and its code, and the others still run. It steps the whole engine, so it is
-        not for an engine that a loop also feeds through add_request.
-        """
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise InvalidArgument("params", f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        results: list[GenerationOutput | None] = [None] * len(prompts)
-        index: dict[str, tuple[int, Request]] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-            request_id = f"generate-{next(self._generate_ids)}"
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            try:
-                self.add_request(request_id, ids, p)
-            except MiliError as e:
-                results[i] = rejected_output(request_id, ids, e)
-                continue
-            index[request_id] = (i, self._live[request_id])
-        self._run_to_completion(index, results)
-        return results  # type: ignore[return-value]
-
-    def _run_to_completion(self, index: dict[str, tuple[int, Request]], results: list) -> None:
-        start = last_report = time.monotonic()
-        done = out_tokens = 0
-        while done < len(index):
-            for out in self.step():
-                out_tokens += len(out.new_token_ids)
-                if out.finished and out.request_id in index:
-                    i, req = index[out.request_id]
-                    results[i] = generation_output(req)
-                    done += 1
-            now = time.monotonic()
-            if now - last_report >= PROGRESS_EVERY_S:
-                last_report = now
-                log.info(
-                    "generate: %d/%d done, %d output tokens, %.1f tok/s, %d running, %d waiting",
-                    done, len(index), out_tokens, out_tokens / (now - start),
-                    len(self.scheduler.running), len(self.scheduler.waiting),
-                )
 
     # -- one step ------------------------------------------------------------------------
 
@@ -291,87 +240,18 @@ class Engine:
         return step
 
     def _read(self, step: LaunchedStep) -> list[RequestOutput]:
-        """Puts the step's tokens in place of their placeholders and checks them, in order.
-        A request whose logits were not finite fails instead, without the token drawn from them."""
-        sampled = self.sampler.read(step.wait(), step.requests)
-        outputs = []
-        rows = zip(step.requests, step.indices, sampled.token_ids, sampled.logprobs, sampled.finite)
-        for req, index, token, lp, finite in rows:
-            if req.is_finished:
-                continue  # it ended while this token was in flight: the token is discarded
-            later = req.token_ids[index + 1 :]  # the placeholder of a step launched since
-            del req.token_ids[index:]
-            if not finite:
-                outputs.append(self._fail_nonfinite(req))
-                continue
-            outputs.append(self._take_token(req, token, lp))
-            if not req.is_finished:
-                req.token_ids.extend(later)
-        return outputs
+        return self.reader.read(step, self.sampler.read(step.wait(), step.requests))
 
     def _count_computed(self, chunks: list[ScheduledChunk]) -> None:
         self._steps += 1
-        for c in chunks:
-            self._computed_tokens += c.num_tokens
-            self._computed_prompt_tokens += max(0, min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start)
-
-    def _take_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        req.token_ids.append(token)
-        if logprob is not None:
-            req.logprobs.append(logprob)
-        text, reason = self._check_stop(req, token)
-        logprobs = [logprob] if logprob is not None else None
-        if reason is None:
-            return RequestOutput(req.request_id, [token], text, False, None, req.usage(), logprobs)
-        req.finish(reason)
-        self.scheduler.finish(req)
-        return self._end(req, text, [token], logprobs)
-
-    def _fail_nonfinite(self, req: Request) -> RequestOutput:
-        """Ends the request with the output it had; the rest of the batch is unaffected (rows
-        never mix)."""
-        error = NonFiniteLogits(
-            f"request {req.request_id}: non-finite logits (a NaN or an infinity) at output token "
-            f"{req.num_output_tokens + 1}"
-        )
-        req.finish("error", ErrorInfo(error.code, error.message))
-        self.scheduler.finish(req)
-        log.warning("%s", error.message)
-        return self._end(req, req.text.finish(), [])
-
-    def _check_stop(self, req: Request, token: int) -> tuple[str, FinishReason | None]:
-        """(text delta, finish reason or None), in vLLM's order: stop tokens, stop strings, length.
-
-        Before min_tokens nothing stops the request (its stop tokens were also masked out of
-        sampling). A stop token's own text is not emitted; a stop string is cut from the text.
-        """
-        p = req.params
-        can_stop = req.num_output_tokens >= p.min_tokens
-        if can_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
-            return req.text.finish(), "stop"
-        text, stopped = req.text.push(token, can_stop)
-        if stopped:
-            return text, "stop"
-        if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
-            return text + req.text.finish(), "length"
-        return text, None
-
-    def _end(
-        self, req: Request, text: str, new_token_ids: list[int], logprobs: list[TokenLogprob] | None = None,
-    ) -> RequestOutput:
-        del self._live[req.request_id]
-        drop_placeholders(req)
-        log.debug(
-            "request %s finished (%s): %d prompt tokens (%d cached), %d output tokens, %d preemptions",
-            req.request_id, req.finish_reason, req.num_prompt_tokens, req.num_cached_prompt_tokens,
-            req.num_output_tokens, req.num_preemptions,
-        )
-        return RequestOutput(
-            req.request_id, new_token_ids, text, True, req.finish_reason, req.usage(), logprobs, req.error,
+        self._computed_tokens += sum(c.num_tokens for c in chunks)
+        self._computed_prompt_tokens += sum(
+            min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start
+            for c in chunks if c.start < c.request.num_prompt_tokens
         )
 
     def _check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self._live:
+        if request_id in self.reader.live:
             raise InvalidArgument("request_id", f"{request_id!r} is already running")
         if not prompt_token_ids:
             raise InvalidArgument("prompt_token_ids", "must not be empty")
@@ -404,17 +284,3 @@ def resolve_max_model_len(settings: EngineSettings, config: Qwen3Config) -> int:
     if settings.max_model_len > limit:
         raise InvalidArgument("max_model_len", f"{settings.max_model_len} exceeds the model's context of {limit}")
     return settings.max_model_len
-
-
-def generation_output(req: Request) -> GenerationOutput:
-    return GenerationOutput(
-        req.request_id, req.prompt_token_ids, req.output_token_ids, req.text.text, req.finish_reason,
-        req.usage(), req.logprobs, req.error,
-    )
-
-
-def rejected_output(request_id: str, prompt_token_ids: list[int], error: MiliError) -> GenerationOutput:
-    return GenerationOutput(
-        request_id, prompt_token_ids, [], "", "error", Usage(len(prompt_token_ids), 0, 0),
-        None, ErrorInfo(error.code, error.message),
-    )

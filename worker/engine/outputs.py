@@ -3,26 +3,30 @@ running totals. No torch here: the echo engine and the queue loop use these with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-@dataclass(frozen=True)
-class ErrorInfo:
-    code: str
-    message: str
+# The engine's own report types are plain tuples and dataclasses, built once per request per
+# step on the hot path; the worker turns them into the wire models (producer_client.schema's
+# Usage, ErrorInfo, TokenLogprob) in one place, when it publishes (worker/service.py).
 
 
-@dataclass(frozen=True)
-class Usage:
+class TokenCounts(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
+class RequestError:
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class SampledLogprob:
     """The sampled token's log-probability and the `n` most likely tokens at that position,
     from the model's raw distribution (before penalties, temperature and filtering)."""
 
@@ -40,9 +44,9 @@ class RequestOutput:
     text_delta: str
     finished: bool
     finish_reason: FinishReason | None
-    usage: Usage
-    logprobs: list[TokenLogprob] | None = None
-    error: ErrorInfo | None = None
+    usage: TokenCounts
+    logprobs: list[SampledLogprob] | None = None
+    error: RequestError | None = None
 
 
 @dataclass
@@ -54,9 +58,9 @@ class GenerationOutput:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason
-    usage: Usage
-    logprobs: list[TokenLogprob] | None = None
-    error: ErrorInfo | None = None
+    usage: TokenCounts
+    logprobs: list[SampledLogprob] | None = None
+    error: RequestError | None = None
 
 
 @dataclass(frozen=True)

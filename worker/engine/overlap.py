@@ -61,9 +61,8 @@ class LaunchedStep:
 def launched(requests: list[Request], sampled: SampledTokens) -> LaunchedStep:
     """Starts the draws' copy to the host and gives each request a placeholder for its token."""
     draws, landed = copy_to_host(sampled)
-    indices = []
+    indices = [len(req.token_ids) for req in requests]
     for row, req in enumerate(requests):
-        indices.append(len(req.token_ids))
         req.token_ids.append(placeholder(row))
     return LaunchedStep(requests, indices, sampled.token_ids, draws, landed)
 

@@ -5,7 +5,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from producer_client.schema import SamplingParams
-from worker.engine.outputs import ErrorInfo, FinishReason, TokenLogprob, Usage
+from worker.engine.outputs import FinishReason, RequestError, SampledLogprob, TokenCounts
 
 if TYPE_CHECKING:
     import torch
@@ -45,10 +45,10 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
-        self.error: ErrorInfo | None = None
+        self.error: RequestError | None = None
         self.text = text
         self.generator = generator
-        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.logprobs: list[SampledLogprob] | None = [] if params.logprobs is not None else None
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -75,10 +75,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def usage(self) -> Usage:
-        return Usage(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_prompt_tokens)
+    def usage(self) -> TokenCounts:
+        return TokenCounts(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_prompt_tokens)
 
-    def finish(self, reason: FinishReason, error: ErrorInfo | None = None) -> None:
+    def finish(self, reason: FinishReason, error: RequestError | None = None) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.error = error

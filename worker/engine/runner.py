@@ -1,35 +1,35 @@
 """The model runner: turns a step's chunks into the model's inputs and returns the logits to sample."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from worker.engine.kv_pool import pages_for
+from worker.engine.page_table import PageTable
 from worker.engine.scheduler import ScheduledChunk
 from worker.engine.transfer import to_device
-from worker.model.batch import AttentionMetadata, KVCaches
+from worker.model.batch import AttentionMetadata, KVCaches, StepInputs
 from worker.model.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:
     from worker.engine.cuda_graph import DecodeGraphRunner
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    sample_indices: torch.Tensor  # [N] int64: the last new token of each chunk that samples
-
-
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, kv_caches: KVCaches, page_size: int, device: torch.device):
+    def __init__(
+        self, model: Qwen3ForCausalLM, kv_caches: KVCaches, page_size: int, device: torch.device,
+        page_table: PageTable | None = None, decode_graphs: DecodeGraphRunner | None = None,
+    ):
         self.model = model
         self.kv_caches = kv_caches
         self.page_size = page_size
         self.device = device
-        self.decode_graphs: DecodeGraphRunner | None = None  # set once captured (CUDA)
+        # The scheduler's, which frees a request's row with its pages; a runner driven without
+        # a scheduler (the memory profile) keeps rows of its own.
+        self.page_table = page_table if page_table is not None else PageTable()
+        self.decode_graphs = decode_graphs  # captured at start on CUDA: decode steps replay them
         self._logits: torch.Tensor | None = None  # reused on CPU, see compute_logits
 
     @torch.inference_mode()
@@ -60,40 +60,46 @@ class ModelRunner:
         return logits
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        """Builds the step's metadata with a handful of tensor ops, not per-token Python."""
-        token_ids, q_lens, prefix_lens, tables, samples = [], [], [], [], []
-        for c in chunks:
-            token_ids.extend(c.request.token_ids[c.start : c.start + c.num_tokens])
-            q_lens.append(c.num_tokens)
-            prefix_lens.append(c.start)
-            tables.append(c.request.pages)
-            samples.append(c.samples)
-        q_len, prefix = torch.tensor(q_lens), torch.tensor(prefix_lens)
-        cu_seqlens = torch.zeros(len(chunks) + 1, dtype=torch.int64)
-        torch.cumsum(q_len, 0, out=cu_seqlens[1:])
-        owner = torch.repeat_interleave(torch.arange(len(chunks)), q_len)  # request index of each new token
-        positions = torch.arange(len(token_ids)) - cu_seqlens[owner] + prefix[owner]
-        max_pages = max(len(t) for t in tables)
-        page_table = torch.tensor([t + [0] * (max_pages - len(t)) for t in tables], dtype=torch.int32)
+        """Builds the step's metadata from per-chunk lists in a handful of numpy ops (on the host,
+        a numpy op costs a fraction of a torch op's dispatch); the page table is a gather of the
+        requests' persistent rows (worker.engine.page_table)."""
+        requests = [c.request for c in chunks]
+        prefix = np.array([c.start for c in chunks], dtype=np.int64)
+        q_len = np.array([c.num_tokens for c in chunks], dtype=np.int64)
+        seq_lens = prefix + q_len
+        cu_seqlens = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(q_len, out=cu_seqlens[1:])
+        max_q_len = int(q_len.max())
+        if max_q_len == 1:
+            token_ids = [c.request.token_ids[c.start] for c in chunks]
+            owner, positions = np.arange(len(chunks)), prefix  # owner: the request index of each new token
+        else:
+            token_ids = [t for c in chunks for t in c.request.token_ids[c.start : c.start + c.num_tokens]]
+            owner = np.repeat(np.arange(len(chunks)), q_len)
+            positions = np.arange(len(token_ids)) - cu_seqlens[owner] + prefix[owner]
         ps = self.page_size
-        slot_mapping = page_table[owner, positions // ps].long() * ps + positions % ps
+        page_table = self.page_table.gather(self.page_table.rows_for(requests), pages_for(int(seq_lens.max()), ps))
+        slot_mapping = page_table[owner, positions // ps].astype(np.int64) * ps + positions % ps
+        sample_indices = cu_seqlens[1:] - 1
+        samples = [c.samples for c in chunks]
+        if False in samples:
+            sample_indices = sample_indices[np.array(samples)]
         meta = AttentionMetadata(
-            is_decode=max(q_lens) == 1,
+            is_decode=max_q_len == 1,
             slot_mapping=self._to_device(slot_mapping),
             page_table=self._to_device(page_table),
-            seq_lens=self._to_device((prefix + q_len).int()),
-            prefix_lens=self._to_device(prefix.int()),
-            cu_seqlens_q=self._to_device(cu_seqlens.int()),
-            max_q_len=max(q_lens),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            prefix_lens=self._to_device(prefix.astype(np.int32)),
+            cu_seqlens_q=self._to_device(cu_seqlens.astype(np.int32)),
+            max_q_len=max_q_len,
         )
-        sample_indices = (cu_seqlens[1:] - 1)[torch.tensor(samples)]
         return StepInputs(
-            self._to_device(torch.tensor(token_ids)), self._to_device(positions), meta,
+            self._to_device(np.array(token_ids, dtype=np.int64)), self._to_device(positions), meta,
             self._to_device(sample_indices),
         )
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return to_device(t, self.device)
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return to_device(torch.from_numpy(array), self.device)
 
 
 def resolve_future_tokens(input_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:

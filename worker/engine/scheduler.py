@@ -20,14 +20,15 @@ from dataclasses import dataclass, field
 
 from worker.engine.errors import KVCapacityExceeded
 from worker.engine.kv_pool import PageAllocator, pages_for
+from worker.engine.page_table import PageTable
 from worker.engine.radix_cache import RadixCache
-from worker.engine.outputs import ErrorInfo
+from worker.engine.outputs import RequestError
 from worker.engine.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     """The model extends `request.token_ids[start : start + num_tokens]` this step."""
 
@@ -35,11 +36,6 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     samples: bool  # the chunk reaches the end of the sequence, so it yields the next token
-
-    @classmethod
-    def of(cls, req: Request, num_tokens: int) -> ScheduledChunk:
-        start = req.num_computed_tokens
-        return cls(req, start, num_tokens, start + num_tokens == len(req.token_ids))
 
 
 @dataclass
@@ -60,6 +56,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Request] = []  # both kept sorted by Request.sort_key
         self.running: list[Request] = []
+        self.page_table = PageTable()  # the running requests' pages, for the model runner
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
@@ -73,24 +70,40 @@ class Scheduler:
         planned: dict[Request, int] = {}  # insertion-ordered: the step's chunks
         budget = self.max_num_batched_tokens
         preempted = False
-        for decoding in (True, False):
-            for req in list(self.running):
-                if req.status is not RequestStatus.RUNNING or (req.num_uncomputed_tokens == 1) != decoding:
-                    continue
-                n = min(req.num_uncomputed_tokens, budget)
-                if n == 0:
-                    continue
-                grown, victims = self._grow(req, n, out)
-                for v in victims:
-                    budget += planned.pop(v, 0)
-                preempted |= bool(victims)
-                if grown:
-                    planned[req] = n
-                    budget -= n
+        prefilling = []
+        for req in list(self.running):  # decodes first: each gets its one token
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted by a more important request earlier in this loop
+            if len(req.token_ids) - req.num_computed_tokens != 1:
+                prefilling.append(req)
+            elif budget > 0 and req.num_computed_tokens < len(req.pages) * self.page_size:
+                planned[req] = 1  # the common case: its last page has room
+                budget -= 1
+            elif budget > 0:
+                budget, preempted = self._plan_growth(req, 1, planned, budget, out, preempted)
+        for req in prefilling:
+            n = min(req.num_uncomputed_tokens, budget)
+            if req.status is RequestStatus.RUNNING and n > 0:
+                budget, preempted = self._plan_growth(req, n, planned, budget, out, preempted)
         if not preempted:
             budget = self._admit(planned, budget, out)
-        out.chunks = [ScheduledChunk.of(r, n) for r, n in planned.items()]
+        out.chunks = [
+            ScheduledChunk(r, r.num_computed_tokens, n, r.num_computed_tokens + n == len(r.token_ids))
+            for r, n in planned.items()
+        ]
         return out
+
+    def _plan_growth(
+        self, req: Request, n: int, planned: dict[Request, int], budget: int, out: SchedulerOutput, preempted: bool,
+    ) -> tuple[int, bool]:
+        """Plans `n` tokens of `req` if it gets their pages; the budget its victims held comes back."""
+        grown, victims = self._grow(req, n, out)
+        for v in victims:
+            budget += planned.pop(v, 0)
+        if grown:
+            planned[req] = n
+            budget -= n
+        return budget, preempted or bool(victims)
 
     def commit(self, chunks: list[ScheduledChunk]) -> None:
         """Records that the model computed the chunks' KV."""
@@ -123,6 +136,8 @@ class Scheduler:
         return sum(pages_for(len(r.token_ids), self.page_size) for r in self.waiting)
 
     def _admit(self, planned: dict[Request, int], budget: int, out: SchedulerOutput) -> int:
+        if not self.waiting or budget == 0 or len(self.running) >= self.max_running:
+            return budget  # nothing to admit: spares the pages_owed walk over every running request
         owed = self.pages_owed()
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
@@ -197,7 +212,7 @@ class Scheduler:
             f"for its {len(req.token_ids)} tokens; the whole pool holds {self.allocator.num_pages} pages "
             f"of {self.page_size} tokens"
         )
-        req.finish("error", ErrorInfo(error.code, error.message))
+        req.finish("error", RequestError(error.code, error.message))
         out.failed.append(req)
         log.warning("%s", error.message)
 
@@ -208,6 +223,7 @@ class Scheduler:
             self.cache.unlock(req.cache_node)
             req.cache_node = None
         self.allocator.decref(req.pages)
+        self.page_table.release(req)
         req.pages = []
         req.num_computed_tokens = 0
 

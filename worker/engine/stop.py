@@ -5,11 +5,12 @@ is not, so a stream never carries text that is later cut.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 
 class Detokenizer(Protocol):
-    def push(self, new_ids: list[int]) -> str: ...
+    def push(self, new_ids: Sequence[int]) -> str: ...
 
     def flush(self) -> str: ...
 
@@ -57,21 +58,35 @@ class StopStringMatcher:
 
 
 class TextOutput:
-    """Turns sampled tokens into emitted text for one request and accumulates it."""
+    """Turns sampled tokens into emitted text for one request and accumulates it.
+
+    The text is kept as its deltas and joined when read: appending to one string attribute
+    would copy the whole text for every token."""
 
     def __init__(self, detokenizer: Detokenizer, stops: list[str]):
         self.detokenizer = detokenizer
-        self.matcher = StopStringMatcher(stops)
-        self.text = ""
+        self.matcher = StopStringMatcher(stops) if stops else None
+        self._deltas: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._deltas)
 
     def push(self, token_id: int, can_stop: bool) -> tuple[str, bool]:
-        delta, stopped = self.matcher.push(self.detokenizer.push([token_id]), can_stop)
-        self.text += delta
+        delta = self.detokenizer.push((token_id,))
+        stopped = False
+        if self.matcher is not None:
+            delta, stopped = self.matcher.push(delta, can_stop)
+        if delta:
+            self._deltas.append(delta)
         return delta, stopped
 
     def finish(self) -> str:
         """The rest of the text when the request ends other than by a stop string: what the
         matcher held back, then what the detokenizer held (an unfinished character as U+FFFD)."""
-        delta = self.matcher.flush() + self.detokenizer.flush()
-        self.text += delta
+        delta = self.detokenizer.flush()
+        if self.matcher is not None:
+            delta = self.matcher.flush() + delta
+        if delta:
+            self._deltas.append(delta)
         return delta

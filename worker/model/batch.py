@@ -23,3 +23,14 @@ class AttentionMetadata:
     prefix_lens: torch.Tensor  # [B] int32: tokens already cached before this step
     cu_seqlens_q: torch.Tensor  # [B+1] int32: offsets of each request's new tokens
     max_q_len: int
+
+
+@dataclass
+class StepInputs:
+    """One step's batch as the model takes it."""
+
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [N] int64: the last new token of each chunk that samples

@@ -182,7 +182,7 @@ class Qwen3ForCausalLM(nn.Module):
 
 # On CPU one [N, H] x [H, vocab] product with Qwen3's 151,936-token vocabulary runs well below
 # the layers' GFLOP/s; in slices of the vocabulary (each [N, 4096] output block small enough to
-# stay in cache) it measured 15-25% faster for N in 8..64 on the dev VM's Zen 4, same values.
+# stay in cache) it ran faster for N in 8..64, with the same values.
 # float32 has its own kernel (kernels.cpu_linear); this serves 16-bit weights.
 LM_HEAD_CHUNK = 4096
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from worker.model.tokenizer import TokenizerError
+from worker.model.tokenizer import TokenizerError, bytes_to_unicode
 
 log = logging.getLogger(__name__)
 
@@ -183,20 +183,6 @@ def qwen3_tokenizer_config() -> dict:
 def qwen3_chat_template() -> str:
     """Qwen3's chat template, verbatim (tools, reasoning_content, enable_thinking)."""
     return resources.files("worker.model").joinpath("qwen3_chat_template.jinja").read_text(encoding="utf-8")
-
-
-@functools.cache
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map used by ByteLevel pre-tokenizers and decoders."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 def to_byte_level(token: bytes, byte_to_char: dict[int, str]) -> str:

@@ -6,6 +6,8 @@ what tokenizer_config.json, generation_config.json and config.json name; Increme
 turns generated ids into text deltas for streaming.
 """
 
+import codecs
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -14,6 +16,8 @@ from typing import Any
 
 import jinja2
 import tokenizers
+import tokenizers.decoders
+from tokenizers.decoders import DecodeStream
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -26,7 +30,6 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"
 # The named special tokens transformers hands to every chat template (as strings, when set).
 TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-REPLACEMENT_CHAR = "\ufffd"
 
 
 class TokenizerError(MiliError):
@@ -55,6 +58,7 @@ class Tokenizer:
         self.template_tokens = dict(template_tokens)
         self.eos_token_ids = eos_token_ids
         self.source = source
+        self._token_bytes: dict[bool, TokenBytes] = {}  # by skip_special_tokens, built on first use
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -76,6 +80,16 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def incremental_detokenizer(
+        self, skip_special_tokens: bool = True,
+    ) -> "ByteLevelDetokenizer | IncrementalDetokenizer":
+        """The fastest detokenizer this vocabulary allows: the byte-level one when its decoder is ByteLevel."""
+        if not isinstance(self.backend.decoder, tokenizers.decoders.ByteLevel):
+            return IncrementalDetokenizer(self, skip_special_tokens)
+        if skip_special_tokens not in self._token_bytes:
+            self._token_bytes[skip_special_tokens] = TokenBytes.of(self.backend, skip_special_tokens)
+        return ByteLevelDetokenizer(self._token_bytes[skip_special_tokens])
 
     def apply_chat_template(
         self,
@@ -110,43 +124,125 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Text deltas for streaming that concatenate to decode(all ids).
+    """Text deltas for streaming that concatenate to decode(all ids), for any vocabulary.
 
     Decoding tokens one at a time splits multi-byte characters across tokens and, in
-    SentencePiece-style vocabularies, drops a word's leading space. As in vLLM's
-    detokenize_incrementally, each push decodes a window that starts where earlier text was
-    emitted whole (`prefix_offset`), without and with the unread tokens, and emits the
-    difference. A window ending in U+FFFD is an unfinished character: it waits for more ids.
+    SentencePiece-style vocabularies, drops a word's leading space. `tokenizers`' own
+    DecodeStream (Rust) handles both as vLLM's detokenize_incrementally does: it decodes a
+    window of the last ids with the new one and emits what the window's text gained, holding
+    it back while it ends in U+FFFD (an unfinished character). Byte-level vocabularies have a
+    faster way (ByteLevelDetokenizer).
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # ids[_context:_emitted] produced the last emitted text; ids[_emitted:] produced none yet.
+        self._context = self._emitted = 0
 
     def push(self, new_ids: Iterable[int]) -> str:
-        self.ids.extend(new_ids)
-        prefix_text, text = self._decode_window()
-        if len(text) <= len(prefix_text) or text.endswith(REPLACEMENT_CHAR):
-            return ""
-        return self._advance(text[len(prefix_text) :])
+        backend, ids = self.tokenizer.backend, self.ids
+        delta = ""
+        for token_id in new_ids:
+            ids.append(token_id)
+            text = self._stream.step(backend, token_id)
+            if text is not None:
+                delta += text
+                self._context, self._emitted = self._emitted, len(ids)
+        return delta
 
     def flush(self) -> str:
         """At the end of a stream: the text push held back, an unfinished character as U+FFFD."""
-        prefix_text, text = self._decode_window()
-        return self._advance(text[len(prefix_text) :])
-
-    def _decode_window(self) -> tuple[str, str]:
-        window = self.ids[self.prefix_offset :]
-        read = self.read_offset - self.prefix_offset
-        decode = self.tokenizer.decode
-        return decode(window[:read], self.skip_special_tokens), decode(window, self.skip_special_tokens)
-
-    def _advance(self, delta: str) -> str:
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self._emitted == len(self.ids):
+            return ""
+        decode, window = self.tokenizer.decode, self.ids[self._context :]
+        emitted = decode(window[: self._emitted - self._context], self.skip_special_tokens)
+        delta = decode(window, self.skip_special_tokens)[len(emitted) :]
+        self._context, self._emitted = self._emitted, len(self.ids)
         return delta
+
+
+class TokenBytes:
+    """Each token id's bytes as tokenizers' ByteLevel decoder turns it back into bytes, and its
+    text where those bytes are whole UTF-8 characters (None elsewhere)."""
+
+    def __init__(self, raw: list[bytes], texts: list[str | None]):
+        self.raw = raw
+        self.texts = texts
+
+    @classmethod
+    def of(cls, backend: tokenizers.Tokenizer, skip_special_tokens: bool) -> "TokenBytes":
+        special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+        char_to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
+        to_bytes = str.maketrans(char_to_byte)  # to code points < 256, which latin-1 encodes as those bytes
+        raw, texts = [], []
+        for token_id in range(backend.get_vocab_size(with_added_tokens=True)):
+            token = backend.id_to_token(token_id)
+            if token is None or (skip_special_tokens and token_id in special):
+                token = ""
+            # As the decoder does: a token with a character outside the byte alphabet is taken as its UTF-8.
+            data = token.translate(to_bytes).encode("latin-1") if char_to_byte.keys() >= set(token) else token.encode()
+            raw.append(data)
+            texts.append(data.decode("utf-8") if is_utf8(data) else None)
+        return cls(raw, texts)
+
+
+class ByteLevelDetokenizer:
+    """Text deltas for streaming that concatenate to decode(all ids), for a byte-level vocabulary
+    (GPT-2's, Qwen's: tokenizer.json's decoder is ByteLevel).
+
+    There decode(ids) is the UTF-8 decoding (invalid bytes as U+FFFD) of the concatenation of
+    each token's bytes, whatever surrounds a token. So the text grows through one incremental
+    UTF-8 decoder, which holds back an unfinished character, and a token whose bytes are whole
+    characters, with nothing held back, is a table lookup: no decode call at all.
+    """
+
+    def __init__(self, tokens: TokenBytes):
+        self.tokens = tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._holding = False  # the decoder holds the first bytes of a character
+
+    def push(self, new_ids: Iterable[int]) -> str:
+        raw, texts = self.tokens.raw, self.tokens.texts
+        delta = ""
+        for token_id in new_ids:
+            if token_id >= len(raw):
+                continue  # past the tokenizer's vocabulary (a model's padded rows): no text, as in decode
+            text = None if self._holding else texts[token_id]
+            if text is None:
+                text = self._utf8.decode(raw[token_id])
+                self._holding = bool(self._utf8.getstate()[0])
+            delta += text
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a stream: an unfinished character as U+FFFD."""
+        self._holding = False
+        return self._utf8.decode(b"", final=True)
+
+
+@functools.cache
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map used by ByteLevel pre-tokenizers and decoders."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def load_backend(path: Path) -> tokenizers.Tokenizer:

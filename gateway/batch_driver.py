@@ -1,0 +1,346 @@
+"""What moves batches forward. Gateways are stateless and any number may run, so every gateway
+runs a BatchDriver, and each unfinished batch is driven by one gateway at a time: the holder of
+its lease (a Redis key with a TTL, renewed at every step). A gateway that dies stops renewing,
+the lease lapses after `batch_lease_s`, and another gateway (or the same one, restarted) takes
+the batch on where it stood; a gateway that stops gracefully gives its leases up at once.
+
+A batch's lines run as queue jobs whose ids derive from the batch and the line
+(batch_lines.request_id), so a driver that takes a batch over submits its lines in flight again
+and finds their jobs: queued and running ones are not added twice, ended ones are read back, and
+only a job whose result expired from Redis (no gateway drove the batch for longer than the
+workers' result_ttl_s) runs again. A line's answer goes in once (BatchStore.answer). So a batch
+survives any gateway and any worker dying, and each custom_id is answered exactly once.
+
+    validating --(input checked)--> in_progress --(every line answered)--> finalizing --> completed
+    validating --(a bad line)--> failed
+    validating | in_progress --(POST .../cancel)--> cancelling --> cancelled
+    validating | in_progress --(completion_window over)--> expired
+
+On a cancel or at the window's end, the jobs in flight are cancelled; what ends before
+CANCEL_GRACE_S is answered as it ended (a line that finished is in the output file), and every
+line still unanswered gets the error `batch_cancelled` or `batch_expired` in the error file.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import redis
+
+from gateway.batch_lines import (
+    LineErrorBody, LineJobs, OutputLine, answer, check_lines, error_answer, line_request, parse_line, request_id,
+    unanswered,
+)
+from gateway.batch_schema import BatchErrors
+from gateway.batch_store import BatchStore, Pieces
+from gateway.errors import APIError
+from gateway.registry import ModelRegistry
+from gateway.settings import GatewaySettings
+from producer_client import AsyncClient, BulkQueueFull, ResultWatch
+
+log = logging.getLogger("gateway.batch")
+
+CANCEL_GRACE_S = 60.0  # how long the answers of cancelled jobs are awaited before lines are given up
+READ_WAIT_S = 0.5  # the longest wait for results in one step: a cancel is seen within about this
+QUEUE_FULL_WAIT_S = 1.0
+MAX_JOB_TIMEOUT_S = 7 * 24 * 3600  # the longest deadline a job may have (JobRequest.timeout_s)
+ENDED_CODES = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
+UNANSWERED = {
+    "batch_cancelled": "the batch was cancelled before this request was done",
+    "batch_expired": "the batch's completion window ended before this request was done",
+}
+
+
+def output_file_id(batch_id: str, kind: str) -> str:
+    """The id of a batch's output or error file: the same whichever gateway finalizes it."""
+    return "file-" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:32]
+
+
+class BatchDriver:
+    def __init__(self, store: BatchStore, client: AsyncClient, registry: ModelRegistry, settings: GatewaySettings):
+        self.store = store
+        self.client = client
+        self.registry = registry
+        self.settings = settings
+        self.holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.lease_ms = int(settings.batch_lease_s * 1000)
+        self.runs: dict[str, asyncio.Task] = {}
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self._look_for_batches())
+
+    async def stop(self) -> None:
+        """Stop driving, and give the leases up: another gateway takes the batches on at once."""
+        tasks = [t for t in (self.task, *self.runs.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _look_for_batches(self) -> None:
+        while True:
+            try:
+                for batch_id in await self.store.unfinished():
+                    if batch_id not in self.runs and await self.store.take_lease(batch_id, self.holder, self.lease_ms):
+                        self._drive(batch_id)
+            except redis.RedisError as e:
+                log.warning("looking for batches to drive: %s: %s", type(e).__name__, e)
+            await asyncio.sleep(self.settings.batch_poll_s)
+
+    def _drive(self, batch_id: str) -> None:
+        log.info("batch %s: driven by %s", batch_id, self.holder)
+        task = asyncio.ensure_future(BatchRun(self, batch_id).drive())
+        self.runs[batch_id] = task
+        task.add_done_callback(lambda _: self.runs.pop(batch_id, None))
+
+
+def index_of(line: LineJobs) -> int:
+    """A line's place in its batch, from 0 (LineRequest.line counts from 1)."""
+    return line.request.line - 1
+
+
+class BatchRun:
+    """One gateway driving one batch while it holds the batch's lease."""
+
+    def __init__(self, driver: BatchDriver, batch_id: str):
+        self.driver = driver
+        self.store = driver.store
+        self.client = driver.client
+        self.batch_id = batch_id
+        self.watch = ResultWatch(driver.client.keys)
+        self.flying: dict[int, LineJobs] = {}  # line index -> its jobs
+        self.line_of: dict[str, int] = {}  # job id -> line index
+        self.total = 0
+        self.next_line: int | None = None  # None until the run has taken the batch's progress on
+        self.expires_at = 0
+        self.ending: str | None = None  # batch_cancelled or batch_expired once the batch is ending
+        self.retry_at = 0.0
+        self.ttl_s = driver.settings.batch_ttl_s  # the batch's own, once read
+
+    async def drive(self) -> None:
+        try:
+            while await self.store.renew_lease(self.batch_id, self.driver.holder, self.driver.lease_ms):
+                fields = await self.store.batch_fields(self.batch_id)
+                if not fields or not await self.step(fields):
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Redis away, or a bug: give the batch up; the next look for batches takes it again.
+            log.exception("batch %s: driving stopped", self.batch_id)
+        finally:
+            await asyncio.shield(self._release())
+
+    async def _release(self) -> None:
+        try:
+            await self.store.release_lease(self.batch_id, self.driver.holder)
+        except redis.RedisError:
+            pass  # it lapses by itself
+
+    async def step(self, fields: dict[str, str]) -> bool:
+        """One step of the batch; False once it has ended."""
+        status = fields["status"]
+        self.expires_at = int(fields["expires_at"])
+        self.ttl_s = int(fields.get("ttl_s", self.ttl_s))
+        if status in ("validating", "in_progress") and time.time() >= self.expires_at:
+            await self.end(fields, "expired")
+        elif status == "validating":
+            await self.validate(fields)
+        elif status == "in_progress":
+            await self.progress(fields)
+        elif status == "cancelling":
+            await self.end(fields, "cancelled")
+        elif status == "finalizing":
+            await self.finalize("completed")
+        else:
+            return False
+        return True
+
+    # -- validating ----------------------------------------------------------------------------
+
+    async def validate(self, fields: dict[str, str]) -> None:
+        """Check the input file whole, as OpenAI does before a batch runs: a bad line fails the
+        batch (its errors name the lines). The lines are copied into the batch, which so owns
+        its input whatever becomes of the file."""
+        file_id = fields["input_file_id"]
+        pieces = [piece async for piece in self.store.file_text(file_id)]
+        if await self.store.file(file_id) is None:
+            return await self.fail([LineErrorBody(code="file_not_found", message=f"the input file {file_id} no longer exists")])
+        lines, errors = await asyncio.to_thread(check_lines, "".join(pieces), fields["endpoint"], self.driver.settings.batch_max_lines)
+        if errors:
+            return await self.fail([e.error() for e in errors])
+        await self.store.store_input(self.batch_id, lines)
+        await self.store.transition(self.batch_id, "validating", "in_progress", "in_progress_at", int(time.time()), total=len(lines))
+        log.info("batch %s: %d lines valid, in progress", self.batch_id, len(lines))
+
+    async def fail(self, errors: list[LineErrorBody]) -> None:
+        body = BatchErrors(data=errors).model_dump_json()
+        await self.store.finish(self.batch_id, "failed", "failed_at", int(time.time()), self.ttl_s, errors=body)
+        log.info("batch %s: failed validation: %s (line %s)", self.batch_id, errors[0].message, errors[0].line)
+
+    # -- in progress ---------------------------------------------------------------------------
+
+    async def progress(self, fields: dict[str, str]) -> None:
+        if self.next_line is None:
+            await self.take_on(fields, resubmit=True)
+        await self.fill()
+        if self.next_line >= self.total and not self.flying:
+            now = int(time.time())
+            if await self.store.transition(self.batch_id, "in_progress", "finalizing", "finalizing_at", now) == "finalizing":
+                await self.finalize("completed")
+            return
+        await self.collect()
+
+    async def take_on(self, fields: dict[str, str], resubmit: bool) -> None:
+        """Where the batch stands: the lines submitted before and not yet answered are in flight
+        again (submitted again when `resubmit`: their jobs are found, or made anew if they expired)."""
+        self.total = int(fields.get("total", 0))
+        self.next_line = int(fields.get("next_line", 0))
+        by_queue = await self.prepare(await self.store.unanswered(self.batch_id, self.next_line))
+        if resubmit:
+            refused = await self.submit(by_queue)
+            if refused is not None:  # fill() goes on from there (lines answered since are answered once)
+                self.next_line = min(self.next_line, refused)
+        else:
+            self.track([line for lines in by_queue.values() for line in lines])
+        log.info("batch %s: taken on at line %d of %d, %d in flight", self.batch_id, self.next_line, self.total, len(self.flying))
+
+    async def fill(self) -> None:
+        """Submit the next lines while fewer than `batch_in_flight` lines are out."""
+        room = self.driver.settings.batch_in_flight - len(self.flying)
+        if room <= 0 or self.next_line >= self.total or time.monotonic() < self.retry_at:
+            return
+        indexes = [i for i in range(self.next_line, min(self.total, self.next_line + room)) if i not in self.flying]
+        refused = await self.submit(await self.prepare(indexes))
+        self.next_line = min(self.total, self.next_line + room) if refused is None else refused
+        await self.store.set_fields(self.batch_id, next_line=self.next_line)
+
+    async def prepare(self, indexes: list[int]) -> dict[str, list[LineJobs]]:
+        """The lines' requests, by the queue of their model. A line whose body the HTTP API would
+        refuse (or whose model no queue serves) is answered here with that error."""
+        by_queue: dict[str, list[LineJobs]] = {}
+        refused = []
+        for index, text in zip(indexes, await self.store.input_lines(self.batch_id, indexes)):
+            line = parse_line(text, index + 1)
+            rid = request_id(self.batch_id, line.custom_id, line.body)
+            try:
+                request = line_request(line, index + 1)
+                queue = await self.driver.registry.queue_for(request.request.model)
+            except APIError as e:
+                refused.append((index, error_answer(line.custom_id, rid, e)))
+                continue
+            by_queue.setdefault(queue, []).append(LineJobs(request, rid))
+        await self.store.answer(self.batch_id, refused)
+        return by_queue
+
+    async def submit(self, by_queue: dict[str, list[LineJobs]]) -> int | None:
+        """Enqueue the lines' jobs, each queue's in one submit_many. Returns the first line a full
+        queue refused (it and the lines after it in that queue wait), or None."""
+        timeout_s = min(MAX_JOB_TIMEOUT_S, max(1.0, self.expires_at - time.time()))
+        refused: int | None = None
+        for queue, lines in by_queue.items():
+            try:
+                await self.client.on_queue(queue).submit_many([spec for line in lines for spec in line.submit_specs(timeout_s=timeout_s)])
+                taken = lines
+            except BulkQueueFull as full:
+                enqueued = set(full.job_ids)
+                taken = [line for line in lines if enqueued.issuperset(line.job_ids)]
+                first_out = next(index_of(line) for line in lines if not enqueued.issuperset(line.job_ids))
+                refused = first_out if refused is None else min(refused, first_out)
+                self.retry_at = time.monotonic() + QUEUE_FULL_WAIT_S
+                log.info("batch %s: queue %r is full; line %d waits", self.batch_id, queue, first_out)
+            self.track(taken)
+        return refused
+
+    def track(self, lines: list[LineJobs]) -> None:
+        for line in lines:
+            self.flying[index_of(line)] = line
+            for job_id in line.job_ids:
+                self.line_of[job_id] = index_of(line)
+            self.watch.add(line.job_ids)
+
+    async def collect(self) -> None:
+        """Answer the lines whose jobs have all ended since the last step."""
+        if not self.watch:
+            await asyncio.sleep(READ_WAIT_S)
+            return
+        answers = []
+        for result in await self.client.finished(self.watch, timeout=READ_WAIT_S):
+            index = self.line_of.pop(result.id)
+            if self.flying[index].add(result):
+                answers.append((index, self.answer(self.flying.pop(index))))
+        await self.store.answer(self.batch_id, answers)
+
+    def answer(self, line: LineJobs) -> OutputLine:
+        results = line.in_choice_order()
+        code = self.unanswered_code(results)
+        if code is not None:
+            return unanswered(line.request.custom_id, line.request_id, code, UNANSWERED[code])
+        return answer(line.request, line.request_id, results, self.driver.settings.retry_after_s)
+
+    def unanswered_code(self, results: list) -> str | None:
+        """batch_expired for a job past its deadline (the window's end), the batch's ending code
+        for a job it cancelled; None for a line answered as the HTTP API would answer it."""
+        if any(r.status == "expired" or r.finish_reason == "timeout" for r in results):
+            return "batch_expired"
+        if self.ending is not None and any(r.status == "cancelled" for r in results):
+            return self.ending
+        return None
+
+    # -- ending --------------------------------------------------------------------------------
+
+    async def end(self, fields: dict[str, str], final: str) -> None:
+        """Cancelled, or past its window: the jobs in flight are cancelled and given
+        CANCEL_GRACE_S to end; what ended is answered as it ended, every other line as not done."""
+        self.ending = ENDED_CODES[final]
+        if self.next_line is None:
+            await self.take_on(fields, resubmit=False)
+        await self.client.cancel_many(list(self.line_of))
+        grace_until = time.monotonic() + CANCEL_GRACE_S
+        while self.flying and time.monotonic() < grace_until:
+            if not await self.store.renew_lease(self.batch_id, self.driver.holder, self.driver.lease_ms):
+                return
+            await self.collect()
+        await self.give_up_unanswered()
+        await self.finalize(final)
+        log.info("batch %s: %s", self.batch_id, final)
+
+    async def give_up_unanswered(self) -> None:
+        indexes = await self.store.unanswered(self.batch_id, self.total)
+        for start in range(0, len(indexes), 1000):
+            page = indexes[start:start + 1000]
+            texts = await self.store.input_lines(self.batch_id, page)
+            answers = []
+            for index, text in zip(page, texts):
+                line = parse_line(text, index + 1)
+                rid = request_id(self.batch_id, line.custom_id, line.body)
+                answers.append((index, unanswered(line.custom_id, rid, self.ending, UNANSWERED[self.ending])))
+            await self.store.answer(self.batch_id, answers)
+
+    async def finalize(self, final: str) -> None:
+        """The answers into the output and error files, then the batch's final status."""
+        now = int(time.time())
+        files = {}
+        for ok, kind, name in ((True, "output", "output_file_id"), (False, "errors", "error_file_id")):
+            file = await self.store.put_file(
+                output_file_id(self.batch_id, kind), f"{self.batch_id}_{kind}.jsonl", "batch_output", self.pieces(ok), now,
+                self.ttl_s,
+            )
+            if file is not None:
+                files[name] = file.id
+        await self.store.finish(self.batch_id, final, f"{final}_at", now, self.ttl_s, **files)
+
+    async def pieces(self, ok: bool) -> AsyncIterator[str]:
+        pieces = Pieces()
+        async for page in self.store.answers(self.batch_id, ok):
+            for text in page:
+                if (piece := pieces.add(text + "\n")) is not None:
+                    yield piece
+        if (last := pieces.rest()) is not None:
+            yield last

@@ -1,0 +1,241 @@
+"""`mili batch INPUT.jsonl -o OUTPUT.jsonl [-e ERRORS.jsonl]`: an OpenAI batch file run through
+the queue, every worker attached to it sharing the work.
+
+Resumable. Each line's jobs get request ids derived from the input file's path, the line's
+custom_id and its body (LineRequest.request_id), so running the same command again after a crash
+or Ctrl-C enqueues no job twice: jobs still queued or running are found, not added again, and
+those that ended are read back from Redis (their results stay there for the workers'
+result_ttl_s). The output and error files are append-only, and what they hold is done: a rerun
+answers only the lines they lack (a line cut short by a crash is cut off first), so they end
+complete and without duplicates.
+
+Answers come in the order their jobs end, as OpenAI's do: match them by custom_id. The line
+format (gateway.batch_lines) is the gateway's own, validated and rendered as the gateway's routes
+do, so this lives with the gateway and needs its extra (`pip install 'mili[gateway]'`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from pydantic import ValidationError
+from tqdm import tqdm
+
+from gateway.batch_lines import (
+    LineError, LineJobs, OutputLine, answer, error_answer, line_request, not_a_request, parse_line, request_id,
+)
+from gateway.errors import APIError
+from producer_client.bulk import ResultWatch
+from producer_client.client import Client
+from producer_client.errors import BulkQueueFull, InvalidArgument
+
+log = logging.getLogger("mili.batch")
+
+READ_WAIT_S = 0.5  # the longest wait for results before the run looks at the queue again
+QUEUE_FULL_WAIT_S = 1.0  # a full queue (other producers) is tried again this much later
+
+
+def default_errors_path(output: Path) -> Path:
+    """OUTPUT with `.errors.jsonl` in place of `.jsonl` (appended to any other name)."""
+    return output.with_name(output.name.removesuffix(".jsonl") + ".errors.jsonl")
+
+
+@dataclass
+class Tally:
+    """What the run has answered, for the progress bar and the summary."""
+
+    lines: int  # the input's lines, blank ones left out
+    done_before: int = 0  # answered by an earlier run
+    done: int = 0
+    failed: int = 0
+    completion_tokens: int = 0
+    interrupted: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / max(time.monotonic() - self.started, 1e-9)
+
+
+class AnswerFiles:
+    """The output and error files. A line is answered once: by a custom_id (a request's answer)
+    or, for a line that is not a request, by its line number."""
+
+    def __init__(self, output: Path, errors: Path):
+        written = read_answers(output) + read_answers(errors)
+        self.custom_ids = {a.custom_id for a in written if a.error is None or a.error.line is None}
+        self.lines = {a.error.line for a in written if a.error is not None and a.error.line is not None}
+        self.output: TextIO = output.open("a", encoding="utf-8")
+        self.errors: TextIO = errors.open("a", encoding="utf-8")
+
+    def answered(self, custom_id: str) -> bool:
+        return custom_id in self.custom_ids
+
+    def write(self, line: OutputLine) -> None:
+        (self.output if line.ok else self.errors).write(line.model_dump_json() + "\n")
+
+    def flush(self) -> None:
+        self.output.flush()
+        self.errors.flush()
+
+    def close(self) -> None:
+        self.output.close()
+        self.errors.close()
+
+
+def read_answers(path: Path) -> list[OutputLine]:
+    """The answers a file holds. A last line without its newline was cut short by a crash: it is
+    cut off the file, and its line is answered again."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    if len(whole) < len(data):
+        with path.open("r+b") as f:
+            f.truncate(len(whole))
+    answers = []
+    for number, text in enumerate(whole.decode("utf-8").splitlines(), 1):
+        try:
+            answers.append(OutputLine.model_validate_json(text))
+        except ValidationError:
+            raise InvalidArgument("output", f"line {number} of {path} is not an answer of a batch: not this run's file?") from None
+    return answers
+
+
+class BatchRun:
+    """Submits the input's request lines, at most `in_flight` jobs ahead of their answers, and
+    writes each line's answer once all its jobs have ended."""
+
+    def __init__(self, client: Client, input_path: Path, files: AnswerFiles, in_flight: int, bar: tqdm, stop: threading.Event):
+        self.client = client
+        self.stop = stop
+        self.input_path = input_path
+        self.scope = str(input_path.resolve())
+        self.files = files
+        self.in_flight = in_flight
+        self.bar = bar
+        self.tally = Tally(lines=count_lines(input_path))
+        self.watch = ResultWatch(client.keys)
+        self.line_of: dict[str, LineJobs] = {}  # job id -> its line
+        self.held: list[LineJobs] = []  # lines the queue had no room for yet
+        self.retry_at = 0.0
+
+    def run(self) -> Tally:
+        todo = self.lines_to_run()
+        exhausted = False
+        while not self.stop.is_set():
+            exhausted = self.fill(todo) or exhausted
+            if exhausted and not self.line_of and not self.held:
+                return self.tally
+            self.collect()
+        self.tally.interrupted = True
+        return self.tally
+
+    def lines_to_run(self) -> Iterator[LineJobs]:
+        """The input's request lines not answered yet. The others are answered here and now: a
+        line that is not a request, a second line with a custom_id, a bad body."""
+        seen: set[str] = set()
+        with self.input_path.open(encoding="utf-8") as f:
+            for number, text in enumerate(f, 1):
+                if not text.strip():
+                    continue
+                try:
+                    line = parse_line(text, number)
+                    if line.custom_id in seen:
+                        raise LineError(number, "duplicate_custom_id", f"custom_id {line.custom_id!r} is on an earlier line", "custom_id", line.custom_id)
+                except LineError as e:
+                    self.answer_once_by_line(e)
+                    continue
+                seen.add(line.custom_id)
+                if self.files.answered(line.custom_id):
+                    self.tally.done_before += 1
+                    continue
+                try:
+                    request = line_request(line, number)
+                except APIError as e:
+                    self.write(error_answer(line.custom_id, request_id(self.scope, line.custom_id, line.body), e))
+                    continue
+                yield LineJobs(request, request.request_id(self.scope))
+
+    def answer_once_by_line(self, error: LineError) -> None:
+        if error.line in self.files.lines:
+            self.tally.done_before += 1
+        else:
+            self.write(not_a_request(error, self.scope))
+
+    def fill(self, todo: Iterator[LineJobs]) -> bool:
+        """Submit lines while fewer than `in_flight` jobs are out; True once the input is spent."""
+        if time.monotonic() < self.retry_at:
+            return False
+        batch, jobs = self.held, sum(len(line.job_ids) for line in self.held)
+        self.held = []
+        exhausted = False
+        while len(self.line_of) + jobs < self.in_flight:
+            line = next(todo, None)
+            if line is None:
+                exhausted = True
+                break
+            batch.append(line)
+            jobs += len(line.job_ids)
+        self.submit(batch)
+        return exhausted
+
+    def submit(self, lines: list[LineJobs]) -> None:
+        if not lines:
+            return
+        try:
+            self.client.submit_many([spec for line in lines for spec in line.submit_specs()])
+            taken = lines
+        except BulkQueueFull as full:
+            enqueued = set(full.job_ids)
+            taken = [line for line in lines if enqueued.issuperset(line.job_ids)]
+            self.held = [line for line in lines if not enqueued.issuperset(line.job_ids)]
+            self.retry_at = time.monotonic() + QUEUE_FULL_WAIT_S
+            log.info("queue %r is full (%d jobs): %d lines wait", full.queue, full.depth, len(self.held))
+        for line in taken:
+            for job_id in line.job_ids:
+                self.line_of[job_id] = line
+            self.watch.add(line.job_ids)
+
+    def collect(self) -> None:
+        if not self.watch:
+            time.sleep(max(0.0, min(READ_WAIT_S, self.retry_at - time.monotonic())))
+            return
+        for result in self.client.finished(self.watch, timeout=READ_WAIT_S):
+            line = self.line_of.pop(result.id)
+            if line.add(result):
+                self.write(answer(line.request, line.request_id, line.in_choice_order()))
+        self.files.flush()
+
+    def write(self, line: OutputLine) -> None:
+        self.files.write(line)
+        self.tally.done += line.ok
+        self.tally.failed += not line.ok
+        self.tally.completion_tokens += line.completion_tokens()
+        self.bar.update(1)
+        self.bar.set_postfix(done=self.tally.done, failed=self.tally.failed, tok_s=f"{self.tally.tokens_per_s():.0f}", refresh=False)
+
+def count_lines(path: Path) -> int:
+    with path.open("rb") as f:
+        return sum(1 for text in f if text.strip())
+
+
+def run_batch(client: Client, input_path: Path, output: Path, errors: Path, in_flight: int, stop: threading.Event) -> Tally:
+    """Answer every line of `input_path` not answered yet in `output` and `errors`. Setting `stop`
+    (Ctrl-C) ends the run within READ_WAIT_S, between two exchanges with Redis, so that nothing is
+    left half-sent: the answers written so far stay, and the jobs in flight run on. Run it again to
+    finish."""
+    files = AnswerFiles(output, errors)
+    bar = tqdm(unit="line", dynamic_ncols=True)
+    run = BatchRun(client, input_path, files, in_flight, bar, stop)
+    bar.total = run.tally.lines - len(files.custom_ids) - len(files.lines)
+    try:
+        return run.run()
+    finally:
+        files.flush()
+        files.close()
+        bar.close()

@@ -1,0 +1,255 @@
+"""OpenAI's batch file format, one request per input line and one answer per output line, shared
+by `mili batch` (local files) and the gateway's Batch API (files in Redis).
+
+    input:  {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+    output: {"id": "batch_req_...", "custom_id": "a", "response": {"status_code": 200, "request_id": "...", "body": {...}}, "error": null}
+
+A line's body is the same request as POST /v1/chat/completions or /v1/completions: it is
+validated and turned into jobs by the same code (gateway.requests), and its answer is rendered by
+the same renderers, so a batch answers exactly what the HTTP API would. A request that fails
+(a bad body, a failed job) is answered with its HTTP status and OpenAI's error body, as the HTTP
+API would answer it; a line that is not a request at all (not JSON, no custom_id, an unknown url)
+is a LineError, which names the line.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.errors import APIError, api_error_of, bad_request
+from gateway.render import ChatRenderer, CompletionRenderer, Renderer
+from gateway.requests import JobSpec, chat_jobs, completion_jobs, parse_body
+from gateway.schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from producer_client import JobResult
+from producer_client.errors import InvalidArgument
+from producer_client.schema import JobFailed
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    request: type[SamplingRequest]
+    jobs_of: Callable[[Any], list[JobSpec]]
+    renderer: type[Renderer]
+    id_prefix: str
+
+
+ENDPOINTS = {
+    "/v1/chat/completions": Endpoint(ChatCompletionRequest, chat_jobs, ChatRenderer, "chatcmpl"),
+    "/v1/completions": Endpoint(CompletionRequest, completion_jobs, CompletionRenderer, "cmpl"),
+}
+
+
+class LineError(Exception):
+    """An input line that is not a request: `line` is its number (from 1)."""
+
+    def __init__(self, line: int, code: str, message: str, param: str | None = None, custom_id: str | None = None):
+        super().__init__(f"line {line}: {message}")
+        self.line = line
+        self.code = code
+        self.message = message
+        self.param = param
+        self.custom_id = custom_id
+
+    def error(self) -> LineErrorBody:
+        return LineErrorBody(code=self.code, message=self.message, param=self.param, line=self.line)
+
+
+class InputLine(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    custom_id: str = Field(min_length=1)
+    method: Literal["POST"]
+    url: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LineRequest:
+    """A line that is a request: its endpoint, its body as that endpoint's request, and its jobs."""
+
+    line: int
+    custom_id: str
+    endpoint: Endpoint
+    body: dict[str, Any]
+    request: SamplingRequest
+    specs: list[JobSpec]
+
+    def request_id(self, scope: str) -> str:
+        return request_id(scope, self.custom_id, self.body)
+
+
+@dataclass
+class LineJobs:
+    """A request line in flight: its jobs (`<request id>-<choice>`) and their results so far."""
+
+    request: LineRequest
+    request_id: str
+    results: dict[str, JobResult] = field(default_factory=dict)
+
+    @property
+    def job_ids(self) -> list[str]:
+        return [f"{self.request_id}-{i}" for i in range(len(self.request.specs))]
+
+    def submit_specs(self, **options: Any) -> list[dict]:
+        """submit_many's specs of the line's jobs, with `options` (timeout_s...) added."""
+        return [
+            {**spec.submit_kwargs(), "request_id": job_id, **options}
+            for spec, job_id in zip(self.request.specs, self.job_ids)
+        ]
+
+    def add(self, result: JobResult) -> bool:
+        """Record a job's result; True once every job of the line has one."""
+        self.results[result.id] = result
+        return len(self.results) == len(self.request.specs)
+
+    def in_choice_order(self) -> list[JobResult]:
+        return [self.results[job_id] for job_id in self.job_ids]
+
+
+def request_id(scope: str, custom_id: str, body: dict[str, Any]) -> str:
+    """A line's request id within `scope` (a batch file, a batch): its jobs are
+    `<request id>-<choice>`, so a line submitted again finds its jobs. The body is part of it: a
+    line changed between two runs is another request."""
+    digest = hashlib.sha256(json.dumps([scope, custom_id, body], sort_keys=True).encode()).hexdigest()
+    return f"batch.{digest[:40]}"
+
+
+def parse_line(text: str, number: int, urls: frozenset[str] = frozenset(ENDPOINTS)) -> InputLine:
+    """The line as an InputLine whose url is one of `urls`, else a LineError."""
+    try:
+        line = InputLine.model_validate_json(text)
+    except ValidationError as e:
+        first = e.errors()[0]
+        if first["type"] in ("json_invalid", "json_type"):
+            raise LineError(number, "invalid_json", f"not a JSON object: {first['msg']}") from None
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise LineError(number, "invalid_line", f"{param}: {first['msg']}", param, custom_id_of(text)) from None
+    if line.url not in urls:
+        allowed = " or ".join(sorted(urls))
+        raise LineError(number, "invalid_url", f"url {line.url!r} is not {allowed}", "url", line.custom_id)
+    return line
+
+
+def check_lines(text: str, url: str, max_lines: int, max_errors: int = 100) -> tuple[list[str], list[LineError]]:
+    """A batch input file's request lines (blank ones left out), and what is wrong with it: too
+    many lines, lines that are not requests, a url other than the batch's, a custom_id twice. The
+    first `max_errors` errors are kept."""
+    numbered = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if len(numbered) > max_lines:
+        return [], [LineError(numbered[max_lines][0], "too_many_lines", f"{len(numbered)} lines, the limit is {max_lines}")]
+    errors: list[LineError] = []
+    seen: set[str] = set()
+    for number, text_line in numbered:
+        try:
+            line = parse_line(text_line, number, frozenset({url}))
+            if line.custom_id in seen:
+                raise LineError(number, "duplicate_custom_id", f"custom_id {line.custom_id!r} is on an earlier line", "custom_id", line.custom_id)
+            seen.add(line.custom_id)
+        except LineError as e:
+            errors.append(e)
+            if len(errors) == max_errors:
+                break
+    return [line for _, line in numbered], errors
+
+
+def custom_id_of(text: str) -> str | None:
+    try:
+        value = json.loads(text).get("custom_id")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def line_request(line: InputLine, number: int) -> LineRequest:
+    """The line's request and jobs, validated as the HTTP API validates them (each job as the
+    client library will): an APIError (400) for a bad body."""
+    endpoint = ENDPOINTS[line.url]
+    request = parse_body(endpoint.request, json.dumps(line.body))
+    if request.stream:
+        raise bad_request("a batch request cannot stream", "stream")
+    specs = endpoint.jobs_of(request)
+    try:
+        for spec in specs:
+            spec.check(None)
+    except InvalidArgument as e:
+        raise bad_request(e.message, e.field, e.code) from None
+    return LineRequest(number, line.custom_id, endpoint, line.body, request, specs)
+
+
+# -- output lines ------------------------------------------------------------------------------
+
+
+class Output(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class LineResponse(Output):
+    status_code: int
+    request_id: str
+    body: dict[str, Any]
+
+
+class LineErrorBody(Output):
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class OutputLine(Output):
+    id: str
+    custom_id: str | None
+    response: LineResponse | None = None
+    error: LineErrorBody | None = None
+
+    @property
+    def ok(self) -> bool:
+        """A 200 answer: it belongs in the output file; anything else in the error file."""
+        return self.response is not None and self.response.status_code == 200
+
+    def completion_tokens(self) -> int:
+        usage = self.response.body.get("usage") if self.ok else None
+        return usage["completion_tokens"] if usage else 0
+
+
+def line_id(request_id: str) -> str:
+    return "batch_req_" + hashlib.sha256(request_id.encode()).hexdigest()[:32]
+
+
+def answer(req: LineRequest, request_id: str, results: list[JobResult], retry_after_s: int = 1) -> OutputLine:
+    """The line's answer from its jobs' results (in choice order), as the HTTP API would give it."""
+    failed = next((r for r in results if r.status == "failed"), None)
+    if failed is not None:
+        code, message = (failed.error.code, failed.error.message) if failed.error else ("error", "failed")
+        return error_answer(req.custom_id, request_id, api_error_of(JobFailed(code, message, failed), retry_after_s))
+    prompt_of = [spec.prompt_index for spec in req.specs]
+    renderer = req.endpoint.renderer(f"{req.endpoint.id_prefix}-{request_id}", req.request.model, prompt_of)
+    try:
+        body = renderer.response(results).model_dump(mode="json")
+    except APIError as e:  # a job that passed its deadline: 504, as over HTTP
+        return error_answer(req.custom_id, request_id, e)
+    response = LineResponse(status_code=200, request_id=request_id, body=body)
+    return OutputLine(id=line_id(request_id), custom_id=req.custom_id, response=response)
+
+
+def error_answer(custom_id: str, request_id: str, error: APIError) -> OutputLine:
+    """A request answered with an HTTP error (a bad body, a failed job), OpenAI's error body in it."""
+    body = error.body.model_dump(mode="json")
+    return OutputLine(
+        id=line_id(request_id), custom_id=custom_id,
+        response=LineResponse(status_code=error.status, request_id=request_id, body=body),
+    )
+
+
+def unanswered(custom_id: str | None, request_id: str, code: str, message: str) -> OutputLine:
+    """A line that got no answer: its batch was cancelled or expired first."""
+    return OutputLine(id=line_id(request_id), custom_id=custom_id, error=LineErrorBody(code=code, message=message))
+
+
+def not_a_request(error: LineError, scope: str) -> OutputLine:
+    return OutputLine(id=line_id(f"{scope}:line:{error.line}"), custom_id=error.custom_id, error=error.error())

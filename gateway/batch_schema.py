@@ -1,0 +1,111 @@
+"""The Batch API's shapes, as OpenAI's SDK reads them: the file object, the batch object (its
+statuses, timestamps and request counts) and their lists."""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.batch_lines import LineErrorBody
+
+BatchStatus = Literal[
+    "validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled",
+]
+# A batch in one of these has ended: its driver is done with it, and it expires after batch_ttl_s.
+ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
+
+
+class Shape(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class FileObject(Shape):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    expires_at: int
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["processed"] = "processed"
+
+
+class FileDeleted(Shape):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class CreateBatch(Shape):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+class RequestCounts(Shape):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class BatchErrors(Shape):
+    object: Literal["list"] = "list"
+    data: list[LineErrorBody]
+
+
+class Batch(Shape):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None = None
+
+    def fields(self) -> dict[str, str | int]:
+        """The batch's hash: what from_fields reads back."""
+        fields: dict[str, str | int] = {
+            k: v for k, v in self.model_dump(exclude={"errors", "metadata", "request_counts"}).items() if v is not None
+        }
+        fields.update(self.request_counts.model_dump())
+        if self.metadata is not None:
+            fields["metadata"] = json.dumps(self.metadata)
+        if self.errors is not None:
+            fields["errors"] = self.errors.model_dump_json()
+        return fields
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, str]) -> Batch:
+        """From the batch's hash: JSON for the nested fields, numbers as Redis keeps them."""
+        nested = {"errors", "metadata"}
+        counts = {"total", "completed", "failed"}
+        values: dict[str, Any] = {k: v for k, v in fields.items() if k in cls.model_fields and k not in nested}
+        for name in nested & fields.keys():
+            values[name] = json.loads(fields[name])
+        values["request_counts"] = RequestCounts(**{k: int(fields.get(k, 0)) for k in counts})
+        return cls.model_validate(values)
+
+
+class BatchList(Shape):
+    object: Literal["list"] = "list"
+    data: list[Batch]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

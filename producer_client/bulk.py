@@ -1,0 +1,190 @@
+"""Many jobs at once, for the sync and asyncio clients alike. No I/O here (as in protocol.py): the
+clients run the same steps over their own connections.
+
+- `submit_many` validates every spec before anything is sent, then enqueues the jobs in chunks of
+  CHUNK, at most three pipelined round trips a chunk whatever its size: CREATE for the jobs that
+  carry a request_id (only those not seen before go on), then the others' CREATE with one
+  ENQUEUE_MANY of the whole chunk, then the request_ids' `enqueued` flags. The queue's bound holds
+  as for `submit`: a chunk that would cross it fills the queue up to it, and BulkQueueFull names
+  what went in.
+- `ResultWatch` holds the jobs a caller waits for; one XREAD of their `done` streams returns every
+  one of them that has ended, or blocks until one does.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from itertools import islice
+from typing import Any
+
+from producer_client import protocol
+from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound
+from producer_client.keys import PROTOCOL_VERSION, Keys
+from producer_client.protocol import NewJob
+from producer_client.schema import JobResult
+from producer_client.scripts import ENQUEUE_MANY
+from producer_client.steps import Steps, checked
+
+CHUNK = 1000  # jobs per pipelined chunk: one ENQUEUE_MANY holds Redis for about a millisecond
+WINDOW = 512  # `done` streams per XREAD
+
+
+def build_jobs(specs: Iterable[Mapping[str, Any]]) -> list[NewJob]:
+    """Every spec validated as `submit` validates its arguments; InvalidArgument names the first
+    bad one as `jobs[<index>].<field>`."""
+    return [build_spec(index, spec) for index, spec in enumerate(specs)]
+
+
+def build_spec(index: int, spec: Mapping[str, Any]) -> NewJob:
+    if not isinstance(spec, Mapping):
+        raise InvalidArgument(f"jobs[{index}]", "must be a dict of submit()'s keyword arguments")
+    sampling = dict(spec)
+    try:
+        return protocol.build_job(
+            sampling.pop("prompt", None), sampling.pop("messages", None), sampling.pop("input_ids", None),
+            sampling.pop("request_id", None), sampling.pop("timeout_s", None), sampling.pop("priority", 0), sampling,
+        )
+    except InvalidArgument as e:
+        raise type(e)(f"jobs[{index}].{e.field}", e.message.removeprefix(f"{e.field}: ")) from None
+
+
+def submit_steps(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob]) -> Steps:
+    """Enqueue `jobs` chunk by chunk; returns their ids in order. Specs with the same request_id
+    are one job. Raises BulkQueueFull when the queue fills up part-way."""
+    unique: dict[str, NewJob] = {}
+    for job in jobs:
+        unique.setdefault(job.job_id, job)
+    order = list(unique.values())
+    placed: set[str] = set()
+    for start in range(0, len(order), CHUNK):
+        chunk = order[start:start + CHUNK]
+        in_queue, depth = yield from enqueue_chunk(keys, queue, max_depth, chunk)
+        placed.update(in_queue)
+        if len(in_queue) < len(chunk):
+            ids = [job.job_id for job in jobs]
+            first_out = next(i for i, job_id in enumerate(ids) if job_id not in placed)
+            raise BulkQueueFull(queue, depth, max_depth, ids[:first_out])
+    return [job.job_id for job in jobs]
+
+
+def enqueue_chunk(keys: Keys, queue: str, max_depth: int | None, chunk: list[NewJob]) -> Steps:
+    """Returns (the ids of the chunk's jobs in the queue now, up to the first that did not fit;
+    the depth ENQUEUE_MANY left). A job whose enqueue fails or does not fit loses its hash, as in
+    `submit`: a later submit with its request_id then enqueues it."""
+    found = yield from found_already(keys, [job for job in chunk if job.idempotent])
+    to_add = [job for job in chunk if job.job_id not in found]
+    if not to_add:
+        return [job.job_id for job in chunk], None
+    try:
+        replies = checked((yield enqueue_commands(keys, queue, max_depth, to_add)))
+    except Exception:
+        yield forget_commands(to_add, keys)
+        raise
+    added, depth = replies[-1]
+    enqueued, refused = to_add[:added], to_add[added:]
+    if refused or any(job.idempotent for job in enqueued):
+        checked((yield flag_commands(keys, enqueued, refused)))
+    in_queue = [job.job_id for job in chunk]
+    if refused:
+        in_queue = in_queue[: in_queue.index(refused[0].job_id)]
+    return in_queue, depth
+
+
+def found_already(keys: Keys, idempotent: list[NewJob]) -> Steps:
+    """The ids of the jobs that CREATE found in the queue already, or past it."""
+    if not idempotent:
+        return set()
+    created = checked((yield lambda pipe: [pipe.evalsha(*job.create_call(keys)) for job in idempotent]))
+    return {job.job_id for job, new in zip(idempotent, created) if not new}
+
+
+def enqueue_commands(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob]) -> Callable:
+    """The hashes of the jobs with a fresh id (CREATE of the others went first), then ENQUEUE_MANY."""
+
+    def add(pipe) -> None:
+        for job in jobs:
+            if job.idempotent:
+                continue
+            if job.timeout_ms:
+                pipe.evalsha(*job.create_call(keys))
+            else:  # CREATE without a deadline is this one command, which costs Redis less than a script
+                pipe.hsetnx(keys.job(job.job_id), "status", "queued")
+        ids_and_bodies = [x for job in jobs for x in (job.job_id, job.body)]
+        pipe.evalsha(ENQUEUE_MANY.sha, 1, keys.queue(queue), max_depth or 0, PROTOCOL_VERSION, *ids_and_bodies)
+
+    return add
+
+
+def flag_commands(keys: Keys, enqueued: list[NewJob], refused: list[NewJob]) -> Callable:
+    """The `enqueued` flag of the jobs with a request_id now in the queue (only a later submit of
+    the same request_id reads it: a fresh id has none), and no hash of a job that did not fit."""
+
+    def add(pipe) -> None:
+        for job in enqueued:
+            if job.idempotent:
+                pipe.hset(keys.job(job.job_id), "enqueued", "1")
+        if refused:
+            pipe.delete(*(keys.job(job.job_id) for job in refused))
+
+    return add
+
+
+def forget_commands(jobs: list[NewJob], keys: Keys) -> Callable:
+    return lambda pipe: pipe.delete(*(keys.job(job.job_id) for job in jobs))
+
+
+def cancel_commands(keys: Keys, job_ids: list[str]) -> Callable:
+    """CANCEL of each job, in one pipeline."""
+    return lambda pipe: [pipe.evalsha(*protocol.cancel_call(keys, job_id)) for job_id in job_ids]
+
+
+class ResultWatch:
+    """The jobs a caller waits for, in the order they were added (an id added twice is one job).
+
+    A read looks at the `done` streams of the first WINDOW of them: one XREAD returns every one
+    of those that has ended, or blocks until one does, so collecting many results costs a round
+    trip per batch of them, not per job, and Redis's work per read is bounded whatever the number
+    of jobs watched. A queue is FIFO, so the earliest jobs are the ones that end first; a later
+    one that ends sooner is returned once those before it leave the window."""
+
+    def __init__(self, keys: Keys, job_ids: Iterable[str] = ()):
+        self.keys = keys
+        self.waiting: dict[str, None] = dict.fromkeys(job_ids)
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, job_ids: Iterable[str]) -> None:
+        self.waiting.update(dict.fromkeys(job_ids))
+
+    def first(self) -> str:
+        return next(iter(self.waiting))
+
+    def window(self) -> dict[str, str]:
+        """The first WINDOW jobs' `done` streams: stream key -> job id."""
+        return {self.keys.done(job_id): job_id for job_id in islice(self.waiting, WINDOW)}
+
+    def take(self, window: dict[str, str], reply: list) -> list[JobResult]:
+        """The results in an XREAD reply over `window`, in the order the jobs ended (their `done`
+        entries' ids: Redis's clock, to the millisecond), out of the watch from now on. A failed
+        job's result is returned like any other: one job's failure ends no wait."""
+        ended = []
+        for key, ((entry_id, fields),) in reply:
+            del self.waiting[window[key]]
+            ended.append((entry_order(entry_id), fields["data"]))
+        return [JobResult.model_validate_json(data) for _, data in sorted(ended)]
+
+
+def entry_order(entry_id: str) -> tuple[int, int]:
+    ms, seq = entry_id.split("-")
+    return int(ms), int(seq)
+
+
+def check_exist(keys: Keys, job_ids: list[str]) -> Steps:
+    """Raises JobNotFound for the first of `job_ids` with no job: one EXISTS of a chunk's hashes
+    counts them, and only a chunk that comes up short is looked at key by key."""
+    for start in range(0, len(job_ids), CHUNK):
+        chunk = job_ids[start:start + CHUNK]
+        (count,) = checked((yield lambda pipe: pipe.exists(*(keys.job(job_id) for job_id in chunk))))
+        if count < len(chunk):
+            found = checked((yield lambda pipe: [pipe.exists(keys.job(job_id)) for job_id in chunk]))
+            raise JobNotFound(next(job_id for job_id, exists in zip(chunk, found) if not exists))

@@ -1,0 +1,113 @@
+"""Engine.warm_up: it runs at every page size, leaves the engine generating what a cold one does,
+and compiles every Triton kernel variant that serving can launch."""
+import contextlib
+import importlib
+import itertools
+from dataclasses import dataclass
+
+import pytest
+from triton.backends.compiler import BaseBackend
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+
+from producer_client.schema import SamplingParams
+from tests.engine.test_engine import random_prompts, token_ids
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_an_engine_with_tiny_pages_warms_up_and_generates_what_page_size_16_does(make_engine, page_size):
+    prompts = random_prompts(5, 1, 40, seed=21)
+    expected = token_ids(make_engine(page_size=16).generate(prompts, GREEDY))
+    engine = make_engine(page_size=page_size, num_pages=2048 // page_size)
+    engine.warm_up()
+    assert engine.allocator.num_free == engine.allocator.num_pages
+    assert token_ids(engine.generate(prompts, GREEDY)) == expected
+
+
+# -- every Triton kernel variant the engine can launch is compiled by warm-up ---------------------
+
+# By import_module: kernels/__init__ rebinds `kernels.rms_norm` to the function of that name.
+KERNEL_MODULES = tuple(
+    importlib.import_module(f"kernels.{name}")
+    for name in ("activation", "decode_attention", "extend_attention", "kv_store", "rms_norm", "rope")
+)
+decode_attention = importlib.import_module("kernels.decode_attention")
+
+
+@contextlib.contextmanager
+def recorded_launches(monkeypatch: pytest.MonkeyPatch):
+    """Stands in for the launched kernels (`_*_kernel`) of kernels/ while the block runs: each
+    launch goes through, and its specialization key, as Triton computes it to pick (or compile)
+    a variant, is recorded.
+
+    The key is what Triton's binder makes of a launch: each argument's type, a pointer's 16-byte
+    alignment, an integer's being 1 or a multiple of 16 (unless the kernel opts out for it), the
+    constexpr values, and the launch options."""
+    launches = Launches(set(), {})
+    with monkeypatch.context() as patch:
+        for module in KERNEL_MODULES:
+            for name, kernel in vars(module).items():
+                if name.endswith("_kernel") and isinstance(kernel, (JITFunction, InterpretedFunction)):
+                    patch.setattr(module, name, RecordingKernel(name, kernel, launches))
+        yield launches
+
+
+@dataclass
+class Launches:
+    keys: set[tuple]
+    values: dict[tuple[str, str], set]  # (kernel, argument) -> the integers it was launched with
+
+
+class RecordingKernel:
+    def __init__(self, name: str, kernel, launches: Launches):
+        self.name, self.kernel, self.launches = name, kernel, launches
+        jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+        self.bind = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            bound, specialization, options = self.bind(*args, **kwargs)
+            self.launches.keys.add((self.name, tuple(map(repr, specialization)), tuple(sorted(options.items()))))
+            for arg, value in bound.items():
+                if isinstance(value, int):
+                    self.launches.values.setdefault((self.name, arg), set()).add(value)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def varied_num_splits():
+    """Stands in for the GPU's choice of decode splits (it follows the batch and the context):
+    counts of 1, of a multiple of 16 and of neither come up in turn."""
+    counts = itertools.cycle([1, 7, 16, 32, 3])
+    return lambda batch, kv_heads, max_context, device: next(counts)
+
+
+def test_warm_up_compiles_every_kernel_variant_a_varied_batch_launches(make_engine, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors take the Triton path, interpreted
+    monkeypatch.setattr(decode_attention, "decode_num_splits", varied_num_splits())
+    engine = make_engine(max_num_batched_tokens=48, max_running=8)  # page size 4
+
+    with recorded_launches(monkeypatch) as warm_up:
+        engine.warm_up()
+    with recorded_launches(monkeypatch) as serving:
+        engine.generate([[1], [2, 3]], SamplingParams(temperature=0, max_tokens=2))  # page tables 1 page wide
+        shared = random_prompts(1, 20, 20, seed=22)[0]
+        prompts = random_prompts(1, 62, 62, seed=23) + random_prompts(1, 33, 33, seed=24)
+        prompts += [shared + [1], shared + [2, 3]]  # a prefix-cache hit
+        params = [SamplingParams(temperature=0, max_tokens=n) for n in (6, 3, 2, 2)]
+        params[1] = SamplingParams(temperature=0.9, top_p=0.8, seed=1, max_tokens=3)
+        engine.generate(prompts, params)  # chunked prefills beside decodes, page tables up to 18 pages
+
+    assert {name for name, _, _ in serving.keys} == {
+        "_rms_norm_kernel", "_head_norm_rope_kernel", "_silu_and_mul_kernel", "_store_kv_kernel",
+        "_extend_kernel", "_decode_split_kernel", "_decode_merge_kernel",
+    }
+    for kernel in ("_decode_split_kernel", "_extend_kernel"):  # widths of 1, of a multiple of 16, of neither
+        widths = serving.values[(kernel, "page_table_stride")]
+        assert 1 in widths and any(w % 16 == 0 for w in widths) and any(w > 1 and w % 16 for w in widths), widths
+    assert {1, 7, 16} <= serving.values[("_decode_merge_kernel", "num_splits")]
+    assert serving.keys <= warm_up.keys, sorted(serving.keys - warm_up.keys)

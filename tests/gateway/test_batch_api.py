@@ -1,0 +1,310 @@
+"""The Batch API through the official `openai` SDK, against real gateway processes, two echo
+workers and a real redis-server: files in and out, a batch's statuses and counts, and every
+custom_id answered exactly once whatever dies or is cancelled on the way."""
+from __future__ import annotations
+
+import io
+import json
+import time
+import uuid
+
+import openai
+import pytest
+
+from gateway.batch_store import LINES_PER_FIELD, PIECE_CHARS
+from producer_client.keys import Keys
+from tests.gateway.support import GatewayProcess
+from tests.redis_support import echo_workers
+
+KEYS = Keys()
+MODEL = "batch-echo"
+IN_FLIGHT = 16  # lines a batch has out at once: the batches below cycle it many times
+MAX_LINES = 600
+MAX_FILE_BYTES = 8 * PIECE_CHARS
+RUN_TIMEOUT_S = 180
+ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def batch_queue():
+    return f"batch-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def batch_workers(redis_server, batch_queue, tmp_path_factory):
+    """Two echo workers of 4 slots each, quick to reclaim a killed one's jobs."""
+    flags = ("--max-running", "4", "--claim-idle-ms", "1000", "--reclaim-interval-s", "0.2")
+    with echo_workers(redis_server.url, batch_queue, tmp_path_factory.mktemp("batch-workers"), *flags) as workers:
+        yield workers
+
+
+def gateway_flags(batch_queue: str, *more: str) -> tuple[str, ...]:
+    return (
+        "--models", json.dumps({MODEL: batch_queue}), "--batch-poll-s", "0.1", "--batch-lease-s", "1",
+        "--batch-in-flight", str(IN_FLIGHT), "--batch-max-lines", str(MAX_LINES), "--batch-max-file-bytes",
+        str(MAX_FILE_BYTES), "--batch-completion-windows", json.dumps(["24h", "4s"]), *more,
+    )
+
+
+@pytest.fixture(scope="module")
+def gateway(redis_server, batch_queue, batch_workers, tmp_path_factory):
+    """This module's gateway, in place of the session's (conftest's `sdk` then talks to it)."""
+    process = GatewayProcess(redis_server.url, tmp_path_factory.mktemp("batch-gateway"), *gateway_flags(batch_queue))
+    try:
+        yield process.start()
+    finally:
+        process.stop()
+
+
+def chat_line(custom_id: str, content: str, max_tokens: int = 64, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **body}}
+
+
+def echo_of(content: str) -> str:
+    """What the echo engine answers a chat: its template's text, one byte a step."""
+    return f"user: {content}\nassistant: "
+
+
+def upload(sdk, lines: list) -> str:
+    text = "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+    return sdk.files.create(file=("input.jsonl", io.BytesIO(text.encode())), purpose="batch").id
+
+
+def run_batch(sdk, lines: list, window: str = "24h"):
+    return sdk.batches.create(input_file_id=upload(sdk, lines), endpoint="/v1/chat/completions", completion_window=window)
+
+
+def wait_for(sdk, batch_id: str, condition, timeout: float = RUN_TIMEOUT_S):
+    deadline = time.monotonic() + timeout
+    while not condition(batch := sdk.batches.retrieve(batch_id)):
+        assert time.monotonic() < deadline, f"batch {batch_id} stuck: {batch}"
+        time.sleep(0.1)
+    return batch
+
+
+def ended(sdk, batch_id: str):
+    return wait_for(sdk, batch_id, lambda b: b.status in ENDED)
+
+
+def answers(sdk, file_id: str | None) -> dict[str, dict]:
+    """The file's answers by custom_id; a custom_id twice fails the test."""
+    if file_id is None:
+        return {}
+    lines = [json.loads(line) for line in sdk.files.content(file_id).text.splitlines()]
+    by_id = {line["custom_id"]: line for line in lines}
+    assert len(by_id) == len(lines), "a custom_id answered twice"
+    return by_id
+
+
+def slow_lines(prefix: str, n: int) -> list[dict]:
+    """Lines of 200-byte prompts: 200 engine steps each, a few seconds for the whole batch."""
+    return [chat_line(f"{prefix}{i}", f"{i:04d} " + "x" * 195, max_tokens=300) for i in range(n)]
+
+
+def test_the_sdk_uploads_runs_and_downloads_a_batch(sdk, redis_client, batch_queue):
+    n = 4 * LINES_PER_FIELD + 5  # the batch keeps its lines in runs of LINES_PER_FIELD; IN_FLIGHT at a time
+    lines = [chat_line(f"r{i}", f"hello {i}") for i in range(n)]
+    lines += [
+        chat_line("two", "both", n=2, seed=7),
+        chat_line("cold", "x", temperature=-1),
+        {**chat_line("nobody", "x"), "body": {**chat_line("nobody", "x")["body"], "model": "no-such-model"}},
+    ]
+    added_before = redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"] if redis_client.exists(KEYS.queue(batch_queue)) else 0
+    created = run_batch(sdk, lines)
+    assert created.status == "validating" and created.endpoint == "/v1/chat/completions"
+    batch = ended(sdk, created.id)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (len(lines), len(lines) - 2, 2)
+    assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
+    assert batch.expires_at == batch.created_at + 24 * 3600
+
+    done = answers(sdk, batch.output_file_id)
+    assert set(done) == {f"r{i}" for i in range(n)} | {"two"}
+    assert all(done[f"r{i}"]["response"]["body"]["choices"][0]["message"]["content"] == echo_of(f"hello {i}") for i in range(n))
+    assert done["r0"]["response"]["status_code"] == 200 and done["r0"]["error"] is None
+    assert [c["index"] for c in done["two"]["response"]["body"]["choices"]] == [0, 1]
+    failed = answers(sdk, batch.error_file_id)
+    assert {k: (a["response"]["status_code"], a["response"]["body"]["error"]["code"]) for k, a in failed.items()} == {
+        "cold": (400, "invalid_argument"), "nobody": (404, "model_not_found"),
+    }
+    output = sdk.files.retrieve(batch.output_file_id)
+    assert output.purpose == "batch_output" and output.bytes == len(sdk.files.content(batch.output_file_id).content)
+    # Each line's jobs were enqueued once: n single jobs and the two of `two`.
+    assert redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"] - added_before == n + 2
+
+
+def driving_gateway(sdk, redis_client, batch_id: str, gateways: list[GatewayProcess]) -> tuple[int, str]:
+    """Once the batch is well under way: which of `gateways` holds its lease, and the lease's value."""
+    wait_for(sdk, batch_id, lambda b: b.request_counts.completed >= 5)
+    holder = redis_client.get(KEYS.batch_lease(batch_id))
+    return next(i for i, gw in enumerate(gateways) if f"-{gw.process.pid}-" in holder), holder
+
+
+def test_a_killed_worker_and_killed_gateways_lose_no_line(redis_server, redis_client, batch_queue, batch_workers, gateway, tmp_path):
+    """Three gateways drive batches; the one driving this batch is killed (kill -9), and so is a
+    worker, mid-batch; the killed gateway starts again. The batch completes, each line once."""
+    extra = [GatewayProcess(redis_server.url, tmp_path, *gateway_flags(batch_queue), name=f"gw-{i}").start() for i in range(2)]
+    gateways = [gateway, *extra]
+    sdks = [openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0) for gw in gateways]
+    victim_worker = batch_workers[0]
+    try:
+        n = 120
+        batch = run_batch(sdks[0], slow_lines("k", n))
+        driver, _ = driving_gateway(sdks[0], redis_client, batch.id, gateways)
+        victim_worker.process.kill()
+        gateways[driver].kill()
+        time.sleep(1.5)  # past the lease: the other gateway takes the batch on
+        gateways[driver].start()
+        done = ended(sdks[(driver + 1) % len(gateways)], batch.id)
+        assert done.status == "completed", done
+        assert (done.request_counts.completed, done.request_counts.failed) == (n, 0)
+        output = answers(sdks[driver], done.output_file_id)
+        assert set(output) == {f"k{i}" for i in range(n)}
+        assert all(output[f"k{i}"]["response"]["body"]["choices"][0]["message"]["content"] == echo_of(f"{i:04d} " + "x" * 195) for i in range(n))
+        assert done.error_file_id is None
+    finally:
+        for client in sdks:
+            client.close()
+        for gw in extra:
+            gw.stop()
+        victim_worker.stop()
+        victim_worker.start().wait_ready()
+
+
+def test_a_gateway_stopped_gracefully_hands_its_batch_over_at_once(redis_server, redis_client, batch_queue, gateway, tmp_path):
+    """With 60 s leases, a SIGTERM'd gateway's lease is gone as it exits (not left to lapse), and
+    another gateway finishes its batch."""
+    gateway.terminate()  # the module's gateway (1 s leases) sits this one out
+    flags = gateway_flags(batch_queue, "--batch-lease-s", "60")
+    gateways = [GatewayProcess(redis_server.url, tmp_path, *flags, name=f"calm-{i}").start() for i in range(2)]
+    sdks = [openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0) for gw in gateways]
+    try:
+        n = 60
+        batch = run_batch(sdks[0], slow_lines("g", n))
+        driver, holder = driving_gateway(sdks[0], redis_client, batch.id, gateways)
+        gateways[driver].terminate()
+        assert "Application shutdown complete." in gateways[driver].log()  # a graceful stop
+        assert redis_client.get(KEYS.batch_lease(batch.id)) != holder
+        done = ended(sdks[1 - driver], batch.id)
+        assert done.status == "completed"
+        assert set(answers(sdks[1 - driver], done.output_file_id)) == {f"g{i}" for i in range(n)}
+    finally:
+        for client in sdks:
+            client.close()
+        for gw in gateways:
+            gw.stop()
+        gateway.start()
+
+
+def test_a_cancelled_batch_keeps_what_finished_and_gives_up_the_rest(sdk):
+    n = 150
+    batch = run_batch(sdk, slow_lines("c", n))
+    wait_for(sdk, batch.id, lambda b: b.request_counts.completed >= 10)
+    cancelling = sdk.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at is not None
+    done = ended(sdk, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at >= done.cancelling_at
+    finished, given_up = answers(sdk, done.output_file_id), answers(sdk, done.error_file_id)
+    assert set(finished) | set(given_up) == {f"c{i}" for i in range(n)} and not set(finished) & set(given_up)
+    assert len(finished) >= 10 and len(given_up) > 0
+    assert {a["error"]["code"] for a in given_up.values()} == {"batch_cancelled"}
+    assert (done.request_counts.completed, done.request_counts.failed) == (len(finished), len(given_up))
+    with pytest.raises(openai.ConflictError):
+        sdk.batches.cancel(run_and_finish(sdk).id)
+
+
+def run_and_finish(sdk):
+    return ended(sdk, run_batch(sdk, [chat_line("only", "one")]).id)
+
+
+def test_a_batch_past_its_window_expires_with_what_finished(sdk):
+    n = 200  # far more than the 4 s window holds
+    batch = run_batch(sdk, slow_lines("e", n), window="4s")
+    done = ended(sdk, batch.id)
+    assert done.status == "expired" and done.expired_at >= done.expires_at == done.created_at + 4
+    finished, given_up = answers(sdk, done.output_file_id), answers(sdk, done.error_file_id)
+    assert set(finished) | set(given_up) == {f"e{i}" for i in range(n)} and not set(finished) & set(given_up)
+    assert finished and given_up
+    assert {a["error"]["code"] for a in given_up.values()} == {"batch_expired"}
+
+
+def test_a_bad_line_fails_the_batch_in_validation_naming_the_lines(sdk):
+    lines = [
+        chat_line("a", "x"), chat_line("b", "y"), "{not json",
+        chat_line("c", "z"), {**chat_line("d", "w"), "url": "/v1/completions"}, chat_line("e", "v"), chat_line("a", "again"),
+    ]
+    done = ended(sdk, run_batch(sdk, lines).id)
+    assert done.status == "failed" and done.failed_at is not None and done.output_file_id is None
+    assert [(e.line, e.code) for e in done.errors.data] == [(3, "invalid_json"), (5, "invalid_url"), (7, "duplicate_custom_id")]
+
+
+def test_files_are_refused_and_found_as_the_api_says(sdk, gateway):
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        sdk.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+    with pytest.raises(openai.BadRequestError, match="exceeds"):
+        sdk.files.create(file=("x.jsonl", io.BytesIO(b"x" * (MAX_FILE_BYTES + 1))), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="limit"):
+        sdk.files.create(file=("x.jsonl", io.BytesIO(b"{}\n" * (MAX_LINES + 1))), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="UTF-8"):
+        sdk.files.create(file=("x.jsonl", io.BytesIO(b"\xff\xfe\n")), purpose="batch")
+    for call in (sdk.files.retrieve, sdk.files.content, sdk.files.delete):
+        with pytest.raises(openai.NotFoundError):
+            call("file-" + "0" * 32)
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve("file-{braces}")
+    with pytest.raises(openai.NotFoundError):
+        sdk.batches.retrieve("batch_" + "0" * 32)
+
+    file_id = upload(sdk, [chat_line("a", "x")])
+    for endpoint, window, param in (("/v1/embeddings", "24h", "endpoint"), ("/v1/chat/completions", "1h", "completion_window")):
+        with pytest.raises(openai.BadRequestError, match=param):
+            sdk.batches.create(input_file_id=file_id, endpoint=endpoint, completion_window=window)
+    assert sdk.files.delete(file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve(file_id)
+    with pytest.raises(openai.BadRequestError, match="input_file_id"):
+        sdk.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def test_a_file_of_several_pieces_comes_back_byte_for_byte(sdk):
+    line = json.dumps(chat_line("big", "é" * 3000), ensure_ascii=False) + "\n"  # two bytes a character
+    text = line * (int(3.5 * PIECE_CHARS) // len(line))
+    file = sdk.files.create(file=("big.jsonl", io.BytesIO(text.encode())), purpose="batch")
+    assert file.bytes == len(text.encode()) and file.filename == "big.jsonl"
+    assert sdk.files.content(file.id).content == text.encode()
+
+
+def test_batches_are_listed_newest_first_page_by_page(sdk):
+    ids = [run_batch(sdk, [chat_line("l", f"list {i}")]).id for i in range(5)]
+    seen, after = [], None
+    while True:
+        page = sdk.batches.list(limit=2, after=after) if after else sdk.batches.list(limit=2)
+        seen += [b.id for b in page.data]
+        if not page.has_more:
+            break
+        after = page.data[-1].id
+    assert [i for i in seen if i in ids] == ids[::-1]
+
+
+def test_files_and_ended_batches_expire_after_batch_ttl_s(redis_server, redis_client, batch_queue, batch_workers, tmp_path):
+    ttl_s = 2
+    gateway = GatewayProcess(redis_server.url, tmp_path, *gateway_flags(batch_queue, "--batch-ttl-s", str(ttl_s))).start()
+    sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    try:
+        batches = [run_batch(sdk, [chat_line(f"t{i}", "ttl")]) for i in range(3)]
+        done = [ended(sdk, b.id) for b in batches]
+        assert all(b.status == "completed" for b in done)
+        files = [b.input_file_id for b in done] + [b.output_file_id for b in done]
+        time.sleep(3 * ttl_s)
+        for file_id in files:
+            with pytest.raises(openai.NotFoundError):
+                sdk.files.retrieve(file_id)
+        for b in done:
+            with pytest.raises(openai.NotFoundError):
+                sdk.batches.retrieve(b.id)
+            assert not redis_client.exists(KEYS.file_content(b.output_file_id), KEYS.batch_output(b.id), KEYS.batch_input(b.id))
+        assert not {b.id for b in done} & {b.id for b in sdk.batches.list(limit=100).data}
+    finally:
+        sdk.close()
+        gateway.stop()

@@ -1,0 +1,88 @@
+"""OpenAI's batch line format (gateway/batch_lines.py), shared by `mili batch` and the Batch API:
+what a line that is not a request is called, request ids, and answers rendered from results."""
+import json
+
+import pytest
+
+from gateway.batch_lines import LineError, LineJobs, answer, check_lines, line_request, parse_line, request_id
+from gateway.errors import APIError
+from producer_client import JobResult
+from producer_client.keys import NAME_PATTERN
+from producer_client.schema import ErrorInfo, Usage
+
+CHAT = "/v1/chat/completions"
+
+
+def line(custom_id="a", url=CHAT, method="POST", **body) -> str:
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url,
+                       "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}})
+
+
+@pytest.mark.parametrize("text, code, param", [
+    ("{not json", "invalid_json", None),
+    ("[1, 2]", "invalid_line", None),
+    (json.dumps({"method": "POST", "url": CHAT, "body": {}}), "invalid_line", "custom_id"),
+    (json.dumps({"custom_id": "", "method": "POST", "url": CHAT, "body": {}}), "invalid_line", "custom_id"),
+    (line(method="GET"), "invalid_line", "method"),
+    (json.dumps({"custom_id": "a", "method": "POST", "url": CHAT, "body": []}), "invalid_line", "body"),
+    (json.dumps({"custom_id": "a", "method": "POST", "url": CHAT, "body": {}, "extra": 1}), "invalid_line", "extra"),
+    (line(url="/v1/embeddings"), "invalid_url", "url"),
+])
+def test_a_line_that_is_not_a_request_is_named_with_its_number(text, code, param):
+    with pytest.raises(LineError) as bad:
+        parse_line(text, 7)
+    assert (bad.value.line, bad.value.code, bad.value.param) == (7, code, param)
+    assert bad.value.error().line == 7
+
+
+def test_check_lines_names_every_bad_line_up_to_the_cap_and_skips_blank_ones():
+    text = "\n".join([line("a"), "", line("b", url="/v1/completions"), line("a"), "{", line("c")])
+    lines, errors = check_lines(text, CHAT, max_lines=10)
+    assert len(lines) == 5
+    assert [(e.line, e.code) for e in errors] == [(3, "invalid_url"), (4, "duplicate_custom_id"), (5, "invalid_json")]
+    assert len(check_lines("{\n" * 300, CHAT, max_lines=1000, max_errors=100)[1]) == 100
+    _, too_many = check_lines("\n".join(line(str(i)) for i in range(4)), CHAT, max_lines=3)
+    assert [(e.line, e.code) for e in too_many] == [(4, "too_many_lines")]
+
+
+def test_request_ids_depend_on_scope_custom_id_and_body_and_fit_a_job_id():
+    base = request_id("s", "a", {"x": 1, "y": [1, 2]})
+    assert base == request_id("s", "a", {"y": [1, 2], "x": 1})
+    assert len({base, request_id("t", "a", {"x": 1, "y": [1, 2]}), request_id("s", "b", {"x": 1, "y": [1, 2]}),
+                request_id("s", "a", {"x": 2, "y": [1, 2]})}) == 4
+    assert NAME_PATTERN.fullmatch(f"{base}-127")
+
+
+@pytest.mark.parametrize("body, param", [({"stream": True}, "stream"), ({"max_tokens": 10**6}, "max_tokens"),
+                                         ({"tools": []}, "tools"), ({"temperature": "hot"}, "temperature")])
+def test_a_body_the_http_api_refuses_is_a_400_naming_the_field(body, param):
+    with pytest.raises(APIError) as refused:
+        line_request(parse_line(line(**body), 1), 1)
+    assert refused.value.status == 400 and refused.value.body.error.param == param
+
+
+def result(job_id: str, status="done", text="ok", code=None, finish_reason="stop") -> JobResult:
+    return JobResult(id=job_id, status=status, text=text, finish_reason=finish_reason,
+                     error=ErrorInfo(code=code, message="why") if code else None, usage=Usage(prompt_tokens=3, completion_tokens=2))
+
+
+def jobs_of(text: str) -> LineJobs:
+    return LineJobs(line_request(parse_line(text, 1), 1), "rid")
+
+
+def test_answers_are_the_http_apis_own():
+    two = jobs_of(line(n=2))
+    assert not two.add(result("rid-1", text="second"))
+    assert two.add(result("rid-0", text="first"))
+    ok = answer(two.request, two.request_id, two.in_choice_order())
+    assert ok.ok and ok.response.status_code == 200 and ok.response.request_id == "rid"
+    assert [c["message"]["content"] for c in ok.response.body["choices"]] == ["first", "second"]
+    assert ok.response.body["usage"]["completion_tokens"] == 4 and ok.completion_tokens() == 4
+
+    single = jobs_of(line())
+    for status, code, finish, expected in (
+        ("failed", "prompt_too_long", "error", 400), ("failed", "internal", "error", 500), ("expired", None, "timeout", 504),
+    ):
+        failed = answer(single.request, "rid", [result("rid-0", status=status, code=code, finish_reason=finish)])
+        assert not failed.ok and failed.response.status_code == expected
+        assert failed.response.body["error"]["message"]

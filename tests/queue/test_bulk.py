@@ -1,0 +1,269 @@
+"""Client.submit_many / as_completed / results / finished (and AsyncClient's twins, through the
+`client` fixture) against a real redis-server: several chunks and windows of jobs at once, the
+queue's bound crossed inside a chunk, request ids seen before, and results in finishing order."""
+import threading
+import time
+import uuid
+
+import pytest
+
+from producer_client import BulkQueueFull, Client, InvalidArgument, JobNotFound, JobTimeout, ResultWatch
+from producer_client.bulk import CHUNK, WINDOW
+from producer_client.keys import Keys
+from tests.redis_support import echo_workers, make_client
+
+KEYS = Keys()
+
+
+def entry_ids(redis_client, queue: str) -> list[str]:
+    """The job ids of the queue stream's entries, in order."""
+    return [fields["id"] for _, fields in redis_client.xrange(KEYS.queue(queue))]
+
+
+def entries_added(redis_client, queue: str) -> int:
+    """Every XADD the queue stream ever took: an entry added twice counts twice."""
+    return redis_client.xinfo_stream(KEYS.queue(queue))["entries-added"]
+
+
+def job_keys(redis_client) -> set[str]:
+    """Every job hash in Redis (the server is shared by the session's tests)."""
+    return {key for key in redis_client.scan_iter(KEYS.job("*"), count=10_000) if not key.endswith(":done")}
+
+
+def specs(n: int, **extra) -> list[dict]:
+    return [{"prompt": f"line {i}", "max_tokens": 4, "temperature": 0.0, **extra} for i in range(n)]
+
+
+def test_submit_many_enqueues_every_job_once_in_order_over_several_chunks(client, redis_client, queue):
+    n = 3 * CHUNK + 17
+    ids = client.submit_many(specs(n))
+    assert len(set(ids)) == n
+    assert entry_ids(redis_client, queue) == ids
+    assert entries_added(redis_client, queue) == n
+    assert {client.status(job_id).status for job_id in ids[:: CHUNK // 2]} == {"queued"}
+
+
+def test_a_job_with_a_timeout_gets_its_deadline(client, redis_client, queue):
+    (job_id,) = client.submit_many([{"prompt": "hi", "timeout_s": 30.0}])
+    deadline_ms = int(redis_client.hget(KEYS.job(job_id), "deadline"))
+    assert abs(deadline_ms / 1000 - 30 - time.time()) < 5
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"prompt": "x", "max_tokens": 0}, "jobs[2].max_tokens"),
+    ({"prompt": "x", "max_tokenz": 8}, "jobs[2].max_tokenz"),
+    ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "jobs[2].prompt"),
+    ({"prompt": "x", "request_id": "has space"}, "jobs[2].request_id"),
+    ({"prompt": "x" * (1 << 20)}, "jobs[2].body"),
+    ("just a prompt", "jobs[2]"),
+])
+def test_an_invalid_spec_is_named_by_index_and_field_and_nothing_is_enqueued(client, redis_client, queue, bad, field):
+    jobs = specs(CHUNK + 5)
+    jobs[2] = bad
+    before = job_keys(redis_client)
+    with pytest.raises(InvalidArgument) as refused:
+        client.submit_many(jobs)
+    assert refused.value.field == field
+    assert not redis_client.exists(KEYS.queue(queue))
+    assert job_keys(redis_client) == before
+
+
+def test_request_ids_seen_before_enqueue_nothing_again(client, redis_client, queue):
+    tag = uuid.uuid4().hex[:8]
+    first = [{**spec, "request_id": f"{tag}-{i}"} for i, spec in enumerate(specs(CHUNK + 50))]
+    ids = client.submit_many(first)
+    assert ids == [f"{tag}-{i}" for i in range(CHUNK + 50)]
+    more = [{**spec, "request_id": f"{tag}-{i}"} for i, spec in enumerate(specs(2 * CHUNK))]
+    again = client.submit_many(more + first[:3])  # a request id twice in one call is one job
+    assert again == [f"{tag}-{i}" for i in range(2 * CHUNK)] + ids[:3]
+    assert entry_ids(redis_client, queue) == again[: 2 * CHUNK]
+    assert entries_added(redis_client, queue) == 2 * CHUNK
+    assert all(redis_client.hget(KEYS.job(job_id), "enqueued") == "1" for job_id in again[:: CHUNK // 4])
+
+
+@pytest.mark.parametrize("depth_before", [0, CHUNK + 10])
+def test_a_chunk_that_would_cross_the_bound_fills_the_queue_up_to_it(client_kind, redis_server, redis_client, queue, depth_before):
+    bound = depth_before + CHUNK + 37  # crossed inside the second chunk of this call
+    bounded = make_client(client_kind, redis_server.url, queue, max_queue_depth=bound)
+    unbounded = make_client(client_kind, redis_server.url, queue, max_queue_depth=None)
+    try:
+        unbounded.submit_many(specs(depth_before))
+        tag = uuid.uuid4().hex[:8]
+        jobs = [{**spec, "request_id": f"{tag}-{i}"} for i, spec in enumerate(specs(3 * CHUNK))]
+        with pytest.raises(BulkQueueFull) as full:
+            bounded.submit_many(jobs)
+        assert full.value.job_ids == [f"{tag}-{i}" for i in range(CHUNK + 37)]
+        assert (full.value.depth, full.value.max_depth) == (bound, bound)
+        assert redis_client.xlen(KEYS.queue(queue)) == bound
+        # The jobs that did not fit left no hash: the same call later enqueues them, and only them.
+        assert not any(redis_client.exists(KEYS.job(f"{tag}-{i}")) for i in range(CHUNK + 37, 3 * CHUNK))
+        assert bounded.submit_many(jobs[len(full.value.job_ids) - 5:][:5]) == full.value.job_ids[-5:]
+        assert unbounded.submit_many(jobs) == [f"{tag}-{i}" for i in range(3 * CHUNK)]
+        assert entries_added(redis_client, queue) == depth_before + 3 * CHUNK
+        assert entry_ids(redis_client, queue)[depth_before:] == [f"{tag}-{i}" for i in range(3 * CHUNK)]
+    finally:
+        bounded.close()
+        unbounded.close()
+
+
+def test_a_full_queue_refuses_the_first_chunk_whole(client_kind, redis_server, redis_client, queue):
+    bounded = make_client(client_kind, redis_server.url, queue, max_queue_depth=3)
+    before = job_keys(redis_client)
+    try:
+        bounded.submit_many(specs(3))
+        with pytest.raises(BulkQueueFull) as full:
+            bounded.submit_many(specs(10))
+        assert full.value.job_ids == [] and full.value.depth == 3
+        assert redis_client.xlen(KEYS.queue(queue)) == 3
+        assert job_keys(redis_client) - before == {KEYS.job(job_id) for job_id in entry_ids(redis_client, queue)}
+    finally:
+        bounded.close()
+
+
+def cancel_in_order(client, job_ids: list[str]) -> None:
+    for job_id in job_ids:
+        client.cancel(job_id)
+        time.sleep(0.003)  # `done` entries a millisecond apart or more: their order is exact
+
+
+@pytest.fixture
+def canceller(redis_server, queue):
+    """A sync client of its own, to cancel jobs from another thread while the test reads."""
+    other = Client(redis_server.url, queue)
+    yield other
+    other.close()
+
+
+def test_as_completed_yields_in_the_order_jobs_end_over_several_windows(client, canceller, queue):
+    ids = client.submit_many(specs(3 * WINDOW + 9))
+    order = ids[:WINDOW][::-1] + ids[WINDOW:][::-1]
+    cancel_in_order(client, order[:40])  # ended before the first read: it returns them in order
+    thread = threading.Thread(target=cancel_in_order, args=(canceller, order[40:]))
+    thread.start()
+    try:
+        ended = [result.id for result in client.as_completed(ids, timeout=120)]
+    finally:
+        thread.join()
+    assert sorted(ended) == sorted(ids)  # each once
+    assert ended[:40] == order[:40]
+    # A read looks at the first WINDOW unfinished jobs: one beyond them that ends sooner comes
+    # once it is among them, so the order is exact among the jobs of the first window.
+    first_window = set(ids[:WINDOW])
+    assert [j for j in ended[40:] if j in first_window] == [j for j in order[40:] if j in first_window]
+
+
+def test_as_completed_refuses_an_unknown_job_before_yielding(client, queue):
+    ids = client.submit_many(specs(CHUNK + 3))
+    client.cancel(ids[0])
+    with pytest.raises(JobNotFound) as missing:
+        next(iter(client.as_completed([*ids, "no-such-job"], timeout=5)))
+    assert missing.value.job_id == "no-such-job"
+    with pytest.raises(InvalidArgument):
+        next(iter(client.as_completed(["bad id"])))
+
+
+def test_as_completed_times_out_naming_an_unfinished_job(client, queue):
+    ids = client.submit_many(specs(5))
+    client.cancel(ids[0])
+    seen = []
+    started = time.monotonic()
+    with pytest.raises(JobTimeout) as late:
+        for result in client.as_completed(ids, timeout=0.3):
+            seen.append(result.id)
+    waited = time.monotonic() - started
+    assert seen == [ids[0]]
+    assert late.value.job_id == ids[1] and late.value.timeout == 0.3
+    assert 0.3 <= waited < 2.0
+
+
+def test_results_come_in_the_order_asked(client, queue):
+    ids = client.submit_many(specs(7))
+    cancel_in_order(client, ids[::-1])
+    assert [r.id for r in client.results(ids[::2] + ids[1::2], timeout=5)] == ids[::2] + ids[1::2]
+
+
+def test_finished_takes_what_has_ended_as_jobs_are_added(client, queue):
+    ids = client.submit_many(specs(6))
+    watch = ResultWatch(KEYS, ids[:3])
+    assert client.finished(watch, timeout=0.2) == []
+    cancel_in_order(client, [ids[4], ids[1]])
+    assert [r.id for r in client.finished(watch, timeout=5)] == [ids[1]]
+    watch.add(ids[3:])
+    assert [r.id for r in client.finished(watch, timeout=5)] == [ids[4]]
+    assert len(watch) == 4
+
+
+# -- with workers ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def echo_queue():
+    return f"bulk-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def bulk_workers(redis_server, echo_queue, tmp_path_factory):
+    with echo_workers(redis_server.url, echo_queue, tmp_path_factory.mktemp("bulk-workers")) as workers:
+        yield workers
+
+
+def test_many_jobs_through_two_workers_each_once(client_kind, redis_server, redis_client, echo_queue, bulk_workers):
+    client = make_client(client_kind, redis_server.url, echo_queue)
+    try:
+        jobs = [{"prompt": f"job {i:05d}", "max_tokens": 64, "temperature": 0.0} for i in range(3 * CHUNK)]
+        ids = client.submit_many(jobs)
+        results = {r.id: r for r in client.as_completed(ids, timeout=120)}
+    finally:
+        client.close()
+    assert sorted(results) == sorted(ids)
+    assert all(results[job_id].text == job["prompt"] for job_id, job in zip(ids, jobs))
+    assert {r.worker for r in results.values()} == {w.name for w in bulk_workers}
+
+
+def test_a_failed_job_is_yielded_and_a_short_job_ends_before_a_long_one(client_kind, redis_server, echo_queue, bulk_workers):
+    client = make_client(client_kind, redis_server.url, echo_queue)
+    try:
+        long, bad, short = client.submit_many([
+            {"prompt": "x" * 3000, "max_tokens": 3000, "temperature": 0.0},
+            {"input_ids": [999], "max_tokens": 4},  # no such byte: the echo engine refuses it
+            {"prompt": "short", "max_tokens": 8, "temperature": 0.0},
+        ])
+        ended = list(client.as_completed([long, bad, short], timeout=120))
+    finally:
+        client.close()
+    assert ended[-1].id == long and ended[-1].text == "x" * 3000
+    by_id = {r.id: r for r in ended}
+    assert by_id[bad].status == "failed" and by_id[bad].error.code == "invalid_argument"
+    assert by_id[short].text == "short"
+
+
+class RecordingPipe:
+    """Records the commands a step adds, as a pipeline would take them."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append((name, *args))
+
+
+def commands_of(step) -> list[tuple]:
+    pipe = RecordingPipe()
+    step(pipe)
+    return pipe.calls
+
+
+def test_an_enqueue_that_fails_takes_back_the_hashes_of_its_jobs():
+    from producer_client import bulk
+
+    jobs = bulk.build_jobs([{**spec, "request_id": f"r{i}"} for i, spec in enumerate(specs(3))] + specs(1))
+    steps = bulk.submit_steps(KEYS, "q", None, jobs)
+    creates = commands_of(steps.send(None))
+    assert [c[0] for c in creates] == ["evalsha"] * 3  # CREATE of the request ids first
+    enqueue = commands_of(steps.send([1, 0, 1]))  # r1 is in the queue already
+    assert [c[0] for c in enqueue] == ["hsetnx", "evalsha"]
+    assert enqueue[-1][6:] == ("r0", jobs[0].body, "r2", jobs[2].body, jobs[3].job_id, jobs[3].body)
+    forget = commands_of(steps.throw(ConnectionError("lost")))
+    assert forget == [("delete", KEYS.job("r0"), KEYS.job("r2"), KEYS.job(jobs[3].job_id))]
+    with pytest.raises(ConnectionError):
+        steps.send([1])

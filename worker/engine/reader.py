@@ -1,0 +1,114 @@
+"""Reading a step's tokens: each token goes in place of its placeholder and is checked against
+its request's stop conditions, in vLLM's order (stop tokens, stop strings, length), and turned
+into a delta; a request whose logits were not finite fails instead; a request that ends leaves
+the engine's live set."""
+from __future__ import annotations
+
+import logging
+
+from producer_client.errors import InvalidArgument
+from worker.engine.errors import NonFiniteLogits
+from worker.engine.outputs import FinishReason, RequestError, RequestOutput, SampledLogprob, TokenCounts
+from worker.engine.overlap import LaunchedStep, drop_placeholders
+from worker.engine.request import Request, RequestStatus
+from worker.engine.sampler import SampledTokens, skip_draws
+from worker.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class StepReader:
+    def __init__(self, scheduler: Scheduler, eos_token_ids: list[int], max_model_len: int, vocab_size: int):
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.live: dict[str, Request] = {}  # every request added and not yet ended
+
+    def read(self, step: LaunchedStep, sampled: SampledTokens) -> list[RequestOutput]:
+        """The step's tokens, in order, each in place of its placeholder. A request whose logits
+        were not finite fails instead, without the token drawn from them."""
+        outputs = []
+        rows = zip(step.requests, step.indices, sampled.token_ids, sampled.logprobs, sampled.finite)
+        for req, index, token, lp, finite in rows:
+            if req.status is RequestStatus.FINISHED:
+                continue  # it ended while this token was in flight: the token is discarded
+            if finite:
+                outputs.append(self._take_token(req, index, token, lp))
+            else:
+                del req.token_ids[index:]
+                outputs.append(self._fail_nonfinite(req))
+        return outputs
+
+    def replay(self, req: Request, resume_token_ids: list[int]) -> None:
+        """Brings a new request to where it stood after producing `resume_token_ids`."""
+        if resume_token_ids and (min(resume_token_ids) < 0 or max(resume_token_ids) >= self.vocab_size):
+            raise InvalidArgument("resume_token_ids", f"token ids must be in [0, {self.vocab_size})")
+        for n, token in enumerate(resume_token_ids, 1):
+            req.token_ids.append(token)
+            _, reason = self._check_stop(req, token, n)
+            if reason is not None:
+                raise InvalidArgument("resume_token_ids", f"the request had already ended ({reason}) at token {n}")
+        skip_draws(req, len(resume_token_ids), self.vocab_size)
+
+    def end(
+        self, req: Request, text: str, new_token_ids: list[int], logprobs: list[SampledLogprob] | None = None,
+    ) -> RequestOutput:
+        """The request's final output; it leaves the live set."""
+        del self.live[req.request_id]
+        drop_placeholders(req)
+        log.debug(
+            "request %s finished (%s): %d prompt tokens (%d cached), %d output tokens, %d preemptions",
+            req.request_id, req.finish_reason, req.num_prompt_tokens, req.num_cached_prompt_tokens,
+            req.num_output_tokens, req.num_preemptions,
+        )
+        return RequestOutput(
+            req.request_id, new_token_ids, text, True, req.finish_reason, req.usage(), logprobs, req.error,
+        )
+
+    def _take_token(self, req: Request, index: int, token: int, logprob: SampledLogprob | None) -> RequestOutput:
+        """Puts `token` where its placeholder is, at `index`. A step launched since may have
+        appended its own placeholder after it: that one stays, unless this token ends the request."""
+        req.token_ids[index] = token
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        num_output = index + 1 - req.num_prompt_tokens
+        text, reason = self._check_stop(req, token, num_output)
+        logprobs = [logprob] if logprob is not None else None
+        if reason is None:
+            usage = TokenCounts(req.num_prompt_tokens, num_output, req.num_cached_prompt_tokens)
+            return RequestOutput(req.request_id, [token], text, False, None, usage, logprobs)
+        del req.token_ids[index + 1 :]
+        req.finish(reason)
+        self.scheduler.finish(req)
+        return self.end(req, text, [token], logprobs)
+
+    def _fail_nonfinite(self, req: Request) -> RequestOutput:
+        """Ends the request with the output it had; the rest of the batch is unaffected (rows
+        never mix)."""
+        error = NonFiniteLogits(
+            f"request {req.request_id}: non-finite logits (a NaN or an infinity) at output token "
+            f"{req.num_output_tokens + 1}"
+        )
+        req.finish("error", RequestError(error.code, error.message))
+        self.scheduler.finish(req)
+        log.warning("%s", error.message)
+        return self.end(req, req.text.finish(), [])
+
+    def _check_stop(self, req: Request, token: int, num_output: int) -> tuple[str, FinishReason | None]:
+        """(text delta, finish reason or None) for the request's `num_output`-th output token,
+        `token`, in vLLM's order: stop tokens, stop strings, length.
+
+        Before min_tokens nothing stops the request (its stop tokens were also masked out of
+        sampling). A stop token's own text is not emitted; a stop string is cut from the text.
+        """
+        p = req.params
+        can_stop = num_output >= p.min_tokens
+        if can_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+            return req.text.finish(), "stop"
+        text, stopped = req.text.push(token, can_stop)
+        if stopped:
+            return text, "stop"
+        if num_output >= p.max_tokens or req.num_prompt_tokens + num_output >= self.max_model_len:
+            return text + req.text.finish(), "length"
+        return text, None
