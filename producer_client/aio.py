@@ -10,6 +10,7 @@ import redis
 
 from producer_client import bulk, protocol, scripts, steps
 from producer_client.bulk import ResultWatch
+from producer_client.cluster import is_cluster
 from producer_client.connection import async_retry_policy, connect_async
 from producer_client.errors import JobNotFound, JobTimeout, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
@@ -164,14 +165,7 @@ class AsyncClient(OperatorViews):
         return await scripts.aexecute(self.redis, add_commands)
 
     async def _read_finished(self, watch: ResultWatch, block_ms: int) -> list[JobResult]:
-        window = watch.window()
-        try:
-            reply = await self.redis.xread(dict.fromkeys(window, "0-0"), count=1, block=block_ms)
-        except redis.ResponseError as e:
-            if not protocol.read_cut_short(e):
-                raise
-            return []
-        return watch.take(window, reply or [])
+        return await self.run_steps(self.redis, bulk.read_finished(watch, block_ms, is_cluster(self.redis)))
 
     async def _wait_done(self, job_id: str, deadline: Deadline) -> str:
         while True:

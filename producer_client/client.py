@@ -11,6 +11,7 @@ import redis
 
 from producer_client import bulk, protocol, scripts, steps
 from producer_client.bulk import ResultWatch
+from producer_client.cluster import is_cluster
 from producer_client.connection import connect, retry_policy
 from producer_client.errors import JobNotFound, JobTimeout, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
@@ -208,16 +209,8 @@ class Client(OperatorViews):
         return scripts.execute(self.redis, add_commands)
 
     def _read_finished(self, watch: ResultWatch, block_ms: int) -> list[JobResult]:
-        """One XREAD of the window's `done` streams: returns at once with every one that has an
-        entry, else blocks up to `block_ms` for the first."""
-        window = watch.window()
-        try:
-            reply = self.redis.xread(dict.fromkeys(window, "0-0"), count=1, block=block_ms)
-        except redis.ResponseError as e:
-            if not protocol.read_cut_short(e):
-                raise
-            return []
-        return watch.take(window, reply or [])
+        """The window's jobs that have ended, or [] if none did within `block_ms` (bulk.read_finished)."""
+        return self.run_steps(self.redis, bulk.read_finished(watch, block_ms, is_cluster(self.redis)))
 
     def _wait_done(self, job_id: str, deadline: Deadline) -> str:
         """The job's result JSON, from its `done` stream: there at once if the job has ended."""

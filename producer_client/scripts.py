@@ -160,6 +160,10 @@ class Commands(CoreCommands):
 
 
 _NODE_OF = "mili_node_of"  # a recorded command's key whose node must run it; never sent
+# Commands of several keys that answer a count: a cluster runs a command only on keys of one
+# slot, so there each of these goes out once per slot of its keys, and the counts are added up
+# (as redis-py's cluster client does for its own exists() and delete(), which a pipeline lacks).
+COUNTED_PER_KEY = frozenset({"EXISTS", "DEL", "UNLINK", "TOUCH"})
 
 
 def execute(client, add_commands: Callable, scripts: Sequence[Script] = (), raise_on_error: bool = True) -> list:
@@ -176,35 +180,33 @@ def execute(client, add_commands: Callable, scripts: Sequence[Script] = (), rais
     commands = Commands()
     add_commands(commands)
     with topology_errors():
-        replies = _pipeline(client, commands.stack).execute(raise_on_error=False)
+        replies = _send(client, commands.stack)
         missing = _lacking_scripts(replies)
         if missing:
             load_scripts(client, scripts)
-            again = _pipeline(client, [commands.stack[i] for i in missing]).execute(raise_on_error=False)
-            _splice(replies, missing, again)
+            _splice(replies, missing, _send(client, [commands.stack[i] for i in missing]))
     return _checked(replies, raise_on_error)
 
 
-async def aexecute(client, add_commands: Callable, raise_on_error: bool = True) -> list:
+async def aexecute(client, add_commands: Callable, scripts: Sequence[Script] = (), raise_on_error: bool = True) -> list:
     """`execute` for a redis.asyncio client."""
     commands = Commands()
     add_commands(commands)
     with topology_errors():
         if is_cluster(client) and any(_NODE_OF in options for _, options in commands.stack):
             await client.initialize()  # the slot table, to route each WAIT to its node; once per client
-        replies = await _pipeline(client, commands.stack).execute(raise_on_error=False)
+        replies = await _asend(client, commands.stack)
         missing = _lacking_scripts(replies)
         if missing:
-            await _pipeline(client, _script_loads(client, ())).execute()
-            again = await _pipeline(client, [commands.stack[i] for i in missing]).execute(raise_on_error=False)
-            _splice(replies, missing, again)
+            _checked(await _asend(client, _script_loads(client, scripts)), raise_on_error=True)
+            _splice(replies, missing, await _asend(client, [commands.stack[i] for i in missing]))
     return _checked(replies, raise_on_error)
 
 
 def load_scripts(client, scripts: Sequence[Script] = ()) -> None:
     """Load the producers' scripts and `scripts`, on every master of a cluster."""
     with topology_errors():
-        _pipeline(client, _script_loads(client, scripts)).execute()
+        _checked(_send(client, _script_loads(client, scripts)), raise_on_error=True)
 
 
 def _script_loads(client, scripts: Sequence[Script]) -> list[tuple[tuple, dict]]:
@@ -215,16 +217,54 @@ def _script_loads(client, scripts: Sequence[Script]) -> list[tuple[tuple, dict]]
     ]
 
 
+def _send(client, stack: list[tuple[tuple, dict]]) -> list:
+    """One reply (or error) per command of `stack`, in one pipeline."""
+    pipe, parts = _pipeline(client, stack)
+    return _folded(pipe.execute(raise_on_error=False), parts)
+
+
+async def _asend(client, stack: list[tuple[tuple, dict]]) -> list:
+    pipe, parts = _pipeline(client, stack)
+    return _folded(await pipe.execute(raise_on_error=False), parts)
+
+
 def _pipeline(client, stack: list[tuple[tuple, dict]]):
+    """A pipeline of `stack`'s commands as `client` must send them, and how many went out for
+    each (more than one for a command of COUNTED_PER_KEY whose keys lie in several slots)."""
     pipe = client.pipeline(transaction=False)
+    parts = []
     for args, options in stack:
-        if _NODE_OF in options:
-            options = dict(options)
-            key = options.pop(_NODE_OF)
-            if is_cluster(client):
-                options["target_nodes"] = client.get_node_from_key(key)
-        pipe.execute_command(*args, **options)
-    return pipe
+        sent = _as_sent(client, args, options)
+        for command_args, command_options in sent:
+            pipe.execute_command(*command_args, **command_options)
+        parts.append(len(sent))
+    return pipe, parts
+
+
+def _as_sent(client, args: tuple, options: dict) -> list[tuple[tuple, dict]]:
+    if _NODE_OF in options:
+        options = dict(options)
+        key = options.pop(_NODE_OF)
+        if is_cluster(client):
+            options["target_nodes"] = client.get_node_from_key(key)
+    if not is_cluster(client) or str(args[0]).upper() not in COUNTED_PER_KEY:
+        return [(args, options)]
+    by_slot: dict[int, list] = {}
+    for key in args[1:]:
+        by_slot.setdefault(client.keyslot(key), []).append(key)
+    return [((args[0], *keys), options) for keys in by_slot.values()]
+
+
+def _folded(replies: list, parts: list[int]) -> list:
+    """The replies of the commands `_pipeline` split, one per command of the stack again: the sum
+    of its counts, or the first error among them."""
+    folded, at = [], 0
+    for count in parts:
+        mine = replies[at:at + count]
+        at += count
+        errors = [reply for reply in mine if isinstance(reply, Exception)]
+        folded.append(mine[0] if count == 1 else errors[0] if errors else sum(mine))
+    return folded
 
 
 def _lacking_scripts(replies: list) -> list[int]:
