@@ -11,7 +11,7 @@ import redis
 from producer_client import bulk, protocol, scripts, steps
 from producer_client.bulk import ResultWatch
 from producer_client.cluster import is_cluster
-from producer_client.connection import async_retry_policy, connect_async
+from producer_client.connection import async_retry_policy, connect_async, parse_url
 from producer_client.errors import JobNotFound, JobTimeout, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.operator_views import OperatorViews
@@ -33,7 +33,10 @@ class AsyncClient(OperatorViews):
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
         self.replication = Replication(wait_replicas, wait_timeout_ms)
-        self.redis = connect_async(url, decode_responses=True, retry=async_retry_policy(), max_connections=max_connections)
+        target = parse_url(url)
+        self.redis = connect_async(
+            target, decode_responses=True, retry=async_retry_policy(target.mode), max_connections=max_connections,
+        )
 
     async def aclose(self) -> None:
         await self.redis.aclose()

@@ -12,7 +12,7 @@ import redis
 from producer_client import bulk, protocol, scripts, steps
 from producer_client.bulk import ResultWatch
 from producer_client.cluster import is_cluster
-from producer_client.connection import connect, retry_policy
+from producer_client.connection import connect, parse_url, retry_policy
 from producer_client.errors import JobNotFound, JobTimeout, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.operator_views import OperatorViews
@@ -44,7 +44,10 @@ class Client(OperatorViews):
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
         self.replication = Replication(wait_replicas, wait_timeout_ms)
-        self.redis = connect(url, decode_responses=True, retry=retry_policy(), max_connections=max_connections)
+        target = parse_url(url)
+        self.redis = connect(
+            target, decode_responses=True, retry=retry_policy(target.mode), max_connections=max_connections,
+        )
 
     def close(self) -> None:
         self.redis.close()

@@ -10,6 +10,11 @@ needs; producer_client.connection builds them from `redis+cluster://` URLs.
    covered in the middle of a failover) raises what any outage raises, a redis ConnectionError
    or ClusterDownError, which the clients retry and the workers back off from. redis-py raises
    it as RedisClusterException, which is no RedisError.
+3. A call that fails for want of a node (it died, its slots are not served yet) is tried again
+   with the caller's backoff (`retry`: the clients' policy, or the worker's one immediate retry),
+   the topology read again before each try. redis-py's own cluster retries wait for nothing, so
+   they would all be spent in the first milliseconds of a failover, long before a replica is
+   promoted. Pipelines (producer_client.scripts) are sent again the same way.
 """
 from __future__ import annotations
 
@@ -17,11 +22,16 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import redis
+import redis.asyncio.retry
+import redis.retry
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError
 
 SCRIPT_CALLS = frozenset({"EVAL", "EVALSHA"})
+# What a failover or a resharding answers until the cluster serves every slot again.
+NODE_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterDownError)
 STREAM_READS = frozenset({"XREAD", "XREADGROUP"})
 
 
@@ -71,28 +81,53 @@ class _AsyncKnownKeys(_KnownKeys):
 
 
 class Cluster(RedisCluster):
-    """redis.cluster.RedisCluster, which reads the cluster's topology when it is made."""
+    """redis.cluster.RedisCluster, which reads the cluster's topology when it is made; `retry`
+    paces the tries of a call (see the module's docstring)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, retry: redis.retry.Retry | None = None, **kwargs):
+        self.pacing = _pacing(retry or redis.retry.Retry(NoBackoff(), 0))  # the topology is read at once
         with topology_errors():
-            super().__init__(*args, **kwargs)
+            super().__init__(*args, retry=redis.retry.Retry(NoBackoff(), 0), **kwargs)
         self.commands_parser = _KnownKeys(self.commands_parser)  # its pipelines share it
 
     def execute_command(self, *args, **kwargs):
-        with topology_errors():
-            return super().execute_command(*args, **kwargs)
+        return self.paced(lambda: super(Cluster, self).execute_command(*args, **kwargs))
+
+    def paced(self, call):
+        """call(), tried again as `retry` allows while no node can serve it."""
+        def attempt():
+            with topology_errors():
+                return call()
+
+        return self.pacing.call_with_retry(attempt, lambda error: None)
 
 
 class AsyncCluster(AsyncRedisCluster):
     """redis.asyncio.cluster.RedisCluster, which reads the topology at its first command."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, retry: redis.asyncio.retry.Retry | None = None, **kwargs):
+        self.pacing = _pacing(retry or redis.asyncio.retry.Retry(NoBackoff(), 0))
+        super().__init__(*args, retry=redis.asyncio.retry.Retry(NoBackoff(), 0), **kwargs)
         self.commands_parser = _AsyncKnownKeys(self.commands_parser)
 
     async def execute_command(self, *args, **kwargs):
-        with topology_errors():
-            return await super().execute_command(*args, **kwargs)
+        return await self.paced(lambda: super(AsyncCluster, self).execute_command(*args, **kwargs))
+
+    async def paced(self, call):
+        async def attempt():
+            with topology_errors():
+                return await call()
+
+        async def ignore(error):
+            pass
+
+        return await self.pacing.call_with_retry(attempt, ignore)
+
+
+def _pacing(retry):
+    """`retry`, trying again on NODE_ERRORS too (redis-py's Retry knows connection errors only)."""
+    retry.update_supported_errors(NODE_ERRORS)
+    return retry
 
 
 def is_cluster(client) -> bool:

@@ -36,8 +36,10 @@ from producer_client.errors import InvalidArgument
 # Every call of the clients is safe to repeat: reads, CANCEL, and submits (CREATE never sets a
 # started job back to queued; an entry enqueued twice is dropped by the worker that claims the
 # second). So redis-py retries each call on a lost connection, with exponential backoff and
-# jitter: 10 tries over about 4 s, which rides out a Redis restart.
-RETRIES = 10
+# jitter: 10 tries over about 4 s, which rides out a Redis restart. Under Sentinel or on a cluster
+# a lost master comes back as a failover, which takes longer (Redis first waits out
+# down-after-milliseconds or cluster-node-timeout, then elects a replica): 40 tries there, about
+# 20 s (see RETRIES).
 RETRY_BASE_S = 0.05
 RETRY_CAP_S = 1.0
 # Errors that retrying cannot mend: wrong credentials, or an ACL that forbids a command. redis-py
@@ -46,6 +48,12 @@ FATAL_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError, 
 
 _USERINFO = re.compile(r"(?<=://)([^/@]*)@")
 _PASSWORD_PARAM = re.compile(r"(?<=[?&]password=)[^&]*")
+
+
+class Mode(str, Enum):
+    SERVER = "server"
+    CLUSTER = "cluster"
+    SENTINEL = "sentinel"
 
 
 class _SkipFatal:
@@ -66,12 +74,13 @@ class AsyncRetry(_SkipFatal, redis.asyncio.retry.Retry):
     pass
 
 
-def retry_policy() -> Retry:
-    return Retry(ExponentialWithJitterBackoff(base=RETRY_BASE_S, cap=RETRY_CAP_S), RETRIES)
+def retry_policy(mode: Mode | None = None) -> Retry:
+    """The clients' retries of a call, in `mode` (one server if None)."""
+    return Retry(ExponentialWithJitterBackoff(base=RETRY_BASE_S, cap=RETRY_CAP_S), RETRIES[mode or Mode.SERVER])
 
 
-def async_retry_policy() -> AsyncRetry:
-    return AsyncRetry(ExponentialWithJitterBackoff(base=RETRY_BASE_S, cap=RETRY_CAP_S), RETRIES)
+def async_retry_policy(mode: Mode | None = None) -> AsyncRetry:
+    return AsyncRetry(ExponentialWithJitterBackoff(base=RETRY_BASE_S, cap=RETRY_CAP_S), RETRIES[mode or Mode.SERVER])
 
 
 def is_fatal(error: BaseException) -> bool:
@@ -99,12 +108,7 @@ def redact_url(url: str) -> str:
 
 # -- URLs ------------------------------------------------------------------------------------------
 
-class Mode(str, Enum):
-    SERVER = "server"
-    CLUSTER = "cluster"
-    SENTINEL = "sentinel"
-
-
+RETRIES = {Mode.SERVER: 10, Mode.CLUSTER: 40, Mode.SENTINEL: 40}
 SCHEMES = {
     "redis": (Mode.SERVER, False), "rediss": (Mode.SERVER, True), "unix": (Mode.SERVER, False),
     "redis+cluster": (Mode.CLUSTER, False), "rediss+cluster": (Mode.CLUSTER, True),

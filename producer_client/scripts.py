@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from redis.commands.core import CoreCommands
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from producer_client.cluster import is_cluster, topology_errors
 
@@ -218,41 +218,64 @@ def _script_loads(client, scripts: Sequence[Script]) -> list[tuple[tuple, dict]]
 
 
 def _send(client, stack: list[tuple[tuple, dict]]) -> list:
-    """One reply (or error) per command of `stack`, in one pipeline."""
-    pipe, parts = _pipeline(client, stack)
-    return _folded(pipe.execute(raise_on_error=False), parts)
+    """One reply (or error) per command of `stack`, in one pipeline: on a cluster, built anew for
+    each try of the client's pacing (redis-py's own empties a pipeline it sent)."""
+    def attempt() -> list:
+        pipe, parts, waits = _pipeline(client, stack)
+        return _judged_waits(client, _folded(pipe.execute(raise_on_error=False), parts), waits)
+
+    return client.paced(attempt) if is_cluster(client) else attempt()
 
 
 async def _asend(client, stack: list[tuple[tuple, dict]]) -> list:
-    pipe, parts = _pipeline(client, stack)
-    return _folded(await pipe.execute(raise_on_error=False), parts)
+    async def attempt() -> list:
+        pipe, parts, waits = _pipeline(client, stack)
+        return _judged_waits(client, _folded(await pipe.execute(raise_on_error=False), parts), waits)
+
+    return await client.paced(attempt) if is_cluster(client) else await attempt()
 
 
 def _pipeline(client, stack: list[tuple[tuple, dict]]):
-    """A pipeline of `stack`'s commands as `client` must send them, and how many went out for
-    each (more than one for a command of COUNTED_PER_KEY whose keys lie in several slots)."""
+    """A pipeline of `stack`'s commands as `client` must send them; how many went out for each
+    (more than one for a command of COUNTED_PER_KEY whose keys lie in several slots); and for
+    each WAIT, by its place in `stack`, its key and the node it was sent to (None: one server)."""
     pipe = client.pipeline(transaction=False)
-    parts = []
-    for args, options in stack:
+    parts, waits = [], {}
+    for at, (args, options) in enumerate(stack):
+        if _NODE_OF in options:
+            options = dict(options)
+            key = options.pop(_NODE_OF)
+            waits[at] = (key, client.get_node_from_key(key) if is_cluster(client) else None)
+            if waits[at][1] is not None:
+                options["target_nodes"] = waits[at][1]
         sent = _as_sent(client, args, options)
         for command_args, command_options in sent:
             pipe.execute_command(*command_args, **command_options)
         parts.append(len(sent))
-    return pipe, parts
+    return pipe, parts, waits
 
 
 def _as_sent(client, args: tuple, options: dict) -> list[tuple[tuple, dict]]:
-    if _NODE_OF in options:
-        options = dict(options)
-        key = options.pop(_NODE_OF)
-        if is_cluster(client):
-            options["target_nodes"] = client.get_node_from_key(key)
     if not is_cluster(client) or str(args[0]).upper() not in COUNTED_PER_KEY:
         return [(args, options)]
     by_slot: dict[int, list] = {}
     for key in args[1:]:
         by_slot.setdefault(client.keyslot(key), []).append(key)
     return [((args[0], *keys), options) for keys in by_slot.values()]
+
+
+def _judged_waits(client, replies: list, waits: dict[int, tuple[str, object]]) -> list:
+    """`replies`, with 0 (no replica confirmed anything) for each WAIT that cannot vouch for the
+    writes before it: one its node refused (the node turned replica in a failover), and on a
+    cluster one whose key's slot another node serves now (the writes followed MOVED there, on
+    another connection, while the WAIT went to the node the topology named before). A write an
+    ASK sent to the node importing its slot, in the middle of a resharding, is not seen here: the
+    WAIT then speaks for the writes that stayed on its node only."""
+    for at, (key, node) in waits.items():
+        refused = isinstance(replies[at], ResponseError)
+        if refused or (node is not None and client.get_node_from_key(key).name != node.name):
+            replies[at] = 0
+    return replies
 
 
 def _folded(replies: list, parts: list[int]) -> list:

@@ -51,7 +51,7 @@ class ServerProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> ServerProcess:
+    def start(self, *more_args: str) -> ServerProcess:
         if self.sentinel:
             config = self.dir / "sentinel.conf"  # a sentinel rewrites its own file as it learns
             config.write_text(f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\nlogfile sentinel.log\n{self.args[0]}")
@@ -59,7 +59,9 @@ class ServerProcess:
         else:
             command = [
                 "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                "--save", "", "--appendonly", "no", "--logfile", "redis.log", "--enable-debug-command", "yes", *self.args,
+                "--save", "", "--appendonly", "no", "--logfile", "redis.log", "--enable-debug-command", "yes",
+                # A replica syncs at once (Redis waits 5 s for more replicas to share the transfer).
+                "--repl-diskless-sync-delay", "0", *self.args, *more_args,
             ]
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait(self.answers, START_TIMEOUT_S, f"redis-server on {self.address} did not answer")
@@ -94,6 +96,17 @@ class ServerProcess:
     def log(self) -> str:
         path = self.dir / ("sentinel.log" if self.sentinel else "redis.log")
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _cluster_ok(node: ServerProcess) -> bool:
+    with node.client() as c:
+        return c.cluster("INFO")["cluster_state"] == "ok"
+
+
+def _in_sync(c: redis.Redis) -> bool:
+    """A master, or a replica whose link to its master is up."""
+    replication = c.info("replication")
+    return replication["role"] == "master" or replication.get("master_link_status") == "up"
 
 
 class LocalCluster:
@@ -131,18 +144,38 @@ class LocalCluster:
         return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Until every live node says the cluster is ok, with three masters that all nodes agree on."""
+        """Until every live node says the cluster is ok, with three masters that all nodes agree on,
+        and every replica has synced with its master: a replica that has not may not take over
+        (a test kills a master seconds after the cluster is made)."""
 
         def healthy() -> bool:
             views = set()
             for node in self.live():
                 with node.client() as c:
-                    if c.cluster("INFO")["cluster_state"] != "ok":
+                    if c.cluster("INFO")["cluster_state"] != "ok" or not _in_sync(c):
                         return False
                     views.add(tuple(sorted(self._masters_seen_by(c))))
             return len(views) == 1 and len(next(iter(views))) == 3
 
         _wait(healthy, timeout, "the cluster did not settle")
+
+    def wait_promoted(self, replica: ServerProcess, timeout: float = START_TIMEOUT_S) -> None:
+        """Until `replica` is a master (its master failed, or handed it the role) and every live node
+        serves every slot."""
+
+        def promoted() -> bool:
+            with replica.client() as c:
+                if c.info("replication")["role"] != "master":
+                    return False
+            return all(_cluster_ok(node) for node in self.live())
+
+        _wait(promoted, timeout, f"{replica.address} was not promoted")
+
+    def rejoin(self, node: ServerProcess) -> None:
+        """Start a killed node again, as a failed machine is replaced: its node file remembers the
+        cluster, whose newer configuration makes it a replica of the master that took its slots."""
+        node.start()
+        self.wait_healthy()
 
     def master_of(self, key: str) -> ServerProcess:
         with self.live()[0].client() as c:
@@ -221,6 +254,19 @@ class LocalSentinel:
         for process in (*self.sentinels, self.replica, self.master):
             process.stop()
 
+    def wait_promoted(self, old: ServerProcess, timeout: float = START_TIMEOUT_S) -> ServerProcess:
+        """Until the sentinels name another master than `old`, and it says it is one; returns it."""
+        _wait(lambda: self._promoted_other_than(old), timeout, f"no replica of {old.address} was promoted")
+        return self.current_master()
+
+    def rejoin(self, old: ServerProcess) -> None:
+        """Start a killed master again as a replica of the new one, as a replaced machine is set
+        up (the sentinels would make it one too, but only after it has claimed to be a master for
+        8 s)."""
+        new = self.current_master()
+        old.start("--replicaof", "127.0.0.1", str(new.port))
+        _wait(lambda: self._replicating(old), START_TIMEOUT_S, f"{old.address} did not become a replica")
+
     def current_master(self) -> ServerProcess:
         """The server the sentinels name as master now."""
         for sentinel in self.sentinels:
@@ -233,9 +279,22 @@ class LocalSentinel:
     def admin(self):
         return connect(self.url, decode_responses=True)
 
+    def _promoted_other_than(self, old: ServerProcess) -> bool:
+        new = self.current_master()
+        if new is old:
+            return False
+        with new.client() as c:
+            return c.info("replication")["role"] == "master"
+
+    @staticmethod
+    def _replicating(node: ServerProcess) -> bool:
+        with node.client() as c:
+            replication = c.info("replication")
+        return replication["role"] == "slave" and replication.get("master_link_status") == "up"
+
     def _replica_in_sync(self) -> bool:
         with self.replica.client() as c:
-            return c.info("replication").get("master_link_status") == "up"
+            return _in_sync(c)
 
     def _sentinels_see_everything(self) -> bool:
         for sentinel in self.sentinels:

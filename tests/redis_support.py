@@ -70,6 +70,16 @@ def redis_deployment(request):
     return request.getfixturevalue(MODES[request.param])
 
 
+def on_modes(*modes: str):
+    """Runs a test that uses redis_deployment on `modes` only (their instances are the session's,
+    shared with the tests that run on all three): what does not depend on the mode runs on one
+    server alone, to keep the suite quick."""
+    return pytest.mark.parametrize("redis_deployment", list(modes), indirect=True)
+
+
+SERVER_ONLY = on_modes("server")
+
+
 @pytest.fixture
 def deployment_client(redis_deployment):
     """A client of the deployment in its mode, for what a test reads and checks."""

@@ -263,13 +263,18 @@ class WorkerQueue:
             for job_id, _ in watch:
                 pipe.hmget(self.keys.job(job_id), "cancel", "run")
             for u in finals:
+                # WAIT counts the replicas that have this connection's writes; a result published
+                # again is a no-op that writes nothing, and may go out on another connection. The
+                # EXPIRE (the TTL PUBLISH gave the result) is a write that always reaches the
+                # replication stream, after the result: a replica that has it has the result.
+                pipe.expire(self.keys.job(u.job_id), self.result_ttl_s)
                 pipe.wait_replicas(self.keys.job(u.job_id), self.replication.replicas, self.replication.timeout_ms)
 
         replies = scripts.execute(self.redis, add, WORKER_SCRIPTS, raise_on_error=False)
         published = [_parsed(parse_publish, r) for r in replies[: len(updates)]]
         ends = len(updates) + len(watch)
         watched = [_parsed(lambda r, run=run: parse_watch(r, run), r) for (_, run), r in zip(watch, replies[len(updates):ends])]
-        confirmed = dict(zip((u.job_id for u in finals), replies[ends:]))
+        confirmed = dict(zip((u.job_id for u in finals), replies[ends + 1::2]))  # each WAIT's, after its EXPIRE
         return [self._replicated(u, reply, confirmed.get(u.job_id)) for u, reply in zip(updates, published)], watched
 
     def _replicated(self, update: Update, reply: PublishReply | Exception, confirmed: int | Exception | None):

@@ -4,8 +4,8 @@ seconds (model load), so two are started once per mode and stopped when its test
 import pytest
 
 from tests.redis_support import (  # noqa: F401  (fixtures)
-    WorkerProcess, client_kind, deployment_client, redis_cluster, redis_deployment, redis_sentinel, redis_server,
-    start_workers,
+    WorkerProcess, client_kind, deployment_client, redis_client, redis_cluster, redis_deployment, redis_sentinel,
+    redis_server, start_workers,
 )
 
 E2E_QUEUE = "e2e"

@@ -1,10 +1,11 @@
-"""The `mili` CLI against the shared workers, and the demo behind the README's run command."""
+"""The `mili` CLI against the shared workers (its whole round on each of Redis's modes, the rest on
+one server), and the demo behind the README's run command."""
 import json
 import subprocess
 import sys
 
 from tests.e2e.conftest import E2E_QUEUE
-from tests.redis_support import REPO
+from tests.redis_support import REPO, SERVER_ONLY
 
 
 def mili(redis_url: str, *args: str) -> subprocess.CompletedProcess:
@@ -29,6 +30,7 @@ def test_submit_status_result_cancel_and_stats(redis_deployment, e2e_workers):
     assert stats["queue"] == E2E_QUEUE and sorted(stats["workers"]) == sorted(w.name for w in e2e_workers)
 
 
+@SERVER_ONLY
 def test_submit_stream_prints_the_text_as_it_comes(redis_deployment, e2e_workers):
     streamed = mili(redis_deployment.url, "submit", "Stream it", "--max-tokens", "6", "--temperature", "0", "--stream")
     assert streamed.returncode == 0, streamed.stderr
@@ -38,6 +40,7 @@ def test_submit_stream_prints_the_text_as_it_comes(redis_deployment, e2e_workers
     assert streamed.stdout == result["text"] + "\n"
 
 
+@SERVER_ONLY
 def test_errors_are_one_line_with_their_code(redis_deployment):
     missing = mili(redis_deployment.url, "status", "no-such-job")
     assert (missing.returncode, missing.stderr.strip()) == (

@@ -1,6 +1,7 @@
-"""The whole service: real redis-server (one, a cluster, or Sentinel's: every test runs on each),
-real worker processes on the tiny preset, the real clients. Jobs are short (a few greedy tokens)
-so that the suite stays quick on a CPU."""
+"""The whole service: real redis-server, real worker processes on the tiny preset, the real
+clients. The paths a user's job takes (submit and result, streaming, cancel) run on each of
+Redis's modes (one server, a cluster, Sentinel's), the rest on one server. Jobs are short (a few
+greedy tokens) so that the suite stays quick on a CPU."""
 from __future__ import annotations
 
 import threading
@@ -16,7 +17,7 @@ from producer_client import JobFailed, SamplingParams
 from producer_client.connection import connect
 from producer_client.keys import GROUP, Keys
 from tests.e2e.conftest import E2E_QUEUE, MAX_MODEL_LEN, MAX_RUNNING
-from tests.redis_support import WorkerProcess, eventually, make_client, start_workers
+from tests.redis_support import SERVER_ONLY, WorkerProcess, eventually, make_client, start_workers
 
 KEYS = Keys()
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Redis", "Once upon a time, in a land far away, there"]
@@ -89,6 +90,7 @@ def test_streamed_deltas_concatenate_and_a_resumed_stream_loses_nothing(client):
     assert len(result.token_ids) == 12
 
 
+@SERVER_ONLY
 def test_two_workers_share_twenty_jobs(redis_deployment, e2e_workers):
     with make_client("sync", redis_deployment.url, E2E_QUEUE) as c:
         ids = [c.submit(f"job {i}", max_tokens=4, temperature=0.0) for i in range(20)]
@@ -99,6 +101,7 @@ def test_two_workers_share_twenty_jobs(redis_deployment, e2e_workers):
     assert sum(ran.values()) == 20
 
 
+@SERVER_ONLY
 def test_a_worker_never_holds_more_pending_entries_than_max_running(redis_deployment, deployment_client, e2e_workers):
     stream = KEYS.queue(E2E_QUEUE)
     most: dict[str, int] = {}
@@ -150,6 +153,7 @@ def test_cancel_mid_generation_ends_the_job_and_returns_its_pages(client, e2e_wo
     assert idle_free_pages(worker) == free_before[worker.name]
 
 
+@SERVER_ONLY
 def test_the_same_request_id_twice_runs_one_job(client, deployment_client):
     stream = KEYS.queue(E2E_QUEUE)
     added_before = deployment_client.xinfo_stream(stream)["entries-added"]
@@ -162,6 +166,7 @@ def test_the_same_request_id_twice_runs_one_job(client, deployment_client):
     assert types.count("start") == 1 and types.count("end") == 1
 
 
+@SERVER_ONLY
 def test_bad_inputs_fail_with_a_code_and_the_workers_keep_serving(client, deployment_client):
     stream = KEYS.queue(E2E_QUEUE)
     tag = uuid.uuid4().hex[:8]
@@ -182,6 +187,7 @@ def test_bad_inputs_fail_with_a_code_and_the_workers_keep_serving(client, deploy
     assert client.generate("Still serving", max_tokens=2, timeout=120).status == "done"
 
 
+@SERVER_ONLY
 def test_each_worker_exports_the_vllm_metric_vocabulary(e2e_workers):
     for w in e2e_workers:
         port = int(w.heartbeat()["metrics_port"])
@@ -191,6 +197,7 @@ def test_each_worker_exports_the_vllm_metric_vocabulary(e2e_workers):
         assert 'mili_jobs_total{outcome="dead_lettered"} 0.0' in text
 
 
+@SERVER_ONLY
 def test_sigterm_drains_running_jobs_and_leaves_unread_ones_queued(redis_deployment, tmp_path):
     queue = f"drain-{uuid.uuid4().hex[:6]}"
     worker = WorkerProcess(redis_deployment.url, queue, f"{queue}-w", tmp_path, "--max-running", "1")
