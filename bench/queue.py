@@ -291,16 +291,19 @@ def saturation(url: str, queues: tuple[str, ...], args: argparse.Namespace) -> f
     try:
         for queue in queues:
             wait_ready(url, args.max_tokens, queue)
+        before = sum(cpu_seconds(w.pid) for w in workers)
         loaded = run_producers(url, args.procs, args.threads, None, args.seconds, args.max_tokens, queues)
+        workers_cpu = sum(cpu_seconds(w.pid) for w in workers) - before
     finally:
         for w in workers:
             w.terminate()
         for w in workers:
             w.wait(timeout=30)
-    jobs_per_s = len(loaded["latencies"]) / loaded["elapsed"]
-    print(f"{url.split('://')[0]}, {len(queues)} queue(s): {jobs_per_s:,.0f} jobs/s, p50 "
-          f"{pct(loaded['latencies'], 50) * 1e3:.1f} ms, p99 {pct(loaded['latencies'], 99) * 1e3:.1f} ms")
-    return jobs_per_s
+    n = len(loaded["latencies"])
+    print(f"{url.split('://')[0]}, {len(queues)} queue(s): {n / loaded['elapsed']:,.0f} jobs/s, p50 "
+          f"{pct(loaded['latencies'], 50) * 1e3:.1f} ms, p99 {pct(loaded['latencies'], 99) * 1e3:.1f} ms; CPU per job: "
+          f"workers {workers_cpu / n * 1e6:.0f} us, producers {loaded['cpu'] / n * 1e6:.0f} us")
+    return n / loaded["elapsed"]
 
 
 def rate(jobs: int, run) -> float:
