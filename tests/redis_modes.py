@@ -159,6 +159,15 @@ class LocalCluster:
 
         _wait(healthy, timeout, "the cluster did not settle")
 
+    def fail_over(self, key: str) -> None:
+        """kill -9 the master that serves `key`; return once the cluster has promoted its replica
+        and the killed node is back, as that replica's."""
+        master = self.master_of(key)
+        replica = self.replica_of(master)
+        master.kill()
+        self.wait_promoted(replica)
+        self.rejoin(master)
+
     def wait_promoted(self, replica: ServerProcess, timeout: float = START_TIMEOUT_S) -> None:
         """Until `replica` is a master (its master failed, or handed it the role) and every live node
         serves every slot."""
@@ -253,6 +262,14 @@ class LocalSentinel:
     def stop(self) -> None:
         for process in (*self.sentinels, self.replica, self.master):
             process.stop()
+
+    def fail_over(self, key: str = "") -> None:
+        """kill -9 the master (it serves every key); return once the sentinels have promoted the
+        replica and the killed server is back, as the new master's replica."""
+        master = self.current_master()
+        master.kill()
+        self.wait_promoted(master)
+        self.rejoin(master)
 
     def wait_promoted(self, old: ServerProcess, timeout: float = START_TIMEOUT_S) -> ServerProcess:
         """Until the sentinels name another master than `old`, and it says it is one; returns it."""

@@ -187,38 +187,14 @@ def sentinel(tmp_path):
 
 
 @pytest.mark.parametrize("wait_replicas", [0, 1])
-def test_cluster_failover_of_the_queues_master_loses_no_acknowledged_job_with_wait(cluster, wait_replicas, tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["cluster", "sentinel"])
+def test_a_failover_of_the_queues_master_loses_no_acknowledged_job_with_wait(mode, wait_replicas, request, tmp_path, capsys):
+    deployment = request.getfixturevalue(mode)
     queue = f"failover-{uuid.uuid4().hex[:6]}"
-    master = cluster.master_of(KEYS.queue(queue))
-    replica = cluster.replica_of(master)
-
-    def fail_over() -> None:
-        master.kill()
-        cluster.wait_promoted(replica)
-        cluster.rejoin(master)
-
-    with cluster.admin() as admin:
-        outcome = run_through(cluster.url, queue, wait_replicas, fail_over, admin, tmp_path)
+    with deployment.admin() as admin:
+        outcome = run_through(deployment.url, queue, wait_replicas, lambda: deployment.fail_over(KEYS.queue(queue)), admin, tmp_path)
     with capsys.disabled():
-        print(outcome.report(f"cluster failover, wait_replicas={wait_replicas}"))
-    if wait_replicas:
-        assert outcome.lost == []
-
-
-@pytest.mark.parametrize("wait_replicas", [0, 1])
-def test_sentinel_failover_loses_no_acknowledged_job_with_wait(sentinel, wait_replicas, tmp_path, capsys):
-    queue = f"failover-{uuid.uuid4().hex[:6]}"
-    master = sentinel.current_master()
-
-    def fail_over() -> None:
-        master.kill()
-        sentinel.wait_promoted(master)
-        sentinel.rejoin(master)
-
-    with sentinel.admin() as admin:
-        outcome = run_through(sentinel.url, queue, wait_replicas, fail_over, admin, tmp_path)
-    with capsys.disabled():
-        print(outcome.report(f"sentinel failover, wait_replicas={wait_replicas}"))
+        print(outcome.report(f"{mode} failover, wait_replicas={wait_replicas}"))
     if wait_replicas:
         assert outcome.lost == []
 
