@@ -138,6 +138,9 @@ return {room, depth + room}
 PRODUCER_SCRIPTS = (CREATE, CANCEL, ENQUEUE, ENQUEUE_MANY, RETRY, REVIVE)
 
 
+Stack = list[tuple[tuple, dict]]  # recorded commands: (arguments, options) each
+
+
 class Commands(CoreCommands):
     """What a caller adds to a pipeline, recorded as redis-py's command methods spell it (arguments,
     and the options that parse the reply) and sent by `execute`: so the commands NOSCRIPT refused
@@ -146,7 +149,7 @@ class Commands(CoreCommands):
     methods, not the commands."""
 
     def __init__(self):
-        self.stack: list[tuple[tuple, dict]] = []
+        self.stack: Stack = []
 
     def execute_command(self, *args, **options):
         self.stack.append((args, options))
@@ -198,7 +201,7 @@ async def aexecute(client, add_commands: Callable, scripts: Sequence[Script] = (
         replies = await _asend(client, commands.stack)
         missing = _lacking_scripts(replies)
         if missing:
-            _checked(await _asend(client, _script_loads(client, scripts)), raise_on_error=True)
+            _checked(await _asend(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
             _splice(replies, missing, await _asend(client, [commands.stack[i] for i in missing]))
     return _checked(replies, raise_on_error)
 
@@ -206,10 +209,11 @@ async def aexecute(client, add_commands: Callable, scripts: Sequence[Script] = (
 def load_scripts(client, scripts: Sequence[Script] = ()) -> None:
     """Load the producers' scripts and `scripts`, on every master of a cluster."""
     with topology_errors():
-        _checked(_send(client, _script_loads(client, scripts)), raise_on_error=True)
+        # The masters are named anew for each try: after a failover the old one answers no more.
+        _checked(_send(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
 
 
-def _script_loads(client, scripts: Sequence[Script]) -> list[tuple[tuple, dict]]:
+def _script_loads(client, scripts: Sequence[Script]) -> Stack:
     masters = client.get_primaries() if is_cluster(client) else [None]
     return [
         (("SCRIPT LOAD", script.source), {} if node is None else {"target_nodes": node})
@@ -217,25 +221,26 @@ def _script_loads(client, scripts: Sequence[Script]) -> list[tuple[tuple, dict]]
     ]
 
 
-def _send(client, stack: list[tuple[tuple, dict]]) -> list:
-    """One reply (or error) per command of `stack`, in one pipeline: on a cluster, built anew for
-    each try of the client's pacing (redis-py's own empties a pipeline it sent)."""
+def _send(client, stack: Stack | Callable[[], Stack]) -> list:
+    """One reply (or error) per command of `stack` (or of the stack it makes), in one pipeline: on
+    a cluster, built anew for each try of the client's pacing (redis-py's own empties a pipeline
+    it sent), each command routed by the topology of that try."""
     def attempt() -> list:
-        pipe, parts, waits = _pipeline(client, stack)
+        pipe, parts, waits = _pipeline(client, stack() if callable(stack) else stack)
         return _judged_waits(client, _folded(pipe.execute(raise_on_error=False), parts), waits)
 
     return client.paced(attempt) if is_cluster(client) else attempt()
 
 
-async def _asend(client, stack: list[tuple[tuple, dict]]) -> list:
+async def _asend(client, stack: Stack | Callable[[], Stack]) -> list:
     async def attempt() -> list:
-        pipe, parts, waits = _pipeline(client, stack)
+        pipe, parts, waits = _pipeline(client, stack() if callable(stack) else stack)
         return _judged_waits(client, _folded(await pipe.execute(raise_on_error=False), parts), waits)
 
     return await client.paced(attempt) if is_cluster(client) else await attempt()
 
 
-def _pipeline(client, stack: list[tuple[tuple, dict]]):
+def _pipeline(client, stack: Stack):
     """A pipeline of `stack`'s commands as `client` must send them; how many went out for each
     (more than one for a command of COUNTED_PER_KEY whose keys lie in several slots); and for
     each WAIT, by its place in `stack`, its key and the node it was sent to (None: one server)."""
@@ -255,7 +260,7 @@ def _pipeline(client, stack: list[tuple[tuple, dict]]):
     return pipe, parts, waits
 
 
-def _as_sent(client, args: tuple, options: dict) -> list[tuple[tuple, dict]]:
+def _as_sent(client, args: tuple, options: dict) -> Stack:
     if not is_cluster(client) or str(args[0]).upper() not in COUNTED_PER_KEY:
         return [(args, options)]
     by_slot: dict[int, list] = {}
