@@ -42,8 +42,11 @@ import multiprocessing as mp  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 
 from bench.measure import cpu_seconds, free_port, pct  # noqa: E402
 from producer_client import Client  # noqa: E402  (the producers import nothing heavier)
@@ -248,26 +251,16 @@ def modes_main(args: argparse.Namespace) -> None:
     print(f"(load average {os.getloadavg()[0]:.2f} at end)")
 
 
-class deployment:
+@contextmanager
+def deployment(url: str) -> Iterator[str]:
     """The URL to measure: `local-cluster` starts a six-node cluster here for the run."""
+    if url != "local-cluster":
+        yield url
+        return
+    from tests.redis_modes import LocalCluster
 
-    def __init__(self, url: str):
-        self.url = url
-        self.cluster = None
-
-    def __enter__(self) -> str:
-        if self.url != "local-cluster":
-            return self.url
-        import tempfile
-
-        from tests.redis_modes import LocalCluster
-
-        self.cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="mili-bench-cluster-"))).start()
-        return self.cluster.url
-
-    def __exit__(self, *exc) -> None:
-        if self.cluster is not None:
-            self.cluster.stop()
+    with tempfile.TemporaryDirectory(prefix="mili-bench-cluster-") as root, LocalCluster(Path(root)) as cluster:
+        yield cluster.url
 
 
 def queues_on_shards(url: str, n: int) -> tuple[str, ...]:

@@ -30,9 +30,9 @@ from redis.cluster import RedisCluster
 from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError
 
 SCRIPT_CALLS = frozenset({"EVAL", "EVALSHA"})
+STREAM_READS = frozenset({"XREAD", "XREADGROUP"})
 # What a failover or a resharding answers until the cluster serves every slot again.
 NODE_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterDownError)
-STREAM_READS = frozenset({"XREAD", "XREADGROUP"})
 
 
 def known_keys(args: Sequence) -> list | None:

@@ -98,6 +98,26 @@ class ServerProcess:
         return path.read_text(errors="replace") if path.exists() else ""
 
 
+class Deployment:
+    """Started on entering a `with`, stopped on leaving it, or at once if it did not start."""
+
+    def start(self):
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 def _cluster_ok(node: ServerProcess) -> bool:
     with node.client() as c:
         return c.cluster("INFO")["cluster_state"] == "ok"
@@ -109,7 +129,7 @@ def _in_sync(c: redis.Redis) -> bool:
     return replication["role"] == "master" or replication.get("master_link_status") == "up"
 
 
-class LocalCluster:
+class LocalCluster(Deployment):
     """Three masters and three replicas. `node_timeout_ms`: how long a master may be unreachable
     before the others count it as failed and its replica is promoted."""
 
@@ -230,7 +250,7 @@ class LocalCluster:
         return next(n for n in self.nodes if n.port == port)
 
 
-class LocalSentinel:
+class LocalSentinel(Deployment):
     """A master, a replica and three sentinels that promote the replica once the master has not
     answered them for `down_after_ms`."""
 

@@ -45,20 +45,14 @@ def redis_client(redis_server):
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory):
-    cluster = LocalCluster(tmp_path_factory.mktemp("cluster"))
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
+    with LocalCluster(tmp_path_factory.mktemp("cluster")) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")
 def redis_sentinel(tmp_path_factory):
-    setup = LocalSentinel(tmp_path_factory.mktemp("sentinel"))
-    try:
-        yield setup.start()
-    finally:
-        setup.stop()
+    with LocalSentinel(tmp_path_factory.mktemp("sentinel")) as setup:
+        yield setup
 
 
 MODES = {"server": "redis_server", "cluster": "redis_cluster", "sentinel": "redis_sentinel"}

@@ -170,20 +170,14 @@ def running(admin, job_ids: list[str]) -> int:
 
 @pytest.fixture
 def cluster(tmp_path):
-    nodes = LocalCluster(tmp_path / "cluster", node_timeout_ms=FAILURE_DETECTION_MS)
-    try:
-        yield nodes.start()
-    finally:
-        nodes.stop()
+    with LocalCluster(tmp_path / "cluster", node_timeout_ms=FAILURE_DETECTION_MS) as nodes:
+        yield nodes
 
 
 @pytest.fixture
 def sentinel(tmp_path):
-    setup = LocalSentinel(tmp_path / "sentinel", down_after_ms=FAILURE_DETECTION_MS)
-    try:
-        yield setup.start()
-    finally:
-        setup.stop()
+    with LocalSentinel(tmp_path / "sentinel", down_after_ms=FAILURE_DETECTION_MS) as setup:
+        yield setup
 
 
 @pytest.mark.parametrize("wait_replicas", [0, 1])
