@@ -18,8 +18,15 @@ sent one at a time (submit(), then wait() for each) in the same run:
   2. end to end with two echo workers: jobs/s from the first submit to the last result, and
      the CPU time per job of each process.
 
+With --redis URL it measures throughput at saturation (as in 3) on that deployment, with one queue
+and with three queues (on a cluster, each on a master of its own: a queue lives on one shard),
+beside an embedded redis-server over TCP with one queue and with three, in the same run, with
+three echo workers in each case (with three queues, one each). `--redis local-cluster` starts a
+six-node cluster on this machine (tests/redis_modes.py) and measures that.
+
     python bench/queue.py [--procs 4 --threads 4 --seconds 10 --max-tokens 1 --tcp]
     python bench/queue.py --bulk [--jobs 100000 --one-at-a-time-jobs 10000 --tcp]
+    python bench/queue.py --redis redis+cluster://h:p,h:p [--procs 4 --threads 4 --seconds 10]
 """
 from __future__ import annotations
 
@@ -35,8 +42,11 @@ import multiprocessing as mp  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 
 from bench.measure import cpu_seconds, free_port, pct  # noqa: E402
 from producer_client import Client  # noqa: E402  (the producers import nothing heavier)
@@ -49,6 +59,8 @@ def main() -> None:
     args = parse_args()
     if args.bulk:
         return bulk_main(args)
+    if args.redis:
+        return modes_main(args)
     from worker.embedded_redis import EmbeddedRedis  # imports torch: not in the producer processes
 
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
@@ -96,6 +108,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bulk", action="store_true", help="measure submit_many and as_completed instead")
     p.add_argument("--jobs", type=int, default=100_000, help="jobs per bulk measurement")
     p.add_argument("--one-at-a-time-jobs", type=int, default=10_000, help="jobs per one-at-a-time measurement")
+    p.add_argument("--redis", help="a deployment's URL (or local-cluster) to measure with 1 and 3 queues beside one server")
     return p.parse_args()
 
 
@@ -116,30 +129,34 @@ def direct_latencies(jobs: int, max_tokens: int) -> list[float]:
     return latencies
 
 
-def start_worker(url: str, name: str = "bench-worker") -> subprocess.Popen:
+def start_worker(url: str, name: str = "bench-worker", queue: str = QUEUE) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "worker", "serve", "--model", "echo", "--redis", url, "--queue", QUEUE,
+        sys.executable, "-m", "worker", "serve", "--model", "echo", "--redis", url, "--queue", queue,
         "--name", name, "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--log-level", "WARNING",
     ]
     return subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1])
 
 
-def wait_ready(url: str, max_tokens: int) -> None:
-    with Client(url, QUEUE) as client:
+def wait_ready(url: str, max_tokens: int, queue: str = QUEUE) -> None:
+    with Client(url, queue) as client:
         for _ in range(200):  # warm up the worker, its connection and the scripts
             client.generate(PROMPT, max_tokens=max_tokens, temperature=0.0, timeout=120)
 
 
-def run_producers(url: str, procs: int, threads: int, jobs: int | None, seconds: float | None, max_tokens: int) -> dict:
+def run_producers(
+    url: str, procs: int, threads: int, jobs: int | None, seconds: float | None, max_tokens: int,
+    queues: tuple[str, ...] = (QUEUE,),
+) -> dict:
     """Each producer sends one job at a time and waits for its result, for `jobs` jobs in
-    all or for `seconds`. Returns all latencies, the elapsed time and the producers' CPU."""
+    all or for `seconds`; the producers take `queues` in turn. Returns all latencies, the
+    elapsed time and the producers' CPU."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     go = ctx.Event()
     per_thread = None if jobs is None else jobs // (procs * threads)
     children = [
-        ctx.Process(target=producer_process, args=(url, threads, per_thread, seconds, max_tokens, go, results))
-        for _ in range(procs)
+        ctx.Process(target=producer_process, args=(url, threads, per_thread, seconds, max_tokens, go, results, queues, p))
+        for p in range(procs)
     ]
     for c in children:
         c.start()
@@ -158,8 +175,8 @@ def run_producers(url: str, procs: int, threads: int, jobs: int | None, seconds:
     }
 
 
-def producer_process(url, threads, jobs, seconds, max_tokens, go, results) -> None:
-    clients = [Client(url, QUEUE) for _ in range(threads)]
+def producer_process(url, threads, jobs, seconds, max_tokens, go, results, queues=(QUEUE,), first=0) -> None:
+    clients = [Client(url, queues[(first * threads + t) % len(queues)]) for t in range(threads)]
     for c in clients:
         c.generate(PROMPT, max_tokens=max_tokens, temperature=0.0, timeout=120)  # connect, load scripts
     latencies: list[list[float]] = [[] for _ in clients]
@@ -215,6 +232,71 @@ def bulk_main(args: argparse.Namespace) -> None:
     print(f"  CPU per job in bulk: workers {' + '.join(f'{us:.0f}' for us in per_job)} us, redis-server "
           f"{(after[1] - before[1]) / args.jobs * 1e6:.0f} us, producer {(after[2] - before[2]) / args.jobs * 1e6:.0f} us "
           f"(load average {os.getloadavg()[0]:.2f} at end)")
+
+
+def modes_main(args: argparse.Namespace) -> None:
+    from worker.embedded_redis import EmbeddedRedis
+
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+    print(f"jobs: prompt {PROMPT!r}, max_tokens {args.max_tokens}, greedy; 3 echo workers; "
+          f"{args.procs} processes x {args.threads} producers for {args.seconds:g}s each\n")
+    with EmbeddedRedis(port=free_port()) as server:
+        single = {n: saturation(server.url, queues_on_shards(server.url, n), args) for n in (1, 3)}
+    with deployment(args.redis) as url:
+        spread = {n: saturation(url, queues_on_shards(url, n), args) for n in (1, 3)}
+    print(f"\n{'':24}{'1 queue':>14}{'3 queues':>14}")
+    print(f"{'one server (TCP)':24}" + "".join(f"{single[n]:>9,.0f} j/s" for n in (1, 3)))
+    print(f"{'deployment':24}" + "".join(f"{spread[n]:>9,.0f} j/s" for n in (1, 3)))
+    print(f"{'deployment / one server':24}" + "".join(f"{spread[n] / single[n]:>13.2f}x" for n in (1, 3)))
+    print(f"(load average {os.getloadavg()[0]:.2f} at end)")
+
+
+@contextmanager
+def deployment(url: str) -> Iterator[str]:
+    """The URL to measure: `local-cluster` starts a six-node cluster here for the run."""
+    if url != "local-cluster":
+        yield url
+        return
+    from tests.redis_modes import LocalCluster
+
+    with tempfile.TemporaryDirectory(prefix="mili-bench-cluster-") as root, LocalCluster(Path(root)) as cluster:
+        yield cluster.url
+
+
+def queues_on_shards(url: str, n: int) -> tuple[str, ...]:
+    """`n` queue names, each on a master of its own while there are masters enough (a cluster's
+    queue lives on the shard of its hash tag); on one server, any `n` names."""
+    from producer_client.cluster import is_cluster
+
+    names = [f"{QUEUE}-{i}" for i in range(2000)]
+    with Client(url, QUEUE) as client:
+        if not is_cluster(client.redis):
+            return tuple(names[:n])
+        by_node: dict[str, str] = {}
+        for name in names:
+            by_node.setdefault(client.redis.get_node_from_key(client.keys.queue(name)).name, name)
+        return tuple(list(by_node.values())[:n])
+
+
+def saturation(url: str, queues: tuple[str, ...], args: argparse.Namespace) -> float:
+    """Jobs/s end to end with 3 echo workers spread over `queues`, the producers over them too."""
+    workers = [start_worker(url, f"bench-worker-{queues[i % len(queues)]}-{i}", queues[i % len(queues)]) for i in range(3)]
+    try:
+        for queue in queues:
+            wait_ready(url, args.max_tokens, queue)
+        before = sum(cpu_seconds(w.pid) for w in workers)
+        loaded = run_producers(url, args.procs, args.threads, None, args.seconds, args.max_tokens, queues)
+        workers_cpu = sum(cpu_seconds(w.pid) for w in workers) - before
+    finally:
+        for w in workers:
+            w.terminate()
+        for w in workers:
+            w.wait(timeout=30)
+    n = len(loaded["latencies"])
+    print(f"{url.split('://')[0]}, {len(queues)} queue(s): {n / loaded['elapsed']:,.0f} jobs/s, p50 "
+          f"{pct(loaded['latencies'], 50) * 1e3:.1f} ms, p99 {pct(loaded['latencies'], 99) * 1e3:.1f} ms; CPU per job: "
+          f"workers {workers_cpu / n * 1e6:.0f} us, producers {loaded['cpu'] / n * 1e6:.0f} us")
+    return n / loaded["elapsed"]
 
 
 def rate(jobs: int, run) -> float:

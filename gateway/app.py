@@ -49,7 +49,8 @@ class Gateway:
         self.settings = settings
         self.client = AsyncClient(
             settings.redis, settings.default_queue, prefix=settings.prefix, max_queue_depth=settings.max_queue_depth,
-            max_connections=settings.max_connections,
+            max_connections=settings.max_connections, wait_replicas=settings.wait_replicas,
+            wait_timeout_ms=settings.wait_timeout_ms,
         )
         self.registry = ModelRegistry(self.client, settings.models, settings.workers_refresh_s)
         self.jobs = Jobs(lifecycle, settings.job_timeout_s, settings.cancel_on_disconnect)

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from producer_client.connection import parse_url
 from producer_client.keys import DEFAULT_PREFIX, check_name
 from producer_client.settings import TomlSettings
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH
@@ -23,7 +24,9 @@ DEFAULT_CONFIG_FILE = Path(__file__).resolve().parents[1] / "config" / "gateway.
 class GatewaySettings(TomlSettings):
     model_config = SettingsConfigDict(env_prefix="MILI_", extra="forbid", frozen=True, toml_file=DEFAULT_CONFIG_FILE)
 
-    redis: str = Field("redis://localhost:6379/0", description="redis://, rediss:// or unix:// URL of the queue's Redis")
+    redis: str = Field(
+        "redis://localhost:6379/0", description="redis://, rediss://, unix://, redis+cluster:// or redis+sentinel:// URL of the queue's Redis"
+    )
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     prefix: str = Field(DEFAULT_PREFIX, description="namespace of every Redis key, as the workers'")
@@ -41,6 +44,8 @@ class GatewaySettings(TomlSettings):
         5000, ge=1, description="Redis connections the gateway may hold: each job it waits for holds one (a blocking read)"
     )
     max_queue_depth: int = Field(DEFAULT_MAX_QUEUE_DEPTH, ge=1, description="a fuller queue answers 429")
+    wait_replicas: int = Field(0, ge=0, description="a job is enqueued once this many replicas have it (WAIT), else 503; 0: off")
+    wait_timeout_ms: int = Field(1000, ge=1, description="how long a submit waits for wait_replicas at most")
     retry_after_s: int = Field(1, ge=1, description="the Retry-After of a 429 (queue full)")
     keepalive_s: float = Field(5.0, gt=0.0, description="a stream with no token for this long gets a ': keep-alive' line")
     cancel_on_disconnect: bool = Field(True, description="a client that disconnects cancels its jobs")
@@ -61,6 +66,7 @@ class GatewaySettings(TomlSettings):
     def _existing_redis(cls, value: str) -> str:
         if value == "embedded":
             raise ValueError("a gateway joins the workers' Redis: give its URL (there is no embedded Redis here)")
+        parse_url(value)
         return value
 
     @field_validator("prefix", "default_queue")

@@ -1,4 +1,5 @@
-"""The asyncio client: `Client`'s methods as coroutines, over redis.asyncio."""
+"""The asyncio client: `Client`'s methods as coroutines, over redis.asyncio, in any of the three
+modes (producer_client.connection)."""
 from __future__ import annotations
 
 import copy
@@ -6,15 +7,15 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 
 from producer_client import bulk, protocol, scripts, steps
 from producer_client.bulk import ResultWatch
-from producer_client.connection import async_retry_policy
+from producer_client.cluster import is_cluster
+from producer_client.connection import async_retry_policy, connect_async, parse_url
 from producer_client.errors import JobNotFound, JobTimeout, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.operator_views import OperatorViews
-from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
+from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
 
@@ -26,11 +27,16 @@ class AsyncClient(OperatorViews):
     def __init__(
         self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
         max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH, max_connections: int | None = None,
+        wait_replicas: int = 0, wait_timeout_ms: int = 1000,
     ):
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
-        self.redis = aioredis.Redis.from_url(url, decode_responses=True, retry=async_retry_policy(), max_connections=max_connections)
+        self.replication = Replication(wait_replicas, wait_timeout_ms)
+        target = parse_url(url)
+        self.redis = connect_async(
+            target, decode_responses=True, retry=async_retry_policy(target.mode), max_connections=max_connections,
+        )
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -86,10 +92,7 @@ class AsyncClient(OperatorViews):
 
     async def status(self, job_id: str) -> JobStatus:
         job_id = protocol.check_job_id(job_id)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(self.keys.job(job_id))
-        pipe.time()
-        return protocol.job_status(job_id, *(await pipe.execute()))
+        return await steps.arun(self.redis, protocol.read_status(self.keys, job_id))
 
     async def cancel(self, job_id: str) -> JobStatus:
         job_id = protocol.check_job_id(job_id)
@@ -142,27 +145,10 @@ class AsyncClient(OperatorViews):
             await self._execute(bulk.cancel_commands(self.keys, job_ids))
 
     async def queue_stats(self) -> QueueStats:
-        queue_key = self.keys.queue(self.queue)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xlen(queue_key)
-        pipe.zrange(self.keys.workers(self.queue), 0, -1)
-        depth, names = await pipe.execute()
-        if depth:
-            pipe.xinfo_groups(queue_key)
-        for name in names:
-            pipe.exists(self.keys.worker(name))
-        replies = await pipe.execute()
-        groups = replies.pop(0) if depth else []
-        return protocol.queue_stats(self.queue, depth, groups, names, replies)
+        return await steps.arun(self.redis, protocol.read_queue_stats(self.keys, self.queue))
 
     async def workers(self) -> list[WorkerInfo]:
-        queues = await self.redis.zrange(self.keys.queues(), 0, -1)
-        pipe = self.redis.pipeline(transaction=False)
-        for queue in queues:
-            pipe.zrange(self.keys.workers(queue), 0, -1)
-        for name in [name for names in await pipe.execute() for name in names]:
-            pipe.hgetall(self.keys.worker(name))
-        return protocol.live_workers(await pipe.execute())
+        return await steps.arun(self.redis, protocol.read_live_workers(self.keys))
 
     def on_queue(self, queue: str) -> AsyncClient:
         other = copy.copy(self)
@@ -170,25 +156,19 @@ class AsyncClient(OperatorViews):
         return other
 
     async def _enqueue_or_forget(self, job: NewJob, create: bool) -> list:
-        add = protocol.enqueue_commands(self.keys, self.queue, self.max_queue_depth, job, create)
+        add = protocol.enqueue_commands(self.keys, self.queue, self.max_queue_depth, job, create, self.replication)
         try:
-            return (await scripts.aexecute(self.redis, add))[-2]
+            replies = await scripts.aexecute(self.redis, add)
         except BaseException:
             await self.redis.delete(self.keys.job(job.job_id))
             raise
+        return protocol.enqueued(job, create, self.replication, replies)
 
     async def _execute(self, add_commands) -> list:
         return await scripts.aexecute(self.redis, add_commands)
 
     async def _read_finished(self, watch: ResultWatch, block_ms: int) -> list[JobResult]:
-        window = watch.window()
-        try:
-            reply = await self.redis.xread(dict.fromkeys(window, "0-0"), count=1, block=block_ms)
-        except redis.ResponseError as e:
-            if not protocol.read_cut_short(e):
-                raise
-            return []
-        return watch.take(window, reply or [])
+        return await self.run_steps(self.redis, bulk.read_finished(watch, block_ms, is_cluster(self.redis)))
 
     async def _wait_done(self, job_id: str, deadline: Deadline) -> str:
         while True:

@@ -8,7 +8,7 @@ clients run the same steps over their own connections.
   as for `submit`: a chunk that would cross it fills the queue up to it, and BulkQueueFull names
   what went in.
 - `ResultWatch` holds the jobs a caller waits for; one XREAD of their `done` streams returns every
-  one of them that has ended, or blocks until one does.
+  one of them that has ended, or blocks until one does (on a cluster, see `read_finished`).
 """
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ from producer_client.steps import Steps, checked
 
 CHUNK = 1000  # jobs per pipelined chunk: one ENQUEUE_MANY holds Redis for about a millisecond
 WINDOW = 512  # `done` streams per XREAD
+# On a cluster a blocking read waits on one job's `done` stream; the window's others are looked
+# at again this often.
+CLUSTER_BLOCK_MS = 100
 
 
 def build_jobs(specs: Iterable[Mapping[str, Any]]) -> list[NewJob]:
@@ -172,6 +175,37 @@ class ResultWatch:
             del self.waiting[window[key]]
             ended.append((entry_order(entry_id), fields["data"]))
         return [JobResult.model_validate_json(data) for _, data in sorted(ended)]
+
+
+def read_finished(watch: ResultWatch, block_ms: int, per_slot: bool) -> Steps[list[JobResult]]:
+    """The results of the watched jobs that have ended, out of `watch`: one XREAD of the window's
+    `done` streams, which returns at once with every one that has an entry, else blocks up to
+    `block_ms` for the first. `per_slot` (a cluster): one XREAD reads the streams of one slot
+    only, and a window's jobs lie in about as many slots as there are jobs; so one round trip
+    reads every stream without blocking, and if none has ended, a read blocks on the first job's
+    (the oldest: a queue ends its jobs about in order) for at most CLUSTER_BLOCK_MS, so that a
+    later job that ends first waits no longer than that."""
+    window = watch.window()
+    if not per_slot:
+        (reply,) = yield lambda pipe: pipe.xread(dict.fromkeys(window, "0-0"), count=1, block=block_ms)
+        return watch.take(window, streams_read(reply))
+    replies = yield lambda pipe: [pipe.xread({key: "0-0"}, count=1) for key in window]
+    ended = [stream for reply in replies for stream in streams_read(reply)]
+    if not ended:
+        first = next(iter(window))
+        (reply,) = yield lambda pipe: pipe.xread({first: "0-0"}, count=1, block=min(block_ms, CLUSTER_BLOCK_MS))
+        ended = streams_read(reply)
+    return watch.take(window, ended)
+
+
+def streams_read(reply: list | Exception | None) -> list:
+    """An XREAD reply's streams: none if Redis cut a blocking read short (UNBLOCKED, in a
+    failover: reading again is right); another error is raised."""
+    if isinstance(reply, Exception):
+        if protocol.read_cut_short(reply):
+            return []
+        raise reply
+    return reply or []
 
 
 def entry_order(entry_id: str) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """`mili`: the producer client from a shell.
 
     mili submit "text" --max-tokens 32 [--stream]    prints the job id (or streams the text)
-    mili status ID | mili result ID | mili cancel ID | mili stats
+    mili status ID | mili result ID | mili cancel ID | mili stats [--all]
     mili dead list|show|retry|purge | mili workers | mili jobs --status S    (producer_client.operator_cli)
     mili batch INPUT.jsonl -o OUTPUT.jsonl [-e ERRORS.jsonl]    an OpenAI batch file, resumable
 
@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -73,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "result":
             command.add_argument("--timeout", type=float, help="seconds to wait (default: forever)")
         command.set_defaults(run=run)
-    commands.add_parser("stats", help="queue depth, pending, waiting, live workers").set_defaults(run=cmd_stats)
+    stats = commands.add_parser("stats", help="queue depth, pending, waiting, live workers")
+    stats.add_argument(
+        "--all", action="store_true", help="of every queue a worker served in the last hour (on a cluster: on every shard)",
+    )
+    stats.set_defaults(run=cmd_stats)
 
     batch = commands.add_parser("batch", help="run an OpenAI batch file (JSONL); run it again to resume")
     batch.add_argument("input", type=Path, help="one request a line: custom_id, method, url, body")
@@ -135,7 +140,11 @@ def cmd_cancel(client: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_stats(client: Client, args: argparse.Namespace) -> int:
-    print(client.queue_stats().model_dump_json(indent=2))
+    if not args.all:
+        print(client.queue_stats().model_dump_json(indent=2))
+        return 0
+    every = [client.on_queue(queue).queue_stats().model_dump(mode="json") for queue in client.inspect.queues()]
+    print(json.dumps(every, indent=2))
     return 0
 
 

@@ -1,5 +1,6 @@
-"""The synchronous client. Redis URLs with AUTH and TLS (`rediss://user:pass@host`) pass straight
-to redis-py. Every argument is validated before the first command is sent."""
+"""The synchronous client, of one Redis server, a Sentinel-managed master or a Redis Cluster
+(producer_client.connection: their URLs carry AUTH and TLS). Every argument, the URL too, is
+validated before the first command is sent."""
 from __future__ import annotations
 
 import copy
@@ -10,11 +11,12 @@ import redis
 
 from producer_client import bulk, protocol, scripts, steps
 from producer_client.bulk import ResultWatch
-from producer_client.connection import retry_policy
+from producer_client.cluster import is_cluster
+from producer_client.connection import connect, parse_url, retry_policy
 from producer_client.errors import JobNotFound, JobTimeout, QueueFull
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.operator_views import OperatorViews
-from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob
+from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
 
@@ -25,7 +27,10 @@ class Client(OperatorViews):
     already holds that many unacknowledged entries (None: no bound). The check and the
     XADD are one script, so the bound holds whatever the number of producers; entries are
     never trimmed to enforce it. `max_connections` bounds the connection pool (None: redis-py's
-    default, 100); every call in flight holds a connection, a blocking read for as long as it waits.
+    default, 100; on a cluster, per node); every call in flight holds a connection, a blocking read
+    for as long as it waits. `wait_replicas` (0: off) makes `submit` return only once that many
+    replicas have the job and its entry (WAIT, for at most `wait_timeout_ms`), else raise
+    NotReplicated: then a failover cannot lose an acknowledged submit.
     """
 
     run_steps = staticmethod(steps.run)  # drives the operations of bulk and OperatorViews
@@ -33,11 +38,16 @@ class Client(OperatorViews):
     def __init__(
         self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
         max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH, max_connections: int | None = None,
+        wait_replicas: int = 0, wait_timeout_ms: int = 1000,
     ):
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
-        self.redis = redis.Redis.from_url(url, decode_responses=True, retry=retry_policy(), max_connections=max_connections)
+        self.replication = Replication(wait_replicas, wait_timeout_ms)
+        target = parse_url(url)
+        self.redis = connect(
+            target, decode_responses=True, retry=retry_policy(target.mode), max_connections=max_connections,
+        )
 
     def close(self) -> None:
         self.redis.close()
@@ -103,10 +113,7 @@ class Client(OperatorViews):
 
     def status(self, job_id: str) -> JobStatus:
         job_id = protocol.check_job_id(job_id)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(self.keys.job(job_id))
-        pipe.time()
-        return protocol.job_status(job_id, *pipe.execute())
+        return steps.run(self.redis, protocol.read_status(self.keys, job_id))
 
     def cancel(self, job_id: str) -> JobStatus:
         """A queued job is cancelled at once; a running one stops within one engine step and
@@ -174,30 +181,12 @@ class Client(OperatorViews):
             self._execute(bulk.cancel_commands(self.keys, job_ids))
 
     def queue_stats(self) -> QueueStats:
-        queue_key = self.keys.queue(self.queue)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xlen(queue_key)
-        pipe.zrange(self.keys.workers(self.queue), 0, -1)
-        depth, names = pipe.execute()
-        # XINFO GROUPS fails on a stream that does not exist; an empty one has nothing to say.
-        if depth:
-            pipe.xinfo_groups(queue_key)
-        for name in names:
-            pipe.exists(self.keys.worker(name))
-        replies = pipe.execute()
-        groups = replies.pop(0) if depth else []
-        return protocol.queue_stats(self.queue, depth, groups, names, replies)
+        return steps.run(self.redis, protocol.read_queue_stats(self.keys, self.queue))
 
     def workers(self) -> list[WorkerInfo]:
         """Every live worker of every queue, from the queue index, each queue's worker index and
         the heartbeats (an expired heartbeat is a dead worker): which models are served where."""
-        queues = self.redis.zrange(self.keys.queues(), 0, -1)
-        pipe = self.redis.pipeline(transaction=False)
-        for queue in queues:
-            pipe.zrange(self.keys.workers(queue), 0, -1)
-        for name in [name for names in pipe.execute() for name in names]:
-            pipe.hgetall(self.keys.worker(name))
-        return protocol.live_workers(pipe.execute())
+        return steps.run(self.redis, protocol.read_live_workers(self.keys))
 
     def on_queue(self, queue: str) -> Client:
         """A client of `queue` with this one's settings, over the same connection pool: one pool
@@ -209,28 +198,22 @@ class Client(OperatorViews):
     def _enqueue_or_forget(self, job: NewJob, create: bool) -> list:
         """ENQUEUE's reply. If the enqueue fails, the job hash goes, so that a later submit with
         the same request_id enqueues the job instead of finding one that will never run, and no
-        hash of a job that was never taken stays behind."""
-        add = protocol.enqueue_commands(self.keys, self.queue, self.max_queue_depth, job, create)
+        hash of a job that was never taken stays behind. An enqueued job too few replicas
+        confirmed stays: it runs (NotReplicated)."""
+        add = protocol.enqueue_commands(self.keys, self.queue, self.max_queue_depth, job, create, self.replication)
         try:
-            return scripts.execute(self.redis, add)[-2]
+            replies = scripts.execute(self.redis, add)
         except BaseException:
             self.redis.delete(self.keys.job(job.job_id))
             raise
+        return protocol.enqueued(job, create, self.replication, replies)
 
     def _execute(self, add_commands) -> list:
         return scripts.execute(self.redis, add_commands)
 
     def _read_finished(self, watch: ResultWatch, block_ms: int) -> list[JobResult]:
-        """One XREAD of the window's `done` streams: returns at once with every one that has an
-        entry, else blocks up to `block_ms` for the first."""
-        window = watch.window()
-        try:
-            reply = self.redis.xread(dict.fromkeys(window, "0-0"), count=1, block=block_ms)
-        except redis.ResponseError as e:
-            if not protocol.read_cut_short(e):
-                raise
-            return []
-        return watch.take(window, reply or [])
+        """The window's jobs that have ended, or [] if none did within `block_ms` (bulk.read_finished)."""
+        return self.run_steps(self.redis, bulk.read_finished(watch, block_ms, is_cluster(self.redis)))
 
     def _wait_done(self, job_id: str, deadline: Deadline) -> str:
         """The job's result JSON, from its `done` stream: there at once if the job has ended."""

@@ -1,20 +1,45 @@
-"""How every MILI component talks to Redis: the clients' retry policy, which errors no retry
-mends, the code of an error reply, and Redis URLs as they may be shown (without a password)."""
+"""How every MILI component talks to Redis: the URLs of its three modes and the one place that
+makes sync and asyncio clients of them, the clients' retry policy, which errors no retry mends,
+the code of an error reply, and Redis URLs as they may be shown (without a password).
+
+    redis://[user:pass@]host:port/db, rediss://..., unix:///path.sock    one server (redis-py's URLs)
+    redis+cluster://[user:pass@]host:port[,host:port...]                  Redis Cluster: any nodes of it
+    redis+sentinel://[user:pass@]host:port[,host:port...]/SERVICE          Sentinel: its sentinels, the master's name
+
+`rediss+cluster://` and `rediss+sentinel://` use TLS (to the sentinels too). The credentials are
+the data nodes': sentinels are asked for the master without them. A query string takes redis-py's
+URL options (`?socket_timeout=5&ssl_cert_reqs=none`) in every mode.
+"""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import redis
+import redis.asyncio
 import redis.asyncio.retry
+import redis.asyncio.sentinel
 import redis.exceptions
 import redis.retry
+import redis.sentinel
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import ClusterNode
+from redis.connection import parse_url as redis_py_url_options
+
+from producer_client.cluster import AsyncCluster, Cluster
+from producer_client.errors import InvalidArgument
 
 # Every call of the clients is safe to repeat: reads, CANCEL, and submits (CREATE never sets a
 # started job back to queued; an entry enqueued twice is dropped by the worker that claims the
 # second). So redis-py retries each call on a lost connection, with exponential backoff and
-# jitter: 10 tries over about 4 s, which rides out a Redis restart.
-RETRIES = 10
+# jitter: 10 tries over about 4 s, which rides out a Redis restart. Under Sentinel or on a cluster
+# a lost master comes back as a failover, which takes longer (Redis first waits out
+# down-after-milliseconds or cluster-node-timeout, then elects a replica): 40 tries there, about
+# 20 s (see RETRIES).
 RETRY_BASE_S = 0.05
 RETRY_CAP_S = 1.0
 # Errors that retrying cannot mend: wrong credentials, or an ACL that forbids a command. redis-py
@@ -23,6 +48,12 @@ FATAL_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError, 
 
 _USERINFO = re.compile(r"(?<=://)([^/@]*)@")
 _PASSWORD_PARAM = re.compile(r"(?<=[?&]password=)[^&]*")
+
+
+class Mode(str, Enum):
+    SERVER = "server"
+    CLUSTER = "cluster"
+    SENTINEL = "sentinel"
 
 
 class _SkipFatal:
@@ -43,12 +74,13 @@ class AsyncRetry(_SkipFatal, redis.asyncio.retry.Retry):
     pass
 
 
-def retry_policy() -> Retry:
-    return Retry(ExponentialWithJitterBackoff(base=RETRY_BASE_S, cap=RETRY_CAP_S), RETRIES)
+def retry_policy(mode: Mode | None = None) -> Retry:
+    """The clients' retries of a call, in `mode` (one server if None)."""
+    return Retry(ExponentialWithJitterBackoff(base=RETRY_BASE_S, cap=RETRY_CAP_S), RETRIES[mode or Mode.SERVER])
 
 
-def async_retry_policy() -> AsyncRetry:
-    return AsyncRetry(ExponentialWithJitterBackoff(base=RETRY_BASE_S, cap=RETRY_CAP_S), RETRIES)
+def async_retry_policy(mode: Mode | None = None) -> AsyncRetry:
+    return AsyncRetry(ExponentialWithJitterBackoff(base=RETRY_BASE_S, cap=RETRY_CAP_S), RETRIES[mode or Mode.SERVER])
 
 
 def is_fatal(error: BaseException) -> bool:
@@ -72,3 +104,137 @@ def redact_url(url: str) -> str:
         return f"{user}:***@" if colon else ("***@" if user else "@")
 
     return _PASSWORD_PARAM.sub("***", _USERINFO.sub(hide, url, count=1))
+
+
+# -- URLs ------------------------------------------------------------------------------------------
+
+RETRIES = {Mode.SERVER: 10, Mode.CLUSTER: 40, Mode.SENTINEL: 40}
+SCHEMES = {
+    "redis": (Mode.SERVER, False), "rediss": (Mode.SERVER, True), "unix": (Mode.SERVER, False),
+    "redis+cluster": (Mode.CLUSTER, False), "rediss+cluster": (Mode.CLUSTER, True),
+    "redis+sentinel": (Mode.SENTINEL, False), "rediss+sentinel": (Mode.SENTINEL, True),
+}
+DEFAULT_PORT = {Mode.CLUSTER: 6379, Mode.SENTINEL: 26379}
+_HOST_PORT = re.compile(r"(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]]+))(?::(?P<port>\d{1,5}))?")
+
+
+@dataclass(frozen=True)
+class RedisURL:
+    """A parsed Redis URL. `nodes`: a cluster's startup nodes or the sentinels; `options`: the
+    connection's keyword arguments for redis-py (credentials, TLS, the query string's)."""
+
+    text: str
+    mode: Mode
+    nodes: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return redact_url(self.text)
+
+
+def parse_url(url: Any) -> RedisURL:
+    """Check `url` before anything connects; InvalidArgument naming `redis` if it is not usable."""
+    if not isinstance(url, str):
+        raise InvalidArgument("redis", "must be a URL such as redis://host:6379/0")
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme not in SCHEMES:
+        raise _bad(url, f"unknown scheme; use one of {', '.join(s + '://' for s in SCHEMES)}")
+    mode, tls = SCHEMES[scheme]
+    if mode is Mode.SERVER:
+        return RedisURL(url, mode, options=_redis_py_options(url, url))
+    parts = urlsplit(url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    nodes = tuple(_node(url, text, DEFAULT_PORT[mode]) for text in hosts.split(","))
+    options = _redis_py_options(url, f"{'rediss' if tls else 'redis'}://{userinfo}{'@' if userinfo else ''}h/?{parts.query}")
+    for name in ("host", "port", "connection_class"):
+        options.pop(name, None)
+    if tls:
+        options["ssl"] = True
+    if mode is Mode.CLUSTER:
+        if parts.path not in ("", "/", "/0") or options.pop("db", 0) != 0:
+            raise _bad(url, "a cluster has database 0 only: give no path")
+        return RedisURL(url, mode, nodes, options=options)
+    service = unquote(parts.path[1:])
+    if not service or "/" in service:
+        raise _bad(url, "name the master's service after the sentinels: redis+sentinel://host:26379/mymaster")
+    return RedisURL(url, mode, nodes, service, options)
+
+
+def _redis_py_options(url: str, text: str) -> dict[str, Any]:
+    try:
+        return redis_py_url_options(text)
+    except ValueError as e:
+        raise _bad(url, str(e)) from None
+
+
+def _node(url: str, text: str, default_port: int) -> tuple[str, int]:
+    match = _HOST_PORT.fullmatch(text)
+    if match is None:
+        raise _bad(url, f"{text!r} is not host:port")
+    port = int(match["port"] or default_port)
+    if not 0 < port < 65536:
+        raise _bad(url, f"port {port} is out of range")
+    return unquote(match["ipv6"] or match["host"]), port
+
+
+def _bad(url: str, reason: str) -> InvalidArgument:
+    return InvalidArgument("redis", f"{redact_url(url)}: {reason}")
+
+
+# -- clients -----------------------------------------------------------------------------------------
+
+def connect(url: str | RedisURL, **kwargs: Any):
+    """A synchronous client of `url` in its mode: redis.Redis (one server, or the master a
+    sentinel names, followed across failovers) or a cluster client, with `kwargs` (decode_responses,
+    retry, max_connections, ...) given to every connection. A cluster client reads the cluster's
+    topology now, trying as often as `retry` allows."""
+    target = url if isinstance(url, RedisURL) else parse_url(url)
+    if target.mode is Mode.SERVER:
+        return redis.Redis.from_url(target.text, **kwargs)
+    if target.mode is Mode.SENTINEL:
+        sentinels = redis.sentinel.Sentinel(list(target.nodes), sentinel_kwargs=_sentinel_options(target, kwargs))
+        return sentinels.master_for(target.service, redis_class=SentinelMaster, **_merged(target, kwargs))
+    nodes = [ClusterNode(host, port) for host, port in target.nodes]
+    retry = kwargs.get("retry")
+    make = lambda: Cluster(startup_nodes=list(nodes), **_merged(target, kwargs))  # noqa: E731
+    return make() if retry is None else retry.call_with_retry(make, lambda error: None)
+
+
+def connect_async(url: str | RedisURL, **kwargs: Any):
+    """`connect` for asyncio: redis.asyncio clients, which connect at their first command."""
+    target = url if isinstance(url, RedisURL) else parse_url(url)
+    if target.mode is Mode.SERVER:
+        return redis.asyncio.Redis.from_url(target.text, **kwargs)
+    if target.mode is Mode.SENTINEL:
+        sentinels = redis.asyncio.sentinel.Sentinel(list(target.nodes), sentinel_kwargs=_sentinel_options(target, kwargs))
+        return sentinels.master_for(target.service, redis_class=AsyncSentinelMaster, **_merged(target, kwargs))
+    nodes = [AsyncClusterNode(host, port) for host, port in target.nodes]
+    return AsyncCluster(startup_nodes=nodes, **_merged(target, kwargs))
+
+
+def _merged(target: RedisURL, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The caller's keyword arguments (None: redis-py's default, which the cluster clients spell
+    otherwise) and the URL's options, the URL's first, as redis-py's from_url has it."""
+    return {**{k: v for k, v in kwargs.items() if v is not None}, **target.options}
+
+
+def _sentinel_options(target: RedisURL, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What the connections to the sentinels share with the master's: TLS and socket settings."""
+    return {k: v for k, v in _merged(target, kwargs).items() if k.startswith(("socket_", "ssl"))}
+
+
+class SentinelMaster(redis.Redis):
+    """The master a sentinel names: closing it closes the connections to the sentinels too."""
+
+    def close(self) -> None:
+        super().close()
+        for sentinel in self.connection_pool.sentinel_manager.sentinels:
+            sentinel.close()
+
+
+class AsyncSentinelMaster(redis.asyncio.Redis):
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        for sentinel in self.connection_pool.sentinel_manager.sentinels:
+            await sentinel.aclose()

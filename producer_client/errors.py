@@ -80,3 +80,19 @@ class JobTimeout(MiliError):
         super().__init__(f"job {job_id!r} did not finish within {timeout:g}s")
         self.job_id = job_id
         self.timeout = timeout
+
+
+class NotReplicated(MiliError):
+    """A submit asked for `replicas` replicas (WAIT) and fewer confirmed its job in time. The job
+    is enqueued on the master and will run, unless a failover loses it first."""
+
+    code = "not_replicated"
+
+    def __init__(self, job_id: str, confirmed: int, replicas: int, timeout_ms: int):
+        super().__init__(
+            f"job {job_id!r} is enqueued, but {confirmed} of the {replicas} replicas asked for confirmed it within "
+            f"{timeout_ms} ms: a failover now could lose it (submitting it again with its request_id is safe)"
+        )
+        self.job_id = job_id
+        self.confirmed = confirmed
+        self.replicas = replicas

@@ -1,5 +1,6 @@
-"""What the sync and asyncio clients share: building jobs and reading Redis replies.
-No I/O here, so `Client` and `AsyncClient` differ only in how they talk to Redis."""
+"""What the sync and asyncio clients share: building jobs, reading Redis replies, and the reads
+that take several round trips, written as steps (producer_client.steps). No I/O here, so
+`Client` and `AsyncClient` differ only in how they talk to Redis."""
 from __future__ import annotations
 
 import json
@@ -15,10 +16,11 @@ from pydantic import ValidationError
 
 from producer_client.connection import reply_code
 from producer_client.errors import (
-    BodyTooLarge, InvalidArgument, JobNotFound, JobTimeout,
+    BodyTooLarge, InvalidArgument, JobNotFound, JobTimeout, NotReplicated,
 )
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
 from producer_client.scripts import CANCEL, CREATE, ENQUEUE
+from producer_client.steps import Steps, checked
 from producer_client.schema import (
     MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
     TokenDelta, TokenLogprob, Timings, WorkerInfo, invalid_argument_from,
@@ -48,19 +50,56 @@ class NewJob:
         return ENQUEUE.sha, 1, keys.queue(queue), max_depth or 0, self.job_id, PROTOCOL_VERSION, self.body
 
 
-def enqueue_commands(keys: Keys, queue: str, max_depth: int | None, job: NewJob, create: bool) -> Callable:
+@dataclass(frozen=True)
+class Replication:
+    """How many replicas must confirm a write (WAIT) before it counts as made, and how long to
+    wait for them. 0 replicas: no wait; Redis acknowledges a write once its master has it."""
+
+    replicas: int = 0
+    timeout_ms: int = 1000
+
+    def __post_init__(self):
+        for name, least in (("replicas", 0), ("timeout_ms", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise InvalidArgument(f"wait_{name}", f"must be an integer of at least {least}")
+
+    @property
+    def waits(self) -> bool:
+        return self.replicas > 0
+
+
+def enqueue_commands(
+    keys: Keys, queue: str, max_depth: int | None, job: NewJob, create: bool, replication: Replication,
+) -> Callable:
     """The pipeline that enqueues `job`: CREATE first when `create` (a fresh id cannot collide, so
     creating and enqueueing take one round trip; CREATE sets the status only if there is none, so
     a retried pipeline never sets a started job back to queued), then ENQUEUE, then the
-    `enqueued` flag that tells a later submit with the same request_id that the entry exists."""
+    `enqueued` flag that tells a later submit with the same request_id that the entry exists;
+    with a replication to wait for, a WAIT on the job's node and one on the queue's (on one
+    server they are the same: the second answers at once). `enqueued` reads the replies."""
 
     def add(pipe) -> None:
         if create:
             pipe.evalsha(*job.create_call(keys))
         pipe.evalsha(*job.enqueue_call(keys, queue, max_depth))
         pipe.hset(keys.job(job.job_id), "enqueued", "1")
+        if replication.waits:
+            for key in (keys.job(job.job_id), keys.queue(queue)):
+                pipe.wait_replicas(key, replication.replicas, replication.timeout_ms)
 
     return add
+
+
+def enqueued(job: NewJob, create: bool, replication: Replication, replies: list) -> list:
+    """ENQUEUE's reply ({1, entry id} or {0, depth}) among those of `enqueue_commands`. Raises
+    NotReplicated for an entry that fewer replicas than asked for have confirmed."""
+    added = replies[1 if create else 0]
+    if added[0] and replication.waits:
+        confirmed = min(replies[-2:])
+        if confirmed < replication.replicas:
+            raise NotReplicated(job.job_id, confirmed, replication.replicas, replication.timeout_ms)
+    return added
 
 
 def build_job(
@@ -225,3 +264,46 @@ def queue_stats(queue: str, depth: int, groups: list[dict], names: list[str], al
 def live_workers(heartbeats: list[dict[str, str]]) -> list[WorkerInfo]:
     """The workers whose heartbeat hash still exists (HGETALL of an expired one is empty)."""
     return [WorkerInfo.model_validate(h) for h in heartbeats if h]
+
+
+# -- reads of several round trips, as steps ---------------------------------------------------------
+
+def read_status(keys: Keys, job_id: str) -> Steps[JobStatus]:
+    fields, redis_time = checked((yield lambda pipe: (pipe.hgetall(keys.job(job_id)), pipe.time())))
+    return job_status(job_id, fields, redis_time)
+
+
+def read_queue_stats(keys: Keys, queue: str) -> Steps[QueueStats]:
+    stream = keys.queue(queue)
+    depth, names = checked((yield lambda pipe: (pipe.xlen(stream), pipe.zrange(keys.workers(queue), 0, -1))))
+
+    def add(pipe) -> None:
+        # XINFO GROUPS fails on a stream that does not exist; an empty one has nothing to say.
+        if depth:
+            pipe.xinfo_groups(stream)
+        for name in names:
+            pipe.exists(keys.worker(name))
+
+    replies = checked((yield add))
+    groups = replies.pop(0) if depth else []
+    return queue_stats(queue, depth, groups, names, replies)
+
+
+def read_live_workers(keys: Keys) -> Steps[list[WorkerInfo]]:
+    """Every live worker of every queue, from the queue index, each queue's worker index and the
+    heartbeats (an expired heartbeat is a dead worker): which models are served where. On a
+    cluster the indexes and heartbeats lie on many shards: each step is one round trip to all of
+    them at once."""
+    (queues,) = checked((yield lambda pipe: pipe.zrange(keys.queues(), 0, -1)))
+
+    def add_indexes(pipe) -> None:
+        for queue in queues:
+            pipe.zrange(keys.workers(queue), 0, -1)
+
+    names = [name for index in checked((yield add_indexes)) for name in index]
+
+    def add_heartbeats(pipe) -> None:
+        for name in names:
+            pipe.hgetall(keys.worker(name))
+
+    return live_workers(checked((yield add_heartbeats)))

@@ -25,7 +25,10 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from redis.exceptions import NoScriptError
+from redis.commands.core import CoreCommands
+from redis.exceptions import NoScriptError, ResponseError
+
+from producer_client.cluster import is_cluster, topology_errors
 
 
 @dataclass(frozen=True)
@@ -135,62 +138,165 @@ return {room, depth + room}
 PRODUCER_SCRIPTS = (CREATE, CANCEL, ENQUEUE, ENQUEUE_MANY, RETRY, REVIVE)
 
 
+Stack = list[tuple[tuple, dict]]  # recorded commands: (arguments, options) each
+
+
+class Commands(CoreCommands):
+    """What a caller adds to a pipeline, recorded as redis-py's command methods spell it (arguments,
+    and the options that parse the reply) and sent by `execute`: so the commands NOSCRIPT refused
+    can be sent again, whatever kind of pipeline carried them (a cluster's stores them its own way).
+    EVALSHA, TIME and the rest are recorded alike: redis-py's cluster pipeline refuses their
+    methods, not the commands."""
+
+    def __init__(self):
+        self.stack: Stack = []
+
+    def execute_command(self, *args, **options):
+        self.stack.append((args, options))
+        return self
+
+    def wait_replicas(self, key: str, replicas: int, timeout_ms: int) -> Commands:
+        """WAIT on the node that holds `key`, after the writes added before it: WAIT counts the
+        replicas that have this connection's writes, so on a cluster it goes to that node's."""
+        self.stack.append((("WAIT", replicas, timeout_ms), {_NODE_OF: key}))
+        return self
+
+
+_NODE_OF = "mili_node_of"  # a recorded command's key whose node must run it; never sent
+# Commands of several keys that answer a count: a cluster runs a command only on keys of one
+# slot, so there each of these goes out once per slot of its keys, and the counts are added up
+# (as redis-py's cluster client does for its own exists() and delete(), which a pipeline lacks).
+COUNTED_PER_KEY = frozenset({"EXISTS", "DEL", "UNLINK", "TOUCH"})
+
+
 def execute(client, add_commands: Callable, scripts: Sequence[Script] = (), raise_on_error: bool = True) -> list:
-    """Build a pipeline with `add_commands` and execute it. A server that lacks our scripts
-    (fresh, restarted, or SCRIPT FLUSHed) answers NOSCRIPT to each EVALSHA, which then did not
-    run, while the pipeline's other commands did: so the scripts are loaded and only the
-    EVALSHAs that failed are sent again. Nothing runs twice, which matters for commands that are
-    not safe to repeat (an XREADGROUP sent twice would leave the first read's entries pending
-    and unknown to the caller). With `raise_on_error=False` a command's error is its reply, for
-    the caller to judge one by one; otherwise the first error is raised. `scripts`: those the
-    pipeline may run, beside the producers' own."""
-    pipe = client.pipeline(transaction=False)
-    add_commands(pipe)
-    commands = list(pipe.command_stack)
-    replies = pipe.execute(raise_on_error=False)
-    missing = _lacking_scripts(replies)
-    if missing:
-        load_scripts(client, scripts)
-        _splice(replies, missing, _resend(client, commands, missing).execute(raise_on_error=False))
+    """Record commands with `add_commands` and send them in one pipeline; on a cluster, redis-py
+    splits it per node, one round trip to every node at once, and follows MOVED and ASK. A server
+    that lacks our scripts (fresh, restarted, SCRIPT FLUSHed, or a replica just promoted) answers
+    NOSCRIPT to each EVALSHA, which then did not run, while the pipeline's other commands did: so
+    the scripts are loaded (on every master of a cluster) and only the EVALSHAs that failed are
+    sent again. Nothing runs twice, which matters for commands that are not safe to repeat (an
+    XREADGROUP sent twice would leave the first read's entries pending and unknown to the caller).
+    With `raise_on_error=False` a command's error is its reply, for the caller to judge one by
+    one; otherwise the first error is raised. `scripts`: those the pipeline may run, beside the
+    producers' own."""
+    commands = Commands()
+    add_commands(commands)
+    with topology_errors():
+        replies = _send(client, commands.stack)
+        missing = _lacking_scripts(replies)
+        if missing:
+            load_scripts(client, scripts)
+            _splice(replies, missing, _send(client, [commands.stack[i] for i in missing]))
     return _checked(replies, raise_on_error)
 
 
-async def aexecute(client, add_commands: Callable, raise_on_error: bool = True) -> list:
+async def aexecute(client, add_commands: Callable, scripts: Sequence[Script] = (), raise_on_error: bool = True) -> list:
     """`execute` for a redis.asyncio client."""
-    pipe = client.pipeline(transaction=False)
-    add_commands(pipe)
-    commands = list(pipe.command_stack)
-    replies = await pipe.execute(raise_on_error=False)
-    missing = _lacking_scripts(replies)
-    if missing:
-        await _loader(client, ()).execute()
-        _splice(replies, missing, await _resend(client, commands, missing).execute(raise_on_error=False))
+    commands = Commands()
+    add_commands(commands)
+    with topology_errors():
+        if is_cluster(client) and any(_NODE_OF in options for _, options in commands.stack):
+            await client.initialize()  # the slot table, to route each WAIT to its node; once per client
+        replies = await _asend(client, commands.stack)
+        missing = _lacking_scripts(replies)
+        if missing:
+            _checked(await _asend(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
+            _splice(replies, missing, await _asend(client, [commands.stack[i] for i in missing]))
     return _checked(replies, raise_on_error)
 
 
 def load_scripts(client, scripts: Sequence[Script] = ()) -> None:
-    """Load the producers' scripts and `scripts`."""
-    _loader(client, scripts).execute()
+    """Load the producers' scripts and `scripts`, on every master of a cluster."""
+    with topology_errors():
+        # The masters are named anew for each try: after a failover the old one answers no more.
+        _checked(_send(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
 
 
-def _loader(client, scripts: Sequence[Script]):
+def _script_loads(client, scripts: Sequence[Script]) -> Stack:
+    masters = client.get_primaries() if is_cluster(client) else [None]
+    return [
+        (("SCRIPT LOAD", script.source), {} if node is None else {"target_nodes": node})
+        for node in masters for script in (*PRODUCER_SCRIPTS, *scripts)
+    ]
+
+
+def _send(client, stack: Stack | Callable[[], Stack]) -> list:
+    """One reply (or error) per command of `stack` (or of the stack it makes), in one pipeline: on
+    a cluster, built anew for each try of the client's pacing (redis-py's own empties a pipeline
+    it sent), each command routed by the topology of that try."""
+    def attempt() -> list:
+        pipe, parts, waits = _pipeline(client, stack() if callable(stack) else stack)
+        return _judged_waits(client, _folded(pipe.execute(raise_on_error=False), parts), waits)
+
+    return client.paced(attempt) if is_cluster(client) else attempt()
+
+
+async def _asend(client, stack: Stack | Callable[[], Stack]) -> list:
+    async def attempt() -> list:
+        pipe, parts, waits = _pipeline(client, stack() if callable(stack) else stack)
+        return _judged_waits(client, _folded(await pipe.execute(raise_on_error=False), parts), waits)
+
+    return await client.paced(attempt) if is_cluster(client) else await attempt()
+
+
+def _pipeline(client, stack: Stack):
+    """A pipeline of `stack`'s commands as `client` must send them; how many went out for each
+    (more than one for a command of COUNTED_PER_KEY whose keys lie in several slots); and for
+    each WAIT, by its place in `stack`, its key and the node it was sent to (None: one server)."""
     pipe = client.pipeline(transaction=False)
-    for script in (*PRODUCER_SCRIPTS, *scripts):
-        pipe.script_load(script.source)
-    return pipe
+    parts, waits = [], {}
+    for at, (args, options) in enumerate(stack):
+        if _NODE_OF in options:
+            options = dict(options)
+            key = options.pop(_NODE_OF)
+            waits[at] = (key, client.get_node_from_key(key) if is_cluster(client) else None)
+            if waits[at][1] is not None:
+                options["target_nodes"] = waits[at][1]
+        sent = _as_sent(client, args, options)
+        for command_args, command_options in sent:
+            pipe.execute_command(*command_args, **command_options)
+        parts.append(len(sent))
+    return pipe, parts, waits
+
+
+def _as_sent(client, args: tuple, options: dict) -> Stack:
+    if not is_cluster(client) or str(args[0]).upper() not in COUNTED_PER_KEY:
+        return [(args, options)]
+    by_slot: dict[int, list] = {}
+    for key in args[1:]:
+        by_slot.setdefault(client.keyslot(key), []).append(key)
+    return [((args[0], *keys), options) for keys in by_slot.values()]
+
+
+def _judged_waits(client, replies: list, waits: dict[int, tuple[str, object]]) -> list:
+    """`replies`, with 0 (no replica confirmed anything) for each WAIT that cannot vouch for the
+    writes before it: one its node refused (the node turned replica in a failover), and on a
+    cluster one whose key's slot another node serves now (the writes followed MOVED there, on
+    another connection, while the WAIT went to the node the topology named before). A write an
+    ASK sent to the node importing its slot, in the middle of a resharding, is not seen here: the
+    WAIT then speaks for the writes that stayed on its node only."""
+    for at, (key, node) in waits.items():
+        refused = isinstance(replies[at], ResponseError)
+        if refused or (node is not None and client.get_node_from_key(key).name != node.name):
+            replies[at] = 0
+    return replies
+
+
+def _folded(replies: list, parts: list[int]) -> list:
+    """The replies of the commands `_pipeline` split, one per command of the stack again: the sum
+    of its counts, or the first error among them."""
+    folded, at = [], 0
+    for count in parts:
+        mine = replies[at:at + count]
+        at += count
+        errors = [reply for reply in mine if isinstance(reply, Exception)]
+        folded.append(mine[0] if count == 1 else errors[0] if errors else sum(mine))
+    return folded
 
 
 def _lacking_scripts(replies: list) -> list[int]:
     return [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-
-
-def _resend(client, commands: list, positions: list[int]):
-    """A pipeline of the commands at `positions` again, with the options they had (reply parsing)."""
-    pipe = client.pipeline(transaction=False)
-    for i in positions:
-        args, options = commands[i]
-        pipe.pipeline_execute_command(*args, **options)
-    return pipe
 
 
 def _splice(replies: list, positions: list[int], again: list) -> None:

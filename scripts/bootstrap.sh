@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up a fresh Debian/Ubuntu machine for MILI: redis-server, a venv, and the Python deps.
+# Sets up a fresh Debian/Ubuntu machine for MILI: redis-server and redis-cli, a venv, and the Python deps.
 # Usage: scripts/bootstrap.sh [--dev]   (the demo's dependencies; --dev adds the test dependencies)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,10 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "$@" >/dev/null
 }
 
-command -v redis-server >/dev/null || apt_install redis-server
+# redis-server runs every mode the tests start: one server, cluster nodes and sentinels (as
+# `redis-server --sentinel`: Debian's redis-sentinel package adds only a service around it).
+# redis-cli (redis-tools) makes and reshards the tests' clusters (`redis-cli --cluster`).
+{ command -v redis-server && command -v redis-cli; } >/dev/null || apt_install redis-server redis-tools
 # The gateway's tests read raw Server-Sent Events with curl -N; the board's run in headless Chromium.
 [ "${1:-}" = "--dev" ] && { command -v curl >/dev/null || apt_install curl; }
 [ "${1:-}" = "--dev" ] && { command -v chromium >/dev/null || apt_install chromium; }

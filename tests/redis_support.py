@@ -1,5 +1,7 @@
-"""Shared by tests/queue and tests/e2e: a real redis-server on a free port, worker processes,
-and AsyncClient behind Client's synchronous interface so one test body checks both."""
+"""Shared by tests/queue, tests/e2e and tests/chaos: a real redis-server on a free port, a Redis
+Cluster and a Sentinel setup (tests/redis_modes.py), `redis_deployment` to run a test on each of
+the three, worker processes, and AsyncClient behind Client's synchronous interface so one test
+body checks both."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,17 +21,13 @@ import pytest
 import redis
 
 from producer_client import AsyncClient, Client
+from producer_client.connection import connect
 from producer_client.keys import Keys
+from tests.redis_modes import LocalCluster, LocalSentinel, free_port
 from worker.embedded_redis import EmbeddedRedis
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER_START_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +39,45 @@ def redis_server():
 @pytest.fixture
 def redis_client(redis_server):
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    with LocalCluster(tmp_path_factory.mktemp("cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(tmp_path_factory):
+    with LocalSentinel(tmp_path_factory.mktemp("sentinel")) as setup:
+        yield setup
+
+
+MODES = {"server": "redis_server", "cluster": "redis_cluster", "sentinel": "redis_sentinel"}
+
+
+@pytest.fixture(scope="session", params=list(MODES))
+def redis_deployment(request):
+    """Each of the three modes in turn, one instance of each per session: its `url`."""
+    return request.getfixturevalue(MODES[request.param])
+
+
+def on_modes(*modes: str):
+    """Runs a test that uses redis_deployment on `modes` only (their instances are the session's,
+    shared with the tests that run on all three): what does not depend on the mode runs on one
+    server alone, to keep the suite quick."""
+    return pytest.mark.parametrize("redis_deployment", list(modes), indirect=True)
+
+
+SERVER_ONLY = on_modes("server")
+
+
+@pytest.fixture
+def deployment_client(redis_deployment):
+    """A client of the deployment in its mode, for what a test reads and checks."""
+    client = connect(redis_deployment.url, decode_responses=True)
     yield client
     client.close()
 
@@ -135,7 +171,7 @@ class WorkerProcess:
             "--block-ms", "100", "--redis-backoff-max-s", "0.5", "--kv-cache-mib", "64", *flags,
         ]
         self.process: subprocess.Popen | None = None
-        self.redis = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.redis = connect(redis_url, decode_responses=True)
 
     def start(self) -> WorkerProcess:
         log_file = self.log_path.open("w")

@@ -80,9 +80,8 @@ def serve_forever(settings: WorkerSettings) -> int:
         if url == "embedded":
             url = stack.enter_context(EmbeddedRedis()).url
             log.info("embedded redis-server at %s (it stops with this worker)", url)
-        client = connect(url)
+        client = wait_for_redis(url, settings.redis_backoff_max_s)
         stack.callback(client.close)
-        wait_for_redis(client, url, settings.redis_backoff_max_s)
         engine, device = load_engine(settings)
         worker = Worker(engine, client, settings, metrics, name, device=device, metrics_port=port)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -126,12 +125,16 @@ def serve_metrics(metrics: WorkerMetrics, settings: WorkerSettings) -> tuple[obj
         ) from None
 
 
-def wait_for_redis(client, url: str, backoff_max_s: float) -> None:
-    """Return once Redis answers PING. Unreachable or loading: wait and try again, with the same
-    backoff as a running worker (one line when it starts waiting, one when Redis answers)."""
+def wait_for_redis(url: str, backoff_max_s: float):
+    """The worker's client, once Redis answers PING. Unreachable or loading: wait and try again,
+    with the same backoff as a running worker (one line when it starts waiting, one when Redis
+    answers). A cluster client is made again at each try: it reads the topology when it is made."""
     link = RedisLink(backoff_max_s)
+    client = None
     while True:
         try:
+            if client is None:
+                client = connect(url)
             client.ping()
         except redis.RedisError as e:
             if is_fatal(e):
@@ -146,7 +149,7 @@ def wait_for_redis(client, url: str, backoff_max_s: float) -> None:
         down_s = link.succeeded()
         if down_s is not None:
             log.info("Redis at %s answers after %.1fs", redact_url(url), down_s)
-        return
+        return client
 
 
 def load_engine(settings: WorkerSettings):

@@ -20,8 +20,10 @@ import sys
 import redis
 from pydantic import ValidationError
 
+from producer_client.connection import connect
 from producer_client.errors import MiliError
 from producer_client.keys import Keys
+from producer_client.scripts import execute
 from worker.settings import WorkerSettings, settings_from_args
 
 # Well inside the HEALTHCHECK and probe timeouts (10 s), so a hung Redis reads as unhealthy
@@ -43,17 +45,16 @@ def healthcheck(settings: WorkerSettings) -> int:
     """The process exit code: 0 healthy, 1 not; says why on stdout or stderr."""
     if settings.redis == "embedded":
         return _unhealthy("an embedded Redis is private to its worker; give the worker and the check a Redis URL")
-    client = redis.Redis.from_url(
-        settings.redis, decode_responses=True,
-        socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
-    )
+    client = None
     try:
+        client = connect(settings.redis, decode_responses=True, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
         client.ping()
         live = live_workers(client, Keys(settings.prefix), settings.queue, settings.name)
     except redis.RedisError as e:
         return _unhealthy(f"Redis does not answer: {type(e).__name__}: {e}")
     finally:
-        client.close()
+        if client is not None:
+            client.close()
     if not live:
         who = settings.name or f"{socket.gethostname()}-*"
         return _unhealthy(f"no live heartbeat for worker {who} on queue {settings.queue}")
@@ -64,10 +65,8 @@ def healthcheck(settings: WorkerSettings) -> int:
 def live_workers(client: redis.Redis, keys: Keys, queue: str, name: str) -> list[str]:
     """This worker's name if its heartbeat key exists; with no name, every live worker of this host."""
     names = [name] if name else this_host_workers(client, keys, queue)
-    pipe = client.pipeline(transaction=False)
-    for n in names:
-        pipe.exists(keys.worker(n))
-    return [n for n, exists in zip(names, pipe.execute()) if exists]
+    alive = execute(client, lambda pipe: [pipe.exists(keys.worker(n)) for n in names])
+    return [n for n, exists in zip(names, alive) if exists]
 
 
 def this_host_workers(client: redis.Redis, keys: Keys, queue: str) -> list[str]:

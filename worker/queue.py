@@ -2,6 +2,10 @@
 one loop iteration costs a few round trips (read, claim, publish); Redis's clock as the worker
 sees it; and the backoff for reaching Redis again when it cannot be reached.
 
+On a Redis Cluster the queue's keys (its stream, dead letters, worker index) live on one shard and
+each job's keys on the shard of its id; a pipeline that spans them (claims, publication, the
+heartbeat) goes out as one round trip to every node it concerns at once (scripts.execute).
+
 Every exchange classifies what Redis answered in one place (`_send`): a transient failure
 (connection lost, loading, out of memory, read-only during a failover) raises, and the loop backs
 off and sends the same idempotent commands again; a lost consumer group (Redis restarted empty,
@@ -17,15 +21,16 @@ from collections.abc import Callable
 import redis
 from redis.backoff import NoBackoff
 
-from producer_client import scripts
+from producer_client import connection, scripts
 from producer_client.connection import FATAL_ERRORS, Retry, reply_code
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
-from producer_client.protocol import job_keys
+from producer_client.protocol import Replication, job_keys
 from producer_client.scripts import ENQUEUE
 from worker.jobs import Delivery, Job
 from worker.outbox import DeadLetter, Update
 from worker.replies import (
-    Adopted, Claim, PublishReply, UnknownReply, Watched, parse_adopt, parse_claim, parse_publish, parse_watch,
+    Adopted, Claim, Published, PublishReply, UnknownReply, Watched, parse_adopt, parse_claim, parse_publish,
+    parse_watch,
 )
 from worker.scripts import ADOPT, CLAIM, DEADLETTER, PUBLISH, RECLAIM, REFRESH, RELEASE, REQUEUE, WORKER_SCRIPTS
 
@@ -39,15 +44,28 @@ EVENT_PAGE = 1000  # event stream entries per XRANGE when a reclaimed job's even
 # claim_idle_ms, so the next XAUTOCLAIM anywhere takes them, even by a worker that takes nothing
 # else yet (see Admission.reclaim: it asks for a tenth of this then).
 HANDED_OVER_IDLE_MS = 10**10
+
+
+class ReplicasBehind(redis.RedisError):
+    """A job's final result is written, but fewer replicas than `wait_replicas` confirmed it in
+    time: its entry stays unacknowledged, and the worker publishes (a no-op) and waits again."""
+
+    def __init__(self, job_id: str, confirmed: int, replication: Replication):
+        super().__init__(
+            f"job {job_id}: its result is written, {confirmed} of {replication.replicas} replicas confirmed it "
+            f"within {replication.timeout_ms} ms; its entry is acknowledged once they do"
+        )
+
+
 # Failures that mean "not now" rather than "never": the loop backs off and sends the same
 # (idempotent) commands again. redis-py raises most as their own classes (and strips the reply's
 # first word from the message): a lost connection, loading an AOF (BusyLoadingError), memory full
 # under noeviction, a replica not yet promoted by a failover, a cluster resharding or failing over,
-# and NOSCRIPT where the scripts were flushed again between scripts.execute's reload and its resend
-# (the next try loads them once more).
+# NOSCRIPT where the scripts were flushed again between scripts.execute's reload and its resend
+# (the next try loads them once more), and replicas that have not confirmed a result yet.
 TRANSIENT_ERRORS = (
     redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
-    redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError, redis.exceptions.NoScriptError,
+    redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError, redis.exceptions.NoScriptError, ReplicasBehind,
 )
 # Replies with no class of their own in redis-py, recognised by their first word: a script running
 # too long, a failing RDB save, a blocking read cut short because the server turned replica (or
@@ -63,12 +81,13 @@ class GroupLost(redis.RedisError):
     with it."""
 
 
-def connect(url: str) -> redis.Redis:
-    """The worker's connection. surrogateescape: a producer's invalid UTF-8 must fail its job,
-    not the read. One immediate retry replaces a connection Redis closed (a restart); past that
-    the loop's own backoff takes over, so that the engine keeps stepping while Redis is away.
-    Wrong credentials are not retried at all."""
-    return redis.Redis.from_url(url, decode_responses=True, encoding_errors="surrogateescape", retry=Retry(NoBackoff(), 1))
+def connect(url: str):
+    """The worker's client, of any of the three modes. surrogateescape: a producer's invalid UTF-8
+    must fail its job, not the read. One immediate retry replaces a connection Redis closed (a
+    restart; on a cluster, after reading the topology again); past that the loop's own backoff
+    takes over, so that the engine keeps stepping while Redis is away. Wrong credentials are not
+    retried at all. A cluster client reads the topology now, so this raises while no node answers."""
+    return connection.connect(url, decode_responses=True, encoding_errors="surrogateescape", retry=Retry(NoBackoff(), 1))
 
 
 def is_transient(error: BaseException) -> bool:
@@ -100,7 +119,7 @@ class RedisClock:
 class WorkerQueue:
     def __init__(
         self, client: redis.Redis, keys: Keys, queue: str, worker: str, result_ttl_s: int,
-        clock: RedisClock | None = None,
+        clock: RedisClock | None = None, replication: Replication = Replication(),
     ):
         self.redis = client
         self.keys = keys
@@ -108,6 +127,7 @@ class WorkerQueue:
         self.worker = worker
         self.result_ttl_s = result_ttl_s
         self.clock = clock or RedisClock()
+        self.replication = replication
         self.stream = keys.queue(queue)
         self.reclaim_cursor = "0-0"
 
@@ -233,18 +253,39 @@ class WorkerQueue:
         and run of each running job in `watch` (job id, run) that has no update. Returns each
         update's reply and each watched job's state, or in its place the error its job's keys gave
         (a transient one too: the caller keeps that update for later and backs off). A lost group
-        cannot occur here: these are a job's keys."""
+        cannot occur here: these are a job's keys. With a replication to wait for, each final
+        result is followed by a WAIT on its job's node, and a result too few replicas confirmed
+        answers ReplicasBehind (transient): its entry is not acknowledged yet."""
+        finals = [u for u in updates if u.final is not None] if self.replication.waits else []
 
         def add(pipe):
             for u in updates:
                 pipe.evalsha(PUBLISH.sha, 3, *job_keys(self.keys, u.job_id), *u.publish_args(self.result_ttl_s))
             for job_id, _ in watch:
                 pipe.hmget(self.keys.job(job_id), "cancel", "run")
+            for u in finals:
+                # WAIT counts the replicas that have this connection's writes; a result published
+                # again is a no-op that writes nothing, and may go out on another connection. The
+                # EXPIRE (the TTL PUBLISH gave the result) is a write that always reaches the
+                # replication stream, after the result: a replica that has it has the result.
+                pipe.expire(self.keys.job(u.job_id), self.result_ttl_s)
+                pipe.wait_replicas(self.keys.job(u.job_id), self.replication.replicas, self.replication.timeout_ms)
 
         replies = scripts.execute(self.redis, add, WORKER_SCRIPTS, raise_on_error=False)
         published = [_parsed(parse_publish, r) for r in replies[: len(updates)]]
-        watched = [_parsed(lambda r, run=run: parse_watch(r, run), r) for (_, run), r in zip(watch, replies[len(updates):])]
-        return published, watched
+        ends = len(updates) + len(watch)
+        watched = [_parsed(lambda r, run=run: parse_watch(r, run), r) for (_, run), r in zip(watch, replies[len(updates):ends])]
+        confirmed = dict(zip((u.job_id for u in finals), replies[ends + 1::2]))  # each WAIT's, after its EXPIRE
+        return [self._replicated(u, reply, confirmed.get(u.job_id)) for u, reply in zip(updates, published)], watched
+
+    def _replicated(self, update: Update, reply: PublishReply | Exception, confirmed: int | Exception | None):
+        """A final result's reply, or ReplicasBehind (or the WAIT's own error) in its place when
+        fewer replicas than asked have confirmed it."""
+        if confirmed is None or not isinstance(reply, PublishReply) or reply.outcome is not Published.WRITTEN:
+            return reply
+        if isinstance(confirmed, Exception):
+            return confirmed
+        return reply if confirmed >= self.replication.replicas else ReplicasBehind(update.job_id, confirmed, self.replication)
 
     def heartbeat(self, fields: dict[str, str | int | float], ttl_s: float, held: list[str]) -> tuple[int, list[str]]:
         """Refresh this worker's heartbeat hash, its place in the worker and queue indexes, the
@@ -278,10 +319,7 @@ class WorkerQueue:
 
     def leave(self) -> None:
         """Remove this worker's heartbeat: it no longer counts as live."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(self.keys.worker(self.worker))
-        pipe.zrem(self.keys.workers(self.queue), self.worker)
-        pipe.execute()
+        self._send(lambda pipe: (pipe.delete(self.keys.worker(self.worker)), pipe.zrem(self.keys.workers(self.queue), self.worker)))
 
 
 def _parsed(parse: Callable, reply: object):

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import redis
 
 from producer_client.keys import Keys
+from producer_client.protocol import Replication
 from producer_client.schema import ErrorInfo, JobResult, TokenLogprob, Usage
 from worker.admission import Admission
 from worker.holdings import EngineAPI, Holdings
@@ -55,7 +56,8 @@ class Worker:
         self.name = name
         clock = clock or RedisClock()
         self.clock = clock
-        self.queue = WorkerQueue(client, Keys(settings.prefix), settings.queue, name, settings.result_ttl_s, clock)
+        replication = Replication(settings.wait_replicas, settings.wait_timeout_ms)
+        self.queue = WorkerQueue(client, Keys(settings.prefix), settings.queue, name, settings.result_ttl_s, clock, replication)
         self.link = RedisLink(settings.redis_backoff_max_s)
         self.outbox = Outbox()  # what Redis has not seen yet
         self.receipts = Receipts()  # entries to acknowledge or dead-letter with the next read

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from producer_client.connection import parse_url
 from producer_client.errors import InvalidArgument
 from producer_client.keys import DEFAULT_PREFIX, check_name
 from producer_client.schema import MAX_BODY_BYTES, MAX_TOKENS_LIMIT
@@ -31,7 +32,9 @@ class WorkerSettings(TomlSettings):
     model: str = Field("tiny", description='a preset (tiny, small, qwen3-0.6b), "echo" (no model), or a checkpoint directory')
     device: str = Field("auto", description="cpu, cuda, cuda:N; auto picks cuda when torch sees one")
     dtype: str = Field("auto", description="float32, bfloat16, float16; auto keeps the checkpoint's own")
-    redis: str = Field("embedded", description="redis://, rediss:// or unix:// URL; embedded starts a private redis-server")
+    redis: str = Field(
+        "embedded", description="redis://, rediss://, unix://, redis+cluster:// or redis+sentinel:// URL; embedded starts a private redis-server"
+    )
     queue: str = Field("default", description="the queue this worker serves")
     prefix: str = Field(DEFAULT_PREFIX, description="namespace of every Redis key")
     name: str = Field("", description="consumer name in the queue's group; empty means <hostname>-<pid>")
@@ -54,12 +57,23 @@ class WorkerSettings(TomlSettings):
     redis_backoff_max_s: float = Field(
         5.0, gt=0.0, description="longest wait between attempts to reach Redis again (the wait doubles from 0.05 s)"
     )
+    wait_replicas: int = Field(
+        0, ge=0, description="a final result counts as written (its entry is acknowledged) once this many replicas have it (WAIT); 0: off"
+    )
+    wait_timeout_ms: int = Field(1000, ge=1, description="how long one WAIT for wait_replicas blocks the worker's loop at most")
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1, description="larger job bodies fail with body_too_large")
     max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1, description="larger max_tokens fail with invalid_argument")
     metrics_host: str = Field("0.0.0.0", description="address of the Prometheus endpoint")
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus endpoint port; 0 binds any free port")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
     engine: EngineSettings = EngineSettings()
+
+    @field_validator("redis")
+    @classmethod
+    def _usable_url(cls, value: str) -> str:
+        if value != "embedded":
+            parse_url(value)
+        return value
 
     @field_validator("queue", "prefix", "name")
     @classmethod
@@ -73,11 +87,13 @@ class WorkerSettings(TomlSettings):
         if self.claim_idle_ms < 2000 * self.heartbeat_interval_s:
             raise InvalidArgument("claim_idle_ms", "must be at least twice heartbeat_interval_s")
         # After an outage every worker waits claim_idle_ms before it reclaims, while a worker whose
-        # backoff wait was longest refreshes its entries only after that wait and a heartbeat.
-        if self.claim_idle_ms <= 1000 * (self.redis_backoff_max_s + self.heartbeat_interval_s):
+        # backoff wait was longest refreshes its entries only after that wait and a heartbeat (and
+        # a WAIT for replicas, which blocks the loop, as long again).
+        waits_ms = self.wait_timeout_ms if self.wait_replicas else 0
+        if self.claim_idle_ms <= 1000 * (self.redis_backoff_max_s + self.heartbeat_interval_s) + waits_ms:
             raise InvalidArgument(
-                "claim_idle_ms", "must exceed redis_backoff_max_s + heartbeat_interval_s, or a worker back from a "
-                "Redis outage can lose its running jobs to the others",
+                "claim_idle_ms", "must exceed redis_backoff_max_s + heartbeat_interval_s (+ wait_timeout_ms with "
+                "wait_replicas), or a worker back from a Redis outage can lose its running jobs to the others",
             )
         return self
 

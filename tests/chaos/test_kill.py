@@ -1,7 +1,9 @@
 """kill -9 one of two workers while it generates 20 greedy jobs on the tiny model: every job
 completes with exactly one final result and the output a fault-free run gives, and the event
 streams show that no token recorded before the kill was generated again: the surviving worker
-resumed each job right after the tokens the dead one had published."""
+resumed each job right after the tokens the dead one had published. On one server and on a
+cluster (the queue on one shard, the jobs on all: XAUTOCLAIM recovers across shards); Sentinel's
+master is one server to the workers."""
 from __future__ import annotations
 
 import time
@@ -15,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from producer_client import SamplingParams
 from producer_client.keys import GROUP, Keys
 from tests.redis_support import (
-    WorkerProcess, assert_one_final_result, eventually, make_client, runs, start_workers, tokens_published,
+    WorkerProcess, assert_one_final_result, eventually, make_client, on_modes, runs, start_workers, tokens_published,
 )
 
 KEYS = Keys()
@@ -52,19 +54,20 @@ def generated_tokens(worker: WorkerProcess) -> float:
 
 
 @pytest.mark.slow
-def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(redis_server, redis_client, fault_free,
+@on_modes("server", "cluster")
+def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(redis_deployment, deployment_client, fault_free,
                                                                                tmp_path):
     queue = f"kill-{uuid.uuid4().hex[:6]}"
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in {**ENGINE, **RECLAIM}.items()]
     victim, survivor = start_workers([
-        WorkerProcess(redis_server.url, queue, f"{queue}-{n}", tmp_path, *flags) for n in ("victim", "survivor")
+        WorkerProcess(redis_deployment.url, queue, f"{queue}-{n}", tmp_path, *flags) for n in ("victim", "survivor")
     ])
     try:
-        with make_client("sync", redis_server.url, queue) as client:
+        with make_client("sync", redis_deployment.url, queue) as client:
             ids = [client.submit(p, **params) for p, params in zip(PROMPTS, PARAMS)]
 
             def victim_generating() -> bool:
-                jobs = [redis_client.hmget(KEYS.job(j), "worker", "tokens") for j in ids]
+                jobs = [deployment_client.hmget(KEYS.job(j), "worker", "tokens") for j in ids]
                 return sum(w == victim.name and int(t or 0) >= 4 for w, t in jobs) >= 2
 
             assert eventually(victim_generating, timeout=120), victim.log()
@@ -78,9 +81,9 @@ def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(re
             assert (result.status, result.finish_reason) == ("done", "length"), job_id
             assert (result.token_ids, result.text) == (want.token_ids, want.text), job_id
             assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(want.prompt_token_ids), 32)
-            assert_one_final_result(redis_client, job_id)
-            assert tokens_published(redis_client, job_id) == result.token_ids  # each token once, none missing
-            job_runs = runs(redis_client, job_id)
+            assert_one_final_result(deployment_client, job_id)
+            assert tokens_published(deployment_client, job_id) == result.token_ids  # each token once, none missing
+            job_runs = runs(deployment_client, job_id)
             made_before = 0
             for start, made in job_runs:
                 assert start["resumed_tokens"] == made_before  # each run starts after what was recorded
@@ -96,8 +99,8 @@ def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(re
         # The survivor generated exactly the tokens the victim had not recorded: none twice.
         assert eventually(lambda: generated_tokens(survivor) == 32 * 20 - victim_tokens)
         # Entries are acknowledged just after their results are written.
-        assert eventually(lambda: redis_client.xlen(KEYS.queue(queue)) == 0)
-        assert redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 0
+        assert eventually(lambda: deployment_client.xlen(KEYS.queue(queue)) == 0)
+        assert deployment_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 0
         print(
             f"\nkill -9: {len(recoveries)} jobs resumed after {resumed_after} recorded tokens; recovery "
             f"(kill to the survivor's start) {min(recoveries):.2f}-{max(recoveries):.2f}s with {RECLAIM}, "

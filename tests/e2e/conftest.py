@@ -1,8 +1,12 @@
-"""Worker processes on the tiny preset, shared by the end-to-end tests: starting one costs
-seconds (model load), so two are started once per session and stopped at its end."""
+"""Worker processes on the tiny preset, shared by the end-to-end tests, which run against each of
+Redis's three modes (redis_deployment: one server, a cluster, Sentinel): starting a worker costs
+seconds (model load), so two are started once per mode and stopped when its tests are done."""
 import pytest
 
-from tests.redis_support import WorkerProcess, client_kind, redis_client, redis_server, start_workers  # noqa: F401
+from tests.redis_support import (  # noqa: F401  (fixtures)
+    WorkerProcess, client_kind, deployment_client, redis_client, redis_cluster, redis_deployment, redis_sentinel,
+    redis_server, start_workers,
+)
 
 E2E_QUEUE = "e2e"
 MAX_RUNNING = 2
@@ -12,9 +16,9 @@ ENGINE_FLAGS = ("--max-running", str(MAX_RUNNING), "--max-model-len", str(MAX_MO
 
 
 @pytest.fixture(scope="session")
-def e2e_workers(redis_server, tmp_path_factory):
+def e2e_workers(redis_deployment, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("workers")
-    workers = [WorkerProcess(redis_server.url, E2E_QUEUE, name, log_dir, *ENGINE_FLAGS) for name in ("e2e-a", "e2e-b")]
+    workers = [WorkerProcess(redis_deployment.url, E2E_QUEUE, name, log_dir, *ENGINE_FLAGS) for name in ("e2e-a", "e2e-b")]
     try:
         yield start_workers(workers)
     finally:

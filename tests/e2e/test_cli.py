@@ -1,10 +1,11 @@
-"""The `mili` CLI against the shared workers, and the demo behind the README's run command."""
+"""The `mili` CLI against the shared workers (its whole round on each of Redis's modes, the rest on
+one server), and the demo behind the README's run command."""
 import json
 import subprocess
 import sys
 
 from tests.e2e.conftest import E2E_QUEUE
-from tests.redis_support import REPO
+from tests.redis_support import REPO, SERVER_ONLY
 
 
 def mili(redis_url: str, *args: str) -> subprocess.CompletedProcess:
@@ -14,8 +15,8 @@ def mili(redis_url: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_submit_status_result_cancel_and_stats(redis_server, e2e_workers):
-    url = redis_server.url
+def test_submit_status_result_cancel_and_stats(redis_deployment, e2e_workers):
+    url = redis_deployment.url
     submitted = mili(url, "submit", "Hello from the CLI", "--max-tokens", "5", "--temperature", "0")
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
@@ -29,21 +30,23 @@ def test_submit_status_result_cancel_and_stats(redis_server, e2e_workers):
     assert stats["queue"] == E2E_QUEUE and sorted(stats["workers"]) == sorted(w.name for w in e2e_workers)
 
 
-def test_submit_stream_prints_the_text_as_it_comes(redis_server, e2e_workers):
-    streamed = mili(redis_server.url, "submit", "Stream it", "--max-tokens", "6", "--temperature", "0", "--stream")
+@SERVER_ONLY
+def test_submit_stream_prints_the_text_as_it_comes(redis_deployment, e2e_workers):
+    streamed = mili(redis_deployment.url, "submit", "Stream it", "--max-tokens", "6", "--temperature", "0", "--stream")
     assert streamed.returncode == 0, streamed.stderr
     assert "done (length), 6 tokens" in streamed.stderr
     job_id = streamed.stderr.split()[1]
-    result = json.loads(mili(redis_server.url, "result", job_id).stdout)
+    result = json.loads(mili(redis_deployment.url, "result", job_id).stdout)
     assert streamed.stdout == result["text"] + "\n"
 
 
-def test_errors_are_one_line_with_their_code(redis_server):
-    missing = mili(redis_server.url, "status", "no-such-job")
+@SERVER_ONLY
+def test_errors_are_one_line_with_their_code(redis_deployment):
+    missing = mili(redis_deployment.url, "status", "no-such-job")
     assert (missing.returncode, missing.stderr.strip()) == (
         1, "error: not_found: job 'no-such-job' not found (never submitted, or its result expired)"
     )
-    bad = mili(redis_server.url, "submit", "x", "--max-tokens", "0")
+    bad = mili(redis_deployment.url, "submit", "x", "--max-tokens", "0")
     assert bad.returncode == 1 and bad.stderr.startswith("error: invalid_argument: max_tokens:")
 
 

@@ -1,5 +1,7 @@
 """The whole service: real redis-server, real worker processes on the tiny preset, the real
-clients. Jobs are short (a few greedy tokens) so that the suite stays quick on a CPU."""
+clients. The paths a user's job takes (submit and result, streaming, cancel) run on each of
+Redis's modes (one server, a cluster, Sentinel's), the rest on one server. Jobs are short (a few
+greedy tokens) so that the suite stays quick on a CPU."""
 from __future__ import annotations
 
 import threading
@@ -9,13 +11,13 @@ import uuid
 from contextlib import contextmanager
 
 import pytest
-import redis
 import torch
 
 from producer_client import JobFailed, SamplingParams
+from producer_client.connection import connect
 from producer_client.keys import GROUP, Keys
 from tests.e2e.conftest import E2E_QUEUE, MAX_MODEL_LEN, MAX_RUNNING
-from tests.redis_support import WorkerProcess, eventually, make_client, start_workers
+from tests.redis_support import SERVER_ONLY, WorkerProcess, eventually, make_client, start_workers
 
 KEYS = Keys()
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Redis", "Once upon a time, in a land far away, there"]
@@ -47,8 +49,8 @@ def torch_threads(n: int):
 
 
 @pytest.fixture
-def client(client_kind, redis_server, e2e_workers):
-    c = make_client(client_kind, redis_server.url, E2E_QUEUE)
+def client(client_kind, redis_deployment, e2e_workers):
+    c = make_client(client_kind, redis_deployment.url, E2E_QUEUE)
     yield c
     c.close()
 
@@ -88,8 +90,9 @@ def test_streamed_deltas_concatenate_and_a_resumed_stream_loses_nothing(client):
     assert len(result.token_ids) == 12
 
 
-def test_two_workers_share_twenty_jobs(redis_server, e2e_workers):
-    with make_client("sync", redis_server.url, E2E_QUEUE) as c:
+@SERVER_ONLY
+def test_two_workers_share_twenty_jobs(redis_deployment, e2e_workers):
+    with make_client("sync", redis_deployment.url, E2E_QUEUE) as c:
         ids = [c.submit(f"job {i}", max_tokens=4, temperature=0.0) for i in range(20)]
         results = [c.result(job_id, timeout=120) for job_id in ids]
     assert all(r.status == "done" and len(r.token_ids) == 4 for r in results)
@@ -98,13 +101,14 @@ def test_two_workers_share_twenty_jobs(redis_server, e2e_workers):
     assert sum(ran.values()) == 20
 
 
-def test_a_worker_never_holds_more_pending_entries_than_max_running(redis_server, redis_client, e2e_workers):
+@SERVER_ONLY
+def test_a_worker_never_holds_more_pending_entries_than_max_running(redis_deployment, deployment_client, e2e_workers):
     stream = KEYS.queue(E2E_QUEUE)
     most: dict[str, int] = {}
     done = threading.Event()
 
     def sample() -> None:
-        r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+        r = connect(redis_deployment.url, decode_responses=True)
         while not done.is_set():
             for consumer in r.xpending(stream, GROUP)["consumers"]:
                 most[consumer["name"]] = max(most.get(consumer["name"], 0), int(consumer["pending"]))
@@ -113,14 +117,14 @@ def test_a_worker_never_holds_more_pending_entries_than_max_running(redis_server
     sampler = threading.Thread(target=sample)
     sampler.start()
     try:
-        with make_client("sync", redis_server.url, E2E_QUEUE) as c:
+        with make_client("sync", redis_deployment.url, E2E_QUEUE) as c:
             ids = [c.submit(f"pending {i}", max_tokens=6, temperature=0.0) for i in range(16)]
             assert all(c.result(job_id, timeout=120).status == "done" for job_id in ids)
     finally:
         done.set()
         sampler.join()
     assert most and max(most.values()) == MAX_RUNNING, most
-    assert eventually(lambda: redis_client.xlen(stream) == 0)  # the last ack follows the last result
+    assert eventually(lambda: deployment_client.xlen(stream) == 0)  # the last ack follows the last result
 
 
 def idle_free_pages(worker: WorkerProcess) -> int:
@@ -149,19 +153,21 @@ def test_cancel_mid_generation_ends_the_job_and_returns_its_pages(client, e2e_wo
     assert idle_free_pages(worker) == free_before[worker.name]
 
 
-def test_the_same_request_id_twice_runs_one_job(client, redis_client):
+@SERVER_ONLY
+def test_the_same_request_id_twice_runs_one_job(client, deployment_client):
     stream = KEYS.queue(E2E_QUEUE)
-    added_before = redis_client.xinfo_stream(stream)["entries-added"]
+    added_before = deployment_client.xinfo_stream(stream)["entries-added"]
     request_id = f"once-{uuid.uuid4().hex}"
     assert client.submit("Once", max_tokens=3, request_id=request_id) == request_id
     assert client.submit("Once", max_tokens=3, request_id=request_id) == request_id
     assert client.result(request_id, timeout=120).status == "done"
-    assert redis_client.xinfo_stream(stream)["entries-added"] == added_before + 1
-    types = [f["type"] for _, f in redis_client.xrange(KEYS.events(request_id))]
+    assert deployment_client.xinfo_stream(stream)["entries-added"] == added_before + 1
+    types = [f["type"] for _, f in deployment_client.xrange(KEYS.events(request_id))]
     assert types.count("start") == 1 and types.count("end") == 1
 
 
-def test_bad_inputs_fail_with_a_code_and_the_workers_keep_serving(client, redis_client):
+@SERVER_ONLY
+def test_bad_inputs_fail_with_a_code_and_the_workers_keep_serving(client, deployment_client):
     stream = KEYS.queue(E2E_QUEUE)
     tag = uuid.uuid4().hex[:8]
     bad = {
@@ -171,9 +177,9 @@ def test_bad_inputs_fail_with_a_code_and_the_workers_keep_serving(client, redis_
         f"json-{tag}": ('{"prompt": ', "invalid_body"),
     }
     for job_id, (body, _) in bad.items():
-        redis_client.xadd(stream, {"id": job_id, "v": "1", "body": body})
+        deployment_client.xadd(stream, {"id": job_id, "v": "1", "body": body})
     # A raw XADD creates no job hash (Client.submit does): the job exists once a worker reads it.
-    assert eventually(lambda: all(redis_client.exists(KEYS.job(job_id)) for job_id in bad), timeout=120)
+    assert eventually(lambda: all(deployment_client.exists(KEYS.job(job_id)) for job_id in bad), timeout=120)
     for job_id, (_, code) in bad.items():
         with pytest.raises(JobFailed) as e:
             client.result(job_id, timeout=120)
@@ -181,6 +187,7 @@ def test_bad_inputs_fail_with_a_code_and_the_workers_keep_serving(client, redis_
     assert client.generate("Still serving", max_tokens=2, timeout=120).status == "done"
 
 
+@SERVER_ONLY
 def test_each_worker_exports_the_vllm_metric_vocabulary(e2e_workers):
     for w in e2e_workers:
         port = int(w.heartbeat()["metrics_port"])
@@ -190,12 +197,13 @@ def test_each_worker_exports_the_vllm_metric_vocabulary(e2e_workers):
         assert 'mili_jobs_total{outcome="dead_lettered"} 0.0' in text
 
 
-def test_sigterm_drains_running_jobs_and_leaves_unread_ones_queued(redis_server, tmp_path):
+@SERVER_ONLY
+def test_sigterm_drains_running_jobs_and_leaves_unread_ones_queued(redis_deployment, tmp_path):
     queue = f"drain-{uuid.uuid4().hex[:6]}"
-    worker = WorkerProcess(redis_server.url, queue, f"{queue}-w", tmp_path, "--max-running", "1")
+    worker = WorkerProcess(redis_deployment.url, queue, f"{queue}-w", tmp_path, "--max-running", "1")
     start_workers([worker])
     try:
-        with make_client("sync", redis_server.url, queue) as c:
+        with make_client("sync", redis_deployment.url, queue) as c:
             running = c.submit("Drain me:", max_tokens=24, temperature=0.0, ignore_eos=True)
             waiting = c.submit("I wait", max_tokens=4)
             next(iter(c.stream(running, timeout=120)))

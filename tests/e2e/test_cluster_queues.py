@@ -1,0 +1,121 @@
+"""Several queues on a Redis Cluster, each on a shard of its own (a queue's keys share its hash
+tag, so one queue lives on one shard and load spreads over shards by queue), with an echo
+worker each: `mili stats --all`, `mili workers` and the clients see every queue and every
+heartbeat; bulk submission, as_completed and the Batch API, whose jobs' keys lie on every shard,
+work as on one server."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+import uuid
+
+import openai
+import pytest
+
+from producer_client import AsyncClient, Client, JobNotFound
+from producer_client.keys import Keys
+from tests.gateway.support import GatewayProcess
+from tests.redis_support import REPO, SyncView, WorkerProcess, start_workers
+
+KEYS = Keys()
+MODEL = "cluster-echo"
+
+
+@pytest.fixture(scope="module")
+def queues(redis_cluster) -> list[str]:
+    """Three queue names whose keys lie on the three masters, one each."""
+    by_master = {}
+    run = uuid.uuid4().hex[:6]
+    for n in range(1000):
+        queue = f"shard-{run}-{n}"
+        by_master.setdefault(redis_cluster.master_of(KEYS.queue(queue)).port, queue)
+        if len(by_master) == 3:
+            return list(by_master.values())
+    raise AssertionError("no three queues on three masters")
+
+
+@pytest.fixture(scope="module")
+def workers(redis_cluster, queues, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("cluster-workers")
+    procs = [WorkerProcess(redis_cluster.url, queue, f"{queue}-w", log_dir, model="echo") for queue in queues]
+    try:
+        yield start_workers(procs)
+    finally:
+        for w in procs:
+            w.stop()
+
+
+def mili(url: str, queue: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "producer_client.cli", "--redis", url, "--queue", queue, *args],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_every_queue_on_every_shard_has_its_stats_and_its_live_worker(redis_cluster, queues, workers):
+    with Client(redis_cluster.url, queues[0]) as client:
+        for queue in queues:
+            on = client.on_queue(queue)
+            ids = [on.submit(f"{queue} job {i}", max_tokens=8) for i in range(3)]
+            assert [on.result(job_id, timeout=60).text for job_id in ids] == [f"{queue} job {i}"[:8] for i in range(3)]
+        assert set(queues) <= set(client.inspect.queues())
+        assert {(w.name, w.queue) for w in client.workers()} >= {(w.name, w.queue) for w in workers}
+    stats = {s["queue"]: s for s in json.loads(mili(redis_cluster.url, queues[0], "stats", "--all"))}
+    for queue, worker in zip(queues, workers):
+        assert (stats[queue]["depth"], stats[queue]["pending"], stats[queue]["workers"]) == (0, 0, [worker.name])
+    listed = mili(redis_cluster.url, queues[0], "workers")
+    assert all(w.name in listed for w in workers)
+    with redis_cluster.admin() as admin:
+        assert all(admin.exists(KEYS.worker(w.name)) for w in workers)  # heartbeats, on their own shards
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_bulk_submission_and_as_completed_span_every_shard(redis_cluster, queues, workers, kind):
+    queue = queues[1]
+    client = Client(redis_cluster.url, queue) if kind == "sync" else SyncView(AsyncClient(redis_cluster.url, queue))
+    try:
+        specs = [{"prompt": f"bulk {i:03d}", "max_tokens": 8} for i in range(60)]
+        specs += [{"prompt": "keyed", "max_tokens": 8, "request_id": f"keyed-{uuid.uuid4().hex}"}]
+        ids = client.submit_many(specs)
+        with redis_cluster.admin() as admin:
+            assert len({admin.get_node_from_key(KEYS.job(job_id)).name for job_id in ids}) == 3  # every shard
+        ended = list(client.as_completed(ids, timeout=60))
+        assert sorted(r.id for r in ended) == sorted(ids)
+        assert {r.id: r.text for r in ended} == dict(zip(ids, [s["prompt"][:8] for s in specs]))
+        client.cancel_many(ids)  # they have ended: nothing changes
+        assert [r.status for r in client.results(ids, timeout=10)] == ["done"] * len(ids)
+        with pytest.raises(JobNotFound):
+            list(client.as_completed([ids[0], "no-such-job", "nor-this-one"], timeout=5))
+    finally:
+        client.close()
+
+
+def test_the_batch_api_runs_a_batch_on_a_cluster(redis_cluster, queues, workers, tmp_path):
+    gateway = GatewayProcess(
+        redis_cluster.url, tmp_path, "--models", json.dumps({MODEL: queues[2]}), "--batch-poll-s", "0.1",
+        "--batch-lease-s", "1",
+    ).start()
+    try:
+        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+        lines = [
+            {"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"model": MODEL, "prompt": f"line {i:02d}", "max_tokens": 7}}
+            for i in range(40)
+        ]
+        text = "".join(json.dumps(line) + "\n" for line in lines)
+        upload = sdk.files.create(file=("input.jsonl", io.BytesIO(text.encode())), purpose="batch")
+        batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 120
+        while (batch := sdk.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, gateway.log()[-3000:]
+            time.sleep(0.1)
+        assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 40, 0)
+        answers = [json.loads(line) for line in sdk.files.content(batch.output_file_id).text.splitlines()]
+        texts = {a["custom_id"]: a["response"]["body"]["choices"][0]["text"] for a in answers}
+        assert texts == {f"c{i}": f"line {i:02d}"[:7] for i in range(40)}
+    finally:
+        gateway.stop()

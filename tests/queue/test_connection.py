@@ -1,0 +1,117 @@
+"""Redis URLs of the three modes, checked before anything connects, and the clients made from them.
+No server runs here except where a test says so: a bad URL must fail on its own, in one line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import redis
+import redis.asyncio
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+from producer_client import AsyncClient, Client, InvalidArgument
+from producer_client.cluster import known_keys
+from producer_client.connection import Mode, connect, connect_async, parse_url, redact_url
+from tests.redis_support import REPO, free_port
+
+SECRET = "pa55-w0rd"
+
+GOOD = [
+    ("redis://localhost:6379/0", Mode.SERVER, (), "", {}),
+    ("rediss://u:p@h:1/2?socket_timeout=3", Mode.SERVER, (), "", {"socket_timeout": 3.0, "username": "u", "password": "p"}),
+    ("unix:///tmp/redis.sock", Mode.SERVER, (), "", {"path": "/tmp/redis.sock"}),
+    ("redis+cluster://10.0.0.1:7000", Mode.CLUSTER, (("10.0.0.1", 7000),), "", {}),
+    ("redis+cluster://u:p%40ss@a:7000,b:7001,[::1]:7002/", Mode.CLUSTER,
+     (("a", 7000), ("b", 7001), ("::1", 7002)), "", {"username": "u", "password": "p@ss"}),
+    ("rediss+cluster://a,b?ssl_cert_reqs=none", Mode.CLUSTER, (("a", 6379), ("b", 6379)), "",
+     {"ssl": True, "ssl_cert_reqs": "none"}),
+    ("redis+sentinel://s1:26379,s2:26380/mymaster", Mode.SENTINEL, (("s1", 26379), ("s2", 26380)), "mymaster", {}),
+    ("rediss+sentinel://:pw@s1/mymaster?db=3", Mode.SENTINEL, (("s1", 26379),), "mymaster",
+     {"password": "pw", "db": 3, "ssl": True}),
+]
+
+
+@pytest.mark.parametrize("url, mode, nodes, service, options", GOOD, ids=[g[0] for g in GOOD])
+def test_a_url_names_its_mode_nodes_service_and_options(url, mode, nodes, service, options):
+    parsed = parse_url(url)
+    assert (parsed.mode, parsed.nodes, parsed.service) == (mode, nodes, service)
+    assert options.items() <= parsed.options.items()
+
+
+BAD = [
+    ("http://h:6379", "unknown scheme"),
+    ("localhost:6379", "unknown scheme"),
+    ("redis+clustr://h:7000", "unknown scheme"),
+    ("redis://h:port", "Port could not be cast"),
+    ("redis+cluster://", "'' is not host:port"),
+    ("redis+cluster://a:7000,,b:7001", "'' is not host:port"),
+    ("redis+cluster://a:70000", "port 70000 is out of range"),
+    ("redis+cluster://a:7000/1", "database 0 only"),
+    ("redis+cluster://a:7000?db=2", "database 0 only"),
+    ("redis+cluster://a:7000?socket_timeout=soon", "Invalid value for 'socket_timeout'"),
+    ("redis+sentinel://s1:26379", "name the master's service"),
+    ("redis+sentinel://s1:26379/", "name the master's service"),
+    ("redis+sentinel://s1:26379/a/b", "name the master's service"),
+    (f"redis+sentinel://user:{SECRET}@s1:x/m", "'s1:x' is not host:port"),
+]
+
+
+@pytest.mark.parametrize("url, reason", BAD, ids=[b[0] for b in BAD])
+def test_a_bad_url_is_one_invalid_argument_naming_redis_without_the_password(url, reason):
+    with pytest.raises(InvalidArgument) as e:
+        parse_url(url)
+    assert e.value.field == "redis" and reason in e.value.message
+    assert SECRET not in e.value.message and "\n" not in e.value.message
+
+
+def test_a_url_that_is_not_a_string_is_refused():
+    with pytest.raises(InvalidArgument, match="redis: must be a URL"):
+        parse_url(None)
+
+
+def test_every_mode_redacts_the_password():
+    for url in (f"redis://u:{SECRET}@h:1/0", f"redis+cluster://u:{SECRET}@a:1,b:2", f"rediss+sentinel://:{SECRET}@s:1/m"):
+        assert SECRET not in redact_url(url) and "***" in redact_url(url)
+        assert str(parse_url(url)) == redact_url(url)
+
+
+@pytest.mark.parametrize("make", [Client, AsyncClient], ids=["Client", "AsyncClient"])
+def test_the_clients_refuse_a_bad_url_before_connecting(make):
+    with pytest.raises(InvalidArgument, match="redis: redis\\+cluster://a:1/7: a cluster has database 0 only"):
+        make("redis+cluster://a:1/7")
+
+
+def test_the_cli_says_a_bad_url_in_one_line_and_exits_1():
+    done = subprocess.run(
+        [sys.executable, "-m", "producer_client.cli", "--redis", f"redis+sentinel://u:{SECRET}@s1:26379", "stats"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        "error: invalid_argument: redis: redis+sentinel://u:***@s1:26379: name the master's service after the "
+        "sentinels: redis+sentinel://host:26379/mymaster"
+    )
+
+
+def test_asyncio_clients_connect_at_their_first_command():
+    assert isinstance(connect_async("redis+cluster://127.0.0.1:1"), AsyncRedisCluster)
+    assert isinstance(connect_async("redis+sentinel://127.0.0.1:1/m"), redis.asyncio.Redis)
+    assert isinstance(connect(f"redis+sentinel://127.0.0.1:{free_port()}/m"), redis.Redis)
+
+
+def test_a_cluster_that_no_node_answers_raises_a_connection_error():
+    # redis-py raises RedisClusterException, which is no RedisError: callers would not see an outage.
+    with pytest.raises(redis.ConnectionError):
+        connect(f"redis+cluster://127.0.0.1:{free_port()}")
+
+
+@pytest.mark.parametrize("args, keys", [
+    (("EVALSHA", "abc", 2, "k1", "k2", "arg"), ["k1", "k2"]),
+    (("EVAL", "return 1", 0), None),
+    (("XREADGROUP", b"GROUP", "g", "c", b"COUNT", "2", b"BLOCK", "5", b"STREAMS", "s", ">"), ["s"]),
+    (("XREAD", b"COUNT", "1", b"STREAMS", "a", "b", "0-0", "0-0"), ["a", "b"]),
+    (("HGETALL", "h"), None),
+])
+def test_script_calls_and_stream_reads_route_by_their_own_keys(args, keys):
+    assert known_keys(args) == keys

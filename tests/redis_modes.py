@@ -1,0 +1,343 @@
+"""Redis Cluster and Sentinel on 127.0.0.1, for tests: real redis-server processes on free ports,
+started and stopped by fixtures (tests/redis_support.py), each in a directory of its own.
+
+- LocalCluster: six nodes made one cluster of three masters, each with one replica, by
+  `redis-cli --cluster create`.
+- LocalSentinel: a master, its replica and three sentinels (quorum two) watching them.
+
+Nodes run without persistence: a failover here is the replica's promotion, not a restart. The
+DEBUG command is enabled so that a test can make a replica fall behind (DEBUG SLEEP)."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from producer_client.connection import connect
+
+START_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout:g}s")
+        time.sleep(0.05)
+
+
+class ServerProcess:
+    """One redis-server (or sentinel) on 127.0.0.1:port, its files in `dir`."""
+
+    def __init__(self, dir: Path, *args: str, sentinel: bool = False):
+        self.dir = dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.args = args
+        self.sentinel = sentinel
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, *more_args: str) -> ServerProcess:
+        if self.sentinel:
+            config = self.dir / "sentinel.conf"  # a sentinel rewrites its own file as it learns
+            config.write_text(f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\nlogfile sentinel.log\n{self.args[0]}")
+            command = ["redis-server", str(config), "--sentinel"]
+        else:
+            command = [
+                "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+                "--save", "", "--appendonly", "no", "--logfile", "redis.log", "--enable-debug-command", "yes",
+                # A replica syncs at once (Redis waits 5 s for more replicas to share the transfer).
+                "--repl-diskless-sync-delay", "0", *self.args, *more_args,
+            ]
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait(self.answers, START_TIMEOUT_S, f"redis-server on {self.address} did not answer")
+        return self
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, decode_responses=True, socket_timeout=5)
+
+    def answers(self) -> bool:
+        if self.process is None or self.process.poll() is not None:
+            return False
+        with self.client() as c:
+            try:
+                return c.ping()
+            except redis.RedisError:
+                return False
+
+    def kill(self) -> None:
+        """kill -9: no shutdown, nothing written out."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def log(self) -> str:
+        path = self.dir / ("sentinel.log" if self.sentinel else "redis.log")
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+class Deployment:
+    """Started on entering a `with`, stopped on leaving it, or at once if it did not start."""
+
+    def start(self):
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _cluster_ok(node: ServerProcess) -> bool:
+    with node.client() as c:
+        return c.cluster("INFO")["cluster_state"] == "ok"
+
+
+def _in_sync(c: redis.Redis) -> bool:
+    """A master, or a replica whose link to its master is up."""
+    replication = c.info("replication")
+    return replication["role"] == "master" or replication.get("master_link_status") == "up"
+
+
+class LocalCluster(Deployment):
+    """Three masters and three replicas. `node_timeout_ms`: how long a master may be unreachable
+    before the others count it as failed and its replica is promoted."""
+
+    def __init__(self, root: Path, node_timeout_ms: int = 2000):
+        self.nodes = [
+            ServerProcess(
+                root / f"node{i}", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(node_timeout_ms), "--cluster-port", str(free_port()),
+            )
+            for i in range(6)
+        ]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(n.address for n in self.nodes[:3])
+
+    def start(self) -> LocalCluster:
+        for node in self.nodes:
+            node.start()
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *(n.address for n in self.nodes), "--cluster-replicas", "1", "--cluster-yes"],
+            check=True, capture_output=True, text=True, timeout=60,
+        )
+        self.wait_healthy()
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def live(self) -> list[ServerProcess]:
+        return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Until every live node says the cluster is ok, with three masters that all nodes agree on,
+        and every replica has synced with its master: a replica that has not may not take over
+        (a test kills a master seconds after the cluster is made)."""
+
+        def healthy() -> bool:
+            views = set()
+            for node in self.live():
+                with node.client() as c:
+                    if c.cluster("INFO")["cluster_state"] != "ok" or not _in_sync(c):
+                        return False
+                    views.add(tuple(sorted(self._masters_seen_by(c))))
+            return len(views) == 1 and len(next(iter(views))) == 3
+
+        _wait(healthy, timeout, "the cluster did not settle")
+
+    def fail_over(self, key: str) -> None:
+        """kill -9 the master that serves `key`; return once the cluster has promoted its replica
+        and the killed node is back, as that replica's."""
+        master = self.master_of(key)
+        replica = self.replica_of(master)
+        master.kill()
+        self.wait_promoted(replica)
+        self.rejoin(master)
+
+    def wait_promoted(self, replica: ServerProcess, timeout: float = START_TIMEOUT_S) -> None:
+        """Until `replica` is a master (its master failed, or handed it the role) and every live node
+        serves every slot."""
+
+        def promoted() -> bool:
+            with replica.client() as c:
+                if c.info("replication")["role"] != "master":
+                    return False
+            return all(_cluster_ok(node) for node in self.live())
+
+        _wait(promoted, timeout, f"{replica.address} was not promoted")
+
+    def rejoin(self, node: ServerProcess) -> None:
+        """Start a killed node again, as a failed machine is replaced: its node file remembers the
+        cluster, whose newer configuration makes it a replica of the master that took its slots."""
+        node.start()
+        self.wait_healthy()
+
+    def master_of(self, key: str) -> ServerProcess:
+        with self.live()[0].client() as c:
+            slot = c.cluster("KEYSLOT", key)
+            for start, end, master, *_ in c.execute_command("CLUSTER SLOTS"):
+                if start <= slot <= end:
+                    return self._node_at(master[1])
+        raise LookupError(f"no master serves the slot of {key!r}")
+
+    def replica_of(self, master: ServerProcess) -> ServerProcess:
+        with master.client() as c:
+            master_id = c.execute_command("CLUSTER MYID")
+        for node in self.live():
+            with node.client() as c:
+                if c.info("replication")["role"] == "slave" and self._master_id_of(c) == master_id:
+                    return node
+        raise LookupError(f"{master.address} has no replica")
+
+    def node_id(self, node: ServerProcess) -> str:
+        with node.client() as c:
+            return c.execute_command("CLUSTER MYID")
+
+    def slots_of(self, node: ServerProcess) -> list[int]:
+        with node.client() as c:
+            ranges = [(start, end) for start, end, master, *_ in c.execute_command("CLUSTER SLOTS") if master[1] == node.port]
+        return [slot for start, end in ranges for slot in range(start, end + 1)]
+
+    def admin(self):
+        """A cluster client, for what a test reads and checks."""
+        return connect(self.url, decode_responses=True)
+
+    @staticmethod
+    def _master_id_of(c: redis.Redis) -> str:
+        """The node id of the master that the replica `c` is connected to replicates."""
+        return next(n["master_id"] for n in c.execute_command("CLUSTER NODES").values() if "myself" in n["flags"])
+
+    @staticmethod
+    def _masters_seen_by(c: redis.Redis) -> list[str]:
+        nodes = c.execute_command("CLUSTER NODES").items()
+        return [address for address, n in nodes if "master" in n["flags"] and "fail" not in n["flags"] and n["slots"]]
+
+    def _node_at(self, port: int) -> ServerProcess:
+        return next(n for n in self.nodes if n.port == port)
+
+
+class LocalSentinel(Deployment):
+    """A master, a replica and three sentinels that promote the replica once the master has not
+    answered them for `down_after_ms`."""
+
+    SERVICE = "mili"
+
+    def __init__(self, root: Path, down_after_ms: int = 1000):
+        self.master = ServerProcess(root / "master")
+        self.replica = ServerProcess(root / "replica", "--replicaof", "127.0.0.1", str(self.master.port))
+        watch = (
+            f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 2\n"
+            f"sentinel down-after-milliseconds {self.SERVICE} {down_after_ms}\n"
+            f"sentinel failover-timeout {self.SERVICE} 10000\n"
+        )
+        self.sentinels = [ServerProcess(root / f"sentinel{i}", watch, sentinel=True) for i in range(3)]
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://{','.join(s.address for s in self.sentinels)}/{self.SERVICE}"
+
+    def start(self) -> LocalSentinel:
+        self.master.start()
+        self.replica.start()
+        _wait(self._replica_in_sync, START_TIMEOUT_S, "the replica did not sync")
+        for sentinel in self.sentinels:
+            sentinel.start()
+        _wait(self._sentinels_see_everything, START_TIMEOUT_S, "the sentinels did not find the replica and each other")
+        return self
+
+    def stop(self) -> None:
+        for process in (*self.sentinels, self.replica, self.master):
+            process.stop()
+
+    def fail_over(self, key: str = "") -> None:
+        """kill -9 the master (it serves every key); return once the sentinels have promoted the
+        replica and the killed server is back, as the new master's replica."""
+        master = self.current_master()
+        master.kill()
+        self.wait_promoted(master)
+        self.rejoin(master)
+
+    def wait_promoted(self, old: ServerProcess, timeout: float = START_TIMEOUT_S) -> ServerProcess:
+        """Until the sentinels name another master than `old`, and it says it is one; returns it."""
+        _wait(lambda: self._promoted_other_than(old), timeout, f"no replica of {old.address} was promoted")
+        return self.current_master()
+
+    def rejoin(self, old: ServerProcess) -> None:
+        """Start a killed master again as a replica of the new one, as a replaced machine is set
+        up (the sentinels would make it one too, but only after it has claimed to be a master for
+        8 s)."""
+        new = self.current_master()
+        old.start("--replicaof", "127.0.0.1", str(new.port))
+        _wait(lambda: self._replicating(old), START_TIMEOUT_S, f"{old.address} did not become a replica")
+
+    def current_master(self) -> ServerProcess:
+        """The server the sentinels name as master now."""
+        for sentinel in self.sentinels:
+            if sentinel.answers():
+                with sentinel.client() as c:
+                    _, port = c.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)
+                return self.master if int(port) == self.master.port else self.replica
+        raise LookupError("no sentinel answers")
+
+    def admin(self):
+        return connect(self.url, decode_responses=True)
+
+    def _promoted_other_than(self, old: ServerProcess) -> bool:
+        new = self.current_master()
+        if new is old:
+            return False
+        with new.client() as c:
+            return c.info("replication")["role"] == "master"
+
+    @staticmethod
+    def _replicating(node: ServerProcess) -> bool:
+        with node.client() as c:
+            replication = c.info("replication")
+        return replication["role"] == "slave" and replication.get("master_link_status") == "up"
+
+    def _replica_in_sync(self) -> bool:
+        with self.replica.client() as c:
+            return _in_sync(c)
+
+    def _sentinels_see_everything(self) -> bool:
+        for sentinel in self.sentinels:
+            with sentinel.client() as c:
+                if len(c.execute_command("SENTINEL", "REPLICAS", self.SERVICE)) != 1:
+                    return False
+                if len(c.execute_command("SENTINEL", "SENTINELS", self.SERVICE)) != 2:
+                    return False
+        return True
