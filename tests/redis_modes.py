@@ -18,6 +18,7 @@ from pathlib import Path
 import redis
 
 from producer_client.connection import connect
+from worker.embedded_redis import stop_process
 
 START_TIMEOUT_S = 30.0
 
@@ -85,13 +86,8 @@ class ServerProcess:
         self.process.wait()
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_process(self.process, timeout_s=10)
 
     def log(self) -> str:
         path = self.dir / ("sentinel.log" if self.sentinel else "redis.log")

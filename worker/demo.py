@@ -16,7 +16,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from producer_client import Client, JobResult
-from worker.embedded_redis import EmbeddedRedis
+from worker.embedded_redis import EmbeddedRedis, stop_process
 
 WORKER_NAME = "demo-worker"
 WORKER_START_TIMEOUT_S = 600.0  # the first run writes the preset's checkpoint
@@ -36,7 +36,7 @@ def demo(model: str) -> int:
                     jobs = run_jobs(client) + chat_through_gateway(server.url, model, Path(tmp) / "gateway.log")
                     print_metrics(port, jobs)
             finally:
-                stop_worker(worker)
+                stop_process(worker, timeout_s=60)  # SIGTERM: the worker drains and exits
         print(f"\nworker log ({log_path.name}):")
         for line in log_path.read_text().splitlines():
             print(f"  | {line}")
@@ -184,13 +184,3 @@ def print_metrics(port: int, jobs: int) -> None:
     queries = value("mili_prefix_cache_queries_total")
     hits = value("mili_prefix_cache_hits_total")
     print(f"  prefix cache: {hits:g} of {queries:g} prompt tokens hit; KV cache usage {value('mili_kv_cache_usage_perc'):.1%}")
-
-
-def stop_worker(worker: subprocess.Popen) -> None:
-    if worker.poll() is None:
-        worker.terminate()  # SIGTERM: the worker drains and exits
-        try:
-            worker.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()

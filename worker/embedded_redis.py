@@ -19,6 +19,19 @@ INSTALL_HINT = (
 )
 
 
+def stop_process(process: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s` (a redis-server writes out
+    its AOF, a worker drains, on SIGTERM: both get the time to)."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 class RedisServerError(MiliError):
     code = "redis_server_error"
 
@@ -54,12 +67,7 @@ class EmbeddedRedis:
 
     def stop(self) -> None:
         if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            stop_process(self.process, timeout_s=10)
             self.process = None
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
