@@ -162,6 +162,10 @@ class Commands(CoreCommands):
         return self
 
 
+# Rounds of load-and-resend for the EVALSHAs that met NOSCRIPT: a server can lose the scripts
+# again between the load and the resend (two SCRIPT FLUSHes in a row, a failover after a
+# failover). One that loses them every round is being flushed on purpose; its NOSCRIPT is the reply.
+SCRIPT_RELOADS = 3
 _NODE_OF = "mili_node_of"  # a recorded command's key whose node must run it; never sent
 # Commands of several keys that answer a count: a cluster runs a command only on keys of one
 # slot, so there each of these goes out once per slot of its keys, and the counts are added up
@@ -175,8 +179,9 @@ def execute(client, add_commands: Callable, scripts: Sequence[Script] = (), rais
     that lacks our scripts (fresh, restarted, SCRIPT FLUSHed, or a replica just promoted) answers
     NOSCRIPT to each EVALSHA, which then did not run, while the pipeline's other commands did: so
     the scripts are loaded (on every master of a cluster) and only the EVALSHAs that failed are
-    sent again. Nothing runs twice, which matters for commands that are not safe to repeat (an
-    XREADGROUP sent twice would leave the first read's entries pending and unknown to the caller).
+    sent again, for up to SCRIPT_RELOADS rounds if the server loses them again. Nothing runs
+    twice, which matters for commands that are not safe to repeat (an XREADGROUP sent twice would
+    leave the first read's entries pending and unknown to the caller).
     With `raise_on_error=False` a command's error is its reply, for the caller to judge one by
     one; otherwise the first error is raised. `scripts`: those the pipeline may run, beside the
     producers' own."""
@@ -184,8 +189,10 @@ def execute(client, add_commands: Callable, scripts: Sequence[Script] = (), rais
     add_commands(commands)
     with topology_errors():
         replies = _send(client, commands.stack)
-        missing = _lacking_scripts(replies)
-        if missing:
+        for _ in range(SCRIPT_RELOADS):
+            missing = _lacking_scripts(replies)
+            if not missing:
+                break
             load_scripts(client, scripts)
             _splice(replies, missing, _send(client, [commands.stack[i] for i in missing]))
     return _checked(replies, raise_on_error)
@@ -199,9 +206,11 @@ async def aexecute(client, add_commands: Callable, scripts: Sequence[Script] = (
         if is_cluster(client) and any(_NODE_OF in options for _, options in commands.stack):
             await client.initialize()  # the slot table, to route each WAIT to its node; once per client
         replies = await _asend(client, commands.stack)
-        missing = _lacking_scripts(replies)
-        if missing:
-            _checked(await _asend(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
+        for _ in range(SCRIPT_RELOADS):
+            missing = _lacking_scripts(replies)
+            if not missing:
+                break
+            await aload_scripts(client, scripts)
             _splice(replies, missing, await _asend(client, [commands.stack[i] for i in missing]))
     return _checked(replies, raise_on_error)
 
@@ -211,6 +220,12 @@ def load_scripts(client, scripts: Sequence[Script] = ()) -> None:
     with topology_errors():
         # The masters are named anew for each try: after a failover the old one answers no more.
         _checked(_send(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
+
+
+async def aload_scripts(client, scripts: Sequence[Script] = ()) -> None:
+    """`load_scripts` for a redis.asyncio client."""
+    with topology_errors():
+        _checked(await _asend(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
 
 
 def _script_loads(client, scripts: Sequence[Script]) -> Stack:

@@ -5,8 +5,9 @@ import time
 import uuid
 
 import pytest
+from redis.exceptions import NoScriptError
 
-from producer_client import AsyncClient, Client, InvalidArgument, JobNotFound, JobTimeout, QueueFull
+from producer_client import AsyncClient, Client, InvalidArgument, JobNotFound, JobTimeout, QueueFull, scripts
 from producer_client.keys import GROUP, Keys
 from tests.redis_support import free_port, make_client
 from worker.queue import WorkerQueue
@@ -100,6 +101,53 @@ def test_a_submit_that_stopped_half_way_is_completed_by_the_next_one(client, red
     assert [f["id"] for _, f in redis_client.xrange(Keys().queue(queue))] == [request_id]
     assert client.submit("hello", max_tokens=4, request_id=request_id) == request_id  # now recorded
     assert redis_client.xlen(Keys().queue(queue)) == 1
+
+
+def flush_after_loads(monkeypatch, redis_client, times: int) -> list:
+    """The scripts lost again right after each of the next `times` loads, as when two SCRIPT
+    FLUSHes (or two failovers) land either side of the load that follows a NOSCRIPT. Returns the
+    flushes still to come."""
+    left = [None] * times
+
+    def lose_again() -> None:
+        if left:
+            left.pop()
+            redis_client.script_flush()
+
+    load, aload = scripts.load_scripts, scripts.aload_scripts
+
+    def load_then_lose(client, more=()):
+        load(client, more)
+        lose_again()
+
+    async def aload_then_lose(client, more=()):
+        await aload(client, more)
+        lose_again()
+
+    monkeypatch.setattr(scripts, "load_scripts", load_then_lose)
+    monkeypatch.setattr(scripts, "aload_scripts", aload_then_lose)
+    return left
+
+
+def test_a_submit_whose_scripts_are_lost_again_after_each_reload_enqueues_once(
+    client, redis_client, queue, monkeypatch,
+):
+    left = flush_after_loads(monkeypatch, redis_client, scripts.SCRIPT_RELOADS - 1)
+    redis_client.script_flush()
+    job_id = client.submit("hello", max_tokens=4)  # CREATE and ENQUEUE meet NOSCRIPT three times
+    assert left == []
+    assert [f["id"] for _, f in redis_client.xrange(Keys().queue(queue))] == [job_id]
+    assert client.status(job_id).status == "queued"
+
+
+def test_a_server_that_loses_the_scripts_at_every_reload_fails_the_submit_and_enqueues_nothing(
+    client, redis_client, queue, monkeypatch,
+):
+    flush_after_loads(monkeypatch, redis_client, scripts.SCRIPT_RELOADS)
+    redis_client.script_flush()
+    with pytest.raises(NoScriptError):
+        client.submit("hello", max_tokens=4)
+    assert redis_client.xlen(Keys().queue(queue)) == 0
 
 
 def test_submit_raises_queue_full_at_the_configured_depth(client_kind, redis_server, redis_client, queue):
