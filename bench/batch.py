@@ -33,10 +33,10 @@ import time  # noqa: E402
 import httpx  # noqa: E402
 import openai  # noqa: E402
 
-from bench.measure import free_port  # noqa: E402
 from bench.queue import QUEUE, start_worker, wait_ready  # noqa: E402
 from producer_client import Client  # noqa: E402
 from gateway.batch_file import run_batch  # noqa: E402
+from worker.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
 
 CONTENT = "hello world"
 MAX_TOKENS = 1
@@ -44,8 +44,6 @@ MAX_TOKENS = 1
 
 def main() -> None:
     args = parse_args()
-    from worker.embedded_redis import EmbeddedRedis
-
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print(f"{args.lines:,} chat requests ({CONTENT!r}, max_tokens {MAX_TOKENS}); 2 echo workers\n")
     with EmbeddedRedis(port=free_port() if args.tcp else None) as server, tempfile.TemporaryDirectory() as tmp:

@@ -31,7 +31,8 @@ import time  # noqa: E402
 
 import httpx  # noqa: E402
 
-from bench.measure import cpu_seconds, free_port, pct  # noqa: E402
+from bench.measure import cpu_seconds, pct  # noqa: E402
+from worker.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
 from producer_client import Client  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,8 +44,6 @@ PROMPT = "hello world"
 
 def main() -> None:
     args = parse_args()
-    from worker.embedded_redis import EmbeddedRedis
-
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     with EmbeddedRedis(port=free_port()) as server:
         processes = [start_worker(server.url, QUEUE, "bench-echo")]

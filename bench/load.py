@@ -31,7 +31,8 @@ import time  # noqa: E402
 
 import redis  # noqa: E402
 
-from bench.measure import cpu_seconds, free_port, pct  # noqa: E402
+from bench.measure import cpu_seconds, pct  # noqa: E402
+from worker.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
 from producer_client import Client, JobFailed  # noqa: E402
 from producer_client.keys import Keys  # noqa: E402
 
@@ -42,8 +43,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     args = parse_args()
-    from worker.embedded_redis import EmbeddedRedis  # imports torch: not in the producer processes
-
     total = args.producers * args.jobs
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print(

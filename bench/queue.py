@@ -48,7 +48,8 @@ import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 
-from bench.measure import cpu_seconds, free_port, pct  # noqa: E402
+from bench.measure import cpu_seconds, pct  # noqa: E402
+from worker.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
 from producer_client import Client  # noqa: E402  (the producers import nothing heavier)
 
 PROMPT = "hello world"
@@ -61,8 +62,6 @@ def main() -> None:
         return bulk_main(args)
     if args.redis:
         return modes_main(args)
-    from worker.embedded_redis import EmbeddedRedis  # imports torch: not in the producer processes
-
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print(f"jobs: prompt {PROMPT!r}, max_tokens {args.max_tokens}, greedy; 1 worker, echo engine\n")
     direct = direct_latencies(args.latency_jobs, args.max_tokens)
@@ -202,8 +201,6 @@ def producer_process(url, threads, jobs, seconds, max_tokens, go, results, queue
 
 
 def bulk_main(args: argparse.Namespace) -> None:
-    from worker.embedded_redis import EmbeddedRedis
-
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print(f"jobs: prompt {PROMPT!r}, max_tokens {args.max_tokens}, greedy; no bound on the queue's depth\n")
     with EmbeddedRedis(port=free_port() if args.tcp else None) as server, Client(server.url, QUEUE, max_queue_depth=None) as client:
@@ -235,8 +232,6 @@ def bulk_main(args: argparse.Namespace) -> None:
 
 
 def modes_main(args: argparse.Namespace) -> None:
-    from worker.embedded_redis import EmbeddedRedis
-
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print(f"jobs: prompt {PROMPT!r}, max_tokens {args.max_tokens}, greedy; 3 echo workers; "
           f"{args.procs} processes x {args.threads} producers for {args.seconds:g}s each\n")

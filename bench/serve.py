@@ -32,7 +32,8 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
-from bench.measure import free_port, pct  # noqa: E402
+from bench.measure import pct  # noqa: E402
+from worker.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
 from producer_client import Client, JobTimeout  # noqa: E402  (the producers import nothing heavier)
 
 QUEUE = "bench-serve"
@@ -55,8 +56,6 @@ def main() -> None:
           f"{work.output_tokens} output tokens; model {args.model} on {args.device}")
     offline_tok_s = args.offline_tok_s or offline_throughput(args, work)
     print(f"offline engine:    {offline_tok_s:,.1f} output tok/s")
-
-    from worker.embedded_redis import EmbeddedRedis  # imports torch: not in the producer processes
 
     with EmbeddedRedis(port=free_port() if args.tcp else None) as server, tempfile.NamedTemporaryFile("w+") as log:
         worker = start_worker(args, server.url, log)

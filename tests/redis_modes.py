@@ -10,7 +10,6 @@ DEBUG command is enabled so that a test can make a replica fall behind (DEBUG SL
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -18,15 +17,9 @@ from pathlib import Path
 import redis
 
 from producer_client.connection import connect
-from worker.embedded_redis import stop_process
+from worker.embedded_redis import free_port, stop_process
 
 START_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(condition, timeout: float, what: str) -> None:

@@ -5,7 +5,6 @@ own metrics, and a clean shutdown of all."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,7 +15,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from producer_client import Client, JobResult
-from worker.embedded_redis import EmbeddedRedis, stop_process
+from worker.embedded_redis import EmbeddedRedis, free_port, stop_process
 
 WORKER_NAME = "demo-worker"
 WORKER_START_TIMEOUT_S = 600.0  # the first run writes the preset's checkpoint
@@ -129,12 +128,6 @@ def wait_for_gateway(health_url: str, gateway: subprocess.Popen, log_path: Path)
             if gateway.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the gateway did not start:\n{log_path.read_text()}") from None
             time.sleep(0.1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def show(result: JobResult) -> None:

@@ -3,6 +3,7 @@ listening on a unix socket (or on 127.0.0.1:port), no persistence, stopped on ex
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -17,6 +18,13 @@ INSTALL_HINT = (
     "redis-server was not found on PATH. Install it (Debian/Ubuntu: sudo apt-get install redis-server; "
     "macOS: brew install redis), or point the worker at a running Redis with --redis redis://HOST:6379/0."
 )
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server started next (EmbeddedRedis(port=...), a gateway)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def stop_process(process: subprocess.Popen, timeout_s: float) -> None:
