@@ -61,8 +61,8 @@ class ReplicasBehind(redis.RedisError):
 # (idempotent) commands again. redis-py raises most as their own classes (and strips the reply's
 # first word from the message): a lost connection, loading an AOF (BusyLoadingError), memory full
 # under noeviction, a replica not yet promoted by a failover, a cluster resharding or failing over,
-# NOSCRIPT where the scripts were flushed again between scripts.execute's reload and its resend
-# (the next try loads them once more), and replicas that have not confirmed a result yet.
+# NOSCRIPT where the scripts were lost again after each of scripts.execute's reloads (the next
+# try loads them once more), and replicas that have not confirmed a result yet.
 TRANSIENT_ERRORS = (
     redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
     redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError, redis.exceptions.NoScriptError, ReplicasBehind,

@@ -248,8 +248,9 @@ def test_scripts_flushed_again_between_reload_and_resend_lose_nothing(restartabl
     """Two SCRIPT FLUSHes in a row can land on either side of the reload that follows a NOSCRIPT,
     so the resent scripts meet NOSCRIPT again (bench/chaos.py found it: the worker took that for
     a refusal, dead-lettered a claim and dropped a running job). Here every reload of the first
-    few is flushed at once; the worker tries again later, and every job ends whole, once."""
-    load, flushes = scripts.load_scripts, iter(range(4))
+    few is flushed at once, more than one call's reloads (SCRIPT_RELOADS), so the worker meets
+    NOSCRIPT and tries again later; every job ends whole, once."""
+    load, flushes = scripts.load_scripts, iter(range(scripts.SCRIPT_RELOADS + 1))
 
     def load_then_lose(client, more=()):
         load(client, more)
