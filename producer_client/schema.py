@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, MiliError
+from producer_client.structured import ResponseFormat
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -13,7 +14,9 @@ MAX_LOGPROBS = 20
 
 
 class SamplingParams(BaseModel):
-    """Sampling parameters with the names users know from OpenAI and vLLM."""
+    """Sampling parameters with the names users know from OpenAI and vLLM. `response_format`
+    constrains the output to a JSON schema, any JSON object, a regex or a list of choices
+    (producer_client.structured), enforced while decoding."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -31,6 +34,7 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
 
     @classmethod
     def parse(cls, **kwargs) -> "SamplingParams":
@@ -50,6 +54,9 @@ class SamplingParams(BaseModel):
                 raise InvalidArgument("stop", f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgument("stop_token_ids", "token ids must be non-negative")
+        if self.response_format is not None and self.stop:
+            # A stop string is cut from the text, and the cut would break the structure.
+            raise InvalidArgument("stop", "cannot be combined with response_format: stop strings cut the output")
 
 
 def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArgument:

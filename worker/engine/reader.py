@@ -1,13 +1,15 @@
 """Reading a step's tokens: each token goes in place of its placeholder and is checked against
-its request's stop conditions, in vLLM's order (stop tokens, stop strings, length), and turned
-into a delta; a request whose logits were not finite fails instead; a request that ends leaves
-the engine's live set."""
+its request's stop conditions, in vLLM's order (stop tokens, stop strings, length, with a
+grammar's completion before length), and turned into a delta; a request whose logits were not
+finite, or whose grammar refuses its token, fails instead; a request that ends leaves the
+engine's live set."""
 from __future__ import annotations
 
 import logging
 
-from producer_client.errors import InvalidArgument
-from worker.engine.errors import NonFiniteLogits
+from producer_client.errors import InvalidArgument, MiliError
+from worker.engine.errors import NonFiniteLogits, StructuredOutputError
+from worker.engine.grammar.request_grammar import GrammarStep
 from worker.engine.outputs import FinishReason, RequestError, RequestOutput, SampledLogprob, TokenCounts
 from worker.engine.overlap import LaunchedStep, drop_placeholders
 from worker.engine.request import Request, RequestStatus
@@ -37,7 +39,10 @@ class StepReader:
                 outputs.append(self._take_token(req, index, token, lp))
             else:
                 del req.token_ids[index:]
-                outputs.append(self._fail_nonfinite(req))
+                outputs.append(self._fail(req, NonFiniteLogits(
+                    f"request {req.request_id}: non-finite logits (a NaN or an infinity) at output token "
+                    f"{req.num_output_tokens + 1}"
+                )))
         return outputs
 
     def replay(self, req: Request, resume_token_ids: list[int]) -> None:
@@ -57,6 +62,8 @@ class StepReader:
         """The request's final output; it leaves the live set."""
         del self.live[req.request_id]
         drop_placeholders(req)
+        if req.grammar is not None:
+            req.grammar.close()
         log.debug(
             "request %s finished (%s): %d prompt tokens (%d cached), %d output tokens, %d preemptions",
             req.request_id, req.finish_reason, req.num_prompt_tokens, req.num_cached_prompt_tokens,
@@ -73,7 +80,13 @@ class StepReader:
         if logprob is not None:
             req.logprobs.append(logprob)
         num_output = index + 1 - req.num_prompt_tokens
-        text, reason = self._check_stop(req, token, num_output)
+        try:
+            text, reason = self._check_stop(req, token, num_output)
+        except StructuredOutputError as error:
+            del req.token_ids[index:]
+            if logprob is not None:
+                req.logprobs.pop()
+            return self._fail(req, error)
         logprobs = [logprob] if logprob is not None else None
         if reason is None:
             usage = TokenCounts(req.num_prompt_tokens, num_output, req.num_cached_prompt_tokens)
@@ -83,16 +96,12 @@ class StepReader:
         self.scheduler.finish(req)
         return self.end(req, text, [token], logprobs)
 
-    def _fail_nonfinite(self, req: Request) -> RequestOutput:
+    def _fail(self, req: Request, error: MiliError) -> RequestOutput:
         """Ends the request with the output it had; the rest of the batch is unaffected (rows
         never mix)."""
-        error = NonFiniteLogits(
-            f"request {req.request_id}: non-finite logits (a NaN or an infinity) at output token "
-            f"{req.num_output_tokens + 1}"
-        )
         req.finish("error", RequestError(error.code, error.message))
         self.scheduler.finish(req)
-        log.warning("%s", error.message)
+        log.warning("request %s: %s", req.request_id, error.message)
         return self.end(req, req.text.finish(), [])
 
     def _check_stop(self, req: Request, token: int, num_output: int) -> tuple[str, FinishReason | None]:
@@ -100,15 +109,21 @@ class StepReader:
         `token`, in vLLM's order: stop tokens, stop strings, length.
 
         Before min_tokens nothing stops the request (its stop tokens were also masked out of
-        sampling). A stop token's own text is not emitted; a stop string is cut from the text.
+        sampling), nor before its grammar accepts the output (a stop id is then an ordinary
+        token). A stop token's own text is not emitted; a stop string is cut from the text. A
+        grammar that the token completes ends the request ("stop"), even at max_tokens: the
+        output is whole. Its grammar is advanced here, so this is the token's one reading.
         """
         p = req.params
-        can_stop = num_output >= p.min_tokens
+        can_stop = num_output >= p.min_tokens and (req.grammar is None or req.grammar.accepts_end)
         if can_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             return req.text.finish(), "stop"
+        completes = req.grammar is not None and req.grammar.accept(token) is GrammarStep.COMPLETES
         text, stopped = req.text.push(token, can_stop)
         if stopped:
             return text, "stop"
+        if completes:
+            return text + req.text.finish(), "stop"
         if num_output >= p.max_tokens or req.num_prompt_tokens + num_output >= self.max_model_len:
             return text + req.text.finish(), "length"
         return text, None

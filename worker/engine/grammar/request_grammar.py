@@ -1,0 +1,102 @@
+"""One request's grammar: its matcher, compiled off the loop, advanced by each output token the
+request keeps.
+
+The matcher consumes a token only when the engine reads it as the request's (StepReader), never
+a draw that is discarded (a request that ended while the token was in flight, non-finite
+logits), so there is nothing to roll back. A preempted request keeps its tokens and recomputes
+their KV, and its matcher stays where it was. A request added with the tokens of an earlier run
+(a resumed job) gets a fresh matcher that consumes them first, on the compile thread.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from concurrent import futures
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from producer_client.errors import InvalidArgument, MiliError
+from worker.engine.errors import StructuredOutputError
+from worker.engine.grammar.constraint import Constraint
+
+
+class GrammarStep(enum.Enum):
+    CONTINUES = "continues"
+    COMPLETES = "completes"  # the output is whole: nothing but its end may follow
+
+
+@dataclass
+class MatcherState:
+    matcher: Any  # llguidance.LLMatcher
+    active: bool  # the grammar applies (the output is past `starts_after`, or there is none)
+
+
+def replayed(constraint: Constraint, tokens: Sequence[int], matcher: Any) -> MatcherState:
+    """The matcher after the output tokens an earlier run produced; InvalidArgument if the grammar
+    refuses them, or if they complete it already (that run had ended)."""
+    active = constraint.starts_after is None
+    for n, token in enumerate(tokens, 1):
+        if not active:
+            active = token == constraint.starts_after
+        elif not matcher.consume_token(token):
+            raise InvalidArgument("resume_token_ids", f"the grammar refuses token {n}: {matcher.get_error()}")
+    if active and matcher.is_stopped():
+        raise InvalidArgument("resume_token_ids", "the request had already ended: its output completes the grammar")
+    return MatcherState(matcher, active)
+
+
+class RequestGrammar:
+    def __init__(self, constraint: Constraint, compiled: Future[MatcherState], end_token_ids: Sequence[int]):
+        self.constraint = constraint
+        self.end_token_ids = tuple(end_token_ids)  # what ends the request where the grammar accepts: stop ids, EOS
+        self._compiled = compiled
+        self.matcher: Any = None
+        self.active = False
+        self.position = 0  # output tokens seen since it started: what a filled mask row is for
+        self.slot: int | None = None  # its row in the mask table (masks.py), while it has one
+        self.filled_at = -1  # the position its row was filled at
+        self.release_slot = None  # given with the slot
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled.done()
+
+    def wait_compiled(self, timeout_s: float) -> None:
+        futures.wait([self._compiled], timeout=timeout_s)
+
+    @property
+    def started(self) -> bool:
+        return self.matcher is not None
+
+    def start(self) -> MiliError | None:
+        """Takes the compiled matcher; the error instead if it did not compile."""
+        try:
+            state = self._compiled.result()
+        except MiliError as error:
+            return error
+        self.matcher, self.active = state.matcher, state.active
+        return None
+
+    def accept(self, token: int) -> GrammarStep:
+        """Advances past the request's next output token. Raises StructuredOutputError if the
+        grammar refuses it: the mask allowed nothing, or the token was drawn without one."""
+        self.position += 1
+        if not self.active:
+            self.active = token == self.constraint.starts_after
+            return GrammarStep.CONTINUES
+        if not self.matcher.consume_token(token):
+            raise StructuredOutputError(f"the grammar refuses output token {token}: {self.matcher.get_error()}")
+        return GrammarStep.COMPLETES if self.matcher.is_stopped() else GrammarStep.CONTINUES
+
+    @property
+    def accepts_end(self) -> bool:
+        """Whether the output may end here."""
+        return self.active and self.matcher.is_accepting()
+
+    def close(self) -> None:
+        """The request has ended: its mask row goes back."""
+        if self.release_slot is not None:
+            self.release_slot()
+            self.release_slot = None
+            self.slot = None
