@@ -9,7 +9,6 @@ import logging
 
 from producer_client.errors import InvalidArgument, MiliError
 from worker.engine.errors import NonFiniteLogits, StructuredOutputError
-from worker.engine.grammar.request_grammar import GrammarStep
 from worker.engine.outputs import FinishReason, RequestError, RequestOutput, SampledLogprob, TokenCounts
 from worker.engine.overlap import LaunchedStep, drop_placeholders
 from worker.engine.request import Request, RequestStatus
@@ -75,18 +74,16 @@ class StepReader:
 
     def _take_token(self, req: Request, index: int, token: int, logprob: SampledLogprob | None) -> RequestOutput:
         """Puts `token` where its placeholder is, at `index`. A step launched since may have
-        appended its own placeholder after it: that one stays, unless this token ends the request."""
+        appended its own placeholder after it: that one stays, unless this token ends the request.
+        A request whose grammar ended before this token ends without it."""
+        if req.grammar is not None and req.grammar.ended:
+            del req.token_ids[index:]
+            return self._end_by_grammar(req)
         req.token_ids[index] = token
         if logprob is not None:
             req.logprobs.append(logprob)
         num_output = index + 1 - req.num_prompt_tokens
-        try:
-            text, reason = self._check_stop(req, token, num_output)
-        except StructuredOutputError as error:
-            del req.token_ids[index:]
-            if logprob is not None:
-                req.logprobs.pop()
-            return self._fail(req, error)
+        text, reason = self._check_stop(req, token, num_output)
         logprobs = [logprob] if logprob is not None else None
         if reason is None:
             usage = TokenCounts(req.num_prompt_tokens, num_output, req.num_cached_prompt_tokens)
@@ -95,6 +92,13 @@ class StepReader:
         req.finish(reason)
         self.scheduler.finish(req)
         return self.end(req, text, [token], logprobs)
+
+    def _end_by_grammar(self, req: Request) -> RequestOutput:
+        if req.grammar.error is not None:
+            return self._fail(req, StructuredOutputError(req.grammar.error))
+        req.finish("stop")
+        self.scheduler.finish(req)
+        return self.end(req, req.text.finish(), [])
 
     def _fail(self, req: Request, error: MiliError) -> RequestOutput:
         """Ends the request with the output it had; the rest of the batch is unaffected (rows
@@ -110,20 +114,27 @@ class StepReader:
 
         Before min_tokens nothing stops the request (its stop tokens were also masked out of
         sampling), nor before its grammar accepts the output (a stop id is then an ordinary
-        token). A stop token's own text is not emitted; a stop string is cut from the text. A
-        grammar that the token completes ends the request ("stop"), even at max_tokens: the
-        output is whole. Its grammar is advanced here, so this is the token's one reading.
+        token). A stop token's own text is not emitted; a stop string is cut from the text. The
+        grammar takes the token here, so this is the token's one reading; at max_tokens, a
+        grammar that the token completes ends the request as "stop": the output is whole.
         """
         p = req.params
         can_stop = num_output >= p.min_tokens and (req.grammar is None or req.grammar.accepts_end)
         if can_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             return req.text.finish(), "stop"
-        completes = req.grammar is not None and req.grammar.accept(token) is GrammarStep.COMPLETES
+        if req.grammar is not None:
+            req.grammar.take(token)
         text, stopped = req.text.push(token, can_stop)
         if stopped:
             return text, "stop"
-        if completes:
-            return text + req.text.finish(), "stop"
         if num_output >= p.max_tokens or req.num_prompt_tokens + num_output >= self.max_model_len:
-            return text + req.text.finish(), "length"
+            return text + req.text.finish(), self._reason_at_length(req)
         return text, None
+
+    @staticmethod
+    def _reason_at_length(req: Request) -> FinishReason:
+        if req.grammar is not None and req.grammar.started:
+            req.grammar.advance()
+            if req.grammar.complete:
+                return "stop"
+        return "length"

@@ -7,11 +7,12 @@ ids are allowed where the grammar accepts the output as it is, and nowhere else 
 grammar allows elsewhere is drawn as an ordinary token there: the reader does not stop on it). A
 request still thinking (before `</think>`) may draw any token but EOS.
 
-When the engine reads a step's tokens the matchers advance, and the rows of the requests that
-will sample again are filled at once on a thread of this module's own, while the loop goes on
+When the engine has read a step's tokens, a thread of this module's own has each constrained
+request's matcher consume its token and fills its row for the next step, while the loop goes on
 (the worker publishes, the next step is scheduled and the model runs). The sampler's call waits
-for that fill and fills, then and there, the rows it did not foresee (a request that just
-finished its prefill, or whose grammar just started). One kernel launch then masks the batch's
+for that thread and fills, then and there, the rows it did not foresee (a request that just
+finished its prefill, or whose grammar just started). A request whose grammar ended (complete, or
+failed) gets no mask: the reader ends it without the token drawn for it. One kernel launch then masks the batch's
 logits (kernels/token_bitmask.py): on CPU it reads the table where it lies; for a GPU the rows
 are gathered into pinned memory and copied behind the model's work, without a sync.
 """
@@ -50,16 +51,17 @@ class GrammarMasks:
         self._pending: Future | None = None
 
     def prefill(self, requests: Sequence[Request]) -> None:
-        """Starts filling, on the fill thread, the rows of the requests that will sample next."""
+        """Starts advancing the requests' matchers past the tokens just read, and filling their
+        rows for the next step, on the mask thread."""
         self.settle()
-        grammars = [r.grammar for r in requests if self._needs_row(r)]
+        grammars = [r.grammar for r in requests if r.grammar is not None and r.grammar.started and not r.is_finished]
         if not grammars:
             return
         for g in grammars:
             self._give_slot(g)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        self._pending = self._thread.submit(self._fill_all, grammars)
+        self._pending = self._thread.submit(self._advance_and_fill, grammars)
 
     def settle(self) -> None:
         """Waits for a fill in progress: matchers are touched by one thread at a time."""
@@ -71,14 +73,20 @@ class GrammarMasks:
         """The rows of the batch `requests` (one per logits row) that are masked, every one filled
         for its matcher's present state; None when no request of the batch has a grammar."""
         self.settle()
-        rows = [i for i, r in enumerate(requests) if self._needs_row(r)]
-        if not rows:
-            return None
-        for i in rows:
-            grammar = requests[i].grammar
+        rows = []
+        for i, req in enumerate(requests):
+            grammar = req.grammar
+            if grammar is None or not grammar.started or req.is_finished:
+                continue
+            grammar.advance()
+            if grammar.ended:
+                continue
             self._give_slot(grammar)
             if grammar.filled_at != grammar.position:
                 self._fill(grammar)
+            rows.append(i)
+        if not rows:
+            return None
         return BatchMask(rows, [requests[i].grammar.slot for i in rows])
 
     def apply(self, logits: torch.Tensor, mask: BatchMask) -> None:
@@ -98,10 +106,6 @@ class GrammarMasks:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
 
-    @staticmethod
-    def _needs_row(req: Request) -> bool:
-        return req.grammar is not None and req.grammar.started and not req.is_finished
-
     def _give_slot(self, grammar: RequestGrammar) -> None:
         if grammar.slot is not None:
             return
@@ -120,15 +124,19 @@ class GrammarMasks:
         self.table = grown
         self._free.extend(range(2 * old - 1, old - 1, -1))
 
-    def _fill_all(self, grammars: list[RequestGrammar]) -> None:
+    def _advance_and_fill(self, grammars: list[RequestGrammar]) -> None:
         for g in grammars:
-            self._fill(g)
+            g.advance()
+            if not g.ended:
+                self._fill(g)
 
     def _fill(self, grammar: RequestGrammar) -> None:
         row = self.table[grammar.slot]
         words = row.numpy().view(np.uint32)
         if grammar.active:
             grammar.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            if grammar.matcher.is_error():  # no token is allowed: a contradiction the compile did not see
+                grammar.error = grammar.matcher.get_error()
         else:
             words[:] = ALL_BITS
         self._set_bits(words, self.eos_token_ids, False)  # the grammar's end is the request's own end tokens

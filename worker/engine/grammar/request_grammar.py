@@ -1,15 +1,21 @@
 """One request's grammar: its matcher, compiled off the loop, advanced by each output token the
 request keeps.
 
-The matcher consumes a token only when the engine reads it as the request's (StepReader), never
-a draw that is discarded (a request that ended while the token was in flight, non-finite
-logits), so there is nothing to roll back. A preempted request keeps its tokens and recomputes
-their KV, and its matcher stays where it was. A request added with the tokens of an earlier run
-(a resumed job) gets a fresh matcher that consumes them first, on the compile thread.
+The reader hands the matcher a token only when it takes it as the request's (StepReader), never a
+draw that is discarded (a request that ended while the token was in flight, non-finite logits),
+so there is nothing to roll back. A preempted request keeps its tokens and recomputes their KV,
+and its matcher stays where it was. A request added with the tokens of an earlier run (a resumed
+job) gets a fresh matcher that consumes them first, on the compile thread.
+
+The matcher consumes a token on the mask thread, just before it fills the request's next mask
+(masks.py), not on the loop: the token was drawn under the matcher's own mask, so it is known to
+be allowed, and whether it completed the grammar is learnt there. A request whose output the
+grammar found complete ends when its next token is read, without that token (its mask allowed
+nothing but the end); at max_tokens the reader asks at once, so an output that closes on its last
+token ends as "stop", not "length".
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from concurrent import futures
 from concurrent.futures import Future
@@ -17,13 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from producer_client.errors import InvalidArgument, MiliError
-from worker.engine.errors import StructuredOutputError
 from worker.engine.grammar.constraint import Constraint
-
-
-class GrammarStep(enum.Enum):
-    CONTINUES = "continues"
-    COMPLETES = "completes"  # the output is whole: nothing but its end may follow
 
 
 @dataclass
@@ -53,7 +53,10 @@ class RequestGrammar:
         self._compiled = compiled
         self.matcher: Any = None
         self.active = False
-        self.position = 0  # output tokens seen since it started: what a filled mask row is for
+        self.pending: int | None = None  # a token taken and not yet consumed
+        self.complete = False  # the output is whole: nothing but its end may follow
+        self.error: str | None = None  # the matcher refused a token, or allows none
+        self.position = 0  # output tokens taken since it started: what a filled mask row is for
         self.slot: int | None = None  # its row in the mask table (masks.py), while it has one
         self.filled_at = -1  # the position its row was filled at
         self.release_slot = None  # given with the slot
@@ -78,20 +81,33 @@ class RequestGrammar:
         self.matcher, self.active = state.matcher, state.active
         return None
 
-    def accept(self, token: int) -> GrammarStep:
-        """Advances past the request's next output token. Raises StructuredOutputError if the
-        grammar refuses it: the mask allowed nothing, or the token was drawn without one."""
+    def take(self, token: int) -> None:
+        """The request's next output token, to be consumed by `advance` (before `starts_after`,
+        only watched for)."""
         self.position += 1
-        if not self.active:
+        if self.active:
+            self.pending = token
+        else:
             self.active = token == self.constraint.starts_after
-            return GrammarStep.CONTINUES
+
+    def advance(self) -> None:
+        """Consumes the pending token; learns whether it completed the grammar."""
+        if self.pending is None:
+            return
+        token, self.pending = self.pending, None
         if not self.matcher.consume_token(token):
-            raise StructuredOutputError(f"the grammar refuses output token {token}: {self.matcher.get_error()}")
-        return GrammarStep.COMPLETES if self.matcher.is_stopped() else GrammarStep.CONTINUES
+            self.error = f"the grammar refuses output token {token}: {self.matcher.get_error()}"
+        elif self.matcher.is_stopped():
+            self.complete = True
+
+    @property
+    def ended(self) -> bool:
+        """Nothing more may be drawn: the output is whole, or the grammar failed."""
+        return self.complete or self.error is not None
 
     @property
     def accepts_end(self) -> bool:
-        """Whether the output may end here."""
+        """Whether the output may end here (every token taken has been consumed)."""
         return self.active and self.matcher.is_accepting()
 
     def close(self) -> None:
