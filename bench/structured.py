@@ -1,11 +1,13 @@
-"""Structured outputs' cost: decode steps with a JSON schema on every request against the same
-steps with none, in one run, at batch 16 and 64, and the host time per step that the masks add.
+"""Structured outputs' cost: decode throughput with a JSON schema on every request against none,
+in the same run, at batch 16 and 64, and the host time per step that the masks add.
 
-One engine serves both. For each batch size, round after round, it fills the batch with requests
-of random prompts, free (`ignore_eos`) or held to SCHEMA (a list of 40 records of a name, an age,
-a role and tags: keys, strings, numbers, enums and arrays in turn, and more than `--steps` tokens
-long, so that no request ends while it is timed), prefills them, and times `--steps` decode steps.
-Rounds alternate free and constrained so both meet the same machine; the figures are medians.
+One engine serves both. For each batch size, round after round, it keeps `batch` requests of
+random prompts running (continuous batching: one that ends is replaced at once), every request
+either free (`ignore_eos`) or held to SCHEMA (an object of twelve fields: strings, integers,
+numbers, enums, booleans and arrays, in turn), each cut at `--tokens` output tokens, which the
+schema's JSON outgrows: both modes run the same number of requests of the same lengths. After a
+warm-up of one generation of requests it times `--steps` steps. Rounds alternate free and
+constrained so both meet the same machine; the figures are medians over rounds.
 
 Per step: wall and process CPU time (every thread: the model's, the mask thread's), the ratio of
 constrained to free throughput, and the loop's own time in the masks' bookkeeping: waiting for the
@@ -20,6 +22,7 @@ on CPU). The mask thread's work (consuming each token, filling each row) overlap
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import sys
@@ -35,19 +38,21 @@ import torch  # noqa: E402
 from producer_client.schema import SamplingParams  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 
-RECORD = {
+FIELD_TYPES = (
+    {"type": "string", "maxLength": 12},
+    {"type": "integer", "minimum": 0, "maximum": 1000},
+    {"enum": ["admin", "user", "guest", "owner"]},
+    {"type": "boolean"},
+    {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+    {"type": "number", "minimum": -100, "maximum": 100},
+)
+SCHEMA = {
     "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
-    },
-    "required": ["name", "age", "role", "tags"],
+    "properties": {f"field_{i}": FIELD_TYPES[i % len(FIELD_TYPES)] for i in range(12)},
+    "required": [f"field_{i}" for i in range(12)],
     "additionalProperties": False,
 }
-SCHEMA = {"type": "array", "items": RECORD, "minItems": 40}
-FORMAT = {"type": "json_schema", "json_schema": {"name": "records", "schema": SCHEMA}}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA}}
 PROMPT_TOKENS = 32
 MASK_PHASES = ("batch_mask", "prefill", "apply")
 
@@ -74,41 +79,62 @@ class PhaseTimer:
         self.totals = dict.fromkeys(MASK_PHASES, 0.0)
 
 
-def fill(engine: Engine, batch: int, constrained: bool, max_tokens: int, rng: random.Random) -> list[str]:
-    """Adds `batch` requests and steps until every one has its first token, so all decode."""
-    params = SamplingParams(
-        temperature=0, max_tokens=max_tokens, ignore_eos=not constrained,
-        response_format=FORMAT if constrained else None,
-    )
-    ids = [f"r{rng.getrandbits(48):x}" for _ in range(batch)]
-    for request_id in ids:
-        engine.add_request(request_id, [rng.randrange(engine.vocab_size) for _ in range(PROMPT_TOKENS)], params)
-    started: set[str] = set()
-    while len(started) < batch:
-        started.update(o.request_id for o in engine.step() if o.new_token_ids)
-    return ids
+class Workload:
+    """Keeps `batch` requests of one mode running: each that ends is replaced at once."""
+
+    def __init__(self, engine: Engine, batch: int, constrained: bool, tokens: int, rng: random.Random):
+        self.engine = engine
+        self.rng = rng
+        self.params = SamplingParams(
+            temperature=0, max_tokens=tokens, ignore_eos=not constrained,
+            response_format=FORMAT if constrained else None,
+        )
+        self.ids = (f"r{rng.getrandbits(48):x}-{n}" for n in itertools.count())
+        self.live = set()
+        for _ in range(batch):
+            self._add()
+
+    def step(self) -> int:
+        """One engine step; the output tokens it produced."""
+        tokens = 0
+        for out in self.engine.step():
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                assert out.finish_reason == "length", (out.finish_reason, out.error)
+                self.live.discard(out.request_id)
+                self._add()
+        return tokens
+
+    def close(self) -> None:
+        for request_id in self.live:
+            self.engine.abort(request_id)
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+    def _add(self) -> None:
+        request_id = next(self.ids)
+        prompt = [self.rng.randrange(self.engine.vocab_size) for _ in range(PROMPT_TOKENS)]
+        self.engine.add_request(request_id, prompt, self.params)
+        self.live.add(request_id)
 
 
-def measure(engine: Engine, timer: PhaseTimer, batch: int, constrained: bool, steps: int, rng: random.Random) -> dict:
-    ids = fill(engine, batch, constrained, steps + 8, rng)
+def measure(engine: Engine, timer: PhaseTimer, batch: int, constrained: bool, args, rng: random.Random) -> dict:
+    work = Workload(engine, batch, constrained, args.tokens, rng)
+    for _ in range(args.tokens + 2):  # one generation of requests: the batch's ages spread out
+        work.step()
     sync(engine)
     timer.reset()
     walls, cpus, tokens = [], [], 0
-    for _ in range(steps):
+    for _ in range(args.steps):
         wall, cpu = time.perf_counter(), time.process_time()
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        tokens += work.step()
         sync(engine)
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
-    running = sum(1 for r in ids if r in engine.reader.live)
-    for request_id in ids:
-        engine.abort(request_id)
-    while engine.has_unfinished():
-        engine.step()
-    assert running == batch, f"{batch - running} requests ended while timed: the workload is too short"
+    work.close()
     return {
         "wall_ms": 1000 * statistics.median(walls), "cpu_ms": 1000 * statistics.median(cpus),
-        "tokens_per_s": tokens / sum(walls), **{k: 1000 * v / steps for k, v in timer.totals.items()},
+        "tokens_per_s": tokens / sum(walls), **{k: 1000 * v / args.steps for k, v in timer.totals.items()},
     }
 
 
@@ -130,10 +156,13 @@ def run(args) -> None:
     for name in ("batch_mask", "prefill", "apply"):
         timer.wrap(engine.masks, name)
     rng = random.Random(0)
-    fill_and_drop(engine, rng)
+    Workload(engine, 1, True, 2, rng).close()  # the schema compiles outside the timing
     stats = engine.stats()
     print(f"schema compile: {1000 * stats.grammar_compile_seconds:.1f} ms ({stats.grammar_compiles} compile)")
-    print(f"{args.model} on {args.device}, {args.steps} decode steps per round, {args.rounds} rounds, medians")
+    print(
+        f"{args.model} on {args.device}: {args.tokens}-token requests, {args.steps} steps per round, "
+        f"{args.rounds} rounds, medians"
+    )
     header = (
         f"{'batch':>5} | {'free ms/step':>12} {'CPU ms':>7} {'tok/s':>8} | {'schema ms/step':>14} {'CPU ms':>7} "
         f"{'tok/s':>8} | {'throughput':>10} | {'host ms/step: wait+fill':>23} {'handoff':>7} {'apply':>6}"
@@ -143,7 +172,7 @@ def run(args) -> None:
         rounds = {False: [], True: []}
         for _ in range(args.rounds):
             for constrained in (False, True):
-                rounds[constrained].append(measure(engine, timer, batch, constrained, args.steps, rng))
+                rounds[constrained].append(measure(engine, timer, batch, constrained, args, rng))
         free, schema = (median_of(rounds[c]) for c in (False, True))
         print(
             f"{batch:>5} | {free['wall_ms']:>12.2f} {free['cpu_ms']:>7.2f} {free['tokens_per_s']:>8.0f} | "
@@ -152,15 +181,6 @@ def run(args) -> None:
             f"{schema['prefill']:>7.3f} {schema['apply']:>6.3f}",
             flush=True,
         )
-
-
-def fill_and_drop(engine: Engine, rng: random.Random) -> None:
-    """One constrained request through its first token: the schema compiles outside the timing."""
-    ids = fill(engine, 1, True, 4, rng)
-    for request_id in ids:
-        engine.abort(request_id)
-    while engine.has_unfinished():
-        engine.step()
 
 
 def median_of(results: list[dict]) -> dict:
@@ -174,6 +194,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[16, 64])
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=40, help="output tokens of each request")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-pages", type=int, default=2048)
     run(ap.parse_args())

@@ -7,7 +7,9 @@ bitmask row `mask_rows[i]`: the constrained rows of a batch are masked in place,
 left as they are, and on CPU the worker's mask table is read where it lies, without a gather.
 
 On CPU a numba kernel does the work: it skips a word whose 32 tokens are all allowed and, since
-most of a constrained vocabulary is forbidden, writes the rest as runs of -inf. Triton elsewhere
+most of a constrained vocabulary is forbidden, writes the rest as runs of -inf. One thread: a row
+is a memory-bound 40 us or so of stores (Qwen3's vocabulary), and on the shared 2-core test VM
+numba's thread pool cost more to wake than it saved (bench/RESULTS.md, "Structured outputs"). Triton elsewhere
 (and under TRITON_INTERPRET=1); the torch reference is the specification.
 """
 import numba
@@ -17,7 +19,6 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
-from kernels._numba import use_torch_thread_count
 
 BITS = 32
 
@@ -72,11 +73,11 @@ def apply_token_bitmask_triton(
     )
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@numba.njit(cache=True, nogil=True)
 def _apply_rows(logits, bitmask, logit_rows, mask_rows):  # pragma: no cover - compiled
     vocab = logits.shape[1]
     minus_inf = np.float32(-np.inf)
-    for i in numba.prange(logit_rows.size):
+    for i in range(logit_rows.size):
         row = logits[logit_rows[i]]
         words = bitmask[mask_rows[i]]
         for w in range(min(words.size, (vocab + 31) // 32)):
@@ -84,17 +85,19 @@ def _apply_rows(logits, bitmask, logit_rows, mask_rows):  # pragma: no cover - c
             if word == -1:
                 continue
             base = w * 32
-            for b in range(min(32, vocab - base)):
-                if (word >> b) & 1 == 0:
-                    row[base + b] = minus_inf
-        for t in range(words.size * 32, vocab):
-            row[t] = minus_inf
+            end = min(base + 32, vocab)
+            if word == 0:  # the common case: a whole word forbidden, a run of stores that vectorizes
+                row[base:end] = minus_inf
+                continue
+            for t in range(base, end):
+                if (word >> (t - base)) & 1 == 0:
+                    row[t] = minus_inf
+        row[words.size * 32 :] = minus_inf
 
 
 def apply_token_bitmask_cpu(
     logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: torch.Tensor, mask_rows: torch.Tensor,
 ) -> None:
-    use_torch_thread_count()
     _apply_rows(logits.numpy(), bitmask.numpy(), logit_rows.numpy(), mask_rows.numpy())
 
 

@@ -111,8 +111,8 @@ class RequestGrammar:
         return self.active and self.matcher.is_accepting()
 
     def close(self) -> None:
-        """The request has ended: its mask row goes back."""
+        """The request has ended: its mask row goes back. `slot` stays as it is: the mask thread
+        may be filling the row (it is given to another request only once that fill is over)."""
         if self.release_slot is not None:
             self.release_slot()
             self.release_slot = None
-            self.slot = None
