@@ -209,7 +209,7 @@ def test_shape_mismatch(tmp_path):
 def test_unsupported_model_type(tmp_path):
     ckpt = write_checkpoint(tmp_path)
     edit_json(ckpt / "config.json", model_type="llama")
-    message = r"config\.json: model_type 'llama' is not supported \(only 'qwen3'\)"
+    message = r"config\.json: model_type 'llama' is not supported \(only 'qwen3' or 'qwen3_moe'\)"
     with pytest.raises(UnsupportedModel, match=message) as e:
         load_model(ckpt)
     assert e.value.code == "unsupported_model"

@@ -94,7 +94,7 @@ class Engine(OfflineGeneration):
         cls, model: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
         **settings,
     ) -> Engine:
-        """A preset name ('tiny', 'small', 'qwen3-0.6b') or a checkpoint directory; settings as in EngineSettings."""
+        """A preset name ('tiny', 'tiny-moe', 'small', 'qwen3-0.6b') or a checkpoint directory; settings as in EngineSettings."""
         engine_settings = EngineSettings.parse(**settings)
         path = resolve_model_path(model)
         loaded = load_model(path, dtype, device)
