@@ -9,7 +9,8 @@ from tests.model.paged import PagedModelRunner
 from worker.model import presets
 from worker.model.config import CheckpointError, Qwen3Config, Qwen3MoeConfig, parse_config
 from worker.model.loader import load_model
-from worker.model.presets import PRESETS, checkpoint_shapes, resolve_model_path
+from worker.model.presets import PRESETS, checkpoint_shapes, random_model, resolve_model_path
+from worker.model.qwen3 import Qwen3ForCausalLM
 from worker.model.tokenizer import Tokenizer
 
 
@@ -103,6 +104,34 @@ def test_tiny_moe_is_tiny_with_a_mixture_of_experts_and_matches_transformers(cac
         expected = HFQwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor([prompt])).logits[0]
     assert ((logits - expected).abs().max() / expected.abs().max()).item() <= 1e-4
     assert len(set(logits.argmax(-1).tolist())) > len(prompt) // 2
+
+
+def test_tiny_moe_decode_steps_give_transformers_logits(cache_dir):
+    # At transformers' init scale greedy decoding repeats one token, so the steps' logits are
+    # compared too: each against transformers' forward over the whole sequence so far.
+    path = resolve_model_path("tiny-moe")
+    runner = PagedModelRunner(load_model(path).model)
+    seq = runner.add_sequence()
+    tokens = [9707, 11, 1879, 0, 151644, 872, 198]
+    steps = [runner.extend({seq: tokens})[0][-1]]
+    for _ in range(6):
+        tokens.append(steps[-1].argmax().item())
+        steps.append(runner.decode({seq: tokens[-1]})[0])
+    with torch.inference_mode():
+        expected = HFQwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor([tokens])).logits[0]
+    got, want = torch.stack(steps), expected[-len(steps) :]
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4
+
+
+def test_random_model_has_the_presets_shapes_with_drawn_weights():
+    config = PRESETS["tiny-moe"].config
+    model = random_model(config, torch.float32, "cpu")
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    with torch.device("meta"):
+        assert shapes == {name: p.shape for name, p in Qwen3ForCausalLM(parse_config(config)).named_parameters()}
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    assert abs(experts.std().item() - config["initializer_range"]) < 1e-3
+    assert torch.equal(model.model.norm.weight, torch.ones(128))
 
 
 def test_abandoned_temp_dirs_are_removed_when_the_preset_is_written(tmp_path, monkeypatch):

@@ -194,3 +194,22 @@ def checkpoint_shapes(config: Qwen3Config) -> dict[str, torch.Size]:
     """Checkpoint tensor names and shapes, read off a model built on the meta device (no memory)."""
     with torch.device("meta"):
         return {name: t.shape for name, t in checkpoint_targets(Qwen3ForCausalLM(config)).items()}
+
+
+def random_model(
+    config: dict[str, Any], dtype: torch.dtype, device: str | torch.device, seed: int = 0,
+) -> Qwen3ForCausalLM:
+    """A model of `config`'s shape with random weights drawn on `device`, no checkpoint written:
+    for benchmarks of shapes too large to write out (Qwen3-30B-A3B's weights are 61 GB). The
+    weights are drawn as write_random_checkpoint's (matrices N(0, initializer_range), unit norm
+    scales), though not the same values."""
+    with torch.device(device):
+        model = Qwen3ForCausalLM(parse_config(config), dtype)
+    generator = torch.Generator(device).manual_seed(seed)
+    std = config.get("initializer_range", 0.02)
+    for param in model.parameters():
+        if param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)
+    return model.eval()
