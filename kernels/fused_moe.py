@@ -52,10 +52,10 @@ def fused_moe_reference(
     flat = topk_ids.flatten()
     order = torch.argsort(flat, stable=True)
     group_ends = torch.cumsum(torch.bincount(flat, minlength=w13.shape[0]), 0, dtype=torch.int32)
-    act = silu_and_mul_reference(F.grouped_mm(hidden[order // top_k], w13.transpose(1, 2), offs=group_ends))
+    x = torch.index_select(hidden, 0, order // top_k)
+    act = silu_and_mul_reference(F.grouped_mm(x, w13.transpose(1, 2), offs=group_ends))
     rows = F.grouped_mm(act, w2.transpose(1, 2), offs=group_ends) * topk_weights.flatten()[order, None]
-    per_pair = torch.empty_like(rows)
-    per_pair[order] = rows
+    per_pair = torch.empty_like(rows).index_copy_(0, order, rows)
     return per_pair.view(num_tokens, top_k, hidden.shape[1]).sum(1)
 
 
