@@ -82,22 +82,34 @@ def tile_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> Tiles:
 
 
 @triton.jit
+def _tile(pid, num_cols, num_padded_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program pid's block of the sorted layout, its output columns, and whether the routing
+    filled that block (programs past the blocks in use have nothing to do)."""
+    col_blocks = tl.cdiv(num_cols, BLOCK_N)
+    block = pid // col_blocks
+    cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return block, cols, block * BLOCK_M < tl.load(num_padded_ptr)
+
+
+@triton.jit
+def _block_pairs(sorted_pairs_ptr, expert_ids_ptr, block, num_pairs, BLOCK_M: tl.constexpr):
+    """The block's pair ids, which of them are pairs rather than padding, and the block's expert."""
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return pairs, pairs < num_pairs, tl.load(expert_ids_ptr + block).to(tl.int64)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, expert_ids_ptr, num_padded_ptr,
     num_pairs, top_k, hidden, inter, x_stride, w_expert_stride, w_row_stride, out_stride,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # The epilogue rounds gate, up and silu(gate) to the activation dtype, as the reference does.
-    pid = tl.program_id(0)
-    col_blocks = tl.cdiv(inter, BLOCK_N)
-    block = pid // col_blocks
-    if block * BLOCK_M >= tl.load(num_padded_ptr):
+    block, cols, in_use = _tile(tl.program_id(0), inter, num_padded_ptr, BLOCK_M, BLOCK_N)
+    if not in_use:
         return
-    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    real = pairs < num_pairs
-    tokens = (pairs // top_k).to(tl.int64)
-    expert = tl.load(expert_ids_ptr + block).to(tl.int64)
-    cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pairs, real, expert = _block_pairs(sorted_pairs_ptr, expert_ids_ptr, block, num_pairs, BLOCK_M)
+    tokens = pairs // top_k
     col_ok = cols < inter
     gate_rows = w_ptr + expert * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
     up_rows = gate_rows + inter * w_row_stride
@@ -116,8 +128,7 @@ def _gate_up_kernel(
     gate = acc_gate.to(act).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(act).to(tl.float32)
     out = (silu * acc_up.to(act).to(tl.float32)).to(act)
-    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * out_stride + cols[None, :]
-    tl.store(out_ptrs, out, mask=real[:, None] & col_ok[None, :])
+    tl.store(out_ptr + pairs[:, None] * out_stride + cols[None, :], out, mask=real[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -127,16 +138,10 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # The product is rounded to the activation dtype before the routing weight scales it, as in the reference.
-    pid = tl.program_id(0)
-    col_blocks = tl.cdiv(hidden, BLOCK_N)
-    block = pid // col_blocks
-    if block * BLOCK_M >= tl.load(num_padded_ptr):
+    block, cols, in_use = _tile(tl.program_id(0), hidden, num_padded_ptr, BLOCK_M, BLOCK_N)
+    if not in_use:
         return
-    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    real = pairs < num_pairs
-    rows = pairs.to(tl.int64)
-    expert = tl.load(expert_ids_ptr + block).to(tl.int64)
-    cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, real, expert = _block_pairs(sorted_pairs_ptr, expert_ids_ptr, block, num_pairs, BLOCK_M)
     col_ok = cols < hidden
     w_rows = w_ptr + expert * w_expert_stride + cols[None, :].to(tl.int64) * w_row_stride
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

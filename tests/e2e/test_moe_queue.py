@@ -2,10 +2,9 @@
 tiny-moe preset, and a checkpoint directory of another MoE shape), the real client, several jobs
 at once. Greedy results equal transformers' Qwen3MoeForCausalLM on the same weights, in fp32."""
 import pytest
-import torch
-from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
 
 from producer_client import Client
+from tests.engine.test_moe_engine import transformers_greedy
 from tests.redis_support import WorkerProcess, start_workers
 from worker.model.presets import qwen3_moe_config, resolve_model_path, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
@@ -43,25 +42,13 @@ def moe_workers(redis_server, moe_checkpoints, tmp_path_factory):
             w.stop()
 
 
-def transformers_greedy(model_path, prompts: list[list[int]]) -> list[list[int]]:
-    model = HFQwen3MoeForCausalLM.from_pretrained(resolve_model_path(model_path), dtype=torch.float32).eval()
-    outs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)
-            outs.append(out[0, len(prompt):].tolist())
-    return outs
-
-
 @pytest.mark.parametrize("queue", ["moe-preset", "moe-dir"])
 def test_greedy_jobs_through_the_queue_match_transformers(queue, redis_server, moe_workers, moe_checkpoints):
     with Client(redis_server.url, queue) as client:
         jobs = [client.submit(input_ids=p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True) for p in PROMPTS]
         results = [client.result(job, timeout=120) for job in jobs]
     assert [r.finish_reason for r in results] == ["length"] * len(PROMPTS)
-    expected = transformers_greedy(moe_checkpoints[queue], PROMPTS)
+    expected = transformers_greedy(resolve_model_path(moe_checkpoints[queue]), PROMPTS, MAX_TOKENS)
     assert [r.token_ids for r in results] == expected
     if queue == "moe-dir":  # weights at 0.3: continuations that vary, so decoding is exercised
         assert all(len(set(out)) > MAX_TOKENS // 2 for out in expected)
