@@ -81,6 +81,18 @@ def tile_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> Tiles:
     return Tiles(block_m, 64, 128 if block_m == 16 else 64, 4, 3)
 
 
+def warm_up_token_counts(max_tokens: int, top_k: int, num_experts: int, dtype: torch.dtype) -> list[int]:
+    """The fewest tokens that launch each tile shape a step of up to max_tokens tokens can pick:
+    fused_moe run at these counts compiles every kernel variant that serving launches."""
+    counts, seen = [], set()
+    for tokens in range(1, max_tokens + 1):
+        tiles = tile_config(tokens * top_k, num_experts, dtype)
+        if tiles not in seen:
+            seen.add(tiles)
+            counts.append(tokens)
+    return counts
+
+
 @triton.jit
 def _tile(pid, num_cols, num_padded_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program pid's block of the sorted layout, its output columns, and whether the routing
@@ -98,7 +110,8 @@ def _block_pairs(sorted_pairs_ptr, expert_ids_ptr, block, num_pairs, BLOCK_M: tl
     return pairs, pairs < num_pairs, tl.load(expert_ids_ptr + block).to(tl.int64)
 
 
-@triton.jit
+# The batch's pair count changes every step: not specialized on, as in the alignment kernel.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, expert_ids_ptr, num_padded_ptr,
     num_pairs, top_k, hidden, inter, x_stride, w_expert_stride, w_row_stride, out_stride,
@@ -131,7 +144,7 @@ def _gate_up_kernel(
     tl.store(out_ptr + pairs[:, None] * out_stride + cols[None, :], out, mask=real[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     act_ptr, w_ptr, out_ptr, routing_weights_ptr, sorted_pairs_ptr, expert_ids_ptr, num_padded_ptr,
     num_pairs, hidden, inter, act_stride, w_expert_stride, w_row_stride, out_stride,

@@ -75,7 +75,8 @@ def align_by_expert_reference(topk_ids: torch.Tensor, num_experts: int, block_m:
     return blocks
 
 
-@triton.jit
+# The batch's pair count changes every step: not specialized on, so no step compiles a variant.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _align_kernel(
     topk_ids_ptr, run_starts_ptr, sorted_pairs_ptr, expert_ids_ptr, num_pairs,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.fused_moe import warm_up_token_counts
 from worker.model.config import Qwen3MoeConfig
 from worker.model.params import empty_weight
 
@@ -53,3 +54,11 @@ class Qwen3MoeSparseBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
         return kernels.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts)
+
+    @torch.inference_mode()
+    def warm_up(self, max_tokens: int) -> None:
+        """Runs once at each kernel tile shape a step of up to max_tokens tokens picks (kernels/fused_moe.py
+        chooses larger blocks of pairs for larger steps), so that none compiles while serving."""
+        weight = self.gate.weight
+        for tokens in warm_up_token_counts(max_tokens, self.gate.top_k, weight.shape[0], weight.dtype):
+            self(torch.zeros(tokens, weight.shape[1], dtype=weight.dtype, device=weight.device))

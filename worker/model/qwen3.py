@@ -168,6 +168,13 @@ class Qwen3ForCausalLM(nn.Module):
         """input_ids, positions [T] int64 -> final hidden states [T, hidden_size]."""
         return self.model(input_ids, positions, meta, kv_caches)
 
+    def warm_up_experts(self, max_tokens: int) -> None:
+        """A mixture of experts runs each kernel tile shape a step of up to max_tokens tokens can
+        launch (Qwen3MoeSparseBlock.warm_up), in one layer: they all share their shapes."""
+        sparse = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, Qwen3MoeSparseBlock)]
+        if sparse:
+            sparse[0].warm_up(max_tokens)
+
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab] in float32, written into `out` when given."""
         head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
