@@ -111,3 +111,12 @@ def test_inconsistent_expert_settings_are_refused(tmp_path, changes, message):
     (ckpt / "config.json").write_text(json.dumps({**raw, **changes}))
     with pytest.raises(CheckpointError, match=rf"config\.json: {message}"):
         load_model(ckpt)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16_bit_experts_give_the_float32_logits_within_rounding(tmp_path, dtype):
+    ckpt = write_moe_checkpoint(tmp_path, mlp_only_layers=[1])
+    model = load_model(ckpt, dtype=dtype).model
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    logits, exact = prompt_logits(model), prompt_logits(load_model(ckpt, dtype=torch.float32).model)
+    assert ((logits - exact).abs().max() / exact.abs().max()).item() < 3e-2
