@@ -14,6 +14,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from producer_client.schema import SamplingParams
 from tests.engine.test_engine import random_prompts, token_ids
+from worker.model.loader import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
@@ -116,23 +117,27 @@ def test_warm_up_compiles_every_kernel_variant_a_varied_batch_launches(make_engi
 
 
 
-def test_moe_warm_up_compiles_every_kernel_variant_steps_of_any_size_launch(moe_loaded, monkeypatch):
+def test_moe_warm_up_compiles_every_kernel_variant_steps_of_any_size_launch(moe_checkpoint, monkeypatch):
     # 6 experts, 3 per token: steps of more than 64 tokens take 32-pair blocks, of more than 256, 64.
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    (model, config, _), _ = moe_loaded
+    if torch.cuda.is_available():
+        device = "cuda"
+    else:
+        device = "cpu"
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors take the Triton path, interpreted
+    model, config, _ = load_model(moe_checkpoint, dtype=torch.float32, device=device)
     with recorded_launches(monkeypatch) as warm_up:
         model.warm_up_experts(300)
     with recorded_launches(monkeypatch) as serving, torch.inference_mode():
         g = torch.Generator().manual_seed(0)
         for layer, tokens in zip(itertools.cycle([0, 2]), (1, 2, 3, 17, 64, 65, 100, 256, 257, 300)):
-            model.model.layers[layer].mlp(torch.randn(tokens, config.hidden_size, generator=g))
+            model.model.layers[layer].mlp(torch.randn(tokens, config.hidden_size, generator=g).to(device))
 
     assert {name for name, _, _ in serving.keys} == {"_align_kernel", "_gate_up_kernel", "_down_kernel"}
     assert serving.values[("_gate_up_kernel", "BLOCK_M")] == {16, 32, 64}
     assert serving.keys <= warm_up.keys, sorted(serving.keys - warm_up.keys)
 
 
-def test_engine_warm_up_runs_the_experts_up_to_the_step_budget(make_moe_engine, monkeypatch):
+def test_engine_warm_up_runs_the_moe_experts_up_to_the_step_budget(make_moe_engine, monkeypatch):
     engine = make_moe_engine(max_num_batched_tokens=300, max_running=4)
     budgets = []
     monkeypatch.setattr(engine.runner.model, "warm_up_experts", budgets.append)
