@@ -37,13 +37,16 @@ def expert_weights(num_experts: int, hidden: int, inter: int, seed: int, dtype=t
 
 
 def hidden_states(tokens: int, hidden: int, seed: int, dtype=torch.float32, device="cpu"):
-    return (torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype=dtype, device=device)
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(tokens, hidden, generator=g) * 2).to(dtype=dtype, device=device)
 
 
 # (tokens, top_k, experts to draw from, num_experts): experts 1 and 4 of 6 get nothing; one
 # token; every pair on expert 3; a top-k as wide as the experts; Qwen3-30B-A3B's 128 experts
 # and top-8, half of them unused.
-ALIGN_CASES = [(5, 2, [0, 2, 3, 5], 6), (1, 1, [3], 4), (37, 3, [3], 8), (64, 4, [0, 1, 2, 3], 4), (40, 8, list(range(64)), 128)]
+ALIGN_CASES = [
+    (5, 2, [0, 2, 3, 5], 6), (1, 1, [3], 4), (37, 3, [3], 8), (64, 4, [0, 1, 2, 3], 4), (40, 8, list(range(64)), 128),
+]
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])

@@ -188,6 +188,10 @@ def parse_config(raw: dict[str, Any], source: str = "config") -> Qwen3Config:
     if model_type not in CONFIG_CLASSES:
         supported = " or ".join(map(repr, CONFIG_CLASSES))
         raise UnsupportedModel(f"{source}: model_type {model_type!r} is not supported (only {supported})")
+    # Quantized weights (FP8, AWQ, GPTQ) would be copied into 16-bit parameters without their scales.
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        raise UnsupportedModel(f"{source}: quantization_config {quantization!r} is not supported (only None)")
     return CONFIG_CLASSES[model_type].model_validate(raw, context={"source": source})
 
 
