@@ -7,7 +7,7 @@ import hashlib
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_TOOLS = 128  # OpenAI's bound on `tools`
 # OpenAI's rule for a function's name; it also keeps names free of the characters that would let a
@@ -61,24 +61,36 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 class ChatMessage(Wire):
     """One message of a conversation. An assistant message may carry the reasoning it showed
     (`reasoning_content`) and the calls it made (`tool_calls`, content then optional); a `tool`
-    message answers one of those calls (`tool_call_id`)."""
+    message answers one of those calls (`tool_call_id`). Each rule is checked on its field, after
+    the fields it depends on, so that an error names the field."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
+    reasoning_content: str | None = Field(None, validate_default=True)
+    tool_calls: list[ToolCall] | None = Field(None, validate_default=True)
+    tool_call_id: str | None = Field(None, validate_default=True)
+    content: str | None = Field(None, validate_default=True)
     name: str | None = None
 
-    @model_validator(mode="after")
-    def _fields_of_its_role(self) -> ChatMessage:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (only an assistant message with tool_calls may leave it out)")
-        if self.role != "assistant" and (self.reasoning_content is not None or self.tool_calls is not None):
-            raise ValueError("reasoning_content and tool_calls belong to assistant messages")
-        if (self.tool_call_id is not None) != (self.role == "tool"):
-            raise ValueError("tool_call_id is required on tool messages, and only there")
-        return self
+    @field_validator("reasoning_content", "tool_calls")
+    @classmethod
+    def _assistant_only(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("role") != "assistant":
+            raise ValueError("belongs to assistant messages only")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _on_tool_messages(cls, value, info: ValidationInfo):
+        if (value is not None) != (info.data.get("role") == "tool"):
+            raise ValueError("is required on tool messages, and only there")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _given(cls, value, info: ValidationInfo):
+        if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("is required (only an assistant message with tool_calls may leave it out)")
+        return value
 
     def for_template(self) -> dict:
         """The message as chat templates read it: Qwen3's renders `arguments` text as is."""

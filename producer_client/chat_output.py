@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
+from producer_client.chat import FunctionCall, ToolCall, tool_call_id
+
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 CALL_OPEN = "<tool_call>"
@@ -58,6 +60,9 @@ class ParsedCall:
     index: int  # the call's position among the output's calls, from 0
     name: str
     arguments: str  # a JSON object as text
+
+    def of_job(self, job_id: str) -> ToolCall:
+        return ToolCall(id=tool_call_id(job_id, self.index), function=FunctionCall(name=self.name, arguments=self.arguments))
 
 
 @dataclass
