@@ -22,7 +22,7 @@ class Wire(BaseModel):
 class FunctionSpec(Wire):
     """What the model is told about a function: rendered into the prompt by the chat template."""
 
-    name: str = Field(pattern=FUNCTION_NAME.pattern)
+    name: str = Field(pattern=f"^{FUNCTION_NAME.pattern}$")
     description: str | None = None
     parameters: dict | None = None  # a JSON Schema object
     strict: bool | None = None
