@@ -177,7 +177,7 @@ def assistant_message(message: AssistantMessage) -> dict[str, Any]:
         content = message.refusal if message.refusal is not None or not message.tool_calls else None
     out: dict[str, Any] = {"role": "assistant", "content": content or ("" if not message.tool_calls else None)}
     if message.tool_calls:
-        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        out["tool_calls"] = [call.model_dump(exclude={"index"}) for call in message.tool_calls]
     if message.reasoning_content is not None:
         out["reasoning_content"] = message.reasoning_content
     return out

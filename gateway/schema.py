@@ -117,6 +117,13 @@ class UserMessage(Strict):
     name: str | None = None
 
 
+class ToolCallIn(ToolCall):
+    """A call in history. The SDK's stream helper leaves each call's stream `index` on the
+    message it assembles, and agents send that message back as it is: accepted, and unused."""
+
+    index: int | None = None
+
+
 class AssistantMessage(Strict):
     """As the SDK returns it, sent back as history: `refusal`, `annotations`, `audio` and
     `function_call` come along as null; `reasoning_content` (vLLM's field, which the SDK keeps)
@@ -126,7 +133,7 @@ class AssistantMessage(Strict):
     content: str | Annotated[list[TextPart | RefusalPart], Field(min_length=1)] | None = None
     refusal: str | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCallIn] | None = None
     reasoning_content: str | None = None
     annotations: list[dict] | None = None  # a response's citations, sent back: nothing to render
     audio: Unused = None
