@@ -63,8 +63,8 @@ def gateway_stopping() -> APIError:
 
 def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
     """The HTTP error for a client-library or Redis exception; None for anything else (a bug: 500)."""
-    if isinstance(error, InvalidArgument):
-        return bad_request(error.message, error.field, error.code)
+    if isinstance(error, InvalidArgument):  # the client library's bad value is OpenAI's invalid_value
+        return bad_request(error.message, error.field, "invalid_value" if error.code == "invalid_argument" else error.code)
     if isinstance(error, QueueFull):
         return APIError(429, error.message, "rate_limit_error", error.code, headers={"Retry-After": str(retry_after_s)})
     if isinstance(error, JobNotFound):

@@ -160,10 +160,6 @@ class ChatTemplateKwargs(Strict):
     enable_thinking: bool | None = None
 
 
-class ResponseFormatText(Strict):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -181,7 +177,7 @@ class ChatCompletionRequest(SamplingRequest):
     safety_identifier: str | None = Field(None, max_length=64)
     modalities: Annotated[list[str] | None, only(["text"])] = None
     # The spec's, at their defaults only: `response_format` beyond text is issue 28's grammar.
-    response_format: ResponseFormatText | None = None
+    response_format: Annotated[dict | None, only({"type": "text"})] = None
     audio: Unused = None
     prediction: Unused = None
     reasoning_effort: Unused = None
