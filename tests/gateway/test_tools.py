@@ -207,3 +207,15 @@ def test_mili_batch_answers_lines_with_tools(agent, redis_server, tmp_path):
     assert weather["finish_reason"] == "tool_calls"
     assert weather["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert bodies["math"]["choices"][0]["message"]["reasoning_content"] == "2 plus 2 is 4."
+
+
+def test_mili_submit_chats_with_thinking_on_or_off(agent, redis_server):
+    def submit(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "producer_client.cli", "--redis", redis_server.url, "--queue", agent.queue, "submit",
+             "What is 2+2?", "--stream", *flags], cwd=REPO, check=True, capture_output=True, text=True, timeout=60,
+        )
+
+    on, off = submit("--chat"), submit("--no-thinking")
+    assert on.stdout == off.stdout == "The answer is 4.\n"
+    assert "2 plus 2 is 4." in on.stderr and "2 plus 2" not in off.stderr
