@@ -250,9 +250,11 @@ def parse_output(text: str, fmt: OutputFormat) -> ChatOutput:
 
 def partial_marker(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker` (and is shorter than it)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
+    start = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+    while start >= 0:
+        if marker.startswith(text[start:]):
+            return len(text) - start
+        start = text.find(marker[0], start + 1)
     return 0
 
 

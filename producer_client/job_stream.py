@@ -34,27 +34,29 @@ class JobStream:
             self._start(json.loads(fields["data"]))
             return []
         if kind == "tokens":
-            delta = protocol.token_delta(event_id, fields["data"])
-            if self.parser is not None:
-                delta = self._split(delta, self.parser.push(delta.text))
+            delta = protocol.token_delta(event_id, fields["data"], None if self.parser is None else self._split)
             return [delta] if shown else []
         if kind == "end":
             self.end = fields["data"]
             rest = self.parser.finish() if self.parser is not None else None
             if rest and shown:
                 # Resuming after the last tokens event reads the end again, and so this again.
-                return [self._split(TokenDelta(event_id=previous, token_ids=[], text=""), rest)]
+                return [TokenDelta(event_id=previous, token_ids=[], **self._fields(rest))]
         return []
 
     def _start(self, event: dict) -> None:
         if self.parser is None and event.get("output") is not None:
             self.parser = OutputParser(OutputFormat.model_validate(event["output"]))
 
-    def _split(self, delta: TokenDelta, parsed: OutputDelta) -> TokenDelta:
-        return delta.model_copy(update={
-            "text": parsed.content, "reasoning": parsed.reasoning,
-            "tool_calls": [call.of_job(self.job_id) for call in parsed.tool_calls],
-        })
+    def _split(self, text: str) -> dict:
+        return self._fields(self.parser.push(text))
+
+    def _fields(self, parsed: OutputDelta) -> dict:
+        """A TokenDelta's fields of a piece of the output, split."""
+        fields = {"text": parsed.content, "reasoning": parsed.reasoning}
+        if parsed.tool_calls:
+            fields["tool_calls"] = [call.of_job(self.job_id) for call in parsed.tool_calls]
+        return fields
 
 
 def event_order(event_id: str) -> tuple[int, int]:

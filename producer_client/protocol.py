@@ -210,12 +210,14 @@ def finished(job_id: str, result_json: str) -> JobResult:
     return result
 
 
-def token_delta(event_id: str, data: str) -> TokenDelta:
+def token_delta(event_id: str, data: str, split: Callable[[str], dict[str, Any]] | None = None) -> TokenDelta:
+    """A `tokens` event as a TokenDelta; `split` turns its text into a chat's fields (JobStream)."""
     payload = json.loads(data)
     logprobs = payload.get("logprobs")
+    text = {"text": payload["text"]} if split is None else split(payload["text"])
     return TokenDelta(
-        event_id=event_id, token_ids=payload["ids"], text=payload["text"],
-        logprobs=None if logprobs is None else [TokenLogprob.model_validate(lp) for lp in logprobs],
+        event_id=event_id, token_ids=payload["ids"],
+        logprobs=None if logprobs is None else [TokenLogprob.model_validate(lp) for lp in logprobs], **text,
     )
 
 
