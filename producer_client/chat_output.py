@@ -143,11 +143,8 @@ class OutputParser:
         return True
 
     def _reasoning(self, out: OutputDelta, final: bool) -> bool:
-        if self.skip_newlines:
-            self.text = self.text.lstrip("\n")
-            if not self.text:
-                return False
-            self.skip_newlines = False
+        if not self._past_leading_newlines():
+            return False
         end = self.text.find(THINK_CLOSE)
         if end >= 0:
             out.reasoning += self.text[:end].rstrip("\n")
@@ -162,11 +159,8 @@ class OutputParser:
         return False
 
     def _content(self, out: OutputDelta, final: bool) -> bool:
-        if self.skip_newlines:
-            self.text = self.text.lstrip("\n")
-            if not self.text:
-                return False
-            self.skip_newlines = False
+        if not self._past_leading_newlines():
+            return False
         if self.tools is None:
             out.content += self.text
             self.text = ""
@@ -203,6 +197,15 @@ class OutputParser:
             self.calls += 1
             self.after_call = True
         self.call_space = ""
+        return True
+
+    def _past_leading_newlines(self) -> bool:
+        """Drops the newlines that open the reasoning, or the answer after it; False while only those came."""
+        if self.skip_newlines:
+            self.text = self.text.lstrip("\n")
+            if not self.text:
+                return False
+            self.skip_newlines = False
         return True
 
     def _text(self, out: OutputDelta, text: str) -> None:
