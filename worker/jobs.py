@@ -57,7 +57,7 @@ class Job:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    stop_reason: str | None = None  # why this worker aborted it: "cancel" or "timeout"
+    stop_reason: str | None = None  # why this worker aborted it: "cancel", "timeout" or "tool_call"
     resumed_tokens: int = 0  # tokens recorded by earlier runs when this one started
     # The engine's request id for its latest admission (see Worker._add_to_engine).
     engine_id: str = ""
