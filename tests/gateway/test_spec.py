@@ -81,7 +81,9 @@ def test_files_and_batches_validate_and_files_are_listed(gateway, sdk):
     listed = httpx.get(f"{gateway.url}/v1/files").json()
     check("ListFilesResponse", listed)
     assert uploaded.id in [f["id"] for f in listed["data"]]
-    assert [f.id for f in sdk.files.list(purpose="batch", limit=1, order="desc")] == [listed["data"][0]["id"]]
+    assert [f.id for f in sdk.files.list(limit=1, order="desc").data] == [listed["data"][0]["id"]]
+    assert [f.id for f in sdk.files.list(limit=2)] == [f["id"] for f in listed["data"]]  # the SDK's pages, by after=
+    assert {f.purpose for f in sdk.files.list(purpose="batch_output")} <= {"batch_output"}
     check("OpenAIFile", httpx.get(f"{gateway.url}/v1/files/{uploaded.id}").json())
 
     created = httpx.post(f"{gateway.url}/v1/batches", json={
