@@ -20,6 +20,7 @@ from producer_client.errors import (
 )
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
 from producer_client.scripts import CANCEL, CREATE, ENQUEUE
+from producer_client import structured
 from producer_client.steps import Steps, checked
 from producer_client.schema import (
     CHAT_OPTIONS, MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
@@ -120,6 +121,7 @@ def build_job(
     except ValidationError as e:
         raise invalid_argument_from(e, strip="params.") from None
     request.check(MAX_TOKENS_LIMIT)
+    check_grammars(request)
     body = request.to_json()
     size = len(body.encode())
     if size > MAX_BODY_BYTES:
@@ -129,6 +131,20 @@ def build_job(
         # 128 random bits, as a uuid4's hex without building the UUID: submit_many makes many.
         return NewJob(os.urandom(16).hex(), body, idempotent=False, timeout_ms=timeout_ms)
     return NewJob(check_name("request_id", request_id), body, idempotent=True, timeout_ms=timeout_ms)
+
+
+def check_grammars(request: JobRequest) -> None:
+    """Refuses, before anything is enqueued, what the worker would hold the output to and could not
+    compile: the response_format, and the tools' parameters where a call is enforced (a forced
+    tool_choice, or tools beside a response_format)."""
+    fmt = request.params.response_format
+    if fmt is not None:
+        structured.check_format(fmt)
+    forced = request.tool_choice not in (None, "auto", "none")
+    if forced or fmt is not None:
+        for i, tool in enumerate(request.tools or []):
+            if tool.function.parameters is not None and tool in request.offered_tools():
+                structured.check_schema(tool.function.parameters, f"tools.{i}.function.parameters")
 
 
 def check_job_id(job_id: Any) -> str:

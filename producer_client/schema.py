@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from producer_client.chat import MAX_TOOLS, ChatMessage, NamedToolChoice, Tool, ToolCall, ToolChoice, tool_names
 from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, MiliError
-from producer_client.structured import ResponseFormat
+from producer_client.structured import FORMAT_TYPES, ResponseFormat
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -61,9 +61,15 @@ class SamplingParams(BaseModel):
 
 
 def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArgument:
-    """The first error, its field named as users write it (`max_tokens`, not `params.max_tokens`)."""
+    """The first error, its field named as users write it (`max_tokens`, not `params.max_tokens`,
+    `response_format.pattern`, not the union member's tag pydantic puts in its path)."""
     first = error.errors()[0]
-    field = ".".join(str(p) for p in first["loc"]) or "body"
+    loc = list(first["loc"])
+    for i in range(len(loc) - 1):
+        if loc[i] == "response_format" and loc[i + 1] in FORMAT_TYPES:
+            del loc[i + 1]
+            break
+    field = ".".join(str(p) for p in loc) or "body"
     return InvalidArgument(field.removeprefix(strip), first["msg"])
 
 

@@ -74,6 +74,7 @@ class ChoiceFormat(Format):
 ResponseFormat = Annotated[
     Union[JsonObjectFormat, JsonSchemaFormat, RegexFormat, ChoiceFormat], Field(discriminator="type"),
 ]
+FORMAT_TYPES = ("json_object", "json_schema", "regex", "choice")
 
 
 def grammar_text(fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat) -> str:
@@ -89,15 +90,22 @@ def grammar_text(fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | Choice
     return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in fmt.choices))
 
 
-def check_format(fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat, field: str = "response_format") -> None:
-    """Raises InvalidArgument, naming the part of the format at fault under `field` and quoting
-    the grammar library, when the worker could not compile it."""
+def check_format(fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat, at: str | None = None) -> None:
+    """Raises InvalidArgument, naming the part of the format at fault and quoting the grammar
+    library, when the worker could not compile it. `at` is where the format's schema, pattern or
+    choices sit in the caller's request (by default, in `response_format`)."""
     error = compile_error(fmt.model_dump_json())
     if error is None:
         return
     message, path = error
-    where = {"json_schema": "json_schema.schema", "regex": "pattern", "choice": "choices"}.get(fmt.type, "")
-    raise InvalidArgument(".".join(p for p in (field, where, *path) if p), f"the grammar library refuses it: {message}")
+    if at is None:
+        at = "response_format" + {"json_schema": ".json_schema.schema", "regex": ".pattern", "choice": ".choices"}.get(fmt.type, "")
+    raise InvalidArgument(".".join((at, *path)), f"the grammar library refuses it: {message}")
+
+
+def check_schema(schema: dict[str, Any], at: str) -> None:
+    """check_format for a JSON schema alone (a tool's parameters, which a forced call must match)."""
+    check_format(JsonSchemaFormat(type="json_schema", json_schema=JsonSchema(name="schema", schema=schema)), at)
 
 
 @functools.lru_cache(maxsize=256)

@@ -5,14 +5,19 @@ requests beside it in the batch untouched."""
 import json
 import re
 import threading
+from functools import partial
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
+import torch
 
 from producer_client.schema import SamplingParams
 from tests.engine.test_engine import random_prompts
 from tests.engine.test_resume import run, text_of, tokens_of
-from worker.engine.grammar.constraint import Constraint, ToolFunction, tool_call_constraint
+from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, tool_call_constraint
+from worker.engine.grammar.masks import GrammarMasks
+from worker.engine.grammar.request_grammar import RequestGrammar, replayed
 
 PERSON = {
     "type": "object",
@@ -26,7 +31,7 @@ PERSON = {
     "additionalProperties": False,
 }
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-THINK_END = 151668  # Qwen3's </think>
+THINK_OPEN, THINK_END = 151667, 151668  # Qwen3's <think> and </think>
 
 
 def constrained(**params) -> SamplingParams:
@@ -216,7 +221,7 @@ def drive(engine, requests) -> dict:
 def test_a_thinking_request_is_free_until_think_end_and_never_ends_before_it(make_tiny_engine):
     engine = make_tiny_engine()
     prompt = random_prompts(1, 5, 5, seed=56)[0]
-    thinking = Constraint.of_format(constrained().response_format, starts_after=THINK_END)
+    thinking = Constraint.of_format(constrained().response_format, Thinking(THINK_END))
     # Before </think> the draws are those of a free request that may not stop yet (min_tokens).
     ran = drive(engine, {
         "thinking": (prompt, SamplingParams(temperature=0, max_tokens=12), thinking, ()),
@@ -230,12 +235,26 @@ def test_after_think_end_the_grammar_holds_from_the_next_token(make_tiny_engine)
     engine = make_tiny_engine()
     prompt = random_prompts(1, 5, 5, seed=57)[0]
     thought = engine.tokenizer.encode("<think>\nhmm {not json\n</think>\n\n", add_special_tokens=False)
-    assert THINK_END in thought
-    thinking = Constraint.of_format(constrained().response_format, starts_after=THINK_END)
-    for params in (SamplingParams(temperature=0, max_tokens=200), SamplingParams(temperature=1.0, seed=3, max_tokens=200)):
-        _, answer, final = drive(engine, {"t": (prompt, params, thinking, thought)})["t"]
+    assert thought[0] == THINK_OPEN and THINK_END in thought
+    # The prompt opened the thinking (the output starts inside it), or the output may open it.
+    for thinking, resume in ((Thinking(THINK_END), thought[1:]), (Thinking(THINK_END, opens=THINK_OPEN), thought)):
+        constraint = Constraint.of_format(constrained().response_format, thinking)
+        for params in (SamplingParams(temperature=0, max_tokens=200), SamplingParams(temperature=1.0, seed=3, max_tokens=200)):
+            _, answer, final = drive(engine, {"t": (prompt, params, constraint, resume)})["t"]
+            assert final.finish_reason == "stop"
+            jsonschema.validate(json.loads(answer), PERSON)
+
+
+def test_a_request_that_may_think_answers_at_once_unless_its_first_token_opens_the_thinking(make_tiny_engine):
+    engine = make_tiny_engine()
+    constraint = Constraint.of_format(constrained().response_format, Thinking(THINK_END, opens=THINK_OPEN))
+    for seed in range(3):
+        tokens, text, final = drive(engine, {"t": (random_prompts(1, 5, 5, seed=60 + seed)[0], SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=80), constraint, ())})["t"]
+        if tokens[0] == THINK_OPEN:
+            continue  # it thinks: free until </think>, which a random model does not write in time
         assert final.finish_reason == "stop"
-        jsonschema.validate(json.loads(answer), PERSON)
+        jsonschema.validate(json.loads(text), PERSON)
 
 
 def test_a_required_tool_call_is_one_of_the_tools_with_valid_arguments(make_tiny_engine):
@@ -246,7 +265,7 @@ def test_a_required_tool_call_is_one_of_the_tools_with_valid_arguments(make_tiny
     engine = make_tiny_engine()
     prompt = random_prompts(1, 4, 4, seed=58)[0]
     for parallel in (False, True):
-        constraint = tool_call_constraint(tools, parallel=parallel)
+        constraint = tool_call_constraint(tools, parallel)
         for params in (SamplingParams(temperature=0, max_tokens=120), SamplingParams(temperature=1.0, seed=8, max_tokens=120)):
             _, text, final = drive(engine, {"t": (prompt, params, constraint, ())})["t"]
             assert final.finish_reason == "stop", text
@@ -258,7 +277,7 @@ def test_a_required_tool_call_is_one_of_the_tools_with_valid_arguments(make_tiny
 
 def test_a_named_function_is_the_only_one_called(make_tiny_engine):
     weather = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}}, "required": ["city"]}
-    constraint = tool_call_constraint([ToolFunction("get_weather", weather)], parallel=False)
+    constraint = tool_call_constraint([ToolFunction("get_weather", weather)], False)
     _, text, final = drive(make_tiny_engine(), {"t": (random_prompts(1, 4, 4, seed=59)[0], SamplingParams(
         temperature=1.0, seed=1, max_tokens=60), constraint, ())})["t"]
     [call] = parse_tool_calls(text)
@@ -274,3 +293,38 @@ def parse_tool_calls(text: str) -> list[dict]:
         assert (lines[i], lines[i + 2]) == ("<tool_call>", "</tool_call>"), text
         calls.append(json.loads(lines[i + 1]))
     return calls
+
+
+def test_with_auto_tool_choice_and_a_format_the_output_is_calls_or_the_answer(make_tiny_engine):
+    answer = constrained().response_format
+    constraint = tool_call_constraint([ToolFunction("now", {"type": "object", "properties": {}, "additionalProperties": False})],
+                                      True, answer)
+    engine = make_tiny_engine()
+    for seed in range(3):
+        _, text, final = drive(engine, {"t": (random_prompts(1, 4, 4, seed=70 + seed)[0], SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=120), constraint, ())})["t"]
+        assert final.finish_reason == "stop", text
+        if text.startswith("<tool_call>"):
+            assert all(call["name"] == "now" for call in parse_tool_calls(text))
+        else:
+            jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_a_mask_row_allows_what_the_phase_allows(make_tiny_engine):
+    engine = make_tiny_engine()
+    masks = GrammarMasks(engine.masks.table.shape[1] * 32, engine.eos_token_ids, 4)
+    allowed = {}
+    for name, thinking in (("answering", None), ("deciding", Thinking(THINK_END, THINK_OPEN)), ("thinking", Thinking(THINK_END))):
+        constraint = Constraint.of_format(constrained().response_format, thinking)
+        grammar = RequestGrammar(constraint, engine.grammars.submit(constraint, partial(replayed, constraint, [])), [])
+        grammar.wait_compiled(30)
+        assert grammar.start() is None
+        masks.batch_mask([SimpleNamespace(grammar=grammar, is_finished=False)])
+        bits = (masks.table[grammar.slot][:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed[name] = set(bits.flatten().nonzero().flatten().tolist())
+    decode = engine.tokenizer.decode
+    assert allowed["answering"] and all(decode([t]).startswith("{") for t in allowed["answering"])
+    # After a thinking, the answer may come behind a blank line: the first token may open the thinking too.
+    assert THINK_OPEN in allowed["deciding"] and allowed["answering"] <= allowed["deciding"]
+    assert all(decode([t]).lstrip().startswith("{") or not decode([t]).strip() for t in allowed["deciding"] - {THINK_OPEN})
+    assert allowed["thinking"] == set(range(masks.table.shape[1] * 32)) - set(engine.eos_token_ids)

@@ -97,6 +97,10 @@ class Tokenizer:
                 )
             return self._grammar_tables[key]
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary, such as `</think>`; None if it has none."""
+        return self.backend.token_to_id(token)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 

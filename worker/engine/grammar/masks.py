@@ -5,7 +5,8 @@ Filling a row asks its matcher which tokens may come next (llguidance writes the
 into the row, without the GIL), then settles the tokens that end the request: EOS and the stop
 ids are allowed where the grammar accepts the output as it is, and nowhere else (a stop id the
 grammar allows elsewhere is drawn as an ordinary token there: the reader does not stop on it). A
-request still thinking (before `</think>`) may draw any token but EOS.
+request still thinking (before `</think>`) may draw any token but EOS; one whose first token
+decides whether it thinks may draw `<think>` or what the grammar allows.
 
 When the engine has read a step's tokens, a thread of this module's own has each constrained
 request's matcher consume its token and fills its row for the next step, while the loop goes on
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from kernels.token_bitmask import apply_token_bitmask, words_for
+from worker.engine.grammar.constraint import Phase
 from worker.engine.grammar.request_grammar import RequestGrammar
 from worker.engine.request import Request
 from worker.engine.transfer import tensor_on
@@ -133,12 +135,14 @@ class GrammarMasks:
     def _fill(self, grammar: RequestGrammar) -> None:
         row = self.table[grammar.slot]
         words = row.numpy().view(np.uint32)
-        if grammar.active:
+        if grammar.phase is Phase.THINKING:
+            words[:] = ALL_BITS
+        else:
             grammar.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
             if grammar.matcher.is_error():  # no token is allowed: a contradiction the compile did not see
                 grammar.error = grammar.matcher.get_error()
-        else:
-            words[:] = ALL_BITS
+            if grammar.phase is Phase.DECIDING:
+                self._set_bits(words, (grammar.constraint.thinking.opens,), True)
         self._set_bits(words, self.eos_token_ids, False)  # the grammar's end is the request's own end tokens
         if grammar.accepts_end:
             self._set_bits(words, grammar.end_token_ids, True)

@@ -23,27 +23,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from producer_client.errors import InvalidArgument, MiliError
-from worker.engine.grammar.constraint import Constraint
+from worker.engine.grammar.constraint import Constraint, Phase
 
 
 @dataclass
 class MatcherState:
     matcher: Any  # llguidance.LLMatcher
-    active: bool  # the grammar applies (the output is past `starts_after`, or there is none)
+    phase: Phase  # where the output is: before, in or after its reasoning (constraint.Thinking)
 
 
 def replayed(constraint: Constraint, tokens: Sequence[int], matcher: Any) -> MatcherState:
     """The matcher after the output tokens an earlier run produced; InvalidArgument if the grammar
     refuses them, or if they complete it already (that run had ended)."""
-    active = constraint.starts_after is None
+    phase = constraint.first_phase
     for n, token in enumerate(tokens, 1):
-        if not active:
-            active = token == constraint.starts_after
-        elif not matcher.consume_token(token):
+        phase, answers = constraint.after(phase, token)
+        if answers and not matcher.consume_token(token):
             raise InvalidArgument("resume_token_ids", f"the grammar refuses token {n}: {matcher.get_error()}")
-    if active and matcher.is_stopped():
+    if matcher.is_stopped():
         raise InvalidArgument("resume_token_ids", "the request had already ended: its output completes the grammar")
-    return MatcherState(matcher, active)
+    return MatcherState(matcher, phase)
 
 
 class RequestGrammar:
@@ -52,7 +51,7 @@ class RequestGrammar:
         self.end_token_ids = tuple(end_token_ids)  # what ends the request where the grammar accepts: stop ids, EOS
         self._compiled = compiled
         self.matcher: Any = None
-        self.active = False
+        self.phase = constraint.first_phase
         self.pending: int | None = None  # a token taken and not yet consumed
         self.complete = False  # the output is whole: nothing but its end may follow
         self.error: str | None = None  # the matcher refused a token, or allows none
@@ -78,17 +77,16 @@ class RequestGrammar:
             state = self._compiled.result()
         except MiliError as error:
             return error
-        self.matcher, self.active = state.matcher, state.active
+        self.matcher, self.phase = state.matcher, state.phase
         return None
 
     def take(self, token: int) -> None:
-        """The request's next output token, to be consumed by `advance` (before `starts_after`,
-        only watched for)."""
+        """The request's next output token, to be consumed by `advance` if it is the answer's
+        (in the reasoning before it, only watched for its end)."""
         self.position += 1
-        if self.active:
+        self.phase, answers = self.constraint.after(self.phase, token)
+        if answers:
             self.pending = token
-        else:
-            self.active = token == self.constraint.starts_after
 
     def advance(self) -> None:
         """Consumes the pending token; learns whether it completed the grammar."""
@@ -108,7 +106,7 @@ class RequestGrammar:
     @property
     def accepts_end(self) -> bool:
         """Whether the output may end here (every token taken has been consumed)."""
-        return self.active and self.matcher.is_accepting()
+        return self.phase is not Phase.THINKING and self.matcher.is_accepting()
 
     def close(self) -> None:
         """The request has ended: its mask row goes back. `slot` stays as it is: the mask thread
