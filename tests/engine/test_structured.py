@@ -15,6 +15,7 @@ import torch
 from producer_client.schema import SamplingParams
 from tests.engine.test_engine import random_prompts
 from tests.engine.test_resume import run, text_of, tokens_of
+from worker.engine import Engine
 from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, tool_call_constraint
 from worker.engine.grammar.masks import GrammarMasks
 from worker.engine.grammar.request_grammar import RequestGrammar, replayed
@@ -62,12 +63,20 @@ def test_every_output_parses_and_validates_greedy_and_sampled_and_overlapped_equ
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
 
 
+def device_engine(make_tiny_engine):
+    """On CUDA the engine as it serves (overlapped, decode CUDA graphs, the Triton mask kernel, mask
+    rows copied to the device behind the model); on CPU the overlapped engine all the same."""
+    if torch.cuda.is_available():
+        return Engine.from_pretrained("tiny", device="cuda", num_pages=256, page_size=4)
+    return make_tiny_engine(overlap_schedule=True)
+
+
 def test_free_requests_beside_constrained_ones_draw_what_they_draw_alone(make_tiny_engine):
     # Overlapped: the constrained rows read the previous step between the model and the sampler.
     prompts = random_prompts(4, 2, 30, seed=42)
     free = [SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=1.0, seed=3, max_tokens=16)]
-    alone = make_tiny_engine(overlap_schedule=True).generate(prompts[:2], free)
-    mixed = make_tiny_engine(overlap_schedule=True).generate(prompts, free + [constrained(temperature=0), constrained(seed=2)])
+    alone = device_engine(make_tiny_engine).generate(prompts[:2], free)
+    mixed = device_engine(make_tiny_engine).generate(prompts, free + [constrained(temperature=0), constrained(seed=2)])
     assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in alone]
     for out in mixed[2:]:
         assert_valid(out)
