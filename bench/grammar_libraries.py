@@ -1,11 +1,13 @@
 """xgrammar against llguidance on this machine, with the real Qwen3 vocabulary: what chose
 MILI's grammar library (bench/RESULTS.md, "Structured outputs").
 
-For each library and schema: the time to build the tokenizer info once, to compile the schema,
-and, over a random walk through the grammar (each step every matcher's mask is filled, then a
-token the mask allows is consumed: what decoding with random weights does), the host time per
-step of filling the masks of a batch of 16 and 64 constrained requests. CPU time is printed
-beside wall time: the machine is shared.
+For each library and schema: the time to build the tokenizer info once, to compile the schema
+(and build its first matcher: llguidance builds its lexer then), and, over a random walk through
+the grammar (each step every matcher's mask is filled, then a token the mask allows is consumed:
+what decoding with random weights does), the median host time per step of filling the masks of a
+batch of 16 and 64 constrained requests: llguidance one matcher after another, as MILI's mask
+thread does, xgrammar through its BatchGrammarMatcher. Both emit compact JSON (`, ` and `: `, no
+other whitespace), as MILI asks. CPU time is printed beside wall time: the machine is shared.
 
 xgrammar is not a MILI dependency (it imports torch and transformers, which the client must not
 need): install it apart to run this, e.g. `pip install --target /tmp/xg --no-deps xgrammar
@@ -29,6 +31,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 
+from producer_client.structured import JSON_OPTIONS  # noqa: E402
 from worker.model.presets import resolve_model_path  # noqa: E402
 from worker.model.tokenizer import Tokenizer  # noqa: E402
 
@@ -90,21 +93,21 @@ class LLGuidance:
 
         self.llg, self.llg_torch = llguidance, llguidance.torch
         self.info = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab, eos_token=eos)
-        self.executor = llguidance.LLExecutor()
 
     def compile(self, schema: dict):
         # llguidance builds its lexer when a matcher is made: the first matcher is the compile.
-        grammar = self.llg.LLMatcher.grammar_from_json_schema(schema)
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         self.matcher(grammar)
         return grammar
 
     def matcher(self, compiled):
-        m = self.llg.LLMatcher(self.info, compiled)
+        m = self.llg.LLMatcher(self.info, compiled, log_level=0)
         assert not m.is_error(), m.get_error()
         return m
 
     def fill(self, matchers, bitmask):
-        self.llg_torch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        for i, m in enumerate(matchers):
+            self.llg_torch.fill_next_token_bitmask(m, bitmask, i)
 
     def consume(self, m, token):
         assert m.consume_token(token), m.get_error()
@@ -128,7 +131,7 @@ class XGrammar:
         self.batch = xgrammar.BatchGrammarMatcher()
 
     def compile(self, schema: dict):
-        compiled = self.compiler.compile_json_schema(json.dumps(schema))
+        compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "))
         self.matcher(compiled)
         return compiled
 

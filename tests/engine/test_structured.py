@@ -53,6 +53,7 @@ SAMPLINGS = {
 }
 
 
+@pytest.mark.slow
 def test_every_output_parses_and_validates_greedy_and_sampled_and_overlapped_equals_synchronous(make_tiny_engine):
     prompts = random_prompts(len(SAMPLINGS), 2, 30, seed=40)
     params = [constrained(**p) for p in SAMPLINGS.values()]
@@ -135,6 +136,7 @@ def test_resume_tokens_the_grammar_refuses_fail_the_request(make_tiny_engine):
     assert "resume_token_ids" in final.error.message
 
 
+@pytest.mark.slow
 def test_preempted_constrained_requests_recompute_and_stay_valid(make_tiny_engine):
     prompts = random_prompts(3, 20, 40, seed=48)
     params = [constrained(**p) for p in list(SAMPLINGS.values())[:3]]
