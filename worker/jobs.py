@@ -193,10 +193,10 @@ def constraint_of(request: JobRequest, output: OutputFormat | None, tokenizer) -
     its tool_choice forces ("required", or a named function); with tools offered under "auto",
     a call or the formatted answer. A chat that thinks is free until its reasoning ends."""
     fmt = request.params.response_format
-    tools = request.offered_tools()
-    forced = bool(tools) and request.tool_choice not in (None, "auto")
+    forced = bool(request.tools) and request.tool_choice not in (None, "auto", "none")
     if fmt is None and not forced:
         return None
+    tools = request.offered_tools()
     thinking = thinking_of(output, tokenizer)
     if tools:
         functions = [ToolFunction(t.function.name, t.function.parameters) for t in tools]
