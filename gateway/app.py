@@ -56,8 +56,10 @@ class Gateway:
         self.jobs = Jobs(lifecycle, settings.job_timeout_s, settings.cancel_on_disconnect)
         self.metrics = GatewayMetrics()
 
-    async def submit(self, request: Request, specs: list[JobSpec], queue: str) -> RequestJobs:
-        jobs = await self.jobs.submit(self.client.on_queue(queue), specs, idempotency_key(request), request.state.request_id)
+    async def submit(self, request: Request, specs: list[JobSpec], queue: str, stream: bool = False) -> RequestJobs:
+        jobs = await self.jobs.submit(
+            self.client.on_queue(queue), specs, idempotency_key(request), request.state.request_id, stream,
+        )
         request.state.jobs = f"queue {queue!r} jobs {','.join(jobs.ids)}"  # for the request's log line
         return jobs
 
@@ -81,7 +83,7 @@ class Gateway:
         specs = jobs_of(req)
         renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, [s.prompt_index for s in specs])
         self.check(specs)
-        jobs = await self.submit(request, specs, await self.registry.queue_for(req.model))
+        jobs = await self.submit(request, specs, await self.registry.queue_for(req.model), stream=bool(req.stream))
         if req.stream:
             return self.stream(jobs, renderer, include_usage(req))
         results = await self.results(request, jobs)

@@ -49,9 +49,10 @@ class AsyncClient(OperatorViews):
 
     async def submit(
         self, prompt: str | None = None, *, messages: list[dict] | None = None, input_ids: list[int] | None = None,
-        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0, **sampling: Any,
+        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0, stream: bool = False,
+        **sampling: Any,
     ) -> str:
-        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling)
+        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling, stream)
         if job.idempotent:
             if not (await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys))))[0]:
                 return job.job_id
@@ -79,7 +80,8 @@ class AsyncClient(OperatorViews):
         job_id = protocol.check_job_id(job_id)
         after = protocol.check_event_id(after)
         deadline = Deadline(job_id, protocol.check_timeout(timeout))
-        if not await self.redis.exists(self.keys.job(job_id)):
+        follow = protocol.follow_call(self.keys, job_id)
+        if not (await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*follow)))[0]:
             raise JobNotFound(job_id)
         while True:
             for event_id, fields in await self._read_events(job_id, after, deadline):

@@ -45,6 +45,7 @@ def build_spec(index: int, spec: Mapping[str, Any]) -> NewJob:
         return protocol.build_job(
             sampling.pop("prompt", None), sampling.pop("messages", None), sampling.pop("input_ids", None),
             sampling.pop("request_id", None), sampling.pop("timeout_s", None), sampling.pop("priority", 0), sampling,
+            sampling.pop("stream", False),
         )
     except InvalidArgument as e:
         raise type(e)(f"jobs[{index}].{e.field}", e.message.removeprefix(f"{e.field}: ")) from None

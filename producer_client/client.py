@@ -60,11 +60,15 @@ class Client(OperatorViews):
 
     def submit(
         self, prompt: str | None = None, *, messages: list[dict] | None = None, input_ids: list[int] | None = None,
-        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0, **sampling: Any,
+        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0, stream: bool = False,
+        **sampling: Any,
     ) -> str:
         """Enqueue a job and return its id. `sampling` takes SamplingParams' fields (max_tokens,
-        temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same id."""
-        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling)
+        temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same id.
+        `stream`: its tokens will be read as they come (stream()), so the worker publishes them
+        within its stream_interval_s from the first; without it, a reader's stream() gets them at
+        the worker's checkpoint_interval_s until the worker sees the reader."""
+        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling, stream)
         if job.idempotent:
             if not scripts.execute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys)))[0]:
                 return job.job_id
@@ -96,11 +100,13 @@ class Client(OperatorViews):
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
         """Yield the job's token deltas until it ends. Resume after a disconnect with
         `after=` the last delta's `event_id`: nothing is lost or repeated. A failed job
-        raises JobFailed at its end."""
+        raises JobFailed at its end. The job counts as streamed from now on (FOLLOW): its worker
+        publishes its tokens within stream_interval_s once it sees that."""
         job_id = protocol.check_job_id(job_id)
         after = protocol.check_event_id(after)
         deadline = Deadline(job_id, protocol.check_timeout(timeout))
-        if not self.redis.exists(self.keys.job(job_id)):
+        follow = protocol.follow_call(self.keys, job_id)
+        if not scripts.execute(self.redis, lambda pipe: pipe.evalsha(*follow))[0]:
             raise JobNotFound(job_id)
         while True:
             for event_id, fields in self._read_events(job_id, after, deadline):

@@ -19,7 +19,7 @@ from producer_client.errors import (
     BodyTooLarge, InvalidArgument, JobNotFound, JobTimeout, NotReplicated,
 )
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
-from producer_client.scripts import CANCEL, CREATE, ENQUEUE
+from producer_client.scripts import CANCEL, CREATE, ENQUEUE, FOLLOW
 from producer_client.steps import Steps, checked
 from producer_client.schema import (
     MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
@@ -104,14 +104,14 @@ def enqueued(job: NewJob, create: bool, replication: Replication, replies: list)
 
 def build_job(
     prompt: Any, messages: Any, input_ids: Any, request_id: Any, timeout_s: Any, priority: Any,
-    sampling: dict[str, Any],
+    sampling: dict[str, Any], stream: Any = False,
 ) -> NewJob:
     """Validate every argument the way the worker will, before anything touches Redis."""
     try:
         params = SamplingParams.model_validate(sampling, strict=True)
         request = JobRequest.model_validate(
             {"prompt": prompt, "messages": messages, "input_ids": input_ids, "params": params,
-             "priority": priority, "timeout_s": timeout_s},
+             "priority": priority, "timeout_s": timeout_s, "stream": stream},
             strict=True,
         )
     except ValidationError as e:
@@ -190,6 +190,11 @@ def read_cut_short(error: Exception) -> bool:
 def job_keys(keys: Keys, job_id: str) -> tuple[str, str, str]:
     """The keys every job script takes, in order."""
     return keys.job(job_id), keys.events(job_id), keys.done(job_id)
+
+
+def follow_call(keys: Keys, job_id: str) -> tuple:
+    """EVALSHA arguments of FOLLOW: a reader of `stream()` asks for the job's tokens as they come."""
+    return FOLLOW.sha, 1, keys.job(job_id)
 
 
 def cancel_call(keys: Keys, job_id: str) -> tuple:

@@ -81,6 +81,9 @@ class JobRequest(BaseModel):
     the Redis clock, so producer and worker clocks never need to agree.
     `priority` orders jobs a worker has admitted (lower runs sooner, as in vLLM); the queue
     itself is FIFO.
+    `stream`: someone reads the tokens as they come (`stream()`, an SSE response), so the worker
+    publishes them within its `stream_interval_s`; otherwise it records them every
+    `checkpoint_interval_s` (and sooner once a reader of `stream()` shows up).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -91,6 +94,7 @@ class JobRequest(BaseModel):
     params: SamplingParams = SamplingParams()
     priority: int = Field(0, ge=-1000, le=1000)
     timeout_s: float | None = Field(None, gt=0.0, le=7 * 24 * 3600)
+    stream: bool = False
 
     @classmethod
     def from_json(cls, body: str | bytes, max_body_bytes: int, max_tokens_limit: int) -> JobRequest:

@@ -6,6 +6,7 @@ and Redis Cluster-safe. A job is born here:
 
     (none) --CREATE--> queued --ENQUEUE--> in the queue stream
     queued --CANCEL--> cancelled            (the worker that reads the entry just drops it)
+    any --FOLLOW--> streamed flag up         (a reader of stream(): the worker publishes its tokens as they come)
     failed | (none) --RETRY--> queued --REVIVE--> in the queue stream, out of the dead-letter stream
 
 and moves on through the worker's scripts (worker/scripts.py). Every script is safe to run
@@ -80,6 +81,16 @@ end
 return status
 """)
 
+# KEYS: job. A reader of stream() follows the job: its `streamed` flag goes up, and the worker
+# running it (which reads the flag with each look at the job) publishes its tokens within
+# stream_interval_s from then on instead of at its checkpoints. Returns 1, or 0 (changing
+# nothing) if there is no such job.
+FOLLOW = Script("follow", """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'streamed', '1')
+return 1
+""")
+
 # KEYS: job, events, done. ARGV: timeout in ms (0: no deadline). An operator retries a dead-lettered
 # job: one that failed (poison), whose hash expired, or that an earlier retry left queued before its
 # REVIVE. Its hash, events and done entry go, so that result() and stream() of the new run never
@@ -135,7 +146,7 @@ end
 return {room, depth + room}
 """)
 
-PRODUCER_SCRIPTS = (CREATE, CANCEL, ENQUEUE, ENQUEUE_MANY, RETRY, REVIVE)
+PRODUCER_SCRIPTS = (CREATE, CANCEL, FOLLOW, ENQUEUE, ENQUEUE_MANY, RETRY, REVIVE)
 
 
 Stack = list[tuple[tuple, dict]]  # recorded commands: (arguments, options) each
