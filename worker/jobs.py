@@ -41,6 +41,31 @@ class Delivery:
 
 
 @dataclass
+class Feed:
+    """How far a claimed job's output has gone towards Redis: how much of it some update holds
+    already (outbox.Update.take moves the rest in), since when the rest has waited, when the worker
+    last heard from the job's hash (a publication, or a look at its flags), and whether someone
+    reads its tokens as they come (the job's `stream` option, or a reader's FOLLOW)."""
+
+    streamed: bool
+    tokens: int = 0  # of job.token_ids
+    pieces: int = 0  # of job.text
+    logprobs: int = 0  # of job.logprobs
+    waiting_since: float | None = None  # monotonic time of the oldest output no update holds
+    looked_at: float = 0.0  # monotonic
+
+    def behind(self, job: Job) -> bool:
+        """Whether the job has output no update holds."""
+        return self.tokens < len(job.token_ids) or self.pieces < len(job.text)
+
+    def catch_up(self, job: Job) -> None:
+        """Everything the job has now counts as held by an update (recorded, or about to be)."""
+        self.tokens, self.pieces = len(job.token_ids), len(job.text)
+        self.logprobs = len(job.logprobs or ())
+        self.waiting_since = None
+
+
+@dataclass
 class Job:
     id: str
     # None once the job is detached from its entry: Redis lost the queue's group, and the worker
@@ -62,10 +87,12 @@ class Job:
     # When the job times out: the `deadline` its producer's CREATE recorded, else its entry's
     # time plus timeout_s (an entry added without the client). None: no timeout.
     deadline: float | None = None
+    feed: Feed = field(init=False)
 
     def __post_init__(self):
         if self.deadline is None and self.request.timeout_s is not None:
             self.deadline = self.queued_at + self.request.timeout_s
+        self.feed = Feed(streamed=self.request.stream)
 
     def resume(self, events: list[tuple[str, dict[str, str]]]) -> None:
         """Take over the tokens, text and logprobs that earlier runs recorded, and when the first
@@ -85,6 +112,7 @@ class Job:
         if starts:
             self.started_at = starts[0]["started_at"]
         self.resumed_tokens = len(self.token_ids)
+        self.feed.catch_up(self)
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(self.token_ids))

@@ -29,8 +29,7 @@ from producer_client.scripts import ENQUEUE
 from worker.jobs import Delivery, Job
 from worker.outbox import DeadLetter, Update
 from worker.replies import (
-    Adopted, Claim, Published, PublishReply, UnknownReply, Watched, parse_adopt, parse_claim, parse_publish,
-    parse_watch,
+    Adopted, Claim, Look, Published, PublishReply, UnknownReply, parse_adopt, parse_claim, parse_publish, parse_watch,
 )
 from worker.scripts import ADOPT, CLAIM, DEADLETTER, PUBLISH, RECLAIM, REFRESH, RELEASE, REQUEUE, WORKER_SCRIPTS
 
@@ -248,9 +247,9 @@ class WorkerQueue:
 
     def publish(
         self, updates: list[Update], watch: list[tuple[str, str]],
-    ) -> tuple[list[PublishReply | Exception], list[Watched | Exception]]:
-        """Every job's update (events, final result) in one pipeline, and a look at the cancel flag
-        and run of each running job in `watch` (job id, run) that has no update. Returns each
+    ) -> tuple[list[PublishReply | Exception], list[Look | Exception]]:
+        """Every job's update (events, final result) in one pipeline, and a look at the cancel flag,
+        run and streamed flag of each running job in `watch` (job id, run). Returns each
         update's reply and each watched job's state, or in its place the error its job's keys gave
         (a transient one too: the caller keeps that update for later and backs off). A lost group
         cannot occur here: these are a job's keys. With a replication to wait for, each final
@@ -262,7 +261,7 @@ class WorkerQueue:
             for u in updates:
                 pipe.evalsha(PUBLISH.sha, 3, *job_keys(self.keys, u.job_id), *u.publish_args(self.result_ttl_s))
             for job_id, _ in watch:
-                pipe.hmget(self.keys.job(job_id), "cancel", "run")
+                pipe.hmget(self.keys.job(job_id), "cancel", "run", "streamed")
             for u in finals:
                 # WAIT counts the replicas that have this connection's writes; a result published
                 # again is a no-op that writes nothing, and may go out on another connection. The

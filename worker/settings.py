@@ -51,6 +51,14 @@ class WorkerSettings(TomlSettings):
     max_deliveries: int = Field(
         3, ge=1, description="an entry delivered more often than this goes to the dead-letter stream (code poison)"
     )
+    stream_interval_s: float = Field(
+        0.05, gt=0.0, le=10.0,
+        description="a streamed job's token reaches its readers at most this long after it is sampled; also how often a running job's cancel flag is read",
+    )
+    checkpoint_interval_s: float = Field(
+        1.0, gt=0.0, le=60.0,
+        description="a job nobody streams has its tokens recorded this often: what a crash makes the next run generate again",
+    )
     max_buffered_tokens: int = Field(
         262144, ge=1, description="while Redis is unreachable, generation pauses once this many tokens await publication"
     )
@@ -79,6 +87,12 @@ class WorkerSettings(TomlSettings):
     @classmethod
     def _usable_in_keys(cls, value: str, info: ValidationInfo) -> str:
         return value if value == "" and info.field_name == "name" else check_name(info.field_name, value)
+
+    @model_validator(mode="after")
+    def _checkpoints_no_sooner_than_streams(self) -> WorkerSettings:
+        if self.checkpoint_interval_s < self.stream_interval_s:
+            raise InvalidArgument("checkpoint_interval_s", "must be at least stream_interval_s")
+        return self
 
     @model_validator(mode="after")
     def _refresh_before_reclaim(self) -> WorkerSettings:

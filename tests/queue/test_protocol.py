@@ -14,6 +14,7 @@ from producer_client.schema import JobRequest
 from producer_client.protocol import entry_time
 from worker.jobs import job_id_of, parse_request
 from worker.queue import WorkerQueue
+from worker.replies import Look, Watched
 
 LIMITS = dict(max_body_bytes=1000, max_tokens_limit=64)
 
@@ -106,13 +107,17 @@ def test_acks_go_before_the_read_so_pending_never_grows_past_the_count():
     assert r.xpending(stream, GROUP)["pending"] == 0
 
 
-def test_publish_reports_cancel_flags_and_lost_runs_of_watched_jobs():
+def test_publish_reports_cancel_flags_readers_and_lost_runs_of_watched_jobs():
     r = fakeredis.FakeRedis(decode_responses=True)
     q = WorkerQueue(r, Keys(), "q", "w1", result_ttl_s=60)
     r.hset(Keys().job("a"), mapping={"cancel": "1", "run": "ra"})
     r.hset(Keys().job("b"), mapping={"status": "running", "run": "rb"})
     r.hset(Keys().job("c"), mapping={"status": "running", "run": "someone-else"})
-    assert q.publish([], [("a", "ra"), ("b", "rb"), ("c", "rc")]) == ([], ["cancel", "ok", "lost"])
+    r.hset(Keys().job("d"), mapping={"status": "running", "run": "rd", "streamed": "1"})
+    looks = [("a", "ra"), ("b", "rb"), ("c", "rc"), ("d", "rd"), ("e", "re")]
+    assert q.publish([], looks) == ([], [
+        Look(Watched.CANCEL), Look(Watched.OK), Look(Watched.LOST), Look(Watched.OK, streamed=True), Look(Watched.GONE),
+    ])
 
 
 def test_heartbeat_writes_a_hash_with_ttl_and_indexes_the_worker():
