@@ -271,14 +271,19 @@ def _pipeline(client, stack: Stack):
     (more than one for a command of COUNTED_PER_KEY whose keys lie in several slots); and for
     each WAIT, by its place in `stack`, its key and the node it was sent to (None: one server)."""
     pipe = client.pipeline(transaction=False)
+    cluster = is_cluster(client)  # asked once: an isinstance of redis-py's cluster classes costs microseconds
     parts, waits = [], {}
     for at, (args, options) in enumerate(stack):
         if _NODE_OF in options:
             options = dict(options)
             key = options.pop(_NODE_OF)
-            waits[at] = (key, client.get_node_from_key(key) if is_cluster(client) else None)
+            waits[at] = (key, client.get_node_from_key(key) if cluster else None)
             if waits[at][1] is not None:
                 options["target_nodes"] = waits[at][1]
+        if not cluster:
+            pipe.execute_command(*args, **options)
+            parts.append(1)
+            continue
         sent = _as_sent(client, args, options)
         for command_args, command_options in sent:
             pipe.execute_command(*command_args, **command_options)
@@ -287,7 +292,8 @@ def _pipeline(client, stack: Stack):
 
 
 def _as_sent(client, args: tuple, options: dict) -> Stack:
-    if not is_cluster(client) or str(args[0]).upper() not in COUNTED_PER_KEY:
+    """The commands a cluster client sends for one recorded command."""
+    if str(args[0]).upper() not in COUNTED_PER_KEY:
         return [(args, options)]
     by_slot: dict[int, list] = {}
     for key in args[1:]:

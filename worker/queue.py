@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import Callable
 
+import hiredis
 import redis
 from redis.backoff import NoBackoff
 
@@ -80,13 +81,32 @@ class GroupLost(redis.RedisError):
     with it."""
 
 
+class CommandPacker:
+    """Packs a command with hiredis, as redis-py's own packer does, less its scan of every
+    argument for bytearrays and memoryviews, which the worker never sends: that scan cost more
+    than the packing itself, and publication packs a command per publishing job per round (see
+    bench/RESULTS.md). redis-py's cluster client keeps its own packer."""
+
+    def pack(self, *args) -> list[bytes]:
+        name = args[0]
+        if (" " in name) if isinstance(name, str) else (b" " in name):  # "SCRIPT LOAD": two words
+            args = (*name.split(), *args[1:])
+        try:
+            return [hiredis.pack_command(args)]
+        except TypeError as e:
+            raise redis.DataError(str(e)) from None
+
+
 def connect(url: str):
     """The worker's client, of any of the three modes. surrogateescape: a producer's invalid UTF-8
     must fail its job, not the read. One immediate retry replaces a connection Redis closed (a
     restart; on a cluster, after reading the topology again); past that the loop's own backoff
     takes over, so that the engine keeps stepping while Redis is away. Wrong credentials are not
     retried at all. A cluster client reads the topology now, so this raises while no node answers."""
-    return connection.connect(url, decode_responses=True, encoding_errors="surrogateescape", retry=Retry(NoBackoff(), 1))
+    return connection.connect(
+        url, decode_responses=True, encoding_errors="surrogateescape", retry=Retry(NoBackoff(), 1),
+        command_packer=CommandPacker(),
+    )
 
 
 def is_transient(error: BaseException) -> bool:

@@ -78,10 +78,17 @@ def parse_claim(reply: object) -> Claim:
     raise UnknownReply("CLAIM", reply)
 
 
+# Every reply but PARTIAL's is one of these, made once: a reply per published update is parsed.
+_PUBLISHED = {outcome.value: PublishReply(outcome) for outcome in Published if outcome is not Published.PARTIAL}
+
+
 def parse_publish(reply: object) -> PublishReply:
+    parsed = _PUBLISHED.get(reply) if isinstance(reply, str) else None
+    if parsed is not None:
+        return parsed
     if isinstance(reply, str) and reply.startswith("partial:"):
         return PublishReply(Published.PARTIAL, _count(reply.removeprefix("partial:"), "PUBLISH", reply))
-    return PublishReply(_member(Published, reply, "PUBLISH", reply))
+    raise UnknownReply("PUBLISH", reply)
 
 
 def parse_watch(reply: object, run: str) -> Look:
