@@ -18,6 +18,7 @@ stream_interval_s and any other within checkpoint_interval_s, and a reader that 
 a job is noticed within checkpoint_interval_s."""
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 from worker.jobs import Feed, Job
@@ -25,6 +26,9 @@ from worker.jobs import Feed, Job
 # One tokens event holds about this many tokens at most: a reader's reply and the script's
 # arguments stay small whatever the checkpoint interval and the engine's speed.
 MAX_EVENT_TOKENS = 1024
+# The lag counts on the slowest of this many recent iterations and rounds: one slow iteration (a
+# long step, the machine busy elsewhere) is a sign of more, not a thing of the past.
+LAG_WINDOW = 64
 
 
 class Pace:
@@ -32,13 +36,18 @@ class Pace:
         self.stream_interval_s = stream_interval_s
         self.checkpoint_interval_s = checkpoint_interval_s
         self.max_running = max_running
-        # How long a publication decided now takes to reach readers, at worst: the loop's next
-        # iteration (a due job is seen after a step at the latest), a round still out before it,
-        # and its own round.
+        self.iterations: deque[float] = deque(maxlen=LAG_WINDOW)
+        self.rounds: deque[float] = deque(maxlen=LAG_WINDOW)
+        # How long a publication decided now may take to reach readers: the loop's next iteration
+        # (a due job is seen after a step at the latest), a round still out before it, its own
+        # round, and about as long again for a reader's blocked read to return it.
         self.lag_s = 0.0
 
-    def measured(self, iteration_s: float, round_s: float) -> None:
-        self.lag_s = iteration_s + 2 * round_s
+    def measured(self, iteration_s: float, round_s: float | None) -> None:
+        self.iterations.append(iteration_s)
+        if round_s is not None:
+            self.rounds.append(round_s)
+        self.lag_s = max(self.iterations) + 3 * max(self.rounds, default=0.0)
 
     def plan(self, jobs: Iterable[Job], now: float) -> tuple[list[Job], list[Job]]:
         """(the jobs whose output is due now, the jobs due for a look at their hash)."""

@@ -42,7 +42,6 @@ class Publication:
         self.pace = pace
         self.publisher = Publisher(queue)
         self.last_call = time.monotonic()
-        self.last_round_s = 0.0
 
     @property
     def busy(self) -> bool:
@@ -52,9 +51,9 @@ class Publication:
         """Settle the round Redis has answered, if any, then send what is due, without waiting for
         the answer. Raises a transient error after settling what Redis took: what it refused waits."""
         now = time.monotonic()
-        self.pace.measured(now - self.last_call, self.last_round_s)
-        self.last_call = now
         answered = self.publisher.take_answer()
+        self.pace.measured(now - self.last_call, None if answered is None else answered.seconds)
+        self.last_call = now
         if answered is not None:
             self._settle(answered)
         if not self.publisher.busy:
@@ -95,7 +94,6 @@ class Publication:
             self.publisher.send(Round(updates, watch))
 
     def _settle(self, answered: Round) -> None:
-        self.last_round_s = answered.seconds
         if answered.error is not None:
             for update in answered.updates:
                 if self.outbox.answered(update):
