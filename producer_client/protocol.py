@@ -45,6 +45,14 @@ class NewJob:
         """EVALSHA arguments of CREATE for this job."""
         return CREATE.sha, 1, keys.job(self.job_id), self.timeout_ms
 
+    def add_fresh_create(self, pipe, keys: Keys) -> None:
+        """CREATE of a job with a fresh id: without a deadline that is one HSETNX, which costs
+        Redis less than a script (nobody reads the reply of a fresh id's CREATE)."""
+        if self.timeout_ms:
+            pipe.evalsha(*self.create_call(keys))
+        else:
+            pipe.hsetnx(keys.job(self.job_id), "status", "queued")
+
     def enqueue_call(self, keys: Keys, queue: str, max_depth: int | None) -> tuple:
         """EVALSHA arguments of ENQUEUE for this job."""
         return ENQUEUE.sha, 1, keys.queue(queue), max_depth or 0, self.job_id, PROTOCOL_VERSION, self.body
@@ -74,16 +82,18 @@ def enqueue_commands(
 ) -> Callable:
     """The pipeline that enqueues `job`: CREATE first when `create` (a fresh id cannot collide, so
     creating and enqueueing take one round trip; CREATE sets the status only if there is none, so
-    a retried pipeline never sets a started job back to queued), then ENQUEUE, then the
-    `enqueued` flag that tells a later submit with the same request_id that the entry exists;
-    with a replication to wait for, a WAIT on the job's node and one on the queue's (on one
-    server they are the same: the second answers at once). `enqueued` reads the replies."""
+    a retried pipeline never sets a started job back to queued), then ENQUEUE, then for a
+    request_id's job the `enqueued` flag that tells a later submit with the same request_id that
+    the entry exists (no later submit names a fresh id); with a replication to wait for, a WAIT on
+    the job's node and one on the queue's (on one server they are the same: the second answers at
+    once). `enqueued` reads the replies."""
 
     def add(pipe) -> None:
         if create:
-            pipe.evalsha(*job.create_call(keys))
+            job.add_fresh_create(pipe, keys)
         pipe.evalsha(*job.enqueue_call(keys, queue, max_depth))
-        pipe.hset(keys.job(job.job_id), "enqueued", "1")
+        if job.idempotent:
+            pipe.hset(keys.job(job.job_id), "enqueued", "1")
         if replication.waits:
             for key in (keys.job(job.job_id), keys.queue(queue)):
                 pipe.wait_replicas(key, replication.replicas, replication.timeout_ms)

@@ -35,15 +35,16 @@ from producer_client.scripts import Script
 # bypasses the client that would create it. Claiming the entry a job is running under again is a
 # reclaim: it starts a new run, and the old run's worker can publish nothing more.
 CLAIM = Script("claim", """
-if redis.call('HEXISTS', KEYS[1], 'result') == 1 then
+local result, status, entry, tokens, deadline = unpack(
+  redis.call('HMGET', KEYS[1], 'result', 'status', 'entry', 'tokens', 'deadline'))
+if result then
   for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[3]) end
   return {'final'}
 end
-if redis.call('HGET', KEYS[1], 'status') == 'running' and redis.call('HGET', KEYS[1], 'entry') ~= ARGV[2] then
+if status == 'running' and entry ~= ARGV[2] then
   return {'duplicate'}
 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'entry', ARGV[2], 'run', ARGV[4])
-local tokens, deadline = unpack(redis.call('HMGET', KEYS[1], 'tokens', 'deadline'))
 if deadline then return {'claimed', tonumber(tokens or '0'), deadline} end
 return {'claimed', tonumber(tokens or '0')}
 """)
