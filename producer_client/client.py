@@ -122,7 +122,8 @@ class Client(OperatorViews):
         return steps.run(self.redis, protocol.read_status(self.keys, job_id))
 
     def cancel(self, job_id: str) -> JobStatus:
-        """A queued job is cancelled at once; a running one stops within one engine step and
+        """A queued job is cancelled at once; a running one stops within its worker's
+        stream_interval_s if streamed, else its checkpoint_interval_s (plus a step), and
         keeps its partial output. Returns the status right after the request."""
         job_id = protocol.check_job_id(job_id)
         cancel = protocol.cancel_call(self.keys, job_id)

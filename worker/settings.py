@@ -68,7 +68,7 @@ class WorkerSettings(TomlSettings):
     wait_replicas: int = Field(
         0, ge=0, description="a final result counts as written (its entry is acknowledged) once this many replicas have it (WAIT); 0: off"
     )
-    wait_timeout_ms: int = Field(1000, ge=1, description="how long one WAIT for wait_replicas blocks the worker's loop at most")
+    wait_timeout_ms: int = Field(1000, ge=1, description="how long one WAIT for wait_replicas blocks the worker's publisher at most")
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1, description="larger job bodies fail with body_too_large")
     max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1, description="larger max_tokens fail with invalid_argument")
     metrics_host: str = Field("0.0.0.0", description="address of the Prometheus endpoint")
@@ -102,7 +102,8 @@ class WorkerSettings(TomlSettings):
             raise InvalidArgument("claim_idle_ms", "must be at least twice heartbeat_interval_s")
         # After an outage every worker waits claim_idle_ms before it reclaims, while a worker whose
         # backoff wait was longest refreshes its entries only after that wait and a heartbeat (and
-        # a WAIT for replicas, which blocks the loop, as long again).
+        # a WAIT for replicas, as long again: the loop waits for the publisher's round when it
+        # settles one before adopting, and at the end of a drain).
         waits_ms = self.wait_timeout_ms if self.wait_replicas else 0
         if self.claim_idle_ms <= 1000 * (self.redis_backoff_max_s + self.heartbeat_interval_s) + waits_ms:
             raise InvalidArgument(
