@@ -4,6 +4,7 @@ the tokens its event stream recorded."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 
 from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
@@ -52,7 +53,8 @@ class Feed:
     pieces: int = 0  # of job.text
     logprobs: int = 0  # of job.logprobs
     waiting_since: float | None = None  # monotonic time of the oldest output no update holds
-    looked_at: float = 0.0  # monotonic
+    # Monotonic. A job is made as its claim reads its hash: that counts as a look.
+    looked_at: float = field(default_factory=time.monotonic)
 
     def behind(self, job: Job) -> bool:
         """Whether the job has output no update holds."""
