@@ -191,10 +191,14 @@ def printable(message: str) -> str:
     return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+# json.dumps makes an encoder per call when given options; one made once serves every event.
+_json_text = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def token_event(token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None) -> str:
     """A tokens event's JSON, {"ids": [...], "text": "...", "logprobs": [...]}. Without logprobs
     (most events) it is put together here: json.dumps of the whole dict costs twice as much."""
     if logprobs is None:
-        return '{"ids":[' + ",".join(map(str, token_ids)) + '],"text":' + json.dumps(text, ensure_ascii=False) + "}"
+        return '{"ids":[' + ",".join(map(str, token_ids)) + '],"text":' + _json_text(text) + "}"
     payload = {"ids": token_ids, "text": text, "logprobs": [lp.model_dump() for lp in logprobs]}
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
