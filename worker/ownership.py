@@ -108,11 +108,16 @@ class Ownership:
         old = self.outbox.updates.get(job_id)
         final = old.final if old is not None else None
         job = self.holdings.find(job_id)
-        started_at = job.started_at if job is not None else final.timings.started_at
-        update = Update(job_id, None, run, 0, start=start_event(self.worker, started_at, 0), final=final)
+        if job is not None:
+            started_at, fmt = job.started_at, job.output_format
+        else:  # it ended while Redis had it still: its result holds the whole output
+            # A chat's result holds its answer split from its reasoning and calls already: its
+            # stream carries the answer as plain text, and the result the rest.
+            started_at, fmt = final.timings.started_at, None
+        update = Update(job_id, None, run, 0, start=start_event(self.worker, started_at, 0, fmt), final=final)
         if job is not None:
             job.feed = Feed(streamed=job.feed.streamed)  # none of its output is in Redis now
             update.take(job)
-        elif final.token_ids or final.text:  # it ended while Redis had it still: its result holds the whole output
+        elif final.token_ids or final.text:
             update.add_cut(list(final.token_ids), final.text, final.logprobs)
         self.outbox.add(update)

@@ -274,8 +274,7 @@ class Worker:
                 self.outbox.for_job(job).final = self._final_result(job, out, now)
         self.metrics.generation_tokens.inc(tokens)
 
-    @staticmethod
-    def _record_delta(job: Job, out, now: float, sampled_at: float) -> None:
+    def _record_delta(self, job: Job, out, now: float, sampled_at: float) -> None:
         if job.first_token_at is None and out.new_token_ids:
             job.first_token_at = now
         if out.logprobs is not None:
@@ -287,6 +286,9 @@ class Worker:
         job.text.append(out.text_delta)
         if job.feed.waiting_since is None:
             job.feed.waiting_since = sampled_at
+        if job.stop_reason is None and job.watch_for_call(out.text_delta):
+            log.info("job %s made its tool call (parallel_tool_calls is off): it ends here", job.id)
+            self.holdings.stop(job, "tool_call")
 
     def _final_result(self, job: Job, out, now: float) -> JobResult:
         u = out.usage
@@ -297,6 +299,8 @@ class Worker:
         if out.finish_reason == "abort":
             if job.stop_reason == "timeout":
                 return job.result("done", "timeout", self.name, now, usage)
+            if job.stop_reason == "tool_call":
+                return job.result("done", "stop", self.name, now, usage)  # Job.result: stopped for its calls
             return job.result("cancelled", "abort", self.name, now, usage)
         if out.error is not None:
             error = ErrorInfo(code=out.error.code, message=out.error.message)
