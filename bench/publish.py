@@ -109,6 +109,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trees", nargs="+", default=["baseline", "new"], help="which trees to run")
     p.add_argument("--rounds", type=int, default=1, help="repeat every case, alternating the trees")
     p.add_argument("--profile", help="write each worker's cProfile to this directory")
+    p.add_argument("--new-flags", default="", help="more worker flags for this tree's worker, e.g. '--stream-interval-s 0.1'")
     return p.parse_args()
 
 
@@ -160,6 +161,8 @@ def start_worker(tree: Path, url: str, out: Path, mode: str, args, tree_name: st
         "--metrics-host", "127.0.0.1", "--log-level", "WARNING", "--max-running", str(args.jobs),
         "--num-pages", str(args.jobs * -(-2 * args.tokens // 16) + 64), "--max-model-len", str(2 * args.tokens + 16),
     ]
+    if tree_name == "new":
+        flags += args.new_flags.split()
     command = [sys.executable, str(PROBE), str(tree), str(out), *flags]
     if mode.startswith("streamed"):
         command.append("--samples")
