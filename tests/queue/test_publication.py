@@ -172,8 +172,8 @@ def read_streams(url: str, queue: str, job_ids: list[str], out) -> None:
 
 def test_streamed_chunk_delay_stays_within_the_interval_under_load(redis_server, queue):
     """A worker full of streams (16 of its 16 slots), read by a process of their own: each job's
-    tokens wait as long as the interval allows, and every token is in Redis within
-    stream_interval_s of its sampling, and reaches its reader within it."""
+    tokens wait as long as the interval allows, every token is in Redis within stream_interval_s
+    of its sampling, and the reader wakes as it is written."""
     stream_s, step_s, n = 0.05, 0.01, 150
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
