@@ -1,9 +1,12 @@
 """Decode step time at a full batch, beside its memory-bandwidth bound.
 
-A decode step reads every weight once and every running request's whole KV context, so HBM
+A decode step reads every weight once and every running request's whole KV context, so memory
 bandwidth sets a floor under it:
 
-    bound = (weight bytes + KV bytes of all contexts) / HBM bandwidth (H100: 3.35 TB/s)
+    bound = (weight bytes + KV bytes of all contexts) / bandwidth
+
+the bandwidth being what a large device-to-device copy reaches in the same run (bench/timing.py;
+the H100 datasheet's 3.35 TB/s is printed beside it).
 
 The script fills an engine with `--batch` requests of `--context` random prompt tokens, runs
 their prefill, then times decode steps two ways: the model step alone (`ModelRunner.run`,
@@ -24,8 +27,8 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 
-from bench.kernels import H100_HBM_BYTES_PER_S  # noqa: E402
 from bench.offline import PROMPT_ID_LIMIT, add_engine_switches, engine_settings  # noqa: E402
+from bench.timing import H100_DATASHEET_BYTES_PER_S, copy_bandwidth  # noqa: E402
 from producer_client.schema import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineSettings  # noqa: E402
 from worker.engine.engine import overlap_enabled  # noqa: E402
@@ -47,11 +50,16 @@ def main() -> None:
     engine.overlap = overlap
     step_ms = timed(engine.step, 1, args.steps, engine.device)
 
-    bound_ms = bound_seconds(engine, chunks) * 1e3
+    nbytes = bytes_read(engine, chunks)
+    bandwidth = copy_bandwidth(engine.device)
+    bound_ms = nbytes / bandwidth * 1e3
     print(f"{args.model} on {args.device}: batch {args.batch}, context {args.context}, "
           f"decode CUDA graphs {'on' if engine.runner.decode_graphs else 'off'}, "
           f"overlapped scheduling {'on' if engine.overlap else 'off'}")
-    print(f"bound (weights + KV bytes at {H100_HBM_BYTES_PER_S / 1e12:.2f} TB/s): {bound_ms:.3f} ms")
+    print(f"bound: {nbytes / 1e9:.3f} GB of weights and KV at the measured copy bandwidth, "
+          f"{bandwidth / 1e9:,.0f} GB/s: {bound_ms:.3f} ms "
+          f"(at the H100 datasheet's {H100_DATASHEET_BYTES_PER_S / 1e9:,.0f} GB/s: "
+          f"{nbytes / H100_DATASHEET_BYTES_PER_S * 1e3:.3f} ms)")
     print(f"model step:  {model_ms:.3f} ms = {model_ms / bound_ms:.2f}x the bound")
     print(f"engine step: {step_ms:.3f} ms = {step_ms / bound_ms:.2f}x the bound "
           f"({args.batch / step_ms * 1e3:,.0f} output tok/s at this batch)")
@@ -100,9 +108,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bound_seconds(engine: Engine, chunks) -> float:
-    """Bytes a decode step must read once (weights; every context's K and V) over HBM bandwidth.
-    An untied embedding table is not read whole (a step looks up one row per request)."""
+def bytes_read(engine: Engine, chunks) -> int:
+    """Bytes a decode step must read once: the weights and every context's K and V. An untied
+    embedding table is not read whole (a step looks up one row per request)."""
     model = engine.runner.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if not model.config.tie_word_embeddings:
@@ -111,7 +119,7 @@ def bound_seconds(engine: Engine, chunks) -> float:
     k_cache = engine.runner.kv_caches[0][0]
     kv_per_token = 2 * len(engine.runner.kv_caches) * k_cache[0, 0].numel() * k_cache.element_size()
     kv = sum(c.start + c.num_tokens for c in chunks) * kv_per_token
-    return (weights + kv) / H100_HBM_BYTES_PER_S
+    return weights + kv
 
 
 if __name__ == "__main__":
