@@ -69,7 +69,7 @@ SHAPES = {
     # Decode at the batches the decode kernel's tuning is judged at (issue 34), the context of bench/decode_step.py.
     "qwen3-0.6b": Shapes(1024, 3072, 16, 8, 128, 16384, ((16, 1024), (64, 1024), (256, 1024)), (8, 1024)),
     "qwen3-8b": Shapes(4096, 12288, 32, 8, 128, 16384, ((64, 2048),), (8, 1024)),
-    "tiny": Shapes(64, 128, 4, 2, 32, 64, ((2, 40),), (2, 16)),
+    "tiny": Shapes(64, 128, 4, 2, 32, 64, ((16, 40),), (2, 16)),
 }
 
 

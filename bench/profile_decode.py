@@ -18,7 +18,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 # Run as a script, this file's directory leads sys.path and would shadow the `kernels` package.
@@ -28,50 +27,9 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from bench.decode_step import fill, sync  # noqa: E402
+from bench.trace_timeline import STEP_RANGE, Timeline  # noqa: E402
 from bench.offline import add_engine_switches, engine_settings  # noqa: E402
 from worker.engine import Engine  # noqa: E402
-
-STEP_RANGE = "engine_step"
-DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
-
-
-@dataclass(frozen=True)
-class Timeline:
-    steps: list[tuple[float, float]]  # (start, end) of each engine step on the host, microseconds
-    device: list[tuple[float, float]]  # device work within the steps' span, merged and sorted
-
-    @classmethod
-    def from_trace(cls, events: list[dict]) -> "Timeline":
-        steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                       if e.get("name") == STEP_RANGE and e.get("cat") == "user_annotation")
-        if not steps:
-            raise ValueError(f"the trace holds no {STEP_RANGE} range")
-        start, end = steps[0][0], steps[-1][1]
-        work = sorted((max(e["ts"], start), min(e["ts"] + e["dur"], end)) for e in events
-                      if e.get("cat") in DEVICE_CATEGORIES and e["ts"] < end and e["ts"] + e["dur"] > start)
-        return cls(steps, merged(work))
-
-    @property
-    def span_us(self) -> float:
-        return self.steps[-1][1] - self.steps[0][0]
-
-    def busy_share(self) -> float:
-        return sum(b - a for a, b in self.device) / self.span_us
-
-    def gaps_us(self) -> list[float]:
-        """Idle time between consecutive stretches of device work."""
-        return [b[0] - a[1] for a, b in zip(self.device, self.device[1:])]
-
-
-def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in intervals:
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
 
 def main() -> None:
     args = parse_args()
