@@ -13,12 +13,22 @@ their prefill, then times decode steps two ways: the model step alone (`ModelRun
 which replays the decode CUDA graph on CUDA) and whole engine steps (scheduling, sampling,
 stop checks, outputs). Both print beside the bound; the issue's target is within 2x of it.
 
-    python bench/decode_step.py                      # qwen3-0.6b, bf16, batch 256, context 1024
+With `--trace PATH`, `--profile-steps` more engine steps then run under torch.profiler, each a
+range named `engine_step`; the gzipped Chrome trace goes to PATH (https://ui.perfetto.dev opens
+it), and the share of their span the GPU was busy and the idle gaps between its work are
+printed (bench/trace_timeline.py).
+
+    python bench/decode_step.py --trace decode_trace.json.gz     # qwen3-0.6b, bf16, batch 256, context 1024
     python bench/decode_step.py --model tiny --batch 8 --context 64 --steps 3    # CPU smoke
 """
 import argparse
+import gzip
+import json
 import random
+import shutil
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,9 +36,11 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from bench.offline import PROMPT_ID_LIMIT, add_engine_switches, engine_settings  # noqa: E402
 from bench.timing import H100_DATASHEET_BYTES_PER_S, copy_bandwidth  # noqa: E402
+from bench.trace_timeline import STEP_RANGE, Timeline  # noqa: E402
 from producer_client.schema import SamplingParams  # noqa: E402
 from worker.engine import Engine, EngineSettings  # noqa: E402
 from worker.engine.engine import overlap_enabled  # noqa: E402
@@ -42,7 +54,7 @@ def main() -> None:
     overlap = overlap_enabled(EngineSettings.parse(**settings), torch.device(args.device))
     settings["overlap_schedule"] = False
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **settings)
-    fill(engine, args.batch, args.context, args.warmup + 2 * args.steps + 2)
+    fill(engine, args.batch, args.context, args.warmup + 2 * args.steps + args.profile_steps + 2)
     chunks = engine.scheduler.schedule().chunks  # the next decode step; computed repeatedly below, never committed
     if len(chunks) != args.batch or any(c.num_tokens != 1 for c in chunks):
         raise RuntimeError(f"expected a decode step of {args.batch} requests, got {len(chunks)} chunks")
@@ -63,6 +75,8 @@ def main() -> None:
     print(f"model step:  {model_ms:.3f} ms = {model_ms / bound_ms:.2f}x the bound")
     print(f"engine step: {step_ms:.3f} ms = {step_ms / bound_ms:.2f}x the bound "
           f"({args.batch / step_ms * 1e3:,.0f} output tok/s at this batch)")
+    if args.trace:
+        print_profile(profiled_steps(engine, args.profile_steps, args.trace), args.trace, engine.device)
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,6 +89,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=20, help="timed steps of each kind")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--trace", type=Path, help="profile engine steps after the timings; the gzipped Chrome trace goes here")
+    p.add_argument("--profile-steps", type=int, default=20, help="engine steps profiled with --trace")
     add_engine_switches(p)
     p.set_defaults(max_num_batched_tokens=None, max_running=None)  # set from --batch
     return p.parse_args()
@@ -106,6 +122,39 @@ def timed(fn, warmup: int, steps: int, device: torch.device) -> float:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def profiled_steps(engine: Engine, steps: int, trace: Path) -> Timeline:
+    """Runs `steps` engine steps under torch.profiler (CUDA activity too where there is a GPU),
+    writes the gzipped Chrome trace to `trace` and reads the timeline back from it."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            with record_function(STEP_RANGE):
+                engine.step()
+        sync(engine.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(plain))
+        events = json.loads(plain.read_text())["traceEvents"]
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        with plain.open("rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return Timeline.from_trace(events)
+
+
+def print_profile(timeline: Timeline, trace: Path, device: torch.device) -> None:
+    step_ms = [(b - a) / 1e3 for a, b in timeline.steps]
+    print(f"profiled {len(step_ms)} engine steps (trace: {trace}): median {statistics.median(step_ms):.3f} ms "
+          f"on the host, span {timeline.span_us / 1e3:.3f} ms")
+    if device.type != "cuda":
+        print("GPU busy: not measured (no CUDA: a CPU trace holds no device work)")
+        return
+    print(f"GPU busy: {timeline.busy_share():.1%} of the profiled steps' span")
+    gaps = timeline.gaps_us()
+    if gaps:
+        print(f"GPU idle gaps: {len(gaps)}, median {statistics.median(gaps):.1f} us, max {max(gaps):.1f} us, "
+              f"total {sum(gaps) / 1e3:.3f} ms")
 
 
 def bytes_read(engine: Engine, chunks) -> int:

@@ -1,5 +1,5 @@
 """Device work on the timeline of a torch.profiler Chrome trace: the share of the profiled engine
-steps' span the device was busy, and the idle gaps between its work (bench/profile_decode.py)."""
+steps' span the device was busy, and the idle gaps between its work (bench/decode_step.py --trace)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

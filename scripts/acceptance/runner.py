@@ -91,7 +91,9 @@ def copy_lines(stream, log_file, lines: list[str]) -> None:
         log_file.flush()
 
 
-def run_step(step: Step, run: Run, timeout_s: float, log_file) -> Result:
+def run_step(step: Step, run: Run, left_s: float, log_file) -> Result:
+    """Runs `step` for at most its timeout, or the `left_s` seconds left of its stage's budget."""
+    timeout_s = min(step.timeout_s, left_s)
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         command = command_of(step, run, junit)
@@ -105,7 +107,9 @@ def run_step(step: Step, run: Run, timeout_s: float, log_file) -> Result:
         returncode, output = execute(command, {**run.env, **step.env}, timeout_s, log_file)
         seconds = time.monotonic() - start
         if returncode is None:
-            return Result(step, Outcome.FAIL, f"timed out after {timeout_s:.0f} s", seconds)
+            why = (f"timed out after {timeout_s:.0f} s" if timeout_s == step.timeout_s
+                   else f"stopped after {timeout_s:.0f} s, the end of the stage's budget: rerun with --only {step.name}")
+            return Result(step, Outcome.FAIL, why, seconds)
         outcome, detail = judge(step, returncode, junit, output, run.cuda)
     figures, missing = read_figures(step, output, run.cuda)
     if outcome is Outcome.PASS and missing:
@@ -126,10 +130,10 @@ def run_stage(stage: Stage, run: Run, only: set[str] | None) -> bool:
             if stopped_by is not None:
                 result = Result(step, Outcome.NOT_RUN, f"{stopped_by} failed first")
             elif left < MIN_STEP_S:
-                result = Result(step, Outcome.NOT_RUN, f"out of the stage's {stage.budget_s} s: rerun with --only")
+                result = Result(step, Outcome.NOT_RUN, f"out of the stage's {stage.budget_s} s: rerun with --only {step.name}")
             else:
                 log.info("[%s] %s: %s ...", stage.name, step.name, step.what)
-                result = run_step(step, run, min(step.timeout_s, left), log_file)
+                result = run_step(step, run, left, log_file)
             if result.outcome is Outcome.FAIL and step.gate:
                 stopped_by = step.name
             log.info("[%s] %s: %s %s", stage.name, step.name, result.outcome.value, result.detail)

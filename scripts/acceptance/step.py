@@ -85,4 +85,5 @@ class Stage:
     name: str
     what: str
     steps: tuple[Step, ...]
-    budget_s: int = 540  # a device command runs 10 minutes at most; leave room for the start and the table
+    # A device command runs 10 minutes at most, scripts/bootstrap.sh --offline before the stage included.
+    budget_s: int = 480

@@ -3,6 +3,7 @@ a stage runs (gates, timeouts, its time budget, the files it leaves), on small s
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.acceptance import runner
 from scripts.acceptance.outcome import PytestCounts, judge, read_figures
 from scripts.acceptance.runner import Run, run_stage
 from scripts.acceptance.stages import ORDER, stages
@@ -136,6 +138,19 @@ def test_steps_the_stage_has_no_time_left_for_are_not_run(tmp_path):
     passed, report = run(tmp_path, stage)  # less than MIN_STEP_S left from the start
     assert not passed and outcomes(report) == {"one": "NOT RUN", "two": "NOT RUN"}
     assert "rerun with --only" in report["steps"][0]["detail"]
+
+
+def test_a_step_still_running_at_the_end_of_the_stages_budget_is_stopped_and_says_how_to_rerun(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "MIN_STEP_S", 1)
+    stage = Stage("demo", "a stage", (python_step("long", "import time; time.sleep(60)", timeout_s=60),
+                                      python_step("next", "print(1)")), budget_s=3)
+    start = time.monotonic()
+    passed, report = run(tmp_path, stage)
+    assert time.monotonic() - start < 20
+    assert outcomes(report) == {"long": "FAIL", "next": "NOT RUN"}
+    assert re.fullmatch(r"stopped after [23] s, the end of the stage's budget: rerun with --only long",
+                        report["steps"][0]["detail"])
+    assert report["steps"][1]["detail"] == "out of the stage's 3 s: rerun with --only next"
 
 
 def test_only_runs_the_named_steps_and_a_missing_figure_fails_a_step(tmp_path):

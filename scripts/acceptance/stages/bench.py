@@ -15,31 +15,27 @@ def decode_share(batch: int) -> Figure:
                   cuda_only=batch != 16)
 
 
-STAGE = Stage("bench", "the figures: kernels, decode step vs its bound, profile, offline vs transformers, ablations", (
+STAGE = Stage("bench", "the figures: kernels, decode step vs its bound and its profile, offline vs transformers, ablations", (
     script("kernels", "each kernel at the qwen3-0.6b shapes; GB/s as a share of a copy's, measured in the same run",
            ("bench/kernels.py", "--shape", "qwen3-0.6b"), ("bench/kernels.py", "--shape", "tiny", "--dtype", "fp32"),
            gate=True, timeout_s=180, figures=(
                Figure("copy bandwidth, GB/s", r"measured copy bandwidth: ([\d,]+) GB/s"),
                *(decode_share(batch) for batch in (16, 64, 256)),
            )),
-    script("decode-step", "a decode step at batch 256, context 1024, against the weights+KV bound",
-           ("bench/decode_step.py",),
-           ("bench/decode_step.py", "--model", "tiny", "--batch", "8", "--context", "64", "--steps", "3"),
-           gate=True, timeout_s=240, figures=(
+    script("decode-step", "a decode step at batch 256, context 1024, against the weights+KV bound; then a "
+           "torch.profiler trace of 20 steady decode steps: GPU-busy share, gaps",
+           ("bench/decode_step.py", "--trace", "{out}/decode_trace.json.gz"),
+           ("bench/decode_step.py", "--model", "tiny", "--batch", "8", "--context", "64", "--steps", "3",
+            "--profile-steps", "5", "--trace", "{out}/decode_trace.json.gz"),
+           gate=True, timeout_s=300, figures=(
                Figure("model step / bound", r"^model step: .*= ([\d.]+)x the bound", "<= 2"),
                Figure("engine step / bound", r"^engine step: .*= ([\d.]+)x the bound", "<= 2"),
-           )),
-    script("profile", "a torch.profiler trace of 20 steady decode steps at batch 256: GPU-busy share, gaps",
-           ("bench/profile_decode.py", "--trace", "{out}/decode_trace.json.gz"),
-           ("bench/profile_decode.py", "--model", "tiny", "--batch", "8", "--context", "64", "--steps", "5",
-            "--trace", "{out}/decode_trace.json.gz"),
-           timeout_s=240, figures=(
-               Figure("engine step median, ms", r"engine step \(host range\): median ([\d.]+) ms"),
-               Figure("GPU busy share, %", r"^GPU busy: ([\d.]+)% of the steps' span", cuda_only=True),
+               Figure("profiled step median, ms", r"^profiled \d+ engine steps .*: median ([\d.]+) ms"),
+               Figure("GPU busy share, %", r"^GPU busy: ([\d.]+)% of the profiled steps' span", cuda_only=True),
                Figure("GPU idle gap max, us", r"^GPU idle gaps: .*max ([\d.]+) us", cuda_only=True),
            )),
     script("offline", "the nano-vllm workload offline (256 requests, in/out in [100, 1024]) beside transformers",
-           ("bench/offline.py", "--workload", "nanovllm", "--hf-batch-size", "64"),
+           ("bench/offline.py", "--workload", "nanovllm", "--hf-batch-size", "128"),
            ("bench/offline.py", *TINY_WORKLOAD, "--hf-batch-size", "4"),
            timeout_s=420, figures=(
                Figure("engine, output tok/s", rf"^engine: .*{TOKENS_PER_S}", ">= 20000"),
