@@ -96,7 +96,10 @@ bundle_redis() {
   mkdir -p "$work/debs" "$work/root"
   mapfile -t packages < <(redis_packages)
   log "apt-get download ${packages[*]}"
-  (cd "$work/debs" && apt-get "${apt_options[@]}" download -qq "${packages[@]}" 2>&1 | grep -v unsandboxed || true)
+  # As root, apt warns that it downloads unsandboxed: that is the only output kept quiet.
+  if ! (cd "$work/debs" && apt-get "${apt_options[@]}" download -qq "${packages[@]}") >"$work/apt.log" 2>&1; then
+    cat "$work/apt.log" >&2; echo "bundle.sh: apt-get download failed" >&2; exit 1
+  fi
   for deb in "$work"/debs/*.deb; do dpkg-deb -x "$deb" "$work/root"; done
   local root=$work/root triplet=x86_64-linux-gnu loader=ld-linux-x86-64.so.2
   local libs="$root/lib/$triplet:$root/usr/lib/$triplet"

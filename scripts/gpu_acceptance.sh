@@ -10,5 +10,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || { echo "gpu_acceptance.sh: no .venv; run scripts/bootstrap.sh (--offline DIR on a GPU host) first" >&2; exit 1; }
 # The tests start redis-server by name: bootstrap --offline puts the bundle's in the venv's bin.
-export PATH="$PWD/.venv/bin:$PATH"
+# compute-sanitizer lives with the CUDA toolkit, which a shell's PATH may not name.
+export PATH="$PWD/.venv/bin:$PATH${CUDA_HOME:+:$CUDA_HOME/bin}:/usr/local/cuda/bin"
 exec .venv/bin/python -m scripts.acceptance "$@"
