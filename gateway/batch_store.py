@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 
 from gateway.batch_lines import OutputLine
-from gateway.batch_schema import Batch, BatchList, FileObject
+from gateway.batch_schema import Batch, BatchList, FileList, FileObject
 from producer_client.keys import Keys
 from producer_client.scripts import Script, aexecute
 
@@ -157,6 +157,7 @@ class BatchStore:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(self.keys.file(file_id), mapping=file.model_dump())
         pipe.expire(self.keys.file(file_id), ttl_s)
+        pipe.zadd(self.keys.files(), {file_id: time.time()})
         await pipe.execute()
         return file
 
@@ -173,7 +174,34 @@ class BatchStore:
             start += len(pieces)
 
     async def delete_file(self, file_id: str) -> bool:
+        await self.redis.zrem(self.keys.files(), file_id)
         return bool(await self.redis.delete(self.keys.file(file_id), self.keys.file_content(file_id)))
+
+    async def list_files(self, after: str | None, limit: int, newest_first: bool, purpose: str | None) -> FileList:
+        """`limit` files after the file `after`, of `purpose` if given; files that expired leave the index."""
+        index = self.keys.files()
+        rank_of, range_of = (self.redis.zrevrank, self.redis.zrevrange) if newest_first else (self.redis.zrank, self.redis.zrange)
+        start = 0
+        if after is not None:
+            rank = await rank_of(index, after)
+            start = 0 if rank is None else rank + 1
+        files: list[FileObject] = []
+        while len(files) <= limit and (ids := await range_of(index, start, start + limit)):
+            start += len(ids)
+            found = await self._files(ids)
+            gone = [file_id for file_id, file in zip(ids, found) if file is None]
+            if gone:
+                await self.redis.zrem(index, *gone)
+                start -= len(gone)
+            files += [f for f in found if f is not None and purpose in (None, f.purpose)]
+        page = files[:limit]
+        return FileList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None, has_more=len(files) > limit)
+
+    async def _files(self, file_ids: list[str]) -> list[FileObject | None]:
+        pipe = self.redis.pipeline(transaction=False)
+        for file_id in file_ids:
+            pipe.hgetall(self.keys.file(file_id))
+        return [FileObject.model_validate(fields) if fields else None for fields in await pipe.execute()]
 
     # -- batches -------------------------------------------------------------------------------
 

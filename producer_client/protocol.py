@@ -22,7 +22,7 @@ from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
 from producer_client.scripts import CANCEL, CREATE, ENQUEUE
 from producer_client.steps import Steps, checked
 from producer_client.schema import (
-    MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
+    CHAT_OPTIONS, MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
     TokenDelta, TokenLogprob, Timings, WorkerInfo, invalid_argument_from,
 )
 
@@ -104,14 +104,17 @@ def enqueued(job: NewJob, create: bool, replication: Replication, replies: list)
 
 def build_job(
     prompt: Any, messages: Any, input_ids: Any, request_id: Any, timeout_s: Any, priority: Any,
-    sampling: dict[str, Any],
+    options: dict[str, Any],
 ) -> NewJob:
-    """Validate every argument the way the worker will, before anything touches Redis."""
+    """Validate every argument the way the worker will, before anything touches Redis. `options`
+    are SamplingParams' fields and the chat options of JobRequest (tools, enable_thinking...)."""
+    sampling = {k: v for k, v in options.items() if k not in CHAT_OPTIONS}
+    chat = {k: v for k, v in options.items() if k in CHAT_OPTIONS}
     try:
         params = SamplingParams.model_validate(sampling, strict=True)
         request = JobRequest.model_validate(
             {"prompt": prompt, "messages": messages, "input_ids": input_ids, "params": params,
-             "priority": priority, "timeout_s": timeout_s},
+             "priority": priority, "timeout_s": timeout_s, **chat},
             strict=True,
         )
     except ValidationError as e:
@@ -207,12 +210,14 @@ def finished(job_id: str, result_json: str) -> JobResult:
     return result
 
 
-def token_delta(event_id: str, data: str) -> TokenDelta:
+def token_delta(event_id: str, data: str, split: Callable[[str], dict[str, Any]] | None = None) -> TokenDelta:
+    """A `tokens` event as a TokenDelta; `split` turns its text into a chat's fields (JobStream)."""
     payload = json.loads(data)
     logprobs = payload.get("logprobs")
+    text = {"text": payload["text"]} if split is None else split(payload["text"])
     return TokenDelta(
-        event_id=event_id, token_ids=payload["ids"], text=payload["text"],
-        logprobs=None if logprobs is None else [TokenLogprob.model_validate(lp) for lp in logprobs],
+        event_id=event_id, token_ids=payload["ids"],
+        logprobs=None if logprobs is None else [TokenLogprob.model_validate(lp) for lp in logprobs], **text,
     )
 
 
