@@ -6,13 +6,14 @@ from __future__ import annotations
 import gzip
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from scripts.acceptance.stages import ORDER, stages
 from scripts.acceptance.step import Kind
-from tests.deploy.support import ROOT
 
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE_FILES_LIMIT = 8  # files a device command can bring back
 
 

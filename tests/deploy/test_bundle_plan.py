@@ -63,3 +63,26 @@ def test_markers_are_evaluated_for_the_target_python_not_this_one():
         assert "tomli (needed by mili on the target) is not installed here" in older.stderr
     else:
         assert f"bundle tomli {installed}" in older.stdout.splitlines()
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_bundle_sh_refuses_what_it_cannot_build_before_downloading_anything(tmp_path):
+    arm = run_script("scripts/bundle.sh", str(tmp_path / "b"), "--platform", "manylinux_2_28_aarch64")
+    assert arm.returncode == 2 and "Debian's amd64 build" in arm.stderr
+    version = run_script("scripts/bundle.sh", str(tmp_path / "b"), "--python", "twelve")
+    assert version.returncode == 2 and "--python takes a version" in version.stderr
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    occupied = run_script("scripts/bundle.sh", str(tmp_path / "notes"))
+    assert occupied.returncode == 1 and "holds no bundle; refusing to write into it" in occupied.stderr
+    assert [p.name for p in (tmp_path / "notes").iterdir()] == ["keep.txt"]
+    assert not (tmp_path / "b").exists()
+
+
+def test_bootstrap_offline_refuses_a_folder_that_is_no_bundle(tmp_path):
+    done = run_script("scripts/bootstrap.sh", "--offline", str(tmp_path), "--venv", str(tmp_path / "venv"))
+    assert done.returncode == 1 and "holds no MANIFEST" in done.stderr
+    assert not (tmp_path / "venv").exists()
