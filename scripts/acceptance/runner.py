@@ -52,7 +52,9 @@ class Run:
         if rehearse:
             env["CUDA_VISIBLE_DEVICES"] = ""  # a rehearsal is the CPU's, even on a GPU host
         # Probed in a child: CUDA initialized here would hold device memory the steps size their KV pools from.
-        probe = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
+        probe = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True)
+        if probe.returncode != 0:
+            raise SystemExit(f"{sys.executable} cannot import torch and triton:\n{probe.stderr[-2000:]}")
         out.mkdir(parents=True, exist_ok=True)
         return cls(rehearse, out.resolve(), env, json.loads(probe.stdout))
 
