@@ -132,7 +132,8 @@ def run_stage(stage: Stage, run: Run, only: set[str] | None) -> bool:
             if stopped_by is not None:
                 result = Result(step, Outcome.NOT_RUN, f"{stopped_by} failed first")
             elif left < MIN_STEP_S:
-                result = Result(step, Outcome.NOT_RUN, f"out of the stage's {stage.budget_s} s: rerun with --only {step.name}")
+                result = Result(step, Outcome.NOT_RUN,
+                                f"out of the stage's {stage.budget_s} s: rerun with --only {step.name}")
             else:
                 log.info("[%s] %s: %s ...", stage.name, step.name, step.what)
                 result = run_step(step, run, left, log_file)

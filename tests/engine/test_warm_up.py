@@ -35,7 +35,8 @@ def test_an_engine_with_tiny_pages_warms_up_and_generates_what_page_size_16_does
 # By import_module: kernels/__init__ rebinds `kernels.rms_norm` to the function of that name.
 KERNEL_MODULES = tuple(
     importlib.import_module(f"kernels.{name}")
-    for name in ("activation", "decode_attention", "extend_attention", "kv_store", "rms_norm", "rope")
+    for name in ("activation", "decode_attention", "extend_attention", "fused_moe", "kv_store", "moe_align",
+                 "rms_norm", "rope")
 )
 decode_attention = importlib.import_module("kernels.decode_attention")
 
@@ -143,3 +144,31 @@ def test_on_cuda_no_triton_kernel_compiles_after_warm_up(checkpoint, loaded, mon
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kwargs: compiled.append(kwargs["repr"]))
     serve_a_varied_batch(engine)
     assert compiled == []
+
+
+def test_moe_warm_up_compiles_every_kernel_variant_steps_of_any_size_launch(moe_checkpoint, monkeypatch):
+    # 6 experts, 3 per token: steps of more than 64 tokens take 32-pair blocks, of more than 256, 64.
+    if torch.cuda.is_available():
+        device = "cuda"
+    else:
+        device = "cpu"
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors take the Triton path, interpreted
+    model, config, _ = load_model(moe_checkpoint, dtype=torch.float32, device=device)
+    with recorded_launches(monkeypatch) as warm_up:
+        model.warm_up_experts(300)
+    with recorded_launches(monkeypatch) as serving, torch.inference_mode():
+        g = torch.Generator().manual_seed(0)
+        for layer, tokens in zip(itertools.cycle([0, 2]), (1, 2, 3, 17, 64, 65, 100, 256, 257, 300)):
+            model.model.layers[layer].mlp(torch.randn(tokens, config.hidden_size, generator=g).to(device))
+
+    assert {name for name, _, _ in serving.keys} == {"_align_kernel", "_gate_up_kernel", "_down_kernel"}
+    assert serving.values[("_gate_up_kernel", "BLOCK_M")] == {16, 32, 64}
+    assert serving.keys <= warm_up.keys, sorted(serving.keys - warm_up.keys)
+
+
+def test_engine_warm_up_runs_the_moe_experts_up_to_the_step_budget(make_moe_engine, monkeypatch):
+    engine = make_moe_engine(max_num_batched_tokens=300, max_running=4)
+    budgets = []
+    monkeypatch.setattr(engine.runner.model, "warm_up_experts", budgets.append)
+    engine.warm_up()
+    assert budgets == [300]

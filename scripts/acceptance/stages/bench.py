@@ -15,7 +15,8 @@ def decode_share(batch: int) -> Figure:
                   cuda_only=batch != 16)
 
 
-STAGE = Stage("bench", "the figures: kernels, decode step vs its bound and its profile, offline vs transformers, ablations", (
+STAGE = Stage("bench", "the figures: kernels, decode step vs its bound and its profile, offline vs transformers, "
+              "ablations", (
     script("kernels", "each kernel at the qwen3-0.6b shapes; GB/s as a share of a copy's, measured in the same run",
            ("bench/kernels.py", "--shape", "qwen3-0.6b"), ("bench/kernels.py", "--shape", "tiny", "--dtype", "fp32"),
            gate=True, timeout_s=180, figures=(
