@@ -14,6 +14,7 @@ from gateway.app import create_app
 from gateway.lifecycle import Lifecycle
 from gateway.settings import GatewaySettings, add_setting_flags, settings_from_args
 from producer_client import MiliError
+from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 
 # A stream still open this long after SIGTERM is cut; the stop has already told it to end.
 GRACEFUL_SHUTDOWN_S = 10
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(build_parser().parse_args(argv))
     except MiliError as e:
         print(f"error: {e.code}: {e.message}", file=sys.stderr)
+        return 2
+    except SETTINGS_ERRORS as e:
+        print(f"error: invalid_argument: {settings_error_line(e)}", file=sys.stderr)
         return 2
     serve(settings)
     return 0

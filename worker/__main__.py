@@ -19,6 +19,7 @@ import redis
 
 from producer_client.connection import is_fatal, redact_url
 from producer_client.errors import MiliError
+from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.embedded_redis import EmbeddedRedis
 from worker.healthcheck import run_healthcheck
 from worker.metrics import WorkerMetrics
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except MiliError as e:
         print(f"error: {e.code}: {e.message}", file=sys.stderr)
+        return 2
+    except SETTINGS_ERRORS as e:
+        print(f"error: invalid_argument: {settings_error_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the worker took a job: nothing to hand over
         return 130

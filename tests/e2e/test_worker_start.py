@@ -58,7 +58,7 @@ def test_wrong_credentials_stop_the_worker_at_once_with_one_line_and_no_password
         url = server.url.replace("redis://", f"redis://default:{SECRET}x@")
         done = run_to_exit(worker_command(url, "--metrics-port", "0"))
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith("error: redis_refused: Redis at redis://default:***@")
+    assert done.stderr.strip().splitlines()[-1].startswith("error: redis_refused: Redis at redis://***@")
     assert "Traceback" not in done.stderr and SECRET not in done.stderr + done.stdout
 
 
