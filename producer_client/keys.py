@@ -112,6 +112,11 @@ class Keys:
         """Sorted set of batch ids by creation time: GET /v1/batches lists it. No hash tag."""
         return f"{self.prefix}:batches"
 
+    def batches_of(self, owner: str) -> str:
+        """Sorted set of the batch ids one tenant (an API key) created, by creation time: what
+        GET /v1/batches lists for it. No hash tag."""
+        return f"{self.prefix}:batches:of:{owner}"
+
     def batches_unfinished(self) -> str:
         """Sorted set of the batches not ended yet: where gateways look for one to drive."""
         return f"{self.prefix}:batches:unfinished"

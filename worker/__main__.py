@@ -18,6 +18,7 @@ from contextlib import ExitStack
 import redis
 
 from producer_client.connection import is_fatal, redact_url
+from producer_client import logs
 from producer_client.errors import MiliError
 from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.embedded_redis import EmbeddedRedis
@@ -176,10 +177,7 @@ def load_engine(settings: WorkerSettings):
 
 
 def configure_logging(level: str, worker_name: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s [{worker_name}] %(name)s: %(message)s",
-    )
+    logs.configure(level, f"%(asctime)s %(levelname)s [{worker_name}] %(name)s: %(message)s")
 
 
 if __name__ == "__main__":
