@@ -17,7 +17,7 @@ from fastapi import APIRouter, File, Form, Request, UploadFile
 from starlette.responses import StreamingResponse
 
 from gateway.api_keys import tenant_of
-from gateway.batch_lines import ENDPOINTS
+from gateway.batch_lines import ENDPOINTS, jsonl_lines
 from gateway.batch_schema import ENDED, Batch, CreateBatch, FileDeleted, FileObject, RequestCounts
 from gateway.batch_store import BatchStore, text_pieces
 from gateway.errors import APIError, bad_request, not_found
@@ -111,7 +111,7 @@ def check_upload(data: bytes, settings: GatewaySettings) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise bad_request(f"the file is not UTF-8 text: {e}", "file") from None
-    lines = sum(1 for line in text.splitlines() if line.strip())
+    lines = sum(1 for line in jsonl_lines(text) if line.strip())
     if lines > settings.batch_max_lines:
         raise bad_request(f"the file holds {lines} requests, the limit is {settings.batch_max_lines}", "file", "too_many_lines")
     return text

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
 
-from gateway.batch_lines import OutputLine
+from gateway.batch_lines import OutputLine, jsonl_lines
 from gateway.batch_schema import Batch, BatchList, FileObject
 from producer_client.keys import Keys
 from producer_client.scripts import Script, aexecute
@@ -120,7 +120,7 @@ def owned_by(owner: str | None) -> dict[str, str]:
 
 def text_pieces(text: str) -> list[str]:
     pieces = Pieces()
-    whole = [piece for line in text.splitlines(keepends=True) if (piece := pieces.add(line)) is not None]
+    whole = [piece for line in jsonl_lines(text, keepends=True) if (piece := pieces.add(line)) is not None]
     last = pieces.rest()
     return whole + ([last] if last else [])
 
