@@ -29,15 +29,18 @@ from producer_client.scripts import Script
 # -- a job's keys ---------------------------------------------------------------------------------
 
 # Prepended to the scripts that write a job's keys (KEYS: job, events, done): a producer may write
-# those keys, so one may hold another type than the protocol's. Redis does not undo what a
-# script wrote before a command failed, so the types are checked before anything is written:
-# the script then fails whole, with a WRONGTYPE error naming the key, and the worker fails the
-# job (FAIL, below).
+# those keys, so one may hold another type than the protocol's. Redis does not undo what a script
+# wrote before a command failed, so a script that would write more than one of them asks
+# wrong_key_type() first: it then fails whole, with a WRONGTYPE error naming the key, and the
+# worker fails the job (FAIL, below). A script whose first write would meet the wrong type needs
+# no check (PUBLISH's steps: the hash is read, or the event stream written, first).
 JOB_KEY_TYPES = """
-for i, kind in ipairs({'hash', 'stream', 'stream'}) do
-  local found = redis.call('TYPE', KEYS[i]).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind)
+local function wrong_key_type()
+  for i, kind in ipairs({'hash', 'stream', 'stream'}) do
+    local found = redis.call('TYPE', KEYS[i]).ok
+    if found ~= 'none' and found ~= kind then
+      return redis.error_reply('WRONGTYPE ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind)
+    end
   end
 end
 """
@@ -49,6 +52,8 @@ end
 # bypasses the client that would create it. Claiming the entry a job is running under again is a
 # reclaim: it starts a new run, and the old run's worker can publish nothing more.
 CLAIM = Script("claim", JOB_KEY_TYPES + """
+local refused = wrong_key_type()
+if refused then return refused end
 if redis.call('HEXISTS', KEYS[1], 'result') == 1 then
   for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[3]) end
   return {'final'}
@@ -85,6 +90,10 @@ if recorded ~= ARGV[4] and recorded ~= ARGV[5] then
   local n = tonumber(recorded)
   if n > tonumber(ARGV[4]) and n < tonumber(ARGV[5]) then return 'partial:' .. recorded end
   return 'lost'
+end
+if ARGV[6] ~= '' then
+  local refused = wrong_key_type()
+  if refused then return refused end
 end
 if ARGV[2] ~= '' and started ~= ARGV[1] then
   redis.call('XADD', KEYS[2], '*', 'type', 'start', 'data', ARGV[2])

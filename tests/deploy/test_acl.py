@@ -13,7 +13,7 @@ import openai
 import pytest
 import redis
 
-from producer_client import Client
+from producer_client import Client, IdempotencyConflict
 from producer_client.keys import GROUP, Keys
 from tests.acl_support import acl_server
 from tests.deploy.support import ROOT, environment_without_mili, wait_for
@@ -54,6 +54,8 @@ def test_the_producer_user_can_do_what_the_client_does(acl_redis, acl_worker):
         assert client.queue_stats().workers == ["acl-worker"]
         first = client.submit(prompt="once", max_tokens=8, request_id="acl-request")  # HSETNX path
         assert client.submit(prompt="once", max_tokens=8, request_id="acl-request") == first
+        with pytest.raises(IdempotencyConflict):  # the same id, another request
+            client.submit(prompt="other", max_tokens=8, request_id="acl-request")
         assert client.result(first, timeout=30).text == "once"
         many = client.submit_many([{"prompt": f"bulk {i}", "max_tokens": 8} for i in range(3)] + [{"prompt": "r", "request_id": "acl-bulk"}])
         assert sorted(r.text for r in client.as_completed(many, timeout=30)) == ["bulk 0", "bulk 1", "bulk 2", "r"]

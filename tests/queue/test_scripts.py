@@ -300,9 +300,13 @@ def test_claim_and_publish_refuse_a_job_key_of_another_type_before_writing_anyth
     if key != "job":
         redis_client.hset(KEYS.job(job_id), mapping={"status": "running", "run": "r1"})
     before = {k: redis_client.dump(k) for k in (KEYS.job(job_id), KEYS.events(job_id), KEYS.done(job_id))}
-    for script, args in ((CLAIM, ("w1", "1-0", 60, "r1")), (PUBLISH, ("r1", "{}", tokens(1), 0, 1, *final(job_id, "done", "a"), 60))):
-        with pytest.raises(redis.ResponseError, match=f"WRONGTYPE {re.escape(job_key)} is a"):
-            on_job(redis_client, script, job_id, *args)
+    with pytest.raises(redis.ResponseError, match=f"WRONGTYPE {re.escape(job_key)} is a"):
+        on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1")
+    final_step = ("r1", "{}", tokens(1), 0, 1, *final(job_id, "done", "a"), 60)
+    steps = [final_step] if key == "done" else [final_step, ("r1", "{}", tokens(1), 0, 1, "", "", 60)]
+    for args in steps:  # the last step, and (but for the done stream, which only it writes) one before
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            on_job(redis_client, PUBLISH, job_id, *args)
     assert {k: redis_client.dump(k) for k in before} == before  # nothing written
 
 
