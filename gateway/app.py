@@ -24,7 +24,7 @@ from gateway.batch_routes import batch_router
 from gateway.batch_store import BatchStore
 from gateway.board import add_board
 from gateway.edge import Edge, Limits
-from gateway.errors import APIError, api_error_of, bad_request, not_found
+from gateway.errors import APIError, api_error_of, bad_request, job_error, not_found
 from gateway.idempotency import fingerprint, idempotency_key, scoped_key
 from gateway.jobs import Jobs, RequestJobs, collect
 from gateway.lifecycle import Lifecycle
@@ -32,12 +32,12 @@ from gateway.metrics import GatewayMetrics
 from gateway.registry import ModelRegistry
 from gateway.render import ChatRenderer, CompletionRenderer, Renderer, finish_reason, usage
 from gateway.requests import JobSpec, Model, chat_jobs, completion_jobs, generate_job, parse_body
-from gateway.schema import (
-    ChatCompletionRequest, CompletionRequest, GenerateRequest, GenerateResponse, Health, ModelList, SamplingRequest,
-)
+from gateway.responses import GenerateResponse, Health, ModelList
+from gateway.schema import ChatCompletionRequest, CompletionRequest, GenerateRequest, SamplingRequest
 from gateway.settings import GatewaySettings
-from gateway.streaming import EventStream, events
+from gateway.streaming import EventStream, events, opening
 from producer_client import AsyncClient, JobResult, MiliError
+from producer_client.schema import JobFailed
 from producer_client.keys import NAME_PATTERN
 
 log = logging.getLogger("gateway")
@@ -74,10 +74,14 @@ class Gateway:
             log.info("request %s: the client left before its results", jobs.request_id)
         return results
 
-    def stream(self, jobs: RequestJobs, renderer: Renderer, include_usage: bool) -> EventStream:
-        inbox = self.jobs.open_inbox(jobs, stream=True, receive=None)
+    async def stream(self, jobs: RequestJobs, renderer: Renderer, include_usage: bool) -> EventStream:
+        """The jobs' stream, once each has begun (or stream_hold_s has passed): a job the worker
+        refuses (a prompt longer than the context) is an HTTP error before the stream starts."""
         s = self.settings
-        return EventStream(events(inbox, renderer, include_usage, s.keepalive_s, self.metrics, s.retry_after_s), headers=job_headers(jobs))
+        inbox = self.jobs.open_inbox(jobs, stream=True, receive=None)
+        first = await opening(inbox, s.stream_hold_s)
+        body = events(inbox, first, renderer, include_usage, s.keepalive_s, self.metrics, s.retry_after_s)
+        return EventStream(body, headers=job_headers(jobs))
 
     async def answer(self, request: Request, request_model: type[SamplingRequest], jobs_of, renderer_of, id_prefix: str) -> Response:
         """A chat or text completion: validate it whole, enqueue its jobs, then stream them or
@@ -88,9 +92,13 @@ class Gateway:
         renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, [s.prompt_index for s in specs])
         self.check(specs)
         jobs = await self.submit(request, specs, await self.registry.queue_for(req.model), req)
-        if req.stream:
-            return self.stream(jobs, renderer, include_usage(req))
-        results = await self.results(request, jobs)
+        prompt = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        try:
+            if req.streams:
+                return await self.stream(jobs, renderer, include_usage(req))
+            results = await self.results(request, jobs)
+        except JobFailed as e:
+            raise job_error(e, prompt) from None
         return client_left() if results is None else json_response(renderer.response(results), job_headers(jobs))
 
     def check(self, specs: list[JobSpec]) -> None:
@@ -152,7 +160,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
         if results is None:
             return client_left()
         (result,) = results
-        answer = GenerateResponse(generated_text=result.text, finish_reason=finish_reason(result), usage=usage([result], [0]))
+        answer = GenerateResponse(generated_text=result.text, finish_reason=finish_reason(result)[0], usage=usage([result], [0]))
         return json_response(answer, job_headers(jobs))
 
     @app.get("/health")
@@ -202,12 +210,12 @@ async def parse(request: Request, model: type[Model]) -> Model:
 
 
 def check_stream_options(req: SamplingRequest) -> None:
-    if req.stream_options is not None and not req.stream:
+    if req.stream_options is not None and not req.streams:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
 
 def include_usage(req: SamplingRequest) -> bool:
-    return req.stream_options is not None and req.stream_options.include_usage
+    return req.stream_options is not None and bool(req.stream_options.include_usage)
 
 
 def answer_id(request: Request) -> str:

@@ -188,7 +188,7 @@ def line_request(line: InputLine, number: int) -> LineRequest:
         for spec in specs:
             spec.check(None)
     except InvalidArgument as e:
-        raise bad_request(e.message, e.field, e.code) from None
+        raise api_error_of(e, 0) from None
     return LineRequest(number, line.custom_id, endpoint, line.body, request, specs)
 
 

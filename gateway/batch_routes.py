@@ -27,6 +27,7 @@ from gateway.settings import GatewaySettings, duration_s
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
 BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
 MAX_LIST = 100
+MAX_FILE_LIST = 10_000  # the spec's default and bound of a file listing's limit
 
 
 def batch_router(store: BatchStore, settings: GatewaySettings) -> APIRouter:
@@ -44,6 +45,17 @@ def batch_router(store: BatchStore, settings: GatewaySettings) -> APIRouter:
         if saved is None:
             raise bad_request("the file is empty", "file")
         return saved
+
+    @router.get("/v1/files")
+    async def list_files(
+        request: Request, after: str | None = None, limit: int = MAX_FILE_LIST, order: str = "desc", purpose: str | None = None,
+    ):
+        if not 1 <= limit <= MAX_FILE_LIST:
+            raise bad_request(f"limit must be 1 to {MAX_FILE_LIST}", "limit")
+        if order not in ("asc", "desc"):
+            raise bad_request("order must be asc or desc", "order")
+        tenant = tenant_of(request)
+        return await store.list_files(after, limit, order == "desc", purpose, None if tenant.admin else tenant.id)
 
     @router.get("/v1/files/{file_id}")
     async def retrieve_file(request: Request, file_id: str):
@@ -97,7 +109,8 @@ def batch_router(store: BatchStore, settings: GatewaySettings) -> APIRouter:
         batch = await existing_batch(store, request, batch_id)
         status = await store.transition(batch.id, "validating in_progress", "cancelling", "cancelling_at", int(time.time()))
         if status in ENDED - {"cancelled"}:
-            raise APIError(409, f"batch {batch_id} has ended ({status}): there is nothing to cancel", "invalid_request_error", "batch_ended")
+            # A 400, not a 409: the SDK retries a 409 (a conflict that may pass), and this one will not.
+            raise bad_request(f"batch {batch_id} has ended ({status}): there is nothing to cancel", None, "batch_ended")
         return await existing_batch(store, request, batch_id)
 
     return router

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 import redis.asyncio as aioredis
 
 from gateway.batch_lines import OutputLine, jsonl_lines
-from gateway.batch_schema import Batch, BatchList, FileObject
+from gateway.batch_schema import Batch, BatchList, FileList, FileObject
 from producer_client.keys import Keys
 from producer_client.scripts import Script, aexecute
 
@@ -164,6 +164,10 @@ class BatchStore:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(self.keys.file(file_id), mapping={**file.model_dump(), **owned_by(owner)})
         pipe.expire(self.keys.file(file_id), ttl_s)
+        created = time.time()
+        pipe.zadd(self.keys.files(), {file_id: created})
+        if owner is not None:
+            pipe.zadd(self.keys.files_of(owner), {file_id: created})
         await pipe.execute()
         return file
 
@@ -181,7 +185,40 @@ class BatchStore:
             start += len(pieces)
 
     async def delete_file(self, file_id: str) -> bool:
+        owner = await self.redis.hget(self.keys.file(file_id), "owner")
+        await self.redis.zrem(self.keys.files(), file_id)
+        if owner is not None:
+            await self.redis.zrem(self.keys.files_of(owner), file_id)
         return bool(await self.redis.delete(self.keys.file(file_id), self.keys.file_content(file_id)))
+
+    async def list_files(
+        self, after: str | None, limit: int, newest_first: bool, purpose: str | None, owner: str | None,
+    ) -> FileList:
+        """`limit` files after the file `after`, of `purpose` if given, of `owner` (None: of every
+        owner); files that expired leave the index."""
+        index = self.keys.files() if owner is None else self.keys.files_of(owner)
+        rank_of, range_of = (self.redis.zrevrank, self.redis.zrevrange) if newest_first else (self.redis.zrank, self.redis.zrange)
+        start = 0
+        if after is not None:
+            rank = await rank_of(index, after)
+            start = 0 if rank is None else rank + 1
+        files: list[FileObject] = []
+        while len(files) <= limit and (ids := await range_of(index, start, start + limit)):
+            start += len(ids)
+            found = await self._files(ids)
+            gone = [file_id for file_id, file in zip(ids, found) if file is None]
+            if gone:
+                await self.redis.zrem(index, *gone)
+                start -= len(gone)
+            files += [f for f in found if f is not None and purpose in (None, f.purpose)]
+        page = files[:limit]
+        return FileList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None, has_more=len(files) > limit)
+
+    async def _files(self, file_ids: list[str]) -> list[FileObject | None]:
+        pipe = self.redis.pipeline(transaction=False)
+        for file_id in file_ids:
+            pipe.hgetall(self.keys.file(file_id))
+        return [FileObject.model_validate(fields) if fields else None for fields in await pipe.execute()]
 
     # -- batches -------------------------------------------------------------------------------
 

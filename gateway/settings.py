@@ -65,6 +65,9 @@ class GatewaySettings(TomlSettings):
     wait_timeout_ms: int = Field(1000, ge=1, description="how long a submit waits for wait_replicas at most")
     retry_after_s: int = Field(1, ge=1, description="the Retry-After of a 429 (queue full)")
     keepalive_s: float = Field(5.0, gt=0.0, description="a stream with no token for this long gets a ': keep-alive' line")
+    stream_hold_s: float = Field(
+        30.0, ge=0.0, description="a stream starts once its jobs begin (a prompt too long is then a 400), or after this long",
+    )
     cancel_on_disconnect: bool = Field(True, description="a client that disconnects cancels its jobs")
     workers_refresh_s: float = Field(1.0, gt=0.0, description="how often the live workers' models are read again")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")

@@ -23,7 +23,7 @@ from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
 from producer_client.scripts import CANCEL, CREATE, ENQUEUE
 from producer_client.steps import Steps, checked
 from producer_client.schema import (
-    MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
+    CHAT_OPTIONS, MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
     TokenDelta, TokenLogprob, Timings, WorkerInfo, invalid_argument_from,
 )
 
@@ -115,16 +115,20 @@ def enqueued(job: NewJob, create: bool, replication: Replication, replies: list)
 
 def build_job(
     prompt: Any, messages: Any, input_ids: Any, request_id: Any, timeout_s: Any, priority: Any,
-    sampling: dict[str, Any], fingerprint: Any = None,
+    options: dict[str, Any], fingerprint: Any = None,
 ) -> NewJob:
-    """Validate every argument the way the worker will, before anything touches Redis. A job with
-    a request_id is bound to `fingerprint` (a digest of the request it answers; by default of what
-    it generates from): a later submit of the same id with another raises IdempotencyConflict."""
+    """Validate every argument the way the worker will, before anything touches Redis. `options`
+    are SamplingParams' fields and the chat options of JobRequest (tools, enable_thinking...). A
+    job with a request_id is bound to `fingerprint` (a digest of the request it answers; by
+    default of what it generates from): a later submit of the same id with another raises
+    IdempotencyConflict."""
+    sampling = {k: v for k, v in options.items() if k not in CHAT_OPTIONS}
+    chat = {k: v for k, v in options.items() if k in CHAT_OPTIONS}
     try:
         params = SamplingParams.model_validate(sampling, strict=True)
         request = JobRequest.model_validate(
             {"prompt": prompt, "messages": messages, "input_ids": input_ids, "params": params,
-             "priority": priority, "timeout_s": timeout_s},
+             "priority": priority, "timeout_s": timeout_s, **chat},
             strict=True,
         )
     except ValidationError as e:
@@ -146,9 +150,9 @@ def build_job(
 
 
 def generation_fingerprint(request: JobRequest) -> str:
-    """A digest of what a job generates from: its prompt and sampling parameters. Not its job
-    options (timeout_s, priority): a retry may count its deadline from its own start."""
-    generation = request.model_dump_json(include={"prompt", "messages", "input_ids", "params"})
+    """A digest of what a job generates from: its prompt, sampling parameters and chat options.
+    Not its deadline or priority: a retry may count its deadline from its own start."""
+    generation = request.model_dump_json(exclude={"timeout_s", "priority"})
     return hashlib.sha256(generation.encode()).hexdigest()
 
 
@@ -231,12 +235,14 @@ def finished(job_id: str, result_json: str) -> JobResult:
     return result
 
 
-def token_delta(event_id: str, data: str) -> TokenDelta:
+def token_delta(event_id: str, data: str, split: Callable[[str], dict[str, Any]] | None = None) -> TokenDelta:
+    """A `tokens` event as a TokenDelta; `split` turns its text into a chat's fields (JobStream)."""
     payload = json.loads(data)
     logprobs = payload.get("logprobs")
+    text = {"text": payload["text"]} if split is None else split(payload["text"])
     return TokenDelta(
-        event_id=event_id, token_ids=payload["ids"], text=payload["text"],
-        logprobs=None if logprobs is None else [TokenLogprob.model_validate(lp) for lp in logprobs],
+        event_id=event_id, token_ids=payload["ids"],
+        logprobs=None if logprobs is None else [TokenLogprob.model_validate(lp) for lp in logprobs], **text,
     )
 
 

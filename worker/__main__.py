@@ -160,9 +160,9 @@ def wait_for_redis(url: str, backoff_max_s: float):
 def load_engine(settings: WorkerSettings):
     """(engine, device) for the configured model; 'echo' is the model-free EchoEngine."""
     if settings.model == "echo":
-        from worker.echo_engine import EchoEngine
+        from worker.echo_engine import EchoEngine, EchoScript
 
-        return EchoEngine(settings.engine), "cpu"
+        return EchoEngine(settings.engine, EchoScript.from_environment()), "cpu"
     import torch
 
     from worker.engine.engine import Engine

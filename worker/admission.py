@@ -11,11 +11,12 @@ import uuid
 
 import redis
 
+from producer_client.chat_output import OutputFormat
 from producer_client.errors import MiliError
 from producer_client.protocol import entry_time
 from worker.holdings import EngineAPI, Holdings
 from worker.jobs import (
-    Delivery, InternalError, InvalidJob, Job, Poison, final_result, parse_request, prompt_token_ids,
+    Delivery, InternalError, InvalidJob, Job, Poison, final_result, parse_request, render_prompt,
 )
 from worker.outbox import DeadLetter, Outbox, Receipts, Update
 from worker.queue import HANDED_OVER_IDLE_MS, RedisClock, WorkerQueue
@@ -145,6 +146,9 @@ class Admission:
 
     def start_unless_expired(self, job: Job) -> None:
         now = self.clock.now()
+        if job.called_before:  # its one tool call is made: it ended then (tool_calls), whoever ends it now
+            self.outbox.for_job(job).final = job.result("done", "stop", self.worker, now)
+            return
         if job.deadline is not None and now > job.deadline:
             # Never started: expired. Started by an earlier run: it ends now, with what it made.
             if job.token_ids:
@@ -155,7 +159,7 @@ class Admission:
             return
         update = self.outbox.for_job(job)
         if self.add_to_engine(job, update):
-            update.start = start_event(self.worker, now, job.resumed_tokens)
+            update.start = start_event(self.worker, now, job.resumed_tokens, job.output_format)
 
     def _resume_all(self, resumed: list[tuple[Delivery, Job, int]]) -> None:
         try:
@@ -187,13 +191,15 @@ class Admission:
     def _job_from_entry(self, d: Delivery, run: str, now: float) -> Job | MiliError:
         try:
             request = parse_request(d.fields, self.settings.max_body_bytes, self.settings.max_tokens_limit)
-            ids = prompt_token_ids(request, self.engine.tokenizer)
+            ids, fmt = render_prompt(request, self.engine.tokenizer)
         except MiliError as e:
             return e
         except Exception as e:  # a bug must cost one job, not the worker
             log.exception("job %s: unexpected error while reading its entry", d.job_id)
             return InternalError(f"{type(e).__name__}: {e}")
-        return Job(d.job_id, d.entry_id, run, request, ids, queued_at=entry_time(d.entry_id), started_at=now)
+        return Job(
+            d.job_id, d.entry_id, run, request, ids, queued_at=entry_time(d.entry_id), started_at=now, output_format=fmt,
+        )
 
     def _dead_letter_poison(self, d: Delivery, run: str, recorded_tokens: int) -> None:
         error = Poison(
@@ -206,6 +212,10 @@ class Admission:
         self.outbox.add(Update(d.job_id, d.entry_id, run, recorded_tokens, final=final, dead_letter=letter))
 
 
-def start_event(worker: str, started_at: float, resumed_tokens: int) -> str:
-    """A run's `start` event: who runs the job, since when, after how many recorded tokens."""
-    return json.dumps({"worker": worker, "started_at": started_at, "resumed_tokens": resumed_tokens})
+def start_event(worker: str, started_at: float, resumed_tokens: int, output_format: OutputFormat | None) -> str:
+    """A run's `start` event: who runs the job, since when, after how many recorded tokens, and
+    how a chat's output splits (readers of the stream parse its text with it: OutputParser)."""
+    event = {"worker": worker, "started_at": started_at, "resumed_tokens": resumed_tokens}
+    if output_format is not None:
+        event["output"] = output_format.model_dump(mode="json")
+    return json.dumps(event)

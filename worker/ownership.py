@@ -116,9 +116,13 @@ class Ownership:
         job = self.holdings.find(job_id)
         if job is not None:
             ids, text, logprobs, started_at = job.token_ids, "".join(job.text), job.logprobs, job.started_at
+            fmt = job.output_format
         else:  # it ended while Redis had it still: its result holds the whole output
+            # A chat's result holds its answer split from its reasoning and calls already: its
+            # stream carries the answer as plain text, and the result the rest.
             ids, text, logprobs, started_at = final.token_ids, final.text, final.logprobs, final.timings.started_at
-        update = Update(job_id, None, run, 0, start=start_event(self.worker, started_at, 0), final=final)
+            fmt = None
+        update = Update(job_id, None, run, 0, start=start_event(self.worker, started_at, 0, fmt), final=final)
         if ids or text:
             update.add_tokens(list(ids), text, logprobs)
         self.outbox.add(update)

@@ -293,6 +293,9 @@ class Worker:
         job.token_ids.extend(out.new_token_ids)
         job.text.append(out.text_delta)
         self.metrics.generation_tokens.inc(len(out.new_token_ids))
+        if job.stop_reason is None and job.watch_for_call(out.text_delta):
+            log.info("job %s made its tool call (parallel_tool_calls is off): it ends here", job.id)
+            self.holdings.stop(job, "tool_call")
 
     def _final_result(self, job: Job, out, now: float) -> JobResult:
         u = out.usage
@@ -303,6 +306,8 @@ class Worker:
         if out.finish_reason == "abort":
             if job.stop_reason == "timeout":
                 return job.result("done", "timeout", self.name, now, usage)
+            if job.stop_reason == "tool_call":
+                return job.result("done", "stop", self.name, now, usage)  # Job.result: stopped for its calls
             return job.result("cancelled", "abort", self.name, now, usage)
         if out.error is not None:
             error = ErrorInfo(code=out.error.code, message=out.error.message)

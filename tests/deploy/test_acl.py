@@ -107,6 +107,8 @@ def test_the_gateway_user_runs_a_batch_and_is_a_producer_to_jobs(acl_redis, acl_
                  for a in sdk.files.content(done.output_file_id).text.splitlines()}
         assert texts == {f"c{i}": f"acl {i}" for i in range(3)}
         sdk.batches.cancel(sdk.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h").id)
+        assert file.id in [f.id for f in sdk.files.list()]
+        assert [f.id for f in sdk.files.list(order="asc", after=file.id)][0] == done.output_file_id
         assert sdk.files.delete(file.id).deleted
     finally:
         sdk.close()

@@ -55,7 +55,8 @@ def test_request_ids_depend_on_scope_custom_id_and_body_and_fit_a_job_id():
 
 
 @pytest.mark.parametrize("body, param", [({"stream": True}, "stream"), ({"max_tokens": 10**6}, "max_tokens"),
-                                         ({"tools": []}, "tools"), ({"temperature": "hot"}, "temperature")])
+                                         ({"tools": [{"type": "function"}]}, "tools.0.function"),
+                                         ({"temperature": "hot"}, "temperature")])
 def test_a_body_the_http_api_refuses_is_a_400_naming_the_field(body, param):
     with pytest.raises(APIError) as refused:
         line_request(parse_line(line(**body), 1), 1)
