@@ -99,6 +99,9 @@ def test_files_and_batches_are_their_api_keys_and_an_admin_keys(tenants_gateway)
         b.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
     assert batch.id in [x.id for x in a.batches.list(limit=100).data]
     assert batch.id not in [x.id for x in b.batches.list(limit=100).data]
+    assert {file_id, done.output_file_id} <= {f.id for f in a.files.list()}
+    assert not {file_id, done.output_file_id} & {f.id for f in b.files.list()}
+    assert {file_id, done.output_file_id} <= {f.id for f in admin.files.list()}
 
     assert batch.id in [x.id for x in admin.batches.list(limit=100).data]
     assert admin.files.retrieve(file_id).id == file_id and admin.batches.retrieve(batch.id).id == batch.id
