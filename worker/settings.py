@@ -29,7 +29,7 @@ class WorkerSettings(TomlSettings):
         toml_file=DEFAULT_CONFIG_FILE,
     )
 
-    model: str = Field("tiny", description='a preset (tiny, small, qwen3-0.6b), "echo" (no model), or a checkpoint directory')
+    model: str = Field("tiny", description='a preset (tiny, tiny-moe, small, qwen3-0.6b), "echo" (no model), or a checkpoint directory')
     device: str = Field("auto", description="cpu, cuda, cuda:N; auto picks cuda when torch sees one")
     dtype: str = Field("auto", description="float32, bfloat16, float16; auto keeps the checkpoint's own")
     redis: str = Field(

@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass
 
 import pytest
+import torch
 from triton.backends.compiler import BaseBackend
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -13,6 +14,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from producer_client.schema import SamplingParams
 from tests.engine.test_engine import random_prompts, token_ids
+from worker.model.loader import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
@@ -32,7 +34,8 @@ def test_an_engine_with_tiny_pages_warms_up_and_generates_what_page_size_16_does
 # By import_module: kernels/__init__ rebinds `kernels.rms_norm` to the function of that name.
 KERNEL_MODULES = tuple(
     importlib.import_module(f"kernels.{name}")
-    for name in ("activation", "decode_attention", "extend_attention", "kv_store", "rms_norm", "rope")
+    for name in ("activation", "decode_attention", "extend_attention", "fused_moe", "kv_store", "moe_align",
+                 "rms_norm", "rope")
 )
 decode_attention = importlib.import_module("kernels.decode_attention")
 
@@ -111,3 +114,32 @@ def test_warm_up_compiles_every_kernel_variant_a_varied_batch_launches(make_engi
         assert 1 in widths and any(w % 16 == 0 for w in widths) and any(w > 1 and w % 16 for w in widths), widths
     assert {1, 7, 16} <= serving.values[("_decode_merge_kernel", "num_splits")]
     assert serving.keys <= warm_up.keys, sorted(serving.keys - warm_up.keys)
+
+
+
+def test_moe_warm_up_compiles_every_kernel_variant_steps_of_any_size_launch(moe_checkpoint, monkeypatch):
+    # 6 experts, 3 per token: steps of more than 64 tokens take 32-pair blocks, of more than 256, 64.
+    if torch.cuda.is_available():
+        device = "cuda"
+    else:
+        device = "cpu"
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors take the Triton path, interpreted
+    model, config, _ = load_model(moe_checkpoint, dtype=torch.float32, device=device)
+    with recorded_launches(monkeypatch) as warm_up:
+        model.warm_up_experts(300)
+    with recorded_launches(monkeypatch) as serving, torch.inference_mode():
+        g = torch.Generator().manual_seed(0)
+        for layer, tokens in zip(itertools.cycle([0, 2]), (1, 2, 3, 17, 64, 65, 100, 256, 257, 300)):
+            model.model.layers[layer].mlp(torch.randn(tokens, config.hidden_size, generator=g).to(device))
+
+    assert {name for name, _, _ in serving.keys} == {"_align_kernel", "_gate_up_kernel", "_down_kernel"}
+    assert serving.values[("_gate_up_kernel", "BLOCK_M")] == {16, 32, 64}
+    assert serving.keys <= warm_up.keys, sorted(serving.keys - warm_up.keys)
+
+
+def test_engine_warm_up_runs_the_moe_experts_up_to_the_step_budget(make_moe_engine, monkeypatch):
+    engine = make_moe_engine(max_num_batched_tokens=300, max_running=4)
+    budgets = []
+    monkeypatch.setattr(engine.runner.model, "warm_up_experts", budgets.append)
+    engine.warm_up()
+    assert budgets == [300]
