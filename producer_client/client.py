@@ -61,17 +61,22 @@ class Client(OperatorViews):
 
     def submit(
         self, prompt: str | None = None, *, messages: list[dict] | None = None, input_ids: list[int] | None = None,
-        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0, stream: bool = False,
-        **sampling: Any,
+        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0,
+        request_fingerprint: str | None = None, stream: bool = False, **sampling: Any,
     ) -> str:
         """Enqueue a job and return its id. `sampling` takes SamplingParams' fields (max_tokens,
-        temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same id.
-        `stream`: its tokens will be read as they come (stream()), so the worker publishes them
-        within its stream_interval_s from the first; without it, a reader's stream() gets them at
-        the worker's checkpoint_interval_s until the worker sees the reader."""
-        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling, stream)
+        temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same
+        id, if it came with the same request (prompt, sampling parameters and chat options; or
+        `request_fingerprint`, a digest of a request of the caller's own such as an HTTP body,
+        when given); with another it raises IdempotencyConflict and enqueues nothing. `stream`:
+        its tokens will be read as they come (stream()), so the worker publishes them within its
+        stream_interval_s from the first; without it, a reader's stream() gets them at the
+        worker's checkpoint_interval_s until the worker sees the reader."""
+        job = protocol.build_job(
+            prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint, stream=stream,
+        )
         if job.idempotent:
-            if not scripts.execute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys)))[0]:
+            if not job.created(scripts.execute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys)))[0]):
                 return job.job_id
             added = self._enqueue_or_forget(job, create=False)
         else:

@@ -115,25 +115,22 @@ def settled_output(worker: GatedWorker, job_ids: list[str]) -> list[int]:
 
 
 def test_a_slow_reader_never_stalls_the_worker(redis_server, queue):
-    """One reader pauses after its first delta for twice as long as its job runs, another stops
-    reading after its first: the jobs run at the engine's pace all the same, and the slow reader
-    still gets every token once it reads on."""
+    """One reader stops after its first delta until every job has ended, another stops reading
+    for good after its first: the jobs end all the same (a worker that waited for its readers
+    would never end them), and the slow reader gets every token once it reads on."""
     step_s, n = 0.005, 100
-    run_s = n * step_s
     with Client(redis_server.url, queue) as client, serving(redis_server.url, queue, step_s=step_s):
         ids = [client.submit(prompt(i, n), max_tokens=n, stream=True) for i in range(4)]
         stopped = client.stream(ids[1], timeout=20)
         next(stopped)
         slow = client.stream(ids[0], timeout=20)
         deltas = [next(slow)]
-        time.sleep(2 * run_s)
         results = [client.result(j, timeout=20) for j in ids]
         deltas += list(slow)
         stopped.close()
     assert "".join(d.text for d in deltas) == results[0].text == prompt(0, n)
-    for result in results:
-        assert result.status == "done"
-        assert result.timings.finished_at - result.timings.started_at < 1.5 * run_s + 0.2  # the engine's pace
+    assert [r.status for r in results] == ["done"] * 4
+    assert len(deltas) > 1  # it read on after the jobs had ended
 
 
 def p99(values: list[float]) -> float:
