@@ -33,8 +33,7 @@ PROMPTS = [f"Job {i}: tell me something about the number {i * 7}." for i in rang
 PARAMS = [dict(max_tokens=32, temperature=0.0, ignore_eos=True, repetition_penalty=1.3 if i % 2 else 1.0) for i in range(20)]
 
 
-@pytest.fixture(scope="module")
-def fault_free():
+def generate_alone(prompts: list[str], params: list[dict]) -> list:
     """The outputs of an uninterrupted run: the engine in this process, one thread like the workers."""
     from worker.engine.engine import Engine
 
@@ -42,10 +41,14 @@ def fault_free():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
-        return engine.generate(prompts, [SamplingParams(**p) for p in PARAMS])
+        return engine.generate([engine.tokenizer.encode(p) for p in prompts], [SamplingParams(**p) for p in params])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def fault_free():
+    return generate_alone(PROMPTS, PARAMS)
 
 
 def generated_tokens(worker: WorkerProcess) -> float:
@@ -121,16 +124,7 @@ STREAM_PARAMS = dict(max_tokens=120, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def fault_free_long():
-    from worker.engine.engine import Engine
-
-    engine = Engine.from_pretrained("tiny", kv_cache_mib=64, **ENGINE)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:8]]
-        return engine.generate(prompts, [SamplingParams(**STREAM_PARAMS)] * 8)
-    finally:
-        torch.set_num_threads(threads)
+    return generate_alone(PROMPTS[:8], [STREAM_PARAMS] * 8)
 
 
 @pytest.mark.slow
