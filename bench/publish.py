@@ -109,6 +109,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trees", nargs="+", default=["baseline", "new"], help="which trees to run")
     p.add_argument("--rounds", type=int, default=1, help="repeat every case, alternating the trees")
     p.add_argument("--profile", help="write each worker's cProfile to this directory")
+    p.add_argument("--inline-publisher", action="store_true",
+                   help="this tree's rounds sent in the loop's thread (the overlap's idle time) instead of a thread")
     p.add_argument("--new-flags", default="", help="more worker flags for this tree's worker, e.g. '--stream-interval-s 0.1'")
     return p.parse_args()
 
@@ -163,6 +165,8 @@ def start_worker(tree: Path, url: str, out: Path, mode: str, args, tree_name: st
     ]
     if tree_name == "new":
         flags += args.new_flags.split()
+        if args.inline_publisher:
+            flags.append("--inline-publisher")
     command = [sys.executable, str(PROBE), str(tree), str(out), *flags]
     if mode.startswith("streamed"):
         command.append("--samples")

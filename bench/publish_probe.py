@@ -21,6 +21,10 @@ overlap scheduler runs on a GPU: a step returns the previous step's outputs at o
 synchronize does, without the GIL). The host's work between steps is then hidden while it takes
 less than MS ms: `periods` stays flat at MS.
 
+With `--inline-publisher` (this branch's tree only) each publication round is sent in the loop's
+own thread, as the overlap scheduler's idle time would carry it, instead of the publisher's thread:
+the other design issue 25 asked to measure.
+
 Nothing of the tree is imported before TREE leads sys.path, so each tree's own code is measured.
 """
 from __future__ import annotations
@@ -36,6 +40,9 @@ def main() -> int:
     samples = "--samples" in argv
     if samples:
         argv.remove("--samples")
+    inline = "--inline-publisher" in argv
+    if inline:
+        argv.remove("--inline-publisher")
     device_step_s = 0.0
     if "--device-step-ms" in argv:
         at = argv.index("--device-step-ms")
@@ -51,6 +58,10 @@ def main() -> int:
 
     if device_step_s:
         pace_like_a_device(EchoEngine, device_step_s)
+    if inline:
+        from worker.publisher import Publisher
+
+        send_inline(Publisher)
     probe = Probe(samples)
     probe.wrap_step(Worker)
     probe.wrap_publication(Publication)
@@ -74,6 +85,21 @@ def pace_like_a_device(engine_class, step_s: float) -> None:
         return outputs
 
     engine_class.step = device_step
+
+
+def send_inline(publisher_class) -> None:
+    """Each round sent and answered in the caller's thread (the loop's), within send()."""
+
+    def send(self, round_) -> None:
+        started = time.monotonic()
+        try:
+            round_.published, round_.watched = self.queue.publish(round_.updates, round_.watch)
+        except Exception as e:
+            round_.error = e
+        round_.seconds = time.monotonic() - started
+        self.answered = round_
+
+    publisher_class.send = send
 
 
 class Probe:
