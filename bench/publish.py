@@ -40,6 +40,7 @@ import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
 import redis  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from bench.measure import cpu_seconds, pct  # noqa: E402
 from producer_client import AsyncClient, Client  # noqa: E402
@@ -83,14 +84,14 @@ def main() -> None:
     print(f"baseline tree {baseline} (commit {git_head(baseline)}), new tree {REPO} (commit {git_head(REPO)})")
     print(f"{args.jobs} jobs x {args.tokens} tokens, echo engine, batch {args.jobs}; per job: {args.per_job_jobs} 1-token jobs\n")
     cases: list[Case] = []
-    for _ in range(args.rounds):
-        for mode in args.modes:
-            for tree, path in (("baseline", baseline), ("new", REPO)):
-                if tree not in args.trees:
-                    continue
-                case = run_case(tree, path, mode, args)
-                report(case)
-                cases.append(case)
+    plan = [
+        (mode, tree, path) for _ in range(args.rounds) for mode in args.modes
+        for tree, path in (("baseline", baseline), ("new", REPO)) if tree in args.trees
+    ]
+    for mode, tree, path in tqdm(plan, unit="case", desc="cases"):
+        case = run_case(tree, path, mode, args)
+        report(case)
+        cases.append(case)
     print()
     compare(cases)
     print(f"(load average {os.getloadavg()[0]:.2f} at end)")
@@ -277,14 +278,14 @@ def run_per_job(url: str, args) -> int:
 
 def report(case: Case) -> None:
     unit = case.unit
-    print(
+    tqdm.write(
         f"[{case.tree} {case.mode}] {case.units} {unit}s in {case.wall_s:.2f}s ({case.units / case.wall_s:,.0f} {unit}s/s): "
         f"worker {case.per_unit_us(case.worker_cpu_s):.2f} us/{unit}, redis-server {case.per_unit_us(case.redis_cpu_s):.2f} us/{unit} "
         f"({case.redis_sys_share:.0%} of it in the kernel)"
     )
     stalls = case.stalls()
     periods = case.probe.get("periods") or [0.0]
-    print(
+    tqdm.write(
         f"  steps {case.probe.get('steps')}, publication stall per step: max {max(stalls) * 1e3:.2f} ms, "
         f"p99 {pct(stalls, 99) * 1e3:.2f} ms, mean {sum(stalls) / len(stalls) * 1e3:.3f} ms; "
         f"loop time between steps p50 {pct(case.probe.get('gaps') or [0], 50) * 1e3:.2f} ms; step period "
@@ -293,10 +294,10 @@ def report(case: Case) -> None:
     if case.delays:
         for at, name in ((0, "Redis"), (1, "reader")):
             d = [delay[at] for delay in case.delays]
-            print(f"  token delay sampled -> {name}: p50 {pct(d, 50) * 1e3:.1f} ms, p99 {pct(d, 99) * 1e3:.1f} ms, "
+            tqdm.write(f"  token delay sampled -> {name}: p50 {pct(d, 50) * 1e3:.1f} ms, p99 {pct(d, 99) * 1e3:.1f} ms, "
                   f"max {max(d) * 1e3:.1f} ms ({len(d)} tokens)")
     top = sorted(case.commands.items(), key=lambda kv: -kv[1]["usec"])[:6]
-    print("  redis commands: " + ", ".join(
+    tqdm.write("  redis commands: " + ", ".join(
         f"{name.removeprefix('cmdstat_')} {v['calls']:,} calls {v['usec'] / case.units:.2f} us/{unit}" for name, v in top
     ))
 
