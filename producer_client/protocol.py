@@ -3,6 +3,7 @@ that take several round trips, written as steps (producer_client.steps). No I/O 
 `Client` and `AsyncClient` differ only in how they talk to Redis."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -16,11 +17,11 @@ from pydantic import ValidationError
 
 from producer_client.connection import reply_code
 from producer_client.errors import (
-    BodyTooLarge, InvalidArgument, JobNotFound, JobTimeout, NotReplicated,
+    BodyTooLarge, IdempotencyConflict, InvalidArgument, JobNotFound, JobTimeout, NotReplicated,
 )
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
-from producer_client.scripts import CANCEL, CREATE, ENQUEUE
 from producer_client import structured
+from producer_client.scripts import CANCEL, CREATE, ENQUEUE, FOLLOW
 from producer_client.steps import Steps, checked
 from producer_client.schema import (
     CHAT_OPTIONS, MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
@@ -33,6 +34,8 @@ EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
 MAX_BLOCK_MS = 2000  # one blocking read, well inside redis-py's default 5 s socket timeout
 MAX_LIMIT = 10_000  # items one listing returns at most: as many as a dead-letter stream holds
 EVENT_ID = re.compile(r"\d{1,20}-\d{1,20}")
+FINGERPRINT_CHARS = 64
+FINGERPRINT = re.compile(r"[A-Za-z0-9]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,26 @@ class NewJob:
     body: str
     idempotent: bool  # the id came from the caller's request_id, so it may exist already
     timeout_ms: int  # 0: no deadline
+    fingerprint: str = ""  # of the request an idempotent job answers: its request_id is bound to it
 
     def create_call(self, keys: Keys) -> tuple:
         """EVALSHA arguments of CREATE for this job."""
-        return CREATE.sha, 1, keys.job(self.job_id), self.timeout_ms
+        return CREATE.sha, 1, keys.job(self.job_id), self.timeout_ms, self.fingerprint
+
+    def created(self, reply: int) -> bool:
+        """CREATE's reply: whether to enqueue the job. Raises IdempotencyConflict when its id is
+        another request's."""
+        if reply == -1:
+            raise IdempotencyConflict(self.job_id)
+        return bool(reply)
+
+    def add_fresh_create(self, pipe, keys: Keys) -> None:
+        """CREATE of a job with a fresh id: without a deadline that is one HSETNX, which costs
+        Redis less than a script (nobody reads the reply of a fresh id's CREATE)."""
+        if self.timeout_ms:
+            pipe.evalsha(*self.create_call(keys))
+        else:
+            pipe.hsetnx(keys.job(self.job_id), "status", "queued")
 
     def enqueue_call(self, keys: Keys, queue: str, max_depth: int | None) -> tuple:
         """EVALSHA arguments of ENQUEUE for this job."""
@@ -75,16 +94,18 @@ def enqueue_commands(
 ) -> Callable:
     """The pipeline that enqueues `job`: CREATE first when `create` (a fresh id cannot collide, so
     creating and enqueueing take one round trip; CREATE sets the status only if there is none, so
-    a retried pipeline never sets a started job back to queued), then ENQUEUE, then the
-    `enqueued` flag that tells a later submit with the same request_id that the entry exists;
-    with a replication to wait for, a WAIT on the job's node and one on the queue's (on one
-    server they are the same: the second answers at once). `enqueued` reads the replies."""
+    a retried pipeline never sets a started job back to queued), then ENQUEUE, then for a
+    request_id's job the `enqueued` flag that tells a later submit with the same request_id that
+    the entry exists (no later submit names a fresh id); with a replication to wait for, a WAIT on
+    the job's node and one on the queue's (on one server they are the same: the second answers at
+    once). `enqueued` reads the replies."""
 
     def add(pipe) -> None:
         if create:
-            pipe.evalsha(*job.create_call(keys))
+            job.add_fresh_create(pipe, keys)
         pipe.evalsha(*job.enqueue_call(keys, queue, max_depth))
-        pipe.hset(keys.job(job.job_id), "enqueued", "1")
+        if job.idempotent:
+            pipe.hset(keys.job(job.job_id), "enqueued", "1")
         if replication.waits:
             for key in (keys.job(job.job_id), keys.queue(queue)):
                 pipe.wait_replicas(key, replication.replicas, replication.timeout_ms)
@@ -105,17 +126,20 @@ def enqueued(job: NewJob, create: bool, replication: Replication, replies: list)
 
 def build_job(
     prompt: Any, messages: Any, input_ids: Any, request_id: Any, timeout_s: Any, priority: Any,
-    options: dict[str, Any],
+    options: dict[str, Any], fingerprint: Any = None, stream: Any = False,
 ) -> NewJob:
     """Validate every argument the way the worker will, before anything touches Redis. `options`
-    are SamplingParams' fields and the chat options of JobRequest (tools, enable_thinking...)."""
+    are SamplingParams' fields and the chat options of JobRequest (tools, enable_thinking...). A
+    job with a request_id is bound to `fingerprint` (a digest of the request it answers; by
+    default of what it generates from): a later submit of the same id with another raises
+    IdempotencyConflict."""
     sampling = {k: v for k, v in options.items() if k not in CHAT_OPTIONS}
     chat = {k: v for k, v in options.items() if k in CHAT_OPTIONS}
     try:
         params = SamplingParams.model_validate(sampling, strict=True)
         request = JobRequest.model_validate(
             {"prompt": prompt, "messages": messages, "input_ids": input_ids, "params": params,
-             "priority": priority, "timeout_s": timeout_s, **chat},
+             "priority": priority, "timeout_s": timeout_s, "stream": stream, **chat},
             strict=True,
         )
     except ValidationError as e:
@@ -130,7 +154,19 @@ def build_job(
     if request_id is None:
         # 128 random bits, as a uuid4's hex without building the UUID: submit_many makes many.
         return NewJob(os.urandom(16).hex(), body, idempotent=False, timeout_ms=timeout_ms)
-    return NewJob(check_name("request_id", request_id), body, idempotent=True, timeout_ms=timeout_ms)
+    if fingerprint is None:
+        fingerprint = generation_fingerprint(request)
+    elif not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
+        raise InvalidArgument("request_fingerprint", f"must be 1-{FINGERPRINT_CHARS} letters and digits")
+    return NewJob(check_name("request_id", request_id), body, idempotent=True, timeout_ms=timeout_ms, fingerprint=fingerprint)
+
+
+def generation_fingerprint(request: JobRequest) -> str:
+    """A digest of what a job generates from: its prompt, sampling parameters and chat options.
+    Not its deadline or priority: a retry may count its deadline from its own start; nor whether
+    it is streamed: a retry may read the same job whole."""
+    generation = request.model_dump_json(exclude={"timeout_s", "priority", "stream"})
+    return hashlib.sha256(generation.encode()).hexdigest()
 
 
 def check_grammars(request: JobRequest) -> None:
@@ -209,6 +245,11 @@ def read_cut_short(error: Exception) -> bool:
 def job_keys(keys: Keys, job_id: str) -> tuple[str, str, str]:
     """The keys every job script takes, in order."""
     return keys.job(job_id), keys.events(job_id), keys.done(job_id)
+
+
+def follow_call(keys: Keys, job_id: str) -> tuple:
+    """EVALSHA arguments of FOLLOW: a reader of `stream()` asks for the job's tokens as they come."""
+    return FOLLOW.sha, 1, keys.job(job_id)
 
 
 def cancel_call(keys: Keys, job_id: str) -> tuple:

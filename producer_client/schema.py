@@ -12,6 +12,9 @@ from producer_client.structured import FORMAT_TYPES, ResponseFormat
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
+# Token ids and top_k are bounded where they enter (int32, beyond any vocabulary), so that no
+# number a producer sends overflows a tensor inside an engine step.
+MAX_TOKEN_ID = 2**31
 
 
 class SamplingParams(BaseModel):
@@ -25,7 +28,7 @@ class SamplingParams(BaseModel):
     min_tokens: int = Field(0, ge=0)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # 0 = off
+    top_k: int = Field(0, ge=0, lt=MAX_TOKEN_ID)  # 0 = off
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
@@ -53,11 +56,15 @@ class SamplingParams(BaseModel):
         for s in self.stop:
             if not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidArgument("stop", f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidArgument("stop_token_ids", "token ids must be non-negative")
+        check_token_ids("stop_token_ids", self.stop_token_ids)
         if self.response_format is not None and self.stop:
             # A stop string is cut from the text, and the cut would break the structure.
             raise InvalidArgument("stop", "cannot be combined with response_format: stop strings cut the output")
+
+
+def check_token_ids(field: str, token_ids: list[int]) -> None:
+    if any(not 0 <= t < MAX_TOKEN_ID for t in token_ids):
+        raise InvalidArgument(field, f"token ids must be 0 to {MAX_TOKEN_ID - 1}")
 
 
 def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArgument:
@@ -89,6 +96,9 @@ class JobRequest(BaseModel):
     the Redis clock, so producer and worker clocks never need to agree.
     `priority` orders jobs a worker has admitted (lower runs sooner, as in vLLM); the queue
     itself is FIFO.
+    `stream`: someone reads the tokens as they come (`stream()`, an SSE response), so the worker
+    publishes them within its `stream_interval_s`; otherwise it records them every
+    `checkpoint_interval_s` (and sooner once a reader of `stream()` shows up).
 
     A chat (`messages`) may offer `tools` to the model, rendered by the chat template; with
     `tool_choice` "none" they are neither rendered nor parsed, a named one is the only one offered,
@@ -104,6 +114,7 @@ class JobRequest(BaseModel):
     params: SamplingParams = SamplingParams()
     priority: int = Field(0, ge=-1000, le=1000)
     timeout_s: float | None = Field(None, gt=0.0, le=7 * 24 * 3600)
+    stream: bool = False
     tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: bool = True
@@ -132,8 +143,7 @@ class JobRequest(BaseModel):
         given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]
         if len(given) != 1:
             raise InvalidArgument("prompt", "give exactly one of prompt, messages or input_ids")
-        if self.input_ids is not None and any(t < 0 for t in self.input_ids):
-            raise InvalidArgument("input_ids", "token ids must be non-negative")
+        check_token_ids("input_ids", self.input_ids or [])
         if self.params.max_tokens > max_tokens_limit:
             raise InvalidArgument("max_tokens", f"{self.params.max_tokens} exceeds the limit of {max_tokens_limit}")
         self.params.check_consistency()

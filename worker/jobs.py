@@ -4,17 +4,25 @@ the tokens its event stream recorded."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
+
+from pydantic import BaseModel, Field, field_validator
 
 from producer_client.chat import tool_names
 from producer_client.chat_output import THINK_CLOSE, THINK_OPEN, ChatOutput, OutputFormat, OutputParser, Reasoning, parse_output
 from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
 from producer_client.keys import NAME_PATTERN, PROTOCOL_VERSION
 from producer_client.protocol import entry_time
-from producer_client.schema import ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage
+from producer_client.schema import (
+    MAX_TOKEN_ID, ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage,
+)
 from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, tool_call_constraint
 
 ENTRY_FIELDS = frozenset({"id", "v", "body"})
+# A producer's entry may hold any number of fields of any length: the error names a few.
+UNKNOWN_FIELDS_SHOWN = 5
+NAME_CHARS_SHOWN = 64
 
 
 class Poison(MiliError):
@@ -25,9 +33,18 @@ class Poison(MiliError):
 
 
 class InternalError(MiliError):
-    """A bug met while handling one job; the job fails and the worker keeps serving."""
+    """A bug met while handling one job, or a reply the protocol does not define; the job fails
+    and the worker keeps serving."""
 
     code = "internal_error"
+
+
+class InvalidJob(MiliError):
+    """The job's keys in Redis are not what the protocol defines (a key of another type, a field
+    no script can read, events that disagree with the hash): producers may write those keys. The
+    job fails; the worker keeps serving."""
+
+    code = "invalid_job"
 
 
 @dataclass
@@ -41,6 +58,52 @@ class Delivery:
 
     def __post_init__(self):
         self.job_id = job_id_of(self.entry_id, self.fields)
+
+
+class StartEvent(BaseModel):
+    """A run's `start` event as a resumed job reads it: a producer may write the event stream, so
+    what this worker takes over is validated like any input."""
+
+    started_at: float = Field(allow_inf_nan=False)
+
+
+class TokensEvent(BaseModel):
+    ids: list[int] = Field(strict=True)
+    text: str = Field(strict=True)
+    logprobs: list[TokenLogprob] | None = None
+
+    @field_validator("ids")
+    @classmethod
+    def _token_ids(cls, ids: list[int]) -> list[int]:
+        if any(not 0 <= t < MAX_TOKEN_ID for t in ids):
+            raise ValueError(f"token ids must be 0 to {MAX_TOKEN_ID - 1}")
+        return ids
+
+
+@dataclass
+class Feed:
+    """How far a claimed job's output has gone towards Redis: how much of it some update holds
+    already (outbox.Update.take moves the rest in), since when the rest has waited, when the worker
+    last heard from the job's hash (a publication, or a look at its flags), and whether someone
+    reads its tokens as they come (the job's `stream` option, or a reader's FOLLOW)."""
+
+    streamed: bool
+    tokens: int = 0  # of job.token_ids
+    pieces: int = 0  # of job.text
+    logprobs: int = 0  # of job.logprobs
+    waiting_since: float | None = None  # monotonic time of the oldest output no update holds
+    # Monotonic. A job is made as its claim reads its hash: that counts as a look.
+    looked_at: float = field(default_factory=time.monotonic)
+
+    def behind(self, job: Job) -> bool:
+        """Whether the job has output no update holds."""
+        return self.tokens < len(job.token_ids) or self.pieces < len(job.text)
+
+    def catch_up(self, job: Job) -> None:
+        """Everything the job has now counts as held by an update (recorded, or about to be)."""
+        self.tokens, self.pieces = len(job.token_ids), len(job.text)
+        self.logprobs = len(job.logprobs or ())
+        self.waiting_since = None
 
 
 @dataclass
@@ -70,10 +133,12 @@ class Job:
     # With parallel_tool_calls off, the output as it grows: the job stops at its first tool call.
     call_watch: OutputParser | None = field(init=False, default=None)
     called_before: bool = field(init=False, default=False)  # an earlier run made that call: nothing is left to run
+    feed: Feed = field(init=False)
 
     def __post_init__(self):
         if self.deadline is None and self.request.timeout_s is not None:
             self.deadline = self.queued_at + self.request.timeout_s
+        self.feed = Feed(streamed=self.request.stream)
         fmt = self.output_format
         if fmt is not None and fmt.tools is not None and not self.request.parallel_tool_calls:
             self.call_watch = OutputParser(fmt)
@@ -87,19 +152,20 @@ class Job:
         of them started and produced its first token."""
         starts = []
         for event_id, fields in events:
-            payload = json.loads(fields["data"])
-            if fields["type"] == "start":
-                starts.append(payload)
-            elif fields["type"] == "tokens":
-                if self.first_token_at is None and payload["ids"]:
+            if fields.get("type") == "start":
+                starts.append(StartEvent.model_validate_json(fields.get("data", "")))
+            elif fields.get("type") == "tokens":
+                tokens = TokensEvent.model_validate_json(fields.get("data", ""))
+                if self.first_token_at is None and tokens.ids:
                     self.first_token_at = entry_time(event_id)
-                self.token_ids.extend(payload["ids"])
-                self.text.append(payload["text"])
-                if payload.get("logprobs") is not None and self.request.params.logprobs is not None:
-                    self.logprobs = (self.logprobs or []) + [TokenLogprob.model_validate(lp) for lp in payload["logprobs"]]
+                self.token_ids.extend(tokens.ids)
+                self.text.append(tokens.text)
+                if tokens.logprobs is not None and self.request.params.logprobs is not None:
+                    self.logprobs = (self.logprobs or []) + tokens.logprobs
         if starts:
-            self.started_at = starts[0]["started_at"]
+            self.started_at = starts[0].started_at
         self.resumed_tokens = len(self.token_ids)
+        self.feed.catch_up(self)
         self.called_before = self.watch_for_call("".join(self.text))
 
     def usage(self) -> Usage:
@@ -145,6 +211,22 @@ def final_result(
     )
 
 
+@dataclass
+class Rejection:
+    """A job whose own keys refused the protocol: its failed result, which FAIL writes whatever
+    the job's run and recorded tokens, and its entry, acknowledged once the result is written
+    (moved to the dead-letter stream with `fields` should even FAIL be refused)."""
+
+    result: JobResult
+    entry_id: str | None  # None for a detached job (see ADOPT)
+    fields: dict[str, str]
+    deliveries: int = 1
+
+    @property
+    def job_id(self) -> str:
+        return self.result.id
+
+
 def job_id_of(entry_id: str, fields: dict[str, str]) -> str:
     """The entry's job id; an entry without a usable one is reported under `entry-<entry id>`."""
     job_id = fields.get("id", "")
@@ -159,7 +241,9 @@ def parse_request(fields: dict[str, str], max_body_bytes: int, max_tokens_limit:
         raise UnsupportedVersion(f"protocol version {fields.get('v')!r}; this worker speaks {PROTOCOL_VERSION}")
     unknown = sorted(set(fields) - ENTRY_FIELDS)
     if unknown:
-        raise InvalidBody(f"the entry has fields protocol v{PROTOCOL_VERSION} does not know: {', '.join(map(repr, unknown))}")
+        named = ", ".join(repr(name[:NAME_CHARS_SHOWN]) for name in unknown[:UNKNOWN_FIELDS_SHOWN])
+        more = f" and {len(unknown) - UNKNOWN_FIELDS_SHOWN} more" if len(unknown) > UNKNOWN_FIELDS_SHOWN else ""
+        raise InvalidBody(f"the entry has fields protocol v{PROTOCOL_VERSION} does not know: {named}{more}")
     if "body" not in fields:
         raise InvalidBody("the entry has no `body` field")
     try:
@@ -228,8 +312,14 @@ def printable(message: str) -> str:
     return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+# json.dumps makes an encoder per call when given options; one made once serves every event.
+_json_text = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def token_event(token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None) -> str:
-    payload: dict = {"ids": token_ids, "text": text}
-    if logprobs is not None:
-        payload["logprobs"] = [lp.model_dump() for lp in logprobs]
+    """A tokens event's JSON, {"ids": [...], "text": "...", "logprobs": [...]}. Without logprobs
+    (most events) it is put together here: json.dumps of the whole dict costs twice as much."""
+    if logprobs is None:
+        return '{"ids":[' + ",".join(map(str, token_ids)) + '],"text":' + _json_text(text) + "}"
+    payload = {"ids": token_ids, "text": text, "logprobs": [lp.model_dump() for lp in logprobs]}
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))

@@ -4,6 +4,7 @@ so every script is atomic and Redis Cluster-safe. A job's status moves on throug
 
     queued | running --CLAIM--> running (a new run) --PUBLISH(final)--> done | failed | cancelled | expired
     (none) | queued | running --ADOPT--> running, detached   (Redis lost the group; see ADOPT)
+    (any) --FAIL--> failed   (the job's keys refused a script or a read: see FAIL)
     running, detached --REQUEUE--> queued --ENQUEUE--> in the queue stream
 
 Every CLAIM starts a new *run*, named by a token the claiming worker chooses. PUBLISH writes only
@@ -13,10 +14,11 @@ token. A run's first PUBLISH adds a `start` event; a claim of a job that has tok
 resumes it, and its worker continues from the recorded tokens.
 
 Event stream entries have two fields: `type` (start | tokens | end) and `data` (JSON). A worker
-publishes a job's events of one engine step in one PUBLISH call, so a reader blocked on the
-stream wakes once per step, not once per event. The job's end also adds its result, the one
-entry it will ever have, to its `done` stream: a reader that wants only the result blocks there
-and wakes once.
+publishes a job's output in pieces (worker/pace.py): one PUBLISH call carries the tokens of every
+engine step since the last, so a reader blocked on the stream wakes once per piece, not once per
+token or step; a streamed job's piece is at most stream_interval_s old, any other job's at most
+checkpoint_interval_s. The job's end also adds its result, the one entry it will ever have, to its
+`done` stream: a reader that wants only the result blocks there and wakes once.
 
 Every script is safe to run twice, because a call whose reply was lost (the connection broke
 after Redis ran it) is retried: PUBLISH adds tokens only if the job's token count is still the
@@ -27,22 +29,42 @@ from producer_client.scripts import Script
 
 # -- a job's keys ---------------------------------------------------------------------------------
 
+# Prepended to the scripts that write a job's keys (KEYS: job, events, done): a producer may write
+# those keys, so one may hold another type than the protocol's. Redis does not undo what a script
+# wrote before a command failed, so a script that would write more than one of them asks
+# wrong_key_type() first: it then fails whole, with a WRONGTYPE error naming the key, and the
+# worker fails the job (FAIL, below). A script whose first write would meet the wrong type needs
+# no check (PUBLISH's steps: the hash is read, or the event stream written, first).
+JOB_KEY_TYPES = """
+local function wrong_key_type()
+  for i, kind in ipairs({'hash', 'stream', 'stream'}) do
+    local found = redis.call('TYPE', KEYS[i]).ok
+    if found ~= 'none' and found ~= kind then
+      return redis.error_reply('WRONGTYPE ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind)
+    end
+  end
+end
+"""
+
 # KEYS: job, events, done. ARGV: worker, entry id, result TTL seconds, run token.
 # Returns {'claimed', tokens recorded so far[, deadline ms]} (run it; more than 0 tokens:
 # resume it), {'final'} (it has a result already: drop the entry) or {'duplicate'} (another entry
 # with the same job id is running it: drop this one). A missing hash is claimed too: a raw XADD
 # bypasses the client that would create it. Claiming the entry a job is running under again is a
 # reclaim: it starts a new run, and the old run's worker can publish nothing more.
-CLAIM = Script("claim", """
-if redis.call('HEXISTS', KEYS[1], 'result') == 1 then
+CLAIM = Script("claim", JOB_KEY_TYPES + """
+local refused = wrong_key_type()
+if refused then return refused end
+local result, status, entry, tokens, deadline = unpack(
+  redis.call('HMGET', KEYS[1], 'result', 'status', 'entry', 'tokens', 'deadline'))
+if result then
   for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[3]) end
   return {'final'}
 end
-if redis.call('HGET', KEYS[1], 'status') == 'running' and redis.call('HGET', KEYS[1], 'entry') ~= ARGV[2] then
+if status == 'running' and entry ~= ARGV[2] then
   return {'duplicate'}
 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'entry', ARGV[2], 'run', ARGV[4])
-local tokens, deadline = unpack(redis.call('HMGET', KEYS[1], 'tokens', 'deadline'))
 if deadline then return {'claimed', tonumber(tokens or '0'), deadline} end
 return {'claimed', tonumber(tokens or '0')}
 """)
@@ -54,11 +76,13 @@ return {'claimed', tonumber(tokens or '0')}
 # stream; a second finisher changes nothing; 'written' again if this very result is the one
 # written, by this run: a call whose reply was lost), 'lost' (another run holds the job, or the recorded tokens are neither
 # those the update follows nor those it ends with, so this run's view and Redis's differ: nothing
-# changes), 'written' (the result is written), else 'cancel' (its cancel flag is up) or 'ok'.
+# changes), 'written' (the result is written), else 'cancel' (its cancel flag is up), 'followed'
+# (its streamed flag is up: a reader follows it, see FOLLOW) or 'ok'.
 # Recorded tokens equal to those the update ends with mean this very update was applied before.
-PUBLISH = Script("publish", """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 'gone' end
-local result, run, recorded, started, cancel = unpack(redis.call('HMGET', KEYS[1], 'result', 'run', 'tokens', 'started', 'cancel'))
+PUBLISH = Script("publish", JOB_KEY_TYPES + """
+local status, result, run, recorded, started, cancel, streamed = unpack(
+  redis.call('HMGET', KEYS[1], 'status', 'result', 'run', 'tokens', 'started', 'cancel', 'streamed'))
+if not status then return 'gone' end  -- every job's hash has a status: this one has no hash
 if result then
   if run == ARGV[1] and result == ARGV[7] then return 'written' end
   return 'ended'
@@ -71,19 +95,27 @@ if recorded ~= ARGV[4] and recorded ~= ARGV[5] then
   if n > tonumber(ARGV[4]) and n < tonumber(ARGV[5]) then return 'partial:' .. recorded end
   return 'lost'
 end
+if ARGV[6] ~= '' then
+  local refused = wrong_key_type()
+  if refused then return refused end
+end
+local hset = {'HSET', KEYS[1], 'tokens', ARGV[5]}
 if ARGV[2] ~= '' and started ~= ARGV[1] then
   redis.call('XADD', KEYS[2], '*', 'type', 'start', 'data', ARGV[2])
-  redis.call('HSET', KEYS[1], 'started', ARGV[1])
+  table.insert(hset, 'started')
+  table.insert(hset, ARGV[1])
 end
 if ARGV[3] ~= '' and recorded == ARGV[4] then
   redis.call('XADD', KEYS[2], '*', 'type', 'tokens', 'data', ARGV[3])
-  redis.call('HSET', KEYS[1], 'tokens', ARGV[5])
 end
 if ARGV[6] == '' then
+  redis.call(unpack(hset))
   if cancel == '1' then return 'cancel' end
+  if streamed == '1' then return 'followed' end
   return 'ok'
 end
-redis.call('HSET', KEYS[1], 'status', ARGV[6], 'result', ARGV[7], 'tokens', ARGV[5])
+for _, field in ipairs({'status', ARGV[6], 'result', ARGV[7]}) do table.insert(hset, field) end
+redis.call(unpack(hset))
 redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[7])
 redis.call('XADD', KEYS[3], '*', 'data', ARGV[7])
 for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[8]) end
@@ -117,6 +149,24 @@ local run, result = unpack(redis.call('HMGET', KEYS[1], 'run', 'result'))
 if result or run ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', '')
 return 1
+""")
+
+# KEYS: job, events, done. ARGV: result JSON of a failed job, tokens in it, result TTL seconds. The
+# job fails whatever its run and recorded tokens: its keys refused a script or a read (a key of
+# another type, a field no script can read), so no run can go on with it. A key of another type
+# than the protocol's is deleted first, so that the failure can be written and read as any
+# result. Returns 'failed', or 'ended' (changing nothing but those keys) if the job has a result.
+FAIL = Script("fail", """
+for i, kind in ipairs({'hash', 'stream', 'stream'}) do
+  local found = redis.call('TYPE', KEYS[i]).ok
+  if found ~= 'none' and found ~= kind then redis.call('DEL', KEYS[i]) end
+end
+if redis.call('HEXISTS', KEYS[1], 'result') == 1 then return 'ended' end
+redis.call('HSET', KEYS[1], 'status', 'failed', 'result', ARGV[1], 'tokens', ARGV[2])
+redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[1])
+redis.call('XADD', KEYS[3], '*', 'data', ARGV[1])
+for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[3]) end
+return 'failed'
 """)
 
 # -- a queue's keys -------------------------------------------------------------------------------
@@ -184,4 +234,4 @@ return 1
 
 # What a worker's pipelines run besides the producers' scripts (of which ENQUEUE gives a detached
 # job back to the queue, after REQUEUE): `execute` loads both sets on NOSCRIPT.
-WORKER_SCRIPTS = (CLAIM, PUBLISH, ADOPT, REQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER)
+WORKER_SCRIPTS = (CLAIM, PUBLISH, FAIL, ADOPT, REQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER)

@@ -49,17 +49,19 @@ def test_a_waiting_job_s_stream_keeps_alive_for_many_intervals(open_gateway, red
 
 def test_a_job_s_text_resumes_after_the_last_event_id(open_gateway, redis_server, board_worker):
     with Client(redis_server.url, ECHO_QUEUE) as client:
-        job_id = client.submit("resume me here", max_tokens=14)
+        job_id = client.submit("resume me here", max_tokens=14, stream=True)
         client.result(job_id, timeout=30)
         deltas = list(client.stream(job_id))
+    assert len(deltas) >= 2  # the first token goes out alone, at once: there is a middle to resume from
+    mid = len(deltas) // 2
     url = f"{open_gateway.url}/board/job/events?id={job_id}"
     whole = sse_lines(url, seconds=10)
     texts = [line.removeprefix("data: ") for line in whole if line.startswith('data: "')]
     assert "".join(json.loads(t) for t in texts) == "resume me here"
     assert [line.removeprefix("id: ") for line in whole if line.startswith("id: ")] == [d.event_id for d in deltas]
-    rest = sse_lines(url, seconds=10, headers={"Last-Event-ID": deltas[4].event_id})
+    rest = sse_lines(url, seconds=10, headers={"Last-Event-ID": deltas[mid - 1].event_id})
     resumed = [line.removeprefix("id: ") for line in rest if line.startswith("id: ")]
-    assert resumed == [d.event_id for d in deltas[5:]] and rest[-1] == "event: end"
+    assert resumed == [d.event_id for d in deltas[mid:]] and rest[-1] == "event: end"
     bad = httpx.get(url, headers={"Last-Event-ID": "not an id"})
     assert bad.status_code == 400
 
@@ -112,3 +114,19 @@ def test_with_api_keys_the_board_needs_a_session_or_the_bearer_key(keyed_gateway
         assert browser_like.get("/v1/models").status_code == 401  # the session is the board's only
         logout = browser_like.post("/board/logout")
         assert logout.status_code == 303 and 'mili_board_session=""' in logout.headers["set-cookie"]
+
+
+@pytest.mark.parametrize("cookie", [
+    "²³.abc", "١٢٣.x", "1.é", "99999999999.ǅ", "no-dot", ".", "1." + "g" * 64, "9" * 40 + "." + "a" * 64, "",
+])
+def test_a_malformed_session_cookie_is_a_401_never_a_500(keyed_gateway, cookie):
+    # A browser sends a cookie's bytes as they are (UTF-8 here), whatever the server decodes them to.
+    response = httpx.get(f"{keyed_gateway.url}/board/overview", headers={"Cookie": f"mili_board_session={cookie}".encode()})
+    assert response.status_code == 401, response.text
+
+
+@pytest.mark.parametrize("job_id", ["has space", "{tag}", "x" * 200, "-lead"])
+def test_a_bad_id_on_the_event_stream_is_a_400_before_the_stream_starts(open_gateway, job_id):
+    response = httpx.get(f"{open_gateway.url}/board/job/events", params={"id": job_id})
+    assert response.status_code == 400 and response.headers["content-type"].startswith("application/json")
+    assert response.json()["error"]["param"] == "job_id"

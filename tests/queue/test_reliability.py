@@ -266,7 +266,7 @@ def test_a_drain_hands_unfinished_jobs_over_and_they_resume_at_once(redis_server
     assert tokens_published(redis_client, job_id) == list(b"h" * 200)
 
 
-def test_an_entry_whose_job_key_is_unusable_is_dead_lettered_and_the_worker_serves_on(
+def test_an_entry_whose_job_key_is_unusable_fails_its_job_and_the_worker_serves_on(
     redis_server, redis_client, client, queue,
 ):
     job_id = uuid.uuid4().hex
@@ -274,11 +274,13 @@ def test_an_entry_whose_job_key_is_unusable_is_dead_lettered_and_the_worker_serv
     redis_client.xadd(KEYS.queue(queue), {"id": job_id, "v": PROTOCOL_VERSION, "body": '{"prompt": "x"}'})
     with serving(redis_server.url, queue) as worker:
         assert client.generate("next", max_tokens=8, timeout=10).text == "next"
-        assert eventually(lambda: redis_client.xlen(KEYS.dead(queue)) == 1)
+        with pytest.raises(JobFailed) as failed:
+            client.result(job_id, timeout=10)
+        assert eventually(lambda: redis_client.xlen(KEYS.queue(queue)) == 0)
         assert worker.thread.is_alive()
-    ((_, letter),) = redis_client.xrange(KEYS.dead(queue))
-    assert letter["id"] == job_id and "WRONGTYPE" in letter["reason"]
-    assert redis_client.xlen(KEYS.queue(queue)) == 0
+    assert failed.value.code == "invalid_job" and "WRONGTYPE" in failed.value.message
+    assert redis_client.xlen(KEYS.dead(queue)) == 0
+    assert_one_final_result(redis_client, job_id)
 
 
 def test_a_job_lost_and_taken_back_by_the_same_worker_runs_to_its_end(redis_server, redis_client, client, queue):
@@ -299,12 +301,12 @@ def test_a_job_lost_and_taken_back_by_the_same_worker_runs_to_its_end(redis_serv
     assert [start["worker"] for start, _ in runs(redis_client, job_id)] == [worker.name, worker.name]
 
 
-def test_an_update_skips_the_steps_redis_recorded_from_a_call_whose_reply_was_lost():
+def test_an_update_skips_the_cuts_redis_recorded_from_a_call_whose_reply_was_lost():
     update = Update("job", "1-0", "r1", tokens_before=4)
-    update.add_tokens([1, 2], "ab", None)
-    update.add_tokens([3], "c", None)
-    update.add_tokens([4, 5], "de", None)
-    assert not update.skip_recorded(5)  # not the end of a step: not a call of ours
+    update.add_cut([1, 2], "ab", None)
+    update.add_cut([3], "c", None)
+    update.add_cut([4, 5], "de", None)
+    assert not update.skip_recorded(5)  # not the end of a cut: not a call of ours
     assert update.skip_recorded(7)
-    assert (update.tokens_before, update.token_ids, update.text, update.step_sizes) == (7, [4, 5], ["de"], [2])
+    assert (update.tokens_before, update.token_ids, update.text, update.cut_sizes) == (7, [4, 5], ["de"], [2])
     assert update.publish_args(60)[3:5] == [7, 9]
