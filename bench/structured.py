@@ -178,6 +178,7 @@ def run(args) -> None:
         f"{'tok/s':>7} | {'ratio':>5} | {'host ms added':>13} {'(fill':>6} {'handoff':>7} {'reader)':>7} | "
         f"{'mask thread ms':>14} | {'apply ms':>8}"
     )
+    summaries = []
     for batch in args.batches:
         rounds = {False: [], True: []}
         for _ in range(args.rounds):
@@ -193,6 +194,11 @@ def run(args) -> None:
             f"{schema['prefill']:>7.3f} {reader:>7.3f} | {schema['mask_thread']:>14.3f} | {schema['apply']:>8.3f}",
             flush=True,
         )
+        summaries.append(
+            f"batch {batch}: throughput with a schema / without = {schema['tokens_per_s'] / free['tokens_per_s']:.3f}, "
+            f"CPU per step = {schema['cpu_ms'] / free['cpu_ms']:.3f}x, host time added = {host:.3f} ms per step"
+        )
+    print("\n".join(summaries))
 
 
 def median_of(results: list[dict]) -> dict:
