@@ -1,12 +1,15 @@
 """What the worker holds a job's output to (worker.jobs.constraint_of): its response_format, the
 calls a forced tool_choice asks for, a call or the formatted answer under "auto", nothing else;
-after Qwen3's reasoning when the chat thinks."""
+after Qwen3's reasoning when the chat thinks. The echo engine, which cannot, refuses them."""
 import json
 
 import pytest
 
 from producer_client.chat_output import OutputFormat, Reasoning
-from producer_client.schema import JobRequest
+from producer_client.errors import InvalidArgument
+from producer_client.schema import JobRequest, SamplingParams
+from worker.echo_engine import EchoEngine
+from worker.engine.settings import EngineSettings
 from worker.jobs import constraint_of
 from worker.model.presets import resolve_model_path
 from worker.model.tokenizer import Tokenizer
@@ -65,3 +68,11 @@ def test_tools_under_auto_with_a_format_allow_a_call_or_the_answer(tokenizer):
 def test_a_prompt_job_has_no_reasoning_to_skip(tokenizer):
     request = JobRequest.model_validate({"prompt": "x", "params": {"response_format": FORMAT}})
     assert constraint_of(request, None, tokenizer).thinking is None
+
+
+def test_the_echo_engine_refuses_what_it_cannot_hold_to_a_grammar():
+    engine = EchoEngine(EngineSettings())
+    with pytest.raises(InvalidArgument) as refused:
+        engine.add_request("a", [104, 105], SamplingParams(response_format={"type": "json_object"}))
+    assert refused.value.field == "response_format"
+    assert not engine.has_unfinished()
