@@ -96,7 +96,7 @@ def assert_valid(result, schema: dict) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(schemas=st.lists(SCHEMAS, min_size=3, max_size=3), seed=st.integers(0, 2**31))
 def test_every_output_through_the_queue_validates_and_free_jobs_beside_them_are_untouched(
     redis_server, worker, free_alone, schemas, seed,
