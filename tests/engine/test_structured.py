@@ -53,23 +53,23 @@ SAMPLINGS = {
 }
 
 
+def device_engine(make_tiny_engine, overlap_schedule: bool = True):
+    """On CUDA the engine as it serves (decode CUDA graphs, the Triton mask kernel, mask rows copied
+    to the device behind the model; overlapped unless asked not to be); on CPU the same schedule."""
+    if torch.cuda.is_available():
+        return Engine.from_pretrained("tiny", device="cuda", num_pages=256, page_size=4, overlap_schedule=overlap_schedule)
+    return make_tiny_engine(overlap_schedule=overlap_schedule)
+
+
 @pytest.mark.slow
 def test_every_output_parses_and_validates_greedy_and_sampled_and_overlapped_equals_synchronous(make_tiny_engine):
     prompts = random_prompts(len(SAMPLINGS), 2, 30, seed=40)
     params = [constrained(**p) for p in SAMPLINGS.values()]
-    sync = make_tiny_engine(overlap_schedule=False).generate(prompts, params)
+    sync = device_engine(make_tiny_engine, overlap_schedule=False).generate(prompts, params)
     for out in sync:
         assert_valid(out)
-    overlapped = make_tiny_engine(overlap_schedule=True).generate(prompts, params)
+    overlapped = device_engine(make_tiny_engine).generate(prompts, params)
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
-
-
-def device_engine(make_tiny_engine):
-    """On CUDA the engine as it serves (overlapped, decode CUDA graphs, the Triton mask kernel, mask
-    rows copied to the device behind the model); on CPU the overlapped engine all the same."""
-    if torch.cuda.is_available():
-        return Engine.from_pretrained("tiny", device="cuda", num_pages=256, page_size=4)
-    return make_tiny_engine(overlap_schedule=True)
 
 
 def test_free_requests_beside_constrained_ones_draw_what_they_draw_alone(make_tiny_engine):
