@@ -137,6 +137,7 @@ def test_a_max_tokens_cut_ends_with_length_not_an_invalid_stop(redis_server, wor
     ({"type": "choice", "choices": ["red", "green", "blue"]}, lambda text: text in ("red", "green", "blue")),
 ])
 def test_json_object_regex_and_choice_through_the_queue(redis_server, worker, fmt, check):
+    settle(worker)  # the previous test's compile reaches the counters before they are read
     hits, compiles = metric(worker, "mili_grammar_cache_hits_total"), metric(worker, "mili_grammar_compiles_total")
     with Client(redis_server.url, QUEUE) as client:
         for params in (dict(temperature=0.0), dict(temperature=1.0, seed=5)):
@@ -145,8 +146,17 @@ def test_json_object_regex_and_choice_through_the_queue(redis_server, worker, fm
                 continue  # a random model may write one endless string: no bound in "any object"
             assert result.finish_reason == "stop" and check(result.text), result.text
     # The second job of the format found it compiled (the first may have too, after another test).
-    assert eventually(lambda: metric(worker, "mili_grammar_cache_hits_total") >= hits + 1, timeout=10)
+    settle(worker)
+    assert metric(worker, "mili_grammar_cache_hits_total") >= hits + 1
     assert metric(worker, "mili_grammar_compiles_total") <= compiles + 1
+
+
+def settle(worker: WorkerProcess) -> None:
+    """Waits for two heartbeats: the worker copies the engine's totals into its counters just after
+    writing one, so once the second is written the counters hold all the engine did before this call."""
+    for _ in range(2):
+        before = worker.heartbeat()["updated_at"]
+        assert eventually(lambda: worker.heartbeat()["updated_at"] != before, timeout=10), worker.log()
 
 
 def metric(worker: WorkerProcess, name: str) -> float:
