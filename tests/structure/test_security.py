@@ -1,18 +1,18 @@
-"""The README's security section: every line states one guarantee and names the test that proves
-it; each named test exists."""
+"""The security section of docs/operations.md: every line states one guarantee and names the test
+that proves it; each named test exists."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTION = re.compile(r"^### Security: what holds against hostile and careless users\n(.*?)^### ", re.M | re.S)
+SECTION = re.compile(r"^## Security: what holds against hostile and careless users\n(.*?)^## ", re.M | re.S)
 TEST = re.compile(r"\(`(tests/[\w/]+\.py)::(test_\w+)`\)$")
 
 
 def guarantee_lines() -> list[str]:
-    section = SECTION.search((ROOT / "README.md").read_text())
-    assert section, "README.md has no security section"
+    section = SECTION.search((ROOT / "docs" / "operations.md").read_text())
+    assert section, "docs/operations.md has no security section"
     return [line for line in section.group(1).splitlines() if line.startswith("- ")]
 
 
