@@ -13,7 +13,7 @@ from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from worker.engine import Engine, EngineSettings
 from worker.model.loader import load_model
-from worker.model.presets import qwen3_config, qwen3_moe_config, write_random_checkpoint
+from worker.model.presets import qwen3_config, qwen3_moe_config, resolve_model_path, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 from worker.model.tokenizer import Tokenizer
 
@@ -43,6 +43,30 @@ def moe_checkpoint(tmp_path_factory) -> Path:
     ckpt = write_random_checkpoint(tmp_path_factory.mktemp("moe_engine_ckpt"), config, seed=5, norm_std=0.1)
     write_qwen3_tokenizer_files(ckpt)
     return ckpt
+
+
+@pytest.fixture(scope="session")
+def replicated_kv_checkpoint(tmp_path_factory) -> Path:
+    """One KV head for 4 query heads (each rank holds a copy), and an odd vocabulary (the last
+    rank's share of the embedding and the head ends in a padding row)."""
+    config = qwen3_config(
+        vocab_size=VOCAB - 1, max_position_embeddings=512, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        tie_word_embeddings=False, initializer_range=0.3, bos_token_id=None, eos_token_id=None,
+    )
+    ckpt = write_random_checkpoint(tmp_path_factory.mktemp("kv1_ckpt"), config, seed=7, norm_std=0.1)
+    write_qwen3_tokenizer_files(ckpt)
+    return ckpt
+
+
+@pytest.fixture(scope="session")
+def models(checkpoint, moe_checkpoint, replicated_kv_checkpoint) -> dict[str, Path]:
+    """The checkpoints the tensor-parallel tests split: KV heads split over 2 ranks (tiny's and
+    kv-split's), replicated, and a mixture of experts."""
+    return {
+        "tiny": resolve_model_path("tiny"), "kv-split": checkpoint, "kv-replicated": replicated_kv_checkpoint,
+        "moe": moe_checkpoint,
+    }
 
 
 @pytest.fixture(scope="session")
