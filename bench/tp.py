@@ -1,5 +1,5 @@
-"""Tensor parallelism's costs, with ranks on the CPU joined by gloo, each beside its baseline in the
-same run:
+"""Tensor parallelism's costs, each beside its baseline in the same run (ranks on the CPU joined by
+gloo; with --device cuda the head and step parts run on 2 GPUs over NCCL):
 
   broadcast  each step's inputs sent from rank 0 to another rank: the shared-memory ring the
              engine uses (worker/engine/step_ring.py) against broadcasting the same message over
@@ -12,11 +12,11 @@ same run:
   load       each rank's peak resident memory while loading a checkpoint from safetensors (its
              VmHWM, reset just before): one rank and each of two, beside safetensors' own
              memory-mapped reader loading the whole model (the loader before tensor parallelism).
-  step       engine decode steps with one rank and with two: a sanity figure (on CPU the two
+  step       engine decode steps with one rank and with two: on CPU a sanity figure (the two
              ranks share the cores and gloo's latency, so two ranks are slower).
 
     python bench/tp.py                           # all four, CPU, the small preset
-    python bench/tp.py --parts load --model qwen3-0.6b
+    python bench/tp.py --parts head step --device cuda --model qwen3-0.6b --batch 64    # 2 GPUs
 """
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--messages", type=int, default=2000, help="messages per kind (broadcast)")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed (step)")
     parser.add_argument("--batch", type=int, default=8, help="requests decoding at once (step)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the head and step parts run")
     return parser.parse_args()
 
 
@@ -80,9 +81,20 @@ def spawn(target, size: int, *args) -> list:
     return [out[rank] for rank in range(size)]
 
 
-def join_gloo(rank: int, size: int, port: int) -> None:
+def join_group(rank: int, size: int, port: int, device: str = "cpu") -> torch.device:
+    """This process in the group (gloo, or NCCL on GPU `rank`); its device."""
     store = dist.TCPStore("127.0.0.1", port, size + 1, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=datetime.timedelta(minutes=5))
+    here = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(here)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(minutes=5), device_id=here if device == "cuda" else None)
+    return here
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # -- broadcast -----------------------------------------------------------------------------
@@ -111,7 +123,7 @@ def broadcast_over_group(rank: int, step: HostStep | None, buffer: np.ndarray) -
 
 def broadcast_worker(rank, size, port, results, ring_end, count) -> None:
     torch.set_num_threads(1)
-    join_gloo(rank, size, port)
+    join_group(rank, size, port)
     figures = {}
     for name, shape in MESSAGES.items():
         step = random_step(*shape)
@@ -165,22 +177,23 @@ def spawn_with_ends(ring: StepRing, count: int) -> list:
 # -- the LM head ---------------------------------------------------------------------------
 
 
-def head_worker(rank, size, port, results, hidden_size, vocab, rows_list, repeats) -> None:
+def head_worker(rank, size, port, results, hidden_size, vocab, rows_list, repeats, device) -> None:
     from worker.model.parallel import TensorParallel
     from worker.model.qwen3 import project_logits
 
     torch.set_num_threads(1)
-    join_gloo(rank, size, port)
-    tp = TensorParallel(rank, size, dist.group.WORLD)
-    generator = torch.Generator().manual_seed(0)
-    head = torch.randn(vocab, hidden_size, generator=generator)
+    here = join_group(rank, size, port, device)
+    tp = TensorParallel(rank, size, dist.group.WORLD, here)
+    dtype = torch.bfloat16 if here.type == "cuda" else torch.float32
+    head = torch.randn(vocab, hidden_size, device=here).to(dtype)
     share = head[tp.vocab(vocab).start: tp.vocab(vocab).stop].contiguous()
     figures = {}
     for rows in rows_list:
-        hidden = torch.randn(rows, hidden_size, generator=generator)
-        out = torch.empty(rows, vocab)
+        hidden = torch.randn(rows, hidden_size, device=here).to(dtype)
+        out = torch.empty(rows, vocab, device=here)
         for mode in ("split", "rank 0 alone"):
             dist.barrier()
+            synchronize(here)
             wall = time.perf_counter()
             for _ in range(repeats):
                 if mode == "split":
@@ -189,15 +202,18 @@ def head_worker(rank, size, port, results, hidden_size, vocab, rows_list, repeat
                     if rank == 0:
                         project_logits(hidden, head, out)
                     dist.barrier()  # rank 1 waits, as it would for the next step
+            synchronize(here)
             figures[rows, mode] = (time.perf_counter() - wall) / repeats
     results.put((rank, figures))
     dist.destroy_process_group()
 
 
 def bench_head(args) -> None:
-    hidden_size, vocab, rows_list = 1024, 151936, (1, 8, 64)
-    figures = spawn(head_worker, 2, hidden_size, vocab, rows_list, 20)[0]
-    print(f"\nLM head over 2 ranks, hidden {hidden_size}, vocabulary {vocab}, float32 (ms per step, rank 0's wall)")
+    cuda = args.device == "cuda"
+    hidden_size, vocab, rows_list = (5120, 151936, (1, 64, 256)) if cuda else (1024, 151936, (1, 8, 64))
+    figures = spawn(head_worker, 2, hidden_size, vocab, rows_list, 200 if cuda else 20, args.device)[0]
+    print(f"\nLM head over 2 ranks, hidden {hidden_size}, vocabulary {vocab}, "
+          f"{'bfloat16 on 2 GPUs' if cuda else 'float32'} (ms per step, rank 0's wall)")
     print(f"{'rows':>5s} {'split + gather':>15s} {'rank 0 alone':>13s} {'split/alone':>12s}")
     for rows in rows_list:
         split, alone = figures[rows, "split"], figures[rows, "rank 0 alone"]
@@ -262,19 +278,23 @@ def bench_step(args) -> None:
     from worker.engine import Engine
 
     threads = torch.get_num_threads()
-    print(f"\ndecode steps of {args.batch} requests, {args.model}, one rank vs two (ms per step; a sanity figure)")
-    # Two ranks share this process's threads (one each of two); one rank runs with as many, and with one.
-    configs = {f"1 rank, {threads} threads": (1, threads), "1 rank, 1 thread": (1, 1),
-               f"2 ranks, {max(1, threads // 2)} thread each": (2, threads)}
+    print(f"\ndecode steps of {args.batch} requests, {args.model}, one rank vs two on {args.device} (ms per step)")
+    if args.device == "cuda":
+        configs = {"1 rank, 1 GPU": (1, threads), "2 ranks, 2 GPUs": (2, threads)}
+    else:  # two ranks share this process's threads (one each of two); one rank runs with as many, and with one
+        configs = {f"1 rank, {threads} threads": (1, threads), "1 rank, 1 thread": (1, 1),
+                   f"2 ranks, {max(1, threads // 2)} thread each": (2, threads)}
     figures = {}
     for name, (size, config_threads) in configs.items():
         torch.set_num_threads(config_threads)
-        with Engine.from_pretrained(args.model, kv_cache_mib=256, max_model_len=1024, tensor_parallel_size=size) as engine:
+        with Engine.from_pretrained(args.model, device=args.device, kv_cache_mib=256, max_model_len=1024,
+                                    max_running=max(args.batch, 8), tensor_parallel_size=size) as engine:
             engine.warm_up()
             figures[name] = time_decode(engine, args)
     torch.set_num_threads(threads)
-    print(f"{'':28s} {'wall':>8s} {'cpu, all ranks':>15s} {'wall / 1 rank, 1 thread':>24s}")
-    base = figures["1 rank, 1 thread"][0]
+    base_name = next(name for name in configs if name.startswith("1 rank, 1 "))
+    print(f"{'':28s} {'wall':>8s} {'cpu, all ranks':>15s} {'wall / ' + base_name:>24s}")
+    base = figures[base_name][0]
     for name, (wall, cpu) in figures.items():
         print(f"{name:28s} {wall * 1e3:8.2f} {cpu * 1e3:15.2f} {wall / base:23.2f}x")
 
