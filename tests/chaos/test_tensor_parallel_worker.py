@@ -175,3 +175,22 @@ def test_a_worker_refuses_more_ranks_than_visible_gpus_with_one_line(redis_serve
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: invalid_argument: tensor_parallel_size: 2 ranks need GPUs cuda:0..cuda:1, {visible} are visible"
     )
+
+
+def test_a_worker_whose_loop_never_notices_a_failed_rank_exits_once_the_timeout_has_passed_again():
+    # As a worker blocked where no engine call comes (a device wait that never returns): the
+    # failure is set, the main thread sleeps on.
+    code = (
+        "import threading, time\n"
+        "from worker.tensor_parallel import exit_after_failure\n"
+        "failed = threading.Event()\n"
+        "threading.Thread(target=exit_after_failure, args=(failed, 1.0), daemon=True).start()\n"
+        "failed.set()\n"
+        "time.sleep(60)\n"
+    )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 3
+    assert "a tensor-parallel rank failed 1 s ago and the worker is still up: exiting now" in done.stderr
+    assert 1.0 <= elapsed < 30

@@ -1,18 +1,24 @@
 """Engines of several ranks as processes: a rank killed (idle, or while the engine steps) or
 stopped (a hang) ends the engine with RankFailed, the hang within the collective timeout, while
-ranks idle for several times that timeout are no hang; and on 2 GPUs, decode CUDA graphs with
+ranks idle for several times that timeout are no hang; a step that raises on a rank (as it does
+on rank 0, which isolates its jobs) leaves that rank serving; and on 2 GPUs, decode CUDA graphs with
 the collectives captured, and the overlap scheduler, generate what one eager rank does."""
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from tests.engine.test_tensor_parallel import ENGINE, greedy, prompts_for
 from worker.engine import Engine
+from worker.engine.follower import serve_steps
+from worker.engine.host_step import HostStep
+from worker.engine.step_ring import StepRing, message_bytes
 from worker.model.rank_failed import RankFailed
 
 
@@ -87,3 +93,32 @@ def test_on_two_gpus_captured_graphs_and_overlap_generate_what_one_eager_rank_do
         assert tp.runner.decode_graphs is not None and tp.overlap
         assert tp.devices == ["cuda:0", "cuda:1"]
         assert [o.token_ids for o in tp.generate(prompts, params)] == expected
+
+
+class FailingOnce:
+    """A runner whose first step raises, as a fault of one job's inputs would on every rank."""
+
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.steps = 0
+
+    def execute(self, step, future=None):
+        self.steps += 1
+        if self.steps == 1:
+            raise RuntimeError("a fault in the step's inputs")
+
+
+def test_a_step_that_raises_on_a_rank_leaves_it_serving_the_next_steps(caplog):
+    ring = StepRing(readers=1, capacity=message_bytes(4, 1, 1), timeout_s=5)
+    reader, runner = ring.reader(0), FailingOnce()
+    step = HostStep(*(np.zeros(n, dtype) for n, dtype in ((1, np.int64),) * 3), np.zeros((1, 1), np.int32),
+                    *(np.zeros(n, np.int32) for n in (1, 1, 2)), np.zeros(1, np.int64), max_q_len=1)
+    rank = threading.Thread(target=serve_steps, args=(reader, runner))  # the ring has two slots
+    rank.start()
+    for _ in range(3):
+        ring.send(step)
+    ring.stop(timeout_s=5)
+    rank.join(timeout=10)
+    assert not rank.is_alive() and runner.steps == 3
+    assert "a step failed on this rank" in caplog.text
