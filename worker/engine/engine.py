@@ -27,7 +27,7 @@ from worker.engine.overlap import LaunchedStep, launched
 from worker.engine.radix_cache import RadixCache
 from worker.engine.outputs import Capacity, EngineStats, RequestOutput
 from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
-from worker.engine.ranks import RankGroup
+from worker.engine.ranks import RankGroup, load_shares
 from worker.engine.reader import StepReader
 from worker.engine.request import Request
 from worker.engine.runner import ModelRunner
@@ -36,7 +36,6 @@ from worker.engine.scheduler import ScheduledChunk, Scheduler
 from worker.engine.settings import EngineSettings
 from worker.engine.stop import TextOutput
 from worker.model.config import Qwen3Config
-from worker.model.loader import LoadedModel, load_model
 from worker.model.rank_failed import RankFailed
 from worker.model.presets import resolve_model_path
 from worker.model.qwen3 import Qwen3ForCausalLM
@@ -49,11 +48,9 @@ class Engine(OfflineGeneration):
         self, model: Qwen3ForCausalLM, config: Qwen3Config, tokenizer: Tokenizer,
         settings: EngineSettings, eos_token_ids: list[int], device: torch.device, ranks: RankGroup | None = None,
     ):
-        """`ranks`: the other ranks of a tensor-parallel group, started by from_pretrained, whose
-        model is this `model`'s other shares; the engine stops them in `close`."""
         self.settings = settings
         self.device = device
-        self.ranks = ranks
+        self.ranks = ranks  # the other ranks of a tensor-parallel engine (from_pretrained), stopped by close()
         self.tokenizer = tokenizer
         self.vocab_size = config.vocab_size
         self.max_model_len = resolve_max_model_len(settings, config)
@@ -92,25 +89,16 @@ class Engine(OfflineGeneration):
         others, to be stopped with `close()` (or `with Engine.from_pretrained(...) as engine`)."""
         engine_settings = EngineSettings.parse(**settings)
         path = resolve_model_path(model)
-        if engine_settings.tensor_parallel_size == 1:
-            loaded = load_model(path, dtype, device)
-            return cls._from_loaded(loaded, Tokenizer.from_dir(path), engine_settings, torch.device(device))
-        ranks = RankGroup.start(path, dtype, device, engine_settings)
+        loaded, ranks = load_shares(path, dtype, device, engine_settings)
         try:
-            loaded = load_model(path, dtype, ranks.devices[0], ranks.tp)
-            ranks.meet("loaded")
-            return cls._from_loaded(loaded, Tokenizer.from_dir(path), engine_settings, ranks.devices[0], ranks)
+            tokenizer = Tokenizer.from_dir(path)
+            eos = list(loaded.generation_config.eos_token_ids) + list(tokenizer.eos_token_ids)
+            rank_device = ranks.devices[0] if ranks is not None else torch.device(device)
+            return cls(loaded.model, loaded.config, tokenizer, engine_settings, eos, rank_device, ranks)
         except BaseException:
-            ranks.close()
+            if ranks is not None:
+                ranks.close()
             raise
-
-    @classmethod
-    def _from_loaded(
-        cls, loaded: LoadedModel, tokenizer: Tokenizer, settings: EngineSettings, device: torch.device,
-        ranks: RankGroup | None = None,
-    ) -> Engine:
-        eos = list(loaded.generation_config.eos_token_ids) + list(tokenizer.eos_token_ids)
-        return cls(loaded.model, loaded.config, tokenizer, settings, eos, device, ranks)
 
     @property
     def devices(self) -> list[str]:
@@ -121,12 +109,6 @@ class Engine(OfflineGeneration):
         """Stops the other ranks of a tensor-parallel engine (nothing to do for one rank)."""
         if self.ranks is not None:
             self.ranks.close()
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def warm_up(self) -> None:
         """Runs a two-token prompt and one decode step through the model and the sampler, on

@@ -1,9 +1,10 @@
 """A tensor-parallel engine's other ranks, as rank 0 (the worker's own process) holds them.
 
-`start` checks that the checkpoint loads, that the model splits over N ranks and that N
-devices are there, before any process starts (a refusal is one error, not one per rank); starts ranks 1..N-1 as child processes (worker/engine/follower.py); meets them
-once all have started, to join one process group; and watches them from then on. The engine
-meets them again once each has loaded its share (`meet("loaded")`).
+`load_shares` builds rank 0's share and the group of the others. `RankGroup.start` checks that
+the checkpoint loads, that the model splits over N ranks and that N devices are there, before
+any process starts (a refusal is one error, not one per rank); starts ranks 1..N-1 as child
+processes (worker/engine/follower.py); meets them once all have started, to join one process
+group; and watches them from then on. They meet again once each has loaded its share.
 
 A rank that exits while the group serves is a failure of the whole worker: the watching thread
 logs it and sets `failed` at once, and the engine's next call raises RankFailed (the worker's
@@ -32,7 +33,7 @@ from worker.engine.rank_setup import resolve_max_model_len
 from worker.engine.rendezvous import RankSpec, connect_store, join_process_group, meet, rank_devices
 from worker.engine.settings import EngineSettings
 from worker.engine.step_ring import StepRing, message_bytes
-from worker.model.loader import check_checkpoint
+from worker.model.loader import LoadedModel, check_checkpoint, load_model
 from worker.model.parallel import TensorParallel, check_shapes
 from worker.model.rank_failed import RankFailed
 
@@ -40,6 +41,23 @@ log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0
 EXIT_NOTICE_S = 1.0
+
+
+def load_shares(
+    path: Path, dtype: str | torch.dtype | None, device: str | torch.device, settings: EngineSettings,
+) -> tuple[LoadedModel, RankGroup | None]:
+    """Rank 0's share of the model (the whole model for one rank), and the group of the other
+    ranks, each with its share loaded."""
+    if settings.tensor_parallel_size == 1:
+        return load_model(path, dtype, device), None
+    ranks = RankGroup.start(path, dtype, device, settings)
+    try:
+        loaded = load_model(path, dtype, ranks.devices[0], ranks.tp)
+        ranks.meet("loaded")
+    except BaseException:
+        ranks.close()
+        raise
+    return loaded, ranks
 
 
 class RankGroup:
