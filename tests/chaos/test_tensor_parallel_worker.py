@@ -25,6 +25,10 @@ from worker.model.presets import qwen3_config, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 
 ENGINE_FLAGS = ("--max-model-len", "256", "--page-size", "4")
+# The serving test's ranks: 2 GPUs over NCCL where there are (the tp stage of the GPU acceptance
+# script), gloo ranks on the CPU elsewhere. Faults are done to CPU ranks: a stopped NCCL rank is
+# found by NCCL's own watchdog, which aborts the process.
+SERVE_DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
 RECLAIM_FLAGS = ("--claim-idle-ms", "2000", "--reclaim-interval-s", "0.2")
 HANG_TIMEOUT_S = 3.0
 PROMPTS = [[(7 * i + j) % 2000 + 10 for j in range(3 + 4 * i)] for i in range(8)]
@@ -45,13 +49,21 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fault_free(checkpoint) -> list[list[int]]:
+def fault_free(checkpoint):
+    """The outputs of one rank on `device`, uninterrupted: fault_free(device)."""
     from producer_client.schema import SamplingParams
     from worker.engine import Engine
 
-    engine = Engine.from_pretrained(checkpoint, max_model_len=256, page_size=4, kv_cache_mib=64)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [o.token_ids for o in engine.generate(PROMPTS, params)]
+    outputs: dict[str, list[list[int]]] = {}
+
+    def run(device: str) -> list[list[int]]:
+        if device not in outputs:
+            engine = Engine.from_pretrained(checkpoint, device=device, max_model_len=256, page_size=4, num_pages=512)
+            params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            outputs[device] = [o.token_ids for o in engine.generate(PROMPTS, params)]
+        return outputs[device]
+
+    return run
 
 
 def tp_worker(redis_url: str, queue: str, log_dir: Path, checkpoint: Path, *flags: str) -> WorkerProcess:
@@ -81,14 +93,15 @@ def test_a_worker_of_two_ranks_serves_jobs_as_one_worker_and_drains_with_its_ran
     redis_server, redis_client, checkpoint, fault_free, tmp_path,
 ):
     queue = f"tp-{uuid.uuid4().hex[:6]}"
-    worker = start_workers([tp_worker(redis_server.url, queue, tmp_path, checkpoint)])[0]
+    device_flags = ("--device", SERVE_DEVICE, "--gpu-memory-utilization", "0.05")
+    worker = start_workers([tp_worker(redis_server.url, queue, tmp_path, checkpoint, *device_flags)])[0]
     try:
         others = rank_pids(worker)
-        assert worker.heartbeat()["device"] == "cpu,cpu"
+        assert worker.heartbeat()["device"] == ("cuda:0,cuda:1" if SERVE_DEVICE == "cuda" else "cpu,cpu")
         with Client(redis_server.url, queue) as client:
             jobs = submit_all(client)
             results = [client.result(job, timeout=300) for job in jobs]
-        assert [r.token_ids for r in results] == fault_free
+        assert [r.token_ids for r in results] == fault_free(SERVE_DEVICE)
         assert {r.worker for r in results} == {worker.name}
         assert worker.terminate(timeout=60) == 0  # SIGTERM: the drain ends, the ranks stop with the worker
         assert eventually(lambda: not any(alive(pid) for pid in others), timeout=10)
@@ -102,7 +115,7 @@ def survivor(redis_server, checkpoint, tmp_path_factory):
     """A worker of one rank on the queue of the fault tests: it takes the failed worker's jobs over."""
     queue = f"tp-fault-{uuid.uuid4().hex[:6]}"
     worker = WorkerProcess(redis_server.url, queue, f"{queue}-survivor", tmp_path_factory.mktemp("survivor"),
-                           "--max-running", "2", *ENGINE_FLAGS, *RECLAIM_FLAGS, model=str(checkpoint))
+                           "--device", "cpu", "--max-running", "2", *ENGINE_FLAGS, *RECLAIM_FLAGS, model=str(checkpoint))
     try:
         yield start_workers([worker])[0]
     finally:
@@ -113,7 +126,7 @@ def survivor(redis_server, checkpoint, tmp_path_factory):
 def test_a_rank_killed_or_hung_takes_the_worker_down_and_its_jobs_finish_elsewhere(
     fault, redis_server, redis_client, checkpoint, fault_free, survivor, tmp_path,
 ):
-    victim = tp_worker(redis_server.url, survivor.queue, tmp_path, checkpoint, *RECLAIM_FLAGS,
+    victim = tp_worker(redis_server.url, survivor.queue, tmp_path, checkpoint, "--device", "cpu", *RECLAIM_FLAGS,
                        "--tensor-parallel-timeout-s", str(HANG_TIMEOUT_S))
     start_workers([victim])
     with Client(redis_server.url, survivor.queue) as client:
@@ -140,7 +153,7 @@ def test_a_rank_killed_or_hung_takes_the_worker_down_and_its_jobs_finish_elsewhe
         assert len(error_lines) == 1 and error_lines[0].startswith("error: rank_failed: tensor-parallel rank 0: ")
         assert HANG_TIMEOUT_S * 0.9 <= down_s < HANG_TIMEOUT_S + 20, down_s
     assert eventually(lambda: not alive(other), timeout=10)  # it died with the worker, stopped or not
-    assert [r.token_ids for r in results] == fault_free
+    assert [r.token_ids for r in results] == fault_free("cpu")
     assert {r.status for r in results} == {"done"}
     taken_over = [job for job in jobs if [run[0]["worker"] for run in runs(redis_client, job)][-2:] == [
         victim.name, survivor.name]]

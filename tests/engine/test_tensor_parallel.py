@@ -1,9 +1,10 @@
-"""Tensor parallelism on the CPU: an engine of 2 ranks (this process and one it starts, joined by
-gloo) generates token for token what one rank does, on the tiny preset and on random checkpoints
+"""Tensor parallelism: an engine of 2 ranks (this process and one it starts, joined by gloo on the
+CPU, or by NCCL on 2 GPUs, where decode steps replay CUDA graphs with the collectives captured)
+generates token for token what one rank does, on the tiny preset and on random checkpoints
 whose KV heads split over the ranks or are replicated (with a vocabulary that does not divide),
 and on a mixture of experts; its logits match one rank's within float32 rounding (the row-parallel
 sums add the ranks' partial products in another order). The overlap scheduler works over the
-ranks. Failures, and CUDA graphs (2 GPUs), are in test_tensor_parallel_lifecycle.py."""
+ranks. Failures (on the CPU) are in test_tensor_parallel_lifecycle.py."""
 from __future__ import annotations
 
 import random
@@ -17,6 +18,8 @@ from worker.engine.kv_pool import pages_for
 from worker.engine.request import Request
 from worker.engine.scheduler import ScheduledChunk
 
+# On 2 GPUs (the tp stage of scripts/gpu_acceptance.sh) the ranks join by NCCL; elsewhere on the CPU, by gloo.
+DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
 ENGINE = dict(num_pages=256, page_size=4, max_running=8, max_num_batched_tokens=32, max_model_len=256)
 # float32 logits of the same weights, summed in another order across ranks: the largest difference
 # measured was below 1e-5 of logits of magnitude 10 (tests print it).
@@ -34,9 +37,9 @@ def pair(request, models) -> tuple[str, Engine, Engine]:
     """(kind, one rank, two ranks); a process runs one engine of several ranks at a time, and pytest
     runs every test of one kind before it makes the next."""
     kind = request.param
-    single = Engine.from_pretrained(models[kind], dtype="float32", **ENGINE)
-    with Engine.from_pretrained(models[kind], dtype="float32", tensor_parallel_size=2,
-                                overlap_schedule=kind in OVERLAPPED, **ENGINE) as tp:
+    single = Engine.from_pretrained(models[kind], device=DEVICE, dtype="float32", **ENGINE)
+    with Engine.from_pretrained(models[kind], device=DEVICE, dtype="float32", tensor_parallel_size=2,
+                                overlap_schedule=kind in OVERLAPPED or DEVICE == "cuda", **ENGINE) as tp:
         yield kind, single, tp
 
 
@@ -53,7 +56,8 @@ def greedy(max_tokens: int, **extra) -> SamplingParams:
 
 def test_two_ranks_generate_token_for_token_what_one_rank_does(pair):
     kind, single, tp = pair
-    assert tp.overlap == (kind in OVERLAPPED)
+    assert tp.overlap == (kind in OVERLAPPED or DEVICE == "cuda")
+    assert (tp.runner.decode_graphs is not None) == (DEVICE == "cuda")
     prompts = prompts_for(single, seed=len(kind))
     # Penalties make an overlapped engine read a step's draws before the next (no overlap for that request).
     params = [greedy(6 + 3 * i, repetition_penalty=1.3 if i == 2 else 1.0) for i in range(len(prompts))]
@@ -89,4 +93,4 @@ def test_each_rank_holds_the_kv_heads_of_its_query_heads_and_as_many_pages(pair)
     heads = single.runner.kv_caches[0][0].shape[2]  # [pages, page_size, heads, head_dim]
     assert tp.runner.kv_caches[0][0].shape[2] == (1 if kind == "kv-replicated" else heads // 2)
     assert tp.allocator.num_pages == single.allocator.num_pages
-    assert tp.devices == ["cpu", "cpu"]
+    assert tp.devices == (["cuda:0", "cuda:1"] if DEVICE == "cuda" else ["cpu", "cpu"])
