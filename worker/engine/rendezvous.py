@@ -86,15 +86,15 @@ def meet(store: dist.TCPStore, stage: str, rank: int, size: int, check: Callable
         time.sleep(POLL_S)
 
 
-def join_process_group(store: dist.TCPStore, spec_rank: int, devices: list[torch.device], timeout_s: float) -> TensorParallel:
+def join_process_group(store: dist.TCPStore, rank: int, devices: list[torch.device], timeout_s: float) -> TensorParallel:
     """The group of every rank (NCCL on GPUs, gloo on CPU), once all have met at 'started': a
     collective then waits at most timeout_s for a peer."""
-    device = devices[spec_rank]
+    device = devices[rank]
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, store=dist.PrefixStore("tp", store), rank=spec_rank, world_size=len(devices),
+        backend, store=dist.PrefixStore("tp", store), rank=rank, world_size=len(devices),
         timeout=datetime.timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None,
     )
-    return TensorParallel(spec_rank, len(devices), dist.group.WORLD, device)
+    return TensorParallel(rank, len(devices), dist.group.WORLD, device)
