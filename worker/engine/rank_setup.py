@@ -52,7 +52,9 @@ def prepare_rank(
 ) -> RankMemory:
     shape = kv_cache_shape(model, config, settings.page_size)
     vocab = config.vocab_size
-    pages = kv_cache_pages(shape, device, settings, lambda: profile_activation_peak(model, shape, settings, vocab, device))
+    pages = kv_cache_pages(
+        shape, device, settings, lambda: profile_activation_peak(model, shape, settings, vocab, device),
+    )
     num_pages = model.tp.min(pages)
     if num_pages < pages:
         log.info("KV cache: %d pages, as many as every rank of the tensor-parallel group holds", num_pages)

@@ -57,14 +57,17 @@ def rank_devices(device: str | torch.device, size: int) -> list[torch.device]:
     if device.type == "cpu":
         cores = os.cpu_count() or 1
         if size > cores:
-            raise InvalidArgument("tensor_parallel_size", f"{size} ranks on the CPU need as many cores, {cores} are there")
+            raise InvalidArgument(
+                "tensor_parallel_size", f"{size} ranks on the CPU need as many cores, {cores} are there",
+            )
         return [device] * size
     if device.type != "cuda":
         raise InvalidArgument("tensor_parallel_size", f"ranks run on cuda or cpu devices, not {device.type}")
     first, visible = device.index or 0, torch.cuda.device_count()
     if first + size > visible:
         raise InvalidArgument(
-            "tensor_parallel_size", f"{size} ranks need GPUs cuda:{first}..cuda:{first + size - 1}, {visible} are visible",
+            "tensor_parallel_size",
+            f"{size} ranks need GPUs cuda:{first}..cuda:{first + size - 1}, {visible} are visible",
         )
     return [torch.device("cuda", first + r) for r in range(size)]
 
@@ -86,7 +89,9 @@ def meet(store: dist.TCPStore, stage: str, rank: int, size: int, check: Callable
         time.sleep(POLL_S)
 
 
-def join_process_group(store: dist.TCPStore, rank: int, devices: list[torch.device], timeout_s: float) -> TensorParallel:
+def join_process_group(
+    store: dist.TCPStore, rank: int, devices: list[torch.device], timeout_s: float,
+) -> TensorParallel:
     """The group of every rank (NCCL on GPUs, gloo on CPU), once all have met at 'started': a
     collective then waits at most timeout_s for a peer."""
     device = devices[rank]

@@ -226,9 +226,8 @@ def checked_tensors(
         with SafetensorsFile(path) as f:
             for name in names:
                 shape = list(f.tensors[name].shape)
-                if shape != list(targets[name].shape):
-                    raise CheckpointError(
-                        f"{path}: tensor {name} has shape {shape}, expected {list(targets[name].shape)} from config.json"
-                    )
+                expected = list(targets[name].shape)
+                if shape != expected:
+                    raise CheckpointError(f"{path}: tensor {name} has shape {shape}, expected {expected} from config.json")
                 f.torch_dtype(name)
                 yield f, name, targets[name]
