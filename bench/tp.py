@@ -17,6 +17,8 @@ gloo; with --device cuda the head and step parts run on 2 GPUs over NCCL):
 
     python bench/tp.py                           # all four, CPU, the small preset
     python bench/tp.py --parts head step --device cuda --model qwen3-0.6b --batch 64    # 2 GPUs
+    python bench/tp.py --parts broadcast head step --model tiny --messages 50 --hidden-size 64 \
+        --steps 3 --batch 4                       # the CPU rehearsal of the GPU acceptance's tp stage
 """
 from __future__ import annotations
 
@@ -63,6 +65,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--messages", type=int, default=2000, help="messages per kind (broadcast)")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed (step)")
     parser.add_argument("--batch", type=int, default=8, help="requests decoding at once (step)")
+    parser.add_argument("--hidden-size", type=int, default=None,
+                        help="the LM head's hidden size (head; default 1024 on the CPU, 5120, Qwen3-14B's, on CUDA)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the head and step parts run")
     return parser.parse_args()
 
@@ -210,7 +214,8 @@ def head_worker(rank, size, port, results, hidden_size, vocab, rows_list, repeat
 
 def bench_head(args) -> None:
     cuda = args.device == "cuda"
-    hidden_size, vocab, rows_list = (5120, 151936, (1, 64, 256)) if cuda else (1024, 151936, (1, 8, 64))
+    hidden_size, rows_list = (5120, (1, 64, 256)) if cuda else (1024, (1, 8, 64))
+    hidden_size, vocab = args.hidden_size or hidden_size, 151936
     figures = spawn(head_worker, 2, hidden_size, vocab, rows_list, 200 if cuda else 20, args.device)[0]
     print(f"\nLM head over 2 ranks, hidden {hidden_size}, vocabulary {vocab}, "
           f"{'bfloat16 on 2 GPUs' if cuda else 'float32'} (ms per step, rank 0's wall)")
