@@ -11,7 +11,7 @@ import uuid
 import openai
 import pytest
 
-from gateway.batch_store import LINES_PER_FIELD, PIECE_CHARS
+from gateway.batch.store import LINES_PER_FIELD, PIECE_CHARS
 from producer_client.keys import Keys
 from tests.gateway.support import GatewayProcess
 from tests.redis_support import echo_workers
