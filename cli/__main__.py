@@ -1,6 +1,7 @@
 """`mili`: the producer client from a shell.
 
     mili submit "text" --max-tokens 32 [--stream] [--chat] [--no-thinking]    prints the job id (or streams the text)
+        [--json | --json-schema SCHEMA | --regex PATTERN | --choice TEXT...]    structured output
     mili status ID | mili result ID | mili cancel ID | mili stats [--all]     (cli.client_commands)
     mili dead list|show|retry|purge | mili workers | mili jobs --status S    (cli.operator_commands)
     mili batch INPUT.jsonl -o OUTPUT.jsonl [-e ERRORS.jsonl]    an OpenAI batch file, resumable (cli.batch_command)
