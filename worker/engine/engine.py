@@ -278,7 +278,7 @@ def overlap_enabled(settings: EngineSettings, device: torch.device) -> bool:
 
 def resolve_max_model_len(settings: EngineSettings, config: Qwen3Config) -> int:
     # Positions index the model's RoPE table, so the context cannot outgrow it.
-    limit = config.max_position_embeddings
+    limit = config.context_length
     if settings.max_model_len is None:
         return limit
     if settings.max_model_len > limit:

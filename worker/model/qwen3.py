@@ -1,7 +1,8 @@
 """Qwen3 decoder over a flattened varlen batch and a paged KV cache.
 
 Numerics follow transformers' Qwen3ForCausalLM: pre-norm blocks, per-head q/k RMSNorm before
-neox RoPE, GQA attention scaled by head_dim**-0.5, SwiGLU MLP. Every hot-path op goes through
+neox RoPE (plain or YaRN-scaled: worker/model/rope.py), GQA attention scaled by head_dim**-0.5,
+SwiGLU MLP. Every hot-path op goes through
 `kernels`, which picks Triton or the torch reference. Weights are allocated uninitialized and
 filled by `worker.model.loader`; q/k/v and gate/up are fused into one projection each.
 """
@@ -13,6 +14,7 @@ import kernels
 from kernels.cpu_linear import linear_cpu, supports as cpu_linear_supports
 from worker.model.batch import AttentionMetadata, KVCaches
 from worker.model.config import Qwen3Config
+from worker.model.rope import rope_table
 
 
 def empty_weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -135,7 +137,7 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # fp32 whatever the weights' dtype, like transformers' rotary embedding; not a checkpoint tensor.
-        cos_sin = kernels.rope_cos_sin_cache(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        cos_sin = rope_table(config.head_dim, config.rope_theta, config.context_length, config.rope_scaling)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     def forward(
