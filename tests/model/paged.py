@@ -13,8 +13,14 @@ from worker.model.qwen3 import Qwen3ForCausalLM
 
 
 class PagedModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, num_pages: int = 128, page_size: int = 4, seed: int = 0):
-        config, dtype = model.config, model.model.norm.weight.dtype
+    """`cache_dtype` defaults to the model's; a float8 cache needs the model's kv scales set
+    (worker.model.kv_scales)."""
+
+    def __init__(
+        self, model: Qwen3ForCausalLM, num_pages: int = 128, page_size: int = 4, seed: int = 0,
+        cache_dtype: torch.dtype | None = None,
+    ):
+        config, dtype = model.config, cache_dtype or model.model.norm.weight.dtype
         shape = (num_pages, page_size, config.num_key_value_heads, config.head_dim)
         self.model = model
         self.page_size = page_size

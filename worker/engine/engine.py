@@ -19,7 +19,7 @@ from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
 from worker.engine.cuda_graph import DecodeGraphRunner
 from worker.engine.errors import PromptTooLong
-from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_caches, pages_for
+from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_caches, kv_cache_dtype, pages_for
 from worker.engine.memory import kv_cache_pages, profile_activation_peak
 from worker.engine.offline import OfflineGeneration
 from worker.engine.overlap import LaunchedStep, launched
@@ -34,6 +34,7 @@ from worker.engine.settings import EngineSettings
 from worker.engine.stop import TextOutput
 from worker.model.batch import KVCaches
 from worker.model.config import Qwen3Config
+from worker.model.kv_scales import use_fp8_kv_scales
 from worker.model.loader import load_model
 from worker.model.presets import resolve_model_path
 from worker.model.qwen3 import Qwen3ForCausalLM
@@ -53,10 +54,13 @@ class Engine(OfflineGeneration):
         self.max_model_len = resolve_max_model_len(settings, config)
         # Stop tokens the model cannot emit (a small test vocabulary) are dropped, not masked.
         self.eos_token_ids = sorted(t for t in set(eos_token_ids) if t < config.vocab_size)
+        model_dtype = model.model.norm.weight.dtype
         shape = KVCacheShape(
             config.num_hidden_layers, config.num_key_value_heads, config.head_dim, settings.page_size,
-            model.model.norm.weight.dtype,
+            kv_cache_dtype(settings.kv_cache_dtype, model_dtype, device),
         )
+        if shape.dtype != model_dtype:
+            use_fp8_kv_scales(model)
         num_pages = kv_cache_pages(
             shape, device, settings, lambda: profile_activation_peak(model, shape, settings, config.vocab_size, device),
         )
@@ -78,7 +82,7 @@ class Engine(OfflineGeneration):
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         self._steps = self._computed_tokens = self._computed_prompt_tokens = 0
-        self._log_limits(num_pages)
+        self._log_limits(num_pages, model_dtype, shape)
 
     def _capture_decode_graphs(
         self, model: Qwen3ForCausalLM, kv_caches: KVCaches, num_pages: int,
@@ -124,8 +128,13 @@ class Engine(OfflineGeneration):
             self.scheduler.page_table.release(req)
         log.info("warmed up the model and sampler kernels in %.1f s", time.perf_counter() - start)
 
-    def _log_limits(self, num_pages: int) -> None:
+    def _log_limits(self, num_pages: int, model_dtype: torch.dtype, shape: KVCacheShape) -> None:
         s = self.settings
+        if shape.dtype != model_dtype:
+            log.info(
+                "KV cache in %s with per-kv-head power-of-two scales from the weights: %.1fx the tokens of a %s "
+                "cache in the same memory", shape.dtype, model_dtype.itemsize / shape.dtype.itemsize, model_dtype,
+            )
         log.info(
             "engine: max_model_len %d, %d KV pages x %d tokens, max_running %d, max_num_batched_tokens %d, "
             "prefix cache %s, decode CUDA graphs %s, overlapped scheduling %s, eos %s",

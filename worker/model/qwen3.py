@@ -68,6 +68,10 @@ class Qwen3Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, dtype)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        # A float8 KV cache's scales, one per kv head (worker/model/kv_scales.py sets them);
+        # the kernels read them only for a float8 cache.
+        self.register_buffer("k_scale", torch.ones(self.num_kv_heads), persistent=False)
+        self.register_buffer("v_scale", torch.ones(self.num_kv_heads), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
@@ -81,15 +85,15 @@ class Qwen3Attention(nn.Module):
             q, k, self.q_norm.weight, self.k_norm.weight, positions, cos_sin, self.q_norm.eps
         )
         k_cache, v_cache = kv_cache
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         if meta.is_decode:
             out = kernels.paged_decode_attention(
-                q, k_cache, v_cache, meta.page_table, meta.seq_lens, self.scale
+                q, k_cache, v_cache, meta.page_table, meta.seq_lens, self.scale, self.k_scale, self.v_scale
             )
         else:
             out = kernels.paged_extend_attention(
                 q, k_cache, v_cache, meta.page_table, meta.cu_seqlens_q, meta.prefix_lens,
-                self.scale, meta.max_q_len,
+                self.scale, meta.max_q_len, self.k_scale, self.v_scale,
             )
         return self.o_proj(out.reshape(-1, self.q_size))
 
