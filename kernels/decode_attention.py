@@ -39,27 +39,6 @@ def cached_values(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tenso
     return dequantize(rows, scale) if is_fp8(rows) else rows.float()
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None) -> torch.Tensor:
-    """q [Lq, Hq, D] over k, v [Lk, Hk, D]; query i sees keys <= causal_offset + i. fp32 math.
-
-    The queries of each kv head's group are stacked into one [group * Lq, D] matrix, so every
-    kv head serves its group without a copy of K/V per q head, and the scale goes on q (Lq rows)
-    rather than on the scores (Lq x Lk): 19% less time than repeating K/V per q head, for one
-    512-token prompt of 8 q heads over 4 kv heads on CPU.
-    """
-    q_len, num_q_heads, head_dim = q.shape
-    k_len, num_kv_heads = k.shape[0], k.shape[1]
-    group = num_q_heads // num_kv_heads
-    grouped_q = (q.float() * scale).view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    scores = grouped_q.reshape(num_kv_heads, group * q_len, head_dim) @ k.float().permute(1, 2, 0)
-    if causal_offset is not None:
-        qi = torch.arange(q_len, device=q.device)[:, None]
-        ki = torch.arange(k_len, device=q.device)[None, :]
-        scores.view(num_kv_heads, group, q_len, k_len).masked_fill_(ki > qi + causal_offset, float("-inf"))
-    out = scores.softmax(-1) @ v.float().transpose(0, 1)  # [Hk, group * Lq, D]
-    return out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q.shape).to(q.dtype)
-
-
 def paged_decode_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,

@@ -7,12 +7,13 @@ Keys every row of the tile sees skip the masks; the causal band is masked; keys 
 tile's last token are never read.
 """
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
 from kernels.decode_attention import (
-    LOG2E, attend, attend_kv_tile, cached_values, check_paged_cache, dot_precision, gather_context, kv_head_scales,
+    LOG2E, attend_kv_tile, cached_values, check_paged_cache, dot_precision, gather_context, kv_head_scales,
 )
 from kernels.fp8 import check_scales, is_fp8
 
@@ -29,10 +30,11 @@ def tile_config(dtype: torch.dtype) -> dict:
     return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 
 
-# A block of queries attends to its keys in one [Hq, rows, keys] float32 score matrix; its rows
-# are chosen to keep that matrix near this many elements (64 MiB), so a long context costs the
-# reference memory in proportion to its length, not to its square.
-SCORE_ELEMENTS = 1 << 24
+# The reference attends a block of queries at a time, with a boolean mask over the block's
+# visible keys; the block's rows are chosen to keep that mask (and its float form inside SDPA)
+# near this many elements, so a long context costs memory in proportion to its length, not its
+# square.
+MASK_ELEMENTS = 1 << 22
 
 
 def paged_extend_attention_reference(
@@ -44,7 +46,8 @@ def paged_extend_attention_reference(
 
     The new tokens' K/V are already stored in the cache, so request b's keys are
     cache rows [0, prefix_lens[b] + q_len_b) read through page_table[b]. A float8 cache's
-    rows are dequantized with k_scale, v_scale [Hk] (kernels/fp8.py).
+    rows are dequantized with k_scale, v_scale [Hk] (kernels/fp8.py). fp32 math: torch's
+    fused attention (flash attention on CPU), so the CPU engine's prefill runs it too.
     """
     check_scales(k_cache, k_scale, v_scale)
     out = torch.empty_like(q)
@@ -53,12 +56,24 @@ def paged_extend_attention_reference(
         lo, hi = starts[b], starts[b + 1]
         k = cached_values(gather_context(k_cache, page_table[b], prefix + hi - lo), k_scale)
         v = cached_values(gather_context(v_cache, page_table[b], prefix + hi - lo), v_scale)
-        rows = max(1, SCORE_ELEMENTS // (q.shape[1] * k.shape[0]))
-        for first in range(lo, hi, rows):
-            last = min(first + rows, hi)
-            visible = prefix + last - lo  # keys past the block's last token are masked for all of it
-            out[first:last] = attend(q[first:last], k[:visible], v[:visible], scale, causal_offset=prefix + first - lo)
+        out[lo:hi] = causal_attention(q[lo:hi], k, v, scale, prefix)
     return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, prefix: int) -> torch.Tensor:
+    """q [Lq, Hq, D] over float32 k, v [prefix + Lq, Hk, D]: new token i sees keys [0, prefix + i]."""
+    keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hk, L, D]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    rows = max(1, MASK_ELEMENTS // k.shape[0])
+    for first in range(0, q.shape[0], rows):
+        last = min(first + rows, q.shape[0])
+        visible = prefix + last  # keys past the block's last token are masked for all of it
+        mask = torch.arange(visible, device=q.device) <= prefix + torch.arange(first, last, device=q.device)[:, None]
+        block = q[first:last].float().transpose(0, 1)[None]  # [1, Hq, rows, D]
+        attended = F.scaled_dot_product_attention(block, keys[:, :, :visible], values[:, :, :visible],
+                                                  attn_mask=mask, scale=scale, enable_gqa=True)
+        out[first:last] = attended[0].transpose(0, 1)
+    return out.to(q.dtype)
 
 
 # The page table's width follows the step's longest sequence: not specialized on, as in the decode kernel.

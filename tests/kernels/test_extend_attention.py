@@ -66,11 +66,11 @@ def test_extend_over_a_float8_cache_matches_reference(group, dtype, device, chec
     check_close("paged_extend_attention", paged_extend_attention_triton(*args), paged_extend_attention_reference(*args))
 
 
-def test_extend_reference_bounds_its_score_matrix_without_changing_the_result(monkeypatch, device):
+def test_extend_reference_bounds_its_mask_without_changing_the_result(monkeypatch, device):
     # Query blocks of one row each: the block-causal slicing must give what one block gives.
     case = extend_case(2, 64, 16, torch.float32, device, [(0, 9), (21, 13)], seed=4)
     q, k_cache, v_cache, page_table, cu, prefix_lens, max_q_len = case
     whole = paged_extend_attention_reference(q, k_cache, v_cache, page_table, cu, prefix_lens, 0.125, max_q_len)
-    monkeypatch.setattr(extend_attention, "SCORE_ELEMENTS", 1)
+    monkeypatch.setattr(extend_attention, "MASK_ELEMENTS", 1)
     rows = paged_extend_attention_reference(q, k_cache, v_cache, page_table, cu, prefix_lens, 0.125, max_q_len)
     torch.testing.assert_close(rows, whole, atol=1e-6, rtol=1e-6)

@@ -1,0 +1,190 @@
+"""32,768 tokens through the engine, equal to transformers.
+
+A 30,720-token prompt is prefilled in chunks of max_num_batched_tokens into paged KV and
+2,048 tokens are decoded after it, to a context of 32,768; then those 32,768 tokens come back
+as one prompt, which the radix cache already holds but for its last page. transformers runs
+the same 32,768 tokens once: its logits at every generated position are compared with the
+engine's, and its argmax at each must be the token the engine chose. Since each position's
+context is the engine's own tokens so far, agreement everywhere means transformers' greedy
+generation from the prompt is the same sequence (by induction), without a second, slower run.
+
+The model has the `tiny` preset's shape (4 layers, 4 q and 2 kv heads of 64, hidden 128,
+Qwen3's vocabulary), drawn at 15x the usual weight scale so that greedy tokens wander (at the
+preset's own scale a random model repeats one token). Memory: the engine's peak over the
+model's own is held within MEMORY_MULTIPLE times the request's KV bytes, which an attention
+buffer quadratic in the context (4 GiB of float32 scores at 32K) would break. On CUDA the same
+runs on the GPU (decode graphs off: their replays skip the hook that records each step's
+hidden state; tests/engine/test_cuda_graph.py proves them equal to eager steps).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+
+from producer_client.schema import SamplingParams
+from worker.engine import Engine, EngineSettings
+from worker.engine.kv_pool import KVCacheShape, pages_for
+from worker.model.loader import load_model
+from worker.model.presets import PRESETS, write_random_checkpoint
+from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
+from worker.model.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PROMPT, GENERATED = 30_720, 2_048
+TOTAL = PROMPT + GENERATED  # 32,768
+PAGE_SIZE = 16
+REL_TOL = 1e-4  # as tests/model/test_parity.py
+# The engine's memory for the request (KV pool, activations, attention temporaries, logits)
+# over the request's KV bytes. Measured 1.2-1.3 on CPU (bench/RESULTS.md).
+MEMORY_MULTIPLE = 2.0
+
+
+@dataclass
+class EngineRun:
+    prompt: list[int]
+    generated: list[int]
+    hidden: torch.Tensor  # [GENERATED, hidden]: the state each generated token was sampled from
+    full_prompt_token: int  # the token sampled after the 32,768 tokens given as one prompt
+    full_prompt_hidden: torch.Tensor  # [1, hidden]
+    cached_tokens: int  # of that prompt, found in the radix cache
+    model: torch.nn.Module  # the engine's, whose LM head turns the hidden states into logits
+    kv_bytes: int  # of the request's 32,767 computed tokens
+    peak_bytes: int  # the engine's memory at its peak, over what the process held with the model loaded
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory):
+    config = {**PRESETS["tiny"].config, "initializer_range": 0.3, "bos_token_id": None, "eos_token_id": None}
+    ckpt = write_random_checkpoint(tmp_path_factory.mktemp("long_context"), config, seed=5, norm_std=0.1)
+    write_qwen3_tokenizer_files(ckpt)
+    return ckpt
+
+
+def resident_bytes(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field_name + ":"))
+    return int(line.split()[1]) * 1024
+
+
+@contextmanager
+def peak_memory(result: dict):
+    """result["bytes"]: the peak over the start, of host RSS (Linux resets its high-water mark on
+    request) or, on CUDA, of the device's allocated bytes."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        yield
+        torch.cuda.synchronize()
+        result["bytes"] = torch.cuda.max_memory_allocated() - before
+        return
+    before = resident_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    yield
+    result["bytes"] = resident_bytes("VmHWM") - before
+
+
+def record_hidden(engine: Engine) -> list[torch.Tensor]:
+    """Every row the engine computes logits from, in order, kept on the host."""
+    rows: list[torch.Tensor] = []
+    compute_logits = engine.runner.compute_logits
+
+    def recording(hidden: torch.Tensor) -> torch.Tensor:
+        rows.append(hidden.detach().to("cpu", copy=True))
+        return compute_logits(hidden)
+
+    engine.runner.compute_logits = recording
+    return rows
+
+
+@pytest.fixture(scope="module")
+def engine_run(long_checkpoint) -> EngineRun:
+    """Runs before transformers does, so that its memory cannot hide the engine's."""
+    prompt = torch.randint(0, PRESETS["tiny"].config["vocab_size"], (PROMPT,),
+                           generator=torch.Generator().manual_seed(11)).tolist()
+    loaded = load_model(long_checkpoint, dtype=torch.float32, device=DEVICE)
+    memory, seconds = {}, {}
+    with peak_memory(memory):
+        settings = EngineSettings(num_pages=pages_for(TOTAL + PAGE_SIZE, PAGE_SIZE), page_size=PAGE_SIZE,
+                                  max_running=1, cuda_graphs=False)
+        engine = Engine(loaded.model, loaded.config, Tokenizer.from_dir(long_checkpoint), settings, [], DEVICE)
+        engine.warm_up()
+        hidden = record_hidden(engine)
+        start = time.process_time()
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True))[0]
+        seconds["30K prompt + 2K generated, engine CPU"] = time.process_time() - start
+    generated_rows = torch.cat(hidden)
+    hidden.clear()
+    start = time.process_time()
+    again = engine.generate([prompt + out.token_ids], SamplingParams(temperature=0, max_tokens=1))[0]
+    seconds["32K prompt from the radix cache, engine CPU"] = time.process_time() - start
+    config = loaded.config
+    shape = KVCacheShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, PAGE_SIZE,
+                         engine.runner.kv_caches[0][0].dtype)
+    return EngineRun(
+        prompt, out.token_ids, generated_rows, again.token_ids[0], torch.cat(hidden), again.usage.cached_prompt_tokens,
+        loaded.model, (TOTAL - 1) * shape.bytes_per_token, memory["bytes"], seconds,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(engine_run, long_checkpoint):
+    """transformers over the 32,768 tokens: (its final hidden states at the last GENERATED + 1
+    positions, its LM head)."""
+    hf = HFQwen3ForCausalLM.from_pretrained(long_checkpoint, dtype=torch.float32).to(DEVICE).eval()
+    ids = torch.tensor([engine_run.prompt + engine_run.generated], device=DEVICE)
+    start = time.process_time()
+    with torch.inference_mode():
+        last = hf.model(ids).last_hidden_state[0, PROMPT - 1 :]
+    engine_run.seconds["32K prompt, transformers CPU"] = time.process_time() - start
+    return last, hf.lm_head
+
+
+@torch.inference_mode()
+def compare_logits(ours_hidden: torch.Tensor, ref_hidden: torch.Tensor, lm_head, engine_lm_head) -> tuple[float, torch.Tensor]:
+    """(worst per-position relative logit error, transformers' argmax per position), in blocks:
+    2,049 rows of 151,936 logits are 1.2 GB at once."""
+    worst, argmax = 0.0, []
+    for start in range(0, ref_hidden.shape[0], 256):
+        ref = lm_head(ref_hidden[start : start + 256]).float().cpu()
+        ours = engine_lm_head(ours_hidden[start : start + 256].to(DEVICE)).float().cpu()
+        rel = (ours - ref).abs().amax(dim=-1) / ref.abs().amax(dim=-1)
+        worst = max(worst, rel.max().item())
+        argmax.append(ref.argmax(dim=-1))
+    return worst, torch.cat(argmax)
+
+
+def test_30k_prompt_and_2k_generated_tokens_match_transformers(engine_run, reference):
+    ref_hidden, lm_head = reference
+    worst, hf_choice = compare_logits(engine_run.hidden, ref_hidden[:GENERATED], lm_head, engine_run.model.compute_logits)
+    print(f"\n32K parity: worst per-position relative logit error {worst:.2e} over {GENERATED} positions; "
+          + "; ".join(f"{k} {v:.1f} s" for k, v in engine_run.seconds.items()))
+    assert worst <= REL_TOL
+    assert engine_run.generated == hf_choice.tolist()  # transformers' greedy continuation, token for token
+    assert len(set(engine_run.generated)) > 200  # a continuation that wanders, not one token repeated
+
+
+def test_32k_prompt_from_the_radix_cache_matches_transformers(engine_run, reference):
+    ref_hidden, lm_head = reference
+    assert engine_run.cached_tokens == (TOTAL - 1) // PAGE_SIZE * PAGE_SIZE  # all but the last page: 32,752
+    worst, hf_choice = compare_logits(engine_run.full_prompt_hidden, ref_hidden[GENERATED:], lm_head,
+                                      engine_run.model.compute_logits)
+    assert worst <= REL_TOL
+    assert engine_run.full_prompt_token == hf_choice.item()
+
+
+def test_32k_request_memory_stays_within_a_small_multiple_of_its_kv(engine_run):
+    multiple = engine_run.peak_bytes / engine_run.kv_bytes
+    print(f"\n32K memory: peak {engine_run.peak_bytes / 2**20:.0f} MiB over the loaded model, "
+          f"KV {engine_run.kv_bytes / 2**20:.0f} MiB: {multiple:.2f}x")
+    assert engine_run.kv_bytes == (TOTAL - 1) * 2 * 4 * 2 * 64 * 4  # K and V, 4 layers, 2 kv heads of 64, fp32
+    assert multiple <= MEMORY_MULTIPLE
