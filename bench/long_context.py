@@ -5,10 +5,10 @@ transformers on the same checkpoint and prompt, in the same run.
     python bench/long_context.py --model tiny --prompt-tokens 2048 --max-tokens 32   # the CPU rehearsal
 
 Per run it prints the prefill time (the prompt, chunked by max_num_batched_tokens, to its first
-token), the decode rate of the tokens after it, and the memory the engine took for the request
-beyond the loaded model (CUDA: allocated device memory; CPU: resident memory, whose high-water
-mark Linux resets on request) as a multiple of the request's KV bytes. The KV pool is sized to
-the request. transformers runs the prompt's forward (prefill) and `generate` (greedy, its own
+token), the decode rate of the tokens after it, and the engine's memory for the request as a
+multiple of the request's KV bytes: the KV pool, sized to the request, and the peak of what the
+request's steps allocate beyond it (CUDA: allocated device memory; CPU: resident memory, whose
+high-water mark Linux resets on request). transformers runs the prompt's forward (prefill) and `generate` (greedy, its own
 KV cache) on the same prompt; the ratios are against it.
 """
 import sys
@@ -19,13 +19,13 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse  # noqa: E402
 import time  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM  # noqa: E402
 
 from producer_client.schema import SamplingParams  # noqa: E402
+from tests.engine.peak_memory import peak_memory  # noqa: E402
 from worker.engine import Engine, EngineSettings  # noqa: E402
 from worker.engine.kv_pool import pages_for  # noqa: E402
 from worker.model.config import Qwen3Config  # noqa: E402
@@ -50,40 +50,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def resident_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
-
-
-@contextmanager
-def peak_memory(device: torch.device, result: dict):
-    if device.type == "cuda":
-        synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        yield
-        synchronize(device)
-        result["bytes"] = torch.cuda.max_memory_allocated(device) - before
-        return
-    before = resident_bytes("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    yield
-    result["bytes"] = resident_bytes("VmHWM") - before
-
-
 def run_engine(args, prompt: list[int], kv_cache_dtype: str, device: torch.device) -> Run:
-    """The engine's memory counts from the loaded model: its pool, warm-up, activations, temporaries."""
+    """The engine's memory for the request: its KV pool (sized to it), and the peak of what its
+    steps allocate beyond it; what warm-up loads once per process (compiled kernels) is not counted."""
     path = resolve_model_path(args.model)
     loaded = load_model(path, args.dtype, device)
     settings = EngineSettings.parse(
         kv_cache_dtype=kv_cache_dtype, num_pages=pages_for(len(prompt) + args.max_tokens + PAGE_SIZE, PAGE_SIZE),
         page_size=PAGE_SIZE, max_running=1, max_model_len=len(prompt) + args.max_tokens + 1,
     )
+    engine = Engine(loaded.model, loaded.config, Tokenizer.from_dir(path), settings, [], device)
+    engine.warm_up()
     memory = {}
     with peak_memory(device, memory):
-        engine = Engine(loaded.model, loaded.config, Tokenizer.from_dir(path), settings, [], device)
-        engine.warm_up()
         engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True))
         start, first, produced = time.perf_counter(), None, 0
         while engine.has_unfinished():
@@ -92,12 +71,13 @@ def run_engine(args, prompt: list[int], kv_cache_dtype: str, device: torch.devic
                 first = time.perf_counter()
         end = time.perf_counter()
     kv = engine.runner.kv_caches
-    kv_bytes = (len(prompt) + args.max_tokens - 1) * 2 * len(kv) * kv[0][0][0, 0].numel() * kv[0][0].element_size()
+    token_bytes = 2 * len(kv) * kv[0][0][0, 0].numel() * kv[0][0].element_size()
+    pool_bytes = engine.allocator.num_pages * settings.page_size * token_bytes  # allocated before the request
     del engine, loaded
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return Run(f"engine, KV cache {kv_cache_dtype}", first - start, (produced - 1) / (end - first),
-               memory["bytes"], kv_bytes)
+               pool_bytes + memory["bytes"], (len(prompt) + args.max_tokens - 1) * token_bytes)
 
 
 @torch.inference_mode()

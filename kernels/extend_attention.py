@@ -34,7 +34,7 @@ def tile_config(dtype: torch.dtype) -> dict:
 # visible keys; the block's rows are chosen to keep that mask (and its float form inside SDPA)
 # near this many elements, so a long context costs memory in proportion to its length, not its
 # square.
-MASK_ELEMENTS = 1 << 22
+MASK_ELEMENTS = 1 << 20
 
 
 def paged_extend_attention_reference(
