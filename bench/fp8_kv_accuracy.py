@@ -3,8 +3,8 @@
     python bench/fp8_kv_accuracy.py [--new-tokens 1024] [--prompt-tokens 64] [--device cpu]
 
 For each of the parity tests' model shapes (tests/model/test_parity.py: GQA 1, 2 and 4, head_dim
-64 and 128, random weights at 15x transformers' init scale, so that greedy continuations
-wander), a float32 model generates greedily with a float32 cache. The same token sequence is
+64 and 128, and two Qwen3-MoE shapes; random weights at 15x transformers' init scale, so that
+greedy continuations wander), a float32 model generates greedily with a float32 cache. The same token sequence is
 then fed through the float8 cache (teacher forcing: the prompt as one prefill, then one decode
 step per token) with each way of choosing the scales:
 - per-tensor: one scale per layer for K and one for V (the largest kv head's bound);
@@ -36,14 +36,14 @@ from tests.model.kv_accuracy import PAGE_SIZE, compare, first_divergence, greedy
 from tests.model.test_parity import CONFIGS  # noqa: E402
 from worker.model.kv_scales import fp8_kv_scales_per_head  # noqa: E402
 from worker.model.loader import load_model  # noqa: E402
-from worker.model.presets import qwen3_config, write_random_checkpoint  # noqa: E402
+from worker.model.presets import write_random_checkpoint  # noqa: E402
 
 VOCAB = 2048
 
 
 def build_model(name: str, max_positions: int, device: str, directory: Path):
-    config = qwen3_config(vocab_size=VOCAB, max_position_embeddings=max_positions, initializer_range=0.3,
-                          bos_token_id=None, eos_token_id=None, **CONFIGS[name])
+    config = {**CONFIGS[name], "vocab_size": VOCAB, "max_position_embeddings": max_positions, "initializer_range": 0.3,
+              "bos_token_id": None, "eos_token_id": None}
     ckpt = write_random_checkpoint(directory / name, config, seed=7, norm_std=0.1)
     return load_model(ckpt, dtype=torch.float32, device=device).model
 

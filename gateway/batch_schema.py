@@ -1,5 +1,6 @@
-"""The Batch API's shapes, as OpenAI's SDK reads them: the file object, the batch object (its
-statuses, timestamps and request counts) and their lists."""
+"""The Batch API's shapes, as OpenAI's SDK reads them and its OpenAPI spec states them: the file
+object, the batch object (its statuses, timestamps and request counts) and their lists. A field
+the spec makes optional and not nullable is left out while it has no value."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.batch_lines import LineErrorBody
+from gateway.responses import Omitted
 
 BatchStatus = Literal[
     "validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled",
@@ -61,23 +63,23 @@ class Batch(Shape):
     id: str
     object: Literal["batch"] = "batch"
     endpoint: str
-    errors: BatchErrors | None = None
+    errors: BatchErrors | None = Omitted
     input_file_id: str
     completion_window: str
     status: BatchStatus
-    output_file_id: str | None = None
-    error_file_id: str | None = None
+    output_file_id: str | None = Omitted
+    error_file_id: str | None = Omitted
     created_at: int
-    in_progress_at: int | None = None
+    in_progress_at: int | None = Omitted
     expires_at: int
-    finalizing_at: int | None = None
-    completed_at: int | None = None
-    failed_at: int | None = None
-    expired_at: int | None = None
-    cancelling_at: int | None = None
-    cancelled_at: int | None = None
+    finalizing_at: int | None = Omitted
+    completed_at: int | None = Omitted
+    failed_at: int | None = Omitted
+    expired_at: int | None = Omitted
+    cancelling_at: int | None = Omitted
+    cancelled_at: int | None = Omitted
     request_counts: RequestCounts
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Omitted
 
     def fields(self) -> dict[str, str | int]:
         """The batch's hash: what from_fields reads back."""
@@ -106,6 +108,16 @@ class Batch(Shape):
 class BatchList(Shape):
     object: Literal["list"] = "list"
     data: list[Batch]
+    first_id: str | None = Omitted
+    last_id: str | None = Omitted
+    has_more: bool
+
+
+class FileList(Shape):
+    """The spec requires first_id and last_id as strings, which an empty list has none of: null then."""
+
+    object: Literal["list"] = "list"
+    data: list[FileObject]
     first_id: str | None
     last_id: str | None
     has_more: bool

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import redis
 
-from gateway.schema import ErrorBody, ErrorResponse
-from producer_client.errors import InvalidArgument, JobNotFound, JobTimeout, MiliError, NotReplicated, QueueFull
+from gateway.responses import ErrorBody, ErrorResponse
+from producer_client.errors import (
+    IdempotencyConflict, InvalidArgument, JobNotFound, JobTimeout, MiliError, NotReplicated, QueueFull,
+)
 from producer_client.schema import JobFailed
 
 # Failure codes of a job that mean its input was bad, found by the worker after the enqueue
@@ -25,8 +27,21 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def bad_request(message: str, param: str | None = None, code: str = "invalid_argument") -> APIError:
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, "invalid_request_error", code, param)
+
+
+def unsupported(message: str, param: str) -> APIError:
+    """A parameter OpenAI's API has and MILI cannot honour."""
+    return APIError(400, message, "invalid_request_error", "unsupported_parameter", param)
+
+
+def job_error(error: JobFailed, prompt_param: str) -> APIError:
+    """A job's failure as the request's error; a prompt longer than the context is OpenAI's
+    `context_length_exceeded`, naming the request's prompt field."""
+    if error.code == "prompt_too_long":
+        return bad_request(error.message, prompt_param, "context_length_exceeded")
+    return api_error_of(error, 0)
 
 
 def unauthorized() -> APIError:
@@ -50,8 +65,8 @@ def gateway_stopping() -> APIError:
 
 def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
     """The HTTP error for a client-library or Redis exception; None for anything else (a bug: 500)."""
-    if isinstance(error, InvalidArgument):
-        return bad_request(error.message, error.field, error.code)
+    if isinstance(error, InvalidArgument):  # the client library's bad value is OpenAI's invalid_value
+        return bad_request(error.message, error.field, "invalid_value" if error.code == "invalid_argument" else error.code)
     if isinstance(error, QueueFull):
         return APIError(429, error.message, "rate_limit_error", error.code, headers={"Retry-After": str(retry_after_s)})
     if isinstance(error, JobNotFound):
@@ -59,9 +74,14 @@ def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
     if isinstance(error, JobTimeout):
         return deadline_passed(error.message)
     if isinstance(error, JobFailed):
+        if error.code == "prompt_too_long":
+            return bad_request(error.message, code="context_length_exceeded")
         if error.code in BAD_INPUT_CODES:
             return bad_request(error.message, code=error.code)
         return APIError(500, error.message, "server_error", error.code)
+    if isinstance(error, IdempotencyConflict):
+        message = "this Idempotency-Key was first used with another request; send a new key with a new request"
+        return APIError(422, message, "invalid_request_error", error.code, "Idempotency-Key")
     if isinstance(error, NotReplicated):  # enqueued all the same: a retry with its Idempotency-Key finds its jobs
         return APIError(503, error.message, "service_unavailable_error", error.code, headers={"Retry-After": str(retry_after_s)})
     if isinstance(error, MiliError):

@@ -17,7 +17,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from gateway.errors import not_found
-from gateway.schema import ModelCard
+from gateway.responses import ModelCard
 from producer_client import AsyncClient, WorkerInfo
 
 

@@ -8,9 +8,10 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from gateway.errors import bad_request
+from gateway.errors import bad_request, unsupported
 from gateway.schema import (
-    MAX_CHOICES, ChatCompletionRequest, ChatMessageIn, CompletionRequest, GenerateRequest, SamplingRequest,
+    MAX_CHOICES, MESSAGE_KINDS, AssistantMessage, ChatCompletionRequest, CompletionRequest, GenerateRequest,
+    SamplingRequest, TextPart, ToolMessage, Unsupported,
 )
 from producer_client import protocol
 
@@ -24,9 +25,16 @@ UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*")
 Model = TypeVar("Model", bound=BaseModel)
 # SamplingRequest fields that pass to SamplingParams under the same name.
 SAMPLING_FIELDS = (
-    "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p", "min_tokens",
+    "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p", "min_tokens",
     "repetition_penalty", "ignore_eos", "stop_token_ids",
 )
+SEEDS = 2**63  # the spec's seeds are int64, the client's non-negative: a negative one counts from the top
+# pydantic's error types as OpenAI's error codes.
+ERROR_CODES = {
+    "missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter",
+    "greater_than_equal": "below_min_value", "greater_than": "below_min_value", "less_than_equal": "above_max_value",
+    "less_than": "above_max_value", "too_short": "below_min_length", "too_long": "above_max_length",
+}
 
 
 @dataclass(frozen=True)
@@ -54,13 +62,29 @@ class JobSpec:
 def parse_body(model: type[Model], body: bytes | str) -> Model:
     """A request body as `model`, strictly from its JSON; a 400 naming the first bad field."""
     try:
-        return model.model_validate_json(body)
+        return model.model_validate_json(body, strict=True)
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if not UNION_MEMBER.fullmatch(str(p))) or None
+        param = param_of(first)
         if first["type"] == "extra_forbidden":
-            raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unsupported_parameter") from None
-        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+            raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter") from None
+        if isinstance(first.get("ctx", {}).get("error"), Unsupported):
+            raise unsupported(f"{param} {first['ctx']['error']}", param) from None
+        code = ERROR_CODES.get(first["type"], "invalid_value" if param else "invalid_json")
+        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param, code) from None
+
+
+def param_of(error: dict) -> str | None:
+    """The field an error is about, as the client wrote it: `messages.0.content`, without the
+    members of unions that pydantic puts in its path (`str`, `list[...]`, a message's kind)."""
+    loc = error["loc"]
+    names = [
+        str(p) for i, p in enumerate(loc)
+        if not UNION_MEMBER.fullmatch(str(p)) and not (p in MESSAGE_KINDS and i >= 2 and loc[i - 2] == "messages")
+    ]
+    if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        names.append("role")
+    return ".".join(names) or None
 
 
 def chat_jobs(req: ChatCompletionRequest) -> list[JobSpec]:
@@ -68,21 +92,39 @@ def chat_jobs(req: ChatCompletionRequest) -> list[JobSpec]:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    base = JobSpec(messages=[chat_message(m) for m in req.messages], priority=req.priority or 0,
-                   sampling=sampling(req, max_tokens, logprobs))
-    return choices(base, req.n)
+    options = {**sampling(req, max_tokens, logprobs), **chat_options(req)}
+    base = JobSpec(messages=[chat_message(m) for m in req.messages], priority=req.priority or 0, sampling=options)
+    return choices(base, req.choices)
+
+
+def chat_options(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The job's chat options: the tools offered, which must or may be called, the thinking switch."""
+    options: dict[str, Any] = {}
+    if req.tools:
+        options["tools"] = [tool.model_dump(exclude_none=True) for tool in req.tools]
+    if req.tool_choice is not None:
+        choice = req.tool_choice
+        options["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
+    if req.parallel_tool_calls is not None:
+        options["parallel_tool_calls"] = req.parallel_tool_calls
+    if req.enable_thinking is not None:
+        options["enable_thinking"] = req.enable_thinking
+    return options
 
 
 def completion_jobs(req: CompletionRequest) -> list[JobSpec]:
+    if req.best_of is not None and req.best_of != req.choices:
+        raise unsupported(f"best_of {req.best_of} other than n ({req.choices}) is not supported by this server", "best_of")
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_MAX_TOKENS
     params = sampling(req, max_tokens, req.logprobs)
     prompts = prompt_list(req.prompt)
-    if len(prompts) * req.n > MAX_CHOICES:
-        raise bad_request(f"{len(prompts)} prompts times n={req.n} exceeds {MAX_CHOICES} choices", "n")
+    n = req.choices
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts times n={n} exceeds {MAX_CHOICES} choices", "n")
     jobs: list[JobSpec] = []
     for index, prompt in enumerate(prompts):
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-        jobs += choices(JobSpec(prompt=text, input_ids=ids, priority=req.priority or 0, sampling=params, prompt_index=index), req.n)
+        jobs += choices(JobSpec(prompt=text, input_ids=ids, priority=req.priority or 0, sampling=params, prompt_index=index), n)
     return jobs
 
 
@@ -97,11 +139,16 @@ def choices(base: JobSpec, n: int) -> list[JobSpec]:
     seed = (base.sampling or {}).get("seed")
     if seed is None or n == 1:
         return [base] * n
-    return [replace(base, sampling={**base.sampling, "seed": seed + i}) for i in range(n)]
+    return [replace(base, sampling={**base.sampling, "seed": (seed + i) % SEEDS}) for i in range(n)]
 
 
 def sampling(req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
     params = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
+    if req.seed is not None:
+        params["seed"] = req.seed % SEEDS
+    if req.top_p == 0:  # the spec allows it: the smallest nucleus, the most likely token alone
+        del params["top_p"]
+        params["top_k"] = 1
     if max_tokens is not None:
         params["max_tokens"] = max_tokens
     if logprobs is not None:
@@ -111,11 +158,33 @@ def sampling(req: SamplingRequest, max_tokens: int | None, logprobs: int | None)
     return params
 
 
-def chat_message(message: ChatMessageIn) -> dict[str, str]:
-    # OpenAI's `developer` role is the system prompt of newer models; the chat template knows `system`.
-    role = "system" if message.role == "developer" else message.role
-    content = message.content if isinstance(message.content, str) else "".join(p.text for p in message.content)
-    return {"role": role, "content": content}
+def chat_message(message) -> dict[str, Any]:
+    """A request's message as the job's: text parts joined, OpenAI's `developer` role as the
+    `system` the chat template knows, an assistant's refusal as what it said."""
+    if isinstance(message, AssistantMessage):
+        return assistant_message(message)
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": text_of(message.content)}
+    if isinstance(message, ToolMessage):
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def assistant_message(message: AssistantMessage) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        content = "".join(p.text if isinstance(p, TextPart) else p.refusal for p in content)
+    if content is None:
+        content = message.refusal if message.refusal is not None or not message.tool_calls else None
+    out: dict[str, Any] = {"role": "assistant", "content": content or ("" if not message.tool_calls else None)}
+    if message.tool_calls:
+        out["tool_calls"] = [call.model_dump(exclude={"index"}) for call in message.tool_calls]
+    if message.reasoning_content is not None:
+        out["reasoning_content"] = message.reasoning_content
+    return out
+
+
+def text_of(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
 def prompt_list(prompt: str | list) -> list[str | list[int]]:

@@ -1,21 +1,49 @@
-"""The HTTP boundary's shapes: OpenAI's request and response objects (chat completions,
-completions, models, errors, usage) with vLLM's sampling extras, and the seed's /generate.
+"""The HTTP requests: OpenAI's chat and text completions as its published OpenAPI spec states
+them (fields, bounds, nullability), with vLLM's extras, and the seed's /generate. The response
+objects are in gateway.responses.
 
-Requests are parsed strictly from JSON and forbid unknown fields, so that a parameter this
-gateway does not implement (`tools`, `response_format`, `logit_bias`, ...) is refused with a 400
-naming it instead of being silently ignored. A field sent as null means "the default", as the
-SDKs send it.
+Requests are parsed strictly from JSON. A field sent as null means its default, as the SDKs send
+it. A parameter of the spec that MILI cannot honour is accepted at its default (`echo: false`,
+`logit_bias: {}`) and refused with a 400 naming it otherwise; a parameter the spec does not know
+is refused too, so that nothing a client asks for is silently ignored.
 """
 from __future__ import annotations
 
-import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
-MAX_CHOICES = 128  # jobs one request may create: n, times the prompts of a completion
+from producer_client.chat import MAX_TOOLS, NamedToolChoice, Tool, ToolCall
+
+MAX_CHOICES = 128  # jobs one request may create: n, times the prompts of a completion (the spec's bound on n)
+MAX_STOP = 4  # the spec's bound on stop sequences
+INT64 = 2**63
 
 NonEmptyIds = Annotated[list[int], Field(min_length=1)]
+
+
+class Unsupported(ValueError):
+    """A parameter of the spec that MILI cannot honour, given other than at its default."""
+
+
+def only(*defaults: Any):
+    """A field MILI accepts only at its defaults (null is always one)."""
+
+    allowed = " or ".join([*map(repr_json, defaults), "null"])
+
+    def check(value: Any) -> Any:
+        if value is not None and value not in defaults:
+            raise Unsupported(f"is not supported by this server: only {allowed}")
+        return value
+
+    return AfterValidator(check)
+
+
+def repr_json(value: Any) -> str:
+    return {False: "false", True: "true"}.get(value, repr(value)) if isinstance(value, bool) else repr(value)
+
+
+Unused = Annotated[Any, only()]  # in the spec, not in MILI: null only
 
 
 class Strict(BaseModel):
@@ -23,24 +51,26 @@ class Strict(BaseModel):
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # there is no obfuscation field to leave out
 
 
 class SamplingRequest(Strict):
     """What chat and text completions share. Sampling fields map one to one onto the client's
-    SamplingParams, which checks their ranges (see gateway.requests)."""
+    SamplingParams, which checks what the spec leaves open (see gateway.requests)."""
 
     model: str
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    stop: str | Annotated[list[str], Field(min_length=1, max_length=MAX_STOP)] | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: Annotated[dict[str, int] | None, only({})] = None
     user: str | None = None  # accepted and logged; it steers nothing
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     # vLLM's extras, in the body as vLLM takes them.
     top_k: int | None = None
@@ -51,29 +81,124 @@ class SamplingRequest(Strict):
     stop_token_ids: list[int] | None = None
     priority: int | None = None
 
+    @property
+    def streams(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+
+# -- chat messages, as the spec's request message types ---------------------------------------------
 
 class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessageIn(Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+class RefusalPart(Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+TextContent = str | Annotated[list[TextPart], Field(min_length=1)]
+
+
+class SystemMessage(Strict):
+    role: Literal["system", "developer"]
+    content: TextContent
     name: str | None = None  # accepted; the chat template does not use it
-    tool_call_id: str | None = None  # accepted on tool messages; tool calls are not supported
+
+
+class UserMessage(Strict):
+    role: Literal["user"]
+    content: TextContent  # text only: images, audio and files are refused
+    name: str | None = None
+
+
+class ToolCallIn(ToolCall):
+    """A call in history. The SDK's stream helper leaves each call's stream `index` on the
+    message it assembles, and agents send that message back as it is: accepted, and unused."""
+
+    index: int | None = None
+
+
+class AssistantMessage(Strict):
+    """As the SDK returns it, sent back as history: `refusal`, `annotations`, `audio` and
+    `function_call` come along as null; `reasoning_content` (vLLM's field, which the SDK keeps)
+    is rendered as the template says."""
+
+    role: Literal["assistant"]
+    content: str | Annotated[list[TextPart | RefusalPart], Field(min_length=1)] | None = None
+    refusal: str | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    reasoning_content: str | None = None
+    annotations: list[dict] | None = None  # a response's citations, sent back: nothing to render
+    audio: Unused = None
+    function_call: Unused = None
+
+
+class ToolMessage(Strict):
+    role: Literal["tool"]
+    content: TextContent
+    tool_call_id: str
+
+
+ChatMessageIn = Annotated[
+    Annotated[SystemMessage, Tag("system")] | Annotated[UserMessage, Tag("user")]
+    | Annotated[AssistantMessage, Tag("assistant")] | Annotated[ToolMessage, Tag("tool")],
+    Discriminator(lambda m: {"developer": "system"}.get(m.get("role"), m.get("role")) if isinstance(m, dict) else None),
+]
+MESSAGE_KINDS = ("system", "user", "assistant", "tool")  # the union's tags, which validation errors name
+
+
+class ChatTemplateKwargs(Strict):
+    """vLLM's `chat_template_kwargs`: of Qwen3's template, its thinking switch."""
+
+    enable_thinking: bool | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    # Accepted as the spec describes them, with no effect on the output.
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    store: Annotated[bool | None, only(False)] = None
+    service_tier: Annotated[str | None, only("auto", "default")] = None
+    prompt_cache_key: str | None = None  # a cache hint: the radix cache finds shared prefixes by itself
+    safety_identifier: str | None = Field(None, max_length=64)
+    modalities: Annotated[list[str] | None, only(["text"])] = None
+    # The spec's, at their defaults only: `response_format` beyond text is issue 28's grammar.
+    response_format: Annotated[dict | None, only({"type": "text"})] = None
+    audio: Unused = None
+    prediction: Unused = None
+    reasoning_effort: Unused = None
+    verbosity: Unused = None
+    web_search_options: Unused = None
+    moderation: Unused = None
+    prompt_cache_retention: Unused = None
+    functions: Unused = None
+    function_call: Unused = None
+
+    @property
+    def enable_thinking(self) -> bool | None:
+        return None if self.chat_template_kwargs is None else self.chat_template_kwargs.enable_thinking
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | Annotated[list[str], Field(min_length=1)] | NonEmptyIds | Annotated[list[NonEmptyIds], Field(min_length=1)]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: Annotated[bool | None, only(False)] = None
+    suffix: Annotated[str | None, only("")] = None
+    best_of: int | None = Field(None, ge=0, le=20)  # only as n: one sample per choice (gateway.requests)
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -93,140 +218,3 @@ class GenerateRequest(Strict):
     temperature: float | None = None
     top_p: float | None = None
     model: str | None = None  # none: the gateway's default_queue
-
-
-# -- responses ---------------------------------------------------------------------------------
-
-
-class Response(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-
-class PromptTokensDetails(Response):
-    cached_tokens: int
-
-
-class Usage(Response):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class TopLogprob(Response):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(Response):
-    content: list[TokenLogprob]
-    refusal: None = None
-
-
-class CompletionLogprobs(Response):
-    """`text_offset` is left out (null): the gateway has no tokenizer to place each token."""
-
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: None = None
-
-
-class ChatMessageOut(Response):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(Response):
-    index: int
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None
-    finish_reason: str
-
-
-class ChatCompletion(Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(Response):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(Response):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionChoice(Response):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: str | None
-
-
-class Completion(Response):
-    """Both the whole answer and a stream's chunk: OpenAI uses one object for both."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "mili"
-
-
-class ModelList(Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class GenerateResponse(Response):
-    generated_text: str
-    finish_reason: str
-    usage: Usage
-
-
-class Health(Response):
-    status: Literal["ok"] = "ok"
-    model_loaded: bool
-    models: list[str]
-
-
-class ErrorBody(Response):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(Response):
-    error: ErrorBody

@@ -1,9 +1,15 @@
 """A request's jobs as Server-Sent Events: `data: {chunk}` lines, `data: [DONE]` at the end, and a
 `: keep-alive` comment whenever no token has come for `keepalive_s`, so that proxies do not cut
 a stream that waits in the queue. An error after the stream began is sent as `data: {"error":
-...}` (the OpenAI SDKs raise it), followed by `[DONE]`."""
+...}` (the OpenAI SDKs raise it), followed by `[DONE]`.
+
+The stream begins (its 200 and headers) once every job has said something, its first tokens or
+its end, or `stream_hold_s` has passed: only the worker tokenizes, so only then is a prompt
+known to fit the context, and one that does not is a 400 as OpenAI answers it, not an error
+event after a 200."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -41,15 +47,41 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+async def opening(inbox: Inbox, hold_s: float) -> list[JobEvent]:
+    """The inbox's events until every job has had one, or `hold_s` passed: what the stream starts
+    with. A job's error (or the gateway stopping) is raised here, before any byte is sent, and the
+    request's other jobs are released."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + hold_s
+    first: list[JobEvent] = []
+    heard: set[int] = set()
+    try:
+        while len(heard) < len(inbox.jobs.ids) and (left := deadline - loop.time()) > 0:
+            item = await inbox.next(left)
+            if item is None:
+                break
+            if item is Lifecycle.STOP:
+                raise gateway_stopping()
+            if isinstance(item.item, Exception):
+                raise item.item
+            first.append(item)
+            heard.add(item.index)
+    except BaseException:
+        inbox.close(client_left=False)
+        raise
+    return first
+
+
 async def events(
-    inbox: Inbox, renderer: ChatRenderer | CompletionRenderer, include_usage: bool, keepalive_s: float,
-    metrics: GatewayMetrics, retry_after_s: int,
+    inbox: Inbox, first: list[JobEvent], renderer: ChatRenderer | CompletionRenderer, include_usage: bool,
+    keepalive_s: float, metrics: GatewayMetrics, retry_after_s: int,
 ) -> AsyncIterator[bytes]:
-    """The SSE body. Leaving before the end (the client disconnected) releases the jobs."""
+    """The SSE body, from the `first` events on. Leaving before the end (the client
+    disconnected) releases the jobs."""
     metrics.open_streams.inc()
     ended = False
     try:
-        async for chunk in chunks(inbox, renderer, include_usage, keepalive_s, retry_after_s):
+        async for chunk in chunks(inbox, first, renderer, include_usage, keepalive_s, retry_after_s):
             yield chunk
         ended = True
     finally:
@@ -58,13 +90,14 @@ async def events(
 
 
 async def chunks(
-    inbox: Inbox, renderer: ChatRenderer | CompletionRenderer, include_usage: bool, keepalive_s: float,
-    retry_after_s: int,
+    inbox: Inbox, first: list[JobEvent], renderer: ChatRenderer | CompletionRenderer, include_usage: bool,
+    keepalive_s: float, retry_after_s: int,
 ) -> AsyncIterator[bytes]:
     results: list[JobResult | None] = [None] * len(inbox.jobs.ids)
     begun: set[int] = set()
+    waiting = list(first)
     while len(inbox.jobs.finished) < len(results):
-        item = await inbox.next(keepalive_s)
+        item = waiting.pop(0) if waiting else await inbox.next(keepalive_s)
         if item is None:
             yield KEEPALIVE
             continue
@@ -95,8 +128,7 @@ def job_chunks(event: JobEvent, renderer, begun: set[int], results: list) -> lis
         if first is not None:
             out.append(data(first))
     if isinstance(event.item, TokenDelta):
-        if event.item.text or event.item.logprobs:
-            out.append(data(renderer.delta(event.index, event.item)))
+        out += [data(chunk) for chunk in renderer.delta(event.index, event.item)]
     else:
         results[event.index] = event.item
         out.append(data(renderer.end(event.index, event.item)))

@@ -13,6 +13,7 @@ from producer_client.bulk import ResultWatch
 from producer_client.cluster import is_cluster
 from producer_client.connection import async_retry_policy, connect_async, parse_url
 from producer_client.errors import JobNotFound, JobTimeout, QueueFull
+from producer_client.job_stream import JobStream
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.operator_views import OperatorViews
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
@@ -49,11 +50,12 @@ class AsyncClient(OperatorViews):
 
     async def submit(
         self, prompt: str | None = None, *, messages: list[dict] | None = None, input_ids: list[int] | None = None,
-        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0, **sampling: Any,
+        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0,
+        request_fingerprint: str | None = None, **sampling: Any,
     ) -> str:
-        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling)
+        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint)
         if job.idempotent:
-            if not (await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys))))[0]:
+            if not job.created((await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys))))[0]):
                 return job.job_id
             added = await self._enqueue_or_forget(job, create=False)
         else:
@@ -77,17 +79,16 @@ class AsyncClient(OperatorViews):
 
     async def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenDelta]:
         job_id = protocol.check_job_id(job_id)
-        after = protocol.check_event_id(after)
+        reader = JobStream(job_id, after)
         deadline = Deadline(job_id, protocol.check_timeout(timeout))
         if not await self.redis.exists(self.keys.job(job_id)):
             raise JobNotFound(job_id)
-        while True:
-            for event_id, fields in await self._read_events(job_id, after, deadline):
-                after = event_id
-                if fields["type"] == "tokens":
-                    yield protocol.token_delta(event_id, fields["data"])
-                elif fields["type"] == "end":
-                    protocol.finished(job_id, fields["data"])
+        while reader.end is None:
+            for event_id, fields in await self._read_events(job_id, reader.last, deadline):
+                for delta in reader.take(event_id, fields):
+                    yield delta
+                if reader.end is not None:
+                    protocol.finished(job_id, reader.end)
                     return
 
     async def status(self, job_id: str) -> JobStatus:

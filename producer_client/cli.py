@@ -1,6 +1,6 @@
 """`mili`: the producer client from a shell.
 
-    mili submit "text" --max-tokens 32 [--stream]    prints the job id (or streams the text)
+    mili submit "text" --max-tokens 32 [--stream] [--chat] [--no-thinking]    prints the job id (or streams the text)
     mili status ID | mili result ID | mili cancel ID | mili stats [--all]
     mili dead list|show|retry|purge | mili workers | mili jobs --status S    (producer_client.operator_cli)
     mili batch INPUT.jsonl -o OUTPUT.jsonl [-e ERRORS.jsonl]    an OpenAI batch file, resumable
@@ -61,7 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--request-id", help="idempotency key")
     submit.add_argument("--timeout-s", type=float, help="deadline, counted from the enqueue")
     submit.add_argument("--priority", type=int, default=0)
-    submit.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    submit.add_argument("--stream", action="store_true", help="print the text as it is generated (a chat's reasoning to stderr)")
+    submit.add_argument("--chat", action="store_true", help="send the text as a user message, through the model's chat template")
+    submit.add_argument(
+        "--no-thinking", dest="thinking", action="store_false", help="a chat with Qwen3's thinking off (implies --chat)",
+    )
     submit.set_defaults(run=cmd_submit)
 
     for name, run, text in (
@@ -108,8 +112,11 @@ def positive_int(text: str) -> int:
 
 
 def cmd_submit(client: Client, args: argparse.Namespace) -> int:
+    text = {"prompt": args.prompt}
+    if args.chat or not args.thinking:
+        text = {"messages": [{"role": "user", "content": args.prompt}], "enable_thinking": args.thinking}
     job_id = client.submit(
-        args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        **text, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, request_id=args.request_id, timeout_s=args.timeout_s, priority=args.priority,
     )
     if not args.stream:
@@ -117,6 +124,7 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
         return 0
     print(f"job {job_id}", file=sys.stderr)
     for delta in client.stream(job_id):
+        print(delta.reasoning, end="", flush=True, file=sys.stderr)
         print(delta.text, end="", flush=True)
     print()
     result = client.result(job_id)

@@ -14,6 +14,7 @@ from producer_client.bulk import ResultWatch
 from producer_client.cluster import is_cluster
 from producer_client.connection import connect, parse_url, retry_policy
 from producer_client.errors import JobNotFound, JobTimeout, QueueFull
+from producer_client.job_stream import JobStream
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.operator_views import OperatorViews
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
@@ -60,13 +61,17 @@ class Client(OperatorViews):
 
     def submit(
         self, prompt: str | None = None, *, messages: list[dict] | None = None, input_ids: list[int] | None = None,
-        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0, **sampling: Any,
+        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0,
+        request_fingerprint: str | None = None, **sampling: Any,
     ) -> str:
         """Enqueue a job and return its id. `sampling` takes SamplingParams' fields (max_tokens,
-        temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same id."""
-        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling)
+        temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same
+        id, if it came with the same request (prompt, sampling parameters and chat options; or
+        `request_fingerprint`, a digest of a request of the caller's own such as an HTTP body,
+        when given); with another it raises IdempotencyConflict and enqueues nothing."""
+        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint)
         if job.idempotent:
-            if not scripts.execute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys)))[0]:
+            if not job.created(scripts.execute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys)))[0]):
                 return job.job_id
             added = self._enqueue_or_forget(job, create=False)
         else:
@@ -95,20 +100,18 @@ class Client(OperatorViews):
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
         """Yield the job's token deltas until it ends. Resume after a disconnect with
-        `after=` the last delta's `event_id`: nothing is lost or repeated. A failed job
-        raises JobFailed at its end."""
+        `after=` the last delta's `event_id`: nothing is lost or repeated. A chat's deltas carry
+        its answer (`text`), reasoning and tool calls apart. A failed job raises JobFailed at its end."""
         job_id = protocol.check_job_id(job_id)
-        after = protocol.check_event_id(after)
+        reader = JobStream(job_id, after)
         deadline = Deadline(job_id, protocol.check_timeout(timeout))
         if not self.redis.exists(self.keys.job(job_id)):
             raise JobNotFound(job_id)
-        while True:
-            for event_id, fields in self._read_events(job_id, after, deadline):
-                after = event_id
-                if fields["type"] == "tokens":
-                    yield protocol.token_delta(event_id, fields["data"])
-                elif fields["type"] == "end":
-                    protocol.finished(job_id, fields["data"])
+        while reader.end is None:
+            for event_id, fields in self._read_events(job_id, reader.last, deadline):
+                yield from reader.take(event_id, fields)
+                if reader.end is not None:
+                    protocol.finished(job_id, reader.end)
                     return
 
     def status(self, job_id: str) -> JobStatus:

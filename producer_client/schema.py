@@ -5,11 +5,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from producer_client.chat import MAX_TOOLS, ChatMessage, NamedToolChoice, Tool, ToolCall, ToolChoice, tool_names
 from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, MiliError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
+# Token ids and top_k are bounded where they enter (int32, beyond any vocabulary), so that no
+# number a producer sends overflows a tensor inside an engine step.
+MAX_TOKEN_ID = 2**31
 
 
 class SamplingParams(BaseModel):
@@ -21,7 +25,7 @@ class SamplingParams(BaseModel):
     min_tokens: int = Field(0, ge=0)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # 0 = off
+    top_k: int = Field(0, ge=0, lt=MAX_TOKEN_ID)  # 0 = off
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
@@ -48,8 +52,12 @@ class SamplingParams(BaseModel):
         for s in self.stop:
             if not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidArgument("stop", f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidArgument("stop_token_ids", "token ids must be non-negative")
+        check_token_ids("stop_token_ids", self.stop_token_ids)
+
+
+def check_token_ids(field: str, token_ids: list[int]) -> None:
+    if any(not 0 <= t < MAX_TOKEN_ID for t in token_ids):
+        raise InvalidArgument(field, f"token ids must be 0 to {MAX_TOKEN_ID - 1}")
 
 
 def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArgument:
@@ -64,14 +72,8 @@ def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArg
 
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_LIMIT = 32768
+CHAT_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "enable_thinking")  # JobRequest's, for messages only
 JobState = Literal["queued", "running", "done", "failed", "cancelled", "expired"]
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
 
 
 class JobRequest(BaseModel):
@@ -81,6 +83,11 @@ class JobRequest(BaseModel):
     the Redis clock, so producer and worker clocks never need to agree.
     `priority` orders jobs a worker has admitted (lower runs sooner, as in vLLM); the queue
     itself is FIFO.
+
+    A chat (`messages`) may offer `tools` to the model, rendered by the chat template; with
+    `tool_choice` "none" they are neither rendered nor parsed, a named one is the only one offered,
+    and `parallel_tool_calls` false ends the output at its first call. `enable_thinking` is the
+    chat template's switch of Qwen3's reasoning.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -91,6 +98,10 @@ class JobRequest(BaseModel):
     params: SamplingParams = SamplingParams()
     priority: int = Field(0, ge=-1000, le=1000)
     timeout_s: float | None = Field(None, gt=0.0, le=7 * 24 * 3600)
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
+    enable_thinking: bool = True
 
     @classmethod
     def from_json(cls, body: str | bytes, max_body_bytes: int, max_tokens_limit: int) -> JobRequest:
@@ -115,11 +126,34 @@ class JobRequest(BaseModel):
         given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]
         if len(given) != 1:
             raise InvalidArgument("prompt", "give exactly one of prompt, messages or input_ids")
-        if self.input_ids is not None and any(t < 0 for t in self.input_ids):
-            raise InvalidArgument("input_ids", "token ids must be non-negative")
+        check_token_ids("input_ids", self.input_ids or [])
         if self.params.max_tokens > max_tokens_limit:
             raise InvalidArgument("max_tokens", f"{self.params.max_tokens} exceeds the limit of {max_tokens_limit}")
         self.params.check_consistency()
+        self.check_chat_options()
+
+    def check_chat_options(self) -> None:
+        if self.messages is None:
+            for name in CHAT_OPTIONS:
+                if getattr(self, name) != JobRequest.model_fields[name].default:
+                    raise InvalidArgument(name, "applies to chats only (messages)")
+            return
+        names = tool_names(self.tools or [])
+        if len(set(names)) != len(names):
+            raise InvalidArgument("tools", "function names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise InvalidArgument("tool_choice", "a tool must be called, but no tools are given")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidArgument("tool_choice", f"names {choice.function.name!r}, which is not among the tools")
+
+    def offered_tools(self) -> list[Tool]:
+        """The tools the model is told about, and whose calls are parsed from its output."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+        return list(self.tools)
 
     def to_json(self) -> str:
         return self.model_dump_json(exclude_defaults=True)
@@ -170,11 +204,15 @@ class TokenLogprob(BaseModel):
 
 
 class JobResult(BaseModel):
-    """The final word on a job, written once to its hash and sent as its `end` event."""
+    """The final word on a job, written once to its hash and sent as its `end` event. For a chat,
+    `text` is the answer, `reasoning` the model's thinking and `tool_calls` the calls it made
+    (finish_reason `tool_calls`); `token_ids` are every token it generated."""
 
     id: str
     status: JobState
     text: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage = Usage()
@@ -204,11 +242,16 @@ class JobStatus(BaseModel):
 
 
 class TokenDelta(BaseModel):
-    """One `tokens` event. Pass `event_id` as `after=` to resume a stream just past it."""
+    """One `tokens` event. Pass `event_id` as `after=` to resume a stream just past it. For a chat,
+    `text` is the answer's delta, `reasoning` the thinking's, and `tool_calls` the calls completed
+    (each whole: its arguments are known to be JSON only once it closes); the deltas add up to the
+    result's `text`, `reasoning` and `tool_calls`."""
 
     event_id: str
     token_ids: list[int]
     text: str
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
 
 

@@ -160,8 +160,12 @@ def client_kind(request) -> str:
 class WorkerProcess:
     """`python -m worker serve` as a subprocess, its log in a file, ready once it heartbeats."""
 
-    def __init__(self, redis_url: str, queue: str, name: str, log_dir: Path, *flags: str, model: str = "tiny"):
+    def __init__(
+        self, redis_url: str, queue: str, name: str, log_dir: Path, *flags: str, model: str = "tiny",
+        env: dict[str, str] | None = None,
+    ):
         self.redis_url = redis_url
+        self.env = env or {}
         self.queue = queue
         self.name = name
         self.log_path = log_dir / f"{name}.log"
@@ -177,7 +181,7 @@ class WorkerProcess:
         log_file = self.log_path.open("w")
         # One torch thread each: workers share this machine's cores with each other and
         # with the tests, and oversubscribed threads make every step several times slower.
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **self.env}
         self.process = subprocess.Popen(self.command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         log_file.close()
         return self

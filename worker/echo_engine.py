@@ -2,10 +2,16 @@
 token per step, over a byte-level tokenizer. It keeps the Engine API's whole contract (slots,
 KV page accounting, abort, capacity, stats, resuming after given output tokens), so it measures
 and tests the queue path where a model's cost would hide it. Of the sampling parameters it
-honours max_tokens only."""
+honours max_tokens only.
+
+For tests only, a token script (the JSON file named by MILI_ECHO_SCRIPT) makes it say given
+text instead: what a model with random weights never would, such as a tool call or a think block,
+to drive an agent loop end to end through the real worker, gateway and SDK."""
 from __future__ import annotations
 
 import codecs
+import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +24,7 @@ from worker.engine.errors import KVCapacityExceeded, PromptTooLong
 
 DEFAULT_NUM_PAGES = 4096
 DEFAULT_MAX_MODEL_LEN = 4096
+SCRIPT_VARIABLE = "MILI_ECHO_SCRIPT"
 
 
 class ByteTokenizer:
@@ -26,7 +33,7 @@ class ByteTokenizer:
     vocab_size = 256
     eos_token_ids = frozenset()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -34,17 +41,51 @@ class ByteTokenizer:
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, tokenize: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool = True,
     ) -> str | list[int]:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        """`role: content` lines (an assistant's tool calls as JSON after its content), the tools'
+        names first, and Qwen3's empty think block when thinking is off: what a script can key on."""
+        text = f"tools: {', '.join(t['function']['name'] for t in tools)}\n" if tools else ""
+        for m in messages:
+            calls = f" {json.dumps(m['tool_calls'])}" if m.get("tool_calls") else ""
+            text += f"{m['role']}: {m.get('content', '')}{calls}\n"
         if add_generation_prompt:
-            text += "assistant: "
+            text += "assistant: " + ("" if enable_thinking else "<think>\n\n</think>\n\n")
         return self.encode(text) if tokenize else text
+
+
+@dataclass(frozen=True)
+class ScriptLine:
+    when: str  # said for a prompt that holds this text ("" : any prompt)
+    say: str
+
+
+@dataclass(frozen=True)
+class EchoScript:
+    """What the echo engine says instead of the prompt: the first line whose `when` the prompt
+    holds (none: the echo)."""
+
+    lines: tuple[ScriptLine, ...]
+
+    @classmethod
+    def from_environment(cls) -> EchoScript | None:
+        path = os.environ.get(SCRIPT_VARIABLE)
+        if not path:
+            return None
+        with open(path, encoding="utf-8") as f:
+            return cls(tuple(ScriptLine(**line) for line in json.load(f)))
+
+    def output_for(self, prompt: list[int]) -> list[int] | None:
+        text = bytes(prompt).decode(errors="replace")
+        line = next((line for line in self.lines if line.when in text), None)
+        return None if line is None else list(line.say.encode())
 
 
 @dataclass
 class EchoRequest:
     request_id: str
     prompt: list[int]
+    output: list[int]  # what it says: the prompt, or its script's line
     max_tokens: int
     pages: int
     emitted: int = 0
@@ -52,15 +93,16 @@ class EchoRequest:
 
     @property
     def target(self) -> int:
-        return min(len(self.prompt), self.max_tokens)
+        return min(len(self.output), self.max_tokens)
 
     def usage(self) -> TokenCounts:
         return TokenCounts(len(self.prompt), self.emitted, 0)
 
 
 class EchoEngine:
-    def __init__(self, settings: EngineSettings):
+    def __init__(self, settings: EngineSettings, script: EchoScript | None = None):
         self.settings = settings
+        self.script = script
         self.tokenizer = ByteTokenizer()
         self.max_model_len = settings.max_model_len or DEFAULT_MAX_MODEL_LEN
         self.num_pages = settings.num_pages or DEFAULT_NUM_PAGES
@@ -86,8 +128,9 @@ class EchoEngine:
             raise InvalidArgument("request_id", f"{request_id!r} is already running")
         if not prompt_token_ids or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.tokenizer.vocab_size:
             raise InvalidArgument("prompt_token_ids", f"must be a non-empty list of ids in [0, {self.tokenizer.vocab_size})")
-        if list(resume_token_ids) != list(prompt_token_ids[: len(resume_token_ids)]) or len(resume_token_ids) >= min(
-            len(prompt_token_ids), params.max_tokens
+        output = (self.script and self.script.output_for(prompt_token_ids)) or list(prompt_token_ids)
+        if list(resume_token_ids) != output[: len(resume_token_ids)] or len(resume_token_ids) >= min(
+            len(output), params.max_tokens
         ):
             raise InvalidArgument("resume_token_ids", "must be a proper prefix of the echo this request produces")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -95,7 +138,7 @@ class EchoEngine:
         pages = -(-(len(prompt_token_ids) + params.max_tokens) // self.settings.page_size)
         if pages > self.num_pages:
             raise KVCapacityExceeded(f"request {request_id} needs {pages} KV pages, the pool holds {self.num_pages}")
-        req = EchoRequest(request_id, list(prompt_token_ids), params.max_tokens, pages, emitted=len(resume_token_ids))
+        req = EchoRequest(request_id, list(prompt_token_ids), output, params.max_tokens, pages, emitted=len(resume_token_ids))
         req.decoder.decode(bytes(resume_token_ids))  # the decoder's state after them, their text dropped
         self.waiting[request_id] = req
         self.waiting_pages += pages
@@ -151,7 +194,7 @@ class EchoEngine:
         return req
 
     def _emit_next(self, req: EchoRequest) -> RequestOutput:
-        token = req.prompt[req.emitted]
+        token = req.output[req.emitted]
         req.emitted += 1
         finished = req.emitted >= req.target
         text = req.decoder.decode(bytes([token]), final=finished)

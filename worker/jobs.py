@@ -6,12 +6,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel, Field, field_validator
+
+from producer_client.chat import tool_names
+from producer_client.chat_output import THINK_OPEN, ChatOutput, OutputFormat, OutputParser, Reasoning, parse_output
 from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
 from producer_client.keys import NAME_PATTERN, PROTOCOL_VERSION
 from producer_client.protocol import entry_time
-from producer_client.schema import ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage
+from producer_client.schema import (
+    MAX_TOKEN_ID, ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage,
+)
 
 ENTRY_FIELDS = frozenset({"id", "v", "body"})
+# A producer's entry may hold any number of fields of any length: the error names a few.
+UNKNOWN_FIELDS_SHOWN = 5
+NAME_CHARS_SHOWN = 64
 
 
 class Poison(MiliError):
@@ -22,9 +31,18 @@ class Poison(MiliError):
 
 
 class InternalError(MiliError):
-    """A bug met while handling one job; the job fails and the worker keeps serving."""
+    """A bug met while handling one job, or a reply the protocol does not define; the job fails
+    and the worker keeps serving."""
 
     code = "internal_error"
+
+
+class InvalidJob(MiliError):
+    """The job's keys in Redis are not what the protocol defines (a key of another type, a field
+    no script can read, events that disagree with the hash): producers may write those keys. The
+    job fails; the worker keeps serving."""
+
+    code = "invalid_job"
 
 
 @dataclass
@@ -38,6 +56,26 @@ class Delivery:
 
     def __post_init__(self):
         self.job_id = job_id_of(self.entry_id, self.fields)
+
+
+class StartEvent(BaseModel):
+    """A run's `start` event as a resumed job reads it: a producer may write the event stream, so
+    what this worker takes over is validated like any input."""
+
+    started_at: float = Field(allow_inf_nan=False)
+
+
+class TokensEvent(BaseModel):
+    ids: list[int] = Field(strict=True)
+    text: str = Field(strict=True)
+    logprobs: list[TokenLogprob] | None = None
+
+    @field_validator("ids")
+    @classmethod
+    def _token_ids(cls, ids: list[int]) -> list[int]:
+        if any(not 0 <= t < MAX_TOKEN_ID for t in ids):
+            raise ValueError(f"token ids must be 0 to {MAX_TOKEN_ID - 1}")
+        return ids
 
 
 @dataclass
@@ -55,36 +93,48 @@ class Job:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    stop_reason: str | None = None  # why this worker aborted it: "cancel" or "timeout"
+    stop_reason: str | None = None  # why this worker aborted it: "cancel", "timeout" or "tool_call"
     resumed_tokens: int = 0  # tokens recorded by earlier runs when this one started
     # The engine's request id for its latest admission (see Worker._add_to_engine).
     engine_id: str = ""
     # When the job times out: the `deadline` its producer's CREATE recorded, else its entry's
     # time plus timeout_s (an entry added without the client). None: no timeout.
     deadline: float | None = None
+    output_format: OutputFormat | None = None  # how a chat's output splits; None: it is all text
+    # With parallel_tool_calls off, the output as it grows: the job stops at its first tool call.
+    call_watch: OutputParser | None = field(init=False, default=None)
+    called_before: bool = field(init=False, default=False)  # an earlier run made that call: nothing is left to run
 
     def __post_init__(self):
         if self.deadline is None and self.request.timeout_s is not None:
             self.deadline = self.queued_at + self.request.timeout_s
+        fmt = self.output_format
+        if fmt is not None and fmt.tools is not None and not self.request.parallel_tool_calls:
+            self.call_watch = OutputParser(fmt)
+
+    def watch_for_call(self, text: str) -> bool:
+        """Whether the output, grown by `text`, has made the one tool call it may make."""
+        return self.call_watch is not None and bool(self.call_watch.push(text).tool_calls)
 
     def resume(self, events: list[tuple[str, dict[str, str]]]) -> None:
         """Take over the tokens, text and logprobs that earlier runs recorded, and when the first
         of them started and produced its first token."""
         starts = []
         for event_id, fields in events:
-            payload = json.loads(fields["data"])
-            if fields["type"] == "start":
-                starts.append(payload)
-            elif fields["type"] == "tokens":
-                if self.first_token_at is None and payload["ids"]:
+            if fields.get("type") == "start":
+                starts.append(StartEvent.model_validate_json(fields.get("data", "")))
+            elif fields.get("type") == "tokens":
+                tokens = TokensEvent.model_validate_json(fields.get("data", ""))
+                if self.first_token_at is None and tokens.ids:
                     self.first_token_at = entry_time(event_id)
-                self.token_ids.extend(payload["ids"])
-                self.text.append(payload["text"])
-                if payload.get("logprobs") is not None and self.request.params.logprobs is not None:
-                    self.logprobs = (self.logprobs or []) + [TokenLogprob.model_validate(lp) for lp in payload["logprobs"]]
+                self.token_ids.extend(tokens.ids)
+                self.text.append(tokens.text)
+                if tokens.logprobs is not None and self.request.params.logprobs is not None:
+                    self.logprobs = (self.logprobs or []) + tokens.logprobs
         if starts:
-            self.started_at = starts[0]["started_at"]
+            self.started_at = starts[0].started_at
         self.resumed_tokens = len(self.token_ids)
+        self.called_before = self.watch_for_call("".join(self.text))
 
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(self.token_ids))
@@ -93,10 +143,16 @@ class Job:
         self, status: JobState, finish_reason: str | None, worker: str, now: float, usage: Usage | None = None,
         error: MiliError | ErrorInfo | None = None,
     ) -> JobResult:
-        """The job's final result, with its output so far (usage: the engine's, else counted here)."""
+        """The job's final result, with its output so far (usage: the engine's, else counted here).
+        A chat's output is split into answer, reasoning and tool calls; one that ended naturally
+        with calls ends for them (`tool_calls`)."""
+        text = "".join(self.text)
+        chat = None if self.output_format is None else parse_output(text, self.output_format)
+        if chat is not None and chat.tool_calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
         return final_result(
             self.id, status, finish_reason, worker, now, self.queued_at, usage=usage or self.usage(), error=error,
-            output=(self.token_ids, "".join(self.text), self.logprobs),
+            output=(self.token_ids, text, self.logprobs), chat=chat,
             started_at=self.started_at, first_token_at=self.first_token_at,
         )
 
@@ -104,7 +160,7 @@ class Job:
 def final_result(
     job_id: str, status: JobState, finish_reason: str | None, worker: str, now: float, queued_at: float, *,
     usage: Usage | None = None, error: MiliError | ErrorInfo | None = None,
-    output: tuple[list[int], str, list[TokenLogprob] | None] = ([], "", None),
+    output: tuple[list[int], str, list[TokenLogprob] | None] = ([], "", None), chat: ChatOutput | None = None,
     started_at: float | None = None, first_token_at: float | None = None,
 ) -> JobResult:
     """The one way a job's final result is built: a job that ran (Job.result), or an entry that
@@ -112,11 +168,31 @@ def final_result(
     token_ids, text, logprobs = output
     if isinstance(error, MiliError):
         error = ErrorInfo(code=error.code, message=printable(error.message))
+    reasoning, tool_calls = "", []
+    if chat is not None:
+        text, reasoning, tool_calls = chat.content, chat.reasoning, [c.of_job(job_id) for c in chat.tool_calls]
     return JobResult(
-        id=job_id, status=status, text=text, token_ids=token_ids, finish_reason=finish_reason,
+        id=job_id, status=status, text=text, reasoning=reasoning, tool_calls=tool_calls, token_ids=token_ids,
+        finish_reason=finish_reason,
         usage=usage or Usage(), error=error, logprobs=logprobs, worker=worker,
         timings=Timings(queued_at=queued_at, started_at=started_at, first_token_at=first_token_at, finished_at=now),
     )
+
+
+@dataclass
+class Rejection:
+    """A job whose own keys refused the protocol: its failed result, which FAIL writes whatever
+    the job's run and recorded tokens, and its entry, acknowledged once the result is written
+    (moved to the dead-letter stream with `fields` should even FAIL be refused)."""
+
+    result: JobResult
+    entry_id: str | None  # None for a detached job (see ADOPT)
+    fields: dict[str, str]
+    deliveries: int = 1
+
+    @property
+    def job_id(self) -> str:
+        return self.result.id
 
 
 def job_id_of(entry_id: str, fields: dict[str, str]) -> str:
@@ -133,7 +209,9 @@ def parse_request(fields: dict[str, str], max_body_bytes: int, max_tokens_limit:
         raise UnsupportedVersion(f"protocol version {fields.get('v')!r}; this worker speaks {PROTOCOL_VERSION}")
     unknown = sorted(set(fields) - ENTRY_FIELDS)
     if unknown:
-        raise InvalidBody(f"the entry has fields protocol v{PROTOCOL_VERSION} does not know: {', '.join(map(repr, unknown))}")
+        named = ", ".join(repr(name[:NAME_CHARS_SHOWN]) for name in unknown[:UNKNOWN_FIELDS_SHOWN])
+        more = f" and {len(unknown) - UNKNOWN_FIELDS_SHOWN} more" if len(unknown) > UNKNOWN_FIELDS_SHOWN else ""
+        raise InvalidBody(f"the entry has fields protocol v{PROTOCOL_VERSION} does not know: {named}{more}")
     if "body" not in fields:
         raise InvalidBody("the entry has no `body` field")
     try:
@@ -144,15 +222,30 @@ def parse_request(fields: dict[str, str], max_body_bytes: int, max_tokens_limit:
     return JobRequest.from_json(body, max_body_bytes, max_tokens_limit)
 
 
-def prompt_token_ids(request: JobRequest, tokenizer) -> list[int]:
-    """Tokenize here, in the worker, so that producers need no tokenizer; chat messages go
-    through the checkpoint's own (sandboxed) chat template."""
+def render_prompt(request: JobRequest, tokenizer) -> tuple[list[int], OutputFormat | None]:
+    """The prompt's token ids, and for a chat how its output splits. Tokenized here, in the
+    worker, so that producers need no tokenizer; chat messages and the tools offered go through
+    the checkpoint's own (sandboxed) chat template."""
     if request.input_ids is not None:
-        return list(request.input_ids)
-    if request.messages is not None:
-        messages = [m.model_dump() for m in request.messages]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return tokenizer.encode(request.prompt)
+        return list(request.input_ids), None
+    if request.messages is None:
+        return tokenizer.encode(request.prompt), None
+    tools = request.offered_tools()
+    text = tokenizer.apply_chat_template(
+        [m.for_template() for m in request.messages], add_generation_prompt=True, tokenize=False,
+        tools=[t.model_dump(exclude_none=True) for t in tools] or None, enable_thinking=request.enable_thinking,
+    )
+    fmt = OutputFormat(reasoning=reasoning_of(request.enable_thinking, text), tools=tool_names(tools) if tools else None)
+    # The template writes the special tokens itself, so encoding must not add more.
+    return tokenizer.encode(text, add_special_tokens=False), fmt
+
+
+def reasoning_of(enable_thinking: bool, prompt: str) -> Reasoning:
+    """Thinking off: no reasoning. On: the output opens a <think> block, or (as the templates of
+    thinking-only models do) the prompt opened it already and the output starts inside it."""
+    if not enable_thinking:
+        return Reasoning.OFF
+    return Reasoning.OPEN if prompt.rstrip().endswith(THINK_OPEN) else Reasoning.OPTIONAL
 
 
 def printable(message: str) -> str:

@@ -15,6 +15,7 @@ from worker.holdings import EngineAPI, Holdings
 from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox, Update
 from worker.queue import RedisClock, WorkerQueue
+from worker.rejection import Rejections
 from worker.replies import Adopted
 from worker.settings import WorkerSettings
 
@@ -23,13 +24,15 @@ log = logging.getLogger(__name__)
 
 class Ownership:
     def __init__(
-        self, queue: WorkerQueue, engine: EngineAPI, holdings: Holdings, outbox: Outbox, metrics: WorkerMetrics,
-        settings: WorkerSettings, clock: RedisClock, worker: str, device: str, metrics_port: int | None,
+        self, queue: WorkerQueue, engine: EngineAPI, holdings: Holdings, outbox: Outbox, rejections: Rejections,
+        metrics: WorkerMetrics, settings: WorkerSettings, clock: RedisClock, worker: str, device: str,
+        metrics_port: int | None,
     ):
         self.queue = queue
         self.engine = engine
         self.holdings = holdings
         self.outbox = outbox
+        self.rejections = rejections
         self.metrics = metrics
         self.settings = settings
         self.clock = clock
@@ -85,11 +88,15 @@ class Ownership:
         can take such a job over, and its result reaches its producer as any other."""
         self.queue.ensure_group()
         self.holdings.unadmitted = []  # their entries are gone with the group
+        self.holdings.detach_rejected()
         runs = self.holdings.runs()
         if runs:
             outcomes = self.queue.adopt(list(runs.items()))
             for (job_id, run), outcome in zip(runs.items(), outcomes):
-                if outcome in (Adopted.ADOPTED, Adopted.RECREATED):
+                if isinstance(outcome, Exception):  # its keys refused ADOPT: it fails, detached
+                    self.holdings.detach(job_id)
+                    self.rejections.of_held(job_id, outcome)
+                elif outcome in (Adopted.ADOPTED, Adopted.RECREATED):
                     self.holdings.detach(job_id)
                     if outcome is Adopted.RECREATED:
                         self._republish_whole(job_id, run)
@@ -109,9 +116,13 @@ class Ownership:
         job = self.holdings.find(job_id)
         if job is not None:
             ids, text, logprobs, started_at = job.token_ids, "".join(job.text), job.logprobs, job.started_at
+            fmt = job.output_format
         else:  # it ended while Redis had it still: its result holds the whole output
+            # A chat's result holds its answer split from its reasoning and calls already: its
+            # stream carries the answer as plain text, and the result the rest.
             ids, text, logprobs, started_at = final.token_ids, final.text, final.logprobs, final.timings.started_at
-        update = Update(job_id, None, run, 0, start=start_event(self.worker, started_at, 0), final=final)
+            fmt = None
+        update = Update(job_id, None, run, 0, start=start_event(self.worker, started_at, 0, fmt), final=final)
         if ids or text:
             update.add_tokens(list(ids), text, logprobs)
         self.outbox.add(update)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
-import shlex
 import subprocess
 import sys
 
@@ -15,43 +13,20 @@ import openai
 import pytest
 import redis
 
-from producer_client import Client
+from producer_client import Client, IdempotencyConflict
 from producer_client.keys import GROUP, Keys
+from tests.acl_support import acl_server
 from tests.deploy.support import ROOT, environment_without_mili, wait_for
 from tests.gateway.support import GatewayProcess
-from tests.redis_support import free_port
-from worker.embedded_redis import EmbeddedRedis
 from worker.healthcheck import healthcheck
 from worker.settings import WorkerSettings
-
-PASSWORDS = {"PRODUCER_PASSWORD": "producer-secret", "WORKER_PASSWORD": "worker-secret", "GATEWAY_PASSWORD": "gateway-secret"}
-
-
-def acl_commands() -> list[list[str]]:
-    text = (ROOT / "README.md").read_text()
-    lines = re.findall(r"^ACL SETUSER .+$", text, flags=re.M)
-    assert len(lines) == 3, lines
-    for placeholder, password in PASSWORDS.items():
-        lines = [line.replace(placeholder, password) for line in lines]
-    return [shlex.split(line) for line in lines]
-
 
 
 @pytest.fixture
 def acl_redis():
-    """A TCP redis-server with the two users of the README; the default user stays the admin."""
-    with EmbeddedRedis(port=free_port()) as server:
-        admin = redis.Redis.from_url(server.url, decode_responses=True)
-        for command in acl_commands():
-            admin.execute_command(*command)
-        base = server.url.removeprefix("redis://")
-        yield {
-            "admin": admin,
-            "producer": f"redis://mili-producer:{PASSWORDS['PRODUCER_PASSWORD']}@{base}",
-            "worker": f"redis://mili-worker:{PASSWORDS['WORKER_PASSWORD']}@{base}",
-            "gateway": f"redis://mili-gateway:{PASSWORDS['GATEWAY_PASSWORD']}@{base}",
-        }
-        admin.close()
+    """A TCP redis-server with the README's users; the default user stays the admin."""
+    with acl_server() as server:
+        yield server
 
 
 @pytest.fixture
@@ -79,6 +54,8 @@ def test_the_producer_user_can_do_what_the_client_does(acl_redis, acl_worker):
         assert client.queue_stats().workers == ["acl-worker"]
         first = client.submit(prompt="once", max_tokens=8, request_id="acl-request")  # HSETNX path
         assert client.submit(prompt="once", max_tokens=8, request_id="acl-request") == first
+        with pytest.raises(IdempotencyConflict):  # the same id, another request
+            client.submit(prompt="other", max_tokens=8, request_id="acl-request")
         assert client.result(first, timeout=30).text == "once"
         many = client.submit_many([{"prompt": f"bulk {i}", "max_tokens": 8} for i in range(3)] + [{"prompt": "r", "request_id": "acl-bulk"}])
         assert sorted(r.text for r in client.as_completed(many, timeout=30)) == ["bulk 0", "bulk 1", "bulk 2", "r"]
@@ -130,6 +107,8 @@ def test_the_gateway_user_runs_a_batch_and_is_a_producer_to_jobs(acl_redis, acl_
                  for a in sdk.files.content(done.output_file_id).text.splitlines()}
         assert texts == {f"c{i}": f"acl {i}" for i in range(3)}
         sdk.batches.cancel(sdk.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h").id)
+        assert file.id in [f.id for f in sdk.files.list()]
+        assert [f.id for f in sdk.files.list(order="asc", after=file.id)][0] == done.output_file_id
         assert sdk.files.delete(file.id).deleted
     finally:
         sdk.close()

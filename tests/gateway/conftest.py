@@ -17,6 +17,7 @@ ECHO_QUEUE = "gw-echo"
 PARKED_QUEUE = "gw-parked"  # no worker serves it until a test starts one: its jobs wait
 PARKED_MODEL = "parked"
 KEEPALIVE_S = 0.2
+STREAM_HOLD_S = 3.0  # a stream of a job that waits in the queue begins after this, then keeps alive
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +38,8 @@ def gateway_workers(redis_server, tmp_path_factory):  # noqa: F811
 def gateway(redis_server, gateway_workers, tmp_path_factory):  # noqa: F811
     log_dir = tmp_path_factory.mktemp("gateway")
     process = GatewayProcess(
-        redis_server.url, log_dir, "--keepalive-s", str(KEEPALIVE_S), "--workers-refresh-s", "0.2",
+        redis_server.url, log_dir, "--keepalive-s", str(KEEPALIVE_S), "--stream-hold-s", str(STREAM_HOLD_S),
+        "--workers-refresh-s", "0.2",
         "--models", json.dumps({PARKED_MODEL: PARKED_QUEUE}),
     )
     try:

@@ -209,7 +209,7 @@ def test_shape_mismatch(tmp_path):
 def test_unsupported_model_type(tmp_path):
     ckpt = write_checkpoint(tmp_path)
     edit_json(ckpt / "config.json", model_type="llama")
-    message = r"config\.json: model_type 'llama' is not supported \(only 'qwen3'\)"
+    message = r"config\.json: model_type 'llama' is not supported \(only 'qwen3' or 'qwen3_moe'\)"
     with pytest.raises(UnsupportedModel, match=message) as e:
         load_model(ckpt)
     assert e.value.code == "unsupported_model"
@@ -231,6 +231,7 @@ def test_rope_types_other_than_default_and_yarn_are_refused_in_one_line(tmp_path
     ({"attention_bias": True}, "attention_bias True"),
     ({"use_sliding_window": True}, "use_sliding_window True"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config \{'quant_method': 'fp8'\}"),
 ])
 def test_features_qwen3_does_not_use_are_unsupported(tmp_path, changes, message):
     ckpt = write_checkpoint(tmp_path)

@@ -1,0 +1,64 @@
+"""A job's event stream read as token deltas: what `stream()` of both clients keeps between reads.
+
+Events carry the text the model generated. A chat job's `start` event says how its output splits
+(OutputFormat), and the reader runs the same parser over that text as the worker ran over the
+whole output for the result, so the deltas' `text`, `reasoning` and `tool_calls` add up to the
+result's. Splitting here rather than in the worker keeps the worker's per-token work and the
+events unchanged; the price is that a stream resumed after an event reads the events before it
+again, to bring the parser to where that event left it.
+"""
+from __future__ import annotations
+
+import json
+
+from producer_client import protocol
+from producer_client.chat_output import OutputDelta, OutputFormat, OutputParser
+from producer_client.schema import TokenDelta
+
+
+class JobStream:
+    def __init__(self, job_id: str, after: str):
+        self.job_id = job_id
+        self.resume_after = event_order(protocol.check_event_id(after))
+        self.last = "0-0"  # the last event read: the next read starts after it
+        self.parser: OutputParser | None = None
+        self.end: str | None = None  # the result JSON, once the end event is read
+
+    def take(self, event_id: str, fields: dict[str, str]) -> list[TokenDelta]:
+        """The deltas one event adds to the stream: none for a `start` event or for an event at or
+        before `after`. The `end` event sets `end` and adds what the parser held back."""
+        previous, self.last = self.last, event_id
+        shown = event_order(event_id) > self.resume_after
+        kind = fields["type"]
+        if kind == "start":
+            self._start(json.loads(fields["data"]))
+            return []
+        if kind == "tokens":
+            delta = protocol.token_delta(event_id, fields["data"], None if self.parser is None else self._split)
+            return [delta] if shown else []
+        if kind == "end":
+            self.end = fields["data"]
+            rest = self.parser.finish() if self.parser is not None else None
+            if rest and shown:
+                # Resuming after the last tokens event reads the end again, and so this again.
+                return [TokenDelta(event_id=previous, token_ids=[], **self._fields(rest))]
+        return []
+
+    def _start(self, event: dict) -> None:
+        if self.parser is None and event.get("output") is not None:
+            self.parser = OutputParser(OutputFormat.model_validate(event["output"]))
+
+    def _split(self, text: str) -> dict:
+        return self._fields(self.parser.push(text))
+
+    def _fields(self, parsed: OutputDelta) -> dict:
+        """A TokenDelta's fields of a piece of the output, split."""
+        fields = {"text": parsed.content, "reasoning": parsed.reasoning}
+        if parsed.tool_calls:
+            fields["tool_calls"] = [call.of_job(self.job_id) for call in parsed.tool_calls]
+        return fields
+
+
+def event_order(event_id: str) -> tuple[int, int]:
+    milliseconds, sequence = event_id.split("-")
+    return int(milliseconds), int(sequence)
