@@ -60,7 +60,8 @@ def _decode(q, k_cache, v_cache, page_table, context_lens, scale, k_scales, v_sc
         start = (i - first_item[b]) * split
         end = min(start + split, context_lens[b])
         _attend(q[b], k_cache, v_cache, page_table[b], start, end, scale, k_scales, table, peaks[i], sums[i], accs[i])
-    for b in numba.prange(batch):
+    # Serially: a few operations per head and item, less than a second parallel region's start costs.
+    for b in range(batch):
         _merge(peaks, sums, accs, first_item[b], first_item[b + 1], v_scales, out[b])
 
 
