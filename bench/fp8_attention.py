@@ -5,8 +5,9 @@
 
 Decode attention is bound by the bytes of K and V it reads: a float8 cache halves them, so at
 the same bandwidth a step takes half the time. Each row prints the cache bytes one call reads,
-the time, the achieved bandwidth (on CUDA also as a share of the H100's 3.35 TB/s) and the
-float8 run's speed-up over the baseline cache, measured in the same run. Extend attention
+the time, the achieved bandwidth (also as a share of what a large copy moves on the same
+device, measured in the same run: bench/timing.py) and the float8 run's speed-up over the
+baseline cache, measured in the same run. Extend attention
 (prefill after a long cached prefix) and the KV store are timed the same way.
 
 On CUDA the kernels are the Triton ones, against a bf16 cache; on CPU they are the CPU
@@ -28,7 +29,7 @@ from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.kernels import H100_HBM_BYTES_PER_S  # noqa: E402
+from bench.timing import copy_bandwidth, median_seconds  # noqa: E402
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference  # noqa: E402
 from kernels.extend_attention import paged_extend_attention, paged_extend_attention_reference  # noqa: E402
 from kernels.fp8 import FP8_DTYPE  # noqa: E402
@@ -45,7 +46,7 @@ SHAPES = {
 @dataclass
 class Timing:
     wall_ms: float
-    cpu_ms: float
+    cpu_ms: float | None  # on CUDA the host's time says nothing about the kernel's
 
 
 @dataclass
@@ -58,16 +59,15 @@ class Row:
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> Timing:
-    """Median wall and CPU time of one call, after a warm-up call."""
+    """CUDA: triton's do_bench median. CPU: median wall and CPU time of `repeats` calls after a
+    warm-up call (the machine may be shared: CPU time moves less with the load)."""
+    if device.type == "cuda":
+        return Timing(median_seconds(fn, device) * 1e3, None)
     fn()
     walls, cpus = [], []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
         wall, cpu = time.perf_counter(), time.process_time()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
     return Timing(statistics.median(walls) * 1e3, statistics.median(cpus) * 1e3)
@@ -135,30 +135,31 @@ def bench_store(heads, tokens: int, dtype, device, repeats: int) -> Row:
                timed(lambda: store_kv(k, v, k_cache, v_cache, slots, scales, scales), device, repeats))
 
 
-def print_table(rows: list[Row], device: torch.device) -> None:
-    gpu = device.type == "cuda"
-    print(f"\n{torch.cuda.get_device_name() if gpu else 'CPU'}, torch {torch.__version__}\n")
-    print("| kernel | shape | KV cache | bytes | wall ms | CPU ms | GB/s | float8 speed-up (same run) |")
+def print_table(rows: list[Row], device: torch.device, copy_bytes_per_s: float) -> None:
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"\n{name}, torch {torch.__version__}; a large copy moves {copy_bytes_per_s / 1e9:,.1f} GB/s here\n")
+    print("| kernel | shape | KV cache | bytes | wall ms | CPU ms | GB/s (share of the copy's) | "
+          "float8 speed-up (same run) |")
     print("|---|---|---|---|---|---|---|---|")
     for base, fp8 in zip(rows[::2], rows[1::2]):
         for row in (base, fp8):
-            rate = row.nbytes / (row.timing.wall_ms * 1e-3) / 1e9
-            share = f" = {rate * 1e9 / H100_HBM_BYTES_PER_S:.0%} of HBM" if gpu else ""
+            rate = row.nbytes / (row.timing.wall_ms * 1e-3)
+            cpu = "-" if row.timing.cpu_ms is None else f"{row.timing.cpu_ms:.3f}"
             speedup = f"{base.timing.wall_ms / fp8.timing.wall_ms:.2f}x" if row is fp8 else "baseline"
             print(f"| {row.kernel} | {row.shape} | {row.cache.removeprefix('torch.')} | {row.nbytes / 2**20:.1f} MiB | "
-                  f"{row.timing.wall_ms:.3f} | {row.timing.cpu_ms:.3f} | {rate:.3g}{share} | {speedup} |")
+                  f"{row.timing.wall_ms:.3f} | {cpu} | {rate / 1e9:.3g} ({rate / copy_bytes_per_s:.0%}) | {speedup} |")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", choices=list(SHAPES), default=None,
                         help="8b on CUDA, tiny on CPU, unless given")
-    parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (median): 50 on CUDA, 5 on CPU")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per row on CPU (median)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     q_heads, kv_heads, head_dim, decodes, extends = SHAPES[args.shapes or ("8b" if device.type == "cuda" else "tiny")]
     heads = (q_heads, kv_heads, head_dim)
-    repeats = args.repeats or (50 if device.type == "cuda" else 5)
+    repeats = args.repeats
     baseline = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []  # each baseline row followed by its float8 row
     for batch, context in decodes:
@@ -166,7 +167,7 @@ def main() -> int:
     for new, prefix in extends:
         rows += [bench_extend(heads, new, prefix, d, device, repeats) for d in (baseline, FP8_DTYPE)]
     rows += [bench_store(heads, 4096, d, device, repeats) for d in (baseline, FP8_DTYPE)]
-    print_table(rows, device)
+    print_table(rows, device, copy_bandwidth(device))
     return 0
 
 

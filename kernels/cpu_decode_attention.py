@@ -9,9 +9,9 @@ is what bounds it: a layer's cache outgrows the L3). Requests are spread over to
 count (bench/RESULTS.md has what it measured against the reference). Math is fp32, like the
 reference's.
 
-A float8 cache (kernels/fp8.py) is read as bytes, each decoded through a 256-entry table
-(exact), with its per-kv-head scales applied to the scores and to the output: a quarter of
-a float32 cache's bytes per step.
+A float8 cache (kernels/fp8.py) is read as bytes, each row decoded through a 256-entry table
+(exact) into a small buffer, with its per-kv-head scales applied to the scores and to the
+output: a quarter of a float32 cache's bytes per step, at the cost of the lookups.
 """
 import numba
 import numpy as np
@@ -30,16 +30,21 @@ NO_TABLE = np.empty(0, dtype=np.float32)
 SPLIT_TOKENS = 2048
 
 
-def _cached(row, d, table):  # pragma: no cover - the overload below is what compiles
+def _row_values(row, table, buffer):  # pragma: no cover - the overload below is what compiles
     raise NotImplementedError
 
 
-@overload(_cached, jit_options={"fastmath": FASTMATH})
-def _cached_overload(row, d, table):
-    """Element d of a cached row: a float stored as is, or a float8 byte looked up in the table."""
+@overload(_row_values, jit_options={"fastmath": FASTMATH})
+def _row_values_overload(row, table, buffer):
+    """A cached row's values: a float row as it is, or a float8 row's bytes looked up in the
+    table into `buffer` (once per row and kv head, so the dot products over it vectorize)."""
     if isinstance(row.dtype, types.Integer):
-        return lambda row, d, table: table[row[d]]
-    return lambda row, d, table: row[d]
+        def lookup(row, table, buffer):
+            for d in range(row.size):
+                buffer[d] = table[row[d]]
+            return buffer
+        return lookup
+    return lambda row, table, buffer: row
 
 
 @numba.njit(fastmath=FASTMATH, cache=True, nogil=True, parallel=True)
@@ -78,16 +83,17 @@ def _attend(q, k_cache, v_cache, pages, start, end, scale, k_scales, table, peak
     group = num_q_heads // num_kv_heads
     length = end - start
     weights = np.empty((num_q_heads, length), dtype=np.float32)
+    buffer = np.empty(head_dim, dtype=np.float32)
     for t in range(start, end):
         k_rows = k_cache[pages[t // page_size], t % page_size]  # [Hk, D]
         for kv_head in range(num_kv_heads):
-            k_row = k_rows[kv_head]
+            k_row = _row_values(k_rows[kv_head], table, buffer)
             row_scale = scale * k_scales[kv_head]
             for h in range(kv_head * group, (kv_head + 1) * group):
                 q_row = q[h]
                 dot = np.float32(0.0)
                 for d in range(head_dim):
-                    dot += q_row[d] * _cached(k_row, d, table)
+                    dot += q_row[d] * k_row[d]
                 weights[h, t - start] = dot * row_scale
     for h in range(num_q_heads):
         peak[h], total[h] = _exp_in_place(weights[h])
@@ -95,11 +101,11 @@ def _attend(q, k_cache, v_cache, pages, start, end, scale, k_scales, table, peak
     for t in range(start, end):
         v_rows = v_cache[pages[t // page_size], t % page_size]
         for kv_head in range(num_kv_heads):
-            v_row = v_rows[kv_head]
+            v_row = _row_values(v_rows[kv_head], table, buffer)
             for h in range(kv_head * group, (kv_head + 1) * group):
                 w = weights[h, t - start]
                 for d in range(head_dim):
-                    acc[h, d] += w * _cached(v_row, d, table)
+                    acc[h, d] += w * v_row[d]
 
 
 @numba.njit(fastmath=FASTMATH, cache=True, nogil=True)
