@@ -12,6 +12,10 @@ The model has the `tiny` preset's shape (4 layers, 4 q and 2 kv heads of 64, hid
 Qwen3's vocabulary), drawn at 15x the usual weight scale so that greedy tokens wander (at the
 preset's own scale a random model repeats one token).
 
+The same runs at 4,608 tokens (a 4,352-token prompt in two chunks, 256 generated): the GPU
+acceptance's CPU rehearsal (scripts/acceptance/stages/long_context.py, `-k 4k`), a minute
+where the 32K run takes several.
+
 Memory: the engine's for the request, its KV pool (sized to the request) and the peak of what
 the request's steps allocate beyond it, stays within MEMORY_MULTIPLE times the request's KV
 bytes; an attention buffer quadratic in the context (4 GiB of float32 scores at 32K) would
@@ -43,8 +47,6 @@ from worker.model.tokenizer import Tokenizer
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-PROMPT, GENERATED = 30_720, 2_048
-TOTAL = PROMPT + GENERATED  # 32,768
 PAGE_SIZE = 16
 REL_TOL = 1e-4  # as tests/model/test_parity.py
 # The engine's memory for the request (KV pool, activations, attention temporaries, logits)
@@ -54,16 +56,33 @@ REL_TOL = 1e-4  # as tests/model/test_parity.py
 MEMORY_MULTIPLE = 2.0
 
 
+@dataclass(frozen=True)
+class Lengths:
+    prompt: int
+    generated: int
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.generated
+
+
+FULL = Lengths(30_720, 2_048)  # 32,768
+SHORT = Lengths(4_352, 256)  # past one 4,096-token chunk
+# 32K first: its memory is measured in a process that has run nothing long before.
+LENGTHS = pytest.mark.parametrize("engine_run", [FULL, SHORT], ids=["32k", "4k"], indirect=True)
+
+
 @dataclass
 class EngineRun:
+    lengths: Lengths
     prompt: list[int]
     generated: list[int]
-    hidden: torch.Tensor  # [GENERATED, hidden]: the state each generated token was sampled from
-    full_prompt_token: int  # the token sampled after the 32,768 tokens given as one prompt
+    hidden: torch.Tensor  # [generated, hidden]: the state each generated token was sampled from
+    full_prompt_token: int  # the token sampled after all the tokens given as one prompt
     full_prompt_hidden: torch.Tensor  # [1, hidden]
     cached_tokens: int  # of that prompt, found in the radix cache
     model: torch.nn.Module  # the engine's, whose LM head turns the hidden states into logits
-    kv_bytes: int  # of the request's 32,767 computed tokens
+    kv_bytes: int  # of the request's computed tokens (all but the last)
     peak_bytes: int  # its KV pool (sized to it) and, at their peak, the allocations of its steps
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -90,46 +109,48 @@ def record_hidden(engine: Engine) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def engine_run(long_checkpoint) -> EngineRun:
+def engine_run(request, long_checkpoint) -> EngineRun:
     """Runs before transformers does, so that its memory cannot hide the engine's."""
-    prompt = torch.randint(0, PRESETS["tiny"].config["vocab_size"], (PROMPT,),
+    lengths: Lengths = request.param
+    total = lengths.total
+    prompt = torch.randint(0, PRESETS["tiny"].config["vocab_size"], (lengths.prompt,),
                            generator=torch.Generator().manual_seed(11)).tolist()
     loaded = load_model(long_checkpoint, dtype=torch.float32, device=DEVICE)
-    settings = EngineSettings(num_pages=pages_for(TOTAL + PAGE_SIZE, PAGE_SIZE), page_size=PAGE_SIZE,
-                              max_running=1, max_model_len=TOTAL + 1, cuda_graphs=False)
+    settings = EngineSettings(num_pages=pages_for(total + PAGE_SIZE, PAGE_SIZE), page_size=PAGE_SIZE,
+                              max_running=1, max_model_len=total + 1, cuda_graphs=False)
     engine = Engine(loaded.model, loaded.config, Tokenizer.from_dir(long_checkpoint), settings, [], DEVICE)
     engine.warm_up()
     hidden = record_hidden(engine)
     memory, seconds = {}, {}
     with peak_memory(DEVICE, memory):
         start = time.process_time()
-        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True))[0]
-        seconds["30K prompt + 2K generated, engine CPU"] = time.process_time() - start
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=lengths.generated, ignore_eos=True))[0]
+        seconds[f"{lengths.prompt:,}-token prompt + {lengths.generated:,} generated, engine CPU"] = time.process_time() - start
     generated_rows = torch.cat(hidden)
     hidden.clear()
     start = time.process_time()
     again = engine.generate([prompt + out.token_ids], SamplingParams(temperature=0, max_tokens=1))[0]
-    seconds["32K prompt from the radix cache, engine CPU"] = time.process_time() - start
+    seconds[f"{total:,}-token prompt from the radix cache, engine CPU"] = time.process_time() - start
     config = loaded.config
     shape = KVCacheShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, PAGE_SIZE,
                          engine.runner.kv_caches[0][0].dtype)
     pool_bytes = engine.allocator.num_pages * shape.bytes_per_page  # allocated (and zeroed) before the request
     return EngineRun(
-        prompt, out.token_ids, generated_rows, again.token_ids[0], torch.cat(hidden), again.usage.cached_prompt_tokens,
-        loaded.model, (TOTAL - 1) * shape.bytes_per_token, pool_bytes + memory["bytes"], seconds,
+        lengths, prompt, out.token_ids, generated_rows, again.token_ids[0], torch.cat(hidden), again.usage.cached_prompt_tokens,
+        loaded.model, (total - 1) * shape.bytes_per_token, pool_bytes + memory["bytes"], seconds,
     )
 
 
 @pytest.fixture(scope="module")
 def reference(engine_run, long_checkpoint):
-    """transformers over the 32,768 tokens: (its final hidden states at the last GENERATED + 1
+    """transformers over all the tokens: (its final hidden states at the last generated + 1
     positions, its LM head)."""
     hf = HFQwen3ForCausalLM.from_pretrained(long_checkpoint, dtype=torch.float32).to(DEVICE).eval()
     ids = torch.tensor([engine_run.prompt + engine_run.generated], device=DEVICE)
     start = time.process_time()
     with torch.inference_mode():
-        last = hf.model(ids).last_hidden_state[0, PROMPT - 1 :]
-    engine_run.seconds["32K prompt, transformers CPU"] = time.process_time() - start
+        last = hf.model(ids).last_hidden_state[0, engine_run.lengths.prompt - 1 :]
+    engine_run.seconds[f"{len(ids[0]):,}-token prompt, transformers CPU"] = time.process_time() - start
     return last, hf.lm_head
 
 
@@ -147,28 +168,34 @@ def compare_logits(ours_hidden: torch.Tensor, ref_hidden: torch.Tensor, lm_head,
     return worst, torch.cat(argmax)
 
 
-def test_30k_prompt_and_2k_generated_tokens_match_transformers(engine_run, reference):
+@LENGTHS
+def test_long_prompt_and_generated_tokens_match_transformers(engine_run, reference):
     ref_hidden, lm_head = reference
-    worst, hf_choice = compare_logits(engine_run.hidden, ref_hidden[:GENERATED], lm_head, engine_run.model.compute_logits)
-    print(f"\n32K parity: worst per-position relative logit error {worst:.2e} over {GENERATED} positions; "
+    generated = engine_run.lengths.generated
+    worst, hf_choice = compare_logits(engine_run.hidden, ref_hidden[:generated], lm_head, engine_run.model.compute_logits)
+    print(f"\n{engine_run.lengths.total:,}-token parity: worst per-position relative logit error {worst:.2e} "
+          f"over {generated:,} positions; "
           + "; ".join(f"{k} {v:.1f} s" for k, v in engine_run.seconds.items()))
     assert worst <= REL_TOL
     assert engine_run.generated == hf_choice.tolist()  # transformers' greedy continuation, token for token
-    assert len(set(engine_run.generated)) > 200  # a continuation that wanders, not one token repeated
+    assert len(set(engine_run.generated)) > generated // 10  # a continuation that wanders, not one token repeated
 
 
-def test_32k_prompt_from_the_radix_cache_matches_transformers(engine_run, reference):
+@LENGTHS
+def test_whole_prompt_from_the_radix_cache_matches_transformers(engine_run, reference):
     ref_hidden, lm_head = reference
-    assert engine_run.cached_tokens == (TOTAL - 1) // PAGE_SIZE * PAGE_SIZE  # all but the last page: 32,752
-    worst, hf_choice = compare_logits(engine_run.full_prompt_hidden, ref_hidden[GENERATED:], lm_head,
+    # All but the last page: 32,752 of 32,768.
+    assert engine_run.cached_tokens == (engine_run.lengths.total - 1) // PAGE_SIZE * PAGE_SIZE
+    worst, hf_choice = compare_logits(engine_run.full_prompt_hidden, ref_hidden[engine_run.lengths.generated:], lm_head,
                                       engine_run.model.compute_logits)
     assert worst <= REL_TOL
     assert engine_run.full_prompt_token == hf_choice.item()
 
 
+@pytest.mark.parametrize("engine_run", [FULL], ids=["32k"], indirect=True)
 def test_32k_request_memory_stays_within_a_small_multiple_of_its_kv(engine_run):
     multiple = engine_run.peak_bytes / engine_run.kv_bytes
     print(f"\n32K memory: the KV pool and the steps' peak {engine_run.peak_bytes / 2**20:.0f} MiB, "
           f"KV {engine_run.kv_bytes / 2**20:.0f} MiB: {multiple:.2f}x")
-    assert engine_run.kv_bytes == (TOTAL - 1) * 2 * 4 * 2 * 64 * 4  # K and V, 4 layers, 2 kv heads of 64, fp32
+    assert engine_run.kv_bytes == (FULL.total - 1) * 2 * 4 * 2 * 64 * 4  # K and V, 4 layers, 2 kv heads of 64, fp32
     assert multiple <= MEMORY_MULTIPLE

@@ -1,5 +1,6 @@
 """YaRN: read from config.json in each of its spellings, tabled exactly as transformers computes
-it, and the model equal to transformers' past the original window."""
+it, and the model equal to transformers' past the original window (on CUDA where there is one:
+the GPU acceptance's long_context stage runs these there)."""
 import json
 
 import pytest
@@ -19,6 +20,7 @@ from worker.model.loader import load_model
 from worker.model.presets import qwen3_config, write_random_checkpoint
 from worker.model.rope import YarnScaling, rope_table
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 QWEN3_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}  # Qwen3's model card
 
 
@@ -96,10 +98,10 @@ def yarn_models(tmp_path_factory):
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     )
     ckpt = write_random_checkpoint(tmp_path_factory.mktemp("yarn"), config, seed=9, norm_std=0.1)
-    ours = load_model(ckpt, dtype=torch.float32).model
-    ref = HFQwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ours = load_model(ckpt, dtype=torch.float32, device=DEVICE).model
+    ref = HFQwen3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).to(DEVICE).eval()
     assert ref.model.rotary_emb.rope_type == "yarn"
-    assert (ours.model.cos_sin - rope_cos_sin_cache(32, 256, 1e6)).abs().max() > 0.1  # the scaling is in effect
+    assert (ours.model.cos_sin.cpu() - rope_cos_sin_cache(32, 256, 1e6)).abs().max() > 0.1  # the scaling is in effect
     return ours, ref
 
 
@@ -110,12 +112,13 @@ def test_yarn_model_matches_transformers_past_the_original_window(yarn_models):
     runner = PagedModelRunner(ours)
     seq = runner.add_sequence()
     logits = torch.cat([runner.extend({seq: prompt[i : i + 50]})[0] for i in range(0, 200, 50)])
-    assert_logits_close(logits, ref(torch.tensor([prompt])).logits[0])
+    assert_logits_close(logits, ref(torch.tensor([prompt], device=DEVICE)).logits[0])
 
     generated = [logits[-1].argmax().item()]
     for _ in range(48):  # to position 248 of 256
         generated.append(runner.decode({seq: generated[-1]})[0].argmax().item())
-    expected = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 200, dtype=torch.long),
+    expected = ref.generate(torch.tensor([prompt], device=DEVICE),
+                            attention_mask=torch.ones(1, 200, dtype=torch.long, device=DEVICE),
                             max_new_tokens=49, do_sample=False, pad_token_id=0)[0, 200:].tolist()
     assert generated == expected
     assert len(set(generated)) > 16
