@@ -147,7 +147,7 @@ def print_table(rows: list[Row], device: torch.device, copy_bytes_per_s: float) 
             cpu = "-" if row.timing.cpu_ms is None else f"{row.timing.cpu_ms:.3f}"
             speedup = f"{base.timing.wall_ms / fp8.timing.wall_ms:.2f}x" if row is fp8 else "baseline"
             print(f"| {row.kernel} | {row.shape} | {row.cache.removeprefix('torch.')} | {row.nbytes / 2**20:.1f} MiB | "
-                  f"{row.timing.wall_ms:.3f} | {cpu} | {rate / 1e9:.3g} ({rate / copy_bytes_per_s:.0%}) | {speedup} |")
+                  f"{row.timing.wall_ms:.3f} | {cpu} | {rate / 1e9:,.1f} ({rate / copy_bytes_per_s:.0%}) | {speedup} |")
 
 
 def main() -> int:

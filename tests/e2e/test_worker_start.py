@@ -4,12 +4,14 @@ at once with one line, before any model loads; no password ever reaches the outp
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from producer_client import Client
 from producer_client.keys import Keys
@@ -135,10 +137,13 @@ def test_a_workers_metrics_listen_where_its_settings_say(host_flag, reachable_fr
 
 
 def test_a_worker_with_a_float8_cache_serves_jobs_and_says_what_its_pool_holds():
+    """On the device the worker picks: CUDA where there is one (the GPU acceptance's fp8 stage),
+    whose pool is sized from its free memory, not kv_cache_mib."""
+    cuda = torch.cuda.is_available()
+    pool = ("--gpu-memory-utilization", "0.05") if cuda else ("--kv-cache-mib", "64")
     with EmbeddedRedis(port=free_port()) as server:
         process = subprocess.Popen(
-            worker_command(server.url, "--metrics-port", "0", "--kv-cache-dtype", "fp8_e4m3", "--kv-cache-mib", "64",
-                           model="tiny"),
+            worker_command(server.url, "--metrics-port", "0", "--kv-cache-dtype", "fp8_e4m3", *pool, model="tiny"),
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         try:
@@ -150,7 +155,8 @@ def test_a_worker_with_a_float8_cache_serves_jobs_and_says_what_its_pool_holds()
             output, _ = process.communicate(timeout=30)
     assert [(r.status, r.usage.completion_tokens) for r in results] == [("done", 8)] * 3
     # tiny is float32: 4,096 B per token, 1,024 B in float8, so 64 MiB hold 4x the pages.
-    assert "KV cache: 4096 pages x 16 tokens = 65536 tokens (64.0 MiB, torch.float8_e4m3fn" in output
+    pages = r"\d+ pages x 16 tokens = \d+ tokens \([\d.]+ MiB" if cuda else r"4096 pages x 16 tokens = 65536 tokens \(64\.0 MiB"
+    assert re.search(rf"KV cache: {pages}, torch\.float8_e4m3fn, {'cuda' if cuda else 'cpu'}", output), output
     assert "4.0x the tokens of a torch.float32 cache in the same memory" in output
 
 
