@@ -155,7 +155,8 @@ def test_a_worker_with_a_float8_cache_serves_jobs_and_says_what_its_pool_holds()
             output, _ = process.communicate(timeout=30)
     assert [(r.status, r.usage.completion_tokens) for r in results] == [("done", 8)] * 3
     # tiny is float32: 4,096 B per token, 1,024 B in float8, so 64 MiB hold 4x the pages.
-    pages = r"\d+ pages x 16 tokens = \d+ tokens \([\d.]+ MiB" if cuda else r"4096 pages x 16 tokens = 65536 tokens \(64\.0 MiB"
+    pages = (r"\d+ pages x 16 tokens = \d+ tokens \([\d.]+ MiB" if cuda
+             else r"4096 pages x 16 tokens = 65536 tokens \(64\.0 MiB")
     assert re.search(rf"KV cache: {pages}, torch\.float8_e4m3fn, {'cuda' if cuda else 'cpu'}", output), output
     assert "4.0x the tokens of a torch.float32 cache in the same memory" in output
 
