@@ -12,7 +12,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from producer_client.errors import InvalidArgument
 from tests.model.paged import PagedModelRunner
 from tests.model.test_parity import assert_logits_close
-from worker.engine.engine import resolve_max_model_len
+from worker.engine.rank_setup import resolve_max_model_len
 from worker.engine.settings import EngineSettings
 from kernels.rope import rope_cos_sin_cache
 from worker.model.config import CheckpointError, Qwen3Config
