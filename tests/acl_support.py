@@ -1,6 +1,6 @@
-"""The ACL users of docs/operations.md on a real redis-server, for the tests that act with only the
+"""The ACL users of docs/security.md on a real redis-server, for the tests that act with only the
 rights a role has (tests/deploy/test_acl.py, the hostile-producer tests): the `ACL SETUSER` lines
-are read from docs/operations.md, so the tests hold the docs to their word."""
+are read from docs/security.md, so the tests hold the docs to their word."""
 from __future__ import annotations
 
 import re
@@ -14,12 +14,12 @@ import redis
 from tests.redis_modes import free_port
 from worker.embedded_redis import EmbeddedRedis
 
-OPERATIONS_DOC = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
+SECURITY_DOC = Path(__file__).resolve().parents[1] / "docs" / "security.md"
 PASSWORDS = {"PRODUCER_PASSWORD": "producer-secret", "WORKER_PASSWORD": "worker-secret", "GATEWAY_PASSWORD": "gateway-secret"}
 
 
 def acl_commands() -> list[list[str]]:
-    lines = re.findall(r"^ACL SETUSER .+$", OPERATIONS_DOC.read_text(), flags=re.M)
+    lines = re.findall(r"^ACL SETUSER .+$", SECURITY_DOC.read_text(), flags=re.M)
     assert len(lines) == 3, lines
     for placeholder, password in PASSWORDS.items():
         lines = [line.replace(placeholder, password) for line in lines]

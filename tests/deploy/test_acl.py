@@ -1,4 +1,4 @@
-"""The ACL split of docs/operations.md, run as written against a real redis-server: a producer user can do
+"""The ACL split of docs/security.md, run as written against a real redis-server: a producer user can do
 everything the client does and nothing a worker does; a worker user can run the queue loop
 and the healthcheck, and nothing outside the `mili:` prefix; a gateway user runs a batch of the
 Batch API and can do no more than a producer to a job."""

@@ -1,5 +1,5 @@
-"""The security section of docs/operations.md: every line states one guarantee and names the test
-that proves it; each named test exists."""
+"""docs/security.md's list of guarantees: every line states one and names the test that proves
+it; each named test exists."""
 from __future__ import annotations
 
 import re
@@ -11,8 +11,8 @@ TEST = re.compile(r"\(`(tests/[\w/]+\.py)::(test_\w+)`\)$")
 
 
 def guarantee_lines() -> list[str]:
-    section = SECTION.search((ROOT / "docs" / "operations.md").read_text())
-    assert section, "docs/operations.md has no security section"
+    section = SECTION.search((ROOT / "docs" / "security.md").read_text())
+    assert section, "docs/security.md has no list of guarantees"
     return [line for line in section.group(1).splitlines() if line.startswith("- ")]
 
 
