@@ -10,25 +10,21 @@ their prefill, then times decode steps two ways: the model step alone (`ModelRun
 which replays the decode CUDA graph on CUDA) and whole engine steps (scheduling, sampling,
 stop checks, outputs). Both print beside the bound; the issue's target is within 2x of it.
 
-    python bench/decode_step.py                      # qwen3-0.6b, bf16, batch 256, context 1024
-    python bench/decode_step.py --model tiny --batch 8 --context 64 --steps 3    # CPU smoke
+    python -m bench.decode_step                      # qwen3-0.6b, bf16, batch 256, context 1024
+    python -m bench.decode_step --model tiny --batch 8 --context 64 --steps 3    # CPU smoke
 """
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path and would shadow the `kernels` package.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import torch  # noqa: E402
+import torch
 
-from bench.kernels import H100_HBM_BYTES_PER_S  # noqa: E402
-from bench.offline import PROMPT_ID_LIMIT, add_engine_switches, engine_settings  # noqa: E402
-from producer_client.schema import SamplingParams  # noqa: E402
-from worker.engine import Engine, EngineSettings  # noqa: E402
-from worker.engine.engine import overlap_enabled  # noqa: E402
+from bench.triton_kernels import H100_HBM_BYTES_PER_S
+from bench.offline import PROMPT_ID_LIMIT, add_engine_switches, engine_settings
+from producer_client.schema import SamplingParams
+from worker.engine import Engine, EngineSettings
+from worker.engine.engine import overlap_enabled
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ then every invariant of the protocol is checked:
     but the heartbeats, the worker and queue indexes and the emptied queue expires within
     result_ttl_s.
 
-A failing schedule raises ScheduleFailed naming its seed: `python bench/chaos.py --seed N
+A failing schedule raises ScheduleFailed naming its seed: `python -m bench.chaos --seed N
 --schedules 1` runs it again. tests/chaos/test_schedules.py runs 100 of them in CI.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Each Triton kernel against its torch baseline on one CUDA GPU, at the issue's shapes.
 
-    python bench/kernels.py            # bf16; prints a markdown table for bench/RESULTS.md
+    python -m bench.triton_kernels            # bf16; prints a markdown table for bench/RESULTS.md
 
 Times are medians of triton.testing.do_bench (L2 flushed between runs). Memory-bound
 kernels report achieved HBM bandwidth (bytes that must move / time) against the H100's
@@ -12,29 +12,24 @@ import argparse
 import logging
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
-# Run as a script, this file's directory leads sys.path: bench/queue.py would shadow the
-# standard `queue` module (torch imports it) and this file the `kernels` package.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import torch
+import torch.nn.functional as F
+import triton.testing
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton.testing  # noqa: E402
-
-from kernels.activation import silu_and_mul_reference, silu_and_mul_triton  # noqa: E402
-from kernels.decode_attention import (  # noqa: E402
+from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
+from kernels.decode_attention import (
     decode_num_splits, paged_decode_attention_reference, paged_decode_attention_triton,
 )
-from kernels.extend_attention import paged_extend_attention_reference, paged_extend_attention_triton  # noqa: E402
-from kernels.kv_store import store_kv_reference, store_kv_triton  # noqa: E402
-from kernels.rms_norm import (  # noqa: E402
+from kernels.extend_attention import paged_extend_attention_reference, paged_extend_attention_triton
+from kernels.kv_store import store_kv_reference, store_kv_triton
+from kernels.rms_norm import (
     fused_add_rms_norm_reference, fused_add_rms_norm_triton, rms_norm_reference, rms_norm_triton,
 )
-from kernels.rope import qk_norm_rope_reference, qk_norm_rope_triton, rope_cos_sin_cache  # noqa: E402
+from kernels.rope import qk_norm_rope_reference, qk_norm_rope_triton, rope_cos_sin_cache
 
-log = logging.getLogger("bench.kernels")
+log = logging.getLogger("bench.triton_kernels")
 
 H100_HBM_BYTES_PER_S = 3.35e12
 H100_BF16_DENSE_FLOPS = 989e12
@@ -210,7 +205,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU (the figures are HBM bandwidth and tensor-core rates); "
+        print("bench/triton_kernels.py needs a CUDA GPU (the figures are HBM bandwidth and tensor-core rates); "
               "on CPU the kernels are checked by the interpreter tests: pytest tests/kernels")
         return 0
     dtype = DTYPES[args.dtype]
