@@ -20,7 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tests.chaos.schedules import STARVED_S, ScheduleFailed, run_schedule
-from tests.redis_support import RestartableRedis
+from tests.support.redis_servers import RestartableRedis
 
 
 def main() -> int:

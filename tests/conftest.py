@@ -1,4 +1,6 @@
-"""Session-wide setup: Triton's interpreter mode, chosen before anything imports triton.
+"""Session-wide setup: the shared fixtures (tests/support/fixtures.py, through `pytest_plugins`,
+which pytest reads only in this top-level conftest) and Triton's interpreter mode, chosen before
+anything imports triton.
 
 triton.jit decides compiled-or-interpreted when a function is defined, that is when
 triton.language (whose tl.sum, tl.max... are jit functions too) and kernels/ are imported.
@@ -11,6 +13,8 @@ test. A variable set by the caller is left alone.
 import os
 
 import torch
+
+pytest_plugins = ["tests.support.fixtures"]
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.chaos.schedules import run_schedule
-from tests.redis_support import RestartableRedis
+from tests.support.redis_servers import RestartableRedis
 
 SCHEDULES = 100
 

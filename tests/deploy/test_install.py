@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from tests.deploy.support import ROOT
-from tests.redis_support import WorkerProcess, start_workers
+from tests.support.workers import WorkerProcess, start_workers
 
 SOURCES = ("pyproject.toml", "README.md", "producer_client", "worker", "kernels", "gateway", "config")
 

@@ -11,8 +11,11 @@ import time
 import pytest
 
 from producer_client import Client
-from tests.redis_support import REPO, RestartableRedis, eventually, free_port
-from worker.embedded_redis import EmbeddedRedis
+from tests.support.polling import eventually
+from tests.support.processes import REPO
+from tests.support.redis_servers import RestartableRedis
+from tests.support.workers import WorkerProcess
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 SECRET = "s3cret-Pa55"
 
@@ -30,21 +33,22 @@ def run_to_exit(command: list[str]) -> subprocess.CompletedProcess:
 
 def test_a_worker_waits_for_a_redis_that_is_not_there_yet_then_serves(tmp_path):
     server = RestartableRedis(tmp_path)  # its port is chosen; nothing listens on it yet
-    process = subprocess.Popen(
-        worker_command(server.url, "--metrics-port", "0", "--redis-backoff-max-s", "0.2"),
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    worker = WorkerProcess(server.url, "start", "start-w", tmp_path, "--redis-backoff-max-s", "0.2", model="echo")
     try:
-        time.sleep(2.0)  # several backoff waits
-        assert process.poll() is None
+        worker.start()
+        # Its first try, after its imports (seconds on a loaded machine), then several backoff waits.
+        assert eventually(lambda: "does not answer" in worker.log(), 60), worker.log()
+        time.sleep(2.0)
+        assert worker.running
         server.start()
         with Client(server.url, "start") as client:
             assert client.generate("here", max_tokens=4, timeout=30).text == "here"
+        returncode = worker.terminate(timeout=30)
     finally:
-        process.terminate()
-        output, _ = process.communicate(timeout=30)
+        worker.stop()
         server.stop()
-    assert process.returncode == 0, output
+    output = worker.log()
+    assert returncode == 0, output
     assert "Traceback" not in output
     waiting = [line for line in output.splitlines() if "does not answer" in line]
     assert len(waiting) == 1, output

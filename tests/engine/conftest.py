@@ -9,13 +9,12 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
+from tests.engine.support import VOCAB
 from worker.engine import Engine, EngineSettings
 from worker.model.loader import load_model
 from worker.model.presets import qwen3_config, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 from worker.model.tokenizer import Tokenizer
-
-VOCAB = 2048
 
 
 @pytest.fixture(scope="session")

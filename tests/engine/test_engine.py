@@ -5,7 +5,7 @@ import pytest
 
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
-from tests.engine.conftest import VOCAB
+from tests.engine.support import VOCAB
 from worker.engine.errors import PromptTooLong
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from producer_client.schema import SamplingParams
-from tests.engine.conftest import VOCAB
+from tests.engine.support import VOCAB
 from tests.engine.test_engine import assert_all_pages_free_after_clear, random_prompts
 from worker.engine import Engine, EngineSettings
 from worker.engine.engine import overlap_enabled

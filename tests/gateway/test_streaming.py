@@ -9,9 +9,10 @@ import httpx
 import openai
 
 from producer_client import Client
-from tests.gateway.conftest import ECHO_QUEUE, KEEPALIVE_S, PARKED_MODEL, PARKED_QUEUE, TINY_QUEUE
-from tests.gateway.support import GatewayProcess
-from tests.redis_support import WorkerProcess, eventually
+from tests.gateway.support import ECHO_QUEUE, KEEPALIVE_S, PARKED_MODEL, PARKED_QUEUE, TINY_QUEUE
+from tests.support.gateways import GatewayProcess
+from tests.support.polling import eventually
+from tests.support.workers import WorkerProcess
 
 
 def test_curl_sees_data_lines_then_done(gateway):

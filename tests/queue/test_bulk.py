@@ -10,7 +10,8 @@ import pytest
 from producer_client import BulkQueueFull, Client, InvalidArgument, JobNotFound, JobTimeout, ResultWatch
 from producer_client.bulk import CHUNK, WINDOW
 from producer_client.keys import Keys
-from tests.redis_support import echo_workers, make_client
+from tests.support.clients import make_client
+from tests.support.workers import echo_workers
 
 KEYS = Keys()
 
