@@ -1,6 +1,6 @@
-"""Session-wide setup: the shared fixtures (tests/support/fixtures.py, through `pytest_plugins`,
-which pytest reads only in this top-level conftest) and Triton's interpreter mode, chosen before
-anything imports triton.
+"""Session-wide setup: the shared fixtures and the tiers' markers (tests/support/fixtures.py and
+tiers.py, through `pytest_plugins`, which pytest reads only in this top-level conftest), and
+Triton's interpreter mode, chosen before anything imports triton.
 
 triton.jit decides compiled-or-interpreted when a function is defined, that is when
 triton.language (whose tl.sum, tl.max... are jit functions too) and kernels/ are imported.
@@ -14,7 +14,7 @@ import os
 
 import torch
 
-pytest_plugins = ["tests.support.fixtures"]
+pytest_plugins = ["tests.support.fixtures", "tests.support.tiers"]
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"

@@ -7,6 +7,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from producer_client import Client
 from tests.gateway.support import ECHO_QUEUE, KEEPALIVE_S, PARKED_MODEL, PARKED_QUEUE, TINY_QUEUE
@@ -29,6 +30,7 @@ def test_curl_sees_data_lines_then_done(gateway):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.timing
 async def test_waiting_streams_get_a_keepalive_every_interval_then_their_tokens(gateway, redis_server, tmp_path):
     waited_s = 8 * KEEPALIVE_S
     prompts = [f"stream {i} waited" for i in range(4)]

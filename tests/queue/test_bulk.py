@@ -163,6 +163,7 @@ def test_as_completed_refuses_an_unknown_job_before_yielding(client, queue):
         next(iter(client.as_completed(["bad id"])))
 
 
+@pytest.mark.timing
 def test_as_completed_times_out_naming_an_unfinished_job(client, queue):
     ids = client.submit_many(specs(5))
     client.cancel(ids[0])

@@ -77,6 +77,7 @@ def test_a_reclaimed_job_resumes_after_its_recorded_tokens(redis_server, redis_c
     assert redis_client.xlen(KEYS.queue(queue)) == 0
 
 
+@pytest.mark.timing
 def test_a_worker_takes_only_handed_over_entries_in_its_first_claim_idle_ms(redis_server, redis_client, client, queue):
     # An entry idle for a while may be a live worker's that could not refresh it yet (Redis has
     # just come back); one a drain handed over is free at once.
