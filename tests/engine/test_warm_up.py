@@ -86,6 +86,7 @@ def varied_num_splits():
     return lambda batch, kv_heads, max_context, device: next(counts)
 
 
+@pytest.mark.slow
 def test_warm_up_compiles_every_kernel_variant_a_varied_batch_launches(make_engine, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors take the Triton path, interpreted
     monkeypatch.setattr(decode_attention, "decode_num_splits", varied_num_splits())
