@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 import uvicorn
@@ -13,7 +12,8 @@ import uvicorn
 from gateway.app import create_app
 from gateway.lifecycle import Lifecycle
 from gateway.settings import GatewaySettings, add_setting_flags, settings_from_args
-from producer_client import MiliError
+from producer_client import MiliError, logs
+from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 
 # A stream still open this long after SIGTERM is cut; the stop has already told it to end.
 GRACEFUL_SHUTDOWN_S = 10
@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     except MiliError as e:
         print(f"error: {e.code}: {e.message}", file=sys.stderr)
         return 2
+    except SETTINGS_ERRORS as e:
+        print(f"error: invalid_argument: {settings_error_line(e)}", file=sys.stderr)
+        return 2
     serve(settings)
     return 0
 
@@ -49,13 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(settings: GatewaySettings) -> None:
-    logging.basicConfig(
-        level=settings.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(settings.log_level, "%(asctime)s %(levelname)s %(name)s: %(message)s")
     lifecycle = Lifecycle()
+    # proxy_headers off: create_app believes X-Forwarded-* of `trusted_proxies` only, whatever
+    # uvicorn's FORWARDED_ALLOW_IPS says.
     config = uvicorn.Config(
-        create_app(settings, lifecycle), host=settings.host, port=settings.port, access_log=False,
+        create_app(settings, lifecycle), host=settings.host, port=settings.port, access_log=False, proxy_headers=False,
         log_level=settings.log_level.lower(), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        log_config=None,  # uvicorn's loggers write through ours (producer_client.logs)
     )
     GatewayServer(config, lifecycle).run()
 

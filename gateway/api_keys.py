@@ -1,13 +1,48 @@
-"""The API keys a request carries: `Authorization: Bearer KEY`, checked against the settings'
-`api_keys` by the API's routes and the board's."""
+"""The API keys a request carries (`Authorization: Bearer KEY`), who each one is, and how often an
+address may get one wrong.
+
+A key is a tenant: the files, batches and Idempotency-Keys it creates are its own (a tenant's id
+is a digest of its key, so no key is kept or shown anywhere). An `admin_api_keys` key is a tenant
+too, that may also see and cancel every other tenant's files and batches. Without `api_keys` the
+gateway is open and every request is the one anonymous tenant."""
 from __future__ import annotations
 
+import hashlib
 import hmac
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection
+
+TENANT_ID_CHARS = 12  # of the key's SHA-256, in hex: no collision among any realistic set of keys
+ANONYMOUS = "anonymous"
 
 
-def bearer_key(request: Request) -> str | None:
+@dataclass(frozen=True)
+class Tenant:
+    id: str  # "k" + a digest of its key; ANONYMOUS on an open gateway
+    admin: bool = False
+
+    def owns(self, owner: str | None) -> bool:
+        """Whether this tenant may see and change what `owner` created."""
+        return self.admin or owner == self.id
+
+
+OPEN = Tenant(ANONYMOUS, admin=True)  # an open gateway: one tenant, who sees everything
+
+
+def tenant_id(key: str) -> str:
+    return "k" + hashlib.sha256(key.encode()).hexdigest()[:TENANT_ID_CHARS]
+
+
+def tenant_of(request: HTTPConnection) -> Tenant:
+    """The request's tenant, set by the edge (gateway/edge.py) for every route that needs a key."""
+    return request.scope.get("state", {}).get("tenant") or OPEN
+
+
+def bearer_key(request: HTTPConnection) -> str | None:
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     return given.strip() if scheme.lower() == "bearer" else None
 
@@ -16,3 +51,58 @@ def key_matches(given: str, keys: list[bytes]) -> bool:
     """compare_digest against every key: the time taken does not tell which key came close."""
     matches = [hmac.compare_digest(given.encode(), k) for k in keys]
     return any(matches)
+
+
+class Access:
+    """`api_keys` and `admin_api_keys` as tenants."""
+
+    def __init__(self, api_keys: list[str], admin_keys: list[str]):
+        self.keys = [k.encode() for k in [*api_keys, *admin_keys]]
+        self.admin = [k.encode() for k in admin_keys]
+
+    @property
+    def required(self) -> bool:
+        return bool(self.keys)
+
+    def tenant(self, given: str | None) -> Tenant | None:
+        """The key's tenant; None for a missing or wrong key. OPEN when no key is configured."""
+        if not self.required:
+            return OPEN
+        if given is None or not key_matches(given, self.keys):
+            return None
+        return Tenant(tenant_id(given), admin=key_matches(given, self.admin))
+
+
+class AuthFailures:
+    """Failed key and login attempts per client address, in fixed windows of WINDOW_S: an address
+    that has failed `per_minute` times is refused (429) until its window ends, right key or not,
+    so that keys cannot be guessed faster than that. At most MAX_ADDRESSES are remembered (the
+    oldest forgotten first), so that a flood of addresses cannot grow memory without bound."""
+
+    WINDOW_S = 60.0
+    MAX_ADDRESSES = 100_000
+
+    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic):
+        self.per_minute = per_minute
+        self.clock = clock
+        self.windows: OrderedDict[str, tuple[float, int]] = OrderedDict()  # address -> (window start, failures)
+
+    def retry_after_s(self, address: str) -> int | None:
+        """Seconds until `address` may try again; None if it may now."""
+        if self.per_minute <= 0 or address not in self.windows:
+            return None
+        start, failures = self.windows[address]
+        left = start + self.WINDOW_S - self.clock()
+        if left <= 0:
+            del self.windows[address]
+            return None
+        return max(1, int(left + 0.999)) if failures >= self.per_minute else None
+
+    def failed(self, address: str) -> None:
+        now = self.clock()
+        start, failures = self.windows.pop(address, (now, 0))
+        if now - start >= self.WINDOW_S:
+            start, failures = now, 0
+        self.windows[address] = (start, failures + 1)
+        while len(self.windows) > self.MAX_ADDRESSES:
+            self.windows.popitem(last=False)

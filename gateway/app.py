@@ -10,18 +10,22 @@ import uuid
 from contextlib import asynccontextmanager
 
 import redis
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import HTTPException, RequestValidationError
 from pydantic import BaseModel
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 
-from gateway.api_keys import bearer_key, key_matches
+from gateway.api_keys import Access, AuthFailures
 from gateway.batch_driver import BatchDriver
 from gateway.batch_routes import batch_router
 from gateway.batch_store import BatchStore
 from gateway.board import add_board
-from gateway.errors import APIError, api_error_of, bad_request, job_error, not_found, unauthorized
+from gateway.edge import Edge, Limits
+from gateway.errors import APIError, api_error_of, bad_request, job_error, not_found
+from gateway.idempotency import fingerprint, idempotency_key, scoped_key
 from gateway.jobs import Jobs, RequestJobs, collect
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
@@ -38,7 +42,6 @@ from producer_client.keys import NAME_PATTERN
 
 log = logging.getLogger("gateway")
 
-IDEMPOTENCY_KEY_CHARS = 120  # room for the `-<choice>` suffix within a job id's 128 characters
 
 
 class Gateway:
@@ -56,8 +59,11 @@ class Gateway:
         self.jobs = Jobs(lifecycle, settings.job_timeout_s, settings.cancel_on_disconnect)
         self.metrics = GatewayMetrics()
 
-    async def submit(self, request: Request, specs: list[JobSpec], queue: str) -> RequestJobs:
-        jobs = await self.jobs.submit(self.client.on_queue(queue), specs, idempotency_key(request), request.state.request_id)
+    async def submit(self, request: Request, specs: list[JobSpec], queue: str, body: BaseModel) -> RequestJobs:
+        """Enqueue the request's jobs; with an Idempotency-Key, under ids of the request's tenant,
+        bound to this request (gateway/idempotency.py)."""
+        client = self.client.on_queue(queue)
+        jobs = await self.jobs.submit(client, specs, scoped_key(request), fingerprint(request, body), request.state.request_id)
         request.state.jobs = f"queue {queue!r} jobs {','.join(jobs.ids)}"  # for the request's log line
         return jobs
 
@@ -85,7 +91,7 @@ class Gateway:
         specs = jobs_of(req)
         renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, [s.prompt_index for s in specs])
         self.check(specs)
-        jobs = await self.submit(request, specs, await self.registry.queue_for(req.model))
+        jobs = await self.submit(request, specs, await self.registry.queue_for(req.model), req)
         prompt = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         try:
             if req.streams:
@@ -103,7 +109,7 @@ class Gateway:
                 spec.check(self.settings.job_timeout_s)
 
 
-def create_app(settings: GatewaySettings, lifecycle: Lifecycle) -> RequestContext:
+def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
     """The ASGI app: FastAPI's routes inside the request-id and metrics middleware."""
     gw = Gateway(settings, lifecycle)
     batch_store = BatchStore(gw.client.redis, gw.client.keys)
@@ -119,38 +125,37 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle) -> RequestContex
 
     app = FastAPI(title="MILI gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app, settings.retry_after_s)
-    authorized = [Depends(api_key_check(settings.api_keys))] if settings.api_keys else []
-    app.include_router(batch_router(batch_store, settings, authorized))
+    app.include_router(batch_router(batch_store, settings))
 
-    @app.post("/v1/chat/completions", dependencies=authorized)
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await gw.answer(request, ChatCompletionRequest, chat_jobs, ChatRenderer, "chatcmpl")
 
-    @app.post("/v1/completions", dependencies=authorized)
+    @app.post("/v1/completions")
     async def completions(request: Request):
         return await gw.answer(request, CompletionRequest, completion_jobs, CompletionRenderer, "cmpl")
 
-    @app.get("/v1/models", dependencies=authorized)
+    @app.get("/v1/models")
     async def list_models():
         return json_response(ModelList(data=(await gw.registry.current()).cards))
 
-    @app.get("/v1/models/{model:path}", dependencies=authorized)
+    @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
         card = next((c for c in (await gw.registry.current(force=True)).cards if c.id == model), None)
         if card is None:
             raise not_found(f"the model `{model}` does not exist (no live worker serves it)", "model_not_found", "model")
         return json_response(card)
 
-    @app.get("/v1/jobs/{job_id:path}", dependencies=authorized)
+    @app.get("/v1/jobs/{job_id:path}")
     async def job_status(job_id: str):
         return json_response(await gw.client.status(job_id))
 
-    @app.post("/generate", dependencies=authorized)
+    @app.post("/generate")
     async def generate(request: Request):
         req = await parse(request, GenerateRequest)
         spec = generate_job(req)
         queue = settings.default_queue if req.model is None else await gw.registry.queue_for(req.model)
-        jobs = await gw.submit(request, [spec], queue)
+        jobs = await gw.submit(request, [spec], queue, req)
         results = await gw.results(request, jobs)
         if results is None:
             return client_left()
@@ -167,9 +172,25 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle) -> RequestContex
     async def metrics():
         return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
-    add_board(app, gw.client, settings)
+    failures = AuthFailures(settings.auth_failures_per_minute)
+    add_board(app, gw.client, settings, failures)
+    return edge_of(app, settings, failures, gw.metrics)
 
-    return RequestContext(app, gw.metrics)
+
+def edge_of(app, settings: GatewaySettings, failures: AuthFailures, metrics: GatewayMetrics):
+    """The routes behind, from the outside in: the trusted proxies' view of the client (address
+    and scheme), the request's id, metrics and log line, CORS only where configured, and the
+    edge's checks of key, body size and type (gateway/edge.py)."""
+    access = Access(settings.api_keys, settings.admin_api_keys)
+    limits = Limits(settings.max_json_bytes, settings.batch_max_file_bytes, settings.monitoring_needs_key)
+    guarded = Edge(app, access, limits, failures)
+    if settings.cors_origins:
+        guarded = CORSMiddleware(
+            guarded, allow_origins=settings.cors_origins, allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["authorization", "content-type", "idempotency-key", "x-request-id"],
+            expose_headers=["x-request-id", "x-mili-job-ids"],
+        )
+    return ProxyHeadersMiddleware(RequestContext(guarded, metrics), trusted_hosts=settings.trusted_proxies)
 
 
 def client_left() -> Response:
@@ -197,30 +218,9 @@ def include_usage(req: SamplingRequest) -> bool:
     return req.stream_options is not None and bool(req.stream_options.include_usage)
 
 
-def idempotency_key(request: Request) -> str | None:
-    key = request.headers.get("idempotency-key")
-    if key is not None and (len(key) > IDEMPOTENCY_KEY_CHARS or not NAME_PATTERN.fullmatch(key)):
-        raise bad_request(
-            f"Idempotency-Key must be 1-{IDEMPOTENCY_KEY_CHARS} letters, digits and ._:@/-, starting with a letter or digit",
-            "Idempotency-Key",
-        )
-    return key
-
-
 def answer_id(request: Request) -> str:
     """An answer's id: the Idempotency-Key, so that a retried request answers under the same id."""
     return idempotency_key(request) or request.state.request_id
-
-
-def api_key_check(keys: list[str]):
-    expected = [k.encode() for k in keys]
-
-    async def check(request: Request) -> None:
-        given = bearer_key(request)
-        if given is None or not key_matches(given, expected):
-            raise unauthorized()
-
-    return check
 
 
 def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
@@ -284,7 +284,7 @@ class RequestContext:
         finally:
             self.metrics.requests.labels(endpoint(scope), str(status)).inc()
             log.info(
-                "request %s: %s %s -> %d in %.1f ms%s", request_id, scope["method"], scope["path"], status,
+                "request %s: %s %r -> %d in %.1f ms%s", request_id, scope["method"], scope["path"], status,
                 (time.perf_counter() - started) * 1000, f"; {scope['state']['jobs']}" if "jobs" in scope["state"] else "",
             )
 

@@ -327,10 +327,11 @@ class BatchRun:
         """The answers into the output and error files, then the batch's final status."""
         now = int(time.time())
         files = {}
+        owner = await self.store.batch_owner(self.batch_id)  # the output files are the batch's owner's
         for ok, kind, name in ((True, "output", "output_file_id"), (False, "errors", "error_file_id")):
             file = await self.store.put_file(
                 output_file_id(self.batch_id, kind), f"{self.batch_id}_{kind}.jsonl", "batch_output", self.pieces(ok), now,
-                self.ttl_s,
+                self.ttl_s, owner,
             )
             if file is not None:
                 files[name] = file.id

@@ -27,7 +27,8 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from gateway.batch_lines import (
-    LineError, LineJobs, OutputLine, answer, error_answer, line_request, not_a_request, parse_line, request_id,
+    LineError, LineJobs, OutputLine, answer, error_answer, jsonl_lines, line_request, not_a_request, parse_line,
+    request_id,
 )
 from gateway.errors import APIError
 from producer_client.bulk import ResultWatch
@@ -98,7 +99,9 @@ def read_answers(path: Path) -> list[OutputLine]:
         with path.open("r+b") as f:
             f.truncate(len(whole))
     answers = []
-    for number, text in enumerate(whole.decode("utf-8").splitlines(), 1):
+    for number, text in enumerate(jsonl_lines(whole.decode("utf-8")), 1):
+        if not text:
+            continue
         try:
             answers.append(OutputLine.model_validate_json(text))
         except ValidationError:
@@ -139,7 +142,7 @@ class BatchRun:
         """The input's request lines not answered yet. The others are answered here and now: a
         line that is not a request, a second line with a custom_id, a bad body."""
         seen: set[str] = set()
-        with self.input_path.open(encoding="utf-8") as f:
+        with self.input_path.open(encoding="utf-8", newline="\n") as f:  # JSON Lines end at \n only (jsonl_lines)
             for number, text in enumerate(f, 1):
                 if not text.strip():
                     continue

@@ -119,6 +119,17 @@ def request_id(scope: str, custom_id: str, body: dict[str, Any]) -> str:
     return f"batch.{digest[:40]}"
 
 
+def jsonl_lines(text: str, keepends: bool = False) -> list[str]:
+    """JSON Lines split as the format defines them: on \n only. str.splitlines also splits on
+    U+2028, U+2029, U+0085 and other boundaries, which a JSON string may hold raw: a request would
+    become two broken lines, and every line number after it wrong. A \r before a \n (a CRLF
+    file) is JSON whitespace and stays with its line."""
+    lines = text.split("\n")
+    if not keepends:
+        return lines
+    return [line + "\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
+
+
 def parse_line(text: str, number: int, urls: frozenset[str] = frozenset(ENDPOINTS)) -> InputLine:
     """The line as an InputLine whose url is one of `urls`, else a LineError."""
     try:
@@ -139,7 +150,7 @@ def check_lines(text: str, url: str, max_lines: int, max_errors: int = 100) -> t
     """A batch input file's request lines (blank ones left out), and what is wrong with it: too
     many lines, lines that are not requests, a url other than the batch's, a custom_id twice. The
     first `max_errors` errors are kept."""
-    numbered = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    numbered = [(number, line) for number, line in enumerate(jsonl_lines(text), 1) if line.strip()]
     if len(numbered) > max_lines:
         return [], [LineError(numbered[max_lines][0], "too_many_lines", f"{len(numbered)} lines, the limit is {max_lines}")]
     errors: list[LineError] = []

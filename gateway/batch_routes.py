@@ -1,6 +1,7 @@
 """OpenAI's Files and Batch API over the queue: upload a JSONL file of requests, create a batch of
 it, and the gateways run its lines as queue jobs (gateway.batch_driver) until its output and error
-files are ready to download.
+files are ready to download. Files and batches belong to the API key that created them (its
+tenant: gateway.api_keys); another key finds neither, unless it is an admin key.
 
     POST /v1/files (purpose=batch)   GET /v1/files/{id}   GET /v1/files/{id}/content   DELETE /v1/files/{id}
     POST /v1/batches   GET /v1/batches/{id}   GET /v1/batches   POST /v1/batches/{id}/cancel
@@ -15,8 +16,9 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from starlette.responses import StreamingResponse
 
-from gateway.batch_lines import ENDPOINTS
-from gateway.batch_schema import ENDED, Batch, CreateBatch, FileDeleted, RequestCounts
+from gateway.api_keys import tenant_of
+from gateway.batch_lines import ENDPOINTS, jsonl_lines
+from gateway.batch_schema import ENDED, Batch, CreateBatch, FileDeleted, FileObject, RequestCounts
 from gateway.batch_store import BatchStore, text_pieces
 from gateway.errors import APIError, bad_request, not_found
 from gateway.requests import parse_body
@@ -28,43 +30,46 @@ MAX_LIST = 100
 MAX_FILE_LIST = 10_000  # the spec's default and bound of a file listing's limit
 
 
-def batch_router(store: BatchStore, settings: GatewaySettings, dependencies: list) -> APIRouter:
-    router = APIRouter(dependencies=dependencies)
+def batch_router(store: BatchStore, settings: GatewaySettings) -> APIRouter:
+    router = APIRouter()
 
     @router.post("/v1/files")
-    async def upload_file(file: UploadFile = File(...), purpose: str = Form(...)):
+    async def upload_file(request: Request, file: UploadFile = File(...), purpose: str = Form(...)):
         if purpose != "batch":
             raise bad_request(f"purpose {purpose!r} is not supported: only `batch` files are", "purpose")
         text = check_upload(await file.read(settings.batch_max_file_bytes + 1), settings)
-        saved = await store.put_file(f"file-{uuid.uuid4().hex}", file.filename or "input.jsonl", "batch", each(text_pieces(text)), int(time.time()), settings.batch_ttl_s)
+        saved = await store.put_file(
+            f"file-{uuid.uuid4().hex}", file.filename or "input.jsonl", "batch", each(text_pieces(text)), int(time.time()),
+            settings.batch_ttl_s, tenant_of(request).id,
+        )
         if saved is None:
             raise bad_request("the file is empty", "file")
         return saved
 
     @router.get("/v1/files")
-    async def list_files(after: str | None = None, limit: int = MAX_FILE_LIST, order: str = "desc", purpose: str | None = None):
+    async def list_files(
+        request: Request, after: str | None = None, limit: int = MAX_FILE_LIST, order: str = "desc", purpose: str | None = None,
+    ):
         if not 1 <= limit <= MAX_FILE_LIST:
             raise bad_request(f"limit must be 1 to {MAX_FILE_LIST}", "limit")
         if order not in ("asc", "desc"):
             raise bad_request("order must be asc or desc", "order")
-        return await store.list_files(after, limit, order == "desc", purpose)
+        tenant = tenant_of(request)
+        return await store.list_files(after, limit, order == "desc", purpose, None if tenant.admin else tenant.id)
 
     @router.get("/v1/files/{file_id}")
-    async def retrieve_file(file_id: str):
-        file = await store.file(checked_file_id(file_id))
-        if file is None:
-            raise file_not_found(file_id)
-        return file
+    async def retrieve_file(request: Request, file_id: str):
+        return await owned_file(store, request, file_id)
 
     @router.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str):
-        if await store.file(checked_file_id(file_id)) is None:
-            raise file_not_found(file_id)
+    async def file_content(request: Request, file_id: str):
+        await owned_file(store, request, file_id)
         return StreamingResponse(encoded(store.file_text(file_id)), media_type="application/jsonl")
 
     @router.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str):
-        if not await store.delete_file(checked_file_id(file_id)):
+    async def delete_file(request: Request, file_id: str):
+        await owned_file(store, request, file_id)
+        if not await store.delete_file(file_id):
             raise file_not_found(file_id)
         return FileDeleted(id=file_id)
 
@@ -76,7 +81,7 @@ def batch_router(store: BatchStore, settings: GatewaySettings, dependencies: lis
         if req.completion_window not in settings.batch_completion_windows:
             allowed = ", ".join(settings.batch_completion_windows)
             raise bad_request(f"completion_window {req.completion_window!r} is not one of {allowed}", "completion_window")
-        file = await store.file(checked_file_id(req.input_file_id))
+        file = await store.file(checked_file_id(req.input_file_id), tenant_of(request).owns)
         if file is None or file.purpose != "batch":
             raise bad_request(f"input_file_id {req.input_file_id!r} is not an uploaded batch file", "input_file_id", "file_not_found")
         now = int(time.time())
@@ -85,27 +90,28 @@ def batch_router(store: BatchStore, settings: GatewaySettings, dependencies: lis
             completion_window=req.completion_window, status="validating", created_at=now,
             expires_at=now + duration_s(req.completion_window), request_counts=RequestCounts(), metadata=req.metadata,
         )
-        await store.create_batch(batch, settings.batch_ttl_s)
+        await store.create_batch(batch, settings.batch_ttl_s, tenant_of(request).id)
         return batch
 
     @router.get("/v1/batches/{batch_id}")
-    async def retrieve_batch(batch_id: str):
-        return await existing_batch(store, batch_id)
+    async def retrieve_batch(request: Request, batch_id: str):
+        return await existing_batch(store, request, batch_id)
 
     @router.get("/v1/batches")
-    async def list_batches(after: str | None = None, limit: int = 20):
+    async def list_batches(request: Request, after: str | None = None, limit: int = 20):
         if not 1 <= limit <= MAX_LIST:
             raise bad_request(f"limit must be 1 to {MAX_LIST}", "limit")
-        return await store.list_batches(after, limit)
+        tenant = tenant_of(request)
+        return await store.list_batches(after, limit, None if tenant.admin else tenant.id)
 
     @router.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(batch_id: str):
-        batch = await existing_batch(store, batch_id)
+    async def cancel_batch(request: Request, batch_id: str):
+        batch = await existing_batch(store, request, batch_id)
         status = await store.transition(batch.id, "validating in_progress", "cancelling", "cancelling_at", int(time.time()))
         if status in ENDED - {"cancelled"}:
             # A 400, not a 409: the SDK retries a 409 (a conflict that may pass), and this one will not.
             raise bad_request(f"batch {batch_id} has ended ({status}): there is nothing to cancel", None, "batch_ended")
-        return await existing_batch(store, batch_id)
+        return await existing_batch(store, request, batch_id)
 
     return router
 
@@ -118,17 +124,26 @@ def check_upload(data: bytes, settings: GatewaySettings) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise bad_request(f"the file is not UTF-8 text: {e}", "file") from None
-    lines = sum(1 for line in text.splitlines() if line.strip())
+    lines = sum(1 for line in jsonl_lines(text) if line.strip())
     if lines > settings.batch_max_lines:
         raise bad_request(f"the file holds {lines} requests, the limit is {settings.batch_max_lines}", "file", "too_many_lines")
     return text
 
 
-async def existing_batch(store: BatchStore, batch_id: str) -> Batch:
-    batch = await store.batch(batch_id) if BATCH_ID.fullmatch(batch_id) else None
+async def existing_batch(store: BatchStore, request: Request, batch_id: str) -> Batch:
+    """The batch, if the request's tenant may see it; another tenant's is not found, as one that
+    does not exist (its existence is not told)."""
+    batch = await store.batch(batch_id, tenant_of(request).owns) if BATCH_ID.fullmatch(batch_id) else None
     if batch is None:
         raise not_found(f"no batch {batch_id!r} (never created, or expired)", "batch_not_found")
     return batch
+
+
+async def owned_file(store: BatchStore, request: Request, file_id: str) -> FileObject:
+    file = await store.file(checked_file_id(file_id), tenant_of(request).owns)
+    if file is None:
+        raise file_not_found(file_id)
+    return file
 
 
 def checked_file_id(file_id: str) -> str:

@@ -17,11 +17,11 @@ first answer of a line in; statuses move through TRANSITION, from the statuses n
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
 
-from gateway.batch_lines import OutputLine
+from gateway.batch_lines import OutputLine, jsonl_lines
 from gateway.batch_schema import Batch, BatchList, FileList, FileObject
 from producer_client.keys import Keys
 from producer_client.scripts import Script, aexecute
@@ -113,9 +113,14 @@ class Pieces:
         return piece
 
 
+def owned_by(owner: str | None) -> dict[str, str]:
+    """The `owner` field of a file's or batch's hash: the tenant (API key) that created it."""
+    return {} if owner is None else {"owner": owner}
+
+
 def text_pieces(text: str) -> list[str]:
     pieces = Pieces()
-    whole = [piece for line in text.splitlines(keepends=True) if (piece := pieces.add(line)) is not None]
+    whole = [piece for line in jsonl_lines(text, keepends=True) if (piece := pieces.add(line)) is not None]
     last = pieces.rest()
     return whole + ([last] if last else [])
 
@@ -139,9 +144,11 @@ class BatchStore:
 
     async def put_file(
         self, file_id: str, filename: str, purpose: str, pieces: AsyncIterator[str], now: int, ttl_s: int,
+        owner: str | None,
     ) -> FileObject | None:
-        """Store a file from its pieces (None if there are none): the pieces first, the metadata
-        last, so that a file whose writer died half-way is not found, and its pieces expire."""
+        """Store a file of `owner` (a tenant's id) from its pieces (None if there are none): the
+        pieces first, the metadata last, so that a file whose writer died half-way is not found,
+        and its pieces expire."""
         content = self.keys.file_content(file_id)
         await self.redis.delete(content)
         size = 0
@@ -155,15 +162,19 @@ class BatchStore:
             return None
         file = FileObject(id=file_id, bytes=size, created_at=now, expires_at=now + ttl_s, filename=filename, purpose=purpose)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(self.keys.file(file_id), mapping=file.model_dump())
+        pipe.hset(self.keys.file(file_id), mapping={**file.model_dump(), **owned_by(owner)})
         pipe.expire(self.keys.file(file_id), ttl_s)
-        pipe.zadd(self.keys.files(), {file_id: time.time()})
+        created = time.time()
+        pipe.zadd(self.keys.files(), {file_id: created})
+        if owner is not None:
+            pipe.zadd(self.keys.files_of(owner), {file_id: created})
         await pipe.execute()
         return file
 
-    async def file(self, file_id: str) -> FileObject | None:
+    async def file(self, file_id: str, owned: Callable[[str | None], bool] = lambda owner: True) -> FileObject | None:
+        """The file, if it exists and `owned(its owner)`."""
         fields = await self.redis.hgetall(self.keys.file(file_id))
-        return FileObject.model_validate(fields) if fields else None
+        return FileObject.model_validate(fields) if fields and owned(fields.get("owner")) else None
 
     async def file_text(self, file_id: str) -> AsyncIterator[str]:
         key = self.keys.file_content(file_id)
@@ -174,12 +185,18 @@ class BatchStore:
             start += len(pieces)
 
     async def delete_file(self, file_id: str) -> bool:
+        owner = await self.redis.hget(self.keys.file(file_id), "owner")
         await self.redis.zrem(self.keys.files(), file_id)
+        if owner is not None:
+            await self.redis.zrem(self.keys.files_of(owner), file_id)
         return bool(await self.redis.delete(self.keys.file(file_id), self.keys.file_content(file_id)))
 
-    async def list_files(self, after: str | None, limit: int, newest_first: bool, purpose: str | None) -> FileList:
-        """`limit` files after the file `after`, of `purpose` if given; files that expired leave the index."""
-        index = self.keys.files()
+    async def list_files(
+        self, after: str | None, limit: int, newest_first: bool, purpose: str | None, owner: str | None,
+    ) -> FileList:
+        """`limit` files after the file `after`, of `purpose` if given, of `owner` (None: of every
+        owner); files that expired leave the index."""
+        index = self.keys.files() if owner is None else self.keys.files_of(owner)
         rank_of, range_of = (self.redis.zrevrank, self.redis.zrevrange) if newest_first else (self.redis.zrank, self.redis.zrange)
         start = 0
         if after is not None:
@@ -205,25 +222,31 @@ class BatchStore:
 
     # -- batches -------------------------------------------------------------------------------
 
-    async def create_batch(self, batch: Batch, ttl_s: int) -> None:
+    async def create_batch(self, batch: Batch, ttl_s: int, owner: str) -> None:
         # Indexed by the time to the microsecond: batches created within a second keep their order.
         created = time.time()
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(self.keys.batch(batch.id), mapping={**batch.fields(), "ttl_s": ttl_s})
+        pipe.hset(self.keys.batch(batch.id), mapping={**batch.fields(), "ttl_s": ttl_s, **owned_by(owner)})
         pipe.zadd(self.keys.batches(), {batch.id: created})
+        pipe.zadd(self.keys.batches_of(owner), {batch.id: created})
         pipe.zadd(self.keys.batches_unfinished(), {batch.id: created})
         await pipe.execute()
 
     async def batch_fields(self, batch_id: str) -> dict[str, str]:
         return await self.redis.hgetall(self.keys.batch(batch_id))
 
-    async def batch(self, batch_id: str) -> Batch | None:
+    async def batch(self, batch_id: str, owned: Callable[[str | None], bool] = lambda owner: True) -> Batch | None:
+        """The batch, if it exists and `owned(its owner)`."""
         fields = await self.batch_fields(batch_id)
-        return Batch.from_fields(fields) if fields else None
+        return Batch.from_fields(fields) if fields and owned(fields.get("owner")) else None
 
-    async def list_batches(self, after: str | None, limit: int) -> BatchList:
-        """Newest first, `limit` after the batch `after`; batches that expired leave the index."""
-        index = self.keys.batches()
+    async def batch_owner(self, batch_id: str) -> str | None:
+        return await self.redis.hget(self.keys.batch(batch_id), "owner")
+
+    async def list_batches(self, after: str | None, limit: int, owner: str | None) -> BatchList:
+        """Newest first, `limit` after the batch `after`, of `owner` (None: of every owner);
+        batches that expired leave the index."""
+        index = self.keys.batches() if owner is None else self.keys.batches_of(owner)
         start = 0
         if after is not None:
             rank = await self.redis.zrevrank(index, after)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import redis
 
 from gateway.responses import ErrorBody, ErrorResponse
-from producer_client.errors import InvalidArgument, JobNotFound, JobTimeout, MiliError, NotReplicated, QueueFull
+from producer_client.errors import (
+    IdempotencyConflict, InvalidArgument, JobNotFound, JobTimeout, MiliError, NotReplicated, QueueFull,
+)
 from producer_client.schema import JobFailed
 
 # Failure codes of a job that mean its input was bad, found by the worker after the enqueue
@@ -77,6 +79,9 @@ def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
         if error.code in BAD_INPUT_CODES:
             return bad_request(error.message, code=error.code)
         return APIError(500, error.message, "server_error", error.code)
+    if isinstance(error, IdempotencyConflict):
+        message = "this Idempotency-Key was first used with another request; send a new key with a new request"
+        return APIError(422, message, "invalid_request_error", error.code, "Idempotency-Key")
     if isinstance(error, NotReplicated):  # enqueued all the same: a retry with its Idempotency-Key finds its jobs
         return APIError(503, error.message, "service_unavailable_error", error.code, headers={"Retry-After": str(retry_after_s)})
     if isinstance(error, MiliError):

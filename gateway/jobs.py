@@ -55,11 +55,18 @@ class Jobs:
         self.cancel_on_disconnect = cancel_on_disconnect
         self.cancels: set[asyncio.Task] = set()  # held so that they run to their end
 
-    async def submit(self, client: AsyncClient, specs: list[JobSpec], key: str | None, request_id: str) -> RequestJobs:
+    async def submit(
+        self, client: AsyncClient, specs: list[JobSpec], key: str | None, fingerprint: str, request_id: str,
+    ) -> RequestJobs:
         """Enqueue one job per spec (see Gateway.check for their validation). With an
-        Idempotency-Key, job i is `<key>-<i>`: a retried request finds the same jobs."""
+        Idempotency-Key (scoped to its tenant), job i is `<key>-<i>`, bound to the request's
+        `fingerprint`: a retried request finds the same jobs, another request with the key is
+        refused (IdempotencyConflict)."""
         submits = [
-            client.submit(request_id=None if key is None else f"{key}-{i}", timeout_s=self.job_timeout_s, **spec.submit_kwargs())
+            client.submit(
+                request_id=None if key is None else f"{key}-{i}", request_fingerprint=None if key is None else fingerprint,
+                timeout_s=self.job_timeout_s, **spec.submit_kwargs(),
+            )
             for i, spec in enumerate(specs)
         ]
         outcomes = [await submits[0]] if len(submits) == 1 else await asyncio.gather(*submits, return_exceptions=True)

@@ -33,6 +33,23 @@ class GatewaySettings(TomlSettings):
     api_keys: list[str] = Field(
         default_factory=list, description="accepted `Authorization: Bearer` keys (JSON list); empty: no authentication"
     )
+    admin_api_keys: list[str] = Field(
+        default_factory=list, description="keys (JSON list) that may also see and cancel every key's files and batches",
+    )
+    monitoring_needs_key: bool = Field(False, description="/health and /metrics need an API key too (with api_keys set)")
+    max_json_bytes: int = Field(
+        4 << 20, ge=1, description="the largest JSON request body; a larger one is refused with 413 before it is read",
+    )
+    cors_origins: list[str] = Field(
+        default_factory=list, description='origins granted CORS (JSON list, "*" for any); empty: none',
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1"],
+        description='proxies (JSON list of addresses or networks, "*" for any) whose X-Forwarded-For and -Proto are believed',
+    )
+    auth_failures_per_minute: int = Field(
+        10, ge=0, description="failed key and login attempts an address may make per minute, then 429; 0: no limit",
+    )
     models: dict[str, str] = Field(
         default_factory=dict, description="model name -> queue (JSON object), over what the heartbeats say; merged over the file's map",
     )

@@ -5,11 +5,12 @@ head and the greedy argmax, which the model and the sampler call directly (kerne
 from kernels.activation import silu_and_mul
 from kernels.decode_attention import paged_decode_attention
 from kernels.extend_attention import paged_extend_attention
+from kernels.fused_moe import fused_moe
 from kernels.kv_store import store_kv
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rope import qk_norm_rope, rope_cos_sin_cache
 
 __all__ = [
-    "fused_add_rms_norm", "paged_decode_attention", "paged_extend_attention",
+    "fused_add_rms_norm", "fused_moe", "paged_decode_attention", "paged_extend_attention",
     "qk_norm_rope", "rms_norm", "rope_cos_sin_cache", "silu_and_mul", "store_kv",
 ]

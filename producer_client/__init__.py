@@ -4,14 +4,16 @@ from producer_client import errors
 from producer_client.aio import AsyncClient
 from producer_client.bulk import ResultWatch
 from producer_client.client import Client
-from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound, JobTimeout, MiliError, QueueFull
+from producer_client.errors import (
+    BulkQueueFull, IdempotencyConflict, InvalidArgument, JobNotFound, JobTimeout, MiliError, QueueFull,
+)
 from producer_client.schema import (
     ChatMessage, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams, Timings, TokenDelta, Usage,
     WorkerInfo,
 )
 
 __all__ = [
-    "AsyncClient", "BulkQueueFull", "ChatMessage", "Client", "InvalidArgument", "JobFailed", "JobNotFound", "JobRequest",
+    "AsyncClient", "BulkQueueFull", "ChatMessage", "Client", "IdempotencyConflict", "InvalidArgument", "JobFailed", "JobNotFound", "JobRequest",
     "JobResult", "JobStatus", "JobTimeout", "MiliError", "QueueFull", "QueueStats", "ResultWatch",
     "SamplingParams", "Timings", "TokenDelta", "Usage", "WorkerInfo", "errors",
 ]

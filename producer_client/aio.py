@@ -50,11 +50,12 @@ class AsyncClient(OperatorViews):
 
     async def submit(
         self, prompt: str | None = None, *, messages: list[dict] | None = None, input_ids: list[int] | None = None,
-        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0, **sampling: Any,
+        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0,
+        request_fingerprint: str | None = None, **sampling: Any,
     ) -> str:
-        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling)
+        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint)
         if job.idempotent:
-            if not (await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys))))[0]:
+            if not job.created((await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys))))[0]):
                 return job.job_id
             added = await self._enqueue_or_forget(job, create=False)
         else:

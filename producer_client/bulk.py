@@ -45,6 +45,7 @@ def build_spec(index: int, spec: Mapping[str, Any]) -> NewJob:
         return protocol.build_job(
             sampling.pop("prompt", None), sampling.pop("messages", None), sampling.pop("input_ids", None),
             sampling.pop("request_id", None), sampling.pop("timeout_s", None), sampling.pop("priority", 0), sampling,
+            sampling.pop("request_fingerprint", None),
         )
     except InvalidArgument as e:
         raise type(e)(f"jobs[{index}].{e.field}", e.message.removeprefix(f"{e.field}: ")) from None
@@ -93,11 +94,19 @@ def enqueue_chunk(keys: Keys, queue: str, max_depth: int | None, chunk: list[New
 
 
 def found_already(keys: Keys, idempotent: list[NewJob]) -> Steps:
-    """The ids of the jobs that CREATE found in the queue already, or past it."""
+    """The ids of the jobs that CREATE found in the queue already, or past it. A request_id of
+    another request raises IdempotencyConflict, once the hashes this call created are gone again
+    (nothing of the chunk is enqueued)."""
     if not idempotent:
         return set()
-    created = checked((yield lambda pipe: [pipe.evalsha(*job.create_call(keys)) for job in idempotent]))
-    return {job.job_id for job, new in zip(idempotent, created) if not new}
+    replies = checked((yield lambda pipe: [pipe.evalsha(*job.create_call(keys)) for job in idempotent]))
+    conflict = next((job for job, reply in zip(idempotent, replies) if reply == -1), None)
+    if conflict is not None:
+        created = [job for job, reply in zip(idempotent, replies) if reply == 1]
+        if created:
+            yield forget_commands(created, keys)
+        conflict.created(-1)
+    return {job.job_id for job, reply in zip(idempotent, replies) if not job.created(reply)}
 
 
 def enqueue_commands(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob]) -> Callable:

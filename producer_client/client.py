@@ -61,13 +61,17 @@ class Client(OperatorViews):
 
     def submit(
         self, prompt: str | None = None, *, messages: list[dict] | None = None, input_ids: list[int] | None = None,
-        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0, **sampling: Any,
+        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0,
+        request_fingerprint: str | None = None, **sampling: Any,
     ) -> str:
         """Enqueue a job and return its id. `sampling` takes SamplingParams' fields (max_tokens,
-        temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same id."""
-        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling)
+        temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same
+        id, if it came with the same request (prompt, sampling parameters and chat options; or
+        `request_fingerprint`, a digest of a request of the caller's own such as an HTTP body,
+        when given); with another it raises IdempotencyConflict and enqueues nothing."""
+        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint)
         if job.idempotent:
-            if not scripts.execute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys)))[0]:
+            if not job.created(scripts.execute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys)))[0]):
                 return job.job_id
             added = self._enqueue_or_forget(job, create=False)
         else:

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import redis
 import redis.asyncio
@@ -28,6 +28,7 @@ import redis.sentinel
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import ClusterNode
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.connection import parse_url as redis_py_url_options
 
 from producer_client.cluster import AsyncCluster, Cluster
@@ -46,8 +47,13 @@ RETRY_CAP_S = 1.0
 # raises the first two as kinds of ConnectionError, which it would otherwise retry.
 FATAL_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError, redis.exceptions.NoPermissionError)
 
-_USERINFO = re.compile(r"(?<=://)([^/@]*)@")
-_PASSWORD_PARAM = re.compile(r"(?<=[?&]password=)[^&]*")
+# What redact_url shows of a query: redis-py's own URL options (numbers, booleans, TLS settings)
+# with plain values; never a value that could be a password.
+_PLAIN_VALUE = re.compile(r"[A-Za-z0-9._-]{0,32}")
+SHOWN_OPTIONS = frozenset(URL_QUERY_ARGUMENT_PARSERS) | {"ssl_cert_reqs", "client_name"}
+# Characters a URL reserves: in a user name or password they must be percent-encoded, or the URL
+# splits elsewhere than its writer meant (its host would be part of the password).
+RESERVED_IN_CREDENTIALS = "/?#"
 
 
 class Mode(str, Enum):
@@ -97,13 +103,32 @@ def reply_code(error: BaseException) -> str:
     return text.split(" ", 1)[0]
 
 
-def redact_url(url: str) -> str:
-    """`url` with its password replaced by ***, for messages and logs."""
-    def hide(match: re.Match) -> str:
-        user, colon, _ = match.group(1).partition(":")
-        return f"{user}:***@" if colon else ("***@" if user else "@")
+def redact_url(url: object) -> str:
+    """`url` as messages and logs may show it: rebuilt from its parsed parts, never by a pattern on
+    the raw text. Everything up to the URL's last `@` is its user name and password, however
+    they are written (`/`, `#`, `:`, `@` or percent-escapes in them), and shows as `***`: not
+    the user name either, since a password typed into the user-only form, or with a colon, reads
+    as one. Of the query only redis-py's numeric and boolean options show; any other option
+    (`password=`, or a name that is part of a password with a raw `&`) shows as ***. Text that is
+    no Redis URL shows no part of itself."""
+    if not isinstance(url, str):
+        return "<not a URL>"
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in SCHEMES:
+        return "<not a Redis URL>"
+    _, at, located = rest.rpartition("@")
+    try:
+        parts = urlsplit(f"{scheme}://{located}")
+    except ValueError:  # a bracketed host that is no IPv6 address
+        return f"{scheme}://<unparsable>"
+    query = _shown_query(parts.query)
+    return f"{scheme}://{'***@' if at else ''}{parts.netloc}{parts.path}{'?' + query if query else ''}"
 
-    return _PASSWORD_PARAM.sub("***", _USERINFO.sub(hide, url, count=1))
+
+def _shown_query(query: str) -> str:
+    pairs = parse_qsl(query, keep_blank_values=True)
+    shown = [f"{name}={value}" for name, value in pairs if name in SHOWN_OPTIONS and _PLAIN_VALUE.fullmatch(value)]
+    return "&".join(shown + (["***"] if len(shown) < len(pairs) else []))
 
 
 # -- URLs ------------------------------------------------------------------------------------------
@@ -140,10 +165,10 @@ def parse_url(url: Any) -> RedisURL:
     scheme = url.partition("://")[0].lower() if "://" in url else ""
     if scheme not in SCHEMES:
         raise _bad(url, f"unknown scheme; use one of {', '.join(s + '://' for s in SCHEMES)}")
+    parts = _split(url)
     mode, tls = SCHEMES[scheme]
     if mode is Mode.SERVER:
         return RedisURL(url, mode, options=_redis_py_options(url, url))
-    parts = urlsplit(url)
     userinfo, _, hosts = parts.netloc.rpartition("@")
     nodes = tuple(_node(url, text, DEFAULT_PORT[mode]) for text in hosts.split(","))
     options = _redis_py_options(url, f"{'rediss' if tls else 'redis'}://{userinfo}{'@' if userinfo else ''}h/?{parts.query}")
@@ -159,6 +184,20 @@ def parse_url(url: Any) -> RedisURL:
     if not service or "/" in service:
         raise _bad(url, "name the master's service after the sentinels: redis+sentinel://host:26379/mymaster")
     return RedisURL(url, mode, nodes, service, options)
+
+
+def _split(url: str):
+    """urlsplit's parts, once sure that its user name and password are all in its netloc: an `@`
+    past the netloc means a reserved character (/ ? #) in them, not percent-encoded."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # its message may quote the netloc, password and all
+        raise _bad(url, "it does not parse as a URL (a bracketed host that is no IPv6 address?)") from None
+    netloc_end = len(url.partition("://")[0]) + 3 + len(parts.netloc)
+    if "@" in url[netloc_end:]:
+        encoded = ", ".join(f"{c} as {quote(c, safe='')}" for c in RESERVED_IN_CREDENTIALS)
+        raise _bad(url, f"percent-encode the user name and password ({encoded}, @ as %40) or any @ after them")
+    return parts
 
 
 def _redis_py_options(url: str, text: str) -> dict[str, Any]:

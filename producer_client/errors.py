@@ -39,6 +39,19 @@ class UnsupportedVersion(MiliError):
     code = "unsupported_version"
 
 
+class IdempotencyConflict(MiliError):
+    """A request_id (or a gateway's Idempotency-Key) was first used with another request: its job
+    answers that request, not this one."""
+
+    code = "idempotency_conflict"
+
+    def __init__(self, request_id: str):
+        super().__init__(
+            f"request_id {request_id!r} was first used with another request; use a new id for a new request"
+        )
+        self.request_id = request_id
+
+
 class QueueFull(MiliError):
     """The queue holds `max_depth` unacknowledged jobs already; retry later."""
 

@@ -84,8 +84,14 @@ class Keys:
         return f"{self.prefix}:file:{{{file_id}}}:content"
 
     def files(self) -> str:
-        """Sorted set of file ids by creation time: GET /v1/files lists it. No hash tag."""
+        """Sorted set of file ids by creation time: GET /v1/files lists it for an admin key. No
+        hash tag."""
         return f"{self.prefix}:files"
+
+    def files_of(self, owner: str) -> str:
+        """Sorted set of the file ids one tenant (an API key) owns, by creation time: what GET
+        /v1/files lists for it. No hash tag."""
+        return f"{self.prefix}:files:of:{owner}"
 
     def batch(self, batch_id: str) -> str:
         """Hash: a batch's object (status, timestamps, request counts, file ids) and how far its
@@ -115,6 +121,11 @@ class Keys:
     def batches(self) -> str:
         """Sorted set of batch ids by creation time: GET /v1/batches lists it. No hash tag."""
         return f"{self.prefix}:batches"
+
+    def batches_of(self, owner: str) -> str:
+        """Sorted set of the batch ids one tenant (an API key) created, by creation time: what
+        GET /v1/batches lists for it. No hash tag."""
+        return f"{self.prefix}:batches:of:{owner}"
 
     def batches_unfinished(self) -> str:
         """Sorted set of the batches not ended yet: where gateways look for one to drive."""

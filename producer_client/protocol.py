@@ -3,6 +3,7 @@ that take several round trips, written as steps (producer_client.steps). No I/O 
 `Client` and `AsyncClient` differ only in how they talk to Redis."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -16,7 +17,7 @@ from pydantic import ValidationError
 
 from producer_client.connection import reply_code
 from producer_client.errors import (
-    BodyTooLarge, InvalidArgument, JobNotFound, JobTimeout, NotReplicated,
+    BodyTooLarge, IdempotencyConflict, InvalidArgument, JobNotFound, JobTimeout, NotReplicated,
 )
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
 from producer_client.scripts import CANCEL, CREATE, ENQUEUE
@@ -32,6 +33,8 @@ EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
 MAX_BLOCK_MS = 2000  # one blocking read, well inside redis-py's default 5 s socket timeout
 MAX_LIMIT = 10_000  # items one listing returns at most: as many as a dead-letter stream holds
 EVENT_ID = re.compile(r"\d{1,20}-\d{1,20}")
+FINGERPRINT_CHARS = 64
+FINGERPRINT = re.compile(r"[A-Za-z0-9]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -40,10 +43,18 @@ class NewJob:
     body: str
     idempotent: bool  # the id came from the caller's request_id, so it may exist already
     timeout_ms: int  # 0: no deadline
+    fingerprint: str = ""  # of the request an idempotent job answers: its request_id is bound to it
 
     def create_call(self, keys: Keys) -> tuple:
         """EVALSHA arguments of CREATE for this job."""
-        return CREATE.sha, 1, keys.job(self.job_id), self.timeout_ms
+        return CREATE.sha, 1, keys.job(self.job_id), self.timeout_ms, self.fingerprint
+
+    def created(self, reply: int) -> bool:
+        """CREATE's reply: whether to enqueue the job. Raises IdempotencyConflict when its id is
+        another request's."""
+        if reply == -1:
+            raise IdempotencyConflict(self.job_id)
+        return bool(reply)
 
     def enqueue_call(self, keys: Keys, queue: str, max_depth: int | None) -> tuple:
         """EVALSHA arguments of ENQUEUE for this job."""
@@ -104,10 +115,13 @@ def enqueued(job: NewJob, create: bool, replication: Replication, replies: list)
 
 def build_job(
     prompt: Any, messages: Any, input_ids: Any, request_id: Any, timeout_s: Any, priority: Any,
-    options: dict[str, Any],
+    options: dict[str, Any], fingerprint: Any = None,
 ) -> NewJob:
     """Validate every argument the way the worker will, before anything touches Redis. `options`
-    are SamplingParams' fields and the chat options of JobRequest (tools, enable_thinking...)."""
+    are SamplingParams' fields and the chat options of JobRequest (tools, enable_thinking...). A
+    job with a request_id is bound to `fingerprint` (a digest of the request it answers; by
+    default of what it generates from): a later submit of the same id with another raises
+    IdempotencyConflict."""
     sampling = {k: v for k, v in options.items() if k not in CHAT_OPTIONS}
     chat = {k: v for k, v in options.items() if k in CHAT_OPTIONS}
     try:
@@ -128,7 +142,18 @@ def build_job(
     if request_id is None:
         # 128 random bits, as a uuid4's hex without building the UUID: submit_many makes many.
         return NewJob(os.urandom(16).hex(), body, idempotent=False, timeout_ms=timeout_ms)
-    return NewJob(check_name("request_id", request_id), body, idempotent=True, timeout_ms=timeout_ms)
+    if fingerprint is None:
+        fingerprint = generation_fingerprint(request)
+    elif not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
+        raise InvalidArgument("request_fingerprint", f"must be 1-{FINGERPRINT_CHARS} letters and digits")
+    return NewJob(check_name("request_id", request_id), body, idempotent=True, timeout_ms=timeout_ms, fingerprint=fingerprint)
+
+
+def generation_fingerprint(request: JobRequest) -> str:
+    """A digest of what a job generates from: its prompt, sampling parameters and chat options.
+    Not its deadline or priority: a retry may count its deadline from its own start."""
+    generation = request.model_dump_json(exclude={"timeout_s", "priority"})
+    return hashlib.sha256(generation.encode()).hexdigest()
 
 
 def check_job_id(job_id: Any) -> str:

@@ -11,6 +11,9 @@ from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, M
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
+# Token ids and top_k are bounded where they enter (int32, beyond any vocabulary), so that no
+# number a producer sends overflows a tensor inside an engine step.
+MAX_TOKEN_ID = 2**31
 
 
 class SamplingParams(BaseModel):
@@ -22,7 +25,7 @@ class SamplingParams(BaseModel):
     min_tokens: int = Field(0, ge=0)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # 0 = off
+    top_k: int = Field(0, ge=0, lt=MAX_TOKEN_ID)  # 0 = off
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
@@ -49,8 +52,12 @@ class SamplingParams(BaseModel):
         for s in self.stop:
             if not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidArgument("stop", f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidArgument("stop_token_ids", "token ids must be non-negative")
+        check_token_ids("stop_token_ids", self.stop_token_ids)
+
+
+def check_token_ids(field: str, token_ids: list[int]) -> None:
+    if any(not 0 <= t < MAX_TOKEN_ID for t in token_ids):
+        raise InvalidArgument(field, f"token ids must be 0 to {MAX_TOKEN_ID - 1}")
 
 
 def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArgument:
@@ -119,8 +126,7 @@ class JobRequest(BaseModel):
         given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]
         if len(given) != 1:
             raise InvalidArgument("prompt", "give exactly one of prompt, messages or input_ids")
-        if self.input_ids is not None and any(t < 0 for t in self.input_ids):
-            raise InvalidArgument("input_ids", "token ids must be non-negative")
+        check_token_ids("input_ids", self.input_ids or [])
         if self.params.max_tokens > max_tokens_limit:
             raise InvalidArgument("max_tokens", f"{self.params.max_tokens} exceeds the limit of {max_tokens_limit}")
         self.params.check_consistency()

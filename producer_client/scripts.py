@@ -43,14 +43,16 @@ class Script:
 
 # -- a job's keys ---------------------------------------------------------------------------------
 
-# KEYS: job. ARGV: timeout in ms (0 or none: no deadline). Creates the job as queued; with a timeout, its
-# deadline (epoch ms on Redis's clock: TIME) goes into the hash, so that status() reports a queued
-# job past it as expired. Returns 1 when the caller should enqueue it: the job is new, or it is
-# queued and no enqueue of it was recorded (`enqueued`: an earlier submit stopped half-way).
-# 0: it exists and is enqueued, or is past queued. Enqueueing twice is harmless: CLAIM drops the
-# second entry.
+# KEYS: job. ARGV: timeout in ms (0 or none: no deadline), the request's fingerprint ('' or none:
+# none). Creates the job as queued; with a timeout, its deadline (epoch ms on Redis's clock: TIME)
+# goes into the hash, so that status() reports a queued job past it as expired. Returns 1 when the
+# caller should enqueue it: the job is new, or it is queued and no enqueue of it was recorded
+# (`enqueued`: an earlier submit stopped half-way). 0: it exists and is enqueued, or is past
+# queued. -1: it exists for another request (its fingerprint differs): a request_id is bound to
+# the request that first used it. Enqueueing twice is harmless: CLAIM drops the second entry.
 CREATE = Script("create", """
 if redis.call('HSETNX', KEYS[1], 'status', 'queued') == 1 then
+  if ARGV[2] and ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'fingerprint', ARGV[2]) end
   local timeout = tonumber(ARGV[1] or '0')
   if timeout > 0 then
     local now = redis.call('TIME')
@@ -58,6 +60,9 @@ if redis.call('HSETNX', KEYS[1], 'status', 'queued') == 1 then
   end
   return 1
 end
+-- HGET, not HMGET: the producers' ACL user runs this script, and has HGET only (see README).
+local fingerprint = redis.call('HGET', KEYS[1], 'fingerprint')
+if fingerprint and ARGV[2] and ARGV[2] ~= '' and fingerprint ~= ARGV[2] then return -1 end
 if redis.call('HGET', KEYS[1], 'status') == 'queued' and not redis.call('HGET', KEYS[1], 'enqueued') then
   return 1
 end

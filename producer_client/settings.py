@@ -6,11 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic_settings import BaseSettings, TomlConfigSettingsSource
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings.exceptions import SettingsError
 
 
 class TomlSettings(BaseSettings):
-    """A subclass names its default file in `model_config["toml_file"]`."""
+    """A subclass names its default file in `model_config["toml_file"]`. A setting's value never
+    appears in a validation error: it may be a Redis URL with its password, or an API key."""
+
+    model_config = SettingsConfigDict(hide_input_in_errors=True)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
@@ -25,3 +30,13 @@ class TomlSettings(BaseSettings):
             raise FileNotFoundError(f"settings file {config_file} does not exist")
         bound = type(cls.__name__, (cls,), {"model_config": {**cls.model_config, "toml_file": config_file}})
         return bound(**flags)
+
+
+SETTINGS_ERRORS = (ValidationError, SettingsError)
+
+
+def settings_error_line(error: Exception) -> str:
+    """A settings error in one line, naming each setting and never its value."""
+    if isinstance(error, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in error.errors(include_input=False))
+    return str(error).split("\n", 1)[0]

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian/Ubuntu machine for MILI: redis-server and redis-cli, a venv, and the Python deps.
 # Usage: scripts/bootstrap.sh [--dev]   (the demo's dependencies; --dev adds the test dependencies)
+#        scripts/bootstrap.sh --offline DIR [--venv PATH] [--python PYTHON]   (no network: see bootstrap_offline.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+[ "${1:-}" = "--offline" ] && { shift; exec scripts/bootstrap_offline.sh "$@"; }
 
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 

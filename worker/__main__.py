@@ -18,7 +18,9 @@ from contextlib import ExitStack
 import redis
 
 from producer_client.connection import is_fatal, redact_url
+from producer_client import logs
 from producer_client.errors import MiliError
+from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.embedded_redis import EmbeddedRedis
 from worker.healthcheck import run_healthcheck
 from worker.metrics import WorkerMetrics
@@ -39,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except MiliError as e:
         print(f"error: {e.code}: {e.message}", file=sys.stderr)
+        return 2
+    except SETTINGS_ERRORS as e:
+        print(f"error: invalid_argument: {settings_error_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the worker took a job: nothing to hand over
         return 130
@@ -172,10 +177,7 @@ def load_engine(settings: WorkerSettings):
 
 
 def configure_logging(level: str, worker_name: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s [{worker_name}] %(name)s: %(message)s",
-    )
+    logs.configure(level, f"%(asctime)s %(levelname)s [{worker_name}] %(name)s: %(message)s")
 
 
 if __name__ == "__main__":

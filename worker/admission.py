@@ -16,10 +16,11 @@ from producer_client.errors import MiliError
 from producer_client.protocol import entry_time
 from worker.holdings import EngineAPI, Holdings
 from worker.jobs import (
-    Delivery, InternalError, Job, Poison, final_result, parse_request, render_prompt,
+    Delivery, InternalError, InvalidJob, Job, Poison, final_result, parse_request, render_prompt,
 )
 from worker.outbox import DeadLetter, Outbox, Receipts, Update
 from worker.queue import HANDED_OVER_IDLE_MS, RedisClock, WorkerQueue
+from worker.rejection import Rejections
 from worker.replies import ClaimOutcome
 from worker.settings import WorkerSettings
 
@@ -29,13 +30,14 @@ log = logging.getLogger(__name__)
 class Admission:
     def __init__(
         self, queue: WorkerQueue, engine: EngineAPI, holdings: Holdings, outbox: Outbox, receipts: Receipts,
-        settings: WorkerSettings, clock: RedisClock, worker: str,
+        rejections: Rejections, settings: WorkerSettings, clock: RedisClock, worker: str,
     ):
         self.queue = queue
         self.engine = engine
         self.holdings = holdings
         self.outbox = outbox
         self.receipts = receipts
+        self.rejections = rejections
         self.settings = settings
         self.clock = clock
         self.worker = worker
@@ -95,11 +97,10 @@ class Admission:
         prepared = [self._job_from_entry(d, run, now) for d, run in zip(deliveries, runs)]
         claims = self.queue.claim([(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)])
         self.holdings.unadmitted = []
-        resumed: list[tuple[Delivery, Job]] = []
+        resumed: list[tuple[Delivery, Job, int]] = []
         for d, run, job, claim in zip(deliveries, runs, prepared, claims):
             if isinstance(claim, Exception):
-                log.error("job %s: Redis refused its claim (%s); dead-lettering entry %s", d.job_id, claim, d.entry_id)
-                self.receipts.dead_letters.append(DeadLetter(d.entry_id, d.fields, f"claim refused: {claim}", d.deliveries))
+                self.rejections.of_delivery(d, claim)
                 continue
             if claim.outcome is ClaimOutcome.CLAIMED and self.holdings.find(d.job_id) is not None:
                 self.holdings.drop(d.job_id)  # its own entry, reclaimed after a stall: the claim fenced the old run
@@ -116,7 +117,7 @@ class Admission:
                 if claim.deadline is not None:
                     job.deadline = claim.deadline
                 if claim.recorded_tokens:
-                    resumed.append((d, job))
+                    resumed.append((d, job, claim.recorded_tokens))
                 else:
                     self.start_unless_expired(job)
         if resumed:
@@ -160,22 +161,29 @@ class Admission:
         if self.add_to_engine(job, update):
             update.start = start_event(self.worker, now, job.resumed_tokens, job.output_format)
 
-    def _resume_all(self, resumed: list[tuple[Delivery, Job]]) -> None:
+    def _resume_all(self, resumed: list[tuple[Delivery, Job, int]]) -> None:
         try:
-            events = self.queue.recorded_events([job.id for _, job in resumed])
+            events = self.queue.recorded_events([job.id for _, job, _ in resumed])
         except redis.RedisError:
-            self.holdings.unadmitted += [d for d, _ in resumed]  # claimed again at the next try, with a new run
+            self.holdings.unadmitted += [d for d, _, _ in resumed]  # claimed again at the next try, with a new run
             raise
-        for _, job in resumed:
-            self._resume(job, events[job.id])
+        for _, job, recorded_tokens in resumed:
+            self._resume(job, events[job.id], recorded_tokens)
 
-    def _resume(self, job: Job, events: list[tuple[str, dict[str, str]]]) -> None:
+    def _resume(self, job: Job, events: list[tuple[str, dict[str, str]]] | Exception, recorded_tokens: int) -> None:
+        """Take over the tokens the job's events record: as many as its hash counts, or it fails.
+        Producers may write both keys, so neither is trusted to be readable or to agree."""
+        if isinstance(events, Exception):
+            self.rejections.of_job(job, events)
+            return
         try:
             job.resume(events)
         except Exception as e:  # events this worker cannot read: fail the job, not the worker
-            log.exception("job %s: its recorded events cannot be read", job.id)
-            error = InternalError(f"its recorded events cannot be read: {type(e).__name__}: {e}")
-            self.outbox.for_job(job).final = job.result("failed", "error", self.worker, self.clock.now(), error=error)
+            self.rejections.of_job(job, InvalidJob(f"its recorded events cannot be read: {type(e).__name__}: {e}"))
+            return
+        if job.resumed_tokens != recorded_tokens:
+            error = InvalidJob(f"its hash records {recorded_tokens} tokens, its event stream {job.resumed_tokens}")
+            self.rejections.of_job(job, error)
             return
         log.info("job %s: resuming after %d recorded tokens", job.id, job.resumed_tokens)
         self.start_unless_expired(job)

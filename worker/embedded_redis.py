@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -16,7 +17,8 @@ from producer_client.errors import MiliError
 START_TIMEOUT_S = 10.0
 INSTALL_HINT = (
     "redis-server was not found on PATH. Install it (Debian/Ubuntu: sudo apt-get install redis-server; "
-    "macOS: brew install redis), or point the worker at a running Redis with --redis redis://HOST:6379/0."
+    "macOS: brew install redis; offline: scripts/bootstrap.sh --offline BUNDLE puts one in the venv), or point "
+    "the worker at a running Redis with --redis redis://HOST:6379/0."
 )
 
 
@@ -40,6 +42,12 @@ def stop_process(process: subprocess.Popen, timeout_s: float) -> None:
         process.wait()
 
 
+def redis_server_binary() -> str | None:
+    """redis-server on PATH, else the one beside this interpreter: scripts/bootstrap.sh --offline puts
+    a bundled one in the venv's bin, which is not on PATH unless the venv is activated."""
+    return shutil.which("redis-server") or shutil.which("redis-server", path=str(Path(sys.executable).parent))
+
+
 class RedisServerError(MiliError):
     code = "redis_server_error"
 
@@ -58,7 +66,7 @@ class EmbeddedRedis:
         return f"unix://{self.dir / 'redis.sock'}"
 
     def start(self) -> EmbeddedRedis:
-        binary = shutil.which("redis-server")
+        binary = redis_server_binary()
         if binary is None:
             raise RedisServerError(INSTALL_HINT)
         self.dir = Path(tempfile.mkdtemp(prefix="mili-redis-"))

@@ -18,12 +18,12 @@ import socket
 import sys
 
 import redis
-from pydantic import ValidationError
 
 from producer_client.connection import connect
 from producer_client.errors import MiliError
 from producer_client.keys import Keys
 from producer_client.scripts import execute
+from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.settings import WorkerSettings, settings_from_args
 
 # Well inside the HEALTHCHECK and probe timeouts (10 s), so a hung Redis reads as unhealthy
@@ -36,8 +36,10 @@ def run_healthcheck(args: argparse.Namespace) -> int:
     file). Settings that do not load are unhealthy too, with 1 rather than the CLI's 2."""
     try:
         settings = settings_from_args(args)
-    except (MiliError, ValidationError, FileNotFoundError) as e:
+    except (MiliError, FileNotFoundError) as e:
         return _unhealthy(f"the settings do not load: {e}")
+    except SETTINGS_ERRORS as e:
+        return _unhealthy(f"the settings do not load: {settings_error_line(e)}")
     return healthcheck(settings)
 
 

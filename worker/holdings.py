@@ -5,7 +5,7 @@ import logging
 from collections import deque
 from typing import Any, Protocol
 
-from worker.jobs import Delivery, Job
+from worker.jobs import Delivery, Job, Rejection
 from worker.outbox import Outbox
 
 log = logging.getLogger(__name__)
@@ -30,8 +30,8 @@ class EngineAPI(Protocol):
 class Holdings:
     """A job is held from its delivery until its final result is in Redis: delivered and not yet
     admitted (its claim not settled), running in the engine, out of the engine after a failed
-    step (a suspect), or ended with an update Redis has not seen (in the outbox, which also holds
-    the unpublished steps of running jobs). Each held entry is refreshed with every heartbeat."""
+    step (a suspect), ended with an update Redis has not seen (in the outbox, which also holds
+    the unpublished steps of running jobs), or rejected for its keys (see worker/rejection.py). Each held entry is refreshed with every heartbeat."""
 
     def __init__(self, engine: EngineAPI, outbox: Outbox):
         self.engine = engine
@@ -39,12 +39,14 @@ class Holdings:
         self.unadmitted: list[Delivery] = []
         self.running: dict[str, Job] = {}  # claimed and in the engine
         self.suspects: deque[Job] = deque()  # claimed, out of the engine after a failed step
+        self.rejected: dict[str, Rejection] = {}  # failed for their keys, the failure not yet written
 
     def entries(self) -> dict[str, str]:
         """{entry id: job id} of the entries this worker holds. Detached jobs have none."""
         held = {d.entry_id: d.job_id for d in self.unadmitted}
         held.update((u.entry_id, u.job_id) for u in self.outbox.updates.values() if u.entry_id is not None)
         held.update((job.entry_id, job.id) for job in self.claimed() if job.entry_id is not None)
+        held.update((r.entry_id, r.job_id) for r in self.rejected.values() if r.entry_id is not None)
         return held
 
     def runs(self) -> dict[str, str]:
@@ -76,6 +78,11 @@ class Holdings:
             update.entry_id = None
             update.dead_letter = None  # no entry left to move
 
+    def detach_rejected(self) -> None:
+        """Redis lost the group: the rejected jobs' entries went with it."""
+        for rejection in self.rejected.values():
+            rejection.entry_id = None
+
     def detached(self) -> list[Job]:
         return [job for job in self.claimed() if job.entry_id is None]
 
@@ -88,6 +95,12 @@ class Holdings:
             self.suspects = deque(j for j in self.suspects if j.id != job_id)
         self.unadmitted = [d for d in self.unadmitted if d.job_id != job_id]
         self.outbox.discard(job_id)
+        self.rejected.pop(job_id, None)
+
+    def reject(self, rejection: Rejection) -> None:
+        """Hold the job as rejected only: out of the engine, its update dropped."""
+        self.drop(rejection.job_id)
+        self.rejected[rejection.job_id] = rejection
 
     def stop(self, job: Job, reason: str) -> None:
         """Abort in the engine; its final output (finish_reason "abort") comes with the next step."""

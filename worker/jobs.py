@@ -6,14 +6,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel, Field, field_validator
+
 from producer_client.chat import tool_names
 from producer_client.chat_output import THINK_OPEN, ChatOutput, OutputFormat, OutputParser, Reasoning, parse_output
 from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
 from producer_client.keys import NAME_PATTERN, PROTOCOL_VERSION
 from producer_client.protocol import entry_time
-from producer_client.schema import ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage
+from producer_client.schema import (
+    MAX_TOKEN_ID, ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage,
+)
 
 ENTRY_FIELDS = frozenset({"id", "v", "body"})
+# A producer's entry may hold any number of fields of any length: the error names a few.
+UNKNOWN_FIELDS_SHOWN = 5
+NAME_CHARS_SHOWN = 64
 
 
 class Poison(MiliError):
@@ -24,9 +31,18 @@ class Poison(MiliError):
 
 
 class InternalError(MiliError):
-    """A bug met while handling one job; the job fails and the worker keeps serving."""
+    """A bug met while handling one job, or a reply the protocol does not define; the job fails
+    and the worker keeps serving."""
 
     code = "internal_error"
+
+
+class InvalidJob(MiliError):
+    """The job's keys in Redis are not what the protocol defines (a key of another type, a field
+    no script can read, events that disagree with the hash): producers may write those keys. The
+    job fails; the worker keeps serving."""
+
+    code = "invalid_job"
 
 
 @dataclass
@@ -40,6 +56,26 @@ class Delivery:
 
     def __post_init__(self):
         self.job_id = job_id_of(self.entry_id, self.fields)
+
+
+class StartEvent(BaseModel):
+    """A run's `start` event as a resumed job reads it: a producer may write the event stream, so
+    what this worker takes over is validated like any input."""
+
+    started_at: float = Field(allow_inf_nan=False)
+
+
+class TokensEvent(BaseModel):
+    ids: list[int] = Field(strict=True)
+    text: str = Field(strict=True)
+    logprobs: list[TokenLogprob] | None = None
+
+    @field_validator("ids")
+    @classmethod
+    def _token_ids(cls, ids: list[int]) -> list[int]:
+        if any(not 0 <= t < MAX_TOKEN_ID for t in ids):
+            raise ValueError(f"token ids must be 0 to {MAX_TOKEN_ID - 1}")
+        return ids
 
 
 @dataclass
@@ -85,18 +121,18 @@ class Job:
         of them started and produced its first token."""
         starts = []
         for event_id, fields in events:
-            payload = json.loads(fields["data"])
-            if fields["type"] == "start":
-                starts.append(payload)
-            elif fields["type"] == "tokens":
-                if self.first_token_at is None and payload["ids"]:
+            if fields.get("type") == "start":
+                starts.append(StartEvent.model_validate_json(fields.get("data", "")))
+            elif fields.get("type") == "tokens":
+                tokens = TokensEvent.model_validate_json(fields.get("data", ""))
+                if self.first_token_at is None and tokens.ids:
                     self.first_token_at = entry_time(event_id)
-                self.token_ids.extend(payload["ids"])
-                self.text.append(payload["text"])
-                if payload.get("logprobs") is not None and self.request.params.logprobs is not None:
-                    self.logprobs = (self.logprobs or []) + [TokenLogprob.model_validate(lp) for lp in payload["logprobs"]]
+                self.token_ids.extend(tokens.ids)
+                self.text.append(tokens.text)
+                if tokens.logprobs is not None and self.request.params.logprobs is not None:
+                    self.logprobs = (self.logprobs or []) + tokens.logprobs
         if starts:
-            self.started_at = starts[0]["started_at"]
+            self.started_at = starts[0].started_at
         self.resumed_tokens = len(self.token_ids)
         self.called_before = self.watch_for_call("".join(self.text))
 
@@ -143,6 +179,22 @@ def final_result(
     )
 
 
+@dataclass
+class Rejection:
+    """A job whose own keys refused the protocol: its failed result, which FAIL writes whatever
+    the job's run and recorded tokens, and its entry, acknowledged once the result is written
+    (moved to the dead-letter stream with `fields` should even FAIL be refused)."""
+
+    result: JobResult
+    entry_id: str | None  # None for a detached job (see ADOPT)
+    fields: dict[str, str]
+    deliveries: int = 1
+
+    @property
+    def job_id(self) -> str:
+        return self.result.id
+
+
 def job_id_of(entry_id: str, fields: dict[str, str]) -> str:
     """The entry's job id; an entry without a usable one is reported under `entry-<entry id>`."""
     job_id = fields.get("id", "")
@@ -157,7 +209,9 @@ def parse_request(fields: dict[str, str], max_body_bytes: int, max_tokens_limit:
         raise UnsupportedVersion(f"protocol version {fields.get('v')!r}; this worker speaks {PROTOCOL_VERSION}")
     unknown = sorted(set(fields) - ENTRY_FIELDS)
     if unknown:
-        raise InvalidBody(f"the entry has fields protocol v{PROTOCOL_VERSION} does not know: {', '.join(map(repr, unknown))}")
+        named = ", ".join(repr(name[:NAME_CHARS_SHOWN]) for name in unknown[:UNKNOWN_FIELDS_SHOWN])
+        more = f" and {len(unknown) - UNKNOWN_FIELDS_SHOWN} more" if len(unknown) > UNKNOWN_FIELDS_SHOWN else ""
+        raise InvalidBody(f"the entry has fields protocol v{PROTOCOL_VERSION} does not know: {named}{more}")
     if "body" not in fields:
         raise InvalidBody("the entry has no `body` field")
     try:

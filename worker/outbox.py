@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from producer_client.keys import GROUP
 from producer_client.schema import JobResult, TokenLogprob
-from worker.jobs import Job, token_event
+from worker.jobs import ENTRY_FIELDS, Job, token_event
 
 # The dead-letter stream keeps about this many entries (XADD MAXLEN ~): bounded memory, and far
 # more than an operator reads before acting on the alert.
@@ -23,7 +23,10 @@ class DeadLetter:
     deliveries: int
 
     def script_args(self, worker: str, now: float) -> list:
-        letter = {**self.fields, "entry": self.entry_id, "deliveries": self.deliveries, "reason": self.reason,
+        # The protocol's fields only: a producer's entry may hold any number of others, more than
+        # DEADLETTER's Lua can unpack into one XADD.
+        fields = {name: value for name, value in self.fields.items() if name in ENTRY_FIELDS}
+        letter = {**fields, "entry": self.entry_id, "deliveries": self.deliveries, "reason": self.reason,
                   "worker": worker, "dead_at": now}
         return [GROUP, self.entry_id, DEAD_LETTER_MAXLEN, *(x for kv in letter.items() for x in kv)]
 

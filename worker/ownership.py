@@ -15,6 +15,7 @@ from worker.holdings import EngineAPI, Holdings
 from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox, Update
 from worker.queue import RedisClock, WorkerQueue
+from worker.rejection import Rejections
 from worker.replies import Adopted
 from worker.settings import WorkerSettings
 
@@ -23,13 +24,15 @@ log = logging.getLogger(__name__)
 
 class Ownership:
     def __init__(
-        self, queue: WorkerQueue, engine: EngineAPI, holdings: Holdings, outbox: Outbox, metrics: WorkerMetrics,
-        settings: WorkerSettings, clock: RedisClock, worker: str, device: str, metrics_port: int | None,
+        self, queue: WorkerQueue, engine: EngineAPI, holdings: Holdings, outbox: Outbox, rejections: Rejections,
+        metrics: WorkerMetrics, settings: WorkerSettings, clock: RedisClock, worker: str, device: str,
+        metrics_port: int | None,
     ):
         self.queue = queue
         self.engine = engine
         self.holdings = holdings
         self.outbox = outbox
+        self.rejections = rejections
         self.metrics = metrics
         self.settings = settings
         self.clock = clock
@@ -85,11 +88,15 @@ class Ownership:
         can take such a job over, and its result reaches its producer as any other."""
         self.queue.ensure_group()
         self.holdings.unadmitted = []  # their entries are gone with the group
+        self.holdings.detach_rejected()
         runs = self.holdings.runs()
         if runs:
             outcomes = self.queue.adopt(list(runs.items()))
             for (job_id, run), outcome in zip(runs.items(), outcomes):
-                if outcome in (Adopted.ADOPTED, Adopted.RECREATED):
+                if isinstance(outcome, Exception):  # its keys refused ADOPT: it fails, detached
+                    self.holdings.detach(job_id)
+                    self.rejections.of_held(job_id, outcome)
+                elif outcome in (Adopted.ADOPTED, Adopted.RECREATED):
                     self.holdings.detach(job_id)
                     if outcome is Adopted.RECREATED:
                         self._republish_whole(job_id, run)

@@ -12,6 +12,7 @@ from worker.jobs import InternalError
 from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox, Receipts, Update
 from worker.queue import GroupLost, RedisClock, WorkerQueue, is_transient
+from worker.rejection import Rejections
 from worker.replies import Published, PublishReply, UnknownReply, Watched
 
 log = logging.getLogger(__name__)
@@ -19,13 +20,14 @@ log = logging.getLogger(__name__)
 
 class Publication:
     def __init__(
-        self, queue: WorkerQueue, holdings: Holdings, outbox: Outbox, receipts: Receipts, metrics: WorkerMetrics,
-        clock: RedisClock, worker: str,
+        self, queue: WorkerQueue, holdings: Holdings, outbox: Outbox, receipts: Receipts, rejections: Rejections,
+        metrics: WorkerMetrics, clock: RedisClock, worker: str,
     ):
         self.queue = queue
         self.holdings = holdings
         self.outbox = outbox
         self.receipts = receipts
+        self.rejections = rejections
         self.metrics = metrics
         self.clock = clock
         self.worker = worker
@@ -77,10 +79,7 @@ class Publication:
         if isinstance(reply, UnknownReply):
             self._fail_on_unknown_reply(update, reply)
         elif isinstance(reply, Exception):
-            # The job's keys refused PUBLISH (a key of the wrong type): its entry stays pending,
-            # and the claim that follows a reclaim dead-letters it with the reason.
-            log.error("job %s: Redis refused its update: %s", update.job_id, reply)
-            self.holdings.drop(update.job_id)
+            self.rejections.of_update(update, reply)  # the job's keys refused PUBLISH
         elif reply.outcome is Published.PARTIAL and update.skip_recorded(reply.recorded):
             self.outbox.add(update)  # the rest goes with the next publication
         elif reply.outcome in (Published.LOST, Published.PARTIAL):
@@ -99,20 +98,22 @@ class Publication:
 
     def _fail_on_unknown_reply(self, update: Update, error: UnknownReply) -> None:
         """The job fails with internal_error, its tokens kept for the result; if even its final
-        update gets an answer PUBLISH does not give, the job is dropped, its entry left pending."""
+        update gets an answer PUBLISH does not give, FAIL writes the failure (worker/rejection.py)."""
         log.error("job %s: %s", update.job_id, error)
         job = self.holdings.running.pop(update.job_id, None)
         if update.final is not None or job is None:
-            self.holdings.drop(update.job_id)
+            self.rejections.of_update(update, error)
             return
         self.holdings.abort(job)
         update.final = job.result("failed", "error", self.worker, self.clock.now(), error=InternalError(str(error)))
         self.outbox.add(update)
 
     def _react(self, job_id: str, state: Watched | Exception) -> None:
-        if isinstance(state, Exception) or state is Watched.LOST:
-            reason = f"its keys refused a read: {state}" if isinstance(state, Exception) else "another worker has taken it over"
-            log.warning("job %s: %s; this run stops", job_id, reason)
+        if isinstance(state, Exception):
+            self.rejections.of_held(job_id, state)  # its keys refused the look at its flags
+            return
+        if state is Watched.LOST:
+            log.warning("job %s: another worker has taken it over; this run stops", job_id)
             self.holdings.drop(job_id)
             return
         job = self.holdings.running.get(job_id)

@@ -25,14 +25,15 @@ from producer_client import connection, scripts
 from producer_client.connection import FATAL_ERRORS, Retry, reply_code
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.protocol import Replication, job_keys
+from producer_client.schema import JobResult
 from producer_client.scripts import ENQUEUE
 from worker.jobs import Delivery, Job
 from worker.outbox import DeadLetter, Update
 from worker.replies import (
-    Adopted, Claim, Published, PublishReply, UnknownReply, Watched, parse_adopt, parse_claim, parse_publish,
-    parse_watch,
+    Adopted, Claim, Failed, Published, PublishReply, UnknownReply, Watched, parse_adopt, parse_claim, parse_fail,
+    parse_publish, parse_watch,
 )
-from worker.scripts import ADOPT, CLAIM, DEADLETTER, PUBLISH, RECLAIM, REFRESH, RELEASE, REQUEUE, WORKER_SCRIPTS
+from worker.scripts import ADOPT, CLAIM, DEADLETTER, FAIL, PUBLISH, RECLAIM, REFRESH, RELEASE, REQUEUE, WORKER_SCRIPTS
 
 log = logging.getLogger(__name__)
 
@@ -229,22 +230,37 @@ class WorkerQueue:
         self._send(lambda pipe: pipe.evalsha(ENQUEUE.sha, 1, self.stream, 0, job.id, PROTOCOL_VERSION, body))
         return True
 
-    def recorded_events(self, job_ids: list[str]) -> dict[str, list[tuple[str, dict[str, str]]]]:
-        """Each job's whole event stream, read in pages."""
-        events: dict[str, list] = {job_id: [] for job_id in job_ids}
+    def recorded_events(self, job_ids: list[str]) -> dict[str, list[tuple[str, dict[str, str]]] | Exception]:
+        """Each job's whole event stream, read in pages, or in its place the error its stream gave
+        (a key of another type: a producer may write it)."""
+        events: dict[str, list | Exception] = {job_id: [] for job_id in job_ids}
         after = {job_id: "-" for job_id in job_ids}
         while after:
             def add(pipe):
                 for job_id, start in after.items():
                     pipe.xrange(self.keys.events(job_id), start, "+", count=EVENT_PAGE)
 
-            for job_id, page in zip(list(after), self._send(add)):
+            for job_id, page in zip(list(after), self._send(add, per_command_errors=True)):
+                if isinstance(page, Exception):
+                    events[job_id] = page
+                    del after[job_id]
+                    continue
                 events[job_id].extend(page)
                 if len(page) < EVENT_PAGE:
                     del after[job_id]
                 else:
                     after[job_id] = "(" + page[-1][0]
         return events
+
+    def fail(self, failures: list[tuple[str, JobResult]]) -> list[Failed | Exception]:
+        """FAIL each (job id, failed result): jobs whose keys refused the protocol."""
+
+        def add(pipe):
+            for job_id, result in failures:
+                args = (result.model_dump_json(), len(result.token_ids), self.result_ttl_s)
+                pipe.evalsha(FAIL.sha, 3, *job_keys(self.keys, job_id), *args)
+
+        return [_parsed(parse_fail, r) for r in self._send(add, per_command_errors=True)]
 
     def publish(
         self, updates: list[Update], watch: list[tuple[str, str]],

@@ -58,6 +58,11 @@ class Adopted(str, enum.Enum):
     LOST = "lost"  # another run holds it
 
 
+class Failed(str, enum.Enum):
+    FAILED = "failed"  # the failure is the job's result
+    ENDED = "ended"  # it had a result already
+
+
 def parse_claim(reply: object) -> Claim:
     if isinstance(reply, list) and reply:
         outcome = _member(ClaimOutcome, reply[0], "CLAIM", reply)
@@ -89,6 +94,10 @@ def parse_watch(reply: object, run: str) -> Watched:
 
 def parse_adopt(reply: object) -> Adopted:
     return _member(Adopted, reply, "ADOPT", reply)
+
+
+def parse_fail(reply: object) -> Failed:
+    return _member(Failed, reply, "FAIL", reply)
 
 
 def _member(kind: type[enum.Enum], value: object, script: str, reply: object):

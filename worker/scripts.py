@@ -4,6 +4,7 @@ so every script is atomic and Redis Cluster-safe. A job's status moves on throug
 
     queued | running --CLAIM--> running (a new run) --PUBLISH(final)--> done | failed | cancelled | expired
     (none) | queued | running --ADOPT--> running, detached   (Redis lost the group; see ADOPT)
+    (any) --FAIL--> failed   (the job's keys refused a script or a read: see FAIL)
     running, detached --REQUEUE--> queued --ENQUEUE--> in the queue stream
 
 Every CLAIM starts a new *run*, named by a token the claiming worker chooses. PUBLISH writes only
@@ -27,13 +28,32 @@ from producer_client.scripts import Script
 
 # -- a job's keys ---------------------------------------------------------------------------------
 
+# Prepended to the scripts that write a job's keys (KEYS: job, events, done): a producer may write
+# those keys, so one may hold another type than the protocol's. Redis does not undo what a script
+# wrote before a command failed, so a script that would write more than one of them asks
+# wrong_key_type() first: it then fails whole, with a WRONGTYPE error naming the key, and the
+# worker fails the job (FAIL, below). A script whose first write would meet the wrong type needs
+# no check (PUBLISH's steps: the hash is read, or the event stream written, first).
+JOB_KEY_TYPES = """
+local function wrong_key_type()
+  for i, kind in ipairs({'hash', 'stream', 'stream'}) do
+    local found = redis.call('TYPE', KEYS[i]).ok
+    if found ~= 'none' and found ~= kind then
+      return redis.error_reply('WRONGTYPE ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind)
+    end
+  end
+end
+"""
+
 # KEYS: job, events, done. ARGV: worker, entry id, result TTL seconds, run token.
 # Returns {'claimed', tokens recorded so far[, deadline ms]} (run it; more than 0 tokens:
 # resume it), {'final'} (it has a result already: drop the entry) or {'duplicate'} (another entry
 # with the same job id is running it: drop this one). A missing hash is claimed too: a raw XADD
 # bypasses the client that would create it. Claiming the entry a job is running under again is a
 # reclaim: it starts a new run, and the old run's worker can publish nothing more.
-CLAIM = Script("claim", """
+CLAIM = Script("claim", JOB_KEY_TYPES + """
+local refused = wrong_key_type()
+if refused then return refused end
 if redis.call('HEXISTS', KEYS[1], 'result') == 1 then
   for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[3]) end
   return {'final'}
@@ -56,7 +76,7 @@ return {'claimed', tonumber(tokens or '0')}
 # those the update follows nor those it ends with, so this run's view and Redis's differ: nothing
 # changes), 'written' (the result is written), else 'cancel' (its cancel flag is up) or 'ok'.
 # Recorded tokens equal to those the update ends with mean this very update was applied before.
-PUBLISH = Script("publish", """
+PUBLISH = Script("publish", JOB_KEY_TYPES + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 'gone' end
 local result, run, recorded, started, cancel = unpack(redis.call('HMGET', KEYS[1], 'result', 'run', 'tokens', 'started', 'cancel'))
 if result then
@@ -70,6 +90,10 @@ if recorded ~= ARGV[4] and recorded ~= ARGV[5] then
   local n = tonumber(recorded)
   if n > tonumber(ARGV[4]) and n < tonumber(ARGV[5]) then return 'partial:' .. recorded end
   return 'lost'
+end
+if ARGV[6] ~= '' then
+  local refused = wrong_key_type()
+  if refused then return refused end
 end
 if ARGV[2] ~= '' and started ~= ARGV[1] then
   redis.call('XADD', KEYS[2], '*', 'type', 'start', 'data', ARGV[2])
@@ -117,6 +141,24 @@ local run, result = unpack(redis.call('HMGET', KEYS[1], 'run', 'result'))
 if result or run ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', '')
 return 1
+""")
+
+# KEYS: job, events, done. ARGV: result JSON of a failed job, tokens in it, result TTL seconds. The
+# job fails whatever its run and recorded tokens: its keys refused a script or a read (a key of
+# another type, a field no script can read), so no run can go on with it. A key of another type
+# than the protocol's is deleted first, so that the failure can be written and read as any
+# result. Returns 'failed', or 'ended' (changing nothing but those keys) if the job has a result.
+FAIL = Script("fail", """
+for i, kind in ipairs({'hash', 'stream', 'stream'}) do
+  local found = redis.call('TYPE', KEYS[i]).ok
+  if found ~= 'none' and found ~= kind then redis.call('DEL', KEYS[i]) end
+end
+if redis.call('HEXISTS', KEYS[1], 'result') == 1 then return 'ended' end
+redis.call('HSET', KEYS[1], 'status', 'failed', 'result', ARGV[1], 'tokens', ARGV[2])
+redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[1])
+redis.call('XADD', KEYS[3], '*', 'data', ARGV[1])
+for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[3]) end
+return 'failed'
 """)
 
 # -- a queue's keys -------------------------------------------------------------------------------
@@ -184,4 +226,4 @@ return 1
 
 # What a worker's pipelines run besides the producers' scripts (of which ENQUEUE gives a detached
 # job back to the queue, after REQUEUE): `execute` loads both sets on NOSCRIPT.
-WORKER_SCRIPTS = (CLAIM, PUBLISH, ADOPT, REQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER)
+WORKER_SCRIPTS = (CLAIM, PUBLISH, FAIL, ADOPT, REQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER)

@@ -8,14 +8,16 @@ delivery. Each claim starts a new run of the job whose token fences off every ea
 job's events and its one result come from one run at a time; a reclaimed job continues from the
 tokens its event stream recorded.
 
-Three kinds of trouble stay inside the loop. Redis unavailable (unreachable, loading, out of
+Four kinds of trouble stay inside the loop. Redis unavailable (unreachable, loading, out of
 memory, read-only during a failover): the engine keeps stepping, what Redis has not seen waits in
 the outbox (generation pauses once it holds max_buffered_tokens), and the loop tries again with
 backoff. Redis having lost the queue's consumer group (it restarted empty, or was flushed): the
 loop creates the group again and adopts the jobs it holds, which run on to their results. An
 engine step that raises: its jobs leave the engine and come back one per step, so the job that
-makes a step fail is found and fails alone (isolation.py). Only errors no retry can mend (wrong
-credentials, an ACL that forbids a command) stop the worker.
+makes a step fail is found and fails alone (isolation.py). A Redis error met on one job's keys
+(a producer may write them: a key of another type, a field no script reads) fails that job alone
+(rejection.py); any other refusal is retried with backoff. Only wrong credentials and an ACL that
+forbids a command stop the worker.
 
 Every time the worker writes or compares (deadlines, timings, heartbeats) is on Redis's clock
 (RedisClock): producers, workers and Redis need not agree on the time.
@@ -38,8 +40,10 @@ from worker.jobs import Job
 from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox, Receipts, Update
 from worker.ownership import Ownership
+from producer_client.connection import is_fatal
 from worker.publication import Publication
 from worker.queue import GroupLost, RedisClock, RedisLink, WorkerQueue, is_transient
+from worker.rejection import Rejections
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -62,11 +66,17 @@ class Worker:
         self.outbox = Outbox()  # what Redis has not seen yet
         self.receipts = Receipts()  # entries to acknowledge or dead-letter with the next read
         self.holdings = Holdings(engine, self.outbox)
-        self.admission = Admission(self.queue, engine, self.holdings, self.outbox, self.receipts, settings, clock, name)
+        self.rejections = Rejections(self.queue, self.holdings, self.receipts, metrics, clock, name)
+        self.admission = Admission(
+            self.queue, engine, self.holdings, self.outbox, self.receipts, self.rejections, settings, clock, name,
+        )
         self.isolation = FailureIsolation(self.holdings, self.admission, self.outbox, clock, name)
-        self.publication = Publication(self.queue, self.holdings, self.outbox, self.receipts, metrics, clock, name)
+        self.publication = Publication(
+            self.queue, self.holdings, self.outbox, self.receipts, self.rejections, metrics, clock, name,
+        )
         self.ownership = Ownership(
-            self.queue, engine, self.holdings, self.outbox, metrics, settings, clock, name, device, metrics_port,
+            self.queue, engine, self.holdings, self.outbox, self.rejections, metrics, settings, clock, name, device,
+            metrics_port,
         )
         self.drain_deadline: float | None = None
         self.stop_now = False
@@ -101,7 +111,7 @@ class Worker:
             return False
         if self.drain_deadline is None:
             return True
-        if not (self.engine.has_unfinished() or self.holdings.suspects or self.outbox or self.receipts):
+        if not (self.engine.has_unfinished() or self.holdings.suspects or self.holdings.rejected or self.outbox or self.receipts):
             return False
         return time.monotonic() < self.drain_deadline
 
@@ -115,7 +125,7 @@ class Worker:
                 self.ownership.restore_group()  # every job held here is detached now: give them back anew
                 self._publish_and_give_back()
         except redis.RedisError as e:
-            if not is_transient(e):
+            if is_fatal(e):
                 raise
             log.warning(
                 "Redis unreachable at the end (%s): %d unfinished jobs wait claim_idle_ms to be reclaimed, and "
@@ -126,6 +136,7 @@ class Worker:
     def _publish_and_give_back(self) -> None:
         if self.outbox:
             self.publication.publish()
+        self.rejections.send()
         self.queue.read(0, None, self.receipts.acks, self.receipts.dead_letters)
         self.receipts.sent()
         self._give_back_unfinished()
@@ -138,8 +149,16 @@ class Worker:
             released = self.queue.release(held)
             log.info("handed %d unfinished jobs over to other workers", released)
         for job in self.holdings.detached():
-            if self.queue.requeue(job):
+            try:
+                requeued = self.queue.requeue(job)
+            except redis.ResponseError as e:
+                if is_transient(e) or is_fatal(e):
+                    raise
+                self.rejections.of_job(job, e)  # its keys refused REQUEUE
+                continue
+            if requeued:
                 log.info("job %s: detached from its lost entry, enqueued anew for another worker", job.id)
+        self.rejections.send()
 
     # -- one iteration -----------------------------------------------------------------------
 
@@ -169,9 +188,11 @@ class Worker:
         except GroupLost as e:
             self.ownership.group_lost(e)
         except redis.RedisError as e:
-            if not is_transient(e):
+            if is_fatal(e):
                 raise
-            self.link.failed(e)
+            if not is_transient(e):
+                self._refused(e)
+            self.link.failed(e, quiet=not is_transient(e))
             return
         finally:
             self.last_exchange = time.monotonic()
@@ -182,6 +203,13 @@ class Worker:
             # reclaim nothing until the live ones have had claim_idle_ms to refresh theirs.
             self.admission.defer_reclaims()
 
+    def _refused(self, error: redis.RedisError) -> None:
+        """An error no job's failure explains (those are charged to their jobs: rejection.py): a
+        key of the queue of another type (producers may write it), or a bug. No producer can
+        stop a worker: it keeps its jobs and tries again with backoff, as after an outage, and says
+        so at each try (they slow to one every redis_backoff_max_s) until an operator puts it right."""
+        log.error("Redis refused an exchange: %s: %s; trying again with backoff", type(error).__name__, error)
+
     def _was_away(self) -> bool:
         """Longer since the last exchange than claim_idle_ms allows a step and a heartbeat."""
         away_s = time.monotonic() - self.last_exchange
@@ -190,6 +218,7 @@ class Worker:
     def _receive(self) -> None:
         if self.ownership.group_missing:
             self.ownership.restore_group()
+        self.rejections.send()  # their entries are acknowledged with the read below
         self.ownership.heartbeat_if_due("serving" if self.drain_deadline is None else "draining")
         self.admission.reclaim(self._room())
         idle = not (self.engine.has_unfinished() or self.holdings.unadmitted or self.outbox)

@@ -29,7 +29,7 @@ class WorkerSettings(TomlSettings):
         toml_file=DEFAULT_CONFIG_FILE,
     )
 
-    model: str = Field("tiny", description='a preset (tiny, small, qwen3-0.6b), "echo" (no model), or a checkpoint directory')
+    model: str = Field("tiny", description='a preset (tiny, tiny-moe, small, qwen3-0.6b), "echo" (no model), or a checkpoint directory')
     device: str = Field("auto", description="cpu, cuda, cuda:N; auto picks cuda when torch sees one")
     dtype: str = Field("auto", description="float32, bfloat16, float16; auto keeps the checkpoint's own")
     redis: str = Field(
@@ -63,7 +63,11 @@ class WorkerSettings(TomlSettings):
     wait_timeout_ms: int = Field(1000, ge=1, description="how long one WAIT for wait_replicas blocks the worker's loop at most")
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1, description="larger job bodies fail with body_too_large")
     max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1, description="larger max_tokens fail with invalid_argument")
-    metrics_host: str = Field("0.0.0.0", description="address of the Prometheus endpoint")
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="address of the Prometheus endpoint: 127.0.0.1 serves this host only (a shared host); "
+        "0.0.0.0 every interface (a container, whose image sets it)",
+    )
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus endpoint port; 0 binds any free port")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
     engine: EngineSettings = EngineSettings()

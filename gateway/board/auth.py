@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import time
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from gateway.api_keys import bearer_key, key_matches
 
 COOKIE = "mili_board_session"
+SESSION = re.compile(r"[0-9]{1,12}\.[0-9a-f]{64}")  # expiry, then HMAC-SHA256 in hex
 SESSION_S = 12 * 3600
 ACTION_HEADER = "x-mili-board"
 
@@ -51,10 +53,14 @@ class BoardAuth:
         return self.session_valid(request.cookies.get(COOKIE, ""))
 
     def session_valid(self, cookie: str) -> bool:
-        expires, _, signature = cookie.partition(".")
-        if not expires.isdigit() or int(expires) <= self.clock():
+        """Any cookie a browser may send (not ASCII, no dot, digits of other scripts) is valid
+        or not: never an error."""
+        if not SESSION.fullmatch(cookie):
             return False
-        matches = [hmac.compare_digest(signature, _sign(k, int(expires))) for k in self.keys]
+        expires, _, signature = cookie.partition(".")
+        if int(expires) <= self.clock():
+            return False
+        matches = [hmac.compare_digest(signature.encode(), _sign(k, int(expires)).encode()) for k in self.keys]
         return any(matches)
 
 

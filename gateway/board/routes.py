@@ -11,22 +11,24 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
+from gateway.api_keys import AuthFailures
 from gateway.board.auth import ACTION_HEADER, COOKIE, SESSION_S, BoardAuth
 from gateway.board.pages import environment
 from gateway.board.views import JOBS_SHOWN, BoardReader
+from gateway.edge import client_address
 from gateway.errors import APIError, not_found, unauthorized
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream
 from producer_client import AsyncClient, JobFailed, JobNotFound, JobTimeout
 from producer_client.dead_letters import DeadLetterNotFound, NotRetryable
 from producer_client.keys import check_name
-from producer_client.protocol import check_event_id
+from producer_client.protocol import check_event_id, check_job_id
 
 log = logging.getLogger("gateway.board")
 
 
-def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings) -> None:
-    auth = BoardAuth(settings.api_keys)
+def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings, failures: AuthFailures) -> None:
+    auth = BoardAuth([*settings.api_keys, *settings.admin_api_keys])
     reader = BoardReader(client, {settings.default_queue, *settings.models.values()})
     pages = environment()
     router = APIRouter(prefix="/board")
@@ -74,8 +76,10 @@ def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings) -> N
 
     @router.get("/job/events", dependencies=[Depends(signed_in)])
     async def job_events(request: Request, id: str):
+        # Checked before the stream starts: past its first byte, an error cannot be a 400.
+        job_id = check_job_id(id)
         after = check_event_id(request.headers.get("last-event-id", "0-0"))
-        return EventStream(text_events(client, id, after, settings.keepalive_s))
+        return EventStream(text_events(client, job_id, after, settings.keepalive_s))
 
     @router.post("/job/cancel", dependencies=[Depends(from_the_board)])
     async def cancel(id: str):
@@ -107,10 +111,12 @@ def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings) -> N
 
     @router.post("/login")
     async def login(request: Request):
-        # The form's one field, parsed here: FastAPI's Form() would need python-multipart.
+        # The form's one field, parsed here: FastAPI's Form() would need python-multipart. The edge
+        # has bounded the body (gateway/edge.py) and refuses an address with too many failures.
         key = parse_qs((await request.body()).decode(errors="replace")).get("key", [""])[0]
         session = auth.session_for(key)
         if session is None:
+            failures.failed(client_address(request))
             return html("login.jinja", request, status=401, wrong=True)
         response = RedirectResponse("/board", status_code=303)
         response.set_cookie(

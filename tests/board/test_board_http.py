@@ -112,3 +112,19 @@ def test_with_api_keys_the_board_needs_a_session_or_the_bearer_key(keyed_gateway
         assert browser_like.get("/v1/models").status_code == 401  # the session is the board's only
         logout = browser_like.post("/board/logout")
         assert logout.status_code == 303 and 'mili_board_session=""' in logout.headers["set-cookie"]
+
+
+@pytest.mark.parametrize("cookie", [
+    "²³.abc", "١٢٣.x", "1.é", "99999999999.ǅ", "no-dot", ".", "1." + "g" * 64, "9" * 40 + "." + "a" * 64, "",
+])
+def test_a_malformed_session_cookie_is_a_401_never_a_500(keyed_gateway, cookie):
+    # A browser sends a cookie's bytes as they are (UTF-8 here), whatever the server decodes them to.
+    response = httpx.get(f"{keyed_gateway.url}/board/overview", headers={"Cookie": f"mili_board_session={cookie}".encode()})
+    assert response.status_code == 401, response.text
+
+
+@pytest.mark.parametrize("job_id", ["has space", "{tag}", "x" * 200, "-lead"])
+def test_a_bad_id_on_the_event_stream_is_a_400_before_the_stream_starts(open_gateway, job_id):
+    response = httpx.get(f"{open_gateway.url}/board/job/events", params={"id": job_id})
+    assert response.status_code == 400 and response.headers["content-type"].startswith("application/json")
+    assert response.json()["error"]["param"] == "job_id"

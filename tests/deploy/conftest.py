@@ -2,13 +2,14 @@
 worker processes on the echo engine (no model: a worker is up in a few seconds)."""
 from __future__ import annotations
 
+import os
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.deploy.support import DOCKER, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, environment_without_mili, load_compose
+from tests.deploy.support import DOCKER, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, load_compose
 from tests.support.workers import WorkerProcess
 from worker.embedded_redis import EmbeddedRedis
 
@@ -28,13 +29,25 @@ def redis_server() -> Iterator[EmbeddedRedis]:
         yield server
 
 
-def echo_worker(redis_url: str, name: str | None, log_dir) -> WorkerProcess:
-    """An echo worker of the default queue, in the caller's environment less its MILI_* variables."""
-    return WorkerProcess(redis_url, None, name, log_dir, *HEARTBEAT_FLAGS, model="echo", env=environment_without_mili())
+def remove_mili_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("MILI_")]:
+        monkeypatch.delenv(key)
 
 
 @pytest.fixture
-def start_worker(redis_server: EmbeddedRedis, tmp_path) -> Iterator:
+def no_mili_environment(monkeypatch):
+    """WorkerSettings reads MILI_* variables, and so do the workers a test starts: the caller's
+    must not leak into these checks."""
+    remove_mili_variables(monkeypatch)
+
+
+def echo_worker(redis_url: str, name: str | None, log_dir) -> WorkerProcess:
+    """An echo worker of the default queue."""
+    return WorkerProcess(redis_url, None, name, log_dir, *HEARTBEAT_FLAGS, model="echo")
+
+
+@pytest.fixture
+def start_worker(redis_server: EmbeddedRedis, tmp_path, no_mili_environment) -> Iterator:
     """start_worker(name=None) -> WorkerProcess on the echo engine, once its heartbeat is in
     Redis; stopped at teardown. With no name, the worker names itself <hostname>-<pid>, as it
     does in a container."""
@@ -52,7 +65,8 @@ def start_worker(redis_server: EmbeddedRedis, tmp_path) -> Iterator:
 @pytest.fixture(scope="session")
 def scraped_families(tmp_path_factory) -> dict[str, tuple[str, set[str]]]:
     """{family: (type, sample names)} from the /metrics endpoint of a running echo worker."""
-    with EmbeddedRedis() as server:
+    with pytest.MonkeyPatch.context() as monkeypatch, EmbeddedRedis() as server:
+        remove_mili_variables(monkeypatch)
         worker = echo_worker(server.url, "scraped", tmp_path_factory.mktemp("scraped"))
         try:
             port = worker.start().wait_ready().heartbeat()["metrics_port"]

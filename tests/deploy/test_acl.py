@@ -6,58 +6,33 @@ from __future__ import annotations
 
 import io
 import json
-import re
-import shlex
 
 import openai
 import pytest
 import redis
 
-from producer_client import Client
+from producer_client import Client, IdempotencyConflict
 from producer_client.keys import GROUP, Keys
-from tests.deploy.support import ROOT, environment_without_mili
+from tests.support.acl import acl_server
 from tests.support.gateways import GatewayProcess
 from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess
-from worker.embedded_redis import EmbeddedRedis, free_port
 from worker.healthcheck import healthcheck
 from worker.settings import WorkerSettings
-
-PASSWORDS = {"PRODUCER_PASSWORD": "producer-secret", "WORKER_PASSWORD": "worker-secret", "GATEWAY_PASSWORD": "gateway-secret"}
-
-
-def acl_commands() -> list[list[str]]:
-    text = (ROOT / "README.md").read_text()
-    lines = re.findall(r"^ACL SETUSER .+$", text, flags=re.M)
-    assert len(lines) == 3, lines
-    for placeholder, password in PASSWORDS.items():
-        lines = [line.replace(placeholder, password) for line in lines]
-    return [shlex.split(line) for line in lines]
-
 
 
 @pytest.fixture
 def acl_redis():
-    """A TCP redis-server with the two users of the README; the default user stays the admin."""
-    with EmbeddedRedis(port=free_port()) as server:
-        admin = redis.Redis.from_url(server.url, decode_responses=True)
-        for command in acl_commands():
-            admin.execute_command(*command)
-        base = server.url.removeprefix("redis://")
-        yield {
-            "admin": admin,
-            "producer": f"redis://mili-producer:{PASSWORDS['PRODUCER_PASSWORD']}@{base}",
-            "worker": f"redis://mili-worker:{PASSWORDS['WORKER_PASSWORD']}@{base}",
-            "gateway": f"redis://mili-gateway:{PASSWORDS['GATEWAY_PASSWORD']}@{base}",
-        }
-        admin.close()
+    """A TCP redis-server with the README's users; the default user stays the admin."""
+    with acl_server() as server:
+        yield server
 
 
 @pytest.fixture
-def acl_worker(acl_redis, tmp_path):
+def acl_worker(acl_redis, tmp_path, no_mili_environment):
     """An echo worker of the default queue, connected as the worker user (its heartbeat, read as
     that user, says it started under the ACL)."""
-    worker = WorkerProcess(acl_redis["worker"], None, "acl-worker", tmp_path, model="echo", env=environment_without_mili())
+    worker = WorkerProcess(acl_redis["worker"], None, "acl-worker", tmp_path, model="echo")
     yield worker.start().wait_ready()
     worker.stop()
 
@@ -72,6 +47,8 @@ def test_the_producer_user_can_do_what_the_client_does(acl_redis, acl_worker):
         assert client.queue_stats().workers == ["acl-worker"]
         first = client.submit(prompt="once", max_tokens=8, request_id="acl-request")  # HSETNX path
         assert client.submit(prompt="once", max_tokens=8, request_id="acl-request") == first
+        with pytest.raises(IdempotencyConflict):  # the same id, another request
+            client.submit(prompt="other", max_tokens=8, request_id="acl-request")
         assert client.result(first, timeout=30).text == "once"
         many = client.submit_many([{"prompt": f"bulk {i}", "max_tokens": 8} for i in range(3)] + [{"prompt": "r", "request_id": "acl-bulk"}])
         assert sorted(r.text for r in client.as_completed(many, timeout=30)) == ["bulk 0", "bulk 1", "bulk 2", "r"]

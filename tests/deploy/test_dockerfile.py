@@ -120,6 +120,11 @@ def test_exposes_the_metrics_port_default():
     assert int(expose.args) == WorkerSettings.model_fields["metrics_port"].default
 
 
+def test_in_the_image_metrics_listen_on_every_interface_and_elsewhere_on_loopback_only():
+    assert env_variables()["MILI_METRICS_HOST"] == "0.0.0.0"  # Prometheus scrapes a container from outside
+    assert WorkerSettings.model_fields["metrics_host"].default == "127.0.0.1"  # a shared host: this host only
+
+
 def test_the_model_directory_is_a_volume():
     (volume,) = final("VOLUME")
     assert volume.exec_form() == ["/models"]

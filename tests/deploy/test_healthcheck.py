@@ -2,7 +2,6 @@
 while this worker's heartbeat is live and Redis answers."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -20,11 +19,7 @@ from worker.settings import WorkerSettings
 EXPIRY_TIMEOUT_S = HEARTBEAT_TTL_S + 5.0
 
 
-@pytest.fixture(autouse=True)
-def no_mili_environment(monkeypatch):
-    """WorkerSettings reads MILI_* variables: the caller's must not leak into these checks."""
-    for key in [k for k in os.environ if k.startswith("MILI_")]:
-        monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("no_mili_environment")
 
 
 def check(url: str, name: str = "") -> int:

@@ -160,3 +160,21 @@ def test_lines_wait_for_room_in_a_full_queue(redis_server, redis_client, batch_q
     assert (tally.done, tally.failed, tally.interrupted) == (n, 0, False)
     assert set(answers_by_id(output)) == {f"f{i}" for i in range(n)}
     assert redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"] - before == n
+
+
+def test_lines_holding_raw_line_separators_run_whole_and_a_rerun_reads_their_answers(redis_server, batch_queue, workers, tmp_path):
+    # JSON allows U+2028, U+2029 and U+0085 raw in a string; the echo worker puts them in the answers too.
+    prompts = {f"sep{i}": f"a{sep}b" for i, sep in enumerate(["\u2028", "\u2029", "\x85"])}
+    text = "".join(json.dumps(request_line(cid, p, 16), ensure_ascii=False) + "\n" for cid, p in prompts.items()) + "not json\n"
+    input_path = tmp_path / "separators.jsonl"
+    input_path.write_text(text, encoding="utf-8")
+    output = tmp_path / "out.jsonl"
+    code, err = finish(mili_batch(redis_server.url, batch_queue, str(input_path), "-o", str(output)))
+    assert code == 0, err
+    answered = {a.custom_id: a for a in read_answers(output)}
+    assert {cid: a.response.body["choices"][0]["text"] for cid, a in answered.items()} == prompts
+    (bad,) = read_answers(tmp_path / "out.errors.jsonl")
+    assert bad.error.line == 4
+    code, err = finish(mili_batch(redis_server.url, batch_queue, str(input_path), "-o", str(output)))
+    assert code == 0, err
+    assert len(read_answers(output)) == 3 and len(read_answers(tmp_path / "out.errors.jsonl")) == 1

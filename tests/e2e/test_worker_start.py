@@ -11,8 +11,9 @@ import time
 import pytest
 
 from producer_client import Client
+from producer_client.keys import Keys
 from tests.support.polling import eventually
-from tests.support.processes import REPO
+from tests.support.processes import REPO, ChildProcess
 from tests.support.redis_servers import RestartableRedis
 from tests.support.workers import WorkerProcess
 from worker.embedded_redis import EmbeddedRedis, free_port
@@ -20,10 +21,12 @@ from worker.embedded_redis import EmbeddedRedis, free_port
 SECRET = "s3cret-Pa55"
 
 
-def worker_command(url: str, *flags: str, model: str = "echo") -> list[str]:
+def worker_command(
+    url: str, *flags: str, model: str = "echo", metrics_host: tuple[str, ...] = ("--metrics-host", "127.0.0.1"),
+) -> list[str]:
     return [
         sys.executable, "-m", "worker", "serve", "--model", model, "--redis", url, "--queue", "start",
-        "--name", "start-w", "--metrics-host", "127.0.0.1", "--heartbeat-interval-s", "0.1", *flags,
+        "--name", "start-w", *metrics_host, "--heartbeat-interval-s", "0.1", *flags,
     ]
 
 
@@ -62,7 +65,7 @@ def test_wrong_credentials_stop_the_worker_at_once_with_one_line_and_no_password
         url = server.url.replace("redis://", f"redis://default:{SECRET}x@")
         done = run_to_exit(worker_command(url, "--metrics-port", "0"))
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith("error: redis_refused: Redis at redis://default:***@")
+    assert done.stderr.strip().splitlines()[-1].startswith("error: redis_refused: Redis at redis://***@")
     assert "Traceback" not in done.stderr and SECRET not in done.stderr + done.stdout
 
 
@@ -90,3 +93,43 @@ def test_no_password_reaches_the_output_of_a_failing_command(command):
     )
     assert done.returncode == 1, done.stderr
     assert SECRET not in done.stderr + done.stdout
+
+
+def interface_address() -> str | None:
+    """An address of this host that is not loopback (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.123", 9))
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("host_flag, reachable_from_outside", [((), False), (("--metrics-host", "0.0.0.0"), True)],
+                         ids=["default", "every-interface"])
+def test_a_workers_metrics_listen_where_its_settings_say(host_flag, reachable_from_outside, tmp_path):
+    outside = interface_address()
+    if outside is None:
+        pytest.skip("this host has no address but loopback")
+    with EmbeddedRedis(port=free_port()) as server:
+        # Not a WorkerProcess, which names a metrics host: the default case must name none.
+        worker = ChildProcess(worker_command(server.url, "--metrics-port", "0", metrics_host=host_flag), tmp_path / "w.log")
+        worker.start()
+        try:
+            admin = Client(server.url, "start").redis
+            heartbeat = Keys().worker("start-w")
+            assert eventually(lambda: admin.hget(heartbeat, "metrics_port"), timeout=60)
+            port = int(admin.hget(heartbeat, "metrics_port"))
+            assert answers("127.0.0.1", port)
+            assert answers(outside, port) is reachable_from_outside
+        finally:
+            worker.stop()

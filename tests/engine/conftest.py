@@ -1,7 +1,9 @@
-"""A small random Qwen3 checkpoint (with Qwen3's tokenizer) and engines over it.
+"""Small random Qwen3 and Qwen3-MoE checkpoints (with Qwen3's tokenizer) and engines over them.
 
 Weights are drawn with std 0.3 and an untied head so greedy outputs vary from token to token
-(the default 0.02 makes a random model repeat its last token, which would prove little).
+(the default 0.02 makes a random model repeat its last token, which would prove little). The
+MoE checkpoint routes each token to 3 of 6 experts (not renormalized) in its first and last
+layers, and keeps a dense MLP in the middle one (mlp_only_layers).
 """
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 from tests.engine.support import VOCAB
 from worker.engine import Engine, EngineSettings
 from worker.model.loader import load_model
-from worker.model.presets import qwen3_config, write_random_checkpoint
+from worker.model.presets import qwen3_config, qwen3_moe_config, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 from worker.model.tokenizer import Tokenizer
 
@@ -30,12 +32,29 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def moe_checkpoint(tmp_path_factory) -> Path:
+    config = qwen3_moe_config(
+        vocab_size=VOCAB, max_position_embeddings=512, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1],
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+        initializer_range=0.3, bos_token_id=None, eos_token_id=None,
+    )
+    ckpt = write_random_checkpoint(tmp_path_factory.mktemp("moe_engine_ckpt"), config, seed=5, norm_std=0.1)
+    write_qwen3_tokenizer_files(ckpt)
+    return ckpt
+
+
+@pytest.fixture(scope="session")
 def loaded(checkpoint):
     return load_model(checkpoint, dtype=torch.float32), Tokenizer.from_dir(checkpoint)
 
 
 @pytest.fixture(scope="session")
-def make_engine(loaded):
+def moe_loaded(moe_checkpoint):
+    return load_model(moe_checkpoint, dtype=torch.float32), Tokenizer.from_dir(moe_checkpoint)
+
+
+def engine_maker(loaded):
     """Engines share the (stateless) model and tokenizer; each gets its own KV pool."""
     (model, config, _), tokenizer = loaded
 
@@ -45,6 +64,16 @@ def make_engine(loaded):
                       torch.device("cpu"))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def make_engine(loaded):
+    return engine_maker(loaded)
+
+
+@pytest.fixture(scope="session")
+def make_moe_engine(moe_loaded):
+    return engine_maker(moe_loaded)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Decode CUDA graphs: the batch-size ladder, padding to it, the padded static inputs, and the
-padded forward against an unpadded eager one. Capture itself needs CUDA; on CPU the graph
-runner runs each padded size eagerly, which is exactly what a graph would replay."""
+padded forward against an unpadded eager one, for a dense Qwen3 and a Qwen3-MoE (whose padding
+rows are routed to experts too, sharing blocks with real rows). Capture itself needs CUDA; on
+CPU the graph runner runs each padded size eagerly, which is exactly what a graph would replay."""
 from unittest import mock
 
 import pytest
@@ -14,9 +15,15 @@ from worker.engine.kv_pool import pages_for
 from worker.model.batch import StepInputs
 from worker.model.batch import AttentionMetadata
 from worker.model.loader import load_model
+from worker.model.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a CUDA device")
+DENSE_AND_MOE = pytest.mark.parametrize("kind", ["dense", "moe"])
+
+
+def engine_maker(request, kind: str):
+    return request.getfixturevalue("make_engine" if kind == "dense" else "make_moe_engine")
 
 
 @pytest.mark.parametrize(("max_batch", "sizes"), [
@@ -112,8 +119,9 @@ def graph_runner(engine, kv_caches, max_batch: int) -> DecodeGraphRunner:
 
 
 @pytest.mark.parametrize("batch", [3, 5, 7])
-def test_a_padded_decode_step_matches_the_unpadded_eager_one_and_padding_writes_nothing(make_engine, batch):
-    engine = make_engine()
+@DENSE_AND_MOE
+def test_a_padded_decode_step_matches_the_unpadded_eager_one_and_padding_writes_nothing(request, kind, batch):
+    engine = engine_maker(request, kind)()
     inputs = start_decoding(engine, random_prompts(batch, 3, 30, seed=batch))
     model, caches = engine.runner.model, engine.runner.kv_caches
     before = [(k.clone(), v.clone()) for k, v in caches]
@@ -152,7 +160,9 @@ def test_steps_that_are_not_plain_decodes_run_eagerly(make_engine):
     assert not graph_runner(engine, engine.runner.kv_caches, max_batch=4).fits(extend)
 
 
-def test_an_engine_replaying_padded_decodes_generates_what_the_eager_engine_does(make_engine):
+@DENSE_AND_MOE
+def test_an_engine_replaying_padded_decodes_generates_what_the_eager_engine_does(request, kind):
+    make_engine = engine_maker(request, kind)
     prompts = random_prompts(11, 1, 40, seed=5)
     params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i) for i in range(11)]  # batches shrink 11 -> 1
     expected = token_ids(make_engine().generate(prompts, params))
@@ -166,8 +176,10 @@ def test_an_engine_replaying_padded_decodes_generates_what_the_eager_engine_does
 
 
 @needs_cuda
-def test_on_cuda_captured_graphs_and_overlap_generate_what_eager_synchronous_steps_do(checkpoint, loaded):
-    _, tokenizer = loaded
+@DENSE_AND_MOE
+def test_on_cuda_captured_graphs_and_overlap_generate_what_eager_synchronous_steps_do(request, kind):
+    checkpoint = request.getfixturevalue("checkpoint" if kind == "dense" else "moe_checkpoint")
+    tokenizer = Tokenizer.from_dir(checkpoint)
     model, config, _ = load_model(checkpoint, dtype=torch.float32, device="cuda")
     cuda = torch.device("cuda")
 

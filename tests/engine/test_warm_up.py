@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass
 
 import pytest
+import torch
 from triton.backends.compiler import BaseBackend
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -13,6 +14,8 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from producer_client.schema import SamplingParams
 from tests.engine.test_engine import random_prompts, token_ids
+from worker.engine import Engine, EngineSettings
+from worker.model.loader import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
@@ -32,7 +35,8 @@ def test_an_engine_with_tiny_pages_warms_up_and_generates_what_page_size_16_does
 # By import_module: kernels/__init__ rebinds `kernels.rms_norm` to the function of that name.
 KERNEL_MODULES = tuple(
     importlib.import_module(f"kernels.{name}")
-    for name in ("activation", "decode_attention", "extend_attention", "kv_store", "rms_norm", "rope")
+    for name in ("activation", "decode_attention", "extend_attention", "fused_moe", "kv_store", "moe_align",
+                 "rms_norm", "rope")
 )
 decode_attention = importlib.import_module("kernels.decode_attention")
 
@@ -86,6 +90,20 @@ def varied_num_splits():
     return lambda batch, kv_heads, max_context, device: next(counts)
 
 
+def serve_a_varied_batch(engine) -> None:
+    """Page tables 1 page wide, of a multiple of 16 pages and of neither (at page size 4), a
+    prefix-cache hit, chunked prefills beside decodes, greedy and seeded top-p rows."""
+    engine.generate([[1], [2, 3]], SamplingParams(temperature=0, max_tokens=2))  # page tables 1 page wide
+    shared = random_prompts(1, 20, 20, seed=22)[0]
+    prompts = random_prompts(1, 62, 62, seed=23) + random_prompts(1, 33, 33, seed=24)
+    prompts += [shared + [1], shared + [2, 3]]  # a prefix-cache hit
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (6, 3, 2, 2)]
+    params[1] = SamplingParams(temperature=0.9, top_p=0.8, seed=1, max_tokens=3)
+    engine.generate(prompts, params)  # chunked prefills beside decodes, page tables up to 18 pages
+
+
+# tests/conftest.py imports the kernels in interpreter mode only where there is no GPU.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, the test below counts the compiles themselves")
 @pytest.mark.slow
 def test_warm_up_compiles_every_kernel_variant_a_varied_batch_launches(make_engine, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors take the Triton path, interpreted
@@ -95,13 +113,7 @@ def test_warm_up_compiles_every_kernel_variant_a_varied_batch_launches(make_engi
     with recorded_launches(monkeypatch) as warm_up:
         engine.warm_up()
     with recorded_launches(monkeypatch) as serving:
-        engine.generate([[1], [2, 3]], SamplingParams(temperature=0, max_tokens=2))  # page tables 1 page wide
-        shared = random_prompts(1, 20, 20, seed=22)[0]
-        prompts = random_prompts(1, 62, 62, seed=23) + random_prompts(1, 33, 33, seed=24)
-        prompts += [shared + [1], shared + [2, 3]]  # a prefix-cache hit
-        params = [SamplingParams(temperature=0, max_tokens=n) for n in (6, 3, 2, 2)]
-        params[1] = SamplingParams(temperature=0.9, top_p=0.8, seed=1, max_tokens=3)
-        engine.generate(prompts, params)  # chunked prefills beside decodes, page tables up to 18 pages
+        serve_a_varied_batch(engine)
 
     assert {name for name, _, _ in serving.keys} == {
         "_rms_norm_kernel", "_head_norm_rope_kernel", "_silu_and_mul_kernel", "_store_kv_kernel",
@@ -112,3 +124,52 @@ def test_warm_up_compiles_every_kernel_variant_a_varied_batch_launches(make_engi
         assert 1 in widths and any(w % 16 == 0 for w in widths) and any(w > 1 and w % 16 for w in widths), widths
     assert {1, 7, 16} <= serving.values[("_decode_merge_kernel", "num_splits")]
     assert serving.keys <= warm_up.keys, sorted(serving.keys - warm_up.keys)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts the compiles of kernels built for a CUDA device")
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
+def test_on_cuda_no_triton_kernel_compiles_after_warm_up(checkpoint, loaded, monkeypatch, cuda_graphs):
+    """What the interpreter test above infers from specialization keys, counted on the GPU: Triton
+    calls knobs.runtime.jit_cache_hook before it compiles (or loads from its disk cache) a variant
+    that is not in memory yet. Eager decodes launch every decode kernel themselves; with graphs
+    only prefills do, as in serving. The split count follows the batch and the contexts there."""
+    from triton import knobs
+
+    _, tokenizer = loaded
+    model, config, _ = load_model(checkpoint, dtype=torch.bfloat16, device="cuda")
+    settings = EngineSettings.parse(page_size=4, num_pages=256, max_num_batched_tokens=48, max_running=8,
+                                    cuda_graphs=cuda_graphs)
+    engine = Engine(model, config, tokenizer, settings, [], torch.device("cuda"))
+    engine.warm_up()
+    compiled = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kwargs: compiled.append(kwargs["repr"]))
+    serve_a_varied_batch(engine)
+    assert compiled == []
+
+
+def test_moe_warm_up_compiles_every_kernel_variant_steps_of_any_size_launch(moe_checkpoint, monkeypatch):
+    # 6 experts, 3 per token: steps of more than 64 tokens take 32-pair blocks, of more than 256, 64.
+    if torch.cuda.is_available():
+        device = "cuda"
+    else:
+        device = "cpu"
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors take the Triton path, interpreted
+    model, config, _ = load_model(moe_checkpoint, dtype=torch.float32, device=device)
+    with recorded_launches(monkeypatch) as warm_up:
+        model.warm_up_experts(300)
+    with recorded_launches(monkeypatch) as serving, torch.inference_mode():
+        g = torch.Generator().manual_seed(0)
+        for layer, tokens in zip(itertools.cycle([0, 2]), (1, 2, 3, 17, 64, 65, 100, 256, 257, 300)):
+            model.model.layers[layer].mlp(torch.randn(tokens, config.hidden_size, generator=g).to(device))
+
+    assert {name for name, _, _ in serving.keys} == {"_align_kernel", "_gate_up_kernel", "_down_kernel"}
+    assert serving.values[("_gate_up_kernel", "BLOCK_M")] == {16, 32, 64}
+    assert serving.keys <= warm_up.keys, sorted(serving.keys - warm_up.keys)
+
+
+def test_engine_warm_up_runs_the_moe_experts_up_to_the_step_budget(make_moe_engine, monkeypatch):
+    engine = make_moe_engine(max_num_batched_tokens=300, max_running=4)
+    budgets = []
+    monkeypatch.setattr(engine.runner.model, "warm_up_experts", budgets.append)
+    engine.warm_up()
+    assert budgets == [300]

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from gateway.batch_lines import LineError, LineJobs, answer, check_lines, line_request, parse_line, request_id
+from gateway.batch_store import text_pieces
 from gateway.errors import APIError
 from producer_client import JobResult
 from producer_client.keys import NAME_PATTERN
@@ -87,3 +88,24 @@ def test_answers_are_the_http_apis_own():
         failed = answer(single.request, "rid", [result("rid-0", status=status, code=code, finish_reason=finish)])
         assert not failed.ok and failed.response.status_code == expected
         assert failed.response.body["error"]["message"]
+
+
+# JSON allows these raw inside a string; str.splitlines takes each for a line's end.
+LINE_BOUNDARIES_JSON_ALLOWS = ["\u2028", "\u2029", "\x85"]
+
+
+def test_batch_lines_split_on_newlines_only_and_keep_their_numbers():
+    prompts = [f"a{sep}b" for sep in LINE_BOUNDARIES_JSON_ALLOWS]
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "m", "prompt": p}}, ensure_ascii=False) for i, p in enumerate(prompts)]
+    text = "\r\n".join(lines) + "\r\n" + "not json\n"  # a CRLF file, and a bad line after them
+    valid, errors = check_lines(text, "/v1/completions", max_lines=10)
+    assert [parse_line(line, 1).body["prompt"] for line in valid[:3]] == prompts
+    assert [(e.line, e.code) for e in errors] == [(4, "invalid_json")]
+    assert "".join(text_pieces(text)) == text  # stored as uploaded
+
+
+def test_a_line_with_a_control_character_json_forbids_raw_is_one_bad_line_with_its_number():
+    text = '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n{"custom_id": "b\x0cc"}\nok\n'
+    _, errors = check_lines(text, "/v1/completions", max_lines=10)
+    assert [(e.line, e.code) for e in errors] == [(2, "invalid_json"), (3, "invalid_json")]

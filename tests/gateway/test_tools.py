@@ -6,7 +6,6 @@ random weights never would (a think block, a tool call), keyed on text of the re
 so everything between its output and the client (the worker's parse, the events, the client's
 stream parser, the gateway's rendering, the SDK) is the real thing."""
 import json
-import os
 import subprocess
 import sys
 import uuid
@@ -53,7 +52,7 @@ def agent(redis_server, tmp_path_factory):
     script.write_text(json.dumps(SCRIPT))
     queue = f"gw-agent-{uuid.uuid4().hex[:8]}"
     worker = WorkerProcess(
-        redis_server.url, queue, f"{queue}-1", log_dir, model="echo", env={**os.environ, "MILI_ECHO_SCRIPT": str(script)},
+        redis_server.url, queue, f"{queue}-1", log_dir, model="echo", env={"MILI_ECHO_SCRIPT": str(script)},
     )
     gateway = GatewayProcess(redis_server.url, log_dir, "--models", json.dumps({"agent": queue}), "--workers-refresh-s", "0.2")
     try:

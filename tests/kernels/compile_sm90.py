@@ -19,9 +19,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 # Modules by import_module: kernels/__init__ rebinds some module names to their dispatch functions.
-activation, decode_attention, extend_attention, kv_store, rms_norm, rope = (
+activation, decode_attention, extend_attention, fused_moe, kv_store, moe_align, rms_norm, rope = (
     importlib.import_module(f"kernels.{name}")
-    for name in ("activation", "decode_attention", "extend_attention", "kv_store", "rms_norm", "rope"))
+    for name in ("activation", "decode_attention", "extend_attention", "fused_moe", "kv_store", "moe_align",
+                 "rms_norm", "rope"))
 H100 = GPUTarget("cuda", 90, 32)
 H100_SHARED_BYTES = 227 * 1024
 _TENSOR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
@@ -88,9 +89,9 @@ def compile_launch(kernel, args, kwargs, dtype: torch.dtype) -> dict:
 
 def production_launches() -> list:
     """(kernel, args, kwargs, model dtype) of each launch the launchers make at Qwen3-8B-like
-    shapes (128-dim heads, 32 q / 8 kv heads)."""
+    shapes (128-dim heads, 32 q / 8 kv heads), and the fused MoE's at Qwen3-30B-A3B's."""
     launches: list = []
-    modules = (rms_norm, rope, activation, kv_store, decode_attention, extend_attention)
+    modules = (rms_norm, rope, activation, kv_store, decode_attention, extend_attention, moe_align, fused_moe)
     for module in modules:
         for name, value in vars(module).items():
             if isinstance(value, triton.runtime.jit.JITFunction) and name.startswith("_") and name.endswith("_kernel"):
@@ -123,6 +124,19 @@ def _record_all(dtype: torch.dtype) -> None:
     extend_attention.paged_extend_attention_triton(
         q.contiguous(), cache, cache.clone(), page_table, torch.tensor([0, 3, 8], dtype=torch.int32),
         torch.tensor([5, 40], dtype=torch.int32), d ** -0.5, 5)
+    _record_fused_moe(dtype)
+
+
+def _record_fused_moe(dtype: torch.dtype) -> None:
+    """Qwen3-30B-A3B's experts (128 of hidden 2048 and intermediate 768, 8 per token) at a decode
+    batch, a mid-size step and a prefill step: the three block sizes the launcher picks. The
+    weights are allocated, never touched (only their strides reach the compiler)."""
+    experts, hidden, inter, top_k = 128, 2048, 768, 8
+    w13, w2 = torch.empty(experts, 2 * inter, hidden, dtype=dtype), torch.empty(experts, hidden, inter, dtype=dtype)
+    for tokens in (64, 1024, 8192):
+        ids = torch.randint(0, experts, (tokens, top_k))
+        weights = torch.full((tokens, top_k), 1 / top_k, dtype=dtype)
+        fused_moe.fused_moe_triton(torch.zeros(tokens, hidden, dtype=dtype), w13, w2, weights, ids)
 
 
 def main() -> int:

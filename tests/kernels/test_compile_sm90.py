@@ -18,7 +18,8 @@ from tests.kernels.compile_sm90 import H100_SHARED_BYTES
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {
     "_rms_norm_kernel", "_head_norm_rope_kernel", "_silu_and_mul_kernel", "_store_kv_kernel",
-    "_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel",
+    "_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel", "_align_kernel", "_gate_up_kernel",
+    "_down_kernel",
 }
 
 

@@ -209,7 +209,7 @@ def test_shape_mismatch(tmp_path):
 def test_unsupported_model_type(tmp_path):
     ckpt = write_checkpoint(tmp_path)
     edit_json(ckpt / "config.json", model_type="llama")
-    message = r"config\.json: model_type 'llama' is not supported \(only 'qwen3'\)"
+    message = r"config\.json: model_type 'llama' is not supported \(only 'qwen3' or 'qwen3_moe'\)"
     with pytest.raises(UnsupportedModel, match=message) as e:
         load_model(ckpt)
     assert e.value.code == "unsupported_model"
@@ -230,6 +230,7 @@ def test_rope_scaling_is_unsupported(tmp_path):
     ({"use_sliding_window": True}, "use_sliding_window True"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters.rope_type 'yarn'"),
+    ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config \{'quant_method': 'fp8'\}"),
 ])
 def test_features_qwen3_does_not_use_are_unsupported(tmp_path, changes, message):
     ckpt = write_checkpoint(tmp_path)

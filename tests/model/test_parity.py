@@ -1,36 +1,48 @@
-"""Our Qwen3ForCausalLM against transformers' on the same random checkpoints, in fp32.
+"""Our Qwen3ForCausalLM against transformers' Qwen3ForCausalLM and Qwen3MoeForCausalLM on the
+same random checkpoints, in fp32.
 
 Logit error is measured relative to the logits' scale: max|ours - ref| / max|ref|, for the
 whole batch and for every position on its own (a single wrong position cannot hide in the max).
 """
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from tests.model.paged import PagedModelRunner
 from worker.model.loader import load_model
-from worker.model.presets import qwen3_config, write_random_checkpoint
+from worker.model.presets import qwen3_config, qwen3_moe_config, write_random_checkpoint
 
 REL_TOL = 1e-4
 VOCAB = 2048
 
-# GQA ratios 1, 2 and 4; tied and untied embeddings; head_dim 64 and 128.
+# GQA ratios 1, 2 and 4; tied and untied embeddings; head_dim 64 and 128. The MoE configs:
+# tiny-moe's routing (8 experts, 2 per token, renormalized) in every layer; and 6 experts, 3
+# per token, not renormalized, with a dense layer between sparse ones (mlp_only_layers).
 CONFIGS = {
-    "gqa1-hd64-tied": dict(
+    "gqa1-hd64-tied": qwen3_config(
         hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, head_dim=64, tie_word_embeddings=True, rope_theta=10000.0,
     ),
-    "gqa2-hd128-untied": dict(
+    "gqa2-hd128-untied": qwen3_config(
         hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=128, tie_word_embeddings=False,
     ),
-    "gqa4-hd64-untied": dict(
+    "gqa4-hd64-untied": qwen3_config(
         hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
         num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
     ),
-    "gqa4-hd128-tied": dict(
+    "gqa4-hd128-tied": qwen3_config(
         hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
         num_key_value_heads=2, head_dim=128, tie_word_embeddings=True, rms_norm_eps=1e-5,
+    ),
+    "moe-e8-k2-renorm": qwen3_moe_config(
+        hidden_size=64, intermediate_size=192, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+    ),
+    "moe-e6-k3-dense-layer": qwen3_moe_config(
+        hidden_size=96, intermediate_size=160, moe_intermediate_size=40, num_experts=6, num_experts_per_tok=3,
+        norm_topk_prob=False, mlp_only_layers=[1], num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
     ),
 }
 
@@ -53,13 +65,13 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
 def models(request, tmp_path_factory):
     # Weights 15x transformers' init scale: at 0.02 a random model repeats one token, so greedy
     # parity would not exercise decode attention; at 0.3 every continuation wanders.
-    config = qwen3_config(
-        vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.3, bos_token_id=None,
-        eos_token_id=None, **CONFIGS[request.param],
-    )
+    config = {
+        **CONFIGS[request.param], "vocab_size": VOCAB, "max_position_embeddings": 256, "initializer_range": 0.3,
+        "bos_token_id": None, "eos_token_id": None,
+    }
     ckpt = write_random_checkpoint(tmp_path_factory.mktemp(request.param), config, seed=7, norm_std=0.1)
     ours = load_model(ckpt, dtype=torch.float32).model
-    ref = HFQwen3ForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     return ours, ref
 
 
@@ -70,7 +82,7 @@ def prompts() -> list[list[int]]:
 
 
 @torch.inference_mode()
-def reference_logits(ref: HFQwen3ForCausalLM, prompt: list[int]) -> torch.Tensor:
+def reference_logits(ref, prompt: list[int]) -> torch.Tensor:
     return ref(torch.tensor([prompt])).logits[0].float()
 
 

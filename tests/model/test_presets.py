@@ -3,13 +3,14 @@ import threading
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM, Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
 
 from tests.model.paged import PagedModelRunner
 from worker.model import presets
-from worker.model.config import CheckpointError, Qwen3Config
+from worker.model.config import CheckpointError, Qwen3Config, Qwen3MoeConfig, parse_config
 from worker.model.loader import load_model
-from worker.model.presets import PRESETS, checkpoint_shapes, resolve_model_path
+from worker.model.presets import PRESETS, checkpoint_shapes, random_model, resolve_model_path
+from worker.model.qwen3 import Qwen3ForCausalLM
 from worker.model.tokenizer import Tokenizer
 
 
@@ -87,6 +88,52 @@ def test_tiny_logits_are_non_degenerate_and_match_transformers(tiny):
     assert len(set(logits.argmax(-1).tolist())) > len(prompt) // 2
 
 
+def test_tiny_moe_is_tiny_with_a_mixture_of_experts_and_matches_transformers(cache_dir):
+    path = resolve_model_path("tiny-moe")
+    model, config, generation = load_model(path)
+    assert isinstance(config, Qwen3MoeConfig) and generation.eos_token_ids == [151645, 151643]
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, config.norm_topk_prob) == (
+        8, 2, 96, True,
+    )
+    assert all(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    assert Tokenizer.from_dir(path).encode("<|im_start|>")[0] == 151644
+    prompt = [9707, 11, 1879, 0, 151644, 872, 198, 3838, 374, 279, 6722, 30]
+    runner = PagedModelRunner(model)
+    logits = runner.extend({runner.add_sequence(): prompt})[0]
+    with torch.inference_mode():
+        expected = HFQwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor([prompt])).logits[0]
+    assert ((logits - expected).abs().max() / expected.abs().max()).item() <= 1e-4
+    assert len(set(logits.argmax(-1).tolist())) > len(prompt) // 2
+
+
+def test_tiny_moe_decode_steps_give_transformers_logits(cache_dir):
+    # At transformers' init scale greedy decoding repeats one token, so the steps' logits are
+    # compared too: each against transformers' forward over the whole sequence so far.
+    path = resolve_model_path("tiny-moe")
+    runner = PagedModelRunner(load_model(path).model)
+    seq = runner.add_sequence()
+    tokens = [9707, 11, 1879, 0, 151644, 872, 198]
+    steps = [runner.extend({seq: tokens})[0][-1]]
+    for _ in range(6):
+        tokens.append(steps[-1].argmax().item())
+        steps.append(runner.decode({seq: tokens[-1]})[0])
+    with torch.inference_mode():
+        expected = HFQwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor([tokens])).logits[0]
+    got, want = torch.stack(steps), expected[-len(steps) :]
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4
+
+
+def test_random_model_has_the_presets_shapes_with_drawn_weights():
+    config = PRESETS["tiny-moe"].config
+    model = random_model(config, torch.float32, "cpu")
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    with torch.device("meta"):
+        assert shapes == {name: p.shape for name, p in Qwen3ForCausalLM(parse_config(config)).named_parameters()}
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    assert abs(experts.std().item() - config["initializer_range"]) < 1e-3
+    assert torch.equal(model.model.norm.weight, torch.ones(128))
+
+
 def test_abandoned_temp_dirs_are_removed_when_the_preset_is_written(tmp_path, monkeypatch):
     monkeypatch.setenv("MILI_CACHE_DIR", str(tmp_path))
     micro = presets.Preset(presets.qwen3_config(
@@ -105,17 +152,20 @@ def test_abandoned_temp_dirs_are_removed_when_the_preset_is_written(tmp_path, mo
 
 def test_a_directory_resolves_to_itself_and_anything_else_is_an_error(tmp_path):
     assert resolve_model_path(str(tmp_path)) == tmp_path
-    message = r"tiyn: no such checkpoint directory, nor a preset \(tiny, small, qwen3-0.6b\)"
+    message = r"tiyn: no such checkpoint directory, nor a preset \(tiny, tiny-moe, small, qwen3-0.6b\)"
     with pytest.raises(CheckpointError, match=message):
         resolve_model_path("tiyn")
 
 
 def test_preset_sizes():
-    def params(name):
-        shapes = checkpoint_shapes(Qwen3Config.model_validate(PRESETS[name].config))
-        return sum(shape.numel() for shape in shapes.values())
+    def params(name, experts_only=False):
+        shapes = checkpoint_shapes(parse_config(PRESETS[name].config))
+        return sum(shape.numel() for name, shape in shapes.items() if not experts_only or ".experts." in name)
 
     assert params("tiny") == 20_432_512
+    # tiny's attention; 8 experts of 3 x 128 x 96 and a router of 8 x 128 in place of each 128 -> 384 MLP.
+    assert params("tiny-moe") == params("tiny") + 4 * (8 * 3 * 128 * 96 + 8 * 128 - 3 * 128 * 384) == 21_026_432
+    assert params("tiny-moe", experts_only=True) == 4 * 8 * 3 * 128 * 96
     assert 95e6 < params("small") < 110e6
     # Qwen3-0.6B's published count: 0.6B in all, 0.44B without the (tied) embedding.
     assert params("qwen3-0.6b") == 596_049_920

@@ -85,7 +85,7 @@ def test_invalid_client_settings_raise(client_kind):
 def test_same_request_id_twice_gives_one_job_and_one_stream_entry(client, redis_client, queue):
     request_id = f"order-{queue}"
     first = client.submit("hello", max_tokens=4, request_id=request_id)
-    second = client.submit("hello again", max_tokens=8, request_id=request_id)
+    second = client.submit("hello", max_tokens=4, request_id=request_id)  # another request: test_idempotency.py
     assert first == second == request_id
     entries = redis_client.xrange(Keys().queue(queue))
     assert len(entries) == 1

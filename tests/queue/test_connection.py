@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from urllib.parse import quote
 
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
@@ -71,6 +74,58 @@ def test_a_url_that_is_not_a_string_is_refused():
         parse_url(None)
 
 
+# Passwords as users type them: reserved characters, percent-escapes, colons. The prefix keeps a
+# short password from matching text that is not its own by chance ("6379", "redis").
+PASSWORD_CHARS = "abcXYZ0189/@#:%?&=+!$~'*;,[]"
+passwords = st.text(PASSWORD_CHARS, min_size=3, max_size=24).map(lambda rest: "Zq" + rest)
+URL_FORMS = [
+    "redis://user:{}@h:6379/0", "redis://:{}@h:6379/0", "redis://{}@h:6379/0", "rediss://mili-worker:{}@h/1",
+    "redis+cluster://user:{}@a:7000,b:7001", "rediss+cluster://:{}@a", "redis+sentinel://user:{}@s1:1,s2:2,s3:3/mymaster",
+    "rediss+sentinel://{}@s1,s2/m", "redis://h:6379/0?socket_timeout=5&password={}", "unix://user:{}@/tmp/r.sock?db=1",
+]
+
+
+def shown(url: str) -> str:
+    """Everything a program may say about `url`: its redacted form, and what parsing it says."""
+    try:
+        return f"{redact_url(url)} {parse_url(url)}"
+    except InvalidArgument as e:
+        return f"{redact_url(url)} {e.message}"
+
+
+@settings(max_examples=400, deadline=None)
+@given(password=passwords, form=st.sampled_from(URL_FORMS), encoded=st.booleans())
+def test_no_password_shows_whatever_its_characters_and_the_urls_form(password, form, encoded):
+    url = form.format(quote(password, safe="") if encoded else password)
+    text = shown(url)
+    assert password not in text and quote(password, safe="") not in text, (url, text)
+    assert "Zq" not in text, (url, text)  # no part of it either
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(min_size=1, max_size=40))
+def test_text_that_is_no_redis_url_shows_none_of_itself(text):
+    if "://" in text and text.partition("://")[0].lower() in ("redis", "rediss", "unix") or "+" in text:
+        return
+    assert text not in redact_url(text) or text in "<not a Redis URL>"
+    with pytest.raises(InvalidArgument) as e:
+        parse_url(text)
+    assert "<not a Redis URL>" in e.value.message
+
+
+def test_a_url_that_splits_elsewhere_than_meant_is_refused_without_any_of_its_credentials():
+    for url in ("redis://Ux7:1#2@h:6379/0", "redis://Ux7:a/b@h/0", "redis://Ux7:a?b@h/0", "redis+cluster://Ux7:s/cr@a,b"):
+        with pytest.raises(InvalidArgument) as e:
+            parse_url(url)
+        assert "percent-encode" in e.value.message and "://***@" in e.value.message and "Ux7" not in e.value.message
+
+
+def test_redis_py_options_show_and_the_rest_is_hidden():
+    assert redact_url("redis://mili-worker:pw@h:1/0?socket_timeout=5&password=x&ssl_cert_reqs=none") == (
+        "redis://***@h:1/0?socket_timeout=5&ssl_cert_reqs=none&***"
+    )
+
+
 def test_every_mode_redacts_the_password():
     for url in (f"redis://u:{SECRET}@h:1/0", f"redis+cluster://u:{SECRET}@a:1,b:2", f"rediss+sentinel://:{SECRET}@s:1/m"):
         assert SECRET not in redact_url(url) and "***" in redact_url(url)
@@ -90,7 +145,7 @@ def test_the_cli_says_a_bad_url_in_one_line_and_exits_1():
     )
     assert done.returncode == 1
     assert done.stderr.strip() == (
-        "error: invalid_argument: redis: redis+sentinel://u:***@s1:26379: name the master's service after the "
+        "error: invalid_argument: redis: redis+sentinel://***@s1:26379: name the master's service after the "
         "sentinels: redis+sentinel://host:26379/mymaster"
     )
 

@@ -269,7 +269,7 @@ def test_a_drain_hands_unfinished_jobs_over_and_they_resume_at_once(redis_server
     assert tokens_published(redis_client, job_id) == list(b"h" * 200)
 
 
-def test_an_entry_whose_job_key_is_unusable_is_dead_lettered_and_the_worker_serves_on(
+def test_an_entry_whose_job_key_is_unusable_fails_its_job_and_the_worker_serves_on(
     redis_server, redis_client, client, queue,
 ):
     job_id = uuid.uuid4().hex
@@ -277,11 +277,13 @@ def test_an_entry_whose_job_key_is_unusable_is_dead_lettered_and_the_worker_serv
     redis_client.xadd(KEYS.queue(queue), {"id": job_id, "v": PROTOCOL_VERSION, "body": '{"prompt": "x"}'})
     with serving(redis_server.url, queue) as worker:
         assert client.generate("next", max_tokens=8, timeout=10).text == "next"
-        assert eventually(lambda: redis_client.xlen(KEYS.dead(queue)) == 1)
+        with pytest.raises(JobFailed) as failed:
+            client.result(job_id, timeout=10)
+        assert eventually(lambda: redis_client.xlen(KEYS.queue(queue)) == 0)
         assert worker.thread.is_alive()
-    ((_, letter),) = redis_client.xrange(KEYS.dead(queue))
-    assert letter["id"] == job_id and "WRONGTYPE" in letter["reason"]
-    assert redis_client.xlen(KEYS.queue(queue)) == 0
+    assert failed.value.code == "invalid_job" and "WRONGTYPE" in failed.value.message
+    assert redis_client.xlen(KEYS.dead(queue)) == 0
+    assert_one_final_result(redis_client, job_id)
 
 
 def test_a_job_lost_and_taken_back_by_the_same_worker_runs_to_its_end(redis_server, redis_client, client, queue):

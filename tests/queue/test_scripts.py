@@ -7,11 +7,13 @@ import time
 import uuid
 
 import pytest
+import redis
 
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.schema import JobResult
 from producer_client.scripts import CANCEL, CREATE, ENQUEUE, PRODUCER_SCRIPTS, execute
-from worker.scripts import CLAIM, DEADLETTER, PUBLISH, RECLAIM, REFRESH, RELEASE, WORKER_SCRIPTS
+from worker.outbox import DeadLetter
+from worker.scripts import CLAIM, DEADLETTER, FAIL, PUBLISH, RECLAIM, REFRESH, RELEASE, WORKER_SCRIPTS
 
 KEYS = Keys()
 ALL = (*PRODUCER_SCRIPTS, *WORKER_SCRIPTS)
@@ -271,3 +273,51 @@ def test_a_dead_letter_moves_its_entry_once(redis_client, stream):
     assert run(redis_client, DEADLETTER, [stream, dead], *args) == 0
     assert [f for _, f in redis_client.xrange(dead)] == [{"id": "j0", "reason": "poison"}]
     assert redis_client.xlen(stream) == 0 and pending(redis_client, stream) == {}
+
+
+def test_a_dead_letter_of_an_entry_with_thousands_of_fields_keeps_the_protocols_own(redis_client, stream):
+    fields = {"id": "j0", "v": "1", "body": "{}", **{f"f{i}": "x" for i in range(5000)}}
+    entry_id = redis_client.xadd(stream, fields)
+    redis_client.xreadgroup(GROUP, "w1", {stream: ">"})
+    dead = KEYS.dead(stream.removeprefix("mili:q:{").removesuffix("}"))
+    letter = DeadLetter(entry_id, fields, "poison", 4)
+    assert run(redis_client, DEADLETTER, [stream, dead], *letter.script_args("w1", 1.0)) == 1
+    (moved,) = [f for _, f in redis_client.xrange(dead)]
+    assert {k: moved[k] for k in ("id", "v", "body", "entry", "reason", "deliveries")} == {
+        "id": "j0", "v": "1", "body": "{}", "entry": entry_id, "reason": "poison", "deliveries": "4",
+    }
+    assert not any(name.startswith("f") and name[1:].isdigit() for name in moved)
+
+
+@pytest.mark.parametrize("key, make", [
+    ("job", lambda r, key: r.xadd(key, {"a": "b"})),
+    ("events", lambda r, key: r.hset(key, "a", "b")),
+    ("done", lambda r, key: r.hset(key, "a", "b")),
+])
+def test_claim_and_publish_refuse_a_job_key_of_another_type_before_writing_anything(redis_client, job_id, key, make):
+    job_key = {"job": KEYS.job, "events": KEYS.events, "done": KEYS.done}[key](job_id)
+    make(redis_client, job_key)
+    if key != "job":
+        redis_client.hset(KEYS.job(job_id), mapping={"status": "running", "run": "r1"})
+    before = {k: redis_client.dump(k) for k in (KEYS.job(job_id), KEYS.events(job_id), KEYS.done(job_id))}
+    with pytest.raises(redis.ResponseError, match=f"WRONGTYPE {re.escape(job_key)} is a"):
+        on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1")
+    final_step = ("r1", "{}", tokens(1), 0, 1, *final(job_id, "done", "a"), 60)
+    steps = [final_step] if key == "done" else [final_step, ("r1", "{}", tokens(1), 0, 1, "", "", 60)]
+    for args in steps:  # the last step, and (but for the done stream, which only it writes) one before
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            on_job(redis_client, PUBLISH, job_id, *args)
+    assert {k: redis_client.dump(k) for k in before} == before  # nothing written
+
+
+def test_fail_replaces_keys_of_another_type_and_writes_the_failure_once(redis_client, job_id):
+    redis_client.xadd(KEYS.job(job_id), {"a": "b"})
+    redis_client.hset(KEYS.events(job_id), "a", "b")
+    result = JobResult(id=job_id, status="failed", text="ab", token_ids=[1, 2])
+    assert on_job(redis_client, FAIL, job_id, result.model_dump_json(), 2, 60) == "failed"
+    assert redis_client.hgetall(KEYS.job(job_id)) == {"status": "failed", "result": result.model_dump_json(), "tokens": "2"}
+    assert events(redis_client, job_id) == [("end", json.loads(result.model_dump_json()))]
+    assert done_entries(redis_client, job_id) == [result]
+    assert 0 < redis_client.ttl(KEYS.done(job_id)) <= 60
+    assert on_job(redis_client, FAIL, job_id, result.model_dump_json(), 2, 60) == "ended"  # once
+    assert done_entries(redis_client, job_id) == [result]

@@ -2,7 +2,9 @@
 127.0.0.1, ready once it answers /metrics."""
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -12,15 +14,19 @@ from worker.embedded_redis import free_port
 
 
 class GatewayProcess(ChildProcess):
+    """`env`: variables set over the caller's environment."""
+
     stop_timeout_s = 15.0  # uvicorn's graceful shutdown closes the open streams first
 
-    def __init__(self, redis_url: str, log_dir: Path, *flags: str, name: str = "gateway"):
+    def __init__(
+        self, redis_url: str, log_dir: Path, *flags: str, name: str = "gateway", env: Mapping[str, str] | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [
             sys.executable, "-m", "gateway", "--redis", redis_url, "--host", "127.0.0.1", "--port", str(self.port), *flags,
         ]
-        super().__init__(command, log_dir / f"{name}.log")
+        super().__init__(command, log_dir / f"{name}.log", {**os.environ, **(env or {})})
 
     def start(self) -> GatewayProcess:
         """Started and answering: a gateway starts in about a second."""
@@ -29,6 +35,7 @@ class GatewayProcess(ChildProcess):
 
     def ready(self) -> bool:
         try:
-            return httpx.get(f"{self.url}/metrics", timeout=1).status_code == 200
+            httpx.get(f"{self.url}/metrics", timeout=1)  # answered, 200 or 401 (monitoring_needs_key)
+            return True
         except httpx.TransportError:
             return False

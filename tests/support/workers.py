@@ -20,8 +20,8 @@ FAST_RECLAIM = ("--claim-idle-ms", "1000", "--reclaim-interval-s", "0.2")
 class WorkerProcess(ChildProcess):
     """A worker with a test's timings (heartbeats every 0.1 s, a Redis read blocks 100 ms at most)
     and a small KV cache; `flags` come last, so they override these. With no `name`, the worker
-    names itself <hostname>-<pid>, as in a container. `env`: the environment it runs in (the
-    caller's when None)."""
+    names itself <hostname>-<pid>, as in a container. `env`: variables set over the caller's
+    environment."""
 
     start_timeout_s = 300.0  # a model's load, on a loaded machine
 
@@ -39,7 +39,7 @@ class WorkerProcess(ChildProcess):
         ]
         # One torch thread each: workers share this machine's cores with each other and with the
         # tests, and oversubscribed threads make every step several times slower.
-        env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         super().__init__(command, log_dir / f"{name or 'worker'}.log", env)
         self.redis = connect(redis_url, decode_responses=True)
 

@@ -94,7 +94,7 @@ class Engine(OfflineGeneration):
         cls, model: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
         **settings,
     ) -> Engine:
-        """A preset name ('tiny', 'small', 'qwen3-0.6b') or a checkpoint directory; settings as in EngineSettings."""
+        """A preset name ('tiny', 'tiny-moe', 'small', 'qwen3-0.6b') or a checkpoint directory; settings as in EngineSettings."""
         engine_settings = EngineSettings.parse(**settings)
         path = resolve_model_path(model)
         loaded = load_model(path, dtype, device)
@@ -110,7 +110,9 @@ class Engine(OfflineGeneration):
 
         One prefill and one decode reach every Triton variant serving can launch, because the
         kernels do not specialize on what changes from step to step (tests/engine/test_warm_up.py
-        checks it against a varied batch). The detokenizer's table is built here too."""
+        checks it against a varied batch); a mixture of experts, whose kernels take larger tiles
+        for larger steps, also runs its experts once per tile shape. The detokenizer's table is
+        built here too."""
         start = time.perf_counter()
         self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
         req = Request("warm-up", [0, 1], SamplingParams(temperature=0, max_tokens=2), 0, 0, None, None)
@@ -122,6 +124,7 @@ class Engine(OfflineGeneration):
         finally:
             self.allocator.decref(req.pages)
             self.scheduler.page_table.release(req)
+        self.runner.model.warm_up_experts(self.settings.max_num_batched_tokens)
         log.info("warmed up the model and sampler kernels in %.1f s", time.perf_counter() - start)
 
     def _log_limits(self, num_pages: int) -> None:

@@ -1,11 +1,15 @@
-"""Qwen3 checkpoint configuration: config.json and generation_config.json, validated."""
+"""Qwen3 checkpoint configuration: config.json and generation_config.json, validated.
+
+config.json's model_type picks the class: `qwen3` (dense) or `qwen3_moe` (Qwen3-30B-A3B and
+its family, whose MLPs are mixtures of experts in the layers the config names).
+"""
 import json
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from pydantic import (
-    AliasChoices, BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError,
+    AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError,
     ValidationInfo, field_validator, model_validator,
 )
 
@@ -51,7 +55,6 @@ def describe_validation_error(e: ValidationError) -> str:
 def reject_unsupported(raw: dict[str, Any], source: str) -> None:
     """Refuse configs whose numerics we would silently get wrong (scaled RoPE, biases, windows)."""
     checks = [
-        ("model_type", raw.get("model_type"), "qwen3"),
         ("rope_scaling", raw.get("rope_scaling"), None),
         ("rope_parameters.rope_type", (raw.get("rope_parameters") or {}).get("rope_type", "default"), "default"),
         ("attention_bias", raw.get("attention_bias", False), False),
@@ -111,8 +114,9 @@ class Qwen3Config(BaseModel):
 
     @classmethod
     def from_file(cls, path: Path) -> "Qwen3Config":
+        """The config of path's model_type (a Qwen3MoeConfig for `qwen3_moe`), validated."""
         try:
-            return cls.model_validate(read_json(path), context={"source": str(path)})
+            return parse_config(read_json(path), str(path))
         except ValidationError as e:
             raise CheckpointError(f"{path}: {describe_validation_error(e)}") from None
 
@@ -120,6 +124,75 @@ class Qwen3Config(BaseModel):
     def dtype(self) -> torch.dtype:
         """The checkpoint's intended dtype; float32 when the config does not say."""
         return DTYPES[self.torch_dtype or "float32"]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (from 0) has a mixture-of-experts MLP; a dense Qwen3 has none."""
+        return False
+
+
+class Qwen3MoeConfig(Qwen3Config):
+    """config.json of a Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3's attention; in each sparse layer a
+    router sends every token to `num_experts_per_tok` of `num_experts` SwiGLU experts.
+
+    Defaults are transformers' Qwen3MoeConfig defaults (not Qwen3Config's: head_dim follows the
+    hidden size, and 4 kv heads), so a sparse config.json means the same to both.
+    """
+
+    intermediate_size: PositiveInt = 6144  # the dense layers' MLP (mlp_only_layers, decoder_sparse_step)
+    num_key_value_heads: PositiveInt = 4
+    # transformers 5 writes the count as num_local_experts; Hugging Face checkpoints as num_experts.
+    num_experts: NonNegativeInt = Field(128, validation_alias=AliasChoices("num_experts", "num_local_experts"))
+    num_experts_per_tok: PositiveInt = 8
+    moe_intermediate_size: PositiveInt = 768
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
+    decoder_sparse_step: PositiveInt = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[NonNegativeInt, ...] = ()  # ... and i is not listed here
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moe_defaults(cls, raw: Any) -> Any:
+        # Runs before Qwen3Config's own defaults, which would fill these differently.
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        raw.setdefault("num_key_value_heads", 4)
+        hidden, heads = raw.get("hidden_size"), raw.get("num_attention_heads")
+        if "head_dim" not in raw and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+            raw["head_dim"] = hidden // heads
+        if raw.get("mlp_only_layers") is None:
+            raw["mlp_only_layers"] = ()
+        return raw
+
+    @model_validator(mode="after")
+    def _check_experts(self) -> "Qwen3MoeConfig":
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})"
+            )
+        return self
+
+    def is_moe_layer(self, layer: int) -> bool:
+        # transformers' rule (Qwen3MoeDecoderLayer): listed layers stay dense, as do all without experts.
+        return (
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+
+CONFIG_CLASSES: dict[str, type[Qwen3Config]] = {"qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}
+
+
+def parse_config(raw: dict[str, Any], source: str = "config") -> Qwen3Config:
+    """raw's model_type picks the class; UnsupportedModel for a model_type outside CONFIG_CLASSES.
+    Raises pydantic's ValidationError for a bad field (from_file words it for the user)."""
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_CLASSES:
+        supported = " or ".join(map(repr, CONFIG_CLASSES))
+        raise UnsupportedModel(f"{source}: model_type {model_type!r} is not supported (only {supported})")
+    # Quantized weights (FP8, AWQ, GPTQ) would be copied into 16-bit parameters without their scales.
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        raise UnsupportedModel(f"{source}: quantization_config {quantization!r} is not supported (only None)")
+    return CONFIG_CLASSES[model_type].model_validate(raw, context={"source": source})
 
 
 class GenerationConfig(BaseModel):

@@ -1,4 +1,4 @@
-"""Load a Hugging Face-layout Qwen3 checkpoint into Qwen3ForCausalLM.
+"""Load a Hugging Face-layout Qwen3 or Qwen3-MoE checkpoint into Qwen3ForCausalLM.
 
 safetensors files are memory-mapped and read one tensor at a time straight into the
 model's (uninitialized) parameters, so peak memory is the model plus one tensor.
@@ -42,10 +42,21 @@ def load_model(
         model = Qwen3ForCausalLM(config, resolve_dtype(dtype, config))
     load_weights(model, source, files)
     log.info(
-        "loaded %s: %d layers, %.1fM parameters, %s on %s", ckpt, config.num_hidden_layers,
-        sum(p.numel() for p in model.parameters()) / 1e6, model.model.norm.weight.dtype, device,
+        "loaded %s: %d layers, %s, %s on %s", ckpt, config.num_hidden_layers, describe_parameters(model),
+        model.model.norm.weight.dtype, device,
     )
     return LoadedModel(model.eval(), config, generation_config)
+
+
+def describe_parameters(model: Qwen3ForCausalLM) -> str:
+    """'N parameters', and for a mixture of experts how many are experts' and how many a token uses."""
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    if not experts:
+        return f"{total / 1e6:.1f}M parameters"
+    config = model.config
+    active = total - experts + experts * config.num_experts_per_tok // config.num_experts
+    return f"{total / 1e6:.1f}M parameters ({experts / 1e6:.1f}M in experts, {active / 1e6:.1f}M active per token)"
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, config: Qwen3Config) -> torch.dtype:
@@ -105,6 +116,9 @@ def checkpoint_targets(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
     for name, param in model.named_parameters():
         module, leaf = name.rsplit(".", 1)
         parent, _, proj = module.rpartition(".")
+        if proj == "experts":
+            targets.update(expert_targets(module, leaf, param.data))
+            continue
         if proj not in parts:
             targets[name] = param.data
             continue
@@ -112,6 +126,18 @@ def checkpoint_targets(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
         for part, view in zip(names, param.data.split(rows), strict=True):
             targets[f"{parent}.{part}.{leaf}"] = view
     return targets
+
+
+def expert_targets(module: str, leaf: str, stacked: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A MoE layer's stacked expert weight -> the per-expert checkpoint tensors it holds, as
+    Hugging Face checkpoints name them: gate_up_proj [E, 2I, H] is each expert's gate_proj rows,
+    then its up_proj rows; down_proj [E, H, I] each expert's down_proj."""
+    parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}[leaf]
+    return {
+        f"{module}.{expert}.{part}.weight": view
+        for expert, weight in enumerate(stacked)
+        for part, view in zip(parts, weight.chunk(len(parts)), strict=True)
+    }
 
 
 def load_weights(model: Qwen3ForCausalLM, source: Path, files: dict[str, Path]) -> None:

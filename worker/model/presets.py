@@ -3,8 +3,8 @@
 The presets are Python data rather than a file under config/ because they are part of the code's
 contract (tests and benchmarks rely on their shapes) and must ship inside the installed package.
 
-tiny and small are stored in float32, the dtype they run in on CPU (the demo, the tests and the
-CPU benchmarks); qwen3-0.6b is stored in bfloat16 like the real checkpoint, halving its 2.4 GB.
+tiny, tiny-moe and small are stored in float32, the dtype they run in on CPU (the demo, the tests
+and the CPU benchmarks); qwen3-0.6b is stored in bfloat16 like the real checkpoint, halving its 2.4 GB.
 Each preset directory is named after a fingerprint of its spec, so changing a spec writes a new
 directory instead of silently reusing stale weights.
 """
@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import save_file
 
-from worker.model.config import DTYPES, CheckpointError, Qwen3Config
+from worker.model.config import DTYPES, CheckpointError, Qwen3Config, parse_config
 from worker.model.loader import INDEX_FILE, SINGLE_FILE, checkpoint_targets
 from worker.model.qwen3 import Qwen3ForCausalLM
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
@@ -51,6 +51,15 @@ def qwen3_config(**shape: Any) -> dict[str, Any]:
     }
 
 
+def qwen3_moe_config(**shape: Any) -> dict[str, Any]:
+    """A config.json for a Qwen3-MoE of the given shape; the rest as in Qwen3-30B-A3B's config.json."""
+    return qwen3_config(**{
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "norm_topk_prob": True, "output_router_logits": False, "router_aux_loss_coef": 0.001,
+        "max_window_layers": 48, **shape,
+    })
+
+
 @dataclass(frozen=True)
 class Preset:
     config: dict[str, Any]
@@ -67,6 +76,11 @@ PRESETS = {
     "tiny": Preset(qwen3_config(
         hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+    ), torch.float32),
+    # tiny's attention with 8 experts (2 per token) in every layer's MLP: 21.0M parameters.
+    "tiny-moe": Preset(qwen3_moe_config(
+        hidden_size=128, intermediate_size=384, moe_intermediate_size=96, num_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
     ), torch.float32),
     # ~103M parameters for CPU benchmarks.
     "small": Preset(qwen3_config(
@@ -155,7 +169,7 @@ def write_random_checkpoint(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = {**config, "torch_dtype": next(name for name, d in DTYPES.items() if d == dtype)}
-    shapes = checkpoint_shapes(Qwen3Config.model_validate(config))
+    shapes = checkpoint_shapes(parse_config(config))
     generator = torch.Generator().manual_seed(seed)
     std = config.get("initializer_range", 0.02)
     names = list(shapes)
@@ -180,3 +194,22 @@ def checkpoint_shapes(config: Qwen3Config) -> dict[str, torch.Size]:
     """Checkpoint tensor names and shapes, read off a model built on the meta device (no memory)."""
     with torch.device("meta"):
         return {name: t.shape for name, t in checkpoint_targets(Qwen3ForCausalLM(config)).items()}
+
+
+def random_model(
+    config: dict[str, Any], dtype: torch.dtype, device: str | torch.device, seed: int = 0,
+) -> Qwen3ForCausalLM:
+    """A model of `config`'s shape with random weights drawn on `device`, no checkpoint written:
+    for benchmarks of shapes too large to write out (Qwen3-30B-A3B's weights are 61 GB). The
+    weights are drawn as write_random_checkpoint's (matrices N(0, initializer_range), unit norm
+    scales), though not the same values."""
+    with torch.device(device):
+        model = Qwen3ForCausalLM(parse_config(config), dtype)
+    generator = torch.Generator(device).manual_seed(seed)
+    std = config.get("initializer_range", 0.02)
+    for param in model.parameters():
+        if param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)
+    return model.eval()

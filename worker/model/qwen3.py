@@ -4,6 +4,8 @@ Numerics follow transformers' Qwen3ForCausalLM: pre-norm blocks, per-head q/k RM
 neox RoPE, GQA attention scaled by head_dim**-0.5, SwiGLU MLP. Every hot-path op goes through
 `kernels`, which picks Triton or the torch reference. Weights are allocated uninitialized and
 filled by `worker.model.loader`; q/k/v and gate/up are fused into one projection each.
+A Qwen3-MoE config (Qwen3MoeConfig) swaps the MLP of its sparse layers for a mixture of
+experts (worker/model/moe.py); everything else is shared.
 """
 import torch
 import torch.nn.functional as F
@@ -13,11 +15,8 @@ import kernels
 from kernels.cpu_linear import linear_cpu, supports as cpu_linear_supports
 from worker.model.batch import AttentionMetadata, KVCaches
 from worker.model.config import Qwen3Config
-
-
-def empty_weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    # No init: the loader overwrites every weight, and initializing 0.6B parameters on CPU costs seconds.
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+from worker.model.moe import Qwen3MoeSparseBlock
+from worker.model.params import empty_weight
 
 
 class Linear(nn.Module):
@@ -103,12 +102,12 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, dtype: torch.dtype):
+    def __init__(self, config: Qwen3Config, dtype: torch.dtype, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Qwen3Attention(config, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = Qwen3MLP(config, dtype)
+        self.mlp = Qwen3MoeSparseBlock(config, dtype) if config.is_moe_layer(layer) else Qwen3MLP(config, dtype)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -132,7 +131,7 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: Qwen3Config, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, dtype, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # fp32 whatever the weights' dtype, like transformers' rotary embedding; not a checkpoint tensor.
         cos_sin = kernels.rope_cos_sin_cache(config.head_dim, config.max_position_embeddings, config.rope_theta)
@@ -168,6 +167,13 @@ class Qwen3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden_size]."""
         return self.model(input_ids, positions, meta, kv_caches)
+
+    def warm_up_experts(self, max_tokens: int) -> None:
+        """A mixture of experts runs each kernel tile shape a step of up to max_tokens tokens can
+        launch (Qwen3MoeSparseBlock.warm_up), in one layer: they all share their shapes."""
+        sparse = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, Qwen3MoeSparseBlock)]
+        if sparse:
+            sparse[0].warm_up(max_tokens)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab] in float32, written into `out` when given."""

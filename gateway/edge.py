@@ -1,0 +1,180 @@
+"""The gateway's edge: what every request passes before the app reads a byte of its body.
+
+- **Who.** A route that needs an API key gets it checked here, from the headers alone: an
+  unauthenticated upload is refused before any of it is read, so none of it reaches memory or
+  the disk (FastAPI reads and spools a multipart body before a route's dependencies run). The
+  key's tenant goes into the request's state. An address that has got a key or a login wrong
+  `auth_failures_per_minute` times is answered 429 until its minute is over.
+- **How much.** Each route has a body limit: `max_json_bytes` for the JSON API, the batch file
+  limit (plus room for the form around it) for uploads, a small one for the board's login form.
+  A `Content-Length` over it is refused at once with 413; a body sent without one (chunked) is
+  counted as it is read and cut off with 413 once it passes the limit.
+- **What.** A JSON route's body must say `Content-Type: application/json` (or `+json`): a page of
+  another site can send a "simple" cross-site request (text/plain, a form, no type at all)
+  without a CORS preflight, and must not enqueue work through a browser that can reach the
+  gateway. 415 otherwise, as FastAPI answers for its own JSON bodies since CVE-2021-32677.
+"""
+from __future__ import annotations
+
+import email.message
+from dataclasses import dataclass
+
+from starlette.requests import HTTPConnection
+from starlette.responses import Response
+
+from gateway.api_keys import Access, AuthFailures, bearer_key
+from gateway.errors import APIError, unauthorized
+
+# The form around a batch file (its boundary, headers and the purpose field) is far smaller.
+MULTIPART_OVERHEAD_BYTES = 64 << 10
+BOARD_BODY_BYTES = 4 << 10  # the login form's one key, with room to spare
+LOGIN_PATH = "/board/login"
+
+
+@dataclass(frozen=True)
+class Policy:
+    limit: int  # body bytes at most
+    needs_key: bool
+    json: bool  # a body, if any, must be JSON
+
+
+@dataclass(frozen=True)
+class Limits:
+    json_bytes: int
+    upload_bytes: int
+    monitoring_needs_key: bool
+
+    def policy(self, method: str, path: str, keys_required: bool) -> Policy:
+        if path == "/v1/files" and method == "POST":
+            return Policy(self.upload_bytes + MULTIPART_OVERHEAD_BYTES, keys_required, json=False)
+        if path.startswith("/v1/") or path == "/generate":
+            return Policy(self.json_bytes, keys_required, json=True)
+        if path in ("/health", "/metrics"):
+            return Policy(self.json_bytes, keys_required and self.monitoring_needs_key, json=False)
+        if path == "/board" or path.startswith("/board/"):
+            return Policy(BOARD_BODY_BYTES, needs_key=False, json=False)  # the board checks its own
+        return Policy(self.json_bytes, needs_key=False, json=False)
+
+
+class BodyTooLarge(Exception):
+    """Raised into the app's read of a body that passed its limit."""
+
+
+class CountedBody:
+    """The request's `receive`, counting body bytes: past `limit` it raises BodyTooLarge."""
+
+    def __init__(self, receive, limit: int):
+        self.receive = receive
+        self.limit = limit
+        self.seen = 0
+
+    @property
+    def exceeded(self) -> bool:
+        return self.seen > self.limit
+
+    async def __call__(self) -> dict:
+        message = await self.receive()
+        if message["type"] == "http.request":
+            self.seen += len(message.get("body", b""))
+            if self.exceeded:
+                raise BodyTooLarge()
+        return message
+
+
+class Edge:
+    """ASGI middleware in front of the routes (see the module's docstring)."""
+
+    def __init__(self, app, access: Access, limits: Limits, failures: AuthFailures):
+        self.app = app
+        self.access = access
+        self.limits = limits
+        self.failures = failures
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request = HTTPConnection(scope)
+        policy = self.limits.policy(scope["method"], scope["path"], self.access.required)
+        refusal = self.refusal(request, policy)
+        if refusal is not None:
+            return await error_response(refusal)(scope, receive, send)
+        body = CountedBody(receive, policy.limit)
+        await self.run(scope, body, send)
+
+    def refusal(self, request: HTTPConnection, policy: Policy) -> APIError | None:
+        """Why the request is refused from its headers alone, if it is."""
+        address = client_address(request)
+        given = bearer_key(request)
+        tries_a_key = given is not None or policy.needs_key or request.url.path == LOGIN_PATH
+        retry_after = self.failures.retry_after_s(address) if tries_a_key else None
+        if retry_after is not None:
+            return too_many_failures(retry_after)
+        tenant = self.access.tenant(given) if given is not None or not self.access.required else None
+        if given is not None and tenant is None:
+            self.failures.failed(address)
+        if policy.needs_key and tenant is None:
+            return unauthorized()
+        request.scope.setdefault("state", {})["tenant"] = tenant
+        return self.body_refusal(request, policy)
+
+    @staticmethod
+    def body_refusal(request: HTTPConnection, policy: Policy) -> APIError | None:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > policy.limit):
+            return too_large(policy.limit)
+        has_body = (length is not None and int(length) > 0) or "transfer-encoding" in request.headers
+        if policy.json and has_body and not is_json(request.headers.get("content-type")):
+            return APIError(
+                415, "the body must be JSON, sent with Content-Type: application/json", "invalid_request_error",
+                "unsupported_media_type",
+            )
+        return None
+
+    async def run(self, scope, body: CountedBody, send) -> None:
+        """The app, with a 413 in place of whatever it answers once the body passed its limit
+        (its parsers may turn the BodyTooLarge they meet into an error of their own)."""
+        started = False
+
+        async def send_unless_cut(message) -> None:
+            nonlocal started
+            if body.exceeded:
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, body, send_unless_cut)
+        except Exception:
+            if not body.exceeded or started:
+                raise
+        if body.exceeded and not started:
+            await error_response(too_large(body.limit))(scope, body.receive, send)
+
+
+def client_address(request: HTTPConnection) -> str:
+    """The client's address: the peer's, or a trusted proxy's X-Forwarded-For (see create_app)."""
+    return request.client.host if request.client is not None else "unknown"
+
+
+def is_json(content_type: str | None) -> bool:
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body exceeds {limit} bytes", "invalid_request_error", "request_too_large")
+
+
+def too_many_failures(retry_after_s: int) -> APIError:
+    return APIError(
+        429, "too many failed key or login attempts from this address; try again later", "rate_limit_error",
+        "too_many_auth_failures", headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def error_response(error: APIError) -> Response:
+    return Response(error.body.model_dump_json(), status_code=error.status, headers=error.headers, media_type="application/json")

@@ -1,0 +1,83 @@
+"""A stage's PASS/FAIL table and its figures, rewritten under OUTDIR after every step."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from scripts.acceptance.outcome import Result
+from scripts.acceptance.step import Outcome, Stage
+
+
+class StageReport:
+    def __init__(self, stage: Stage, rehearse: bool, machine: dict, out: Path):
+        self.stage, self.rehearse, self.machine, self.out = stage, rehearse, machine, out
+        self.started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        self.results: list[Result] = []
+
+    def add(self, result: Result) -> None:
+        self.results.append(result)
+        (self.out / f"{self.stage.name}.md").write_text(self.render() + "\n")
+        (self.out / f"{self.stage.name}.json").write_text(json.dumps(self.as_json(), indent=1) + "\n")
+
+    def passed(self) -> bool:
+        return all(r.outcome in (Outcome.PASS, Outcome.SKIP_NO_CUDA) for r in self.results)
+
+    def verdict(self) -> str:
+        counts = {}
+        for r in self.results:
+            counts[r.outcome.value] = counts.get(r.outcome.value, 0) + 1
+        tally = ", ".join(f"{n} {outcome}" for outcome, n in counts.items())
+        return f"{'PASS' if self.passed() else 'FAIL'} ({tally})"
+
+    def header(self) -> list[str]:
+        m = self.machine
+        where = (
+            "REHEARSAL on the CPU at tiny shapes: SKIP (no CUDA) marks what only a GPU runs, and its figures "
+            "are not GPU figures" if self.rehearse else f"on {m['device']}"
+        )
+        return [
+            f"## GPU acceptance, stage `{self.stage.name}`: {self.stage.what}",
+            "",
+            f"{where}; torch {m['torch']}, triton {m['triton']}, CUDA {m['cuda_version']}; started {self.started}",
+        ]
+
+    def step_rows(self) -> list[str]:
+        rows = ["| step | result | seconds | detail | what |", "|---|---|---|---|---|"]
+        for r in self.results:
+            detail = r.detail.replace("|", "\\|")
+            rows.append(f"| {r.step.name} | {r.outcome.value} | {r.seconds:.0f} | {detail} | {r.step.what} |")
+        return rows
+
+    def figure_rows(self) -> list[str]:
+        rows = []
+        for r in self.results:
+            for figure in r.step.figures:
+                value = r.figures.get(figure.label)
+                if value is None:
+                    continue
+                if figure.target is None:
+                    verdict = "-"
+                elif self.rehearse:
+                    verdict = "n/a (rehearsal)"
+                else:
+                    verdict = figure.verdict(value)
+                rows.append(f"| {r.step.name} | {figure.label} | {value} | {figure.target or '-'} | {verdict} |")
+        if not rows:
+            return []
+        return ["", "| step | figure | value | target | verdict |", "|---|---|---|---|---|", *rows]
+
+    def render(self) -> str:
+        footer = f"stage {self.stage.name}: {self.verdict()}; log: {self.out / (self.stage.name + '.log')}"
+        return "\n".join([*self.header(), "", *self.step_rows(), *self.figure_rows(), "", footer])
+
+    def as_json(self) -> dict:
+        return {
+            "stage": self.stage.name, "rehearsal": self.rehearse, "machine": self.machine, "started": self.started,
+            "passed": self.passed(),
+            "steps": [
+                {"name": r.step.name, "outcome": r.outcome.value, "seconds": round(r.seconds, 1), "detail": r.detail,
+                 "figures": r.figures}
+                for r in self.results
+            ],
+        }

@@ -1,0 +1,23 @@
+"""serve: the nano-vllm workload through Redis (the bundle's redis-server) to one worker process on
+the GPU, against the offline engine in the same run: throughput share, TTFT and TPOT."""
+from scripts.acceptance.step import Figure, Stage, script
+
+STAGE = Stage("serve", "the nano-vllm workload through the queue: share of offline, TTFT and TPOT p50/p99", (
+    script("smoke", "8 short jobs through Redis to a worker on the GPU (tiny model): the service path works",
+           ("-m", "bench.serve", "--model", "tiny", "--num-requests", "8", "--max-prompt", "32", "--max-output", "16"),
+           ("-m", "bench.serve", "--model", "tiny", "--num-requests", "4", "--max-prompt", "16", "--max-output", "4",
+            "--threads", "1", "--producers", "2"),
+           gate=True, timeout_s=300, figures=(Figure("share of offline, %", r"= ([\d.]+)% of offline"),)),
+    script("nanovllm", "the nano-vllm workload through the queue (qwen3-0.6b, 1 worker, 4 producer processes)",
+           ("-m", "bench.serve", "--workload", "nanovllm"),
+           ("-m", "bench.serve", "--workload", "nanovllm", "--model", "tiny", "--num-requests", "6", "--max-prompt", "48",
+            "--max-output", "12", "--threads", "1"),
+           timeout_s=480, figures=(
+               Figure("through the queue, output tok/s", r"^through the queue: ([\d,.]+) output tok/s"),
+               Figure("share of offline, %", r"= ([\d.]+)% of offline", ">= 90"),
+               Figure("TTFT p50, ms", r"^TTFT: p50 ([\d,.]+) ms"),
+               Figure("TTFT p99, ms", r"^TTFT: .*p99 ([\d,.]+) ms"),
+               Figure("TPOT p50, ms", r"^TPOT: p50 ([\d,.]+) ms"),
+               Figure("TPOT p99, ms", r"^TPOT: .*p99 ([\d,.]+) ms"),
+           )),
+))

@@ -1,0 +1,186 @@
+"""scripts/acceptance: how a step's outcome is judged (exit status, JUnit report, figures), and how
+a stage runs (gates, timeouts, its time budget, the files it leaves), on small stand-in steps."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts.acceptance import runner
+from scripts.acceptance.outcome import PytestCounts, judge, read_figures
+from scripts.acceptance.runner import Run, run_stage
+from scripts.acceptance.stages import ORDER, stages
+from scripts.acceptance.step import EXIT_NO_CUDA, Figure, Kind, Outcome, Stage, Step, script
+from scripts.acceptance.step import tests as pytest_step
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU = {"cuda": False, "torch": "t", "triton": "t", "cuda_version": None, "device": "CPU (test)"}
+GPU = {**CPU, "cuda": True, "device": "a stand-in GPU"}
+
+
+def junit(tmp_path: Path, passed: int = 0, failed: int = 0, skipped: int = 0) -> Path:
+    cases = ([f'<testcase name="p{i}"/>' for i in range(passed)]
+             + [f'<testcase name="f{i}"><failure message="x"/></testcase>' for i in range(failed)]
+             + [f'<testcase name="s{i}"><skipped message="needs CUDA"/></testcase>' for i in range(skipped)])
+    path = tmp_path / "junit.xml"
+    path.write_text(f"<testsuites><testsuite>{''.join(cases)}</testsuite></testsuites>")
+    return path
+
+
+def a_pytest_step(cuda_only: bool = False) -> Step:
+    return pytest_step("t", "what", ("tests/x.py",), cuda_only=cuda_only, timeout_s=10)
+
+
+def test_junit_counts_name_the_failed_tests(tmp_path):
+    counts = PytestCounts.from_junit(junit(tmp_path, passed=2, failed=4, skipped=1))
+    assert (counts.passed, counts.failed, counts.skipped) == (2, ["f0", "f1", "f2", "f3"], 1)
+    assert counts.summary() == "2 passed, 4 failed: f0, f1, f2, ..., 1 skipped"
+
+
+def test_tests_that_all_skip_are_skip_no_cuda_on_the_cpu_and_a_failure_on_the_gpu(tmp_path):
+    report = junit(tmp_path, skipped=2)
+    assert judge(a_pytest_step(), 0, report, "", cuda=False)[0] is Outcome.SKIP_NO_CUDA
+    assert judge(a_pytest_step(cuda_only=True), 0, report, "", cuda=True) == (
+        Outcome.FAIL, "all 2 skipped on a GPU run")
+    assert judge(a_pytest_step(), 0, report, "", cuda=True)[0] is Outcome.FAIL
+
+
+def test_passing_tests_fail_the_step_when_the_command_fails_as_compute_sanitizer_does(tmp_path):
+    report = junit(tmp_path, passed=3)
+    assert judge(a_pytest_step(), 0, report, "", cuda=True) == (Outcome.PASS, "3 passed")
+    outcome, detail = judge(a_pytest_step(), 1, report, "========= ERROR SUMMARY: 1 error", cuda=True)
+    assert outcome is Outcome.FAIL and detail.endswith("exit status 1: ========= ERROR SUMMARY: 1 error")
+    assert judge(a_pytest_step(), 4, tmp_path / "none.xml", "usage: ...", cuda=True) == (
+        Outcome.FAIL, "exit status 4, no test report: usage: ...")
+
+
+def test_a_script_skips_only_where_there_is_no_cuda():
+    step = script("s", "what", ("x.py",), ("x.py",), timeout_s=10)
+    assert judge(step, EXIT_NO_CUDA, Path("-"), "needs CUDA\n", cuda=False) == (Outcome.SKIP_NO_CUDA, "needs CUDA")
+    assert judge(step, EXIT_NO_CUDA, Path("-"), "needs CUDA\n", cuda=True)[0] is Outcome.FAIL
+    assert judge(step, 0, Path("-"), "", cuda=True) == (Outcome.PASS, "")
+
+
+def test_figures_are_read_and_judged_and_gpu_only_ones_are_not_missed_on_the_cpu():
+    rate = Figure("rate", r"^rate: ([\d,.]+) tok/s", ">= 20000")
+    busy = Figure("busy", r"^busy: ([\d.]+)%", cuda_only=True)
+    step = script("s", "what", ("x.py",), ("x.py",), timeout_s=10, figures=(rate, busy))
+    assert read_figures(step, "rate: 21,500.5 tok/s\n", cuda=False) == ({"rate": "21,500.5"}, [])
+    assert read_figures(step, "rate: 21,500.5 tok/s\n", cuda=True) == ({"rate": "21,500.5"}, ["busy"])
+    assert rate.verdict("21,500.5") == "met" and rate.verdict("19,999") == "MISSED"
+    assert Figure("x", "(.)", "<= 2").verdict("2.5") == "MISSED"
+
+
+def python_step(name: str, code: str, *, gate: bool = False, timeout_s: int = 30, figures=(), cpu: bool = True) -> Step:
+    command = ("{python}", "-c", textwrap.dedent(code))
+    return Step(name, f"{name} step", Kind.SCRIPT, command, command if cpu else None, timeout_s, gate=gate,
+                figures=figures)
+
+
+def run(tmp_path: Path, stage: Stage, machine: dict = CPU, rehearse: bool = True, only=None) -> tuple[bool, dict]:
+    passed = run_stage(stage, Run(rehearse, tmp_path, {"PATH": "/usr/bin:/bin"}, machine), only)
+    return passed, json.loads((tmp_path / f"{stage.name}.json").read_text())
+
+
+def outcomes(report: dict) -> dict[str, str]:
+    return {step["name"]: step["outcome"] for step in report["steps"]}
+
+
+def test_a_failed_gate_ends_the_stage_and_the_files_say_so(tmp_path, capsys):
+    stage = Stage("demo", "a stage", (
+        python_step("first", "print('rate: 12.5 tok/s')", figures=(Figure("rate", r"rate: ([\d.]+)"),)),
+        python_step("gate", "import sys; print('broken'); sys.exit(3)", gate=True),
+        python_step("after", "print('never')"),
+        python_step("gpu", "print('never')", cpu=False),
+    ))
+    passed, report = run(tmp_path, stage)
+    assert not passed
+    assert outcomes(report) == {"first": "PASS", "gate": "FAIL", "after": "NOT RUN", "gpu": "NOT RUN"}
+    assert report["steps"][1]["detail"] == "exit status 3: broken"
+    assert report["steps"][0]["figures"] == {"rate": "12.5"}
+    table = (tmp_path / "demo.md").read_text()
+    assert "| gate | FAIL |" in table and "| after | NOT RUN |" in table and "stage demo: FAIL" in table
+    assert "REHEARSAL on the CPU" in table and table.strip() in capsys.readouterr().out
+    log = (tmp_path / "demo.log").read_text()
+    assert "===== first:" in log and "rate: 12.5 tok/s" in log and "never" not in log
+
+
+def test_a_gpu_only_step_is_skipped_in_a_rehearsal_without_running(tmp_path):
+    marker = tmp_path / "ran"
+    stage = Stage("demo", "a stage", (python_step("gpu", f"open({str(marker)!r}, 'w')", cpu=False),))
+    passed, report = run(tmp_path, stage)
+    assert passed and outcomes(report) == {"gpu": "SKIP (no CUDA)"} and not marker.exists()
+
+
+def test_a_step_past_its_timeout_is_killed_with_what_it_started(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    code = f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        time.sleep(60)
+    """
+    start = time.monotonic()
+    passed, report = run(tmp_path, Stage("demo", "a stage", (python_step("slow", code, timeout_s=2),)))
+    assert time.monotonic() - start < 20
+    assert outcomes(report) == {"slow": "FAIL"} and report["steps"][0]["detail"] == "timed out after 2 s"
+    child = int(pid_file.read_text())
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
+def test_steps_the_stage_has_no_time_left_for_are_not_run(tmp_path):
+    stage = Stage("demo", "a stage", (python_step("one", "print(1)"), python_step("two", "print(2)")), budget_s=10)
+    passed, report = run(tmp_path, stage)  # less than MIN_STEP_S left from the start
+    assert not passed and outcomes(report) == {"one": "NOT RUN", "two": "NOT RUN"}
+    assert "rerun with --only" in report["steps"][0]["detail"]
+
+
+def test_a_step_still_running_at_the_end_of_the_stages_budget_is_stopped_and_says_how_to_rerun(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "MIN_STEP_S", 1)
+    stage = Stage("demo", "a stage", (python_step("long", "import time; time.sleep(60)", timeout_s=60),
+                                      python_step("next", "print(1)")), budget_s=3)
+    start = time.monotonic()
+    passed, report = run(tmp_path, stage)
+    assert time.monotonic() - start < 20
+    assert outcomes(report) == {"long": "FAIL", "next": "NOT RUN"}
+    assert re.fullmatch(r"stopped after [23] s, the end of the stage's budget: rerun with --only long",
+                        report["steps"][0]["detail"])
+    assert report["steps"][1]["detail"] == "out of the stage's 3 s: rerun with --only next"
+
+
+def test_only_runs_the_named_steps_and_a_missing_figure_fails_a_step(tmp_path):
+    stage = Stage("demo", "a stage", (
+        python_step("one", "print('no figure here')", figures=(Figure("rate", r"rate: ([\d.]+)"),)),
+        python_step("two", "print(2)"),
+    ))
+    passed, report = run(tmp_path, stage, machine=GPU, rehearse=False, only={"one"})
+    assert not passed and outcomes(report) == {"one": "FAIL"}
+    assert report["steps"][0]["detail"] == "not in its output: rate"
+
+
+def test_every_stage_module_is_registered_and_its_steps_are_well_formed():
+    modules = {p.stem for p in (ROOT / "scripts" / "acceptance" / "stages").glob("*.py")} - {"__init__"}
+    assert set(ORDER) == modules
+    for name, stage in stages().items():
+        assert stage.name == name
+        names = [step.name for step in stage.steps]
+        assert len(set(names)) == len(names), name
+        assert sum(step.timeout_s for step in stage.steps) > 0 and stage.budget_s < 600
+        assert stage.steps[0].gate, f"{name} should start with the cheap check that could invalidate the rest"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["kernels", "OUT", "--only", "nope"], "kernels has no step nope"),
+    (["nope", "OUT"], "invalid choice: 'nope'"),
+])
+def test_the_command_line_refuses_unknown_stages_and_steps(tmp_path, args, message):
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "scripts.acceptance", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr

@@ -1,0 +1,185 @@
+"""A producer with only the `mili-producer` rights of the README writes, next to a queue entry, a
+job's keys of the wrong type or shape: the job hash, its event stream, its done stream, fields
+and events no worker wrote, an entry of thousands of fields. Two worker processes (as
+`mili-worker`) serve the queue: each such job fails once with its code, its entry is
+acknowledged, no worker exits, and the next good job is served. On main a WRONGTYPE met while
+resuming a job escaped the loop, and every worker that reclaimed the entry died the same way."""
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import redis
+
+from producer_client import Client, JobFailed
+from producer_client.keys import GROUP, Keys
+from tests.support.acl import acl_server
+from tests.support.polling import eventually
+from tests.support.workers import FAST_RECLAIM, WorkerProcess, start_workers
+
+KEYS = Keys()
+QUEUE = "hostile"
+BODY = json.dumps({"prompt": "hostile", "params": {"max_tokens": 4}})
+LONG_PROMPT = "x" * 16000  # seconds of echo: a job running long enough to be tampered with
+
+
+def plant_job_hash_as_stream(p: redis.Redis, job_id: str) -> None:
+    p.xadd(KEYS.job(job_id), {"not": "a hash"})
+
+
+def plant_events_as_hash(p: redis.Redis, job_id: str) -> None:
+    p.hset(KEYS.events(job_id), "not", "a stream")
+
+
+def plant_done_as_hash(p: redis.Redis, job_id: str) -> None:
+    p.hset(KEYS.done(job_id), "not", "a stream")
+
+
+def plant_events_as_hash_and_recorded_tokens(p: redis.Redis, job_id: str) -> None:
+    """The issue's example: the claim says resume, and the resume's read meets a hash."""
+    p.hset(KEYS.job(job_id), mapping={"status": "queued", "tokens": "3"})
+    p.hset(KEYS.events(job_id), "not", "a stream")
+
+
+def plant_recorded_tokens_without_events(p: redis.Redis, job_id: str) -> None:
+    p.hset(KEYS.job(job_id), mapping={"status": "queued", "tokens": "3"})
+
+
+def plant_events_no_run_wrote(p: redis.Redis, job_id: str) -> None:
+    p.hset(KEYS.job(job_id), mapping={"status": "queued", "tokens": "1"})
+    p.xadd(KEYS.events(job_id), {"type": "tokens", "data": "not json"})
+
+
+def plant_token_ids_out_of_range(p: redis.Redis, job_id: str) -> None:
+    p.hset(KEYS.job(job_id), mapping={"status": "queued", "tokens": "1"})
+    p.xadd(KEYS.events(job_id), {"type": "tokens", "data": json.dumps({"ids": [2**70], "text": "x"})})
+
+
+def plant_unreadable_token_count(p: redis.Redis, job_id: str) -> None:
+    p.hset(KEYS.job(job_id), mapping={"status": "queued", "tokens": "many"})
+
+
+def plant_unreadable_deadline(p: redis.Redis, job_id: str) -> None:
+    p.hset(KEYS.job(job_id), mapping={"status": "queued", "deadline": "soon"})
+
+
+CASES = [
+    (plant_job_hash_as_stream, "invalid_job"),
+    (plant_events_as_hash, "invalid_job"),
+    (plant_done_as_hash, "invalid_job"),
+    (plant_events_as_hash_and_recorded_tokens, "invalid_job"),
+    (plant_recorded_tokens_without_events, "invalid_job"),
+    (plant_events_no_run_wrote, "invalid_job"),
+    (plant_token_ids_out_of_range, "invalid_job"),
+    (plant_unreadable_token_count, "internal_error"),  # CLAIM answers what v1 does not define
+    (plant_unreadable_deadline, "internal_error"),
+]
+
+
+@pytest.fixture(scope="module")
+def hostile_setup(tmp_path_factory):
+    """The README's users, and two echo workers connected as mili-worker."""
+    log_dir = tmp_path_factory.mktemp("hostile")
+    with acl_server() as server:
+        workers = [
+            WorkerProcess(server["worker"], QUEUE, f"hostile-{i}", log_dir, *FAST_RECLAIM, "--max-deliveries", "2",
+                          "--max-model-len", "20000", model="echo")
+            for i in range(2)
+        ]
+        try:
+            start_workers(workers)
+            yield server, workers
+        finally:
+            for w in workers:
+                w.stop()
+
+
+@pytest.fixture
+def producer(hostile_setup):
+    server, _ = hostile_setup
+    raw = redis.Redis.from_url(server["producer"], decode_responses=True)
+    with Client(server["producer"], QUEUE) as client:
+        yield raw, client
+    raw.close()
+
+
+def assert_workers_serve(hostile_setup, client: Client, pids: list[str]) -> None:
+    server, workers = hostile_setup
+    for w in workers:
+        assert w.running, w.log()
+        assert w.heartbeat()["pid"] == pids[workers.index(w)]
+        assert "Traceback" not in w.log(), w.log()
+    assert client.generate(prompt="next good job", max_tokens=32, timeout=30).text == "next good job"
+    admin = server["admin"]
+    assert eventually(lambda: admin.xlen(KEYS.queue(QUEUE)) == 0), admin.xrange(KEYS.queue(QUEUE))
+    assert admin.xpending(KEYS.queue(QUEUE), GROUP)["pending"] == 0
+    assert admin.xlen(KEYS.dead(QUEUE)) == 0
+
+
+def assert_failed_once(admin: redis.Redis, client: Client, job_id: str, code: str) -> JobFailed:
+    with pytest.raises(JobFailed) as failed:
+        client.result(job_id, timeout=30)
+    assert (failed.value.code, failed.value.result.status) == (code, "failed"), failed.value.message
+    # Events a producer planted may stay beside the end: counted, not parsed.
+    assert [f.get("type") for _, f in admin.xrange(KEYS.events(job_id))].count("end") == 1, job_id
+    assert admin.xlen(KEYS.done(job_id)) == 1, job_id
+    return failed.value
+
+
+def test_a_producers_wrong_keys_fail_each_job_once_and_no_worker_stops(hostile_setup, producer):
+    server, workers = hostile_setup
+    raw, client = producer
+    pids = [w.heartbeat()["pid"] for w in workers]
+    planted = {}
+    for plant, code in CASES:
+        job_id = f"{plant.__name__.removeprefix('plant_')}-{uuid.uuid4().hex[:6]}"
+        plant(raw, job_id)
+        raw.xadd(KEYS.queue(QUEUE), {"id": job_id, "v": "1", "body": BODY})
+        planted[job_id] = code
+    many_fields = {"id": f"many-fields-{uuid.uuid4().hex[:6]}", "v": "1", "body": BODY,
+                   **{f"f{i}": "x" for i in range(5000)}}
+    raw.xadd(KEYS.queue(QUEUE), many_fields)
+    planted[many_fields["id"]] = "invalid_body"
+    for job_id, code in planted.items():
+        failed = assert_failed_once(server["admin"], client, job_id, code)
+        assert failed.message
+    assert_workers_serve(hostile_setup, client, pids)
+
+
+@pytest.mark.parametrize("replace", ["job hash", "event stream"])
+def test_keys_replaced_while_the_job_runs_fail_it_with_its_output_so_far(hostile_setup, producer, replace):
+    server, workers = hostile_setup
+    raw, client = producer
+    pids = [w.heartbeat()["pid"] for w in workers]
+    job_id = client.submit(prompt=LONG_PROMPT, max_tokens=16000)
+    assert eventually(lambda: raw.hget(KEYS.job(job_id), "tokens") not in (None, "0"), timeout=30)
+    if replace == "job hash":
+        raw.delete(KEYS.job(job_id))
+        raw.xadd(KEYS.job(job_id), {"not": "a hash"})
+    else:
+        raw.delete(KEYS.events(job_id))
+        raw.hset(KEYS.events(job_id), "not", "a stream")
+    admin = server["admin"]
+    # The client reads the job's keys too: it waits for the worker to have put them right.
+    assert eventually(lambda: admin.type(KEYS.done(job_id)) == "stream", timeout=30)
+    failed = assert_failed_once(server["admin"], client, job_id, "invalid_job")
+    result = failed.result
+    assert 0 < len(result.token_ids) < len(LONG_PROMPT)
+    assert result.text == LONG_PROMPT[: len(result.token_ids)]
+    assert_workers_serve(hostile_setup, client, pids)
+
+
+def test_a_queue_stream_of_another_type_stops_no_worker(hostile_setup, producer):
+    """Not one job's keys: the queue's own. The workers log it and keep trying, and serve again
+    once the stream is back."""
+    server, workers = hostile_setup
+    raw, client = producer
+    admin = server["admin"]
+    pids = [w.heartbeat()["pid"] for w in workers]
+    raw.delete(KEYS.queue(QUEUE))  # the group goes with it
+    raw.hset(KEYS.queue(QUEUE), "not", "a stream")
+    assert eventually(lambda: all("Redis refused an exchange" in w.log() for w in workers), timeout=10)
+    assert all(w.running for w in workers)
+    admin.delete(KEYS.queue(QUEUE))  # an operator puts it right; the workers create the group again
+    assert_workers_serve(hostile_setup, client, pids)

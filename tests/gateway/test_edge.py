@@ -1,0 +1,154 @@
+"""What a request passes before the gateway reads its body: its key (an unauthenticated 16 MiB
+upload is refused before any of it is read: nothing is spooled to disk, memory does not grow),
+its size (a Content-Length over the limit is refused at once with 413; a chunked body is cut off
+once it passes the limit, and what the gateway held stays under the limit plus a small constant),
+and its type (a JSON route takes application/json only: a cross-site "simple" request cannot
+enqueue work). No CORS is granted unless configured; the board's actions need their header."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.gateway.support import ResourceWatch, raw_request
+from tests.support.gateways import GatewayProcess
+from tests.support.jobs import job_count
+
+KEY = "edge-key"
+UPLOAD_LIMIT = 1 << 20
+JSON_LIMIT = 64 << 10
+MIB = 1 << 20
+# What the gateway may hold beyond a limit: one read of the socket, the interpreter's own churn.
+SLACK = 4 * MIB
+ORIGIN = "https://app.example"
+BOUNDARY = "edgeboundary"
+
+
+@pytest.fixture(scope="module")
+def spool_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("spool")
+
+
+@pytest.fixture(scope="module")
+def edge_gateway(redis_server, tmp_path_factory, spool_dir):  # noqa: F811
+    gateway = GatewayProcess(
+        redis_server.url, tmp_path_factory.mktemp("edge"), "--api-keys", json.dumps([KEY]),
+        "--batch-max-file-bytes", str(UPLOAD_LIMIT), "--max-json-bytes", str(JSON_LIMIT),
+        "--cors-origins", json.dumps([ORIGIN]), "--auth-failures-per-minute", "1000", env={"TMPDIR": str(spool_dir)},
+    ).start()
+    yield gateway
+    gateway.stop()
+
+
+def upload_head(length: int | None, key: str | None = None) -> dict[str, str]:
+    headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+    if length is not None:
+        headers["Content-Length"] = str(length)
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
+
+
+def upload_chunks(total: int, chunk: int = 64 << 10):
+    """A multipart body of one file part `total` bytes long (never closed: it is cut off first)."""
+    yield (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{BOUNDARY}\r\n"
+           'Content-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+           "Content-Type: application/octet-stream\r\n\r\n").encode()
+    line = b'{"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {}}\n'
+    for _ in range(total // chunk):
+        yield (line * (chunk // len(line) + 1))[:chunk]
+
+
+def error_of(body: bytes) -> dict:
+    return json.loads(body)["error"]
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_an_unauthenticated_upload_is_refused_before_any_of_it_is_read(edge_gateway, spool_dir, chunked):
+    with ResourceWatch(edge_gateway.process.pid, spool_dir) as watch:
+        status, body, _ = raw_request(edge_gateway.port, "POST", "/v1/files", upload_head(None if chunked else 16 * MIB),
+                                      upload_chunks(16 * MIB), chunked=chunked)
+    assert status == 401 and error_of(body)["code"] == "invalid_api_key"
+    assert watch.max_spooled == 0
+    assert watch.max_rss_growth < SLACK, watch.max_rss_growth
+
+
+def test_an_upload_whose_length_is_over_the_limit_is_refused_at_once(edge_gateway, spool_dir):
+    with ResourceWatch(edge_gateway.process.pid, spool_dir) as watch:
+        status, body, sent = raw_request(edge_gateway.port, "POST", "/v1/files", upload_head(16 * MIB, KEY),
+                                         upload_chunks(16 * MIB))
+    assert status == 413 and error_of(body)["code"] == "request_too_large"
+    assert error_of(body)["type"] == "invalid_request_error" and str(UPLOAD_LIMIT + 64 * 1024) in error_of(body)["message"]
+    assert sent == 0 and watch.max_spooled == 0
+
+
+def test_a_chunked_upload_is_cut_off_once_it_passes_the_limit(edge_gateway, spool_dir):
+    with ResourceWatch(edge_gateway.process.pid, spool_dir) as watch:
+        status, body, sent = raw_request(edge_gateway.port, "POST", "/v1/files", upload_head(None, KEY),
+                                         upload_chunks(16 * MIB), chunked=True)
+    assert status == 413 and error_of(body)["code"] == "request_too_large"
+    assert sent < 16 * MIB
+    assert watch.max_spooled <= UPLOAD_LIMIT + SLACK, watch.max_spooled
+    assert watch.max_rss_growth < UPLOAD_LIMIT + SLACK, watch.max_rss_growth
+
+
+def test_a_json_body_over_the_limit_is_refused_whether_announced_or_chunked(edge_gateway, spool_dir):
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    big = (b'{"model": "echo", "prompt": "' + b"x" * (64 * MIB))
+    chunks = [big[i:i + (64 << 10)] for i in range(0, len(big), 64 << 10)]
+    status, body, sent = raw_request(edge_gateway.port, "POST", "/v1/completions",
+                                     {**headers, "Content-Length": str(len(big))}, chunks)
+    assert (status, error_of(body)["code"], sent) == (413, "request_too_large", 0)
+    with ResourceWatch(edge_gateway.process.pid, spool_dir) as watch:
+        status, body, sent = raw_request(edge_gateway.port, "POST", "/v1/completions", headers, chunks, chunked=True)
+    assert (status, error_of(body)["code"]) == (413, "request_too_large")
+    assert sent < len(big)
+    assert watch.max_rss_growth < JSON_LIMIT + SLACK, watch.max_rss_growth
+
+
+def test_the_board_login_reads_a_bounded_form(edge_gateway, spool_dir):
+    form = b"key=" + b"k" * (16 * MIB)
+    with ResourceWatch(edge_gateway.process.pid, spool_dir) as watch:
+        status, body, _ = raw_request(edge_gateway.port, "POST", "/board/login", {
+            "Content-Type": "application/x-www-form-urlencoded"}, [form[i:i + 65536] for i in range(0, len(form), 65536)],
+            chunked=True)
+    assert (status, error_of(body)["code"]) == (413, "request_too_large")
+    assert watch.max_rss_growth < SLACK, watch.max_rss_growth
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"])
+def test_a_json_route_takes_json_only_and_enqueues_nothing_else(edge_gateway, redis_client, content_type):  # noqa: F811
+    before = job_count(redis_client)
+    body = json.dumps({"model": "echo", "prompt": "cross-site", "max_tokens": 4}).encode()
+    headers = {"Authorization": f"Bearer {KEY}", "Origin": "https://evil.example"}
+    if content_type:
+        headers["Content-Type"] = content_type
+    for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/batches"):
+        response = httpx.post(f"{edge_gateway.url}{path}", content=body, headers=headers)
+        assert response.status_code == 415 and response.json()["error"]["code"] == "unsupported_media_type", path
+        assert "access-control-allow-origin" not in response.headers
+    assert job_count(redis_client) == before
+
+
+def test_cors_is_granted_to_configured_origins_only(edge_gateway, redis_server):  # noqa: F811
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    allowed = httpx.options(f"{edge_gateway.url}/v1/completions", headers={"Origin": ORIGIN, **preflight})
+    refused = httpx.options(f"{edge_gateway.url}/v1/completions", headers={"Origin": "https://evil.example", **preflight})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
+    assert "access-control-allow-origin" not in refused.headers
+
+
+def test_an_open_gateway_grants_no_cors_and_its_board_actions_need_their_header(redis_server, tmp_path):  # noqa: F811
+    gateway = GatewayProcess(redis_server.url, tmp_path).start()
+    try:
+        preflight = httpx.options(f"{gateway.url}/v1/completions", headers={
+            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in preflight.headers
+        simple = httpx.post(f"{gateway.url}/v1/completions", content=b"{}", headers={
+            "Origin": "https://evil.example", "Content-Type": "text/plain"})
+        assert simple.status_code == 415 and "access-control-allow-origin" not in simple.headers
+        action = httpx.post(f"{gateway.url}/board/job/cancel?id=anything", headers={"Origin": "https://evil.example"})
+        assert action.status_code == 403
+    finally:
+        gateway.stop()
