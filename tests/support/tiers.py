@@ -26,8 +26,9 @@ E2E_DIRS = frozenset({"e2e", "board"})
 # What starts a process beside the session's redis-server: the harness's classes and helpers,
 # and the other fixtures that a test may depend on for one.
 STARTERS = frozenset({
-    "ChildProcess", "WorkerProcess", "GatewayProcess", "start_workers", "echo_workers", "echo_worker", "kill_until_dead_lettered",
-    "LocalCluster", "LocalSentinel", "sync_playwright", "redis_cluster", "redis_sentinel", "redis_deployment",
+    "ChildProcess", "WorkerProcess", "GatewayProcess", "start_workers", "echo_workers", "echo_worker",
+    "kill_until_dead_lettered", "LocalCluster", "LocalSentinel", "sync_playwright", "redis_cluster", "redis_sentinel",
+    "redis_deployment",
 })
 
 
