@@ -21,7 +21,7 @@ def test_it_serves_on_a_unix_socket_in_its_own_dir_and_cleans_up():
 
 
 def test_a_missing_binary_says_how_to_install_it(monkeypatch):
-    monkeypatch.setattr(embedded_redis.shutil, "which", lambda name: None)
+    monkeypatch.setattr(embedded_redis.shutil, "which", lambda name, path=None: None)  # not on PATH, nor beside python
     with pytest.raises(RedisServerError) as e:
         EmbeddedRedis().start()
     assert "apt-get install redis-server" in e.value.message
