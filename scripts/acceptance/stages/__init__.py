@@ -6,7 +6,7 @@ import importlib
 
 from scripts.acceptance.step import Stage
 
-ORDER = ("kernels", "engine", "bench", "serve")
+ORDER = ("kernels", "engine", "bench", "serve", "moe")
 
 
 def stages() -> dict[str, Stage]:
