@@ -11,12 +11,16 @@ processes share its host. In one run it prints:
      and p99 over the jobs, from the timings in their results (Redis's and the worker's
      clocks: the same host's).
 
+With --stream the jobs are submitted as streamed and every job has a reader on `stream()` (the
+asyncio client, in the producer processes) until it ends, as an SSE client's gateway reads them.
+
     python -m bench.serve --workload nanovllm            # 256 requests, input and output in [100, 1024]
     python -m bench.serve --model tiny --num-requests 8 --max-prompt 32 --max-output 16 --threads 1   # CPU smoke
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import multiprocessing as mp
 import os
 import subprocess
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.measure import pct
-from producer_client import Client, JobTimeout  # the producers import nothing heavier
+from producer_client import AsyncClient, Client, JobTimeout  # the producers import nothing heavier
 from worker.embedded_redis import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +61,7 @@ def main() -> None:
         worker = start_worker(args, server.url, log)
         try:
             wait_ready(server.url, worker)
-            times, seconds = run_producers(server.url, args.producers, work)
+            times, seconds = run_producers(server.url, args.producers, work, args.stream)
         finally:
             worker.terminate()
             worker.wait(timeout=60)
@@ -68,7 +72,8 @@ def main() -> None:
         raise RuntimeError(f"the worker produced {sum(produced)} tokens, asked for {work.output_tokens}")
     queued_tok_s = sum(produced) / seconds
     print(f"through the queue: {queued_tok_s:,.1f} output tok/s ({sum(produced)} tokens in {seconds:.1f}s, "
-          f"1 worker, {args.producers} producer processes) = {queued_tok_s / offline_tok_s:.1%} of offline")
+          f"1 worker, {args.producers} producer processes{', every job streamed' if args.stream else ''}) = "
+          f"{queued_tok_s / offline_tok_s:.1%} of offline")
     ttft = [t.ttft_s for t in times]
     tpot = [t.tpot_s for t in times if t.tpot_s is not None]
     print(f"TTFT: p50 {pct(ttft, 50) * 1e3:,.1f} ms, p99 {pct(ttft, 99) * 1e3:,.1f} ms")
@@ -89,6 +94,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch CPU threads of the engine, offline and in the worker")
     p.add_argument("--producers", type=int, default=4, help="producer processes, each submitting its share of the jobs")
     p.add_argument("--offline-tok-s", type=float, help="take the offline figure from an earlier run instead")
+    p.add_argument("--stream", action="store_true", help="submit the jobs as streamed, each read by stream() to its end")
     p.add_argument("--tcp", action="store_true", help="Redis over TCP on 127.0.0.1 instead of a unix socket")
     return p.parse_args()
 
@@ -155,7 +161,7 @@ def wait_ready(url: str, worker: subprocess.Popen) -> None:
         client.generate(input_ids=list(range(200, 216)), max_tokens=4, temperature=0.0, ignore_eos=True, timeout=600)
 
 
-def run_producers(url: str, procs: int, work) -> tuple[list[JobTimes], float]:
+def run_producers(url: str, procs: int, work, stream: bool) -> tuple[list[JobTimes], float]:
     """Producer process i submits jobs i, i + procs, ... at once, then collects their results.
     Returns every job's times and the seconds from the start signal to the last result."""
     ctx = mp.get_context("spawn")
@@ -163,7 +169,7 @@ def run_producers(url: str, procs: int, work) -> tuple[list[JobTimes], float]:
     go = ctx.Event()
     jobs = list(zip(work.prompts, work.output_lens))
     shares = [jobs[i::procs] for i in range(procs)]
-    children = [ctx.Process(target=producer, args=(url, share, go, results)) for share in shares if share]
+    children = [ctx.Process(target=producer, args=(url, share, go, results, stream)) for share in shares if share]
     for c in children:
         c.start()
     if any(results.get() != "ready" for _ in children):
@@ -177,7 +183,11 @@ def run_producers(url: str, procs: int, work) -> tuple[list[JobTimes], float]:
     return times, max(part["done_at"] for part in parts) - start
 
 
-def producer(url: str, share: list[tuple[list[int], int]], go, results) -> None:
+def producer(url: str, share: list[tuple[list[int], int]], go, results, stream: bool) -> None:
+    if stream:
+        times = asyncio.run(stream_share(url, share, go, results))
+        results.put({"times": times, "done_at": time.time()})
+        return
     with Client(url, QUEUE) as client:
         client.redis.ping()
         results.put("ready")
@@ -188,6 +198,28 @@ def producer(url: str, share: list[tuple[list[int], int]], go, results) -> None:
         ]
         times = [job_times(client.result(job_id, timeout=RESULT_TIMEOUT_S)) for job_id in ids]
     results.put({"times": times, "done_at": time.time()})
+
+
+async def stream_share(url: str, share: list[tuple[list[int], int]], go, results) -> list[JobTimes]:
+    """Submit the share as streamed jobs and read each one's deltas to its end, all at once."""
+    client = AsyncClient(url, QUEUE, max_connections=len(share) + 4)
+    try:
+        await asyncio.gather(*(client.redis.ping() for _ in share))  # a connection per reader, made now
+        results.put("ready")
+        await asyncio.get_running_loop().run_in_executor(None, go.wait)
+        ids = [
+            await client.submit(input_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True, stream=True)
+            for prompt, n in share
+        ]
+
+        async def read(job_id: str) -> JobTimes:
+            async for _ in client.stream(job_id, timeout=RESULT_TIMEOUT_S):
+                pass
+            return job_times(await client.result(job_id, timeout=RESULT_TIMEOUT_S))
+
+        return list(await asyncio.gather(*(read(job_id) for job_id in ids)))
+    finally:
+        await client.aclose()
 
 
 def job_times(result) -> JobTimes:

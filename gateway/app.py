@@ -59,11 +59,15 @@ class Gateway:
         self.jobs = Jobs(lifecycle, settings.job_timeout_s, settings.cancel_on_disconnect)
         self.metrics = GatewayMetrics()
 
-    async def submit(self, request: Request, specs: list[JobSpec], queue: str, body: BaseModel) -> RequestJobs:
-        """Enqueue the request's jobs; with an Idempotency-Key, under ids of the request's tenant,
-        bound to this request (gateway/idempotency.py)."""
+    async def submit(
+        self, request: Request, specs: list[JobSpec], queue: str, body: BaseModel, stream: bool = False,
+    ) -> RequestJobs:
+        """Enqueue the request's jobs (streamed ones for an SSE response); with an Idempotency-Key,
+        under ids of the request's tenant, bound to this request (gateway/idempotency.py)."""
         client = self.client.on_queue(queue)
-        jobs = await self.jobs.submit(client, specs, scoped_key(request), fingerprint(request, body), request.state.request_id)
+        jobs = await self.jobs.submit(
+            client, specs, scoped_key(request), fingerprint(request, body), request.state.request_id, stream,
+        )
         request.state.jobs = f"queue {queue!r} jobs {','.join(jobs.ids)}"  # for the request's log line
         return jobs
 
@@ -91,7 +95,7 @@ class Gateway:
         specs = jobs_of(req)
         renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, [s.prompt_index for s in specs])
         self.check(specs)
-        jobs = await self.submit(request, specs, await self.registry.queue_for(req.model), req)
+        jobs = await self.submit(request, specs, await self.registry.queue_for(req.model), req, stream=req.streams)
         prompt = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         try:
             if req.streams:

@@ -57,15 +57,16 @@ class Jobs:
 
     async def submit(
         self, client: AsyncClient, specs: list[JobSpec], key: str | None, fingerprint: str, request_id: str,
+        stream: bool,
     ) -> RequestJobs:
-        """Enqueue one job per spec (see Gateway.check for their validation). With an
-        Idempotency-Key (scoped to its tenant), job i is `<key>-<i>`, bound to the request's
-        `fingerprint`: a retried request finds the same jobs, another request with the key is
-        refused (IdempotencyConflict)."""
+        """Enqueue one job per spec (see Gateway.check for their validation), as streamed jobs for
+        an SSE response. With an Idempotency-Key (scoped to its tenant), job i is `<key>-<i>`,
+        bound to the request's `fingerprint`: a retried request finds the same jobs, another
+        request with the key is refused (IdempotencyConflict)."""
         submits = [
             client.submit(
                 request_id=None if key is None else f"{key}-{i}", request_fingerprint=None if key is None else fingerprint,
-                timeout_s=self.job_timeout_s, **spec.submit_kwargs(),
+                timeout_s=self.job_timeout_s, stream=stream, **spec.submit_kwargs(),
             )
             for i, spec in enumerate(specs)
         ]

@@ -51,9 +51,11 @@ class AsyncClient(OperatorViews):
     async def submit(
         self, prompt: str | None = None, *, messages: list[dict] | None = None, input_ids: list[int] | None = None,
         request_id: str | None = None, timeout_s: float | None = None, priority: int = 0,
-        request_fingerprint: str | None = None, **sampling: Any,
+        request_fingerprint: str | None = None, stream: bool = False, **sampling: Any,
     ) -> str:
-        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint)
+        job = protocol.build_job(
+            prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint, stream=stream,
+        )
         if job.idempotent:
             if not job.created((await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys))))[0]):
                 return job.job_id
@@ -81,7 +83,8 @@ class AsyncClient(OperatorViews):
         job_id = protocol.check_job_id(job_id)
         reader = JobStream(job_id, after)
         deadline = Deadline(job_id, protocol.check_timeout(timeout))
-        if not await self.redis.exists(self.keys.job(job_id)):
+        follow = protocol.follow_call(self.keys, job_id)
+        if not (await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*follow)))[0]:
             raise JobNotFound(job_id)
         while reader.end is None:
             for event_id, fields in await self._read_events(job_id, reader.last, deadline):

@@ -45,7 +45,7 @@ def build_spec(index: int, spec: Mapping[str, Any]) -> NewJob:
         return protocol.build_job(
             sampling.pop("prompt", None), sampling.pop("messages", None), sampling.pop("input_ids", None),
             sampling.pop("request_id", None), sampling.pop("timeout_s", None), sampling.pop("priority", 0), sampling,
-            sampling.pop("request_fingerprint", None),
+            sampling.pop("request_fingerprint", None), stream=sampling.pop("stream", False),
         )
     except InvalidArgument as e:
         raise type(e)(f"jobs[{index}].{e.field}", e.message.removeprefix(f"{e.field}: ")) from None
@@ -114,12 +114,8 @@ def enqueue_commands(keys: Keys, queue: str, max_depth: int | None, jobs: list[N
 
     def add(pipe) -> None:
         for job in jobs:
-            if job.idempotent:
-                continue
-            if job.timeout_ms:
-                pipe.evalsha(*job.create_call(keys))
-            else:  # CREATE without a deadline is this one command, which costs Redis less than a script
-                pipe.hsetnx(keys.job(job.job_id), "status", "queued")
+            if not job.idempotent:
+                job.add_fresh_create(pipe, keys)
         ids_and_bodies = [x for job in jobs for x in (job.job_id, job.body)]
         pipe.evalsha(ENQUEUE_MANY.sha, 1, keys.queue(queue), max_depth or 0, PROTOCOL_VERSION, *ids_and_bodies)
 

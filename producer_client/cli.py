@@ -118,6 +118,7 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     job_id = client.submit(
         **text, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, request_id=args.request_id, timeout_s=args.timeout_s, priority=args.priority,
+        stream=args.stream,
     )
     if not args.stream:
         print(job_id)

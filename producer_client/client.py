@@ -62,14 +62,19 @@ class Client(OperatorViews):
     def submit(
         self, prompt: str | None = None, *, messages: list[dict] | None = None, input_ids: list[int] | None = None,
         request_id: str | None = None, timeout_s: float | None = None, priority: int = 0,
-        request_fingerprint: str | None = None, **sampling: Any,
+        request_fingerprint: str | None = None, stream: bool = False, **sampling: Any,
     ) -> str:
         """Enqueue a job and return its id. `sampling` takes SamplingParams' fields (max_tokens,
         temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same
         id, if it came with the same request (prompt, sampling parameters and chat options; or
         `request_fingerprint`, a digest of a request of the caller's own such as an HTTP body,
-        when given); with another it raises IdempotencyConflict and enqueues nothing."""
-        job = protocol.build_job(prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint)
+        when given); with another it raises IdempotencyConflict and enqueues nothing. `stream`:
+        its tokens will be read as they come (stream()), so the worker publishes them within its
+        stream_interval_s from the first; without it, a reader's stream() gets them at the
+        worker's checkpoint_interval_s until the worker sees the reader."""
+        job = protocol.build_job(
+            prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint, stream=stream,
+        )
         if job.idempotent:
             if not job.created(scripts.execute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys)))[0]):
                 return job.job_id
@@ -101,11 +106,14 @@ class Client(OperatorViews):
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
         """Yield the job's token deltas until it ends. Resume after a disconnect with
         `after=` the last delta's `event_id`: nothing is lost or repeated. A chat's deltas carry
-        its answer (`text`), reasoning and tool calls apart. A failed job raises JobFailed at its end."""
+        its answer (`text`), reasoning and tool calls apart. A failed job raises JobFailed at its end.
+        The job counts as streamed from now on (FOLLOW): its worker publishes its tokens within
+        stream_interval_s once it sees that."""
         job_id = protocol.check_job_id(job_id)
         reader = JobStream(job_id, after)
         deadline = Deadline(job_id, protocol.check_timeout(timeout))
-        if not self.redis.exists(self.keys.job(job_id)):
+        follow = protocol.follow_call(self.keys, job_id)
+        if not scripts.execute(self.redis, lambda pipe: pipe.evalsha(*follow))[0]:
             raise JobNotFound(job_id)
         while reader.end is None:
             for event_id, fields in self._read_events(job_id, reader.last, deadline):
@@ -119,7 +127,8 @@ class Client(OperatorViews):
         return steps.run(self.redis, protocol.read_status(self.keys, job_id))
 
     def cancel(self, job_id: str) -> JobStatus:
-        """A queued job is cancelled at once; a running one stops within one engine step and
+        """A queued job is cancelled at once; a running one stops within its worker's
+        stream_interval_s if streamed, else its checkpoint_interval_s (plus a step), and
         keeps its partial output. Returns the status right after the request."""
         job_id = protocol.check_job_id(job_id)
         cancel = protocol.cancel_call(self.keys, job_id)

@@ -58,7 +58,7 @@ class Keys:
 
     def job(self, job_id: str) -> str:
         """Hash: status, the claiming worker, its entry and run token, the run that published a
-        start event, tokens so far, cancel and enqueued flags, and the final result JSON."""
+        start event, tokens so far, cancel, enqueued and streamed flags, and the final result JSON."""
         return f"{self.prefix}:job:{{{job_id}}}"
 
     def events(self, job_id: str) -> str:

@@ -20,7 +20,7 @@ from producer_client.errors import (
     BodyTooLarge, IdempotencyConflict, InvalidArgument, JobNotFound, JobTimeout, NotReplicated,
 )
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
-from producer_client.scripts import CANCEL, CREATE, ENQUEUE
+from producer_client.scripts import CANCEL, CREATE, ENQUEUE, FOLLOW
 from producer_client.steps import Steps, checked
 from producer_client.schema import (
     CHAT_OPTIONS, MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
@@ -56,6 +56,14 @@ class NewJob:
             raise IdempotencyConflict(self.job_id)
         return bool(reply)
 
+    def add_fresh_create(self, pipe, keys: Keys) -> None:
+        """CREATE of a job with a fresh id: without a deadline that is one HSETNX, which costs
+        Redis less than a script (nobody reads the reply of a fresh id's CREATE)."""
+        if self.timeout_ms:
+            pipe.evalsha(*self.create_call(keys))
+        else:
+            pipe.hsetnx(keys.job(self.job_id), "status", "queued")
+
     def enqueue_call(self, keys: Keys, queue: str, max_depth: int | None) -> tuple:
         """EVALSHA arguments of ENQUEUE for this job."""
         return ENQUEUE.sha, 1, keys.queue(queue), max_depth or 0, self.job_id, PROTOCOL_VERSION, self.body
@@ -85,16 +93,18 @@ def enqueue_commands(
 ) -> Callable:
     """The pipeline that enqueues `job`: CREATE first when `create` (a fresh id cannot collide, so
     creating and enqueueing take one round trip; CREATE sets the status only if there is none, so
-    a retried pipeline never sets a started job back to queued), then ENQUEUE, then the
-    `enqueued` flag that tells a later submit with the same request_id that the entry exists;
-    with a replication to wait for, a WAIT on the job's node and one on the queue's (on one
-    server they are the same: the second answers at once). `enqueued` reads the replies."""
+    a retried pipeline never sets a started job back to queued), then ENQUEUE, then for a
+    request_id's job the `enqueued` flag that tells a later submit with the same request_id that
+    the entry exists (no later submit names a fresh id); with a replication to wait for, a WAIT on
+    the job's node and one on the queue's (on one server they are the same: the second answers at
+    once). `enqueued` reads the replies."""
 
     def add(pipe) -> None:
         if create:
-            pipe.evalsha(*job.create_call(keys))
+            job.add_fresh_create(pipe, keys)
         pipe.evalsha(*job.enqueue_call(keys, queue, max_depth))
-        pipe.hset(keys.job(job.job_id), "enqueued", "1")
+        if job.idempotent:
+            pipe.hset(keys.job(job.job_id), "enqueued", "1")
         if replication.waits:
             for key in (keys.job(job.job_id), keys.queue(queue)):
                 pipe.wait_replicas(key, replication.replicas, replication.timeout_ms)
@@ -115,7 +125,7 @@ def enqueued(job: NewJob, create: bool, replication: Replication, replies: list)
 
 def build_job(
     prompt: Any, messages: Any, input_ids: Any, request_id: Any, timeout_s: Any, priority: Any,
-    options: dict[str, Any], fingerprint: Any = None,
+    options: dict[str, Any], fingerprint: Any = None, stream: Any = False,
 ) -> NewJob:
     """Validate every argument the way the worker will, before anything touches Redis. `options`
     are SamplingParams' fields and the chat options of JobRequest (tools, enable_thinking...). A
@@ -128,7 +138,7 @@ def build_job(
         params = SamplingParams.model_validate(sampling, strict=True)
         request = JobRequest.model_validate(
             {"prompt": prompt, "messages": messages, "input_ids": input_ids, "params": params,
-             "priority": priority, "timeout_s": timeout_s, **chat},
+             "priority": priority, "timeout_s": timeout_s, "stream": stream, **chat},
             strict=True,
         )
     except ValidationError as e:
@@ -151,8 +161,9 @@ def build_job(
 
 def generation_fingerprint(request: JobRequest) -> str:
     """A digest of what a job generates from: its prompt, sampling parameters and chat options.
-    Not its deadline or priority: a retry may count its deadline from its own start."""
-    generation = request.model_dump_json(exclude={"timeout_s", "priority"})
+    Not its deadline or priority: a retry may count its deadline from its own start; nor whether
+    it is streamed: a retry may read the same job whole."""
+    generation = request.model_dump_json(exclude={"timeout_s", "priority", "stream"})
     return hashlib.sha256(generation.encode()).hexdigest()
 
 
@@ -218,6 +229,11 @@ def read_cut_short(error: Exception) -> bool:
 def job_keys(keys: Keys, job_id: str) -> tuple[str, str, str]:
     """The keys every job script takes, in order."""
     return keys.job(job_id), keys.events(job_id), keys.done(job_id)
+
+
+def follow_call(keys: Keys, job_id: str) -> tuple:
+    """EVALSHA arguments of FOLLOW: a reader of `stream()` asks for the job's tokens as they come."""
+    return FOLLOW.sha, 1, keys.job(job_id)
 
 
 def cancel_call(keys: Keys, job_id: str) -> tuple:

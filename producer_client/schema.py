@@ -83,6 +83,9 @@ class JobRequest(BaseModel):
     the Redis clock, so producer and worker clocks never need to agree.
     `priority` orders jobs a worker has admitted (lower runs sooner, as in vLLM); the queue
     itself is FIFO.
+    `stream`: someone reads the tokens as they come (`stream()`, an SSE response), so the worker
+    publishes them within its `stream_interval_s`; otherwise it records them every
+    `checkpoint_interval_s` (and sooner once a reader of `stream()` shows up).
 
     A chat (`messages`) may offer `tools` to the model, rendered by the chat template; with
     `tool_choice` "none" they are neither rendered nor parsed, a named one is the only one offered,
@@ -98,6 +101,7 @@ class JobRequest(BaseModel):
     params: SamplingParams = SamplingParams()
     priority: int = Field(0, ge=-1000, le=1000)
     timeout_s: float | None = Field(None, gt=0.0, le=7 * 24 * 3600)
+    stream: bool = False
     tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: bool = True

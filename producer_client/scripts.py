@@ -6,6 +6,7 @@ and Redis Cluster-safe. A job is born here:
 
     (none) --CREATE--> queued --ENQUEUE--> in the queue stream
     queued --CANCEL--> cancelled            (the worker that reads the entry just drops it)
+    any --FOLLOW--> streamed flag up         (a reader of stream(): the worker publishes its tokens as they come)
     failed | (none) --RETRY--> queued --REVIVE--> in the queue stream, out of the dead-letter stream
 
 and moves on through the worker's scripts (worker/scripts.py). Every script is safe to run
@@ -85,6 +86,16 @@ end
 return status
 """)
 
+# KEYS: job. A reader of stream() follows the job: its `streamed` flag goes up, and the worker
+# running it (which reads the flag with each look at the job) publishes its tokens within
+# stream_interval_s from then on instead of at its checkpoints. Returns 1, or 0 (changing
+# nothing) if there is no such job.
+FOLLOW = Script("follow", """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'streamed', '1')
+return 1
+""")
+
 # KEYS: job, events, done. ARGV: timeout in ms (0: no deadline). An operator retries a dead-lettered
 # job: one that failed (poison), whose hash expired, or that an earlier retry left queued before its
 # REVIVE. Its hash, events and done entry go, so that result() and stream() of the new run never
@@ -140,7 +151,7 @@ end
 return {room, depth + room}
 """)
 
-PRODUCER_SCRIPTS = (CREATE, CANCEL, ENQUEUE, ENQUEUE_MANY, RETRY, REVIVE)
+PRODUCER_SCRIPTS = (CREATE, CANCEL, FOLLOW, ENQUEUE, ENQUEUE_MANY, RETRY, REVIVE)
 
 
 Stack = list[tuple[tuple, dict]]  # recorded commands: (arguments, options) each
@@ -265,14 +276,19 @@ def _pipeline(client, stack: Stack):
     (more than one for a command of COUNTED_PER_KEY whose keys lie in several slots); and for
     each WAIT, by its place in `stack`, its key and the node it was sent to (None: one server)."""
     pipe = client.pipeline(transaction=False)
+    cluster = is_cluster(client)  # asked once: an isinstance of redis-py's cluster classes costs microseconds
     parts, waits = [], {}
     for at, (args, options) in enumerate(stack):
         if _NODE_OF in options:
             options = dict(options)
             key = options.pop(_NODE_OF)
-            waits[at] = (key, client.get_node_from_key(key) if is_cluster(client) else None)
+            waits[at] = (key, client.get_node_from_key(key) if cluster else None)
             if waits[at][1] is not None:
                 options["target_nodes"] = waits[at][1]
+        if not cluster:
+            pipe.execute_command(*args, **options)
+            parts.append(1)
+            continue
         sent = _as_sent(client, args, options)
         for command_args, command_options in sent:
             pipe.execute_command(*command_args, **command_options)
@@ -281,7 +297,8 @@ def _pipeline(client, stack: Stack):
 
 
 def _as_sent(client, args: tuple, options: dict) -> Stack:
-    if not is_cluster(client) or str(args[0]).upper() not in COUNTED_PER_KEY:
+    """The commands a cluster client sends for one recorded command."""
+    if str(args[0]).upper() not in COUNTED_PER_KEY:
         return [(args, options)]
     by_slot: dict[int, list] = {}
     for key in args[1:]:

@@ -51,10 +51,11 @@ class Admission:
 
     def room(self) -> int:
         """How many entries to take: what the engine can start now, less those taken and not yet
-        admitted. Each job needs a slot and at least one page; its real page need is unknown until
-        it is tokenized."""
+        admitted, and those of ended jobs whose result Redis has not confirmed yet (their entries
+        are pending until then, and pending entries stay within the engine's slots). Each job needs
+        a slot and at least one page; its real page need is unknown until it is tokenized."""
         cap = self.engine.capacity()
-        return min(cap.free_slots, cap.free_pages) - len(self.holdings.unadmitted)
+        return min(cap.free_slots, cap.free_pages) - len(self.holdings.unadmitted) - self.outbox.ended()
 
     def defer_reclaims(self) -> None:
         """Take no idle entry for claim_idle_ms: Redis was out of reach, so every live worker's

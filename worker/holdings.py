@@ -31,7 +31,8 @@ class Holdings:
     """A job is held from its delivery until its final result is in Redis: delivered and not yet
     admitted (its claim not settled), running in the engine, out of the engine after a failed
     step (a suspect), ended with an update Redis has not seen (in the outbox, which also holds
-    the unpublished steps of running jobs), or rejected for its keys (see worker/rejection.py). Each held entry is refreshed with every heartbeat."""
+    the published output of running jobs that Redis has not answered yet), or rejected for its
+    keys (see worker/rejection.py). Each held entry is refreshed with every heartbeat."""
 
     def __init__(self, engine: EngineAPI, outbox: Outbox):
         self.engine = engine
@@ -44,14 +45,14 @@ class Holdings:
     def entries(self) -> dict[str, str]:
         """{entry id: job id} of the entries this worker holds. Detached jobs have none."""
         held = {d.entry_id: d.job_id for d in self.unadmitted}
-        held.update((u.entry_id, u.job_id) for u in self.outbox.updates.values() if u.entry_id is not None)
+        held.update((u.entry_id, u.job_id) for u in self.outbox.held() if u.entry_id is not None)
         held.update((job.entry_id, job.id) for job in self.claimed() if job.entry_id is not None)
         held.update((r.entry_id, r.job_id) for r in self.rejected.values() if r.entry_id is not None)
         return held
 
     def runs(self) -> dict[str, str]:
         """{job id: run token} of every claimed job."""
-        held = {u.job_id: u.run for u in self.outbox.updates.values()}
+        held = {u.job_id: u.run for u in self.outbox.held()}
         for job in self.claimed():
             held.setdefault(job.id, job.run)
         return held
@@ -73,10 +74,14 @@ class Holdings:
         job = self.find(job_id)
         if job is not None:
             job.entry_id = None
-        update = self.outbox.updates.get(job_id)
-        if update is not None:
-            update.entry_id = None
-            update.dead_letter = None  # no entry left to move
+        for update in self.outbox.held():
+            if update.job_id == job_id:
+                update.entry_id = None
+                update.dead_letter = None  # no entry left to move
+
+    def unpublished_tokens(self) -> int:
+        """Tokens Redis has not taken yet: in updates, and in claimed jobs' output no update holds."""
+        return self.outbox.buffered_tokens() + sum(len(j.token_ids) - j.feed.tokens for j in self.claimed())
 
     def detach_rejected(self) -> None:
         """Redis lost the group: the rejected jobs' entries went with it."""

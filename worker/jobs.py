@@ -4,6 +4,7 @@ the tokens its event stream recorded."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field, field_validator
@@ -79,6 +80,32 @@ class TokensEvent(BaseModel):
 
 
 @dataclass
+class Feed:
+    """How far a claimed job's output has gone towards Redis: how much of it some update holds
+    already (outbox.Update.take moves the rest in), since when the rest has waited, when the worker
+    last heard from the job's hash (a publication, or a look at its flags), and whether someone
+    reads its tokens as they come (the job's `stream` option, or a reader's FOLLOW)."""
+
+    streamed: bool
+    tokens: int = 0  # of job.token_ids
+    pieces: int = 0  # of job.text
+    logprobs: int = 0  # of job.logprobs
+    waiting_since: float | None = None  # monotonic time of the oldest output no update holds
+    # Monotonic. A job is made as its claim reads its hash: that counts as a look.
+    looked_at: float = field(default_factory=time.monotonic)
+
+    def behind(self, job: Job) -> bool:
+        """Whether the job has output no update holds."""
+        return self.tokens < len(job.token_ids) or self.pieces < len(job.text)
+
+    def catch_up(self, job: Job) -> None:
+        """Everything the job has now counts as held by an update (recorded, or about to be)."""
+        self.tokens, self.pieces = len(job.token_ids), len(job.text)
+        self.logprobs = len(job.logprobs or ())
+        self.waiting_since = None
+
+
+@dataclass
 class Job:
     id: str
     # None once the job is detached from its entry: Redis lost the queue's group, and the worker
@@ -104,10 +131,12 @@ class Job:
     # With parallel_tool_calls off, the output as it grows: the job stops at its first tool call.
     call_watch: OutputParser | None = field(init=False, default=None)
     called_before: bool = field(init=False, default=False)  # an earlier run made that call: nothing is left to run
+    feed: Feed = field(init=False)
 
     def __post_init__(self):
         if self.deadline is None and self.request.timeout_s is not None:
             self.deadline = self.queued_at + self.request.timeout_s
+        self.feed = Feed(streamed=self.request.stream)
         fmt = self.output_format
         if fmt is not None and fmt.tools is not None and not self.request.parallel_tool_calls:
             self.call_watch = OutputParser(fmt)
@@ -134,6 +163,7 @@ class Job:
         if starts:
             self.started_at = starts[0].started_at
         self.resumed_tokens = len(self.token_ids)
+        self.feed.catch_up(self)
         self.called_before = self.watch_for_call("".join(self.text))
 
     def usage(self) -> Usage:
@@ -254,8 +284,14 @@ def printable(message: str) -> str:
     return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+# json.dumps makes an encoder per call when given options; one made once serves every event.
+_json_text = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def token_event(token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None) -> str:
-    payload: dict = {"ids": token_ids, "text": text}
-    if logprobs is not None:
-        payload["logprobs"] = [lp.model_dump() for lp in logprobs]
+    """A tokens event's JSON, {"ids": [...], "text": "...", "logprobs": [...]}. Without logprobs
+    (most events) it is put together here: json.dumps of the whole dict costs twice as much."""
+    if logprobs is None:
+        return '{"ids":[' + ",".join(map(str, token_ids)) + '],"text":' + _json_text(text) + "}"
+    payload = {"ids": token_ids, "text": text, "logprobs": [lp.model_dump() for lp in logprobs]}
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))

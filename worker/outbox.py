@@ -1,7 +1,8 @@
-"""What a worker has to tell Redis and has not yet: one update per job (the engine steps since
-its last publication, its final result), in the outbox until a publish has carried it; and the
-receipts of settled entries: acknowledgements, and dead letters (entries that go to the
-dead-letter stream instead)."""
+"""What a worker has to tell Redis and has not yet: one update per job (its output since its last
+publication, its final result), in the outbox until Redis has answered a publication of it (a
+running job's newest output waits in the job itself until its publication is due: see
+worker/pace.py); and the receipts of settled entries: acknowledgements, and dead letters
+(entries that go to the dead-letter stream instead)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,8 +34,9 @@ class DeadLetter:
 
 @dataclass
 class Update:
-    """What one job has to tell Redis and has not yet: the engine steps since its last publication,
-    merged into one tokens event (several while Redis is unreachable, else one)."""
+    """What one job has to tell Redis and has not yet: its output since its last publication, in
+    one tokens event made of cuts (each a piece of output taken at once: one, or several when a
+    publication Redis did not answer is sent again with what came after it), and its end."""
 
     job_id: str
     entry_id: str | None  # None for a job detached from its entry (see ADOPT): nothing to acknowledge
@@ -42,33 +44,54 @@ class Update:
     tokens_before: int  # tokens of the job that Redis has already
     start: str = ""  # start event JSON: the run's first publication
     token_ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)  # one piece per cut
     logprobs: list[TokenLogprob] | None = None
-    step_sizes: list[int] = field(default_factory=list)  # tokens of each merged step, in order
+    cut_sizes: list[int] = field(default_factory=list)  # tokens of each cut, in order
     final: JobResult | None = None
     # Set for a job that ends in the dead-letter stream: after its final result, its entry moves
     # there instead of being acknowledged.
     dead_letter: DeadLetter | None = None
 
-    def add_tokens(self, token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None) -> None:
-        self.token_ids.extend(token_ids)
+    def take(self, job: Job) -> None:
+        """Move the job's output that no update holds yet into this one, as one cut."""
+        feed = job.feed
+        if not feed.behind(job):
+            return
+        logprobs = None if job.logprobs is None else job.logprobs[feed.logprobs:]
+        self.add_cut(job.token_ids[feed.tokens:], "".join(job.text[feed.pieces:]), logprobs)
+        feed.catch_up(job)
+
+    def add_cut(self, token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None) -> None:
+        self.token_ids += token_ids
         self.text.append(text)
-        self.step_sizes.append(len(token_ids))
-        if logprobs is not None:
+        self.cut_sizes.append(len(token_ids))
+        if logprobs:
             self.logprobs = (self.logprobs or []) + logprobs
 
+    def absorb(self, later: Update) -> None:
+        """Append the same job's next update, made while this one was out (Redis did not take it)."""
+        self.token_ids += later.token_ids
+        self.text += later.text
+        self.cut_sizes += later.cut_sizes
+        if later.logprobs:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.start = self.start or later.start
+        self.final = later.final or self.final
+        self.dead_letter = later.dead_letter or self.dead_letter
+        self.entry_id = later.entry_id
+
     def skip_recorded(self, recorded: int) -> bool:
-        """Drop the leading steps that Redis already recorded (a publish whose reply was lost
-        carried them before more steps merged in). False unless `recorded` ends one of our steps."""
-        done = steps = 0
-        while steps < len(self.step_sizes) and self.tokens_before + done < recorded:
-            done += self.step_sizes[steps]
-            steps += 1
+        """Drop the leading cuts that Redis already recorded (a publish whose reply was lost
+        carried them before more cuts merged in). False unless `recorded` ends one of our cuts."""
+        done = cuts = 0
+        while cuts < len(self.cut_sizes) and self.tokens_before + done < recorded:
+            done += self.cut_sizes[cuts]
+            cuts += 1
         if self.tokens_before + done != recorded:
             return False
         self.token_ids = self.token_ids[done:]
-        self.text = self.text[steps:]
-        self.step_sizes = self.step_sizes[steps:]
+        self.text = self.text[cuts:]
+        self.cut_sizes = self.cut_sizes[cuts:]
         if self.logprobs is not None:
             self.logprobs = self.logprobs[done:]
         self.tokens_before = recorded
@@ -87,29 +110,64 @@ class Update:
 
 
 class Outbox:
-    """Updates not yet in Redis, one per job. They leave only when a publish has carried them."""
+    """Updates not yet in Redis, at most one per job waiting to be sent, and at most one per job out
+    (sent in the publication Redis has not answered yet). They leave only once Redis has answered;
+    an update Redis did not take comes back in front of the job's newer one."""
 
     def __init__(self):
-        self.updates: dict[str, Update] = {}
+        self.updates: dict[str, Update] = {}  # waiting to be sent
+        self.out: dict[str, Update] = {}  # sent, not answered yet
 
     def __bool__(self) -> bool:
-        return bool(self.updates)
+        return bool(self.updates or self.out)
+
+    def held(self) -> list[Update]:
+        return [*self.out.values(), *self.updates.values()]
 
     def for_job(self, job: Job) -> Update:
-        """The job's pending update; a new one follows the tokens the job has now."""
+        """The job's waiting update, holding all its output so far: a new one follows the output
+        that earlier updates hold."""
         update = self.updates.get(job.id)
         if update is None:
-            update = self.updates[job.id] = Update(job.id, job.entry_id, job.run, len(job.token_ids))
+            update = self.updates[job.id] = Update(job.id, job.entry_id, job.run, job.feed.tokens)
+        update.take(job)
         return update
 
     def add(self, update: Update) -> None:
         self.updates[update.job_id] = update
 
+    def send_all(self) -> list[Update]:
+        """Every waiting update, now out."""
+        sent = list(self.updates.values())
+        self.out.update(self.updates)
+        self.updates = {}
+        return sent
+
+    def answered(self, update: Update) -> bool:
+        """Whether `update`, sent, is still the job's (the job was not let go of meanwhile): then it
+        is no longer out."""
+        if self.out.get(update.job_id) is not update:
+            return False
+        del self.out[update.job_id]
+        return True
+
+    def restore(self, update: Update) -> None:
+        """An update Redis did not take waits again, before whatever the job added since."""
+        newer = self.updates.get(update.job_id)
+        if newer is not None:
+            update.absorb(newer)
+        self.updates[update.job_id] = update
+
     def discard(self, job_id: str) -> None:
         self.updates.pop(job_id, None)
+        self.out.pop(job_id, None)
+
+    def ended(self) -> int:
+        """Jobs out of the engine whose entry waits for Redis to take their result."""
+        return sum(1 for u in self.held() if u.final is not None and u.entry_id is not None)
 
     def buffered_tokens(self) -> int:
-        return sum(len(u.token_ids) for u in self.updates.values())
+        return sum(len(u.token_ids) for u in self.held())
 
 
 @dataclass

@@ -13,6 +13,7 @@ from producer_client.keys import PROTOCOL_VERSION
 from worker.admission import start_event
 from worker.holdings import EngineAPI, Holdings
 from worker.metrics import WorkerMetrics
+from worker.jobs import Feed
 from worker.outbox import Outbox, Update
 from worker.queue import RedisClock, WorkerQueue
 from worker.rejection import Rejections
@@ -115,14 +116,15 @@ class Ownership:
         final = old.final if old is not None else None
         job = self.holdings.find(job_id)
         if job is not None:
-            ids, text, logprobs, started_at = job.token_ids, "".join(job.text), job.logprobs, job.started_at
-            fmt = job.output_format
+            started_at, fmt = job.started_at, job.output_format
         else:  # it ended while Redis had it still: its result holds the whole output
             # A chat's result holds its answer split from its reasoning and calls already: its
             # stream carries the answer as plain text, and the result the rest.
-            ids, text, logprobs, started_at = final.token_ids, final.text, final.logprobs, final.timings.started_at
-            fmt = None
+            started_at, fmt = final.timings.started_at, None
         update = Update(job_id, None, run, 0, start=start_event(self.worker, started_at, 0, fmt), final=final)
-        if ids or text:
-            update.add_tokens(list(ids), text, logprobs)
+        if job is not None:
+            job.feed = Feed(streamed=job.feed.streamed)  # none of its output is in Redis now
+            update.take(job)
+        elif final.token_ids or final.text:
+            update.add_cut(list(final.token_ids), final.text, final.logprobs)
         self.outbox.add(update)

@@ -1,19 +1,29 @@
-"""Publication: every job's update goes to Redis in one pipeline per loop iteration (PUBLISH), and
-what Redis answers settles the job here: a written result acknowledges its entry, a lost run
-stops the job, a cancel flag stops it within a step, a refusal for now keeps the update for the
-next try, and an answer the protocol does not define fails the job."""
+"""Publication: what the worker tells Redis about its jobs, in rounds. Each round is one pipeline,
+sent by the publisher's thread (worker/publisher.py) while the loop steps on: every update waiting
+(ends, starts, failures, and what an earlier round could not deliver), the output of the running
+jobs whose publication is due (worker/pace.py), each as one PUBLISH, and a look at the hash of the
+running jobs due for one. One round is out at a time; the output of the steps that run meanwhile
+waits for the next.
+
+What Redis answers settles the jobs here, in the loop's thread: a written result acknowledges its
+entry, a lost run stops the job, a cancel flag stops it, a reader's FOLLOW makes it streamed, a
+refusal for now keeps the update for the next try, and an answer the protocol does not define
+fails the job."""
 from __future__ import annotations
 
 import logging
+import time
 
 from producer_client.schema import JobResult
 from worker.holdings import Holdings
 from worker.jobs import InternalError
 from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox, Receipts, Update
+from worker.pace import Pace
+from worker.publisher import Publisher, Round
 from worker.queue import GroupLost, RedisClock, WorkerQueue, is_transient
 from worker.rejection import Rejections
-from worker.replies import Published, PublishReply, UnknownReply, Watched
+from worker.replies import Look, Published, PublishReply, UnknownReply, Watched
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +31,7 @@ log = logging.getLogger(__name__)
 class Publication:
     def __init__(
         self, queue: WorkerQueue, holdings: Holdings, outbox: Outbox, receipts: Receipts, rejections: Rejections,
-        metrics: WorkerMetrics, clock: RedisClock, worker: str,
+        metrics: WorkerMetrics, clock: RedisClock, worker: str, pace: Pace,
     ):
         self.queue = queue
         self.holdings = holdings
@@ -31,32 +41,83 @@ class Publication:
         self.metrics = metrics
         self.clock = clock
         self.worker = worker
+        self.pace = pace
+        self.publisher = Publisher(queue)
+        self.last_call = time.monotonic()
+
+    @property
+    def busy(self) -> bool:
+        return self.publisher.busy
 
     def publish(self) -> None:
-        """Send every update, and look at the cancel flag and run of each running job that has
-        none. Raises a transient error after settling what Redis took: what it refused stays."""
-        updates = list(self.outbox.updates.values())
-        watch = [
-            (job.id, job.run) for job in self.holdings.running.values()
-            if job.stop_reason is None and job.id not in self.outbox.updates
-        ]
-        if not (updates or watch):
-            return
-        published, watched = self.queue.publish(updates, watch)
-        refused: Exception | None = None  # a transient refusal: those updates stay, the link backs off
+        """Settle the round Redis has answered, if any, then send what is due, without waiting for
+        the answer. Raises a transient error after settling what Redis took: what it refused waits."""
+        now = time.monotonic()
+        answered = self.publisher.take_answer()
+        self.pace.measured(now - self.last_call, None if answered is None else answered.seconds)
+        self.last_call = now
+        if answered is not None:
+            self._settle(answered)
+        if not self.publisher.busy:
+            self._send(*self.pace.plan(self.holdings.running.values(), now), now)
+
+    def settle_out(self, timeout: float | None = None) -> None:
+        """Wait for the round out, if any, up to `timeout` seconds (None: as long as it takes), and
+        settle it."""
+        answered = self.publisher.take_answer(timeout)
+        if answered is not None:
+            self._settle(answered)
+
+    def flush(self) -> None:
+        """Everything Redis has not taken, due or not, sent and settled before this returns."""
+        self.settle_out()
+        for job in self.holdings.claimed():
+            if job.feed.behind(job):
+                self.outbox.for_job(job)
+        if self.outbox.updates:
+            self._send([], [], time.monotonic())
+            self.settle_out()
+
+    def close(self) -> None:
+        self.publisher.close()
+
+    def _send(self, due: list, look: list, now: float) -> None:
+        for job in due:
+            self.outbox.for_job(job)
+        watch = []
+        for job in look:
+            if job.stop_reason is None and job.id not in self.outbox.updates and job.id not in self.outbox.out:
+                watch.append((job.id, job.run))
+                job.feed.looked_at = now
+        for job in due:
+            job.feed.looked_at = now
+        updates = self.outbox.send_all()
+        if updates or watch:
+            self.publisher.send(Round(updates, watch))
+
+    def _settle(self, answered: Round) -> None:
+        if answered.error is not None:
+            for update in answered.updates:
+                if self.outbox.answered(update):
+                    self.outbox.restore(update)
+            raise answered.error
+        refused: Exception | None = None  # a transient refusal: those updates wait, the link backs off
         gone: list[str] = []  # jobs whose hash Redis no longer has
-        for update, reply in zip(updates, published):
+        for update, reply in zip(answered.updates, answered.published):
+            if not self.outbox.answered(update):
+                continue  # let go of while it was out
             if isinstance(reply, Exception) and is_transient(reply):
                 refused = refused or reply
+                self.outbox.restore(update)
             elif isinstance(reply, PublishReply) and reply.outcome is Published.GONE:
                 gone.append(update.job_id)
+                self.outbox.restore(update)
             else:
-                self.outbox.discard(update.job_id)
-                self._settle(update, reply)
-        for (job_id, _), state in zip(watch, watched):
+                self._settle_update(update, reply)
+        for (job_id, _), state in zip(answered.watch, answered.watched):
             if isinstance(state, Exception) and is_transient(state):
                 refused = refused or state
-            elif state is Watched.GONE:
+            elif isinstance(state, Look) and state.state is Watched.GONE:
                 gone.append(job_id)
             else:
                 self._react(job_id, state)
@@ -75,13 +136,13 @@ class Publication:
             log.warning("job %s: its keys were deleted while it ran; this run stops", job_id)
             self.holdings.drop(job_id)
 
-    def _settle(self, update: Update, reply: PublishReply | Exception) -> None:
+    def _settle_update(self, update: Update, reply: PublishReply | Exception) -> None:
         if isinstance(reply, UnknownReply):
             self._fail_on_unknown_reply(update, reply)
         elif isinstance(reply, Exception):
             self.rejections.of_update(update, reply)  # the job's keys refused PUBLISH
         elif reply.outcome is Published.PARTIAL and update.skip_recorded(reply.recorded):
-            self.outbox.add(update)  # the rest goes with the next publication
+            self.outbox.restore(update)  # the rest goes with the next publication
         elif reply.outcome in (Published.LOST, Published.PARTIAL):
             log.warning("job %s: another worker has taken it over; this run stops", update.job_id)
             self.holdings.drop(update.job_id)
@@ -94,7 +155,9 @@ class Publication:
             if reply.outcome is Published.WRITTEN and update.final is not None:
                 self._count_end(update)
         elif reply.outcome is Published.CANCEL:
-            self._react(update.job_id, Watched.CANCEL)
+            self._react(update.job_id, Look(Watched.CANCEL))
+        elif reply.outcome is Published.FOLLOWED:
+            self._react(update.job_id, Look(Watched.OK, streamed=True))
 
     def _fail_on_unknown_reply(self, update: Update, error: UnknownReply) -> None:
         """The job fails with internal_error, its tokens kept for the result; if even its final
@@ -105,19 +168,26 @@ class Publication:
             self.rejections.of_update(update, error)
             return
         self.holdings.abort(job)
-        update.final = job.result("failed", "error", self.worker, self.clock.now(), error=InternalError(str(error)))
-        self.outbox.add(update)
+        self.outbox.restore(update)
+        self.outbox.for_job(job).final = job.result(
+            "failed", "error", self.worker, self.clock.now(), error=InternalError(str(error)),
+        )
 
-    def _react(self, job_id: str, state: Watched | Exception) -> None:
-        if isinstance(state, Exception):
-            self.rejections.of_held(job_id, state)  # its keys refused the look at its flags
+    def _react(self, job_id: str, look: Look | Exception) -> None:
+        if isinstance(look, Exception):
+            self.rejections.of_held(job_id, look)  # its keys refused the look at its flags
             return
-        if state is Watched.LOST:
+        if look.state is Watched.LOST:
             log.warning("job %s: another worker has taken it over; this run stops", job_id)
             self.holdings.drop(job_id)
             return
         job = self.holdings.running.get(job_id)
-        if state is Watched.CANCEL and job is not None and job.stop_reason is None:
+        if job is None:
+            return
+        if look.streamed and not job.feed.streamed:
+            log.info("job %s: a reader follows it; its tokens go out as they come", job_id)
+            job.feed.streamed = True
+        if look.state is Watched.CANCEL and job.stop_reason is None:
             log.info("job %s cancelled while running", job_id)
             self.holdings.stop(job, "cancel")
 

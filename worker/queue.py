@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import Callable
 
+import hiredis
 import redis
 from redis.backoff import NoBackoff
 
@@ -30,7 +31,7 @@ from producer_client.scripts import ENQUEUE
 from worker.jobs import Delivery, Job
 from worker.outbox import DeadLetter, Update
 from worker.replies import (
-    Adopted, Claim, Failed, Published, PublishReply, UnknownReply, Watched, parse_adopt, parse_claim, parse_fail,
+    Adopted, Claim, Failed, Look, Published, PublishReply, UnknownReply, parse_adopt, parse_claim, parse_fail,
     parse_publish, parse_watch,
 )
 from worker.scripts import ADOPT, CLAIM, DEADLETTER, FAIL, PUBLISH, RECLAIM, REFRESH, RELEASE, REQUEUE, WORKER_SCRIPTS
@@ -82,13 +83,32 @@ class GroupLost(redis.RedisError):
     with it."""
 
 
+class CommandPacker:
+    """Packs a command with hiredis, as redis-py's own packer does, less its scan of every
+    argument for bytearrays and memoryviews, which the worker never sends: that scan cost more
+    than the packing itself, and publication packs a command per publishing job per round (see
+    bench/RESULTS.md). redis-py's cluster client keeps its own packer."""
+
+    def pack(self, *args) -> list[bytes]:
+        name = args[0]
+        if (" " in name) if isinstance(name, str) else (b" " in name):  # "SCRIPT LOAD": two words
+            args = (*name.split(), *args[1:])
+        try:
+            return [hiredis.pack_command(args)]
+        except TypeError as e:
+            raise redis.DataError(str(e)) from None
+
+
 def connect(url: str):
     """The worker's client, of any of the three modes. surrogateescape: a producer's invalid UTF-8
     must fail its job, not the read. One immediate retry replaces a connection Redis closed (a
     restart; on a cluster, after reading the topology again); past that the loop's own backoff
     takes over, so that the engine keeps stepping while Redis is away. Wrong credentials are not
     retried at all. A cluster client reads the topology now, so this raises while no node answers."""
-    return connection.connect(url, decode_responses=True, encoding_errors="surrogateescape", retry=Retry(NoBackoff(), 1))
+    return connection.connect(
+        url, decode_responses=True, encoding_errors="surrogateescape", retry=Retry(NoBackoff(), 1),
+        command_packer=CommandPacker(),
+    )
 
 
 def is_transient(error: BaseException) -> bool:
@@ -264,9 +284,9 @@ class WorkerQueue:
 
     def publish(
         self, updates: list[Update], watch: list[tuple[str, str]],
-    ) -> tuple[list[PublishReply | Exception], list[Watched | Exception]]:
-        """Every job's update (events, final result) in one pipeline, and a look at the cancel flag
-        and run of each running job in `watch` (job id, run) that has no update. Returns each
+    ) -> tuple[list[PublishReply | Exception], list[Look | Exception]]:
+        """Every job's update (events, final result) in one pipeline, and a look at the cancel flag,
+        run and streamed flag of each running job in `watch` (job id, run). Returns each
         update's reply and each watched job's state, or in its place the error its job's keys gave
         (a transient one too: the caller keeps that update for later and backs off). A lost group
         cannot occur here: these are a job's keys. With a replication to wait for, each final
@@ -278,7 +298,7 @@ class WorkerQueue:
             for u in updates:
                 pipe.evalsha(PUBLISH.sha, 3, *job_keys(self.keys, u.job_id), *u.publish_args(self.result_ttl_s))
             for job_id, _ in watch:
-                pipe.hmget(self.keys.job(job_id), "cancel", "run")
+                pipe.hmget(self.keys.job(job_id), "cancel", "run", "streamed")
             for u in finals:
                 # WAIT counts the replicas that have this connection's writes; a result published
                 # again is a no-op that writes nothing, and may go out on another connection. The

@@ -31,6 +31,7 @@ class Claim:
 class Published(str, enum.Enum):
     OK = "ok"  # recorded; keep running
     CANCEL = "cancel"  # recorded; the job's cancel flag is up
+    FOLLOWED = "followed"  # recorded; a reader follows the job (its streamed flag is up)
     WRITTEN = "written"  # the final result is written (by this run)
     ENDED = "ended"  # the job had a result from elsewhere: nothing changed
     LOST = "lost"  # another run holds the job, or Redis's tokens and this run's disagree
@@ -49,6 +50,14 @@ class Watched(str, enum.Enum):
     CANCEL = "cancel"
     LOST = "lost"
     GONE = "gone"  # no hash: Redis lost it
+
+
+@dataclass(frozen=True)
+class Look:
+    """A running job's hash, looked at: its state for this run, and whether a reader follows it."""
+
+    state: Watched
+    streamed: bool = False
 
 
 class Adopted(str, enum.Enum):
@@ -74,21 +83,28 @@ def parse_claim(reply: object) -> Claim:
     raise UnknownReply("CLAIM", reply)
 
 
+# Every reply but PARTIAL's is one of these, made once: a reply per published update is parsed.
+_PUBLISHED = {outcome.value: PublishReply(outcome) for outcome in Published if outcome is not Published.PARTIAL}
+
+
 def parse_publish(reply: object) -> PublishReply:
+    parsed = _PUBLISHED.get(reply) if isinstance(reply, str) else None
+    if parsed is not None:
+        return parsed
     if isinstance(reply, str) and reply.startswith("partial:"):
         return PublishReply(Published.PARTIAL, _count(reply.removeprefix("partial:"), "PUBLISH", reply))
-    return PublishReply(_member(Published, reply, "PUBLISH", reply))
+    raise UnknownReply("PUBLISH", reply)
 
 
-def parse_watch(reply: object, run: str) -> Watched:
-    """HMGET cancel, run of a running job that had nothing to publish."""
-    if isinstance(reply, list) and len(reply) == 2:
-        cancel, current = reply
+def parse_watch(reply: object, run: str) -> Look:
+    """HMGET cancel, run, streamed of a running job that had nothing to publish."""
+    if isinstance(reply, list) and len(reply) == 3:
+        cancel, current, streamed = reply
         if current is None:  # every running job's hash has a run
-            return Watched.GONE
+            return Look(Watched.GONE)
         if current != run:
-            return Watched.LOST
-        return Watched.CANCEL if cancel == "1" else Watched.OK
+            return Look(Watched.LOST)
+        return Look(Watched.CANCEL if cancel == "1" else Watched.OK, streamed == "1")
     raise UnknownReply("HMGET", reply)
 
 

@@ -14,10 +14,11 @@ token. A run's first PUBLISH adds a `start` event; a claim of a job that has tok
 resumes it, and its worker continues from the recorded tokens.
 
 Event stream entries have two fields: `type` (start | tokens | end) and `data` (JSON). A worker
-publishes a job's events of one engine step in one PUBLISH call, so a reader blocked on the
-stream wakes once per step, not once per event. The job's end also adds its result, the one
-entry it will ever have, to its `done` stream: a reader that wants only the result blocks there
-and wakes once.
+publishes a job's output in pieces (worker/pace.py): one PUBLISH call carries the tokens of every
+engine step since the last, so a reader blocked on the stream wakes once per piece, not once per
+token or step; a streamed job's piece is at most stream_interval_s old, any other job's at most
+checkpoint_interval_s. The job's end also adds its result, the one entry it will ever have, to its
+`done` stream: a reader that wants only the result blocks there and wakes once.
 
 Every script is safe to run twice, because a call whose reply was lost (the connection broke
 after Redis ran it) is retried: PUBLISH adds tokens only if the job's token count is still the
@@ -54,15 +55,16 @@ end
 CLAIM = Script("claim", JOB_KEY_TYPES + """
 local refused = wrong_key_type()
 if refused then return refused end
-if redis.call('HEXISTS', KEYS[1], 'result') == 1 then
+local result, status, entry, tokens, deadline = unpack(
+  redis.call('HMGET', KEYS[1], 'result', 'status', 'entry', 'tokens', 'deadline'))
+if result then
   for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[3]) end
   return {'final'}
 end
-if redis.call('HGET', KEYS[1], 'status') == 'running' and redis.call('HGET', KEYS[1], 'entry') ~= ARGV[2] then
+if status == 'running' and entry ~= ARGV[2] then
   return {'duplicate'}
 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'entry', ARGV[2], 'run', ARGV[4])
-local tokens, deadline = unpack(redis.call('HMGET', KEYS[1], 'tokens', 'deadline'))
 if deadline then return {'claimed', tonumber(tokens or '0'), deadline} end
 return {'claimed', tonumber(tokens or '0')}
 """)
@@ -74,11 +76,13 @@ return {'claimed', tonumber(tokens or '0')}
 # stream; a second finisher changes nothing; 'written' again if this very result is the one
 # written, by this run: a call whose reply was lost), 'lost' (another run holds the job, or the recorded tokens are neither
 # those the update follows nor those it ends with, so this run's view and Redis's differ: nothing
-# changes), 'written' (the result is written), else 'cancel' (its cancel flag is up) or 'ok'.
+# changes), 'written' (the result is written), else 'cancel' (its cancel flag is up), 'followed'
+# (its streamed flag is up: a reader follows it, see FOLLOW) or 'ok'.
 # Recorded tokens equal to those the update ends with mean this very update was applied before.
 PUBLISH = Script("publish", JOB_KEY_TYPES + """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 'gone' end
-local result, run, recorded, started, cancel = unpack(redis.call('HMGET', KEYS[1], 'result', 'run', 'tokens', 'started', 'cancel'))
+local status, result, run, recorded, started, cancel, streamed = unpack(
+  redis.call('HMGET', KEYS[1], 'status', 'result', 'run', 'tokens', 'started', 'cancel', 'streamed'))
+if not status then return 'gone' end  -- every job's hash has a status: this one has no hash
 if result then
   if run == ARGV[1] and result == ARGV[7] then return 'written' end
   return 'ended'
@@ -95,19 +99,23 @@ if ARGV[6] ~= '' then
   local refused = wrong_key_type()
   if refused then return refused end
 end
+local hset = {'HSET', KEYS[1], 'tokens', ARGV[5]}
 if ARGV[2] ~= '' and started ~= ARGV[1] then
   redis.call('XADD', KEYS[2], '*', 'type', 'start', 'data', ARGV[2])
-  redis.call('HSET', KEYS[1], 'started', ARGV[1])
+  table.insert(hset, 'started')
+  table.insert(hset, ARGV[1])
 end
 if ARGV[3] ~= '' and recorded == ARGV[4] then
   redis.call('XADD', KEYS[2], '*', 'type', 'tokens', 'data', ARGV[3])
-  redis.call('HSET', KEYS[1], 'tokens', ARGV[5])
 end
 if ARGV[6] == '' then
+  redis.call(unpack(hset))
   if cancel == '1' then return 'cancel' end
+  if streamed == '1' then return 'followed' end
   return 'ok'
 end
-redis.call('HSET', KEYS[1], 'status', ARGV[6], 'result', ARGV[7], 'tokens', ARGV[5])
+for _, field in ipairs({'status', ARGV[6], 'result', ARGV[7]}) do table.insert(hset, field) end
+redis.call(unpack(hset))
 redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[7])
 redis.call('XADD', KEYS[3], '*', 'data', ARGV[7])
 for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[8]) end

@@ -2,7 +2,9 @@
 
 One iteration refreshes what the worker holds (ownership.py), takes only as many entries as the
 engine can start now, reclaimed ones first, and claims them (admission.py); runs one engine step
-and turns its outputs into updates; then sends every job's update in one pipeline (publication.py).
+and adds its outputs to the jobs; then settles the publication round Redis has answered and hands
+the next to the publisher's thread (publication.py), which the next step does not wait for: each
+job's output goes out when it is due (pace.py), its end at once, all due jobs in one pipeline.
 An entry is acknowledged (and deleted) only after its final result is in Redis: at-least-once
 delivery. Each claim starts a new run of the job whose token fences off every earlier run, so a
 job's events and its one result come from one run at a time; a reclaimed job continues from the
@@ -30,6 +32,7 @@ from collections.abc import Callable
 
 import redis
 
+from producer_client.connection import is_fatal
 from producer_client.keys import Keys
 from producer_client.protocol import Replication
 from producer_client.schema import ErrorInfo, JobResult, TokenLogprob, Usage
@@ -38,9 +41,9 @@ from worker.holdings import EngineAPI, Holdings
 from worker.isolation import EngineError, FailureIsolation
 from worker.jobs import Job
 from worker.metrics import WorkerMetrics
-from worker.outbox import Outbox, Receipts, Update
+from worker.outbox import Outbox, Receipts
 from worker.ownership import Ownership
-from producer_client.connection import is_fatal
+from worker.pace import Pace
 from worker.publication import Publication
 from worker.queue import GroupLost, RedisClock, RedisLink, WorkerQueue, is_transient
 from worker.rejection import Rejections
@@ -71,8 +74,9 @@ class Worker:
             self.queue, engine, self.holdings, self.outbox, self.receipts, self.rejections, settings, clock, name,
         )
         self.isolation = FailureIsolation(self.holdings, self.admission, self.outbox, clock, name)
+        pace = Pace(settings.stream_interval_s, settings.checkpoint_interval_s, settings.engine.max_running)
         self.publication = Publication(
-            self.queue, self.holdings, self.outbox, self.receipts, self.rejections, metrics, clock, name,
+            self.queue, self.holdings, self.outbox, self.receipts, self.rejections, metrics, clock, name, pace,
         )
         self.ownership = Ownership(
             self.queue, engine, self.holdings, self.outbox, self.rejections, metrics, settings, clock, name, device,
@@ -92,6 +96,7 @@ class Worker:
                 self._iterate()
             self._hand_over()
         finally:
+            self.publication.close()
             try:
                 self.queue.leave()
             except redis.RedisError as e:  # do not hide why the loop ended
@@ -111,7 +116,8 @@ class Worker:
             return False
         if self.drain_deadline is None:
             return True
-        if not (self.engine.has_unfinished() or self.holdings.suspects or self.holdings.rejected or self.outbox or self.receipts):
+        held = self.holdings.suspects or self.holdings.rejected or self.outbox or self.receipts
+        if not (self.engine.has_unfinished() or held or self.publication.busy):
             return False
         return time.monotonic() < self.drain_deadline
 
@@ -130,12 +136,11 @@ class Worker:
             log.warning(
                 "Redis unreachable at the end (%s): %d unfinished jobs wait claim_idle_ms to be reclaimed, and "
                 "%d tokens not yet published will be generated again", e, len(self.holdings.entries()),
-                self.outbox.buffered_tokens(),
+                self.holdings.unpublished_tokens(),
             )
 
     def _publish_and_give_back(self) -> None:
-        if self.outbox:
-            self.publication.publish()
+        self.publication.flush()
         self.rejections.send()
         self.queue.read(0, None, self.receipts.acks, self.receipts.dead_letters)
         self.receipts.sent()
@@ -166,17 +171,25 @@ class Worker:
         if self.link.ready():
             self._exchange(self._receive)
         stepped = self._step_if_possible()
-        if self.link.ready() and (self.outbox or self.holdings.running):
+        if self.link.ready():
             self._exchange(self.publication.publish)
-        if not stepped and not self.link.up:
+        if not stepped:
+            self._wait_for_redis()
+
+    def _wait_for_redis(self) -> None:
+        """Nothing to step: rather than spin, wait for Redis to be due for another try, or for the
+        publication round out to be answered, and settle it."""
+        if not self.link.up:
             self.link.wait(self.settings.block_ms / 1000)
+        elif self.publication.busy:
+            self._exchange(lambda: self.publication.settle_out(self.settings.block_ms / 1000))
 
     def _exchange(self, talk: Callable[[], None]) -> None:
         """Run one exchange with Redis. A transient failure (connection lost, Redis loading, out
         of memory or read-only) marks the link down: everything sent is safe to send again, and
         what was not acknowledged stays in the outbox, the receipts or the pending list. A lost
         consumer group is created again before the next read, and the jobs held here adopted."""
-        buffered = 0 if self.link.up else self.outbox.buffered_tokens()
+        buffered = 0 if self.link.up else self.holdings.unpublished_tokens()
         if not self.link.up or self._was_away():
             # Not in this exchange either, should Redis answer now: see below. A worker that has
             # not talked to Redis for longer than any step may take (it stalled) knows as little:
@@ -217,6 +230,7 @@ class Worker:
 
     def _receive(self) -> None:
         if self.ownership.group_missing:
+            self.publication.settle_out()  # adoption replaces the jobs' updates: none may be out
             self.ownership.restore_group()
         self.rejections.send()  # their entries are acknowledged with the read below
         self.ownership.heartbeat_if_due("serving" if self.drain_deadline is None else "draining")
@@ -240,9 +254,10 @@ class Worker:
     def _step_if_possible(self) -> bool:
         """One engine step, unless the engine has nothing to do or the outbox is full (Redis has
         been unreachable for a while: generation waits, the jobs stay in the engine)."""
-        if self.outbox.buffered_tokens() >= self.settings.max_buffered_tokens:
+        buffered = self.holdings.unpublished_tokens()
+        if buffered >= self.settings.max_buffered_tokens:
             if not self.paused:
-                log.warning("%d tokens await publication: generation pauses until Redis is back", self.outbox.buffered_tokens())
+                log.warning("%d tokens await publication: generation pauses until Redis takes them", buffered)
             self.paused = True
             return False
         self.paused = False
@@ -268,31 +283,39 @@ class Worker:
             return []
 
     def _collect(self, outputs: list) -> None:
+        """Add each output to its job, where it waits for its publication (see pace.py); a job's
+        end goes to the outbox. Run for every output of every step: kept to plain appends."""
         now = self.clock.now()
+        sampled_at = time.monotonic()
         running = self.holdings.running
+        probe = self.isolation.probe
+        tokens = 0
         for out in outputs:
             job = running.get(out.request_id.rpartition("#")[0])
             if job is None or out.request_id != job.engine_id:
                 continue  # an aborted admission's last word
-            self.isolation.produced_output(job)
-            update = self.outbox.for_job(job)
+            if job is probe:
+                self.isolation.produced_output(job)
             if out.new_token_ids or out.text_delta:
-                self._record_delta(job, update, out, now)
+                tokens += len(out.new_token_ids)
+                self._record_delta(job, out, now, sampled_at)
             if out.finished:
                 del running[job.id]
-                update.final = self._final_result(job, out, now)
+                self.outbox.for_job(job).final = self._final_result(job, out, now)
+        self.metrics.generation_tokens.inc(tokens)
 
-    def _record_delta(self, job: Job, update: Update, out, now: float) -> None:
+    def _record_delta(self, job: Job, out, now: float, sampled_at: float) -> None:
         if job.first_token_at is None and out.new_token_ids:
             job.first_token_at = now
-        logprobs = None
         if out.logprobs is not None:
             logprobs = [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top)) for lp in out.logprobs]
-            job.logprobs = (job.logprobs or []) + logprobs
-        update.add_tokens(out.new_token_ids, out.text_delta, logprobs)
-        job.token_ids.extend(out.new_token_ids)
+            if job.logprobs is None:
+                job.logprobs = []
+            job.logprobs += logprobs
+        job.token_ids += out.new_token_ids
         job.text.append(out.text_delta)
-        self.metrics.generation_tokens.inc(len(out.new_token_ids))
+        if job.feed.waiting_since is None:
+            job.feed.waiting_since = sampled_at
         if job.stop_reason is None and job.watch_for_call(out.text_delta):
             log.info("job %s made its tool call (parallel_tool_calls is off): it ends here", job.id)
             self.holdings.stop(job, "tool_call")

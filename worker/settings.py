@@ -51,6 +51,14 @@ class WorkerSettings(TomlSettings):
     max_deliveries: int = Field(
         3, ge=1, description="an entry delivered more often than this goes to the dead-letter stream (code poison)"
     )
+    stream_interval_s: float = Field(
+        0.05, gt=0.0, le=10.0,
+        description="a streamed job's token reaches its readers at most this long after it is sampled; also how often a running job's cancel flag is read",
+    )
+    checkpoint_interval_s: float = Field(
+        1.0, gt=0.0, le=60.0,
+        description="a job nobody streams has its tokens recorded this often: what a crash makes the next run generate again",
+    )
     max_buffered_tokens: int = Field(
         262144, ge=1, description="while Redis is unreachable, generation pauses once this many tokens await publication"
     )
@@ -60,7 +68,7 @@ class WorkerSettings(TomlSettings):
     wait_replicas: int = Field(
         0, ge=0, description="a final result counts as written (its entry is acknowledged) once this many replicas have it (WAIT); 0: off"
     )
-    wait_timeout_ms: int = Field(1000, ge=1, description="how long one WAIT for wait_replicas blocks the worker's loop at most")
+    wait_timeout_ms: int = Field(1000, ge=1, description="how long one WAIT for wait_replicas blocks the worker's publisher at most")
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1, description="larger job bodies fail with body_too_large")
     max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1, description="larger max_tokens fail with invalid_argument")
     metrics_host: str = Field(
@@ -85,6 +93,12 @@ class WorkerSettings(TomlSettings):
         return value if value == "" and info.field_name == "name" else check_name(info.field_name, value)
 
     @model_validator(mode="after")
+    def _checkpoints_no_sooner_than_streams(self) -> WorkerSettings:
+        if self.checkpoint_interval_s < self.stream_interval_s:
+            raise InvalidArgument("checkpoint_interval_s", "must be at least stream_interval_s")
+        return self
+
+    @model_validator(mode="after")
     def _refresh_before_reclaim(self) -> WorkerSettings:
         # A live worker refreshes its entries with every heartbeat; a claim_idle_ms that does not
         # leave room for a late heartbeat would let other workers take its running jobs.
@@ -92,7 +106,8 @@ class WorkerSettings(TomlSettings):
             raise InvalidArgument("claim_idle_ms", "must be at least twice heartbeat_interval_s")
         # After an outage every worker waits claim_idle_ms before it reclaims, while a worker whose
         # backoff wait was longest refreshes its entries only after that wait and a heartbeat (and
-        # a WAIT for replicas, which blocks the loop, as long again).
+        # a WAIT for replicas, as long again: the loop waits for the publisher's round when it
+        # settles one before adopting, and at the end of a drain).
         waits_ms = self.wait_timeout_ms if self.wait_replicas else 0
         if self.claim_idle_ms <= 1000 * (self.redis_backoff_max_s + self.heartbeat_interval_s) + waits_ms:
             raise InvalidArgument(

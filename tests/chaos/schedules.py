@@ -1,7 +1,9 @@
 """Random fault schedules against the queue protocol, in the spirit of Jepsen: a seeded generator
-draws a schedule of submits (with and without request_id, some resubmitted), cancels, deadlines,
-workers stalled past claim_idle_ms, killed without cleanup or drained with SIGTERM semantics,
-Redis restarts, SCRIPT FLUSH and out-of-memory windows. Several workers (the echo engine, in this
+draws a schedule of submits (with and without request_id, some resubmitted, some streamed),
+readers that start following a job, cancels, deadlines, workers stalled past claim_idle_ms, killed
+without cleanup or drained with SIGTERM semantics, Redis restarts, SCRIPT FLUSH and out-of-memory
+windows. Publication coalesces as in production, at intervals short enough that every job's
+output goes out in several pieces (STREAM_INTERVAL_S, CHECKPOINT_INTERVAL_S). Several workers (the echo engine, in this
 process, each with its own Redis connection) and a client run it against a real redis-server;
 then every invariant of the protocol is checked:
 
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from producer_client import Client
+from producer_client import Client, protocol, scripts
 from producer_client.connection import retry_policy
 from producer_client.keys import GROUP, Keys
 from producer_client.schema import JobResult
@@ -42,12 +44,17 @@ from worker.settings import WorkerSettings
 
 QUEUE = "chaos"
 CLAIM_IDLE_MS = 300
+STEP_S = 0.004  # an echo step: a 60-token job runs a quarter of a second
+# Coalescing on, at a scale where a job's output goes out in several pieces: a streamed job's
+# every few steps, any other's every dozen.
+STREAM_INTERVAL_S = 0.02
+CHECKPOINT_INTERVAL_S = 0.05
 SETTINGS = dict(
     queue=QUEUE, block_ms=20, heartbeat_interval_s=0.05, heartbeat_ttl_s=2.0, claim_idle_ms=CLAIM_IDLE_MS,
     reclaim_interval_s=0.05, redis_backoff_max_s=0.1, drain_grace_s=0.2, max_deliveries=3, result_ttl_s=60,
-    metrics_port=0, engine={"max_running": 4},
+    metrics_port=0, engine={"max_running": 4}, stream_interval_s=STREAM_INTERVAL_S,
+    checkpoint_interval_s=CHECKPOINT_INTERVAL_S,
 )
-STEP_S = 0.004  # an echo step: a 60-token job runs a quarter of a second
 # A worker thread the machine did not run for this long between two exchanges or steps has
 # stalled as surely as one stopped on purpose (a loaded 2-core machine does that): its jobs may
 # move, and the check counts it as troubled.
@@ -126,7 +133,7 @@ def op_submit(run: Run, client: Client, admin: redis.Redis) -> str:
     max_tokens = run.rng.randint(1, 100)
     timeout_s = run.rng.choice([None] * 6 + [run.rng.uniform(0.05, 1.5)])
     request_id = run.rng.choice([None, f"rid-{run.rng.randrange(10**9)}"])
-    kwargs = dict(max_tokens=max_tokens, timeout_s=timeout_s, request_id=request_id)
+    kwargs = dict(max_tokens=max_tokens, timeout_s=timeout_s, request_id=request_id, stream=run.rng.random() < 0.3)
     try:
         job_id = client.submit(prompt, **kwargs)
         if request_id is not None and run.rng.random() < 0.3:
@@ -147,6 +154,19 @@ def op_cancel(run: Run, client: Client, admin: redis.Redis) -> str:
         return f"cancel refused ({type(e).__name__})"
     job.cancelled = True
     return f"cancel {job.job_id[:8]}"
+
+
+def op_follow(run: Run, client: Client, admin: redis.Redis) -> str:
+    """A reader starts following a job (as stream() does first): its worker streams it from then on."""
+    if not run.jobs:
+        return "follow (none)"
+    job = run.rng.choice(list(run.jobs.values()))
+    follow = protocol.follow_call(client.keys, job.job_id)
+    try:
+        scripts.execute(client.redis, lambda pipe: pipe.evalsha(*follow))
+    except (redis.RedisError, OSError) as e:
+        return f"follow refused ({type(e).__name__})"
+    return f"follow {job.job_id[:8]}"
 
 
 def op_stall(run: Run, client: Client, admin: redis.Redis) -> str:
@@ -205,8 +225,8 @@ def op_sleep(run: Run, client: Client, admin: redis.Redis) -> str:
 
 # Weights: mostly traffic and pauses, faults now and then. A Redis restart is rarer (the
 # runner does it: it owns the server).
-OPS = [(op_submit, 30), (op_sleep, 20), (op_cancel, 4), (op_stall, 4), (op_kill, 3), (op_drain, 2), (op_start, 2),
-       (op_script_flush, 2), (op_memory_full, 2)]
+OPS = [(op_submit, 30), (op_sleep, 20), (op_cancel, 4), (op_follow, 3), (op_stall, 4), (op_kill, 3), (op_drain, 2),
+       (op_start, 2), (op_script_flush, 2), (op_memory_full, 2)]
 RESTART_WEIGHT = 1
 
 

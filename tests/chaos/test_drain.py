@@ -19,8 +19,10 @@ KEYS = Keys()
 @pytest.mark.slow
 def test_sigterm_hands_running_jobs_over_and_none_is_lost(redis_server, redis_client, tmp_path):
     queue = f"drain-{uuid.uuid4().hex[:6]}"
-    # claim_idle_ms of a minute: a job that moved sooner was handed over, not reclaimed.
-    flags = ("--claim-idle-ms", "60000", "--reclaim-interval-s", "0.2", "--max-running", "4", "--drain-grace-s", "0.5")
+    # claim_idle_ms of a minute: a job that moved sooner was handed over, not reclaimed. A grace far
+    # shorter than a job (3,000 echo steps take a few tenths of a second, unpaced by Redis since
+    # publication left the loop's path): every running job is handed over.
+    flags = ("--claim-idle-ms", "60000", "--reclaim-interval-s", "0.2", "--max-running", "4", "--drain-grace-s", "0.02")
     leaving, staying = start_workers([
         WorkerProcess(redis_server.url, queue, f"{queue}-{n}", tmp_path, *flags, model="echo") for n in ("a", "b")
     ])

@@ -6,6 +6,8 @@ cluster (the queue on one shard, the jobs on all: XAUTOCLAIM recovers across sha
 master is one server to the workers."""
 from __future__ import annotations
 
+import signal
+import threading
 import time
 import urllib.request
 import uuid
@@ -33,8 +35,7 @@ PROMPTS = [f"Job {i}: tell me something about the number {i * 7}." for i in rang
 PARAMS = [dict(max_tokens=32, temperature=0.0, ignore_eos=True, repetition_penalty=1.3 if i % 2 else 1.0) for i in range(20)]
 
 
-@pytest.fixture(scope="module")
-def fault_free():
+def generate_alone(prompts: list[str], params: list[dict]) -> list:
     """The outputs of an uninterrupted run: the engine in this process, one thread like the workers."""
     from worker.engine.engine import Engine
 
@@ -42,10 +43,14 @@ def fault_free():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
-        return engine.generate(prompts, [SamplingParams(**p) for p in PARAMS])
+        return engine.generate([engine.tokenizer.encode(p) for p in prompts], [SamplingParams(**p) for p in params])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def fault_free():
+    return generate_alone(PROMPTS, PARAMS)
 
 
 def generated_tokens(worker: WorkerProcess) -> float:
@@ -112,3 +117,71 @@ def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(re
         victim.stop()
         survivor.stop()
 
+
+
+# Kill -9 mid-stream: intervals at which a 120-token job publishes many times over.
+STREAMING = dict(stream_interval_s=0.05, checkpoint_interval_s=0.25)
+STREAM_PARAMS = dict(max_tokens=120, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def fault_free_long():
+    return generate_alone(PROMPTS[:8], [STREAM_PARAMS] * 8)
+
+
+@pytest.mark.slow
+@pytest.mark.timing
+def test_kill_9_mid_stream_loses_at_most_one_publish_interval_and_readers_see_each_token_once(
+    redis_server, redis_client, fault_free_long, tmp_path,
+):
+    """Eight greedy jobs, four streamed (read by stream() throughout), four not, run on one worker
+    in lockstep (a token each per step). The worker is frozen (SIGSTOP) and killed (SIGKILL) mid-run;
+    just before, its generation counter and pace are read. What it had generated and not recorded is
+    at most one publish interval of steps per job, give or take the round out and a step; a second
+    worker resumes each job after its recorded tokens; every reader's deltas add up to the output
+    of a fault-free run, no token twice."""
+    queue = f"kill-stream-{uuid.uuid4().hex[:6]}"
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in {**ENGINE, **RECLAIM, **STREAMING}.items()]
+    victim = WorkerProcess(redis_server.url, queue, f"{queue}-victim", tmp_path, *flags)
+    survivor = WorkerProcess(redis_server.url, queue, f"{queue}-survivor", tmp_path, *flags)
+    try:
+        with make_client("sync", redis_server.url, queue) as client:
+            ids = [client.submit(p, stream=i < 4, **STREAM_PARAMS) for i, p in enumerate(PROMPTS[:8])]
+            read: dict[str, list] = {job_id: [] for job_id in ids[:4]}
+            readers = [threading.Thread(target=lambda j=j: read[j].extend(client.stream(j, timeout=180))) for j in read]
+            for reader in readers:
+                reader.start()
+            start_workers([victim])  # it takes all eight at once: they step together
+            recorded = lambda: [int(redis_client.hget(KEYS.job(j), "tokens") or 0) for j in ids]  # noqa: E731
+            assert eventually(lambda: min(recorded()) >= 15, timeout=120), victim.log()
+            made_then, then = generated_tokens(victim), time.monotonic()
+            time.sleep(0.5)
+            made_now, now = generated_tokens(victim), time.monotonic()
+            victim.process.send_signal(signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            time.sleep(0.3)  # what it had sent reaches Redis
+            kept = recorded()
+            victim.process.kill()
+            victim.process.wait()
+            start_workers([survivor])
+            results = [client.result(job_id, timeout=180) for job_id in ids]
+            for reader in readers:
+                reader.join(60)
+        step_s = (now - then) / ((made_now - made_then) / 8)
+        made = made_now / 8 + 1 + (stopped_at - now) / step_s  # per job, at most, when it froze
+        for i, (job_id, result, want) in enumerate(zip(ids, results, fault_free_long)):
+            assert (result.token_ids, result.text) == (want.token_ids, want.text), job_id
+            assert tokens_published(redis_client, job_id) == result.token_ids  # each token once
+            (first, _), (second, _) = runs(redis_client, job_id)
+            assert (first["worker"], second["worker"], second["resumed_tokens"]) == (victim.name, survivor.name, kept[i])
+            interval = STREAMING["stream_interval_s" if i < 4 else "checkpoint_interval_s"]
+            lost = made - kept[i]
+            print(f"job {i} ({'streamed' if i < 4 else 'not streamed'}): lost {lost:.1f} tokens at most, "
+                  f"{lost * step_s * 1000:.0f} ms of steps ({step_s * 1000:.1f} ms each)")
+            assert lost <= interval / step_s + 3
+            if job_id in read:
+                assert "".join(d.text for d in read[job_id]) == result.text
+                assert [t for d in read[job_id] for t in d.token_ids] == result.token_ids
+    finally:
+        victim.stop()
+        survivor.stop()

@@ -12,8 +12,9 @@ from producer_client.keys import GROUP, Keys, check_name
 from producer_client.protocol import queue_stats
 from producer_client.schema import JobRequest
 from producer_client.protocol import entry_time
-from worker.jobs import job_id_of, parse_request
+from worker.jobs import job_id_of, parse_request, token_event
 from worker.queue import WorkerQueue
+from worker.replies import Look, Watched
 
 LIMITS = dict(max_body_bytes=1000, max_tokens_limit=64)
 
@@ -106,13 +107,17 @@ def test_acks_go_before_the_read_so_pending_never_grows_past_the_count():
     assert r.xpending(stream, GROUP)["pending"] == 0
 
 
-def test_publish_reports_cancel_flags_and_lost_runs_of_watched_jobs():
+def test_publish_reports_cancel_flags_readers_and_lost_runs_of_watched_jobs():
     r = fakeredis.FakeRedis(decode_responses=True)
     q = WorkerQueue(r, Keys(), "q", "w1", result_ttl_s=60)
     r.hset(Keys().job("a"), mapping={"cancel": "1", "run": "ra"})
     r.hset(Keys().job("b"), mapping={"status": "running", "run": "rb"})
     r.hset(Keys().job("c"), mapping={"status": "running", "run": "someone-else"})
-    assert q.publish([], [("a", "ra"), ("b", "rb"), ("c", "rc")]) == ([], ["cancel", "ok", "lost"])
+    r.hset(Keys().job("d"), mapping={"status": "running", "run": "rd", "streamed": "1"})
+    looks = [("a", "ra"), ("b", "rb"), ("c", "rc"), ("d", "rd"), ("e", "re")]
+    assert q.publish([], looks) == ([], [
+        Look(Watched.CANCEL), Look(Watched.OK), Look(Watched.LOST), Look(Watched.OK, streamed=True), Look(Watched.GONE),
+    ])
 
 
 def test_heartbeat_writes_a_hash_with_ttl_and_indexes_the_worker():
@@ -148,3 +153,10 @@ def test_a_worker_on_the_echo_engine_imports_no_model_stack():
         "loaded = [m for m in ('torch', 'numba', 'triton') if m in sys.modules]; assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("ids, text", [([1, 2, 3], 'héllo "q" \\ \n ✓'), ([], ""), ([5], "\x00\x1f"), ([7], "\udcff")])
+def test_a_tokens_event_is_the_json_of_its_ids_and_text(ids, text):
+    event = token_event(ids, text, None)
+    assert event == json.dumps({"ids": ids, "text": text}, ensure_ascii=False, separators=(",", ":"))
+    assert json.loads(event) == {"ids": ids, "text": text}

@@ -304,12 +304,12 @@ def test_a_job_lost_and_taken_back_by_the_same_worker_runs_to_its_end(redis_serv
     assert [start["worker"] for start, _ in runs(redis_client, job_id)] == [worker.name, worker.name]
 
 
-def test_an_update_skips_the_steps_redis_recorded_from_a_call_whose_reply_was_lost():
+def test_an_update_skips_the_cuts_redis_recorded_from_a_call_whose_reply_was_lost():
     update = Update("job", "1-0", "r1", tokens_before=4)
-    update.add_tokens([1, 2], "ab", None)
-    update.add_tokens([3], "c", None)
-    update.add_tokens([4, 5], "de", None)
-    assert not update.skip_recorded(5)  # not the end of a step: not a call of ours
+    update.add_cut([1, 2], "ab", None)
+    update.add_cut([3], "c", None)
+    update.add_cut([4, 5], "de", None)
+    assert not update.skip_recorded(5)  # not the end of a cut: not a call of ours
     assert update.skip_recorded(7)
-    assert (update.tokens_before, update.token_ids, update.text, update.step_sizes) == (7, [4, 5], ["de"], [2])
+    assert (update.tokens_before, update.token_ids, update.text, update.cut_sizes) == (7, [4, 5], ["de"], [2])
     assert update.publish_args(60)[3:5] == [7, 9]

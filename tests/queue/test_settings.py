@@ -5,6 +5,7 @@ import re
 import tomllib
 
 import pytest
+from pydantic import ValidationError
 
 from producer_client.errors import InvalidArgument
 from worker.engine.settings import EngineSettings
@@ -61,6 +62,17 @@ def test_a_claim_idle_time_that_would_let_live_workers_lose_their_jobs_is_refuse
         WorkerSettings.load(None, **timing)
     assert e.value.field == "claim_idle_ms"
     assert WorkerSettings.load(None, **{**timing, "claim_idle_ms": 10_000}).claim_idle_ms == 10_000
+
+
+def test_checkpoints_sparser_than_streams_are_the_only_publish_intervals_taken():
+    with pytest.raises(InvalidArgument) as e:
+        WorkerSettings.load(None, stream_interval_s=0.5, checkpoint_interval_s=0.2)
+    assert e.value.field == "checkpoint_interval_s"
+    for bad in (dict(stream_interval_s=0), dict(checkpoint_interval_s=-1.0)):
+        with pytest.raises(ValidationError):
+            WorkerSettings.load(None, **bad)
+    s = WorkerSettings.load(None, stream_interval_s=0.2, checkpoint_interval_s=0.2)
+    assert (s.stream_interval_s, s.checkpoint_interval_s) == (0.2, 0.2)
 
 
 def test_every_worker_flag_says_what_it_does():

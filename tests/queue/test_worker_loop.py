@@ -54,21 +54,30 @@ def test_streamed_deltas_concatenate_and_a_resumed_stream_repeats_nothing(redis_
     assert [t for d in whole for t in d.token_ids] == result.token_ids == list(prompt.encode())
 
 
-def test_cancel_reaches_a_running_job_within_a_step_and_frees_its_pages(redis_server, client, queue):
-    with serving(redis_server.url, queue, step_s=0.02) as worker:
+def test_cancel_stops_running_jobs_within_their_publish_interval_and_frees_their_pages(redis_server, client, queue):
+    """A running job hears from its hash as often as its tokens go out: every stream_interval_s
+    when streamed, every checkpoint_interval_s otherwise. Four jobs at once, two of each, are
+    cancelled one after the other over several times those intervals; each stops within its
+    interval's worth of steps, give or take the round out and a step."""
+    step_s, intervals = 0.01, {"stream_interval_s": 0.05, "checkpoint_interval_s": 0.2}
+    with serving(redis_server.url, queue, step_s=step_s, **intervals) as worker:
         free_before = worker.engine.capacity().free_pages
-        job_id = client.submit("x" * 500, max_tokens=500)
-        next(iter(client.stream(job_id, timeout=10)))
-        tokens_before_cancel = client.status(job_id).tokens
-        assert client.cancel(job_id).cancel_requested
-        result = client.result(job_id, timeout=10)
-        assert (result.status, result.finish_reason) == ("cancelled", "abort")
-        # The flag is read with the step that follows the cancel and the job aborted before the
-        # next: at most two more steps' tokens, one more for a step between status and cancel.
-        assert tokens_before_cancel <= result.usage.completion_tokens <= tokens_before_cancel + 3
-        assert result.text == "x" * result.usage.completion_tokens
+        jobs = {client.submit(c * 500, max_tokens=500, stream=c == "s"): c for c in "spsp"}
+        assert eventually(lambda: all(len(getattr(worker.holdings.running.get(j), "token_ids", ())) >= 3 for j in jobs))
+        made_before = {}
+        for job_id in jobs:
+            made_before[job_id] = len(worker.holdings.running[job_id].token_ids)
+            assert client.cancel(job_id).cancel_requested
+            time.sleep(0.15)
+        for job_id, c in jobs.items():
+            result = client.result(job_id, timeout=10)
+            assert (result.status, result.finish_reason) == ("cancelled", "abort")
+            assert result.text == c * result.usage.completion_tokens
+            interval = intervals["stream_interval_s" if c == "s" else "checkpoint_interval_s"]
+            made_after = result.usage.completion_tokens - made_before[job_id]
+            assert 0 <= made_after <= round(interval / step_s) + 4, (c, made_after)
         assert worker.engine.capacity().free_pages == free_before
-        assert eventually(lambda: outcome_count(worker, "cancelled") == 1)
+        assert eventually(lambda: outcome_count(worker, "cancelled") == 4)
 
 
 def test_pending_entries_never_exceed_max_running(redis_server, client, queue, redis_client):

@@ -20,4 +20,15 @@ STAGE = Stage("serve", "the nano-vllm workload through the queue: share of offli
                Figure("TPOT p50, ms", r"^TPOT: p50 ([\d,.]+) ms"),
                Figure("TPOT p99, ms", r"^TPOT: .*p99 ([\d,.]+) ms"),
            )),
+    script("nanovllm-streamed", "the same with every job streamed and read by stream() (issue 25: publication "
+           "coalesced and off the step's path)",
+           ("-m", "bench.serve", "--workload", "nanovllm", "--stream"),
+           ("-m", "bench.serve", "--workload", "nanovllm", "--model", "tiny", "--num-requests", "6", "--max-prompt", "48",
+            "--max-output", "12", "--threads", "1", "--stream"),
+           timeout_s=480, figures=(
+               Figure("through the queue streamed, output tok/s", r"^through the queue: ([\d,.]+) output tok/s"),
+               Figure("share of offline, streamed, %", r"= ([\d.]+)% of offline", ">= 90"),
+               Figure("TTFT p50 streamed, ms", r"^TTFT: p50 ([\d,.]+) ms"),
+               Figure("TPOT p99 streamed, ms", r"^TPOT: .*p99 ([\d,.]+) ms"),
+           )),
 ))

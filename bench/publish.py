@@ -1,0 +1,320 @@
+"""Publication benchmark (issue 25): what publishing generated tokens costs the worker and Redis,
+for this tree beside a baseline tree (a worktree of an older commit) in the same run.
+
+One echo worker (`--model echo`: no model; each job's output is its prompt, one token per step)
+at batch 256 runs 256 jobs of 512 tokens on an embedded redis-server, in these cases per tree:
+
+- whole: the results read whole (`as_completed`), nobody streaming;
+- streamed: a reader on `stream()` for every job (the asyncio client), submitted as streamed;
+- whole-gpu, streamed-gpu: the same, each echo step standing for a GPU step of --device-step-ms
+  (12 ms: Qwen3-0.6B at batch 256 on an H100), overlapped as the overlap scheduler runs on a GPU
+  (bench/publish_probe.py): the steps' period shows whether publication stays hidden behind them;
+- per-job: 1-token jobs through `Client.generate` from several producer threads (Redis's CPU per job);
+
+and prints, per case, the worker's and redis-server's CPU per generated token (per job for 1-token
+jobs; from /proc, so other processes on the machine do not count), tokens/s, INFO commandstats'
+top commands, the step-time stall (the longest time the queue loop spent on publication between
+two engine steps, and its p99), the steps' period, and for streamed jobs each token's delay from
+its sampling to its reader (tokens sampled after the reader's first read). Then the ratios, new
+against baseline.
+
+    python -m bench.publish [--baseline /tmp/mili-base-25] [--jobs 256 --tokens 512] [--rounds 1]
+
+The baseline worktree is made (`git worktree add --detach`) from --baseline-commit when missing.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from tqdm import tqdm
+
+from bench.measure import cpu_seconds, pct
+from producer_client import AsyncClient, Client
+from producer_client.keys import Keys
+from worker.embedded_redis import EmbeddedRedis
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = REPO / "bench" / "publish_probe.py"
+QUEUE = "bench"
+BASELINE_COMMIT = "eceecb5"  # main before issue 25
+
+
+@dataclass
+class Case:
+    tree: str  # "baseline" or "new"
+    mode: str  # "whole", "streamed", "per-job"
+    units: int = 0  # tokens generated (or jobs, per job)
+    wall_s: float = 0.0
+    worker_cpu_s: float = 0.0
+    redis_cpu_s: float = 0.0
+    commands: dict = field(default_factory=dict)
+    probe: dict = field(default_factory=dict)
+    delays: list[tuple[float, float]] = field(default_factory=list)  # (to Redis, to the reader) per token
+    redis_sys_share: float = 0.0  # of redis-server's CPU, the kernel's (its I/O)
+
+    @property
+    def unit(self) -> str:
+        return "job" if self.mode == "per-job" else "token"
+
+    def per_unit_us(self, cpu_s: float) -> float:
+        return cpu_s / self.units * 1e6
+
+    def stalls(self) -> list[float]:
+        return self.probe.get("stalls") or [0.0]
+
+
+def main() -> None:
+    args = parse_args()
+    baseline = ensure_baseline(Path(args.baseline), args.baseline_commit)
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+    print(f"baseline tree {baseline} (commit {git_head(baseline)}), new tree {REPO} (commit {git_head(REPO)})")
+    print(f"{args.jobs} jobs x {args.tokens} tokens, echo engine, batch {args.jobs}; per job: {args.per_job_jobs} 1-token jobs\n")
+    cases: list[Case] = []
+    plan = [
+        (mode, tree, path) for _ in range(args.rounds) for mode in args.modes
+        for tree, path in (("baseline", baseline), ("new", REPO)) if tree in args.trees
+    ]
+    for mode, tree, path in tqdm(plan, unit="case", desc="cases"):
+        case = run_case(tree, path, mode, args)
+        report(case)
+        cases.append(case)
+    print()
+    compare(cases)
+    print(f"(load average {os.getloadavg()[0]:.2f} at end)")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--baseline", default="/tmp/mili-base-25", help="the baseline tree (a git worktree)")
+    p.add_argument("--baseline-commit", default=BASELINE_COMMIT, help="its commit, if the worktree is to be made")
+    p.add_argument("--jobs", type=int, default=256, help="jobs at once (the worker's max_running)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per job")
+    p.add_argument("--per-job-jobs", type=int, default=10_000, help="1-token jobs in the per-job case")
+    p.add_argument("--producers", type=int, default=8, help="producer threads in the per-job case")
+    p.add_argument("--modes", nargs="+", default=["whole", "streamed", "whole-gpu", "streamed-gpu", "per-job"])
+    p.add_argument("--device-step-ms", type=float, default=12.0, help="the GPU step the -gpu cases stand for")
+    p.add_argument("--trees", nargs="+", default=["baseline", "new"], help="which trees to run")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every case, alternating the trees")
+    p.add_argument("--profile", help="write each worker's cProfile to this directory")
+    p.add_argument("--inline-publisher", action="store_true",
+                   help="this tree's rounds sent in the loop's thread (the overlap's idle time) instead of a thread")
+    p.add_argument("--new-flags", default="", help="more worker flags for this tree's worker, e.g. '--stream-interval-s 0.1'")
+    return p.parse_args()
+
+
+def ensure_baseline(path: Path, commit: str) -> Path:
+    if not path.exists():
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), commit], check=True)
+    return path
+
+
+def git_head(path: Path) -> str:
+    return subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def run_case(tree: str, path: Path, mode: str, args) -> Case:
+    case = Case(tree, mode)
+    with EmbeddedRedis() as server, tempfile.TemporaryDirectory(prefix="mili-bench-publish-") as tmp:
+        out = Path(tmp) / "probe.json"
+        worker = start_worker(path, server.url, out, mode, args, tree)
+        try:
+            wait_ready(server.url, worker)
+            admin = redis.Redis(unix_socket_path=server.url.removeprefix("unix://"), decode_responses=True)
+            admin.config_resetstat()
+            cpu_before = admin.info("cpu")
+            before = cpu_seconds(worker.pid), cpu_seconds(server.process.pid), time.perf_counter()
+            if mode == "per-job":
+                case.units = run_per_job(server.url, args)
+            else:
+                case.units, delays_at = run_jobs(server.url, mode, args, tree == "new")
+            case.wall_s = time.perf_counter() - before[2]
+            case.worker_cpu_s = cpu_seconds(worker.pid) - before[0]
+            case.redis_cpu_s = cpu_seconds(server.process.pid) - before[1]
+            case.commands = admin.info("commandstats")
+            cpu_after = admin.info("cpu")
+            case.redis_sys_share = (cpu_after["used_cpu_sys"] - cpu_before["used_cpu_sys"]) / max(
+                1e-9, sum(cpu_after[k] - cpu_before[k] for k in ("used_cpu_sys", "used_cpu_user")))
+            admin.close()
+        finally:
+            worker.terminate()
+            worker.wait(timeout=60)
+        case.probe = json.loads(out.read_text())
+    if mode.startswith("streamed"):
+        case.delays = token_delays(*delays_at, case.probe["samples"])
+    return case
+
+
+def start_worker(tree: Path, url: str, out: Path, mode: str, args, tree_name: str) -> subprocess.Popen:
+    flags = [
+        "--model", "echo", "--redis", url, "--queue", QUEUE, "--name", f"bench-{tree_name}", "--metrics-port", "0",
+        "--metrics-host", "127.0.0.1", "--log-level", "WARNING", "--max-running", str(args.jobs),
+        "--num-pages", str(args.jobs * -(-2 * args.tokens // 16) + 64), "--max-model-len", str(2 * args.tokens + 16),
+    ]
+    if tree_name == "new":
+        flags += args.new_flags.split()
+        if args.inline_publisher:
+            flags.append("--inline-publisher")
+    command = [sys.executable, str(PROBE), str(tree), str(out), *flags]
+    if mode.startswith("streamed"):
+        command.append("--samples")
+    if mode.endswith("-gpu"):
+        command += ["--device-step-ms", str(args.device_step_ms)]
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        prof = Path(args.profile) / f"{tree_name}-{mode}.prof"
+        command = [sys.executable, "-m", "cProfile", "-o", str(prof), *command[1:]]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.Popen(command, cwd=tree, env=env)
+
+
+def wait_ready(url: str, worker: subprocess.Popen) -> None:
+    with Client(url, QUEUE) as client:
+        deadline = time.monotonic() + 120
+        while not client.workers():
+            if worker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the worker did not start")
+            time.sleep(0.1)
+        for _ in range(20):  # its connection, the scripts, the code paths
+            client.generate("warm up", max_tokens=4, timeout=60)
+
+
+def prompt(i: int, tokens: int) -> str:
+    head = f"job {i}: "
+    return head + "x" * (tokens - len(head))
+
+
+def run_jobs(url: str, mode: str, args, new: bool) -> tuple[int, dict]:
+    specs = [{"prompt": prompt(i, args.tokens), "max_tokens": args.tokens} for i in range(args.jobs)]
+    if mode.startswith("streamed") and new:
+        for spec in specs:
+            spec["stream"] = True
+    if mode.startswith("whole"):
+        with Client(url, QUEUE) as client:
+            ids = client.submit_many(specs)
+            results = list(client.as_completed(ids, timeout=600))
+        check(results, specs)
+        return sum(r.usage.completion_tokens for r in results), {}
+    return asyncio.run(stream_all(url, specs))
+
+
+async def stream_all(url: str, specs: list[dict]) -> tuple[int, tuple[dict, dict]]:
+    """A reader per job on stream(), each delta's arrival time noted per token."""
+    client = AsyncClient(url, QUEUE, max_connections=len(specs) + 8)
+    try:
+        await asyncio.gather(*(client.redis.ping() for _ in specs))  # a connection per reader, made now
+        ids = await client.submit_many(specs)
+        arrivals: dict[str, list[tuple[float, float]]] = {}
+        starts: dict[str, float] = {}
+        texts: dict[str, str] = {}
+
+        async def read(job_id: str) -> None:
+            times, text = arrivals.setdefault(job_id, []), []
+            starts[job_id] = time.time()
+            async for delta in client.stream(job_id, timeout=600):
+                now, written = time.time(), int(delta.event_id.split("-")[0]) / 1000
+                times.extend([(written, now)] * len(delta.token_ids))
+                text.append(delta.text)
+            texts[job_id] = "".join(text)
+
+        await asyncio.gather(*(read(job_id) for job_id in ids))
+        results = [await client.result(job_id) for job_id in ids]
+    finally:
+        await client.aclose()
+    check(results, specs)
+    for job_id, result in zip(ids, results):
+        assert texts[job_id] == result.text, f"job {job_id}: the streamed deltas differ from the result"
+    return sum(r.usage.completion_tokens for r in results), (arrivals, starts)
+
+
+def check(results: list, specs: list[dict]) -> None:
+    wanted = sorted(s["prompt"][: s["max_tokens"]] for s in specs)
+    assert sorted(r.text for r in results) == wanted, "a job's output is not its prompt"
+
+
+def token_delays(
+    arrivals: dict[str, list[tuple[float, float]]], starts: dict[str, float], samples: dict[str, list[float]],
+) -> list[tuple[float, float]]:
+    """Each token's time from its sampling (the worker's step end) to Redis (its event's id, to
+    the millisecond) and to its reader, for the tokens sampled once the reader was reading (a reader
+    that starts late sees the earlier ones at once)."""
+    delays = []
+    for job_id, times in arrivals.items():
+        sampled = samples.get(job_id, [])[-len(times):]
+        delays.extend((w - s, a - s) for (w, a), s in zip(times, sampled) if s >= starts[job_id])
+    return delays
+
+
+def run_per_job(url: str, args) -> int:
+    per_thread = args.per_job_jobs // args.producers
+
+    def produce(client: Client) -> None:
+        for _ in range(per_thread):
+            client.generate("hello world", max_tokens=1, timeout=120)
+
+    clients = [Client(url, QUEUE) for _ in range(args.producers)]
+    threads = [threading.Thread(target=produce, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in clients:
+        c.close()
+    return per_thread * args.producers
+
+
+def report(case: Case) -> None:
+    unit = case.unit
+    tqdm.write(
+        f"[{case.tree} {case.mode}] {case.units} {unit}s in {case.wall_s:.2f}s ({case.units / case.wall_s:,.0f} {unit}s/s): "
+        f"worker {case.per_unit_us(case.worker_cpu_s):.2f} us/{unit}, redis-server {case.per_unit_us(case.redis_cpu_s):.2f} us/{unit} "
+        f"({case.redis_sys_share:.0%} of it in the kernel)"
+    )
+    stalls = case.stalls()
+    periods = case.probe.get("periods") or [0.0]
+    tqdm.write(
+        f"  steps {case.probe.get('steps')}, publication stall per step: max {max(stalls) * 1e3:.2f} ms, "
+        f"p99 {pct(stalls, 99) * 1e3:.2f} ms, mean {sum(stalls) / len(stalls) * 1e3:.3f} ms; "
+        f"loop time between steps p50 {pct(case.probe.get('gaps') or [0], 50) * 1e3:.2f} ms; step period "
+        f"p50 {pct(periods, 50) * 1e3:.2f} ms, p99 {pct(periods, 99) * 1e3:.2f} ms, max {max(periods) * 1e3:.2f} ms"
+    )
+    if case.delays:
+        for at, name in ((0, "Redis"), (1, "reader")):
+            d = [delay[at] for delay in case.delays]
+            tqdm.write(f"  token delay sampled -> {name}: p50 {pct(d, 50) * 1e3:.1f} ms, p99 {pct(d, 99) * 1e3:.1f} ms, "
+                  f"max {max(d) * 1e3:.1f} ms ({len(d)} tokens)")
+    top = sorted(case.commands.items(), key=lambda kv: -kv[1]["usec"])[:6]
+    tqdm.write("  redis commands: " + ", ".join(
+        f"{name.removeprefix('cmdstat_')} {v['calls']:,} calls {v['usec'] / case.units:.2f} us/{unit}" for name, v in top
+    ))
+
+
+def compare(cases: list[Case]) -> None:
+    by = {}
+    for case in cases:
+        by.setdefault((case.mode, case.tree), []).append(case)
+    for mode in dict.fromkeys(c.mode for c in cases):
+        old, new = by.get((mode, "baseline"), []), by.get((mode, "new"), [])
+        if not (old and new):
+            continue
+        for what in ("worker", "redis"):
+            o = min(c.per_unit_us(getattr(c, f"{what}_cpu_s")) for c in old)
+            n = min(c.per_unit_us(getattr(c, f"{what}_cpu_s")) for c in new)
+            print(f"{mode:9} {what:7} CPU per {old[0].unit}: baseline {o:8.2f} us, new {n:8.2f} us: {o / n:6.1f}x less")
+        o = max(c.units / c.wall_s for c in old)
+        n = max(c.units / c.wall_s for c in new)
+        print(f"{mode:9} rate: baseline {o:,.0f}, new {n:,.0f} {old[0].unit}s/s: {n / o:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

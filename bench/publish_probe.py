@@ -1,0 +1,169 @@
+"""A worker process for bench/publish.py, instrumented: `python bench/publish_probe.py TREE OUT.json
+[worker flags...]` runs `python -m worker serve` from the source tree TREE (this branch's, or a
+worktree of an older commit: the benchmark runs both in one run), and writes to OUT.json when it
+stops:
+
+- `steps`: how many engine steps ran;
+
+each of the next three only between two steps of which the first left a job running (the time
+the engine sat idle, waiting for jobs, is none of publication's doing):
+- `stalls`: for each step, how long the queue loop spent on publication between that step's end
+  and the next step's start (the time a GPU step would wait on it): the loop thread's time in
+  `Publication.publish`, whichever class the tree's loop hands publication to;
+- `gaps`: the loop's whole time between two steps (reading, admitting, publishing);
+- `periods`: the time from one step's outputs to the next's;
+- with `--samples`, when each job's tokens were sampled: {job id: [epoch seconds per token]} (the
+  wall clock, which Redis's event ids and the readers share on one machine).
+
+With `--device-step-ms MS` each echo step stands for a GPU step of MS ms, overlapped as the engine's
+overlap scheduler runs on a GPU: a step returns the previous step's outputs at once and the
+"device" stays busy for MS ms, which the next step waits out (sleeping, as a CUDA event's
+synchronize does, without the GIL). The host's work between steps is then hidden while it takes
+less than MS ms: `periods` stays flat at MS.
+
+With `--inline-publisher` (this branch's tree only) each publication round is sent in the loop's
+own thread, as the overlap scheduler's idle time would carry it, instead of the publisher's thread:
+the other design issue 25 asked to measure.
+
+Nothing of the tree is imported before TREE leads sys.path, so each tree's own code is measured.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+
+def main() -> int:
+    tree, out_path, *argv = sys.argv[1:]
+    samples = "--samples" in argv
+    if samples:
+        argv.remove("--samples")
+    inline = "--inline-publisher" in argv
+    if inline:
+        argv.remove("--inline-publisher")
+    device_step_s = 0.0
+    if "--device-step-ms" in argv:
+        at = argv.index("--device-step-ms")
+        device_step_s = float(argv[at + 1]) / 1000
+        del argv[at:at + 2]
+    # Run as a script (the baseline tree has no copy of it), so this checkout's bench/ leads
+    # sys.path: the measured tree takes its place, and its packages are the ones imported.
+    sys.path[0] = tree
+    from worker import __main__ as worker_main
+    from worker.echo_engine import EchoEngine
+    from worker.publication import Publication
+    from worker.service import Worker
+
+    if device_step_s:
+        pace_like_a_device(EchoEngine, device_step_s)
+    if inline:
+        from worker.publisher import Publisher
+
+        send_inline(Publisher)
+    probe = Probe(samples)
+    probe.wrap_step(Worker)
+    probe.wrap_publication(Publication)
+    try:
+        return worker_main.main(["serve", *argv])
+    finally:
+        with open(out_path, "w") as f:
+            json.dump(probe.report(), f)
+
+
+def pace_like_a_device(engine_class, step_s: float) -> None:
+    step = engine_class.step
+
+    def device_step(self):
+        free_at = getattr(self, "device_free_at", 0.0)
+        now = time.monotonic()
+        if free_at > now:
+            time.sleep(free_at - now)
+        outputs = step(self)
+        self.device_free_at = time.monotonic() + step_s
+        return outputs
+
+    engine_class.step = device_step
+
+
+def send_inline(publisher_class) -> None:
+    """Each round sent and answered in the caller's thread (the loop's), within send()."""
+
+    def send(self, round_) -> None:
+        started = time.monotonic()
+        try:
+            round_.published, round_.watched = self.queue.publish(round_.updates, round_.watch)
+        except Exception as e:
+            round_.error = e
+        round_.seconds = time.monotonic() - started
+        self.answered = round_
+
+    publisher_class.send = send
+
+
+class Probe:
+    def __init__(self, samples: bool):
+        self.loop_thread = threading.main_thread()
+        self.steps = 0
+        self.stalls: list[float] = []
+        self.gaps: list[float] = []
+        self.periods: list[float] = []
+        self.in_publication = 0.0  # the loop's time in publication since the last step ended
+        self.step_ended: float | None = None
+        self.running = False  # the last step left a job running
+        self.samples: dict[str, list[float]] | None = {} if samples else None
+
+    def wrap_step(self, worker_class) -> None:
+        probe = self
+        step = worker_class._step
+
+        def timed_step(self):
+            started = time.monotonic()
+            busy = probe.step_ended is not None and probe.running
+            if busy:
+                probe.gaps.append(started - probe.step_ended)
+                probe.stalls.append(probe.in_publication)
+            outputs = step(self)
+            ended = time.monotonic()
+            if busy:
+                probe.periods.append(ended - probe.step_ended)
+            probe.step_ended = ended
+            probe.running = any(not out.finished for out in outputs)
+            probe.in_publication = 0.0
+            probe.steps += 1
+            if probe.samples is not None:
+                probe.record(outputs, time.time())
+            return outputs
+
+        worker_class._step = timed_step
+
+    def wrap_publication(self, publication_class) -> None:
+        probe = self
+        publish = publication_class.publish
+
+        def timed_publish(self, *args, **kwargs):
+            if threading.current_thread() is not probe.loop_thread:
+                return publish(self, *args, **kwargs)
+            started = time.monotonic()
+            try:
+                return publish(self, *args, **kwargs)
+            finally:
+                probe.in_publication += time.monotonic() - started
+
+        publication_class.publish = timed_publish
+
+    def record(self, outputs: list, at: float) -> None:
+        for out in outputs:
+            if out.new_token_ids:
+                job_id = out.request_id.rpartition("#")[0]
+                self.samples.setdefault(job_id, []).extend([at] * len(out.new_token_ids))
+
+    def report(self) -> dict:
+        return {
+            "steps": self.steps, "stalls": self.stalls, "gaps": self.gaps, "periods": self.periods, "samples": self.samples,
+        }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""When a running job's output goes to Redis. Publishing every engine step would cost a PUBLISH per
+running job per step (at batch 256 on a GPU, more Redis round-trip work than the step itself), so
+each job's output waits in the job and goes out in pieces:
+
+- a run's first tokens at once (the time to first token is the engine's), its end at once;
+- a streamed job's (its `stream` option, or a reader's FOLLOW) once waiting any longer would bring
+  them to their readers later than stream_interval_s after they were sampled. With fewer streamed
+  jobs than max_running, proportionally sooner: so a stream alone sees each step's tokens as they
+  come, and a worker's streamed publications stay under max_running / stream_interval_s a second
+  however many streams it runs;
+- every other job's every checkpoint_interval_s (what a crash costs: the next run generates them
+  again), and in any case once MAX_EVENT_TOKENS wait.
+
+Every running job hears from its hash (its cancel flag, its run, whether a reader follows it) at
+least as often as its tokens go out, every stream_interval_s or checkpoint_interval_s: with each
+publication (PUBLISH answers it), else by a look (HMGET). So a cancel stops a streamed job within
+stream_interval_s and any other within checkpoint_interval_s, and a reader that starts following
+a job is noticed within checkpoint_interval_s."""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from worker.jobs import Feed, Job
+
+# One tokens event holds about this many tokens at most: a reader's reply and the script's
+# arguments stay small whatever the checkpoint interval and the engine's speed.
+MAX_EVENT_TOKENS = 1024
+# The lag counts on the slowest of this many recent iterations and rounds: one slow iteration (a
+# long step, the machine busy elsewhere) is a sign of more, not a thing of the past.
+LAG_WINDOW = 64
+
+
+class Pace:
+    def __init__(self, stream_interval_s: float, checkpoint_interval_s: float, max_running: int):
+        self.stream_interval_s = stream_interval_s
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self.max_running = max_running
+        self.iterations: deque[float] = deque(maxlen=LAG_WINDOW)
+        self.rounds: deque[float] = deque(maxlen=LAG_WINDOW)
+        # How long a publication decided now may take to reach readers: the loop's next iteration
+        # (a due job is seen after a step at the latest), a round still out before it, its own
+        # round, and about as long again for a reader's blocked read to return it.
+        self.lag_s = 0.0
+
+    def measured(self, iteration_s: float, round_s: float | None) -> None:
+        self.iterations.append(iteration_s)
+        if round_s is not None:
+            self.rounds.append(round_s)
+        self.lag_s = max(self.iterations) + 3 * max(self.rounds, default=0.0)
+
+    def plan(self, jobs: Iterable[Job], now: float) -> tuple[list[Job], list[Job]]:
+        """(the jobs whose output is due now, the jobs due for a look at their hash)."""
+        jobs = list(jobs)
+        streams = sum(1 for job in jobs if job.feed.streamed)
+        patience = self.stream_interval_s * min(1.0, streams / self.max_running) - self.lag_s
+        publish, look = [], []
+        for job in jobs:
+            feed = job.feed
+            if feed.waiting_since is not None and self._due(job, feed, now, patience):
+                publish.append(job)
+            elif now - feed.looked_at >= (self.stream_interval_s if feed.streamed else self.checkpoint_interval_s):
+                look.append(job)
+        return publish, look
+
+    def _due(self, job: Job, feed: Feed, now: float, patience: float) -> bool:
+        if feed.tokens == job.resumed_tokens or len(job.token_ids) - feed.tokens >= MAX_EVENT_TOKENS:
+            return True
+        waited = now - feed.waiting_since
+        return waited >= patience if feed.streamed else waited >= self.checkpoint_interval_s
