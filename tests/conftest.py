@@ -16,6 +16,12 @@ import torch
 
 pytest_plugins = ["tests.support.fixtures", "tests.support.tiers"]
 
+# Under pytest-xdist (scripts/test.sh) each process takes its share of the cores for torch's
+# threads: two processes with a thread per core each would make four threads spin on two cores.
+XDIST_PROCESSES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if XDIST_PROCESSES > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // XDIST_PROCESSES))
+
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     import triton.language  # noqa: F401
