@@ -1,6 +1,7 @@
 """`mili`: the producer client from a shell.
 
     mili submit "text" --max-tokens 32 [--stream] [--chat] [--no-thinking]    prints the job id (or streams the text)
+        [--json | --json-schema SCHEMA | --regex PATTERN | --choice TEXT...]    structured output
     mili status ID | mili result ID | mili cancel ID | mili stats [--all]
     mili dead list|show|retry|purge | mili workers | mili jobs --status S    (producer_client.operator_cli)
     mili batch INPUT.jsonl -o OUTPUT.jsonl [-e ERRORS.jsonl]    an OpenAI batch file, resumable
@@ -21,7 +22,7 @@ import redis
 
 from producer_client.client import Client
 from producer_client.connection import redact_url
-from producer_client.errors import MiliError
+from producer_client.errors import InvalidArgument, MiliError
 from producer_client.operator_cli import add_commands as add_operator_commands
 from producer_client.protocol import DEFAULT_URL
 
@@ -66,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--no-thinking", dest="thinking", action="store_false", help="a chat with Qwen3's thinking off (implies --chat)",
     )
+    structured = submit.add_mutually_exclusive_group()
+    structured.add_argument("--json", action="store_true", help="the output is a JSON object (response_format json_object)")
+    structured.add_argument(
+        "--json-schema", metavar="SCHEMA", help="the output matches this JSON schema: its JSON text, or @FILE to read it",
+    )
+    structured.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    structured.add_argument("--choice", action="append", help="the output is one of these texts (repeatable)")
     submit.set_defaults(run=cmd_submit)
 
     for name, run, text in (
@@ -115,6 +123,9 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     text = {"prompt": args.prompt}
     if args.chat or not args.thinking:
         text = {"messages": [{"role": "user", "content": args.prompt}], "enable_thinking": args.thinking}
+    fmt = response_format(args)
+    if fmt is not None:
+        text["response_format"] = fmt
     job_id = client.submit(
         **text, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, request_id=args.request_id, timeout_s=args.timeout_s, priority=args.priority,
@@ -131,6 +142,25 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     result = client.result(job_id)
     print(f"{result.status} ({result.finish_reason}), {result.usage.completion_tokens} tokens", file=sys.stderr)
     return 0
+
+
+def response_format(args: argparse.Namespace) -> dict | None:
+    """The submit's response_format, from --json, --json-schema, --regex or --choice."""
+    if args.json:
+        return {"type": "json_object"}
+    if args.regex is not None:
+        return {"type": "regex", "pattern": args.regex}
+    if args.choice:
+        return {"type": "choice", "choices": args.choice}
+    if args.json_schema is None:
+        return None
+    source = args.json_schema
+    try:
+        text = Path(source[1:]).read_text() if source.startswith("@") else source
+        schema = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise InvalidArgument("json_schema", f"not a JSON schema ({type(e).__name__}: {e})") from None
+    return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
 
 
 def cmd_status(client: Client, args: argparse.Namespace) -> int:

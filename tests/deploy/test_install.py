@@ -84,3 +84,20 @@ def test_mili_batch_on_the_plain_install_names_the_extra_it_needs(client_venv, r
     assert done.returncode == 2
     assert done.stderr.startswith("error: mili batch needs the gateway extra (pip install 'mili[gateway]')")
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_response_format_on_the_plain_install_is_refused_naming_the_extra(client_venv, redis_server):
+    queue = f"install-{uuid.uuid4().hex[:6]}"
+    code = (
+        "from producer_client import Client, InvalidArgument\n"
+        f"c = Client({redis_server.url!r}, {queue!r})\n"
+        "try:\n    c.submit('x', response_format={'type': 'json_object'})\n"
+        "except InvalidArgument as e:\n    print(e.field, e.message)\n"
+        f"print(c.redis.xlen('mili:q:{{{queue}}}'))\n"
+    )
+    done = subprocess.run([client_venv / "python", "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    refused, queued = done.stdout.strip().splitlines()
+    assert refused.startswith("response_format response_format: checking a format before it is queued needs")
+    assert "pip install 'mili[structured]'" in refused and queued == "0"

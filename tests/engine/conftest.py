@@ -14,7 +14,7 @@ from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 from tests.engine.support import VOCAB
 from worker.engine import Engine, EngineSettings
 from worker.model.loader import load_model
-from worker.model.presets import qwen3_config, qwen3_moe_config, write_random_checkpoint
+from worker.model.presets import qwen3_config, qwen3_moe_config, resolve_model_path, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 from worker.model.tokenizer import Tokenizer
 
@@ -93,3 +93,23 @@ def hf_greedy(hf_model):
         return out[0, len(prompt):].tolist()
 
     return greedy
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded():
+    """The `tiny` preset: Qwen3's whole vocabulary, which structured outputs need (a grammar may
+    allow only a merged token, such as `{"`, that a test model's short vocabulary lacks)."""
+    path = resolve_model_path("tiny")
+    return load_model(path, dtype=torch.float32), Tokenizer.from_dir(path)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_engine(tiny_loaded):
+    (model, config, generation), tokenizer = tiny_loaded
+    eos = list(generation.eos_token_ids) + list(tokenizer.eos_token_ids)
+
+    def make(**settings) -> Engine:
+        settings = {"num_pages": 256, "page_size": 4, **settings}
+        return Engine(model, config, tokenizer, EngineSettings.parse(**settings), eos, torch.device("cpu"))
+
+    return make

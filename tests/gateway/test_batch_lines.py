@@ -56,11 +56,24 @@ def test_request_ids_depend_on_scope_custom_id_and_body_and_fit_a_job_id():
 
 @pytest.mark.parametrize("body, param", [({"stream": True}, "stream"), ({"max_tokens": 10**6}, "max_tokens"),
                                          ({"tools": [{"type": "function"}]}, "tools.0.function"),
-                                         ({"temperature": "hot"}, "temperature")])
+                                         ({"temperature": "hot"}, "temperature"),
+                                         ({"response_format": {"type": "json_schema", "json_schema": {
+                                             "name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
+                                          "response_format.json_schema.schema.uniqueItems"),
+                                         ({"guided_regex": "(?=a)"}, "guided_regex")])
 def test_a_body_the_http_api_refuses_is_a_400_naming_the_field(body, param):
     with pytest.raises(APIError) as refused:
         line_request(parse_line(line(**body), 1), 1)
     assert refused.value.status == 400 and refused.value.body.error.param == param
+
+
+def test_a_lines_structured_output_reaches_its_jobs():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    request = line_request(parse_line(line(n=2, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema}}), 1), 1)
+    assert [s.sampling["response_format"]["json_schema"]["schema"] for s in request.specs] == [schema, schema]
+    guided = line_request(parse_line(line(guided_choice=["yes", "no"]), 1), 1)
+    assert guided.specs[0].sampling["response_format"] == {"type": "choice", "choices": ["yes", "no"]}
 
 
 def result(job_id: str, status="done", text="ok", code=None, finish_reason="stop") -> JobResult:

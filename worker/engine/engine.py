@@ -2,11 +2,13 @@
 
 One step reads top to bottom: the scheduler picks chunks -> the runner extends their KV and
 returns logits for the chunks that reach their sequence's end -> the sampler picks tokens
--> the reader checks each token against the request's stop conditions and reports it as a
-delta (reader.py). `generate`, the engine as a library, is in offline.py.
+(masked by their requests' grammars, if any: worker.engine.grammar) -> the reader checks each
+token against the request's stop conditions and reports it as a delta (reader.py). `generate`,
+the engine as a library, is in offline.py.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -19,12 +21,16 @@ from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
 from worker.engine.cuda_graph import DecodeGraphRunner
 from worker.engine.errors import PromptTooLong
+from worker.engine.grammar.compiler import GrammarCompiler
+from worker.engine.grammar.constraint import Constraint
+from worker.engine.grammar.masks import GrammarMasks
+from worker.engine.grammar.request_grammar import RequestGrammar, replayed
 from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_caches, pages_for
 from worker.engine.memory import kv_cache_pages, profile_activation_peak
 from worker.engine.offline import OfflineGeneration
 from worker.engine.overlap import LaunchedStep, launched
 from worker.engine.radix_cache import RadixCache
-from worker.engine.outputs import Capacity, EngineStats, RequestOutput
+from worker.engine.outputs import Capacity, EngineStats, RequestError, RequestOutput
 from worker.engine.reader import StepReader
 from worker.engine.request import Request
 from worker.engine.runner import ModelRunner
@@ -32,6 +38,7 @@ from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledChunk, Scheduler
 from worker.engine.settings import EngineSettings
 from worker.engine.stop import TextOutput
+from kernels.token_bitmask import apply_token_bitmask
 from worker.model.batch import KVCaches
 from worker.model.config import Qwen3Config
 from worker.model.loader import load_model
@@ -40,6 +47,10 @@ from worker.model.qwen3 import Qwen3ForCausalLM
 from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# How long a step with nothing to run waits for a grammar being compiled, instead of returning
+# at once to a caller that would call again straight away.
+COMPILE_WAIT_S = 0.005
 
 class Engine(OfflineGeneration):
     def __init__(
@@ -74,6 +85,11 @@ class Engine(OfflineGeneration):
         self.overlap = overlap_enabled(settings, device)
         self._in_flight: LaunchedStep | None = None  # overlapped: the step the device may still be running
         self.reader = StepReader(self.scheduler, self.eos_token_ids, self.max_model_len, self.vocab_size)
+        # A mask covers the tokenizer's vocabulary, whose size the model's may fall short of (test models).
+        mask_vocab = max(self.vocab_size, tokenizer.vocab_size)
+        self.grammars = GrammarCompiler(tokenizer, mask_vocab, self.eos_token_ids, settings.grammar_cache_size)
+        self.masks = GrammarMasks(mask_vocab, self.eos_token_ids, settings.max_running)
+        self._compiling: list[Request] = []  # requests whose grammar has not started yet
         self._ended: list[RequestOutput] = []  # finals of requests that ended between steps (aborts)
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
@@ -115,17 +131,24 @@ class Engine(OfflineGeneration):
         built here too."""
         start = time.perf_counter()
         self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
+        self.grammars.prepare()  # built on the compile thread while the worker starts
         req = Request("warm-up", [0, 1], SamplingParams(temperature=0, max_tokens=2), 0, 0, None, None)
         req.pages = self.allocator.allocate(pages_for(3, self.settings.page_size))  # the prompt and one decode
         try:
             for chunk in (ScheduledChunk(req, 0, 2, True), ScheduledChunk(req, 2, 1, True)):
-                sampled = self.sampler(self.runner.run([chunk]), [req])
+                sampled = self.sampler(self.runner.run([chunk]), [req], self._warm_up_mask)
                 req.token_ids.append(sampled.token_ids[0])
         finally:
             self.allocator.decref(req.pages)
             self.scheduler.page_table.release(req)
         self.runner.model.warm_up_experts(self.settings.max_num_batched_tokens)
         log.info("warmed up the model and sampler kernels in %.1f s", time.perf_counter() - start)
+
+    def _warm_up_mask(self, logits: torch.Tensor) -> None:
+        """Masks with an all-allowing row: compiles the structured outputs' kernel, changes nothing."""
+        rows = torch.zeros(1, dtype=torch.long, device=logits.device)
+        everything = torch.full((1, self.masks.table.shape[1]), -1, dtype=torch.int32, device=logits.device)
+        apply_token_bitmask(logits, everything, rows, rows)
 
     def _log_limits(self, num_pages: int) -> None:
         s = self.settings
@@ -146,7 +169,7 @@ class Engine(OfflineGeneration):
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-        resume_token_ids: Sequence[int] = (),
+        resume_token_ids: Sequence[int] = (), constraint: Constraint | None = None,
     ) -> None:
         """Queues a request. `priority`: lower runs sooner (as in vLLM); ties go first come, first served.
 
@@ -155,6 +178,11 @@ class Engine(OfflineGeneration):
         them as if never interrupted: they count as output for usage, penalties, min_tokens
         and the seed's draws, a stop string they begin can still complete, and neither they
         nor their text are reported again.
+
+        `constraint` holds the output to a grammar (worker.engine.grammar.constraint); without
+        one, `params.response_format` gives it, from the first output token. It compiles on the
+        compile thread while the request waits; a grammar that does not compile ends the request
+        with an error (InvalidArgument's code) at a later step.
 
         Raises InvalidArgument (naming the field) for a bad id, prompt, resume tokens or
         parameters, and PromptTooLong when the prompt leaves no room for output within
@@ -171,8 +199,18 @@ class Engine(OfflineGeneration):
             TextOutput(detokenizer, params.stop), generator,
         )
         self.reader.replay(req, list(resume_token_ids))
+        if constraint is None and params.response_format is not None:
+            constraint = Constraint.of_format(params.response_format)
+        if constraint is not None:
+            req.grammar = self._compile(constraint, params, resume_token_ids)
+            self._compiling.append(req)
         self.reader.live[request_id] = req
         self.scheduler.add(req)
+
+    def _compile(self, constraint: Constraint, params: SamplingParams, resume_token_ids: Sequence[int]) -> RequestGrammar:
+        compiled = self.grammars.submit(constraint, functools.partial(replayed, constraint, list(resume_token_ids)))
+        ends = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
+        return RequestGrammar(constraint, compiled, ends)
 
     def step(self) -> list[RequestOutput]:
         """Runs one batched model step; returns a delta for every request that produced a token
@@ -181,6 +219,8 @@ class Engine(OfflineGeneration):
         Overlapped (`self.overlap`), the step is launched and the previous one's deltas are
         returned while the device runs it (worker.engine.overlap)."""
         outputs, self._ended = self._ended, []
+        if self._compiling:
+            self._start_grammars(outputs)
         if self._in_flight is not None and self._in_flight.needs_host_tokens:
             outputs.extend(self._read(self._take_in_flight()))
         scheduled = self.scheduler.schedule()
@@ -188,12 +228,15 @@ class Engine(OfflineGeneration):
             outputs.append(self.reader.end(req, req.text.finish(), []))
         previous = self._take_in_flight()
         try:
-            self._in_flight = self._launch(scheduled.chunks, previous) if scheduled.chunks else None
+            self._in_flight = self._launch(scheduled.chunks, previous, outputs) if scheduled.chunks else None
         except BaseException:
-            self._in_flight = previous  # its placeholders still stand for its tokens
+            if previous is not None and not previous.read:
+                self._in_flight = previous  # its placeholders still stand for its tokens
             raise
-        if previous is not None:
+        if previous is not None and not previous.read:
             outputs.extend(self._read(previous))
+        if not scheduled.chunks and self._compiling and previous is None:
+            self._compiling[0].grammar.wait_compiled(COMPILE_WAIT_S)
         if not self.overlap and self._in_flight is not None:
             outputs.extend(self._read(self._take_in_flight()))
         return outputs
@@ -221,29 +264,67 @@ class Engine(OfflineGeneration):
         return bool(self.reader.live or self._ended)
 
     def stats(self) -> EngineStats:
+        grammars = self.grammars.stats
         return EngineStats(
             self._steps, self._computed_tokens, self._computed_prompt_tokens, self.scheduler.num_preemptions,
             self.cache.queried_tokens, self.cache.hit_tokens,
+            grammars.cache_hits, grammars.compiles, grammars.compile_seconds,
         )
 
     # -- one step ------------------------------------------------------------------------
 
-    def _launch(self, chunks: list[ScheduledChunk], previous: LaunchedStep | None) -> LaunchedStep | None:
-        """Queues the step's model run and sampling; None when no chunk samples."""
+    def _launch(
+        self, chunks: list[ScheduledChunk], previous: LaunchedStep | None, outputs: list[RequestOutput],
+    ) -> LaunchedStep | None:
+        """Queues the step's model run and sampling; None when no chunk samples. When a request
+        that samples has a grammar, the previous step is read (into `outputs`) between the two:
+        its tokens advance the matchers whose masks this sampling needs (overlap.py)."""
         self._count_computed(chunks)
         sampling = [c.request for c in chunks if c.samples]
         logits = self.runner.run(chunks, previous.device_tokens if previous is not None else None)
         self.scheduler.commit(chunks)
         if not sampling:
             return None
-        return launched(sampling, self.sampler.sample(logits, sampling))
+        constrained = any(r.grammar is not None for r in sampling)
+        mask = None
+        if constrained:
+            if previous is not None and not previous.read:
+                outputs.extend(self._read(previous))
+            batch_mask = self.masks.batch_mask(sampling)
+            if batch_mask is not None:
+                mask = functools.partial(self.masks.apply, mask=batch_mask)
+        return launched(sampling, self.sampler.sample(logits, sampling, mask), constrained)
 
     def _take_in_flight(self) -> LaunchedStep | None:
         step, self._in_flight = self._in_flight, None
         return step
 
     def _read(self, step: LaunchedStep) -> list[RequestOutput]:
-        return self.reader.read(step, self.sampler.read(step.wait(), step.requests))
+        step.read = True
+        if step.constrained:
+            self.masks.settle()  # no fill may touch a matcher while the reader advances it
+        outputs = self.reader.read(step, self.sampler.read(step.wait(), step.requests))
+        if step.constrained:
+            self.masks.prefill(step.requests)  # the rows of their next step, while the loop goes on
+        return outputs
+
+    def _start_grammars(self, outputs: list[RequestOutput]) -> None:
+        """Requests whose grammar compiled since the last step can be admitted now; one whose
+        grammar did not compile ends with the error."""
+        compiling = []
+        for req in self._compiling:
+            if req.is_finished:
+                continue  # aborted while it compiled
+            if not req.grammar.compiled:
+                compiling.append(req)
+                continue
+            error = req.grammar.start()
+            if error is not None:
+                self.scheduler.abort(req.request_id)
+                req.finish("error", RequestError(error.code, error.message))
+                log.info("request %s: its grammar does not compile: %s", req.request_id, error.message)
+                outputs.append(self.reader.end(req, req.text.finish(), []))
+        self._compiling = compiling
 
     def _count_computed(self, chunks: list[ScheduledChunk]) -> None:
         self._steps += 1

@@ -30,6 +30,9 @@ class EngineSettings(BaseModel):
     cuda_graphs: bool = Field(
         True, description="decode steps replay CUDA graphs captured at start (CUDA only; prefill runs eagerly)",
     )
+    grammar_cache_size: int = Field(
+        256, ge=1, description="structured outputs: compiled grammars kept for reuse (LRU, by the grammar's hash)",
+    )
     overlap_schedule: bool | None = Field(
         None, description="prepare step N+1, and talk to Redis, while the device runs step N; unset: on CUDA only",
     )
