@@ -11,7 +11,7 @@ from tests.support.processes import REPO
 
 def mili(redis_url: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "producer_client.cli", "--redis", redis_url, "--queue", E2E_QUEUE, *args],
+        [sys.executable, "-m", "cli", "--redis", redis_url, "--queue", E2E_QUEUE, *args],
         capture_output=True, text=True, timeout=120,
     )
 

@@ -107,7 +107,7 @@ def outputs_of_every_program(server, url: str) -> list[str]:
         worker = start(log_dir, "worker", "serve", "--model", "echo", "--redis", url, "--queue", QUEUE, "--name", name,
                        "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--log-level", "DEBUG",
                        "--redis-backoff-max-s", "0.5")
-        cli = start(log_dir, "producer_client.cli", "--redis", url, "--queue", QUEUE, "stats")
+        cli = start(log_dir, "cli", "--redis", url, "--queue", QUEUE, "stats")
         check = start(log_dir, "worker", "healthcheck", "--redis", url, "--queue", QUEUE, "--name", name)
         said = []
         eventually(lambda: not gateway.running or answers(gateway_port), 60, interval=0.1)  # or it never answers

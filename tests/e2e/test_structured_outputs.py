@@ -242,7 +242,7 @@ def test_kill_9_mid_generation_resumes_each_constrained_job_to_the_uninterrupted
 
 def mili(redis_url: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "producer_client.cli", "--redis", redis_url, "--queue", QUEUE, *args],
+        [sys.executable, "-m", "cli", "--redis", redis_url, "--queue", QUEUE, *args],
         capture_output=True, text=True, timeout=120,
     )
 

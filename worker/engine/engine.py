@@ -5,6 +5,9 @@ returns logits for the chunks that reach their sequence's end -> the sampler pic
 (masked by their requests' grammars, if any: worker.engine.grammar) -> the reader checks each
 token against the request's stop conditions and reports it as a delta (reader.py). `generate`,
 the engine as a library, is in offline.py.
+
+With tensor_parallel_size N the engine is rank 0 of N (worker/engine/ranks.py): it schedules
+and samples alone, and every rank runs each step's forward over its share of the model.
 """
 from __future__ import annotations
 
@@ -19,18 +22,18 @@ import torch
 
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
-from worker.engine.cuda_graph import DecodeGraphRunner
 from worker.engine.errors import PromptTooLong
 from worker.engine.grammar.compiler import GrammarCompiler
 from worker.engine.grammar.constraint import Constraint
 from worker.engine.grammar.masks import GrammarMasks
 from worker.engine.grammar.request_grammar import RequestGrammar, replayed
-from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_caches, pages_for
-from worker.engine.memory import kv_cache_pages, profile_activation_peak
+from worker.engine.kv_pool import PageAllocator, pages_for
 from worker.engine.offline import OfflineGeneration
 from worker.engine.overlap import LaunchedStep, launched
 from worker.engine.radix_cache import RadixCache
 from worker.engine.outputs import Capacity, EngineStats, RequestError, RequestOutput
+from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
+from worker.engine.ranks import RankGroup, load_shares
 from worker.engine.reader import StepReader
 from worker.engine.request import Request
 from worker.engine.runner import ModelRunner
@@ -39,9 +42,8 @@ from worker.engine.scheduler import ScheduledChunk, Scheduler
 from worker.engine.settings import EngineSettings
 from worker.engine.stop import TextOutput
 from kernels.token_bitmask import apply_token_bitmask
-from worker.model.batch import KVCaches
 from worker.model.config import Qwen3Config
-from worker.model.loader import load_model
+from worker.model.rank_failed import RankFailed
 from worker.model.presets import resolve_model_path
 from worker.model.qwen3 import Qwen3ForCausalLM
 from worker.model.tokenizer import Tokenizer
@@ -55,32 +57,27 @@ COMPILE_WAIT_S = 0.005
 class Engine(OfflineGeneration):
     def __init__(
         self, model: Qwen3ForCausalLM, config: Qwen3Config, tokenizer: Tokenizer,
-        settings: EngineSettings, eos_token_ids: list[int], device: torch.device,
+        settings: EngineSettings, eos_token_ids: list[int], device: torch.device, ranks: RankGroup | None = None,
     ):
         self.settings = settings
         self.device = device
+        self.ranks = ranks  # the other ranks of a tensor-parallel engine (from_pretrained), stopped by close()
         self.tokenizer = tokenizer
         self.vocab_size = config.vocab_size
         self.max_model_len = resolve_max_model_len(settings, config)
         # Stop tokens the model cannot emit (a small test vocabulary) are dropped, not masked.
         self.eos_token_ids = sorted(t for t in set(eos_token_ids) if t < config.vocab_size)
-        shape = KVCacheShape(
-            config.num_hidden_layers, config.num_key_value_heads, config.head_dim, settings.page_size,
-            model.model.norm.weight.dtype,
-        )
-        num_pages = kv_cache_pages(
-            shape, device, settings, lambda: profile_activation_peak(model, shape, settings, config.vocab_size, device),
-        )
+        memory = prepare_rank(model, config, settings, device, self.max_model_len)
+        num_pages = memory.num_pages
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(self.allocator, settings.page_size, settings.enable_prefix_cache)
         self.scheduler = Scheduler(
             self.allocator, self.cache, settings.page_size, settings.max_running, settings.max_num_batched_tokens
         )
-        kv_caches = allocate_kv_caches(shape, num_pages, device)
-        graphs = None
-        if settings.cuda_graphs and device.type == "cuda":
-            graphs = self._capture_decode_graphs(model, kv_caches, num_pages)
-        self.runner = ModelRunner(model, kv_caches, settings.page_size, device, self.scheduler.page_table, graphs)
+        self.runner = ModelRunner(
+            model, memory.kv_caches, settings.page_size, device, self.scheduler.page_table, memory.decode_graphs,
+            ranks.ring if ranks is not None else None,
+        )
         self.sampler = Sampler(self.eos_token_ids)
         self.overlap = overlap_enabled(settings, device)
         self._in_flight: LaunchedStep | None = None  # overlapped: the step the device may still be running
@@ -96,27 +93,38 @@ class Engine(OfflineGeneration):
         self._steps = self._computed_tokens = self._computed_prompt_tokens = 0
         self._log_limits(num_pages)
 
-    def _capture_decode_graphs(
-        self, model: Qwen3ForCausalLM, kv_caches: KVCaches, num_pages: int,
-    ) -> DecodeGraphRunner:
-        # A page table row never needs more pages than max_model_len tokens fill, nor than the pool has.
-        max_pages = min(pages_for(self.max_model_len, self.settings.page_size), num_pages)
-        graphs = DecodeGraphRunner(model, kv_caches, self.settings.max_running, max_pages, self.device)
-        graphs.capture()
-        return graphs
-
     @classmethod
     def from_pretrained(
         cls, model: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
         **settings,
     ) -> Engine:
-        """A preset name ('tiny', 'tiny-moe', 'small', 'qwen3-0.6b') or a checkpoint directory; settings as in EngineSettings."""
+        """A preset name ('tiny', 'tiny-moe', 'small', 'qwen3-0.6b') or a checkpoint directory; settings as in EngineSettings.
+
+        With tensor_parallel_size N > 1 the model is split over N ranks: this process is rank 0
+        on `device` (cuda:K: ranks take cuda:K..K+N-1), and N-1 processes are started for the
+        others, to be stopped with `close()` (or `with Engine.from_pretrained(...) as engine`)."""
         engine_settings = EngineSettings.parse(**settings)
         path = resolve_model_path(model)
-        loaded = load_model(path, dtype, device)
-        tokenizer = Tokenizer.from_dir(path)
-        eos = list(loaded.generation_config.eos_token_ids) + list(tokenizer.eos_token_ids)
-        return cls(loaded.model, loaded.config, tokenizer, engine_settings, eos, torch.device(device))
+        loaded, ranks = load_shares(path, dtype, device, engine_settings)
+        try:
+            tokenizer = Tokenizer.from_dir(path)
+            eos = list(loaded.generation_config.eos_token_ids) + list(tokenizer.eos_token_ids)
+            rank_device = ranks.devices[0] if ranks is not None else torch.device(device)
+            return cls(loaded.model, loaded.config, tokenizer, engine_settings, eos, rank_device, ranks)
+        except BaseException:
+            if ranks is not None:
+                ranks.close()
+            raise
+
+    @property
+    def devices(self) -> list[str]:
+        """The device of every rank, rank 0's first."""
+        return [str(d) for d in self.ranks.devices] if self.ranks is not None else [str(self.device)]
+
+    def close(self) -> None:
+        """Stops the other ranks of a tensor-parallel engine (nothing to do for one rank)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def warm_up(self) -> None:
         """Runs a two-token prompt and one decode step through the model and the sampler, on
@@ -218,6 +226,7 @@ class Engine(OfflineGeneration):
 
         Overlapped (`self.overlap`), the step is launched and the previous one's deltas are
         returned while the device runs it (worker.engine.overlap)."""
+        self._check_ranks()
         outputs, self._ended = self._ended, []
         if self._compiling:
             self._start_grammars(outputs)
@@ -252,6 +261,7 @@ class Engine(OfflineGeneration):
         return True
 
     def capacity(self) -> Capacity:
+        self._check_ranks()
         sched = self.scheduler
         available = self.allocator.num_free + self.cache.evictable_pages
         return Capacity(
@@ -261,7 +271,14 @@ class Engine(OfflineGeneration):
         )
 
     def has_unfinished(self) -> bool:
+        self._check_ranks()
         return bool(self.reader.live or self._ended)
+
+    def _check_ranks(self) -> None:
+        """RankFailed once another rank has died: the worker's loop calls one of the three
+        methods that check every iteration, busy or idle."""
+        if self.ranks is not None:
+            self.ranks.check()
 
     def stats(self) -> EngineStats:
         grammars = self.grammars.stats
@@ -281,7 +298,10 @@ class Engine(OfflineGeneration):
         its tokens advance the matchers whose masks this sampling needs (overlap.py)."""
         self._count_computed(chunks)
         sampling = [c.request for c in chunks if c.samples]
-        logits = self.runner.run(chunks, previous.device_tokens if previous is not None else None)
+        try:
+            logits = self.runner.run(chunks, previous.device_tokens if previous is not None else None)
+        except RankFailed as e:
+            raise self.ranks.explain(e) if self.ranks is not None else e from None
         self.scheduler.commit(chunks)
         if not sampling:
             return None
@@ -358,13 +378,3 @@ def on_off(flag: bool) -> str:
 def overlap_enabled(settings: EngineSettings, device: torch.device) -> bool:
     # Unset, it follows the device: on CPU the host runs the model itself, so nothing overlaps.
     return settings.overlap_schedule if settings.overlap_schedule is not None else device.type == "cuda"
-
-
-def resolve_max_model_len(settings: EngineSettings, config: Qwen3Config) -> int:
-    # Positions index the model's RoPE table, so the context cannot outgrow it.
-    limit = config.max_position_embeddings
-    if settings.max_model_len is None:
-        return limit
-    if settings.max_model_len > limit:
-        raise InvalidArgument("max_model_len", f"{settings.max_model_len} exceeds the model's context of {limit}")
-    return settings.max_model_len
