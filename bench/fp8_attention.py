@@ -1,7 +1,7 @@
 """The attention kernels over a float8 KV cache beside the same kernels over the model's dtype.
 
-    python bench/fp8_attention.py                  # CUDA: Triton kernels, Qwen3-8B's heads, bf16 vs fp8 pages
-    python bench/fp8_attention.py --shapes tiny    # the CPU rehearsal: small shapes, whichever device there is
+    python -m bench.fp8_attention                  # CUDA: Triton kernels, Qwen3-8B's heads, bf16 vs fp8 pages
+    python -m bench.fp8_attention --shapes tiny    # the CPU rehearsal: small shapes, whichever device there is
 
 Decode attention is bound by the bytes of K and V it reads: a float8 cache halves them, so at
 the same bandwidth a step takes half the time. Each row prints the cache bytes one call reads,
@@ -16,24 +16,20 @@ float32 models), and the CPU time of each call is printed beside its wall time. 
 is checked against the torch reference over the same float8 cache before it is timed.
 """
 import sys
-from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path and would shadow the `kernels` package.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Callable  # noqa: E402
+import torch
 
-import torch  # noqa: E402
-
-from bench.timing import copy_bandwidth, median_seconds  # noqa: E402
-from kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference  # noqa: E402
-from kernels.extend_attention import paged_extend_attention, paged_extend_attention_reference  # noqa: E402
-from kernels.fp8 import FP8_DTYPE  # noqa: E402
-from kernels.kv_store import store_kv  # noqa: E402
+from bench.timing import copy_bandwidth, median_seconds
+from kernels.decode_attention import paged_decode_attention, paged_decode_attention_reference
+from kernels.extend_attention import paged_extend_attention, paged_extend_attention_reference
+from kernels.fp8 import FP8_DTYPE
+from kernels.kv_store import store_kv
 
 PAGE_SIZE = 16
 # (q heads, kv heads, head_dim, decode batch x context, extend new tokens after a prefix)

@@ -1,6 +1,6 @@
 """How much a float8 KV cache changes the model's output, against the same model's float32 cache.
 
-    python bench/fp8_kv_accuracy.py [--new-tokens 1024] [--prompt-tokens 64] [--device cpu]
+    python -m bench.fp8_kv_accuracy [--new-tokens 1024] [--prompt-tokens 64] [--device cpu]
 
 For each of the parity tests' model shapes (tests/model/test_parity.py: GQA 1, 2 and 4, head_dim
 64 and 128, and two Qwen3-MoE shapes; random weights at 15x transformers' init scale, so that
@@ -22,21 +22,18 @@ token at which it first leaves the float32 cache's greedy sequence.
 import sys
 from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path and would shadow the `kernels` package.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import argparse
+import tempfile
 
-import argparse  # noqa: E402
-import tempfile  # noqa: E402
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from kernels.fp8 import FP8_DTYPE  # noqa: E402
-from tests.model.kv_accuracy import PAGE_SIZE, compare, first_divergence, greedy, teacher_forced_fp8  # noqa: E402
-from tests.model.test_parity import CONFIGS  # noqa: E402
-from worker.model.kv_scales import fp8_kv_scales_per_head  # noqa: E402
-from worker.model.loader import load_model  # noqa: E402
-from worker.model.presets import write_random_checkpoint  # noqa: E402
+from kernels.fp8 import FP8_DTYPE
+from tests.model.kv_accuracy import PAGE_SIZE, compare, first_divergence, greedy, teacher_forced_fp8
+from tests.model.test_parity import CONFIGS
+from worker.model.kv_scales import fp8_kv_scales_per_head
+from worker.model.loader import load_model
+from worker.model.presets import write_random_checkpoint
 
 VOCAB = 2048
 

@@ -1,8 +1,8 @@
 """One long request through the engine, with the model's KV cache and with the float8 one, beside
 transformers on the same checkpoint and prompt, in the same run.
 
-    python bench/long_context.py                                         # CUDA: qwen3-0.6b, 32,768-token prompt
-    python bench/long_context.py --model tiny --prompt-tokens 2048 --max-tokens 32   # the CPU rehearsal
+    python -m bench.long_context                                         # CUDA: qwen3-0.6b, 32,768-token prompt
+    python -m bench.long_context --model tiny --prompt-tokens 2048 --max-tokens 32   # the CPU rehearsal
 
 Per run it prints the prefill time (the prompt, chunked by max_num_batched_tokens, to its first
 token), the decode rate of the tokens after it, and the engine's memory for the request as a
@@ -12,26 +12,22 @@ high-water mark Linux resets on request). transformers runs the prompt's forward
 KV cache) on the same prompt; the ratios are against it.
 """
 import sys
-from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path and would shadow the `kernels` package.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import argparse
+import time
+from dataclasses import dataclass
 
-import argparse  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+import torch
+from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
-import torch  # noqa: E402
-from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM  # noqa: E402
-
-from producer_client.schema import SamplingParams  # noqa: E402
-from tests.engine.peak_memory import peak_memory  # noqa: E402
-from worker.engine import Engine, EngineSettings  # noqa: E402
-from worker.engine.kv_pool import pages_for  # noqa: E402
-from worker.model.config import Qwen3Config  # noqa: E402
-from worker.model.loader import load_model, resolve_dtype  # noqa: E402
-from worker.model.presets import resolve_model_path  # noqa: E402
-from worker.model.tokenizer import Tokenizer  # noqa: E402
+from producer_client.schema import SamplingParams
+from tests.engine.peak_memory import peak_memory
+from worker.engine import Engine, EngineSettings
+from worker.engine.kv_pool import pages_for
+from worker.model.config import Qwen3Config
+from worker.model.loader import load_model, resolve_dtype
+from worker.model.presets import resolve_model_path
+from worker.model.tokenizer import Tokenizer
 
 PAGE_SIZE = 16
 

@@ -38,13 +38,13 @@ STAGE = Stage("fp8", "the float8 KV cache: kernels over float8 pages, the engine
           # The long generation is most of the step's CPU time; the accuracy step rehearses its path.
           rehearsal=(*FP8_ENGINE_FILES, "-k", "(fp8 or float8) and not long_generation"), timeout_s=300),
     script("bench", "decode attention (batch 64 x 2,048 and 8 x 32,768), an extend after 31,744 and the KV store, "
-           "fp8 against bf16 pages at Qwen3-8B's heads", ("bench/fp8_attention.py",),
-           ("bench/fp8_attention.py", "--shapes", "tiny", "--repeats", "3"), timeout_s=180,
+           "fp8 against bf16 pages at Qwen3-8B's heads", ("-m", "bench.fp8_attention"),
+           ("-m", "bench.fp8_attention", "--shapes", "tiny", "--repeats", "3"), timeout_s=180,
            env={"OMP_NUM_THREADS": "1"}, figures=tuple(f for shape in DECODE_SHAPES for f in decode_figures(shape))),
     script("accuracy", f"logit error, KL and greedy agreement of the float8 cache against the float32 cache over "
            f"1,024 generated tokens, on the GPU's kernels ({ACCURACY_CONFIG})",
-           ("bench/fp8_kv_accuracy.py", "--device", "cuda", "--configs", ACCURACY_CONFIG),
-           ("bench/fp8_kv_accuracy.py", "--configs", ACCURACY_CONFIG, "--prompt-tokens", "16", "--new-tokens", "16"),
+           ("-m", "bench.fp8_kv_accuracy", "--device", "cuda", "--configs", ACCURACY_CONFIG),
+           ("-m", "bench.fp8_kv_accuracy", "--configs", ACCURACY_CONFIG, "--prompt-tokens", "16", "--new-tokens", "16"),
            timeout_s=240, env={"OMP_NUM_THREADS": "1"},
            figures=(Figure("per-head scales: decode max relative logit error",
                            rf"^\| {ACCURACY_CONFIG} \| per-head \| [^|]* \| ([\d.e+-]+) /"),

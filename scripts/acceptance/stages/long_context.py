@@ -33,7 +33,7 @@ STAGE = Stage("long_context", "32K tokens and YaRN: rope past the window, 32K pa
                    Figure("32K request's memory / its KV (tiny shape, 4 layers)",
                           r"^32K memory: .*: ([\d.]+)x$", "<= 2", cuda_only=True))),
     script("bench", "a 32,768-token prompt and 512 tokens at the qwen3-0.6b shape, bf16 and float8 KV caches, "
-           "beside transformers", ("bench/long_context.py",),
-           ("bench/long_context.py", "--model", "tiny", "--prompt-tokens", "2048", "--max-tokens", "16"),
+           "beside transformers", ("-m", "bench.long_context"),
+           ("-m", "bench.long_context", "--model", "tiny", "--prompt-tokens", "2048", "--max-tokens", "16"),
            timeout_s=360, env={"OMP_NUM_THREADS": "1"}, figures=(*bench_figures("auto"), *bench_figures("fp8_e4m3"))),
 ))

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import redis
 
-from tests.redis_modes import free_port
-from worker.embedded_redis import EmbeddedRedis
+from worker.embedded_redis import EmbeddedRedis, free_port
 
-SECURITY_DOC = Path(__file__).resolve().parents[1] / "docs" / "security.md"
+SECURITY_DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 PASSWORDS = {"PRODUCER_PASSWORD": "producer-secret", "WORKER_PASSWORD": "worker-secret", "GATEWAY_PASSWORD": "gateway-secret"}
 
 
