@@ -13,6 +13,7 @@ import pytest
 
 from gateway.batch.store import LINES_PER_FIELD, PIECE_CHARS
 from producer_client.keys import Keys
+from producer_client.schema import MAX_TOKENS_LIMIT
 from tests.support.gateways import GatewayProcess
 from tests.support.polling import eventually
 from tests.support.workers import echo_workers
@@ -31,11 +32,23 @@ def batch_queue():
     return f"batch-{uuid.uuid4().hex[:8]}"
 
 
+# An endless line's answer: far more steps than any test here waits, on any machine. The echo
+# engine's step no longer waits for Redis (its tokens are published in pieces), so the length of
+# a prompt echoed back no longer bounds a line's time: a token script says this instead.
+ENDLESS = "endless line"
+ENDLESS_TOKENS = MAX_TOKENS_LIMIT  # the most a request may ask for: a line of this many steps
+
+
 @pytest.fixture(scope="module")
 def batch_workers(redis_server, batch_queue, tmp_path_factory):
-    """Two echo workers of 4 slots each, quick to reclaim a killed one's jobs."""
-    flags = ("--max-running", "4", "--claim-idle-ms", "1000", "--reclaim-interval-s", "0.2")
-    with echo_workers(redis_server.url, batch_queue, tmp_path_factory.mktemp("batch-workers"), *flags) as workers:
+    """Two echo workers of 4 slots each, quick to reclaim a killed one's jobs, that answer a line
+    saying ENDLESS with ENDLESS_TOKENS bytes."""
+    log_dir = tmp_path_factory.mktemp("batch-workers")
+    script = log_dir / "endless.json"
+    script.write_text(json.dumps([{"when": ENDLESS, "say": "x" * ENDLESS_TOKENS}]))
+    flags = ("--max-running", "4", "--claim-idle-ms", "1000", "--reclaim-interval-s", "0.2",
+             "--max-model-len", str(2 * ENDLESS_TOKENS), "--num-pages", str(ENDLESS_TOKENS))
+    with echo_workers(redis_server.url, batch_queue, log_dir, *flags, env={"MILI_ECHO_SCRIPT": str(script)}) as workers:
         yield workers
 
 
@@ -100,17 +113,20 @@ def answers(sdk, file_id: str | None) -> dict[str, dict]:
     return by_id
 
 
+SLOW_LINE = "x" * 1995  # echoed back a byte a step: a line of about 2,000 steps
+
+
 def slow_lines(prefix: str, n: int) -> list[dict]:
-    """Lines of 200-byte prompts: 200 engine steps each, a few seconds for the whole batch."""
-    return [chat_line(f"{prefix}{i}", f"{i:04d} " + "x" * 195, max_tokens=300) for i in range(n)]
+    """Lines of 2,000-byte prompts: 2,000 engine steps each, seconds for the whole batch on the
+    workers' 8 slots (a step of the echo engine costs tens of microseconds, Redis not waited for)."""
+    return [chat_line(f"{prefix}{i}", f"{i:04d} " + SLOW_LINE, max_tokens=2100) for i in range(n)]
 
 
 def quick_then_endless(prefix: str, n: int, quick: int) -> list[dict]:
-    """`quick` lines of a few steps, then lines of 3,500 echo steps each: on the workers' 8 slots
-    those take tens of seconds however fast the machine (a step is a round trip to Redis), so a test that
+    """`quick` lines of a few steps, then endless ones (ENDLESS_TOKENS steps each), so a test that
     ends the batch early finds the quick ones done and the rest not."""
     lines = [chat_line(f"{prefix}{i}", "hi") for i in range(quick)]
-    return lines + [chat_line(f"{prefix}{i}", "x" * 3500, max_tokens=3500) for i in range(quick, n)]
+    return lines + [chat_line(f"{prefix}{i}", ENDLESS, max_tokens=ENDLESS_TOKENS) for i in range(quick, n)]
 
 
 def test_the_sdk_uploads_runs_and_downloads_a_batch(sdk, redis_client, batch_queue):
@@ -172,7 +188,7 @@ def test_a_killed_worker_and_killed_gateways_lose_no_line(redis_server, redis_cl
         assert (done.request_counts.completed, done.request_counts.failed) == (n, 0)
         output = answers(sdks[driver], done.output_file_id)
         assert set(output) == {f"k{i}" for i in range(n)}
-        assert all(output[f"k{i}"]["response"]["body"]["choices"][0]["message"]["content"] == echo_of(f"{i:04d} " + "x" * 195) for i in range(n))
+        assert all(output[f"k{i}"]["response"]["body"]["choices"][0]["message"]["content"] == echo_of(f"{i:04d} " + SLOW_LINE) for i in range(n))
         assert done.error_file_id is None
     finally:
         for client in sdks:

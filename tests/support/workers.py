@@ -74,9 +74,10 @@ def start_workers(workers: list[WorkerProcess]) -> list[WorkerProcess]:
 
 
 @contextmanager
-def echo_workers(redis_url: str, queue: str, log_dir: Path, *flags: str, count: int = 2) -> Iterator[list[WorkerProcess]]:
+def echo_workers(redis_url: str, queue: str, log_dir: Path, *flags: str, count: int = 2,
+                 env: Mapping[str, str] | None = None) -> Iterator[list[WorkerProcess]]:
     """`count` echo workers of `queue` (named after it), started, then stopped at the end."""
-    workers = [WorkerProcess(redis_url, queue, f"{queue}-{i}", log_dir, *flags, model="echo") for i in range(count)]
+    workers = [WorkerProcess(redis_url, queue, f"{queue}-{i}", log_dir, *flags, model="echo", env=env) for i in range(count)]
     try:
         yield start_workers(workers)
     finally:

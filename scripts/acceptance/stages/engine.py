@@ -4,7 +4,7 @@ compile after warm-up, then the rest of the engine and model tests."""
 from scripts.acceptance.step import Stage, tests
 
 # The dense model's; the MoE model's runs in the tests step.
-GRAPH_SMOKE = "test_on_cuda_captured_graphs_and_overlap_generate_what_eager_synchronous_steps_do[dense]"
+GRAPH_SMOKE = "test_on_cuda_captured_graphs_and_overlap_generate_what_eager_synchronous_steps_do[auto-dense]"
 
 STAGE = Stage("engine", "the engine on CUDA: graphs and overlap vs eager, bf16 parity, no compile after warm-up", (
     tests("graph-smoke", "one engine captures its decode CUDA graphs and, overlapped, generates what eager steps do",
