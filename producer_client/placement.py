@@ -121,10 +121,12 @@ def read_view(keys: Keys, queue: str) -> Steps[View]:
 
 class Placement:
     """One client's placement: its view of each queue's workers, and how many jobs it placed each
-    way (the gateway exports them). `enabled` False sends every job to the shared stream."""
+    way (the gateway exports them). `enabled` False sends every job to the shared stream;
+    `refresh_s` is how stale the view may get."""
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, refresh_s: float = REFRESH_S):
         self.enabled = enabled
+        self.refresh_s = refresh_s
         self.views: dict[str, View] = {}
         self.placed = {outcome: 0 for outcome in Placed}
 
@@ -135,7 +137,7 @@ class Placement:
             self.placed[Placed.SHARED] += len(prefixes)
             return [None] * len(prefixes)
         view = self.views.get(queue)
-        if view is None or time.monotonic() - view.read_at > REFRESH_S:
+        if view is None or time.monotonic() - view.read_at >= self.refresh_s:
             view = self.views[queue] = yield from read_view(keys, queue)
         return [self._place(view, prefix, keys, queue) for prefix in prefixes]
 
