@@ -436,8 +436,17 @@ class WorkerQueue:
         return sum(self._send(add)) if by_stream else 0
 
     def leave(self) -> None:
-        """Remove this worker's heartbeat: it no longer counts as live."""
-        self._send(lambda pipe: (pipe.delete(self.keys.worker(self.worker)), pipe.zrem(self.keys.workers(self.queue), self.worker)))
+        """Remove this worker's heartbeat: it no longer counts as live. With placement its name
+        stays in the queue's worker index (until WORKER_INDEX_RETENTION_S prunes it), because that
+        index is where the others find its stream: a producer whose view was read before the drain
+        may still place jobs there, and they are stolen."""
+
+        def add(pipe):
+            pipe.delete(self.keys.worker(self.worker))
+            if self.own is None:
+                pipe.zrem(self.keys.workers(self.queue), self.worker)
+
+        self._send(add)
 
 
 def _fields(flat: list[str]) -> dict[str, str]:
