@@ -30,6 +30,12 @@ PREFIX_IDS = 256
 # A worker takes a job while its load is under LOAD_BOUND x the mean load (this job included):
 # the paper's 1 + epsilon. Lower spreads a hot prefix sooner; higher keeps it on fewer workers.
 LOAD_BOUND = 1.25
+# ... or within BALANCE_ABS jobs of the least loaded worker (SGLang's cache-aware router calls the
+# load imbalanced only past its balance_abs_threshold, 32 by default): at low load a batch of a few
+# more jobs costs an engine step little, a prefix computed again costs its whole prefill; and the
+# view's counts of what this producer placed only grow until it is read again, so a bound of the
+# mean alone would spill keys at random between reads.
+BALANCE_ABS = 32
 REFRESH_S = 0.5  # how stale the view of the workers may be
 
 
@@ -78,11 +84,13 @@ class View:
 
     def choose(self, key: bytes) -> Candidate | None:
         """The first worker in the key's rendezvous order under the load bound, preferring one with
-        a free slot; None (the shared stream) with fewer than two workers or none under it."""
+        a free slot; None (the shared stream) with fewer than two workers or none under it. The
+        bound: LOAD_BOUND x the mean load, or the least load plus BALANCE_ABS, whichever is higher."""
         if len(self.candidates) < 2:
             return None
         total = sum(c.load for c in self.candidates) + 1
-        bound = math.ceil(LOAD_BOUND * total / len(self.candidates))
+        least = min(c.load for c in self.candidates)
+        bound = max(math.ceil(LOAD_BOUND * total / len(self.candidates)), least + BALANCE_ABS)
         order = sorted(self.candidates, key=lambda c: rendezvous_score(key, c.name), reverse=True)
         under = [c for c in order if c.load < bound]
         # Past its slots a job waits in the stream; past twice its slots the backlog is the shared

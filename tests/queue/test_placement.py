@@ -65,7 +65,7 @@ def test_a_worker_leaving_moves_only_the_keys_it_held_and_spreads_them():
     assert all(300 <= before.count(n) <= 500 for n in names)  # 400 each on average
 
 
-def view(*loads: int, slots: int = 4) -> View:
+def view(*loads: int, slots: int = 256) -> View:
     return View(time.monotonic(), [Candidate(f"w{i}", slots, load) for i, load in enumerate(loads)])
 
 
@@ -73,26 +73,28 @@ def order_of(v: View, key: bytes) -> list[str]:
     return sorted((c.name for c in v.candidates), key=lambda n: rendezvous_score(key, n), reverse=True)
 
 
+def loaded(key: bytes, *loads: int, slots: int = 256) -> View:
+    """Three or two workers whose loads are given in the key's rendezvous order."""
+    names = order_of(view(*loads), key)
+    return View(0, [Candidate(name, slots, load) for name, load in zip(names, loads)])
+
+
 def test_a_job_goes_to_its_first_choice_while_that_one_is_under_the_bound():
     key = b"conversation"
     first, second, third = order_of(view(0, 0, 0), key)
-    v = view(0, 0, 0)
-    assert v.choose(key).name == first
-    loads = {first: 3, second: 0, third: 0}  # bound: ceil(1.25 x 4 / 3) = 2
-    v = View(0, [Candidate(n, 4, loads[n]) for n in loads])
-    assert v.choose(key).name == second
-    loads = {first: 2, second: 2, third: 2}  # bound: ceil(1.25 x 7 / 3) = 3: every one is under it
-    v = View(0, [Candidate(n, 4, loads[n]) for n in loads])
-    assert v.choose(key).name == first
+    assert view(0, 0, 0).choose(key).name == first
+    # The bound is the higher of ceil(1.25 x mean load, this job included) and the least load + 32.
+    assert loaded(key, 31, 0, 0).choose(key).name == first  # bound max(14, 32)
+    assert loaded(key, 32, 0, 0).choose(key).name == second
+    assert loaded(key, 100, 80, 80).choose(key).name == first  # bound max(109, 112)
+    assert loaded(key, 120, 80, 80).choose(key).name == second  # bound max(118, 112)
 
 
 def test_a_full_first_choice_gives_way_to_one_with_a_free_slot_then_to_a_backlog_of_one_batch():
     key = b"conversation"
     first, second = order_of(view(0, 0), key)
-    v = View(0, [Candidate(first, 2, 2), Candidate(second, 2, 1)])  # bound ceil(1.25 x 4 / 2) = 3
-    assert v.choose(key).name == second  # the first has no free slot, the second has one
-    v = View(0, [Candidate(first, 2, 3), Candidate(second, 2, 2)])  # bound 4: both full, under twice their slots
-    assert v.choose(key).name == first
+    assert loaded(key, 2, 1, slots=2).choose(key).name == second  # the first has no free slot, the second has one
+    assert loaded(key, 3, 2, slots=2).choose(key).name == first  # neither has: the first is under twice its slots
 
 
 def test_the_shared_stream_takes_a_job_with_one_worker_or_none_under_the_bound():
@@ -103,11 +105,10 @@ def test_the_shared_stream_takes_a_job_with_one_worker_or_none_under_the_bound()
 
 def test_placement_counts_what_it_placed_and_counts_it_into_the_load():
     placement = Placement()
-    v = placement.views["q"] = view(0, 0, slots=8)
+    v = placement.views["q"] = view(0, 0, slots=2)
     streams = drive(placement.streams_for(KEYS, "q", [b"a", b"a", b"a"]))
     first, second = (KEYS.own_queue("q", name) for name in order_of(v, b"a"))
-    # The third job: bound ceil(1.25 x 3 / 2) = 2, and the first choice has the first two.
-    assert streams == [first, first, second]
+    assert streams == [first, first, second]  # the first choice's two slots are taken by the first two
     assert sum(c.load for c in v.candidates) == 3
     assert placement.placed == {Placed.AFFINITY: 3, Placed.SHARED: 0}
     off = Placement(enabled=False)
