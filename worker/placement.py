@@ -8,10 +8,14 @@ from __future__ import annotations
 import logging
 import time
 
+import redis
+
+from producer_client.connection import is_fatal
 from worker.admission import Admission
 from worker.holdings import Holdings
+from worker.jobs import Delivery
 from worker.metrics import WorkerMetrics
-from worker.queue import RedisClock, WorkerQueue
+from worker.queue import RedisClock, WorkerQueue, is_transient
 from worker.settings import WorkerSettings
 from worker.streams import owner_of
 
@@ -53,7 +57,7 @@ class TakeOver:
         self.next_scan = now + self.interval_s
         # Steals need no wait after an outage, unlike reclaims: an entry nobody has read is nobody's.
         steal_before_ms = int(self.clock.now() * 1000) - self.settings.steal_delay_ms
-        reclaimed, stolen = self.queue.take_over(room, self.admission.min_idle_ms(), steal_before_ms)
+        reclaimed, stolen = self._take(room, self.admission.min_idle_ms(), steal_before_ms)
         if reclaimed:
             log.info(
                 "reclaimed %d entries of workers' own streams idle over %d ms: %s", len(reclaimed),
@@ -67,3 +71,26 @@ class TakeOver:
         self.metrics.taken["reclaimed"].inc(len(reclaimed))
         self.metrics.taken["stolen"].inc(len(stolen))
         self.holdings.unadmitted += reclaimed + stolen
+
+    def _take(self, room: int, min_idle_ms: int, steal_before_ms: int) -> tuple[list[Delivery], list[Delivery]]:
+        """From the stream of every worker in the queue's index, this one's too (an earlier process
+        of the same name may have died holding entries), until `room` are taken. Steals are from
+        others only: this worker reads its own stream anyway. A stream that refuses (a producer
+        wrote it) is passed over; the next scan tries again."""
+        reclaimed: list[Delivery] = []
+        stolen: list[Delivery] = []
+        for owner in self.queue.peers:
+            left = room - len(reclaimed) - len(stolen)
+            if left <= 0:
+                break
+            before = 0 if owner == self.queue.worker else steal_before_ms
+            try:
+                taken = self.queue.take_over(owner, left, min_idle_ms, before)
+            except redis.ResponseError as e:
+                if is_transient(e) or is_fatal(e):
+                    raise
+                log.warning("could not look at the stream of worker %s: %s", owner, e)
+                continue
+            reclaimed += taken[0]
+            stolen += taken[1]
+        return reclaimed, stolen

@@ -34,10 +34,8 @@ from worker.replies import (
     Adopted, Claim, Failed, Look, Published, PublishReply, UnknownReply, parse_adopt, parse_claim, parse_fail,
     parse_publish, parse_watch,
 )
-from worker.scripts import (
-    ADOPT, CLAIM, DEADLETTER, FAIL, PUBLISH, RECLAIM, REFRESH, RELEASE, REQUEUE, TAKE_OVER, WORKER_SCRIPTS,
-)
-from worker.streams import QueueStreams, entry_id_of, entry_ref, owner_of
+from worker.scripts import ADOPT, CLAIM, FAIL, PUBLISH, RECLAIM, REQUEUE, TAKE_OVER, WORKER_SCRIPTS
+from worker.streams import QueueStreams, entry_ref
 
 log = logging.getLogger(__name__)
 
@@ -228,30 +226,12 @@ class WorkerQueue:
         return taken
 
     def _settle(self, pipe, acks: list[str], dead_letters: list[DeadLetter], stream: str, count: int, block_ms) -> None:
+        self.streams.add_acks(pipe, acks)
         now = self.clock.now()
-        for key, ids in self.streams.by_stream(acks).items():
-            pipe.xack(key, GROUP, *ids)
-            pipe.xdel(key, *ids)
         for letter in dead_letters:
-            self._add_dead_letter(pipe, letter, now)
+            self.streams.add_dead_letter(pipe, letter.entry_id, letter.script_args(self.worker, now))
         if count > 0:
             self._read_into(pipe, stream, count, None if stream != self.stream else block_ms)
-
-    def _add_dead_letter(self, pipe, letter: DeadLetter, now: float) -> None:
-        """DEADLETTER moves an entry of the shared stream in one step. Another worker's stream has a
-        hash tag of its own, so its entry is moved in two commands: written to the dead-letter
-        stream, then acknowledged and deleted (a worker that dies in between leaves it pending, and
-        the next one to take it writes the letter again)."""
-        args = letter.script_args(self.worker, now)
-        owner = owner_of(letter.entry_id)
-        if owner is None:
-            pipe.evalsha(DEADLETTER.sha, 2, self.stream, self.keys.dead(self.queue), *args)
-            return
-        fields = dict(zip(args[3::2], args[4::2]))
-        pipe.xadd(self.keys.dead(self.queue), fields, maxlen=args[2], approximate=True)
-        stream, entry_id = self.streams.of(owner), entry_id_of(letter.entry_id)
-        pipe.xack(stream, GROUP, entry_id)
-        pipe.xdel(stream, entry_id)
 
     def _read_into(self, pipe, stream: str, count: int, block_ms: int | None) -> None:
         pipe.xreadgroup(GROUP, self.worker, {stream: ">"}, count=count, block=block_ms)
@@ -271,29 +251,17 @@ class WorkerQueue:
         self.reclaim_cursor = cursor
         return [Delivery(entry_id, dict(zip(flat[::2], flat[1::2])), deliveries) for entry_id, flat, deliveries in claimed]
 
-    def take_over(self, count: int, min_idle_ms: int, steal_before_ms: int) -> tuple[list[Delivery], list[Delivery]]:
-        """TAKE_OVER on the own stream of every worker in the queue's index, this one's too (an
-        earlier process of the same name may have died holding entries), until `count` are taken:
-        (entries reclaimed after `min_idle_ms`, entries stolen unread since before
-        `steal_before_ms`). Steals are only from others: this worker reads its own stream anyway.
-        Each stream goes in a pipeline of its own; an error on one (a producer wrote it) passes it
-        over, the next scan tries again."""
-        reclaimed: list[Delivery] = []
-        stolen: list[Delivery] = []
-        for owner in self.peers:
-            room = count - len(reclaimed) - len(stolen)
-            if room <= 0:
-                break
-            before = 0 if owner == self.worker else steal_before_ms
-            args = (GROUP, self.worker, min_idle_ms, before, room)
-            key = self.streams.of(owner)
-            reply = self._send(lambda pipe: pipe.evalsha(TAKE_OVER.sha, 1, key, *args), per_command_errors=True)[0]
-            if isinstance(reply, Exception):
-                log.warning("could not look at the stream of worker %s: %s", owner, reply)
-                continue
-            reclaimed += [Delivery(entry_ref(i, owner), _fields(flat), n) for i, flat, n in reply[0]]
-            stolen += [Delivery(entry_ref(i, owner), _fields(flat)) for i, flat in reply[1]]
-        return reclaimed, stolen
+    def take_over(self, owner: str, count: int, min_idle_ms: int, steal_before_ms: int) -> tuple[list[Delivery], list[Delivery]]:
+        """TAKE_OVER on `owner`'s own stream: (up to `count` entries reclaimed after `min_idle_ms`,
+        then entries stolen that nobody read since before `steal_before_ms`; 0: none). An error in
+        its place raises as any other, but for a key of another type, which TAKE_OVER passes over."""
+        args = (GROUP, self.worker, min_idle_ms, steal_before_ms, count)
+        key = self.streams.of(owner)
+        reclaimed, stolen = self._send(lambda pipe: pipe.evalsha(TAKE_OVER.sha, 1, key, *args))[0]
+        return (
+            [Delivery(entry_ref(i, owner), _fields(flat), n) for i, flat, n in reclaimed],
+            [Delivery(entry_ref(i, owner), _fields(flat)) for i, flat in stolen],
+        )
 
     def claim(self, jobs: list[tuple[str, str, str]]) -> list[Claim | Exception]:
         """CLAIM each (job id, entry id, run token). An error in a job's place: its keys refused
@@ -413,8 +381,7 @@ class WorkerQueue:
             pipe.zremrangebyscore(self.keys.queues(), "-inf", now - WORKER_INDEX_RETENTION_S)
             pipe.xlen(self.stream)
             pipe.zrange(index, 0, -1)
-            for stream, ids in by_stream.items():
-                pipe.evalsha(REFRESH.sha, 1, stream, GROUP, self.worker, *ids)
+            self.streams.add_refreshes(pipe, self.worker, by_stream)
 
         by_stream = self.streams.by_stream(held)
         owners = self.streams.owners(held)
@@ -428,11 +395,7 @@ class WorkerQueue:
     def release(self, entry_ids: list[str]) -> int:
         """Hand unfinished entries over to other workers (RELEASE); returns how many were ours."""
         by_stream = self.streams.by_stream(entry_ids)
-
-        def add(pipe):
-            for key, ids in by_stream.items():
-                pipe.evalsha(RELEASE.sha, 1, key, GROUP, self.worker, HANDED_OVER_IDLE_MS, *ids)
-
+        add = self.streams.add_releases(self.worker, HANDED_OVER_IDLE_MS, by_stream)
         return sum(self._send(add)) if by_stream else 0
 
     def leave(self) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from producer_client.keys import Keys
+from producer_client.keys import GROUP, Keys
+from worker.scripts import DEADLETTER, REFRESH, RELEASE
 
 SEPARATOR = "@"
 
@@ -30,7 +31,8 @@ def entry_id_of(ref: str) -> str:
 
 
 class QueueStreams:
-    """The stream keys of one queue: the shared one and each worker's own."""
+    """The stream keys of one queue, the shared one and each worker's own, and the commands that
+    settle entries named by reference, each on its own stream (no script spans two of them)."""
 
     def __init__(self, keys: Keys, queue: str):
         self.keys = keys
@@ -50,3 +52,37 @@ class QueueStreams:
     def owners(self, refs: Iterable[str]) -> dict[str, str | None]:
         """{stream key: owner} of the streams `refs` name."""
         return {self.of(owner_of(ref)): owner_of(ref) for ref in refs}
+
+    def add_acks(self, pipe, refs: list[str]) -> None:
+        for key, ids in self.by_stream(refs).items():
+            pipe.xack(key, GROUP, *ids)
+            pipe.xdel(key, *ids)
+
+    def add_dead_letter(self, pipe, ref: str, args: list) -> None:
+        """DEADLETTER (`args`: its ARGV) moves an entry of the shared stream in one step. A worker's
+        stream has a hash tag of its own, so its entry is moved in two commands: written to the
+        dead-letter stream, then acknowledged and deleted (a worker that dies in between leaves it
+        pending, and the next one to take it writes the letter again)."""
+        dead = self.keys.dead(self.queue)
+        owner = owner_of(ref)
+        if owner is None:
+            pipe.evalsha(DEADLETTER.sha, 2, self.shared, dead, *args)
+            return
+        pipe.xadd(dead, dict(zip(args[3::2], args[4::2])), maxlen=args[2], approximate=True)
+        self.add_acks(pipe, [ref])
+
+    @staticmethod
+    def add_refreshes(pipe, worker: str, by_stream: dict[str, list[str]]) -> None:
+        """REFRESH of the held entries, one call per stream; each answers the ids it lost."""
+        for key, ids in by_stream.items():
+            pipe.evalsha(REFRESH.sha, 1, key, GROUP, worker, *ids)
+
+    @staticmethod
+    def add_releases(worker: str, idle_ms: int, by_stream: dict[str, list[str]]):
+        """RELEASE of the entries, one call per stream; each answers how many were the worker's."""
+
+        def add(pipe) -> None:
+            for key, ids in by_stream.items():
+                pipe.evalsha(RELEASE.sha, 1, key, GROUP, worker, idle_ms, *ids)
+
+        return add
