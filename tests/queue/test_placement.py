@@ -16,7 +16,10 @@ from producer_client.placement import (
 )
 from producer_client.schema import JobRequest
 from tests.queue.support import GatedWorker, serving
-from tests.redis_support import assert_one_final_result, eventually, tokens_published
+from tests.redis_support import (  # noqa: F401  (fixtures)
+    assert_one_final_result, deployment_client, eventually, on_modes, redis_cluster, redis_deployment, redis_sentinel,
+    tokens_published,
+)
 
 KEYS = Keys()
 SYSTEM = {"role": "system", "content": "You are a terse assistant. " * 8}
@@ -170,13 +173,15 @@ def test_each_conversation_runs_on_its_first_choice_turn_after_turn(redis_server
         assert len({w for ws in ran_on.values() for w in ws}) >= 2
 
 
-def test_entries_placed_on_a_stalled_worker_are_stolen_after_the_steal_delay(redis_server, queue, redis_client):
+@on_modes("server", "cluster")
+def test_entries_placed_on_a_stalled_worker_are_stolen_after_the_steal_delay(redis_deployment, deployment_client, queue):
+    url, redis_client = redis_deployment.url, deployment_client
     steal_delay_s = 0.3
     settings = dict(FAST, steal_delay_ms=int(steal_delay_s * 1000), claim_idle_ms=3000, engine={"max_running": 2})
     with ExitStack() as stack:
-        stalled = stack.enter_context(serving(redis_server.url, queue, name=f"{queue}-a", worker_class=GatedWorker, **settings))
-        taker = stack.enter_context(serving(redis_server.url, queue, name=f"{queue}-b", step_s=0.01, **settings))
-        client = stack.enter_context(Client(redis_server.url, queue))
+        stalled = stack.enter_context(serving(url, queue, name=f"{queue}-a", worker_class=GatedWorker, **settings))
+        taker = stack.enter_context(serving(url, queue, name=f"{queue}-b", step_s=0.01, **settings))
+        client = stack.enter_context(Client(url, queue))
         assert eventually(lambda: redis_client.exists(KEYS.worker(taker.name)))
         stalled.gate.clear()
         time.sleep(0.1)
@@ -198,20 +203,22 @@ def test_entries_placed_on_a_stalled_worker_are_stolen_after_the_steal_delay(red
         assert stalled.metrics.taken["own"]._value.get() == 0
 
 
-def test_a_dead_workers_placed_jobs_are_reclaimed_and_resume_after_their_tokens(redis_server, queue, redis_client):
+@on_modes("server", "cluster")
+def test_a_dead_workers_placed_jobs_are_reclaimed_and_resume_after_their_tokens(redis_deployment, deployment_client, queue):
+    url, redis_client = redis_deployment.url, deployment_client
     settings = dict(FAST, engine={"max_running": 4})
     prompt = "a job placed on a worker that dies while it runs it, long enough to be killed half-way"
     with ExitStack() as stack:
         victim = stack.enter_context(serving(
-            redis_server.url, queue, name=f"{queue}-a", worker_class=GatedWorker, step_s=0.02,
+            url, queue, name=f"{queue}-a", worker_class=GatedWorker, step_s=0.02,
             checkpoint_interval_s=0.05, **settings,
         ))
-        client = stack.enter_context(Client(redis_server.url, queue))
+        client = stack.enter_context(Client(url, queue))
         jobs = [enqueue_on(client, victim.name, f"{prompt} {i}", max_tokens=60) for i in range(3)]
         assert eventually(lambda: all(len(tokens_published(redis_client, j)) >= 5 for j in jobs))
         victim.killed = True
         victim.gate.clear()
-        survivor = stack.enter_context(serving(redis_server.url, queue, name=f"{queue}-b", step_s=0.005, **settings))
+        survivor = stack.enter_context(serving(url, queue, name=f"{queue}-b", step_s=0.005, **settings))
         results = [client.result(job_id, timeout=30) for job_id in jobs]
         assert {r.worker for r in results} == {survivor.name}
         for i, (job_id, result) in enumerate(zip(jobs, results)):
