@@ -9,7 +9,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from producer_client import Client, protocol, scripts
+from producer_client import BulkQueueFull, Client, protocol, scripts
 from producer_client.keys import GROUP, Keys
 from producer_client.placement import (
     PREFIX_CHARS, Candidate, Placed, Placement, View, candidates_from, prefix_key, rendezvous_score,
@@ -242,3 +242,26 @@ def test_placement_turned_off_on_either_side_leaves_every_job_on_the_shared_stre
             client.generate(f"job {i}", max_tokens=2, timeout=30)
         assert client.placement.placed == {Placed.AFFINITY: 0, Placed.SHARED: 6}
         assert sum(w.metrics.taken["shared"]._value.get() for w in workers) == 6
+
+
+def test_submit_many_places_a_chunk_and_what_goes_in_is_still_a_prefix(redis_server, queue, redis_client):
+    """Two workers of two slots each, as their heartbeats say (no worker runs: nothing is read).
+    Ten jobs of one prompt: two on the first choice, two on the second (free slots), two more on
+    each (a backlog of one batch), one on the shared stream, and the tenth finds the shared
+    stream full (max_queue_depth 1): BulkQueueFull names the nine that went in."""
+    for name in ("a", "b"):
+        beat = {"name": name, "queue": queue, "state": "serving", "placement": 1, "slots": 2, "running": 0, "placed_held": 0}
+        redis_client.hset(KEYS.worker(name), mapping=beat)
+        redis_client.zadd(KEYS.workers(queue), {name: time.time()})
+    with Client(redis_server.url, queue, max_queue_depth=1) as client:
+        with pytest.raises(BulkQueueFull) as full:
+            client.submit_many([{"prompt": "same prompt", "max_tokens": 1, "request_id": f"{queue}-{i}"} for i in range(10)])
+    ids = [f"{queue}-{i}" for i in range(10)]
+    assert full.value.job_ids == ids[:9]
+    on = {name: [f["id"] for _, f in redis_client.xrange(KEYS.own_queue(queue, name))] for name in ("a", "b")}
+    shared = [f["id"] for _, f in redis_client.xrange(KEYS.queue(queue))]
+    by_rank = sorted(("a", "b"), key=lambda n: rendezvous_score(prefix_key(request(prompt="same prompt")), n), reverse=True)
+    assert on[by_rank[0]] == [ids[0], ids[1], ids[4], ids[5]]
+    assert on[by_rank[1]] == [ids[2], ids[3], ids[6], ids[7]]
+    assert shared == [ids[8]]
+    assert [bool(redis_client.exists(KEYS.job(job_id))) for job_id in ids] == [True] * 9 + [False]
