@@ -4,7 +4,7 @@ Two worker processes run the echo engine (`--model echo`) on an embedded redis-s
 N chat requests (one token each) go through, in one run:
 
   1. Client.submit_many + as_completed, the jobs alone: the baseline;
-  2. `mili batch` (gateway.batch_file.run_batch, in this process) on a file of N lines:
+  2. `mili batch` (cli.batch_file.run_batch, in this process) on a file of N lines:
      parsing, validation, submission, rendering and the answer files;
   3. the gateway's Batch API (one gateway process): upload, create, poll until completed,
      download the output file.
@@ -34,8 +34,8 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 
 from bench.queue import QUEUE, start_worker, wait_ready  # noqa: E402
+from cli.batch_file import run_batch  # noqa: E402
 from producer_client import Client  # noqa: E402
-from gateway.batch_file import run_batch  # noqa: E402
 from worker.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
 
 CONTENT = "hello world"

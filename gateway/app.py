@@ -1,5 +1,5 @@
 """The HTTP routes: OpenAI's chat and text completions and models, the seed's /generate and
-/health, a job's status, and Prometheus metrics (the Batch API's are in gateway.batch_routes).
+/health, a job's status, and Prometheus metrics (the Batch API's are in gateway.batch.routes).
 Each request is validated whole before its jobs are enqueued, and every response carries the
 request's id in `x-request-id`."""
 from __future__ import annotations
@@ -19,9 +19,9 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 
 from gateway.api_keys import Access, AuthFailures
-from gateway.batch_driver import BatchDriver
-from gateway.batch_routes import batch_router
-from gateway.batch_store import BatchStore
+from gateway.batch.driver import BatchDriver
+from gateway.batch.routes import batch_router
+from gateway.batch.store import BatchStore
 from gateway.board import add_board
 from gateway.edge import Edge, Limits
 from gateway.errors import APIError, api_error_of, bad_request, job_error, not_found

@@ -2,6 +2,7 @@
 each checked by the client library's own validation before any is enqueued."""
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -14,6 +15,8 @@ from gateway.schema import (
     SamplingRequest, TextPart, ToolMessage, Unsupported,
 )
 from producer_client import protocol
+from producer_client.errors import InvalidArgument
+from producer_client.structured import check_format, format_from_json
 
 # OpenAI's default for text completions. A chat runs to the client library's default
 # (SamplingParams.max_tokens) where OpenAI runs to the end of the context: the gateway has no
@@ -155,7 +158,51 @@ def sampling(req: SamplingRequest, max_tokens: int | None, logprobs: int | None)
         params["logprobs"] = logprobs
     if req.stop is not None:
         params["stop"] = [req.stop] if isinstance(req.stop, str) else req.stop
+    fmt = structured_output(req)
+    if fmt is not None:
+        params["response_format"] = fmt
     return params
+
+
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
+def structured_output(req: SamplingRequest) -> dict[str, Any] | None:
+    """The jobs' response_format, from OpenAI's `response_format` or one of vLLM's guided fields,
+    refused with a 400 naming the part the grammar library cannot compile (before any job is
+    enqueued)."""
+    given = [name for name in STRUCTURED_FIELDS if getattr(req, name) is not None]
+    if given == ["response_format"] and req.response_format.type == "text":
+        return None
+    if len(given) > 1:
+        raise bad_request(f"give one of {', '.join(STRUCTURED_FIELDS)}, not {' and '.join(given)}", given[1])
+    if not given:
+        return None
+    fmt, at = structured_format(req, given[0])
+    try:
+        check_format(format_from_json(json.dumps(fmt)), at)
+    except InvalidArgument as e:
+        raise bad_request(e.message, e.field) from None
+    return fmt
+
+
+def structured_format(req: SamplingRequest, name: str) -> tuple[dict[str, Any], str | None]:
+    """(the format, where its schema, pattern or choices sit in the request: None for response_format's own place)."""
+    if name == "response_format":
+        return req.response_format.model_dump(mode="json", exclude_none=True), None
+    if name == "guided_regex":
+        return {"type": "regex", "pattern": req.guided_regex}, name
+    if name == "guided_choice":
+        return {"type": "choice", "choices": req.guided_choice}, name
+    schema = req.guided_json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise bad_request(f"guided_json: not JSON: {e}", name) from None
+    if not isinstance(schema, dict):
+        raise bad_request("guided_json: a JSON schema is a JSON object", name)
+    return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": schema}}, name
 
 
 def chat_message(message) -> dict[str, Any]:

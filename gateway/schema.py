@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
 from producer_client.chat import MAX_TOOLS, NamedToolChoice, Tool, ToolCall
+from producer_client.structured import JsonObjectFormat, JsonSchemaFormat
 
 MAX_CHOICES = 128  # jobs one request may create: n, times the prompts of a completion (the spec's bound on n)
 MAX_STOP = 4  # the spec's bound on stop sequences
@@ -55,6 +56,14 @@ class StreamOptions(Strict):
     include_obfuscation: bool | None = None  # there is no obfuscation field to leave out
 
 
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+# OpenAI's response_format: plain text (the default), any JSON object, or a JSON schema.
+ResponseFormatIn = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
 class SamplingRequest(Strict):
     """What chat and text completions share. Sampling fields map one to one onto the client's
     SamplingParams, which checks what the spec leaves open (see gateway.requests)."""
@@ -80,6 +89,12 @@ class SamplingRequest(Strict):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     priority: int | None = None
+    # Structured outputs, as OpenAI asks for them (text completions take them too, as in vLLM),
+    # and vLLM's guided decoding: a JSON schema (or its JSON text), a regex, one of the choices.
+    response_format: ResponseFormatIn | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
 
     @property
     def streams(self) -> bool:
@@ -176,8 +191,6 @@ class ChatCompletionRequest(SamplingRequest):
     prompt_cache_key: str | None = None  # a cache hint: the radix cache finds shared prefixes by itself
     safety_identifier: str | None = Field(None, max_length=64)
     modalities: Annotated[list[str] | None, only(["text"])] = None
-    # The spec's, at their defaults only: `response_format` beyond text is issue 28's grammar.
-    response_format: Annotated[dict | None, only({"type": "text"})] = None
     audio: Unused = None
     prediction: Unused = None
     reasoning_effort: Unused = None

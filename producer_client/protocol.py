@@ -20,6 +20,7 @@ from producer_client.errors import (
     BodyTooLarge, IdempotencyConflict, InvalidArgument, JobNotFound, JobTimeout, NotReplicated,
 )
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
+from producer_client import structured
 from producer_client.placement import prefix_key
 from producer_client.scripts import CANCEL, CREATE, ENQUEUE, FOLLOW
 from producer_client.steps import Steps, checked
@@ -151,6 +152,7 @@ def build_job(
     except ValidationError as e:
         raise invalid_argument_from(e, strip="params.") from None
     request.check(MAX_TOKENS_LIMIT)
+    check_grammars(request)
     body = request.to_json()
     size = len(body.encode())
     if size > MAX_BODY_BYTES:
@@ -175,6 +177,20 @@ def generation_fingerprint(request: JobRequest) -> str:
     it is streamed: a retry may read the same job whole."""
     generation = request.model_dump_json(exclude={"timeout_s", "priority", "stream"})
     return hashlib.sha256(generation.encode()).hexdigest()
+
+
+def check_grammars(request: JobRequest) -> None:
+    """Refuses, before anything is enqueued, what the worker would hold the output to and could not
+    compile: the response_format, and the tools' parameters where a call is enforced (a forced
+    tool_choice, or tools beside a response_format)."""
+    fmt = request.params.response_format
+    if fmt is not None:
+        structured.check_format(fmt)
+    forced = request.tool_choice not in (None, "auto", "none")
+    if forced or fmt is not None:
+        for i, tool in enumerate(request.tools or []):
+            if tool.function.parameters is not None and tool in request.offered_tools():
+                structured.check_schema(tool.function.parameters, f"tools.{i}.function.parameters")
 
 
 def check_job_id(job_id: Any) -> str:

@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from producer_client.chat import MAX_TOOLS, ChatMessage, NamedToolChoice, Tool, ToolCall, ToolChoice, tool_names
 from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, MiliError
+from producer_client.structured import FORMAT_TYPES, ResponseFormat
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -17,7 +18,9 @@ MAX_TOKEN_ID = 2**31
 
 
 class SamplingParams(BaseModel):
-    """Sampling parameters with the names users know from OpenAI and vLLM."""
+    """Sampling parameters with the names users know from OpenAI and vLLM. `response_format`
+    constrains the output to a JSON schema, any JSON object, a regex or a list of choices
+    (producer_client.structured), enforced while decoding."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -35,6 +38,7 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
 
     @classmethod
     def parse(cls, **kwargs) -> "SamplingParams":
@@ -53,6 +57,9 @@ class SamplingParams(BaseModel):
             if not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidArgument("stop", f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
         check_token_ids("stop_token_ids", self.stop_token_ids)
+        if self.response_format is not None and self.stop:
+            # A stop string is cut from the text, and the cut would break the structure.
+            raise InvalidArgument("stop", "cannot be combined with response_format: stop strings cut the output")
 
 
 def check_token_ids(field: str, token_ids: list[int]) -> None:
@@ -61,9 +68,15 @@ def check_token_ids(field: str, token_ids: list[int]) -> None:
 
 
 def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArgument:
-    """The first error, its field named as users write it (`max_tokens`, not `params.max_tokens`)."""
+    """The first error, its field named as users write it (`max_tokens`, not `params.max_tokens`,
+    `response_format.pattern`, not the union member's tag pydantic puts in its path)."""
     first = error.errors()[0]
-    field = ".".join(str(p) for p in first["loc"]) or "body"
+    loc = list(first["loc"])
+    for i in range(len(loc) - 1):
+        if loc[i] == "response_format" and loc[i + 1] in FORMAT_TYPES:
+            del loc[i + 1]
+            break
+    field = ".".join(str(p) for p in loc) or "body"
     return InvalidArgument(field.removeprefix(strip), first["msg"])
 
 

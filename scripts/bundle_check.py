@@ -19,8 +19,8 @@ from packaging.utils import canonicalize_name
 
 # Importing these loads every runtime dependency and the test plugins the GPU stages use.
 MODULES = (
-    "producer_client", "worker.__main__", "worker.engine", "gateway.app", "kernels", "fakeredis",
-    "pytest_asyncio", "openai", "transformers",
+    "producer_client", "worker.__main__", "worker.engine", "gateway.app", "cli.__main__", "cli.batch_file", "kernels",
+    "fakeredis", "pytest_asyncio", "openai", "transformers",
 )
 
 

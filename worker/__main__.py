@@ -24,9 +24,11 @@ from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.embedded_redis import EmbeddedRedis
 from worker.healthcheck import run_healthcheck
 from worker.metrics import WorkerMetrics
+from worker.model.rank_failed import RankFailed
 from worker.queue import RedisLink, connect, is_transient
 from worker.service import Worker
 from worker.settings import WorkerSettings, add_setting_flags, settings_from_args
+from worker.tensor_parallel import EXIT_RANK_FAILED, rank_group
 
 log = logging.getLogger("worker")
 COMMANDS = ("serve", "demo", "healthcheck")
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except SETTINGS_ERRORS as e:
         print(f"error: invalid_argument: {settings_error_line(e)}", file=sys.stderr)
         return 2
+    except RankFailed as e:  # a BaseException: job-level handlers must not catch it
+        print(f"error: {e.code}: {e.message}", file=sys.stderr)
+        return EXIT_RANK_FAILED
     except KeyboardInterrupt:  # Ctrl-C before the worker took a job: nothing to hand over
         return 130
 
@@ -88,6 +93,7 @@ def serve_forever(settings: WorkerSettings) -> int:
         client = wait_for_redis(url, settings.redis_backoff_max_s)
         stack.callback(client.close)
         engine, device = load_engine(settings)
+        stack.enter_context(rank_group(engine))
         worker = Worker(engine, client, settings, metrics, name, device=device, metrics_port=port)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: worker.request_stop())
@@ -158,7 +164,8 @@ def wait_for_redis(url: str, backoff_max_s: float):
 
 
 def load_engine(settings: WorkerSettings):
-    """(engine, device) for the configured model; 'echo' is the model-free EchoEngine."""
+    """(engine, device) for the configured model; 'echo' is the model-free EchoEngine. The device
+    of a tensor-parallel engine lists every rank's: cuda:0,cuda:1."""
     if settings.model == "echo":
         from worker.echo_engine import EchoEngine, EchoScript
 
@@ -172,8 +179,12 @@ def load_engine(settings: WorkerSettings):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = None if settings.dtype == "auto" else settings.dtype
     engine = Engine.from_pretrained(settings.model, device=device, dtype=dtype, **settings.engine.model_dump())
-    engine.warm_up()  # before the heartbeat: a worker takes jobs only once its kernels are compiled
-    return engine, device
+    try:
+        engine.warm_up()  # before the heartbeat: a worker takes jobs only once its kernels are compiled
+    except BaseException:
+        engine.close()
+        raise
+    return engine, ",".join(engine.devices)
 
 
 def configure_logging(level: str, worker_name: str) -> None:

@@ -16,7 +16,7 @@ from producer_client.errors import MiliError
 from producer_client.protocol import entry_time
 from worker.holdings import EngineAPI, Holdings
 from worker.jobs import (
-    Delivery, InternalError, InvalidJob, Job, Poison, final_result, parse_request, render_prompt,
+    Delivery, InternalError, InvalidJob, Job, Poison, constraint_of, final_result, parse_request, render_prompt,
 )
 from worker.outbox import DeadLetter, Outbox, Receipts, Update
 from worker.queue import HANDED_OVER_IDLE_MS, RedisClock, WorkerQueue
@@ -136,7 +136,7 @@ class Admission:
         try:
             self.engine.add_request(
                 job.engine_id, job.prompt_token_ids, job.request.params, job.request.priority,
-                resume_token_ids=job.token_ids,
+                resume_token_ids=job.token_ids, constraint=job.constraint,
             )
         except Exception as e:
             if not isinstance(e, MiliError):
@@ -196,6 +196,7 @@ class Admission:
         try:
             request = parse_request(d.fields, self.settings.max_body_bytes, self.settings.max_tokens_limit)
             ids, fmt = render_prompt(request, self.engine.tokenizer)
+            constraint = constraint_of(request, fmt, self.engine.tokenizer)
         except MiliError as e:
             return e
         except Exception as e:  # a bug must cost one job, not the worker
@@ -203,6 +204,7 @@ class Admission:
             return InternalError(f"{type(e).__name__}: {e}")
         return Job(
             d.job_id, d.entry_id, run, request, ids, queued_at=entry_time(d.entry_id), started_at=now, output_format=fmt,
+            constraint=constraint,
         )
 
     def _dead_letter_poison(self, d: Delivery, run: str, recorded_tokens: int) -> None:

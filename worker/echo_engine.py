@@ -39,6 +39,9 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return bytes(ids).decode(errors="replace")
 
+    def token_to_id(self, token: str) -> int | None:
+        return None  # bytes only: no marker tokens
+
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, tokenize: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool = True,
@@ -120,12 +123,16 @@ class EchoEngine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-        resume_token_ids: Sequence[int] = (),
+        resume_token_ids: Sequence[int] = (), constraint: Any = None,
     ) -> None:
         """As Engine.add_request: `resume_token_ids` are output tokens produced already (by an
-        earlier run of the job), counted as output and not emitted again."""
+        earlier run of the job), counted as output and not emitted again. An echo cannot follow a
+        grammar: a request with a response format or a forced tool call is refused."""
         if request_id in self.running or request_id in self.waiting:
             raise InvalidArgument("request_id", f"{request_id!r} is already running")
+        if constraint is not None or params.response_format is not None:
+            field = "response_format" if params.response_format is not None else "tool_choice"
+            raise InvalidArgument(field, "the echo engine cannot hold its output to a grammar")
         if not prompt_token_ids or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.tokenizer.vocab_size:
             raise InvalidArgument("prompt_token_ids", f"must be a non-empty list of ids in [0, {self.tokenizer.vocab_size})")
         output = (self.script and self.script.output_for(prompt_token_ids)) or list(prompt_token_ids)

@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, Field, field_validator
 
 from producer_client.chat import tool_names
-from producer_client.chat_output import THINK_OPEN, ChatOutput, OutputFormat, OutputParser, Reasoning, parse_output
+from producer_client.chat_output import THINK_CLOSE, THINK_OPEN, ChatOutput, OutputFormat, OutputParser, Reasoning, parse_output
 from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
 from producer_client.keys import NAME_PATTERN, PROTOCOL_VERSION
 from producer_client.protocol import entry_time
 from producer_client.schema import (
     MAX_TOKEN_ID, ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage,
 )
+from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, tool_call_constraint
 
 ENTRY_FIELDS = frozenset({"id", "v", "body"})
 # A producer's entry may hold any number of fields of any length: the error names a few.
@@ -128,6 +129,7 @@ class Job:
     # time plus timeout_s (an entry added without the client). None: no timeout.
     deadline: float | None = None
     output_format: OutputFormat | None = None  # how a chat's output splits; None: it is all text
+    constraint: Constraint | None = None  # what its output must match (structured outputs, forced tool calls)
     # With parallel_tool_calls off, the output as it grows: the job stops at its first tool call.
     call_watch: OutputParser | None = field(init=False, default=None)
     called_before: bool = field(init=False, default=False)  # an earlier run made that call: nothing is left to run
@@ -268,6 +270,32 @@ def render_prompt(request: JobRequest, tokenizer) -> tuple[list[int], OutputForm
     fmt = OutputFormat(reasoning=reasoning_of(request.enable_thinking, text), tools=tool_names(tools) if tools else None)
     # The template writes the special tokens itself, so encoding must not add more.
     return tokenizer.encode(text, add_special_tokens=False), fmt
+
+
+def constraint_of(request: JobRequest, output: OutputFormat | None, tokenizer) -> Constraint | None:
+    """What the job's output must match, if anything: its response_format; the tool calls that
+    its tool_choice forces ("required", or a named function); with tools offered under "auto",
+    a call or the formatted answer. A chat that thinks is free until its reasoning ends."""
+    fmt = request.params.response_format
+    forced = bool(request.tools) and request.tool_choice not in (None, "auto", "none")
+    if fmt is None and not forced:
+        return None
+    tools = request.offered_tools()
+    thinking = thinking_of(output, tokenizer)
+    if tools:
+        functions = [ToolFunction(t.function.name, t.function.parameters) for t in tools]
+        return tool_call_constraint(functions, request.parallel_tool_calls, None if forced else fmt, thinking)
+    return Constraint.of_format(fmt, thinking)
+
+
+def thinking_of(output: OutputFormat | None, tokenizer) -> Thinking | None:
+    """The reasoning block's markers as the vocabulary's tokens, when the chat thinks."""
+    if output is None or output.reasoning is Reasoning.OFF:
+        return None
+    opens, closes = tokenizer.token_to_id(THINK_OPEN), tokenizer.token_to_id(THINK_CLOSE)
+    if closes is None:
+        return None  # a vocabulary without the markers: the model cannot write the block
+    return Thinking(closes, opens if output.reasoning is Reasoning.OPTIONAL else None)
 
 
 def reasoning_of(enable_thinking: bool, prompt: str) -> Reasoning:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from producer_client.schema import JobResult
+from worker.engine.outputs import EngineStats
 
 # vLLM's buckets, widened at the low end where a CPU-free queue path lives.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -50,11 +51,19 @@ class WorkerMetrics:
             registry=r,
         )
         self.preemptions = Counter("mili_num_preemptions", "Requests preempted for lack of KV pages.", registry=r)
+        self.grammar_cache_hits = Counter(
+            "mili_grammar_cache_hits", "Structured outputs: jobs whose grammar was compiled already.", registry=r,
+        )
+        self.grammar_compiles = Counter("mili_grammar_compiles", "Structured outputs: grammars compiled.", registry=r)
+        self.grammar_compile_seconds = Counter(
+            "mili_grammar_compile_seconds", "Structured outputs: time spent compiling grammars, off the step loop.",
+            registry=r,
+        )
         jobs = Counter("mili_jobs", "Jobs this worker ended, by outcome.", ["outcome"], registry=r)
         # Each outcome's counter, exported at 0 from the start so that rates are defined, and
         # looked up once: labels() costs more than the increment.
         self.jobs = {outcome: jobs.labels(outcome) for outcome in OUTCOMES}
-        self._engine_totals = (0, 0, 0)
+        self._engine_totals: dict[str, float] = {}
         taken = Counter(
             "mili_entries_taken", "Queue entries this worker took, by source: its own stream (placed on it), the "
             "shared stream, stolen from another worker's stream, reclaimed from a dead or stalled one.", ["source"], registry=r,
@@ -79,12 +88,16 @@ class WorkerMetrics:
         if n > 1 and t.first_token_at is not None and t.finished_at is not None:
             self.tpot.observe((t.finished_at - t.first_token_at) / (n - 1))
 
-    def engine_totals(self, queried: int, hits: int, preemptions: int) -> None:
+    def engine_totals(self, stats: EngineStats) -> None:
         """Counters from the engine's running totals (EngineStats)."""
-        last_q, last_h, last_p = self._engine_totals
-        self.prefix_cache_queries.inc(queried - last_q)
-        self.prefix_cache_hits.inc(hits - last_h)
-        self.preemptions.inc(preemptions - last_p)
-        self._engine_totals = (queried, hits, preemptions)
-        if queried:
-            self.prefix_cache_hit_rate.set(hits / queried)
+        counters = {
+            "cache_queried_tokens": self.prefix_cache_queries, "cache_hit_tokens": self.prefix_cache_hits,
+            "preemptions": self.preemptions, "grammar_cache_hits": self.grammar_cache_hits,
+            "grammar_compiles": self.grammar_compiles, "grammar_compile_seconds": self.grammar_compile_seconds,
+        }
+        for name, counter in counters.items():
+            total = getattr(stats, name)
+            counter.inc(total - self._engine_totals.get(name, 0))
+            self._engine_totals[name] = total
+        if stats.cache_queried_tokens:
+            self.prefix_cache_hit_rate.set(stats.cache_hit_tokens / stats.cache_queried_tokens)

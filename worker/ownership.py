@@ -77,8 +77,7 @@ class Ownership:
         m.requests_running.set(started)
         m.requests_waiting.set(len(running) - started)
         m.kv_cache_usage.set(1 - cap.free_pages / self.total_pages if self.total_pages else 0.0)
-        stats = self.engine.stats()
-        m.engine_totals(stats.cache_queried_tokens, stats.cache_hit_tokens, stats.preemptions)
+        m.engine_totals(self.engine.stats())
 
     def group_lost(self, error: Exception) -> None:
         log.warning("Redis has lost the consumer group of queue %r (%s): creating it again", self.settings.queue, error)

@@ -21,7 +21,7 @@ class StageReport:
         (self.out / f"{self.stage.name}.json").write_text(json.dumps(self.as_json(), indent=1) + "\n")
 
     def passed(self) -> bool:
-        return all(r.outcome in (Outcome.PASS, Outcome.SKIP_NO_CUDA) for r in self.results)
+        return all(r.outcome in (Outcome.PASS, Outcome.SKIP_NO_CUDA, Outcome.SKIP_FEW_GPUS) for r in self.results)
 
     def verdict(self) -> str:
         counts = {}
@@ -34,7 +34,7 @@ class StageReport:
         m = self.machine
         where = (
             "REHEARSAL on the CPU at tiny shapes: SKIP (no CUDA) marks what only a GPU runs, and its figures "
-            "are not GPU figures" if self.rehearse else f"on {m['device']}"
+            "are not GPU figures" if self.rehearse else f"on {m['gpus']} x {m['device']}"
         )
         return [
             f"## GPU acceptance, stage `{self.stage.name}`: {self.stage.what}",

@@ -23,12 +23,14 @@ from scripts.acceptance.step import Kind, Outcome, Stage, Step
 
 log = logging.getLogger("acceptance")
 
+REHEARSAL_ENV = {"CUDA_VISIBLE_DEVICES": ""}  # a rehearsal is the CPU's, even on a GPU host
 MIN_STEP_S = 20  # less time than this left in the stage: the step is not started
 PROBE = """
 import json, platform, torch, triton
 cuda = torch.cuda.is_available()
 print(json.dumps({
-    "cuda": cuda, "torch": torch.__version__, "triton": triton.__version__, "cuda_version": torch.version.cuda,
+    "cuda": cuda, "gpus": torch.cuda.device_count(), "torch": torch.__version__, "triton": triton.__version__,
+    "cuda_version": torch.version.cuda,
     "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})",
 }))
 """
@@ -46,11 +48,15 @@ class Run:
     def cuda(self) -> bool:
         return self.machine["cuda"]
 
+    @property
+    def gpus(self) -> int:
+        return self.machine["gpus"]
+
     @classmethod
     def prepare(cls, rehearse: bool, out: Path) -> Run:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if rehearse:
-            env["CUDA_VISIBLE_DEVICES"] = ""  # a rehearsal is the CPU's, even on a GPU host
+            env.update(REHEARSAL_ENV)
         # Probed in a child: CUDA initialized here would hold device memory the steps size their KV pools from.
         probe = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True)
         if probe.returncode != 0:
@@ -93,6 +99,11 @@ def copy_lines(stream, log_file, lines: list[str]) -> None:
         log_file.flush()
 
 
+def step_env(step: Step, run: Run) -> dict[str, str]:
+    """The step's variables over the run's; a step that narrows the GPUs it sees does not widen a rehearsal's."""
+    return {**run.env, **step.env, **(REHEARSAL_ENV if run.rehearse else {})}
+
+
 def run_step(step: Step, run: Run, left_s: float, log_file) -> Result:
     """Runs `step` for at most its timeout, or the `left_s` seconds left of its stage's budget."""
     timeout_s = min(step.timeout_s, left_s)
@@ -101,12 +112,14 @@ def run_step(step: Step, run: Run, left_s: float, log_file) -> Result:
         command = command_of(step, run, junit)
         if command is None:
             return Result(step, Outcome.SKIP_NO_CUDA, "runs only on a GPU")
+        if not run.rehearse and run.gpus < step.gpus:
+            return Result(step, Outcome.SKIP_FEW_GPUS, f"needs {step.gpus} GPUs, {run.gpus} visible")
         if step.tool and not run.rehearse and not shutil.which(step.tool, path=run.env.get("PATH")):
             return Result(step, Outcome.FAIL, f"{step.tool} is not on PATH")
         log_file.write(f"\n===== {step.name}: {' '.join(command)}\n")
         log_file.flush()
         start = time.monotonic()
-        returncode, output = execute(command, {**run.env, **step.env}, timeout_s, log_file)
+        returncode, output = execute(command, step_env(step, run), timeout_s, log_file)
         seconds = time.monotonic() - start
         if returncode is None:
             why = (f"timed out after {timeout_s:.0f} s" if timeout_s == step.timeout_s

@@ -15,6 +15,7 @@ class Outcome(str, Enum):
     PASS = "PASS"
     FAIL = "FAIL"
     SKIP_NO_CUDA = "SKIP (no CUDA)"
+    SKIP_FEW_GPUS = "SKIP (too few GPUs)"
     NOT_RUN = "NOT RUN"
 
 
@@ -57,6 +58,7 @@ class Step:
     timeout_s: int
     gate: bool = False  # a failure ends the stage: what follows would measure a broken path
     cuda_only: bool = False  # on the GPU, a run whose tests all skip is a failure
+    gpus: int = 1  # the GPUs its GPU command needs; with fewer it is SKIP (too few GPUs), and rehearsed as usual
     tool: str | None = None  # an executable the GPU command needs
     env: dict[str, str] = field(default_factory=dict)
     figures: tuple[Figure, ...] = ()

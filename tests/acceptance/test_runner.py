@@ -19,8 +19,8 @@ from scripts.acceptance.step import EXIT_NO_CUDA, Figure, Kind, Outcome, Stage, 
 from scripts.acceptance.step import tests as pytest_step
 
 ROOT = Path(__file__).resolve().parents[2]
-CPU = {"cuda": False, "torch": "t", "triton": "t", "cuda_version": None, "device": "CPU (test)"}
-GPU = {**CPU, "cuda": True, "device": "a stand-in GPU"}
+CPU = {"cuda": False, "gpus": 0, "torch": "t", "triton": "t", "cuda_version": None, "device": "CPU (test)"}
+GPU = {**CPU, "cuda": True, "gpus": 1, "device": "a stand-in GPU"}
 
 
 def junit(tmp_path: Path, passed: int = 0, failed: int = 0, skipped: int = 0) -> Path:
@@ -115,6 +115,29 @@ def test_a_gpu_only_step_is_skipped_in_a_rehearsal_without_running(tmp_path):
     stage = Stage("demo", "a stage", (python_step("gpu", f"open({str(marker)!r}, 'w')", cpu=False),))
     passed, report = run(tmp_path, stage)
     assert passed and outcomes(report) == {"gpu": "SKIP (no CUDA)"} and not marker.exists()
+
+
+def test_a_step_needing_more_gpus_than_visible_is_skipped_on_the_gpu_and_rehearsed_on_the_cpu(tmp_path):
+    marker = tmp_path / "ran"
+    two = Step("pair", "two GPUs", Kind.SCRIPT, ("{python}", "-c", f"open({str(marker)!r}, 'w')"),
+               ("{python}", "-c", f"open({str(marker)!r}, 'w')"), 10, gpus=2)
+    stage = Stage("demo", "a stage", (python_step("one", "print(1)"), two))
+    passed, report = run(tmp_path, stage, machine=GPU, rehearse=False)
+    assert passed and outcomes(report) == {"one": "PASS", "pair": "SKIP (too few GPUs)"} and not marker.exists()
+    assert report["steps"][1]["detail"] == "needs 2 GPUs, 1 visible"
+    assert "on 1 x a stand-in GPU" in (tmp_path / "demo.md").read_text()
+    passed, report = run(tmp_path, stage, machine={**GPU, "gpus": 2}, rehearse=False)
+    assert passed and outcomes(report) == {"one": "PASS", "pair": "PASS"} and marker.exists()
+    marker.unlink()
+    passed, report = run(tmp_path, stage)
+    assert passed and outcomes(report) == {"one": "PASS", "pair": "PASS"} and marker.exists()
+
+
+def test_a_step_that_narrows_the_visible_gpus_does_not_widen_a_rehearsals():
+    step = python_step("one", "print(1)")
+    step = Step(step.name, step.what, step.kind, step.command, step.rehearsal, 10, env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert runner.step_env(step, Run(True, Path("."), {"CUDA_VISIBLE_DEVICES": ""}, CPU))["CUDA_VISIBLE_DEVICES"] == ""
+    assert runner.step_env(step, Run(False, Path("."), {}, GPU))["CUDA_VISIBLE_DEVICES"] == "0"
 
 
 def test_a_step_past_its_timeout_is_killed_with_what_it_started(tmp_path):

@@ -20,7 +20,7 @@ KEYS = Keys()
 
 def mili(redis_url: str, queue: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "producer_client.cli", "--redis", redis_url, "--queue", queue, *args],
+        [sys.executable, "-m", "cli", "--redis", redis_url, "--queue", queue, *args],
         capture_output=True, text=True, timeout=60,
     )
 

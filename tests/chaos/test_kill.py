@@ -26,8 +26,10 @@ KEYS = Keys()
 ENGINE = dict(max_running=8, max_model_len=256)
 # Recovery settings: fast, yet a survivor starved of CPU for a moment on a busy 2-core machine
 # must not look dead to the victim before the kill (a takeover would be right, but muddle the
-# counts this test checks).
-RECLAIM = dict(claim_idle_ms=2000, reclaim_interval_s=0.2)
+# counts this test checks). Tokens are recorded many times over during a 32-token job, so the kill
+# lands between checkpoints of jobs still running (at the default 1 s a job can end before its
+# second checkpoint, and the victim be found generating only once its jobs are done).
+RECLAIM = dict(claim_idle_ms=2000, reclaim_interval_s=0.2, checkpoint_interval_s=0.1)
 PROMPTS = [f"Job {i}: tell me something about the number {i * 7}." for i in range(20)]
 # Greedy; every other job with a repetition penalty, which resumed tokens must feed like any output.
 PARAMS = [dict(max_tokens=32, temperature=0.0, ignore_eos=True, repetition_penalty=1.3 if i % 2 else 1.0) for i in range(20)]
@@ -72,8 +74,8 @@ def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(re
             ids = [client.submit(p, **params) for p, params in zip(PROMPTS, PARAMS)]
 
             def victim_generating() -> bool:
-                jobs = [deployment_client.hmget(KEYS.job(j), "worker", "tokens") for j in ids]
-                return sum(w == victim.name and int(t or 0) >= 4 for w, t in jobs) >= 2
+                jobs = [deployment_client.hmget(KEYS.job(j), "worker", "status", "tokens") for j in ids]
+                return sum(w == victim.name and s == "running" and int(t or 0) >= 4 for w, s, t in jobs) >= 2
 
             assert eventually(victim_generating, timeout=120), victim.log()
             victim.process.kill()

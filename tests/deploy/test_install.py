@@ -3,18 +3,28 @@ client library, the `mili` CLI and the wire models with redis and pydantic only.
 importable there, and the client runs real jobs against a worker (which has the worker extra)."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 import tomllib
 import uuid
+from pathlib import Path
 
 import pytest
 
 from tests.deploy.support import ROOT
 from tests.redis_support import WorkerProcess, start_workers
 
-SOURCES = ("pyproject.toml", "README.md", "producer_client", "worker", "kernels", "gateway", "config")
+PACKAGES = [p.rstrip("*") for p in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]]
+SOURCES = ("pyproject.toml", "README.md", "config", *PACKAGES)
+
+
+def run_installed(command: list, **options) -> subprocess.CompletedProcess:
+    """`command` from the venv as a user runs it: without the tests' PYTHONPATH, and away from the
+    checkout (`python -c` puts its working directory on sys.path), so it finds only what pip installed."""
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    return subprocess.run(command, env=env, cwd=Path(command[0]).parent, capture_output=True, text=True, **options)
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +49,11 @@ def client_venv(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_plain_install_needs_neither_torch_nor_the_web_stack(client_venv):
-    installed = subprocess.run(
-        [client_venv / "python", "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True,
-    ).stdout.lower()
+    installed = run_installed([client_venv / "python", "-m", "pip", "list", "--format=freeze"], check=True).stdout.lower()
     names = {line.split("==")[0] for line in installed.splitlines()}
     assert {"mili", "redis", "pydantic"} <= names
     assert not names & {"torch", "triton", "numba", "fastapi", "uvicorn", "pydantic-settings", "prometheus-client"}
-    imports = subprocess.run([client_venv / "python", "-c", "import torch"], capture_output=True, text=True)
+    imports = run_installed([client_venv / "python", "-c", "import torch"])
     assert imports.returncode != 0 and "No module named 'torch'" in imports.stderr
     base = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert [d.split(">")[0].split("[")[0] for d in base] == ["redis", "pydantic"]
@@ -61,13 +69,10 @@ def test_the_plain_install_runs_jobs_through_a_worker(client_venv, redis_server,
             f"c = Client({redis_server.url!r}, {queue!r}); r = c.generate('plain install', max_tokens=32, timeout=60); "
             "assert 'torch' not in sys.modules; print(r.status, r.text)"
         )
-        done = subprocess.run([client_venv / "python", "-c", code], capture_output=True, text=True, timeout=120)
+        done = run_installed([client_venv / "python", "-c", code], timeout=120)
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "done plain install"
-        stats = subprocess.run(
-            [client_venv / "mili", "--redis", redis_server.url, "--queue", queue, "stats"],
-            capture_output=True, text=True, timeout=60,
-        )
+        stats = run_installed([client_venv / "mili", "--redis", redis_server.url, "--queue", queue, "stats"], timeout=60)
         assert stats.returncode == 0 and queue in stats.stdout, stats.stderr
     finally:
         worker.stop()
@@ -77,10 +82,26 @@ def test_the_plain_install_runs_jobs_through_a_worker(client_venv, redis_server,
 def test_mili_batch_on_the_plain_install_names_the_extra_it_needs(client_venv, redis_server, tmp_path):
     lines = tmp_path / "in.jsonl"
     lines.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}\n')
-    done = subprocess.run(
-        [client_venv / "mili", "--redis", redis_server.url, "batch", str(lines), "-o", str(tmp_path / "out.jsonl")],
-        capture_output=True, text=True, timeout=60,
+    done = run_installed(
+        [client_venv / "mili", "--redis", redis_server.url, "batch", str(lines), "-o", str(tmp_path / "out.jsonl")], timeout=60,
     )
     assert done.returncode == 2
     assert done.stderr.startswith("error: mili batch needs the gateway extra (pip install 'mili[gateway]')")
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_response_format_on_the_plain_install_is_refused_naming_the_extra(client_venv, redis_server):
+    queue = f"install-{uuid.uuid4().hex[:6]}"
+    code = (
+        "from producer_client import Client, InvalidArgument\n"
+        f"c = Client({redis_server.url!r}, {queue!r})\n"
+        "try:\n    c.submit('x', response_format={'type': 'json_object'})\n"
+        "except InvalidArgument as e:\n    print(e.field, e.message)\n"
+        f"print(c.redis.xlen('mili:q:{{{queue}}}'))\n"
+    )
+    done = run_installed([client_venv / "python", "-c", code], timeout=120)
+    assert done.returncode == 0, done.stderr
+    refused, queued = done.stdout.strip().splitlines()
+    assert refused.startswith("response_format response_format: checking a format before it is queued needs")
+    assert "pip install 'mili[structured]'" in refused and queued == "0"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from tqdm import tqdm
 
+from cli.batch_file import AnswerFiles, BatchFileRun, read_answers
 from producer_client import Client
-from gateway.batch_file import AnswerFiles, BatchRun, read_answers
 from producer_client.keys import Keys
 from tests.redis_support import REPO, echo_workers, eventually, runs
 
@@ -48,7 +48,7 @@ def write_lines(path: Path, lines: list) -> Path:
 
 def mili_batch(redis_url: str, queue: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "producer_client.cli", "--redis", redis_url, "--queue", queue, "batch", *args],
+        [sys.executable, "-m", "cli", "--redis", redis_url, "--queue", queue, "batch", *args],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
@@ -152,7 +152,7 @@ def test_lines_wait_for_room_in_a_full_queue(redis_server, redis_client, batch_q
     before = redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"]
     files = AnswerFiles(output, errors)
     with Client(redis_server.url, batch_queue, max_queue_depth=5) as client, tqdm(disable=True) as bar:
-        tally = BatchRun(client, source, files, in_flight=50, bar=bar, stop=threading.Event()).run()
+        tally = BatchFileRun(client, source, files, in_flight=50, bar=bar, stop=threading.Event()).run()
     files.close()
     assert (tally.done, tally.failed, tally.interrupted) == (n, 0, False)
     assert set(answers_by_id(output)) == {f"f{i}" for i in range(n)}

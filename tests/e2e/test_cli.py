@@ -10,7 +10,7 @@ from tests.redis_support import REPO, SERVER_ONLY
 
 def mili(redis_url: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "producer_client.cli", "--redis", redis_url, "--queue", E2E_QUEUE, *args],
+        [sys.executable, "-m", "cli", "--redis", redis_url, "--queue", E2E_QUEUE, *args],
         capture_output=True, text=True, timeout=120,
     )
 

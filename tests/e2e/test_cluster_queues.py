@@ -50,7 +50,7 @@ def workers(redis_cluster, queues, tmp_path_factory):
 
 def mili(url: str, queue: str, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "producer_client.cli", "--redis", url, "--queue", queue, *args],
+        [sys.executable, "-m", "cli", "--redis", url, "--queue", queue, *args],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )
     assert done.returncode == 0, done.stderr

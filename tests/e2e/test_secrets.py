@@ -108,7 +108,7 @@ def outputs_of_every_program(server, url: str) -> list[str]:
     worker = start("worker", "serve", "--model", "echo", "--redis", url, "--queue", QUEUE, "--name", name,
                    "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--log-level", "DEBUG",
                    "--redis-backoff-max-s", "0.5")
-    cli = start("producer_client.cli", "--redis", url, "--queue", QUEUE, "stats")
+    cli = start("cli", "--redis", url, "--queue", QUEUE, "stats")
     check = start("worker", "healthcheck", "--redis", url, "--queue", QUEUE, "--name", name)
     said = []
     deadline = time.monotonic() + 60

@@ -27,6 +27,7 @@ METRIC_NAMES = [
     "mili_time_to_first_token_seconds", "mili_time_per_output_token_seconds", "mili_e2e_request_latency_seconds",
     "mili_request_queue_time_seconds", "mili_prompt_tokens_total", "mili_generation_tokens_total",
     "mili_prefix_cache_queries_total", "mili_prefix_cache_hits_total", "mili_num_preemptions_total", "mili_jobs_total",
+    "mili_grammar_cache_hits_total", "mili_grammar_compiles_total", "mili_grammar_compile_seconds_total",
 ]
 
 

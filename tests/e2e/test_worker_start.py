@@ -78,7 +78,7 @@ def test_a_taken_metrics_port_stops_the_worker_before_its_model_loads():
 
 
 @pytest.mark.parametrize("command", [
-    ["-m", "producer_client.cli", "--redis", "{url}", "stats"],
+    ["-m", "cli", "--redis", "{url}", "stats"],
     ["-m", "worker", "healthcheck", "--name", "nobody", "--redis", "{url}"],
 ], ids=["mili", "healthcheck"])
 def test_no_password_reaches_the_output_of_a_failing_command(command):

@@ -13,36 +13,57 @@ from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from worker.engine import Engine, EngineSettings
 from worker.model.loader import load_model
-from worker.model.presets import qwen3_config, qwen3_moe_config, write_random_checkpoint
+from worker.model.presets import qwen3_config, qwen3_moe_config, resolve_model_path, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 from worker.model.tokenizer import Tokenizer
 
 VOCAB = 2048
 
 
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory) -> Path:
-    config = qwen3_config(
-        vocab_size=VOCAB, max_position_embeddings=512, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        tie_word_embeddings=False, initializer_range=0.3, bos_token_id=None, eos_token_id=None,
-    )
-    ckpt = write_random_checkpoint(tmp_path_factory.mktemp("engine_ckpt"), config, seed=3, norm_std=0.1)
+# The dense test model's shape; each checkpoint below changes what it needs.
+DENSE = dict(
+    vocab_size=VOCAB, max_position_embeddings=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, initializer_range=0.3,
+    bos_token_id=None, eos_token_id=None,
+)
+
+
+def write_test_checkpoint(directory: Path, config: dict, seed: int) -> Path:
+    ckpt = write_random_checkpoint(directory, config, seed=seed, norm_std=0.1)
     write_qwen3_tokenizer_files(ckpt)
     return ckpt
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_test_checkpoint(tmp_path_factory.mktemp("engine_ckpt"), qwen3_config(**DENSE), seed=3)
 
 
 @pytest.fixture(scope="session")
 def moe_checkpoint(tmp_path_factory) -> Path:
-    config = qwen3_moe_config(
-        vocab_size=VOCAB, max_position_embeddings=512, hidden_size=64, intermediate_size=128,
-        moe_intermediate_size=32, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1],
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
-        initializer_range=0.3, bos_token_id=None, eos_token_id=None,
-    )
-    ckpt = write_random_checkpoint(tmp_path_factory.mktemp("moe_engine_ckpt"), config, seed=5, norm_std=0.1)
-    write_qwen3_tokenizer_files(ckpt)
-    return ckpt
+    config = qwen3_moe_config(**{
+        **DENSE, "moe_intermediate_size": 32, "num_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": False,
+        "mlp_only_layers": [1], "num_hidden_layers": 3,
+    })
+    return write_test_checkpoint(tmp_path_factory.mktemp("moe_engine_ckpt"), config, seed=5)
+
+
+@pytest.fixture(scope="session")
+def replicated_kv_checkpoint(tmp_path_factory) -> Path:
+    """One KV head for 4 query heads (each rank holds a copy), and an odd vocabulary (the last
+    rank's share of the embedding and the head ends in a padding row)."""
+    config = qwen3_config(**{**DENSE, "vocab_size": VOCAB - 1, "num_key_value_heads": 1})
+    return write_test_checkpoint(tmp_path_factory.mktemp("kv1_ckpt"), config, seed=7)
+
+
+@pytest.fixture(scope="session")
+def models(checkpoint, moe_checkpoint, replicated_kv_checkpoint) -> dict[str, Path]:
+    """The checkpoints the tensor-parallel tests split: KV heads split over 2 ranks (tiny's and
+    kv-split's), replicated, and a mixture of experts."""
+    return {
+        "tiny": resolve_model_path("tiny"), "kv-split": checkpoint, "kv-replicated": replicated_kv_checkpoint,
+        "moe": moe_checkpoint,
+    }
 
 
 @pytest.fixture(scope="session")
@@ -94,3 +115,23 @@ def hf_greedy(hf_model):
         return out[0, len(prompt):].tolist()
 
     return greedy
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded():
+    """The `tiny` preset: Qwen3's whole vocabulary, which structured outputs need (a grammar may
+    allow only a merged token, such as `{"`, that a test model's short vocabulary lacks)."""
+    path = resolve_model_path("tiny")
+    return load_model(path, dtype=torch.float32), Tokenizer.from_dir(path)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_engine(tiny_loaded):
+    (model, config, generation), tokenizer = tiny_loaded
+    eos = list(generation.eos_token_ids) + list(tokenizer.eos_token_ids)
+
+    def make(**settings) -> Engine:
+        settings = {"num_pages": 256, "page_size": 4, **settings}
+        return Engine(model, config, tokenizer, EngineSettings.parse(**settings), eos, torch.device("cpu"))
+
+    return make

@@ -17,14 +17,14 @@ def poison(engine, request_id: str, at_output_token: int, value: float) -> None:
     draws = 0  # counted here: an overlapped engine's token list also holds a token in flight
 
     @torch.inference_mode()
-    def faulty_sample(logits, requests):
+    def faulty_sample(logits, requests, mask=None):
         nonlocal draws
         for row, req in enumerate(requests):
             if req.request_id == request_id:
                 draws += 1
                 if draws == at_output_token:
                     logits[row, 7] = value
-        return sample(logits, requests)
+        return sample(logits, requests, mask)
 
     engine.sampler.sample = faulty_sample
 

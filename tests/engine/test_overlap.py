@@ -15,6 +15,7 @@ from tests.engine.conftest import VOCAB
 from tests.engine.test_engine import assert_all_pages_free_after_clear, random_prompts
 from worker.engine import Engine, EngineSettings
 from worker.engine.engine import overlap_enabled
+from worker.model.parallel import SINGLE
 
 
 def next_token(token: int, position: int) -> int:
@@ -34,6 +35,7 @@ class FakeModel:
     def __init__(self, events: list):
         self.events = events
         self.model = SimpleNamespace(norm=SimpleNamespace(weight=torch.zeros(1)))  # the KV dtype
+        self.tp = SINGLE  # one rank
         self.failures = 0  # calls still to fail, as a lost device would
 
     def __call__(self, input_ids, positions, meta, kv_caches):

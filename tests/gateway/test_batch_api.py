@@ -11,7 +11,7 @@ import uuid
 import openai
 import pytest
 
-from gateway.batch_store import LINES_PER_FIELD, PIECE_CHARS
+from gateway.batch.store import LINES_PER_FIELD, PIECE_CHARS
 from producer_client.keys import Keys
 from tests.gateway.support import GatewayProcess
 from tests.redis_support import echo_workers
@@ -202,6 +202,32 @@ def test_a_gateway_stopped_gracefully_hands_its_batch_over_at_once(redis_server,
             client.close()
         for gw in gateways:
             gw.stop()
+        gateway.start()
+
+
+def test_lines_wait_for_room_in_a_full_queue_and_are_answered_once(redis_server, redis_client, batch_queue, gateway, tmp_path):
+    """A gateway whose queue bound (3 jobs) is far below the lines a batch has out (IN_FLIGHT):
+    it submits what fits, again and again, lines of two choices straddling the bound; every line
+    is answered once, and no job is enqueued twice."""
+    gateway.terminate()  # the module's gateway, unbounded, sits this one out
+    bounded = GatewayProcess(redis_server.url, tmp_path, *gateway_flags(batch_queue, "--max-queue-depth", "3"), name="bounded").start()
+    sdk = openai.OpenAI(base_url=f"{bounded.url}/v1", api_key="unused", max_retries=0)
+    try:
+        n = 16  # 24 jobs: the bound is met about 8 times, each refusal waited out for QUEUE_FULL_WAIT_S
+        choices = [1 + i % 2 for i in range(n)]
+        before = redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"]
+        done = ended(sdk, run_batch(sdk, [chat_line(f"q{i}", f"room {i}", n=choices[i]) for i in range(n)]).id)
+        assert done.status == "completed", done
+        assert (done.request_counts.completed, done.request_counts.failed) == (n, 0)
+        output = answers(sdk, done.output_file_id)
+        assert {cid: [c["message"]["content"] for c in a["response"]["body"]["choices"]] for cid, a in output.items()} == {
+            f"q{i}": [echo_of(f"room {i}")] * choices[i] for i in range(n)
+        }
+        assert redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"] - before == sum(choices)
+        assert "is full; line" in bounded.log()  # the runs met the bound, and waited
+    finally:
+        sdk.close()
+        bounded.stop()
         gateway.start()
 
 

@@ -1,14 +1,18 @@
-"""OpenAI's batch line format (gateway/batch_lines.py), shared by `mili batch` and the Batch API:
-what a line that is not a request is called, request ids, and answers rendered from results."""
+"""OpenAI's batch line format (gateway/batch/lines.py), shared by `mili batch` and the Batch API:
+what a line that is not a request is called, request ids, answers rendered from results, and
+where a full queue splits the lines it was sent."""
 import json
+import uuid
 
 import pytest
 
-from gateway.batch_lines import LineError, LineJobs, answer, check_lines, line_request, parse_line, request_id
-from gateway.batch_store import text_pieces
+from gateway.batch.lines import (
+    LineError, LineJobs, answer, check_lines, line_request, parse_line, request_id, split_at_full_queue,
+)
+from gateway.batch.store import text_pieces
 from gateway.errors import APIError
-from producer_client import JobResult
-from producer_client.keys import NAME_PATTERN
+from producer_client import BulkQueueFull, Client, JobResult
+from producer_client.keys import NAME_PATTERN, Keys
 from producer_client.schema import ErrorInfo, Usage
 
 CHAT = "/v1/chat/completions"
@@ -56,11 +60,24 @@ def test_request_ids_depend_on_scope_custom_id_and_body_and_fit_a_job_id():
 
 @pytest.mark.parametrize("body, param", [({"stream": True}, "stream"), ({"max_tokens": 10**6}, "max_tokens"),
                                          ({"tools": [{"type": "function"}]}, "tools.0.function"),
-                                         ({"temperature": "hot"}, "temperature")])
+                                         ({"temperature": "hot"}, "temperature"),
+                                         ({"response_format": {"type": "json_schema", "json_schema": {
+                                             "name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
+                                          "response_format.json_schema.schema.uniqueItems"),
+                                         ({"guided_regex": "(?=a)"}, "guided_regex")])
 def test_a_body_the_http_api_refuses_is_a_400_naming_the_field(body, param):
     with pytest.raises(APIError) as refused:
         line_request(parse_line(line(**body), 1), 1)
     assert refused.value.status == 400 and refused.value.body.error.param == param
+
+
+def test_a_lines_structured_output_reaches_its_jobs():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    request = line_request(parse_line(line(n=2, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema}}), 1), 1)
+    assert [s.sampling["response_format"]["json_schema"]["schema"] for s in request.specs] == [schema, schema]
+    guided = line_request(parse_line(line(guided_choice=["yes", "no"]), 1), 1)
+    assert guided.specs[0].sampling["response_format"] == {"type": "choice", "choices": ["yes", "no"]}
 
 
 def result(job_id: str, status="done", text="ok", code=None, finish_reason="stop") -> JobResult:
@@ -109,3 +126,29 @@ def test_a_line_with_a_control_character_json_forbids_raw_is_one_bad_line_with_i
     text = '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n{"custom_id": "b\x0cc"}\nok\n'
     _, errors = check_lines(text, "/v1/completions", max_lines=10)
     assert [(e.line, e.code) for e in errors] == [(2, "invalid_json"), (3, "invalid_json")]
+
+
+def specs_of(lines: list[LineJobs]) -> list[dict]:
+    return [spec for line in lines for spec in line.submit_specs()]
+
+
+def test_a_full_queue_lets_through_the_lines_it_took_whole_and_a_half_taken_line_waits_whole(redis_server, redis_client):
+    """Both batch runners' split: 4 lines of 2 choices against a queue bound of 3 jobs. The queue
+    takes 3 jobs, all of line 1 and half of line 2: line 1 goes on, lines 2-4 wait, and sent again
+    once there is room they add the 5 jobs left out, not line 2's first one twice."""
+    queue = f"split-{uuid.uuid4().hex[:8]}"
+    lines = [LineJobs(line_request(parse_line(line(f"c{i}", n=2), i + 1), i + 1), f"rid{i}") for i in range(4)]
+    with Client(redis_server.url, queue, max_queue_depth=3) as bounded:
+        with pytest.raises(BulkQueueFull) as full:
+            bounded.submit_many(specs_of(lines))
+    assert full.value.job_ids == ["rid0-0", "rid0-1", "rid1-0"]
+    taken, waiting = split_at_full_queue(lines, full.value)
+    assert taken == lines[:1] and waiting == lines[1:]
+    with Client(redis_server.url, queue, max_queue_depth=None) as unbounded:
+        assert unbounded.submit_many(specs_of(waiting)) == [job_id for line in waiting for job_id in line.job_ids]
+    assert redis_client.xinfo_stream(Keys().queue(queue))["entries-added"] == 8
+
+
+def test_a_queue_full_before_the_first_job_makes_every_line_wait():
+    lines = [jobs_of(line(f"c{i}")) for i in range(3)]
+    assert split_at_full_queue(lines, BulkQueueFull("q", 5, 5, [])) == ([], lines)

@@ -61,8 +61,13 @@ async def test_waiting_streams_get_a_keepalive_every_interval_then_their_tokens(
     for prompt, (status, text, keepalives) in zip(prompts, answers):
         assert status == 200 and text == prompt
         assert len(keepalives) >= waited_s / KEEPALIVE_S - 2, keepalives
+        # One per quiet interval, not more. The times are taken here, as lines arrive, so each carries
+        # this loop's delivery delay (tens of ms on a loaded machine): the rate is measured over the
+        # whole wait, where that delay is a few per cent, and no gap may be a second line sent
+        # within the same interval.
         gaps = [b - a for a, b in zip(keepalives, keepalives[1:])]
-        assert all(gap >= KEEPALIVE_S * 0.9 for gap in gaps), gaps  # one per quiet interval, not more
+        assert (keepalives[-1] - keepalives[0]) / len(gaps) >= KEEPALIVE_S * 0.95, gaps
+        assert all(gap >= KEEPALIVE_S * 0.5 for gap in gaps), gaps
 
 
 async def test_100_concurrent_streams_each_get_every_token_once(gateway, redis_server):

@@ -197,7 +197,7 @@ def test_mili_batch_answers_lines_with_tools(agent, redis_server, tmp_path):
     source, answers = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     subprocess.run(
-        [sys.executable, "-m", "producer_client.cli", "--redis", redis_server.url, "--queue", agent.queue, "batch", str(source),
+        [sys.executable, "-m", "cli", "--redis", redis_server.url, "--queue", agent.queue, "batch", str(source),
          "-o", str(answers)], cwd=REPO, check=True, capture_output=True, timeout=120,
     )
     bodies = {a["custom_id"]: a["response"]["body"] for a in map(json.loads, answers.read_text().splitlines())}
@@ -212,7 +212,7 @@ def test_mili_batch_answers_lines_with_tools(agent, redis_server, tmp_path):
 def test_mili_submit_chats_with_thinking_on_or_off(agent, redis_server):
     def submit(*flags: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "producer_client.cli", "--redis", redis_server.url, "--queue", agent.queue, "submit",
+            [sys.executable, "-m", "cli", "--redis", redis_server.url, "--queue", agent.queue, "submit",
              "What is 2+2?", "--stream", *flags], cwd=REPO, check=True, capture_output=True, text=True, timeout=60,
         )
 

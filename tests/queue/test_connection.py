@@ -139,7 +139,7 @@ def test_the_clients_refuse_a_bad_url_before_connecting(make):
 
 def test_the_cli_says_a_bad_url_in_one_line_and_exits_1():
     done = subprocess.run(
-        [sys.executable, "-m", "producer_client.cli", "--redis", f"redis+sentinel://u:{SECRET}@s1:26379", "stats"],
+        [sys.executable, "-m", "cli", "--redis", f"redis+sentinel://u:{SECRET}@s1:26379", "stats"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 1

@@ -142,7 +142,7 @@ def test_queue_stats_falls_back_to_depth_minus_pending_when_redis_cannot_tell_th
 
 
 def test_importing_the_producer_client_does_not_import_torch():
-    code = "import sys, producer_client, producer_client.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, producer_client, cli.__main__; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -13,6 +13,11 @@ and only ever hold K/V), input id 0 at position 0. Its logits row is sliced off.
 Captured kernels must not sync with the host or choose launch grids from tensor values:
 the decode path (kernels/decode_attention.py) sizes its grid from shapes only (batch, kv
 heads, and a split count from the page table's width, which the static buffer fixes).
+
+Under tensor parallelism every rank captures the same ladder, in the same order, with the
+forward's collectives (NCCL all-reduces, the logits' gather) inside each graph, as vLLM and
+SGLang capture theirs; every rank replays the same size for a step, since each computes it
+from the same inputs. Only rank 0's graphs produce logits.
 """
 from __future__ import annotations
 
@@ -107,7 +112,7 @@ class DecodeGraphRunner:
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_batch)
         self.buffers = DecodeBuffers(max_batch, max_pages, device)
-        self._graphs: dict[int, Callable[[], torch.Tensor]] = {}
+        self._graphs: dict[int, Callable[[], torch.Tensor | None]] = {}
         self._pool = None  # the memory pool all graphs share: they never run at once
 
     def fits(self, inputs: StepInputs) -> bool:
@@ -120,14 +125,14 @@ class DecodeGraphRunner:
         )
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """[batch, vocab] float32 logits of a step that `fits`."""
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """[batch, vocab] float32 logits of a step that `fits` (None on a tensor-parallel rank other than 0)."""
         b = inputs.input_ids.shape[0]
         size = padded_size(b, self.sizes)
         self.buffers.load(inputs, size)
         replay = self._graphs.get(size)
         logits = replay() if replay is not None else self._forward(size)
-        return logits[:b]
+        return logits[:b] if logits is not None else None
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -144,20 +149,20 @@ class DecodeGraphRunner:
             (free_before - free_after) / 2**20,
         )
 
-    def _capture(self, size: int) -> Callable[[], torch.Tensor]:
+    def _capture(self, size: int) -> Callable[[], torch.Tensor | None]:
         self._forward(size)  # warm-up: Triton compiles and autotunes outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._forward(size)
         self._pool = graph.pool()
 
-        def replay() -> torch.Tensor:
+        def replay() -> torch.Tensor | None:
             graph.replay()
             return logits
 
         return replay
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> torch.Tensor | None:
         b = self.buffers
         hidden = self.model(b.input_ids[:size], b.positions[:size], b.meta(size), self.kv_caches)
         return self.model.compute_logits(hidden)

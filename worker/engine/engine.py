@@ -2,11 +2,16 @@
 
 One step reads top to bottom: the scheduler picks chunks -> the runner extends their KV and
 returns logits for the chunks that reach their sequence's end -> the sampler picks tokens
--> the reader checks each token against the request's stop conditions and reports it as a
-delta (reader.py). `generate`, the engine as a library, is in offline.py.
+(masked by their requests' grammars, if any: worker.engine.grammar) -> the reader checks each
+token against the request's stop conditions and reports it as a delta (reader.py). `generate`,
+the engine as a library, is in offline.py.
+
+With tensor_parallel_size N the engine is rank 0 of N (worker/engine/ranks.py): it schedules
+and samples alone, and every rank runs each step's forward over its share of the model.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -17,14 +22,18 @@ import torch
 
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
-from worker.engine.cuda_graph import DecodeGraphRunner
 from worker.engine.errors import PromptTooLong
-from worker.engine.kv_pool import KVCacheShape, PageAllocator, allocate_kv_caches, pages_for
-from worker.engine.memory import kv_cache_pages, profile_activation_peak
+from worker.engine.grammar.compiler import GrammarCompiler
+from worker.engine.grammar.constraint import Constraint
+from worker.engine.grammar.masks import GrammarMasks
+from worker.engine.grammar.request_grammar import RequestGrammar, replayed
+from worker.engine.kv_pool import PageAllocator, pages_for
 from worker.engine.offline import OfflineGeneration
 from worker.engine.overlap import LaunchedStep, launched
 from worker.engine.radix_cache import RadixCache
-from worker.engine.outputs import Capacity, EngineStats, RequestOutput
+from worker.engine.outputs import Capacity, EngineStats, RequestError, RequestOutput
+from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
+from worker.engine.ranks import RankGroup, load_shares
 from worker.engine.reader import StepReader
 from worker.engine.request import Request
 from worker.engine.runner import ModelRunner
@@ -32,75 +41,90 @@ from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledChunk, Scheduler
 from worker.engine.settings import EngineSettings
 from worker.engine.stop import TextOutput
-from worker.model.batch import KVCaches
+from kernels.token_bitmask import apply_token_bitmask
 from worker.model.config import Qwen3Config
-from worker.model.loader import load_model
+from worker.model.rank_failed import RankFailed
 from worker.model.presets import resolve_model_path
 from worker.model.qwen3 import Qwen3ForCausalLM
 from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+# How long a step with nothing to run waits for a grammar being compiled, instead of returning
+# at once to a caller that would call again straight away.
+COMPILE_WAIT_S = 0.005
+
 class Engine(OfflineGeneration):
     def __init__(
         self, model: Qwen3ForCausalLM, config: Qwen3Config, tokenizer: Tokenizer,
-        settings: EngineSettings, eos_token_ids: list[int], device: torch.device,
+        settings: EngineSettings, eos_token_ids: list[int], device: torch.device, ranks: RankGroup | None = None,
     ):
         self.settings = settings
         self.device = device
+        self.ranks = ranks  # the other ranks of a tensor-parallel engine (from_pretrained), stopped by close()
         self.tokenizer = tokenizer
         self.vocab_size = config.vocab_size
         self.max_model_len = resolve_max_model_len(settings, config)
         # Stop tokens the model cannot emit (a small test vocabulary) are dropped, not masked.
         self.eos_token_ids = sorted(t for t in set(eos_token_ids) if t < config.vocab_size)
-        shape = KVCacheShape(
-            config.num_hidden_layers, config.num_key_value_heads, config.head_dim, settings.page_size,
-            model.model.norm.weight.dtype,
-        )
-        num_pages = kv_cache_pages(
-            shape, device, settings, lambda: profile_activation_peak(model, shape, settings, config.vocab_size, device),
-        )
+        memory = prepare_rank(model, config, settings, device, self.max_model_len)
+        num_pages = memory.num_pages
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(self.allocator, settings.page_size, settings.enable_prefix_cache)
         self.scheduler = Scheduler(
             self.allocator, self.cache, settings.page_size, settings.max_running, settings.max_num_batched_tokens
         )
-        kv_caches = allocate_kv_caches(shape, num_pages, device)
-        graphs = None
-        if settings.cuda_graphs and device.type == "cuda":
-            graphs = self._capture_decode_graphs(model, kv_caches, num_pages)
-        self.runner = ModelRunner(model, kv_caches, settings.page_size, device, self.scheduler.page_table, graphs)
+        self.runner = ModelRunner(
+            model, memory.kv_caches, settings.page_size, device, self.scheduler.page_table, memory.decode_graphs,
+            ranks.ring if ranks is not None else None,
+        )
         self.sampler = Sampler(self.eos_token_ids)
         self.overlap = overlap_enabled(settings, device)
         self._in_flight: LaunchedStep | None = None  # overlapped: the step the device may still be running
         self.reader = StepReader(self.scheduler, self.eos_token_ids, self.max_model_len, self.vocab_size)
+        # A mask covers the tokenizer's vocabulary, whose size the model's may fall short of (test models).
+        mask_vocab = max(self.vocab_size, tokenizer.vocab_size)
+        self.grammars = GrammarCompiler(tokenizer, mask_vocab, self.eos_token_ids, settings.grammar_cache_size)
+        self.masks = GrammarMasks(mask_vocab, self.eos_token_ids, settings.max_running)
+        self._compiling: list[Request] = []  # requests whose grammar has not started yet
         self._ended: list[RequestOutput] = []  # finals of requests that ended between steps (aborts)
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         self._steps = self._computed_tokens = self._computed_prompt_tokens = 0
         self._log_limits(num_pages)
 
-    def _capture_decode_graphs(
-        self, model: Qwen3ForCausalLM, kv_caches: KVCaches, num_pages: int,
-    ) -> DecodeGraphRunner:
-        # A page table row never needs more pages than max_model_len tokens fill, nor than the pool has.
-        max_pages = min(pages_for(self.max_model_len, self.settings.page_size), num_pages)
-        graphs = DecodeGraphRunner(model, kv_caches, self.settings.max_running, max_pages, self.device)
-        graphs.capture()
-        return graphs
-
     @classmethod
     def from_pretrained(
         cls, model: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
         **settings,
     ) -> Engine:
-        """A preset name ('tiny', 'tiny-moe', 'small', 'qwen3-0.6b') or a checkpoint directory; settings as in EngineSettings."""
+        """A preset name ('tiny', 'tiny-moe', 'small', 'qwen3-0.6b') or a checkpoint directory; settings as in EngineSettings.
+
+        With tensor_parallel_size N > 1 the model is split over N ranks: this process is rank 0
+        on `device` (cuda:K: ranks take cuda:K..K+N-1), and N-1 processes are started for the
+        others, to be stopped with `close()` (or `with Engine.from_pretrained(...) as engine`)."""
         engine_settings = EngineSettings.parse(**settings)
         path = resolve_model_path(model)
-        loaded = load_model(path, dtype, device)
-        tokenizer = Tokenizer.from_dir(path)
-        eos = list(loaded.generation_config.eos_token_ids) + list(tokenizer.eos_token_ids)
-        return cls(loaded.model, loaded.config, tokenizer, engine_settings, eos, torch.device(device))
+        loaded, ranks = load_shares(path, dtype, device, engine_settings)
+        try:
+            tokenizer = Tokenizer.from_dir(path)
+            eos = list(loaded.generation_config.eos_token_ids) + list(tokenizer.eos_token_ids)
+            rank_device = ranks.devices[0] if ranks is not None else torch.device(device)
+            return cls(loaded.model, loaded.config, tokenizer, engine_settings, eos, rank_device, ranks)
+        except BaseException:
+            if ranks is not None:
+                ranks.close()
+            raise
+
+    @property
+    def devices(self) -> list[str]:
+        """The device of every rank, rank 0's first."""
+        return [str(d) for d in self.ranks.devices] if self.ranks is not None else [str(self.device)]
+
+    def close(self) -> None:
+        """Stops the other ranks of a tensor-parallel engine (nothing to do for one rank)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def warm_up(self) -> None:
         """Runs a two-token prompt and one decode step through the model and the sampler, on
@@ -115,17 +139,24 @@ class Engine(OfflineGeneration):
         built here too."""
         start = time.perf_counter()
         self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
+        self.grammars.prepare()  # built on the compile thread while the worker starts
         req = Request("warm-up", [0, 1], SamplingParams(temperature=0, max_tokens=2), 0, 0, None, None)
         req.pages = self.allocator.allocate(pages_for(3, self.settings.page_size))  # the prompt and one decode
         try:
             for chunk in (ScheduledChunk(req, 0, 2, True), ScheduledChunk(req, 2, 1, True)):
-                sampled = self.sampler(self.runner.run([chunk]), [req])
+                sampled = self.sampler(self.runner.run([chunk]), [req], self._warm_up_mask)
                 req.token_ids.append(sampled.token_ids[0])
         finally:
             self.allocator.decref(req.pages)
             self.scheduler.page_table.release(req)
         self.runner.model.warm_up_experts(self.settings.max_num_batched_tokens)
         log.info("warmed up the model and sampler kernels in %.1f s", time.perf_counter() - start)
+
+    def _warm_up_mask(self, logits: torch.Tensor) -> None:
+        """Masks with an all-allowing row: compiles the structured outputs' kernel, changes nothing."""
+        rows = torch.zeros(1, dtype=torch.long, device=logits.device)
+        everything = torch.full((1, self.masks.table.shape[1]), -1, dtype=torch.int32, device=logits.device)
+        apply_token_bitmask(logits, everything, rows, rows)
 
     def _log_limits(self, num_pages: int) -> None:
         s = self.settings
@@ -146,7 +177,7 @@ class Engine(OfflineGeneration):
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-        resume_token_ids: Sequence[int] = (),
+        resume_token_ids: Sequence[int] = (), constraint: Constraint | None = None,
     ) -> None:
         """Queues a request. `priority`: lower runs sooner (as in vLLM); ties go first come, first served.
 
@@ -155,6 +186,11 @@ class Engine(OfflineGeneration):
         them as if never interrupted: they count as output for usage, penalties, min_tokens
         and the seed's draws, a stop string they begin can still complete, and neither they
         nor their text are reported again.
+
+        `constraint` holds the output to a grammar (worker.engine.grammar.constraint); without
+        one, `params.response_format` gives it, from the first output token. It compiles on the
+        compile thread while the request waits; a grammar that does not compile ends the request
+        with an error (InvalidArgument's code) at a later step.
 
         Raises InvalidArgument (naming the field) for a bad id, prompt, resume tokens or
         parameters, and PromptTooLong when the prompt leaves no room for output within
@@ -171,8 +207,18 @@ class Engine(OfflineGeneration):
             TextOutput(detokenizer, params.stop), generator,
         )
         self.reader.replay(req, list(resume_token_ids))
+        if constraint is None and params.response_format is not None:
+            constraint = Constraint.of_format(params.response_format)
+        if constraint is not None:
+            req.grammar = self._compile(constraint, params, resume_token_ids)
+            self._compiling.append(req)
         self.reader.live[request_id] = req
         self.scheduler.add(req)
+
+    def _compile(self, constraint: Constraint, params: SamplingParams, resume_token_ids: Sequence[int]) -> RequestGrammar:
+        compiled = self.grammars.submit(constraint, functools.partial(replayed, constraint, list(resume_token_ids)))
+        ends = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
+        return RequestGrammar(constraint, compiled, ends)
 
     def step(self) -> list[RequestOutput]:
         """Runs one batched model step; returns a delta for every request that produced a token
@@ -180,7 +226,10 @@ class Engine(OfflineGeneration):
 
         Overlapped (`self.overlap`), the step is launched and the previous one's deltas are
         returned while the device runs it (worker.engine.overlap)."""
+        self._check_ranks()
         outputs, self._ended = self._ended, []
+        if self._compiling:
+            self._start_grammars(outputs)
         if self._in_flight is not None and self._in_flight.needs_host_tokens:
             outputs.extend(self._read(self._take_in_flight()))
         scheduled = self.scheduler.schedule()
@@ -188,12 +237,15 @@ class Engine(OfflineGeneration):
             outputs.append(self.reader.end(req, req.text.finish(), []))
         previous = self._take_in_flight()
         try:
-            self._in_flight = self._launch(scheduled.chunks, previous) if scheduled.chunks else None
+            self._in_flight = self._launch(scheduled.chunks, previous, outputs) if scheduled.chunks else None
         except BaseException:
-            self._in_flight = previous  # its placeholders still stand for its tokens
+            if previous is not None and not previous.read:
+                self._in_flight = previous  # its placeholders still stand for its tokens
             raise
-        if previous is not None:
+        if previous is not None and not previous.read:
             outputs.extend(self._read(previous))
+        if not scheduled.chunks and self._compiling and previous is None:
+            self._compiling[0].grammar.wait_compiled(COMPILE_WAIT_S)
         if not self.overlap and self._in_flight is not None:
             outputs.extend(self._read(self._take_in_flight()))
         return outputs
@@ -209,6 +261,7 @@ class Engine(OfflineGeneration):
         return True
 
     def capacity(self) -> Capacity:
+        self._check_ranks()
         sched = self.scheduler
         available = self.allocator.num_free + self.cache.evictable_pages
         return Capacity(
@@ -218,32 +271,80 @@ class Engine(OfflineGeneration):
         )
 
     def has_unfinished(self) -> bool:
+        self._check_ranks()
         return bool(self.reader.live or self._ended)
 
+    def _check_ranks(self) -> None:
+        """RankFailed once another rank has died: the worker's loop calls one of the three
+        methods that check every iteration, busy or idle."""
+        if self.ranks is not None:
+            self.ranks.check()
+
     def stats(self) -> EngineStats:
+        grammars = self.grammars.stats
         return EngineStats(
             self._steps, self._computed_tokens, self._computed_prompt_tokens, self.scheduler.num_preemptions,
             self.cache.queried_tokens, self.cache.hit_tokens,
+            grammars.cache_hits, grammars.compiles, grammars.compile_seconds,
         )
 
     # -- one step ------------------------------------------------------------------------
 
-    def _launch(self, chunks: list[ScheduledChunk], previous: LaunchedStep | None) -> LaunchedStep | None:
-        """Queues the step's model run and sampling; None when no chunk samples."""
+    def _launch(
+        self, chunks: list[ScheduledChunk], previous: LaunchedStep | None, outputs: list[RequestOutput],
+    ) -> LaunchedStep | None:
+        """Queues the step's model run and sampling; None when no chunk samples. When a request
+        that samples has a grammar, the previous step is read (into `outputs`) between the two:
+        its tokens advance the matchers whose masks this sampling needs (overlap.py)."""
         self._count_computed(chunks)
         sampling = [c.request for c in chunks if c.samples]
-        logits = self.runner.run(chunks, previous.device_tokens if previous is not None else None)
+        try:
+            logits = self.runner.run(chunks, previous.device_tokens if previous is not None else None)
+        except RankFailed as e:
+            raise self.ranks.explain(e) if self.ranks is not None else e from None
         self.scheduler.commit(chunks)
         if not sampling:
             return None
-        return launched(sampling, self.sampler.sample(logits, sampling))
+        constrained = any(r.grammar is not None for r in sampling)
+        mask = None
+        if constrained:
+            if previous is not None and not previous.read:
+                outputs.extend(self._read(previous))
+            batch_mask = self.masks.batch_mask(sampling)
+            if batch_mask is not None:
+                mask = functools.partial(self.masks.apply, mask=batch_mask)
+        return launched(sampling, self.sampler.sample(logits, sampling, mask), constrained)
 
     def _take_in_flight(self) -> LaunchedStep | None:
         step, self._in_flight = self._in_flight, None
         return step
 
     def _read(self, step: LaunchedStep) -> list[RequestOutput]:
-        return self.reader.read(step, self.sampler.read(step.wait(), step.requests))
+        step.read = True
+        if step.constrained:
+            self.masks.settle()  # no fill may touch a matcher while the reader advances it
+        outputs = self.reader.read(step, self.sampler.read(step.wait(), step.requests))
+        if step.constrained:
+            self.masks.prefill(step.requests)  # the rows of their next step, while the loop goes on
+        return outputs
+
+    def _start_grammars(self, outputs: list[RequestOutput]) -> None:
+        """Requests whose grammar compiled since the last step can be admitted now; one whose
+        grammar did not compile ends with the error."""
+        compiling = []
+        for req in self._compiling:
+            if req.is_finished:
+                continue  # aborted while it compiled
+            if not req.grammar.compiled:
+                compiling.append(req)
+                continue
+            error = req.grammar.start()
+            if error is not None:
+                self.scheduler.abort(req.request_id)
+                req.finish("error", RequestError(error.code, error.message))
+                log.info("request %s: its grammar does not compile: %s", req.request_id, error.message)
+                outputs.append(self.reader.end(req, req.text.finish(), []))
+        self._compiling = compiling
 
     def _count_computed(self, chunks: list[ScheduledChunk]) -> None:
         self._steps += 1
@@ -277,13 +378,3 @@ def on_off(flag: bool) -> str:
 def overlap_enabled(settings: EngineSettings, device: torch.device) -> bool:
     # Unset, it follows the device: on CPU the host runs the model itself, so nothing overlaps.
     return settings.overlap_schedule if settings.overlap_schedule is not None else device.type == "cuda"
-
-
-def resolve_max_model_len(settings: EngineSettings, config: Qwen3Config) -> int:
-    # Positions index the model's RoPE table, so the context cannot outgrow it.
-    limit = config.max_position_embeddings
-    if settings.max_model_len is None:
-        return limit
-    if settings.max_model_len > limit:
-        raise InvalidArgument("max_model_len", f"{settings.max_model_len} exceeds the model's context of {limit}")
-    return settings.max_model_len

@@ -30,3 +30,10 @@ class OutOfPages(MiliError):
     """More pages were asked for than are free. The scheduler checks first, so this is a bug."""
 
     code = "out_of_pages"
+
+
+class StructuredOutputError(MiliError):
+    """The request's grammar refused the token drawn under its own mask, or left no token to
+    draw: a schema whose contradiction the compiler did not see. Nothing valid can follow."""
+
+    code = "structured_output_error"

@@ -101,7 +101,9 @@ def profile_activation_peak(
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    Sampler([])(runner.run(chunks), requests)
+    logits = runner.run(chunks)
+    if logits is not None:  # rank 0 samples; the other ranks of a tensor-parallel group get no logits
+        Sampler([])(logits, requests)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del caches, runner

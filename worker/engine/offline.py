@@ -17,7 +17,14 @@ PROGRESS_EVERY_S = 10.0
 
 class OfflineGeneration:
     """Engine.generate and what it needs; the engine provides tokenizer, add_request, step,
-    reader (its live requests), scheduler and _generate_ids."""
+    reader (its live requests), scheduler, _generate_ids and close. As a context manager, the
+    engine is closed at the end of the block (an engine of several ranks stops them)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,

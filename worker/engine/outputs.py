@@ -80,3 +80,6 @@ class EngineStats:
     preemptions: int
     cache_queried_tokens: int  # prompt tokens looked up in the prefix cache at admission
     cache_hit_tokens: int  # of those, found cached
+    grammar_cache_hits: int = 0  # structured outputs: requests whose grammar was compiled already
+    grammar_compiles: int = 0  # grammars compiled (cache misses), failures included
+    grammar_compile_seconds: float = 0.0  # the time those compiles took, on the compile thread

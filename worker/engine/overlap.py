@@ -23,6 +23,10 @@ What the lag changes, none of it visible in outputs:
   that token, as if it had ended a step sooner.
 - Penalties need the previous tokens' values on the host: when a step samples a request
   with penalties, the next call reads that step before scheduling (no overlap for it).
+- A grammar's mask for step N needs step N-1's token in its matcher: when step N samples a
+  constrained request, step N-1 is read after step N's model run is queued and before its
+  sampling, so the host reads, advances the matchers and fills the masks while the device runs
+  the model (worker.engine.grammar.masks).
 
 The synchronous engine runs the same code and reads each step right after launching it.
 """
@@ -46,6 +50,8 @@ class LaunchedStep:
     device_tokens: torch.Tensor  # [N] the draws on the device: the next step's future token ids
     draws: SampledTokens  # host copies, complete once `landed` has fired (None: already on the host)
     landed: torch.cuda.Event | None
+    constrained: bool  # a request that sampled has a grammar: reading the step advances matchers
+    read: bool = False  # the engine has turned its draws into outputs
 
     @property
     def needs_host_tokens(self) -> bool:
@@ -58,13 +64,15 @@ class LaunchedStep:
         return self.draws
 
 
-def launched(requests: list[Request], sampled: SampledTokens) -> LaunchedStep:
-    """Starts the draws' copy to the host and gives each request a placeholder for its token."""
+def launched(requests: list[Request], sampled: SampledTokens, constrained: bool) -> LaunchedStep:
+    """Starts the draws' copy to the host and gives each request a placeholder for its token (a
+    request that ended since its row was scheduled gets none: its draw is discarded)."""
     draws, landed = copy_to_host(sampled)
     indices = [len(req.token_ids) for req in requests]
     for row, req in enumerate(requests):
-        req.token_ids.append(placeholder(row))
-    return LaunchedStep(requests, indices, sampled.token_ids, draws, landed)
+        if not req.is_finished:
+            req.token_ids.append(placeholder(row))
+    return LaunchedStep(requests, indices, sampled.token_ids, draws, landed, constrained)
 
 
 def placeholder(row: int) -> int:

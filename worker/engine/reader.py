@@ -1,13 +1,14 @@
 """Reading a step's tokens: each token goes in place of its placeholder and is checked against
-its request's stop conditions, in vLLM's order (stop tokens, stop strings, length), and turned
-into a delta; a request whose logits were not finite fails instead; a request that ends leaves
-the engine's live set."""
+its request's stop conditions, in vLLM's order (stop tokens, stop strings, length, with a
+grammar's completion before length), and turned into a delta; a request whose logits were not
+finite, or whose grammar refuses its token, fails instead; a request that ends leaves the
+engine's live set."""
 from __future__ import annotations
 
 import logging
 
-from producer_client.errors import InvalidArgument
-from worker.engine.errors import NonFiniteLogits
+from producer_client.errors import InvalidArgument, MiliError
+from worker.engine.errors import NonFiniteLogits, StructuredOutputError
 from worker.engine.outputs import FinishReason, RequestError, RequestOutput, SampledLogprob, TokenCounts
 from worker.engine.overlap import LaunchedStep, drop_placeholders
 from worker.engine.request import Request, RequestStatus
@@ -37,7 +38,10 @@ class StepReader:
                 outputs.append(self._take_token(req, index, token, lp))
             else:
                 del req.token_ids[index:]
-                outputs.append(self._fail_nonfinite(req))
+                outputs.append(self._fail(req, NonFiniteLogits(
+                    f"request {req.request_id}: non-finite logits (a NaN or an infinity) at output token "
+                    f"{req.num_output_tokens + 1}"
+                )))
         return outputs
 
     def replay(self, req: Request, resume_token_ids: list[int]) -> None:
@@ -57,6 +61,8 @@ class StepReader:
         """The request's final output; it leaves the live set."""
         del self.live[req.request_id]
         drop_placeholders(req)
+        if req.grammar is not None:
+            req.grammar.close()
         log.debug(
             "request %s finished (%s): %d prompt tokens (%d cached), %d output tokens, %d preemptions",
             req.request_id, req.finish_reason, req.num_prompt_tokens, req.num_cached_prompt_tokens,
@@ -68,7 +74,11 @@ class StepReader:
 
     def _take_token(self, req: Request, index: int, token: int, logprob: SampledLogprob | None) -> RequestOutput:
         """Puts `token` where its placeholder is, at `index`. A step launched since may have
-        appended its own placeholder after it: that one stays, unless this token ends the request."""
+        appended its own placeholder after it: that one stays, unless this token ends the request.
+        A request whose grammar ended before this token ends without it."""
+        if req.grammar is not None and req.grammar.ended:
+            del req.token_ids[index:]
+            return self._end_by_grammar(req)
         req.token_ids[index] = token
         if logprob is not None:
             req.logprobs.append(logprob)
@@ -83,16 +93,19 @@ class StepReader:
         self.scheduler.finish(req)
         return self.end(req, text, [token], logprobs)
 
-    def _fail_nonfinite(self, req: Request) -> RequestOutput:
+    def _end_by_grammar(self, req: Request) -> RequestOutput:
+        if req.grammar.error is not None:
+            return self._fail(req, StructuredOutputError(req.grammar.error))
+        req.finish("stop")
+        self.scheduler.finish(req)
+        return self.end(req, req.text.finish(), [])
+
+    def _fail(self, req: Request, error: MiliError) -> RequestOutput:
         """Ends the request with the output it had; the rest of the batch is unaffected (rows
         never mix)."""
-        error = NonFiniteLogits(
-            f"request {req.request_id}: non-finite logits (a NaN or an infinity) at output token "
-            f"{req.num_output_tokens + 1}"
-        )
         req.finish("error", RequestError(error.code, error.message))
         self.scheduler.finish(req)
-        log.warning("%s", error.message)
+        log.warning("request %s: %s", req.request_id, error.message)
         return self.end(req, req.text.finish(), [])
 
     def _check_stop(self, req: Request, token: int, num_output: int) -> tuple[str, FinishReason | None]:
@@ -100,15 +113,28 @@ class StepReader:
         `token`, in vLLM's order: stop tokens, stop strings, length.
 
         Before min_tokens nothing stops the request (its stop tokens were also masked out of
-        sampling). A stop token's own text is not emitted; a stop string is cut from the text.
+        sampling), nor before its grammar accepts the output (a stop id is then an ordinary
+        token). A stop token's own text is not emitted; a stop string is cut from the text. The
+        grammar takes the token here, so this is the token's one reading; at max_tokens, a
+        grammar that the token completes ends the request as "stop": the output is whole.
         """
         p = req.params
-        can_stop = num_output >= p.min_tokens
+        can_stop = num_output >= p.min_tokens and (req.grammar is None or req.grammar.accepts_end)
         if can_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
             return req.text.finish(), "stop"
+        if req.grammar is not None:
+            req.grammar.take(token)
         text, stopped = req.text.push(token, can_stop)
         if stopped:
             return text, "stop"
         if num_output >= p.max_tokens or req.num_prompt_tokens + num_output >= self.max_model_len:
-            return text + req.text.finish(), "length"
+            return text + req.text.finish(), self._reason_at_length(req)
         return text, None
+
+    @staticmethod
+    def _reason_at_length(req: Request) -> FinishReason:
+        if req.grammar is not None and req.grammar.started:
+            req.grammar.advance()
+            if req.grammar.complete:
+                return "stop"
+        return "length"

@@ -10,6 +10,7 @@ from worker.engine.outputs import FinishReason, RequestError, SampledLogprob, To
 if TYPE_CHECKING:
     import torch
 
+    from worker.engine.grammar.request_grammar import RequestGrammar
     from worker.engine.radix_cache import TreeNode
     from worker.engine.stop import TextOutput
 
@@ -49,6 +50,7 @@ class Request:
         self.text = text
         self.generator = generator
         self.logprobs: list[SampledLogprob] | None = [] if params.logprobs is not None else None
+        self.grammar: RequestGrammar | None = None  # structured outputs: what the output must match
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -70,6 +72,11 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def ready(self) -> bool:
+        """Whether it can be admitted: its grammar, if it has one, is compiled and started."""
+        return self.grammar is None or self.grammar.started
 
     @property
     def is_finished(self) -> bool:

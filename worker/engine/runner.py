@@ -1,4 +1,8 @@
-"""The model runner: turns a step's chunks into the model's inputs and returns the logits to sample."""
+"""The model runner: turns a step's chunks into the model's inputs and returns the logits to sample.
+
+Under tensor parallelism rank 0's runner sends each step's host arrays to the other ranks
+(`ring`, worker/engine/step_ring.py) before running it, and every rank runs `execute` on the
+same arrays: the same forward over its share of the model, with the collectives inside."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -6,21 +10,23 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from worker.engine.host_step import HostStep
 from worker.engine.kv_pool import pages_for
 from worker.engine.page_table import PageTable
 from worker.engine.scheduler import ScheduledChunk
-from worker.engine.transfer import to_device
-from worker.model.batch import AttentionMetadata, KVCaches, StepInputs
+from worker.model.batch import KVCaches, StepInputs
 from worker.model.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:
     from worker.engine.cuda_graph import DecodeGraphRunner
+    from worker.engine.step_ring import StepRing
 
 
 class ModelRunner:
     def __init__(
         self, model: Qwen3ForCausalLM, kv_caches: KVCaches, page_size: int, device: torch.device,
         page_table: PageTable | None = None, decode_graphs: DecodeGraphRunner | None = None,
+        ring: StepRing | None = None,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -30,23 +36,36 @@ class ModelRunner:
         # a scheduler (the memory profile) keeps rows of its own.
         self.page_table = page_table if page_table is not None else PageTable()
         self.decode_graphs = decode_graphs  # captured at start on CUDA: decode steps replay them
+        self.ring = ring  # rank 0 of a tensor-parallel group: where the other ranks read each step
         self._logits: torch.Tensor | None = None  # reused on CPU, see compute_logits
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk], future_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, chunks: list[ScheduledChunk], future_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Extends every chunk's KV; returns [N, vocab] float32 logits, one row per sampling chunk, in order.
 
         `future_tokens`: the previous step's sampled ids, still on the device, for the chunks
         whose input is a token not yet seen by the host (see worker.engine.overlap)."""
-        inputs = self.prepare(chunks)
+        step = self.host_step(chunks)
+        if not step.has_placeholders:
+            future_tokens = None
+        if self.ring is not None:
+            self.ring.send(step, 0 if future_tokens is None else future_tokens.shape[0])
+        return self.execute(step, future_tokens)
+
+    @torch.inference_mode()
+    def execute(self, step: HostStep, future_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Runs one step's forward on this rank; the logits on rank 0, None on the other ranks.
+        Under tensor parallelism `future_tokens` is rank 0's draws there, and where the other
+        ranks receive them."""
+        inputs = step.to_device(self.device)
         if future_tokens is not None:
-            inputs.input_ids = resolve_future_tokens(inputs.input_ids, future_tokens)
+            inputs.input_ids = resolve_future_tokens(inputs.input_ids, self.model.tp.broadcast(future_tokens))
         if self.decode_graphs is not None and self.decode_graphs.fits(inputs):
             return self.decode_graphs.run(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         return self.compute_logits(hidden[inputs.sample_indices])
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """On CPU the logits go into one buffer kept across steps (the largest seen so far).
 
         A step's logits are 40 MB at 64 rows of Qwen3's vocabulary: above glibc's mmap threshold,
@@ -60,6 +79,10 @@ class ModelRunner:
         return logits
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        """The step's inputs on the device."""
+        return self.host_step(chunks).to_device(self.device)
+
+    def host_step(self, chunks: list[ScheduledChunk]) -> HostStep:
         """Builds the step's metadata from per-chunk lists in a handful of numpy ops (on the host,
         a numpy op costs a fraction of a torch op's dispatch); the page table is a gather of the
         requests' persistent rows (worker.engine.page_table)."""
@@ -84,22 +107,10 @@ class ModelRunner:
         samples = [c.samples for c in chunks]
         if False in samples:
             sample_indices = sample_indices[np.array(samples)]
-        meta = AttentionMetadata(
-            is_decode=max_q_len == 1,
-            slot_mapping=self._to_device(slot_mapping),
-            page_table=self._to_device(page_table),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            prefix_lens=self._to_device(prefix.astype(np.int32)),
-            cu_seqlens_q=self._to_device(cu_seqlens.astype(np.int32)),
-            max_q_len=max_q_len,
+        return HostStep(
+            np.array(token_ids, dtype=np.int64), positions, slot_mapping, page_table, seq_lens.astype(np.int32),
+            prefix.astype(np.int32), cu_seqlens.astype(np.int32), sample_indices, max_q_len,
         )
-        return StepInputs(
-            self._to_device(np.array(token_ids, dtype=np.int64)), self._to_device(positions), meta,
-            self._to_device(sample_indices),
-        )
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return to_device(torch.from_numpy(array), self.device)
 
 
 def resolve_future_tokens(input_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ the flag travels with the draws, so checking costs no host sync of its own.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,30 +90,42 @@ class Sampler:
         self.penalties = PenaltyState()
         self._plan: BatchPlan | None = None  # the last batch's
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request], mask: Callable[[torch.Tensor], None] | None = None,
+    ) -> SampleResult:
         """logits [N, V] float32, one row per request, in the same order; modified in place."""
-        return self.read(self.sample(logits, requests), requests)
+        return self.read(self.sample(logits, requests, mask), requests)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
+    def sample(
+        self, logits: torch.Tensor, requests: list[Request], mask: Callable[[torch.Tensor], None] | None = None,
+    ) -> SampledTokens:
         """The draws, left on the logits' device: no host sync (host lists reach the device
-        through worker.engine.transfer, indexes included)."""
+        through worker.engine.transfer, indexes included). `mask`, when given, sets the logits
+        of the tokens each row may not draw to -inf (structured outputs), before anything else
+        reads them: the logprobs are those of the masked distribution, as vLLM reports them."""
         device = logits.device
         plan = self._plan_for(requests, device)
+        finite = None
+        if mask is not None:
+            finite = rows_finite(logits)  # before the mask writes its -inf
+            mask(logits)
         logprob_rows = plan.logprob_rows
         if logprob_rows:
             logprob_index = tensor_on(logprob_rows, device, torch.long)
             raw_logprobs = torch.log_softmax(logits[logprob_index], dim=-1)
         penalized = plan.penalized_rows
         if penalized or plan.min_tokens_rows:
-            finite = rows_finite(logits)  # before masking writes its own -inf
+            if finite is None:
+                finite = rows_finite(logits)  # before masking writes its own -inf
             if penalized:
                 counts = self.penalties.apply(logits, penalized, [requests[i] for i in penalized])
             if plan.min_tokens_rows:
                 self._suppress_stops_before_min_tokens(logits, requests, plan.min_tokens_rows)
-            tokens = greedy_tokens(logits)
-        else:
+        if finite is None:
             tokens, finite = greedy_tokens_and_finite(logits)
+        else:
+            tokens = greedy_tokens(logits)
         if plan.draw is not None and len(plan.draw.requests) == len(requests):
             tokens = sample_random(logits, plan.draw)  # every row draws: no gather of their logits
         elif plan.draw is not None:

@@ -136,13 +136,19 @@ class Scheduler:
         return sum(pages_for(len(r.token_ids), self.page_size) for r in self.waiting)
 
     def _admit(self, planned: dict[Request, int], budget: int, out: SchedulerOutput) -> int:
+        """Admits waiting requests in order while they fit. One whose grammar is still compiling
+        is passed over: it holds no one back."""
         if not self.waiting or budget == 0 or len(self.running) >= self.max_running:
             return budget  # nothing to admit: spares the pages_owed walk over every running request
         owed = self.pages_owed()
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[i]
+            if not req.ready:
+                i += 1
+                continue
             if pages_for(len(req.token_ids), self.page_size) > self.allocator.num_pages:
-                self.waiting.pop(0)
+                self.waiting.pop(i)
                 self._fail_too_large(req, out)
                 continue
             match = self.cache.match_prefix(req.token_ids[:-1])  # the last token must run to sample
@@ -151,7 +157,7 @@ class Scheduler:
             if need > self.allocator.num_free + self.cache.evictable_pages - owed:
                 self.cache.unlock(match.node)
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self._start(req, match.pages, match.node)
             n = min(req.num_uncomputed_tokens, budget)
             self._allocate(req, pages_for(req.num_computed_tokens + n, self.page_size) - len(req.pages))

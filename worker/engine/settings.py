@@ -30,8 +30,18 @@ class EngineSettings(BaseModel):
     cuda_graphs: bool = Field(
         True, description="decode steps replay CUDA graphs captured at start (CUDA only; prefill runs eagerly)",
     )
+    grammar_cache_size: int = Field(
+        256, ge=1, description="structured outputs: compiled grammars kept for reuse (LRU, by the grammar's hash)",
+    )
     overlap_schedule: bool | None = Field(
         None, description="prepare step N+1, and talk to Redis, while the device runs step N; unset: on CUDA only",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description="ranks the model is split across, one per GPU (gloo ranks on CPU); the worker starts the other N-1",
+    )
+    tensor_parallel_timeout_s: float = Field(
+        60.0, gt=0.0, description="a rank that takes part in no collective for this long (it hangs) stops the worker",
     )
 
     @model_validator(mode="after")

@@ -9,7 +9,9 @@ Expert weights are stacked per layer, in transformers' own names and layout:
 experts.gate_up_proj [E, 2 * moe_intermediate_size, hidden] holds each expert's gate rows, then
 its up rows (as the dense layers' gate_up_proj does), experts.down_proj [E, hidden,
 moe_intermediate_size]. Checkpoints store a tensor per expert and projection, which the loader
-copies into the stacks. Splitting every expert alike along its intermediate rows shards them.
+copies into the stacks. Under tensor parallelism every expert is split alike along its
+intermediate rows (each rank holds its share of each expert's gate rows, up rows and down
+columns), the router is whole on every rank, and the experts' partial sums are all-reduced.
 """
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from torch import nn
 import kernels
 from kernels.fused_moe import warm_up_token_counts
 from worker.model.config import Qwen3MoeConfig
+from worker.model.parallel import TensorParallel
 from worker.model.params import empty_weight
 
 
@@ -38,27 +41,33 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, config: Qwen3MoeConfig, dtype: torch.dtype):
+    def __init__(self, config: Qwen3MoeConfig, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        num, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        num, hidden, inter = config.num_experts, config.hidden_size, len(tp.split(config.moe_intermediate_size))
         self.gate_up_proj = empty_weight(num, 2 * inter, hidden, dtype=dtype)
         self.down_proj = empty_weight(num, hidden, inter, dtype=dtype)
 
 
 class Qwen3MoeSparseBlock(nn.Module):
-    def __init__(self, config: Qwen3MoeConfig, dtype: torch.dtype):
+    def __init__(self, config: Qwen3MoeConfig, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
         self.gate = Router(config, dtype)  # transformers' name for the router: mlp.gate.weight
-        self.experts = Experts(config, dtype)
+        self.experts = Experts(config, dtype, tp)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self._local_experts(x))
+
+    def _local_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of every expert's output (the whole of it on one rank)."""
         weights, experts = self.gate(x)
         return kernels.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts)
 
     @torch.inference_mode()
     def warm_up(self, max_tokens: int) -> None:
         """Runs once at each kernel tile shape a step of up to max_tokens tokens picks (kernels/fused_moe.py
-        chooses larger blocks of pairs for larger steps), so that none compiles while serving."""
+        chooses larger blocks of pairs for larger steps), so that none compiles while serving. Each
+        rank warms its own share up, without the all-reduce: no collective, so no rank waits on another."""
         weight = self.gate.weight
         for tokens in warm_up_token_counts(max_tokens, self.gate.top_k, weight.shape[0], weight.dtype):
-            self(torch.zeros(tokens, weight.shape[1], dtype=weight.dtype, device=weight.device))
+            self._local_experts(torch.zeros(tokens, weight.shape[1], dtype=weight.dtype, device=weight.device))

@@ -193,7 +193,7 @@ def write_random_checkpoint(
 def checkpoint_shapes(config: Qwen3Config) -> dict[str, torch.Size]:
     """Checkpoint tensor names and shapes, read off a model built on the meta device (no memory)."""
     with torch.device("meta"):
-        return {name: t.shape for name, t in checkpoint_targets(Qwen3ForCausalLM(config)).items()}
+        return {name: torch.Size(t.shape) for name, t in checkpoint_targets(Qwen3ForCausalLM(config)).items()}
 
 
 def random_model(

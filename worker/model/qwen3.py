@@ -6,6 +6,10 @@ neox RoPE, GQA attention scaled by head_dim**-0.5, SwiGLU MLP. Every hot-path op
 filled by `worker.model.loader`; q/k/v and gate/up are fused into one projection each.
 A Qwen3-MoE config (Qwen3MoeConfig) swaps the MLP of its sparse layers for a mixture of
 experts (worker/model/moe.py); everything else is shared.
+
+Under tensor parallelism (worker/model/parallel.py) each rank builds the same model over its
+share of the heads, the intermediate rows and the vocabulary; the norms, the router and the
+residual stream are whole on every rank.
 """
 import torch
 import torch.nn.functional as F
@@ -16,6 +20,7 @@ from kernels.cpu_linear import linear_cpu, supports as cpu_linear_supports
 from worker.model.batch import AttentionMetadata, KVCaches
 from worker.model.config import Qwen3Config
 from worker.model.moe import Qwen3MoeSparseBlock
+from worker.model.parallel import SINGLE, TensorParallel
 from worker.model.params import empty_weight
 
 
@@ -28,13 +33,23 @@ class Linear(nn.Module):
         return F.linear(x, self.weight)
 
 
-class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype):
+class VocabParallelEmbedding(nn.Module):
+    """The rows of this rank's share of the vocabulary (all of it on one rank); a token held
+    elsewhere embeds as zeros here, and the all-reduce adds the one rank's real row to them."""
+
+    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        self.weight = empty_weight(num_embeddings, dim, dtype=dtype)
+        self.weight = empty_weight(tp.vocab_rows(vocab_size), dim, dtype=dtype)
+        self.ids = tp.vocab(vocab_size)
+        self.tp = tp
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.ids.start
+        elsewhere = (local < 0) | (local >= len(self.ids))
+        rows = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        return self.tp.all_reduce(rows.masked_fill_(elsewhere[:, None], 0))
 
 
 class RMSNorm(nn.Module):
@@ -53,11 +68,12 @@ class RMSNorm(nn.Module):
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: Qwen3Config, dtype: torch.dtype):
+    def __init__(self, config: Qwen3Config, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = len(tp.split(config.num_attention_heads))
+        self.num_kv_heads = len(tp.kv_heads(config.num_key_value_heads))
         self.head_dim = config.head_dim
+        self.tp = tp
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -88,26 +104,29 @@ class Qwen3Attention(nn.Module):
                 q, k_cache, v_cache, meta.page_table, meta.cu_seqlens_q, meta.prefix_lens,
                 self.scale, meta.max_q_len,
             )
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, config: Qwen3Config, dtype: torch.dtype):
+    def __init__(self, config: Qwen3Config, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dtype)
+        inter = len(tp.split(config.intermediate_size))
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, dtype)
+        self.down_proj = Linear(inter, config.hidden_size, dtype)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x))))
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, dtype: torch.dtype, layer: int):
+    def __init__(self, config: Qwen3Config, dtype: torch.dtype, layer: int, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Qwen3Attention(config, dtype)
+        self.self_attn = Qwen3Attention(config, dtype, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = Qwen3MoeSparseBlock(config, dtype) if config.is_moe_layer(layer) else Qwen3MLP(config, dtype)
+        mlp = Qwen3MoeSparseBlock if config.is_moe_layer(layer) else Qwen3MLP
+        self.mlp = mlp(config, dtype, tp)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -128,10 +147,12 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: Qwen3Config, dtype: torch.dtype):
+    def __init__(self, config: Qwen3Config, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, dtype, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(config, dtype, i, tp) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # fp32 whatever the weights' dtype, like transformers' rotary embedding; not a checkpoint tensor.
         cos_sin = kernels.rope_cos_sin_cache(config.head_dim, config.max_position_embeddings, config.rope_theta)
@@ -152,15 +173,16 @@ class Qwen3ForCausalLM(nn.Module):
     """Build under `with torch.device(...)` and load weights with `worker.model.loader.load_model`.
 
     Create it in its final dtype rather than calling `.to(dtype)` afterwards, which would also
-    cast the fp32 RoPE table.
+    cast the fp32 RoPE table. `tp`: this rank's share of a tensor-parallel group.
     """
 
-    def __init__(self, config: Qwen3Config, dtype: torch.dtype = torch.float32):
+    def __init__(self, config: Qwen3Config, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = config
-        self.model = Qwen3Model(config, dtype)
+        self.tp = tp
+        self.model = Qwen3Model(config, dtype, tp)
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
+            self.lm_head = Linear(config.hidden_size, tp.vocab_rows(config.vocab_size), dtype)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: KVCaches
@@ -175,15 +197,22 @@ class Qwen3ForCausalLM(nn.Module):
         if sparse:
             sparse[0].warm_up(max_tokens)
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab] in float32, written into `out` when given."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """hidden [N, hidden_size] -> logits [N, vocab] in float32, written into `out` when given.
+        Under tensor parallelism rank 0 gathers every rank's columns, and the others get None."""
         head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        if cpu_linear_supports(hidden, head):
-            return linear_cpu(hidden, head, out)
-        if hidden.device.type == "cpu":
-            return lm_head_in_vocab_chunks(hidden, head, out)
-        logits = F.linear(hidden, head).float()
-        return logits if out is None else out.copy_(logits)
+        if self.tp.size == 1:
+            return project_logits(hidden, head, out)
+        return self.tp.gather_vocab(project_logits(hidden, head), self.config.vocab_size, out)
+
+
+def project_logits(hidden: torch.Tensor, head: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    if cpu_linear_supports(hidden, head):
+        return linear_cpu(hidden, head, out)
+    if hidden.device.type == "cpu":
+        return lm_head_in_vocab_chunks(hidden, head, out)
+    logits = F.linear(hidden, head).float()
+    return logits if out is None else out.copy_(logits)
 
 
 # On CPU one [N, H] x [H, vocab] product with Qwen3's 151,936-token vocabulary runs well below

@@ -9,6 +9,7 @@ turns generated ids into text deltas for streaming.
 import codecs
 import functools
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -59,6 +60,8 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.source = source
         self._token_bytes: dict[bool, TokenBytes] = {}  # by skip_special_tokens, built on first use
+        self._grammar_tables: dict[tuple, Any] = {}  # llguidance.LLTokenizer by (vocab_size, eos ids)
+        self._grammar_tables_lock = threading.Lock()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -74,6 +77,29 @@ class Tokenizer:
             eos_token_ids=collect_eos_token_ids(path, backend, template_tokens.get("eos_token")),
             source=path,
         )
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this tokenizer knows, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def grammar_tables(self, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
+        """llguidance's view of this vocabulary over `vocab_size` ids (at least the tokenizer's
+        own: a model may have more rows), for structured outputs. Built once per tokenizer and
+        arguments, from any thread: about a second of CPU for Qwen3's vocabulary."""
+        import llguidance
+
+        key = (vocab_size, tuple(eos_token_ids))
+        with self._grammar_tables_lock:
+            if key not in self._grammar_tables:
+                self._grammar_tables[key] = llguidance.LLTokenizer(
+                    self.backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None,
+                )
+            return self._grammar_tables[key]
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary, such as `</think>`; None if it has none."""
+        return self.backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids

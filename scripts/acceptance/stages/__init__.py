@@ -6,7 +6,7 @@ import importlib
 
 from scripts.acceptance.step import Stage
 
-ORDER = ("kernels", "engine", "bench", "serve", "moe")
+ORDER = ("kernels", "engine", "bench", "serve", "moe", "structured", "tp")
 
 
 def stages() -> dict[str, Stage]:

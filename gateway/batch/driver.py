@@ -5,7 +5,7 @@ the lease lapses after `batch_lease_s`, and another gateway (or the same one, re
 the batch on where it stood; a gateway that stops gracefully gives its leases up at once.
 
 A batch's lines run as queue jobs whose ids derive from the batch and the line
-(batch_lines.request_id), so a driver that takes a batch over submits its lines in flight again
+(lines.request_id), so a driver that takes a batch over submits its lines in flight again
 and finds their jobs: queued and running ones are not added twice, ended ones are read back, and
 only a job whose result expired from Redis (no gateway drove the batch for longer than the
 workers' result_ttl_s) runs again. A line's answer goes in once (BatchStore.answer). So a batch
@@ -33,12 +33,12 @@ from collections.abc import AsyncIterator
 
 import redis
 
-from gateway.batch_lines import (
+from gateway.batch.lines import (
     LineErrorBody, LineJobs, OutputLine, answer, check_lines, error_answer, line_request, parse_line, request_id,
-    unanswered,
+    split_at_full_queue, unanswered,
 )
-from gateway.batch_schema import BatchErrors
-from gateway.batch_store import BatchStore, Pieces
+from gateway.batch.schema import BatchErrors
+from gateway.batch.store import BatchStore, Pieces
 from gateway.errors import APIError
 from gateway.registry import ModelRegistry
 from gateway.settings import GatewaySettings
@@ -95,7 +95,7 @@ class BatchDriver:
 
     def _drive(self, batch_id: str) -> None:
         log.info("batch %s: driven by %s", batch_id, self.holder)
-        task = asyncio.ensure_future(BatchRun(self, batch_id).drive())
+        task = asyncio.ensure_future(DrivenBatch(self, batch_id).drive())
         self.runs[batch_id] = task
         task.add_done_callback(lambda _: self.runs.pop(batch_id, None))
 
@@ -105,7 +105,7 @@ def index_of(line: LineJobs) -> int:
     return line.request.line - 1
 
 
-class BatchRun:
+class DrivenBatch:
     """One gateway driving one batch while it holds the batch's lease."""
 
     def __init__(self, driver: BatchDriver, batch_id: str):
@@ -249,9 +249,8 @@ class BatchRun:
                 await self.client.on_queue(queue).submit_many([spec for line in lines for spec in line.submit_specs(timeout_s=timeout_s)])
                 taken = lines
             except BulkQueueFull as full:
-                enqueued = set(full.job_ids)
-                taken = [line for line in lines if enqueued.issuperset(line.job_ids)]
-                first_out = next(index_of(line) for line in lines if not enqueued.issuperset(line.job_ids))
+                taken, waiting = split_at_full_queue(lines, full)
+                first_out = index_of(waiting[0])
                 refused = first_out if refused is None else min(refused, first_out)
                 self.retry_at = time.monotonic() + QUEUE_FULL_WAIT_S
                 log.info("batch %s: queue %r is full; line %d waits", self.batch_id, queue, first_out)

@@ -10,8 +10,9 @@ answers only the lines they lack (a line cut short by a crash is cut off first),
 complete and without duplicates.
 
 Answers come in the order their jobs end, as OpenAI's do: match them by custom_id. The line
-format (gateway.batch_lines) is the gateway's own, validated and rendered as the gateway's routes
-do, so this lives with the gateway and needs its extra (`pip install 'mili[gateway]'`).
+format (gateway.batch.lines) is the gateway's own, validated and rendered as the gateway's routes
+do, so this module needs the gateway's extra (`pip install 'mili[gateway]'`); cli.batch_command
+imports it only when the command runs.
 """
 from __future__ import annotations
 
@@ -26,9 +27,9 @@ from typing import TextIO
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from gateway.batch_lines import (
+from gateway.batch.lines import (
     LineError, LineJobs, OutputLine, answer, error_answer, jsonl_lines, line_request, not_a_request, parse_line,
-    request_id,
+    request_id, split_at_full_queue,
 )
 from gateway.errors import APIError
 from producer_client.bulk import ResultWatch
@@ -109,7 +110,7 @@ def read_answers(path: Path) -> list[OutputLine]:
     return answers
 
 
-class BatchRun:
+class BatchFileRun:
     """Submits the input's request lines, at most `in_flight` jobs ahead of their answers, and
     writes each line's answer once all its jobs have ended."""
 
@@ -194,9 +195,7 @@ class BatchRun:
             self.client.submit_many([spec for line in lines for spec in line.submit_specs()])
             taken = lines
         except BulkQueueFull as full:
-            enqueued = set(full.job_ids)
-            taken = [line for line in lines if enqueued.issuperset(line.job_ids)]
-            self.held = [line for line in lines if not enqueued.issuperset(line.job_ids)]
+            taken, self.held = split_at_full_queue(lines, full)
             self.retry_at = time.monotonic() + QUEUE_FULL_WAIT_S
             log.info("queue %r is full (%d jobs): %d lines wait", full.queue, full.depth, len(self.held))
         for line in taken:
@@ -234,7 +233,7 @@ def run_batch(client: Client, input_path: Path, output: Path, errors: Path, in_f
     finish."""
     files = AnswerFiles(output, errors)
     bar = tqdm(unit="line", dynamic_ncols=True)
-    run = BatchRun(client, input_path, files, in_flight, bar, stop)
+    run = BatchFileRun(client, input_path, files, in_flight, bar, stop)
     bar.total = run.tally.lines - len(files.custom_ids) - len(files.lines)
     try:
         return run.run()

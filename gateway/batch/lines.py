@@ -26,7 +26,7 @@ from gateway.render import ChatRenderer, CompletionRenderer, Renderer
 from gateway.requests import JobSpec, chat_jobs, completion_jobs, parse_body
 from gateway.schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from producer_client import JobResult
-from producer_client.errors import InvalidArgument
+from producer_client.errors import BulkQueueFull, InvalidArgument
 from producer_client.schema import JobFailed
 
 
@@ -109,6 +109,18 @@ class LineJobs:
 
     def in_choice_order(self) -> list[JobResult]:
         return [self.results[job_id] for job_id in self.job_ids]
+
+
+def split_at_full_queue(lines: list[LineJobs], full: BulkQueueFull) -> tuple[list[LineJobs], list[LineJobs]]:
+    """The lines that a submit_many which met a full queue enqueued whole, and those that wait for
+    room, each in their order. A line with any job left out waits whole: submitted again, the jobs
+    of it that got in are found by their request ids, not added twice."""
+    enqueued = set(full.job_ids)
+    taken: list[LineJobs] = []
+    waiting: list[LineJobs] = []
+    for line in lines:
+        (taken if enqueued.issuperset(line.job_ids) else waiting).append(line)
+    return taken, waiting
 
 
 def request_id(scope: str, custom_id: str, body: dict[str, Any]) -> str:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.batch_lines import LineErrorBody
+from gateway.batch.lines import LineErrorBody
 from gateway.responses import Omitted
 
 BatchStatus = Literal[

@@ -1,5 +1,5 @@
 """OpenAI's Files and Batch API over the queue: upload a JSONL file of requests, create a batch of
-it, and the gateways run its lines as queue jobs (gateway.batch_driver) until its output and error
+it, and the gateways run its lines as queue jobs (gateway.batch.driver) until its output and error
 files are ready to download. Files and batches belong to the API key that created them (its
 tenant: gateway.api_keys); another key finds neither, unless it is an admin key.
 
@@ -17,9 +17,9 @@ from fastapi import APIRouter, File, Form, Request, UploadFile
 from starlette.responses import StreamingResponse
 
 from gateway.api_keys import tenant_of
-from gateway.batch_lines import ENDPOINTS, jsonl_lines
-from gateway.batch_schema import ENDED, Batch, CreateBatch, FileDeleted, FileObject, RequestCounts
-from gateway.batch_store import BatchStore, text_pieces
+from gateway.batch.lines import ENDPOINTS, jsonl_lines
+from gateway.batch.schema import ENDED, Batch, CreateBatch, FileDeleted, FileObject, RequestCounts
+from gateway.batch.store import BatchStore, text_pieces
 from gateway.errors import APIError, bad_request, not_found
 from gateway.requests import parse_body
 from gateway.settings import GatewaySettings, duration_s

@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
 
-from gateway.batch_lines import OutputLine, jsonl_lines
-from gateway.batch_schema import Batch, BatchList, FileList, FileObject
+from gateway.batch.lines import OutputLine, jsonl_lines
+from gateway.batch.schema import Batch, BatchList, FileList, FileObject
 from producer_client.keys import Keys
 from producer_client.scripts import Script, aexecute
 

@@ -1,0 +1,4 @@
+"""OpenAI's Files and Batch API on the gateway: the line format (lines), the API's shapes (schema),
+where files and batches live in Redis (store), the HTTP routes (routes), and the driver that runs a
+batch's lines as queue jobs under a lease (driver). `mili batch` (cli.batch_file) reads and answers
+the same lines from local files."""

@@ -1,0 +1,203 @@
+"""Structured outputs on the wire: what a job's output must match (`response_format`), and the
+check that refuses, before anything is enqueued, a schema, pattern or choice list the grammar
+library cannot compile or does not support.
+
+The grammar library is llguidance (bench/RESULTS.md says why): a 3 MB wheel with no
+dependencies, no torch. The plain client installs without it; it is the `structured` extra (the
+worker and the gateway extras include it), imported only when a job asks for a format. The
+check compiles the grammar in full, over a byte vocabulary: unsupported keywords, bad regexes,
+dangling `$ref`s and unsatisfiable schemas are refused here as the worker would refuse them.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from producer_client.errors import InvalidArgument
+
+MAX_CHOICES = 1024
+MAX_PATTERN_CHARS = 4096
+# Compact JSON with json.dumps' separators: no free whitespace, so a model cannot spend its
+# tokens on blank lines (a known failure of whitespace-flexible JSON modes), and the output is
+# what `json.dumps` writes.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Subschemas compiled, at most, to find the part of a schema an error comes from.
+LOCATE_BUDGET = 64
+UNIMPLEMENTED_KEYS = re.compile(r"Unimplemented keys: (\[.*?\])")
+EXTRA = "pip install 'mili[structured]'"
+
+
+class Format(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True)
+
+
+class JsonObjectFormat(Format):
+    """Any JSON object (OpenAI's JSON mode)."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchema(Format):
+    """OpenAI's `json_schema` object. `strict` is accepted and changes nothing: the schema is
+    always enforced. Without `schema`, any JSON value matches (the empty schema)."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(Format):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+class RegexFormat(Format):
+    """The whole output matches `pattern` (vLLM's guided_regex; Rust regex syntax, no look-around)."""
+
+    type: Literal["regex"]
+    pattern: str = Field(min_length=1, max_length=MAX_PATTERN_CHARS)
+
+
+class ChoiceFormat(Format):
+    """The whole output is one of `choices` (vLLM's guided_choice)."""
+
+    type: Literal["choice"]
+    choices: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1, max_length=MAX_CHOICES)
+
+
+ResponseFormat = Annotated[
+    Union[JsonObjectFormat, JsonSchemaFormat, RegexFormat, ChoiceFormat], Field(discriminator="type"),
+]
+FORMAT_TYPES = ("json_object", "json_schema", "regex", "choice")
+
+
+def grammar_text(fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat) -> str:
+    """The format as an llguidance grammar (its JSON serialization), what the worker compiles."""
+    matcher = llguidance().LLMatcher
+    if isinstance(fmt, JsonObjectFormat):
+        return matcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+    if isinstance(fmt, JsonSchemaFormat):
+        return matcher.grammar_from_json_schema(fmt.json_schema.schema_, overrides=JSON_OPTIONS)
+    if isinstance(fmt, RegexFormat):
+        return matcher.grammar_from_regex(fmt.pattern)
+    # Lark string literals take JSON's escapes, so any choice is one literal.
+    return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in fmt.choices))
+
+
+def check_format(fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat, at: str | None = None) -> None:
+    """Raises InvalidArgument, naming the part of the format at fault and quoting the grammar
+    library, when the worker could not compile it. `at` is where the format's schema, pattern or
+    choices sit in the caller's request (by default, in `response_format`)."""
+    error = compile_error(fmt.model_dump_json())
+    if error is None:
+        return
+    message, path = error
+    if at is None:
+        at = "response_format" + {"json_schema": ".json_schema.schema", "regex": ".pattern", "choice": ".choices"}.get(fmt.type, "")
+    raise InvalidArgument(".".join((at, *path)), f"the grammar library refuses it: {message}")
+
+
+def check_schema(schema: dict[str, Any], at: str) -> None:
+    """check_format for a JSON schema alone (a tool's parameters, which a forced call must match)."""
+    check_format(JsonSchemaFormat(type="json_schema", json_schema=JsonSchema(name="schema", schema=schema)), at)
+
+
+@functools.lru_cache(maxsize=256)
+def compile_error(fmt_json: str) -> tuple[str, tuple[str, ...]] | None:
+    """(the library's message, the path of the failing part within the format's schema) or None.
+    Cached: a bulk submit or a request with many choices sends one format many times."""
+    fmt = format_from_json(fmt_json)
+    message = grammar_error(grammar_text(fmt))
+    if message is None:
+        return None
+    if isinstance(fmt, JsonSchemaFormat):
+        return message, tuple(locate(fmt.json_schema.schema_, message))
+    return message, ()
+
+
+def format_from_json(fmt_json: str) -> JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat:
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(ResponseFormat).validate_json(fmt_json)
+
+
+def grammar_error(grammar: str) -> str | None:
+    message = llguidance().LLMatcher.validate_grammar(grammar, byte_tokenizer())
+    return message.strip() or None
+
+
+def locate(schema: dict[str, Any], message: str) -> list[str]:
+    """The path to the deepest subschema that fails alone with the same message (the root's
+    definitions beside it, for its `$ref`s), then the keyword the message names, if any."""
+    definitions = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    tries = iter(range(LOCATE_BUDGET))
+    path, node = [], schema
+    while (found := failing_subschema(node, definitions, message, tries)) is not None:
+        key, node = found
+        path.append(key)
+    keys = UNIMPLEMENTED_KEYS.search(message)
+    if keys is not None:
+        path.extend([k for k in json.loads(keys.group(1)) if k in node][:1])
+    return path
+
+
+def failing_subschema(
+    node: dict[str, Any], definitions: dict[str, Any], message: str, tries: Iterator[int],
+) -> tuple[str, dict[str, Any]] | None:
+    """The first subschema of `node` that fails alone with `message`, within the tries left."""
+    for (key, child), _ in zip(subschemas(node), tries):
+        grammar = llguidance().LLMatcher.grammar_from_json_schema({**definitions, **child}, overrides=JSON_OPTIONS)
+        if grammar_error(grammar) == message:
+            return key, child
+    return None
+
+
+def subschemas(node: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(path step, subschema) of each schema directly inside `node`."""
+    for keyword, value in node.items():
+        if isinstance(value, dict) and keyword in ("properties", "patternProperties", "$defs", "definitions"):
+            for name, child in value.items():
+                if isinstance(child, dict):
+                    yield f"{keyword}.{name}", child
+        elif isinstance(value, dict) and keyword not in ("const", "default", "enum", "examples"):
+            yield keyword, value
+        elif isinstance(value, list) and keyword in ("anyOf", "oneOf", "allOf", "prefixItems", "items"):
+            for i, child in enumerate(value):
+                if isinstance(child, dict):
+                    yield f"{keyword}.{i}", child
+
+
+@functools.cache
+def byte_tokenizer():
+    """A vocabulary of the 256 bytes and an end token: enough to build the whole grammar (its
+    lexer, and the checks that find an unsatisfiable schema), in a few milliseconds."""
+    lib = llguidance()
+    return lib.LLTokenizer(lib.TokenizerWrapper(ByteVocabulary()))
+
+
+class ByteVocabulary:
+    """What llguidance's TokenizerWrapper reads from a tokenizer."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([b]) for b in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode())
+
+
+def llguidance():
+    try:
+        import llguidance as lib
+    except ImportError:
+        raise InvalidArgument(
+            "response_format", f"checking a format before it is queued needs the grammar library llguidance: {EXTRA}",
+        ) from None
+    return lib

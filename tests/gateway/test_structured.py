@@ -1,0 +1,128 @@
+"""Structured outputs through the gateway, with the official SDK as its users call it: OpenAI's
+`response_format` (create, stream, and the SDK's `parse` from a pydantic model), vLLM's guided
+fields, a forced tool call; every request body checked against OpenAI's spec, every answer
+against its schema; what cannot compile is a 400 naming the part of the schema, before any job
+is enqueued. The worker is the session's tiny model (random weights: the mask does the work)."""
+import json
+import re
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from tests.gateway.support import job_count
+from tests.openai_spec import check
+
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+CHAT = [{"role": "user", "content": "Who is it? Answer in JSON."}]
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    age: int = pydantic.Field(ge=0, le=120)
+    admin: bool
+
+
+def test_a_chat_with_a_json_schema_answers_valid_json(sdk):
+    body = {"model": "tiny", "messages": CHAT, "max_tokens": 80, "response_format": FORMAT, "temperature": 0.7, "seed": 1}
+    check("CreateChatCompletionRequest", body)
+    for n in (1, 3):
+        reply = sdk.chat.completions.create(**{**body, "n": n}, extra_body=NO_THINKING)
+        check("CreateChatCompletionResponse", reply.model_dump(mode="json", exclude_unset=True))
+        assert len(reply.choices) == n
+        for choice in reply.choices:
+            assert choice.finish_reason == "stop", choice
+            jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_a_streamed_chat_with_a_json_schema_adds_up_to_valid_json(sdk):
+    chunks = list(sdk.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=80, response_format=FORMAT, stream=True, extra_body=NO_THINKING,
+    ))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_the_sdks_parse_helper_turns_the_answer_into_the_pydantic_model(sdk):
+    completion = sdk.chat.completions.parse(
+        model="tiny", messages=CHAT, max_tokens=80, response_format=Person, temperature=1.0, seed=3, extra_body=NO_THINKING,
+    )
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Person) and 0 <= parsed.age <= 120
+
+
+def test_json_object_in_a_chat_is_a_json_object_or_cut_by_length(sdk):
+    reply = sdk.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=60, response_format={"type": "json_object"}, temperature=0,
+        extra_body=NO_THINKING,
+    )
+    choice = reply.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+    else:  # any object: a random model may write one endless string
+        assert choice.finish_reason == "length" and choice.message.content.startswith("{")
+
+
+@pytest.mark.parametrize("extra, valid", [
+    ({"guided_json": PERSON}, lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
+    ({"guided_json": json.dumps(PERSON)}, lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
+    ({"guided_regex": "[a-z]{3}-[0-9]{2}"}, lambda text: re.fullmatch("[a-z]{3}-[0-9]{2}", text) is not None),
+    ({"guided_choice": ["positive", "negative"]}, lambda text: text in ("positive", "negative")),
+    ({"response_format": FORMAT}, lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
+])
+def test_text_completions_take_the_guided_fields_and_response_format(sdk, extra, valid):
+    reply = sdk.completions.create(model="tiny", prompt="Answer:", max_tokens=80, temperature=1.0, seed=2, extra_body=extra)
+    check("CreateCompletionResponse", reply.model_dump(mode="json", exclude_unset=True))
+    assert reply.choices[0].finish_reason == "stop" and valid(reply.choices[0].text), reply.choices[0].text
+
+
+def test_a_required_tool_choice_makes_a_call_with_valid_arguments(sdk):
+    weather = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}}, "required": ["city"],
+               "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        reply = sdk.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=80, tools=tools, tool_choice=tool_choice, temperature=1.0, seed=4,
+            extra_body=NO_THINKING,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        for call in choice.message.tool_calls:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), weather)
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}},
+     "response_format.json_schema.schema.properties.a.not"),
+    ("/v1/chat/completions", {"guided_json": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)"}}}},
+     "guided_json.properties.a"),
+    ("/v1/completions", {"guided_regex": "[a-"}, "guided_regex"),
+    ("/v1/completions", {"guided_json": "{not json"}, "guided_json"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "stop": "}"}, "stop"),
+])
+def test_what_cannot_compile_is_a_400_naming_it_before_anything_is_enqueued(sdk, redis_client, path, extra, param):
+    before = job_count(redis_client)
+    with pytest.raises(openai.BadRequestError) as refused:
+        if path == "/v1/chat/completions":
+            sdk.chat.completions.create(model="tiny", messages=CHAT, extra_body=extra)
+        else:
+            sdk.completions.create(model="tiny", prompt="x", extra_body=extra)
+    error = refused.value.body
+    assert (error["param"], error["code"]) == (param, "invalid_value"), error
+    assert job_count(redis_client) == before

@@ -1,0 +1,78 @@
+"""What the worker holds a job's output to (worker.jobs.constraint_of): its response_format, the
+calls a forced tool_choice asks for, a call or the formatted answer under "auto", nothing else;
+after Qwen3's reasoning when the chat thinks. The echo engine, which cannot, refuses them."""
+import json
+
+import pytest
+
+from producer_client.chat_output import OutputFormat, Reasoning
+from producer_client.errors import InvalidArgument
+from producer_client.schema import JobRequest, SamplingParams
+from worker.echo_engine import EchoEngine
+from worker.engine.settings import EngineSettings
+from worker.jobs import constraint_of
+from worker.model.presets import resolve_model_path
+from worker.model.tokenizer import Tokenizer
+
+THINK_OPEN, THINK_CLOSE = 151667, 151668
+FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_dir(resolve_model_path("tiny"))
+
+
+def job(**fields) -> JobRequest:
+    params = {"response_format": fields.pop("response_format")} if "response_format" in fields else {}
+    return JobRequest.model_validate({"messages": CHAT, "params": params, **fields})
+
+
+@pytest.mark.parametrize("fields", [{}, {"tools": [TOOL]}, {"tools": [TOOL], "tool_choice": "auto"},
+                                    {"tools": [TOOL], "tool_choice": "none"}])
+def test_a_free_job_has_no_constraint(tokenizer, fields):
+    assert constraint_of(job(**fields), OutputFormat(), tokenizer) is None
+
+
+@pytest.mark.parametrize("reasoning, thinking", [
+    (Reasoning.OFF, None), (Reasoning.OPTIONAL, (THINK_CLOSE, THINK_OPEN)), (Reasoning.OPEN, (THINK_CLOSE, None)),
+])
+def test_a_format_holds_after_the_reasoning_the_chat_may_write(tokenizer, reasoning, thinking):
+    constraint = constraint_of(job(response_format=FORMAT), OutputFormat(reasoning=reasoning), tokenizer)
+    assert constraint.field == "response_format"
+    got = constraint.thinking and (constraint.thinking.closes, constraint.thinking.opens)
+    assert got == thinking
+
+
+def test_a_format_with_tool_choice_none_is_the_format_alone(tokenizer):
+    constraint = constraint_of(job(response_format=FORMAT, tools=[TOOL], tool_choice="none"), OutputFormat(), tokenizer)
+    assert constraint.field == "response_format" and "tool_call" not in constraint.grammar
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_a_forced_tool_choice_holds_the_output_to_calls(tokenizer, choice):
+    constraint = constraint_of(job(tools=[TOOL], tool_choice=choice, response_format=FORMAT), OutputFormat(), tokenizer)
+    grammar = json.loads(constraint.grammar)["grammars"]
+    assert constraint.field == "tools" and len(grammar) == 1  # the calls, and no answer beside them
+    assert grammar[0]["lark_grammar"].startswith("start: calls")
+
+
+def test_tools_under_auto_with_a_format_allow_a_call_or_the_answer(tokenizer):
+    constraint = constraint_of(job(tools=[TOOL], response_format=FORMAT), OutputFormat(), tokenizer)
+    grammar = json.loads(constraint.grammar)["grammars"]
+    assert grammar[0]["lark_grammar"].startswith("start: (calls | @answer)") and grammar[1]["name"] == "answer"
+
+
+def test_a_prompt_job_has_no_reasoning_to_skip(tokenizer):
+    request = JobRequest.model_validate({"prompt": "x", "params": {"response_format": FORMAT}})
+    assert constraint_of(request, None, tokenizer).thinking is None
+
+
+def test_the_echo_engine_refuses_what_it_cannot_hold_to_a_grammar():
+    engine = EchoEngine(EngineSettings())
+    with pytest.raises(InvalidArgument) as refused:
+        engine.add_request("a", [104, 105], SamplingParams(response_format={"type": "json_object"}))
+    assert refused.value.field == "response_format"
+    assert not engine.has_unfinished()
