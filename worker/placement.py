@@ -74,18 +74,28 @@ class TakeOver:
 
     def _take(self, room: int, min_idle_ms: int, steal_before_ms: int) -> tuple[list[Delivery], list[Delivery]]:
         """From the stream of every worker in the queue's index, this one's too (an earlier process
-        of the same name may have died holding entries), until `room` are taken. Steals are from
-        others only: this worker reads its own stream anyway. A stream that refuses (a producer
-        wrote it) is passed over; the next scan tries again."""
+        of the same name may have died holding entries), until `room` are taken: one pipeline asks
+        every stream whether it has anything to take (TAKEABLE), then TAKE_OVER goes to those that
+        do, one at a time. Steals are from others only: this worker reads its own stream anyway. A
+        stream that refuses (a producer wrote it) is passed over; the next scan tries again."""
         reclaimed: list[Delivery] = []
         stolen: list[Delivery] = []
-        for owner in self.queue.peers:
+        owners = list(self.queue.peers)
+        if not owners:
+            return reclaimed, stolen
+        before = {owner: 0 if owner == self.queue.worker else steal_before_ms for owner in owners}
+        answers = self.queue.takeable(owners, min_idle_ms, before)
+        for owner, answer in zip(owners, answers):
             left = room - len(reclaimed) - len(stolen)
             if left <= 0:
                 break
-            before = 0 if owner == self.queue.worker else steal_before_ms
+            if isinstance(answer, Exception):
+                log.warning("could not look at the stream of worker %s: %s", owner, answer)
+                continue
+            if not answer:
+                continue
             try:
-                taken = self.queue.take_over(owner, left, min_idle_ms, before)
+                taken = self.queue.take_over(owner, left, min_idle_ms, before[owner])
             except redis.ResponseError as e:
                 if is_transient(e) or is_fatal(e):
                     raise

@@ -34,7 +34,7 @@ from worker.replies import (
     Adopted, Claim, Failed, Look, Published, PublishReply, UnknownReply, parse_adopt, parse_claim, parse_fail,
     parse_publish, parse_watch,
 )
-from worker.scripts import ADOPT, CLAIM, FAIL, PUBLISH, RECLAIM, REQUEUE, TAKE_OVER, WORKER_SCRIPTS
+from worker.scripts import ADOPT, CLAIM, FAIL, PUBLISH, RECLAIM, REQUEUE, TAKE_OVER, TAKEABLE, WORKER_SCRIPTS
 from worker.streams import QueueStreams, entry_ref
 
 log = logging.getLogger(__name__)
@@ -262,6 +262,16 @@ class WorkerQueue:
             [Delivery(entry_ref(i, owner), _fields(flat), n) for i, flat, n in reclaimed],
             [Delivery(entry_ref(i, owner), _fields(flat)) for i, flat in stolen],
         )
+
+    def takeable(self, owners: list[str], min_idle_ms: int, steal_before_ms: dict[str, int]) -> list[bool | Exception]:
+        """TAKEABLE on each owner's stream, in one pipeline: whether TAKE_OVER would take anything
+        there, or the error that stream gave (a producer may write it) in its place."""
+
+        def add(pipe):
+            for owner in owners:
+                pipe.evalsha(TAKEABLE.sha, 1, self.streams.of(owner), GROUP, min_idle_ms, steal_before_ms[owner])
+
+        return [r if isinstance(r, Exception) else r == 1 for r in self._send(add, per_command_errors=True)]
 
     def claim(self, jobs: list[tuple[str, str, str]]) -> list[Claim | Exception]:
         """CLAIM each (job id, entry id, run token). An error in a job's place: its keys refused

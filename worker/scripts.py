@@ -272,6 +272,31 @@ local read = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', due, '
 return {reclaimed, read[1][2]}
 """)
 
+# KEYS: one worker's own stream. ARGV: group, min idle ms, steal before (epoch ms; 0: none). Whether
+# TAKE_OVER, given the same arguments, would take anything: 1 or 0. Reads only, so that a worker with
+# room asks every worker's stream in one pipeline and runs TAKE_OVER (which takes no more than it
+# has room for, and so goes one stream at a time) only where there is something to take.
+TAKEABLE = Script("takeable", """
+if redis.call('TYPE', KEYS[1]).ok ~= 'stream' then return 0 end
+local last
+for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local info = {}
+  for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+  if info['name'] == ARGV[1] then last = info['last-delivered-id'] end
+end
+if not last then
+  if redis.call('XLEN', KEYS[1]) > 0 then return 1 end
+  return 0
+end
+if #redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[2], '-', '+', 1) > 0 then return 1 end
+local before = tonumber(ARGV[3])
+if before <= 0 then return 0 end
+local unread = redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', 1)
+if #unread == 0 then return 0 end
+if tonumber(string.match(unread[1][1], '^(%d+)')) < before then return 1 end
+return 0
+""")
+
 # What a worker's pipelines run besides the producers' scripts (of which ENQUEUE gives a detached
 # job back to the queue, after REQUEUE): `execute` loads both sets on NOSCRIPT.
-WORKER_SCRIPTS = (CLAIM, PUBLISH, FAIL, ADOPT, REQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER, TAKE_OVER)
+WORKER_SCRIPTS = (CLAIM, PUBLISH, FAIL, ADOPT, REQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER, TAKE_OVER, TAKEABLE)
