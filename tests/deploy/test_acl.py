@@ -15,6 +15,7 @@ import redis
 
 from producer_client import Client, IdempotencyConflict
 from producer_client.keys import GROUP, Keys
+from producer_client.placement import Placed
 from tests.acl_support import acl_server
 from tests.deploy.support import ROOT, environment_without_mili, wait_for
 from tests.gateway.support import GatewayProcess
@@ -119,3 +120,24 @@ def test_the_gateway_user_runs_a_batch_and_is_a_producer_to_jobs(acl_redis, acl_
         with pytest.raises(redis.exceptions.NoPermissionError):
             command()
     as_gateway.close()
+
+
+def test_placement_reads_its_view_and_places_with_the_producers_rights_alone(acl_redis, acl_worker):
+    """A second worker under the worker user: the producer user reads the worker index, the
+    heartbeats and the workers' own streams' lengths, places each job on a worker's own stream,
+    and the workers, under their user, read, steal and settle them there."""
+    second = subprocess.Popen(
+        [sys.executable, "-m", "worker", "serve", "--model", "echo", "--redis", acl_redis["worker"],
+         "--name", "acl-worker-2", "--metrics-host", "127.0.0.1", "--metrics-port", "0"],
+        cwd=ROOT, env=environment_without_mili(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: acl_redis["admin"].exists(Keys().worker("acl-worker-2")) or second.poll() is not None, 60,
+                 "the second worker's heartbeat")
+        with Client(acl_redis["producer"]) as client:
+            jobs = [client.submit(prompt=f"placed {i}", max_tokens=8) for i in range(6)]
+            assert [r.text for r in client.results(jobs, timeout=30)] == [f"placed {i}" for i in range(6)]
+            assert client.placement.placed == {Placed.AFFINITY: 6, Placed.SHARED: 0}
+    finally:
+        second.kill()
+        second.wait()
