@@ -22,36 +22,31 @@ workers took their jobs from (own stream, shared, stolen), and the longest time 
 while a job waited somewhere (sampled every 50 ms from the heartbeats and the streams). Then the
 ratios the targets are stated in, placed against shared and against ideal.
 
-    python bench/affinity.py [--conversations 200 --turns 5 --groups 8 --workers 4 --concurrency 16]
+    python -m bench.affinity [--conversations 200 --turns 5 --groups 8 --workers 4 --concurrency 16]
 """
 from __future__ import annotations
 
+import argparse
+import os
+import queue as queues
+import random
+import subprocess
 import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path, and bench/queue.py would shadow the
-# standard library's queue module (which redis-py imports): put the repository there instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import redis
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
 
-import argparse  # noqa: E402
-import os  # noqa: E402
-import queue as queues  # noqa: E402
-import random  # noqa: E402
-import subprocess  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-
-import redis  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from bench.measure import cpu_seconds, pct  # noqa: E402
-from producer_client import Client  # noqa: E402
-from producer_client.keys import GROUP, Keys  # noqa: E402
-from producer_client.schema import JobResult  # noqa: E402
-from worker.embedded_redis import EmbeddedRedis  # noqa: E402
+from bench.measure import cpu_seconds, pct
+from producer_client import Client
+from producer_client.keys import GROUP, Keys
+from producer_client.schema import JobResult
+from worker.embedded_redis import EmbeddedRedis
 
 QUEUE = "affinity"
 KEYS = Keys()

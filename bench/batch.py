@@ -11,32 +11,28 @@ N chat requests (one token each) go through, in one run:
 
 Each prints lines/s and its ratio to the baseline.
 
-    python bench/batch.py [--lines 20000 --tcp]
+    python -m bench.batch [--lines 20000 --tcp]
 """
 from __future__ import annotations
 
+import argparse
+import io
+import json
+import os
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path (see bench/queue.py): the repository instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import httpx
+import openai
 
-import argparse  # noqa: E402
-import io  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-
-import httpx  # noqa: E402
-import openai  # noqa: E402
-
-from bench.queue import QUEUE, start_worker, wait_ready  # noqa: E402
-from cli.batch_file import run_batch  # noqa: E402
-from producer_client import Client  # noqa: E402
-from worker.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
+from bench.queue_path import QUEUE, start_worker, wait_ready
+from cli.batch_file import run_batch
+from producer_client import Client
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 CONTENT = "hello world"
 MAX_TOKENS = 1

@@ -5,28 +5,23 @@ and out-of-memory windows from its seed, runs them against one real redis-server
 every invariant (tests/chaos/schedules.py says which). A failure prints the schedule, its seed
 and what broke; the run goes on and ends with the count of clean schedules.
 
-    python bench/chaos.py [--schedules 1000] [--seed FIRST]      seeds FIRST, FIRST+1, ...
-    python bench/chaos.py --seed 58 --schedules 1                 one schedule again
+    python -m bench.chaos [--schedules 1000] [--seed FIRST]      seeds FIRST, FIRST+1, ...
+    python -m bench.chaos --seed 58 --schedules 1                 one schedule again
 """
 from __future__ import annotations
 
+import argparse
+import logging
+import random
 import sys
+import tempfile
+import time
 from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path, and bench/queue.py would shadow the
-# standard library's queue module (which redis-py imports): put the repository there instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+from tqdm import tqdm
 
-import argparse  # noqa: E402
-import logging  # noqa: E402
-import random  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-from tqdm import tqdm  # noqa: E402
-
-from tests.chaos.schedules import STARVED_S, ScheduleFailed, run_schedule  # noqa: E402
-from tests.redis_support import RestartableRedis  # noqa: E402
+from tests.chaos.schedules import STARVED_S, ScheduleFailed, run_schedule
+from tests.support.redis_servers import RestartableRedis
 
 
 def main() -> int:

@@ -3,28 +3,23 @@
 baseline, in the same run, reads the same events unsplit (a job whose start event names no
 format): the reader's cost per event before this split existed.
 
-    .venv/bin/python bench/chat_output.py [--outputs 2000]
+    .venv/bin/python -m bench.chat_output [--outputs 2000]
 
 The output is Qwen3's shape: a think block, a sentence of answer, two tool calls, cut into
 pieces of 1 to 6 characters as a byte-level vocabulary's tokens would be.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
+import json
+import random
+import time
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # as in bench/queue.py: the repo, not bench/
+from tqdm import tqdm
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import time  # noqa: E402
-
-from tqdm import tqdm  # noqa: E402
-
-from producer_client.chat_output import OutputFormat, Reasoning, parse_output  # noqa: E402
-from producer_client.job_stream import JobStream  # noqa: E402
-from producer_client.schema import JobResult  # noqa: E402
+from producer_client.chat_output import OutputFormat, Reasoning, parse_output
+from producer_client.job_stream import JobStream
+from producer_client.schema import JobResult
 
 FORMAT = OutputFormat(reasoning=Reasoning.OPTIONAL, tools=["get_weather", "search"])
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'

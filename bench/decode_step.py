@@ -18,8 +18,8 @@ range named `engine_step`; the gzipped Chrome trace goes to PATH (https://ui.per
 it), and the share of their span the GPU was busy and the idle gaps between its work are
 printed (bench/trace_timeline.py).
 
-    python bench/decode_step.py --trace decode_trace.json.gz     # qwen3-0.6b, bf16, batch 256, context 1024
-    python bench/decode_step.py --model tiny --batch 8 --context 64 --steps 3    # CPU smoke
+    python -m bench.decode_step --trace decode_trace.json.gz     # qwen3-0.6b, bf16, batch 256, context 1024
+    python -m bench.decode_step --model tiny --batch 8 --context 64 --steps 3    # CPU smoke
 """
 import argparse
 import gzip
@@ -27,23 +27,19 @@ import json
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path and would shadow the `kernels` package.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
-
-from bench.offline import PROMPT_ID_LIMIT, add_engine_switches, engine_settings  # noqa: E402
-from bench.timing import H100_DATASHEET_BYTES_PER_S, copy_bandwidth  # noqa: E402
-from bench.trace_timeline import STEP_RANGE, Timeline  # noqa: E402
-from producer_client.schema import SamplingParams  # noqa: E402
-from worker.engine import Engine, EngineSettings  # noqa: E402
-from worker.engine.engine import overlap_enabled  # noqa: E402
+from bench.offline import PROMPT_ID_LIMIT, add_engine_switches, engine_settings
+from bench.timing import H100_DATASHEET_BYTES_PER_S, copy_bandwidth
+from bench.trace_timeline import STEP_RANGE, Timeline
+from producer_client.schema import SamplingParams
+from worker.engine import Engine, EngineSettings
+from worker.engine.engine import overlap_enabled
 
 
 def main() -> None:

@@ -12,28 +12,25 @@ prompt back byte by byte) and one gateway process (`python -m gateway`). In one 
      they wait; then a worker starts on that queue, and every stream must end with its own
      prompt as text and `data: [DONE]`.
 
-    python bench/gateway.py [--requests 2000 --streams 1000 --hold-s 20]
+    python -m bench.gateway [--requests 2000 --streams 1000 --hold-s 20]
 """
 from __future__ import annotations
 
+import argparse
+import asyncio
+import http.client as http_client
+import json
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # as in bench/queue.py: the repo, not bench/
+import httpx
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import http.client as http_client  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-
-import httpx  # noqa: E402
-
-from bench.measure import cpu_seconds, pct  # noqa: E402
-from worker.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
-from producer_client import Client  # noqa: E402
+from bench.measure import cpu_seconds, pct
+from worker.embedded_redis import EmbeddedRedis, free_port
+from producer_client import Client
 
 REPO = Path(__file__).resolve().parents[1]
 QUEUE = "bench-echo"

@@ -13,7 +13,7 @@ xgrammar is not a MILI dependency (it imports torch and transformers, which the 
 need): install it apart to run this, e.g. `pip install --target /tmp/xg --no-deps xgrammar
 apache-tvm-ffi` and `PYTHONPATH=/tmp/xg:.`.
 
-    python bench/grammar_libraries.py [--steps 50] [--batches 16,64]
+    python -m bench.grammar_libraries [--steps 50] [--batches 16,64]
 """
 from __future__ import annotations
 
@@ -21,19 +21,13 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path, and bench/queue.py would shadow the
-# standard library's queue: the repository instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import torch
 
-import torch  # noqa: E402
-
-from producer_client.structured import JSON_OPTIONS  # noqa: E402
-from worker.model.presets import resolve_model_path  # noqa: E402
-from worker.model.tokenizer import Tokenizer  # noqa: E402
+from producer_client.structured import JSON_OPTIONS
+from worker.model.presets import resolve_model_path
+from worker.model.tokenizer import Tokenizer
 
 SCHEMAS = {
     "two fields": {

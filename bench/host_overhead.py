@@ -12,8 +12,8 @@ contexts are uniform in [600, 1600] tokens, prefills them, and times `--steps` d
 temporary worktree) come from a second process, run interleaved with this one: one
 configuration at a time, alternating, so both see the same machine.
 
-    python bench/host_overhead.py                         # batch 16, 64, 256; greedy and sampled; 1 thread
-    python bench/host_overhead.py --batches 256 --steps 20 --rounds 1
+    python -m bench.host_overhead                         # batch 16, 64, 256; greedy and sampled; 1 thread
+    python -m bench.host_overhead --batches 256 --steps 20 --rounds 1
 
 The stub's vocabulary is `--vocab` tokens (the first ids of Qwen3's, real subwords): the
 sampler's work over a row of the full 151,936-token vocabulary is device work on a GPU, and on
@@ -30,9 +30,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Run as a script, this file's directory leads sys.path and would shadow the `kernels` package;
-# a measuring process puts the code it measures (this tree or the baseline's) first instead.
-sys.path[0] = str(REPO)
 
 PHASES = ("schedule", "prepare", "sample", "read")
 MODES = {
@@ -205,8 +202,8 @@ class Measurer:
     def __init__(self, code: Path, threads: int):
         self.code = code
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(code), "--threads", str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=code,
+            [sys.executable, "-m", "bench.host_overhead", "--serve", str(code), "--threads", str(threads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
         )
 
     def __call__(self, **job) -> dict:

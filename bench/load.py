@@ -11,30 +11,25 @@ what a queue must keep under load:
 Each producer keeps `--window` jobs in flight (threads, one client each) and checks every
 result's text (the echo of its prompt) and its done stream's length.
 
-    python bench/load.py [--producers 4 --jobs 2500 --window 4 --result-ttl-s 10 --tcp]
+    python -m bench.load [--producers 4 --jobs 2500 --window 4 --result-ttl-s 10 --tcp]
 """
 from __future__ import annotations
 
+import argparse
+import multiprocessing as mp
+import os
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path, and bench/queue.py would shadow the
-# standard library's queue module (which redis-py imports): put the repository there instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import redis
 
-import argparse  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-
-import redis  # noqa: E402
-
-from bench.measure import cpu_seconds, pct  # noqa: E402
-from worker.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
-from producer_client import Client, JobFailed  # noqa: E402
-from producer_client.keys import Keys  # noqa: E402
+from bench.measure import cpu_seconds, pct
+from worker.embedded_redis import EmbeddedRedis, free_port
+from producer_client import Client, JobFailed
+from producer_client.keys import Keys
 
 QUEUE = "load"
 KEYS = Keys()

@@ -1,8 +1,8 @@
 """Qwen3-MoE: the fused MoE kernel at Qwen3-30B-A3B's shapes, and whole decode steps against
 their memory-bandwidth bound, beside the baselines they replace, in one run.
 
-    python bench/moe.py                    # CUDA: Qwen3-30B-A3B shapes, bf16
-    python bench/moe.py --tiny             # the CPU rehearsal (the default without CUDA): tiny-moe, fp32
+    python -m bench.moe                    # CUDA: Qwen3-30B-A3B shapes, bf16
+    python -m bench.moe --tiny             # the CPU rehearsal (the default without CUDA): tiny-moe, fp32
 
 Kernel rows: the experts of one layer (128 experts of hidden 2048 and intermediate 768, 8 per
 token) for a decode batch of 64 and of 256 tokens, and a 4096-token prefill step. Each is
@@ -30,19 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-# Run as a script, this file's directory leads sys.path and would shadow the `kernels` package.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import torch
 
-import torch  # noqa: E402
-
-from bench.decode_step import fill, timed  # noqa: E402
-from kernels.fused_moe import fused_moe, fused_moe_per_expert_loop, fused_moe_reference  # noqa: E402
-from worker.engine import Engine, EngineSettings  # noqa: E402
-from worker.model.config import parse_config  # noqa: E402
-from worker.model.moe import Router  # noqa: E402
-from worker.model.presets import PRESETS, qwen3_moe_config, random_model  # noqa: E402
-from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files  # noqa: E402
-from worker.model.tokenizer import Tokenizer  # noqa: E402
+from bench.decode_step import fill, timed
+from kernels.fused_moe import fused_moe, fused_moe_per_expert_loop, fused_moe_reference
+from worker.engine import Engine, EngineSettings
+from worker.model.config import parse_config
+from worker.model.moe import Router
+from worker.model.presets import PRESETS, qwen3_moe_config, random_model
+from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
+from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger("bench.moe")
 

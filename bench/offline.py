@@ -1,8 +1,8 @@
 """Offline throughput: our Engine against transformers `generate`, same checkpoint, same workload, same run.
 
-    python bench/offline.py                          # issue workload: `small` on CPU, qwen3-0.6b on CUDA
-    python bench/offline.py --workload nanovllm      # 256 requests, input and output in [100, 1024]
-    python bench/offline.py --num-requests 8 --max-output 32    # a quick smoke run
+    python -m bench.offline                          # issue workload: `small` on CPU, qwen3-0.6b on CUDA
+    python -m bench.offline --workload nanovllm      # 256 requests, input and output in [100, 1024]
+    python -m bench.offline --num-requests 8 --max-output 32    # a quick smoke run
 
 Workloads are random token ids (fixed seed), greedy, every request generating exactly its
 drawn number of tokens (ignore_eos). The transformers baseline runs the fair, strongest
@@ -13,20 +13,15 @@ stops early on an eos); only the tokens each request asked for count as useful o
 import argparse
 import logging
 import random
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-# The repo root replaces this script's directory on the path: bench/ would shadow the `kernels`
-# package and the standard library's `queue` (bench/queue.py) with its own files.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import torch  # noqa: E402
+import torch
 
-from producer_client.schema import SamplingParams  # noqa: E402
-from worker.engine import Engine  # noqa: E402
-from worker.model.presets import resolve_model_path  # noqa: E402
+from producer_client.schema import SamplingParams
+from worker.engine import Engine
+from worker.model.presets import resolve_model_path
 
 log = logging.getLogger("bench.offline")
 

@@ -18,34 +18,31 @@ two engine steps, and its p99), the steps' period, and for streamed jobs each to
 its sampling to its reader (tokens sampled after the reader's first read). Then the ratios, new
 against baseline.
 
-    python bench/publish.py [--baseline /tmp/mili-base-25] [--jobs 256 --tokens 512] [--rounds 1]
+    python -m bench.publish [--baseline /tmp/mili-base-25] [--jobs 256 --tokens 512] [--rounds 1]
 
 The baseline worktree is made (`git worktree add --detach`) from --baseline-commit when missing.
 """
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import os
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import redis
+from tqdm import tqdm
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-
-import redis  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from bench.measure import cpu_seconds, pct  # noqa: E402
-from producer_client import AsyncClient, Client  # noqa: E402
-from producer_client.keys import Keys  # noqa: E402
-from worker.embedded_redis import EmbeddedRedis  # noqa: E402
+from bench.measure import cpu_seconds, pct
+from producer_client import AsyncClient, Client
+from producer_client.keys import Keys
+from worker.embedded_redis import EmbeddedRedis
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "bench" / "publish_probe.py"

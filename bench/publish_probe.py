@@ -48,8 +48,8 @@ def main() -> int:
         at = argv.index("--device-step-ms")
         device_step_s = float(argv[at + 1]) / 1000
         del argv[at:at + 2]
-    # This script's directory leads sys.path, and bench/queue.py would shadow the standard
-    # library's queue module (which redis-py imports): the tree takes its place.
+    # Run as a script (the baseline tree has no copy of it), so this checkout's bench/ leads
+    # sys.path: the measured tree takes its place, and its packages are the ones imported.
     sys.path[0] = tree
     from worker import __main__ as worker_main
     from worker.echo_engine import EchoEngine

@@ -14,31 +14,27 @@ processes share its host. In one run it prints:
 With --stream the jobs are submitted as streamed and every job has a reader on `stream()` (the
 asyncio client, in the producer processes) until it ends, as an SSE client's gateway reads them.
 
-    python bench/serve.py --workload nanovllm            # 256 requests, input and output in [100, 1024]
-    python bench/serve.py --model tiny --num-requests 8 --max-prompt 32 --max-output 16 --threads 1   # CPU smoke
+    python -m bench.serve --workload nanovllm            # 256 requests, input and output in [100, 1024]
+    python -m bench.serve --model tiny --num-requests 8 --max-prompt 32 --max-output 16 --threads 1   # CPU smoke
 """
 from __future__ import annotations
 
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import subprocess
 import sys
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path, and bench/queue.py would shadow the
-# standard library's queue module (which redis-py imports): put the repository there instead.
+from bench.measure import pct
+from producer_client import AsyncClient, Client, JobTimeout  # the producers import nothing heavier
+from worker.embedded_redis import EmbeddedRedis, free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-
-from bench.measure import pct  # noqa: E402
-from worker.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
-from producer_client import AsyncClient, Client, JobTimeout  # noqa: E402  (the producers import nothing heavier)
 
 QUEUE = "bench-serve"
 RESULT_TIMEOUT_S = 3600.0

@@ -18,9 +18,9 @@ load causes): the host time they add to the loop, which is its work in the masks
 overlaps the loop (consuming each token, filling each row); and the masking kernel's (`apply`:
 device work on a GPU, the host's on CPU).
 
-    python bench/structured.py                                   # tiny on CPU, batch 16 and 64
-    python bench/structured.py --model qwen3-0.6b --device cuda  # on a GPU
-    python bench/structured.py --batches 4 --steps 8 --rounds 1  # a quick rehearsal
+    python -m bench.structured                                   # tiny on CPU, batch 16 and 64
+    python -m bench.structured --model qwen3-0.6b --device cuda  # on a GPU
+    python -m bench.structured --batches 4 --steps 8 --rounds 1  # a quick rehearsal
 """
 from __future__ import annotations
 
@@ -28,18 +28,12 @@ import argparse
 import itertools
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path, and bench/queue.py would shadow the
-# standard library's queue: the repository instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import torch
 
-import torch  # noqa: E402
-
-from producer_client.schema import SamplingParams  # noqa: E402
-from worker.engine import Engine  # noqa: E402
+from producer_client.schema import SamplingParams
+from worker.engine import Engine
 
 FIELD_TYPES = (
     {"type": "string", "maxLength": 12},

@@ -15,9 +15,9 @@ gloo; with --device cuda the head and step parts run on 2 GPUs over NCCL):
   step       engine decode steps with one rank and with two: on CPU a sanity figure (the two
              ranks share the cores and gloo's latency, so two ranks are slower).
 
-    python bench/tp.py                           # all four, CPU, the small preset
-    python bench/tp.py --parts head step --device cuda --model qwen3-0.6b --batch 64    # 2 GPUs
-    python bench/tp.py --parts broadcast head step --model tiny --messages 50 --hidden-size 64 \
+    python -m bench.tp                        # all four, CPU, the small preset
+    python -m bench.tp --parts head step --device cuda --model qwen3-0.6b --batch 64    # 2 GPUs
+    python -m bench.tp --parts broadcast head step --model tiny --messages 50 --hidden-size 64 \
         --steps 3 --batch 4                       # the CPU rehearsal of the GPU acceptance's tp stage
 """
 from __future__ import annotations
@@ -25,23 +25,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import re
-import sys
 import time
 from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path and would shadow the `kernels` package.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from bench.measure import cpu_seconds  # noqa: E402
-from producer_client.schema import SamplingParams  # noqa: E402
-from worker.engine.host_step import HostStep  # noqa: E402
-from worker.engine.step_ring import HEADER, Kind, Message, StepRing, aligned, message_bytes, pack, unpack  # noqa: E402
-from worker.model.presets import resolve_model_path  # noqa: E402
+from bench.measure import cpu_seconds
+from producer_client.schema import SamplingParams
+from worker.engine.host_step import HostStep
+from worker.engine.step_ring import HEADER, Kind, Message, StepRing, aligned, message_bytes, pack, unpack
+from worker.model.presets import resolve_model_path
 
 PARTS = ("broadcast", "head", "load", "step")
 MESSAGES = {  # name -> (tokens, rows, page table width)

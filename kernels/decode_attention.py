@@ -11,6 +11,7 @@ import triton.language as tl
 
 from kernels._dispatch import use_triton
 from kernels.cpu_decode_attention import paged_decode_attention_cpu, supports as cpu_kernel_supports
+from kernels.fp8 import check_scales, dequantize, is_fp8
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64  # keys per tile; a tile may span several pages, so each key row finds its own page
@@ -33,44 +34,31 @@ def gather_context(
     return rows.flatten(0, 1)[:length]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None) -> torch.Tensor:
-    """q [Lq, Hq, D] over k, v [Lk, Hk, D]; query i sees keys <= causal_offset + i. fp32 math.
-
-    The queries of each kv head's group are stacked into one [group * Lq, D] matrix, so every
-    kv head serves its group without a copy of K/V per q head, and the scale goes on q (Lq rows)
-    rather than on the scores (Lq x Lk): 19% less time than repeating K/V per q head, for one
-    512-token prompt of 8 q heads over 4 kv heads on CPU.
-    """
-    q_len, num_q_heads, head_dim = q.shape
-    k_len, num_kv_heads = k.shape[0], k.shape[1]
-    group = num_q_heads // num_kv_heads
-    grouped_q = (q.float() * scale).view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    scores = grouped_q.reshape(num_kv_heads, group * q_len, head_dim) @ k.float().permute(1, 2, 0)
-    if causal_offset is not None:
-        qi = torch.arange(q_len, device=q.device)[:, None]
-        ki = torch.arange(k_len, device=q.device)[None, :]
-        scores.view(num_kv_heads, group, q_len, k_len).masked_fill_(ki > qi + causal_offset, float("-inf"))
-    out = scores.softmax(-1) @ v.float().transpose(0, 1)  # [Hk, group * Lq, D]
-    return out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q.shape).to(q.dtype)
+def cached_values(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Gathered cache rows [L, Hk, D] as float32 values: a float8 cache's dequantized by its scales."""
+    return dequantize(rows, scale) if is_fp8(rows) else rows.float()
 
 
 def paged_decode_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D]; page_table [B, max_pages] int32; context_lens [B] (includes the current token).
+    A float8 cache's rows are dequantized with k_scale, v_scale [Hk] (kernels/fp8.py).
 
-    The tests' oracle, and the CPU decode path for 16-bit caches (float32 has
+    The tests' oracle, and the CPU decode path for 16-bit caches (float32 queries have
     kernels.cpu_decode_attention). Each request's q heads are viewed as [Hk, group, D], so
     every kv head serves its group in place: no per-q-head copy of K/V.
     """
+    check_scales(k_cache, k_scale, v_scale)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)
     k_scratch = k_cache.new_empty(page_table.shape[1], *k_cache.shape[1:])
     v_scratch = torch.empty_like(k_scratch)
     for b, length in enumerate(context_lens.tolist()):
-        k = gather_context(k_cache, page_table[b], length, k_scratch).float()  # [L, Hk, D]
-        v = gather_context(v_cache, page_table[b], length, v_scratch).float()
+        k = cached_values(gather_context(k_cache, page_table[b], length, k_scratch), k_scale)  # [L, Hk, D]
+        v = cached_values(gather_context(v_cache, page_table[b], length, v_scratch), v_scale)
         qb = q[b].float().view(num_kv_heads, -1, head_dim)  # [Hk, group, D]
         scores = (qb @ k.permute(1, 2, 0)) * scale  # [Hk, group, L]
         out[b] = (scores.softmax(-1) @ v.transpose(0, 1)).reshape(q.shape[1:]).to(q.dtype)
@@ -89,7 +77,8 @@ def attend_kv_tile(
 
     Scores are in log2 units (qk_scale includes log2 e). Keys at or past kv_end are never
     read; when MASKED, row i sees only keys <= last_key[i] (a tile every row sees whole
-    skips that mask). Returns the updated (m, l, acc).
+    skips that mask). Returns the updated (m, l, acc). A float8 cache's K and V are widened
+    to q's dtype, exactly; their scales are the caller's to apply (on qk_scale and on acc).
     """
     n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
@@ -97,7 +86,7 @@ def attend_kv_tile(
     page = tl.load(page_row_ptr + n // PAGE_SIZE, mask=in_range, other=0).to(tl.int64)
     rows = page * cache_page_stride + (n % PAGE_SIZE) * cache_slot_stride + kv_head_offset
     kv_mask = in_range[:, None] & (d[None, :] < HEAD_DIM)
-    k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         s = tl.where(n[None, :] <= last_key[:, None], s, float("-inf"))
@@ -106,9 +95,24 @@ def attend_kv_tile(
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_shift[:, None])
     alpha = tl.exp2(m - m_shift)
-    v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
+def kv_head_scales(k_scale_ptr, v_scale_ptr, kv_head, FP8: tl.constexpr):
+    """(k, v) scales of one kv head's float8 values; 1 for a cache that stores values as they are.
+
+    A program attends over one kv head, so its K scale multiplies the scores' scale and its V
+    scale the output: the tiles themselves are used as stored.
+    """
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+    return k_scale, v_scale
 
 
 # Integers that change from step to step are not specialized on. Triton compiles a variant of a
@@ -117,10 +121,12 @@ def attend_kv_tile(
 @triton.jit(do_not_specialize=["page_table_stride", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens_ptr, partial_out_ptr, partial_lse_ptr,
+    k_scale_ptr, v_scale_ptr,
     q_batch_stride, q_head_stride, cache_page_stride, cache_slot_stride, cache_head_stride, page_table_stride,
     num_q_heads, num_splits, qk_scale,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -142,16 +148,17 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     page_row_ptr = page_table_ptr + batch * page_table_stride
     last_key = tl.full([BLOCK_G], 0, tl.int32) + end - 1
+    k_scale, v_scale = kv_head_scales(k_scale_ptr, v_scale_ptr, kv_head, FP8)
     for n0 in range(start, end, BLOCK_N):
         m, l, acc = attend_kv_tile(
             q, m, l, acc, k_cache_ptr, v_cache_ptr, page_row_ptr, kv_head * cache_head_stride,
-            cache_page_stride, cache_slot_stride, n0, end, last_key, qk_scale,
+            cache_page_stride, cache_slot_stride, n0, end, last_key, qk_scale * k_scale,
             True, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
         )
     # An empty split (context shorter than the split start) leaves lse = -inf and weight 0.
     l_safe = tl.where(l > 0, l, 1.0)
     lse = tl.where(l > 0, m + tl.log2(l_safe), float("-inf"))
-    out = acc / l_safe[:, None]
+    out = acc * (v_scale / l_safe[:, None])
     part = (batch * num_q_heads + heads) * num_splits + split
     tl.store(partial_lse_ptr + part, lse, mask=g < GROUP)
     tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
@@ -184,6 +191,12 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def decode_stages(dtype: torch.dtype, fp8: bool) -> int:
+    # float32 queries over a float8 cache spill registers when the loads run a stage ahead
+    # (tests/kernels/compile_sm90.py reports it); every other pairing keeps two stages.
+    return 1 if fp8 and dtype == torch.float32 else 2
+
+
 def check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError(f"k_cache {tuple(k_cache.shape)}/{k_cache.stride()} and v_cache "
@@ -205,10 +218,12 @@ def decode_num_splits(batch: int, kv_heads: int, max_context: int, device: torch
 
 def paged_decode_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    page_table: torch.Tensor, context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+    page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as the reference. num_splits defaults to decode_num_splits."""
     check_paged_cache(q, k_cache, v_cache)
+    check_scales(k_cache, k_scale, v_scale)
     batch, num_q_heads, head_dim = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -222,13 +237,15 @@ def paged_decode_attention_triton(
     partial_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     partial_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
+    fp8 = is_fp8(k_cache)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, context_lens, partial_out, partial_lse,
+        k_scale if fp8 else None, v_scale if fp8 else None,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         num_q_heads, num_splits, scale * LOG2E,
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2,
+        DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, num_warps=4, num_stages=decode_stages(q.dtype, fp8),
     )
     _decode_merge_kernel[(batch, num_q_heads)](
         partial_out, partial_lse, out, out.stride(0), out.stride(1), num_q_heads, num_splits,
@@ -238,9 +255,9 @@ def paged_decode_attention_triton(
     return out
 
 
-def paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale):
+def paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale, k_scale=None, v_scale=None):
     if use_triton(q):
-        return paged_decode_attention_triton(q, k_cache, v_cache, page_table, context_lens, scale)
+        return paged_decode_attention_triton(q, k_cache, v_cache, page_table, context_lens, scale, k_scale, v_scale)
     if cpu_kernel_supports(q):
-        return paged_decode_attention_cpu(q, k_cache, v_cache, page_table, context_lens, scale)
-    return paged_decode_attention_reference(q, k_cache, v_cache, page_table, context_lens, scale)
+        return paged_decode_attention_cpu(q, k_cache, v_cache, page_table, context_lens, scale, k_scale, v_scale)
+    return paged_decode_attention_reference(q, k_cache, v_cache, page_table, context_lens, scale, k_scale, v_scale)

@@ -7,11 +7,22 @@ from kernels._dispatch import use_triton
 from kernels.rms_norm import rms_norm_reference
 
 
+def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """[head_dim // 2] fp32: plain RoPE's frequency of each rotated pair."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+
+
+def rope_cos_sin_table(inv_freq: torch.Tensor, max_position: int, attention_factor: float = 1.0) -> torch.Tensor:
+    """[max_position, 2 * len(inv_freq)] fp32: cos in the first half, sin in the second, both
+    times attention_factor (YaRN's; both q and k carry it, so the scores carry its square).
+    The kernels read positions' rows from this table, so a scaled RoPE costs them nothing."""
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=inv_freq.device), inv_freq)
+    return torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], dim=-1)
+
+
 def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float, device=None) -> torch.Tensor:
-    """[max_position, head_dim] fp32: cos in the first half, sin in the second."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32, device=device), inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    """Plain RoPE's table: [max_position, head_dim] fp32, cos in the first half, sin in the second."""
+    return rope_cos_sin_table(rope_inv_freq(head_dim, theta, device), max_position)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,29 @@
 #!/usr/bin/env bash
-# Sets up the machine (see bootstrap.sh) and runs the whole test suite.
+# Sets up the machine (see bootstrap.sh) and runs the tests; arguments after the flag go to pytest.
+#   scripts/test.sh            every test: what CI runs (.ci/run)
+#   scripts/test.sh --quick    the fast tier, for local work: no test marked slow, e2e or chaos
+#                              (tests/support/tiers.py says how a test gets each mark)
+# The tests run on two pytest-xdist processes, then the `timing` tests (bounds on elapsed time)
+# run alone, so that nothing beside them stretches their time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+parallel="not timing"
+serial="timing"
+if [ "${1:-}" = "--quick" ]; then
+  parallel="not (timing or slow or e2e or chaos)"
+  serial="timing and not (slow or e2e or chaos)"
+  shift
+fi
 scripts/bootstrap.sh --dev
-exec .venv/bin/python -m pytest tests "$@"
+
+first=0
+.venv/bin/python -m pytest tests -n 2 --dist loadgroup -m "$parallel" "$@" || first=$?
+second=0
+.venv/bin/python -m pytest tests -m "$serial" "$@" || second=$?
+# 5 is pytest's "no test selected": a pass that arguments such as -k left empty, not a failure
+# unless both are.
+for status in "$first" "$second"; do
+  if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
+done
+if [ "$first" -eq 5 ] && [ "$second" -eq 5 ]; then exit 5; fi
+exit 0

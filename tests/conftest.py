@@ -1,4 +1,6 @@
-"""Session-wide setup: Triton's interpreter mode, chosen before anything imports triton.
+"""Session-wide setup: the shared fixtures and the tiers' markers (tests/support/fixtures.py and
+tiers.py, through `pytest_plugins`, which pytest reads only in this top-level conftest), and
+Triton's interpreter mode, chosen before anything imports triton.
 
 triton.jit decides compiled-or-interpreted when a function is defined, that is when
 triton.language (whose tl.sum, tl.max... are jit functions too) and kernels/ are imported.
@@ -11,6 +13,14 @@ test. A variable set by the caller is left alone.
 import os
 
 import torch
+
+pytest_plugins = ["tests.support.fixtures", "tests.support.tiers"]
+
+# Under pytest-xdist (scripts/test.sh) each process takes its share of the cores for torch's
+# threads: two processes with a thread per core each would make four threads spin on two cores.
+XDIST_PROCESSES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if XDIST_PROCESSES > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // XDIST_PROCESSES))
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"

@@ -134,7 +134,11 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     for name, field in _flag_fields():
         flag = "--" + name.replace("_", "-")
         kind = _scalar_type(field.annotation)
-        if kind is bool:
+        if typing.get_origin(kind) is typing.Literal:
+            parser.add_argument(
+                flag, choices=typing.get_args(kind), default=argparse.SUPPRESS, help=field.description,
+            )
+        elif kind is bool:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=field.description,
             )

@@ -10,14 +10,10 @@ import shutil
 import pytest
 from playwright.sync_api import sync_playwright
 
-from tests.gateway.support import GatewayProcess
-from tests.poison_support import echo_worker
-from tests.redis_support import redis_client, redis_server  # noqa: F401  (fixtures)
+from tests.board.support import API_KEY, ECHO_QUEUE, KEEPALIVE_S, PARKED_QUEUE
+from tests.support.gateways import GatewayProcess
+from tests.support.poison import echo_worker
 
-ECHO_QUEUE = "board-echo"
-PARKED_QUEUE = "board-parked"  # routed by the gateway, served by no worker: its jobs wait
-API_KEY = "board-test-key"
-KEEPALIVE_S = 0.2
 CHROMIUM = "/usr/bin/chromium"
 # Without the networking switches Chromium stalls on a machine without network access.
 CHROMIUM_ARGS = [
@@ -27,13 +23,13 @@ CHROMIUM_ARGS = [
 
 
 @pytest.fixture(scope="package")
-def board_worker(redis_server, tmp_path_factory):  # noqa: F811
+def board_worker(redis_server, tmp_path_factory):
     worker = echo_worker(redis_server.url, ECHO_QUEUE, "board-echo-1", tmp_path_factory.mktemp("board-workers"))
     yield worker
     worker.stop()
 
 
-def gateway_process(redis_server, tmp_path_factory, *flags: str) -> GatewayProcess:  # noqa: F811
+def gateway_process(redis_server, tmp_path_factory, *flags: str) -> GatewayProcess:
     return GatewayProcess(
         redis_server.url, tmp_path_factory.mktemp("board-gateway"), "--keepalive-s", str(KEEPALIVE_S),
         "--models", json.dumps({"parked": PARKED_QUEUE}), *flags,
@@ -41,14 +37,14 @@ def gateway_process(redis_server, tmp_path_factory, *flags: str) -> GatewayProce
 
 
 @pytest.fixture(scope="package")
-def open_gateway(redis_server, board_worker, tmp_path_factory):  # noqa: F811
+def open_gateway(redis_server, board_worker, tmp_path_factory):
     gateway = gateway_process(redis_server, tmp_path_factory)
     yield gateway
     gateway.stop()
 
 
 @pytest.fixture(scope="package")
-def keyed_gateway(redis_server, tmp_path_factory):  # noqa: F811
+def keyed_gateway(redis_server, tmp_path_factory):
     gateway = gateway_process(redis_server, tmp_path_factory, "--api-keys", json.dumps([API_KEY]))
     yield gateway
     gateway.stop()

@@ -11,8 +11,8 @@ import uuid
 from playwright.sync_api import expect
 
 from producer_client import Client
-from tests.board.conftest import API_KEY, PARKED_QUEUE
-from tests.poison_support import LONG_PROMPT, kill_until_dead_lettered
+from tests.board.support import API_KEY, PARKED_QUEUE
+from tests.support.poison import LONG_PROMPT, kill_until_dead_lettered
 
 REFRESHES_S = 5  # several of the board's 1 s refresh periods
 

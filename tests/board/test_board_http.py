@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from producer_client import Client
-from tests.board.conftest import API_KEY, ECHO_QUEUE, KEEPALIVE_S, PARKED_QUEUE
-from tests.gateway.support import job_ids_in_queue
+from tests.board.support import API_KEY, ECHO_QUEUE, KEEPALIVE_S, PARKED_QUEUE
+from tests.support.jobs import job_ids_in_queue
 
 ACTION = {"X-MILI-Board": "1"}
 

@@ -23,7 +23,7 @@ then every invariant of the protocol is checked:
   - jobs were placed: a schedule that ran two workers or more at once placed some on their own
     streams (counted in the report, and checked over all schedules by test_schedules.py).
 
-A failing schedule raises ScheduleFailed naming its seed: `python bench/chaos.py --seed N
+A failing schedule raises ScheduleFailed naming its seed: `python -m bench.chaos --seed N
 --schedules 1` runs it again. tests/chaos/test_schedules.py runs 100 of them in CI.
 """
 from __future__ import annotations
@@ -43,6 +43,7 @@ from producer_client.keys import GROUP, Keys
 from producer_client.placement import Placed
 from producer_client.schema import JobResult
 from tests.queue.support import GatedWorker, SlowEchoEngine
+from tests.support.polling import eventually
 from worker.metrics import WorkerMetrics
 from worker.queue import connect
 from worker.settings import WorkerSettings
@@ -295,19 +296,18 @@ def run_schedule(seed: int, server, length: int = 24) -> dict:
 def settle(run: Run, admin: redis.Redis) -> dict[str, JobResult]:
     """Wait until every job has its final result."""
     keys = Keys(run.prefix)
-    deadline = time.monotonic() + SETTLE_TIMEOUT_S
     results: dict[str, JobResult] = {}
-    while len(results) < len(run.jobs):
+
+    def all_ended() -> bool:
         for job_id in run.jobs:
-            if job_id not in results:
-                raw = admin.hget(keys.job(job_id), "result")
-                if raw is not None:
-                    results[job_id] = JobResult.model_validate_json(raw)
-        if time.monotonic() > deadline:
-            missing = [j for j in run.jobs if j not in results]
-            states = {j[:8]: admin.hgetall(keys.job(j)) for j in missing[:5]}
-            raise run.fail(f"{len(missing)} jobs never ended within {SETTLE_TIMEOUT_S:g}s: {states}")
-        time.sleep(0.02)
+            if job_id not in results and (raw := admin.hget(keys.job(job_id), "result")) is not None:
+                results[job_id] = JobResult.model_validate_json(raw)
+        return len(results) == len(run.jobs)
+
+    if not eventually(all_ended, SETTLE_TIMEOUT_S, interval=0.02):
+        missing = [j for j in run.jobs if j not in results]
+        states = {j[:8]: admin.hgetall(keys.job(j)) for j in missing[:5]}
+        raise run.fail(f"{len(missing)} jobs never ended within {SETTLE_TIMEOUT_S:g}s: {states}")
     return results
 
 
@@ -343,11 +343,12 @@ def check_job(run: Run, admin: redis.Redis, keys: Keys, job: Submitted, result: 
 
 def check_queue_drained(run: Run, admin: redis.Redis, keys: Keys) -> None:
     for stream in streams_of(run, keys):
-        deadline = time.monotonic() + 10
-        while admin.xlen(stream) or pending(admin, stream):
-            if time.monotonic() > deadline:
-                raise run.fail(f"stream {stream} not drained: {admin.xlen(stream)} entries, {pending(admin, stream)} pending")
-            time.sleep(0.02)
+
+        def drained(stream=stream) -> bool:
+            return not admin.xlen(stream) and not pending(admin, stream)
+
+        if not eventually(drained, 10, interval=0.02):
+            raise run.fail(f"stream {stream} not drained: {admin.xlen(stream)} entries, {pending(admin, stream)} pending")
 
 
 def streams_of(run: Run, keys: Keys) -> list[str]:

@@ -12,8 +12,9 @@ import uuid
 import pytest
 
 from producer_client.keys import GROUP, Keys
-from tests.poison_support import LONG_PROMPT, MAX_DELIVERIES, kill_until_dead_lettered
-from tests.redis_support import eventually, make_client
+from tests.support.clients import make_client
+from tests.support.poison import LONG_PROMPT, MAX_DELIVERIES, kill_until_dead_lettered
+from tests.support.polling import eventually
 
 KEYS = Keys()
 

@@ -9,7 +9,9 @@ import uuid
 
 import pytest
 
-from tests.redis_support import WorkerProcess, make_client, runs, start_workers, tokens_published
+from tests.support.clients import make_client
+from tests.support.jobs import runs, tokens_published
+from tests.support.workers import WorkerProcess, start_workers
 
 
 @pytest.mark.slow

@@ -8,9 +8,10 @@ import uuid
 import pytest
 
 from producer_client.keys import GROUP, Keys
-from tests.redis_support import (
-    WorkerProcess, assert_one_final_result, eventually, make_client, runs, start_workers, tokens_published,
-)
+from tests.support.clients import make_client
+from tests.support.jobs import assert_one_final_result, runs, tokens_published
+from tests.support.polling import eventually
+from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()
 

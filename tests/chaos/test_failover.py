@@ -30,8 +30,10 @@ from producer_client import Client
 from producer_client.errors import JobNotFound, JobTimeout, MiliError
 from producer_client.keys import GROUP, Keys
 from producer_client.schema import JobResult
-from tests.redis_modes import LocalCluster, LocalSentinel
-from tests.redis_support import assert_one_final_result, echo_workers, eventually
+from tests.support.jobs import assert_one_final_result
+from tests.support.polling import eventually
+from tests.support.redis_servers import LocalCluster, LocalSentinel
+from tests.support.workers import echo_workers
 
 KEYS = Keys()
 JOBS = 20

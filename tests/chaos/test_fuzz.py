@@ -12,7 +12,9 @@ import redis
 
 from producer_client import JobFailed
 from producer_client.keys import Keys
-from tests.redis_support import WorkerProcess, eventually, make_client, start_workers
+from tests.support.clients import make_client
+from tests.support.polling import eventually
+from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()
 MAX_BODY_BYTES = 2048
@@ -104,7 +106,7 @@ def test_a_thousand_bad_entries_fail_with_their_codes_and_fifty_good_jobs_run(re
                     bad[job_id] = code
                 else:
                     bad[f"entry-{entry_id}"] = code
-                assert worker.process.poll() is None, worker.log()
+                assert worker.running, worker.log()
             assert (len(bad), len(good)) == (1000, 50)
             for job_id, prompt in good.items():
                 result = client.result(job_id, timeout=60)
@@ -117,7 +119,7 @@ def test_a_thousand_bad_entries_fail_with_their_codes_and_fifty_good_jobs_run(re
                 assert (e.value.code, job_id) == (code, job_id), e.value.message
                 assert e.value.message
                 codes[code] = codes.get(code, 0) + 1
-        assert worker.process.poll() is None and worker.heartbeat()["pid"] == pid
+        assert worker.running and worker.heartbeat()["pid"] == pid
         assert eventually(lambda: raw.xlen(KEYS.queue(queue)) == 0)  # the last ack follows the last result
         assert "Traceback" not in worker.log()
         print(f"\nfuzz: 1,000 bad entries by code: {dict(sorted(codes.items()))}")

@@ -14,9 +14,9 @@ import redis
 
 from producer_client import Client, JobFailed
 from producer_client.keys import GROUP, Keys
-from tests.acl_support import acl_server
-from tests.chaos.conftest import FAST_RECLAIM
-from tests.redis_support import WorkerProcess, eventually, start_workers
+from tests.support.acl import acl_server
+from tests.support.polling import eventually
+from tests.support.workers import FAST_RECLAIM, WorkerProcess, start_workers
 
 KEYS = Keys()
 QUEUE = "hostile"
@@ -107,7 +107,7 @@ def producer(hostile_setup):
 def assert_workers_serve(hostile_setup, client: Client, pids: list[str]) -> None:
     server, workers = hostile_setup
     for w in workers:
-        assert w.process.poll() is None, w.log()
+        assert w.running, w.log()
         assert w.heartbeat()["pid"] == pids[workers.index(w)]
         assert "Traceback" not in w.log(), w.log()
     assert client.generate(prompt="next good job", max_tokens=32, timeout=30).text == "next good job"
@@ -180,6 +180,6 @@ def test_a_queue_stream_of_another_type_stops_no_worker(hostile_setup, producer)
     raw.delete(KEYS.queue(QUEUE))  # the group goes with it
     raw.hset(KEYS.queue(QUEUE), "not", "a stream")
     assert eventually(lambda: all("Redis refused an exchange" in w.log() for w in workers), timeout=10)
-    assert all(w.process.poll() is None for w in workers)
+    assert all(w.running for w in workers)
     admin.delete(KEYS.queue(QUEUE))  # an operator puts it right; the workers create the group again
     assert_workers_serve(hostile_setup, client, pids)

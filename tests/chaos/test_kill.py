@@ -18,9 +18,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from producer_client import SamplingParams
 from producer_client.keys import GROUP, Keys
-from tests.redis_support import (
-    WorkerProcess, assert_one_final_result, eventually, make_client, on_modes, runs, start_workers, tokens_published,
-)
+from tests.support.clients import make_client
+from tests.support.fixtures import on_modes
+from tests.support.jobs import assert_one_final_result, runs, tokens_published
+from tests.support.polling import eventually
+from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()
 ENGINE = dict(max_running=8, max_model_len=256)
@@ -130,6 +132,7 @@ def fault_free_long():
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_kill_9_mid_stream_loses_at_most_one_publish_interval_and_readers_see_each_token_once(
     redis_server, redis_client, fault_free_long, tmp_path,
 ):

@@ -17,9 +17,10 @@ import torch
 
 from producer_client import SamplingParams
 from producer_client.keys import GROUP, Keys
-from tests.redis_support import (
-    WorkerProcess, assert_one_final_result, eventually, make_client, runs, start_workers, tokens_published,
-)
+from tests.support.clients import make_client
+from tests.support.jobs import assert_one_final_result, runs, tokens_published
+from tests.support.polling import eventually
+from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()
 CLAIM_IDLE_MS = 2000
@@ -151,8 +152,7 @@ def test_kill_9_among_eight_long_jobs_costs_each_at_most_one_reclaim(
 
             assert eventually(victim_ran_past_claim_idle, timeout=120), victim.log()
             time.sleep(2 * CLAIM_IDLE_MS / 1000)  # its jobs have outlived claim_idle_ms while it was alive
-            victim.process.kill()
-            victim.process.wait()
+            victim.kill()
             results = {job_id: client.result(job_id, timeout=600) for job_id in jobs}
         check_outputs(redis_client, results, jobs, fault_free)
         taken_over = 0
@@ -199,7 +199,7 @@ def test_a_worker_frozen_past_claim_idle_loses_its_jobs_once_and_serves_on_when_
             assert other.terminate() == 0
             after = client.generate(PROMPTS[7], max_tokens=8, temperature=0.0, ignore_eos=True, timeout=120)
         assert (after.worker, after.token_ids) == (frozen.name, fault_free[PROMPTS[7]][:8])
-        assert frozen.process.poll() is None
+        assert frozen.running
     finally:
         frozen.stop()
         other.stop()

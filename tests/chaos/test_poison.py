@@ -11,8 +11,9 @@ import pytest
 
 from producer_client import JobFailed
 from producer_client.keys import GROUP, Keys
-from tests.chaos.conftest import FAST_RECLAIM
-from tests.redis_support import WorkerProcess, eventually, make_client
+from tests.support.clients import make_client
+from tests.support.polling import eventually
+from tests.support.workers import FAST_RECLAIM, WorkerProcess
 
 KEYS = Keys()
 MAX_DELIVERIES = 2
@@ -37,8 +38,7 @@ def test_a_job_that_kills_every_worker_that_runs_it_is_dead_lettered(redis_serve
                 live = workers[-1]
                 job = redis_client.hgetall(KEYS.job(job_id))
                 if job.get("status") == "running" and job.get("worker") == live.name:
-                    live.process.kill()
-                    live.process.wait()
+                    live.kill()
                     killed.append(live.name)
                     workers.append(worker(len(workers)))
                 assert job.get("status") in ("queued", "running"), job
@@ -56,7 +56,7 @@ def test_a_job_that_kills_every_worker_that_runs_it_is_dead_lettered(redis_serve
         assert eventually(lambda: redis_client.xlen(KEYS.queue(queue)) == 0)
         assert redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 0
         assert redis_client.hget(KEYS.job(job_id), "status") == "failed"
-        assert survivor.process.poll() is None
+        assert survivor.running
     finally:
         for w in workers:
             w.stop()

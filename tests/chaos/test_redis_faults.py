@@ -14,10 +14,10 @@ import uuid
 import pytest
 
 from producer_client import JobNotFound
-from tests.chaos.conftest import FAST_RECLAIM
-from tests.redis_support import (
-    WorkerProcess, assert_one_final_result, free_port, make_client, start_workers, tokens_published,
-)
+from tests.support.clients import make_client
+from tests.support.jobs import assert_one_final_result, tokens_published
+from tests.support.workers import FAST_RECLAIM, WorkerProcess, start_workers
+from worker.embedded_redis import free_port
 
 
 def restart_with_aof(server, admin):

@@ -1,13 +1,14 @@
 """100 random fault schedules against the protocol (see tests/chaos/schedules.py for what they
 do and the invariants checked after each), with cache-aware placement on: jobs are placed on
-workers that are then killed, stalled, drained or restarted under. A failure names its seed; `python bench/chaos.py
---seed N --schedules 1` runs that schedule again, and `bench/chaos.py --schedules 1000` runs more."""
+workers that are then killed, stalled, drained or restarted under. A failure names its seed;
+`python -m bench.chaos --seed N --schedules 1` runs that schedule again, and
+`python -m bench.chaos --schedules 1000` runs more."""
 from __future__ import annotations
 
 import pytest
 
 from tests.chaos.schedules import run_schedule
-from tests.redis_support import RestartableRedis
+from tests.support.redis_servers import RestartableRedis
 
 SCHEDULES = 100
 

@@ -20,7 +20,10 @@ import pytest
 import torch
 
 from producer_client import Client
-from tests.redis_support import REPO, WorkerProcess, assert_one_final_result, eventually, runs, start_workers
+from tests.support.jobs import assert_one_final_result, runs
+from tests.support.polling import eventually
+from tests.support.processes import REPO
+from tests.support.workers import WorkerProcess, start_workers
 from worker.model.presets import qwen3_config, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 

@@ -2,24 +2,19 @@
 worker processes on the echo engine (no model: a worker is up in a few seconds)."""
 from __future__ import annotations
 
-import signal
-import socket
-import subprocess
-import sys
+import os
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
-import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from producer_client.keys import Keys
-from tests.deploy.support import (
-    DOCKER, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, ROOT, environment_without_mili, load_compose, wait_for,
-)
+from tests.deploy.support import DOCKER, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, load_compose
+from tests.support.workers import WorkerProcess
 from worker.embedded_redis import EmbeddedRedis
 
-WORKER_START_TIMEOUT_S = 60.0
+# Heartbeats short enough that a dead worker's expires within a test.
+HEARTBEAT_FLAGS = ("--heartbeat-ttl-s", str(HEARTBEAT_TTL_S), "--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S))
 
 
 @pytest.fixture(scope="session")
@@ -34,73 +29,48 @@ def redis_server() -> Iterator[EmbeddedRedis]:
         yield server
 
 
-class WorkerProcess:
-    def __init__(self, process: subprocess.Popen, name: str, client: redis.Redis, keys: Keys):
-        self.process = process
-        self.name = name
-        self.client = client
-        self.keys = keys
-
-    def heartbeat(self) -> dict[str, str]:
-        return self.client.hgetall(self.keys.worker(self.name))
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGCONT)  # in case a test left it stopped
-            self.process.kill()
-        self.process.wait()
+def remove_mili_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("MILI_")]:
+        monkeypatch.delenv(key)
 
 
 @pytest.fixture
-def start_worker(redis_server: EmbeddedRedis) -> Iterator:
+def no_mili_environment(monkeypatch):
+    """WorkerSettings reads MILI_* variables, and so do the workers a test starts: the caller's
+    must not leak into these checks."""
+    remove_mili_variables(monkeypatch)
+
+
+def echo_worker(redis_url: str, name: str | None, log_dir) -> WorkerProcess:
+    """An echo worker of the default queue."""
+    return WorkerProcess(redis_url, None, name, log_dir, *HEARTBEAT_FLAGS, model="echo")
+
+
+@pytest.fixture
+def start_worker(redis_server: EmbeddedRedis, tmp_path, no_mili_environment) -> Iterator:
     """start_worker(name=None) -> WorkerProcess on the echo engine, once its heartbeat is in
-    Redis; killed at teardown. With no name, the worker names itself <hostname>-<pid>, as it
+    Redis; stopped at teardown. With no name, the worker names itself <hostname>-<pid>, as it
     does in a container."""
     started: list[WorkerProcess] = []
-    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
 
     def start(name: str | None = None) -> WorkerProcess:
-        args = [
-            sys.executable, "-m", "worker", "serve", "--model", "echo", "--redis", redis_server.url,
-            "--metrics-host", "127.0.0.1", "--metrics-port", "0",
-            "--heartbeat-ttl-s", str(HEARTBEAT_TTL_S), "--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S),
-        ]
-        if name is not None:
-            args += ["--name", name]
-        process = subprocess.Popen(
-            args, cwd=ROOT, env=environment_without_mili(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        )
-        worker = WorkerProcess(process, name or f"{socket.gethostname()}-{process.pid}", client, Keys())
-        started.append(worker)
-        wait_for(lambda: worker.heartbeat() or process.poll() is not None, WORKER_START_TIMEOUT_S, "the worker's heartbeat")
-        assert process.poll() is None, f"worker exited with {process.returncode}"
-        return worker
+        started.append(echo_worker(redis_server.url, name, tmp_path))
+        return started[-1].start().wait_ready()
 
     yield start
     for worker in started:
         worker.stop()
-    client.close()
 
 
 @pytest.fixture(scope="session")
-def scraped_families() -> dict[str, tuple[str, set[str]]]:
+def scraped_families(tmp_path_factory) -> dict[str, tuple[str, set[str]]]:
     """{family: (type, sample names)} from the /metrics endpoint of a running echo worker."""
-    with EmbeddedRedis() as server:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "worker", "serve", "--model", "echo", "--redis", server.url, "--name", "scraped",
-             "--metrics-host", "127.0.0.1", "--metrics-port", "0"],
-            cwd=ROOT, env=environment_without_mili(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        )
+    with pytest.MonkeyPatch.context() as monkeypatch, EmbeddedRedis() as server:
+        remove_mili_variables(monkeypatch)
+        worker = echo_worker(server.url, "scraped", tmp_path_factory.mktemp("scraped"))
         try:
-            client = redis.Redis.from_url(server.url, decode_responses=True)
-            port = wait_for(
-                lambda: client.hget(Keys().worker("scraped"), "metrics_port") or process.poll() is not None,
-                WORKER_START_TIMEOUT_S, "the worker's heartbeat",
-            )
-            assert process.poll() is None, f"worker exited with {process.returncode}"
-            client.close()
+            port = worker.start().wait_ready().heartbeat()["metrics_port"]
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         finally:
-            process.kill()
-            process.wait()
+            worker.stop()
     return {f.name: (f.type, {s.name for s in f.samples}) for f in text_string_to_metric_families(body)}

@@ -1,4 +1,4 @@
-"""Helpers for the deployment tests: the repository's paths, YAML with Compose's tags, waiting."""
+"""Helpers for the deployment tests: the repository's paths, YAML with Compose's tags, Dockerfiles."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,6 @@ import json
 import os
 import re
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,15 +47,6 @@ def load_compose(path: Path) -> dict:
 
 def load_yaml_documents(path: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.05)
-    return value
 
 
 def environment_without_mili() -> dict[str, str]:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
 
 import openai
 import pytest
@@ -16,9 +14,10 @@ import redis
 from producer_client import Client, IdempotencyConflict
 from producer_client.keys import GROUP, Keys
 from producer_client.placement import Placed
-from tests.acl_support import acl_server
-from tests.deploy.support import ROOT, environment_without_mili, wait_for
-from tests.gateway.support import GatewayProcess
+from tests.support.acl import acl_server
+from tests.support.gateways import GatewayProcess
+from tests.support.polling import eventually
+from tests.support.workers import WorkerProcess
 from worker.healthcheck import healthcheck
 from worker.settings import WorkerSettings
 
@@ -31,18 +30,12 @@ def acl_redis():
 
 
 @pytest.fixture
-def acl_worker(acl_redis):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "worker", "serve", "--model", "echo", "--redis", acl_redis["worker"],
-         "--name", "acl-worker", "--metrics-host", "127.0.0.1", "--metrics-port", "0"],
-        cwd=ROOT, env=environment_without_mili(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-    )
-    wait_for(lambda: acl_redis["admin"].exists(Keys().worker("acl-worker")) or process.poll() is not None, 60,
-             "the worker's heartbeat")
-    assert process.poll() is None, f"the worker exited with {process.returncode} under the worker ACL"
-    yield process
-    process.kill()
-    process.wait()
+def acl_worker(acl_redis, tmp_path, no_mili_environment):
+    """An echo worker of the default queue, connected as the worker user (its heartbeat, read as
+    that user, says it started under the ACL)."""
+    worker = WorkerProcess(acl_redis["worker"], None, "acl-worker", tmp_path, model="echo")
+    yield worker.start().wait_ready()
+    worker.stop()
 
 
 def test_the_producer_user_can_do_what_the_client_does(acl_redis, acl_worker):
@@ -101,7 +94,8 @@ def test_the_gateway_user_runs_a_batch_and_is_a_producer_to_jobs(acl_redis, acl_
         text = "".join(json.dumps(line) + "\n" for line in lines)
         file = sdk.files.create(file=("in.jsonl", io.BytesIO(text.encode())), purpose="batch")
         batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
-        wait_for(lambda: sdk.batches.retrieve(batch.id).status not in ("validating", "in_progress", "finalizing"), 60, "the batch's end")
+        running = ("validating", "in_progress", "finalizing")
+        assert eventually(lambda: sdk.batches.retrieve(batch.id).status not in running, 60), gateway.log()
         done = sdk.batches.retrieve(batch.id)
         assert done.status == "completed", gateway.log()
         texts = {json.loads(a)["custom_id"]: json.loads(a)["response"]["body"]["choices"][0]["text"]
@@ -122,22 +116,16 @@ def test_the_gateway_user_runs_a_batch_and_is_a_producer_to_jobs(acl_redis, acl_
     as_gateway.close()
 
 
-def test_placement_reads_its_view_and_places_with_the_producers_rights_alone(acl_redis, acl_worker):
+def test_placement_reads_its_view_and_places_with_the_producers_rights_alone(acl_redis, acl_worker, tmp_path):
     """A second worker under the worker user: the producer user reads the worker index, the
     heartbeats and the workers' own streams' lengths, places each job on a worker's own stream,
     and the workers, under their user, read, steal and settle them there."""
-    second = subprocess.Popen(
-        [sys.executable, "-m", "worker", "serve", "--model", "echo", "--redis", acl_redis["worker"],
-         "--name", "acl-worker-2", "--metrics-host", "127.0.0.1", "--metrics-port", "0"],
-        cwd=ROOT, env=environment_without_mili(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-    )
+    second = WorkerProcess(acl_redis["worker"], None, "acl-worker-2", tmp_path, model="echo")
+    second.start().wait_ready()
     try:
-        wait_for(lambda: acl_redis["admin"].exists(Keys().worker("acl-worker-2")) or second.poll() is not None, 60,
-                 "the second worker's heartbeat")
         with Client(acl_redis["producer"]) as client:
             jobs = [client.submit(prompt=f"placed {i}", max_tokens=8) for i in range(6)]
             assert [r.text for r in client.results(jobs, timeout=30)] == [f"placed {i}" for i in range(6)]
             assert client.placement.placed == {Placed.AFFINITY: 6, Placed.SHARED: 0}
     finally:
-        second.kill()
-        second.wait()
+        second.stop()

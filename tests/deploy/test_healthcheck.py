@@ -2,14 +2,14 @@
 while this worker's heartbeat is live and Redis answers."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from tests.deploy.support import HEARTBEAT_TTL_S, ROOT, environment_without_mili, wait_for
+from tests.deploy.support import HEARTBEAT_TTL_S, ROOT, environment_without_mili
+from tests.support.polling import eventually
 from worker.__main__ import build_parser
 from worker.embedded_redis import EmbeddedRedis
 from worker.healthcheck import healthcheck
@@ -19,11 +19,7 @@ from worker.settings import WorkerSettings
 EXPIRY_TIMEOUT_S = HEARTBEAT_TTL_S + 5.0
 
 
-@pytest.fixture(autouse=True)
-def no_mili_environment(monkeypatch):
-    """WorkerSettings reads MILI_* variables: the caller's must not leak into these checks."""
-    for key in [k for k in os.environ if k.startswith("MILI_")]:
-        monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("no_mili_environment")
 
 
 def check(url: str, name: str = "") -> int:
@@ -56,17 +52,17 @@ def test_unhealthy_for_a_name_with_no_worker(redis_server, start_worker):
 def test_unhealthy_once_the_worker_is_killed(redis_server, start_worker, capsys):
     worker = start_worker("hc-dead")
     assert check(redis_server.url, "hc-dead") == 0
-    worker.process.kill()  # SIGKILL: no chance to remove its heartbeat, which must expire
-    wait_for(lambda: check(redis_server.url, "hc-dead") == 1, EXPIRY_TIMEOUT_S, "the dead worker's heartbeat to expire")
+    worker.kill()  # SIGKILL: no chance to remove its heartbeat, which must expire
+    assert eventually(lambda: check(redis_server.url, "hc-dead") == 1, EXPIRY_TIMEOUT_S), "the dead worker's heartbeat stays"
     assert "unhealthy: no live heartbeat for worker hc-dead on queue default" in capsys.readouterr().err
 
 
 def test_unhealthy_while_the_worker_is_frozen_and_healthy_again_after(redis_server, start_worker):
     worker = start_worker("hc-frozen")
     worker.process.send_signal(signal.SIGSTOP)  # a hung worker: alive, but its heartbeat goes stale
-    wait_for(lambda: check(redis_server.url, "hc-frozen") == 1, EXPIRY_TIMEOUT_S, "the stale heartbeat to expire")
+    assert eventually(lambda: check(redis_server.url, "hc-frozen") == 1, EXPIRY_TIMEOUT_S), "the stale heartbeat stays"
     worker.process.send_signal(signal.SIGCONT)
-    wait_for(lambda: check(redis_server.url, "hc-frozen") == 0, EXPIRY_TIMEOUT_S, "a fresh heartbeat")
+    assert eventually(lambda: check(redis_server.url, "hc-frozen") == 0, EXPIRY_TIMEOUT_S), "no fresh heartbeat"
 
 
 def test_unhealthy_when_redis_is_down(redis_server, start_worker, capsys):
@@ -102,9 +98,8 @@ def test_cli_exit_codes_for_a_live_and_a_dead_worker(redis_server, start_worker)
     worker = start_worker("hc-cli")
     live = run_cli("--redis", redis_server.url, "--name", "hc-cli")
     assert (live.returncode, live.stdout.strip()) == (0, "healthy: worker hc-cli has a live heartbeat")
-    worker.process.kill()
-    worker.process.wait()
-    wait_for(lambda: check(redis_server.url, "hc-cli") == 1, EXPIRY_TIMEOUT_S, "the dead worker's heartbeat to expire")
+    worker.kill()
+    assert eventually(lambda: check(redis_server.url, "hc-cli") == 1, EXPIRY_TIMEOUT_S), "the dead worker's heartbeat stays"
     dead = run_cli("--redis", redis_server.url, "--name", "hc-cli")
     assert dead.returncode == 1
     assert "unhealthy: no live heartbeat for worker hc-cli" in dead.stderr

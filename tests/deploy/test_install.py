@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.support import ROOT
-from tests.redis_support import WorkerProcess, start_workers
+from tests.support.workers import WorkerProcess, start_workers
 
 PACKAGES = [p.rstrip("*") for p in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]]
 SOURCES = ("pyproject.toml", "README.md", "config", *PACKAGES)

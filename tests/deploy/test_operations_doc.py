@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.deploy.support import DOCKER, ROOT, load_compose, redis_server_flags
+from kernels.fp8 import FP8_DTYPE
 from worker.engine.kv_pool import KVCacheShape
 from worker.engine.settings import EngineSettings
 from worker.model.presets import PRESETS
@@ -88,6 +89,14 @@ def test_the_sizing_example_is_the_kv_pools_arithmetic():
     assert f"{tiny_kv.bytes_per_page // 16:,} B per token" in DOC
     cpu_pages = EngineSettings().kv_cache_mib * 2**20 // tiny_kv.bytes_per_page
     assert f"{cpu_pages:,} pages of 16 tokens" in DOC
+
+
+def test_the_fp8_sizing_example_is_the_kv_pools_arithmetic():
+    shape = PRESETS["qwen3-0.6b"].config
+    kv = KVCacheShape(shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"], 16, FP8_DTYPE)
+    pages = int(77 * 2**30 * EngineSettings().gpu_memory_utilization) // kv.bytes_per_page
+    assert f"{kv.bytes_per_page // 16:,} B per token; the 80 GB example above gets {pages:,} pages,\n  which is " \
+           f"{pages * 16:,} tokens" in DOC
 
 
 def test_the_redis_command_matches_the_compose_redis():

@@ -3,16 +3,8 @@ Redis's three modes (redis_deployment: one server, a cluster, Sentinel): startin
 seconds (model load), so two are started once per mode and stopped when its tests are done."""
 import pytest
 
-from tests.redis_support import (  # noqa: F401  (fixtures)
-    WorkerProcess, client_kind, deployment_client, redis_client, redis_cluster, redis_deployment, redis_sentinel,
-    redis_server, start_workers,
-)
-
-E2E_QUEUE = "e2e"
-MAX_RUNNING = 2
-MAX_MODEL_LEN = 256
-# Both workers and the offline reference engine use these engine settings.
-ENGINE_FLAGS = ("--max-running", str(MAX_RUNNING), "--max-model-len", str(MAX_MODEL_LEN))
+from tests.e2e.support import E2E_QUEUE, ENGINE_FLAGS
+from tests.support.workers import WorkerProcess, start_workers
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,10 @@ from tqdm import tqdm
 from cli.batch_file import AnswerFiles, BatchFileRun, read_answers
 from producer_client import Client
 from producer_client.keys import Keys
-from tests.redis_support import REPO, echo_workers, eventually, runs
+from tests.support.jobs import runs
+from tests.support.polling import eventually
+from tests.support.processes import REPO
+from tests.support.workers import echo_workers
 
 KEYS = Keys()
 RUN_TIMEOUT_S = 180

@@ -9,7 +9,6 @@ import io
 import json
 import subprocess
 import sys
-import time
 import uuid
 
 import openai
@@ -17,8 +16,11 @@ import pytest
 
 from producer_client import AsyncClient, Client, JobNotFound
 from producer_client.keys import Keys
-from tests.gateway.support import GatewayProcess
-from tests.redis_support import REPO, SyncView, WorkerProcess, start_workers
+from tests.support.clients import SyncView
+from tests.support.gateways import GatewayProcess
+from tests.support.polling import eventually
+from tests.support.processes import REPO
+from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()
 MODEL = "cluster-echo"
@@ -109,10 +111,9 @@ def test_the_batch_api_runs_a_batch_on_a_cluster(redis_cluster, queues, workers,
         text = "".join(json.dumps(line) + "\n" for line in lines)
         upload = sdk.files.create(file=("input.jsonl", io.BytesIO(text.encode())), purpose="batch")
         batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
-        deadline = time.monotonic() + 120
-        while (batch := sdk.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
-            assert time.monotonic() < deadline, gateway.log()[-3000:]
-            time.sleep(0.1)
+        ended = ("completed", "failed", "expired", "cancelled")
+        assert eventually(lambda: sdk.batches.retrieve(batch.id).status in ended, 120, interval=0.1), gateway.log()[-3000:]
+        batch = sdk.batches.retrieve(batch.id)
         assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 40, 0)
         answers = [json.loads(line) for line in sdk.files.content(batch.output_file_id).text.splitlines()]
         texts = {a["custom_id"]: a["response"]["body"]["choices"][0]["text"] for a in answers}

@@ -15,8 +15,9 @@ import pytest
 from producer_client import Client, JobFailed
 from producer_client.keys import Keys
 from producer_client.logs import OneLineFormatter
-from tests.gateway.support import GatewayProcess
-from tests.redis_support import WorkerProcess, eventually
+from tests.support.gateways import GatewayProcess
+from tests.support.polling import eventually
+from tests.support.workers import WorkerProcess
 
 FORGED = "2026-01-01 00:00:00,000 INFO gateway: forged"
 HOSTILE = f"a\n{FORGED}\r\x1b[31mred\x1b[0m\u2028{FORGED}\x85end"

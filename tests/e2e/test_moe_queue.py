@@ -5,7 +5,7 @@ import pytest
 
 from producer_client import Client
 from tests.engine.test_moe_engine import transformers_greedy
-from tests.redis_support import WorkerProcess, start_workers
+from tests.support.workers import WorkerProcess, start_workers
 from worker.model.presets import qwen3_moe_config, resolve_model_path, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 

@@ -7,12 +7,13 @@ may log in as another user, or reach no server, and is refused or retried. Every
 program is read, at DEBUG, and holds neither the password nor its encoding."""
 from __future__ import annotations
 
-import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
-from concurrent.futures import ThreadPoolExecutor
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from urllib.parse import quote
 
 import pytest
@@ -20,8 +21,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from producer_client.keys import Keys
-from tests.redis_support import REPO, free_port
-from worker.embedded_redis import EmbeddedRedis
+from tests.support.polling import eventually
+from tests.support.processes import ChildProcess
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 PASSWORD_CHARS = "abcXYZ0189/@#:%?&=+!$~*;,"
 # The prefix keeps a short password from matching other text ("6379", "redis") by chance.
@@ -45,10 +47,10 @@ def server():
         yield redis_server
 
 
-def start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+def start(log_dir: Path, *args: str) -> ChildProcess:
+    process = ChildProcess([sys.executable, "-m", *args], log_dir / f"{args[0]}-{args[1]}.log")
+    process.stop_timeout_s = 30.0  # what a program says as it stops counts too
+    return process.start()
 
 
 def answers(port: int) -> bool:
@@ -88,14 +90,9 @@ def worker_metrics(server, name: str) -> str:
     return fetch(f"http://127.0.0.1:{port}/metrics") if port else ""
 
 
-def stop(process: subprocess.Popen) -> str:
-    if process.poll() is None:
-        process.terminate()
-    try:
-        return process.communicate(timeout=30)[0]
-    except subprocess.TimeoutExpired:
-        process.kill()
-        return process.communicate()[0]
+def stop(process: ChildProcess) -> str:
+    process.stop()
+    return process.log()
 
 
 def outputs_of_every_program(server, url: str) -> list[str]:
@@ -103,21 +100,21 @@ def outputs_of_every_program(server, url: str) -> list[str]:
     for longer: what it said by then is read)."""
     name = f"secrets-{time.monotonic_ns()}"
     gateway_port = free_port()
-    gateway = start("gateway", "--redis", url, "--port", str(gateway_port), "--log-level", "DEBUG",
-                    "--default-queue", QUEUE, "--workers-refresh-s", "0.2")
-    worker = start("worker", "serve", "--model", "echo", "--redis", url, "--queue", QUEUE, "--name", name,
-                   "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--log-level", "DEBUG",
-                   "--redis-backoff-max-s", "0.5")
-    cli = start("cli", "--redis", url, "--queue", QUEUE, "stats")
-    check = start("worker", "healthcheck", "--redis", url, "--queue", QUEUE, "--name", name)
-    said = []
-    deadline = time.monotonic() + 60
-    while gateway.poll() is None and not answers(gateway_port) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(RUN_S)  # the worker starts meanwhile, or retries an unreachable Redis
-    if gateway.poll() is None:
-        said += gateway_answers(gateway_port) + [worker_metrics(server, name)]
-    return said + [stop(p) for p in (cli, check, worker, gateway)]
+    with tempfile.TemporaryDirectory(prefix="mili-secrets-") as logs:
+        log_dir = Path(logs)
+        gateway = start(log_dir, "gateway", "--redis", url, "--port", str(gateway_port), "--log-level", "DEBUG",
+                        "--default-queue", QUEUE, "--workers-refresh-s", "0.2")
+        worker = start(log_dir, "worker", "serve", "--model", "echo", "--redis", url, "--queue", QUEUE, "--name", name,
+                       "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--log-level", "DEBUG",
+                       "--redis-backoff-max-s", "0.5")
+        cli = start(log_dir, "cli", "--redis", url, "--queue", QUEUE, "stats")
+        check = start(log_dir, "worker", "healthcheck", "--redis", url, "--queue", QUEUE, "--name", name)
+        said = []
+        eventually(lambda: not gateway.running or answers(gateway_port), 60, interval=0.1)  # or it never answers
+        time.sleep(RUN_S)  # the worker starts meanwhile, or retries an unreachable Redis
+        if gateway.running:
+            said += gateway_answers(gateway_port) + [worker_metrics(server, name)]
+        return said + [stop(p) for p in (cli, check, worker, gateway)]
 
 
 @pytest.mark.slow

@@ -16,8 +16,11 @@ import torch
 from producer_client import JobFailed, SamplingParams
 from producer_client.connection import connect
 from producer_client.keys import GROUP, Keys
-from tests.e2e.conftest import E2E_QUEUE, MAX_MODEL_LEN, MAX_RUNNING
-from tests.redis_support import SERVER_ONLY, WorkerProcess, eventually, make_client, start_workers
+from tests.e2e.support import E2E_QUEUE, MAX_MODEL_LEN, MAX_RUNNING
+from tests.support.clients import make_client
+from tests.support.fixtures import SERVER_ONLY
+from tests.support.polling import eventually
+from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Redis", "Once upon a time, in a land far away, there"]

@@ -26,7 +26,10 @@ from producer_client import Client, SamplingParams
 from producer_client.errors import InvalidArgument
 from producer_client.keys import PROTOCOL_VERSION, Keys
 from producer_client.schema import JobFailed
-from tests.redis_support import WorkerProcess, eventually, make_client, runs, start_workers
+from tests.support.clients import make_client
+from tests.support.jobs import runs
+from tests.support.polling import eventually
+from tests.support.workers import WorkerProcess, start_workers
 from tests.structured_schemas import MAX_TOKENS, SCHEMAS
 
 KEYS = Keys()

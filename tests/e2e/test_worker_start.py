@@ -3,17 +3,25 @@ yet is waited for (one line, then it serves); wrong credentials and a taken metr
 at once with one line, before any model loads; no password ever reaches the output."""
 from __future__ import annotations
 
+import json
+import re
 import socket
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from producer_client import Client
 from producer_client.keys import Keys
-from tests.redis_support import REPO, RestartableRedis, eventually, free_port
-from worker.embedded_redis import EmbeddedRedis
+from tests.support.polling import eventually
+from tests.support.processes import REPO, ChildProcess
+from tests.support.redis_servers import RestartableRedis
+from tests.support.workers import WorkerProcess
+from worker.embedded_redis import EmbeddedRedis, free_port
+from worker.model.presets import PRESETS, write_random_checkpoint
+from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 
 SECRET = "s3cret-Pa55"
 
@@ -33,21 +41,22 @@ def run_to_exit(command: list[str]) -> subprocess.CompletedProcess:
 
 def test_a_worker_waits_for_a_redis_that_is_not_there_yet_then_serves(tmp_path):
     server = RestartableRedis(tmp_path)  # its port is chosen; nothing listens on it yet
-    process = subprocess.Popen(
-        worker_command(server.url, "--metrics-port", "0", "--redis-backoff-max-s", "0.2"),
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    worker = WorkerProcess(server.url, "start", "start-w", tmp_path, "--redis-backoff-max-s", "0.2", model="echo")
     try:
-        time.sleep(2.0)  # several backoff waits
-        assert process.poll() is None
+        worker.start()
+        # Its first try, after its imports (seconds on a loaded machine), then several backoff waits.
+        assert eventually(lambda: "does not answer" in worker.log(), 60), worker.log()
+        time.sleep(2.0)
+        assert worker.running
         server.start()
         with Client(server.url, "start") as client:
             assert client.generate("here", max_tokens=4, timeout=30).text == "here"
+        returncode = worker.terminate(timeout=30)
     finally:
-        process.terminate()
-        output, _ = process.communicate(timeout=30)
+        worker.stop()
         server.stop()
-    assert process.returncode == 0, output
+    output = worker.log()
+    assert returncode == 0, output
     assert "Traceback" not in output
     waiting = [line for line in output.splitlines() if "does not answer" in line]
     assert len(waiting) == 1, output
@@ -112,13 +121,14 @@ def answers(host: str, port: int) -> bool:
 
 @pytest.mark.parametrize("host_flag, reachable_from_outside", [((), False), (("--metrics-host", "0.0.0.0"), True)],
                          ids=["default", "every-interface"])
-def test_a_workers_metrics_listen_where_its_settings_say(host_flag, reachable_from_outside):
+def test_a_workers_metrics_listen_where_its_settings_say(host_flag, reachable_from_outside, tmp_path):
     outside = interface_address()
     if outside is None:
         pytest.skip("this host has no address but loopback")
     with EmbeddedRedis(port=free_port()) as server:
-        command = worker_command(server.url, "--metrics-port", "0", metrics_host=host_flag)
-        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Not a WorkerProcess, which names a metrics host: the default case must name none.
+        worker = ChildProcess(worker_command(server.url, "--metrics-port", "0", metrics_host=host_flag), tmp_path / "w.log")
+        worker.start()
         try:
             admin = Client(server.url, "start").redis
             heartbeat = Keys().worker("start-w")
@@ -127,5 +137,44 @@ def test_a_workers_metrics_listen_where_its_settings_say(host_flag, reachable_fr
             assert answers("127.0.0.1", port)
             assert answers(outside, port) is reachable_from_outside
         finally:
-            process.terminate()
-            process.wait(timeout=30)
+            worker.stop()
+
+
+def test_a_worker_with_a_float8_cache_serves_jobs_and_says_what_its_pool_holds(tmp_path):
+    """On the device the worker picks: CUDA where there is one (the GPU acceptance's fp8 stage),
+    whose pool is sized from its free memory, not kv_cache_mib."""
+    cuda = torch.cuda.is_available()
+    pool = ("--gpu-memory-utilization", "0.05") if cuda else ("--kv-cache-mib", "64")
+    with EmbeddedRedis(port=free_port()) as server:
+        # Not a WorkerProcess, which names a KV cache size: on CUDA the pool must come from free memory.
+        worker = ChildProcess(
+            worker_command(server.url, "--metrics-port", "0", "--kv-cache-dtype", "fp8_e4m3", *pool, model="tiny"),
+            tmp_path / "w.log",
+        )
+        worker.start()
+        try:
+            with Client(server.url, "start") as client:
+                ids = [client.submit(prompt=f"prompt {i} " * 20, max_tokens=8, temperature=0) for i in range(3)]
+                results = [client.result(job, timeout=120) for job in ids]
+        finally:
+            worker.stop()
+    output = worker.log()
+    assert [(r.status, r.usage.completion_tokens) for r in results] == [("done", 8)] * 3
+    # tiny is float32: 4,096 B per token, 1,024 B in float8, so 64 MiB hold 4x the pages.
+    pages = (r"\d+ pages x 16 tokens = \d+ tokens \([\d.]+ MiB" if cuda
+             else r"4096 pages x 16 tokens = 65536 tokens \(64\.0 MiB")
+    assert re.search(rf"KV cache: {pages}, torch\.float8_e4m3fn, {'cuda' if cuda else 'cpu'}", output), output
+    assert "4.0x the tokens of a torch.float32 cache in the same memory" in output
+
+
+def test_a_checkpoint_with_an_unsupported_rope_scaling_stops_the_worker_with_one_line(tmp_path):
+    ckpt = write_random_checkpoint(tmp_path / "ckpt", {**PRESETS["tiny"].config, "num_hidden_layers": 1})
+    write_qwen3_tokenizer_files(ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}))
+    done = run_to_exit(worker_command("embedded", "--metrics-port", "0", model=str(ckpt)))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: unsupported_model: {ckpt}/config.json: rope_scaling.rope_type 'longrope' is not supported "
+        "(only 'default' and 'yarn')")
+    assert "Traceback" not in done.stderr

@@ -11,13 +11,12 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
+from tests.engine.support import VOCAB
 from worker.engine import Engine, EngineSettings
 from worker.model.loader import load_model
 from worker.model.presets import qwen3_config, qwen3_moe_config, resolve_model_path, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 from worker.model.tokenizer import Tokenizer
-
-VOCAB = 2048
 
 
 # The dense test model's shape; each checkpoint below changes what it needs.

@@ -177,14 +177,15 @@ def test_an_engine_replaying_padded_decodes_generates_what_the_eager_engine_does
 
 @needs_cuda
 @DENSE_AND_MOE
-def test_on_cuda_captured_graphs_and_overlap_generate_what_eager_synchronous_steps_do(request, kind):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_on_cuda_captured_graphs_and_overlap_generate_what_eager_synchronous_steps_do(request, kind, kv_cache_dtype):
     checkpoint = request.getfixturevalue("checkpoint" if kind == "dense" else "moe_checkpoint")
     tokenizer = Tokenizer.from_dir(checkpoint)
     model, config, _ = load_model(checkpoint, dtype=torch.float32, device="cuda")
     cuda = torch.device("cuda")
 
     def engine(**settings) -> Engine:
-        settings = EngineSettings.parse(page_size=4, max_running=11, **settings)
+        settings = EngineSettings.parse(page_size=4, max_running=11, kv_cache_dtype=kv_cache_dtype, **settings)
         return Engine(model, config, tokenizer, settings, [], cuda)
 
     eager = engine(num_pages=256, cuda_graphs=False, overlap_schedule=False)

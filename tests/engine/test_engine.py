@@ -5,7 +5,7 @@ import pytest
 
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
-from tests.engine.conftest import VOCAB
+from tests.engine.support import VOCAB
 from worker.engine.errors import PromptTooLong
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -59,6 +59,7 @@ def test_shared_system_prompt_hits_the_prefix_cache_and_changes_no_output(make_e
     assert token_ids(rerun) == expected[:2]
 
 
+@pytest.mark.slow
 def test_a_pool_too_small_for_the_load_preempts_and_changes_no_output(make_engine):
     prompts = random_prompts(12, 10, 40, seed=3)
     params = SamplingParams(temperature=0, max_tokens=24)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from producer_client.schema import SamplingParams
-from tests.engine.conftest import VOCAB
+from tests.engine.support import VOCAB
 from tests.engine.test_engine import assert_all_pages_free_after_clear, random_prompts
 from worker.engine import Engine, EngineSettings
 from worker.engine.engine import overlap_enabled
@@ -213,9 +213,11 @@ def feature_params(stop_ids: list[int]) -> list[SamplingParams]:
 
 
 @pytest.mark.parametrize("settings", [
-    {},
-    {"num_pages": 20, "max_num_batched_tokens": 16, "max_running": 6},  # preemption, chunked prefill
-], ids=["roomy", "tight-and-chunked"])
+    pytest.param({}, id="roomy"),
+    pytest.param(  # preemption, chunked prefill
+        {"num_pages": 20, "max_num_batched_tokens": 16, "max_running": 6}, id="tight-and-chunked", marks=pytest.mark.slow,
+    ),
+])
 def test_overlapped_outputs_equal_the_synchronous_engines(make_engine, settings):
     prompts = random_prompts(6, 1, 40, seed=12)
     shared = random_prompts(1, 24, 24, seed=13)[0]

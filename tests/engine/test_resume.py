@@ -5,7 +5,7 @@ import pytest
 
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
-from tests.engine.conftest import VOCAB
+from tests.engine.support import VOCAB
 from tests.engine.test_engine import random_prompts
 
 

@@ -82,6 +82,7 @@ def test_a_reader_in_another_process_reads_what_the_writer_wrote_while_the_write
     assert got == [(int(s.input_ids.sum()), s.page_table.shape) for s in steps]
 
 
+@pytest.mark.timing
 def test_the_writer_gives_up_after_its_timeout_on_a_reader_that_reads_no_more():
     ring = StepRing(readers=1, capacity=message_bytes(4, 1, 1), timeout_s=0.2)
     for i in range(SLOTS):  # the slots fill without a wait

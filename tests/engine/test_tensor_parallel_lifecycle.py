@@ -26,6 +26,7 @@ def follower_pid(engine: Engine) -> int:
     return engine.ranks.processes[0].pid
 
 
+@pytest.mark.timing
 def test_ranks_idle_past_the_timeout_are_no_hang_and_a_stopped_rank_is_one(models):
     timeout_s = 2.0
     engine = Engine.from_pretrained(models["kv-split"], dtype="float32", tensor_parallel_size=2,

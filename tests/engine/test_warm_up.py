@@ -104,6 +104,7 @@ def serve_a_varied_batch(engine) -> None:
 
 # tests/conftest.py imports the kernels in interpreter mode only where there is no GPU.
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, the test below counts the compiles themselves")
+@pytest.mark.slow
 def test_warm_up_compiles_every_kernel_variant_a_varied_batch_launches(make_engine, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors take the Triton path, interpreted
     monkeypatch.setattr(decode_attention, "decode_num_splits", varied_num_splits())

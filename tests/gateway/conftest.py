@@ -7,21 +7,13 @@ import json
 import openai
 import pytest
 
-from tests.gateway.support import GatewayProcess
-from tests.redis_support import (  # noqa: F401  (fixtures)
-    WorkerProcess, redis_client, redis_server, start_workers,
-)
-
-TINY_QUEUE = "gw-tiny"
-ECHO_QUEUE = "gw-echo"
-PARKED_QUEUE = "gw-parked"  # no worker serves it until a test starts one: its jobs wait
-PARKED_MODEL = "parked"
-KEEPALIVE_S = 0.2
-STREAM_HOLD_S = 3.0  # a stream of a job that waits in the queue begins after this, then keeps alive
+from tests.gateway.support import ECHO_QUEUE, KEEPALIVE_S, PARKED_MODEL, PARKED_QUEUE, STREAM_HOLD_S, TINY_QUEUE
+from tests.support.gateways import GatewayProcess
+from tests.support.workers import WorkerProcess, start_workers
 
 
 @pytest.fixture(scope="session")
-def gateway_workers(redis_server, tmp_path_factory):  # noqa: F811
+def gateway_workers(redis_server, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("gateway-workers")
     workers = [
         WorkerProcess(redis_server.url, TINY_QUEUE, "gw-tiny-1", log_dir, model="tiny"),
@@ -35,7 +27,7 @@ def gateway_workers(redis_server, tmp_path_factory):  # noqa: F811
 
 
 @pytest.fixture(scope="session")
-def gateway(redis_server, gateway_workers, tmp_path_factory):  # noqa: F811
+def gateway(redis_server, gateway_workers, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("gateway")
     process = GatewayProcess(
         redis_server.url, log_dir, "--keepalive-s", str(KEEPALIVE_S), "--stream-hold-s", str(STREAM_HOLD_S),

@@ -13,8 +13,9 @@ import pytest
 
 from gateway.batch.store import LINES_PER_FIELD, PIECE_CHARS
 from producer_client.keys import Keys
-from tests.gateway.support import GatewayProcess
-from tests.redis_support import echo_workers
+from tests.support.gateways import GatewayProcess
+from tests.support.polling import eventually
+from tests.support.workers import echo_workers
 
 KEYS = Keys()
 MODEL = "batch-echo"
@@ -76,10 +77,12 @@ def run_batch(sdk, lines: list, window: str = "24h"):
 
 
 def wait_for(sdk, batch_id: str, condition, timeout: float = RUN_TIMEOUT_S):
-    deadline = time.monotonic() + timeout
-    while not condition(batch := sdk.batches.retrieve(batch_id)):
-        assert time.monotonic() < deadline, f"batch {batch_id} stuck: {batch}"
-        time.sleep(0.1)
+    def reached():
+        batch = sdk.batches.retrieve(batch_id)
+        return batch if condition(batch) else None
+
+    batch = eventually(reached, timeout, interval=0.1)
+    assert batch, f"batch {batch_id} stuck: {sdk.batches.retrieve(batch_id)}"
     return batch
 
 
@@ -160,7 +163,7 @@ def test_a_killed_worker_and_killed_gateways_lose_no_line(redis_server, redis_cl
         n = 120
         batch = run_batch(sdks[0], slow_lines("k", n))
         driver, _ = driving_gateway(sdks[0], redis_client, batch.id, gateways)
-        victim_worker.process.kill()
+        victim_worker.kill()
         gateways[driver].kill()
         time.sleep(1.5)  # past the lease: the other gateway takes the batch on
         gateways[driver].start()

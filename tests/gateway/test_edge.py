@@ -11,8 +11,9 @@ import json
 import httpx
 import pytest
 
-from tests.gateway.support import GatewayProcess, ResourceWatch, job_count, raw_request
-from tests.redis_support import redis_client, redis_server  # noqa: F401  (fixtures)
+from tests.gateway.support import ResourceWatch, raw_request
+from tests.support.gateways import GatewayProcess
+from tests.support.jobs import job_count
 
 KEY = "edge-key"
 UPLOAD_LIMIT = 1 << 20

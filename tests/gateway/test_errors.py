@@ -8,9 +8,10 @@ import openai
 import pytest
 
 from producer_client import Client
-from tests.gateway.conftest import PARKED_MODEL
-from tests.gateway.support import GatewayProcess, job_count, job_ids_in_queue
-from tests.redis_support import free_port
+from tests.gateway.support import PARKED_MODEL
+from tests.support.gateways import GatewayProcess
+from tests.support.jobs import job_count, job_ids_in_queue
+from worker.embedded_redis import free_port
 
 CHAT = [{"role": "user", "content": "hi"}]
 API_KEYS = ["key-one", "key-two"]

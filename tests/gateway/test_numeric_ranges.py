@@ -13,9 +13,9 @@ import pytest
 
 from producer_client import Client, InvalidArgument, JobFailed
 from producer_client.keys import Keys
-from tests.gateway.conftest import ECHO_QUEUE
-from tests.gateway.support import job_count
-from tests.redis_support import eventually
+from tests.gateway.support import ECHO_QUEUE
+from tests.support.jobs import job_count
+from tests.support.polling import eventually
 
 OUT_OF_RANGE = [
     ({"top_k": 2**63}, "top_k"), ({"top_k": 2**31}, "top_k"), ({"stop_token_ids": [2**40]}, "stop_token_ids"),

@@ -3,7 +3,7 @@ comes back through HTTP is the worker's own result for the same job."""
 import pytest
 
 from producer_client import Client
-from tests.gateway.conftest import TINY_QUEUE
+from tests.gateway.support import TINY_QUEUE
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
 

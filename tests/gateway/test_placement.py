@@ -12,8 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from producer_client import Client
 from producer_client.placement import REFRESH_S
-from tests.gateway.support import GatewayProcess
-from tests.redis_support import echo_workers, eventually
+from tests.support.gateways import GatewayProcess
+from tests.support.polling import eventually
+from tests.support.workers import echo_workers
 
 MODEL = "placed"
 TURNS = 3

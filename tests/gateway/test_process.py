@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from gateway.__main__ import build_parser
 from gateway.settings import GatewaySettings, settings_from_args
 from producer_client import InvalidArgument
-from tests.redis_support import REPO
+from tests.support.processes import REPO
 
 
 def test_the_gateway_imports_neither_torch_nor_the_worker():

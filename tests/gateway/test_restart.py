@@ -9,9 +9,9 @@ import pytest
 
 from producer_client import Client
 from producer_client.keys import Keys
-from tests.gateway.conftest import TINY_QUEUE
-from tests.gateway.support import GatewayProcess
-from tests.redis_support import runs
+from tests.gateway.support import TINY_QUEUE
+from tests.support.gateways import GatewayProcess
+from tests.support.jobs import runs
 
 GREEDY = {"model": "tiny", "prompt": "Once upon a time", "temperature": 0, "extra_body": {"ignore_eos": True}}
 

@@ -5,7 +5,6 @@ defaults); what MILI cannot honour is a 400 naming the parameter; a streamed req
 validated before its stream starts. Plain httpx, so that the bytes on the wire are checked."""
 import io
 import json
-import time
 
 import httpx
 import openai
@@ -13,10 +12,10 @@ import pytest
 
 from gateway.render import finish_reason
 from producer_client import Client, JobResult
-from tests.gateway.conftest import PARKED_MODEL, PARKED_QUEUE
-from tests.gateway.support import job_count
+from tests.gateway.support import PARKED_MODEL, PARKED_QUEUE
 from tests.openai_spec import check
-from tests.redis_support import eventually
+from tests.support.jobs import job_count
+from tests.support.polling import eventually
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -90,12 +89,13 @@ def test_files_and_batches_validate_and_files_are_listed(gateway, sdk):
         "input_file_id": uploaded.id, "endpoint": "/v1/chat/completions", "completion_window": "24h",
     }).json()
     check("Batch", created)
-    deadline = time.monotonic() + 60
-    while (batch := httpx.get(f"{gateway.url}/v1/batches/{created['id']}").json())["status"] != "completed":
-        check("Batch", batch)
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.2)
-    check("Batch", batch)
+    def completed():
+        batch = httpx.get(f"{gateway.url}/v1/batches/{created['id']}").json()
+        check("Batch", batch)  # every state it passes through
+        return batch if batch["status"] == "completed" else None
+
+    batch = eventually(completed, 60, interval=0.2)
+    assert batch, httpx.get(f"{gateway.url}/v1/batches/{created['id']}").json()
     check("ListBatchesResponse", httpx.get(f"{gateway.url}/v1/batches?limit=2").json())
     ended = httpx.post(f"{gateway.url}/v1/batches/{created['id']}/cancel")
     assert ended.status_code == 400 and ended.json()["error"]["code"] == "batch_ended"  # a 409 the SDK would retry

@@ -7,11 +7,13 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from producer_client import Client
-from tests.gateway.conftest import ECHO_QUEUE, KEEPALIVE_S, PARKED_MODEL, PARKED_QUEUE, TINY_QUEUE
-from tests.gateway.support import GatewayProcess
-from tests.redis_support import WorkerProcess, eventually
+from tests.gateway.support import ECHO_QUEUE, KEEPALIVE_S, PARKED_MODEL, PARKED_QUEUE, TINY_QUEUE
+from tests.support.gateways import GatewayProcess
+from tests.support.polling import eventually
+from tests.support.workers import WorkerProcess
 
 
 def test_curl_sees_data_lines_then_done(gateway):
@@ -28,6 +30,7 @@ def test_curl_sees_data_lines_then_done(gateway):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.timing
 async def test_waiting_streams_get_a_keepalive_every_interval_then_their_tokens(gateway, redis_server, tmp_path):
     waited_s = 8 * KEEPALIVE_S
     prompts = [f"stream {i} waited" for i in range(4)]

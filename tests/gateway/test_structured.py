@@ -11,7 +11,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.gateway.support import job_count
+from tests.support.jobs import job_count
 from tests.openai_spec import check
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import io
 import json
-import time
 import uuid
 
 import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import ECHO_QUEUE
-from tests.gateway.support import GatewayProcess, job_count
+from tests.support.gateways import GatewayProcess
+from tests.support.jobs import job_count
+from tests.support.polling import eventually
 
 KEY_A, KEY_B, ADMIN = "tenant-a-key", "tenant-b-key", "admin-key"
 FAILURES_PER_MINUTE = 3
@@ -75,11 +75,9 @@ def upload(sdk: openai.OpenAI, custom_id: str) -> str:
 
 
 def wait_done(sdk: openai.OpenAI, batch_id: str):
-    deadline = time.monotonic() + 60
-    while (batch := sdk.batches.retrieve(batch_id)).status not in ("completed", "failed", "cancelled", "expired"):
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.1)
-    return batch
+    ended = ("completed", "failed", "cancelled", "expired")
+    assert eventually(lambda: sdk.batches.retrieve(batch_id).status in ended, 60, interval=0.1), sdk.batches.retrieve(batch_id)
+    return sdk.batches.retrieve(batch_id)
 
 
 def test_files_and_batches_are_their_api_keys_and_an_admin_keys(tenants_gateway):

@@ -14,9 +14,10 @@ import openai
 import pytest
 
 from producer_client import Client
-from tests.gateway.support import GatewayProcess
 from tests.openai_spec import check
-from tests.redis_support import REPO, WorkerProcess
+from tests.support.gateways import GatewayProcess
+from tests.support.processes import REPO
+from tests.support.workers import WorkerProcess
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -50,7 +51,9 @@ def agent(redis_server, tmp_path_factory):
     script = log_dir / "script.json"
     script.write_text(json.dumps(SCRIPT))
     queue = f"gw-agent-{uuid.uuid4().hex[:8]}"
-    worker = WorkerProcess(redis_server.url, queue, f"{queue}-1", log_dir, model="echo", env={"MILI_ECHO_SCRIPT": str(script)})
+    worker = WorkerProcess(
+        redis_server.url, queue, f"{queue}-1", log_dir, model="echo", env={"MILI_ECHO_SCRIPT": str(script)},
+    )
     gateway = GatewayProcess(redis_server.url, log_dir, "--models", json.dumps({"agent": queue}), "--workers-refresh-s", "0.2")
     try:
         worker.start().wait_ready()

@@ -26,7 +26,7 @@ activation, decode_attention, extend_attention, fused_moe, kv_store, moe_align, 
 H100 = GPUTarget("cuda", 90, 32)
 H100_SHARED_BYTES = 227 * 1024
 _TENSOR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
-                 torch.int32: "*i32", torch.int64: "*i64"}
+                 torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32", torch.int64: "*i64"}
 _OPTIONS = ("num_warps", "num_stages")
 
 
@@ -45,6 +45,9 @@ def _signature(kernel, args, kwargs):
     signature, constexprs, attrs = {}, {}, {}
     for i, (name, value) in enumerate(zip(kernel.arg_names, args)):
         specialized = name not in kernel.do_not_specialize
+        if value is None:  # an unused pointer (the scales of a cache that is not float8)
+            signature[name], constexprs[name] = "constexpr", None
+            continue
         if isinstance(value, torch.Tensor):
             signature[name] = _TENSOR_TYPES[value.dtype]
             aligned = value.data_ptr() % 16 == 0
@@ -83,7 +86,7 @@ def compile_launch(kernel, args, kwargs, dtype: torch.dtype) -> dict:
     options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=H100, options=options)
     usage = _resource_usage(compiled.asm["cubin"])
-    return {"kernel": kernel.__name__, "dtype": str(dtype).removeprefix("torch."), **options,
+    return {"kernel": kernel.__name__, "dtype": str(dtype).replace("torch.", ""), **options,
             "shared_bytes": compiled.metadata.shared, "registers": usage["reg"], "spill_stack_bytes": usage["stack"]}
 
 
@@ -101,7 +104,26 @@ def production_launches() -> list:
         _record_all(dtype)
         recorded += [(*launch, dtype) for launch in launches]
         launches.clear()
+        _record_fp8_cache(dtype)
+        recorded += [(*launch, f"{dtype}, float8 KV cache") for launch in launches]
+        launches.clear()
     return recorded
+
+
+def _record_fp8_cache(dtype: torch.dtype) -> None:
+    """The launches that read or write a float8 KV cache (kernels/fp8.py)."""
+    t, hq, hk, d, pages, page_size = 8, 32, 8, 128, 64, 16
+    q, k, v = (torch.randn(t, h, d, dtype=dtype) for h in (hq, hk, hk))
+    cache = torch.zeros(pages, page_size, hk, d, dtype=torch.float8_e4m3fn)
+    scales = torch.ones(hk)
+    kv_store.store_kv_triton(k, v, cache, cache.clone(), torch.arange(t), scales, scales)
+    page_table = torch.arange(pages, dtype=torch.int32).view(2, -1)
+    decode_attention.paged_decode_attention_triton(
+        q[:2].contiguous(), cache, cache.clone(), page_table, torch.tensor([300, 17], dtype=torch.int32), d ** -0.5,
+        scales, scales)
+    extend_attention.paged_extend_attention_triton(
+        q, cache, cache.clone(), page_table, torch.tensor([0, 3, 8], dtype=torch.int32),
+        torch.tensor([5, 40], dtype=torch.int32), d ** -0.5, 5, scales, scales)
 
 
 def _record_all(dtype: torch.dtype) -> None:

@@ -61,6 +61,33 @@ def make_interpreter_bf16_faithful(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(builder, "create_dot", create_dot)
 
 
+# The interpreter's float8 conversions round half up and drop the carry into the exponent
+# (-124.0 becomes -64.0); the GPU's cvt.rn rounds to nearest even, as torch does.
+INTERPRETER_FLOATS = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+                      tl.float8e4nv: torch.float8_e4m3fn}
+TORCH_STORAGE = {torch.float32: torch.float32, torch.float16: torch.float16, torch.bfloat16: torch.int16,
+                 torch.float8_e4m3fn: torch.uint8}
+
+
+def make_interpreter_fp8_faithful(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Convert to and from float8 e4m3 through torch, whose conversions the GPU's match."""
+    builder = interpreter.InterpreterBuilder
+    plain_fp_to_fp = builder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        src_tl, dst_tl = src.dtype.scalar, dst_type.scalar
+        if tl.float8e4nv not in (src_tl, dst_tl):
+            return plain_fp_to_fp(self, src, dst_type, rounding_mode)
+        src_t, dst_t = INTERPRETER_FLOATS[src_tl], INTERPRETER_FLOATS[dst_tl]
+        values = torch.from_numpy(np.ascontiguousarray(src.data)).view(src_t)
+        data = values.to(dst_t).view(TORCH_STORAGE[dst_t]).numpy()
+        if dst_t == torch.bfloat16:
+            data = data.view(np.uint16)
+        return interpreter.TensorHandle(data, dst_tl)
+
+    monkeypatch.setattr(builder, "create_fp_to_fp", create_fp_to_fp)
+
+
 @pytest.fixture
 def device(monkeypatch: pytest.MonkeyPatch) -> str:
     """Where this test runs the kernels: compiled on CUDA, else interpreted on CPU."""
@@ -71,6 +98,7 @@ def device(monkeypatch: pytest.MonkeyPatch) -> str:
         pytest.fail("triton or kernels/ was imported before tests/conftest.py could select interpreter mode")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     make_interpreter_bf16_faithful(monkeypatch)
+    make_interpreter_fp8_faithful(monkeypatch)
     return "cpu"
 
 

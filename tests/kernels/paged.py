@@ -25,3 +25,14 @@ def scattered_page_table(lengths: list[int], page_size: int, num_pages: int, dev
         table[b, :n] = torch.tensor(pool[:n], dtype=torch.int32)
         pool = pool[n:]
     return table.to(device)
+
+
+def as_fp8_caches(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The caches in float8 with unequal power-of-two scales per kv head, as the engine keeps them:
+    (k8, v8, k_scale, v_scale). Values span several binades, so every head's scale matters."""
+    heads = k_cache.shape[2]
+    k_scale = torch.tensor([2.0 ** (h % 3 - 2) for h in range(heads)], device=k_cache.device)
+    v_scale = torch.tensor([2.0 ** (1 - h % 2) for h in range(heads)], device=k_cache.device)
+    k8 = (k_cache.float() * 3 / k_scale[:, None]).to(torch.float8_e4m3fn)
+    v8 = (v_cache.float() * 2 / v_scale[:, None]).to(torch.float8_e4m3fn)
+    return k8, v8, k_scale, v_scale

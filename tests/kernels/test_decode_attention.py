@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kernels.decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
-from tests.kernels.paged import random_caches, scattered_page_table
+from tests.kernels.paged import as_fp8_caches, random_caches, scattered_page_table
 
 KV_HEADS = 2
 
@@ -55,3 +55,26 @@ def test_decode_of_an_empty_context_is_zero(device):
     want = paged_decode_attention_reference(q, k_cache, v_cache, page_table, context_lens, scale)
     assert torch.equal(got[0], torch.zeros_like(got[0]))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_over_a_float8_cache_matches_reference(group, head_dim, dtype, device, check_close):
+    q, k_cache, v_cache, page_table, context_lens = decode_case(group, head_dim, 16, dtype, device, [1, 16, 17, 83])
+    k8, v8, k_scale, v_scale = as_fp8_caches(k_cache, v_cache)
+    scale = head_dim ** -0.5
+    got = paged_decode_attention_triton(q, k8, v8, page_table, context_lens, scale, k_scale, v_scale, num_splits=2)
+    want = paged_decode_attention_reference(q, k8, v8, page_table, context_lens, scale, k_scale, v_scale)
+    check_close("paged_decode_attention", got, want)
+
+
+def test_decode_reference_over_a_float8_cache_attends_to_its_dequantized_values(device):
+    # The float8 path is the plain one over scale * stored value: nothing else changes.
+    q, k_cache, v_cache, page_table, context_lens = decode_case(2, 64, 16, torch.float32, device, [5, 40])
+    k8, v8, k_scale, v_scale = as_fp8_caches(k_cache, v_cache)
+    scale = 64 ** -0.5
+    got = paged_decode_attention_reference(q, k8, v8, page_table, context_lens, scale, k_scale, v_scale)
+    k32, v32 = k8.float() * k_scale[:, None], v8.float() * v_scale[:, None]
+    want = paged_decode_attention_reference(q, k32, v32, page_table, context_lens, scale)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

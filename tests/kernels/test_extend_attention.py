@@ -2,8 +2,9 @@
 import pytest
 import torch
 
+import kernels.extend_attention as extend_attention
 from kernels.extend_attention import paged_extend_attention_reference, paged_extend_attention_triton
-from tests.kernels.paged import random_caches, scattered_page_table
+from tests.kernels.paged import as_fp8_caches, random_caches, scattered_page_table
 
 KV_HEADS = 2
 
@@ -52,3 +53,24 @@ def test_extend_long_prompt_spans_several_query_tiles(dtype, device, check_close
     # later tiles take the unmasked path over the prefix and their own causal band.
     got, want = run_both(extend_case(1, 64, 16, dtype, device, [(80, 150), (0, 140)], seed=2))
     check_close("paged_extend_attention", got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 4])
+def test_extend_over_a_float8_cache_matches_reference(group, dtype, device, check_close):
+    q, k_cache, v_cache, page_table, cu, prefix_lens, max_q_len = extend_case(
+        group, 64, 16, dtype, device, [(0, 1), (16, 1), (53, 17), (7, 70)], seed=3)
+    k8, v8, k_scale, v_scale = as_fp8_caches(k_cache, v_cache)
+    scale = 64 ** -0.5
+    args = (q, k8, v8, page_table, cu, prefix_lens, scale, max_q_len, k_scale, v_scale)
+    check_close("paged_extend_attention", paged_extend_attention_triton(*args), paged_extend_attention_reference(*args))
+
+
+def test_extend_reference_bounds_its_mask_without_changing_the_result(monkeypatch, device):
+    # Query blocks of one row each: the block-causal slicing must give what one block gives.
+    case = extend_case(2, 64, 16, torch.float32, device, [(0, 9), (21, 13)], seed=4)
+    q, k_cache, v_cache, page_table, cu, prefix_lens, max_q_len = case
+    whole = paged_extend_attention_reference(q, k_cache, v_cache, page_table, cu, prefix_lens, 0.125, max_q_len)
+    monkeypatch.setattr(extend_attention, "MASK_ELEMENTS", 1)
+    rows = paged_extend_attention_reference(q, k_cache, v_cache, page_table, cu, prefix_lens, 0.125, max_q_len)
+    torch.testing.assert_close(rows, whole, atol=1e-6, rtol=1e-6)

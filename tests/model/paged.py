@@ -13,12 +13,20 @@ from worker.model.qwen3 import Qwen3ForCausalLM
 
 
 class PagedModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, num_pages: int = 128, page_size: int = 4, seed: int = 0):
-        config, dtype = model.config, model.model.norm.weight.dtype
+    """`cache_dtype` defaults to the model's; a float8 cache needs the model's kv scales set
+    (worker.model.kv_scales)."""
+
+    def __init__(
+        self, model: Qwen3ForCausalLM, num_pages: int = 128, page_size: int = 4, seed: int = 0,
+        cache_dtype: torch.dtype | None = None,
+    ):
+        config, dtype = model.config, cache_dtype or model.model.norm.weight.dtype
+        self.device = model.model.norm.weight.device
         shape = (num_pages, page_size, config.num_key_value_heads, config.head_dim)
         self.model = model
         self.page_size = page_size
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                           torch.zeros(shape, dtype=dtype, device=self.device))
                           for _ in range(config.num_hidden_layers)]
         self.free_pages = list(range(num_pages))
         random.Random(seed).shuffle(self.free_pages)
@@ -47,8 +55,8 @@ class PagedModelRunner:
         for s, pos in zip(seqs, positions):
             self.reserve_pages(s, pos.stop)
         meta = self.metadata(seqs, positions, is_decode)
-        input_ids = torch.tensor([t for s in seqs for t in chunks[s]], dtype=torch.int64)
-        flat_positions = torch.tensor([p for pos in positions for p in pos], dtype=torch.int64)
+        input_ids = torch.tensor([t for s in seqs for t in chunks[s]], dtype=torch.int64, device=self.device)
+        flat_positions = torch.tensor([p for pos in positions for p in pos], dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, flat_positions, meta, self.kv_caches)
         for s, pos in zip(seqs, positions):
             self.lens[s] = pos.stop
@@ -69,10 +77,10 @@ class PagedModelRunner:
             cu.append(cu[-1] + q)
         return AttentionMetadata(
             is_decode=is_decode,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            page_table=torch.tensor(table, dtype=torch.int32),
-            seq_lens=torch.tensor([pos.stop for pos in positions], dtype=torch.int32),
-            prefix_lens=torch.tensor([pos.start for pos in positions], dtype=torch.int32),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            page_table=torch.tensor(table, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([pos.stop for pos in positions], dtype=torch.int32, device=self.device),
+            prefix_lens=torch.tensor([pos.start for pos in positions], dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
             max_q_len=max(q_lens),
         )

@@ -215,13 +215,15 @@ def test_unsupported_model_type(tmp_path):
     assert e.value.code == "unsupported_model"
 
 
-def test_rope_scaling_is_unsupported(tmp_path):
+@pytest.mark.parametrize("changes, message", [
+    ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope_scaling.rope_type 'linear'"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type 'dynamic'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0}}, "rope_parameters.rope_type 'llama3'"),
+])
+def test_rope_types_other_than_default_and_yarn_are_refused_in_one_line(tmp_path, changes, message):
     ckpt = write_checkpoint(tmp_path)
-    edit_json(ckpt / "config.json", rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(
-        UnsupportedModel,
-        match=r"config\.json: rope_scaling \{'rope_type': 'yarn', 'factor': 4\.0\} is not supported \(only None\)",
-    ):
+    edit_json(ckpt / "config.json", **changes)
+    with pytest.raises(UnsupportedModel, match=rf"config\.json: {message} is not supported \(only 'default' and 'yarn'\)$"):
         load_model(ckpt)
 
 
@@ -229,7 +231,6 @@ def test_rope_scaling_is_unsupported(tmp_path):
     ({"attention_bias": True}, "attention_bias True"),
     ({"use_sliding_window": True}, "use_sliding_window True"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_parameters.rope_type 'yarn'"),
     ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config \{'quant_method': 'fp8'\}"),
 ])
 def test_features_qwen3_does_not_use_are_unsupported(tmp_path, changes, message):

@@ -2,9 +2,7 @@ import uuid
 
 import pytest
 
-from tests.redis_support import (  # noqa: F401  (fixtures)
-    client_kind, make_client, redis_client, redis_client_of, redis_server, restartable_redis,
-)
+from tests.support.clients import make_client
 
 
 @pytest.fixture
@@ -13,7 +11,7 @@ def queue():
 
 
 @pytest.fixture
-def client(client_kind, redis_server, queue):  # noqa: F811  (the imported fixtures)
+def client(client_kind, redis_server, queue):
     c = make_client(client_kind, redis_server.url, queue)
     yield c
     c.close()

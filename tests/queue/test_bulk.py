@@ -11,7 +11,8 @@ from producer_client import BulkQueueFull, Client, InvalidArgument, JobNotFound,
 from producer_client.bulk import CHUNK, WINDOW
 from producer_client.keys import Keys
 from producer_client.placement import Placement
-from tests.redis_support import echo_workers, make_client
+from tests.support.clients import make_client
+from tests.support.workers import echo_workers
 
 KEYS = Keys()
 
@@ -163,6 +164,7 @@ def test_as_completed_refuses_an_unknown_job_before_yielding(client, queue):
         next(iter(client.as_completed(["bad id"])))
 
 
+@pytest.mark.timing
 def test_as_completed_times_out_naming_an_unfinished_job(client, queue):
     ids = client.submit_many(specs(5))
     client.cancel(ids[0])

@@ -9,7 +9,8 @@ from redis.exceptions import NoScriptError
 
 from producer_client import AsyncClient, Client, InvalidArgument, JobNotFound, JobTimeout, QueueFull, scripts
 from producer_client.keys import GROUP, Keys
-from tests.redis_support import free_port, make_client
+from tests.support.clients import make_client
+from worker.embedded_redis import free_port
 from worker.queue import WorkerQueue
 
 DEAD_URL = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens: any command would raise ConnectionError

@@ -16,7 +16,8 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from producer_client import AsyncClient, Client, InvalidArgument
 from producer_client.cluster import known_keys
 from producer_client.connection import Mode, connect, connect_async, parse_url, redact_url
-from tests.redis_support import REPO, free_port
+from tests.support.processes import REPO
+from worker.embedded_redis import free_port
 
 SECRET = "pa55-w0rd"
 

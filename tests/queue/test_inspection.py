@@ -15,6 +15,7 @@ from worker.queue import WorkerQueue
 KEYS = Keys()
 
 
+@pytest.mark.timing
 def test_waiting_and_running_jobs_come_from_the_stream_and_the_pending_list(client, redis_client, queue):
     jobs = [client.submit(f"job {i}", max_tokens=4) for i in range(4)]
     assert [j.job_id for j in settle(client, client.inspect.waiting(10))] == jobs  # no group yet
@@ -42,6 +43,7 @@ def test_a_queue_without_a_stream_has_nothing(client, queue):
     assert settle(client, client.inspect.running(5)) == []
 
 
+@pytest.mark.timing
 def test_the_overview_counts_depth_pending_waiting_dead_and_processed_entries(client, redis_client, queue):
     poison = client.submit("poison", max_tokens=4)
     make_poison(redis_client, queue, poison)
@@ -67,6 +69,7 @@ def heartbeat(redis_client, queue: str, name: str, ttl_s: float) -> None:
     WorkerQueue(redis_client, KEYS, queue, name, result_ttl_s=60).heartbeat(fields, ttl_s, [])
 
 
+@pytest.mark.timing
 def test_a_heartbeat_turns_stale_past_half_its_ttl_and_gone_past_it(client, redis_client, queue):
     ttl_s = 0.6
     heartbeat(redis_client, queue, f"{queue}-steady", ttl_s)

@@ -16,7 +16,9 @@ from producer_client.placement import (
 )
 from producer_client.schema import JobRequest
 from tests.queue.support import GatedWorker, serving
-from tests.redis_support import (  # noqa: F401  (fixtures)
+from tests.support.fixtures import on_modes
+from tests.support.jobs import assert_one_final_result, tokens_published
+from tests.support.polling import eventually
     assert_one_final_result, deployment_client, eventually, on_modes, redis_cluster, redis_deployment, redis_sentinel,
     tokens_published,
 )

@@ -12,7 +12,8 @@ import pytest
 from producer_client import Client
 from producer_client.keys import Keys
 from tests.queue.support import GatedWorker, SlowEchoEngine, serving
-from tests.redis_support import assert_one_final_result, eventually, runs, tokens_published
+from tests.support.jobs import assert_one_final_result, runs, tokens_published
+from tests.support.polling import eventually
 
 KEYS = Keys()
 FAST_RECLAIM = dict(claim_idle_ms=500, reclaim_interval_s=0.05)
@@ -65,6 +66,7 @@ def test_streamed_deltas_concatenate_to_the_result_at_any_interval_setting(redis
     assert head + tail == read[ids[0]]
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("streamed", [True, False])
 def test_a_killed_worker_loses_at_most_one_publish_interval_of_tokens(redis_server, redis_client, queue, streamed):
     """The victim stops dead between two exchanges (as after kill -9: nothing handed over), while
@@ -167,6 +169,7 @@ def read_streams(url: str, queue: str, job_ids: list[str], out) -> None:
     out.put(asyncio.run(read_all()))
 
 
+@pytest.mark.timing
 def test_streamed_chunk_delay_stays_within_the_interval_under_load(redis_server, queue):
     """A worker full of streams (16 of its 16 slots), read by a process of their own: each job's
     tokens wait as long as the interval allows, every token is in Redis within stream_interval_s

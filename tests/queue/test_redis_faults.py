@@ -15,11 +15,12 @@ import redis.exceptions as rex
 
 from producer_client import scripts
 from producer_client.keys import GROUP, Keys
-from tests.queue.support import GatedWorker, SlowEchoEngine, outcome_count, serving
-from tests.redis_support import (
-    assert_one_final_result, eventually, events, free_port, make_client, runs, tokens_published,
-)
+from tests.queue.support import GatedWorker, outcome_count, serving
+from tests.support.clients import make_client
+from tests.support.jobs import assert_one_final_result, runs, tokens_published
+from tests.support.polling import eventually
 from worker import queue as worker_queue
+from worker.embedded_redis import free_port
 from worker.queue import GroupLost, RedisClock, is_transient
 from worker.replies import Published, UnknownReply, parse_claim, parse_publish
 

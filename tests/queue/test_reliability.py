@@ -17,9 +17,11 @@ from producer_client.protocol import job_keys
 from producer_client.schema import JobRequest
 from producer_client.scripts import execute
 from tests.queue.support import SlowEchoEngine, outcome_count, serving
+from tests.support.clients import make_client
+from tests.support.jobs import assert_one_final_result, events, runs, tokens_published
+from tests.support.polling import eventually
 from worker.outbox import Update
 from worker.scripts import CLAIM, PUBLISH, RELEASE, WORKER_SCRIPTS
-from tests.redis_support import assert_one_final_result, eventually, events, make_client, runs, tokens_published
 
 KEYS = Keys()
 # Small enough for quick tests, and ten heartbeats of `serving` (0.05 s): a busy machine that
@@ -75,6 +77,7 @@ def test_a_reclaimed_job_resumes_after_its_recorded_tokens(redis_server, redis_c
     assert redis_client.xlen(KEYS.queue(queue)) == 0
 
 
+@pytest.mark.timing
 def test_a_worker_takes_only_handed_over_entries_in_its_first_claim_idle_ms(redis_server, redis_client, client, queue):
     # An entry idle for a while may be a live worker's that could not refresh it yet (Redis has
     # just come back); one a drain handed over is free at once.

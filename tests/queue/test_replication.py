@@ -11,8 +11,9 @@ from producer_client import Client
 from producer_client.errors import InvalidArgument, NotReplicated
 from producer_client.keys import GROUP, Keys
 from tests.queue.support import serving
-from tests.redis_modes import ServerProcess
-from tests.redis_support import eventually, make_client, redis_cluster, redis_sentinel  # noqa: F401  (fixtures)
+from tests.support.clients import make_client
+from tests.support.polling import eventually
+from tests.support.redis_servers import ServerProcess
 
 KEYS = Keys()
 WAIT_TIMEOUT_MS = 50

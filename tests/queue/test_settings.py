@@ -80,3 +80,13 @@ def test_every_worker_flag_says_what_it_does():
     add_setting_flags(parser)
     silent = [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help" and not a.help]
     assert silent == []
+
+
+def test_kv_cache_dtype_flag_offers_its_choices_and_refuses_others(capsys):
+    assert parse_flags("--kv-cache-dtype", "fp8_e4m3").engine.kv_cache_dtype == "fp8_e4m3"
+    assert parse_flags().engine.kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        parse_flags("--kv-cache-dtype", "int8")
+    # Python 3.12.8 stopped quoting the choices.
+    assert re.search(r"--kv-cache-dtype: invalid choice: 'int8' \(choose from '?auto'?, '?fp8_e4m3'?\)",
+                     capsys.readouterr().err)

@@ -10,7 +10,7 @@ import redis
 from producer_client import JobFailed
 from producer_client.keys import GROUP, Keys
 from tests.queue.support import outcome_count, serving
-from tests.redis_support import eventually
+from tests.support.polling import eventually
 
 KEYS = Keys()
 

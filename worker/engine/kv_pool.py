@@ -6,8 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.fp8 import FP8_DTYPE
+from producer_client.errors import InvalidArgument
 from worker.engine.errors import OutOfPages
 from worker.model.batch import KVCaches
+
+# Triton converts float8 e4m3 on Ada (8.9) and later; older GPUs have no such conversion.
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,16 @@ class PageAllocator:
             self._refcounts[p] -= 1
             if self._refcounts[p] == 0:
                 self._free.append(p)
+
+
+def kv_cache_dtype(setting: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The pool's dtype for EngineSettings.kv_cache_dtype: the model's (auto), or float8 e4m3."""
+    if setting == "auto":
+        return model_dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        have = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise InvalidArgument("kv_cache_dtype", f"fp8_e4m3 needs a GPU of compute capability 8.9 or newer; {device} has {have}")
+    return FP8_DTYPE
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

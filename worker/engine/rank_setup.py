@@ -13,12 +13,13 @@ from typing import NamedTuple
 import torch
 
 from worker.engine.cuda_graph import DecodeGraphRunner
-from worker.engine.kv_pool import KVCacheShape, allocate_kv_caches, pages_for
+from worker.engine.kv_pool import KVCacheShape, allocate_kv_caches, kv_cache_dtype, pages_for
 from worker.engine.memory import kv_cache_pages, profile_activation_peak
 from producer_client.errors import InvalidArgument
 from worker.engine.settings import EngineSettings
 from worker.model.batch import KVCaches
 from worker.model.config import Qwen3Config
+from worker.model.kv_scales import use_fp8_kv_scales
 from worker.model.qwen3 import Qwen3ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def resolve_max_model_len(settings: EngineSettings, config: Qwen3Config) -> int:
     # Positions index the model's RoPE table, so the context cannot outgrow it.
-    limit = config.max_position_embeddings
+    limit = config.context_length  # YaRN's scaled window where the config has one
     if settings.max_model_len is None:
         return limit
     if settings.max_model_len > limit:
@@ -40,17 +41,32 @@ class RankMemory(NamedTuple):
     decode_graphs: DecodeGraphRunner | None  # captured on CUDA when settings.cuda_graphs
 
 
-def kv_cache_shape(model: Qwen3ForCausalLM, config: Qwen3Config, page_size: int) -> KVCacheShape:
-    """The KV cache of this rank's heads."""
+def kv_cache_shape(
+    model: Qwen3ForCausalLM, config: Qwen3Config, settings: EngineSettings, device: torch.device,
+) -> KVCacheShape:
+    """The KV cache of this rank's heads, in settings.kv_cache_dtype."""
     heads = len(model.tp.kv_heads(config.num_key_value_heads))
-    return KVCacheShape(config.num_hidden_layers, heads, config.head_dim, page_size, model.model.norm.weight.dtype)
+    dtype = kv_cache_dtype(settings.kv_cache_dtype, model.model.norm.weight.dtype, device)
+    return KVCacheShape(config.num_hidden_layers, heads, config.head_dim, settings.page_size, dtype)
+
+
+def use_fp8_cache(model: Qwen3ForCausalLM, shape: KVCacheShape) -> None:
+    """Sets the scales of a float8 pool (each rank's from its own heads' weights) and says what it gains."""
+    model_dtype = model.model.norm.weight.dtype
+    use_fp8_kv_scales(model)
+    log.info(
+        "KV cache in %s with per-kv-head power-of-two scales from the weights: %.1fx the tokens of a %s "
+        "cache in the same memory", shape.dtype, model_dtype.itemsize / shape.dtype.itemsize, model_dtype,
+    )
 
 
 def prepare_rank(
     model: Qwen3ForCausalLM, config: Qwen3Config, settings: EngineSettings, device: torch.device,
     max_model_len: int,
 ) -> RankMemory:
-    shape = kv_cache_shape(model, config, settings.page_size)
+    shape = kv_cache_shape(model, config, settings, device)
+    if shape.dtype != model.model.norm.weight.dtype:
+        use_fp8_cache(model, shape)
     vocab = config.vocab_size
     pages = kv_cache_pages(
         shape, device, settings, lambda: profile_activation_peak(model, shape, settings, vocab, device),

@@ -14,6 +14,7 @@ from pydantic import (
 )
 
 from producer_client.errors import MiliError
+from worker.model.rope import YarnScaling
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,10 +54,8 @@ def describe_validation_error(e: ValidationError) -> str:
 
 
 def reject_unsupported(raw: dict[str, Any], source: str) -> None:
-    """Refuse configs whose numerics we would silently get wrong (scaled RoPE, biases, windows)."""
+    """Refuse configs whose numerics we would silently get wrong (biases, windows, RoPE scalings but YaRN)."""
     checks = [
-        ("rope_scaling", raw.get("rope_scaling"), None),
-        ("rope_parameters.rope_type", (raw.get("rope_parameters") or {}).get("rope_type", "default"), "default"),
         ("attention_bias", raw.get("attention_bias", False), False),
         ("use_sliding_window", raw.get("use_sliding_window", False), False),
         ("hidden_act", raw.get("hidden_act", "silu"), "silu"),
@@ -64,6 +63,33 @@ def reject_unsupported(raw: dict[str, Any], source: str) -> None:
     for field, value, supported in checks:
         if value != supported:
             raise UnsupportedModel(f"{source}: {field} {value!r} is not supported (only {supported!r})")
+
+
+ROPE_TYPES = ("default", "yarn")
+
+
+def rope_scaling_of(raw: dict[str, Any], source: str) -> dict[str, Any] | None:
+    """config.json's RoPE scaling as YarnScaling's fields, or None for plain RoPE.
+
+    Older configs write `rope_scaling` (with `type` or `rope_type`); transformers 5 writes
+    `rope_parameters`, where plain RoPE is rope_type "default". As in transformers, a YaRN
+    config without `original_max_position_embeddings` scales from `max_position_embeddings`,
+    and one without a `factor` from their ratio.
+    """
+    key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    params = raw.get(key) or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{source}: {key} must be an object, got {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModel(f"{source}: {key}.rope_type {rope_type!r} is not supported (only 'default' and 'yarn')")
+    if rope_type == "default":
+        return None
+    yarn = {**params, "rope_type": rope_type}
+    yarn.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings", 32768))
+    if yarn.get("factor") is None and "max_position_embeddings" in raw:
+        yarn["factor"] = raw["max_position_embeddings"] / yarn["original_max_position_embeddings"]
+    return yarn
 
 
 class Qwen3Config(BaseModel):
@@ -82,6 +108,7 @@ class Qwen3Config(BaseModel):
     rms_norm_eps: PositiveFloat = 1e-6
     rope_theta: PositiveFloat = 10000.0
     max_position_embeddings: PositiveInt = 32768
+    rope_scaling: YarnScaling | None = None  # from rope_scaling or rope_parameters (rope_scaling_of)
     tie_word_embeddings: bool = False
     torch_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, validation_alias=AliasChoices("torch_dtype", "dtype")  # transformers 5 writes "dtype"
@@ -94,11 +121,13 @@ class Qwen3Config(BaseModel):
     def _normalize(cls, raw: Any, info: ValidationInfo) -> Any:
         if not isinstance(raw, dict):
             return raw
-        reject_unsupported(raw, (info.context or {}).get("source", "config"))
+        source = (info.context or {}).get("source", "config")
+        reject_unsupported(raw, source)
         raw = dict(raw)
         raw.setdefault("num_key_value_heads", raw.get("num_attention_heads"))
-        if "rope_parameters" in raw:  # transformers 5 nests rope_theta here
+        if isinstance(raw.get("rope_parameters"), dict):  # transformers 5 nests rope_theta here
             raw.setdefault("rope_theta", raw["rope_parameters"].get("rope_theta", 10000.0))
+        raw["rope_scaling"] = rope_scaling_of(raw, source)
         return raw
 
     @model_validator(mode="after")
@@ -119,6 +148,11 @@ class Qwen3Config(BaseModel):
             return parse_config(read_json(path), str(path))
         except ValidationError as e:
             raise CheckpointError(f"{path}: {describe_validation_error(e)}") from None
+
+    @property
+    def context_length(self) -> int:
+        """The positions the model serves: max_position_embeddings, or YaRN's scaled window."""
+        return self.rope_scaling.context_length if self.rope_scaling else self.max_position_embeddings
 
     @property
     def dtype(self) -> torch.dtype:

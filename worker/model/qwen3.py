@@ -1,9 +1,10 @@
 """Qwen3 decoder over a flattened varlen batch and a paged KV cache.
 
 Numerics follow transformers' Qwen3ForCausalLM: pre-norm blocks, per-head q/k RMSNorm before
-neox RoPE, GQA attention scaled by head_dim**-0.5, SwiGLU MLP. Every hot-path op goes through
-`kernels`, which picks Triton or the torch reference. Weights are allocated uninitialized and
-filled by `worker.model.loader`; q/k/v and gate/up are fused into one projection each.
+neox RoPE (plain or YaRN-scaled: worker/model/rope.py), GQA attention scaled by head_dim**-0.5,
+SwiGLU MLP. Every hot-path op goes through `kernels`, which picks Triton or the torch reference.
+Weights are allocated uninitialized and filled by `worker.model.loader`; q/k/v and gate/up are
+fused into one projection each.
 A Qwen3-MoE config (Qwen3MoeConfig) swaps the MLP of its sparse layers for a mixture of
 experts (worker/model/moe.py); everything else is shared.
 
@@ -22,6 +23,7 @@ from worker.model.config import Qwen3Config
 from worker.model.moe import Qwen3MoeSparseBlock
 from worker.model.parallel import SINGLE, TensorParallel
 from worker.model.params import empty_weight
+from worker.model.rope import rope_table
 
 
 class Linear(nn.Module):
@@ -81,6 +83,10 @@ class Qwen3Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, dtype)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        # A float8 KV cache's scales, one per kv head (worker/model/kv_scales.py sets them);
+        # the kernels read them only for a float8 cache.
+        self.register_buffer("k_scale", torch.ones(self.num_kv_heads), persistent=False)
+        self.register_buffer("v_scale", torch.ones(self.num_kv_heads), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
@@ -94,15 +100,15 @@ class Qwen3Attention(nn.Module):
             q, k, self.q_norm.weight, self.k_norm.weight, positions, cos_sin, self.q_norm.eps
         )
         k_cache, v_cache = kv_cache
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         if meta.is_decode:
             out = kernels.paged_decode_attention(
-                q, k_cache, v_cache, meta.page_table, meta.seq_lens, self.scale
+                q, k_cache, v_cache, meta.page_table, meta.seq_lens, self.scale, self.k_scale, self.v_scale
             )
         else:
             out = kernels.paged_extend_attention(
                 q, k_cache, v_cache, meta.page_table, meta.cu_seqlens_q, meta.prefix_lens,
-                self.scale, meta.max_q_len,
+                self.scale, meta.max_q_len, self.k_scale, self.v_scale,
             )
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
@@ -155,7 +161,7 @@ class Qwen3Model(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # fp32 whatever the weights' dtype, like transformers' rotary embedding; not a checkpoint tensor.
-        cos_sin = kernels.rope_cos_sin_cache(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        cos_sin = rope_table(config.head_dim, config.rope_theta, config.context_length, config.rope_scaling)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     def forward(

@@ -6,7 +6,7 @@ import importlib
 
 from scripts.acceptance.step import Stage
 
-ORDER = ("kernels", "engine", "bench", "serve", "moe", "structured", "tp")
+ORDER = ("kernels", "engine", "bench", "serve", "moe", "structured", "tp", "long_context", "fp8")
 
 
 def stages() -> dict[str, Stage]:

@@ -9,7 +9,7 @@ TINY_WORKLOAD = ("--model", "tiny", "--workload", "nanovllm", "--num-requests", 
 
 
 def decode_share(batch: int) -> Figure:
-    # bench/kernels.py's tiny shape, which a rehearsal runs, decodes at batch 16 only.
+    # bench.triton_kernels' tiny shape, which a rehearsal runs, decodes at batch 16 only.
     return Figure(f"decode attention at batch {batch}, share of the copy's bandwidth",
                   rf"^\| paged_decode_attention \| B={batch} .*?torch reference.*?= (\d+)% of the copy's", ">= 60",
                   cuda_only=batch != 16)
@@ -18,15 +18,16 @@ def decode_share(batch: int) -> Figure:
 STAGE = Stage("bench", "the figures: kernels, decode step vs its bound and its profile, offline vs transformers, "
               "ablations", (
     script("kernels", "each kernel at the qwen3-0.6b shapes; GB/s as a share of a copy's, measured in the same run",
-           ("bench/kernels.py", "--shape", "qwen3-0.6b"), ("bench/kernels.py", "--shape", "tiny", "--dtype", "fp32"),
+           ("-m", "bench.triton_kernels", "--shape", "qwen3-0.6b"),
+           ("-m", "bench.triton_kernels", "--shape", "tiny", "--dtype", "fp32"),
            gate=True, timeout_s=180, figures=(
                Figure("copy bandwidth, GB/s", r"measured copy bandwidth: ([\d,]+) GB/s"),
                *(decode_share(batch) for batch in (16, 64, 256)),
            )),
     script("decode-step", "a decode step at batch 256, context 1024, against the weights+KV bound; then a "
            "torch.profiler trace of 20 steady decode steps: GPU-busy share, gaps",
-           ("bench/decode_step.py", "--trace", "{out}/decode_trace.json.gz"),
-           ("bench/decode_step.py", "--model", "tiny", "--batch", "8", "--context", "64", "--steps", "3",
+           ("-m", "bench.decode_step", "--trace", "{out}/decode_trace.json.gz"),
+           ("-m", "bench.decode_step", "--model", "tiny", "--batch", "8", "--context", "64", "--steps", "3",
             "--profile-steps", "5", "--trace", "{out}/decode_trace.json.gz"),
            gate=True, timeout_s=300, figures=(
                Figure("model step / bound", r"^model step: .*= ([\d.]+)x the bound", "<= 2"),
@@ -36,19 +37,19 @@ STAGE = Stage("bench", "the figures: kernels, decode step vs its bound and its p
                Figure("GPU idle gap max, us", r"^GPU idle gaps: .*max ([\d.]+) us", cuda_only=True),
            )),
     script("offline", "the nano-vllm workload offline (256 requests, in/out in [100, 1024]) beside transformers",
-           ("bench/offline.py", "--workload", "nanovllm", "--hf-batch-size", "128"),
-           ("bench/offline.py", *TINY_WORKLOAD, "--hf-batch-size", "4"),
+           ("-m", "bench.offline", "--workload", "nanovllm", "--hf-batch-size", "128"),
+           ("-m", "bench.offline", *TINY_WORKLOAD, "--hf-batch-size", "4"),
            timeout_s=420, figures=(
                Figure("engine, output tok/s", rf"^engine: .*{TOKENS_PER_S}", ">= 20000"),
                Figure("transformers, output tok/s", rf"^transformers: .*{TOKENS_PER_S}"),
                Figure("engine / transformers", r"^ratio: +([\d.]+)x"),
            )),
     script("no-graphs", "the same workload without decode CUDA graphs (an ablation)",
-           ("bench/offline.py", "--workload", "nanovllm", "--skip-hf", "--no-cuda-graphs"),
-           ("bench/offline.py", *TINY_WORKLOAD, "--skip-hf", "--no-cuda-graphs"),
+           ("-m", "bench.offline", "--workload", "nanovllm", "--skip-hf", "--no-cuda-graphs"),
+           ("-m", "bench.offline", *TINY_WORKLOAD, "--skip-hf", "--no-cuda-graphs"),
            timeout_s=300, figures=(Figure("engine without graphs, output tok/s", rf"^engine: .*{TOKENS_PER_S}"),)),
     script("no-overlap", "the same workload without overlapped scheduling (an ablation)",
-           ("bench/offline.py", "--workload", "nanovllm", "--skip-hf", "--no-overlap-schedule"),
-           ("bench/offline.py", *TINY_WORKLOAD, "--skip-hf", "--no-overlap-schedule"),
+           ("-m", "bench.offline", "--workload", "nanovllm", "--skip-hf", "--no-overlap-schedule"),
+           ("-m", "bench.offline", *TINY_WORKLOAD, "--skip-hf", "--no-overlap-schedule"),
            timeout_s=300, figures=(Figure("engine without overlap, output tok/s", rf"^engine: .*{TOKENS_PER_S}"),)),
 ))

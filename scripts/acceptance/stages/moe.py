@@ -30,7 +30,7 @@ STAGE = Stage("moe", "Qwen3-MoE: fused expert kernels, the MoE engine, kernel ba
     # 24 of the 48 layers: the step/bound ratio does not depend on the depth, and half the weights
     # (28 GiB instead of 57) leave the KV pool and the graphs room on an 80 GB card.
     script("bench", "the fused kernel at 30B-A3B's shapes (HBM share, TFLOP/s) and decode steps at batch 64 and 256",
-           ("bench/moe.py", "--layers", "24"), ("bench/moe.py", "--tiny", "--steps", "3"), timeout_s=360,
+           ("-m", "bench.moe", "--layers", "24"), ("-m", "bench.moe", "--tiny", "--steps", "3"), timeout_s=360,
            env={"OMP_NUM_THREADS": "1"},
            figures=(kernel_share(64), kernel_share(256), decode_ratio(64), decode_ratio(256))),
 ))

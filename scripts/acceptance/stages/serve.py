@@ -4,13 +4,13 @@ from scripts.acceptance.step import Figure, Stage, script
 
 STAGE = Stage("serve", "the nano-vllm workload through the queue: share of offline, TTFT and TPOT p50/p99", (
     script("smoke", "8 short jobs through Redis to a worker on the GPU (tiny model): the service path works",
-           ("bench/serve.py", "--model", "tiny", "--num-requests", "8", "--max-prompt", "32", "--max-output", "16"),
-           ("bench/serve.py", "--model", "tiny", "--num-requests", "4", "--max-prompt", "16", "--max-output", "4",
+           ("-m", "bench.serve", "--model", "tiny", "--num-requests", "8", "--max-prompt", "32", "--max-output", "16"),
+           ("-m", "bench.serve", "--model", "tiny", "--num-requests", "4", "--max-prompt", "16", "--max-output", "4",
             "--threads", "1", "--producers", "2"),
            gate=True, timeout_s=300, figures=(Figure("share of offline, %", r"= ([\d.]+)% of offline"),)),
     script("nanovllm", "the nano-vllm workload through the queue (qwen3-0.6b, 1 worker, 4 producer processes)",
-           ("bench/serve.py", "--workload", "nanovllm"),
-           ("bench/serve.py", "--workload", "nanovllm", "--model", "tiny", "--num-requests", "6", "--max-prompt", "48",
+           ("-m", "bench.serve", "--workload", "nanovllm"),
+           ("-m", "bench.serve", "--workload", "nanovllm", "--model", "tiny", "--num-requests", "6", "--max-prompt", "48",
             "--max-output", "12", "--threads", "1"),
            timeout_s=480, figures=(
                Figure("through the queue, output tok/s", r"^through the queue: ([\d,.]+) output tok/s"),
@@ -22,8 +22,8 @@ STAGE = Stage("serve", "the nano-vllm workload through the queue: share of offli
            )),
     script("nanovllm-streamed", "the same with every job streamed and read by stream() (issue 25: publication "
            "coalesced and off the step's path)",
-           ("bench/serve.py", "--workload", "nanovllm", "--stream"),
-           ("bench/serve.py", "--workload", "nanovllm", "--model", "tiny", "--num-requests", "6", "--max-prompt", "48",
+           ("-m", "bench.serve", "--workload", "nanovllm", "--stream"),
+           ("-m", "bench.serve", "--workload", "nanovllm", "--model", "tiny", "--num-requests", "6", "--max-prompt", "48",
             "--max-output", "12", "--threads", "1", "--stream"),
            timeout_s=480, figures=(
                Figure("through the queue streamed, output tok/s", r"^through the queue: ([\d,.]+) output tok/s"),

@@ -26,8 +26,8 @@ STAGE = Stage("structured", "structured outputs: the mask kernel, constrained de
           rehearsal=("tests/engine/test_structured.py", "-k", "free_requests_beside or max_tokens_before"),
           timeout_s=240),
     script("bench", "decode with a JSON schema on every request against none, same run (qwen3-0.6b, batch 16 and 64)",
-           ("bench/structured.py", "--model", "qwen3-0.6b", "--device", "cuda", "--threads", "0"),
-           ("bench/structured.py", "--steps", "4", "--tokens", "12", "--rounds", "1", "--num-pages", "512"),
+           ("-m", "bench.structured", "--model", "qwen3-0.6b", "--device", "cuda", "--threads", "0"),
+           ("-m", "bench.structured", "--steps", "4", "--tokens", "12", "--rounds", "1", "--num-pages", "512"),
            timeout_s=300,
            figures=(
                Figure("schema compile, ms", r"^schema compile: ([\d.]+) ms"),

@@ -33,9 +33,9 @@ STAGE = Stage("tp", "tensor parallelism: shares, one GPU's checks, parity over 2
     tests("worker", "a worker of 2 GPU ranks serves through the queue and drains; a killed or hung rank takes it down",
           (WORKER_TESTS,), rehearsal=(KILLED_RANK,), gpus=2, timeout_s=240),
     script("bench", "step inputs (ring vs broadcast), the LM head split vs rank 0 alone, decode step 1 rank vs 2",
-           ("bench/tp.py", "--parts", "broadcast", "head", "step", "--device", "cuda", "--model", "qwen3-0.6b",
+           ("-m", "bench.tp", "--parts", "broadcast", "head", "step", "--device", "cuda", "--model", "qwen3-0.6b",
             "--batch", "64", "--messages", "500"),
-           ("bench/tp.py", "--parts", "broadcast", "head", "step", "--model", "tiny", "--messages", "50",
+           ("-m", "bench.tp", "--parts", "broadcast", "head", "step", "--model", "tiny", "--messages", "50",
             "--hidden-size", "64", "--steps", "3", "--batch", "4"),
            gpus=2, timeout_s=300, figures=FIGURES),
 ))

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import redis
 
-from tests.redis_modes import free_port
-from worker.embedded_redis import EmbeddedRedis
+from worker.embedded_redis import EmbeddedRedis, free_port
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 PASSWORDS = {"PRODUCER_PASSWORD": "producer-secret", "WORKER_PASSWORD": "worker-secret", "GATEWAY_PASSWORD": "gateway-secret"}
 
 

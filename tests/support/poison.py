@@ -5,12 +5,11 @@ max_deliveries times; the last worker then moves them to the dead-letter stream.
 path holds no switch that could crash a production worker."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from producer_client.keys import Keys
-from tests.chaos.conftest import FAST_RECLAIM
-from tests.redis_support import WorkerProcess, eventually
+from tests.support.polling import eventually
+from tests.support.workers import FAST_RECLAIM, WorkerProcess
 
 KEYS = Keys()
 MAX_DELIVERIES = 2
@@ -34,11 +33,9 @@ def kill_until_dead_lettered(redis_client, redis_url: str, queue: str, job_ids: 
     try:
         for _ in range(MAX_DELIVERIES):
             live = workers[-1]
-            while not all(_running_on(redis_client, job_id, live.name) for job_id in job_ids):
-                assert live.process.poll() is None, live.log()
-                time.sleep(0.01)
-            live.process.kill()
-            live.process.wait()
+            taken = eventually(lambda: not live.running or _all_running_on(redis_client, job_ids, live.name), 120)
+            assert taken and live.running, live.log()
+            live.kill()
             workers.append(echo_worker(redis_url, queue, f"{queue}-{len(workers)}", log_dir))
         assert eventually(lambda: redis_client.xlen(KEYS.dead(queue)) == len(job_ids), timeout=60), workers[-1].log()
     except BaseException:
@@ -46,6 +43,10 @@ def kill_until_dead_lettered(redis_client, redis_url: str, queue: str, job_ids: 
             w.stop()
         raise
     return workers
+
+
+def _all_running_on(redis_client, job_ids: list[str], worker: str) -> bool:
+    return all(_running_on(redis_client, job_id, worker) for job_id in job_ids)
 
 
 def _running_on(redis_client, job_id: str, worker: str) -> bool:

@@ -1,8 +1,8 @@
 """Each Triton kernel against its torch baseline, at a model's shapes, on one CUDA GPU.
 
-    python bench/kernels.py                        # qwen3-0.6b's shapes, bf16; a markdown table for bench/RESULTS.md
-    python bench/kernels.py --shape qwen3-8b       # Qwen3-8B's
-    python bench/kernels.py --shape tiny --dtype fp32    # without CUDA: interpreted on the CPU (a rehearsal, not figures)
+    python -m bench.triton_kernels                        # qwen3-0.6b's shapes, bf16; a markdown table for bench/RESULTS.md
+    python -m bench.triton_kernels --shape qwen3-8b       # Qwen3-8B's
+    python -m bench.triton_kernels --shape tiny --dtype fp32    # without CUDA: interpreted on the CPU (a rehearsal, not figures)
 
 Times are medians of triton.testing.do_bench (L2 flushed between runs). Memory-bound kernels
 report achieved bandwidth (bytes that must move / time) as a share of the bandwidth a large
@@ -17,14 +17,9 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
-# Run as a script, this file's directory leads sys.path: bench/queue.py would shadow the
-# standard `queue` module (torch imports it) and this file the `kernels` package.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-import torch  # noqa: E402
+import torch
 
 # triton.jit picks compiled or interpreted when a kernel is defined, so before kernels/ is imported.
 if not torch.cuda.is_available():
@@ -44,7 +39,7 @@ from kernels.rms_norm import (  # noqa: E402
 )
 from kernels.rope import qk_norm_rope_reference, qk_norm_rope_triton, rope_cos_sin_cache  # noqa: E402
 
-log = logging.getLogger("bench.kernels")
+log = logging.getLogger("bench.triton_kernels")
 
 EXIT_SKIPPED = 77
 H100_BF16_DENSE_FLOPS = 989e12
@@ -262,7 +257,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cuda = torch.cuda.is_available()
     if not cuda and args.shape != "tiny":
-        print(f"bench/kernels.py needs a CUDA GPU at the {args.shape} shapes (the figures are HBM bandwidth and "
+        print(f"bench.triton_kernels needs a CUDA GPU at the {args.shape} shapes (the figures are HBM bandwidth and "
               "tensor-core rates); --shape tiny runs the same checks and table interpreted on the CPU")
         return EXIT_SKIPPED
     device = torch.device("cuda" if cuda else "cpu")

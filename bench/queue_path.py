@@ -22,35 +22,30 @@ With --redis URL it measures throughput at saturation (as in 3) on that deployme
 and with three queues (on a cluster, each on a master of its own: a queue lives on one shard),
 beside an embedded redis-server over TCP with one queue and with three, in the same run, with
 three echo workers in each case (with three queues, one each). `--redis local-cluster` starts a
-six-node cluster on this machine (tests/redis_modes.py) and measures that.
+six-node cluster on this machine (tests/support/redis_servers.py) and measures that.
 
-    python bench/queue.py [--procs 4 --threads 4 --seconds 10 --max-tokens 1 --tcp]
-    python bench/queue.py --bulk [--jobs 100000 --one-at-a-time-jobs 10000 --tcp]
-    python bench/queue.py --redis redis+cluster://h:p,h:p [--procs 4 --threads 4 --seconds 10]
+    python -m bench.queue_path [--procs 4 --threads 4 --seconds 10 --max-tokens 1 --tcp]
+    python -m bench.queue_path --bulk [--jobs 100000 --one-at-a-time-jobs 10000 --tcp]
+    python -m bench.queue_path --redis redis+cluster://h:p,h:p [--procs 4 --threads 4 --seconds 10]
 """
 from __future__ import annotations
 
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-# Run as a script, this file's directory leads sys.path, and bench/queue.py would shadow the
-# standard library's queue module (which redis-py imports): put the repository there instead.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-import argparse  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-
-from bench.measure import cpu_seconds, pct  # noqa: E402
-from worker.embedded_redis import EmbeddedRedis, free_port  # noqa: E402
-from producer_client import Client  # noqa: E402  (the producers import nothing heavier)
+from bench.measure import cpu_seconds, pct
+from worker.embedded_redis import EmbeddedRedis, free_port
+from producer_client import Client  # (the producers import nothing heavier)
 
 PROMPT = "hello world"
 QUEUE = "bench"
@@ -252,7 +247,7 @@ def deployment(url: str) -> Iterator[str]:
     if url != "local-cluster":
         yield url
         return
-    from tests.redis_modes import LocalCluster
+    from tests.support.redis_servers import LocalCluster
 
     with tempfile.TemporaryDirectory(prefix="mili-bench-cluster-") as root, LocalCluster(Path(root)) as cluster:
         yield cluster.url

@@ -1,15 +1,17 @@
-"""Redis Cluster and Sentinel on 127.0.0.1, for tests: real redis-server processes on free ports,
-started and stopped by fixtures (tests/redis_support.py), each in a directory of its own.
+"""redis-server processes for tests, on free ports of 127.0.0.1, each in a directory of its own,
+started and stopped by the fixtures (tests/support/fixtures.py):
 
+- ServerProcess: one redis-server (or sentinel);
+- RestartableRedis: one with AOF, which a test stops and starts again on the same port and data;
 - LocalCluster: six nodes made one cluster of three masters, each with one replica, by
   `redis-cli --cluster create`.
 - LocalSentinel: a master, its replica and three sentinels (quorum two) watching them.
 
-Nodes run without persistence: a failover here is the replica's promotion, not a restart. The
+Cluster and Sentinel nodes run without persistence: a failover here is the replica's promotion, not a restart. The
 DEBUG command is enabled so that a test can make a replica fall behind (DEBUG SLEEP)."""
 from __future__ import annotations
 
-import signal
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -17,21 +19,17 @@ from pathlib import Path
 import redis
 
 from producer_client.connection import connect
-from worker.embedded_redis import free_port, stop_process
+from tests.support.polling import eventually
+from tests.support.processes import PROBE_INTERVAL_S, ChildProcess
+from worker.embedded_redis import free_port
 
 START_TIMEOUT_S = 30.0
 
 
-def _wait(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout:g}s")
-        time.sleep(0.05)
+class ServerProcess(ChildProcess):
+    """One redis-server (or sentinel) on 127.0.0.1:port, its files and its log in `dir`."""
 
-
-class ServerProcess:
-    """One redis-server (or sentinel) on 127.0.0.1:port, its files in `dir`."""
+    start_timeout_s = START_TIMEOUT_S
 
     def __init__(self, dir: Path, *args: str, sentinel: bool = False):
         self.dir = dir
@@ -39,33 +37,34 @@ class ServerProcess:
         self.port = free_port()
         self.args = args
         self.sentinel = sentinel
-        self.process: subprocess.Popen | None = None
+        super().__init__([], dir / ("sentinel.log" if sentinel else "redis.log"))
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def start(self, *more_args: str) -> ServerProcess:
+        """Started and answering; `more_args` for this start only (a rejoining node's --replicaof)."""
         if self.sentinel:
             config = self.dir / "sentinel.conf"  # a sentinel rewrites its own file as it learns
-            config.write_text(f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\nlogfile sentinel.log\n{self.args[0]}")
-            command = ["redis-server", str(config), "--sentinel"]
+            config.write_text(f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n{self.args[0]}")
+            self.command = ["redis-server", str(config), "--sentinel"]
         else:
-            command = [
+            self.command = [
                 "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                "--save", "", "--appendonly", "no", "--logfile", "redis.log", "--enable-debug-command", "yes",
+                "--save", "", "--appendonly", "no", "--enable-debug-command", "yes",
                 # A replica syncs at once (Redis waits 5 s for more replicas to share the transfer).
                 "--repl-diskless-sync-delay", "0", *self.args, *more_args,
             ]
-        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait(self.answers, START_TIMEOUT_S, f"redis-server on {self.address} did not answer")
-        return self
+        super().start()
+        return self.wait_ready()
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, decode_responses=True, socket_timeout=5)
 
-    def answers(self) -> bool:
-        if self.process is None or self.process.poll() is not None:
+    def ready(self) -> bool:
+        """It answers a PING (not while it loads its AOF)."""
+        if not self.running:
             return False
         with self.client() as c:
             try:
@@ -73,18 +72,24 @@ class ServerProcess:
             except redis.RedisError:
                 return False
 
-    def kill(self) -> None:
-        """kill -9: no shutdown, nothing written out."""
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
 
-    def stop(self) -> None:
-        if self.process is not None:
-            stop_process(self.process, timeout_s=10)
+class RestartableRedis(ServerProcess):
+    """A redis-server with AOF (appendfsync everysec), as deployments run it, that a test can
+    stop and start again on the same port and data directory."""
 
-    def log(self) -> str:
-        path = self.dir / ("sentinel.log" if self.sentinel else "redis.log")
-        return path.read_text(errors="replace") if path.exists() else ""
+    def __init__(self, data_dir: Path):
+        super().__init__(data_dir, "--appendonly", "yes", "--appendfsync", "everysec")
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def restart(self, down_s: float, keep_data: bool = True) -> None:
+        """Stop (SIGTERM: Redis writes out its AOF and exits, as in a restart or an upgrade), wait
+        `down_s`, start again; with keep_data=False the AOF goes first, so Redis comes back empty,
+        as one without persistence does."""
+        self.stop()
+        if not keep_data:
+            shutil.rmtree(self.dir / "appendonlydir", ignore_errors=True)
+        time.sleep(down_s)
+        self.start()
 
 
 class Deployment:
@@ -166,7 +171,7 @@ class LocalCluster(Deployment):
                     views.add(tuple(sorted(self._masters_seen_by(c))))
             return len(views) == 1 and len(next(iter(views))) == 3
 
-        _wait(healthy, timeout, "the cluster did not settle")
+        assert eventually(healthy, timeout, PROBE_INTERVAL_S), f"the cluster did not settle in {timeout:g}s"
 
     def fail_over(self, key: str) -> None:
         """kill -9 the master that serves `key`; return once the cluster has promoted its replica
@@ -187,7 +192,7 @@ class LocalCluster(Deployment):
                     return False
             return all(_cluster_ok(node) for node in self.live())
 
-        _wait(promoted, timeout, f"{replica.address} was not promoted")
+        assert eventually(promoted, timeout, PROBE_INTERVAL_S), f"{replica.address} was not promoted in {timeout:g}s"
 
     def rejoin(self, node: ServerProcess) -> None:
         """Start a killed node again, as a failed machine is replaced: its node file remembers the
@@ -262,10 +267,12 @@ class LocalSentinel(Deployment):
     def start(self) -> LocalSentinel:
         self.master.start()
         self.replica.start()
-        _wait(self._replica_in_sync, START_TIMEOUT_S, "the replica did not sync")
+        assert eventually(self._replica_in_sync, START_TIMEOUT_S, PROBE_INTERVAL_S), "the replica did not sync"
         for sentinel in self.sentinels:
             sentinel.start()
-        _wait(self._sentinels_see_everything, START_TIMEOUT_S, "the sentinels did not find the replica and each other")
+        assert eventually(self._sentinels_see_everything, START_TIMEOUT_S, PROBE_INTERVAL_S), (
+            "the sentinels did not find the replica and each other"
+        )
         return self
 
     def stop(self) -> None:
@@ -282,7 +289,9 @@ class LocalSentinel(Deployment):
 
     def wait_promoted(self, old: ServerProcess, timeout: float = START_TIMEOUT_S) -> ServerProcess:
         """Until the sentinels name another master than `old`, and it says it is one; returns it."""
-        _wait(lambda: self._promoted_other_than(old), timeout, f"no replica of {old.address} was promoted")
+        assert eventually(lambda: self._promoted_other_than(old), timeout, PROBE_INTERVAL_S), (
+            f"no replica of {old.address} was promoted in {timeout:g}s"
+        )
         return self.current_master()
 
     def rejoin(self, old: ServerProcess) -> None:
@@ -291,12 +300,12 @@ class LocalSentinel(Deployment):
         8 s)."""
         new = self.current_master()
         old.start("--replicaof", "127.0.0.1", str(new.port))
-        _wait(lambda: self._replicating(old), START_TIMEOUT_S, f"{old.address} did not become a replica")
+        assert eventually(lambda: self._replicating(old), START_TIMEOUT_S, PROBE_INTERVAL_S), f"{old.address} did not become a replica"
 
     def current_master(self) -> ServerProcess:
         """The server the sentinels name as master now."""
         for sentinel in self.sentinels:
-            if sentinel.answers():
+            if sentinel.ready():
                 with sentinel.client() as c:
                     _, port = c.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.SERVICE)
                 return self.master if int(port) == self.master.port else self.replica

@@ -1,0 +1,41 @@
+"""The producer clients a test checks with: Client, or AsyncClient behind Client's synchronous
+interface, so that one test body checks both."""
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+from producer_client import AsyncClient, Client
+
+
+class SyncView:
+    """An AsyncClient driven on its own event loop, with Client's synchronous methods."""
+
+    def __init__(self, client: AsyncClient):
+        self.client = client
+        self.loop = asyncio.new_event_loop()
+
+    def __getattr__(self, name):
+        attr = getattr(self.client, name)
+        if inspect.isasyncgenfunction(attr):
+            return lambda *a, **kw: self._iterate(attr(*a, **kw))
+        if inspect.iscoroutinefunction(attr):
+            return lambda *a, **kw: self.loop.run_until_complete(attr(*a, **kw))
+        return attr
+
+    def _iterate(self, agen):
+        while True:
+            try:
+                yield self.loop.run_until_complete(agen.__anext__())
+            except StopAsyncIteration:
+                return
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.aclose())
+        self.loop.close()
+
+
+def make_client(kind: str, url: str, queue: str, **kwargs) -> Client | SyncView:
+    if kind == "sync":
+        return Client(url, queue, **kwargs)
+    return SyncView(AsyncClient(url, queue, **kwargs))

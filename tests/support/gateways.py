@@ -1,0 +1,41 @@
+"""The gateway as a test's process: `python -m gateway` under uvicorn on a free port of
+127.0.0.1, ready once it answers /metrics."""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+
+from tests.support.processes import ChildProcess
+from worker.embedded_redis import free_port
+
+
+class GatewayProcess(ChildProcess):
+    """`env`: variables set over the caller's environment."""
+
+    stop_timeout_s = 15.0  # uvicorn's graceful shutdown closes the open streams first
+
+    def __init__(
+        self, redis_url: str, log_dir: Path, *flags: str, name: str = "gateway", env: Mapping[str, str] | None = None,
+    ):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [
+            sys.executable, "-m", "gateway", "--redis", redis_url, "--host", "127.0.0.1", "--port", str(self.port), *flags,
+        ]
+        super().__init__(command, log_dir / f"{name}.log", {**os.environ, **(env or {})})
+
+    def start(self) -> GatewayProcess:
+        """Started and answering: a gateway starts in about a second."""
+        super().start()
+        return self.wait_ready()
+
+    def ready(self) -> bool:
+        try:
+            httpx.get(f"{self.url}/metrics", timeout=1)  # answered, 200 or 401 (monitoring_needs_key)
+            return True
+        except httpx.TransportError:
+            return False

@@ -1,0 +1,43 @@
+"""What Redis holds of jobs, read the way a test checks it: a job's events and runs, a queue's
+entries."""
+from __future__ import annotations
+
+import json
+
+from producer_client.keys import Keys
+
+
+def events(redis_client, job_id: str) -> list[tuple[str, str, dict]]:
+    """(event id, type, data) of each event in the job's stream."""
+    return [(event_id, f["type"], json.loads(f["data"])) for event_id, f in redis_client.xrange(Keys().events(job_id))]
+
+
+def tokens_published(redis_client, job_id: str) -> list[int]:
+    return [t for _, kind, data in events(redis_client, job_id) if kind == "tokens" for t in data["ids"]]
+
+
+def runs(redis_client, job_id: str) -> list[tuple[dict, list[int]]]:
+    """Each run of the job: its start event's data (plus `at`, when Redis added the event), and
+    the tokens it published."""
+    out: list[tuple[dict, list[int]]] = []
+    for event_id, kind, data in events(redis_client, job_id):
+        if kind == "start":
+            out.append(({**data, "at": int(event_id.split("-")[0]) / 1000}, []))
+        elif kind == "tokens":
+            out[-1][1].extend(data["ids"])
+    return out
+
+
+def assert_one_final_result(redis_client, job_id: str) -> None:
+    assert [kind for _, kind, _ in events(redis_client, job_id)].count("end") == 1, job_id
+    assert redis_client.xlen(Keys().done(job_id)) == 1, job_id
+
+
+def job_ids_in_queue(redis_client, queue: str) -> list[str]:
+    """The job ids of the entries a queue's stream holds."""
+    return [fields["id"] for _, fields in redis_client.xrange(Keys().queue(queue))]
+
+
+def job_count(redis_client) -> int:
+    """How many jobs exist in Redis: a request refused before its enqueue adds none."""
+    return len(redis_client.keys(Keys().job("*")))

@@ -1,0 +1,82 @@
+"""The one class for the processes tests start: a command, its output in a log file, a
+readiness probe, and a stop that leaves nothing behind (worker.embedded_redis.stop_process:
+SIGTERM, then SIGKILL)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+from tests.support.polling import eventually
+from worker.embedded_redis import stop_process
+
+REPO = Path(__file__).resolve().parents[2]
+PROBE_INTERVAL_S = 0.05  # a probe opens a connection or sends a request: not every 10 ms
+
+
+class ProcessNotReady(RuntimeError):
+    """A started process exited, or did not answer its probe in time; the message holds its log."""
+
+
+class ChildProcess:
+    """A process of a test, run from the repository's root. Subclasses name the command and
+    override `ready`. The log file is emptied when the object is made and appended to by each
+    start, so a process started again keeps the story of its earlier runs."""
+
+    start_timeout_s = 60.0
+    stop_timeout_s = 10.0  # how long SIGTERM has (a worker's drain, a redis-server's AOF) before SIGKILL
+
+    def __init__(self, command: list[str], log_path: Path, env: Mapping[str, str] | None = None):
+        self.command = command
+        self.log_path = log_path
+        self.env = dict(os.environ if env is None else env)
+        self.process: subprocess.Popen | None = None
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text("")
+
+    def ready(self) -> bool:
+        """The readiness probe: True once the process serves."""
+        return True
+
+    def start(self):
+        with self.log_path.open("a") as log_file:
+            self.process = subprocess.Popen(
+                self.command, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            )
+        return self
+
+    def wait_ready(self):
+        if not eventually(lambda: not self.running or self.ready(), self.start_timeout_s, PROBE_INTERVAL_S):
+            raise ProcessNotReady(f"{self} not ready in {self.start_timeout_s:g}s:\n{self.log()}")
+        if not self.running:
+            raise ProcessNotReady(f"{self} exited with {self.process.returncode}:\n{self.log()}")
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def terminate(self, timeout: float = 30) -> int:
+        """SIGTERM, and its exit code once it has exited by itself."""
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, nothing handed over or written out."""
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)  # a process a test left stopped would ignore SIGTERM
+        stop_process(self.process, self.stop_timeout_s)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.log_path.stem})"

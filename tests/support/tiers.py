@@ -1,0 +1,88 @@
+"""The suite's tiers, given to each test by rule, not by hand (scripts/test.sh --quick runs the tests
+of none of them):
+
+- `chaos`: the tests of tests/chaos, which do faults for real to live processes;
+- `e2e`: the tests of tests/e2e and tests/board, and any test elsewhere that starts a worker, a
+  gateway, a browser or a multi-node Redis, itself or through a fixture: its function, or one of
+  its fixtures' functions, names one of STARTERS;
+- `slow`: set by hand on a test that takes more than 10 s on its own on a quiet machine.
+
+A test that asserts a bound on elapsed time carries `timing`: scripts/test.sh runs those alone,
+after the others, so that no test running beside them on another core stretches their time.
+
+Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) the tests that share processes
+started by a fixture of module scope or wider run on one xdist worker (their `xdist_group`), so
+those processes start once: a worker on the tiny model costs seconds of CPU to start."""
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+CHAOS_DIRS = frozenset({"chaos"})
+E2E_DIRS = frozenset({"e2e", "board"})
+# What starts a process beside the session's redis-server: the harness's classes and helpers,
+# and the other fixtures that a test may depend on for one.
+STARTERS = frozenset({
+    "ChildProcess", "WorkerProcess", "GatewayProcess", "start_workers", "echo_workers", "echo_worker",
+    "kill_until_dead_lettered", "LocalCluster", "LocalSentinel", "sync_playwright", "redis_cluster", "redis_sentinel",
+    "redis_deployment",
+})
+
+
+def names_in(code: types.CodeType) -> set[str]:
+    """The global names and arguments a function's code uses, its nested functions' included."""
+    names = set(code.co_names) | set(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= names_in(const)
+    return names
+
+
+WIDEST_FIRST = ("session", "package", "module")
+
+
+def starts_processes(function) -> bool:
+    return hasattr(function, "__code__") and not STARTERS.isdisjoint(names_in(function.__code__))
+
+
+def fixture_definitions(item: pytest.Function) -> list:
+    return [definitions[-1] for definitions in item._fixtureinfo.name2fixturedefs.values() if definitions]
+
+
+def shared_process_group(item: pytest.Function) -> str | None:
+    """The module that defines the widest fixture (of module scope or wider) that starts processes
+    for this test, None if there is none: a package's conftest.py for the processes its tests
+    share, the test's own module for those of one module. A Cluster or a Sentinel setup starts in
+    seconds, and is not worth keeping its tests on one xdist worker."""
+    cheap = {"redis_cluster", "redis_sentinel", "redis_deployment"}
+    shared = [
+        d for d in fixture_definitions(item) if d.scope in WIDEST_FIRST and d.argname not in cheap and starts_processes(d.func)
+    ]
+    if not shared:
+        return None
+    return min(shared, key=lambda d: WIDEST_FIRST.index(d.scope)).func.__module__
+
+
+def tier_of(item: pytest.Function) -> str | None:
+    package = Path(item.path).relative_to(TESTS).parts[0]
+    if package in CHAOS_DIRS:
+        return "chaos"
+    functions = [item.function] + [d.func for d in fixture_definitions(item)]
+    if package in E2E_DIRS or any(starts_processes(f) for f in functions):
+        return "e2e"
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if not isinstance(item, pytest.Function):
+            continue
+        tier = tier_of(item)
+        if tier is not None:
+            item.add_marker(tier)
+        group = shared_process_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
