@@ -19,9 +19,6 @@ from tests.queue.support import GatedWorker, serving
 from tests.support.fixtures import on_modes
 from tests.support.jobs import assert_one_final_result, tokens_published
 from tests.support.polling import eventually
-    assert_one_final_result, deployment_client, eventually, on_modes, redis_cluster, redis_deployment, redis_sentinel,
-    tokens_published,
-)
 
 KEYS = Keys()
 SYSTEM = {"role": "system", "content": "You are a terse assistant. " * 8}
