@@ -24,6 +24,7 @@ from redis.backoff import NoBackoff
 
 from producer_client import connection, scripts
 from producer_client.connection import FATAL_ERRORS, Retry, reply_code
+from producer_client.cluster import is_cluster
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.protocol import Replication, job_keys
 from producer_client.schema import JobResult
@@ -140,8 +141,9 @@ class RedisClock:
 
 class WorkerQueue:
     """`placed`: this worker reads a stream of its own before the shared one (cache-aware
-    placement: docs/architecture.md), blocking on the shared one for at most `poll_ms` at a time
-    while idle, so that a job placed on it waits no longer than that."""
+    placement: docs/architecture.md). While idle it blocks on both at once on one server; on a
+    cluster, where they lie on different nodes, it blocks on the shared one for at most `poll_ms`
+    at a time, so that a job placed on it waits no longer than that."""
 
     def __init__(
         self, client: redis.Redis, keys: Keys, queue: str, worker: str, result_ttl_s: int,
@@ -215,6 +217,8 @@ class WorkerQueue:
         pending entries <= the engine's slots."""
         if not (acks or dead_letters or count > 0):
             return []
+        if self.own is not None and block_ms is not None and count >= 2 and not is_cluster(self.redis):
+            return self._read_both(count, block_ms, acks, dead_letters)
         first = self.own or self.stream
         replies = self._send(lambda pipe: self._settle(pipe, acks, dead_letters, first, count, block_ms))
         taken = self._entries(first, replies[-1] if count > 0 else None)
@@ -224,6 +228,19 @@ class WorkerQueue:
             reply = self._send(lambda pipe: self._read_into(pipe, self.stream, rest, block))[0]
             taken += self._entries(self.stream, reply)
         return taken
+
+    def _read_both(self, count: int, block_ms: int, acks: list[str], dead_letters: list[DeadLetter]) -> list[Delivery]:
+        """An idle worker on one server: one XREADGROUP blocks on its own stream and the shared one
+        at once (they are on the same node), so that a job on either wakes it at once; half the
+        room from each, so that it never takes more than it can start (COUNT is per stream)."""
+        streams = {self.own: ">", self.stream: ">"}
+
+        def add(pipe):
+            self._settle(pipe, acks, dead_letters, self.stream, 0, None)
+            pipe.xreadgroup(GROUP, self.worker, streams, count=count // 2, block=block_ms)
+
+        reply = self._send(add)[-1] or []
+        return [d for key, entries in reply for d in self._entries(key, [(key, entries)])]
 
     def _settle(self, pipe, acks: list[str], dead_letters: list[DeadLetter], stream: str, count: int, block_ms) -> None:
         self.streams.add_acks(pipe, acks)

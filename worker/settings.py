@@ -78,7 +78,7 @@ class WorkerSettings(TomlSettings):
         1000, ge=1, description="an entry placed on a busy or stalled worker and not read this long is taken by a worker with room"
     )
     placement_poll_ms: int = Field(
-        50, ge=1, le=2000, description="with placement, an idle worker's longest block on the shared stream: how long a job placed on it may wait"
+        50, ge=1, le=2000, description="with placement on a cluster (where its own stream and the shared one lie on different nodes), an idle worker's longest block on the shared stream: how long a job placed on it may wait"
     )
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1, description="larger job bodies fail with body_too_large")
     max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1, description="larger max_tokens fail with invalid_argument")

@@ -264,3 +264,21 @@ def test_submit_many_places_a_chunk_and_what_goes_in_is_still_a_prefix(redis_ser
     assert on[by_rank[1]] == [ids[2], ids[3], ids[6], ids[7]]
     assert shared == [ids[8]]
     assert [bool(redis_client.exists(KEYS.job(job_id))) for job_id in ids] == [True] * 9 + [False]
+
+
+def test_an_idle_worker_on_one_server_wakes_for_a_job_placed_on_it_at_once(redis_server, queue, redis_client):
+    """Idle, the worker blocks on its own stream and the shared one in one read (one server): a job
+    placed on it starts well within the block, however long that is (here 1.5 s, four jobs; the
+    heartbeat, which also ends a block, every 2 s)."""
+    settings = dict(FAST, block_ms=1500, placement_poll_ms=1500, heartbeat_interval_s=2.0, claim_idle_ms=5000)
+    with ExitStack() as stack:
+        worker = stack.enter_context(serving(redis_server.url, queue, name=f"{queue}-a", **settings))
+        client = stack.enter_context(Client(redis_server.url, queue))
+        assert eventually(lambda: redis_client.exists(KEYS.worker(worker.name)))
+        waits = []
+        for i in range(4):
+            time.sleep(0.3)  # idle again: blocked in its read
+            job_id = enqueue_on(client, worker.name, f"wake {i}")
+            waits.append(client.result(job_id, timeout=30).timings.queue_s)
+        assert max(waits) < 0.5, waits
+        assert worker.metrics.taken["own"]._value.get() == 4
