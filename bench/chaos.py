@@ -1,5 +1,6 @@
 """Random fault schedules against the queue protocol, more of them than CI runs: each draws
-submits, cancels, deadlines, stalled, killed and drained workers, Redis restarts, SCRIPT FLUSH
+submits (placed on workers' own streams when two workers or more serve), cancels, deadlines,
+stalled, killed and drained workers, Redis restarts, SCRIPT FLUSH
 and out-of-memory windows from its seed, runs them against one real redis-server, and checks
 every invariant (tests/chaos/schedules.py says which). A failure prints the schedule, its seed
 and what broke; the run goes on and ends with the count of clean schedules.
@@ -31,6 +32,7 @@ def main() -> int:
     server = RestartableRedis(Path(tempfile.mkdtemp(prefix="mili-chaos-"))).start()
     failed: list[int] = []
     jobs = starved = 0
+    moved = {"placed": 0, "stolen": 0, "reclaimed": 0}
     started = time.monotonic()
     try:
         bar = tqdm(range(first, first + args.schedules), unit="schedule", desc=f"seeds from {first}")
@@ -40,6 +42,8 @@ def main() -> int:
                 counts = run_schedule(seed, server)
                 jobs += counts["jobs"]
                 starved += counts["starved"] > 0
+                for name in moved:
+                    moved[name] += counts[name]
             except ScheduleFailed as e:
                 failed.append(seed)
                 tqdm.write(f"FAILED {e}")
@@ -48,7 +52,8 @@ def main() -> int:
         server.stop()
     clean = args.schedules - len(failed)
     print(f"{clean} of {args.schedules} schedules clean (seeds {first}..{first + args.schedules - 1}), "
-          f"{jobs} jobs, {time.monotonic() - started:.0f} s; failed seeds: {failed or 'none'}; {starved} schedules "
+          f"{jobs} jobs ({moved['placed']} placed on workers' own streams, {moved['stolen']} stolen, "
+          f"{moved['reclaimed']} reclaimed), {time.monotonic() - started:.0f} s; failed seeds: {failed or 'none'}; {starved} schedules "
           f"had a worker thread the machine left unscheduled for {STARVED_S * 1000:.0f} ms; worker log: {args.log}")
     return 1 if failed else 0
 

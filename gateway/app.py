@@ -53,11 +53,11 @@ class Gateway:
         self.client = AsyncClient(
             settings.redis, settings.default_queue, prefix=settings.prefix, max_queue_depth=settings.max_queue_depth,
             max_connections=settings.max_connections, wait_replicas=settings.wait_replicas,
-            wait_timeout_ms=settings.wait_timeout_ms,
+            wait_timeout_ms=settings.wait_timeout_ms, placement=settings.placement,
         )
         self.registry = ModelRegistry(self.client, settings.models, settings.workers_refresh_s)
         self.jobs = Jobs(lifecycle, settings.job_timeout_s, settings.cancel_on_disconnect)
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(self.client.placement)
 
     async def submit(
         self, request: Request, specs: list[JobSpec], queue: str, body: BaseModel, stream: bool = False,

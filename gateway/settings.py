@@ -63,6 +63,10 @@ class GatewaySettings(TomlSettings):
     max_queue_depth: int = Field(DEFAULT_MAX_QUEUE_DEPTH, ge=1, description="a fuller queue answers 429")
     wait_replicas: int = Field(0, ge=0, description="a job is enqueued once this many replicas have it (WAIT), else 503; 0: off")
     wait_timeout_ms: int = Field(1000, ge=1, description="how long a submit waits for wait_replicas at most")
+    placement: bool = Field(
+        True, description="cache-aware placement: a job goes to the worker likely to hold its prompt's prefix "
+        "(docs/architecture.md); off, every job goes to the queue's shared stream",
+    )
     retry_after_s: int = Field(1, ge=1, description="the Retry-After of a 429 (queue full)")
     keepalive_s: float = Field(5.0, gt=0.0, description="a stream with no token for this long gets a ': keep-alive' line")
     stream_hold_s: float = Field(

@@ -16,6 +16,7 @@ from producer_client.errors import JobNotFound, JobTimeout, QueueFull
 from producer_client.job_stream import JobStream
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.operator_views import OperatorViews
+from producer_client.placement import Placement
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
@@ -28,12 +29,13 @@ class AsyncClient(OperatorViews):
     def __init__(
         self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
         max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH, max_connections: int | None = None,
-        wait_replicas: int = 0, wait_timeout_ms: int = 1000,
+        wait_replicas: int = 0, wait_timeout_ms: int = 1000, placement: bool = True,
     ):
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
         self.replication = Replication(wait_replicas, wait_timeout_ms)
+        self.placement = Placement(placement)
         target = parse_url(url)
         self.redis = connect_async(
             target, decode_responses=True, retry=async_retry_policy(target.mode), max_connections=max_connections,
@@ -111,7 +113,7 @@ class AsyncClient(OperatorViews):
         return protocol.finished(job_id, await self._wait_done(job_id, Deadline(job_id, deadline_s)))
 
     async def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
-        operation = bulk.submit_steps(self.keys, self.queue, self.max_queue_depth, bulk.build_jobs(jobs))
+        operation = bulk.submit_steps(self.keys, self.queue, self.max_queue_depth, bulk.build_jobs(jobs), self.placement)
         return await self.run_steps(self.redis, operation)
 
     async def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> AsyncIterator[JobResult]:
@@ -160,7 +162,10 @@ class AsyncClient(OperatorViews):
         return other
 
     async def _enqueue_or_forget(self, job: NewJob, create: bool) -> list:
-        add = protocol.enqueue_commands(self.keys, self.queue, self.max_queue_depth, job, create, self.replication)
+        (stream,) = await self.run_steps(self.redis, self.placement.streams_for(self.keys, self.queue, [job.prefix]))
+        add = protocol.enqueue_commands(
+            self.keys, self.queue, self.max_queue_depth, job, create, self.replication, stream,
+        )
         try:
             replies = await scripts.aexecute(self.redis, add)
         except BaseException:

@@ -19,6 +19,7 @@ from typing import Any
 from producer_client import protocol
 from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound
 from producer_client.keys import PROTOCOL_VERSION, Keys
+from producer_client.placement import Placement
 from producer_client.protocol import NewJob
 from producer_client.schema import JobResult
 from producer_client.scripts import ENQUEUE_MANY
@@ -51,7 +52,7 @@ def build_spec(index: int, spec: Mapping[str, Any]) -> NewJob:
         raise type(e)(f"jobs[{index}].{e.field}", e.message.removeprefix(f"{e.field}: ")) from None
 
 
-def submit_steps(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob]) -> Steps:
+def submit_steps(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob], placement: Placement) -> Steps:
     """Enqueue `jobs` chunk by chunk; returns their ids in order. Specs with the same request_id
     are one job. Raises BulkQueueFull when the queue fills up part-way."""
     unique: dict[str, NewJob] = {}
@@ -61,7 +62,7 @@ def submit_steps(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJo
     placed: set[str] = set()
     for start in range(0, len(order), CHUNK):
         chunk = order[start:start + CHUNK]
-        in_queue, depth = yield from enqueue_chunk(keys, queue, max_depth, chunk)
+        in_queue, depth = yield from enqueue_chunk(keys, queue, max_depth, chunk, placement)
         placed.update(in_queue)
         if len(in_queue) < len(chunk):
             ids = [job.job_id for job in jobs]
@@ -70,21 +71,33 @@ def submit_steps(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJo
     return [job.job_id for job in jobs]
 
 
-def enqueue_chunk(keys: Keys, queue: str, max_depth: int | None, chunk: list[NewJob]) -> Steps:
+def enqueue_chunk(keys: Keys, queue: str, max_depth: int | None, chunk: list[NewJob], placement: Placement) -> Steps:
     """Returns (the ids of the chunk's jobs in the queue now, up to the first that did not fit;
     the depth ENQUEUE_MANY left). A job whose enqueue fails or does not fit loses its hash, as in
-    `submit`: a later submit with its request_id then enqueues it."""
+    `submit`: a later submit with its request_id then enqueues it. Jobs placed on workers' own
+    streams (which have no bound) go in once the shared stream has taken its part, and only those
+    before the first job it refused: what went in is still a prefix of the chunk."""
     found = yield from found_already(keys, [job for job in chunk if job.idempotent])
     to_add = [job for job in chunk if job.job_id not in found]
     if not to_add:
         return [job.job_id for job in chunk], None
+    streams = yield from placement.streams_for(keys, queue, [job.prefix for job in to_add])
+    shared = [job for job, stream in zip(to_add, streams) if stream is None]
     try:
-        replies = checked((yield enqueue_commands(keys, queue, max_depth, to_add)))
+        replies = checked((yield enqueue_commands(keys, queue, max_depth, to_add, shared)))
     except Exception:
         yield forget_commands(to_add, keys)
         raise
-    added, depth = replies[-1]
-    enqueued, refused = to_add[:added], to_add[added:]
+    added, depth = replies[-1] if shared else (0, None)
+    cut = to_add.index(shared[added]) if added < len(shared) else len(to_add)
+    placed = [(job, stream) for job, stream in zip(to_add[:cut], streams) if stream is not None]
+    if placed:
+        try:
+            checked((yield enqueue_placed_commands(placed)))
+        except Exception:
+            yield forget_commands([job for job, _ in placed], keys)
+            raise
+    enqueued, refused = to_add[:cut], to_add[cut:]
     if refused or any(job.idempotent for job in enqueued):
         checked((yield flag_commands(keys, enqueued, refused)))
     in_queue = [job.job_id for job in chunk]
@@ -109,15 +122,31 @@ def found_already(keys: Keys, idempotent: list[NewJob]) -> Steps:
     return {job.job_id for job, reply in zip(idempotent, replies) if not job.created(reply)}
 
 
-def enqueue_commands(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob]) -> Callable:
-    """The hashes of the jobs with a fresh id (CREATE of the others went first), then ENQUEUE_MANY."""
+def enqueue_commands(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob], shared: list[NewJob]) -> Callable:
+    """The hashes of the jobs with a fresh id (CREATE of the others went first), then ENQUEUE_MANY
+    of those bound for the shared stream."""
 
     def add(pipe) -> None:
         for job in jobs:
             if not job.idempotent:
                 job.add_fresh_create(pipe, keys)
-        ids_and_bodies = [x for job in jobs for x in (job.job_id, job.body)]
-        pipe.evalsha(ENQUEUE_MANY.sha, 1, keys.queue(queue), max_depth or 0, PROTOCOL_VERSION, *ids_and_bodies)
+        if shared:
+            ids_and_bodies = [x for job in shared for x in (job.job_id, job.body)]
+            pipe.evalsha(ENQUEUE_MANY.sha, 1, keys.queue(queue), max_depth or 0, PROTOCOL_VERSION, *ids_and_bodies)
+
+    return add
+
+
+def enqueue_placed_commands(placed: list[tuple[NewJob, str]]) -> Callable:
+    """One ENQUEUE_MANY per worker stream, with no bound (see NewJob.enqueue_call)."""
+    by_stream: dict[str, list[NewJob]] = {}
+    for job, stream in placed:
+        by_stream.setdefault(stream, []).append(job)
+
+    def add(pipe) -> None:
+        for stream, jobs in by_stream.items():
+            ids_and_bodies = [x for job in jobs for x in (job.job_id, job.body)]
+            pipe.evalsha(ENQUEUE_MANY.sha, 1, stream, 0, PROTOCOL_VERSION, *ids_and_bodies)
 
     return add
 

@@ -17,6 +17,7 @@ from producer_client.errors import JobNotFound, JobTimeout, QueueFull
 from producer_client.job_stream import JobStream
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.operator_views import OperatorViews
+from producer_client.placement import Placement
 from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
@@ -31,7 +32,10 @@ class Client(OperatorViews):
     default, 100; on a cluster, per node); every call in flight holds a connection, a blocking read
     for as long as it waits. `wait_replicas` (0: off) makes `submit` return only once that many
     replicas have the job and its entry (WAIT, for at most `wait_timeout_ms`), else raise
-    NotReplicated: then a failover cannot lose an acknowledged submit.
+    NotReplicated: then a failover cannot lose an acknowledged submit. `placement` (on by
+    default) sends a job to the worker likely to hold its prompt's prefix in its cache, when more
+    than one worker serves the queue and advertises it (docs/architecture.md); off, every job goes
+    to the shared stream.
     """
 
     run_steps = staticmethod(steps.run)  # drives the operations of bulk and OperatorViews
@@ -39,12 +43,13 @@ class Client(OperatorViews):
     def __init__(
         self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
         max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH, max_connections: int | None = None,
-        wait_replicas: int = 0, wait_timeout_ms: int = 1000,
+        wait_replicas: int = 0, wait_timeout_ms: int = 1000, placement: bool = True,
     ):
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
         self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
         self.replication = Replication(wait_replicas, wait_timeout_ms)
+        self.placement = Placement(placement)
         target = parse_url(url)
         self.redis = connect(
             target, decode_responses=True, retry=retry_policy(target.mode), max_connections=max_connections,
@@ -148,7 +153,7 @@ class Client(OperatorViews):
         names `jobs[<index>].<field>`); the jobs go out in pipelined chunks. The queue's bound holds
         as for submit(): a queue that fills part-way raises BulkQueueFull (a QueueFull), whose
         `job_ids` are those of the specs enqueued, a prefix of them; no spec after them was."""
-        operation = bulk.submit_steps(self.keys, self.queue, self.max_queue_depth, bulk.build_jobs(jobs))
+        operation = bulk.submit_steps(self.keys, self.queue, self.max_queue_depth, bulk.build_jobs(jobs), self.placement)
         return self.run_steps(self.redis, operation)
 
     def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> Iterator[JobResult]:
@@ -212,7 +217,10 @@ class Client(OperatorViews):
         the same request_id enqueues the job instead of finding one that will never run, and no
         hash of a job that was never taken stays behind. An enqueued job too few replicas
         confirmed stays: it runs (NotReplicated)."""
-        add = protocol.enqueue_commands(self.keys, self.queue, self.max_queue_depth, job, create, self.replication)
+        (stream,) = self.run_steps(self.redis, self.placement.streams_for(self.keys, self.queue, [job.prefix]))
+        add = protocol.enqueue_commands(
+            self.keys, self.queue, self.max_queue_depth, job, create, self.replication, stream,
+        )
         try:
             replies = scripts.execute(self.redis, add)
         except BaseException:

@@ -42,6 +42,14 @@ class Keys:
         """Stream of jobs, read by the consumer group `workers`: fields id, v, body."""
         return f"{self.prefix}:q:{{{queue}}}"
 
+    def own_queue(self, queue: str, worker: str) -> str:
+        """Stream of the jobs placed on one worker of the queue (cache-aware placement, see
+        docs/architecture.md), read by a consumer group `workers` of its own: the same fields as
+        the queue's. Its hash tag is the queue's and the worker's names joined by `|`, which no
+        name holds: each worker's stream lives on a shard of its own, and no script spans it and
+        the queue's keys. Under `:q:`, so the producers' ACL pattern for queues covers it."""
+        return f"{self.prefix}:q:{{{queue}|{worker}}}"
+
     def dead(self, queue: str) -> str:
         """Stream of dead-lettered jobs, with the reason."""
         return f"{self.prefix}:dead:{{{queue}}}"

@@ -21,6 +21,7 @@ from producer_client.errors import (
 )
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
 from producer_client import structured
+from producer_client.placement import prefix_key
 from producer_client.scripts import CANCEL, CREATE, ENQUEUE, FOLLOW
 from producer_client.steps import Steps, checked
 from producer_client.schema import (
@@ -45,6 +46,7 @@ class NewJob:
     idempotent: bool  # the id came from the caller's request_id, so it may exist already
     timeout_ms: int  # 0: no deadline
     fingerprint: str = ""  # of the request an idempotent job answers: its request_id is bound to it
+    prefix: bytes = b""  # what places it (placement.prefix_key)
 
     def create_call(self, keys: Keys) -> tuple:
         """EVALSHA arguments of CREATE for this job."""
@@ -65,8 +67,12 @@ class NewJob:
         else:
             pipe.hsetnx(keys.job(self.job_id), "status", "queued")
 
-    def enqueue_call(self, keys: Keys, queue: str, max_depth: int | None) -> tuple:
-        """EVALSHA arguments of ENQUEUE for this job."""
+    def enqueue_call(self, keys: Keys, queue: str, max_depth: int | None, stream: str | None = None) -> tuple:
+        """EVALSHA arguments of ENQUEUE for this job, into the queue's shared stream or the worker
+        stream `stream` it was placed on. A worker's stream has no bound of its own: placement puts
+        at most about twice a worker's slots there, and the backlog beyond in the shared stream."""
+        if stream is not None:
+            return ENQUEUE.sha, 1, stream, 0, self.job_id, PROTOCOL_VERSION, self.body
         return ENQUEUE.sha, 1, keys.queue(queue), max_depth or 0, self.job_id, PROTOCOL_VERSION, self.body
 
 
@@ -91,6 +97,7 @@ class Replication:
 
 def enqueue_commands(
     keys: Keys, queue: str, max_depth: int | None, job: NewJob, create: bool, replication: Replication,
+    stream: str | None = None,
 ) -> Callable:
     """The pipeline that enqueues `job`: CREATE first when `create` (a fresh id cannot collide, so
     creating and enqueueing take one round trip; CREATE sets the status only if there is none, so
@@ -103,11 +110,11 @@ def enqueue_commands(
     def add(pipe) -> None:
         if create:
             job.add_fresh_create(pipe, keys)
-        pipe.evalsha(*job.enqueue_call(keys, queue, max_depth))
+        pipe.evalsha(*job.enqueue_call(keys, queue, max_depth, stream))
         if job.idempotent:
             pipe.hset(keys.job(job.job_id), "enqueued", "1")
         if replication.waits:
-            for key in (keys.job(job.job_id), keys.queue(queue)):
+            for key in (keys.job(job.job_id), stream or keys.queue(queue)):
                 pipe.wait_replicas(key, replication.replicas, replication.timeout_ms)
 
     return add
@@ -153,12 +160,15 @@ def build_job(
     timeout_ms = 0 if request.timeout_s is None else max(1, round(request.timeout_s * 1000))
     if request_id is None:
         # 128 random bits, as a uuid4's hex without building the UUID: submit_many makes many.
-        return NewJob(os.urandom(16).hex(), body, idempotent=False, timeout_ms=timeout_ms)
+        return NewJob(os.urandom(16).hex(), body, idempotent=False, timeout_ms=timeout_ms, prefix=prefix_key(request))
     if fingerprint is None:
         fingerprint = generation_fingerprint(request)
     elif not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
         raise InvalidArgument("request_fingerprint", f"must be 1-{FINGERPRINT_CHARS} letters and digits")
-    return NewJob(check_name("request_id", request_id), body, idempotent=True, timeout_ms=timeout_ms, fingerprint=fingerprint)
+    return NewJob(
+        check_name("request_id", request_id), body, idempotent=True, timeout_ms=timeout_ms, fingerprint=fingerprint,
+        prefix=prefix_key(request),
+    )
 
 
 def generation_fingerprint(request: JobRequest) -> str:

@@ -75,16 +75,19 @@ class Admission:
         if room <= 0 or now < self.next_reclaim:
             return
         self.next_reclaim = now + self.settings.reclaim_interval_s
-        min_idle_ms = self.settings.claim_idle_ms
-        if now < self.takes_idle_entries_from:
-            min_idle_ms = HANDED_OVER_IDLE_MS // 10
-        deliveries = self.queue.reclaim(room, min_idle_ms)
+        deliveries = self.queue.reclaim(room, self.min_idle_ms())
         if deliveries:
             log.info(
                 "reclaimed %d entries idle over %d ms: %s", len(deliveries), self.settings.claim_idle_ms,
                 ", ".join(f"{d.job_id} (delivery {d.deliveries})" for d in deliveries),
             )
         self.holdings.unadmitted += deliveries
+
+    def min_idle_ms(self) -> int:
+        """How long an entry must have gone unrefreshed for this worker to take it now."""
+        if time.monotonic() < self.takes_idle_entries_from:
+            return HANDED_OVER_IDLE_MS // 10
+        return self.settings.claim_idle_ms
 
     def admit(self) -> None:
         """Claim every entry taken and not yet admitted, and act on each claim's outcome. If the

@@ -12,6 +12,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 OUTCOMES = ("done", "failed", "cancelled", "expired", "dead_lettered")
+TAKEN_FROM = ("own", "shared", "stolen", "reclaimed")
 
 
 class WorkerMetrics:
@@ -45,6 +46,10 @@ class WorkerMetrics:
             "mili_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
         )
         self.prefix_cache_hits = Counter("mili_prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        self.prefix_cache_hit_rate = Gauge(
+            "mili_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up, since the worker started.",
+            registry=r,
+        )
         self.preemptions = Counter("mili_num_preemptions", "Requests preempted for lack of KV pages.", registry=r)
         self.grammar_cache_hits = Counter(
             "mili_grammar_cache_hits", "Structured outputs: jobs whose grammar was compiled already.", registry=r,
@@ -59,6 +64,11 @@ class WorkerMetrics:
         # looked up once: labels() costs more than the increment.
         self.jobs = {outcome: jobs.labels(outcome) for outcome in OUTCOMES}
         self._engine_totals: dict[str, float] = {}
+        taken = Counter(
+            "mili_entries_taken", "Queue entries this worker took, by source: its own stream (placed on it), the "
+            "shared stream, stolen from another worker's stream, reclaimed from a dead or stalled one.", ["source"], registry=r,
+        )
+        self.taken = {source: taken.labels(source) for source in TAKEN_FROM}
 
     def serve(self, host: str, port: int) -> tuple[object, int]:
         """Start the HTTP endpoint; returns (server, bound port). Port 0 binds any free port."""
@@ -89,3 +99,5 @@ class WorkerMetrics:
             total = getattr(stats, name)
             counter.inc(total - self._engine_totals.get(name, 0))
             self._engine_totals[name] = total
+        if stats.cache_queried_tokens:
+            self.prefix_cache_hit_rate.set(stats.cache_hit_tokens / stats.cache_queried_tokens)

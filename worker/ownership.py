@@ -18,6 +18,7 @@ from worker.outbox import Outbox, Update
 from worker.queue import RedisClock, WorkerQueue
 from worker.rejection import Rejections
 from worker.replies import Adopted
+from worker.placement import advertised
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class Ownership:
         fields = {
             **self.identity, "state": state, "running": len(running) + len(self.holdings.suspects),
             "free_slots": cap.free_slots, "free_pages": cap.free_pages, "total_pages": self.total_pages,
-            "page_size": cap.page_size,
+            "page_size": cap.page_size, **advertised(self.settings, self.holdings, self.worker),
         }
         held = self.holdings.entries()
         depth, lost = self.queue.heartbeat(fields, self.settings.heartbeat_ttl_s, list(held))

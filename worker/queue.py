@@ -24,6 +24,7 @@ from redis.backoff import NoBackoff
 
 from producer_client import connection, scripts
 from producer_client.connection import FATAL_ERRORS, Retry, reply_code
+from producer_client.cluster import is_cluster
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.protocol import Replication, job_keys
 from producer_client.schema import JobResult
@@ -34,7 +35,8 @@ from worker.replies import (
     Adopted, Claim, Failed, Look, Published, PublishReply, UnknownReply, parse_adopt, parse_claim, parse_fail,
     parse_publish, parse_watch,
 )
-from worker.scripts import ADOPT, CLAIM, DEADLETTER, FAIL, PUBLISH, RECLAIM, REFRESH, RELEASE, REQUEUE, WORKER_SCRIPTS
+from worker.scripts import ADOPT, CLAIM, FAIL, PUBLISH, RECLAIM, REQUEUE, TAKE_OVER, TAKEABLE, WORKER_SCRIPTS
+from worker.streams import QueueStreams, entry_ref
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +140,15 @@ class RedisClock:
 
 
 class WorkerQueue:
+    """`placed`: this worker reads a stream of its own before the shared one (cache-aware
+    placement: docs/architecture.md). While idle it blocks on both at once on one server; on a
+    cluster, where they lie on different nodes, it blocks on the shared one for at most `poll_ms`
+    at a time, so that a job placed on it waits no longer than that."""
+
     def __init__(
         self, client: redis.Redis, keys: Keys, queue: str, worker: str, result_ttl_s: int,
-        clock: RedisClock | None = None, replication: Replication = Replication(),
+        clock: RedisClock | None = None, replication: Replication = Replication(), placed: bool = False,
+        poll_ms: int = 50,
     ):
         self.redis = client
         self.keys = keys
@@ -150,7 +158,11 @@ class WorkerQueue:
         self.clock = clock or RedisClock()
         self.replication = replication
         self.stream = keys.queue(queue)
+        self.streams = QueueStreams(keys, queue)
+        self.own = keys.own_queue(queue, worker) if placed else None
+        self.poll_ms = poll_ms
         self.reclaim_cursor = "0-0"
+        self.peers: list[str] = []  # every worker of the queue's index, as of the last heartbeat
 
     def _send(self, add_commands: Callable, per_command_errors: bool = False) -> list:
         """One pipeline. A transient error or a lost group raises, whichever command met it (the
@@ -172,17 +184,24 @@ class WorkerQueue:
     def ensure_group(self) -> None:
         # Looked up first: XGROUP CREATE is refused while Redis is out of memory, even for a group
         # that exists. From id 0, not $: jobs submitted before the first worker started run too.
-        if self.group_exists():
-            return
-        try:
-            self.redis.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
-        except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        for stream in self._read_streams():
+            if self._group_exists(stream):
+                continue
+            try:
+                self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
 
     def group_exists(self) -> bool:
+        return all(self._group_exists(stream) for stream in self._read_streams())
+
+    def _read_streams(self) -> list[str]:
+        return [self.stream] if self.own is None else [self.own, self.stream]
+
+    def _group_exists(self, stream: str) -> bool:
         try:
-            groups = self.redis.xinfo_groups(self.stream)
+            groups = self.redis.xinfo_groups(stream)
         except redis.ResponseError as e:
             if is_transient(e):
                 raise
@@ -192,27 +211,53 @@ class WorkerQueue:
     def read(
         self, count: int, block_ms: int | None, acks: list[str], dead_letters: list[DeadLetter] = (),
     ) -> list[Delivery]:
-        """Acknowledge and delete `acks`, move `dead_letters`, then read up to `count` new entries.
-        The acks go first in the same pipeline, so the pending list never holds a finished job
-        while new ones arrive: pending entries <= the engine's slots."""
-        dead_key = self.keys.dead(self.queue)
-        now = self.clock.now()
-
-        def add(pipe):
-            if acks:
-                pipe.xack(self.stream, GROUP, *acks)
-                pipe.xdel(self.stream, *acks)
-            for letter in dead_letters:
-                pipe.evalsha(DEADLETTER.sha, 2, self.stream, dead_key, *letter.script_args(self.worker, now))
-            if count > 0:
-                pipe.xreadgroup(GROUP, self.worker, {self.stream: ">"}, count=count, block=block_ms)
-
+        """Acknowledge and delete `acks`, move `dead_letters`, then read up to `count` new entries:
+        from this worker's own stream first, then from the shared one. The acks go first in the
+        same pipeline, so the pending list never holds a finished job while new ones arrive:
+        pending entries <= the engine's slots."""
         if not (acks or dead_letters or count > 0):
             return []
-        replies = self._send(add)
-        if count <= 0 or not replies[-1]:
+        if self.own is not None and block_ms is not None and count >= 2 and not is_cluster(self.redis):
+            return self._read_both(count, block_ms, acks, dead_letters)
+        first = self.own or self.stream
+        replies = self._send(lambda pipe: self._settle(pipe, acks, dead_letters, first, count, block_ms))
+        taken = self._entries(first, replies[-1] if count > 0 else None)
+        rest = count - len(taken)
+        if self.own is not None and rest > 0:
+            block = None if taken or block_ms is None else min(block_ms, self.poll_ms)
+            reply = self._send(lambda pipe: self._read_into(pipe, self.stream, rest, block))[0]
+            taken += self._entries(self.stream, reply)
+        return taken
+
+    def _read_both(self, count: int, block_ms: int, acks: list[str], dead_letters: list[DeadLetter]) -> list[Delivery]:
+        """An idle worker on one server: one XREADGROUP blocks on its own stream and the shared one
+        at once (they are on the same node), so that a job on either wakes it at once; half the
+        room from each, so that it never takes more than it can start (COUNT is per stream)."""
+        streams = {self.own: ">", self.stream: ">"}
+
+        def add(pipe):
+            self._settle(pipe, acks, dead_letters, self.stream, 0, None)
+            pipe.xreadgroup(GROUP, self.worker, streams, count=count // 2, block=block_ms)
+
+        reply = self._send(add)[-1] or []
+        return [d for key, entries in reply for d in self._entries(key, [(key, entries)])]
+
+    def _settle(self, pipe, acks: list[str], dead_letters: list[DeadLetter], stream: str, count: int, block_ms) -> None:
+        self.streams.add_acks(pipe, acks)
+        now = self.clock.now()
+        for letter in dead_letters:
+            self.streams.add_dead_letter(pipe, letter.entry_id, letter.script_args(self.worker, now))
+        if count > 0:
+            self._read_into(pipe, stream, count, None if stream != self.stream else block_ms)
+
+    def _read_into(self, pipe, stream: str, count: int, block_ms: int | None) -> None:
+        pipe.xreadgroup(GROUP, self.worker, {stream: ">"}, count=count, block=block_ms)
+
+    def _entries(self, stream: str, reply) -> list[Delivery]:
+        if not reply:
             return []
-        return [Delivery(entry_id, fields) for entry_id, fields in replies[-1][0][1]]
+        owner = None if stream == self.stream else self.worker
+        return [Delivery(entry_ref(entry_id, owner), fields) for entry_id, fields in reply[0][1]]
 
     def reclaim(self, count: int, min_idle_ms: int) -> list[Delivery]:
         """XAUTOCLAIM up to `count` entries idle longer than `min_idle_ms`: jobs of workers that
@@ -222,6 +267,28 @@ class WorkerQueue:
         cursor, claimed = self._send(lambda pipe: pipe.evalsha(RECLAIM.sha, 1, self.stream, *args))[0]
         self.reclaim_cursor = cursor
         return [Delivery(entry_id, dict(zip(flat[::2], flat[1::2])), deliveries) for entry_id, flat, deliveries in claimed]
+
+    def take_over(self, owner: str, count: int, min_idle_ms: int, steal_before_ms: int) -> tuple[list[Delivery], list[Delivery]]:
+        """TAKE_OVER on `owner`'s own stream: (up to `count` entries reclaimed after `min_idle_ms`,
+        then entries stolen that nobody read since before `steal_before_ms`; 0: none). An error in
+        its place raises as any other, but for a key of another type, which TAKE_OVER passes over."""
+        args = (GROUP, self.worker, min_idle_ms, steal_before_ms, count)
+        key = self.streams.of(owner)
+        reclaimed, stolen = self._send(lambda pipe: pipe.evalsha(TAKE_OVER.sha, 1, key, *args))[0]
+        return (
+            [Delivery(entry_ref(i, owner), _fields(flat), n) for i, flat, n in reclaimed],
+            [Delivery(entry_ref(i, owner), _fields(flat)) for i, flat in stolen],
+        )
+
+    def takeable(self, owners: list[str], min_idle_ms: int, steal_before_ms: dict[str, int]) -> list[bool | Exception]:
+        """TAKEABLE on each owner's stream, in one pipeline: whether TAKE_OVER would take anything
+        there, or the error that stream gave (a producer may write it) in its place."""
+
+        def add(pipe):
+            for owner in owners:
+                pipe.evalsha(TAKEABLE.sha, 1, self.streams.of(owner), GROUP, min_idle_ms, steal_before_ms[owner])
+
+        return [r if isinstance(r, Exception) else r == 1 for r in self._send(add, per_command_errors=True)]
 
     def claim(self, jobs: list[tuple[str, str, str]]) -> list[Claim | Exception]:
         """CLAIM each (job id, entry id, run token). An error in a job's place: its keys refused
@@ -340,22 +407,40 @@ class WorkerQueue:
             pipe.zadd(self.keys.queues(), {self.queue: now})
             pipe.zremrangebyscore(self.keys.queues(), "-inf", now - WORKER_INDEX_RETENTION_S)
             pipe.xlen(self.stream)
-            if held:
-                pipe.evalsha(REFRESH.sha, 1, self.stream, GROUP, self.worker, *held)
+            pipe.zrange(index, 0, -1)
+            self.streams.add_refreshes(pipe, self.worker, by_stream)
 
+        by_stream = self.streams.by_stream(held)
+        owners = self.streams.owners(held)
         sent_at = self.clock.local()
         replies = self._send(add)
         self.clock.measured(sent_at, replies[0], self.clock.local())
-        return replies[7], replies[8] if held else []
+        self.peers = replies[8]
+        lost = [entry_ref(i, owners[stream]) for stream, reply in zip(by_stream, replies[9:]) for i in reply]
+        return replies[7], lost
 
     def release(self, entry_ids: list[str]) -> int:
         """Hand unfinished entries over to other workers (RELEASE); returns how many were ours."""
-        args = (GROUP, self.worker, HANDED_OVER_IDLE_MS, *entry_ids)
-        return self._send(lambda pipe: pipe.evalsha(RELEASE.sha, 1, self.stream, *args))[0]
+        by_stream = self.streams.by_stream(entry_ids)
+        add = self.streams.add_releases(self.worker, HANDED_OVER_IDLE_MS, by_stream)
+        return sum(self._send(add)) if by_stream else 0
 
     def leave(self) -> None:
-        """Remove this worker's heartbeat: it no longer counts as live."""
-        self._send(lambda pipe: (pipe.delete(self.keys.worker(self.worker)), pipe.zrem(self.keys.workers(self.queue), self.worker)))
+        """Remove this worker's heartbeat: it no longer counts as live. With placement its name
+        stays in the queue's worker index (until WORKER_INDEX_RETENTION_S prunes it), because that
+        index is where the others find its stream: a producer whose view was read before the drain
+        may still place jobs there, and they are stolen."""
+
+        def add(pipe):
+            pipe.delete(self.keys.worker(self.worker))
+            if self.own is None:
+                pipe.zrem(self.keys.workers(self.queue), self.worker)
+
+        self._send(add)
+
+
+def _fields(flat: list[str]) -> dict[str, str]:
+    return dict(zip(flat[::2], flat[1::2]))
 
 
 def _parsed(parse: Callable, reply: object):

@@ -232,6 +232,71 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """)
 
+# KEYS: one worker's own stream (cache-aware placement: docs/architecture.md). ARGV: group, consumer,
+# min idle ms, steal before (epoch ms on Redis's clock; 0: steal nothing), count. Takes up to `count`
+# entries of the stream: first those pending longer than `min idle` (their owner died or stalled,
+# XAUTOCLAIM as RECLAIM does on the shared stream), then entries nobody has read yet that were added
+# before `steal before` (their owner is busy, stalled or gone: a steal), oldest first. A stream of
+# another type is passed over (a producer may write it), and one whose group Redis lost is given a
+# new one from its start, so that entries of a worker that died meanwhile are still taken. Returns
+# {{{id, {field, value...}, deliveries}...} reclaimed, {{id, {field, value...}}...} stolen}.
+TAKE_OVER = Script("take_over", """
+if redis.call('TYPE', KEYS[1]).ok ~= 'stream' then return {{}, {}} end
+local last
+for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local info = {}
+  for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+  if info['name'] == ARGV[1] then last = info['last-delivered-id'] end
+end
+if not last then
+  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0')
+  last = '0-0'
+end
+local count = tonumber(ARGV[5])
+local reclaimed = {}
+local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], '0-0', 'COUNT', count)
+for _, entry in ipairs(reply[2]) do
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], entry[1], entry[1], 1)
+  table.insert(reclaimed, {entry[1], entry[2], pending[1][4]})
+end
+count = count - #reclaimed
+local before = tonumber(ARGV[4])
+if count <= 0 or before <= 0 then return {reclaimed, {}} end
+local due = 0
+for _, entry in ipairs(redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', count)) do
+  if tonumber(string.match(entry[1], '^(%d+)')) >= before then break end
+  due = due + 1
+end
+if due == 0 then return {reclaimed, {}} end
+local read = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', due, 'STREAMS', KEYS[1], '>')
+return {reclaimed, read[1][2]}
+""")
+
+# KEYS: one worker's own stream. ARGV: group, min idle ms, steal before (epoch ms; 0: none). Whether
+# TAKE_OVER, given the same arguments, would take anything: 1 or 0. Reads only, so that a worker with
+# room asks every worker's stream in one pipeline and runs TAKE_OVER (which takes no more than it
+# has room for, and so goes one stream at a time) only where there is something to take.
+TAKEABLE = Script("takeable", """
+if redis.call('TYPE', KEYS[1]).ok ~= 'stream' then return 0 end
+local last
+for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local info = {}
+  for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+  if info['name'] == ARGV[1] then last = info['last-delivered-id'] end
+end
+if not last then
+  if redis.call('XLEN', KEYS[1]) > 0 then return 1 end
+  return 0
+end
+if #redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[2], '-', '+', 1) > 0 then return 1 end
+local before = tonumber(ARGV[3])
+if before <= 0 then return 0 end
+local unread = redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', 1)
+if #unread == 0 then return 0 end
+if tonumber(string.match(unread[1][1], '^(%d+)')) < before then return 1 end
+return 0
+""")
+
 # What a worker's pipelines run besides the producers' scripts (of which ENQUEUE gives a detached
 # job back to the queue, after REQUEUE): `execute` loads both sets on NOSCRIPT.
-WORKER_SCRIPTS = (CLAIM, PUBLISH, FAIL, ADOPT, REQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER)
+WORKER_SCRIPTS = (CLAIM, PUBLISH, FAIL, ADOPT, REQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER, TAKE_OVER, TAKEABLE)

@@ -44,10 +44,12 @@ from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox, Receipts
 from worker.ownership import Ownership
 from worker.pace import Pace
+from worker.placement import TakeOver
 from worker.publication import Publication
 from worker.queue import GroupLost, RedisClock, RedisLink, WorkerQueue, is_transient
 from worker.rejection import Rejections
 from worker.settings import WorkerSettings
+from worker.streams import owner_of
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,10 @@ class Worker:
         clock = clock or RedisClock()
         self.clock = clock
         replication = Replication(settings.wait_replicas, settings.wait_timeout_ms)
-        self.queue = WorkerQueue(client, Keys(settings.prefix), settings.queue, name, settings.result_ttl_s, clock, replication)
+        self.queue = WorkerQueue(
+            client, Keys(settings.prefix), settings.queue, name, settings.result_ttl_s, clock, replication,
+            placed=settings.placement, poll_ms=settings.placement_poll_ms,
+        )
         self.link = RedisLink(settings.redis_backoff_max_s)
         self.outbox = Outbox()  # what Redis has not seen yet
         self.receipts = Receipts()  # entries to acknowledge or dead-letter with the next read
@@ -73,6 +78,7 @@ class Worker:
         self.admission = Admission(
             self.queue, engine, self.holdings, self.outbox, self.receipts, self.rejections, settings, clock, name,
         )
+        self.take_over = TakeOver(self.queue, self.admission, self.holdings, settings, clock, metrics)
         self.isolation = FailureIsolation(self.holdings, self.admission, self.outbox, clock, name)
         pace = Pace(settings.stream_interval_s, settings.checkpoint_interval_s, settings.engine.max_running)
         self.publication = Publication(
@@ -234,14 +240,24 @@ class Worker:
             self.ownership.restore_group()
         self.rejections.send()  # their entries are acknowledged with the read below
         self.ownership.heartbeat_if_due("serving" if self.drain_deadline is None else "draining")
-        self.admission.reclaim(self._room())
+        self._take_idle_entries()
         idle = not (self.engine.has_unfinished() or self.holdings.unadmitted or self.outbox)
         block_ms = max(1, min(self.settings.block_ms, self.ownership.ms_to_heartbeat())) if idle else None
-        self.holdings.unadmitted += self.queue.read(
-            self._room(), block_ms, self.receipts.acks, self.receipts.dead_letters,
-        )
+        read = self.queue.read(self._room(), block_ms, self.receipts.acks, self.receipts.dead_letters)
         self.receipts.sent()
+        own = sum(1 for d in read if owner_of(d.entry_id) is not None)
+        self.metrics.taken["own"].inc(own)
+        self.metrics.taken["shared"].inc(len(read) - own)
+        self.holdings.unadmitted += read
         self.admission.admit()
+
+    def _take_idle_entries(self) -> None:
+        """Entries of dead or stalled workers, in the shared stream and in every worker's own; and
+        entries placed on a busy worker that waited longer than steal_delay_ms."""
+        taken = len(self.holdings.unadmitted)
+        self.admission.reclaim(self._room())
+        self.metrics.taken["reclaimed"].inc(len(self.holdings.unadmitted) - taken)
+        self.take_over.scan(self._room())
 
     def _room(self) -> int:
         """None while draining, and none while suspects of a failed step are tried one at a time."""

@@ -69,6 +69,17 @@ class WorkerSettings(TomlSettings):
         0, ge=0, description="a final result counts as written (its entry is acknowledged) once this many replicas have it (WAIT); 0: off"
     )
     wait_timeout_ms: int = Field(1000, ge=1, description="how long one WAIT for wait_replicas blocks the worker's publisher at most")
+    placement: bool = Field(
+        True,
+        description="cache-aware placement: read a stream of this worker's own before the shared one, and advertise it, "
+        "so that producers place a job on the worker likely to hold its prompt's prefix (docs/architecture.md)",
+    )
+    steal_delay_ms: int = Field(
+        1000, ge=1, description="an entry placed on a busy or stalled worker and not read this long is taken by a worker with room"
+    )
+    placement_poll_ms: int = Field(
+        50, ge=1, le=2000, description="with placement on a cluster (where its own stream and the shared one lie on different nodes), an idle worker's longest block on the shared stream: how long a job placed on it may wait"
+    )
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1, description="larger job bodies fail with body_too_large")
     max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1, description="larger max_tokens fail with invalid_argument")
     metrics_host: str = Field(

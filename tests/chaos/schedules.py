@@ -2,7 +2,10 @@
 draws a schedule of submits (with and without request_id, some resubmitted, some streamed),
 readers that start following a job, cancels, deadlines, workers stalled past claim_idle_ms, killed
 without cleanup or drained with SIGTERM semantics, Redis restarts, SCRIPT FLUSH and out-of-memory
-windows. Publication coalesces as in production, at intervals short enough that every job's
+windows. Placement is on, as in production (docs/architecture.md): with two workers or more, the
+client places jobs on workers' own streams, so a killed, stalled, drained or newly started worker
+has jobs placed on it, read or unread, which others reclaim or steal; the steal delay is short
+(STEAL_DELAY_MS). Publication coalesces as in production, at intervals short enough that every job's
 output goes out in several pieces (STREAM_INTERVAL_S, CHECKPOINT_INTERVAL_S). Several workers (the echo engine, in this
 process, each with its own Redis connection) and a client run it against a real redis-server;
 then every invariant of the protocol is checked:
@@ -14,9 +17,11 @@ then every invariant of the protocol is checked:
     stalled or drained (a worker thread the machine left unscheduled for half of claim_idle_ms
     counts as stalled): a job whose workers all stayed healthy ran once (delivery count 1), and
     nothing is dead-lettered unless its workers really died;
-  - once every job has ended, no entry is pending and the queue stream is empty, and every key
-    but the heartbeats, the worker and queue indexes and the emptied queue expires within
-    result_ttl_s.
+  - once every job has ended, no entry is pending and the queue stream and every worker's own
+    stream are empty, and every key but the heartbeats, the worker and queue indexes and the
+    emptied streams expires within result_ttl_s;
+  - jobs were placed: a schedule that ran two workers or more at once placed some on their own
+    streams (counted in the report, and checked over all schedules by test_schedules.py).
 
 A failing schedule raises ScheduleFailed naming its seed: `python -m bench.chaos --seed N
 --schedules 1` runs it again. tests/chaos/test_schedules.py runs 100 of them in CI.
@@ -35,6 +40,7 @@ import redis
 from producer_client import Client, protocol, scripts
 from producer_client.connection import retry_policy
 from producer_client.keys import GROUP, Keys
+from producer_client.placement import Placed
 from producer_client.schema import JobResult
 from tests.queue.support import GatedWorker, SlowEchoEngine
 from tests.support.polling import eventually
@@ -49,11 +55,12 @@ STEP_S = 0.004  # an echo step: a 60-token job runs a quarter of a second
 # every few steps, any other's every dozen.
 STREAM_INTERVAL_S = 0.02
 CHECKPOINT_INTERVAL_S = 0.05
+STEAL_DELAY_MS = 100
 SETTINGS = dict(
     queue=QUEUE, block_ms=20, heartbeat_interval_s=0.05, heartbeat_ttl_s=2.0, claim_idle_ms=CLAIM_IDLE_MS,
     reclaim_interval_s=0.05, redis_backoff_max_s=0.1, drain_grace_s=0.2, max_deliveries=3, result_ttl_s=60,
     metrics_port=0, engine={"max_running": 4}, stream_interval_s=STREAM_INTERVAL_S,
-    checkpoint_interval_s=CHECKPOINT_INTERVAL_S,
+    checkpoint_interval_s=CHECKPOINT_INTERVAL_S, steal_delay_ms=STEAL_DELAY_MS, placement_poll_ms=20,
 )
 # A worker thread the machine did not run for this long between two exchanges or steps has
 # stalled as surely as one stopped on purpose (a loaded 2-core machine does that): its jobs may
@@ -272,7 +279,11 @@ def run_schedule(seed: int, server, length: int = 24) -> dict:
         starved = {w.name for w in run.workers if w.starved}
         run.troubled |= starved
         check(run, admin, results)
-        return {"jobs": len(run.jobs), "faults": len(run.troubled), "ops": len(run.ops), "starved": len(starved)}
+        placed = client.placement.placed[Placed.AFFINITY]
+        return {
+            "jobs": len(run.jobs), "faults": len(run.troubled), "ops": len(run.ops), "starved": len(starved),
+            "placed": placed, "stolen": taken(run, "stolen"), "reclaimed": taken(run, "reclaimed"),
+        }
     finally:
         for timer in run.timers:
             timer.cancel()
@@ -331,19 +342,36 @@ def check_job(run: Run, admin: redis.Redis, keys: Keys, job: Submitted, result: 
 
 
 def check_queue_drained(run: Run, admin: redis.Redis, keys: Keys) -> None:
-    stream = keys.queue(QUEUE)
+    for stream in streams_of(run, keys):
 
-    def drained() -> bool:
-        return not admin.xlen(stream) and not admin.xpending(stream, GROUP)["pending"]
+        def drained(stream=stream) -> bool:
+            return not admin.xlen(stream) and not pending(admin, stream)
 
-    if not eventually(drained, 10, interval=0.02):
-        raise run.fail(f"queue not drained: {admin.xlen(stream)} entries, {admin.xpending(stream, GROUP)['pending']} pending")
+        if not eventually(drained, 10, interval=0.02):
+            raise run.fail(f"stream {stream} not drained: {admin.xlen(stream)} entries, {pending(admin, stream)} pending")
+
+
+def streams_of(run: Run, keys: Keys) -> list[str]:
+    """The shared stream and every worker's own."""
+    return [keys.queue(QUEUE), *(keys.own_queue(QUEUE, w.name) for w in run.workers)]
+
+
+def pending(admin: redis.Redis, stream: str) -> int:
+    """Entries pending in the stream's group; none without a group (a stream nobody read)."""
+    try:
+        return admin.xpending(stream, GROUP)["pending"]
+    except redis.ResponseError:
+        return 0
+
+
+def taken(run: Run, source: str) -> int:
+    return int(sum(w.metrics.taken[source]._value.get() for w in run.workers))
 
 
 def check_keys_expire(run: Run, admin: redis.Redis, keys: Keys) -> None:
     """Everything but the heartbeats, the indexes, the queue and dead-letter streams goes within
     result_ttl_s: each job key carries a TTL no longer than that."""
-    staying = {keys.queue(QUEUE), keys.dead(QUEUE), keys.workers(QUEUE), keys.queues()}
+    staying = {*streams_of(run, keys), keys.dead(QUEUE), keys.workers(QUEUE), keys.queues()}
     heartbeats = f"{run.prefix}:worker:"
     for key in admin.scan_iter(match=f"{run.prefix}:*", count=1000):
         if key in staying or key.startswith(heartbeats):

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from producer_client import SamplingParams
-from producer_client.keys import GROUP, Keys
+from producer_client.keys import Keys
 from tests.support.clients import make_client
-from tests.support.jobs import assert_one_final_result, runs, tokens_published
+from tests.support.jobs import assert_one_final_result, pending_entries, queue_streams, runs, tokens_published
 from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
 
@@ -73,12 +73,13 @@ def fault_free(tokens_per_job):
 
 
 class DeliveryWatch:
-    """Polls XPENDING while jobs run: the most deliveries any entry of the queue has had."""
+    """Polls XPENDING while jobs run: the most deliveries any entry of the queue has had, in any of
+    its streams (the shared one and, with placement, each worker's own)."""
 
     def __init__(self, redis_client, queue: str):
         self.redis = redis_client
-        self.stream = KEYS.queue(queue)
-        self.most: dict[str, int] = {}
+        self.streams = queue_streams(redis_client, queue)
+        self.most: dict[tuple[str, str], int] = {}
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -92,9 +93,10 @@ class DeliveryWatch:
 
     def _poll(self) -> None:
         while not self.stop.wait(0.2):
-            for row in self.redis.xpending_range(self.stream, GROUP, "-", "+", 100):
-                entry = row["message_id"]
-                self.most[entry] = max(self.most.get(entry, 0), row["times_delivered"])
+            for stream in self.streams:
+                for row in pending_entries(self.redis, stream):
+                    entry = (stream, row["message_id"])
+                    self.most[entry] = max(self.most.get(entry, 0), row["times_delivered"])
 
 
 def submit_long(client, prompts: list[str], tokens: int) -> dict[str, str]:
@@ -162,7 +164,7 @@ def test_kill_9_among_eight_long_jobs_costs_each_at_most_one_reclaim(
             taken_over += len(workers) == 2
         assert taken_over == 4
         assert max(watch.most.values()) <= 2  # one first delivery, at most one reclaim
-        assert eventually(lambda: redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 0)
+        assert eventually(lambda: not any(pending_entries(redis_client, s) for s in queue_streams(redis_client, queue)))
     finally:
         victim.stop()
         survivor.stop()

@@ -1,6 +1,8 @@
 """100 random fault schedules against the protocol (see tests/chaos/schedules.py for what they
-do and the invariants checked after each). A failure names its seed; `python -m bench.chaos
---seed N --schedules 1` runs that schedule again, and `python -m bench.chaos --schedules 1000` runs more."""
+do and the invariants checked after each), with cache-aware placement on: jobs are placed on
+workers that are then killed, stalled, drained or restarted under. A failure names its seed;
+`python -m bench.chaos --seed N --schedules 1` runs that schedule again, and
+`python -m bench.chaos --schedules 1000` runs more."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +20,22 @@ def chaos_redis(tmp_path_factory):
     server.stop()
 
 
+# What the schedules of this module did, added up: the last test checks that they covered placement.
+TOTALS = {"schedules": 0, "placed": 0, "stolen": 0, "reclaimed": 0}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(SCHEDULES))
 def test_a_random_fault_schedule_keeps_every_invariant(chaos_redis, seed):
-    run_schedule(seed, chaos_redis)
+    counts = run_schedule(seed, chaos_redis)
+    TOTALS["schedules"] += 1
+    for name in ("placed", "stolen", "reclaimed"):
+        TOTALS[name] += counts[name]
+
+
+@pytest.mark.slow
+def test_the_schedules_placed_jobs_on_workers_that_then_failed():
+    """Run after the schedules (pytest keeps a module's order): jobs were placed on workers' own
+    streams, and some were stolen from, and reclaimed out of, those of troubled workers."""
+    assert TOTALS["schedules"] == SCHEDULES, "run the whole module: the totals add up every schedule"
+    assert TOTALS["placed"] > 0 and TOTALS["stolen"] > 0 and TOTALS["reclaimed"] > 0, TOTALS

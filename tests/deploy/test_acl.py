@@ -13,6 +13,7 @@ import redis
 
 from producer_client import Client, IdempotencyConflict
 from producer_client.keys import GROUP, Keys
+from producer_client.placement import Placed
 from tests.support.acl import acl_server
 from tests.support.gateways import GatewayProcess
 from tests.support.polling import eventually
@@ -113,3 +114,18 @@ def test_the_gateway_user_runs_a_batch_and_is_a_producer_to_jobs(acl_redis, acl_
         with pytest.raises(redis.exceptions.NoPermissionError):
             command()
     as_gateway.close()
+
+
+def test_placement_reads_its_view_and_places_with_the_producers_rights_alone(acl_redis, acl_worker, tmp_path):
+    """A second worker under the worker user: the producer user reads the worker index, the
+    heartbeats and the workers' own streams' lengths, places each job on a worker's own stream,
+    and the workers, under their user, read, steal and settle them there."""
+    second = WorkerProcess(acl_redis["worker"], None, "acl-worker-2", tmp_path, model="echo")
+    second.start().wait_ready()
+    try:
+        with Client(acl_redis["producer"]) as client:
+            jobs = [client.submit(prompt=f"placed {i}", max_tokens=8) for i in range(6)]
+            assert [r.text for r in client.results(jobs, timeout=30)] == [f"placed {i}" for i in range(6)]
+            assert client.placement.placed == {Placed.AFFINITY: 6, Placed.SHARED: 0}
+    finally:
+        second.stop()

@@ -15,6 +15,7 @@ from gateway.batch.store import LINES_PER_FIELD, PIECE_CHARS
 from producer_client.keys import Keys
 from producer_client.schema import MAX_TOKENS_LIMIT
 from tests.support.gateways import GatewayProcess
+from tests.support.jobs import entries_added
 from tests.support.polling import eventually
 from tests.support.workers import echo_workers
 
@@ -137,7 +138,7 @@ def test_the_sdk_uploads_runs_and_downloads_a_batch(sdk, redis_client, batch_que
         chat_line("cold", "x", temperature=-1),
         {**chat_line("nobody", "x"), "body": {**chat_line("nobody", "x")["body"], "model": "no-such-model"}},
     ]
-    added_before = redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"] if redis_client.exists(KEYS.queue(batch_queue)) else 0
+    added_before = entries_added(redis_client, batch_queue)
     created = run_batch(sdk, lines)
     assert created.status == "validating" and created.endpoint == "/v1/chat/completions"
     batch = ended(sdk, created.id)
@@ -158,7 +159,7 @@ def test_the_sdk_uploads_runs_and_downloads_a_batch(sdk, redis_client, batch_que
     output = sdk.files.retrieve(batch.output_file_id)
     assert output.purpose == "batch_output" and output.bytes == len(sdk.files.content(batch.output_file_id).content)
     # Each line's jobs were enqueued once: n single jobs and the two of `two`.
-    assert redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"] - added_before == n + 2
+    assert entries_added(redis_client, batch_queue) - added_before == n + 2
 
 
 def driving_gateway(sdk, redis_client, batch_id: str, gateways: list[GatewayProcess]) -> tuple[int, str]:
@@ -227,14 +228,16 @@ def test_a_gateway_stopped_gracefully_hands_its_batch_over_at_once(redis_server,
 def test_lines_wait_for_room_in_a_full_queue_and_are_answered_once(redis_server, redis_client, batch_queue, gateway, tmp_path):
     """A gateway whose queue bound (3 jobs) is far below the lines a batch has out (IN_FLIGHT):
     it submits what fits, again and again, lines of two choices straddling the bound; every line
-    is answered once, and no job is enqueued twice."""
+    is answered once, and no job is enqueued twice. Placement off: the bound is the shared
+    stream's, which placement bypasses while workers have room."""
     gateway.terminate()  # the module's gateway, unbounded, sits this one out
-    bounded = GatewayProcess(redis_server.url, tmp_path, *gateway_flags(batch_queue, "--max-queue-depth", "3"), name="bounded").start()
+    flags = gateway_flags(batch_queue, "--max-queue-depth", "3", "--no-placement")
+    bounded = GatewayProcess(redis_server.url, tmp_path, *flags, name="bounded").start()
     sdk = openai.OpenAI(base_url=f"{bounded.url}/v1", api_key="unused", max_retries=0)
     try:
         n = 16  # 24 jobs: the bound is met about 8 times, each refusal waited out for QUEUE_FULL_WAIT_S
         choices = [1 + i % 2 for i in range(n)]
-        before = redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"]
+        before = entries_added(redis_client, batch_queue)
         done = ended(sdk, run_batch(sdk, [chat_line(f"q{i}", f"room {i}", n=choices[i]) for i in range(n)]).id)
         assert done.status == "completed", done
         assert (done.request_counts.completed, done.request_counts.failed) == (n, 0)
@@ -242,7 +245,7 @@ def test_lines_wait_for_room_in_a_full_queue_and_are_answered_once(redis_server,
         assert {cid: [c["message"]["content"] for c in a["response"]["body"]["choices"]] for cid, a in output.items()} == {
             f"q{i}": [echo_of(f"room {i}")] * choices[i] for i in range(n)
         }
-        assert redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"] - before == sum(choices)
+        assert entries_added(redis_client, batch_queue) - before == sum(choices)
         assert "is full; line" in bounded.log()  # the runs met the bound, and waited
     finally:
         sdk.close()

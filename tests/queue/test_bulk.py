@@ -10,6 +10,7 @@ import pytest
 from producer_client import BulkQueueFull, Client, InvalidArgument, JobNotFound, JobTimeout, ResultWatch
 from producer_client.bulk import CHUNK, WINDOW
 from producer_client.keys import Keys
+from producer_client.placement import Placement
 from tests.support.clients import make_client
 from tests.support.workers import echo_workers
 
@@ -259,7 +260,7 @@ def test_an_enqueue_that_fails_takes_back_the_hashes_of_its_jobs():
     from producer_client import bulk
 
     jobs = bulk.build_jobs([{**spec, "request_id": f"r{i}"} for i, spec in enumerate(specs(3))] + specs(1))
-    steps = bulk.submit_steps(KEYS, "q", None, jobs)
+    steps = bulk.submit_steps(KEYS, "q", None, jobs, Placement(False))
     creates = commands_of(steps.send(None))
     assert [c[0] for c in creates] == ["evalsha"] * 3  # CREATE of the request ids first
     enqueue = commands_of(steps.send([1, 0, 1]))  # r1 is in the queue already

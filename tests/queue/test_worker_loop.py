@@ -173,6 +173,15 @@ def test_drain_finishes_running_jobs_and_leaves_unread_ones_in_the_stream(redis_
     assert [client.status(j).status for j in rest] == ["queued", "queued"]
     assert redis_client.xlen(KEYS.queue(queue)) == 2
     assert redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 0
+    assert not redis_client.exists(KEYS.worker(worker.name))
+    # With placement its name stays in the worker index, where the others find its own stream
+    # (jobs a producer placed on it late are stolen from there); without, it leaves the index too.
+    assert redis_client.zrange(KEYS.workers(queue), 0, -1) == [worker.name]
+
+
+def test_a_worker_without_placement_leaves_the_worker_index_when_it_stops(redis_server, queue, redis_client):
+    with serving(redis_server.url, queue, placement=False) as worker:
+        assert eventually(lambda: redis_client.zrange(KEYS.workers(queue), 0, -1) == [worker.name])
     assert redis_client.zrange(KEYS.workers(queue), 0, -1) == []
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from producer_client.keys import Keys
+import redis
+
+from producer_client.keys import GROUP, Keys
 
 
 def events(redis_client, job_id: str) -> list[tuple[str, str, dict]]:
@@ -41,3 +43,26 @@ def job_ids_in_queue(redis_client, queue: str) -> list[str]:
 def job_count(redis_client) -> int:
     """How many jobs exist in Redis: a request refused before its enqueue adds none."""
     return len(redis_client.keys(Keys().job("*")))
+
+
+def queue_streams(redis_client, queue: str) -> list[str]:
+    """The queue's shared stream and the own stream of every worker in its index (cache-aware
+    placement puts jobs there): every stream a job of the queue may be in."""
+    names = redis_client.zrange(Keys().workers(queue), 0, -1)
+    return [Keys().queue(queue), *(Keys().own_queue(queue, name) for name in names)]
+
+
+def entries_added(redis_client, queue: str) -> int:
+    """Entries ever added to the queue's streams (XINFO STREAM's entries-added, over them all)."""
+    return sum(
+        redis_client.xinfo_stream(stream)["entries-added"]
+        for stream in queue_streams(redis_client, queue) if redis_client.exists(stream)
+    )
+
+
+def pending_entries(redis_client, stream: str) -> list[dict]:
+    """XPENDING's rows of the stream (at most 100); none for a stream or group not created yet."""
+    try:
+        return redis_client.xpending_range(stream, GROUP, "-", "+", 100)
+    except redis.ResponseError:
+        return []

@@ -1,0 +1,159 @@
+"""Cache-aware placement, the producers' side (docs/architecture.md): which stream a job goes to.
+
+Stateless: a job's prompt gives a prefix key (the root of the prompt that later turns repeat), the
+queue's live workers are ordered by rendezvous hashing of that key, and the job goes to the first
+worker in that order whose load stays within a bound of the mean (consistent hashing with bounded
+loads, Mirrokni, Thorup and Zadimoghaddam, 2018). Every producer computes the same order from the
+same heartbeats, so producers that share no memory agree; the view of the workers is read at most
+every REFRESH_S, and what this producer placed since is counted in. A job no worker can take
+within the bound goes to the shared stream, as before placement. No I/O here: the clients run
+`view_steps` over their own connections."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from producer_client.keys import Keys
+from producer_client.schema import JobRequest
+from producer_client.steps import Steps, checked
+
+# How much of a prompt keys its placement. A chat's root (its system messages and tools, and the
+# first user message) is what every later turn repeats; a plain prompt or token ids have no
+# structure to find it by, so their start stands in for it.
+PREFIX_CHARS = 1024
+PREFIX_IDS = 256
+# A worker takes a job while its load is under LOAD_BOUND x the mean load (this job included):
+# the paper's 1 + epsilon. Lower spreads a hot prefix sooner; higher keeps it on fewer workers.
+LOAD_BOUND = 1.25
+# ... or within BALANCE_ABS jobs of the least loaded worker (SGLang's cache-aware router calls the
+# load imbalanced only past its balance_abs_threshold, 32 by default): at low load a batch of a few
+# more jobs costs an engine step little, a prefix computed again costs its whole prefill; and the
+# view's counts of what this producer placed only grow until it is read again, so a bound of the
+# mean alone would spill keys at random between reads.
+BALANCE_ABS = 32
+REFRESH_S = 0.5  # how stale the view of the workers may be
+
+
+class Placed(str, Enum):
+    """Where a job went: a worker's own stream, or the shared one."""
+
+    AFFINITY = "affinity"
+    SHARED = "shared"
+
+
+def prefix_key(request: JobRequest) -> bytes:
+    """A digest of the part of the prompt that the job most likely shares with earlier ones."""
+    if request.messages is not None:
+        root = []
+        for message in request.messages:
+            root.append(message.model_dump(mode="json", exclude_none=True))
+            if message.role == "user":
+                break
+        tools = [t.model_dump(mode="json", exclude_none=True) for t in request.tools or ()]
+        text = json.dumps([tools, root], sort_keys=True)
+    elif request.prompt is not None:
+        text = request.prompt[:PREFIX_CHARS]
+    else:
+        text = ",".join(map(str, request.input_ids[:PREFIX_IDS]))
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def rendezvous_score(key: bytes, worker: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key + worker.encode(), digest_size=8).digest(), "big")
+
+
+@dataclass
+class Candidate:
+    """A live worker that takes placed jobs: its slots, and its load (the jobs it runs, those
+    waiting in its stream, and those this producer placed on it since the view was read)."""
+
+    name: str
+    slots: int
+    load: int
+
+
+@dataclass
+class View:
+    read_at: float
+    candidates: list[Candidate] = field(default_factory=list)
+
+    def choose(self, key: bytes) -> Candidate | None:
+        """The first worker in the key's rendezvous order under the load bound, preferring one with
+        a free slot; None (the shared stream) with fewer than two workers or none under it. The
+        bound: LOAD_BOUND x the mean load, or the least load plus BALANCE_ABS, whichever is higher."""
+        if len(self.candidates) < 2:
+            return None
+        total = sum(c.load for c in self.candidates) + 1
+        least = min(c.load for c in self.candidates)
+        bound = max(math.ceil(LOAD_BOUND * total / len(self.candidates)), least + BALANCE_ABS)
+        order = sorted(self.candidates, key=lambda c: rendezvous_score(key, c.name), reverse=True)
+        under = [c for c in order if c.load < bound]
+        # Past its slots a job waits in the stream; past twice its slots the backlog is the shared
+        # stream's, where the queue's bound and its lag (what autoscalers read) see it.
+        return next((c for c in under if c.load < c.slots), None) or next((c for c in under if c.load < 2 * c.slots), None)
+
+
+def candidates_from(heartbeats: Iterable[dict[str, str]], lengths: Iterable[int], queue: str) -> list[Candidate]:
+    """The serving workers of `queue` that advertise placement, from their heartbeat hashes (empty:
+    expired) and the lengths of their own streams."""
+    found = []
+    for beat, length in zip(heartbeats, lengths):
+        if beat.get("queue") != queue or beat.get("state") != "serving" or beat.get("placement") != "1":
+            continue
+        try:
+            running, slots, held = int(beat["running"]), int(beat["slots"]), int(beat["placed_held"])
+        except (KeyError, ValueError):
+            continue  # a heartbeat this client cannot read places nothing
+        found.append(Candidate(beat["name"], max(1, slots), running + max(0, length - held)))
+    return found
+
+
+def read_view(keys: Keys, queue: str) -> Steps[View]:
+    """The queue's worker index, then each worker's heartbeat and own stream's length: two round
+    trips (on a cluster, each to every node concerned at once)."""
+    (names,) = checked((yield lambda pipe: pipe.zrange(keys.workers(queue), 0, -1)))
+
+    def add(pipe) -> None:
+        for name in names:
+            pipe.hgetall(keys.worker(name))
+            pipe.xlen(keys.own_queue(queue, name))
+
+    replies = checked((yield add)) if names else []
+    return View(time.monotonic(), candidates_from(replies[::2], replies[1::2], queue))
+
+
+class Placement:
+    """One client's placement: its view of each queue's workers, and how many jobs it placed each
+    way (the gateway exports them). `enabled` False sends every job to the shared stream;
+    `refresh_s` is how stale the view may get."""
+
+    def __init__(self, enabled: bool = True, refresh_s: float = REFRESH_S):
+        self.enabled = enabled
+        self.refresh_s = refresh_s
+        self.views: dict[str, View] = {}
+        self.placed = {outcome: 0 for outcome in Placed}
+
+    def streams_for(self, keys: Keys, queue: str, prefixes: list[bytes]) -> Steps[list[str | None]]:
+        """The worker stream key of each job (by its prefix_key), or None for the shared stream;
+        reads the view first when it is stale."""
+        if not self.enabled:
+            self.placed[Placed.SHARED] += len(prefixes)
+            return [None] * len(prefixes)
+        view = self.views.get(queue)
+        if view is None or time.monotonic() - view.read_at >= self.refresh_s:
+            view = self.views[queue] = yield from read_view(keys, queue)
+        return [self._place(view, prefix, keys, queue) for prefix in prefixes]
+
+    def _place(self, view: View, key: bytes, keys: Keys, queue: str) -> str | None:
+        chosen = view.choose(key)
+        if chosen is None:
+            self.placed[Placed.SHARED] += 1
+            return None
+        chosen.load += 1
+        self.placed[Placed.AFFINITY] += 1
+        return keys.own_queue(queue, chosen.name)
