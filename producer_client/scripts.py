@@ -61,7 +61,7 @@ if redis.call('HSETNX', KEYS[1], 'status', 'queued') == 1 then
   end
   return 1
 end
--- HGET, not HMGET: the producers' ACL user runs this script, and has HGET only (see README).
+-- HGET, not HMGET: the producers' ACL user runs this script, and has HGET only (see docs/security.md).
 local fingerprint = redis.call('HGET', KEYS[1], 'fingerprint')
 if fingerprint and ARGV[2] and ARGV[2] ~= '' and fingerprint ~= ARGV[2] then return -1 end
 if redis.call('HGET', KEYS[1], 'status') == 'queued' and not redis.call('HGET', KEYS[1], 'enqueued') then

@@ -5,7 +5,7 @@
 # GPU can run is reported SKIP (no CUDA). The stages are scripts/acceptance/stages/*.py.
 #
 # Usage: scripts/gpu_acceptance.sh [--rehearse] STAGE OUTDIR [--only STEP,...]
-#   STAGE: one of scripts/acceptance/stages ORDER (README.md, "GPU acceptance", has the plan and the table)
+#   STAGE: one of scripts/acceptance/stages ORDER (docs/gpu-acceptance.md has the plan and the table)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || { echo "gpu_acceptance.sh: no .venv; run scripts/bootstrap.sh (--offline DIR on a GPU host) first" >&2; exit 1; }

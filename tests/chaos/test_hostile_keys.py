@@ -1,4 +1,4 @@
-"""A producer with only the `mili-producer` rights of the README writes, next to a queue entry, a
+"""A producer with only the `mili-producer` rights of docs/security.md writes, next to a queue entry, a
 job's keys of the wrong type or shape: the job hash, its event stream, its done stream, fields
 and events no worker wrote, an entry of thousands of fields. Two worker processes (as
 `mili-worker`) serve the queue: each such job fails once with its code, its entry is
@@ -79,7 +79,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def hostile_setup(tmp_path_factory):
-    """The README's users, and two echo workers connected as mili-worker."""
+    """The users of docs/security.md, and two echo workers connected as mili-worker."""
     log_dir = tmp_path_factory.mktemp("hostile")
     with acl_server() as server:
         workers = [

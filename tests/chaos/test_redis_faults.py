@@ -4,7 +4,7 @@ file runs it), a restart with no persistence, memory full (maxmemory reached and
 server turned read-only and back, SCRIPT FLUSH, and every client connection killed. The workers
 ride out each one without restarting, and every job whose submit returned ends exactly once with
 its whole output, except, after the empty restart, jobs whose keys Redis itself lost: those are
-not found, as the README's failure table says."""
+not found, as docs/failure-semantics.md's table says."""
 from __future__ import annotations
 
 import threading

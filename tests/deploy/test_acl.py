@@ -1,4 +1,4 @@
-"""The README's ACL split, run as written against a real redis-server: a producer user can do
+"""The ACL split of docs/security.md, run as written against a real redis-server: a producer user can do
 everything the client does and nothing a worker does; a worker user can run the queue loop
 and the healthcheck, and nothing outside the `mili:` prefix; a gateway user runs a batch of the
 Batch API and can do no more than a producer to a job."""
@@ -24,7 +24,7 @@ from worker.settings import WorkerSettings
 
 @pytest.fixture
 def acl_redis():
-    """A TCP redis-server with the README's users; the default user stays the admin."""
+    """A TCP redis-server with the documented users; the default user stays the admin."""
     with acl_server() as server:
         yield server
 

@@ -1,6 +1,6 @@
-"""The README's Operations section says what the code does: its settings
-table is the settings model, its metrics table is what a worker exports, its sizing example is
-the KV pool's arithmetic, and every file it names exists."""
+"""docs/operations.md says what the code does: its settings table is the settings model, its
+metrics table is what a worker exports, its sizing example is the KV pool's arithmetic; and every
+file the README and docs/ name exists."""
 from __future__ import annotations
 
 import argparse
@@ -16,12 +16,13 @@ from worker.engine.settings import EngineSettings
 from worker.model.presets import PRESETS
 from worker.settings import WorkerSettings, add_setting_flags
 
-DOC = (ROOT / "README.md").read_text()
+DOC = (ROOT / "docs" / "operations.md").read_text()
+ALL_DOCS = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
 
 
 def table_rows(heading: str) -> list[list[str]]:
-    """The cells of the first table under `### heading`, header and rule left out."""
-    section = DOC.split(f"### {heading}\n", 1)[1].split("\n### ", 1)[0]
+    """The cells of the first table under `## heading`, header and rule left out."""
+    section = re.split(rf"^## {re.escape(heading)}\n", DOC, maxsplit=1, flags=re.M)[1].split("\n## ", 1)[0]
     lines = [line for line in section.splitlines() if line.startswith("|")]
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
 
@@ -106,7 +107,7 @@ def test_the_redis_command_matches_the_compose_redis():
 
 
 @pytest.mark.parametrize("path", sorted({
-    p.rstrip("/") for p in re.findall(r"`((?:docker|config|docs)/[^`\s]*|\.dockerignore)`", DOC)
+    p.rstrip("/") for p in re.findall(r"`((?:docker|config|docs)/[^`\s]*|\.dockerignore)`", ALL_DOCS)
 }))
 def test_every_file_it_names_exists(path):
     assert (ROOT / path).exists()

@@ -1,6 +1,6 @@
-"""The README's ACL users on a real redis-server, for the tests that act with only the rights a
-role has (tests/deploy/test_acl.py, the hostile-producer tests): the `ACL SETUSER` lines are read
-from README.md, so the tests hold the README to its word."""
+"""The ACL users of docs/security.md on a real redis-server, for the tests that act with only the
+rights a role has (tests/deploy/test_acl.py, the hostile-producer tests): the `ACL SETUSER` lines
+are read from docs/security.md, so the tests hold the docs to their word."""
 from __future__ import annotations
 
 import re
@@ -13,12 +13,12 @@ import redis
 
 from worker.embedded_redis import EmbeddedRedis, free_port
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SECURITY_DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 PASSWORDS = {"PRODUCER_PASSWORD": "producer-secret", "WORKER_PASSWORD": "worker-secret", "GATEWAY_PASSWORD": "gateway-secret"}
 
 
 def acl_commands() -> list[list[str]]:
-    lines = re.findall(r"^ACL SETUSER .+$", README.read_text(), flags=re.M)
+    lines = re.findall(r"^ACL SETUSER .+$", SECURITY_DOC.read_text(), flags=re.M)
     assert len(lines) == 3, lines
     for placeholder, password in PASSWORDS.items():
         lines = [line.replace(placeholder, password) for line in lines]
@@ -27,7 +27,7 @@ def acl_commands() -> list[list[str]]:
 
 @contextmanager
 def acl_server() -> Iterator[dict]:
-    """A TCP redis-server with the README's users; the default user stays the admin. Yields the
+    """A TCP redis-server with the documented users; the default user stays the admin. Yields the
     admin client and each role's URL."""
     with EmbeddedRedis(port=free_port()) as server:
         admin = redis.Redis.from_url(server.url, decode_responses=True)
