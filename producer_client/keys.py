@@ -55,7 +55,7 @@ class Keys:
         return f"{self.prefix}:dead:{{{queue}}}"
 
     def workers(self, queue: str) -> str:
-        """Sorted set of the queue's workers, scored by when their heartbeat goes stale."""
+        """Sorted set of the queue's workers, scored by the time of their latest heartbeat."""
         return f"{self.prefix}:workers:{{{queue}}}"
 
     def queues(self) -> str:
