@@ -71,12 +71,12 @@ def heartbeat(redis_client, queue: str, name: str, ttl_s: float) -> None:
 
 @pytest.mark.timing
 def test_a_heartbeat_turns_stale_past_half_its_ttl_and_gone_past_it(client, redis_client, queue):
-    ttl_s = 0.6
+    ttl_s = 1.2  # stale from 0.6 s, gone from 1.2 s: each reading is 0.3 s from the next condition
     heartbeat(redis_client, queue, f"{queue}-steady", ttl_s)
     heartbeat(redis_client, queue, f"{queue}-silent", ttl_s)
     conditions = {}
     started = time.monotonic()
-    for at in (0.1, 0.45, 0.9, 1.8, 3.0):  # inside half the TTL, past it, then past the TTL several times over
+    for at in (0.1, 0.9, 1.8, 3.6, 6.0):  # inside half the TTL, past it, then past the TTL several times over
         time.sleep(max(0.0, started + at - time.monotonic()))
         heartbeat(redis_client, queue, f"{queue}-steady", ttl_s)
         rows = {w.name: w for w in settle(client, client.inspect.workers()) if w.queue == queue}
@@ -84,7 +84,7 @@ def test_a_heartbeat_turns_stale_past_half_its_ttl_and_gone_past_it(client, redi
         silent = rows[f"{queue}-silent"]
         assert at - 0.1 <= silent.heartbeat_age_s < at + 0.5
     assert conditions == {
-        0.1: ("live", "live"), 0.45: ("live", "stale"), 0.9: ("live", "gone"), 1.8: ("live", "gone"), 3.0: ("live", "gone"),
+        0.1: ("live", "live"), 0.9: ("live", "stale"), 1.8: ("live", "gone"), 3.6: ("live", "gone"), 6.0: ("live", "gone"),
     }
     (steady,) = [w for w in settle(client, client.inspect.workers()) if w.name == f"{queue}-steady"]
     assert (steady.info.model, steady.info.running, steady.info.free_pages, steady.info.total_pages) == ("echo", 1, 10, 16)
