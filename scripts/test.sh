@@ -17,7 +17,7 @@ fi
 scripts/bootstrap.sh --dev
 
 first=0
-.venv/bin/python -m pytest tests -n 2 --dist loadgroup -m "$parallel" "$@" || first=$?
+.venv/bin/python -m pytest tests -n 2 --dist loadgroup -m "$parallel" --durations=30 "$@" || first=$?
 second=0
 .venv/bin/python -m pytest tests -m "$serial" "$@" || second=$?
 # 5 is pytest's "no test selected": a pass that arguments such as -k left empty, not a failure
