@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from producer_client import protocol
+from producer_client import core
 from producer_client.chat_output import OutputDelta, OutputFormat, OutputParser
 from producer_client.schema import TokenDelta
 
@@ -19,7 +19,7 @@ from producer_client.schema import TokenDelta
 class JobStream:
     def __init__(self, job_id: str, after: str):
         self.job_id = job_id
-        self.resume_after = event_order(protocol.check_event_id(after))
+        self.resume_after = event_order(core.check_event_id(after))
         self.last = "0-0"  # the last event read: the next read starts after it
         self.parser: OutputParser | None = None
         self.end: str | None = None  # the result JSON, once the end event is read
@@ -34,7 +34,7 @@ class JobStream:
             self._start(json.loads(fields["data"]))
             return []
         if kind == "tokens":
-            delta = protocol.token_delta(event_id, fields["data"], None if self.parser is None else self._split)
+            delta = core.token_delta(event_id, fields["data"], None if self.parser is None else self._split)
             return [delta] if shown else []
         if kind == "end":
             self.end = fields["data"]

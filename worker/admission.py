@@ -13,7 +13,7 @@ import redis
 
 from producer_client.chat_output import OutputFormat
 from producer_client.errors import MiliError
-from producer_client.protocol import entry_time
+from producer_client.core import entry_time
 from worker.holdings import EngineAPI, Holdings
 from worker.jobs import (
     Delivery, InternalError, InvalidJob, Job, Poison, constraint_of, final_result, parse_request, render_prompt,

@@ -70,7 +70,7 @@ class Holdings:
         return job
 
     def detach(self, job_id: str) -> None:
-        """Redis lost the job's entry: it runs on with none (see ADOPT in worker/scripts.py)."""
+        """Redis lost the job's entry: it runs on with none (see ADOPT in producer_client/protocol/worker.py)."""
         job = self.find(job_id)
         if job is not None:
             job.entry_id = None

@@ -13,7 +13,7 @@ from producer_client.chat import tool_names
 from producer_client.chat_output import THINK_CLOSE, THINK_OPEN, ChatOutput, OutputFormat, OutputParser, Reasoning, parse_output
 from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
 from producer_client.keys import NAME_PATTERN, PROTOCOL_VERSION
-from producer_client.protocol import entry_time
+from producer_client.core import entry_time
 from producer_client.schema import (
     MAX_TOKEN_ID, ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage,
 )
@@ -110,9 +110,9 @@ class Feed:
 class Job:
     id: str
     # None once the job is detached from its entry: Redis lost the queue's group, and the worker
-    # runs the job on (see ADOPT in producer_client.scripts).
+    # runs the job on (see ADOPT in producer_client.protocol.worker).
     entry_id: str | None
-    run: str  # the fencing token of this worker's claim (see producer_client.scripts)
+    run: str  # the fencing token of this worker's claim (see producer_client.protocol.worker)
     request: JobRequest
     prompt_token_ids: list[int]
     queued_at: float  # on Redis's clock, as every time here

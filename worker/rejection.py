@@ -14,7 +14,7 @@ import logging
 
 from producer_client.errors import MiliError
 from producer_client.keys import PROTOCOL_VERSION
-from producer_client.protocol import entry_time
+from producer_client.core import entry_time
 from producer_client.schema import ErrorInfo
 from worker.holdings import Holdings
 from worker.jobs import Delivery, InternalError, InvalidJob, Job, Rejection, final_result, printable

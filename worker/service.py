@@ -34,7 +34,7 @@ import redis
 
 from producer_client.connection import is_fatal
 from producer_client.keys import Keys
-from producer_client.protocol import Replication
+from producer_client.core import Replication
 from producer_client.schema import ErrorInfo, JobResult, TokenLogprob, Usage
 from worker.admission import Admission
 from worker.holdings import EngineAPI, Holdings

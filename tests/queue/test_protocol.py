@@ -9,9 +9,9 @@ import pytest
 
 from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, UnsupportedVersion
 from producer_client.keys import GROUP, Keys, check_name
-from producer_client.protocol import queue_stats
+from producer_client.core import queue_stats
 from producer_client.schema import JobRequest
-from producer_client.protocol import entry_time
+from producer_client.core import entry_time
 from worker.jobs import job_id_of, parse_request, token_event
 from worker.queue import WorkerQueue
 from worker.replies import Look, Watched
