@@ -4,7 +4,6 @@ that take several round trips, written as steps (producer_client.steps). No I/O 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import re
@@ -22,12 +21,13 @@ from producer_client.errors import (
 from producer_client.keys import GROUP, Keys, check_name
 from producer_client import structured
 from producer_client.placement import prefix_key
+from producer_client.protocol.events import shown_tokens
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.script import ScriptCall
 from producer_client.steps import Steps, checked
 from producer_client.schema import (
     CHAT_OPTIONS, MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
-    TokenDelta, TokenLogprob, Timings, WorkerInfo, invalid_argument_from,
+    TokenDelta, Timings, WorkerInfo, invalid_argument_from,
 )
 
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -269,13 +269,9 @@ def finished(job_id: str, result_json: str) -> JobResult:
 
 def token_delta(event_id: str, data: str, split: Callable[[str], dict[str, Any]] | None = None) -> TokenDelta:
     """A `tokens` event as a TokenDelta; `split` turns its text into a chat's fields (JobStream)."""
-    payload = json.loads(data)
-    logprobs = payload.get("logprobs")
+    payload = shown_tokens(data)
     text = {"text": payload["text"]} if split is None else split(payload["text"])
-    return TokenDelta(
-        event_id=event_id, token_ids=payload["ids"],
-        logprobs=None if logprobs is None else [TokenLogprob.model_validate(lp) for lp in logprobs], **text,
-    )
+    return TokenDelta(event_id=event_id, token_ids=payload["ids"], logprobs=payload["logprobs"], **text)
 
 
 def job_status(job_id: str, fields: dict[str, str], redis_time: tuple[int, int]) -> JobStatus:

@@ -4,16 +4,15 @@ the tokens earlier runs recorded, expired, failed with its error code, or dead-l
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 import uuid
 
 import redis
 
-from producer_client.chat_output import OutputFormat
 from producer_client.errors import MiliError
 from producer_client.core import entry_time
+from producer_client.protocol.events import encode_start
 from worker.holdings import EngineAPI, Holdings
 from worker.jobs import (
     Delivery, InternalError, InvalidJob, Job, Poison, constraint_of, final_result, parse_request, render_prompt,
@@ -21,7 +20,7 @@ from worker.jobs import (
 from worker.outbox import DeadLetter, Outbox, Receipts, Update
 from worker.queue import HANDED_OVER_IDLE_MS, RedisClock, WorkerQueue
 from worker.rejection import Rejections
-from worker.replies import ClaimOutcome
+from producer_client.protocol.replies import ClaimOutcome
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -163,7 +162,7 @@ class Admission:
             return
         update = self.outbox.for_job(job)
         if self.add_to_engine(job, update):
-            update.start = start_event(self.worker, now, job.resumed_tokens, job.output_format)
+            update.start = encode_start(self.worker, now, job.resumed_tokens, job.output_format)
 
     def _resume_all(self, resumed: list[tuple[Delivery, Job, int]]) -> None:
         try:
@@ -217,11 +216,3 @@ class Admission:
         final = final_result(d.job_id, "failed", "error", self.worker, self.clock.now(), entry_time(d.entry_id), error=error)
         self.outbox.add(Update(d.job_id, d.entry_id, run, recorded_tokens, final=final, dead_letter=letter))
 
-
-def start_event(worker: str, started_at: float, resumed_tokens: int, output_format: OutputFormat | None) -> str:
-    """A run's `start` event: who runs the job, since when, after how many recorded tokens, and
-    how a chat's output splits (readers of the stream parse its text with it: OutputParser)."""
-    event = {"worker": worker, "started_at": started_at, "resumed_tokens": resumed_tokens}
-    if output_format is not None:
-        event["output"] = output_format.model_dump(mode="json")
-    return json.dumps(event)

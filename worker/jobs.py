@@ -3,19 +3,18 @@ with a code), then the deltas it accumulates until its result. A reclaimed job s
 the tokens its event stream recorded."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, Field, field_validator
 
 from producer_client.chat import tool_names
 from producer_client.chat_output import THINK_CLOSE, THINK_OPEN, ChatOutput, OutputFormat, OutputParser, Reasoning, parse_output
 from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
 from producer_client.keys import NAME_PATTERN, PROTOCOL_VERSION
 from producer_client.core import entry_time
+from producer_client.protocol.events import EventType, resumed_start, resumed_tokens
 from producer_client.schema import (
-    MAX_TOKEN_ID, ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage,
+    ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage,
 )
 from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, tool_call_constraint
 
@@ -58,26 +57,6 @@ class Delivery:
 
     def __post_init__(self):
         self.job_id = job_id_of(self.entry_id, self.fields)
-
-
-class StartEvent(BaseModel):
-    """A run's `start` event as a resumed job reads it: a producer may write the event stream, so
-    what this worker takes over is validated like any input."""
-
-    started_at: float = Field(allow_inf_nan=False)
-
-
-class TokensEvent(BaseModel):
-    ids: list[int] = Field(strict=True)
-    text: str = Field(strict=True)
-    logprobs: list[TokenLogprob] | None = None
-
-    @field_validator("ids")
-    @classmethod
-    def _token_ids(cls, ids: list[int]) -> list[int]:
-        if any(not 0 <= t < MAX_TOKEN_ID for t in ids):
-            raise ValueError(f"token ids must be 0 to {MAX_TOKEN_ID - 1}")
-        return ids
 
 
 @dataclass
@@ -152,10 +131,10 @@ class Job:
         of them started and produced its first token."""
         starts = []
         for event_id, fields in events:
-            if fields.get("type") == "start":
-                starts.append(StartEvent.model_validate_json(fields.get("data", "")))
-            elif fields.get("type") == "tokens":
-                tokens = TokensEvent.model_validate_json(fields.get("data", ""))
+            if fields.get("type") == EventType.START:
+                starts.append(resumed_start(fields.get("data", "")))
+            elif fields.get("type") == EventType.TOKENS:
+                tokens = resumed_tokens(fields.get("data", ""))
                 if self.first_token_at is None and tokens.ids:
                     self.first_token_at = entry_time(event_id)
                 self.token_ids.extend(tokens.ids)
@@ -311,15 +290,3 @@ def printable(message: str) -> str:
     may be quoted in an error message, and must not make the result unwritable."""
     return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
-
-# json.dumps makes an encoder per call when given options; one made once serves every event.
-_json_text = json.JSONEncoder(ensure_ascii=False).encode
-
-
-def token_event(token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None) -> str:
-    """A tokens event's JSON, {"ids": [...], "text": "...", "logprobs": [...]}. Without logprobs
-    (most events) it is put together here: json.dumps of the whole dict costs twice as much."""
-    if logprobs is None:
-        return '{"ids":[' + ",".join(map(str, token_ids)) + '],"text":' + _json_text(text) + "}"
-    payload = {"ids": token_ids, "text": text, "logprobs": [lp.model_dump() for lp in logprobs]}
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))

@@ -11,7 +11,8 @@ from producer_client.keys import Keys
 from producer_client.protocol import worker as scripts
 from producer_client.protocol.script import ScriptCall
 from producer_client.schema import JobResult, TokenLogprob
-from worker.jobs import ENTRY_FIELDS, Job, token_event
+from producer_client.protocol.events import encode_tokens
+from worker.jobs import ENTRY_FIELDS, Job
 
 
 @dataclass
@@ -98,7 +99,7 @@ class Update:
         # A tokens event without ids (held-back text flushed at the end) only comes with the
         # final result, in the same atomic call: PUBLISH's token count check needs ids to
         # make a repeated call harmless.
-        tokens = token_event(self.token_ids, "".join(self.text), self.logprobs) if self.token_ids or any(self.text) else ""
+        tokens = encode_tokens(self.token_ids, "".join(self.text), self.logprobs) if self.token_ids or any(self.text) else ""
         final = (self.final.status, self.final.model_dump_json()) if self.final else ("", "")
         return scripts.publish(
             keys, self.job_id, self.run, self.start, tokens, self.tokens_before, self.tokens_before + len(self.token_ids),

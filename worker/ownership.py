@@ -10,14 +10,14 @@ import socket
 import time
 
 from producer_client.keys import PROTOCOL_VERSION
-from worker.admission import start_event
+from producer_client.protocol.events import encode_start
 from worker.holdings import EngineAPI, Holdings
 from worker.metrics import WorkerMetrics
 from worker.jobs import Feed
 from worker.outbox import Outbox, Update
 from worker.queue import RedisClock, WorkerQueue
 from worker.rejection import Rejections
-from worker.replies import Adopted
+from producer_client.protocol.replies import Adopted
 from worker.placement import advertised
 from worker.settings import WorkerSettings
 
@@ -121,7 +121,7 @@ class Ownership:
             # A chat's result holds its answer split from its reasoning and calls already: its
             # stream carries the answer as plain text, and the result the rest.
             started_at, fmt = final.timings.started_at, None
-        update = Update(job_id, None, run, 0, start=start_event(self.worker, started_at, 0, fmt), final=final)
+        update = Update(job_id, None, run, 0, start=encode_start(self.worker, started_at, 0, fmt), final=final)
         if job is not None:
             job.feed = Feed(streamed=job.feed.streamed)  # none of its output is in Redis now
             update.take(job)

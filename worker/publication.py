@@ -23,7 +23,7 @@ from worker.pace import Pace
 from worker.publisher import Publisher, Round
 from worker.queue import GroupLost, RedisClock, WorkerQueue, is_transient
 from worker.rejection import Rejections
-from worker.replies import Look, Published, PublishReply, UnknownReply, Watched
+from producer_client.protocol.replies import Look, Published, PublishReply, UnknownReply, Watched
 
 log = logging.getLogger(__name__)
 

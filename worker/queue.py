@@ -23,20 +23,19 @@ import redis
 from redis.backoff import NoBackoff
 
 from producer_client import connection
-from producer_client.protocol import execution
-from producer_client.connection import FATAL_ERRORS, Retry, reply_code
 from producer_client.cluster import is_cluster
-from producer_client.keys import GROUP, Keys
+from producer_client.connection import FATAL_ERRORS, Retry, reply_code
 from producer_client.core import Replication
-from producer_client.schema import JobResult
-from producer_client.protocol import producer
+from producer_client.keys import GROUP, Keys
+from producer_client.protocol import execution, producer
 from producer_client.protocol import worker as scripts
-from worker.jobs import Delivery, Job
-from worker.outbox import DeadLetter, Update
-from worker.replies import (
+from producer_client.protocol.replies import (
     Adopted, Claim, Failed, Look, Published, PublishReply, UnknownReply, parse_adopt, parse_claim, parse_fail,
     parse_publish, parse_watch,
 )
+from producer_client.schema import JobResult
+from worker.jobs import Delivery, Job
+from worker.outbox import DeadLetter, Update
 from worker.streams import QueueStreams, entry_ref
 
 log = logging.getLogger(__name__)

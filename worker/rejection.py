@@ -21,7 +21,7 @@ from worker.jobs import Delivery, InternalError, InvalidJob, Job, Rejection, fin
 from worker.metrics import WorkerMetrics
 from worker.outbox import DeadLetter, Receipts, Update
 from worker.queue import RedisClock, WorkerQueue, is_transient
-from worker.replies import Failed, UnknownReply
+from producer_client.protocol.replies import Failed, UnknownReply
 
 log = logging.getLogger(__name__)
 

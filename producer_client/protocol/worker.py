@@ -23,7 +23,7 @@ checkpoint_interval_s. The job's end also adds its result, the one entry it will
 Every script is safe to run twice, because a call whose reply was lost (the connection broke
 after Redis ran it) is retried: PUBLISH adds tokens only if the job's token count is still the
 one they follow and a `start` only once per run, DEADLETTER acts only on an entry still pending.
-What each answers is parsed in worker/replies.py; each script's call builder, at the end,
+What each answers is parsed in producer_client/protocol/replies.py; each script's call builder, at the end,
 owns its keys and argument order.
 """
 from __future__ import annotations

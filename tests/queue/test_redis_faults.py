@@ -22,7 +22,7 @@ from tests.support.polling import eventually
 from worker import queue as worker_queue
 from worker.embedded_redis import free_port
 from worker.queue import GroupLost, RedisClock, is_transient
-from worker.replies import Published, UnknownReply, parse_claim, parse_publish
+from producer_client.protocol.replies import Published, UnknownReply, parse_claim, parse_publish
 
 KEYS = Keys()
 
