@@ -156,7 +156,7 @@ class Probe:
     def record(self, outputs: list, at: float) -> None:
         for out in outputs:
             if out.new_token_ids:
-                job_id = out.request_id.rpartition("#")[0]
+                job_id = out.request_id.job_id
                 self.samples.setdefault(job_id, []).extend([at] * len(out.new_token_ids))
 
     def report(self) -> dict:

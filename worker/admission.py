@@ -15,6 +15,7 @@ from producer_client.core import entry_time
 from producer_client.protocol.events import encode_start
 from worker.holdings import EngineAPI, Holdings
 from worker.jobs import (
+    AdmissionId,
     Delivery, InternalError, InvalidJob, Job, Poison, constraint_of, final_result, parse_request, render_prompt,
 )
 from worker.outbox import DeadLetter, Outbox, Receipts, Update
@@ -128,10 +129,8 @@ class Admission:
 
     def add_to_engine(self, job: Job, update: Update) -> bool:
         """Hand the job to the engine, continuing after its tokens so far; a job the engine
-        refuses ends failed. Returns whether it is in the engine. Each admission gets a request id
-        of its own: the final output of an aborted earlier one (after a failed step, or a run this
-        worker lost and took back) must not be taken for this one's. `#` never occurs in job ids."""
-        job.engine_id = f"{job.id}#{next(self.admissions)}"
+        refuses ends failed. Returns whether it is in the engine."""
+        job.engine_id = AdmissionId(job.id, next(self.admissions))
         try:
             self.engine.add_request(
                 job.engine_id, job.prompt_token_ids, job.request.params, job.request.priority,

@@ -46,6 +46,20 @@ class InvalidJob(MiliError):
     code = "invalid_job"
 
 
+@dataclass(frozen=True, slots=True)
+class AdmissionId:
+    """One admission of a job to the engine: the engine's request id for it, which every output
+    carries back. Each admission has a number of its own, so that the final output of an aborted
+    earlier one (after a failed step, or a run this worker lost and took back) is never taken for
+    this one's."""
+
+    job_id: str
+    number: int
+
+    def __str__(self) -> str:  # the engine logs request ids
+        return f"{self.job_id}#{self.number}"
+
+
 @dataclass
 class Delivery:
     """A queue entry as this worker received it."""
@@ -102,8 +116,7 @@ class Job:
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | None = None  # why this worker aborted it: "cancel", "timeout" or "tool_call"
     resumed_tokens: int = 0  # tokens recorded by earlier runs when this one started
-    # The engine's request id for its latest admission (see Worker._add_to_engine).
-    engine_id: str = ""
+    engine_id: AdmissionId | None = None  # the engine's request id for the job's current admission
     # When the job times out: the `deadline` its producer's CREATE recorded, else its entry's
     # time plus timeout_s (an entry added without the client). None: no timeout.
     deadline: float | None = None

@@ -307,7 +307,7 @@ class Worker:
         probe = self.isolation.probe
         tokens = 0
         for out in outputs:
-            job = running.get(out.request_id.rpartition("#")[0])
+            job = running.get(out.request_id.job_id)
             if job is None or out.request_id != job.engine_id:
                 continue  # an aborted admission's last word
             if job is probe:

@@ -38,7 +38,7 @@ class RecordingEchoEngine(SlowEchoEngine):
         outputs = super().step()
         now = time.time()
         for out in outputs:
-            self.sampled.setdefault(out.request_id.rpartition("#")[0], []).extend([now] * len(out.new_token_ids))
+            self.sampled.setdefault(out.request_id.job_id, []).extend([now] * len(out.new_token_ids))
         return outputs
 
 
