@@ -52,7 +52,7 @@ def main() -> int:
     # sys.path: the measured tree takes its place, and its packages are the ones imported.
     sys.path[0] = tree
     from worker import __main__ as worker_main
-    from worker.echo_engine import EchoEngine
+    from worker.engine.echo import EchoEngine
     from worker.publication import Publication
     from worker.service import Worker
 

@@ -108,7 +108,7 @@ def parse_args() -> argparse.Namespace:
 
 def direct_latencies(jobs: int, max_tokens: int) -> list[float]:
     from producer_client import SamplingParams
-    from worker.echo_engine import EchoEngine
+    from worker.engine.echo import EchoEngine
     from worker.engine.settings import EngineSettings
 
     engine = EchoEngine(EngineSettings())

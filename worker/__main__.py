@@ -167,7 +167,7 @@ def load_engine(settings: WorkerSettings):
     """(engine, device) for the configured model; 'echo' is the model-free EchoEngine. The device
     of a tensor-parallel engine lists every rank's: cuda:0,cuda:1."""
     if settings.model == "echo":
-        from worker.echo_engine import EchoEngine, EchoScript
+        from worker.engine.echo import EchoEngine, EchoScript
 
         return EchoEngine(settings.engine, EchoScript.from_environment()), "cpu"
     import torch

@@ -13,7 +13,8 @@ import redis
 from producer_client.errors import MiliError
 from producer_client.core import entry_time
 from producer_client.protocol.events import encode_start
-from worker.holdings import EngineAPI, Holdings
+from worker.engine.interface import EngineAPI
+from worker.holdings import Holdings
 from worker.jobs import (
     AdmissionId,
     Delivery, InternalError, InvalidJob, Job, Poison, constraint_of, final_result, parse_request, render_prompt,

@@ -3,29 +3,12 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Hashable
-from typing import Any, Protocol
 
+from worker.engine.interface import EngineAPI
 from worker.jobs import Delivery, Job, Rejection
 from worker.outbox import Outbox
 
 log = logging.getLogger(__name__)
-
-
-class EngineAPI(Protocol):
-    """What the loop needs from an engine (worker.engine.Engine, or worker.echo_engine.EchoEngine)."""
-
-    tokenizer: Any
-
-    def add_request(
-        self, request_id: Hashable, prompt_token_ids: list[int], params: Any, priority: int = 0,
-        resume_token_ids: Any = (), constraint: Any = None,
-    ) -> None: ...
-    def step(self) -> list: ...
-    def abort(self, request_id: Hashable) -> bool: ...
-    def capacity(self) -> Any: ...
-    def has_unfinished(self) -> bool: ...
-    def stats(self) -> Any: ...
 
 
 class Holdings:

@@ -11,7 +11,8 @@ import time
 
 from producer_client.keys import PROTOCOL_VERSION
 from producer_client.protocol.events import encode_start
-from worker.holdings import EngineAPI, Holdings
+from worker.engine.interface import EngineAPI
+from worker.holdings import Holdings
 from worker.metrics import WorkerMetrics
 from worker.jobs import Feed
 from worker.outbox import Outbox, Update

@@ -37,7 +37,8 @@ from producer_client.keys import Keys
 from producer_client.core import Replication
 from producer_client.schema import ErrorInfo, JobResult, TokenLogprob, Usage
 from worker.admission import Admission
-from worker.holdings import EngineAPI, Holdings
+from worker.engine.interface import EngineAPI
+from worker.holdings import Holdings
 from worker.isolation import EngineError, FailureIsolation
 from worker.jobs import Job
 from worker.metrics import WorkerMetrics

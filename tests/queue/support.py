@@ -5,7 +5,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-from worker.echo_engine import EchoEngine
+from worker.engine.echo import EchoEngine
 from worker.metrics import WorkerMetrics
 from worker.queue import RedisClock, connect
 from worker.service import Worker

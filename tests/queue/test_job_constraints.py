@@ -8,7 +8,7 @@ import pytest
 from producer_client.chat_output import OutputFormat, Reasoning
 from producer_client.errors import InvalidArgument
 from producer_client.schema import JobRequest, SamplingParams
-from worker.echo_engine import EchoEngine
+from worker.engine.echo import EchoEngine
 from worker.engine.settings import EngineSettings
 from worker.jobs import constraint_of
 from worker.model.presets import resolve_model_path
