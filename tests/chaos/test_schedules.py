@@ -11,6 +11,9 @@ from tests.chaos.schedules import run_schedule
 from tests.support.redis_servers import RestartableRedis
 
 SCHEDULES = 100
+# One xdist process runs the whole module, in order: the last test reads what every schedule added
+# up in this process's TOTALS (and the schedules share one Redis).
+pytestmark = pytest.mark.xdist_group("chaos-schedules")
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,11 @@ from tqdm import tqdm
 
 from cli.batch_file import AnswerFiles, BatchFileRun, read_answers
 from producer_client import Client
-from producer_client.keys import Keys
-from tests.support.jobs import runs
+from tests.support.jobs import entries_added, runs
 from tests.support.polling import eventually
 from tests.support.processes import REPO
 from tests.support.workers import echo_workers
 
-KEYS = Keys()
 RUN_TIMEOUT_S = 180
 
 
@@ -109,7 +107,7 @@ def test_an_interrupted_run_is_finished_by_a_rerun_with_no_job_enqueued_or_run_t
     n = 300
     source = write_lines(tmp_path / "in.jsonl", [request_line(f"r{i}", f"line {i:04d} " * 12, 120) for i in range(n)])
     output, errors = tmp_path / "out.jsonl", tmp_path / "failed.jsonl"
-    before = redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"]
+    before = entries_added(redis_client, batch_queue)
 
     first = mili_batch(redis_server.url, batch_queue, str(source), "-o", str(output), "-e", str(errors), "--in-flight", "64")
     assert eventually(lambda: output.exists() and len(output.read_text().splitlines()) >= 30, timeout=RUN_TIMEOUT_S)
@@ -128,7 +126,7 @@ def test_an_interrupted_run_is_finished_by_a_rerun_with_no_job_enqueued_or_run_t
     assert errors.read_text() == ""
     # Every line's job was enqueued once and ran once, across both runs.
     job_ids = [a["response"]["request_id"] + "-0" for a in done.values()]
-    assert redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"] - before == n
+    assert entries_added(redis_client, batch_queue) - before == n
     assert all(len(runs(redis_client, job_id)) == 1 for job_id in job_ids)
 
 
@@ -138,13 +136,13 @@ def test_a_rerun_cuts_a_line_a_crash_left_half_written_and_answers_it_again(redi
     code, err = finish(mili_batch(redis_server.url, batch_queue, str(source), "-o", str(output)))
     assert code == 0, err
     whole = output.read_text()
-    added = redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"]
+    added = entries_added(redis_client, batch_queue)
     output.write_text(whole[: len(whole) - len(whole.splitlines()[-1]) // 2 - 1])  # the last line cut in half
     assert len(read_answers(output)) == 19
     code, err = finish(mili_batch(redis_server.url, batch_queue, str(source), "-o", str(output)))
     assert code == 0, err
     assert len(answers_by_id(output)) == 20
-    assert redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"] == added  # read back, not run again
+    assert entries_added(redis_client, batch_queue) == added  # read back, not run again
 
 
 def test_lines_wait_for_room_in_a_full_queue(redis_server, redis_client, batch_queue, workers, tmp_path):
@@ -152,14 +150,15 @@ def test_lines_wait_for_room_in_a_full_queue(redis_server, redis_client, batch_q
     n = 60
     source = write_lines(tmp_path / "in.jsonl", [request_line(f"f{i}", f"full {i}", 16) for i in range(n)])
     output, errors = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
-    before = redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"]
+    before = entries_added(redis_client, batch_queue)
     files = AnswerFiles(output, errors)
-    with Client(redis_server.url, batch_queue, max_queue_depth=5) as client, tqdm(disable=True) as bar:
+    # The bound is the shared stream's, which placement bypasses while the workers have room.
+    with Client(redis_server.url, batch_queue, max_queue_depth=5, placement=False) as client, tqdm(disable=True) as bar:
         tally = BatchFileRun(client, source, files, in_flight=50, bar=bar, stop=threading.Event()).run()
     files.close()
     assert (tally.done, tally.failed, tally.interrupted) == (n, 0, False)
     assert set(answers_by_id(output)) == {f"f{i}" for i in range(n)}
-    assert redis_client.xinfo_stream(KEYS.queue(batch_queue))["entries-added"] - before == n
+    assert entries_added(redis_client, batch_queue) - before == n
 
 
 def test_lines_holding_raw_line_separators_run_whole_and_a_rerun_reads_their_answers(redis_server, batch_queue, workers, tmp_path):
