@@ -82,7 +82,7 @@ class Admission:
                 "reclaimed %d entries idle over %d ms: %s", len(deliveries), self.settings.claim_idle_ms,
                 ", ".join(f"{d.job_id} (delivery {d.deliveries})" for d in deliveries),
             )
-        self.holdings.unadmitted += deliveries
+        self.holdings.take(deliveries)
 
     def min_idle_ms(self) -> int:
         """How long an entry must have gone unrefreshed for this worker to take it now."""
@@ -101,7 +101,7 @@ class Admission:
         runs = [f"{self.instance}:{next(self.claims)}" for _ in deliveries]
         prepared = [self._job_from_entry(d, run, now) for d, run in zip(deliveries, runs)]
         claims = self.queue.claim([(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)])
-        self.holdings.unadmitted = []
+        self.holdings.clear_unadmitted()
         resumed: list[tuple[Delivery, Job, int]] = []
         for d, run, job, claim in zip(deliveries, runs, prepared, claims):
             if isinstance(claim, Exception):
@@ -144,7 +144,7 @@ class Admission:
             log.info("job %s rejected by the engine: %s: %s", job.id, e.code, e.message)
             update.final = job.result("failed", "error", self.worker, self.clock.now(), error=e)
             return False
-        self.holdings.running[job.id] = job
+        self.holdings.start(job)
         return True
 
     def start_unless_expired(self, job: Job) -> None:
@@ -168,7 +168,7 @@ class Admission:
         try:
             events = self.queue.recorded_events([job.id for _, job, _ in resumed])
         except redis.RedisError:
-            self.holdings.unadmitted += [d for d, _, _ in resumed]  # claimed again at the next try, with a new run
+            self.holdings.take([d for d, _, _ in resumed])  # claimed again at the next try, with a new run
             raise
         for _, job, recorded_tokens in resumed:
             self._resume(job, events[job.id], recorded_tokens)

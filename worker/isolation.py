@@ -48,20 +48,20 @@ class FailureIsolation:
             culprit = live[0]
         self.probe = None
         for job in live:
-            del running[job.id]
+            self.holdings.finish(job.id)
             self.holdings.abort(job)
             if job is culprit:
                 log.warning("job %s fails: an engine step failed with it: %s", job.id, error.message)
                 self.outbox.for_job(job).final = job.result("failed", "error", self.worker, self.clock.now(), error=error)
             else:
-                self.holdings.suspects.append(job)
+                self.holdings.suspect(job)
         if self.holdings.suspects:
             log.warning("re-adding %d jobs one per step to find the one that makes steps fail", len(self.holdings.suspects))
 
     def try_next_suspect(self) -> None:
         if self.probe is not None or not self.holdings.suspects:
             return
-        job = self.holdings.suspects.popleft()
+        job = self.holdings.next_suspect()
         now = self.clock.now()
         if job.deadline is not None and now > job.deadline:
             self.outbox.for_job(job).final = job.result("done", "timeout", self.worker, now)

@@ -89,7 +89,7 @@ class Ownership:
         went with it: adopt each job (ADOPT) and run it on, detached from any entry. Nothing else
         can take such a job over, and its result reaches its producer as any other."""
         self.queue.ensure_group()
-        self.holdings.unadmitted = []  # their entries are gone with the group
+        self.holdings.clear_unadmitted()  # their entries are gone with the group
         self.holdings.detach_rejected()
         runs = self.holdings.runs()
         if runs:

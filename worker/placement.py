@@ -70,7 +70,7 @@ class TakeOver:
             )
         self.metrics.taken["reclaimed"].inc(len(reclaimed))
         self.metrics.taken["stolen"].inc(len(stolen))
-        self.holdings.unadmitted += reclaimed + stolen
+        self.holdings.take(reclaimed + stolen)
 
     def _take(self, room: int, min_idle_ms: int, steal_before_ms: int) -> tuple[list[Delivery], list[Delivery]]:
         """From the stream of every worker in the queue's index, this one's too (an earlier process

@@ -163,7 +163,7 @@ class Publication:
         """The job fails with internal_error, its tokens kept for the result; if even its final
         update gets an answer PUBLISH does not give, FAIL writes the failure (worker/rejection.py)."""
         log.error("job %s: %s", update.job_id, error)
-        job = self.holdings.running.pop(update.job_id, None)
+        job = self.holdings.finish(update.job_id)
         if update.final is not None or job is None:
             self.rejections.of_update(update, error)
             return

@@ -249,7 +249,7 @@ class Worker:
         own = sum(1 for d in read if owner_of(d.entry_id) is not None)
         self.metrics.taken["own"].inc(own)
         self.metrics.taken["shared"].inc(len(read) - own)
-        self.holdings.unadmitted += read
+        self.holdings.take(read)
         self.admission.admit()
 
     def _take_idle_entries(self) -> None:
@@ -317,7 +317,7 @@ class Worker:
                 tokens += len(out.new_token_ids)
                 self._record_delta(job, out, now, sampled_at)
             if out.finished:
-                del running[job.id]
+                self.holdings.finish(job.id)
                 self.outbox.for_job(job).final = self._final_result(job, out, now)
         self.metrics.generation_tokens.inc(tokens)
 
