@@ -75,14 +75,18 @@ return {'claimed', tonumber(tokens or '0')}
 
 # KEYS: job, events, done. ARGV: run token, start JSON, tokens JSON, tokens before them, tokens
 # after them, final status, result JSON, result TTL seconds; '' for what the step does not have.
-# Returns 'gone' (Redis has no hash of the job: it lost it, see ADOPT), 'ended' (the job has a
-# result from elsewhere: nothing changes, not even the event
-# stream; a second finisher changes nothing; 'written' again if this very result is the one
-# written, by this run: a call whose reply was lost), 'lost' (another run holds the job, or the recorded tokens are neither
-# those the update follows nor those it ends with, so this run's view and Redis's differ: nothing
-# changes), 'written' (the result is written), else 'cancel' (its cancel flag is up), 'followed'
-# (its streamed flag is up: a reader follows it, see FOLLOW) or 'ok'.
-# Recorded tokens equal to those the update ends with mean this very update was applied before.
+# Returns one of:
+#   'gone'     Redis has no hash of the job: it lost it (see ADOPT).
+#   'ended'    the job has a result from elsewhere (a second finisher): nothing changes, not even
+#              the event stream. This very result, written by this run (a call whose reply was
+#              lost), answers 'written' again instead.
+#   'lost'     another run holds the job, or the recorded tokens are neither those the update
+#              follows nor those it ends with (this run's view and Redis's differ): nothing
+#              changes. Recorded tokens equal to those the update ends with mean this very update
+#              was applied before.
+#   'written'  the result is written.
+#   else 'cancel' (its cancel flag is up), 'followed' (its streamed flag is up: a reader follows
+#   it, see FOLLOW) or 'ok'.
 PUBLISH = Script("publish", JOB_KEY_TYPES + """
 local status, result, run, recorded, started, cancel, streamed = unpack(
   redis.call('HMGET', KEYS[1], 'status', 'result', 'run', 'tokens', 'started', 'cancel', 'streamed'))
