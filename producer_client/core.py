@@ -302,7 +302,17 @@ def epoch_ms(redis_time: tuple[int, int]) -> int:
 
 def entry_time(entry_id: str) -> float:
     """When Redis added a stream entry: its id's milliseconds, in epoch seconds (Redis's clock)."""
-    return int(entry_id.split("-", 1)[0]) / 1000
+    return entry_ms(entry_id) / 1000
+
+
+def entry_ms(entry_id: str) -> int:
+    return int(entry_id.split("-", 1)[0])
+
+
+def entry_age_s(entry_id: str, now_ms: int) -> float:
+    """How long ago Redis added the entry, from its clock's milliseconds: subtracted as integers,
+    so an age of exactly 200 ms reads 0.2, not the 0.19999981 two epoch floats would give."""
+    return (now_ms - entry_ms(entry_id)) / 1000
 
 
 def queue_stats(queue: str, depth: int, groups: list[dict], names: list[str], alive: list[int]) -> QueueStats:

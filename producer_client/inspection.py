@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from producer_client.dead_letters import DeadLetterNotFound
 from producer_client.dead_letters import find as find_letter
 from producer_client.keys import GROUP, Keys
-from producer_client.core import check_limit, entry_time, epoch_ms, queue_stats
+from producer_client.core import check_limit, entry_age_s, epoch_ms, queue_stats
 from producer_client.schema import JobStatus, WorkerInfo
 from producer_client.steps import Steps, checked
 
@@ -137,12 +137,12 @@ def overview(keys: Keys, queue: str) -> Steps[QueueOverview]:
     stats = queue_stats(queue, depth, groups, [], [])
     after = _last_delivered(groups)
     (oldest,) = checked((yield lambda pipe: pipe.xrange(stream, after, "+", count=1)))
-    at = epoch_ms(now) / 1000
+    now_ms = epoch_ms(now)
     return QueueOverview(
         queue=queue, depth=depth, pending=stats.pending, waiting=stats.waiting, dead=dead,
-        oldest_waiting_s=at - entry_time(oldest[0][0]) if oldest else None,
+        oldest_waiting_s=entry_age_s(oldest[0][0], now_ms) if oldest else None,
         processed=None if info is None or "entries-added" not in info else info["entries-added"] - info["length"],
-        at=at,
+        at=now_ms / 1000,
     )
 
 
@@ -152,9 +152,9 @@ def waiting(keys: Keys, queue: str, limit: int) -> Steps[list[WaitingJob]]:
     checked([now])
     start = _last_delivered(groups if _exists(groups) else [])
     (entries,) = checked((yield lambda pipe: pipe.xrange(stream, start, "+", count=limit)))
-    at = epoch_ms(now) / 1000
+    now_ms = epoch_ms(now)
     return [
-        WaitingJob(queue=queue, job_id=fields.get("id", ""), entry_id=entry_id, waited_s=at - entry_time(entry_id), fields=fields)
+        WaitingJob(queue=queue, job_id=fields.get("id", ""), entry_id=entry_id, waited_s=entry_age_s(entry_id, now_ms), fields=fields)
         for entry_id, fields in entries
     ]
 

@@ -240,6 +240,18 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """)
 
+# Prepended to the scripts that read a worker's own stream (KEYS[1], group ARGV[1]): the group's
+# last-delivered id, or nil when Redis has no such group (it lost it, or none was made yet).
+LAST_DELIVERED = """
+local function last_delivered()
+  for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+    local info = {}
+    for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
+    if info['name'] == ARGV[1] then return info['last-delivered-id'] end
+  end
+end
+"""
+
 # KEYS: one worker's own stream (cache-aware placement: docs/architecture.md). ARGV: group, consumer,
 # min idle ms, steal before (epoch ms on Redis's clock; 0: steal nothing), count. Takes up to `count`
 # entries of the stream: first those pending longer than `min idle` (their owner died or stalled,
@@ -248,14 +260,9 @@ return 1
 # another type is passed over (a producer may write it), and one whose group Redis lost is given a
 # new one from its start, so that entries of a worker that died meanwhile are still taken. Returns
 # {{{id, {field, value...}, deliveries}...} reclaimed, {{id, {field, value...}}...} stolen}.
-TAKE_OVER = Script("take_over", """
+TAKE_OVER = Script("take_over", LAST_DELIVERED + """
 if redis.call('TYPE', KEYS[1]).ok ~= 'stream' then return {{}, {}} end
-local last
-for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-  local info = {}
-  for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
-  if info['name'] == ARGV[1] then last = info['last-delivered-id'] end
-end
+local last = last_delivered()
 if not last then
   redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0')
   last = '0-0'
@@ -284,14 +291,9 @@ return {reclaimed, read[1][2]}
 # TAKE_OVER, given the same arguments, would take anything: 1 or 0. Reads only, so that a worker with
 # room asks every worker's stream in one pipeline and runs TAKE_OVER (which takes no more than it
 # has room for, and so goes one stream at a time) only where there is something to take.
-TAKEABLE = Script("takeable", """
+TAKEABLE = Script("takeable", LAST_DELIVERED + """
 if redis.call('TYPE', KEYS[1]).ok ~= 'stream' then return 0 end
-local last
-for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-  local info = {}
-  for i = 1, #group, 2 do info[group[i]] = group[i + 1] end
-  if info['name'] == ARGV[1] then last = info['last-delivered-id'] end
-end
+local last = last_delivered()
 if not last then
   if redis.call('XLEN', KEYS[1]) > 0 then return 1 end
   return 0

@@ -35,7 +35,9 @@ from tests.structured_schemas import MAX_TOKENS, SCHEMAS
 KEYS = Keys()
 QUEUE = "structured"
 FLAGS = ("--max-running", "16", "--max-model-len", "512")
-RECLAIM = ("--claim-idle-ms", "2000", "--reclaim-interval-s", "0.2")
+# Tokens recorded many times over during a job, so the kill lands between checkpoints of jobs still
+# running (at the default 1 s a job can end before its second checkpoint).
+RECLAIM = ("--claim-idle-ms", "2000", "--reclaim-interval-s", "0.2", "--checkpoint-interval-s", "0.1")
 FREE = [  # jobs without a format in the same batch: their tokens must be what they are alone
     dict(prompt="The queue's free job one", max_tokens=12, temperature=0.0, ignore_eos=True),
     dict(prompt="The queue's free job two", max_tokens=12, temperature=1.0, seed=11, ignore_eos=True),
@@ -219,8 +221,8 @@ def test_kill_9_mid_generation_resumes_each_constrained_job_to_the_uninterrupted
             ids = [client.submit(**spec) for spec in specs]
 
             def victim_generating() -> bool:
-                jobs = [redis_client.hmget(KEYS.job(j), "worker", "tokens") for j in ids]
-                return sum(w == victim.name and int(t or 0) >= 6 for w, t in jobs) >= 2
+                jobs = [redis_client.hmget(KEYS.job(j), "worker", "status", "tokens") for j in ids]
+                return sum(w == victim.name and s == "running" and int(t or 0) >= 6 for w, s, t in jobs) >= 2
 
             assert eventually(victim_generating, timeout=180), victim.log()
             victim.process.kill()

@@ -128,6 +128,23 @@ def test_a_resumed_constrained_request_replays_its_tokens_into_a_fresh_matcher(m
     jsonschema.validate(json.loads(text_of(whole)), PERSON)
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0, seed=9)], ids=["greedy", "seeded"])
+def test_a_request_resumed_with_tokens_that_complete_its_grammar_ends_at_once_as_stop(make_tiny_engine, params):
+    # The run died after reading the token that completed the grammar, before the step that ends it.
+    engine = make_tiny_engine()
+    prompt = random_prompts(1, 4, 20, seed=46)[0]
+    whole, whole_final = run(engine, "whole", prompt, constrained(**params))
+    assert whole_final.new_token_ids == [] and whole_final.finish_reason == "stop"
+    before = engine.stats()
+    resumed, final = run(engine, "resumed", prompt, constrained(**params), resume=tokens_of(whole))
+    assert resumed == [([], final.text_delta)]  # its one output is the end: no token drawn again
+    assert text_of(whole[:-1]) + text_of(resumed) == text_of(whole)
+    assert (final.finish_reason, final.error) == ("stop", None)
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(prompt), len(tokens_of(whole)))
+    assert engine.stats().computed_tokens == before.computed_tokens  # nothing ran: not even its prefill
+    jsonschema.validate(json.loads(text_of(whole)), PERSON)
+
+
 def test_resume_tokens_the_grammar_refuses_fail_the_request(make_tiny_engine):
     engine = make_tiny_engine()
     bad = engine.tokenizer.encode('["not an object"]', add_special_tokens=False)

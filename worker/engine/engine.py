@@ -185,7 +185,8 @@ class Engine(OfflineGeneration):
         and reported (a job reclaimed from a worker that died). The request continues after
         them as if never interrupted: they count as output for usage, penalties, min_tokens
         and the seed's draws, a stop string they begin can still complete, and neither they
-        nor their text are reported again.
+        nor their text are reported again. Tokens that complete its grammar end it as "stop"
+        once the grammar compiles, with no new token.
 
         `constraint` holds the output to a grammar (worker.engine.grammar.constraint); without
         one, `params.response_format` gives it, from the first output token. It compiles on the
@@ -330,7 +331,8 @@ class Engine(OfflineGeneration):
 
     def _start_grammars(self, outputs: list[RequestOutput]) -> None:
         """Requests whose grammar compiled since the last step can be admitted now; one whose
-        grammar did not compile ends with the error."""
+        grammar did not compile ends with the error, and one resumed with tokens that complete
+        its grammar ends as "stop"."""
         compiling = []
         for req in self._compiling:
             if req.is_finished:
@@ -344,6 +346,8 @@ class Engine(OfflineGeneration):
                 req.finish("error", RequestError(error.code, error.message))
                 log.info("request %s: its grammar does not compile: %s", req.request_id, error.message)
                 outputs.append(self.reader.end(req, req.text.finish(), []))
+            elif req.grammar.complete:
+                outputs.append(self.reader.end_by_grammar(req))  # resumed after its output was whole
         self._compiling = compiling
 
     def _count_computed(self, chunks: list[ScheduledChunk]) -> None:

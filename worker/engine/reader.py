@@ -78,7 +78,7 @@ class StepReader:
         A request whose grammar ended before this token ends without it."""
         if req.grammar is not None and req.grammar.ended:
             del req.token_ids[index:]
-            return self._end_by_grammar(req)
+            return self.end_by_grammar(req)
         req.token_ids[index] = token
         if logprob is not None:
             req.logprobs.append(logprob)
@@ -93,7 +93,9 @@ class StepReader:
         self.scheduler.finish(req)
         return self.end(req, text, [token], logprobs)
 
-    def _end_by_grammar(self, req: Request) -> RequestOutput:
+    def end_by_grammar(self, req: Request) -> RequestOutput:
+        """Ends a request whose grammar ended: "stop" with no new token if the output is whole,
+        failed if the grammar refused it."""
         if req.grammar.error is not None:
             return self._fail(req, StructuredOutputError(req.grammar.error))
         req.finish("stop")

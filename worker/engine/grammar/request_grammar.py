@@ -5,7 +5,9 @@ The reader hands the matcher a token only when it takes it as the request's (Ste
 draw that is discarded (a request that ended while the token was in flight, non-finite logits),
 so there is nothing to roll back. A preempted request keeps its tokens and recomputes their KV,
 and its matcher stays where it was. A request added with the tokens of an earlier run (a resumed
-job) gets a fresh matcher that consumes them first, on the compile thread.
+job) gets a fresh matcher that consumes them first, on the compile thread. If they complete the
+grammar, that run was ending: it had read its last token and died before the end that follows
+one (below). The request starts complete and ends as "stop" once compiled, drawing nothing.
 
 The matcher consumes a token on the mask thread, just before it fills the request's next mask
 (masks.py), not on the loop: the token was drawn under the matcher's own mask, so it is known to
@@ -30,19 +32,18 @@ from worker.engine.grammar.constraint import Constraint, Phase
 class MatcherState:
     matcher: Any  # llguidance.LLMatcher
     phase: Phase  # where the output is: before, in or after its reasoning (constraint.Thinking)
+    complete: bool  # the tokens replayed into it completed the grammar
 
 
 def replayed(constraint: Constraint, tokens: Sequence[int], matcher: Any) -> MatcherState:
     """The matcher after the output tokens an earlier run produced; InvalidArgument if the grammar
-    refuses them, or if they complete it already (that run had ended)."""
+    refuses them."""
     phase = constraint.first_phase
     for n, token in enumerate(tokens, 1):
         phase, answers = constraint.after(phase, token)
         if answers and not matcher.consume_token(token):
             raise InvalidArgument("resume_token_ids", f"the grammar refuses token {n}: {matcher.get_error()}")
-    if matcher.is_stopped():
-        raise InvalidArgument("resume_token_ids", "the request had already ended: its output completes the grammar")
-    return MatcherState(matcher, phase)
+    return MatcherState(matcher, phase, matcher.is_stopped())
 
 
 class RequestGrammar:
@@ -77,7 +78,7 @@ class RequestGrammar:
             state = self._compiled.result()
         except MiliError as error:
             return error
-        self.matcher, self.phase = state.matcher, state.phase
+        self.matcher, self.phase, self.complete = state.matcher, state.phase, state.complete
         return None
 
     def take(self, token: int) -> None:
