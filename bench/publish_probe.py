@@ -53,13 +53,13 @@ def main() -> int:
     sys.path[0] = tree
     from worker import __main__ as worker_main
     from worker.engine.echo import EchoEngine
-    from worker.publication import Publication
-    from worker.service import Worker
+    from worker.loop.publication import Publication
+    from worker.loop.service import Worker
 
     if device_step_s:
         pace_like_a_device(EchoEngine, device_step_s)
     if inline:
-        from worker.publisher import Publisher
+        from worker.loop.publisher import Publisher
 
         send_inline(Publisher)
     probe = Probe(samples)

@@ -44,8 +44,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.measure import cpu_seconds, pct
-from worker.embedded_redis import EmbeddedRedis, free_port
 from producer_client import Client  # (the producers import nothing heavier)
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 PROMPT = "hello world"
 QUEUE = "bench"

@@ -17,12 +17,12 @@ from itertools import islice
 from typing import Any
 
 from producer_client import core
+from producer_client.core import NewJob
 from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound
 from producer_client.keys import Keys
 from producer_client.placement import Placement
-from producer_client.core import NewJob
-from producer_client.schema import JobResult
 from producer_client.protocol import producer as scripts
+from producer_client.schema import JobResult
 from producer_client.steps import Steps, checked
 
 CHUNK = 1000  # jobs per pipelined chunk: one ENQUEUE_MANY holds Redis for about a millisecond

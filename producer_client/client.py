@@ -10,17 +10,17 @@ from typing import Any
 import redis
 
 from producer_client import bulk, core, steps
-from producer_client.protocol import execution
-from producer_client.protocol import producer as scripts
 from producer_client.bulk import ResultWatch
 from producer_client.cluster import is_cluster
 from producer_client.connection import connect, parse_url, retry_policy
+from producer_client.core import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
 from producer_client.errors import JobNotFound, JobTimeout, QueueFull
 from producer_client.job_stream import JobStream
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.operator_views import OperatorViews
 from producer_client.placement import Placement
-from producer_client.core import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
+from producer_client.protocol import execution
+from producer_client.protocol import producer as scripts
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
 

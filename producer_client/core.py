@@ -14,21 +14,21 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from producer_client import structured
 from producer_client.connection import reply_code
 from producer_client.errors import (
     BodyTooLarge, IdempotencyConflict, InvalidArgument, JobNotFound, JobTimeout, NotReplicated,
 )
 from producer_client.keys import GROUP, Keys, check_name
-from producer_client import structured
 from producer_client.placement import prefix_key
-from producer_client.protocol.events import shown_tokens
 from producer_client.protocol import producer as scripts
+from producer_client.protocol.events import shown_tokens
 from producer_client.protocol.script import ScriptCall
-from producer_client.steps import Steps, checked
 from producer_client.schema import (
-    CHAT_OPTIONS, MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
-    TokenDelta, Timings, WorkerInfo, invalid_argument_from,
+    CHAT_OPTIONS, MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats,
+    SamplingParams, Timings, TokenDelta, WorkerInfo, invalid_argument_from,
 )
+from producer_client.steps import Steps, checked
 
 DEFAULT_URL = "redis://localhost:6379/0"
 DEFAULT_MAX_QUEUE_DEPTH = 10_000

@@ -9,10 +9,9 @@ again, to bring the parser to where that event left it.
 """
 from __future__ import annotations
 
-
 from producer_client import core
-from producer_client.protocol.events import EventType, shown_output_format
 from producer_client.chat_output import OutputDelta, OutputFormat, OutputParser
+from producer_client.protocol.events import EventType, shown_output_format
 from producer_client.schema import TokenDelta
 
 

@@ -13,7 +13,6 @@ from producer_client.cluster import is_cluster, topology_errors
 from producer_client.protocol.producer import PRODUCER_SCRIPTS
 from producer_client.protocol.script import Script
 
-
 Stack = list[tuple[tuple, dict]]  # recorded commands: (arguments, options) each
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 from producer_client.keys import PROTOCOL_VERSION, Keys
 from producer_client.protocol.script import Script, ScriptCall, job_keys
 
-
 # -- a job's keys ---------------------------------------------------------------------------------
 
 # KEYS: job. ARGV: timeout in ms (0 or none: no deadline), the request's fingerprint ('' or none:

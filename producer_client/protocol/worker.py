@@ -14,7 +14,7 @@ token. A run's first PUBLISH adds a `start` event; a claim of a job that has tok
 resumes it, and its worker continues from the recorded tokens.
 
 Event stream entries have two fields: `type` (start | tokens | end) and `data` (JSON). A worker
-publishes a job's output in pieces (worker/pace.py): one PUBLISH call carries the tokens of every
+publishes a job's output in pieces (worker/loop/pace.py): one PUBLISH call carries the tokens of every
 engine step since the last, so a reader blocked on the stream wakes once per piece, not once per
 token or step; a streamed job's piece is at most stream_interval_s old, any other job's at most
 checkpoint_interval_s. The job's end also adds its result, the one entry it will ever have, to its

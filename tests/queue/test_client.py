@@ -8,11 +8,11 @@ import pytest
 from redis.exceptions import NoScriptError
 
 from producer_client import AsyncClient, Client, InvalidArgument, JobNotFound, JobTimeout, QueueFull
-from producer_client.protocol import execution
 from producer_client.keys import GROUP, Keys
+from producer_client.protocol import execution
 from tests.support.clients import make_client
 from worker.embedded_redis import free_port
-from worker.queue import WorkerQueue
+from worker.loop.queue import WorkerQueue
 
 DEAD_URL = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens: any command would raise ConnectionError
 

@@ -14,18 +14,18 @@ import pytest
 import redis
 
 from producer_client import JobFailed, JobTimeout
+from producer_client.core import entry_time
 from producer_client.dead_letters import DeadLetterNotFound, NotRetryable
 from producer_client.errors import InvalidArgument
 from producer_client.keys import GROUP, Keys
-from producer_client.core import entry_time
-from producer_client.protocol.script import job_keys
-from producer_client.schema import JobResult
 from producer_client.protocol.execution import execute
 from producer_client.protocol.producer import RETRY
-from worker.jobs import Poison, final_result
-from worker.outbox import DeadLetter as WorkerDeadLetter
+from producer_client.protocol.script import job_keys
 from producer_client.protocol.worker import CLAIM, PUBLISH, WORKER_SCRIPTS, deadletter
-from worker.streams import DEAD_LETTER_MAXLEN
+from producer_client.schema import JobResult
+from worker.loop.jobs import Poison, final_result
+from worker.loop.outbox import DeadLetter as WorkerDeadLetter
+from worker.loop.streams import DEAD_LETTER_MAXLEN
 
 KEYS = Keys()
 TTL_S = 60

@@ -10,11 +10,11 @@ from contextlib import ExitStack
 import pytest
 
 from producer_client import BulkQueueFull, Client, core
-from producer_client.protocol import execution
 from producer_client.keys import GROUP, Keys
 from producer_client.placement import (
     PREFIX_CHARS, Candidate, Placed, Placement, View, candidates_from, prefix_key, rendezvous_score,
 )
+from producer_client.protocol import execution
 from producer_client.schema import JobRequest
 from tests.queue.support import GatedWorker, serving
 from tests.support.fixtures import on_modes

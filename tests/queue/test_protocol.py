@@ -7,15 +7,14 @@ import sys
 import fakeredis
 import pytest
 
+from producer_client.core import entry_age_s, entry_time, queue_stats
 from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, UnsupportedVersion
 from producer_client.keys import GROUP, Keys, check_name
-from producer_client.core import queue_stats
-from producer_client.schema import JobRequest
-from producer_client.core import entry_age_s, entry_time
 from producer_client.protocol.events import encode_tokens
-from worker.jobs import job_id_of, parse_request
-from worker.queue import WorkerQueue
 from producer_client.protocol.replies import Look, Watched
+from producer_client.schema import JobRequest
+from worker.loop.jobs import job_id_of, parse_request
+from worker.loop.queue import WorkerQueue
 
 LIMITS = dict(max_body_bytes=1000, max_tokens_limit=64)
 

@@ -13,15 +13,15 @@ import pytest
 
 from producer_client import JobFailed
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
-from producer_client.protocol.script import job_keys
-from producer_client.schema import JobRequest
 from producer_client.protocol.execution import execute
+from producer_client.protocol.script import job_keys
+from producer_client.protocol.worker import CLAIM, PUBLISH, RELEASE, WORKER_SCRIPTS
+from producer_client.schema import JobRequest
 from tests.queue.support import SlowEchoEngine, outcome_count, serving
 from tests.support.clients import make_client
 from tests.support.jobs import assert_one_final_result, events, runs, tokens_published
 from tests.support.polling import eventually
-from worker.outbox import Update
-from producer_client.protocol.worker import CLAIM, PUBLISH, RELEASE, WORKER_SCRIPTS
+from worker.loop.outbox import Update
 
 KEYS = Keys()
 # Small enough for quick tests, and ten heartbeats of `serving` (0.05 s): a busy machine that

@@ -10,12 +10,14 @@ import pytest
 import redis
 
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
-from producer_client.schema import JobResult
 from producer_client.protocol.execution import execute
 from producer_client.protocol.producer import CANCEL, CREATE, ENQUEUE, PRODUCER_SCRIPTS
-from worker.outbox import DeadLetter
-from producer_client.protocol.worker import CLAIM, DEADLETTER, FAIL, PUBLISH, RECLAIM, REFRESH, RELEASE, WORKER_SCRIPTS, deadletter
-from worker.streams import DEAD_LETTER_MAXLEN
+from producer_client.protocol.worker import (
+    CLAIM, DEADLETTER, FAIL, PUBLISH, RECLAIM, REFRESH, RELEASE, WORKER_SCRIPTS, deadletter,
+)
+from producer_client.schema import JobResult
+from worker.loop.outbox import DeadLetter
+from worker.loop.streams import DEAD_LETTER_MAXLEN
 
 KEYS = Keys()
 ALL = (*PRODUCER_SCRIPTS, *WORKER_SCRIPTS)

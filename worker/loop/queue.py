@@ -34,9 +34,9 @@ from producer_client.protocol.replies import (
     parse_publish, parse_watch,
 )
 from producer_client.schema import JobResult
-from worker.jobs import Delivery, Job
-from worker.outbox import DeadLetter, Update
-from worker.streams import QueueStreams, entry_ref
+from worker.loop.jobs import Delivery, Job
+from worker.loop.outbox import DeadLetter, Update
+from worker.loop.streams import QueueStreams, entry_ref
 
 log = logging.getLogger(__name__)
 

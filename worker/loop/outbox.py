@@ -1,7 +1,7 @@
 """What a worker has to tell Redis and has not yet: one update per job (its output since its last
 publication, its final result), in the outbox until Redis has answered a publication of it (a
 running job's newest output waits in the job itself until its publication is due: see
-worker/pace.py); and the receipts of settled entries: acknowledgements, and dead letters
+worker/loop/pace.py); and the receipts of settled entries: acknowledgements, and dead letters
 (entries that go to the dead-letter stream instead)."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 from producer_client.keys import Keys
 from producer_client.protocol import worker as scripts
+from producer_client.protocol.events import encode_tokens
 from producer_client.protocol.script import ScriptCall
 from producer_client.schema import JobResult, TokenLogprob
-from producer_client.protocol.events import encode_tokens
-from worker.jobs import ENTRY_FIELDS, Job
+from worker.loop.jobs import ENTRY_FIELDS, Job
 
 
 @dataclass

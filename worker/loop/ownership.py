@@ -11,42 +11,28 @@ import time
 
 from producer_client.keys import PROTOCOL_VERSION
 from producer_client.protocol.events import encode_start
-from worker.engine.interface import EngineAPI
-from worker.holdings import Holdings
-from worker.metrics import WorkerMetrics
-from worker.jobs import Feed
-from worker.outbox import Outbox, Update
-from worker.queue import RedisClock, WorkerQueue
-from worker.rejection import Rejections
 from producer_client.protocol.replies import Adopted
-from worker.placement import advertised
-from worker.settings import WorkerSettings
+from worker.loop.context import LoopContext
+from worker.loop.jobs import Feed
+from worker.loop.outbox import Update
+from worker.loop.placement import advertised
+from worker.loop.rejection import Rejections
 
 log = logging.getLogger(__name__)
 
 
 class Ownership:
-    def __init__(
-        self, queue: WorkerQueue, engine: EngineAPI, holdings: Holdings, outbox: Outbox, rejections: Rejections,
-        metrics: WorkerMetrics, settings: WorkerSettings, clock: RedisClock, worker: str, device: str,
-        metrics_port: int | None,
-    ):
-        self.queue = queue
-        self.engine = engine
-        self.holdings = holdings
-        self.outbox = outbox
+    def __init__(self, ctx: LoopContext, rejections: Rejections, device: str, metrics_port: int | None):
+        self.queue, self.engine, self.holdings, self.outbox = ctx.queue, ctx.engine, ctx.holdings, ctx.outbox
+        self.metrics, self.settings, self.clock, self.worker = ctx.metrics, ctx.settings, ctx.clock, ctx.worker
         self.rejections = rejections
-        self.metrics = metrics
-        self.settings = settings
-        self.clock = clock
-        self.worker = worker
-        self.total_pages = engine.capacity().free_pages  # the engine is empty now
+        self.total_pages = ctx.engine.capacity().free_pages  # the engine is empty now
         self.next_heartbeat = 0.0
         # The consumer group must be created before the next read: at start, and whenever Redis
         # has lost it (then the jobs held here are adopted too).
         self.group_missing = True
         self.identity = {
-            "name": worker, "queue": settings.queue, "model": settings.model, "device": device,
+            "name": ctx.worker, "queue": ctx.settings.queue, "model": ctx.settings.model, "device": device,
             "host": socket.gethostname(), "pid": os.getpid(), "protocol": PROTOCOL_VERSION,
             "started_at": time.time(), "metrics_port": metrics_port or 0,
         }

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from worker.engine.interface import EngineAPI
-from worker.jobs import Delivery, Job, Rejection
-from worker.outbox import Outbox
+from worker.loop.jobs import Delivery, Job, Rejection
+from worker.loop.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ class Holdings:
     admitted (its claim not settled), running in the engine, out of the engine after a failed
     step (a suspect), ended with an update Redis has not seen (in the outbox, which also holds
     the published output of running jobs that Redis has not answered yet), or rejected for its
-    keys (see worker/rejection.py). Each held entry is refreshed with every heartbeat."""
+    keys (see worker/loop/rejection.py). Each held entry is refreshed with every heartbeat."""
 
     def __init__(self, engine: EngineAPI, outbox: Outbox):
         self.engine = engine
@@ -58,7 +58,7 @@ class Holdings:
         return self._running.pop(job_id, None)
 
     def suspect(self, job: Job) -> None:
-        """A job out of the engine after a failed step, to be tried again alone (worker/isolation.py)."""
+        """A job out of the engine after a failed step, to be tried again alone (worker/loop/isolation.py)."""
         self._suspects.append(job)
 
     def next_suspect(self) -> Job:

@@ -5,11 +5,9 @@ from __future__ import annotations
 import logging
 
 from producer_client.errors import MiliError
-from worker.admission import Admission
-from worker.holdings import Holdings
-from worker.jobs import Job
-from worker.outbox import Outbox
-from worker.queue import RedisClock
+from worker.loop.admission import Admission
+from worker.loop.context import LoopContext
+from worker.loop.jobs import Job
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +25,9 @@ class FailureIsolation:
     cache, so that is cheap), each once the one before has produced output. A fault tied to a
     job's next position shows at its first step back, so it names its job."""
 
-    def __init__(self, holdings: Holdings, admission: Admission, outbox: Outbox, clock: RedisClock, worker: str):
-        self.holdings = holdings
+    def __init__(self, ctx: LoopContext, admission: Admission):
+        self.holdings, self.outbox, self.clock, self.worker = ctx.holdings, ctx.outbox, ctx.clock, ctx.worker
         self.admission = admission
-        self.outbox = outbox
-        self.clock = clock
-        self.worker = worker
         self.probe: Job | None = None  # the suspect re-added last: cleared once it produces output
 
     @property

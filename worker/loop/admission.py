@@ -10,41 +10,31 @@ import uuid
 
 import redis
 
-from producer_client.errors import MiliError
 from producer_client.core import entry_time
+from producer_client.errors import MiliError
 from producer_client.protocol.events import encode_start
-from worker.engine.interface import EngineAPI
-from worker.holdings import Holdings
-from worker.jobs import (
-    AdmissionId,
-    Delivery, InternalError, InvalidJob, Job, Poison, constraint_of, final_result, parse_request, render_prompt,
-)
-from worker.outbox import DeadLetter, Outbox, Receipts, Update
-from worker.queue import HANDED_OVER_IDLE_MS, RedisClock, WorkerQueue
-from worker.rejection import Rejections
 from producer_client.protocol.replies import ClaimOutcome
-from worker.settings import WorkerSettings
+from worker.loop.context import LoopContext
+from worker.loop.jobs import (
+    AdmissionId, Delivery, InternalError, InvalidJob, Job, Poison, constraint_of, final_result, parse_request,
+    render_prompt,
+)
+from worker.loop.outbox import DeadLetter, Update
+from worker.loop.queue import HANDED_OVER_IDLE_MS
+from worker.loop.rejection import Rejections
 
 log = logging.getLogger(__name__)
 
 
 class Admission:
-    def __init__(
-        self, queue: WorkerQueue, engine: EngineAPI, holdings: Holdings, outbox: Outbox, receipts: Receipts,
-        rejections: Rejections, settings: WorkerSettings, clock: RedisClock, worker: str,
-    ):
-        self.queue = queue
-        self.engine = engine
-        self.holdings = holdings
-        self.outbox = outbox
-        self.receipts = receipts
+    def __init__(self, ctx: LoopContext, rejections: Rejections):
+        self.queue, self.engine, self.holdings = ctx.queue, ctx.engine, ctx.holdings
+        self.outbox, self.receipts = ctx.outbox, ctx.receipts
+        self.settings, self.clock, self.worker = ctx.settings, ctx.clock, ctx.worker
         self.rejections = rejections
-        self.settings = settings
-        self.clock = clock
-        self.worker = worker
         self.next_reclaim = 0.0
         # Until then, only entries a drain handed over are taken (see reclaim).
-        self.takes_idle_entries_from = time.monotonic() + settings.claim_idle_ms / 1000
+        self.takes_idle_entries_from = time.monotonic() + ctx.settings.claim_idle_ms / 1000
         # Run tokens: this process's random prefix and a count, unique across workers and claims.
         self.instance = uuid.uuid4().hex[:12]
         self.claims = itertools.count()
@@ -61,7 +51,7 @@ class Admission:
     def defer_reclaims(self) -> None:
         """Take no idle entry for claim_idle_ms: Redis was out of reach, so every live worker's
         entries may look idle until it has refreshed them."""
-        self.takes_idle_entries_from = time.monotonic() + self.settings.claim_idle_ms / 1000
+        self.takes_idle_entries_from = time.monotonic() + self.ctx.settings.claim_idle_ms / 1000
 
     def reclaim(self, room: int) -> None:
         """Take entries of dead or stalled workers (idle longer than claim_idle_ms), no more than
