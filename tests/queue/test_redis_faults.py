@@ -20,7 +20,7 @@ from tests.queue.support import GatedWorker, outcome_count, serving
 from tests.support.clients import make_client
 from tests.support.jobs import assert_one_final_result, runs, tokens_published
 from tests.support.polling import eventually
-from worker import queue as worker_queue
+from worker.loop import queue as worker_queue
 from worker.embedded_redis import free_port
 from worker.loop.queue import GroupLost, RedisClock, is_transient
 

@@ -51,7 +51,7 @@ class Admission:
     def defer_reclaims(self) -> None:
         """Take no idle entry for claim_idle_ms: Redis was out of reach, so every live worker's
         entries may look idle until it has refreshed them."""
-        self.takes_idle_entries_from = time.monotonic() + self.ctx.settings.claim_idle_ms / 1000
+        self.takes_idle_entries_from = time.monotonic() + self.settings.claim_idle_ms / 1000
 
     def reclaim(self, room: int) -> None:
         """Take entries of dead or stalled workers (idle longer than claim_idle_ms), no more than
