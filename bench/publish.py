@@ -41,7 +41,6 @@ from tqdm import tqdm
 
 from bench.measure import cpu_seconds, pct
 from producer_client import AsyncClient, Client
-from producer_client.keys import Keys
 from worker.embedded_redis import EmbeddedRedis
 
 REPO = Path(__file__).resolve().parents[1]

@@ -52,14 +52,14 @@ def main() -> int:
     # sys.path: the measured tree takes its place, and its packages are the ones imported.
     sys.path[0] = tree
     from worker import __main__ as worker_main
-    from worker.echo_engine import EchoEngine
-    from worker.publication import Publication
-    from worker.service import Worker
+    from worker.engine.echo import EchoEngine
+    from worker.loop.publication import Publication
+    from worker.loop.service import Worker
 
     if device_step_s:
         pace_like_a_device(EchoEngine, device_step_s)
     if inline:
-        from worker.publisher import Publisher
+        from worker.loop.publisher import Publisher
 
         send_inline(Publisher)
     probe = Probe(samples)
@@ -156,7 +156,7 @@ class Probe:
     def record(self, outputs: list, at: float) -> None:
         for out in outputs:
             if out.new_token_ids:
-                job_id = out.request_id.rpartition("#")[0]
+                job_id = out.request_id.job_id
                 self.samples.setdefault(job_id, []).extend([at] * len(out.new_token_ids))
 
     def report(self) -> dict:

@@ -44,8 +44,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.measure import cpu_seconds, pct
-from worker.embedded_redis import EmbeddedRedis, free_port
 from producer_client import Client  # (the producers import nothing heavier)
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 PROMPT = "hello world"
 QUEUE = "bench"
@@ -108,7 +108,7 @@ def parse_args() -> argparse.Namespace:
 
 def direct_latencies(jobs: int, max_tokens: int) -> list[float]:
     from producer_client import SamplingParams
-    from worker.echo_engine import EchoEngine
+    from worker.engine.echo import EchoEngine
     from worker.engine.settings import EngineSettings
 
     engine = EchoEngine(EngineSettings())

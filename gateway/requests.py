@@ -14,7 +14,7 @@ from gateway.schema import (
     MAX_CHOICES, MESSAGE_KINDS, AssistantMessage, ChatCompletionRequest, CompletionRequest, GenerateRequest,
     SamplingRequest, TextPart, ToolMessage, Unsupported,
 )
-from producer_client import protocol
+from producer_client import core
 from producer_client.errors import InvalidArgument
 from producer_client.structured import check_format, format_from_json
 
@@ -59,7 +59,7 @@ class JobSpec:
 
     def check(self, timeout_s: float) -> None:
         """Validate as `submit` will, touching nothing: raises InvalidArgument."""
-        protocol.build_job(self.prompt, self.messages, self.input_ids, None, timeout_s, self.priority, self.sampling or {})
+        core.build_job(self.prompt, self.messages, self.input_ids, None, timeout_s, self.priority, self.sampling or {})
 
 
 def parse_body(model: type[Model], body: bytes | str) -> Model:

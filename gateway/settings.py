@@ -14,9 +14,9 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from producer_client.connection import parse_url
+from producer_client.core import DEFAULT_MAX_QUEUE_DEPTH
 from producer_client.keys import DEFAULT_PREFIX, check_name
 from producer_client.settings import TomlSettings
-from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH
 
 DEFAULT_CONFIG_FILE = Path(__file__).resolve().parents[1] / "config" / "gateway.toml"
 

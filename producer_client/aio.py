@@ -8,16 +8,18 @@ from typing import Any
 
 import redis
 
-from producer_client import bulk, protocol, scripts, steps
+from producer_client import bulk, core, steps
 from producer_client.bulk import ResultWatch
 from producer_client.cluster import is_cluster
 from producer_client.connection import async_retry_policy, connect_async, parse_url
+from producer_client.core import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
 from producer_client.errors import JobNotFound, JobTimeout, QueueFull
 from producer_client.job_stream import JobStream
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.operator_views import OperatorViews
 from producer_client.placement import Placement
-from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
+from producer_client.protocol import execution
+from producer_client.protocol import producer as scripts
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
 
@@ -33,7 +35,7 @@ class AsyncClient(OperatorViews):
     ):
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
-        self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
+        self.max_queue_depth = core.check_max_queue_depth(max_queue_depth)
         self.replication = Replication(wait_replicas, wait_timeout_ms)
         self.placement = Placement(placement)
         target = parse_url(url)
@@ -55,11 +57,11 @@ class AsyncClient(OperatorViews):
         request_id: str | None = None, timeout_s: float | None = None, priority: int = 0,
         request_fingerprint: str | None = None, stream: bool = False, **sampling: Any,
     ) -> str:
-        job = protocol.build_job(
+        job = core.build_job(
             prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint, stream=stream,
         )
         if job.idempotent:
-            if not job.created((await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys))))[0]):
+            if not job.created((await execution.aexecute(self.redis, job.create_call(self.keys).add_to))[0]):
                 return job.job_id
             added = await self._enqueue_or_forget(job, create=False)
         else:
@@ -70,55 +72,55 @@ class AsyncClient(OperatorViews):
         return job.job_id
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
-        job_id = protocol.check_job_id(job_id)
-        deadline = Deadline(job_id, protocol.check_timeout(timeout))
+        job_id = core.check_job_id(job_id)
+        deadline = Deadline(job_id, core.check_timeout(timeout))
         job = await self.redis.hgetall(self.keys.job(job_id))
         if not job:
             raise JobNotFound(job_id)
-        return protocol.finished(job_id, job["result"] if "result" in job else await self._wait_done(job_id, deadline))
+        return core.finished(job_id, job["result"] if "result" in job else await self._wait_done(job_id, deadline))
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
-        job_id = protocol.check_job_id(job_id)
-        return protocol.finished(job_id, await self._wait_done(job_id, Deadline(job_id, protocol.check_timeout(timeout))))
+        job_id = core.check_job_id(job_id)
+        return core.finished(job_id, await self._wait_done(job_id, Deadline(job_id, core.check_timeout(timeout))))
 
     async def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenDelta]:
-        job_id = protocol.check_job_id(job_id)
+        job_id = core.check_job_id(job_id)
         reader = JobStream(job_id, after)
-        deadline = Deadline(job_id, protocol.check_timeout(timeout))
-        follow = protocol.follow_call(self.keys, job_id)
-        if not (await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*follow)))[0]:
+        deadline = Deadline(job_id, core.check_timeout(timeout))
+        follow = scripts.follow(self.keys, job_id)
+        if not (await execution.aexecute(self.redis, follow.add_to))[0]:
             raise JobNotFound(job_id)
         while reader.end is None:
             for event_id, fields in await self._read_events(job_id, reader.last, deadline):
                 for delta in reader.take(event_id, fields):
                     yield delta
                 if reader.end is not None:
-                    protocol.finished(job_id, reader.end)
+                    core.finished(job_id, reader.end)
                     return
 
     async def status(self, job_id: str) -> JobStatus:
-        job_id = protocol.check_job_id(job_id)
-        return await steps.arun(self.redis, protocol.read_status(self.keys, job_id))
+        job_id = core.check_job_id(job_id)
+        return await steps.arun(self.redis, core.read_status(self.keys, job_id))
 
     async def cancel(self, job_id: str) -> JobStatus:
-        job_id = protocol.check_job_id(job_id)
-        cancel = protocol.cancel_call(self.keys, job_id)
-        if (await scripts.aexecute(self.redis, lambda pipe: pipe.evalsha(*cancel)))[0] is None:
+        job_id = core.check_job_id(job_id)
+        cancel = core.cancel_call(self.keys, job_id)
+        if (await execution.aexecute(self.redis, cancel.add_to))[0] is None:
             raise JobNotFound(job_id)
         return await self.status(job_id)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
-        deadline_s = protocol.check_timeout(timeout)
+        deadline_s = core.check_timeout(timeout)
         job_id = await self.submit(prompt, **kwargs)
-        return protocol.finished(job_id, await self._wait_done(job_id, Deadline(job_id, deadline_s)))
+        return core.finished(job_id, await self._wait_done(job_id, Deadline(job_id, deadline_s)))
 
     async def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
         operation = bulk.submit_steps(self.keys, self.queue, self.max_queue_depth, bulk.build_jobs(jobs), self.placement)
         return await self.run_steps(self.redis, operation)
 
     async def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> AsyncIterator[JobResult]:
-        job_ids = [protocol.check_job_id(job_id) for job_id in job_ids]
-        deadline = Deadline("", protocol.check_timeout(timeout))
+        job_ids = [core.check_job_id(job_id) for job_id in job_ids]
+        deadline = Deadline("", core.check_timeout(timeout))
         await self.run_steps(self.redis, bulk.check_exist(self.keys, job_ids))
         watch = ResultWatch(self.keys, job_ids)
         while watch:
@@ -135,7 +137,7 @@ class AsyncClient(OperatorViews):
         return [ended[job_id] for job_id in job_ids]
 
     async def finished(self, watch: ResultWatch, timeout: float | None = None) -> list[JobResult]:
-        deadline = Deadline("", protocol.check_timeout(timeout))
+        deadline = Deadline("", core.check_timeout(timeout))
         try:
             while watch:
                 results = await self._read_finished(watch, deadline.block_ms())
@@ -146,15 +148,15 @@ class AsyncClient(OperatorViews):
         return []
 
     async def cancel_many(self, job_ids: Iterable[str]) -> None:
-        job_ids = [protocol.check_job_id(job_id) for job_id in job_ids]
+        job_ids = [core.check_job_id(job_id) for job_id in job_ids]
         if job_ids:
             await self._execute(bulk.cancel_commands(self.keys, job_ids))
 
     async def queue_stats(self) -> QueueStats:
-        return await steps.arun(self.redis, protocol.read_queue_stats(self.keys, self.queue))
+        return await steps.arun(self.redis, core.read_queue_stats(self.keys, self.queue))
 
     async def workers(self) -> list[WorkerInfo]:
-        return await steps.arun(self.redis, protocol.read_live_workers(self.keys))
+        return await steps.arun(self.redis, core.read_live_workers(self.keys))
 
     def on_queue(self, queue: str) -> AsyncClient:
         other = copy.copy(self)
@@ -163,18 +165,18 @@ class AsyncClient(OperatorViews):
 
     async def _enqueue_or_forget(self, job: NewJob, create: bool) -> list:
         (stream,) = await self.run_steps(self.redis, self.placement.streams_for(self.keys, self.queue, [job.prefix]))
-        add = protocol.enqueue_commands(
+        add = core.enqueue_commands(
             self.keys, self.queue, self.max_queue_depth, job, create, self.replication, stream,
         )
         try:
-            replies = await scripts.aexecute(self.redis, add)
+            replies = await execution.aexecute(self.redis, add)
         except BaseException:
             await self.redis.delete(self.keys.job(job.job_id))
             raise
-        return protocol.enqueued(job, create, self.replication, replies)
+        return core.enqueued(job, create, self.replication, replies)
 
     async def _execute(self, add_commands) -> list:
-        return await scripts.aexecute(self.redis, add_commands)
+        return await execution.aexecute(self.redis, add_commands)
 
     async def _read_finished(self, watch: ResultWatch, block_ms: int) -> list[JobResult]:
         return await self.run_steps(self.redis, bulk.read_finished(watch, block_ms, is_cluster(self.redis)))
@@ -192,7 +194,7 @@ class AsyncClient(OperatorViews):
         try:
             reply = await self.redis.xread({key: after}, count=count, block=deadline.block_ms())
         except redis.ResponseError as e:
-            if not protocol.read_cut_short(e):
+            if not core.read_cut_short(e):
                 raise
             return []
         return reply[0][1] if reply else []

@@ -1,4 +1,4 @@
-"""Many jobs at once, for the sync and asyncio clients alike. No I/O here (as in protocol.py): the
+"""Many jobs at once, for the sync and asyncio clients alike. No I/O here (as in core.py): the
 clients run the same steps over their own connections.
 
 - `submit_many` validates every spec before anything is sent, then enqueues the jobs in chunks of
@@ -16,13 +16,13 @@ from collections.abc import Callable, Iterable, Mapping
 from itertools import islice
 from typing import Any
 
-from producer_client import protocol
+from producer_client import core
+from producer_client.core import NewJob
 from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound
-from producer_client.keys import PROTOCOL_VERSION, Keys
+from producer_client.keys import Keys
 from producer_client.placement import Placement
-from producer_client.protocol import NewJob
+from producer_client.protocol import producer as scripts
 from producer_client.schema import JobResult
-from producer_client.scripts import ENQUEUE_MANY
 from producer_client.steps import Steps, checked
 
 CHUNK = 1000  # jobs per pipelined chunk: one ENQUEUE_MANY holds Redis for about a millisecond
@@ -43,7 +43,7 @@ def build_spec(index: int, spec: Mapping[str, Any]) -> NewJob:
         raise InvalidArgument(f"jobs[{index}]", "must be a dict of submit()'s keyword arguments")
     sampling = dict(spec)
     try:
-        return protocol.build_job(
+        return core.build_job(
             sampling.pop("prompt", None), sampling.pop("messages", None), sampling.pop("input_ids", None),
             sampling.pop("request_id", None), sampling.pop("timeout_s", None), sampling.pop("priority", 0), sampling,
             sampling.pop("request_fingerprint", None), stream=sampling.pop("stream", False),
@@ -112,7 +112,7 @@ def found_already(keys: Keys, idempotent: list[NewJob]) -> Steps:
     (nothing of the chunk is enqueued)."""
     if not idempotent:
         return set()
-    replies = checked((yield lambda pipe: [pipe.evalsha(*job.create_call(keys)) for job in idempotent]))
+    replies = checked((yield lambda pipe: [job.create_call(keys).add_to(pipe) for job in idempotent]))
     conflict = next((job for job, reply in zip(idempotent, replies) if reply == -1), None)
     if conflict is not None:
         created = [job for job, reply in zip(idempotent, replies) if reply == 1]
@@ -131,8 +131,7 @@ def enqueue_commands(keys: Keys, queue: str, max_depth: int | None, jobs: list[N
             if not job.idempotent:
                 job.add_fresh_create(pipe, keys)
         if shared:
-            ids_and_bodies = [x for job in shared for x in (job.job_id, job.body)]
-            pipe.evalsha(ENQUEUE_MANY.sha, 1, keys.queue(queue), max_depth or 0, PROTOCOL_VERSION, *ids_and_bodies)
+            scripts.enqueue_many(keys.queue(queue), max_depth or 0, [(job.job_id, job.body) for job in shared]).add_to(pipe)
 
     return add
 
@@ -145,8 +144,7 @@ def enqueue_placed_commands(placed: list[tuple[NewJob, str]]) -> Callable:
 
     def add(pipe) -> None:
         for stream, jobs in by_stream.items():
-            ids_and_bodies = [x for job in jobs for x in (job.job_id, job.body)]
-            pipe.evalsha(ENQUEUE_MANY.sha, 1, stream, 0, PROTOCOL_VERSION, *ids_and_bodies)
+            scripts.enqueue_many(stream, 0, [(job.job_id, job.body) for job in jobs]).add_to(pipe)
 
     return add
 
@@ -171,7 +169,7 @@ def forget_commands(jobs: list[NewJob], keys: Keys) -> Callable:
 
 def cancel_commands(keys: Keys, job_ids: list[str]) -> Callable:
     """CANCEL of each job, in one pipeline."""
-    return lambda pipe: [pipe.evalsha(*protocol.cancel_call(keys, job_id)) for job_id in job_ids]
+    return lambda pipe: [core.cancel_call(keys, job_id).add_to(pipe) for job_id in job_ids]
 
 
 class ResultWatch:
@@ -236,7 +234,7 @@ def streams_read(reply: list | Exception | None) -> list:
     """An XREAD reply's streams: none if Redis cut a blocking read short (UNBLOCKED, in a
     failover: reading again is right); another error is raised."""
     if isinstance(reply, Exception):
-        if protocol.read_cut_short(reply):
+        if core.read_cut_short(reply):
             return []
         raise reply
     return reply or []

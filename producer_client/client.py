@@ -9,16 +9,18 @@ from typing import Any
 
 import redis
 
-from producer_client import bulk, protocol, scripts, steps
+from producer_client import bulk, core, steps
 from producer_client.bulk import ResultWatch
 from producer_client.cluster import is_cluster
 from producer_client.connection import connect, parse_url, retry_policy
+from producer_client.core import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
 from producer_client.errors import JobNotFound, JobTimeout, QueueFull
 from producer_client.job_stream import JobStream
 from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
 from producer_client.operator_views import OperatorViews
 from producer_client.placement import Placement
-from producer_client.protocol import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
+from producer_client.protocol import execution
+from producer_client.protocol import producer as scripts
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 
 
@@ -47,7 +49,7 @@ class Client(OperatorViews):
     ):
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
-        self.max_queue_depth = protocol.check_max_queue_depth(max_queue_depth)
+        self.max_queue_depth = core.check_max_queue_depth(max_queue_depth)
         self.replication = Replication(wait_replicas, wait_timeout_ms)
         self.placement = Placement(placement)
         target = parse_url(url)
@@ -77,11 +79,11 @@ class Client(OperatorViews):
         its tokens will be read as they come (stream()), so the worker publishes them within its
         stream_interval_s from the first; without it, a reader's stream() gets them at the
         worker's checkpoint_interval_s until the worker sees the reader."""
-        job = protocol.build_job(
+        job = core.build_job(
             prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint, stream=stream,
         )
         if job.idempotent:
-            if not job.created(scripts.execute(self.redis, lambda pipe: pipe.evalsha(*job.create_call(self.keys)))[0]):
+            if not job.created(execution.execute(self.redis, job.create_call(self.keys).add_to)[0]):
                 return job.job_id
             added = self._enqueue_or_forget(job, create=False)
         else:
@@ -95,18 +97,18 @@ class Client(OperatorViews):
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Block until the job ends (XREAD BLOCK on its `done` stream; no polling) and return its
         result. Raises JobFailed for a failed job, JobTimeout, JobNotFound."""
-        job_id = protocol.check_job_id(job_id)
-        deadline = Deadline(job_id, protocol.check_timeout(timeout))
+        job_id = core.check_job_id(job_id)
+        deadline = Deadline(job_id, core.check_timeout(timeout))
         job = self.redis.hgetall(self.keys.job(job_id))
         if not job:
             raise JobNotFound(job_id)
-        return protocol.finished(job_id, job["result"] if "result" in job else self._wait_done(job_id, deadline))
+        return core.finished(job_id, job["result"] if "result" in job else self._wait_done(job_id, deadline))
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
         """result() of a job known to exist (this client just submitted it): one blocking read of
         its `done` stream, without looking the job up first."""
-        job_id = protocol.check_job_id(job_id)
-        return protocol.finished(job_id, self._wait_done(job_id, Deadline(job_id, protocol.check_timeout(timeout))))
+        job_id = core.check_job_id(job_id)
+        return core.finished(job_id, self._wait_done(job_id, Deadline(job_id, core.check_timeout(timeout))))
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
         """Yield the job's token deltas until it ends. Resume after a disconnect with
@@ -114,38 +116,38 @@ class Client(OperatorViews):
         its answer (`text`), reasoning and tool calls apart. A failed job raises JobFailed at its end.
         The job counts as streamed from now on (FOLLOW): its worker publishes its tokens within
         stream_interval_s once it sees that."""
-        job_id = protocol.check_job_id(job_id)
+        job_id = core.check_job_id(job_id)
         reader = JobStream(job_id, after)
-        deadline = Deadline(job_id, protocol.check_timeout(timeout))
-        follow = protocol.follow_call(self.keys, job_id)
-        if not scripts.execute(self.redis, lambda pipe: pipe.evalsha(*follow))[0]:
+        deadline = Deadline(job_id, core.check_timeout(timeout))
+        follow = scripts.follow(self.keys, job_id)
+        if not execution.execute(self.redis, follow.add_to)[0]:
             raise JobNotFound(job_id)
         while reader.end is None:
             for event_id, fields in self._read_events(job_id, reader.last, deadline):
                 yield from reader.take(event_id, fields)
                 if reader.end is not None:
-                    protocol.finished(job_id, reader.end)
+                    core.finished(job_id, reader.end)
                     return
 
     def status(self, job_id: str) -> JobStatus:
-        job_id = protocol.check_job_id(job_id)
-        return steps.run(self.redis, protocol.read_status(self.keys, job_id))
+        job_id = core.check_job_id(job_id)
+        return steps.run(self.redis, core.read_status(self.keys, job_id))
 
     def cancel(self, job_id: str) -> JobStatus:
         """A queued job is cancelled at once; a running one stops within its worker's
         stream_interval_s if streamed, else its checkpoint_interval_s (plus a step), and
         keeps its partial output. Returns the status right after the request."""
-        job_id = protocol.check_job_id(job_id)
-        cancel = protocol.cancel_call(self.keys, job_id)
-        if scripts.execute(self.redis, lambda pipe: pipe.evalsha(*cancel))[0] is None:
+        job_id = core.check_job_id(job_id)
+        cancel = core.cancel_call(self.keys, job_id)
+        if execution.execute(self.redis, cancel.add_to)[0] is None:
             raise JobNotFound(job_id)
         return self.status(job_id)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
         """submit() then result(), without looking the job up: it was just created."""
-        deadline_s = protocol.check_timeout(timeout)
+        deadline_s = core.check_timeout(timeout)
         job_id = self.submit(prompt, **kwargs)
-        return protocol.finished(job_id, self._wait_done(job_id, Deadline(job_id, deadline_s)))
+        return core.finished(job_id, self._wait_done(job_id, Deadline(job_id, deadline_s)))
 
     def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
         """Enqueue many jobs, each a dict of submit()'s keyword arguments (`request_id` too), and
@@ -161,8 +163,8 @@ class Client(OperatorViews):
         them (see ResultWatch). A failed job's result is yielded (status `failed`, with its error),
         not raised. Raises JobNotFound for an id with no job before yielding anything, and
         JobTimeout, naming an unfinished job, once `timeout` seconds have passed."""
-        job_ids = [protocol.check_job_id(job_id) for job_id in job_ids]
-        deadline = Deadline("", protocol.check_timeout(timeout))
+        job_ids = [core.check_job_id(job_id) for job_id in job_ids]
+        deadline = Deadline("", core.check_timeout(timeout))
         self.run_steps(self.redis, bulk.check_exist(self.keys, job_ids))
         watch = ResultWatch(self.keys, job_ids)
         while watch:
@@ -181,7 +183,7 @@ class Client(OperatorViews):
         """The results of the watched jobs that have ended, taken out of `watch`: at once if any
         has, else as soon as one does; [] if none has within `timeout` seconds. For callers that
         add jobs as they go (ResultWatch.add); as_completed() is this over a fixed set."""
-        deadline = Deadline("", protocol.check_timeout(timeout))
+        deadline = Deadline("", core.check_timeout(timeout))
         try:
             while watch:
                 results = self._read_finished(watch, deadline.block_ms())
@@ -193,17 +195,17 @@ class Client(OperatorViews):
 
     def cancel_many(self, job_ids: Iterable[str]) -> None:
         """cancel() of each job in one round trip; an id with no job is passed over."""
-        job_ids = [protocol.check_job_id(job_id) for job_id in job_ids]
+        job_ids = [core.check_job_id(job_id) for job_id in job_ids]
         if job_ids:
             self._execute(bulk.cancel_commands(self.keys, job_ids))
 
     def queue_stats(self) -> QueueStats:
-        return steps.run(self.redis, protocol.read_queue_stats(self.keys, self.queue))
+        return steps.run(self.redis, core.read_queue_stats(self.keys, self.queue))
 
     def workers(self) -> list[WorkerInfo]:
         """Every live worker of every queue, from the queue index, each queue's worker index and
         the heartbeats (an expired heartbeat is a dead worker): which models are served where."""
-        return steps.run(self.redis, protocol.read_live_workers(self.keys))
+        return steps.run(self.redis, core.read_live_workers(self.keys))
 
     def on_queue(self, queue: str) -> Client:
         """A client of `queue` with this one's settings, over the same connection pool: one pool
@@ -218,18 +220,18 @@ class Client(OperatorViews):
         hash of a job that was never taken stays behind. An enqueued job too few replicas
         confirmed stays: it runs (NotReplicated)."""
         (stream,) = self.run_steps(self.redis, self.placement.streams_for(self.keys, self.queue, [job.prefix]))
-        add = protocol.enqueue_commands(
+        add = core.enqueue_commands(
             self.keys, self.queue, self.max_queue_depth, job, create, self.replication, stream,
         )
         try:
-            replies = scripts.execute(self.redis, add)
+            replies = execution.execute(self.redis, add)
         except BaseException:
             self.redis.delete(self.keys.job(job.job_id))
             raise
-        return protocol.enqueued(job, create, self.replication, replies)
+        return core.enqueued(job, create, self.replication, replies)
 
     def _execute(self, add_commands) -> list:
-        return scripts.execute(self.redis, add_commands)
+        return execution.execute(self.redis, add_commands)
 
     def _read_finished(self, watch: ResultWatch, block_ms: int) -> list[JobResult]:
         """The window's jobs that have ended, or [] if none did within `block_ms` (bulk.read_finished)."""
@@ -252,7 +254,7 @@ class Client(OperatorViews):
         try:
             reply = self.redis.xread({key: after}, count=count, block=deadline.block_ms())
         except redis.ResponseError as e:
-            if not protocol.read_cut_short(e):
+            if not core.read_cut_short(e):
                 raise
             return []
         return reply[0][1] if reply else []

@@ -14,7 +14,7 @@ needs; producer_client.connection builds them from `redis+cluster://` URLs.
    with the caller's backoff (`retry`: the clients' policy, or the worker's one immediate retry),
    the topology read again before each try. redis-py's own cluster retries wait for nothing, so
    they would all be spent in the first milliseconds of a failover, long before a replica is
-   promoted. Pipelines (producer_client.scripts) are sent again the same way.
+   promoted. Pipelines (producer_client.protocol.execution) are sent again the same way.
 """
 from __future__ import annotations
 

@@ -24,10 +24,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from producer_client.core import EVENT_ID, check_limit, entry_time, epoch_ms
 from producer_client.errors import InvalidArgument, MiliError
 from producer_client.keys import NAME_PATTERN, Keys, check_name
-from producer_client.protocol import EVENT_ID, check_limit, entry_time, epoch_ms, job_keys
-from producer_client.scripts import RETRY, REVIVE
+from producer_client.protocol import producer as scripts
 from producer_client.steps import Steps, checked
 
 DEFAULT_LIMIT = 20
@@ -186,7 +186,7 @@ def retry_letters(keys: Keys, queue: str, letters: list[DeadLetter]) -> Steps[li
 
     def add_retries(pipe) -> None:
         for letter in usable:
-            pipe.evalsha(RETRY.sha, 3, *job_keys(keys, letter.job_id), letter.timeout_ms())
+            scripts.retry(keys, letter.job_id, letter.timeout_ms()).add_to(pipe)
 
     queued = []
     for letter, reply in zip(usable, checked((yield add_retries)) if usable else []):
@@ -199,7 +199,7 @@ def retry_letters(keys: Keys, queue: str, letters: list[DeadLetter]) -> Steps[li
     def add_revivals(pipe) -> None:
         for letter in queued:
             f = letter.fields
-            pipe.evalsha(REVIVE.sha, 2, keys.queue(queue), keys.dead(queue), letter.letter_id, letter.job_id, f.get("v", ""), f["body"])
+            scripts.revive(keys, queue, letter.letter_id, letter.job_id, f.get("v", ""), f["body"]).add_to(pipe)
 
     for letter, entry_id in zip(queued, checked((yield add_revivals)) if queued else []):
         outcome = "gone" if entry_id is None else "retried"

@@ -20,10 +20,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from producer_client.core import check_limit, entry_age_s, epoch_ms, queue_stats
 from producer_client.dead_letters import DeadLetterNotFound
 from producer_client.dead_letters import find as find_letter
 from producer_client.keys import GROUP, Keys
-from producer_client.protocol import check_limit, entry_age_s, epoch_ms, queue_stats
 from producer_client.schema import JobStatus, WorkerInfo
 from producer_client.steps import Steps, checked
 

@@ -9,17 +9,16 @@ again, to bring the parser to where that event left it.
 """
 from __future__ import annotations
 
-import json
-
-from producer_client import protocol
+from producer_client import core
 from producer_client.chat_output import OutputDelta, OutputFormat, OutputParser
+from producer_client.protocol.events import EventType, shown_output_format
 from producer_client.schema import TokenDelta
 
 
 class JobStream:
     def __init__(self, job_id: str, after: str):
         self.job_id = job_id
-        self.resume_after = event_order(protocol.check_event_id(after))
+        self.resume_after = event_order(core.check_event_id(after))
         self.last = "0-0"  # the last event read: the next read starts after it
         self.parser: OutputParser | None = None
         self.end: str | None = None  # the result JSON, once the end event is read
@@ -30,13 +29,13 @@ class JobStream:
         previous, self.last = self.last, event_id
         shown = event_order(event_id) > self.resume_after
         kind = fields["type"]
-        if kind == "start":
-            self._start(json.loads(fields["data"]))
+        if kind == EventType.START:
+            self._start(shown_output_format(fields["data"]))
             return []
-        if kind == "tokens":
-            delta = protocol.token_delta(event_id, fields["data"], None if self.parser is None else self._split)
+        if kind == EventType.TOKENS:
+            delta = core.token_delta(event_id, fields["data"], None if self.parser is None else self._split)
             return [delta] if shown else []
-        if kind == "end":
+        if kind == EventType.END:
             self.end = fields["data"]
             rest = self.parser.finish() if self.parser is not None else None
             if rest and shown:
@@ -44,9 +43,9 @@ class JobStream:
                 return [TokenDelta(event_id=previous, token_ids=[], **self._fields(rest))]
         return []
 
-    def _start(self, event: dict) -> None:
-        if self.parser is None and event.get("output") is not None:
-            self.parser = OutputParser(OutputFormat.model_validate(event["output"]))
+    def _start(self, output: OutputFormat | None) -> None:
+        if self.parser is None and output is not None:
+            self.parser = OutputParser(output)
 
     def _split(self, text: str) -> dict:
         return self._fields(self.parser.push(text))

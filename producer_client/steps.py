@@ -3,13 +3,13 @@ dead letters, then retry the ones found) is a generator: it yields a function th
 to a pipeline, receives that pipeline's replies (a command's error in its place; a round trip that
 failed as a whole is raised inside the generator), and returns its outcome. `run` drives it over a
 redis.Redis, `arun` over a redis.asyncio.Redis, so `Client` and `AsyncClient` share every line of
-it. Pipelines go through `scripts.execute`, which reloads scripts a server has lost (NOSCRIPT)."""
+it. Pipelines go through `execution.execute`, which reloads scripts a server has lost (NOSCRIPT)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from typing import Any, TypeVar
 
-from producer_client import scripts
+from producer_client.protocol import execution
 
 T = TypeVar("T")
 # Yields pipeline builders, receives each one's replies (errors in their places), returns a T.
@@ -21,7 +21,7 @@ def run(client, steps: Steps[T]) -> T:
         add = next(steps)
         while True:
             try:
-                replies = scripts.execute(client, add, raise_on_error=False)
+                replies = execution.execute(client, add, raise_on_error=False)
             except Exception as e:  # the round trip failed as a whole: the operation may clean up
                 add = steps.throw(e)
             else:
@@ -35,7 +35,7 @@ async def arun(client, steps: Steps[T]) -> T:
         add = next(steps)
         while True:
             try:
-                replies = await scripts.aexecute(client, add, raise_on_error=False)
+                replies = await execution.aexecute(client, add, raise_on_error=False)
             except Exception as e:
                 add = steps.throw(e)
             else:

@@ -17,16 +17,16 @@ from contextlib import ExitStack
 
 import redis
 
-from producer_client.connection import is_fatal, redact_url
 from producer_client import logs
+from producer_client.connection import is_fatal, redact_url
 from producer_client.errors import MiliError
 from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.embedded_redis import EmbeddedRedis
 from worker.healthcheck import run_healthcheck
+from worker.loop.queue import RedisLink, connect, is_transient
+from worker.loop.service import Worker
 from worker.metrics import WorkerMetrics
 from worker.model.rank_failed import RankFailed
-from worker.queue import RedisLink, connect, is_transient
-from worker.service import Worker
 from worker.settings import WorkerSettings, add_setting_flags, settings_from_args
 from worker.tensor_parallel import EXIT_RANK_FAILED, rank_group
 
@@ -167,7 +167,7 @@ def load_engine(settings: WorkerSettings):
     """(engine, device) for the configured model; 'echo' is the model-free EchoEngine. The device
     of a tensor-parallel engine lists every rank's: cuda:0,cuda:1."""
     if settings.model == "echo":
-        from worker.echo_engine import EchoEngine, EchoScript
+        from worker.engine.echo import EchoEngine, EchoScript
 
         return EchoEngine(settings.engine, EchoScript.from_environment()), "cpu"
     import torch

@@ -22,7 +22,7 @@ import redis
 from producer_client.connection import connect
 from producer_client.errors import MiliError
 from producer_client.keys import Keys
-from producer_client.scripts import execute
+from producer_client.protocol.execution import execute
 from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.settings import WorkerSettings, settings_from_args
 

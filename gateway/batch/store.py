@@ -24,70 +24,15 @@ import redis.asyncio as aioredis
 from gateway.batch.lines import OutputLine, jsonl_lines
 from gateway.batch.schema import Batch, BatchList, FileList, FileObject
 from producer_client.keys import Keys
-from producer_client.scripts import Script, aexecute
+from producer_client.protocol import batch as scripts
+from producer_client.protocol.execution import aexecute
+from producer_client.protocol.script import ScriptCall
 
 PIECE_CHARS = 1 << 18  # a file's text per list element, at most: 1 MiB of UTF-8 at the most
 PIECES_PER_READ = 8
 LINES_PER_FIELD = 64  # a batch's input lines per hash field
 ANSWERS_PER_READ = 1000
 
-# KEYS: answered, output, errors, batch. ARGV: line index, 1 (output) or 0 (errors), answer JSON.
-# Returns 1, or 0 (changing nothing) if the line was answered already.
-ANSWER = Script("batch_answer", """
-if redis.call('SETBIT', KEYS[1], ARGV[1], 1) == 1 then return 0 end
-if ARGV[2] == '1' then
-  redis.call('RPUSH', KEYS[2], ARGV[3])
-  redis.call('HINCRBY', KEYS[4], 'completed', 1)
-else
-  redis.call('RPUSH', KEYS[3], ARGV[3])
-  redis.call('HINCRBY', KEYS[4], 'failed', 1)
-end
-return 1
-""")
-
-# KEYS: batch. ARGV: the statuses it may move from (space-separated), the new status, the field of
-# its timestamp, the time, then more field/value pairs to set. Returns the status after the call
-# (the new one, or the one that did not allow the move), or nil if there is no such batch.
-TRANSITION = Script("batch_transition", """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return false end
-if not string.find(' ' .. ARGV[1] .. ' ', ' ' .. status .. ' ', 1, true) then return status end
-local fields = {'status', ARGV[2], ARGV[3], ARGV[4]}
-for i = 5, #ARGV do table.insert(fields, ARGV[i]) end
-redis.call('HSET', KEYS[1], unpack(fields))
-return ARGV[2]
-""")
-
-# KEYS: batch, input, answered, output, errors, lease. ARGV: the final status, its timestamp field,
-# the time, TTL seconds, then field/value pairs (the output files' ids). The batch ends: its
-# working keys go, and its object expires after the TTL. Returns 0 if it had ended already.
-FINISH = Script("batch_finish", """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status or status == 'completed' or status == 'failed' or status == 'expired' or status == 'cancelled' then
-  return 0
-end
-local fields = {'status', ARGV[1], ARGV[2], ARGV[3]}
-for i = 5, #ARGV do table.insert(fields, ARGV[i]) end
-redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-return 1
-""")
-
-# KEYS: lease. ARGV: holder, TTL ms. Extends the lease if `holder` has it: 1, else 0.
-RENEW = Script("batch_renew", """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-""")
-
-# KEYS: lease. ARGV: holder. Gives the lease up if `holder` has it.
-RELEASE = Script("batch_release", """
-if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
-return 0
-""")
-
-BATCH_SCRIPTS = (ANSWER, TRANSITION, FINISH, RENEW, RELEASE)
 
 
 class Pieces:
@@ -130,15 +75,13 @@ class BatchStore:
         self.redis = client
         self.keys = keys
 
-    async def _run(self, script: Script, keys: list[str], args: list):
-        return (await self._run_many(script, keys, [args]))[0]
+    async def _run(self, call: ScriptCall):
+        return (await self._run_many([call]))[0]
 
-    async def _run_many(self, script: Script, keys: list[str], calls: list[list]) -> list:
-        """`script` on `keys` with each of `calls`' arguments, in one pipeline (scripts.aexecute:
-        a cluster's pipeline refuses redis-py's script objects, and a server that lost the
-        script gets it again)."""
-        add = lambda pipe: [pipe.evalsha(script.sha, len(keys), *keys, *args) for args in calls]  # noqa: E731
-        return await aexecute(self.redis, add, BATCH_SCRIPTS)
+    async def _run_many(self, calls: list[ScriptCall]) -> list:
+        """`calls` in one pipeline (execution.aexecute: a cluster's pipeline refuses redis-py's
+        script objects, and a server that lost a script gets it again)."""
+        return await aexecute(self.redis, lambda pipe: [call.add_to(pipe) for call in calls], scripts.BATCH_SCRIPTS)
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -271,8 +214,7 @@ class BatchStore:
 
     async def transition(self, batch_id: str, allowed: str, status: str, at_field: str, now: int, **fields) -> str | None:
         """Move the batch to `status` if it is in one of `allowed` (space-separated)."""
-        args = [allowed, status, at_field, now, *(x for kv in fields.items() for x in kv)]
-        return await self._run(TRANSITION, [self.keys.batch(batch_id)], args)
+        return await self._run(scripts.transition(self.keys, batch_id, allowed, status, at_field, now, fields))
 
     async def set_fields(self, batch_id: str, **fields) -> None:
         await self.redis.hset(self.keys.batch(batch_id), mapping=fields)
@@ -308,9 +250,7 @@ class BatchStore:
         return [index for index, bit in zip(range(first, upto), bits) if not bit]
 
     async def answer(self, batch_id: str, answers: list[tuple[int, OutputLine]]) -> None:
-        keys = [self.keys.batch_answered(batch_id), self.keys.batch_output(batch_id), self.keys.batch_errors(batch_id),
-                self.keys.batch(batch_id)]
-        await self._run_many(ANSWER, keys, [[index, int(line.ok), line.model_dump_json()] for index, line in answers])
+        await self._run_many([scripts.answer(self.keys, batch_id, index, line.ok, line.model_dump_json()) for index, line in answers])
 
     async def answers(self, batch_id: str, ok: bool) -> AsyncIterator[list[str]]:
         key = self.keys.batch_output(batch_id) if ok else self.keys.batch_errors(batch_id)
@@ -320,9 +260,7 @@ class BatchStore:
             start += len(page)
 
     async def finish(self, batch_id: str, status: str, at_field: str, now: int, ttl_s: int, **files: str) -> None:
-        keys = [self.keys.batch(batch_id), self.keys.batch_input(batch_id), self.keys.batch_answered(batch_id),
-                self.keys.batch_output(batch_id), self.keys.batch_errors(batch_id), self.keys.batch_lease(batch_id)]
-        await self._run(FINISH, keys, [status, at_field, now, ttl_s, *(x for kv in files.items() for x in kv)])
+        await self._run(scripts.finish(self.keys, batch_id, status, at_field, now, ttl_s, files))
         await self.redis.zrem(self.keys.batches_unfinished(), batch_id)
 
     # -- leases --------------------------------------------------------------------------------
@@ -331,7 +269,7 @@ class BatchStore:
         return bool(await self.redis.set(self.keys.batch_lease(batch_id), holder, nx=True, px=ttl_ms))
 
     async def renew_lease(self, batch_id: str, holder: str, ttl_ms: int) -> bool:
-        return bool(await self._run(RENEW, [self.keys.batch_lease(batch_id)], [holder, ttl_ms]))
+        return bool(await self._run(scripts.renew(self.keys, batch_id, holder, ttl_ms)))
 
     async def release_lease(self, batch_id: str, holder: str) -> None:
-        await self._run(RELEASE, [self.keys.batch_lease(batch_id)], [holder])
+        await self._run(scripts.release(self.keys, batch_id, holder))

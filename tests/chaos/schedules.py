@@ -37,15 +37,17 @@ from dataclasses import dataclass, field
 
 import redis
 
-from producer_client import Client, protocol, scripts
+from producer_client import Client
 from producer_client.connection import retry_policy
 from producer_client.keys import GROUP, Keys
 from producer_client.placement import Placed
+from producer_client.protocol import execution
+from producer_client.protocol import producer as scripts
 from producer_client.schema import JobResult
 from tests.queue.support import GatedWorker, SlowEchoEngine
 from tests.support.polling import eventually
+from worker.loop.queue import connect
 from worker.metrics import WorkerMetrics
-from worker.queue import connect
 from worker.settings import WorkerSettings
 
 QUEUE = "chaos"
@@ -168,9 +170,9 @@ def op_follow(run: Run, client: Client, admin: redis.Redis) -> str:
     if not run.jobs:
         return "follow (none)"
     job = run.rng.choice(list(run.jobs.values()))
-    follow = protocol.follow_call(client.keys, job.job_id)
+    follow = scripts.follow(client.keys, job.job_id)
     try:
-        scripts.execute(client.redis, lambda pipe: pipe.evalsha(*follow))
+        execution.execute(client.redis, follow.add_to)
     except (redis.RedisError, OSError) as e:
         return f"follow refused ({type(e).__name__})"
     return f"follow {job.job_id[:8]}"

@@ -1,4 +1,4 @@
-"""A chat job's result as the worker builds it (worker.jobs.Job): its output split into answer,
+"""A chat job's result as the worker builds it (worker.loop.jobs.Job): its output split into answer,
 reasoning and tool calls, `tool_calls` as its finish reason, and with parallel_tool_calls off, a
 job resumed after its one call was recorded ends there."""
 import json
@@ -6,7 +6,7 @@ import json
 from producer_client.chat import tool_call_id
 from producer_client.chat_output import OutputFormat, Reasoning
 from producer_client.schema import JobRequest
-from worker.jobs import Job
+from worker.loop.jobs import Job
 
 WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 FORMAT = OutputFormat(reasoning=Reasoning.OPTIONAL, tools=["get_weather"])

@@ -7,7 +7,7 @@ from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM, Qwen3MoeForCaus
 
 from tests.model.paged import PagedModelRunner
 from worker.model import presets
-from worker.model.config import CheckpointError, Qwen3Config, Qwen3MoeConfig, parse_config
+from worker.model.config import CheckpointError, Qwen3MoeConfig, parse_config
 from worker.model.loader import load_model
 from worker.model.presets import PRESETS, checkpoint_shapes, random_model, resolve_model_path
 from worker.model.qwen3 import Qwen3ForCausalLM

@@ -5,10 +5,10 @@ import threading
 import time
 from contextlib import contextmanager
 
-from worker.echo_engine import EchoEngine
+from worker.engine.echo import EchoEngine
+from worker.loop.queue import RedisClock, connect
+from worker.loop.service import Worker
 from worker.metrics import WorkerMetrics
-from worker.queue import RedisClock, connect
-from worker.service import Worker
 from worker.settings import WorkerSettings
 
 

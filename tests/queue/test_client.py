@@ -7,11 +7,12 @@ import uuid
 import pytest
 from redis.exceptions import NoScriptError
 
-from producer_client import AsyncClient, Client, InvalidArgument, JobNotFound, JobTimeout, QueueFull, scripts
+from producer_client import AsyncClient, Client, InvalidArgument, JobNotFound, JobTimeout, QueueFull
 from producer_client.keys import GROUP, Keys
+from producer_client.protocol import execution
 from tests.support.clients import make_client
 from worker.embedded_redis import free_port
-from worker.queue import WorkerQueue
+from worker.loop.queue import WorkerQueue
 
 DEAD_URL = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens: any command would raise ConnectionError
 
@@ -115,7 +116,7 @@ def flush_after_loads(monkeypatch, redis_client, times: int) -> list:
             left.pop()
             redis_client.script_flush()
 
-    load, aload = scripts.load_scripts, scripts.aload_scripts
+    load, aload = execution.load_scripts, execution.aload_scripts
 
     def load_then_lose(client, more=()):
         load(client, more)
@@ -125,15 +126,15 @@ def flush_after_loads(monkeypatch, redis_client, times: int) -> list:
         await aload(client, more)
         lose_again()
 
-    monkeypatch.setattr(scripts, "load_scripts", load_then_lose)
-    monkeypatch.setattr(scripts, "aload_scripts", aload_then_lose)
+    monkeypatch.setattr(execution, "load_scripts", load_then_lose)
+    monkeypatch.setattr(execution, "aload_scripts", aload_then_lose)
     return left
 
 
 def test_a_submit_whose_scripts_are_lost_again_after_each_reload_enqueues_once(
     client, redis_client, queue, monkeypatch,
 ):
-    left = flush_after_loads(monkeypatch, redis_client, scripts.SCRIPT_RELOADS - 1)
+    left = flush_after_loads(monkeypatch, redis_client, execution.SCRIPT_RELOADS - 1)
     redis_client.script_flush()
     job_id = client.submit("hello", max_tokens=4)  # CREATE and ENQUEUE meet NOSCRIPT three times
     assert left == []
@@ -144,7 +145,7 @@ def test_a_submit_whose_scripts_are_lost_again_after_each_reload_enqueues_once(
 def test_a_server_that_loses_the_scripts_at_every_reload_fails_the_submit_and_enqueues_nothing(
     client, redis_client, queue, monkeypatch,
 ):
-    flush_after_loads(monkeypatch, redis_client, scripts.SCRIPT_RELOADS)
+    flush_after_loads(monkeypatch, redis_client, execution.SCRIPT_RELOADS)
     redis_client.script_flush()
     with pytest.raises(NoScriptError):
         client.submit("hello", max_tokens=4)

@@ -14,15 +14,18 @@ import pytest
 import redis
 
 from producer_client import JobFailed, JobTimeout
+from producer_client.core import entry_time
 from producer_client.dead_letters import DeadLetterNotFound, NotRetryable
 from producer_client.errors import InvalidArgument
 from producer_client.keys import GROUP, Keys
-from producer_client.protocol import entry_time, job_keys
+from producer_client.protocol.execution import execute
+from producer_client.protocol.producer import RETRY
+from producer_client.protocol.script import job_keys
+from producer_client.protocol.worker import CLAIM, PUBLISH, WORKER_SCRIPTS, deadletter
 from producer_client.schema import JobResult
-from producer_client.scripts import RETRY, execute
-from worker.jobs import Poison, final_result
-from worker.outbox import DeadLetter as WorkerDeadLetter
-from worker.scripts import CLAIM, DEADLETTER, PUBLISH, WORKER_SCRIPTS
+from worker.loop.jobs import Poison, final_result
+from worker.loop.outbox import DeadLetter as WorkerDeadLetter
+from worker.loop.streams import DEAD_LETTER_MAXLEN
 
 KEYS = Keys()
 TTL_S = 60
@@ -65,11 +68,9 @@ def make_poison(redis_client, queue: str, job_id: str, deliveries: int = 3, fina
         final = JobResult(id=job_id, status=final_status, text="ab", token_ids=[1, 2])
     tokens = json.dumps({"ids": [1, 2], "text": "ab"})
     assert on_job(redis_client, PUBLISH, job_id, "run-1", '{"worker": "w1"}', tokens, 0, 2, final_status, final.model_dump_json(), TTL_S) == "written"
-    args = WorkerDeadLetter(entry_id, fields, "delivered 3 times", deliveries).script_args("w1", time.time())
-    def add(pipe):
-        pipe.evalsha(DEADLETTER.sha, 2, KEYS.queue(queue), KEYS.dead(queue), *args)
-
-    assert execute(redis_client, add, WORKER_SCRIPTS) == [1]
+    letter = WorkerDeadLetter(entry_id, fields, "delivered 3 times", deliveries).letter("w1", time.time())
+    call = deadletter(KEYS.queue(queue), KEYS.dead(queue), entry_id, DEAD_LETTER_MAXLEN, letter)
+    assert execute(redis_client, call.add_to, WORKER_SCRIPTS) == [1]
     ((letter_id, _),) = redis_client.xrevrange(KEYS.dead(queue), count=1)
     return letter_id
 

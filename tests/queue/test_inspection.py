@@ -10,7 +10,7 @@ import pytest
 from producer_client.errors import InvalidArgument
 from producer_client.keys import GROUP, Keys
 from tests.queue.test_dead_letters import make_poison, settle, take
-from worker.queue import WorkerQueue
+from worker.loop.queue import WorkerQueue
 
 KEYS = Keys()
 

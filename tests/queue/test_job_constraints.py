@@ -1,4 +1,4 @@
-"""What the worker holds a job's output to (worker.jobs.constraint_of): its response_format, the
+"""What the worker holds a job's output to (worker.loop.jobs.constraint_of): its response_format, the
 calls a forced tool_choice asks for, a call or the formatted answer under "auto", nothing else;
 after Qwen3's reasoning when the chat thinks. The echo engine, which cannot, refuses them."""
 import json
@@ -8,9 +8,9 @@ import pytest
 from producer_client.chat_output import OutputFormat, Reasoning
 from producer_client.errors import InvalidArgument
 from producer_client.schema import JobRequest, SamplingParams
-from worker.echo_engine import EchoEngine
+from worker.engine.echo import EchoEngine
 from worker.engine.settings import EngineSettings
-from worker.jobs import constraint_of
+from worker.loop.jobs import constraint_of
 from worker.model.presets import resolve_model_path
 from worker.model.tokenizer import Tokenizer
 

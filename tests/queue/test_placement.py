@@ -9,11 +9,12 @@ from contextlib import ExitStack
 
 import pytest
 
-from producer_client import BulkQueueFull, Client, protocol, scripts
+from producer_client import BulkQueueFull, Client, core
 from producer_client.keys import GROUP, Keys
 from producer_client.placement import (
     PREFIX_CHARS, Candidate, Placed, Placement, View, candidates_from, prefix_key, rendezvous_score,
 )
+from producer_client.protocol import execution
 from producer_client.schema import JobRequest
 from tests.queue.support import GatedWorker, serving
 from tests.support.fixtures import on_modes
@@ -141,10 +142,10 @@ FAST = dict(claim_idle_ms=500, reclaim_interval_s=0.05, heartbeat_ttl_s=2.0, blo
 
 def enqueue_on(client: Client, owner: str, prompt: str, **options) -> str:
     """A job placed on `owner`'s stream, as a producer's placement would place it."""
-    job = protocol.build_job(prompt, None, None, None, None, 0, {"max_tokens": 8, **options})
+    job = core.build_job(prompt, None, None, None, None, 0, {"max_tokens": 8, **options})
     stream = KEYS.own_queue(client.queue, owner)
-    replies = scripts.execute(
-        client.redis, protocol.enqueue_commands(KEYS, client.queue, None, job, True, client.replication, stream),
+    replies = execution.execute(
+        client.redis, core.enqueue_commands(KEYS, client.queue, None, job, True, client.replication, stream),
     )
     assert replies[1][0] == 1
     return job.job_id

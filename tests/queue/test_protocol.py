@@ -7,14 +7,14 @@ import sys
 import fakeredis
 import pytest
 
+from producer_client.core import entry_age_s, entry_time, queue_stats
 from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, UnsupportedVersion
 from producer_client.keys import GROUP, Keys, check_name
-from producer_client.protocol import queue_stats
+from producer_client.protocol.events import encode_tokens
+from producer_client.protocol.replies import Look, Watched
 from producer_client.schema import JobRequest
-from producer_client.protocol import entry_age_s, entry_time
-from worker.jobs import job_id_of, parse_request, token_event
-from worker.queue import WorkerQueue
-from worker.replies import Look, Watched
+from worker.loop.jobs import job_id_of, parse_request
+from worker.loop.queue import WorkerQueue
 
 LIMITS = dict(max_body_bytes=1000, max_tokens_limit=64)
 
@@ -163,6 +163,6 @@ def test_a_worker_on_the_echo_engine_imports_no_model_stack():
 
 @pytest.mark.parametrize("ids, text", [([1, 2, 3], 'héllo "q" \\ \n ✓'), ([], ""), ([5], "\x00\x1f"), ([7], "\udcff")])
 def test_a_tokens_event_is_the_json_of_its_ids_and_text(ids, text):
-    event = token_event(ids, text, None)
+    event = encode_tokens(ids, text, None)
     assert event == json.dumps({"ids": ids, "text": text}, ensure_ascii=False, separators=(",", ":"))
     assert json.loads(event) == {"ids": ids, "text": text}

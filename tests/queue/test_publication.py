@@ -1,4 +1,4 @@
-"""Coalesced publication (worker/pace.py, worker/publication.py), with the queue loop in this
+"""Coalesced publication (worker/loop/pace.py, worker/loop/publication.py), with the queue loop in this
 process on a real redis-server: streamed deltas add up to the result whatever the intervals, a
 killed worker loses at most one publish interval of tokens, a slow reader never holds the worker
 up, and a streamed token reaches its reader within stream_interval_s however many streams run."""
@@ -38,7 +38,7 @@ class RecordingEchoEngine(SlowEchoEngine):
         outputs = super().step()
         now = time.time()
         for out in outputs:
-            self.sampled.setdefault(out.request_id.rpartition("#")[0], []).extend([now] * len(out.new_token_ids))
+            self.sampled.setdefault(out.request_id.job_id, []).extend([now] * len(out.new_token_ids))
         return outputs
 
 

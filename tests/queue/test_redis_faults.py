@@ -13,16 +13,16 @@ import pytest
 import redis
 import redis.exceptions as rex
 
-from producer_client import scripts
 from producer_client.keys import GROUP, Keys
+from producer_client.protocol import execution
+from producer_client.protocol.replies import Published, UnknownReply, parse_claim, parse_publish
 from tests.queue.support import GatedWorker, outcome_count, serving
 from tests.support.clients import make_client
 from tests.support.jobs import assert_one_final_result, runs, tokens_published
 from tests.support.polling import eventually
-from worker import queue as worker_queue
+from worker.loop import queue as worker_queue
 from worker.embedded_redis import free_port
-from worker.queue import GroupLost, RedisClock, is_transient
-from worker.replies import Published, UnknownReply, parse_claim, parse_publish
+from worker.loop.queue import GroupLost, RedisClock, is_transient
 
 KEYS = Keys()
 
@@ -262,7 +262,7 @@ def test_scripts_flushed_again_between_reload_and_resend_lose_nothing(restartabl
     a refusal, dead-lettered a claim and dropped a running job). Here every reload of the first
     few is flushed at once, more than one call's reloads (SCRIPT_RELOADS), so the worker meets
     NOSCRIPT and tries again later; every job ends whole, once."""
-    load, flushes = scripts.load_scripts, iter(range(scripts.SCRIPT_RELOADS + 1))
+    load, flushes = execution.load_scripts, iter(range(execution.SCRIPT_RELOADS + 1))
 
     def load_then_lose(client, more=()):
         load(client, more)
@@ -274,7 +274,7 @@ def test_scripts_flushed_again_between_reload_and_resend_lose_nothing(restartabl
     with make_client("sync", restartable_redis.url, queue) as client, \
             serving(restartable_redis.url, queue, step_s=0.01) as worker:
         running = [running_job(client, p) for p in prompts[:2]]
-        monkeypatch.setattr(scripts, "load_scripts", load_then_lose)  # the worker's reloads only
+        monkeypatch.setattr(execution, "load_scripts", load_then_lose)  # the worker's reloads only
         admin.script_flush()
         queued = client.submit(prompts[2], max_tokens=150)  # its claim meets the flushes too
         for job_id, prompt in zip([*running, queued], prompts):

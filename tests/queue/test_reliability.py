@@ -13,15 +13,15 @@ import pytest
 
 from producer_client import JobFailed
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
-from producer_client.protocol import job_keys
+from producer_client.protocol.execution import execute
+from producer_client.protocol.script import job_keys
+from producer_client.protocol.worker import CLAIM, PUBLISH, RELEASE, WORKER_SCRIPTS
 from producer_client.schema import JobRequest
-from producer_client.scripts import execute
 from tests.queue.support import SlowEchoEngine, outcome_count, serving
 from tests.support.clients import make_client
 from tests.support.jobs import assert_one_final_result, events, runs, tokens_published
 from tests.support.polling import eventually
-from worker.outbox import Update
-from worker.scripts import CLAIM, PUBLISH, RELEASE, WORKER_SCRIPTS
+from worker.loop.outbox import Update
 
 KEYS = Keys()
 # Small enough for quick tests, and ten heartbeats of `serving` (0.05 s): a busy machine that
@@ -312,4 +312,4 @@ def test_an_update_skips_the_cuts_redis_recorded_from_a_call_whose_reply_was_los
     assert not update.skip_recorded(5)  # not the end of a cut: not a call of ours
     assert update.skip_recorded(7)
     assert (update.tokens_before, update.token_ids, update.text, update.cut_sizes) == (7, [4, 5], ["de"], [2])
-    assert update.publish_args(60)[3:5] == [7, 9]
+    assert update.publish_call(KEYS, 60).args[3:5] == (7, 9)  # tokens before, tokens after

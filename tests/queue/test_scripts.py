@@ -10,10 +10,14 @@ import pytest
 import redis
 
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
+from producer_client.protocol.execution import execute
+from producer_client.protocol.producer import CANCEL, CREATE, ENQUEUE, PRODUCER_SCRIPTS
+from producer_client.protocol.worker import (
+    CLAIM, DEADLETTER, FAIL, PUBLISH, RECLAIM, REFRESH, RELEASE, WORKER_SCRIPTS, deadletter,
+)
 from producer_client.schema import JobResult
-from producer_client.scripts import CANCEL, CREATE, ENQUEUE, PRODUCER_SCRIPTS, execute
-from worker.outbox import DeadLetter
-from worker.scripts import CLAIM, DEADLETTER, FAIL, PUBLISH, RECLAIM, REFRESH, RELEASE, WORKER_SCRIPTS
+from worker.loop.outbox import DeadLetter
+from worker.loop.streams import DEAD_LETTER_MAXLEN
 
 KEYS = Keys()
 ALL = (*PRODUCER_SCRIPTS, *WORKER_SCRIPTS)
@@ -281,7 +285,7 @@ def test_a_dead_letter_of_an_entry_with_thousands_of_fields_keeps_the_protocols_
     redis_client.xreadgroup(GROUP, "w1", {stream: ">"})
     dead = KEYS.dead(stream.removeprefix("mili:q:{").removesuffix("}"))
     letter = DeadLetter(entry_id, fields, "poison", 4)
-    assert run(redis_client, DEADLETTER, [stream, dead], *letter.script_args("w1", 1.0)) == 1
+    assert run(redis_client, DEADLETTER, [stream, dead], *deadletter(stream, dead, entry_id, DEAD_LETTER_MAXLEN, letter.letter("w1", 1.0)).args) == 1
     (moved,) = [f for _, f in redis_client.xrange(dead)]
     assert {k: moved[k] for k in ("id", "v", "body", "entry", "reason", "deliveries")} == {
         "id": "j0", "v": "1", "body": "{}", "entry": entry_id, "reason": "poison", "deliveries": "4",

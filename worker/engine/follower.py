@@ -71,7 +71,7 @@ def start_rank(spec: RankSpec) -> ModelRunner:
 def serve_steps(reader: RingReader, runner: ModelRunner) -> None:
     """Runs each step rank 0 sends until it sends STOP. A step that raises here raised on rank 0
     too (the same code over the same inputs, up to the same point): rank 0 sets its jobs apart
-    and tries them again one by one (worker/isolation.py), and this rank runs what it sends next,
+    and tries them again one by one (worker/loop/isolation.py), and this rank runs what it sends next,
     as one rank would. A failure on some ranks only leaves a collective unmatched, which times out."""
     while (message := reader.receive()).kind is Kind.STEP:
         future = None

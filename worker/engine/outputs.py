@@ -10,7 +10,7 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 # The engine's own report types are plain tuples and dataclasses, built once per request per
 # step on the hot path; the worker turns them into the wire models (producer_client.schema's
-# Usage, ErrorInfo, TokenLogprob) in one place, when it publishes (worker/service.py).
+# Usage, ErrorInfo, TokenLogprob) in one place, when it publishes (worker/loop/service.py).
 
 
 class TokenCounts(NamedTuple):

@@ -1,5 +1,5 @@
 """The Lua scripts of protocol v1 that only workers run. Like the producers' (producer_client/
-scripts.py, which also runs them), each touches the keys of one job only or of one queue only,
+protocol/producer.py), each touches the keys of one job only or of one queue only,
 so every script is atomic and Redis Cluster-safe. A job's status moves on through them:
 
     queued | running --CLAIM--> running (a new run) --PUBLISH(final)--> done | failed | cancelled | expired
@@ -14,7 +14,7 @@ token. A run's first PUBLISH adds a `start` event; a claim of a job that has tok
 resumes it, and its worker continues from the recorded tokens.
 
 Event stream entries have two fields: `type` (start | tokens | end) and `data` (JSON). A worker
-publishes a job's output in pieces (worker/pace.py): one PUBLISH call carries the tokens of every
+publishes a job's output in pieces (worker/loop/pace.py): one PUBLISH call carries the tokens of every
 engine step since the last, so a reader blocked on the stream wakes once per piece, not once per
 token or step; a streamed job's piece is at most stream_interval_s old, any other job's at most
 checkpoint_interval_s. The job's end also adds its result, the one entry it will ever have, to its
@@ -23,9 +23,13 @@ checkpoint_interval_s. The job's end also adds its result, the one entry it will
 Every script is safe to run twice, because a call whose reply was lost (the connection broke
 after Redis ran it) is retried: PUBLISH adds tokens only if the job's token count is still the
 one they follow and a `start` only once per run, DEADLETTER acts only on an entry still pending.
-What each answers is parsed in worker/replies.py.
+What each answers is parsed in producer_client/protocol/replies.py; each script's call builder, at the end,
+owns its keys and argument order.
 """
-from producer_client.scripts import Script
+from __future__ import annotations
+
+from producer_client.keys import GROUP, Keys
+from producer_client.protocol.script import Script, ScriptCall, job_keys
 
 # -- a job's keys ---------------------------------------------------------------------------------
 
@@ -71,14 +75,18 @@ return {'claimed', tonumber(tokens or '0')}
 
 # KEYS: job, events, done. ARGV: run token, start JSON, tokens JSON, tokens before them, tokens
 # after them, final status, result JSON, result TTL seconds; '' for what the step does not have.
-# Returns 'gone' (Redis has no hash of the job: it lost it, see ADOPT), 'ended' (the job has a
-# result from elsewhere: nothing changes, not even the event
-# stream; a second finisher changes nothing; 'written' again if this very result is the one
-# written, by this run: a call whose reply was lost), 'lost' (another run holds the job, or the recorded tokens are neither
-# those the update follows nor those it ends with, so this run's view and Redis's differ: nothing
-# changes), 'written' (the result is written), else 'cancel' (its cancel flag is up), 'followed'
-# (its streamed flag is up: a reader follows it, see FOLLOW) or 'ok'.
-# Recorded tokens equal to those the update ends with mean this very update was applied before.
+# Returns one of:
+#   'gone'     Redis has no hash of the job: it lost it (see ADOPT).
+#   'ended'    the job has a result from elsewhere (a second finisher): nothing changes, not even
+#              the event stream. This very result, written by this run (a call whose reply was
+#              lost), answers 'written' again instead.
+#   'lost'     another run holds the job, or the recorded tokens are neither those the update
+#              follows nor those it ends with (this run's view and Redis's differ): nothing
+#              changes. Recorded tokens equal to those the update ends with mean this very update
+#              was applied before.
+#   'written'  the result is written.
+#   else 'cancel' (its cancel flag is up), 'followed' (its streamed flag is up: a reader follows
+#   it, see FOLLOW) or 'ok'.
 PUBLISH = Script("publish", JOB_KEY_TYPES + """
 local status, result, run, recorded, started, cancel, streamed = unpack(
   redis.call('HMGET', KEYS[1], 'status', 'result', 'run', 'tokens', 'started', 'cancel', 'streamed'))
@@ -302,3 +310,55 @@ return 0
 # What a worker's pipelines run besides the producers' scripts (of which ENQUEUE gives a detached
 # job back to the queue, after REQUEUE): `execute` loads both sets on NOSCRIPT.
 WORKER_SCRIPTS = (CLAIM, PUBLISH, FAIL, ADOPT, REQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER, TAKE_OVER, TAKEABLE)
+
+
+# -- call builders: each owns its script's keys and argument order ----------------------------------
+
+def claim(keys: Keys, job_id: str, worker: str, entry_id: str, result_ttl_s: int, run: str) -> ScriptCall:
+    return ScriptCall(CLAIM, job_keys(keys, job_id), (worker, entry_id, result_ttl_s, run))
+
+
+def publish(
+    keys: Keys, job_id: str, run: str, start: str, tokens: str, tokens_before: int, tokens_after: int,
+    status: str, result_json: str, result_ttl_s: int,
+) -> ScriptCall:
+    """PUBLISH of one update; '' for what it does not have (no start, no tokens, no final result)."""
+    args = (run, start, tokens, tokens_before, tokens_after, status, result_json, result_ttl_s)
+    return ScriptCall(PUBLISH, job_keys(keys, job_id), args)
+
+
+def adopt(keys: Keys, job_id: str, run: str, worker: str) -> ScriptCall:
+    return ScriptCall(ADOPT, job_keys(keys, job_id), (run, worker))
+
+
+def requeue(keys: Keys, job_id: str, run: str) -> ScriptCall:
+    return ScriptCall(REQUEUE, (keys.job(job_id),), (run,))
+
+
+def fail(keys: Keys, job_id: str, failed_json: str, tokens: int, result_ttl_s: int) -> ScriptCall:
+    return ScriptCall(FAIL, job_keys(keys, job_id), (failed_json, tokens, result_ttl_s))
+
+
+def refresh(stream: str, worker: str, entry_ids: list[str]) -> ScriptCall:
+    return ScriptCall(REFRESH, (stream,), (GROUP, worker, *entry_ids))
+
+
+def reclaim(stream: str, worker: str, min_idle_ms: int, cursor: str, count: int) -> ScriptCall:
+    return ScriptCall(RECLAIM, (stream,), (GROUP, worker, min_idle_ms, cursor, count))
+
+
+def release(stream: str, worker: str, idle_ms: int, entry_ids: list[str]) -> ScriptCall:
+    return ScriptCall(RELEASE, (stream,), (GROUP, worker, idle_ms, *entry_ids))
+
+
+def deadletter(stream: str, dead: str, entry_id: str, dead_maxlen: int, letter: dict) -> ScriptCall:
+    """DEADLETTER of a pending entry of `stream`, as a dead letter of fields `letter`."""
+    return ScriptCall(DEADLETTER, (stream, dead), (GROUP, entry_id, dead_maxlen, *(x for kv in letter.items() for x in kv)))
+
+
+def take_over(stream: str, worker: str, min_idle_ms: int, steal_before_ms: int, count: int) -> ScriptCall:
+    return ScriptCall(TAKE_OVER, (stream,), (GROUP, worker, min_idle_ms, steal_before_ms, count))
+
+
+def takeable(stream: str, min_idle_ms: int, steal_before_ms: int) -> ScriptCall:
+    return ScriptCall(TAKEABLE, (stream,), (GROUP, min_idle_ms, steal_before_ms))

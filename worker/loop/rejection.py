@@ -7,21 +7,20 @@ it leaves the engine, and FAIL writes its failure, with the output it had, whate
 recorded tokens; its entry is then acknowledged. The worker and its other jobs go on.
 
 The code: `internal_error` for a reply the protocol does not define (UnknownReply), else
-`invalid_job`. Transient errors never come here: they keep their retry path (worker/queue.py)."""
+`invalid_job`. Transient errors never come here: they keep their retry path (worker/loop/queue.py)."""
 from __future__ import annotations
 
 import logging
 
+from producer_client.core import entry_time
 from producer_client.errors import MiliError
 from producer_client.keys import PROTOCOL_VERSION
-from producer_client.protocol import entry_time
+from producer_client.protocol.replies import Failed, UnknownReply
 from producer_client.schema import ErrorInfo
-from worker.holdings import Holdings
-from worker.jobs import Delivery, InternalError, InvalidJob, Job, Rejection, final_result, printable
-from worker.metrics import WorkerMetrics
-from worker.outbox import DeadLetter, Receipts, Update
-from worker.queue import RedisClock, WorkerQueue, is_transient
-from worker.replies import Failed, UnknownReply
+from worker.loop.context import LoopContext
+from worker.loop.jobs import Delivery, InternalError, InvalidJob, Job, Rejection, final_result, printable
+from worker.loop.outbox import DeadLetter, Update
+from worker.loop.queue import is_transient
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +35,9 @@ def job_error(error: Exception) -> MiliError:
 
 
 class Rejections:
-    def __init__(
-        self, queue: WorkerQueue, holdings: Holdings, receipts: Receipts, metrics: WorkerMetrics, clock: RedisClock,
-        worker: str,
-    ):
-        self.queue = queue
-        self.holdings = holdings
-        self.receipts = receipts
-        self.metrics = metrics
-        self.clock = clock
-        self.worker = worker
+    def __init__(self, ctx: LoopContext):
+        self.queue, self.holdings, self.receipts = ctx.queue, ctx.holdings, ctx.receipts
+        self.metrics, self.clock, self.worker = ctx.metrics, ctx.clock, ctx.worker
 
     # -- what fails a job -----------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Publication: what the worker tells Redis about its jobs, in rounds. Each round is one pipeline,
-sent by the publisher's thread (worker/publisher.py) while the loop steps on: every update waiting
+sent by the publisher's thread (worker/loop/publisher.py) while the loop steps on: every update waiting
 (ends, starts, failures, and what an earlier round could not deliver), the output of the running
-jobs whose publication is due (worker/pace.py), each as one PUBLISH, and a look at the hash of the
+jobs whose publication is due (worker/loop/pace.py), each as one PUBLISH, and a look at the hash of the
 running jobs due for one. One round is out at a time; the output of the steps that run meanwhile
 waits for the next.
 
@@ -14,35 +14,26 @@ from __future__ import annotations
 import logging
 import time
 
+from producer_client.protocol.replies import Look, Published, PublishReply, UnknownReply, Watched
 from producer_client.schema import JobResult
-from worker.holdings import Holdings
-from worker.jobs import InternalError
-from worker.metrics import WorkerMetrics
-from worker.outbox import Outbox, Receipts, Update
-from worker.pace import Pace
-from worker.publisher import Publisher, Round
-from worker.queue import GroupLost, RedisClock, WorkerQueue, is_transient
-from worker.rejection import Rejections
-from worker.replies import Look, Published, PublishReply, UnknownReply, Watched
+from worker.loop.context import LoopContext
+from worker.loop.jobs import InternalError
+from worker.loop.outbox import Update
+from worker.loop.pace import Pace
+from worker.loop.publisher import Publisher, Round
+from worker.loop.queue import GroupLost, is_transient
+from worker.loop.rejection import Rejections
 
 log = logging.getLogger(__name__)
 
 
 class Publication:
-    def __init__(
-        self, queue: WorkerQueue, holdings: Holdings, outbox: Outbox, receipts: Receipts, rejections: Rejections,
-        metrics: WorkerMetrics, clock: RedisClock, worker: str, pace: Pace,
-    ):
-        self.queue = queue
-        self.holdings = holdings
-        self.outbox = outbox
-        self.receipts = receipts
+    def __init__(self, ctx: LoopContext, rejections: Rejections, pace: Pace):
+        self.queue, self.holdings, self.outbox, self.receipts = ctx.queue, ctx.holdings, ctx.outbox, ctx.receipts
+        self.metrics, self.clock, self.worker = ctx.metrics, ctx.clock, ctx.worker
         self.rejections = rejections
-        self.metrics = metrics
-        self.clock = clock
-        self.worker = worker
         self.pace = pace
-        self.publisher = Publisher(queue)
+        self.publisher = Publisher(ctx.queue)
         self.last_call = time.monotonic()
 
     @property
@@ -161,9 +152,9 @@ class Publication:
 
     def _fail_on_unknown_reply(self, update: Update, error: UnknownReply) -> None:
         """The job fails with internal_error, its tokens kept for the result; if even its final
-        update gets an answer PUBLISH does not give, FAIL writes the failure (worker/rejection.py)."""
+        update gets an answer PUBLISH does not give, FAIL writes the failure (worker/loop/rejection.py)."""
         log.error("job %s: %s", update.job_id, error)
-        job = self.holdings.running.pop(update.job_id, None)
+        job = self.holdings.finish(update.job_id)
         if update.final is not None or job is None:
             self.rejections.of_update(update, error)
             return

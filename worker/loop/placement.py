@@ -11,13 +11,13 @@ import time
 import redis
 
 from producer_client.connection import is_fatal
-from worker.admission import Admission
-from worker.holdings import Holdings
-from worker.jobs import Delivery
-from worker.metrics import WorkerMetrics
-from worker.queue import RedisClock, WorkerQueue, is_transient
+from worker.loop.admission import Admission
+from worker.loop.context import LoopContext
+from worker.loop.holdings import Holdings
+from worker.loop.jobs import Delivery
+from worker.loop.queue import is_transient
+from worker.loop.streams import owner_of
 from worker.settings import WorkerSettings
-from worker.streams import owner_of
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +37,11 @@ class TakeOver:
     reclaim_interval_s, and twice per steal_delay_ms, so that an entry waits at most about
     1.5 x steal_delay_ms for a worker with room."""
 
-    def __init__(
-        self, queue: WorkerQueue, admission: Admission, holdings: Holdings, settings: WorkerSettings,
-        clock: RedisClock, metrics: WorkerMetrics,
-    ):
-        self.queue = queue
+    def __init__(self, ctx: LoopContext, admission: Admission):
+        self.queue, self.holdings, self.settings = ctx.queue, ctx.holdings, ctx.settings
+        self.clock, self.metrics = ctx.clock, ctx.metrics
         self.admission = admission
-        self.holdings = holdings
-        self.settings = settings
-        self.clock = clock
-        self.metrics = metrics
-        self.interval_s = min(settings.reclaim_interval_s, settings.steal_delay_ms / 2000)
+        self.interval_s = min(ctx.settings.reclaim_interval_s, ctx.settings.steal_delay_ms / 2000)
         self.next_scan = 0.0
 
     def scan(self, room: int) -> None:
@@ -70,7 +64,7 @@ class TakeOver:
             )
         self.metrics.taken["reclaimed"].inc(len(reclaimed))
         self.metrics.taken["stolen"].inc(len(stolen))
-        self.holdings.unadmitted += reclaimed + stolen
+        self.holdings.take(reclaimed + stolen)
 
     def _take(self, room: int, min_idle_ms: int, steal_before_ms: int) -> tuple[list[Delivery], list[Delivery]]:
         """From the stream of every worker in the queue's index, this one's too (an earlier process

@@ -3,20 +3,18 @@ with a code), then the deltas it accumulates until its result. A reclaimed job s
 the tokens its event stream recorded."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, Field, field_validator
-
 from producer_client.chat import tool_names
-from producer_client.chat_output import THINK_CLOSE, THINK_OPEN, ChatOutput, OutputFormat, OutputParser, Reasoning, parse_output
+from producer_client.chat_output import (
+    THINK_CLOSE, THINK_OPEN, ChatOutput, OutputFormat, OutputParser, Reasoning, parse_output,
+)
+from producer_client.core import entry_time
 from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
 from producer_client.keys import NAME_PATTERN, PROTOCOL_VERSION
-from producer_client.protocol import entry_time
-from producer_client.schema import (
-    MAX_TOKEN_ID, ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage,
-)
+from producer_client.protocol.events import EventType, resumed_start, resumed_tokens
+from producer_client.schema import ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage
 from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, tool_call_constraint
 
 ENTRY_FIELDS = frozenset({"id", "v", "body"})
@@ -47,6 +45,20 @@ class InvalidJob(MiliError):
     code = "invalid_job"
 
 
+@dataclass(frozen=True, slots=True)
+class AdmissionId:
+    """One admission of a job to the engine: the engine's request id for it, which every output
+    carries back. Each admission has a number of its own, so that the final output of an aborted
+    earlier one (after a failed step, or a run this worker lost and took back) is never taken for
+    this one's."""
+
+    job_id: str
+    number: int
+
+    def __str__(self) -> str:  # the engine logs request ids
+        return f"{self.job_id}#{self.number}"
+
+
 @dataclass
 class Delivery:
     """A queue entry as this worker received it."""
@@ -58,26 +70,6 @@ class Delivery:
 
     def __post_init__(self):
         self.job_id = job_id_of(self.entry_id, self.fields)
-
-
-class StartEvent(BaseModel):
-    """A run's `start` event as a resumed job reads it: a producer may write the event stream, so
-    what this worker takes over is validated like any input."""
-
-    started_at: float = Field(allow_inf_nan=False)
-
-
-class TokensEvent(BaseModel):
-    ids: list[int] = Field(strict=True)
-    text: str = Field(strict=True)
-    logprobs: list[TokenLogprob] | None = None
-
-    @field_validator("ids")
-    @classmethod
-    def _token_ids(cls, ids: list[int]) -> list[int]:
-        if any(not 0 <= t < MAX_TOKEN_ID for t in ids):
-            raise ValueError(f"token ids must be 0 to {MAX_TOKEN_ID - 1}")
-        return ids
 
 
 @dataclass
@@ -110,9 +102,9 @@ class Feed:
 class Job:
     id: str
     # None once the job is detached from its entry: Redis lost the queue's group, and the worker
-    # runs the job on (see ADOPT in producer_client.scripts).
+    # runs the job on (see ADOPT in producer_client.protocol.worker).
     entry_id: str | None
-    run: str  # the fencing token of this worker's claim (see producer_client.scripts)
+    run: str  # the fencing token of this worker's claim (see producer_client.protocol.worker)
     request: JobRequest
     prompt_token_ids: list[int]
     queued_at: float  # on Redis's clock, as every time here
@@ -123,8 +115,7 @@ class Job:
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | None = None  # why this worker aborted it: "cancel", "timeout" or "tool_call"
     resumed_tokens: int = 0  # tokens recorded by earlier runs when this one started
-    # The engine's request id for its latest admission (see Worker._add_to_engine).
-    engine_id: str = ""
+    engine_id: AdmissionId | None = None  # the engine's request id for the job's current admission
     # When the job times out: the `deadline` its producer's CREATE recorded, else its entry's
     # time plus timeout_s (an entry added without the client). None: no timeout.
     deadline: float | None = None
@@ -152,10 +143,10 @@ class Job:
         of them started and produced its first token."""
         starts = []
         for event_id, fields in events:
-            if fields.get("type") == "start":
-                starts.append(StartEvent.model_validate_json(fields.get("data", "")))
-            elif fields.get("type") == "tokens":
-                tokens = TokensEvent.model_validate_json(fields.get("data", ""))
+            if fields.get("type") == EventType.START:
+                starts.append(resumed_start(fields.get("data", "")))
+            elif fields.get("type") == EventType.TOKENS:
+                tokens = resumed_tokens(fields.get("data", ""))
                 if self.first_token_at is None and tokens.ids:
                     self.first_token_at = entry_time(event_id)
                 self.token_ids.extend(tokens.ids)
@@ -311,15 +302,3 @@ def printable(message: str) -> str:
     may be quoted in an error message, and must not make the result unwritable."""
     return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
-
-# json.dumps makes an encoder per call when given options; one made once serves every event.
-_json_text = json.JSONEncoder(ensure_ascii=False).encode
-
-
-def token_event(token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None) -> str:
-    """A tokens event's JSON, {"ids": [...], "text": "...", "logprobs": [...]}. Without logprobs
-    (most events) it is put together here: json.dumps of the whole dict costs twice as much."""
-    if logprobs is None:
-        return '{"ids":[' + ",".join(map(str, token_ids)) + '],"text":' + _json_text(text) + "}"
-    payload = {"ids": token_ids, "text": text, "logprobs": [lp.model_dump() for lp in logprobs]}
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))

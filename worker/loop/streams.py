@@ -12,9 +12,12 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from producer_client.keys import GROUP, Keys
-from worker.scripts import DEADLETTER, REFRESH, RELEASE
+from producer_client.protocol import worker as scripts
 
 SEPARATOR = "@"
+# The dead-letter stream keeps about this many entries (XADD MAXLEN ~): bounded memory, and far
+# more than an operator reads before acting on the alert.
+DEAD_LETTER_MAXLEN = 10_000
 
 
 def entry_ref(entry_id: str, owner: str | None) -> str:
@@ -58,24 +61,24 @@ class QueueStreams:
             pipe.xack(key, GROUP, *ids)
             pipe.xdel(key, *ids)
 
-    def add_dead_letter(self, pipe, ref: str, args: list) -> None:
-        """DEADLETTER (`args`: its ARGV) moves an entry of the shared stream in one step. A worker's
+    def add_dead_letter(self, pipe, ref: str, letter: dict) -> None:
+        """DEADLETTER (`letter`: the dead letter's fields) moves an entry of the shared stream in one step. A worker's
         stream has a hash tag of its own, so its entry is moved in two commands: written to the
         dead-letter stream, then acknowledged and deleted (a worker that dies in between leaves it
         pending, and the next one to take it writes the letter again)."""
         dead = self.keys.dead(self.queue)
         owner = owner_of(ref)
         if owner is None:
-            pipe.evalsha(DEADLETTER.sha, 2, self.shared, dead, *args)
+            scripts.deadletter(self.shared, dead, ref, DEAD_LETTER_MAXLEN, letter).add_to(pipe)
             return
-        pipe.xadd(dead, dict(zip(args[3::2], args[4::2])), maxlen=args[2], approximate=True)
+        pipe.xadd(dead, letter, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
         self.add_acks(pipe, [ref])
 
     @staticmethod
     def add_refreshes(pipe, worker: str, by_stream: dict[str, list[str]]) -> None:
         """REFRESH of the held entries, one call per stream; each answers the ids it lost."""
         for key, ids in by_stream.items():
-            pipe.evalsha(REFRESH.sha, 1, key, GROUP, worker, *ids)
+            scripts.refresh(key, worker, ids).add_to(pipe)
 
     @staticmethod
     def add_releases(worker: str, idle_ms: int, by_stream: dict[str, list[str]]):
@@ -83,6 +86,6 @@ class QueueStreams:
 
         def add(pipe) -> None:
             for key, ids in by_stream.items():
-                pipe.evalsha(RELEASE.sha, 1, key, GROUP, worker, idle_ms, *ids)
+                scripts.release(key, worker, idle_ms, ids).add_to(pipe)
 
         return add

@@ -33,23 +33,24 @@ from collections.abc import Callable
 import redis
 
 from producer_client.connection import is_fatal
+from producer_client.core import Replication
 from producer_client.keys import Keys
-from producer_client.protocol import Replication
-from producer_client.schema import ErrorInfo, JobResult, TokenLogprob, Usage
-from worker.admission import Admission
-from worker.holdings import EngineAPI, Holdings
-from worker.isolation import EngineError, FailureIsolation
-from worker.jobs import Job
+from worker.engine.interface import EngineAPI
+from worker.loop.admission import Admission
+from worker.loop.collection import Collector
+from worker.loop.context import LoopContext
+from worker.loop.holdings import Holdings
+from worker.loop.isolation import EngineError, FailureIsolation
+from worker.loop.outbox import Outbox, Receipts
+from worker.loop.ownership import Ownership
+from worker.loop.pace import Pace
+from worker.loop.placement import TakeOver
+from worker.loop.publication import Publication
+from worker.loop.queue import GroupLost, RedisClock, RedisLink, WorkerQueue, is_transient
+from worker.loop.rejection import Rejections
+from worker.loop.streams import owner_of
 from worker.metrics import WorkerMetrics
-from worker.outbox import Outbox, Receipts
-from worker.ownership import Ownership
-from worker.pace import Pace
-from worker.placement import TakeOver
-from worker.publication import Publication
-from worker.queue import GroupLost, RedisClock, RedisLink, WorkerQueue, is_transient
-from worker.rejection import Rejections
 from worker.settings import WorkerSettings
-from worker.streams import owner_of
 
 log = logging.getLogger(__name__)
 
@@ -71,23 +72,18 @@ class Worker:
             placed=settings.placement, poll_ms=settings.placement_poll_ms,
         )
         self.link = RedisLink(settings.redis_backoff_max_s)
-        self.outbox = Outbox()  # what Redis has not seen yet
-        self.receipts = Receipts()  # entries to acknowledge or dead-letter with the next read
+        self.outbox = Outbox()
+        self.receipts = Receipts()
         self.holdings = Holdings(engine, self.outbox)
-        self.rejections = Rejections(self.queue, self.holdings, self.receipts, metrics, clock, name)
-        self.admission = Admission(
-            self.queue, engine, self.holdings, self.outbox, self.receipts, self.rejections, settings, clock, name,
-        )
-        self.take_over = TakeOver(self.queue, self.admission, self.holdings, settings, clock, metrics)
-        self.isolation = FailureIsolation(self.holdings, self.admission, self.outbox, clock, name)
+        ctx = LoopContext(name, settings, engine, self.queue, clock, metrics, self.holdings, self.outbox, self.receipts)
+        self.rejections = Rejections(ctx)
+        self.admission = Admission(ctx, self.rejections)
+        self.take_over = TakeOver(ctx, self.admission)
+        self.isolation = FailureIsolation(ctx, self.admission)
+        self.collector = Collector(ctx, self.isolation)
         pace = Pace(settings.stream_interval_s, settings.checkpoint_interval_s, settings.engine.max_running)
-        self.publication = Publication(
-            self.queue, self.holdings, self.outbox, self.receipts, self.rejections, metrics, clock, name, pace,
-        )
-        self.ownership = Ownership(
-            self.queue, engine, self.holdings, self.outbox, self.rejections, metrics, settings, clock, name, device,
-            metrics_port,
-        )
+        self.publication = Publication(ctx, self.rejections, pace)
+        self.ownership = Ownership(ctx, self.rejections, device, metrics_port)
         self.drain_deadline: float | None = None
         self.stop_now = False
         self.paused = False  # generation waits for the outbox to drain
@@ -248,7 +244,7 @@ class Worker:
         own = sum(1 for d in read if owner_of(d.entry_id) is not None)
         self.metrics.taken["own"].inc(own)
         self.metrics.taken["shared"].inc(len(read) - own)
-        self.holdings.unadmitted += read
+        self.holdings.take(read)
         self.admission.admit()
 
     def _take_idle_entries(self) -> None:
@@ -281,7 +277,7 @@ class Worker:
         if not self.engine.has_unfinished():
             return False
         self._stop_overdue()
-        self._collect(self._step())
+        self.collector.collect(self._step())
         return True
 
     def _stop_overdue(self) -> None:
@@ -297,58 +293,3 @@ class Worker:
             log.exception("an engine step of %d jobs failed", len(self.holdings.running))
             self.isolation.isolate(EngineError(f"{type(e).__name__}: {e}"))
             return []
-
-    def _collect(self, outputs: list) -> None:
-        """Add each output to its job, where it waits for its publication (see pace.py); a job's
-        end goes to the outbox. Run for every output of every step: kept to plain appends."""
-        now = self.clock.now()
-        sampled_at = time.monotonic()
-        running = self.holdings.running
-        probe = self.isolation.probe
-        tokens = 0
-        for out in outputs:
-            job = running.get(out.request_id.rpartition("#")[0])
-            if job is None or out.request_id != job.engine_id:
-                continue  # an aborted admission's last word
-            if job is probe:
-                self.isolation.produced_output(job)
-            if out.new_token_ids or out.text_delta:
-                tokens += len(out.new_token_ids)
-                self._record_delta(job, out, now, sampled_at)
-            if out.finished:
-                del running[job.id]
-                self.outbox.for_job(job).final = self._final_result(job, out, now)
-        self.metrics.generation_tokens.inc(tokens)
-
-    def _record_delta(self, job: Job, out, now: float, sampled_at: float) -> None:
-        if job.first_token_at is None and out.new_token_ids:
-            job.first_token_at = now
-        if out.logprobs is not None:
-            logprobs = [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top)) for lp in out.logprobs]
-            if job.logprobs is None:
-                job.logprobs = []
-            job.logprobs += logprobs
-        job.token_ids += out.new_token_ids
-        job.text.append(out.text_delta)
-        if job.feed.waiting_since is None:
-            job.feed.waiting_since = sampled_at
-        if job.stop_reason is None and job.watch_for_call(out.text_delta):
-            log.info("job %s made its tool call (parallel_tool_calls is off): it ends here", job.id)
-            self.holdings.stop(job, "tool_call")
-
-    def _final_result(self, job: Job, out, now: float) -> JobResult:
-        u = out.usage
-        usage = Usage(
-            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-            cached_prompt_tokens=u.cached_prompt_tokens,
-        )
-        if out.finish_reason == "abort":
-            if job.stop_reason == "timeout":
-                return job.result("done", "timeout", self.name, now, usage)
-            if job.stop_reason == "tool_call":
-                return job.result("done", "stop", self.name, now, usage)  # Job.result: stopped for its calls
-            return job.result("cancelled", "abort", self.name, now, usage)
-        if out.error is not None:
-            error = ErrorInfo(code=out.error.code, message=out.error.message)
-            return job.result("failed", "error", self.name, now, usage, error)
-        return job.result("done", out.finish_reason, self.name, now, usage)

@@ -4,7 +4,7 @@ sees it; and the backoff for reaching Redis again when it cannot be reached.
 
 On a Redis Cluster the queue's keys (its stream, dead letters, worker index) live on one shard and
 each job's keys on the shard of its id; a pipeline that spans them (claims, publication, the
-heartbeat) goes out as one round trip to every node it concerns at once (scripts.execute).
+heartbeat) goes out as one round trip to every node it concerns at once (execution.execute).
 
 Every exchange classifies what Redis answered in one place (`_send`): a transient failure
 (connection lost, loading, out of memory, read-only during a failover) raises, and the loop backs
@@ -22,21 +22,21 @@ import hiredis
 import redis
 from redis.backoff import NoBackoff
 
-from producer_client import connection, scripts
-from producer_client.connection import FATAL_ERRORS, Retry, reply_code
+from producer_client import connection
 from producer_client.cluster import is_cluster
-from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
-from producer_client.protocol import Replication, job_keys
-from producer_client.schema import JobResult
-from producer_client.scripts import ENQUEUE
-from worker.jobs import Delivery, Job
-from worker.outbox import DeadLetter, Update
-from worker.replies import (
+from producer_client.connection import FATAL_ERRORS, Retry, reply_code
+from producer_client.core import Replication
+from producer_client.keys import GROUP, Keys
+from producer_client.protocol import execution, producer
+from producer_client.protocol import worker as scripts
+from producer_client.protocol.replies import (
     Adopted, Claim, Failed, Look, Published, PublishReply, UnknownReply, parse_adopt, parse_claim, parse_fail,
     parse_publish, parse_watch,
 )
-from worker.scripts import ADOPT, CLAIM, FAIL, PUBLISH, RECLAIM, REQUEUE, TAKE_OVER, TAKEABLE, WORKER_SCRIPTS
-from worker.streams import QueueStreams, entry_ref
+from producer_client.schema import JobResult
+from worker.loop.jobs import Delivery, Job
+from worker.loop.outbox import DeadLetter, Update
+from worker.loop.streams import QueueStreams, entry_ref
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class ReplicasBehind(redis.RedisError):
 # (idempotent) commands again. redis-py raises most as their own classes (and strips the reply's
 # first word from the message): a lost connection, loading an AOF (BusyLoadingError), memory full
 # under noeviction, a replica not yet promoted by a failover, a cluster resharding or failing over,
-# NOSCRIPT where the scripts were lost again after each of scripts.execute's reloads (the next
+# NOSCRIPT where the scripts were lost again after each of execution.execute's reloads (the next
 # try loads them once more), and replicas that have not confirmed a result yet.
 TRANSIENT_ERRORS = (
     redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
@@ -169,7 +169,7 @@ class WorkerQueue:
         loop sends everything again later); any other error raises too, unless
         `per_command_errors`: then it stays in its command's place, for the caller to charge to
         the job it concerns."""
-        replies = scripts.execute(self.redis, add_commands, WORKER_SCRIPTS, raise_on_error=False)
+        replies = execution.execute(self.redis, add_commands, scripts.WORKER_SCRIPTS, raise_on_error=False)
         errors = [r for r in replies if isinstance(r, Exception)]
         for error in errors:
             if is_transient(error):
@@ -246,7 +246,7 @@ class WorkerQueue:
         self.streams.add_acks(pipe, acks)
         now = self.clock.now()
         for letter in dead_letters:
-            self.streams.add_dead_letter(pipe, letter.entry_id, letter.script_args(self.worker, now))
+            self.streams.add_dead_letter(pipe, letter.entry_id, letter.letter(self.worker, now))
         if count > 0:
             self._read_into(pipe, stream, count, None if stream != self.stream else block_ms)
 
@@ -263,8 +263,8 @@ class WorkerQueue:
         """XAUTOCLAIM up to `count` entries idle longer than `min_idle_ms`: jobs of workers that
         died or stalled. The scan resumes where the last one stopped, so every pending entry is
         reached in turn."""
-        args = (GROUP, self.worker, min_idle_ms, self.reclaim_cursor, count)
-        cursor, claimed = self._send(lambda pipe: pipe.evalsha(RECLAIM.sha, 1, self.stream, *args))[0]
+        call = scripts.reclaim(self.stream, self.worker, min_idle_ms, self.reclaim_cursor, count)
+        cursor, claimed = self._send(call.add_to)[0]
         self.reclaim_cursor = cursor
         return [Delivery(entry_id, dict(zip(flat[::2], flat[1::2])), deliveries) for entry_id, flat, deliveries in claimed]
 
@@ -272,9 +272,8 @@ class WorkerQueue:
         """TAKE_OVER on `owner`'s own stream: (up to `count` entries reclaimed after `min_idle_ms`,
         then entries stolen that nobody read since before `steal_before_ms`; 0: none). An error in
         its place raises as any other, but for a key of another type, which TAKE_OVER passes over."""
-        args = (GROUP, self.worker, min_idle_ms, steal_before_ms, count)
-        key = self.streams.of(owner)
-        reclaimed, stolen = self._send(lambda pipe: pipe.evalsha(TAKE_OVER.sha, 1, key, *args))[0]
+        call = scripts.take_over(self.streams.of(owner), self.worker, min_idle_ms, steal_before_ms, count)
+        reclaimed, stolen = self._send(call.add_to)[0]
         return (
             [Delivery(entry_ref(i, owner), _fields(flat), n) for i, flat, n in reclaimed],
             [Delivery(entry_ref(i, owner), _fields(flat)) for i, flat in stolen],
@@ -286,7 +285,7 @@ class WorkerQueue:
 
         def add(pipe):
             for owner in owners:
-                pipe.evalsha(TAKEABLE.sha, 1, self.streams.of(owner), GROUP, min_idle_ms, steal_before_ms[owner])
+                scripts.takeable(self.streams.of(owner), min_idle_ms, steal_before_ms[owner]).add_to(pipe)
 
         return [r if isinstance(r, Exception) else r == 1 for r in self._send(add, per_command_errors=True)]
 
@@ -296,7 +295,7 @@ class WorkerQueue:
 
         def add(pipe):
             for job_id, entry_id, run in jobs:
-                pipe.evalsha(CLAIM.sha, 3, *job_keys(self.keys, job_id), self.worker, entry_id, self.result_ttl_s, run)
+                scripts.claim(self.keys, job_id, self.worker, entry_id, self.result_ttl_s, run).add_to(pipe)
 
         return [_parsed(parse_claim, r) for r in self._send(add, per_command_errors=True)]
 
@@ -305,16 +304,15 @@ class WorkerQueue:
 
         def add(pipe):
             for job_id, run in jobs:
-                pipe.evalsha(ADOPT.sha, 3, *job_keys(self.keys, job_id), run, self.worker)
+                scripts.adopt(self.keys, job_id, run, self.worker).add_to(pipe)
 
         return [_parsed(parse_adopt, r) for r in self._send(add, per_command_errors=True)]
 
     def requeue(self, job: Job) -> bool:
         """Give a detached job back to the queue (REQUEUE, then a fresh entry)."""
-        if not self._send(lambda pipe: pipe.evalsha(REQUEUE.sha, 1, self.keys.job(job.id), job.run))[0]:
+        if not self._send(scripts.requeue(self.keys, job.id, job.run).add_to)[0]:
             return False
-        body = job.request.to_json()
-        self._send(lambda pipe: pipe.evalsha(ENQUEUE.sha, 1, self.stream, 0, job.id, PROTOCOL_VERSION, body))
+        self._send(producer.enqueue(self.stream, 0, job.id, job.request.to_json()).add_to)
         return True
 
     def recorded_events(self, job_ids: list[str]) -> dict[str, list[tuple[str, dict[str, str]]] | Exception]:
@@ -344,8 +342,7 @@ class WorkerQueue:
 
         def add(pipe):
             for job_id, result in failures:
-                args = (result.model_dump_json(), len(result.token_ids), self.result_ttl_s)
-                pipe.evalsha(FAIL.sha, 3, *job_keys(self.keys, job_id), *args)
+                scripts.fail(self.keys, job_id, result.model_dump_json(), len(result.token_ids), self.result_ttl_s).add_to(pipe)
 
         return [_parsed(parse_fail, r) for r in self._send(add, per_command_errors=True)]
 
@@ -363,7 +360,7 @@ class WorkerQueue:
 
         def add(pipe):
             for u in updates:
-                pipe.evalsha(PUBLISH.sha, 3, *job_keys(self.keys, u.job_id), *u.publish_args(self.result_ttl_s))
+                u.publish_call(self.keys, self.result_ttl_s).add_to(pipe)
             for job_id, _ in watch:
                 pipe.hmget(self.keys.job(job_id), "cancel", "run", "streamed")
             for u in finals:
@@ -374,7 +371,7 @@ class WorkerQueue:
                 pipe.expire(self.keys.job(u.job_id), self.result_ttl_s)
                 pipe.wait_replicas(self.keys.job(u.job_id), self.replication.replicas, self.replication.timeout_ms)
 
-        replies = scripts.execute(self.redis, add, WORKER_SCRIPTS, raise_on_error=False)
+        replies = execution.execute(self.redis, add, scripts.WORKER_SCRIPTS, raise_on_error=False)
         published = [_parsed(parse_publish, r) for r in replies[: len(updates)]]
         ends = len(updates) + len(watch)
         watched = [_parsed(lambda r, run=run: parse_watch(r, run), r) for (_, run), r in zip(watch, replies[len(updates):ends])]

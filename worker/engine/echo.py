@@ -18,9 +18,9 @@ from typing import Any
 
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
+from worker.engine.errors import KVCapacityExceeded, PromptTooLong
 from worker.engine.outputs import Capacity, EngineStats, RequestOutput, TokenCounts
 from worker.engine.settings import EngineSettings
-from worker.engine.errors import KVCapacityExceeded, PromptTooLong
 
 DEFAULT_NUM_PAGES = 4096
 DEFAULT_MAX_MODEL_LEN = 4096

@@ -1,19 +1,18 @@
 """What a worker has to tell Redis and has not yet: one update per job (its output since its last
 publication, its final result), in the outbox until Redis has answered a publication of it (a
 running job's newest output waits in the job itself until its publication is due: see
-worker/pace.py); and the receipts of settled entries: acknowledgements, and dead letters
+worker/loop/pace.py); and the receipts of settled entries: acknowledgements, and dead letters
 (entries that go to the dead-letter stream instead)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from producer_client.keys import GROUP
+from producer_client.keys import Keys
+from producer_client.protocol import worker as scripts
+from producer_client.protocol.events import encode_tokens
+from producer_client.protocol.script import ScriptCall
 from producer_client.schema import JobResult, TokenLogprob
-from worker.jobs import ENTRY_FIELDS, Job, token_event
-
-# The dead-letter stream keeps about this many entries (XADD MAXLEN ~): bounded memory, and far
-# more than an operator reads before acting on the alert.
-DEAD_LETTER_MAXLEN = 10_000
+from worker.loop.jobs import ENTRY_FIELDS, Job
 
 
 @dataclass
@@ -23,13 +22,12 @@ class DeadLetter:
     reason: str
     deliveries: int
 
-    def script_args(self, worker: str, now: float) -> list:
-        # The protocol's fields only: a producer's entry may hold any number of others, more than
-        # DEADLETTER's Lua can unpack into one XADD.
+    def letter(self, worker: str, now: float) -> dict:
+        """The dead letter's fields. The protocol's own of the entry only: a producer's entry may
+        hold any number of others, more than DEADLETTER's Lua can unpack into one XADD."""
         fields = {name: value for name, value in self.fields.items() if name in ENTRY_FIELDS}
-        letter = {**fields, "entry": self.entry_id, "deliveries": self.deliveries, "reason": self.reason,
-                  "worker": worker, "dead_at": now}
-        return [GROUP, self.entry_id, DEAD_LETTER_MAXLEN, *(x for kv in letter.items() for x in kv)]
+        return {**fields, "entry": self.entry_id, "deliveries": self.deliveries, "reason": self.reason,
+                "worker": worker, "dead_at": now}
 
 
 @dataclass
@@ -97,16 +95,16 @@ class Update:
         self.tokens_before = recorded
         return True
 
-    def publish_args(self, result_ttl_s: int) -> list:
+    def publish_call(self, keys: Keys, result_ttl_s: int) -> ScriptCall:
         # A tokens event without ids (held-back text flushed at the end) only comes with the
         # final result, in the same atomic call: PUBLISH's token count check needs ids to
         # make a repeated call harmless.
-        tokens = token_event(self.token_ids, "".join(self.text), self.logprobs) if self.token_ids or any(self.text) else ""
+        tokens = encode_tokens(self.token_ids, "".join(self.text), self.logprobs) if self.token_ids or any(self.text) else ""
         final = (self.final.status, self.final.model_dump_json()) if self.final else ("", "")
-        return [
-            self.run, self.start, tokens, self.tokens_before, self.tokens_before + len(self.token_ids), *final,
-            result_ttl_s,
-        ]
+        return scripts.publish(
+            keys, self.job_id, self.run, self.start, tokens, self.tokens_before, self.tokens_before + len(self.token_ids),
+            *final, result_ttl_s,
+        )
 
 
 class Outbox:

@@ -4,46 +4,37 @@ the tokens earlier runs recorded, expired, failed with its error code, or dead-l
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 import uuid
 
 import redis
 
-from producer_client.chat_output import OutputFormat
+from producer_client.core import entry_time
 from producer_client.errors import MiliError
-from producer_client.protocol import entry_time
-from worker.holdings import EngineAPI, Holdings
-from worker.jobs import (
-    Delivery, InternalError, InvalidJob, Job, Poison, constraint_of, final_result, parse_request, render_prompt,
+from producer_client.protocol.events import encode_start
+from producer_client.protocol.replies import ClaimOutcome
+from worker.loop.context import LoopContext
+from worker.loop.jobs import (
+    AdmissionId, Delivery, InternalError, InvalidJob, Job, Poison, constraint_of, final_result, parse_request,
+    render_prompt,
 )
-from worker.outbox import DeadLetter, Outbox, Receipts, Update
-from worker.queue import HANDED_OVER_IDLE_MS, RedisClock, WorkerQueue
-from worker.rejection import Rejections
-from worker.replies import ClaimOutcome
-from worker.settings import WorkerSettings
+from worker.loop.outbox import DeadLetter, Update
+from worker.loop.queue import HANDED_OVER_IDLE_MS
+from worker.loop.rejection import Rejections
 
 log = logging.getLogger(__name__)
 
 
 class Admission:
-    def __init__(
-        self, queue: WorkerQueue, engine: EngineAPI, holdings: Holdings, outbox: Outbox, receipts: Receipts,
-        rejections: Rejections, settings: WorkerSettings, clock: RedisClock, worker: str,
-    ):
-        self.queue = queue
-        self.engine = engine
-        self.holdings = holdings
-        self.outbox = outbox
-        self.receipts = receipts
+    def __init__(self, ctx: LoopContext, rejections: Rejections):
+        self.queue, self.engine, self.holdings = ctx.queue, ctx.engine, ctx.holdings
+        self.outbox, self.receipts = ctx.outbox, ctx.receipts
+        self.settings, self.clock, self.worker = ctx.settings, ctx.clock, ctx.worker
         self.rejections = rejections
-        self.settings = settings
-        self.clock = clock
-        self.worker = worker
         self.next_reclaim = 0.0
         # Until then, only entries a drain handed over are taken (see reclaim).
-        self.takes_idle_entries_from = time.monotonic() + settings.claim_idle_ms / 1000
+        self.takes_idle_entries_from = time.monotonic() + ctx.settings.claim_idle_ms / 1000
         # Run tokens: this process's random prefix and a count, unique across workers and claims.
         self.instance = uuid.uuid4().hex[:12]
         self.claims = itertools.count()
@@ -81,7 +72,7 @@ class Admission:
                 "reclaimed %d entries idle over %d ms: %s", len(deliveries), self.settings.claim_idle_ms,
                 ", ".join(f"{d.job_id} (delivery {d.deliveries})" for d in deliveries),
             )
-        self.holdings.unadmitted += deliveries
+        self.holdings.take(deliveries)
 
     def min_idle_ms(self) -> int:
         """How long an entry must have gone unrefreshed for this worker to take it now."""
@@ -100,7 +91,7 @@ class Admission:
         runs = [f"{self.instance}:{next(self.claims)}" for _ in deliveries]
         prepared = [self._job_from_entry(d, run, now) for d, run in zip(deliveries, runs)]
         claims = self.queue.claim([(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)])
-        self.holdings.unadmitted = []
+        self.holdings.clear_unadmitted()
         resumed: list[tuple[Delivery, Job, int]] = []
         for d, run, job, claim in zip(deliveries, runs, prepared, claims):
             if isinstance(claim, Exception):
@@ -129,10 +120,8 @@ class Admission:
 
     def add_to_engine(self, job: Job, update: Update) -> bool:
         """Hand the job to the engine, continuing after its tokens so far; a job the engine
-        refuses ends failed. Returns whether it is in the engine. Each admission gets a request id
-        of its own: the final output of an aborted earlier one (after a failed step, or a run this
-        worker lost and took back) must not be taken for this one's. `#` never occurs in job ids."""
-        job.engine_id = f"{job.id}#{next(self.admissions)}"
+        refuses ends failed. Returns whether it is in the engine."""
+        job.engine_id = AdmissionId(job.id, next(self.admissions))
         try:
             self.engine.add_request(
                 job.engine_id, job.prompt_token_ids, job.request.params, job.request.priority,
@@ -145,7 +134,7 @@ class Admission:
             log.info("job %s rejected by the engine: %s: %s", job.id, e.code, e.message)
             update.final = job.result("failed", "error", self.worker, self.clock.now(), error=e)
             return False
-        self.holdings.running[job.id] = job
+        self.holdings.start(job)
         return True
 
     def start_unless_expired(self, job: Job) -> None:
@@ -163,13 +152,13 @@ class Admission:
             return
         update = self.outbox.for_job(job)
         if self.add_to_engine(job, update):
-            update.start = start_event(self.worker, now, job.resumed_tokens, job.output_format)
+            update.start = encode_start(self.worker, now, job.resumed_tokens, job.output_format)
 
     def _resume_all(self, resumed: list[tuple[Delivery, Job, int]]) -> None:
         try:
             events = self.queue.recorded_events([job.id for _, job, _ in resumed])
         except redis.RedisError:
-            self.holdings.unadmitted += [d for d, _, _ in resumed]  # claimed again at the next try, with a new run
+            self.holdings.take([d for d, _, _ in resumed])  # claimed again at the next try, with a new run
             raise
         for _, job, recorded_tokens in resumed:
             self._resume(job, events[job.id], recorded_tokens)
@@ -217,11 +206,3 @@ class Admission:
         final = final_result(d.job_id, "failed", "error", self.worker, self.clock.now(), entry_time(d.entry_id), error=error)
         self.outbox.add(Update(d.job_id, d.entry_id, run, recorded_tokens, final=final, dead_letter=letter))
 
-
-def start_event(worker: str, started_at: float, resumed_tokens: int, output_format: OutputFormat | None) -> str:
-    """A run's `start` event: who runs the job, since when, after how many recorded tokens, and
-    how a chat's output splits (readers of the stream parse its text with it: OutputParser)."""
-    event = {"worker": worker, "started_at": started_at, "resumed_tokens": resumed_tokens}
-    if output_format is not None:
-        event["output"] = output_format.model_dump(mode="json")
-    return json.dumps(event)

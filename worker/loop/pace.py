@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from worker.jobs import Feed, Job
+from worker.loop.jobs import Feed, Job
 
 # One tokens event holds about this many tokens at most: a reader's reply and the script's
 # arguments stay small whatever the checkpoint interval and the engine's speed.

@@ -10,42 +10,29 @@ import socket
 import time
 
 from producer_client.keys import PROTOCOL_VERSION
-from worker.admission import start_event
-from worker.holdings import EngineAPI, Holdings
-from worker.metrics import WorkerMetrics
-from worker.jobs import Feed
-from worker.outbox import Outbox, Update
-from worker.queue import RedisClock, WorkerQueue
-from worker.rejection import Rejections
-from worker.replies import Adopted
-from worker.placement import advertised
-from worker.settings import WorkerSettings
+from producer_client.protocol.events import encode_start
+from producer_client.protocol.replies import Adopted
+from worker.loop.context import LoopContext
+from worker.loop.jobs import Feed
+from worker.loop.outbox import Update
+from worker.loop.placement import advertised
+from worker.loop.rejection import Rejections
 
 log = logging.getLogger(__name__)
 
 
 class Ownership:
-    def __init__(
-        self, queue: WorkerQueue, engine: EngineAPI, holdings: Holdings, outbox: Outbox, rejections: Rejections,
-        metrics: WorkerMetrics, settings: WorkerSettings, clock: RedisClock, worker: str, device: str,
-        metrics_port: int | None,
-    ):
-        self.queue = queue
-        self.engine = engine
-        self.holdings = holdings
-        self.outbox = outbox
+    def __init__(self, ctx: LoopContext, rejections: Rejections, device: str, metrics_port: int | None):
+        self.queue, self.engine, self.holdings, self.outbox = ctx.queue, ctx.engine, ctx.holdings, ctx.outbox
+        self.metrics, self.settings, self.clock, self.worker = ctx.metrics, ctx.settings, ctx.clock, ctx.worker
         self.rejections = rejections
-        self.metrics = metrics
-        self.settings = settings
-        self.clock = clock
-        self.worker = worker
-        self.total_pages = engine.capacity().free_pages  # the engine is empty now
+        self.total_pages = ctx.engine.capacity().free_pages  # the engine is empty now
         self.next_heartbeat = 0.0
         # The consumer group must be created before the next read: at start, and whenever Redis
         # has lost it (then the jobs held here are adopted too).
         self.group_missing = True
         self.identity = {
-            "name": worker, "queue": settings.queue, "model": settings.model, "device": device,
+            "name": ctx.worker, "queue": ctx.settings.queue, "model": ctx.settings.model, "device": device,
             "host": socket.gethostname(), "pid": os.getpid(), "protocol": PROTOCOL_VERSION,
             "started_at": time.time(), "metrics_port": metrics_port or 0,
         }
@@ -88,7 +75,7 @@ class Ownership:
         went with it: adopt each job (ADOPT) and run it on, detached from any entry. Nothing else
         can take such a job over, and its result reaches its producer as any other."""
         self.queue.ensure_group()
-        self.holdings.unadmitted = []  # their entries are gone with the group
+        self.holdings.clear_unadmitted()  # their entries are gone with the group
         self.holdings.detach_rejected()
         runs = self.holdings.runs()
         if runs:
@@ -121,7 +108,7 @@ class Ownership:
             # A chat's result holds its answer split from its reasoning and calls already: its
             # stream carries the answer as plain text, and the result the rest.
             started_at, fmt = final.timings.started_at, None
-        update = Update(job_id, None, run, 0, start=start_event(self.worker, started_at, 0, fmt), final=final)
+        update = Update(job_id, None, run, 0, start=encode_start(self.worker, started_at, 0, fmt), final=final)
         if job is not None:
             job.feed = Feed(streamed=job.feed.streamed)  # none of its output is in Redis now
             update.take(job)

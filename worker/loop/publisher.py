@@ -3,15 +3,15 @@ going out, and looks at jobs' hashes, in one pipeline) and keeps Redis's answer 
 loop picks it up. So the loop never waits for Redis to answer a publication: the next engine step
 starts at once, and the output of the steps that run meanwhile goes out with the next round. Only
 the round's packing, its round trip and the parsing of its replies happen here; what the replies
-mean is settled in the loop's thread (worker/publication.py), which alone touches the jobs."""
+mean is settled in the loop's thread (worker/loop/publication.py), which alone touches the jobs."""
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
 
-from worker.outbox import Update
-from worker.queue import WorkerQueue
+from worker.loop.outbox import Update
+from worker.loop.queue import WorkerQueue
 
 
 @dataclass

@@ -4,7 +4,6 @@ that take several round trips, written as steps (producer_client.steps). No I/O 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import re
@@ -15,19 +14,21 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from producer_client import structured
 from producer_client.connection import reply_code
 from producer_client.errors import (
     BodyTooLarge, IdempotencyConflict, InvalidArgument, JobNotFound, JobTimeout, NotReplicated,
 )
-from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
-from producer_client import structured
+from producer_client.keys import GROUP, Keys, check_name
 from producer_client.placement import prefix_key
-from producer_client.scripts import CANCEL, CREATE, ENQUEUE, FOLLOW
-from producer_client.steps import Steps, checked
+from producer_client.protocol import producer as scripts
+from producer_client.protocol.events import shown_tokens
+from producer_client.protocol.script import ScriptCall
 from producer_client.schema import (
-    CHAT_OPTIONS, MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams,
-    TokenDelta, TokenLogprob, Timings, WorkerInfo, invalid_argument_from,
+    CHAT_OPTIONS, MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats,
+    SamplingParams, Timings, TokenDelta, WorkerInfo, invalid_argument_from,
 )
+from producer_client.steps import Steps, checked
 
 DEFAULT_URL = "redis://localhost:6379/0"
 DEFAULT_MAX_QUEUE_DEPTH = 10_000
@@ -48,9 +49,8 @@ class NewJob:
     fingerprint: str = ""  # of the request an idempotent job answers: its request_id is bound to it
     prefix: bytes = b""  # what places it (placement.prefix_key)
 
-    def create_call(self, keys: Keys) -> tuple:
-        """EVALSHA arguments of CREATE for this job."""
-        return CREATE.sha, 1, keys.job(self.job_id), self.timeout_ms, self.fingerprint
+    def create_call(self, keys: Keys) -> ScriptCall:
+        return scripts.create(keys, self.job_id, self.timeout_ms, self.fingerprint)
 
     def created(self, reply: int) -> bool:
         """CREATE's reply: whether to enqueue the job. Raises IdempotencyConflict when its id is
@@ -63,17 +63,17 @@ class NewJob:
         """CREATE of a job with a fresh id: without a deadline that is one HSETNX, which costs
         Redis less than a script (nobody reads the reply of a fresh id's CREATE)."""
         if self.timeout_ms:
-            pipe.evalsha(*self.create_call(keys))
+            self.create_call(keys).add_to(pipe)
         else:
             pipe.hsetnx(keys.job(self.job_id), "status", "queued")
 
-    def enqueue_call(self, keys: Keys, queue: str, max_depth: int | None, stream: str | None = None) -> tuple:
-        """EVALSHA arguments of ENQUEUE for this job, into the queue's shared stream or the worker
-        stream `stream` it was placed on. A worker's stream has no bound of its own: placement puts
-        at most about twice a worker's slots there, and the backlog beyond in the shared stream."""
+    def enqueue_call(self, keys: Keys, queue: str, max_depth: int | None, stream: str | None = None) -> ScriptCall:
+        """ENQUEUE of this job, into the queue's shared stream or the worker stream `stream` it was
+        placed on. A worker's stream has no bound of its own: placement puts at most about twice a
+        worker's slots there, and the backlog beyond in the shared stream."""
         if stream is not None:
-            return ENQUEUE.sha, 1, stream, 0, self.job_id, PROTOCOL_VERSION, self.body
-        return ENQUEUE.sha, 1, keys.queue(queue), max_depth or 0, self.job_id, PROTOCOL_VERSION, self.body
+            return scripts.enqueue(stream, 0, self.job_id, self.body)
+        return scripts.enqueue(keys.queue(queue), max_depth or 0, self.job_id, self.body)
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def enqueue_commands(
     def add(pipe) -> None:
         if create:
             job.add_fresh_create(pipe, keys)
-        pipe.evalsha(*job.enqueue_call(keys, queue, max_depth, stream))
+        job.enqueue_call(keys, queue, max_depth, stream).add_to(pipe)
         if job.idempotent:
             pipe.hset(keys.job(job.job_id), "enqueued", "1")
         if replication.waits:
@@ -252,20 +252,10 @@ def read_cut_short(error: Exception) -> bool:
     return reply_code(error) == "UNBLOCKED"
 
 
-def job_keys(keys: Keys, job_id: str) -> tuple[str, str, str]:
-    """The keys every job script takes, in order."""
-    return keys.job(job_id), keys.events(job_id), keys.done(job_id)
-
-
-def follow_call(keys: Keys, job_id: str) -> tuple:
-    """EVALSHA arguments of FOLLOW: a reader of `stream()` asks for the job's tokens as they come."""
-    return FOLLOW.sha, 1, keys.job(job_id)
-
-
-def cancel_call(keys: Keys, job_id: str) -> tuple:
-    """EVALSHA arguments of CANCEL, with the result the job gets if no worker started it yet."""
+def cancel_call(keys: Keys, job_id: str) -> ScriptCall:
+    """CANCEL, with the result the job gets if no worker started it yet."""
     result = JobResult(id=job_id, status="cancelled", finish_reason="abort", timings=Timings(finished_at=time.time()))
-    return CANCEL.sha, 3, *job_keys(keys, job_id), result.model_dump_json()
+    return scripts.cancel(keys, job_id, result.model_dump_json())
 
 
 def finished(job_id: str, result_json: str) -> JobResult:
@@ -279,13 +269,9 @@ def finished(job_id: str, result_json: str) -> JobResult:
 
 def token_delta(event_id: str, data: str, split: Callable[[str], dict[str, Any]] | None = None) -> TokenDelta:
     """A `tokens` event as a TokenDelta; `split` turns its text into a chat's fields (JobStream)."""
-    payload = json.loads(data)
-    logprobs = payload.get("logprobs")
+    payload = shown_tokens(data)
     text = {"text": payload["text"]} if split is None else split(payload["text"])
-    return TokenDelta(
-        event_id=event_id, token_ids=payload["ids"],
-        logprobs=None if logprobs is None else [TokenLogprob.model_validate(lp) for lp in logprobs], **text,
-    )
+    return TokenDelta(event_id=event_id, token_ids=payload["ids"], logprobs=payload["logprobs"], **text)
 
 
 def job_status(job_id: str, fields: dict[str, str], redis_time: tuple[int, int]) -> JobStatus:

@@ -5,11 +5,9 @@ from __future__ import annotations
 import logging
 
 from producer_client.errors import MiliError
-from worker.admission import Admission
-from worker.holdings import Holdings
-from worker.jobs import Job
-from worker.outbox import Outbox
-from worker.queue import RedisClock
+from worker.loop.admission import Admission
+from worker.loop.context import LoopContext
+from worker.loop.jobs import Job
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +25,9 @@ class FailureIsolation:
     cache, so that is cheap), each once the one before has produced output. A fault tied to a
     job's next position shows at its first step back, so it names its job."""
 
-    def __init__(self, holdings: Holdings, admission: Admission, outbox: Outbox, clock: RedisClock, worker: str):
-        self.holdings = holdings
+    def __init__(self, ctx: LoopContext, admission: Admission):
+        self.holdings, self.outbox, self.clock, self.worker = ctx.holdings, ctx.outbox, ctx.clock, ctx.worker
         self.admission = admission
-        self.outbox = outbox
-        self.clock = clock
-        self.worker = worker
         self.probe: Job | None = None  # the suspect re-added last: cleared once it produces output
 
     @property
@@ -48,20 +43,20 @@ class FailureIsolation:
             culprit = live[0]
         self.probe = None
         for job in live:
-            del running[job.id]
+            self.holdings.finish(job.id)
             self.holdings.abort(job)
             if job is culprit:
                 log.warning("job %s fails: an engine step failed with it: %s", job.id, error.message)
                 self.outbox.for_job(job).final = job.result("failed", "error", self.worker, self.clock.now(), error=error)
             else:
-                self.holdings.suspects.append(job)
+                self.holdings.suspect(job)
         if self.holdings.suspects:
             log.warning("re-adding %d jobs one per step to find the one that makes steps fail", len(self.holdings.suspects))
 
     def try_next_suspect(self) -> None:
         if self.probe is not None or not self.holdings.suspects:
             return
-        job = self.holdings.suspects.popleft()
+        job = self.holdings.next_suspect()
         now = self.clock.now()
         if job.deadline is not None and now > job.deadline:
             self.outbox.for_job(job).final = job.result("done", "timeout", self.worker, now)

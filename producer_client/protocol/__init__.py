@@ -1,0 +1,8 @@
+"""Protocol v1: the one place that says how MILI talks to Redis. Keys are named in
+producer_client/keys.py; here are the Lua scripts, each beside its call builder (which owns the
+script's keys and argument order), by family: `producer` (a job's birth, cancel, follow, retry, and
+the queue's ENQUEUE), `worker` (claim, publish, fail, hand-over and the entries' upkeep), `batch`
+(the Batch API's store); `execution`, which runs them (NOSCRIPT reload, cluster fan-out, WAIT);
+`replies`, what the worker's scripts and reads answer, parsed; `events`, a job's event payloads
+written and read.
+The worker and the gateway decide when to call a script, never how."""

@@ -1,0 +1,92 @@
+"""A job's events (its stream `mili:ev:{id}`): each entry has a `type` (EventType) and a `data`
+JSON, which PUBLISH and CANCEL write (producer_client/protocol/worker.py, producer.py). The one
+place that writes a `data` payload and the one that reads it. Two readers trust them differently:
+a worker that takes a job over validates what it resumes from (a producer may write the stream,
+so it is input like any other), while a client's reader takes what it shows as it comes."""
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field, field_validator
+
+from producer_client.chat_output import OutputFormat
+from producer_client.schema import MAX_TOKEN_ID, TokenLogprob
+
+
+class EventType(StrEnum):
+    START = "start"  # a run began: who runs the job, since when, after how many recorded tokens
+    TOKENS = "tokens"  # a piece of output
+    END = "end"  # the job's result
+
+
+class StartEvent(BaseModel):
+    """A run's `start` event as a resumed job reads it."""
+
+    started_at: float = Field(allow_inf_nan=False)
+
+
+class TokensEvent(BaseModel):
+    ids: list[int] = Field(strict=True)
+    text: str = Field(strict=True)
+    logprobs: list[TokenLogprob] | None = None
+
+    @field_validator("ids")
+    @classmethod
+    def _token_ids(cls, ids: list[int]) -> list[int]:
+        if any(not 0 <= t < MAX_TOKEN_ID for t in ids):
+            raise ValueError(f"token ids must be 0 to {MAX_TOKEN_ID - 1}")
+        return ids
+
+
+# -- writing --------------------------------------------------------------------------------------
+
+# json.dumps makes an encoder per call when given options; one made once serves every event.
+_json_text = json.JSONEncoder(ensure_ascii=False).encode
+
+
+def encode_start(worker: str, started_at: float, resumed_tokens: int, output_format: OutputFormat | None) -> str:
+    """A run's `start` event: who runs the job, since when, after how many recorded tokens, and
+    how a chat's output splits (readers of the stream parse its text with it: OutputParser)."""
+    event = {"worker": worker, "started_at": started_at, "resumed_tokens": resumed_tokens}
+    if output_format is not None:
+        event["output"] = output_format.model_dump(mode="json")
+    return json.dumps(event)
+
+
+def encode_tokens(token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None) -> str:
+    """A tokens event's JSON, {"ids": [...], "text": "...", "logprobs": [...]}. Without logprobs
+    (most events) it is put together here: json.dumps of the whole dict costs twice as much."""
+    if logprobs is None:
+        return '{"ids":[' + ",".join(map(str, token_ids)) + '],"text":' + _json_text(text) + "}"
+    payload = {"ids": token_ids, "text": text, "logprobs": [lp.model_dump() for lp in logprobs]}
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+def resumed_start(data: str) -> StartEvent:
+    """A `start` event a worker resumes from: validated, raises pydantic's ValidationError."""
+    return StartEvent.model_validate_json(data)
+
+
+def resumed_tokens(data: str) -> TokensEvent:
+    """A `tokens` event a worker resumes from: validated, raises pydantic's ValidationError."""
+    return TokensEvent.model_validate_json(data)
+
+
+def shown_output_format(data: str) -> OutputFormat | None:
+    """How a `start` event says a chat's output splits, for a client's reader; None: plain text."""
+    output = json.loads(data).get("output")
+    return None if output is None else OutputFormat.model_validate(output)
+
+
+def shown_tokens(data: str) -> dict[str, Any]:
+    """A `tokens` event for a client's reader: its ids, text and logprobs (None, or TokenLogprobs)."""
+    payload = json.loads(data)
+    logprobs = payload.get("logprobs")
+    return {
+        "ids": payload["ids"], "text": payload["text"],
+        "logprobs": None if logprobs is None else [TokenLogprob.model_validate(lp) for lp in logprobs],
+    }

@@ -1,0 +1,36 @@
+"""A Lua script of protocol v1 and one call of it: the call carries its keys and arguments in the
+order the script reads them, so a caller never counts keys or lines up ARGV itself."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from producer_client.keys import Keys
+
+
+@dataclass(frozen=True)
+class Script:
+    name: str
+    source: str
+    sha: str = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+
+
+@dataclass(frozen=True)
+class ScriptCall:
+    """One EVALSHA of `script`, built by the call builder beside the script's source."""
+
+    script: Script
+    keys: tuple[str, ...]
+    args: tuple = ()
+
+    def add_to(self, pipe) -> None:
+        """Add the call to a pipeline (or the commands `execution.execute` records)."""
+        pipe.evalsha(self.script.sha, len(self.keys), *self.keys, *self.args)
+
+
+def job_keys(keys: Keys, job_id: str) -> tuple[str, str, str]:
+    """The keys every job script takes, in order: its hash, event stream and done stream."""
+    return keys.job(job_id), keys.events(job_id), keys.done(job_id)

@@ -1,0 +1,75 @@
+"""An engine step's outputs added to their jobs: tokens, text and logprobs to the job, where they
+wait for their publication (pace.py); a job's end to the outbox as its final result."""
+from __future__ import annotations
+
+import logging
+import time
+
+from producer_client.schema import ErrorInfo, JobResult, TokenLogprob, Usage
+from worker.loop.context import LoopContext
+from worker.loop.isolation import FailureIsolation
+from worker.loop.jobs import Job
+
+log = logging.getLogger(__name__)
+
+
+class Collector:
+    def __init__(self, ctx: LoopContext, isolation: FailureIsolation):
+        self.holdings, self.outbox, self.clock, self.metrics = ctx.holdings, ctx.outbox, ctx.clock, ctx.metrics
+        self.worker = ctx.worker
+        self.isolation = isolation
+
+    def collect(self, outputs: list) -> None:
+        """Add each output to its job, where it waits for its publication (see pace.py); a job's
+        end goes to the outbox. Run for every output of every step: kept to plain appends."""
+        now = self.clock.now()
+        sampled_at = time.monotonic()
+        running = self.holdings.running
+        probe = self.isolation.probe
+        tokens = 0
+        for out in outputs:
+            job = running.get(out.request_id.job_id)
+            if job is None or out.request_id != job.engine_id:
+                continue  # an aborted admission's last word
+            if job is probe:
+                self.isolation.produced_output(job)
+            if out.new_token_ids or out.text_delta:
+                tokens += len(out.new_token_ids)
+                self._record_delta(job, out, now, sampled_at)
+            if out.finished:
+                self.holdings.finish(job.id)
+                self.outbox.for_job(job).final = self._final_result(job, out, now)
+        self.metrics.generation_tokens.inc(tokens)
+
+    def _record_delta(self, job: Job, out, now: float, sampled_at: float) -> None:
+        if job.first_token_at is None and out.new_token_ids:
+            job.first_token_at = now
+        if out.logprobs is not None:
+            logprobs = [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top)) for lp in out.logprobs]
+            if job.logprobs is None:
+                job.logprobs = []
+            job.logprobs += logprobs
+        job.token_ids += out.new_token_ids
+        job.text.append(out.text_delta)
+        if job.feed.waiting_since is None:
+            job.feed.waiting_since = sampled_at
+        if job.stop_reason is None and job.watch_for_call(out.text_delta):
+            log.info("job %s made its tool call (parallel_tool_calls is off): it ends here", job.id)
+            self.holdings.stop(job, "tool_call")
+
+    def _final_result(self, job: Job, out, now: float) -> JobResult:
+        u = out.usage
+        usage = Usage(
+            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+            cached_prompt_tokens=u.cached_prompt_tokens,
+        )
+        if out.finish_reason == "abort":
+            if job.stop_reason == "timeout":
+                return job.result("done", "timeout", self.worker, now, usage)
+            if job.stop_reason == "tool_call":
+                return job.result("done", "stop", self.worker, now, usage)  # Job.result: stopped for its calls
+            return job.result("cancelled", "abort", self.worker, now, usage)
+        if out.error is not None:
+            error = ErrorInfo(code=out.error.code, message=out.error.message)
+            return job.result("failed", "error", self.worker, now, usage, error)
+        return job.result("done", out.finish_reason, self.worker, now, usage)
