@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-from producer_client.keys import GROUP, Keys
+from producer_client.keys import Keys
 from tests.support.clients import make_client
-from tests.support.jobs import assert_one_final_result, runs, tokens_published
+from tests.support.jobs import assert_one_final_result, queue_pending, runs, tokens_published
 from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
 
@@ -45,7 +45,7 @@ def test_sigterm_hands_running_jobs_over_and_none_is_lost(redis_server, redis_cl
                 handed_over += 1
         assert handed_over == 4
         assert redis_client.xlen(KEYS.dead(queue)) == 0
-        assert eventually(lambda: redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 0)
+        assert eventually(lambda: queue_pending(redis_client, queue) == 0)
         assert "handed 4 unfinished jobs over" in leaving.log()
     finally:
         leaving.stop()

@@ -13,6 +13,7 @@ import redis
 from producer_client import JobFailed
 from producer_client.keys import Keys
 from tests.support.clients import make_client
+from tests.support.jobs import queue_depth
 from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
 
@@ -120,7 +121,7 @@ def test_a_thousand_bad_entries_fail_with_their_codes_and_fifty_good_jobs_run(re
                 assert e.value.message
                 codes[code] = codes.get(code, 0) + 1
         assert worker.running and worker.heartbeat()["pid"] == pid
-        assert eventually(lambda: raw.xlen(KEYS.queue(queue)) == 0)  # the last ack follows the last result
+        assert eventually(lambda: queue_depth(raw, queue) == 0)  # the last ack follows the last result
         assert "Traceback" not in worker.log()
         print(f"\nfuzz: 1,000 bad entries by code: {dict(sorted(codes.items()))}")
     finally:

@@ -13,8 +13,9 @@ import pytest
 import redis
 
 from producer_client import Client, JobFailed
-from producer_client.keys import GROUP, Keys
+from producer_client.keys import Keys
 from tests.support.acl import acl_server
+from tests.support.jobs import queue_depth, queue_pending, queue_streams
 from tests.support.polling import eventually
 from tests.support.workers import FAST_RECLAIM, WorkerProcess, start_workers
 
@@ -112,8 +113,8 @@ def assert_workers_serve(hostile_setup, client: Client, pids: list[str]) -> None
         assert "Traceback" not in w.log(), w.log()
     assert client.generate(prompt="next good job", max_tokens=32, timeout=30).text == "next good job"
     admin = server["admin"]
-    assert eventually(lambda: admin.xlen(KEYS.queue(QUEUE)) == 0), admin.xrange(KEYS.queue(QUEUE))
-    assert admin.xpending(KEYS.queue(QUEUE), GROUP)["pending"] == 0
+    assert eventually(lambda: queue_depth(admin, QUEUE) == 0), [admin.xrange(s) for s in queue_streams(admin, QUEUE)]
+    assert queue_pending(admin, QUEUE) == 0
     assert admin.xlen(KEYS.dead(QUEUE)) == 0
 
 

@@ -17,10 +17,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from producer_client import SamplingParams
-from producer_client.keys import GROUP, Keys
+from producer_client.keys import Keys
 from tests.support.clients import make_client
 from tests.support.fixtures import on_modes
-from tests.support.jobs import assert_one_final_result, runs, tokens_published
+from tests.support.jobs import assert_one_final_result, queue_depth, queue_pending, runs, tokens_published
 from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
 
@@ -108,8 +108,8 @@ def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(re
         # The survivor generated exactly the tokens the victim had not recorded: none twice.
         assert eventually(lambda: generated_tokens(survivor) == 32 * 20 - victim_tokens)
         # Entries are acknowledged just after their results are written.
-        assert eventually(lambda: deployment_client.xlen(KEYS.queue(queue)) == 0)
-        assert deployment_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 0
+        assert eventually(lambda: queue_depth(deployment_client, queue) == 0)
+        assert queue_pending(deployment_client, queue) == 0
         print(
             f"\nkill -9: {len(recoveries)} jobs resumed after {resumed_after} recorded tokens; recovery "
             f"(kill to the survivor's start) {min(recoveries):.2f}-{max(recoveries):.2f}s with {RECLAIM}, "

@@ -10,8 +10,9 @@ import uuid
 import pytest
 
 from producer_client import JobFailed
-from producer_client.keys import GROUP, Keys
+from producer_client.keys import Keys
 from tests.support.clients import make_client
+from tests.support.jobs import queue_depth, queue_pending
 from tests.support.polling import eventually
 from tests.support.workers import FAST_RECLAIM, WorkerProcess
 
@@ -53,8 +54,8 @@ def test_a_job_that_kills_every_worker_that_runs_it_is_dead_lettered(redis_serve
         assert (letter["id"], letter["deliveries"], letter["worker"]) == (job_id, str(MAX_DELIVERIES + 1), survivor.name)
         assert letter["reason"] == e.value.message
         # The last job's entry is acknowledged just after its result is written.
-        assert eventually(lambda: redis_client.xlen(KEYS.queue(queue)) == 0)
-        assert redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 0
+        assert eventually(lambda: queue_depth(redis_client, queue) == 0)
+        assert queue_pending(redis_client, queue) == 0
         assert redis_client.hget(KEYS.job(job_id), "status") == "failed"
         assert survivor.running
     finally:

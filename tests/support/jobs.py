@@ -60,6 +60,23 @@ def entries_added(redis_client, queue: str) -> int:
     )
 
 
+def queue_depth(redis_client, queue: str) -> int:
+    """Entries in every stream of the queue: the shared one and each worker's own."""
+    return sum(redis_client.xlen(stream) for stream in queue_streams(redis_client, queue))
+
+
+def queue_pending(redis_client, queue: str) -> int:
+    """Entries that workers hold, over every stream of the queue (a stream or group not created
+    yet holds none)."""
+    pending = 0
+    for stream in queue_streams(redis_client, queue):
+        try:
+            pending += redis_client.xpending(stream, GROUP)["pending"]
+        except redis.ResponseError:
+            pass
+    return pending
+
+
 def pending_entries(redis_client, stream: str) -> list[dict]:
     """XPENDING's rows of the stream (at most 100); none for a stream or group not created yet."""
     try:
