@@ -10,6 +10,7 @@ and a raw XADD of it fails as a job while the worker serves on."""
 from __future__ import annotations
 
 import json
+import itertools
 import subprocess
 import sys
 import urllib.request
@@ -25,7 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from producer_client import Client, SamplingParams
 from producer_client.errors import InvalidArgument
 from producer_client.keys import PROTOCOL_VERSION, Keys
-from producer_client.schema import JobFailed
+from producer_client.placement import prefix_key, rendezvous_score
+from producer_client.schema import JobFailed, JobRequest
 from tests.support.clients import make_client
 from tests.support.jobs import runs
 from tests.support.polling import eventually
@@ -210,11 +212,13 @@ def test_a_raw_xadd_of_an_uncompilable_schema_fails_its_job_and_the_worker_serve
 @pytest.mark.slow
 def test_kill_9_mid_generation_resumes_each_constrained_job_to_the_uninterrupted_output(redis_server, redis_client, tmp_path):
     queue = f"structured-kill-{uuid.uuid4().hex[:6]}"
-    specs = [dict(prompt=f"Order {i}:", max_tokens=MAX_TOKENS, response_format=json_schema(ORDER),
-                  **(dict(temperature=0.0) if i % 2 else dict(temperature=1.0, seed=i))) for i in range(6)]
+    names = [f"{queue}-{n}" for n in ("victim", "survivor")]
+    specs = [dict(prompt=text, max_tokens=MAX_TOKENS, response_format=json_schema(ORDER),
+                  **(dict(temperature=0.0) if i % 2 else dict(temperature=1.0, seed=i)))
+             for i, text in enumerate(orders_placed_on(*names, each=3))]
     want = generate_alone(reference_engine(), specs)
     victim, survivor = start_workers([
-        WorkerProcess(redis_server.url, queue, f"{queue}-{n}", tmp_path, *FLAGS, *RECLAIM) for n in ("victim", "survivor")
+        WorkerProcess(redis_server.url, queue, name, tmp_path, *FLAGS, *RECLAIM) for name in names
     ])
     try:
         with Client(redis_server.url, queue) as client:
@@ -240,6 +244,21 @@ def test_kill_9_mid_generation_resumes_each_constrained_job_to_the_uninterrupted
     finally:
         for w in (victim, survivor):
             w.stop()
+
+
+def orders_placed_on(victim: str, survivor: str, each: int) -> list[str]:
+    """`each` prompts that cache-aware placement puts on the victim, then `each` on the survivor
+    (the first in their prefix keys' rendezvous order): the kill finds the victim running jobs
+    whatever names the run drew (prompts chosen blindly left it one of six, 1 run in 9)."""
+    chosen: dict[str, list[str]] = {victim: [], survivor: []}
+    for i in itertools.count():
+        text = f"Order {i}:"
+        key = prefix_key(JobRequest.model_validate({"prompt": text}))
+        first = max(chosen, key=lambda name: rendezvous_score(key, name))
+        if len(chosen[first]) < each:
+            chosen[first].append(text)
+        if all(len(texts) == each for texts in chosen.values()):
+            return chosen[victim] + chosen[survivor]
 
 
 def mili(redis_url: str, *args: str) -> subprocess.CompletedProcess:
