@@ -12,7 +12,8 @@ after the others, so that no test running beside them on another core stretches 
 
 Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) the tests that share processes
 started by a fixture of module scope or wider run on one xdist worker (their `xdist_group`), so
-those processes start once: a worker on the tiny model costs seconds of CPU to start."""
+those processes start once: a worker on the tiny model costs seconds of CPU to start. So do the
+slow tests that share a module-scoped fixture of their module."""
 from __future__ import annotations
 
 import types
@@ -66,6 +67,17 @@ def shared_process_group(item: pytest.Function) -> str | None:
     return min(shared, key=lambda d: WIDEST_FIRST.index(d.scope)).func.__module__
 
 
+def shared_setup_group(item: pytest.Function) -> str | None:
+    """The test's module, for a slow test that uses a fixture of module scope defined there: such a
+    fixture is usually what makes its tests slow (the 32K engine run takes two minutes), and it
+    runs once only if they all run on one xdist worker."""
+    if item.get_closest_marker("slow") is None:
+        return None
+    module = item.module.__name__
+    own = [d for d in fixture_definitions(item) if d.scope == "module" and d.func.__module__ == module]
+    return module if own else None
+
+
 def tier_of(item: pytest.Function) -> str | None:
     package = Path(item.path).relative_to(TESTS).parts[0]
     if package in CHAOS_DIRS:
@@ -83,6 +95,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = tier_of(item)
         if tier is not None:
             item.add_marker(tier)
-        group = shared_process_group(item)
+        group = shared_process_group(item) or shared_setup_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
