@@ -1,0 +1,40 @@
+"""scripts/test.sh runs the suite with `pytest-xdist --dist loadgroup`, and tests/support/tiers.py puts
+the tests that share a costly module fixture (worker processes, the 32K engine run) in one
+xdist_group, so that the fixture runs once. Nothing fails when grouping silently stops working (it
+did under pytest 9 with xdist 3.8: the fixtures ran on both processes, the suite only slower), so a
+small session checks that it works with the pytest and xdist installed."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+GROUPED = textwrap.dedent('''
+    import os
+    import pytest
+
+    pytestmark = pytest.mark.xdist_group("shared")
+
+    @pytest.fixture(scope="module")
+    def costly():
+        with open(os.environ["SETUPS"], "a") as f:
+            f.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+
+    @pytest.mark.parametrize("i", range(6))
+    def test_shares_the_fixture(costly, i):
+        pass
+''')
+OTHERS = "import pytest\n\n@pytest.mark.parametrize('i', range(6))\ndef test_alone(i):\n    pass\n"
+
+
+def test_an_xdist_group_runs_on_one_process_and_its_module_fixture_once(tmp_path):
+    (tmp_path / "test_grouped.py").write_text(GROUPED)
+    (tmp_path / "test_others.py").write_text(OTHERS)
+    setups = tmp_path / "setups.txt"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "SETUPS": str(setups)},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(setups.read_text().split()) == 1, done.stdout
