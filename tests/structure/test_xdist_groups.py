@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 GROUPED = textwrap.dedent('''
     import os
     import pytest
@@ -38,3 +40,12 @@ def test_an_xdist_group_runs_on_one_process_and_its_module_fixture_once(tmp_path
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(setups.read_text().split()) == 1, done.stdout
+
+
+def test_the_groups_of_this_session_reach_xdist(request):
+    """tests/support/tiers.py marks the groups in a collection hook, which must run before xdist's
+    reads them: xdist appends a test's group to its node id, and schedules by it."""
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("not an xdist --dist loadgroup session (scripts/test.sh runs one)")
+    grouped = [item for item in request.session.items if item.get_closest_marker("xdist_group")]
+    assert all("@" in item.nodeid for item in grouped), [i.nodeid for i in grouped if "@" not in i.nodeid][:5]

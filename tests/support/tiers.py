@@ -88,6 +88,9 @@ def tier_of(item: pytest.Function) -> str | None:
     return None
 
 
+# First: pytest-xdist's own hook reads each test's xdist_group to name its group, and runs before a
+# plain hook of a plugin loaded from a conftest; a group marked after it is no group at all.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if not isinstance(item, pytest.Function):
