@@ -9,8 +9,9 @@ PAGED_KERNEL_TESTS = (
 STAGE = Stage("kernels", "every Triton kernel compiled on the GPU against its reference; memcheck over the paged kernels", (
     tests("smoke", "one kernel (RMSNorm) compiled, run and checked: the toolchain and the driver work",
           ("-x", "tests/kernels/test_rms_norm.py"), gate=True, timeout_s=180),
+    # Eight processes on the GPU: the tests are independent and their time is Triton's compiles, on the CPU.
     tests("tests", "every kernel test (GQA ratios, page sizes, ragged lengths; fp32, fp16, bf16)",
-          ("tests/kernels",),
+          ("-n", "8", "tests/kernels"),
           rehearsal=("tests/kernels/test_kv_store.py", "tests/kernels/test_decode_attention.py", "-k", "fp32"),
           timeout_s=360),
     # A tensor of its own per allocation (no caching allocator), so memcheck sees each one's bounds.
