@@ -92,7 +92,7 @@ def test_step_n_plus_1_is_launched_on_tokens_the_host_has_not_read_yet(fake_engi
         ("forward", prompt),
         ("forward", [t1]), ("read", [t1]),  # step 2 ran on t1 before the host read it
         ("forward", [t2]), ("read", [t2]),
-        ("forward", [t3]), ("read", [t3]),  # t3 ends the request: this last step's draw is discarded
+        ("read", [t3]),  # t3 is the third of max_tokens=3: no step is run on it, its draw would be discarded
     ]
     assert_all_pages_free_after_clear(engine)
 
@@ -153,7 +153,7 @@ def test_a_launch_that_raises_leaves_the_previous_step_in_flight_to_be_read_late
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
     assert streams(drive(engine)) == {"a": ([t1, t2], True)}
-    assert events == [("forward", prompt), ("forward", [t1]), ("read", [t1]), ("forward", [t2]), ("read", [t2])]
+    assert events == [("forward", prompt), ("forward", [t1]), ("read", [t1]), ("read", [t2])]
 
 
 def drive_once(engine: Engine, calls: int) -> list:
@@ -174,6 +174,37 @@ def test_a_request_preempted_with_a_token_in_flight_that_stops_it_ends_from_the_
         assert_all_pages_free_after_clear(engine)
     assert results[True][0] == results[False][0] == {"a": (continuation(a, 6), True), "b": ([b_stop], True)}
     assert (results[True][1], results[False][1]) == (1, 0)
+
+
+# A pool of two pages of four tokens holds the KV of 8 tokens: a 4-token prompt and the first 4 of
+# its outputs; the 5th output is sampled from them, and a step on it would need a third page.
+FULL_POOL = {"num_pages": 2}
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("case", ["length", "stop", "too long"])
+def test_a_request_that_fills_the_pool_ends_as_the_synchronous_engine_ends_it(fake_engine, case):
+    # Overlapped, a step on the 5th output would be launched before that token is read; it must not
+    # turn an ending at max_tokens or at a stop token into kv_capacity_exceeded (seen on the GPU at
+    # 32K, tests/engine/test_long_context.py), nor lose a token when the request does outgrow the pool.
+    fifth = continuation(PROMPT, 5)[4]
+    params = {
+        "length": SamplingParams(temperature=0, max_tokens=5),
+        "stop": SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[fifth]),
+        "too long": SamplingParams(temperature=0, max_tokens=10),
+    }[case]
+    ends = {}
+    for overlap in (True, False):
+        engine, events = fake_engine(overlap=overlap, **FULL_POOL)
+        (out,) = engine.generate([PROMPT], params)
+        ends[overlap] = (out.token_ids, out.finish_reason, out.error and out.error.code)
+        assert len([e for e in events if e[0] == "forward"]) == 5  # the prompt, then one step per output but the 5th
+        assert_all_pages_free_after_clear(engine)
+    assert ends[True] == ends[False] == {
+        "length": (continuation(PROMPT, 5), "length", None),
+        "stop": (continuation(PROMPT, 5), "stop", None),
+        "too long": (continuation(PROMPT, 5), "error", "kv_capacity_exceeded"),
+    }[case]
 
 
 def streams(calls) -> dict[str, tuple[list[int], bool]]:

@@ -8,11 +8,12 @@ from worker.engine.request import Request, RequestStatus
 from worker.engine.scheduler import Scheduler, SchedulerOutput
 
 PS = 4
+MAX_MODEL_LEN = 4096
 
 
 def make_scheduler(num_pages=64, max_running=8, budget=64, prefix_cache=True) -> Scheduler:
     alloc = PageAllocator(num_pages)
-    return Scheduler(alloc, RadixCache(alloc, PS, prefix_cache), PS, max_running, budget)
+    return Scheduler(alloc, RadixCache(alloc, PS, prefix_cache), PS, max_running, budget, MAX_MODEL_LEN)
 
 
 def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, base: int = 0) -> Request:

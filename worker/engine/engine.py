@@ -72,7 +72,8 @@ class Engine(OfflineGeneration):
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(self.allocator, settings.page_size, settings.enable_prefix_cache)
         self.scheduler = Scheduler(
-            self.allocator, self.cache, settings.page_size, settings.max_running, settings.max_num_batched_tokens
+            self.allocator, self.cache, settings.page_size, settings.max_running, settings.max_num_batched_tokens,
+            self.max_model_len,
         )
         self.runner = ModelRunner(
             model, memory.kv_caches, settings.page_size, device, self.scheduler.page_table, memory.decode_graphs,

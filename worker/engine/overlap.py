@@ -17,8 +17,11 @@ N-1's draws; the runner swaps placeholders for those draws on the device
 (runner.resolve_future_tokens). Reading step N-1 puts the real token in its place.
 
 What the lag changes, none of it visible in outputs:
-- A request that ends at step N-1 (a stop token or string, its length, non-finite logits) is
-  already in step N: its row there computes one more KV entry and a draw that is discarded.
+- A request whose token in flight is its last by length (max_tokens, max_model_len) is left
+  out of step N: the scheduler counts placeholders. One that ends at step N-1 by the token's
+  value (a stop token or string, non-finite logits) is already in step N: its row there
+  computes one more KV entry and a draw that is discarded. If that row needs a page the pool
+  cannot give, the request waits for its token instead of failing (the token may end it).
 - A request that ends while a token is in flight (abort, kv_capacity_exceeded) ends without
   that token, as if it had ended a step sooner.
 - Penalties need the previous tokens' values on the host: when a step samples a request

@@ -74,6 +74,11 @@ class Request:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def token_in_flight(self) -> bool:
+        """Whether its last token is a placeholder for a draw the host has not read (overlap.py)."""
+        return bool(self.token_ids) and self.token_ids[-1] < 0
+
+    @property
     def ready(self) -> bool:
         """Whether it can be admitted: its grammar, if it has one, is compiled and started."""
         return self.grammar is None or self.grammar.started

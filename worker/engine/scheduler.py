@@ -47,11 +47,12 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self, allocator: PageAllocator, cache: RadixCache, page_size: int,
-        max_running: int, max_num_batched_tokens: int,
+        max_running: int, max_num_batched_tokens: int, max_model_len: int,
     ):
         self.allocator = allocator
         self.cache = cache
         self.page_size = page_size
+        self.max_model_len = max_model_len
         self.max_running = max_running
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Request] = []  # both kept sorted by Request.sort_key
@@ -74,6 +75,8 @@ class Scheduler:
         for req in list(self.running):  # decodes first: each gets its one token
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted by a more important request earlier in this loop
+            if self._ends_at_length(req):
+                continue  # its token in flight ends it: a row would compute what is discarded
             if len(req.token_ids) - req.num_computed_tokens != 1:
                 prefilling.append(req)
             elif budget > 0 and req.num_computed_tokens < len(req.pages) * self.page_size:
@@ -92,6 +95,11 @@ class Scheduler:
             for r, n in planned.items()
         ]
         return out
+
+    def _ends_at_length(self, req: Request) -> bool:
+        """Overlapped, a request whose token in flight is its max_tokens-th or reaches max_model_len
+        ends when that token is read (synchronous, it has already ended and left `running`)."""
+        return req.num_output_tokens >= req.params.max_tokens or len(req.token_ids) >= self.max_model_len
 
     def _plan_growth(
         self, req: Request, n: int, planned: dict[Request, int], budget: int, out: SchedulerOutput, preempted: bool,
@@ -187,6 +195,8 @@ class Scheduler:
                 continue
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:
+                if req.token_in_flight:
+                    return False, victims  # that token may end it (a stop): judged once it is read
                 self.running.remove(req)
                 self._fail_too_large(req, out)
                 return False, victims
