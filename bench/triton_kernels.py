@@ -92,10 +92,17 @@ class Row:
 
 
 def check(name: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
-    error = (got.float() - want.float()).abs().max().item()
-    if error > atol:
-        raise SystemExit(f"{name}: max abs error {error:.3e} vs reference exceeds {atol}")
-    log.info("%s: max abs error %.3e", name, error)
+    """Each element within `atol` plus two rounding steps of the output's dtype at the reference's
+    magnitude: the references round in between, as transformers does (RMSNorm casts before its
+    weight), the kernels once at the end. On the H200 a bare 0.03 failed qk_norm_rope at 0.03125,
+    one bf16 ulp of a value in [4, 8)."""
+    error = (got.float() - want.float()).abs()
+    allowed = atol + 2 * torch.finfo(want.dtype).eps * want.float().abs()
+    if bool((error > allowed).any()):
+        worst = int((error - allowed).argmax())
+        raise SystemExit(f"{name}: error {error.flatten()[worst].item():.3e} at a reference value of "
+                         f"{want.flatten()[worst].item():.3e} exceeds {atol} + two {want.dtype} rounding steps")
+    log.info("%s: max abs error %.3e", name, error.max().item())
 
 
 def bandwidth_row(b: Bench, name: str, shape: str, ms: float, baseline: str, baseline_ms: float, nbytes: int,
