@@ -4,8 +4,10 @@ torch reference path; scripts/gpu_acceptance.sh --rehearse runs it there).
 
 In bf16 two implementations round differently, so greedy continuations may part where the two
 most likely tokens are nearly tied. Each prompt must either match token for token or part at a
-tie: each side's token among the other's two most likely (vLLM's check_logprobs_close, with 2
-for its 5), and transformers' logits of the two within TIE_ULPS bf16 ulps of its top logit.
+tie: each side's token among the other's five most likely (as vLLM's check_logprobs_close), and
+transformers' logits of the two within TIE_ULPS bf16 ulps of its top logit. Five, not two: at the
+qwen3-0.6b shape the first H200 run parted where three tokens tied within two ulps (transformers'
+top two were equal to the bit; ours was 0.125 below them, with the ulp at 0.0625).
 """
 import math
 
@@ -22,7 +24,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 NUM_PROMPTS = 8
 NEW_TOKENS = 32 if CUDA else 16
-TOP = 2
+TOP = 5
 TIE_ULPS = 4
 # Weights at 0.1, not the preset's 0.02: at 0.02 a random 0.6B's top logits tie exactly in bf16 and
 # greedy repeats a few tokens, which would prove little.
@@ -87,5 +89,6 @@ def test_bf16_greedy_tokens_match_transformers_or_part_at_a_tie(checkpoint, prom
         why = explain_divergence(i, ours, out.logits[i][0].float(), hf_tokens)
         if why:
             problems.append(f"prompt of {len(prompt)} tokens: {why}")
-    print(f"{matched} of {NUM_PROMPTS} prompts matched token for token; the rest parted at bf16 ties")
+    print(f"{matched} of {NUM_PROMPTS} prompts matched token for token; {NUM_PROMPTS - matched - len(problems)} "
+          f"parted at a bf16 tie; {len(problems)} did not:", *problems, sep="\n")
     assert problems == []
