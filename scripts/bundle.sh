@@ -4,7 +4,7 @@
 # ones the tests run with), Debian's redis-server with every library it loads, and a MANIFEST of
 # what is in it, with checksums. scripts/bootstrap.sh --offline DIR installs from it.
 #
-# Usage: scripts/bundle.sh DIR [--python 3.12] [--platform manylinux_2_28_x86_64] [--all]
+# Usage: scripts/bundle.sh DIR [--python 3.12] [--platform manylinux_2_39_x86_64] [--all]
 #   --python    the target's Python (3.12, or 3.12.3 where a marker tests the patch level)
 #   --platform  the newest manylinux tag the target's glibc accepts; older tags are accepted too
 #   --all       also the packages the GPU host already has (scripts/gpu_host_packages.txt),
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 
 usage() { sed -n '8,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
-dir="" python="3.12" platform="manylinux_2_28_x86_64" all=""
+dir="" python="3.12" platform="manylinux_2_39_x86_64" all=""  # the GPU host: Ubuntu, glibc 2.39 (seen 2026-11-26)
 while [ $# -gt 0 ]; do
   case "$1" in
     --python) python=${2:?}; shift 2 ;;

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -19,7 +20,13 @@ def parse_args(known: dict) -> argparse.Namespace:
     return p.parse_args()
 
 
+def stop_on_sigterm() -> None:
+    """A deadline's SIGTERM (scripts/gpu_session.sh) unwinds the runner, which ends its step's processes."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def main() -> int:
+    stop_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     known = stages()
     args = parse_args(known)

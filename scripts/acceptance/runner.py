@@ -84,9 +84,11 @@ def execute(command: list[str], env: dict[str, str], timeout_s: float, log_file)
         returncode = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         returncode = None
-    # The step's whole process group goes: what it left running would hold the GPU, or the pipe open.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+    finally:
+        # The step's whole process group goes, also when the runner itself is stopped (SIGTERM, see
+        # __main__): what it left running would hold the GPU, or the pipe open.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     reader.join()
     return returncode, "".join(lines)
@@ -149,7 +151,12 @@ def run_stage(stage: Stage, run: Run, only: set[str] | None) -> bool:
                                 f"out of the stage's {stage.budget_s} s: rerun with --only {step.name}")
             else:
                 log.info("[%s] %s: %s ...", stage.name, step.name, step.what)
-                result = run_step(step, run, left, log_file)
+                try:
+                    result = run_step(step, run, left, log_file)
+                except SystemExit:  # stopped from outside (a session's deadline): the table says where
+                    report.add(Result(step, Outcome.FAIL, f"stopped from outside: rerun with --only {step.name}"))
+                    print(report.render())
+                    raise
             if result.outcome is Outcome.FAIL and step.gate:
                 stopped_by = step.name
             log.info("[%s] %s: %s %s", stage.name, step.name, result.outcome.value, result.detail)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -40,3 +42,21 @@ def test_the_rehearsal_of_each_stage_passes_and_skips_only_what_needs_cuda(name,
     if name == "bench":
         trace = json.loads(gzip.decompress((tmp_path / "decode_trace.json.gz").read_bytes()))
         assert sum(e.get("name") == "engine_step" for e in trace["traceEvents"]) == 5  # --profile-steps 5
+
+
+@pytest.mark.slow
+def test_a_session_runs_its_specs_until_the_deadline_and_brings_back_one_archive(tmp_path):
+    # 31 s: the first spec starts (a spec needs 30 s left), the second finds too little time.
+    out = tmp_path / "out"
+    done = subprocess.run(["scripts/gpu_session.sh", "--rehearse", "31", str(out), "kernels:smoke", "kernels:tests"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert "[session] kernels:smoke: exit 0" in done.stdout
+    assert re.search(r"\[session\] kernels:tests: not run, \d+ s left", done.stdout)
+    assert sorted(p.name for p in out.iterdir()) == ["acceptance.tgz", "tables.md"]
+    tables = (out / "tables.md").read_text()
+    assert "| smoke | PASS |" in tables and tables.strip() in done.stdout
+    with tarfile.open(out / "acceptance.tgz") as archive:
+        names = set(archive.getnames())
+    assert {"./01-kernels/kernels.md", "./01-kernels/kernels.json", "./01-kernels/kernels.log",
+            "./01-kernels.out"} <= names

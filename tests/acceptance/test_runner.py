@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -154,6 +156,39 @@ def test_a_step_past_its_timeout_is_killed_with_what_it_started(tmp_path):
     assert outcomes(report) == {"slow": "FAIL"} and report["steps"][0]["detail"] == "timed out after 2 s"
     child = int(pid_file.read_text())
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
+def test_a_runner_stopped_by_sigterm_ends_its_steps_processes_and_says_where_it_stopped(tmp_path):
+    # scripts/gpu_session.sh stops a stage at its deadline with timeout(1)'s SIGTERM; the step runs in a
+    # session of its own, which the signal does not reach, and would hold the GPU the next stage needs.
+    pid_file = tmp_path / "child.pid"
+    stage_code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from scripts.acceptance.__main__ import stop_on_sigterm
+        from scripts.acceptance.runner import Run, run_stage
+        from scripts.acceptance.step import Kind, Stage, Step
+        code = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+                "time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(child.pid)); time.sleep(60)")
+        command = ("{{python}}", "-c", code)
+        stop_on_sigterm()
+        run_stage(Stage("demo", "a stage", (Step("slow", "a step", Kind.SCRIPT, command, command, 60),)),
+                  Run(True, Path({str(tmp_path)!r}), {{"PATH": "/usr/bin:/bin"}}, {CPU!r}), None)
+    """)
+    stage = subprocess.Popen([sys.executable, "-c", stage_code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and stage.poll() is None, "the step never started its child"
+        time.sleep(0.1)
+    stage.send_signal(signal.SIGTERM)
+    stdout, _ = stage.communicate(timeout=20)
+    assert stage.returncode == 143
+    child = int(pid_file.read_text())
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert outcomes(report) == {"slow": "FAIL"}
+    assert report["steps"][0]["detail"] == "stopped from outside: rerun with --only slow"
+    assert "| slow | FAIL |" in stdout
 
 
 def test_steps_the_stage_has_no_time_left_for_are_not_run(tmp_path):
