@@ -119,6 +119,9 @@ def assert_workers_serve(hostile_setup, client: Client, pids: list[str]) -> None
 
 
 def assert_failed_once(admin: redis.Redis, client: Client, job_id: str, code: str) -> JobFailed:
+    # These jobs went onto the queue raw, without the job hash a submit writes first, so until a
+    # worker has taken one, result() rightly answers JobNotFound (seen in CI for a later case).
+    assert eventually(lambda: admin.type(KEYS.job(job_id)) == "hash", timeout=30), admin.type(KEYS.job(job_id))
     with pytest.raises(JobFailed) as failed:
         client.result(job_id, timeout=30)
     assert (failed.value.code, failed.value.result.status) == (code, "failed"), failed.value.message
