@@ -217,8 +217,8 @@ def project_logits(hidden: torch.Tensor, head: torch.Tensor, out: torch.Tensor |
         return linear_cpu(hidden, head, out)
     if hidden.device.type == "cpu":
         return lm_head_in_vocab_chunks(hidden, head, out)
-    logits = F.linear(hidden, head).float()
-    return logits if out is None else out.copy_(logits)
+    logits = F.linear(hidden, head)
+    return logits.float() if out is None else out.copy_(logits)  # the copy converts: no float32 temporary
 
 
 # On CPU one [N, H] x [H, vocab] product with Qwen3's 151,936-token vocabulary runs well below
