@@ -84,7 +84,7 @@ def placeholder(row: int) -> int:
 
 def drop_placeholders(req: Request) -> None:
     """Removes the tokens still in flight from a request that ends without them."""
-    while req.token_ids and req.token_ids[-1] < 0:
+    while req.token_in_flight:
         req.token_ids.pop()
 
 

@@ -129,7 +129,7 @@ class StepReader:
         text, stopped = req.text.push(token, can_stop)
         if stopped:
             return text, "stop"
-        if num_output >= p.max_tokens or req.num_prompt_tokens + num_output >= self.max_model_len:
+        if req.ends_by_length(num_output, self.max_model_len):
             return text + req.text.finish(), self._reason_at_length(req)
         return text, None
 

@@ -73,6 +73,10 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
+    def ends_by_length(self, num_output: int, max_model_len: int) -> bool:
+        """Whether its `num_output`-th output token is its last by length: max_tokens, or max_model_len."""
+        return num_output >= self.params.max_tokens or self.num_prompt_tokens + num_output >= max_model_len
+
     @property
     def token_in_flight(self) -> bool:
         """Whether its last token is a placeholder for a draw the host has not read (overlap.py)."""

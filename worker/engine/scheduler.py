@@ -75,8 +75,10 @@ class Scheduler:
         for req in list(self.running):  # decodes first: each gets its one token
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted by a more important request earlier in this loop
-            if self._ends_at_length(req):
-                continue  # its token in flight ends it: a row would compute what is discarded
+            if req.ends_by_length(req.num_output_tokens, self.max_model_len):
+                # Overlapped, its token in flight is its last (synchronous, it has already left `running`):
+                # a row for it would compute what is discarded.
+                continue
             if len(req.token_ids) - req.num_computed_tokens != 1:
                 prefilling.append(req)
             elif budget > 0 and req.num_computed_tokens < len(req.pages) * self.page_size:
@@ -95,11 +97,6 @@ class Scheduler:
             for r, n in planned.items()
         ]
         return out
-
-    def _ends_at_length(self, req: Request) -> bool:
-        """Overlapped, a request whose token in flight is its max_tokens-th or reaches max_model_len
-        ends when that token is read (synchronous, it has already ended and left `running`)."""
-        return req.num_output_tokens >= req.params.max_tokens or len(req.token_ids) >= self.max_model_len
 
     def _plan_growth(
         self, req: Request, n: int, planned: dict[Request, int], budget: int, out: SchedulerOutput, preempted: bool,
