@@ -19,6 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from gateway.cancellation import cancel_and_wait
 from gateway.errors import gateway_stopping
 from gateway.lifecycle import Lifecycle
 from gateway.requests import JobSpec
@@ -53,7 +54,7 @@ class Jobs:
         self.lifecycle = lifecycle
         self.job_timeout_s = job_timeout_s
         self.cancel_on_disconnect = cancel_on_disconnect
-        self.cancels: set[asyncio.Task] = set()  # held so that they run to their end
+        self.background: set[asyncio.Task] = set()  # held so that they run to their end
 
     async def submit(
         self, client: AsyncClient, specs: list[JobSpec], key: str | None, fingerprint: str, request_id: str,
@@ -88,9 +89,13 @@ class Jobs:
             return
         if client_left and not self.cancel_on_disconnect:
             return
-        task = asyncio.ensure_future(self._cancel(jobs, unfinished, "its client left" if client_left else "its request failed"))
-        self.cancels.add(task)
-        task.add_done_callback(self.cancels.discard)
+        self.in_background(self._cancel(jobs, unfinished, "its client left" if client_left else "its request failed"))
+
+    def in_background(self, work: Awaitable) -> None:
+        """Run `work` past the end of the request that starts it."""
+        task = asyncio.ensure_future(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     async def _cancel(self, jobs: RequestJobs, job_ids: list[str], why: str) -> None:
         for job_id in job_ids:
@@ -130,8 +135,7 @@ class Inbox:
 
     def close(self, client_left: bool) -> None:
         self.owner.lifecycle.inboxes.discard(self.queue)
-        for task in self.tasks:
-            task.cancel()
+        self.owner.in_background(cancel_and_wait(self.tasks))
         self.owner.release(self.jobs, client_left)
 
     async def _stream(self, index: int, job_id: str) -> None:

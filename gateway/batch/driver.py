@@ -39,6 +39,7 @@ from gateway.batch.lines import (
 )
 from gateway.batch.schema import BatchErrors
 from gateway.batch.store import BatchStore, Pieces
+from gateway.cancellation import cancel_and_wait
 from gateway.errors import APIError
 from gateway.registry import ModelRegistry
 from gateway.settings import GatewaySettings
@@ -78,10 +79,7 @@ class BatchDriver:
 
     async def stop(self) -> None:
         """Stop driving, and give the leases up: another gateway takes the batches on at once."""
-        tasks = [t for t in (self.task, *self.runs.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait([t for t in (self.task, *self.runs.values()) if t is not None])
 
     async def _look_for_batches(self) -> None:
         while True:
