@@ -203,11 +203,13 @@ def test_a_killed_worker_and_killed_gateways_lose_no_line(redis_server, redis_cl
 def test_a_gateway_stopped_gracefully_hands_its_batch_over_at_once(redis_server, redis_client, batch_queue, gateway, tmp_path):
     """With 60 s leases, a SIGTERM'd gateway's lease is gone as it exits (not left to lapse), and
     another gateway finishes its batch."""
-    gateway.terminate()  # the module's gateway (1 s leases) sits this one out
-    flags = gateway_flags(batch_queue, "--batch-lease-s", "60")
-    gateways = [GatewayProcess(redis_server.url, tmp_path, *flags, name=f"calm-{i}").start() for i in range(2)]
-    sdks = [openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0) for gw in gateways]
+    gateways: list[GatewayProcess] = []
+    sdks: list[openai.OpenAI] = []
     try:
+        gateway.terminate()  # the module's gateway (1 s leases) sits this one out
+        flags = gateway_flags(batch_queue, "--batch-lease-s", "60")
+        gateways += [GatewayProcess(redis_server.url, tmp_path, *flags, name=f"calm-{i}").start() for i in range(2)]
+        sdks += [openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0) for gw in gateways]
         n = 60
         batch = run_batch(sdks[0], slow_lines("g", n))
         driver, holder = driving_gateway(sdks[0], redis_client, batch.id, gateways)
@@ -230,11 +232,12 @@ def test_lines_wait_for_room_in_a_full_queue_and_are_answered_once(redis_server,
     it submits what fits, again and again, lines of two choices straddling the bound; every line
     is answered once, and no job is enqueued twice. Placement off: the bound is the shared
     stream's, which placement bypasses while workers have room."""
-    gateway.terminate()  # the module's gateway, unbounded, sits this one out
     flags = gateway_flags(batch_queue, "--max-queue-depth", "3", "--no-placement")
-    bounded = GatewayProcess(redis_server.url, tmp_path, *flags, name="bounded").start()
+    bounded = GatewayProcess(redis_server.url, tmp_path, *flags, name="bounded")
     sdk = openai.OpenAI(base_url=f"{bounded.url}/v1", api_key="unused", max_retries=0)
     try:
+        gateway.terminate()  # the module's gateway, unbounded, sits this one out
+        bounded.start()
         n = 16  # 24 jobs: the bound is met about 8 times, each refusal waited out for QUEUE_FULL_WAIT_S
         choices = [1 + i % 2 for i in range(n)]
         before = entries_added(redis_client, batch_queue)

@@ -20,6 +20,10 @@ class ProcessNotReady(RuntimeError):
     """A started process exited, or did not answer its probe in time; the message holds its log."""
 
 
+class ProcessStuck(RuntimeError):
+    """A process did not exit after SIGTERM; the message holds its log."""
+
+
 class ChildProcess:
     """A process of a test, run from the repository's root. Subclasses name the command and
     override `ready`. The log file is emptied when the object is made and appended to by each
@@ -59,9 +63,14 @@ class ChildProcess:
         return self.process is not None and self.process.poll() is None
 
     def terminate(self, timeout: float = 30) -> int:
-        """SIGTERM, and its exit code once it has exited by itself."""
+        """SIGTERM, and its exit code once it has exited by itself. One still running `timeout`
+        seconds later is killed, and the test fails with its log."""
         self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=timeout)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise ProcessStuck(f"{self} still running {timeout:g}s after SIGTERM:\n{self.log()[-8000:]}") from None
 
     def kill(self) -> None:
         """SIGKILL: no shutdown, nothing handed over or written out."""
