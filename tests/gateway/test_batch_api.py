@@ -96,8 +96,15 @@ def wait_for(sdk, batch_id: str, condition, timeout: float = RUN_TIMEOUT_S):
         return batch if condition(batch) else None
 
     batch = eventually(reached, timeout, interval=0.1)
-    assert batch, f"batch {batch_id} stuck: {sdk.batches.retrieve(batch_id)}"
+    assert batch, stuck(sdk, batch_id)
     return batch
+
+
+def stuck(sdk, batch_id: str) -> str:
+    """What a batch that did not get where a test waited for it is, with its first errors."""
+    batch = sdk.batches.retrieve(batch_id)
+    errors = sdk.files.content(batch.error_file_id).text.splitlines()[:3] if batch.error_file_id else []
+    return f"batch {batch_id} stuck: {batch}; first errors: {errors}"
 
 
 def ended(sdk, batch_id: str):

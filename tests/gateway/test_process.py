@@ -1,6 +1,8 @@
 """The gateway as a program: its settings' precedence, its flags, and what it imports."""
+import http.server
 import subprocess
 import sys
+import threading
 
 import pytest
 from pydantic import ValidationError
@@ -8,7 +10,8 @@ from pydantic import ValidationError
 from gateway.__main__ import build_parser
 from gateway.settings import GatewaySettings, settings_from_args
 from producer_client import InvalidArgument
-from tests.support.processes import REPO
+from tests.support.gateways import GatewayProcess
+from tests.support.processes import REPO, ProcessNotReady
 
 
 def test_the_gateway_imports_neither_torch_nor_the_worker():
@@ -40,3 +43,19 @@ def test_the_gateway_joins_an_existing_redis_only():
 def test_pinned_model_queues_must_be_usable_in_keys():
     with pytest.raises(InvalidArgument, match="models"):
         GatewaySettings(models={"m": "{bad}"})
+
+
+def test_a_restarted_gateway_whose_port_was_taken_is_not_taken_for_ready(redis_server, tmp_path):
+    """The harness restarts a gateway on its port; a process that took the port meanwhile answers
+    the probe while the gateway fails to bind, and must not pass for it."""
+    gateway = GatewayProcess(redis_server.url, tmp_path)
+    squatter = http.server.HTTPServer(("127.0.0.1", gateway.port), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ProcessNotReady, match="exited"):
+            gateway.start()
+        assert "address already in use" in gateway.log().lower()
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+        gateway.stop()

@@ -34,6 +34,10 @@ class GatewayProcess(ChildProcess):
         return self.wait_ready()
 
     def ready(self) -> bool:
+        # A restart keeps the port, which another test's process may have taken meanwhile: it would
+        # answer the probe while this gateway fails to bind. uvicorn's line says the port is ours.
+        if f"Uvicorn running on {self.url}" not in self.log_of_this_start():
+            return False
         try:
             httpx.get(f"{self.url}/metrics", timeout=1)  # answered, 200 or 401 (monitoring_needs_key)
             return True

@@ -37,6 +37,7 @@ class ChildProcess:
         self.log_path = log_path
         self.env = dict(os.environ if env is None else env)
         self.process: subprocess.Popen | None = None
+        self.log_offset = 0  # where the current start's part of the log begins
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_path.write_text("")
 
@@ -45,6 +46,7 @@ class ChildProcess:
         return True
 
     def start(self):
+        self.log_offset = self.log_path.stat().st_size
         with self.log_path.open("a") as log_file:
             self.process = subprocess.Popen(
                 self.command, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
@@ -86,6 +88,11 @@ class ChildProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def log_of_this_start(self) -> str:
+        with self.log_path.open("rb") as log_file:
+            log_file.seek(self.log_offset)
+            return log_file.read().decode(errors="replace")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.log_path.stem})"
