@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from tests.engine.support import VOCAB
 from worker.engine import Engine, EngineSettings
@@ -99,7 +98,11 @@ def make_moe_engine(moe_loaded):
 
 @pytest.fixture(scope="session")
 def hf_model(checkpoint):
-    return HFQwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    # Imported here: transformers' model classes take seconds to import, and most engine tests
+    # (and the GPU stages' pytest steps that run a few of them) never compare with transformers.
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
