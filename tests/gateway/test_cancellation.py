@@ -58,6 +58,31 @@ async def test_cancel_and_wait_gives_a_cancelled_task_time_for_its_way_out():
     assert released.is_set() and task.cancelled()
 
 
+async def test_several_tasks_end_though_one_loses_its_cancel_again_and_again():
+    """Beside tasks that end at their first cancel, one loses three: it is cancelled again once a
+    RECANCEL_S (not in a busy loop) until it ends, and every task has ended when the wait returns."""
+    lost = 0
+
+    async def loses_three_cancels():
+        nonlocal lost
+        while True:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                if lost == 3:
+                    raise
+                lost += 1
+
+    plain = [asyncio.ensure_future(asyncio.sleep(60)) for _ in range(3)]
+    stubborn = asyncio.ensure_future(loses_three_cancels())
+    await asyncio.sleep(0)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await asyncio.wait_for(cancel_and_wait([*plain, stubborn]), 5)
+    assert lost == 3 and stubborn.cancelled() and all(t.cancelled() for t in plain)
+    assert loop.time() - started >= 3 * cancellation.RECANCEL_S
+
+
 class StoreThatSwallowsOneCancel:
     """A batch store whose read loses the first cancel, as redis-py's may on Python 3.11."""
 
