@@ -18,6 +18,7 @@ from tests.support.gateways import GatewayProcess
 from tests.support.jobs import entries_added
 from tests.support.polling import eventually
 from tests.support.workers import echo_workers
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 KEYS = Keys()
 MODEL = "batch-echo"
@@ -26,6 +27,16 @@ MAX_LINES = 600
 MAX_FILE_BYTES = 8 * PIECE_CHARS
 RUN_TIMEOUT_S = 180
 ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """This module's own redis-server, in place of the session's. Every gateway on a Redis drives
+    the batches it finds there, and the session's gateway (tests/gateway/conftest.py), when this
+    process has started it, serves other models: driving a batch of this module, it answered every
+    line model_not_found."""
+    with EmbeddedRedis(port=free_port()) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
