@@ -23,7 +23,7 @@ from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()
-CLAIM_IDLE_MS = 2000
+CLAIM_IDLE_MS = 1000
 # Jobs are sized to generate for this many times claim_idle_ms at the fastest speed measured, so
 # that they still run past five times claim_idle_ms if the machine gets less busy meanwhile.
 LONG = 8
