@@ -15,6 +15,11 @@ if [ "${1:-}" = "--quick" ]; then
   shift
 fi
 scripts/bootstrap.sh --dev
+# The suite starts hundreds of Python processes (pytest steps, workers, gateways, CLIs); where the
+# environment forbids bytecode caches (PYTHONDONTWRITEBYTECODE, as this project's sandbox sets),
+# each compiles the project's modules again: ~1 s of CPU per pytest process, 10% of the tp stage's
+# rehearsal (94 s -> 85 s). The caches go to the ignored __pycache__ folders.
+unset PYTHONDONTWRITEBYTECODE
 
 first=0
 .venv/bin/python -m pytest tests -n 2 --dist loadgroup -m "$parallel" --durations=30 "$@" || first=$?
