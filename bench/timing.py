@@ -13,15 +13,16 @@ COPY_BYTES = {"cuda": 1 << 30, "cpu": 1 << 27}  # large enough to miss every cac
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """On CUDA, triton's do_bench (device events, L2 flushed between runs); on CPU, the median of a
-    few wall-clock runs after one warm-up (the CPU rehearsal's figures mean nothing beyond that)."""
+    """On CUDA, triton's do_bench (device events, L2 flushed between runs); on CPU, the median of
+    three wall-clock runs after one warm-up (the CPU rehearsal's figures mean nothing beyond that,
+    and each interpreted call of a kernel takes up to a second there)."""
     if device.type == "cuda":
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
     fn()
     runs = []
-    for _ in range(5):
+    for _ in range(3):
         start = time.perf_counter()
         fn()
         runs.append(time.perf_counter() - start)
