@@ -18,9 +18,13 @@ pytest_plugins = ["tests.support.fixtures", "tests.support.tiers"]
 
 # Under pytest-xdist (scripts/test.sh) each process takes its share of the cores for torch's
 # threads: two processes with a thread per core each would make four threads spin on two cores.
+# So do the processes its tests start (the GPU stages' rehearsals and their pytest steps,
+# benchmarks, tensor-parallel ranks), unless a caller set theirs: the tp stage's rehearsal beside a
+# busy core spent 108 s of CPU with a thread per core, 88 s with one.
 XDIST_PROCESSES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if XDIST_PROCESSES > 1:
     torch.set_num_threads(max(1, torch.get_num_threads() // XDIST_PROCESSES))
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
