@@ -3,10 +3,8 @@
 #   scripts/test.sh            every test: what CI runs (.ci/run)
 #   scripts/test.sh --quick    the fast tier, for local work: no test marked slow, e2e or chaos
 #                              (tests/support/tiers.py says how a test gets each mark)
-# The tests run on three pytest-xdist processes, then the `timing` tests (bounds on elapsed time)
-# run alone, so that nothing beside them stretches their time. Three on this project's 2-core
-# machines: many tests wait on processes, timeouts or faults, and two processes left the cores
-# idle 27% of the run (/proc/stat every 10 s); three, 7%, and the run took 13:37, not 15:00.
+# The tests run on two pytest-xdist processes, then the `timing` tests (bounds on elapsed time)
+# run alone, so that nothing beside them stretches their time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 parallel="not timing"
@@ -28,7 +26,7 @@ unset PYTHONDONTWRITEBYTECODE
 .venv/bin/python -c "from worker.engine.engine import Engine; Engine.from_pretrained('tiny').warm_up()"
 
 first=0
-.venv/bin/python -m pytest tests -n 3 --dist loadgroup -m "$parallel" --durations=30 "$@" || first=$?
+.venv/bin/python -m pytest tests -n 2 --dist loadgroup -m "$parallel" --durations=30 "$@" || first=$?
 second=0
 .venv/bin/python -m pytest tests -m "$serial" "$@" || second=$?
 # 5 is pytest's "no test selected": a pass that arguments such as -k left empty, not a failure

@@ -17,7 +17,7 @@ import torch
 pytest_plugins = ["tests.support.fixtures", "tests.support.tiers"]
 
 # Under pytest-xdist (scripts/test.sh) each process takes its share of the cores for torch's
-# threads (at least one): a thread per core in each would make threads spin on cores another holds.
+# threads: two processes with a thread per core each would make four threads spin on two cores.
 # So do the processes its tests start (the GPU stages' rehearsals and their pytest steps,
 # benchmarks, tensor-parallel ranks), unless a caller set theirs: the tp stage's rehearsal beside a
 # busy core spent 108 s of CPU with a thread per core, 88 s with one.

@@ -10,7 +10,7 @@ of none of them):
 A test that asserts a bound on elapsed time carries `timing`: scripts/test.sh runs those alone,
 after the others, so that no test running beside them on another core stretches their time.
 
-Under pytest-xdist (scripts/test.sh runs `-n 3 --dist loadgroup`) the tests that share processes
+Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) the tests that share processes
 started by a fixture of module scope or wider run on one xdist worker (their `xdist_group`), so
 those processes start once: a worker on the tiny model costs seconds of CPU to start. So do the
 slow tests that share a module-scoped fixture of their module."""
