@@ -20,6 +20,7 @@ from scripts.acceptance.stages import ORDER, stages
 from scripts.acceptance.step import EXIT_NO_CUDA, Figure, Kind, Outcome, Stage, Step, script
 from scripts.acceptance.step import tests as pytest_step
 from tests.support.polling import eventually
+from tests.support.processes import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = {"cuda": False, "gpus": 0, "torch": "t", "triton": "t", "cuda_version": None, "device": "CPU (test)"}
@@ -33,16 +34,6 @@ def junit(tmp_path: Path, passed: int = 0, failed: int = 0, skipped: int = 0) ->
     path = tmp_path / "junit.xml"
     path.write_text(f"<testsuites><testsuite>{''.join(cases)}</testsuite></testsuites>")
     return path
-
-
-def ended(pid: int) -> bool:
-    """Gone, or a zombie. A SIGKILLed process still shows as running while the kernel tears it down,
-    after it has closed its files (the runner waits for the step's output pipe to close): on a
-    loaded machine, for long enough to be seen."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return True
 
 
 def a_pytest_step(cuda_only: bool = False) -> Step:
@@ -166,7 +157,7 @@ def test_a_step_past_its_timeout_is_killed_with_what_it_started(tmp_path):
     assert time.monotonic() - start < 20
     assert outcomes(report) == {"slow": "FAIL"} and report["steps"][0]["detail"] == "timed out after 2 s"
     child = int(pid_file.read_text())
-    assert eventually(lambda: ended(child))
+    assert eventually(lambda: not alive(child))
 
 
 def test_a_runner_stopped_by_sigterm_ends_its_steps_processes_and_says_where_it_stopped(tmp_path):
@@ -195,7 +186,7 @@ def test_a_runner_stopped_by_sigterm_ends_its_steps_processes_and_says_where_it_
     stdout, _ = stage.communicate(timeout=20)
     assert stage.returncode == 143
     child = int(pid_file.read_text())
-    assert eventually(lambda: ended(child))
+    assert eventually(lambda: not alive(child))
     report = json.loads((tmp_path / "demo.json").read_text())
     assert outcomes(report) == {"slow": "FAIL"}
     assert report["steps"][0]["detail"] == "stopped from outside: rerun with --only slow"

@@ -22,7 +22,7 @@ import torch
 from producer_client import Client
 from tests.support.jobs import assert_one_final_result, runs
 from tests.support.polling import eventually
-from tests.support.processes import REPO
+from tests.support.processes import REPO, alive
 from tests.support.workers import WorkerProcess, start_workers
 from worker.model.presets import qwen3_config, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
@@ -78,14 +78,6 @@ def rank_pids(worker: WorkerProcess) -> list[int]:
     """The other ranks' pids, from the worker's start-up line."""
     match = re.search(r"tensor parallelism: 2 ranks on .* \(pids ([\d, ]+)\)", worker.log())
     return [int(p) for p in match.group(1).split(", ")]
-
-
-def alive(pid: int) -> bool:
-    """Running, neither gone nor a zombie its parent has not reaped."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def submit_all(client: Client) -> list[str]:

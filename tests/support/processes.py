@@ -16,6 +16,15 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE_INTERVAL_S = 0.05  # a probe opens a connection or sends a request: not every 10 ms
 
 
+def alive(pid: int) -> bool:
+    """Running: neither gone nor a zombie its parent has not reaped. A SIGKILLed process still shows
+    as running while the kernel tears it down, after it has closed its files: wait for the change
+    (`eventually`) rather than read it once."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
 class ProcessNotReady(RuntimeError):
     """A started process exited, or did not answer its probe in time; the message holds its log."""
 
