@@ -3,8 +3,9 @@
 #   scripts/test.sh            every test: what CI runs (.ci/run)
 #   scripts/test.sh --quick    the fast tier, for local work: no test marked slow, e2e or chaos
 #                              (tests/support/tiers.py says how a test gets each mark)
-# The tests run on two pytest-xdist processes, then the `timing` tests (bounds on elapsed time)
-# run alone, so that nothing beside them stretches their time.
+# The tests run on two pytest-xdist processes, and those marked `waits` (they mostly wait on
+# timeouts and faults) in a third pytest process beside them; then the `timing` tests (bounds on
+# elapsed time) run alone, so that nothing beside them stretches their time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 parallel="not timing"
@@ -25,14 +26,26 @@ unset PYTHONDONTWRITEBYTECODE
 # (one tiny engine's start: 24 s with no cache, 6 s with it).
 .venv/bin/python -c "from worker.engine.engine import Engine; Engine.from_pretrained('tiny').warm_up()"
 
-first=0
-.venv/bin/python -m pytest tests -n 2 --dist loadgroup -m "$parallel" --durations=30 "$@" || first=$?
-second=0
-.venv/bin/python -m pytest tests -m "$serial" "$@" || second=$?
+# The waiting tests' report comes after the others' (two reports written at once would interleave).
+# They compute little beside two processes that take a core each: one torch thread for them and
+# the processes they start.
+waits_log=$(mktemp)
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/python -m pytest tests -m "($parallel) and waits" "$@" \
+  > "$waits_log" 2>&1 &
+waits_pid=$!
+trap 'kill "$waits_pid" 2>/dev/null || true; rm -f "$waits_log"' EXIT
+others=0
+.venv/bin/python -m pytest tests -n 2 --dist loadgroup -m "($parallel) and not waits" --durations=30 "$@" || others=$?
+waits=0
+wait "$waits_pid" || waits=$?
+echo "--- the tests marked waits, run beside the others:"
+cat "$waits_log"
+timing=0
+.venv/bin/python -m pytest tests -m "$serial" "$@" || timing=$?
 # 5 is pytest's "no test selected": a pass that arguments such as -k left empty, not a failure
-# unless both are.
-for status in "$first" "$second"; do
+# unless every run is.
+for status in "$others" "$waits" "$timing"; do
   if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
 done
-if [ "$first" -eq 5 ] && [ "$second" -eq 5 ]; then exit 5; fi
+if [ "$others" -eq 5 ] && [ "$waits" -eq 5 ] && [ "$timing" -eq 5 ]; then exit 5; fi
 exit 0

@@ -22,6 +22,8 @@ from scripts.acceptance.step import tests as pytest_step
 from tests.support.polling import eventually
 from tests.support.processes import alive
 
+pytestmark = pytest.mark.waits
+
 ROOT = Path(__file__).resolve().parents[2]
 CPU = {"cuda": False, "gpus": 0, "torch": "t", "triton": "t", "cuda_version": None, "device": "CPU (test)"}
 GPU = {**CPU, "cuda": True, "gpus": 1, "device": "a stand-in GPU"}

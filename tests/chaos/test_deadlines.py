@@ -13,6 +13,8 @@ from tests.support.clients import make_client
 from tests.support.jobs import runs, tokens_published
 from tests.support.workers import WorkerProcess, start_workers
 
+pytestmark = pytest.mark.waits
+
 
 @pytest.mark.slow
 def test_expired_jobs_are_not_run_and_timed_out_jobs_return_partial_output(redis_deployment, deployment_client, tmp_path):

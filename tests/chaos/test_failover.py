@@ -35,6 +35,8 @@ from tests.support.polling import eventually
 from tests.support.redis_servers import LocalCluster, LocalSentinel
 from tests.support.workers import echo_workers
 
+pytestmark = pytest.mark.waits
+
 KEYS = Keys()
 JOBS = 20
 PROMPT_BYTES = 600  # the echo engine answers a prompt a byte a step: each job takes a while

@@ -16,6 +16,8 @@ from tests.support.jobs import queue_depth, queue_pending
 from tests.support.polling import eventually
 from tests.support.workers import FAST_RECLAIM, WorkerProcess
 
+pytestmark = pytest.mark.waits
+
 KEYS = Keys()
 MAX_DELIVERIES = 2
 

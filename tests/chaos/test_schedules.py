@@ -12,7 +12,7 @@ from tests.support.redis_servers import RestartableRedis
 
 SCHEDULES = 100
 # One xdist process runs every schedule (they share one Redis), so that its TOTALS see them all.
-pytestmark = pytest.mark.xdist_group("chaos-schedules")
+pytestmark = [pytest.mark.xdist_group("chaos-schedules"), pytest.mark.waits]
 
 
 # What the schedules of this module did, added up: chaos_redis checks, once they have all run, that

@@ -19,6 +19,8 @@ from tests.support.polling import eventually
 from tests.support.processes import REPO
 from tests.support.workers import echo_workers
 
+pytestmark = pytest.mark.waits
+
 RUN_TIMEOUT_S = 180
 
 

@@ -25,6 +25,8 @@ from tests.support.polling import eventually
 from tests.support.processes import ChildProcess
 from worker.embedded_redis import EmbeddedRedis, free_port
 
+pytestmark = pytest.mark.waits
+
 PASSWORD_CHARS = "abcXYZ0189/@#:%?&=+!$~*;,"
 # The prefix keeps a short password from matching other text ("6379", "redis") by chance.
 passwords = st.text(PASSWORD_CHARS, min_size=3, max_size=16).map(lambda rest: "Zq" + rest)

@@ -13,6 +13,8 @@ from tests.support.gateways import GatewayProcess
 from tests.support.jobs import job_count, job_ids_in_queue
 from worker.embedded_redis import free_port
 
+pytestmark = pytest.mark.waits
+
 CHAT = [{"role": "user", "content": "hi"}]
 API_KEYS = ["key-one", "key-two"]
 STRICT_TIMEOUT_S = 1.0

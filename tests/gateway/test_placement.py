@@ -16,6 +16,8 @@ from tests.support.gateways import GatewayProcess
 from tests.support.polling import eventually
 from tests.support.workers import echo_workers
 
+pytestmark = pytest.mark.waits
+
 MODEL = "placed"
 TURNS = 3
 CONVERSATIONS = 4

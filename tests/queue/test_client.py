@@ -14,6 +14,8 @@ from tests.support.clients import make_client
 from worker.embedded_redis import free_port
 from worker.loop.queue import WorkerQueue
 
+pytestmark = pytest.mark.waits
+
 DEAD_URL = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens: any command would raise ConnectionError
 
 

@@ -21,6 +21,8 @@ from tests.support.fixtures import on_modes
 from tests.support.jobs import assert_one_final_result, tokens_published
 from tests.support.polling import eventually
 
+pytestmark = pytest.mark.waits
+
 KEYS = Keys()
 SYSTEM = {"role": "system", "content": "You are a terse assistant. " * 8}
 

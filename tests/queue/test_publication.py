@@ -15,6 +15,8 @@ from tests.queue.support import GatedWorker, SlowEchoEngine, serving
 from tests.support.jobs import assert_one_final_result, runs, tokens_published
 from tests.support.polling import eventually
 
+pytestmark = pytest.mark.waits
+
 KEYS = Keys()
 FAST_RECLAIM = dict(claim_idle_ms=500, reclaim_interval_s=0.05)
 

@@ -24,6 +24,8 @@ from worker.loop import queue as worker_queue
 from worker.embedded_redis import free_port
 from worker.loop.queue import GroupLost, RedisClock, is_transient
 
+pytestmark = pytest.mark.waits
+
 KEYS = Keys()
 
 

@@ -23,6 +23,8 @@ from tests.support.jobs import assert_one_final_result, events, runs, tokens_pub
 from tests.support.polling import eventually
 from worker.loop.outbox import Update
 
+pytestmark = pytest.mark.waits
+
 KEYS = Keys()
 # Small enough for quick tests, and ten heartbeats of `serving` (0.05 s): a busy machine that
 # starves a worker thread for a moment must not make it look dead.

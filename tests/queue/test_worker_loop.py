@@ -12,6 +12,8 @@ from producer_client.keys import GROUP, Keys
 from tests.queue.support import outcome_count, serving
 from tests.support.polling import eventually
 
+pytestmark = pytest.mark.waits
+
 KEYS = Keys()
 
 
