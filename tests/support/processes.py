@@ -25,6 +25,7 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
 
+
 class ProcessNotReady(RuntimeError):
     """A started process exited, or did not answer its probe in time; the message holds its log."""
 
