@@ -24,6 +24,7 @@ ratios the targets are stated in, placed against shared and against ideal.
 
     python -m bench.affinity [--conversations 200 --turns 5 --groups 8 --workers 4 --concurrency 16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,7 +76,10 @@ def make_trace(conversations: int, turns: int, groups: int, system_words: int, s
     return [
         Conversation(
             rng.choice(systems),
-            [f"Chat {c}, turn {t}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 28))) for t in range(turns)],
+            [
+                f"Chat {c}, turn {t}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(12, 28)))
+                for t in range(turns)
+            ],
         )
         for c in range(conversations)
     ]
@@ -157,6 +161,7 @@ def parse_args() -> argparse.Namespace:
 
 # -- one placement ----------------------------------------------------------------------------------
 
+
 def run_mode(mode: Mode, trace: list[Conversation], args) -> Figures:
     with EmbeddedRedis() as server:
         names = [f"{mode.name}-{i}" for i in range(mode.workers)]
@@ -184,9 +189,30 @@ def run_mode(mode: Mode, trace: list[Conversation], args) -> Figures:
 
 def start_worker(url: str, name: str, placement: bool, args) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "worker", "serve", "--model", "tiny", "--redis", url, "--queue", QUEUE, "--name", name,
-        "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--log-level", "WARNING", "--heartbeat-interval-s", "0.1",
-        "--kv-cache-mib", str(args.kv_cache_mib), "--steal-delay-ms", str(args.steal_delay_ms),
+        sys.executable,
+        "-m",
+        "worker",
+        "serve",
+        "--model",
+        "tiny",
+        "--redis",
+        url,
+        "--queue",
+        QUEUE,
+        "--name",
+        name,
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        "--log-level",
+        "WARNING",
+        "--heartbeat-interval-s",
+        "0.1",
+        "--kv-cache-mib",
+        str(args.kv_cache_mib),
+        "--steal-delay-ms",
+        str(args.steal_delay_ms),
         "--placement" if placement else "--no-placement",
     ]
     # One torch thread each: the workers share the machine's cores.
@@ -225,8 +251,12 @@ def drive(client: Client, trace: list[Conversation], args, label: str) -> list[J
             for user in conversation.users:
                 history.append({"role": "user", "content": user})
                 result = client.generate(
-                    messages=history, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
-                    enable_thinking=False, timeout=600,
+                    messages=history,
+                    max_tokens=args.max_tokens,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    enable_thinking=False,
+                    timeout=600,
                 )
                 history.append({"role": "assistant", "content": result.text})
                 results.append(result)
@@ -300,7 +330,7 @@ class IdleMonitor:
             return False
         running = replies[: len(self.names)]
         waiting = 0
-        for length, pending in zip(replies[len(self.names)::2], replies[len(self.names) + 1::2]):
+        for length, pending in zip(replies[len(self.names) :: 2], replies[len(self.names) + 1 :: 2]):
             if not isinstance(pending, Exception):
                 waiting += length - pending["pending"]
         return waiting > 0 and any(r == "0" for r in running)
@@ -308,9 +338,12 @@ class IdleMonitor:
 
 # -- the report -----------------------------------------------------------------------------------
 
+
 def print_table(figures: dict[str, Figures], args) -> None:
-    print(f"{'placement':<10} {'jobs':>5} {'computed/prompt':>15} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'wait p99':>9} {'jobs/s':>7} {'CPU s/job':>9} {'idle+waiting':>12}  taken from")
+    print(
+        f"{'placement':<10} {'jobs':>5} {'computed/prompt':>15} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'wait p99':>9} {'jobs/s':>7} {'CPU s/job':>9} {'idle+waiting':>12}  taken from"
+    )
     for name, f in figures.items():
         taken = ", ".join(f"{k} {int(v)}" for k, v in sorted(f.taken.items()) if v)
         print(
@@ -319,21 +352,30 @@ def print_table(figures: dict[str, Figures], args) -> None:
             f"{f.cpu_s / len(f.results):>9.4f} {f.idle_while_waiting_s:>11.2f}s  {taken}"
         )
     shared, placed, ideal = figures["shared"], figures["placed"], figures["ideal"]
-    print("\nper-worker hit rates: " + "; ".join(
-        f"{n} " + ", ".join(f"{r:.3f}" for r in f.hit_rates) for n, f in figures.items()
-    ))
+    print(
+        "\nper-worker hit rates: "
+        + "; ".join(f"{n} " + ", ".join(f"{r:.3f}" for r in f.hit_rates) for n, f in figures.items())
+    )
     print(f"prompt tokens: shared {shared.prompt}, placed {placed.prompt}, ideal {ideal.prompt}")
     print("\ntargets (placed against its baselines, same run):")
-    print(f"  hit rate vs ideal            {placed.hit_rate / ideal.hit_rate:.3f}   (target >= 0.9; shared: "
-          f"{shared.hit_rate / ideal.hit_rate:.3f})")
+    print(
+        f"  hit rate vs ideal            {placed.hit_rate / ideal.hit_rate:.3f}   (target >= 0.9; shared: "
+        f"{shared.hit_rate / ideal.hit_rate:.3f})"
+    )
     computed = (placed.prompt - placed.cached) / (shared.prompt - shared.cached)
     print(f"  prefill computed vs shared   {computed:.3f}   (target <= 0.5)")
     wait = placed.pct_of(placed.queue_wait, 99) / shared.pct_of(shared.queue_wait, 99)
     print(f"  queue wait p99 vs shared     {wait:.3f}   (target <= 1.1)")
-    print(f"  CPU s/job vs shared          {(placed.cpu_s / len(placed.results)) / (shared.cpu_s / len(shared.results)):.3f}")
-    print(f"  jobs/s vs shared             {(len(placed.results) / placed.wall_s) / (len(shared.results) / shared.wall_s):.3f}")
-    print(f"  longest idle while waiting   {placed.idle_while_waiting_s:.2f}s  (target <= steal delay "
-          f"{args.steal_delay_ms / 1000:.2f}s + a scan, sampled every {SAMPLE_S}s)")
+    print(
+        f"  CPU s/job vs shared          {(placed.cpu_s / len(placed.results)) / (shared.cpu_s / len(shared.results)):.3f}"
+    )
+    print(
+        f"  jobs/s vs shared             {(len(placed.results) / placed.wall_s) / (len(shared.results) / shared.wall_s):.3f}"
+    )
+    print(
+        f"  longest idle while waiting   {placed.idle_while_waiting_s:.2f}s  (target <= steal delay "
+        f"{args.steal_delay_ms / 1000:.2f}s + a scan, sampled every {SAMPLE_S}s)"
+    )
 
 
 if __name__ == "__main__":

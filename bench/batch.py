@@ -13,6 +13,7 @@ Each prints lines/s and its ratio to the baseline.
 
     python -m bench.batch [--lines 20000 --tcp]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,10 +75,17 @@ def parse_args() -> argparse.Namespace:
 
 
 def write_input(path: Path, lines: int) -> Path:
-    body = {"model": "echo", "messages": [{"role": "user", "content": CONTENT}], "max_tokens": MAX_TOKENS, "temperature": 0}
+    body = {
+        "model": "echo",
+        "messages": [{"role": "user", "content": CONTENT}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
     with path.open("w") as f:
         for i in range(lines):
-            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n")
+            f.write(
+                json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n"
+            )
     return path
 
 
@@ -102,8 +110,23 @@ def mili_batch(url: str, source: Path, tmp: Path) -> None:
 def start_gateway(url: str, lines: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "gateway", "--redis", url, "--port", str(port), "--log-level", "WARNING",
-         "--batch-poll-s", "0.1", "--batch-max-file-bytes", str(1 << 30), "--batch-max-lines", str(lines)],
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "--redis",
+            url,
+            "--port",
+            str(port),
+            "--log-level",
+            "WARNING",
+            "--batch-poll-s",
+            "0.1",
+            "--batch-max-file-bytes",
+            str(1 << 30),
+            "--batch-max-lines",
+            str(lines),
+        ],
         cwd=Path(__file__).resolve().parents[1],
     )
     gateway_url = f"http://127.0.0.1:{port}"

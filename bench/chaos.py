@@ -8,6 +8,7 @@ and what broke; the run goes on and ends with the count of clean schedules.
     python -m bench.chaos [--schedules 1000] [--seed FIRST]      seeds FIRST, FIRST+1, ...
     python -m bench.chaos --seed 58 --schedules 1                 one schedule again
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ from tests.support.redis_servers import RestartableRedis
 def main() -> int:
     args = parse_args()
     first = random.randrange(10**6) if args.seed is None else args.seed
-    logging.basicConfig(level=logging.WARNING, filename=args.log, filemode="w",
-                        format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        filename=args.log,
+        filemode="w",
+        format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s",
+    )
     server = RestartableRedis(Path(tempfile.mkdtemp(prefix="mili-chaos-"))).start()
     failed: list[int] = []
     jobs = starved = 0
@@ -51,10 +56,12 @@ def main() -> int:
     finally:
         server.stop()
     clean = args.schedules - len(failed)
-    print(f"{clean} of {args.schedules} schedules clean (seeds {first}..{first + args.schedules - 1}), "
-          f"{jobs} jobs ({moved['placed']} placed on workers' own streams, {moved['stolen']} stolen, "
-          f"{moved['reclaimed']} reclaimed), {time.monotonic() - started:.0f} s; failed seeds: {failed or 'none'}; {starved} schedules "
-          f"had a worker thread the machine left unscheduled for {STARVED_S * 1000:.0f} ms; worker log: {args.log}")
+    print(
+        f"{clean} of {args.schedules} schedules clean (seeds {first}..{first + args.schedules - 1}), "
+        f"{jobs} jobs ({moved['placed']} placed on workers' own streams, {moved['stolen']} stolen, "
+        f"{moved['reclaimed']} reclaimed), {time.monotonic() - started:.0f} s; failed seeds: {failed or 'none'}; {starved} schedules "
+        f"had a worker thread the machine left unscheduled for {STARVED_S * 1000:.0f} ms; worker log: {args.log}"
+    )
     return 1 if failed else 0
 
 

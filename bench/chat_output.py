@@ -8,6 +8,7 @@ format): the reader's cost per event before this split existed.
 The output is Qwen3's shape: a think block, a sentence of answer, two tool calls, cut into
 pieces of 1 to 6 characters as a byte-level vocabulary's tokens would be.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,9 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "uni
 
 
 def output_text(rng: random.Random) -> str:
-    words = [rng.choice(["the", "user", "asks", "about", "weather", "in", "Paris", "so", "I", "call"]) for _ in range(120)]
+    words = [
+        rng.choice(["the", "user", "asks", "about", "weather", "in", "Paris", "so", "I", "call"]) for _ in range(120)
+    ]
     return f"<think>\n{' '.join(words)}.\n</think>\n\nLet me look that up.\n{CALL}\n{CALL}"
 
 
@@ -34,7 +37,7 @@ def pieces_of(text: str, rng: random.Random) -> list[str]:
     out, i = [], 0
     while i < len(text):
         size = rng.randint(1, 6)
-        out.append(text[i:i + size])
+        out.append(text[i : i + size])
         i += size
     return out
 
@@ -45,8 +48,12 @@ def events_of(pieces: list[str], fmt: OutputFormat | None) -> list[tuple[str, di
     if fmt is not None:
         start["output"] = fmt.model_dump(mode="json")
     events = [("1-0", {"type": "start", "data": json.dumps(start)})]
-    events += [(f"{i + 2}-0", {"type": "tokens", "data": json.dumps({"ids": [i], "text": p})}) for i, p in enumerate(pieces)]
-    return events + [(f"{len(pieces) + 2}-0", {"type": "end", "data": JobResult(id="j", status="done").model_dump_json()})]
+    events += [
+        (f"{i + 2}-0", {"type": "tokens", "data": json.dumps({"ids": [i], "text": p})}) for i, p in enumerate(pieces)
+    ]
+    return events + [
+        (f"{len(pieces) + 2}-0", {"type": "end", "data": JobResult(id="j", status="done").model_dump_json()})
+    ]
 
 
 def cpu_s(run) -> float:
@@ -76,10 +83,14 @@ def main() -> None:
     base = cpu_s(lambda: read_all(unsplit, "unsplit"))
     parsed = cpu_s(lambda: read_all(split, "split"))
     whole = cpu_s(lambda: [parse_output(t, FORMAT) for t in texts])
-    print(f"{args.outputs} outputs, {deltas} token events ({deltas / args.outputs:.0f} per output, {len(texts[0])} characters)")
+    print(
+        f"{args.outputs} outputs, {deltas} token events ({deltas / args.outputs:.0f} per output, {len(texts[0])} characters)"
+    )
     print(f"baseline, events read unsplit (JobStream.take): {base / deltas * 1e6:.2f} us CPU per event")
     print(f"events read and split: {parsed / deltas * 1e6:.2f} us CPU per event, {parsed / base:.2f}x the baseline")
-    print(f"whole output split (parse_output, the worker's per job): {whole / args.outputs * 1e6:.1f} us CPU per output")
+    print(
+        f"whole output split (parse_output, the worker's per job): {whole / args.outputs * 1e6:.1f} us CPU per output"
+    )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ printed (bench/trace_timeline.py).
     python -m bench.decode_step --trace decode_trace.json.gz     # qwen3-0.6b, bf16, batch 256, context 1024
     python -m bench.decode_step --model tiny --batch 8 --context 64 --steps 3    # CPU smoke
 """
+
 import argparse
 import gzip
 import json
@@ -61,16 +62,22 @@ def main() -> None:
     nbytes = bytes_read(engine, chunks)
     bandwidth = copy_bandwidth(engine.device)
     bound_ms = nbytes / bandwidth * 1e3
-    print(f"{args.model} on {args.device}: batch {args.batch}, context {args.context}, "
-          f"decode CUDA graphs {'on' if engine.runner.decode_graphs else 'off'}, "
-          f"overlapped scheduling {'on' if engine.overlap else 'off'}")
-    print(f"bound: {nbytes / 1e9:.3f} GB of weights and KV at the measured copy bandwidth, "
-          f"{bandwidth / 1e9:,.0f} GB/s: {bound_ms:.3f} ms "
-          f"(at the H100 datasheet's {H100_DATASHEET_BYTES_PER_S / 1e9:,.0f} GB/s: "
-          f"{nbytes / H100_DATASHEET_BYTES_PER_S * 1e3:.3f} ms)")
+    print(
+        f"{args.model} on {args.device}: batch {args.batch}, context {args.context}, "
+        f"decode CUDA graphs {'on' if engine.runner.decode_graphs else 'off'}, "
+        f"overlapped scheduling {'on' if engine.overlap else 'off'}"
+    )
+    print(
+        f"bound: {nbytes / 1e9:.3f} GB of weights and KV at the measured copy bandwidth, "
+        f"{bandwidth / 1e9:,.0f} GB/s: {bound_ms:.3f} ms "
+        f"(at the H100 datasheet's {H100_DATASHEET_BYTES_PER_S / 1e9:,.0f} GB/s: "
+        f"{nbytes / H100_DATASHEET_BYTES_PER_S * 1e3:.3f} ms)"
+    )
     print(f"model step:  {model_ms:.3f} ms = {model_ms / bound_ms:.2f}x the bound")
-    print(f"engine step: {step_ms:.3f} ms = {step_ms / bound_ms:.2f}x the bound "
-          f"({args.batch / step_ms * 1e3:,.0f} output tok/s at this batch)")
+    print(
+        f"engine step: {step_ms:.3f} ms = {step_ms / bound_ms:.2f}x the bound "
+        f"({args.batch / step_ms * 1e3:,.0f} output tok/s at this batch)"
+    )
     if args.trace:
         print_profile(profiled_steps(engine, args.profile_steps, args.trace), args.trace, engine.device)
 
@@ -85,7 +92,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=20, help="timed steps of each kind")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--trace", type=Path, help="profile engine steps after the timings; the gzipped Chrome trace goes here")
+    p.add_argument(
+        "--trace", type=Path, help="profile engine steps after the timings; the gzipped Chrome trace goes here"
+    )
     p.add_argument("--profile-steps", type=int, default=20, help="engine steps profiled with --trace")
     add_engine_switches(p)
     p.set_defaults(max_num_batched_tokens=None, max_running=None)  # set from --batch
@@ -141,16 +150,20 @@ def profiled_steps(engine: Engine, steps: int, trace: Path) -> Timeline:
 
 def print_profile(timeline: Timeline, trace: Path, device: torch.device) -> None:
     step_ms = [(b - a) / 1e3 for a, b in timeline.steps]
-    print(f"profiled {len(step_ms)} engine steps (trace: {trace}): median {statistics.median(step_ms):.3f} ms "
-          f"on the host, span {timeline.span_us / 1e3:.3f} ms")
+    print(
+        f"profiled {len(step_ms)} engine steps (trace: {trace}): median {statistics.median(step_ms):.3f} ms "
+        f"on the host, span {timeline.span_us / 1e3:.3f} ms"
+    )
     if device.type != "cuda":
         print("GPU busy: not measured (no CUDA: a CPU trace holds no device work)")
         return
     print(f"GPU busy: {timeline.busy_share():.1%} of the profiled steps' span")
     gaps = timeline.gaps_us()
     if gaps:
-        print(f"GPU idle gaps: {len(gaps)}, median {statistics.median(gaps):.1f} us, max {max(gaps):.1f} us, "
-              f"total {sum(gaps) / 1e3:.3f} ms")
+        print(
+            f"GPU idle gaps: {len(gaps)}, median {statistics.median(gaps):.1f} us, max {max(gaps):.1f} us, "
+            f"total {sum(gaps) / 1e3:.3f} ms"
+        )
 
 
 def bytes_read(engine: Engine, chunks) -> int:

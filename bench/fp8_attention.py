@@ -15,6 +15,7 @@ engine's (numba decode, torch SDPA prefill), against a float32 cache (the CPU en
 float32 models), and the CPU time of each call is printed beside its wall time. Each output
 is checked against the torch reference over the same float8 cache before it is timed.
 """
+
 import sys
 
 import argparse
@@ -100,8 +101,13 @@ def bench_decode(heads, batch: int, context: int, dtype, device, repeats: int) -
     args = (q, k, v, table, lens, head_dim**-0.5, scales, scales)
     check("decode", paged_decode_attention(*args), paged_decode_attention_reference(*args))
     nbytes = 2 * batch * context * kv_heads * head_dim * k.element_size()
-    return Row("decode attention", f"B={batch} ctx={context} {q_heads}q/{kv_heads}kv x {head_dim}", str(dtype),
-               nbytes, timed(lambda: paged_decode_attention(*args), device, repeats))
+    return Row(
+        "decode attention",
+        f"B={batch} ctx={context} {q_heads}q/{kv_heads}kv x {head_dim}",
+        str(dtype),
+        nbytes,
+        timed(lambda: paged_decode_attention(*args), device, repeats),
+    )
 
 
 def bench_extend(heads, new: int, prefix: int, dtype, device, repeats: int) -> Row:
@@ -115,8 +121,13 @@ def bench_extend(heads, new: int, prefix: int, dtype, device, repeats: int) -> R
     args = (q, k, v, table[None], cu, prefix_lens, head_dim**-0.5, new, scales, scales)
     check("extend", paged_extend_attention(*args), paged_extend_attention_reference(*args))
     nbytes = 2 * (prefix + new) * kv_heads * head_dim * k.element_size()
-    return Row("extend attention", f"{new} new after {prefix} cached, {q_heads}q/{kv_heads}kv x {head_dim}",
-               str(dtype), nbytes, timed(lambda: paged_extend_attention(*args), device, repeats))
+    return Row(
+        "extend attention",
+        f"{new} new after {prefix} cached, {q_heads}q/{kv_heads}kv x {head_dim}",
+        str(dtype),
+        nbytes,
+        timed(lambda: paged_extend_attention(*args), device, repeats),
+    )
 
 
 def bench_store(heads, tokens: int, dtype, device, repeats: int) -> Row:
@@ -127,29 +138,37 @@ def bench_store(heads, tokens: int, dtype, device, repeats: int) -> Row:
     k, v = (torch.randn(tokens, kv_heads, head_dim, generator=g).to(device=device, dtype=model_dtype) for _ in range(2))
     slots = (table.long()[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE, device=device)).flatten()[:tokens]
     nbytes = 2 * tokens * kv_heads * head_dim * (k.element_size() + k_cache.element_size())  # read and written
-    return Row("store_kv", f"T={tokens} {kv_heads}kv x {head_dim}", str(dtype), nbytes,
-               timed(lambda: store_kv(k, v, k_cache, v_cache, slots, scales, scales), device, repeats))
+    return Row(
+        "store_kv",
+        f"T={tokens} {kv_heads}kv x {head_dim}",
+        str(dtype),
+        nbytes,
+        timed(lambda: store_kv(k, v, k_cache, v_cache, slots, scales, scales), device, repeats),
+    )
 
 
 def print_table(rows: list[Row], device: torch.device, copy_bytes_per_s: float) -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"\n{name}, torch {torch.__version__}; a large copy moves {copy_bytes_per_s / 1e9:,.1f} GB/s here\n")
-    print("| kernel | shape | KV cache | bytes | wall ms | CPU ms | GB/s (share of the copy's) | "
-          "float8 speed-up (same run) |")
+    print(
+        "| kernel | shape | KV cache | bytes | wall ms | CPU ms | GB/s (share of the copy's) | "
+        "float8 speed-up (same run) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for base, fp8 in zip(rows[::2], rows[1::2]):
         for row in (base, fp8):
             rate = row.nbytes / (row.timing.wall_ms * 1e-3)
             cpu = "-" if row.timing.cpu_ms is None else f"{row.timing.cpu_ms:.3f}"
             speedup = f"{base.timing.wall_ms / fp8.timing.wall_ms:.2f}x" if row is fp8 else "baseline"
-            print(f"| {row.kernel} | {row.shape} | {row.cache.removeprefix('torch.')} | {row.nbytes / 2**20:.1f} MiB | "
-                  f"{row.timing.wall_ms:.3f} | {cpu} | {rate / 1e9:,.1f} ({rate / copy_bytes_per_s:.0%}) | {speedup} |")
+            print(
+                f"| {row.kernel} | {row.shape} | {row.cache.removeprefix('torch.')} | {row.nbytes / 2**20:.1f} MiB | "
+                f"{row.timing.wall_ms:.3f} | {cpu} | {rate / 1e9:,.1f} ({rate / copy_bytes_per_s:.0%}) | {speedup} |"
+            )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", choices=list(SHAPES), default=None,
-                        help="8b on CUDA, tiny on CPU, unless given")
+    parser.add_argument("--shapes", choices=list(SHAPES), default=None, help="8b on CUDA, tiny on CPU, unless given")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per row on CPU (median)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -19,6 +19,7 @@ where a scale too coarse for a head would cost it precision. Last, the float8 ca
 engine's scales (per-head) generates on its own, without teacher forcing: the table gives the
 token at which it first leaves the float32 cache's greedy sequence.
 """
+
 import sys
 from pathlib import Path
 
@@ -39,8 +40,14 @@ VOCAB = 2048
 
 
 def build_model(name: str, max_positions: int, device: str, directory: Path):
-    config = {**CONFIGS[name], "vocab_size": VOCAB, "max_position_embeddings": max_positions, "initializer_range": 0.3,
-              "bos_token_id": None, "eos_token_id": None}
+    config = {
+        **CONFIGS[name],
+        "vocab_size": VOCAB,
+        "max_position_embeddings": max_positions,
+        "initializer_range": 0.3,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
     ckpt = write_random_checkpoint(directory / name, config, seed=7, norm_std=0.1)
     return load_model(ckpt, dtype=torch.float32, device=device).model
 
@@ -74,19 +81,27 @@ def main() -> int:
                 rows.append((name, how, compare(ref_prompt, ref, *teacher_forced_fp8(model, prompt, tokens))))
             own, _, _ = greedy(model, prompt, args.new_tokens, FP8_DTYPE)
             divergences[name] = first_divergence(tokens, own)
-    print(f"\n{args.prompt_tokens}-token prompt, {args.new_tokens} generated tokens per config, device {args.device}, "
-          f"torch {torch.__version__}\n")
-    print("| config | scales | prefill max rel error | decode max / mean rel error | KL max / mean (nats) | "
-          "argmax agreement | disagreements that are near-ties | stored values below normal |")
+    print(
+        f"\n{args.prompt_tokens}-token prompt, {args.new_tokens} generated tokens per config, device {args.device}, "
+        f"torch {torch.__version__}\n"
+    )
+    print(
+        "| config | scales | prefill max rel error | decode max / mean rel error | KL max / mean (nats) | "
+        "argmax agreement | disagreements that are near-ties | stored values below normal |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, how, c in rows:
         disagree = ~c.agree
-        print(f"| {name} | {how} | {c.prefill_rel_error:.2e} | {c.rel_error.max():.2e} / {c.rel_error.mean():.2e} | "
-              f"{c.kl.max():.2e} / {c.kl.mean():.2e} | {int(c.agree.sum())}/{len(c.agree)} "
-              f"({c.agree.float().mean():.2%}) | {int((disagree & c.near_tie).sum())} of {int(disagree.sum())} | "
-              f"{c.subnormal_share:.3%} |")
-    print("\nThe float8 cache (per-head scales) generating on its own leaves the float32 cache's greedy tokens at: "
-          + ", ".join(f"{name} {'never' if i is None else f'token {i}'}" for name, i in divergences.items()))
+        print(
+            f"| {name} | {how} | {c.prefill_rel_error:.2e} | {c.rel_error.max():.2e} / {c.rel_error.mean():.2e} | "
+            f"{c.kl.max():.2e} / {c.kl.mean():.2e} | {int(c.agree.sum())}/{len(c.agree)} "
+            f"({c.agree.float().mean():.2%}) | {int((disagree & c.near_tie).sum())} of {int(disagree.sum())} | "
+            f"{c.subnormal_share:.3%} |"
+        )
+    print(
+        "\nThe float8 cache (per-head scales) generating on its own leaves the float32 cache's greedy tokens at: "
+        + ", ".join(f"{name} {'never' if i is None else f'token {i}'}" for name, i in divergences.items())
+    )
     return 0
 
 

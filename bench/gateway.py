@@ -14,6 +14,7 @@ prompt back byte by byte) and one gateway process (`python -m gateway`). In one 
 
     python -m bench.gateway [--requests 2000 --streams 1000 --hold-s 20]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,16 +71,43 @@ def parse_args() -> argparse.Namespace:
 
 def start_worker(redis_url: str, queue: str, name: str) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "worker", "serve", "--model", "echo", "--redis", redis_url, "--queue", queue, "--name", name,
-        "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--log-level", "WARNING",
+        sys.executable,
+        "-m",
+        "worker",
+        "serve",
+        "--model",
+        "echo",
+        "--redis",
+        redis_url,
+        "--queue",
+        queue,
+        "--name",
+        name,
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        "--log-level",
+        "WARNING",
     ]
     return subprocess.Popen(command, cwd=REPO)
 
 
 def start_gateway(redis_url: str, port: int, keepalive_s: float) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "gateway", "--redis", redis_url, "--port", str(port), "--log-level", "WARNING",
-        "--keepalive-s", str(keepalive_s), "--models", json.dumps({IDLE_MODEL: IDLE_QUEUE}),
+        sys.executable,
+        "-m",
+        "gateway",
+        "--redis",
+        redis_url,
+        "--port",
+        str(port),
+        "--log-level",
+        "WARNING",
+        "--keepalive-s",
+        str(keepalive_s),
+        "--models",
+        json.dumps({IDLE_MODEL: IDLE_QUEUE}),
     ]
     return subprocess.Popen(command, cwd=REPO)
 
@@ -125,7 +153,9 @@ def latency(redis_url: str, url: str, requests: int) -> None:
         print(f"{'p' + str(q):>8} {d:>11.3f} ms {g:>7.3f} ms {g - d:>7.3f} ms {g / d:>6.2f}x")
 
 
-def idle_streams(redis_url: str, url: str, gateway_pid: int, streams: int, hold_s: float, keepalive_s: float) -> subprocess.Popen:
+def idle_streams(
+    redis_url: str, url: str, gateway_pid: int, streams: int, hold_s: float, keepalive_s: float
+) -> subprocess.Popen:
     """Returns the worker it started to answer the streams."""
     return asyncio.run(_idle_streams(redis_url, url, gateway_pid, streams, hold_s, keepalive_s))
 
@@ -150,13 +180,17 @@ async def _idle_streams(redis_url, url, gateway_pid, streams, hold_s, keepalive_
     complete = sum(1 for text, keepalives in answers if text is not None)
     correct = sum(1 for i, (text, _) in enumerate(answers) if text == f"stream {i:05d}")
     keepalives = sorted(k for _, k in answers)
-    print(f"\n== {streams} idle streams (a queue with no worker), held {hold_s:g} s, keep-alive every {keepalive_s:g} s ==")
+    print(
+        f"\n== {streams} idle streams (a queue with no worker), held {hold_s:g} s, keep-alive every {keepalive_s:g} s =="
+    )
     print(f"  opened in {open_s:.1f} s; the gateway reports {open_streams:.0f} open streams")
     print(
         f"  gateway CPU while they wait: {(cpu1 - cpu0) / (w1 - w0) * 100:.1f}% of a core in all, "
         f"{(cpu1 - cpu0) / (w1 - w0) / streams * 1e6:.1f} us per stream per second"
     )
-    print(f"  gateway memory: {(rss_held - rss_before) / streams / 1024:.1f} KiB per stream ({rss_held / 2**20:.0f} MiB in all)")
+    print(
+        f"  gateway memory: {(rss_held - rss_before) / streams / 1024:.1f} KiB per stream ({rss_held / 2**20:.0f} MiB in all)"
+    )
     print(f"  keep-alives per stream: min {keepalives[0]}, median {keepalives[len(keepalives) // 2]}")
     print(f"  then a worker answered them: {complete} streams ended with [DONE], {correct} with their own prompt")
     return worker

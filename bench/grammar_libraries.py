@@ -15,6 +15,7 @@ apache-tvm-ffi` and `PYTHONPATH=/tmp/xg:.`.
 
     python -m bench.grammar_libraries [--steps 50] [--batches 16,64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,10 @@ from worker.model.tokenizer import Tokenizer
 
 SCHEMAS = {
     "two fields": {
-        "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-        "required": ["name", "age"], "additionalProperties": False,
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
     },
     "order (nested, enums, bounds, pattern)": {
         "type": "object",
@@ -42,10 +45,13 @@ SCHEMAS = {
             "customer": {
                 "type": "object",
                 "properties": {"name": {"type": "string", "maxLength": 40}, "vip": {"type": "boolean"}},
-                "required": ["name"], "additionalProperties": False,
+                "required": ["name"],
+                "additionalProperties": False,
             },
             "items": {
-                "type": "array", "minItems": 1, "maxItems": 5,
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 5,
                 "items": {
                     "type": "object",
                     "properties": {
@@ -53,12 +59,14 @@ SCHEMAS = {
                         "qty": {"type": "integer", "minimum": 1, "maximum": 100},
                         "price": {"type": "number", "minimum": 0},
                     },
-                    "required": ["sku", "qty", "price"], "additionalProperties": False,
+                    "required": ["sku", "qty", "price"],
+                    "additionalProperties": False,
                 },
             },
             "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
         },
-        "required": ["id", "status", "customer", "items"], "additionalProperties": False,
+        "required": ["id", "status", "customer", "items"],
+        "additionalProperties": False,
     },
     "30 fields": {
         "type": "object",
@@ -66,7 +74,8 @@ SCHEMAS = {
             f"field_{i}": [{"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}][i % 4]
             for i in range(30)
         },
-        "required": [f"field_{i}" for i in range(0, 30, 2)], "additionalProperties": False,
+        "required": [f"field_{i}" for i in range(0, 30, 2)],
+        "additionalProperties": False,
     },
     "any JSON object": {"type": "object"},
 }

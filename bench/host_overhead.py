@@ -20,6 +20,7 @@ sampler's work over a row of the full 151,936-token vocabulary is device work on
 this CPU it would swamp the host's. A second table measures that work on its own: one
 `Sampler.sample` call on [256, 151,936] logits, top-p and top-k cuts, old code against new.
 """
+
 import argparse
 import json
 import random
@@ -108,12 +109,22 @@ def build_engine(batch: int, vocab: int, mode: str):
     from worker.model.tokenizer import Tokenizer
 
     config = Qwen3Config(
-        model_type="qwen3", vocab_size=vocab, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
-        num_key_value_heads=1, head_dim=8, max_position_embeddings=4096,
+        model_type="qwen3",
+        vocab_size=vocab,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=4096,
     )
     pages = batch * (CONTEXT[1] + 512) // 16
     settings = EngineSettings.parse(
-        page_size=16, num_pages=pages, max_running=batch, max_num_batched_tokens=max(4096, batch),
+        page_size=16,
+        num_pages=pages,
+        max_running=batch,
+        max_num_batched_tokens=max(4096, batch),
     )
     tokenizer = Tokenizer.from_dir(resolve_model_path("tiny"))
     stub = StubModel(vocab, batch, torch.float32, copies=mode == "penalized")
@@ -203,7 +214,10 @@ class Measurer:
         self.code = code
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.host_overhead", "--serve", str(code), "--threads", str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
         )
 
     def __call__(self, **job) -> dict:
@@ -224,8 +238,9 @@ def baseline_tree(commit: str) -> Path:
     sha = subprocess.check_output(["git", "-C", str(REPO), "rev-parse", commit], text=True).strip()
     path = Path("/tmp") / f"mili-baseline-{sha[:10]}"
     if not path.exists():
-        subprocess.check_call(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), sha],
-                              stdout=subprocess.DEVNULL)
+        subprocess.check_call(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), sha], stdout=subprocess.DEVNULL
+        )
     return path
 
 
@@ -253,21 +268,26 @@ def interleaved(old: Measurer, new: Measurer, rounds: int, **job) -> dict:
 
 
 def print_step_table(args: argparse.Namespace, old: Measurer, new: Measurer) -> None:
-    print(f"ms per decode step (median of {args.steps}), {args.threads} torch thread(s), stub vocab {args.vocab}, "
-          f"contexts {CONTEXT[0]}-{CONTEXT[1]}; new / old ({args.baseline}) = ratio, median of {args.rounds} rounds")
+    print(
+        f"ms per decode step (median of {args.steps}), {args.threads} torch thread(s), stub vocab {args.vocab}, "
+        f"contexts {CONTEXT[0]}-{CONTEXT[1]}; new / old ({args.baseline}) = ratio, median of {args.rounds} rounds"
+    )
     print(f"{'batch':>5} {'mode':>8} | " + " | ".join(f"{k:>24}" for k in ("step", *PHASES)))
     for batch in args.batches:
         for mode in MODES:
             job = {"kind": "step", "batch": batch, "mode": mode, "steps": args.steps, "vocab": args.vocab}
             rounds = interleaved(old, new, args.rounds, **job)
-            print(f"{batch:>5} {mode:>8} | " + " | ".join(compare(rounds, key) for key in ("step", *PHASES)),
-                  flush=True)
+            print(
+                f"{batch:>5} {mode:>8} | " + " | ".join(compare(rounds, key) for key in ("step", *PHASES)), flush=True
+            )
 
 
 def print_sampler_table(args: argparse.Namespace, old: Measurer, new: Measurer) -> None:
     rows, vocab = args.sampler_shape
-    print(f"\nms per Sampler.sample on [{rows}, {vocab:,}] logits (median of {args.sampler_calls} calls); "
-          f"new / old = ratio, median of {args.rounds} rounds")
+    print(
+        f"\nms per Sampler.sample on [{rows}, {vocab:,}] logits (median of {args.sampler_calls} calls); "
+        f"new / old = ratio, median of {args.rounds} rounds"
+    )
     for case in SAMPLER_CASES:
         job = {"kind": "sampler", "rows": rows, "vocab": vocab, "case": case, "calls": args.sampler_calls}
         print(f"{case:>30} | {compare(interleaved(old, new, args.rounds, **job), 'sample')}", flush=True)

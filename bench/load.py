@@ -13,6 +13,7 @@ result's text (the echo of its prompt) and its done stream's length.
 
     python -m bench.load [--producers 4 --jobs 2500 --window 4 --result-ttl-s 10 --tcp]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -113,9 +114,26 @@ WARM_UP = 20
 
 def start_worker(url: str, n: int, result_ttl_s: int) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "worker", "serve", "--model", "echo", "--redis", url, "--queue", QUEUE,
-        "--name", f"load-{n}", "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--log-level", "WARNING",
-        "--result-ttl-s", str(result_ttl_s),
+        sys.executable,
+        "-m",
+        "worker",
+        "serve",
+        "--model",
+        "echo",
+        "--redis",
+        url,
+        "--queue",
+        QUEUE,
+        "--name",
+        f"load-{n}",
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        "--log-level",
+        "WARNING",
+        "--result-ttl-s",
+        str(result_ttl_s),
     ]
     return subprocess.Popen(command, cwd=ROOT)
 

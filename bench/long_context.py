@@ -11,6 +11,7 @@ request's steps allocate beyond it (CUDA: allocated device memory; CPU: resident
 high-water mark Linux resets on request). transformers runs the prompt's forward (prefill) and `generate` (greedy, its own
 KV cache) on the same prompt; the ratios are against it.
 """
+
 import sys
 
 import argparse
@@ -52,8 +53,11 @@ def run_engine(args, prompt: list[int], kv_cache_dtype: str, device: torch.devic
     path = resolve_model_path(args.model)
     loaded = load_model(path, args.dtype, device)
     settings = EngineSettings.parse(
-        kv_cache_dtype=kv_cache_dtype, num_pages=pages_for(len(prompt) + args.max_tokens + PAGE_SIZE, PAGE_SIZE),
-        page_size=PAGE_SIZE, max_running=1, max_model_len=len(prompt) + args.max_tokens + 1,
+        kv_cache_dtype=kv_cache_dtype,
+        num_pages=pages_for(len(prompt) + args.max_tokens + PAGE_SIZE, PAGE_SIZE),
+        page_size=PAGE_SIZE,
+        max_running=1,
+        max_model_len=len(prompt) + args.max_tokens + 1,
     )
     engine = Engine(loaded.model, loaded.config, Tokenizer.from_dir(path), settings, [], device)
     engine.warm_up()
@@ -72,8 +76,13 @@ def run_engine(args, prompt: list[int], kv_cache_dtype: str, device: torch.devic
     del engine, loaded
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return Run(f"engine, KV cache {kv_cache_dtype}", first - start, (produced - 1) / (end - first),
-               pool_bytes + memory["bytes"], (len(prompt) + args.max_tokens - 1) * token_bytes)
+    return Run(
+        f"engine, KV cache {kv_cache_dtype}",
+        first - start,
+        (produced - 1) / (end - first),
+        pool_bytes + memory["bytes"],
+        (len(prompt) + args.max_tokens - 1) * token_bytes,
+    )
 
 
 @torch.inference_mode()
@@ -88,8 +97,14 @@ def run_transformers(args, prompt: list[int], device: torch.device) -> Run:
     synchronize(device)
     prefill = time.perf_counter() - start
     start = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_tokens,
-                   min_new_tokens=args.max_tokens, do_sample=False, pad_token_id=0)
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=args.max_tokens,
+        min_new_tokens=args.max_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
     synchronize(device)
     total = time.perf_counter() - start
     return Run("transformers (generate, greedy)", prefill, (args.max_tokens - 1) / max(total - prefill, 1e-9))
@@ -108,18 +123,24 @@ def main() -> int:
     runs = [run_engine(args, prompt, kv, device) for kv in ("auto", "fp8_e4m3")]
     hf = run_transformers(args, prompt, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"\n{args.model} on {name}: a {args.prompt_tokens:,}-token prompt, {args.max_tokens} tokens generated, "
-          f"torch {torch.__version__}\n")
-    print("| run | prefill s | prefill speed-up over transformers | decode tok/s | decode speed-up | "
-          "memory for the request | its KV | multiple |")
+    print(
+        f"\n{args.model} on {name}: a {args.prompt_tokens:,}-token prompt, {args.max_tokens} tokens generated, "
+        f"torch {torch.__version__}\n"
+    )
+    print(
+        "| run | prefill s | prefill speed-up over transformers | decode tok/s | decode speed-up | "
+        "memory for the request | its KV | multiple |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for run in runs + [hf]:
         memory = "-" if run.peak_bytes is None else f"{run.peak_bytes / 2**20:,.0f} MiB"
         kv = "-" if run.kv_bytes is None else f"{run.kv_bytes / 2**20:,.0f} MiB"
         multiple = "-" if run.kv_bytes is None else f"{run.peak_bytes / run.kv_bytes:.2f}x"
-        print(f"| {run.name} | {run.prefill_s:.2f} | {hf.prefill_s / run.prefill_s:.2f}x | "
-              f"{run.decode_tokens_per_s:,.1f} | {run.decode_tokens_per_s / hf.decode_tokens_per_s:.2f}x | "
-              f"{memory} | {kv} | {multiple} |")
+        print(
+            f"| {run.name} | {run.prefill_s:.2f} | {hf.prefill_s / run.prefill_s:.2f}x | "
+            f"{run.decode_tokens_per_s:,.1f} | {run.decode_tokens_per_s / hf.decode_tokens_per_s:.2f}x | "
+            f"{memory} | {kv} | {multiple} |"
+        )
     return 0
 
 

@@ -1,4 +1,5 @@
 """Small measuring helpers shared by the benchmark scripts."""
+
 from __future__ import annotations
 
 import os

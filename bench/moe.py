@@ -21,6 +21,7 @@ HBM bandwidth. Random routers spread tokens over the experts more evenly than tr
 the bound counts the experts actually hit. On CPU the model is tiny-moe and the bandwidth the
 one a large copy achieves on this machine, measured in the same run.
 """
+
 import argparse
 import logging
 import sys
@@ -45,8 +46,16 @@ log = logging.getLogger("bench.moe")
 
 # Qwen3-30B-A3B's config.json (Hugging Face, Qwen/Qwen3-30B-A3B).
 QWEN3_30B_A3B = qwen3_moe_config(
-    hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    tie_word_embeddings=False,
 )
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
 BF16_DENSE_FLOPS = {"H100": 989e12, "H200": 989e12}
@@ -61,8 +70,9 @@ class Shape:
 
     @classmethod
     def of(cls, config: dict) -> "Shape":
-        return cls(config["num_experts"], config["num_experts_per_tok"], config["hidden_size"],
-                   config["moe_intermediate_size"])
+        return cls(
+            config["num_experts"], config["num_experts_per_tok"], config["hidden_size"], config["moe_intermediate_size"]
+        )
 
     def __str__(self) -> str:
         return f"E={self.experts} k={self.top_k} H={self.hidden} I={self.inter}"
@@ -134,8 +144,10 @@ def kernel_rows(shape: Shape, token_counts: list[int], dtype: torch.dtype, devic
             rows.append(cuda_kernel_row(label, shape, tokens, args, device))
         else:
             ours, loop = time_cpu(lambda: fused_moe(*args), 10), time_cpu(lambda: fused_moe_per_expert_loop(*args), 10)
-            rows.append(f"| {label} | {ours.wall_ms:.3f} | {ours.cpu_ms:.3f} | {loop.wall_ms:.3f} | {loop.cpu_ms:.3f} "
-                        f"| {loop.cpu_ms / ours.cpu_ms:.2f}x |")
+            rows.append(
+                f"| {label} | {ours.wall_ms:.3f} | {ours.cpu_ms:.3f} | {loop.wall_ms:.3f} | {loop.cpu_ms:.3f} "
+                f"| {loop.cpu_ms / ours.cpu_ms:.2f}x |"
+            )
         del args
     return rows
 
@@ -153,8 +165,10 @@ def cuda_kernel_row(label: str, shape: Shape, tokens: int, args, device: torch.d
     bandwidth, flop_rate = moved / (ours * 1e-3), flops / (ours * 1e-3)
     rate = f"{bandwidth / 1e9:.0f} GB/s" + (f" = {bandwidth / hbm:.0%} of HBM" if hbm else "")
     rate += f"; {flop_rate / 1e12:.0f} TFLOP/s" + (f" = {flop_rate / peak:.0%} of peak" if peak else "")
-    return (f"| {label} ({hit} experts hit) | {ours:.3f} | {grouped:.3f} ({grouped / ours:.2f}x) "
-            f"| {loop:.3f} ({loop / ours:.2f}x) | {rate} |")
+    return (
+        f"| {label} ({hit} experts hit) | {ours:.3f} | {grouped:.3f} ({grouped / ours:.2f}x) "
+        f"| {loop:.3f} ({loop / ours:.2f}x) | {rate} |"
+    )
 
 
 def router_hits(model, run: Callable[[], object]) -> list[int]:
@@ -204,16 +218,31 @@ def decode_row(name: str, engine: Engine, batch: int, context: int, steps: int, 
     bound_ms = decode_bound_bytes(engine, chunks) / bandwidth * 1e3
     how = "CUDA graph" if engine.runner.decode_graphs is not None else "eager"
     measured = f"{step.wall_ms:.3f}" + (f" (CPU {step.cpu_ms:.3f})" if step.cpu_ms is not None else "")
-    return (f"| {name} | batch {batch}, context {context} | {measured}, {how} | {bound_ms:.3f} "
-            f"| {ms / bound_ms:.2f}x | {batch / ms * 1e3:,.0f} |")
+    return (
+        f"| {name} | batch {batch}, context {context} | {measured}, {how} | {bound_ms:.3f} "
+        f"| {ms / bound_ms:.2f}x | {batch / ms * 1e3:,.0f} |"
+    )
 
 
-def decode_rows(name: str, model, config: dict, tokenizer: Tokenizer, batches: list[int], context: int, steps: int,
-                device: torch.device, bandwidth: float) -> list[str]:
+def decode_rows(
+    name: str,
+    model,
+    config: dict,
+    tokenizer: Tokenizer,
+    batches: list[int],
+    context: int,
+    steps: int,
+    device: torch.device,
+    bandwidth: float,
+) -> list[str]:
     rows = []
     for batch in batches:
-        settings = EngineSettings.parse(max_running=batch, max_num_batched_tokens=max(batch, 8192),
-                                        max_model_len=context + 2 * steps + 16, overlap_schedule=False)
+        settings = EngineSettings.parse(
+            max_running=batch,
+            max_num_batched_tokens=max(batch, 8192),
+            max_model_len=context + 2 * steps + 16,
+            overlap_schedule=False,
+        )
         engine = Engine(model, parse_config(config), tokenizer, settings, [], device)
         rows.append(decode_row(name, engine, batch, context, steps, bandwidth))
         del engine
@@ -230,8 +259,12 @@ def qwen_tokenizer() -> Tokenizer:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true", default=not torch.cuda.is_available(),
-                   help="tiny-moe shapes on the CPU (the default without CUDA)")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        default=not torch.cuda.is_available(),
+        help="tiny-moe shapes on the CPU (the default without CUDA)",
+    )
     p.add_argument("--layers", type=int, default=None, help="decoder layers of the decode model (default: all)")
     p.add_argument("--context", type=int, default=None, help="prompt tokens per request (default 512; tiny: 64)")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps (default 20; tiny: 10)")
@@ -274,8 +307,17 @@ def main() -> int:
     for name, model_config in models:
         label = f"{name}, {model_config['num_hidden_layers']} layers"
         model = random_model(model_config, dtype, device)
-        for row in decode_rows(label, model, model_config, tokenizer, [8, 32] if args.tiny else [64, 256], context,
-                               steps, device, bandwidth):
+        for row in decode_rows(
+            label,
+            model,
+            model_config,
+            tokenizer,
+            [8, 32] if args.tiny else [64, 256],
+            context,
+            steps,
+            device,
+            bandwidth,
+        ):
             print(row, flush=True)
         del model
     return 0

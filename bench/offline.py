@@ -10,6 +10,7 @@ simple way: batched `generate` with left padding, batches in input order, each b
 max_new_tokens the largest of its requests' outputs (min_new_tokens the same, so no row
 stops early on an eos); only the tokens each request asked for count as useful output.
 """
+
 import argparse
 import logging
 import random
@@ -55,7 +56,10 @@ class Result:
 
 
 def make_workload(
-    num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int,
+    num_requests: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    seed: int,
 ) -> Workload:
     rng = random.Random(seed)
     prompts = [[rng.randrange(PROMPT_ID_LIMIT) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
@@ -81,7 +85,12 @@ def run_transformers(model, work: Workload, batch_size: int, device: str) -> Res
         ids, mask = left_padded(prompts, device)
         n = max(lens)
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
         )
         if out.shape[1] != ids.shape[1] + n:
             raise RuntimeError(f"transformers generated {out.shape[1] - ids.shape[1]} tokens, asked for {n}")
@@ -126,8 +135,12 @@ def add_model_and_workload_args(p: argparse.ArgumentParser, default_workload: st
 def add_engine_switches(p: argparse.ArgumentParser) -> None:
     """On/off engine settings, for ablations (default: EngineSettings', which follow the device)."""
     for name in ("cuda_graphs", "overlap_schedule"):
-        p.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None,
-                       help="engine setting (default: EngineSettings')")
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="engine setting (default: EngineSettings')",
+        )
 
 
 def workload_from(args: argparse.Namespace) -> Workload:
@@ -156,7 +169,11 @@ def main() -> None:
     path = resolve_model_path(args.model)
     log.info(
         "%s on %s: %d requests, %d prompt tokens, %d output tokens, %d torch threads",
-        args.model, args.device, len(work.prompts), sum(len(p) for p in work.prompts), work.output_tokens,
+        args.model,
+        args.device,
+        len(work.prompts),
+        sum(len(p) for p in work.prompts),
+        work.output_tokens,
         torch.get_num_threads(),
     )
     warmup = make_workload(2, (16, 16), (4, 4), args.seed + 1)
@@ -165,8 +182,10 @@ def main() -> None:
     run_engine(engine, warmup)
     ours = run_engine(engine, work)
     stats = engine.stats()
-    print(f"engine:       {ours.output_tokens} tokens in {ours.seconds:.1f}s = {ours.tokens_per_s:.1f} output tok/s "
-          f"({stats.steps} steps, {stats.preemptions} preemptions)")
+    print(
+        f"engine:       {ours.output_tokens} tokens in {ours.seconds:.1f}s = {ours.tokens_per_s:.1f} output tok/s "
+        f"({stats.steps} steps, {stats.preemptions} preemptions)"
+    )
     del engine
     if args.skip_hf:
         return
@@ -176,8 +195,10 @@ def main() -> None:
     model = Qwen3ForCausalLM.from_pretrained(path, dtype=args.dtype or "auto").to(args.device).eval()
     run_transformers(model, warmup, args.hf_batch_size, args.device)
     theirs = run_transformers(model, work, args.hf_batch_size, args.device)
-    print(f"transformers: {theirs.output_tokens} tokens in {theirs.seconds:.1f}s = {theirs.tokens_per_s:.1f} "
-          f"output tok/s (batches of {args.hf_batch_size})")
+    print(
+        f"transformers: {theirs.output_tokens} tokens in {theirs.seconds:.1f}s = {theirs.tokens_per_s:.1f} "
+        f"output tok/s (batches of {args.hf_batch_size})"
+    )
     print(f"ratio:        {ours.tokens_per_s / theirs.tokens_per_s:.2f}x")
 
 

@@ -22,6 +22,7 @@ against baseline.
 
 The baseline worktree is made (`git worktree add --detach`) from --baseline-commit when missing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,11 +79,16 @@ def main() -> None:
     baseline = ensure_baseline(Path(args.baseline), args.baseline_commit)
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print(f"baseline tree {baseline} (commit {git_head(baseline)}), new tree {REPO} (commit {git_head(REPO)})")
-    print(f"{args.jobs} jobs x {args.tokens} tokens, echo engine, batch {args.jobs}; per job: {args.per_job_jobs} 1-token jobs\n")
+    print(
+        f"{args.jobs} jobs x {args.tokens} tokens, echo engine, batch {args.jobs}; per job: {args.per_job_jobs} 1-token jobs\n"
+    )
     cases: list[Case] = []
     plan = [
-        (mode, tree, path) for _ in range(args.rounds) for mode in args.modes
-        for tree, path in (("baseline", baseline), ("new", REPO)) if tree in args.trees
+        (mode, tree, path)
+        for _ in range(args.rounds)
+        for mode in args.modes
+        for tree, path in (("baseline", baseline), ("new", REPO))
+        if tree in args.trees
     ]
     for mode, tree, path in tqdm(plan, unit="case", desc="cases"):
         case = run_case(tree, path, mode, args)
@@ -106,9 +112,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trees", nargs="+", default=["baseline", "new"], help="which trees to run")
     p.add_argument("--rounds", type=int, default=1, help="repeat every case, alternating the trees")
     p.add_argument("--profile", help="write each worker's cProfile to this directory")
-    p.add_argument("--inline-publisher", action="store_true",
-                   help="this tree's rounds sent in the loop's thread (the overlap's idle time) instead of a thread")
-    p.add_argument("--new-flags", default="", help="more worker flags for this tree's worker, e.g. '--stream-interval-s 0.1'")
+    p.add_argument(
+        "--inline-publisher",
+        action="store_true",
+        help="this tree's rounds sent in the loop's thread (the overlap's idle time) instead of a thread",
+    )
+    p.add_argument(
+        "--new-flags", default="", help="more worker flags for this tree's worker, e.g. '--stream-interval-s 0.1'"
+    )
     return p.parse_args()
 
 
@@ -119,7 +130,9 @@ def ensure_baseline(path: Path, commit: str) -> Path:
 
 
 def git_head(path: Path) -> str:
-    return subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
 
 
 def run_case(tree: str, path: Path, mode: str, args) -> Case:
@@ -143,7 +156,8 @@ def run_case(tree: str, path: Path, mode: str, args) -> Case:
             case.commands = admin.info("commandstats")
             cpu_after = admin.info("cpu")
             case.redis_sys_share = (cpu_after["used_cpu_sys"] - cpu_before["used_cpu_sys"]) / max(
-                1e-9, sum(cpu_after[k] - cpu_before[k] for k in ("used_cpu_sys", "used_cpu_user")))
+                1e-9, sum(cpu_after[k] - cpu_before[k] for k in ("used_cpu_sys", "used_cpu_user"))
+            )
             admin.close()
         finally:
             worker.terminate()
@@ -156,9 +170,26 @@ def run_case(tree: str, path: Path, mode: str, args) -> Case:
 
 def start_worker(tree: Path, url: str, out: Path, mode: str, args, tree_name: str) -> subprocess.Popen:
     flags = [
-        "--model", "echo", "--redis", url, "--queue", QUEUE, "--name", f"bench-{tree_name}", "--metrics-port", "0",
-        "--metrics-host", "127.0.0.1", "--log-level", "WARNING", "--max-running", str(args.jobs),
-        "--num-pages", str(args.jobs * -(-2 * args.tokens // 16) + 64), "--max-model-len", str(2 * args.tokens + 16),
+        "--model",
+        "echo",
+        "--redis",
+        url,
+        "--queue",
+        QUEUE,
+        "--name",
+        f"bench-{tree_name}",
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        "--log-level",
+        "WARNING",
+        "--max-running",
+        str(args.jobs),
+        "--num-pages",
+        str(args.jobs * -(-2 * args.tokens // 16) + 64),
+        "--max-model-len",
+        str(2 * args.tokens + 16),
     ]
     if tree_name == "new":
         flags += args.new_flags.split()
@@ -242,14 +273,16 @@ def check(results: list, specs: list[dict]) -> None:
 
 
 def token_delays(
-    arrivals: dict[str, list[tuple[float, float]]], starts: dict[str, float], samples: dict[str, list[float]],
+    arrivals: dict[str, list[tuple[float, float]]],
+    starts: dict[str, float],
+    samples: dict[str, list[float]],
 ) -> list[tuple[float, float]]:
     """Each token's time from its sampling (the worker's step end) to Redis (its event's id, to
     the millisecond) and to its reader, for the tokens sampled once the reader was reading (a reader
     that starts late sees the earlier ones at once)."""
     delays = []
     for job_id, times in arrivals.items():
-        sampled = samples.get(job_id, [])[-len(times):]
+        sampled = samples.get(job_id, [])[-len(times) :]
         delays.extend((w - s, a - s) for (w, a), s in zip(times, sampled) if s >= starts[job_id])
     return delays
 
@@ -290,12 +323,18 @@ def report(case: Case) -> None:
     if case.delays:
         for at, name in ((0, "Redis"), (1, "reader")):
             d = [delay[at] for delay in case.delays]
-            tqdm.write(f"  token delay sampled -> {name}: p50 {pct(d, 50) * 1e3:.1f} ms, p99 {pct(d, 99) * 1e3:.1f} ms, "
-                  f"max {max(d) * 1e3:.1f} ms ({len(d)} tokens)")
+            tqdm.write(
+                f"  token delay sampled -> {name}: p50 {pct(d, 50) * 1e3:.1f} ms, p99 {pct(d, 99) * 1e3:.1f} ms, "
+                f"max {max(d) * 1e3:.1f} ms ({len(d)} tokens)"
+            )
     top = sorted(case.commands.items(), key=lambda kv: -kv[1]["usec"])[:6]
-    tqdm.write("  redis commands: " + ", ".join(
-        f"{name.removeprefix('cmdstat_')} {v['calls']:,} calls {v['usec'] / case.units:.2f} us/{unit}" for name, v in top
-    ))
+    tqdm.write(
+        "  redis commands: "
+        + ", ".join(
+            f"{name.removeprefix('cmdstat_')} {v['calls']:,} calls {v['usec'] / case.units:.2f} us/{unit}"
+            for name, v in top
+        )
+    )
 
 
 def compare(cases: list[Case]) -> None:

@@ -27,6 +27,7 @@ the other design issue 25 asked to measure.
 
 Nothing of the tree is imported before TREE leads sys.path, so each tree's own code is measured.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,7 +48,7 @@ def main() -> int:
     if "--device-step-ms" in argv:
         at = argv.index("--device-step-ms")
         device_step_s = float(argv[at + 1]) / 1000
-        del argv[at:at + 2]
+        del argv[at : at + 2]
     # Run as a script (the baseline tree has no copy of it), so this checkout's bench/ leads
     # sys.path: the measured tree takes its place, and its packages are the ones imported.
     sys.path[0] = tree
@@ -161,7 +162,11 @@ class Probe:
 
     def report(self) -> dict:
         return {
-            "steps": self.steps, "stalls": self.stalls, "gaps": self.gaps, "periods": self.periods, "samples": self.samples,
+            "steps": self.steps,
+            "stalls": self.stalls,
+            "gaps": self.gaps,
+            "periods": self.periods,
+            "samples": self.samples,
         }
 
 

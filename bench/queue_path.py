@@ -28,6 +28,7 @@ six-node cluster on this machine (tests/support/redis_servers.py) and measures t
     python -m bench.queue_path --bulk [--jobs 100000 --one-at-a-time-jobs 10000 --tcp]
     python -m bench.queue_path --redis redis+cluster://h:p,h:p [--procs 4 --threads 4 --seconds 10]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -102,7 +103,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bulk", action="store_true", help="measure submit_many and as_completed instead")
     p.add_argument("--jobs", type=int, default=100_000, help="jobs per bulk measurement")
     p.add_argument("--one-at-a-time-jobs", type=int, default=10_000, help="jobs per one-at-a-time measurement")
-    p.add_argument("--redis", help="a deployment's URL (or local-cluster) to measure with 1 and 3 queues beside one server")
+    p.add_argument(
+        "--redis", help="a deployment's URL (or local-cluster) to measure with 1 and 3 queues beside one server"
+    )
     return p.parse_args()
 
 
@@ -125,8 +128,24 @@ def direct_latencies(jobs: int, max_tokens: int) -> list[float]:
 
 def start_worker(url: str, name: str = "bench-worker", queue: str = QUEUE) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "worker", "serve", "--model", "echo", "--redis", url, "--queue", queue,
-        "--name", name, "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--log-level", "WARNING",
+        sys.executable,
+        "-m",
+        "worker",
+        "serve",
+        "--model",
+        "echo",
+        "--redis",
+        url,
+        "--queue",
+        queue,
+        "--name",
+        name,
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        "--log-level",
+        "WARNING",
     ]
     return subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1])
 
@@ -138,7 +157,12 @@ def wait_ready(url: str, max_tokens: int, queue: str = QUEUE) -> None:
 
 
 def run_producers(
-    url: str, procs: int, threads: int, jobs: int | None, seconds: float | None, max_tokens: int,
+    url: str,
+    procs: int,
+    threads: int,
+    jobs: int | None,
+    seconds: float | None,
+    max_tokens: int,
     queues: tuple[str, ...] = (QUEUE,),
 ) -> dict:
     """Each producer sends one job at a time and waits for its result, for `jobs` jobs in
@@ -149,7 +173,9 @@ def run_producers(
     go = ctx.Event()
     per_thread = None if jobs is None else jobs // (procs * threads)
     children = [
-        ctx.Process(target=producer_process, args=(url, threads, per_thread, seconds, max_tokens, go, results, queues, p))
+        ctx.Process(
+            target=producer_process, args=(url, threads, per_thread, seconds, max_tokens, go, results, queues, p)
+        )
         for p in range(procs)
     ]
     for c in children:
@@ -192,19 +218,26 @@ def producer_process(url, threads, jobs, seconds, max_tokens, go, results, queue
     for w in workers:
         w.join()
     elapsed = time.perf_counter() - t0
-    results.put({"latencies": [x for out in latencies for x in out], "elapsed": elapsed, "cpu": time.process_time() - cpu0})
+    results.put(
+        {"latencies": [x for out in latencies for x in out], "elapsed": elapsed, "cpu": time.process_time() - cpu0}
+    )
 
 
 def bulk_main(args: argparse.Namespace) -> None:
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print(f"jobs: prompt {PROMPT!r}, max_tokens {args.max_tokens}, greedy; no bound on the queue's depth\n")
-    with EmbeddedRedis(port=free_port() if args.tcp else None) as server, Client(server.url, QUEUE, max_queue_depth=None) as client:
+    with (
+        EmbeddedRedis(port=free_port() if args.tcp else None) as server,
+        Client(server.url, QUEUE, max_queue_depth=None) as client,
+    ):
         print(f"redis-server: {server.url}")
         spec = {"prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0.0}
         one = rate(args.one_at_a_time_jobs, lambda: [client.submit(**spec) for _ in range(args.one_at_a_time_jobs)])
         many = rate(args.jobs, lambda: client.submit_many([spec] * args.jobs))
-        print(f"submission, no worker: one at a time {one:,.0f} jobs/s ({args.one_at_a_time_jobs:,} jobs), "
-              f"submit_many {many:,.0f} jobs/s ({args.jobs:,} jobs): {many / one:.1f}x")
+        print(
+            f"submission, no worker: one at a time {one:,.0f} jobs/s ({args.one_at_a_time_jobs:,} jobs), "
+            f"submit_many {many:,.0f} jobs/s ({args.jobs:,} jobs): {many / one:.1f}x"
+        )
         client.redis.flushdb()  # the workers must not start on those
         workers = [start_worker(server.url, f"bench-worker-{i}") for i in range(2)]
         try:
@@ -218,18 +251,24 @@ def bulk_main(args: argparse.Namespace) -> None:
                 w.terminate()
             for w in workers:
                 w.wait(timeout=30)
-    print(f"end to end, 2 echo workers: one at a time (submit, then wait for each) {one:,.0f} jobs/s, "
-          f"submit_many + as_completed {many:,.0f} jobs/s: {many / one:.1f}x")
+    print(
+        f"end to end, 2 echo workers: one at a time (submit, then wait for each) {one:,.0f} jobs/s, "
+        f"submit_many + as_completed {many:,.0f} jobs/s: {many / one:.1f}x"
+    )
     per_job = [(a - b) / args.jobs * 1e6 for a, b in zip(after[0], before[0])]
-    print(f"  CPU per job in bulk: workers {' + '.join(f'{us:.0f}' for us in per_job)} us, redis-server "
-          f"{(after[1] - before[1]) / args.jobs * 1e6:.0f} us, producer {(after[2] - before[2]) / args.jobs * 1e6:.0f} us "
-          f"(load average {os.getloadavg()[0]:.2f} at end)")
+    print(
+        f"  CPU per job in bulk: workers {' + '.join(f'{us:.0f}' for us in per_job)} us, redis-server "
+        f"{(after[1] - before[1]) / args.jobs * 1e6:.0f} us, producer {(after[2] - before[2]) / args.jobs * 1e6:.0f} us "
+        f"(load average {os.getloadavg()[0]:.2f} at end)"
+    )
 
 
 def modes_main(args: argparse.Namespace) -> None:
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
-    print(f"jobs: prompt {PROMPT!r}, max_tokens {args.max_tokens}, greedy; 3 echo workers; "
-          f"{args.procs} processes x {args.threads} producers for {args.seconds:g}s each\n")
+    print(
+        f"jobs: prompt {PROMPT!r}, max_tokens {args.max_tokens}, greedy; 3 echo workers; "
+        f"{args.procs} processes x {args.threads} producers for {args.seconds:g}s each\n"
+    )
     with EmbeddedRedis(port=free_port()) as server:
         single = {n: saturation(server.url, queues_on_shards(server.url, n), args) for n in (1, 3)}
     with deployment(args.redis) as url:
@@ -270,7 +309,9 @@ def queues_on_shards(url: str, n: int) -> tuple[str, ...]:
 
 def saturation(url: str, queues: tuple[str, ...], args: argparse.Namespace) -> float:
     """Jobs/s end to end with 3 echo workers spread over `queues`, the producers over them too."""
-    workers = [start_worker(url, f"bench-worker-{queues[i % len(queues)]}-{i}", queues[i % len(queues)]) for i in range(3)]
+    workers = [
+        start_worker(url, f"bench-worker-{queues[i % len(queues)]}-{i}", queues[i % len(queues)]) for i in range(3)
+    ]
     try:
         for queue in queues:
             wait_ready(url, args.max_tokens, queue)
@@ -283,9 +324,11 @@ def saturation(url: str, queues: tuple[str, ...], args: argparse.Namespace) -> f
         for w in workers:
             w.wait(timeout=30)
     n = len(loaded["latencies"])
-    print(f"{url.split('://')[0]}, {len(queues)} queue(s): {n / loaded['elapsed']:,.0f} jobs/s, p50 "
-          f"{pct(loaded['latencies'], 50) * 1e3:.1f} ms, p99 {pct(loaded['latencies'], 99) * 1e3:.1f} ms; CPU per job: "
-          f"workers {workers_cpu / n * 1e6:.0f} us, producers {loaded['cpu'] / n * 1e6:.0f} us")
+    print(
+        f"{url.split('://')[0]}, {len(queues)} queue(s): {n / loaded['elapsed']:,.0f} jobs/s, p50 "
+        f"{pct(loaded['latencies'], 50) * 1e3:.1f} ms, p99 {pct(loaded['latencies'], 99) * 1e3:.1f} ms; CPU per job: "
+        f"workers {workers_cpu / n * 1e6:.0f} us, producers {loaded['cpu'] / n * 1e6:.0f} us"
+    )
     return n / loaded["elapsed"]
 
 

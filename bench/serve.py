@@ -17,6 +17,7 @@ asyncio client, in the producer processes) until it ends, as an SSE client's gat
     python -m bench.serve --workload nanovllm            # 256 requests, input and output in [100, 1024]
     python -m bench.serve --model tiny --num-requests 8 --max-prompt 32 --max-output 16 --threads 1   # CPU smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,10 @@ class JobTimes:
 def main() -> None:
     args = parse_args()
     work = workload(args)
-    print(f"workload {args.workload}: {len(work.prompts)} requests, {sum(map(len, work.prompts))} prompt tokens, "
-          f"{work.output_tokens} output tokens; model {args.model} on {args.device}")
+    print(
+        f"workload {args.workload}: {len(work.prompts)} requests, {sum(map(len, work.prompts))} prompt tokens, "
+        f"{work.output_tokens} output tokens; model {args.model} on {args.device}"
+    )
     offline_tok_s = args.offline_tok_s or offline_throughput(args, work)
     print(f"offline engine:    {offline_tok_s:,.1f} output tok/s")
 
@@ -71,9 +74,11 @@ def main() -> None:
     if sorted(produced) != sorted(work.output_lens):
         raise RuntimeError(f"the worker produced {sum(produced)} tokens, asked for {work.output_tokens}")
     queued_tok_s = sum(produced) / seconds
-    print(f"through the queue: {queued_tok_s:,.1f} output tok/s ({sum(produced)} tokens in {seconds:.1f}s, "
-          f"1 worker, {args.producers} producer processes{', every job streamed' if args.stream else ''}) = "
-          f"{queued_tok_s / offline_tok_s:.1%} of offline")
+    print(
+        f"through the queue: {queued_tok_s:,.1f} output tok/s ({sum(produced)} tokens in {seconds:.1f}s, "
+        f"1 worker, {args.producers} producer processes{', every job streamed' if args.stream else ''}) = "
+        f"{queued_tok_s / offline_tok_s:.1%} of offline"
+    )
     ttft = [t.ttft_s for t in times]
     tpot = [t.tpot_s for t in times if t.tpot_s is not None]
     print(f"TTFT: p50 {pct(ttft, 50) * 1e3:,.1f} ms, p99 {pct(ttft, 99) * 1e3:,.1f} ms")
@@ -94,7 +99,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch CPU threads of the engine, offline and in the worker")
     p.add_argument("--producers", type=int, default=4, help="producer processes, each submitting its share of the jobs")
     p.add_argument("--offline-tok-s", type=float, help="take the offline figure from an earlier run instead")
-    p.add_argument("--stream", action="store_true", help="submit the jobs as streamed, each read by stream() to its end")
+    p.add_argument(
+        "--stream", action="store_true", help="submit the jobs as streamed, each read by stream() to its end"
+    )
     p.add_argument("--tcp", action="store_true", help="Redis over TCP on 127.0.0.1 instead of a unix socket")
     return p.parse_args()
 
@@ -118,8 +125,9 @@ def offline_throughput(args: argparse.Namespace, work) -> float:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine.from_pretrained(resolve_model_path(args.model), device=args.device, dtype=args.dtype,
-                                    **engine_settings(args))
+    engine = Engine.from_pretrained(
+        resolve_model_path(args.model), device=args.device, dtype=args.dtype, **engine_settings(args)
+    )
     run_engine(engine, make_workload(2, (16, 16), (4, 4), args.seed + 1))
     result = run_engine(engine, work)
     del engine
@@ -131,9 +139,28 @@ def offline_throughput(args: argparse.Namespace, work) -> float:
 
 def start_worker(args: argparse.Namespace, url: str, log) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "worker", "serve", "--model", args.model, "--device", args.device,
-        "--dtype", args.dtype or "auto", "--redis", url, "--queue", QUEUE, "--name", "bench-serve-worker",
-        "--metrics-port", "0", "--metrics-host", "127.0.0.1", "--log-level", "INFO",
+        sys.executable,
+        "-m",
+        "worker",
+        "serve",
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype or "auto",
+        "--redis",
+        url,
+        "--queue",
+        QUEUE,
+        "--name",
+        "bench-serve-worker",
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        "--log-level",
+        "INFO",
     ]
     from bench.offline import engine_settings
 
@@ -192,10 +219,7 @@ def producer(url: str, share: list[tuple[list[int], int]], go, results, stream: 
         client.redis.ping()
         results.put("ready")
         go.wait()
-        ids = [
-            client.submit(input_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True)
-            for prompt, n in share
-        ]
+        ids = [client.submit(input_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True) for prompt, n in share]
         times = [job_times(client.result(job_id, timeout=RESULT_TIMEOUT_S)) for job_id in ids]
     results.put({"times": times, "done_at": time.time()})
 

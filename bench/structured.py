@@ -22,6 +22,7 @@ device work on a GPU, the host's on CPU).
     python -m bench.structured --model qwen3-0.6b --device cuda  # on a GPU
     python -m bench.structured --batches 4 --steps 8 --rounds 1  # a quick rehearsal
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,7 +84,9 @@ class Workload:
         self.engine = engine
         self.rng = rng
         self.params = SamplingParams(
-            temperature=0, max_tokens=tokens, ignore_eos=not constrained,
+            temperature=0,
+            max_tokens=tokens,
+            ignore_eos=not constrained,
             response_format=FORMAT if constrained else None,
         )
         self.ids = (f"r{rng.getrandbits(48):x}-{n}" for n in itertools.count())
@@ -130,8 +133,10 @@ def measure(engine: Engine, timer: PhaseTimer, batch: int, constrained: bool, ar
         cpus.append(time.process_time() - cpu)
     work.close()
     return {
-        "wall_ms": 1000 * statistics.median(walls), "cpu_ms": 1000 * statistics.median(cpus),
-        "tokens_per_s": tokens / sum(walls), **{k: 1000 * v / args.steps for k, v in timer.totals.items()},
+        "wall_ms": 1000 * statistics.median(walls),
+        "cpu_ms": 1000 * statistics.median(cpus),
+        "tokens_per_s": tokens / sum(walls),
+        **{k: 1000 * v / args.steps for k, v in timer.totals.items()},
     }
 
 
@@ -145,7 +150,11 @@ def run(args) -> None:
         torch.set_num_threads(args.threads)
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     engine = Engine.from_pretrained(
-        args.model, device=args.device, dtype=dtype, max_running=max(args.batches), num_pages=args.num_pages,
+        args.model,
+        device=args.device,
+        dtype=dtype,
+        max_running=max(args.batches),
+        num_pages=args.num_pages,
     )
     start = time.perf_counter()
     engine.grammars.prepare().result()
@@ -209,7 +218,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=40, help="output tokens of each request")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-pages", type=int, default=2048)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (the tests' workers run 1; 0: torch's default)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (the tests' workers run 1; 0: torch's default)"
+    )
     run(ap.parse_args())
 
 

@@ -1,5 +1,6 @@
 """Timing on the device the tensors live on, and the memory bandwidth the bandwidth figures are
 shares of: measured in the same run (a large device-to-device copy), not taken from a datasheet."""
+
 from __future__ import annotations
 
 import statistics

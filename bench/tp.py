@@ -20,6 +20,7 @@ gloo; with --device cuda the head and step parts run on 2 GPUs over NCCL):
     python -m bench.tp --parts broadcast head step --model tiny --messages 50 --hidden-size 64 \
         --steps 3 --batch 4                       # the CPU rehearsal of the GPU acceptance's tp stage
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--messages", type=int, default=2000, help="messages per kind (broadcast)")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed (step)")
     parser.add_argument("--batch", type=int, default=8, help="requests decoding at once (step)")
-    parser.add_argument("--hidden-size", type=int, default=None,
-                        help="the LM head's hidden size (head; default 1024 on the CPU, 5120, Qwen3-14B's, on CUDA)")
+    parser.add_argument(
+        "--hidden-size",
+        type=int,
+        default=None,
+        help="the LM head's hidden size (head; default 1024 on the CPU, 5120, Qwen3-14B's, on CUDA)",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the head and step parts run")
     return parser.parse_args()
 
@@ -87,8 +92,14 @@ def join_group(rank: int, size: int, port: int, device: str = "cpu") -> torch.de
     here = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
     if device == "cuda":
         torch.cuda.set_device(here)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(minutes=5), device_id=here if device == "cuda" else None)
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        store=store,
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(minutes=5),
+        device_id=here if device == "cuda" else None,
+    )
     return here
 
 
@@ -103,9 +114,15 @@ def synchronize(device: torch.device) -> None:
 def random_step(tokens: int, rows: int, width: int) -> HostStep:
     rng = np.random.default_rng(tokens)
     return HostStep(
-        rng.integers(0, 151936, tokens), rng.integers(0, 4096, tokens), rng.integers(0, 2**20, tokens),
-        rng.integers(0, 2**16, (rows, width)).astype(np.int32), np.full(rows, 1000, np.int32),
-        np.full(rows, 999, np.int32), np.arange(rows + 1, dtype=np.int32), np.arange(rows), 1,
+        rng.integers(0, 151936, tokens),
+        rng.integers(0, 4096, tokens),
+        rng.integers(0, 2**20, tokens),
+        rng.integers(0, 2**16, (rows, width)).astype(np.int32),
+        np.full(rows, 1000, np.int32),
+        np.full(rows, 999, np.int32),
+        np.arange(rows + 1, dtype=np.int32),
+        np.arange(rows),
+        1,
     )
 
 
@@ -149,15 +166,19 @@ def bench_broadcast(args) -> None:
     ring = StepRing(readers=1, capacity=capacity, timeout_s=600)
     figures = spawn_with_ends(ring, args.messages)
     print(f"\nstep inputs, rank 0 -> rank 1 ({args.messages} messages each; microseconds per message)")
-    print(f"{'message':36s} {'bytes':>9s} | {'ring: wall':>10s} {'cpu r0':>7s} {'cpu r1':>7s} | "
-          f"{'group: wall':>11s} {'cpu r0':>7s} {'cpu r1':>7s} | {'group/ring cpu':>14s}")
+    print(
+        f"{'message':36s} {'bytes':>9s} | {'ring: wall':>10s} {'cpu r0':>7s} {'cpu r1':>7s} | "
+        f"{'group: wall':>11s} {'cpu r0':>7s} {'cpu r1':>7s} | {'group/ring cpu':>14s}"
+    )
     for name, shape in MESSAGES.items():
         ring_f = [figures[r][name, "ring"] for r in (0, 1)]
         group_f = [figures[r][name, "group"] for r in (0, 1)]
         ratio = sum(g[1] for g in group_f) / sum(r[1] for r in ring_f)
-        print(f"{name:36s} {message_bytes(*shape):9d} | {ring_f[0][0] * 1e6:10.1f} {ring_f[0][1] * 1e6:7.1f} "
-              f"{ring_f[1][1] * 1e6:7.1f} | {group_f[0][0] * 1e6:11.1f} {group_f[0][1] * 1e6:7.1f} "
-              f"{group_f[1][1] * 1e6:7.1f} | {ratio:14.1f}x")
+        print(
+            f"{name:36s} {message_bytes(*shape):9d} | {ring_f[0][0] * 1e6:10.1f} {ring_f[0][1] * 1e6:7.1f} "
+            f"{ring_f[1][1] * 1e6:7.1f} | {group_f[0][0] * 1e6:11.1f} {group_f[0][1] * 1e6:7.1f} "
+            f"{group_f[1][1] * 1e6:7.1f} | {ratio:14.1f}x"
+        )
 
 
 def spawn_with_ends(ring: StepRing, count: int) -> list:
@@ -186,7 +207,7 @@ def head_worker(rank, size, port, results, hidden_size, vocab, rows_list, repeat
     tp = TensorParallel(rank, size, dist.group.WORLD, here)
     dtype = torch.bfloat16 if here.type == "cuda" else torch.float32
     head = torch.randn(vocab, hidden_size, device=here).to(dtype)
-    share = head[tp.vocab(vocab).start: tp.vocab(vocab).stop].contiguous()
+    share = head[tp.vocab(vocab).start : tp.vocab(vocab).stop].contiguous()
     figures = {}
     for rows in rows_list:
         hidden = torch.randn(rows, hidden_size, device=here).to(dtype)
@@ -213,8 +234,10 @@ def bench_head(args) -> None:
     hidden_size, rows_list = (5120, (1, 64, 256)) if cuda else (1024, (1, 8, 64))
     hidden_size, vocab = args.hidden_size or hidden_size, 151936
     figures = spawn(head_worker, 2, hidden_size, vocab, rows_list, 200 if cuda else 20, args.device)[0]
-    print(f"\nLM head over 2 ranks, hidden {hidden_size}, vocabulary {vocab}, "
-          f"{'bfloat16 on 2 GPUs' if cuda else 'float32'} (ms per step, rank 0's wall)")
+    print(
+        f"\nLM head over 2 ranks, hidden {hidden_size}, vocabulary {vocab}, "
+        f"{'bfloat16 on 2 GPUs' if cuda else 'float32'} (ms per step, rank 0's wall)"
+    )
     print(f"{'rows':>5s} {'split + gather':>15s} {'rank 0 alone':>13s} {'split/alone':>12s}")
     for rows in rows_list:
         split, alone = figures[rows, "split"], figures[rows, "rank 0 alone"]
@@ -283,13 +306,22 @@ def bench_step(args) -> None:
     if args.device == "cuda":
         configs = {"1 rank, 1 GPU": (1, threads), "2 ranks, 2 GPUs": (2, threads)}
     else:  # two ranks share this process's threads (one each of two); one rank runs with as many, and with one
-        configs = {f"1 rank, {threads} threads": (1, threads), "1 rank, 1 thread": (1, 1),
-                   f"2 ranks, {max(1, threads // 2)} thread each": (2, threads)}
+        configs = {
+            f"1 rank, {threads} threads": (1, threads),
+            "1 rank, 1 thread": (1, 1),
+            f"2 ranks, {max(1, threads // 2)} thread each": (2, threads),
+        }
     figures = {}
     for name, (size, config_threads) in configs.items():
         torch.set_num_threads(config_threads)
-        with Engine.from_pretrained(args.model, device=args.device, kv_cache_mib=256, max_model_len=1024,
-                                    max_running=max(args.batch, 8), tensor_parallel_size=size) as engine:
+        with Engine.from_pretrained(
+            args.model,
+            device=args.device,
+            kv_cache_mib=256,
+            max_model_len=1024,
+            max_running=max(args.batch, 8),
+            tensor_parallel_size=size,
+        ) as engine:
             engine.warm_up()
             figures[name] = time_decode(engine, args)
     torch.set_num_threads(threads)

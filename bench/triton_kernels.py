@@ -12,6 +12,7 @@ shapes. Every kernel's output is checked against its reference before it is time
 only `--shape tiny` runs (Triton's interpreter on CPU tensors, wall-clock medians); any other
 shape exits with status 77 (skipped).
 """
+
 import argparse
 import logging
 import os
@@ -30,12 +31,17 @@ import torch.nn.functional as F  # noqa: E402
 from bench.timing import H100_DATASHEET_BYTES_PER_S, copy_bandwidth, median_seconds  # noqa: E402
 from kernels.activation import silu_and_mul_reference, silu_and_mul_triton  # noqa: E402
 from kernels.decode_attention import (  # noqa: E402
-    decode_num_splits, paged_decode_attention_reference, paged_decode_attention_triton,
+    decode_num_splits,
+    paged_decode_attention_reference,
+    paged_decode_attention_triton,
 )
 from kernels.extend_attention import paged_extend_attention_reference, paged_extend_attention_triton  # noqa: E402
 from kernels.kv_store import store_kv_reference, store_kv_triton  # noqa: E402
 from kernels.rms_norm import (  # noqa: E402
-    fused_add_rms_norm_reference, fused_add_rms_norm_triton, rms_norm_reference, rms_norm_triton,
+    fused_add_rms_norm_reference,
+    fused_add_rms_norm_triton,
+    rms_norm_reference,
+    rms_norm_triton,
 )
 from kernels.rope import qk_norm_rope_reference, qk_norm_rope_triton, rope_cos_sin_cache  # noqa: E402
 
@@ -71,6 +77,7 @@ SHAPES = {
 @dataclass(frozen=True)
 class Bench:
     """What every measurement shares: where it runs and the bandwidth its shares are of."""
+
     shapes: Shapes
     dtype: torch.dtype
     device: torch.device
@@ -100,18 +107,28 @@ def check(name: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> None
     allowed = atol + 2 * torch.finfo(want.dtype).eps * want.float().abs()
     if bool((error > allowed).any()):
         worst = int((error - allowed).argmax())
-        raise SystemExit(f"{name}: error {error.flatten()[worst].item():.3e} at a reference value of "
-                         f"{want.flatten()[worst].item():.3e} exceeds {atol} + two {want.dtype} rounding steps")
+        raise SystemExit(
+            f"{name}: error {error.flatten()[worst].item():.3e} at a reference value of "
+            f"{want.flatten()[worst].item():.3e} exceeds {atol} + two {want.dtype} rounding steps"
+        )
     log.info("%s: max abs error %.3e", name, error.max().item())
 
 
-def bandwidth_row(b: Bench, name: str, shape: str, ms: float, baseline: str, baseline_ms: float, nbytes: int,
-                  target: float) -> Row:
+def bandwidth_row(
+    b: Bench, name: str, shape: str, ms: float, baseline: str, baseline_ms: float, nbytes: int, target: float
+) -> Row:
     achieved = nbytes / (ms * 1e-3)
     share = achieved / b.bandwidth
     met = "met" if share >= target else "NOT met"
-    return Row(name, shape, ms, baseline, baseline_ms, f"{achieved / 1e9:,.0f} GB/s = {share:.0%} of the copy's",
-               f">= {target:.0%}: {met}" if target else "-")
+    return Row(
+        name,
+        shape,
+        ms,
+        baseline,
+        baseline_ms,
+        f"{achieved / 1e9:,.0f} GB/s = {share:.0%} of the copy's",
+        f">= {target:.0%}: {met}" if target else "-",
+    )
 
 
 def bench_rms_norm(b: Bench) -> list[Row]:
@@ -120,16 +137,35 @@ def bench_rms_norm(b: Bench) -> list[Row]:
     residual = torch.randn_like(x)
     w = torch.randn(h, dtype=b.dtype, device=b.device)
     check("rms_norm", rms_norm_triton(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), 3e-2)
-    check("fused_add_rms_norm", fused_add_rms_norm_triton(x, residual, w, 1e-6)[0],
-          fused_add_rms_norm_reference(x, residual, w, 1e-6)[0], 3e-2)
+    check(
+        "fused_add_rms_norm",
+        fused_add_rms_norm_triton(x, residual, w, 1e-6)[0],
+        fused_add_rms_norm_reference(x, residual, w, 1e-6)[0],
+        3e-2,
+    )
     shape = f"T={t} H={h}"
     size = x.numel() * x.element_size()
     return [
-        bandwidth_row(b, "rms_norm", shape, b.median_ms(lambda: rms_norm_triton(x, w, 1e-6)),
-                      "torch reference", b.median_ms(lambda: rms_norm_reference(x, w, 1e-6)), 2 * size, 0.7),
-        bandwidth_row(b, "fused_add_rms_norm", shape,
-                      b.median_ms(lambda: fused_add_rms_norm_triton(x, residual, w, 1e-6)), "torch reference",
-                      b.median_ms(lambda: fused_add_rms_norm_reference(x, residual, w, 1e-6)), 4 * size, 0.7),
+        bandwidth_row(
+            b,
+            "rms_norm",
+            shape,
+            b.median_ms(lambda: rms_norm_triton(x, w, 1e-6)),
+            "torch reference",
+            b.median_ms(lambda: rms_norm_reference(x, w, 1e-6)),
+            2 * size,
+            0.7,
+        ),
+        bandwidth_row(
+            b,
+            "fused_add_rms_norm",
+            shape,
+            b.median_ms(lambda: fused_add_rms_norm_triton(x, residual, w, 1e-6)),
+            "torch reference",
+            b.median_ms(lambda: fused_add_rms_norm_reference(x, residual, w, 1e-6)),
+            4 * size,
+            0.7,
+        ),
     ]
 
 
@@ -137,9 +173,18 @@ def bench_silu_and_mul(b: Bench) -> list[Row]:
     t, inter = b.shapes.tokens, b.shapes.inter
     x = torch.randn(t, 2 * inter, dtype=b.dtype, device=b.device)
     check("silu_and_mul", silu_and_mul_triton(x), silu_and_mul_reference(x), 3e-2)
-    return [bandwidth_row(b, "silu_and_mul", f"T={t} I={inter}", b.median_ms(lambda: silu_and_mul_triton(x)),
-                          "torch reference", b.median_ms(lambda: silu_and_mul_reference(x)),
-                          3 * x.numel() // 2 * x.element_size(), 0.7)]
+    return [
+        bandwidth_row(
+            b,
+            "silu_and_mul",
+            f"T={t} I={inter}",
+            b.median_ms(lambda: silu_and_mul_triton(x)),
+            "torch reference",
+            b.median_ms(lambda: silu_and_mul_reference(x)),
+            3 * x.numel() // 2 * x.element_size(),
+            0.7,
+        )
+    ]
 
 
 def bench_qk_norm_rope(b: Bench) -> list[Row]:
@@ -154,9 +199,18 @@ def bench_qk_norm_rope(b: Bench) -> list[Row]:
     got, want = qk_norm_rope_triton(*args), qk_norm_rope_reference(*args)
     check("qk_norm_rope", torch.cat([got[0], got[1]], 1), torch.cat([want[0], want[1]], 1), 3e-2)
     nbytes = 2 * (q.numel() + k.numel()) * q.element_size() + s.tokens * s.head_dim * 4
-    return [bandwidth_row(b, "qk_norm_rope", f"T={s.tokens} {s.q_heads}q+{s.kv_heads}kv x {s.head_dim}",
-                          b.median_ms(lambda: qk_norm_rope_triton(*args)), "torch reference",
-                          b.median_ms(lambda: qk_norm_rope_reference(*args)), nbytes, 0)]
+    return [
+        bandwidth_row(
+            b,
+            "qk_norm_rope",
+            f"T={s.tokens} {s.q_heads}q+{s.kv_heads}kv x {s.head_dim}",
+            b.median_ms(lambda: qk_norm_rope_triton(*args)),
+            "torch reference",
+            b.median_ms(lambda: qk_norm_rope_reference(*args)),
+            nbytes,
+            0,
+        )
+    ]
 
 
 def bench_store_kv(b: Bench) -> list[Row]:
@@ -172,10 +226,18 @@ def bench_store_kv(b: Bench) -> list[Row]:
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     store_kv_reference(k, v, want_k, want_v, slots)
     check("store_kv", torch.stack([k_cache, v_cache]), torch.stack([want_k, want_v]), 0.0)
-    return [bandwidth_row(b, "store_kv", f"T={s.tokens} {s.kv_heads}kv x {s.head_dim}",
-                          b.median_ms(lambda: store_kv_triton(k, v, k_cache, v_cache, slots)), "torch reference",
-                          b.median_ms(lambda: store_kv_reference(k, v, k_cache, v_cache, slots)),
-                          4 * k.numel() * k.element_size(), 0)]
+    return [
+        bandwidth_row(
+            b,
+            "store_kv",
+            f"T={s.tokens} {s.kv_heads}kv x {s.head_dim}",
+            b.median_ms(lambda: store_kv_triton(k, v, k_cache, v_cache, slots)),
+            "torch reference",
+            b.median_ms(lambda: store_kv_reference(k, v, k_cache, v_cache, slots)),
+            4 * k.numel() * k.element_size(),
+            0,
+        )
+    ]
 
 
 def scattered_cache(b: Bench, lengths: list[int]):
@@ -214,10 +276,26 @@ def bench_decode_at(b: Bench, batch: int, context: int) -> list[Row]:
     nbytes = 2 * k_cache.numel() * k_cache.element_size()
     shape = f"B={batch} ctx={context} {s.q_heads}q/{s.kv_heads}kv x {s.head_dim}, {splits} split(s)"
     return [
-        bandwidth_row(b, "paged_decode_attention", shape, ms, "torch reference (per-request loop)",
-                      b.median_ms(lambda: paged_decode_attention_reference(*args)), nbytes, 0.6),
-        bandwidth_row(b, "paged_decode_attention", shape, ms, "torch SDPA, contiguous K/V expanded to MHA",
-                      b.median_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale)), nbytes, 0.6),
+        bandwidth_row(
+            b,
+            "paged_decode_attention",
+            shape,
+            ms,
+            "torch reference (per-request loop)",
+            b.median_ms(lambda: paged_decode_attention_reference(*args)),
+            nbytes,
+            0.6,
+        ),
+        bandwidth_row(
+            b,
+            "paged_decode_attention",
+            shape,
+            ms,
+            "torch SDPA, contiguous K/V expanded to MHA",
+            b.median_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale)),
+            nbytes,
+            0.6,
+        ),
     ]
 
 
@@ -238,22 +316,32 @@ def bench_extend(b: Bench) -> list[Row]:
     flops = 2 * batch * s.q_heads * q_len * q_len * s.head_dim  # QK^T and PV over the causal half
     ours, sdpa = flops / (ms * 1e-3), flops / (sdpa_ms * 1e-3)
     met = "met" if ours >= 0.5 * sdpa else "NOT met"
-    return [Row("paged_extend_attention",
-                f"B={batch} x {q_len} new, prefix 0, {s.q_heads}q/{s.kv_heads}kv x {s.head_dim}",
-                ms, "torch SDPA causal, contiguous, MHA", sdpa_ms,
-                f"{ours / 1e12:.3g} TFLOP/s = {ours / H100_BF16_DENSE_FLOPS:.0%} of H100 peak; SDPA {sdpa / 1e12:.3g}",
-                f">= 50% of SDPA: {met} ({ours / sdpa:.0%})")]
+    return [
+        Row(
+            "paged_extend_attention",
+            f"B={batch} x {q_len} new, prefix 0, {s.q_heads}q/{s.kv_heads}kv x {s.head_dim}",
+            ms,
+            "torch SDPA causal, contiguous, MHA",
+            sdpa_ms,
+            f"{ours / 1e12:.3g} TFLOP/s = {ours / H100_BF16_DENSE_FLOPS:.0%} of H100 peak; SDPA {sdpa / 1e12:.3g}",
+            f">= 50% of SDPA: {met} ({ours / sdpa:.0%})",
+        )
+    ]
 
 
 def print_table(rows: list[Row], b: Bench, device_name: str, dtype_name: str, shape_name: str) -> None:
     print(f"\n{device_name}, {dtype_name}, {shape_name} shapes, torch {torch.__version__}")
-    print(f"measured copy bandwidth: {b.bandwidth / 1e9:,.0f} GB/s (read + written; "
-          f"the H100 datasheet's HBM3: {H100_DATASHEET_BYTES_PER_S / 1e9:,.0f} GB/s)\n")
+    print(
+        f"measured copy bandwidth: {b.bandwidth / 1e9:,.0f} GB/s (read + written; "
+        f"the H100 datasheet's HBM3: {H100_DATASHEET_BYTES_PER_S / 1e9:,.0f} GB/s)\n"
+    )
     print("| kernel | shape | triton ms | baseline | baseline ms | speedup | achieved | target |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.kernel} | {r.shape} | {r.ms:.3f} | {r.baseline} | {r.baseline_ms:.3f} | "
-              f"{r.baseline_ms / r.ms:.2f}x | {r.rate} | {r.target} |")
+        print(
+            f"| {r.kernel} | {r.shape} | {r.ms:.3f} | {r.baseline} | {r.baseline_ms:.3f} | "
+            f"{r.baseline_ms / r.ms:.2f}x | {r.rate} | {r.target} |"
+        )
 
 
 def main() -> int:
@@ -264,8 +352,10 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cuda = torch.cuda.is_available()
     if not cuda and args.shape != "tiny":
-        print(f"bench.triton_kernels needs a CUDA GPU at the {args.shape} shapes (the figures are HBM bandwidth and "
-              "tensor-core rates); --shape tiny runs the same checks and table interpreted on the CPU")
+        print(
+            f"bench.triton_kernels needs a CUDA GPU at the {args.shape} shapes (the figures are HBM bandwidth and "
+            "tensor-core rates); --shape tiny runs the same checks and table interpreted on the CPU"
+        )
         return EXIT_SKIPPED
     device = torch.device("cuda" if cuda else "cpu")
     b = Bench(SHAPES[args.shape], DTYPES[args.dtype], device, copy_bandwidth(device))

@@ -8,6 +8,7 @@
 
 --redis (env MILI_REDIS) and --queue (env MILI_QUEUE) pick the queue.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="mili", description="Submit jobs to a MILI queue and read their results.")
-    parser.add_argument(
-        "--redis", default=os.environ.get("MILI_REDIS", DEFAULT_URL), help="Redis URL (env MILI_REDIS)"
-    )
+    parser.add_argument("--redis", default=os.environ.get("MILI_REDIS", DEFAULT_URL), help="Redis URL (env MILI_REDIS)")
     parser.add_argument("--queue", default=os.environ.get("MILI_QUEUE", "default"), help="queue name (env MILI_QUEUE)")
     parser.add_argument("--prefix", default=os.environ.get("MILI_PREFIX", "mili"), help="key prefix (env MILI_PREFIX)")
     commands = parser.add_subparsers(dest="command", required=True)

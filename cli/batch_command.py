@@ -2,6 +2,7 @@
 arguments, Ctrl-C and summary. Its runner (cli.batch_file) needs the gateway's extra, so it is
 imported only when the command runs: the plain install's `mili` works without it, and this
 command says what to install."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,10 @@ def add_command(commands) -> None:
     batch.add_argument("-o", "--output", type=Path, required=True, help="answers, one a line (appended to)")
     batch.add_argument("-e", "--errors", type=Path, help="failed lines (default: OUTPUT with .errors.jsonl)")
     batch.add_argument(
-        "--in-flight", type=positive_int, default=IN_FLIGHT, help=f"jobs submitted ahead of their answers (default {IN_FLIGHT})",
+        "--in-flight",
+        type=positive_int,
+        default=IN_FLIGHT,
+        help=f"jobs submitted ahead of their answers (default {IN_FLIGHT})",
     )
     batch.set_defaults(run=cmd_batch)
 
@@ -53,9 +57,13 @@ def cmd_batch(client: Client, args: argparse.Namespace) -> int:
     answered = tally.done + tally.failed + tally.done_before
     print(
         f"{answered} of {tally.lines} lines answered: {tally.done + tally.failed} now ({tally.failed} failed, in "
-        f"{errors}), {tally.done_before} before", file=sys.stderr,
+        f"{errors}), {tally.done_before} before",
+        file=sys.stderr,
     )
     if tally.interrupted:
-        print("interrupted: run the same command again to finish (jobs in flight run on; nothing is submitted twice)", file=sys.stderr)
+        print(
+            "interrupted: run the same command again to finish (jobs in flight run on; nothing is submitted twice)",
+            file=sys.stderr,
+        )
         return 130
     return 0

@@ -14,6 +14,7 @@ format (gateway.batch.lines) is the gateway's own, validated and rendered as the
 do, so this module needs the gateway's extra (`pip install 'mili[gateway]'`); cli.batch_command
 imports it only when the command runs.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,17 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from gateway.batch.lines import (
-    LineError, LineJobs, OutputLine, answer, error_answer, jsonl_lines, line_request, not_a_request, parse_line,
-    request_id, split_at_full_queue,
+    LineError,
+    LineJobs,
+    OutputLine,
+    answer,
+    error_answer,
+    jsonl_lines,
+    line_request,
+    not_a_request,
+    parse_line,
+    request_id,
+    split_at_full_queue,
 )
 from gateway.errors import APIError
 from producer_client.bulk import ResultWatch
@@ -106,7 +116,9 @@ def read_answers(path: Path) -> list[OutputLine]:
         try:
             answers.append(OutputLine.model_validate_json(text))
         except ValidationError:
-            raise InvalidArgument("output", f"line {number} of {path} is not an answer of a batch: not this run's file?") from None
+            raise InvalidArgument(
+                "output", f"line {number} of {path} is not an answer of a batch: not this run's file?"
+            ) from None
     return answers
 
 
@@ -114,7 +126,9 @@ class BatchFileRun:
     """Submits the input's request lines, at most `in_flight` jobs ahead of their answers, and
     writes each line's answer once all its jobs have ended."""
 
-    def __init__(self, client: Client, input_path: Path, files: AnswerFiles, in_flight: int, bar: tqdm, stop: threading.Event):
+    def __init__(
+        self, client: Client, input_path: Path, files: AnswerFiles, in_flight: int, bar: tqdm, stop: threading.Event
+    ):
         self.client = client
         self.stop = stop
         self.input_path = input_path
@@ -150,7 +164,13 @@ class BatchFileRun:
                 try:
                     line = parse_line(text, number)
                     if line.custom_id in seen:
-                        raise LineError(number, "duplicate_custom_id", f"custom_id {line.custom_id!r} is on an earlier line", "custom_id", line.custom_id)
+                        raise LineError(
+                            number,
+                            "duplicate_custom_id",
+                            f"custom_id {line.custom_id!r} is on an earlier line",
+                            "custom_id",
+                            line.custom_id,
+                        )
                 except LineError as e:
                     self.answer_once_by_line(e)
                     continue
@@ -219,14 +239,19 @@ class BatchFileRun:
         self.tally.failed += not line.ok
         self.tally.completion_tokens += line.completion_tokens()
         self.bar.update(1)
-        self.bar.set_postfix(done=self.tally.done, failed=self.tally.failed, tok_s=f"{self.tally.tokens_per_s():.0f}", refresh=False)
+        self.bar.set_postfix(
+            done=self.tally.done, failed=self.tally.failed, tok_s=f"{self.tally.tokens_per_s():.0f}", refresh=False
+        )
+
 
 def count_lines(path: Path) -> int:
     with path.open("rb") as f:
         return sum(1 for text in f if text.strip())
 
 
-def run_batch(client: Client, input_path: Path, output: Path, errors: Path, in_flight: int, stop: threading.Event) -> Tally:
+def run_batch(
+    client: Client, input_path: Path, output: Path, errors: Path, in_flight: int, stop: threading.Event
+) -> Tally:
     """Answer every line of `input_path` not answered yet in `output` and `errors`. Setting `stop`
     (Ctrl-C) ends the run within READ_WAIT_S, between two exchanges with Redis, so that nothing is
     left half-sent: the answers written so far stay, and the jobs in flight run on. Run it again to

@@ -1,9 +1,10 @@
 """The producer's commands of `mili`: submit a job, and read, wait for or cancel it; the queue's stats.
 
-    mili submit "text" --max-tokens 32 [--stream] [--chat] [--no-thinking]    prints the job id (or streams the text)
-        [--json | --json-schema SCHEMA | --regex PATTERN | --choice TEXT...]    structured output
-    mili status ID | mili result ID [--timeout S] | mili cancel ID | mili stats [--all]
+mili submit "text" --max-tokens 32 [--stream] [--chat] [--no-thinking]    prints the job id (or streams the text)
+    [--json | --json-schema SCHEMA | --regex PATTERN | --choice TEXT...]    structured output
+mili status ID | mili result ID [--timeout S] | mili cancel ID | mili stats [--all]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,9 @@ def add_commands(commands) -> None:
         command.set_defaults(run=run)
     stats = commands.add_parser("stats", help="queue depth, pending, waiting, live workers")
     stats.add_argument(
-        "--all", action="store_true", help="of every queue a worker served in the last hour (on a cluster: on every shard)",
+        "--all",
+        action="store_true",
+        help="of every queue a worker served in the last hour (on a cluster: on every shard)",
     )
     stats.set_defaults(run=cmd_stats)
 
@@ -47,15 +50,26 @@ def add_submit(commands) -> None:
     submit.add_argument("--request-id", help="idempotency key")
     submit.add_argument("--timeout-s", type=float, help="deadline, counted from the enqueue")
     submit.add_argument("--priority", type=int, default=0)
-    submit.add_argument("--stream", action="store_true", help="print the text as it is generated (a chat's reasoning to stderr)")
-    submit.add_argument("--chat", action="store_true", help="send the text as a user message, through the model's chat template")
     submit.add_argument(
-        "--no-thinking", dest="thinking", action="store_false", help="a chat with Qwen3's thinking off (implies --chat)",
+        "--stream", action="store_true", help="print the text as it is generated (a chat's reasoning to stderr)"
+    )
+    submit.add_argument(
+        "--chat", action="store_true", help="send the text as a user message, through the model's chat template"
+    )
+    submit.add_argument(
+        "--no-thinking",
+        dest="thinking",
+        action="store_false",
+        help="a chat with Qwen3's thinking off (implies --chat)",
     )
     structured = submit.add_mutually_exclusive_group()
-    structured.add_argument("--json", action="store_true", help="the output is a JSON object (response_format json_object)")
     structured.add_argument(
-        "--json-schema", metavar="SCHEMA", help="the output matches this JSON schema: its JSON text, or @FILE to read it",
+        "--json", action="store_true", help="the output is a JSON object (response_format json_object)"
+    )
+    structured.add_argument(
+        "--json-schema",
+        metavar="SCHEMA",
+        help="the output matches this JSON schema: its JSON text, or @FILE to read it",
     )
     structured.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
     structured.add_argument("--choice", action="append", help="the output is one of these texts (repeatable)")
@@ -70,8 +84,16 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
     if fmt is not None:
         text["response_format"] = fmt
     job_id = client.submit(
-        **text, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop, request_id=args.request_id, timeout_s=args.timeout_s, priority=args.priority,
+        **text,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        request_id=args.request_id,
+        timeout_s=args.timeout_s,
+        priority=args.priority,
         stream=args.stream,
     )
     if not args.stream:

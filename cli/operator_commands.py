@@ -8,6 +8,7 @@
 ID is a dead letter's entry id (the first column of `mili dead list`) or a job id. DURATION is a
 number with a unit: 90s, 15m, 12h, 7d.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,10 +46,14 @@ def add_commands(commands) -> None:
     purge = actions.add_parser("purge", help="remove dead letters")
     purge.add_argument("id", nargs="?", help="a dead letter's entry id, or a job id")
     purge.add_argument("--all", action="store_true", help="every dead letter of the queue")
-    purge.add_argument("--older-than", metavar="DURATION", help="letters that died longer ago than this: 90s, 15m, 12h, 7d")
+    purge.add_argument(
+        "--older-than", metavar="DURATION", help="letters that died longer ago than this: 90s, 15m, 12h, 7d"
+    )
     purge.set_defaults(run=cmd_dead_purge)
 
-    commands.add_parser("workers", help="live workers of every queue, from their heartbeats").set_defaults(run=cmd_workers)
+    commands.add_parser("workers", help="live workers of every queue, from their heartbeats").set_defaults(
+        run=cmd_workers
+    )
     jobs = commands.add_parser("jobs", help="jobs the queue holds: queued, running or dead")
     jobs.add_argument("--status", required=True, help=f"one of {', '.join(LISTABLE)}")
     jobs.add_argument("--limit", type=int, default=DEFAULT_LIMIT)
@@ -78,7 +83,11 @@ def cmd_dead_purge(client: Client, args: argparse.Namespace) -> int:
         letter = client.dead_letters.purge(args.id)
         print(f"purged dead letter {letter.letter_id} of job {letter.job_id}")
         return 0
-    removed = client.dead_letters.purge_all() if args.all else client.dead_letters.purge_older_than(parse_duration(args.older_than))
+    removed = (
+        client.dead_letters.purge_all()
+        if args.all
+        else client.dead_letters.purge_older_than(parse_duration(args.older_than))
+    )
     print(f"purged {removed} dead letters")
     return 0
 
@@ -110,7 +119,8 @@ def one_target(args: argparse.Namespace, names: Sequence[str]) -> None:
 def check_listable(status: str) -> str:
     if status in UNLISTABLE:
         raise InvalidArgument(
-            "status", f"{status} jobs cannot be listed: ended jobs have no index, only their own keys "
+            "status",
+            f"{status} jobs cannot be listed: ended jobs have no index, only their own keys "
             f"(mili status ID finds one); listable: {', '.join(LISTABLE)}",
         )
     if status not in LISTABLE:
@@ -126,6 +136,7 @@ def parse_duration(text: str) -> float:
 
 
 # -- tables ---------------------------------------------------------------------------------------
+
 
 def print_letters(letters: list[DeadLetter]) -> None:
     print_table(
@@ -147,7 +158,9 @@ def print_workers(workers: list[WorkerHealth]) -> None:
         i = w.info
         state = i.state + (" (stale)" if w.condition == "stale" else "")
         kv = f"{i.total_pages - i.free_pages}/{i.total_pages} pages" if i.total_pages else f"{i.free_pages} free pages"
-        rows.append((w.name, w.queue, i.model, i.device, state, i.running, i.free_slots, kv, f"{w.heartbeat_age_s:.1f}s ago"))
+        rows.append(
+            (w.name, w.queue, i.model, i.device, state, i.running, i.free_slots, kv, f"{w.heartbeat_age_s:.1f}s ago")
+        )
     print_table(("NAME", "QUEUE", "MODEL", "DEVICE", "STATE", "RUNNING", "FREE SLOTS", "KV USED", "HEARTBEAT"), rows)
 
 

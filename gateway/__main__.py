@@ -1,7 +1,8 @@
 """`python -m gateway` (console script `mili-gateway`): serve the HTTP gateway under uvicorn.
 
-    mili-gateway --redis redis://host:6379/0 --host 0.0.0.0 --port 8000
+mili-gateway --redis redis://host:6379/0 --host 0.0.0.0 --port 8000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,13 @@ def serve(settings: GatewaySettings) -> None:
     # proxy_headers off: create_app believes X-Forwarded-* of `trusted_proxies` only, whatever
     # uvicorn's FORWARDED_ALLOW_IPS says.
     config = uvicorn.Config(
-        create_app(settings, lifecycle), host=settings.host, port=settings.port, access_log=False, proxy_headers=False,
-        log_level=settings.log_level.lower(), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        create_app(settings, lifecycle),
+        host=settings.host,
+        port=settings.port,
+        access_log=False,
+        proxy_headers=False,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         log_config=None,  # uvicorn's loggers write through ours (producer_client.logs)
     )
     GatewayServer(config, lifecycle).run()

@@ -5,6 +5,7 @@ A key is a tenant: the files, batches and Idempotency-Keys it creates are its ow
 is a digest of its key, so no key is kept or shown anywhere). An `admin_api_keys` key is a tenant
 too, that may also see and cancel every other tenant's files and batches. Without `api_keys` the
 gateway is open and every request is the one anonymous tenant."""
+
 from __future__ import annotations
 
 import hashlib

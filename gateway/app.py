@@ -2,6 +2,7 @@
 /health, a job's status, and Prometheus metrics (the Batch API's are in gateway.batch.routes).
 Each request is validated whole before its jobs are enqueued, and every response carries the
 request's id in `x-request-id`."""
+
 from __future__ import annotations
 
 import logging
@@ -43,7 +44,6 @@ from producer_client.keys import NAME_PATTERN
 log = logging.getLogger("gateway")
 
 
-
 class Gateway:
     """What the routes share: settings, one Redis client for every queue, the model registry,
     the jobs of open requests and the metrics."""
@@ -51,22 +51,37 @@ class Gateway:
     def __init__(self, settings: GatewaySettings, lifecycle: Lifecycle):
         self.settings = settings
         self.client = AsyncClient(
-            settings.redis, settings.default_queue, prefix=settings.prefix, max_queue_depth=settings.max_queue_depth,
-            max_connections=settings.max_connections, wait_replicas=settings.wait_replicas,
-            wait_timeout_ms=settings.wait_timeout_ms, placement=settings.placement,
+            settings.redis,
+            settings.default_queue,
+            prefix=settings.prefix,
+            max_queue_depth=settings.max_queue_depth,
+            max_connections=settings.max_connections,
+            wait_replicas=settings.wait_replicas,
+            wait_timeout_ms=settings.wait_timeout_ms,
+            placement=settings.placement,
         )
         self.registry = ModelRegistry(self.client, settings.models, settings.workers_refresh_s)
         self.jobs = Jobs(lifecycle, settings.job_timeout_s, settings.cancel_on_disconnect)
         self.metrics = GatewayMetrics(self.client.placement)
 
     async def submit(
-        self, request: Request, specs: list[JobSpec], queue: str, body: BaseModel, stream: bool = False,
+        self,
+        request: Request,
+        specs: list[JobSpec],
+        queue: str,
+        body: BaseModel,
+        stream: bool = False,
     ) -> RequestJobs:
         """Enqueue the request's jobs (streamed ones for an SSE response); with an Idempotency-Key,
         under ids of the request's tenant, bound to this request (gateway/idempotency.py)."""
         client = self.client.on_queue(queue)
         jobs = await self.jobs.submit(
-            client, specs, scoped_key(request), fingerprint(request, body), request.state.request_id, stream,
+            client,
+            specs,
+            scoped_key(request),
+            fingerprint(request, body),
+            request.state.request_id,
+            stream,
         )
         request.state.jobs = f"queue {queue!r} jobs {','.join(jobs.ids)}"  # for the request's log line
         return jobs
@@ -87,7 +102,9 @@ class Gateway:
         body = events(inbox, first, renderer, include_usage, s.keepalive_s, self.metrics, s.retry_after_s)
         return EventStream(body, headers=job_headers(jobs))
 
-    async def answer(self, request: Request, request_model: type[SamplingRequest], jobs_of, renderer_of, id_prefix: str) -> Response:
+    async def answer(
+        self, request: Request, request_model: type[SamplingRequest], jobs_of, renderer_of, id_prefix: str
+    ) -> Response:
         """A chat or text completion: validate it whole, enqueue its jobs, then stream them or
         wait for them. `jobs_of` turns the request into job specs, `renderer_of` makes its renderer."""
         req = await parse(request, request_model)
@@ -147,7 +164,9 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
     async def retrieve_model(model: str):
         card = next((c for c in (await gw.registry.current(force=True)).cards if c.id == model), None)
         if card is None:
-            raise not_found(f"the model `{model}` does not exist (no live worker serves it)", "model_not_found", "model")
+            raise not_found(
+                f"the model `{model}` does not exist (no live worker serves it)", "model_not_found", "model"
+            )
         return json_response(card)
 
     @app.get("/v1/jobs/{job_id:path}")
@@ -164,7 +183,9 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
         if results is None:
             return client_left()
         (result,) = results
-        answer = GenerateResponse(generated_text=result.text, finish_reason=finish_reason(result)[0], usage=usage([result], [0]))
+        answer = GenerateResponse(
+            generated_text=result.text, finish_reason=finish_reason(result)[0], usage=usage([result], [0])
+        )
         return json_response(answer, job_headers(jobs))
 
     @app.get("/health")
@@ -190,7 +211,9 @@ def edge_of(app, settings: GatewaySettings, failures: AuthFailures, metrics: Gat
     guarded = Edge(app, access, limits, failures)
     if settings.cors_origins:
         guarded = CORSMiddleware(
-            guarded, allow_origins=settings.cors_origins, allow_methods=["GET", "POST", "DELETE"],
+            guarded,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["authorization", "content-type", "idempotency-key", "x-request-id"],
             expose_headers=["x-request-id", "x-mili-job-ids"],
         )
@@ -288,8 +311,13 @@ class RequestContext:
         finally:
             self.metrics.requests.labels(endpoint(scope), str(status)).inc()
             log.info(
-                "request %s: %s %r -> %d in %.1f ms%s", request_id, scope["method"], scope["path"], status,
-                (time.perf_counter() - started) * 1000, f"; {scope['state']['jobs']}" if "jobs" in scope["state"] else "",
+                "request %s: %s %r -> %d in %.1f ms%s",
+                request_id,
+                scope["method"],
+                scope["path"],
+                status,
+                (time.perf_counter() - started) * 1000,
+                f"; {scope['state']['jobs']}" if "jobs" in scope["state"] else "",
             )
 
 

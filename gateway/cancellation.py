@@ -6,6 +6,7 @@ fixed in 3.12). redis-py's asyncio client sends every command through wait_for w
 timeout is set, as ours is, so a task cancelled while it sends a command may go on as if it had
 never been cancelled: a gateway's stop waited forever for its batch driver's polling loop so.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -14,6 +14,7 @@
   without a CORS preflight, and must not enqueue work through a browser that can reach the
   gateway. 415 otherwise, as FastAPI answers for its own JSON bodies since CVE-2021-32677.
 """
+
 from __future__ import annotations
 
 import email.message
@@ -125,7 +126,9 @@ class Edge:
         has_body = (length is not None and int(length) > 0) or "transfer-encoding" in request.headers
         if policy.json and has_body and not is_json(request.headers.get("content-type")):
             return APIError(
-                415, "the body must be JSON, sent with Content-Type: application/json", "invalid_request_error",
+                415,
+                "the body must be JSON, sent with Content-Type: application/json",
+                "invalid_request_error",
                 "unsupported_media_type",
             )
         return None
@@ -171,10 +174,15 @@ def too_large(limit: int) -> APIError:
 
 def too_many_failures(retry_after_s: int) -> APIError:
     return APIError(
-        429, "too many failed key or login attempts from this address; try again later", "rate_limit_error",
-        "too_many_auth_failures", headers={"Retry-After": str(retry_after_s)},
+        429,
+        "too many failed key or login attempts from this address; try again later",
+        "rate_limit_error",
+        "too_many_auth_failures",
+        headers={"Retry-After": str(retry_after_s)},
     )
 
 
 def error_response(error: APIError) -> Response:
-    return Response(error.body.model_dump_json(), status_code=error.status, headers=error.headers, media_type="application/json")
+    return Response(
+        error.body.model_dump_json(), status_code=error.status, headers=error.headers, media_type="application/json"
+    )

@@ -1,24 +1,38 @@
 """Errors as OpenAI's SDKs expect them: `{"error": {"message", "type", "param", "code"}}` under the
 status code the SDK maps to its exception classes (400 BadRequestError, 401 AuthenticationError,
 404 NotFoundError, 429 RateLimitError, 503/504 InternalServerError, which the SDK retries)."""
+
 from __future__ import annotations
 
 import redis
 
 from gateway.responses import ErrorBody, ErrorResponse
 from producer_client.errors import (
-    IdempotencyConflict, InvalidArgument, JobNotFound, JobTimeout, MiliError, NotReplicated, QueueFull,
+    IdempotencyConflict,
+    InvalidArgument,
+    JobNotFound,
+    JobTimeout,
+    MiliError,
+    NotReplicated,
+    QueueFull,
 )
 from producer_client.schema import JobFailed
 
 # Failure codes of a job that mean its input was bad, found by the worker after the enqueue
 # (only it tokenizes, so only it can tell a prompt longer than the context).
-BAD_INPUT_CODES = frozenset({"invalid_argument", "invalid_body", "body_too_large", "prompt_too_long", "kv_capacity_exceeded"})
+BAD_INPUT_CODES = frozenset(
+    {"invalid_argument", "invalid_body", "body_too_large", "prompt_too_long", "kv_capacity_exceeded"}
+)
 
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, type: str, code: str | None = None, param: str | None = None,
+        self,
+        status: int,
+        message: str,
+        type: str,
+        code: str | None = None,
+        param: str | None = None,
         headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
@@ -45,7 +59,9 @@ def job_error(error: JobFailed, prompt_param: str) -> APIError:
 
 
 def unauthorized() -> APIError:
-    return APIError(401, "missing or incorrect API key in `Authorization: Bearer`", "invalid_request_error", "invalid_api_key")
+    return APIError(
+        401, "missing or incorrect API key in `Authorization: Bearer`", "invalid_request_error", "invalid_api_key"
+    )
 
 
 def not_found(message: str, code: str, param: str | None = None) -> APIError:
@@ -58,15 +74,19 @@ def deadline_passed(message: str) -> APIError:
 
 def gateway_stopping() -> APIError:
     return APIError(
-        503, "the gateway is restarting; send the request again (with the same Idempotency-Key to keep its jobs)",
-        "service_unavailable_error", "gateway_stopping",
+        503,
+        "the gateway is restarting; send the request again (with the same Idempotency-Key to keep its jobs)",
+        "service_unavailable_error",
+        "gateway_stopping",
     )
 
 
 def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
     """The HTTP error for a client-library or Redis exception; None for anything else (a bug: 500)."""
     if isinstance(error, InvalidArgument):  # the client library's bad value is OpenAI's invalid_value
-        return bad_request(error.message, error.field, "invalid_value" if error.code == "invalid_argument" else error.code)
+        return bad_request(
+            error.message, error.field, "invalid_value" if error.code == "invalid_argument" else error.code
+        )
     if isinstance(error, QueueFull):
         return APIError(429, error.message, "rate_limit_error", error.code, headers={"Retry-After": str(retry_after_s)})
     if isinstance(error, JobNotFound):
@@ -83,9 +103,13 @@ def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
         message = "this Idempotency-Key was first used with another request; send a new key with a new request"
         return APIError(422, message, "invalid_request_error", error.code, "Idempotency-Key")
     if isinstance(error, NotReplicated):  # enqueued all the same: a retry with its Idempotency-Key finds its jobs
-        return APIError(503, error.message, "service_unavailable_error", error.code, headers={"Retry-After": str(retry_after_s)})
+        return APIError(
+            503, error.message, "service_unavailable_error", error.code, headers={"Retry-After": str(retry_after_s)}
+        )
     if isinstance(error, MiliError):
         return APIError(500, error.message, "server_error", error.code)
     if isinstance(error, redis.RedisError):
-        return APIError(503, f"the queue's Redis is unavailable: {error}", "service_unavailable_error", "redis_unavailable")
+        return APIError(
+            503, f"the queue's Redis is unavailable: {error}", "service_unavailable_error", "redis_unavailable"
+        )
     return None

@@ -6,6 +6,7 @@ gets jobs of its own, and cannot reach, read or wait on the first key's. Each jo
 digest of the whole request (route and validated body): the same key with another request is
 refused with 422 (the IETF draft "The Idempotency-Key HTTP Header Field" answers so, as does
 Stripe), never answered with the first request's result."""
+
 from __future__ import annotations
 
 import hashlib

@@ -12,6 +12,7 @@ passed), the unfinished jobs are cancelled, except:
   find the same jobs running, not cancelled;
 - on a disconnect, when the setting `cancel_on_disconnect` is off.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,7 +58,12 @@ class Jobs:
         self.background: set[asyncio.Task] = set()  # held so that they run to their end
 
     async def submit(
-        self, client: AsyncClient, specs: list[JobSpec], key: str | None, fingerprint: str, request_id: str,
+        self,
+        client: AsyncClient,
+        specs: list[JobSpec],
+        key: str | None,
+        fingerprint: str,
+        request_id: str,
         stream: bool,
     ) -> RequestJobs:
         """Enqueue one job per spec (see Gateway.check for their validation), as streamed jobs for
@@ -66,8 +72,11 @@ class Jobs:
         request with the key is refused (IdempotencyConflict)."""
         submits = [
             client.submit(
-                request_id=None if key is None else f"{key}-{i}", request_fingerprint=None if key is None else fingerprint,
-                timeout_s=self.job_timeout_s, stream=stream, **spec.submit_kwargs(),
+                request_id=None if key is None else f"{key}-{i}",
+                request_fingerprint=None if key is None else fingerprint,
+                timeout_s=self.job_timeout_s,
+                stream=stream,
+                **spec.submit_kwargs(),
             )
             for i, spec in enumerate(specs)
         ]
@@ -149,7 +158,9 @@ class Inbox:
 
     async def _result(self, index: int, job_id: str) -> None:
         try:
-            self.queue.put_nowait(JobEvent(index, await self.jobs.client.wait(job_id, timeout=self.owner.job_timeout_s)))
+            self.queue.put_nowait(
+                JobEvent(index, await self.jobs.client.wait(job_id, timeout=self.owner.job_timeout_s))
+            )
         except Exception as e:
             self.queue.put_nowait(JobEvent(index, e))
 

@@ -1,6 +1,7 @@
 """The gateway's stop, as the open requests see it. A stopping gateway (SIGTERM: a restart or a
 scale-down) ends every open request at once with a retryable error and cancels no job, so that
 a client's retry, on this gateway's successor or on any other, finds its jobs still running."""
+
 from __future__ import annotations
 
 import asyncio

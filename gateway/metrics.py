@@ -1,4 +1,5 @@
 """The gateway's Prometheus metrics, on a registry of its own (GET /metrics)."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -19,8 +20,10 @@ class PlacedJobs(Collector):
 
     def collect(self):
         family = CounterMetricFamily(
-            "mili_gateway_jobs_placed", "jobs enqueued, by where placement sent them: a worker's own stream "
-            "(affinity) or the queue's shared stream", labels=["placement"],
+            "mili_gateway_jobs_placed",
+            "jobs enqueued, by where placement sent them: a worker's own stream "
+            "(affinity) or the queue's shared stream",
+            labels=["placement"],
         )
         for outcome, count in self.placement.placed.items():
             family.add_metric([outcome.value], count)
@@ -32,15 +35,21 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(PlacedJobs(placement))
         self.requests = Counter(
-            "mili_gateway_requests_total", "HTTP requests answered, by endpoint (route) and status code",
-            ["endpoint", "status"], registry=self.registry,
+            "mili_gateway_requests_total",
+            "HTTP requests answered, by endpoint (route) and status code",
+            ["endpoint", "status"],
+            registry=self.registry,
         )
         self.time_to_first_byte = Histogram(
             "mili_gateway_time_to_first_byte_seconds",
             "from a request's arrival to the first byte of its body: the whole answer, or a stream's first chunk",
-            ["endpoint"], buckets=TTFB_BUCKETS, registry=self.registry,
+            ["endpoint"],
+            buckets=TTFB_BUCKETS,
+            registry=self.registry,
         )
-        self.open_streams = Gauge("mili_gateway_open_streams", "server-sent event streams open now", registry=self.registry)
+        self.open_streams = Gauge(
+            "mili_gateway_open_streams", "server-sent event streams open now", registry=self.registry
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,6 +9,7 @@ live worker (a queue scaled to zero), and is listed while it has one.
 The table is read again at most every `refresh_s` seconds, and at once when a request names a
 model it does not know (a worker that just started), so routing costs no Redis round trip.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,7 +61,9 @@ class ModelRegistry:
         if model not in table.queues:
             table = await self.current(force=True)
         if model not in table.queues:
-            raise not_found(f"the model `{model}` does not exist (no live worker serves it)", "model_not_found", "model")
+            raise not_found(
+                f"the model `{model}` does not exist (no live worker serves it)", "model_not_found", "model"
+            )
         return table.queues[model]
 
     async def current(self, force: bool = False) -> RouteTable:

@@ -5,6 +5,7 @@ chunks, usage and logprobs. A chat's reasoning and tool calls come split from it
 The gateway has no tokenizer, so a token in `logprobs` is written as `token_id:<id>` (vLLM's
 `--return-tokens-as-token-ids` form), with the bytes of that string.
 """
+
 from __future__ import annotations
 
 import time
@@ -12,9 +13,22 @@ from dataclasses import dataclass, field
 
 from gateway.errors import deadline_passed
 from gateway.responses import (
-    ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobs, ChatMessageOut,
-    Completion, CompletionChoice, CompletionLogprobs, FunctionDelta, PromptTokensDetails, TokenLogprob, ToolCallDelta,
-    TopLogprob, Usage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    FunctionDelta,
+    PromptTokensDetails,
+    TokenLogprob,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
 )
 from producer_client import JobResult, TokenDelta
 from producer_client.chat import ToolCall
@@ -49,7 +63,9 @@ def usage(results: list[JobResult], prompt_of: list[int]) -> Usage:
     cached = sum(r.usage.cached_prompt_tokens for r in first_of_prompt.values())
     completion = sum(r.usage.completion_tokens for r in results)
     return Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
@@ -63,7 +79,10 @@ def chat_logprobs(logprobs: list[JobLogprob] | None) -> ChatLogprobs | None:
 def chat_token(lp: JobLogprob) -> TokenLogprob:
     name = token_name(lp.token_id)
     return TokenLogprob(
-        token=name, logprob=lp.logprob, bytes=list(name.encode()), top_logprobs=[top_logprob(t, v) for t, v in lp.top],
+        token=name,
+        logprob=lp.logprob,
+        bytes=list(name.encode()),
+        top_logprobs=[top_logprob(t, v) for t, v in lp.top],
     )
 
 
@@ -102,7 +121,9 @@ class ChatRenderer(Renderer):
             ChatChoice(index=i, message=message(r), logprobs=chat_logprobs(r.logprobs), **choice_end(r))
             for i, r in enumerate(results)
         ]
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage(results))
+        return ChatCompletion(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage(results)
+        )
 
     def first(self, index: int) -> ChatCompletionChunk:
         return self._chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")))
@@ -119,14 +140,19 @@ class ChatRenderer(Renderer):
         for call in delta.tool_calls:
             position = self.calls_streamed.get(index, 0)
             self.calls_streamed[index] = position + 1
-            chunks += [self._chunk(ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[part]))) for part in call_parts(position, call)]
+            chunks += [
+                self._chunk(ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[part])))
+                for part in call_parts(position, call)
+            ]
         return chunks
 
     def end(self, index: int, result: JobResult) -> ChatCompletionChunk:
         return self._chunk(ChatChunkChoice(index=index, delta=ChatDelta(), **choice_end(result)))
 
     def usage_chunk(self, results: list[JobResult]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage(results))
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage(results)
+        )
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
@@ -135,14 +161,18 @@ class ChatRenderer(Renderer):
 def message(result: JobResult) -> ChatMessageOut:
     """A message that only calls tools has null content, as OpenAI's."""
     content = result.text if result.text or not result.tool_calls else None
-    return ChatMessageOut(content=content, reasoning_content=result.reasoning or None, tool_calls=result.tool_calls or None)
+    return ChatMessageOut(
+        content=content, reasoning_content=result.reasoning or None, tool_calls=result.tool_calls or None
+    )
 
 
 def call_parts(index: int, call: ToolCall) -> list[ToolCallDelta]:
     """A call as OpenAI streams it: its index among the choice's calls, its id, type and name
     once, then its arguments as a string delta."""
     return [
-        ToolCallDelta(index=index, id=call.id, type="function", function=FunctionDelta(name=call.function.name, arguments="")),
+        ToolCallDelta(
+            index=index, id=call.id, type="function", function=FunctionDelta(name=call.function.name, arguments="")
+        ),
         ToolCallDelta(index=index, function=FunctionDelta(arguments=call.function.arguments)),
     ]
 
@@ -158,7 +188,9 @@ class CompletionRenderer(Renderer):
             CompletionChoice(index=i, text=r.text, logprobs=completion_logprobs(r.logprobs), **choice_end(r))
             for i, r in enumerate(results)
         ]
-        return Completion(id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage(results))
+        return Completion(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage(results)
+        )
 
     def first(self, index: int) -> None:
         return None  # a text completion's stream has no role chunk
@@ -166,9 +198,16 @@ class CompletionRenderer(Renderer):
     def delta(self, index: int, delta: TokenDelta) -> list[Completion]:
         if not (delta.text or delta.logprobs):
             return []
-        return [self._chunk(CompletionChoice(
-            index=index, text=delta.text, logprobs=completion_logprobs(delta.logprobs), finish_reason=None,
-        ))]
+        return [
+            self._chunk(
+                CompletionChoice(
+                    index=index,
+                    text=delta.text,
+                    logprobs=completion_logprobs(delta.logprobs),
+                    finish_reason=None,
+                )
+            )
+        ]
 
     def end(self, index: int, result: JobResult) -> Completion:
         return self._chunk(CompletionChoice(index=index, text="", logprobs=None, **choice_end(result)))

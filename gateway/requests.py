@@ -1,5 +1,6 @@
 """OpenAI requests as queue jobs: one job per choice (`n`, times the prompts of a completion),
 each checked by the client library's own validation before any is enqueued."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,16 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.errors import bad_request, unsupported
 from gateway.schema import (
-    MAX_CHOICES, MESSAGE_KINDS, AssistantMessage, ChatCompletionRequest, CompletionRequest, GenerateRequest,
-    SamplingRequest, TextPart, ToolMessage, Unsupported,
+    MAX_CHOICES,
+    MESSAGE_KINDS,
+    AssistantMessage,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SamplingRequest,
+    TextPart,
+    ToolMessage,
+    Unsupported,
 )
 from producer_client import core
 from producer_client.errors import InvalidArgument
@@ -28,15 +37,28 @@ UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*")
 Model = TypeVar("Model", bound=BaseModel)
 # SamplingRequest fields that pass to SamplingParams under the same name.
 SAMPLING_FIELDS = (
-    "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p", "min_tokens",
-    "repetition_penalty", "ignore_eos", "stop_token_ids",
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "min_tokens",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
 )
 SEEDS = 2**63  # the spec's seeds are int64, the client's non-negative: a negative one counts from the top
 # pydantic's error types as OpenAI's error codes.
 ERROR_CODES = {
-    "missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter",
-    "greater_than_equal": "below_min_value", "greater_than": "below_min_value", "less_than_equal": "above_max_value",
-    "less_than": "above_max_value", "too_short": "below_min_length", "too_long": "above_max_length",
+    "missing": "missing_required_parameter",
+    "extra_forbidden": "unknown_parameter",
+    "greater_than_equal": "below_min_value",
+    "greater_than": "below_min_value",
+    "less_than_equal": "above_max_value",
+    "less_than": "above_max_value",
+    "too_short": "below_min_length",
+    "too_long": "above_max_length",
 }
 
 
@@ -53,8 +75,11 @@ class JobSpec:
 
     def submit_kwargs(self) -> dict[str, Any]:
         return {
-            "prompt": self.prompt, "messages": self.messages, "input_ids": self.input_ids,
-            "priority": self.priority, **(self.sampling or {}),
+            "prompt": self.prompt,
+            "messages": self.messages,
+            "input_ids": self.input_ids,
+            "priority": self.priority,
+            **(self.sampling or {}),
         }
 
     def check(self, timeout_s: float) -> None:
@@ -82,7 +107,8 @@ def param_of(error: dict) -> str | None:
     members of unions that pydantic puts in its path (`str`, `list[...]`, a message's kind)."""
     loc = error["loc"]
     names = [
-        str(p) for i, p in enumerate(loc)
+        str(p)
+        for i, p in enumerate(loc)
         if not UNION_MEMBER.fullmatch(str(p)) and not (p in MESSAGE_KINDS and i >= 2 and loc[i - 2] == "messages")
     ]
     if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
@@ -117,7 +143,9 @@ def chat_options(req: ChatCompletionRequest) -> dict[str, Any]:
 
 def completion_jobs(req: CompletionRequest) -> list[JobSpec]:
     if req.best_of is not None and req.best_of != req.choices:
-        raise unsupported(f"best_of {req.best_of} other than n ({req.choices}) is not supported by this server", "best_of")
+        raise unsupported(
+            f"best_of {req.best_of} other than n ({req.choices}) is not supported by this server", "best_of"
+        )
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETION_MAX_TOKENS
     params = sampling(req, max_tokens, req.logprobs)
     prompts = prompt_list(req.prompt)
@@ -127,7 +155,9 @@ def completion_jobs(req: CompletionRequest) -> list[JobSpec]:
     jobs: list[JobSpec] = []
     for index, prompt in enumerate(prompts):
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-        jobs += choices(JobSpec(prompt=text, input_ids=ids, priority=req.priority or 0, sampling=params, prompt_index=index), n)
+        jobs += choices(
+            JobSpec(prompt=text, input_ids=ids, priority=req.priority or 0, sampling=params, prompt_index=index), n
+        )
     return jobs
 
 
@@ -210,7 +240,10 @@ def chat_message(message) -> dict[str, Any]:
     `system` the chat template knows, an assistant's refusal as what it said."""
     if isinstance(message, AssistantMessage):
         return assistant_message(message)
-    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": text_of(message.content)}
+    out: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": text_of(message.content),
+    }
     if isinstance(message, ToolMessage):
         out["tool_call_id"] = message.tool_call_id
     return out

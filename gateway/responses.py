@@ -6,6 +6,7 @@ spec makes optional and not nullable is left out when it has no value, never sen
 Two extensions: `reasoning_content` on a chat message and its deltas (Qwen3's thinking, as vLLM
 names it), and `finish_detail` on a choice that did not end on its own (`cancelled`,
 `deadline_exceeded`), whose `finish_reason` is then one of the spec's (`stop`, `length`)."""
+
 from __future__ import annotations
 
 import time

@@ -7,6 +7,7 @@ it. A parameter of the spec that MILI cannot honour is accepted at its default (
 `logit_bias: {}`) and refused with a 400 naming it otherwise; a parameter the spec does not know
 is refused too, so that nothing a client asks for is silently ignored.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -107,6 +108,7 @@ class SamplingRequest(Strict):
 
 # -- chat messages, as the spec's request message types ---------------------------------------------
 
+
 class TextPart(Strict):
     type: Literal["text"]
     text: str
@@ -162,8 +164,10 @@ class ToolMessage(Strict):
 
 
 ChatMessageIn = Annotated[
-    Annotated[SystemMessage, Tag("system")] | Annotated[UserMessage, Tag("user")]
-    | Annotated[AssistantMessage, Tag("assistant")] | Annotated[ToolMessage, Tag("tool")],
+    Annotated[SystemMessage, Tag("system")]
+    | Annotated[UserMessage, Tag("user")]
+    | Annotated[AssistantMessage, Tag("assistant")]
+    | Annotated[ToolMessage, Tag("tool")],
     Discriminator(lambda m: {"developer": "system"}.get(m.get("role"), m.get("role")) if isinstance(m, dict) else None),
 ]
 MESSAGE_KINDS = ("system", "user", "assistant", "tool")  # the union's tags, which validation errors name
@@ -207,7 +211,12 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | Annotated[list[str], Field(min_length=1)] | NonEmptyIds | Annotated[list[NonEmptyIds], Field(min_length=1)]
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | NonEmptyIds
+        | Annotated[list[NonEmptyIds], Field(min_length=1)]
+    )
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: Annotated[bool | None, only(False)] = None
     suffix: Annotated[str | None, only("")] = None
@@ -220,7 +229,9 @@ class CompletionRequest(SamplingRequest):
         try:
             return handler(value)
         except ValidationError:
-            raise ValueError("must be a string, a list of strings, a list of token ids or a list of such lists") from None
+            raise ValueError(
+                "must be a string, a list of strings, a list of token ids or a list of such lists"
+            ) from None
 
 
 class GenerateRequest(Strict):

@@ -1,6 +1,7 @@
 """Gateway settings. Precedence, highest first: command-line flags > MILI_* environment variables
 > the TOML file (config/gateway.toml unless --config names another) > defaults. MILI_REDIS and
 MILI_PREFIX mean what they mean to the workers and the `mili` CLI."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,8 @@ class GatewaySettings(TomlSettings):
     model_config = SettingsConfigDict(env_prefix="MILI_", extra="forbid", frozen=True, toml_file=DEFAULT_CONFIG_FILE)
 
     redis: str = Field(
-        "redis://localhost:6379/0", description="redis://, rediss://, unix://, redis+cluster:// or redis+sentinel:// URL of the queue's Redis"
+        "redis://localhost:6379/0",
+        description="redis://, rediss://, unix://, redis+cluster:// or redis+sentinel:// URL of the queue's Redis",
     )
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
@@ -34,43 +36,61 @@ class GatewaySettings(TomlSettings):
         default_factory=list, description="accepted `Authorization: Bearer` keys (JSON list); empty: no authentication"
     )
     admin_api_keys: list[str] = Field(
-        default_factory=list, description="keys (JSON list) that may also see and cancel every key's files and batches",
+        default_factory=list,
+        description="keys (JSON list) that may also see and cancel every key's files and batches",
     )
-    monitoring_needs_key: bool = Field(False, description="/health and /metrics need an API key too (with api_keys set)")
+    monitoring_needs_key: bool = Field(
+        False, description="/health and /metrics need an API key too (with api_keys set)"
+    )
     max_json_bytes: int = Field(
-        4 << 20, ge=1, description="the largest JSON request body; a larger one is refused with 413 before it is read",
+        4 << 20,
+        ge=1,
+        description="the largest JSON request body; a larger one is refused with 413 before it is read",
     )
     cors_origins: list[str] = Field(
-        default_factory=list, description='origins granted CORS (JSON list, "*" for any); empty: none',
+        default_factory=list,
+        description='origins granted CORS (JSON list, "*" for any); empty: none',
     )
     trusted_proxies: list[str] = Field(
         default_factory=lambda: ["127.0.0.1"],
         description='proxies (JSON list of addresses or networks, "*" for any) whose X-Forwarded-For and -Proto are believed',
     )
     auth_failures_per_minute: int = Field(
-        10, ge=0, description="failed key and login attempts an address may make per minute, then 429; 0: no limit",
+        10,
+        ge=0,
+        description="failed key and login attempts an address may make per minute, then 429; 0: no limit",
     )
     models: dict[str, str] = Field(
-        default_factory=dict, description="model name -> queue (JSON object), over what the heartbeats say; merged over the file's map",
+        default_factory=dict,
+        description="model name -> queue (JSON object), over what the heartbeats say; merged over the file's map",
     )
     default_queue: str = Field("default", description="the queue of a POST /generate that names no model")
     job_timeout_s: float = Field(
         600.0, gt=0.0, description="a job's deadline from its enqueue; past it the request ends with 504"
     )
     max_connections: int = Field(
-        5000, ge=1, description="Redis connections the gateway may hold: each job it waits for holds one (a blocking read)"
+        5000,
+        ge=1,
+        description="Redis connections the gateway may hold: each job it waits for holds one (a blocking read)",
     )
     max_queue_depth: int = Field(DEFAULT_MAX_QUEUE_DEPTH, ge=1, description="a fuller queue answers 429")
-    wait_replicas: int = Field(0, ge=0, description="a job is enqueued once this many replicas have it (WAIT), else 503; 0: off")
+    wait_replicas: int = Field(
+        0, ge=0, description="a job is enqueued once this many replicas have it (WAIT), else 503; 0: off"
+    )
     wait_timeout_ms: int = Field(1000, ge=1, description="how long a submit waits for wait_replicas at most")
     placement: bool = Field(
-        True, description="cache-aware placement: a job goes to the worker likely to hold its prompt's prefix "
+        True,
+        description="cache-aware placement: a job goes to the worker likely to hold its prompt's prefix "
         "(docs/architecture.md); off, every job goes to the queue's shared stream",
     )
     retry_after_s: int = Field(1, ge=1, description="the Retry-After of a 429 (queue full)")
-    keepalive_s: float = Field(5.0, gt=0.0, description="a stream with no token for this long gets a ': keep-alive' line")
+    keepalive_s: float = Field(
+        5.0, gt=0.0, description="a stream with no token for this long gets a ': keep-alive' line"
+    )
     stream_hold_s: float = Field(
-        30.0, ge=0.0, description="a stream starts once its jobs begin (a prompt too long is then a 400), or after this long",
+        30.0,
+        ge=0.0,
+        description="a stream starts once its jobs begin (a prompt too long is then a 400), or after this long",
     )
     cancel_on_disconnect: bool = Field(True, description="a client that disconnects cancels its jobs")
     workers_refresh_s: float = Field(1.0, gt=0.0, description="how often the live workers' models are read again")
@@ -78,11 +98,16 @@ class GatewaySettings(TomlSettings):
     batch_max_file_bytes: int = Field(100 << 20, ge=1, description="the largest file POST /v1/files takes")
     batch_max_lines: int = Field(50_000, ge=1, description="the most requests a batch input file may hold")
     batch_completion_windows: list[str] = Field(
-        default_factory=lambda: ["24h"], description='the completion_window values a batch may ask for (JSON list of "<n>s|m|h|d")',
+        default_factory=lambda: ["24h"],
+        description='the completion_window values a batch may ask for (JSON list of "<n>s|m|h|d")',
     )
-    batch_ttl_s: int = Field(7 * 24 * 3600, ge=1, description="files expire this long after they are written, batches after they end")
+    batch_ttl_s: int = Field(
+        7 * 24 * 3600, ge=1, description="files expire this long after they are written, batches after they end"
+    )
     batch_in_flight: int = Field(1000, ge=1, description="a batch's lines submitted ahead of their answers")
-    batch_lease_s: float = Field(10.0, ge=1.0, description="a gateway that stops driving a batch loses it to another after this")
+    batch_lease_s: float = Field(
+        10.0, ge=1.0, description="a gateway that stops driving a batch loses it to another after this"
+    )
     batch_poll_s: float = Field(1.0, gt=0.0, description="how often a gateway looks for batches no gateway drives")
 
     @field_validator("redis")
@@ -132,7 +157,9 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         kind = _flag_type(field.annotation)
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=field.description)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=field.description
+            )
         else:
             parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=field.description)
 

@@ -7,6 +7,7 @@ The stream begins (its 200 and headers) once every job has said something, its f
 its end, or `stream_hold_s` has passed: only the worker tokenizes, so only then is a prompt
 known to fit the context, and one that does not is a 400 as OpenAI answers it, not an error
 event after a 200."""
+
 from __future__ import annotations
 
 import asyncio
@@ -73,8 +74,13 @@ async def opening(inbox: Inbox, hold_s: float) -> list[JobEvent]:
 
 
 async def events(
-    inbox: Inbox, first: list[JobEvent], renderer: ChatRenderer | CompletionRenderer, include_usage: bool,
-    keepalive_s: float, metrics: GatewayMetrics, retry_after_s: int,
+    inbox: Inbox,
+    first: list[JobEvent],
+    renderer: ChatRenderer | CompletionRenderer,
+    include_usage: bool,
+    keepalive_s: float,
+    metrics: GatewayMetrics,
+    retry_after_s: int,
 ) -> AsyncIterator[bytes]:
     """The SSE body, from the `first` events on. Leaving before the end (the client
     disconnected) releases the jobs."""
@@ -90,8 +96,12 @@ async def events(
 
 
 async def chunks(
-    inbox: Inbox, first: list[JobEvent], renderer: ChatRenderer | CompletionRenderer, include_usage: bool,
-    keepalive_s: float, retry_after_s: int,
+    inbox: Inbox,
+    first: list[JobEvent],
+    renderer: ChatRenderer | CompletionRenderer,
+    include_usage: bool,
+    keepalive_s: float,
+    retry_after_s: int,
 ) -> AsyncIterator[bytes]:
     results: list[JobResult | None] = [None] * len(inbox.jobs.ids)
     begun: set[int] = set()

@@ -1,4 +1,5 @@
 """The one rule for choosing Triton or the torch reference."""
+
 import os
 
 import torch

@@ -1,4 +1,5 @@
 """What the numba-compiled CPU kernels share: their fast-math flags and their thread count."""
+
 import numba
 import torch
 

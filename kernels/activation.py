@@ -1,4 +1,5 @@
 """SwiGLU gate on the fused gate/up projection."""
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -37,7 +38,13 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(inter), 1024)
     out2 = out.view(-1, inter)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-        x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=block, num_warps=4,
+        x2,
+        out2,
+        x2.stride(0),
+        out2.stride(0),
+        inter,
+        BLOCK=block,
+        num_warps=4,
     )
     return out
 

@@ -7,6 +7,7 @@ bench/RESULTS.md has what it measured against torch's argmax.
 Ties go to the first index, as in torch. A row holding a NaN gets an arbitrary index where
 torch returns the NaN's; the sampler fails such rows whatever their token.
 """
+
 import numba
 import numpy as np
 import torch

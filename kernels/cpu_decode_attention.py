@@ -13,6 +13,7 @@ A float8 cache (kernels/fp8.py) is read as bytes, each row decoded through a 256
 (exact) into a small buffer, with its per-kv-head scales applied to the scores and to the
 output: a quarter of a float32 cache's bytes per step, at the cost of the lookups.
 """
+
 import numba
 import numpy as np
 import torch
@@ -39,16 +40,20 @@ def _row_values_overload(row, table, buffer):
     """A cached row's values: a float row as it is, or a float8 row's bytes looked up in the
     table into `buffer` (once per row and kv head, so the dot products over it vectorize)."""
     if isinstance(row.dtype, types.Integer):
+
         def lookup(row, table, buffer):
             for d in range(row.size):
                 buffer[d] = table[row[d]]
             return buffer
+
         return lookup
     return lambda row, table, buffer: row
 
 
 @numba.njit(fastmath=FASTMATH, cache=True, nogil=True, parallel=True)
-def _decode(q, k_cache, v_cache, page_table, context_lens, scale, k_scales, v_scales, table, split, out):  # pragma: no cover
+def _decode(
+    q, k_cache, v_cache, page_table, context_lens, scale, k_scales, v_scales, table, split, out
+):  # pragma: no cover
     """Each request's context is cut into pieces of `split` tokens, one work item each, so a
     lone long request still spreads over the threads; each item leaves its softmax's peak, sum
     and unnormalized output, and a second pass merges a request's items."""
@@ -151,9 +156,14 @@ def supports(q: torch.Tensor) -> bool:
 
 
 def paged_decode_attention_cpu(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as paged_decode_attention_reference, for float32 queries on CPU."""
     check_scales(k_cache, k_scale, v_scale)
@@ -167,7 +177,16 @@ def paged_decode_attention_cpu(
         k_scales = v_scales = np.ones(k_cache.shape[2], dtype=np.float32)
     use_torch_thread_count()
     _decode(
-        q.numpy(), k_cache.numpy(), v_cache.numpy(), page_table.numpy(), context_lens.numpy(),
-        np.float32(scale), k_scales, v_scales, table, SPLIT_TOKENS, out.numpy(),
+        q.numpy(),
+        k_cache.numpy(),
+        v_cache.numpy(),
+        page_table.numpy(),
+        context_lens.numpy(),
+        np.float32(scale),
+        k_scales,
+        v_scales,
+        table,
+        SPLIT_TOKENS,
+        out.numpy(),
     )
     return out

@@ -5,6 +5,7 @@ programs (so a small batch of long contexts still fills the GPU), each leaving a
 partial output and its log-sum-exp; a second kernel merges the splits. A program handles all
 the q heads that share one kv head, so each K/V tile is read once per group (GQA).
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -19,7 +20,10 @@ MAX_SPLITS = 32  # the merge reads one tile of this many partial results, whatev
 
 
 def gather_context(
-    cache: torch.Tensor, page_row: torch.Tensor, length: int, scratch: torch.Tensor | None = None,
+    cache: torch.Tensor,
+    page_row: torch.Tensor,
+    length: int,
+    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The first `length` cached rows of one request, [length, Hk, D].
 
@@ -40,9 +44,14 @@ def cached_values(rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tenso
 
 
 def paged_decode_attention_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D]; page_table [B, max_pages] int32; context_lens [B] (includes the current token).
     A float8 cache's rows are dequantized with k_scale, v_scale [Hk] (kernels/fp8.py).
@@ -67,11 +76,26 @@ def paged_decode_attention_reference(
 
 @triton.jit
 def attend_kv_tile(
-    q, m, l, acc,
-    k_cache_ptr, v_cache_ptr, page_row_ptr, kv_head_offset, cache_page_stride, cache_slot_stride,
-    n0, kv_end, last_key, qk_scale,
-    MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q,
+    m,
+    l,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    page_row_ptr,
+    kv_head_offset,
+    cache_page_stride,
+    cache_slot_stride,
+    n0,
+    kv_end,
+    last_key,
+    qk_scale,
+    MASKED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step of the rows of q over cached keys [n0, n0 + BLOCK_N).
 
@@ -120,12 +144,31 @@ def kv_head_scales(k_scale_ptr, v_scale_ptr, kv_head, FP8: tl.constexpr):
 # request would compile there. So one variant serves every batch, and Engine.warm_up compiles it.
 @triton.jit(do_not_specialize=["page_table_stride", "num_splits"])
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, context_lens_ptr, partial_out_ptr, partial_lse_ptr,
-    k_scale_ptr, v_scale_ptr,
-    q_batch_stride, q_head_stride, cache_page_stride, cache_slot_stride, cache_head_stride, page_table_stride,
-    num_q_heads, num_splits, qk_scale,
-    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    page_table_ptr,
+    context_lens_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    q_batch_stride,
+    q_head_stride,
+    cache_page_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    page_table_stride,
+    num_q_heads,
+    num_splits,
+    qk_scale,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
@@ -151,9 +194,26 @@ def _decode_split_kernel(
     k_scale, v_scale = kv_head_scales(k_scale_ptr, v_scale_ptr, kv_head, FP8)
     for n0 in range(start, end, BLOCK_N):
         m, l, acc = attend_kv_tile(
-            q, m, l, acc, k_cache_ptr, v_cache_ptr, page_row_ptr, kv_head * cache_head_stride,
-            cache_page_stride, cache_slot_stride, n0, end, last_key, qk_scale * k_scale,
-            True, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            q,
+            m,
+            l,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            page_row_ptr,
+            kv_head * cache_head_stride,
+            cache_page_stride,
+            cache_slot_stride,
+            n0,
+            end,
+            last_key,
+            qk_scale * k_scale,
+            True,
+            PAGE_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            DOT_PRECISION,
         )
     # An empty split (context shorter than the split start) leaves lse = -inf and weight 0.
     l_safe = tl.where(l > 0, l, 1.0)
@@ -166,8 +226,16 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])  # as the split kernel's
 def _decode_merge_kernel(
-    partial_out_ptr, partial_lse_ptr, out_ptr, out_batch_stride, out_head_stride, num_q_heads, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    out_batch_stride,
+    out_head_stride,
+    num_q_heads,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     batch = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -178,12 +246,18 @@ def _decode_merge_kernel(
     top = tl.max(lse, axis=0)
     # An empty context leaves every split at -inf: all weights 0 and a zero output, as the reference.
     weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
-    parts = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
-                    mask=(s[:, None] < num_splits) & (d[None, :] < HEAD_DIM), other=0.0)
+    parts = tl.load(
+        partial_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+        mask=(s[:, None] < num_splits) & (d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
     total = tl.sum(weight, axis=0)
     out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + batch * out_batch_stride + head * out_head_stride + d,
-             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(
+        out_ptr + batch * out_batch_stride + head * out_head_stride + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -199,13 +273,16 @@ def decode_stages(dtype: torch.dtype, fp8: bool) -> int:
 
 def check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError(f"k_cache {tuple(k_cache.shape)}/{k_cache.stride()} and v_cache "
-                         f"{tuple(v_cache.shape)}/{v_cache.stride()} must share shape and strides")
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)}/{k_cache.stride()} and v_cache "
+            f"{tuple(v_cache.shape)}/{v_cache.stride()} must share shape and strides"
+        )
     if k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q and the kv caches need a contiguous head_dim")
     if q.shape[-1] != k_cache.shape[-1] or q.shape[-2] % k_cache.shape[2] != 0:
-        raise ValueError(f"q heads x dim {tuple(q.shape[-2:])} do not group over kv cache heads x dim "
-                         f"{tuple(k_cache.shape[2:])}")
+        raise ValueError(
+            f"q heads x dim {tuple(q.shape[-2:])} do not group over kv cache heads x dim {tuple(k_cache.shape[2:])}"
+        )
 
 
 def decode_num_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -217,9 +294,15 @@ def decode_num_splits(batch: int, kv_heads: int, max_context: int, device: torch
 
 
 def paged_decode_attention_triton(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    page_table: torch.Tensor, context_lens: torch.Tensor, scale: float,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, num_splits: int | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as the reference. num_splits defaults to decode_num_splits."""
     check_paged_cache(q, k_cache, v_cache)
@@ -239,17 +322,46 @@ def paged_decode_attention_triton(
     block_d = triton.next_power_of_2(head_dim)
     fp8 = is_fp8(k_cache)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, context_lens, partial_out, partial_lse,
-        k_scale if fp8 else None, v_scale if fp8 else None,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        num_q_heads, num_splits, scale * LOG2E,
-        GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-        DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, num_warps=4, num_stages=decode_stages(q.dtype, fp8),
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        context_lens,
+        partial_out,
+        partial_lse,
+        k_scale if fp8 else None,
+        v_scale if fp8 else None,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        page_table.stride(0),
+        num_q_heads,
+        num_splits,
+        scale * LOG2E,
+        GROUP=group,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=BLOCK_N,
+        BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(q.dtype),
+        FP8=fp8,
+        num_warps=4,
+        num_stages=decode_stages(q.dtype, fp8),
     )
     _decode_merge_kernel[(batch, num_q_heads)](
-        partial_out, partial_lse, out, out.stride(0), out.stride(1), num_q_heads, num_splits,
-        HEAD_DIM=head_dim, BLOCK_S=MAX_SPLITS, BLOCK_D=block_d,
+        partial_out,
+        partial_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_q_heads,
+        num_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_S=MAX_SPLITS,
+        BLOCK_D=block_d,
         num_warps=1,
     )
     return out

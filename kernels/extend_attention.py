@@ -6,6 +6,7 @@ token (a decode inside a mixed step) costs one pass over its context, not one pe
 Keys every row of the tile sees skip the masks; the causal band is masked; keys past the
 tile's last token are never read.
 """
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -13,7 +14,13 @@ import triton.language as tl
 
 from kernels._dispatch import use_triton
 from kernels.decode_attention import (
-    LOG2E, attend_kv_tile, cached_values, check_paged_cache, dot_precision, gather_context, kv_head_scales,
+    LOG2E,
+    attend_kv_tile,
+    cached_values,
+    check_paged_cache,
+    dot_precision,
+    gather_context,
+    kv_head_scales,
 )
 from kernels.fp8 import check_scales, is_fp8
 
@@ -38,9 +45,16 @@ MASK_ELEMENTS = 1 << 20
 
 
 def paged_extend_attention_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, prefix_lens: torch.Tensor,
-    scale: float, max_q_len: int, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    scale: float,
+    max_q_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] for the new tokens of B requests (cu_seqlens_q [B+1]).
 
@@ -70,8 +84,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         visible = prefix + last  # keys past the block's last token are masked for all of it
         mask = torch.arange(visible, device=q.device) <= prefix + torch.arange(first, last, device=q.device)[:, None]
         block = q[first:last].float().transpose(0, 1)[None]  # [1, Hq, rows, D]
-        attended = F.scaled_dot_product_attention(block, keys[:, :, :visible], values[:, :, :visible],
-                                                  attn_mask=mask, scale=scale, enable_gqa=True)
+        attended = F.scaled_dot_product_attention(
+            block, keys[:, :, :visible], values[:, :, :visible], attn_mask=mask, scale=scale, enable_gqa=True
+        )
         out[first:last] = attended[0].transpose(0, 1)
     return out.to(q.dtype)
 
@@ -79,12 +94,32 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 # The page table's width follows the step's longest sequence: not specialized on, as in the decode kernel.
 @triton.jit(do_not_specialize=["page_table_stride"])
 def _extend_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, cu_seqlens_q_ptr, prefix_lens_ptr,
-    k_scale_ptr, v_scale_ptr,
-    q_token_stride, q_head_stride, out_token_stride, out_head_stride,
-    cache_page_stride, cache_slot_stride, cache_head_stride, page_table_stride, qk_scale,
-    GROUP: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    page_table_ptr,
+    cu_seqlens_q_ptr,
+    prefix_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    q_token_stride,
+    q_head_stride,
+    out_token_stride,
+    out_head_stride,
+    cache_page_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    page_table_stride,
+    qk_scale,
+    GROUP: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -104,8 +139,9 @@ def _extend_kernel(
     row_mask = (r < TOKENS_PER_TILE * GROUP) & (token < q_len)
     io_mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
     q_rows = (q_start + token).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * q_token_stride + head[:, None] * q_head_stride + d[None, :],
-                mask=io_mask, other=0.0)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * q_token_stride + head[:, None] * q_head_stride + d[None, :], mask=io_mask, other=0.0
+    )
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -120,25 +156,69 @@ def _extend_kernel(
     kv_end = prefix + tl.minimum(first_token + TOKENS_PER_TILE, q_len)
     for n0 in range(0, shared_end, BLOCK_N):
         m, l, acc = attend_kv_tile(
-            q, m, l, acc, k_cache_ptr, v_cache_ptr, page_row_ptr, kv_head_offset,
-            cache_page_stride, cache_slot_stride, n0, kv_end, last_key, qk_scale,
-            False, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            q,
+            m,
+            l,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            page_row_ptr,
+            kv_head_offset,
+            cache_page_stride,
+            cache_slot_stride,
+            n0,
+            kv_end,
+            last_key,
+            qk_scale,
+            False,
+            PAGE_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            DOT_PRECISION,
         )
     for n0 in range(shared_end, kv_end, BLOCK_N):
         m, l, acc = attend_kv_tile(
-            q, m, l, acc, k_cache_ptr, v_cache_ptr, page_row_ptr, kv_head_offset,
-            cache_page_stride, cache_slot_stride, n0, kv_end, last_key, qk_scale,
-            True, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, DOT_PRECISION,
+            q,
+            m,
+            l,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            page_row_ptr,
+            kv_head_offset,
+            cache_page_stride,
+            cache_slot_stride,
+            n0,
+            kv_end,
+            last_key,
+            qk_scale,
+            True,
+            PAGE_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            DOT_PRECISION,
         )
     out = acc * (v_scale / tl.where(l > 0, l, 1.0)[:, None])
-    tl.store(out_ptr + q_rows[:, None] * out_token_stride + head[:, None] * out_head_stride + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    tl.store(
+        out_ptr + q_rows[:, None] * out_token_stride + head[:, None] * out_head_stride + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
 
 
 def paged_extend_attention_triton(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, prefix_lens: torch.Tensor,
-    scale: float, max_q_len: int, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    scale: float,
+    max_q_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as the reference; max_q_len sizes the grid without a device sync."""
     check_paged_cache(q, k_cache, v_cache)
@@ -156,18 +236,47 @@ def paged_extend_attention_triton(
     tokens_per_tile = config["BLOCK_M"] // group
     fp8 = is_fp8(k_cache)
     _extend_kernel[(triton.cdiv(max_q_len, tokens_per_tile), batch, kv_heads)](
-        q, k_cache, v_cache, out, page_table, cu_seqlens_q, prefix_lens,
-        k_scale if fp8 else None, v_scale if fp8 else None,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), scale * LOG2E,
-        GROUP=group, TOKENS_PER_TILE=tokens_per_tile, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, **config,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        page_table,
+        cu_seqlens_q,
+        prefix_lens,
+        k_scale if fp8 else None,
+        v_scale if fp8 else None,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        page_table.stride(0),
+        scale * LOG2E,
+        GROUP=group,
+        TOKENS_PER_TILE=tokens_per_tile,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        DOT_PRECISION=dot_precision(q.dtype),
+        FP8=fp8,
+        **config,
     )
     return out
 
 
 def paged_extend_attention(
-    q, k_cache, v_cache, page_table, cu_seqlens_q, prefix_lens, scale, max_q_len, k_scale=None, v_scale=None,
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    cu_seqlens_q,
+    prefix_lens,
+    scale,
+    max_q_len,
+    k_scale=None,
+    v_scale=None,
 ):
     if use_triton(q):
         return paged_extend_attention_triton(

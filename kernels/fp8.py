@@ -5,6 +5,7 @@ Every kernel takes the scales as a [num_kv_heads] vector, so per-tensor scales a
 vector with one value repeated (worker/model/kv_scales.py chooses the values). A cache in any
 other dtype stores values as they are and its kernels never read the scales.
 """
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn

@@ -17,6 +17,7 @@ On CPU the reference runs: the pairs sorted by expert in torch, then torch's gro
 (F.grouped_mm) for each projection. `fused_moe_per_expert_loop` is transformers' algorithm, a
 loop over the experts hit: the tests' oracle and the benchmark's baseline.
 """
+
 from typing import NamedTuple
 
 import torch
@@ -31,7 +32,11 @@ from kernels.moe_align import ExpertBlocks, align_by_expert_triton
 
 
 def fused_moe_per_expert_loop(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """Each expert hit runs its tokens through its MLP, weighted, summed into their rows (in
     float32, then rounded once)."""
@@ -45,7 +50,11 @@ def fused_moe_per_expert_loop(
 
 
 def fused_moe_reference(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """The kernels' arithmetic in torch: pairs sorted by expert, one grouped GEMM per projection."""
     num_tokens, top_k = topk_ids.shape
@@ -113,9 +122,24 @@ def _block_pairs(sorted_pairs_ptr, expert_ids_ptr, block, num_pairs, BLOCK_M: tl
 # The batch's pair count changes every step: not specialized on, as in the alignment kernel.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_pairs_ptr, expert_ids_ptr, num_padded_ptr,
-    num_pairs, top_k, hidden, inter, x_stride, w_expert_stride, w_row_stride, out_stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_pairs_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    num_pairs,
+    top_k,
+    hidden,
+    inter,
+    x_stride,
+    w_expert_stride,
+    w_row_stride,
+    out_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # The epilogue rounds gate, up and silu(gate) to the activation dtype, as the reference does.
     block, cols, in_use = _tile(tl.program_id(0), inter, num_padded_ptr, BLOCK_M, BLOCK_N)
@@ -146,9 +170,24 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    act_ptr, w_ptr, out_ptr, routing_weights_ptr, sorted_pairs_ptr, expert_ids_ptr, num_padded_ptr,
-    num_pairs, hidden, inter, act_stride, w_expert_stride, w_row_stride, out_stride,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    routing_weights_ptr,
+    sorted_pairs_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    num_pairs,
+    hidden,
+    inter,
+    act_stride,
+    w_expert_stride,
+    w_row_stride,
+    out_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # The product is rounded to the activation dtype before the routing weight scales it, as in the reference.
     block, cols, in_use = _tile(tl.program_id(0), hidden, num_padded_ptr, BLOCK_M, BLOCK_N)
@@ -173,8 +212,10 @@ def _down_kernel(
 def check_moe_operands(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> None:
     num_experts, two_inter, hidden_size = w13.shape
     if w2.shape != (num_experts, hidden_size, two_inter // 2) or hidden.shape[-1] != hidden_size:
-        raise ValueError(f"hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} "
-                         "are not [T, H], [E, 2I, H] and [E, H, I]")
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} "
+            "are not [T, H], [E, 2I, H] and [E, H, I]"
+        )
     if not (w13.is_contiguous() and w2.is_contiguous() and hidden.stride(-1) == 1):
         raise ValueError("the expert weights must be contiguous and hidden's rows too")
     if topk_ids.shape[0] != hidden.shape[0]:
@@ -182,7 +223,11 @@ def check_moe_operands(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 
 
 def fused_moe_triton(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     check_moe_operands(hidden, w13, w2, topk_ids)
     num_tokens, top_k = topk_ids.shape
@@ -198,32 +243,75 @@ def fused_moe_triton(
     return rows.view(num_tokens, top_k, hidden_size).sum(1)
 
 
-def launch_gate_up(hidden: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, blocks: ExpertBlocks,
-                   top_k: int, tiles: Tiles) -> None:
+def launch_gate_up(
+    hidden: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, blocks: ExpertBlocks, top_k: int, tiles: Tiles
+) -> None:
     inter = act.shape[1]
     grid = (blocks.expert_ids.numel() * triton.cdiv(inter, tiles.block_n),)
     _gate_up_kernel[grid](
-        hidden, w13, act, blocks.sorted_pairs, blocks.expert_ids, blocks.num_padded,
-        act.shape[0], top_k, hidden.shape[1], inter, hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        DOT_PRECISION=dot_precision(hidden.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        hidden,
+        w13,
+        act,
+        blocks.sorted_pairs,
+        blocks.expert_ids,
+        blocks.num_padded,
+        act.shape[0],
+        top_k,
+        hidden.shape[1],
+        inter,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        DOT_PRECISION=dot_precision(hidden.dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
 
 
-def launch_down(act: torch.Tensor, w2: torch.Tensor, rows: torch.Tensor, routing_weights: torch.Tensor,
-                blocks: ExpertBlocks, tiles: Tiles) -> None:
+def launch_down(
+    act: torch.Tensor,
+    w2: torch.Tensor,
+    rows: torch.Tensor,
+    routing_weights: torch.Tensor,
+    blocks: ExpertBlocks,
+    tiles: Tiles,
+) -> None:
     hidden_size = rows.shape[1]
     grid = (blocks.expert_ids.numel() * triton.cdiv(hidden_size, tiles.block_n),)
     _down_kernel[grid](
-        act, w2, rows, routing_weights, blocks.sorted_pairs, blocks.expert_ids, blocks.num_padded,
-        act.shape[0], hidden_size, act.shape[1], act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        DOT_PRECISION=dot_precision(act.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        act,
+        w2,
+        rows,
+        routing_weights,
+        blocks.sorted_pairs,
+        blocks.expert_ids,
+        blocks.num_padded,
+        act.shape[0],
+        hidden_size,
+        act.shape[1],
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        rows.stride(0),
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        DOT_PRECISION=dot_precision(act.dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
 
 
 def fused_moe(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """hidden [T, H] through the experts topk_ids [T, k] (int64) picked for each token, weighted by
     topk_weights [T, k] (hidden's dtype) -> [T, H]. w13 [E, 2I, H] holds each expert's gate rows,

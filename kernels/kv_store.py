@@ -1,4 +1,5 @@
 """Write new K/V rows into the paged cache, quantized when the cache is float8 (kernels/fp8.py)."""
+
 import torch
 import triton
 import triton.language as tl
@@ -10,8 +11,13 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 def store_kv_reference(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """k, v [T, Hk, D]; caches [num_pages, page_size, Hk, D]; slot = page * page_size + offset, -1 skips.
 
@@ -29,11 +35,26 @@ def store_kv_reference(
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
-    k_token_stride, k_head_stride, v_token_stride, v_head_stride,
-    cache_page_stride, cache_slot_stride, cache_head_stride,
-    num_heads, head_dim,
-    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    k_token_stride,
+    k_head_stride,
+    v_token_stride,
+    v_head_stride,
+    cache_page_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    num_heads,
+    head_dim,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     # One token per program, all its kv heads. Skipped tokens (slot -1) are dropped here,
     # so the launch needs no host-side filtering.
@@ -44,8 +65,12 @@ def _store_kv_kernel(
     heads = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < num_heads) & (cols < head_dim)
-    cache_row = (slot // PAGE_SIZE) * cache_page_stride + (slot % PAGE_SIZE) * cache_slot_stride \
-        + heads * cache_head_stride + cols
+    cache_row = (
+        (slot // PAGE_SIZE) * cache_page_stride
+        + (slot % PAGE_SIZE) * cache_slot_stride
+        + heads * cache_head_stride
+        + cols
+    )
     k = tl.load(k_ptr + token * k_token_stride + heads * k_head_stride + cols, mask=mask)
     v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + cols, mask=mask)
     if FP8:
@@ -63,8 +88,13 @@ def _quantize(x, scale):
 
 
 def store_kv_triton(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     tokens, num_heads, head_dim = k.shape
     if k_cache.stride() != v_cache.stride():
@@ -76,12 +106,27 @@ def store_kv_triton(
     v = v if v.stride(-1) == 1 else v.contiguous()
     fp8 = is_fp8(k_cache)
     _store_kv_kernel[(tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k_scale if fp8 else None, v_scale if fp8 else None,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_heads, head_dim,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), FP8=fp8, num_warps=4,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_scale if fp8 else None,
+        v_scale if fp8 else None,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        num_heads,
+        head_dim,
+        PAGE_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=fp8,
+        num_warps=4,
     )
 
 

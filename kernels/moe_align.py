@@ -11,6 +11,7 @@ expert that can be hit wasting block_m - 1 slots) and the length in use stays on
 (num_padded), so nothing waits for the host and a CUDA graph captured once replays any
 routing. Blocks past num_padded are skipped by the GEMMs; their expert id is -1.
 """
+
 from typing import NamedTuple
 
 import torch
@@ -40,7 +41,8 @@ def empty_blocks(num_pairs: int, num_experts: int, block_m: int, device: torch.d
     return ExpertBlocks(
         torch.full((size,), num_pairs, dtype=torch.int32, device=device),
         torch.full((triton.cdiv(size, block_m),), -1, dtype=torch.int32, device=device),
-        torch.zeros(1, dtype=torch.int32, device=device), block_m,
+        torch.zeros(1, dtype=torch.int32, device=device),
+        block_m,
     )
 
 
@@ -68,7 +70,8 @@ def align_by_expert_reference(topk_ids: torch.Tensor, num_experts: int, block_m:
     rank = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(runs.counts, 0) - runs.counts)[experts]
     blocks.sorted_pairs[runs.starts[experts] + rank] = order.to(torch.int32)
     experts_of_blocks = torch.repeat_interleave(
-        torch.arange(num_experts, dtype=torch.int32, device=flat.device), (runs.counts + block_m - 1) // block_m,
+        torch.arange(num_experts, dtype=torch.int32, device=flat.device),
+        (runs.counts + block_m - 1) // block_m,
     )
     blocks.expert_ids[: experts_of_blocks.numel()] = experts_of_blocks
     blocks.num_padded.copy_(runs.total)
@@ -78,8 +81,13 @@ def align_by_expert_reference(topk_ids: torch.Tensor, num_experts: int, block_m:
 # The batch's pair count changes every step: not specialized on, so no step compiles a variant.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _align_kernel(
-    topk_ids_ptr, run_starts_ptr, sorted_pairs_ptr, expert_ids_ptr, num_pairs,
-    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    topk_ids_ptr,
+    run_starts_ptr,
+    sorted_pairs_ptr,
+    expert_ids_ptr,
+    num_pairs,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     # One program per expert: it finds its pairs in order, a chunk at a time (a chunk's matches
     # are ranked by a prefix sum), and writes them and its blocks' expert id.
@@ -106,7 +114,13 @@ def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
     runs = padded_runs(topk_ids, num_experts, block_m)
     blocks.num_padded.copy_(runs.total)
     _align_kernel[(num_experts,)](
-        flat, runs.starts, blocks.sorted_pairs, blocks.expert_ids, flat.numel(), BLOCK_M=block_m, CHUNK=CHUNK,
+        flat,
+        runs.starts,
+        blocks.sorted_pairs,
+        blocks.expert_ids,
+        flat.numel(),
+        BLOCK_M=block_m,
+        CHUNK=CHUNK,
     )
     return blocks
 

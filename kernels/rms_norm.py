@@ -1,4 +1,5 @@
 """RMSNorm, and its fused residual-add variant."""
+
 import torch
 import triton
 import triton.language as tl
@@ -22,10 +23,19 @@ def fused_add_rms_norm_reference(
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    x_stride, residual_stride, out_stride, residual_out_stride,
-    hidden, eps,
-    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    x_stride,
+    residual_stride,
+    out_stride,
+    residual_out_stride,
+    hidden,
+    eps,
+    ADD_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # One row per program. Rounding follows the reference step by step: the residual
     # sum in the activation dtype, the norm in fp32, the normed row cast back to the
@@ -61,10 +71,19 @@ def _launch_rms_norm(x, residual, weight, eps, out, residual_out):
         return
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, res2, weight, out2, res_out2,
-        x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0),
-        hidden, eps,
-        ADD_RESIDUAL=residual is not None, BLOCK=block,
+        x2,
+        res2,
+        weight,
+        out2,
+        res_out2,
+        x2.stride(0),
+        res2.stride(0),
+        out2.stride(0),
+        res_out2.stride(0),
+        hidden,
+        eps,
+        ADD_RESIDUAL=residual is not None,
+        BLOCK=block,
         num_warps=min(max(block // 256, 1), 8),
     )
 

@@ -1,4 +1,5 @@
 """Qwen3's per-head q/k RMSNorm followed by rotary embedding (neox layout)."""
+
 import torch
 import triton
 import triton.language as tl
@@ -33,8 +34,13 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def qk_norm_rope_reference(
-    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-    positions: torch.Tensor, cos_sin: torch.Tensor, eps: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hk, D], positions [T]; returns new (q, k)."""
     half = q.shape[-1] // 2
@@ -47,10 +53,21 @@ def qk_norm_rope_reference(
 
 @triton.jit
 def _head_norm_rope_kernel(
-    x_ptr, weight_ptr, positions_ptr, cos_sin_ptr, out_ptr,
-    x_token_stride, x_head_stride, out_token_stride, out_head_stride, cos_sin_stride,
-    num_heads, eps,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    x_ptr,
+    weight_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    out_ptr,
+    x_token_stride,
+    x_head_stride,
+    out_token_stride,
+    out_head_stride,
+    cos_sin_stride,
+    num_heads,
+    eps,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     # One token per program, all its heads at once; each head row is split into the
     # two halves that neox rotary pairs up. Every product is rounded to the output
@@ -91,24 +108,42 @@ def _head_norm_rope(x, weight, positions, cos_sin, eps) -> torch.Tensor:
         return out
     half = head_dim // 2
     _head_norm_rope_kernel[(tokens,)](
-        x, weight, positions, cos_sin, out,
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos_sin.stride(0),
-        num_heads, eps,
-        HALF=half, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(half),
+        x,
+        weight,
+        positions,
+        cos_sin,
+        out,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        cos_sin.stride(0),
+        num_heads,
+        eps,
+        HALF=half,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_HALF=triton.next_power_of_2(half),
         num_warps=4,
     )
     return out
 
 
 def qk_norm_rope_triton(
-    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-    positions: torch.Tensor, cos_sin: torch.Tensor, eps: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as the reference; q and k may be strided views (e.g. split from fused qkv)."""
     if cos_sin.stride(-1) != 1:
         cos_sin = cos_sin.contiguous()
-    return (_head_norm_rope(q, q_weight, positions, cos_sin, eps),
-            _head_norm_rope(k, k_weight, positions, cos_sin, eps))
+    return (
+        _head_norm_rope(q, q_weight, positions, cos_sin, eps),
+        _head_norm_rope(k, k_weight, positions, cos_sin, eps),
+    )
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, positions, cos_sin, eps):

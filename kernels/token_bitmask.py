@@ -12,6 +12,7 @@ is a memory-bound 40 us or so of stores (Qwen3's vocabulary), and on the shared 
 numba's thread pool cost more to wake than it saved (bench/RESULTS.md, "Structured outputs"). Triton elsewhere
 (and under TRITON_INTERPRET=1); the torch reference is the specification.
 """
+
 import numba
 import numpy as np
 import torch
@@ -29,7 +30,10 @@ def words_for(vocab: int) -> int:
 
 
 def apply_token_bitmask_reference(
-    logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: torch.Tensor, mask_rows: torch.Tensor,
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    logit_rows: torch.Tensor,
+    mask_rows: torch.Tensor,
 ) -> None:
     """logits [N, V] float, in place; bitmask [M, W] int32; logit_rows, mask_rows [R] int64."""
     vocab = logits.shape[1]
@@ -43,7 +47,14 @@ def apply_token_bitmask_reference(
 
 @triton.jit
 def _apply_token_bitmask_kernel(
-    logits_ptr, logits_stride, bitmask_ptr, bitmask_stride, bitmask_words, logit_rows_ptr, mask_rows_ptr, vocab,
+    logits_ptr,
+    logits_stride,
+    bitmask_ptr,
+    bitmask_stride,
+    bitmask_words,
+    logit_rows_ptr,
+    mask_rows_ptr,
+    vocab,
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0)
@@ -53,14 +64,19 @@ def _apply_token_bitmask_kernel(
     in_vocab = tokens < vocab
     word_index = tokens // 32
     words = tl.load(
-        bitmask_ptr + mask_row * bitmask_stride + word_index, mask=in_vocab & (word_index < bitmask_words), other=0,
+        bitmask_ptr + mask_row * bitmask_stride + word_index,
+        mask=in_vocab & (word_index < bitmask_words),
+        other=0,
     )
     allowed = (words >> (tokens % 32)) & 1
     tl.store(logits_ptr + row * logits_stride + tokens, float("-inf"), mask=in_vocab & (allowed == 0))
 
 
 def apply_token_bitmask_triton(
-    logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: torch.Tensor, mask_rows: torch.Tensor,
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    logit_rows: torch.Tensor,
+    mask_rows: torch.Tensor,
 ) -> None:
     rows, vocab = logit_rows.shape[0], logits.shape[1]
     if rows == 0:
@@ -68,8 +84,16 @@ def apply_token_bitmask_triton(
     assert logits.stride(1) == 1 and bitmask.stride(1) == 1
     block = 1024
     _apply_token_bitmask_kernel[(rows, triton.cdiv(vocab, block))](
-        logits, logits.stride(0), bitmask, bitmask.stride(0), bitmask.shape[1], logit_rows, mask_rows, vocab,
-        BLOCK=block, num_warps=4,
+        logits,
+        logits.stride(0),
+        bitmask,
+        bitmask.stride(0),
+        bitmask.shape[1],
+        logit_rows,
+        mask_rows,
+        vocab,
+        BLOCK=block,
+        num_warps=4,
     )
 
 
@@ -96,7 +120,10 @@ def _apply_rows(logits, bitmask, logit_rows, mask_rows):  # pragma: no cover - c
 
 
 def apply_token_bitmask_cpu(
-    logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: torch.Tensor, mask_rows: torch.Tensor,
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    logit_rows: torch.Tensor,
+    mask_rows: torch.Tensor,
 ) -> None:
     _apply_rows(logits.numpy(), bitmask.numpy(), logit_rows.numpy(), mask_rows.numpy())
 
@@ -106,7 +133,10 @@ def supports_cpu(logits: torch.Tensor) -> bool:
 
 
 def apply_token_bitmask(
-    logits: torch.Tensor, bitmask: torch.Tensor, logit_rows: torch.Tensor, mask_rows: torch.Tensor,
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    logit_rows: torch.Tensor,
+    mask_rows: torch.Tensor,
 ) -> None:
     """Sets to -inf, in place, every logit whose token the bitmask forbids (see the module)."""
     if use_triton(logits):

@@ -1,19 +1,54 @@
 """MILI's producer library: submit generation jobs to a Redis queue and read their results.
 Depends on redis and pydantic only, so a producer host needs no GPU stack."""
+
 from producer_client import errors
 from producer_client.aio import AsyncClient
 from producer_client.bulk import ResultWatch
 from producer_client.client import Client
 from producer_client.errors import (
-    BulkQueueFull, IdempotencyConflict, InvalidArgument, JobNotFound, JobTimeout, MiliError, QueueFull,
+    BulkQueueFull,
+    IdempotencyConflict,
+    InvalidArgument,
+    JobNotFound,
+    JobTimeout,
+    MiliError,
+    QueueFull,
 )
 from producer_client.schema import (
-    ChatMessage, JobFailed, JobRequest, JobResult, JobStatus, QueueStats, SamplingParams, Timings, TokenDelta, Usage,
+    ChatMessage,
+    JobFailed,
+    JobRequest,
+    JobResult,
+    JobStatus,
+    QueueStats,
+    SamplingParams,
+    Timings,
+    TokenDelta,
+    Usage,
     WorkerInfo,
 )
 
 __all__ = [
-    "AsyncClient", "BulkQueueFull", "ChatMessage", "Client", "IdempotencyConflict", "InvalidArgument", "JobFailed", "JobNotFound", "JobRequest",
-    "JobResult", "JobStatus", "JobTimeout", "MiliError", "QueueFull", "QueueStats", "ResultWatch",
-    "SamplingParams", "Timings", "TokenDelta", "Usage", "WorkerInfo", "errors",
+    "AsyncClient",
+    "BulkQueueFull",
+    "ChatMessage",
+    "Client",
+    "IdempotencyConflict",
+    "InvalidArgument",
+    "JobFailed",
+    "JobNotFound",
+    "JobRequest",
+    "JobResult",
+    "JobStatus",
+    "JobTimeout",
+    "MiliError",
+    "QueueFull",
+    "QueueStats",
+    "ResultWatch",
+    "SamplingParams",
+    "Timings",
+    "TokenDelta",
+    "Usage",
+    "WorkerInfo",
+    "errors",
 ]

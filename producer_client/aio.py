@@ -1,5 +1,6 @@
 """The asyncio client: `Client`'s methods as coroutines, over redis.asyncio, in any of the three
 modes (producer_client.connection)."""
+
 from __future__ import annotations
 
 import copy
@@ -29,9 +30,16 @@ class AsyncClient(OperatorViews):
     run_steps = staticmethod(steps.arun)  # drives the operations of bulk and OperatorViews
 
     def __init__(
-        self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
-        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH, max_connections: int | None = None,
-        wait_replicas: int = 0, wait_timeout_ms: int = 1000, placement: bool = True,
+        self,
+        url: str = DEFAULT_URL,
+        queue: str = "default",
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH,
+        max_connections: int | None = None,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+        placement: bool = True,
     ):
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
@@ -40,7 +48,10 @@ class AsyncClient(OperatorViews):
         self.placement = Placement(placement)
         target = parse_url(url)
         self.redis = connect_async(
-            target, decode_responses=True, retry=async_retry_policy(target.mode), max_connections=max_connections,
+            target,
+            decode_responses=True,
+            retry=async_retry_policy(target.mode),
+            max_connections=max_connections,
         )
 
     async def aclose(self) -> None:
@@ -53,12 +64,28 @@ class AsyncClient(OperatorViews):
         await self.aclose()
 
     async def submit(
-        self, prompt: str | None = None, *, messages: list[dict] | None = None, input_ids: list[int] | None = None,
-        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0,
-        request_fingerprint: str | None = None, stream: bool = False, **sampling: Any,
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        input_ids: list[int] | None = None,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        priority: int = 0,
+        request_fingerprint: str | None = None,
+        stream: bool = False,
+        **sampling: Any,
     ) -> str:
         job = core.build_job(
-            prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint, stream=stream,
+            prompt,
+            messages,
+            input_ids,
+            request_id,
+            timeout_s,
+            priority,
+            sampling,
+            request_fingerprint,
+            stream=stream,
         )
         if job.idempotent:
             if not job.created((await execution.aexecute(self.redis, job.create_call(self.keys).add_to))[0]):
@@ -115,7 +142,9 @@ class AsyncClient(OperatorViews):
         return core.finished(job_id, await self._wait_done(job_id, Deadline(job_id, deadline_s)))
 
     async def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
-        operation = bulk.submit_steps(self.keys, self.queue, self.max_queue_depth, bulk.build_jobs(jobs), self.placement)
+        operation = bulk.submit_steps(
+            self.keys, self.queue, self.max_queue_depth, bulk.build_jobs(jobs), self.placement
+        )
         return await self.run_steps(self.redis, operation)
 
     async def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> AsyncIterator[JobResult]:
@@ -166,7 +195,13 @@ class AsyncClient(OperatorViews):
     async def _enqueue_or_forget(self, job: NewJob, create: bool) -> list:
         (stream,) = await self.run_steps(self.redis, self.placement.streams_for(self.keys, self.queue, [job.prefix]))
         add = core.enqueue_commands(
-            self.keys, self.queue, self.max_queue_depth, job, create, self.replication, stream,
+            self.keys,
+            self.queue,
+            self.max_queue_depth,
+            job,
+            create,
+            self.replication,
+            stream,
         )
         try:
             replies = await execution.aexecute(self.redis, add)

@@ -10,6 +10,7 @@ clients run the same steps over their own connections.
 - `ResultWatch` holds the jobs a caller waits for; one XREAD of their `done` streams returns every
   one of them that has ended, or blocks until one does (on a cluster, see `read_finished`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
@@ -44,9 +45,15 @@ def build_spec(index: int, spec: Mapping[str, Any]) -> NewJob:
     sampling = dict(spec)
     try:
         return core.build_job(
-            sampling.pop("prompt", None), sampling.pop("messages", None), sampling.pop("input_ids", None),
-            sampling.pop("request_id", None), sampling.pop("timeout_s", None), sampling.pop("priority", 0), sampling,
-            sampling.pop("request_fingerprint", None), stream=sampling.pop("stream", False),
+            sampling.pop("prompt", None),
+            sampling.pop("messages", None),
+            sampling.pop("input_ids", None),
+            sampling.pop("request_id", None),
+            sampling.pop("timeout_s", None),
+            sampling.pop("priority", 0),
+            sampling,
+            sampling.pop("request_fingerprint", None),
+            stream=sampling.pop("stream", False),
         )
     except InvalidArgument as e:
         raise type(e)(f"jobs[{index}].{e.field}", e.message.removeprefix(f"{e.field}: ")) from None
@@ -61,7 +68,7 @@ def submit_steps(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJo
     order = list(unique.values())
     placed: set[str] = set()
     for start in range(0, len(order), CHUNK):
-        chunk = order[start:start + CHUNK]
+        chunk = order[start : start + CHUNK]
         in_queue, depth = yield from enqueue_chunk(keys, queue, max_depth, chunk, placement)
         placed.update(in_queue)
         if len(in_queue) < len(chunk):
@@ -122,7 +129,9 @@ def found_already(keys: Keys, idempotent: list[NewJob]) -> Steps:
     return {job.job_id for job, reply in zip(idempotent, replies) if not job.created(reply)}
 
 
-def enqueue_commands(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob], shared: list[NewJob]) -> Callable:
+def enqueue_commands(
+    keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob], shared: list[NewJob]
+) -> Callable:
     """The hashes of the jobs with a fresh id (CREATE of the others went first), then ENQUEUE_MANY
     of those bound for the shared stream."""
 
@@ -131,7 +140,9 @@ def enqueue_commands(keys: Keys, queue: str, max_depth: int | None, jobs: list[N
             if not job.idempotent:
                 job.add_fresh_create(pipe, keys)
         if shared:
-            scripts.enqueue_many(keys.queue(queue), max_depth or 0, [(job.job_id, job.body) for job in shared]).add_to(pipe)
+            scripts.enqueue_many(keys.queue(queue), max_depth or 0, [(job.job_id, job.body) for job in shared]).add_to(
+                pipe
+            )
 
     return add
 
@@ -249,7 +260,7 @@ def check_exist(keys: Keys, job_ids: list[str]) -> Steps:
     """Raises JobNotFound for the first of `job_ids` with no job: one EXISTS of a chunk's hashes
     counts them, and only a chunk that comes up short is looked at key by key."""
     for start in range(0, len(job_ids), CHUNK):
-        chunk = job_ids[start:start + CHUNK]
+        chunk = job_ids[start : start + CHUNK]
         (count,) = checked((yield lambda pipe: pipe.exists(*(keys.job(job_id) for job_id in chunk))))
         if count < len(chunk):
             found = checked((yield lambda pipe: [pipe.exists(keys.job(job_id)) for job_id in chunk]))

@@ -1,6 +1,7 @@
 """The wire models of a chat: its messages (with the assistant's reasoning and tool calls, and the
 tools' answers), the tools a job offers the model, and which of them it may or must call. OpenAI's
 shapes, so that a message the gateway returned can be sent back as history unchanged."""
+
 from __future__ import annotations
 
 import hashlib

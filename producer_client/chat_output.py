@@ -22,6 +22,7 @@ The rules, each the fix of a bug report against other Qwen3 parsers:
 - Whitespace next to a tool call is dropped, unless it separates answer text before the call from
   answer text after it; all other text around calls is kept. Markers may be split anywhere.
 """
+
 from __future__ import annotations
 
 import enum
@@ -62,7 +63,9 @@ class ParsedCall:
     arguments: str  # a JSON object as text
 
     def of_job(self, job_id: str) -> ToolCall:
-        return ToolCall(id=tool_call_id(job_id, self.index), function=FunctionCall(name=self.name, arguments=self.arguments))
+        return ToolCall(
+            id=tool_call_id(job_id, self.index), function=FunctionCall(name=self.name, arguments=self.arguments)
+        )
 
 
 @dataclass
@@ -88,7 +91,9 @@ class OutputParser:
     def __init__(self, fmt: OutputFormat):
         self.tools = None if fmt.tools is None else frozenset(fmt.tools)
         self.state = {
-            Reasoning.OFF: State.CONTENT, Reasoning.OPTIONAL: State.START, Reasoning.OPEN: State.REASONING,
+            Reasoning.OFF: State.CONTENT,
+            Reasoning.OPTIONAL: State.START,
+            Reasoning.OPEN: State.REASONING,
         }[fmt.reasoning]
         self.text = ""  # received and not yet settled
         self.skip_newlines = self.state is State.REASONING  # the reasoning's (or after it, the answer's) leading ones
@@ -122,7 +127,9 @@ class OutputParser:
 
     def _advance(self, out: OutputDelta, final: bool) -> None:
         step = {
-            State.START: self._start, State.REASONING: self._reasoning, State.CONTENT: self._content,
+            State.START: self._start,
+            State.REASONING: self._reasoning,
+            State.CONTENT: self._content,
             State.CALL: self._call,
         }
         while self.text and step[self.state](out, final):
@@ -134,7 +141,7 @@ class OutputParser:
     def _start(self, out: OutputDelta, final: bool) -> bool:
         body = self.text.lstrip(WHITESPACE)
         if body.startswith(THINK_OPEN):
-            self.text = body[len(THINK_OPEN):]
+            self.text = body[len(THINK_OPEN) :]
             self.state, self.skip_newlines = State.REASONING, True
             return True
         if THINK_OPEN.startswith(body) and not final:
@@ -148,14 +155,14 @@ class OutputParser:
         end = self.text.find(THINK_CLOSE)
         if end >= 0:
             out.reasoning += self.text[:end].rstrip("\n")
-            self.text = self.text[end + len(THINK_CLOSE):]
+            self.text = self.text[end + len(THINK_CLOSE) :]
             self.state, self.skip_newlines = State.CONTENT, True
             return True
         if final:
             return False  # finish() takes it all
         settled = self.text[: len(self.text) - partial_marker(self.text, THINK_CLOSE)].rstrip("\n")
         out.reasoning += settled
-        self.text = self.text[len(settled):]
+        self.text = self.text[len(settled) :]
         return False
 
     def _content(self, out: OutputDelta, final: bool) -> bool:
@@ -169,9 +176,9 @@ class OutputParser:
         if start >= 0:
             before = self.text[:start]
             self._text(out, before.rstrip(WHITESPACE))
-            self.call_space = self.space + before[len(before.rstrip(WHITESPACE)):]
+            self.call_space = self.space + before[len(before.rstrip(WHITESPACE)) :]
             self.space = ""
-            self.text = self.text[start + len(CALL_OPEN):]
+            self.text = self.text[start + len(CALL_OPEN) :]
             self.state, self.scanned = State.CALL, 0
             return True
         if final:
@@ -179,7 +186,7 @@ class OutputParser:
         held = partial_marker(self.text, CALL_OPEN)
         settled = self.text[: len(self.text) - held]
         self._text(out, settled)
-        self.text = self.text[len(settled):]
+        self.text = self.text[len(settled) :]
         return False
 
     def _call(self, out: OutputDelta, final: bool) -> bool:
@@ -187,7 +194,7 @@ class OutputParser:
         if end < 0:
             self.scanned = max(0, len(self.text) - len(CALL_CLOSE) + 1)
             return False
-        body, self.text = self.text[:end], self.text[end + len(CALL_CLOSE):]
+        body, self.text = self.text[:end], self.text[end + len(CALL_CLOSE) :]
         self.state = State.CONTENT
         call = self._call_of(body)
         if call is None:
@@ -216,7 +223,7 @@ class OutputParser:
             return
         before = self.space + text[: text.index(body[0])]
         out.content += ("" if self.after_call and not self.wrote_text else before) + body
-        self.space = text[len(text.rstrip(WHITESPACE)):]
+        self.space = text[len(text.rstrip(WHITESPACE)) :]
         self.after_call, self.wrote_text = False, True
 
     def _call_of(self, body: str) -> ParsedCall | None:
@@ -248,7 +255,9 @@ def parse_output(text: str, fmt: OutputFormat) -> ChatOutput:
     """The whole output's split: the same parser as a stream's, fed the text at once."""
     parser = OutputParser(fmt)
     first, last = parser.push(text), parser.finish()
-    return ChatOutput(first.content + last.content, first.reasoning + last.reasoning, first.tool_calls + last.tool_calls)
+    return ChatOutput(
+        first.content + last.content, first.reasoning + last.reasoning, first.tool_calls + last.tool_calls
+    )
 
 
 def partial_marker(text: str, marker: str) -> int:

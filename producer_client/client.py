@@ -1,6 +1,7 @@
 """The synchronous client, of one Redis server, a Sentinel-managed master or a Redis Cluster
 (producer_client.connection: their URLs carry AUTH and TLS). Every argument, the URL too, is
 validated before the first command is sent."""
+
 from __future__ import annotations
 
 import copy
@@ -43,9 +44,16 @@ class Client(OperatorViews):
     run_steps = staticmethod(steps.run)  # drives the operations of bulk and OperatorViews
 
     def __init__(
-        self, url: str = DEFAULT_URL, queue: str = "default", *, prefix: str = DEFAULT_PREFIX,
-        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH, max_connections: int | None = None,
-        wait_replicas: int = 0, wait_timeout_ms: int = 1000, placement: bool = True,
+        self,
+        url: str = DEFAULT_URL,
+        queue: str = "default",
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH,
+        max_connections: int | None = None,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+        placement: bool = True,
     ):
         self.queue = check_name("queue", queue)
         self.keys = Keys(prefix)
@@ -54,7 +62,10 @@ class Client(OperatorViews):
         self.placement = Placement(placement)
         target = parse_url(url)
         self.redis = connect(
-            target, decode_responses=True, retry=retry_policy(target.mode), max_connections=max_connections,
+            target,
+            decode_responses=True,
+            retry=retry_policy(target.mode),
+            max_connections=max_connections,
         )
 
     def close(self) -> None:
@@ -67,9 +78,17 @@ class Client(OperatorViews):
         self.close()
 
     def submit(
-        self, prompt: str | None = None, *, messages: list[dict] | None = None, input_ids: list[int] | None = None,
-        request_id: str | None = None, timeout_s: float | None = None, priority: int = 0,
-        request_fingerprint: str | None = None, stream: bool = False, **sampling: Any,
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        input_ids: list[int] | None = None,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        priority: int = 0,
+        request_fingerprint: str | None = None,
+        stream: bool = False,
+        **sampling: Any,
     ) -> str:
         """Enqueue a job and return its id. `sampling` takes SamplingParams' fields (max_tokens,
         temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same
@@ -80,7 +99,15 @@ class Client(OperatorViews):
         stream_interval_s from the first; without it, a reader's stream() gets them at the
         worker's checkpoint_interval_s until the worker sees the reader."""
         job = core.build_job(
-            prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint, stream=stream,
+            prompt,
+            messages,
+            input_ids,
+            request_id,
+            timeout_s,
+            priority,
+            sampling,
+            request_fingerprint,
+            stream=stream,
         )
         if job.idempotent:
             if not job.created(execution.execute(self.redis, job.create_call(self.keys).add_to)[0]):
@@ -155,7 +182,9 @@ class Client(OperatorViews):
         names `jobs[<index>].<field>`); the jobs go out in pipelined chunks. The queue's bound holds
         as for submit(): a queue that fills part-way raises BulkQueueFull (a QueueFull), whose
         `job_ids` are those of the specs enqueued, a prefix of them; no spec after them was."""
-        operation = bulk.submit_steps(self.keys, self.queue, self.max_queue_depth, bulk.build_jobs(jobs), self.placement)
+        operation = bulk.submit_steps(
+            self.keys, self.queue, self.max_queue_depth, bulk.build_jobs(jobs), self.placement
+        )
         return self.run_steps(self.redis, operation)
 
     def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> Iterator[JobResult]:
@@ -221,7 +250,13 @@ class Client(OperatorViews):
         confirmed stays: it runs (NotReplicated)."""
         (stream,) = self.run_steps(self.redis, self.placement.streams_for(self.keys, self.queue, [job.prefix]))
         add = core.enqueue_commands(
-            self.keys, self.queue, self.max_queue_depth, job, create, self.replication, stream,
+            self.keys,
+            self.queue,
+            self.max_queue_depth,
+            job,
+            create,
+            self.replication,
+            stream,
         )
         try:
             replies = execution.execute(self.redis, add)

@@ -16,6 +16,7 @@ needs; producer_client.connection builds them from `redis+cluster://` URLs.
    they would all be spent in the first milliseconds of a failover, long before a replica is
    promoted. Pipelines (producer_client.protocol.execution) are sent again the same way.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -40,12 +41,12 @@ def known_keys(args: Sequence) -> list | None:
     read (XREAD, XREADGROUP: the first half of what follows STREAMS); None for other commands."""
     command = str(args[0]).upper()
     if command in SCRIPT_CALLS:
-        return list(args[3: 3 + int(args[2])]) or None
+        return list(args[3 : 3 + int(args[2])]) or None
     if command not in STREAM_READS:
         return None
     words = [a.decode() if isinstance(a, bytes) else a for a in args]
     at = next(i for i, word in enumerate(words) if isinstance(word, str) and word.upper() == "STREAMS")
-    streams_and_ids = words[at + 1:]
+    streams_and_ids = words[at + 1 :]
     return streams_and_ids[: len(streams_and_ids) // 2]
 
 
@@ -95,6 +96,7 @@ class Cluster(RedisCluster):
 
     def paced(self, call):
         """call(), tried again as `retry` allows while no node can serve it."""
+
         def attempt():
             with topology_errors():
                 return call()

@@ -10,6 +10,7 @@ the code of an error reply, and Redis URLs as they may be shown (without a passw
 the data nodes': sentinels are asked for the master without them. A query string takes redis-py's
 URL options (`?socket_timeout=5&ssl_cert_reqs=none`) in every mode.
 """
+
 from __future__ import annotations
 
 import re
@@ -135,9 +136,13 @@ def _shown_query(query: str) -> str:
 
 RETRIES = {Mode.SERVER: 10, Mode.CLUSTER: 40, Mode.SENTINEL: 40}
 SCHEMES = {
-    "redis": (Mode.SERVER, False), "rediss": (Mode.SERVER, True), "unix": (Mode.SERVER, False),
-    "redis+cluster": (Mode.CLUSTER, False), "rediss+cluster": (Mode.CLUSTER, True),
-    "redis+sentinel": (Mode.SENTINEL, False), "rediss+sentinel": (Mode.SENTINEL, True),
+    "redis": (Mode.SERVER, False),
+    "rediss": (Mode.SERVER, True),
+    "unix": (Mode.SERVER, False),
+    "redis+cluster": (Mode.CLUSTER, False),
+    "rediss+cluster": (Mode.CLUSTER, True),
+    "redis+sentinel": (Mode.SENTINEL, False),
+    "rediss+sentinel": (Mode.SENTINEL, True),
 }
 DEFAULT_PORT = {Mode.CLUSTER: 6379, Mode.SENTINEL: 26379}
 _HOST_PORT = re.compile(r"(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]]+))(?::(?P<port>\d{1,5}))?")
@@ -171,7 +176,9 @@ def parse_url(url: Any) -> RedisURL:
         return RedisURL(url, mode, options=_redis_py_options(url, url))
     userinfo, _, hosts = parts.netloc.rpartition("@")
     nodes = tuple(_node(url, text, DEFAULT_PORT[mode]) for text in hosts.split(","))
-    options = _redis_py_options(url, f"{'rediss' if tls else 'redis'}://{userinfo}{'@' if userinfo else ''}h/?{parts.query}")
+    options = _redis_py_options(
+        url, f"{'rediss' if tls else 'redis'}://{userinfo}{'@' if userinfo else ''}h/?{parts.query}"
+    )
     for name in ("host", "port", "connection_class"):
         options.pop(name, None)
     if tls:
@@ -223,6 +230,7 @@ def _bad(url: str, reason: str) -> InvalidArgument:
 
 # -- clients -----------------------------------------------------------------------------------------
 
+
 def connect(url: str | RedisURL, **kwargs: Any):
     """A synchronous client of `url` in its mode: redis.Redis (one server, or the master a
     sentinel names, followed across failovers) or a cluster client, with `kwargs` (decode_responses,
@@ -246,7 +254,9 @@ def connect_async(url: str | RedisURL, **kwargs: Any):
     if target.mode is Mode.SERVER:
         return redis.asyncio.Redis.from_url(target.text, **kwargs)
     if target.mode is Mode.SENTINEL:
-        sentinels = redis.asyncio.sentinel.Sentinel(list(target.nodes), sentinel_kwargs=_sentinel_options(target, kwargs))
+        sentinels = redis.asyncio.sentinel.Sentinel(
+            list(target.nodes), sentinel_kwargs=_sentinel_options(target, kwargs)
+        )
         return sentinels.master_for(target.service, redis_class=AsyncSentinelMaster, **_merged(target, kwargs))
     nodes = [AsyncClusterNode(host, port) for host, port in target.nodes]
     return AsyncCluster(startup_nodes=nodes, **_merged(target, kwargs))

@@ -1,6 +1,7 @@
 """What the sync and asyncio clients share: building jobs, reading Redis replies, and the reads
 that take several round trips, written as steps (producer_client.steps). No I/O here, so
 `Client` and `AsyncClient` differ only in how they talk to Redis."""
+
 from __future__ import annotations
 
 import hashlib
@@ -17,7 +18,12 @@ from pydantic import ValidationError
 from producer_client import structured
 from producer_client.connection import reply_code
 from producer_client.errors import (
-    BodyTooLarge, IdempotencyConflict, InvalidArgument, JobNotFound, JobTimeout, NotReplicated,
+    BodyTooLarge,
+    IdempotencyConflict,
+    InvalidArgument,
+    JobNotFound,
+    JobTimeout,
+    NotReplicated,
 )
 from producer_client.keys import GROUP, Keys, check_name
 from producer_client.placement import prefix_key
@@ -25,8 +31,19 @@ from producer_client.protocol import producer as scripts
 from producer_client.protocol.events import shown_tokens
 from producer_client.protocol.script import ScriptCall
 from producer_client.schema import (
-    CHAT_OPTIONS, MAX_BODY_BYTES, MAX_TOKENS_LIMIT, JobFailed, JobRequest, JobResult, JobStatus, QueueStats,
-    SamplingParams, Timings, TokenDelta, WorkerInfo, invalid_argument_from,
+    CHAT_OPTIONS,
+    MAX_BODY_BYTES,
+    MAX_TOKENS_LIMIT,
+    JobFailed,
+    JobRequest,
+    JobResult,
+    JobStatus,
+    QueueStats,
+    SamplingParams,
+    Timings,
+    TokenDelta,
+    WorkerInfo,
+    invalid_argument_from,
 )
 from producer_client.steps import Steps, checked
 
@@ -96,7 +113,12 @@ class Replication:
 
 
 def enqueue_commands(
-    keys: Keys, queue: str, max_depth: int | None, job: NewJob, create: bool, replication: Replication,
+    keys: Keys,
+    queue: str,
+    max_depth: int | None,
+    job: NewJob,
+    create: bool,
+    replication: Replication,
     stream: str | None = None,
 ) -> Callable:
     """The pipeline that enqueues `job`: CREATE first when `create` (a fresh id cannot collide, so
@@ -132,8 +154,15 @@ def enqueued(job: NewJob, create: bool, replication: Replication, replies: list)
 
 
 def build_job(
-    prompt: Any, messages: Any, input_ids: Any, request_id: Any, timeout_s: Any, priority: Any,
-    options: dict[str, Any], fingerprint: Any = None, stream: Any = False,
+    prompt: Any,
+    messages: Any,
+    input_ids: Any,
+    request_id: Any,
+    timeout_s: Any,
+    priority: Any,
+    options: dict[str, Any],
+    fingerprint: Any = None,
+    stream: Any = False,
 ) -> NewJob:
     """Validate every argument the way the worker will, before anything touches Redis. `options`
     are SamplingParams' fields and the chat options of JobRequest (tools, enable_thinking...). A
@@ -145,8 +174,16 @@ def build_job(
     try:
         params = SamplingParams.model_validate(sampling, strict=True)
         request = JobRequest.model_validate(
-            {"prompt": prompt, "messages": messages, "input_ids": input_ids, "params": params,
-             "priority": priority, "timeout_s": timeout_s, "stream": stream, **chat},
+            {
+                "prompt": prompt,
+                "messages": messages,
+                "input_ids": input_ids,
+                "params": params,
+                "priority": priority,
+                "timeout_s": timeout_s,
+                "stream": stream,
+                **chat,
+            },
             strict=True,
         )
     except ValidationError as e:
@@ -166,7 +203,11 @@ def build_job(
     elif not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
         raise InvalidArgument("request_fingerprint", f"must be 1-{FINGERPRINT_CHARS} letters and digits")
     return NewJob(
-        check_name("request_id", request_id), body, idempotent=True, timeout_ms=timeout_ms, fingerprint=fingerprint,
+        check_name("request_id", request_id),
+        body,
+        idempotent=True,
+        timeout_ms=timeout_ms,
+        fingerprint=fingerprint,
         prefix=prefix_key(request),
     )
 
@@ -324,7 +365,10 @@ def queue_stats(queue: str, depth: int, groups: list[dict], names: list[str], al
     # Acked entries are deleted, so depth = waiting + pending whenever Redis cannot tell the lag.
     waiting = lag if lag is not None else depth - pending
     return QueueStats(
-        queue=queue, depth=depth, pending=pending, waiting=waiting,
+        queue=queue,
+        depth=depth,
+        pending=pending,
+        waiting=waiting,
         workers=[n for n, a in zip(names, alive) if a],
     )
 
@@ -335,6 +379,7 @@ def live_workers(heartbeats: list[dict[str, str]]) -> list[WorkerInfo]:
 
 
 # -- reads of several round trips, as steps ---------------------------------------------------------
+
 
 def read_status(keys: Keys, job_id: str) -> Steps[JobStatus]:
     fields, redis_time = checked((yield lambda pipe: (pipe.hgetall(keys.job(job_id)), pipe.time())))

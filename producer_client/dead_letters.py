@@ -15,6 +15,7 @@ is refused and keeps its letter.
 An ID names a letter by its entry id in the dead-letter stream, or by its job id (the job's
 newest letter: found by reading the stream from its newest end, which holds about 10,000).
 """
+
 from __future__ import annotations
 
 import json
@@ -66,9 +67,15 @@ class DeadLetter(BaseModel):
     def from_entry(cls, queue: str, letter_id: str, fields: dict[str, str]) -> DeadLetter:
         deliveries = fields.get("deliveries", "")
         return cls(
-            queue=queue, letter_id=letter_id, job_id=fields.get("id", ""), entry_id=fields.get("entry", ""),
-            reason=fields.get("reason", ""), deliveries=int(deliveries) if deliveries.isdigit() else 0,
-            worker=fields.get("worker", ""), dead_at=entry_time(letter_id), fields=fields,
+            queue=queue,
+            letter_id=letter_id,
+            job_id=fields.get("id", ""),
+            entry_id=fields.get("entry", ""),
+            reason=fields.get("reason", ""),
+            deliveries=int(deliveries) if deliveries.isdigit() else 0,
+            worker=fields.get("worker", ""),
+            dead_at=entry_time(letter_id),
+            fields=fields,
         )
 
     def check_retryable(self) -> None:
@@ -150,6 +157,7 @@ def check_age(seconds: Any) -> float:
 
 # -- the operations, as steps (see producer_client.steps) ---------------------------------------------
 
+
 def newest(keys: Keys, queue: str, limit: int) -> Steps[list[DeadLetter]]:
     (entries,) = checked((yield lambda pipe: pipe.xrevrange(keys.dead(queue), "+", "-", count=limit)))
     return [DeadLetter.from_entry(queue, letter_id, fields) for letter_id, fields in entries]
@@ -182,7 +190,9 @@ def retry_letters(keys: Keys, queue: str, letters: list[DeadLetter]) -> Steps[li
             letter.check_retryable()
             usable.append(letter)
         except NotRetryable as e:
-            outcomes[letter.letter_id] = Retried(letter_id=letter.letter_id, job_id=letter.job_id, outcome="refused", reason=e.message)
+            outcomes[letter.letter_id] = Retried(
+                letter_id=letter.letter_id, job_id=letter.job_id, outcome="refused", reason=e.message
+            )
 
     def add_retries(pipe) -> None:
         for letter in usable:
@@ -194,7 +204,9 @@ def retry_letters(keys: Keys, queue: str, letters: list[DeadLetter]) -> Steps[li
             queued.append(letter)
         else:
             reason = f"job {letter.job_id!r} is {reply[1]}: only a failed job is retried"
-            outcomes[letter.letter_id] = Retried(letter_id=letter.letter_id, job_id=letter.job_id, outcome="refused", reason=reason)
+            outcomes[letter.letter_id] = Retried(
+                letter_id=letter.letter_id, job_id=letter.job_id, outcome="refused", reason=reason
+            )
 
     def add_revivals(pipe) -> None:
         for letter in queued:
@@ -203,7 +215,9 @@ def retry_letters(keys: Keys, queue: str, letters: list[DeadLetter]) -> Steps[li
 
     for letter, entry_id in zip(queued, checked((yield add_revivals)) if queued else []):
         outcome = "gone" if entry_id is None else "retried"
-        outcomes[letter.letter_id] = Retried(letter_id=letter.letter_id, job_id=letter.job_id, outcome=outcome, entry_id=entry_id)
+        outcomes[letter.letter_id] = Retried(
+            letter_id=letter.letter_id, job_id=letter.job_id, outcome=outcome, entry_id=entry_id
+        )
     return [outcomes[letter.letter_id] for letter in letters]
 
 

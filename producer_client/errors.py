@@ -1,5 +1,6 @@
 """Typed errors. Each carries a stable `code`; failed job results use the same codes. JobFailed,
 which carries the failed job's result, is defined beside JobResult in schema.py."""
+
 from __future__ import annotations
 
 

@@ -14,6 +14,7 @@ workers write them. A heartbeat is *stale* once it is older than the time it has
 that is past half its TTL: its worker has missed several beats and is about to count as dead.
 A worker whose heartbeat has expired is *gone*; its name stays in the worker index for an hour.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -139,7 +140,11 @@ def overview(keys: Keys, queue: str) -> Steps[QueueOverview]:
     (oldest,) = checked((yield lambda pipe: pipe.xrange(stream, after, "+", count=1)))
     now_ms = epoch_ms(now)
     return QueueOverview(
-        queue=queue, depth=depth, pending=stats.pending, waiting=stats.waiting, dead=dead,
+        queue=queue,
+        depth=depth,
+        pending=stats.pending,
+        waiting=stats.waiting,
+        dead=dead,
         oldest_waiting_s=entry_age_s(oldest[0][0], now_ms) if oldest else None,
         processed=None if info is None or "entries-added" not in info else info["entries-added"] - info["length"],
         at=now_ms / 1000,
@@ -154,7 +159,13 @@ def waiting(keys: Keys, queue: str, limit: int) -> Steps[list[WaitingJob]]:
     (entries,) = checked((yield lambda pipe: pipe.xrange(stream, start, "+", count=limit)))
     now_ms = epoch_ms(now)
     return [
-        WaitingJob(queue=queue, job_id=fields.get("id", ""), entry_id=entry_id, waited_s=entry_age_s(entry_id, now_ms), fields=fields)
+        WaitingJob(
+            queue=queue,
+            job_id=fields.get("id", ""),
+            entry_id=entry_id,
+            waited_s=entry_age_s(entry_id, now_ms),
+            fields=fields,
+        )
         for entry_id, fields in entries
     ]
 
@@ -178,8 +189,13 @@ def running(keys: Keys, queue: str, limit: int) -> Steps[list[RunningJob]]:
     tokens = checked((yield add_tokens))
     return [
         RunningJob(
-            queue=queue, job_id=job_id, entry_id=p["message_id"], worker=p["consumer"], deliveries=p["times_delivered"],
-            idle_s=p["time_since_delivered"] / 1000, tokens=int(t or 0),
+            queue=queue,
+            job_id=job_id,
+            entry_id=p["message_id"],
+            worker=p["consumer"],
+            deliveries=p["times_delivered"],
+            idle_s=p["time_since_delivered"] / 1000,
+            tokens=int(t or 0),
         )
         for p, job_id, t in zip(pending, job_ids, tokens)
     ]
@@ -188,6 +204,7 @@ def running(keys: Keys, queue: str, limit: int) -> Steps[list[RunningJob]]:
 def entry_of(keys: Keys, status: JobStatus, queues: list[str]) -> Steps[JobEntry | None]:
     (entry_id,) = checked((yield lambda pipe: pipe.hget(keys.job(status.id), "entry")))
     if entry_id:
+
         def add_lookups(pipe) -> None:
             for queue in queues:
                 pipe.xrange(keys.queue(queue), entry_id, entry_id)
@@ -251,7 +268,10 @@ def health(queue: str, name: str, age_s: float, heartbeat: dict[str, str], ttl_m
         return WorkerHealth(name=name, queue=queue, condition="gone", heartbeat_age_s=age_s, info=None)
     stale = ttl_ms >= 0 and age_s > ttl_ms / 1000
     return WorkerHealth(
-        name=name, queue=queue, condition="stale" if stale else "live", heartbeat_age_s=max(0.0, age_s),
+        name=name,
+        queue=queue,
+        condition="stale" if stale else "live",
+        heartbeat_age_s=max(0.0, age_s),
         info=WorkerInfo.model_validate(heartbeat),
     )
 

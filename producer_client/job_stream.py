@@ -7,6 +7,7 @@ result's. Splitting here rather than in the worker keeps the worker's per-token 
 events unchanged; the price is that a stream resumed after an event reads the events before it
 again, to bring the parser to where that event left it.
 """
+
 from __future__ import annotations
 
 from producer_client import core

@@ -6,6 +6,7 @@ the single-job Lua scripts touch a job's hash and its event stream atomically, w
 command or script ever spans a job's keys and a queue's keys. The gateway's Batch API keeps its
 files and batches here too: a file's keys share its id's slot, a batch's keys its id's.
 """
+
 from __future__ import annotations
 
 import re

@@ -3,6 +3,7 @@ reach the logs, so every control character in a record's message (a newline, a c
 terminal's escape sequence, a Unicode line separator) is written escaped, and a record is one
 line. A traceback keeps its lines, each indented, escaped the same way: no line of it can pass
 for a record of its own."""
+
 from __future__ import annotations
 
 import logging

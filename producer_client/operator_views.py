@@ -1,5 +1,6 @@
 """The operator's views of a client's queue, shared by Client and AsyncClient: each class names the
 driver of its operations' steps (producer_client.steps.run, or .arun for asyncio)."""
+
 from __future__ import annotations
 
 from producer_client.dead_letters import DeadLetters

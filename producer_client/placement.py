@@ -8,6 +8,7 @@ same heartbeats, so producers that share no memory agree; the view of the worker
 every REFRESH_S, and what this producer placed since is counted in. A job no worker can take
 within the bound goes to the shared stream, as before placement. No I/O here: the clients run
 `view_steps` over their own connections."""
+
 from __future__ import annotations
 
 import hashlib
@@ -95,7 +96,9 @@ class View:
         under = [c for c in order if c.load < bound]
         # Past its slots a job waits in the stream; past twice its slots the backlog is the shared
         # stream's, where the queue's bound and its lag (what autoscalers read) see it.
-        return next((c for c in under if c.load < c.slots), None) or next((c for c in under if c.load < 2 * c.slots), None)
+        return next((c for c in under if c.load < c.slots), None) or next(
+            (c for c in under if c.load < 2 * c.slots), None
+        )
 
 
 def candidates_from(heartbeats: Iterable[dict[str, str]], lengths: Iterable[int], queue: str) -> list[Candidate]:

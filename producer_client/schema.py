@@ -1,4 +1,5 @@
 """Wire models shared by the client and the worker (pydantic only: no torch here)."""
+
 from __future__ import annotations
 
 from typing import Literal

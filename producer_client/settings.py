@@ -1,6 +1,7 @@
 """The settings files of MILI's programs (the worker, the gateway): flags over MILI_* environment
 variables over a TOML file over the defaults. Imported by those programs only, never by the
 client library itself, which needs no pydantic-settings."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,7 +19,9 @@ class TomlSettings(BaseSettings):
     model_config = SettingsConfigDict(hide_input_in_errors=True)
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ):
         return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
 
     @classmethod
@@ -38,5 +41,7 @@ SETTINGS_ERRORS = (ValidationError, SettingsError)
 def settings_error_line(error: Exception) -> str:
     """A settings error in one line, naming each setting and never its value."""
     if isinstance(error, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in error.errors(include_input=False))
+        return "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in error.errors(include_input=False)
+        )
     return str(error).split("\n", 1)[0]

@@ -4,6 +4,7 @@ to a pipeline, receives that pipeline's replies (a command's error in its place;
 failed as a whole is raised inside the generator), and returns its outcome. `run` drives it over a
 redis.Redis, `arun` over a redis.asyncio.Redis, so `Client` and `AsyncClient` share every line of
 it. Pipelines go through `execution.execute`, which reloads scripts a server has lost (NOSCRIPT)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Generator

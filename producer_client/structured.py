@@ -8,6 +8,7 @@ worker and the gateway extras include it), imported only when a job asks for a f
 check compiles the grammar in full, over a byte vocabulary: unsupported keywords, bad regexes,
 dangling `$ref`s and unsatisfiable schemas are refused here as the worker would refuse them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -72,7 +73,8 @@ class ChoiceFormat(Format):
 
 
 ResponseFormat = Annotated[
-    Union[JsonObjectFormat, JsonSchemaFormat, RegexFormat, ChoiceFormat], Field(discriminator="type"),
+    Union[JsonObjectFormat, JsonSchemaFormat, RegexFormat, ChoiceFormat],
+    Field(discriminator="type"),
 ]
 FORMAT_TYPES = ("json_object", "json_schema", "regex", "choice")
 
@@ -99,7 +101,9 @@ def check_format(fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | Choice
         return
     message, path = error
     if at is None:
-        at = "response_format" + {"json_schema": ".json_schema.schema", "regex": ".pattern", "choice": ".choices"}.get(fmt.type, "")
+        at = "response_format" + {"json_schema": ".json_schema.schema", "regex": ".pattern", "choice": ".choices"}.get(
+            fmt.type, ""
+        )
     raise InvalidArgument(".".join((at, *path)), f"the grammar library refuses it: {message}")
 
 
@@ -148,7 +152,10 @@ def locate(schema: dict[str, Any], message: str) -> list[str]:
 
 
 def failing_subschema(
-    node: dict[str, Any], definitions: dict[str, Any], message: str, tries: Iterator[int],
+    node: dict[str, Any],
+    definitions: dict[str, Any],
+    message: str,
+    tries: Iterator[int],
 ) -> tuple[str, dict[str, Any]] | None:
     """The first subschema of `node` that fails alone with `message`, within the tries left."""
     for (key, child), _ in zip(subschemas(node), tries):
@@ -198,6 +205,7 @@ def llguidance():
         import llguidance as lib
     except ImportError:
         raise InvalidArgument(
-            "response_format", f"checking a format before it is queued needs the grammar library llguidance: {EXTRA}",
+            "response_format",
+            f"checking a format before it is queued needs the grammar library llguidance: {EXTRA}",
         ) from None
     return lib

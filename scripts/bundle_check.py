@@ -7,6 +7,7 @@ where it comes from; fails if one is missing or if MILI's packages do not import
 that an installed version does not meet (the host's typing-extensions older than pydantic wants)
 is printed as a warning: the host's own packages are not ours to replace.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -19,8 +20,17 @@ from packaging.utils import canonicalize_name
 
 # Importing these loads every runtime dependency and the test plugins the GPU stages use.
 MODULES = (
-    "producer_client", "worker.__main__", "worker.engine", "gateway.app", "cli.__main__", "cli.batch_file", "kernels",
-    "fakeredis", "pytest_asyncio", "openai", "transformers",
+    "producer_client",
+    "worker.__main__",
+    "worker.engine",
+    "gateway.app",
+    "cli.__main__",
+    "cli.batch_file",
+    "kernels",
+    "fakeredis",
+    "pytest_asyncio",
+    "openai",
+    "transformers",
 )
 
 
@@ -89,8 +99,10 @@ def main() -> int:
     for problem in unmet_requirements(present):
         print(f"warning: {problem}")
     if missing:
-        print(f"missing: {', '.join(missing)} (the bundle expects the host to have them; "
-              f"scripts/bundle.sh --all bundles them too)")
+        print(
+            f"missing: {', '.join(missing)} (the bundle expects the host to have them; "
+            f"scripts/bundle.sh --all bundles them too)"
+        )
         return 1
     failed = failed_imports()
     for failure in failed:

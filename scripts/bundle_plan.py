@@ -10,6 +10,7 @@ one line per distribution reached: `bundle NAME VERSION` for a wheel to bring, `
 for one the target already has (scripts/gpu_host_packages.txt; with --all only torch and triton),
 the version being the one tested here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,10 +52,17 @@ def target_environment(python: str, machine: str) -> dict[str, str]:
     release = python.split(".")
     full = ".".join(release + ["0"] * (3 - len(release)))
     return {
-        "implementation_name": "cpython", "implementation_version": full, "os_name": "posix",
-        "platform_machine": machine, "platform_python_implementation": "CPython", "platform_release": "",
-        "platform_system": "Linux", "platform_version": "", "python_full_version": full,
-        "python_version": ".".join(release[:2]), "sys_platform": "linux",
+        "implementation_name": "cpython",
+        "implementation_version": full,
+        "os_name": "posix",
+        "platform_machine": machine,
+        "platform_python_implementation": "CPython",
+        "platform_release": "",
+        "platform_system": "Linux",
+        "platform_version": "",
+        "python_full_version": full,
+        "python_version": ".".join(release[:2]),
+        "sys_platform": "linux",
     }
 
 

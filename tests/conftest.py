@@ -10,6 +10,7 @@ at call time (and worker processes that tests spawn inherit the environment). So
 imported here once with the variable set, and it is unset again; tests/kernels sets it per
 test. A variable set by the caller is left alone.
 """
+
 import os
 
 import torch
@@ -30,4 +31,5 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     import triton.language  # noqa: F401
     import kernels  # noqa: F401
+
     del os.environ["TRITON_INTERPRET"]

@@ -11,6 +11,7 @@ hypothesis-jsonschema, which the issue named for drawing schemas from a meta-sch
 an object under the hypothesis this project runs (0.23.1, its latest, calls `many.more()`, which
 hypothesis 6.170 no longer has): these are hypothesis' own strategies.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,11 +32,15 @@ def closed(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
 LEAVES = st.one_of(
     st.integers(0, 8).map(lambda n: {"type": "string", "maxLength": n}),
     st.sampled_from(PATTERNS).map(lambda p: {"type": "string", "pattern": p}),
-    st.builds(lambda lo, hi: {"type": "integer", "minimum": lo, "maximum": hi}, st.integers(-500, 0), st.integers(0, 500)),
+    st.builds(
+        lambda lo, hi: {"type": "integer", "minimum": lo, "maximum": hi}, st.integers(-500, 0), st.integers(0, 500)
+    ),
     st.sampled_from([{"type": "boolean"}, {"type": "null"}]),
     st.lists(
         st.one_of(st.text(string.ascii_lowercase, max_size=6), st.integers(-99, 99), st.booleans()),
-        min_size=1, max_size=4, unique_by=json.dumps,
+        min_size=1,
+        max_size=4,
+        unique_by=json.dumps,
     ).map(lambda values: {"enum": values}),
 )
 
@@ -52,7 +57,9 @@ def objects(children: st.SearchStrategy) -> st.SearchStrategy[dict[str, Any]]:
 def arrays(children: st.SearchStrategy) -> st.SearchStrategy[dict[str, Any]]:
     return st.builds(
         lambda items, least, most: {"type": "array", "items": items, "minItems": least, "maxItems": max(least, most)},
-        children, st.integers(0, 1), st.integers(1, 3),
+        children,
+        st.integers(0, 1),
+        st.integers(1, 3),
     )
 
 

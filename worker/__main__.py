@@ -1,9 +1,10 @@
 """`python -m worker` (console script `mili-worker`).
 
-    python -m worker [serve] --model tiny --redis redis://host:6379/0   run a worker (the default command)
-    python -m worker demo                                              the end-to-end demo on an embedded Redis
-    python -m worker healthcheck [--redis URL --name NAME]             exit 0 only if this worker's heartbeat is live
+python -m worker [serve] --model tiny --redis redis://host:6379/0   run a worker (the default command)
+python -m worker demo                                              the end-to-end demo on an embedded Redis
+python -m worker healthcheck [--redis URL --name NAME]             exit 0 only if this worker's heartbeat is live
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m worker", description="MILI worker: Qwen3 generation from a Redis queue")
+    parser = argparse.ArgumentParser(
+        prog="python -m worker", description="MILI worker: Qwen3 generation from a Redis queue"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run a worker (the default)")
     add_setting_flags(serve)
@@ -153,7 +156,9 @@ def wait_for_redis(url: str, backoff_max_s: float):
             if not is_transient(e):
                 raise
             if link.up:
-                log.warning("Redis at %s does not answer (%s: %s); waiting for it", redact_url(url), type(e).__name__, e)
+                log.warning(
+                    "Redis at %s does not answer (%s: %s); waiting for it", redact_url(url), type(e).__name__, e
+                )
             link.failed(e, quiet=True)
             link.wait(backoff_max_s)
             continue

@@ -2,6 +2,7 @@
 jobs sent through the producer client (one streamed live, one chat), one chat through the
 OpenAI-compatible gateway with the official `openai` SDK, then the results and the worker's
 own metrics, and a clean shutdown of all."""
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,22 @@ def demo(model: str) -> int:
 
 def start_worker(model: str, url: str, log_file) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "worker", "serve", "--model", model, "--redis", url, "--name", WORKER_NAME,
-        "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--kv-cache-mib", "256",
+        sys.executable,
+        "-m",
+        "worker",
+        "serve",
+        "--model",
+        model,
+        "--redis",
+        url,
+        "--name",
+        WORKER_NAME,
+        "--metrics-host",
+        "127.0.0.1",
+        "--metrics-port",
+        "0",
+        "--kv-cache-mib",
+        "256",
     ]
     # Leave a core to redis-server and this client: torch's threads spin while they wait, and
     # on a small machine an oversubscribed worker runs several times slower.
@@ -83,7 +98,9 @@ def run_jobs(client: Client) -> int:
     show(client.generate(messages=chat, max_tokens=MAX_TOKENS, temperature=0.0, timeout=120))
 
     print(f"\n== {len(PROMPTS)} jobs submitted at once (batched by the engine), one idempotent retry ==")
-    ids = [client.submit(p, max_tokens=MAX_TOKENS, temperature=0.0, request_id=f"demo-{i}") for i, p in enumerate(PROMPTS)]
+    ids = [
+        client.submit(p, max_tokens=MAX_TOKENS, temperature=0.0, request_id=f"demo-{i}") for i, p in enumerate(PROMPTS)
+    ]
     again = client.submit(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, request_id="demo-0")
     print(f"resubmitting request_id demo-0 returned the same job: {again == ids[0]}")
     print(f"queue right after: {client.queue_stats().model_dump()}")
@@ -109,9 +126,14 @@ def chat_through_gateway(redis_url: str, model: str, log_path: Path) -> int:
         openai = OpenAI(base_url=base_url, api_key="unused")
         print(f'OpenAI(base_url="{base_url}").chat.completions.create(model="{model}", messages=[...])')
         reply = openai.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Name a prime number."}], max_tokens=MAX_TOKENS, temperature=0,
+            model=model,
+            messages=[{"role": "user", "content": "Name a prime number."}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
         )
-        print(f"  {reply.choices[0].message.content!r} ({reply.choices[0].finish_reason}, {reply.usage.total_tokens} tokens)")
+        print(
+            f"  {reply.choices[0].message.content!r} ({reply.choices[0].finish_reason}, {reply.usage.total_tokens} tokens)"
+        )
     finally:
         gateway.terminate()
         gateway.wait(timeout=30)
@@ -144,7 +166,8 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text) if family.name.startswith("mili_")
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("mili_")
         for s in family.samples
     }
 
@@ -166,14 +189,20 @@ def print_metrics(port: int, jobs: int) -> None:
         count = value(f"{name}_count")
         return f"{value(f'{name}_sum') / count * 1000:.1f} ms" if count else "-"
 
-    outcomes = ", ".join(f"{o} {value('mili_jobs_total', outcome=o):g}" for o in ("done", "failed", "cancelled", "expired"))
+    outcomes = ", ".join(
+        f"{o} {value('mili_jobs_total', outcome=o):g}" for o in ("done", "failed", "cancelled", "expired")
+    )
     print(f"\n== worker metrics (http://127.0.0.1:{port}/metrics) ==")
     print(f"  jobs: {outcomes}")
-    print(f"  tokens: {value('mili_prompt_tokens_total'):g} prompt, {value('mili_generation_tokens_total'):g} generated")
+    print(
+        f"  tokens: {value('mili_prompt_tokens_total'):g} prompt, {value('mili_generation_tokens_total'):g} generated"
+    )
     print(
         f"  mean time to first token {mean_ms('mili_time_to_first_token_seconds')}, per output token "
         f"{mean_ms('mili_time_per_output_token_seconds')}, end to end {mean_ms('mili_e2e_request_latency_seconds')}"
     )
     queries = value("mili_prefix_cache_queries_total")
     hits = value("mili_prefix_cache_hits_total")
-    print(f"  prefix cache: {hits:g} of {queries:g} prompt tokens hit; KV cache usage {value('mili_kv_cache_usage_perc'):.1%}")
+    print(
+        f"  prefix cache: {hits:g} of {queries:g} prompt tokens hit; KV cache usage {value('mili_kv_cache_usage_perc'):.1%}"
+    )

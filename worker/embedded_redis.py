@@ -1,5 +1,6 @@
 """A private redis-server for one-host runs, the demo and the tests: its own temp dir,
 listening on a unix socket (or on 127.0.0.1:port), no persistence, stopped on exit."""
+
 from __future__ import annotations
 
 import shutil
@@ -74,9 +75,23 @@ class EmbeddedRedis:
         if self.port is not None:
             listen = ["--port", str(self.port), "--bind", "127.0.0.1"]
         self.process = subprocess.Popen(
-            [binary, *listen, "--dir", str(self.dir), "--save", "", "--appendonly", "no",
-             "--logfile", str(self.dir / "redis.log"), "--daemonize", "no"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                binary,
+                *listen,
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--logfile",
+                str(self.dir / "redis.log"),
+                "--daemonize",
+                "no",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         self._wait_ready()
         return self

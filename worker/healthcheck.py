@@ -11,6 +11,7 @@ itself `<hostname>-<pid>`, and the checker, another process, cannot know that pi
 the workers in the queue's index whose names start with `<hostname>-`. A container or a pod
 has a hostname of its own and runs one worker, so there that is exactly this worker.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,12 @@ def healthcheck(settings: WorkerSettings) -> int:
         return _unhealthy("an embedded Redis is private to its worker; give the worker and the check a Redis URL")
     client = None
     try:
-        client = connect(settings.redis, decode_responses=True, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
+        client = connect(
+            settings.redis,
+            decode_responses=True,
+            socket_timeout=REDIS_TIMEOUT_S,
+            socket_connect_timeout=REDIS_TIMEOUT_S,
+        )
         client.ping()
         live = live_workers(client, Keys(settings.prefix), settings.queue, settings.name)
     except redis.RedisError as e:

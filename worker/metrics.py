@@ -1,5 +1,6 @@
 """Prometheus metrics in vLLM's vocabulary with a `mili_` prefix, in a registry of this
 worker's own (no global state: tests run several workers in one process)."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -8,9 +9,48 @@ from producer_client.schema import JobResult
 from worker.engine.outputs import EngineStats
 
 # vLLM's buckets, widened at the low end where a CPU-free queue path lives.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
 OUTCOMES = ("done", "failed", "cancelled", "expired", "dead_lettered")
 TAKEN_FROM = ("own", "shared", "stolen", "reclaimed")
 
@@ -18,7 +58,9 @@ TAKEN_FROM = ("own", "shared", "stolen", "reclaimed")
 class WorkerMetrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.requests_running = Gauge("mili_num_requests_running", "Jobs in the engine that have produced a token.", registry=r)
+        self.requests_running = Gauge(
+            "mili_num_requests_running", "Jobs in the engine that have produced a token.", registry=r
+        )
         self.requests_waiting = Gauge(
             "mili_num_requests_waiting", "Jobs in the engine still waiting for their first token.", registry=r
         )
@@ -30,14 +72,18 @@ class WorkerMetrics:
             "mili_time_to_first_token_seconds", "From enqueue to the first token.", buckets=TTFT_BUCKETS, registry=r
         )
         self.tpot = Histogram(
-            "mili_time_per_output_token_seconds", "Mean time between output tokens, per job.", buckets=TPOT_BUCKETS,
+            "mili_time_per_output_token_seconds",
+            "Mean time between output tokens, per job.",
+            buckets=TPOT_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             "mili_e2e_request_latency_seconds", "From enqueue to the final result.", buckets=LATENCY_BUCKETS, registry=r
         )
         self.queue_time = Histogram(
-            "mili_request_queue_time_seconds", "From enqueue to a worker starting the job.", buckets=LATENCY_BUCKETS,
+            "mili_request_queue_time_seconds",
+            "From enqueue to a worker starting the job.",
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.prompt_tokens = Counter("mili_prompt_tokens", "Prompt tokens of finished jobs.", registry=r)
@@ -45,18 +91,24 @@ class WorkerMetrics:
         self.prefix_cache_queries = Counter(
             "mili_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
         )
-        self.prefix_cache_hits = Counter("mili_prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)
+        self.prefix_cache_hits = Counter(
+            "mili_prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r
+        )
         self.prefix_cache_hit_rate = Gauge(
-            "mili_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / looked up, since the worker started.",
+            "mili_prefix_cache_hit_rate",
+            "Prompt tokens found in the prefix cache / looked up, since the worker started.",
             registry=r,
         )
         self.preemptions = Counter("mili_num_preemptions", "Requests preempted for lack of KV pages.", registry=r)
         self.grammar_cache_hits = Counter(
-            "mili_grammar_cache_hits", "Structured outputs: jobs whose grammar was compiled already.", registry=r,
+            "mili_grammar_cache_hits",
+            "Structured outputs: jobs whose grammar was compiled already.",
+            registry=r,
         )
         self.grammar_compiles = Counter("mili_grammar_compiles", "Structured outputs: grammars compiled.", registry=r)
         self.grammar_compile_seconds = Counter(
-            "mili_grammar_compile_seconds", "Structured outputs: time spent compiling grammars, off the step loop.",
+            "mili_grammar_compile_seconds",
+            "Structured outputs: time spent compiling grammars, off the step loop.",
             registry=r,
         )
         jobs = Counter("mili_jobs", "Jobs this worker ended, by outcome.", ["outcome"], registry=r)
@@ -65,8 +117,11 @@ class WorkerMetrics:
         self.jobs = {outcome: jobs.labels(outcome) for outcome in OUTCOMES}
         self._engine_totals: dict[str, float] = {}
         taken = Counter(
-            "mili_entries_taken", "Queue entries this worker took, by source: its own stream (placed on it), the "
-            "shared stream, stolen from another worker's stream, reclaimed from a dead or stalled one.", ["source"], registry=r,
+            "mili_entries_taken",
+            "Queue entries this worker took, by source: its own stream (placed on it), the "
+            "shared stream, stolen from another worker's stream, reclaimed from a dead or stalled one.",
+            ["source"],
+            registry=r,
         )
         self.taken = {source: taken.labels(source) for source in TAKEN_FROM}
 
@@ -91,9 +146,12 @@ class WorkerMetrics:
     def engine_totals(self, stats: EngineStats) -> None:
         """Counters from the engine's running totals (EngineStats)."""
         counters = {
-            "cache_queried_tokens": self.prefix_cache_queries, "cache_hit_tokens": self.prefix_cache_hits,
-            "preemptions": self.preemptions, "grammar_cache_hits": self.grammar_cache_hits,
-            "grammar_compiles": self.grammar_compiles, "grammar_compile_seconds": self.grammar_compile_seconds,
+            "cache_queried_tokens": self.prefix_cache_queries,
+            "cache_hit_tokens": self.prefix_cache_hits,
+            "preemptions": self.preemptions,
+            "grammar_cache_hits": self.grammar_cache_hits,
+            "grammar_compiles": self.grammar_compiles,
+            "grammar_compile_seconds": self.grammar_compile_seconds,
         }
         for name, counter in counters.items():
             total = getattr(stats, name)

@@ -2,6 +2,7 @@
 variables > the TOML file (config/worker.toml unless --config names another) > defaults.
 Engine settings sit in the `[engine]` table, `MILI_ENGINE__<NAME>` in the environment, and
 plain `--<name>` flags."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,60 +26,89 @@ DEFAULT_CONFIG_FILE = Path(__file__).resolve().parents[1] / "config" / "worker.t
 
 class WorkerSettings(TomlSettings):
     model_config = SettingsConfigDict(
-        env_prefix="MILI_", env_nested_delimiter="__", extra="forbid", frozen=True,
+        env_prefix="MILI_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
         toml_file=DEFAULT_CONFIG_FILE,
     )
 
-    model: str = Field("tiny", description='a preset (tiny, tiny-moe, small, qwen3-0.6b), "echo" (no model), or a checkpoint directory')
+    model: str = Field(
+        "tiny", description='a preset (tiny, tiny-moe, small, qwen3-0.6b), "echo" (no model), or a checkpoint directory'
+    )
     device: str = Field("auto", description="cpu, cuda, cuda:N; auto picks cuda when torch sees one")
     dtype: str = Field("auto", description="float32, bfloat16, float16; auto keeps the checkpoint's own")
     redis: str = Field(
-        "embedded", description="redis://, rediss://, unix://, redis+cluster:// or redis+sentinel:// URL; embedded starts a private redis-server"
+        "embedded",
+        description="redis://, rediss://, unix://, redis+cluster:// or redis+sentinel:// URL; embedded starts a private redis-server",
     )
     queue: str = Field("default", description="the queue this worker serves")
     prefix: str = Field(DEFAULT_PREFIX, description="namespace of every Redis key")
     name: str = Field("", description="consumer name in the queue's group; empty means <hostname>-<pid>")
     # At most 2 s: a blocking read must end well inside redis-py's 5 s socket timeout.
-    block_ms: int = Field(500, ge=1, le=2000, description="longest idle XREADGROUP block; bounds the reaction to SIGTERM")
+    block_ms: int = Field(
+        500, ge=1, le=2000, description="longest idle XREADGROUP block; bounds the reaction to SIGTERM"
+    )
     heartbeat_interval_s: float = Field(1.0, gt=0.0, description="how often the heartbeat hash is refreshed")
-    heartbeat_ttl_s: float = Field(5.0, gt=0.0, description="the worker counts as dead this long after its last heartbeat")
+    heartbeat_ttl_s: float = Field(
+        5.0, gt=0.0, description="the worker counts as dead this long after its last heartbeat"
+    )
     result_ttl_s: int = Field(3600, ge=1, description="a job's hash and event stream expire this long after it ends")
     drain_grace_s: float = Field(30.0, ge=0.0, description="on SIGTERM, running jobs get this long to finish")
     claim_idle_ms: int = Field(
-        15000, ge=1, description="a job's entry unrefreshed this long (its worker died or stalled) is reclaimed by another worker"
+        15000,
+        ge=1,
+        description="a job's entry unrefreshed this long (its worker died or stalled) is reclaimed by another worker",
     )
-    reclaim_interval_s: float = Field(2.0, gt=0.0, description="how often a worker with room looks for entries to reclaim")
+    reclaim_interval_s: float = Field(
+        2.0, gt=0.0, description="how often a worker with room looks for entries to reclaim"
+    )
     max_deliveries: int = Field(
         3, ge=1, description="an entry delivered more often than this goes to the dead-letter stream (code poison)"
     )
     stream_interval_s: float = Field(
-        0.05, gt=0.0, le=10.0,
+        0.05,
+        gt=0.0,
+        le=10.0,
         description="a streamed job's token reaches its readers at most this long after it is sampled; also how often a running job's cancel flag is read",
     )
     checkpoint_interval_s: float = Field(
-        1.0, gt=0.0, le=60.0,
+        1.0,
+        gt=0.0,
+        le=60.0,
         description="a job nobody streams has its tokens recorded this often: what a crash makes the next run generate again",
     )
     max_buffered_tokens: int = Field(
-        262144, ge=1, description="while Redis is unreachable, generation pauses once this many tokens await publication"
+        262144,
+        ge=1,
+        description="while Redis is unreachable, generation pauses once this many tokens await publication",
     )
     redis_backoff_max_s: float = Field(
         5.0, gt=0.0, description="longest wait between attempts to reach Redis again (the wait doubles from 0.05 s)"
     )
     wait_replicas: int = Field(
-        0, ge=0, description="a final result counts as written (its entry is acknowledged) once this many replicas have it (WAIT); 0: off"
+        0,
+        ge=0,
+        description="a final result counts as written (its entry is acknowledged) once this many replicas have it (WAIT); 0: off",
     )
-    wait_timeout_ms: int = Field(1000, ge=1, description="how long one WAIT for wait_replicas blocks the worker's publisher at most")
+    wait_timeout_ms: int = Field(
+        1000, ge=1, description="how long one WAIT for wait_replicas blocks the worker's publisher at most"
+    )
     placement: bool = Field(
         True,
         description="cache-aware placement: read a stream of this worker's own before the shared one, and advertise it, "
         "so that producers place a job on the worker likely to hold its prompt's prefix (docs/architecture.md)",
     )
     steal_delay_ms: int = Field(
-        1000, ge=1, description="an entry placed on a busy or stalled worker and not read this long is taken by a worker with room"
+        1000,
+        ge=1,
+        description="an entry placed on a busy or stalled worker and not read this long is taken by a worker with room",
     )
     placement_poll_ms: int = Field(
-        50, ge=1, le=2000, description="with placement on a cluster (where its own stream and the shared one lie on different nodes), an idle worker's longest block on the shared stream: how long a job placed on it may wait"
+        50,
+        ge=1,
+        le=2000,
+        description="with placement on a cluster (where its own stream and the shared one lie on different nodes), an idle worker's longest block on the shared stream: how long a job placed on it may wait",
     )
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1, description="larger job bodies fail with body_too_large")
     max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1, description="larger max_tokens fail with invalid_argument")
@@ -122,7 +152,8 @@ class WorkerSettings(TomlSettings):
         waits_ms = self.wait_timeout_ms if self.wait_replicas else 0
         if self.claim_idle_ms <= 1000 * (self.redis_backoff_max_s + self.heartbeat_interval_s) + waits_ms:
             raise InvalidArgument(
-                "claim_idle_ms", "must exceed redis_backoff_max_s + heartbeat_interval_s (+ wait_timeout_ms with "
+                "claim_idle_ms",
+                "must exceed redis_backoff_max_s + heartbeat_interval_s (+ wait_timeout_ms with "
                 "wait_replicas), or a worker back from a Redis outage can lose its running jobs to the others",
             )
         return self
@@ -136,15 +167,25 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         kind = _scalar_type(field.annotation)
         if typing.get_origin(kind) is typing.Literal:
             parser.add_argument(
-                flag, choices=typing.get_args(kind), default=argparse.SUPPRESS, help=field.description,
+                flag,
+                choices=typing.get_args(kind),
+                default=argparse.SUPPRESS,
+                help=field.description,
             )
         elif kind is bool:
             parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=field.description,
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=field.description,
             )
         else:
             parser.add_argument(
-                flag, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(), help=field.description,
+                flag,
+                type=kind,
+                default=argparse.SUPPRESS,
+                metavar=kind.__name__.upper(),
+                help=field.description,
             )
 
 

@@ -9,6 +9,7 @@ after claim_idle_ms, exactly as after a kill -9. Where the loop makes no engine 
 long (Redis unreachable with the outbox full, a device wait that never returns), this module
 ends the process itself once the timeout has passed again.
 """
+
 from __future__ import annotations
 
 import logging

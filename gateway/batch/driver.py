@@ -20,6 +20,7 @@ On a cancel or at the window's end, the jobs in flight are cancelled; what ends 
 CANCEL_GRACE_S is answered as it ended (a line that finished is in the output file), and every
 line still unanswered gets the error `batch_cancelled` or `batch_expired` in the error file.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,17 @@ from collections.abc import AsyncIterator
 import redis
 
 from gateway.batch.lines import (
-    LineErrorBody, LineJobs, OutputLine, answer, check_lines, error_answer, line_request, parse_line, request_id,
-    split_at_full_queue, unanswered,
+    LineErrorBody,
+    LineJobs,
+    OutputLine,
+    answer,
+    check_lines,
+    error_answer,
+    line_request,
+    parse_line,
+    request_id,
+    split_at_full_queue,
+    unanswered,
 )
 from gateway.batch.schema import BatchErrors
 from gateway.batch.store import BatchStore, Pieces
@@ -169,12 +179,18 @@ class DrivenBatch:
         file_id = fields["input_file_id"]
         pieces = [piece async for piece in self.store.file_text(file_id)]
         if await self.store.file(file_id) is None:
-            return await self.fail([LineErrorBody(code="file_not_found", message=f"the input file {file_id} no longer exists")])
-        lines, errors = await asyncio.to_thread(check_lines, "".join(pieces), fields["endpoint"], self.driver.settings.batch_max_lines)
+            return await self.fail(
+                [LineErrorBody(code="file_not_found", message=f"the input file {file_id} no longer exists")]
+            )
+        lines, errors = await asyncio.to_thread(
+            check_lines, "".join(pieces), fields["endpoint"], self.driver.settings.batch_max_lines
+        )
         if errors:
             return await self.fail([e.error() for e in errors])
         await self.store.store_input(self.batch_id, lines)
-        await self.store.transition(self.batch_id, "validating", "in_progress", "in_progress_at", int(time.time()), total=len(lines))
+        await self.store.transition(
+            self.batch_id, "validating", "in_progress", "in_progress_at", int(time.time()), total=len(lines)
+        )
         log.info("batch %s: %d lines valid, in progress", self.batch_id, len(lines))
 
     async def fail(self, errors: list[LineErrorBody]) -> None:
@@ -190,7 +206,10 @@ class DrivenBatch:
         await self.fill()
         if self.next_line >= self.total and not self.flying:
             now = int(time.time())
-            if await self.store.transition(self.batch_id, "in_progress", "finalizing", "finalizing_at", now) == "finalizing":
+            if (
+                await self.store.transition(self.batch_id, "in_progress", "finalizing", "finalizing_at", now)
+                == "finalizing"
+            ):
                 await self.finalize("completed")
             return
         await self.collect()
@@ -207,7 +226,13 @@ class DrivenBatch:
                 self.next_line = min(self.next_line, refused)
         else:
             self.track([line for lines in by_queue.values() for line in lines])
-        log.info("batch %s: taken on at line %d of %d, %d in flight", self.batch_id, self.next_line, self.total, len(self.flying))
+        log.info(
+            "batch %s: taken on at line %d of %d, %d in flight",
+            self.batch_id,
+            self.next_line,
+            self.total,
+            len(self.flying),
+        )
 
     async def fill(self) -> None:
         """Submit the next lines while fewer than `batch_in_flight` lines are out."""
@@ -244,7 +269,9 @@ class DrivenBatch:
         refused: int | None = None
         for queue, lines in by_queue.items():
             try:
-                await self.client.on_queue(queue).submit_many([spec for line in lines for spec in line.submit_specs(timeout_s=timeout_s)])
+                await self.client.on_queue(queue).submit_many(
+                    [spec for line in lines for spec in line.submit_specs(timeout_s=timeout_s)]
+                )
                 taken = lines
             except BulkQueueFull as full:
                 taken, waiting = split_at_full_queue(lines, full)
@@ -311,7 +338,7 @@ class DrivenBatch:
     async def give_up_unanswered(self) -> None:
         indexes = await self.store.unanswered(self.batch_id, self.total)
         for start in range(0, len(indexes), 1000):
-            page = indexes[start:start + 1000]
+            page = indexes[start : start + 1000]
             texts = await self.store.input_lines(self.batch_id, page)
             answers = []
             for index, text in zip(page, texts):
@@ -327,8 +354,13 @@ class DrivenBatch:
         owner = await self.store.batch_owner(self.batch_id)  # the output files are the batch's owner's
         for ok, kind, name in ((True, "output", "output_file_id"), (False, "errors", "error_file_id")):
             file = await self.store.put_file(
-                output_file_id(self.batch_id, kind), f"{self.batch_id}_{kind}.jsonl", "batch_output", self.pieces(ok), now,
-                self.ttl_s, owner,
+                output_file_id(self.batch_id, kind),
+                f"{self.batch_id}_{kind}.jsonl",
+                "batch_output",
+                self.pieces(ok),
+                now,
+                self.ttl_s,
+                owner,
             )
             if file is not None:
                 files[name] = file.id

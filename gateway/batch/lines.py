@@ -11,6 +11,7 @@ the same renderers, so a batch answers exactly what the HTTP API would. A reques
 API would answer it; a line that is not a request at all (not JSON, no custom_id, an unknown url)
 is a LineError, which names the line.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -164,14 +165,22 @@ def check_lines(text: str, url: str, max_lines: int, max_errors: int = 100) -> t
     first `max_errors` errors are kept."""
     numbered = [(number, line) for number, line in enumerate(jsonl_lines(text), 1) if line.strip()]
     if len(numbered) > max_lines:
-        return [], [LineError(numbered[max_lines][0], "too_many_lines", f"{len(numbered)} lines, the limit is {max_lines}")]
+        return [], [
+            LineError(numbered[max_lines][0], "too_many_lines", f"{len(numbered)} lines, the limit is {max_lines}")
+        ]
     errors: list[LineError] = []
     seen: set[str] = set()
     for number, text_line in numbered:
         try:
             line = parse_line(text_line, number, frozenset({url}))
             if line.custom_id in seen:
-                raise LineError(number, "duplicate_custom_id", f"custom_id {line.custom_id!r} is on an earlier line", "custom_id", line.custom_id)
+                raise LineError(
+                    number,
+                    "duplicate_custom_id",
+                    f"custom_id {line.custom_id!r} is on an earlier line",
+                    "custom_id",
+                    line.custom_id,
+                )
             seen.add(line.custom_id)
         except LineError as e:
             errors.append(e)
@@ -264,7 +273,8 @@ def error_answer(custom_id: str, request_id: str, error: APIError) -> OutputLine
     """A request answered with an HTTP error (a bad body, a failed job), OpenAI's error body in it."""
     body = error.body.model_dump(mode="json")
     return OutputLine(
-        id=line_id(request_id), custom_id=custom_id,
+        id=line_id(request_id),
+        custom_id=custom_id,
         response=LineResponse(status_code=error.status, request_id=request_id, body=body),
     )
 

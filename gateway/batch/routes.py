@@ -6,6 +6,7 @@ tenant: gateway.api_keys); another key finds neither, unless it is an admin key.
     POST /v1/files (purpose=batch)   GET /v1/files/{id}   GET /v1/files/{id}/content   DELETE /v1/files/{id}
     POST /v1/batches   GET /v1/batches/{id}   GET /v1/batches   POST /v1/batches/{id}/cancel
 """
+
 from __future__ import annotations
 
 import re
@@ -39,8 +40,13 @@ def batch_router(store: BatchStore, settings: GatewaySettings) -> APIRouter:
             raise bad_request(f"purpose {purpose!r} is not supported: only `batch` files are", "purpose")
         text = check_upload(await file.read(settings.batch_max_file_bytes + 1), settings)
         saved = await store.put_file(
-            f"file-{uuid.uuid4().hex}", file.filename or "input.jsonl", "batch", each(text_pieces(text)), int(time.time()),
-            settings.batch_ttl_s, tenant_of(request).id,
+            f"file-{uuid.uuid4().hex}",
+            file.filename or "input.jsonl",
+            "batch",
+            each(text_pieces(text)),
+            int(time.time()),
+            settings.batch_ttl_s,
+            tenant_of(request).id,
         )
         if saved is None:
             raise bad_request("the file is empty", "file")
@@ -48,7 +54,11 @@ def batch_router(store: BatchStore, settings: GatewaySettings) -> APIRouter:
 
     @router.get("/v1/files")
     async def list_files(
-        request: Request, after: str | None = None, limit: int = MAX_FILE_LIST, order: str = "desc", purpose: str | None = None,
+        request: Request,
+        after: str | None = None,
+        limit: int = MAX_FILE_LIST,
+        order: str = "desc",
+        purpose: str | None = None,
     ):
         if not 1 <= limit <= MAX_FILE_LIST:
             raise bad_request(f"limit must be 1 to {MAX_FILE_LIST}", "limit")
@@ -80,15 +90,25 @@ def batch_router(store: BatchStore, settings: GatewaySettings) -> APIRouter:
             raise bad_request(f"endpoint {req.endpoint!r} is not {' or '.join(ENDPOINTS)}", "endpoint")
         if req.completion_window not in settings.batch_completion_windows:
             allowed = ", ".join(settings.batch_completion_windows)
-            raise bad_request(f"completion_window {req.completion_window!r} is not one of {allowed}", "completion_window")
+            raise bad_request(
+                f"completion_window {req.completion_window!r} is not one of {allowed}", "completion_window"
+            )
         file = await store.file(checked_file_id(req.input_file_id), tenant_of(request).owns)
         if file is None or file.purpose != "batch":
-            raise bad_request(f"input_file_id {req.input_file_id!r} is not an uploaded batch file", "input_file_id", "file_not_found")
+            raise bad_request(
+                f"input_file_id {req.input_file_id!r} is not an uploaded batch file", "input_file_id", "file_not_found"
+            )
         now = int(time.time())
         batch = Batch(
-            id=f"batch_{uuid.uuid4().hex}", endpoint=req.endpoint, input_file_id=req.input_file_id,
-            completion_window=req.completion_window, status="validating", created_at=now,
-            expires_at=now + duration_s(req.completion_window), request_counts=RequestCounts(), metadata=req.metadata,
+            id=f"batch_{uuid.uuid4().hex}",
+            endpoint=req.endpoint,
+            input_file_id=req.input_file_id,
+            completion_window=req.completion_window,
+            status="validating",
+            created_at=now,
+            expires_at=now + duration_s(req.completion_window),
+            request_counts=RequestCounts(),
+            metadata=req.metadata,
         )
         await store.create_batch(batch, settings.batch_ttl_s, tenant_of(request).id)
         return batch
@@ -107,7 +127,9 @@ def batch_router(store: BatchStore, settings: GatewaySettings) -> APIRouter:
     @router.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str):
         batch = await existing_batch(store, request, batch_id)
-        status = await store.transition(batch.id, "validating in_progress", "cancelling", "cancelling_at", int(time.time()))
+        status = await store.transition(
+            batch.id, "validating in_progress", "cancelling", "cancelling_at", int(time.time())
+        )
         if status in ENDED - {"cancelled"}:
             # A 400, not a 409: the SDK retries a 409 (a conflict that may pass), and this one will not.
             raise bad_request(f"batch {batch_id} has ended ({status}): there is nothing to cancel", None, "batch_ended")
@@ -126,7 +148,9 @@ def check_upload(data: bytes, settings: GatewaySettings) -> str:
         raise bad_request(f"the file is not UTF-8 text: {e}", "file") from None
     lines = sum(1 for line in jsonl_lines(text) if line.strip())
     if lines > settings.batch_max_lines:
-        raise bad_request(f"the file holds {lines} requests, the limit is {settings.batch_max_lines}", "file", "too_many_lines")
+        raise bad_request(
+            f"the file holds {lines} requests, the limit is {settings.batch_max_lines}", "file", "too_many_lines"
+        )
     return text
 
 

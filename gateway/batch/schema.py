@@ -1,6 +1,7 @@
 """The Batch API's shapes, as OpenAI's SDK reads them and its OpenAPI spec states them: the file
 object, the batch object (its statuses, timestamps and request counts) and their lists. A field
 the spec makes optional and not nullable is left out while it has no value."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,14 @@ from gateway.batch.lines import LineErrorBody
 from gateway.responses import Omitted
 
 BatchStatus = Literal[
-    "validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled",
+    "validating",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "failed",
+    "expired",
+    "cancelling",
+    "cancelled",
 ]
 # A batch in one of these has ended: its driver is done with it, and it expires after batch_ttl_s.
 ENDED = frozenset({"completed", "failed", "expired", "cancelled"})

@@ -14,6 +14,7 @@ Every write a batch's driver makes is safe to repeat, and to race with a second 
 not yet noticed it lost its lease: a line is answered through ANSWER, whose SETBIT lets only the
 first answer of a line in; statuses move through TRANSITION, from the statuses named only.
 """
+
 from __future__ import annotations
 
 import time
@@ -32,7 +33,6 @@ PIECE_CHARS = 1 << 18  # a file's text per list element, at most: 1 MiB of UTF-8
 PIECES_PER_READ = 8
 LINES_PER_FIELD = 64  # a batch's input lines per hash field
 ANSWERS_PER_READ = 1000
-
 
 
 class Pieces:
@@ -86,7 +86,13 @@ class BatchStore:
     # -- files ---------------------------------------------------------------------------------
 
     async def put_file(
-        self, file_id: str, filename: str, purpose: str, pieces: AsyncIterator[str], now: int, ttl_s: int,
+        self,
+        file_id: str,
+        filename: str,
+        purpose: str,
+        pieces: AsyncIterator[str],
+        now: int,
+        ttl_s: int,
         owner: str | None,
     ) -> FileObject | None:
         """Store a file of `owner` (a tenant's id) from its pieces (None if there are none): the
@@ -103,7 +109,9 @@ class BatchStore:
             size += len(piece.encode())
         if not size:
             return None
-        file = FileObject(id=file_id, bytes=size, created_at=now, expires_at=now + ttl_s, filename=filename, purpose=purpose)
+        file = FileObject(
+            id=file_id, bytes=size, created_at=now, expires_at=now + ttl_s, filename=filename, purpose=purpose
+        )
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(self.keys.file(file_id), mapping={**file.model_dump(), **owned_by(owner)})
         pipe.expire(self.keys.file(file_id), ttl_s)
@@ -135,12 +143,19 @@ class BatchStore:
         return bool(await self.redis.delete(self.keys.file(file_id), self.keys.file_content(file_id)))
 
     async def list_files(
-        self, after: str | None, limit: int, newest_first: bool, purpose: str | None, owner: str | None,
+        self,
+        after: str | None,
+        limit: int,
+        newest_first: bool,
+        purpose: str | None,
+        owner: str | None,
     ) -> FileList:
         """`limit` files after the file `after`, of `purpose` if given, of `owner` (None: of every
         owner); files that expired leave the index."""
         index = self.keys.files() if owner is None else self.keys.files_of(owner)
-        rank_of, range_of = (self.redis.zrevrank, self.redis.zrevrange) if newest_first else (self.redis.zrank, self.redis.zrange)
+        rank_of, range_of = (
+            (self.redis.zrevrank, self.redis.zrevrange) if newest_first else (self.redis.zrank, self.redis.zrange)
+        )
         start = 0
         if after is not None:
             rank = await rank_of(index, after)
@@ -155,7 +170,12 @@ class BatchStore:
                 start -= len(gone)
             files += [f for f in found if f is not None and purpose in (None, f.purpose)]
         page = files[:limit]
-        return FileList(data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None, has_more=len(files) > limit)
+        return FileList(
+            data=page,
+            first_id=page[0].id if page else None,
+            last_id=page[-1].id if page else None,
+            has_more=len(files) > limit,
+        )
 
     async def _files(self, file_ids: list[str]) -> list[FileObject | None]:
         pipe = self.redis.pipeline(transaction=False)
@@ -205,14 +225,18 @@ class BatchStore:
         batches = [Batch.from_fields(fields) for fields in found if fields]
         page = batches[:limit]
         return BatchList(
-            data=page, first_id=page[0].id if page else None, last_id=page[-1].id if page else None,
+            data=page,
+            first_id=page[0].id if page else None,
+            last_id=page[-1].id if page else None,
             has_more=len(batches) > limit,
         )
 
     async def unfinished(self) -> list[str]:
         return await self.redis.zrange(self.keys.batches_unfinished(), 0, -1)
 
-    async def transition(self, batch_id: str, allowed: str, status: str, at_field: str, now: int, **fields) -> str | None:
+    async def transition(
+        self, batch_id: str, allowed: str, status: str, at_field: str, now: int, **fields
+    ) -> str | None:
         """Move the batch to `status` if it is in one of `allowed` (space-separated)."""
         return await self._run(scripts.transition(self.keys, batch_id, allowed, status, at_field, now, fields))
 
@@ -222,11 +246,14 @@ class BatchStore:
     async def store_input(self, batch_id: str, lines: list[str]) -> None:
         """Line i goes in field i // LINES_PER_FIELD, with its neighbours (the lines have no newline)."""
         key = self.keys.batch_input(batch_id)
-        runs = {str(n): "\n".join(lines[start:start + LINES_PER_FIELD]) for n, start in enumerate(range(0, len(lines), LINES_PER_FIELD))}
+        runs = {
+            str(n): "\n".join(lines[start : start + LINES_PER_FIELD])
+            for n, start in enumerate(range(0, len(lines), LINES_PER_FIELD))
+        }
         names = list(runs)
         pipe = self.redis.pipeline(transaction=False)
         for start in range(0, len(names), ANSWERS_PER_READ):
-            pipe.hset(key, mapping={name: runs[name] for name in names[start:start + ANSWERS_PER_READ]})
+            pipe.hset(key, mapping={name: runs[name] for name in names[start : start + ANSWERS_PER_READ]})
         await pipe.execute()
 
     async def input_lines(self, batch_id: str, indexes: list[int]) -> list[str]:
@@ -250,7 +277,9 @@ class BatchStore:
         return [index for index, bit in zip(range(first, upto), bits) if not bit]
 
     async def answer(self, batch_id: str, answers: list[tuple[int, OutputLine]]) -> None:
-        await self._run_many([scripts.answer(self.keys, batch_id, index, line.ok, line.model_dump_json()) for index, line in answers])
+        await self._run_many(
+            [scripts.answer(self.keys, batch_id, index, line.ok, line.model_dump_json()) for index, line in answers]
+        )
 
     async def answers(self, batch_id: str, ok: bool) -> AsyncIterator[list[str]]:
         key = self.keys.batch_output(batch_id) if ok else self.keys.batch_errors(batch_id)

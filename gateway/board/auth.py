@@ -10,6 +10,7 @@ SameSite=Strict (no other site's page sends it). Board actions (retry, purge, ca
 X-MILI-Board header, which a page of another origin cannot add without a CORS preflight that the
 gateway refuses: this also guards an open board (no api_keys) on localhost against a drive-by POST.
 Scripts may use the board's routes with the Bearer header, as the API's."""
+
 from __future__ import annotations
 
 import hashlib

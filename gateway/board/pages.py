@@ -1,5 +1,6 @@
 """The board's HTML: Jinja templates in templates/, autoescaped (job text, reasons and ids come
 from producers and are never trusted as markup), and the filters they format numbers with."""
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """The board's routes, under /board. Pages and fragments are server-rendered HTML; a page reads
 its fragment again every REFRESH_S, and a job page follows the job's text as Server-Sent Events.
 Job ids and queue names go in the query string: both may hold a `/`."""
+
 from __future__ import annotations
 
 import json
@@ -93,7 +94,13 @@ def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings, fail
             retried = await client.on_queue(check_name("queue", queue)).dead_letters.retry(letter)
         except (DeadLetterNotFound, NotRetryable) as e:
             raise action_refused(e) from None
-        log.info("board: dead letter %s of queue %r retried: job %s is entry %s", letter, queue, retried.job_id, retried.entry_id)
+        log.info(
+            "board: dead letter %s of queue %r retried: job %s is entry %s",
+            letter,
+            queue,
+            retried.job_id,
+            retried.entry_id,
+        )
         return Response(retried.model_dump_json(), media_type="application/json")
 
     @router.post("/dead/purge", dependencies=[Depends(from_the_board)])
@@ -120,7 +127,12 @@ def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings, fail
             return html("login.jinja", request, status=401, wrong=True)
         response = RedirectResponse("/board", status_code=303)
         response.set_cookie(
-            COOKIE, session, max_age=SESSION_S, path="/board", httponly=True, samesite="strict",
+            COOKIE,
+            session,
+            max_age=SESSION_S,
+            path="/board",
+            httponly=True,
+            samesite="strict",
             secure=request.url.scheme == "https",
         )
         return response

@@ -2,6 +2,7 @@
 left its stream (QueueOverview.processed, a count Redis keeps). The readings are taken when the
 board is read, and kept here for a minute: derived from Redis alone, so a gateway that restarts,
 or another gateway behind the same address, only starts its window again."""
+
 from __future__ import annotations
 
 from collections import deque

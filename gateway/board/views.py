@@ -2,6 +2,7 @@
 queue (its numbers, its running, waiting and dead jobs) and every worker, and one `JobView` per
 job page. Queues are those of the queue index (served by a worker in the last hour) and those the
 gateway routes to (its default queue and its `models` map), read concurrently."""
+
 from __future__ import annotations
 
 import asyncio
@@ -56,19 +57,28 @@ class BoardReader:
     async def overview(self) -> Overview:
         queues = await self.queues()
         contents, workers = await asyncio.gather(
-            asyncio.gather(*(self.contents(queue) for queue in queues)), self.client.inspect.workers(),
+            asyncio.gather(*(self.contents(queue) for queue in queues)),
+            self.client.inspect.workers(),
         )
         self.meter.forget_others(set(queues))
-        rows = [QueueRow(c.overview, self.meter.observe(c.overview.queue, c.overview.at, c.overview.processed)) for c in contents]
+        rows = [
+            QueueRow(c.overview, self.meter.observe(c.overview.queue, c.overview.at, c.overview.processed))
+            for c in contents
+        ]
         return Overview(
-            queues=rows, workers=workers, running=[j for c in contents for j in c.running],
-            waiting=[j for c in contents for j in c.waiting], dead=[d for c in contents for d in c.dead],
+            queues=rows,
+            workers=workers,
+            running=[j for c in contents for j in c.running],
+            waiting=[j for c in contents for j in c.waiting],
+            dead=[d for c in contents for d in c.dead],
         )
 
     async def contents(self, queue: str) -> QueueContents:
         client = self.client.on_queue(queue)
         overview, running, waiting, dead = await asyncio.gather(
-            client.inspect.overview(), client.inspect.running(JOBS_SHOWN), client.inspect.waiting(JOBS_SHOWN),
+            client.inspect.overview(),
+            client.inspect.running(JOBS_SHOWN),
+            client.inspect.waiting(JOBS_SHOWN),
             client.dead_letters.list(JOBS_SHOWN),
         )
         return QueueContents(overview, running, waiting, dead)

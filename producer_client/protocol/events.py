@@ -3,6 +3,7 @@ JSON, which PUBLISH and CANCEL write (producer_client/protocol/worker.py, produc
 place that writes a `data` payload and the one that reads it. Two readers trust them differently:
 a worker that takes a job over validates what it resumes from (a producer may write the stream,
 so it is input like any other), while a client's reader takes what it shows as it comes."""
+
 from __future__ import annotations
 
 import json
@@ -66,6 +67,7 @@ def encode_tokens(token_ids: list[int], text: str, logprobs: list[TokenLogprob] 
 
 # -- reading --------------------------------------------------------------------------------------
 
+
 def resumed_start(data: str) -> StartEvent:
     """A `start` event a worker resumes from: validated, raises pydantic's ValidationError."""
     return StartEvent.model_validate_json(data)
@@ -87,6 +89,7 @@ def shown_tokens(data: str) -> dict[str, Any]:
     payload = json.loads(data)
     logprobs = payload.get("logprobs")
     return {
-        "ids": payload["ids"], "text": payload["text"],
+        "ids": payload["ids"],
+        "text": payload["text"],
         "logprobs": None if logprobs is None else [TokenLogprob.model_validate(lp) for lp in logprobs],
     }

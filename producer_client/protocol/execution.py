@@ -2,6 +2,7 @@
 on a Redis Cluster (producer_client.cluster), the scripts loaded again where a server answers
 NOSCRIPT (fresh, restarted, or SCRIPT FLUSHed: the script did not run, so only what failed is sent
 again), and WAIT routed to the node that holds the writes it vouches for."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -107,7 +108,8 @@ def _script_loads(client, scripts: Sequence[Script]) -> Stack:
     masters = client.get_primaries() if is_cluster(client) else [None]
     return [
         (("SCRIPT LOAD", script.source), {} if node is None else {"target_nodes": node})
-        for node in masters for script in (*PRODUCER_SCRIPTS, *scripts)
+        for node in masters
+        for script in (*PRODUCER_SCRIPTS, *scripts)
     ]
 
 
@@ -115,6 +117,7 @@ def _send(client, stack: Stack | Callable[[], Stack]) -> list:
     """One reply (or error) per command of `stack` (or of the stack it makes), in one pipeline: on
     a cluster, built anew for each try of the client's pacing (redis-py's own empties a pipeline
     it sent), each command routed by the topology of that try."""
+
     def attempt() -> list:
         pipe, parts, waits = _pipeline(client, stack() if callable(stack) else stack)
         return _judged_waits(client, _folded(pipe.execute(raise_on_error=False), parts), waits)
@@ -184,7 +187,7 @@ def _folded(replies: list, parts: list[int]) -> list:
     of its counts, or the first error among them."""
     folded, at = [], 0
     for count in parts:
-        mine = replies[at:at + count]
+        mine = replies[at : at + count]
         at += count
         errors = [reply for reply in mine if isinstance(reply, Exception)]
         folded.append(mine[0] if count == 1 else errors[0] if errors else sum(mine))

@@ -18,6 +18,7 @@ A note on Lua: a call that is not the last expression of an argument list yields
 value, so `f(a, unpack(t), 'X')` passes one element of `t`. Scripts build the whole argument
 table and `unpack` it last (tests/queue/test_scripts.py checks every script for this).
 """
+
 from __future__ import annotations
 
 from producer_client.keys import PROTOCOL_VERSION, Keys
@@ -32,7 +33,9 @@ from producer_client.protocol.script import Script, ScriptCall, job_keys
 # (`enqueued`: an earlier submit stopped half-way). 0: it exists and is enqueued, or is past
 # queued. -1: it exists for another request (its fingerprint differs): a request_id is bound to
 # the request that first used it. Enqueueing twice is harmless: CLAIM drops the second entry.
-CREATE = Script("create", """
+CREATE = Script(
+    "create",
+    """
 if redis.call('HSETNX', KEYS[1], 'status', 'queued') == 1 then
   if ARGV[2] and ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'fingerprint', ARGV[2]) end
   local timeout = tonumber(ARGV[1] or '0')
@@ -49,12 +52,15 @@ if redis.call('HGET', KEYS[1], 'status') == 'queued' and not redis.call('HGET', 
   return 1
 end
 return 0
-""")
+""",
+)
 
 # KEYS: job, events, done. ARGV: result JSON of a cancelled job. Returns the status before the
 # call, or nil if there is no such job. A queued job ends here and now; a running one
 # gets the flag its worker reads every step.
-CANCEL = Script("cancel", """
+CANCEL = Script(
+    "cancel",
+    """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end
 if status == 'queued' then
@@ -65,17 +71,21 @@ elseif status == 'running' then
   redis.call('HSET', KEYS[1], 'cancel', '1')
 end
 return status
-""")
+""",
+)
 
 # KEYS: job. A reader of stream() follows the job: its `streamed` flag goes up, and the worker
 # running it (which reads the flag with each look at the job) publishes its tokens within
 # stream_interval_s from then on instead of at its checkpoints. Returns 1, or 0 (changing
 # nothing) if there is no such job.
-FOLLOW = Script("follow", """
+FOLLOW = Script(
+    "follow",
+    """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'streamed', '1')
 return 1
-""")
+""",
+)
 
 # KEYS: job, events, done. ARGV: timeout in ms (0: no deadline). An operator retries a dead-lettered
 # job: one that failed (poison), whose hash expired, or that an earlier retry left queued before its
@@ -83,7 +93,9 @@ return 1
 # see the old run's end or tokens, and the job is queued again as CREATE makes it (the deadline
 # counted from now), flagged enqueued: REVIVE follows. Returns {'queued'}, or {'refused', status}
 # for a job that is running or has a final result other than failed, changing nothing.
-RETRY = Script("retry", """
+RETRY = Script(
+    "retry",
+    """
 local status = redis.call('HGET', KEYS[1], 'status')
 if status and status ~= 'failed' and status ~= 'queued' then return {'refused', status} end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
@@ -94,35 +106,44 @@ if timeout > 0 then
   redis.call('HSET', KEYS[1], 'deadline', now[1] * 1000 + math.floor(now[2] / 1000) + timeout)
 end
 return {'queued'}
-""")
+""",
+)
 
 # -- a queue's keys -------------------------------------------------------------------------------
 
 # KEYS: queue. ARGV: max depth (0: no bound), job id, protocol version, body.
 # Returns {1, entry id}, or {0, depth} when the queue is full. Checking and adding in one
 # script makes the bound exact under any number of producers; nothing is ever trimmed.
-ENQUEUE = Script("enqueue", """
+ENQUEUE = Script(
+    "enqueue",
+    """
 local max = tonumber(ARGV[1])
 if max > 0 then
   local depth = redis.call('XLEN', KEYS[1])
   if depth >= max then return {0, depth} end
 end
 return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])}
-""")
+""",
+)
 
 # KEYS: queue, dead. ARGV: dead letter's entry id, job id, protocol version, body. Moves a dead
 # letter back to the queue as a new entry (a fresh delivery count), in one step: a retry run twice
 # at once enqueues the job once. Returns the new entry's id, or nil if the letter is gone.
-REVIVE = Script("revive", """
+REVIVE = Script(
+    "revive",
+    """
 if redis.call('XDEL', KEYS[2], ARGV[1]) == 0 then return false end
 return redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])
-""")
+""",
+)
 
 # KEYS: queue. ARGV: max depth (0: no bound), protocol version, then each job's id and body.
 # submit_many's ENQUEUE: adds the jobs in order while the queue holds fewer than max depth entries,
 # the bound ENQUEUE keeps for one job, so a chunk that would cross it fills the queue up to it and
 # adds no more. Returns {jobs added, depth after}.
-ENQUEUE_MANY = Script("enqueue_many", """
+ENQUEUE_MANY = Script(
+    "enqueue_many",
+    """
 local max, depth = tonumber(ARGV[1]), redis.call('XLEN', KEYS[1])
 local room = (#ARGV - 2) / 2
 if max > 0 then room = math.min(room, math.max(0, max - depth)) end
@@ -130,12 +151,14 @@ for i = 1, room do
   redis.call('XADD', KEYS[1], '*', 'id', ARGV[2 * i + 1], 'v', ARGV[2], 'body', ARGV[2 * i + 2])
 end
 return {room, depth + room}
-""")
+""",
+)
 
 PRODUCER_SCRIPTS = (CREATE, CANCEL, FOLLOW, ENQUEUE, ENQUEUE_MANY, RETRY, REVIVE)
 
 
 # -- call builders: each owns its script's keys and argument order ----------------------------------
+
 
 def create(keys: Keys, job_id: str, timeout_ms: int, fingerprint: str) -> ScriptCall:
     return ScriptCall(CREATE, (keys.job(job_id),), (timeout_ms, fingerprint))

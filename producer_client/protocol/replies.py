@@ -1,6 +1,7 @@
 """What the protocol's scripts and reads answer the worker, as str-enums. Every reply is parsed here
 and nowhere else; a reply that matches none of them raises UnknownReply, which fails the job it
 concerns instead of being taken for some other outcome."""
+
 from __future__ import annotations
 
 import enum

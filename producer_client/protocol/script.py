@@ -1,5 +1,6 @@
 """A Lua script of protocol v1 and one call of it: the call carries its keys and arguments in the
 order the script reads them, so a caller never counts keys or lines up ARGV itself."""
+
 from __future__ import annotations
 
 import hashlib

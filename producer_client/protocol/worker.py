@@ -26,6 +26,7 @@ one they follow and a `start` only once per run, DEADLETTER acts only on an entr
 What each answers is parsed in producer_client/protocol/replies.py; each script's call builder, at the end,
 owns its keys and argument order.
 """
+
 from __future__ import annotations
 
 from producer_client.keys import GROUP, Keys
@@ -56,7 +57,10 @@ end
 # with the same job id is running it: drop this one). A missing hash is claimed too: a raw XADD
 # bypasses the client that would create it. Claiming the entry a job is running under again is a
 # reclaim: it starts a new run, and the old run's worker can publish nothing more.
-CLAIM = Script("claim", JOB_KEY_TYPES + """
+CLAIM = Script(
+    "claim",
+    JOB_KEY_TYPES
+    + """
 local refused = wrong_key_type()
 if refused then return refused end
 local result, status, entry, tokens, deadline = unpack(
@@ -71,7 +75,8 @@ end
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'entry', ARGV[2], 'run', ARGV[4])
 if deadline then return {'claimed', tonumber(tokens or '0'), deadline} end
 return {'claimed', tonumber(tokens or '0')}
-""")
+""",
+)
 
 # KEYS: job, events, done. ARGV: run token, start JSON, tokens JSON, tokens before them, tokens
 # after them, final status, result JSON, result TTL seconds; '' for what the step does not have.
@@ -87,7 +92,10 @@ return {'claimed', tonumber(tokens or '0')}
 #   'written'  the result is written.
 #   else 'cancel' (its cancel flag is up), 'followed' (its streamed flag is up: a reader follows
 #   it, see FOLLOW) or 'ok'.
-PUBLISH = Script("publish", JOB_KEY_TYPES + """
+PUBLISH = Script(
+    "publish",
+    JOB_KEY_TYPES
+    + """
 local status, result, run, recorded, started, cancel, streamed = unpack(
   redis.call('HMGET', KEYS[1], 'status', 'result', 'run', 'tokens', 'started', 'cancel', 'streamed'))
 if not status then return 'gone' end  -- every job's hash has a status: this one has no hash
@@ -128,7 +136,8 @@ redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[7])
 redis.call('XADD', KEYS[3], '*', 'data', ARGV[7])
 for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[8]) end
 return 'written'
-""")
+""",
+)
 
 # KEYS: job, events, done. ARGV: run token, worker. Redis lost the queue's consumer group
 # (restarted without persistence, flushed, or the group was destroyed), and with it the entries of
@@ -138,7 +147,9 @@ return 'written'
 # as queued), and it is this run's again with no tokens recorded; the worker then publishes the
 # job's whole output so far, so that its event stream is complete again. Either way the job's
 # `entry` is cleared, so that a stale entry of it, delivered again, is dropped as a duplicate.
-ADOPT = Script("adopt", """
+ADOPT = Script(
+    "adopt",
+    """
 local status, run, result = unpack(redis.call('HMGET', KEYS[1], 'status', 'run', 'result'))
 if result then return 'ended' end
 if status == 'running' and run ~= ARGV[1] then return 'lost' end
@@ -146,25 +157,31 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'entry', '',
 if status == 'running' then return 'adopted' end
 redis.call('HDEL', KEYS[1], 'started', 'tokens', 'enqueued')
 return 'recreated'
-""")
+""",
+)
 
 # KEYS: job. ARGV: run token. A draining worker gives back a detached job (see ADOPT) that has
 # no entry to hand over: its status goes back to queued, and the worker then enqueues it anew
 # (ENQUEUE), to be claimed and resumed after its recorded tokens. Returns 1, or 0 if the run is
 # not the job's or the job has a result.
-REQUEUE = Script("requeue", """
+REQUEUE = Script(
+    "requeue",
+    """
 local run, result = unpack(redis.call('HMGET', KEYS[1], 'run', 'result'))
 if result or run ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'status', 'queued', 'entry', '')
 return 1
-""")
+""",
+)
 
 # KEYS: job, events, done. ARGV: result JSON of a failed job, tokens in it, result TTL seconds. The
 # job fails whatever its run and recorded tokens: its keys refused a script or a read (a key of
 # another type, a field no script can read), so no run can go on with it. A key of another type
 # than the protocol's is deleted first, so that the failure can be written and read as any
 # result. Returns 'failed', or 'ended' (changing nothing but those keys) if the job has a result.
-FAIL = Script("fail", """
+FAIL = Script(
+    "fail",
+    """
 for i, kind in ipairs({'hash', 'stream', 'stream'}) do
   local found = redis.call('TYPE', KEYS[i]).ok
   if found ~= 'none' and found ~= kind then redis.call('DEL', KEYS[i]) end
@@ -175,7 +192,8 @@ redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[1])
 redis.call('XADD', KEYS[3], '*', 'data', ARGV[1])
 for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[3]) end
 return 'failed'
-""")
+""",
+)
 
 # -- a queue's keys -------------------------------------------------------------------------------
 
@@ -184,7 +202,9 @@ return 'failed'
 # XAUTOCLAIM takes them. Returns the ids that are no longer this consumer's: reclaimed by another
 # worker while this one was stalled or cut off. Checking before claiming matters: a plain XCLAIM
 # would take the entry back from the worker now running the job.
-REFRESH = Script("refresh", """
+REFRESH = Script(
+    "refresh",
+    """
 local claim, lost = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}, {}
 for i = 3, #ARGV do
   if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 1 then
@@ -196,13 +216,16 @@ end
 table.insert(claim, 'JUSTID')
 if #claim > 6 then redis.call(unpack(claim)) end
 return lost
-""")
+""",
+)
 
 # KEYS: queue. ARGV: group, consumer, min idle ms, start id, count.
 # XAUTOCLAIM of up to `count` entries idle longer than `min idle`, each returned with its
 # delivery count (which the claim has just raised): {next start id, {{id, {field, value...},
 # deliveries}...}}.
-RECLAIM = Script("reclaim", """
+RECLAIM = Script(
+    "reclaim",
+    """
 local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5])
 local claimed = {}
 for _, entry in ipairs(reply[2]) do
@@ -210,13 +233,16 @@ for _, entry in ipairs(reply[2]) do
   table.insert(claimed, {entry[1], entry[2], pending[1][4]})
 end
 return {reply[1], claimed}
-""")
+""",
+)
 
 # KEYS: queue. ARGV: group, consumer, idle ms, entry ids. A draining worker hands its unfinished
 # entries over: each still pending for it is made idle for `idle ms` (so the next XAUTOCLAIM of
 # any worker takes it) with its delivery count lowered by one, which that XAUTOCLAIM restores: a
 # graceful hand-over does not count as a delivery towards max_deliveries. Returns how many.
-RELEASE = Script("release", """
+RELEASE = Script(
+    "release",
+    """
 local released = 0
 for i = 4, #ARGV do
   local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
@@ -227,18 +253,22 @@ for i = 4, #ARGV do
   end
 end
 return released
-""")
+""",
+)
 
 # KEYS: queue, dead. ARGV: group, entry id, dead-letter stream max length, then the dead letter's
 # fields and values. Moves a pending entry to the dead-letter stream: XADD there, XACK and XDEL
 # here, at once. Returns 0, doing nothing, if the entry is no longer pending (moved already).
-DEADLETTER = Script("deadletter", """
+DEADLETTER = Script(
+    "deadletter",
+    """
 if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then return 0 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
-""")
+""",
+)
 
 # Prepended to the scripts that read a worker's own stream (KEYS[1], group ARGV[1]): the group's
 # last-delivered id, or nil when Redis has no such group (it lost it, or none was made yet).
@@ -260,7 +290,10 @@ end
 # another type is passed over (a producer may write it), and one whose group Redis lost is given a
 # new one from its start, so that entries of a worker that died meanwhile are still taken. Returns
 # {{{id, {field, value...}, deliveries}...} reclaimed, {{id, {field, value...}}...} stolen}.
-TAKE_OVER = Script("take_over", LAST_DELIVERED + """
+TAKE_OVER = Script(
+    "take_over",
+    LAST_DELIVERED
+    + """
 if redis.call('TYPE', KEYS[1]).ok ~= 'stream' then return {{}, {}} end
 local last = last_delivered()
 if not last then
@@ -285,13 +318,17 @@ end
 if due == 0 then return {reclaimed, {}} end
 local read = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', due, 'STREAMS', KEYS[1], '>')
 return {reclaimed, read[1][2]}
-""")
+""",
+)
 
 # KEYS: one worker's own stream. ARGV: group, min idle ms, steal before (epoch ms; 0: none). Whether
 # TAKE_OVER, given the same arguments, would take anything: 1 or 0. Reads only, so that a worker with
 # room asks every worker's stream in one pipeline and runs TAKE_OVER (which takes no more than it
 # has room for, and so goes one stream at a time) only where there is something to take.
-TAKEABLE = Script("takeable", LAST_DELIVERED + """
+TAKEABLE = Script(
+    "takeable",
+    LAST_DELIVERED
+    + """
 if redis.call('TYPE', KEYS[1]).ok ~= 'stream' then return 0 end
 local last = last_delivered()
 if not last then
@@ -305,7 +342,8 @@ local unread = redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', 1)
 if #unread == 0 then return 0 end
 if tonumber(string.match(unread[1][1], '^(%d+)')) < before then return 1 end
 return 0
-""")
+""",
+)
 
 # What a worker's pipelines run besides the producers' scripts (of which ENQUEUE gives a detached
 # job back to the queue, after REQUEUE): `execute` loads both sets on NOSCRIPT.
@@ -314,13 +352,22 @@ WORKER_SCRIPTS = (CLAIM, PUBLISH, FAIL, ADOPT, REQUEUE, REFRESH, RECLAIM, RELEAS
 
 # -- call builders: each owns its script's keys and argument order ----------------------------------
 
+
 def claim(keys: Keys, job_id: str, worker: str, entry_id: str, result_ttl_s: int, run: str) -> ScriptCall:
     return ScriptCall(CLAIM, job_keys(keys, job_id), (worker, entry_id, result_ttl_s, run))
 
 
 def publish(
-    keys: Keys, job_id: str, run: str, start: str, tokens: str, tokens_before: int, tokens_after: int,
-    status: str, result_json: str, result_ttl_s: int,
+    keys: Keys,
+    job_id: str,
+    run: str,
+    start: str,
+    tokens: str,
+    tokens_before: int,
+    tokens_after: int,
+    status: str,
+    result_json: str,
+    result_ttl_s: int,
 ) -> ScriptCall:
     """PUBLISH of one update; '' for what it does not have (no start, no tokens, no final result)."""
     args = (run, start, tokens, tokens_before, tokens_after, status, result_json, result_ttl_s)
@@ -353,7 +400,9 @@ def release(stream: str, worker: str, idle_ms: int, entry_ids: list[str]) -> Scr
 
 def deadletter(stream: str, dead: str, entry_id: str, dead_maxlen: int, letter: dict) -> ScriptCall:
     """DEADLETTER of a pending entry of `stream`, as a dead letter of fields `letter`."""
-    return ScriptCall(DEADLETTER, (stream, dead), (GROUP, entry_id, dead_maxlen, *(x for kv in letter.items() for x in kv)))
+    return ScriptCall(
+        DEADLETTER, (stream, dead), (GROUP, entry_id, dead_maxlen, *(x for kv in letter.items() for x in kv))
+    )
 
 
 def take_over(stream: str, worker: str, min_idle_ms: int, steal_before_ms: int, count: int) -> ScriptCall:

@@ -1,4 +1,5 @@
 """python -m scripts.acceptance [--rehearse] STAGE OUTDIR [--only STEP,...] (see scripts/gpu_acceptance.sh)."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,9 @@ from scripts.acceptance.stages import stages
 
 def parse_args(known: dict) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scripts/gpu_acceptance.sh", description=__doc__)
-    p.add_argument("--rehearse", action="store_true", help="on the CPU at tiny shapes; GPU-only steps are SKIP (no CUDA)")
+    p.add_argument(
+        "--rehearse", action="store_true", help="on the CPU at tiny shapes; GPU-only steps are SKIP (no CUDA)"
+    )
     p.add_argument("--only", help="comma-separated steps of the stage to run (after a fix, or when time ran out)")
     p.add_argument("stage", choices=list(known))
     p.add_argument("outdir", type=Path, help="where the stage's log, table (.md) and figures (.json) go")
@@ -34,13 +37,19 @@ def main() -> int:
     only = set(args.only.split(",")) if args.only else None
     unknown = (only or set()) - {step.name for step in stage.steps}
     if unknown:
-        print(f"{args.stage} has no step {', '.join(sorted(unknown))}; its steps: "
-              f"{', '.join(step.name for step in stage.steps)}", file=sys.stderr)
+        print(
+            f"{args.stage} has no step {', '.join(sorted(unknown))}; its steps: "
+            f"{', '.join(step.name for step in stage.steps)}",
+            file=sys.stderr,
+        )
         return 2
     run = Run.prepare(args.rehearse, args.outdir)
     if not args.rehearse and not run.cuda:
-        print(f"no CUDA device visible to torch {run.machine['torch']}: nothing of stage {args.stage} can run "
-              f"(--rehearse runs it on the CPU)", file=sys.stderr)
+        print(
+            f"no CUDA device visible to torch {run.machine['torch']}: nothing of stage {args.stage} can run "
+            f"(--rehearse runs it on the CPU)",
+            file=sys.stderr,
+        )
         return 1
     return 0 if run_stage(stage, run, only) else 1
 

@@ -1,4 +1,5 @@
 """A finished step's outcome, from its exit status, its JUnit report (pytest steps) and its output."""
+
 from __future__ import annotations
 
 import xml.etree.ElementTree as ElementTree
@@ -56,7 +57,9 @@ def pytest_outcome(step: Step, returncode: int, junit: Path, output: str, cuda: 
     counts = PytestCounts.from_junit(junit)
     if returncode != 0 or counts.failed:
         # compute-sanitizer fails a run whose tests passed when it found an error: its report is the detail.
-        detail = counts.summary() if counts.failed else f"{counts.summary()}; exit status {returncode}: {last_line(output)}"
+        detail = (
+            counts.summary() if counts.failed else f"{counts.summary()}; exit status {returncode}: {last_line(output)}"
+        )
         return Outcome.FAIL, detail
     if counts.passed == 0 and counts.skipped:
         if cuda and step.cuda_only:

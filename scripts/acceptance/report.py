@@ -1,4 +1,5 @@
 """A stage's PASS/FAIL table and its figures, rewritten under OUTDIR after every step."""
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,9 @@ class StageReport:
         m = self.machine
         where = (
             "REHEARSAL on the CPU at tiny shapes: SKIP (no CUDA) marks what only a GPU runs, and its figures "
-            "are not GPU figures" if self.rehearse else f"on {m['gpus']} x {m['device']}"
+            "are not GPU figures"
+            if self.rehearse
+            else f"on {m['gpus']} x {m['device']}"
         )
         return [
             f"## GPU acceptance, stage `{self.stage.name}`: {self.stage.what}",
@@ -73,11 +76,19 @@ class StageReport:
 
     def as_json(self) -> dict:
         return {
-            "stage": self.stage.name, "rehearsal": self.rehearse, "machine": self.machine, "started": self.started,
+            "stage": self.stage.name,
+            "rehearsal": self.rehearse,
+            "machine": self.machine,
+            "started": self.started,
             "passed": self.passed(),
             "steps": [
-                {"name": r.step.name, "outcome": r.outcome.value, "seconds": round(r.seconds, 1), "detail": r.detail,
-                 "figures": r.figures}
+                {
+                    "name": r.step.name,
+                    "outcome": r.outcome.value,
+                    "seconds": round(r.seconds, 1),
+                    "detail": r.detail,
+                    "figures": r.figures,
+                }
                 for r in self.results
             ],
         }

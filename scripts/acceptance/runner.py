@@ -1,6 +1,7 @@
 """Runs one stage's steps in order, each under its timeout and within the stage's time, and keeps
 the stage's log, table and figures under OUTDIR up to date after every step (a device command cut
 off at its limit still leaves them)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -39,6 +40,7 @@ print(json.dumps({
 @dataclass(frozen=True)
 class Run:
     """What every step of this run shares."""
+
     rehearse: bool
     out: Path
     env: dict[str, str]
@@ -75,8 +77,9 @@ def command_of(step: Step, run: Run, junit: Path) -> list[str] | None:
 
 def execute(command: list[str], env: dict[str, str], timeout_s: float, log_file) -> tuple[int | None, str]:
     """(exit status, or None on a timeout; output), the output copied to the log as it comes."""
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     lines: list[str] = []
     reader = threading.Thread(target=copy_lines, args=(process.stdout, log_file, lines), daemon=True)
     reader.start()
@@ -124,8 +127,11 @@ def run_step(step: Step, run: Run, left_s: float, log_file) -> Result:
         returncode, output = execute(command, step_env(step, run), timeout_s, log_file)
         seconds = time.monotonic() - start
         if returncode is None:
-            why = (f"timed out after {timeout_s:.0f} s" if timeout_s == step.timeout_s
-                   else f"stopped after {timeout_s:.0f} s, the end of the stage's budget: rerun with --only {step.name}")
+            why = (
+                f"timed out after {timeout_s:.0f} s"
+                if timeout_s == step.timeout_s
+                else f"stopped after {timeout_s:.0f} s, the end of the stage's budget: rerun with --only {step.name}"
+            )
             return Result(step, Outcome.FAIL, why, seconds)
         outcome, detail = judge(step, returncode, junit, output, run.cuda)
     figures, missing = read_figures(step, output, run.cuda)
@@ -147,8 +153,9 @@ def run_stage(stage: Stage, run: Run, only: set[str] | None) -> bool:
             if stopped_by is not None:
                 result = Result(step, Outcome.NOT_RUN, f"{stopped_by} failed first")
             elif left < MIN_STEP_S:
-                result = Result(step, Outcome.NOT_RUN,
-                                f"out of the stage's {stage.budget_s} s: rerun with --only {step.name}")
+                result = Result(
+                    step, Outcome.NOT_RUN, f"out of the stage's {stage.budget_s} s: rerun with --only {step.name}"
+                )
             else:
                 log.info("[%s] %s: %s ...", stage.name, step.name, step.what)
                 try:

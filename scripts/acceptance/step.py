@@ -1,5 +1,6 @@
 """What a stage is made of: steps (a command on the GPU, and its rehearsal on the CPU) and the
 figures read from their output."""
+
 from __future__ import annotations
 
 import operator
@@ -31,6 +32,7 @@ COMPARISONS = {">=": operator.ge, "<=": operator.le}
 class Figure:
     """A number printed by a step: `pattern`'s first group. A figure missing from a passing step's
     output fails the step, so a changed print cannot silently drop a figure from the table."""
+
     label: str
     pattern: str
     target: str | None = None  # ">= 20000": met or missed on the GPU; a rehearsal's numbers are not figures
@@ -68,18 +70,27 @@ def pytest_args(*args: str) -> tuple[str, ...]:
     return ("{python}", "-m", "pytest", "-q", "-p", "no:cacheprovider", *args)
 
 
-def tests(name: str, what: str, args: tuple[str, ...], rehearsal: tuple[str, ...] | None = None, *,
-          cuda_only: bool = False, **options) -> Step:
+def tests(
+    name: str,
+    what: str,
+    args: tuple[str, ...],
+    rehearsal: tuple[str, ...] | None = None,
+    *,
+    cuda_only: bool = False,
+    **options,
+) -> Step:
     """A pytest run; its rehearsal runs `rehearsal`'s arguments, or the same ones; with cuda_only
     the rehearsal still runs them, and reports their skips as SKIP (no CUDA)."""
-    return Step(name, what, Kind.PYTEST, pytest_args(*args), pytest_args(*(rehearsal or args)),
-                cuda_only=cuda_only, **options)
+    return Step(
+        name, what, Kind.PYTEST, pytest_args(*args), pytest_args(*(rehearsal or args)), cuda_only=cuda_only, **options
+    )
 
 
 def script(name: str, what: str, args: tuple[str, ...], rehearsal: tuple[str, ...] | None, **options) -> Step:
     """A program run as `{python} args...`; rehearsal None: CUDA only, reported SKIP (no CUDA) there."""
-    return Step(name, what, Kind.SCRIPT, ("{python}", *args), ("{python}", *rehearsal) if rehearsal else None,
-                **options)
+    return Step(
+        name, what, Kind.SCRIPT, ("{python}", *args), ("{python}", *rehearsal) if rehearsal else None, **options
+    )
 
 
 @dataclass(frozen=True)

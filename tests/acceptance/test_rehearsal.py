@@ -1,6 +1,7 @@
 """scripts/gpu_acceptance.sh --rehearse: every stage runs on the CPU at tiny shapes through the same
 scripts and tests as on the GPU, and its table says SKIP (no CUDA), never PASS, for what only a GPU
 can run. This keeps the GPU session's script from rotting between GPU sessions."""
+
 from __future__ import annotations
 
 import gzip
@@ -22,8 +23,13 @@ DEVICE_FILES_LIMIT = 8  # files a device command can bring back
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ORDER)
 def test_the_rehearsal_of_each_stage_passes_and_skips_only_what_needs_cuda(name, tmp_path):
-    done = subprocess.run(["scripts/gpu_acceptance.sh", "--rehearse", name, str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        ["scripts/gpu_acceptance.sh", "--rehearse", name, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     stage = stages()[name]
     report = json.loads((tmp_path / f"{name}.json").read_text())
@@ -48,8 +54,13 @@ def test_the_rehearsal_of_each_stage_passes_and_skips_only_what_needs_cuda(name,
 def test_a_session_runs_its_specs_until_the_deadline_and_brings_back_one_archive(tmp_path):
     # 31 s: the first spec starts (a spec needs 30 s left), the second finds too little time.
     out = tmp_path / "out"
-    done = subprocess.run(["scripts/gpu_session.sh", "--rehearse", "31", str(out), "kernels:smoke", "kernels:tests"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        ["scripts/gpu_session.sh", "--rehearse", "31", str(out), "kernels:smoke", "kernels:tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     assert "[session] kernels:smoke: exit 0" in done.stdout
     assert re.search(r"\[session\] kernels:tests: not run, \d+ s left", done.stdout)
@@ -58,5 +69,9 @@ def test_a_session_runs_its_specs_until_the_deadline_and_brings_back_one_archive
     assert "| smoke | PASS |" in tables and tables.strip() in done.stdout
     with tarfile.open(out / "acceptance.tgz") as archive:
         names = set(archive.getnames())
-    assert {"./01-kernels/kernels.md", "./01-kernels/kernels.json", "./01-kernels/kernels.log",
-            "./01-kernels.out"} <= names
+    assert {
+        "./01-kernels/kernels.md",
+        "./01-kernels/kernels.json",
+        "./01-kernels/kernels.log",
+        "./01-kernels.out",
+    } <= names

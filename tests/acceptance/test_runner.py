@@ -1,5 +1,6 @@
 """scripts/acceptance: how a step's outcome is judged (exit status, JUnit report, figures), and how
 a stage runs (gates, timeouts, its time budget, the files it leaves), on small stand-in steps."""
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,11 @@ GPU = {**CPU, "cuda": True, "gpus": 1, "device": "a stand-in GPU"}
 
 
 def junit(tmp_path: Path, passed: int = 0, failed: int = 0, skipped: int = 0) -> Path:
-    cases = ([f'<testcase name="p{i}"/>' for i in range(passed)]
-             + [f'<testcase name="f{i}"><failure message="x"/></testcase>' for i in range(failed)]
-             + [f'<testcase name="s{i}"><skipped message="needs CUDA"/></testcase>' for i in range(skipped)])
+    cases = (
+        [f'<testcase name="p{i}"/>' for i in range(passed)]
+        + [f'<testcase name="f{i}"><failure message="x"/></testcase>' for i in range(failed)]
+        + [f'<testcase name="s{i}"><skipped message="needs CUDA"/></testcase>' for i in range(skipped)]
+    )
     path = tmp_path / "junit.xml"
     path.write_text(f"<testsuites><testsuite>{''.join(cases)}</testsuite></testsuites>")
     return path
@@ -52,7 +55,9 @@ def test_tests_that_all_skip_are_skip_no_cuda_on_the_cpu_and_a_failure_on_the_gp
     report = junit(tmp_path, skipped=2)
     assert judge(a_pytest_step(), 0, report, "", cuda=False)[0] is Outcome.SKIP_NO_CUDA
     assert judge(a_pytest_step(cuda_only=True), 0, report, "", cuda=True) == (
-        Outcome.FAIL, "all 2 skipped on a GPU run")
+        Outcome.FAIL,
+        "all 2 skipped on a GPU run",
+    )
     assert judge(a_pytest_step(), 0, report, "", cuda=True)[0] is Outcome.FAIL
 
 
@@ -62,7 +67,9 @@ def test_passing_tests_fail_the_step_when_the_command_fails_as_compute_sanitizer
     outcome, detail = judge(a_pytest_step(), 1, report, "========= ERROR SUMMARY: 1 error", cuda=True)
     assert outcome is Outcome.FAIL and detail.endswith("exit status 1: ========= ERROR SUMMARY: 1 error")
     assert judge(a_pytest_step(), 4, tmp_path / "none.xml", "usage: ...", cuda=True) == (
-        Outcome.FAIL, "exit status 4, no test report: usage: ...")
+        Outcome.FAIL,
+        "exit status 4, no test report: usage: ...",
+    )
 
 
 def test_a_script_skips_only_where_there_is_no_cuda():
@@ -84,8 +91,9 @@ def test_figures_are_read_and_judged_and_gpu_only_ones_are_not_missed_on_the_cpu
 
 def python_step(name: str, code: str, *, gate: bool = False, timeout_s: int = 30, figures=(), cpu: bool = True) -> Step:
     command = ("{python}", "-c", textwrap.dedent(code))
-    return Step(name, f"{name} step", Kind.SCRIPT, command, command if cpu else None, timeout_s, gate=gate,
-                figures=figures)
+    return Step(
+        name, f"{name} step", Kind.SCRIPT, command, command if cpu else None, timeout_s, gate=gate, figures=figures
+    )
 
 
 def run(tmp_path: Path, stage: Stage, machine: dict = CPU, rehearse: bool = True, only=None) -> tuple[bool, dict]:
@@ -98,12 +106,16 @@ def outcomes(report: dict) -> dict[str, str]:
 
 
 def test_a_failed_gate_ends_the_stage_and_the_files_say_so(tmp_path, capsys):
-    stage = Stage("demo", "a stage", (
-        python_step("first", "print('rate: 12.5 tok/s')", figures=(Figure("rate", r"rate: ([\d.]+)"),)),
-        python_step("gate", "import sys; print('broken'); sys.exit(3)", gate=True),
-        python_step("after", "print('never')"),
-        python_step("gpu", "print('never')", cpu=False),
-    ))
+    stage = Stage(
+        "demo",
+        "a stage",
+        (
+            python_step("first", "print('rate: 12.5 tok/s')", figures=(Figure("rate", r"rate: ([\d.]+)"),)),
+            python_step("gate", "import sys; print('broken'); sys.exit(3)", gate=True),
+            python_step("after", "print('never')"),
+            python_step("gpu", "print('never')", cpu=False),
+        ),
+    )
     passed, report = run(tmp_path, stage)
     assert not passed
     assert outcomes(report) == {"first": "PASS", "gate": "FAIL", "after": "NOT RUN", "gpu": "NOT RUN"}
@@ -125,8 +137,15 @@ def test_a_gpu_only_step_is_skipped_in_a_rehearsal_without_running(tmp_path):
 
 def test_a_step_needing_more_gpus_than_visible_is_skipped_on_the_gpu_and_rehearsed_on_the_cpu(tmp_path):
     marker = tmp_path / "ran"
-    two = Step("pair", "two GPUs", Kind.SCRIPT, ("{python}", "-c", f"open({str(marker)!r}, 'w')"),
-               ("{python}", "-c", f"open({str(marker)!r}, 'w')"), 10, gpus=2)
+    two = Step(
+        "pair",
+        "two GPUs",
+        Kind.SCRIPT,
+        ("{python}", "-c", f"open({str(marker)!r}, 'w')"),
+        ("{python}", "-c", f"open({str(marker)!r}, 'w')"),
+        10,
+        gpus=2,
+    )
     stage = Stage("demo", "a stage", (python_step("one", "print(1)"), two))
     passed, report = run(tmp_path, stage, machine=GPU, rehearse=False)
     assert passed and outcomes(report) == {"one": "PASS", "pair": "SKIP (too few GPUs)"} and not marker.exists()
@@ -204,22 +223,31 @@ def test_steps_the_stage_has_no_time_left_for_are_not_run(tmp_path):
 
 def test_a_step_still_running_at_the_end_of_the_stages_budget_is_stopped_and_says_how_to_rerun(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "MIN_STEP_S", 1)
-    stage = Stage("demo", "a stage", (python_step("long", "import time; time.sleep(60)", timeout_s=60),
-                                      python_step("next", "print(1)")), budget_s=3)
+    stage = Stage(
+        "demo",
+        "a stage",
+        (python_step("long", "import time; time.sleep(60)", timeout_s=60), python_step("next", "print(1)")),
+        budget_s=3,
+    )
     start = time.monotonic()
     passed, report = run(tmp_path, stage)
     assert time.monotonic() - start < 20
     assert outcomes(report) == {"long": "FAIL", "next": "NOT RUN"}
-    assert re.fullmatch(r"stopped after [23] s, the end of the stage's budget: rerun with --only long",
-                        report["steps"][0]["detail"])
+    assert re.fullmatch(
+        r"stopped after [23] s, the end of the stage's budget: rerun with --only long", report["steps"][0]["detail"]
+    )
     assert report["steps"][1]["detail"] == "out of the stage's 3 s: rerun with --only next"
 
 
 def test_only_runs_the_named_steps_and_a_missing_figure_fails_a_step(tmp_path):
-    stage = Stage("demo", "a stage", (
-        python_step("one", "print('no figure here')", figures=(Figure("rate", r"rate: ([\d.]+)"),)),
-        python_step("two", "print(2)"),
-    ))
+    stage = Stage(
+        "demo",
+        "a stage",
+        (
+            python_step("one", "print('no figure here')", figures=(Figure("rate", r"rate: ([\d.]+)"),)),
+            python_step("two", "print(2)"),
+        ),
+    )
     passed, report = run(tmp_path, stage, machine=GPU, rehearse=False, only={"one"})
     assert not passed and outcomes(report) == {"one": "FAIL"}
     assert report["steps"][0]["detail"] == "not in its output: rate"
@@ -236,13 +264,17 @@ def test_every_stage_module_is_registered_and_its_steps_are_well_formed():
         assert stage.steps[0].gate, f"{name} should start with the cheap check that could invalidate the rest"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["kernels", "OUT", "--only", "nope"], "kernels has no step nope"),
-    (["nope", "OUT"], "invalid choice: 'nope'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["kernels", "OUT", "--only", "nope"], "kernels has no step nope"),
+        (["nope", "OUT"], "invalid choice: 'nope'"),
+    ],
+)
 def test_the_command_line_refuses_unknown_stages_and_steps(tmp_path, args, message):
     import subprocess
 
-    done = subprocess.run([sys.executable, "-m", "scripts.acceptance", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.acceptance", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and message in done.stderr

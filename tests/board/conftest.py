@@ -2,6 +2,7 @@
 with API keys) and a headless Chromium (Debian's, driven by Playwright; scripts/bootstrap.sh --dev
 installs it), all stopped when this package's tests end. Every page a browser test opens is saved
 as a PNG under the run's temporary directory (board-screenshots*/), whose path is printed."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,11 @@ from tests.support.poison import echo_worker
 CHROMIUM = "/usr/bin/chromium"
 # Without the networking switches Chromium stalls on a machine without network access.
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
     "--no-first-run",
 ]
 
@@ -31,8 +36,13 @@ def board_worker(redis_server, tmp_path_factory):
 
 def gateway_process(redis_server, tmp_path_factory, *flags: str) -> GatewayProcess:
     return GatewayProcess(
-        redis_server.url, tmp_path_factory.mktemp("board-gateway"), "--keepalive-s", str(KEEPALIVE_S),
-        "--models", json.dumps({"parked": PARKED_QUEUE}), *flags,
+        redis_server.url,
+        tmp_path_factory.mktemp("board-gateway"),
+        "--keepalive-s",
+        str(KEEPALIVE_S),
+        "--models",
+        json.dumps({"parked": PARKED_QUEUE}),
+        *flags,
     ).start()
 
 

@@ -3,6 +3,7 @@ live worker and each queue's depth as jobs arrive, refreshing by itself; a job p
 job's text as it grows; the retry button brings a dead-lettered job (made by killing the workers
 that ran it) back to `done`, and the purge button removes a letter, each once confirmed; with API
 keys it asks for one and keeps the session in an HttpOnly cookie. Each page is saved as a PNG."""
+
 from __future__ import annotations
 
 import time
@@ -30,7 +31,9 @@ def updated_stamps(page, seconds: float) -> set[str]:
     return stamps
 
 
-def test_the_board_shows_the_live_worker_and_the_depth_as_jobs_arrive(page, open_gateway, board_worker, redis_server, screenshots):
+def test_the_board_shows_the_live_worker_and_the_depth_as_jobs_arrive(
+    page, open_gateway, board_worker, redis_server, screenshots
+):
     page.goto(f"{open_gateway.url}/board")
     worker = page.locator(f'tr[data-worker="{board_worker.name}"]')
     expect(worker).to_have_class("live")
@@ -72,7 +75,9 @@ def test_a_job_page_streams_the_text_as_it_grows(page, open_gateway, board_worke
     page.screenshot(path=screenshots / "job-done.png", full_page=True)
 
 
-def test_the_retry_button_brings_a_dead_lettered_job_back_to_done(page, open_gateway, redis_server, redis_client, tmp_path, screenshots):
+def test_the_retry_button_brings_a_dead_lettered_job_back_to_done(
+    page, open_gateway, redis_server, redis_client, tmp_path, screenshots
+):
     queue = f"board-poison-{uuid.uuid4().hex[:6]}"
     with Client(redis_server.url, queue) as client:
         retried, purged = [client.submit(LONG_PROMPT, max_tokens=len(LONG_PROMPT)) for _ in range(2)]

@@ -2,6 +2,7 @@
 job waits, resumed after Last-Event-ID), its actions' errors, and its protection: with API keys a
 session cookie (HttpOnly, SameSite=Strict, signed, never the key) or the Bearer header, and an
 action header no other site's page can send."""
+
 from __future__ import annotations
 
 import json
@@ -66,19 +67,24 @@ def test_a_job_s_text_resumes_after_the_last_event_id(open_gateway, redis_server
     assert bad.status_code == 400
 
 
-@pytest.mark.parametrize("path, status", [
-    ("/board/dead/retry?queue=board-echo&letter=no-such-job", 404),
-    ("/board/dead/purge?queue=board-echo&letter=1-1", 404),
-    ("/board/dead/retry?queue=%7Bbad%7D&letter=x", 400),
-    ("/board/job/cancel?id=no-such-job", 404),
-])
+@pytest.mark.parametrize(
+    "path, status",
+    [
+        ("/board/dead/retry?queue=board-echo&letter=no-such-job", 404),
+        ("/board/dead/purge?queue=board-echo&letter=1-1", 404),
+        ("/board/dead/retry?queue=%7Bbad%7D&letter=x", 400),
+        ("/board/job/cancel?id=no-such-job", 404),
+    ],
+)
 def test_actions_on_what_does_not_exist_answer_an_error_and_change_nothing(open_gateway, path, status):
     answer = httpx.post(f"{open_gateway.url}{path}", headers=ACTION)
     assert answer.status_code == status, answer.text
     assert answer.json()["error"]["message"]
 
 
-def test_an_action_without_the_board_s_header_is_forbidden_even_on_an_open_board(open_gateway, redis_server, redis_client):
+def test_an_action_without_the_board_s_header_is_forbidden_even_on_an_open_board(
+    open_gateway, redis_server, redis_client
+):
     with Client(redis_server.url, PARKED_QUEUE) as client:
         job_id = client.submit("keep me", max_tokens=4)
         answer = httpx.post(f"{open_gateway.url}/board/job/cancel?id={job_id}")
@@ -116,12 +122,25 @@ def test_with_api_keys_the_board_needs_a_session_or_the_bearer_key(keyed_gateway
         assert logout.status_code == 303 and 'mili_board_session=""' in logout.headers["set-cookie"]
 
 
-@pytest.mark.parametrize("cookie", [
-    "²³.abc", "١٢٣.x", "1.é", "99999999999.ǅ", "no-dot", ".", "1." + "g" * 64, "9" * 40 + "." + "a" * 64, "",
-])
+@pytest.mark.parametrize(
+    "cookie",
+    [
+        "²³.abc",
+        "١٢٣.x",
+        "1.é",
+        "99999999999.ǅ",
+        "no-dot",
+        ".",
+        "1." + "g" * 64,
+        "9" * 40 + "." + "a" * 64,
+        "",
+    ],
+)
 def test_a_malformed_session_cookie_is_a_401_never_a_500(keyed_gateway, cookie):
     # A browser sends a cookie's bytes as they are (UTF-8 here), whatever the server decodes them to.
-    response = httpx.get(f"{keyed_gateway.url}/board/overview", headers={"Cookie": f"mili_board_session={cookie}".encode()})
+    response = httpx.get(
+        f"{keyed_gateway.url}/board/overview", headers={"Cookie": f"mili_board_session={cookie}".encode()}
+    )
     assert response.status_code == 401, response.text
 
 

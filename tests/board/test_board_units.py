@@ -1,5 +1,6 @@
 """The board's parts that need no process: the throughput window and the signed sessions, over
 several times their intervals on a clock the test drives."""
+
 from __future__ import annotations
 
 import pytest

@@ -26,6 +26,7 @@ then every invariant of the protocol is checked:
 A failing schedule raises ScheduleFailed naming its seed: `python -m bench.chaos --seed N
 --schedules 1` runs it again. tests/chaos/test_schedules.py runs 100 of them in CI.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,10 +60,22 @@ STREAM_INTERVAL_S = 0.02
 CHECKPOINT_INTERVAL_S = 0.05
 STEAL_DELAY_MS = 100
 SETTINGS = dict(
-    queue=QUEUE, block_ms=20, heartbeat_interval_s=0.05, heartbeat_ttl_s=2.0, claim_idle_ms=CLAIM_IDLE_MS,
-    reclaim_interval_s=0.05, redis_backoff_max_s=0.1, drain_grace_s=0.2, max_deliveries=3, result_ttl_s=60,
-    metrics_port=0, engine={"max_running": 4}, stream_interval_s=STREAM_INTERVAL_S,
-    checkpoint_interval_s=CHECKPOINT_INTERVAL_S, steal_delay_ms=STEAL_DELAY_MS, placement_poll_ms=20,
+    queue=QUEUE,
+    block_ms=20,
+    heartbeat_interval_s=0.05,
+    heartbeat_ttl_s=2.0,
+    claim_idle_ms=CLAIM_IDLE_MS,
+    reclaim_interval_s=0.05,
+    redis_backoff_max_s=0.1,
+    drain_grace_s=0.2,
+    max_deliveries=3,
+    result_ttl_s=60,
+    metrics_port=0,
+    engine={"max_running": 4},
+    stream_interval_s=STREAM_INTERVAL_S,
+    checkpoint_interval_s=CHECKPOINT_INTERVAL_S,
+    steal_delay_ms=STEAL_DELAY_MS,
+    placement_poll_ms=20,
 )
 # A worker thread the machine did not run for this long between two exchanges or steps has
 # stalled as surely as one stopped on purpose (a loaded 2-core machine does that): its jobs may
@@ -136,6 +149,7 @@ def live_workers(run: Run) -> list[ScheduleWorker]:
 
 
 # -- the operations a schedule draws from ----------------------------------------------------------
+
 
 def op_submit(run: Run, client: Client, admin: redis.Redis) -> str:
     prompt = "".join(run.rng.choice(string.ascii_letters) for _ in range(run.rng.randint(5, 80)))
@@ -234,8 +248,18 @@ def op_sleep(run: Run, client: Client, admin: redis.Redis) -> str:
 
 # Weights: mostly traffic and pauses, faults now and then. A Redis restart is rarer (the
 # runner does it: it owns the server).
-OPS = [(op_submit, 30), (op_sleep, 20), (op_cancel, 4), (op_follow, 3), (op_stall, 4), (op_kill, 3), (op_drain, 2),
-       (op_start, 2), (op_script_flush, 2), (op_memory_full, 2)]
+OPS = [
+    (op_submit, 30),
+    (op_sleep, 20),
+    (op_cancel, 4),
+    (op_follow, 3),
+    (op_stall, 4),
+    (op_kill, 3),
+    (op_drain, 2),
+    (op_start, 2),
+    (op_script_flush, 2),
+    (op_memory_full, 2),
+]
 RESTART_WEIGHT = 1
 
 
@@ -251,6 +275,7 @@ def later(run: Run, delay_s: float, action) -> None:
 
 
 # -- running a schedule --------------------------------------------------------------------------
+
 
 def run_schedule(seed: int, server, length: int = 24) -> dict:
     """Draw schedule `seed`, run it against `server` (a RestartableRedis), check the invariants.
@@ -283,8 +308,13 @@ def run_schedule(seed: int, server, length: int = 24) -> dict:
         check(run, admin, results)
         placed = client.placement.placed[Placed.AFFINITY]
         return {
-            "jobs": len(run.jobs), "faults": len(run.troubled), "ops": len(run.ops), "starved": len(starved),
-            "placed": placed, "stolen": taken(run, "stolen"), "reclaimed": taken(run, "reclaimed"),
+            "jobs": len(run.jobs),
+            "faults": len(run.troubled),
+            "ops": len(run.ops),
+            "starved": len(starved),
+            "placed": placed,
+            "stolen": taken(run, "stolen"),
+            "reclaimed": taken(run, "reclaimed"),
         }
     finally:
         for timer in run.timers:
@@ -350,7 +380,9 @@ def check_queue_drained(run: Run, admin: redis.Redis, keys: Keys) -> None:
             return not admin.xlen(stream) and not pending(admin, stream)
 
         if not eventually(drained, 10, interval=0.02):
-            raise run.fail(f"stream {stream} not drained: {admin.xlen(stream)} entries, {pending(admin, stream)} pending")
+            raise run.fail(
+                f"stream {stream} not drained: {admin.xlen(stream)} entries, {pending(admin, stream)} pending"
+            )
 
 
 def streams_of(run: Run, keys: Keys) -> list[str]:

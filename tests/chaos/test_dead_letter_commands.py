@@ -1,6 +1,7 @@
 """`mili dead`, `mili jobs` and `mili workers` against real workers: two poison jobs made by killing
 the workers that run them are listed and shown; one is retried and runs to `done` as a new entry
 with a fresh delivery count, its result and stream those of the new run alone; the other is purged."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,9 @@ KEYS = Keys()
 def mili(redis_url: str, queue: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "cli", "--redis", redis_url, "--queue", queue, *args],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -47,7 +50,11 @@ def test_poison_jobs_are_listed_retried_to_done_and_purged_from_the_cli(redis_se
             assert rows(mili(url, queue, "jobs", "--status", "dead")) == listed
 
             shown = json.loads(mili(url, queue, "dead", "show", jobs[0]).stdout)
-            assert (shown["job_id"], shown["deliveries"], shown["worker"]) == (jobs[0], MAX_DELIVERIES + 1, survivor.name)
+            assert (shown["job_id"], shown["deliveries"], shown["worker"]) == (
+                jobs[0],
+                MAX_DELIVERIES + 1,
+                survivor.name,
+            )
             assert "more than max_deliveries 2" in shown["reason"]
             assert json.loads(shown["fields"]["body"])["prompt"] == LONG_PROMPT
             assert client.status(jobs[0]).result.error.code == "poison"

@@ -3,6 +3,7 @@ never started (`expired`, no start event, no token), and a running job that reac
 stops with finish_reason "timeout" and returns the output it has. On each of Redis's modes: on a
 cluster, a job's deadline comes from its own shard's clock (CREATE) and its wait from the queue's
 (the entry's id), which the worker compares on the clock it measures (RedisClock)."""
+
 from __future__ import annotations
 
 import uuid
@@ -17,10 +18,25 @@ pytestmark = pytest.mark.waits
 
 
 @pytest.mark.slow
-def test_expired_jobs_are_not_run_and_timed_out_jobs_return_partial_output(redis_deployment, deployment_client, tmp_path):
+def test_expired_jobs_are_not_run_and_timed_out_jobs_return_partial_output(
+    redis_deployment, deployment_client, tmp_path
+):
     queue = f"deadline-{uuid.uuid4().hex[:6]}"
-    (worker,) = start_workers([WorkerProcess(redis_deployment.url, queue, f"{queue}-w", tmp_path, "--max-running", "1",
-                                             "--max-model-len", "32768", model="echo")])
+    (worker,) = start_workers(
+        [
+            WorkerProcess(
+                redis_deployment.url,
+                queue,
+                f"{queue}-w",
+                tmp_path,
+                "--max-running",
+                "1",
+                "--max-model-len",
+                "32768",
+                model="echo",
+            )
+        ]
+    )
     try:
         with make_client("sync", redis_deployment.url, queue) as client:
             # The only slot runs a job of 16,000 steps (a Redis round trip each: seconds) that

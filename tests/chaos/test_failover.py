@@ -12,6 +12,7 @@ result is on a replica first, so no job a submit acknowledged may be lost: the t
 Without it they count what was lost and print the count (on one machine's loopback the replica
 is rarely behind, so it is usually 0, but nothing promises it). Every job that was not lost ends
 with exactly one result, and no entry is left in the queue."""
+
 from __future__ import annotations
 
 import subprocess
@@ -138,8 +139,11 @@ def run_through(url: str, queue: str, wait_replicas: int, fault: Callable[[], No
     result but the lost ones'."""
     wait = {"wait_replicas": wait_replicas, "wait_timeout_ms": WAIT_TIMEOUT_MS}
     flags = (*WORKER_FLAGS, "--wait-replicas", str(wait_replicas), "--wait-timeout-ms", str(WAIT_TIMEOUT_MS))
-    with echo_workers(url, queue, log_dir, *flags) as workers, Client(url, queue, **wait) as producing, \
-            Client(url, queue) as consuming:
+    with (
+        echo_workers(url, queue, log_dir, *flags) as workers,
+        Client(url, queue, **wait) as producing,
+        Client(url, queue) as consuming,
+    ):
         producer = Producer(producing, queue)
         consumer = Consumer(consuming, producer)
         threads = [threading.Thread(target=producer.run), threading.Thread(target=consumer.run)]
@@ -166,7 +170,11 @@ def run_through(url: str, queue: str, wait_replicas: int, fault: Callable[[], No
             assert_one_final_result(admin, job_id)
     assert sorted(consumer.results) == sorted(set(producer.acknowledged) - consumer.lost)
     for job_id, result in consumer.results.items():
-        assert (result.status, result.finish_reason, result.usage.completion_tokens) == ("done", "length", PROMPT_BYTES), job_id
+        assert (result.status, result.finish_reason, result.usage.completion_tokens) == (
+            "done",
+            "length",
+            PROMPT_BYTES,
+        ), job_id
     return Outcome(producer.acknowledged, producer.refused, sorted(consumer.lost))
 
 
@@ -196,11 +204,15 @@ def sentinel(tmp_path):
 
 @pytest.mark.parametrize("wait_replicas", [0, 1])
 @pytest.mark.parametrize("mode", ["cluster", "sentinel"])
-def test_a_failover_of_the_queues_master_loses_no_acknowledged_job_with_wait(mode, wait_replicas, request, tmp_path, capsys):
+def test_a_failover_of_the_queues_master_loses_no_acknowledged_job_with_wait(
+    mode, wait_replicas, request, tmp_path, capsys
+):
     deployment = request.getfixturevalue(mode)
     queue = f"failover-{uuid.uuid4().hex[:6]}"
     with deployment.admin() as admin:
-        outcome = run_through(deployment.url, queue, wait_replicas, lambda: deployment.fail_over(KEYS.queue(queue)), admin, tmp_path)
+        outcome = run_through(
+            deployment.url, queue, wait_replicas, lambda: deployment.fail_over(KEYS.queue(queue)), admin, tmp_path
+        )
     with capsys.disabled():
         print(outcome.report(f"{mode} failover, wait_replicas={wait_replicas}"))
     if wait_replicas:
@@ -212,14 +224,30 @@ def test_resharding_the_queues_slot_mid_run_loses_nothing(cluster, tmp_path):
     (`reshard` takes a source's lowest slots first) moves it, with the jobs in the others."""
     source = cluster.nodes[0]
     first_slot = min(cluster.slots_of(source))
-    queue = next(q for q in (f"reshard-{n}" for n in range(1_000_000)) if key_slot(KEYS.queue(q).encode()) == first_slot)
+    queue = next(
+        q for q in (f"reshard-{n}" for n in range(1_000_000)) if key_slot(KEYS.queue(q).encode()) == first_slot
+    )
     target = next(n for n in cluster.nodes[1:3] if cluster.slots_of(n))
 
     def reshard() -> None:
         subprocess.run(
-            ["redis-cli", "--cluster", "reshard", source.address, "--cluster-from", cluster.node_id(source),
-             "--cluster-to", cluster.node_id(target), "--cluster-slots", "2000", "--cluster-yes"],
-            check=True, capture_output=True, text=True, timeout=120,
+            [
+                "redis-cli",
+                "--cluster",
+                "reshard",
+                source.address,
+                "--cluster-from",
+                cluster.node_id(source),
+                "--cluster-to",
+                cluster.node_id(target),
+                "--cluster-slots",
+                "2000",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert cluster.master_of(KEYS.queue(queue)) is target
 

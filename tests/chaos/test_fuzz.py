@@ -1,6 +1,7 @@
 """1,000 generated bad stream entries, written with raw XADD, interleaved with 50 good jobs: every
 bad one ends failed with the code its fault calls for, every good one done, and the worker (one
 process, the echo engine: the model plays no part in reading entries) stays up throughout."""
+
 from __future__ import annotations
 
 import json
@@ -32,29 +33,82 @@ def bad_entries(rng: random.Random):
     is given as None: the job is then reported under `entry-<entry id>`."""
     ok = body(prompt="fine", params={"max_tokens": 4})
     wrong_types = [
-        {"prompt": 5}, {"prompt": ["a"]}, {"prompt": None}, {"messages": "hi"}, {"messages": [{"role": "user"}]},
-        {"messages": [{"role": "robot", "content": "x"}]}, {"input_ids": ["a"]}, {"input_ids": 7},
-        {"prompt": "a", "params": {"max_tokens": "5"}}, {"prompt": "a", "params": {"max_tokens": 2.5}},
-        {"prompt": "a", "params": {"temperature": "hot"}}, {"prompt": "a", "params": {"stop": "x"}},
-        {"prompt": "a", "params": {"ignore_eos": "yes"}}, {"prompt": "a", "params": []}, {"prompt": "a", "priority": 1.5},
-        {"prompt": "a", "params": {"max_tokens": True}}, {"prompt": "a", "timeout_s": "soon"},
+        {"prompt": 5},
+        {"prompt": ["a"]},
+        {"prompt": None},
+        {"messages": "hi"},
+        {"messages": [{"role": "user"}]},
+        {"messages": [{"role": "robot", "content": "x"}]},
+        {"input_ids": ["a"]},
+        {"input_ids": 7},
+        {"prompt": "a", "params": {"max_tokens": "5"}},
+        {"prompt": "a", "params": {"max_tokens": 2.5}},
+        {"prompt": "a", "params": {"temperature": "hot"}},
+        {"prompt": "a", "params": {"stop": "x"}},
+        {"prompt": "a", "params": {"ignore_eos": "yes"}},
+        {"prompt": "a", "params": []},
+        {"prompt": "a", "priority": 1.5},
+        {"prompt": "a", "params": {"max_tokens": True}},
+        {"prompt": "a", "timeout_s": "soon"},
     ]
     out_of_range = [
-        {"max_tokens": 0}, {"max_tokens": -1}, {"max_tokens": 10**9}, {"temperature": -1}, {"temperature": 101},
-        {"top_p": 0}, {"top_p": 2}, {"top_k": -1}, {"min_p": 2}, {"seed": -1}, {"seed": 2**64}, {"logprobs": 99},
-        {"repetition_penalty": 0}, {"presence_penalty": 3}, {"frequency_penalty": -9}, {"min_tokens": 9, "max_tokens": 8},
-        {"stop": ["x"] * 17}, {"stop": ["y" * 257]}, {"stop": [""]}, {"stop_token_ids": [-3]},
+        {"max_tokens": 0},
+        {"max_tokens": -1},
+        {"max_tokens": 10**9},
+        {"temperature": -1},
+        {"temperature": 101},
+        {"top_p": 0},
+        {"top_p": 2},
+        {"top_k": -1},
+        {"min_p": 2},
+        {"seed": -1},
+        {"seed": 2**64},
+        {"logprobs": 99},
+        {"repetition_penalty": 0},
+        {"presence_penalty": 3},
+        {"frequency_penalty": -9},
+        {"min_tokens": 9, "max_tokens": 8},
+        {"stop": ["x"] * 17},
+        {"stop": ["y" * 257]},
+        {"stop": [""]},
+        {"stop_token_ids": [-3]},
     ]
-    unknown_fields = [{"prompt": "a", "model": "x"}, {"prompt": "a", "params": {"beam_width": 4}}, {"prompt": "a", "n": 2}]
-    exactly_one = [{}, {"prompt": "a", "input_ids": [1]}, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}]
+    unknown_fields = [
+        {"prompt": "a", "model": "x"},
+        {"prompt": "a", "params": {"beam_width": 4}},
+        {"prompt": "a", "n": 2},
+    ]
+    exactly_one = [
+        {},
+        {"prompt": "a", "input_ids": [1]},
+        {"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+    ]
     malformed = [
-        b"", b"{", b"not json", b"[1, 2]", b"42", b'"a string"', b"null", b"true", b'{"prompt": "a"', b"\xff\xfe\x00",
-        b'{"prompt": "\\ud800"}', b"[" * 900 + b"]" * 900, b'{"prompt": "caf\xc3"}',
+        b"",
+        b"{",
+        b"not json",
+        b"[1, 2]",
+        b"42",
+        b'"a string"',
+        b"null",
+        b"true",
+        b'{"prompt": "a"',
+        b"\xff\xfe\x00",
+        b'{"prompt": "\\ud800"}',
+        b"[" * 900 + b"]" * 900,
+        b'{"prompt": "caf\xc3"}',
     ]
     makers = [
         lambda: ({"v": "1", "body": ok}, "invalid_body", None),  # no id
-        lambda: ({"id": rng.choice(["", "a b", "{x}", "x" * 129, "-lead", "caf\xe9".encode("latin-1")]),
-                  "v": "1", "body": ok}, "invalid_body", None),
+        lambda: (
+            {
+                "id": rng.choice(["", "a b", "{x}", "x" * 129, "-lead", "caf\xe9".encode("latin-1")]),
+                "v": "1",
+                "body": ok,
+            },
+            "invalid_body",
+            None,
+        ),
         lambda: ({"v": rng.choice(["2", "0", "abc", "", "1.0", b"\xff"]), "body": ok}, "unsupported_version", "id"),
         lambda: ({"body": ok}, "unsupported_version", "id"),  # no version
         lambda: ({"v": "1", "body": ok, rng.choice(["priority", "x", "bodyy"]): "1"}, "invalid_body", "id"),
@@ -83,8 +137,15 @@ def bad_entries(rng: random.Random):
 def test_a_thousand_bad_entries_fail_with_their_codes_and_fifty_good_jobs_run(redis_server, tmp_path):
     queue = f"fuzz-{uuid.uuid4().hex[:6]}"
     worker = WorkerProcess(
-        redis_server.url, queue, f"{queue}-w", tmp_path, "--max-body-bytes", str(MAX_BODY_BYTES),
-        "--max-model-len", str(MAX_MODEL_LEN), model="echo",
+        redis_server.url,
+        queue,
+        f"{queue}-w",
+        tmp_path,
+        "--max-body-bytes",
+        str(MAX_BODY_BYTES),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        model="echo",
     )
     start_workers([worker])
     pid = worker.heartbeat()["pid"]

@@ -4,6 +4,7 @@ and events no worker wrote, an entry of thousands of fields. Two worker processe
 `mili-worker`) serve the queue: each such job fails once with its code, its entry is
 acknowledged, no worker exits, and the next good job is served. On main a WRONGTYPE met while
 resuming a job escaped the loop, and every worker that reclaimed the entry died the same way."""
+
 from __future__ import annotations
 
 import json
@@ -84,8 +85,18 @@ def hostile_setup(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("hostile")
     with acl_server() as server:
         workers = [
-            WorkerProcess(server["worker"], QUEUE, f"hostile-{i}", log_dir, *FAST_RECLAIM, "--max-deliveries", "2",
-                          "--max-model-len", "20000", model="echo")
+            WorkerProcess(
+                server["worker"],
+                QUEUE,
+                f"hostile-{i}",
+                log_dir,
+                *FAST_RECLAIM,
+                "--max-deliveries",
+                "2",
+                "--max-model-len",
+                "20000",
+                model="echo",
+            )
             for i in range(2)
         ]
         try:
@@ -141,8 +152,12 @@ def test_a_producers_wrong_keys_fail_each_job_once_and_no_worker_stops(hostile_s
         plant(raw, job_id)
         raw.xadd(KEYS.queue(QUEUE), {"id": job_id, "v": "1", "body": BODY})
         planted[job_id] = code
-    many_fields = {"id": f"many-fields-{uuid.uuid4().hex[:6]}", "v": "1", "body": BODY,
-                   **{f"f{i}": "x" for i in range(5000)}}
+    many_fields = {
+        "id": f"many-fields-{uuid.uuid4().hex[:6]}",
+        "v": "1",
+        "body": BODY,
+        **{f"f{i}": "x" for i in range(5000)},
+    }
     raw.xadd(KEYS.queue(QUEUE), many_fields)
     planted[many_fields["id"]] = "invalid_body"
     for job_id, code in planted.items():

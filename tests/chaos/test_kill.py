@@ -4,6 +4,7 @@ streams show that no token recorded before the kill was generated again: the sur
 resumed each job right after the tokens the dead one had published. On one server and on a
 cluster (the queue on one shard, the jobs on all: XAUTOCLAIM recovers across shards); Sentinel's
 master is one server to the workers."""
+
 from __future__ import annotations
 
 import signal
@@ -34,7 +35,9 @@ ENGINE = dict(max_running=8, max_model_len=256)
 RECLAIM = dict(claim_idle_ms=2000, reclaim_interval_s=0.2, checkpoint_interval_s=0.1)
 PROMPTS = [f"Job {i}: tell me something about the number {i * 7}." for i in range(20)]
 # Greedy; every other job with a repetition penalty, which resumed tokens must feed like any output.
-PARAMS = [dict(max_tokens=32, temperature=0.0, ignore_eos=True, repetition_penalty=1.3 if i % 2 else 1.0) for i in range(20)]
+PARAMS = [
+    dict(max_tokens=32, temperature=0.0, ignore_eos=True, repetition_penalty=1.3 if i % 2 else 1.0) for i in range(20)
+]
 
 
 def generate_alone(prompts: list[str], params: list[dict]) -> list:
@@ -64,13 +67,14 @@ def generated_tokens(worker: WorkerProcess) -> float:
 
 @pytest.mark.slow
 @on_modes("server", "cluster")
-def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(redis_deployment, deployment_client, fault_free,
-                                                                               tmp_path):
+def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(
+    redis_deployment, deployment_client, fault_free, tmp_path
+):
     queue = f"kill-{uuid.uuid4().hex[:6]}"
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in {**ENGINE, **RECLAIM}.items()]
-    victim, survivor = start_workers([
-        WorkerProcess(redis_deployment.url, queue, f"{queue}-{n}", tmp_path, *flags) for n in ("victim", "survivor")
-    ])
+    victim, survivor = start_workers(
+        [WorkerProcess(redis_deployment.url, queue, f"{queue}-{n}", tmp_path, *flags) for n in ("victim", "survivor")]
+    )
     try:
         with make_client("sync", redis_deployment.url, queue) as client:
             ids = [client.submit(p, **params) for p, params in zip(PROMPTS, PARAMS)]
@@ -120,7 +124,6 @@ def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(re
         survivor.stop()
 
 
-
 # Kill -9 mid-stream: intervals at which a 120-token job publishes many times over.
 STREAMING = dict(stream_interval_s=0.05, checkpoint_interval_s=0.25)
 STREAM_PARAMS = dict(max_tokens=120, temperature=0.0, ignore_eos=True)
@@ -134,7 +137,10 @@ def fault_free_long():
 @pytest.mark.slow
 @pytest.mark.timing
 def test_kill_9_mid_stream_loses_at_most_one_publish_interval_and_readers_see_each_token_once(
-    redis_server, redis_client, fault_free_long, tmp_path,
+    redis_server,
+    redis_client,
+    fault_free_long,
+    tmp_path,
 ):
     """Eight greedy jobs, four streamed (read by stream() throughout), four not, run on one worker
     in lockstep (a token each per step). The worker is frozen (SIGSTOP) and killed (SIGKILL) mid-run;
@@ -175,11 +181,17 @@ def test_kill_9_mid_stream_loses_at_most_one_publish_interval_and_readers_see_ea
             assert (result.token_ids, result.text) == (want.token_ids, want.text), job_id
             assert tokens_published(redis_client, job_id) == result.token_ids  # each token once
             (first, _), (second, _) = runs(redis_client, job_id)
-            assert (first["worker"], second["worker"], second["resumed_tokens"]) == (victim.name, survivor.name, kept[i])
+            assert (first["worker"], second["worker"], second["resumed_tokens"]) == (
+                victim.name,
+                survivor.name,
+                kept[i],
+            )
             interval = STREAMING["stream_interval_s" if i < 4 else "checkpoint_interval_s"]
             lost = made - kept[i]
-            print(f"job {i} ({'streamed' if i < 4 else 'not streamed'}): lost {lost:.1f} tokens at most, "
-                  f"{lost * step_s * 1000:.0f} ms of steps ({step_s * 1000:.1f} ms each)")
+            print(
+                f"job {i} ({'streamed' if i < 4 else 'not streamed'}): lost {lost:.1f} tokens at most, "
+                f"{lost * step_s * 1000:.0f} ms of steps ({step_s * 1000:.1f} ms each)"
+            )
             assert lost <= interval / step_s + 3
             if job_id in read:
                 assert "".join(d.text for d in read[job_id]) == result.text

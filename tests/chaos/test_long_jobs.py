@@ -4,6 +4,7 @@ count 1, nothing reclaimed), a kill -9 costs each job at most one reclaim, and a
 past claim_idle_ms (SIGSTOP) loses its jobs to another worker once, then drops them and serves
 on when it wakes. The REFRESH that lost all but the first held entry lived through every test
 whose jobs ended before claim_idle_ms; these run past it five times over."""
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,16 @@ LONG = 8
 ENGINE = dict(max_running=4, max_model_len=8192)
 KV_CACHE_MIB = 320  # eight jobs of up to 8,192 tokens of the tiny model (4 KiB each)
 FLAGS = (
-    "--claim-idle-ms", str(CLAIM_IDLE_MS), "--reclaim-interval-s", "0.2", "--max-running", "4",
-    "--max-model-len", str(ENGINE["max_model_len"]), "--kv-cache-mib", str(KV_CACHE_MIB),
+    "--claim-idle-ms",
+    str(CLAIM_IDLE_MS),
+    "--reclaim-interval-s",
+    "0.2",
+    "--max-running",
+    "4",
+    "--max-model-len",
+    str(ENGINE["max_model_len"]),
+    "--kv-cache-mib",
+    str(KV_CACHE_MIB),
 )
 PROMPTS = [f"Long job {i}: keep talking about the number {i * 13} for a while." for i in range(8)]
 
@@ -113,12 +122,18 @@ def check_outputs(redis_client, results: dict, jobs: dict[str, str], fault_free:
         ran_s = result.timings.finished_at - result.timings.started_at
         assert ran_s >= 5 * CLAIM_IDLE_MS / 1000, job_id
         # The figures bench/RESULTS.md quotes (pytest -s shows them).
-        print(f"{job_id}: {len(result.token_ids)} tokens in {ran_s:.1f} s, {ran_s * 1000 / CLAIM_IDLE_MS:.1f}x claim_idle_ms")
+        print(
+            f"{job_id}: {len(result.token_ids)} tokens in {ran_s:.1f} s, {ran_s * 1000 / CLAIM_IDLE_MS:.1f}x claim_idle_ms"
+        )
 
 
 @pytest.mark.slow
 def test_a_healthy_worker_keeps_four_long_jobs_without_a_single_reclaim(
-    redis_server, redis_client, tokens_per_job, fault_free, tmp_path,
+    redis_server,
+    redis_client,
+    tokens_per_job,
+    fault_free,
+    tmp_path,
 ):
     queue = f"long-{uuid.uuid4().hex[:6]}"
     (worker,) = start_workers([WorkerProcess(redis_server.url, queue, queue, tmp_path, *FLAGS)])
@@ -138,12 +153,16 @@ def test_a_healthy_worker_keeps_four_long_jobs_without_a_single_reclaim(
 
 @pytest.mark.slow
 def test_kill_9_among_eight_long_jobs_costs_each_at_most_one_reclaim(
-    redis_server, redis_client, tokens_per_job, fault_free, tmp_path,
+    redis_server,
+    redis_client,
+    tokens_per_job,
+    fault_free,
+    tmp_path,
 ):
     queue = f"long-kill-{uuid.uuid4().hex[:6]}"
-    victim, survivor = start_workers([
-        WorkerProcess(redis_server.url, queue, f"{queue}-{n}", tmp_path, *FLAGS) for n in ("victim", "survivor")
-    ])
+    victim, survivor = start_workers(
+        [WorkerProcess(redis_server.url, queue, f"{queue}-{n}", tmp_path, *FLAGS) for n in ("victim", "survivor")]
+    )
     try:
         with make_client("sync", redis_server.url, queue) as client, DeliveryWatch(redis_client, queue) as watch:
             jobs = submit_long(client, PROMPTS, tokens_per_job)
@@ -172,7 +191,11 @@ def test_kill_9_among_eight_long_jobs_costs_each_at_most_one_reclaim(
 
 @pytest.mark.slow
 def test_a_worker_frozen_past_claim_idle_loses_its_jobs_once_and_serves_on_when_it_wakes(
-    redis_server, redis_client, tokens_per_job, fault_free, tmp_path,
+    redis_server,
+    redis_client,
+    tokens_per_job,
+    fault_free,
+    tmp_path,
 ):
     queue = f"long-stop-{uuid.uuid4().hex[:6]}"
     frozen = WorkerProcess(redis_server.url, queue, f"{queue}-frozen", tmp_path, *FLAGS)
@@ -192,10 +215,13 @@ def test_a_worker_frozen_past_claim_idle_loses_its_jobs_once_and_serves_on_when_
             for job_id in jobs:
                 assert [s["worker"] for s, _ in runs(redis_client, job_id)] == [frozen.name, other.name]
                 assert results[job_id].worker == other.name
+
             # The woken worker learnt that it lost them, and serves on alone.
             def learnt_it_lost(job_id: str) -> bool:
-                return any(job_id in line and ("taken it over" in line or "reclaimed by another worker" in line)
-                           for line in frozen.log().splitlines())
+                return any(
+                    job_id in line and ("taken it over" in line or "reclaimed by another worker" in line)
+                    for line in frozen.log().splitlines()
+                )
 
             assert eventually(lambda: all(learnt_it_lost(j) for j in jobs)), frozen.log()
             assert other.terminate() == 0

@@ -2,6 +2,7 @@
 The crash is done from outside, as a test must: whenever a worker starts the job (its hash says
 running, under that worker's name), the test kills that worker with SIGKILL and starts another.
 The job's code path holds no switch that could crash a production worker."""
+
 from __future__ import annotations
 
 import time
@@ -27,10 +28,20 @@ def test_a_job_that_kills_every_worker_that_runs_it_is_dead_lettered(redis_serve
     queue = f"poison-{uuid.uuid4().hex[:6]}"
 
     def worker(n: int) -> WorkerProcess:
-        return WorkerProcess(
-            redis_server.url, queue, f"{queue}-{n}", tmp_path, *FAST_RECLAIM, "--max-deliveries", str(MAX_DELIVERIES),
-            model="echo",
-        ).start().wait_ready()
+        return (
+            WorkerProcess(
+                redis_server.url,
+                queue,
+                f"{queue}-{n}",
+                tmp_path,
+                *FAST_RECLAIM,
+                "--max-deliveries",
+                str(MAX_DELIVERIES),
+                model="echo",
+            )
+            .start()
+            .wait_ready()
+        )
 
     workers = [worker(0)]
     try:
@@ -53,7 +64,11 @@ def test_a_job_that_kills_every_worker_that_runs_it_is_dead_lettered(redis_serve
         assert e.value.code == "poison"
         assert e.value.result.worker == survivor.name
         ((_, letter),) = redis_client.xrange(KEYS.dead(queue))
-        assert (letter["id"], letter["deliveries"], letter["worker"]) == (job_id, str(MAX_DELIVERIES + 1), survivor.name)
+        assert (letter["id"], letter["deliveries"], letter["worker"]) == (
+            job_id,
+            str(MAX_DELIVERIES + 1),
+            survivor.name,
+        )
         assert letter["reason"] == e.value.message
         # The last job's entry is acknowledged just after its result is written.
         assert eventually(lambda: queue_depth(redis_client, queue) == 0)

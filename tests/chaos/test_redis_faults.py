@@ -5,6 +5,7 @@ server turned read-only and back, SCRIPT FLUSH, and every client connection kill
 ride out each one without restarting, and every job whose submit returned ends exactly once with
 its whole output, except, after the empty restart, jobs whose keys Redis itself lost: those are
 not found, as docs/failure-semantics.md's table says."""
+
 from __future__ import annotations
 
 import threading
@@ -58,13 +59,18 @@ FAULTS = [restart_with_aof, restart_empty, memory_full, read_only, script_flush,
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.__name__)
 def test_workers_ride_out_the_fault_and_every_acknowledged_job_ends_once(
-    fault, restartable_redis, redis_client_of, tmp_path,
+    fault,
+    restartable_redis,
+    redis_client_of,
+    tmp_path,
 ):
     queue = f"fault-{uuid.uuid4().hex[:6]}"
-    workers = start_workers([
-        WorkerProcess(restartable_redis.url, queue, f"{queue}-{n}", tmp_path, *FAST_RECLAIM, model="echo")
-        for n in range(2)
-    ])
+    workers = start_workers(
+        [
+            WorkerProcess(restartable_redis.url, queue, f"{queue}-{n}", tmp_path, *FAST_RECLAIM, model="echo")
+            for n in range(2)
+        ]
+    )
     pids = [w.heartbeat()["pid"] for w in workers]
     submitted: dict[str, str] = {}  # acknowledged submits: job id -> prompt
     refused = []
@@ -110,8 +116,10 @@ def test_workers_ride_out_the_fault_and_every_acknowledged_job_ends_once(
         assert [w.heartbeat()["pid"] for w in workers] == pids
         with make_client("sync", restartable_redis.url, queue) as client:
             assert client.generate("after", max_tokens=5, timeout=30).text == "after"
-        print(f"\n{fault.__name__}: {len(submitted)} jobs acknowledged, {len(lost)} lost with Redis's data; "
-              f"{len(refused)} submits refused: {refused[:2]}")
+        print(
+            f"\n{fault.__name__}: {len(submitted)} jobs acknowledged, {len(lost)} lost with Redis's data; "
+            f"{len(refused)} submits refused: {refused[:2]}"
+        )
     finally:
         stop.set()
         for w in workers:

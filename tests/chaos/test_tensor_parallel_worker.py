@@ -5,6 +5,7 @@ with -9, or stopped (a hang, past --tensor-parallel-timeout-s), takes the worker
 `rank_failed` line and leaves no rank behind; its jobs finish on another worker, equal to a
 fault-free run, each with one final result. A worker asked for more ranks than the model's heads
 split into, or than there are GPUs, refuses to start with one line."""
+
 from __future__ import annotations
 
 import os
@@ -42,9 +43,18 @@ MAX_TOKENS = 40
 def checkpoint(tmp_path_factory) -> Path:
     """Weights at 0.3, so greedy outputs vary from token to token; 4 heads, 2 KV heads."""
     config = qwen3_config(
-        vocab_size=2048, max_position_embeddings=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
-        initializer_range=0.3, bos_token_id=None, eos_token_id=None,
+        vocab_size=2048,
+        max_position_embeddings=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+        bos_token_id=None,
+        eos_token_id=None,
     )
     ckpt = write_random_checkpoint(tmp_path_factory.mktemp("tp_worker_ckpt"), config, seed=11, norm_std=0.1)
     write_qwen3_tokenizer_files(ckpt)
@@ -70,8 +80,17 @@ def fault_free(checkpoint):
 
 
 def tp_worker(redis_url: str, queue: str, log_dir: Path, checkpoint: Path, *flags: str) -> WorkerProcess:
-    return WorkerProcess(redis_url, queue, f"{queue}-tp", log_dir, "--tensor-parallel-size", "2", *ENGINE_FLAGS,
-                         *flags, model=str(checkpoint))
+    return WorkerProcess(
+        redis_url,
+        queue,
+        f"{queue}-tp",
+        log_dir,
+        "--tensor-parallel-size",
+        "2",
+        *ENGINE_FLAGS,
+        *flags,
+        model=str(checkpoint),
+    )
 
 
 def rank_pids(worker: WorkerProcess) -> list[int]:
@@ -85,7 +104,11 @@ def submit_all(client: Client) -> list[str]:
 
 
 def test_a_worker_of_two_ranks_serves_jobs_as_one_worker_and_drains_with_its_ranks(
-    redis_server, redis_client, checkpoint, fault_free, tmp_path,
+    redis_server,
+    redis_client,
+    checkpoint,
+    fault_free,
+    tmp_path,
 ):
     queue = f"tp-{uuid.uuid4().hex[:6]}"
     device_flags = ("--device", SERVE_DEVICE, "--gpu-memory-utilization", "0.05")
@@ -109,8 +132,19 @@ def test_a_worker_of_two_ranks_serves_jobs_as_one_worker_and_drains_with_its_ran
 def survivor(redis_server, checkpoint, tmp_path_factory):
     """A worker of one rank on the queue of the fault tests: it takes the failed worker's jobs over."""
     queue = f"tp-fault-{uuid.uuid4().hex[:6]}"
-    worker = WorkerProcess(redis_server.url, queue, f"{queue}-survivor", tmp_path_factory.mktemp("survivor"),
-                           "--device", "cpu", "--max-running", "2", *ENGINE_FLAGS, *RECLAIM_FLAGS, model=str(checkpoint))
+    worker = WorkerProcess(
+        redis_server.url,
+        queue,
+        f"{queue}-survivor",
+        tmp_path_factory.mktemp("survivor"),
+        "--device",
+        "cpu",
+        "--max-running",
+        "2",
+        *ENGINE_FLAGS,
+        *RECLAIM_FLAGS,
+        model=str(checkpoint),
+    )
     try:
         yield start_workers([worker])[0]
     finally:
@@ -119,19 +153,35 @@ def survivor(redis_server, checkpoint, tmp_path_factory):
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_a_rank_killed_or_hung_takes_the_worker_down_and_its_jobs_finish_elsewhere(
-    fault, redis_server, redis_client, checkpoint, fault_free, survivor, tmp_path,
+    fault,
+    redis_server,
+    redis_client,
+    checkpoint,
+    fault_free,
+    survivor,
+    tmp_path,
 ):
-    victim = tp_worker(redis_server.url, survivor.queue, tmp_path, checkpoint, "--device", "cpu", *RECLAIM_FLAGS,
-                       "--tensor-parallel-timeout-s", str(HANG_TIMEOUT_S))
+    victim = tp_worker(
+        redis_server.url,
+        survivor.queue,
+        tmp_path,
+        checkpoint,
+        "--device",
+        "cpu",
+        *RECLAIM_FLAGS,
+        "--tensor-parallel-timeout-s",
+        str(HANG_TIMEOUT_S),
+    )
     start_workers([victim])
     with Client(redis_server.url, survivor.queue) as client:
         try:
             other = rank_pids(victim)[0]
             jobs = submit_all(client)
             # The survivor runs two at a time: the worker of two ranks holds the rest, and is generating.
-            assert eventually(lambda: any(
-                r[0]["worker"] == victim.name and r[1] for job in jobs for r in runs(redis_client, job)
-            ), timeout=120)
+            assert eventually(
+                lambda: any(r[0]["worker"] == victim.name and r[1] for job in jobs for r in runs(redis_client, job)),
+                timeout=120,
+            )
             os.kill(other, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
             struck = time.monotonic()
             code = victim.process.wait(timeout=HANG_TIMEOUT_S + 60)
@@ -150,8 +200,11 @@ def test_a_rank_killed_or_hung_takes_the_worker_down_and_its_jobs_finish_elsewhe
     assert eventually(lambda: not alive(other), timeout=10)  # it died with the worker, stopped or not
     assert [r.token_ids for r in results] == fault_free("cpu")
     assert {r.status for r in results} == {"done"}
-    taken_over = [job for job in jobs if [run[0]["worker"] for run in runs(redis_client, job)][-2:] == [
-        victim.name, survivor.name]]
+    taken_over = [
+        job
+        for job in jobs
+        if [run[0]["worker"] for run in runs(redis_client, job)][-2:] == [victim.name, survivor.name]
+    ]
     assert taken_over  # jobs the failed worker had begun finished on the survivor
     for job in jobs:
         assert_one_final_result(redis_client, job)
@@ -159,13 +212,20 @@ def test_a_rank_killed_or_hung_takes_the_worker_down_and_its_jobs_finish_elsewhe
 
 def run_worker(*flags: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "worker", "serve", *flags], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "worker", "serve", *flags],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_a_worker_refuses_a_split_the_heads_do_not_allow_with_one_line(redis_server, checkpoint):
-    done = run_worker("--model", str(checkpoint), "--redis", redis_server.url, "--metrics-port", "0",
-                      "--tensor-parallel-size", "3")
+    done = run_worker(
+        "--model", str(checkpoint), "--redis", redis_server.url, "--metrics-port", "0", "--tensor-parallel-size", "3"
+    )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
         "error: invalid_argument: tensor_parallel_size: 3 does not divide num_attention_heads 4; "
@@ -176,8 +236,18 @@ def test_a_worker_refuses_a_split_the_heads_do_not_allow_with_one_line(redis_ser
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs")
 def test_a_worker_refuses_more_ranks_than_visible_gpus_with_one_line(redis_server, checkpoint):
-    done = run_worker("--model", str(checkpoint), "--redis", redis_server.url, "--metrics-port", "0",
-                      "--device", "cuda", "--tensor-parallel-size", "2")
+    done = run_worker(
+        "--model",
+        str(checkpoint),
+        "--redis",
+        redis_server.url,
+        "--metrics-port",
+        "0",
+        "--device",
+        "cuda",
+        "--tensor-parallel-size",
+        "2",
+    )
     assert done.returncode == 2
     visible = torch.cuda.device_count()
     assert done.stderr.strip().splitlines()[-1] == (

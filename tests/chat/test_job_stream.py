@@ -1,6 +1,7 @@
 """A job's events read as token deltas (producer_client.job_stream): a chat's text split by the
 format its start event names, the held-back rest added at the end, and a stream resumed after
 any delta's event id yielding exactly the deltas after it."""
+
 import json
 
 from producer_client.chat_output import OutputFormat, Reasoning
@@ -16,7 +17,9 @@ def events(fmt: OutputFormat | None) -> list[tuple[str, dict]]:
     if fmt is not None:
         start["output"] = fmt.model_dump(mode="json")
     out = [("1-0", {"type": "start", "data": json.dumps(start)})]
-    out += [(f"{i + 2}-0", {"type": "tokens", "data": json.dumps({"ids": [i], "text": t})}) for i, t in enumerate(TEXTS)]
+    out += [
+        (f"{i + 2}-0", {"type": "tokens", "data": json.dumps({"ids": [i], "text": t})}) for i, t in enumerate(TEXTS)
+    ]
     out.append((f"{len(TEXTS) + 2}-0", {"type": "end", "data": JobResult(id="j", status="done").model_dump_json()}))
     return out
 
@@ -35,7 +38,9 @@ def test_a_chats_deltas_carry_its_answer_reasoning_and_calls_apart():
     assert "".join(d.reasoning for d in deltas) == "hmm"
     assert "".join(d.text for d in deltas) == "OK\nbye <"
     assert [c.function.name for d in deltas for c in d.tool_calls] == ["f"]
-    assert deltas[-1].token_ids == [] and deltas[-1].text == " <"  # held back until the end: it could have opened a call
+    assert (
+        deltas[-1].token_ids == [] and deltas[-1].text == " <"
+    )  # held back until the end: it could have opened a call
     assert deltas[-1].event_id == deltas[-2].event_id  # resuming after it reads the end again
 
 
@@ -46,4 +51,4 @@ def test_a_job_without_a_format_streams_its_text_as_it_is():
 def test_resuming_after_any_delta_yields_exactly_the_deltas_after_it():
     whole = read(FORMAT)
     for i, delta in enumerate(whole[:-1]):
-        assert read(FORMAT, after=delta.event_id) == whole[i + 1:]
+        assert read(FORMAT, after=delta.event_id) == whole[i + 1 :]

@@ -1,21 +1,27 @@
 """The reasoning and tool-call parser, to the character: a stream's deltas, however the text is
 cut, add up to the whole output's parse; generated outputs parse into exactly what generated them;
 and each bug report other Qwen3 parsers collected has its test."""
+
 import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from producer_client.chat_output import (
-    CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN, ChatOutput, OutputFormat, OutputParser, ParsedCall, Reasoning,
+    CALL_CLOSE,
+    CALL_OPEN,
+    THINK_CLOSE,
+    THINK_OPEN,
+    ChatOutput,
+    OutputFormat,
+    OutputParser,
+    ParsedCall,
+    Reasoning,
     parse_output,
 )
 
 TOOLS = ["get_weather", "search"]
-FORMATS = [
-    OutputFormat(reasoning=reasoning, tools=tools)
-    for reasoning in Reasoning for tools in (None, TOOLS)
-]
+FORMATS = [OutputFormat(reasoning=reasoning, tools=tools) for reasoning in Reasoning for tools in (None, TOOLS)]
 
 
 def streamed(text_pieces: list[str], fmt: OutputFormat) -> ChatOutput:
@@ -23,18 +29,40 @@ def streamed(text_pieces: list[str], fmt: OutputFormat) -> ChatOutput:
     parser = OutputParser(fmt)
     deltas = [parser.push(piece) for piece in text_pieces] + [parser.finish()]
     return ChatOutput(
-        "".join(d.content for d in deltas), "".join(d.reasoning for d in deltas), [c for d in deltas for c in d.tool_calls],
+        "".join(d.content for d in deltas),
+        "".join(d.reasoning for d in deltas),
+        [c for d in deltas for c in d.tool_calls],
     )
 
 
 # -- any text, cut anywhere -------------------------------------------------------------------------
 
 FRAGMENTS = [
-    THINK_OPEN, THINK_CLOSE, CALL_OPEN, CALL_CLOSE, "<", "</", "<think", "</thi", "<tool_", "</tool_call", "\n", "\n\n", " ",
-    '{"name": "get_weather", "arguments": {"city": "Paris"}}', '{"name": "search", "arguments": {}}',
-    '{"name": "nope", "arguments": {}}', '{"name": "search"', "{bad json}", "Hello", "é", "猫",
+    THINK_OPEN,
+    THINK_CLOSE,
+    CALL_OPEN,
+    CALL_CLOSE,
+    "<",
+    "</",
+    "<think",
+    "</thi",
+    "<tool_",
+    "</tool_call",
+    "\n",
+    "\n\n",
+    " ",
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+    '{"name": "search", "arguments": {}}',
+    '{"name": "nope", "arguments": {}}',
+    '{"name": "search"',
+    "{bad json}",
+    "Hello",
+    "é",
+    "猫",
 ]
-junk = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(alphabet="ab <>/{}\"\n", max_size=6)), max_size=30).map("".join)
+junk = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(alphabet='ab <>/{}"\n', max_size=6)), max_size=30).map(
+    "".join
+)
 
 
 def cuts_of(text: str, positions: list[int]) -> list[str]:
@@ -61,8 +89,11 @@ def test_every_single_cut_of_an_output_adds_up_to_its_whole_parse(text, fmt):
 
 # -- generated outputs parse into what generated them --------------------------------------------------
 
-words = st.text(alphabet="abcdefgh ,.!?<>/é猫", min_size=1, max_size=12).map(str.strip).filter(bool).filter(
-    lambda t: not any(m in t for m in (THINK_OPEN, THINK_CLOSE, CALL_OPEN, CALL_CLOSE))
+words = (
+    st.text(alphabet="abcdefgh ,.!?<>/é猫", min_size=1, max_size=12)
+    .map(str.strip)
+    .filter(bool)
+    .filter(lambda t: not any(m in t for m in (THINK_OPEN, THINK_CLOSE, CALL_OPEN, CALL_CLOSE)))
 )
 arguments = st.dictionaries(st.sampled_from(["city", "q", "n"]), st.one_of(st.integers(), words), max_size=3)
 calls = st.tuples(st.sampled_from(TOOLS), arguments)
@@ -99,7 +130,8 @@ def expected(reasoning: str | None, answer: list[tuple]) -> ChatOutput:
 @settings(max_examples=300, deadline=None)
 @given(
     reasoning=st.one_of(st.none(), st.lists(words, min_size=1, max_size=4).map("\n".join)),
-    answer=parts, positions=st.lists(st.integers(min_value=0), max_size=10),
+    answer=parts,
+    positions=st.lists(st.integers(min_value=0), max_size=10),
 )
 def test_a_generated_output_parses_into_its_reasoning_answer_and_calls(reasoning, answer, positions):
     text = render(reasoning, answer)
@@ -132,13 +164,15 @@ WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 def both(text: str, fmt: OutputFormat) -> ChatOutput:
     """The whole parse, after checking a token-by-token stream agrees (pieces of 3 characters)."""
     whole = parse_output(text, fmt)
-    assert streamed([text[i:i + 3] for i in range(0, len(text), 3)], fmt) == whole
+    assert streamed([text[i : i + 3] for i in range(0, len(text), 3)], fmt) == whole
     return whole
 
 
 def test_a_tool_call_drafted_inside_think_is_reasoning_not_a_call_verl_4757():
-    text = (f"{THINK_OPEN}\nI will call A.\n{CALL_OPEN}{WEATHER}{CALL_CLOSE}\nthen use it\n{THINK_CLOSE}\n\n"
-            f"{CALL_OPEN}\n{WEATHER}\n{CALL_CLOSE}")
+    text = (
+        f"{THINK_OPEN}\nI will call A.\n{CALL_OPEN}{WEATHER}{CALL_CLOSE}\nthen use it\n{THINK_CLOSE}\n\n"
+        f"{CALL_OPEN}\n{WEATHER}\n{CALL_CLOSE}"
+    )
     out = both(text, OutputFormat(reasoning=Reasoning.OPTIONAL, tools=TOOLS))
     assert out.tool_calls == [ParsedCall(0, "get_weather", '{"city": "Paris"}')]
     assert out.reasoning == f"I will call A.\n{CALL_OPEN}{WEATHER}{CALL_CLOSE}\nthen use it"
@@ -190,7 +224,7 @@ def test_a_tool_call_truncated_by_max_tokens_is_text_vllm_pr_35230():
 
 
 def test_malformed_json_and_unknown_functions_are_text_kept_whole():
-    bad = f"{CALL_OPEN}\n{{\"name\": \"get_weather\", \"arguments\": {{city: Paris}}}}\n{CALL_CLOSE}"
+    bad = f'{CALL_OPEN}\n{{"name": "get_weather", "arguments": {{city: Paris}}}}\n{CALL_CLOSE}'
     unknown = f'{CALL_OPEN}\n{{"name": "rm_rf", "arguments": {{}}}}\n{CALL_CLOSE}'
     nan = f'{CALL_OPEN}{{"name": "search", "arguments": {{"n": NaN}}}}{CALL_CLOSE}'
     text = f"A\n{bad}\n{CALL_OPEN}\n{WEATHER}\n{CALL_CLOSE}\n{unknown}\n{nan}"
@@ -204,5 +238,8 @@ def test_parallel_calls_are_numbered_and_text_around_them_is_kept():
     text = f"I'll check both.\n\n{CALL_OPEN}\n{WEATHER}\n{CALL_CLOSE}\n{CALL_OPEN}\n{search}\n{CALL_CLOSE}\nDone."
     out = both(text, OutputFormat(reasoning=Reasoning.OPTIONAL, tools=TOOLS))
     assert [c.index for c in out.tool_calls] == [0, 1]
-    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": "Paris"}), ("search", {"q": "x"})]
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("search", {"q": "x"}),
+    ]
     assert out.content == "I'll check both.\nDone."

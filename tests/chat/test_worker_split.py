@@ -1,6 +1,7 @@
 """A chat job's result as the worker builds it (worker.loop.jobs.Job): its output split into answer,
 reasoning and tool calls, `tool_calls` as its finish reason, and with parallel_tool_calls off, a
 job resumed after its one call was recorded ends there."""
+
 import json
 
 from producer_client.chat import tool_call_id
@@ -22,7 +23,9 @@ def job(parallel: bool = True) -> Job:
 
 def recorded(*texts: str) -> list[tuple[str, dict]]:
     start = ("1-0", {"type": "start", "data": json.dumps({"worker": "w", "started_at": 0.0, "resumed_tokens": 0})})
-    return [start] + [(f"{i + 2}-0", {"type": "tokens", "data": json.dumps({"ids": [i], "text": t})}) for i, t in enumerate(texts)]
+    return [start] + [
+        (f"{i + 2}-0", {"type": "tokens", "data": json.dumps({"ids": [i], "text": t})}) for i, t in enumerate(texts)
+    ]
 
 
 def test_a_chats_result_is_split_and_ends_for_its_calls():

@@ -1,5 +1,6 @@
 """Fixtures for the deployment files' tests: the files parsed, a real redis-server, and real
 worker processes on the echo engine (no model: a worker is up in a few seconds)."""
+
 from __future__ import annotations
 
 import os

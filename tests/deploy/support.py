@@ -1,4 +1,5 @@
 """Helpers for the deployment tests: the repository's paths, YAML with Compose's tags, Dockerfiles."""
+
 from __future__ import annotations
 
 import argparse
@@ -62,7 +63,7 @@ class Instruction:
 
     def exec_form(self) -> list[str]:
         """The JSON array of an exec-form CMD/ENTRYPOINT/HEALTHCHECK CMD."""
-        return json.loads(self.args[self.args.index("["):])
+        return json.loads(self.args[self.args.index("[") :])
 
 
 def parse_dockerfile(path: Path) -> list[Instruction]:

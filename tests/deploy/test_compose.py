@@ -1,11 +1,18 @@
 """docker/compose.yml and docker/compose.cpu.yml: they parse, each service has what it needs,
 workers scale, and every path, port and variable they name exists in the project."""
+
 from __future__ import annotations
 
 from urllib.parse import urlsplit
 
 from tests.deploy.support import (
-    DOCKER, Tagged, known_mili_variables, load_compose, parse_dockerfile, redis_server_flags, volume_mounts,
+    DOCKER,
+    Tagged,
+    known_mili_variables,
+    load_compose,
+    parse_dockerfile,
+    redis_server_flags,
+    volume_mounts,
 )
 from worker.settings import WorkerSettings
 

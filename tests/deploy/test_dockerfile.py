@@ -1,5 +1,6 @@
 """docker/Dockerfile without a Docker engine: every file, module, command, port and variable it
 names exists in the project, and the build steps that are plain Python run here."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +12,13 @@ import tomllib
 import pytest
 
 from tests.deploy.support import (
-    DOCKER, ROOT, dockerignore_excludes, known_mili_variables, parse_dockerfile, read_dockerignore, tracked_files,
+    DOCKER,
+    ROOT,
+    dockerignore_excludes,
+    known_mili_variables,
+    parse_dockerfile,
+    read_dockerignore,
+    tracked_files,
     worker_commands,
 )
 from worker.healthcheck import REDIS_TIMEOUT_S
@@ -63,8 +70,9 @@ def test_runs_as_a_non_root_user():
     assert all(INSTRUCTIONS.index(i) > position for i in final("HEALTHCHECK") + final("ENTRYPOINT") + final("CMD"))
 
 
-@pytest.mark.parametrize("copy", [i for i in INSTRUCTIONS if i.keyword == "COPY" and "--from=" not in i.args],
-                         ids=lambda i: i.args)
+@pytest.mark.parametrize(
+    "copy", [i for i in INSTRUCTIONS if i.keyword == "COPY" and "--from=" not in i.args], ids=lambda i: i.args
+)
 def test_copied_sources_exist_and_pass_the_dockerignore(copy):
     *sources, _destination = copy.args.split()
     patterns = read_dockerignore()
@@ -92,7 +100,9 @@ def test_the_dependency_step_reads_the_requirements_from_pyproject(tmp_path):
     script = re.search(r"python3 -c '([^']*)'", run.args).group(1)
     result = subprocess.run(
         [sys.executable, "-c", script.replace("/tmp/pyproject.toml", str(ROOT / "pyproject.toml"))],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     # The client's dependencies, the worker's and the gateway's extras: the image runs either program.

@@ -1,5 +1,6 @@
 """`python -m worker healthcheck` against a real redis-server and real worker processes: 0 only
 while this worker's heartbeat is live and Redis answers."""
+
 from __future__ import annotations
 
 import signal
@@ -53,7 +54,9 @@ def test_unhealthy_once_the_worker_is_killed(redis_server, start_worker, capsys)
     worker = start_worker("hc-dead")
     assert check(redis_server.url, "hc-dead") == 0
     worker.kill()  # SIGKILL: no chance to remove its heartbeat, which must expire
-    assert eventually(lambda: check(redis_server.url, "hc-dead") == 1, EXPIRY_TIMEOUT_S), "the dead worker's heartbeat stays"
+    assert eventually(lambda: check(redis_server.url, "hc-dead") == 1, EXPIRY_TIMEOUT_S), (
+        "the dead worker's heartbeat stays"
+    )
     assert "unhealthy: no live heartbeat for worker hc-dead on queue default" in capsys.readouterr().err
 
 
@@ -89,8 +92,12 @@ def test_an_embedded_redis_cannot_be_checked(capsys):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "worker", "healthcheck", *args], cwd=ROOT, env=environment_without_mili(),
-        capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "worker", "healthcheck", *args],
+        cwd=ROOT,
+        env=environment_without_mili(),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -99,7 +106,9 @@ def test_cli_exit_codes_for_a_live_and_a_dead_worker(redis_server, start_worker)
     live = run_cli("--redis", redis_server.url, "--name", "hc-cli")
     assert (live.returncode, live.stdout.strip()) == (0, "healthy: worker hc-cli has a live heartbeat")
     worker.kill()
-    assert eventually(lambda: check(redis_server.url, "hc-cli") == 1, EXPIRY_TIMEOUT_S), "the dead worker's heartbeat stays"
+    assert eventually(lambda: check(redis_server.url, "hc-cli") == 1, EXPIRY_TIMEOUT_S), (
+        "the dead worker's heartbeat stays"
+    )
     dead = run_cli("--redis", redis_server.url, "--name", "hc-cli")
     assert dead.returncode == 1
     assert "unhealthy: no live heartbeat for worker hc-cli" in dead.stderr
@@ -110,7 +119,12 @@ def test_cli_reads_the_same_environment_as_the_worker(redis_server, start_worker
     start_worker("hc-env")
     env = {**environment_without_mili(), "MILI_REDIS": redis_server.url, "MILI_NAME": "hc-env"}
     result = subprocess.run(
-        [sys.executable, "-m", "worker", "healthcheck"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "worker", "healthcheck"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
 

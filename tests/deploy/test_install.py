@@ -1,6 +1,7 @@
 """The plain install is the client: `pip install mili` into a fresh virtual environment gives the
 client library, the `mili` CLI and the wire models with redis and pydantic only. torch is not
 importable there, and the client runs real jobs against a worker (which has the worker extra)."""
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,10 @@ import pytest
 from tests.deploy.support import ROOT
 from tests.support.workers import WorkerProcess, start_workers
 
-PACKAGES = [p.rstrip("*") for p in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]]
+PACKAGES = [
+    p.rstrip("*")
+    for p in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+]
 SOURCES = ("pyproject.toml", "README.md", "config", *PACKAGES)
 
 
@@ -42,14 +46,17 @@ def client_venv(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run(
         [venv / "bin" / "python", "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(source)],
-        check=True, timeout=600,
+        check=True,
+        timeout=600,
     )
     return venv / "bin"
 
 
 @pytest.mark.slow
 def test_the_plain_install_needs_neither_torch_nor_the_web_stack(client_venv):
-    installed = run_installed([client_venv / "python", "-m", "pip", "list", "--format=freeze"], check=True).stdout.lower()
+    installed = run_installed(
+        [client_venv / "python", "-m", "pip", "list", "--format=freeze"], check=True
+    ).stdout.lower()
     names = {line.split("==")[0] for line in installed.splitlines()}
     assert {"mili", "redis", "pydantic"} <= names
     assert not names & {"torch", "triton", "numba", "fastapi", "uvicorn", "pydantic-settings", "prometheus-client"}
@@ -72,7 +79,9 @@ def test_the_plain_install_runs_jobs_through_a_worker(client_venv, redis_server,
         done = run_installed([client_venv / "python", "-c", code], timeout=120)
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "done plain install"
-        stats = run_installed([client_venv / "mili", "--redis", redis_server.url, "--queue", queue, "stats"], timeout=60)
+        stats = run_installed(
+            [client_venv / "mili", "--redis", redis_server.url, "--queue", queue, "stats"], timeout=60
+        )
         assert stats.returncode == 0 and queue in stats.stdout, stats.stderr
     finally:
         worker.stop()
@@ -81,9 +90,12 @@ def test_the_plain_install_runs_jobs_through_a_worker(client_venv, redis_server,
 @pytest.mark.slow
 def test_mili_batch_on_the_plain_install_names_the_extra_it_needs(client_venv, redis_server, tmp_path):
     lines = tmp_path / "in.jsonl"
-    lines.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}\n')
+    lines.write_text(
+        '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}\n'
+    )
     done = run_installed(
-        [client_venv / "mili", "--redis", redis_server.url, "batch", str(lines), "-o", str(tmp_path / "out.jsonl")], timeout=60,
+        [client_venv / "mili", "--redis", redis_server.url, "batch", str(lines), "-o", str(tmp_path / "out.jsonl")],
+        timeout=60,
     )
     assert done.returncode == 2
     assert done.stderr.startswith("error: mili batch needs the gateway extra (pip install 'mili[gateway]')")

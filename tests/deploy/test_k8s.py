@@ -1,5 +1,6 @@
 """docker/k8s: the manifests parse, each object has its required keys, and every name, port,
 command and Redis key they refer to exists (in the manifests or in the project)."""
+
 from __future__ import annotations
 
 from urllib.parse import urlsplit
@@ -9,7 +10,12 @@ import yaml
 
 from producer_client.keys import GROUP, Keys
 from tests.deploy.support import (
-    DOCKER, known_mili_variables, load_yaml_documents, parse_dockerfile, redis_server_flags, worker_commands,
+    DOCKER,
+    known_mili_variables,
+    load_yaml_documents,
+    parse_dockerfile,
+    redis_server_flags,
+    worker_commands,
 )
 from worker.healthcheck import REDIS_TIMEOUT_S
 from worker.settings import WorkerSettings
@@ -121,7 +127,9 @@ def test_volumes_are_declared_and_claims_exist():
     claim = volumes[mounts["/models"]]["persistentVolumeClaim"]["claimName"]
     the("PersistentVolumeClaim", claim)
     env = {
-        k: v for i in parse_dockerfile(DOCKER / "Dockerfile") if i.keyword == "ENV"
+        k: v
+        for i in parse_dockerfile(DOCKER / "Dockerfile")
+        if i.keyword == "ENV"
         for k, v in (pair.split("=", 1) for pair in i.args.split())
     }
     assert env["MILI_CACHE_DIR"] in mounts

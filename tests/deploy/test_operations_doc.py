@@ -1,6 +1,7 @@
 """docs/operations.md says what the code does: its settings table is the settings model, its
 metrics table is what a worker exports, its sizing example is the KV pool's arithmetic; and every
 file the README and docs/ name exists."""
+
 from __future__ import annotations
 
 import argparse
@@ -79,7 +80,11 @@ def test_the_metrics_table_lists_exactly_what_a_worker_exports(scraped_families)
 def test_the_sizing_example_is_the_kv_pools_arithmetic():
     shape = PRESETS["qwen3-0.6b"].config
     kv = KVCacheShape(
-        shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"], 16, PRESETS["qwen3-0.6b"].dtype,
+        shape["num_hidden_layers"],
+        shape["num_key_value_heads"],
+        shape["head_dim"],
+        16,
+        PRESETS["qwen3-0.6b"].dtype,
     )
     per_token = kv.bytes_per_page // 16
     assert f"{per_token:,} B per token" in DOC and f"{kv.bytes_per_page:,} B (1.75 MiB)" in DOC
@@ -96,8 +101,10 @@ def test_the_fp8_sizing_example_is_the_kv_pools_arithmetic():
     shape = PRESETS["qwen3-0.6b"].config
     kv = KVCacheShape(shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"], 16, FP8_DTYPE)
     pages = int(77 * 2**30 * EngineSettings().gpu_memory_utilization) // kv.bytes_per_page
-    assert f"{kv.bytes_per_page // 16:,} B per token; the 80 GB example above gets {pages:,} pages,\n  which is " \
-           f"{pages * 16:,} tokens" in DOC
+    assert (
+        f"{kv.bytes_per_page // 16:,} B per token; the 80 GB example above gets {pages:,} pages,\n  which is "
+        f"{pages * 16:,} tokens" in DOC
+    )
 
 
 def test_the_redis_command_matches_the_compose_redis():
@@ -106,8 +113,8 @@ def test_the_redis_command_matches_the_compose_redis():
     assert redis_server_flags(["redis-server", *command.split()]) == redis_server_flags(compose_redis)
 
 
-@pytest.mark.parametrize("path", sorted({
-    p.rstrip("/") for p in re.findall(r"`((?:docker|config|docs)/[^`\s]*|\.dockerignore)`", ALL_DOCS)
-}))
+@pytest.mark.parametrize(
+    "path", sorted({p.rstrip("/") for p in re.findall(r"`((?:docker|config|docs)/[^`\s]*|\.dockerignore)`", ALL_DOCS)})
+)
 def test_every_file_it_names_exists(path):
     assert (ROOT / path).exists()

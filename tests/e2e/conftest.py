@@ -1,6 +1,7 @@
 """Worker processes on the tiny preset, shared by the end-to-end tests, which run against each of
 Redis's three modes (redis_deployment: one server, a cluster, Sentinel): starting a worker costs
 seconds (model load), so two are started once per mode and stopped when its tests are done."""
+
 import pytest
 
 from tests.e2e.support import E2E_QUEUE, ENGINE_FLAGS
@@ -10,7 +11,9 @@ from tests.support.workers import WorkerProcess, start_workers
 @pytest.fixture(scope="session")
 def e2e_workers(redis_deployment, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("workers")
-    workers = [WorkerProcess(redis_deployment.url, E2E_QUEUE, name, log_dir, *ENGINE_FLAGS) for name in ("e2e-a", "e2e-b")]
+    workers = [
+        WorkerProcess(redis_deployment.url, E2E_QUEUE, name, log_dir, *ENGINE_FLAGS) for name in ("e2e-a", "e2e-b")
+    ]
     try:
         yield start_workers(workers)
     finally:

@@ -1,6 +1,7 @@
 """`mili batch` as users run it (a subprocess of the real CLI) against two echo workers and a real
 redis-server: every line answered once, bad lines in the error file with their numbers, and a run
 stopped by SIGINT finished by a second run with no job enqueued or run twice."""
+
 import json
 import signal
 import subprocess
@@ -32,16 +33,31 @@ def batch_queue():
 @pytest.fixture(scope="module")
 def workers(redis_server, batch_queue, tmp_path_factory):
     """Two echo workers of 8 slots each: a few hundred lines take seconds, time to interrupt."""
-    with echo_workers(redis_server.url, batch_queue, tmp_path_factory.mktemp("batch-cli-workers"), "--max-running", "8") as procs:
+    with echo_workers(
+        redis_server.url, batch_queue, tmp_path_factory.mktemp("batch-cli-workers"), "--max-running", "8"
+    ) as procs:
         yield procs
 
 
 def request_line(custom_id: str, prompt: str, max_tokens: int, chat: bool = False, **body) -> dict:
     if chat:
-        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-                "body": {"model": "echo", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, **body}}
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-            "body": {"model": "echo", "prompt": prompt, "max_tokens": max_tokens, **body}}
+        return {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "echo",
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens,
+                **body,
+            },
+        }
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": "echo", "prompt": prompt, "max_tokens": max_tokens, **body},
+    }
 
 
 def write_lines(path: Path, lines: list) -> Path:
@@ -52,7 +68,10 @@ def write_lines(path: Path, lines: list) -> Path:
 def mili_batch(redis_url: str, queue: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "cli", "--redis", redis_url, "--queue", queue, "batch", *args],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -98,20 +117,31 @@ def test_every_line_is_answered_once_and_bad_lines_name_their_numbers(redis_serv
 
     failed = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
     by_line = {a["error"]["line"]: a["error"]["code"] for a in failed if a["error"]}
-    assert by_line == {4: "invalid_json", 5: "duplicate_custom_id", 6: "invalid_url", 7: "invalid_line", 8: "invalid_line"}
+    assert by_line == {
+        4: "invalid_json",
+        5: "duplicate_custom_id",
+        6: "invalid_url",
+        7: "invalid_line",
+        8: "invalid_line",
+    }
     refused = {a["custom_id"]: a["response"] for a in failed if a["response"]}
     assert {k: (r["status_code"], r["body"]["error"]["param"]) for k, r in refused.items()} == {
-        "cold": (400, "temperature"), "streamed": (400, "stream"),
+        "cold": (400, "temperature"),
+        "streamed": (400, "stream"),
     }
 
 
-def test_an_interrupted_run_is_finished_by_a_rerun_with_no_job_enqueued_or_run_twice(redis_server, redis_client, batch_queue, workers, tmp_path):
+def test_an_interrupted_run_is_finished_by_a_rerun_with_no_job_enqueued_or_run_twice(
+    redis_server, redis_client, batch_queue, workers, tmp_path
+):
     n = 300
     source = write_lines(tmp_path / "in.jsonl", [request_line(f"r{i}", f"line {i:04d} " * 12, 120) for i in range(n)])
     output, errors = tmp_path / "out.jsonl", tmp_path / "failed.jsonl"
     before = entries_added(redis_client, batch_queue)
 
-    first = mili_batch(redis_server.url, batch_queue, str(source), "-o", str(output), "-e", str(errors), "--in-flight", "64")
+    first = mili_batch(
+        redis_server.url, batch_queue, str(source), "-o", str(output), "-e", str(errors), "--in-flight", "64"
+    )
     assert eventually(lambda: output.exists() and len(output.read_text().splitlines()) >= 30, timeout=RUN_TIMEOUT_S)
     first.send_signal(signal.SIGINT)
     code, err = finish(first)
@@ -132,7 +162,9 @@ def test_an_interrupted_run_is_finished_by_a_rerun_with_no_job_enqueued_or_run_t
     assert all(len(runs(redis_client, job_id)) == 1 for job_id in job_ids)
 
 
-def test_a_rerun_cuts_a_line_a_crash_left_half_written_and_answers_it_again(redis_server, redis_client, batch_queue, workers, tmp_path):
+def test_a_rerun_cuts_a_line_a_crash_left_half_written_and_answers_it_again(
+    redis_server, redis_client, batch_queue, workers, tmp_path
+):
     source = write_lines(tmp_path / "in.jsonl", [request_line(f"c{i}", f"crash {i}", 16) for i in range(20)])
     output = tmp_path / "out.jsonl"
     code, err = finish(mili_batch(redis_server.url, batch_queue, str(source), "-o", str(output)))
@@ -163,10 +195,15 @@ def test_lines_wait_for_room_in_a_full_queue(redis_server, redis_client, batch_q
     assert entries_added(redis_client, batch_queue) - before == n
 
 
-def test_lines_holding_raw_line_separators_run_whole_and_a_rerun_reads_their_answers(redis_server, batch_queue, workers, tmp_path):
+def test_lines_holding_raw_line_separators_run_whole_and_a_rerun_reads_their_answers(
+    redis_server, batch_queue, workers, tmp_path
+):
     # JSON allows U+2028, U+2029 and U+0085 raw in a string; the echo worker puts them in the answers too.
     prompts = {f"sep{i}": f"a{sep}b" for i, sep in enumerate(["\u2028", "\u2029", "\x85"])}
-    text = "".join(json.dumps(request_line(cid, p, 16), ensure_ascii=False) + "\n" for cid, p in prompts.items()) + "not json\n"
+    text = (
+        "".join(json.dumps(request_line(cid, p, 16), ensure_ascii=False) + "\n" for cid, p in prompts.items())
+        + "not json\n"
+    )
     input_path = tmp_path / "separators.jsonl"
     input_path.write_text(text, encoding="utf-8")
     output = tmp_path / "out.jsonl"

@@ -1,5 +1,6 @@
 """The `mili` CLI against the shared workers (its whole round on each of Redis's modes, the rest on
 one server), and the demo behind the README's run command."""
+
 import json
 import subprocess
 import sys
@@ -12,7 +13,9 @@ from tests.support.processes import REPO
 def mili(redis_url: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "cli", "--redis", redis_url, "--queue", E2E_QUEUE, *args],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -45,7 +48,8 @@ def test_submit_stream_prints_the_text_as_it_comes(redis_deployment, e2e_workers
 def test_errors_are_one_line_with_their_code(redis_deployment):
     missing = mili(redis_deployment.url, "status", "no-such-job")
     assert (missing.returncode, missing.stderr.strip()) == (
-        1, "error: not_found: job 'no-such-job' not found (never submitted, or its result expired)"
+        1,
+        "error: not_found: job 'no-such-job' not found (never submitted, or its result expired)",
     )
     bad = mili(redis_deployment.url, "submit", "x", "--max-tokens", "0")
     assert bad.returncode == 1 and bad.stderr.startswith("error: invalid_argument: max_tokens:")
@@ -54,14 +58,17 @@ def test_errors_are_one_line_with_their_code(redis_deployment):
 def test_the_demo_runs_jobs_through_redis_and_a_worker_and_stops_cleanly():
     # The echo engine keeps this quick; the README's command runs the same code on `tiny`.
     demo = subprocess.run(
-        [sys.executable, "-m", "worker", "demo", "--model", "echo"], cwd=REPO, capture_output=True, text=True,
+        [sys.executable, "-m", "worker", "demo", "--model", "echo"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
         timeout=300,
     )
     assert demo.returncode == 0, demo.stdout + demo.stderr
     out = demo.stdout
     assert "[" in out and "Once upon a time" in out
     assert "resubmitting request_id demo-0 returned the same job: True" in out
-    assert "chat.completions.create(model=\"echo\"" in out
+    assert 'chat.completions.create(model="echo"' in out
     assert "'user: Name a prime numbe' (length, 62 tokens)" in out  # the echo worker's 24 tokens, through the gateway
     assert "jobs: done 6, failed 0, cancelled 0, expired 0" in out
     assert "worker and redis-server stopped." in out

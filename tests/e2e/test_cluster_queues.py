@@ -3,6 +3,7 @@ tag, so one queue lives on one shard and load spreads over shards by queue), wit
 worker each: `mili stats --all`, `mili workers` and the clients see every queue and every
 heartbeat; bulk submission, as_completed and the Batch API, whose jobs' keys lie on every shard,
 work as on one server."""
+
 from __future__ import annotations
 
 import io
@@ -53,7 +54,10 @@ def workers(redis_cluster, queues, tmp_path_factory):
 def mili(url: str, queue: str, *args: str) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "cli", "--redis", url, "--queue", queue, *args],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -99,20 +103,33 @@ def test_bulk_submission_and_as_completed_span_every_shard(redis_cluster, queues
 
 def test_the_batch_api_runs_a_batch_on_a_cluster(redis_cluster, queues, workers, tmp_path):
     gateway = GatewayProcess(
-        redis_cluster.url, tmp_path, "--models", json.dumps({MODEL: queues[2]}), "--batch-poll-s", "0.1",
-        "--batch-lease-s", "1",
+        redis_cluster.url,
+        tmp_path,
+        "--models",
+        json.dumps({MODEL: queues[2]}),
+        "--batch-poll-s",
+        "0.1",
+        "--batch-lease-s",
+        "1",
     ).start()
     try:
         sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
         lines = [
-            {"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"model": MODEL, "prompt": f"line {i:02d}", "max_tokens": 7}}
+            {
+                "custom_id": f"c{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": MODEL, "prompt": f"line {i:02d}", "max_tokens": 7},
+            }
             for i in range(40)
         ]
         text = "".join(json.dumps(line) + "\n" for line in lines)
         upload = sdk.files.create(file=("input.jsonl", io.BytesIO(text.encode())), purpose="batch")
         batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
         ended = ("completed", "failed", "expired", "cancelled")
-        assert eventually(lambda: sdk.batches.retrieve(batch.id).status in ended, 120, interval=0.1), gateway.log()[-3000:]
+        assert eventually(lambda: sdk.batches.retrieve(batch.id).status in ended, 120, interval=0.1), gateway.log()[
+            -3000:
+        ]
         batch = sdk.batches.retrieve(batch.id)
         assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 40, 0)
         answers = [json.loads(line) for line in sdk.files.content(batch.output_file_id).text.splitlines()]

@@ -2,6 +2,7 @@
 error message may hold a newline, a carriage return or a terminal's escape sequence; each record
 is written as one line with those escaped, and a traceback's lines are indented, so that no line
 of it passes for a record. Unit checks of the formatter, then a gateway and a worker for real."""
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """Qwen3-MoE through the whole service: a real redis-server, one worker process per model (the
 tiny-moe preset, and a checkpoint directory of another MoE shape), the real client, several jobs
 at once. Greedy results equal transformers' Qwen3MoeForCausalLM on the same weights, in fp32."""
+
 import pytest
 
 from producer_client import Client
@@ -18,9 +19,19 @@ def moe_checkpoints(tmp_path_factory) -> dict[str, str]:
     """Queue name -> the model its worker serves: tiny-moe (by preset name) and a directory
     holding 6 experts, 3 per token, not renormalized, a dense layer between sparse ones."""
     config = qwen3_moe_config(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=3,
-        norm_topk_prob=False, mlp_only_layers=[1], num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, initializer_range=0.3,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=6,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
     )
     ckpt = write_random_checkpoint(tmp_path_factory.mktemp("moe_queue_ckpt"), config, seed=9, norm_std=0.1)
     write_qwen3_tokenizer_files(ckpt)

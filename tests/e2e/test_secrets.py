@@ -5,6 +5,7 @@ Passwords are generated (hypothesis) with the characters that break naive redact
 password exists, so an encoded URL logs in and the programs run; a raw one may not parse, or
 may log in as another user, or reach no server, and is refused or retried. Every output of every
 program is read, at DEBUG, and holds neither the password nor its encoding."""
+
 from __future__ import annotations
 
 import sys
@@ -77,8 +78,13 @@ def fetch(url: str, data: bytes | None = None) -> str:
 def gateway_answers(port: int) -> list[str]:
     base = f"http://127.0.0.1:{port}"
     completion = b'{"model": "echo", "prompt": "hi", "max_tokens": 4}'
-    requests = [(f"{base}/health", None), (f"{base}/metrics", None), (f"{base}/board", None),
-                (f"{base}/v1/models", None), (f"{base}/v1/completions", completion)]
+    requests = [
+        (f"{base}/health", None),
+        (f"{base}/metrics", None),
+        (f"{base}/board", None),
+        (f"{base}/v1/models", None),
+        (f"{base}/v1/completions", completion),
+    ]
     with ThreadPoolExecutor(len(requests)) as pool:  # at once: each may wait out its timeout
         return list(pool.map(lambda r: fetch(*r), requests))
 
@@ -104,11 +110,41 @@ def outputs_of_every_program(server, url: str) -> list[str]:
     gateway_port = free_port()
     with tempfile.TemporaryDirectory(prefix="mili-secrets-") as logs:
         log_dir = Path(logs)
-        gateway = start(log_dir, "gateway", "--redis", url, "--port", str(gateway_port), "--log-level", "DEBUG",
-                        "--default-queue", QUEUE, "--workers-refresh-s", "0.2")
-        worker = start(log_dir, "worker", "serve", "--model", "echo", "--redis", url, "--queue", QUEUE, "--name", name,
-                       "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--log-level", "DEBUG",
-                       "--redis-backoff-max-s", "0.5")
+        gateway = start(
+            log_dir,
+            "gateway",
+            "--redis",
+            url,
+            "--port",
+            str(gateway_port),
+            "--log-level",
+            "DEBUG",
+            "--default-queue",
+            QUEUE,
+            "--workers-refresh-s",
+            "0.2",
+        )
+        worker = start(
+            log_dir,
+            "worker",
+            "serve",
+            "--model",
+            "echo",
+            "--redis",
+            url,
+            "--queue",
+            QUEUE,
+            "--name",
+            name,
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-port",
+            "0",
+            "--log-level",
+            "DEBUG",
+            "--redis-backoff-max-s",
+            "0.5",
+        )
         cli = start(log_dir, "cli", "--redis", url, "--queue", QUEUE, "stats")
         check = start(log_dir, "worker", "healthcheck", "--redis", url, "--queue", QUEUE, "--name", name)
         said = []

@@ -2,6 +2,7 @@
 clients. The paths a user's job takes (submit and result, streaming, cancel) run on each of
 Redis's modes (one server, a cluster, Sentinel's), the rest on one server. Jobs are short (a few
 greedy tokens) so that the suite stays quick on a CPU."""
+
 from __future__ import annotations
 
 import threading
@@ -27,11 +28,23 @@ KEYS = Keys()
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Redis", "Once upon a time, in a land far away, there"]
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 METRIC_NAMES = [
-    "mili_num_requests_running", "mili_num_requests_waiting", "mili_queue_depth", "mili_kv_cache_usage_perc",
-    "mili_time_to_first_token_seconds", "mili_time_per_output_token_seconds", "mili_e2e_request_latency_seconds",
-    "mili_request_queue_time_seconds", "mili_prompt_tokens_total", "mili_generation_tokens_total",
-    "mili_prefix_cache_queries_total", "mili_prefix_cache_hits_total", "mili_num_preemptions_total", "mili_jobs_total",
-    "mili_grammar_cache_hits_total", "mili_grammar_compiles_total", "mili_grammar_compile_seconds_total",
+    "mili_num_requests_running",
+    "mili_num_requests_waiting",
+    "mili_queue_depth",
+    "mili_kv_cache_usage_perc",
+    "mili_time_to_first_token_seconds",
+    "mili_time_per_output_token_seconds",
+    "mili_e2e_request_latency_seconds",
+    "mili_request_queue_time_seconds",
+    "mili_prompt_tokens_total",
+    "mili_generation_tokens_total",
+    "mili_prefix_cache_queries_total",
+    "mili_prefix_cache_hits_total",
+    "mili_num_preemptions_total",
+    "mili_jobs_total",
+    "mili_grammar_cache_hits_total",
+    "mili_grammar_compiles_total",
+    "mili_grammar_compile_seconds_total",
 ]
 
 
@@ -137,7 +150,9 @@ def test_a_worker_never_holds_more_pending_entries_than_max_running(redis_deploy
         done.set()
         sampler.join()
     assert most and max(most.values()) == MAX_RUNNING, most
-    assert eventually(lambda: all(deployment_client.xlen(s) == 0 for s in streams))  # the last ack follows the last result
+    assert eventually(
+        lambda: all(deployment_client.xlen(s) == 0 for s in streams)
+    )  # the last ack follows the last result
 
 
 def idle_free_pages(worker: WorkerProcess) -> int:

@@ -7,6 +7,7 @@ draw exactly what they draw alone. A worker killed with kill -9 mid-generation l
 to another, which resumes each after its recorded tokens (a fresh matcher fed those tokens) to
 the very output of an uninterrupted run. What cannot compile is refused before it is enqueued,
 and a raw XADD of it fails as a job while the worker serves on."""
+
 from __future__ import annotations
 
 import json
@@ -49,11 +50,20 @@ ORDER = {
     "properties": {
         "id": {"type": "string", "pattern": "^ORD-[0-9]{4}$"},
         "status": {"enum": ["pending", "paid", "shipped"]},
-        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
-            "type": "object", "properties": {"sku": {"type": "string", "maxLength": 6},
-                                             "qty": {"type": "integer", "minimum": 1, "maximum": 99}},
-            "required": ["sku", "qty"], "additionalProperties": False,
-        }},
+        "items": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 3,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "maxLength": 6},
+                    "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                },
+                "required": ["sku", "qty"],
+                "additionalProperties": False,
+            },
+        },
         "note": {"type": "string", "maxLength": 12},
     },
     "required": ["id", "status", "items", "note"],
@@ -78,7 +88,9 @@ def generate_alone(engine, specs: list[dict]) -> list:
     torch.set_num_threads(1)
     try:
         prompts = [engine.tokenizer.encode(s["prompt"]) for s in specs]
-        return engine.generate(prompts, [SamplingParams(**{k: v for k, v in s.items() if k != "prompt"}) for s in specs])
+        return engine.generate(
+            prompts, [SamplingParams(**{k: v for k, v in s.items() if k != "prompt"}) for s in specs]
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -103,22 +115,53 @@ def assert_valid(result, schema: dict) -> None:
 
 
 @pytest.mark.slow
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(schemas=st.lists(SCHEMAS, min_size=3, max_size=3), seed=st.integers(0, 2**31))
 def test_every_output_through_the_queue_validates_and_free_jobs_beside_them_are_untouched(
-    redis_server, worker, free_alone, schemas, seed,
+    redis_server,
+    worker,
+    free_alone,
+    schemas,
+    seed,
 ):
     with Client(redis_server.url, QUEUE) as client:
         jobs = []  # (job id, schema, streamed)
         for i, schema in enumerate(schemas):
             fmt = json_schema(schema)
-            jobs.append((client.submit(f"Item {i} as JSON:", max_tokens=MAX_TOKENS, temperature=0.0,
-                                       response_format=fmt), schema, False))
-            jobs.append((client.submit(f"Item {i} as JSON:", max_tokens=MAX_TOKENS, temperature=1.0, seed=seed + i,
-                                       response_format=fmt), schema, False))
+            jobs.append(
+                (
+                    client.submit(f"Item {i} as JSON:", max_tokens=MAX_TOKENS, temperature=0.0, response_format=fmt),
+                    schema,
+                    False,
+                )
+            )
+            jobs.append(
+                (
+                    client.submit(
+                        f"Item {i} as JSON:", max_tokens=MAX_TOKENS, temperature=1.0, seed=seed + i, response_format=fmt
+                    ),
+                    schema,
+                    False,
+                )
+            )
             chat = [{"role": "user", "content": f"Describe item {i} in JSON."}]
-            jobs.append((client.submit(messages=chat, enable_thinking=False, max_tokens=MAX_TOKENS, temperature=0.8,
-                                       top_p=0.95, seed=seed + 100 + i, response_format=fmt), schema, True))
+            jobs.append(
+                (
+                    client.submit(
+                        messages=chat,
+                        enable_thinking=False,
+                        max_tokens=MAX_TOKENS,
+                        temperature=0.8,
+                        top_p=0.95,
+                        seed=seed + 100 + i,
+                        response_format=fmt,
+                    ),
+                    schema,
+                    True,
+                )
+            )
         free = [client.submit(**spec) for spec in FREE]
         for job_id, schema, streamed in jobs:
             if streamed:
@@ -133,16 +176,21 @@ def test_every_output_through_the_queue_validates_and_free_jobs_beside_them_are_
 
 def test_a_max_tokens_cut_ends_with_length_not_an_invalid_stop(redis_server, worker):
     with Client(redis_server.url, QUEUE) as client:
-        result = client.generate("Order:", max_tokens=5, temperature=0.0, response_format=json_schema(ORDER), timeout=120)
+        result = client.generate(
+            "Order:", max_tokens=5, temperature=0.0, response_format=json_schema(ORDER), timeout=120
+        )
     assert (result.finish_reason, len(result.token_ids)) == ("length", 5)
     assert result.text.startswith('{"id": "ORD')  # the grammar's way, cut short
 
 
-@pytest.mark.parametrize("fmt, check", [
-    ({"type": "json_object"}, lambda text: isinstance(json.loads(text), dict)),
-    ({"type": "regex", "pattern": "[A-Z]{2}-[0-9]{3}"}, lambda text: len(text) == 6 and text[2] == "-"),
-    ({"type": "choice", "choices": ["red", "green", "blue"]}, lambda text: text in ("red", "green", "blue")),
-])
+@pytest.mark.parametrize(
+    "fmt, check",
+    [
+        ({"type": "json_object"}, lambda text: isinstance(json.loads(text), dict)),
+        ({"type": "regex", "pattern": "[A-Z]{2}-[0-9]{3}"}, lambda text: len(text) == 6 and text[2] == "-"),
+        ({"type": "choice", "choices": ["red", "green", "blue"]}, lambda text: text in ("red", "green", "blue")),
+    ],
+)
 def test_json_object_regex_and_choice_through_the_queue(redis_server, worker, fmt, check):
     settle(worker)  # the previous test's compile reaches the counters before they are read
     hits, compiles = metric(worker, "mili_grammar_cache_hits_total"), metric(worker, "mili_grammar_compiles_total")
@@ -182,13 +230,21 @@ def test_what_cannot_compile_is_refused_before_anything_is_enqueued(redis_server
         assert refused.value.field == "response_format.json_schema.schema.properties.a.uniqueItems"
         assert "Unimplemented keys" in refused.value.message
         with pytest.raises(InvalidArgument) as refused:
-            client.submit_many([{"prompt": "fine", "response_format": {"type": "json_object"}},
-                                {"prompt": "bad", "response_format": {"type": "regex", "pattern": "(?=x)"}}])
+            client.submit_many(
+                [
+                    {"prompt": "fine", "response_format": {"type": "json_object"}},
+                    {"prompt": "bad", "response_format": {"type": "regex", "pattern": "(?=x)"}},
+                ]
+            )
         assert refused.value.field == "jobs[1].response_format.pattern"
         with pytest.raises(InvalidArgument) as refused:
-            client.submit(messages=[{"role": "user", "content": "x"}], tool_choice="required", tools=[
-                {"type": "function", "function": {"name": "f", "parameters": {"not": {"type": "string"}}}},
-            ])
+            client.submit(
+                messages=[{"role": "user", "content": "x"}],
+                tool_choice="required",
+                tools=[
+                    {"type": "function", "function": {"name": "f", "parameters": {"not": {"type": "string"}}}},
+                ],
+            )
         assert refused.value.field == "tools.0.function.parameters.not"
         with pytest.raises(InvalidArgument) as refused:
             client.submit("x", response_format={"type": "json_object"}, stop=["}"])
@@ -198,7 +254,9 @@ def test_what_cannot_compile_is_refused_before_anything_is_enqueued(redis_server
     assert redis_client.xlen(KEYS.queue(queue)) == 0
 
 
-def test_a_raw_xadd_of_an_uncompilable_schema_fails_its_job_and_the_worker_serves_on(redis_server, redis_client, worker):
+def test_a_raw_xadd_of_an_uncompilable_schema_fails_its_job_and_the_worker_serves_on(
+    redis_server, redis_client, worker
+):
     body = {"prompt": "x", "params": {"response_format": json_schema({"type": "integer", "minimum": 5, "maximum": 1})}}
     job_id = f"raw-{uuid.uuid4().hex[:8]}"
     redis_client.xadd(KEYS.queue(QUEUE), {"id": job_id, "v": str(PROTOCOL_VERSION), "body": json.dumps(body)})
@@ -210,16 +268,24 @@ def test_a_raw_xadd_of_an_uncompilable_schema_fails_its_job_and_the_worker_serve
 
 
 @pytest.mark.slow
-def test_kill_9_mid_generation_resumes_each_constrained_job_to_the_uninterrupted_output(redis_server, redis_client, tmp_path):
+def test_kill_9_mid_generation_resumes_each_constrained_job_to_the_uninterrupted_output(
+    redis_server, redis_client, tmp_path
+):
     queue = f"structured-kill-{uuid.uuid4().hex[:6]}"
     names = [f"{queue}-{n}" for n in ("victim", "survivor")]
-    specs = [dict(prompt=text, max_tokens=MAX_TOKENS, response_format=json_schema(ORDER),
-                  **(dict(temperature=0.0) if i % 2 else dict(temperature=1.0, seed=i)))
-             for i, text in enumerate(orders_placed_on(*names, each=3))]
+    specs = [
+        dict(
+            prompt=text,
+            max_tokens=MAX_TOKENS,
+            response_format=json_schema(ORDER),
+            **(dict(temperature=0.0) if i % 2 else dict(temperature=1.0, seed=i)),
+        )
+        for i, text in enumerate(orders_placed_on(*names, each=3))
+    ]
     want = generate_alone(reference_engine(), specs)
-    victim, survivor = start_workers([
-        WorkerProcess(redis_server.url, queue, name, tmp_path, *FLAGS, *RECLAIM) for name in names
-    ])
+    victim, survivor = start_workers(
+        [WorkerProcess(redis_server.url, queue, name, tmp_path, *FLAGS, *RECLAIM) for name in names]
+    )
     try:
         with Client(redis_server.url, queue) as client:
             ids = [client.submit(**spec) for spec in specs]
@@ -264,7 +330,9 @@ def orders_placed_on(victim: str, survivor: str, each: int) -> list[str]:
 def mili(redis_url: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "cli", "--redis", redis_url, "--queue", QUEUE, *args],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -272,13 +340,25 @@ def test_the_cli_submits_each_kind_of_format_and_refuses_what_cannot_compile(red
     schema_file = tmp_path / "order.json"
     schema_file.write_text(json.dumps(ORDER))
     url = redis_server.url
-    streamed = mili(url, "submit", "Order:", "--max-tokens", str(MAX_TOKENS), "--temperature", "0",
-                    "--json-schema", f"@{schema_file}", "--stream")
+    streamed = mili(
+        url,
+        "submit",
+        "Order:",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--temperature",
+        "0",
+        "--json-schema",
+        f"@{schema_file}",
+        "--stream",
+    )
     assert streamed.returncode == 0 and "done (stop)" in streamed.stderr, streamed.stderr
     jsonschema.validate(json.loads(streamed.stdout), ORDER)
-    for flags, valid in ((["--json"], lambda text: text.startswith("{")),
-                         (["--regex", "[0-9]{4}"], lambda text: len(text) == 4 and text.isdigit()),
-                         (["--choice", "left", "--choice", "right"], lambda text: text in ("left", "right"))):
+    for flags, valid in (
+        (["--json"], lambda text: text.startswith("{")),
+        (["--regex", "[0-9]{4}"], lambda text: len(text) == 4 and text.isdigit()),
+        (["--choice", "left", "--choice", "right"], lambda text: text in ("left", "right")),
+    ):
         submitted = mili(url, "submit", "Pick:", "--max-tokens", "40", "--temperature", "0", *flags)
         assert submitted.returncode == 0, submitted.stderr
         result = json.loads(mili(url, "result", submitted.stdout.strip(), "--timeout", "60").stdout)
@@ -288,6 +368,8 @@ def test_the_cli_submits_each_kind_of_format_and_refuses_what_cannot_compile(red
         "error: invalid_argument: response_format.json_schema.schema.uniqueItems: the grammar library refuses it:"
     ), refused.stderr
     not_json = mili(url, "submit", "x", "--json-schema", "{not json")
-    assert not_json.returncode == 1 and not_json.stderr.startswith("error: invalid_argument: json_schema: not a JSON schema")
+    assert not_json.returncode == 1 and not_json.stderr.startswith(
+        "error: invalid_argument: json_schema: not a JSON schema"
+    )
     both = mili(url, "submit", "x", "--json", "--regex", "a")
     assert both.returncode == 2 and "not allowed with argument" in both.stderr

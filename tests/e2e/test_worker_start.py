@@ -1,6 +1,7 @@
 """How a worker process starts when something is wrong, run for real: a Redis that is not there
 yet is waited for (one line, then it serves); wrong credentials and a taken metrics port stop it
 at once with one line, before any model loads; no password ever reaches the output."""
+
 from __future__ import annotations
 
 import json
@@ -27,11 +28,28 @@ SECRET = "s3cret-Pa55"
 
 
 def worker_command(
-    url: str, *flags: str, model: str = "echo", metrics_host: tuple[str, ...] = ("--metrics-host", "127.0.0.1"),
+    url: str,
+    *flags: str,
+    model: str = "echo",
+    metrics_host: tuple[str, ...] = ("--metrics-host", "127.0.0.1"),
 ) -> list[str]:
     return [
-        sys.executable, "-m", "worker", "serve", "--model", model, "--redis", url, "--queue", "start",
-        "--name", "start-w", *metrics_host, "--heartbeat-interval-s", "0.1", *flags,
+        sys.executable,
+        "-m",
+        "worker",
+        "serve",
+        "--model",
+        model,
+        "--redis",
+        url,
+        "--queue",
+        "start",
+        "--name",
+        "start-w",
+        *metrics_host,
+        "--heartbeat-interval-s",
+        "0.1",
+        *flags,
     ]
 
 
@@ -86,14 +104,21 @@ def test_a_taken_metrics_port_stops_the_worker_before_its_model_loads():
     assert "warmed up" not in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("command", [
-    ["-m", "cli", "--redis", "{url}", "stats"],
-    ["-m", "worker", "healthcheck", "--name", "nobody", "--redis", "{url}"],
-], ids=["mili", "healthcheck"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["-m", "cli", "--redis", "{url}", "stats"],
+        ["-m", "worker", "healthcheck", "--name", "nobody", "--redis", "{url}"],
+    ],
+    ids=["mili", "healthcheck"],
+)
 def test_no_password_reaches_the_output_of_a_failing_command(command):
     url = f"redis://mili:{SECRET}@127.0.0.1:{free_port()}/0"  # nothing listens there
     done = subprocess.run(
-        [sys.executable, *(arg.format(url=url) for arg in command)], cwd=REPO, capture_output=True, text=True,
+        [sys.executable, *(arg.format(url=url) for arg in command)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
         timeout=120,
     )
     assert done.returncode == 1, done.stderr
@@ -119,15 +144,20 @@ def answers(host: str, port: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("host_flag, reachable_from_outside", [((), False), (("--metrics-host", "0.0.0.0"), True)],
-                         ids=["default", "every-interface"])
+@pytest.mark.parametrize(
+    "host_flag, reachable_from_outside",
+    [((), False), (("--metrics-host", "0.0.0.0"), True)],
+    ids=["default", "every-interface"],
+)
 def test_a_workers_metrics_listen_where_its_settings_say(host_flag, reachable_from_outside, tmp_path):
     outside = interface_address()
     if outside is None:
         pytest.skip("this host has no address but loopback")
     with EmbeddedRedis(port=free_port()) as server:
         # Not a WorkerProcess, which names a metrics host: the default case must name none.
-        worker = ChildProcess(worker_command(server.url, "--metrics-port", "0", metrics_host=host_flag), tmp_path / "w.log")
+        worker = ChildProcess(
+            worker_command(server.url, "--metrics-port", "0", metrics_host=host_flag), tmp_path / "w.log"
+        )
         worker.start()
         try:
             admin = Client(server.url, "start").redis
@@ -161,8 +191,11 @@ def test_a_worker_with_a_float8_cache_serves_jobs_and_says_what_its_pool_holds(t
     output = worker.log()
     assert [(r.status, r.usage.completion_tokens) for r in results] == [("done", 8)] * 3
     # tiny is float32: 4,096 B per token, 1,024 B in float8, so 64 MiB hold 4x the pages.
-    pages = (r"\d+ pages x 16 tokens = \d+ tokens \([\d.]+ MiB" if cuda
-             else r"4096 pages x 16 tokens = 65536 tokens \(64\.0 MiB")
+    pages = (
+        r"\d+ pages x 16 tokens = \d+ tokens \([\d.]+ MiB"
+        if cuda
+        else r"4096 pages x 16 tokens = 65536 tokens \(64\.0 MiB"
+    )
     assert re.search(rf"KV cache: {pages}, torch\.float8_e4m3fn, {'cuda' if cuda else 'cpu'}", output), output
     assert "4.0x the tokens of a torch.float32 cache in the same memory" in output
 
@@ -176,5 +209,6 @@ def test_a_checkpoint_with_an_unsupported_rope_scaling_stops_the_worker_with_one
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: unsupported_model: {ckpt}/config.json: rope_scaling.rope_type 'longrope' is not supported "
-        "(only 'default' and 'yarn')")
+        "(only 'default' and 'yarn')"
+    )
     assert "Traceback" not in done.stderr

@@ -5,6 +5,7 @@ Weights are drawn with std 0.3 and an untied head so greedy outputs vary from to
 MoE checkpoint routes each token to 3 of 6 experts (not renormalized) in its first and last
 layers, and keeps a dense MLP in the middle one (mlp_only_layers).
 """
+
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,18 @@ from worker.model.tokenizer import Tokenizer
 
 # The dense test model's shape; each checkpoint below changes what it needs.
 DENSE = dict(
-    vocab_size=VOCAB, max_position_embeddings=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, initializer_range=0.3,
-    bos_token_id=None, eos_token_id=None,
+    vocab_size=VOCAB,
+    max_position_embeddings=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    tie_word_embeddings=False,
+    initializer_range=0.3,
+    bos_token_id=None,
+    eos_token_id=None,
 )
 
 
@@ -39,10 +49,17 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def moe_checkpoint(tmp_path_factory) -> Path:
-    config = qwen3_moe_config(**{
-        **DENSE, "moe_intermediate_size": 32, "num_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": False,
-        "mlp_only_layers": [1], "num_hidden_layers": 3,
-    })
+    config = qwen3_moe_config(
+        **{
+            **DENSE,
+            "moe_intermediate_size": 32,
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [1],
+            "num_hidden_layers": 3,
+        }
+    )
     return write_test_checkpoint(tmp_path_factory.mktemp("moe_engine_ckpt"), config, seed=5)
 
 
@@ -59,7 +76,9 @@ def models(checkpoint, moe_checkpoint, replicated_kv_checkpoint) -> dict[str, Pa
     """The checkpoints the tensor-parallel tests split: KV heads split over 2 ranks (tiny's and
     kv-split's), replicated, and a mixture of experts."""
     return {
-        "tiny": resolve_model_path("tiny"), "kv-split": checkpoint, "kv-replicated": replicated_kv_checkpoint,
+        "tiny": resolve_model_path("tiny"),
+        "kv-split": checkpoint,
+        "kv-replicated": replicated_kv_checkpoint,
         "moe": moe_checkpoint,
     }
 
@@ -80,8 +99,9 @@ def engine_maker(loaded):
 
     def make(eos_token_ids=(), **settings) -> Engine:
         settings = {"num_pages": 256, "page_size": 4, **settings}
-        return Engine(model, config, tokenizer, EngineSettings.parse(**settings), list(eos_token_ids),
-                      torch.device("cpu"))
+        return Engine(
+            model, config, tokenizer, EngineSettings.parse(**settings), list(eos_token_ids), torch.device("cpu")
+        )
 
     return make
 
@@ -111,10 +131,14 @@ def hf_greedy(hf_model):
     def greedy(prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
         ids = torch.tensor([prompt])
         out = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=0, **kwargs,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
         )
-        return out[0, len(prompt):].tolist()
+        return out[0, len(prompt) :].tolist()
 
     return greedy
 

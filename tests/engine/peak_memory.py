@@ -5,6 +5,7 @@ whose high-water mark Linux resets on request (`5` into /proc/self/clear_refs), 
 peak of the process does not count. Shared by tests/engine/test_long_context.py and
 bench/long_context.py.
 """
+
 from contextlib import contextmanager
 
 import torch

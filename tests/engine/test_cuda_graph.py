@@ -2,6 +2,7 @@
 padded forward against an unpadded eager one, for a dense Qwen3 and a Qwen3-MoE (whose padding
 rows are routed to experts too, sharing blocks with real rows). Capture itself needs CUDA; on
 CPU the graph runner runs each padded size eagerly, which is exactly what a graph would replay."""
+
 from unittest import mock
 
 import pytest
@@ -26,15 +27,18 @@ def engine_maker(request, kind: str):
     return request.getfixturevalue("make_engine" if kind == "dense" else "make_moe_engine")
 
 
-@pytest.mark.parametrize(("max_batch", "sizes"), [
-    (1, [1]),
-    (3, [1, 2, 3]),
-    (8, [1, 2, 4, 8]),
-    (16, [1, 2, 4, 8, 16]),
-    (20, [1, 2, 4, 8, 16, 20]),
-    (64, [1, 2, 4, 8, 16, 32, 48, 64]),
-    (256, [1, 2, 4, 8] + list(range(16, 257, 16))),
-])
+@pytest.mark.parametrize(
+    ("max_batch", "sizes"),
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (16, [1, 2, 4, 8, 16]),
+        (20, [1, 2, 4, 8, 16, 20]),
+        (64, [1, 2, 4, 8, 16, 32, 48, 64]),
+        (256, [1, 2, 4, 8] + list(range(16, 257, 16))),
+    ],
+)
 def test_the_ladder_is_powers_of_two_to_8_then_multiples_of_16_ending_at_max_batch(max_batch, sizes):
     assert capture_sizes(max_batch) == sizes
 
@@ -42,7 +46,18 @@ def test_the_ladder_is_powers_of_two_to_8_then_multiples_of_16_ending_at_max_bat
 def test_a_batch_pads_to_the_smallest_captured_size_that_holds_it():
     sizes = capture_sizes(256)
     assert [padded_size(b, sizes) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 250, 256)] == [
-        1, 2, 4, 4, 8, 8, 16, 16, 32, 48, 256, 256,
+        1,
+        2,
+        4,
+        4,
+        8,
+        8,
+        16,
+        16,
+        32,
+        48,
+        256,
+        256,
     ]
     assert padded_size(257, sizes) is None
     assert all(padded_size(b, sizes) >= b for b in range(1, 257))
@@ -56,9 +71,13 @@ def decode_step(slots, page_rows, seq_lens, ids=None, positions=None) -> StepInp
         input_ids=torch.tensor(ids or [7 + i for i in range(b)]),
         positions=torch.tensor(positions or [s - 1 for s in seq_lens]),
         meta=AttentionMetadata(
-            is_decode=True, slot_mapping=torch.tensor(slots),
+            is_decode=True,
+            slot_mapping=torch.tensor(slots),
             page_table=torch.tensor([r + [0] * (width - len(r)) for r in page_rows], dtype=torch.int32),
-            seq_lens=seq, prefix_lens=seq - 1, cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32), max_q_len=1,
+            seq_lens=seq,
+            prefix_lens=seq - 1,
+            cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32),
+            max_q_len=1,
         ),
         sample_indices=torch.arange(b),
     )
@@ -67,9 +86,13 @@ def decode_step(slots, page_rows, seq_lens, ids=None, positions=None) -> StepInp
 def rows(buffers: DecodeBuffers, size: int) -> dict[str, list]:
     meta = buffers.meta(size)
     return {
-        "ids": buffers.input_ids[:size].tolist(), "positions": buffers.positions[:size].tolist(),
-        "slots": meta.slot_mapping.tolist(), "pages": meta.page_table.tolist(), "seq": meta.seq_lens.tolist(),
-        "prefix": meta.prefix_lens.tolist(), "cu": meta.cu_seqlens_q.tolist(),
+        "ids": buffers.input_ids[:size].tolist(),
+        "positions": buffers.positions[:size].tolist(),
+        "slots": meta.slot_mapping.tolist(),
+        "pages": meta.page_table.tolist(),
+        "seq": meta.seq_lens.tolist(),
+        "prefix": meta.prefix_lens.tolist(),
+        "cu": meta.cu_seqlens_q.tolist(),
     }
 
 
@@ -78,10 +101,13 @@ def test_padding_rows_write_nothing_and_read_one_key_of_page_0():
     # Three requests (contexts 5, 9 and 2 tokens, pages of 4) padded to the captured size 4.
     buffers.load(decode_step([22, 36, 12], [[5, 5], [1, 2, 9], [3]], [5, 9, 2]), size=4)
     assert rows(buffers, 4) == {
-        "ids": [7, 8, 9, 0], "positions": [4, 8, 1, 0],
+        "ids": [7, 8, 9, 0],
+        "positions": [4, 8, 1, 0],
         "slots": [22, 36, 12, -1],
         "pages": [[5, 5, 0, 0], [1, 2, 9, 0], [3, 0, 0, 0], [0, 0, 0, 0]],
-        "seq": [5, 9, 2, 1], "prefix": [4, 8, 1, 0], "cu": [0, 1, 2, 3, 4],
+        "seq": [5, 9, 2, 1],
+        "prefix": [4, 8, 1, 0],
+        "cu": [0, 1, 2, 3, 4],
     }
     assert buffers.meta(4).is_decode and buffers.meta(4).max_q_len == 1
 
@@ -91,15 +117,25 @@ def test_a_smaller_batch_leaves_nothing_of_a_larger_one_in_the_rows_it_pads():
     buffers.load(decode_step([1, 2, 3, 4], [[1, 2, 3, 4]] * 4, [16] * 4), size=4)
     buffers.load(decode_step([40], [[6, 7]], [6]), size=2)
     assert rows(buffers, 2) == {
-        "ids": [7, 0], "positions": [5, 0], "slots": [40, -1], "pages": [[6, 7, 0, 0], [0, 0, 0, 0]],
-        "seq": [6, 1], "prefix": [5, 0], "cu": [0, 1, 2],
+        "ids": [7, 0],
+        "positions": [5, 0],
+        "slots": [40, -1],
+        "pages": [[6, 7, 0, 0], [0, 0, 0, 0]],
+        "seq": [6, 1],
+        "prefix": [5, 0],
+        "cu": [0, 1, 2],
     }
 
 
 def test_buffers_at_rest_are_all_padding_rows():
     assert rows(DecodeBuffers(max_batch=2, max_pages=2, device=CPU), 2) == {
-        "ids": [0, 0], "positions": [0, 0], "slots": [-1, -1], "pages": [[0, 0], [0, 0]],
-        "seq": [1, 1], "prefix": [0, 0], "cu": [0, 1, 2],
+        "ids": [0, 0],
+        "positions": [0, 0],
+        "slots": [-1, -1],
+        "pages": [[0, 0], [0, 0]],
+        "seq": [1, 1],
+        "prefix": [0, 0],
+        "cu": [0, 1, 2],
     }
 
 

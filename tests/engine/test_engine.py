@@ -1,4 +1,5 @@
 """The engine over a real (tiny, random) Qwen3 against transformers and against itself."""
+
 import random
 
 import pytest

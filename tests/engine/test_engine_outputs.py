@@ -1,4 +1,5 @@
 """What a request's outputs say: stop conditions, text, penalties and logprobs, against exact expectations."""
+
 import pytest
 import torch
 
@@ -66,8 +67,9 @@ def test_stop_string_is_cut_from_text_and_never_streamed(make_engine, loaded):
     tokenizer = loaded[1]
     engine = make_engine()
     free = greedy(engine, max_tokens=32)
-    start = next(i for i in range(4, len(free.text) - 3) if free.text[i : i + 3].isascii()
-                 and free.text[i : i + 3].isprintable())
+    start = next(
+        i for i in range(4, len(free.text) - 3) if free.text[i : i + 3].isascii() and free.text[i : i + 3].isprintable()
+    )
     stop = free.text[start : start + 3]
     cut = free.text.index(stop)
     outs = stream(engine, "s", PROMPT, SamplingParams(temperature=0, max_tokens=32, stop=[stop]))

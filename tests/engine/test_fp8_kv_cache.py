@@ -1,6 +1,7 @@
 """The float8 KV cache (kv_cache_dtype fp8_e4m3) in the engine: twice the bf16 pages in the same
 memory, scales that bound every value, what it costs in accuracy against the model's own cache,
 and every engine path over it. Tests that build their own model run on CUDA when there is one."""
+
 import logging
 
 import pytest
@@ -22,8 +23,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
 def pool_pages(checkpoint, dtype: str, kv_cache_dtype: str) -> int:
-    engine = Engine.from_pretrained(checkpoint, device=DEVICE, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                                    kv_cache_mib=3, gpu_memory_utilization=0.02)
+    engine = Engine.from_pretrained(
+        checkpoint,
+        device=DEVICE,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_mib=3,
+        gpu_memory_utilization=0.02,
+    )
     pages = engine.allocator.num_pages
     del engine
     if DEVICE == "cuda":
@@ -41,8 +48,10 @@ def test_a_float8_pool_holds_the_bytes_ratio_more_pages_and_says_so(checkpoint, 
     else:  # sized from free memory, of which the two engines' other allocations take slightly different shares
         assert fp8 == pytest.approx(ratio * plain, rel=0.02)
     assert f"KV cache: {fp8} pages x 16 tokens" in caplog.text
-    assert f"KV cache in torch.float8_e4m3fn with per-kv-head power-of-two scales from the weights: {ratio:.1f}x " \
-           f"the tokens of a torch.{dtype} cache in the same memory" in caplog.text
+    assert (
+        f"KV cache in torch.float8_e4m3fn with per-kv-head power-of-two scales from the weights: {ratio:.1f}x "
+        f"the tokens of a torch.{dtype} cache in the same memory" in caplog.text
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +91,10 @@ def test_float8_cache_flips_no_confident_greedy_choice_over_a_long_generation(fp
 
 def test_float8_engine_gives_each_prompt_its_own_tokens_in_batches_prefix_hits_and_preemption(make_engine):
     prompts = random_prompts(6, 20, 60, seed=4)
-    alone = [token_ids(make_engine(kv_cache_dtype="fp8_e4m3", enable_prefix_cache=False).generate([p], GREEDY))[0]
-             for p in prompts]
+    alone = [
+        token_ids(make_engine(kv_cache_dtype="fp8_e4m3", enable_prefix_cache=False).generate([p], GREEDY))[0]
+        for p in prompts
+    ]
     engine = make_engine(kv_cache_dtype="fp8_e4m3")
     assert engine.runner.kv_caches[0][0].dtype == FP8_DTYPE
     assert token_ids(engine.generate(prompts, GREEDY)) == alone  # batched: the same tokens
@@ -96,8 +107,9 @@ def test_float8_engine_gives_each_prompt_its_own_tokens_in_batches_prefix_hits_a
 
 def test_float8_needs_a_gpu_that_converts_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(InvalidArgument, match="kv_cache_dtype: fp8_e4m3 needs a GPU of compute capability 8.9 or "
-                                              "newer; cuda has 8.0"):
+    with pytest.raises(
+        InvalidArgument, match="kv_cache_dtype: fp8_e4m3 needs a GPU of compute capability 8.9 or newer; cuda has 8.0"
+    ):
         kv_cache_dtype("fp8_e4m3", torch.bfloat16, torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert kv_cache_dtype("fp8_e4m3", torch.bfloat16, torch.device("cuda")) == FP8_DTYPE

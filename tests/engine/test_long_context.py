@@ -25,6 +25,7 @@ are not the request's.
 On CUDA the same runs on the GPU (decode graphs off: their replays skip the hook that records
 each step's hidden state; tests/engine/test_cuda_graph.py proves them equal to eager steps).
 """
+
 from __future__ import annotations
 
 import time
@@ -113,11 +114,17 @@ def engine_run(request, long_checkpoint) -> EngineRun:
     """Runs before transformers does, so that its memory cannot hide the engine's."""
     lengths: Lengths = request.param
     total = lengths.total
-    prompt = torch.randint(0, PRESETS["tiny"].config["vocab_size"], (lengths.prompt,),
-                           generator=torch.Generator().manual_seed(11)).tolist()
+    prompt = torch.randint(
+        0, PRESETS["tiny"].config["vocab_size"], (lengths.prompt,), generator=torch.Generator().manual_seed(11)
+    ).tolist()
     loaded = load_model(long_checkpoint, dtype=torch.float32, device=DEVICE)
-    settings = EngineSettings(num_pages=pages_for(total + PAGE_SIZE, PAGE_SIZE), page_size=PAGE_SIZE,
-                              max_running=1, max_model_len=total + 1, cuda_graphs=False)
+    settings = EngineSettings(
+        num_pages=pages_for(total + PAGE_SIZE, PAGE_SIZE),
+        page_size=PAGE_SIZE,
+        max_running=1,
+        max_model_len=total + 1,
+        cuda_graphs=False,
+    )
     engine = Engine(loaded.model, loaded.config, Tokenizer.from_dir(long_checkpoint), settings, [], DEVICE)
     engine.warm_up()
     hidden = record_hidden(engine)
@@ -125,19 +132,35 @@ def engine_run(request, long_checkpoint) -> EngineRun:
     with peak_memory(DEVICE, memory):
         start = time.process_time()
         out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=lengths.generated, ignore_eos=True))[0]
-        seconds[f"{lengths.prompt:,}-token prompt + {lengths.generated:,} generated, engine CPU"] = time.process_time() - start
+        seconds[f"{lengths.prompt:,}-token prompt + {lengths.generated:,} generated, engine CPU"] = (
+            time.process_time() - start
+        )
     generated_rows = torch.cat(hidden)
     hidden.clear()
     start = time.process_time()
     again = engine.generate([prompt + out.token_ids], SamplingParams(temperature=0, max_tokens=1))[0]
     seconds[f"{total:,}-token prompt from the radix cache, engine CPU"] = time.process_time() - start
     config = loaded.config
-    shape = KVCacheShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, PAGE_SIZE,
-                         engine.runner.kv_caches[0][0].dtype)
+    shape = KVCacheShape(
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        config.head_dim,
+        PAGE_SIZE,
+        engine.runner.kv_caches[0][0].dtype,
+    )
     pool_bytes = engine.allocator.num_pages * shape.bytes_per_page  # allocated (and zeroed) before the request
     return EngineRun(
-        lengths, prompt, out.token_ids, generated_rows, again.token_ids[0], torch.cat(hidden), again.usage.cached_prompt_tokens,
-        loaded.model, (total - 1) * shape.bytes_per_token, pool_bytes + memory["bytes"], seconds,
+        lengths,
+        prompt,
+        out.token_ids,
+        generated_rows,
+        again.token_ids[0],
+        torch.cat(hidden),
+        again.usage.cached_prompt_tokens,
+        loaded.model,
+        (total - 1) * shape.bytes_per_token,
+        pool_bytes + memory["bytes"],
+        seconds,
     )
 
 
@@ -155,7 +178,9 @@ def reference(engine_run, long_checkpoint):
 
 
 @torch.inference_mode()
-def compare_logits(ours_hidden: torch.Tensor, ref_hidden: torch.Tensor, lm_head, engine_lm_head) -> tuple[float, torch.Tensor]:
+def compare_logits(
+    ours_hidden: torch.Tensor, ref_hidden: torch.Tensor, lm_head, engine_lm_head
+) -> tuple[float, torch.Tensor]:
     """(worst per-position relative logit error, transformers' argmax per position), in blocks:
     2,049 rows of 151,936 logits are 1.2 GB at once."""
     worst, argmax = 0.0, []
@@ -172,10 +197,13 @@ def compare_logits(ours_hidden: torch.Tensor, ref_hidden: torch.Tensor, lm_head,
 def test_long_prompt_and_generated_tokens_match_transformers(engine_run, reference):
     ref_hidden, lm_head = reference
     generated = engine_run.lengths.generated
-    worst, hf_choice = compare_logits(engine_run.hidden, ref_hidden[:generated], lm_head, engine_run.model.compute_logits)
-    print(f"\n{engine_run.lengths.total:,}-token parity: worst per-position relative logit error {worst:.2e} "
-          f"over {generated:,} positions; "
-          + "; ".join(f"{k} {v:.1f} s" for k, v in engine_run.seconds.items()))
+    worst, hf_choice = compare_logits(
+        engine_run.hidden, ref_hidden[:generated], lm_head, engine_run.model.compute_logits
+    )
+    print(
+        f"\n{engine_run.lengths.total:,}-token parity: worst per-position relative logit error {worst:.2e} "
+        f"over {generated:,} positions; " + "; ".join(f"{k} {v:.1f} s" for k, v in engine_run.seconds.items())
+    )
     assert worst <= REL_TOL
     assert engine_run.generated == hf_choice.tolist()  # transformers' greedy continuation, token for token
     assert len(set(engine_run.generated)) > generated // 10  # a continuation that wanders, not one token repeated
@@ -186,8 +214,12 @@ def test_whole_prompt_from_the_radix_cache_matches_transformers(engine_run, refe
     ref_hidden, lm_head = reference
     # All but the last page: 32,752 of 32,768.
     assert engine_run.cached_tokens == (engine_run.lengths.total - 1) // PAGE_SIZE * PAGE_SIZE
-    worst, hf_choice = compare_logits(engine_run.full_prompt_hidden, ref_hidden[engine_run.lengths.generated:], lm_head,
-                                      engine_run.model.compute_logits)
+    worst, hf_choice = compare_logits(
+        engine_run.full_prompt_hidden,
+        ref_hidden[engine_run.lengths.generated :],
+        lm_head,
+        engine_run.model.compute_logits,
+    )
     assert worst <= REL_TOL
     assert engine_run.full_prompt_token == hf_choice.item()
 
@@ -195,7 +227,9 @@ def test_whole_prompt_from_the_radix_cache_matches_transformers(engine_run, refe
 @pytest.mark.parametrize("engine_run", [FULL], ids=["32k"], indirect=True)
 def test_32k_request_memory_stays_within_a_small_multiple_of_its_kv(engine_run):
     multiple = engine_run.peak_bytes / engine_run.kv_bytes
-    print(f"\n32K memory: the KV pool and the steps' peak {engine_run.peak_bytes / 2**20:.0f} MiB, "
-          f"KV {engine_run.kv_bytes / 2**20:.0f} MiB: {multiple:.2f}x")
+    print(
+        f"\n32K memory: the KV pool and the steps' peak {engine_run.peak_bytes / 2**20:.0f} MiB, "
+        f"KV {engine_run.kv_bytes / 2**20:.0f} MiB: {multiple:.2f}x"
+    )
     assert engine_run.kv_bytes == (FULL.total - 1) * 2 * 4 * 2 * 64 * 4  # K and V, 4 layers, 2 kv heads of 64, fp32
     assert multiple <= MEMORY_MULTIPLE

@@ -1,5 +1,6 @@
 """KV pool sizing: bytes per token, the budget left after activations, pages in it, and the
 profiling step. Only reading CUDA's memory counters needs a GPU; here they are stood in for."""
+
 import logging
 
 import pytest

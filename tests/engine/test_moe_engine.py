@@ -2,6 +2,7 @@
 greedy generation equal to transformers' Qwen3MoeForCausalLM, the memory plan's profiled step
 through the experts, and on CUDA the fused MoE's freedom from host syncs and the KV pool sized
 after the expert weights. Decode CUDA graphs of MoE models: tests/engine/test_cuda_graph.py."""
+
 from pathlib import Path
 from unittest import mock
 
@@ -33,9 +34,15 @@ def transformers_greedy(path: Path, prompts: list[list[int]], max_new_tokens: in
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)
-            outs.append(out[0, len(prompt):].tolist())
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+            outs.append(out[0, len(prompt) :].tolist())
     return outs
 
 
@@ -76,6 +83,7 @@ def test_the_memory_plans_profiled_step_runs_through_the_experts(moe_loaded):
 def test_on_cuda_the_fused_moe_never_waits_for_the_host():
     # A sync inside a captured graph fails the capture; here any sync raises.
     from kernels.fused_moe import fused_moe_triton
+
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(64, 256, device="cuda", generator=g).bfloat16()
     w13 = (torch.randn(16, 256, 256, device="cuda", generator=g) * 0.05).bfloat16()
@@ -95,8 +103,16 @@ def test_on_cuda_the_kv_pool_gets_what_the_expert_weights_leave(moe_loaded):
     # Two layers of Qwen3-30B-A3B's experts (2.4 GB in bf16), so leaving them out would show.
     _, tokenizer = moe_loaded
     config = qwen3_moe_config(
-        vocab_size=2048, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-        num_experts_per_tok=8, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        vocab_size=2048,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
     )
     torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info()[0]

@@ -1,5 +1,6 @@
 """A NaN or an infinity in one request's logits fails that request alone, with code
 nonfinite_logits and the output it had; the other rows of the batch run on as if alone."""
+
 import pytest
 import torch
 
@@ -64,4 +65,3 @@ def test_nonfinite_logits_fail_only_their_request(make_engine, overlap, value):
     assert tokens == alone["survivor"][0] and len(tokens) == SURVIVOR.max_tokens
     assert final.finish_reason == "length" and final.error is None
     assert_all_pages_free_after_clear(engine)
-

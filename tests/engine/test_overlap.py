@@ -5,6 +5,7 @@ The ordering tests use a fake model whose greedy next token is a function of the
 and its position, so a wrong or stale input id changes every later token, and whose calls
 land in one event log with the engine's reads of the draws.
 """
+
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +27,7 @@ def continuation(prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
         seq.append(next_token(seq[-1], len(seq) - 1))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 class FakeModel:
@@ -90,8 +91,10 @@ def test_step_n_plus_1_is_launched_on_tokens_the_host_has_not_read_yet(fake_engi
     assert drive(engine) == [[], [("a", [t1], False)], [("a", [t2], False)], [("a", [t3], True)]]
     assert events == [
         ("forward", prompt),
-        ("forward", [t1]), ("read", [t1]),  # step 2 ran on t1 before the host read it
-        ("forward", [t2]), ("read", [t2]),
+        ("forward", [t1]),
+        ("read", [t1]),  # step 2 ran on t1 before the host read it
+        ("forward", [t2]),
+        ("read", [t2]),
         ("read", [t3]),  # t3 is the third of max_tokens=3: no step is run on it, its draw would be discarded
     ]
     assert_all_pages_free_after_clear(engine)
@@ -104,7 +107,12 @@ def test_the_synchronous_engine_reads_each_step_before_the_next(fake_engine):
     engine.add_request("a", prompt, GREEDY3)
     assert drive(engine) == [[("a", [t1], False)], [("a", [t2], False)], [("a", [t3], True)]]
     assert events == [
-        ("forward", prompt), ("read", [t1]), ("forward", [t1]), ("read", [t2]), ("forward", [t2]), ("read", [t3]),
+        ("forward", prompt),
+        ("read", [t1]),
+        ("forward", [t1]),
+        ("read", [t2]),
+        ("forward", [t2]),
+        ("read", [t3]),
     ]
 
 
@@ -115,7 +123,12 @@ def test_penalties_read_the_previous_step_before_scheduling(fake_engine):
     engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=3, repetition_penalty=1.5))
     assert drive(engine) == [[], [("a", [t1], False)], [("a", [t2], False)], [("a", [t3], True)]]
     assert events == [
-        ("forward", prompt), ("read", [t1]), ("forward", [t1]), ("read", [t2]), ("forward", [t2]), ("read", [t3]),
+        ("forward", prompt),
+        ("read", [t1]),
+        ("forward", [t1]),
+        ("read", [t2]),
+        ("forward", [t2]),
+        ("read", [t3]),
     ]
 
 
@@ -200,11 +213,15 @@ def test_a_request_that_fills_the_pool_ends_as_the_synchronous_engine_ends_it(fa
         ends[overlap] = (out.token_ids, out.finish_reason, out.error and out.error.code)
         assert len([e for e in events if e[0] == "forward"]) == 5  # the prompt, then one step per output but the 5th
         assert_all_pages_free_after_clear(engine)
-    assert ends[True] == ends[False] == {
-        "length": (continuation(PROMPT, 5), "length", None),
-        "stop": (continuation(PROMPT, 5), "stop", None),
-        "too long": (continuation(PROMPT, 5), "error", "kv_capacity_exceeded"),
-    }[case]
+    assert (
+        ends[True]
+        == ends[False]
+        == {
+            "length": (continuation(PROMPT, 5), "length", None),
+            "stop": (continuation(PROMPT, 5), "stop", None),
+            "too long": (continuation(PROMPT, 5), "error", "kv_capacity_exceeded"),
+        }[case]
+    )
 
 
 def streams(calls) -> dict[str, tuple[list[int], bool]]:
@@ -222,7 +239,11 @@ def assert_same_outputs(got, expected) -> None:
     step may carry an extra (discarded) row and a GEMM's last bits depend on its row count."""
     for g, e in zip(got, expected, strict=True):
         assert (g.token_ids, g.text, g.finish_reason, g.usage, g.error) == (
-            e.token_ids, e.text, e.finish_reason, e.usage, e.error,
+            e.token_ids,
+            e.text,
+            e.finish_reason,
+            e.usage,
+            e.error,
         ), e.request_id
         assert (g.logprobs is None) == (e.logprobs is None)
         for gl, el in zip(g.logprobs or [], e.logprobs or [], strict=True):
@@ -243,12 +264,17 @@ def feature_params(stop_ids: list[int]) -> list[SamplingParams]:
     ]
 
 
-@pytest.mark.parametrize("settings", [
-    pytest.param({}, id="roomy"),
-    pytest.param(  # preemption, chunked prefill
-        {"num_pages": 20, "max_num_batched_tokens": 16, "max_running": 6}, id="tight-and-chunked", marks=pytest.mark.slow,
-    ),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        pytest.param({}, id="roomy"),
+        pytest.param(  # preemption, chunked prefill
+            {"num_pages": 20, "max_num_batched_tokens": 16, "max_running": 6},
+            id="tight-and-chunked",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_overlapped_outputs_equal_the_synchronous_engines(make_engine, settings):
     prompts = random_prompts(6, 1, 40, seed=12)
     shared = random_prompts(1, 24, 24, seed=13)[0]

@@ -1,13 +1,21 @@
 """Random draws settled among each row's most likely candidates keep the exact distribution of
 the full sort: the same kept sets, the same frequencies (chi-squared against the full-sort path
 on a fixed logits matrix), and for seeded rows the very same tokens."""
+
 import pytest
 import torch
 
 from producer_client.schema import SamplingParams
 from worker.engine.random_sampling import (
-    CANDIDATES, DrawParams, apply_min_p, apply_top_k, apply_top_p, draw_from_candidates, draw_from_full_rows,
-    draw_seeded_noise, sample_random,
+    CANDIDATES,
+    DrawParams,
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    draw_from_candidates,
+    draw_from_full_rows,
+    draw_seeded_noise,
+    sample_random,
 )
 from worker.engine.request import Request
 
@@ -127,8 +135,11 @@ def test_sample_random_settles_what_it_can_and_sorts_the_rest():
     for seed in range(10):
         rows = [request(seed, **params), request(seed + 100, **params)]
         draw = DrawParams.of(rows, logits.device)
-        assert draw_from_candidates(logits, draw, draw_seeded_noise(rows, vocab, logits.device), CANDIDATES)[1].tolist() == [
-            True, False,
+        assert draw_from_candidates(logits, draw, draw_seeded_noise(rows, vocab, logits.device), CANDIDATES)[
+            1
+        ].tolist() == [
+            True,
+            False,
         ]
         rows = [request(seed, **params), request(seed + 100, **params)]
         tokens = sample_random(logits.clone(), DrawParams.of(rows, logits.device))

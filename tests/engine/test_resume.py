@@ -1,6 +1,7 @@
 """Resuming a request from output tokens an earlier run produced (a job reclaimed from a worker
 that died): what follows is what an uninterrupted run produces, nothing is emitted twice, and
 usage counts every token once."""
+
 import pytest
 
 from producer_client.errors import InvalidArgument
@@ -51,8 +52,13 @@ def test_a_resumed_greedy_request_continues_exactly_where_it_stopped(make_engine
 
 def test_resumed_tokens_count_for_penalties_and_min_tokens(make_engine):
     params = SamplingParams(
-        temperature=0, max_tokens=16, min_tokens=10, repetition_penalty=1.5, presence_penalty=1.0,
-        frequency_penalty=0.5, stop_token_ids=[7],
+        temperature=0,
+        max_tokens=16,
+        min_tokens=10,
+        repetition_penalty=1.5,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        stop_token_ids=[7],
     )
     for prompt in random_prompts(3, 5, 20, seed=21):
         assert_resumes_exactly(make_engine(), prompt, params, cut=6)

@@ -78,15 +78,19 @@ def test_seeded_rows_repeat_whatever_else_is_in_the_batch():
 
 def test_repetition_penalty_covers_prompt_and_output_presence_and_frequency_only_output():
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 2.0, 1.0, 1.0, 1.0]])
-    req = make_request(prompt=[0, 1], output=[2, 3, 3], repetition_penalty=2.0,
-                       presence_penalty=0.5, frequency_penalty=0.25)
+    req = make_request(
+        prompt=[0, 1], output=[2, 3, 3], repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25
+    )
     apply_penalties(logits, [req])
     expected = [
         1.0,  # prompt, positive: divided
         -4.0,  # prompt, negative: multiplied
         1.0 - 0.5 - 0.25,  # output once
         -4.0 - 0.5 - 0.5,  # output twice
-        2.0, 1.0, 1.0, 1.0,
+        2.0,
+        1.0,
+        1.0,
+        1.0,
     ]
     assert logits[0].tolist() == pytest.approx(expected)
 

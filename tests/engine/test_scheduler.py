@@ -1,4 +1,5 @@
 """The scheduler driven by a fake model that 'computes' chunks and samples token 7."""
+
 import pytest
 
 from producer_client.schema import SamplingParams
@@ -18,8 +19,9 @@ def make_scheduler(num_pages=64, max_running=8, budget=64, prefix_cache=True) ->
 
 def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, base: int = 0) -> Request:
     arrival = int(rid[1:])  # ids are r1, r2, ...: arrival order follows the number
-    req = Request(rid, [base + i for i in range(prompt_len)], SamplingParams(max_tokens=max_tokens), priority,
-                  arrival, None, None)
+    req = Request(
+        rid, [base + i for i in range(prompt_len)], SamplingParams(max_tokens=max_tokens), priority, arrival, None, None
+    )
     sched.add(req)
     return req
 
@@ -168,8 +170,10 @@ def test_random_load_on_a_tight_pool_never_deadlocks_or_leaks(prefix_cache):
 
     rng = random.Random(0)
     sched = make_scheduler(num_pages=12, max_running=6, budget=10, prefix_cache=prefix_cache)
-    reqs = [add(sched, f"r{i}", rng.randint(1, 30), max_tokens=rng.randint(1, 12), base=rng.choice([0, 50]))
-            for i in range(1, 30)]
+    reqs = [
+        add(sched, f"r{i}", rng.randint(1, 30), max_tokens=rng.randint(1, 12), base=rng.choice([0, 50]))
+        for i in range(1, 30)
+    ]
     run_all(sched, limit=5000)
     assert all(r.num_output_tokens == r.params.max_tokens for r in reqs)
     assert_pages_all_free_after_clear(sched)

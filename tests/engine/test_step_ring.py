@@ -1,6 +1,7 @@
 """The shared-memory ring that carries each step's inputs from rank 0 to the other ranks: a step
 arrives whole, in order, in the slot size the largest step needs; a reader that reads no more
 makes the writer give up after its timeout (a hang), never wait forever."""
+
 import multiprocessing
 import time
 
@@ -19,9 +20,15 @@ def host_step(seed: int, tokens: int, rows: int, width: int, samples: int) -> Ho
         return rng.integers(low, 2**30, n).astype(dtype)
 
     return HostStep(
-        ints(tokens, np.int64), ints(tokens, np.int64), ints(tokens, np.int64),
-        ints(rows * width, np.int32).reshape(rows, width), ints(rows, np.int32), ints(rows, np.int32),
-        ints(rows + 1, np.int32), ints(samples, np.int64), max_q_len=int(rng.integers(1, 9)),
+        ints(tokens, np.int64),
+        ints(tokens, np.int64),
+        ints(tokens, np.int64),
+        ints(rows * width, np.int32).reshape(rows, width),
+        ints(rows, np.int32),
+        ints(rows, np.int32),
+        ints(rows + 1, np.int32),
+        ints(samples, np.int64),
+        max_q_len=int(rng.integers(1, 9)),
     )
 
 

@@ -2,6 +2,7 @@
 output is whatever the mask let through. Each constrained output must parse and validate, end
 only where the grammar accepts it, survive preemption and resumption unchanged, and leave the
 requests beside it in the batch untouched."""
+
 import json
 import re
 import threading
@@ -57,7 +58,9 @@ def device_engine(make_tiny_engine, overlap_schedule: bool = True):
     """On CUDA the engine as it serves (decode CUDA graphs, the Triton mask kernel, mask rows copied
     to the device behind the model; overlapped unless asked not to be); on CPU the same schedule."""
     if torch.cuda.is_available():
-        return Engine.from_pretrained("tiny", device="cuda", num_pages=256, page_size=4, overlap_schedule=overlap_schedule)
+        return Engine.from_pretrained(
+            "tiny", device="cuda", num_pages=256, page_size=4, overlap_schedule=overlap_schedule
+        )
     return make_tiny_engine(overlap_schedule=overlap_schedule)
 
 
@@ -84,9 +87,14 @@ def test_free_requests_beside_constrained_ones_draw_what_they_draw_alone(make_ti
 
 
 def test_output_cut_by_max_tokens_before_the_json_closes_ends_with_length(make_tiny_engine):
-    out = make_tiny_engine().generate(random_prompts(1, 5, 5, seed=43), SamplingParams(
-        temperature=0, max_tokens=4, response_format=FORMAT,
-    ))[0]
+    out = make_tiny_engine().generate(
+        random_prompts(1, 5, 5, seed=43),
+        SamplingParams(
+            temperature=0,
+            max_tokens=4,
+            response_format=FORMAT,
+        ),
+    )[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
     assert out.text.startswith('{"name": "')
 
@@ -98,9 +106,9 @@ def test_stop_ids_end_the_output_only_where_the_grammar_accepts(make_tiny_engine
     prompts = random_prompts(2, 2, 20, seed=44)
     samplings = [dict(temperature=0), dict(temperature=1.5, seed=2)]
     free = engine.generate(prompts, [constrained(**p) for p in samplings])
-    stopped = engine.generate(prompts, [
-        constrained(stop_token_ids=sorted(set(out.token_ids)), **p) for out, p in zip(free, samplings)
-    ])
+    stopped = engine.generate(
+        prompts, [constrained(stop_token_ids=sorted(set(out.token_ids)), **p) for out, p in zip(free, samplings)]
+    )
     for before, after in zip(free, stopped):
         assert_valid(after)
         assert after.token_ids == before.token_ids
@@ -114,9 +122,15 @@ def test_a_grammar_ends_the_request_without_an_eos_even_with_ignore_eos(make_tin
         assert not set(out.token_ids) & set(engine.eos_token_ids)
 
 
-@pytest.mark.parametrize("params,cut", [
-    (dict(temperature=0), 1), (dict(temperature=0), 9), (dict(temperature=1.0, seed=9), 6),
-], ids=["greedy-1", "greedy-9", "seeded-6"])
+@pytest.mark.parametrize(
+    "params,cut",
+    [
+        (dict(temperature=0), 1),
+        (dict(temperature=0), 9),
+        (dict(temperature=1.0, seed=9), 6),
+    ],
+    ids=["greedy-1", "greedy-9", "seeded-6"],
+)
 def test_a_resumed_constrained_request_replays_its_tokens_into_a_fresh_matcher(make_tiny_engine, params, cut):
     engine = make_tiny_engine()
     prompt = random_prompts(1, 4, 20, seed=46)[0]
@@ -168,12 +182,24 @@ def test_preempted_constrained_requests_recompute_and_stay_valid(make_tiny_engin
 
 def test_a_schema_that_does_not_compile_fails_its_request_alone(make_tiny_engine):
     engine = make_tiny_engine()
-    unsatisfiable = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["a"],
-    }}}
-    bad, good = engine.generate(random_prompts(2, 3, 3, seed=49), [
-        SamplingParams(temperature=0, response_format=unsatisfiable), constrained(temperature=0),
-    ])
+    unsatisfiable = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "x",
+            "schema": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}},
+                "required": ["a"],
+            },
+        },
+    }
+    bad, good = engine.generate(
+        random_prompts(2, 3, 3, seed=49),
+        [
+            SamplingParams(temperature=0, response_format=unsatisfiable),
+            constrained(temperature=0),
+        ],
+    )
     assert bad.finish_reason == "error" and bad.error.code == "invalid_argument" and bad.token_ids == []
     assert "unsatisfiable" in bad.error.message.lower() and bad.error.message.startswith("response_format")
     assert_valid(good)
@@ -219,10 +245,15 @@ def test_regex_and_choice_formats(make_tiny_engine):
     engine = make_tiny_engine()
     regex = {"type": "regex", "pattern": "[0-9]{3}-[a-z]{2,4}"}
     choice = {"type": "choice", "choices": ["yes", "no", "maybe so"]}
-    outputs = engine.generate(random_prompts(4, 3, 10, seed=55), [
-        SamplingParams(temperature=0, response_format=regex), SamplingParams(temperature=1.0, seed=4, response_format=regex),
-        SamplingParams(temperature=0, response_format=choice), SamplingParams(temperature=1.0, seed=4, response_format=choice),
-    ])
+    outputs = engine.generate(
+        random_prompts(4, 3, 10, seed=55),
+        [
+            SamplingParams(temperature=0, response_format=regex),
+            SamplingParams(temperature=1.0, seed=4, response_format=regex),
+            SamplingParams(temperature=0, response_format=choice),
+            SamplingParams(temperature=1.0, seed=4, response_format=choice),
+        ],
+    )
     for out in outputs[:2]:
         assert out.finish_reason == "stop" and re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", out.text), out.text
     for out in outputs[2:]:
@@ -251,10 +282,13 @@ def test_a_thinking_request_is_free_until_think_end_and_never_ends_before_it(mak
     prompt = random_prompts(1, 5, 5, seed=56)[0]
     thinking = Constraint.of_format(constrained().response_format, Thinking(THINK_END))
     # Before </think> the draws are those of a free request that may not stop yet (min_tokens).
-    ran = drive(engine, {
-        "thinking": (prompt, SamplingParams(temperature=0, max_tokens=12), thinking, ()),
-        "free": (prompt, SamplingParams(temperature=0, max_tokens=12, min_tokens=12), None, ()),
-    })
+    ran = drive(
+        engine,
+        {
+            "thinking": (prompt, SamplingParams(temperature=0, max_tokens=12), thinking, ()),
+            "free": (prompt, SamplingParams(temperature=0, max_tokens=12, min_tokens=12), None, ()),
+        },
+    )
     assert ran["thinking"][2].finish_reason == "length"
     assert ran["thinking"][0] == ran["free"][0]
 
@@ -267,7 +301,10 @@ def test_after_think_end_the_grammar_holds_from_the_next_token(make_tiny_engine)
     # The prompt opened the thinking (the output starts inside it), or the output may open it.
     for thinking, resume in ((Thinking(THINK_END), thought[1:]), (Thinking(THINK_END, opens=THINK_OPEN), thought)):
         constraint = Constraint.of_format(constrained().response_format, thinking)
-        for params in (SamplingParams(temperature=0, max_tokens=200), SamplingParams(temperature=1.0, seed=3, max_tokens=200)):
+        for params in (
+            SamplingParams(temperature=0, max_tokens=200),
+            SamplingParams(temperature=1.0, seed=3, max_tokens=200),
+        ):
             _, answer, final = drive(engine, {"t": (prompt, params, constraint, resume)})["t"]
             assert final.finish_reason == "stop"
             jsonschema.validate(json.loads(answer), PERSON)
@@ -277,8 +314,17 @@ def test_a_request_that_may_think_answers_at_once_unless_its_first_token_opens_t
     engine = make_tiny_engine()
     constraint = Constraint.of_format(constrained().response_format, Thinking(THINK_END, opens=THINK_OPEN))
     for seed in range(3):
-        tokens, text, final = drive(engine, {"t": (random_prompts(1, 5, 5, seed=60 + seed)[0], SamplingParams(
-            temperature=1.0, seed=seed, max_tokens=80), constraint, ())})["t"]
+        tokens, text, final = drive(
+            engine,
+            {
+                "t": (
+                    random_prompts(1, 5, 5, seed=60 + seed)[0],
+                    SamplingParams(temperature=1.0, seed=seed, max_tokens=80),
+                    constraint,
+                    (),
+                )
+            },
+        )["t"]
         if tokens[0] == THINK_OPEN:
             continue  # it thinks: free until </think>, which a random model does not write in time
         assert final.finish_reason == "stop"
@@ -286,15 +332,22 @@ def test_a_request_that_may_think_answers_at_once_unless_its_first_token_opens_t
 
 
 def test_a_required_tool_call_is_one_of_the_tools_with_valid_arguments(make_tiny_engine):
-    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
-               "additionalProperties": False}
+    weather = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 6}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     nothing = {"type": "object", "properties": {}, "additionalProperties": False}
     tools = [ToolFunction("get_weather", weather), ToolFunction("now", nothing)]
     engine = make_tiny_engine()
     prompt = random_prompts(1, 4, 4, seed=58)[0]
     for parallel in (False, True):
         constraint = tool_call_constraint(tools, parallel)
-        for params in (SamplingParams(temperature=0, max_tokens=120), SamplingParams(temperature=1.0, seed=8, max_tokens=120)):
+        for params in (
+            SamplingParams(temperature=0, max_tokens=120),
+            SamplingParams(temperature=1.0, seed=8, max_tokens=120),
+        ):
             _, text, final = drive(engine, {"t": (prompt, params, constraint, ())})["t"]
             assert final.finish_reason == "stop", text
             calls = parse_tool_calls(text)
@@ -306,8 +359,17 @@ def test_a_required_tool_call_is_one_of_the_tools_with_valid_arguments(make_tiny
 def test_a_named_function_is_the_only_one_called(make_tiny_engine):
     weather = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}}, "required": ["city"]}
     constraint = tool_call_constraint([ToolFunction("get_weather", weather)], False)
-    _, text, final = drive(make_tiny_engine(), {"t": (random_prompts(1, 4, 4, seed=59)[0], SamplingParams(
-        temperature=1.0, seed=1, max_tokens=60), constraint, ())})["t"]
+    _, text, final = drive(
+        make_tiny_engine(),
+        {
+            "t": (
+                random_prompts(1, 4, 4, seed=59)[0],
+                SamplingParams(temperature=1.0, seed=1, max_tokens=60),
+                constraint,
+                (),
+            )
+        },
+    )["t"]
     [call] = parse_tool_calls(text)
     assert call["name"] == "get_weather" and call["arguments"]["city"] in ("Oslo", "Lima")
 
@@ -325,12 +387,22 @@ def parse_tool_calls(text: str) -> list[dict]:
 
 def test_with_auto_tool_choice_and_a_format_the_output_is_calls_or_the_answer(make_tiny_engine):
     answer = constrained().response_format
-    constraint = tool_call_constraint([ToolFunction("now", {"type": "object", "properties": {}, "additionalProperties": False})],
-                                      True, answer)
+    constraint = tool_call_constraint(
+        [ToolFunction("now", {"type": "object", "properties": {}, "additionalProperties": False})], True, answer
+    )
     engine = make_tiny_engine()
     for seed in range(3):
-        _, text, final = drive(engine, {"t": (random_prompts(1, 4, 4, seed=70 + seed)[0], SamplingParams(
-            temperature=1.0, seed=seed, max_tokens=120), constraint, ())})["t"]
+        _, text, final = drive(
+            engine,
+            {
+                "t": (
+                    random_prompts(1, 4, 4, seed=70 + seed)[0],
+                    SamplingParams(temperature=1.0, seed=seed, max_tokens=120),
+                    constraint,
+                    (),
+                )
+            },
+        )["t"]
         assert final.finish_reason == "stop", text
         if text.startswith("<tool_call>"):
             assert all(call["name"] == "now" for call in parse_tool_calls(text))
@@ -342,7 +414,11 @@ def test_a_mask_row_allows_what_the_phase_allows(make_tiny_engine):
     engine = make_tiny_engine()
     masks = GrammarMasks(engine.masks.table.shape[1] * 32, engine.eos_token_ids, 4)
     allowed = {}
-    for name, thinking in (("answering", None), ("deciding", Thinking(THINK_END, THINK_OPEN)), ("thinking", Thinking(THINK_END))):
+    for name, thinking in (
+        ("answering", None),
+        ("deciding", Thinking(THINK_END, THINK_OPEN)),
+        ("thinking", Thinking(THINK_END)),
+    ):
         constraint = Constraint.of_format(constrained().response_format, thinking)
         grammar = RequestGrammar(constraint, engine.grammars.submit(constraint, partial(replayed, constraint, [])), [])
         grammar.wait_compiled(30)
@@ -354,5 +430,7 @@ def test_a_mask_row_allows_what_the_phase_allows(make_tiny_engine):
     assert allowed["answering"] and all(decode([t]).startswith("{") for t in allowed["answering"])
     # After a thinking, the answer may come behind a blank line: the first token may open the thinking too.
     assert THINK_OPEN in allowed["deciding"] and allowed["answering"] <= allowed["deciding"]
-    assert all(decode([t]).lstrip().startswith("{") or not decode([t]).strip() for t in allowed["deciding"] - {THINK_OPEN})
+    assert all(
+        decode([t]).lstrip().startswith("{") or not decode([t]).strip() for t in allowed["deciding"] - {THINK_OPEN}
+    )
     assert allowed["thinking"] == set(range(masks.table.shape[1] * 32)) - set(engine.eos_token_ids)

@@ -5,6 +5,7 @@ whose KV heads split over the ranks or are replicated (with a vocabulary that do
 and on a mixture of experts; its logits match one rank's within float32 rounding (the row-parallel
 sums add the ranks' partial products in another order). The overlap scheduler works over the
 ranks. Failures (on the CPU) are in test_tensor_parallel_lifecycle.py."""
+
 from __future__ import annotations
 
 import random
@@ -38,8 +39,14 @@ def pair(request, models) -> tuple[str, Engine, Engine]:
     runs every test of one kind before it makes the next."""
     kind = request.param
     single = Engine.from_pretrained(models[kind], device=DEVICE, dtype="float32", **ENGINE)
-    with Engine.from_pretrained(models[kind], device=DEVICE, dtype="float32", tensor_parallel_size=2,
-                                overlap_schedule=kind in OVERLAPPED or DEVICE == "cuda", **ENGINE) as tp:
+    with Engine.from_pretrained(
+        models[kind],
+        device=DEVICE,
+        dtype="float32",
+        tensor_parallel_size=2,
+        overlap_schedule=kind in OVERLAPPED or DEVICE == "cuda",
+        **ENGINE,
+    ) as tp:
         yield kind, single, tp
 
 
@@ -82,8 +89,10 @@ def test_two_ranks_logits_match_one_ranks_within_float32_rounding(pair):
     kind, single, tp = pair
     prompt = prompts_for(single, seed=1)[0][:30]
     expected, got = prefill_logits(single, prompt), prefill_logits(tp, prompt)
-    print(f"{kind}: largest |difference| {(got - expected).abs().max().item():.2e} of logits up to "
-          f"{expected.abs().max().item():.1f}")
+    print(
+        f"{kind}: largest |difference| {(got - expected).abs().max().item():.2e} of logits up to "
+        f"{expected.abs().max().item():.1f}"
+    )
     assert got.shape == (1, single.vocab_size)
     torch.testing.assert_close(got, expected, **LOGITS_TOLERANCE)
 

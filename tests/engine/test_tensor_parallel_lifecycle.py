@@ -3,6 +3,7 @@ stopped (a hang) ends the engine with RankFailed, the hang within the collective
 ranks idle for several times that timeout are no hang; a step that raises on a rank (as it does
 on rank 0, which isolates its jobs) leaves that rank serving; and on 2 GPUs, decode CUDA graphs with
 the collectives captured, and the overlap scheduler, generate what one eager rank does."""
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,9 @@ def follower_pid(engine: Engine) -> int:
 @pytest.mark.timing
 def test_ranks_idle_past_the_timeout_are_no_hang_and_a_stopped_rank_is_one(models):
     timeout_s = 2.0
-    engine = Engine.from_pretrained(models["kv-split"], dtype="float32", tensor_parallel_size=2,
-                                    tensor_parallel_timeout_s=timeout_s, **ENGINE)
+    engine = Engine.from_pretrained(
+        models["kv-split"], dtype="float32", tensor_parallel_size=2, tensor_parallel_timeout_s=timeout_s, **ENGINE
+    )
     try:
         prompts = prompts_for(engine, seed=4)
         first = [o.token_ids for o in engine.generate(prompts, greedy(4))]
@@ -86,11 +88,19 @@ def test_on_two_gpus_captured_graphs_and_overlap_generate_what_one_eager_rank_do
     prompts = [list(range(10 + i, 30 + 3 * i)) for i in range(11)]
     params = [greedy(3 + 2 * i) for i in range(11)]  # decode batches shrink 11 -> 1 through the ladder
     settings = dict(page_size=4, max_running=11, max_model_len=256)
-    eager = Engine.from_pretrained(models[kind], device="cuda", dtype="float32", num_pages=256,
-                                   cuda_graphs=False, overlap_schedule=False, **settings)
+    eager = Engine.from_pretrained(
+        models[kind],
+        device="cuda",
+        dtype="float32",
+        num_pages=256,
+        cuda_graphs=False,
+        overlap_schedule=False,
+        **settings,
+    )
     expected = [o.token_ids for o in eager.generate(prompts, params)]
-    with Engine.from_pretrained(models[kind], device="cuda", dtype="float32", tensor_parallel_size=2,
-                                gpu_memory_utilization=0.05, **settings) as tp:
+    with Engine.from_pretrained(
+        models[kind], device="cuda", dtype="float32", tensor_parallel_size=2, gpu_memory_utilization=0.05, **settings
+    ) as tp:
         assert tp.runner.decode_graphs is not None and tp.overlap
         assert tp.devices == ["cuda:0", "cuda:1"]
         assert [o.token_ids for o in tp.generate(prompts, params)] == expected
@@ -113,8 +123,13 @@ class FailingOnce:
 def test_a_step_that_raises_on_a_rank_leaves_it_serving_the_next_steps(caplog):
     ring = StepRing(readers=1, capacity=message_bytes(4, 1, 1), timeout_s=5)
     reader, runner = ring.reader(0), FailingOnce()
-    step = HostStep(*(np.zeros(n, dtype) for n, dtype in ((1, np.int64),) * 3), np.zeros((1, 1), np.int32),
-                    *(np.zeros(n, np.int32) for n in (1, 1, 2)), np.zeros(1, np.int64), max_q_len=1)
+    step = HostStep(
+        *(np.zeros(n, dtype) for n, dtype in ((1, np.int64),) * 3),
+        np.zeros((1, 1), np.int32),
+        *(np.zeros(n, np.int32) for n in (1, 1, 2)),
+        np.zeros(1, np.int64),
+        max_q_len=1,
+    )
     rank = threading.Thread(target=serve_steps, args=(reader, runner))  # the ring has two slots
     rank.start()
     for _ in range(3):

@@ -1,5 +1,6 @@
 """Engine.warm_up: it runs at every page size, leaves the engine generating what a cold one does,
 and compiles every Triton kernel variant that serving can launch."""
+
 import contextlib
 import importlib
 import itertools
@@ -35,8 +36,16 @@ def test_an_engine_with_tiny_pages_warms_up_and_generates_what_page_size_16_does
 # By import_module: kernels/__init__ rebinds `kernels.rms_norm` to the function of that name.
 KERNEL_MODULES = tuple(
     importlib.import_module(f"kernels.{name}")
-    for name in ("activation", "decode_attention", "extend_attention", "fused_moe", "kv_store", "moe_align",
-                 "rms_norm", "rope")
+    for name in (
+        "activation",
+        "decode_attention",
+        "extend_attention",
+        "fused_moe",
+        "kv_store",
+        "moe_align",
+        "rms_norm",
+        "rope",
+    )
 )
 decode_attention = importlib.import_module("kernels.decode_attention")
 
@@ -116,8 +125,13 @@ def test_warm_up_compiles_every_kernel_variant_a_varied_batch_launches(make_engi
         serve_a_varied_batch(engine)
 
     assert {name for name, _, _ in serving.keys} == {
-        "_rms_norm_kernel", "_head_norm_rope_kernel", "_silu_and_mul_kernel", "_store_kv_kernel",
-        "_extend_kernel", "_decode_split_kernel", "_decode_merge_kernel",
+        "_rms_norm_kernel",
+        "_head_norm_rope_kernel",
+        "_silu_and_mul_kernel",
+        "_store_kv_kernel",
+        "_extend_kernel",
+        "_decode_split_kernel",
+        "_decode_merge_kernel",
     }
     for kernel in ("_decode_split_kernel", "_extend_kernel"):  # widths of 1, of a multiple of 16, of neither
         widths = serving.values[(kernel, "page_table_stride")]
@@ -137,8 +151,9 @@ def test_on_cuda_no_triton_kernel_compiles_after_warm_up(checkpoint, loaded, mon
 
     _, tokenizer = loaded
     model, config, _ = load_model(checkpoint, dtype=torch.bfloat16, device="cuda")
-    settings = EngineSettings.parse(page_size=4, num_pages=256, max_num_batched_tokens=48, max_running=8,
-                                    cuda_graphs=cuda_graphs)
+    settings = EngineSettings.parse(
+        page_size=4, num_pages=256, max_num_batched_tokens=48, max_running=8, cuda_graphs=cuda_graphs
+    )
     engine = Engine(model, config, tokenizer, settings, [], torch.device("cuda"))
     engine.warm_up()
     compiled = []

@@ -2,6 +2,7 @@
 sampling, logprobs), one on the echo engine (the prompt back, byte by byte: fast, and every
 token known in advance), and one gateway in front of them, shared by the whole session:
 a tiny worker takes many seconds to start."""
+
 import json
 
 import openai
@@ -30,9 +31,16 @@ def gateway_workers(redis_server, tmp_path_factory):
 def gateway(redis_server, gateway_workers, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("gateway")
     process = GatewayProcess(
-        redis_server.url, log_dir, "--keepalive-s", str(KEEPALIVE_S), "--stream-hold-s", str(STREAM_HOLD_S),
-        "--workers-refresh-s", "0.2",
-        "--models", json.dumps({PARKED_MODEL: PARKED_QUEUE}),
+        redis_server.url,
+        log_dir,
+        "--keepalive-s",
+        str(KEEPALIVE_S),
+        "--stream-hold-s",
+        str(STREAM_HOLD_S),
+        "--workers-refresh-s",
+        "0.2",
+        "--models",
+        json.dumps({PARKED_MODEL: PARKED_QUEUE}),
     )
     try:
         yield process.start()

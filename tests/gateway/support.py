@@ -1,6 +1,7 @@
 """What the gateway's tests share: the queues and timings of the session's gateway (conftest.py
 starts it) that tests name too, a raw HTTP request (its body sent only while the gateway has not
 answered), and a watch on a process's memory and spooled files."""
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,9 @@ KEEPALIVE_S = 0.2
 STREAM_HOLD_S = 3.0  # a stream of a job that waits in the queue begins after this, then keeps alive
 
 
-def raw_request(port: int, method: str, path: str, headers: dict[str, str], chunks, chunked: bool = False) -> tuple[int, bytes, int]:
+def raw_request(
+    port: int, method: str, path: str, headers: dict[str, str], chunks, chunked: bool = False
+) -> tuple[int, bytes, int]:
     """One HTTP/1.1 request over a socket, its body sent chunk by chunk until the gateway answers
     (or closes): (status, body, body bytes sent). The answer is read as soon as it comes, so that
     one sent before the body was read is seen even though the body never was."""

@@ -1,6 +1,7 @@
 """The Batch API through the official `openai` SDK, against real gateway processes, two echo
 workers and a real redis-server: files in and out, a batch's statuses and counts, and every
 custom_id answered exactly once whatever dies or is cancelled on the way."""
+
 from __future__ import annotations
 
 import io
@@ -58,17 +59,39 @@ def batch_workers(redis_server, batch_queue, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("batch-workers")
     script = log_dir / "endless.json"
     script.write_text(json.dumps([{"when": ENDLESS, "say": "x" * ENDLESS_TOKENS}]))
-    flags = ("--max-running", "4", "--claim-idle-ms", "1000", "--reclaim-interval-s", "0.2",
-             "--max-model-len", str(2 * ENDLESS_TOKENS), "--num-pages", str(ENDLESS_TOKENS))
+    flags = (
+        "--max-running",
+        "4",
+        "--claim-idle-ms",
+        "1000",
+        "--reclaim-interval-s",
+        "0.2",
+        "--max-model-len",
+        str(2 * ENDLESS_TOKENS),
+        "--num-pages",
+        str(ENDLESS_TOKENS),
+    )
     with echo_workers(redis_server.url, batch_queue, log_dir, *flags, env={"MILI_ECHO_SCRIPT": str(script)}) as workers:
         yield workers
 
 
 def gateway_flags(batch_queue: str, *more: str) -> tuple[str, ...]:
     return (
-        "--models", json.dumps({MODEL: batch_queue}), "--batch-poll-s", "0.1", "--batch-lease-s", "1",
-        "--batch-in-flight", str(IN_FLIGHT), "--batch-max-lines", str(MAX_LINES), "--batch-max-file-bytes",
-        str(MAX_FILE_BYTES), "--batch-completion-windows", json.dumps(["24h", "4s"]), *more,
+        "--models",
+        json.dumps({MODEL: batch_queue}),
+        "--batch-poll-s",
+        "0.1",
+        "--batch-lease-s",
+        "1",
+        "--batch-in-flight",
+        str(IN_FLIGHT),
+        "--batch-max-lines",
+        str(MAX_LINES),
+        "--batch-max-file-bytes",
+        str(MAX_FILE_BYTES),
+        "--batch-completion-windows",
+        json.dumps(["24h", "4s"]),
+        *more,
     )
 
 
@@ -83,8 +106,12 @@ def gateway(redis_server, batch_queue, batch_workers, tmp_path_factory):
 
 
 def chat_line(custom_id: str, content: str, max_tokens: int = 64, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **body},
+    }
 
 
 def echo_of(content: str) -> str:
@@ -98,7 +125,9 @@ def upload(sdk, lines: list) -> str:
 
 
 def run_batch(sdk, lines: list, window: str = "24h"):
-    return sdk.batches.create(input_file_id=upload(sdk, lines), endpoint="/v1/chat/completions", completion_window=window)
+    return sdk.batches.create(
+        input_file_id=upload(sdk, lines), endpoint="/v1/chat/completions", completion_window=window
+    )
 
 
 def wait_for(sdk, batch_id: str, condition, timeout: float = RUN_TIMEOUT_S):
@@ -161,18 +190,25 @@ def test_the_sdk_uploads_runs_and_downloads_a_batch(sdk, redis_client, batch_que
     assert created.status == "validating" and created.endpoint == "/v1/chat/completions"
     batch = ended(sdk, created.id)
     assert batch.status == "completed", batch
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (len(lines), len(lines) - 2, 2)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        len(lines),
+        len(lines) - 2,
+        2,
+    )
     assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
     assert batch.expires_at == batch.created_at + 24 * 3600
 
     done = answers(sdk, batch.output_file_id)
     assert set(done) == {f"r{i}" for i in range(n)} | {"two"}
-    assert all(done[f"r{i}"]["response"]["body"]["choices"][0]["message"]["content"] == echo_of(f"hello {i}") for i in range(n))
+    assert all(
+        done[f"r{i}"]["response"]["body"]["choices"][0]["message"]["content"] == echo_of(f"hello {i}") for i in range(n)
+    )
     assert done["r0"]["response"]["status_code"] == 200 and done["r0"]["error"] is None
     assert [c["index"] for c in done["two"]["response"]["body"]["choices"]] == [0, 1]
     failed = answers(sdk, batch.error_file_id)
     assert {k: (a["response"]["status_code"], a["response"]["body"]["error"]["code"]) for k, a in failed.items()} == {
-        "cold": (400, "below_min_value"), "nobody": (404, "model_not_found"),
+        "cold": (400, "below_min_value"),
+        "nobody": (404, "model_not_found"),
     }
     output = sdk.files.retrieve(batch.output_file_id)
     assert output.purpose == "batch_output" and output.bytes == len(sdk.files.content(batch.output_file_id).content)
@@ -187,10 +223,15 @@ def driving_gateway(sdk, redis_client, batch_id: str, gateways: list[GatewayProc
     return next(i for i, gw in enumerate(gateways) if f"-{gw.process.pid}-" in holder), holder
 
 
-def test_a_killed_worker_and_killed_gateways_lose_no_line(redis_server, redis_client, batch_queue, batch_workers, gateway, tmp_path):
+def test_a_killed_worker_and_killed_gateways_lose_no_line(
+    redis_server, redis_client, batch_queue, batch_workers, gateway, tmp_path
+):
     """Three gateways drive batches; the one driving this batch is killed (kill -9), and so is a
     worker, mid-batch; the killed gateway starts again. The batch completes, each line once."""
-    extra = [GatewayProcess(redis_server.url, tmp_path, *gateway_flags(batch_queue), name=f"gw-{i}").start() for i in range(2)]
+    extra = [
+        GatewayProcess(redis_server.url, tmp_path, *gateway_flags(batch_queue), name=f"gw-{i}").start()
+        for i in range(2)
+    ]
     gateways = [gateway, *extra]
     sdks = [openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0) for gw in gateways]
     victim_worker = batch_workers[0]
@@ -207,7 +248,10 @@ def test_a_killed_worker_and_killed_gateways_lose_no_line(redis_server, redis_cl
         assert (done.request_counts.completed, done.request_counts.failed) == (n, 0)
         output = answers(sdks[driver], done.output_file_id)
         assert set(output) == {f"k{i}" for i in range(n)}
-        assert all(output[f"k{i}"]["response"]["body"]["choices"][0]["message"]["content"] == echo_of(f"{i:04d} " + SLOW_LINE) for i in range(n))
+        assert all(
+            output[f"k{i}"]["response"]["body"]["choices"][0]["message"]["content"] == echo_of(f"{i:04d} " + SLOW_LINE)
+            for i in range(n)
+        )
         assert done.error_file_id is None
     finally:
         for client in sdks:
@@ -218,7 +262,9 @@ def test_a_killed_worker_and_killed_gateways_lose_no_line(redis_server, redis_cl
         victim_worker.start().wait_ready()
 
 
-def test_a_gateway_stopped_gracefully_hands_its_batch_over_at_once(redis_server, redis_client, batch_queue, gateway, tmp_path):
+def test_a_gateway_stopped_gracefully_hands_its_batch_over_at_once(
+    redis_server, redis_client, batch_queue, gateway, tmp_path
+):
     """With 60 s leases, a SIGTERM'd gateway's lease is gone as it exits (not left to lapse), and
     another gateway finishes its batch."""
     gateways: list[GatewayProcess] = []
@@ -245,7 +291,9 @@ def test_a_gateway_stopped_gracefully_hands_its_batch_over_at_once(redis_server,
         gateway.start()
 
 
-def test_lines_wait_for_room_in_a_full_queue_and_are_answered_once(redis_server, redis_client, batch_queue, gateway, tmp_path):
+def test_lines_wait_for_room_in_a_full_queue_and_are_answered_once(
+    redis_server, redis_client, batch_queue, gateway, tmp_path
+):
     """A gateway whose queue bound (3 jobs) is far below the lines a batch has out (IN_FLIGHT):
     it submits what fits, again and again, lines of two choices straddling the bound; every line
     is answered once, and no job is enqueued twice. Placement off: the bound is the shared
@@ -263,9 +311,9 @@ def test_lines_wait_for_room_in_a_full_queue_and_are_answered_once(redis_server,
         assert done.status == "completed", done
         assert (done.request_counts.completed, done.request_counts.failed) == (n, 0)
         output = answers(sdk, done.output_file_id)
-        assert {cid: [c["message"]["content"] for c in a["response"]["body"]["choices"]] for cid, a in output.items()} == {
-            f"q{i}": [echo_of(f"room {i}")] * choices[i] for i in range(n)
-        }
+        assert {
+            cid: [c["message"]["content"] for c in a["response"]["body"]["choices"]] for cid, a in output.items()
+        } == {f"q{i}": [echo_of(f"room {i}")] * choices[i] for i in range(n)}
         assert entries_added(redis_client, batch_queue) - before == sum(choices)
         assert "is full; line" in bounded.log()  # the runs met the bound, and waited
     finally:
@@ -308,12 +356,21 @@ def test_a_batch_past_its_window_expires_with_what_finished(sdk):
 
 def test_a_bad_line_fails_the_batch_in_validation_naming_the_lines(sdk):
     lines = [
-        chat_line("a", "x"), chat_line("b", "y"), "{not json",
-        chat_line("c", "z"), {**chat_line("d", "w"), "url": "/v1/completions"}, chat_line("e", "v"), chat_line("a", "again"),
+        chat_line("a", "x"),
+        chat_line("b", "y"),
+        "{not json",
+        chat_line("c", "z"),
+        {**chat_line("d", "w"), "url": "/v1/completions"},
+        chat_line("e", "v"),
+        chat_line("a", "again"),
     ]
     done = ended(sdk, run_batch(sdk, lines).id)
     assert done.status == "failed" and done.failed_at is not None and done.output_file_id is None
-    assert [(e.line, e.code) for e in done.errors.data] == [(3, "invalid_json"), (5, "invalid_url"), (7, "duplicate_custom_id")]
+    assert [(e.line, e.code) for e in done.errors.data] == [
+        (3, "invalid_json"),
+        (5, "invalid_url"),
+        (7, "duplicate_custom_id"),
+    ]
 
 
 def test_files_are_refused_and_found_as_the_api_says(sdk, gateway):
@@ -334,7 +391,10 @@ def test_files_are_refused_and_found_as_the_api_says(sdk, gateway):
         sdk.batches.retrieve("batch_" + "0" * 32)
 
     file_id = upload(sdk, [chat_line("a", "x")])
-    for endpoint, window, param in (("/v1/embeddings", "24h", "endpoint"), ("/v1/chat/completions", "1h", "completion_window")):
+    for endpoint, window, param in (
+        ("/v1/embeddings", "24h", "endpoint"),
+        ("/v1/chat/completions", "1h", "completion_window"),
+    ):
         with pytest.raises(openai.BadRequestError, match=param):
             sdk.batches.create(input_file_id=file_id, endpoint=endpoint, completion_window=window)
     assert sdk.files.delete(file_id).deleted
@@ -364,9 +424,13 @@ def test_batches_are_listed_newest_first_page_by_page(sdk):
     assert [i for i in seen if i in ids] == ids[::-1]
 
 
-def test_files_and_ended_batches_expire_after_batch_ttl_s(redis_server, redis_client, batch_queue, batch_workers, tmp_path):
+def test_files_and_ended_batches_expire_after_batch_ttl_s(
+    redis_server, redis_client, batch_queue, batch_workers, tmp_path
+):
     ttl_s = 2
-    gateway = GatewayProcess(redis_server.url, tmp_path, *gateway_flags(batch_queue, "--batch-ttl-s", str(ttl_s))).start()
+    gateway = GatewayProcess(
+        redis_server.url, tmp_path, *gateway_flags(batch_queue, "--batch-ttl-s", str(ttl_s))
+    ).start()
     sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
     try:
         batches = [run_batch(sdk, [chat_line(f"t{i}", "ttl")]) for i in range(3)]
@@ -380,7 +444,9 @@ def test_files_and_ended_batches_expire_after_batch_ttl_s(redis_server, redis_cl
         for b in done:
             with pytest.raises(openai.NotFoundError):
                 sdk.batches.retrieve(b.id)
-            assert not redis_client.exists(KEYS.file_content(b.output_file_id), KEYS.batch_output(b.id), KEYS.batch_input(b.id))
+            assert not redis_client.exists(
+                KEYS.file_content(b.output_file_id), KEYS.batch_output(b.id), KEYS.batch_input(b.id)
+            )
         assert not {b.id for b in done} & {b.id for b in sdk.batches.list(limit=100).data}
     finally:
         sdk.close()

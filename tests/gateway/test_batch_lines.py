@@ -1,13 +1,21 @@
 """OpenAI's batch line format (gateway/batch/lines.py), shared by `mili batch` and the Batch API:
 what a line that is not a request is called, request ids, answers rendered from results, and
 where a full queue splits the lines it was sent."""
+
 import json
 import uuid
 
 import pytest
 
 from gateway.batch.lines import (
-    LineError, LineJobs, answer, check_lines, line_request, parse_line, request_id, split_at_full_queue,
+    LineError,
+    LineJobs,
+    answer,
+    check_lines,
+    line_request,
+    parse_line,
+    request_id,
+    split_at_full_queue,
 )
 from gateway.batch.store import text_pieces
 from gateway.errors import APIError
@@ -19,20 +27,33 @@ CHAT = "/v1/chat/completions"
 
 
 def line(custom_id="a", url=CHAT, method="POST", **body) -> str:
-    return json.dumps({"custom_id": custom_id, "method": method, "url": url,
-                       "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}})
+    return json.dumps(
+        {
+            "custom_id": custom_id,
+            "method": method,
+            "url": url,
+            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body},
+        }
+    )
 
 
-@pytest.mark.parametrize("text, code, param", [
-    ("{not json", "invalid_json", None),
-    ("[1, 2]", "invalid_line", None),
-    (json.dumps({"method": "POST", "url": CHAT, "body": {}}), "invalid_line", "custom_id"),
-    (json.dumps({"custom_id": "", "method": "POST", "url": CHAT, "body": {}}), "invalid_line", "custom_id"),
-    (line(method="GET"), "invalid_line", "method"),
-    (json.dumps({"custom_id": "a", "method": "POST", "url": CHAT, "body": []}), "invalid_line", "body"),
-    (json.dumps({"custom_id": "a", "method": "POST", "url": CHAT, "body": {}, "extra": 1}), "invalid_line", "extra"),
-    (line(url="/v1/embeddings"), "invalid_url", "url"),
-])
+@pytest.mark.parametrize(
+    "text, code, param",
+    [
+        ("{not json", "invalid_json", None),
+        ("[1, 2]", "invalid_line", None),
+        (json.dumps({"method": "POST", "url": CHAT, "body": {}}), "invalid_line", "custom_id"),
+        (json.dumps({"custom_id": "", "method": "POST", "url": CHAT, "body": {}}), "invalid_line", "custom_id"),
+        (line(method="GET"), "invalid_line", "method"),
+        (json.dumps({"custom_id": "a", "method": "POST", "url": CHAT, "body": []}), "invalid_line", "body"),
+        (
+            json.dumps({"custom_id": "a", "method": "POST", "url": CHAT, "body": {}, "extra": 1}),
+            "invalid_line",
+            "extra",
+        ),
+        (line(url="/v1/embeddings"), "invalid_url", "url"),
+    ],
+)
 def test_a_line_that_is_not_a_request_is_named_with_its_number(text, code, param):
     with pytest.raises(LineError) as bad:
         parse_line(text, 7)
@@ -53,18 +74,39 @@ def test_check_lines_names_every_bad_line_up_to_the_cap_and_skips_blank_ones():
 def test_request_ids_depend_on_scope_custom_id_and_body_and_fit_a_job_id():
     base = request_id("s", "a", {"x": 1, "y": [1, 2]})
     assert base == request_id("s", "a", {"y": [1, 2], "x": 1})
-    assert len({base, request_id("t", "a", {"x": 1, "y": [1, 2]}), request_id("s", "b", {"x": 1, "y": [1, 2]}),
-                request_id("s", "a", {"x": 2, "y": [1, 2]})}) == 4
+    assert (
+        len(
+            {
+                base,
+                request_id("t", "a", {"x": 1, "y": [1, 2]}),
+                request_id("s", "b", {"x": 1, "y": [1, 2]}),
+                request_id("s", "a", {"x": 2, "y": [1, 2]}),
+            }
+        )
+        == 4
+    )
     assert NAME_PATTERN.fullmatch(f"{base}-127")
 
 
-@pytest.mark.parametrize("body, param", [({"stream": True}, "stream"), ({"max_tokens": 10**6}, "max_tokens"),
-                                         ({"tools": [{"type": "function"}]}, "tools.0.function"),
-                                         ({"temperature": "hot"}, "temperature"),
-                                         ({"response_format": {"type": "json_schema", "json_schema": {
-                                             "name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
-                                          "response_format.json_schema.schema.uniqueItems"),
-                                         ({"guided_regex": "(?=a)"}, "guided_regex")])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"stream": True}, "stream"),
+        ({"max_tokens": 10**6}, "max_tokens"),
+        ({"tools": [{"type": "function"}]}, "tools.0.function"),
+        ({"temperature": "hot"}, "temperature"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+                }
+            },
+            "response_format.json_schema.schema.uniqueItems",
+        ),
+        ({"guided_regex": "(?=a)"}, "guided_regex"),
+    ],
+)
 def test_a_body_the_http_api_refuses_is_a_400_naming_the_field(body, param):
     with pytest.raises(APIError) as refused:
         line_request(parse_line(line(**body), 1), 1)
@@ -73,16 +115,26 @@ def test_a_body_the_http_api_refuses_is_a_400_naming_the_field(body, param):
 
 def test_a_lines_structured_output_reaches_its_jobs():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    request = line_request(parse_line(line(n=2, response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": schema}}), 1), 1)
+    request = line_request(
+        parse_line(
+            line(n=2, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}), 1
+        ),
+        1,
+    )
     assert [s.sampling["response_format"]["json_schema"]["schema"] for s in request.specs] == [schema, schema]
     guided = line_request(parse_line(line(guided_choice=["yes", "no"]), 1), 1)
     assert guided.specs[0].sampling["response_format"] == {"type": "choice", "choices": ["yes", "no"]}
 
 
 def result(job_id: str, status="done", text="ok", code=None, finish_reason="stop") -> JobResult:
-    return JobResult(id=job_id, status=status, text=text, finish_reason=finish_reason,
-                     error=ErrorInfo(code=code, message="why") if code else None, usage=Usage(prompt_tokens=3, completion_tokens=2))
+    return JobResult(
+        id=job_id,
+        status=status,
+        text=text,
+        finish_reason=finish_reason,
+        error=ErrorInfo(code=code, message="why") if code else None,
+        usage=Usage(prompt_tokens=3, completion_tokens=2),
+    )
 
 
 def jobs_of(text: str) -> LineJobs:
@@ -100,7 +152,9 @@ def test_answers_are_the_http_apis_own():
 
     single = jobs_of(line())
     for status, code, finish, expected in (
-        ("failed", "prompt_too_long", "error", 400), ("failed", "internal", "error", 500), ("expired", None, "timeout", 504),
+        ("failed", "prompt_too_long", "error", 400),
+        ("failed", "internal", "error", 500),
+        ("expired", None, "timeout", 504),
     ):
         failed = answer(single.request, "rid", [result("rid-0", status=status, code=code, finish_reason=finish)])
         assert not failed.ok and failed.response.status_code == expected
@@ -113,8 +167,13 @@ LINE_BOUNDARIES_JSON_ALLOWS = ["\u2028", "\u2029", "\x85"]
 
 def test_batch_lines_split_on_newlines_only_and_keep_their_numbers():
     prompts = [f"a{sep}b" for sep in LINE_BOUNDARIES_JSON_ALLOWS]
-    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"model": "m", "prompt": p}}, ensure_ascii=False) for i, p in enumerate(prompts)]
+    lines = [
+        json.dumps(
+            {"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": p}},
+            ensure_ascii=False,
+        )
+        for i, p in enumerate(prompts)
+    ]
     text = "\r\n".join(lines) + "\r\n" + "not json\n"  # a CRLF file, and a bad line after them
     valid, errors = check_lines(text, "/v1/completions", max_lines=10)
     assert [parse_line(line, 1).body["prompt"] for line in valid[:3]] == prompts
@@ -132,7 +191,9 @@ def specs_of(lines: list[LineJobs]) -> list[dict]:
     return [spec for line in lines for spec in line.submit_specs()]
 
 
-def test_a_full_queue_lets_through_the_lines_it_took_whole_and_a_half_taken_line_waits_whole(redis_server, redis_client):
+def test_a_full_queue_lets_through_the_lines_it_took_whole_and_a_half_taken_line_waits_whole(
+    redis_server, redis_client
+):
     """Both batch runners' split: 4 lines of 2 choices against a queue bound of 3 jobs. The queue
     takes 3 jobs, all of line 1 and half of line 2: line 1 goes on, lines 2-4 wait, and sent again
     once there is room they add the 5 jobs left out, not line 2's first one twice."""

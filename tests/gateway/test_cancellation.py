@@ -1,6 +1,7 @@
 """A task that loses its cancel is cancelled again: on Python 3.11, asyncio.wait_for (which
 redis-py sends every command through) returns the awaited call's result when the cancel comes
 with it, and a gateway's stop then waited forever for its batch driver (gateway.cancellation)."""
+
 from __future__ import annotations
 
 import asyncio

@@ -4,6 +4,7 @@ its size (a Content-Length over the limit is refused at once with 413; a chunked
 once it passes the limit, and what the gateway held stays under the limit plus a small constant),
 and its type (a JSON route takes application/json only: a cross-site "simple" request cannot
 enqueue work). No CORS is granted unless configured; the board's actions need their header."""
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,19 @@ def spool_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def edge_gateway(redis_server, tmp_path_factory, spool_dir):  # noqa: F811
     gateway = GatewayProcess(
-        redis_server.url, tmp_path_factory.mktemp("edge"), "--api-keys", json.dumps([KEY]),
-        "--batch-max-file-bytes", str(UPLOAD_LIMIT), "--max-json-bytes", str(JSON_LIMIT),
-        "--cors-origins", json.dumps([ORIGIN]), "--auth-failures-per-minute", "1000", env={"TMPDIR": str(spool_dir)},
+        redis_server.url,
+        tmp_path_factory.mktemp("edge"),
+        "--api-keys",
+        json.dumps([KEY]),
+        "--batch-max-file-bytes",
+        str(UPLOAD_LIMIT),
+        "--max-json-bytes",
+        str(JSON_LIMIT),
+        "--cors-origins",
+        json.dumps([ORIGIN]),
+        "--auth-failures-per-minute",
+        "1000",
+        env={"TMPDIR": str(spool_dir)},
     ).start()
     yield gateway
     gateway.stop()
@@ -52,9 +63,11 @@ def upload_head(length: int | None, key: str | None = None) -> dict[str, str]:
 
 def upload_chunks(total: int, chunk: int = 64 << 10):
     """A multipart body of one file part `total` bytes long (never closed: it is cut off first)."""
-    yield (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n--{BOUNDARY}\r\n"
-           'Content-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
-           "Content-Type: application/octet-stream\r\n\r\n").encode()
+    yield (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--{BOUNDARY}\r\n'
+        'Content-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode()
     line = b'{"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {}}\n'
     for _ in range(total // chunk):
         yield (line * (chunk // len(line) + 1))[:chunk]
@@ -67,8 +80,14 @@ def error_of(body: bytes) -> dict:
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 def test_an_unauthenticated_upload_is_refused_before_any_of_it_is_read(edge_gateway, spool_dir, chunked):
     with ResourceWatch(edge_gateway.process.pid, spool_dir) as watch:
-        status, body, _ = raw_request(edge_gateway.port, "POST", "/v1/files", upload_head(None if chunked else 16 * MIB),
-                                      upload_chunks(16 * MIB), chunked=chunked)
+        status, body, _ = raw_request(
+            edge_gateway.port,
+            "POST",
+            "/v1/files",
+            upload_head(None if chunked else 16 * MIB),
+            upload_chunks(16 * MIB),
+            chunked=chunked,
+        )
     assert status == 401 and error_of(body)["code"] == "invalid_api_key"
     assert watch.max_spooled == 0
     assert watch.max_rss_growth < SLACK, watch.max_rss_growth
@@ -76,17 +95,21 @@ def test_an_unauthenticated_upload_is_refused_before_any_of_it_is_read(edge_gate
 
 def test_an_upload_whose_length_is_over_the_limit_is_refused_at_once(edge_gateway, spool_dir):
     with ResourceWatch(edge_gateway.process.pid, spool_dir) as watch:
-        status, body, sent = raw_request(edge_gateway.port, "POST", "/v1/files", upload_head(16 * MIB, KEY),
-                                         upload_chunks(16 * MIB))
+        status, body, sent = raw_request(
+            edge_gateway.port, "POST", "/v1/files", upload_head(16 * MIB, KEY), upload_chunks(16 * MIB)
+        )
     assert status == 413 and error_of(body)["code"] == "request_too_large"
-    assert error_of(body)["type"] == "invalid_request_error" and str(UPLOAD_LIMIT + 64 * 1024) in error_of(body)["message"]
+    assert (
+        error_of(body)["type"] == "invalid_request_error" and str(UPLOAD_LIMIT + 64 * 1024) in error_of(body)["message"]
+    )
     assert sent == 0 and watch.max_spooled == 0
 
 
 def test_a_chunked_upload_is_cut_off_once_it_passes_the_limit(edge_gateway, spool_dir):
     with ResourceWatch(edge_gateway.process.pid, spool_dir) as watch:
-        status, body, sent = raw_request(edge_gateway.port, "POST", "/v1/files", upload_head(None, KEY),
-                                         upload_chunks(16 * MIB), chunked=True)
+        status, body, sent = raw_request(
+            edge_gateway.port, "POST", "/v1/files", upload_head(None, KEY), upload_chunks(16 * MIB), chunked=True
+        )
     assert status == 413 and error_of(body)["code"] == "request_too_large"
     assert sent < 16 * MIB
     assert watch.max_spooled <= UPLOAD_LIMIT + SLACK, watch.max_spooled
@@ -95,10 +118,11 @@ def test_a_chunked_upload_is_cut_off_once_it_passes_the_limit(edge_gateway, spoo
 
 def test_a_json_body_over_the_limit_is_refused_whether_announced_or_chunked(edge_gateway, spool_dir):
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
-    big = (b'{"model": "echo", "prompt": "' + b"x" * (64 * MIB))
-    chunks = [big[i:i + (64 << 10)] for i in range(0, len(big), 64 << 10)]
-    status, body, sent = raw_request(edge_gateway.port, "POST", "/v1/completions",
-                                     {**headers, "Content-Length": str(len(big))}, chunks)
+    big = b'{"model": "echo", "prompt": "' + b"x" * (64 * MIB)
+    chunks = [big[i : i + (64 << 10)] for i in range(0, len(big), 64 << 10)]
+    status, body, sent = raw_request(
+        edge_gateway.port, "POST", "/v1/completions", {**headers, "Content-Length": str(len(big))}, chunks
+    )
     assert (status, error_of(body)["code"], sent) == (413, "request_too_large", 0)
     with ResourceWatch(edge_gateway.process.pid, spool_dir) as watch:
         status, body, sent = raw_request(edge_gateway.port, "POST", "/v1/completions", headers, chunks, chunked=True)
@@ -110,14 +134,21 @@ def test_a_json_body_over_the_limit_is_refused_whether_announced_or_chunked(edge
 def test_the_board_login_reads_a_bounded_form(edge_gateway, spool_dir):
     form = b"key=" + b"k" * (16 * MIB)
     with ResourceWatch(edge_gateway.process.pid, spool_dir) as watch:
-        status, body, _ = raw_request(edge_gateway.port, "POST", "/board/login", {
-            "Content-Type": "application/x-www-form-urlencoded"}, [form[i:i + 65536] for i in range(0, len(form), 65536)],
-            chunked=True)
+        status, body, _ = raw_request(
+            edge_gateway.port,
+            "POST",
+            "/board/login",
+            {"Content-Type": "application/x-www-form-urlencoded"},
+            [form[i : i + 65536] for i in range(0, len(form), 65536)],
+            chunked=True,
+        )
     assert (status, error_of(body)["code"]) == (413, "request_too_large")
     assert watch.max_rss_growth < SLACK, watch.max_rss_growth
 
 
-@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"])
+@pytest.mark.parametrize(
+    "content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"]
+)
 def test_a_json_route_takes_json_only_and_enqueues_nothing_else(edge_gateway, redis_client, content_type):  # noqa: F811
     before = job_count(redis_client)
     body = json.dumps({"model": "echo", "prompt": "cross-site", "max_tokens": 4}).encode()
@@ -132,9 +163,14 @@ def test_a_json_route_takes_json_only_and_enqueues_nothing_else(edge_gateway, re
 
 
 def test_cors_is_granted_to_configured_origins_only(edge_gateway, redis_server):  # noqa: F811
-    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
     allowed = httpx.options(f"{edge_gateway.url}/v1/completions", headers={"Origin": ORIGIN, **preflight})
-    refused = httpx.options(f"{edge_gateway.url}/v1/completions", headers={"Origin": "https://evil.example", **preflight})
+    refused = httpx.options(
+        f"{edge_gateway.url}/v1/completions", headers={"Origin": "https://evil.example", **preflight}
+    )
     assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
     assert "access-control-allow-origin" not in refused.headers
 
@@ -142,11 +178,16 @@ def test_cors_is_granted_to_configured_origins_only(edge_gateway, redis_server):
 def test_an_open_gateway_grants_no_cors_and_its_board_actions_need_their_header(redis_server, tmp_path):  # noqa: F811
     gateway = GatewayProcess(redis_server.url, tmp_path).start()
     try:
-        preflight = httpx.options(f"{gateway.url}/v1/completions", headers={
-            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        preflight = httpx.options(
+            f"{gateway.url}/v1/completions",
+            headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+        )
         assert "access-control-allow-origin" not in preflight.headers
-        simple = httpx.post(f"{gateway.url}/v1/completions", content=b"{}", headers={
-            "Origin": "https://evil.example", "Content-Type": "text/plain"})
+        simple = httpx.post(
+            f"{gateway.url}/v1/completions",
+            content=b"{}",
+            headers={"Origin": "https://evil.example", "Content-Type": "text/plain"},
+        )
         assert simple.status_code == 415 and "access-control-allow-origin" not in simple.headers
         action = httpx.post(f"{gateway.url}/board/job/cancel?id=anything", headers={"Origin": "https://evil.example"})
         assert action.status_code == 403

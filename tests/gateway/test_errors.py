@@ -1,5 +1,6 @@
 """Errors in OpenAI's shape, with the status codes the SDK maps, and bad input refused before
 anything is enqueued. Plain httpx, so that the exact status, headers and body are checked."""
+
 import json
 import uuid
 
@@ -27,43 +28,68 @@ def error_of(response: httpx.Response) -> dict:
     return body["error"]
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": CHAT}, "model"),
-    ({"model": "tiny"}, "messages"),
-    ({"model": "tiny", "messages": []}, "messages"),
-    ({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
-    ({"model": "tiny", "messages": [{"content": "hi"}]}, "messages.0.role"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content"),
-    ({"model": "tiny", "messages": [{"role": "user"}]}, "messages.0.content"),
-    ({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
-    ({"model": "tiny", "messages": [{"role": "function", "name": "f", "content": "x"}]}, "messages.0.role"),
-    ({"model": "tiny", "messages": [*CHAT, {"role": "assistant", "content": "x", "audio": {"id": "a"}}]}, "messages.1.audio"),
-    ({"model": "tiny", "messages": CHAT, "temperature": "hot"}, "temperature"),
-    ({"model": "tiny", "messages": CHAT, "temperature": -1}, "temperature"),
-    ({"model": "tiny", "messages": CHAT, "temperature": 2.5}, "temperature"),
-    ({"model": "tiny", "messages": CHAT, "top_p": 1.5}, "top_p"),
-    ({"model": "tiny", "messages": CHAT, "max_tokens": 0}, "max_tokens"),
-    ({"model": "tiny", "messages": CHAT, "max_completion_tokens": 10**9}, "max_tokens"),
-    ({"model": "tiny", "messages": CHAT, "n": 0}, "n"),
-    ({"model": "tiny", "messages": CHAT, "n": 129}, "n"),
-    ({"model": "tiny", "messages": CHAT, "seed": 2**63}, "seed"),
-    ({"model": "tiny", "messages": CHAT, "stop": [""]}, "stop"),
-    ({"model": "tiny", "messages": CHAT, "stop": []}, "stop"),
-    ({"model": "tiny", "messages": CHAT, "stop": ["x"] * 5}, "stop"),
-    ({"model": "tiny", "messages": CHAT, "presence_penalty": 3}, "presence_penalty"),
-    ({"model": "tiny", "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
-    ({"model": "tiny", "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"model": "tiny", "messages": CHAT, "min_tokens": 9, "max_tokens": 8}, "min_tokens"),
-    ({"model": "tiny", "messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
-    ({"model": "tiny", "messages": CHAT, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.0.function.name"),
-    ({"model": "tiny", "messages": CHAT, "tool_choice": "required"}, "tool_choice"),
-    ({"model": "tiny", "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
-    ({"model": "tiny", "messages": CHAT, "chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs.enable_thinking"),
-    ({"model": "tiny", "messages": CHAT, "chat_template_kwargs": {"add_vision_id": True}}, "chat_template_kwargs.add_vision_id"),
-    ({"model": "tiny", "messages": CHAT, "colour": "red"}, "colour"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": CHAT}, "model"),
+        ({"model": "tiny"}, "messages"),
+        ({"model": "tiny", "messages": []}, "messages"),
+        ({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+        ({"model": "tiny", "messages": [{"content": "hi"}]}, "messages.0.role"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content",
+        ),
+        ({"model": "tiny", "messages": [{"role": "user"}]}, "messages.0.content"),
+        ({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
+        ({"model": "tiny", "messages": [{"role": "function", "name": "f", "content": "x"}]}, "messages.0.role"),
+        (
+            {"model": "tiny", "messages": [*CHAT, {"role": "assistant", "content": "x", "audio": {"id": "a"}}]},
+            "messages.1.audio",
+        ),
+        ({"model": "tiny", "messages": CHAT, "temperature": "hot"}, "temperature"),
+        ({"model": "tiny", "messages": CHAT, "temperature": -1}, "temperature"),
+        ({"model": "tiny", "messages": CHAT, "temperature": 2.5}, "temperature"),
+        ({"model": "tiny", "messages": CHAT, "top_p": 1.5}, "top_p"),
+        ({"model": "tiny", "messages": CHAT, "max_tokens": 0}, "max_tokens"),
+        ({"model": "tiny", "messages": CHAT, "max_completion_tokens": 10**9}, "max_tokens"),
+        ({"model": "tiny", "messages": CHAT, "n": 0}, "n"),
+        ({"model": "tiny", "messages": CHAT, "n": 129}, "n"),
+        ({"model": "tiny", "messages": CHAT, "seed": 2**63}, "seed"),
+        ({"model": "tiny", "messages": CHAT, "stop": [""]}, "stop"),
+        ({"model": "tiny", "messages": CHAT, "stop": []}, "stop"),
+        ({"model": "tiny", "messages": CHAT, "stop": ["x"] * 5}, "stop"),
+        ({"model": "tiny", "messages": CHAT, "presence_penalty": 3}, "presence_penalty"),
+        ({"model": "tiny", "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({"model": "tiny", "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"model": "tiny", "messages": CHAT, "min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+        ({"model": "tiny", "messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
+        (
+            {"model": "tiny", "messages": CHAT, "tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+            "tools.0.function.name",
+        ),
+        ({"model": "tiny", "messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "model": "tiny",
+                "messages": CHAT,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        (
+            {"model": "tiny", "messages": CHAT, "chat_template_kwargs": {"enable_thinking": "no"}},
+            "chat_template_kwargs.enable_thinking",
+        ),
+        (
+            {"model": "tiny", "messages": CHAT, "chat_template_kwargs": {"add_vision_id": True}},
+            "chat_template_kwargs.add_vision_id",
+        ),
+        ({"model": "tiny", "messages": CHAT, "colour": "red"}, "colour"),
+    ],
+)
 def test_a_bad_chat_argument_is_a_400_naming_it_and_enqueues_nothing(gateway, redis_client, body, param):
     before = job_count(redis_client)
     response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body)
@@ -73,14 +99,17 @@ def test_a_bad_chat_argument_is_a_400_naming_it_and_enqueues_nothing(gateway, re
     assert job_count(redis_client) == before
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": "tiny", "prompt": []}, "prompt"),
-    ({"model": "tiny", "prompt": [[]]}, "prompt"),
-    ({"model": "tiny", "prompt": [1, "two"]}, "prompt"),
-    ({"model": "tiny", "prompt": [-1]}, "input_ids"),
-    ({"model": "tiny", "prompt": "hi", "logprobs": 6}, "logprobs"),
-    ({"model": "tiny", "prompt": ["a"] * 65, "n": 2}, "n"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "tiny", "prompt": []}, "prompt"),
+        ({"model": "tiny", "prompt": [[]]}, "prompt"),
+        ({"model": "tiny", "prompt": [1, "two"]}, "prompt"),
+        ({"model": "tiny", "prompt": [-1]}, "input_ids"),
+        ({"model": "tiny", "prompt": "hi", "logprobs": 6}, "logprobs"),
+        ({"model": "tiny", "prompt": ["a"] * 65, "n": 2}, "n"),
+    ],
+)
 def test_a_bad_completion_argument_is_a_400_naming_it_and_enqueues_nothing(gateway, redis_client, body, param):
     before = job_count(redis_client)
     response = httpx.post(f"{gateway.url}/v1/completions", json=body)
@@ -91,7 +120,9 @@ def test_a_bad_completion_argument_is_a_400_naming_it_and_enqueues_nothing(gatew
 
 def test_a_body_that_is_not_json_is_a_400(gateway, redis_client):
     before = job_count(redis_client)
-    response = httpx.post(f"{gateway.url}/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    response = httpx.post(
+        f"{gateway.url}/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == 400 and error_of(response)["type"] == "invalid_request_error"
     assert job_count(redis_client) == before
 
@@ -99,7 +130,9 @@ def test_a_body_that_is_not_json_is_a_400(gateway, redis_client):
 def test_a_bad_idempotency_key_is_a_400(gateway, redis_client):
     before = job_count(redis_client)
     response = httpx.post(
-        f"{gateway.url}/v1/chat/completions", json={"model": "tiny", "messages": CHAT}, headers={"Idempotency-Key": "{bad}"},
+        f"{gateway.url}/v1/chat/completions",
+        json={"model": "tiny", "messages": CHAT},
+        headers={"Idempotency-Key": "{bad}"},
     )
     assert response.status_code == 400 and error_of(response)["param"] == "Idempotency-Key"
     assert job_count(redis_client) == before
@@ -130,9 +163,18 @@ def strict_gateway(redis_server, gateway_workers, tmp_path_factory):
     suffix = uuid.uuid4().hex[:8]
     models = {PARKED_MODEL: f"gw-strict-{suffix}", "full": f"gw-full-{suffix}"}
     gw = GatewayProcess(
-        redis_server.url, tmp_path_factory.mktemp("strict"), "--api-keys", json.dumps(API_KEYS),
-        "--max-queue-depth", "2", "--job-timeout-s", str(STRICT_TIMEOUT_S), "--retry-after-s", "3",
-        "--models", json.dumps(models),
+        redis_server.url,
+        tmp_path_factory.mktemp("strict"),
+        "--api-keys",
+        json.dumps(API_KEYS),
+        "--max-queue-depth",
+        "2",
+        "--job-timeout-s",
+        str(STRICT_TIMEOUT_S),
+        "--retry-after-s",
+        "3",
+        "--models",
+        json.dumps(models),
     )
     gw.models = models
     yield gw.start()
@@ -157,7 +199,8 @@ def test_a_full_queue_is_a_429_with_retry_after(strict_gateway, redis_server):
         waiting = [client.submit("fill", max_tokens=1) for _ in range(2)]
         try:
             response = httpx.post(
-                f"{strict_gateway.url}/v1/completions", json={"model": "full", "prompt": "one more"},
+                f"{strict_gateway.url}/v1/completions",
+                json={"model": "full", "prompt": "one more"},
                 headers={"Authorization": f"Bearer {API_KEYS[0]}"},
             )
         finally:
@@ -170,7 +213,10 @@ def test_a_full_queue_is_a_429_with_retry_after(strict_gateway, redis_server):
 def test_a_job_past_its_deadline_is_a_504_and_is_cancelled(strict_gateway, redis_client):
     auth = {"Authorization": f"Bearer {API_KEYS[1]}"}
     response = httpx.post(
-        f"{strict_gateway.url}/v1/chat/completions", json={"model": PARKED_MODEL, "messages": CHAT}, headers=auth, timeout=30,
+        f"{strict_gateway.url}/v1/chat/completions",
+        json={"model": PARKED_MODEL, "messages": CHAT},
+        headers=auth,
+        timeout=30,
     )
     assert response.status_code == 504
     assert error_of(response)["code"] == "deadline_exceeded"

@@ -1,5 +1,6 @@
 """The seed's endpoints (POST /generate, GET /health), a job's status, Prometheus metrics and
 the gateway's Idempotency-Key, over plain httpx."""
+
 import uuid
 
 import httpx
@@ -25,7 +26,9 @@ def test_generate_returns_the_text_and_usage_of_its_job(gateway, redis_server):
     assert body["usage"]["total_tokens"] == 11
 
 
-def test_generate_without_a_model_goes_to_the_default_queue_and_a_client_that_leaves_cancels_it(gateway, redis_server, redis_client):
+def test_generate_without_a_model_goes_to_the_default_queue_and_a_client_that_leaves_cancels_it(
+    gateway, redis_server, redis_client
+):
     # No worker serves the default queue here: the job waits until its client gives up.
     before = set(job_ids_in_queue(redis_client, "default"))
     with pytest.raises(httpx.ReadTimeout):
@@ -52,7 +55,9 @@ def test_job_status_of_a_finished_job(gateway):
 def test_an_idempotency_key_maps_a_repeated_request_to_the_same_jobs(gateway, redis_client):
     key = uuid.uuid4().hex
     body = {"model": "echo", "prompt": "once", "max_tokens": 8, "n": 2}
-    first, again = (httpx.post(f"{gateway.url}/v1/completions", json=body, headers={"Idempotency-Key": key}) for _ in range(2))
+    first, again = (
+        httpx.post(f"{gateway.url}/v1/completions", json=body, headers={"Idempotency-Key": key}) for _ in range(2)
+    )
     assert first.headers["x-mili-job-ids"] == again.headers["x-mili-job-ids"] == f"{key}-0,{key}-1"
     assert first.json()["id"] == again.json()["id"] == f"cmpl-{key}"
     assert first.json()["choices"] == again.json()["choices"]

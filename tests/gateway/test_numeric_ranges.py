@@ -3,6 +3,7 @@ share: a number out of range (top_k of 2**63, a token id past int32, a seed of 2
 InvalidArgument from the client before anything is enqueued, a 400 from the gateway with nothing
 enqueued, and an `invalid_argument` failure from the worker for an entry written by hand, which
 serves on. On main a top_k of 2**63 went through to the engine and failed inside a step."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,12 @@ from tests.support.jobs import job_count
 from tests.support.polling import eventually
 
 OUT_OF_RANGE = [
-    ({"top_k": 2**63}, "top_k"), ({"top_k": 2**31}, "top_k"), ({"stop_token_ids": [2**40]}, "stop_token_ids"),
-    ({"seed": 2**64}, "seed"), ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 1e308}, "repetition_penalty"),
+    ({"top_k": 2**63}, "top_k"),
+    ({"top_k": 2**31}, "top_k"),
+    ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+    ({"seed": 2**64}, "seed"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 1e308}, "repetition_penalty"),
     ({"min_tokens": 2**63}, "min_tokens"),
 ]
 
@@ -35,7 +40,9 @@ def test_the_client_refuses_it_before_anything_is_enqueued(redis_server, redis_c
 @pytest.mark.parametrize("sampling, field", OUT_OF_RANGE)
 def test_the_gateway_answers_400_and_enqueues_nothing(gateway, redis_client, sampling, field):
     before = job_count(redis_client)
-    response = httpx.post(f"{gateway.url}/v1/completions", json={"model": "echo", "prompt": "x", "max_tokens": 4, **sampling})
+    response = httpx.post(
+        f"{gateway.url}/v1/completions", json={"model": "echo", "prompt": "x", "max_tokens": 4, **sampling}
+    )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] in ("invalid_value", "above_max_value") and error["param"] == field, error
@@ -46,7 +53,9 @@ def test_a_token_id_past_int32_in_a_prompt_is_refused_too(redis_server, gateway)
     with Client(redis_server.url, ECHO_QUEUE) as client, pytest.raises(InvalidArgument) as e:
         client.submit(input_ids=[1, 2**63], max_tokens=4)
     assert e.value.field == "input_ids"
-    response = httpx.post(f"{gateway.url}/v1/completions", json={"model": "echo", "prompt": [1, 2**63], "max_tokens": 4})
+    response = httpx.post(
+        f"{gateway.url}/v1/completions", json={"model": "echo", "prompt": [1, 2**63], "max_tokens": 4}
+    )
     assert response.status_code == 400
 
 

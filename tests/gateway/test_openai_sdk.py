@@ -1,5 +1,6 @@
 """The official `openai` SDK against the gateway, over a real worker on the `tiny` preset: what
 comes back through HTTP is the worker's own result for the same job."""
+
 import pytest
 
 from producer_client import Client
@@ -33,7 +34,8 @@ def test_chat_completion_is_the_workers_result_for_its_job(sdk, queue_client):
     assert answer.choices[0].message.content == result.text
     assert answer.choices[0].finish_reason == result.finish_reason
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (
-        result.usage.prompt_tokens, result.usage.completion_tokens,
+        result.usage.prompt_tokens,
+        result.usage.completion_tokens,
     )
     assert answer.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
     assert raw.headers["x-request-id"] == answer._request_id
@@ -41,7 +43,12 @@ def test_chat_completion_is_the_workers_result_for_its_job(sdk, queue_client):
 
 def test_streamed_chat_deltas_add_up_to_the_workers_result(sdk, queue_client):
     with sdk.chat.completions.with_streaming_response.create(
-        model="tiny", messages=CHAT, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True},
+        model="tiny",
+        messages=CHAT,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     ) as raw:
         (job_id,) = job_ids(raw)
         chunks = list(raw.parse())
@@ -58,7 +65,11 @@ def test_streamed_chat_deltas_add_up_to_the_workers_result(sdk, queue_client):
 async def test_async_chat_and_text_completions_streamed_and_not(async_sdk, queue_client):
     whole = await async_sdk.completions.create(model="tiny", prompt="Redis streams are", max_tokens=10, temperature=0)
     stream = await async_sdk.completions.create(
-        model="tiny", prompt="Redis streams are", max_tokens=10, temperature=0, stream=True,
+        model="tiny",
+        prompt="Redis streams are",
+        max_tokens=10,
+        temperature=0,
+        stream=True,
     )
     streamed = [c async for c in stream]
     assert whole.object == "text_completion" and whole.usage.completion_tokens == 10
@@ -66,7 +77,9 @@ async def test_async_chat_and_text_completions_streamed_and_not(async_sdk, queue
     assert streamed[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
 
     chat = await async_sdk.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=8, temperature=0)
-    chat_stream = await async_sdk.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0, stream=True)
+    chat_stream = await async_sdk.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=8, temperature=0, stream=True
+    )
     text = "".join([c.choices[0].delta.content or "" async for c in chat_stream])
     assert chat.usage.completion_tokens == 8
     assert text == chat.choices[0].message.content
@@ -86,7 +99,9 @@ def test_n_2_runs_two_jobs_and_returns_both_choices(sdk, queue_client):
 
 def test_a_seed_reproduces_the_same_choices(sdk):
     def sample(seed: int) -> list[str]:
-        answer = sdk.completions.create(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=seed, n=2)
+        answer = sdk.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=16, temperature=1.0, seed=seed, n=2
+        )
         return [c.text for c in answer.choices]
 
     first = sample(seed=1234)
@@ -97,10 +112,12 @@ def test_a_seed_reproduces_the_same_choices(sdk):
 
 def test_a_stop_string_ends_the_text_before_it(sdk):
     def complete(**kwargs):
-        return sdk.completions.create(model="tiny", prompt="The capital of France is", temperature=0, **kwargs).choices[0]
+        return sdk.completions.create(model="tiny", prompt="The capital of France is", temperature=0, **kwargs).choices[
+            0
+        ]
 
     free = complete(max_tokens=24, extra_body={"ignore_eos": True})
-    stop = free.text[len(free.text) // 2:][:3]
+    stop = free.text[len(free.text) // 2 :][:3]
     stopped = complete(max_tokens=24, stop=[stop], extra_body={"ignore_eos": True})
     assert stopped.finish_reason == "stop"
     assert stopped.text == free.text[: free.text.index(stop)]
@@ -109,7 +126,12 @@ def test_a_stop_string_ends_the_text_before_it(sdk):
 
 def test_chat_logprobs_are_the_jobs_tokens_with_their_top_alternatives(sdk, queue_client):
     raw = sdk.chat.completions.with_raw_response.create(
-        model="tiny", messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+        model="tiny",
+        messages=CHAT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
     )
     content = raw.parse().choices[0].logprobs.content
     result = queue_client.result(job_ids(raw)[0], timeout=10)
@@ -124,7 +146,12 @@ def test_chat_logprobs_are_the_jobs_tokens_with_their_top_alternatives(sdk, queu
 
 def test_streamed_completion_logprobs_cover_every_token_once(sdk, queue_client):
     with sdk.completions.with_streaming_response.create(
-        model="tiny", prompt="Hello", max_tokens=8, temperature=0, logprobs=2, stream=True,
+        model="tiny",
+        prompt="Hello",
+        max_tokens=8,
+        temperature=0,
+        logprobs=2,
+        stream=True,
     ) as raw:
         job_id = job_ids(raw)[0]
         chunks = [c for c in raw.parse() if c.choices and c.choices[0].logprobs]

@@ -2,6 +2,7 @@
 two echo worker processes serve one queue, and every turn of a conversation runs on one worker,
 placed on its own stream; /metrics counts the jobs placed each way. `--no-placement` sends every
 job to the shared stream."""
+
 import json
 import time
 
@@ -26,7 +27,10 @@ CONVERSATIONS = 4
 def placed_counts(gateway: GatewayProcess) -> dict[str, float]:
     families = text_string_to_metric_families(httpx.get(f"{gateway.url}/metrics").text)
     return {
-        s.labels["placement"]: s.value for f in families if f.name == "mili_gateway_jobs_placed" for s in f.samples
+        s.labels["placement"]: s.value
+        for f in families
+        if f.name == "mili_gateway_jobs_placed"
+        for s in f.samples
         if s.name == "mili_gateway_jobs_placed_total"
     }
 

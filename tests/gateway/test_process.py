@@ -1,4 +1,5 @@
 """The gateway as a program: its settings' precedence, its flags, and what it imports."""
+
 import http.server
 import subprocess
 import sys
@@ -28,7 +29,9 @@ def test_flags_override_the_environment_which_overrides_the_file(tmp_path, monke
     config.write_text('port = 9001\nkeepalive_s = 2.5\nredis = "redis://file:6379/0"\n[models]\nqwen = "q1"\n')
     monkeypatch.setenv("MILI_PORT", "9002")
     monkeypatch.setenv("MILI_API_KEYS", '["k"]')
-    args = build_parser().parse_args(["--config", str(config), "--redis", "redis://flag:6379/0", "--models", '{"a": "qa"}'])
+    args = build_parser().parse_args(
+        ["--config", str(config), "--redis", "redis://flag:6379/0", "--models", '{"a": "qa"}']
+    )
     settings = settings_from_args(args)
     assert (settings.redis, settings.port, settings.keepalive_s) == ("redis://flag:6379/0", 9002, 2.5)
     assert settings.api_keys == ["k"]

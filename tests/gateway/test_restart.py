@@ -1,5 +1,6 @@
 """Restarting the gateway loses no job: a stopping gateway cancels nothing, and a client that
 retries with the same Idempotency-Key gets the result of the same job, which ran once."""
+
 import threading
 import time
 import uuid
@@ -50,7 +51,9 @@ def test_a_stream_cut_by_a_restart_is_served_again_from_the_same_job(own_gateway
     assert queue_client.status(f"{key}-0").status == "running"  # the stop cancelled nothing
 
     own_gateway.start()
-    retried = "".join(c.choices[0].text for c in sdk.completions.create(**GREEDY, max_tokens=150, stream=True, extra_headers=headers))
+    retried = "".join(
+        c.choices[0].text for c in sdk.completions.create(**GREEDY, max_tokens=150, stream=True, extra_headers=headers)
+    )
     result = queue_client.result(f"{key}-0", timeout=30)
     assert retried == result.text and retried.startswith(received) and len(received) < len(retried)
     assert result.usage.completion_tokens == 150

@@ -3,6 +3,7 @@ recorded commit): every kind of response the gateway sends validates against its
 requests the spec allows are accepted (nullable fields, inclusive bounds, parameters at their
 defaults); what MILI cannot honour is a 400 naming the parameter; a streamed request is
 validated before its stream starts. Plain httpx, so that the bytes on the wire are checked."""
+
 import io
 import json
 
@@ -32,14 +33,26 @@ def sse_chunks(response: httpx.Response) -> list[dict]:
 
 # -- every response validates ---------------------------------------------------------------------
 
+
 def test_chat_completions_whole_and_streamed_validate(gateway):
     for model, extra in (("echo", {}), ("tiny", {"logprobs": True, "top_logprobs": 2, "temperature": 0})):
-        whole = post(gateway, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 4, "n": 2, **extra})
+        whole = post(
+            gateway, "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 4, "n": 2, **extra}
+        )
         assert whole.status_code == 200, whole.text
         check("CreateChatCompletionResponse", whole.json())
-        streamed = post(gateway, "/v1/chat/completions", {
-            "model": model, "messages": CHAT, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}, **extra,
-        })
+        streamed = post(
+            gateway,
+            "/v1/chat/completions",
+            {
+                "model": model,
+                "messages": CHAT,
+                "max_tokens": 4,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                **extra,
+            },
+        )
         chunks = sse_chunks(streamed)
         for chunk in chunks:
             check("CreateChatCompletionStreamResponse", chunk)
@@ -48,12 +61,24 @@ def test_chat_completions_whole_and_streamed_validate(gateway):
 
 
 def test_text_completions_whole_and_streamed_validate(gateway):
-    whole = post(gateway, "/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "max_tokens": 3, "logprobs": 2, "temperature": 0})
+    whole = post(
+        gateway,
+        "/v1/completions",
+        {"model": "tiny", "prompt": ["a", "b"], "max_tokens": 3, "logprobs": 2, "temperature": 0},
+    )
     check("CreateCompletionResponse", whole.json())
     assert "text_offset" not in whole.json()["choices"][0]["logprobs"]
-    streamed = post(gateway, "/v1/completions", {
-        "model": "echo", "prompt": "abc", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True},
-    })
+    streamed = post(
+        gateway,
+        "/v1/completions",
+        {
+            "model": "echo",
+            "prompt": "abc",
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     chunks = sse_chunks(streamed)
     for chunk in chunks[:-1]:
         check("CompletionStreamChunk", chunk)  # the spec's response schema, finish_reason null until the end
@@ -74,8 +99,18 @@ def test_models_and_errors_validate(gateway):
 
 
 def test_files_and_batches_validate_and_files_are_listed(gateway, sdk):
-    lines = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
-                                "body": {"model": "echo", "messages": CHAT, "max_tokens": 2}}) + "\n" for i in range(2))
+    lines = "".join(
+        json.dumps(
+            {
+                "custom_id": f"c{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": "echo", "messages": CHAT, "max_tokens": 2},
+            }
+        )
+        + "\n"
+        for i in range(2)
+    )
     uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(lines.encode())), purpose="batch")
     listed = httpx.get(f"{gateway.url}/v1/files").json()
     check("ListFilesResponse", listed)
@@ -85,10 +120,16 @@ def test_files_and_batches_validate_and_files_are_listed(gateway, sdk):
     assert {f.purpose for f in sdk.files.list(purpose="batch_output")} <= {"batch_output"}
     check("OpenAIFile", httpx.get(f"{gateway.url}/v1/files/{uploaded.id}").json())
 
-    created = httpx.post(f"{gateway.url}/v1/batches", json={
-        "input_file_id": uploaded.id, "endpoint": "/v1/chat/completions", "completion_window": "24h",
-    }).json()
+    created = httpx.post(
+        f"{gateway.url}/v1/batches",
+        json={
+            "input_file_id": uploaded.id,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+    ).json()
     check("Batch", created)
+
     def completed():
         batch = httpx.get(f"{gateway.url}/v1/batches/{created['id']}").json()
         check("Batch", batch)  # every state it passes through
@@ -106,22 +147,76 @@ def test_files_and_batches_validate_and_files_are_listed(gateway, sdk):
 
 # -- what the spec allows is accepted ---------------------------------------------------------------
 
-SDK_ASSISTANT = {"role": "assistant", "content": "hello", "refusal": None, "annotations": []}  # a message object, sent back
+SDK_ASSISTANT = {
+    "role": "assistant",
+    "content": "hello",
+    "refusal": None,
+    "annotations": [],
+}  # a message object, sent back
 ACCEPTED_CHATS = [
-    {"n": None, "stream": None, "logprobs": None, "temperature": None, "top_p": None, "seed": None, "stop": None,
-     "max_tokens": None, "max_completion_tokens": 4, "presence_penalty": None, "frequency_penalty": None,
-     "stream_options": None, "logit_bias": None, "metadata": None, "store": None, "service_tier": None, "audio": None,
-     "prediction": None},
-    {"temperature": 2, "top_p": 0, "seed": -(2**63), "presence_penalty": -2, "frequency_penalty": 2, "n": 128,
-     "logprobs": True, "top_logprobs": 0},
+    {
+        "n": None,
+        "stream": None,
+        "logprobs": None,
+        "temperature": None,
+        "top_p": None,
+        "seed": None,
+        "stop": None,
+        "max_tokens": None,
+        "max_completion_tokens": 4,
+        "presence_penalty": None,
+        "frequency_penalty": None,
+        "stream_options": None,
+        "logit_bias": None,
+        "metadata": None,
+        "store": None,
+        "service_tier": None,
+        "audio": None,
+        "prediction": None,
+    },
+    {
+        "temperature": 2,
+        "top_p": 0,
+        "seed": -(2**63),
+        "presence_penalty": -2,
+        "frequency_penalty": 2,
+        "n": 128,
+        "logprobs": True,
+        "top_logprobs": 0,
+    },
     {"seed": 2**63 - 1, "n": 3},
-    {"logit_bias": {}, "store": False, "response_format": {"type": "text"}, "service_tier": "auto", "modalities": ["text"],
-     "metadata": {"k": "v"}, "user": "u", "prompt_cache_key": "p", "safety_identifier": "s", "stop": "x",
-     "stream_options": {"include_usage": True, "include_obfuscation": False}, "stream": True},
-    {"messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]}, *CHAT, SDK_ASSISTANT,
-                  {"role": "assistant", "content": None, "refusal": "I can't."}, {"role": "user", "content": "ok"}]},
-    {"messages": [*CHAT, {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"}]},
-                  {"role": "user", "content": "c", "name": "me"}], "tools": [], "tool_choice": "auto"},
+    {
+        "logit_bias": {},
+        "store": False,
+        "response_format": {"type": "text"},
+        "service_tier": "auto",
+        "modalities": ["text"],
+        "metadata": {"k": "v"},
+        "user": "u",
+        "prompt_cache_key": "p",
+        "safety_identifier": "s",
+        "stop": "x",
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+        "stream": True,
+    },
+    {
+        "messages": [
+            {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+            *CHAT,
+            SDK_ASSISTANT,
+            {"role": "assistant", "content": None, "refusal": "I can't."},
+            {"role": "user", "content": "ok"},
+        ]
+    },
+    {
+        "messages": [
+            *CHAT,
+            {"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"}]},
+            {"role": "user", "content": "c", "name": "me"},
+        ],
+        "tools": [],
+        "tool_choice": "auto",
+    },
 ]
 
 
@@ -134,15 +229,35 @@ def test_chats_the_spec_allows_are_accepted(gateway, extra):
 
 
 def test_an_assistant_message_dumped_whole_by_the_sdk_is_accepted_though_the_spec_lists_no_null_tool_calls(gateway):
-    dumped = {**SDK_ASSISTANT, "annotations": None, "audio": None, "function_call": None, "tool_calls": None}  # message.model_dump()
-    response = post(gateway, "/v1/chat/completions", {"model": "echo", "messages": [*CHAT, dumped, *CHAT], "max_tokens": 4})
+    dumped = {
+        **SDK_ASSISTANT,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": None,
+    }  # message.model_dump()
+    response = post(
+        gateway, "/v1/chat/completions", {"model": "echo", "messages": [*CHAT, dumped, *CHAT], "max_tokens": 4}
+    )
     assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("extra", [
-    {"echo": False, "best_of": 1, "suffix": None, "logit_bias": {}, "logprobs": 5, "n": None, "stream": None, "user": "u"},
-    {"best_of": 2, "n": 2, "seed": -1, "temperature": 0, "top_p": 1, "suffix": "", "max_tokens": None},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {
+            "echo": False,
+            "best_of": 1,
+            "suffix": None,
+            "logit_bias": {},
+            "logprobs": 5,
+            "n": None,
+            "stream": None,
+            "user": "u",
+        },
+        {"best_of": 2, "n": 2, "seed": -1, "temperature": 0, "top_p": 1, "suffix": "", "max_tokens": None},
+    ],
+)
 def test_completions_the_spec_allows_are_accepted(gateway, extra):
     body = {"model": "echo", "prompt": "hi", "max_tokens": 2, **extra}
     check("CreateCompletionRequest", body)
@@ -150,20 +265,23 @@ def test_completions_the_spec_allows_are_accepted(gateway, extra):
     assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"echo": True}, "echo"),
-    ("/v1/completions", {"best_of": 3}, "best_of"),
-    ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
-    ("/v1/chat/completions", {"store": True}, "store"),
-    ("/v1/chat/completions", {"service_tier": "flex"}, "service_tier"),
-    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
-    ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
-    ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
-    ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
-    ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
-    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"suffix": "end"}, "suffix"),
+        ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
+        ("/v1/chat/completions", {"store": True}, "store"),
+        ("/v1/chat/completions", {"service_tier": "flex"}, "service_tier"),
+        ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+        ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
+        ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
+        ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ],
+)
 def test_what_mili_cannot_honour_is_a_400_naming_it_and_enqueues_nothing(gateway, redis_client, path, body, param):
     chat = path.endswith("chat/completions")
     full = {"model": "echo", **({"messages": CHAT} if chat else {"prompt": "hi"}), **body}
@@ -178,12 +296,18 @@ def test_what_mili_cannot_honour_is_a_400_naming_it_and_enqueues_nothing(gateway
 
 # -- validated before the stream, finish reasons of the enum -------------------------------------------
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"prompt": "x" * 5000}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
-])
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "x" * 5000}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
+    ],
+)
 def test_a_streamed_prompt_too_long_is_a_400_before_the_stream(gateway, sdk, path, body, param):
-    response = post(gateway, path, {"model": "echo", "max_tokens": 4, "stream": True, **body})  # the echo worker's context: 4096
+    response = post(
+        gateway, path, {"model": "echo", "max_tokens": 4, "stream": True, **body}
+    )  # the echo worker's context: 4096
     assert response.status_code == 400, response.text
     assert response.headers["content-type"] == "application/json"
     error = response.json()["error"]
@@ -194,22 +318,29 @@ def test_a_streamed_prompt_too_long_is_a_400_before_the_stream(gateway, sdk, pat
 
 def test_a_job_cancelled_mid_stream_ends_with_stop_and_its_reason_beside(gateway, redis_server):
     with Client(redis_server.url, PARKED_QUEUE) as client, httpx.Client(timeout=60) as http:
-        with http.stream("POST", f"{gateway.url}/v1/completions", json={"model": PARKED_MODEL, "prompt": "wait", "stream": True}) as response:
+        with http.stream(
+            "POST", f"{gateway.url}/v1/completions", json={"model": PARKED_MODEL, "prompt": "wait", "stream": True}
+        ) as response:
             job_id = response.headers["x-mili-job-ids"]  # the stream began after stream_hold_s: the job waits
             assert eventually(lambda: client.status(job_id).status == "queued", timeout=5)
             client.cancel(job_id)
-            chunks = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines() if line.startswith("data: {")]
+            chunks = [
+                json.loads(line.removeprefix("data: ")) for line in response.iter_lines() if line.startswith("data: {")
+            ]
     last = chunks[-1]["choices"][0]
     assert (last["finish_reason"], last["finish_detail"]) == ("stop", "cancelled")
     check("CompletionStreamChunk", chunks[-1])
 
 
-@pytest.mark.parametrize("result, expected", [
-    (JobResult(id="j", status="done", finish_reason="stop"), ("stop", None)),
-    (JobResult(id="j", status="done", finish_reason="length"), ("length", None)),
-    (JobResult(id="j", status="done", finish_reason="tool_calls"), ("tool_calls", None)),
-    (JobResult(id="j", status="cancelled", finish_reason="abort"), ("stop", "cancelled")),
-    (JobResult(id="j", status="done", finish_reason="timeout"), ("length", "deadline_exceeded")),
-])
+@pytest.mark.parametrize(
+    "result, expected",
+    [
+        (JobResult(id="j", status="done", finish_reason="stop"), ("stop", None)),
+        (JobResult(id="j", status="done", finish_reason="length"), ("length", None)),
+        (JobResult(id="j", status="done", finish_reason="tool_calls"), ("tool_calls", None)),
+        (JobResult(id="j", status="cancelled", finish_reason="abort"), ("stop", "cancelled")),
+        (JobResult(id="j", status="done", finish_reason="timeout"), ("length", "deadline_exceeded")),
+    ],
+)
 def test_finish_reasons_are_the_specs_with_the_reason_a_job_was_cut_short_beside(result, expected):
     assert finish_reason(result) == expected

@@ -1,5 +1,6 @@
 """Server-Sent Events: the raw framing, keep-alives during a queue wait, 100 streams at once, and
 what a client's disconnect does to its job."""
+
 import asyncio
 import json
 import subprocess
@@ -19,8 +20,19 @@ from tests.support.workers import WorkerProcess
 def test_curl_sees_data_lines_then_done(gateway):
     body = {"model": "echo", "prompt": "hi there", "max_tokens": 32, "stream": True}
     out = subprocess.run(
-        ["curl", "-sN", "-H", "Content-Type: application/json", "-d", json.dumps(body), f"{gateway.url}/v1/completions"],
-        capture_output=True, text=True, timeout=30, check=True,
+        [
+            "curl",
+            "-sN",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            json.dumps(body),
+            f"{gateway.url}/v1/completions",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     ).stdout
     events = out.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]"
@@ -79,7 +91,11 @@ async def test_100_concurrent_streams_each_get_every_token_once(gateway, redis_s
 
     async def stream(prompt: str) -> tuple[str, str, int]:
         async with sdk.completions.with_streaming_response.create(
-            model="echo", prompt=prompt, max_tokens=64, stream=True, stream_options={"include_usage": True},
+            model="echo",
+            prompt=prompt,
+            max_tokens=64,
+            stream=True,
+            stream_options={"include_usage": True},
         ) as raw:
             chunks = [c async for c in await raw.parse()]
             job_id = raw.headers["x-mili-job-ids"]
@@ -106,7 +122,14 @@ def open_stream_and_leave(url: str, body: dict, chunks: int) -> str:
         return response.headers["x-mili-job-ids"]
 
 
-LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
+LONG = {
+    "model": "tiny",
+    "prompt": "Once upon a time",
+    "max_tokens": 2000,
+    "temperature": 0,
+    "ignore_eos": True,
+    "stream": True,
+}
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_job_within_a_step(gateway, redis_server):

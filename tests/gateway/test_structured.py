@@ -3,6 +3,7 @@
 fields, a forced tool call; every request body checked against OpenAI's spec, every answer
 against its schema; what cannot compile is a 400 naming the part of the schema, before any job
 is enqueued. The worker is the session's tiny model (random weights: the mask does the work)."""
+
 import json
 import re
 
@@ -36,7 +37,14 @@ class Person(pydantic.BaseModel):
 
 
 def test_a_chat_with_a_json_schema_answers_valid_json(sdk):
-    body = {"model": "tiny", "messages": CHAT, "max_tokens": 80, "response_format": FORMAT, "temperature": 0.7, "seed": 1}
+    body = {
+        "model": "tiny",
+        "messages": CHAT,
+        "max_tokens": 80,
+        "response_format": FORMAT,
+        "temperature": 0.7,
+        "seed": 1,
+    }
     check("CreateChatCompletionRequest", body)
     for n in (1, 3):
         reply = sdk.chat.completions.create(**{**body, "n": n}, extra_body=NO_THINKING)
@@ -48,9 +56,16 @@ def test_a_chat_with_a_json_schema_answers_valid_json(sdk):
 
 
 def test_a_streamed_chat_with_a_json_schema_adds_up_to_valid_json(sdk):
-    chunks = list(sdk.chat.completions.create(
-        model="tiny", messages=CHAT, max_tokens=80, response_format=FORMAT, stream=True, extra_body=NO_THINKING,
-    ))
+    chunks = list(
+        sdk.chat.completions.create(
+            model="tiny",
+            messages=CHAT,
+            max_tokens=80,
+            response_format=FORMAT,
+            stream=True,
+            extra_body=NO_THINKING,
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
     jsonschema.validate(json.loads(text), PERSON)
@@ -58,7 +73,13 @@ def test_a_streamed_chat_with_a_json_schema_adds_up_to_valid_json(sdk):
 
 def test_the_sdks_parse_helper_turns_the_answer_into_the_pydantic_model(sdk):
     completion = sdk.chat.completions.parse(
-        model="tiny", messages=CHAT, max_tokens=80, response_format=Person, temperature=1.0, seed=3, extra_body=NO_THINKING,
+        model="tiny",
+        messages=CHAT,
+        max_tokens=80,
+        response_format=Person,
+        temperature=1.0,
+        seed=3,
+        extra_body=NO_THINKING,
     )
     parsed = completion.choices[0].message.parsed
     assert isinstance(parsed, Person) and 0 <= parsed.age <= 120
@@ -66,7 +87,11 @@ def test_the_sdks_parse_helper_turns_the_answer_into_the_pydantic_model(sdk):
 
 def test_json_object_in_a_chat_is_a_json_object_or_cut_by_length(sdk):
     reply = sdk.chat.completions.create(
-        model="tiny", messages=CHAT, max_tokens=60, response_format={"type": "json_object"}, temperature=0,
+        model="tiny",
+        messages=CHAT,
+        max_tokens=60,
+        response_format={"type": "json_object"},
+        temperature=0,
         extra_body=NO_THINKING,
     )
     choice = reply.choices[0]
@@ -76,26 +101,41 @@ def test_json_object_in_a_chat_is_a_json_object_or_cut_by_length(sdk):
         assert choice.finish_reason == "length" and choice.message.content.startswith("{")
 
 
-@pytest.mark.parametrize("extra, valid", [
-    ({"guided_json": PERSON}, lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
-    ({"guided_json": json.dumps(PERSON)}, lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
-    ({"guided_regex": "[a-z]{3}-[0-9]{2}"}, lambda text: re.fullmatch("[a-z]{3}-[0-9]{2}", text) is not None),
-    ({"guided_choice": ["positive", "negative"]}, lambda text: text in ("positive", "negative")),
-    ({"response_format": FORMAT}, lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
-])
+@pytest.mark.parametrize(
+    "extra, valid",
+    [
+        ({"guided_json": PERSON}, lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
+        ({"guided_json": json.dumps(PERSON)}, lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
+        ({"guided_regex": "[a-z]{3}-[0-9]{2}"}, lambda text: re.fullmatch("[a-z]{3}-[0-9]{2}", text) is not None),
+        ({"guided_choice": ["positive", "negative"]}, lambda text: text in ("positive", "negative")),
+        ({"response_format": FORMAT}, lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
+    ],
+)
 def test_text_completions_take_the_guided_fields_and_response_format(sdk, extra, valid):
-    reply = sdk.completions.create(model="tiny", prompt="Answer:", max_tokens=80, temperature=1.0, seed=2, extra_body=extra)
+    reply = sdk.completions.create(
+        model="tiny", prompt="Answer:", max_tokens=80, temperature=1.0, seed=2, extra_body=extra
+    )
     check("CreateCompletionResponse", reply.model_dump(mode="json", exclude_unset=True))
     assert reply.choices[0].finish_reason == "stop" and valid(reply.choices[0].text), reply.choices[0].text
 
 
 def test_a_required_tool_choice_makes_a_call_with_valid_arguments(sdk):
-    weather = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}}, "required": ["city"],
-               "additionalProperties": False}
+    weather = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Oslo", "Lima"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
     for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         reply = sdk.chat.completions.create(
-            model="tiny", messages=CHAT, max_tokens=80, tools=tools, tool_choice=tool_choice, temperature=1.0, seed=4,
+            model="tiny",
+            messages=CHAT,
+            max_tokens=80,
+            tools=tools,
+            tool_choice=tool_choice,
+            temperature=1.0,
+            seed=4,
             extra_body=NO_THINKING,
         )
         choice = reply.choices[0]
@@ -105,17 +145,33 @@ def test_a_required_tool_choice_makes_a_call_with_valid_arguments(sdk):
             jsonschema.validate(json.loads(call.function.arguments), weather)
 
 
-@pytest.mark.parametrize("path, extra, param", [
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}},
-     "response_format.json_schema.schema.properties.a.not"),
-    ("/v1/chat/completions", {"guided_json": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)"}}}},
-     "guided_json.properties.a"),
-    ("/v1/completions", {"guided_regex": "[a-"}, "guided_regex"),
-    ("/v1/completions", {"guided_json": "{not json"}, "guided_json"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "stop": "}"}, "stop"),
-])
+@pytest.mark.parametrize(
+    "path, extra, param",
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
+                    },
+                }
+            },
+            "response_format.json_schema.schema.properties.a.not",
+        ),
+        (
+            "/v1/chat/completions",
+            {"guided_json": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)"}}}},
+            "guided_json.properties.a",
+        ),
+        ("/v1/completions", {"guided_regex": "[a-"}, "guided_regex"),
+        ("/v1/completions", {"guided_json": "{not json"}, "guided_json"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "stop": "}"}, "stop"),
+    ],
+)
 def test_what_cannot_compile_is_a_400_naming_it_before_anything_is_enqueued(sdk, redis_client, path, extra, param):
     before = job_count(redis_client)
     with pytest.raises(openai.BadRequestError) as refused:

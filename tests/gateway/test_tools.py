@@ -5,6 +5,7 @@ The worker is the echo engine with a token script (MILI_ECHO_SCRIPT): it says wh
 random weights never would (a think block, a tool call), keyed on text of the rendered prompt,
 so everything between its output and the client (the worker's parse, the events, the client's
 stream parser, the gateway's rendering, the SDK) is the real thing."""
+
 import json
 import subprocess
 import sys
@@ -19,10 +20,14 @@ from tests.support.gateways import GatewayProcess
 from tests.support.processes import REPO
 from tests.support.workers import WorkerProcess
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}
 
 
@@ -52,9 +57,16 @@ def agent(redis_server, tmp_path_factory):
     script.write_text(json.dumps(SCRIPT))
     queue = f"gw-agent-{uuid.uuid4().hex[:8]}"
     worker = WorkerProcess(
-        redis_server.url, queue, f"{queue}-1", log_dir, model="echo", env={"MILI_ECHO_SCRIPT": str(script)},
+        redis_server.url,
+        queue,
+        f"{queue}-1",
+        log_dir,
+        model="echo",
+        env={"MILI_ECHO_SCRIPT": str(script)},
     )
-    gateway = GatewayProcess(redis_server.url, log_dir, "--models", json.dumps({"agent": queue}), "--workers-refresh-s", "0.2")
+    gateway = GatewayProcess(
+        redis_server.url, log_dir, "--models", json.dumps({"agent": queue}), "--workers-refresh-s", "0.2"
+    )
     try:
         worker.start().wait_ready()
         gateway.start()
@@ -114,7 +126,10 @@ def test_a_streamed_agent_loop_gets_the_same_calls_through_the_sdks_stream_helpe
     for chunk in chunks:
         check("CreateChatCompletionStreamResponse", chunk.to_dict())
 
-    messages += [first.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": tool_call.id, "content": '{"temperature": 21}'}]
+    messages += [
+        first.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": tool_call.id, "content": '{"temperature": 21}'},
+    ]
     stream = agent_sdk.chat.completions.create(model="agent", messages=messages, tools=[WEATHER], stream=True)
     deltas = [c.choices[0].delta for c in stream if c.choices]
     assert "".join(d.content or "" for d in deltas) == "It is 21 °C in Paris."
@@ -124,7 +139,11 @@ def test_a_streamed_agent_loop_gets_the_same_calls_through_the_sdks_stream_helpe
 def test_thinking_on_and_off_split_the_reasoning_or_leave_none(agent_sdk):
     question = [{"role": "user", "content": "What is 2+2?"}]
     on = chat(agent_sdk, messages=question).choices[0].message
-    off = chat(agent_sdk, messages=question, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    off = (
+        chat(agent_sdk, messages=question, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        .choices[0]
+        .message
+    )
     assert (on.reasoning_content, on.content) == ("2 plus 2 is 4.", "The answer is 4.")
     assert (off.reasoning_content, off.content) == (None, "The answer is 4.")
 
@@ -135,7 +154,11 @@ def test_thinking_off_goes_through_qwen3s_own_template(sdk):
     question = [{"role": "user", "content": "Name a prime number."}]
     on = sdk.chat.completions.create(model="tiny", messages=question, max_tokens=3, temperature=0)
     off = sdk.chat.completions.create(
-        model="tiny", messages=question, max_tokens=3, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        model="tiny",
+        messages=question,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     assert off.usage.prompt_tokens - on.usage.prompt_tokens == 4
     assert off.choices[0].message.reasoning_content is None
@@ -165,12 +188,18 @@ def test_malformed_calls_and_calls_drafted_while_thinking_are_not_calls(agent_sd
     assert (broken.finish_reason, broken.message.tool_calls) == ("stop", None)
     assert broken.message.content == SCRIPT[3]["say"]
     drafted = chat(agent_sdk, messages=[{"role": "user", "content": "Draft first"}], tools=[WEATHER]).choices[0]
-    assert (drafted.finish_reason, drafted.message.content, drafted.message.tool_calls) == ("stop", "No call needed.", None)
+    assert (drafted.finish_reason, drafted.message.content, drafted.message.tool_calls) == (
+        "stop",
+        "No call needed.",
+        None,
+    )
     assert drafted.message.reasoning_content == f"Maybe {call('Nice')}?"
 
 
 def test_an_output_cut_off_inside_think_is_reasoning_with_finish_reason_length(agent_sdk):
-    choice = agent_sdk.chat.completions.create(model="agent", messages=ASK_WEATHER, tools=[WEATHER], max_tokens=16).choices[0]
+    choice = agent_sdk.chat.completions.create(
+        model="agent", messages=ASK_WEATHER, tools=[WEATHER], max_tokens=16
+    ).choices[0]
     assert choice.finish_reason == "length"
     assert (choice.message.content, choice.message.tool_calls) == ("", None)
     assert choice.message.reasoning_content == "I should"  # "<think>\nI should": 16 bytes, one token each
@@ -181,8 +210,15 @@ def test_the_producer_client_gets_reasoning_and_tool_calls_whole_and_streamed(ag
         job_id = client.submit(messages=ASK_WEATHER, tools=[WEATHER], max_tokens=200)
         deltas = list(client.stream(job_id))
         result = client.result(job_id, timeout=10)
-        off = client.generate(messages=[{"role": "user", "content": "What is 2+2?"}], enable_thinking=False, max_tokens=50)
-    assert (result.status, result.finish_reason, result.text, result.reasoning) == ("done", "tool_calls", "", "I should look it up.")
+        off = client.generate(
+            messages=[{"role": "user", "content": "What is 2+2?"}], enable_thinking=False, max_tokens=50
+        )
+    assert (result.status, result.finish_reason, result.text, result.reasoning) == (
+        "done",
+        "tool_calls",
+        "",
+        "I should look it up.",
+    )
     (tool_call,) = result.tool_calls
     assert (tool_call.function.name, json.loads(tool_call.function.arguments)) == ("get_weather", {"city": "Paris"})
     assert "".join(d.reasoning for d in deltas) == result.reasoning
@@ -192,16 +228,39 @@ def test_the_producer_client_gets_reasoning_and_tool_calls_whole_and_streamed(ag
 
 def test_mili_batch_answers_lines_with_tools(agent, redis_server, tmp_path):
     lines = [
-        {"custom_id": "weather", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "agent", "messages": ASK_WEATHER, "tools": [WEATHER]}},
-        {"custom_id": "math", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "agent", "messages": [{"role": "user", "content": "What is 2+2?"}]}},
+        {
+            "custom_id": "weather",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "agent", "messages": ASK_WEATHER, "tools": [WEATHER]},
+        },
+        {
+            "custom_id": "math",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "agent", "messages": [{"role": "user", "content": "What is 2+2?"}]},
+        },
     ]
     source, answers = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     subprocess.run(
-        [sys.executable, "-m", "cli", "--redis", redis_server.url, "--queue", agent.queue, "batch", str(source),
-         "-o", str(answers)], cwd=REPO, check=True, capture_output=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "--redis",
+            redis_server.url,
+            "--queue",
+            agent.queue,
+            "batch",
+            str(source),
+            "-o",
+            str(answers),
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     bodies = {a["custom_id"]: a["response"]["body"] for a in map(json.loads, answers.read_text().splitlines())}
     for body in bodies.values():
@@ -215,8 +274,24 @@ def test_mili_batch_answers_lines_with_tools(agent, redis_server, tmp_path):
 def test_mili_submit_chats_with_thinking_on_or_off(agent, redis_server):
     def submit(*flags: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "cli", "--redis", redis_server.url, "--queue", agent.queue, "submit",
-             "What is 2+2?", "--stream", *flags], cwd=REPO, check=True, capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "cli",
+                "--redis",
+                redis_server.url,
+                "--queue",
+                agent.queue,
+                "submit",
+                "What is 2+2?",
+                "--stream",
+                *flags,
+            ],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
 
     on, off = submit("--chat"), submit("--no-thinking")

@@ -6,6 +6,7 @@ every recorded launch is compiled ahead of time with ptxas (shipped in the trito
 Prints one JSON line per compiled kernel: shared memory, registers and spill stack.
 Run with TRITON_INTERPRET unset:  python -m tests.kernels.compile_sm90
 """
+
 import importlib
 import json
 import subprocess
@@ -21,12 +22,27 @@ from triton.compiler import ASTSource
 # Modules by import_module: kernels/__init__ rebinds some module names to their dispatch functions.
 activation, decode_attention, extend_attention, fused_moe, kv_store, moe_align, rms_norm, rope = (
     importlib.import_module(f"kernels.{name}")
-    for name in ("activation", "decode_attention", "extend_attention", "fused_moe", "kv_store", "moe_align",
-                 "rms_norm", "rope"))
+    for name in (
+        "activation",
+        "decode_attention",
+        "extend_attention",
+        "fused_moe",
+        "kv_store",
+        "moe_align",
+        "rms_norm",
+        "rope",
+    )
+)
 H100 = GPUTarget("cuda", 90, 32)
 H100_SHARED_BYTES = 227 * 1024
-_TENSOR_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
-                 torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32", torch.int64: "*i64"}
+_TENSOR_TYPES = {
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.float8_e4m3fn: "*fp8e4nv",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
 _OPTIONS = ("num_warps", "num_stages")
 
 
@@ -58,14 +74,14 @@ def _signature(kernel, args, kwargs):
             if value == 1 and specialized:  # the JIT specializes 1 into a constant
                 signature[name], constexprs[name] = "constexpr", 1
                 continue
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
             aligned = value % 16 == 0 and specialized
         else:
             signature[name] = "fp32"
             aligned = False
         if aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    for name in kernel.arg_names[len(args):]:
+    for name in kernel.arg_names[len(args) :]:
         signature[name], constexprs[name] = "constexpr", kwargs[name]
     return signature, constexprs, attrs
 
@@ -75,10 +91,14 @@ def _resource_usage(cubin: bytes) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name],
-                              capture_output=True, text=True, check=True).stdout
+        text = subprocess.run(
+            [str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     usage = text.split("Resource usage:")[-1].split()
-    return {k.lower(): int(v) for k, v in (item.split(":") for item in usage if ":" in item and item.split(":")[1].isdigit())}
+    return {
+        k.lower(): int(v)
+        for k, v in (item.split(":") for item in usage if ":" in item and item.split(":")[1].isdigit())
+    }
 
 
 def compile_launch(kernel, args, kwargs, dtype: torch.dtype) -> dict:
@@ -86,8 +106,14 @@ def compile_launch(kernel, args, kwargs, dtype: torch.dtype) -> dict:
     options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=H100, options=options)
     usage = _resource_usage(compiled.asm["cubin"])
-    return {"kernel": kernel.__name__, "dtype": str(dtype).replace("torch.", ""), **options,
-            "shared_bytes": compiled.metadata.shared, "registers": usage["reg"], "spill_stack_bytes": usage["stack"]}
+    return {
+        "kernel": kernel.__name__,
+        "dtype": str(dtype).replace("torch.", ""),
+        **options,
+        "shared_bytes": compiled.metadata.shared,
+        "registers": usage["reg"],
+        "spill_stack_bytes": usage["stack"],
+    }
 
 
 def production_launches() -> list:
@@ -119,11 +145,27 @@ def _record_fp8_cache(dtype: torch.dtype) -> None:
     kv_store.store_kv_triton(k, v, cache, cache.clone(), torch.arange(t), scales, scales)
     page_table = torch.arange(pages, dtype=torch.int32).view(2, -1)
     decode_attention.paged_decode_attention_triton(
-        q[:2].contiguous(), cache, cache.clone(), page_table, torch.tensor([300, 17], dtype=torch.int32), d ** -0.5,
-        scales, scales)
+        q[:2].contiguous(),
+        cache,
+        cache.clone(),
+        page_table,
+        torch.tensor([300, 17], dtype=torch.int32),
+        d**-0.5,
+        scales,
+        scales,
+    )
     extend_attention.paged_extend_attention_triton(
-        q, cache, cache.clone(), page_table, torch.tensor([0, 3, 8], dtype=torch.int32),
-        torch.tensor([5, 40], dtype=torch.int32), d ** -0.5, 5, scales, scales)
+        q,
+        cache,
+        cache.clone(),
+        page_table,
+        torch.tensor([0, 3, 8], dtype=torch.int32),
+        torch.tensor([5, 40], dtype=torch.int32),
+        d**-0.5,
+        5,
+        scales,
+        scales,
+    )
 
 
 def _record_all(dtype: torch.dtype) -> None:
@@ -142,10 +184,18 @@ def _record_all(dtype: torch.dtype) -> None:
     kv_store.store_kv_triton(k, v, cache, cache.clone(), torch.arange(t))
     page_table = torch.arange(pages, dtype=torch.int32).view(2, -1)
     decode_attention.paged_decode_attention_triton(
-        q[:2].contiguous(), cache, cache.clone(), page_table, torch.tensor([300, 17], dtype=torch.int32), d ** -0.5)
+        q[:2].contiguous(), cache, cache.clone(), page_table, torch.tensor([300, 17], dtype=torch.int32), d**-0.5
+    )
     extend_attention.paged_extend_attention_triton(
-        q.contiguous(), cache, cache.clone(), page_table, torch.tensor([0, 3, 8], dtype=torch.int32),
-        torch.tensor([5, 40], dtype=torch.int32), d ** -0.5, 5)
+        q.contiguous(),
+        cache,
+        cache.clone(),
+        page_table,
+        torch.tensor([0, 3, 8], dtype=torch.int32),
+        torch.tensor([5, 40], dtype=torch.int32),
+        d**-0.5,
+        5,
+    )
     _record_fused_moe(dtype)
 
 

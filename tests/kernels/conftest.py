@@ -6,6 +6,7 @@ TRITON_INTERPRET for one test at a time, so the rest of a `pytest tests` run kee
 reference path. Tolerances per dtype are below; the largest error each kernel reached in
 the run is printed at the end (pytest's terminal summary).
 """
+
 import importlib
 
 import numpy as np
@@ -63,10 +64,18 @@ def make_interpreter_bf16_faithful(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # The interpreter's float8 conversions round half up and drop the carry into the exponent
 # (-124.0 becomes -64.0); the GPU's cvt.rn rounds to nearest even, as torch does.
-INTERPRETER_FLOATS = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
-                      tl.float8e4nv: torch.float8_e4m3fn}
-TORCH_STORAGE = {torch.float32: torch.float32, torch.float16: torch.float16, torch.bfloat16: torch.int16,
-                 torch.float8_e4m3fn: torch.uint8}
+INTERPRETER_FLOATS = {
+    tl.float32: torch.float32,
+    tl.float16: torch.float16,
+    tl.bfloat16: torch.bfloat16,
+    tl.float8e4nv: torch.float8_e4m3fn,
+}
+TORCH_STORAGE = {
+    torch.float32: torch.float32,
+    torch.float16: torch.float16,
+    torch.bfloat16: torch.int16,
+    torch.float8_e4m3fn: torch.uint8,
+}
 
 
 def make_interpreter_fp8_faithful(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,5 @@
 """Random paged KV caches and scattered page tables for the attention kernel tests."""
+
 import torch
 
 

@@ -1,4 +1,5 @@
 """The CPU sampler's greedy argmax (numba) against torch.argmax."""
+
 import pytest
 import torch
 

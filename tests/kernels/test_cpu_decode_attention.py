@@ -1,4 +1,5 @@
 """The CPU engine's float32 decode attention (numba) against the torch reference."""
+
 import pytest
 import torch
 
@@ -53,11 +54,12 @@ def test_cpu_decode_passes_a_nonfinite_value_on_to_its_own_request_only(value):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4])
 def test_cpu_decode_reads_a_float8_cache_like_the_reference(group, head_dim, check_close):
-    q, k_cache, v_cache, page_table, context_lens = decode_case(group, head_dim, 16, torch.float32, "cpu",
-                                                                [1, 16, 17, 83, 639])
+    q, k_cache, v_cache, page_table, context_lens = decode_case(
+        group, head_dim, 16, torch.float32, "cpu", [1, 16, 17, 83, 639]
+    )
     k8, v8 = (k_cache * 4).to(torch.float8_e4m3fn), (v_cache * 2).to(torch.float8_e4m3fn)
     k_scale, v_scale = torch.tensor([0.25, 0.5]), torch.tensor([0.5, 2.0])  # one per kv head, unequal
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     got = paged_decode_attention_cpu(q, k8, v8, page_table, context_lens, scale, k_scale, v_scale)
     want = paged_decode_attention_reference(q, k8, v8, page_table, context_lens, scale, k_scale, v_scale)
     check_close("paged_decode_attention_cpu", got, want)

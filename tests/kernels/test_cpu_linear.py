@@ -1,4 +1,5 @@
 """The CPU engine's float32 LM head kernel (numba) against torch's matmul."""
+
 import numba
 import pytest
 import torch

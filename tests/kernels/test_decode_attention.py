@@ -1,4 +1,5 @@
 """Paged decode attention (split-KV, GQA) against the torch reference."""
+
 import pytest
 import torch
 
@@ -50,7 +51,7 @@ def test_decode_of_an_empty_context_is_zero(device):
     # What the reference gives (softmax over no keys); a padded batch slot must not produce NaN.
     q, k_cache, v_cache, page_table, _ = decode_case(2, 64, 16, torch.float32, device, [5, 40])
     context_lens = torch.tensor([0, 40], dtype=torch.int32, device=device)
-    scale = 64 ** -0.5
+    scale = 64**-0.5
     got = paged_decode_attention_triton(q, k_cache, v_cache, page_table, context_lens, scale)
     want = paged_decode_attention_reference(q, k_cache, v_cache, page_table, context_lens, scale)
     assert torch.equal(got[0], torch.zeros_like(got[0]))
@@ -63,7 +64,7 @@ def test_decode_of_an_empty_context_is_zero(device):
 def test_decode_over_a_float8_cache_matches_reference(group, head_dim, dtype, device, check_close):
     q, k_cache, v_cache, page_table, context_lens = decode_case(group, head_dim, 16, dtype, device, [1, 16, 17, 83])
     k8, v8, k_scale, v_scale = as_fp8_caches(k_cache, v_cache)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     got = paged_decode_attention_triton(q, k8, v8, page_table, context_lens, scale, k_scale, v_scale, num_splits=2)
     want = paged_decode_attention_reference(q, k8, v8, page_table, context_lens, scale, k_scale, v_scale)
     check_close("paged_decode_attention", got, want)
@@ -73,7 +74,7 @@ def test_decode_reference_over_a_float8_cache_attends_to_its_dequantized_values(
     # The float8 path is the plain one over scale * stored value: nothing else changes.
     q, k_cache, v_cache, page_table, context_lens = decode_case(2, 64, 16, torch.float32, device, [5, 40])
     k8, v8, k_scale, v_scale = as_fp8_caches(k_cache, v_cache)
-    scale = 64 ** -0.5
+    scale = 64**-0.5
     got = paged_decode_attention_reference(q, k8, v8, page_table, context_lens, scale, k_scale, v_scale)
     k32, v32 = k8.float() * k_scale[:, None], v8.float() * v_scale[:, None]
     want = paged_decode_attention_reference(q, k32, v32, page_table, context_lens, scale)

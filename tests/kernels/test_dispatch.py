@@ -1,4 +1,5 @@
 """The dispatch functions the model calls pick Triton exactly when use_triton says so."""
+
 import importlib
 
 import pytest
@@ -18,14 +19,34 @@ def op_args(device: str) -> dict:
     return {
         "rms_norm": ("rms_norm", (x, w, 1e-6)),
         "fused_add_rms_norm": ("rms_norm", (x, x, w, 1e-6)),
-        "qk_norm_rope": ("rope", (q, q, w[:d], w[:d], torch.zeros(t, dtype=torch.int64, device=device),
-                                  torch.zeros(8, d, device=device), 1e-6)),
+        "qk_norm_rope": (
+            "rope",
+            (
+                q,
+                q,
+                w[:d],
+                w[:d],
+                torch.zeros(t, dtype=torch.int64, device=device),
+                torch.zeros(8, d, device=device),
+                1e-6,
+            ),
+        ),
         "silu_and_mul": ("activation", (x,)),
         "store_kv": ("kv_store", (q, q, cache, cache.clone(), torch.arange(t, device=device))),
         "paged_decode_attention": ("decode_attention", (q, cache, cache, table, lens, 0.125)),
-        "paged_extend_attention": ("extend_attention", (
-            q, cache, cache, table, torch.arange(t + 1, dtype=torch.int32, device=device),
-            torch.zeros(t, dtype=torch.int32, device=device), 0.125, 1)),
+        "paged_extend_attention": (
+            "extend_attention",
+            (
+                q,
+                cache,
+                cache,
+                table,
+                torch.arange(t + 1, dtype=torch.int32, device=device),
+                torch.zeros(t, dtype=torch.int32, device=device),
+                0.125,
+                1,
+            ),
+        ),
     }
 
 

@@ -1,4 +1,5 @@
 """Paged extend attention (cached prefix + causal new tokens, varlen, GQA) against the torch reference."""
+
 import pytest
 import torch
 
@@ -37,11 +38,11 @@ def run_both(case):
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_extend_matches_reference_over_ragged_prefixes(group, head_dim, page_size, dtype, device, check_close):
     requests = [
-        (0, 1),                              # a fresh one-token prompt
-        (0, page_size),                      # exactly a page, no prefix
-        (page_size, 1),                      # a decode inside a mixed step: a page plus one
+        (0, 1),  # a fresh one-token prompt
+        (0, page_size),  # exactly a page, no prefix
+        (page_size, 1),  # a decode inside a mixed step: a page plus one
         (3 * page_size + 5, page_size + 1),  # a chunk after a many-page prefix, crossing pages
-        (7, 70),                             # unaligned prefix, causal band over several key tiles
+        (7, 70),  # unaligned prefix, causal band over several key tiles
     ]
     got, want = run_both(extend_case(group, head_dim, page_size, dtype, device, requests))
     check_close("paged_extend_attention", got, want)
@@ -59,9 +60,10 @@ def test_extend_long_prompt_spans_several_query_tiles(dtype, device, check_close
 @pytest.mark.parametrize("group", [1, 4])
 def test_extend_over_a_float8_cache_matches_reference(group, dtype, device, check_close):
     q, k_cache, v_cache, page_table, cu, prefix_lens, max_q_len = extend_case(
-        group, 64, 16, dtype, device, [(0, 1), (16, 1), (53, 17), (7, 70)], seed=3)
+        group, 64, 16, dtype, device, [(0, 1), (16, 1), (53, 17), (7, 70)], seed=3
+    )
     k8, v8, k_scale, v_scale = as_fp8_caches(k_cache, v_cache)
-    scale = 64 ** -0.5
+    scale = 64**-0.5
     args = (q, k8, v8, page_table, cu, prefix_lens, scale, max_q_len, k_scale, v_scale)
     check_close("paged_extend_attention", paged_extend_attention_triton(*args), paged_extend_attention_reference(*args))
 

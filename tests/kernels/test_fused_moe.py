@@ -2,11 +2,15 @@
 per-expert loop (fused_moe_per_expert_loop). Routings include experts no token chose, a token
 routed to one expert twice, every token on one expert, and batches large enough for every block
 size the launcher picks."""
+
 import pytest
 import torch
 
 from kernels.fused_moe import (
-    fused_moe_per_expert_loop, fused_moe_reference, fused_moe_triton, tile_config,
+    fused_moe_per_expert_loop,
+    fused_moe_reference,
+    fused_moe_triton,
+    tile_config,
 )
 from kernels.moe_align import align_by_expert_reference, align_by_expert_triton, max_padded_pairs
 
@@ -45,7 +49,11 @@ def hidden_states(tokens: int, hidden: int, seed: int, dtype=torch.float32, devi
 # token; every pair on expert 3; a top-k as wide as the experts; Qwen3-30B-A3B's 128 experts
 # and top-8, half of them unused.
 ALIGN_CASES = [
-    (5, 2, [0, 2, 3, 5], 6), (1, 1, [3], 4), (37, 3, [3], 8), (64, 4, [0, 1, 2, 3], 4), (40, 8, list(range(64)), 128),
+    (5, 2, [0, 2, 3, 5], 6),
+    (1, 1, [3], 4),
+    (37, 3, [3], 8),
+    (64, 4, [0, 1, 2, 3], 4),
+    (40, 8, list(range(64)), 128),
 ]
 
 
@@ -98,12 +106,16 @@ def check_against_loop(check_close, got, hidden, w13, w2, weights, ids):
 
 
 @DTYPES
-@pytest.mark.parametrize("case", [
-    (1, 2, [0, 5], 6),  # one token
-    (5, 2, [0, 2, 3, 5], 6),  # experts 1 and 4 get no token; a token may pick one expert twice
-    (37, 3, [3], 8),  # every pair on one expert: a run of several blocks
-    (23, 4, list(range(4)), 4),  # top-k as wide as the experts
-], ids=lambda c: f"T{c[0]}-k{c[1]}-E{c[3]}")
+@pytest.mark.parametrize(
+    "case",
+    [
+        (1, 2, [0, 5], 6),  # one token
+        (5, 2, [0, 2, 3, 5], 6),  # experts 1 and 4 get no token; a token may pick one expert twice
+        (37, 3, [3], 8),  # every pair on one expert: a run of several blocks
+        (23, 4, list(range(4)), 4),  # top-k as wide as the experts
+    ],
+    ids=lambda c: f"T{c[0]}-k{c[1]}-E{c[3]}",
+)
 def test_fused_moe_matches_the_per_expert_loop(case, dtype, device, check_close):
     tokens, top_k, experts, num_experts = case
     hidden = hidden_states(tokens, 48, seed=tokens, dtype=dtype, device=device)  # 48, 40: not multiples of a tile
@@ -130,8 +142,11 @@ def test_fused_moe_of_no_tokens_is_empty(device):
 
 
 @DTYPES
-@pytest.mark.parametrize("case", [(1, 2, [0, 5], 6), (5, 2, [0, 2, 3, 5], 6), (37, 3, [3], 8), (200, 2, [0, 1, 2], 3)],
-                         ids=lambda c: f"T{c[0]}-k{c[1]}-E{c[3]}")
+@pytest.mark.parametrize(
+    "case",
+    [(1, 2, [0, 5], 6), (5, 2, [0, 2, 3, 5], 6), (37, 3, [3], 8), (200, 2, [0, 1, 2], 3)],
+    ids=lambda c: f"T{c[0]}-k{c[1]}-E{c[3]}",
+)
 def test_the_cpu_path_matches_the_per_expert_loop(case, dtype, check_close):
     tokens, top_k, experts, num_experts = case
     hidden = hidden_states(tokens, 48, seed=tokens, dtype=dtype)

@@ -1,4 +1,5 @@
 """Storing K/V into the paged cache: the same bytes as the reference, skipped slots untouched."""
+
 import pytest
 import torch
 

@@ -4,6 +4,7 @@ On CPU the kernels run in Triton's interpreter; on a CUDA machine they run compi
 GPU while the reference runs on CPU. Prefill of a ragged batch (one prompt longer than a
 page and a query tile), then greedy decode steps: the same tokens, and fp32 logits close.
 """
+
 import pytest
 import torch
 
@@ -16,21 +17,49 @@ PROMPTS = [[5, 17, 300, 2, 99], list(range(100, 140))]
 NEW_TOKENS = 5
 CONFIGS = {
     # Weights at 0.3 (not transformers' 0.02) so the random model's continuations wander.
-    "gqa2-hd64": qwen3_config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=64),
-    "gqa4-hd128": qwen3_config(hidden_size=128, intermediate_size=192, num_hidden_layers=1, num_attention_heads=8,
-                               num_key_value_heads=2, head_dim=128),
+    "gqa2-hd64": qwen3_config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+    "gqa4-hd128": qwen3_config(
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+    ),
     # A sparse layer then a dense one: 6 experts, 2 per token; the prefill's 45 tokens fill blocks of 16 pairs.
-    "moe-e6-k2": qwen3_moe_config(hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_experts=6,
-                                  num_experts_per_tok=2, mlp_only_layers=[1], num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    "moe-e6-k2": qwen3_moe_config(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=48,
+        num_experts=6,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
 }
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def checkpoint(request, tmp_path_factory):
-    config = {**CONFIGS[request.param], "vocab_size": VOCAB, "max_position_embeddings": 256, "initializer_range": 0.3,
-              "bos_token_id": None, "eos_token_id": None, "tie_word_embeddings": True}
+    config = {
+        **CONFIGS[request.param],
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 256,
+        "initializer_range": 0.3,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "tie_word_embeddings": True,
+    }
     return write_random_checkpoint(tmp_path_factory.mktemp(request.param), config, seed=5, norm_std=0.1)
 
 

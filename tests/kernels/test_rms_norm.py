@@ -1,9 +1,13 @@
 """RMSNorm and fused residual-add RMSNorm against the torch reference."""
+
 import pytest
 import torch
 
 from kernels.rms_norm import (
-    fused_add_rms_norm_reference, fused_add_rms_norm_triton, rms_norm_reference, rms_norm_triton,
+    fused_add_rms_norm_reference,
+    fused_add_rms_norm_triton,
+    rms_norm_reference,
+    rms_norm_triton,
 )
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])

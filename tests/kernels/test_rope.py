@@ -1,4 +1,5 @@
 """Per-head q/k RMSNorm + neox RoPE against the torch reference."""
+
 import pytest
 import torch
 
@@ -20,7 +21,9 @@ def test_qk_norm_rope_matches_reference(q_heads, kv_heads, head_dim, dtype, devi
     k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     q_weight = (1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype=dtype, device=device)
     k_weight = (1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype=dtype, device=device)
-    positions = torch.cat([torch.tensor([0, MAX_POSITION - 1]), torch.randint(0, MAX_POSITION, (tokens - 2,), generator=g)])
+    positions = torch.cat(
+        [torch.tensor([0, MAX_POSITION - 1]), torch.randint(0, MAX_POSITION, (tokens - 2,), generator=g)]
+    )
     positions = positions.to(device)
     cos_sin = rope_cos_sin_cache(head_dim, MAX_POSITION, 1e6, device=device)
     before = qkv.clone()

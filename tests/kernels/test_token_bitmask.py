@@ -1,17 +1,22 @@
 """The token-bitmask kernels (Triton, and numba on CPU) against the torch reference: masked
 rows get -inf exactly where their mask's bit is 0, other rows are untouched."""
+
 import pytest
 import torch
 
 from kernels.token_bitmask import (
-    apply_token_bitmask, apply_token_bitmask_cpu, apply_token_bitmask_reference, apply_token_bitmask_triton, words_for,
+    apply_token_bitmask,
+    apply_token_bitmask_cpu,
+    apply_token_bitmask_reference,
+    apply_token_bitmask_triton,
+    words_for,
 )
 
 
 def random_case(rows: int, vocab: int, masked: list[int], mask_table_rows: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=gen)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (mask_table_rows, words_for(vocab)), generator=gen, dtype=torch.int64)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (mask_table_rows, words_for(vocab)), generator=gen, dtype=torch.int64)
     bitmask = bitmask.to(torch.int32)
     bitmask[0] = -1  # a row that allows everything
     bitmask[-1] = 0  # and one that allows nothing
@@ -45,7 +50,9 @@ def test_triton_matches_reference(rows, vocab, masked, device):
     assert torch.equal(got.cpu(), want)
 
 
-@pytest.mark.parametrize("rows,vocab,masked", [(1, 32, [0]), (5, 1000, [4, 0, 2]), (3, 2100, [1]), (8, 151936, [0, 3, 7])])
+@pytest.mark.parametrize(
+    "rows,vocab,masked", [(1, 32, [0]), (5, 1000, [4, 0, 2]), (3, 2100, [1]), (8, 151936, [0, 3, 7])]
+)
 def test_cpu_kernel_matches_reference(rows, vocab, masked):
     logits, bitmask, logit_rows, mask_rows = random_case(rows, vocab, masked, 4, seed=vocab)
     want = logits.clone()

@@ -5,6 +5,7 @@ generates greedily; the float8 run follows the same tokens (teacher forcing: the
 prefill, then one decode step per token), so every position compares two predictions from the
 same context.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -66,14 +67,21 @@ def subnormal_share(runner: PagedModelRunner, length: int) -> float:
     return (exponent_bits == 0).float().mean().item()
 
 
-def compare(ref_prompt: torch.Tensor, ref: torch.Tensor, got_prompt: torch.Tensor, got: torch.Tensor,
-            subnormals: float) -> Comparison:
+def compare(
+    ref_prompt: torch.Tensor, ref: torch.Tensor, got_prompt: torch.Tensor, got: torch.Tensor, subnormals: float
+) -> Comparison:
     error = (got - ref).abs().amax(dim=-1)
     kl = F.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1)
     top2 = ref.topk(2, dim=-1).values
     prefill = ((got_prompt - ref_prompt).abs().amax() / ref_prompt.abs().amax()).item()
-    return Comparison(error / ref.abs().amax(dim=-1), kl.clamp(min=0), got.argmax(-1) == ref.argmax(-1),
-                      (top2[:, 0] - top2[:, 1]) < error, prefill, subnormals)
+    return Comparison(
+        error / ref.abs().amax(dim=-1),
+        kl.clamp(min=0),
+        got.argmax(-1) == ref.argmax(-1),
+        (top2[:, 0] - top2[:, 1]) < error,
+        prefill,
+        subnormals,
+    )
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:

@@ -4,6 +4,7 @@ It keeps, per sequence, its token count and page list, and builds the AttentionM
 extend step (any number of new tokens per sequence) or a decode step (one each). Pages are
 handed out from a shuffled free list so a sequence's pages are never contiguous.
 """
+
 import random
 
 import torch
@@ -17,7 +18,11 @@ class PagedModelRunner:
     (worker.model.kv_scales)."""
 
     def __init__(
-        self, model: Qwen3ForCausalLM, num_pages: int = 128, page_size: int = 4, seed: int = 0,
+        self,
+        model: Qwen3ForCausalLM,
+        num_pages: int = 128,
+        page_size: int = 4,
+        seed: int = 0,
         cache_dtype: torch.dtype | None = None,
     ):
         config, dtype = model.config, cache_dtype or model.model.norm.weight.dtype
@@ -25,9 +30,10 @@ class PagedModelRunner:
         shape = (num_pages, page_size, config.num_key_value_heads, config.head_dim)
         self.model = model
         self.page_size = page_size
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                           torch.zeros(shape, dtype=dtype, device=self.device))
-                          for _ in range(config.num_hidden_layers)]
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(config.num_hidden_layers)
+        ]
         self.free_pages = list(range(num_pages))
         random.Random(seed).shuffle(self.free_pages)
         self.lens: list[int] = []

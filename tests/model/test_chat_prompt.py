@@ -1,6 +1,7 @@
 """A chat job's prompt through Qwen3's own chat template (worker.loop.jobs.render_prompt): the thinking
 switch, the tools offered (all, none, or the one named), tool calls, reasoning and tool answers in
 the history; and the output format the worker derives from it."""
+
 import json
 
 import pytest
@@ -29,14 +30,20 @@ def test_thinking_on_leaves_the_think_block_to_the_model_and_off_closes_it_empty
     on, on_format = rendered(tokenizer, messages=ASK)
     off, off_format = rendered(tokenizer, messages=ASK, enable_thinking=False)
     assert on.endswith("<|im_start|>assistant\n") and off == on + "<think>\n\n</think>\n\n"
-    assert (on_format, off_format) == (OutputFormat(reasoning=Reasoning.OPTIONAL), OutputFormat(reasoning=Reasoning.OFF))
+    assert (on_format, off_format) == (
+        OutputFormat(reasoning=Reasoning.OPTIONAL),
+        OutputFormat(reasoning=Reasoning.OFF),
+    )
 
 
 def test_tools_are_rendered_all_none_or_the_named_one(tokenizer):
     auto, auto_format = rendered(tokenizer, messages=ASK, tools=[WEATHER, SEARCH])
     none, none_format = rendered(tokenizer, messages=ASK, tools=[WEATHER, SEARCH], tool_choice="none")
     named, named_format = rendered(
-        tokenizer, messages=ASK, tools=[WEATHER, SEARCH], tool_choice={"type": "function", "function": {"name": "search"}},
+        tokenizer,
+        messages=ASK,
+        tools=[WEATHER, SEARCH],
+        tool_choice={"type": "function", "function": {"name": "search"}},
     )
     assert f"<tools>\n{json.dumps(WEATHER)}\n{json.dumps(SEARCH)}\n</tools>" in auto
     assert "<tools>" not in none and none == rendered(tokenizer, messages=ASK)[0]
@@ -47,7 +54,8 @@ def test_tools_are_rendered_all_none_or_the_named_one(tokenizer):
 def test_a_tool_loops_history_renders_the_calls_their_answers_and_the_last_reasoning(tokenizer):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     messages = [
-        *ASK, {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": [call]},
+        *ASK,
+        {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
     ]
     text, _ = rendered(tokenizer, messages=messages, tools=[WEATHER])

@@ -1,5 +1,6 @@
 """Tokenizer.incremental_detokenizer: the byte-level detokenizer Qwen3's vocabulary gets, against
 tokenizers' own decode, and the DecodeStream one any other vocabulary gets."""
+
 import random
 
 import pytest

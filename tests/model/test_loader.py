@@ -1,4 +1,5 @@
 """Checkpoint loading: config validation, fused weights, shards, dtypes, and every error case."""
+
 import json
 import logging
 
@@ -13,8 +14,14 @@ from worker.model.loader import load_model
 from worker.model.presets import qwen3_config, write_random_checkpoint
 
 SHAPE = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=128,
 )
 
 
@@ -102,9 +109,14 @@ def test_sharded_checkpoint_loads_the_same_weights_as_a_single_file(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("dtype, expected", [
-    ("bf16", torch.bfloat16), (torch.float16, torch.float16), ("float32", torch.float32),
-])
+@pytest.mark.parametrize(
+    "dtype, expected",
+    [
+        ("bf16", torch.bfloat16),
+        (torch.float16, torch.float16),
+        ("float32", torch.float32),
+    ],
+)
 def test_dtype_choice_sets_weights_and_keeps_rope_and_logits_fp32(tmp_path, dtype, expected):
     ckpt = write_checkpoint(tmp_path)
     model = load_model(ckpt, dtype=dtype).model
@@ -156,7 +168,9 @@ def test_missing_config_json(tmp_path):
 def test_missing_weights_file(tmp_path):
     ckpt = write_checkpoint(tmp_path)
     (ckpt / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"no weights file \(model\.safetensors or model\.safetensors\.index\.json\)"):
+    with pytest.raises(
+        CheckpointError, match=r"no weights file \(model\.safetensors or model\.safetensors\.index\.json\)"
+    ):
         load_model(ckpt)
 
 
@@ -164,7 +178,8 @@ def test_missing_shard_named_in_the_index(tmp_path):
     ckpt = write_checkpoint(tmp_path, shards=2)
     (ckpt / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(
-        CheckpointError, match=r"model-00002-of-00002\.safetensors: shard named in model\.safetensors\.index\.json not found"
+        CheckpointError,
+        match=r"model-00002-of-00002\.safetensors: shard named in model\.safetensors\.index\.json not found",
     ):
         load_model(ckpt)
 
@@ -172,7 +187,9 @@ def test_missing_shard_named_in_the_index(tmp_path):
 def test_missing_tensor(tmp_path):
     ckpt = write_checkpoint(tmp_path)
     edit_weights(ckpt, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: missing tensor model\.layers\.1\.mlp\.up_proj\.weight$"):
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors: missing tensor model\.layers\.1\.mlp\.up_proj\.weight$"
+    ):
         load_model(ckpt)
 
 
@@ -215,24 +232,35 @@ def test_unsupported_model_type(tmp_path):
     assert e.value.code == "unsupported_model"
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope_scaling.rope_type 'linear'"),
-    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type 'dynamic'"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0}}, "rope_parameters.rope_type 'llama3'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "rope_scaling.rope_type 'linear'"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type 'dynamic'"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0}},
+            "rope_parameters.rope_type 'llama3'",
+        ),
+    ],
+)
 def test_rope_types_other_than_default_and_yarn_are_refused_in_one_line(tmp_path, changes, message):
     ckpt = write_checkpoint(tmp_path)
     edit_json(ckpt / "config.json", **changes)
-    with pytest.raises(UnsupportedModel, match=rf"config\.json: {message} is not supported \(only 'default' and 'yarn'\)$"):
+    with pytest.raises(
+        UnsupportedModel, match=rf"config\.json: {message} is not supported \(only 'default' and 'yarn'\)$"
+    ):
         load_model(ckpt)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"attention_bias": True}, "attention_bias True"),
-    ({"use_sliding_window": True}, "use_sliding_window True"),
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config \{'quant_method': 'fp8'\}"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"attention_bias": True}, "attention_bias True"),
+        ({"use_sliding_window": True}, "use_sliding_window True"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config \{'quant_method': 'fp8'\}"),
+    ],
+)
 def test_features_qwen3_does_not_use_are_unsupported(tmp_path, changes, message):
     ckpt = write_checkpoint(tmp_path)
     edit_json(ckpt / "config.json", **changes)
@@ -256,7 +284,8 @@ def test_missing_and_non_positive_config_fields(tmp_path):
     raw["num_hidden_layers"] = 0
     (ckpt / "config.json").write_text(json.dumps(raw))
     with pytest.raises(
-        CheckpointError, match=r"config\.json: hidden_size: Field required; num_hidden_layers: Input should be greater than 0"
+        CheckpointError,
+        match=r"config\.json: hidden_size: Field required; num_hidden_layers: Input should be greater than 0",
     ):
         load_model(ckpt)
 

@@ -1,5 +1,6 @@
 """Qwen3-MoE checkpoints: config.json read as transformers reads it, which layers are sparse,
 per-expert tensors stacked in order, a checkpoint saved by transformers itself, and errors."""
+
 import json
 import logging
 
@@ -15,8 +16,16 @@ from worker.model.moe import Qwen3MoeSparseBlock
 from worker.model.presets import qwen3_moe_config, write_random_checkpoint
 
 SHAPE = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
-    num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
     max_position_embeddings=128,
 )
 PROMPT = [5, 17, 300, 2, 99, 511, 42, 7]
@@ -34,21 +43,42 @@ def prompt_logits(model) -> torch.Tensor:
 
 def test_a_sparse_config_means_what_it_means_to_transformers():
     # Fields left out take transformers' Qwen3MoeConfig defaults, which differ from Qwen3Config's.
-    sparse = {"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 8}
+    sparse = {
+        "model_type": "qwen3_moe",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+    }
     ours, theirs = parse_config(sparse), HFQwen3MoeConfig(**sparse)
     assert isinstance(ours, Qwen3MoeConfig)
-    fields = ("intermediate_size", "num_key_value_heads", "num_experts", "num_experts_per_tok",
-              "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "rms_norm_eps",
-              "max_position_embeddings", "tie_word_embeddings")
+    fields = (
+        "intermediate_size",
+        "num_key_value_heads",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    )
     assert {f: getattr(ours, f) for f in fields} == {f: getattr(theirs, f) for f in fields}
     assert ours.head_dim == 128 // 8 and ours.mlp_only_layers == () and ours.rope_theta == 10000.0
 
 
 @pytest.mark.parametrize("step, mlp_only, experts", [(1, [], 4), (2, [], 4), (1, [0, 3], 4), (3, [2], 4), (1, [], 0)])
 def test_sparse_layers_are_the_ones_transformers_builds_as_moe(step, mlp_only, experts):
-    config = qwen3_moe_config(**{**SHAPE, "num_hidden_layers": 6, "decoder_sparse_step": step,
-                                 "mlp_only_layers": mlp_only, "num_experts": experts})
+    config = qwen3_moe_config(
+        **{
+            **SHAPE,
+            "num_hidden_layers": 6,
+            "decoder_sparse_step": step,
+            "mlp_only_layers": mlp_only,
+            "num_experts": experts,
+        }
+    )
     with torch.device("meta"):
         theirs = HFQwen3MoeForCausalLM(HFQwen3MoeConfig(**config))
     expected = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in theirs.model.layers]
@@ -100,11 +130,14 @@ def test_a_missing_expert_tensor_is_named(tmp_path):
         load_model(ckpt)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"num_experts_per_tok": 5}, r"num_experts_per_tok \(5\) exceeds num_experts \(4\)"),
-    ({"mlp_only_layers": [-1]}, r"mlp_only_layers\.0: Input should be greater than or equal to 0"),
-    ({"decoder_sparse_step": 0}, r"decoder_sparse_step: Input should be greater than 0"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"num_experts_per_tok": 5}, r"num_experts_per_tok \(5\) exceeds num_experts \(4\)"),
+        ({"mlp_only_layers": [-1]}, r"mlp_only_layers\.0: Input should be greater than or equal to 0"),
+        ({"decoder_sparse_step": 0}, r"decoder_sparse_step: Input should be greater than 0"),
+    ],
+)
 def test_inconsistent_expert_settings_are_refused(tmp_path, changes, message):
     ckpt = write_moe_checkpoint(tmp_path)
     raw = json.loads((ckpt / "config.json").read_text())

@@ -4,6 +4,7 @@ same random checkpoints, in fp32.
 Logit error is measured relative to the logits' scale: max|ours - ref| / max|ref|, for the
 whole batch and for every position on its own (a single wrong position cannot hide in the max).
 """
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -20,29 +21,68 @@ VOCAB = 2048
 # per token, not renormalized, with a dense layer between sparse ones (mlp_only_layers).
 CONFIGS = {
     "gqa1-hd64-tied": qwen3_config(
-        hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, head_dim=64, tie_word_embeddings=True, rope_theta=10000.0,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
     ),
     "gqa2-hd128-untied": qwen3_config(
-        hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=128, tie_word_embeddings=False,
+        hidden_size=128,
+        intermediate_size=320,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        tie_word_embeddings=False,
     ),
     "gqa4-hd64-untied": qwen3_config(
-        hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
     ),
     "gqa4-hd128-tied": qwen3_config(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=128, tie_word_embeddings=True, rms_norm_eps=1e-5,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
     ),
     "moe-e8-k2-renorm": qwen3_moe_config(
-        hidden_size=64, intermediate_size=192, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+        hidden_size=64,
+        intermediate_size=192,
+        moe_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
     ),
     "moe-e6-k3-dense-layer": qwen3_moe_config(
-        hidden_size=96, intermediate_size=160, moe_intermediate_size=40, num_experts=6, num_experts_per_tok=3,
-        norm_topk_prob=False, mlp_only_layers=[1], num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
+        hidden_size=96,
+        intermediate_size=160,
+        moe_intermediate_size=40,
+        num_experts=6,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=False,
     ),
 }
 
@@ -66,8 +106,12 @@ def models(request, tmp_path_factory):
     # Weights 15x transformers' init scale: at 0.02 a random model repeats one token, so greedy
     # parity would not exercise decode attention; at 0.3 every continuation wanders.
     config = {
-        **CONFIGS[request.param], "vocab_size": VOCAB, "max_position_embeddings": 256, "initializer_range": 0.3,
-        "bos_token_id": None, "eos_token_id": None,
+        **CONFIGS[request.param],
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 256,
+        "initializer_range": 0.3,
+        "bos_token_id": None,
+        "eos_token_id": None,
     }
     ckpt = write_random_checkpoint(tmp_path_factory.mktemp(request.param), config, seed=7, norm_std=0.1)
     ours = load_model(ckpt, dtype=torch.float32).model
@@ -129,9 +173,12 @@ def test_batched_greedy_continuation_matches_transformers_generate(models, promp
     for prompt, out in zip(prompts, generated):
         with torch.inference_mode():
             expected = ref.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-            )[0, len(prompt):].tolist()
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
         assert out == expected
     # A continuation that repeats one token would prove little about decode attention.
     assert all(len(set(out)) > 16 for out in generated)

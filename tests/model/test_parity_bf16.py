@@ -13,6 +13,7 @@ A fixed bound of a few bf16 ulps does not hold at the qwen3-0.6b shape: its logi
 an ulp is 0.0625, and transformers' own bf16 logprob differences miss float32's by 0.2 on average
 and by up to 0.6 (measured on the CPU, bench/RESULTS.md); the first H200 run parted at such ties.
 """
+
 from dataclasses import dataclass, field
 
 import pytest
@@ -34,9 +35,20 @@ TOP = 5
 MEAN_MARGIN, WORST_MARGIN, FLOOR = 1.25, 1.5, 0.02
 # Weights at 0.1, not the preset's 0.02: at 0.02 a random 0.6B's top logits tie exactly in bf16 and
 # greedy repeats a few tokens, which would prove little.
-SHAPE = {**PRESETS["qwen3-0.6b"].config, "initializer_range": 0.1} if CUDA else qwen3_config(
-    vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, initializer_range=0.3,
+SHAPE = (
+    {**PRESETS["qwen3-0.6b"].config, "initializer_range": 0.1}
+    if CUDA
+    else qwen3_config(
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+    )
 )
 
 
@@ -58,6 +70,7 @@ def prompts() -> list[list[int]]:
 @dataclass
 class Errors:
     """|a bf16 logprob difference - float32's| over our top five at every generated position."""
+
     ours: list[float] = field(default_factory=list)
     theirs: list[float] = field(default_factory=list)
 
@@ -71,6 +84,7 @@ class Errors:
     def summary(self) -> str:
         def stats(xs: list[float]) -> str:
             return f"mean {sum(xs) / len(xs):.4f}, worst {max(xs):.4f}"
+
         return f"{len(self.ours)} differences: ours {stats(self.ours)}; transformers' bf16 {stats(self.theirs)}"
 
 
@@ -84,10 +98,12 @@ def logprobs_at_outputs(model, prompt: list[int], output: list[int]) -> torch.Te
 @torch.inference_mode()
 def test_bf16_greedy_tokens_match_transformers_or_part_at_a_float32_tie(checkpoint, prompts):
     # Decode CUDA graphs and overlapped steps as a GPU serves (the defaults there); a small pool.
-    engine = Engine.from_pretrained(checkpoint, device=DEVICE, dtype="bfloat16", max_running=NUM_PROMPTS,
-                                    max_num_batched_tokens=2048, num_pages=512)
-    outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True,
-                                                      logprobs=TOP))
+    engine = Engine.from_pretrained(
+        checkpoint, device=DEVICE, dtype="bfloat16", max_running=NUM_PROMPTS, max_num_batched_tokens=2048, num_pages=512
+    )
+    outputs = engine.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
+    )
     del engine
     hf16 = HFQwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(DEVICE).eval()
     hf32 = HFQwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(DEVICE).eval()
@@ -95,8 +111,9 @@ def test_bf16_greedy_tokens_match_transformers_or_part_at_a_float32_tie(checkpoi
     matched = 0
     for prompt, ours in zip(prompts, outputs):
         ids = torch.tensor([prompt], device=DEVICE)
-        hf_tokens = hf16.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                  do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        hf_tokens = hf16.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
         assert len(set(hf_tokens)) > NEW_TOKENS // 2, "a random model repeating itself proves little"
         float32 = logprobs_at_outputs(hf32, prompt, ours.token_ids)
         bf16 = logprobs_at_outputs(hf16, prompt, ours.token_ids)
@@ -110,10 +127,15 @@ def test_bf16_greedy_tokens_match_transformers_or_part_at_a_float32_tie(checkpoi
         parts.append((len(prompt), i, abs(float32[i][ours.token_ids[i]] - float32[i][hf_tokens[i]]).item()))
     noise = max(errors.theirs)
     not_ties = [p for p in parts if p[2] > noise]
-    print(f"{matched} of {NUM_PROMPTS} prompts matched transformers token for token; {errors.summary()}",
-          *(f"prompt of {n} tokens parted at output {i}: float32 gap {gap:.4f} "
+    print(
+        f"{matched} of {NUM_PROMPTS} prompts matched transformers token for token; {errors.summary()}",
+        *(
+            f"prompt of {n} tokens parted at output {i}: float32 gap {gap:.4f} "
             f"({'a tie' if gap <= noise else 'NOT a tie'}: transformers' worst bf16 error is {noise:.4f})"
-            for n, i, gap in parts), sep="\n")
+            for n, i, gap in parts
+        ),
+        sep="\n",
+    )
     mean_ours, mean_theirs = (sum(e) / len(e) for e in (errors.ours, errors.theirs))
     assert mean_ours <= MEAN_MARGIN * mean_theirs + FLOOR, errors.summary()
     assert max(errors.ours) <= WORST_MARGIN * noise + FLOOR, errors.summary()

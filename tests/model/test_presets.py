@@ -1,4 +1,5 @@
 """Presets: written once into the cache directory, atomically, then reused; loadable; real tokenizer."""
+
 import threading
 
 import pytest
@@ -50,7 +51,11 @@ def test_concurrent_first_use_writes_tiny_once_and_leaves_no_temp_dirs(cache_dir
     assert path.parent == cache_dir / "presets" and path.name.startswith("tiny-")
     assert [p.name for p in path.parent.iterdir() if p.is_dir()] == [path.name]
     assert {p.name for p in path.iterdir()} == {
-        "config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
     }
 
 
@@ -66,7 +71,10 @@ def test_tiny_loads_with_the_qwen3_tokenizer_and_generation_config(tiny):
     path, _ = tiny
     model, config, generation = load_model(path)
     assert (config.vocab_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
-        151936, 4, 2, 64,
+        151936,
+        4,
+        2,
+        64,
     )
     assert config.tie_word_embeddings and model.model.norm.weight.dtype == torch.float32
     assert generation.eos_token_ids == [151645, 151643]
@@ -93,7 +101,10 @@ def test_tiny_moe_is_tiny_with_a_mixture_of_experts_and_matches_transformers(cac
     model, config, generation = load_model(path)
     assert isinstance(config, Qwen3MoeConfig) and generation.eos_token_ids == [151645, 151643]
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, config.norm_topk_prob) == (
-        8, 2, 96, True,
+        8,
+        2,
+        96,
+        True,
     )
     assert all(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
     assert Tokenizer.from_dir(path).encode("<|im_start|>")[0] == 151644
@@ -136,10 +147,19 @@ def test_random_model_has_the_presets_shapes_with_drawn_weights():
 
 def test_abandoned_temp_dirs_are_removed_when_the_preset_is_written(tmp_path, monkeypatch):
     monkeypatch.setenv("MILI_CACHE_DIR", str(tmp_path))
-    micro = presets.Preset(presets.qwen3_config(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
-    ), torch.float32)
+    micro = presets.Preset(
+        presets.qwen3_config(
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            tie_word_embeddings=True,
+        ),
+        torch.float32,
+    )
     monkeypatch.setitem(PRESETS, "micro", micro)
     monkeypatch.setattr(presets, "write_qwen3_tokenizer_files", lambda out_dir: None)
     abandoned = tmp_path / "presets" / f".micro-{micro.fingerprint()}.dead1234"
@@ -173,5 +193,9 @@ def test_preset_sizes():
     config = PRESETS["qwen3-0.6b"].config
     assert (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]) == (1024, 28, 3072)
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (16, 8, 128)
-    assert (config["rope_theta"], config["max_position_embeddings"], config["tie_word_embeddings"]) == (1e6, 40960, True)
+    assert (config["rope_theta"], config["max_position_embeddings"], config["tie_word_embeddings"]) == (
+        1e6,
+        40960,
+        True,
+    )
     assert PRESETS["qwen3-0.6b"].dtype == torch.bfloat16

@@ -1,6 +1,7 @@
 """YaRN: read from config.json in each of its spellings, tabled exactly as transformers computes
 it, and the model equal to transformers' past the original window (on CUDA where there is one:
 the GPU acceptance's long_context stage runs these there)."""
+
 import json
 
 import pytest
@@ -25,15 +26,27 @@ QWEN3_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddi
 
 
 def config_with(**fields) -> Qwen3Config:
-    return Qwen3Config.model_validate(qwen3_config(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                                   num_attention_heads=2, num_key_value_heads=1, **fields))
+    return Qwen3Config.model_validate(
+        qwen3_config(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            **fields,
+        )
+    )
 
 
-@pytest.mark.parametrize("fields", [
-    {"rope_scaling": QWEN3_YARN},
-    {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
-    {"rope_scaling": None, "rope_parameters": {**QWEN3_YARN, "rope_theta": 1e6}},
-], ids=["model-card", "legacy-type-key", "transformers5"])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"rope_scaling": QWEN3_YARN},
+        {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+        {"rope_scaling": None, "rope_parameters": {**QWEN3_YARN, "rope_theta": 1e6}},
+    ],
+    ids=["model-card", "legacy-type-key", "transformers5"],
+)
 def test_yarn_is_read_from_every_spelling_and_sets_the_context(fields):
     config = config_with(**fields)
     assert config.rope_scaling == YarnScaling(**QWEN3_YARN)
@@ -47,8 +60,9 @@ def test_yarn_defaults_follow_transformers():
     config = config_with(max_position_embeddings=40960, rope_scaling={"rope_type": "yarn", "factor": 2.0})
     assert config.rope_scaling.original_max_position_embeddings == 40960
     assert config.context_length == 81920
-    config = config_with(max_position_embeddings=65536,
-                         rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 16384})
+    config = config_with(
+        max_position_embeddings=65536, rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 16384}
+    )
     assert config.rope_scaling.factor == 4.0
 
 
@@ -62,25 +76,59 @@ def test_plain_rope_keeps_max_position_embeddings_and_refuses_more():
 
 def test_yarn_with_a_bad_factor_names_the_field(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(qwen3_config(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                            num_attention_heads=2, rope_scaling={**QWEN3_YARN, "factor": 0.5})))
-    with pytest.raises(CheckpointError, match=r"config\.json: rope_scaling\.factor: Input should be greater than or equal to 1"):
+    path.write_text(
+        json.dumps(
+            qwen3_config(
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                rope_scaling={**QWEN3_YARN, "factor": 0.5},
+            )
+        )
+    )
+    with pytest.raises(
+        CheckpointError, match=r"config\.json: rope_scaling\.factor: Input should be greater than or equal to 1"
+    ):
         Qwen3Config.from_file(path)
 
 
-@pytest.mark.parametrize("head_dim, theta, yarn", [
-    (128, 1e6, QWEN3_YARN),
-    (64, 1e6, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
-    (64, 1e4, {"rope_type": "yarn", "factor": 2.5, "original_max_position_embeddings": 128, "beta_fast": 16,
-               "mscale": 1.0, "mscale_all_dim": 0.5}),
-    (32, 1e6, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256, "attention_factor": 1.3,
-               "truncate": False}),
-])
+@pytest.mark.parametrize(
+    "head_dim, theta, yarn",
+    [
+        (128, 1e6, QWEN3_YARN),
+        (64, 1e6, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+        (
+            64,
+            1e4,
+            {
+                "rope_type": "yarn",
+                "factor": 2.5,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 16,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+            },
+        ),
+        (
+            32,
+            1e6,
+            {
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 256,
+                "attention_factor": 1.3,
+                "truncate": False,
+            },
+        ),
+    ],
+)
 def test_yarn_table_is_transformers_rotary_embedding_bit_for_bit(head_dim, theta, yarn):
     # Qwen3's own case covers every position up to 131,072: 40K, past its 32K window, included.
     context = int(yarn["original_max_position_embeddings"] * yarn["factor"])
-    hf = Qwen3RotaryEmbedding(HFQwen3Config(head_dim=head_dim, rope_theta=theta, max_position_embeddings=context,
-                                            rope_scaling=yarn))
+    hf = Qwen3RotaryEmbedding(
+        HFQwen3Config(head_dim=head_dim, rope_theta=theta, max_position_embeddings=context, rope_scaling=yarn)
+    )
     cos, sin = hf(torch.zeros(1), torch.arange(context)[None])
     table = rope_table(head_dim, theta, context, YarnScaling(**yarn))
     half = head_dim // 2
@@ -92,9 +140,18 @@ def test_yarn_table_is_transformers_rotary_embedding_bit_for_bit(head_dim, theta
 def yarn_models(tmp_path_factory):
     """A random Qwen3 trained, as it were, on 64 positions, scaled 4x by YaRN to 256."""
     config = qwen3_config(
-        vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, initializer_range=0.3, bos_token_id=None,
-        eos_token_id=None, max_position_embeddings=256,
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+        bos_token_id=None,
+        eos_token_id=None,
+        max_position_embeddings=256,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     )
     ckpt = write_random_checkpoint(tmp_path_factory.mktemp("yarn"), config, seed=9, norm_std=0.1)
@@ -117,8 +174,12 @@ def test_yarn_model_matches_transformers_past_the_original_window(yarn_models):
     generated = [logits[-1].argmax().item()]
     for _ in range(48):  # to position 248 of 256
         generated.append(runner.decode({seq: generated[-1]})[0].argmax().item())
-    expected = ref.generate(torch.tensor([prompt], device=DEVICE),
-                            attention_mask=torch.ones(1, 200, dtype=torch.long, device=DEVICE),
-                            max_new_tokens=49, do_sample=False, pad_token_id=0)[0, 200:].tolist()
+    expected = ref.generate(
+        torch.tensor([prompt], device=DEVICE),
+        attention_mask=torch.ones(1, 200, dtype=torch.long, device=DEVICE),
+        max_new_tokens=49,
+        do_sample=False,
+        pad_token_id=0,
+    )[0, 200:].tolist()
     assert generated == expected
     assert len(set(generated)) > 16

@@ -2,6 +2,7 @@
 holds, which shapes are refused, what each rank's loader reads (its share is exactly the slice of
 the whole model's weights that rank needs), and how much memory a rank's load takes (measured in
 fresh processes: its peak is its share, not the whole model)."""
+
 import multiprocessing
 import re
 from pathlib import Path
@@ -44,17 +45,30 @@ def test_vocabulary_shares_cover_every_token_once_padded_to_equal_rows(vocab, si
 
 
 def config(**shape):
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8)
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     return parse_config(qwen3_config(**{**base, **shape}))
 
 
-@pytest.mark.parametrize(("shape", "size", "message"), [
-    (dict(), 3, "3 does not divide num_attention_heads 4; does not divide intermediate_size 64"),
-    (dict(num_attention_heads=6, num_key_value_heads=3), 2,
-     "2 neither divides nor is a multiple of num_key_value_heads 3"),
-    (dict(intermediate_size=66), 4, "4 does not divide intermediate_size 66"),
-])
+@pytest.mark.parametrize(
+    ("shape", "size", "message"),
+    [
+        (dict(), 3, "3 does not divide num_attention_heads 4; does not divide intermediate_size 64"),
+        (
+            dict(num_attention_heads=6, num_key_value_heads=3),
+            2,
+            "2 neither divides nor is a multiple of num_key_value_heads 3",
+        ),
+        (dict(intermediate_size=66), 4, "4 does not divide intermediate_size 66"),
+    ],
+)
 def test_shapes_that_do_not_split_are_refused_naming_the_setting(shape, size, message):
     with pytest.raises(InvalidArgument, match=f"^tensor_parallel_size: {message}$"):
         check_shapes(config(**shape), size)
@@ -63,8 +77,16 @@ def test_shapes_that_do_not_split_are_refused_naming_the_setting(shape, size, me
 def test_shapes_that_split_pass_and_the_experts_rows_count_only_where_a_layer_has_experts():
     check_shapes(config(), 2)
     check_shapes(config(num_key_value_heads=1), 4)  # replicated KV head
-    moe = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=8, num_experts=4, num_experts_per_tok=2)
+    moe = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
     check_shapes(parse_config(qwen3_moe_config(**moe, intermediate_size=65, moe_intermediate_size=16)), 2)
     with pytest.raises(InvalidArgument, match="does not divide moe_intermediate_size 15"):
         check_shapes(parse_config(qwen3_moe_config(**moe, moe_intermediate_size=15)), 2)
@@ -75,26 +97,51 @@ def test_shapes_that_split_pass_and_the_experts_rows_count_only_where_a_layer_ha
 CHECKPOINTS = {
     # KV heads split (2 over 2 ranks); a vocabulary that divides.
     "dense-kv-split": qwen3_config(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, initializer_range=0.3,
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
     ),
     # One KV head, replicated; an odd vocabulary (the last rank's tail is padding), tied to the embedding.
     "dense-kv-replicated": qwen3_config(
-        vocab_size=255, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=8, tie_word_embeddings=True, initializer_range=0.3,
+        vocab_size=255,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=8,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
     ),
     "moe": qwen3_moe_config(
-        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
-        num_experts_per_tok=2, mlp_only_layers=[1], num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, initializer_range=0.3,
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
     ),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
 def checkpoint(request, tmp_path_factory) -> Path:
-    return write_random_checkpoint(tmp_path_factory.mktemp(request.param), CHECKPOINTS[request.param], seed=1,
-                                   norm_std=0.1)
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp(request.param), CHECKPOINTS[request.param], seed=1, norm_std=0.1
+    )
 
 
 def expected_share(name: str, whole: torch.Tensor, tp: TensorParallel, cfg) -> torch.Tensor:
@@ -103,30 +150,30 @@ def expected_share(name: str, whole: torch.Tensor, tp: TensorParallel, cfg) -> t
     d = cfg.head_dim
     heads, kv = tp.split(cfg.num_attention_heads), tp.kv_heads(cfg.num_key_value_heads)
     if name.endswith("qkv_proj.weight"):
-        q, k, v = whole.split([cfg.num_attention_heads * d, cfg.num_key_value_heads * d,
-                               cfg.num_key_value_heads * d])
-        return torch.cat([q[heads.start * d: heads.stop * d], k[kv.start * d: kv.stop * d],
-                          v[kv.start * d: kv.stop * d]])
+        q, k, v = whole.split([cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d])
+        return torch.cat(
+            [q[heads.start * d : heads.stop * d], k[kv.start * d : kv.stop * d], v[kv.start * d : kv.stop * d]]
+        )
     if name.endswith("o_proj.weight"):
-        return whole[:, heads.start * d: heads.stop * d]
+        return whole[:, heads.start * d : heads.stop * d]
     if name.endswith("experts.gate_up_proj"):
         gate, up = whole.chunk(2, dim=1)
         rows = tp.split(cfg.moe_intermediate_size)
-        return torch.cat([gate[:, rows.start: rows.stop], up[:, rows.start: rows.stop]], dim=1)
+        return torch.cat([gate[:, rows.start : rows.stop], up[:, rows.start : rows.stop]], dim=1)
     if name.endswith("experts.down_proj"):
         cols = tp.split(cfg.moe_intermediate_size)
-        return whole[:, :, cols.start: cols.stop]
+        return whole[:, :, cols.start : cols.stop]
     if name.endswith("gate_up_proj.weight"):
         gate, up = whole.chunk(2)
         rows = tp.split(cfg.intermediate_size)
-        return torch.cat([gate[rows.start: rows.stop], up[rows.start: rows.stop]])
+        return torch.cat([gate[rows.start : rows.stop], up[rows.start : rows.stop]])
     if name.endswith("down_proj.weight"):
         cols = tp.split(cfg.intermediate_size)
-        return whole[:, cols.start: cols.stop]
+        return whole[:, cols.start : cols.stop]
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         ids = tp.vocab(cfg.vocab_size)
         padding = torch.zeros(tp.vocab_rows(cfg.vocab_size) - len(ids), whole.shape[1])
-        return torch.cat([whole[ids.start: ids.stop], padding])
+        return torch.cat([whole[ids.start : ids.stop], padding])
     return whole  # norms and the router: whole on every rank
 
 
@@ -191,7 +238,9 @@ def peak_load_bytes(path: Path, loads: list[tuple[int, int]]) -> dict[tuple[int,
     procs = [ctx.Process(target=measure_load, args=(str(path), rank, size, results)) for rank, size in loads]
     for p in procs:
         p.start()
-    measured = {(rank, size): (peak, weights) for rank, size, peak, weights in (results.get(timeout=300) for _ in procs)}
+    measured = {
+        (rank, size): (peak, weights) for rank, size, peak, weights in (results.get(timeout=300) for _ in procs)
+    }
     for p in procs:
         p.join(timeout=60)
     return measured
@@ -200,13 +249,27 @@ def peak_load_bytes(path: Path, loads: list[tuple[int, int]]) -> dict[tuple[int,
 def test_a_rank_loading_from_safetensors_peaks_at_its_share_not_the_whole_model(tmp_path):
     # 28M float32 parameters (111 MB): well above the noise of a process's own allocations; a
     # short context, so that the RoPE table (every rank's, whole) is small beside them.
-    ckpt = write_random_checkpoint(tmp_path, qwen3_config(
-        vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=64, tie_word_embeddings=False, max_position_embeddings=512,
-    ))
+    ckpt = write_random_checkpoint(
+        tmp_path,
+        qwen3_config(
+            vocab_size=4096,
+            hidden_size=512,
+            intermediate_size=2048,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            tie_word_embeddings=False,
+            max_position_embeddings=512,
+        ),
+    )
     measured = peak_load_bytes(ckpt, [(0, 1), (0, 2), (1, 2)])
-    print({f"rank {r} of {n}": f"peak {peak / 2**20:.1f} MiB, weights {w / 2**20:.1f} MiB"
-           for (r, n), (peak, w) in measured.items()})
+    print(
+        {
+            f"rank {r} of {n}": f"peak {peak / 2**20:.1f} MiB, weights {w / 2**20:.1f} MiB"
+            for (r, n), (peak, w) in measured.items()
+        }
+    )
     whole_peak, model_bytes = measured.pop((0, 1))
     assert whole_peak >= model_bytes  # the measure sees the weights
     overhead = whole_peak - model_bytes  # what loading allocates beside the weights (config, headers, the allocator)

@@ -1,6 +1,7 @@
 """OpenAI's published OpenAPI spec as the tests' oracle: the component schemas in schemas.json
 (extracted by extract.py from github.com/openai/openai-openapi at the commit it records), and
 `check(name, instance)`, which fails naming every way `instance` deviates from schema `name`."""
+
 from __future__ import annotations
 
 import copy
@@ -32,5 +33,7 @@ def definitions() -> dict:
 
 
 def check(name: str, instance) -> None:
-    errors = [f"{'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in validator(name).iter_errors(instance)]
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in validator(name).iter_errors(instance)
+    ]
     assert not errors, f"{name} at openai-openapi {COMMIT[:12]}:\n" + "\n".join(errors)

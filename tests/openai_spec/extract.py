@@ -7,20 +7,31 @@ The spec is OpenAPI 3.1 but still marks some fields `nullable: true` (OpenAPI 3.
 JSON Schema ignores: such a schema is rewritten to also take null, as the spec means it. Refs
 become `#/$defs/NAME`, so the file is one JSON Schema document of definitions.
 """
+
 import json
 import sys
 
 ROOTS = (
-    "CreateChatCompletionResponse", "CreateChatCompletionStreamResponse", "CreateCompletionResponse",
-    "CreateChatCompletionRequest", "CreateCompletionRequest", "ListModelsResponse", "Model", "ErrorResponse",
-    "OpenAIFile", "ListFilesResponse", "DeleteFileResponse", "Batch", "ListBatchesResponse",
+    "CreateChatCompletionResponse",
+    "CreateChatCompletionStreamResponse",
+    "CreateCompletionResponse",
+    "CreateChatCompletionRequest",
+    "CreateCompletionRequest",
+    "ListModelsResponse",
+    "Model",
+    "ErrorResponse",
+    "OpenAIFile",
+    "ListFilesResponse",
+    "DeleteFileResponse",
+    "Batch",
+    "ListBatchesResponse",
 )
 PREFIX = "#/components/schemas/"
 
 
 def refs_in(node) -> set[str]:
     if isinstance(node, dict):
-        found = {node["$ref"][len(PREFIX):]} if isinstance(node.get("$ref"), str) else set()
+        found = {node["$ref"][len(PREFIX) :]} if isinstance(node.get("$ref"), str) else set()
         return found.union(*(refs_in(v) for v in node.values()))
     if isinstance(node, list):
         return set().union(*(refs_in(v) for v in node))
@@ -34,7 +45,7 @@ def rewritten(node):
         return node
     out = {k: rewritten(v) for k, v in node.items() if k not in ("description", "example", "x-oaiMeta", "nullable")}
     if "$ref" in out:
-        out["$ref"] = "#/$defs/" + out["$ref"][len(PREFIX):]
+        out["$ref"] = "#/$defs/" + out["$ref"][len(PREFIX) :]
     if node.get("nullable") is True:
         return {"anyOf": [out, {"type": "null"}]}
     return out

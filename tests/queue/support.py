@@ -1,4 +1,5 @@
 """The queue loop in this process, driving the echo engine, for tests against a real redis-server."""
+
 from __future__ import annotations
 
 import threading
@@ -76,13 +77,30 @@ class GatedWorker(ThreadedWorker):
 
 @contextmanager
 def serving(
-    url: str, queue: str, step_s: float = 0.0, fail_on_step: int | None = None, engine_class=SlowEchoEngine,
-    name: str | None = None, clock: RedisClock | None = None, worker_class=ThreadedWorker, **overrides,
+    url: str,
+    queue: str,
+    step_s: float = 0.0,
+    fail_on_step: int | None = None,
+    engine_class=SlowEchoEngine,
+    name: str | None = None,
+    clock: RedisClock | None = None,
+    worker_class=ThreadedWorker,
+    **overrides,
 ):
     engine_overrides = overrides.pop("engine", {})
     settings = WorkerSettings.load(
-        None, **{"redis": url, "queue": queue, "name": name or f"w-{queue}", "block_ms": 20, "heartbeat_interval_s": 0.05,
-                 "redis_backoff_max_s": 0.2, "metrics_port": 0, "engine": engine_overrides, **overrides},
+        None,
+        **{
+            "redis": url,
+            "queue": queue,
+            "name": name or f"w-{queue}",
+            "block_ms": 20,
+            "heartbeat_interval_s": 0.05,
+            "redis_backoff_max_s": 0.2,
+            "metrics_port": 0,
+            "engine": engine_overrides,
+            **overrides,
+        },
     )
     engine = engine_class(settings.engine, step_s, fail_on_step)
     client = connect(url)

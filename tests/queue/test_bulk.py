@@ -1,6 +1,7 @@
 """Client.submit_many / as_completed / results / finished (and AsyncClient's twins, through the
 `client` fixture) against a real redis-server: several chunks and windows of jobs at once, the
 queue's bound crossed inside a chunk, request ids seen before, and results in finishing order."""
+
 import threading
 import time
 import uuid
@@ -51,14 +52,17 @@ def test_a_job_with_a_timeout_gets_its_deadline(client, redis_client, queue):
     assert abs(deadline_ms / 1000 - 30 - time.time()) < 5
 
 
-@pytest.mark.parametrize("bad, field", [
-    ({"prompt": "x", "max_tokens": 0}, "jobs[2].max_tokens"),
-    ({"prompt": "x", "max_tokenz": 8}, "jobs[2].max_tokenz"),
-    ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "jobs[2].prompt"),
-    ({"prompt": "x", "request_id": "has space"}, "jobs[2].request_id"),
-    ({"prompt": "x" * (1 << 20)}, "jobs[2].body"),
-    ("just a prompt", "jobs[2]"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"prompt": "x", "max_tokens": 0}, "jobs[2].max_tokens"),
+        ({"prompt": "x", "max_tokenz": 8}, "jobs[2].max_tokenz"),
+        ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "jobs[2].prompt"),
+        ({"prompt": "x", "request_id": "has space"}, "jobs[2].request_id"),
+        ({"prompt": "x" * (1 << 20)}, "jobs[2].body"),
+        ("just a prompt", "jobs[2]"),
+    ],
+)
 def test_an_invalid_spec_is_named_by_index_and_field_and_nothing_is_enqueued(client, redis_client, queue, bad, field):
     jobs = specs(CHUNK + 5)
     jobs[2] = bad
@@ -84,7 +88,9 @@ def test_request_ids_seen_before_enqueue_nothing_again(client, redis_client, que
 
 
 @pytest.mark.parametrize("depth_before", [0, CHUNK + 10])
-def test_a_chunk_that_would_cross_the_bound_fills_the_queue_up_to_it(client_kind, redis_server, redis_client, queue, depth_before):
+def test_a_chunk_that_would_cross_the_bound_fills_the_queue_up_to_it(
+    client_kind, redis_server, redis_client, queue, depth_before
+):
     bound = depth_before + CHUNK + 37  # crossed inside the second chunk of this call
     bounded = make_client(client_kind, redis_server.url, queue, max_queue_depth=bound)
     unbounded = make_client(client_kind, redis_server.url, queue, max_queue_depth=None)
@@ -99,7 +105,7 @@ def test_a_chunk_that_would_cross_the_bound_fills_the_queue_up_to_it(client_kind
         assert redis_client.xlen(KEYS.queue(queue)) == bound
         # The jobs that did not fit left no hash: the same call later enqueues them, and only them.
         assert not any(redis_client.exists(KEYS.job(f"{tag}-{i}")) for i in range(CHUNK + 37, 3 * CHUNK))
-        assert bounded.submit_many(jobs[len(full.value.job_ids) - 5:][:5]) == full.value.job_ids[-5:]
+        assert bounded.submit_many(jobs[len(full.value.job_ids) - 5 :][:5]) == full.value.job_ids[-5:]
         assert unbounded.submit_many(jobs) == [f"{tag}-{i}" for i in range(3 * CHUNK)]
         assert entries_added(redis_client, queue) == depth_before + 3 * CHUNK
         assert entry_ids(redis_client, queue)[depth_before:] == [f"{tag}-{i}" for i in range(3 * CHUNK)]
@@ -223,14 +229,18 @@ def test_many_jobs_through_two_workers_each_once(client_kind, redis_server, redi
     assert {r.worker for r in results.values()} == {w.name for w in bulk_workers}
 
 
-def test_a_failed_job_is_yielded_and_a_short_job_ends_before_a_long_one(client_kind, redis_server, echo_queue, bulk_workers):
+def test_a_failed_job_is_yielded_and_a_short_job_ends_before_a_long_one(
+    client_kind, redis_server, echo_queue, bulk_workers
+):
     client = make_client(client_kind, redis_server.url, echo_queue)
     try:
-        long, bad, short = client.submit_many([
-            {"prompt": "x" * 3000, "max_tokens": 3000, "temperature": 0.0},
-            {"input_ids": [999], "max_tokens": 4},  # no such byte: the echo engine refuses it
-            {"prompt": "short", "max_tokens": 8, "temperature": 0.0},
-        ])
+        long, bad, short = client.submit_many(
+            [
+                {"prompt": "x" * 3000, "max_tokens": 3000, "temperature": 0.0},
+                {"input_ids": [999], "max_tokens": 4},  # no such byte: the echo engine refuses it
+                {"prompt": "short", "max_tokens": 8, "temperature": 0.0},
+            ]
+        )
         ended = list(client.as_completed([long, bad, short], timeout=120))
     finally:
         client.close()

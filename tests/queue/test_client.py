@@ -134,7 +134,10 @@ def flush_after_loads(monkeypatch, redis_client, times: int) -> list:
 
 
 def test_a_submit_whose_scripts_are_lost_again_after_each_reload_enqueues_once(
-    client, redis_client, queue, monkeypatch,
+    client,
+    redis_client,
+    queue,
+    monkeypatch,
 ):
     left = flush_after_loads(monkeypatch, redis_client, execution.SCRIPT_RELOADS - 1)
     redis_client.script_flush()
@@ -145,7 +148,10 @@ def test_a_submit_whose_scripts_are_lost_again_after_each_reload_enqueues_once(
 
 
 def test_a_server_that_loses_the_scripts_at_every_reload_fails_the_submit_and_enqueues_nothing(
-    client, redis_client, queue, monkeypatch,
+    client,
+    redis_client,
+    queue,
+    monkeypatch,
 ):
     flush_after_loads(monkeypatch, redis_client, execution.SCRIPT_RELOADS)
     redis_client.script_flush()
@@ -228,8 +234,20 @@ def test_a_wait_longer_than_the_socket_timeout_reads_in_bounded_blocks(client):
 
 def test_workers_lists_the_live_workers_of_every_queue_from_their_heartbeats(client, redis_client, queue):
     other = f"{queue}-other"
-    heartbeat = {"device": "cpu", "state": "serving", "running": 2, "free_slots": 3, "free_pages": 40, "started_at": 1.5, "pid": 7}
-    for name, worker_queue, model in ((f"{queue}-a", queue, "tiny"), (f"{queue}-b", other, "/models/qwen"), (f"{queue}-dead", queue, "tiny")):
+    heartbeat = {
+        "device": "cpu",
+        "state": "serving",
+        "running": 2,
+        "free_slots": 3,
+        "free_pages": 40,
+        "started_at": 1.5,
+        "pid": 7,
+    }
+    for name, worker_queue, model in (
+        (f"{queue}-a", queue, "tiny"),
+        (f"{queue}-b", other, "/models/qwen"),
+        (f"{queue}-dead", queue, "tiny"),
+    ):
         fields = {**heartbeat, "name": name, "queue": worker_queue, "model": model}
         WorkerQueue(redis_client, Keys(), worker_queue, name, result_ttl_s=60).heartbeat(fields, ttl_s=5, held=[])
     redis_client.delete(Keys().worker(f"{queue}-dead"))  # as when its TTL runs out

@@ -1,5 +1,6 @@
 """Redis URLs of the three modes, checked before anything connects, and the clients made from them.
 No server runs here except where a test says so: a bad URL must fail on its own, in one line."""
+
 from __future__ import annotations
 
 import subprocess
@@ -23,16 +24,37 @@ SECRET = "pa55-w0rd"
 
 GOOD = [
     ("redis://localhost:6379/0", Mode.SERVER, (), "", {}),
-    ("rediss://u:p@h:1/2?socket_timeout=3", Mode.SERVER, (), "", {"socket_timeout": 3.0, "username": "u", "password": "p"}),
+    (
+        "rediss://u:p@h:1/2?socket_timeout=3",
+        Mode.SERVER,
+        (),
+        "",
+        {"socket_timeout": 3.0, "username": "u", "password": "p"},
+    ),
     ("unix:///tmp/redis.sock", Mode.SERVER, (), "", {"path": "/tmp/redis.sock"}),
     ("redis+cluster://10.0.0.1:7000", Mode.CLUSTER, (("10.0.0.1", 7000),), "", {}),
-    ("redis+cluster://u:p%40ss@a:7000,b:7001,[::1]:7002/", Mode.CLUSTER,
-     (("a", 7000), ("b", 7001), ("::1", 7002)), "", {"username": "u", "password": "p@ss"}),
-    ("rediss+cluster://a,b?ssl_cert_reqs=none", Mode.CLUSTER, (("a", 6379), ("b", 6379)), "",
-     {"ssl": True, "ssl_cert_reqs": "none"}),
+    (
+        "redis+cluster://u:p%40ss@a:7000,b:7001,[::1]:7002/",
+        Mode.CLUSTER,
+        (("a", 7000), ("b", 7001), ("::1", 7002)),
+        "",
+        {"username": "u", "password": "p@ss"},
+    ),
+    (
+        "rediss+cluster://a,b?ssl_cert_reqs=none",
+        Mode.CLUSTER,
+        (("a", 6379), ("b", 6379)),
+        "",
+        {"ssl": True, "ssl_cert_reqs": "none"},
+    ),
     ("redis+sentinel://s1:26379,s2:26380/mymaster", Mode.SENTINEL, (("s1", 26379), ("s2", 26380)), "mymaster", {}),
-    ("rediss+sentinel://:pw@s1/mymaster?db=3", Mode.SENTINEL, (("s1", 26379),), "mymaster",
-     {"password": "pw", "db": 3, "ssl": True}),
+    (
+        "rediss+sentinel://:pw@s1/mymaster?db=3",
+        Mode.SENTINEL,
+        (("s1", 26379),),
+        "mymaster",
+        {"password": "pw", "db": 3, "ssl": True},
+    ),
 ]
 
 
@@ -79,9 +101,16 @@ def test_a_url_that_is_not_a_string_is_refused():
 PASSWORD_CHARS = "abcXYZ0189/@#:%?&=+!$~'*;,[]"
 passwords = st.text(PASSWORD_CHARS, min_size=3, max_size=24).map(lambda rest: "Zq" + rest)
 URL_FORMS = [
-    "redis://user:{}@h:6379/0", "redis://:{}@h:6379/0", "redis://{}@h:6379/0", "rediss://mili-worker:{}@h/1",
-    "redis+cluster://user:{}@a:7000,b:7001", "rediss+cluster://:{}@a", "redis+sentinel://user:{}@s1:1,s2:2,s3:3/mymaster",
-    "rediss+sentinel://{}@s1,s2/m", "redis://h:6379/0?socket_timeout=5&password={}", "unix://user:{}@/tmp/r.sock?db=1",
+    "redis://user:{}@h:6379/0",
+    "redis://:{}@h:6379/0",
+    "redis://{}@h:6379/0",
+    "rediss://mili-worker:{}@h/1",
+    "redis+cluster://user:{}@a:7000,b:7001",
+    "rediss+cluster://:{}@a",
+    "redis+sentinel://user:{}@s1:1,s2:2,s3:3/mymaster",
+    "rediss+sentinel://{}@s1,s2/m",
+    "redis://h:6379/0?socket_timeout=5&password={}",
+    "unix://user:{}@/tmp/r.sock?db=1",
 ]
 
 
@@ -114,7 +143,12 @@ def test_text_that_is_no_redis_url_shows_none_of_itself(text):
 
 
 def test_a_url_that_splits_elsewhere_than_meant_is_refused_without_any_of_its_credentials():
-    for url in ("redis://Ux7:1#2@h:6379/0", "redis://Ux7:a/b@h/0", "redis://Ux7:a?b@h/0", "redis+cluster://Ux7:s/cr@a,b"):
+    for url in (
+        "redis://Ux7:1#2@h:6379/0",
+        "redis://Ux7:a/b@h/0",
+        "redis://Ux7:a?b@h/0",
+        "redis+cluster://Ux7:s/cr@a,b",
+    ):
         with pytest.raises(InvalidArgument) as e:
             parse_url(url)
         assert "percent-encode" in e.value.message and "://***@" in e.value.message and "Ux7" not in e.value.message
@@ -127,7 +161,11 @@ def test_redis_py_options_show_and_the_rest_is_hidden():
 
 
 def test_every_mode_redacts_the_password():
-    for url in (f"redis://u:{SECRET}@h:1/0", f"redis+cluster://u:{SECRET}@a:1,b:2", f"rediss+sentinel://:{SECRET}@s:1/m"):
+    for url in (
+        f"redis://u:{SECRET}@h:1/0",
+        f"redis+cluster://u:{SECRET}@a:1,b:2",
+        f"rediss+sentinel://:{SECRET}@s:1/m",
+    ):
         assert SECRET not in redact_url(url) and "***" in redact_url(url)
         assert str(parse_url(url)) == redact_url(url)
 
@@ -141,7 +179,10 @@ def test_the_clients_refuse_a_bad_url_before_connecting(make):
 def test_the_cli_says_a_bad_url_in_one_line_and_exits_1():
     done = subprocess.run(
         [sys.executable, "-m", "cli", "--redis", f"redis+sentinel://u:{SECRET}@s1:26379", "stats"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 1
     assert done.stderr.strip() == (
@@ -162,12 +203,15 @@ def test_a_cluster_that_no_node_answers_raises_a_connection_error():
         connect(f"redis+cluster://127.0.0.1:{free_port()}")
 
 
-@pytest.mark.parametrize("args, keys", [
-    (("EVALSHA", "abc", 2, "k1", "k2", "arg"), ["k1", "k2"]),
-    (("EVAL", "return 1", 0), None),
-    (("XREADGROUP", b"GROUP", "g", "c", b"COUNT", "2", b"BLOCK", "5", b"STREAMS", "s", ">"), ["s"]),
-    (("XREAD", b"COUNT", "1", b"STREAMS", "a", "b", "0-0", "0-0"), ["a", "b"]),
-    (("HGETALL", "h"), None),
-])
+@pytest.mark.parametrize(
+    "args, keys",
+    [
+        (("EVALSHA", "abc", 2, "k1", "k2", "arg"), ["k1", "k2"]),
+        (("EVAL", "return 1", 0), None),
+        (("XREADGROUP", b"GROUP", "g", "c", b"COUNT", "2", b"BLOCK", "5", b"STREAMS", "s", ">"), ["s"]),
+        (("XREAD", b"COUNT", "1", b"STREAMS", "a", "b", "0-0", "0-0"), ["a", "b"]),
+        (("HGETALL", "h"), None),
+    ],
+)
 def test_script_calls_and_stream_reads_route_by_their_own_keys(args, keys):
     assert known_keys(args) == keys

@@ -4,6 +4,7 @@ result, events and done entry gone, so that result() and stream() wait for the n
 when the job did not fail, purged by id, all, or age. The letters are made as a worker makes them:
 CLAIM, PUBLISH of the poison result, DEADLETTER (tests/chaos/test_dead_letter_commands.py makes
 them by killing real workers)."""
+
 from __future__ import annotations
 
 import inspect
@@ -62,12 +63,33 @@ def make_poison(redis_client, queue: str, job_id: str, deliveries: int = 3, fina
     assert on_job(redis_client, CLAIM, job_id, "w1", entry_id, TTL_S, "run-1")[0] == "claimed"
     if final_status == "failed":
         final = final_result(
-            job_id, "failed", "error", "w1", time.time(), entry_time(entry_id), error=Poison("delivered 3 times"),
+            job_id,
+            "failed",
+            "error",
+            "w1",
+            time.time(),
+            entry_time(entry_id),
+            error=Poison("delivered 3 times"),
         )
     else:
         final = JobResult(id=job_id, status=final_status, text="ab", token_ids=[1, 2])
     tokens = json.dumps({"ids": [1, 2], "text": "ab"})
-    assert on_job(redis_client, PUBLISH, job_id, "run-1", '{"worker": "w1"}', tokens, 0, 2, final_status, final.model_dump_json(), TTL_S) == "written"
+    assert (
+        on_job(
+            redis_client,
+            PUBLISH,
+            job_id,
+            "run-1",
+            '{"worker": "w1"}',
+            tokens,
+            0,
+            2,
+            final_status,
+            final.model_dump_json(),
+            TTL_S,
+        )
+        == "written"
+    )
     letter = WorkerDeadLetter(entry_id, fields, "delivered 3 times", deliveries).letter("w1", time.time())
     call = deadletter(KEYS.queue(queue), KEYS.dead(queue), entry_id, DEAD_LETTER_MAXLEN, letter)
     assert execute(redis_client, call.add_to, WORKER_SCRIPTS) == [1]
@@ -84,7 +106,22 @@ def finish(redis_client, queue: str, job_id: str, text: str) -> tuple[str, int]:
     ids = [ord(c) for c in text]
     result = JobResult(id=job_id, status="done", text=text, token_ids=ids, finish_reason="stop")
     tokens = json.dumps({"ids": ids, "text": text})
-    assert on_job(redis_client, PUBLISH, job_id, "run-2", '{"worker": "w2"}', tokens, 0, len(ids), "done", result.model_dump_json(), TTL_S) == "written"
+    assert (
+        on_job(
+            redis_client,
+            PUBLISH,
+            job_id,
+            "run-2",
+            '{"worker": "w2"}',
+            tokens,
+            0,
+            len(ids),
+            "done",
+            result.model_dump_json(),
+            TTL_S,
+        )
+        == "written"
+    )
     redis_client.xack(KEYS.queue(queue), GROUP, entry_id)
     redis_client.xdel(KEYS.queue(queue), entry_id)
     return entry_id, pending["times_delivered"]
@@ -95,7 +132,11 @@ def test_a_letter_is_listed_and_found_by_its_entry_id_or_its_job_id(client, redi
     letter_id = make_poison(redis_client, queue, job_id)
     (letter,) = settle(client, client.dead_letters.list())
     assert (letter.letter_id, letter.job_id, letter.deliveries, letter.worker, letter.reason) == (
-        letter_id, job_id, 3, "w1", "delivered 3 times",
+        letter_id,
+        job_id,
+        3,
+        "w1",
+        "delivered 3 times",
     )
     assert json.loads(letter.fields["body"]) == {"prompt": "poison", "params": {"max_tokens": 8}, "timeout_s": 30.0}
     assert abs(letter.dead_at - time.time()) < 5
@@ -190,7 +231,10 @@ def test_retry_all_retries_each_letter_and_reports_the_refused(client, redis_cli
     letters.append(make_poison(redis_client, queue, failed[2]))
     outcomes = settle(client, client.dead_letters.retry_all())
     assert [(o.letter_id, o.outcome) for o in outcomes] == [
-        (letters[0], "retried"), (letters[1], "retried"), (letters[2], "refused"), (letters[3], "retried"),
+        (letters[0], "retried"),
+        (letters[1], "retried"),
+        (letters[2], "refused"),
+        (letters[3], "retried"),
     ]
     assert "is cancelled" in outcomes[2].reason
     assert [f["id"] for _, f in redis_client.xrange(KEYS.queue(queue))] == [failed[0], failed[1], failed[2]]
@@ -221,17 +265,20 @@ def test_purge_older_than_removes_exactly_the_letters_past_the_age(client, redis
     assert settle(client, client.dead_letters.purge_older_than(3600)) == 0
 
 
-@pytest.mark.parametrize("call, field", [
-    (lambda d: d.list(0), "limit"),
-    (lambda d: d.list(10_001), "limit"),
-    (lambda d: d.list("5"), "limit"),
-    (lambda d: d.get("{bad}"), "id"),
-    (lambda d: d.retry(""), "id"),
-    (lambda d: d.purge(None), "id"),
-    (lambda d: d.purge_older_than(0), "older_than"),
-    (lambda d: d.purge_older_than(float("inf")), "older_than"),
-    (lambda d: d.purge_older_than("1h"), "older_than"),
-])
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (lambda d: d.list(0), "limit"),
+        (lambda d: d.list(10_001), "limit"),
+        (lambda d: d.list("5"), "limit"),
+        (lambda d: d.get("{bad}"), "id"),
+        (lambda d: d.retry(""), "id"),
+        (lambda d: d.purge(None), "id"),
+        (lambda d: d.purge_older_than(0), "older_than"),
+        (lambda d: d.purge_older_than(float("inf")), "older_than"),
+        (lambda d: d.purge_older_than("1h"), "older_than"),
+    ],
+)
 def test_bad_arguments_raise_before_anything_changes(client, redis_client, queue, call, field):
     job_id = client.submit("poison", max_tokens=4)
     make_poison(redis_client, queue, job_id)

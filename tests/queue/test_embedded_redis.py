@@ -1,4 +1,5 @@
 """The embedded redis-server: private, reachable, gone after stop; a clear message without the binary."""
+
 import pytest
 import redis
 

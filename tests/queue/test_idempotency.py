@@ -1,6 +1,7 @@
 """A request_id is bound to the request that first used it: the same id with the same prompt and
 sampling parameters finds the same job (whatever its deadline, counted from each retry), with
 another it raises IdempotencyConflict and enqueues nothing; in submit_many too."""
+
 from __future__ import annotations
 
 import uuid
@@ -21,7 +22,9 @@ def test_the_same_request_id_with_the_same_request_finds_the_same_job(client, re
     assert redis_client.xlen(KEYS.queue(queue)) == 1
 
 
-@pytest.mark.parametrize("change", [{"prompt": "other"}, {"max_tokens": 9}, {"temperature": 0.5}, {"request_fingerprint": "f2"}])
+@pytest.mark.parametrize(
+    "change", [{"prompt": "other"}, {"max_tokens": 9}, {"temperature": 0.5}, {"request_fingerprint": "f2"}]
+)
 def test_the_same_request_id_with_another_request_is_refused_and_enqueues_nothing(client, redis_client, queue, change):
     request_id = f"r-{uuid.uuid4().hex}"
     request = {"prompt": "same", "max_tokens": 8, "request_id": request_id}
@@ -41,4 +44,7 @@ def test_submit_many_refuses_a_chunk_with_a_request_id_of_another_request(client
         client.submit_many([{"prompt": "new", "request_id": fresh}, {"prompt": "second", "request_id": taken}])
     assert redis_client.xlen(KEYS.queue(queue)) == 1
     assert not redis_client.exists(KEYS.job(fresh))
-    assert client.submit_many([{"prompt": "new", "request_id": fresh}, {"prompt": "first", "request_id": taken}]) == [fresh, taken]
+    assert client.submit_many([{"prompt": "new", "request_id": fresh}, {"prompt": "first", "request_id": taken}]) == [
+        fresh,
+        taken,
+    ]

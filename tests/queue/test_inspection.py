@@ -1,6 +1,7 @@
 """client.inspect on a real redis-server: the waiting jobs (past the group's last-delivered id), the
 running ones (the pending entries list), a queue's overview, and the workers' heartbeats judged
 live, stale (past half their TTL) and gone, over several TTLs, through the worker's own heartbeat."""
+
 from __future__ import annotations
 
 import time
@@ -29,15 +30,28 @@ def test_waiting_and_running_jobs_come_from_the_stream_and_the_pending_list(clie
     assert [j.job_id for j in settle(client, client.inspect.waiting(1))] == jobs[2:3]
     running = settle(client, client.inspect.running(10))
     assert [(r.job_id, r.entry_id, r.worker, r.deliveries, r.tokens) for r in running] == [
-        (jobs[0], first, "w1", 1, 7), (jobs[1], second, "w2", 1, 0),
+        (jobs[0], first, "w1", 1, 7),
+        (jobs[1], second, "w2", 1, 0),
     ]
     assert all(0.05 <= r.idle_s < 5 for r in running)
 
 
 def test_a_queue_without_a_stream_has_nothing(client, queue):
     overview = settle(client, client.inspect.overview())
-    assert (overview.depth, overview.pending, overview.waiting, overview.dead, overview.oldest_waiting_s, overview.processed) == (
-        0, 0, 0, 0, None, None,
+    assert (
+        overview.depth,
+        overview.pending,
+        overview.waiting,
+        overview.dead,
+        overview.oldest_waiting_s,
+        overview.processed,
+    ) == (
+        0,
+        0,
+        0,
+        0,
+        None,
+        None,
     )
     assert settle(client, client.inspect.waiting(5)) == []
     assert settle(client, client.inspect.running(5)) == []
@@ -63,8 +77,17 @@ def test_the_overview_counts_depth_pending_waiting_dead_and_processed_entries(cl
 def heartbeat(redis_client, queue: str, name: str, ttl_s: float) -> None:
     """One heartbeat of a worker named `name`, sent by the worker's own code."""
     fields = {
-        "name": name, "queue": queue, "model": "echo", "device": "cpu", "state": "serving", "running": 1,
-        "free_slots": 3, "free_pages": 10, "total_pages": 16, "page_size": 16, "started_at": time.time(),
+        "name": name,
+        "queue": queue,
+        "model": "echo",
+        "device": "cpu",
+        "state": "serving",
+        "running": 1,
+        "free_slots": 3,
+        "free_pages": 10,
+        "total_pages": 16,
+        "page_size": 16,
+        "started_at": time.time(),
     }
     WorkerQueue(redis_client, KEYS, queue, name, result_ttl_s=60).heartbeat(fields, ttl_s, [])
 
@@ -84,10 +107,19 @@ def test_a_heartbeat_turns_stale_past_half_its_ttl_and_gone_past_it(client, redi
         silent = rows[f"{queue}-silent"]
         assert at - 0.1 <= silent.heartbeat_age_s < at + 0.5
     assert conditions == {
-        0.1: ("live", "live"), 0.9: ("live", "stale"), 1.8: ("live", "gone"), 3.6: ("live", "gone"), 6.0: ("live", "gone"),
+        0.1: ("live", "live"),
+        0.9: ("live", "stale"),
+        1.8: ("live", "gone"),
+        3.6: ("live", "gone"),
+        6.0: ("live", "gone"),
     }
     (steady,) = [w for w in settle(client, client.inspect.workers()) if w.name == f"{queue}-steady"]
-    assert (steady.info.model, steady.info.running, steady.info.free_pages, steady.info.total_pages) == ("echo", 1, 10, 16)
+    assert (steady.info.model, steady.info.running, steady.info.free_pages, steady.info.total_pages) == (
+        "echo",
+        1,
+        10,
+        16,
+    )
 
 
 def test_only_the_most_recently_gone_workers_are_listed(client, redis_client, queue):

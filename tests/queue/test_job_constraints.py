@@ -1,6 +1,7 @@
 """What the worker holds a job's output to (worker.loop.jobs.constraint_of): its response_format, the
 calls a forced tool_choice asks for, a call or the formatted answer under "auto", nothing else;
 after Qwen3's reasoning when the chat thinks. The echo engine, which cannot, refuses them."""
+
 import json
 
 import pytest
@@ -16,7 +17,10 @@ from worker.model.tokenizer import Tokenizer
 
 THINK_OPEN, THINK_CLOSE = 151667, 151668
 FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+TOOL = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+}
 CHAT = [{"role": "user", "content": "hi"}]
 
 
@@ -30,15 +34,22 @@ def job(**fields) -> JobRequest:
     return JobRequest.model_validate({"messages": CHAT, "params": params, **fields})
 
 
-@pytest.mark.parametrize("fields", [{}, {"tools": [TOOL]}, {"tools": [TOOL], "tool_choice": "auto"},
-                                    {"tools": [TOOL], "tool_choice": "none"}])
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"tools": [TOOL]}, {"tools": [TOOL], "tool_choice": "auto"}, {"tools": [TOOL], "tool_choice": "none"}],
+)
 def test_a_free_job_has_no_constraint(tokenizer, fields):
     assert constraint_of(job(**fields), OutputFormat(), tokenizer) is None
 
 
-@pytest.mark.parametrize("reasoning, thinking", [
-    (Reasoning.OFF, None), (Reasoning.OPTIONAL, (THINK_CLOSE, THINK_OPEN)), (Reasoning.OPEN, (THINK_CLOSE, None)),
-])
+@pytest.mark.parametrize(
+    "reasoning, thinking",
+    [
+        (Reasoning.OFF, None),
+        (Reasoning.OPTIONAL, (THINK_CLOSE, THINK_OPEN)),
+        (Reasoning.OPEN, (THINK_CLOSE, None)),
+    ],
+)
 def test_a_format_holds_after_the_reasoning_the_chat_may_write(tokenizer, reasoning, thinking):
     constraint = constraint_of(job(response_format=FORMAT), OutputFormat(reasoning=reasoning), tokenizer)
     assert constraint.field == "response_format"

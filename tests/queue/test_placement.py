@@ -2,6 +2,7 @@
 then the real worker loop on a real redis-server: placed jobs run on the worker they were placed
 on, entries placed on a stalled worker are stolen after steal_delay_ms, a dead worker's are
 reclaimed and resumed, and either side can turn placement off."""
+
 from __future__ import annotations
 
 import time
@@ -12,7 +13,14 @@ import pytest
 from producer_client import BulkQueueFull, Client, core
 from producer_client.keys import GROUP, Keys
 from producer_client.placement import (
-    PREFIX_CHARS, Candidate, Placed, Placement, View, candidates_from, prefix_key, rendezvous_score,
+    PREFIX_CHARS,
+    Candidate,
+    Placed,
+    Placement,
+    View,
+    candidates_from,
+    prefix_key,
+    rendezvous_score,
 )
 from producer_client.protocol import execution
 from producer_client.schema import JobRequest
@@ -40,18 +48,24 @@ def chat(first: str, *later: str) -> JobRequest:
 
 # -- keys and choices, no Redis ---------------------------------------------------------------------
 
+
 def test_every_turn_of_a_conversation_is_keyed_by_its_root():
     first = prefix_key(chat("plan a trip"))
     assert prefix_key(chat("plan a trip", "to Lyon", "by train")) == first
     assert prefix_key(chat("plan a dinner")) != first
-    assert prefix_key(request(messages=[{**SYSTEM, "content": "other"}, {"role": "user", "content": "plan a trip"}])) != first
+    assert (
+        prefix_key(request(messages=[{**SYSTEM, "content": "other"}, {"role": "user", "content": "plan a trip"}]))
+        != first
+    )
 
 
 def test_a_prompt_is_keyed_by_its_start_and_token_ids_by_their_first_256():
     head = "x" * PREFIX_CHARS
     assert prefix_key(request(prompt=head + "one ending")) == prefix_key(request(prompt=head + "another"))
     assert prefix_key(request(prompt="a" + head)) != prefix_key(request(prompt="b" + head))
-    assert prefix_key(request(input_ids=list(range(256)) + [1])) == prefix_key(request(input_ids=list(range(256)) + [2]))
+    assert prefix_key(request(input_ids=list(range(256)) + [1])) == prefix_key(
+        request(input_ids=list(range(256)) + [2])
+    )
     assert prefix_key(request(input_ids=[1, 2])) != prefix_key(request(input_ids=[1, 3]))
 
 
@@ -66,7 +80,9 @@ def test_a_worker_leaving_moves_only_the_keys_it_held_and_spreads_them():
     after = first_choices([n for n in names if n != "w2"], keys)
     assert all(a == b for a, b in zip(after, before) if b != "w2")
     moved = [a for a, b in zip(after, before) if b == "w2"]
-    assert {n: moved.count(n) for n in names if n != "w2"} == pytest.approx({n: len(moved) / 4 for n in names if n != "w2"}, rel=0.3)
+    assert {n: moved.count(n) for n in names if n != "w2"} == pytest.approx(
+        {n: len(moved) / 4 for n in names if n != "w2"}, rel=0.3
+    )
     assert all(300 <= before.count(n) <= 500 for n in names)  # 400 each on average
 
 
@@ -128,10 +144,22 @@ def drive(steps):
 
 
 def test_only_serving_workers_of_the_queue_that_advertise_placement_are_candidates():
-    beat = {"name": "a", "queue": "q", "state": "serving", "placement": "1", "running": "3", "slots": "8", "placed_held": "2"}
+    beat = {
+        "name": "a",
+        "queue": "q",
+        "state": "serving",
+        "placement": "1",
+        "running": "3",
+        "slots": "8",
+        "placed_held": "2",
+    }
     beats = [
-        beat, {**beat, "name": "b", "state": "draining"}, {**beat, "name": "c", "queue": "other"},
-        {**beat, "name": "d", "placement": "0"}, {}, {**beat, "name": "e", "slots": "many"},
+        beat,
+        {**beat, "name": "b", "state": "draining"},
+        {**beat, "name": "c", "queue": "other"},
+        {**beat, "name": "d", "placement": "0"},
+        {},
+        {**beat, "name": "e", "slots": "many"},
     ]
     # a's load: 3 running, and 5 entries in its stream of which 2 are among those it holds.
     assert candidates_from(beats, [5, 0, 0, 0, 0, 0], "q") == [Candidate("a", 8, 6)]
@@ -147,7 +175,8 @@ def enqueue_on(client: Client, owner: str, prompt: str, **options) -> str:
     job = core.build_job(prompt, None, None, None, None, 0, {"max_tokens": 8, **options})
     stream = KEYS.own_queue(client.queue, owner)
     replies = execution.execute(
-        client.redis, core.enqueue_commands(KEYS, client.queue, None, job, True, client.replication, stream),
+        client.redis,
+        core.enqueue_commands(KEYS, client.queue, None, job, True, client.replication, stream),
     )
     assert replies[1][0] == 1
     return job.job_id
@@ -167,10 +196,14 @@ def test_each_conversation_runs_on_its_first_choice_turn_after_turn(redis_server
         for turn in range(3):
             for i, root in enumerate(conversations):
                 messages = [{"role": "user", "content": root}, {"role": "assistant", "content": "ok"}] * turn
-                result = client.generate(messages=[*messages, {"role": "user", "content": root}], max_tokens=4, timeout=30)
+                result = client.generate(
+                    messages=[*messages, {"role": "user", "content": root}], max_tokens=4, timeout=30
+                )
                 ran_on[i].add(result.worker)
                 time.sleep(0.12)  # two heartbeats: the worker's running count is back to 0
-        keys = {i: prefix_key(request(messages=[{"role": "user", "content": root}])) for i, root in enumerate(conversations)}
+        keys = {
+            i: prefix_key(request(messages=[{"role": "user", "content": root}])) for i, root in enumerate(conversations)
+        }
         assert {i: ran_on[i] for i in ran_on} == {i: {first_choices(names, [keys[i]])[0]} for i in ran_on}
         assert client.placement.placed == {Placed.AFFINITY: 18, Placed.SHARED: 0}
         assert sum(w.metrics.taken["own"]._value.get() for w in workers) == 18
@@ -178,7 +211,9 @@ def test_each_conversation_runs_on_its_first_choice_turn_after_turn(redis_server
 
 
 @on_modes("server", "cluster")
-def test_entries_placed_on_a_stalled_worker_are_stolen_after_the_steal_delay(redis_deployment, deployment_client, queue):
+def test_entries_placed_on_a_stalled_worker_are_stolen_after_the_steal_delay(
+    redis_deployment, deployment_client, queue
+):
     url, redis_client = redis_deployment.url, deployment_client
     steal_delay_s = 0.3
     settings = dict(FAST, steal_delay_ms=int(steal_delay_s * 1000), claim_idle_ms=3000, engine={"max_running": 2})
@@ -208,15 +243,24 @@ def test_entries_placed_on_a_stalled_worker_are_stolen_after_the_steal_delay(red
 
 
 @on_modes("server", "cluster")
-def test_a_dead_workers_placed_jobs_are_reclaimed_and_resume_after_their_tokens(redis_deployment, deployment_client, queue):
+def test_a_dead_workers_placed_jobs_are_reclaimed_and_resume_after_their_tokens(
+    redis_deployment, deployment_client, queue
+):
     url, redis_client = redis_deployment.url, deployment_client
     settings = dict(FAST, engine={"max_running": 4})
     prompt = "a job placed on a worker that dies while it runs it, long enough to be killed half-way"
     with ExitStack() as stack:
-        victim = stack.enter_context(serving(
-            url, queue, name=f"{queue}-a", worker_class=GatedWorker, step_s=0.02,
-            checkpoint_interval_s=0.05, **settings,
-        ))
+        victim = stack.enter_context(
+            serving(
+                url,
+                queue,
+                name=f"{queue}-a",
+                worker_class=GatedWorker,
+                step_s=0.02,
+                checkpoint_interval_s=0.05,
+                **settings,
+            )
+        )
         client = stack.enter_context(Client(url, queue))
         jobs = [enqueue_on(client, victim.name, f"{prompt} {i}", max_tokens=60) for i in range(3)]
         assert eventually(lambda: all(len(tokens_published(redis_client, j)) >= 5 for j in jobs))
@@ -237,7 +281,10 @@ def test_a_dead_workers_placed_jobs_are_reclaimed_and_resume_after_their_tokens(
 def test_placement_turned_off_on_either_side_leaves_every_job_on_the_shared_stream(redis_server, queue, side):
     worker_settings = dict(FAST, placement=side != "worker")
     with ExitStack() as stack:
-        workers = [stack.enter_context(serving(redis_server.url, queue, name=f"{queue}-{i}", **worker_settings)) for i in range(2)]
+        workers = [
+            stack.enter_context(serving(redis_server.url, queue, name=f"{queue}-{i}", **worker_settings))
+            for i in range(2)
+        ]
         client = stack.enter_context(Client(redis_server.url, queue, placement=side != "client"))
         client.placement.refresh_s = 0
         assert eventually(lambda: all(w.queue.redis.exists(KEYS.worker(w.name)) for w in workers))
@@ -254,17 +301,29 @@ def test_submit_many_places_a_chunk_and_what_goes_in_is_still_a_prefix(redis_ser
     each (a backlog of one batch), one on the shared stream, and the tenth finds the shared
     stream full (max_queue_depth 1): BulkQueueFull names the nine that went in."""
     for name in ("a", "b"):
-        beat = {"name": name, "queue": queue, "state": "serving", "placement": 1, "slots": 2, "running": 0, "placed_held": 0}
+        beat = {
+            "name": name,
+            "queue": queue,
+            "state": "serving",
+            "placement": 1,
+            "slots": 2,
+            "running": 0,
+            "placed_held": 0,
+        }
         redis_client.hset(KEYS.worker(name), mapping=beat)
         redis_client.zadd(KEYS.workers(queue), {name: time.time()})
     with Client(redis_server.url, queue, max_queue_depth=1) as client:
         with pytest.raises(BulkQueueFull) as full:
-            client.submit_many([{"prompt": "same prompt", "max_tokens": 1, "request_id": f"{queue}-{i}"} for i in range(10)])
+            client.submit_many(
+                [{"prompt": "same prompt", "max_tokens": 1, "request_id": f"{queue}-{i}"} for i in range(10)]
+            )
     ids = [f"{queue}-{i}" for i in range(10)]
     assert full.value.job_ids == ids[:9]
     on = {name: [f["id"] for _, f in redis_client.xrange(KEYS.own_queue(queue, name))] for name in ("a", "b")}
     shared = [f["id"] for _, f in redis_client.xrange(KEYS.queue(queue))]
-    by_rank = sorted(("a", "b"), key=lambda n: rendezvous_score(prefix_key(request(prompt="same prompt")), n), reverse=True)
+    by_rank = sorted(
+        ("a", "b"), key=lambda n: rendezvous_score(prefix_key(request(prompt="same prompt")), n), reverse=True
+    )
     assert on[by_rank[0]] == [ids[0], ids[1], ids[4], ids[5]]
     assert on[by_rank[1]] == [ids[2], ids[3], ids[6], ids[7]]
     assert shared == [ids[8]]

@@ -1,5 +1,6 @@
 """Protocol helpers without a server: key names, wire validation, entry parsing, and the
 worker's batched commands against fakeredis."""
+
 import json
 import subprocess
 import sys
@@ -121,9 +122,16 @@ def test_publish_reports_cancel_flags_readers_and_lost_runs_of_watched_jobs():
     r.hset(Keys().job("c"), mapping={"status": "running", "run": "someone-else"})
     r.hset(Keys().job("d"), mapping={"status": "running", "run": "rd", "streamed": "1"})
     looks = [("a", "ra"), ("b", "rb"), ("c", "rc"), ("d", "rd"), ("e", "re")]
-    assert q.publish([], looks) == ([], [
-        Look(Watched.CANCEL), Look(Watched.OK), Look(Watched.LOST), Look(Watched.OK, streamed=True), Look(Watched.GONE),
-    ])
+    assert q.publish([], looks) == (
+        [],
+        [
+            Look(Watched.CANCEL),
+            Look(Watched.OK),
+            Look(Watched.LOST),
+            Look(Watched.OK, streamed=True),
+            Look(Watched.GONE),
+        ],
+    )
 
 
 def test_heartbeat_writes_a_hash_with_ttl_and_indexes_the_worker():

@@ -2,6 +2,7 @@
 process on a real redis-server: streamed deltas add up to the result whatever the intervals, a
 killed worker loses at most one publish interval of tokens, a slow reader never holds the worker
 up, and a streamed token reaches its reader within stream_interval_s however many streams run."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -45,8 +46,9 @@ class RecordingEchoEngine(SlowEchoEngine):
 
 
 @pytest.mark.parametrize("stream_s, checkpoint_s", [(0.001, 0.001), (0.02, 0.05), (0.2, 1.0), (2.0, 10.0)])
-def test_streamed_deltas_concatenate_to_the_result_at_any_interval_setting(redis_server, redis_client, queue,
-                                                                          stream_s, checkpoint_s):
+def test_streamed_deltas_concatenate_to_the_result_at_any_interval_setting(
+    redis_server, redis_client, queue, stream_s, checkpoint_s
+):
     intervals = {"stream_interval_s": stream_s, "checkpoint_interval_s": checkpoint_s}
     with Client(redis_server.url, queue) as client, serving(redis_server.url, queue, step_s=0.002, **intervals):
         prompts = {client.submit(prompt(i, 150), max_tokens=150, stream=i % 3 == 0): prompt(i, 150) for i in range(6)}
@@ -79,10 +81,19 @@ def test_a_killed_worker_loses_at_most_one_publish_interval_of_tokens(redis_serv
     interval = intervals["stream_interval_s" if streamed else "checkpoint_interval_s"]
     prompts = [prompt(i, 250) for i in range(4)]
     with Client(redis_server.url, queue) as client:
-        with serving(redis_server.url, queue, step_s=step_s, worker_class=GatedWorker, name=f"victim-{queue}",
-                     **intervals, **FAST_RECLAIM) as victim:
+        with serving(
+            redis_server.url,
+            queue,
+            step_s=step_s,
+            worker_class=GatedWorker,
+            name=f"victim-{queue}",
+            **intervals,
+            **FAST_RECLAIM,
+        ) as victim:
             ids = [client.submit(p, max_tokens=250, stream=streamed) for p in prompts]
-            assert eventually(lambda: all(len(getattr(victim.holdings.running.get(j), "token_ids", ())) >= 1 for j in ids))
+            assert eventually(
+                lambda: all(len(getattr(victim.holdings.running.get(j), "token_ids", ())) >= 1 for j in ids)
+            )
             time.sleep(4 * interval)  # several intervals of output, recorded as it goes
             victim.killed = True
             victim.gate.clear()
@@ -96,7 +107,9 @@ def test_a_killed_worker_loses_at_most_one_publish_interval_of_tokens(redis_serv
         assert tokens_published(redis_client, job_id) == result.token_ids  # none twice
         (first, _), (second, _) = runs(redis_client, job_id)
         assert (first["worker"], second["worker"], second["resumed_tokens"]) == (
-            f"victim-{queue}", f"survivor-{queue}", n_recorded,
+            f"victim-{queue}",
+            f"survivor-{queue}",
+            n_recorded,
         )
         lost = n_made - n_recorded
         assert 0 <= lost <= round(interval / step_s) + 3, (n_made, n_recorded)
@@ -105,6 +118,7 @@ def test_a_killed_worker_loses_at_most_one_publish_interval_of_tokens(redis_serv
 def settled_output(worker: GatedWorker, job_ids: list[str]) -> list[int]:
     """Each job's output once the killed worker's loop has stopped at its gate and its publisher
     has nothing out: what it made, recorded or not."""
+
     def lengths() -> list[int]:
         return [len(worker.holdings.running[j].token_ids) if j in worker.holdings.running else -1 for j in job_ids]
 
@@ -187,8 +201,14 @@ def test_streamed_chunk_delay_stays_within_the_interval_under_load(redis_server,
         reader.start()
         assert out.get(timeout=120) == "reading"
         time.sleep(0.2)  # its first reads are blocked on the streams
-        with serving(redis_server.url, queue, step_s=step_s, engine_class=RecordingEchoEngine,
-                     stream_interval_s=stream_s, engine={"max_running": len(prompts)}) as worker:
+        with serving(
+            redis_server.url,
+            queue,
+            step_s=step_s,
+            engine_class=RecordingEchoEngine,
+            stream_interval_s=stream_s,
+            engine={"max_running": len(prompts)},
+        ) as worker:
             arrivals = out.get(timeout=120)
             reader.join(30)
             sampled = worker.engine.sampled
@@ -202,8 +222,10 @@ def test_streamed_chunk_delay_stays_within_the_interval_under_load(redis_server,
             to_redis.append(written - at)
             to_reader.append(arrived - at)
             delivered.append(arrived - written)
-    print(f"delay to Redis: p99 {p99(to_redis) * 1e3:.1f} ms, max {max(to_redis) * 1e3:.1f} ms; to the reader: "
-          f"p99 {p99(to_reader) * 1e3:.1f} ms, max {max(to_reader) * 1e3:.1f} ms")
+    print(
+        f"delay to Redis: p99 {p99(to_redis) * 1e3:.1f} ms, max {max(to_redis) * 1e3:.1f} ms; to the reader: "
+        f"p99 {p99(to_reader) * 1e3:.1f} ms, max {max(to_reader) * 1e3:.1f} ms"
+    )
     # The worker's part, sampling to the event's write, for every token: its lag counts a round for
     # the reader's read besides. Event ids are whole milliseconds: a token written within the
     # interval may read up to 1 ms late.

@@ -3,6 +3,7 @@ a real redis-server of the test's own: memory full, a read-only replica, the con
 (a flush, a restart without persistence), scripts flushed, connections killed. The worker stays
 up, keeps its jobs and loses no token; and the unit rules behind that: which errors are
 transient, how script replies are typed."""
+
 from __future__ import annotations
 
 import threading
@@ -34,31 +35,39 @@ def alphabet(n: int, offset: int = 0) -> str:
     return "".join(chr(97 + (i + offset) % 26) for i in range(n))
 
 
-@pytest.mark.parametrize("error", [
-    redis.ConnectionError("Connection closed by server."),
-    redis.TimeoutError("Timeout reading from socket"),
-    rex.BusyLoadingError("Redis is loading the dataset in memory"),
-    rex.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),  # redis-py strips "OOM"
-    rex.ReadOnlyError("You can't write against a read only replica."),  # and "READONLY"
-    rex.TryAgainError("Multiple keys request during rehashing of slot"),
-    rex.ClusterDownError("The cluster is down"),
-    rex.MasterDownError("Link with MASTER is down and replica-serve-stale-data is set to 'no'."),
-    redis.ResponseError("BUSY Redis is busy running a script."),
-    redis.ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's unable to persist"),
-    redis.ResponseError("UNBLOCKED force unblock from blocking operation, instance state changed"),
-    rex.NoScriptError("No matching script. Please use EVAL."),  # flushed again after the reload
-], ids=lambda e: type(e).__name__ + ":" + str(e)[:12])
+@pytest.mark.parametrize(
+    "error",
+    [
+        redis.ConnectionError("Connection closed by server."),
+        redis.TimeoutError("Timeout reading from socket"),
+        rex.BusyLoadingError("Redis is loading the dataset in memory"),
+        rex.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),  # redis-py strips "OOM"
+        rex.ReadOnlyError("You can't write against a read only replica."),  # and "READONLY"
+        rex.TryAgainError("Multiple keys request during rehashing of slot"),
+        rex.ClusterDownError("The cluster is down"),
+        rex.MasterDownError("Link with MASTER is down and replica-serve-stale-data is set to 'no'."),
+        redis.ResponseError("BUSY Redis is busy running a script."),
+        redis.ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's unable to persist"),
+        redis.ResponseError("UNBLOCKED force unblock from blocking operation, instance state changed"),
+        rex.NoScriptError("No matching script. Please use EVAL."),  # flushed again after the reload
+    ],
+    ids=lambda e: type(e).__name__ + ":" + str(e)[:12],
+)
 def test_redis_refusing_for_now_is_transient(error):
     assert is_transient(error)
 
 
-@pytest.mark.parametrize("error", [
-    redis.AuthenticationError("invalid username-password pair or user is disabled."),
-    rex.AuthorizationError("NOAUTH"),
-    rex.NoPermissionError("this user has no permissions to run the 'xadd' command"),
-    redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"),
-    GroupLost("NOGROUP No such key"),
-], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "error",
+    [
+        redis.AuthenticationError("invalid username-password pair or user is disabled."),
+        rex.AuthorizationError("NOAUTH"),
+        rex.NoPermissionError("this user has no permissions to run the 'xadd' command"),
+        redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"),
+        GroupLost("NOGROUP No such key"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
 def test_errors_no_retry_mends_are_not_transient(error):
     assert not is_transient(error)
 
@@ -95,8 +104,10 @@ def assert_whole_output_once(admin, client, job_id: str, prompt: str) -> None:
 
 def test_memory_full_pauses_publication_and_loses_nothing(restartable_redis, admin, queue):
     prompt = alphabet(300)
-    with make_client("sync", restartable_redis.url, queue) as client, \
-            serving(restartable_redis.url, queue, step_s=0.01) as worker:
+    with (
+        make_client("sync", restartable_redis.url, queue) as client,
+        serving(restartable_redis.url, queue, step_s=0.01) as worker,
+    ):
         job_id = running_job(client, prompt)
         admin.config_set("maxmemory", 1)  # every write refused (noeviction), as with memory full
         time.sleep(1.0)
@@ -111,8 +122,10 @@ def test_memory_full_pauses_publication_and_loses_nothing(restartable_redis, adm
 
 def test_a_read_only_window_is_ridden_out(restartable_redis, admin, queue):
     prompt = alphabet(300, offset=5)
-    with make_client("sync", restartable_redis.url, queue) as client, \
-            serving(restartable_redis.url, queue, step_s=0.01) as worker:
+    with (
+        make_client("sync", restartable_redis.url, queue) as client,
+        serving(restartable_redis.url, queue, step_s=0.01) as worker,
+    ):
         job_id = running_job(client, prompt)
         admin.replicaof("127.0.0.1", free_port())  # a replica of a master that never answers: read-only
         time.sleep(1.0)
@@ -127,8 +140,10 @@ def test_a_read_only_window_longer_than_claim_idle_costs_no_worker_its_jobs(rest
     # afterwards: the first worker to get through must not take the others' jobs.
     prompt = alphabet(400)
     fast = dict(claim_idle_ms=500, reclaim_interval_s=0.05)
-    with make_client("sync", restartable_redis.url, queue) as client, \
-            serving(restartable_redis.url, queue, step_s=0.01, name=f"a-{queue}", **fast) as holder:
+    with (
+        make_client("sync", restartable_redis.url, queue) as client,
+        serving(restartable_redis.url, queue, step_s=0.01, name=f"a-{queue}", **fast) as holder,
+    ):
         job_id = running_job(client, prompt)
         with serving(restartable_redis.url, queue, name=f"b-{queue}", **fast):
             admin.replicaof("127.0.0.1", free_port())
@@ -143,8 +158,10 @@ def test_a_worker_that_slept_through_a_redis_restart_takes_no_live_workers_job(r
     # entry looks idle for as long as the outage lasted, until that worker has refreshed it.
     prompt = alphabet(400)
     fast = dict(claim_idle_ms=500, reclaim_interval_s=0.02, redis_backoff_max_s=0.4)
-    with make_client("sync", restartable_redis.url, queue) as client, \
-            serving(restartable_redis.url, queue, step_s=0.01, name=f"a-{queue}", **fast) as holder:
+    with (
+        make_client("sync", restartable_redis.url, queue) as client,
+        serving(restartable_redis.url, queue, step_s=0.01, name=f"a-{queue}", **fast) as holder,
+    ):
         job_id = running_job(client, prompt)
         with serving(restartable_redis.url, queue, name=f"b-{queue}", worker_class=GatedWorker, **fast) as sleeper:
             time.sleep(0.6)  # past the sleeper's first claim_idle_ms
@@ -156,7 +173,10 @@ def test_a_worker_that_slept_through_a_redis_restart_takes_no_live_workers_job(r
 
 
 def test_entries_whose_claims_redis_refused_are_held_and_admitted_later(
-    restartable_redis, admin, queue, monkeypatch,
+    restartable_redis,
+    admin,
+    queue,
+    monkeypatch,
 ):
     # Reads and XAUTOCLAIM go through while memory is full, CLAIM (it writes the job's hash) does
     # not: the entries a worker took then are its own, and it must neither forget them nor let
@@ -173,9 +193,11 @@ def test_entries_whose_claims_redis_refused_are_held_and_admitted_later(
     prompt = alphabet(150)
     fast = dict(claim_idle_ms=500, reclaim_interval_s=0.05)
     most: dict[str, int] = {}
-    with make_client("sync", restartable_redis.url, queue) as client, \
-            serving(restartable_redis.url, queue, step_s=0.01, name=f"a-{queue}", **fast), \
-            serving(restartable_redis.url, queue, name=f"b-{queue}", **fast):
+    with (
+        make_client("sync", restartable_redis.url, queue) as client,
+        serving(restartable_redis.url, queue, step_s=0.01, name=f"a-{queue}", **fast),
+        serving(restartable_redis.url, queue, name=f"b-{queue}", **fast),
+    ):
         time.sleep(2.0)  # Redis up long enough for reclaims to be allowed
         job_id = client.submit(prompt, max_tokens=len(prompt))
         refuse_until = time.monotonic() + 1.5  # three times claim_idle_ms
@@ -202,8 +224,10 @@ def pending_rows(admin, stream: str) -> list[dict]:
 @pytest.mark.parametrize("lose", ["flushall", "restart_empty"])
 def test_jobs_held_when_redis_loses_the_group_run_on_to_their_results(restartable_redis, admin, queue, lose):
     prompts = [alphabet(250, offset=i) for i in range(3)]
-    with make_client("sync", restartable_redis.url, queue) as client, \
-            serving(restartable_redis.url, queue, step_s=0.01) as worker:
+    with (
+        make_client("sync", restartable_redis.url, queue) as client,
+        serving(restartable_redis.url, queue, step_s=0.01) as worker,
+    ):
         ids = [running_job(client, p) for p in prompts]
         # Producers already waiting for the results, as they would be.
         with ThreadPoolExecutor(len(ids)) as pool:
@@ -245,8 +269,10 @@ def test_a_drain_gives_detached_jobs_back_to_the_queue(restartable_redis, admin,
 
 def test_scripts_flushed_and_connections_killed_mid_run_lose_nothing(restartable_redis, admin, queue):
     prompts = [alphabet(200, offset=i) for i in range(3)]
-    with make_client("sync", restartable_redis.url, queue) as client, \
-            serving(restartable_redis.url, queue, step_s=0.01) as worker:
+    with (
+        make_client("sync", restartable_redis.url, queue) as client,
+        serving(restartable_redis.url, queue, step_s=0.01) as worker,
+    ):
         ids = [running_job(client, p) for p in prompts]
         for _ in range(3):
             admin.script_flush()
@@ -273,8 +299,10 @@ def test_scripts_flushed_again_between_reload_and_resend_lose_nothing(restartabl
             admin.script_flush()
 
     prompts = [alphabet(150, offset=i) for i in range(3)]
-    with make_client("sync", restartable_redis.url, queue) as client, \
-            serving(restartable_redis.url, queue, step_s=0.01) as worker:
+    with (
+        make_client("sync", restartable_redis.url, queue) as client,
+        serving(restartable_redis.url, queue, step_s=0.01) as worker,
+    ):
         running = [running_job(client, p) for p in prompts[:2]]
         monkeypatch.setattr(execution, "load_scripts", load_then_lose)  # the worker's reloads only
         admin.script_flush()
@@ -287,8 +315,10 @@ def test_scripts_flushed_again_between_reload_and_resend_lose_nothing(restartabl
 
 def test_deadlines_are_kept_on_redis_clock_whatever_the_workers_clock_says(restartable_redis, admin, queue):
     ahead = RedisClock(local=lambda: time.time() + 3600)  # this worker's clock is an hour fast
-    with make_client("sync", restartable_redis.url, queue) as client, \
-            serving(restartable_redis.url, queue, step_s=0.01, clock=ahead):
+    with (
+        make_client("sync", restartable_redis.url, queue) as client,
+        serving(restartable_redis.url, queue, step_s=0.01, clock=ahead),
+    ):
         on_time = client.submit("x" * 20, max_tokens=20, timeout_s=30)
         overdue = client.submit("y" * 500, max_tokens=500, timeout_s=1.0)
         finished = client.result(on_time, timeout=10)
@@ -301,7 +331,10 @@ def test_deadlines_are_kept_on_redis_clock_whatever_the_workers_clock_says(resta
 
 
 def test_a_reply_the_protocol_does_not_define_fails_its_job_and_keeps_its_tokens(
-    restartable_redis, admin, queue, monkeypatch,
+    restartable_redis,
+    admin,
+    queue,
+    monkeypatch,
 ):
     parse = worker_queue.parse_publish
     oks = iter(range(10**6))
@@ -312,8 +345,10 @@ def test_a_reply_the_protocol_does_not_define_fails_its_job_and_keeps_its_tokens
         return parse(reply)
 
     monkeypatch.setattr(worker_queue, "parse_publish", garble_the_tenth_ok)
-    with make_client("sync", restartable_redis.url, queue) as client, \
-            serving(restartable_redis.url, queue, step_s=0.01) as worker:
+    with (
+        make_client("sync", restartable_redis.url, queue) as client,
+        serving(restartable_redis.url, queue, step_s=0.01) as worker,
+    ):
         job_id = running_job(client, alphabet(200))
         with pytest.raises(Exception) as failed:
             client.result(job_id, timeout=10)

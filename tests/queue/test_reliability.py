@@ -2,6 +2,7 @@
 ownership and reclaim, resume from recorded tokens, fencing of a stalled worker, poison entries,
 deadlines of reclaimed jobs, a Redis outage, a failing engine step, and the hand-over at the end
 of a drain. A "ghost" is a worker that took an entry and died: the test plays its part by hand."""
+
 from __future__ import annotations
 
 import json
@@ -89,14 +90,17 @@ def test_a_worker_takes_only_handed_over_entries_in_its_first_claim_idle_ms(redi
     pending = {r["message_id"]: r for r in redis_client.xpending_range(stream, GROUP, "-", "+", 10)}
     stale_entry, handed_entry = sorted(pending)
     redis_client.xclaim(stream, GROUP, "ghost", 0, [stale_entry], idle=10_000, justid=True)
-    execute(redis_client, lambda pipe: pipe.evalsha(RELEASE.sha, 1, stream, GROUP, "ghost", 10**10, handed_entry),
-            WORKER_SCRIPTS)
+    execute(
+        redis_client,
+        lambda pipe: pipe.evalsha(RELEASE.sha, 1, stream, GROUP, "ghost", 10**10, handed_entry),
+        WORKER_SCRIPTS,
+    )
     started = time.time()
     with serving(redis_server.url, queue, claim_idle_ms=1000, reclaim_interval_s=0.05):
         assert client.result(handed, timeout=10).text == "handed over"
         assert client.result(stale, timeout=10).text == "stale"
-    (handed_run, _), = runs(redis_client, handed)
-    (stale_run, _), = runs(redis_client, stale)
+    ((handed_run, _),) = runs(redis_client, handed)
+    ((stale_run, _),) = runs(redis_client, stale)
     assert handed_run["at"] - started < 0.5
     assert stale_run["at"] - started >= 0.95
 
@@ -124,8 +128,9 @@ class StallingEchoEngine(SlowEchoEngine):
 
 
 def test_a_stalled_worker_is_fenced_off_and_the_job_ends_once(redis_server, redis_client, client, queue):
-    with serving(redis_server.url, queue, step_s=0.005, engine_class=StallingEchoEngine, name=f"a-{queue}",
-                 **FAST_RECLAIM) as stalled:
+    with serving(
+        redis_server.url, queue, step_s=0.005, engine_class=StallingEchoEngine, name=f"a-{queue}", **FAST_RECLAIM
+    ) as stalled:
         job_id = client.submit("s" * 100, max_tokens=100)
         next(iter(client.stream(job_id, timeout=10)))
         with serving(redis_server.url, queue, step_s=0.005, name=f"b-{queue}", **FAST_RECLAIM) as rescuer:
@@ -153,7 +158,10 @@ def test_an_entry_delivered_too_often_goes_to_the_dead_letter_stream(redis_serve
     assert "delivered 4 times, more than max_deliveries 3" in e.value.message
     ((_, letter),) = redis_client.xrange(KEYS.dead(queue))
     assert (letter["id"], letter["entry"], letter["deliveries"], letter["worker"]) == (
-        job_id, entry["message_id"], "4", worker.name,
+        job_id,
+        entry["message_id"],
+        "4",
+        worker.name,
     )
     assert letter["reason"] == e.value.message and json.loads(letter["body"])["prompt"] == "poison"
     assert redis_client.xlen(stream) == 0 and redis_client.xpending(stream, GROUP)["pending"] == 0
@@ -168,7 +176,10 @@ def test_a_reclaimed_job_past_its_deadline_ends_with_its_recorded_tokens(redis_s
         partial = client.result(started, timeout=10)
         expired = client.result(never_started, timeout=10)
     assert (partial.status, partial.finish_reason, partial.text, partial.usage.completion_tokens) == (
-        "done", "timeout", "dea", 3,
+        "done",
+        "timeout",
+        "dea",
+        3,
     )
     assert (expired.status, expired.text) == ("expired", "")
 
@@ -205,8 +216,10 @@ def largest_tokens_event(redis_client, job_id: str) -> int:
 
 def test_a_redis_outage_buffers_events_and_flushes_them_after(restartable_redis, redis_client_of, queue):
     redis_client = redis_client_of(restartable_redis)
-    with make_client("sync", restartable_redis.url, queue) as client, \
-            serving(restartable_redis.url, queue, step_s=0.01, max_buffered_tokens=1000) as worker:
+    with (
+        make_client("sync", restartable_redis.url, queue) as client,
+        serving(restartable_redis.url, queue, step_s=0.01, max_buffered_tokens=1000) as worker,
+    ):
         job_id = client.submit("o" * 300, max_tokens=300)
         next(iter(client.stream(job_id, timeout=10)))
         restartable_redis.restart(down_s=1.0)
@@ -221,8 +234,10 @@ def test_a_redis_outage_buffers_events_and_flushes_them_after(restartable_redis,
 
 def test_generation_pauses_when_the_outbox_is_full(restartable_redis, redis_client_of, queue):
     redis_client = redis_client_of(restartable_redis)
-    with make_client("sync", restartable_redis.url, queue) as client, \
-            serving(restartable_redis.url, queue, step_s=0.005, max_buffered_tokens=15) as worker:
+    with (
+        make_client("sync", restartable_redis.url, queue) as client,
+        serving(restartable_redis.url, queue, step_s=0.005, max_buffered_tokens=15) as worker,
+    ):
         job_id = client.submit("p" * 200, max_tokens=200)
         next(iter(client.stream(job_id, timeout=10)))
         restartable_redis.stop()
@@ -238,8 +253,10 @@ def test_generation_pauses_when_the_outbox_is_full(restartable_redis, redis_clie
 
 
 def test_the_client_rides_out_a_redis_restart(restartable_redis, queue):
-    with make_client("sync", restartable_redis.url, queue) as client, \
-            serving(restartable_redis.url, queue, step_s=0.01):
+    with (
+        make_client("sync", restartable_redis.url, queue) as client,
+        serving(restartable_redis.url, queue, step_s=0.01),
+    ):
         job_id = client.submit("patience", max_tokens=100)
         waited = {}
         waiter = threading.Thread(target=lambda: waited.update(result=client.result(job_id, timeout=30)))
@@ -272,7 +289,10 @@ def test_a_drain_hands_unfinished_jobs_over_and_they_resume_at_once(redis_server
 
 
 def test_an_entry_whose_job_key_is_unusable_fails_its_job_and_the_worker_serves_on(
-    redis_server, redis_client, client, queue,
+    redis_server,
+    redis_client,
+    client,
+    queue,
 ):
     job_id = uuid.uuid4().hex
     redis_client.set(KEYS.job(job_id), "not a hash")  # a key of the wrong type: no script can run on it
@@ -298,8 +318,13 @@ def test_a_job_lost_and_taken_back_by_the_same_worker_runs_to_its_end(redis_serv
         next(iter(client.stream(job_id, timeout=10)))
         (entry,) = redis_client.xpending_range(stream, GROUP, "-", "+", 1)
         redis_client.xclaim(stream, GROUP, "ghost", 0, [entry["message_id"]], idle=10**9, justid=True)
-        execute(redis_client, lambda pipe: pipe.evalsha(
-            CLAIM.sha, 3, *job_keys(KEYS, job_id), "ghost", entry["message_id"], 60, "ghost-run"), WORKER_SCRIPTS)
+        execute(
+            redis_client,
+            lambda pipe: pipe.evalsha(
+                CLAIM.sha, 3, *job_keys(KEYS, job_id), "ghost", entry["message_id"], 60, "ghost-run"
+            ),
+            WORKER_SCRIPTS,
+        )
         result = client.result(job_id, timeout=20)
     assert (result.status, result.text, result.worker) == ("done", "t" * 10, worker.name)
     assert tokens_published(redis_client, job_id) == list(b"t" * 10)

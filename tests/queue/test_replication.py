@@ -3,6 +3,7 @@ replicas have what was written (WAIT); fewer in wait_timeout_ms make a submit ra
 NotReplicated (the job is enqueued all the same) and keep a worker's entry pending until they
 have it. On one server with a replica started beside it, and with each of the two distributed
 modes' replicas read directly."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,9 @@ KEYS = Keys()
 WAIT_TIMEOUT_MS = 50
 
 
-def test_a_submit_no_replica_confirms_raises_not_replicated_and_the_job_stays_enqueued(client_kind, redis_server, redis_client, queue):
+def test_a_submit_no_replica_confirms_raises_not_replicated_and_the_job_stays_enqueued(
+    client_kind, redis_server, redis_client, queue
+):
     client = make_client(client_kind, redis_server.url, queue, wait_replicas=1, wait_timeout_ms=WAIT_TIMEOUT_MS)
     try:
         with pytest.raises(NotReplicated) as raised:
@@ -27,13 +30,18 @@ def test_a_submit_no_replica_confirms_raises_not_replicated_and_the_job_stays_en
     finally:
         client.close()
     assert (raised.value.code, raised.value.job_id, raised.value.confirmed, raised.value.replicas) == (
-        "not_replicated", f"{queue}-job", 0, 1,
+        "not_replicated",
+        f"{queue}-job",
+        0,
+        1,
     )
     assert redis_client.hget(KEYS.job(f"{queue}-job"), "status") == "queued"
     assert [f["id"] for _, f in redis_client.xrange(KEYS.queue(queue))] == [f"{queue}-job"]
 
 
-@pytest.mark.parametrize("setting, field", [({"wait_replicas": -1}, "wait_replicas"), ({"wait_timeout_ms": 0}, "wait_timeout_ms")])
+@pytest.mark.parametrize(
+    "setting, field", [({"wait_replicas": -1}, "wait_replicas"), ({"wait_timeout_ms": 0}, "wait_timeout_ms")]
+)
 def test_a_bad_wait_setting_is_refused_before_anything_is_sent(setting, field):
     with pytest.raises(InvalidArgument) as raised:
         Client("redis://127.0.0.1:1/0", **setting)
@@ -65,8 +73,11 @@ def test_a_worker_acknowledges_a_result_only_once_a_replica_has_it(tmp_path, que
     replica = ServerProcess(tmp_path / "replica")
     url = f"redis://127.0.0.1:{master.port}/0"
     try:
-        with serving(url, queue, wait_replicas=1, wait_timeout_ms=WAIT_TIMEOUT_MS, claim_idle_ms=2000), \
-                Client(url, queue) as client, master.client() as admin:
+        with (
+            serving(url, queue, wait_replicas=1, wait_timeout_ms=WAIT_TIMEOUT_MS, claim_idle_ms=2000),
+            Client(url, queue) as client,
+            master.client() as admin,
+        ):
             job_id = client.submit("waits for a replica", max_tokens=5)
             assert client.result(job_id, timeout=10).text == "waits"  # written, and read at once
             # No replica has it: the entry stays, for as long as several WAITs.

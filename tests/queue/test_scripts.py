@@ -1,6 +1,7 @@
 """The protocol's Lua scripts on a real redis-server: each job status transition is atomic,
 the queue bound is exact, the first finisher wins, a run fences off the runs before it, every
 script is safe to run twice, and a queue's pending entries move only as the loop means them to."""
+
 import json
 import re
 import time
@@ -13,7 +14,15 @@ from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.protocol.execution import execute
 from producer_client.protocol.producer import CANCEL, CREATE, ENQUEUE, PRODUCER_SCRIPTS
 from producer_client.protocol.worker import (
-    CLAIM, DEADLETTER, FAIL, PUBLISH, RECLAIM, REFRESH, RELEASE, WORKER_SCRIPTS, deadletter,
+    CLAIM,
+    DEADLETTER,
+    FAIL,
+    PUBLISH,
+    RECLAIM,
+    REFRESH,
+    RELEASE,
+    WORKER_SCRIPTS,
+    deadletter,
 )
 from producer_client.schema import JobResult
 from worker.loop.outbox import DeadLetter
@@ -67,7 +76,7 @@ def test_no_script_passes_unpack_anywhere_but_last_in_an_argument_list(script):
             depth += {"(": 1, ")": -1}.get(script.source[end], 0)
             end += 1
         following = script.source[end:].lstrip()
-        assert not following.startswith(","), f"{script.name}: {script.source[match.start():end]} is not last"
+        assert not following.startswith(","), f"{script.name}: {script.source[match.start() : end]} is not last"
 
 
 def test_scripts_load_on_a_server_that_lacks_them(redis_client, job_id):
@@ -123,7 +132,11 @@ def test_a_publish_sent_twice_records_its_events_once(redis_client, job_id):
         assert publish(redis_client, job_id, "r1", json.dumps({"worker": "w1"}), tokens(1, 2), 0, 2) == "ok"
     for _ in range(2):
         assert publish(redis_client, job_id, "r1", "", tokens(3), 2, 3) == "ok"
-    assert [(t, e.get("ids")) for t, e in events(redis_client, job_id)] == [("start", None), ("tokens", [1, 2]), ("tokens", [3])]
+    assert [(t, e.get("ids")) for t, e in events(redis_client, job_id)] == [
+        ("start", None),
+        ("tokens", [1, 2]),
+        ("tokens", [3]),
+    ]
     assert redis_client.hget(KEYS.job(job_id), "tokens") == "3"
 
 
@@ -255,7 +268,8 @@ def test_reclaim_takes_idle_entries_with_their_delivery_count_and_no_more_than_a
     time.sleep(0.05)
     cursor, claimed = run(redis_client, RECLAIM, [stream], GROUP, "w2", 40, "0-0", 2)
     assert [(entry_id, dict(zip(f[::2], f[1::2]))["id"], n) for entry_id, f, n in claimed] == [
-        (first[0], "j0", 2), (first[1], "j1", 2),
+        (first[0], "j0", 2),
+        (first[1], "j1", 2),
     ]
     assert cursor == first[2]  # the next scan starts at the entry this one left
     assert run(redis_client, RECLAIM, [stream], GROUP, "w2", 40, cursor, 2)[1][0][0] == first[2]
@@ -285,19 +299,35 @@ def test_a_dead_letter_of_an_entry_with_thousands_of_fields_keeps_the_protocols_
     redis_client.xreadgroup(GROUP, "w1", {stream: ">"})
     dead = KEYS.dead(stream.removeprefix("mili:q:{").removesuffix("}"))
     letter = DeadLetter(entry_id, fields, "poison", 4)
-    assert run(redis_client, DEADLETTER, [stream, dead], *deadletter(stream, dead, entry_id, DEAD_LETTER_MAXLEN, letter.letter("w1", 1.0)).args) == 1
+    assert (
+        run(
+            redis_client,
+            DEADLETTER,
+            [stream, dead],
+            *deadletter(stream, dead, entry_id, DEAD_LETTER_MAXLEN, letter.letter("w1", 1.0)).args,
+        )
+        == 1
+    )
     (moved,) = [f for _, f in redis_client.xrange(dead)]
     assert {k: moved[k] for k in ("id", "v", "body", "entry", "reason", "deliveries")} == {
-        "id": "j0", "v": "1", "body": "{}", "entry": entry_id, "reason": "poison", "deliveries": "4",
+        "id": "j0",
+        "v": "1",
+        "body": "{}",
+        "entry": entry_id,
+        "reason": "poison",
+        "deliveries": "4",
     }
     assert not any(name.startswith("f") and name[1:].isdigit() for name in moved)
 
 
-@pytest.mark.parametrize("key, make", [
-    ("job", lambda r, key: r.xadd(key, {"a": "b"})),
-    ("events", lambda r, key: r.hset(key, "a", "b")),
-    ("done", lambda r, key: r.hset(key, "a", "b")),
-])
+@pytest.mark.parametrize(
+    "key, make",
+    [
+        ("job", lambda r, key: r.xadd(key, {"a": "b"})),
+        ("events", lambda r, key: r.hset(key, "a", "b")),
+        ("done", lambda r, key: r.hset(key, "a", "b")),
+    ],
+)
 def test_claim_and_publish_refuse_a_job_key_of_another_type_before_writing_anything(redis_client, job_id, key, make):
     job_key = {"job": KEYS.job, "events": KEYS.events, "done": KEYS.done}[key](job_id)
     make(redis_client, job_key)
@@ -319,7 +349,11 @@ def test_fail_replaces_keys_of_another_type_and_writes_the_failure_once(redis_cl
     redis_client.hset(KEYS.events(job_id), "a", "b")
     result = JobResult(id=job_id, status="failed", text="ab", token_ids=[1, 2])
     assert on_job(redis_client, FAIL, job_id, result.model_dump_json(), 2, 60) == "failed"
-    assert redis_client.hgetall(KEYS.job(job_id)) == {"status": "failed", "result": result.model_dump_json(), "tokens": "2"}
+    assert redis_client.hgetall(KEYS.job(job_id)) == {
+        "status": "failed",
+        "result": result.model_dump_json(),
+        "tokens": "2",
+    }
     assert events(redis_client, job_id) == [("end", json.loads(result.model_dump_json()))]
     assert done_entries(redis_client, job_id) == [result]
     assert 0 < redis_client.ttl(KEYS.done(job_id)) <= 60

@@ -1,5 +1,6 @@
 """Worker settings: config/worker.toml documents every setting with its default, and flags
 beat the environment, which beats the file."""
+
 import argparse
 import re
 import tomllib
@@ -34,7 +35,9 @@ def test_the_shipped_file_lists_every_setting_at_its_default():
 
 def test_flags_beat_the_environment_which_beats_the_file(tmp_path, monkeypatch):
     config = tmp_path / "worker.toml"
-    config.write_text('queue = "from-file"\nblock_ms = 11\nlog_level = "DEBUG"\n[engine]\nmax_running = 3\npage_size = 32\n')
+    config.write_text(
+        'queue = "from-file"\nblock_ms = 11\nlog_level = "DEBUG"\n[engine]\nmax_running = 3\npage_size = 32\n'
+    )
     monkeypatch.setenv("MILI_BLOCK_MS", "22")
     monkeypatch.setenv("MILI_ENGINE__PAGE_SIZE", "64")
     s = parse_flags("--config", str(config), "--block-ms", "33", "--max-running", "4", "--no-enable-prefix-cache")
@@ -52,11 +55,14 @@ def test_names_that_end_up_in_redis_keys_are_checked():
     assert WorkerSettings.load(None, name="").name == ""  # empty: derived from host and pid
 
 
-@pytest.mark.parametrize("timing", [
-    dict(claim_idle_ms=1000, heartbeat_interval_s=0.6),  # a late heartbeat would lose the entries
-    dict(claim_idle_ms=5000, redis_backoff_max_s=5.0),  # a worker back from an outage would refresh too late
-    dict(claim_idle_ms=5000, redis_backoff_max_s=4.0, heartbeat_interval_s=1.0),
-])
+@pytest.mark.parametrize(
+    "timing",
+    [
+        dict(claim_idle_ms=1000, heartbeat_interval_s=0.6),  # a late heartbeat would lose the entries
+        dict(claim_idle_ms=5000, redis_backoff_max_s=5.0),  # a worker back from an outage would refresh too late
+        dict(claim_idle_ms=5000, redis_backoff_max_s=4.0, heartbeat_interval_s=1.0),
+    ],
+)
 def test_a_claim_idle_time_that_would_let_live_workers_lose_their_jobs_is_refused(timing):
     with pytest.raises(InvalidArgument) as e:
         WorkerSettings.load(None, **timing)
@@ -88,5 +94,6 @@ def test_kv_cache_dtype_flag_offers_its_choices_and_refuses_others(capsys):
     with pytest.raises(SystemExit):
         parse_flags("--kv-cache-dtype", "int8")
     # Python 3.12.8 stopped quoting the choices.
-    assert re.search(r"--kv-cache-dtype: invalid choice: 'int8' \(choose from '?auto'?, '?fp8_e4m3'?\)",
-                     capsys.readouterr().err)
+    assert re.search(
+        r"--kv-cache-dtype: invalid choice: 'int8' \(choose from '?auto'?, '?fp8_e4m3'?\)", capsys.readouterr().err
+    )

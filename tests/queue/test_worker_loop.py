@@ -1,5 +1,6 @@
 """The queue loop in this process, driving the echo engine, against a real redis-server:
 what the protocol promises, independent of the model."""
+
 from __future__ import annotations
 
 import time
@@ -21,7 +22,12 @@ def test_a_job_round_trips_with_usage_and_ordered_timings(redis_server, client, 
     with serving(redis_server.url, queue) as worker:
         job_id = client.submit("hello world", max_tokens=5)
         result = client.result(job_id, timeout=10)
-        assert (result.status, result.text, result.finish_reason, result.worker) == ("done", "hello", "length", worker.name)
+        assert (result.status, result.text, result.finish_reason, result.worker) == (
+            "done",
+            "hello",
+            "length",
+            worker.name,
+        )
         assert result.token_ids == list(b"hello")
         assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (11, 5)
         t = result.timings
@@ -83,7 +89,9 @@ def test_cancel_stops_running_jobs_within_their_publish_interval_and_frees_their
 
 
 def test_pending_entries_never_exceed_max_running(redis_server, client, queue, redis_client):
-    with serving(redis_server.url, queue, step_s=0.002, engine={"max_running": 2, "max_num_batched_tokens": 64}) as worker:
+    with serving(
+        redis_server.url, queue, step_s=0.002, engine={"max_running": 2, "max_num_batched_tokens": 64}
+    ) as worker:
         seen = []
         read = worker.queue.read
 
@@ -165,7 +173,9 @@ def test_a_failed_engine_step_fails_its_jobs_and_the_worker_keeps_serving(redis_
 
 
 def test_drain_finishes_running_jobs_and_leaves_unread_ones_in_the_stream(redis_server, client, queue, redis_client):
-    with serving(redis_server.url, queue, step_s=0.01, engine={"max_running": 1, "max_num_batched_tokens": 64}) as worker:
+    with serving(
+        redis_server.url, queue, step_s=0.01, engine={"max_running": 1, "max_num_batched_tokens": 64}
+    ) as worker:
         first = client.submit("a" * 20, max_tokens=20)
         rest = [client.submit("b", max_tokens=1) for _ in range(2)]
         next(iter(client.stream(first, timeout=10)))

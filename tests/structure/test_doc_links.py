@@ -1,6 +1,7 @@
 """The README and the pages of docs/ link to each other by relative paths and heading anchors, as
 GitHub renders them: every such link must lead to a file that exists and, where it names one, to a
 heading of that file; and the README's map reaches every page."""
+
 from __future__ import annotations
 
 import re

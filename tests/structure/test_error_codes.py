@@ -1,6 +1,7 @@
 """The table of error codes in docs/failure-semantics.md lists every code the code base raises or
 ends a job with: the `code` of each MiliError subclass, each with its meaning and whether retrying
 helps."""
+
 from __future__ import annotations
 
 import ast
@@ -17,8 +18,10 @@ def codes_in_the_code() -> dict[str, str]:
             if isinstance(node, ast.ClassDef):
                 for statement in node.body:
                     if (
-                        isinstance(statement, ast.Assign) and [getattr(t, "id", None) for t in statement.targets] == ["code"]
-                        and isinstance(statement.value, ast.Constant) and isinstance(statement.value.value, str)
+                        isinstance(statement, ast.Assign)
+                        and [getattr(t, "id", None) for t in statement.targets] == ["code"]
+                        and isinstance(statement.value, ast.Constant)
+                        and isinstance(statement.value.value, str)
                     ):
                         found[statement.value.value] = module
     return found
@@ -27,7 +30,9 @@ def codes_in_the_code() -> dict[str, str]:
 def codes_in_the_docs() -> dict[str, list[str]]:
     text = (ROOT / "docs" / "failure-semantics.md").read_text()
     section = re.search(r"^## Error codes\n(.*?)(?=^## |\Z)", text, re.M | re.S).group(1)
-    return {m[0]: [c.strip() for c in m[1:]] for m in re.findall(r"^\| `(\w+)` \|(.*?)\|(.*?)\|(.*?)\|$", section, re.M)}
+    return {
+        m[0]: [c.strip() for c in m[1:]] for m in re.findall(r"^\| `(\w+)` \|(.*?)\|(.*?)\|(.*?)\|$", section, re.M)
+    }
 
 
 def test_the_docs_list_every_error_code_and_only_those():

@@ -1,6 +1,7 @@
 """The tests' own layering: fixtures shared across packages come from tests/support through
 `pytest_plugins` in the top-level conftest, so no module imports from a conftest and no conftest
 imports a fixture to hand it on (pytest would not see where it came from, and linters flag it)."""
+
 from __future__ import annotations
 
 import ast
@@ -24,7 +25,9 @@ def fixtures_defined_in(path: Path) -> set[str]:
         return isinstance(target, ast.Attribute) and target.attr == "fixture"
 
     tree = ast.parse(path.read_text())
-    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and any(is_fixture(d) for d in n.decorator_list)}
+    return {
+        n.name for n in tree.body if isinstance(n, ast.FunctionDef) and any(is_fixture(d) for d in n.decorator_list)
+    }
 
 
 def module_path(module: str) -> Path | None:
@@ -34,8 +37,10 @@ def module_path(module: str) -> Path | None:
 
 def test_no_module_imports_from_a_conftest():
     offenders = [
-        f"{path.relative_to(TESTS)}: from {module}" for path in source_files()
-        for module, _ in imported_from(ast.parse(path.read_text())) if module.split(".")[-1] == "conftest"
+        f"{path.relative_to(TESTS)}: from {module}"
+        for path in source_files()
+        for module, _ in imported_from(ast.parse(path.read_text()))
+        if module.split(".")[-1] == "conftest"
     ]
     assert offenders == []
 

@@ -3,6 +3,7 @@ bottom, the gateway beside the worker service on top of them, the `mili` CLI a f
 the client library and the gateway, the engine and the model below the service, the kernels at
 the ground. No import runs the wrong way, nothing of ours imports the CLI, and no two modules
 import each other (not even for type hints only)."""
+
 from __future__ import annotations
 
 import ast
@@ -48,8 +49,11 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
 
 
 def layer_of(module: str) -> str:
-    return next(layer for layer in sorted(MAY_IMPORT, key=len, reverse=True)
-                if module == layer or module.startswith(layer + "."))
+    return next(
+        layer
+        for layer in sorted(MAY_IMPORT, key=len, reverse=True)
+        if module == layer or module.startswith(layer + ".")
+    )
 
 
 def test_no_import_runs_against_the_layering():

@@ -1,5 +1,6 @@
 """docs/security.md's list of guarantees: every line states one and names the test that proves
 it; each named test exists."""
+
 from __future__ import annotations
 
 import re

@@ -3,6 +3,7 @@ the tests that share a costly module fixture (worker processes, the 32K engine r
 xdist_group, so that the fixture runs once. Nothing fails when grouping silently stops working (it
 did under pytest 9 with xdist 3.8: the fixtures ran on both processes, the suite only slower), so a
 small session checks that it works with the pytest and xdist installed."""
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ import textwrap
 
 import pytest
 
-GROUPED = textwrap.dedent('''
+GROUPED = textwrap.dedent("""
     import os
     import pytest
 
@@ -26,7 +27,7 @@ GROUPED = textwrap.dedent('''
     @pytest.mark.parametrize("i", range(6))
     def test_shares_the_fixture(costly, i):
         pass
-''')
+""")
 OTHERS = "import pytest\n\n@pytest.mark.parametrize('i', range(6))\ndef test_alone(i):\n    pass\n"
 
 
@@ -35,8 +36,24 @@ def test_an_xdist_group_runs_on_one_process_and_its_module_fixture_once(tmp_path
     (tmp_path / "test_others.py").write_text(OTHERS)
     setups = tmp_path / "setups.txt"
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "SETUPS": str(setups)},
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "SETUPS": str(setups)},
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(setups.read_text().split()) == 1, done.stdout

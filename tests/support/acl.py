@@ -1,6 +1,7 @@
 """The ACL users of docs/security.md on a real redis-server, for the tests that act with only the
 rights a role has (tests/deploy/test_acl.py, the hostile-producer tests): the `ACL SETUSER` lines
 are read from docs/security.md, so the tests hold the docs to their word."""
+
 from __future__ import annotations
 
 import re
@@ -14,7 +15,11 @@ import redis
 from worker.embedded_redis import EmbeddedRedis, free_port
 
 SECURITY_DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
-PASSWORDS = {"PRODUCER_PASSWORD": "producer-secret", "WORKER_PASSWORD": "worker-secret", "GATEWAY_PASSWORD": "gateway-secret"}
+PASSWORDS = {
+    "PRODUCER_PASSWORD": "producer-secret",
+    "WORKER_PASSWORD": "worker-secret",
+    "GATEWAY_PASSWORD": "gateway-secret",
+}
 
 
 def acl_commands() -> list[list[str]]:

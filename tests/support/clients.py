@@ -1,5 +1,6 @@
 """The producer clients a test checks with: Client, or AsyncClient behind Client's synchronous
 interface, so that one test body checks both."""
+
 from __future__ import annotations
 
 import asyncio

@@ -2,6 +2,7 @@
 (`pytest_plugins`): a real redis-server on a free port, a Redis Cluster and a Sentinel setup,
 `redis_deployment` to run a test on each of the three, clients of them, and `client_kind` to
 run a test body with the sync and the async client."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """The gateway as a test's process: `python -m gateway` under uvicorn on a free port of
 127.0.0.1, ready once it answers /metrics."""
+
 from __future__ import annotations
 
 import os
@@ -19,12 +20,26 @@ class GatewayProcess(ChildProcess):
     stop_timeout_s = 15.0  # uvicorn's graceful shutdown closes the open streams first
 
     def __init__(
-        self, redis_url: str, log_dir: Path, *flags: str, name: str = "gateway", env: Mapping[str, str] | None = None,
+        self,
+        redis_url: str,
+        log_dir: Path,
+        *flags: str,
+        name: str = "gateway",
+        env: Mapping[str, str] | None = None,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [
-            sys.executable, "-m", "gateway", "--redis", redis_url, "--host", "127.0.0.1", "--port", str(self.port), *flags,
+            sys.executable,
+            "-m",
+            "gateway",
+            "--redis",
+            redis_url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *flags,
         ]
         super().__init__(command, log_dir / f"{name}.log", {**os.environ, **(env or {})})
 

@@ -1,5 +1,6 @@
 """What Redis holds of jobs, read the way a test checks it: a job's events and runs, a queue's
 entries."""
+
 from __future__ import annotations
 
 import json
@@ -56,7 +57,8 @@ def entries_added(redis_client, queue: str) -> int:
     """Entries ever added to the queue's streams (XINFO STREAM's entries-added, over them all)."""
     return sum(
         redis_client.xinfo_stream(stream)["entries-added"]
-        for stream in queue_streams(redis_client, queue) if redis_client.exists(stream)
+        for stream in queue_streams(redis_client, queue)
+        if redis_client.exists(stream)
     )
 
 

@@ -3,6 +3,7 @@ every given job runs on the live worker (their hashes say running, under its nam
 is killed with SIGKILL and another started, until each job has been delivered more than
 max_deliveries times; the last worker then moves them to the dead-letter stream. The jobs' code
 path holds no switch that could crash a production worker."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,13 +21,26 @@ LONG_FLAGS = ("--max-model-len", "20000")
 
 
 def echo_worker(redis_url: str, queue: str, name: str, log_dir: Path) -> WorkerProcess:
-    return WorkerProcess(
-        redis_url, queue, name, log_dir, *FAST_RECLAIM, *LONG_FLAGS, "--max-deliveries", str(MAX_DELIVERIES),
-        model="echo",
-    ).start().wait_ready()
+    return (
+        WorkerProcess(
+            redis_url,
+            queue,
+            name,
+            log_dir,
+            *FAST_RECLAIM,
+            *LONG_FLAGS,
+            "--max-deliveries",
+            str(MAX_DELIVERIES),
+            model="echo",
+        )
+        .start()
+        .wait_ready()
+    )
 
 
-def kill_until_dead_lettered(redis_client, redis_url: str, queue: str, job_ids: list[str], log_dir: Path) -> list[WorkerProcess]:
+def kill_until_dead_lettered(
+    redis_client, redis_url: str, queue: str, job_ids: list[str], log_dir: Path
+) -> list[WorkerProcess]:
     """Returns every worker started, the survivor (which dead-lettered the jobs) last; the caller
     stops them."""
     workers = [echo_worker(redis_url, queue, f"{queue}-0", log_dir)]

@@ -1,4 +1,5 @@
 """The one way a test waits for something another process or thread does."""
+
 from __future__ import annotations
 
 import time

@@ -1,6 +1,7 @@
 """The one class for the processes tests start: a command, its output in a log file, a
 readiness probe, and a stop that leaves nothing behind (worker.embedded_redis.stop_process:
 SIGTERM, then SIGKILL)."""
+
 from __future__ import annotations
 
 import os
@@ -59,7 +60,12 @@ class ChildProcess:
         self.log_offset = self.log_path.stat().st_size
         with self.log_path.open("a") as log_file:
             self.process = subprocess.Popen(
-                self.command, cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                self.command,
+                cwd=REPO,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
             )
         return self
 

@@ -9,6 +9,7 @@ started and stopped by the fixtures (tests/support/fixtures.py):
 
 Cluster and Sentinel nodes run without persistence: a failover here is the replica's promotion, not a restart. The
 DEBUG command is enabled so that a test can make a replica fall behind (DEBUG SLEEP)."""
+
 from __future__ import annotations
 
 import shutil
@@ -51,10 +52,24 @@ class ServerProcess(ChildProcess):
             self.command = ["redis-server", str(config), "--sentinel"]
         else:
             self.command = [
-                "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-                "--save", "", "--appendonly", "no", "--enable-debug-command", "yes",
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--enable-debug-command",
+                "yes",
                 # A replica syncs at once (Redis waits 5 s for more replicas to share the transfer).
-                "--repl-diskless-sync-delay", "0", *self.args, *more_args,
+                "--repl-diskless-sync-delay",
+                "0",
+                *self.args,
+                *more_args,
             ]
         super().start()
         return self.wait_ready()
@@ -130,8 +145,15 @@ class LocalCluster(Deployment):
     def __init__(self, root: Path, node_timeout_ms: int = 2000):
         self.nodes = [
             ServerProcess(
-                root / f"node{i}", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(node_timeout_ms), "--cluster-port", str(free_port()),
+                root / f"node{i}",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                str(node_timeout_ms),
+                "--cluster-port",
+                str(free_port()),
             )
             for i in range(6)
         ]
@@ -144,8 +166,19 @@ class LocalCluster(Deployment):
         for node in self.nodes:
             node.start()
         subprocess.run(
-            ["redis-cli", "--cluster", "create", *(n.address for n in self.nodes), "--cluster-replicas", "1", "--cluster-yes"],
-            check=True, capture_output=True, text=True, timeout=60,
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *(n.address for n in self.nodes),
+                "--cluster-replicas",
+                "1",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         self.wait_healthy()
         return self
@@ -223,7 +256,9 @@ class LocalCluster(Deployment):
 
     def slots_of(self, node: ServerProcess) -> list[int]:
         with node.client() as c:
-            ranges = [(start, end) for start, end, master, *_ in c.execute_command("CLUSTER SLOTS") if master[1] == node.port]
+            ranges = [
+                (start, end) for start, end, master, *_ in c.execute_command("CLUSTER SLOTS") if master[1] == node.port
+            ]
         return [slot for start, end in ranges for slot in range(start, end + 1)]
 
     def admin(self):
@@ -300,7 +335,9 @@ class LocalSentinel(Deployment):
         8 s)."""
         new = self.current_master()
         old.start("--replicaof", "127.0.0.1", str(new.port))
-        assert eventually(lambda: self._replicating(old), START_TIMEOUT_S, PROBE_INTERVAL_S), f"{old.address} did not become a replica"
+        assert eventually(lambda: self._replicating(old), START_TIMEOUT_S, PROBE_INTERVAL_S), (
+            f"{old.address} did not become a replica"
+        )
 
     def current_master(self) -> ServerProcess:
         """The server the sentinels name as master now."""

@@ -20,6 +20,7 @@ Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) the tests that
 started by a fixture of module scope or wider run on one xdist worker (their `xdist_group`), so
 those processes start once: a worker on the tiny model costs seconds of CPU to start. So do the
 slow tests that share a module-scoped fixture of their module."""
+
 from __future__ import annotations
 
 import types
@@ -32,11 +33,23 @@ CHAOS_DIRS = frozenset({"chaos"})
 E2E_DIRS = frozenset({"e2e", "board"})
 # What starts a process beside the session's redis-server: the harness's classes and helpers,
 # and the other fixtures that a test may depend on for one.
-STARTERS = frozenset({
-    "ChildProcess", "WorkerProcess", "GatewayProcess", "start_workers", "echo_workers", "echo_worker",
-    "kill_until_dead_lettered", "LocalCluster", "LocalSentinel", "sync_playwright", "redis_cluster", "redis_sentinel",
-    "redis_deployment",
-})
+STARTERS = frozenset(
+    {
+        "ChildProcess",
+        "WorkerProcess",
+        "GatewayProcess",
+        "start_workers",
+        "echo_workers",
+        "echo_worker",
+        "kill_until_dead_lettered",
+        "LocalCluster",
+        "LocalSentinel",
+        "sync_playwright",
+        "redis_cluster",
+        "redis_sentinel",
+        "redis_deployment",
+    }
+)
 
 
 def names_in(code: types.CodeType) -> set[str]:
@@ -66,7 +79,9 @@ def shared_process_group(item: pytest.Function) -> str | None:
     seconds, and is not worth keeping its tests on one xdist worker."""
     cheap = {"redis_cluster", "redis_sentinel", "redis_deployment"}
     shared = [
-        d for d in fixture_definitions(item) if d.scope in WIDEST_FIRST and d.argname not in cheap and starts_processes(d.func)
+        d
+        for d in fixture_definitions(item)
+        if d.scope in WIDEST_FIRST and d.argname not in cheap and starts_processes(d.func)
     ]
     if not shared:
         return None

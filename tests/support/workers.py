@@ -1,4 +1,5 @@
 """`python -m worker serve` as a test's process: ready once its heartbeat is in Redis."""
+
 from __future__ import annotations
 
 import os
@@ -26,16 +27,41 @@ class WorkerProcess(ChildProcess):
     start_timeout_s = 300.0  # a model's load, on a loaded machine
 
     def __init__(
-        self, redis_url: str, queue: str | None, name: str | None, log_dir: Path, *flags: str, model: str = "tiny",
+        self,
+        redis_url: str,
+        queue: str | None,
+        name: str | None,
+        log_dir: Path,
+        *flags: str,
+        model: str = "tiny",
         env: Mapping[str, str] | None = None,
     ):
         self.queue = queue
         self.name = name
         command = [
-            sys.executable, "-m", "worker", "serve", "--model", model, "--redis", redis_url,
-            "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--heartbeat-interval-s", "0.1",
-            "--block-ms", "100", "--redis-backoff-max-s", "0.5", "--kv-cache-mib", "64",
-            *(["--queue", queue] if queue is not None else []), *(["--name", name] if name is not None else []), *flags,
+            sys.executable,
+            "-m",
+            "worker",
+            "serve",
+            "--model",
+            model,
+            "--redis",
+            redis_url,
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-port",
+            "0",
+            "--heartbeat-interval-s",
+            "0.1",
+            "--block-ms",
+            "100",
+            "--redis-backoff-max-s",
+            "0.5",
+            "--kv-cache-mib",
+            "64",
+            *(["--queue", queue] if queue is not None else []),
+            *(["--name", name] if name is not None else []),
+            *flags,
         ]
         # One torch thread each: workers share this machine's cores with each other and with the
         # tests, and oversubscribed threads make every step several times slower.
@@ -74,10 +100,13 @@ def start_workers(workers: list[WorkerProcess]) -> list[WorkerProcess]:
 
 
 @contextmanager
-def echo_workers(redis_url: str, queue: str, log_dir: Path, *flags: str, count: int = 2,
-                 env: Mapping[str, str] | None = None) -> Iterator[list[WorkerProcess]]:
+def echo_workers(
+    redis_url: str, queue: str, log_dir: Path, *flags: str, count: int = 2, env: Mapping[str, str] | None = None
+) -> Iterator[list[WorkerProcess]]:
     """`count` echo workers of `queue` (named after it), started, then stopped at the end."""
-    workers = [WorkerProcess(redis_url, queue, f"{queue}-{i}", log_dir, *flags, model="echo", env=env) for i in range(count)]
+    workers = [
+        WorkerProcess(redis_url, queue, f"{queue}-{i}", log_dir, *flags, model="echo", env=env) for i in range(count)
+    ]
     try:
         yield start_workers(workers)
     finally:

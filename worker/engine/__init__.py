@@ -3,11 +3,18 @@
 Names load on first use (PEP 562): `worker.engine.settings` is imported by the worker's
 settings, and the healthcheck must not pay for importing torch to read them.
 """
+
 import importlib
 
 _HOMES = {
-    "Engine": "engine", "Capacity": "outputs", "EngineStats": "outputs", "GenerationOutput": "outputs",
-    "RequestError": "outputs", "RequestOutput": "outputs", "SampledLogprob": "outputs", "TokenCounts": "outputs",
+    "Engine": "engine",
+    "Capacity": "outputs",
+    "EngineStats": "outputs",
+    "GenerationOutput": "outputs",
+    "RequestError": "outputs",
+    "RequestOutput": "outputs",
+    "SampledLogprob": "outputs",
+    "TokenCounts": "outputs",
     "EngineSettings": "settings",
 }
 __all__ = sorted(_HOMES)

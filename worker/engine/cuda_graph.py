@@ -19,6 +19,7 @@ forward's collectives (NCCL all-reduces, the logits' gather) inside each graph, 
 SGLang capture theirs; every rank replays the same size for a step, since each computes it
 from the same inputs. Only rank 0's graphs produce logits.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -78,8 +79,10 @@ class DecodeBuffers:
         """Rows [0, batch) take the step's inputs; rows [batch, size) become padding rows."""
         b, meta = inputs.input_ids.shape[0], inputs.meta
         for buf, real, pad in (
-            (self.input_ids, inputs.input_ids, 0), (self.positions, inputs.positions, 0),
-            (self.slot_mapping, meta.slot_mapping, -1), (self.seq_lens, meta.seq_lens, 1),
+            (self.input_ids, inputs.input_ids, 0),
+            (self.positions, inputs.positions, 0),
+            (self.slot_mapping, meta.slot_mapping, -1),
+            (self.seq_lens, meta.seq_lens, 1),
             (self.prefix_lens, meta.prefix_lens, 0),
         ):
             buf[:b].copy_(real, non_blocking=True)
@@ -91,9 +94,13 @@ class DecodeBuffers:
 
     def meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
-            is_decode=True, slot_mapping=self.slot_mapping[:size], page_table=self.page_table[:size],
-            seq_lens=self.seq_lens[:size], prefix_lens=self.prefix_lens[:size],
-            cu_seqlens_q=self.cu_seqlens_q[: size + 1], max_q_len=1,
+            is_decode=True,
+            slot_mapping=self.slot_mapping[:size],
+            page_table=self.page_table[:size],
+            seq_lens=self.seq_lens[:size],
+            prefix_lens=self.prefix_lens[:size],
+            cu_seqlens_q=self.cu_seqlens_q[: size + 1],
+            max_q_len=1,
         )
 
 
@@ -106,7 +113,12 @@ class DecodeGraphRunner:
     """
 
     def __init__(
-        self, model: Qwen3ForCausalLM, kv_caches: KVCaches, max_batch: int, max_pages: int, device: torch.device,
+        self,
+        model: Qwen3ForCausalLM,
+        kv_caches: KVCaches,
+        max_batch: int,
+        max_pages: int,
+        device: torch.device,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -118,15 +130,20 @@ class DecodeGraphRunner:
         # held most of the 1,426 MiB that 20 graphs took on an H200 (qwen3-0.6b, batch 256). Sharing is
         # safe as one size's buffer always was between steps: a step's sampling reads its logits on
         # the stream before the next replay writes them.
-        self.logits = (torch.empty(max_batch, model.config.vocab_size, dtype=torch.float32, device=device)
-                       if model.tp.rank == 0 else None)
+        self.logits = (
+            torch.empty(max_batch, model.config.vocab_size, dtype=torch.float32, device=device)
+            if model.tp.rank == 0
+            else None
+        )
 
     def fits(self, inputs: StepInputs) -> bool:
         """A decode step whose rows all sample, no more of them than the largest size, and
         page tables no wider than the buffer's."""
         meta, b = inputs.meta, inputs.input_ids.shape[0]
         return (
-            meta.is_decode and inputs.sample_indices.shape[0] == b and padded_size(b, self.sizes) is not None
+            meta.is_decode
+            and inputs.sample_indices.shape[0] == b
+            and padded_size(b, self.sizes) is not None
             and meta.page_table.shape[1] <= self.buffers.max_pages
         )
 
@@ -151,7 +168,9 @@ class DecodeGraphRunner:
         free_after = torch.cuda.mem_get_info(self.buffers.input_ids.device)[0]
         log.info(
             "captured %d decode CUDA graphs (batch sizes %s) in %.1fs; they hold %.0f MiB",
-            len(self.sizes), describe_sizes(self.sizes), time.perf_counter() - start,
+            len(self.sizes),
+            describe_sizes(self.sizes),
+            time.perf_counter() - start,
             (free_before - free_after) / 2**20,
         )
 

@@ -7,6 +7,7 @@ honours max_tokens only.
 For tests only, a token script (the JSON file named by MILI_ECHO_SCRIPT) makes it say given
 text instead: what a model with random weights never would, such as a tool call or a think block,
 to drive an agent loop end to end through the real worker, gateway and SDK."""
+
 from __future__ import annotations
 
 import codecs
@@ -43,8 +44,12 @@ class ByteTokenizer:
         return None  # bytes only: no marker tokens
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, tokenize: bool = False,
-        tools: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool = True,
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        enable_thinking: bool = True,
     ) -> str | list[int]:
         """`role: content` lines (an assistant's tool calls as JSON after its content), the tools'
         names first, and Qwen3's empty think block when thinking is off: what a script can key on."""
@@ -122,8 +127,13 @@ class EchoEngine:
         self._steps = 0
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-        resume_token_ids: Sequence[int] = (), constraint: Any = None,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        resume_token_ids: Sequence[int] = (),
+        constraint: Any = None,
     ) -> None:
         """As Engine.add_request: `resume_token_ids` are output tokens produced already (by an
         earlier run of the job), counted as output and not emitted again. An echo cannot follow a
@@ -134,7 +144,9 @@ class EchoEngine:
             field = "response_format" if params.response_format is not None else "tool_choice"
             raise InvalidArgument(field, "the echo engine cannot hold its output to a grammar")
         if not prompt_token_ids or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.tokenizer.vocab_size:
-            raise InvalidArgument("prompt_token_ids", f"must be a non-empty list of ids in [0, {self.tokenizer.vocab_size})")
+            raise InvalidArgument(
+                "prompt_token_ids", f"must be a non-empty list of ids in [0, {self.tokenizer.vocab_size})"
+            )
         output = (self.script and self.script.output_for(prompt_token_ids)) or list(prompt_token_ids)
         if list(resume_token_ids) != output[: len(resume_token_ids)] or len(resume_token_ids) >= min(
             len(output), params.max_tokens
@@ -145,7 +157,9 @@ class EchoEngine:
         pages = -(-(len(prompt_token_ids) + params.max_tokens) // self.settings.page_size)
         if pages > self.num_pages:
             raise KVCapacityExceeded(f"request {request_id} needs {pages} KV pages, the pool holds {self.num_pages}")
-        req = EchoRequest(request_id, list(prompt_token_ids), output, params.max_tokens, pages, emitted=len(resume_token_ids))
+        req = EchoRequest(
+            request_id, list(prompt_token_ids), output, params.max_tokens, pages, emitted=len(resume_token_ids)
+        )
         req.decoder.decode(bytes(resume_token_ids))  # the decoder's state after them, their text dropped
         self.waiting[request_id] = req
         self.waiting_pages += pages

@@ -9,6 +9,7 @@ the engine as a library, is in offline.py.
 With tensor_parallel_size N the engine is rank 0 of N (worker/engine/ranks.py): it schedules
 and samples alone, and every rank runs each step's forward over its share of the model.
 """
+
 from __future__ import annotations
 
 import functools
@@ -54,10 +55,17 @@ log = logging.getLogger(__name__)
 # at once to a caller that would call again straight away.
 COMPILE_WAIT_S = 0.005
 
+
 class Engine(OfflineGeneration):
     def __init__(
-        self, model: Qwen3ForCausalLM, config: Qwen3Config, tokenizer: Tokenizer,
-        settings: EngineSettings, eos_token_ids: list[int], device: torch.device, ranks: RankGroup | None = None,
+        self,
+        model: Qwen3ForCausalLM,
+        config: Qwen3Config,
+        tokenizer: Tokenizer,
+        settings: EngineSettings,
+        eos_token_ids: list[int],
+        device: torch.device,
+        ranks: RankGroup | None = None,
     ):
         self.settings = settings
         self.device = device
@@ -72,11 +80,20 @@ class Engine(OfflineGeneration):
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(self.allocator, settings.page_size, settings.enable_prefix_cache)
         self.scheduler = Scheduler(
-            self.allocator, self.cache, settings.page_size, settings.max_running, settings.max_num_batched_tokens,
+            self.allocator,
+            self.cache,
+            settings.page_size,
+            settings.max_running,
+            settings.max_num_batched_tokens,
             self.max_model_len,
         )
         self.runner = ModelRunner(
-            model, memory.kv_caches, settings.page_size, device, self.scheduler.page_table, memory.decode_graphs,
+            model,
+            memory.kv_caches,
+            settings.page_size,
+            device,
+            self.scheduler.page_table,
+            memory.decode_graphs,
             ranks.ring if ranks is not None else None,
         )
         self.sampler = Sampler(self.eos_token_ids)
@@ -96,7 +113,10 @@ class Engine(OfflineGeneration):
 
     @classmethod
     def from_pretrained(
-        cls, model: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
+        cls,
+        model: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str | None = None,
         **settings,
     ) -> Engine:
         """A preset name ('tiny', 'tiny-moe', 'small', 'qwen3-0.6b') or a checkpoint directory; settings as in EngineSettings.
@@ -164,21 +184,34 @@ class Engine(OfflineGeneration):
         log.info(
             "engine: max_model_len %d, %d KV pages x %d tokens, max_running %d, max_num_batched_tokens %d, "
             "prefix cache %s, decode CUDA graphs %s, overlapped scheduling %s, eos %s",
-            self.max_model_len, num_pages, s.page_size, s.max_running, s.max_num_batched_tokens,
-            on_off(s.enable_prefix_cache), on_off(self.runner.decode_graphs is not None), on_off(self.overlap),
+            self.max_model_len,
+            num_pages,
+            s.page_size,
+            s.max_running,
+            s.max_num_batched_tokens,
+            on_off(s.enable_prefix_cache),
+            on_off(self.runner.decode_graphs is not None),
+            on_off(self.overlap),
             self.eos_token_ids,
         )
         if num_pages * s.page_size < self.max_model_len:
             log.warning(
                 "the KV pool holds %d tokens, fewer than max_model_len %d: a request that outgrows the "
-                "pool fails with kv_capacity_exceeded", num_pages * s.page_size, self.max_model_len,
+                "pool fails with kv_capacity_exceeded",
+                num_pages * s.page_size,
+                self.max_model_len,
             )
 
     # -- the loop interface ------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-        resume_token_ids: Sequence[int] = (), constraint: Constraint | None = None,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        resume_token_ids: Sequence[int] = (),
+        constraint: Constraint | None = None,
     ) -> None:
         """Queues a request. `priority`: lower runs sooner (as in vLLM); ties go first come, first served.
 
@@ -205,8 +238,13 @@ class Engine(OfflineGeneration):
             generator.manual_seed(params.seed)
         detokenizer = self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
         req = Request(
-            request_id, prompt_token_ids, params, priority, next(self._arrivals),
-            TextOutput(detokenizer, params.stop), generator,
+            request_id,
+            prompt_token_ids,
+            params,
+            priority,
+            next(self._arrivals),
+            TextOutput(detokenizer, params.stop),
+            generator,
         )
         self.reader.replay(req, list(resume_token_ids))
         if constraint is None and params.response_format is not None:
@@ -217,7 +255,9 @@ class Engine(OfflineGeneration):
         self.reader.live[request_id] = req
         self.scheduler.add(req)
 
-    def _compile(self, constraint: Constraint, params: SamplingParams, resume_token_ids: Sequence[int]) -> RequestGrammar:
+    def _compile(
+        self, constraint: Constraint, params: SamplingParams, resume_token_ids: Sequence[int]
+    ) -> RequestGrammar:
         compiled = self.grammars.submit(constraint, functools.partial(replayed, constraint, list(resume_token_ids)))
         ends = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
         return RequestGrammar(constraint, compiled, ends)
@@ -285,15 +325,24 @@ class Engine(OfflineGeneration):
     def stats(self) -> EngineStats:
         grammars = self.grammars.stats
         return EngineStats(
-            self._steps, self._computed_tokens, self._computed_prompt_tokens, self.scheduler.num_preemptions,
-            self.cache.queried_tokens, self.cache.hit_tokens,
-            grammars.cache_hits, grammars.compiles, grammars.compile_seconds,
+            self._steps,
+            self._computed_tokens,
+            self._computed_prompt_tokens,
+            self.scheduler.num_preemptions,
+            self.cache.queried_tokens,
+            self.cache.hit_tokens,
+            grammars.cache_hits,
+            grammars.compiles,
+            grammars.compile_seconds,
         )
 
     # -- one step ------------------------------------------------------------------------
 
     def _launch(
-        self, chunks: list[ScheduledChunk], previous: LaunchedStep | None, outputs: list[RequestOutput],
+        self,
+        chunks: list[ScheduledChunk],
+        previous: LaunchedStep | None,
+        outputs: list[RequestOutput],
     ) -> LaunchedStep | None:
         """Queues the step's model run and sampling; None when no chunk samples. When a request
         that samples has a grammar, the previous step is read (into `outputs`) between the two:
@@ -356,7 +405,8 @@ class Engine(OfflineGeneration):
         self._computed_tokens += sum(c.num_tokens for c in chunks)
         self._computed_prompt_tokens += sum(
             min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start
-            for c in chunks if c.start < c.request.num_prompt_tokens
+            for c in chunks
+            if c.start < c.request.num_prompt_tokens
         )
 
     def _check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -1,4 +1,5 @@
 """Engine errors. Their codes reach failed job results, so a client can branch on them."""
+
 from producer_client.errors import InvalidArgument, MiliError
 
 

@@ -9,6 +9,7 @@ act on: a Ctrl-C or a SIGTERM sent to a terminal's process group reaches every r
 alone decides when the group stops (after its drain). A collective that fails here (rank 0
 died, or hangs past the timeout) ends this process; rank 0 notices a rank's exit at once.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -37,7 +38,8 @@ def follower_main(spec: RankSpec, reader: RingReader) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(
-        level=spec.log_level, stream=sys.stderr,
+        level=spec.log_level,
+        stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [rank {spec.rank} of {spec.parent_pid}] %(name)s: %(message)s",
     )
     torch.set_num_threads(spec.threads)
@@ -56,16 +58,18 @@ def start_rank(spec: RankSpec) -> ModelRunner:
     """This rank's share, ready to run steps: the same start-up as rank 0's, in the same order."""
     store = connect_store(spec.store_port, spec.rank, spec.size)
     meet(store, "started", spec.rank, spec.size, lambda: None)
-    tp = join_process_group(store, spec.rank, [torch.device(d) for d in spec.devices],
-                            spec.settings.tensor_parallel_timeout_s)
+    tp = join_process_group(
+        store, spec.rank, [torch.device(d) for d in spec.devices], spec.settings.tensor_parallel_timeout_s
+    )
     loaded = load_model(spec.model_path, spec.dtype, spec.device, tp)
     meet(store, "loaded", spec.rank, spec.size, lambda: None)
     settings = spec.settings
     max_model_len = resolve_max_model_len(settings, loaded.config)
     memory = prepare_rank(loaded.model, loaded.config, settings, spec.device, max_model_len)
     loaded.model.warm_up_experts(settings.max_num_batched_tokens)
-    return ModelRunner(loaded.model, memory.kv_caches, settings.page_size, spec.device,
-                       decode_graphs=memory.decode_graphs)
+    return ModelRunner(
+        loaded.model, memory.kv_caches, settings.page_size, spec.device, decode_graphs=memory.decode_graphs
+    )
 
 
 def serve_steps(reader: RingReader, runner: ModelRunner) -> None:

@@ -1,6 +1,7 @@
 """One step's inputs as host arrays: what the runner builds from the scheduled chunks, what rank 0
 of a tensor-parallel group sends the other ranks (worker/engine/step_ring.py), and what every
 rank turns into the model's device tensors the same way."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """The paged KV cache: per-layer page tensors, preallocated once, and the allocator that owns the pages."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -84,7 +85,9 @@ def kv_cache_dtype(setting: str, model_dtype: torch.dtype, device: torch.device)
         return model_dtype
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
         have = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        raise InvalidArgument("kv_cache_dtype", f"fp8_e4m3 needs a GPU of compute capability 8.9 or newer; {device} has {have}")
+        raise InvalidArgument(
+            "kv_cache_dtype", f"fp8_e4m3 needs a GPU of compute capability 8.9 or newer; {device} has {have}"
+        )
     return FP8_DTYPE
 
 

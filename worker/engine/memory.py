@@ -8,6 +8,7 @@ the largest step's activations, which a profiling pass measures: a prefill of
 `gpu_memory_utilization` leaves over is the headroom for CUDA graphs, the allocator's
 fragmentation, and memory outside PyTorch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,15 @@ log = logging.getLogger(__name__)
 
 # Every sampling feature at once, so the profiled step allocates what the costliest real one does.
 PROFILE_PARAMS = SamplingParams(
-    temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
-    frequency_penalty=0.5, logprobs=20, max_tokens=1,
+    temperature=0.8,
+    top_p=0.9,
+    top_k=50,
+    min_p=0.05,
+    repetition_penalty=1.1,
+    presence_penalty=0.5,
+    frequency_penalty=0.5,
+    logprobs=20,
+    max_tokens=1,
 )
 
 
@@ -47,7 +55,10 @@ def pages_in_budget(budget_bytes: int, bytes_per_page: int) -> int:
 
 
 def kv_cache_pages(
-    shape: KVCacheShape, device: torch.device, settings: EngineSettings, profile: Callable[[], int],
+    shape: KVCacheShape,
+    device: torch.device,
+    settings: EngineSettings,
+    profile: Callable[[], int],
 ) -> int:
     """The pool's size in pages. `profile` measures the activations' peak in bytes; it runs
     only when the pool is sized from GPU memory."""
@@ -66,8 +77,13 @@ def kv_cache_pages(
         )
     log.info(
         "KV cache: %d pages x %d tokens = %d tokens (%.1f MiB, %s, %s), from %s",
-        pages, shape.page_size, pages * shape.page_size, pages * shape.bytes_per_page / 2**20,
-        shape.dtype, device, source,
+        pages,
+        shape.page_size,
+        pages * shape.page_size,
+        pages * shape.bytes_per_page / 2**20,
+        shape.dtype,
+        device,
+        source,
     )
     return pages
 
@@ -92,7 +108,11 @@ def profile_batch(settings: EngineSettings, vocab_size: int) -> tuple[list[Reque
 
 @torch.inference_mode()
 def profile_activation_peak(
-    model: Qwen3ForCausalLM, shape: KVCacheShape, settings: EngineSettings, vocab_size: int, device: torch.device,
+    model: Qwen3ForCausalLM,
+    shape: KVCacheShape,
+    settings: EngineSettings,
+    vocab_size: int,
+    device: torch.device,
 ) -> int:
     """Bytes the profile batch's step allocates at its peak beyond what was live before it (CUDA)."""
     requests, chunks = profile_batch(settings, vocab_size)
@@ -110,6 +130,8 @@ def profile_activation_peak(
     torch.cuda.empty_cache()  # what the pass cached must count as free for the pool
     log.info(
         "profiled the largest step (%d tokens over %d sequences, all sampling): activations peak at %.0f MiB",
-        settings.max_num_batched_tokens, len(requests), peak / 2**20,
+        settings.max_num_batched_tokens,
+        len(requests),
+        peak / 2**20,
     )
     return peak

@@ -1,5 +1,6 @@
 """The engine as a library (`Engine.generate`): prompts in, finished outputs out, in input order,
 the engine stepped until every request has ended."""
+
 from __future__ import annotations
 
 import logging
@@ -27,7 +28,9 @@ class OfflineGeneration:
         self.close()
 
     def generate(
-        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
         """Runs the prompts (text, or token id lists) to completion; outputs in input order.
 
@@ -67,20 +70,36 @@ class OfflineGeneration:
                 last_report = now
                 log.info(
                     "generate: %d/%d done, %d output tokens, %.1f tok/s, %d running, %d waiting",
-                    done, len(index), out_tokens, out_tokens / (now - start),
-                    len(self.scheduler.running), len(self.scheduler.waiting),
+                    done,
+                    len(index),
+                    out_tokens,
+                    out_tokens / (now - start),
+                    len(self.scheduler.running),
+                    len(self.scheduler.waiting),
                 )
 
 
 def generation_output(req: Request) -> GenerationOutput:
     return GenerationOutput(
-        req.request_id, req.prompt_token_ids, req.output_token_ids, req.text.text, req.finish_reason,
-        req.usage(), req.logprobs, req.error,
+        req.request_id,
+        req.prompt_token_ids,
+        req.output_token_ids,
+        req.text.text,
+        req.finish_reason,
+        req.usage(),
+        req.logprobs,
+        req.error,
     )
 
 
 def rejected_output(request_id: str, prompt_token_ids: list[int], error: MiliError) -> GenerationOutput:
     return GenerationOutput(
-        request_id, prompt_token_ids, [], "", "error", TokenCounts(len(prompt_token_ids), 0, 0),
-        None, RequestError(error.code, error.message),
+        request_id,
+        prompt_token_ids,
+        [],
+        "",
+        "error",
+        TokenCounts(len(prompt_token_ids), 0, 0),
+        None,
+        RequestError(error.code, error.message),
     )

@@ -1,5 +1,6 @@
 """What the engine reports: each step's per-request outputs, offline results, its capacity and
 running totals. No torch here: the echo engine and the queue loop use these without a model."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

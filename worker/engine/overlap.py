@@ -33,6 +33,7 @@ What the lag changes, none of it visible in outputs:
 
 The synchronous engine runs the same code and reads each step right after launching it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace

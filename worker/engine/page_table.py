@@ -7,6 +7,7 @@ That holds because the scheduler never changes a page list in place except to ap
 it gives a request a new list when it (re)starts, and releases the row when it takes the
 pages back.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -6,6 +6,7 @@ uses a node locks it and all its ancestors (`lock_ref`), so eviction only ever t
 unlocked leaves, least recently used first. Invariant: the pages of an unlocked node are
 referenced by the tree alone, so evicting it frees them.
 """
+
 from __future__ import annotations
 
 import heapq

@@ -16,6 +16,7 @@ answer on the host, which costs nothing on CPU but would stall an overlapped CUD
 on CUDA every row goes through the full sort (a sort-free cut there needs a kernel of its own,
 as FlashInfer's rejection sampling).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -92,7 +93,10 @@ def draw_seeded_noise(seeded: list[Request], vocab: int, device: torch.device) -
 
 
 def draw_from_candidates(
-    logits: torch.Tensor, params: DrawParams, seeded_noise: torch.Tensor, num_candidates: int,
+    logits: torch.Tensor,
+    params: DrawParams,
+    seeded_noise: torch.Tensor,
+    num_candidates: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """([R] token ids, [R] bool settled): each row's draw among its `num_candidates` most
     likely tokens, valid where `settled`, that is where the filters cut inside them."""

@@ -5,6 +5,7 @@ the pool's size, the captured graphs' forwards), which must line up across the r
 The pool's page count is the least any rank can hold, so that rank 0's page decisions (the
 scheduler's page tables) fit every rank's pool of its own heads.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,7 +43,10 @@ class RankMemory(NamedTuple):
 
 
 def kv_cache_shape(
-    model: Qwen3ForCausalLM, config: Qwen3Config, settings: EngineSettings, device: torch.device,
+    model: Qwen3ForCausalLM,
+    config: Qwen3Config,
+    settings: EngineSettings,
+    device: torch.device,
 ) -> KVCacheShape:
     """The KV cache of this rank's heads, in settings.kv_cache_dtype."""
     heads = len(model.tp.kv_heads(config.num_key_value_heads))
@@ -56,12 +60,18 @@ def use_fp8_cache(model: Qwen3ForCausalLM, shape: KVCacheShape) -> None:
     use_fp8_kv_scales(model)
     log.info(
         "KV cache in %s with per-kv-head power-of-two scales from the weights: %.1fx the tokens of a %s "
-        "cache in the same memory", shape.dtype, model_dtype.itemsize / shape.dtype.itemsize, model_dtype,
+        "cache in the same memory",
+        shape.dtype,
+        model_dtype.itemsize / shape.dtype.itemsize,
+        model_dtype,
     )
 
 
 def prepare_rank(
-    model: Qwen3ForCausalLM, config: Qwen3Config, settings: EngineSettings, device: torch.device,
+    model: Qwen3ForCausalLM,
+    config: Qwen3Config,
+    settings: EngineSettings,
+    device: torch.device,
     max_model_len: int,
 ) -> RankMemory:
     shape = kv_cache_shape(model, config, settings, device)
@@ -69,7 +79,10 @@ def prepare_rank(
         use_fp8_cache(model, shape)
     vocab = config.vocab_size
     pages = kv_cache_pages(
-        shape, device, settings, lambda: profile_activation_peak(model, shape, settings, vocab, device),
+        shape,
+        device,
+        settings,
+        lambda: profile_activation_peak(model, shape, settings, vocab, device),
     )
     num_pages = model.tp.min(pages)
     if num_pages < pages:

@@ -11,6 +11,7 @@ logs it and sets `failed` at once, and the engine's next call raises RankFailed 
 loop makes one every iteration). The other ranks die with this process (follower.py). `close`
 stops them: a STOP message through the ring, then a kill for any still running after a grace.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -44,7 +45,10 @@ EXIT_NOTICE_S = 1.0
 
 
 def load_shares(
-    path: Path, dtype: str | torch.dtype | None, device: str | torch.device, settings: EngineSettings,
+    path: Path,
+    dtype: str | torch.dtype | None,
+    device: str | torch.device,
+    settings: EngineSettings,
 ) -> tuple[LoadedModel, RankGroup | None]:
     """Rank 0's share of the model (the whole model for one rank), and the group of the other
     ranks, each with its share loaded."""
@@ -62,7 +66,12 @@ def load_shares(
 
 class RankGroup:
     def __init__(
-        self, devices: list[torch.device], store: dist.TCPStore, ring: StepRing, processes: list, threads: int,
+        self,
+        devices: list[torch.device],
+        store: dist.TCPStore,
+        ring: StepRing,
+        processes: list,
+        threads: int,
     ):
         self.devices = devices
         self.store = store
@@ -80,7 +89,11 @@ class RankGroup:
 
     @classmethod
     def start(
-        cls, path: Path, dtype: str | torch.dtype | None, device: str | torch.device, settings: EngineSettings,
+        cls,
+        path: Path,
+        dtype: str | torch.dtype | None,
+        device: str | torch.device,
+        settings: EngineSettings,
     ) -> RankGroup:
         """Ranks 1..N-1 started and in one process group with this process, rank 0. The caller
         (on the thread it keeps: children die with the thread that started them) loads rank 0's
@@ -97,14 +110,24 @@ class RankGroup:
         ring = StepRing(size - 1, capacity, settings.tensor_parallel_timeout_s)
         threads = torch.get_num_threads()
         spec = RankSpec(
-            0, tuple(map(str, devices)), store.port, path, dtype, settings, os.getpid(),
+            0,
+            tuple(map(str, devices)),
+            store.port,
+            path,
+            dtype,
+            settings,
+            os.getpid(),
             max(1, threads // size) if devices[0].type == "cpu" else threads,
             logging.getLogger().getEffectiveLevel(),
         )
         ctx = mp.get_context("spawn")
         processes = [
-            ctx.Process(target=follower_main, args=(replace(spec, rank=r), ring.reader(r - 1)),
-                        name=f"mili-tp-rank{r}", daemon=True)
+            ctx.Process(
+                target=follower_main,
+                args=(replace(spec, rank=r), ring.reader(r - 1)),
+                name=f"mili-tp-rank{r}",
+                daemon=True,
+            )
             for r in range(1, size)
         ]
         for process in processes:
@@ -117,8 +140,12 @@ class RankGroup:
         except BaseException:
             group.close()
             raise
-        log.info("tensor parallelism: %d ranks on %s (pids %s)", size, ", ".join(spec.devices),
-                 ", ".join(str(p.pid) for p in processes))
+        log.info(
+            "tensor parallelism: %d ranks on %s (pids %s)",
+            size,
+            ", ".join(spec.devices),
+            ", ".join(str(p.pid) for p in processes),
+        )
         return group
 
     def meet(self, stage: str) -> None:

@@ -3,6 +3,7 @@ its request's stop conditions, in vLLM's order (stop tokens, stop strings, lengt
 grammar's completion before length), and turned into a delta; a request whose logits were not
 finite, or whose grammar refuses its token, fails instead; a request that ends leaves the
 engine's live set."""
+
 from __future__ import annotations
 
 import logging
@@ -38,10 +39,15 @@ class StepReader:
                 outputs.append(self._take_token(req, index, token, lp))
             else:
                 del req.token_ids[index:]
-                outputs.append(self._fail(req, NonFiniteLogits(
-                    f"request {req.request_id}: non-finite logits (a NaN or an infinity) at output token "
-                    f"{req.num_output_tokens + 1}"
-                )))
+                outputs.append(
+                    self._fail(
+                        req,
+                        NonFiniteLogits(
+                            f"request {req.request_id}: non-finite logits (a NaN or an infinity) at output token "
+                            f"{req.num_output_tokens + 1}"
+                        ),
+                    )
+                )
         return outputs
 
     def replay(self, req: Request, resume_token_ids: list[int]) -> None:
@@ -56,7 +62,11 @@ class StepReader:
         skip_draws(req, len(resume_token_ids), self.vocab_size)
 
     def end(
-        self, req: Request, text: str, new_token_ids: list[int], logprobs: list[SampledLogprob] | None = None,
+        self,
+        req: Request,
+        text: str,
+        new_token_ids: list[int],
+        logprobs: list[SampledLogprob] | None = None,
     ) -> RequestOutput:
         """The request's final output; it leaves the live set."""
         del self.live[req.request_id]
@@ -65,11 +75,22 @@ class StepReader:
             req.grammar.close()
         log.debug(
             "request %s finished (%s): %d prompt tokens (%d cached), %d output tokens, %d preemptions",
-            req.request_id, req.finish_reason, req.num_prompt_tokens, req.num_cached_prompt_tokens,
-            req.num_output_tokens, req.num_preemptions,
+            req.request_id,
+            req.finish_reason,
+            req.num_prompt_tokens,
+            req.num_cached_prompt_tokens,
+            req.num_output_tokens,
+            req.num_preemptions,
         )
         return RequestOutput(
-            req.request_id, new_token_ids, text, True, req.finish_reason, req.usage(), logprobs, req.error,
+            req.request_id,
+            new_token_ids,
+            text,
+            True,
+            req.finish_reason,
+            req.usage(),
+            logprobs,
+            req.error,
         )
 
     def _take_token(self, req: Request, index: int, token: int, logprob: SampledLogprob | None) -> RequestOutput:

@@ -6,6 +6,7 @@ host). A meeting is polled rather than waited on with a timeout, so rank 0 can n
 that died meanwhile and no rank gives up on a slow one: loading a large share from a slow disk
 takes as long as it takes, and is no hang.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -58,7 +59,8 @@ def rank_devices(device: str | torch.device, size: int) -> list[torch.device]:
         cores = os.cpu_count() or 1
         if size > cores:
             raise InvalidArgument(
-                "tensor_parallel_size", f"{size} ranks on the CPU need as many cores, {cores} are there",
+                "tensor_parallel_size",
+                f"{size} ranks on the CPU need as many cores, {cores} are there",
             )
         return [device] * size
     if device.type != "cuda":
@@ -75,7 +77,12 @@ def rank_devices(device: str | torch.device, size: int) -> list[torch.device]:
 def connect_store(port: int, rank: int, size: int) -> dist.TCPStore:
     """Rank 0 serves the store (port 0: any free port) and the others connect to it."""
     return dist.TCPStore(
-        STORE_HOST, port, size, is_master=rank == 0, timeout=STORE_CONNECT_TIMEOUT, wait_for_workers=False,
+        STORE_HOST,
+        port,
+        size,
+        is_master=rank == 0,
+        timeout=STORE_CONNECT_TIMEOUT,
+        wait_for_workers=False,
     )
 
 
@@ -90,7 +97,10 @@ def meet(store: dist.TCPStore, stage: str, rank: int, size: int, check: Callable
 
 
 def join_process_group(
-    store: dist.TCPStore, rank: int, devices: list[torch.device], timeout_s: float,
+    store: dist.TCPStore,
+    rank: int,
+    devices: list[torch.device],
+    timeout_s: float,
 ) -> TensorParallel:
     """The group of every rank (NCCL on GPUs, gloo on CPU), once all have met at 'started': a
     collective then waits at most timeout_s for a peer."""
@@ -99,7 +109,11 @@ def join_process_group(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, store=dist.PrefixStore("tp", store), rank=rank, world_size=len(devices),
-        timeout=datetime.timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None,
+        backend,
+        store=dist.PrefixStore("tp", store),
+        rank=rank,
+        world_size=len(devices),
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
     )
     return TensorParallel(rank, len(devices), dist.group.WORLD, device)

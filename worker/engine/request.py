@@ -1,4 +1,5 @@
 """A request's state as it moves through the engine (what the engine reports is in outputs.py)."""
+
 from __future__ import annotations
 
 import enum
@@ -30,8 +31,14 @@ class Request:
     """
 
     def __init__(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        priority: int, arrival: int, text: TextOutput, generator: torch.Generator | None,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        arrival: int,
+        text: TextOutput,
+        generator: torch.Generator | None,
     ):
         self.request_id = request_id
         self.params = params

@@ -3,6 +3,7 @@
 Under tensor parallelism rank 0's runner sends each step's host arrays to the other ranks
 (`ring`, worker/engine/step_ring.py) before running it, and every rank runs `execute` on the
 same arrays: the same forward over its share of the model, with the collectives inside."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -24,8 +25,13 @@ if TYPE_CHECKING:
 
 class ModelRunner:
     def __init__(
-        self, model: Qwen3ForCausalLM, kv_caches: KVCaches, page_size: int, device: torch.device,
-        page_table: PageTable | None = None, decode_graphs: DecodeGraphRunner | None = None,
+        self,
+        model: Qwen3ForCausalLM,
+        kv_caches: KVCaches,
+        page_size: int,
+        device: torch.device,
+        page_table: PageTable | None = None,
+        decode_graphs: DecodeGraphRunner | None = None,
         ring: StepRing | None = None,
     ):
         self.model = model
@@ -108,8 +114,15 @@ class ModelRunner:
         if False in samples:
             sample_indices = sample_indices[np.array(samples)]
         return HostStep(
-            np.array(token_ids, dtype=np.int64), positions, slot_mapping, page_table, seq_lens.astype(np.int32),
-            prefix.astype(np.int32), cu_seqlens.astype(np.int32), sample_indices, max_q_len,
+            np.array(token_ids, dtype=np.int64),
+            positions,
+            slot_mapping,
+            page_table,
+            seq_lens.astype(np.int32),
+            prefix.astype(np.int32),
+            cu_seqlens.astype(np.int32),
+            sample_indices,
+            max_q_len,
         )
 
 

@@ -11,6 +11,7 @@ keep each request's token counts on the device, bumped by each draw (PenaltyStat
 Each row's logits are also checked for a NaN or an infinity (a numerical fault in the model);
 the flag travels with the draws, so checking costs no host sync of its own.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -91,14 +92,20 @@ class Sampler:
         self._plan: BatchPlan | None = None  # the last batch's
 
     def __call__(
-        self, logits: torch.Tensor, requests: list[Request], mask: Callable[[torch.Tensor], None] | None = None,
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        mask: Callable[[torch.Tensor], None] | None = None,
     ) -> SampleResult:
         """logits [N, V] float32, one row per request, in the same order; modified in place."""
         return self.read(self.sample(logits, requests, mask), requests)
 
     @torch.inference_mode()
     def sample(
-        self, logits: torch.Tensor, requests: list[Request], mask: Callable[[torch.Tensor], None] | None = None,
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        mask: Callable[[torch.Tensor], None] | None = None,
     ) -> SampledTokens:
         """The draws, left on the logits' device: no host sync (host lists reach the device
         through worker.engine.transfer, indexes included). `mask`, when given, sets the logits
@@ -245,7 +252,11 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
 
 
 def penalize(
-    logits: torch.Tensor, rows: list[int], requests: list[Request], in_output: torch.Tensor, seen: torch.Tensor,
+    logits: torch.Tensor,
+    rows: list[int],
+    requests: list[Request],
+    in_output: torch.Tensor,
+    seen: torch.Tensor,
 ) -> None:
     """`rows` of `logits`, one per request: `in_output` [R, V] output token counts, `seen` [R, V]
     whether each token occurs in the request's prompt or output."""

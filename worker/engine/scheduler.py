@@ -12,6 +12,7 @@ to be recomputed). The most important request is never preempted for a less impo
 one, so it always progresses; a request that cannot fit even alone fails with
 `kv_capacity_exceeded`. That is why the scheduler cannot deadlock.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -46,8 +47,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, allocator: PageAllocator, cache: RadixCache, page_size: int,
-        max_running: int, max_num_batched_tokens: int, max_model_len: int,
+        self,
+        allocator: PageAllocator,
+        cache: RadixCache,
+        page_size: int,
+        max_running: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
     ):
         self.allocator = allocator
         self.cache = cache
@@ -99,7 +105,13 @@ class Scheduler:
         return out
 
     def _plan_growth(
-        self, req: Request, n: int, planned: dict[Request, int], budget: int, out: SchedulerOutput, preempted: bool,
+        self,
+        req: Request,
+        n: int,
+        planned: dict[Request, int],
+        budget: int,
+        out: SchedulerOutput,
+        preempted: bool,
     ) -> tuple[int, bool]:
         """Plans `n` tokens of `req` if it gets their pages; the budget its victims held comes back."""
         grown, victims = self._grow(req, n, out)

@@ -1,4 +1,5 @@
 """Engine settings: how the KV cache is sized and how much the scheduler batches."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -14,40 +15,57 @@ class EngineSettings(BaseModel):
 
     page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page (and the prefix cache's granularity)")
     num_pages: int | None = Field(
-        None, ge=1, description="the KV pool's size in pages; unset: sized from kv_cache_mib (CPU) or "
+        None,
+        ge=1,
+        description="the KV pool's size in pages; unset: sized from kv_cache_mib (CPU) or "
         "gpu_memory_utilization (CUDA)",
     )
     kv_cache_mib: int = Field(1024, ge=1, description="host memory for the KV pool on CPU")
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
-        "auto", description="KV pages in the model's dtype (auto), or float8 e4m3 with scales: twice the tokens "
+        "auto",
+        description="KV pages in the model's dtype (auto), or float8 e4m3 with scales: twice the tokens "
         "of a bfloat16 cache in the same memory",
     )
     gpu_memory_utilization: float = Field(
-        0.85, gt=0.0, le=0.98, description="fraction of free GPU memory (after the weights) for the KV pool",
+        0.85,
+        gt=0.0,
+        le=0.98,
+        description="fraction of free GPU memory (after the weights) for the KV pool",
     )
     max_num_batched_tokens: int = Field(
-        4096, ge=1, description="tokens per engine step: prefill chunks plus one per decoding job",
+        4096,
+        ge=1,
+        description="tokens per engine step: prefill chunks plus one per decoding job",
     )
     max_running: int = Field(256, ge=1, description="jobs in the engine at once; the worker reads no more entries")
     max_model_len: int | None = Field(
-        None, ge=2, description="prompt + output tokens; unset: the model's own context length",
+        None,
+        ge=2,
+        description="prompt + output tokens; unset: the model's own context length",
     )
     enable_prefix_cache: bool = Field(True, description="reuse KV pages of shared prompt prefixes (radix cache)")
     cuda_graphs: bool = Field(
-        True, description="decode steps replay CUDA graphs captured at start (CUDA only; prefill runs eagerly)",
+        True,
+        description="decode steps replay CUDA graphs captured at start (CUDA only; prefill runs eagerly)",
     )
     grammar_cache_size: int = Field(
-        256, ge=1, description="structured outputs: compiled grammars kept for reuse (LRU, by the grammar's hash)",
+        256,
+        ge=1,
+        description="structured outputs: compiled grammars kept for reuse (LRU, by the grammar's hash)",
     )
     overlap_schedule: bool | None = Field(
-        None, description="prepare step N+1, and talk to Redis, while the device runs step N; unset: on CUDA only",
+        None,
+        description="prepare step N+1, and talk to Redis, while the device runs step N; unset: on CUDA only",
     )
     tensor_parallel_size: int = Field(
-        1, ge=1,
+        1,
+        ge=1,
         description="ranks the model is split across, one per GPU (gloo ranks on CPU); the worker starts the other N-1",
     )
     tensor_parallel_timeout_s: float = Field(
-        60.0, gt=0.0, description="a rank that takes part in no collective for this long (it hangs) stops the worker",
+        60.0,
+        gt=0.0,
+        description="a rank that takes part in no collective for this long (it hangs) stops the worker",
     )
 
     @model_validator(mode="after")

@@ -14,6 +14,7 @@ A message is a header of int64 (the kind, the arrays' lengths, the step's longes
 the rows of draws a step of the overlap scheduler receives by broadcast) and the HostStep's
 arrays one after another, each at an 8-byte boundary.
 """
+
 from __future__ import annotations
 
 import enum
@@ -36,8 +37,14 @@ class Kind(enum.IntEnum):
 
 
 ARRAYS = (  # HostStep's arrays, in the order of a message
-    ("input_ids", np.int64), ("positions", np.int64), ("slot_mapping", np.int64), ("page_table", np.int32),
-    ("seq_lens", np.int32), ("prefix_lens", np.int32), ("cu_seqlens_q", np.int32), ("sample_indices", np.int64),
+    ("input_ids", np.int64),
+    ("positions", np.int64),
+    ("slot_mapping", np.int64),
+    ("page_table", np.int32),
+    ("seq_lens", np.int32),
+    ("prefix_lens", np.int32),
+    ("cu_seqlens_q", np.int32),
+    ("sample_indices", np.int64),
 )
 
 
@@ -45,8 +52,14 @@ def lengths(tokens: int, rows: int, width: int, samples: int) -> dict[str, int]:
     """Each array's length in a step of `tokens` tokens over `rows` sequences, page tables `width`
     wide, `samples` of them sampling."""
     return {
-        "input_ids": tokens, "positions": tokens, "slot_mapping": tokens, "page_table": rows * width,
-        "seq_lens": rows, "prefix_lens": rows, "cu_seqlens_q": rows + 1, "sample_indices": samples,
+        "input_ids": tokens,
+        "positions": tokens,
+        "slot_mapping": tokens,
+        "page_table": rows * width,
+        "seq_lens": rows,
+        "prefix_lens": rows,
+        "cu_seqlens_q": rows + 1,
+        "sample_indices": samples,
     }
 
 

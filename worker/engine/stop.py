@@ -3,6 +3,7 @@
 Text that could be the start of a stop string is held back until the next tokens show it
 is not, so a stream never carries text that is later cut.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -7,6 +7,7 @@ a wait hands the device's idle time back (worker.engine.overlap). Staged through
 memory, a copy is queued like a kernel and the host moves on; the caching host allocator
 keeps the pinned block until the copy has run. On CPU these are plain tensors.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,7 @@
 """How an entry becomes a running job: taken (read, or reclaimed from a dead or stalled worker),
 claimed (a new run fences off every earlier one), then started in the engine, resumed after
 the tokens earlier runs recorded, expired, failed with its error code, or dead-lettered."""
+
 from __future__ import annotations
 
 import itertools
@@ -16,7 +17,15 @@ from producer_client.protocol.events import encode_start
 from producer_client.protocol.replies import ClaimOutcome
 from worker.loop.context import LoopContext
 from worker.loop.jobs import (
-    AdmissionId, Delivery, InternalError, InvalidJob, Job, Poison, constraint_of, final_result, parse_request,
+    AdmissionId,
+    Delivery,
+    InternalError,
+    InvalidJob,
+    Job,
+    Poison,
+    constraint_of,
+    final_result,
+    parse_request,
     render_prompt,
 )
 from worker.loop.outbox import DeadLetter, Update
@@ -69,7 +78,9 @@ class Admission:
         deliveries = self.queue.reclaim(room, self.min_idle_ms())
         if deliveries:
             log.info(
-                "reclaimed %d entries idle over %d ms: %s", len(deliveries), self.settings.claim_idle_ms,
+                "reclaimed %d entries idle over %d ms: %s",
+                len(deliveries),
+                self.settings.claim_idle_ms,
                 ", ".join(f"{d.job_id} (delivery {d.deliveries})" for d in deliveries),
             )
         self.holdings.take(deliveries)
@@ -124,8 +135,12 @@ class Admission:
         job.engine_id = AdmissionId(job.id, next(self.admissions))
         try:
             self.engine.add_request(
-                job.engine_id, job.prompt_token_ids, job.request.params, job.request.priority,
-                resume_token_ids=job.token_ids, constraint=job.constraint,
+                job.engine_id,
+                job.prompt_token_ids,
+                job.request.params,
+                job.request.priority,
+                resume_token_ids=job.token_ids,
+                constraint=job.constraint,
             )
         except Exception as e:
             if not isinstance(e, MiliError):
@@ -192,7 +207,14 @@ class Admission:
             log.exception("job %s: unexpected error while reading its entry", d.job_id)
             return InternalError(f"{type(e).__name__}: {e}")
         return Job(
-            d.job_id, d.entry_id, run, request, ids, queued_at=entry_time(d.entry_id), started_at=now, output_format=fmt,
+            d.job_id,
+            d.entry_id,
+            run,
+            request,
+            ids,
+            queued_at=entry_time(d.entry_id),
+            started_at=now,
+            output_format=fmt,
             constraint=constraint,
         )
 
@@ -203,6 +225,7 @@ class Admission:
         )
         log.warning("job %s: %s; moving entry %s to the dead-letter stream", d.job_id, error.message, d.entry_id)
         letter = DeadLetter(d.entry_id, d.fields, error.message, d.deliveries)
-        final = final_result(d.job_id, "failed", "error", self.worker, self.clock.now(), entry_time(d.entry_id), error=error)
+        final = final_result(
+            d.job_id, "failed", "error", self.worker, self.clock.now(), entry_time(d.entry_id), error=error
+        )
         self.outbox.add(Update(d.job_id, d.entry_id, run, recorded_tokens, final=final, dead_letter=letter))
-

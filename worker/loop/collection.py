@@ -1,5 +1,6 @@
 """An engine step's outputs added to their jobs: tokens, text and logprobs to the job, where they
 wait for their publication (pace.py); a job's end to the outbox as its final result."""
+
 from __future__ import annotations
 
 import logging
@@ -60,7 +61,8 @@ class Collector:
     def _final_result(self, job: Job, out, now: float) -> JobResult:
         u = out.usage
         usage = Usage(
-            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+            prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens,
             cached_prompt_tokens=u.cached_prompt_tokens,
         )
         if out.finish_reason == "abort":

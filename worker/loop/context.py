@@ -1,5 +1,6 @@
 """What every part of the queue loop shares, made once by the Worker (service.py) and handed to
 each part whole, so that no constructor takes the same seven things one by one."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,7 @@
 """Every job a worker holds, wherever it is: the loop's parts change what it holds through the
 verbs here (take, clear_unadmitted, start, finish, suspect, next_suspect, abort), and read it
 through read-only views."""
+
 from __future__ import annotations
 
 import logging

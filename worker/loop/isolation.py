@@ -1,5 +1,6 @@
 """When an engine step raises: find the job that makes steps fail, fail it alone, and let the
 others go on without losing a token."""
+
 from __future__ import annotations
 
 import logging
@@ -47,11 +48,15 @@ class FailureIsolation:
             self.holdings.abort(job)
             if job is culprit:
                 log.warning("job %s fails: an engine step failed with it: %s", job.id, error.message)
-                self.outbox.for_job(job).final = job.result("failed", "error", self.worker, self.clock.now(), error=error)
+                self.outbox.for_job(job).final = job.result(
+                    "failed", "error", self.worker, self.clock.now(), error=error
+                )
             else:
                 self.holdings.suspect(job)
         if self.holdings.suspects:
-            log.warning("re-adding %d jobs one per step to find the one that makes steps fail", len(self.holdings.suspects))
+            log.warning(
+                "re-adding %d jobs one per step to find the one that makes steps fail", len(self.holdings.suspects)
+            )
 
     def try_next_suspect(self) -> None:
         if self.probe is not None or not self.holdings.suspects:

@@ -1,6 +1,7 @@
 """A job as the worker sees it: a queue entry turned into token ids (or into a failure
 with a code), then the deltas it accumulates until its result. A reclaimed job starts from
 the tokens its event stream recorded."""
+
 from __future__ import annotations
 
 import time
@@ -8,7 +9,13 @@ from dataclasses import dataclass, field
 
 from producer_client.chat import tool_names
 from producer_client.chat_output import (
-    THINK_CLOSE, THINK_OPEN, ChatOutput, OutputFormat, OutputParser, Reasoning, parse_output,
+    THINK_CLOSE,
+    THINK_OPEN,
+    ChatOutput,
+    OutputFormat,
+    OutputParser,
+    Reasoning,
+    parse_output,
 )
 from producer_client.core import entry_time
 from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
@@ -163,7 +170,12 @@ class Job:
         return Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(self.token_ids))
 
     def result(
-        self, status: JobState, finish_reason: str | None, worker: str, now: float, usage: Usage | None = None,
+        self,
+        status: JobState,
+        finish_reason: str | None,
+        worker: str,
+        now: float,
+        usage: Usage | None = None,
         error: MiliError | ErrorInfo | None = None,
     ) -> JobResult:
         """The job's final result, with its output so far (usage: the engine's, else counted here).
@@ -174,17 +186,35 @@ class Job:
         if chat is not None and chat.tool_calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         return final_result(
-            self.id, status, finish_reason, worker, now, self.queued_at, usage=usage or self.usage(), error=error,
-            output=(self.token_ids, text, self.logprobs), chat=chat,
-            started_at=self.started_at, first_token_at=self.first_token_at,
+            self.id,
+            status,
+            finish_reason,
+            worker,
+            now,
+            self.queued_at,
+            usage=usage or self.usage(),
+            error=error,
+            output=(self.token_ids, text, self.logprobs),
+            chat=chat,
+            started_at=self.started_at,
+            first_token_at=self.first_token_at,
         )
 
 
 def final_result(
-    job_id: str, status: JobState, finish_reason: str | None, worker: str, now: float, queued_at: float, *,
-    usage: Usage | None = None, error: MiliError | ErrorInfo | None = None,
-    output: tuple[list[int], str, list[TokenLogprob] | None] = ([], "", None), chat: ChatOutput | None = None,
-    started_at: float | None = None, first_token_at: float | None = None,
+    job_id: str,
+    status: JobState,
+    finish_reason: str | None,
+    worker: str,
+    now: float,
+    queued_at: float,
+    *,
+    usage: Usage | None = None,
+    error: MiliError | ErrorInfo | None = None,
+    output: tuple[list[int], str, list[TokenLogprob] | None] = ([], "", None),
+    chat: ChatOutput | None = None,
+    started_at: float | None = None,
+    first_token_at: float | None = None,
 ) -> JobResult:
     """The one way a job's final result is built: a job that ran (Job.result), or an entry that
     never did (failed on reading, expired unread, dead-lettered)."""
@@ -195,9 +225,17 @@ def final_result(
     if chat is not None:
         text, reasoning, tool_calls = chat.content, chat.reasoning, [c.of_job(job_id) for c in chat.tool_calls]
     return JobResult(
-        id=job_id, status=status, text=text, reasoning=reasoning, tool_calls=tool_calls, token_ids=token_ids,
+        id=job_id,
+        status=status,
+        text=text,
+        reasoning=reasoning,
+        tool_calls=tool_calls,
+        token_ids=token_ids,
         finish_reason=finish_reason,
-        usage=usage or Usage(), error=error, logprobs=logprobs, worker=worker,
+        usage=usage or Usage(),
+        error=error,
+        logprobs=logprobs,
+        worker=worker,
         timings=Timings(queued_at=queued_at, started_at=started_at, first_token_at=first_token_at, finished_at=now),
     )
 
@@ -255,10 +293,15 @@ def render_prompt(request: JobRequest, tokenizer) -> tuple[list[int], OutputForm
         return tokenizer.encode(request.prompt), None
     tools = request.offered_tools()
     text = tokenizer.apply_chat_template(
-        [m.for_template() for m in request.messages], add_generation_prompt=True, tokenize=False,
-        tools=[t.model_dump(exclude_none=True) for t in tools] or None, enable_thinking=request.enable_thinking,
+        [m.for_template() for m in request.messages],
+        add_generation_prompt=True,
+        tokenize=False,
+        tools=[t.model_dump(exclude_none=True) for t in tools] or None,
+        enable_thinking=request.enable_thinking,
     )
-    fmt = OutputFormat(reasoning=reasoning_of(request.enable_thinking, text), tools=tool_names(tools) if tools else None)
+    fmt = OutputFormat(
+        reasoning=reasoning_of(request.enable_thinking, text), tools=tool_names(tools) if tools else None
+    )
     # The template writes the special tokens itself, so encoding must not add more.
     return tokenizer.encode(text, add_special_tokens=False), fmt
 
@@ -301,4 +344,3 @@ def printable(message: str) -> str:
     """`message` as valid UTF-8: a producer's invalid bytes (surrogate-escaped on our connection)
     may be quoted in an error message, and must not make the result unwritable."""
     return message.encode("utf-8", "backslashreplace").decode("utf-8")
-

@@ -3,6 +3,7 @@ publication, its final result), in the outbox until Redis has answered a publica
 running job's newest output waits in the job itself until its publication is due: see
 worker/loop/pace.py); and the receipts of settled entries: acknowledgements, and dead letters
 (entries that go to the dead-letter stream instead)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,8 +27,14 @@ class DeadLetter:
         """The dead letter's fields. The protocol's own of the entry only: a producer's entry may
         hold any number of others, more than DEADLETTER's Lua can unpack into one XADD."""
         fields = {name: value for name, value in self.fields.items() if name in ENTRY_FIELDS}
-        return {**fields, "entry": self.entry_id, "deliveries": self.deliveries, "reason": self.reason,
-                "worker": worker, "dead_at": now}
+        return {
+            **fields,
+            "entry": self.entry_id,
+            "deliveries": self.deliveries,
+            "reason": self.reason,
+            "worker": worker,
+            "dead_at": now,
+        }
 
 
 @dataclass
@@ -55,8 +62,8 @@ class Update:
         feed = job.feed
         if not feed.behind(job):
             return
-        logprobs = None if job.logprobs is None else job.logprobs[feed.logprobs:]
-        self.add_cut(job.token_ids[feed.tokens:], "".join(job.text[feed.pieces:]), logprobs)
+        logprobs = None if job.logprobs is None else job.logprobs[feed.logprobs :]
+        self.add_cut(job.token_ids[feed.tokens :], "".join(job.text[feed.pieces :]), logprobs)
         feed.catch_up(job)
 
     def add_cut(self, token_ids: list[int], text: str, logprobs: list[TokenLogprob] | None) -> None:
@@ -99,11 +106,20 @@ class Update:
         # A tokens event without ids (held-back text flushed at the end) only comes with the
         # final result, in the same atomic call: PUBLISH's token count check needs ids to
         # make a repeated call harmless.
-        tokens = encode_tokens(self.token_ids, "".join(self.text), self.logprobs) if self.token_ids or any(self.text) else ""
+        tokens = (
+            encode_tokens(self.token_ids, "".join(self.text), self.logprobs) if self.token_ids or any(self.text) else ""
+        )
         final = (self.final.status, self.final.model_dump_json()) if self.final else ("", "")
         return scripts.publish(
-            keys, self.job_id, self.run, self.start, tokens, self.tokens_before, self.tokens_before + len(self.token_ids),
-            *final, result_ttl_s,
+            keys,
+            self.job_id,
+            self.run,
+            self.start,
+            tokens,
+            self.tokens_before,
+            self.tokens_before + len(self.token_ids),
+            *final,
+            result_ttl_s,
         )
 
 

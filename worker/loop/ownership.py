@@ -2,6 +2,7 @@
 run, by refreshing them with each heartbeat; learns from the refresh which ones another worker
 took while it stalled, and lets go of them; and when Redis has lost the queue's consumer group
 (restarted empty, flushed), creates it again and adopts the jobs it holds."""
+
 from __future__ import annotations
 
 import logging
@@ -32,9 +33,15 @@ class Ownership:
         # has lost it (then the jobs held here are adopted too).
         self.group_missing = True
         self.identity = {
-            "name": ctx.worker, "queue": ctx.settings.queue, "model": ctx.settings.model, "device": device,
-            "host": socket.gethostname(), "pid": os.getpid(), "protocol": PROTOCOL_VERSION,
-            "started_at": time.time(), "metrics_port": metrics_port or 0,
+            "name": ctx.worker,
+            "queue": ctx.settings.queue,
+            "model": ctx.settings.model,
+            "device": device,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "protocol": PROTOCOL_VERSION,
+            "started_at": time.time(),
+            "metrics_port": metrics_port or 0,
         }
 
     def ms_to_heartbeat(self) -> int:
@@ -49,15 +56,22 @@ class Ownership:
         running = self.holdings.running
         started = sum(1 for j in running.values() if j.first_token_at is not None)
         fields = {
-            **self.identity, "state": state, "running": len(running) + len(self.holdings.suspects),
-            "free_slots": cap.free_slots, "free_pages": cap.free_pages, "total_pages": self.total_pages,
-            "page_size": cap.page_size, **advertised(self.settings, self.holdings, self.worker),
+            **self.identity,
+            "state": state,
+            "running": len(running) + len(self.holdings.suspects),
+            "free_slots": cap.free_slots,
+            "free_pages": cap.free_pages,
+            "total_pages": self.total_pages,
+            "page_size": cap.page_size,
+            **advertised(self.settings, self.holdings, self.worker),
         }
         held = self.holdings.entries()
         depth, lost = self.queue.heartbeat(fields, self.settings.heartbeat_ttl_s, list(held))
         self.next_heartbeat = now + self.settings.heartbeat_interval_s
         for entry_id in lost:
-            log.warning("job %s: its entry %s was reclaimed by another worker; this run stops", held[entry_id], entry_id)
+            log.warning(
+                "job %s: its entry %s was reclaimed by another worker; this run stops", held[entry_id], entry_id
+            )
             self.holdings.drop(held[entry_id])
         m = self.metrics
         m.queue_depth.set(depth)

@@ -16,6 +16,7 @@ least as often as its tokens go out, every stream_interval_s or checkpoint_inter
 publication (PUBLISH answers it), else by a look (HMGET). So a cancel stops a streamed job within
 stream_interval_s and any other within checkpoint_interval_s, and a reader that starts following
 a job is noticed within checkpoint_interval_s."""
+
 from __future__ import annotations
 
 from collections import deque

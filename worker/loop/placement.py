@@ -3,6 +3,7 @@ heartbeat so that producers place jobs on it, and how a worker with room takes o
 placed on other workers that wait too long (a steal: their owner is busy, stalled or gone) or that
 a dead or stalled owner held (a reclaim, as on the shared stream). Reading its own stream before
 the shared one is WorkerQueue.read's."""
+
 from __future__ import annotations
 
 import logging
@@ -54,12 +55,16 @@ class TakeOver:
         reclaimed, stolen = self._take(room, self.admission.min_idle_ms(), steal_before_ms)
         if reclaimed:
             log.info(
-                "reclaimed %d entries of workers' own streams idle over %d ms: %s", len(reclaimed),
-                self.settings.claim_idle_ms, ", ".join(f"{d.job_id} (delivery {d.deliveries})" for d in reclaimed),
+                "reclaimed %d entries of workers' own streams idle over %d ms: %s",
+                len(reclaimed),
+                self.settings.claim_idle_ms,
+                ", ".join(f"{d.job_id} (delivery {d.deliveries})" for d in reclaimed),
             )
         if stolen:
             log.info(
-                "stole %d entries unread for over %d ms: %s", len(stolen), self.settings.steal_delay_ms,
+                "stole %d entries unread for over %d ms: %s",
+                len(stolen),
+                self.settings.steal_delay_ms,
                 ", ".join(f"{d.job_id} (placed on {owner_of(d.entry_id)})" for d in stolen),
             )
         self.metrics.taken["reclaimed"].inc(len(reclaimed))

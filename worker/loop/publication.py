@@ -9,6 +9,7 @@ What Redis answers settles the jobs here, in the loop's thread: a written result
 entry, a lost run stops the job, a cancel flag stops it, a reader's FOLLOW makes it streamed, a
 refusal for now keeps the update for the next try, and an answer the protocol does not define
 fails the job."""
+
 from __future__ import annotations
 
 import logging
@@ -161,7 +162,11 @@ class Publication:
         self.holdings.abort(job)
         self.outbox.restore(update)
         self.outbox.for_job(job).final = job.result(
-            "failed", "error", self.worker, self.clock.now(), error=InternalError(str(error)),
+            "failed",
+            "error",
+            self.worker,
+            self.clock.now(),
+            error=InternalError(str(error)),
         )
 
     def _react(self, job_id: str, look: Look | Exception) -> None:
@@ -196,8 +201,15 @@ def log_end(result: JobResult) -> None:
     t, u = result.timings, result.usage
     log.info(
         "job %s %s (%s): %d prompt tokens (%d cached), %d output tokens; queue %s ttft %s e2e %s%s",
-        result.id, result.status, result.finish_reason, u.prompt_tokens, u.cached_prompt_tokens,
-        u.completion_tokens, _secs(t.queue_s), _secs(t.ttft_s), _secs(t.e2e_s),
+        result.id,
+        result.status,
+        result.finish_reason,
+        u.prompt_tokens,
+        u.cached_prompt_tokens,
+        u.completion_tokens,
+        _secs(t.queue_s),
+        _secs(t.ttft_s),
+        _secs(t.e2e_s),
         f"; {result.error.code}: {result.error.message}" if result.error else "",
     )
 

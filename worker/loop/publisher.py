@@ -4,6 +4,7 @@ loop picks it up. So the loop never waits for Redis to answer a publication: the
 starts at once, and the output of the steps that run meanwhile goes out with the next round. Only
 the round's packing, its round trip and the parsing of its replies happen here; what the replies
 mean is settled in the loop's thread (worker/loop/publication.py), which alone touches the jobs."""
+
 from __future__ import annotations
 
 import threading

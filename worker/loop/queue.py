@@ -11,6 +11,7 @@ Every exchange classifies what Redis answered in one place (`_send`): a transien
 off and sends the same idempotent commands again; a lost consumer group (Redis restarted empty,
 or flushed) raises GroupLost, and the loop creates it again and adopts the jobs it holds; any
 other error stays in its command's place, charged to the job it concerns."""
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,18 @@ from producer_client.keys import GROUP, Keys
 from producer_client.protocol import execution, producer
 from producer_client.protocol import worker as scripts
 from producer_client.protocol.replies import (
-    Adopted, Claim, Failed, Look, Published, PublishReply, UnknownReply, parse_adopt, parse_claim, parse_fail,
-    parse_publish, parse_watch,
+    Adopted,
+    Claim,
+    Failed,
+    Look,
+    Published,
+    PublishReply,
+    UnknownReply,
+    parse_adopt,
+    parse_claim,
+    parse_fail,
+    parse_publish,
+    parse_watch,
 )
 from producer_client.schema import JobResult
 from worker.loop.jobs import Delivery, Job
@@ -68,15 +79,31 @@ class ReplicasBehind(redis.RedisError):
 # NOSCRIPT where the scripts were lost again after each of execution.execute's reloads (the next
 # try loads them once more), and replicas that have not confirmed a result yet.
 TRANSIENT_ERRORS = (
-    redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError,
-    redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError, redis.exceptions.NoScriptError, ReplicasBehind,
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.NoScriptError,
+    ReplicasBehind,
 )
 # Replies with no class of their own in redis-py, recognised by their first word: a script running
 # too long, a failing RDB save, a blocking read cut short because the server turned replica (or
 # back), and (for older redis-py) the classes above.
-TRANSIENT_REPLIES = frozenset({
-    "BUSY", "MISCONF", "UNBLOCKED", "LOADING", "READONLY", "MASTERDOWN", "OOM", "TRYAGAIN", "CLUSTERDOWN",
-})
+TRANSIENT_REPLIES = frozenset(
+    {
+        "BUSY",
+        "MISCONF",
+        "UNBLOCKED",
+        "LOADING",
+        "READONLY",
+        "MASTERDOWN",
+        "OOM",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+    }
+)
 
 
 class GroupLost(redis.RedisError):
@@ -108,7 +135,10 @@ def connect(url: str):
     takes over, so that the engine keeps stepping while Redis is away. Wrong credentials are not
     retried at all. A cluster client reads the topology now, so this raises while no node answers."""
     return connection.connect(
-        url, decode_responses=True, encoding_errors="surrogateescape", retry=Retry(NoBackoff(), 1),
+        url,
+        decode_responses=True,
+        encoding_errors="surrogateescape",
+        retry=Retry(NoBackoff(), 1),
         command_packer=CommandPacker(),
     )
 
@@ -146,8 +176,15 @@ class WorkerQueue:
     at a time, so that a job placed on it waits no longer than that."""
 
     def __init__(
-        self, client: redis.Redis, keys: Keys, queue: str, worker: str, result_ttl_s: int,
-        clock: RedisClock | None = None, replication: Replication = Replication(), placed: bool = False,
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        queue: str,
+        worker: str,
+        result_ttl_s: int,
+        clock: RedisClock | None = None,
+        replication: Replication = Replication(),
+        placed: bool = False,
         poll_ms: int = 50,
     ):
         self.redis = client
@@ -209,7 +246,11 @@ class WorkerQueue:
         return any(g["name"] == GROUP for g in groups)
 
     def read(
-        self, count: int, block_ms: int | None, acks: list[str], dead_letters: list[DeadLetter] = (),
+        self,
+        count: int,
+        block_ms: int | None,
+        acks: list[str],
+        dead_letters: list[DeadLetter] = (),
     ) -> list[Delivery]:
         """Acknowledge and delete `acks`, move `dead_letters`, then read up to `count` new entries:
         from this worker's own stream first, then from the shared one. The acks go first in the
@@ -266,9 +307,13 @@ class WorkerQueue:
         call = scripts.reclaim(self.stream, self.worker, min_idle_ms, self.reclaim_cursor, count)
         cursor, claimed = self._send(call.add_to)[0]
         self.reclaim_cursor = cursor
-        return [Delivery(entry_id, dict(zip(flat[::2], flat[1::2])), deliveries) for entry_id, flat, deliveries in claimed]
+        return [
+            Delivery(entry_id, dict(zip(flat[::2], flat[1::2])), deliveries) for entry_id, flat, deliveries in claimed
+        ]
 
-    def take_over(self, owner: str, count: int, min_idle_ms: int, steal_before_ms: int) -> tuple[list[Delivery], list[Delivery]]:
+    def take_over(
+        self, owner: str, count: int, min_idle_ms: int, steal_before_ms: int
+    ) -> tuple[list[Delivery], list[Delivery]]:
         """TAKE_OVER on `owner`'s own stream: (up to `count` entries reclaimed after `min_idle_ms`,
         then entries stolen that nobody read since before `steal_before_ms`; 0: none). An error in
         its place raises as any other, but for a key of another type, which TAKE_OVER passes over."""
@@ -321,6 +366,7 @@ class WorkerQueue:
         events: dict[str, list | Exception] = {job_id: [] for job_id in job_ids}
         after = {job_id: "-" for job_id in job_ids}
         while after:
+
             def add(pipe):
                 for job_id, start in after.items():
                     pipe.xrange(self.keys.events(job_id), start, "+", count=EVENT_PAGE)
@@ -342,12 +388,16 @@ class WorkerQueue:
 
         def add(pipe):
             for job_id, result in failures:
-                scripts.fail(self.keys, job_id, result.model_dump_json(), len(result.token_ids), self.result_ttl_s).add_to(pipe)
+                scripts.fail(
+                    self.keys, job_id, result.model_dump_json(), len(result.token_ids), self.result_ttl_s
+                ).add_to(pipe)
 
         return [_parsed(parse_fail, r) for r in self._send(add, per_command_errors=True)]
 
     def publish(
-        self, updates: list[Update], watch: list[tuple[str, str]],
+        self,
+        updates: list[Update],
+        watch: list[tuple[str, str]],
     ) -> tuple[list[PublishReply | Exception], list[Look | Exception]]:
         """Every job's update (events, final result) in one pipeline, and a look at the cancel flag,
         run and streamed flag of each running job in `watch` (job id, run). Returns each
@@ -374,8 +424,11 @@ class WorkerQueue:
         replies = execution.execute(self.redis, add, scripts.WORKER_SCRIPTS, raise_on_error=False)
         published = [_parsed(parse_publish, r) for r in replies[: len(updates)]]
         ends = len(updates) + len(watch)
-        watched = [_parsed(lambda r, run=run: parse_watch(r, run), r) for (_, run), r in zip(watch, replies[len(updates):ends])]
-        confirmed = dict(zip((u.job_id for u in finals), replies[ends + 1::2]))  # each WAIT's, after its EXPIRE
+        watched = [
+            _parsed(lambda r, run=run: parse_watch(r, run), r)
+            for (_, run), r in zip(watch, replies[len(updates) : ends])
+        ]
+        confirmed = dict(zip((u.job_id for u in finals), replies[ends + 1 :: 2]))  # each WAIT's, after its EXPIRE
         return [self._replicated(u, reply, confirmed.get(u.job_id)) for u, reply in zip(updates, published)], watched
 
     def _replicated(self, update: Update, reply: PublishReply | Exception, confirmed: int | Exception | None):
@@ -385,7 +438,11 @@ class WorkerQueue:
             return reply
         if isinstance(confirmed, Exception):
             return confirmed
-        return reply if confirmed >= self.replication.replicas else ReplicasBehind(update.job_id, confirmed, self.replication)
+        return (
+            reply
+            if confirmed >= self.replication.replicas
+            else ReplicasBehind(update.job_id, confirmed, self.replication)
+        )
 
     def heartbeat(self, fields: dict[str, str | int | float], ttl_s: float, held: list[str]) -> tuple[int, list[str]]:
         """Refresh this worker's heartbeat hash, its place in the worker and queue indexes, the
@@ -480,7 +537,9 @@ class RedisLink:
             self.delay = self.BACKOFF_START_S
             if not quiet:
                 log.warning(
-                    "Redis unavailable (%s: %s): retrying with backoff; running jobs go on", type(error).__name__, error,
+                    "Redis unavailable (%s: %s): retrying with backoff; running jobs go on",
+                    type(error).__name__,
+                    error,
                 )
         else:
             self.delay = min(self.delay * 2, self.max_s)

@@ -8,6 +8,7 @@ recorded tokens; its entry is then acknowledged. The worker and its other jobs g
 
 The code: `internal_error` for a reply the protocol does not define (UnknownReply), else
 `invalid_job`. Transient errors never come here: they keep their retry path (worker/loop/queue.py)."""
+
 from __future__ import annotations
 
 import logging
@@ -44,7 +45,13 @@ class Rejections:
     def of_delivery(self, d: Delivery, error: Exception) -> None:
         """An entry whose claim the job's keys refused: it never ran here."""
         result = final_result(
-            d.job_id, "failed", "error", self.worker, self.clock.now(), entry_time(d.entry_id), error=job_error(error),
+            d.job_id,
+            "failed",
+            "error",
+            self.worker,
+            self.clock.now(),
+            entry_time(d.entry_id),
+            error=job_error(error),
         )
         self._hold(Rejection(result, d.entry_id, d.fields, d.deliveries))
 
@@ -110,7 +117,9 @@ class Rejections:
             log.error("job %s: Redis refused even its failure: %s", rejection.job_id, reply)
             if rejection.entry_id is not None:
                 reason = f"its keys refused the protocol: {rejection.result.error.message}; and FAIL: {reply}"
-                self.receipts.dead_letters.append(DeadLetter(rejection.entry_id, rejection.fields, reason, rejection.deliveries))
+                self.receipts.dead_letters.append(
+                    DeadLetter(rejection.entry_id, rejection.fields, reason, rejection.deliveries)
+                )
             return
         if rejection.entry_id is not None:
             self.receipts.acks.append(rejection.entry_id)

@@ -24,6 +24,7 @@ forbids a command stop the worker.
 Every time the worker writes or compares (deadlines, timings, heartbeats) is on Redis's clock
 (RedisClock): producers, workers and Redis need not agree on the time.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,8 +58,15 @@ log = logging.getLogger(__name__)
 
 class Worker:
     def __init__(
-        self, engine: EngineAPI, client: redis.Redis, settings: WorkerSettings, metrics: WorkerMetrics,
-        name: str, device: str = "cpu", metrics_port: int | None = None, clock: RedisClock | None = None,
+        self,
+        engine: EngineAPI,
+        client: redis.Redis,
+        settings: WorkerSettings,
+        metrics: WorkerMetrics,
+        name: str,
+        device: str = "cpu",
+        metrics_port: int | None = None,
+        clock: RedisClock | None = None,
     ):
         self.engine = engine
         self.settings = settings
@@ -68,8 +76,15 @@ class Worker:
         self.clock = clock
         replication = Replication(settings.wait_replicas, settings.wait_timeout_ms)
         self.queue = WorkerQueue(
-            client, Keys(settings.prefix), settings.queue, name, settings.result_ttl_s, clock, replication,
-            placed=settings.placement, poll_ms=settings.placement_poll_ms,
+            client,
+            Keys(settings.prefix),
+            settings.queue,
+            name,
+            settings.result_ttl_s,
+            clock,
+            replication,
+            placed=settings.placement,
+            poll_ms=settings.placement_poll_ms,
         )
         self.link = RedisLink(settings.redis_backoff_max_s)
         self.outbox = Outbox()
@@ -137,7 +152,9 @@ class Worker:
                 raise
             log.warning(
                 "Redis unreachable at the end (%s): %d unfinished jobs wait claim_idle_ms to be reclaimed, and "
-                "%d tokens not yet published will be generated again", e, len(self.holdings.entries()),
+                "%d tokens not yet published will be generated again",
+                e,
+                len(self.holdings.entries()),
                 self.holdings.unpublished_tokens(),
             )
 

@@ -6,6 +6,7 @@ id for the shared stream, as before, and `<entry id>@<owner>` for the stream of 
 CLAIM records that string as the job's `entry`, so entries of two streams never pass for one.
 An entry id is digits and one dash, so the first `@` ends it; entry_time() reads its milliseconds
 either way."""
+
 from __future__ import annotations
 
 from collections import defaultdict

@@ -1,4 +1,5 @@
 """The per-step metadata the model runner hands to the model."""
+
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,6 @@ class AttentionMetadata:
 @dataclass
 class StepInputs:
     """One step's batch as the model takes it."""
-
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64

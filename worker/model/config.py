@@ -3,14 +3,24 @@
 config.json's model_type picks the class: `qwen3` (dense) or `qwen3_moe` (Qwen3-30B-A3B and
 its family, whose MLPs are mixtures of experts in the layers the config names).
 """
+
 import json
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from pydantic import (
-    AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError,
-    ValidationInfo, field_validator, model_validator,
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
 )
 
 from producer_client.errors import MiliError
@@ -111,7 +121,8 @@ class Qwen3Config(BaseModel):
     rope_scaling: YarnScaling | None = None  # from rope_scaling or rope_parameters (rope_scaling_of)
     tie_word_embeddings: bool = False
     torch_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, validation_alias=AliasChoices("torch_dtype", "dtype")  # transformers 5 writes "dtype"
+        None,
+        validation_alias=AliasChoices("torch_dtype", "dtype"),  # transformers 5 writes "dtype"
     )
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None

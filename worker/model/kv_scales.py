@@ -12,6 +12,7 @@ A scale is its bound over e4m3's largest value (448), rounded up to a power of t
 quantizing divides exactly and dequantizing multiplies exactly, in every kernel alike. The
 kernels also clamp, so a value past the bound (bf16 rounding) is saturated, never NaN.
 """
+
 import math
 
 import torch

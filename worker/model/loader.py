@@ -5,6 +5,7 @@ tensor-parallel rank reads only its share of each (worker/model/safetensors_file
 memory is the rank's share of the model, plus one block when a dtype is converted or columns
 are picked out of rows.
 """
+
 import logging
 from collections import defaultdict
 from collections.abc import Iterator
@@ -43,7 +44,9 @@ class Target(NamedTuple):
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+    path: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
     tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
     """dtype: float32/bfloat16/float16 (or fp32/bf16/fp16); None means config.json's torch_dtype.
@@ -55,8 +58,13 @@ def load_model(
     load_weights(model, source, files)
     share = f", rank {tp.rank}'s share of {tp.size}" if tp.size > 1 else ""
     log.info(
-        "loaded %s: %d layers, %s%s, %s on %s", ckpt, config.num_hidden_layers, describe_parameters(model), share,
-        model.model.norm.weight.dtype, device,
+        "loaded %s: %d layers, %s%s, %s on %s",
+        ckpt,
+        config.num_hidden_layers,
+        describe_parameters(model),
+        share,
+        model.model.norm.weight.dtype,
+        device,
     )
     return LoadedModel(model.eval(), config, generation_config)
 
@@ -131,7 +139,8 @@ def split_rows(config: Qwen3Config, tp: TensorParallel) -> dict[str, list[tuple[
     return {
         "qkv_proj": [
             ("q_proj", config.num_attention_heads * d, range(heads.start * d, heads.stop * d)),
-            ("k_proj", *kv), ("v_proj", *kv),
+            ("k_proj", *kv),
+            ("v_proj", *kv),
         ],
         "gate_up_proj": [("gate_proj", inter, tp.split(inter)), ("up_proj", inter, tp.split(inter))],
     }
@@ -178,7 +187,11 @@ def checkpoint_targets(model: Qwen3ForCausalLM) -> dict[str, Target]:
 
 
 def expert_targets(
-    module: str, leaf: str, stacked: torch.Tensor, inter: int, tp: TensorParallel,
+    module: str,
+    leaf: str,
+    stacked: torch.Tensor,
+    inter: int,
+    tp: TensorParallel,
 ) -> dict[str, Target]:
     """A MoE layer's stacked expert weight -> the per-expert checkpoint tensors it holds, as
     Hugging Face checkpoints name them: gate_up_proj [E, 2I, H] is each expert's gate_proj rows,
@@ -207,7 +220,9 @@ def load_weights(model: Qwen3ForCausalLM, source: Path, files: dict[str, Path]) 
 
 
 def checked_tensors(
-    model: Qwen3ForCausalLM, source: Path, files: dict[str, Path],
+    model: Qwen3ForCausalLM,
+    source: Path,
+    files: dict[str, Path],
 ) -> Iterator[tuple[SafetensorsFile, str, Target]]:
     """Each checkpoint tensor the model takes, with its file open, once its presence, shape and
     dtype are checked; file by file."""
@@ -228,6 +243,8 @@ def checked_tensors(
                 shape = list(f.tensors[name].shape)
                 expected = list(targets[name].shape)
                 if shape != expected:
-                    raise CheckpointError(f"{path}: tensor {name} has shape {shape}, expected {expected} from config.json")
+                    raise CheckpointError(
+                        f"{path}: tensor {name} has shape {shape}, expected {expected} from config.json"
+                    )
                 f.torch_dtype(name)
                 yield f, name, targets[name]

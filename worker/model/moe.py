@@ -13,6 +13,7 @@ copies into the stacks. Under tensor parallelism every expert is split alike alo
 intermediate rows (each rank holds its share of each expert's gate rows, up rows and down
 columns), the router is whole on every rank, and the experts' partial sums are all-reduced.
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn

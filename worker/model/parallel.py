@@ -16,6 +16,7 @@ A collective that fails (a peer died: gloo notices a closed connection at once) 
 (a peer hangs) raises RankFailed: no job is to blame, so it is not an Exception a job-level
 handler could catch; the worker stops and other workers reclaim its jobs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """How the model's weights are allocated: uninitialized, for the loader to fill."""
+
 import torch
 from torch import nn
 

@@ -8,6 +8,7 @@ and the CPU benchmarks); qwen3-0.6b is stored in bfloat16 like the real checkpoi
 Each preset directory is named after a fingerprint of its spec, so changing a spec writes a new
 directory instead of silently reusing stale weights.
 """
+
 import fcntl
 import hashlib
 import json
@@ -35,29 +36,55 @@ LAYOUT_VERSION = 1
 
 # Qwen3-0.6B's generation_config.json, verbatim.
 QWEN3_GENERATION_CONFIG = {
-    "bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
-    "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+    "bos_token_id": 151643,
+    "do_sample": True,
+    "eos_token_id": [151645, 151643],
+    "pad_token_id": 151643,
+    "temperature": 0.6,
+    "top_k": 20,
+    "top_p": 0.95,
 }
 
 
 def qwen3_config(**shape: Any) -> dict[str, Any]:
     """A config.json for a Qwen3 of the given shape; the rest as in Qwen3-0.6B's config.json."""
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-        "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu", "attention_bias": False,
-        "attention_dropout": 0.0, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "rope_scaling": None, "max_position_embeddings": 40960, "use_sliding_window": False,
-        "sliding_window": None, "max_window_layers": 28, "use_cache": True, **shape,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 151936,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 40960,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 28,
+        "use_cache": True,
+        **shape,
     }
 
 
 def qwen3_moe_config(**shape: Any) -> dict[str, Any]:
     """A config.json for a Qwen3-MoE of the given shape; the rest as in Qwen3-30B-A3B's config.json."""
-    return qwen3_config(**{
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "decoder_sparse_step": 1,
-        "mlp_only_layers": [], "norm_topk_prob": True, "output_router_logits": False, "router_aux_loss_coef": 0.001,
-        "max_window_layers": 48, **shape,
-    })
+    return qwen3_config(
+        **{
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+            "max_window_layers": 48,
+            **shape,
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -73,25 +100,60 @@ class Preset:
 
 PRESETS = {
     # 20.4M parameters, 19.4M of them the embedding: fast enough for every CPU test.
-    "tiny": Preset(qwen3_config(
-        hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
-    ), torch.float32),
+    "tiny": Preset(
+        qwen3_config(
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            tie_word_embeddings=True,
+        ),
+        torch.float32,
+    ),
     # tiny's attention with 8 experts (2 per token) in every layer's MLP: 21.0M parameters.
-    "tiny-moe": Preset(qwen3_moe_config(
-        hidden_size=128, intermediate_size=384, moe_intermediate_size=96, num_experts=8, num_experts_per_tok=2,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
-    ), torch.float32),
+    "tiny-moe": Preset(
+        qwen3_moe_config(
+            hidden_size=128,
+            intermediate_size=384,
+            moe_intermediate_size=96,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            tie_word_embeddings=True,
+        ),
+        torch.float32,
+    ),
     # ~103M parameters for CPU benchmarks.
-    "small": Preset(qwen3_config(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=64, tie_word_embeddings=True,
-    ), torch.float32),
+    "small": Preset(
+        qwen3_config(
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            tie_word_embeddings=True,
+        ),
+        torch.float32,
+    ),
     # The real Qwen3-0.6B shape (596M parameters) for GPU benchmarks.
-    "qwen3-0.6b": Preset(qwen3_config(
-        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-    ), torch.bfloat16),
+    "qwen3-0.6b": Preset(
+        qwen3_config(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=True,
+        ),
+        torch.bfloat16,
+    ),
 }
 
 
@@ -157,8 +219,12 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def write_random_checkpoint(
-    out_dir: str | Path, config: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32,
-    shards: int = 1, norm_std: float = 0.0,
+    out_dir: str | Path,
+    config: dict[str, Any],
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    shards: int = 1,
+    norm_std: float = 0.0,
 ) -> Path:
     """Write config.json and seeded random weights in transformers' layout and tensor names.
 
@@ -197,7 +263,10 @@ def checkpoint_shapes(config: Qwen3Config) -> dict[str, torch.Size]:
 
 
 def random_model(
-    config: dict[str, Any], dtype: torch.dtype, device: str | torch.device, seed: int = 0,
+    config: dict[str, Any],
+    dtype: torch.dtype,
+    device: str | torch.device,
+    seed: int = 0,
 ) -> Qwen3ForCausalLM:
     """A model of `config`'s shape with random weights drawn on `device`, no checkpoint written:
     for benchmarks of shapes too large to write out (Qwen3-30B-A3B's weights are 61 GB). The

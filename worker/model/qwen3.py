@@ -12,6 +12,7 @@ Under tensor parallelism (worker/model/parallel.py) each rank builds the same mo
 share of the heads, the intermediate rows and the vocabulary; the norms, the router and the
 residual stream are whole on every rank.
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -89,16 +90,18 @@ class Qwen3Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones(self.num_kv_heads), persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: torch.Tensor,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = kernels.qk_norm_rope(
-            q, k, self.q_norm.weight, self.k_norm.weight, positions, cos_sin, self.q_norm.eps
-        )
+        q, k = kernels.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, positions, cos_sin, self.q_norm.eps)
         k_cache, v_cache = kv_cache
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         if meta.is_decode:
@@ -107,8 +110,16 @@ class Qwen3Attention(nn.Module):
             )
         else:
             out = kernels.paged_extend_attention(
-                q, k_cache, v_cache, meta.page_table, meta.cu_seqlens_q, meta.prefix_lens,
-                self.scale, meta.max_q_len, self.k_scale, self.v_scale,
+                q,
+                k_cache,
+                v_cache,
+                meta.page_table,
+                meta.cu_seqlens_q,
+                meta.prefix_lens,
+                self.scale,
+                meta.max_q_len,
+                self.k_scale,
+                self.v_scale,
             )
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
@@ -135,8 +146,13 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = mlp(config, dtype, tp)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-        meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor], cos_sin: torch.Tensor,
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (block output, residual stream before it); the next norm adds the two.
 
@@ -156,9 +172,7 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: Qwen3Config, dtype: torch.dtype, tp: TensorParallel):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
-        self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, dtype, i, tp) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, dtype, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # fp32 whatever the weights' dtype, like transformers' rotary embedding; not a checkpoint tensor.
         cos_sin = rope_table(config.head_dim, config.rope_theta, config.context_length, config.rope_scaling)

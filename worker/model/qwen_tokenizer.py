@@ -96,8 +96,7 @@ def build_qwen3_tokenizer(ranks: dict[bytes, int]) -> Tokenizer:
     byte_to_char = bytes_to_unicode()
     vocab = {to_byte_level(token, byte_to_char): rank for token, rank in ranks.items()}
     merges = [
-        (to_byte_level(left, byte_to_char), to_byte_level(right, byte_to_char))
-        for left, right in derive_merges(ranks)
+        (to_byte_level(left, byte_to_char), to_byte_level(right, byte_to_char)) for left, right in derive_merges(ranks)
     ]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tokenizer.normalizer = normalizers.NFC()
@@ -142,7 +141,9 @@ def bpe_parts(token: bytes, ranks: dict[bytes, int], max_rank: int) -> list[byte
 
 def add_qwen3_tokens(tokenizer: Tokenizer, first_id: int) -> None:
     if first_id != QWEN3_FIRST_ADDED_ID:
-        raise TokenizerError(f"qwen.tiktoken has {first_id} ranks; Qwen3's added tokens start at {QWEN3_FIRST_ADDED_ID}")
+        raise TokenizerError(
+            f"qwen.tiktoken has {first_id} ranks; Qwen3's added tokens start at {QWEN3_FIRST_ADDED_ID}"
+        )
     for content, special in QWEN3_ADDED_TOKENS:
         token = AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=special)
         # Added tokens take the next free id, so adding them in order pins 151643..151668.

@@ -8,6 +8,7 @@ arithmetic follows transformers' `_compute_yarn_parameters` step by step, so the
 equal to the last bit. `rope_scaling` (or transformers 5's `rope_parameters`) of any other
 type is refused at load by worker.model.config.
 """
+
 from __future__ import annotations
 
 import math
@@ -79,7 +80,11 @@ def linear_ramp(low: float, high: float, size: int) -> torch.Tensor:
 
 
 def rope_table(
-    head_dim: int, theta: float, max_position: int, scaling: YarnScaling | None, device=None,
+    head_dim: int,
+    theta: float,
+    max_position: int,
+    scaling: YarnScaling | None,
+    device=None,
 ) -> torch.Tensor:
     """The cos/sin table the rope kernel reads: [max_position, head_dim] fp32."""
     if scaling is None:

@@ -13,6 +13,7 @@ little-endian 64-bit header size N, N bytes of a JSON object mapping each tensor
 `dtype`, `shape` and `data_offsets` [begin, end) relative to the byte buffer that follows the
 header (and an optional string map `__metadata__`); tensors are little-endian and row-major.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,23 @@ import torch
 from worker.model.config import CheckpointError
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+ELEMENT_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+}
 MAX_HEADER_BYTES = 100 * 2**20  # the format's own limit
 BLOCK_BYTES = 64 * 2**20
 
@@ -122,8 +138,11 @@ class SafetensorsFile:
         try:
             dtype, shape, (begin, end) = raw["dtype"], tuple(raw["shape"]), raw["data_offsets"]
             valid = (
-                isinstance(dtype, str) and all(isinstance(d, int) and d >= 0 for d in shape)
-                and isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_bytes
+                isinstance(dtype, str)
+                and all(isinstance(d, int) and d >= 0 for d in shape)
+                and isinstance(begin, int)
+                and isinstance(end, int)
+                and 0 <= begin <= end <= data_bytes
             )
         except (TypeError, KeyError, ValueError):
             valid = False

@@ -93,7 +93,9 @@ class Tokenizer:
         with self._grammar_tables_lock:
             if key not in self._grammar_tables:
                 self._grammar_tables[key] = llguidance.LLTokenizer(
-                    self.backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None,
+                    self.backend.to_str(),
+                    n_vocab=vocab_size,
+                    eos_token=list(eos_token_ids) or None,
                 )
             return self._grammar_tables[key]
 
@@ -108,7 +110,8 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def incremental_detokenizer(
-        self, skip_special_tokens: bool = True,
+        self,
+        skip_special_tokens: bool = True,
     ) -> "ByteLevelDetokenizer | IncrementalDetokenizer":
         """The fastest detokenizer this vocabulary allows: the byte-level one when its decoder is ByteLevel."""
         if not isinstance(self.backend.decoder, tokenizers.decoders.ByteLevel):

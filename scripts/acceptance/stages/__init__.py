@@ -1,5 +1,6 @@
 """One module per stage, each defining STAGE (a scripts.acceptance.step.Stage) and listed here in
 the order a GPU session runs them. A new stage is a new module and its name in ORDER."""
+
 from __future__ import annotations
 
 import importlib

@@ -11,6 +11,7 @@ prototype matcher each, of which every request gets its own copy (a copy costs m
 a compile milliseconds to seconds). One thread, not a pool: compiles are rare next to hits, and
 a second thread would take a core from the model on a CPU host.
 """
+
 from __future__ import annotations
 
 import logging

@@ -15,6 +15,7 @@ next token. Where the prompt has not opened the block, the first token decides: 
 it, any other token is the answer's first. Qwen3 puts a blank line between `</think>` and its
 answer, so a grammar after thinking lets up to four whitespace characters come first.
 """
+
 from __future__ import annotations
 
 import enum
@@ -91,7 +92,10 @@ class ToolFunction:
 
 
 def tool_call_constraint(
-    functions: Sequence[ToolFunction], parallel: bool = True, answer_format=None, thinking: Thinking | None = None,
+    functions: Sequence[ToolFunction],
+    parallel: bool = True,
+    answer_format=None,
+    thinking: Thinking | None = None,
 ) -> Constraint:
     """Output that is Qwen3 tool calls (one, or with `parallel` one or more separated by newlines
     as Qwen3's chat template writes them, each of one of `functions`), or, with `answer_format`,

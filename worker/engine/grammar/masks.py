@@ -17,6 +17,7 @@ failed) gets no mask: the reader ends it without the token drawn for it. One ker
 logits (kernels/token_bitmask.py): on CPU it reads the table where it lies; for a GPU the rows
 are gathered into pinned memory and copied behind the model's work, without a sync.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -146,7 +147,10 @@ class GrammarMasks:
         answering = [g for g in grammars if g.phase is not Phase.THINKING]
         if answering:
             self._executor().unsafe_compute_mask_ptr(
-                [(g.matcher, g.slot) for g in answering], self.table.data_ptr(), self._row_bytes, self.table.shape[0],
+                [(g.matcher, g.slot) for g in answering],
+                self.table.data_ptr(),
+                self._row_bytes,
+                self.table.shape[0],
             )
         for g in grammars:
             if g.phase is Phase.THINKING:

@@ -16,6 +16,7 @@ grammar found complete ends when its next token is read, without that token (its
 nothing but the end); at max_tokens the reader asks at once, so an output that closes on its last
 token ends as "stop", not "length".
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
