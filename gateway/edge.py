@@ -173,7 +173,8 @@ def too_large(limit: int) -> APIError:
 def too_many_failures(retry_after_s: int) -> APIError:
     return APIError(
         429,
-        "too many failed key or login attempts from this address; try again later",
+        "too many wrong API keys from this address: until Retry-After each further wrong one is refused"
+        " (a right key is served)",
         "rate_limit_error",
         "too_many_auth_failures",
         headers={"Retry-After": str(retry_after_s)},
