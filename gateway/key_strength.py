@@ -2,8 +2,9 @@
 about a key under STRONG_BITS.
 
 No limit on failed attempts protects a key (gateway.api_keys.AuthFailures never refuses a right
-one), and a key's tenant id, a 48-bit digest of it, shows in the ids of its jobs: a key must hold
-out against guessing online and offline by itself. 128 bits do, at any rate of guessing.
+one), and a key's tenant id, a 48-bit digest of it, shows in the ids of the jobs it sends with an
+Idempotency-Key: a key must hold out against guessing online and offline by itself. 128 bits do,
+at any rate of guessing.
 
 The estimate charges a key for what it would cost to make it the way a person makes one:
 - a character costs log2 of its alphabet: the classes of characters the key uses (digits,
