@@ -28,6 +28,7 @@ from gateway.edge import Edge, Limits
 from gateway.errors import APIError, api_error_of, bad_request, job_error, not_found
 from gateway.idempotency import fingerprint, idempotency_key, scoped_key
 from gateway.jobs import Jobs, RequestJobs, collect
+from gateway.key_strength import warn_of_weak_keys
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
 from gateway.registry import ModelRegistry
@@ -132,6 +133,7 @@ class Gateway:
 
 def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
     """The ASGI app: FastAPI's routes inside the request-id and metrics middleware."""
+    warn_of_weak_keys(settings.api_keys, settings.admin_api_keys)
     gw = Gateway(settings, lifecycle)
     batch_store = BatchStore(gw.client.redis, gw.client.keys)
     batch_driver = BatchDriver(batch_store, gw.client, gw.registry, settings)

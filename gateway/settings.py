@@ -58,7 +58,8 @@ class GatewaySettings(TomlSettings):
     auth_failures_per_minute: int = Field(
         10,
         ge=0,
-        description="failed key and login attempts an address may make per minute, then 429; 0: no limit",
+        description="wrong keys and logins an address may send per minute, then 429 (a right key is always served); "
+        "0: no limit",
     )
     models: dict[str, str] = Field(
         default_factory=dict,
