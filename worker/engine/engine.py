@@ -350,6 +350,8 @@ class Engine(OfflineGeneration):
         self._count_computed(chunks)
         sampling = [c.request for c in chunks if c.samples]
         try:
+            if self.ranks is not None:
+                self.ranks.start_serving()  # the warm-up's steps were start-up's, this one is served
             logits = self.runner.run(chunks, previous.device_tokens if previous is not None else None)
         except RankFailed as e:
             raise self.ranks.explain(e) if self.ranks is not None else e from None
