@@ -14,7 +14,7 @@ from producer_client.keys import GROUP, Keys, check_name
 from producer_client.protocol.events import encode_tokens
 from producer_client.protocol.replies import Look, Watched
 from producer_client.schema import JobRequest
-from worker.loop.jobs import job_id_of, parse_request
+from worker.loop.intake import job_id_of, parse_request
 from worker.loop.queue import WorkerQueue
 
 LIMITS = dict(max_body_bytes=1000, max_tokens_limit=64)

@@ -16,18 +16,8 @@ from producer_client.errors import MiliError
 from producer_client.protocol.events import encode_start
 from producer_client.protocol.replies import ClaimOutcome
 from worker.loop.context import LoopContext
-from worker.loop.jobs import (
-    AdmissionId,
-    Delivery,
-    InternalError,
-    InvalidJob,
-    Job,
-    Poison,
-    constraint_of,
-    final_result,
-    parse_request,
-    render_prompt,
-)
+from worker.loop.intake import Delivery, job_from_entry
+from worker.loop.jobs import AdmissionId, InternalError, InvalidJob, Job, Poison, final_result
 from worker.loop.outbox import DeadLetter, Update
 from worker.loop.queue import HANDED_OVER_IDLE_MS
 from worker.loop.rejection import Rejections
@@ -100,7 +90,9 @@ class Admission:
             return
         now = self.clock.now()
         runs = [f"{self.instance}:{next(self.claims)}" for _ in deliveries]
-        prepared = [self._job_from_entry(d, run, now) for d, run in zip(deliveries, runs)]
+        prepared = [
+            job_from_entry(d, run, now, self.settings, self.engine.tokenizer) for d, run in zip(deliveries, runs)
+        ]
         claims = self.queue.claim([(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)])
         self.holdings.clear_unadmitted()
         resumed: list[tuple[Delivery, Job, int]] = []
@@ -195,28 +187,6 @@ class Admission:
             return
         log.info("job %s: resuming after %d recorded tokens", job.id, job.resumed_tokens)
         self.start_unless_expired(job)
-
-    def _job_from_entry(self, d: Delivery, run: str, now: float) -> Job | MiliError:
-        try:
-            request = parse_request(d.fields, self.settings.max_body_bytes, self.settings.max_tokens_limit)
-            ids, fmt = render_prompt(request, self.engine.tokenizer)
-            constraint = constraint_of(request, fmt, self.engine.tokenizer)
-        except MiliError as e:
-            return e
-        except Exception as e:  # a bug must cost one job, not the worker
-            log.exception("job %s: unexpected error while reading its entry", d.job_id)
-            return InternalError(f"{type(e).__name__}: {e}")
-        return Job(
-            d.job_id,
-            d.entry_id,
-            run,
-            request,
-            ids,
-            queued_at=entry_time(d.entry_id),
-            started_at=now,
-            output_format=fmt,
-            constraint=constraint,
-        )
 
     def _dead_letter_poison(self, d: Delivery, run: str, recorded_tokens: int) -> None:
         error = Poison(

@@ -10,8 +10,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from worker.engine.interface import EngineAPI
-from worker.loop.jobs import Delivery, Job, Rejection
-from worker.loop.outbox import Outbox
+from worker.loop.intake import Delivery
+from worker.loop.jobs import Job
+from worker.loop.outbox import Outbox, Rejection
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
 """What a worker has to tell Redis and has not yet: one update per job (its output since its last
 publication, its final result), in the outbox until Redis has answered a publication of it (a
 running job's newest output waits in the job itself until its publication is due: see
-worker/loop/pace.py); and the receipts of settled entries: acknowledgements, and dead letters
-(entries that go to the dead-letter stream instead)."""
+worker/loop/pace.py); the failures of jobs whose own keys refused the protocol, for FAIL to write
+(worker/loop/rejection.py); and the receipts of settled entries: acknowledgements, and dead
+letters (entries that go to the dead-letter stream instead)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from producer_client.protocol import worker as scripts
 from producer_client.protocol.events import encode_tokens
 from producer_client.protocol.script import ScriptCall
 from producer_client.schema import JobResult, TokenLogprob
-from worker.loop.jobs import ENTRY_FIELDS, Job
+from worker.loop.intake import ENTRY_FIELDS
+from worker.loop.jobs import Job
 
 
 @dataclass
@@ -35,6 +37,22 @@ class DeadLetter:
             "worker": worker,
             "dead_at": now,
         }
+
+
+@dataclass
+class Rejection:
+    """A job whose own keys refused the protocol: its failed result, which FAIL writes whatever
+    the job's run and recorded tokens, and its entry, acknowledged once the result is written
+    (moved to the dead-letter stream with `fields` should even FAIL be refused)."""
+
+    result: JobResult
+    entry_id: str | None  # None for a detached job (see ADOPT)
+    fields: dict[str, str]
+    deliveries: int = 1
+
+    @property
+    def job_id(self) -> str:
+        return self.result.id
 
 
 @dataclass

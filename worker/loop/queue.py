@@ -45,7 +45,8 @@ from producer_client.protocol.replies import (
     parse_watch,
 )
 from producer_client.schema import JobResult
-from worker.loop.jobs import Delivery, Job
+from worker.loop.intake import Delivery
+from worker.loop.jobs import Job
 from worker.loop.outbox import DeadLetter, Update
 from worker.loop.streams import QueueStreams, entry_ref
 

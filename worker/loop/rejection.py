@@ -19,8 +19,9 @@ from producer_client.keys import PROTOCOL_VERSION
 from producer_client.protocol.replies import Failed, UnknownReply
 from producer_client.schema import ErrorInfo
 from worker.loop.context import LoopContext
-from worker.loop.jobs import Delivery, InternalError, InvalidJob, Job, Rejection, final_result, printable
-from worker.loop.outbox import DeadLetter, Update
+from worker.loop.intake import Delivery
+from worker.loop.jobs import InternalError, InvalidJob, Job, final_result, printable
+from worker.loop.outbox import DeadLetter, Rejection, Update
 from worker.loop.queue import is_transient
 
 log = logging.getLogger(__name__)
