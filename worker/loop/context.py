@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from worker.engine.interface import EngineAPI
 from worker.loop.holdings import Holdings
-from worker.loop.outbox import Outbox, Receipts
 from worker.loop.queue import RedisClock, WorkerQueue
 from worker.metrics import WorkerMetrics
 from worker.settings import WorkerSettings
@@ -21,6 +20,4 @@ class LoopContext:
     queue: WorkerQueue  # every Redis command the loop sends
     clock: RedisClock  # every time the loop writes or compares is on Redis's clock
     metrics: WorkerMetrics
-    holdings: Holdings  # the jobs this worker holds, changed only through its verbs
-    outbox: Outbox  # what Redis has not seen yet
-    receipts: Receipts  # entries to acknowledge or dead-letter with the next read
+    holdings: Holdings  # the jobs this worker holds and what Redis has not seen: changed only through its verbs

@@ -42,7 +42,6 @@ from worker.loop.collection import Collector
 from worker.loop.context import LoopContext
 from worker.loop.holdings import Holdings
 from worker.loop.isolation import EngineError, FailureIsolation
-from worker.loop.outbox import Outbox, Receipts
 from worker.loop.ownership import Ownership
 from worker.loop.pace import Pace
 from worker.loop.placement import TakeOver
@@ -87,10 +86,8 @@ class Worker:
             poll_ms=settings.placement_poll_ms,
         )
         self.link = RedisLink(settings.redis_backoff_max_s)
-        self.outbox = Outbox()
-        self.receipts = Receipts()
-        self.holdings = Holdings(engine, self.outbox)
-        ctx = LoopContext(name, settings, engine, self.queue, clock, metrics, self.holdings, self.outbox, self.receipts)
+        self.holdings = Holdings(engine)
+        ctx = LoopContext(name, settings, engine, self.queue, clock, metrics, self.holdings)
         self.rejections = Rejections(ctx)
         self.admission = Admission(ctx, self.rejections)
         self.take_over = TakeOver(ctx, self.admission)
@@ -133,8 +130,7 @@ class Worker:
             return False
         if self.drain_deadline is None:
             return True
-        held = self.holdings.suspects or self.holdings.rejected or self.outbox or self.receipts
-        if not (self.engine.has_unfinished() or held or self.publication.busy):
+        if not (self.engine.has_unfinished() or self.holdings.unsettled() or self.publication.busy):
             return False
         return time.monotonic() < self.drain_deadline
 
@@ -161,8 +157,8 @@ class Worker:
     def _publish_and_give_back(self) -> None:
         self.publication.flush()
         self.rejections.send()
-        self.queue.read(0, None, self.receipts.acks, self.receipts.dead_letters)
-        self.receipts.sent()
+        self.queue.read(0, None, *self.holdings.receipts())
+        self.holdings.receipts_sent()
         self._give_back_unfinished()
 
     def _give_back_unfinished(self) -> None:
@@ -254,10 +250,10 @@ class Worker:
         self.rejections.send()  # their entries are acknowledged with the read below
         self.ownership.heartbeat_if_due("serving" if self.drain_deadline is None else "draining")
         self._take_idle_entries()
-        idle = not (self.engine.has_unfinished() or self.holdings.unadmitted or self.outbox)
+        idle = not (self.engine.has_unfinished() or self.holdings.unadmitted or self.holdings.has_updates())
         block_ms = max(1, min(self.settings.block_ms, self.ownership.ms_to_heartbeat())) if idle else None
-        read = self.queue.read(self._room(), block_ms, self.receipts.acks, self.receipts.dead_letters)
-        self.receipts.sent()
+        read = self.queue.read(self._room(), block_ms, *self.holdings.receipts())
+        self.holdings.receipts_sent()
         own = sum(1 for d in read if owner_of(d.entry_id) is not None)
         self.metrics.taken["own"].inc(own)
         self.metrics.taken["shared"].inc(len(read) - own)
