@@ -26,7 +26,12 @@ log = logging.getLogger(__name__)
 
 class Admission:
     def __init__(self, ctx: LoopContext, rejections: Rejections):
-        self.queue, self.engine, self.holdings = ctx.queue, ctx.engine, ctx.holdings
+        self.queue, self.job_commands, self.engine, self.holdings = (
+            ctx.queue,
+            ctx.job_commands,
+            ctx.engine,
+            ctx.holdings,
+        )
         self.settings, self.clock, self.worker = ctx.settings, ctx.clock, ctx.worker
         self.rejections = rejections
         self.next_reclaim = 0.0
@@ -91,7 +96,7 @@ class Admission:
         prepared = [
             job_from_entry(d, run, now, self.settings, self.engine.tokenizer) for d, run in zip(deliveries, runs)
         ]
-        claims = self.queue.claim([(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)])
+        claims = self.job_commands.claim([(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)])
         self.holdings.claims_answered()
         resumed: list[tuple[Delivery, Job, int]] = []
         for d, run, job, claim in zip(deliveries, runs, prepared, claims):
@@ -160,7 +165,7 @@ class Admission:
 
     def _resume_all(self, resumed: list[tuple[Delivery, Job, int]]) -> None:
         try:
-            events = self.queue.recorded_events([job.id for _, job, _ in resumed])
+            events = self.job_commands.recorded_events([job.id for _, job, _ in resumed])
         except redis.RedisError:
             self.holdings.take([d for d, _, _ in resumed])  # claimed again at the next try, with a new run
             raise

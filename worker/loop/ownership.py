@@ -22,7 +22,12 @@ log = logging.getLogger(__name__)
 
 class Ownership:
     def __init__(self, ctx: LoopContext, rejections: Rejections, device: str, metrics_port: int | None):
-        self.queue, self.engine, self.holdings = ctx.queue, ctx.engine, ctx.holdings
+        self.queue, self.job_commands, self.engine, self.holdings = (
+            ctx.queue,
+            ctx.job_commands,
+            ctx.engine,
+            ctx.holdings,
+        )
         self.metrics, self.settings, self.clock, self.worker = ctx.metrics, ctx.settings, ctx.clock, ctx.worker
         self.rejections = rejections
         self.total_pages = ctx.engine.capacity().free_pages  # the engine is empty now
@@ -90,7 +95,7 @@ class Ownership:
         self.holdings.entries_lost()
         runs = self.holdings.runs()
         if runs:
-            outcomes = self.queue.adopt(list(runs.items()))
+            outcomes = self.job_commands.adopt(list(runs.items()))
             for (job_id, run), outcome in zip(runs.items(), outcomes):
                 if isinstance(outcome, Exception):  # its keys refused ADOPT: it fails, detached
                     self.holdings.detach(job_id)

@@ -34,7 +34,7 @@ class Publication:
         self.metrics, self.clock, self.worker = ctx.metrics, ctx.clock, ctx.worker
         self.rejections = rejections
         self.pace = pace
-        self.publisher = Publisher(ctx.queue)
+        self.publisher = Publisher(ctx.job_commands)
         self.last_call = time.monotonic()
 
     @property

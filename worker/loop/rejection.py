@@ -38,7 +38,7 @@ def job_error(error: Exception) -> MiliError:
 
 class Rejections:
     def __init__(self, ctx: LoopContext):
-        self.queue, self.holdings = ctx.queue, ctx.holdings
+        self.job_commands, self.holdings = ctx.job_commands, ctx.holdings
         self.metrics, self.clock, self.worker = ctx.metrics, ctx.clock, ctx.worker
 
     # -- what fails a job -----------------------------------------------------------------------
@@ -101,7 +101,7 @@ class Rejections:
         pending = self.holdings.rejected
         if not pending:
             return
-        replies = self.queue.fail([(r.job_id, r.result) for r in pending])
+        replies = self.job_commands.fail([(r.job_id, r.result) for r in pending])
         refused: Exception | None = None
         for rejection, reply in zip(pending, replies):
             if isinstance(reply, Exception) and is_transient(reply):

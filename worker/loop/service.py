@@ -42,6 +42,7 @@ from worker.loop.collection import Collector
 from worker.loop.context import LoopContext
 from worker.loop.holdings import Holdings
 from worker.loop.isolation import EngineError, FailureIsolation
+from worker.loop.job_commands import JobCommands
 from worker.loop.ownership import Ownership
 from worker.loop.pace import Pace
 from worker.loop.placement import TakeOver
@@ -74,20 +75,14 @@ class Worker:
         clock = clock or RedisClock()
         self.clock = clock
         replication = Replication(settings.wait_replicas, settings.wait_timeout_ms)
+        keys = Keys(settings.prefix)
         self.queue = WorkerQueue(
-            client,
-            Keys(settings.prefix),
-            settings.queue,
-            name,
-            settings.result_ttl_s,
-            clock,
-            replication,
-            placed=settings.placement,
-            poll_ms=settings.placement_poll_ms,
+            client, keys, settings.queue, name, clock, placed=settings.placement, poll_ms=settings.placement_poll_ms
         )
+        job_commands = JobCommands(client, keys, name, settings.result_ttl_s, replication)
         self.link = RedisLink(settings.redis_backoff_max_s)
         self.holdings = Holdings(engine)
-        ctx = LoopContext(name, settings, engine, self.queue, clock, metrics, self.holdings)
+        ctx = LoopContext(name, settings, engine, self.queue, job_commands, clock, metrics, self.holdings)
         self.rejections = Rejections(ctx)
         self.admission = Admission(ctx, self.rejections)
         self.take_over = TakeOver(ctx, self.admission)
