@@ -249,7 +249,7 @@ def test_workers_lists_the_live_workers_of_every_queue_from_their_heartbeats(cli
         (f"{queue}-dead", queue, "tiny"),
     ):
         fields = {**heartbeat, "name": name, "queue": worker_queue, "model": model}
-        WorkerQueue(redis_client, Keys(), worker_queue, name, result_ttl_s=60).heartbeat(fields, ttl_s=5, held=[])
+        WorkerQueue(redis_client, Keys(), worker_queue, name).heartbeat(fields, ttl_s=5, held=[])
     redis_client.delete(Keys().worker(f"{queue}-dead"))  # as when its TTL runs out
 
     mine = sorted((w for w in client.workers() if w.queue in (queue, other)), key=lambda w: w.name)

@@ -1,4 +1,4 @@
-"""What the worker holds a job's output to (worker.loop.jobs.constraint_of): its response_format, the
+"""What the worker holds a job's output to (worker.loop.intake.constraint_of): its response_format, the
 calls a forced tool_choice asks for, a call or the formatted answer under "auto", nothing else;
 after Qwen3's reasoning when the chat thinks. The echo engine, which cannot, refuses them."""
 
@@ -11,7 +11,7 @@ from producer_client.errors import InvalidArgument
 from producer_client.schema import JobRequest, SamplingParams
 from worker.engine.echo import EchoEngine
 from worker.engine.settings import EngineSettings
-from worker.loop.jobs import constraint_of
+from worker.loop.intake import constraint_of
 from worker.model.presets import resolve_model_path
 from worker.model.tokenizer import Tokenizer
 
