@@ -138,12 +138,13 @@ def composed(call_rules: Sequence[str], fmt, thinking: Thinking | None) -> str:
     lark = [reply_rule("reply", bool(call_rules), "answer" if answers else None), *call_rules]
     starts = ["reply"] if thinking is None else [f"<[{thinking.closes}]> {AFTER_THINKING} reply"]
     if thinking is not None and thinking.opens is not None:
+        # A reply without a think block: its first token began it instead of opening one.
         first = None if fmt is None else unopened(fmt)
         if first is not None and first != answers["answer"]:
             answers["first_answer"] = first
-        name = None if first is None else "answer" if first == answers["answer"] else "first_answer"
-        if call_rules or name is not None:
-            lark.append(reply_rule("first_reply", bool(call_rules), name))
+        first_name = next((name for name, grammar in answers.items() if grammar == first), None)
+        if call_rules or first_name is not None:
+            lark.append(reply_rule("first_reply", bool(call_rules), first_name))
             starts.insert(0, "first_reply")
     grammars: list[dict[str, Any]] = [{"lark_grammar": "\n".join(["start: " + " | ".join(starts), *lark])}]
     for name, grammar in answers.items():
