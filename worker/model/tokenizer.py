@@ -87,8 +87,9 @@ class Tokenizer:
     def grammar_tables(self, vocab_size: int, drawable: int, eos_token_ids: Sequence[int]) -> Any:
         """llguidance's view of this vocabulary over `vocab_size` ids (at least the tokenizer's
         own: a model may have more rows), of which the model draws the first `drawable`, for
-        structured outputs (worker.model.grammar_vocabulary). Built once per tokenizer and
-        arguments, from any thread: about a second of CPU for Qwen3's vocabulary."""
+        structured outputs (worker.model.grammar_vocabulary). Its end tokens: `eos_token_ids`, else
+        the tokenizer's own (a model cut short of them cannot draw them). Built once per tokenizer
+        and arguments, from any thread: about a second of CPU for Qwen3's vocabulary."""
         key = (vocab_size, drawable, tuple(eos_token_ids))
         with self._grammar_tables_lock:
             if key not in self._grammar_tables:
@@ -98,9 +99,12 @@ class Tokenizer:
                         f"{self.source}: structured outputs need a byte-level BPE tokenizer that splits text by one "
                         "regex (as Qwen's does)"
                     )
+                ends = list(eos_token_ids) or sorted(self.eos_token_ids)
+                if not ends:
+                    raise TokenizerError(f"{self.source}: structured outputs need an end-of-text token")
                 token_bytes = TokenBytes.of(self.backend, skip_special_tokens=False).raw
                 self._grammar_tables[key] = grammar_vocabulary(
-                    self.backend, token_bytes, pattern, vocab_size, drawable, eos_token_ids
+                    self.backend, token_bytes, pattern, vocab_size, drawable, ends
                 )
             return self._grammar_tables[key]
 
