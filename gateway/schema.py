@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
+from producer_client import structured
 from producer_client.chat import MAX_TOOLS, NamedToolChoice, Tool, ToolCall
 from producer_client.structured import JsonObjectFormat, JsonSchemaFormat
 
@@ -94,8 +95,10 @@ class SamplingRequest(Strict):
     # and vLLM's guided decoding: a JSON schema (or its JSON text), a regex, one of the choices.
     response_format: ResponseFormatIn | None = None
     guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = Field(None, min_length=1)
-    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    guided_regex: str | None = Field(None, min_length=1, max_length=structured.MAX_PATTERN_CHARS)
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, max_length=structured.MAX_CHOICES
+    )
 
     @property
     def streams(self) -> bool:
@@ -170,7 +173,6 @@ ChatMessageIn = Annotated[
     | Annotated[ToolMessage, Tag("tool")],
     Discriminator(lambda m: {"developer": "system"}.get(m.get("role"), m.get("role")) if isinstance(m, dict) else None),
 ]
-MESSAGE_KINDS = ("system", "user", "assistant", "tool")  # the union's tags, which validation errors name
 
 
 class ChatTemplateKwargs(Strict):

@@ -67,13 +67,14 @@ def test_a_forced_tool_choice_holds_the_output_to_calls(tokenizer, choice):
     constraint = constraint_of(job(tools=[TOOL], tool_choice=choice, response_format=FORMAT), OutputFormat(), tokenizer)
     grammar = json.loads(constraint.grammar)["grammars"]
     assert constraint.field == "tools" and len(grammar) == 1  # the calls, and no answer beside them
-    assert grammar[0]["lark_grammar"].startswith("start: calls")
+    assert grammar[0]["lark_grammar"].startswith("start: reply\nreply: calls\n")
 
 
 def test_tools_under_auto_with_a_format_allow_a_call_or_the_answer(tokenizer):
     constraint = constraint_of(job(tools=[TOOL], response_format=FORMAT), OutputFormat(), tokenizer)
     grammar = json.loads(constraint.grammar)["grammars"]
-    assert grammar[0]["lark_grammar"].startswith("start: (calls | @answer)") and grammar[1]["name"] == "answer"
+    assert grammar[0]["lark_grammar"].startswith("start: reply\nreply: calls | @answer\n")
+    assert grammar[1]["name"] == "answer"
 
 
 def test_a_prompt_job_has_no_reasoning_to_skip(tokenizer):
