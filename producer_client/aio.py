@@ -3,55 +3,36 @@ modes (producer_client.connection)."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import redis
 
-from producer_client import bulk, core, steps
+from producer_client import bulk, steps
 from producer_client.bulk import ResultWatch
+from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
-from producer_client.connection import async_retry_policy, connect_async, parse_url
-from producer_client.core import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
+from producer_client.connection import RedisURL, async_retry_policy, connect_async
 from producer_client.errors import JobNotFound, JobTimeout, QueueFull
-from producer_client.job_stream import JobStream
-from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
-from producer_client.operator_views import OperatorViews
-from producer_client.placement import Placement
+from producer_client.job_stream import EVENT_BATCH, JobStream
+from producer_client.new_job import NewJob, build_job
+from producer_client.operations import cancel_call, enqueue_commands, enqueued
 from producer_client.protocol import execution
 from producer_client.protocol import producer as scripts
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
+from producer_client.status_reads import read_live_workers, read_queue_stats, read_status
+from producer_client.validation import check_job_id, check_timeout
+from producer_client.waiting import Deadline, finished, read_cut_short
 
 
-class AsyncClient(OperatorViews):
+class AsyncClient(ClientBase):
     """See `producer_client.Client`; every method here is its awaitable twin."""
 
     run_steps = staticmethod(steps.arun)  # drives the operations of bulk and OperatorViews
 
-    def __init__(
-        self,
-        url: str = DEFAULT_URL,
-        queue: str = "default",
-        *,
-        prefix: str = DEFAULT_PREFIX,
-        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH,
-        max_connections: int | None = None,
-        wait_replicas: int = 0,
-        wait_timeout_ms: int = 1000,
-        placement: bool = True,
-    ):
-        self.queue = check_name("queue", queue)
-        self.keys = Keys(prefix)
-        self.max_queue_depth = core.check_max_queue_depth(max_queue_depth)
-        self.replication = Replication(wait_replicas, wait_timeout_ms)
-        self.placement = Placement(placement)
-        target = parse_url(url)
-        self.redis = connect_async(
-            target,
-            decode_responses=True,
-            retry=async_retry_policy(target.mode),
-            max_connections=max_connections,
+    def _connect(self, target: RedisURL, max_connections: int | None):
+        return connect_async(
+            target, decode_responses=True, retry=async_retry_policy(target.mode), max_connections=max_connections
         )
 
     async def aclose(self) -> None:
@@ -76,7 +57,7 @@ class AsyncClient(OperatorViews):
         stream: bool = False,
         **sampling: Any,
     ) -> str:
-        job = core.build_job(
+        job = build_job(
             prompt,
             messages,
             input_ids,
@@ -99,21 +80,21 @@ class AsyncClient(OperatorViews):
         return job.job_id
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
-        job_id = core.check_job_id(job_id)
-        deadline = Deadline(job_id, core.check_timeout(timeout))
+        job_id = check_job_id(job_id)
+        deadline = Deadline(job_id, check_timeout(timeout))
         job = await self.redis.hgetall(self.keys.job(job_id))
         if not job:
             raise JobNotFound(job_id)
-        return core.finished(job_id, job["result"] if "result" in job else await self._wait_done(job_id, deadline))
+        return finished(job_id, job["result"] if "result" in job else await self._wait_done(job_id, deadline))
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
-        job_id = core.check_job_id(job_id)
-        return core.finished(job_id, await self._wait_done(job_id, Deadline(job_id, core.check_timeout(timeout))))
+        job_id = check_job_id(job_id)
+        return finished(job_id, await self._wait_done(job_id, Deadline(job_id, check_timeout(timeout))))
 
     async def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenDelta]:
-        job_id = core.check_job_id(job_id)
+        job_id = check_job_id(job_id)
         reader = JobStream(job_id, after)
-        deadline = Deadline(job_id, core.check_timeout(timeout))
+        deadline = Deadline(job_id, check_timeout(timeout))
         follow = scripts.follow(self.keys, job_id)
         if not (await execution.aexecute(self.redis, follow.add_to))[0]:
             raise JobNotFound(job_id)
@@ -122,24 +103,24 @@ class AsyncClient(OperatorViews):
                 for delta in reader.take(event_id, fields):
                     yield delta
                 if reader.end is not None:
-                    core.finished(job_id, reader.end)
+                    finished(job_id, reader.end)
                     return
 
     async def status(self, job_id: str) -> JobStatus:
-        job_id = core.check_job_id(job_id)
-        return await steps.arun(self.redis, core.read_status(self.keys, job_id))
+        job_id = check_job_id(job_id)
+        return await steps.arun(self.redis, read_status(self.keys, job_id))
 
     async def cancel(self, job_id: str) -> JobStatus:
-        job_id = core.check_job_id(job_id)
-        cancel = core.cancel_call(self.keys, job_id)
+        job_id = check_job_id(job_id)
+        cancel = cancel_call(self.keys, job_id)
         if (await execution.aexecute(self.redis, cancel.add_to))[0] is None:
             raise JobNotFound(job_id)
         return await self.status(job_id)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
-        deadline_s = core.check_timeout(timeout)
+        deadline_s = check_timeout(timeout)
         job_id = await self.submit(prompt, **kwargs)
-        return core.finished(job_id, await self._wait_done(job_id, Deadline(job_id, deadline_s)))
+        return finished(job_id, await self._wait_done(job_id, Deadline(job_id, deadline_s)))
 
     async def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
         operation = bulk.submit_steps(
@@ -148,8 +129,8 @@ class AsyncClient(OperatorViews):
         return await self.run_steps(self.redis, operation)
 
     async def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> AsyncIterator[JobResult]:
-        job_ids = [core.check_job_id(job_id) for job_id in job_ids]
-        deadline = Deadline("", core.check_timeout(timeout))
+        job_ids = [check_job_id(job_id) for job_id in job_ids]
+        deadline = Deadline("", check_timeout(timeout))
         await self.run_steps(self.redis, bulk.check_exist(self.keys, job_ids))
         watch = ResultWatch(self.keys, job_ids)
         while watch:
@@ -166,7 +147,7 @@ class AsyncClient(OperatorViews):
         return [ended[job_id] for job_id in job_ids]
 
     async def finished(self, watch: ResultWatch, timeout: float | None = None) -> list[JobResult]:
-        deadline = Deadline("", core.check_timeout(timeout))
+        deadline = Deadline("", check_timeout(timeout))
         try:
             while watch:
                 results = await self._read_finished(watch, deadline.block_ms())
@@ -177,24 +158,19 @@ class AsyncClient(OperatorViews):
         return []
 
     async def cancel_many(self, job_ids: Iterable[str]) -> None:
-        job_ids = [core.check_job_id(job_id) for job_id in job_ids]
+        job_ids = [check_job_id(job_id) for job_id in job_ids]
         if job_ids:
             await self._execute(bulk.cancel_commands(self.keys, job_ids))
 
     async def queue_stats(self) -> QueueStats:
-        return await steps.arun(self.redis, core.read_queue_stats(self.keys, self.queue))
+        return await steps.arun(self.redis, read_queue_stats(self.keys, self.queue))
 
     async def workers(self) -> list[WorkerInfo]:
-        return await steps.arun(self.redis, core.read_live_workers(self.keys))
-
-    def on_queue(self, queue: str) -> AsyncClient:
-        other = copy.copy(self)
-        other.queue = check_name("queue", queue)
-        return other
+        return await steps.arun(self.redis, read_live_workers(self.keys))
 
     async def _enqueue_or_forget(self, job: NewJob, create: bool) -> list:
         (stream,) = await self.run_steps(self.redis, self.placement.streams_for(self.keys, self.queue, [job.prefix]))
-        add = core.enqueue_commands(
+        add = enqueue_commands(
             self.keys,
             self.queue,
             self.max_queue_depth,
@@ -208,7 +184,7 @@ class AsyncClient(OperatorViews):
         except BaseException:
             await self.redis.delete(self.keys.job(job.job_id))
             raise
-        return core.enqueued(job, create, self.replication, replies)
+        return enqueued(job, create, self.replication, replies)
 
     async def _execute(self, add_commands) -> list:
         return await execution.aexecute(self.redis, add_commands)
@@ -229,7 +205,7 @@ class AsyncClient(OperatorViews):
         try:
             reply = await self.redis.xread({key: after}, count=count, block=deadline.block_ms())
         except redis.ResponseError as e:
-            if not core.read_cut_short(e):
+            if not read_cut_short(e):
                 raise
             return []
         return reply[0][1] if reply else []

@@ -1,4 +1,4 @@
-"""Many jobs at once, for the sync and asyncio clients alike. No I/O here (as in core.py): the
+"""Many jobs at once, for the sync and asyncio clients alike. No I/O here (as in operations.py): the
 clients run the same steps over their own connections.
 
 - `submit_many` validates every spec before anything is sent, then enqueues the jobs in chunks of
@@ -17,14 +17,16 @@ from collections.abc import Callable, Iterable, Mapping
 from itertools import islice
 from typing import Any
 
-from producer_client import core
-from producer_client.core import NewJob
 from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound
 from producer_client.keys import Keys
+from producer_client.new_job import NewJob, build_job_of
+from producer_client.operations import cancel_call
 from producer_client.placement import Placement
 from producer_client.protocol import producer as scripts
+from producer_client.protocol.clock import entry_order
 from producer_client.schema import JobResult
 from producer_client.steps import Steps, checked
+from producer_client.waiting import read_cut_short
 
 CHUNK = 1000  # jobs per pipelined chunk: one ENQUEUE_MANY holds Redis for about a millisecond
 WINDOW = 512  # `done` streams per XREAD
@@ -42,19 +44,8 @@ def build_jobs(specs: Iterable[Mapping[str, Any]]) -> list[NewJob]:
 def build_spec(index: int, spec: Mapping[str, Any]) -> NewJob:
     if not isinstance(spec, Mapping):
         raise InvalidArgument(f"jobs[{index}]", "must be a dict of submit()'s keyword arguments")
-    sampling = dict(spec)
     try:
-        return core.build_job(
-            sampling.pop("prompt", None),
-            sampling.pop("messages", None),
-            sampling.pop("input_ids", None),
-            sampling.pop("request_id", None),
-            sampling.pop("timeout_s", None),
-            sampling.pop("priority", 0),
-            sampling,
-            sampling.pop("request_fingerprint", None),
-            stream=sampling.pop("stream", False),
-        )
+        return build_job_of(spec)
     except InvalidArgument as e:
         raise type(e)(f"jobs[{index}].{e.field}", e.message.removeprefix(f"{e.field}: ")) from None
 
@@ -180,7 +171,7 @@ def forget_commands(jobs: list[NewJob], keys: Keys) -> Callable:
 
 def cancel_commands(keys: Keys, job_ids: list[str]) -> Callable:
     """CANCEL of each job, in one pipeline."""
-    return lambda pipe: [core.cancel_call(keys, job_id).add_to(pipe) for job_id in job_ids]
+    return lambda pipe: [cancel_call(keys, job_id).add_to(pipe) for job_id in job_ids]
 
 
 class ResultWatch:
@@ -245,15 +236,10 @@ def streams_read(reply: list | Exception | None) -> list:
     """An XREAD reply's streams: none if Redis cut a blocking read short (UNBLOCKED, in a
     failover: reading again is right); another error is raised."""
     if isinstance(reply, Exception):
-        if core.read_cut_short(reply):
+        if read_cut_short(reply):
             return []
         raise reply
     return reply or []
-
-
-def entry_order(entry_id: str) -> tuple[int, int]:
-    ms, seq = entry_id.split("-")
-    return int(ms), int(seq)
 
 
 def check_exist(keys: Keys, job_ids: list[str]) -> Steps:

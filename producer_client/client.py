@@ -4,28 +4,29 @@ validated before the first command is sent."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import redis
 
-from producer_client import bulk, core, steps
+from producer_client import bulk, steps
 from producer_client.bulk import ResultWatch
+from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
-from producer_client.connection import connect, parse_url, retry_policy
-from producer_client.core import DEFAULT_MAX_QUEUE_DEPTH, DEFAULT_URL, EVENT_BATCH, Deadline, NewJob, Replication
+from producer_client.connection import RedisURL, connect, retry_policy
 from producer_client.errors import JobNotFound, JobTimeout, QueueFull
-from producer_client.job_stream import JobStream
-from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
-from producer_client.operator_views import OperatorViews
-from producer_client.placement import Placement
+from producer_client.job_stream import EVENT_BATCH, JobStream
+from producer_client.new_job import NewJob, build_job
+from producer_client.operations import cancel_call, enqueue_commands, enqueued
 from producer_client.protocol import execution
 from producer_client.protocol import producer as scripts
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
+from producer_client.status_reads import read_live_workers, read_queue_stats, read_status
+from producer_client.validation import check_job_id, check_timeout
+from producer_client.waiting import Deadline, finished, read_cut_short
 
 
-class Client(OperatorViews):
+class Client(ClientBase):
     """Submit jobs to a MILI queue and read their results.
 
     `max_queue_depth` is the backpressure bound: `submit` raises QueueFull when the queue
@@ -43,30 +44,8 @@ class Client(OperatorViews):
 
     run_steps = staticmethod(steps.run)  # drives the operations of bulk and OperatorViews
 
-    def __init__(
-        self,
-        url: str = DEFAULT_URL,
-        queue: str = "default",
-        *,
-        prefix: str = DEFAULT_PREFIX,
-        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH,
-        max_connections: int | None = None,
-        wait_replicas: int = 0,
-        wait_timeout_ms: int = 1000,
-        placement: bool = True,
-    ):
-        self.queue = check_name("queue", queue)
-        self.keys = Keys(prefix)
-        self.max_queue_depth = core.check_max_queue_depth(max_queue_depth)
-        self.replication = Replication(wait_replicas, wait_timeout_ms)
-        self.placement = Placement(placement)
-        target = parse_url(url)
-        self.redis = connect(
-            target,
-            decode_responses=True,
-            retry=retry_policy(target.mode),
-            max_connections=max_connections,
-        )
+    def _connect(self, target: RedisURL, max_connections: int | None):
+        return connect(target, decode_responses=True, retry=retry_policy(target.mode), max_connections=max_connections)
 
     def close(self) -> None:
         self.redis.close()
@@ -98,7 +77,7 @@ class Client(OperatorViews):
         its tokens will be read as they come (stream()), so the worker publishes them within its
         stream_interval_s from the first; without it, a reader's stream() gets them at the
         worker's checkpoint_interval_s until the worker sees the reader."""
-        job = core.build_job(
+        job = build_job(
             prompt,
             messages,
             input_ids,
@@ -124,18 +103,18 @@ class Client(OperatorViews):
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Block until the job ends (XREAD BLOCK on its `done` stream; no polling) and return its
         result. Raises JobFailed for a failed job, JobTimeout, JobNotFound."""
-        job_id = core.check_job_id(job_id)
-        deadline = Deadline(job_id, core.check_timeout(timeout))
+        job_id = check_job_id(job_id)
+        deadline = Deadline(job_id, check_timeout(timeout))
         job = self.redis.hgetall(self.keys.job(job_id))
         if not job:
             raise JobNotFound(job_id)
-        return core.finished(job_id, job["result"] if "result" in job else self._wait_done(job_id, deadline))
+        return finished(job_id, job["result"] if "result" in job else self._wait_done(job_id, deadline))
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
         """result() of a job known to exist (this client just submitted it): one blocking read of
         its `done` stream, without looking the job up first."""
-        job_id = core.check_job_id(job_id)
-        return core.finished(job_id, self._wait_done(job_id, Deadline(job_id, core.check_timeout(timeout))))
+        job_id = check_job_id(job_id)
+        return finished(job_id, self._wait_done(job_id, Deadline(job_id, check_timeout(timeout))))
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
         """Yield the job's token deltas until it ends. Resume after a disconnect with
@@ -143,9 +122,9 @@ class Client(OperatorViews):
         its answer (`text`), reasoning and tool calls apart. A failed job raises JobFailed at its end.
         The job counts as streamed from now on (FOLLOW): its worker publishes its tokens within
         stream_interval_s once it sees that."""
-        job_id = core.check_job_id(job_id)
+        job_id = check_job_id(job_id)
         reader = JobStream(job_id, after)
-        deadline = Deadline(job_id, core.check_timeout(timeout))
+        deadline = Deadline(job_id, check_timeout(timeout))
         follow = scripts.follow(self.keys, job_id)
         if not execution.execute(self.redis, follow.add_to)[0]:
             raise JobNotFound(job_id)
@@ -153,28 +132,28 @@ class Client(OperatorViews):
             for event_id, fields in self._read_events(job_id, reader.last, deadline):
                 yield from reader.take(event_id, fields)
                 if reader.end is not None:
-                    core.finished(job_id, reader.end)
+                    finished(job_id, reader.end)
                     return
 
     def status(self, job_id: str) -> JobStatus:
-        job_id = core.check_job_id(job_id)
-        return steps.run(self.redis, core.read_status(self.keys, job_id))
+        job_id = check_job_id(job_id)
+        return steps.run(self.redis, read_status(self.keys, job_id))
 
     def cancel(self, job_id: str) -> JobStatus:
         """A queued job is cancelled at once; a running one stops within its worker's
         stream_interval_s if streamed, else its checkpoint_interval_s (plus a step), and
         keeps its partial output. Returns the status right after the request."""
-        job_id = core.check_job_id(job_id)
-        cancel = core.cancel_call(self.keys, job_id)
+        job_id = check_job_id(job_id)
+        cancel = cancel_call(self.keys, job_id)
         if execution.execute(self.redis, cancel.add_to)[0] is None:
             raise JobNotFound(job_id)
         return self.status(job_id)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
         """submit() then result(), without looking the job up: it was just created."""
-        deadline_s = core.check_timeout(timeout)
+        deadline_s = check_timeout(timeout)
         job_id = self.submit(prompt, **kwargs)
-        return core.finished(job_id, self._wait_done(job_id, Deadline(job_id, deadline_s)))
+        return finished(job_id, self._wait_done(job_id, Deadline(job_id, deadline_s)))
 
     def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
         """Enqueue many jobs, each a dict of submit()'s keyword arguments (`request_id` too), and
@@ -192,8 +171,8 @@ class Client(OperatorViews):
         them (see ResultWatch). A failed job's result is yielded (status `failed`, with its error),
         not raised. Raises JobNotFound for an id with no job before yielding anything, and
         JobTimeout, naming an unfinished job, once `timeout` seconds have passed."""
-        job_ids = [core.check_job_id(job_id) for job_id in job_ids]
-        deadline = Deadline("", core.check_timeout(timeout))
+        job_ids = [check_job_id(job_id) for job_id in job_ids]
+        deadline = Deadline("", check_timeout(timeout))
         self.run_steps(self.redis, bulk.check_exist(self.keys, job_ids))
         watch = ResultWatch(self.keys, job_ids)
         while watch:
@@ -212,7 +191,7 @@ class Client(OperatorViews):
         """The results of the watched jobs that have ended, taken out of `watch`: at once if any
         has, else as soon as one does; [] if none has within `timeout` seconds. For callers that
         add jobs as they go (ResultWatch.add); as_completed() is this over a fixed set."""
-        deadline = Deadline("", core.check_timeout(timeout))
+        deadline = Deadline("", check_timeout(timeout))
         try:
             while watch:
                 results = self._read_finished(watch, deadline.block_ms())
@@ -224,24 +203,17 @@ class Client(OperatorViews):
 
     def cancel_many(self, job_ids: Iterable[str]) -> None:
         """cancel() of each job in one round trip; an id with no job is passed over."""
-        job_ids = [core.check_job_id(job_id) for job_id in job_ids]
+        job_ids = [check_job_id(job_id) for job_id in job_ids]
         if job_ids:
             self._execute(bulk.cancel_commands(self.keys, job_ids))
 
     def queue_stats(self) -> QueueStats:
-        return steps.run(self.redis, core.read_queue_stats(self.keys, self.queue))
+        return steps.run(self.redis, read_queue_stats(self.keys, self.queue))
 
     def workers(self) -> list[WorkerInfo]:
         """Every live worker of every queue, from the queue index, each queue's worker index and
         the heartbeats (an expired heartbeat is a dead worker): which models are served where."""
-        return steps.run(self.redis, core.read_live_workers(self.keys))
-
-    def on_queue(self, queue: str) -> Client:
-        """A client of `queue` with this one's settings, over the same connection pool: one pool
-        serves every queue (closing either client closes it)."""
-        other = copy.copy(self)
-        other.queue = check_name("queue", queue)
-        return other
+        return steps.run(self.redis, read_live_workers(self.keys))
 
     def _enqueue_or_forget(self, job: NewJob, create: bool) -> list:
         """ENQUEUE's reply. If the enqueue fails, the job hash goes, so that a later submit with
@@ -249,7 +221,7 @@ class Client(OperatorViews):
         hash of a job that was never taken stays behind. An enqueued job too few replicas
         confirmed stays: it runs (NotReplicated)."""
         (stream,) = self.run_steps(self.redis, self.placement.streams_for(self.keys, self.queue, [job.prefix]))
-        add = core.enqueue_commands(
+        add = enqueue_commands(
             self.keys,
             self.queue,
             self.max_queue_depth,
@@ -263,7 +235,7 @@ class Client(OperatorViews):
         except BaseException:
             self.redis.delete(self.keys.job(job.job_id))
             raise
-        return core.enqueued(job, create, self.replication, replies)
+        return enqueued(job, create, self.replication, replies)
 
     def _execute(self, add_commands) -> list:
         return execution.execute(self.redis, add_commands)
@@ -289,7 +261,7 @@ class Client(OperatorViews):
         try:
             reply = self.redis.xread({key: after}, count=count, block=deadline.block_ms())
         except redis.ResponseError as e:
-            if not core.read_cut_short(e):
+            if not read_cut_short(e):
                 raise
             return []
         return reply[0][1] if reply else []

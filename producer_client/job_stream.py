@@ -10,16 +10,22 @@ again, to bring the parser to where that event left it.
 
 from __future__ import annotations
 
-from producer_client import core
+from collections.abc import Callable
+from typing import Any
+
 from producer_client.chat_output import OutputDelta, OutputFormat, OutputParser
-from producer_client.protocol.events import EventType, shown_output_format
+from producer_client.protocol.clock import entry_order
+from producer_client.protocol.events import EventType, shown_output_format, shown_tokens
 from producer_client.schema import TokenDelta
+from producer_client.validation import check_event_id
+
+EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
 
 
 class JobStream:
     def __init__(self, job_id: str, after: str):
         self.job_id = job_id
-        self.resume_after = event_order(core.check_event_id(after))
+        self.resume_after = entry_order(check_event_id(after))
         self.last = "0-0"  # the last event read: the next read starts after it
         self.parser: OutputParser | None = None
         self.end: str | None = None  # the result JSON, once the end event is read
@@ -28,13 +34,13 @@ class JobStream:
         """The deltas one event adds to the stream: none for a `start` event or for an event at or
         before `after`. The `end` event sets `end` and adds what the parser held back."""
         previous, self.last = self.last, event_id
-        shown = event_order(event_id) > self.resume_after
+        shown = entry_order(event_id) > self.resume_after
         kind = fields["type"]
         if kind == EventType.START:
             self._start(shown_output_format(fields["data"]))
             return []
         if kind == EventType.TOKENS:
-            delta = core.token_delta(event_id, fields["data"], None if self.parser is None else self._split)
+            delta = token_delta(event_id, fields["data"], None if self.parser is None else self._split)
             return [delta] if shown else []
         if kind == EventType.END:
             self.end = fields["data"]
@@ -59,6 +65,8 @@ class JobStream:
         return fields
 
 
-def event_order(event_id: str) -> tuple[int, int]:
-    milliseconds, sequence = event_id.split("-")
-    return int(milliseconds), int(sequence)
+def token_delta(event_id: str, data: str, split: Callable[[str], dict[str, Any]] | None = None) -> TokenDelta:
+    """A `tokens` event as a TokenDelta; `split` turns its text into a chat's fields (JobStream)."""
+    payload = shown_tokens(data)
+    text = {"text": payload["text"]} if split is None else split(payload["text"])
+    return TokenDelta(event_id=event_id, token_ids=payload["ids"], logprobs=payload["logprobs"], **text)

@@ -17,9 +17,9 @@ from producer_client.chat_output import (
     Reasoning,
     parse_output,
 )
-from producer_client.core import entry_time
 from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
 from producer_client.keys import NAME_PATTERN, PROTOCOL_VERSION
+from producer_client.protocol.clock import entry_time
 from producer_client.protocol.events import EventType, resumed_start, resumed_tokens
 from producer_client.schema import ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage
 from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, tool_call_constraint
