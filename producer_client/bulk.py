@@ -9,6 +9,8 @@ clients run the same steps over their own connections.
   what went in.
 - `ResultWatch` holds the jobs a caller waits for; one XREAD of their `done` streams returns every
   one of them that has ended, or blocks until one does (on a cluster, see `read_finished`).
+  `as_completed` yields them batch by batch (`watch_all`, then `next_finished` until none is left),
+  `results` collects them alike, `take_finished` serves callers that add jobs as they go.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from itertools import islice
 from typing import Any
 
-from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound
+from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound, JobTimeout
 from producer_client.keys import Keys
 from producer_client.new_job import NewJob, build_job_of
 from producer_client.operations import cancel_call
@@ -26,7 +28,8 @@ from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_order
 from producer_client.schema import JobResult
 from producer_client.steps import Steps, checked
-from producer_client.waiting import read_cut_short
+from producer_client.validation import check_job_id, check_timeout
+from producer_client.waiting import Deadline, streams_read
 
 CHUNK = 1000  # jobs per pipelined chunk: one ENQUEUE_MANY holds Redis for about a millisecond
 WINDOW = 512  # `done` streams per XREAD
@@ -169,6 +172,12 @@ def forget_commands(jobs: list[NewJob], keys: Keys) -> Callable:
     return lambda pipe: pipe.delete(*(keys.job(job.job_id) for job in jobs))
 
 
+def cancel_many(keys: Keys, job_ids: Iterable[str]) -> Steps[None]:
+    job_ids = [check_job_id(job_id) for job_id in job_ids]
+    if job_ids:
+        checked((yield cancel_commands(keys, job_ids)))
+
+
 def cancel_commands(keys: Keys, job_ids: list[str]) -> Callable:
     """CANCEL of each job, in one pipeline."""
     return lambda pipe: [cancel_call(keys, job_id).add_to(pipe) for job_id in job_ids]
@@ -232,16 +241,6 @@ def read_finished(watch: ResultWatch, block_ms: int, per_slot: bool) -> Steps[li
     return watch.take(window, ended)
 
 
-def streams_read(reply: list | Exception | None) -> list:
-    """An XREAD reply's streams: none if Redis cut a blocking read short (UNBLOCKED, in a
-    failover: reading again is right); another error is raised."""
-    if isinstance(reply, Exception):
-        if read_cut_short(reply):
-            return []
-        raise reply
-    return reply or []
-
-
 def check_exist(keys: Keys, job_ids: list[str]) -> Steps:
     """Raises JobNotFound for the first of `job_ids` with no job: one EXISTS of a chunk's hashes
     counts them, and only a chunk that comes up short is looked at key by key."""
@@ -251,3 +250,47 @@ def check_exist(keys: Keys, job_ids: list[str]) -> Steps:
         if count < len(chunk):
             found = checked((yield lambda pipe: [pipe.exists(keys.job(job_id)) for job_id in chunk]))
             raise JobNotFound(next(job_id for job_id, exists in zip(chunk, found) if not exists))
+
+
+def watch_all(keys: Keys, job_ids: Iterable[str], timeout: float | None) -> Steps[tuple[ResultWatch, Deadline]]:
+    """as_completed()'s start: the watch of `job_ids` and the deadline of the whole wait. Raises
+    JobNotFound for an id with no job."""
+    job_ids = [check_job_id(job_id) for job_id in job_ids]
+    deadline = Deadline("", check_timeout(timeout))
+    yield from check_exist(keys, job_ids)
+    return ResultWatch(keys, job_ids), deadline
+
+
+def next_finished(watch: ResultWatch, deadline: Deadline, per_slot: bool) -> Steps[list[JobResult]]:
+    """as_completed()'s next batch (read_finished): [] if none ended within a bounded read. Raises
+    JobTimeout naming an unfinished job once the deadline has passed."""
+    try:
+        block_ms = deadline.block_ms()
+    except JobTimeout:
+        raise JobTimeout(watch.first(), deadline.timeout) from None
+    return (yield from read_finished(watch, block_ms, per_slot))
+
+
+def results(keys: Keys, job_ids: Iterable[str], timeout: float | None, per_slot: bool) -> Steps[list[JobResult]]:
+    """Every job's result, in the order of `job_ids`, collected as as_completed() yields them."""
+    job_ids = list(job_ids)
+    watch, deadline = yield from watch_all(keys, job_ids, timeout)
+    ended = {}
+    while watch:
+        for result in (yield from next_finished(watch, deadline, per_slot)):
+            ended[result.id] = result
+    return [ended[job_id] for job_id in job_ids]
+
+
+def take_finished(watch: ResultWatch, timeout: float | None, per_slot: bool) -> Steps[list[JobResult]]:
+    """Client.finished: the watched jobs that have ended, at once if any has, else as soon as one
+    does; [] if none has within `timeout` seconds."""
+    deadline = Deadline("", check_timeout(timeout))
+    try:
+        while watch:
+            finished = yield from read_finished(watch, deadline.block_ms(), per_slot)
+            if finished:
+                return finished
+    except JobTimeout:
+        pass
+    return []

@@ -3,7 +3,10 @@ dead letters, then retry the ones found) is a generator: it yields a function th
 to a pipeline, receives that pipeline's replies (a command's error in its place; a round trip that
 failed as a whole is raised inside the generator), and returns its outcome. `run` drives it over a
 redis.Redis, `arun` over a redis.asyncio.Redis, so `Client` and `AsyncClient` share every line of
-it. Pipelines go through `execution.execute`, which reloads scripts a server has lost (NOSCRIPT)."""
+it. Pipelines go through `execution.execute`, which reloads scripts a server has lost (NOSCRIPT).
+Whatever stops a round trip is raised inside the generator, a KeyboardInterrupt or an asyncio
+task's cancel too, so an operation can undo what it began (one more round trip) before it goes
+on up."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ def run(client, steps: Steps[T]) -> T:
         while True:
             try:
                 replies = execution.execute(client, add, raise_on_error=False)
-            except Exception as e:  # the round trip failed as a whole: the operation may clean up
+            except BaseException as e:  # the round trip failed or was stopped: the operation may clean up
                 add = steps.throw(e)
             else:
                 add = steps.send(replies)
@@ -37,7 +40,7 @@ async def arun(client, steps: Steps[T]) -> T:
         while True:
             try:
                 replies = await execution.aexecute(client, add, raise_on_error=False)
-            except Exception as e:
+            except BaseException as e:
                 add = steps.throw(e)
             else:
                 add = steps.send(replies)

@@ -118,27 +118,30 @@ def _send(client, stack: Stack | Callable[[], Stack]) -> list:
     a cluster, built anew for each try of the client's pacing (redis-py's own empties a pipeline
     it sent), each command routed by the topology of that try."""
 
+    cluster = is_cluster(client)  # asked once: an isinstance of redis-py's cluster classes costs microseconds
+
     def attempt() -> list:
-        pipe, parts, waits = _pipeline(client, stack() if callable(stack) else stack)
+        pipe, parts, waits = _pipeline(client, cluster, stack() if callable(stack) else stack)
         return _judged_waits(client, _folded(pipe.execute(raise_on_error=False), parts), waits)
 
-    return client.paced(attempt) if is_cluster(client) else attempt()
+    return client.paced(attempt) if cluster else attempt()
 
 
 async def _asend(client, stack: Stack | Callable[[], Stack]) -> list:
+    cluster = is_cluster(client)
+
     async def attempt() -> list:
-        pipe, parts, waits = _pipeline(client, stack() if callable(stack) else stack)
+        pipe, parts, waits = _pipeline(client, cluster, stack() if callable(stack) else stack)
         return _judged_waits(client, _folded(await pipe.execute(raise_on_error=False), parts), waits)
 
-    return await client.paced(attempt) if is_cluster(client) else await attempt()
+    return await client.paced(attempt) if cluster else await attempt()
 
 
-def _pipeline(client, stack: Stack):
-    """A pipeline of `stack`'s commands as `client` must send them; how many went out for each
+def _pipeline(client, cluster: bool, stack: Stack):
+    """A pipeline of `stack`'s commands as `client` (a `cluster` or not) must send them; how many went out for each
     (more than one for a command of COUNTED_PER_KEY whose keys lie in several slots); and for
     each WAIT, by its place in `stack`, its key and the node it was sent to (None: one server)."""
     pipe = client.pipeline(transaction=False)
-    cluster = is_cluster(client)  # asked once: an isinstance of redis-py's cluster classes costs microseconds
     parts, waits = [], {}
     for at, (args, options) in enumerate(stack):
         if _NODE_OF in options:
