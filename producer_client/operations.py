@@ -18,7 +18,7 @@ from producer_client.protocol.replication import Replication
 from producer_client.protocol.script import ScriptCall
 from producer_client.schema import JobResult, JobStatus, Timings
 from producer_client.status_reads import read_status
-from producer_client.steps import Steps, checked
+from producer_client.steps import Repeatable, Steps, checked
 from producer_client.validation import check_job_id, check_timeout
 from producer_client.waiting import Deadline, finished, wait_done
 
@@ -60,7 +60,7 @@ def enqueue_or_forget(client: ClientBase, job: NewJob, create: bool) -> Steps[li
 
 
 def forget(keys: Keys, job: NewJob) -> Callable:
-    return lambda pipe: pipe.delete(keys.job(job.job_id))
+    return Repeatable(lambda pipe: pipe.delete(keys.job(job.job_id)))
 
 
 def enqueue_commands(
@@ -114,7 +114,7 @@ def result(keys: Keys, job_id: str, timeout: float | None) -> Steps[JobResult]:
     """Client.result: the job's result, from its hash if it has ended, else from its `done` stream."""
     job_id = check_job_id(job_id)
     deadline = Deadline(job_id, check_timeout(timeout))
-    (job,) = checked((yield lambda pipe: pipe.hgetall(keys.job(job_id))))
+    (job,) = checked((yield Repeatable(lambda pipe: pipe.hgetall(keys.job(job_id)))))
     if not job:
         raise JobNotFound(job_id)
     return finished(job_id, job["result"] if "result" in job else (yield from wait_done(keys, job_id, deadline)))

@@ -6,7 +6,8 @@ redis.Redis, `arun` over a redis.asyncio.Redis, so `Client` and `AsyncClient` sh
 it. Pipelines go through `execution.execute`, which reloads scripts a server has lost (NOSCRIPT).
 Whatever stops a round trip is raised inside the generator, a KeyboardInterrupt or an asyncio
 task's cancel too, so an operation can undo what it began (one more round trip) before it goes
-on up."""
+on up. A step whose commands are safe to run twice says so (`Repeatable`): on a cluster, a node
+that fails them in a failover then delays the step instead of failing it (execution.execute)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,22 @@ T = TypeVar("T")
 Steps = Generator[Callable[[Any], None], list, T]
 
 
+class Repeatable:
+    """A step's commands (`add`) that are safe to run twice: reads, a DEL."""
+
+    def __init__(self, add: Callable[[Any], None]):
+        self.add = add
+
+    def __call__(self, pipe) -> None:
+        self.add(pipe)
+
+
 def run(client, steps: Steps[T]) -> T:
     try:
         add = next(steps)
         while True:
             try:
-                replies = execution.execute(client, add, raise_on_error=False)
+                replies = execution.execute(client, add, raise_on_error=False, repeatable=isinstance(add, Repeatable))
             except BaseException as e:  # the round trip failed or was stopped: the operation may clean up
                 add = steps.throw(e)
             else:
@@ -39,7 +50,9 @@ async def arun(client, steps: Steps[T]) -> T:
         add = next(steps)
         while True:
             try:
-                replies = await execution.aexecute(client, add, raise_on_error=False)
+                replies = await execution.aexecute(
+                    client, add, raise_on_error=False, repeatable=isinstance(add, Repeatable)
+                )
             except BaseException as e:
                 add = steps.throw(e)
             else:

@@ -10,7 +10,7 @@ from producer_client.connection import reply_code
 from producer_client.errors import JobTimeout
 from producer_client.keys import Keys
 from producer_client.schema import JobFailed, JobResult
-from producer_client.steps import Steps
+from producer_client.steps import Repeatable, Steps
 
 MAX_BLOCK_MS = 2000  # one blocking read, well inside redis-py's default 5 s socket timeout
 
@@ -48,7 +48,7 @@ def xread(key: str, after: str, count: int, deadline: Deadline) -> Steps[list]:
     of its entries after `after`, or none if none came within the deadline's next block. A read
     that Redis cut short returns none, and the caller reads again."""
     block_ms = deadline.block_ms()
-    (reply,) = yield lambda pipe: pipe.xread({key: after}, count=count, block=block_ms)
+    (reply,) = yield Repeatable(lambda pipe: pipe.xread({key: after}, count=count, block=block_ms))
     streams = streams_read(reply)
     return streams[0][1] if streams else []
 
