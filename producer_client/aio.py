@@ -76,10 +76,7 @@ class AsyncClient(ClientBase):
         return await self.run_steps(self.redis, operations.generate(self, {"prompt": prompt, **kwargs}, timeout))
 
     async def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
-        operation = bulk.submit_steps(
-            self.keys, self.queue, self.max_queue_depth, bulk.build_jobs(jobs), self.placement
-        )
-        return await self.run_steps(self.redis, operation)
+        return await self.run_steps(self.redis, bulk.submit_many(self, jobs))
 
     async def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> AsyncIterator[JobResult]:
         watch, deadline = await self.run_steps(self.redis, bulk.watch_all(self.keys, job_ids, timeout))

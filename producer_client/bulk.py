@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from itertools import islice
 from typing import Any
 
+from producer_client.client_base import ClientBase
 from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound, JobTimeout
 from producer_client.keys import Keys
 from producer_client.new_job import NewJob, build_job_of
@@ -51,6 +52,13 @@ def build_spec(index: int, spec: Mapping[str, Any]) -> NewJob:
         return build_job_of(spec)
     except InvalidArgument as e:
         raise type(e)(f"jobs[{index}].{e.field}", e.message.removeprefix(f"{e.field}: ")) from None
+
+
+def submit_many(client: ClientBase, specs: Iterable[Mapping[str, Any]]) -> Steps[list[str]]:
+    """Client.submit_many: every spec validated first (build_jobs), then the jobs enqueued on the
+    client's queue (submit_steps)."""
+    jobs = build_jobs(specs)
+    return (yield from submit_steps(client.keys, client.queue, client.max_queue_depth, jobs, client.placement))
 
 
 def submit_steps(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob], placement: Placement) -> Steps:

@@ -115,10 +115,7 @@ class Client(ClientBase):
         names `jobs[<index>].<field>`); the jobs go out in pipelined chunks. The queue's bound holds
         as for submit(): a queue that fills part-way raises BulkQueueFull (a QueueFull), whose
         `job_ids` are those of the specs enqueued, a prefix of them; no spec after them was."""
-        operation = bulk.submit_steps(
-            self.keys, self.queue, self.max_queue_depth, bulk.build_jobs(jobs), self.placement
-        )
-        return self.run_steps(self.redis, operation)
+        return self.run_steps(self.redis, bulk.submit_many(self, jobs))
 
     def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> Iterator[JobResult]:
         """Yield the jobs' results as they end, in the order they end, a round trip per batch of
