@@ -156,9 +156,10 @@ async def _asend(client, stack: Stack | Callable[[], Stack], repeatable: bool = 
 
 
 def _pipeline(client, cluster: bool, stack: Stack):
-    """A pipeline of `stack`'s commands as `client` (a `cluster` or not) must send them; how many went out for each
-    (more than one for a command of COUNTED_PER_KEY whose keys lie in several slots); and for
-    each WAIT, by its place in `stack`, its key and the node it was sent to (None: one server)."""
+    """A pipeline of `stack`'s commands as `client` (a `cluster` or not) must send them; how many
+    went out for each (more than one for a command of COUNTED_PER_KEY whose keys lie in several
+    slots); and for each WAIT, by its place in `stack`, its key and the node it was sent to (None:
+    one server)."""
     pipe = client.pipeline(transaction=False)
     parts, waits = [], {}
     for at, (args, options) in enumerate(stack):
