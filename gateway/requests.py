@@ -21,8 +21,8 @@ from gateway.schema import (
     ToolMessage,
     Unsupported,
 )
-from producer_client import core
 from producer_client.errors import InvalidArgument
+from producer_client.new_job import build_job
 from producer_client.schema import UNION_MEMBER
 from producer_client.structured import check_format, format_from_json
 
@@ -84,7 +84,7 @@ class JobSpec:
 
     def check(self, timeout_s: float) -> None:
         """Validate as `submit` will, touching nothing: raises InvalidArgument."""
-        core.build_job(self.prompt, self.messages, self.input_ids, None, timeout_s, self.priority, self.sampling or {})
+        build_job(self.prompt, self.messages, self.input_ids, None, timeout_s, self.priority, self.sampling or {})
 
 
 def parse_body(model: type[Model], body: bytes | str) -> Model:

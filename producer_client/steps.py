@@ -3,7 +3,11 @@ dead letters, then retry the ones found) is a generator: it yields a function th
 to a pipeline, receives that pipeline's replies (a command's error in its place; a round trip that
 failed as a whole is raised inside the generator), and returns its outcome. `run` drives it over a
 redis.Redis, `arun` over a redis.asyncio.Redis, so `Client` and `AsyncClient` share every line of
-it. Pipelines go through `execution.execute`, which reloads scripts a server has lost (NOSCRIPT)."""
+it. Pipelines go through `execution.execute`, which reloads scripts a server has lost (NOSCRIPT).
+Whatever stops a round trip is raised inside the generator, a KeyboardInterrupt or an asyncio
+task's cancel too, so an operation can undo what it began (one more round trip) before it goes
+on up. A step whose commands are safe to run twice says so (`Repeatable`): on a cluster, a node
+that fails them in a failover then delays the step instead of failing it (execution.execute)."""
 
 from __future__ import annotations
 
@@ -17,13 +21,23 @@ T = TypeVar("T")
 Steps = Generator[Callable[[Any], None], list, T]
 
 
+class Repeatable:
+    """A step's commands (`add`) that are safe to run twice: reads, a DEL."""
+
+    def __init__(self, add: Callable[[Any], None]):
+        self.add = add
+
+    def __call__(self, pipe) -> None:
+        self.add(pipe)
+
+
 def run(client, steps: Steps[T]) -> T:
     try:
         add = next(steps)
         while True:
             try:
-                replies = execution.execute(client, add, raise_on_error=False)
-            except Exception as e:  # the round trip failed as a whole: the operation may clean up
+                replies = execution.execute(client, add, raise_on_error=False, repeatable=isinstance(add, Repeatable))
+            except BaseException as e:  # the round trip failed or was stopped: the operation may clean up
                 add = steps.throw(e)
             else:
                 add = steps.send(replies)
@@ -36,8 +50,10 @@ async def arun(client, steps: Steps[T]) -> T:
         add = next(steps)
         while True:
             try:
-                replies = await execution.aexecute(client, add, raise_on_error=False)
-            except Exception as e:
+                replies = await execution.aexecute(
+                    client, add, raise_on_error=False, repeatable=isinstance(add, Repeatable)
+                )
+            except BaseException as e:
                 add = steps.throw(e)
             else:
                 add = steps.send(replies)

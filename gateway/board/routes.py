@@ -21,9 +21,9 @@ from gateway.errors import APIError, not_found, unauthorized
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream
 from producer_client import AsyncClient, JobFailed, JobNotFound, JobTimeout
-from producer_client.core import check_event_id, check_job_id
 from producer_client.dead_letters import DeadLetterNotFound, NotRetryable
 from producer_client.keys import check_name
+from producer_client.validation import check_event_id, check_job_id
 
 log = logging.getLogger("gateway.board")
 

@@ -4,5 +4,6 @@ script's keys and argument order), by family: `producer` (a job's birth, cancel,
 the queue's ENQUEUE), `worker` (claim, publish, fail, hand-over and the entries' upkeep), `batch`
 (the Batch API's store); `execution`, which runs them (NOSCRIPT reload, cluster fan-out, WAIT);
 `replies`, what the worker's scripts and reads answer, parsed; `events`, a job's event payloads
-written and read.
+written and read; `clock`, Redis's clock as TIME and stream entry ids give it; `replication`, how
+many replicas must confirm a write (WAIT).
 The worker and the gateway decide when to call a script, never how."""

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from gateway.errors import APIError, api_error_of
 from gateway.requests import chat_jobs, completion_jobs, parse_body
 from gateway.schema import ChatCompletionRequest, CompletionRequest
-from producer_client import core
 from producer_client.chat_output import OutputFormat, parse_output
 from producer_client.errors import InvalidArgument
+from producer_client.new_job import build_job
 from producer_client.schema import JobRequest
 from producer_client.structured import ChoiceFormat, RegexFormat
 from tests.structured_schemas import LEAVES, closed
@@ -132,9 +132,7 @@ def gateway_jobs(body: dict) -> list[str]:
     req = parse_body(ChatCompletionRequest if chat else CompletionRequest, json.dumps(body))
     specs = chat_jobs(req) if chat else completion_jobs(req)
     try:
-        return [
-            core.build_job(s.prompt, s.messages, s.input_ids, None, None, s.priority, s.sampling).body for s in specs
-        ]
+        return [build_job(s.prompt, s.messages, s.input_ids, None, None, s.priority, s.sampling).body for s in specs]
     except InvalidArgument as e:
         raise api_error_of(e, 1) from None
 

@@ -8,12 +8,13 @@ import sys
 import fakeredis
 import pytest
 
-from producer_client.core import entry_age_s, entry_time, queue_stats
 from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, UnsupportedVersion
 from producer_client.keys import GROUP, Keys, check_name
+from producer_client.protocol.clock import entry_age_s, entry_time
 from producer_client.protocol.events import encode_tokens
 from producer_client.protocol.replies import Look, Watched
 from producer_client.schema import JobRequest
+from producer_client.status_reads import queue_stats
 from worker.loop.intake import job_id_of, parse_request
 from worker.loop.job_commands import JobCommands
 from worker.loop.queue import WorkerQueue

@@ -11,8 +11,8 @@ import uuid
 
 import redis
 
-from producer_client.core import entry_time
 from producer_client.errors import MiliError
+from producer_client.protocol.clock import entry_time
 from producer_client.protocol.events import encode_start
 from producer_client.protocol.replies import ClaimOutcome
 from worker.loop.context import LoopContext

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 from producer_client.chat import tool_names
 from producer_client.chat_output import THINK_CLOSE, THINK_OPEN, OutputFormat, Reasoning
-from producer_client.core import entry_time
 from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
 from producer_client.keys import NAME_PATTERN, PROTOCOL_VERSION
+from producer_client.protocol.clock import entry_time
 from producer_client.schema import JobRequest
 from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, tool_call_constraint
 from worker.loop.jobs import InternalError, Job

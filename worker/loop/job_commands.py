@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import redis
 
-from producer_client.core import Replication
 from producer_client.keys import Keys
 from producer_client.protocol import execution
 from producer_client.protocol import worker as scripts
+from producer_client.protocol.replication import Replication
 from producer_client.protocol.replies import (
     Adopted,
     Claim,

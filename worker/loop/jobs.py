@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 
 from producer_client.chat_output import ChatOutput, OutputFormat, OutputParser, parse_output
-from producer_client.core import entry_time
 from producer_client.errors import MiliError
+from producer_client.protocol.clock import entry_time
 from producer_client.protocol.events import EventType, resumed_start, resumed_tokens
 from producer_client.schema import ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage
 from worker.engine.grammar.constraint import Constraint

@@ -29,10 +29,10 @@ from redis.backoff import NoBackoff
 from producer_client import connection
 from producer_client.cluster import is_cluster
 from producer_client.connection import FATAL_ERRORS, Retry, reply_code
-from producer_client.core import Replication
 from producer_client.keys import GROUP, Keys
 from producer_client.protocol import execution, producer
 from producer_client.protocol import worker as scripts
+from producer_client.protocol.replication import Replication
 from worker.loop.intake import Delivery
 from worker.loop.jobs import Job
 from worker.loop.outbox import DeadLetter

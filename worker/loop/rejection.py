@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 
-from producer_client.core import entry_time
 from producer_client.errors import MiliError
 from producer_client.keys import PROTOCOL_VERSION
+from producer_client.protocol.clock import entry_time
 from producer_client.protocol.replies import Failed, UnknownReply
 from producer_client.schema import ErrorInfo
 from worker.loop.context import LoopContext

@@ -34,8 +34,8 @@ from collections.abc import Callable
 import redis
 
 from producer_client.connection import is_fatal
-from producer_client.core import Replication
 from producer_client.keys import Keys
+from producer_client.protocol.replication import Replication
 from worker.engine.interface import EngineAPI
 from worker.loop.admission import Admission
 from worker.loop.collection import Collector
