@@ -32,7 +32,7 @@ from worker.engine.grammar.compiler import GrammarCompiler
 from worker.engine.grammar.constraint import Phase
 from worker.engine.grammar.masks import GrammarMasks
 from worker.engine.grammar.request_grammar import RequestGrammar, replayed
-from worker.loop.jobs import constraint_of, render_prompt
+from worker.loop.intake import constraint_of, render_prompt
 from worker.model.presets import resolve_model_path
 from worker.model.tokenizer import Tokenizer
 
