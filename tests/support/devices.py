@@ -14,6 +14,7 @@ tests/conftest.py into every run, for the mark)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -33,10 +34,17 @@ def takes_the_kernel_device(item: pytest.Item) -> bool:
     return KERNEL_TESTS in item.path.parents and "device" in getattr(item, "fixturenames", ())
 
 
-def where(mark: pytest.Mark) -> str:
+@functools.cache
+def visible_gpus() -> int:
+    """Fixed for the process (CUDA_VISIBLE_DEVICES is read at its start); torch counts them anew at
+    each call until CUDA is initialized."""
     import torch  # here: a run without device tests need not import it
 
-    return "cuda" if torch.cuda.device_count() >= mark.kwargs.get("gpus", 1) else "cpu"
+    return torch.cuda.device_count()
+
+
+def where(mark: pytest.Mark) -> str:
+    return "cuda" if visible_gpus() >= mark.kwargs.get("gpus", 1) else "cpu"
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
