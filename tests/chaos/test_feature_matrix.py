@@ -115,15 +115,15 @@ ROWS = [
     Row("dense-auto-placed", moe=False, kv_cache_dtype="auto", placement=True, victim_ranks=1, survivor_ranks=2),
 ]
 
-# Eight 4-to-8-letter words: about 80 tokens of JSON, so the kill finds these jobs mid-output.
+# Twelve 4-to-8-letter words: about 100 tokens of JSON, so that the kill finds these jobs mid-output.
 ORDER = {
     "type": "object",
     "properties": {
         "id": {"type": "string", "pattern": "^ORD-[0-9]{4}$"},
         "words": {
             "type": "array",
-            "minItems": 8,
-            "maxItems": 8,
+            "minItems": 12,
+            "maxItems": 12,
             "items": {"type": "string", "pattern": "^[a-z]{4,8}$"},
         },
         "qty": {"type": "integer", "minimum": 1, "maximum": 99},
@@ -144,12 +144,12 @@ class JobKind:
     def sampling(self) -> dict:
         if self.format == "json":
             return dict(
-                max_tokens=200,
+                max_tokens=240,
                 response_format={"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER}},
             )
         if self.format == "choice":
             return dict(max_tokens=8, response_format={"type": "choice", "choices": COLOURS})
-        return dict(max_tokens=120 if self.interrupted or self.on == "survivor" else 2, ignore_eos=True)
+        return dict(max_tokens=200 if self.interrupted or self.on == "survivor" else 2, ignore_eos=True)
 
     def assert_valid(self, text: str) -> None:
         if self.format == "json":
@@ -352,15 +352,17 @@ def kill(victim: WorkerProcess, ranks: int) -> None:
     assert eventually(lambda: not any(alive(pid) for pid in others), timeout=10)
 
 
-def assert_runs(redis_client, job: JobKind, job_id: str, victim: str, survivor: str) -> None:
-    """Who ran the job, and after how many recorded tokens each run began."""
+def assert_runs(redis_client, job: JobKind, job_id: str, victim: str, survivor: str) -> int:
+    """Who ran the job, and after how many recorded tokens each run began; returns how many the
+    survivor resumed after."""
     job_runs = runs(redis_client, job_id)
     starts = [(start["worker"], start["resumed_tokens"]) for start, _ in job_runs]
     if not job.interrupted:
         assert starts == [(victim if job.on == "victim" else survivor, 0)], job.name
-        return
+        return 0
     (_, made), _ = job_runs
     assert made and starts == [(victim, 0), (survivor, len(made))], (job.name, starts)
+    return len(made)
 
 
 @pytest.mark.slow
@@ -393,6 +395,7 @@ def test_each_job_of_a_row_ends_as_an_uninterrupted_run_with_every_feature_at_wo
             results = {name: client.result(job_id, timeout=300) for name, job_id in ids.items()}
             placed = dict(client.placement.placed)
         assert_features_at_work(survivor, row, row.survivor_ranks, checkpoint)
+        resumed = {}
         for job, expected in zip(JOBS, want):
             result = results[job.name]
             assert (result.status, result.finish_reason) == ("done", job.finish_reason()), (job.name, result.error)
@@ -400,7 +403,9 @@ def test_each_job_of_a_row_ends_as_an_uninterrupted_run_with_every_feature_at_wo
             job.assert_valid(result.text)
             assert tokens_published(redis_client, ids[job.name]) == result.token_ids  # each token once
             assert_one_final_result(redis_client, ids[job.name])
-            assert_runs(redis_client, job, ids[job.name], victim.name, survivor.name)
+            resumed[job.name] = assert_runs(redis_client, job, ids[job.name], victim.name, survivor.name)
+        print(f"\n{row.name}: resumed after recorded tokens (of the output's): ", end="")
+        print(", ".join(f"{n} {k} ({len(results[n].token_ids)})" for n, k in resumed.items() if k))
         # Where each entry went, and where each worker took it from.
         source = "own" if row.placement else "shared"
         assert placed == {Placed.AFFINITY: 8 * row.placement, Placed.SHARED: 8 * (not row.placement)}
