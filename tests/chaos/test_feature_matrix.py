@@ -194,8 +194,8 @@ def run_levels(row: Row, job: JobKind) -> list[dict[str, object]]:
 
 
 def test_the_rows_and_jobs_cover_every_pair_of_levels():
-    runs_ = [levels for row in ROWS for job in JOBS for levels in run_levels(row, job)]
-    levels = {f: {r[f] for r in runs_} for f in FACTORS}
+    all_runs = [levels for row in ROWS for job in JOBS for levels in run_levels(row, job)]
+    levels = {f: {r[f] for r in all_runs} for f in FACTORS}
     assert levels == {
         "ranks": {1, 2},
         "model": {"moe", "dense"},
@@ -205,7 +205,7 @@ def test_the_rows_and_jobs_cover_every_pair_of_levels():
         "crash": {"none", "killed", "resumed"},
     }
     for a, b in itertools.combinations(FACTORS, 2):
-        seen = {(r[a], r[b]) for r in runs_}
+        seen = {(r[a], r[b]) for r in all_runs}
         assert seen == set(itertools.product(levels[a], levels[b])), (a, b)
 
 
