@@ -10,9 +10,8 @@ answers only the lines they lack (a line cut short by a crash is cut off first),
 complete and without duplicates.
 
 Answers come in the order their jobs end, as OpenAI's do: match them by custom_id. The line
-format (gateway.batch.lines) is the gateway's own, validated and rendered as the gateway's routes
-do, so this module needs the gateway's extra (`pip install 'mili[gateway]'`); cli.batch_command
-imports it only when the command runs.
+format (openai_format.batch_lines) is the gateway's too, validated and rendered by the code its
+routes use, with no web framework: the plain install runs this command.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from typing import TextIO
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from gateway.batch.lines import (
+from openai_format.batch_lines import (
     LineError,
     LineJobs,
     OutputLine,
@@ -41,7 +40,7 @@ from gateway.batch.lines import (
     request_id,
     split_at_full_queue,
 )
-from gateway.errors import APIError
+from openai_format.errors import APIError
 from producer_client.bulk import ResultWatch
 from producer_client.client import Client
 from producer_client.errors import BulkQueueFull, InvalidArgument

@@ -34,7 +34,12 @@ from collections.abc import AsyncIterator
 
 import redis
 
-from gateway.batch.lines import (
+from gateway.batch.schema import BatchErrors
+from gateway.batch.store import BatchStore, Pieces
+from gateway.cancellation import cancel_and_wait
+from gateway.registry import ModelRegistry
+from gateway.settings import GatewaySettings
+from openai_format.batch_lines import (
     LineErrorBody,
     LineJobs,
     OutputLine,
@@ -47,12 +52,7 @@ from gateway.batch.lines import (
     split_at_full_queue,
     unanswered,
 )
-from gateway.batch.schema import BatchErrors
-from gateway.batch.store import BatchStore, Pieces
-from gateway.cancellation import cancel_and_wait
-from gateway.errors import APIError
-from gateway.registry import ModelRegistry
-from gateway.settings import GatewaySettings
+from openai_format.errors import APIError
 from producer_client import AsyncClient, BulkQueueFull, ResultWatch
 
 log = logging.getLogger("gateway.batch")
@@ -306,7 +306,7 @@ class DrivenBatch:
         code = self.unanswered_code(results)
         if code is not None:
             return unanswered(line.request.custom_id, line.request_id, code, UNANSWERED[code])
-        return answer(line.request, line.request_id, results, self.driver.settings.retry_after_s)
+        return answer(line.request, line.request_id, results)
 
     def unanswered_code(self, results: list) -> str | None:
         """batch_expired for a job past its deadline (the window's end), the batch's ending code

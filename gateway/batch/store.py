@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
 
-from gateway.batch.lines import OutputLine, jsonl_lines
 from gateway.batch.schema import Batch, BatchList, FileList, FileObject
+from openai_format.batch_lines import OutputLine, jsonl_lines
 from producer_client.keys import Keys
 from producer_client.protocol import batch as scripts
 from producer_client.protocol.execution import aexecute
