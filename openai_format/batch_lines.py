@@ -86,10 +86,12 @@ class LineRequest:
 
 @dataclass
 class LineJobs:
-    """A request line in flight: its jobs (`<request id>-<choice>`) and their results so far."""
+    """A request line in flight: its jobs (`<request id>-<choice>`), the queue they go to (None: the
+    client's own), and their results so far."""
 
     request: LineRequest
     request_id: str
+    queue: str | None = None
     results: dict[str, JobResult] = field(default_factory=dict)
 
     @property
