@@ -137,7 +137,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
     """The ASGI app: FastAPI's routes inside the request-id and metrics middleware."""
     warn_of_weak_keys(settings.api_keys, settings.admin_api_keys)
     gw = Gateway(settings, lifecycle)
-    batch_store = BatchStore(gw.client.redis, gw.client.keys)
+    batch_store = BatchStore(gw.client)
     batch_driver = BatchDriver(batch_store, gw.client, gw.registry, settings)
 
     @asynccontextmanager
