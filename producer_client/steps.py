@@ -3,16 +3,12 @@ dead letters, then retry the ones found) is a generator: it yields a function th
 to a pipeline, receives that pipeline's replies (a command's error in its place; a round trip that
 failed as a whole is raised inside the generator), and returns its outcome. `run` drives it over a
 redis.Redis, `arun` over a redis.asyncio.Redis, so `Client` and `AsyncClient` share every line of
-<<<<<<< HEAD
-it. Pipelines go through `execution.execute`, which reloads scripts a server has lost (NOSCRIPT).
+it. Pipelines go through `execution.execute`, which reloads scripts a server has lost (NOSCRIPT):
+the producers' own, and `scripts` (another family's, such as the Batch API's).
 Whatever stops a round trip is raised inside the generator, a KeyboardInterrupt or an asyncio
 task's cancel too, so an operation can undo what it began (one more round trip) before it goes
 on up. A step whose commands are safe to run twice says so (`Repeatable`): on a cluster, a node
 that fails them in a failover then delays the step instead of failing it (execution.execute)."""
-=======
-it. Pipelines go through `execution.execute`, which reloads scripts a server has lost (NOSCRIPT):
-the producers' own, and `scripts` (another family's, such as the Batch API's)."""
->>>>>>> wt/openai
 
 from __future__ import annotations
 
@@ -27,7 +23,6 @@ T = TypeVar("T")
 Steps = Generator[Callable[[Any], None], list, T]
 
 
-<<<<<<< HEAD
 class Repeatable:
     """A step's commands (`add`) that are safe to run twice: reads, a DEL."""
 
@@ -38,21 +33,15 @@ class Repeatable:
         self.add(pipe)
 
 
-def run(client, steps: Steps[T]) -> T:
-=======
 def run(client, steps: Steps[T], scripts: Sequence[Script] = ()) -> T:
->>>>>>> wt/openai
     try:
         add = next(steps)
         while True:
             try:
-<<<<<<< HEAD
-                replies = execution.execute(client, add, raise_on_error=False, repeatable=isinstance(add, Repeatable))
+                replies = execution.execute(
+                    client, add, scripts, raise_on_error=False, repeatable=isinstance(add, Repeatable)
+                )
             except BaseException as e:  # the round trip failed or was stopped: the operation may clean up
-=======
-                replies = execution.execute(client, add, scripts, raise_on_error=False)
-            except Exception as e:  # the round trip failed as a whole: the operation may clean up
->>>>>>> wt/openai
                 add = steps.throw(e)
             else:
                 add = steps.send(replies)
@@ -65,15 +54,10 @@ async def arun(client, steps: Steps[T], scripts: Sequence[Script] = ()) -> T:
         add = next(steps)
         while True:
             try:
-<<<<<<< HEAD
                 replies = await execution.aexecute(
-                    client, add, raise_on_error=False, repeatable=isinstance(add, Repeatable)
+                    client, add, scripts, raise_on_error=False, repeatable=isinstance(add, Repeatable)
                 )
             except BaseException as e:
-=======
-                replies = await execution.aexecute(client, add, scripts, raise_on_error=False)
-            except Exception as e:
->>>>>>> wt/openai
                 add = steps.throw(e)
             else:
                 add = steps.send(replies)
