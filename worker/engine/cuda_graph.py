@@ -141,7 +141,8 @@ class DecodeGraphRunner:
         page tables no wider than the buffer's."""
         meta, b = inputs.meta, inputs.input_ids.shape[0]
         return (
-            meta.is_decode
+            inputs.lora is None
+            and meta.is_decode
             and inputs.sample_indices.shape[0] == b
             and padded_size(b, self.sizes) is not None
             and meta.page_table.shape[1] <= self.buffers.max_pages

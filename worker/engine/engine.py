@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from producer_client.errors import InvalidArgument
+from kernels.token_bitmask import apply_token_bitmask
+from producer_client.errors import InvalidArgument, UnknownAdapter
 from producer_client.schema import SamplingParams
 from worker.engine.errors import PromptTooLong
 from worker.engine.grammar.compiler import GrammarCompiler
@@ -29,10 +30,11 @@ from worker.engine.grammar.constraint import Constraint
 from worker.engine.grammar.masks import GrammarMasks
 from worker.engine.grammar.request_grammar import RequestGrammar, replayed
 from worker.engine.kv_pool import PageAllocator, pages_for
+from worker.engine.lora.manager import LoraManager
 from worker.engine.offline import OfflineGeneration
+from worker.engine.outputs import Capacity, EngineStats, RequestError, RequestOutput
 from worker.engine.overlap import LaunchedStep, launched
 from worker.engine.radix_cache import RadixCache
-from worker.engine.outputs import Capacity, EngineStats, RequestError, RequestOutput
 from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
 from worker.engine.ranks import RankGroup, load_shares
 from worker.engine.reader import StepReader
@@ -42,11 +44,10 @@ from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledChunk, Scheduler
 from worker.engine.settings import EngineSettings
 from worker.engine.stop import TextOutput
-from kernels.token_bitmask import apply_token_bitmask
 from worker.model.config import Qwen3Config
-from worker.model.rank_failed import RankFailed
 from worker.model.presets import resolve_model_path
 from worker.model.qwen3 import Qwen3ForCausalLM
+from worker.model.rank_failed import RankFailed
 from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class Engine(OfflineGeneration):
         self.max_model_len = resolve_max_model_len(settings, config)
         # Stop tokens the model cannot emit (a small test vocabulary) are dropped, not masked.
         self.eos_token_ids = sorted(t for t in set(eos_token_ids) if t < config.vocab_size)
+        # Before the KV pool is sized: the adapters' slots take their memory first.
+        self.lora = LoraManager.attach(model, settings, device) if settings.serves_lora else None
         memory = prepare_rank(model, config, settings, device, self.max_model_len)
         num_pages = memory.num_pages
         self.allocator = PageAllocator(num_pages)
@@ -95,6 +98,7 @@ class Engine(OfflineGeneration):
             self.scheduler.page_table,
             memory.decode_graphs,
             ranks.ring if ranks is not None else None,
+            settings.max_loras if self.lora is not None else 0,
         )
         self.sampler = Sampler(self.eos_token_ids)
         self.overlap = overlap_enabled(settings, device)
@@ -212,6 +216,7 @@ class Engine(OfflineGeneration):
         priority: int = 0,
         resume_token_ids: Sequence[int] = (),
         constraint: Constraint | None = None,
+        adapter: str | None = None,
     ) -> None:
         """Queues a request. `priority`: lower runs sooner (as in vLLM); ties go first come, first served.
 
@@ -227,11 +232,16 @@ class Engine(OfflineGeneration):
         compile thread while the request waits; a grammar that does not compile ends the request
         with an error (InvalidArgument's code) at a later step.
 
+        `adapter` names the LoRA adapter it runs with (None: the base model); it waits for the
+        adapter to be in a device slot (worker/engine/lora/manager.py).
+
         Raises InvalidArgument (naming the field) for a bad id, prompt, resume tokens or
-        parameters, and PromptTooLong when the prompt leaves no room for output within
-        max_model_len.
+        parameters, PromptTooLong when the prompt leaves no room for output within
+        max_model_len, UnknownAdapter for an adapter this engine does not serve and AdapterError
+        for one it refuses.
         """
         self._check_request(request_id, prompt_token_ids, params)
+        handle = self._adapter(adapter) if adapter is not None else None
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -246,6 +256,7 @@ class Engine(OfflineGeneration):
             TextOutput(detokenizer, params.stop),
             generator,
         )
+        req.adapter = handle
         self.reader.replay(req, list(resume_token_ids))
         if constraint is None and params.response_format is not None:
             constraint = Constraint.of_format(params.response_format)
@@ -274,6 +285,8 @@ class Engine(OfflineGeneration):
             self._start_grammars(outputs)
         if self._in_flight is not None and self._in_flight.needs_host_tokens:
             outputs.extend(self._read(self._take_in_flight()))
+        if self.lora is not None:
+            self._place_adapters(outputs)
         scheduled = self.scheduler.schedule()
         for req in scheduled.failed:
             outputs.append(self.reader.end(req, req.text.finish(), []))
@@ -378,6 +391,19 @@ class Engine(OfflineGeneration):
         if step.constrained:
             self.masks.prefill(step.requests)  # the rows of their next step, while the loop goes on
         return outputs
+
+    def _adapter(self, name: str):
+        if self.lora is None:
+            raise UnknownAdapter(name, "by this worker (it serves no LoRA adapters)")
+        return self.lora.handle(name)
+
+    def _place_adapters(self, outputs: list[RequestOutput]) -> None:
+        """Adapters into slots for the waiting requests; those whose adapter was refused end with its error."""
+        for handle in self.lora.prepare(self.scheduler.waiting, self.scheduler.running):
+            for req in [r for r in self.scheduler.waiting if r.adapter is handle]:
+                self.scheduler.abort(req.request_id)
+                req.finish("error", RequestError(handle.error.code, handle.error.message))
+                outputs.append(self.reader.end(req, req.text.finish(), []))
 
     def _start_grammars(self, outputs: list[RequestOutput]) -> None:
         """Requests whose grammar compiled since the last step can be admitted now; one whose

@@ -1,0 +1,127 @@
+"""LoRA adapters on the model: a fixed number of slots in every projection an adapter may target,
+and the per-step batch that says which rows use which slot.
+
+Each of a layer's four projections (qkv_proj, o_proj, gate_up_proj, down_proj) gets a LoraStack:
+every slot's A and B for each slice of the projection (q, k, v of the fused qkv; gate, up of the
+fused gate_up), padded to the largest rank with zeros, with each slot's ranks and scales per slice
+(lora_alpha / r, or / sqrt(r) for rsLoRA; peft's rank_pattern and alpha_pattern give modules ranks
+and scales of their own). A slot an adapter leaves a slice out of has rank 0 there. The stacks are
+buffers at fixed addresses, written in place when an adapter is installed in a slot, so captured
+CUDA graphs read whatever the slots hold.
+
+The projection adds `scale * B (A x)` to its base output for the rows of the step that use an
+adapter (kernels.lora_shrink, lora_expand): a step with none costs nothing.
+
+Under tensor parallelism adapters shard like their base layers (as in vLLM and S-LoRA): a
+column-parallel projection (qkv, gate_up) keeps A whole and this rank's rows of B; a row-parallel
+one (o, down) this rank's columns of A and B whole, so its update is a partial sum like its base
+output, completed by the same all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+import kernels
+from worker.model.batch import LoraBatch
+from worker.model.loader import split_columns, split_rows
+
+# Our projections and the PEFT target modules stacked in them, in row order.
+PROJECTIONS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+PARENTS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+
+
+class LoraStack(nn.Module):
+    """One projection's adapter slots: A [slots, n * R, in], B [slots, out, R], ranks and scales
+    [slots, n]. Slice s of a slot holds its rank's rows of A at [s * R, s * R + rank) and its B in
+    columns [0, rank) of the slice's rows; everything past a rank is zero."""
+
+    def __init__(self, slots: int, max_rank: int, in_features: int, widths: list[int], dtype: torch.dtype):
+        super().__init__()
+        n = len(widths)
+        self.max_rank = max_rank
+        self.slices = tuple(int(x) for x in np.cumsum([0, *widths]))  # output column offsets, and the end
+        self.register_buffer("a", torch.zeros(slots, n * max_rank, in_features, dtype=dtype), persistent=False)
+        self.register_buffer("b", torch.zeros(slots, self.slices[-1], max_rank, dtype=dtype), persistent=False)
+        self.register_buffer("ranks", torch.zeros(slots, n, dtype=torch.int32), persistent=False)
+        self.register_buffer("scales", torch.zeros(slots, n, dtype=torch.float32), persistent=False)
+
+    def install(self, slot: int, parts: dict[int, SliceWeights]) -> None:
+        """Slot `slot` holds the adapter whose slices `parts` gives (the others: rank 0). Copies
+        from pinned host memory are queued on the device's stream, behind the steps already queued."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        ranks = torch.zeros(len(self.slices) - 1, dtype=torch.int32)
+        scales = torch.zeros(len(self.slices) - 1, dtype=torch.float32)
+        for s, part in parts.items():
+            r = part.a.shape[0]
+            self.a[slot, s * self.max_rank : s * self.max_rank + r].copy_(part.a, non_blocking=True)
+            self.b[slot, self.slices[s] : self.slices[s + 1], :r].copy_(part.b, non_blocking=True)
+            ranks[s], scales[s] = r, part.scale
+        self.ranks[slot].copy_(ranks, non_blocking=True)
+        self.scales[slot].copy_(scales, non_blocking=True)
+
+    def add_update(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> None:
+        """out += each listed row's adapter update of x."""
+        shrunk = kernels.lora_shrink(x, self.a, batch.tokens, batch.group_ends, self.ranks)
+        kernels.lora_expand(
+            shrunk, self.b, out, batch.tokens, batch.group_ends, batch.row_slots, self.ranks, self.scales, self.slices
+        )
+
+
+class SliceWeights(NamedTuple):
+    """One target module of an adapter, as this rank holds it: A [r, in], B [out, r], its scale."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
+class LoraTarget(NamedTuple):
+    """Where one PEFT target module goes: a slice of a stack; A's and B's whole shapes, and the
+    share of them this rank holds (A's columns, B's rows)."""
+
+    stack: LoraStack
+    slice: int
+    in_features: int
+    out_features: int
+    a_cols: range
+    b_rows: range
+
+
+def attach_lora(model: nn.Module, slots: int, max_rank: int) -> dict[str, LoraTarget]:
+    """Gives every projection of `model` (a Qwen3ForCausalLM) a LoraStack of `slots` slots, and
+    returns each PEFT target module name (model.layers.0.self_attn.q_proj) it can take."""
+    config, tp = model.config, model.tp
+    dtype = model.model.norm.weight.dtype
+    fused, row_parallel = split_rows(config, tp), split_columns(config, tp)
+    targets = {}
+    for i, layer in enumerate(model.model.layers):
+        for proj, parts in PROJECTIONS.items():
+            linear = getattr(getattr(layer, PARENTS[proj]), proj, None)
+            if linear is None:
+                continue  # a mixture of experts' sparse MLP: its experts take no adapter
+            out_local, in_local = linear.weight.shape
+            with torch.device(linear.weight.device):
+                if proj in fused:
+                    shares = fused[proj]
+                    stack = LoraStack(slots, max_rank, in_local, [len(mine) for _, _, mine in shares], dtype)
+                    for s, (name, rows, mine) in enumerate(shares):
+                        target = LoraTarget(stack, s, in_local, rows, range(in_local), mine)
+                        targets[f"model.layers.{i}.{PARENTS[proj]}.{name}"] = target
+                else:
+                    cols, mine = row_parallel[proj]
+                    stack = LoraStack(slots, max_rank, in_local, [out_local], dtype)
+                    target = LoraTarget(stack, 0, cols, out_local, mine, range(out_local))
+                    targets[f"model.layers.{i}.{PARENTS[proj]}.{parts[0]}"] = target
+            linear.lora = stack
+    return targets
