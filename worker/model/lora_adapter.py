@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +122,15 @@ def read_adapter(
     """The adapter at `path`, this rank's share of each module in `dtype` (in pinned memory when
     `pin`, for copies to the device that do not wait), once every check passed."""
     path = Path(path)
-    config = read_config(path)
+    with refused_as_adapter():
+        config = read_config(path)
+        modules = read_modules(path, config, targets, max_rank, dtype, pin)
+    return LoraAdapter(name, path, modules)
+
+
+def read_modules(
+    path: Path, config: AdapterConfig, targets: dict[str, LoraTarget], max_rank: int, dtype: torch.dtype, pin: bool
+) -> dict[str, SliceWeights]:
     modules = {}
     with SafetensorsFile(path / WEIGHTS_FILE) as f:
         for module, rank, target in checked_modules(f, targets, max_rank):
@@ -133,16 +142,29 @@ def read_adapter(
                 if not torch.isfinite(t).all():
                     raise AdapterError(f"{f.path}: tensor {PREFIX}{module}.lora_{part}.weight has non-finite values")
             modules[module] = SliceWeights(a, b, config.scale(module, rank))
-    return LoraAdapter(name, path, modules)
+    return modules
 
 
 def check_adapter(path: str | Path, targets: dict[str, LoraTarget], max_rank: int) -> int:
     """What read_adapter would refuse, from adapter_config.json and the safetensors header alone (no
     weight is read); returns the adapter's largest rank."""
     path = Path(path)
-    read_config(path)
-    with SafetensorsFile(path / WEIGHTS_FILE) as f:
-        return max(rank for _, rank, _ in checked_modules(f, targets, max_rank))
+    with refused_as_adapter():
+        read_config(path)
+        with SafetensorsFile(path / WEIGHTS_FILE) as f:
+            return max(rank for _, rank, _ in checked_modules(f, targets, max_rank))
+
+
+@contextmanager
+def refused_as_adapter() -> Iterator[None]:
+    """A file missing or unreadable (CheckpointError, from the readers the model's checkpoint
+    uses) refuses the adapter, as AdapterError."""
+    try:
+        yield
+    except AdapterError:
+        raise
+    except CheckpointError as e:
+        raise AdapterError(e.message) from None
 
 
 def checked_modules(

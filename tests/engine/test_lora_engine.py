@@ -1,0 +1,214 @@
+"""LoRA adapters through the engine: a batch that mixes adapters and the base model generates what
+transformers + peft generate for each; the prefix cache never hands one adapter's KV to another;
+more adapters than slots under load all run (their jobs wait for a slot, never fail); reading an
+adapter from disk never holds a step back; an adapter the loader refuses ends its jobs only."""
+
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from producer_client.errors import UnknownAdapter
+from producer_client.schema import SamplingParams
+from tests.engine.support import VOCAB
+from worker.engine import Engine, EngineSettings
+from worker.engine.request import RequestStatus
+from worker.model.config import read_json
+from worker.model.loader import load_model
+from worker.model.lora_adapter import WEIGHTS_FILE
+from worker.model.random_adapter import write_random_adapter
+from worker.model.tokenizer import Tokenizer
+
+MAX_RANK = 64
+# name -> write_random_adapter's arguments: ranks 8 to 64, different targets.
+ADAPTERS = {
+    "a8": {"rank": 8, "seed": 1},
+    "b16": {"rank": 16, "target_modules": ("q_proj", "v_proj", "down_proj"), "use_rslora": True, "seed": 2},
+    "c64": {"rank": 64, "target_modules": ("k_proj", "o_proj", "gate_proj", "up_proj"), "seed": 3},
+    "d8": {"rank": 8, "target_modules": ("q_proj",), "seed": 4},
+    "e32": {"rank": 32, "seed": 5},
+    "f16": {"rank": 16, "target_modules": ("v_proj", "o_proj"), "seed": 6},
+}
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def base_config(checkpoint) -> dict:
+    return read_json(checkpoint / "config.json")
+
+
+@pytest.fixture(scope="module")
+def adapters(base_config, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: str(write_random_adapter(root / name, base_config, **args)) for name, args in ADAPTERS.items()}
+
+
+@pytest.fixture(scope="module")
+def make_lora_engine(checkpoint, adapters):
+    """An engine over a model of its own: each engine's adapter slots are the model's."""
+    tokenizer = Tokenizer.from_dir(checkpoint)
+
+    def make(**settings) -> Engine:
+        model, config, _ = load_model(checkpoint, dtype=torch.float32)
+        settings = {
+            "num_pages": 256,
+            "page_size": 4,
+            "lora_modules": adapters,
+            "max_lora_rank": MAX_RANK,
+            **settings,
+        }
+        return Engine(model, config, tokenizer, EngineSettings.parse(**settings), [], torch.device("cpu"))
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def peft_greedy(checkpoint, adapters):
+    """Greedy tokens from transformers with the adapter loaded by peft (None: the base model)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+
+    def model(adapter):
+        if adapter not in models:
+            base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+            models[adapter] = (base if adapter is None else PeftModel.from_pretrained(base, adapters[adapter])).eval()
+        return models[adapter]
+
+    @torch.inference_mode()
+    def greedy(prompt: list[int], adapter: str | None, max_new_tokens: int = GREEDY.max_tokens) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = model(adapter).generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+        )
+        return out[0, len(prompt) :].tolist()
+
+    return greedy
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_batch_mixing_adapters_and_the_base_generates_what_peft_generates(make_lora_engine, peft_greedy):
+    engine = make_lora_engine(max_loras=3)
+    names = [None, "a8", "b16", "c64", "a8", None]
+    prompts = [prompt(i, 5 + 3 * i) for i in range(len(names))]
+    outs = engine.generate(prompts, GREEDY, adapters=names)
+    assert [o.error for o in outs] == [None] * len(names)
+    assert [o.token_ids for o in outs] == [peft_greedy(p, a) for p, a in zip(prompts, names)]
+    assert len({tuple(o.token_ids) for o in outs[:4]}) > 1  # the adapters change the output
+
+
+def test_a_prefix_cached_under_the_base_is_never_reused_under_an_adapter(make_lora_engine, peft_greedy):
+    engine = make_lora_engine(max_loras=2)
+    p = prompt(42, 21)  # 5 whole pages of 4 before the last token
+    base = engine.generate([p], GREEDY)[0]
+    under_a = engine.generate([p], GREEDY, adapters=["a8"])[0]
+    again = engine.generate([p], GREEDY, adapters=["a8"])[0]
+    assert base.token_ids == peft_greedy(p, None)
+    assert under_a.token_ids == again.token_ids == peft_greedy(p, "a8")
+    assert under_a.usage.cached_prompt_tokens == 0  # the base's pages were not its own
+    assert again.usage.cached_prompt_tokens == 20  # its own adapter's were
+
+
+def run_to_end(engine: Engine, requests: dict[str, tuple[list[int], str | None]]) -> dict[str, list[int]]:
+    """Adds the requests at once and steps until all have ended, checking at every step that each
+    running request's adapter is the one in its slot."""
+    for rid, (p, name) in requests.items():
+        engine.add_request(rid, p, GREEDY, adapter=name)
+    tokens = {rid: [] for rid in requests}
+    ended = set()
+    while len(ended) < len(requests):
+        for out in engine.step():
+            assert out.error is None
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                ended.add(out.request_id)
+        held = engine.lora.slots.holders
+        for req in engine.scheduler.running:
+            assert req.adapter is None or held[req.adapter.slot] is req.adapter
+    return tokens
+
+
+def test_more_adapters_than_slots_under_load_all_run_and_match_peft(make_lora_engine, peft_greedy):
+    engine = make_lora_engine(max_loras=2, max_cpu_loras=3, max_running=8)
+    names = [None, *ADAPTERS]
+    installs = engine.lora.slots.install_seconds
+    for wave in range(2):
+        before = len(installs)
+        requests = {f"w{wave}r{i}": (prompt(100 * wave + i, 4 + i % 5), names[i % len(names)]) for i in range(21)}
+        tokens = run_to_end(engine, requests)
+        assert tokens == {rid: peft_greedy(p, name) for rid, (p, name) in requests.items()}
+        # Each adapter is installed at most once a wave (its jobs wait together: the slots do not
+        # thrash), and all but the two the slots still held are installed again in the second.
+        assert len(ADAPTERS) - 2 * wave <= len(installs) - before <= len(ADAPTERS)
+    # The host cache holds 3: the second wave read at least the 3 it had dropped from disk again.
+    assert len(engine.lora.loader.read_seconds) >= len(ADAPTERS) + 3
+
+
+def test_a_job_whose_adapter_cannot_get_a_slot_waits_while_others_run(make_lora_engine):
+    engine = make_lora_engine(max_loras=1)
+    engine.add_request(
+        "long", prompt(1, 6), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), adapter="a8"
+    )
+    engine.add_request("other", prompt(2, 6), GREEDY, adapter="b16")
+    engine.add_request("base", prompt(3, 6), GREEDY)
+    finished_at = {}
+    step = 0
+    while len(finished_at) < 3:
+        step += 1
+        for out in engine.step():
+            assert out.error is None
+            if out.finished:
+                finished_at[out.request_id] = step
+        other = engine.reader.live.get("other")
+        if "long" not in finished_at and other is not None:
+            assert other.status is RequestStatus.WAITING  # b16 waits for a8's slot
+    assert finished_at["base"] < finished_at["long"] < finished_at["other"]
+
+
+def test_reading_an_adapter_never_holds_a_step_back(make_lora_engine, monkeypatch):
+    engine = make_lora_engine(max_loras=2)
+    release = threading.Event()
+    read = engine.lora._read
+
+    def slow_read(handle):
+        release.wait(30)
+        return read(handle)
+
+    monkeypatch.setattr(engine.lora.loader, "_read", slow_read)
+    engine.add_request("adapted", prompt(5, 6), GREEDY, adapter="c64")
+    engine.add_request("base", prompt(6, 6), GREEDY)
+    done = set()
+    for _ in range(GREEDY.max_tokens + 2):  # the base job runs to its end while c64 is being read
+        done |= {o.request_id for o in engine.step() if o.finished}
+    assert done == {"base"}
+    assert engine.reader.live["adapted"].status is RequestStatus.WAITING
+    release.set()
+    while "adapted" not in done:
+        done |= {o.request_id for o in engine.step() if o.finished}
+
+
+def test_an_adapter_the_loader_refuses_ends_its_jobs_and_nothing_else(
+    make_lora_engine, adapters, base_config, tmp_path
+):
+    broken = write_random_adapter(tmp_path / "nan", base_config, rank=8, seed=9)
+    tensors = load_file(broken / WEIGHTS_FILE)
+    next(iter(tensors.values()))[0, 0] = float("nan")
+    save_file(tensors, broken / WEIGHTS_FILE)
+    engine = make_lora_engine(max_loras=2, lora_modules={**adapters, "nan": str(broken)})
+    outs = engine.generate([prompt(7, 5)] * 3, GREEDY, adapters=["nan", None, "a8"])
+    assert outs[0].finish_reason == "error" and outs[0].error.code == "adapter_error"
+    assert "non-finite" in outs[0].error.message and str(broken) in outs[0].error.message
+    assert [o.error for o in outs[1:]] == [None, None] and all(len(o.token_ids) == 8 for o in outs[1:])
+
+
+def test_an_unknown_adapter_is_refused_when_the_request_is_added(make_lora_engine, make_engine):
+    with pytest.raises(UnknownAdapter) as e:
+        make_lora_engine().add_request("x", [1, 2], GREEDY, adapter="nope")
+    assert e.value.code == "model_not_found"
+    with pytest.raises(UnknownAdapter):
+        make_engine().add_request("x", [1, 2], GREEDY, adapter="a8")  # an engine that serves no adapters
