@@ -45,6 +45,8 @@ class AdapterSource:
         found = set(self.modules)
         if self.directory is not None and self.directory.is_dir():
             found.update(
-                p.name for p in self.directory.iterdir() if DIRECTORY_NAME.fullmatch(p.name) and (p / CONFIG_FILE).is_file()
+                p.name
+                for p in self.directory.iterdir()
+                if DIRECTORY_NAME.fullmatch(p.name) and (p / CONFIG_FILE).is_file()
             )
         return sorted(found)
