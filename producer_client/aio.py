@@ -87,6 +87,7 @@ class AsyncClient(OperatorViews):
             request_fingerprint,
             stream=stream,
         )
+        await self.run_steps(self.redis, self.placement.check_adapters(self.keys, self.queue, [job.adapter]))
         if job.idempotent:
             if not job.created((await execution.aexecute(self.redis, job.create_call(self.keys).add_to))[0]):
                 return job.job_id

@@ -91,7 +91,8 @@ class Client(OperatorViews):
         **sampling: Any,
     ) -> str:
         """Enqueue a job and return its id. `sampling` takes SamplingParams' fields (max_tokens,
-        temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same
+        temperature, top_p, ...) and `adapter`, the LoRA adapter to run with (UnknownAdapter,
+        before anything is enqueued, for one no live worker of the queue serves). A `request_id` seen before enqueues nothing and returns the same
         id, if it came with the same request (prompt, sampling parameters and chat options; or
         `request_fingerprint`, a digest of a request of the caller's own such as an HTTP body,
         when given); with another it raises IdempotencyConflict and enqueues nothing. `stream`:
@@ -109,6 +110,7 @@ class Client(OperatorViews):
             request_fingerprint,
             stream=stream,
         )
+        self.run_steps(self.redis, self.placement.check_adapters(self.keys, self.queue, [job.adapter]))
         if job.idempotent:
             if not job.created(execution.execute(self.redis, job.create_call(self.keys).add_to)[0]):
                 return job.job_id

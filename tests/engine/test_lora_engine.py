@@ -136,17 +136,18 @@ def run_to_end(engine: Engine, requests: dict[str, tuple[list[int], str | None]]
 def test_more_adapters_than_slots_under_load_all_run_and_match_peft(make_lora_engine, peft_greedy):
     engine = make_lora_engine(max_loras=2, max_cpu_loras=3, max_running=8)
     names = [None, *ADAPTERS]
-    installs = engine.lora.slots.install_seconds
+    slots = engine.lora.slots
     for wave in range(2):
-        before = len(installs)
+        before = slots.installs
         requests = {f"w{wave}r{i}": (prompt(100 * wave + i, 4 + i % 5), names[i % len(names)]) for i in range(21)}
         tokens = run_to_end(engine, requests)
         assert tokens == {rid: peft_greedy(p, name) for rid, (p, name) in requests.items()}
         # Each adapter is installed at most once a wave (its jobs wait together: the slots do not
         # thrash), and all but the two the slots still held are installed again in the second.
-        assert len(ADAPTERS) - 2 * wave <= len(installs) - before <= len(ADAPTERS)
+        assert len(ADAPTERS) - 2 * wave <= slots.installs - before <= len(ADAPTERS)
     # The host cache holds 3: the second wave read at least the 3 it had dropped from disk again.
-    assert len(engine.lora.loader.read_seconds) >= len(ADAPTERS) + 3
+    assert engine.lora.loader.reads >= len(ADAPTERS) + 3
+    assert engine.stats().adapter_reads == engine.lora.loader.reads
 
 
 def test_a_job_whose_adapter_cannot_get_a_slot_waits_while_others_run(make_lora_engine):

@@ -325,6 +325,10 @@ class Engine(OfflineGeneration):
             page_size=self.settings.page_size,
         )
 
+    def adapters(self) -> tuple[list[str], list[str]] | None:
+        """(the LoRA adapters it serves, those it holds in memory); None when it serves none."""
+        return None if self.lora is None else (self.lora.served(), self.lora.held())
+
     def has_unfinished(self) -> bool:
         self._check_ranks()
         return bool(self.reader.live or self._ended)
@@ -347,6 +351,7 @@ class Engine(OfflineGeneration):
             grammars.cache_hits,
             grammars.compiles,
             grammars.compile_seconds,
+            *((self.lora.loader.reads, self.lora.slots.installs) if self.lora is not None else ()),
         )
 
     # -- one step ------------------------------------------------------------------------

@@ -69,7 +69,7 @@ class EngineSettings(BaseModel):
         description="a rank that takes part in no collective for this long (it hangs) stops the worker",
     )
     lora_modules: dict[str, str] = Field(
-        default_factory=dict,
+        {},
         description="LoRA adapters served by name, NAME=PATH each (a PEFT adapter directory); "
         "a job names one with adapter=NAME",
     )

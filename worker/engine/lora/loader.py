@@ -24,7 +24,8 @@ class AdapterLoader:
         self._requests: queue.SimpleQueue[AdapterHandle] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[tuple[AdapterHandle, LoraAdapter | AdapterError]] = queue.SimpleQueue()
         self._pending: set[str] = set()
-        self.read_seconds: list[float] = []  # each read's time, for bench/lora.py
+        self.reads = 0  # adapters read (refusals aside), and the time that took on this thread
+        self.read_seconds = 0.0
         threading.Thread(target=self._run, name="mili-lora-loader", daemon=True).start()
 
     def request(self, handle: AdapterHandle) -> None:
@@ -58,7 +59,8 @@ class AdapterLoader:
                 result = AdapterError(f"{handle.path}: cannot be read: {type(e).__name__}: {e}")
             elapsed = time.perf_counter() - start
             if isinstance(result, LoraAdapter):
-                self.read_seconds.append(elapsed)
+                self.reads += 1
+                self.read_seconds += elapsed
                 log.info(
                     "read LoRA adapter %s (rank %d, %.1f MiB) from %s in %.0f ms",
                     handle.name,
