@@ -10,7 +10,8 @@ from contextlib import ExitStack
 
 import pytest
 
-from producer_client import BulkQueueFull, Client, core
+from producer_client import BulkQueueFull, Client, core, steps
+from producer_client.errors import UnknownAdapter
 from producer_client.keys import GROUP, Keys
 from producer_client.placement import (
     PREFIX_CHARS,
@@ -21,6 +22,7 @@ from producer_client.placement import (
     candidates_from,
     prefix_key,
     rendezvous_score,
+    served_adapters,
 )
 from producer_client.protocol import execution
 from producer_client.schema import JobRequest
@@ -67,6 +69,36 @@ def test_a_prompt_is_keyed_by_its_start_and_token_ids_by_their_first_256():
         request(input_ids=list(range(256)) + [2])
     )
     assert prefix_key(request(input_ids=[1, 2])) != prefix_key(request(input_ids=[1, 3]))
+
+
+def test_a_job_on_a_lora_adapter_is_keyed_by_its_adapter_alone():
+    sql = prefix_key(request(prompt="one", adapter="sql"))
+    assert prefix_key(request(messages=chat("plan a trip").messages, adapter="sql")) == sql
+    assert prefix_key(request(prompt="one", adapter="chat")) != sql
+    assert prefix_key(request(prompt="one")) != sql
+
+
+def test_the_view_says_which_adapters_the_queues_serving_workers_serve():
+    beats = [
+        {"queue": "q", "state": "serving", "adapters": "a,b"},
+        {"queue": "q", "state": "serving"},  # serves none
+        {"queue": "q", "state": "draining", "adapters": "c"},
+        {"queue": "other", "state": "serving", "adapters": "d"},
+        {},  # expired
+    ]
+    assert served_adapters(beats, "q") == {"a", "b"}
+    assert served_adapters(beats[3:], "q") is None  # no live worker of the queue: nothing is known
+
+
+def test_a_producer_refuses_an_adapter_no_live_worker_serves_and_lets_one_through_when_it_cannot_know():
+    placement = Placement(enabled=False)  # the check reads the view whether placement is on or off
+    placement.views["q"] = View(time.monotonic(), [], frozenset({"sql"}))
+    steps.run(None, placement.check_adapters(KEYS, "q", ["sql", None]))  # a fresh view: no round trip
+    with pytest.raises(UnknownAdapter) as e:
+        steps.run(None, placement.check_adapters(KEYS, "q", ["sql", "chat"]))
+    assert e.value.message == "no LoRA adapter named 'chat' is served by the live workers of queue 'q'"
+    placement.views["q"] = View(time.monotonic(), [], None)
+    steps.run(None, placement.check_adapters(KEYS, "q", ["chat"]))
 
 
 def first_choices(names: list[str], keys: list[bytes]) -> list[str]:

@@ -1,0 +1,113 @@
+"""LoRA adapters end to end: the session's tiny worker serves two (conftest.py). Over HTTP a
+request's `model` names the adapter, as vLLM takes it (the official openai SDK), and /v1/models
+lists adapters with their base model as `parent`; the client library takes `adapter=`; what each
+returns is what the offline engine generates with that adapter. An adapter no live worker serves
+is refused before anything is enqueued (a 404 model_not_found, UnknownAdapter), and a job that
+reaches a worker that does not serve its adapter fails with that code."""
+
+import json
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from gateway.registry import Route, RouteTable
+from producer_client import Client, JobFailed, WorkerInfo
+from producer_client.errors import UnknownAdapter
+from producer_client.keys import Keys
+from tests.gateway.support import LORA_ADAPTERS, TINY_QUEUE
+from tests.support.polling import eventually
+
+PROMPT = [9707, 1879, 11, 1246, 525, 498]  # token ids, so that both sides see the same prompt
+
+
+@pytest.fixture(scope="module")
+def offline(lora_adapters):
+    """What the engine generates greedily for PROMPT with each adapter, and with none."""
+    from producer_client.schema import SamplingParams
+    from worker.engine import Engine
+
+    names = [None, *LORA_ADAPTERS]
+    with Engine.from_pretrained("tiny", lora_modules=lora_adapters, max_lora_rank=16, num_pages=64) as engine:
+        outs = engine.generate([PROMPT] * len(names), SamplingParams(temperature=0, max_tokens=8), adapters=names)
+    return {name: out.text for name, out in zip(names, outs)}
+
+
+def test_a_request_whose_model_names_an_adapter_runs_on_it(sdk, offline):
+    texts = {
+        name: sdk.completions.create(model=name or "tiny", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+        for name in offline
+    }
+    assert texts == offline
+    assert len(set(texts.values())) == len(texts)  # each adapter changes what the model says
+
+
+def test_models_lists_each_adapter_with_its_base_model_as_parent(gateway, sdk):
+    listed = {m["id"]: m for m in httpx.get(f"{gateway.url}/v1/models").json()["data"]}
+    assert {name: listed[name]["parent"] for name in LORA_ADAPTERS} == dict.fromkeys(LORA_ADAPTERS, "tiny")
+    assert listed["tiny"]["parent"] is None
+    card = httpx.get(f"{gateway.url}/v1/models/tiny-sql").json()
+    assert (card["id"], card["object"], card["owned_by"], card["parent"]) == ("tiny-sql", "model", "mili", "tiny")
+    assert sdk.models.retrieve("tiny-chat").id == "tiny-chat"
+
+
+def test_an_adapter_no_worker_serves_is_a_404_before_anything_is_enqueued(sdk, redis_client):
+    depth = redis_client.xlen(Keys().queue(TINY_QUEUE))
+    with pytest.raises(openai.NotFoundError) as e:
+        sdk.chat.completions.create(model="tiny-nope", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert e.value.code == "model_not_found"
+    assert redis_client.xlen(Keys().queue(TINY_QUEUE)) == depth
+
+
+def test_the_client_runs_a_job_on_an_adapter_and_refuses_an_unknown_one(redis_server, offline, redis_client):
+    with Client(redis_server.url, TINY_QUEUE) as client:
+        result = client.generate(input_ids=PROMPT, adapter="tiny-sql", max_tokens=8, temperature=0, timeout=120)
+        assert result.text == offline["tiny-sql"]
+        ids = client.submit_many(
+            [{"input_ids": PROMPT, "adapter": name, "max_tokens": 8, "temperature": 0} for name in LORA_ADAPTERS]
+        )
+        assert [r.text for r in map(lambda i: client.result(i, timeout=120), ids)] == [
+            offline[n] for n in LORA_ADAPTERS
+        ]
+        depth = redis_client.xlen(Keys().queue(TINY_QUEUE))
+        with pytest.raises(UnknownAdapter) as e:
+            client.submit(input_ids=PROMPT, adapter="tiny-nope", request_id=f"nope-{uuid.uuid4().hex}")
+        assert e.value.code == "model_not_found" and "tiny-nope" in e.value.message
+        with pytest.raises(UnknownAdapter):
+            client.submit_many([{"input_ids": PROMPT}, {"input_ids": PROMPT, "adapter": "tiny-nope"}])
+        assert redis_client.xlen(Keys().queue(TINY_QUEUE)) == depth
+
+
+def test_a_job_whose_adapter_only_the_worker_finds_unknown_fails_with_the_code(redis_server, redis_client):
+    job_id = f"raw-{uuid.uuid4().hex}"
+    body = json.dumps({"input_ids": PROMPT, "adapter": "tiny-nope", "params": {"max_tokens": 2}})
+    redis_client.xadd(Keys().queue(TINY_QUEUE), {"id": job_id, "v": "1", "body": body})  # past the client's check
+    assert eventually(lambda: redis_client.exists(Keys().job(job_id)), timeout=60)
+    with Client(redis_server.url, TINY_QUEUE) as client:
+        with pytest.raises(JobFailed) as e:
+            client.result(job_id, timeout=60)
+        assert e.value.code == "model_not_found" and "tiny-nope" in e.value.message
+        assert client.generate(input_ids=PROMPT, max_tokens=2, timeout=60).status == "done"
+
+
+def worker_info(name: str, queue: str, model: str, adapters: str) -> WorkerInfo:
+    beat = {"name": name, "queue": queue, "model": model, "device": "cpu", "state": "serving"}
+    return WorkerInfo.model_validate(
+        {**beat, "running": 0, "free_slots": 1, "free_pages": 1, "started_at": 1.0, "adapters": adapters}
+    )
+
+
+def test_routes_send_an_adapter_to_the_queue_most_of_its_workers_serve_it_on_and_a_model_name_wins():
+    workers = [
+        worker_info("w1", "q1", "qwen", "sql,chat"),
+        worker_info("w2", "q2", "qwen", "sql"),
+        worker_info("w3", "q2", "qwen", "sql,qwen-big"),
+        worker_info("w4", "q3", "qwen-big", ""),
+    ]
+    table = RouteTable.build(workers, {"pinned": "q9"})
+    assert table.route("sql") == Route("q2", "sql")
+    assert table.route("chat") == Route("q1", "chat")
+    assert table.route("qwen-big") == Route("q3", None)  # a model's name is the model, not the adapter
+    assert table.route("pinned") == Route("q9", None) and table.route("nope") is None
+    assert {c.id: c.parent for c in table.cards} == {"qwen": None, "qwen-big": None, "sql": "qwen", "chat": "qwen"}
