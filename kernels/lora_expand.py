@@ -41,6 +41,8 @@ def lora_expand_reference(
 ) -> None:
     """One grouped GEMM per slice (B's columns past a rank are zeros), scaled per row, added into
     out's rows `tokens` at once."""
+    rows = shrunk.shape[0]  # the listed rows: lora_shrink_reference's
+    tokens, row_slots = tokens[:rows], row_slots[:rows]
     max_rank = b.shape[2]
     update = torch.empty(shrunk.shape[0], b.shape[1], dtype=out.dtype, device=out.device)
     row_scales = scales.index_select(0, row_slots)

@@ -30,7 +30,9 @@ def lora_shrink_reference(
     x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, group_ends: torch.Tensor
 ) -> torch.Tensor:
     """The rows `tokens` of x, grouped by slot, times their slot's A: one grouped GEMM (the padded
-    rows of A are zeros, so they add nothing)."""
+    rows of A are zeros, so they add nothing). Rows listed past the last slot's are not rows (a
+    decode graph's static buffer)."""
+    tokens = tokens[: int(group_ends[-1])]
     return F.grouped_mm(x.index_select(0, tokens), a.transpose(1, 2), offs=group_ends)
 
 

@@ -4,6 +4,7 @@ more adapters than slots under load all run (their jobs wait for a slot, never f
 adapter from disk never holds a step back; an adapter the loader refuses ends its jobs only."""
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from producer_client.errors import UnknownAdapter
 from producer_client.schema import SamplingParams
 from tests.engine.support import VOCAB
 from worker.engine import Engine, EngineSettings
+from worker.engine.cuda_graph import DecodeGraphRunner
+from worker.engine.kv_pool import pages_for
 from worker.engine.request import RequestStatus
 from worker.model.config import read_json
 from worker.model.loader import load_model
@@ -213,3 +216,29 @@ def test_an_unknown_adapter_is_refused_when_the_request_is_added(make_lora_engin
     assert e.value.code == "model_not_found"
     with pytest.raises(UnknownAdapter):
         make_engine().add_request("x", [1, 2], GREEDY, adapter="a8")  # an engine that serves no adapters
+
+
+def test_a_padded_decode_graph_step_with_adapter_rows_matches_the_eager_step(make_lora_engine):
+    """On CPU the graph runner runs each padded size eagerly: what a captured graph replays, with
+    the rows' slots in its static buffers (a step with no adapter rows after one with some too)."""
+    engine = make_lora_engine(max_loras=3)
+    names = ["a8", None, "c64", "b16", "a8"]
+    for i, name in enumerate(names):
+        engine.add_request(f"r{i}", prompt(i, 5 + i), SamplingParams(temperature=0, max_tokens=20), adapter=name)
+    started = set()
+    while len(started) < len(names):
+        started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    inputs = engine.runner.prepare(engine.scheduler.schedule().chunks)
+    assert inputs.meta.is_decode and inputs.lora.tokens.shape[0] == 4
+    model = engine.runner.model
+    max_pages = pages_for(engine.max_model_len, engine.settings.page_size)
+    for step in (inputs, replace(inputs, lora=None)):
+        caches = [(k.clone(), v.clone()) for k, v in engine.runner.kv_caches]
+        graphs = DecodeGraphRunner(
+            model, [(k.clone(), v.clone()) for k, v in caches], 8, max_pages, torch.device("cpu")
+        )
+        padded = graphs.run(step)
+        with torch.inference_mode():
+            eager = model.compute_logits(model(step.input_ids, step.positions, step.meta, caches, step.lora))
+        torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+        assert torch.equal(padded.argmax(-1), eager.argmax(-1))

@@ -98,7 +98,6 @@ class Engine(OfflineGeneration):
             self.scheduler.page_table,
             memory.decode_graphs,
             ranks.ring if ranks is not None else None,
-            settings.max_loras if self.lora is not None else 0,
         )
         self.sampler = Sampler(self.eos_token_ids)
         self.overlap = overlap_enabled(settings, device)

@@ -17,6 +17,7 @@ from worker.engine.lora.rows import LoraRows
 from worker.engine.page_table import PageTable
 from worker.engine.scheduler import ScheduledChunk
 from worker.model.batch import KVCaches, StepInputs
+from worker.model.lora import lora_slots
 from worker.model.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:
@@ -34,7 +35,6 @@ class ModelRunner:
         page_table: PageTable | None = None,
         decode_graphs: DecodeGraphRunner | None = None,
         ring: StepRing | None = None,
-        lora_slots: int = 0,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -45,7 +45,7 @@ class ModelRunner:
         self.page_table = page_table if page_table is not None else PageTable()
         self.decode_graphs = decode_graphs  # captured at start on CUDA: decode steps replay them
         self.ring = ring  # rank 0 of a tensor-parallel group: where the other ranks read each step
-        self.lora_slots = lora_slots  # the model's LoRA adapter slots (0: it serves none)
+        self.lora_slots = lora_slots(model)  # the model's LoRA adapter slots (0: it serves none)
         self._logits: torch.Tensor | None = None  # reused on CPU, see compute_logits
 
     @torch.inference_mode()

@@ -98,6 +98,12 @@ class LoraTarget(NamedTuple):
     b_rows: range
 
 
+def lora_slots(model: nn.Module) -> int:
+    """The adapter slots attach_lora gave `model` (0: it serves no adapters)."""
+    stack = next((m for m in model.modules() if isinstance(m, LoraStack)), None)
+    return 0 if stack is None else stack.a.shape[0]
+
+
 def attach_lora(model: nn.Module, slots: int, max_rank: int) -> dict[str, LoraTarget]:
     """Gives every projection of `model` (a Qwen3ForCausalLM) a LoraStack of `slots` slots, and
     returns each PEFT target module name (model.layers.0.self_attn.q_proj) it can take."""
