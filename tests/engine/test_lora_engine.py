@@ -242,3 +242,26 @@ def test_a_padded_decode_graph_step_with_adapter_rows_matches_the_eager_step(mak
             eager = model.compute_logits(model(step.input_ids, step.positions, step.meta, caches, step.lora))
         torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
         assert torch.equal(padded.argmax(-1), eager.argmax(-1))
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_with_adapters_generate_what_one_rank_does(checkpoint, adapters):
+    """Adapters shard like their base layers; rank 0 tells the other rank what to read and which
+    slot to install it in, in step order. Two slots for five adapters: installs evict, on both ranks."""
+    names = [None, "a8", "c64", "b16", "e32", "f16", "a8"]
+    prompts = [prompt(200 + i, 5 + 2 * i) for i in range(len(names))]
+    settings = dict(
+        num_pages=256,
+        page_size=4,
+        max_running=8,
+        max_num_batched_tokens=32,
+        max_model_len=256,
+        lora_modules=adapters,
+        max_loras=2,
+        max_lora_rank=MAX_RANK,
+    )
+    single = Engine.from_pretrained(checkpoint, dtype="float32", **settings)
+    expected = [o.token_ids for o in single.generate(prompts, GREEDY, adapters=names)]
+    with Engine.from_pretrained(checkpoint, dtype="float32", tensor_parallel_size=2, **settings) as tp:
+        assert [o.token_ids for o in tp.generate(prompts, GREEDY, adapters=names)] == expected
+        assert tp.lora.slots.installs > 2

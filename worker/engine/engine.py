@@ -77,7 +77,8 @@ class Engine(OfflineGeneration):
         # Stop tokens the model cannot emit (a small test vocabulary) are dropped, not masked.
         self.eos_token_ids = sorted(t for t in set(eos_token_ids) if t < config.vocab_size)
         # Before the KV pool is sized: the adapters' slots take their memory first.
-        self.lora = LoraManager.attach(model, settings, device) if settings.serves_lora else None
+        ring = ranks.ring if ranks is not None else None
+        self.lora = LoraManager.attach(model, settings, device, ring) if settings.serves_lora else None
         memory = prepare_rank(model, config, settings, device, self.max_model_len)
         num_pages = memory.num_pages
         self.allocator = PageAllocator(num_pages)

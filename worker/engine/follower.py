@@ -21,6 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from worker.engine.lora.follower import LoraFollower
 from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
 from worker.engine.rendezvous import RankSpec, connect_store, join_process_group, meet
 from worker.engine.runner import ModelRunner
@@ -44,7 +45,7 @@ def follower_main(spec: RankSpec, reader: RingReader) -> None:
     )
     torch.set_num_threads(spec.threads)
     try:
-        serve_steps(reader, start_rank(spec))
+        serve_steps(reader, *start_rank(spec))
     except RankFailed as e:
         log.error("%s: this rank stops", e.message)
         sys.exit(1)
@@ -54,8 +55,9 @@ def follower_main(spec: RankSpec, reader: RingReader) -> None:
     dist.destroy_process_group()
 
 
-def start_rank(spec: RankSpec) -> ModelRunner:
-    """This rank's share, ready to run steps: the same start-up as rank 0's, in the same order."""
+def start_rank(spec: RankSpec) -> tuple[ModelRunner, LoraFollower | None]:
+    """This rank's share, ready to run steps: the same start-up as rank 0's, in the same order
+    (the adapters' slots before the KV pool is sized)."""
     store = connect_store(spec.store_port, spec.rank, spec.size)
     meet(store, "started", spec.rank, spec.size, lambda: None)
     tp = join_process_group(
@@ -65,19 +67,24 @@ def start_rank(spec: RankSpec) -> ModelRunner:
     meet(store, "loaded", spec.rank, spec.size, lambda: None)
     settings = spec.settings
     max_model_len = resolve_max_model_len(settings, loaded.config)
+    lora = LoraFollower(loaded.model, settings) if settings.serves_lora else None
     memory = prepare_rank(loaded.model, loaded.config, settings, spec.device, max_model_len)
     loaded.model.warm_up_experts(settings.max_num_batched_tokens)
-    return ModelRunner(
+    runner = ModelRunner(
         loaded.model, memory.kv_caches, settings.page_size, spec.device, decode_graphs=memory.decode_graphs
     )
+    return runner, lora
 
 
-def serve_steps(reader: RingReader, runner: ModelRunner) -> None:
+def serve_steps(reader: RingReader, runner: ModelRunner, lora: LoraFollower | None = None) -> None:
     """Runs each step rank 0 sends until it sends STOP. A step that raises here raised on rank 0
     too (the same code over the same inputs, up to the same point): rank 0 sets its jobs apart
     and tries them again one by one (worker/loop/isolation.py), and this rank runs what it sends next,
     as one rank would. A failure on some ranks only leaves a collective unmatched, which times out."""
-    while (message := reader.receive()).kind is Kind.STEP:
+    while (message := reader.receive()).kind is not Kind.STOP:
+        if message.kind is not Kind.STEP:
+            lora.take(message)  # an adapter to read or install: rank 0 sends them only when it serves some
+            continue
         future = None
         if message.future_rows:  # filled by rank 0's broadcast of its previous draws
             future = torch.empty(message.future_rows, dtype=torch.int64, device=runner.device)

@@ -23,6 +23,7 @@ from worker.engine.lora.adapters import AdapterHandle, AdapterSource
 from worker.engine.lora.loader import AdapterLoader
 from worker.engine.lora.slots import DeviceSlots, HostCache
 from worker.engine.settings import EngineSettings
+from worker.engine.step_ring import AdapterMessage, Kind, StepRing
 from worker.model.lora import LoraTarget, attach_lora
 from worker.model.lora_adapter import AdapterError, LoraAdapter, check_adapter, read_adapter
 
@@ -34,7 +35,14 @@ log = logging.getLogger(__name__)
 
 
 class LoraManager:
-    def __init__(self, targets: dict[str, LoraTarget], settings: EngineSettings, dtype: torch.dtype, pin: bool):
+    def __init__(
+        self,
+        targets: dict[str, LoraTarget],
+        settings: EngineSettings,
+        dtype: torch.dtype,
+        pin: bool,
+        ring: StepRing | None = None,
+    ):
         self.source = AdapterSource(settings.lora_modules, settings.lora_dir)
         self.targets = targets
         self.max_rank = settings.max_lora_rank
@@ -44,14 +52,18 @@ class LoraManager:
         self.host = HostCache(settings.host_loras)
         self.handles: dict[str, AdapterHandle] = {}
         self.loader = AdapterLoader(self._read)
+        self.ring = ring  # a tensor-parallel group's: the other ranks read and install as this one
         self._steps = 0
 
     @classmethod
-    def attach(cls, model: Qwen3ForCausalLM, settings: EngineSettings, device: torch.device) -> LoraManager:
+    def attach(
+        cls, model: Qwen3ForCausalLM, settings: EngineSettings, device: torch.device, ring: StepRing | None = None
+    ) -> LoraManager:
         """Gives the model its adapter slots and checks the named adapters; one that is refused is
-        logged in a line naming its file and the problem, and its jobs fail with it."""
+        logged in a line naming its file and the problem, and its jobs fail with it. `ring`: a
+        tensor-parallel group's, where the other ranks learn what to read and install."""
         targets = attach_lora(model, settings.max_loras, settings.max_lora_rank)
-        manager = cls(targets, settings, model.model.norm.weight.dtype, device.type == "cuda")
+        manager = cls(targets, settings, model.model.norm.weight.dtype, device.type == "cuda", ring)
         for name, path in manager.source.modules.items():
             try:
                 check_adapter(path, targets, settings.max_lora_rank)
@@ -126,10 +138,20 @@ class LoraManager:
                 return  # every slot is someone's: the rest wait
             adapter = self.host.get(handle.name)
             if adapter is None:
-                self.loader.request(handle)
+                self._request_read(handle)
                 planned.add(slot)  # kept for it until it is read
             else:
-                self.slots.install(slot, handle, adapter)
+                self._install(slot, handle, adapter)
+
+    def _request_read(self, handle: AdapterHandle) -> None:
+        if self.ring is not None and not self.loader.loading(handle.name):
+            self.ring.send_adapter(Kind.ADAPTER_READ, AdapterMessage(-1, handle.name, str(handle.path)))
+        self.loader.request(handle)
+
+    def _install(self, slot: int, handle: AdapterHandle, adapter: LoraAdapter) -> None:
+        if self.ring is not None:  # the other ranks install before the step that uses the slot, as this one
+            self.ring.send_adapter(Kind.ADAPTER_INSTALL, AdapterMessage(slot, handle.name, str(handle.path)))
+        self.slots.install(slot, handle, adapter)
 
     def _in_use(self, running: Iterable[Request]) -> set[str]:
         """Adapters of running requests, marked as just used."""
