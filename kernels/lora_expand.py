@@ -12,7 +12,8 @@ slices own disjoint columns, so no two programs write one element. The grid depe
 alone (every slot and slice, the worst-case row blocks), as CUDA graphs need.
 
 The product is scaled in float32 and added to the output, rounded once; peft computes
-`result + lora_B(lora_A(x)) * scaling`, the same terms.
+`result + lora_B(lora_A(x)) * scaling`, the same terms. On CPU the reference runs: a product per
+slot and slice, over the slice's rank only, then one indexed add into the output.
 """
 
 import itertools
@@ -35,21 +36,22 @@ def lora_expand_reference(
     out: torch.Tensor,
     tokens: torch.Tensor,
     group_ends: torch.Tensor,
-    row_slots: torch.Tensor,
+    ranks: torch.Tensor,
     scales: torch.Tensor,
     slices: tuple[int, ...],
 ) -> None:
-    """One grouped GEMM per slice (B's columns past a rank are zeros), scaled per row, added into
-    out's rows `tokens` at once."""
-    rows = shrunk.shape[0]  # the listed rows: lora_shrink_reference's
-    tokens, row_slots = tokens[:rows], row_slots[:rows]
+    """Each slot's rows times each slice's B over its rank, scaled, added into out's rows `tokens`
+    at once."""
+    ends, ranks, scales = group_ends.tolist(), ranks.tolist(), scales.tolist()
     max_rank = b.shape[2]
-    update = torch.empty(shrunk.shape[0], b.shape[1], dtype=out.dtype, device=out.device)
-    row_scales = scales.index_select(0, row_slots)
-    for s, (lo, hi) in enumerate(itertools.pairwise(slices)):
-        part = F.grouped_mm(shrunk[:, s * max_rank : (s + 1) * max_rank], b[:, lo:hi].transpose(1, 2), offs=group_ends)
-        torch.mul(part, row_scales[:, s : s + 1], out=update[:, lo:hi])
-    out.index_add_(0, tokens, update)
+    update = torch.zeros(ends[-1], b.shape[1], dtype=out.dtype, device=out.device)
+    for slot, (start, end) in enumerate(zip([0, *ends], ends)):
+        for s, (lo, hi) in enumerate(itertools.pairwise(slices)):
+            r = ranks[slot][s]
+            if end > start and r:
+                part = F.linear(shrunk[start:end, s * max_rank : s * max_rank + r], b[slot, lo:hi, :r])
+                torch.mul(part, scales[slot][s], out=update[start:end, lo:hi])
+    out.index_add_(0, tokens[: ends[-1]], update)
 
 
 @triton.jit
@@ -153,16 +155,15 @@ def lora_expand(
     out: torch.Tensor,
     tokens: torch.Tensor,
     group_ends: torch.Tensor,
-    row_slots: torch.Tensor,
     ranks: torch.Tensor,
     scales: torch.Tensor,
     slices: tuple[int, ...],
 ) -> None:
     """out[tokens[i], slice s] += scales[slot, s] * shrunk[i, slice s] @ B[slot, slice s].T for
-    each listed row i (of slot row_slots[i]). shrunk [N, n * R] from lora_shrink, B [S, out, R],
+    each listed row i (of the slot whose rows group_ends puts it among). shrunk [N, n * R] from lora_shrink, B [S, out, R],
     out [T, out] (rows contiguous), ranks [S, n] int32, scales [S, n] float32; `slices` the
     output column offsets of the n slices and their end: (0, q, q + kv, q + 2 kv) for qkv."""
     if use_triton(out):
         lora_expand_triton(shrunk, b, out, tokens, group_ends, ranks, scales, slices)
     else:
-        lora_expand_reference(shrunk, b, out, tokens, group_ends, row_slots, scales, slices)
+        lora_expand_reference(shrunk, b, out, tokens, group_ends, ranks, scales, slices)

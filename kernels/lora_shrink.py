@@ -15,6 +15,10 @@ slot's rows return at once: the grid depends on shapes alone, as CUDA graphs nee
 
 The result, [rows, n_slices * R] in rows' listed order, is in the activations' dtype, as
 peft's lora_A output is; kernels/lora_expand.py takes it from there.
+
+On CPU the reference runs: the listed rows gathered, then one matrix product per slot that has
+rows. torch's grouped GEMM (F.grouped_mm) computes the same, but its CPU path ran each group
+several times slower than a plain product of the same shape (bench/RESULTS.md, "LoRA adapters").
 """
 
 import torch
@@ -29,11 +33,16 @@ from kernels.decode_attention import dot_precision
 def lora_shrink_reference(
     x: torch.Tensor, a: torch.Tensor, tokens: torch.Tensor, group_ends: torch.Tensor
 ) -> torch.Tensor:
-    """The rows `tokens` of x, grouped by slot, times their slot's A: one grouped GEMM (the padded
-    rows of A are zeros, so they add nothing). Rows listed past the last slot's are not rows (a
-    decode graph's static buffer)."""
-    tokens = tokens[: int(group_ends[-1])]
-    return F.grouped_mm(x.index_select(0, tokens), a.transpose(1, 2), offs=group_ends)
+    """The rows `tokens` of x, grouped by slot, times their slot's A (whose padded rows are zeros,
+    so they add nothing). Rows listed past the last slot's are not rows (a decode graph's static
+    buffer)."""
+    ends = group_ends.tolist()
+    rows = x.index_select(0, tokens[: ends[-1]])
+    # F.linear: on CPU its product ran several times faster than torch.mm of the transpose.
+    parts = [
+        F.linear(rows[start:end], a[slot]) for slot, (start, end) in enumerate(zip([0, *ends], ends)) if end > start
+    ]
+    return torch.cat(parts) if parts else rows.new_empty(0, a.shape[1])
 
 
 @triton.jit

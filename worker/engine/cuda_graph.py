@@ -79,9 +79,7 @@ class DecodeBuffers:
         self.lora = None
         if lora_slots:
             self.lora = LoraBatch(
-                full(max_batch, value=0, dtype=torch.int64),
-                full(lora_slots, value=0, dtype=torch.int32),
-                full(max_batch, value=0, dtype=torch.int64),
+                full(max_batch, value=0, dtype=torch.int64), full(lora_slots, value=0, dtype=torch.int32)
             )
 
     @property
@@ -113,13 +111,12 @@ class DecodeBuffers:
             return
         n = lora.tokens.shape[0]
         self.lora.tokens[:n].copy_(lora.tokens, non_blocking=True)
-        self.lora.row_slots[:n].copy_(lora.row_slots, non_blocking=True)
         self.lora.group_ends.copy_(lora.group_ends, non_blocking=True)
 
     def lora_rows(self, size: int) -> LoraBatch | None:
         if self.lora is None:
             return None
-        return LoraBatch(self.lora.tokens[:size], self.lora.group_ends, self.lora.row_slots[:size])
+        return LoraBatch(self.lora.tokens[:size], self.lora.group_ends)
 
     def meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(

@@ -30,6 +30,7 @@ from worker.engine.grammar.masks import GrammarMasks
 from worker.engine.grammar.request_grammar import RequestGrammar, replayed
 from worker.engine.kv_pool import PageAllocator, pages_for
 from worker.engine.lora.manager import LoraManager
+from worker.model.lora import warm_up_lora
 from worker.engine.offline import OfflineGeneration
 from worker.engine.overlap import LaunchedStep, launched
 from worker.engine.radix_cache import RadixCache
@@ -175,6 +176,7 @@ class Engine(OfflineGeneration):
             self.allocator.decref(req.pages)
             self.scheduler.page_table.release(req)
         self.runner.model.warm_up_experts(self.settings.max_num_batched_tokens)
+        warm_up_lora(self.runner.model, self.settings.max_num_batched_tokens)
         log.info("warmed up the model and sampler kernels in %.1f s", time.perf_counter() - start)
 
     def _warm_up_mask(self, logits: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ from worker.engine.rendezvous import RankSpec, connect_store, join_process_group
 from worker.engine.runner import ModelRunner
 from worker.engine.step_ring import Kind, RingReader
 from worker.model.loader import load_model
+from worker.model.lora import warm_up_lora
 from worker.model.rank_failed import RankFailed
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ def start_rank(spec: RankSpec) -> tuple[ModelRunner, LoraFollower | None]:
     lora = LoraFollower(loaded.model, settings) if settings.serves_lora else None
     memory = prepare_rank(loaded.model, loaded.config, settings, spec.device, max_model_len)
     loaded.model.warm_up_experts(settings.max_num_batched_tokens)
+    warm_up_lora(loaded.model, settings.max_num_batched_tokens)
     runner = ModelRunner(
         loaded.model, memory.kv_caches, settings.page_size, spec.device, decode_graphs=memory.decode_graphs
     )

@@ -70,7 +70,7 @@ def lengths(tokens: int, rows: int, width: int, samples: int) -> dict[str, int]:
     }
 
 
-LORA_ARRAYS = (("tokens", np.int64), ("group_ends", np.int32), ("row_slots", np.int64))  # LoraRows'
+LORA_ARRAYS = (("tokens", np.int64), ("group_ends", np.int32))  # LoraRows'
 MAX_ADAPTER_MESSAGE = 8192  # bytes of an adapter message's JSON (its name and path)
 
 
@@ -81,7 +81,7 @@ def message_bytes(tokens: int, rows: int, width: int, lora_slots: int = 0) -> in
     step = sum(aligned(sizes[name] * np.dtype(dtype).itemsize) for name, dtype in ARRAYS)
     if not lora_slots:
         return 8 * HEADER + step
-    lora = aligned(16 * tokens) + aligned(4 * lora_slots)
+    lora = aligned(8 * tokens) + aligned(4 * lora_slots)
     return 8 * HEADER + max(step + lora, MAX_ADAPTER_MESSAGE)
 
 
@@ -211,7 +211,7 @@ def unpack(slot: np.ndarray) -> Message:
     arrays["page_table"] = arrays["page_table"].reshape(rows, width)
     lora = None
     if header[7]:
-        lora_sizes = {"tokens": int(header[7]) - 1, "group_ends": int(header[8]), "row_slots": int(header[7]) - 1}
+        lora_sizes = {"tokens": int(header[7]) - 1, "group_ends": int(header[8])}
         lora_arrays = {}
         for name, dtype in LORA_ARRAYS:
             lora_arrays[name], offset = unpack_array(slot, offset, lora_sizes[name], dtype)

@@ -29,12 +29,10 @@ class AttentionMetadata:
 @dataclass
 class LoraBatch:
     """Which rows of a step use a LoRA adapter (worker/model/lora.py): their indices grouped by
-    adapter slot, the cumulative count of each slot's rows (torch's grouped GEMM's offsets), and
-    each listed row's slot. None in a step where no row uses one."""
+    adapter slot, and the cumulative count of each slot's rows. None in a step where no row uses one."""
 
     tokens: torch.Tensor  # [N] int64
     group_ends: torch.Tensor  # [slots] int32
-    row_slots: torch.Tensor  # [N] int64
 
 
 @dataclass

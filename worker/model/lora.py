@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels.lora_shrink import block_m_for
 from worker.model.batch import LoraBatch
 from worker.model.loader import split_columns, split_rows
 
@@ -73,9 +74,7 @@ class LoraStack(nn.Module):
     def add_update(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> None:
         """out += each listed row's adapter update of x."""
         shrunk = kernels.lora_shrink(x, self.a, batch.tokens, batch.group_ends, self.ranks)
-        kernels.lora_expand(
-            shrunk, self.b, out, batch.tokens, batch.group_ends, batch.row_slots, self.ranks, self.scales, self.slices
-        )
+        kernels.lora_expand(shrunk, self.b, out, batch.tokens, batch.group_ends, self.ranks, self.scales, self.slices)
 
 
 class SliceWeights(NamedTuple):
@@ -96,6 +95,37 @@ class LoraTarget(NamedTuple):
     out_features: int
     a_cols: range
     b_rows: range
+
+
+@torch.inference_mode()
+def warm_up_lora(model: nn.Module, max_tokens: int) -> None:
+    """Runs each projection shape's update once at each row count that picks another block size
+    (kernels/lora_shrink.py's block_m_for), up to a step of max_tokens rows: every LoRA kernel variant
+    serving launches is compiled before a job waits for it (decode graphs compile theirs as they
+    capture). All rows on slot 0, whatever it holds: a kernel compiles whether or not its programs
+    find work. Nothing is written but the scratch output."""
+    shapes = {}
+    for stack in (m for m in model.modules() if isinstance(m, LoraStack)):
+        shapes.setdefault((stack.a.shape, stack.b.shape, stack.slices), stack)
+    for stack in shapes.values():
+        slots, _, in_features = stack.a.shape
+        for rows in warm_up_row_counts(max_tokens, slots):
+            x = torch.zeros(rows, in_features, dtype=stack.a.dtype, device=stack.a.device)
+            out = torch.zeros(rows, stack.slices[-1], dtype=stack.a.dtype, device=stack.a.device)
+            tokens = torch.arange(rows, device=stack.a.device)
+            ends = torch.full((slots,), rows, dtype=torch.int32, device=stack.a.device)
+            stack.add_update(out, x, LoraBatch(tokens, ends))
+
+
+def warm_up_row_counts(max_tokens: int, slots: int) -> list[int]:
+    """The fewest rows that pick each block size a step of up to max_tokens rows can."""
+    counts, seen = [], set()
+    for rows in range(1, max_tokens + 1):
+        block = block_m_for(rows, slots)
+        if block not in seen:
+            seen.add(block)
+            counts.append(rows)
+    return counts
 
 
 def lora_slots(model: nn.Module) -> int:

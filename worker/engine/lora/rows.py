@@ -20,7 +20,6 @@ class LoraRows(NamedTuple):
 
     tokens: np.ndarray  # [N] int64
     group_ends: np.ndarray  # [slots] int32
-    row_slots: np.ndarray  # [N] int64
 
     @classmethod
     def of(cls, sequence_slots: np.ndarray, new_tokens: np.ndarray, slots: int) -> LoraRows | None:
@@ -33,7 +32,7 @@ class LoraRows(NamedTuple):
             return None
         tokens = np.argsort(np.where(used, token_slots, slots), kind="stable")[:count]
         group_ends = np.cumsum(np.bincount(token_slots[used], minlength=slots)).astype(np.int32)
-        return cls(tokens.astype(np.int64), group_ends, token_slots[tokens].astype(np.int64))
+        return cls(tokens.astype(np.int64), group_ends)
 
     @classmethod
     def of_chunks(cls, requests: list[Request], new_tokens: np.ndarray, slots: int) -> LoraRows | None:
