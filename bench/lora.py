@@ -10,7 +10,10 @@ and the steps that ran while an adapter was being read (the loader thread holds 
     python -m bench.lora step --model small --batch 64 --adapters 8 --rank 16     # CPU target
     python -m bench.lora step --model qwen3-0.6b --batch 64                         # GPU target
 
-`placement`: see bench/lora_placement.py.
+`placement`: jobs on 50 adapters placed over 4 workers, beside the shared stream and one worker
+(bench/lora_placement.py says how).
+
+    python -m bench.lora placement
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from bench import lora_placement
 from bench.offline import PROMPT_ID_LIMIT
 from producer_client.schema import SamplingParams
 from worker.engine import Engine
@@ -141,11 +145,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     step.add_argument("--warmup", type=int, default=3)
     step.add_argument("--kv-cache-mib", type=int, default=256, help="each engine's KV pool on CPU")
     step.add_argument("--max-ratio", type=float, help="exit 1 when the ratio is above this (acceptance)")
+    placement = commands.add_parser("placement", help="adapter reads per job and prefix hits, placed over workers")
+    lora_placement.add_arguments(placement)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.command == "placement":
+        lora_placement.main(args)
+        return 0
     ratio = step_ratio(args)
     if args.max_ratio is not None and ratio > args.max_ratio:
         print(f"FAIL: {ratio:.3f}x exceeds the target {args.max_ratio}x")
