@@ -3,6 +3,7 @@ transformers + peft generate for each; the prefix cache never hands one adapter'
 more adapters than slots under load all run (their jobs wait for a slot, never fail); reading an
 adapter from disk never holds a step back; an adapter the loader refuses ends its jobs only."""
 
+import shutil
 import threading
 from dataclasses import replace
 
@@ -286,3 +287,22 @@ def test_on_cuda_adapter_rows_in_the_decode_graphs_generate_what_the_cpu_engine_
     gpu.warm_up()
     got = gpu.generate(prompts, GREEDY, adapters=names)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_lora_dir_adapters_are_read_when_first_named_and_one_for_another_base_fails_its_jobs(
+    make_lora_engine, base_config, peft_greedy, adapters, tmp_path
+):
+    from pathlib import Path
+
+    shutil.copytree(Path(adapters["a8"]), tmp_path / "good")
+    write_random_adapter(tmp_path / "wide", {**base_config, "hidden_size": 96}, rank=8, seed=3)
+    engine = make_lora_engine(lora_modules={}, lora_dir=str(tmp_path), max_loras=2)
+    assert engine.adapters() == (["good", "wide"], [])
+    p = prompt(8, 6)
+    outs = engine.generate([p, p, p], GREEDY, adapters=["good", "wide", None])
+    assert outs[0].token_ids == peft_greedy(p, "a8") and outs[2].error is None
+    assert outs[1].error.code == "adapter_error"
+    assert outs[1].error.message.startswith(f"{tmp_path / 'wide' / WEIGHTS_FILE}: tensor base_model.model.")
+    assert engine.adapters() == (["good", "wide"], ["good"])
+    with pytest.raises(UnknownAdapter):
+        engine.add_request("x", p, GREEDY, adapter="../good")  # one directory below lora_dir, by its name only

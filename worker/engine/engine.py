@@ -240,7 +240,8 @@ class Engine(OfflineGeneration):
         Raises InvalidArgument (naming the field) for a bad id, prompt, resume tokens or
         parameters, PromptTooLong when the prompt leaves no room for output within
         max_model_len, UnknownAdapter for an adapter this engine does not serve and AdapterError
-        for one it refuses.
+        for a named one it refused at start (one it refuses when it reads it ends the request with
+        that error at a later step).
         """
         self._check_request(request_id, prompt_token_ids, params)
         handle = self._adapter(adapter) if adapter is not None else None

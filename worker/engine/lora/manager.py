@@ -7,7 +7,9 @@ the stacks, queued on the device's stream behind the steps already queued); one 
 asked of the loader thread, if a slot could take it. A slot is taken from an adapter only when no
 running request uses it and no waiting request ahead wants it: a job whose adapter cannot get a
 slot waits, never fails, and the slots do not thrash between adapters waiting behind each other.
-An adapter the loader refuses ends its waiting requests with its error.
+An adapter the loader refuses ends its waiting requests with its error. Nothing here reads a file
+on the engine's thread but the named adapters' checks at start: an adapter of lora_dir is looked
+up by its directory (one stat) when a job names it, and checked by the loader as it reads it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class LoraManager:
         self.slots = DeviceSlots(targets, settings.max_loras)
         self.host = HostCache(settings.host_loras)
         self.handles: dict[str, AdapterHandle] = {}
+        self.refused: dict[str, AdapterError] = {}  # named adapters refused at start, by name
         self.loader = AdapterLoader(self._read)
         self.ring = ring  # a tensor-parallel group's: the other ranks read and install as this one
         self._steps = 0
@@ -69,6 +72,7 @@ class LoraManager:
                 check_adapter(path, targets, settings.max_lora_rank)
             except AdapterError as e:
                 log.error("LoRA adapter %s refused: %s", name, e.message)
+                manager.refused[name] = e
         log.info(
             "LoRA: %d device slots of rank %d, %d adapters in host memory; named adapters: %s%s",
             settings.max_loras,
@@ -81,14 +85,15 @@ class LoraManager:
 
     def handle(self, name: str) -> AdapterHandle:
         """The handle of adapter `name` for a new request: UnknownAdapter for a name this worker does
-        not serve, AdapterError for an adapter it refuses (found from its config and header)."""
+        not serve, AdapterError for a named adapter refused at start."""
         handle = self.handles.get(name)
         if handle is not None:
             return handle
+        if name in self.refused:
+            raise self.refused[name]
         path = self.source.path_of(name)
         if path is None:
             raise UnknownAdapter(name, "by this worker")
-        check_adapter(path, self.targets, self.max_rank)
         handle = self.handles[name] = AdapterHandle(name, path)
         return handle
 
