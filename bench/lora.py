@@ -19,6 +19,7 @@ and the steps that ran while an adapter was being read (the loader thread holds 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -91,6 +92,9 @@ def step_ratio(args: argparse.Namespace) -> float:
             times["lora"].append(timed_step(lora))
         base_ms, lora_ms = (statistics.median(times[k]) * 1e3 for k in ("base", "lora"))
         ratio = lora_ms / base_ms
+        print(
+            f"machine: {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.2f}"
+        )
         print(
             f"{args.model} on {args.device} ({lora.runner.model.model.norm.weight.dtype}): decode step of batch "
             f"{args.batch} (context {args.context}), median of {args.steps}, the two engines' steps in turns; "

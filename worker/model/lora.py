@@ -61,8 +61,10 @@ class LoraStack(nn.Module):
         from pinned host memory are queued on the device's stream, behind the steps already queued."""
         self.a[slot].zero_()
         self.b[slot].zero_()
-        ranks = torch.zeros(len(self.slices) - 1, dtype=torch.int32)
-        scales = torch.zeros(len(self.slices) - 1, dtype=torch.float32)
+        # Pinned: a copy from pageable memory would wait for the steps queued before it.
+        pin = self.ranks.is_cuda
+        ranks = torch.zeros(len(self.slices) - 1, dtype=torch.int32, pin_memory=pin)
+        scales = torch.zeros(len(self.slices) - 1, dtype=torch.float32, pin_memory=pin)
         for s, part in parts.items():
             r = part.a.shape[0]
             self.a[slot, s * self.max_rank : s * self.max_rank + r].copy_(part.a, non_blocking=True)
