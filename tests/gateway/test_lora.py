@@ -6,6 +6,8 @@ is refused before anything is enqueued (a 404 model_not_found, UnknownAdapter), 
 reaches a worker that does not serve its adapter fails with that code."""
 
 import json
+import subprocess
+import sys
 import uuid
 
 import httpx
@@ -111,3 +113,24 @@ def test_routes_send_an_adapter_to_the_queue_most_of_its_workers_serve_it_on_and
     assert table.route("qwen-big") == Route("q3", None)  # a model's name is the model, not the adapter
     assert table.route("pinned") == Route("q9", None) and table.route("nope") is None
     assert {c.id: c.parent for c in table.cards} == {"qwen": None, "qwen-big": None, "sql": "qwen", "chat": "qwen"}
+
+
+def test_the_cli_submits_on_an_adapter_and_refuses_an_unknown_one(redis_server):
+    def mili(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "cli", "--redis", redis_server.url, "--queue", TINY_QUEUE, *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    outputs = {}
+    for adapter in ("tiny-sql", None):
+        flags = ["--adapter", adapter] if adapter else []
+        submitted = mili("submit", "Name a prime number.", "--max-tokens", "6", "--temperature", "0", *flags)
+        assert submitted.returncode == 0, submitted.stderr
+        result = json.loads(mili("result", submitted.stdout.strip(), "--timeout", "60").stdout)
+        assert result["status"] == "done"
+        outputs[adapter] = result["token_ids"]
+    assert outputs["tiny-sql"] != outputs[None]
+    unknown = mili("submit", "x", "--adapter", "tiny-nope")
+    assert (unknown.returncode, unknown.stderr.strip()) == (
+        1,
+        f"error: model_not_found: no LoRA adapter named 'tiny-nope' is served by the live workers of queue '{TINY_QUEUE}'",
+    )
