@@ -66,6 +66,9 @@ def test_the_client_runs_a_job_on_an_adapter_and_refuses_an_unknown_one(redis_se
     with Client(redis_server.url, TINY_QUEUE) as client:
         result = client.generate(input_ids=PROMPT, adapter="tiny-sql", max_tokens=8, temperature=0, timeout=120)
         assert result.text == offline["tiny-sql"]
+        beat = Keys().worker(result.worker)  # what it serves, and now holds
+        assert redis_client.hget(beat, "adapters") == ",".join(sorted(LORA_ADAPTERS))
+        assert eventually(lambda: "tiny-sql" in redis_client.hget(beat, "adapters_held").split(","))
         ids = client.submit_many(
             [{"input_ids": PROMPT, "adapter": name, "max_tokens": 8, "temperature": 0} for name in LORA_ADAPTERS]
         )

@@ -20,6 +20,8 @@ output, completed by the same all-reduce.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -75,8 +77,27 @@ class LoraStack(nn.Module):
 
     def add_update(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> None:
         """out += each listed row's adapter update of x."""
-        shrunk = kernels.lora_shrink(x, self.a, batch.tokens, batch.group_ends, self.ranks)
-        kernels.lora_expand(shrunk, self.b, out, batch.tokens, batch.group_ends, self.ranks, self.scales, self.slices)
+        with one_thread_on_cpu(x):
+            shrunk = kernels.lora_shrink(x, self.a, batch.tokens, batch.group_ends, self.ranks)
+            kernels.lora_expand(
+                shrunk, self.b, out, batch.tokens, batch.group_ends, self.ranks, self.scales, self.slices
+            )
+
+
+@contextmanager
+def one_thread_on_cpu(x: torch.Tensor) -> Iterator[None]:
+    """On CPU, torch's other threads sit out the block: an adapter update is dozens of products of a
+    few rows each, whose parallel regions cost more than they save, and on a busy machine each waits
+    for the other threads' time slices (measured in bench/RESULTS.md, "LoRA adapters")."""
+    threads = torch.get_num_threads()
+    if x.device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class SliceWeights(NamedTuple):
