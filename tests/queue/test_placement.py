@@ -5,6 +5,7 @@ reclaimed and resumed, and either side can turn placement off."""
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import ExitStack
 
@@ -76,6 +77,18 @@ def test_a_job_on_a_lora_adapter_is_keyed_by_its_adapter_alone():
     assert prefix_key(request(messages=chat("plan a trip").messages, adapter="sql")) == sql
     assert prefix_key(request(prompt="one", adapter="chat")) != sql
     assert prefix_key(request(prompt="one")) != sql
+
+
+def test_a_hot_adapters_jobs_stay_on_its_worker_up_to_the_bound_then_spread():
+    key = prefix_key(request(prompt="any", adapter="hot"))
+    v = view(0, 0, 0, 0, slots=64)
+    order = order_of(v, key)
+    placed = [Placement()._place(v, key, KEYS, "q") for _ in range(200)]
+    owners = [stream.rsplit("|", 1)[-1].rstrip("}") for stream in placed]
+    assert owners[:32] == [order[0]] * 32  # least load + 32 is the bound while the others are idle
+    counts = [owners.count(name) for name in order]
+    # Then every worker takes a share, none above the bound: 1.25 x the mean once that is the higher.
+    assert min(counts) > 0 and max(counts) <= math.ceil(1.25 * 200 / 4)
 
 
 def test_the_view_says_which_adapters_the_queues_serving_workers_serve():
