@@ -27,10 +27,10 @@ from worker.model.random_adapter import write_random_adapter
 KEYS = Keys()
 RECLAIM = ("--claim-idle-ms", "2000", "--reclaim-interval-s", "0.2", "--max-running", "8", "--max-model-len", "256")
 ADAPTED = [
-    dict(input_ids=[9707, 1879, 11 + i], adapter="sql", max_tokens=12, temperature=0.0, ignore_eos=True)
+    {"input_ids": [9707, 1879, 11 + i], "adapter": "sql", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
     for i in range(3)
 ]
-BASE = dict(input_ids=[9707, 1879, 42], max_tokens=200, temperature=0.0, ignore_eos=True)
+BASE = {"input_ids": [9707, 1879, 42], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True}
 
 
 def fault_free(adapter_dir) -> list[list[int]]:

@@ -251,16 +251,16 @@ def test_two_tensor_parallel_ranks_with_adapters_generate_what_one_rank_does(che
     slot to install it in, in step order. Two slots for five adapters: installs evict, on both ranks."""
     names = [None, "a8", "c64", "b16", "e32", "f16", "a8"]
     prompts = [prompt(200 + i, 5 + 2 * i) for i in range(len(names))]
-    settings = dict(
-        num_pages=256,
-        page_size=4,
-        max_running=8,
-        max_num_batched_tokens=32,
-        max_model_len=256,
-        lora_modules=adapters,
-        max_loras=2,
-        max_lora_rank=MAX_RANK,
-    )
+    settings = {
+        "num_pages": 256,
+        "page_size": 4,
+        "max_running": 8,
+        "max_num_batched_tokens": 32,
+        "max_model_len": 256,
+        "lora_modules": adapters,
+        "max_loras": 2,
+        "max_lora_rank": MAX_RANK,
+    }
     single = Engine.from_pretrained(checkpoint, dtype="float32", **settings)
     expected = [o.token_ids for o in single.generate(prompts, GREEDY, adapters=names)]
     with Engine.from_pretrained(checkpoint, dtype="float32", tensor_parallel_size=2, **settings) as tp:
@@ -272,15 +272,15 @@ def test_two_tensor_parallel_ranks_with_adapters_generate_what_one_rank_does(che
 def test_on_cuda_adapter_rows_in_the_decode_graphs_generate_what_the_cpu_engine_does(checkpoint, adapters):
     names = [None, "a8", "c64", "b16", "a8", "e32", "f16"]
     prompts = [prompt(300 + i, 4 + 3 * i) for i in range(len(names))]
-    settings = dict(
-        num_pages=256,
-        page_size=4,
-        max_running=8,
-        max_num_batched_tokens=64,
-        lora_modules=adapters,
-        max_loras=4,
-        max_lora_rank=MAX_RANK,
-    )
+    settings = {
+        "num_pages": 256,
+        "page_size": 4,
+        "max_running": 8,
+        "max_num_batched_tokens": 64,
+        "lora_modules": adapters,
+        "max_loras": 4,
+        "max_lora_rank": MAX_RANK,
+    }
     expected = Engine.from_pretrained(checkpoint, dtype="float32", **settings).generate(prompts, GREEDY, adapters=names)
     gpu = Engine.from_pretrained(checkpoint, device="cuda", dtype="float32", **settings)
     assert gpu.runner.decode_graphs is not None

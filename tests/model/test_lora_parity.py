@@ -41,15 +41,15 @@ CONFIGS = {
 }
 # name -> write_random_adapter's arguments
 ADAPTERS = {
-    "r8-all": dict(rank=8, seed=11),
-    "r16-qv-rslora": dict(rank=16, target_modules=("q_proj", "v_proj"), use_rslora=True, seed=12),
-    "r64-patterns": dict(
-        rank=64,
-        target_modules=("k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-        rank_pattern={"down_proj": 32, "model.layers.1.self_attn.k_proj": 12},
-        alpha_pattern={"o_proj": 24.0},
-        seed=13,
-    ),
+    "r8-all": {"rank": 8, "seed": 11},
+    "r16-qv-rslora": {"rank": 16, "target_modules": ("q_proj", "v_proj"), "use_rslora": True, "seed": 12},
+    "r64-patterns": {
+        "rank": 64,
+        "target_modules": ("k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        "rank_pattern": {"down_proj": 32, "model.layers.1.self_attn.k_proj": 12},
+        "alpha_pattern": {"o_proj": 24.0},
+        "seed": 13,
+    },
 }
 # (prompt index, adapter or None): the batch's sequences; prompt 0 runs under all four.
 BATCH = [
