@@ -268,6 +268,7 @@ def test_two_tensor_parallel_ranks_with_adapters_generate_what_one_rank_does(che
         assert tp.lora.slots.installs > 2
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the Triton kernels in decode graphs")
 def test_on_cuda_adapter_rows_in_the_decode_graphs_generate_what_the_cpu_engine_does(checkpoint, adapters):
     names = [None, "a8", "c64", "b16", "a8", "e32", "f16"]

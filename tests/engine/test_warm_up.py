@@ -193,6 +193,7 @@ def test_moe_warm_up_compiles_every_kernel_variant_steps_of_any_size_launch(moe_
     assert serving.keys <= warm_up.keys, sorted(serving.keys - warm_up.keys)
 
 
+@pytest.mark.cuda
 def test_lora_warm_up_compiles_every_kernel_variant_steps_of_any_size_launch(checkpoint, tmp_path, monkeypatch):
     # 2 slots: steps of more than 64 adapter rows take 32-row blocks, of more than 256, 64.
     if torch.cuda.is_available():

@@ -121,6 +121,7 @@ def test_expand_kernel_adds_what_the_reference_adds(name, dtype, device, check_c
     assert torch.equal(out[untouched], before)  # base rows are left exactly as they were
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a host wait shows only on a CUDA device")
 def test_on_cuda_the_kernels_never_wait_for_the_host():
     # A sync inside a captured decode graph fails the capture; here any sync raises.
