@@ -56,6 +56,49 @@ def test_a_request_whose_model_names_an_adapter_runs_on_it(sdk, offline):
     assert len(set(texts.values())) == len(texts)  # each adapter changes what the model says
 
 
+def test_generate_runs_on_the_adapter_its_model_names(gateway, sdk):
+    """The seed's /generate routes `model` as the OpenAI routes do: an adapter's name runs on it."""
+
+    def generate(model: str) -> str:
+        body = {"prompt": "Redis streams are", "max_tokens": 8, "temperature": 0, "model": model}
+        reply = httpx.post(f"{gateway.url}/generate", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["generated_text"]
+
+    def completion(model: str) -> str:
+        return (
+            sdk.completions.create(model=model, prompt="Redis streams are", max_tokens=8, temperature=0).choices[0].text
+        )
+
+    assert generate("tiny-sql") == completion("tiny-sql") != generate("tiny")
+    missing = httpx.post(f"{gateway.url}/generate", json={"prompt": "x", "model": "tiny-nope"}, timeout=30)
+    assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")
+
+
+def test_a_batch_line_whose_model_names_an_adapter_runs_on_it(sdk, offline):
+    """The session's gateway drives the batch; each line's model routes it, adapters included."""
+    names = {"base": "tiny", **{f"on-{name}": name for name in LORA_ADAPTERS}, "nope": "tiny-nope"}
+    lines = [
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+        }
+        for custom_id, model in names.items()
+    ]
+    upload = sdk.files.create(file=("lines.jsonl", "\n".join(map(json.dumps, lines)).encode()), purpose="batch")
+    created = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    batch = eventually(lambda: (b := sdk.batches.retrieve(created.id)).status in ("completed", "failed") and b, 120)
+    assert batch and batch.status == "completed", batch
+    done = [json.loads(line) for line in sdk.files.content(batch.output_file_id).text.splitlines()]
+    texts = {line["custom_id"]: line["response"]["body"]["choices"][0]["text"] for line in done}
+    assert texts == {"base": offline[None], **{f"on-{name}": offline[name] for name in LORA_ADAPTERS}}
+    (refused,) = [json.loads(line) for line in sdk.files.content(batch.error_file_id).text.splitlines()]
+    assert (refused["custom_id"], refused["response"]["status_code"]) == ("nope", 404)
+    assert refused["response"]["body"]["error"]["code"] == "model_not_found"
+
+
 def test_models_lists_each_adapter_with_its_base_model_as_parent(gateway, sdk):
     listed = {m["id"]: m for m in httpx.get(f"{gateway.url}/v1/models").json()["data"]}
     assert {name: listed[name]["parent"] for name in LORA_ADAPTERS} == dict.fromkeys(LORA_ADAPTERS, "tiny")
