@@ -111,16 +111,10 @@ def build_job(
     if size > MAX_BODY_BYTES:
         raise BodyTooLarge("body", f"{size} bytes exceeds the limit of {MAX_BODY_BYTES}")
     timeout_ms = 0 if request.timeout_s is None else max(1, round(request.timeout_s * 1000))
+    placed = {"prefix": prefix_key(request), "adapter": request.adapter}
     if request_id is None:
         # 128 random bits, as a uuid4's hex without building the UUID: submit_many makes many.
-        return NewJob(
-            os.urandom(16).hex(),
-            body,
-            idempotent=False,
-            timeout_ms=timeout_ms,
-            prefix=prefix_key(request),
-            adapter=request.adapter,
-        )
+        return NewJob(os.urandom(16).hex(), body, idempotent=False, timeout_ms=timeout_ms, **placed)
     if fingerprint is None:
         fingerprint = generation_fingerprint(request)
     elif not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
@@ -131,8 +125,7 @@ def build_job(
         idempotent=True,
         timeout_ms=timeout_ms,
         fingerprint=fingerprint,
-        prefix=prefix_key(request),
-        adapter=request.adapter,
+        **placed,
     )
 
 
