@@ -1,6 +1,7 @@
 """The producer's commands of `mili`: submit a job, and read, wait for or cancel it; the queue's stats.
 
 mili submit "text" --max-tokens 32 [--stream] [--chat] [--no-thinking]    prints the job id (or streams the text)
+    [--adapter NAME]                                                        with a LoRA adapter the workers serve
     [--json | --json-schema SCHEMA | --regex PATTERN | --choice TEXT...]    structured output
 mili status ID | mili result ID [--timeout S] | mili cancel ID | mili stats [--all]
 """
@@ -50,6 +51,7 @@ def add_submit(commands) -> None:
     submit.add_argument("--request-id", help="idempotency key")
     submit.add_argument("--timeout-s", type=float, help="deadline, counted from the enqueue")
     submit.add_argument("--priority", type=int, default=0)
+    submit.add_argument("--adapter", metavar="NAME", help="run with this LoRA adapter (one the workers serve)")
     submit.add_argument(
         "--stream", action="store_true", help="print the text as it is generated (a chat's reasoning to stderr)"
     )
@@ -95,6 +97,7 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         priority=args.priority,
         stream=args.stream,
+        adapter=args.adapter,
     )
     if not args.stream:
         print(job_id)

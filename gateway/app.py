@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import redis
 from fastapi import FastAPI, Request
@@ -32,7 +33,7 @@ from gateway.jobs import Jobs, RequestJobs, collect
 from gateway.key_strength import warn_of_weak_keys
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
-from gateway.registry import ModelRegistry
+from gateway.registry import ModelRegistry, Route
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream, events, opening
 from openai_format.errors import APIError, bad_request, job_error, not_found
@@ -115,7 +116,9 @@ class Gateway:
         specs = jobs_of(req)
         renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, [s.prompt_index for s in specs])
         self.check(specs)
-        jobs = await self.submit(request, specs, await self.registry.queue_for(req.model), req, stream=req.streams)
+        route = await self.registry.route(req.model)
+        specs = [replace(spec, adapter=route.adapter) for spec in specs]
+        jobs = await self.submit(request, specs, route.queue, req, stream=req.streams)
         prompt = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         try:
             if req.streams:
@@ -181,8 +184,8 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
     async def generate(request: Request):
         req = await parse(request, GenerateRequest)
         spec = generate_job(req)
-        queue = settings.default_queue if req.model is None else await gw.registry.queue_for(req.model)
-        jobs = await gw.submit(request, [spec], queue, req)
+        route = Route(settings.default_queue) if req.model is None else await gw.registry.route(req.model)
+        jobs = await gw.submit(request, [replace(spec, adapter=route.adapter)], route.queue, req)
         results = await gw.results(request, jobs)
         if results is None:
             return client_left()

@@ -13,6 +13,7 @@ from producer_client.errors import (
     JobTimeout,
     MiliError,
     QueueFull,
+    UnknownAdapter,
 )
 from producer_client.schema import (
     ChatMessage,
@@ -48,6 +49,7 @@ __all__ = [
     "SamplingParams",
     "Timings",
     "TokenDelta",
+    "UnknownAdapter",
     "Usage",
     "WorkerInfo",
     "errors",

@@ -64,6 +64,7 @@ def submit_many(client: ClientBase, specs: Iterable[Mapping[str, Any]]) -> Steps
 def submit_steps(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob], placement: Placement) -> Steps:
     """Enqueue `jobs` chunk by chunk; returns their ids in order. Specs with the same request_id
     are one job. Raises BulkQueueFull when the queue fills up part-way."""
+    yield from placement.check_adapters(keys, queue, [job.adapter for job in jobs])
     unique: dict[str, NewJob] = {}
     for job in jobs:
         unique.setdefault(job.job_id, job)

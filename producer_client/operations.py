@@ -25,7 +25,9 @@ from producer_client.waiting import Deadline, finished, wait_done
 
 def submit(client: ClientBase, job: NewJob) -> Steps[str]:
     """Enqueue `job` on the client's queue, with its settings (bound, replication, placement);
-    returns its id. A job whose request_id CREATE finds already is not enqueued again."""
+    returns its id. A job whose request_id CREATE finds already is not enqueued again; one on an
+    adapter no live worker of the queue serves is refused first (UnknownAdapter)."""
+    yield from client.placement.check_adapters(client.keys, client.queue, [job.adapter])
     if job.idempotent:
         (reply,) = checked((yield job.create_call(client.keys).add_to))
         if not job.created(reply):

@@ -111,6 +111,12 @@ class WorkerMetrics:
             "Structured outputs: time spent compiling grammars, off the step loop.",
             registry=r,
         )
+        self.lora_adapter_reads = Counter(
+            "mili_lora_adapter_reads", "LoRA adapters read from disk (on the loader thread).", registry=r
+        )
+        self.lora_adapter_installs = Counter(
+            "mili_lora_adapter_installs", "LoRA adapters installed in a device slot.", registry=r
+        )
         jobs = Counter("mili_jobs", "Jobs this worker ended, by outcome.", ["outcome"], registry=r)
         # Each outcome's counter, exported at 0 from the start so that rates are defined, and
         # looked up once: labels() costs more than the increment.
@@ -152,6 +158,8 @@ class WorkerMetrics:
             "grammar_cache_hits": self.grammar_cache_hits,
             "grammar_compiles": self.grammar_compiles,
             "grammar_compile_seconds": self.grammar_compile_seconds,
+            "adapter_reads": self.lora_adapter_reads,
+            "adapter_installs": self.lora_adapter_installs,
         }
         for name, counter in counters.items():
             total = getattr(stats, name)

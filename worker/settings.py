@@ -165,7 +165,15 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     for name, field in _flag_fields():
         flag = "--" + name.replace("_", "-")
         kind = _scalar_type(field.annotation)
-        if typing.get_origin(kind) is typing.Literal:
+        if typing.get_origin(kind) is dict:
+            parser.add_argument(
+                flag,
+                nargs="+",
+                metavar="NAME=PATH",
+                default=argparse.SUPPRESS,
+                help=field.description,
+            )
+        elif typing.get_origin(kind) is typing.Literal:
             parser.add_argument(
                 flag,
                 choices=typing.get_args(kind),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from producer_client.errors import InvalidArgument
+from producer_client.errors import InvalidArgument, UnknownAdapter
 from producer_client.schema import SamplingParams
 from worker.engine.errors import PromptTooLong
 from worker.engine.grammar.compiler import GrammarCompiler
@@ -29,6 +29,8 @@ from worker.engine.grammar.constraint import Constraint
 from worker.engine.grammar.masks import GrammarMasks
 from worker.engine.grammar.request_grammar import RequestGrammar, replayed
 from worker.engine.kv_pool import PageAllocator, pages_for
+from worker.engine.lora.manager import LoraManager
+from worker.model.lora import warm_up_lora
 from worker.engine.offline import OfflineGeneration
 from worker.engine.overlap import LaunchedStep, launched
 from worker.engine.radix_cache import RadixCache
@@ -75,6 +77,9 @@ class Engine(OfflineGeneration):
         self.max_model_len = resolve_max_model_len(settings, config)
         # Stop tokens the model cannot emit (a small test vocabulary) are dropped, not masked.
         self.eos_token_ids = sorted(t for t in set(eos_token_ids) if t < config.vocab_size)
+        # Before the KV pool is sized: the adapters' slots take their memory first.
+        ring = ranks.ring if ranks is not None else None
+        self.lora = LoraManager.attach(model, settings, device, ring) if settings.serves_lora else None
         memory = prepare_rank(model, config, settings, device, self.max_model_len)
         num_pages = memory.num_pages
         self.allocator = PageAllocator(num_pages)
@@ -173,6 +178,7 @@ class Engine(OfflineGeneration):
             self.allocator.decref(req.pages)
             self.scheduler.page_table.release(req)
         self.runner.model.warm_up_experts(self.settings.max_num_batched_tokens)
+        warm_up_lora(self.runner.model, self.settings.max_num_batched_tokens)
         log.info("warmed up the model and sampler kernels in %.1f s", time.perf_counter() - start)
 
     def _warm_up_mask(self, logits: torch.Tensor) -> None:
@@ -214,6 +220,7 @@ class Engine(OfflineGeneration):
         priority: int = 0,
         resume_token_ids: Sequence[int] = (),
         constraint: Constraint | None = None,
+        adapter: str | None = None,
     ) -> None:
         """Queues a request. `priority`: lower runs sooner (as in vLLM); ties go first come, first served.
 
@@ -229,11 +236,17 @@ class Engine(OfflineGeneration):
         compile thread while the request waits; a grammar that does not compile ends the request
         with an error (InvalidArgument's code) at a later step.
 
+        `adapter` names the LoRA adapter it runs with (None: the base model); it waits for the
+        adapter to be in a device slot (worker/engine/lora/manager.py).
+
         Raises InvalidArgument (naming the field) for a bad id, prompt, resume tokens or
-        parameters, and PromptTooLong when the prompt leaves no room for output within
-        max_model_len.
+        parameters, PromptTooLong when the prompt leaves no room for output within
+        max_model_len, UnknownAdapter for an adapter this engine does not serve and AdapterError
+        for a named one it refused at start (one it refuses when it reads it ends the request with
+        that error at a later step).
         """
         self._check_request(request_id, prompt_token_ids, params)
+        handle = self._adapter(adapter) if adapter is not None else None
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -248,6 +261,7 @@ class Engine(OfflineGeneration):
             TextOutput(detokenizer, params.stop),
             generator,
         )
+        req.adapter = handle
         self.reader.replay(req, list(resume_token_ids))
         if constraint is None and params.response_format is not None:
             constraint = Constraint.of_format(params.response_format)
@@ -276,6 +290,8 @@ class Engine(OfflineGeneration):
             self._start_grammars(outputs)
         if self._in_flight is not None and self._in_flight.needs_host_tokens:
             outputs.extend(self._read(self._take_in_flight()))
+        if self.lora is not None:
+            self._place_adapters(outputs)
         scheduled = self.scheduler.schedule()
         for req in scheduled.failed:
             outputs.append(self.reader.end(req, req.text.finish(), []))
@@ -314,6 +330,10 @@ class Engine(OfflineGeneration):
             page_size=self.settings.page_size,
         )
 
+    def adapters(self) -> tuple[list[str], list[str]] | None:
+        """(the LoRA adapters it serves, those it holds in memory); None when it serves none."""
+        return None if self.lora is None else (self.lora.served(), self.lora.held())
+
     def has_unfinished(self) -> bool:
         self._check_ranks()
         return bool(self.reader.live or self._ended)
@@ -336,6 +356,7 @@ class Engine(OfflineGeneration):
             grammars.cache_hits,
             grammars.compiles,
             grammars.compile_seconds,
+            *((self.lora.loader.reads, self.lora.slots.installs) if self.lora is not None else ()),
         )
 
     # -- one step ------------------------------------------------------------------------
@@ -382,6 +403,19 @@ class Engine(OfflineGeneration):
         if step.constrained:
             self.masks.prefill(step.requests)  # the rows of their next step, while the loop goes on
         return outputs
+
+    def _adapter(self, name: str):
+        if self.lora is None:
+            raise UnknownAdapter(name, "by this worker (it serves no LoRA adapters)")
+        return self.lora.handle(name)
+
+    def _place_adapters(self, outputs: list[RequestOutput]) -> None:
+        """Adapters into slots for the waiting requests; those whose adapter was refused end with its error."""
+        for handle in self.lora.prepare(self.scheduler.waiting, self.scheduler.running):
+            for req in [r for r in self.scheduler.waiting if r.adapter is handle]:
+                self.scheduler.abort(req.request_id)
+                req.finish("error", RequestError(handle.error.code, handle.error.message))
+                outputs.append(self.reader.end(req, req.text.finish(), []))
 
     def _start_grammars(self, outputs: list[RequestOutput]) -> None:
         """Requests whose grammar compiled since the last step can be admitted now; one whose

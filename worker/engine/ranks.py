@@ -114,7 +114,8 @@ class RankGroup:
             raise InvalidArgument("tensor_parallel_size", "this process already runs a tensor-parallel engine")
         store = connect_store(0, 0, size)
         max_pages = pages_for(resolve_max_model_len(settings, config), settings.page_size)
-        capacity = message_bytes(settings.max_num_batched_tokens, settings.max_running, max_pages)
+        lora_slots = settings.max_loras if settings.serves_lora else 0
+        capacity = message_bytes(settings.max_num_batched_tokens, settings.max_running, max_pages, lora_slots)
         ring = StepRing(size - 1, capacity, settings.tensor_parallel_startup_timeout_s)
         threads = torch.get_num_threads()
         spec = RankSpec(

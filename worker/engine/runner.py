@@ -13,9 +13,11 @@ import torch
 
 from worker.engine.host_step import HostStep
 from worker.engine.kv_pool import pages_for
+from worker.engine.lora.rows import LoraRows
 from worker.engine.page_table import PageTable
 from worker.engine.scheduler import ScheduledChunk
 from worker.model.batch import KVCaches, StepInputs
+from worker.model.lora import lora_slots
 from worker.model.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ class ModelRunner:
         self.page_table = page_table if page_table is not None else PageTable()
         self.decode_graphs = decode_graphs  # captured at start on CUDA: decode steps replay them
         self.ring = ring  # rank 0 of a tensor-parallel group: where the other ranks read each step
+        self.lora_slots = lora_slots(model)  # the model's LoRA adapter slots (0: it serves none)
         self._logits: torch.Tensor | None = None  # reused on CPU, see compute_logits
 
     @torch.inference_mode()
@@ -68,7 +71,7 @@ class ModelRunner:
             inputs.input_ids = resolve_future_tokens(inputs.input_ids, self.model.tp.broadcast(future_tokens))
         if self.decode_graphs is not None and self.decode_graphs.fits(inputs):
             return self.decode_graphs.run(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, inputs.lora)
         return self.compute_logits(hidden[inputs.sample_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -123,6 +126,7 @@ class ModelRunner:
             cu_seqlens.astype(np.int32),
             sample_indices,
             max_q_len,
+            LoraRows.of_chunks(requests, q_len, self.lora_slots) if self.lora_slots else None,
         )
 
 

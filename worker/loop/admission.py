@@ -137,6 +137,7 @@ class Admission:
                 job.request.priority,
                 resume_token_ids=job.token_ids,
                 constraint=job.constraint,
+                adapter=job.request.adapter,
             )
         except Exception as e:
             if not isinstance(e, MiliError):

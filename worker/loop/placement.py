@@ -33,6 +33,17 @@ def advertised(settings: WorkerSettings, holdings: Holdings, worker: str) -> dic
     return {"placement": 1, "slots": settings.engine.max_running, "placed_held": own}
 
 
+def adapters_advertised(engine) -> dict[str, str]:
+    """Heartbeat fields of a worker that serves LoRA adapters: the names it serves (what a producer
+    and the gateway check a job's adapter against, and route by) and those it holds in memory now
+    (a job naming one loads nothing), comma-separated."""
+    adapters = engine.adapters()
+    if adapters is None:
+        return {}
+    served, held = adapters
+    return {"adapters": ",".join(served), "adapters_held": ",".join(held)}
+
+
 class TakeOver:
     """Looks at every worker's own stream while this worker has room: at most every
     reclaim_interval_s, and twice per steal_delay_ms, so that an entry waits at most about
