@@ -118,6 +118,12 @@ class WorkerSettings(TomlSettings):
         "0.0.0.0 every interface (a container, whose image sets it)",
     )
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus endpoint port; 0 binds any free port")
+    healthcheck_timeout_s: float = Field(
+        1.5,
+        gt=0.0,
+        description="`python -m worker healthcheck` reports unhealthy, with the cause, once Redis has not answered "
+        "for this long (one try, no retry), inside the probe's own timeout",
+    )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
     engine: EngineSettings = EngineSettings()
 
