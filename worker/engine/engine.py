@@ -34,7 +34,7 @@ from worker.engine.overlap import LaunchedStep, launched
 from worker.engine.radix_cache import RadixCache
 from worker.engine.outputs import Capacity, EngineStats, RequestError, RequestOutput
 from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
-from worker.engine.ranks import RankGroup, load_shares
+from worker.engine.ranks import RankGroup, check_group, load_shares
 from worker.engine.reader import StepReader
 from worker.engine.request import Request
 from worker.engine.runner import ModelRunner
@@ -45,7 +45,7 @@ from worker.engine.stop import TextOutput
 from kernels.token_bitmask import apply_token_bitmask
 from worker.model.config import Qwen3Config
 from worker.model.rank_failed import RankFailed
-from worker.model.presets import resolve_model_path
+from worker.model.presets import model_config, resolve_model_path
 from worker.model.qwen3 import Qwen3ForCausalLM
 from worker.model.tokenizer import Tokenizer
 
@@ -125,6 +125,8 @@ class Engine(OfflineGeneration):
         on `device` (cuda:K: ranks take cuda:K..K+N-1), and N-1 processes are started for the
         others, to be stopped with `close()` (or `with Engine.from_pretrained(...) as engine`)."""
         engine_settings = EngineSettings.parse(**settings)
+        if engine_settings.tensor_parallel_size > 1:  # a refusal comes before a preset is written or a weight read
+            check_group(model_config(model), device, engine_settings.tensor_parallel_size)
         path = resolve_model_path(model)
         loaded, ranks = load_shares(path, dtype, device, engine_settings)
         try:

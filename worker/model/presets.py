@@ -168,6 +168,17 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
     return path
 
 
+def model_config(name_or_path: str | Path) -> Qwen3Config:
+    """The config of a preset (written or not) or of a checkpoint directory, read before any weight is."""
+    preset = PRESETS.get(str(name_or_path))
+    if preset is not None:
+        return parse_config(preset.config, str(name_or_path))
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"{name_or_path}: no such checkpoint directory, nor a preset ({', '.join(PRESETS)})")
+    return Qwen3Config.from_file(path / "config.json")
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("MILI_CACHE_DIR") or Path.home() / ".cache" / "mili")
 
