@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from worker.model.config import DTYPES, CheckpointError, Qwen3Config, parse_config
 from worker.model.loader import INDEX_FILE, SINGLE_FILE, checkpoint_targets
+from worker.model.progress import logged_step
 from worker.model.qwen3 import Qwen3ForCausalLM
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 
@@ -212,7 +213,11 @@ def remove_abandoned_writes(target: Path) -> None:
 
 
 def write_preset(name: str, preset: Preset, target: Path) -> None:
-    log.info("writing preset %r to %s (first use)", name, target)
+    with logged_step(log, f"writing preset {name!r} to {target} (its first use: random weights, the tokenizer)"):
+        write_preset_files(preset, target)
+
+
+def write_preset_files(preset: Preset, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         write_random_checkpoint(tmp, preset.config, seed=preset.seed, dtype=preset.dtype)
