@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-PROGRESS_EVERY_S = 5.0
+PROGRESS_EVERY_S = 4.0
 
 
 @contextmanager
