@@ -289,17 +289,37 @@ def _sentinel_options(target: RedisURL, kwargs: dict[str, Any], retry) -> dict[s
     return {**shared, "retry": retry}
 
 
+class SentinelUnreachable(redis.ConnectionError):
+    """A sentinel that did not answer, shown with its cause: redis-py's MasterNotFoundError lists
+    each sentinel's error by its repr, which redis-py 8 reduces to the error's class."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
 class SentinelNode(redis.Redis):
-    """A sentinel's client, shown as its address: redis-py's MasterNotFoundError names each
-    sentinel it asked by its repr, a screenful of connection settings each."""
+    """A sentinel's client, shown as its address: MasterNotFoundError names each sentinel it asked
+    by its repr, which would be a screenful of connection settings."""
 
     def __repr__(self) -> str:
         return _sentinel_repr(self)
+
+    def sentinel_masters(self):
+        try:
+            return super().sentinel_masters()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise SentinelUnreachable(f"{type(e).__name__}: {e}") from e
 
 
 class AsyncSentinelNode(redis.asyncio.Redis):
     def __repr__(self) -> str:
         return _sentinel_repr(self)
+
+    async def sentinel_masters(self):
+        try:
+            return await super().sentinel_masters()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise SentinelUnreachable(f"{type(e).__name__}: {e}") from e
 
 
 def _sentinel_repr(client) -> str:
