@@ -47,12 +47,13 @@ def healthcheck(settings: WorkerSettings) -> int:
     if settings.redis == "embedded":
         return _unhealthy("an embedded Redis is private to its worker; give the worker and the check a Redis URL")
     keys = Keys(settings.prefix)
+
+    def answers_and_live(client: redis.Redis) -> list[str]:
+        client.ping()
+        return live_workers(client, keys, settings.queue, settings.name)
+
     try:
-        live = probe(
-            settings.redis,
-            settings.healthcheck_timeout_s,
-            lambda client: client.ping() and live_workers(client, keys, settings.queue, settings.name),
-        )
+        live = probe(settings.redis, settings.healthcheck_timeout_s, answers_and_live)
     except redis.RedisError as e:
         return _unhealthy(f"Redis does not answer: {describe(e)}")
     if not live:
