@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from producer_client.client_base import DEFAULT_MAX_QUEUE_DEPTH
 from producer_client.connection import parse_url
-from producer_client.core import DEFAULT_MAX_QUEUE_DEPTH
 from producer_client.keys import DEFAULT_PREFIX, check_name
 from producer_client.settings import TomlSettings
 
