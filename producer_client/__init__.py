@@ -16,6 +16,7 @@ from producer_client.errors import (
 )
 from producer_client.schema import (
     ChatMessage,
+    JobExpired,
     JobFailed,
     JobRequest,
     JobResult,
@@ -35,6 +36,7 @@ __all__ = [
     "Client",
     "IdempotencyConflict",
     "InvalidArgument",
+    "JobExpired",
     "JobFailed",
     "JobNotFound",
     "JobRequest",

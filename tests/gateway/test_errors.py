@@ -225,8 +225,13 @@ def test_a_job_past_its_deadline_is_a_504_and_is_cancelled(strict_gateway, redis
         timeout=30,
     )
     assert response.status_code == 504
-    assert error_of(response)["code"] == "deadline_exceeded"
+    error = error_of(response)
     (job_id,) = job_ids_in_queue(redis_client, strict_gateway.models[PARKED_MODEL])
+    # At the job's deadline, which the gateway sets to its own wait (job_timeout_s): no worker will start it.
+    assert (error["code"], error["message"]) == (
+        "deadline_exceeded",
+        f"job {job_id} passed its deadline before a worker started it",
+    )
     status = httpx.get(f"{strict_gateway.url}/v1/jobs/{job_id}", headers=auth).json()
     assert status["status"] == "cancelled"  # it never ran, and never will
 

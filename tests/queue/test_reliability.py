@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from producer_client import JobFailed
+from producer_client import JobExpired, JobFailed
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.protocol.execution import execute
 from producer_client.protocol.script import job_keys
@@ -104,10 +104,12 @@ def test_a_worker_takes_only_handed_over_entries_in_its_first_claim_idle_ms(
         WORKER_SCRIPTS,
     )
     started = time.time()
-    with caplog.at_level(logging.INFO, logger="worker.loop.admission"):
-        with serving(redis_server.url, queue, claim_idle_ms=1000, reclaim_interval_s=0.05):
-            assert client.result(handed, timeout=10).text == "handed over"
-            assert client.result(stale, timeout=10).text == "stale"
+    with (
+        caplog.at_level(logging.INFO, logger="worker.loop.admission"),
+        serving(redis_server.url, queue, claim_idle_ms=1000, reclaim_interval_s=0.05),
+    ):
+        assert client.result(handed, timeout=10).text == "handed over"
+        assert client.result(stale, timeout=10).text == "stale"
     # Each says how it was taken: not "idle over 1000 ms" for the entry handed over a moment ago.
     assert taken_lines(caplog) == [
         f"took over 1 entries that a draining worker handed over: {handed} (delivery 1)",
@@ -188,7 +190,10 @@ def test_a_reclaimed_job_past_its_deadline_ends_with_its_recorded_tokens(redis_s
     time.sleep(0.3)
     with serving(redis_server.url, queue, **FAST_RECLAIM):
         partial = client.result(started, timeout=10)
-        expired = client.result(never_started, timeout=10)
+        with pytest.raises(JobExpired):
+            client.result(never_started, timeout=10)
+        assert eventually(lambda: client.status(never_started).result is not None)
+        expired = client.status(never_started).result
     assert (partial.status, partial.finish_reason, partial.text, partial.usage.completion_tokens) == (
         "done",
         "timeout",
@@ -293,9 +298,11 @@ def test_a_drain_hands_unfinished_jobs_over_and_they_resume_at_once(redis_server
         next(iter(client.stream(job_id, timeout=10)))
         leaving.request_stop()
         leaving.wait_stopped()
-    with caplog.at_level(logging.INFO, logger="worker.loop.admission"):
-        with serving(redis_server.url, queue, step_s=0.002, name=f"b-{queue}", **slow) as staying:
-            result = client.result(job_id, timeout=10)
+    with (
+        caplog.at_level(logging.INFO, logger="worker.loop.admission"),
+        serving(redis_server.url, queue, step_s=0.002, name=f"b-{queue}", **slow) as staying,
+    ):
+        result = client.result(job_id, timeout=10)
     assert (result.text, result.worker) == ("h" * 200, staying.name)
     assert taken_lines(caplog) == [f"took over 1 entries that a draining worker handed over: {job_id} (delivery 1)"]
     (first, made), (second, _) = runs(redis_client, job_id)
