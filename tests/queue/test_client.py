@@ -237,6 +237,23 @@ def test_waiting_for_a_job_expired_already_raises_job_expired_at_once(client, ho
     assert e.value.job_id == job_id
 
 
+@pytest.mark.timing
+def test_as_completed_yields_a_job_that_expires_unread_at_its_deadline(client):
+    late = client.submit("x", max_tokens=1, timeout_s=0.05)
+    time.sleep(0.1)
+    started = time.monotonic()
+    soon = client.submit("x", max_tokens=1, timeout_s=EXPIRES_S)
+    cancelled = client.submit("x", max_tokens=1)
+    client.cancel(cancelled)
+    ended = [(r.id, r.status) for r in client.as_completed([soon, late, cancelled], timeout=WAIT_S)]
+    waited = time.monotonic() - started
+    assert set(ended[:2]) == {(cancelled, "cancelled"), (late, "expired")}  # both ended at the call
+    assert ended[2:] == [(soon, "expired")]
+    assert EXPIRES_S <= waited < EXPIRES_S + 2  # the last one's deadline, not the caller's 30 s
+    (result,) = client.results([soon], timeout=WAIT_S)
+    assert (result.status, result.finish_reason, result.text) == ("expired", None, "")
+
+
 def test_unknown_jobs_are_not_found(client):
     for call in (client.status, client.result, client.cancel, lambda j: list(client.stream(j))):
         with pytest.raises(JobNotFound):
