@@ -308,11 +308,11 @@ def read_deadlines(keys: Keys, job_ids: list[str]) -> Steps[list]:
 
     def add(pipe) -> None:
         for job_id in job_ids:
-            pipe.hget(keys.job(job_id), "status")
-            pipe.hget(keys.job(job_id), "deadline")
+            pipe.hmget(keys.job(job_id), "status", "deadline")
         pipe.time()
 
-    return checked((yield add))
+    *fields, redis_time = checked((yield add))
+    return [value for pair in fields for value in pair] + [redis_time]
 
 
 def watch_all(keys: Keys, job_ids: Iterable[str], timeout: float | None) -> Steps[tuple[ResultWatch, Deadline]]:
