@@ -49,7 +49,7 @@ def wait_done(keys: Keys, job_id: str, deadline: Deadline, expires_at: float | N
     UNKNOWN: read it with a first look at the stream that does not block."""
     done = keys.done(job_id)
     if expires_at == UNKNOWN:
-        reply, status, deadline_ms, redis_time = checked(
+        reply, (status, deadline_ms), redis_time = checked(
             (yield Repeatable(lambda pipe: (pipe.xread({done: "0-0"}, count=1), *job_deadline(pipe, keys, job_id))))
         )
         streams = streams_read(reply)
@@ -58,15 +58,18 @@ def wait_done(keys: Keys, job_id: str, deadline: Deadline, expires_at: float | N
         expires_at = expiry(job_id, status, deadline_ms, redis_time)
     while True:
         if expires_at is not None and time.monotonic() >= expires_at:
-            expires_at = expiry(job_id, *checked((yield Repeatable(lambda pipe: job_deadline(pipe, keys, job_id)))))
+            (status, deadline_ms), redis_time = checked(
+                (yield Repeatable(lambda pipe: job_deadline(pipe, keys, job_id)))
+            )
+            expires_at = expiry(job_id, status, deadline_ms, redis_time)
         entries = yield from xread(done, "0-0", 1, deadline, expires_at)
         if entries:
             return entries[0][1]["data"]
 
 
 def job_deadline(pipe, keys: Keys, job_id: str) -> tuple:
-    """The job's status and deadline, and Redis's clock, for `expiry`."""
-    return pipe.hget(keys.job(job_id), "status"), pipe.hget(keys.job(job_id), "deadline"), pipe.time()
+    """The job's status and deadline (one HMGET), and Redis's clock, for `expiry`."""
+    return pipe.hmget(keys.job(job_id), "status", "deadline"), pipe.time()
 
 
 def expiry(job_id: str, status: str | None, deadline_ms: str | None, redis_time: tuple[int, int]) -> float | None:
