@@ -209,11 +209,13 @@ def wait_for_it(client, how: str):
     if how == "generate":
         return client.generate("x", max_tokens=1, timeout_s=EXPIRES_S, timeout=WAIT_S)
     job_id = client.submit("x", max_tokens=1, timeout_s=EXPIRES_S)
+    if how == "stream":
+        return list(client.stream(job_id, timeout=WAIT_S))
     return getattr(client, how)(job_id, timeout=WAIT_S)
 
 
 @pytest.mark.timing
-@pytest.mark.parametrize("how", ["result", "wait", "generate"])
+@pytest.mark.parametrize("how", ["result", "wait", "generate", "stream"])
 def test_waiting_for_a_job_that_expires_unread_raises_job_expired_at_its_deadline(client, how):
     started = time.monotonic()
     with pytest.raises(JobExpired) as e:
@@ -226,13 +228,16 @@ def test_waiting_for_a_job_that_expires_unread_raises_job_expired_at_its_deadlin
 
 
 @pytest.mark.timing
-@pytest.mark.parametrize("how", ["result", "wait"])
+@pytest.mark.parametrize("how", ["result", "wait", "stream"])
 def test_waiting_for_a_job_expired_already_raises_job_expired_at_once(client, how):
     job_id = client.submit("x", max_tokens=1, timeout_s=0.05)
     time.sleep(0.1)
     started = time.monotonic()
     with pytest.raises(JobExpired) as e:
-        getattr(client, how)(job_id, timeout=WAIT_S)
+        if how == "stream":
+            list(client.stream(job_id, timeout=WAIT_S))
+        else:
+            getattr(client, how)(job_id, timeout=WAIT_S)
     assert time.monotonic() - started < 1
     assert e.value.job_id == job_id
 
