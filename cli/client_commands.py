@@ -122,13 +122,29 @@ def response_format(args: argparse.Namespace) -> dict | None:
         return {"type": "choice", "choices": args.choice}
     if args.json_schema is None:
         return None
-    source = args.json_schema
+    return {"type": "json_schema", "json_schema": {"name": "schema", "schema": read_schema(args.json_schema)}}
+
+
+def read_schema(source: str) -> object:
+    """--json-schema's JSON: the text given, or @FILE's. Whether it is a usable schema is the
+    client's check, as for any submit."""
+    if not source.startswith("@"):
+        return parse_json(source, "not JSON (give the schema's JSON text, or @FILE)")
+    path = Path(source[1:])
     try:
-        text = Path(source[1:]).read_text() if source.startswith("@") else source
-        schema = json.loads(text)
-    except (OSError, ValueError) as e:
-        raise InvalidArgument("json_schema", f"not a JSON schema ({type(e).__name__}: {e})") from None
-    return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+        text = path.read_text()
+    except FileNotFoundError:
+        raise InvalidArgument("json_schema", f"the file {path} was not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgument("json_schema", f"the file {path} cannot be read: {e}") from None
+    return parse_json(text, f"the file {path} is not JSON")
+
+
+def parse_json(text: str, what: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise InvalidArgument("json_schema", f"{what}: {e}") from None
 
 
 def cmd_status(client: Client, args: argparse.Namespace) -> int:

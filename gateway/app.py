@@ -42,6 +42,7 @@ from openai_format.render import ChatRenderer, CompletionRenderer, Renderer, fin
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from openai_format.responses import ModelList
 from producer_client import AsyncClient, JobResult, MiliError
+from producer_client.connection import answered_within, connect_async, one_try_options
 from producer_client.schema import JobFailed
 from producer_client.keys import NAME_PATTERN
 
@@ -67,6 +68,19 @@ class Gateway:
         self.registry = ModelRegistry(self.client, settings.models, settings.workers_refresh_s)
         self.jobs = Jobs(lifecycle, settings.job_timeout_s, settings.cancel_on_disconnect)
         self.metrics = GatewayMetrics(self.client.placement)
+        # /health's own connection: the client's calls retry for seconds (a failover), a probe
+        # wants the answer within its timeout.
+        self.health_probe = connect_async(settings.redis, **one_try_options(settings.health_timeout_s, True))
+
+    async def health(self) -> Health:
+        """Redis answers PING, and which models live workers serve; Unreachable (a 503) once
+        health_timeout_s has passed without both."""
+        return await answered_within(self.settings.health_timeout_s, self._health())
+
+    async def _health(self) -> Health:
+        await self.health_probe.ping()
+        cards = (await self.registry.current()).cards
+        return Health(model_loaded=bool(cards), models=[c.id for c in cards])
 
     async def submit(
         self,
@@ -150,6 +164,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
         yield
         await batch_driver.stop()
         await gw.client.aclose()
+        await gw.health_probe.aclose()
 
     app = FastAPI(title="MILI gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app, settings.retry_after_s)
@@ -197,8 +212,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
 
     @app.get("/health")
     async def health():
-        cards = (await gw.registry.current()).cards
-        return json_response(Health(model_loaded=bool(cards), models=[c.id for c in cards]))
+        return json_response(await gw.health())
 
     @app.get("/metrics")
     async def metrics():

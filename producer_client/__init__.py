@@ -17,6 +17,7 @@ from producer_client.errors import (
 )
 from producer_client.schema import (
     ChatMessage,
+    JobExpired,
     JobFailed,
     JobRequest,
     JobResult,
@@ -36,6 +37,7 @@ __all__ = [
     "Client",
     "IdempotencyConflict",
     "InvalidArgument",
+    "JobExpired",
     "JobFailed",
     "JobNotFound",
     "JobRequest",

@@ -263,6 +263,18 @@ class JobFailed(MiliError):
         self.result = result
 
 
+class JobExpired(MiliError):
+    """The job passed its deadline (`timeout_s`, from its enqueue) before a worker started it: no
+    worker will. `result` is the expired result a worker wrote on reading it, if one has."""
+
+    code = "expired"
+
+    def __init__(self, job_id: str, result: JobResult | None = None):
+        super().__init__(f"job {job_id} passed its deadline before a worker started it")
+        self.job_id = job_id
+        self.result = result
+
+
 class JobStatus(BaseModel):
     id: str
     status: JobState

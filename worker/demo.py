@@ -32,17 +32,17 @@ def demo(model: str) -> int:
         adapters = write_adapters(model, Path(tmp))
         with log_path.open("w") as log_file:
             worker = start_worker(model, server.url, log_file, adapters)
+            log = LogTail(log_path)
             try:
                 with Client(server.url) as client:
-                    port = wait_for_worker(client, worker, log_path)
+                    port = wait_for_worker(client, worker, log)
                     jobs = run_jobs(client) + run_adapter_jobs(client, list(adapters))
                     jobs += chat_through_gateway(server.url, model, Path(tmp) / "gateway.log")
                     print_metrics(port, jobs)
             finally:
                 stop_process(worker, timeout_s=60)  # SIGTERM: the worker drains and exits
-        print(f"\nworker log ({log_path.name}):")
-        for line in log_path.read_text().splitlines():
-            print(f"  | {line}")
+        print(f"\nworker log since it started ({log_path.name}):")
+        log.show(final=True)
     print("\nworker and redis-server stopped.")
     return 0
 
@@ -92,16 +92,38 @@ def start_worker(model: str, url: str, log_file, adapters: dict[str, Path]) -> s
     return subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
 
 
-def wait_for_worker(client: Client, worker: subprocess.Popen, log_path: Path) -> int:
-    """Wait for the worker's first heartbeat; returns its metrics port."""
-    print(f"waiting for the worker to load {WORKER_NAME}'s model...", flush=True)
+class LogTail:
+    """The worker's log, shown as it is written: each whole line once, indented."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+
+    def show(self, final: bool = False) -> None:
+        """Print the lines written since the last call (`final`: a last line without its newline too)."""
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = len(data) if final else data.rfind(b"\n") + 1
+        self.offset += end
+        for line in data[:end].decode(errors="replace").splitlines():
+            print(f"  | {line}", flush=True)
+
+
+def wait_for_worker(client: Client, worker: subprocess.Popen, log: LogTail) -> int:
+    """Wait for the worker's first heartbeat, showing its log's progress lines meanwhile (a first
+    start writes the preset and compiles for a minute or more); returns its metrics port."""
+    print(f"waiting for the worker to load {WORKER_NAME}'s model (its log follows):", flush=True)
     deadline = time.monotonic() + WORKER_START_TIMEOUT_S
     while WORKER_NAME not in client.queue_stats().workers:
+        log.show()
         if worker.poll() is not None:
-            raise SystemExit(f"the worker exited with code {worker.returncode}:\n{log_path.read_text()}")
+            log.show(final=True)
+            raise SystemExit(f"the worker exited with code {worker.returncode}")
         if time.monotonic() > deadline:
             raise SystemExit(f"the worker did not start within {WORKER_START_TIMEOUT_S:g}s")
         time.sleep(0.1)
+    log.show()
     return int(client.redis.hget(client.keys.worker(WORKER_NAME), "metrics_port"))
 
 

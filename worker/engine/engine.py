@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from worker.engine.overlap import LaunchedStep, launched
 from worker.engine.radix_cache import RadixCache
 from worker.engine.outputs import Capacity, EngineStats, RequestError, RequestOutput
 from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
-from worker.engine.ranks import RankGroup, load_shares
+from worker.engine.ranks import RankGroup, check_group, load_shares
 from worker.engine.reader import StepReader
 from worker.engine.request import Request
 from worker.engine.runner import ModelRunner
@@ -47,7 +46,8 @@ from worker.engine.stop import TextOutput
 from kernels.token_bitmask import apply_token_bitmask
 from worker.model.config import Qwen3Config
 from worker.model.rank_failed import RankFailed
-from worker.model.presets import resolve_model_path
+from worker.model.presets import model_config, resolve_model_path
+from worker.model.progress import logged_step
 from worker.model.qwen3 import Qwen3ForCausalLM
 from worker.model.tokenizer import Tokenizer
 
@@ -132,17 +132,20 @@ class Engine(OfflineGeneration):
         on `device` (cuda:K: ranks take cuda:K..K+N-1), and N-1 processes are started for the
         others, to be stopped with `close()` (or `with Engine.from_pretrained(...) as engine`)."""
         engine_settings = EngineSettings.parse(**settings)
+        if engine_settings.tensor_parallel_size > 1:  # a refusal comes before a preset is written or a weight read
+            check_group(model_config(model), device, engine_settings.tensor_parallel_size)
         path = resolve_model_path(model)
-        loaded, ranks = load_shares(path, dtype, device, engine_settings)
-        try:
-            tokenizer = Tokenizer.from_dir(path)
-            eos = list(loaded.generation_config.eos_token_ids) + list(tokenizer.eos_token_ids)
-            rank_device = ranks.devices[0] if ranks is not None else torch.device(device)
-            return cls(loaded.model, loaded.config, tokenizer, engine_settings, eos, rank_device, ranks)
-        except BaseException:
-            if ranks is not None:
-                ranks.close()
-            raise
+        with logged_step(log, f"loading {path} on {device}"):
+            loaded, ranks = load_shares(path, dtype, device, engine_settings)
+            try:
+                tokenizer = Tokenizer.from_dir(path)
+                eos = list(loaded.generation_config.eos_token_ids) + list(tokenizer.eos_token_ids)
+                rank_device = ranks.devices[0] if ranks is not None else torch.device(device)
+                return cls(loaded.model, loaded.config, tokenizer, engine_settings, eos, rank_device, ranks)
+            except BaseException:
+                if ranks is not None:
+                    ranks.close()
+                raise
 
     @property
     def devices(self) -> list[str]:
@@ -164,10 +167,15 @@ class Engine(OfflineGeneration):
         kernels do not specialize on what changes from step to step (tests/engine/test_warm_up.py
         checks it against a varied batch); a mixture of experts, whose kernels take larger tiles
         for larger steps, also runs its experts once per tile shape. The detokenizer's table is
-        built here too."""
-        start = time.perf_counter()
+        built here too. The grammar library's view of the vocabulary is not: a worker that serves
+        no structured output never needs it, and its build (a second and a half of CPU for Qwen3's
+        vocabulary, holding the GIL) would hold up the warm-up; the first structured request has
+        it built on the compile thread (worker/engine/grammar/compiler.py)."""
+        with logged_step(log, "warming up: the model and the sampler run once, to compile their kernels"):
+            self._warm_up()
+
+    def _warm_up(self) -> None:
         self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
-        self.grammars.prepare()  # built on the compile thread while the worker starts
         req = Request("warm-up", [0, 1], SamplingParams(temperature=0, max_tokens=2), 0, 0, None, None)
         req.pages = self.allocator.allocate(pages_for(3, self.settings.page_size))  # the prompt and one decode
         try:
@@ -179,7 +187,6 @@ class Engine(OfflineGeneration):
             self.scheduler.page_table.release(req)
         self.runner.model.warm_up_experts(self.settings.max_num_batched_tokens)
         warm_up_lora(self.runner.model, self.settings.max_num_batched_tokens)
-        log.info("warmed up the model and sampler kernels in %.1f s", time.perf_counter() - start)
 
     def _warm_up_mask(self, logits: torch.Tensor) -> None:
         """Masks with an all-allowing row: compiles the structured outputs' kernel, changes nothing."""
