@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from harness.polling import eventually
 from producer_client import JobFailed, SamplingParams
 from producer_client.connection import connect
 from producer_client.keys import GROUP, Keys
@@ -21,7 +22,6 @@ from tests.e2e.support import E2E_QUEUE, MAX_MODEL_LEN, MAX_RUNNING
 from tests.support.clients import make_client
 from tests.support.fixtures import SERVER_ONLY
 from tests.support.jobs import entries_added, queue_streams
-from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()

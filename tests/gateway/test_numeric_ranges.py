@@ -12,11 +12,11 @@ import uuid
 import httpx
 import pytest
 
+from harness.polling import eventually
 from producer_client import Client, InvalidArgument, JobFailed
 from producer_client.keys import Keys
 from tests.gateway.support import ECHO_QUEUE
 from tests.support.jobs import job_count
-from tests.support.polling import eventually
 
 OUT_OF_RANGE = [
     ({"top_k": 2**63}, "top_k"),

@@ -11,10 +11,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.polling import eventually
 from producer_client import Client
 from producer_client.placement import REFRESH_S
 from tests.support.gateways import GatewayProcess
-from tests.support.polling import eventually
 from tests.support.workers import echo_workers
 
 pytestmark = pytest.mark.waits

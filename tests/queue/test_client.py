@@ -11,11 +11,11 @@ import uuid
 import pytest
 from redis.exceptions import NoScriptError
 
+from harness.polling import eventually
 from producer_client import AsyncClient, Client, InvalidArgument, JobNotFound, JobTimeout, QueueFull
 from producer_client.keys import GROUP, Keys
 from producer_client.protocol import execution
 from tests.support.clients import make_client
-from tests.support.polling import eventually
 from worker.embedded_redis import free_port
 from worker.loop.queue import WorkerQueue
 

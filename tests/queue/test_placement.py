@@ -10,6 +10,8 @@ from contextlib import ExitStack
 
 import pytest
 
+from harness.echo_workers import GatedWorker, serving
+from harness.polling import eventually
 from producer_client import BulkQueueFull, Client
 from producer_client.keys import GROUP, Keys
 from producer_client.new_job import build_job
@@ -26,10 +28,8 @@ from producer_client.placement import (
 )
 from producer_client.protocol import execution
 from producer_client.schema import JobRequest
-from tests.queue.support import GatedWorker, serving
 from tests.support.fixtures import on_modes
 from tests.support.jobs import assert_one_final_result, tokens_published
-from tests.support.polling import eventually
 
 pytestmark = pytest.mark.waits
 

@@ -8,10 +8,10 @@ import time
 import pytest
 import redis
 
+from harness.echo_workers import outcome_count, serving
+from harness.polling import eventually
 from producer_client import JobFailed
 from producer_client.keys import GROUP, Keys
-from tests.queue.support import outcome_count, serving
-from tests.support.polling import eventually
 
 pytestmark = pytest.mark.waits
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.polling import eventually
 from producer_client.keys import Keys
-from tests.support.polling import eventually
 from tests.support.workers import FAST_RECLAIM, WorkerProcess
 
 KEYS = Keys()

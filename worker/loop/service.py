@@ -72,7 +72,7 @@ class Worker:
     ):
         """`pause_point`: called in the loop's thread before each exchange with Redis and each engine
         step, the seam where a test holds the worker (a stall) or stops it for good between two of
-        its moves, as kill -9 would (tests/queue/support.py). None in production."""
+        its moves, as kill -9 would (harness/echo_workers.py). None in production."""
         self.engine = engine
         self.pause_point = pause_point
         self.settings = settings
