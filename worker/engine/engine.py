@@ -32,7 +32,7 @@ from worker.engine.kv_pool import PageAllocator, pages_for
 from worker.engine.offline import OfflineGeneration
 from worker.engine.overlap import LaunchedStep, launched
 from worker.engine.radix_cache import RadixCache
-from worker.engine.outputs import Capacity, EngineStats, RequestError, RequestOutput
+from worker.engine.outputs import Capacity, EngineStats, RequestError, RequestId, RequestOutput
 from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
 from worker.engine.ranks import RankGroup, load_shares
 from worker.engine.reader import StepReader
@@ -208,7 +208,7 @@ class Engine(OfflineGeneration):
 
     def add_request(
         self,
-        request_id: str,
+        request_id: RequestId,
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
@@ -294,7 +294,7 @@ class Engine(OfflineGeneration):
             outputs.extend(self._read(self._take_in_flight()))
         return outputs
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: RequestId) -> bool:
         """Ends a live request; its final output (finish_reason "abort") comes with the next step."""
         req = self.scheduler.abort(request_id)
         if req is None:
@@ -413,7 +413,7 @@ class Engine(OfflineGeneration):
             if c.start < c.request.num_prompt_tokens
         )
 
-    def _check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _check_request(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.reader.live:
             raise InvalidArgument("request_id", f"{request_id!r} is already running")
         if not prompt_token_ids:
