@@ -14,10 +14,10 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import HTTPException, RequestValidationError
 from pydantic import BaseModel
-from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from gateway.api_keys import Access, AuthFailures
 from gateway.batch.driver import BatchDriver
@@ -41,8 +41,8 @@ from openai_format.render import ChatRenderer, CompletionRenderer, Renderer, fin
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from openai_format.responses import ModelList
 from producer_client import AsyncClient, JobResult, MiliError
-from producer_client.schema import JobFailed
 from producer_client.keys import NAME_PATTERN
+from producer_client.schema import JobFailed
 
 log = logging.getLogger("gateway")
 

@@ -252,11 +252,12 @@ def read_finished(watch: ResultWatch, block_ms: int, per_slot: bool) -> Steps[li
 def check_exist(keys: Keys, job_ids: list[str]) -> Steps:
     """Raises JobNotFound for the first of `job_ids` with no job: one EXISTS of a chunk's hashes
     counts them, and only a chunk that comes up short is looked at key by key."""
+    # A yielded step runs before the generator resumes, so its lambda reads this iteration's chunk.
     for start in range(0, len(job_ids), CHUNK):
         chunk = job_ids[start : start + CHUNK]
-        (count,) = checked((yield lambda pipe: pipe.exists(*(keys.job(job_id) for job_id in chunk))))
+        (count,) = checked((yield lambda pipe: pipe.exists(*(keys.job(job_id) for job_id in chunk))))  # noqa: B023
         if count < len(chunk):
-            found = checked((yield lambda pipe: [pipe.exists(keys.job(job_id)) for job_id in chunk]))
+            found = checked((yield lambda pipe: [pipe.exists(keys.job(job_id)) for job_id in chunk]))  # noqa: B023
             raise JobNotFound(next(job_id for job_id, exists in zip(chunk, found) if not exists))
 
 

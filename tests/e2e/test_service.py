@@ -198,7 +198,7 @@ def test_bad_inputs_fail_with_a_code_and_the_workers_keep_serving(client, deploy
     stream = KEYS.queue(E2E_QUEUE)
     tag = uuid.uuid4().hex[:8]
     bad = {
-        f"long-{tag}": ('{"input_ids": [%s]}' % ",".join(["100"] * MAX_MODEL_LEN), "prompt_too_long"),
+        f"long-{tag}": (f'{{"input_ids": [{",".join(["100"] * MAX_MODEL_LEN)}]}}', "prompt_too_long"),
         f"stop-{tag}": ('{"prompt": "a", "params": {"stop_token_ids": [999999999]}}', "invalid_argument"),
         f"vocab-{tag}": ('{"input_ids": [151936]}', "invalid_argument"),
         f"json-{tag}": ('{"prompt": ', "invalid_body"),

@@ -211,7 +211,7 @@ def settle(worker: WorkerProcess) -> None:
     writing one, so once the second is written the counters hold all the engine did before this call."""
     for _ in range(2):
         before = worker.heartbeat()["updated_at"]
-        assert eventually(lambda: worker.heartbeat()["updated_at"] != before, timeout=10), worker.log()
+        assert eventually(lambda: worker.heartbeat()["updated_at"] != before, timeout=10), worker.log()  # noqa: B023
 
 
 def metric(worker: WorkerProcess, name: str) -> float:

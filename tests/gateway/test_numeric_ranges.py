@@ -68,7 +68,7 @@ def test_the_worker_fails_a_hand_written_entry_and_serves_on(redis_server, redis
             redis_client.xadd(Keys().queue(ECHO_QUEUE), {"id": job_id, "v": "1", "body": body})
             bad[job_id] = field
         for job_id, field in bad.items():
-            assert eventually(lambda: redis_client.exists(Keys().job(job_id)), timeout=30)  # no client created it
+            assert eventually(lambda: redis_client.exists(Keys().job(job_id)), timeout=30)  # noqa: B023 (no client created it)
             with pytest.raises(JobFailed) as e:
                 client.result(job_id, timeout=30)
             assert e.value.code == "invalid_argument" and field in e.value.message

@@ -52,7 +52,7 @@ def converse(sdk: openai.OpenAI, client: Client) -> dict[int, set[str]]:
 
 
 @pytest.mark.parametrize("placement", [True, False], ids=["placement", "no-placement"])
-def test_a_conversation_through_the_gateway_stays_on_one_worker(redis_server, tmp_path, placement):  # noqa: F811
+def test_a_conversation_through_the_gateway_stays_on_one_worker(redis_server, tmp_path, placement):
     queue = f"gw-placed-{placement}"
     flags = ["--models", json.dumps({MODEL: queue}), "--workers-refresh-s", "0.2"]
     flags.append("--placement" if placement else "--no-placement")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.token_bitmask import apply_token_bitmask
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
 from worker.engine.errors import PromptTooLong
@@ -30,9 +31,9 @@ from worker.engine.grammar.masks import GrammarMasks
 from worker.engine.grammar.request_grammar import RequestGrammar, replayed
 from worker.engine.kv_pool import PageAllocator, pages_for
 from worker.engine.offline import OfflineGeneration
+from worker.engine.outputs import Capacity, EngineStats, RequestError, RequestId, RequestOutput
 from worker.engine.overlap import LaunchedStep, launched
 from worker.engine.radix_cache import RadixCache
-from worker.engine.outputs import Capacity, EngineStats, RequestError, RequestId, RequestOutput
 from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
 from worker.engine.ranks import RankGroup, load_shares
 from worker.engine.reader import StepReader
@@ -42,11 +43,10 @@ from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledChunk, Scheduler
 from worker.engine.settings import EngineSettings
 from worker.engine.stop import TextOutput
-from kernels.token_bitmask import apply_token_bitmask
 from worker.model.config import Qwen3Config
-from worker.model.rank_failed import RankFailed
 from worker.model.presets import resolve_model_path
 from worker.model.qwen3 import Qwen3ForCausalLM
+from worker.model.rank_failed import RankFailed
 from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 from worker.engine.errors import KVCapacityExceeded
 from worker.engine.kv_pool import PageAllocator, pages_for
+from worker.engine.outputs import RequestError, RequestId
 from worker.engine.page_table import PageTable
 from worker.engine.radix_cache import RadixCache
-from worker.engine.outputs import RequestError, RequestId
 from worker.engine.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)

@@ -76,14 +76,14 @@ class EngineSettings(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _decodes_fit_one_step(self) -> "EngineSettings":
+    def _decodes_fit_one_step(self) -> EngineSettings:
         # Every running request decodes every step, so a step must hold one token for each.
         if self.max_running > self.max_num_batched_tokens:
             raise InvalidArgument("max_running", "must not exceed max_num_batched_tokens")
         return self
 
     @classmethod
-    def parse(cls, **kwargs) -> "EngineSettings":
+    def parse(cls, **kwargs) -> EngineSettings:
         """Build and validate, raising InvalidArgument that names the first bad setting."""
         try:
             return cls(**kwargs)
