@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 from contextlib import ExitStack
+from wsgiref.simple_server import WSGIServer
 
 import redis
 
@@ -130,7 +131,7 @@ class RedisRefused(MiliError):
     code = "redis_refused"
 
 
-def serve_metrics(metrics: WorkerMetrics, settings: WorkerSettings) -> tuple[object, int]:
+def serve_metrics(metrics: WorkerMetrics, settings: WorkerSettings) -> tuple[WSGIServer, int]:
     try:
         return metrics.serve(settings.metrics_host, settings.metrics_port)
     except OSError as e:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import cast
 
 from producer_client.chat import tool_names
 from producer_client.chat_output import THINK_CLOSE, THINK_OPEN, OutputFormat, Reasoning
@@ -36,7 +37,7 @@ class Delivery:
     deliveries: int = 1  # XPENDING's delivery count: 1 for a first read, raised by every reclaim
     job_id: str = field(init=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.job_id = job_id_of(self.entry_id, self.fields)
 
 
@@ -100,14 +101,17 @@ def render_prompt(request: JobRequest, tokenizer: EngineTokenizer) -> tuple[list
     if request.input_ids is not None:
         return list(request.input_ids), None
     if request.messages is None:
-        return tokenizer.encode(request.prompt), None
+        return tokenizer.encode(cast(str, request.prompt)), None  # JobRequest holds exactly one of the three
     tools = request.offered_tools()
-    text = tokenizer.apply_chat_template(
-        [m.for_template() for m in request.messages],
-        add_generation_prompt=True,
-        tokenize=False,
-        tools=[t.model_dump(exclude_none=True) for t in tools] or None,
-        enable_thinking=request.enable_thinking,
+    text = cast(  # tokenize=False: the text
+        str,
+        tokenizer.apply_chat_template(
+            [m.for_template() for m in request.messages],
+            add_generation_prompt=True,
+            tokenize=False,
+            tools=[t.model_dump(exclude_none=True) for t in tools] or None,
+            enable_thinking=request.enable_thinking,
+        ),
     )
     fmt = OutputFormat(
         reasoning=reasoning_of(request.enable_thinking, text), tools=tool_names(tools) if tools else None

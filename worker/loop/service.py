@@ -37,6 +37,7 @@ from producer_client.connection import is_fatal
 from producer_client.keys import Keys
 from producer_client.protocol.replication import Replication
 from worker.engine.interface import EngineAPI
+from worker.engine.outputs import RequestOutput
 from worker.loop.admission import Admission
 from worker.loop.collection import Collector
 from worker.loop.context import LoopContext
@@ -257,7 +258,7 @@ class Worker:
             if job.stop_reason is None and job.deadline is not None and now > job.deadline:
                 self.holdings.stop(job, "timeout")
 
-    def _step(self) -> list:
+    def _step(self) -> list[RequestOutput]:
         try:
             return self.engine.step()
         except Exception as e:
