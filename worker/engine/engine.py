@@ -12,7 +12,6 @@ and samples alone, and every rank runs each step's forward over its share of the
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
@@ -21,39 +20,31 @@ from pathlib import Path
 
 import torch
 
-from kernels.token_bitmask import apply_token_bitmask
-from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
-from worker.engine.errors import PromptTooLong
 from worker.engine.grammar.compiler import GrammarCompiler
 from worker.engine.grammar.constraint import Constraint
 from worker.engine.grammar.masks import GrammarMasks
-from worker.engine.grammar.request_grammar import RequestGrammar, replayed
-from worker.engine.kv_pool import PageAllocator, pages_for
+from worker.engine.grammar_starts import GrammarStarts
+from worker.engine.intake import RequestIntake
+from worker.engine.kv_pool import PageAllocator
 from worker.engine.offline import OfflineGeneration
-from worker.engine.outputs import Capacity, EngineStats, RequestError, RequestId, RequestOutput
-from worker.engine.overlap import LaunchedStep, launched
+from worker.engine.outputs import Capacity, EngineStats, RequestId, RequestOutput
 from worker.engine.radix_cache import RadixCache
 from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
 from worker.engine.ranks import RankGroup, load_shares
 from worker.engine.reader import StepReader
-from worker.engine.request import Request
 from worker.engine.runner import ModelRunner
 from worker.engine.sampler import Sampler
-from worker.engine.scheduler import ScheduledChunk, Scheduler
+from worker.engine.scheduler import Scheduler
 from worker.engine.settings import EngineSettings
-from worker.engine.stop import TextOutput
+from worker.engine.startup import log_limits, warm_up_kernels
+from worker.engine.stepper import Stepper
 from worker.model.config import Qwen3Config
 from worker.model.presets import resolve_model_path
 from worker.model.qwen3 import Qwen3ForCausalLM
-from worker.model.rank_failed import RankFailed
 from worker.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-# How long a step with nothing to run waits for a grammar being compiled, instead of returning
-# at once to a caller that would call again straight away.
-COMPILE_WAIT_S = 0.005
 
 
 class Engine(OfflineGeneration):
@@ -97,8 +88,6 @@ class Engine(OfflineGeneration):
             ranks.ring if ranks is not None else None,
         )
         self.sampler = Sampler(self.eos_token_ids)
-        self.overlap = overlap_enabled(settings, device)
-        self._in_flight: LaunchedStep | None = None  # overlapped: the step the device may still be running
         self.reader = StepReader(self.scheduler, self.eos_token_ids, self.max_model_len, self.vocab_size)
         # A mask covers the tokenizer's vocabulary, whose size the model's may fall short of (test models).
         mask_vocab = max(self.vocab_size, tokenizer.vocab_size)
@@ -106,12 +95,34 @@ class Engine(OfflineGeneration):
             tokenizer, mask_vocab, self.vocab_size, self.eos_token_ids, settings.grammar_cache_size
         )
         self.masks = GrammarMasks(mask_vocab, self.eos_token_ids, settings.max_running)
-        self._compiling: list[Request] = []  # requests whose grammar has not started yet
-        self._ended: list[RequestOutput] = []  # finals of requests that ended between steps (aborts)
-        self._arrivals = itertools.count()
+        self.intake = RequestIntake(
+            tokenizer, self.grammars, self.reader, self.vocab_size, self.max_model_len, self.eos_token_ids, device
+        )
+        self.grammar_starts = GrammarStarts(self.scheduler, self.reader)
         self._generate_ids = itertools.count()
-        self._steps = self._computed_tokens = self._computed_prompt_tokens = 0
-        self._log_limits(num_pages)
+        self.stepper = Stepper(
+            self.scheduler,
+            self.runner,
+            self.sampler,
+            self.masks,
+            self.reader,
+            self.grammar_starts,
+            ranks,
+            overlap_enabled(settings, device),
+        )
+        log_limits(
+            settings,
+            self.max_model_len,
+            num_pages,
+            self.runner.decode_graphs is not None,
+            self.overlap,
+            self.eos_token_ids,
+        )
+
+    @property
+    def overlap(self) -> bool:
+        """Whether a step is launched before the previous one is read (EngineSettings.overlap_schedule)."""
+        return self.stepper.overlap
 
     @classmethod
     def from_pretrained(
@@ -163,46 +174,8 @@ class Engine(OfflineGeneration):
         start = time.perf_counter()
         self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
         self.grammars.prepare()  # built on the compile thread while the worker starts
-        req = Request("warm-up", [0, 1], SamplingParams(temperature=0, max_tokens=2), 0, 0, None, None)
-        req.pages = self.allocator.allocate(pages_for(3, self.settings.page_size))  # the prompt and one decode
-        try:
-            for chunk in (ScheduledChunk(req, 0, 2, True), ScheduledChunk(req, 2, 1, True)):
-                sampled = self.sampler(self.runner.run([chunk]), [req], self._warm_up_mask)
-                req.token_ids.append(sampled.token_ids[0])
-        finally:
-            self.allocator.decref(req.pages)
-            self.scheduler.page_table.release(req)
-        self.runner.model.warm_up_experts(self.settings.max_num_batched_tokens)
+        warm_up_kernels(self.runner, self.sampler, self.masks, self.allocator, self.scheduler.page_table, self.settings)
         log.info("warmed up the model and sampler kernels in %.1f s", time.perf_counter() - start)
-
-    def _warm_up_mask(self, logits: torch.Tensor) -> None:
-        """Masks with an all-allowing row: compiles the structured outputs' kernel, changes nothing."""
-        rows = torch.zeros(1, dtype=torch.long, device=logits.device)
-        everything = torch.full((1, self.masks.table.shape[1]), -1, dtype=torch.int32, device=logits.device)
-        apply_token_bitmask(logits, everything, rows, rows)
-
-    def _log_limits(self, num_pages: int) -> None:
-        s = self.settings
-        log.info(
-            "engine: max_model_len %d, %d KV pages x %d tokens, max_running %d, max_num_batched_tokens %d, "
-            "prefix cache %s, decode CUDA graphs %s, overlapped scheduling %s, eos %s",
-            self.max_model_len,
-            num_pages,
-            s.page_size,
-            s.max_running,
-            s.max_num_batched_tokens,
-            on_off(s.enable_prefix_cache),
-            on_off(self.runner.decode_graphs is not None),
-            on_off(self.overlap),
-            self.eos_token_ids,
-        )
-        if num_pages * s.page_size < self.max_model_len:
-            log.warning(
-                "the KV pool holds %d tokens, fewer than max_model_len %d: a request that outgrows the "
-                "pool fails with kv_capacity_exceeded",
-                num_pages * s.page_size,
-                self.max_model_len,
-            )
 
     # -- the loop interface ------------------------------------------------------------
 
@@ -233,36 +206,11 @@ class Engine(OfflineGeneration):
         parameters, and PromptTooLong when the prompt leaves no room for output within
         max_model_len.
         """
-        self._check_request(request_id, prompt_token_ids, params)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
-        detokenizer = self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
-        req = Request(
-            request_id,
-            prompt_token_ids,
-            params,
-            priority,
-            next(self._arrivals),
-            TextOutput(detokenizer, params.stop),
-            generator,
-        )
-        self.reader.replay(req, list(resume_token_ids))
-        if constraint is None and params.response_format is not None:
-            constraint = Constraint.of_format(params.response_format)
-        if constraint is not None:
-            req.grammar = self._compile(constraint, params, resume_token_ids)
-            self._compiling.append(req)
+        req = self.intake.build(request_id, prompt_token_ids, params, priority, resume_token_ids, constraint)
+        if req.grammar is not None:
+            self.grammar_starts.add(req)
         self.reader.live[request_id] = req
         self.scheduler.add(req)
-
-    def _compile(
-        self, constraint: Constraint, params: SamplingParams, resume_token_ids: Sequence[int]
-    ) -> RequestGrammar:
-        compiled = self.grammars.submit(constraint, functools.partial(replayed, constraint, list(resume_token_ids)))
-        ends = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
-        return RequestGrammar(constraint, compiled, ends)
 
     def step(self) -> list[RequestOutput]:
         """Runs one batched model step; returns a delta for every request that produced a token
@@ -271,28 +219,7 @@ class Engine(OfflineGeneration):
         Overlapped (`self.overlap`), the step is launched and the previous one's deltas are
         returned while the device runs it (worker.engine.overlap)."""
         self._check_ranks()
-        outputs, self._ended = self._ended, []
-        if self._compiling:
-            self._start_grammars(outputs)
-        if self._in_flight is not None and self._in_flight.needs_host_tokens:
-            outputs.extend(self._read(self._take_in_flight()))
-        scheduled = self.scheduler.schedule()
-        for req in scheduled.failed:
-            outputs.append(self.reader.end(req, req.text.finish(), []))
-        previous = self._take_in_flight()
-        try:
-            self._in_flight = self._launch(scheduled.chunks, previous, outputs) if scheduled.chunks else None
-        except BaseException:
-            if previous is not None and not previous.read:
-                self._in_flight = previous  # its placeholders still stand for its tokens
-            raise
-        if previous is not None and not previous.read:
-            outputs.extend(self._read(previous))
-        if not scheduled.chunks and self._compiling and previous is None:
-            self._compiling[0].grammar.wait_compiled(COMPILE_WAIT_S)
-        if not self.overlap and self._in_flight is not None:
-            outputs.extend(self._read(self._take_in_flight()))
-        return outputs
+        return self.stepper.step()
 
     def abort(self, request_id: RequestId) -> bool:
         """Ends a live request; its final output (finish_reason "abort") comes with the next step."""
@@ -300,7 +227,7 @@ class Engine(OfflineGeneration):
         if req is None:
             return False
         req.finish("abort")
-        self._ended.append(self.reader.end(req, req.text.finish(), []))
+        self.stepper.ended.append(self.reader.end(req, req.text.finish(), []))
         log.debug("aborted request %s after %d output tokens", request_id, req.num_output_tokens)
         return True
 
@@ -316,7 +243,7 @@ class Engine(OfflineGeneration):
 
     def has_unfinished(self) -> bool:
         self._check_ranks()
-        return bool(self.reader.live or self._ended)
+        return bool(self.reader.live or self.stepper.ended)
 
     def _check_ranks(self) -> None:
         """RankFailed once another rank has died: the worker's loop calls one of the three
@@ -325,11 +252,11 @@ class Engine(OfflineGeneration):
             self.ranks.check()
 
     def stats(self) -> EngineStats:
-        grammars = self.grammars.stats
+        grammars, counts = self.grammars.stats, self.stepper.counts
         return EngineStats(
-            self._steps,
-            self._computed_tokens,
-            self._computed_prompt_tokens,
+            counts.steps,
+            counts.computed_tokens,
+            counts.computed_prompt_tokens,
             self.scheduler.num_preemptions,
             self.cache.queried_tokens,
             self.cache.hit_tokens,
@@ -337,101 +264,6 @@ class Engine(OfflineGeneration):
             grammars.compiles,
             grammars.compile_seconds,
         )
-
-    # -- one step ------------------------------------------------------------------------
-
-    def _launch(
-        self,
-        chunks: list[ScheduledChunk],
-        previous: LaunchedStep | None,
-        outputs: list[RequestOutput],
-    ) -> LaunchedStep | None:
-        """Queues the step's model run and sampling; None when no chunk samples. When a request
-        that samples has a grammar, the previous step is read (into `outputs`) between the two:
-        its tokens advance the matchers whose masks this sampling needs (overlap.py)."""
-        self._count_computed(chunks)
-        sampling = [c.request for c in chunks if c.samples]
-        try:
-            if self.ranks is not None:
-                self.ranks.start_serving()  # the warm-up's steps were start-up's, this one is served
-            logits = self.runner.run(chunks, previous.device_tokens if previous is not None else None)
-        except RankFailed as e:
-            raise self.ranks.explain(e) if self.ranks is not None else e from None
-        self.scheduler.commit(chunks)
-        if not sampling:
-            return None
-        constrained = any(r.grammar is not None for r in sampling)
-        mask = None
-        if constrained:
-            if previous is not None and not previous.read:
-                outputs.extend(self._read(previous))
-            batch_mask = self.masks.batch_mask(sampling)
-            if batch_mask is not None:
-                mask = functools.partial(self.masks.apply, mask=batch_mask)
-        return launched(sampling, self.sampler.sample(logits, sampling, mask), constrained)
-
-    def _take_in_flight(self) -> LaunchedStep | None:
-        step, self._in_flight = self._in_flight, None
-        return step
-
-    def _read(self, step: LaunchedStep) -> list[RequestOutput]:
-        step.read = True
-        if step.constrained:
-            self.masks.settle()  # no fill may touch a matcher while the reader advances it
-        outputs = self.reader.read(step, self.sampler.read(step.wait(), step.requests))
-        if step.constrained:
-            self.masks.prefill(step.requests)  # the rows of their next step, while the loop goes on
-        return outputs
-
-    def _start_grammars(self, outputs: list[RequestOutput]) -> None:
-        """Requests whose grammar compiled since the last step can be admitted now; one whose
-        grammar did not compile ends with the error, and one resumed with tokens that complete
-        its grammar ends as "stop"."""
-        compiling = []
-        for req in self._compiling:
-            if req.is_finished:
-                continue  # aborted while it compiled
-            if not req.grammar.compiled:
-                compiling.append(req)
-                continue
-            error = req.grammar.start()
-            if error is not None:
-                self.scheduler.abort(req.request_id)
-                req.finish("error", RequestError(error.code, error.message))
-                log.info("request %s: its grammar does not compile: %s", req.request_id, error.message)
-                outputs.append(self.reader.end(req, req.text.finish(), []))
-            elif req.grammar.complete:
-                outputs.append(self.reader.end_by_grammar(req))  # resumed after its output was whole
-        self._compiling = compiling
-
-    def _count_computed(self, chunks: list[ScheduledChunk]) -> None:
-        self._steps += 1
-        self._computed_tokens += sum(c.num_tokens for c in chunks)
-        self._computed_prompt_tokens += sum(
-            min(c.start + c.num_tokens, c.request.num_prompt_tokens) - c.start
-            for c in chunks
-            if c.start < c.request.num_prompt_tokens
-        )
-
-    def _check_request(self, request_id: RequestId, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.reader.live:
-            raise InvalidArgument("request_id", f"{request_id!r} is already running")
-        if not prompt_token_ids:
-            raise InvalidArgument("prompt_token_ids", "must not be empty")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise InvalidArgument("prompt_token_ids", f"token ids must be in [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise PromptTooLong(
-                "prompt_token_ids",
-                f"{len(prompt_token_ids)} tokens leave no room for output within max_model_len {self.max_model_len}",
-            )
-        params.check_consistency()
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise InvalidArgument("stop_token_ids", f"token ids must be below the vocabulary size {self.vocab_size}")
-
-
-def on_off(flag: bool) -> str:
-    return "on" if flag else "off"
 
 
 def overlap_enabled(settings: EngineSettings, device: torch.device) -> bool:
