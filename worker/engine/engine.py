@@ -68,16 +68,7 @@ class Engine(OfflineGeneration):
         self.eos_token_ids = sorted(t for t in set(eos_token_ids) if t < config.vocab_size)
         memory = prepare_rank(model, config, settings, device, self.max_model_len)
         num_pages = memory.num_pages
-        self.allocator = PageAllocator(num_pages)
-        self.cache = RadixCache(self.allocator, settings.page_size, settings.enable_prefix_cache)
-        self.scheduler = Scheduler(
-            self.allocator,
-            self.cache,
-            settings.page_size,
-            settings.max_running,
-            settings.max_num_batched_tokens,
-            self.max_model_len,
-        )
+        self._build_kv_pool(num_pages)
         self.runner = ModelRunner(
             model,
             memory.kv_caches,
@@ -89,12 +80,7 @@ class Engine(OfflineGeneration):
         )
         self.sampler = Sampler(self.eos_token_ids)
         self.reader = StepReader(self.scheduler, self.eos_token_ids, self.max_model_len, self.vocab_size)
-        # A mask covers the tokenizer's vocabulary, whose size the model's may fall short of (test models).
-        mask_vocab = max(self.vocab_size, tokenizer.vocab_size)
-        self.grammars = GrammarCompiler(
-            tokenizer, mask_vocab, self.vocab_size, self.eos_token_ids, settings.grammar_cache_size
-        )
-        self.masks = GrammarMasks(mask_vocab, self.eos_token_ids, settings.max_running)
+        self._build_grammars()
         self.intake = RequestIntake(
             tokenizer, self.grammars, self.reader, self.vocab_size, self.max_model_len, self.eos_token_ids, device
         )
@@ -118,6 +104,25 @@ class Engine(OfflineGeneration):
             self.overlap,
             self.eos_token_ids,
         )
+
+    def _build_kv_pool(self, num_pages: int) -> None:
+        """The page pool, the prefix cache over it, and the scheduler that hands its pages out."""
+        s = self.settings
+        self.allocator = PageAllocator(num_pages)
+        self.cache = RadixCache(self.allocator, s.page_size, s.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            self.allocator, self.cache, s.page_size, s.max_running, s.max_num_batched_tokens, self.max_model_len
+        )
+
+    def _build_grammars(self) -> None:
+        """The structured outputs' compiler and masks."""
+        # A mask covers the tokenizer's vocabulary, whose size the model's may fall short of (test models).
+        mask_vocab = max(self.vocab_size, self.tokenizer.vocab_size)
+        s = self.settings
+        self.grammars = GrammarCompiler(
+            self.tokenizer, mask_vocab, self.vocab_size, self.eos_token_ids, s.grammar_cache_size
+        )
+        self.masks = GrammarMasks(mask_vocab, self.eos_token_ids, s.max_running)
 
     @property
     def overlap(self) -> bool:
