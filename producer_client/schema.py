@@ -47,7 +47,7 @@ class SamplingParams(BaseModel):
     response_format: ResponseFormat | None = None
 
     @classmethod
-    def parse(cls, **kwargs) -> "SamplingParams":
+    def parse(cls, **kwargs) -> SamplingParams:
         """Build and validate, raising InvalidArgument that names the first bad field."""
         try:
             params = cls(**kwargs)

@@ -18,7 +18,6 @@ from worker.model.presets import qwen3_config, qwen3_moe_config, resolve_model_p
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 from worker.model.tokenizer import Tokenizer
 
-
 # The dense test model's shape; each checkpoint below changes what it needs.
 DENSE = dict(
     vocab_size=VOCAB,

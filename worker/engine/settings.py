@@ -124,7 +124,7 @@ class EngineSettings(BaseModel):
         return self.max_cpu_loras or self.max_loras
 
     @model_validator(mode="after")
-    def _decodes_fit_one_step(self) -> "EngineSettings":
+    def _decodes_fit_one_step(self) -> EngineSettings:
         # Every running request decodes every step, so a step must hold one token for each.
         if self.max_running > self.max_num_batched_tokens:
             raise InvalidArgument("max_running", "must not exceed max_num_batched_tokens")
@@ -139,7 +139,7 @@ class EngineSettings(BaseModel):
         return self
 
     @classmethod
-    def parse(cls, **kwargs) -> "EngineSettings":
+    def parse(cls, **kwargs) -> EngineSettings:
         """Build and validate, raising InvalidArgument that names the first bad setting."""
         try:
             return cls(**kwargs)
