@@ -131,7 +131,7 @@ class EngineSettings(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _slots_fit_the_host_cache(self) -> "EngineSettings":
+    def _slots_fit_the_host_cache(self) -> EngineSettings:
         # An adapter read from disk waits in the host cache for a slot: a cache smaller than the
         # slots could drop it before it is installed.
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
