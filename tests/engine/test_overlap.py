@@ -50,6 +50,9 @@ class FakeModel:
         logits = torch.nn.functional.one_hot(next_token(hidden[:, 0], hidden[:, 1]), VOCAB).float()
         return logits if out is None else out.copy_(logits)
 
+    def modules(self):
+        return iter(())  # no LoRA adapter slots (worker.model.lora.lora_slots looks for them)
+
 
 @pytest.fixture
 def fake_engine(loaded):
