@@ -4,9 +4,11 @@
         [--json | --json-schema SCHEMA | --regex PATTERN | --choice TEXT...]    structured output
     mili status ID | mili result ID | mili cancel ID | mili stats [--all]     (cli.client_commands)
     mili dead list|show|retry|purge | mili workers | mili jobs --status S    (cli.operator_commands)
+    mili quota set TENANT [--max-waiting N] [--rpm N] [--tpm N] [--weight W] | mili quota show    (cli.quota_commands)
     mili batch INPUT.jsonl -o OUTPUT.jsonl [-e ERRORS.jsonl]    an OpenAI batch file, resumable (cli.batch_command)
 
---redis (env MILI_REDIS) and --queue (env MILI_QUEUE) pick the queue.
+--redis (env MILI_REDIS) and --queue (env MILI_QUEUE) pick the queue, --tenant (env MILI_TENANT)
+who submits.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 
 import redis
 
-from cli import batch_command, client_commands, operator_commands
+from cli import batch_command, client_commands, operator_commands, quota_commands
 from producer_client.client import Client
 from producer_client.client_base import DEFAULT_URL
 from producer_client.connection import redact_url
@@ -27,7 +29,7 @@ from producer_client.errors import MiliError
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with Client(args.redis, args.queue, prefix=args.prefix) as client:
+        with Client(args.redis, args.queue, prefix=args.prefix, tenant=args.tenant) as client:
             return args.run(client, args)
     except MiliError as e:
         print(f"error: {e.code}: {e.message}", file=sys.stderr)
@@ -42,10 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--redis", default=os.environ.get("MILI_REDIS", DEFAULT_URL), help="Redis URL (env MILI_REDIS)")
     parser.add_argument("--queue", default=os.environ.get("MILI_QUEUE", "default"), help="queue name (env MILI_QUEUE)")
     parser.add_argument("--prefix", default=os.environ.get("MILI_PREFIX", "mili"), help="key prefix (env MILI_PREFIX)")
+    parser.add_argument(
+        "--tenant", default=os.environ.get("MILI_TENANT"), help="who submits: its share and limits (env MILI_TENANT)"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     client_commands.add_commands(commands)
     batch_command.add_command(commands)
     operator_commands.add_commands(commands)
+    quota_commands.add_commands(commands)
     return parser
 
 

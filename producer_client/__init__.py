@@ -13,6 +13,8 @@ from producer_client.errors import (
     JobTimeout,
     MiliError,
     QueueFull,
+    RateLimited,
+    WaitingQuotaExceeded,
 )
 from producer_client.schema import (
     ChatMessage,
@@ -44,11 +46,13 @@ __all__ = [
     "MiliError",
     "QueueFull",
     "QueueStats",
+    "RateLimited",
     "ResultWatch",
     "SamplingParams",
     "Timings",
     "TokenDelta",
     "Usage",
+    "WaitingQuotaExceeded",
     "WorkerInfo",
     "errors",
 ]

@@ -12,8 +12,9 @@ from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
 from producer_client.connection import RedisURL, async_retry_policy, connect_async
 from producer_client.job_stream import follow
-from producer_client.new_job import build_job
+from producer_client.new_job import build_job, build_job_of
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
+from producer_client.sharing import Submitted
 from producer_client.status_reads import read_live_workers, read_queue_stats
 
 
@@ -46,12 +47,25 @@ class AsyncClient(ClientBase):
         priority: int = 0,
         request_fingerprint: str | None = None,
         stream: bool = False,
+        service_tier: str | None = None,
         **sampling: Any,
     ) -> str:
         job = build_job(
-            prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint, stream=stream
+            prompt,
+            messages,
+            input_ids,
+            request_id,
+            timeout_s,
+            priority,
+            sampling,
+            request_fingerprint,
+            stream=stream,
+            service_tier=service_tier,
         )
         return await self.run_steps(self.redis, operations.submit(self, job))
+
+    async def submit_rated(self, **arguments: Any) -> Submitted:
+        return await self.run_steps(self.redis, operations.submit_rated(self, build_job_of(arguments)))
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         return await self.run_steps(self.redis, operations.result(self.keys, job_id, timeout))

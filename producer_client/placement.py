@@ -84,29 +84,29 @@ class View:
     candidates: list[Candidate] = field(default_factory=list)
 
     def choose(self, key: bytes) -> Candidate | None:
-        """The first worker in the key's rendezvous order under the load bound, preferring one with
-        a free slot; None (the shared stream) with fewer than two workers or none under it. The
-        bound: LOAD_BOUND x the mean load, or the least load plus BALANCE_ABS, whichever is higher."""
+        """The first worker in the key's rendezvous order under the load bound with a free slot;
+        None (the lanes) with fewer than two workers or none such. The bound: LOAD_BOUND x the mean
+        load, or the least load plus BALANCE_ABS, whichever is higher. A job never waits in a
+        worker's stream for a slot: a stream of its own is FIFO, where lanes and tenants' shares
+        would not hold, so under contention every job goes through the lanes, where they do."""
         if len(self.candidates) < 2:
             return None
         total = sum(c.load for c in self.candidates) + 1
         least = min(c.load for c in self.candidates)
         bound = max(math.ceil(LOAD_BOUND * total / len(self.candidates)), least + BALANCE_ABS)
         order = sorted(self.candidates, key=lambda c: rendezvous_score(key, c.name), reverse=True)
-        under = [c for c in order if c.load < bound]
-        # Past its slots a job waits in the stream; past twice its slots the backlog is the shared
-        # stream's, where the queue's bound and its lag (what autoscalers read) see it.
-        return next((c for c in under if c.load < c.slots), None) or next(
-            (c for c in under if c.load < 2 * c.slots), None
-        )
+        return next((c for c in order if c.load < bound and c.load < c.slots), None)
 
 
 def candidates_from(heartbeats: Iterable[dict[str, str]], lengths: Iterable[int], queue: str) -> list[Candidate]:
-    """The serving workers of `queue` that advertise placement, from their heartbeat hashes (empty:
+    """The serving workers of `queue` that advertise placement and read lanes (a placed entry
+    carries its lane, tenant and cost, which only those read), from their heartbeat hashes (empty:
     expired) and the lengths of their own streams."""
     found = []
     for beat, length in zip(heartbeats, lengths):
         if beat.get("queue") != queue or beat.get("state") != "serving" or beat.get("placement") != "1":
+            continue
+        if beat.get("lanes") != "1":
             continue
         try:
             running, slots, held = int(beat["running"]), int(beat["slots"]), int(beat["placed_held"])

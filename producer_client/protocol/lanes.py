@@ -40,7 +40,7 @@ local function activate(zset, sched, streams, bell, lane, tenant)
   local least = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')
   local lift = tonumber(least[2] or redis.call('HGET', sched, 'floor:' .. lane) or '0')
   local saved = tonumber(redis.call('HGET', sched, 'c:' .. lane .. ':' .. tenant) or '0')
-  redis.call('ZADD', zset, math.max(saved, lift), tenant)
+  redis.call('ZADD', zset, math.max(saved, lift), tenant)  -- '-' has none saved: lifted
   if lane ~= 'default' or tenant ~= '-' then redis.call('SADD', streams, lane .. ':' .. tenant) end
   redis.call('XADD', bell, 'MAXLEN', {DOORBELL_MAXLEN}, '*', 'r', '1')
 end

@@ -286,8 +286,8 @@ return 1
 # lane, its counter saved. The queue's own stream is looked at whenever its tenant is not active
 # (producers that know no lanes write it). A lane stream that has no group yet is given one; one
 # of another type (a producer may write it) leaves its lane and is reported. Last, the doorbell:
-# one entry if work is left (an idle worker wakes to take it), none if not (nobody needs waking).
-# Returns {{lane, tenant, {{id, {field, value...}}...}}...}, and {'!', stream, error} for a
+# one entry if a lane's stream has work left (an idle worker wakes to take it), none if not
+# (nobody needs waking; the queue's own stream wakes its idle readers by itself). Returns {{lane, tenant, {{id, {field, value...}}...}}...}, and {'!', stream, error} for a
 # stream that refused.
 READ = Script(
     "read",
@@ -313,7 +313,7 @@ for _ = 1, tonumber(ARGV[7]) do
   if l then
     if redis.call('ZSCORE', KEYS[1 + l], tenant) then
       redis.call('ZINCRBY', KEYS[1 + l], tokens / weight(tenant), tenant)
-    else
+    elseif tenant ~= '-' then
       redis.call('HINCRBYFLOAT', sched, 'c:' .. LANES[l] .. ':' .. tenant, tokens / weight(tenant))
     end
   end
@@ -376,11 +376,15 @@ local function at_end(stream, entries)
   return #last == 0 or last[1][1] == entries[#entries][1]
 end
 
+-- The queue's own stream's tenant ('-', what producers that know no lanes write) keeps no counter
+-- when it leaves: it is lifted to the least active counter whenever it comes back, and a queue
+-- without tenants writes nothing here.
 local function leave(l, tenant, counter)
   redis.call('ZREM', KEYS[1 + l], tenant)
-  redis.call('HSET', sched, 'c:' .. LANES[l] .. ':' .. tenant, counter)
+  local named = tenant ~= '-'
+  if named then redis.call('HSET', sched, 'c:' .. LANES[l] .. ':' .. tenant, counter) end
   if redis.call('ZCARD', KEYS[1 + l]) == 0 then
-    redis.call('HSET', sched, 'floor:' .. LANES[l], counter)
+    if named then redis.call('HSET', sched, 'floor:' .. LANES[l], counter) end
     waiting[l] = false
     maybe[l] = l == 2 and not probed
   end
@@ -395,15 +399,14 @@ local function probe()
     maybe[2] = waiting[2]
     return 0
   end
-  local least = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
-  local lift = tonumber(least[2] or redis.call('HGET', sched, 'floor:default') or '0')
-  local saved = tonumber(redis.call('HGET', sched, 'c:default:-') or '0')
-  local counter = math.max(saved, lift) + cost_of(entries[1]) / weight('-')
   table.insert(out, {{'default', '-', entries}})
   if at_end(KEYS[1], entries) then
-    redis.call('HSET', sched, 'c:default:-', counter)
+    maybe[2] = waiting[2]
     return 1
   end
+  local least = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
+  local lift = tonumber(least[2] or redis.call('HGET', sched, 'floor:default') or '0')
+  local counter = lift + cost_of(entries[1]) / weight('-')
   redis.call('ZADD', KEYS[3], counter, '-')
   waiting[2] = true
   return 1
@@ -468,9 +471,15 @@ end
 if credit_changed then
   redis.call('HSET', sched, 'credit:default', credit[2], 'credit:flex', credit[3])
 end
+-- Work left in a lane's stream: the queue's own stream aside, whose every XADD wakes a worker
+-- blocked on it.
 local left = false
 for l = 1, 3 do
-  if waiting[l] and redis.call('ZCARD', KEYS[1 + l]) > 0 then left = true end
+  if waiting[l] then
+    local tenants = redis.call('ZCARD', KEYS[1 + l])
+    if l == 2 and redis.call('ZSCORE', KEYS[3], '-') then tenants = tenants - 1 end
+    if tenants > 0 then left = true end
+  end
 end
 local bell = redis.call('XLEN', KEYS[6])
 if left and bell == 0 then

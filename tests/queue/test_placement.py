@@ -113,17 +113,18 @@ def test_a_job_goes_to_its_first_choice_while_that_one_is_under_the_bound():
     assert loaded(key, 120, 80, 80).choose(key).name == second  # bound max(118, 112)
 
 
-def test_a_full_first_choice_gives_way_to_one_with_a_free_slot_then_to_a_backlog_of_one_batch():
+def test_a_full_first_choice_gives_way_to_one_with_a_free_slot_and_none_waits_in_a_workers_stream():
     key = b"conversation"
     first, second = order_of(view(0, 0), key)
     assert loaded(key, 2, 1, slots=2).choose(key).name == second  # the first has no free slot, the second has one
-    assert loaded(key, 3, 2, slots=2).choose(key).name == first  # neither has: the first is under twice its slots
+    # Neither has a free slot: the job goes through the lanes, where lanes and shares hold.
+    assert loaded(key, 2, 2, slots=2).choose(key) is None
 
 
-def test_the_shared_stream_takes_a_job_with_one_worker_or_none_under_the_bound():
+def test_the_lanes_take_a_job_with_one_worker_or_none_under_the_bound():
     assert view(0).choose(b"k") is None
     assert View(0, []).choose(b"k") is None
-    assert view(8, 8, slots=4).choose(b"k") is None  # each at twice its slots
+    assert view(4, 4, slots=4).choose(b"k") is None  # each at its slots
 
 
 def test_placement_counts_what_it_placed_and_counts_it_into_the_load():
@@ -145,12 +146,13 @@ def drive(steps):
     return done.value.value
 
 
-def test_only_serving_workers_of_the_queue_that_advertise_placement_are_candidates():
+def test_only_serving_lane_aware_workers_of_the_queue_that_advertise_placement_are_candidates():
     beat = {
         "name": "a",
         "queue": "q",
         "state": "serving",
         "placement": "1",
+        "lanes": "1",
         "running": "3",
         "slots": "8",
         "placed_held": "2",
@@ -162,9 +164,10 @@ def test_only_serving_workers_of_the_queue_that_advertise_placement_are_candidat
         {**beat, "name": "d", "placement": "0"},
         {},
         {**beat, "name": "e", "slots": "many"},
+        {key: value for key, value in beat.items() if key != "lanes"},  # a worker that reads no lanes
     ]
     # a's load: 3 running, and 5 entries in its stream of which 2 are among those it holds.
-    assert candidates_from(beats, [5, 0, 0, 0, 0, 0], "q") == [Candidate("a", 8, 6)]
+    assert candidates_from(beats, [5, 0, 0, 0, 0, 0, 0], "q") == [Candidate("a", 8, 6)]
 
 
 # -- the worker loop on a real redis-server ---------------------------------------------------------
@@ -299,15 +302,16 @@ def test_placement_turned_off_on_either_side_leaves_every_job_on_the_shared_stre
 
 def test_submit_many_places_a_chunk_and_what_goes_in_is_still_a_prefix(redis_server, queue, redis_client):
     """Two workers of two slots each, as their heartbeats say (no worker runs: nothing is read).
-    Ten jobs of one prompt: two on the first choice, two on the second (free slots), two more on
-    each (a backlog of one batch), one on the shared stream, and the tenth finds the shared
-    stream full (max_queue_depth 1): BulkQueueFull names the nine that went in."""
+    Six jobs of one prompt: two on the first choice, two on the second (free slots), one on the
+    shared stream, and the sixth finds the shared stream full (max_queue_depth 1): BulkQueueFull
+    names the five that went in."""
     for name in ("a", "b"):
         beat = {
             "name": name,
             "queue": queue,
             "state": "serving",
             "placement": 1,
+            "lanes": 1,
             "slots": 2,
             "running": 0,
             "placed_held": 0,
@@ -317,19 +321,19 @@ def test_submit_many_places_a_chunk_and_what_goes_in_is_still_a_prefix(redis_ser
     with Client(redis_server.url, queue, max_queue_depth=1) as client:
         with pytest.raises(BulkQueueFull) as full:
             client.submit_many(
-                [{"prompt": "same prompt", "max_tokens": 1, "request_id": f"{queue}-{i}"} for i in range(10)]
+                [{"prompt": "same prompt", "max_tokens": 1, "request_id": f"{queue}-{i}"} for i in range(6)]
             )
-    ids = [f"{queue}-{i}" for i in range(10)]
-    assert full.value.job_ids == ids[:9]
+    ids = [f"{queue}-{i}" for i in range(6)]
+    assert full.value.job_ids == ids[:5]
     on = {name: [f["id"] for _, f in redis_client.xrange(KEYS.own_queue(queue, name))] for name in ("a", "b")}
     shared = [f["id"] for _, f in redis_client.xrange(KEYS.queue(queue))]
     by_rank = sorted(
         ("a", "b"), key=lambda n: rendezvous_score(prefix_key(request(prompt="same prompt")), n), reverse=True
     )
-    assert on[by_rank[0]] == [ids[0], ids[1], ids[4], ids[5]]
-    assert on[by_rank[1]] == [ids[2], ids[3], ids[6], ids[7]]
-    assert shared == [ids[8]]
-    assert [bool(redis_client.exists(KEYS.job(job_id))) for job_id in ids] == [True] * 9 + [False]
+    assert on[by_rank[0]] == [ids[0], ids[1]]
+    assert on[by_rank[1]] == [ids[2], ids[3]]
+    assert shared == [ids[4]]
+    assert [bool(redis_client.exists(KEYS.job(job_id))) for job_id in ids] == [True] * 5 + [False]
 
 
 def test_an_idle_worker_on_one_server_wakes_for_a_job_placed_on_it_at_once(redis_server, queue, redis_client):

@@ -36,7 +36,7 @@ from worker.engine.outputs import Capacity, EngineStats, RequestError, RequestOu
 from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
 from worker.engine.ranks import RankGroup, load_shares
 from worker.engine.reader import StepReader
-from worker.engine.request import Request
+from worker.engine.request import DEFAULT_LANE, Request
 from worker.engine.runner import ModelRunner
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledChunk, Scheduler
@@ -214,8 +214,12 @@ class Engine(OfflineGeneration):
         priority: int = 0,
         resume_token_ids: Sequence[int] = (),
         constraint: Constraint | None = None,
+        lane: int = DEFAULT_LANE,
     ) -> None:
-        """Queues a request. `priority`: lower runs sooner (as in vLLM); ties go first come, first served.
+        """Queues a request. `lane` (0 priority, 1 default, 2 flex: the queue's lanes) ranks it
+        first: a request that cannot start for want of a slot or pages preempts running requests
+        of lower lanes (see Scheduler). Within a lane, `priority`: lower runs sooner (as in vLLM);
+        ties go first come, first served.
 
         `resume_token_ids` are output tokens an earlier run of this request already produced
         and reported (a job reclaimed from a worker that died). The request continues after
@@ -247,6 +251,7 @@ class Engine(OfflineGeneration):
             next(self._arrivals),
             TextOutput(detokenizer, params.stop),
             generator,
+            lane,
         )
         self.reader.replay(req, list(resume_token_ids))
         if constraint is None and params.response_format is not None:
