@@ -25,7 +25,8 @@ from starlette.requests import HTTPConnection
 from starlette.responses import Response
 
 from gateway.api_keys import Access, AuthFailures, bearer_key
-from gateway.errors import APIError, unauthorized
+from gateway.errors import RetryLater, headers_of, unauthorized
+from openai_format.errors import APIError
 
 # The form around a batch file (its boundary, headers and the purpose field) is far smaller.
 MULTIPART_OVERHEAD_BYTES = 64 << 10
@@ -171,17 +172,17 @@ def too_large(limit: int) -> APIError:
 
 
 def too_many_failures(retry_after_s: int) -> APIError:
-    return APIError(
+    return RetryLater(
         429,
         "too many wrong API keys from this address: until Retry-After each further wrong one is refused"
         " (a right key is served)",
         "rate_limit_error",
         "too_many_auth_failures",
-        headers={"Retry-After": str(retry_after_s)},
+        retry_after_s,
     )
 
 
 def error_response(error: APIError) -> Response:
     return Response(
-        error.body.model_dump_json(), status_code=error.status, headers=error.headers, media_type="application/json"
+        error.body.model_dump_json(), status_code=error.status, headers=headers_of(error), media_type="application/json"
     )

@@ -17,9 +17,10 @@ from gateway.board.auth import ACTION_HEADER, COOKIE, SESSION_S, BoardAuth
 from gateway.board.pages import environment
 from gateway.board.views import JOBS_SHOWN, BoardReader
 from gateway.edge import client_address
-from gateway.errors import APIError, not_found, unauthorized
+from gateway.errors import unauthorized
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream
+from openai_format.errors import APIError, not_found
 from producer_client import AsyncClient, JobFailed, JobNotFound, JobTimeout
 from producer_client.dead_letters import DeadLetterNotFound, NotRetryable
 from producer_client.keys import check_name

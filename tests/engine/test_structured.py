@@ -71,6 +71,7 @@ def device_engine(make_tiny_engine, overlap_schedule: bool = True):
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 def test_every_output_parses_and_validates_greedy_and_sampled_and_overlapped_equals_synchronous(make_tiny_engine):
     prompts = random_prompts(len(SAMPLINGS), 2, 30, seed=40)
     params = [constrained(**p) for p in SAMPLINGS.values()]
@@ -81,6 +82,7 @@ def test_every_output_parses_and_validates_greedy_and_sampled_and_overlapped_equ
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
 
 
+@pytest.mark.cuda
 def test_free_requests_beside_constrained_ones_draw_what_they_draw_alone(make_tiny_engine):
     # Overlapped: the constrained rows read the previous step between the model and the sampler.
     prompts = random_prompts(4, 2, 30, seed=42)

@@ -135,6 +135,7 @@ def test_a_rank_killed_while_idle_fails_the_next_call(models):
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism on CUDA needs 2 GPUs")
 
 
+@pytest.mark.cuda(gpus=2)
 @needs_two_gpus
 @pytest.mark.parametrize("kind", ["kv-split", "moe"])
 def test_on_two_gpus_captured_graphs_and_overlap_generate_what_one_eager_rank_does(models, kind):

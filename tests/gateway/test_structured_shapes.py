@@ -19,9 +19,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gateway.errors import APIError, api_error_of
-from gateway.requests import chat_jobs, completion_jobs, parse_body
-from gateway.schema import ChatCompletionRequest, CompletionRequest
+from gateway.errors import api_error_of
+from openai_format.errors import APIError
+from openai_format.job_specs import chat_jobs, completion_jobs, parse_body
+from openai_format.requests import ChatCompletionRequest, CompletionRequest
 from producer_client.chat_output import OutputFormat, parse_output
 from producer_client.errors import InvalidArgument
 from producer_client.new_job import build_job

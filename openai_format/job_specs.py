@@ -9,13 +9,12 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from gateway.errors import bad_request, unsupported
-from gateway.schema import (
+from openai_format.errors import bad_request, unsupported
+from openai_format.requests import (
     MAX_CHOICES,
     AssistantMessage,
     ChatCompletionRequest,
     CompletionRequest,
-    GenerateRequest,
     SamplingRequest,
     TextPart,
     ToolMessage,
@@ -27,8 +26,8 @@ from producer_client.schema import UNION_MEMBER
 from producer_client.structured import check_format, format_from_json
 
 # OpenAI's default for text completions. A chat runs to the client library's default
-# (SamplingParams.max_tokens) where OpenAI runs to the end of the context: the gateway has no
-# tokenizer to know where that is.
+# (SamplingParams.max_tokens) where OpenAI runs to the end of the context: neither the gateway nor
+# `mili batch` has a tokenizer to know where that is.
 COMPLETION_MAX_TOKENS = 16
 # Where a field is a tagged union, pydantic names the tag of the member that failed after the
 # field (`response_format.json_schema.json_schema.name`): each such field by its path (int: any
@@ -161,11 +160,6 @@ def completion_jobs(req: CompletionRequest) -> list[JobSpec]:
             JobSpec(prompt=text, input_ids=ids, priority=req.priority or 0, sampling=params, prompt_index=index), n
         )
     return jobs
-
-
-def generate_job(req: GenerateRequest) -> JobSpec:
-    given = {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p}
-    return JobSpec(prompt=req.prompt, sampling={k: v for k, v in given.items() if v is not None})
 
 
 def choices(base: JobSpec, n: int) -> list[JobSpec]:
