@@ -71,6 +71,7 @@ class JobSpec:
     priority: int = 0
     sampling: dict[str, Any] | None = None
     prompt_index: int = 0  # which prompt of a completion this job answers
+    service_tier: str | None = None  # its lane (None: the submitter's default)
 
     def submit_kwargs(self) -> dict[str, Any]:
         return {
@@ -78,12 +79,15 @@ class JobSpec:
             "messages": self.messages,
             "input_ids": self.input_ids,
             "priority": self.priority,
+            "service_tier": self.service_tier,
             **(self.sampling or {}),
         }
 
     def check(self, timeout_s: float) -> None:
         """Validate as `submit` will, touching nothing: raises InvalidArgument."""
-        build_job(self.prompt, self.messages, self.input_ids, None, timeout_s, self.priority, self.sampling or {})
+        options = self.sampling or {}
+        prompt, messages, ids, tier = self.prompt, self.messages, self.input_ids, self.service_tier
+        build_job(prompt, messages, ids, None, timeout_s, self.priority, options, service_tier=tier)
 
 
 def parse_body(model: type[Model], body: bytes | str) -> Model:
@@ -123,7 +127,8 @@ def chat_jobs(req: ChatCompletionRequest) -> list[JobSpec]:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     options = {**sampling(req, max_tokens, logprobs), **chat_options(req)}
-    base = JobSpec(messages=[chat_message(m) for m in req.messages], priority=req.priority or 0, sampling=options)
+    messages = [chat_message(m) for m in req.messages]
+    base = JobSpec(messages=messages, priority=req.priority or 0, sampling=options, service_tier=req.service_tier)
     return choices(base, req.choices)
 
 

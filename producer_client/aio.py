@@ -13,6 +13,7 @@ from producer_client.cluster import is_cluster
 from producer_client.connection import RedisURL, async_retry_policy, connect_async
 from producer_client.job_stream import follow
 from producer_client.new_job import build_job, build_job_of
+from producer_client.quotas import RateLimits, current_rate_limits
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 from producer_client.sharing import Submitted
 from producer_client.status_reads import read_live_workers, read_queue_stats
@@ -106,6 +107,11 @@ class AsyncClient(ClientBase):
 
     async def cancel_many(self, job_ids: Iterable[str]) -> None:
         await self.run_steps(self.redis, bulk.cancel_many(self.keys, job_ids))
+
+    async def rate_limits(self) -> RateLimits:
+        return await self.run_steps(
+            self.redis, current_rate_limits(self.keys, self.queue, self.tenant, self.quota_cache)
+        )
 
     async def queue_stats(self) -> QueueStats:
         return await self.run_steps(self.redis, read_queue_stats(self.keys, self.queue))

@@ -15,6 +15,7 @@ from producer_client.cluster import is_cluster
 from producer_client.connection import RedisURL, connect, retry_policy
 from producer_client.job_stream import follow
 from producer_client.new_job import build_job, build_job_of
+from producer_client.quotas import RateLimits, current_rate_limits
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 from producer_client.sharing import Submitted
 from producer_client.status_reads import read_live_workers, read_queue_stats
@@ -161,6 +162,11 @@ class Client(ClientBase):
     def cancel_many(self, job_ids: Iterable[str]) -> None:
         """cancel() of each job in one round trip; an id with no job is passed over."""
         self.run_steps(self.redis, bulk.cancel_many(self.keys, job_ids))
+
+    def rate_limits(self) -> RateLimits:
+        """The client's tenant's rate limits on its queue now (counting nothing): what the
+        gateway's x-ratelimit-* headers say of an answer that enqueued no job."""
+        return self.run_steps(self.redis, current_rate_limits(self.keys, self.queue, self.tenant, self.quota_cache))
 
     def queue_stats(self) -> QueueStats:
         return self.run_steps(self.redis, read_queue_stats(self.keys, self.queue))

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from producer_client.errors import InvalidArgument
 from producer_client.keys import Keys, check_tenant
+from producer_client.protocol.clock import epoch_ms
 from producer_client.protocol.producer import NO_LIMITS, Limits
 from producer_client.steps import Repeatable, Steps, checked
 
@@ -166,5 +167,29 @@ class RateLimits:
     def limited(self) -> bool:
         return bool(self.limit_requests or self.limit_tokens)
 
+    @classmethod
+    def now(cls, limits: Limits, tats: list[str | None], now_ms: int) -> RateLimits:
+        """The limits as ENQUEUE_LANES would answer them at `now_ms`, from the rate hash's
+        theoretical arrival times (HMGET r t)."""
+
+        def state(tat: str | None, limit: int) -> tuple[int, int, float]:
+            if not limit:
+                return 0, 0, 0.0
+            ahead = max(0.0, float(tat or 0) - now_ms)
+            return limit, math.floor(limit - ahead * limit / 60000 + 1e-9), math.ceil(ahead) / 1000
+
+        return cls(*state(tats[0], limits.rpm), *state(tats[1], limits.tpm))
+
 
 NO_RATE_LIMITS = RateLimits()
+
+
+def current_rate_limits(keys: Keys, queue: str, tenant: str | None, quotas: Quotas) -> Steps[RateLimits]:
+    """`tenant`'s rate limits on `queue` now, without counting anything: its quota (as cached) and
+    its rate hash, in one round trip when it has a limit, none otherwise."""
+    limits = yield from quotas.limits_for(keys, tenant)
+    if tenant is None or not limits.rated:
+        return NO_RATE_LIMITS
+    key = keys.rate(queue, tenant)
+    tats, now = checked((yield Repeatable(lambda pipe: (pipe.hmget(key, "r", "t"), pipe.time()))))
+    return RateLimits.now(limits, tats, epoch_ms(now))
