@@ -424,9 +424,16 @@ local function serve(l, credit_used)
   local n = want(l)
   if credit_used then
     n = 1
-  elseif two[3] then
-    local per = (costs[tenant] or default_cost) / w
-    n = math.min(n, math.max(1, math.floor((tonumber(two[4]) - counter) / per) + 1))
+  else
+    if two[3] then
+      local per = (costs[tenant] or default_cost) / w
+      n = math.min(n, math.max(1, math.floor((tonumber(two[4]) - counter) / per) + 1))
+    end
+    -- No further than a waiting lower lane's next credit: it is spent in this same call, so a
+    -- read of hundreds of entries still gives the lower lane one in CREDIT_EVERY + 1.
+    for m = l + 1, 3 do
+      if waiting[m] and want(m) > 0 then n = math.min(n, math.max(1, {CREDIT_EVERY} - credit[m])) end
+    end
   end
   local stream = stream_of(KEYS[1], LANES[l], tenant)
   local entries, err = read(stream, n, stream == KEYS[1])

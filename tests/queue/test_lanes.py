@@ -138,6 +138,13 @@ def test_a_lower_lane_gets_one_entry_in_every_credit_period_under_contention(red
     assert lanes == (["priority"] * CREDIT_EVERY + ["flex"]) * 5
 
 
+def test_one_large_read_still_gives_a_lower_lane_one_entry_in_every_credit_period(redis_client, queue):
+    enqueue(redis_client, queue, "a", ["priority"] * 60)
+    enqueue(redis_client, queue, "b", ["flex"] * 10)
+    rooms = (5 * (CREDIT_EVERY + 1),) * 3
+    assert read(redis_client, queue, rooms=rooms) == [("priority", "a", CREDIT_EVERY), ("flex", "b", 1)] * 5
+
+
 def test_the_credit_is_not_spent_while_no_higher_lane_waits(redis_client, queue):
     enqueue(redis_client, queue, "a", ["priority"] * CREDIT_EVERY)
     enqueue(redis_client, queue, "b", ["flex"] * 3)
