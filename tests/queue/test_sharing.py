@@ -48,6 +48,18 @@ def test_a_tenants_job_in_each_lane_runs_from_its_lanes_stream(redis_server, cli
     }
 
 
+def test_queue_stats_count_every_lanes_stream_and_name_each(redis_server, queue, tenant):
+    with Client(redis_server.url, queue) as client:  # no worker: everything waits
+        client.submit("no tenant", max_tokens=1)
+        client.as_tenant(tenant).submit_many([{"prompt": "flex", "service_tier": "flex"}] * 2)
+        stats = client.queue_stats()
+    assert (stats.depth, stats.pending, stats.waiting) == (3, 0, 3)
+    assert [(s.lane, s.tenant, s.depth, s.waiting) for s in stats.streams] == [
+        ("default", None, 1, 1),
+        ("flex", tenant, 2, 2),
+    ]
+
+
 def test_bad_lanes_and_tenants_are_refused_before_anything_is_enqueued(redis_server, queue, redis_client):
     with pytest.raises(InvalidArgument) as bad:
         Client(redis_server.url, queue, tenant="a:b")
