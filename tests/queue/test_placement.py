@@ -194,6 +194,8 @@ def test_the_root_of_each_form(qwen3):
     root = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nplan a trip"
     assert roots.text_root(templated) == root
     assert roots.ids_root(qwen3.encode(templated)) == qwen3.encode(root)
+    starts_with_a_break = qwen3.apply_chat_template(chat_turns("", ["\nplan a trip", "and back"], SHORT_ANSWERS)[1])
+    assert roots.ids_root(qwen3.encode(starts_with_a_break)) == qwen3.encode("<|im_start|>user\n\nplan a trip")
     assert roots.ids_root(qwen3.encode("User: plan a trip?\nAssistant:")) == qwen3.encode("User: plan a trip")
     assert roots.ids_root(qwen3.encode(" plan" * 1000 + "\n")) == qwen3.encode(" plan" * PREFIX_IDS)
 
@@ -204,7 +206,7 @@ def test_the_roots_markers_and_line_ends_are_qwen3s(qwen3):
         roots.IM_START_ID,
         roots.IM_END_ID,
     ]
-    assert qwen3.encode(roots.FIRST_USER) == [roots.IM_START_ID, roots.USER_ID, roots.NEWLINE_ID]
+    assert qwen3.encode(roots.FIRST_USER)[:2] == [roots.IM_START_ID, roots.USER_ID]
     ranks = load_qwen_ranks()
     # Every token that holds a line break ends with one (Qwen3's pre-tokenizer): each ends a line.
     assert roots.LINE_END_IDS == {rank for token, rank in ranks.items() if token.endswith((b"\n", b"\r"))}
