@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -46,12 +47,14 @@ def prefix_key(request: JobRequest) -> bytes:
     """A digest of the job's root (roots.py): the part of its prompt that every turn of its
     conversation repeats."""
     if request.messages is not None:
-        text = roots.chat_root(request.messages, request.tools)
+        root = roots.chat_root(request.messages, request.tools).encode()
     elif request.prompt is not None:
-        text = roots.text_root(request.prompt)
+        root = roots.text_root(request.prompt).encode()
     else:
-        text = ",".join(map(str, roots.ids_root(request.input_ids)))
-    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+        # The ids' machine bytes, not their decimal text: a third of the time, on a root of Qwen3's
+        # chat format that may hold a whole system prompt.
+        root = array("q", roots.ids_root(request.input_ids)).tobytes()
+    return hashlib.blake2b(root, digest_size=16).digest()
 
 
 def rendezvous_score(key: bytes, worker: str) -> int:
