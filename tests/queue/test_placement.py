@@ -6,6 +6,7 @@ either side can turn placement off."""
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import ExitStack
 
@@ -26,7 +27,7 @@ from producer_client.placement import (
 )
 from producer_client.protocol import execution
 from producer_client.roots import PREFIX_CHARS, PREFIX_IDS
-from producer_client.schema import JobRequest
+from producer_client.schema import JobRequest, JobResult
 from tests.queue.support import GatedWorker, serving
 from tests.support.fixtures import on_modes
 from tests.support.jobs import assert_one_final_result, tokens_published
@@ -328,18 +329,67 @@ def enqueue_on(client: Client, owner: str, prompt: str, **options) -> str:
     return job.job_id
 
 
-def test_each_conversation_runs_on_its_first_choice_turn_after_turn(redis_server, queue):
-    """Six conversations as `messages` and six as plain prompts that stay under 1,024 characters,
-    three turns each, every turn the one before with its answer and the next user text: each turn
-    runs on the first choice of its conversation's first turn."""
+class ThreeForms:
+    """One conversation sent three ways, each turn the one before with its answer and the next user
+    text: as `messages`, as a plain prompt and as token ids. The ids are Qwen3's single-byte tokens
+    (its ids below 256, "\n" is 198): the echo worker's vocabulary is 256 ids, and a tokenization of
+    the plain prompt in Qwen3's vocabulary is what a producer that keeps ids would send."""
+
+    def __init__(self, opening: str, system: str):
+        self.messages = [{"role": "system", "content": system}] if system else []
+        self.messages.append({"role": "user", "content": opening})
+        self.prompt = (f"{system}\n" if system else "") + f"User: {opening}\nAssistant:"
+        self.input_ids = byte_ids(self.prompt)
+
+    def requests(self) -> dict[str, dict]:
+        return {
+            "messages": {"messages": self.messages},
+            "prompt": {"prompt": self.prompt},
+            "ids": {"input_ids": self.input_ids},
+        }
+
+    def answered(self, answers: dict[str, JobResult], user: str) -> None:
+        self.messages = [*self.messages, {"role": "assistant", "content": answers["messages"].text}]
+        self.messages.append({"role": "user", "content": user})
+        self.prompt += f"{answers['prompt'].text}\nUser: {user}\nAssistant:"
+        self.input_ids = self.input_ids + answers["ids"].token_ids + byte_ids(f"\nUser: {user}\nAssistant:")
+
+    def sizes(self) -> tuple[int, int]:
+        return len(self.prompt), len(self.input_ids)
+
+
+def byte_ids(text: str) -> list[int]:
+    single_byte = qwen3_single_byte_ids()
+    return [single_byte[b] for b in text.encode()]
+
+
+@functools.cache
+def qwen3_single_byte_ids() -> list[int]:
+    """The id of each byte's token in Qwen3's vocabulary, loaded on first use (2 s), not at import."""
+    ranks = load_qwen_ranks()
+    return [ranks[bytes([b])] for b in range(256)]
+
+
+# A pasted document: the conversation that carries it passes 1,024 characters and 256 ids at turn 2.
+PASTE = " Here is the document: " + "lorem ipsum dolor sit amet " * 40
+
+
+def test_each_conversation_runs_on_its_first_choice_turn_after_turn_whatever_its_form(redis_server, queue):
+    """Six conversations, each sent as `messages`, as a growing plain prompt and as growing token
+    ids, three turns each: with and without a system prompt, four short ones (every turn under
+    1,024 characters and 256 ids) and two whose second turn pastes a document (over both). Each
+    turn runs on the first choice of its conversation's first turn (turns 1, 2, 3 on one worker)."""
     # Fixed names, so the rendezvous order of the conversations is fixed too: with names drawn at
     # random (the queue's), all six of a form could choose one worker, one run in 243.
     names = [f"affinity-{i}" for i in range(3)]
-    openings = [f"conversation {i}: tell me about {i * 7}" for i in range(6)]
-    messages = {i: [{"role": "user", "content": opening}] for i, opening in enumerate(openings)}
-    prompts = {i: f"User: {opening}\nAssistant:" for i, opening in enumerate(openings)}
-    first_keys = {("messages", i): prefix_key(request(messages=m)) for i, m in messages.items()}
-    first_keys |= {("prompt", i): prefix_key(request(prompt=p)) for i, p in prompts.items()}
+    chats = {
+        i: ThreeForms(f"conversation {i}: tell me about {i * 7}", "You are a helpful assistant." if i % 2 else "")
+        for i in range(6)
+    }
+    first_keys = {
+        (form, i): prefix_key(request(**fields)) for i, c in chats.items() for form, fields in c.requests().items()
+    }
+    sizes: dict[int, list[tuple[int, int]]] = {i: [] for i in chats}  # each turn's characters and ids
     ran_on: dict[tuple[str, int], set[str]] = {chat: set() for chat in first_keys}
     with ExitStack() as stack:
         workers = [stack.enter_context(serving(redis_server.url, queue, name=n, **FAST)) for n in names]
@@ -347,22 +397,23 @@ def test_each_conversation_runs_on_its_first_choice_turn_after_turn(redis_server
         client.placement = Placement(refresh_s=0)  # a fresh view for every job: each sees all workers idle
         assert eventually(lambda: all(w.queue.redis.exists(KEYS.worker(w.name)) for w in workers))
         for turn in range(3):
-            for i in range(len(openings)):
-                result = client.generate(messages=messages[i], max_tokens=4, timeout=30)
-                ran_on["messages", i].add(result.worker)
-                messages[i] += [
-                    {"role": "assistant", "content": result.text},
-                    {"role": "user", "content": f"and then? ({turn})"},
-                ]
-                result = client.generate(prompts[i], max_tokens=4, timeout=30)
-                ran_on["prompt", i].add(result.worker)
-                prompts[i] += f"{result.text}\nUser: and then? ({turn})\nAssistant:"
+            for i, chat in chats.items():
+                sizes[i].append(chat.sizes())
+                answers = {
+                    form: client.generate(**fields, max_tokens=4, timeout=30)
+                    for form, fields in chat.requests().items()
+                }
+                for form, result in answers.items():
+                    ran_on[form, i].add(result.worker)
+                chat.answered(answers, f"and then? ({turn})" + (PASTE if i >= 4 and turn == 0 else ""))
                 time.sleep(0.12)  # two heartbeats: the workers' running counts are back to 0
-        assert max(len(p) for p in prompts.values()) < PREFIX_CHARS
+        assert all(n < PREFIX_CHARS and m < PREFIX_IDS for i in range(4) for n, m in sizes[i])
+        assert all(n < PREFIX_CHARS and m < PREFIX_IDS for n, m in (sizes[4][0], sizes[5][0]))
+        assert all(n > PREFIX_CHARS and m > PREFIX_IDS for n, m in sizes[4][1:] + sizes[5][1:])
         assert ran_on == {chat: {first_choices(names, [key])[0]} for chat, key in first_keys.items()}
-        assert client.placement.placed == {Placed.AFFINITY: 36, Placed.SHARED: 0}
-        assert sum(w.metrics.taken["own"]._value.get() for w in workers) == 36
-        for form in ("messages", "prompt"):
+        assert client.placement.placed == {Placed.AFFINITY: 54, Placed.SHARED: 0}
+        assert sum(w.metrics.taken["own"]._value.get() for w in workers) == 54
+        for form in ("messages", "prompt", "ids"):
             assert len({w for (f, _), ws in ran_on.items() if f == form for w in ws}) >= 2
 
 
