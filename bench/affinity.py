@@ -400,6 +400,10 @@ def print_table(figures: dict[str, Figures], args) -> None:
     print(f"prompt tokens: shared {shared.prompt}, placed {placed.prompt}, ideal {ideal.prompt}")
     print("\ntargets (placed against its baselines, same run):")
     print(
+        f"  same worker                  {placed.same_worker:.3f}   (target 1.000: every turn on the worker of the turn "
+        f"before; shared: {shared.same_worker:.3f})"
+    )
+    print(
         f"  hit rate vs ideal            {placed.hit_rate / ideal.hit_rate:.3f}   (target >= 0.9; shared: "
         f"{shared.hit_rate / ideal.hit_rate:.3f})"
     )
