@@ -83,6 +83,16 @@ def growing(form: tuple[str, str, str], system: str, users: list[str], answers: 
     return prompts
 
 
+def assert_around_the_old_window(sizes: list[tuple[int, int]], answers: list[str]) -> None:
+    """Each turn's (characters, ids): with short answers every turn is under main's old window (1,024
+    characters, 256 ids), with long ones the first turn is and the others are over both."""
+    under = [chars < PREFIX_CHARS and ids < PREFIX_IDS for chars, ids in sizes]
+    over = [chars > PREFIX_CHARS and ids > PREFIX_IDS for chars, ids in sizes]
+    assert (under, over) == (
+        ([True] * 3, [False] * 3) if answers is SHORT_ANSWERS else ([True, False, False], [False, True, True])
+    )
+
+
 def keys_of(**forms: list) -> set[bytes]:
     return {prefix_key(request(**{field: value})) for field, values in forms.items() for value in values}
 
@@ -147,6 +157,7 @@ def test_every_turn_of_a_chat_has_one_key_as_messages_as_templated_text_and_as_i
 
     for answers in (SHORT_ANSWERS, LONG_ANSWERS):
         texts = as_text(answers)
+        assert_around_the_old_window([(len(t), len(qwen3.encode(t))) for t in texts], answers)
         assert len({prefix_key(request(messages=m, tools=tools)) for m in chat_turns(system, USERS, answers)}) == 1
         assert len(keys_of(prompt=texts)) == 1
         assert len(keys_of(input_ids=[qwen3.encode(t) for t in texts])) == 1
@@ -179,7 +190,9 @@ def test_every_turn_of_a_conversation_in_bare_ids_has_the_key_of_its_first_line(
     for answers in (SHORT_ANSWERS, LONG_ANSWERS):
         turns = bare_ids_turns(qwen3, system, answers)
         assert turns[0][0] != roots.IM_START_ID and len(turns[0]) < PREFIX_IDS
-        retokenized = [qwen3.encode(text) for text in growing(PLAIN, system, USERS, answers)]
+        texts = growing(PLAIN, system, USERS, answers)
+        assert_around_the_old_window([(len(text), len(ids)) for text, ids in zip(texts, turns)], answers)
+        retokenized = [qwen3.encode(text) for text in texts]
         assert len(keys_of(input_ids=turns + retokenized)) == 1
     # A line break that tokenizes with what follows it ("\n" or "\n\n") ends the same line.
     assert len(keys_of(input_ids=[qwen3.encode("plan a trip\nsure"), qwen3.encode("plan a trip\n\nsure")])) == 1
