@@ -1,5 +1,7 @@
 """Cache-aware placement against the shared stream, on a synthetic multi-turn chat trace, in one
-run: the same trace through three placements of the `tiny` model (docs/architecture.md):
+run: the same trace, sent in each of the forms of bench/chat_forms.py (`messages`, plain prompts,
+Qwen3's chat format as text, token ids), through three placements of the `tiny` model
+(docs/architecture.md):
 
   shared   N workers, placement off on both sides: every job on the queue's shared stream (MILI
            before placement);
@@ -10,11 +12,14 @@ run: the same trace through three placements of the `tiny` model (docs/architect
 
 The trace (make_trace): `--conversations` chats of `--turns` turns, each opening with the system
 prompt of one of `--groups` groups (about `--system-words` words, a few hundred tokens: chats of a
-group share it), then user turns of about 20 words; each assistant answer is the model's own
-(greedy, `--max-tokens` tokens, thinking off) and goes into the history of the next turn. A
-turn is sent once the previous one has its answer, and `--concurrency` chats run at once.
+group share it; 0: no system prompt), then user turns of about 20 words; each assistant answer is
+the model's own (greedy, `--max-tokens` tokens, thinking off in `messages`; 64 tokens or more make
+long-answer conversations, whose histories outgrow their roots) and goes into the history of the
+next turn. A turn is sent once the previous one has its answer, and `--concurrency` chats run at
+once.
 
-Printed per placement: prefill tokens computed / prompt tokens, the prefix cache hit rate
+Printed per form and placement: the share of turns that ran on the worker of the turn before
+(which holds the chat's history), prefill tokens computed / prompt tokens, the prefix cache hit rate
 (cached / prompt tokens, from each job's usage), TTFT p50/p99 and queue wait p99 (from each job's
 timings, on Redis's clock), throughput (jobs/s, and the workers' CPU seconds per job: on a
 shared 2-core machine wall time follows the neighbours' load, CPU time much less), where the
@@ -23,11 +28,13 @@ while a job waited somewhere (sampled every 50 ms from the heartbeats and the st
 ratios the targets are stated in, placed against shared and against ideal.
 
     python -m bench.affinity [--conversations 200 --turns 5 --groups 8 --workers 4 --concurrency 16]
+                             [--forms messages,prompt,template,ids --system-words 250 --max-tokens 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import queue as queues
 import random
@@ -43,11 +50,14 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+from bench.chat_forms import FORMS, transcript
 from bench.measure import cpu_seconds, pct
 from producer_client import Client
 from producer_client.keys import GROUP, Keys
 from producer_client.schema import JobResult
 from worker.embedded_redis import EmbeddedRedis
+from worker.model.presets import resolve_model_path
+from worker.model.tokenizer import Tokenizer
 
 QUEUE = "affinity"
 KEYS = Keys()
@@ -62,16 +72,19 @@ SAMPLE_S = 0.05
 
 @dataclass
 class Conversation:
-    system: str
+    system: str  # "": none
     users: list[str]
     adapter: str | None = None  # the LoRA adapter its turns run with (bench/lora_placement.py)
 
 
 def make_trace(conversations: int, turns: int, groups: int, system_words: int, seed: int) -> list[Conversation]:
-    """Chats whose system prompt is their group's, with user turns of random words."""
+    """Chats whose system prompt is their group's (none with system_words 0), with user turns of
+    random words."""
     rng = random.Random(seed)
     systems = [
         f"You are assistant {g} of the benchmark. " + " ".join(rng.choice(WORDS) for _ in range(system_words))
+        if system_words
+        else ""
         for g in range(groups)
     ]
     return [
@@ -95,12 +108,22 @@ class Mode:
 
 @dataclass
 class Figures:
-    results: list[JobResult]
+    chats: list[list[JobResult]]  # each chat's results, turn by turn
     wall_s: float
     cpu_s: float
     taken: dict[str, float]
     hit_rates: list[float]
     idle_while_waiting_s: float
+
+    @property
+    def results(self) -> list[JobResult]:
+        return [r for chat in self.chats for r in chat]
+
+    @property
+    def same_worker(self) -> float:
+        """The share of turns after a chat's first that ran on the worker of the turn before."""
+        pairs = [(a.worker, b.worker) for chat in self.chats for a, b in itertools.pairwise(chat)]
+        return sum(a == b for a, b in pairs) / len(pairs) if pairs else float("nan")
 
     @property
     def prompt(self) -> int:
@@ -134,15 +157,33 @@ def main() -> None:
     args = parse_args()
     trace = make_trace(args.conversations, args.turns, args.groups, args.system_words, args.seed)
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+    systems = f"{args.groups} system prompts of ~{args.system_words} words" if args.system_words else "no system prompt"
     print(
-        f"trace: {args.conversations} chats x {args.turns} turns, {args.groups} system prompts of ~{args.system_words} "
-        f"words, {args.max_tokens} tokens per answer, {args.concurrency} chats at once; model tiny, "
-        f"{args.kv_cache_mib} MiB of KV cache per worker, steal_delay_ms {args.steal_delay_ms}\n"
+        f"trace: {args.conversations} chats x {args.turns} turns, {systems}, {args.max_tokens} tokens per answer, "
+        f"{args.concurrency} chats at once; model tiny, {args.kv_cache_mib} MiB of KV cache per worker, "
+        f"steal_delay_ms {args.steal_delay_ms}"
     )
     modes = [Mode("shared", args.workers, False), Mode("placed", args.workers, True), Mode("ideal", 1, False)]
-    figures = {mode.name: run_mode(mode, trace, args) for mode in modes}
-    print_table(figures, args)
+    encode = tiny_encoder() if "ids" in args.forms else None
+    for form in args.forms:
+        figures = {mode.name: run_mode(mode, trace, form, encode, args) for mode in modes}
+        print(f"\nform {form} (load average {os.getloadavg()[0]:.2f}):")
+        print_table(figures, args)
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
+
+
+def tiny_encoder():
+    """The `tiny` model's tokenizer (Qwen3's), text to ids, for the ids form."""
+    backend = Tokenizer.from_dir(resolve_model_path("tiny")).backend
+    return lambda text: backend.encode(text, add_special_tokens=False).ids
+
+
+def forms(value: str) -> list[str]:
+    chosen = value.split(",")
+    unknown = set(chosen) - set(FORMS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown forms {sorted(unknown)}: choose among {', '.join(FORMS)}")
+    return chosen
 
 
 def parse_args() -> argparse.Namespace:
@@ -150,8 +191,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--conversations", type=int, default=200)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--groups", type=int, default=8, help="system prompts shared by the chats")
-    p.add_argument("--system-words", type=int, default=250, help="words of each system prompt (a few hundred tokens)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens of each answer")
+    p.add_argument(
+        "--system-words", type=int, default=250, help="words of each system prompt (a few hundred tokens); 0: none"
+    )
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens of each answer (64 or more: long answers)")
+    p.add_argument("--forms", type=forms, default=list(FORMS), help=f"comma-separated, among {', '.join(FORMS)}")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=16, help="chats in flight at once")
     p.add_argument("--kv-cache-mib", type=int, default=512, help="each worker's KV pool: holds the whole trace")
@@ -163,9 +207,17 @@ def parse_args() -> argparse.Namespace:
 # -- one placement ----------------------------------------------------------------------------------
 
 
-def run_mode(mode: Mode, trace: list[Conversation], args, extra: tuple[str, ...] = (), read_more=None) -> Figures:
-    """The trace through `mode`'s workers (started with the `extra` flags); `read_more(redis, names)`
-    reads what else a caller wants of the workers before they stop."""
+def run_mode(
+    mode: Mode,
+    trace: list[Conversation],
+    form: str,
+    encode,
+    args,
+    extra: tuple[str, ...] = (),
+    read_more=None,
+) -> Figures:
+    """The trace through `mode`'s workers (started with the `extra` flags), sent in `form`;
+    `read_more(redis, names)` reads what else a caller wants of the workers before they stop."""
     with EmbeddedRedis() as server:
         names = [f"{mode.name}-{i}" for i in range(mode.workers)]
         workers = [start_worker(server.url, name, mode.placement, args, *extra) for name in names]
@@ -177,7 +229,7 @@ def run_mode(mode: Mode, trace: list[Conversation], args, extra: tuple[str, ...]
                 monitor = IdleMonitor(server.url, names)
                 monitor.start()
                 started = time.perf_counter()
-                results = drive(client, trace, args, mode.name)
+                chats = drive(client, trace, form, encode, args, f"{form} {mode.name}")
                 wall_s = time.perf_counter() - started
                 monitor.stop()
                 cpu_s = sum(cpu_seconds(pid) for pid in pids) - cpu_before
@@ -189,7 +241,7 @@ def run_mode(mode: Mode, trace: list[Conversation], args, extra: tuple[str, ...]
                 w.terminate()
             for w in workers:
                 w.wait(timeout=60)
-    return Figures(results, wall_s, cpu_s, taken, hit_rates, monitor.longest_s)
+    return Figures(chats, wall_s, cpu_s, taken, hit_rates, monitor.longest_s)
 
 
 def start_worker(url: str, name: str, placement: bool, args, *extra: str) -> subprocess.Popen:
@@ -239,12 +291,12 @@ def wait_ready(client: Client, names: list[str]) -> None:
     time.sleep(1)  # the warm-up jobs have left every heartbeat's count
 
 
-def drive(client: Client, trace: list[Conversation], args, label: str) -> list[JobResult]:
-    """`concurrency` threads, each running whole chats turn after turn."""
+def drive(client: Client, trace: list[Conversation], form: str, encode, args, label: str) -> list[list[JobResult]]:
+    """`concurrency` threads, each running whole chats turn after turn; each chat's results."""
     todo: queues.Queue[Conversation] = queues.Queue()
     for conversation in trace:
         todo.put(conversation)
-    results: list[JobResult] = []
+    chats: list[list[JobResult]] = []
     bar = tqdm(total=len(trace) * args.turns, desc=label, unit="job", leave=False)
 
     def chat_loop() -> None:
@@ -253,21 +305,21 @@ def drive(client: Client, trace: list[Conversation], args, label: str) -> list[J
                 conversation = todo.get_nowait()
             except queues.Empty:
                 return
-            history = [{"role": "system", "content": conversation.system}]
+            chat = transcript(form, conversation.system, encode)
+            results = []
             for user in conversation.users:
-                history.append({"role": "user", "content": user})
                 result = client.generate(
-                    messages=history,
+                    **chat.ask(user),
                     adapter=conversation.adapter,
                     max_tokens=args.max_tokens,
                     temperature=0.0,
                     ignore_eos=True,
-                    enable_thinking=False,
                     timeout=600,
                 )
-                history.append({"role": "assistant", "content": result.text})
+                chat.answer(result)
                 results.append(result)
                 bar.update()
+            chats.append(results)
 
     threads = [threading.Thread(target=chat_loop) for _ in range(args.concurrency)]
     for t in threads:
@@ -275,7 +327,7 @@ def drive(client: Client, trace: list[Conversation], args, label: str) -> list[J
     for t in threads:
         t.join()
     bar.close()
-    return results
+    return chats
 
 
 def worker_metrics(admin: redis.Redis, names: list[str]) -> tuple[dict[str, float], list[float]]:
@@ -348,13 +400,14 @@ class IdleMonitor:
 
 def print_table(figures: dict[str, Figures], args) -> None:
     print(
-        f"{'placement':<10} {'jobs':>5} {'computed/prompt':>15} {'hit rate':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'wait p99':>9} {'jobs/s':>7} {'CPU s/job':>9} {'idle+waiting':>12}  taken from"
+        f"{'placement':<10} {'jobs':>5} {'same worker':>11} {'computed/prompt':>15} {'hit rate':>8} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'wait p99':>9} {'jobs/s':>7} {'CPU s/job':>9} {'idle+waiting':>12}  taken from"
     )
     for name, f in figures.items():
         taken = ", ".join(f"{k} {int(v)}" for k, v in sorted(f.taken.items()) if v)
         print(
-            f"{name:<10} {len(f.results):>5} {f.computed_share:>15.3f} {f.hit_rate:>8.3f} {f.pct_of(f.ttft, 50):>8.3f}s "
+            f"{name:<10} {len(f.results):>5} {f.same_worker:>11.3f} {f.computed_share:>15.3f} {f.hit_rate:>8.3f} "
+            f"{f.pct_of(f.ttft, 50):>8.3f}s "
             f"{f.pct_of(f.ttft, 99):>8.3f}s {f.pct_of(f.queue_wait, 99):>8.3f}s {len(f.results) / f.wall_s:>7.2f} "
             f"{f.cpu_s / len(f.results):>9.4f} {f.idle_while_waiting_s:>11.2f}s  {taken}"
         )
@@ -365,6 +418,10 @@ def print_table(figures: dict[str, Figures], args) -> None:
     )
     print(f"prompt tokens: shared {shared.prompt}, placed {placed.prompt}, ideal {ideal.prompt}")
     print("\ntargets (placed against its baselines, same run):")
+    print(
+        f"  same worker                  {placed.same_worker:.3f}   (target 1.000: every turn on the worker of the turn "
+        f"before; shared: {shared.same_worker:.3f})"
+    )
     print(
         f"  hit rate vs ideal            {placed.hit_rate / ideal.hit_rate:.3f}   (target >= 0.9; shared: "
         f"{shared.hit_rate / ideal.hit_rate:.3f})"

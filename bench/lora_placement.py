@@ -79,7 +79,7 @@ def measured(mode: Mode, trace: list[Conversation], args, extra: tuple[str, ...]
                     elif s.name == "mili_lora_adapter_installs_total":
                         counts.installs += s.value
 
-    return run_mode(mode, trace, args, extra, count), counts
+    return run_mode(mode, trace, "messages", None, args, extra, count), counts
 
 
 def print_table(figures: dict[str, tuple[Figures, AdapterCounts]]) -> None:

@@ -126,7 +126,7 @@ def direct_latencies(jobs: int, max_tokens: int) -> list[float]:
     return latencies
 
 
-def start_worker(url: str, name: str = "bench-worker", queue: str = QUEUE) -> subprocess.Popen:
+def start_worker(url: str, name: str = "bench-worker", queue: str = QUEUE, *flags: str) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
@@ -146,6 +146,7 @@ def start_worker(url: str, name: str = "bench-worker", queue: str = QUEUE) -> su
         "127.0.0.1",
         "--log-level",
         "WARNING",
+        *flags,
     ]
     return subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1])
 

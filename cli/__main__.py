@@ -4,11 +4,13 @@
         [--json | --json-schema SCHEMA | --regex PATTERN | --choice TEXT...]    structured output
     mili status ID | mili result ID | mili cancel ID | mili stats [--all]     (cli.client_commands)
     mili dead list|show|retry|purge | mili workers | mili jobs --status S    (cli.operator_commands)
+    mili quota set TENANT [--max-waiting N] [--rpm N] [--tpm N] [--weight W] | mili quota show    (cli.quota_commands)
     mili batch INPUT.jsonl -o OUTPUT.jsonl [-e ERRORS.jsonl]    an OpenAI batch file, resumable (cli.batch_command)
 
---redis (env MILI_REDIS) and --queue (env MILI_QUEUE) pick the queue. A command first checks that
-Redis answers, within --connect-timeout (env MILI_CONNECT_TIMEOUT_S, 1.5 s): an unreachable Redis is
-an error at once, with its cause, and not after the retries that carry a command across a failover.
+--redis (env MILI_REDIS) and --queue (env MILI_QUEUE) pick the queue, --tenant (env MILI_TENANT)
+who submits. A command first checks that Redis answers, within --connect-timeout (env
+MILI_CONNECT_TIMEOUT_S, 1.5 s): an unreachable Redis is an error at once, with its cause, and not
+after the retries that carry a command across a failover.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 
 import redis
 
-from cli import batch_command, client_commands, operator_commands
+from cli import batch_command, client_commands, operator_commands, quota_commands
 from producer_client.client import Client
 from producer_client.client_base import DEFAULT_URL
 from producer_client.connection import PROBE_TIMEOUT_S, describe, probe, redact_url
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     try:
         probe(args.redis, args.connect_timeout)
-        with Client(args.redis, args.queue, prefix=args.prefix) as client:
+        with Client(args.redis, args.queue, prefix=args.prefix, tenant=args.tenant) as client:
             return args.run(client, args)
     except MiliError as e:
         print(f"error: {e.code}: {e.message}", file=sys.stderr)
@@ -80,10 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("MILI_CONNECT_TIMEOUT_S", str(PROBE_TIMEOUT_S)),
         help=f"seconds Redis has to answer before a command gives up (env MILI_CONNECT_TIMEOUT_S, {PROBE_TIMEOUT_S:g})",
     )
+    parser.add_argument(
+        "--tenant", default=os.environ.get("MILI_TENANT"), help="who submits: its share and limits (env MILI_TENANT)"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     client_commands.add_commands(commands)
     batch_command.add_command(commands)
     operator_commands.add_commands(commands)
+    quota_commands.add_commands(commands)
     return parser
 
 

@@ -27,7 +27,7 @@ from typing import TextIO
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from openai_format.batch_flight import Flight
+from openai_format.batch_flight import REFUSALS, Flight
 from openai_format.batch_lines import (
     LineError,
     LineJobs,
@@ -42,7 +42,7 @@ from openai_format.batch_lines import (
 )
 from openai_format.errors import APIError
 from producer_client.client import Client
-from producer_client.errors import BulkQueueFull, InvalidArgument
+from producer_client.errors import InvalidArgument
 
 log = logging.getLogger("mili.batch")
 
@@ -201,9 +201,9 @@ class BatchFileRun:
     def submit(self, lines: list[LineJobs]) -> None:
         try:
             self.client.submit_many([spec for line in lines for spec in line.submit_specs()])
-        except BulkQueueFull as full:
+        except REFUSALS as full:
             waiting = self.flight.submitted(lines, full)
-            log.info("queue %r is full (%d jobs): %d lines wait", full.queue, full.depth, len(waiting))
+            log.info("%s: %d lines wait", full, len(waiting))
         else:
             self.flight.submitted(lines)
 

@@ -1,6 +1,6 @@
 """The producer's commands of `mili`: submit a job, and read, wait for or cancel it; the queue's stats.
 
-mili submit "text" --max-tokens 32 [--stream] [--chat] [--no-thinking]    prints the job id (or streams the text)
+mili submit "text" --max-tokens 32 [--stream] [--chat] [--no-thinking] [--service-tier T]    prints the job id
     [--adapter NAME]                                                        with a LoRA adapter the workers serve
     [--json | --json-schema SCHEMA | --regex PATTERN | --choice TEXT...]    structured output
 mili status ID | mili result ID [--timeout S] | mili cancel ID | mili stats [--all]
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from producer_client.client import Client
 from producer_client.errors import InvalidArgument
+from producer_client.new_job import SERVICE_TIERS
 
 
 def add_commands(commands) -> None:
@@ -52,6 +53,11 @@ def add_submit(commands) -> None:
     submit.add_argument("--timeout-s", type=float, help="deadline, counted from the enqueue")
     submit.add_argument("--priority", type=int, default=0)
     submit.add_argument("--adapter", metavar="NAME", help="run with this LoRA adapter (one the workers serve)")
+    submit.add_argument(
+        "--service-tier",
+        choices=tuple(SERVICE_TIERS),
+        help="the job's lane: priority, default (or auto), flex (OpenAI's service_tier values)",
+    )
     submit.add_argument(
         "--stream", action="store_true", help="print the text as it is generated (a chat's reasoning to stderr)"
     )
@@ -98,6 +104,7 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
         priority=args.priority,
         stream=args.stream,
         adapter=args.adapter,
+        service_tier=args.service_tier,
     )
     if not args.stream:
         print(job_id)

@@ -44,6 +44,13 @@ def tenant_of(request: HTTPConnection) -> Tenant:
     return request.scope.get("state", {}).get("tenant") or OPEN
 
 
+def queue_tenant(owner: str | None) -> str | None:
+    """The tenant a request's (or a batch owner's) jobs are submitted as: its share of each lane,
+    its quota and rate limits (`mili quota set k0123456789ab`). An open gateway's are no tenant's,
+    as a producer's that names none: they keep the queue's own stream."""
+    return None if owner in (None, ANONYMOUS) else owner
+
+
 def bearer_key(request: HTTPConnection) -> str | None:
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     return given.strip() if scheme.lower() == "bearer" else None

@@ -20,7 +20,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from gateway.api_keys import Access, AuthFailures
+from gateway.api_keys import Access, AuthFailures, queue_tenant, tenant_of
 from gateway.batch.driver import BatchDriver
 from gateway.batch.routes import batch_router
 from gateway.batch.store import BatchStore
@@ -33,6 +33,7 @@ from gateway.jobs import Jobs, RequestJobs, collect
 from gateway.key_strength import warn_of_weak_keys
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
+from gateway.rate_headers import EXPOSED_RATE_LIMIT_HEADERS, RateLimitHeaders
 from gateway.registry import ModelRegistry, Route
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream, events, opening
@@ -41,9 +42,10 @@ from openai_format.job_specs import JobSpec, Model, chat_jobs, completion_jobs, 
 from openai_format.render import ChatRenderer, CompletionRenderer, Renderer, finish_reason, usage
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from openai_format.responses import ModelList
-from producer_client import AsyncClient, JobResult, MiliError
+from producer_client import AsyncClient, JobResult, MiliError, RateLimited
 from producer_client.connection import answered_within, connect_async, one_try_options
 from producer_client.keys import NAME_PATTERN
+from producer_client.new_job import lane_of
 from producer_client.schema import JobFailed
 
 log = logging.getLogger("gateway")
@@ -91,8 +93,9 @@ class Gateway:
         stream: bool = False,
     ) -> RequestJobs:
         """Enqueue the request's jobs (streamed ones for an SSE response); with an Idempotency-Key,
-        under ids of the request's tenant, bound to this request (gateway/idempotency.py)."""
-        client = self.client.on_queue(queue)
+        under ids of the request's tenant, bound to this request (gateway/idempotency.py). The jobs
+        are the API key's tenant's: its share of each lane, its quotas and rate limits."""
+        client = self.client.on_queue(queue).as_tenant(queue_tenant(tenant_of(request).id))
         jobs = await self.jobs.submit(
             client,
             specs,
@@ -102,6 +105,7 @@ class Gateway:
             stream,
         )
         request.state.jobs = f"queue {queue!r} jobs {','.join(jobs.ids)}"  # for the request's log line
+        request.state.rate_limits = jobs.limits  # the x-ratelimit-* headers (gateway/rate_headers.py)
         return jobs
 
     async def results(self, request: Request, jobs: RequestJobs) -> list[JobResult] | None:
@@ -128,7 +132,8 @@ class Gateway:
         req = await parse(request, request_model)
         check_stream_options(req)
         specs = jobs_of(req)
-        renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, [s.prompt_index for s in specs])
+        prompt_of, lane = [s.prompt_index for s in specs], lane_of(specs[0].service_tier)
+        renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, prompt_of, lane)
         self.check(specs)
         route = await self.registry.route(req.model)
         specs = [replace(spec, adapter=route.adapter) for spec in specs]
@@ -220,13 +225,13 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
 
     failures = AuthFailures(settings.auth_failures_per_minute)
     add_board(app, gw.client, settings, failures)
-    return edge_of(app, settings, failures, gw.metrics)
+    return edge_of(RateLimitHeaders(app, gw.client), settings, failures, gw.metrics)
 
 
 def edge_of(app, settings: GatewaySettings, failures: AuthFailures, metrics: GatewayMetrics):
     """The routes behind, from the outside in: the trusted proxies' view of the client (address
-    and scheme), the request's id, metrics and log line, CORS only where configured, and the
-    edge's checks of key, body size and type (gateway/edge.py)."""
+    and scheme), the request's id, metrics and log line, CORS only where configured, the edge's
+    checks of key, body size and type (gateway/edge.py), and the tenant's rate-limit headers."""
     access = Access(settings.api_keys, settings.admin_api_keys)
     limits = Limits(settings.max_json_bytes, settings.batch_max_file_bytes, settings.monitoring_needs_key)
     guarded = Edge(app, access, limits, failures)
@@ -236,7 +241,7 @@ def edge_of(app, settings: GatewaySettings, failures: AuthFailures, metrics: Gat
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["authorization", "content-type", "idempotency-key", "x-request-id"],
-            expose_headers=["x-request-id", "x-mili-job-ids"],
+            expose_headers=["x-request-id", "x-mili-job-ids", *EXPOSED_RATE_LIMIT_HEADERS],
         )
     return ProxyHeadersMiddleware(RequestContext(guarded, metrics), trusted_hosts=settings.trusted_proxies)
 
@@ -292,6 +297,8 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     @app.exception_handler(MiliError)
     @app.exception_handler(redis.RedisError)
     async def on_queue_error(request: Request, error: Exception):
+        if isinstance(error, RateLimited) and error.limits is not None:
+            request.state.rate_limits = error.limits  # the headers say the limits that refused it
         return error_response(api_error_of(error, retry_after_s))
 
     @app.exception_handler(Exception)

@@ -4,28 +4,35 @@ restart."""
 
 from __future__ import annotations
 
+import math
+
 import redis
 
 from openai_format.errors import APIError, error_of
-from producer_client.errors import MiliError, NotReplicated, QueueFull
+from producer_client.errors import MiliError, NotReplicated, QueueFull, RateLimited
 
 
 class RetryLater(APIError):
-    """An error whose answer says when to try again (Retry-After): the SDKs wait that long before
-    they retry."""
+    """An error whose answer says when to try again (Retry-After, in whole seconds; retry-after-ms
+    too, which OpenAI's SDKs read first): the SDKs wait that long before they retry."""
 
-    def __init__(self, status: int, message: str, type: str, code: str, retry_after_s: int):
+    def __init__(self, status: int, message: str, type: str, code: str, retry_after_s: float):
         super().__init__(status, message, type, code)
         self.retry_after_s = retry_after_s
 
     @classmethod
-    def of(cls, error: APIError, retry_after_s: int) -> RetryLater:
+    def of(cls, error: APIError, retry_after_s: float) -> RetryLater:
         body = error.body.error
         return cls(error.status, body.message, body.type, body.code, retry_after_s)
 
 
 def headers_of(error: APIError) -> dict[str, str]:
-    return {"Retry-After": str(error.retry_after_s)} if isinstance(error, RetryLater) else {}
+    if not isinstance(error, RetryLater):
+        return {}
+    return {
+        "Retry-After": str(max(1, math.ceil(error.retry_after_s))),
+        "retry-after-ms": str(max(1, math.ceil(error.retry_after_s * 1000))),
+    }
 
 
 def unauthorized() -> APIError:
@@ -45,7 +52,10 @@ def gateway_stopping() -> APIError:
 
 def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
     """The HTTP error for a client-library or Redis exception; None for anything else (a bug: 500).
-    A full queue (429) and writes not yet on the replicas (503) are answered with a Retry-After."""
+    A full queue (429), a rate limit (429, after its reset) and writes not yet on the replicas
+    (503) are answered with a Retry-After."""
+    if isinstance(error, RateLimited):  # admitted once its bucket has dripped back: reset_s from now
+        return RetryLater.of(error_of(error), error.reset_s)
     if isinstance(error, (QueueFull, NotReplicated)):
         return RetryLater.of(error_of(error), retry_after_s)
     if isinstance(error, MiliError):

@@ -25,6 +25,8 @@ from gateway.errors import gateway_stopping
 from gateway.lifecycle import Lifecycle
 from openai_format.job_specs import JobSpec
 from producer_client import AsyncClient, JobResult, TokenDelta
+from producer_client.quotas import NO_RATE_LIMITS, RateLimits
+from producer_client.sharing import Submitted
 
 log = logging.getLogger("gateway.jobs")
 
@@ -40,11 +42,12 @@ class JobEvent:
 
 @dataclass
 class RequestJobs:
-    client: AsyncClient  # on the request's queue
+    client: AsyncClient  # on the request's queue, as its tenant
     ids: list[str]
     request_id: str
     idempotent: bool
     finished: set[int] = field(default_factory=set)  # indexes of the jobs whose result is in
+    limits: RateLimits = NO_RATE_LIMITS  # the tenant's rate limits after the last job went in
 
     def unfinished(self) -> list[str]:
         return [job_id for i, job_id in enumerate(self.ids) if i not in self.finished]
@@ -71,7 +74,7 @@ class Jobs:
         bound to the request's `fingerprint`: a retried request finds the same jobs, another
         request with the key is refused (IdempotencyConflict)."""
         submits = [
-            client.submit(
+            client.submit_rated(
                 request_id=None if key is None else f"{key}-{i}",
                 request_fingerprint=None if key is None else fingerprint,
                 timeout_s=self.job_timeout_s,
@@ -81,7 +84,10 @@ class Jobs:
             for i, spec in enumerate(specs)
         ]
         outcomes = [await submits[0]] if len(submits) == 1 else await asyncio.gather(*submits, return_exceptions=True)
-        jobs = RequestJobs(client, [o for o in outcomes if isinstance(o, str)], request_id, idempotent=key is not None)
+        submitted = [o for o in outcomes if isinstance(o, Submitted)]
+        jobs = RequestJobs(client, [s.job_id for s in submitted], request_id, idempotent=key is not None)
+        if submitted:
+            jobs.limits = min((s.limits for s in submitted), key=lambda limits: limits.remaining_requests)
         error = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if error is not None:
             self.release(jobs, client_left=False)

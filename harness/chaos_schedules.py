@@ -1,5 +1,6 @@
 """Random fault schedules against the queue protocol, in the spirit of Jepsen: a seeded generator
-draws a schedule of submits (with and without request_id, some resubmitted, some streamed),
+draws a schedule of submits (with and without request_id, some resubmitted, some streamed, in
+each lane, of no tenant or of one of two),
 readers that start following a job, cancels, deadlines, workers stalled past claim_idle_ms, killed
 without cleanup or drained with SIGTERM semantics, Redis restarts, SCRIPT FLUSH and out-of-memory
 windows. Placement is on, as in production (docs/architecture.md): with two workers or more, the
@@ -17,8 +18,9 @@ then every invariant of the protocol is checked:
     stalled or drained (a worker thread the machine left unscheduled for half of claim_idle_ms
     counts as stalled): a job whose workers all stayed healthy ran once (delivery count 1), and
     nothing is dead-lettered unless its workers really died;
-  - once every job has ended, no entry is pending and the queue stream and every worker's own
-    stream are empty, and every key but the heartbeats, the worker and queue indexes and the
+  - once every job has ended, no entry is pending and the queue stream, every lane's stream of
+    every tenant and every worker's own stream are empty, no tenant is left active in a lane, and
+    every key but the heartbeats, the worker and queue indexes, the lanes' scheduler state and the
     emptied streams expires within result_ttl_s;
   - jobs were placed: a schedule that ran two workers or more at once placed some on their own
     streams (counted in the report, and checked over all schedules by test_schedules.py).
@@ -42,7 +44,7 @@ from harness.echo_workers import GatedWorker, SlowEchoEngine
 from harness.polling import eventually
 from producer_client import Client
 from producer_client.connection import retry_policy
-from producer_client.keys import GROUP, Keys
+from producer_client.keys import GROUP, LANES, Keys
 from producer_client.placement import Placed
 from producer_client.protocol import execution
 from producer_client.protocol import producer as scripts
@@ -82,6 +84,11 @@ SETTINGS = dict(
 # move, and the check counts it as troubled.
 STARVED_S = CLAIM_IDLE_MS / 1000 / 2
 SETTLE_TIMEOUT_S = 60.0
+# What a submit draws its tenant and lane from: a quarter of the jobs go to the queue's own stream
+# (the default lane's of no tenant, as a producer that knows no lanes), the others to the lanes'
+# streams of no tenant or of one of two.
+TENANTS = (None, None, "ta", "tb")
+TIERS = (None, None, "priority", "flex")
 
 
 class ScheduleFailed(AssertionError):
@@ -129,6 +136,7 @@ class Run:
     timers: list[threading.Timer] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
     spawned: int = 0
+    laned: int = 0  # jobs submitted with a tenant or to a lane other than default
 
     def fail(self, message: str) -> ScheduleFailed:
         return ScheduleFailed(f"schedule seed={self.seed}: {message}\nops: {', '.join(self.ops)}")
@@ -156,14 +164,18 @@ def op_submit(run: Run, client: Client, admin: redis.Redis) -> str:
     max_tokens = run.rng.randint(1, 100)
     timeout_s = run.rng.choice([None] * 6 + [run.rng.uniform(0.05, 1.5)])
     request_id = run.rng.choice([None, f"rid-{run.rng.randrange(10**9)}"])
+    tenant, tier = run.rng.choice(TENANTS), run.rng.choice(TIERS)
     kwargs = dict(max_tokens=max_tokens, timeout_s=timeout_s, request_id=request_id, stream=run.rng.random() < 0.3)
+    submitter = client.as_tenant(tenant)
     try:
-        job_id = client.submit(prompt, **kwargs)
+        job_id = submitter.submit(prompt, service_tier=tier, **kwargs)
         if request_id is not None and run.rng.random() < 0.3:
-            assert client.submit(prompt, **kwargs) == job_id  # a retried submit: the same job, enqueued once
+            # a retried submit: the same job, enqueued once
+            assert submitter.submit(prompt, service_tier=tier, **kwargs) == job_id
     except (redis.RedisError, OSError) as e:  # refused (memory full): not acknowledged, not counted
         return f"submit refused ({type(e).__name__})"
     run.jobs[job_id] = Submitted(job_id, prompt, max_tokens)
+    run.laned += tenant is not None or tier is not None
     return f"submit {job_id[:8]}"
 
 
@@ -315,6 +327,7 @@ def run_schedule(seed: int, server, length: int = 24) -> dict:
             "placed": placed,
             "stolen": taken(run, "stolen"),
             "reclaimed": taken(run, "reclaimed"),
+            "laned": run.laned,
         }
     finally:
         for timer in run.timers:
@@ -348,6 +361,7 @@ def check(run: Run, admin: redis.Redis, results: dict[str, JobResult]) -> None:
     for job_id, job in run.jobs.items():
         check_job(run, admin, keys, job, results[job_id])
     check_queue_drained(run, admin, keys)
+    check_lanes_left(run, admin, keys)
     check_keys_expire(run, admin, keys)
 
 
@@ -374,7 +388,7 @@ def check_job(run: Run, admin: redis.Redis, keys: Keys, job: Submitted, result: 
 
 
 def check_queue_drained(run: Run, admin: redis.Redis, keys: Keys) -> None:
-    for stream in streams_of(run, keys):
+    for stream in streams_of(run, keys, admin):
 
         def drained(stream=stream) -> bool:
             return not admin.xlen(stream) and not pending(admin, stream)
@@ -385,9 +399,21 @@ def check_queue_drained(run: Run, admin: redis.Redis, keys: Keys) -> None:
             )
 
 
-def streams_of(run: Run, keys: Keys) -> list[str]:
-    """The shared stream and every worker's own."""
-    return [keys.queue(QUEUE), *(keys.own_queue(QUEUE, w.name) for w in run.workers)]
+def check_lanes_left(run: Run, admin: redis.Redis, keys: Keys) -> None:
+    """Every tenant has left its lane: READ read each stream to its end."""
+    lanes = [keys.lane(QUEUE, lane) for lane in LANES]
+
+    def idle() -> bool:
+        return not any(admin.zcard(lane) for lane in lanes)
+
+    if not eventually(idle, 10, interval=0.02):
+        raise run.fail(f"tenants left active in the lanes: {[admin.zrange(lane, 0, -1) for lane in lanes]}")
+
+
+def streams_of(run: Run, keys: Keys, admin: redis.Redis) -> list[str]:
+    """The shared stream, every lane's stream of every tenant and every worker's own."""
+    lanes = [keys.lane_stream(QUEUE, *member.split(":", 1)) for member in admin.smembers(keys.lane_streams(QUEUE))]
+    return [keys.queue(QUEUE), *lanes, *(keys.own_queue(QUEUE, w.name) for w in run.workers)]
 
 
 def pending(admin: redis.Redis, stream: str) -> int:
@@ -405,7 +431,9 @@ def taken(run: Run, source: str) -> int:
 def check_keys_expire(run: Run, admin: redis.Redis, keys: Keys) -> None:
     """Everything but the heartbeats, the indexes, the queue and dead-letter streams goes within
     result_ttl_s: each job key carries a TTL no longer than that."""
-    staying = {*streams_of(run, keys), keys.dead(QUEUE), keys.workers(QUEUE), keys.queues()}
+    staying = {*streams_of(run, keys, admin), keys.dead(QUEUE), keys.workers(QUEUE), keys.queues()}
+    # The lanes' state outlives the jobs: idle tenants' counters, the set of lane streams, the doorbell.
+    staying |= {keys.scheduler(QUEUE), keys.lane_streams(QUEUE), keys.doorbell(QUEUE)}
     heartbeats = f"{run.prefix}:worker:"
     for key in admin.scan_iter(match=f"{run.prefix}:*", count=1000):
         if key in staying or key.startswith(heartbeats):

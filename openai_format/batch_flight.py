@@ -5,12 +5,13 @@ or asyncio), its own source of lines and its own place for answers:
 
     while the run goes on:
         while flight.room() > 0: flight.add(<the next line's jobs>)
-        for lines in flight.due().values(): flight.submitted(lines, <submit_many's BulkQueueFull, or None>)
+        for lines in flight.due().values(): flight.submitted(lines, <submit_many's refusal, or None>)
         for line in flight.ended(<client.finished(flight.watch)>): <write the line's answer>
 
 At most `limit` is out at a time, a line weighing `weight(line)` from its adding to its answer:
 the gateway counts lines, `mili batch` jobs. A full queue (other producers) takes the lines it
-has room for whole; the others wait QUEUE_FULL_WAIT_S, and no line is added meanwhile. A waiting
+has room for whole; the others wait QUEUE_FULL_WAIT_S, and no line is added meanwhile. So do the
+lines the tenant's waiting quota refused, and those over its rate limits until their reset. A waiting
 line goes again whole: its jobs that got in are found by their request ids, not added twice
 (batch_lines.split_at_full_queue)."""
 
@@ -20,10 +21,13 @@ import time
 from collections.abc import Callable, Iterable
 
 from openai_format.batch_lines import LineJobs, split_at_full_queue
-from producer_client import BulkQueueFull, JobResult, ResultWatch
+from producer_client import BulkQueueFull, JobResult, RateLimited, ResultWatch, WaitingQuotaExceeded
 from producer_client.keys import Keys
 
 QUEUE_FULL_WAIT_S = 1.0
+# What stops a submit_many part-way, naming the jobs that got in: the lines after them wait.
+REFUSALS = (BulkQueueFull, WaitingQuotaExceeded, RateLimited)
+Refusal = BulkQueueFull | WaitingQuotaExceeded | RateLimited
 
 
 class Flight:
@@ -57,13 +61,14 @@ class Flight:
         self.waiting = []
         return by_queue
 
-    def submitted(self, lines: list[LineJobs], full: BulkQueueFull | None = None) -> list[LineJobs]:
+    def submitted(self, lines: list[LineJobs], full: Refusal | None = None) -> list[LineJobs]:
         """`lines`, one queue's, went to one submit_many, which met `full` or not. The lines it
         took whole are watched; the others (returned) wait."""
         taken, refused = (lines, []) if full is None else split_at_full_queue(lines, full)
         if refused:
             self.waiting += refused
-            self.retry_at = time.monotonic() + QUEUE_FULL_WAIT_S
+            wait_s = max(QUEUE_FULL_WAIT_S, full.reset_s) if isinstance(full, RateLimited) else QUEUE_FULL_WAIT_S
+            self.retry_at = time.monotonic() + wait_s
         self._watch(taken)
         return refused
 

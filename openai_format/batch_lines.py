@@ -28,6 +28,7 @@ from openai_format.render import ChatRenderer, CompletionRenderer, Renderer
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from producer_client import JobResult
 from producer_client.errors import BulkQueueFull, InvalidArgument
+from producer_client.new_job import lane_of
 from producer_client.schema import JobFailed
 
 
@@ -38,6 +39,10 @@ class Endpoint:
     renderer: type[Renderer]
     id_prefix: str
 
+
+# The lane of a batch line's jobs, unless its body names one (service_tier): batch work waits for
+# interactive work (docs/architecture.md, "Sharing rules").
+BATCH_SERVICE_TIER = "flex"
 
 ENDPOINTS = {
     "/v1/chat/completions": Endpoint(ChatCompletionRequest, chat_jobs, ChatRenderer, "chatcmpl"),
@@ -83,6 +88,11 @@ class LineRequest:
     def request_id(self, scope: str) -> str:
         return request_id(scope, self.custom_id, self.body)
 
+    @property
+    def service_tier(self) -> str:
+        """The service tier its jobs run at: the body's, else BATCH_SERVICE_TIER."""
+        return next((spec.service_tier for spec in self.specs if spec.service_tier), BATCH_SERVICE_TIER)
+
 
 @dataclass
 class LineJobs:
@@ -101,8 +111,14 @@ class LineJobs:
 
     def submit_specs(self, **options: Any) -> list[dict]:
         """submit_many's specs of the line's jobs, with `options` (timeout_s...) added."""
+        tier = self.request.service_tier
         return [
-            {**replace(spec, adapter=self.adapter).submit_kwargs(), "request_id": job_id, **options}
+            {
+                **replace(spec, adapter=self.adapter).submit_kwargs(),
+                "service_tier": tier,
+                "request_id": job_id,
+                **options,
+            }
             for spec, job_id in zip(self.request.specs, self.job_ids)
         ]
 
@@ -263,7 +279,9 @@ def answer(req: LineRequest, request_id: str, results: list[JobResult]) -> Outpu
         code, message = (failed.error.code, failed.error.message) if failed.error else ("error", "failed")
         return error_answer(req.custom_id, request_id, error_of(JobFailed(code, message, failed)))
     prompt_of = [spec.prompt_index for spec in req.specs]
-    renderer = req.endpoint.renderer(f"{req.endpoint.id_prefix}-{request_id}", req.request.model, prompt_of)
+    renderer = req.endpoint.renderer(
+        f"{req.endpoint.id_prefix}-{request_id}", req.request.model, prompt_of, lane_of(req.service_tier)
+    )
     try:
         body = renderer.response(results).model_dump(mode="json")
     except APIError as e:  # a job that passed its deadline: 504, as over HTTP

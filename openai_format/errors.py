@@ -15,6 +15,7 @@ from producer_client.errors import (
     MiliError,
     NotReplicated,
     QueueFull,
+    RateLimited,
 )
 from producer_client.schema import JobExpired, JobFailed
 
@@ -63,6 +64,8 @@ def error_of(error: MiliError) -> APIError:
         return bad_request(
             error.message, error.field, "invalid_value" if error.code == "invalid_argument" else error.code
         )
+    if isinstance(error, RateLimited):  # OpenAI's type names the limit: "requests" or "tokens"
+        return APIError(429, error.message, error.which, error.code)
     if isinstance(error, QueueFull):
         return APIError(429, error.message, "rate_limit_error", error.code)
     if isinstance(error, JobNotFound):

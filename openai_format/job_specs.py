@@ -72,6 +72,7 @@ class JobSpec:
     sampling: dict[str, Any] | None = None
     prompt_index: int = 0  # which prompt of a completion this job answers
     adapter: str | None = None  # the LoRA adapter the request's model names (gateway/registry.py)
+    service_tier: str | None = None  # its lane (None: the submitter's default)
 
     def submit_kwargs(self) -> dict[str, Any]:
         return {
@@ -79,6 +80,7 @@ class JobSpec:
             "messages": self.messages,
             "input_ids": self.input_ids,
             "priority": self.priority,
+            "service_tier": self.service_tier,
             **self.options(),
         }
 
@@ -88,7 +90,8 @@ class JobSpec:
 
     def check(self, timeout_s: float) -> None:
         """Validate as `submit` will, touching nothing: raises InvalidArgument."""
-        build_job(self.prompt, self.messages, self.input_ids, None, timeout_s, self.priority, self.options())
+        prompt, messages, ids, tier = self.prompt, self.messages, self.input_ids, self.service_tier
+        build_job(prompt, messages, ids, None, timeout_s, self.priority, self.options(), service_tier=tier)
 
 
 def parse_body(model: type[Model], body: bytes | str) -> Model:
@@ -128,7 +131,8 @@ def chat_jobs(req: ChatCompletionRequest) -> list[JobSpec]:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     options = {**sampling(req, max_tokens, logprobs), **chat_options(req)}
-    base = JobSpec(messages=[chat_message(m) for m in req.messages], priority=req.priority or 0, sampling=options)
+    messages = [chat_message(m) for m in req.messages]
+    base = JobSpec(messages=messages, priority=req.priority or 0, sampling=options, service_tier=req.service_tier)
     return choices(base, req.choices)
 
 

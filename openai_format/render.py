@@ -108,6 +108,7 @@ class Renderer:
     id: str
     model: str
     prompt_of: list[int]  # job index -> prompt index
+    service_tier: str | None = None  # the lane of its jobs, which a chat's answer echoes
     created: int = field(default_factory=lambda: int(time.time()))
     calls_streamed: dict[int, int] = field(default_factory=dict)  # choice index -> its tool calls sent so far
 
@@ -122,7 +123,12 @@ class ChatRenderer(Renderer):
             for i, r in enumerate(results)
         ]
         return ChatCompletion(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage(results)
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self.usage(results),
+            service_tier=self.service_tier,
         )
 
     def first(self, index: int) -> ChatCompletionChunk:
@@ -151,11 +157,18 @@ class ChatRenderer(Renderer):
 
     def usage_chunk(self, results: list[JobResult]) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage(results)
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=[],
+            usage=self.usage(results),
+            service_tier=self.service_tier,
         )
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[choice], service_tier=self.service_tier
+        )
 
 
 def message(result: JobResult) -> ChatMessageOut:

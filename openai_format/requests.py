@@ -208,10 +208,11 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    # The job's lane (producer_client.new_job.SERVICE_TIERS): OpenAI's "scale" and "fast" are not MILI's.
+    service_tier: Annotated[str | None, only("auto", "default", "flex", "priority")] = None
     # Accepted as the spec describes them, with no effect on the output.
     metadata: dict[str, str] | None = Field(None, max_length=16)
     store: Annotated[bool | None, only(False)] = None
-    service_tier: Annotated[str | None, only("auto", "default")] = None
     prompt_cache_key: str | None = None  # a cache hint: the radix cache finds shared prefixes by itself
     safety_identifier: str | None = Field(None, max_length=64)
     modalities: Annotated[list[str] | None, only(["text"])] = None

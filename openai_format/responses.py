@@ -85,6 +85,7 @@ class ChatCompletion(Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    service_tier: str | None = Omitted  # the lane that served it
 
 
 class FunctionDelta(Response):
@@ -123,6 +124,7 @@ class ChatCompletionChunk(Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    service_tier: str | None = Omitted
 
 
 class CompletionChoice(Response):

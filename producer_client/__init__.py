@@ -13,7 +13,9 @@ from producer_client.errors import (
     JobTimeout,
     MiliError,
     QueueFull,
+    RateLimited,
     UnknownAdapter,
+    WaitingQuotaExceeded,
 )
 from producer_client.schema import (
     ChatMessage,
@@ -47,12 +49,14 @@ __all__ = [
     "MiliError",
     "QueueFull",
     "QueueStats",
+    "RateLimited",
     "ResultWatch",
     "SamplingParams",
     "Timings",
     "TokenDelta",
     "UnknownAdapter",
     "Usage",
+    "WaitingQuotaExceeded",
     "WorkerInfo",
     "errors",
 ]

@@ -12,9 +12,11 @@ from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
 from producer_client.connection import RedisURL, async_retry_policy, connect_async
 from producer_client.job_stream import follow
-from producer_client.new_job import build_job
+from producer_client.new_job import build_job, build_job_of
 from producer_client.protocol.script import Script
+from producer_client.quotas import RateLimits, current_rate_limits
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
+from producer_client.sharing import Submitted
 from producer_client.status_reads import read_live_workers, read_queue_stats
 from producer_client.steps import Steps, T
 
@@ -54,12 +56,25 @@ class AsyncClient(ClientBase):
         priority: int = 0,
         request_fingerprint: str | None = None,
         stream: bool = False,
+        service_tier: str | None = None,
         **sampling: Any,
     ) -> str:
         job = build_job(
-            prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint, stream=stream
+            prompt,
+            messages,
+            input_ids,
+            request_id,
+            timeout_s,
+            priority,
+            sampling,
+            request_fingerprint,
+            stream=stream,
+            service_tier=service_tier,
         )
         return await self.run_steps(self.redis, operations.submit(self, job))
+
+    async def submit_rated(self, **arguments: Any) -> Submitted:
+        return await self.run_steps(self.redis, operations.submit_rated(self, build_job_of(arguments)))
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         return await self.run_steps(self.redis, operations.result(self.keys, job_id, timeout))
@@ -100,6 +115,11 @@ class AsyncClient(ClientBase):
 
     async def cancel_many(self, job_ids: Iterable[str]) -> None:
         await self.run_steps(self.redis, bulk.cancel_many(self.keys, job_ids))
+
+    async def rate_limits(self) -> RateLimits:
+        return await self.run_steps(
+            self.redis, current_rate_limits(self.keys, self.queue, self.tenant, self.quota_cache)
+        )
 
     async def queue_stats(self) -> QueueStats:
         return await self.run_steps(self.redis, read_queue_stats(self.keys, self.queue))

@@ -4,9 +4,10 @@ clients run the same steps over their own connections.
 - `submit_many` validates every spec before anything is sent, then enqueues the jobs in chunks of
   CHUNK, at most three pipelined round trips a chunk whatever its size: CREATE for the jobs that
   carry a request_id (only those not seen before go on), then the others' CREATE with one
-  ENQUEUE_MANY of the whole chunk, then the request_ids' `enqueued` flags. The queue's bound holds
-  as for `submit`: a chunk that would cross it fills the queue up to it, and BulkQueueFull names
-  what went in.
+  ENQUEUE_MANY (ENQUEUE_LANES for lanes and tenants) of the whole chunk, then the request_ids'
+  `enqueued` flags. Each stream's bound and the tenant's limits hold as for `submit`: a chunk that
+  would cross them goes in up to them, and BulkQueueFull (or WaitingQuotaExceeded, RateLimited)
+  names what went in.
 - `ResultWatch` holds the jobs a caller waits for; one XREAD of their `done` streams returns every
   one of them that has ended, or blocks until one does (on a cluster, see `read_finished`).
   `as_completed` yields them batch by batch (`watch_all`, then `next_finished` until none is left),
@@ -22,14 +23,17 @@ from typing import Any
 
 from producer_client.client_base import ClientBase
 from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound, JobTimeout
-from producer_client.keys import Keys
+from producer_client.keys import NO_TENANT, PROTOCOL_VERSION, Keys
 from producer_client.new_job import NewJob, build_job_of
 from producer_client.operations import cancel_call
 from producer_client.placement import Placement
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_order
+from producer_client.protocol.producer import NO_LIMITS, Limits
+from producer_client.protocol.replies import Enqueued, Refusal, parse_enqueue
 from producer_client.protocol.script import add_all
 from producer_client.schema import JobExpired, JobResult, Timings
+from producer_client.sharing import lane_job, placed_fields, refusal_error, uses_queue_stream
 from producer_client.steps import Steps, checked
 from producer_client.validation import check_job_id, check_timeout
 from producer_client.waiting import Deadline, expiry, streams_read
@@ -58,14 +62,29 @@ def build_spec(index: int, spec: Mapping[str, Any]) -> NewJob:
 
 def submit_many(client: ClientBase, specs: Iterable[Mapping[str, Any]]) -> Steps[list[str]]:
     """Client.submit_many: every spec validated first (build_jobs), then the jobs enqueued on the
-    client's queue (submit_steps)."""
+    client's queue, in their lanes of the client's tenant (submit_steps)."""
     jobs = build_jobs(specs)
-    return (yield from submit_steps(client.keys, client.queue, client.max_queue_depth, jobs, client.placement))
+    limits = yield from client.quota_cache.limits_for(client.keys, client.tenant)
+    return (
+        yield from submit_steps(
+            client.keys, client.queue, client.max_queue_depth, jobs, client.placement, client.tenant_name, limits
+        )
+    )
 
 
-def submit_steps(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob], placement: Placement) -> Steps:
+def submit_steps(
+    keys: Keys,
+    queue: str,
+    max_depth: int | None,
+    jobs: list[NewJob],
+    placement: Placement,
+    tenant: str = NO_TENANT,
+    limits: Limits = NO_LIMITS,
+) -> Steps:
     """Enqueue `jobs` chunk by chunk; returns their ids in order. Specs with the same request_id
-    are one job. Raises BulkQueueFull when the queue fills up part-way."""
+    are one job. Raises BulkQueueFull when a stream fills up part-way, WaitingQuotaExceeded or
+    RateLimited when the tenant's limits stop it, each naming the ids of the specs enqueued;
+    UnknownAdapter, before any goes in, for an adapter no live worker of the queue serves."""
     yield from placement.check_adapters(keys, queue, [job.adapter for job in jobs])
     unique: dict[str, NewJob] = {}
     for job in jobs:
@@ -74,38 +93,52 @@ def submit_steps(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJo
     placed: set[str] = set()
     for start in range(0, len(order), CHUNK):
         chunk = order[start : start + CHUNK]
-        in_queue, depth = yield from enqueue_chunk(keys, queue, max_depth, chunk, placement)
+        in_queue, outcome = yield from enqueue_chunk(keys, queue, max_depth, chunk, placement, tenant, limits)
         placed.update(in_queue)
         if len(in_queue) < len(chunk):
             ids = [job.job_id for job in jobs]
             first_out = next(i for i, job_id in enumerate(ids) if job_id not in placed)
-            raise BulkQueueFull(queue, depth, max_depth, ids[:first_out])
+            if outcome.refusal is Refusal.FULL:
+                raise BulkQueueFull(queue, int(outcome.values[0]), max_depth, ids[:first_out])
+            raise refusal_error(outcome, queue, tenant, max_depth, ids[:first_out])
     return [job.job_id for job in jobs]
 
 
-def enqueue_chunk(keys: Keys, queue: str, max_depth: int | None, chunk: list[NewJob], placement: Placement) -> Steps:
-    """Returns (the ids of the chunk's jobs in the queue now, up to the first that did not fit;
-    the depth ENQUEUE_MANY left). A job whose enqueue fails or does not fit loses its hash, as in
+def enqueue_chunk(
+    keys: Keys,
+    queue: str,
+    max_depth: int | None,
+    chunk: list[NewJob],
+    placement: Placement,
+    tenant: str,
+    limits: Limits,
+) -> Steps:
+    """Returns (the ids of the chunk's jobs in the queue now, up to the first that did not go in;
+    the enqueue's outcome). A job whose enqueue fails or does not go in loses its hash, as in
     `submit`: a later submit with its request_id then enqueues it. Jobs placed on workers' own
-    streams (which have no bound) go in once the shared stream has taken its part, and only those
-    before the first job it refused: what went in is still a prefix of the chunk."""
+    streams (which have no bound) go in once the lanes have taken their part, and only those
+    before the first job refused: what went in is still a prefix of the chunk. A tenant with
+    limits places nothing: its jobs all go through the lanes, where the limits are counted."""
     found = yield from found_already(keys, [job for job in chunk if job.idempotent])
     to_add = [job for job in chunk if job.job_id not in found]
     if not to_add:
-        return [job.job_id for job in chunk], None
-    streams = yield from placement.streams_for(keys, queue, [job.prefix for job in to_add])
+        return [job.job_id for job in chunk], Enqueued(len(chunk))
+    if limits.any:
+        streams = [None] * len(to_add)
+    else:
+        streams = yield from placement.streams_for(keys, queue, [job.prefix for job in to_add])
     shared = [job for job, stream in zip(to_add, streams) if stream is None]
     try:
-        replies = checked((yield enqueue_commands(keys, queue, max_depth, to_add, shared)))
+        replies = checked((yield enqueue_commands(keys, queue, max_depth, to_add, shared, tenant, limits)))
     except Exception:
         yield forget_commands(to_add, keys)
         raise
-    added, depth = replies[-1] if shared else (0, None)
-    cut = to_add.index(shared[added]) if added < len(shared) else len(to_add)
+    outcome = chunk_outcome(replies[-1], shared, tenant) if shared else Enqueued(0)
+    cut = to_add.index(shared[outcome.added]) if outcome.added < len(shared) else len(to_add)
     placed = [(job, stream) for job, stream in zip(to_add[:cut], streams) if stream is not None]
     if placed:
         try:
-            checked((yield enqueue_placed_commands(placed)))
+            checked((yield enqueue_placed_commands(placed, tenant)))
         except Exception:
             yield forget_commands([job for job, _ in placed], keys)
             raise
@@ -115,7 +148,15 @@ def enqueue_chunk(keys: Keys, queue: str, max_depth: int | None, chunk: list[New
     in_queue = [job.job_id for job in chunk]
     if refused:
         in_queue = in_queue[: in_queue.index(refused[0].job_id)]
-    return in_queue, depth
+    return in_queue, outcome
+
+
+def chunk_outcome(reply: list, shared: list[NewJob], tenant: str) -> Enqueued:
+    """ENQUEUE_MANY's {jobs added, depth after} or ENQUEUE_LANES's reply, as an outcome."""
+    if not uses_queue_stream(shared, tenant):
+        return parse_enqueue(reply)
+    added, depth = reply
+    return Enqueued(added, Refusal.FULL if added < len(shared) else Refusal.NONE, (depth, ""))
 
 
 def found_already(keys: Keys, idempotent: list[NewJob]) -> Steps:
@@ -135,32 +176,42 @@ def found_already(keys: Keys, idempotent: list[NewJob]) -> Steps:
 
 
 def enqueue_commands(
-    keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob], shared: list[NewJob]
+    keys: Keys,
+    queue: str,
+    max_depth: int | None,
+    jobs: list[NewJob],
+    shared: list[NewJob],
+    tenant: str,
+    limits: Limits,
 ) -> Callable:
-    """The hashes of the jobs with a fresh id (CREATE of the others went first), then ENQUEUE_MANY
-    of those bound for the shared stream."""
+    """The hashes of the jobs with a fresh id (CREATE of the others went first), then one call
+    for those bound for the lanes: ENQUEUE_MANY when they all go to the queue's own stream (the
+    default lane, no tenant), else ENQUEUE_LANES, which also counts the tenant's limits."""
 
     def add(pipe) -> None:
         for job in jobs:
             if not job.idempotent:
                 job.add_fresh_create(pipe, keys)
-        if shared:
-            scripts.enqueue_many(keys.queue(queue), max_depth or 0, [(job.job_id, job.body) for job in shared]).add_to(
-                pipe
-            )
+        if not shared:
+            return
+        if uses_queue_stream(shared, tenant):
+            pairs = [(job.job_id, job.body) for job in shared]
+            scripts.enqueue_many(keys.queue(queue), max_depth or 0, pairs).add_to(pipe)
+        else:
+            scripts.enqueue_lanes(
+                keys, queue, tenant, [lane_job(job) for job in shared], max_depth or 0, limits
+            ).add_to(pipe)
 
     return add
 
 
-def enqueue_placed_commands(placed: list[tuple[NewJob, str]]) -> Callable:
-    """One ENQUEUE_MANY per worker stream, with no bound (see NewJob.enqueue_call)."""
-    by_stream: dict[str, list[NewJob]] = {}
-    for job, stream in placed:
-        by_stream.setdefault(stream, []).append(job)
+def enqueue_placed_commands(placed: list[tuple[NewJob, str]], tenant: str) -> Callable:
+    """An XADD per job placed on a worker's stream, which has no bound (see sharing.enqueue_call),
+    with its route and cost (only lane-aware workers take placed jobs)."""
 
     def add(pipe) -> None:
-        for stream, jobs in by_stream.items():
-            scripts.enqueue_many(stream, 0, [(job.job_id, job.body) for job in jobs]).add_to(pipe)
+        for job, stream in placed:
+            pipe.xadd(stream, {"id": job.job_id, "v": PROTOCOL_VERSION, "body": job.body, **placed_fields(job, tenant)})
 
     return add
 

@@ -14,20 +14,25 @@ from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
 from producer_client.connection import RedisURL, connect, retry_policy
 from producer_client.job_stream import follow
-from producer_client.new_job import build_job
+from producer_client.new_job import build_job, build_job_of
+from producer_client.quotas import RateLimits, current_rate_limits
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
+from producer_client.sharing import Submitted
 from producer_client.status_reads import read_live_workers, read_queue_stats
 
 
 class Client(ClientBase):
     """Submit jobs to a MILI queue and read their results.
 
-    `max_queue_depth` is the backpressure bound: `submit` raises QueueFull when the queue
-    already holds that many unacknowledged entries (None: no bound). The check and the
-    XADD are one script, so the bound holds whatever the number of producers; entries are
-    never trimmed to enforce it. `max_connections` bounds the connection pool (None: redis-py's
+    `max_queue_depth` is the backpressure bound of each of the queue's streams (one per lane and
+    tenant): `submit` raises QueueFull when the job's stream already holds that many
+    unacknowledged entries (None: no bound), so one tenant's backlog never refuses another's
+    submit. The check and the XADD are one script, so the bound holds whatever the number of
+    producers; entries are never trimmed to enforce it. `max_connections` bounds the connection pool (None: redis-py's
     default, 100; on a cluster, per node); every call in flight holds a connection, a blocking read
-    for as long as it waits. `wait_replicas` (0: off) makes `submit` return only once that many
+    for as long as it waits. `tenant` names who submits (None: nobody in particular): a tenant's
+    jobs get a fair share of each lane's tokens against other tenants', and its quotas and rate
+    limits (`mili quota set`) hold. `wait_replicas` (0: off) makes `submit` return only once that many
     replicas have the job and its entry (WAIT, for at most `wait_timeout_ms`), else raise
     NotReplicated: then a failover cannot lose an acknowledged submit. `placement` (on by
     default) sends a job to the worker likely to hold its prompt's prefix in its cache, when more
@@ -60,6 +65,7 @@ class Client(ClientBase):
         priority: int = 0,
         request_fingerprint: str | None = None,
         stream: bool = False,
+        service_tier: str | None = None,
         **sampling: Any,
     ) -> str:
         """Enqueue a job and return its id. `sampling` takes SamplingParams' fields (max_tokens,
@@ -70,11 +76,28 @@ class Client(ClientBase):
         request of the caller's own such as an HTTP body, when given); with another it raises IdempotencyConflict and enqueues nothing. `stream`:
         its tokens will be read as they come (stream()), so the worker publishes them within its
         stream_interval_s from the first; without it, a reader's stream() gets them at the
-        worker's checkpoint_interval_s until the worker sees the reader."""
+        worker's checkpoint_interval_s until the worker sees the reader. `service_tier` (OpenAI's
+        values: "priority", "default" or "auto", "flex") is the job's lane: a worker with room takes
+        the highest lane's jobs first (docs/client.md). Over the client's tenant's limits it raises
+        RateLimited, or WaitingQuotaExceeded (a QueueFull)."""
         job = build_job(
-            prompt, messages, input_ids, request_id, timeout_s, priority, sampling, request_fingerprint, stream=stream
+            prompt,
+            messages,
+            input_ids,
+            request_id,
+            timeout_s,
+            priority,
+            sampling,
+            request_fingerprint,
+            stream=stream,
+            service_tier=service_tier,
         )
         return self.run_steps(self.redis, operations.submit(self, job))
+
+    def submit_rated(self, **arguments: Any) -> Submitted:
+        """submit() of `arguments`, returning the job's id with its tenant's rate limits after it
+        (the gateway's x-ratelimit-* headers)."""
+        return self.run_steps(self.redis, operations.submit_rated(self, build_job_of(arguments)))
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Block until the job ends (XREAD BLOCK on its `done` stream; no polling) and return its
@@ -140,6 +163,11 @@ class Client(ClientBase):
     def cancel_many(self, job_ids: Iterable[str]) -> None:
         """cancel() of each job in one round trip; an id with no job is passed over."""
         self.run_steps(self.redis, bulk.cancel_many(self.keys, job_ids))
+
+    def rate_limits(self) -> RateLimits:
+        """The client's tenant's rate limits on its queue now (counting nothing): what the
+        gateway's x-ratelimit-* headers say of an answer that enqueued no job."""
+        return self.run_steps(self.redis, current_rate_limits(self.keys, self.queue, self.tenant, self.quota_cache))
 
     def queue_stats(self) -> QueueStats:
         return self.run_steps(self.redis, read_queue_stats(self.keys, self.queue))

@@ -12,9 +12,10 @@ from typing import TypeVar
 from producer_client.connection import RedisURL, parse_url
 from producer_client.dead_letters import DeadLetters
 from producer_client.inspection import QueueInspector
-from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
+from producer_client.keys import DEFAULT_PREFIX, NO_TENANT, Keys, check_name, check_tenant
 from producer_client.placement import Placement
 from producer_client.protocol.replication import Replication
+from producer_client.quotas import Quotas, TenantQuotas
 from producer_client.validation import check_max_queue_depth
 
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -37,8 +38,11 @@ class ClientBase:
         wait_replicas: int = 0,
         wait_timeout_ms: int = 1000,
         placement: bool = True,
+        tenant: str | None = None,
     ):
         self.queue = check_name("queue", queue)
+        self.tenant = None if tenant is None else check_tenant("tenant", tenant)
+        self.quota_cache = Quotas()
         self.keys = Keys(prefix)
         self.max_queue_depth = check_max_queue_depth(max_queue_depth)
         self.replication = Replication(wait_replicas, wait_timeout_ms)
@@ -49,6 +53,11 @@ class ClientBase:
         """A redis-py client of `target`, with the clients' retry policy."""
         raise NotImplementedError
 
+    @property
+    def tenant_name(self) -> str:
+        """The tenant as keys name it: NO_TENANT for none."""
+        return NO_TENANT if self.tenant is None else self.tenant
+
     def on_queue(self: C, queue: str) -> C:
         """A client of `queue` with this one's settings, over the same connection pool: one pool
         serves every queue (closing either client closes it)."""
@@ -56,10 +65,23 @@ class ClientBase:
         other.queue = check_name("queue", queue)
         return other
 
+    def as_tenant(self: C, tenant: str | None) -> C:
+        """A client submitting as `tenant` (None: no tenant) with this one's settings, over the same
+        connection pool and the same copies of the tenants' quotas: how a gateway serves each API
+        key's requests."""
+        other = copy.copy(self)
+        other.tenant = None if tenant is None else check_tenant("tenant", tenant)
+        return other
+
     @property
     def dead_letters(self) -> DeadLetters:
         """The queue's dead letters: list, get, retry, purge (producer_client.dead_letters)."""
         return DeadLetters(self.redis, self.keys, self.queue, self.run_steps)
+
+    @property
+    def tenant_quotas(self) -> TenantQuotas:
+        """Every tenant's quotas and rate limits: get, set, all (producer_client.quotas)."""
+        return TenantQuotas(self.redis, self.keys, self.run_steps)
 
     @property
     def inspect(self) -> QueueInspector:

@@ -1,8 +1,9 @@
 """A queue's dead letters, for operators: list them, show one, retry them, purge them.
 
 A worker moves an entry to `mili:dead:{queue}` once it has been delivered more than
-max_deliveries times (see DEADLETTER): the entry's own fields (id, v, body) plus `entry`,
-`deliveries`, `reason`, `worker` and `dead_at`. The stream keeps about the last 10,000.
+max_deliveries times (see DEADLETTER): the entry's own fields (id, v, body; a lane's entry its cost,
+lane and tenant) plus `entry`, `deliveries`, `reason`, `worker` and `dead_at`. The stream keeps
+about the last 10,000. A retry returns a job to its lane's stream of its tenant.
 
 A retry re-enqueues the letter's body as a new entry under the same job id (a fresh delivery
 count), in two scripts, because a job's keys and a queue's keys never share a script (Redis
@@ -27,9 +28,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from producer_client.errors import InvalidArgument, MiliError
-from producer_client.keys import NAME_PATTERN, Keys, check_name
+from producer_client.keys import DEFAULT_LANE, LANES, NAME_PATTERN, NO_TENANT, TENANT_PATTERN, Keys, check_name
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_time, epoch_ms
+from producer_client.protocol.lanes import DEFAULT_COST
 from producer_client.steps import Steps, checked
 from producer_client.validation import EVENT_ID, check_limit
 
@@ -64,6 +66,16 @@ class DeadLetter(BaseModel):
     worker: str  # the worker that moved it
     dead_at: float  # epoch seconds on Redis's clock: the letter's id
     fields: dict[str, str]  # every field as the stream holds it, the job's body among them
+
+    @property
+    def lane(self) -> str:
+        lane = self.fields.get("lane", DEFAULT_LANE)
+        return lane if lane in LANES else DEFAULT_LANE
+
+    @property
+    def tenant(self) -> str:
+        tenant = self.fields.get("tenant", NO_TENANT)
+        return tenant if TENANT_PATTERN.fullmatch(tenant) else NO_TENANT
 
     @classmethod
     def from_entry(cls, queue: str, letter_id: str, fields: dict[str, str]) -> DeadLetter:
@@ -213,7 +225,17 @@ def retry_letters(keys: Keys, queue: str, letters: list[DeadLetter]) -> Steps[li
     def add_revivals(pipe) -> None:
         for letter in queued:
             f = letter.fields
-            scripts.revive(keys, queue, letter.letter_id, letter.job_id, f.get("v", ""), f["body"]).add_to(pipe)
+            scripts.revive(
+                keys,
+                queue,
+                letter.letter_id,
+                letter.job_id,
+                f.get("v", ""),
+                f["body"],
+                letter.lane,
+                letter.tenant,
+                f.get("cost", str(DEFAULT_COST)),
+            ).add_to(pipe)
 
     for letter, entry_id in zip(queued, checked((yield add_revivals)) if queued else []):
         outcome = "gone" if entry_id is None else "retried"

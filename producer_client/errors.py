@@ -65,6 +65,55 @@ class QueueFull(MiliError):
         self.max_depth = max_depth
 
 
+class WaitingQuotaExceeded(QueueFull):
+    """The tenant has `max_waiting` jobs nobody has read yet, across the queue's lanes: its quota
+    (`mili quota set TENANT --max-waiting N`). Other tenants' submits are not refused for it. From
+    submit_many, `job_ids` are those of the specs enqueued, a prefix of them, as BulkQueueFull's."""
+
+    def __init__(self, queue: str, tenant: str, waiting: int, max_waiting: int, job_ids: list[str] | None = None):
+        MiliError.__init__(
+            self,
+            f"tenant {tenant!r} has {waiting} jobs waiting in queue {queue!r}, its max_waiting quota is {max_waiting}",
+        )
+        self.queue = queue
+        self.tenant = tenant
+        self.depth = waiting
+        self.max_depth = max_waiting
+        self.job_ids = job_ids
+
+
+class RateLimited(MiliError):
+    """The tenant is over its requests-per-minute or tokens-per-minute limit on the queue
+    (`which`: "requests" or "tokens"); nothing was enqueued. `reset_s`: when the request would
+    be admitted, in seconds from now (the gateway's Retry-After). `limits`: the tenant's limits as
+    they stand (producer_client.quotas.RateLimits). From submit_many, `job_ids` are those of the
+    specs enqueued, a prefix of them, as BulkQueueFull's."""
+
+    code = "rate_limit_exceeded"
+
+    def __init__(
+        self,
+        queue: str,
+        tenant: str,
+        which: str,
+        limit: int,
+        reset_s: float,
+        limits=None,
+        job_ids: list[str] | None = None,
+    ):
+        super().__init__(
+            f"tenant {tenant!r} is over its limit of {limit} {which} per minute on queue {queue!r}: "
+            f"retry in {reset_s:.3f}s"
+        )
+        self.queue = queue
+        self.tenant = tenant
+        self.which = which
+        self.limit = limit
+        self.reset_s = reset_s
+        self.limits = limits
+        self.job_ids = job_ids
+
+
 class BulkQueueFull(QueueFull):
     """submit_many met a full queue part-way. `job_ids` are the jobs of the first len(job_ids)
     specs, in order, all in the queue (or found there, for a request_id seen before); no later

@@ -1,10 +1,15 @@
 """Every Redis key MILI uses (protocol v1), and nothing else: no other module builds a key.
 
 The part of a key in braces is a Redis Cluster hash tag. All keys of one job share a slot
-(`job`, `events`, `done`), and so do all keys of one queue (`queue`, `dead`, `workers`). That lets
-the single-job Lua scripts touch a job's hash and its event stream atomically, while no
-command or script ever spans a job's keys and a queue's keys. The gateway's Batch API keeps its
-files and batches here too: a file's keys share its id's slot, a batch's keys its id's.
+(`job`, `events`, `done`), and so do all keys of one queue (`queue`, `dead`, `workers`, and the
+sharing rules': each lane's and tenant's stream, the lanes' counters, the scheduler's state, the
+doorbell, the rate limits). That lets the single-job Lua scripts touch a job's hash and its event
+stream atomically, and one script see every tenant of a queue's lanes, while no command or script
+ever spans a job's keys and a queue's keys. The gateway's Batch API keeps its files and batches
+here too: a file's keys share its id's slot, a batch's keys its id's.
+
+Two scripts name a lane's stream from its tenant inside Redis (a tenant that becomes least served
+is known only there): they prepend LUA_STREAM_OF, the same rule as `Keys.lane_stream`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,42 @@ DEFAULT_PREFIX = "mili"
 # Job ids, request ids, queue and worker names all end up inside keys: no braces
 # (they would break the hash tag), no whitespace, bounded length.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
+
+
+# Lanes, most important first: a worker with room takes from the highest non-empty one (with the
+# anti-starvation credit of docs/architecture.md). OpenAI's service_tier values name them.
+LANES = ("priority", "default", "flex")
+DEFAULT_LANE = "default"
+# The tenant of jobs that name none: not a valid tenant name, so it clashes with none.
+NO_TENANT = "-"
+# A tenant names keys, ACL patterns (`...:<tenant>`) and a metric label: no ':' (a pinned ACL
+# user's pattern must match its own keys only), no '@' or '#' (entry references use them).
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_tenant(field: str, value: object) -> str:
+    """Return `value` if it can name a tenant, else raise InvalidArgument naming `field`."""
+    if not isinstance(value, str) or not TENANT_PATTERN.fullmatch(value):
+        raise InvalidArgument(
+            field, "must be 1-64 characters of letters, digits and ._- starting with a letter or digit"
+        )
+    return value
+
+
+def check_lane(field: str, value: object) -> str:
+    if value not in LANES:
+        raise InvalidArgument(field, f"must be one of {', '.join(LANES)}")
+    return value
+
+
+# The Lua twin of Keys.lane_stream: KEYS's base stream, a lane and a tenant (NO_TENANT too) to
+# the stream's key. tests/queue/test_lanes.py checks that both give the same keys.
+LUA_STREAM_OF = """
+local function stream_of(base, lane, tenant)
+  if lane == 'default' and tenant == '-' then return base end
+  return base .. ':' .. lane .. ':' .. tenant
+end
+"""
 
 
 def check_name(field: str, value: object) -> str:
@@ -50,6 +91,51 @@ class Keys:
         name holds: each worker's stream lives on a shard of its own, and no script spans it and
         the queue's keys. Under `:q:`, so the producers' ACL pattern for queues covers it."""
         return f"{self.prefix}:q:{{{queue}|{worker}}}"
+
+    def lane_stream(self, queue: str, lane: str, tenant: str) -> str:
+        """Stream of one lane's jobs of one tenant (NO_TENANT: jobs that name none), read by the
+        consumer group `workers` (created by the first worker to read it): the queue's fields, and
+        `cost`, the tokens the job is charged when read. The default lane's jobs of no tenant are the
+        queue's own stream, so that producers and workers that know no lanes still meet there."""
+        if lane == DEFAULT_LANE and tenant == NO_TENANT:
+            return self.queue(queue)
+        return f"{self.queue(queue)}:{lane}:{tenant}"
+
+    def lane(self, queue: str, lane: str) -> str:
+        """Sorted set of the lane's active tenants (those with jobs nobody has read), each scored
+        by its virtual token counter: the weighted tokens it was served (docs/architecture.md)."""
+        return f"{self.prefix}:lane:{{{queue}}}:{lane}"
+
+    def scheduler(self, queue: str) -> str:
+        """Hash of the lanes' shared state: the counters of tenants that went idle (`c:<lane>:<tenant>`),
+        each lane's floor (`floor:<lane>`: a counter a tenant is lifted to when the lane was empty),
+        each tenant's weight (`w:<tenant>`), each lower lane's anti-starvation credit (`credit:<lane>`)."""
+        return f"{self.prefix}:sched:{{{queue}}}"
+
+    def lane_streams(self, queue: str) -> str:
+        """Set of `<lane>:<tenant>` of every lane stream the queue has had: where reclaims,
+        statistics and dead letters find them."""
+        return f"{self.prefix}:streams:{{{queue}}}"
+
+    def doorbell(self, queue: str) -> str:
+        """Stream, group `workers`: a producer that gives a lane work adds an entry, which wakes one
+        idle worker blocked on it and the queue's stream (docs/architecture.md)."""
+        return f"{self.prefix}:bell:{{{queue}}}"
+
+    def rate(self, queue: str, tenant: str) -> str:
+        """Hash of a tenant's rate limits on the queue (GCRA's theoretical arrival times, `r` for
+        requests and `t` for tokens, ms on Redis's clock); expires once both buckets are full."""
+        return f"{self.prefix}:rate:{{{queue}}}:{tenant}"
+
+    def quota(self, tenant: str) -> str:
+        """Hash of a tenant's quota settings (`max_waiting`, `rpm`, `tpm`, `weight`), written by
+        `mili quota set` and read by producers, which pass them to the enqueue script."""
+        return f"{self.prefix}:quota:{tenant}"
+
+    def quotas(self) -> str:
+        """Sorted set of the tenants that have quota settings, by name: `mili quota show` lists it.
+        No hash tag."""
+        return f"{self.prefix}:quotas"
 
     def dead(self, queue: str) -> str:
         """Stream of dead-lettered jobs, with the reason."""

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from producer_client import structured
 from producer_client.errors import BodyTooLarge, IdempotencyConflict, InvalidArgument
-from producer_client.keys import Keys, check_name
+from producer_client.keys import DEFAULT_LANE, Keys, check_name
 from producer_client.placement import prefix_key
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.script import ScriptCall
@@ -30,6 +30,9 @@ from producer_client.schema import (
 
 FINGERPRINT_CHARS = 64
 FINGERPRINT = re.compile(r"[A-Za-z0-9]{1,64}")
+# OpenAI's service_tier values, and the lane each names (docs/client.md, "Lanes and tenants").
+SERVICE_TIERS = {"auto": DEFAULT_LANE, "default": DEFAULT_LANE, "priority": "priority", "flex": "flex"}
+CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for estimating a text's tokens without a tokenizer
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class NewJob:
     fingerprint: str = ""  # of the request an idempotent job answers: its request_id is bound to it
     prefix: bytes = b""  # what places it (placement.prefix_key)
     adapter: str | None = None  # the LoRA adapter it names (JobRequest.adapter)
+    lane: str = DEFAULT_LANE
+    cost: int = 0  # its tokens as the lanes and the tokens-per-minute limit count them (estimated_tokens)
 
     def create_call(self, keys: Keys) -> ScriptCall:
         return scripts.create(keys, self.job_id, self.timeout_ms, self.fingerprint)
@@ -60,14 +65,6 @@ class NewJob:
         else:
             pipe.hsetnx(keys.job(self.job_id), "status", "queued")
 
-    def enqueue_call(self, keys: Keys, queue: str, max_depth: int | None, stream: str | None = None) -> ScriptCall:
-        """ENQUEUE of this job, into the queue's shared stream or the worker stream `stream` it was
-        placed on. A worker's stream has no bound of its own: placement puts at most about twice a
-        worker's slots there, and the backlog beyond in the shared stream."""
-        if stream is not None:
-            return scripts.enqueue(stream, 0, self.job_id, self.body)
-        return scripts.enqueue(keys.queue(queue), max_depth or 0, self.job_id, self.body)
-
 
 def build_job(
     prompt: Any,
@@ -79,12 +76,14 @@ def build_job(
     options: dict[str, Any],
     fingerprint: Any = None,
     stream: Any = False,
+    service_tier: Any = None,
 ) -> NewJob:
     """Validate every argument the way the worker will, before anything touches Redis. `options`
     are SamplingParams' fields and JobRequest's other options (tools, enable_thinking..., adapter). A
     job with a request_id is bound to `fingerprint` (a digest of the request it answers; by
     default of what it generates from): a later submit of the same id with another raises
-    IdempotencyConflict."""
+    IdempotencyConflict. `service_tier` names its lane (SERVICE_TIERS; None: default)."""
+    lane = lane_of(service_tier)
     sampling = {k: v for k, v in options.items() if k not in JOB_OPTIONS}
     chat = {k: v for k, v in options.items() if k in JOB_OPTIONS}
     try:
@@ -111,7 +110,12 @@ def build_job(
     if size > MAX_BODY_BYTES:
         raise BodyTooLarge("body", f"{size} bytes exceeds the limit of {MAX_BODY_BYTES}")
     timeout_ms = 0 if request.timeout_s is None else max(1, round(request.timeout_s * 1000))
-    placed = {"prefix": prefix_key(request), "adapter": request.adapter}
+    placed: dict[str, Any] = {
+        "prefix": prefix_key(request),
+        "adapter": request.adapter,
+        "lane": lane,
+        "cost": estimated_tokens(request, body),
+    }
     if request_id is None:
         # 128 random bits, as a uuid4's hex without building the UUID: submit_many makes many.
         return NewJob(os.urandom(16).hex(), body, idempotent=False, timeout_ms=timeout_ms, **placed)
@@ -119,14 +123,27 @@ def build_job(
         fingerprint = generation_fingerprint(request)
     elif not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
         raise InvalidArgument("request_fingerprint", f"must be 1-{FINGERPRINT_CHARS} letters and digits")
-    return NewJob(
-        check_name("request_id", request_id),
-        body,
-        idempotent=True,
-        timeout_ms=timeout_ms,
-        fingerprint=fingerprint,
-        **placed,
-    )
+    return NewJob(check_name("request_id", request_id), body, True, timeout_ms, fingerprint, **placed)
+
+
+def lane_of(service_tier: Any) -> str:
+    """The lane OpenAI's `service_tier` value names: auto and default the default lane."""
+    if service_tier is None:
+        return DEFAULT_LANE
+    if service_tier not in SERVICE_TIERS:
+        raise InvalidArgument("service_tier", f"must be one of {', '.join(SERVICE_TIERS)}")
+    return SERVICE_TIERS[service_tier]
+
+
+def estimated_tokens(request: JobRequest, body: str) -> int:
+    """A job's tokens as OpenAI counts them against a tokens-per-minute limit, without a
+    tokenizer: its prompt's (the ids' count, else about one per CHARS_PER_TOKEN characters of the
+    prompt, or of the body for a chat) plus max_tokens."""
+    if request.input_ids is not None:
+        prompt = len(request.input_ids)
+    else:
+        prompt = -(-len(request.prompt if request.prompt is not None else body) // CHARS_PER_TOKEN)
+    return prompt + request.params.max_tokens
 
 
 def build_job_of(arguments: Mapping[str, Any]) -> NewJob:
@@ -143,6 +160,7 @@ def build_job_of(arguments: Mapping[str, Any]) -> NewJob:
         options,
         fingerprint,
         stream=stream,
+        service_tier=options.pop("service_tier", None),
     )
 
 

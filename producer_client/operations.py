@@ -10,13 +10,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from producer_client.client_base import ClientBase
-from producer_client.errors import JobNotFound, NotReplicated, QueueFull
-from producer_client.keys import Keys
+from producer_client.errors import JobNotFound, NotReplicated
+from producer_client.keys import NO_TENANT, Keys
 from producer_client.new_job import NewJob, build_job_of
 from producer_client.protocol import producer as scripts
+from producer_client.protocol.producer import NO_LIMITS, Limits
 from producer_client.protocol.replication import Replication
+from producer_client.protocol.replies import Enqueued, Refusal, parse_enqueue
 from producer_client.protocol.script import ScriptCall
 from producer_client.schema import JobResult, JobStatus, Timings
+from producer_client.sharing import Submitted, enqueue_call, rate_limits_of, refusal_error, reserve_call
 from producer_client.status_reads import read_status
 from producer_client.steps import Repeatable, Steps, checked
 from producer_client.validation import check_job_id, check_timeout
@@ -24,41 +27,60 @@ from producer_client.waiting import UNKNOWN, Deadline, expiry, finished, wait_do
 
 
 def submit(client: ClientBase, job: NewJob) -> Steps[str]:
-    """Enqueue `job` on the client's queue, with its settings (bound, replication, placement);
-    returns its id. A job whose request_id CREATE finds already is not enqueued again; one on an
-    adapter no live worker of the queue serves is refused first (UnknownAdapter)."""
+    """Enqueue `job` on the client's queue, in its lane of the client's tenant, with its settings
+    (bound, limits, replication, placement); returns its id."""
+    return (yield from submit_rated(client, job)).job_id
+
+
+def submit_rated(client: ClientBase, job: NewJob) -> Steps[Submitted]:
+    """submit(), with the tenant's rate limits after it. A job whose request_id CREATE finds
+    already is not enqueued again; one on an adapter no live worker of the queue serves is refused
+    first (UnknownAdapter). A refusal (the stream's bound, the tenant's waiting quota or a rate
+    limit) removes the job's hash again and raises."""
     yield from client.placement.check_adapters(client.keys, client.queue, [job.adapter])
     if job.idempotent:
         (reply,) = checked((yield job.create_call(client.keys).add_to))
         if not job.created(reply):
-            return job.job_id
-        added = yield from enqueue_or_forget(client, job, create=False)
+            return Submitted(job.job_id)
+        outcome = yield from enqueue_or_forget(client, job, create=False)
     else:
         # A fresh id cannot collide: create the job and enqueue it in one round trip.
-        added = yield from enqueue_or_forget(client, job, create=True)
-    if not added[0]:
+        outcome = yield from enqueue_or_forget(client, job, create=True)
+    error = refusal_error(outcome, client.queue, client.tenant_name, client.max_queue_depth)
+    if error is not None:
         checked((yield forget(client.keys, job)))
-        raise QueueFull(client.queue, added[1], client.max_queue_depth)
-    return job.job_id
+        raise error
+    return Submitted(job.job_id, rate_limits_of(outcome))
 
 
-def enqueue_or_forget(client: ClientBase, job: NewJob, create: bool) -> Steps[list]:
-    """ENQUEUE's reply. If the enqueue fails, or is stopped on its way (a KeyboardInterrupt, an
-    asyncio task's cancel: the drivers raise those in here too), the job hash goes, so that a later
-    submit with the same request_id enqueues the job instead of finding one that will never run,
-    and no hash of a job that was never taken stays behind. An enqueued job too few replicas
-    confirmed stays: it runs (NotReplicated)."""
-    keys, queue = client.keys, client.queue
+def enqueue_or_forget(client: ClientBase, job: NewJob, create: bool) -> Steps[Enqueued]:
+    """The enqueue's outcome. If the enqueue fails, or is stopped on its way (a KeyboardInterrupt,
+    an asyncio task's cancel: the drivers raise those in here too), the job hash goes, so that a
+    later submit with the same request_id enqueues the job instead of finding one that will never
+    run, and no hash of a job that was never taken stays behind. An enqueued job too few replicas
+    confirmed stays: it runs (NotReplicated). A job placed on a worker's own stream, of a tenant
+    with limits, is counted against them first (a reservation in the queue's slot: the worker's
+    stream may lie on another shard)."""
+    keys, queue, tenant = client.keys, client.queue, client.tenant_name
     (stream,) = yield from client.placement.streams_for(keys, queue, [job.prefix])
-    add = enqueue_commands(keys, queue, client.max_queue_depth, job, create, client.replication, stream)
+    limits = yield from client.quota_cache.limits_for(keys, client.tenant)
     try:
+        reserved = None
+        if stream is not None and limits.any:
+            reserved = parse_enqueue(checked((yield reserve_call(keys, queue, tenant, [job], limits).add_to))[0])
+            if reserved.refusal is not Refusal.NONE:
+                return reserved
+        add = enqueue_commands(
+            keys, queue, client.max_queue_depth, job, create, client.replication, stream, tenant, limits
+        )
         replies = checked((yield add))
     except GeneratorExit:
         raise  # closed unfinished: its driver was stopped after the enqueue ran, so nothing to undo
     except BaseException:
         checked((yield forget(keys, job)))
         raise
-    return enqueued(job, create, client.replication, replies)
+    outcome = enqueued(job, create, client.replication, replies)
+    return reserved if reserved is not None else outcome
 
 
 def forget(keys: Keys, job: NewJob) -> Callable:
@@ -73,19 +95,21 @@ def enqueue_commands(
     create: bool,
     replication: Replication,
     stream: str | None = None,
+    tenant: str = NO_TENANT,
+    limits: Limits = NO_LIMITS,
 ) -> Callable:
     """The pipeline that enqueues `job`: CREATE first when `create` (a fresh id cannot collide, so
     creating and enqueueing take one round trip; CREATE sets the status only if there is none, so
-    a retried pipeline never sets a started job back to queued), then ENQUEUE, then for a
-    request_id's job the `enqueued` flag that tells a later submit with the same request_id that
-    the entry exists (no later submit names a fresh id); with a replication to wait for, a WAIT on
-    the job's node and one on the queue's (on one server they are the same: the second answers at
-    once). `enqueued` reads the replies."""
+    a retried pipeline never sets a started job back to queued), then the enqueue (sharing.
+    enqueue_call), then for a request_id's job the `enqueued` flag that tells a later submit with
+    the same request_id that the entry exists (no later submit names a fresh id); with a
+    replication to wait for, a WAIT on the job's node and one on the queue's (on one server they
+    are the same: the second answers at once). `enqueued` reads the replies."""
 
     def add(pipe) -> None:
         if create:
             job.add_fresh_create(pipe, keys)
-        job.enqueue_call(keys, queue, max_depth, stream).add_to(pipe)
+        enqueue_call(keys, queue, tenant, job, max_depth, limits, stream).add_to(pipe)
         if job.idempotent:
             pipe.hset(keys.job(job.job_id), "enqueued", "1")
         if replication.waits:
@@ -95,15 +119,15 @@ def enqueue_commands(
     return add
 
 
-def enqueued(job: NewJob, create: bool, replication: Replication, replies: list) -> list:
-    """ENQUEUE's reply ({1, entry id} or {0, depth}) among those of `enqueue_commands`. Raises
-    NotReplicated for an entry that fewer replicas than asked for have confirmed."""
-    added = replies[1 if create else 0]
-    if added[0] and replication.waits:
+def enqueued(job: NewJob, create: bool, replication: Replication, replies: list) -> Enqueued:
+    """The enqueue's outcome among the replies of `enqueue_commands`. Raises NotReplicated for an
+    entry that fewer replicas than asked for have confirmed."""
+    outcome = parse_enqueue(replies[1 if create else 0])
+    if outcome.added and replication.waits:
         confirmed = min(replies[-2:])
         if confirmed < replication.replicas:
             raise NotReplicated(job.job_id, confirmed, replication.replicas, replication.timeout_ms)
-    return added
+    return outcome
 
 
 def cancel_call(keys: Keys, job_id: str) -> ScriptCall:

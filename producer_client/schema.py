@@ -298,12 +298,26 @@ class TokenDelta(BaseModel):
     logprobs: list[TokenLogprob] | None = None
 
 
+class StreamStats(BaseModel):
+    """One lane's jobs of one tenant (None: of no tenant) in a queue."""
+
+    lane: str
+    tenant: str | None
+    depth: int
+    pending: int
+    waiting: int
+
+
 class QueueStats(BaseModel):
+    """The queue's jobs over all its lanes' streams (its own stream is the default lane's jobs of
+    no tenant); the jobs placed on workers' own streams are not counted."""
+
     queue: str
     depth: int  # entries not yet acknowledged: waiting + pending
     pending: int  # delivered to a worker, not yet acknowledged
     waiting: int  # not yet delivered to any worker (the group's lag)
     workers: list[str]  # names of workers with a fresh heartbeat
+    streams: list[StreamStats] = Field(default_factory=list)  # each lane's and tenant's that holds jobs
 
 
 class WorkerInfo(BaseModel):

@@ -35,12 +35,13 @@ from collections.abc import AsyncIterator
 
 import redis
 
+from gateway.api_keys import queue_tenant
 from gateway.batch.schema import BatchErrors
 from gateway.batch.store import BatchStore, Pieces
 from gateway.cancellation import cancel_and_wait
 from gateway.registry import ModelRegistry
 from gateway.settings import GatewaySettings
-from openai_format.batch_flight import Flight
+from openai_format.batch_flight import REFUSALS, Flight
 from openai_format.batch_lines import (
     LineErrorBody,
     LineJobs,
@@ -127,6 +128,7 @@ class DrivenBatch:
         self.expires_at = 0
         self.ending: str | None = None  # batch_cancelled or batch_expired once the batch is ending
         self.ttl_s = driver.settings.batch_ttl_s  # the batch's own, once read
+        self.tenant: str | None = None  # its owner's, as its jobs are submitted (gateway/api_keys.py)
 
     async def drive(self) -> None:
         try:
@@ -216,6 +218,7 @@ class DrivenBatch:
         again (submitted again when `resubmit`: their jobs are found, or made anew if they expired)."""
         self.total = int(fields.get("total", 0))
         self.next_line = int(fields.get("next_line", 0))
+        self.tenant = queue_tenant(fields.get("owner"))
         lines = await self.prepare(await self.store.unanswered(self.batch_id, self.next_line))
         if resubmit:
             for line in lines:
@@ -258,16 +261,20 @@ class DrivenBatch:
         return prepared
 
     async def submit(self) -> None:
-        """Enqueue the jobs of the lines due, each queue's in one submit_many."""
+        """Enqueue the jobs of the lines due, each queue's in one submit_many, as the batch's owner
+        (flex unless a line names its tier: its share, quota and rate limits)."""
         timeout_s = min(MAX_JOB_TIMEOUT_S, max(1.0, self.expires_at - time.time()))
         for queue, lines in self.flight.due().items():
             try:
-                await self.client.on_queue(queue).submit_many(
-                    [spec for line in lines for spec in line.submit_specs(timeout_s=timeout_s)]
+                await (
+                    self.client.on_queue(queue)
+                    .as_tenant(self.tenant)
+                    .submit_many([spec for line in lines for spec in line.submit_specs(timeout_s=timeout_s)])
                 )
-            except BulkQueueFull as full:
-                waiting = self.flight.submitted(lines, full)
-                log.info("batch %s: queue %r is full; line %d waits", self.batch_id, queue, index_of(waiting[0]))
+            except REFUSALS as refused:
+                waiting = self.flight.submitted(lines, refused)
+                why = f"queue {queue!r} is full" if isinstance(refused, BulkQueueFull) else str(refused)
+                log.info("batch %s: %s; line %d waits", self.batch_id, why, index_of(waiting[0]))
             else:
                 self.flight.submitted(lines)
 

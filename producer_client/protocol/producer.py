@@ -21,7 +21,10 @@ table and `unpack` it last (tests/queue/test_scripts.py checks every script for 
 
 from __future__ import annotations
 
-from producer_client.keys import PROTOCOL_VERSION, Keys
+from dataclasses import dataclass
+
+from producer_client.keys import DEFAULT_LANE, LANES, NO_TENANT, PROTOCOL_VERSION, Keys
+from producer_client.protocol.lanes import LUA_ACTIVATE, LUA_UNREAD
 from producer_client.protocol.script import Script, ScriptCall, job_keys
 
 # -- a job's keys ---------------------------------------------------------------------------------
@@ -111,7 +114,8 @@ return {'queued'}
 
 # -- a queue's keys -------------------------------------------------------------------------------
 
-# KEYS: queue. ARGV: max depth (0: no bound), job id, protocol version, body.
+# KEYS: queue. ARGV: max depth (0: no bound), job id, protocol version, body, then any further
+# fields and values of the entry (a job placed on a worker's own stream: its lane, tenant and cost).
 # Returns {1, entry id}, or {0, depth} when the queue is full. Checking and adding in one
 # script makes the bound exact under any number of producers; nothing is ever trimmed.
 ENQUEUE = Script(
@@ -122,18 +126,104 @@ if max > 0 then
   local depth = redis.call('XLEN', KEYS[1])
   if depth >= max then return {0, depth} end
 end
-return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])}
+if #ARGV == 4 then return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])} end
+local entry = {'XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4]}
+for i = 5, #ARGV do table.insert(entry, ARGV[i]) end
+return {1, redis.call(unpack(entry))}
 """,
 )
 
-# KEYS: queue, dead. ARGV: dead letter's entry id, job id, protocol version, body. Moves a dead
-# letter back to the queue as a new entry (a fresh delivery count), in one step: a retry run twice
-# at once enqueues the job once. Returns the new entry's id, or nil if the letter is gone.
+# KEYS: the queue's scheduler hash, its set of lane streams, its doorbell, the tenant's rate-limit
+# hash, the lanes' sorted sets (priority, default, flex), then the tenant's stream in each lane in
+# the same order. ARGV: max depth of one stream (0: no bound), tenant ('-': none), weight ('':
+# unchanged), requests and tokens per minute and max waiting jobs (0: no limit each), '1' to
+# reserve only (check and count, add nothing: a job placed on a worker's own stream), protocol
+# version, then for each job: its lane (1-3, in LANES order), cost (its tokens: the prompt's
+# estimate and max_tokens), id, body.
+# The sharing rules' one atomic step: adds the jobs in order while the stream stays under max
+# depth, the tenant's unread jobs across its lanes under max waiting, and both rate limits allow
+# (GCRA on Redis's clock, each bucket holding a minute's limit: no more than the limit plus one
+# full bucket pass in any minute); each job's tenant becomes active in its lane (activate). A job
+# refused stops the call, and what it refused counts nothing. Returns {jobs added, why the next
+# was refused ('' none; 'full' {depth, lane}; 'quota' {waiting, max}; 'too_large' {cost, tpm};
+# 'rate' {retry after ms, 'requests' | 'tokens'}), then each limit's limit, remaining and ms
+# until its bucket is full again, requests first} (0s for no limit).
+ENQUEUE_LANES = Script(
+    "enqueue_lanes",
+    LUA_ACTIVATE
+    + LUA_UNREAD
+    + """
+local max_depth, tenant, weight = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+local rpm, tpm, max_waiting = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local reserve = ARGV[7] == '1'
+local waiting = 0
+if max_waiting > 0 then
+  for i = 8, 10 do waiting = waiting + unread(KEYS[i]) end
+end
+local now, tat_r, tat_t = 0, 0, 0
+if rpm > 0 or tpm > 0 then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local tats = redis.call('HMGET', KEYS[4], 'r', 't')
+  tat_r, tat_t = math.max(tonumber(tats[1] or '0'), now), math.max(tonumber(tats[2] or '0'), now)
+end
+if weight ~= '' then redis.call('HSET', KEYS[1], 'w:' .. tenant, weight) end
+local depths, added, reason, a, b = {}, 0, '', 0, ''
+for i = 9, #ARGV, 4 do
+  local lane, cost = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
+  local stream = KEYS[7 + lane]
+  if max_depth > 0 and not depths[lane] then depths[lane] = redis.call('XLEN', stream) end
+  local next_r, next_t = tat_r, tat_t
+  if rpm > 0 then next_r = tat_r + 60000 / rpm end
+  if tpm > 0 then next_t = tat_t + cost * 60000 / tpm end
+  if max_depth > 0 and depths[lane] >= max_depth then reason, a, b = 'full', depths[lane], LANES[lane]
+  elseif max_waiting > 0 and waiting >= max_waiting then reason, a, b = 'quota', waiting, tostring(max_waiting)
+  elseif tpm > 0 and cost > tpm then reason, a, b = 'too_large', cost, tostring(tpm)
+  elseif next_r - now > 60000 then reason, a, b = 'rate', math.ceil(next_r - now - 60000), 'requests'
+  elseif next_t - now > 60000 then reason, a, b = 'rate', math.ceil(next_t - now - 60000), 'tokens'
+  end
+  if reason ~= '' then break end
+  if not reserve then
+    redis.call('XADD', stream, '*', 'id', ARGV[i + 2], 'v', ARGV[8], 'body', ARGV[i + 3], 'cost', cost)
+    activate(KEYS[4 + lane], KEYS[1], KEYS[2], KEYS[3], LANES[lane], tenant)
+  end
+  if depths[lane] then depths[lane] = depths[lane] + 1 end
+  waiting, tat_r, tat_t, added = waiting + 1, next_r, next_t, added + 1
+end
+if now > 0 and added > 0 then
+  redis.call('HSET', KEYS[4], 'r', string.format('%.3f', tat_r), 't', string.format('%.3f', tat_t))
+  redis.call('PEXPIRE', KEYS[4], math.ceil(math.max(tat_r, tat_t) - now) + 1000)
+end
+local function remaining(tat, limit)
+  if limit == 0 then return 0 end
+  return math.floor(limit - (tat - now) * limit / 60000 + 1e-9)
+end
+local function reset(tat, limit)
+  if limit == 0 then return 0 end
+  return math.ceil(tat - now)
+end
+return {added, reason, a, b, rpm, remaining(tat_r, rpm), reset(tat_r, rpm), tpm, remaining(tat_t, tpm), reset(tat_t, tpm)}
+""",
+)
+
+# KEYS: the stream the job goes back to, dead, the lane's sorted set, the scheduler hash, the set
+# of lane streams, the doorbell. ARGV: dead letter's entry id, job id, protocol version, body, the
+# lane, the tenant ('-': none), cost ('': none, for the queue's own stream). Moves a dead letter
+# back to its lane as a new entry (a fresh delivery count), in one step: a retry run twice at once
+# enqueues the job once. Returns the new entry's id, or nil if the letter is gone.
 REVIVE = Script(
     "revive",
-    """
+    LUA_ACTIVATE
+    + """
 if redis.call('XDEL', KEYS[2], ARGV[1]) == 0 then return false end
-return redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])
+local entry = {'XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4]}
+if ARGV[7] ~= '' then
+  table.insert(entry, 'cost')
+  table.insert(entry, ARGV[7])
+end
+local id = redis.call(unpack(entry))
+activate(KEYS[3], KEYS[4], KEYS[5], KEYS[6], ARGV[5], ARGV[6])
+return id
 """,
 )
 
@@ -154,7 +244,7 @@ return {room, depth + room}
 """,
 )
 
-PRODUCER_SCRIPTS = (CREATE, CANCEL, FOLLOW, ENQUEUE, ENQUEUE_MANY, RETRY, REVIVE)
+PRODUCER_SCRIPTS = (CREATE, CANCEL, FOLLOW, ENQUEUE, ENQUEUE_MANY, ENQUEUE_LANES, RETRY, REVIVE)
 
 
 # -- call builders: each owns its script's keys and argument order ----------------------------------
@@ -176,13 +266,94 @@ def retry(keys: Keys, job_id: str, timeout_ms: int) -> ScriptCall:
     return ScriptCall(RETRY, job_keys(keys, job_id), (timeout_ms,))
 
 
-def enqueue(stream: str, max_depth: int, job_id: str, body: str) -> ScriptCall:
-    """ENQUEUE into `stream` (a queue's shared stream or a worker's own); max_depth 0: no bound."""
-    return ScriptCall(ENQUEUE, (stream,), (max_depth, job_id, PROTOCOL_VERSION, body))
+def enqueue(stream: str, max_depth: int, job_id: str, body: str, extra: dict[str, str] | None = None) -> ScriptCall:
+    """ENQUEUE into `stream` (a queue's shared stream or a worker's own); max_depth 0: no bound.
+    `extra`: further fields of the entry (only lane-aware workers read a worker's own stream)."""
+    flat = tuple(x for kv in (extra or {}).items() for x in kv)
+    return ScriptCall(ENQUEUE, (stream,), (max_depth, job_id, PROTOCOL_VERSION, body, *flat))
 
 
-def revive(keys: Keys, queue: str, letter_id: str, job_id: str, version: str, body: str) -> ScriptCall:
-    return ScriptCall(REVIVE, (keys.queue(queue), keys.dead(queue)), (letter_id, job_id, version, body))
+@dataclass(frozen=True)
+class LaneJob:
+    """One job as ENQUEUE_LANES adds it: its lane, what it is charged, its id and body."""
+
+    lane: str
+    cost: int
+    job_id: str
+    body: str
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A tenant's quota settings as ENQUEUE_LANES checks them; 0: no limit. `weight` None leaves
+    the scheduler's weight as it is."""
+
+    rpm: int = 0
+    tpm: int = 0
+    max_waiting: int = 0
+    weight: float | None = None
+
+    @property
+    def rated(self) -> bool:
+        return bool(self.rpm or self.tpm)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.rpm or self.tpm or self.max_waiting)
+
+
+NO_LIMITS = Limits()
+
+
+def enqueue_lanes(
+    keys: Keys,
+    queue: str,
+    tenant: str,
+    jobs: list[LaneJob],
+    max_depth: int,
+    limits: Limits = NO_LIMITS,
+    reserve: bool = False,
+) -> ScriptCall:
+    """ENQUEUE_LANES of `jobs` of `tenant` (NO_TENANT: none); `reserve`: check and count them
+    against the limits, add nothing (the caller adds them to a worker's own stream)."""
+    call_keys = (
+        keys.scheduler(queue),
+        keys.lane_streams(queue),
+        keys.doorbell(queue),
+        keys.rate(queue, tenant),
+        *(keys.lane(queue, lane) for lane in LANES),
+        *(keys.lane_stream(queue, lane, tenant) for lane in LANES),
+    )
+    weight = "" if limits.weight is None else repr(float(limits.weight))
+    head = (max_depth, tenant, weight, limits.rpm, limits.tpm, limits.max_waiting, int(reserve), PROTOCOL_VERSION)
+    flat = tuple(x for job in jobs for x in (LANES.index(job.lane) + 1, job.cost, job.job_id, job.body))
+    return ScriptCall(ENQUEUE_LANES, call_keys, (*head, *flat))
+
+
+def revive(
+    keys: Keys,
+    queue: str,
+    letter_id: str,
+    job_id: str,
+    version: str,
+    body: str,
+    lane: str = DEFAULT_LANE,
+    tenant: str = NO_TENANT,
+    cost: str = "",
+) -> ScriptCall:
+    """REVIVE of a dead letter into its lane's stream of its tenant (the queue's own stream for
+    the default lane of no tenant, which takes no cost field: workers that know no lanes read it)."""
+    stream = keys.lane_stream(queue, lane, tenant)
+    call_keys = (
+        stream,
+        keys.dead(queue),
+        keys.lane(queue, lane),
+        keys.scheduler(queue),
+        keys.lane_streams(queue),
+        keys.doorbell(queue),
+    )
+    cost = "" if stream == keys.queue(queue) else cost
+    return ScriptCall(REVIVE, call_keys, (letter_id, job_id, version, body, lane, tenant, cost))
 
 
 def enqueue_many(stream: str, max_depth: int, ids_and_bodies: list[tuple[str, str]]) -> ScriptCall:

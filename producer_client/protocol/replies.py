@@ -73,6 +73,41 @@ class Failed(str, enum.Enum):
     ENDED = "ended"  # it had a result already
 
 
+class Refusal(str, enum.Enum):
+    """Why an enqueue added no more jobs (ENQUEUE, ENQUEUE_LANES)."""
+
+    NONE = ""  # every job was added
+    FULL = "full"  # the stream holds max_queue_depth entries: {depth, lane}
+    QUOTA = "quota"  # the tenant's unread jobs reached max_waiting: {waiting, max}
+    TOO_LARGE = "too_large"  # one job's tokens exceed the tokens-per-minute limit: {tokens, tpm}
+    RATE = "rate"  # a rate limit: {retry after ms, "requests" | "tokens"}
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    """What an enqueue answered: how many of its jobs went in, why the next did not, the
+    refusal's two values, and the tenant's rate limits after it (ENQUEUE_LANES's last six values:
+    limit, remaining and ms to full, of requests then tokens; empty for ENQUEUE)."""
+
+    added: int
+    refusal: Refusal = Refusal.NONE
+    values: tuple = ()
+    limits: tuple = ()
+
+
+def parse_enqueue(reply: object) -> Enqueued:
+    """ENQUEUE's {1, entry id} or {0, depth}; ENQUEUE_LANES's {added, refusal, a, b, limits x6}."""
+    if isinstance(reply, list) and len(reply) == 2:
+        if reply[0] == 1:
+            return Enqueued(1)
+        if reply[0] == 0:
+            return Enqueued(0, Refusal.FULL, (_count(reply[1], "ENQUEUE", reply), ""))
+    if isinstance(reply, list) and len(reply) == 10:
+        refusal = _member(Refusal, reply[1], "ENQUEUE_LANES", reply)
+        return Enqueued(_count(reply[0], "ENQUEUE_LANES", reply), refusal, tuple(reply[2:4]), tuple(reply[4:]))
+    raise UnknownReply("ENQUEUE", reply)
+
+
 def parse_claim(reply: object) -> Claim:
     if isinstance(reply, list) and reply:
         outcome = _member(ClaimOutcome, reply[0], "CLAIM", reply)

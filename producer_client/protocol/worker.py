@@ -29,7 +29,8 @@ owns its keys and argument order.
 
 from __future__ import annotations
 
-from producer_client.keys import GROUP, Keys
+from producer_client.keys import GROUP, LANES, LUA_STREAM_OF, Keys
+from producer_client.protocol.lanes import CREDIT_EVERY, DOORBELL_MAXLEN, LUA_LANES
 from producer_client.protocol.script import Script, ScriptCall, job_keys
 
 # -- a job's keys ---------------------------------------------------------------------------------
@@ -287,6 +288,272 @@ return 1
 """,
 )
 
+# KEYS: the queue's stream, the lanes' sorted sets (priority, default, flex), the scheduler hash,
+# the doorbell. ARGV: group, consumer, room in each lane (priority, default, flex: how many entries
+# of that lane the worker can start now, counting its jobs of lower lanes as room: the engine
+# preempts them), the cost of an entry that names none,
+# the number of corrections, then each correction's lane, tenant and tokens (what its jobs were
+# served, less what READ charged them).
+# A worker's read of the lanes (docs/architecture.md, "Sharing rules"), in one call: the
+# corrections go to their tenants' counters first; then, while room is left, the highest lane with
+# an active tenant is served (a lower lane that has banked a credit goes first, for one entry),
+# and within it the tenant with the least counter, several entries at once while it stays least;
+# each entry read charges its tenant's counter its cost / its weight, and earns each lower lane
+# that waits a credit (CREDIT_EVERY of them buy one entry ahead of the higher lanes). A tenant whose stream is read to its end leaves its
+# lane, its counter saved. The queue's own stream is looked at whenever its tenant is not active
+# (producers that know no lanes write it). A lane stream that has no group yet is given one; one
+# of another type (a producer may write it) leaves its lane and is reported. Last, the doorbell:
+# one entry if a lane's stream has work left (an idle worker wakes to take it), none if not
+# (nobody needs waking; the queue's own stream wakes its idle readers by itself). Returns {{lane, tenant, {{id, {field, value...}}...}}...}, and {'!', stream, error} for a
+# stream that refused.
+READ = Script(
+    "read",
+    LUA_STREAM_OF
+    + LUA_LANES
+    + f"""
+local group, consumer = ARGV[1], ARGV[2]
+local room = {{tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}}
+local default_cost = tonumber(ARGV[6])
+local sched = KEYS[5]
+local weights, costs = {{}}, {{}}
+local function weight(tenant)
+  if not weights[tenant] then weights[tenant] = tonumber(redis.call('HGET', sched, 'w:' .. tenant) or '1') end
+  return weights[tenant]
+end
+local function lane_index(name)
+  for i, lane in ipairs(LANES) do if lane == name then return i end end
+end
+local c = 8
+for _ = 1, tonumber(ARGV[7]) do
+  local l, tenant, tokens = lane_index(ARGV[c]), ARGV[c + 1], tonumber(ARGV[c + 2])
+  c = c + 3
+  if l then
+    if redis.call('ZSCORE', KEYS[1 + l], tenant) then
+      redis.call('ZINCRBY', KEYS[1 + l], tokens / weight(tenant), tenant)
+    elseif tenant ~= '-' then
+      redis.call('HINCRBYFLOAT', sched, 'c:' .. LANES[l] .. ':' .. tenant, tokens / weight(tenant))
+    end
+  end
+end
+local waiting, maybe, taken = {{}}, {{}}, {{0, 0, 0}}
+for l = 1, 3 do
+  waiting[l] = redis.call('ZCARD', KEYS[1 + l]) > 0
+  maybe[l] = waiting[l]
+end
+local probed = redis.call('ZSCORE', KEYS[3], '-') ~= false
+maybe[2] = maybe[2] or not probed
+local stored = redis.call('HMGET', sched, 'credit:default', 'credit:flex')
+local credit = {{0, tonumber(stored[1] or '0'), tonumber(stored[2] or '0')}}
+local credit_changed = false
+local out = {{}}
+
+local function want(l)
+  return room[l] - taken[1] - taken[2] - taken[3]
+end
+
+local function pick()
+  for l = 3, 2, -1 do
+    if maybe[l] and credit[l] >= {CREDIT_EVERY} and want(l) > 0 then
+      for h = 1, l - 1 do
+        if waiting[h] and want(h) > 0 then return l, true end
+      end
+    end
+  end
+  for l = 1, 3 do
+    if maybe[l] and want(l) > 0 then return l, false end
+  end
+end
+
+local function read(stream, n, queue_stream)
+  local reply
+  if queue_stream then
+    reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', stream, '>')
+  else
+    reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', stream, '>')
+    if type(reply) == 'table' and reply.err and string.find(reply.err, 'NOGROUP') then
+      redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
+      reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', n, 'STREAMS', stream, '>')
+    end
+    if type(reply) == 'table' and reply.err then return nil, reply.err end
+  end
+  if not reply then return {{}} end
+  return reply[1][2]
+end
+
+local function cost_of(entry)
+  local fields = entry[2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 'cost' then return tonumber(fields[i + 1]) or default_cost end
+  end
+  return default_cost
+end
+
+local function at_end(stream, entries)
+  local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+  return #last == 0 or last[1][1] == entries[#entries][1]
+end
+
+-- The queue's own stream's tenant ('-', what producers that know no lanes write) keeps no counter
+-- when it leaves: it is lifted to the least active counter whenever it comes back, and a queue
+-- without tenants writes nothing here.
+local function leave(l, tenant, counter)
+  redis.call('ZREM', KEYS[1 + l], tenant)
+  local named = tenant ~= '-'
+  if named then redis.call('HSET', sched, 'c:' .. LANES[l] .. ':' .. tenant, counter) end
+  if redis.call('ZCARD', KEYS[1 + l]) == 0 then
+    if named then redis.call('HSET', sched, 'floor:' .. LANES[l], counter) end
+    waiting[l] = false
+    maybe[l] = l == 2 and not probed
+  end
+end
+
+-- The queue's own stream while its tenant is not active: one entry, and if there is one, the
+-- tenant joins the default lane (lifted as a producer's activate would) and is served as any.
+local function probe()
+  probed = true
+  local entries = read(KEYS[1], 1, true)
+  if #entries == 0 then
+    maybe[2] = waiting[2]
+    return 0
+  end
+  table.insert(out, {{'default', '-', entries}})
+  if at_end(KEYS[1], entries) then
+    maybe[2] = waiting[2]
+    return 1
+  end
+  local least = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
+  local lift = tonumber(least[2] or redis.call('HGET', sched, 'floor:default') or '0')
+  local counter = lift + cost_of(entries[1]) / weight('-')
+  redis.call('ZADD', KEYS[3], counter, '-')
+  waiting[2] = true
+  return 1
+end
+
+local function serve(l, credit_used)
+  if l == 2 and not probed then return probe() end
+  local two = redis.call('ZRANGE', KEYS[1 + l], 0, 1, 'WITHSCORES')
+  if #two == 0 then
+    waiting[l] = false
+    maybe[l] = false
+    return 0
+  end
+  local tenant, counter, w = two[1], tonumber(two[2]), weight(two[1])
+  local n = want(l)
+  if credit_used then
+    n = 1
+  else
+    if two[3] then
+      local per = (costs[tenant] or default_cost) / w
+      n = math.min(n, math.max(1, math.floor((tonumber(two[4]) - counter) / per) + 1))
+    end
+    -- No further than a waiting lower lane's next credit: it is spent in this same call, so a
+    -- read of hundreds of entries still gives the lower lane one in CREDIT_EVERY + 1.
+    for m = l + 1, 3 do
+      if waiting[m] and want(m) > 0 then n = math.min(n, math.max(1, {CREDIT_EVERY} - credit[m])) end
+    end
+  end
+  local stream = stream_of(KEYS[1], LANES[l], tenant)
+  local entries, err = read(stream, n, stream == KEYS[1])
+  if not entries then
+    leave(l, tenant, counter)
+    table.insert(out, {{'!', stream, err}})
+    return 0
+  end
+  local charge = 0
+  for _, entry in ipairs(entries) do charge = charge + cost_of(entry) end
+  if #entries > 0 then
+    costs[tenant] = charge / #entries
+    counter = counter + charge / w
+    table.insert(out, {{LANES[l], tenant, entries}})
+  end
+  if #entries < n or at_end(stream, entries) then
+    leave(l, tenant, counter)
+  else
+    redis.call('ZADD', KEYS[1 + l], counter, tenant)
+  end
+  return #entries
+end
+
+for _ = 1, 1024 do
+  local l, credit_used = pick()
+  if not l then break end
+  local got = serve(l, credit_used)
+  taken[l] = taken[l] + got
+  if got > 0 then
+    if credit_used then
+      credit[l] = credit[l] - {CREDIT_EVERY}
+      credit_changed = true
+    end
+    for m = l + 1, 3 do
+      if waiting[m] and credit[m] < {CREDIT_EVERY} then
+        credit[m] = math.min({CREDIT_EVERY}, credit[m] + got)
+        credit_changed = true
+      end
+    end
+  end
+end
+if credit_changed then
+  redis.call('HSET', sched, 'credit:default', credit[2], 'credit:flex', credit[3])
+end
+-- Work left in a lane's stream: the queue's own stream aside, whose every XADD wakes a worker
+-- blocked on it.
+local left = false
+for l = 1, 3 do
+  if waiting[l] then
+    local tenants = redis.call('ZCARD', KEYS[1 + l])
+    if l == 2 and redis.call('ZSCORE', KEYS[3], '-') then tenants = tenants - 1 end
+    if tenants > 0 then left = true end
+  end
+end
+local bell = redis.call('XLEN', KEYS[6])
+if left and bell == 0 then
+  redis.call('XADD', KEYS[6], 'MAXLEN', {DOORBELL_MAXLEN}, '*', 'r', '1')
+elseif not left and bell > 0 then
+  redis.call('XTRIM', KEYS[6], 'MAXLEN', 0)
+end
+return out
+""",
+)
+
+# KEYS: the queue's stream, its set of lane streams. ARGV: group, consumer, min idle ms, count,
+# where to start in the set (it rotates, so that every stream's turn comes). RECLAIM of every lane
+# stream in one call: up to `count` entries in all idle longer than `min idle` (their worker died
+# or stalled), each with its delivery count. A stream with no group or of another type is passed
+# over. Returns {next start, {{lane, tenant, {{id, {field, value...}, deliveries}...}}...}}.
+RECLAIM_LANES = Script(
+    "reclaim_lanes",
+    LUA_STREAM_OF
+    + """
+local members = redis.call('SMEMBERS', KEYS[2])
+local count, n = tonumber(ARGV[4]), #members
+if n == 0 then return {0, {}} end
+local start = tonumber(ARGV[5]) % n
+local out, visited = {}, 0
+for i = 0, n - 1 do
+  if count <= 0 then break end
+  visited = visited + 1
+  local lane, tenant = string.match(members[(start + i) % n + 1], '^([^:]+):(.+)$')
+  local stream = stream_of(KEYS[1], lane, tenant)
+  local reply = {err = 'the queue stream is reclaimed by RECLAIM'}
+  if stream ~= KEYS[1] then
+    reply = redis.pcall('XAUTOCLAIM', stream, ARGV[1], ARGV[2], ARGV[3], '0-0', 'COUNT', count)
+  end
+  if not reply.err then
+    local claimed = {}
+    for _, entry in ipairs(reply[2]) do
+      local pending = redis.call('XPENDING', stream, ARGV[1], entry[1], entry[1], 1)
+      table.insert(claimed, {entry[1], entry[2], pending[1][4]})
+    end
+    if #claimed > 0 then
+      table.insert(out, {lane, tenant, claimed})
+      count = count - #claimed
+    end
+  end
+end
+return {(start + visited) % n, out}
+""",
+)
+
 # Prepended to the scripts that read a worker's own stream (KEYS[1], group ARGV[1]): the group's
 # last-delivered id, or nil when Redis has no such group (it lost it, or none was made yet).
 LAST_DELIVERED = """
@@ -368,7 +635,21 @@ return 0
 
 # What a worker's pipelines run besides the producers' scripts (of which ENQUEUE gives a detached
 # job back to the queue, after REQUEUE): `execute` loads both sets on NOSCRIPT.
-WORKER_SCRIPTS = (CLAIM, PUBLISH, FAIL, ADOPT, REQUEUE, REFRESH, RECLAIM, RELEASE, DEADLETTER, TAKE_OVER, TAKEABLE)
+WORKER_SCRIPTS = (
+    CLAIM,
+    PUBLISH,
+    FAIL,
+    ADOPT,
+    REQUEUE,
+    REFRESH,
+    RECLAIM,
+    RELEASE,
+    DEADLETTER,
+    TAKE_OVER,
+    TAKEABLE,
+    READ,
+    RECLAIM_LANES,
+)
 
 
 # -- call builders: each owns its script's keys and argument order ----------------------------------
@@ -434,3 +715,29 @@ def take_over(
 
 def takeable(stream: str, min_idle_ms: int, steal_before_ms: int) -> ScriptCall:
     return ScriptCall(TAKEABLE, (stream,), (GROUP, min_idle_ms, steal_before_ms))
+
+
+def read(
+    keys: Keys,
+    queue: str,
+    worker: str,
+    rooms: tuple[int, int, int],
+    default_cost: int,
+    corrections: dict[tuple[str, str], int],
+) -> ScriptCall:
+    """READ of up to rooms[i] entries of lane LANES[i] or higher; `corrections`: (lane, tenant) ->
+    tokens to add to (or, negative, take from) the tenant's counter in the lane."""
+    call_keys = (
+        keys.queue(queue),
+        *(keys.lane(queue, lane) for lane in LANES),
+        keys.scheduler(queue),
+        keys.doorbell(queue),
+    )
+    flat = tuple(x for (lane, tenant), tokens in corrections.items() for x in (lane, tenant, tokens))
+    return ScriptCall(READ, call_keys, (GROUP, worker, *rooms, default_cost, len(corrections), *flat))
+
+
+def reclaim_lanes(keys: Keys, queue: str, worker: str, min_idle_ms: int, count: int, start: int) -> ScriptCall:
+    return ScriptCall(
+        RECLAIM_LANES, (keys.queue(queue), keys.lane_streams(queue)), (GROUP, worker, min_idle_ms, count, start)
+    )

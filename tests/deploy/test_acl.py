@@ -57,6 +57,10 @@ def test_the_producer_user_can_do_what_the_client_does(acl_redis, acl_worker):
         )
         assert sorted(r.text for r in client.as_completed(many, timeout=30)) == ["bulk 0", "bulk 1", "bulk 2", "r"]
         client.cancel_many(many)
+        team = client.as_tenant("acl-team")  # the sharing rules' keys: a lane's stream, a tenant's quota
+        laned = team.submit(prompt="flex lane", max_tokens=16, service_tier="flex")
+        assert team.result(laned, timeout=30).text == "flex lane"
+        assert team.rate_limits().limited is False
 
 
 def test_the_producer_user_cannot_act_as_a_worker(acl_redis, acl_worker):

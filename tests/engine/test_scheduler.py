@@ -17,11 +17,12 @@ def make_scheduler(num_pages=64, max_running=8, budget=64, prefix_cache=True) ->
     return Scheduler(alloc, RadixCache(alloc, PS, prefix_cache), PS, max_running, budget, MAX_MODEL_LEN)
 
 
-def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, base: int = 0) -> Request:
+def add(
+    sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, base: int = 0, lane: int = 1
+) -> Request:
     arrival = int(rid[1:])  # ids are r1, r2, ...: arrival order follows the number
-    req = Request(
-        rid, [base + i for i in range(prompt_len)], SamplingParams(max_tokens=max_tokens), priority, arrival, None, None
-    )
+    prompt = [base + i for i in range(prompt_len)]
+    req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), priority, arrival, None, None, lane)
     sched.add(req)
     return req
 
@@ -102,6 +103,46 @@ def test_page_shortage_preempts_the_newest_and_everything_completes():
     run_all(sched)
     assert all(r.num_output_tokens == 8 for r in reqs)
     assert_pages_all_free_after_clear(sched)
+
+
+def test_a_higher_lane_request_preempts_a_lower_lanes_running_one_for_its_slot():
+    sched = make_scheduler(max_running=2)
+    flex = [add(sched, f"r{i}", 5, max_tokens=20, lane=2, base=100 * i) for i in (1, 2)]
+    step(sched)
+    default = add(sched, "r3", 5, lane=1, base=300)
+    out = step(sched)
+    # The newest flex request gives its slot up at once; the older one decodes on.
+    assert (flex[1].status, default.status, flex[0].status) == (RequestStatus.WAITING,) + (RequestStatus.RUNNING,) * 2
+    assert [c.request for c in out.chunks] == [flex[0], default]
+    priority = add(sched, "r4", 5, lane=0, base=400)
+    step(sched)
+    assert flex[0].status is RequestStatus.WAITING and sched.num_preemptions == 2
+    assert sched.running == [priority, default]
+    run_all(sched)
+    assert all(r.num_output_tokens == r.params.max_tokens for r in [*flex, default, priority])
+    assert_pages_all_free_after_clear(sched)
+
+
+def test_within_a_lane_a_request_waits_for_a_slot():
+    sched = make_scheduler(max_running=2)
+    running = [add(sched, f"r{i}", 5, max_tokens=8, lane=1, priority=5, base=100 * i) for i in (1, 2)]
+    step(sched)
+    urgent = add(sched, "r3", 5, lane=1, priority=0, base=300)  # more urgent, same lane
+    step(sched)
+    assert urgent.status is RequestStatus.WAITING and sched.num_preemptions == 0
+    assert all(r.status is RequestStatus.RUNNING for r in running)
+
+
+def test_a_higher_lane_request_preempts_lower_lanes_for_pages():
+    # 6 pages of 4 tokens: two flex requests of 9 tokens hold 3 each; a default one needs 2.
+    sched = make_scheduler(num_pages=6, max_running=4, prefix_cache=False)
+    flex = [add(sched, f"r{i}", 9, max_tokens=2, lane=2, base=100 * i) for i in (1, 2)]
+    step(sched)
+    default = add(sched, "r3", 5, max_tokens=2, lane=1, base=300)
+    step(sched)
+    assert default.status is RequestStatus.RUNNING and flex[1].status is RequestStatus.WAITING
+    run_all(sched)
+    assert all(r.num_output_tokens == 2 for r in [*flex, default])
 
 
 def test_request_larger_than_the_pool_fails_and_the_rest_run():

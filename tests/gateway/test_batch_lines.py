@@ -20,7 +20,7 @@ from openai_format.batch_lines import (
 )
 from openai_format.errors import APIError
 from producer_client import BulkQueueFull, Client, JobResult
-from producer_client.keys import NAME_PATTERN, Keys
+from producer_client.keys import NAME_PATTERN, NO_TENANT, Keys
 from producer_client.schema import ErrorInfo, Usage
 
 CHAT = "/v1/chat/completions"
@@ -207,7 +207,16 @@ def test_a_full_queue_lets_through_the_lines_it_took_whole_and_a_half_taken_line
     assert taken == lines[:1] and waiting == lines[1:]
     with Client(redis_server.url, queue, max_queue_depth=None) as unbounded:
         assert unbounded.submit_many(specs_of(waiting)) == [job_id for line in waiting for job_id in line.job_ids]
-    assert redis_client.xinfo_stream(Keys().queue(queue))["entries-added"] == 8
+    flex = Keys().lane_stream(queue, "flex", NO_TENANT)  # batch lines' default lane
+    assert redis_client.xinfo_stream(flex)["entries-added"] == 8
+
+
+def test_batch_lines_go_to_the_flex_lane_unless_their_body_names_a_tier():
+    assert [spec["service_tier"] for spec in jobs_of(line(n=2)).submit_specs()] == ["flex", "flex"]
+    assert [spec["service_tier"] for spec in jobs_of(line(service_tier="priority")).submit_specs()] == ["priority"]
+    body = {"model": "m", "prompt": "hi"}
+    completion = json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": body})
+    assert [spec["service_tier"] for spec in jobs_of(completion).submit_specs()] == ["flex"]
 
 
 def test_a_queue_full_before_the_first_job_makes_every_line_wait():

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.api_keys import tenant_id
 from producer_client import Client
 from tests.gateway.support import PARKED_MODEL
 from tests.support.gateways import GatewayProcess
@@ -201,7 +202,8 @@ def test_a_missing_or_wrong_api_key_is_a_401(strict_gateway):
 
 
 def test_a_full_queue_is_a_429_with_retry_after(strict_gateway, redis_server):
-    with Client(redis_server.url, strict_gateway.models["full"]) as client:
+    """max_queue_depth bounds each lane's stream of each tenant: the key's own jobs fill it."""
+    with Client(redis_server.url, strict_gateway.models["full"], tenant=tenant_id(API_KEYS[0])) as client:
         waiting = [client.submit("fill", max_tokens=1) for _ in range(2)]
         try:
             response = httpx.post(

@@ -1,7 +1,8 @@
 """Cache-aware placement through the gateway (docs/architecture.md), with the official openai SDK:
 two echo worker processes serve one queue, and every turn of a conversation runs on one worker,
-placed on its own stream; /metrics counts the jobs placed each way. `--no-placement` sends every
-job to the shared stream."""
+placed on its own stream, whether it comes as chat completions or as completions of a growing
+plain prompt; /metrics counts the jobs placed each way. `--no-placement` sends every job to the
+shared stream."""
 
 import json
 import time
@@ -35,18 +36,26 @@ def placed_counts(gateway: GatewayProcess) -> dict[str, float]:
     }
 
 
-def converse(sdk: openai.OpenAI, client: Client) -> dict[int, set[str]]:
-    """Each conversation's turns, one after another; returns the workers each one ran on. Between
-    rounds the gateway's view of the workers goes stale and is read again, with every worker idle:
-    each round places as the first did."""
-    ran_on: dict[int, set[str]] = {i: set() for i in range(CONVERSATIONS)}
-    histories = {i: [{"role": "system", "content": f"conversation {i} of the placement test"}] for i in ran_on}
+def converse(sdk: openai.OpenAI, client: Client) -> dict[tuple[str, int], set[str]]:
+    """Each conversation's turns, one after another, as chat completions and as completions of a
+    plain prompt (under 1,024 characters); returns the workers each one ran on. Between rounds the
+    gateway's view of the workers goes stale and is read again, with every worker idle: each round
+    places as the first did."""
+    ran_on: dict[tuple[str, int], set[str]] = {}
+    histories = {
+        i: [{"role": "system", "content": f"conversation {i} of the placement test"}] for i in range(CONVERSATIONS)
+    }
+    prompts = {i: f"Conversation {i} of the placement test." for i in range(CONVERSATIONS)}
     for turn in range(TURNS):
         for i, history in histories.items():
             history.append({"role": "user", "content": f"turn {turn}"})
             raw = sdk.chat.completions.with_raw_response.create(model=MODEL, messages=history, max_tokens=4)
             history.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
-            ran_on[i].add(client.result(raw.headers["x-mili-job-ids"], timeout=10).worker)
+            ran_on.setdefault(("chat", i), set()).add(client.result(raw.headers["x-mili-job-ids"], timeout=10).worker)
+            prompts[i] += f"\nUser: turn {turn}\nAssistant:"
+            raw = sdk.completions.with_raw_response.create(model=MODEL, prompt=prompts[i], max_tokens=4)
+            prompts[i] += raw.parse().choices[0].text
+            ran_on.setdefault(("prompt", i), set()).add(client.result(raw.headers["x-mili-job-ids"], timeout=10).worker)
         time.sleep(REFRESH_S + 0.2)
     return ran_on
 
@@ -62,7 +71,7 @@ def test_a_conversation_through_the_gateway_stays_on_one_worker(redis_server, tm
             assert eventually(lambda: all(w.heartbeat().get("placement") == "1" for w in workers))
             sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
             ran_on = converse(sdk, client)
-            jobs = TURNS * CONVERSATIONS
+            jobs = 2 * TURNS * CONVERSATIONS
             if placement:
                 assert all(len(names) == 1 for names in ran_on.values()), ran_on
                 assert placed_counts(gateway) == {"affinity": jobs, "shared": 0}

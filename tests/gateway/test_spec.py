@@ -273,7 +273,7 @@ def test_completions_the_spec_allows_are_accepted(gateway, extra):
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
         ("/v1/chat/completions", {"store": True}, "store"),
-        ("/v1/chat/completions", {"service_tier": "flex"}, "service_tier"),
+        ("/v1/chat/completions", {"service_tier": "scale"}, "service_tier"),
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
         ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
         ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),

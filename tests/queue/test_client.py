@@ -283,7 +283,8 @@ def test_cancelling_a_queued_job_ends_it_at_once(client):
 
 
 def test_queue_stats_count_waiting_and_pending_entries(client, redis_client, queue):
-    assert client.queue_stats().model_dump() == dict(queue=queue, depth=0, pending=0, waiting=0, workers=[])
+    empty = dict(queue=queue, depth=0, pending=0, waiting=0, workers=[], streams=[])
+    assert client.queue_stats().model_dump() == empty
     for _ in range(3):
         client.submit("x", max_tokens=1)
     stream = Keys().queue(queue)
@@ -291,6 +292,7 @@ def test_queue_stats_count_waiting_and_pending_entries(client, redis_client, que
     redis_client.xreadgroup(GROUP, "w1", {stream: ">"}, count=1)
     stats = client.queue_stats()
     assert (stats.queue, stats.depth, stats.pending, stats.waiting, stats.workers) == (queue, 3, 1, 2, [])
+    assert [s.model_dump() for s in stats.streams] == [dict(lane="default", tenant=None, depth=3, pending=1, waiting=2)]
 
 
 @pytest.mark.slow

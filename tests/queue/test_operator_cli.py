@@ -85,3 +85,28 @@ def test_a_bad_input_is_one_line_and_changes_nothing(mili, redis_server, redis_c
     assert got_code == code
     assert err.count("\n") == 1 and err.startswith(message), err
     assert redis_client.xlen(KEYS.dead(queue)) == 1
+
+
+def test_quota_set_and_show_print_the_tenants_settings_and_a_limit_of_0_is_refused(mili, redis_client):
+    tenant = f"team-{redis_client.incr('test:quota-tenant')}"
+    code, out, _ = mili("quota", "set", tenant, "--max-waiting", "100", "--rpm", "60", "--weight", "2")
+    assert code == 0 and out.splitlines()[0].split() == ["TENANT", "MAX", "WAITING", "RPM", "TPM", "WEIGHT"]
+    assert out.splitlines()[1].split() == [tenant, "100", "60", "-", "2"]
+    assert mili("quota", "set", tenant, "--unset", "rpm", "--tpm", "5000")[0] == 0
+    code, out, _ = mili("quota", "show", tenant)
+    assert out.splitlines()[1].split() == [tenant, "100", "-", "5000", "2"]
+    assert tenant in mili("quota", "show")[1]
+    code, out, err = mili("quota", "set", tenant, "--rpm", "0")
+    assert (code, out) == (1, "") and err.startswith("error: invalid_argument: rpm: must be a whole number from 1")
+    code, _, err = mili("quota", "set", "bad:name", "--rpm", "1")
+    assert code == 1 and err.startswith("error: invalid_argument: tenant:")
+    assert redis_client.hget(KEYS.quota(tenant), "rpm") is None
+
+
+def test_submit_takes_a_service_tier_and_the_tenant(mili, redis_client, queue):
+    code, out, _ = mili("--tenant", "team-cli", "submit", "hi", "--service-tier", "flex", "--max-tokens", "1")
+    assert code == 0
+    [(_, fields)] = redis_client.xrange(KEYS.lane_stream(queue, "flex", "team-cli"))
+    assert fields["id"] == out.strip()
+    code, _, err = mili("submit", "hi", "--service-tier", "gold")
+    assert code == 2 and "invalid choice: 'gold'" in err

@@ -1,10 +1,12 @@
-"""Cache-aware placement (docs/architecture.md): how a producer keys and places a job (no Redis),
-then the real worker loop on a real redis-server: placed jobs run on the worker they were placed
-on, entries placed on a stalled worker are stolen after steal_delay_ms, a dead worker's are
-reclaimed and resumed, and either side can turn placement off."""
+"""Cache-aware placement (docs/architecture.md): how a producer keys and places a job (no Redis):
+every turn of a conversation keyed by its root whatever the form it comes in, then the real worker
+loop on a real redis-server: placed jobs run on the worker they were placed on, entries placed on a
+stalled worker are stolen after steal_delay_ms, a dead worker's are reclaimed and resumed, and
+either side can turn placement off."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from contextlib import ExitStack
@@ -13,13 +15,12 @@ import pytest
 
 from harness.echo_workers import GatedWorker, serving
 from harness.polling import eventually
-from producer_client import BulkQueueFull, Client, steps
+from producer_client import BulkQueueFull, Client, roots, steps
 from producer_client.errors import UnknownAdapter
 from producer_client.keys import GROUP, Keys
 from producer_client.new_job import build_job
 from producer_client.operations import enqueue_commands
 from producer_client.placement import (
-    PREFIX_CHARS,
     Candidate,
     Placed,
     Placement,
@@ -30,9 +31,13 @@ from producer_client.placement import (
     served_adapters,
 )
 from producer_client.protocol import execution
-from producer_client.schema import JobRequest
+from producer_client.roots import PREFIX_CHARS, PREFIX_IDS
+from producer_client.schema import JobRequest, JobResult
 from tests.support.fixtures import on_modes
 from tests.support.jobs import assert_one_final_result, tokens_published
+from worker.model.presets import resolve_model_path
+from worker.model.qwen_tokenizer import load_qwen_ranks
+from worker.model.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.waits
 
@@ -64,14 +69,167 @@ def test_every_turn_of_a_conversation_is_keyed_by_its_root():
     )
 
 
-def test_a_prompt_is_keyed_by_its_start_and_token_ids_by_their_first_256():
-    head = "x" * PREFIX_CHARS
-    assert prefix_key(request(prompt=head + "one ending")) == prefix_key(request(prompt=head + "another"))
-    assert prefix_key(request(prompt="a" + head)) != prefix_key(request(prompt="b" + head))
-    assert prefix_key(request(input_ids=list(range(256)) + [1])) == prefix_key(
-        request(input_ids=list(range(256)) + [2])
+# A growing conversation: each turn's prompt is the one before, its answer and the next user text.
+USERS = ["plan a trip", "to Lyon, by train", "and back on Sunday evening"]
+SHORT_ANSWERS = [" Where to?", " The 9:04 from Paris.", " Booked."]
+LONG_ANSWERS = [" " + "a long answer, " * 80, " " + "a longer answer, " * 60, " done"]  # turn 2 is over 1,024 chars
+PLAIN = ("{}\n", "User: {}\nAssistant:", "\n")  # system prompt, user turn, after an answer
+
+
+def growing(form: tuple[str, str, str], system: str, users: list[str], answers: list[str]) -> list[str]:
+    opening, turn, after_answer = form
+    text, prompts = opening.format(system) if system else "", []
+    for user, answer in zip(users, answers):
+        text += turn.format(user)
+        prompts.append(text)
+        text += answer + after_answer
+    return prompts
+
+
+def assert_around_the_old_window(sizes: list[tuple[int, int]], answers: list[str]) -> None:
+    """Each turn's (characters, ids): with short answers every turn is under main's old window (1,024
+    characters, 256 ids), with long ones the first turn is and the others are over both."""
+    under = [chars < PREFIX_CHARS and ids < PREFIX_IDS for chars, ids in sizes]
+    over = [chars > PREFIX_CHARS and ids > PREFIX_IDS for chars, ids in sizes]
+    assert (under, over) == (
+        ([True] * 3, [False] * 3) if answers is SHORT_ANSWERS else ([True, False, False], [False, True, True])
     )
-    assert prefix_key(request(input_ids=[1, 2])) != prefix_key(request(input_ids=[1, 3]))
+
+
+def keys_of(**forms: list) -> set[bytes]:
+    return {prefix_key(request(**{field: value})) for field, values in forms.items() for value in values}
+
+
+@pytest.mark.parametrize("system", ["", "You are a terse assistant."], ids=["no-system", "system"])
+@pytest.mark.parametrize("answers", [SHORT_ANSWERS, LONG_ANSWERS], ids=["under-1024", "over-1024"])
+def test_every_turn_of_a_plain_prompt_conversation_has_one_key(system, answers):
+    prompts = growing(PLAIN, system, USERS, answers)
+    if answers is SHORT_ANSWERS:
+        assert len(prompts[-1]) < PREFIX_CHARS
+    else:
+        assert len(prompts[0]) < PREFIX_CHARS < len(prompts[1])
+    assert len(keys_of(prompt=prompts)) == 1
+    # Another conversation: another first line (one that shares the first line shares the key).
+    other = growing(PLAIN, system.replace("terse", "chatty"), ["plan a dinner", *USERS[1:]], answers)
+    assert keys_of(prompt=other) != keys_of(prompt=prompts)
+
+
+def test_a_plain_prompt_is_keyed_by_its_first_line_up_to_1024_characters():
+    # A first turn of one line, and later turns after line breaks.
+    assert len(keys_of(prompt=["Plan a trip", "Plan a trip\nTo where?\nLyon", "Plan a trip\r\nTo where?"])) == 1
+    # Blank lines before it are no root of their own.
+    assert keys_of(prompt=["\n\nPlan a trip\nsure"]) != keys_of(prompt=["\n\nPlan a dinner\nsure"])
+    # Conversations that open with the same line share a key (the load bound spreads them), others do not.
+    system = "You are a terse assistant."
+    assert len(keys_of(prompt=[f"{system}\nUser: plan a trip", f"{system}\nUser: plan a dinner"])) == 1
+    assert len(keys_of(prompt=[f"{system}\nUser: plan a trip", "You are a chatty one.\nUser: plan a trip"])) == 2
+    # A first line over the window is keyed by its first 1,024 characters.
+    head = "x" * PREFIX_CHARS
+    assert len(keys_of(prompt=[head + "one ending", head + "another\nline"])) == 1
+    assert len(keys_of(prompt=["a" + head, "b" + head])) == 2
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> Tokenizer:
+    return Tokenizer.from_dir(resolve_model_path("tiny"))
+
+
+def chat_turns(system: str, users: list[str], answers: list[str]) -> list[list[dict[str, str]]]:
+    """Each turn's messages."""
+    history = [{"role": "system", "content": system}] if system else []
+    turns = []
+    for user, answer in zip(users, answers):
+        history.append({"role": "user", "content": user})
+        turns.append(list(history))
+        history.append({"role": "assistant", "content": answer})
+    return turns
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("system", ["", "You are a terse assistant."], ids=["no-system", "system"])
+@pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]], ids=["no-tools", "tools"])
+@pytest.mark.parametrize("thinking", [False, True], ids=["no-thinking", "thinking"])
+def test_every_turn_of_a_chat_has_one_key_as_messages_as_templated_text_and_as_ids(qwen3, system, tools, thinking):
+    def as_text(answers: list[str], users: list[str] = USERS) -> list[str]:
+        return [
+            qwen3.apply_chat_template(messages, tools=tools, enable_thinking=thinking)
+            for messages in chat_turns(system, users, answers)
+        ]
+
+    for answers in (SHORT_ANSWERS, LONG_ANSWERS):
+        texts = as_text(answers)
+        assert_around_the_old_window([(len(t), len(qwen3.encode(t))) for t in texts], answers)
+        assert len({prefix_key(request(messages=m, tools=tools)) for m in chat_turns(system, USERS, answers)}) == 1
+        assert len(keys_of(prompt=texts)) == 1
+        assert len(keys_of(input_ids=[qwen3.encode(t) for t in texts])) == 1
+    other = as_text(SHORT_ANSWERS, ["plan a dinner", *USERS[1:]])
+    assert keys_of(prompt=other) != keys_of(prompt=as_text(SHORT_ANSWERS))
+    assert keys_of(input_ids=[qwen3.encode(t) for t in other]) != keys_of(
+        input_ids=[qwen3.encode(t) for t in as_text(SHORT_ANSWERS)]
+    )
+
+
+def test_a_templated_first_turn_not_yet_closed_has_the_key_of_the_closed_one():
+    opened = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nplan a trip"
+    assert len(keys_of(prompt=[opened, opened + "<|im_end|>\n<|im_start|>assistant\n"])) == 1
+
+
+def bare_ids_turns(qwen3: Tokenizer, system: str, answers: list[str]) -> list[list[int]]:
+    """A plain-prompt conversation in ids, grown as a client that keeps ids grows it: the answer's
+    ids, then the next user text's, appended."""
+    opening, turn, after_answer = PLAIN
+    ids, turns = qwen3.encode(opening.format(system)) if system else [], []
+    for user, answer in zip(USERS, answers):
+        ids = ids + qwen3.encode(turn.format(user))
+        turns.append(ids)
+        ids = ids + qwen3.encode(answer) + qwen3.encode(after_answer)
+    return turns
+
+
+@pytest.mark.parametrize("system", ["", "You are a terse assistant."], ids=["no-system", "system"])
+def test_every_turn_of_a_conversation_in_bare_ids_has_the_key_of_its_first_line(qwen3, system):
+    for answers in (SHORT_ANSWERS, LONG_ANSWERS):
+        turns = bare_ids_turns(qwen3, system, answers)
+        assert turns[0][0] != roots.IM_START_ID and len(turns[0]) < PREFIX_IDS
+        texts = growing(PLAIN, system, USERS, answers)
+        assert_around_the_old_window([(len(text), len(ids)) for text, ids in zip(texts, turns)], answers)
+        retokenized = [qwen3.encode(text) for text in texts]
+        assert len(keys_of(input_ids=turns + retokenized)) == 1
+    # A line break that tokenizes with what follows it ("\n" or "\n\n") ends the same line.
+    assert len(keys_of(input_ids=[qwen3.encode("plan a trip\nsure"), qwen3.encode("plan a trip\n\nsure")])) == 1
+    assert len(keys_of(input_ids=[qwen3.encode("plan a trip\nsure"), qwen3.encode("plan a dinner\nsure")])) == 2
+    line = qwen3.encode(" plan" * PREFIX_IDS)  # a line of 256 ids
+    assert len(line) == PREFIX_IDS and not roots.LINE_END_IDS & set(line)
+    assert len(keys_of(input_ids=[line + [1], line + [2]])) == 1
+    assert len(keys_of(input_ids=[[1, *line], [2, *line]])) == 2
+
+
+def test_the_root_of_each_form(qwen3):
+    assert roots.text_root("\n\nUser: plan a trip\nAssistant: Where to?\nUser: Lyon") == "\n\nUser: plan a trip"
+    assert roots.text_root("x" * 2000 + "\ny") == "x" * PREFIX_CHARS
+    templated = qwen3.apply_chat_template(chat_turns("be brief", USERS, SHORT_ANSWERS)[1])
+    root = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nplan a trip"
+    assert roots.text_root(templated) == root
+    assert roots.ids_root(qwen3.encode(templated)) == qwen3.encode(root)
+    starts_with_a_break = qwen3.apply_chat_template(chat_turns("", ["\nplan a trip", "and back"], SHORT_ANSWERS)[1])
+    assert roots.ids_root(qwen3.encode(starts_with_a_break)) == qwen3.encode("<|im_start|>user\n\nplan a trip")
+    assert roots.ids_root(qwen3.encode("User: plan a trip?\nAssistant:")) == qwen3.encode("User: plan a trip")
+    assert roots.ids_root(qwen3.encode(" plan" * 1000 + "\n")) == qwen3.encode(" plan" * PREFIX_IDS)
+
+
+def test_the_roots_markers_and_line_ends_are_qwen3s(qwen3):
+    backend = qwen3.backend
+    assert [backend.token_to_id(roots.IM_START), backend.token_to_id(roots.IM_END)] == [
+        roots.IM_START_ID,
+        roots.IM_END_ID,
+    ]
+    assert qwen3.encode(roots.FIRST_USER)[:2] == [roots.IM_START_ID, roots.USER_ID]
+    ranks = load_qwen_ranks()
+    # Every token that holds a line break ends with one (Qwen3's pre-tokenizer): each ends a line.
+    assert roots.LINE_END_IDS == {rank for token, rank in ranks.items() if token.endswith((b"\n", b"\r"))}
+    assert roots.LINE_END_IDS == {rank for token, rank in ranks.items() if set(token) & set(b"\r\n")}
 
 
 def test_a_job_on_a_lora_adapter_is_keyed_by_its_adapter_alone():
@@ -158,17 +316,18 @@ def test_a_job_goes_to_its_first_choice_while_that_one_is_under_the_bound():
     assert loaded(key, 120, 80, 80).choose(key).name == second  # bound max(118, 112)
 
 
-def test_a_full_first_choice_gives_way_to_one_with_a_free_slot_then_to_a_backlog_of_one_batch():
+def test_a_full_first_choice_gives_way_to_one_with_a_free_slot_and_none_waits_in_a_workers_stream():
     key = b"conversation"
     first, second = order_of(view(0, 0), key)
     assert loaded(key, 2, 1, slots=2).choose(key).name == second  # the first has no free slot, the second has one
-    assert loaded(key, 3, 2, slots=2).choose(key).name == first  # neither has: the first is under twice its slots
+    # Neither has a free slot: the job goes through the lanes, where lanes and shares hold.
+    assert loaded(key, 2, 2, slots=2).choose(key) is None
 
 
-def test_the_shared_stream_takes_a_job_with_one_worker_or_none_under_the_bound():
+def test_the_lanes_take_a_job_with_one_worker_or_none_under_the_bound():
     assert view(0).choose(b"k") is None
     assert View(0, []).choose(b"k") is None
-    assert view(8, 8, slots=4).choose(b"k") is None  # each at twice its slots
+    assert view(4, 4, slots=4).choose(b"k") is None  # each at its slots
 
 
 def test_placement_counts_what_it_placed_and_counts_it_into_the_load():
@@ -190,12 +349,13 @@ def drive(steps):
     return done.value.value
 
 
-def test_only_serving_workers_of_the_queue_that_advertise_placement_are_candidates():
+def test_only_serving_lane_aware_workers_of_the_queue_that_advertise_placement_are_candidates():
     beat = {
         "name": "a",
         "queue": "q",
         "state": "serving",
         "placement": "1",
+        "lanes": "1",
         "running": "3",
         "slots": "8",
         "placed_held": "2",
@@ -207,9 +367,10 @@ def test_only_serving_workers_of_the_queue_that_advertise_placement_are_candidat
         {**beat, "name": "d", "placement": "0"},
         {},
         {**beat, "name": "e", "slots": "many"},
+        {key: value for key, value in beat.items() if key != "lanes"},  # a worker that reads no lanes
     ]
     # a's load: 3 running, and 5 entries in its stream of which 2 are among those it holds.
-    assert candidates_from(beats, [5, 0, 0, 0, 0, 0], "q") == [Candidate("a", 8, 6)]
+    assert candidates_from(beats, [5, 0, 0, 0, 0, 0, 0], "q") == [Candidate("a", 8, 6)]
 
 
 # -- the worker loop on a real redis-server ---------------------------------------------------------
@@ -229,32 +390,92 @@ def enqueue_on(client: Client, owner: str, prompt: str, **options) -> str:
     return job.job_id
 
 
-def test_each_conversation_runs_on_its_first_choice_turn_after_turn(redis_server, queue):
-    # Fixed names, so the rendezvous order of the six conversations is fixed too: with names drawn
-    # at random (the queue's), all six could choose one worker, one run in 243.
+class ThreeForms:
+    """One conversation sent three ways, each turn the one before with its answer and the next user
+    text: as `messages`, as a plain prompt and as token ids. The ids are Qwen3's single-byte tokens
+    (its ids below 256, "\n" is 198): the echo worker's vocabulary is 256 ids, and a tokenization of
+    the plain prompt in Qwen3's vocabulary is what a producer that keeps ids would send."""
+
+    def __init__(self, opening: str, system: str):
+        self.messages = [{"role": "system", "content": system}] if system else []
+        self.messages.append({"role": "user", "content": opening})
+        self.prompt = (f"{system}\n" if system else "") + f"User: {opening}\nAssistant:"
+        self.input_ids = byte_ids(self.prompt)
+
+    def requests(self) -> dict[str, dict]:
+        return {
+            "messages": {"messages": self.messages},
+            "prompt": {"prompt": self.prompt},
+            "ids": {"input_ids": self.input_ids},
+        }
+
+    def answered(self, answers: dict[str, JobResult], user: str) -> None:
+        self.messages = [*self.messages, {"role": "assistant", "content": answers["messages"].text}]
+        self.messages.append({"role": "user", "content": user})
+        self.prompt += f"{answers['prompt'].text}\nUser: {user}\nAssistant:"
+        self.input_ids = self.input_ids + answers["ids"].token_ids + byte_ids(f"\nUser: {user}\nAssistant:")
+
+    def sizes(self) -> tuple[int, int]:
+        return len(self.prompt), len(self.input_ids)
+
+
+def byte_ids(text: str) -> list[int]:
+    single_byte = qwen3_single_byte_ids()
+    return [single_byte[b] for b in text.encode()]
+
+
+@functools.cache
+def qwen3_single_byte_ids() -> list[int]:
+    """The id of each byte's token in Qwen3's vocabulary, loaded on first use (2 s), not at import."""
+    ranks = load_qwen_ranks()
+    return [ranks[bytes([b])] for b in range(256)]
+
+
+# A pasted document: the conversation that carries it passes 1,024 characters and 256 ids at turn 2.
+PASTE = " Here is the document: " + "lorem ipsum dolor sit amet " * 40
+
+
+def test_each_conversation_runs_on_its_first_choice_turn_after_turn_whatever_its_form(redis_server, queue):
+    """Six conversations, each sent as `messages`, as a growing plain prompt and as growing token
+    ids, three turns each: with and without a system prompt, four short ones (every turn under
+    1,024 characters and 256 ids) and two whose second turn pastes a document (over both). Each
+    turn runs on the first choice of its conversation's first turn (turns 1, 2, 3 on one worker)."""
+    # Fixed names, so the rendezvous order of the conversations is fixed too: with names drawn at
+    # random (the queue's), all six of a form could choose one worker, one run in 243.
     names = [f"affinity-{i}" for i in range(3)]
-    conversations = [f"conversation {i}: tell me about {i * 7}" for i in range(6)]
+    chats = {
+        i: ThreeForms(f"conversation {i}: tell me about {i * 7}", "You are a helpful assistant." if i % 2 else "")
+        for i in range(6)
+    }
+    first_keys = {
+        (form, i): prefix_key(request(**fields)) for i, c in chats.items() for form, fields in c.requests().items()
+    }
+    sizes: dict[int, list[tuple[int, int]]] = {i: [] for i in chats}  # each turn's characters and ids
+    ran_on: dict[tuple[str, int], set[str]] = {chat: set() for chat in first_keys}
     with ExitStack() as stack:
         workers = [stack.enter_context(serving(redis_server.url, queue, name=n, **FAST)) for n in names]
         client = stack.enter_context(Client(redis_server.url, queue))
         client.placement = Placement(refresh_s=0)  # a fresh view for every job: each sees all workers idle
         assert eventually(lambda: all(w.queue.redis.exists(KEYS.worker(w.name)) for w in workers))
-        ran_on: dict[int, set[str]] = {i: set() for i in range(len(conversations))}
         for turn in range(3):
-            for i, root in enumerate(conversations):
-                messages = [{"role": "user", "content": root}, {"role": "assistant", "content": "ok"}] * turn
-                result = client.generate(
-                    messages=[*messages, {"role": "user", "content": root}], max_tokens=4, timeout=30
-                )
-                ran_on[i].add(result.worker)
-                time.sleep(0.12)  # two heartbeats: the worker's running count is back to 0
-        keys = {
-            i: prefix_key(request(messages=[{"role": "user", "content": root}])) for i, root in enumerate(conversations)
-        }
-        assert {i: ran_on[i] for i in ran_on} == {i: {first_choices(names, [keys[i]])[0]} for i in ran_on}
-        assert client.placement.placed == {Placed.AFFINITY: 18, Placed.SHARED: 0}
-        assert sum(w.metrics.taken["own"]._value.get() for w in workers) == 18
-        assert len({w for ws in ran_on.values() for w in ws}) >= 2
+            for i, chat in chats.items():
+                sizes[i].append(chat.sizes())
+                answers = {
+                    form: client.generate(**fields, max_tokens=4, timeout=30)
+                    for form, fields in chat.requests().items()
+                }
+                for form, result in answers.items():
+                    ran_on[form, i].add(result.worker)
+                chat.answered(answers, f"and then? ({turn})" + (PASTE if i >= 4 and turn == 0 else ""))
+                time.sleep(0.12)  # two heartbeats: the workers' running counts are back to 0
+        assert all(n < PREFIX_CHARS and m < PREFIX_IDS for i in range(4) for n, m in sizes[i])
+        assert all(n < PREFIX_CHARS and m < PREFIX_IDS for n, m in (sizes[4][0], sizes[5][0]))
+        assert all(n > PREFIX_CHARS and m > PREFIX_IDS for n, m in sizes[4][1:] + sizes[5][1:])
+        assert ran_on == {chat: {first_choices(names, [key])[0]} for chat, key in first_keys.items()}
+        assert client.placement.placed == {Placed.AFFINITY: 54, Placed.SHARED: 0}
+        assert sum(w.metrics.taken["own"]._value.get() for w in workers) == 54
+        for form in ("messages", "prompt", "ids"):
+            assert len({w for (f, _), ws in ran_on.items() if f == form for w in ws}) >= 2
 
 
 @on_modes("server", "cluster")
@@ -344,15 +565,16 @@ def test_placement_turned_off_on_either_side_leaves_every_job_on_the_shared_stre
 
 def test_submit_many_places_a_chunk_and_what_goes_in_is_still_a_prefix(redis_server, queue, redis_client):
     """Two workers of two slots each, as their heartbeats say (no worker runs: nothing is read).
-    Ten jobs of one prompt: two on the first choice, two on the second (free slots), two more on
-    each (a backlog of one batch), one on the shared stream, and the tenth finds the shared
-    stream full (max_queue_depth 1): BulkQueueFull names the nine that went in."""
+    Six jobs of one prompt: two on the first choice, two on the second (free slots), one on the
+    shared stream, and the sixth finds the shared stream full (max_queue_depth 1): BulkQueueFull
+    names the five that went in."""
     for name in ("a", "b"):
         beat = {
             "name": name,
             "queue": queue,
             "state": "serving",
             "placement": 1,
+            "lanes": 1,
             "slots": 2,
             "running": 0,
             "placed_held": 0,
@@ -362,19 +584,19 @@ def test_submit_many_places_a_chunk_and_what_goes_in_is_still_a_prefix(redis_ser
     with Client(redis_server.url, queue, max_queue_depth=1) as client:
         with pytest.raises(BulkQueueFull) as full:
             client.submit_many(
-                [{"prompt": "same prompt", "max_tokens": 1, "request_id": f"{queue}-{i}"} for i in range(10)]
+                [{"prompt": "same prompt", "max_tokens": 1, "request_id": f"{queue}-{i}"} for i in range(6)]
             )
-    ids = [f"{queue}-{i}" for i in range(10)]
-    assert full.value.job_ids == ids[:9]
+    ids = [f"{queue}-{i}" for i in range(6)]
+    assert full.value.job_ids == ids[:5]
     on = {name: [f["id"] for _, f in redis_client.xrange(KEYS.own_queue(queue, name))] for name in ("a", "b")}
     shared = [f["id"] for _, f in redis_client.xrange(KEYS.queue(queue))]
     by_rank = sorted(
         ("a", "b"), key=lambda n: rendezvous_score(prefix_key(request(prompt="same prompt")), n), reverse=True
     )
-    assert on[by_rank[0]] == [ids[0], ids[1], ids[4], ids[5]]
-    assert on[by_rank[1]] == [ids[2], ids[3], ids[6], ids[7]]
-    assert shared == [ids[8]]
-    assert [bool(redis_client.exists(KEYS.job(job_id))) for job_id in ids] == [True] * 9 + [False]
+    assert on[by_rank[0]] == [ids[0], ids[1]]
+    assert on[by_rank[1]] == [ids[2], ids[3]]
+    assert shared == [ids[4]]
+    assert [bool(redis_client.exists(KEYS.job(job_id))) for job_id in ids] == [True] * 5 + [False]
 
 
 def test_an_idle_worker_on_one_server_wakes_for_a_job_placed_on_it_at_once(redis_server, queue, redis_client):

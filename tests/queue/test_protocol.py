@@ -4,6 +4,7 @@ worker's batched commands against fakeredis."""
 import json
 import subprocess
 import sys
+import uuid
 
 import fakeredis
 import pytest
@@ -98,21 +99,22 @@ def test_an_entry_age_is_whole_milliseconds_of_the_redis_clock():
     assert entry_age_s("1795650644887-3", 1795650644887) == 0.0
 
 
-def test_acks_go_before_the_read_so_pending_never_grows_past_the_count():
-    r = fakeredis.FakeRedis(decode_responses=True)
-    q = WorkerQueue(r, Keys(), "q", "w1")
+def test_acks_go_before_the_read_so_pending_never_grows_past_the_count(redis_client):
+    r = redis_client
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    q = WorkerQueue(r, Keys(), queue, "w1")
     q.ensure_group()
     q.ensure_group()  # a second worker: the group exists already
-    stream = Keys().queue("q")
+    stream = Keys().queue(queue)
     for i in range(3):
         r.xadd(stream, {"id": f"j{i}"})
-    first = q.read(count=1, block_ms=None, acks=[])
+    first = q.read((1, 1, 1), block_ms=None, acks=[])
     assert [(d.fields["id"], d.deliveries) for d in first] == [("j0", 1)]
-    second = q.read(count=1, block_ms=None, acks=[first[0].entry_id])
+    second = q.read((1, 1, 1), block_ms=None, acks=[first[0].entry_id])
     assert [d.fields["id"] for d in second] == ["j1"]
     assert r.xpending(stream, GROUP)["pending"] == 1
     assert r.xlen(stream) == 2  # the acked entry is deleted too
-    assert q.read(count=0, block_ms=None, acks=[second[0].entry_id]) == []
+    assert q.read((0, 0, 0), block_ms=None, acks=[second[0].entry_id]) == []
     assert r.xpending(stream, GROUP)["pending"] == 0
 
 

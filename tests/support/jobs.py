@@ -37,8 +37,8 @@ def assert_one_final_result(redis_client, job_id: str) -> None:
 
 
 def job_ids_in_queue(redis_client, queue: str) -> list[str]:
-    """The job ids of the entries a queue's stream holds."""
-    return [fields["id"] for _, fields in redis_client.xrange(Keys().queue(queue))]
+    """The job ids of the entries a queue's streams hold (its own, its lanes', its workers')."""
+    return [fields["id"] for stream in queue_streams(redis_client, queue) for _, fields in redis_client.xrange(stream)]
 
 
 def job_count(redis_client) -> int:
@@ -47,10 +47,17 @@ def job_count(redis_client) -> int:
 
 
 def queue_streams(redis_client, queue: str) -> list[str]:
-    """The queue's shared stream and the own stream of every worker in its index (cache-aware
-    placement puts jobs there): every stream a job of the queue may be in."""
-    names = redis_client.zrange(Keys().workers(queue), 0, -1)
-    return [Keys().queue(queue), *(Keys().own_queue(queue, name) for name in names)]
+    """The queue's shared stream, its lanes' streams of each tenant, and the own stream of every
+    worker in its index (cache-aware placement puts jobs there): every stream a job of the queue
+    may be in."""
+    keys = Keys()
+    names = redis_client.zrange(keys.workers(queue), 0, -1)
+    lanes = [member.split(":", 1) for member in sorted(redis_client.smembers(keys.lane_streams(queue)))]
+    return [
+        keys.queue(queue),
+        *(keys.lane_stream(queue, lane, tenant) for lane, tenant in lanes),
+        *(keys.own_queue(queue, name) for name in names),
+    ]
 
 
 def entries_added(redis_client, queue: str) -> int:

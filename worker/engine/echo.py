@@ -24,6 +24,7 @@ from producer_client.errors import InvalidArgument, UnknownAdapter
 from producer_client.schema import SamplingParams
 from worker.engine.errors import KVCapacityExceeded, PromptTooLong
 from worker.engine.outputs import Capacity, EngineStats, FinishReason, RequestId, RequestOutput, TokenCounts
+from worker.engine.request import DEFAULT_LANE
 from worker.engine.settings import EngineSettings
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ class EchoRequest:
     max_tokens: int
     pages: int
     emitted: int = 0
+    lane: int = DEFAULT_LANE
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
     @property
@@ -122,9 +124,11 @@ class EchoEngine:
         self.num_pages = settings.num_pages or DEFAULT_NUM_PAGES
         # Both by request id, so that admitting, aborting and finding a duplicate cost the same
         # whether few requests are held or max_running (a bulk load holds that many); the waiting
-        # ones in arrival order.
+        # ones in arrival order within each lane (`lanes`), the higher lanes' first.
         self.waiting: dict[RequestId, EchoRequest] = {}
+        self.lanes: tuple[dict[RequestId, EchoRequest], ...] = ({}, {}, {})
         self.running: dict[RequestId, EchoRequest] = {}
+        self.preemptions = 0
         # The echo engine's KV pool is this count: pages held by running requests, and promised
         # to waiting ones.
         self.running_pages = 0
@@ -141,10 +145,13 @@ class EchoEngine:
         resume_token_ids: Sequence[int] = (),
         constraint: Constraint | None = None,
         adapter: str | None = None,
+        lane: int = DEFAULT_LANE,
     ) -> None:
         """As Engine.add_request: `resume_token_ids` are output tokens produced already (by an
-        earlier run of the job), counted as output and not emitted again. An echo cannot follow a
-        grammar: a request with a response format or a forced tool call is refused."""
+        earlier run of the job), counted as output and not emitted again; a request that cannot
+        start for want of a slot or pages preempts a running one of a lower `lane`. An echo cannot
+        follow a grammar: a request with a response format or a forced tool call is refused.
+        `priority` is not honoured (the queue's tests need lanes only)."""
         if request_id in self.running or request_id in self.waiting:
             raise InvalidArgument("request_id", f"{request_id!r} is already running")
         if adapter is not None and adapter not in self.settings.lora_modules:
@@ -167,11 +174,10 @@ class EchoEngine:
         if pages > self.num_pages:
             raise KVCapacityExceeded(f"request {request_id} needs {pages} KV pages, the pool holds {self.num_pages}")
         req = EchoRequest(
-            request_id, list(prompt_token_ids), output, params.max_tokens, pages, emitted=len(resume_token_ids)
+            request_id, list(prompt_token_ids), output, params.max_tokens, pages, len(resume_token_ids), lane
         )
         req.decoder.decode(bytes(resume_token_ids))  # the decoder's state after them, their text dropped
-        self.waiting[request_id] = req
-        self.waiting_pages += pages
+        self._wait(req)
 
     def step(self) -> list[RequestOutput]:
         self._steps += 1
@@ -185,8 +191,7 @@ class EchoEngine:
         if request_id in self.running:
             req = self._release(request_id)
         elif request_id in self.waiting:
-            req = self.waiting.pop(request_id)
-            self.waiting_pages -= req.pages
+            req = self._unwait(request_id)
         else:
             return False
         self._ended.append(RequestOutput(request_id, [], "", True, "abort", req.usage()))
@@ -203,7 +208,7 @@ class EchoEngine:
         return bool(self.running or self.waiting or self._ended)
 
     def stats(self) -> EngineStats:
-        return EngineStats(self._steps, 0, 0, 0, 0, 0)
+        return EngineStats(self._steps, 0, 0, self.preemptions, 0, 0)
 
     def adapters(self) -> tuple[list[str], list[str]] | None:
         names = sorted(self.settings.lora_modules)
@@ -212,15 +217,45 @@ class EchoEngine:
     def _free_pages(self) -> int:
         return self.num_pages - self.running_pages
 
+    def _wait(self, req: EchoRequest, first: bool = False) -> None:
+        lane = self.lanes[req.lane]
+        if first:  # a preempted request goes back before those that came after it
+            items = list(lane.items())
+            lane.clear()
+            lane[req.request_id] = req
+            lane.update(items)
+        else:
+            lane[req.request_id] = req
+        self.waiting[req.request_id] = req
+        self.waiting_pages += req.pages
+
+    def _unwait(self, request_id: RequestId) -> EchoRequest:
+        req = self.waiting.pop(request_id)
+        del self.lanes[req.lane][request_id]
+        self.waiting_pages -= req.pages
+        return req
+
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.settings.max_running:
-            req = next(iter(self.waiting.values()))
-            if req.pages > self._free_pages():
-                return
-            del self.waiting[req.request_id]
-            self.waiting_pages -= req.pages
+        while self.waiting:
+            req = next(iter(next(lane for lane in self.lanes if lane).values()))
+            while len(self.running) >= self.settings.max_running or req.pages > self._free_pages():
+                if not self._preempt_lower(req):
+                    return
+            self._unwait(req.request_id)
             self.running[req.request_id] = req
             self.running_pages += req.pages
+
+    def _preempt_lower(self, req: EchoRequest) -> bool:
+        """Preempt the running request of the lowest lane below `req`'s that came last; whether
+        there was one. Its output so far stays (an echo recomputes nothing)."""
+        lower = [r for r in self.running.values() if r.lane > req.lane]
+        if not lower:
+            return False
+        victim = max(reversed(lower), key=lambda r: r.lane)
+        self._release(victim.request_id)
+        self._wait(victim, first=True)
+        self.preemptions += 1
+        return True
 
     def _release(self, request_id: RequestId) -> EchoRequest:
         req = self.running.pop(request_id)

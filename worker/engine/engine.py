@@ -33,6 +33,7 @@ from worker.engine.radix_cache import RadixCache
 from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
 from worker.engine.ranks import RankGroup, check_group, load_shares
 from worker.engine.reader import StepReader
+from worker.engine.request import DEFAULT_LANE
 from worker.engine.runner import ModelRunner
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import Scheduler
@@ -209,8 +210,12 @@ class Engine(OfflineGeneration):
         resume_token_ids: Sequence[int] = (),
         constraint: Constraint | None = None,
         adapter: str | None = None,
+        lane: int = DEFAULT_LANE,
     ) -> None:
-        """Queues a request. `priority`: lower runs sooner (as in vLLM); ties go first come, first served.
+        """Queues a request. `lane` (0 priority, 1 default, 2 flex: the queue's lanes) ranks it
+        first: a request that cannot start for want of a slot or pages preempts running requests
+        of lower lanes (see Scheduler). Within a lane, `priority`: lower runs sooner (as in vLLM);
+        ties go first come, first served.
 
         `resume_token_ids` are output tokens an earlier run of this request already produced
         and reported (a job reclaimed from a worker that died). The request continues after
@@ -233,7 +238,9 @@ class Engine(OfflineGeneration):
         for a named one it refused at start (one it refuses when it reads it ends the request with
         that error at a later step).
         """
-        req = self.intake.build(request_id, prompt_token_ids, params, priority, resume_token_ids, constraint, adapter)
+        req = self.intake.build(
+            request_id, prompt_token_ids, params, priority, resume_token_ids, constraint, adapter, lane
+        )
         if req.grammar is not None:
             self.grammar_starts.add(req)
         self.reader.live[request_id] = req

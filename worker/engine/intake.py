@@ -56,6 +56,7 @@ class RequestIntake:
         resume_token_ids: Sequence[int],
         constraint: Constraint | None,
         adapter: str | None,
+        lane: int,
     ) -> Request:
         """The request, its grammar (if any) compiling; Engine.add_request says what each argument means."""
         self.check(request_id, prompt_token_ids, params)
@@ -73,6 +74,7 @@ class RequestIntake:
             next(self.arrivals),
             TextOutput(detokenizer, params.stop),
             generator,
+            lane,
         )
         req.adapter = handle
         self.reader.replay(req, list(resume_token_ids))

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from worker.engine.stop import TextOutput
 
 
+DEFAULT_LANE = 1  # of the queue's lanes (priority, default, flex), by their index
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -40,9 +43,11 @@ class Request:
         arrival: int,
         text: TextOutput,
         generator: torch.Generator | None,
+        lane: int = DEFAULT_LANE,
     ):
         self.request_id = request_id
         self.params = params
+        self.lane = lane
         self.priority = priority
         self.arrival = arrival
         self.token_ids = list(prompt_token_ids)
@@ -62,9 +67,10 @@ class Request:
         self.adapter: AdapterHandle | None = None  # the LoRA adapter it runs with; None: the base model
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """Lower runs sooner: priority first (lower number = more urgent, as in vLLM), then arrival."""
-        return (self.priority, self.arrival)
+    def sort_key(self) -> tuple[int, int, int]:
+        """Lower runs sooner: the lane first (0 priority, 1 default, 2 flex: the queue's lanes), then
+        priority (lower number = more urgent, as in vLLM), then arrival."""
+        return (self.lane, self.priority, self.arrival)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -1,6 +1,7 @@
 """Continuous batching: which requests run this step, and how many tokens each extends.
 
-Each step, in order of importance (priority, then arrival; see `Request.sort_key`):
+Each step, in order of importance (the queue's lane, then priority, then arrival; see
+`Request.sort_key`):
 1. every running request that is decoding gets its one token;
 2. running requests still in prefill get chunks under the token budget;
 3. waiting requests are admitted while their pages (after the prefix match) and the
@@ -11,6 +12,11 @@ preemption: its pages go back, its KV pages are offered to the prefix cache, and
 to be recomputed). The most important request is never preempted for a less important
 one, so it always progresses; a request that cannot fit even alone fails with
 `kv_capacity_exceeded`. That is why the scheduler cannot deadlock.
+
+Lanes (docs/architecture.md, "Sharing rules"): a waiting request that cannot be admitted, for
+want of a slot (max_running) or of pages, preempts the least important running request of a
+lower lane, and so on while there is one, rather than wait for it to finish. Within a lane a
+request waits for a slot, as before; only pages preempt there.
 """
 
 from __future__ import annotations
@@ -153,16 +159,24 @@ class Scheduler:
         return sum(pages_for(len(r.token_ids), self.page_size) for r in self.waiting)
 
     def _admit(self, planned: dict[Request, int], budget: int, out: SchedulerOutput) -> int:
-        """Admits waiting requests in order while they fit. One whose grammar is still compiling
-        is passed over: it holds no one back."""
-        if not self.waiting or budget == 0 or len(self.running) >= self.max_running:
+        """Admits waiting requests in order while they fit, preempting running requests of lower
+        lanes for them. One whose grammar is still compiling is passed over: it holds no one back."""
+        if not self.waiting or budget == 0:
+            return budget
+        if len(self.running) >= self.max_running and not self._outranks_running(self.waiting[0]):
             return budget  # nothing to admit: spares the pages_owed walk over every running request
         owed = self.pages_owed()
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_running:
+        while i < len(self.waiting) and budget > 0:
             req = self.waiting[i]
             if not req.ready:
                 i += 1
+                continue
+            if len(self.running) >= self.max_running:
+                if not self._outranks_running(req):
+                    break
+                budget += self._preempt_lower(planned)
+                owed = self.pages_owed()
                 continue
             if pages_for(len(req.token_ids), self.page_size) > self.allocator.num_pages:
                 self.waiting.pop(i)
@@ -173,7 +187,11 @@ class Scheduler:
             need = pages_for(len(req.token_ids), self.page_size) - len(match.pages)
             if need > self.allocator.num_free + self.cache.evictable_pages - owed:
                 self.cache.unlock(match.node)
-                break
+                if not self._outranks_running(req):
+                    break
+                budget += self._preempt_lower(planned)
+                owed = self.pages_owed()
+                continue
             self.waiting.pop(i)
             self._start(req, match.pages, match.node)
             n = min(req.num_uncomputed_tokens, budget)
@@ -182,6 +200,17 @@ class Scheduler:
             planned[req] = n
             budget -= n
         return budget
+
+    def _outranks_running(self, req: Request) -> bool:
+        """Whether the least important running request is of a lower lane than `req`."""
+        return bool(self.running) and self.running[-1].lane > req.lane
+
+    def _preempt_lower(self, planned: dict[Request, int]) -> int:
+        """Preempts the least important running request (of a lower lane: _outranks_running);
+        returns the budget its planned chunk held."""
+        victim = self.running[-1]
+        self._preempt(victim)
+        return planned.pop(victim, 0)
 
     def _start(self, req: Request, pages: list[int], node) -> None:
         self.allocator.incref(pages)
@@ -228,7 +257,13 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.add(req)
-        log.info("preempted request %s (%d tokens, priority %d)", req.request_id, len(req.token_ids), req.priority)
+        log.info(
+            "preempted request %s (%d tokens, lane %d, priority %d)",
+            req.request_id,
+            len(req.token_ids),
+            req.lane,
+            req.priority,
+        )
 
     def _fail_too_large(self, req: Request, out: SchedulerOutput) -> None:
         self._release(req)

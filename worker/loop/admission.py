@@ -8,10 +8,12 @@ import itertools
 import logging
 import time
 import uuid
+from collections import Counter
 
 import redis
 
 from producer_client.errors import MiliError
+from producer_client.keys import LANES
 from producer_client.protocol.clock import entry_time
 from producer_client.protocol.events import encode_start
 from producer_client.protocol.replies import ClaimOutcome
@@ -49,6 +51,19 @@ class Admission:
         a slot and at least one page; its real page need is unknown until it is tokenized."""
         cap = self.engine.capacity()
         return min(cap.free_slots, cap.free_pages) - len(self.holdings.unadmitted) - self.holdings.ended()
+
+    def rooms(self) -> tuple[int, int, int]:
+        """Room for each lane, in LANES order: how many entries of that lane (or a higher one) to
+        take. The lowest lane's is room(); a higher lane's counts the jobs held of lower lanes as
+        room too, since the engine preempts them for it (worker/engine: lanes): the engine's slots
+        less the jobs held of that lane and higher ones, and those ended whose entry is still
+        pending. So a lane's pending entries and its higher lanes' stay within the slots."""
+        flex = self.room()
+        held = Counter(job.route.lane for job in self.holdings.claimed())
+        held.update(d.route.lane for d in self.holdings.unadmitted)
+        slots = self.settings.engine.max_running - self.holdings.ended()
+        default = max(flex, slots - held.get("priority", 0) - held.get("default", 0))
+        return max(default, slots - held.get("priority", 0)), default, flex
 
     def defer_reclaims(self) -> None:
         """Take no idle entry for claim_idle_ms: Redis was out of reach, so every live worker's
@@ -133,6 +148,7 @@ class Admission:
                 resume_token_ids=job.token_ids,
                 constraint=job.constraint,
                 adapter=job.request.adapter,
+                lane=LANES.index(job.route.lane),
             )
         except Exception as e:
             if not isinstance(e, MiliError):

@@ -7,7 +7,8 @@ verbs here, and read it through read-only views and queries:
 - jobs: start, finished (the engine ended it), end (this worker ends it), suspect, next_suspect,
   stop, drop, detach;
 - what Redis has not seen (outbox.py): take_output, send_updates, answered, restore, written,
-  republish_whole; reject, failure_written, failure_refused; receipts_sent.
+  republish_whole; reject, failure_written, failure_refused; receipts_sent (with what the lanes'
+  counters are owed once each entry is settled: fairness.py).
 
 A verb raises HeldStateError rather than make a change the protocol never makes: a job started
 while a run of it is held, a run ended twice, an entry acknowledged or dead-lettered that no
@@ -22,6 +23,7 @@ from types import MappingProxyType
 
 from producer_client.schema import JobResult
 from worker.engine.interface import EngineAPI
+from worker.loop.fairness import Ledger, Owed
 from worker.loop.intake import Delivery
 from worker.loop.jobs import Job
 from worker.loop.outbox import DeadLetter, HeldStateError, Outbox, Rejection, Update
@@ -87,6 +89,11 @@ class Holdings:
         """(entries to acknowledge and delete, entries to dead-letter) with the next read: copies."""
         return list(self._outbox.receipts.acks), list(self._outbox.receipts.dead_letters)
 
+    @property
+    def ledger(self) -> Ledger:
+        """What the lanes' counters are owed (sent with the next read) and the tokens served."""
+        return self._outbox.ledger
+
     def has_updates(self) -> bool:
         """Updates waiting or out."""
         return bool(self._outbox)
@@ -145,6 +152,7 @@ class Holdings:
     def take(self, deliveries: list[Delivery]) -> None:
         """Entries read, reclaimed or stolen: held until their claims are settled."""
         self._deliveries.unadmitted += deliveries
+        self._outbox.ledger.charge(deliveries)
 
     def claims_answered(self) -> None:
         """Redis answered the claims of the entries taken: each is settled now, by one of the
@@ -155,7 +163,7 @@ class Holdings:
         """An entry whose claim found its job ended, or running under another entry: acknowledged
         with the next read."""
         self._deliveries.settle(d)
-        self._outbox.receipts.acks.append(d.entry_id)
+        self._outbox.ack(d.entry_id)
 
     def end_delivery(self, d: Delivery, run: str, recorded_tokens: int, result: JobResult) -> None:
         """A claimed entry that ends before it becomes a job (it cannot be read)."""
@@ -175,6 +183,7 @@ class Holdings:
         self._deliveries.lost()
         for rejection in self._outbox.rejected.values():
             rejection.entry_id = None
+        self._outbox.ledger.forget()
 
     # -- jobs -----------------------------------------------------------------------------------
 
@@ -293,6 +302,6 @@ class Holdings:
         """Redis refused even FAIL: the entry goes where an operator looks, the dead-letter stream."""
         self._outbox.failure_refused(rejection, reason)
 
-    def receipts_sent(self) -> None:
-        """Redis took the acknowledgements and dead letters of the last read."""
-        self._outbox.receipts.sent()
+    def receipts_sent(self, corrections: Owed | None = None) -> None:
+        """Redis took the last read's acknowledgements, dead letters and `corrections` (ledger.owed's)."""
+        self._outbox.receipts_sent(corrections or {})

@@ -6,23 +6,28 @@ Job they make (job_from_entry), or the MiliError its failed result will carry.""
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import cast
 
 from producer_client.chat import tool_names
 from producer_client.chat_output import THINK_CLOSE, THINK_OPEN, OutputFormat, Reasoning
 from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
-from producer_client.keys import NAME_PATTERN, PROTOCOL_VERSION
+from producer_client.keys import DEFAULT_LANE, LANES, NAME_PATTERN, NO_TENANT, PROTOCOL_VERSION, TENANT_PATTERN
 from producer_client.protocol.clock import entry_time
 from producer_client.schema import JobRequest
 from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, tool_call_constraint
 from worker.engine.interface import EngineTokenizer
 from worker.loop.jobs import InternalError, Job
+from worker.loop.streams import DEFAULT_ROUTE, Route, owner_of, route_of_ref
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
-ENTRY_FIELDS = frozenset({"id", "v", "body"})
+# id, v, body: every entry's. cost: what READ charges its tenant (an entry of a lane's stream, or
+# placed on a worker's own); lane, tenant: a placed entry's route (a lane's stream names its own).
+ENTRY_FIELDS = frozenset({"id", "v", "body", "cost", "lane", "tenant"})
+COST = re.compile(r"[0-9]{1,12}")
 # A producer's entry may hold any number of fields of any length: the error names a few.
 UNKNOWN_FIELDS_SHOWN = 5
 NAME_CHARS_SHOWN = 64
@@ -36,10 +41,28 @@ class Delivery:
     fields: dict[str, str]
     deliveries: int = 1  # XPENDING's delivery count: 1 for a first read, raised by every reclaim
     handed_over: bool = False  # reclaimed after a draining worker handed it over, not after it went idle
+    charged: int = 0  # the tokens READ charged its tenant for it (0 when taken otherwise)
     job_id: str = field(init=False)
+    route: Route = field(init=False)
 
     def __post_init__(self) -> None:
         self.job_id = job_id_of(self.entry_id, self.fields)
+        self.route = route_of(self.entry_id, self.fields)
+
+
+def route_of(entry_id: str, fields: dict[str, str]) -> Route:
+    """The lane and tenant of an entry: a lane stream's reference names them, an entry placed on
+    a worker's own stream carries them (a malformed one fails its job in parse_request: until
+    then it counts as the default route), the queue's own stream's are the default."""
+    route = route_of_ref(entry_id)
+    if route is not None:
+        return route
+    if owner_of(entry_id) is None:
+        return DEFAULT_ROUTE
+    lane, tenant = fields.get("lane", DEFAULT_LANE), fields.get("tenant", NO_TENANT)
+    if lane in LANES and (tenant == NO_TENANT or TENANT_PATTERN.fullmatch(tenant)):
+        return Route(lane, tenant)
+    return DEFAULT_ROUTE
 
 
 def job_from_entry(
@@ -65,6 +88,7 @@ def job_from_entry(
         started_at=now,
         output_format=fmt,
         constraint=constraint,
+        route=d.route,
     )
 
 
@@ -87,12 +111,23 @@ def parse_request(fields: dict[str, str], max_body_bytes: int, max_tokens_limit:
         raise InvalidBody(f"the entry has fields protocol v{PROTOCOL_VERSION} does not know: {named}{more}")
     if "body" not in fields:
         raise InvalidBody("the entry has no `body` field")
+    check_route_fields(fields)
     try:
         # The worker's connection decodes with surrogateescape: invalid bytes surface here.
         body = fields["body"].encode()
     except UnicodeEncodeError:
         raise InvalidBody("the body is not valid UTF-8") from None
     return JobRequest.from_json(body, max_body_bytes, max_tokens_limit)
+
+
+def check_route_fields(fields: dict[str, str]) -> None:
+    """The fields of protocol v1's lanes, where an entry has them (docs/architecture.md)."""
+    if "cost" in fields and not COST.fullmatch(fields["cost"]):
+        raise InvalidBody("the entry's `cost` is not a whole number of tokens")
+    if "lane" in fields and fields["lane"] not in LANES:
+        raise InvalidBody(f"the entry's `lane` is not one of {', '.join(LANES)}")
+    if "tenant" in fields and not TENANT_PATTERN.fullmatch(fields["tenant"]):
+        raise InvalidBody("the entry's `tenant` is not a tenant's name")
 
 
 def render_prompt(request: JobRequest, tokenizer: EngineTokenizer) -> tuple[list[int], OutputFormat | None]:

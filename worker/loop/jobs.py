@@ -14,6 +14,7 @@ from producer_client.protocol.clock import entry_time
 from producer_client.protocol.events import EventType, resumed_start, resumed_tokens
 from producer_client.schema import ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage
 from worker.engine.grammar.constraint import Constraint
+from worker.loop.streams import DEFAULT_ROUTE, Route
 
 
 class Poison(MiliError):
@@ -101,6 +102,7 @@ class Job:
     deadline: float | None = None
     output_format: OutputFormat | None = None  # how a chat's output splits; None: it is all text
     constraint: Constraint | None = None  # what its output must match (structured outputs, forced tool calls)
+    route: Route = DEFAULT_ROUTE  # its entry's lane and tenant: the lane ranks it in the engine
     # With parallel_tool_calls off, the output as it grows: the job stops at its first tool call.
     call_watch: OutputParser | None = field(init=False, default=None)
     called_before: bool = field(init=False, default=False)  # an earlier run made that call: nothing is left to run

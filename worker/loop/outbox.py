@@ -15,8 +15,10 @@ from producer_client.protocol import worker as scripts
 from producer_client.protocol.events import encode_tokens
 from producer_client.protocol.script import ScriptCall
 from producer_client.schema import ErrorInfo, JobResult, TokenLogprob
+from worker.loop.fairness import Ledger, Owed
 from worker.loop.intake import ENTRY_FIELDS
 from worker.loop.jobs import Feed, Job
+from worker.loop.streams import route_of_ref
 
 
 @dataclass
@@ -28,8 +30,12 @@ class DeadLetter:
 
     def letter(self, worker: str, now: float) -> dict[str, str | int | float]:
         """The dead letter's fields. The protocol's own of the entry only: a producer's entry may
-        hold any number of others, more than DEADLETTER's Lua can unpack into one XADD."""
+        hold any number of others, more than DEADLETTER's Lua can unpack into one XADD. An entry of
+        a lane's stream gets its lane and tenant, so that a retry returns it there."""
         fields = {name: value for name, value in self.fields.items() if name in ENTRY_FIELDS}
+        route = route_of_ref(self.entry_id)
+        if route is not None:
+            fields.update(lane=route.lane, tenant=route.tenant)
         return {
             **fields,
             "entry": self.entry_id,
@@ -189,6 +195,7 @@ class Outbox:
         self.out: dict[str, Update] = {}  # sent, not answered yet
         self.rejected: dict[str, Rejection] = {}  # failed for their keys, the failure not yet written
         self.receipts = Receipts()
+        self.ledger = Ledger()  # what each held entry was charged, and what the lanes are owed
 
     def __bool__(self) -> bool:
         """Updates waiting or out."""
@@ -249,14 +256,26 @@ class Outbox:
             self.receipts.dead_letters.append(update.dead_letter)
         elif update.entry_id is not None:
             self.receipts.acks.append(update.entry_id)
+        self.ledger.settle(update.entry_id, served(update.final))
+
+    def ack(self, ref: str) -> None:
+        """An entry whose job was served nowhere here (a duplicate): acknowledged with the next read."""
+        self.receipts.acks.append(ref)
+        self.ledger.settle(ref, 0)
+
+    def receipts_sent(self, corrections: Owed) -> None:
+        self.receipts.sent()
+        self.ledger.sent(corrections)
 
     def failure_written(self, rejection: Rejection) -> None:
         self._settle_rejection(rejection)
+        self.ledger.settle(rejection.entry_id, served(rejection.result))
         if rejection.entry_id is not None:
             self.receipts.acks.append(rejection.entry_id)
 
     def failure_refused(self, rejection: Rejection, reason: str) -> None:
         self._settle_rejection(rejection)
+        self.ledger.settle(rejection.entry_id, served(rejection.result))
         if rejection.entry_id is not None:
             self.receipts.dead_letters.append(
                 DeadLetter(rejection.entry_id, rejection.fields, reason, rejection.deliveries)
@@ -283,10 +302,11 @@ class Outbox:
         self.add(update)
 
     def discard(self, job_id: str) -> None:
-        """The job's updates and failure, dropped: the job is someone else's now, or final."""
+        """The job's updates, failure and charges, dropped: the job is someone else's now, or final."""
         self.updates.pop(job_id, None)
         self.out.pop(job_id, None)
         self.rejected.pop(job_id, None)
+        self.ledger.drop(job_id)
 
     def ended(self) -> int:
         """Jobs out of the engine whose entry waits for Redis to take their result."""
@@ -294,3 +314,10 @@ class Outbox:
 
     def buffered_tokens(self) -> int:
         return sum(len(u.token_ids) for u in self.held())
+
+
+def served(result: JobResult | None) -> int:
+    """The tokens a job was served: its prompt's and its output's."""
+    if result is None:
+        return 0
+    return result.usage.prompt_tokens + result.usage.completion_tokens

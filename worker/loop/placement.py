@@ -27,11 +27,12 @@ log = logging.getLogger(__name__)
 def advertised(settings: WorkerSettings, holdings: Holdings, worker: str) -> dict[str, int]:
     """Heartbeat fields a producer places by: whether this worker reads a stream of its own, its
     slots, and how many of the entries it holds are in that stream (the rest of the stream's
-    length is what waits there)."""
+    length is what waits there); and that it reads the lanes (a placed entry's route: producers
+    place only on workers that do)."""
     if not settings.placement:
-        return {"placement": 0}
+        return {"placement": 0, "lanes": 1}
     own = sum(1 for ref in holdings.entries() if owner_of(ref) == worker)
-    return {"placement": 1, "slots": settings.engine.max_running, "placed_held": own}
+    return {"placement": 1, "lanes": 1, "slots": settings.engine.max_running, "placed_held": own}
 
 
 def adapters_advertised(engine: EngineAPI) -> dict[str, str]:

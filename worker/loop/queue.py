@@ -34,11 +34,14 @@ from producer_client.keys import GROUP, Keys
 from producer_client.protocol import execution, producer
 from producer_client.protocol import worker as scripts
 from producer_client.protocol.execution import AddCommands, Pipe
+from producer_client.protocol.lanes import DEFAULT_COST
 from producer_client.protocol.replication import Replication
+from producer_client.protocol.script import ScriptCall
+from worker.loop.fairness import Owed
 from worker.loop.intake import Delivery
 from worker.loop.jobs import Job
 from worker.loop.outbox import DeadLetter
-from worker.loop.streams import QueueStreams, entry_ref
+from worker.loop.streams import DEFAULT_ROUTE, QueueStreams, Route, entry_ref, lane_ref
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ WORKER_INDEX_RETENTION_S = 3600
 # else yet (see Admission.reclaim: it asks for a tenth of this then).
 HANDED_OVER_IDLE_MS = 10**10
 HANDED_OVER_MIN_IDLE_MS = HANDED_OVER_IDLE_MS // 10  # an entry this idle was handed over
+REFUSED = "!"  # READ's reply for a lane stream that refused (a key of another type)
 
 
 class ReplicasBehind(redis.RedisError):
@@ -161,6 +165,49 @@ def send_pipeline(client: redis.Redis, add_commands: AddCommands, per_command_er
     return replies
 
 
+class Settle:
+    """What a read sends before it reads, once: acknowledgements (and deletes) of settled entries,
+    dead letters, and the doorbell's entries this worker was woken by."""
+
+    def __init__(self, acks: list[str], dead_letters: list[DeadLetter], bells: list[str]):
+        self.acks, self.dead_letters, self.bells = list(acks), list(dead_letters), list(bells)
+        self.sent = not (self.acks or self.dead_letters or self.bells)
+
+    def add_to(self, pipe, queue: WorkerQueue) -> None:
+        if self.sent:
+            return
+        queue.streams.add_acks(pipe, self.acks)
+        if self.bells:
+            pipe.xack(queue.doorbell, GROUP, *self.bells)
+            pipe.xdel(queue.doorbell, *self.bells)
+        now = queue.clock.now()
+        for letter in self.dead_letters:
+            queue.streams.add_dead_letter(pipe, letter.entry_id, letter.letter(queue.worker, now))
+        self.sent = True
+
+
+def lane_deliveries(reply: list) -> list[Delivery]:
+    """READ's reply: each entry named by its lane's reference and charged its cost."""
+    taken = []
+    for lane, tenant, entries in reply:
+        if lane == REFUSED:
+            log.error("the lane stream %s refused a read (%s): its jobs wait until it is put right", tenant, entries)
+            continue
+        route = Route(lane, tenant)
+        for entry_id, flat in entries:
+            fields = _fields(flat)
+            taken.append(Delivery(lane_ref(entry_id, route), fields, charged=cost_of(fields)))
+    return taken
+
+
+def cost_of(fields: dict[str, str]) -> int:
+    """What READ charged an entry: its `cost` (as Lua's tonumber reads it), else DEFAULT_COST."""
+    try:
+        return int(float(fields["cost"]))
+    except (KeyError, ValueError, OverflowError):
+        return DEFAULT_COST
+
+
 class RedisClock:
     """Redis's clock as this process sees it. Deadlines count from the enqueue on Redis's clock (an
     entry's id, a job's `deadline`), so the worker compares them on that clock too, whatever its
@@ -201,10 +248,13 @@ class WorkerQueue:
         self.worker = worker
         self.clock = clock or RedisClock()
         self.stream = keys.queue(queue)
+        self.doorbell = keys.doorbell(queue)
+        self.rings, self.bells = False, []  # the doorbell has its group (bell_ready); its entries read
         self.streams = QueueStreams(keys, queue)
         self.own = keys.own_queue(queue, worker) if placed else None
         self.poll_ms = poll_ms
         self.reclaim_cursor = "0-0"
+        self.reclaim_start = 0  # where RECLAIM_LANES starts in the queue's set of lane streams
         self.peers: list[str] = []  # every worker of the queue's index, as of the last heartbeat
 
     def _send(self, add_commands: AddCommands, per_command_errors: bool = False) -> list[Any]:
@@ -213,7 +263,10 @@ class WorkerQueue:
     def ensure_group(self) -> None:
         # Looked up first: XGROUP CREATE is refused while Redis is out of memory, even for a group
         # that exists. From id 0, not $: jobs submitted before the first worker started run too.
-        for stream in self._read_streams():
+        # The lanes' streams get theirs from READ, the first time it reads each; the doorbell
+        # once a producer has made it (bell_ready).
+        self.rings = False
+        for stream in self._group_streams():
             if self._group_exists(stream):
                 continue
             try:
@@ -223,10 +276,22 @@ class WorkerQueue:
                     raise
 
     def group_exists(self) -> bool:
-        return all(self._group_exists(stream) for stream in self._read_streams())
+        return all(self._group_exists(stream) for stream in self._group_streams())
 
-    def _read_streams(self) -> list[str]:
+    def _group_streams(self) -> list[str]:
         return [self.stream] if self.own is None else [self.own, self.stream]
+
+    def bell_ready(self) -> bool:
+        """Whether the doorbell has the group to block on: once a producer's first lane job made it
+        (a queue without lanes never has one); until then a lane's first job waits for a read."""
+        if not self.rings and self.redis.exists(self.doorbell):
+            try:
+                self.redis.xgroup_create(self.doorbell, GROUP, id="0")
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+            self.rings = True
+        return self.rings
 
     def _group_exists(self, stream: str) -> bool:
         try:
@@ -239,59 +304,66 @@ class WorkerQueue:
 
     def read(
         self,
-        count: int,
+        rooms: tuple[int, int, int],
         block_ms: int | None,
         acks: list[str],
         dead_letters: Sequence[DeadLetter] = (),
+        corrections: Owed | None = None,
     ) -> list[Delivery]:
-        """Acknowledge and delete `acks`, move `dead_letters`, then read up to `count` new entries:
-        from this worker's own stream first, then from the shared one. The acks go first in the
-        same pipeline, so the pending list never holds a finished job while new ones arrive:
-        pending entries <= the engine's slots."""
-        if not (acks or dead_letters or count > 0):
-            return []
-        if self.own is not None and block_ms is not None and count >= 2 and not is_cluster(self.redis):
-            return self._read_both(count, block_ms, acks, dead_letters)
-        first = self.own or self.stream
-        replies = self._send(lambda pipe: self._settle(pipe, acks, dead_letters, first, count, block_ms))
-        taken = self._entries(first, replies[-1] if count > 0 else None)
-        rest = count - len(taken)
-        if self.own is not None and rest > 0:
-            block = None if taken or block_ms is None else min(block_ms, self.poll_ms)
-            reply = self._send(lambda pipe: self._read_into(pipe, self.stream, rest, block))[0]
-            taken += self._entries(self.stream, reply)
-        return taken
+        """Acknowledge and delete `acks`, move `dead_letters` (first in the same pipeline, so the
+        pending lists never hold a finished job while new ones arrive), then read: this worker's
+        own stream first (up to rooms[2], its room for any lane), then the lanes (READ: up to
+        rooms[i] of lane LANES[i] or higher, with `corrections` for the lanes' counters). Idle
+        (`block_ms`) and given nothing, it waits for a job (_wait)."""
+        corrections = corrections or {}
+        settle = Settle(acks, dead_letters, self.bells)
+        taken: list[Delivery] = []
+        if self.own is not None and rooms[2] > 0:
+            reply = self._send(
+                lambda pipe: (settle.add_to(pipe, self), self._read_into(pipe, self.own, rooms[2], None))
+            )
+            taken = self._entries(self.own, reply[-1])
+            rooms = tuple(max(0, room - len(taken)) for room in rooms)
+        if rooms[0] > 0 or corrections:
+            reply = self._send(
+                lambda pipe: (settle.add_to(pipe, self), self._read_call(rooms, corrections).add_to(pipe))
+            )
+            taken += lane_deliveries(reply[-1])
+        elif not settle.sent:
+            self._send(lambda pipe: settle.add_to(pipe, self))
+        self.bells = [b for b in self.bells if b not in settle.bells]
+        if taken or block_ms is None or rooms[2] <= 0:
+            return taken
+        return self._wait(rooms, block_ms)
 
-    def _read_both(
-        self, count: int, block_ms: int, acks: list[str], dead_letters: Sequence[DeadLetter]
-    ) -> list[Delivery]:
-        """An idle worker on one server: one XREADGROUP blocks on its own stream and the shared one
-        at once (they are on the same node), so that a job on either wakes it at once; half the
-        room from each, so that it never takes more than it can start (COUNT is per stream)."""
-        streams = {self.own: ">", self.stream: ">"}
+    def _read_call(self, rooms: tuple[int, int, int], corrections: Owed) -> ScriptCall:
+        return scripts.read(self.keys, self.queue, self.worker, rooms, DEFAULT_COST, corrections)
 
-        def add(pipe: Pipe) -> None:
-            self._settle(pipe, acks, dead_letters, self.stream, 0, None)
-            pipe.xreadgroup(GROUP, self.worker, streams, count=count // 2, block=block_ms)
-
-        reply = self._send(add)[-1] or []
-        return [d for key, entries in reply for d in self._entries(key, [(key, entries)])]
-
-    def _settle(
-        self,
-        pipe: Pipe,
-        acks: list[str],
-        dead_letters: Sequence[DeadLetter],
-        stream: str,
-        count: int,
-        block_ms: int | None,
-    ) -> None:
-        self.streams.add_acks(pipe, acks)
-        now = self.clock.now()
-        for letter in dead_letters:
-            self.streams.add_dead_letter(pipe, letter.entry_id, letter.letter(self.worker, now))
-        if count > 0:
-            self._read_into(pipe, stream, count, None if stream != self.stream else block_ms)
+    def _wait(self, rooms: tuple[int, int, int], block_ms: int) -> list[Delivery]:
+        """An idle worker's wait: one XREADGROUP of one entry from the queue's own stream, the
+        doorbell and (on one server, where they share a node) this worker's own stream, so that any
+        job wakes it at once; a doorbell's entry means a lane has work, which READ then takes. On a
+        cluster its own stream lies on another node: it blocks for at most `poll_ms` at a time and
+        then looks there."""
+        streams = {self.stream: ">", self.doorbell: ">"} if self.bell_ready() else {self.stream: ">"}
+        one_node = not is_cluster(self.redis)
+        if self.own is not None and one_node:
+            streams[self.own] = ">"
+        block = block_ms if self.own is None or one_node else min(block_ms, self.poll_ms)
+        reply = self._send(lambda pipe: pipe.xreadgroup(GROUP, self.worker, streams, count=1, block=block))[0] or []
+        taken = []
+        for key, entries in reply:
+            if key == self.doorbell:
+                self.bells += [entry_id for entry_id, _ in entries]
+            else:
+                taken += self._entries(key, [(key, entries)])
+        if taken:
+            return taken
+        if self.bells:
+            return self.read(rooms, None, [])
+        if self.own is not None and not one_node:
+            return self._entries(self.own, self._send(lambda pipe: self._read_into(pipe, self.own, rooms[2], None))[0])
+        return []
 
     def _read_into(self, pipe: Pipe, stream: str, count: int, block_ms: int | None) -> None:
         pipe.xreadgroup(GROUP, self.worker, {stream: ">"}, count=count, block=block_ms)
@@ -304,14 +376,23 @@ class WorkerQueue:
 
     def reclaim(self, count: int, min_idle_ms: int) -> list[Delivery]:
         """XAUTOCLAIM up to `count` entries idle longer than `min_idle_ms`: jobs of workers that
-        died or stalled. The scan resumes where the last one stopped, so every pending entry is
-        reached in turn."""
+        died or stalled, in the queue's stream, then in the lanes' (RECLAIM_LANES). Each scan
+        resumes where the last one stopped, so every pending entry is reached in turn."""
         call = scripts.reclaim(
             self.stream, self.worker, min_idle_ms, self.reclaim_cursor, count, HANDED_OVER_MIN_IDLE_MS
         )
         cursor, claimed = self._send(call.add_to)[0]
         self.reclaim_cursor = cursor
-        return [Delivery(entry_id, _fields(flat), n, bool(handed)) for entry_id, flat, n, handed in claimed]
+        taken = [Delivery(entry_id, _fields(flat), n, bool(handed)) for entry_id, flat, n, handed in claimed]
+        if len(taken) < count:
+            call = scripts.reclaim_lanes(
+                self.keys, self.queue, self.worker, min_idle_ms, count - len(taken), self.reclaim_start
+            )
+            self.reclaim_start, streams = self._send(call.add_to)[0]
+            for lane, tenant, entries in streams:
+                route = Route(lane, tenant)
+                taken += [Delivery(lane_ref(i, route), _fields(flat), n) for i, flat, n in entries]
+        return taken
 
     def take_over(
         self, owner: str, count: int, min_idle_ms: int, steal_before_ms: int
@@ -339,10 +420,18 @@ class WorkerQueue:
         return [r if isinstance(r, Exception) else r == 1 for r in self._send(add, per_command_errors=True)]
 
     def requeue(self, job: Job) -> bool:
-        """Give a detached job back to the queue (REQUEUE, then a fresh entry)."""
+        """Give a detached job back to its lane (REQUEUE, then a fresh entry)."""
         if not self._send(scripts.requeue(self.keys, job.id, job.run).add_to)[0]:
             return False
-        self._send(producer.enqueue(self.stream, 0, job.id, job.request.to_json()).add_to)
+        body, route = job.request.to_json(), job.route
+        if route == DEFAULT_ROUTE:
+            call = producer.enqueue(self.stream, 0, job.id, body)
+        else:
+            cost = len(job.prompt_token_ids) + job.request.params.max_tokens
+            call = producer.enqueue_lanes(
+                self.keys, self.queue, route.tenant, [producer.LaneJob(route.lane, cost, job.id, body)], 0
+            )
+        self._send(call.add_to)
         return True
 
     def heartbeat(self, fields: dict[str, str | int | float], ttl_s: float, held: list[str]) -> tuple[int, list[str]]:
@@ -366,12 +455,11 @@ class WorkerQueue:
             self.streams.add_refreshes(pipe, self.worker, by_stream)
 
         by_stream = self.streams.by_stream(held)
-        owners = self.streams.owners(held)
         sent_at = self.clock.local()
         replies = self._send(add)
         self.clock.measured(sent_at, replies[0], self.clock.local())
         self.peers = replies[8]
-        lost = [entry_ref(i, owners[stream]) for stream, reply in zip(by_stream, replies[9:]) for i in reply]
+        lost = [refs[i] for refs, reply in zip(by_stream.values(), replies[9:]) for i in reply]
         return replies[7], lost
 
     def release(self, entry_ids: list[str]) -> int:

@@ -57,6 +57,8 @@ from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
+NO_ROOM = (0, 0, 0)
+
 
 class Worker:
     def __init__(
@@ -158,8 +160,9 @@ class Worker:
     def _publish_and_give_back(self) -> None:
         self.publication.flush()
         self.rejections.send()
-        self.queue.read(0, None, *self.holdings.receipts())
-        self.holdings.receipts_sent()
+        corrections = dict(self.holdings.ledger.owed)
+        self.queue.read(NO_ROOM, None, *self.holdings.receipts(), corrections)
+        self.holdings.receipts_sent(corrections)
         self._give_back_unfinished()
 
     def _give_back_unfinished(self) -> None:
@@ -209,8 +212,9 @@ class Worker:
         self._take_idle_entries()
         idle = not (self.engine.has_unfinished() or self.holdings.unadmitted or self.holdings.has_updates())
         block_ms = max(1, min(self.settings.block_ms, self.ownership.ms_to_heartbeat())) if idle else None
-        read = self.queue.read(self._room(), block_ms, *self.holdings.receipts())
-        self.holdings.receipts_sent()
+        corrections = dict(self.holdings.ledger.owed)
+        read = self.queue.read(self._rooms(), block_ms, *self.holdings.receipts(), corrections)
+        self.holdings.receipts_sent(corrections)
         own = sum(1 for d in read if owner_of(d.entry_id) is not None)
         self.metrics.taken["own"].inc(own)
         self.metrics.taken["shared"].inc(len(read) - own)
@@ -221,15 +225,16 @@ class Worker:
         """Entries of dead or stalled workers, in the shared stream and in every worker's own; and
         entries placed on a busy worker that waited longer than steal_delay_ms."""
         taken = len(self.holdings.unadmitted)
-        self.admission.reclaim(self._room())
+        self.admission.reclaim(self._rooms()[-1])
         self.metrics.taken["reclaimed"].inc(len(self.holdings.unadmitted) - taken)
-        self.take_over.scan(self._room())
+        self.take_over.scan(self._rooms()[-1])
 
-    def _room(self) -> int:
-        """None while draining, and none while suspects of a failed step are tried one at a time."""
+    def _rooms(self) -> tuple[int, int, int]:
+        """Room for each lane (Admission.rooms); none while draining, and none while suspects of a
+        failed step are tried one at a time."""
         if self.drain_deadline is not None or self.isolation.busy:
-            return 0
-        return self.admission.room()
+            return NO_ROOM
+        return self.admission.rooms()
 
     # -- step ---------------------------------------------------------------------------------
 

@@ -1,0 +1,274 @@
+"""Sharing benchmark (issue 42): what the lanes, the fair shares and the quotas change for a tenant
+that shares a queue with a flood, each measured beside the same load without them (one FIFO
+stream and no tenant, as before lanes) in the same run, on one echo worker (`--model echo`: the
+prompt back, one token per step) over an embedded redis-server:
+
+  1. isolation: tenant A submits FLOOD jobs at once (submit_many), then tenant B submits 8-token
+     jobs at a steady rate; B's queue wait and latency (Redis's entry time to the job's end),
+     with A absent, behind A in the one FIFO stream, with A in the same lane as another tenant,
+     and with A's jobs in the flex lane;
+  2. fairness: two tenants flood the default lane at a 4:1 request ratio; each one's share of
+     the tokens served while both have work waiting (equal weights, then weights 3:1, then equal
+     weights over three workers, one of them killed with SIGKILL mid-run);
+  3. anti-starvation: a priority flood and a flex flood waiting at once; flex's share of the jobs
+     started while both wait, and its longest gap between two starts;
+  4. quotas: tenant A fills its max_waiting quota, then tenant B submits; beside it, the one
+     queue bound (max_queue_depth) that A's flood fills for everyone;
+  5. cost: jobs/s and redis-server CPU per job at saturation, the queue's own stream (no tenant,
+     default lane) beside a tenant's lane stream.
+
+    python -m bench.tenants [--flood 9000 --probes 40 --fair-jobs 1500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import time
+import uuid
+
+from bench.measure import cpu_seconds, pct
+from bench.queue_path import start_worker
+from producer_client import Client, QueueFull, WaitingQuotaExceeded
+from producer_client.protocol.lanes import CREDIT_EVERY
+from worker.embedded_redis import EmbeddedRedis, free_port
+
+QUEUE = "tenants"
+PROMPT = "hello world"
+PROBE_TOKENS = 8
+PROBE_INTERVAL_S = 0.05
+# The parked runs' worker reads at most this many jobs at once: the share of a run is counted to
+# the job that ran one tenant out, so a read is the error bar (256, the default, would be wide).
+PARKED_RUNNING = 16
+CLAIM_IDLE_MS = 2000  # a killed worker's jobs are reclaimed this soon
+
+
+def main() -> None:
+    args = parse_args()
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+    with EmbeddedRedis(port=free_port()) as server:
+        worker = start_worker(server.url, queue=QUEUE)
+        try:
+            with Client(server.url, QUEUE) as client:
+                warm_up(client)
+                isolation(server.url, args)
+                fairness(server.url, args.fair_jobs)
+                starvation(server.url, args.fair_jobs)
+                quotas(server.url, args.quota)  # on queues the worker does not serve
+                cost(server, args.cost_jobs)
+        finally:
+            worker.terminate()
+            worker.wait(timeout=30)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--flood", type=int, default=9000, help="tenant A's jobs in the isolation runs")
+    p.add_argument("--probes", type=int, default=40, help="tenant B's jobs per isolation run")
+    p.add_argument("--fair-jobs", type=int, default=1500, help="the smaller tenant's jobs in the fairness runs")
+    p.add_argument("--quota", type=int, default=10_000, help="A's max_waiting, and the queue bound beside it")
+    p.add_argument("--cost-jobs", type=int, default=5000, help="jobs per cost run")
+    return p.parse_args()
+
+
+def warm_up(client: Client) -> None:
+    for _ in range(100):  # the worker's connection, the scripts, the lanes' keys
+        client.generate(PROMPT, max_tokens=1, timeout=120)
+        client.as_tenant("warm").generate(PROMPT, max_tokens=1, service_tier="flex", timeout=120)
+
+
+def specs(count: int, max_tokens: int = PROBE_TOKENS, tier: str | None = None) -> list[dict]:
+    return [{"prompt": PROMPT, "max_tokens": max_tokens, "service_tier": tier}] * count
+
+
+def drain(client: Client, job_ids: list[str]) -> None:
+    """Cancel what is left of a flood and wait for every job of it to end."""
+    client.cancel_many(job_ids)
+    for _ in client.as_completed(job_ids, timeout=600):
+        pass
+
+
+# -- 1. isolation --------------------------------------------------------------------------------
+
+ISOLATION_RUNS = [  # name, A's tenant and tier, B's tenant
+    ("one FIFO stream, no tenants (as before lanes)", None, None, None),
+    ("A and B tenants, both in the default lane", "team-a", None, "team-b"),
+    ("A's jobs in the flex lane, B default", "team-a", "flex", "team-b"),
+]
+
+
+def isolation(url: str, args: argparse.Namespace) -> None:
+    print(f"\n1. isolation: A submits {args.flood} jobs at once; B then {args.probes} jobs of {PROBE_TOKENS} tokens,")
+    print(f"   one every {PROBE_INTERVAL_S * 1e3:.0f} ms (B's wait: Redis's entry time to the worker's start)")
+    with Client(url, QUEUE, max_queue_depth=None) as client:  # A's flood may pass the default bound
+        idle = probe(client.as_tenant("team-b"), args.probes)
+        show("A absent", idle, idle)
+        for name, a_tenant, a_tier, b_tenant in ISOLATION_RUNS:
+            flood = client.as_tenant(a_tenant).submit_many(specs(args.flood, tier=a_tier))
+            show(name, probe(client.as_tenant(b_tenant), args.probes), idle)
+            drain(client, flood)
+
+
+def probe(client: Client, count: int) -> dict[str, list[float]]:
+    """B's jobs at a steady rate: their queue waits and latencies (entry to end), in seconds."""
+    ids = []
+    for _ in range(count):
+        ids.append(client.submit(PROMPT, max_tokens=PROBE_TOKENS))
+        time.sleep(PROBE_INTERVAL_S)
+    results = list(client.as_completed(ids, timeout=600))
+    return {
+        "wait": [r.timings.queue_s for r in results],
+        "latency": [r.timings.finished_at - r.timings.queued_at for r in results],
+    }
+
+
+def show(name: str, b: dict[str, list[float]], idle: dict[str, list[float]]) -> None:
+    wait99, idle99 = pct(b["wait"], 99), pct(idle["wait"], 99)
+    print(
+        f"  {name}: B's wait p50 {pct(b['wait'], 50) * 1e3:.1f} ms, p99 {wait99 * 1e3:.1f} ms "
+        f"({wait99 / idle99:.1f}x A absent); latency p50 {pct(b['latency'], 50) * 1e3:.1f} ms, "
+        f"p99 {pct(b['latency'], 99) * 1e3:.1f} ms"
+    )
+
+
+# -- 2. fairness, 3. anti-starvation -------------------------------------------------------------
+
+
+def fairness(url: str, jobs: int) -> None:
+    print(f"\n2. fairness: team-a submits {4 * jobs} jobs and team-b {jobs}, both in the default lane, then a")
+    print("   worker starts on their queue; each one's share of the tokens of the jobs started while both waited")
+    with Client(url, QUEUE) as client:
+        for weights in ((1.0, 1.0), (3.0, 1.0)):
+            for tenant, weight in zip(("team-a", "team-b"), weights):
+                client.tenant_quotas.set(tenant, weight=weight)
+
+            def submit(queued: Client) -> dict[str, list[str]]:
+                return {
+                    "team-a": queued.as_tenant("team-a").submit_many(specs(4 * jobs)),
+                    "team-b": queued.as_tenant("team-b").submit_many(specs(jobs)),
+                }
+
+            shares = shares_while_both_wait(parked_run(url, submit), tokens)
+            expected = weights[0] / sum(weights) * 100
+            print(
+                f"  weights {weights[0]:g}:{weights[1]:g}, one worker: team-a {shares['team-a']:.1f}% "
+                f"(its fair share {expected:.1f}%), team-b {shares['team-b']:.1f}%"
+            )
+        client.tenant_quotas.set("team-a", unset=("weight",))
+        runs = parked_run(url, submit, workers=3, kill_after_jobs=jobs)
+        shares = shares_while_both_wait(runs, tokens)
+        by_killed = sum(r.worker.startswith("w0-") for results in runs.values() for r in results)
+        print(
+            f"  weights 1:1, three workers, one killed (SIGKILL) once {jobs} jobs had ended ({by_killed} of them "
+            f"its own): team-a {shares['team-a']:.1f}%, team-b {shares['team-b']:.1f}%"
+        )
+
+
+def starvation(url: str, jobs: int) -> None:
+    print(f"\n3. anti-starvation: {jobs} flex jobs and {4 * jobs} priority jobs waiting, then a worker starts")
+
+    def submit(queued: Client) -> dict[str, list[str]]:
+        return {
+            "flex": queued.as_tenant("batch").submit_many(specs(jobs, tier="flex")),
+            "priority": queued.as_tenant("chat").submit_many(specs(4 * jobs, tier="priority")),
+        }
+
+    runs = parked_run(url, submit)
+    share = shares_while_both_wait(runs, lambda r: 1)["flex"]
+    flex = sorted(r.timings.started_at for r in runs["flex"])
+    until = max(r.timings.started_at for r in runs["priority"])
+    gaps = [b - a for a, b in itertools.pairwise(flex) if b <= until]
+    print(
+        f"  flex's share of the jobs started while both waited: {share:.1f}% (the rule's floor, one in "
+        f"CREDIT_EVERY + 1: {100 / (CREDIT_EVERY + 1):.1f}%); its longest gap between two starts "
+        f"{max(gaps, default=0) * 1e3:.1f} ms, the priority flood's run {(until - flex[0]) * 1e3:.0f} ms"
+    )
+
+
+def parked_run(url: str, submit, workers: int = 1, kill_after_jobs: int | None = None) -> dict[str, list]:
+    """`submit(client)`'s jobs, by name, submitted on a queue no worker serves yet; then
+    `workers` workers (PARKED_RUNNING each) start there: every tenant has work waiting from the
+    first read. With `kill_after_jobs`, the first worker is killed (SIGKILL) once that many jobs
+    have ended: the others reclaim its jobs. Their results."""
+    queue = f"{QUEUE}-{uuid.uuid4().hex[:6]}"
+    flags = [
+        *("--max-running", str(PARKED_RUNNING), "--claim-idle-ms", str(CLAIM_IDLE_MS), "--reclaim-interval-s", "0.5"),
+        *("--heartbeat-interval-s", "0.2", "--redis-backoff-max-s", "0.5"),  # claim_idle_ms must exceed both
+    ]
+    with Client(url, queue) as client:
+        time.sleep(1.1)  # the producers' copies of the quotas (CACHE_S)
+        ids = submit(client)
+        started = [start_worker(url, f"w{i}-{queue}", queue, *flags) for i in range(workers)]
+        by_id = {}
+        try:
+            for result in client.as_completed([i for v in ids.values() for i in v], timeout=600):
+                by_id[result.id] = result
+                if len(by_id) == kill_after_jobs:
+                    started[0].kill()
+        finally:
+            for worker in started:
+                worker.terminate()
+                worker.wait(timeout=30)
+    return {name: [by_id[i] for i in job_ids] for name, job_ids in ids.items()}
+
+
+def shares_while_both_wait(runs: dict[str, list], weight) -> dict[str, float]:
+    """Each run's share (%) of weight(result) over the jobs started until the first run's last
+    start (from then on only the others had work waiting)."""
+    until = min(max(r.timings.started_at for r in results) for results in runs.values())
+    served = {name: sum(weight(r) for r in results if r.timings.started_at <= until) for name, results in runs.items()}
+    return {name: n / sum(served.values()) * 100 for name, n in served.items()}
+
+
+def tokens(result) -> int:
+    return result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+# -- 4. quotas -----------------------------------------------------------------------------------
+
+
+def quotas(url: str, quota: int) -> None:
+    """On a queue no worker serves: what is submitted stays waiting."""
+    print("\n4. quotas: A floods a queue no worker serves; then B submits one job")
+    queue = f"quota-{uuid.uuid4().hex[:6]}"
+    with Client(url, queue, max_queue_depth=quota) as bounded:
+        print(f"  one FIFO stream, max_queue_depth {quota}: B's submit {b_submits(bounded, bounded, quota)}")
+    with Client(url, queue + "-t", max_queue_depth=quota) as client:
+        client.tenant_quotas.set("team-a", max_waiting=quota // 2)
+        time.sleep(1.1)
+        outcome = b_submits(client.as_tenant("team-a"), client.as_tenant("team-b"), quota)
+        print(f"  team-a with max_waiting {quota // 2}: B's submit {outcome}")
+        client.tenant_quotas.set("team-a", unset=("max_waiting",))
+
+
+def b_submits(a: Client, b: Client, count: int) -> str:
+    try:
+        a.submit_many(specs(count + 1))
+    except QueueFull as full:  # WaitingQuotaExceeded too
+        kind = "quota" if isinstance(full, WaitingQuotaExceeded) else "queue bound"
+        print(f"  A stopped by its {kind} after {len(full.job_ids)} jobs: {full}")
+    try:
+        b.submit(PROMPT, max_tokens=PROBE_TOKENS)
+    except QueueFull as full:
+        return f"refused: {full}"
+    return "accepted"
+
+
+# -- 5. cost -------------------------------------------------------------------------------------
+
+
+def cost(server: EmbeddedRedis, jobs: int) -> None:
+    print(f"\n5. cost at saturation: {jobs} jobs of 1 token submitted at once, then their results")
+    with Client(server.url, QUEUE) as client:
+        for name, tenant, tier in (("queue's own stream", None, None), ("a tenant's lane stream", "team-a", None)):
+            before, t0 = cpu_seconds(server.process.pid), time.perf_counter()
+            ids = client.as_tenant(tenant).submit_many(specs(jobs, max_tokens=1, tier=tier))
+            for _ in client.as_completed(ids, timeout=600):
+                pass
+            wall, cpu = time.perf_counter() - t0, cpu_seconds(server.process.pid) - before
+            print(f"  {name}: {jobs / wall:.0f} jobs/s end to end, redis-server {cpu / jobs * 1e6:.0f} us CPU per job")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The operator's commands of `mili` for tenants' quotas and rate limits (docs/operating-the-queue.md).
+
+    mili quota set TENANT [--max-waiting N] [--rpm N] [--tpm N] [--weight W] [--unset NAME...]
+    mili quota show [TENANT]
+
+A limit holds on each queue (as OpenAI's hold per model); producers and gateways see a change
+within a second. A limit of 0 is refused: `--unset NAME` removes a limit (or the weight).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from cli.operator_commands import print_table
+from producer_client.client import Client
+from producer_client.quotas import QUOTA_FIELDS, Quota
+
+
+def add_commands(commands) -> None:
+    """Add `quota` (set, show) to the `mili` parser's subcommands."""
+    quota = commands.add_parser("quota", help="tenants' quotas and rate limits: set, show")
+    actions = quota.add_subparsers(dest="quota_command", required=True)
+    change = actions.add_parser("set", help="set (or unset) a tenant's quotas; prints them as they are now")
+    change.add_argument("tenant")
+    change.add_argument("--max-waiting", type=int, help="jobs nobody has read yet, across the queue's lanes")
+    change.add_argument("--rpm", type=int, help="requests per minute, on each queue")
+    change.add_argument("--tpm", type=int, help="tokens per minute (prompt estimate + max_tokens), on each queue")
+    change.add_argument("--weight", type=float, help="share of a lane's tokens against other tenants' (default 1)")
+    change.add_argument(
+        "--unset", action="append", default=[], choices=QUOTA_FIELDS, metavar="NAME", help="remove a setting"
+    )
+    change.set_defaults(run=cmd_quota_set)
+    show = actions.add_parser("show", help="every tenant's quotas, or one's")
+    show.add_argument("tenant", nargs="?")
+    show.set_defaults(run=cmd_quota_show)
+
+
+def cmd_quota_set(client: Client, args: argparse.Namespace) -> int:
+    settings = {name: getattr(args, name) for name in QUOTA_FIELDS if getattr(args, name) is not None}
+    quota = client.tenant_quotas.set(args.tenant, unset=tuple(args.unset), **settings)
+    print_quotas({args.tenant: quota})
+    return 0
+
+
+def cmd_quota_show(client: Client, args: argparse.Namespace) -> int:
+    quotas = client.tenant_quotas.all() if args.tenant is None else {args.tenant: client.tenant_quotas.get(args.tenant)}
+    print_quotas(quotas)
+    return 0
+
+
+def print_quotas(quotas: dict[str, Quota]) -> None:
+    def shown(value) -> str:
+        return "-" if value is None else f"{value:g}"
+
+    rows = [(tenant, *(shown(getattr(q, name)) for name in QUOTA_FIELDS)) for tenant, q in sorted(quotas.items())]
+    print_table(("TENANT", "MAX WAITING", "RPM", "TPM", "WEIGHT"), rows)

@@ -1,0 +1,61 @@
+"""What the producers' and the workers' scripts share about lanes and tenants (docs/architecture.md,
+"Sharing rules"): how a tenant that gets work becomes active in its lane, lifted to the least
+served active tenant's counter so that idle time banks no credit (VTC, Sheng et al., OSDI'24);
+how many unread jobs a stream holds; and the constants both sides must agree on.
+
+A lane's active tenants are exactly those whose stream holds entries nobody has read: every
+script that adds to a lane stream activates its tenant (ACTIVATE), and the workers' READ
+deactivates a tenant once it has read its stream to the end. The queue's own stream (the default
+lane's jobs of no tenant) is the one exception: producers and raw XADDs that know no lanes write
+it, so READ looks at it whenever its tenant is not active, and activates it when it finds work."""
+
+from __future__ import annotations
+
+from producer_client.keys import GROUP, LANES
+
+# What READ charges a job whose entry names no cost (written by a producer that knows no lanes):
+# a prompt of about 64 tokens and the default max_tokens. The worker corrects it when the job ends.
+DEFAULT_COST = 320
+# The doorbell keeps at most this many entries: each wakes one idle worker.
+DOORBELL_MAXLEN = 16
+# Anti-starvation: every CREDIT_EVERY entries read from higher lanes while a lower lane waits earn
+# it one entry ahead of them (at most one banked: credits are counted in entries, capped at
+# CREDIT_EVERY), so that a lower lane gets at least about 1 / (CREDIT_EVERY + 1) of the entries
+# read under contention. Measured in bench/tenants.py.
+CREDIT_EVERY = 10
+
+# Lua: the lanes in order, by their index in KEYS and the replies (1 = priority).
+LUA_LANES = "local LANES = {" + ", ".join(f"'{lane}'" for lane in LANES) + "}\n"
+
+# Prepended to the scripts that add entries to lane streams. activate(zset, sched, streams, bell,
+# lane, tenant): a tenant not active in its lane's `zset` becomes so, at the higher of its saved
+# counter and the lane's least active counter (or the lane's floor, when no tenant is active); its
+# stream joins the queue's set of lane streams; and the doorbell wakes one idle worker. No-op for
+# a tenant active already: its stream had unread entries, which no idle worker leaves.
+LUA_ACTIVATE = (
+    LUA_LANES
+    + f"""
+local function activate(zset, sched, streams, bell, lane, tenant)
+  if redis.call('ZSCORE', zset, tenant) then return end
+  local least = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')
+  local lift = tonumber(least[2] or redis.call('HGET', sched, 'floor:' .. lane) or '0')
+  local saved = tonumber(redis.call('HGET', sched, 'c:' .. lane .. ':' .. tenant) or '0')
+  redis.call('ZADD', zset, math.max(saved, lift), tenant)  -- '-' has none saved: lifted
+  if lane ~= 'default' or tenant ~= '-' then redis.call('SADD', streams, lane .. ':' .. tenant) end
+  redis.call('XADD', bell, 'MAXLEN', {DOORBELL_MAXLEN}, '*', 'r', '1')
+end
+"""
+)
+
+# Prepended to the scripts that count a tenant's waiting jobs: unread(stream), the entries no
+# worker has read yet (acknowledged entries are deleted, so the rest are pending). A stream no
+# worker has read has no group yet: all of it is unread.
+LUA_UNREAD = f"""
+local function unread(stream)
+  local length = redis.call('XLEN', stream)
+  if length == 0 then return 0 end
+  local pending = redis.pcall('XPENDING', stream, '{GROUP}')
+  if type(pending) == 'table' and not pending.err then length = length - pending[1] end
+  return length
+end
+"""

@@ -1,0 +1,195 @@
+"""Tenants' quotas and rate limits (docs/operating-the-queue.md, "Quotas and rate limits"): what
+`mili quota set` writes (one hash per tenant: `max_waiting`, `rpm`, `tpm`, `weight`), what
+producers read (cached for CACHE_S, as placement's view of the workers), and the rate limits'
+state as the enqueue script reports it (`RateLimits`, which the gateway turns into OpenAI's
+x-ratelimit-* headers). The limits hold per queue, as OpenAI's hold per model; the enqueue script
+enforces them atomically for every producer and gateway at once (ENQUEUE_LANES)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from producer_client.errors import InvalidArgument
+from producer_client.keys import Keys, check_tenant
+from producer_client.protocol.clock import epoch_ms
+from producer_client.protocol.producer import NO_LIMITS, Limits
+from producer_client.steps import Repeatable, Steps, checked
+
+CACHE_S = 1.0  # how stale a producer's copy of a tenant's quota may be
+MAX_LIMIT = 10**9
+QUOTA_FIELDS = ("max_waiting", "rpm", "tpm", "weight")
+
+
+class Quota(BaseModel):
+    """A tenant's settings; None: no limit (weight: 1). A limit of 0 is refused: `unset` removes one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_waiting: int | None = Field(None, description="jobs nobody has read yet, across the queue's lanes")
+    rpm: int | None = Field(None, description="requests per minute on each queue")
+    tpm: int | None = Field(None, description="tokens per minute on each queue: prompt estimate + max_tokens")
+    weight: float | None = Field(None, description="share of a lane's tokens against other tenants' (1 by default)")
+
+    def limits(self) -> Limits:
+        """As ENQUEUE_LANES takes them; the weight always (1 unless set), so that an unset weight
+        reaches the scheduler too."""
+        return Limits(self.rpm or 0, self.tpm or 0, self.max_waiting or 0, self.weight or 1.0)
+
+
+def check_quota(values: Mapping[str, Any]) -> Quota:
+    """The settings `values` names, each checked: limits whole numbers from 1 to MAX_LIMIT, a
+    weight a finite number above 0. InvalidArgument names the first bad one."""
+    for name, value in values.items():
+        if name not in QUOTA_FIELDS:
+            raise InvalidArgument(name, f"is not a quota setting ({', '.join(QUOTA_FIELDS)})")
+        if value is None:
+            continue
+        if name == "weight":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise InvalidArgument("weight", "must be a number above 0")
+        elif isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
+            raise InvalidArgument(
+                name, f"must be a whole number from 1 to {MAX_LIMIT} (a limit of 0 would refuse everything: unset it)"
+            )
+    return Quota(**values)
+
+
+def quota_of(fields: Mapping[str, str]) -> Quota:
+    """A tenant's hash as written by set_quota; a field this version cannot read counts as unset."""
+    values: dict[str, Any] = {}
+    for name in QUOTA_FIELDS:
+        try:
+            values[name] = float(fields[name]) if name == "weight" else int(fields[name])
+            check_quota({name: values[name]})
+        except (KeyError, ValueError, InvalidArgument):
+            values.pop(name, None)
+    return Quota(**values)
+
+
+def read_quota(keys: Keys, tenant: str) -> Steps[Quota]:
+    (fields,) = checked((yield Repeatable(lambda pipe: pipe.hgetall(keys.quota(tenant)))))
+    return quota_of(fields)
+
+
+def set_quota(keys: Keys, tenant: str, changes: Mapping[str, Any], unset: list[str]) -> Steps[Quota]:
+    """Write `changes` and remove `unset` from the tenant's settings; returns them as they are now."""
+    check_quota(changes)
+    for name in unset:
+        if name not in QUOTA_FIELDS:
+            raise InvalidArgument("unset", f"{name!r} is not a quota setting ({', '.join(QUOTA_FIELDS)})")
+    written = {name: str(value) for name, value in changes.items() if value is not None}
+
+    def add(pipe) -> None:
+        if written:
+            pipe.hset(keys.quota(tenant), mapping=written)
+        if unset:
+            pipe.hdel(keys.quota(tenant), *unset)
+        pipe.zadd(keys.quotas(), {tenant: 0})
+
+    checked((yield add))
+    return (yield from read_quota(keys, tenant))
+
+
+def all_quotas(keys: Keys) -> Steps[dict[str, Quota]]:
+    """Every tenant with settings, by name."""
+    (tenants,) = checked((yield Repeatable(lambda pipe: pipe.zrange(keys.quotas(), 0, -1))))
+    if not tenants:
+        return {}
+    replies = checked((yield Repeatable(lambda pipe: [pipe.hgetall(keys.quota(t)) for t in tenants])))
+    return {tenant: quota_of(fields) for tenant, fields in zip(tenants, replies) if fields}
+
+
+class TenantQuotas:
+    """The operator's view of every tenant's settings. Each method returns its outcome; over an
+    asyncio client (`run` is steps.arun) an awaitable of it. Bad arguments raise InvalidArgument
+    before anything is sent."""
+
+    def __init__(self, client, keys: Keys, run):
+        self.client, self.keys, self.run = client, keys, run
+
+    def get(self, tenant: str) -> Any:
+        return self.run(self.client, read_quota(self.keys, check_tenant("tenant", tenant)))
+
+    def set(self, tenant: str, unset: tuple[str, ...] = (), **settings: Any) -> Any:
+        """Write `settings` (max_waiting, rpm, tpm, weight) and remove those named in `unset`;
+        returns the tenant's settings as they are now. Producers see them within CACHE_S."""
+        steps = set_quota(self.keys, check_tenant("tenant", tenant), settings, list(unset))
+        return self.run(self.client, steps)
+
+    def all(self) -> Any:
+        return self.run(self.client, all_quotas(self.keys))
+
+
+class Quotas:
+    """One client's copies of its tenants' settings, each read again once CACHE_S old."""
+
+    def __init__(self, cache_s: float = CACHE_S):
+        self.cache_s = cache_s
+        self.read_at: dict[str, tuple[float, Limits]] = {}
+
+    def limits_for(self, keys: Keys, tenant: str | None) -> Steps[Limits]:
+        if tenant is None:
+            return NO_LIMITS
+        cached = self.read_at.get(tenant)
+        if cached is not None and time.monotonic() - cached[0] < self.cache_s:
+            return cached[1]
+        limits = (yield from read_quota(keys, tenant)).limits()
+        self.read_at[tenant] = (time.monotonic(), limits)
+        return limits
+
+
+@dataclass(frozen=True)
+class RateLimits:
+    """A tenant's rate limits on a queue after a request, as the enqueue script answers them:
+    each limit (0: none), what remains of it, and the seconds until its bucket is full again
+    (OpenAI's x-ratelimit-limit-*, -remaining-*, -reset-*)."""
+
+    limit_requests: int = 0
+    remaining_requests: int = 0
+    reset_requests_s: float = 0.0
+    limit_tokens: int = 0
+    remaining_tokens: int = 0
+    reset_tokens_s: float = 0.0
+
+    @classmethod
+    def from_reply(cls, values: list) -> RateLimits:
+        """ENQUEUE_LANES's last six values."""
+        lr, rr, sr, lt, rt, st = (int(v) for v in values)
+        return cls(lr, max(0, rr), max(0, sr) / 1000, lt, max(0, rt), max(0, st) / 1000)
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.limit_requests or self.limit_tokens)
+
+    @classmethod
+    def now(cls, limits: Limits, tats: list[str | None], now_ms: int) -> RateLimits:
+        """The limits as ENQUEUE_LANES would answer them at `now_ms`, from the rate hash's
+        theoretical arrival times (HMGET r t)."""
+
+        def state(tat: str | None, limit: int) -> tuple[int, int, float]:
+            if not limit:
+                return 0, 0, 0.0
+            ahead = max(0.0, float(tat or 0) - now_ms)
+            return limit, math.floor(limit - ahead * limit / 60000 + 1e-9), math.ceil(ahead) / 1000
+
+        return cls(*state(tats[0], limits.rpm), *state(tats[1], limits.tpm))
+
+
+NO_RATE_LIMITS = RateLimits()
+
+
+def current_rate_limits(keys: Keys, queue: str, tenant: str | None, quotas: Quotas) -> Steps[RateLimits]:
+    """`tenant`'s rate limits on `queue` now, without counting anything: its quota (as cached) and
+    its rate hash, in one round trip when it has a limit, none otherwise."""
+    limits = yield from quotas.limits_for(keys, tenant)
+    if tenant is None or not limits.rated:
+        return NO_RATE_LIMITS
+    key = keys.rate(queue, tenant)
+    tats, now = checked((yield Repeatable(lambda pipe: (pipe.hmget(key, "r", "t"), pipe.time()))))
+    return RateLimits.now(limits, tats, epoch_ms(now))

@@ -1,0 +1,38 @@
+"""The echo engine's lanes, as the model's scheduler has them: a higher lane's request preempts a
+lower lane's running one for its slot or its pages, never one of its own lane, and every request
+still ends with its whole echo."""
+
+from producer_client.schema import SamplingParams
+from worker.engine.echo import EchoEngine
+from worker.engine.settings import EngineSettings
+
+
+def run(engine: EchoEngine, steps: int) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for _ in range(steps):
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+def test_a_higher_lane_preempts_the_newest_of_the_lowest_lane_and_every_echo_completes():
+    engine = EchoEngine(EngineSettings(max_running=2))
+    for name in ("f1", "f2"):
+        engine.add_request(name, list(b"flex job"), SamplingParams(max_tokens=8), lane=2)
+    first = run(engine, 2)
+    engine.add_request("d1", list(b"dflt"), SamplingParams(max_tokens=4), lane=1)
+    engine.add_request("d2", list(b"same"), SamplingParams(max_tokens=4), lane=1)
+    later = run(engine, 1)
+    assert sorted(later) == ["d1", "d2"]  # both flex requests gave their slots up, the newest first
+    assert (engine.preemptions, list(engine.lanes[2])) == (2, ["f1", "f2"])
+    rest = run(engine, 20)
+    outputs = {k: first.get(k, []) + later.get(k, []) + rest.get(k, []) for k in ("f1", "f2", "d1", "d2")}
+    assert outputs == {"f1": list(b"flex job"), "f2": list(b"flex job"), "d1": list(b"dflt"), "d2": list(b"same")}
+
+
+def test_within_a_lane_a_request_waits_for_a_slot():
+    engine = EchoEngine(EngineSettings(max_running=1))
+    engine.add_request("a", list(b"aaaa"), SamplingParams(max_tokens=4), lane=1)
+    run(engine, 1)
+    engine.add_request("b", list(b"bbbb"), SamplingParams(max_tokens=4), priority=-5, lane=1)
+    assert sorted(run(engine, 1)) == ["a"] and engine.preemptions == 0

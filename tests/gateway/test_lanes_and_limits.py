@@ -1,0 +1,137 @@
+"""OpenAI's service_tier and rate limits at the gateway, with the official SDK: a request's
+service_tier picks its jobs' lane and the answer echoes the lane that served it (validated against
+the spec); each API key is a tenant, whose rate limits (`mili quota set`) hold across every
+gateway on the Redis at once: past them a 429 `rate_limit_exceeded` with Retry-After, which the
+SDK's retries honour, and the x-ratelimit-* headers on every answer to the key."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from gateway.api_keys import tenant_id
+from producer_client import Client
+from producer_client.keys import Keys
+from tests.gateway.support import ECHO_QUEUE
+from tests.openai_spec import check
+from tests.support.gateways import GatewayProcess
+
+KEY_PLAIN, KEY_RPM, KEY_SDK = "lanes-plain-key", "lanes-rpm-key", "lanes-sdk-key"
+RPM = 3
+SDK_RPM = 120  # a request drips back every 0.5 s: the SDK's retry waits that long
+CHAT = [{"role": "user", "content": "lanes"}]
+
+
+@pytest.fixture(scope="module")
+def two_gateways(redis_server, gateway_workers, tmp_path_factory):
+    """Two gateways on the session's Redis and workers, with the same keys."""
+    client = Client(redis_server.url, ECHO_QUEUE)
+    client.tenant_quotas.set(tenant_id(KEY_RPM), rpm=RPM, tpm=100_000)
+    client.tenant_quotas.set(tenant_id(KEY_SDK), rpm=SDK_RPM)
+    keys = json.dumps([KEY_PLAIN, KEY_RPM, KEY_SDK])
+    log_dir = tmp_path_factory.mktemp("lanes")
+    gateways = [GatewayProcess(redis_server.url, log_dir, "--api-keys", keys, name=f"gw-{i}") for i in (1, 2)]
+    try:
+        yield [g.start() for g in gateways]
+    finally:
+        for g in gateways:
+            g.stop()
+        for key in (KEY_RPM, KEY_SDK):
+            client.tenant_quotas.set(tenant_id(key), unset=("rpm", "tpm"))
+        client.close()
+
+
+def sdk_for(gateway: GatewayProcess, key: str, retries: int = 0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=retries)
+
+
+@pytest.mark.parametrize(
+    ("asked", "served"), [("priority", "priority"), ("flex", "flex"), ("auto", "default"), (None, "default")]
+)
+def test_service_tier_picks_the_lane_and_the_answer_echoes_it(sdk, redis_client, asked, served):
+    raw = sdk.chat.completions.with_raw_response.create(
+        model="echo", messages=CHAT, max_tokens=4, **({"service_tier": asked} if asked else {})
+    )
+    body = json.loads(raw.http_response.text)
+    check("CreateChatCompletionResponse", body)
+    assert body["service_tier"] == raw.parse().service_tier == served
+    lane_streams = redis_client.smembers(Keys().lane_streams(ECHO_QUEUE))
+    assert served == "default" or f"{served}:-" in lane_streams  # an open gateway's jobs are no tenant's
+
+
+def test_a_streamed_answer_echoes_the_lane_in_every_chunk(sdk):
+    stream = sdk.chat.completions.create(
+        model="echo",
+        messages=CHAT,
+        max_tokens=4,
+        service_tier="flex",
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk.model_dump(mode="json", exclude_unset=True) for chunk in stream]
+    for chunk in chunks:
+        check("CreateChatCompletionStreamResponse", chunk)
+    assert [chunk["service_tier"] for chunk in chunks] == ["flex"] * len(chunks)
+
+
+def test_an_api_keys_jobs_are_its_tenants_in_their_lane(two_gateways, redis_client):
+    answer = sdk_for(two_gateways[0], KEY_PLAIN).chat.completions.create(
+        model="echo", messages=CHAT, max_tokens=4, service_tier="priority"
+    )
+    assert answer.service_tier == "priority"
+    assert f"priority:{tenant_id(KEY_PLAIN)}" in redis_client.smembers(Keys().lane_streams(ECHO_QUEUE))
+
+
+def limit_headers(response: httpx.Response) -> dict[str, str]:
+    return {name: value for name, value in response.headers.items() if name.startswith("x-ratelimit-")}
+
+
+def test_a_tenants_rate_limit_holds_across_gateways_with_openais_429_and_headers(two_gateways):
+    """RPM requests pass, alternating between the two gateways; the next is refused by either,
+    and nothing else is admitted however often it is tried within the minute."""
+    sdks = [sdk_for(g, KEY_RPM) for g in two_gateways]
+    answers = [
+        sdks[i % 2].chat.completions.with_raw_response.create(model="echo", messages=CHAT, max_tokens=4)
+        for i in range(RPM)
+    ]
+    assert [a.headers["x-ratelimit-limit-requests"] for a in answers] == [str(RPM)] * RPM
+    assert [a.headers["x-ratelimit-remaining-requests"] for a in answers] == [str(RPM - 1 - i) for i in range(RPM)]
+    assert all(a.headers["x-ratelimit-limit-tokens"] == "100000" for a in answers)
+    for sdk in sdks:
+        with pytest.raises(openai.RateLimitError) as refused:
+            sdk.chat.completions.create(model="echo", messages=CHAT, max_tokens=4)
+        error = refused.value
+        check("ErrorResponse", error.response.json())
+        assert (error.code, error.type) == ("rate_limit_exceeded", "requests")
+        retry_after_ms = int(error.response.headers["retry-after-ms"])
+        assert 0 < retry_after_ms <= 60_000 / RPM
+        assert error.response.headers["retry-after"] == str(-(-retry_after_ms // 1000))
+        assert limit_headers(error.response)["x-ratelimit-remaining-requests"] == "0"
+        assert re.fullmatch(r"\d+(\.\d+)?s|\d+ms", error.response.headers["x-ratelimit-reset-requests"])
+    models = httpx.get(f"{two_gateways[1].url}/v1/models", headers={"Authorization": f"Bearer {KEY_RPM}"})
+    # An answer that enqueues nothing counts nothing and says the limits on the default queue (the
+    # limits hold per queue, as OpenAI's per model): untouched there.
+    assert models.status_code == 200
+    assert (
+        limit_headers(models)["x-ratelimit-limit-requests"],
+        limit_headers(models)["x-ratelimit-remaining-requests"],
+    ) == (str(RPM), str(RPM))
+    plain = httpx.get(f"{two_gateways[1].url}/v1/models", headers={"Authorization": f"Bearer {KEY_PLAIN}"})
+    assert limit_headers(plain) == {}  # a tenant with no limits
+
+
+def test_the_sdks_retry_waits_out_the_reset_and_is_admitted(two_gateways, redis_server):
+    """The bucket emptied by a producer of the same tenant (the limits are the tenant's, on every
+    gateway and producer): the SDK's one retry, after retry-after-ms, gets in."""
+    with Client(redis_server.url, ECHO_QUEUE, tenant=tenant_id(KEY_SDK)) as producer:
+        producer.submit_many([{"prompt": "x", "max_tokens": 1}] * SDK_RPM)
+    with pytest.raises(openai.RateLimitError):
+        sdk_for(two_gateways[0], KEY_SDK).chat.completions.create(model="echo", messages=CHAT, max_tokens=4)
+    answer = sdk_for(two_gateways[1], KEY_SDK, retries=1).chat.completions.create(
+        model="echo", messages=CHAT, max_tokens=4
+    )
+    assert (answer.choices[0].finish_reason, answer.usage.completion_tokens) == ("length", 4)

@@ -1,0 +1,294 @@
+"""The sharing rules' scripts on a real redis-server (docs/architecture.md, "Sharing rules"): lanes
+read in order with the anti-starvation credit, tenants within a lane by their virtual token
+counters (lifted when they become active, charged at read, corrected later, weighted), the rate
+limits (GCRA: never more than the limit and one full bucket), the waiting quota and the bound of
+each stream, the doorbell, and reclaims across the lane streams."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from producer_client.keys import GROUP, LANES, LUA_STREAM_OF, NO_TENANT, PROTOCOL_VERSION, Keys
+from producer_client.protocol import producer, worker
+from producer_client.protocol.execution import execute
+from producer_client.protocol.lanes import CREDIT_EVERY, DEFAULT_COST, DOORBELL_MAXLEN
+from producer_client.protocol.producer import LaneJob, Limits
+from producer_client.protocol.worker import WORKER_SCRIPTS
+
+KEYS = Keys()
+NO_LIMITS = Limits()
+
+
+@pytest.fixture
+def queue(redis_client):
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    redis_client.xgroup_create(KEYS.queue(name), GROUP, id="0", mkstream=True)  # as a worker's start does
+    return name
+
+
+def call(redis_client, script_call):
+    return execute(redis_client, script_call.add_to, WORKER_SCRIPTS)[0]
+
+
+def enqueue(redis_client, queue, tenant, lanes, cost=100, limits=NO_LIMITS, max_depth=0, reserve=False):
+    """ENQUEUE_LANES of one job per lane named in `lanes`; returns the reply."""
+    jobs = [LaneJob(lane, cost, uuid.uuid4().hex, "{}") for lane in lanes]
+    return call(redis_client, producer.enqueue_lanes(KEYS, queue, tenant, jobs, max_depth, limits, reserve))
+
+
+def read(redis_client, queue, rooms=(1, 1, 1), corrections=None, consumer="w1"):
+    """READ; returns [(lane, tenant, count)] in the order served."""
+    reply = call(redis_client, worker.read(KEYS, queue, consumer, rooms, DEFAULT_COST, corrections or {}))
+    return [(lane, tenant, len(entries)) for lane, tenant, entries in reply]
+
+
+def served_order(redis_client, queue, reads, rooms=(1, 1, 1)):
+    """The (lane, tenant) of each entry of `reads` reads, one entry each."""
+    order = []
+    for _ in range(reads):
+        order += [(lane, tenant) for lane, tenant, n in read(redis_client, queue, rooms) for _ in range(n)]
+    return order
+
+
+def counter(redis_client, queue, lane, tenant):
+    return redis_client.zscore(KEYS.lane(queue, lane), tenant)
+
+
+def test_the_scripts_name_a_lanes_stream_as_keys_does(redis_client):
+    script = LUA_STREAM_OF + "return stream_of(KEYS[1], ARGV[1], ARGV[2])"
+    for lane in LANES:
+        for tenant in (NO_TENANT, "team-a"):
+            assert redis_client.eval(script, 1, KEYS.queue("q"), lane, tenant) == KEYS.lane_stream("q", lane, tenant)
+    assert KEYS.lane_stream("q", "default", NO_TENANT) == KEYS.queue("q")
+
+
+def test_a_higher_lane_is_read_first_and_each_lane_within_its_room(redis_client, queue):
+    enqueue(redis_client, queue, "a", ["flex"] * 3 + ["default"] * 3 + ["priority"] * 3)
+    assert read(redis_client, queue, rooms=(5, 4, 4)) == [("priority", "a", 3), ("default", "a", 1)]
+    # Room for the priority lane only (a worker full of lower lanes' jobs): nothing else is read.
+    assert read(redis_client, queue, rooms=(3, 0, 0)) == []
+    assert read(redis_client, queue, rooms=(9, 9, 3)) == [("default", "a", 2), ("flex", "a", 1)]
+    assert read(redis_client, queue, rooms=(9, 9, 0)) == []
+
+
+def test_tenants_of_a_lane_get_equal_tokens_whatever_they_sent(redis_client, queue):
+    enqueue(redis_client, queue, "a", ["default"] * 8)
+    enqueue(redis_client, queue, "b", ["default"] * 2)
+    order = [tenant for _, tenant in served_order(redis_client, queue, 10)]
+    assert order == ["a", "b", "a", "b", "a", "a", "a", "a", "a", "a"]
+    assert counter(redis_client, queue, "default", "a") is None  # both read to the end: left the lane
+    assert redis_client.hget(KEYS.scheduler(queue), "c:default:a") == "800"
+
+
+def test_a_tenants_weight_multiplies_its_share(redis_client, queue):
+    enqueue(redis_client, queue, "a", ["default"] * 6)
+    enqueue(redis_client, queue, "b", ["default"] * 6, limits=Limits(weight=2.0))
+    order = [tenant for _, tenant in served_order(redis_client, queue, 9)]
+    assert order.count("b") == 6 and order.count("a") == 3
+
+
+def test_several_entries_of_the_least_served_tenant_are_read_at_once(redis_client, queue):
+    enqueue(redis_client, queue, "a", ["default"] * 10)
+    assert read(redis_client, queue, rooms=(10, 10, 10)) == [("default", "a", 10)]
+    enqueue(redis_client, queue, "b", ["default"])  # lifted to a's 1,000: they tie
+    enqueue(redis_client, queue, "a", ["default"] * 4)
+    enqueue(redis_client, queue, "c", ["default"] * 4, cost=25)
+    redis_client.zadd(KEYS.lane(queue, "default"), {"c": 700})  # c is 300 tokens behind a and b
+    # c first, while it stays least: one entry to learn its cost, then the other 3 of 25 tokens at once.
+    assert read(redis_client, queue, rooms=(6, 6, 6)) == [
+        ("default", "c", 1),
+        ("default", "c", 3),
+        ("default", "a", 1),
+        ("default", "b", 1),
+    ]
+
+
+def test_a_tenant_that_becomes_active_is_lifted_to_the_least_served(redis_client, queue):
+    enqueue(redis_client, queue, "a", ["default"] * 5)
+    served_order(redis_client, queue, 3)  # a: 300
+    enqueue(redis_client, queue, "b", ["default"])
+    assert counter(redis_client, queue, "default", "b") == 300  # b banked nothing while idle
+    served_order(redis_client, queue, 3)  # b, then a to its end
+    assert counter(redis_client, queue, "default", "a") is None
+    # The lane is empty: a tenant that comes back starts at the floor, the last counter it had.
+    enqueue(redis_client, queue, "c", ["default"])
+    assert counter(redis_client, queue, "default", "c") == 500
+
+
+def test_corrections_set_a_counter_to_what_was_served(redis_client, queue):
+    enqueue(redis_client, queue, "a", ["default"] * 3, limits=Limits(weight=4.0))
+    read(redis_client, queue)  # charged 100 / 4
+    assert counter(redis_client, queue, "default", "a") == 25
+    read(redis_client, queue, corrections={("default", "a"): 60})  # served 160 tokens, was charged 100
+    assert counter(redis_client, queue, "default", "a") == 25 + 15 + 25
+    read(redis_client, queue, rooms=(5, 5, 5), corrections={("default", "a"): -100})  # a job cancelled before it ran
+    saved = float(redis_client.hget(KEYS.scheduler(queue), "c:default:a"))
+    assert saved == 25 + 15 + 25 + 25 - 25
+    read(redis_client, queue, corrections={("default", "a"): 40})  # a has left the lane: its saved counter
+    assert float(redis_client.hget(KEYS.scheduler(queue), "c:default:a")) == saved + 10
+
+
+def test_a_lower_lane_gets_one_entry_in_every_credit_period_under_contention(redis_client, queue):
+    enqueue(redis_client, queue, "a", ["priority"] * 60)
+    enqueue(redis_client, queue, "b", ["flex"] * 10)
+    lanes = [lane for lane, _ in served_order(redis_client, queue, 5 * (CREDIT_EVERY + 1))]
+    assert lanes == (["priority"] * CREDIT_EVERY + ["flex"]) * 5
+
+
+def test_one_large_read_still_gives_a_lower_lane_one_entry_in_every_credit_period(redis_client, queue):
+    enqueue(redis_client, queue, "a", ["priority"] * 60)
+    enqueue(redis_client, queue, "b", ["flex"] * 10)
+    rooms = (5 * (CREDIT_EVERY + 1),) * 3
+    assert read(redis_client, queue, rooms=rooms) == [("priority", "a", CREDIT_EVERY), ("flex", "b", 1)] * 5
+
+
+def test_the_credit_is_not_spent_while_no_higher_lane_waits(redis_client, queue):
+    enqueue(redis_client, queue, "a", ["priority"] * CREDIT_EVERY)
+    enqueue(redis_client, queue, "b", ["flex"] * 3)
+    assert [lane for lane, _ in served_order(redis_client, queue, CREDIT_EVERY)] == ["priority"] * CREDIT_EVERY
+    assert redis_client.hget(KEYS.scheduler(queue), "credit:flex") == str(CREDIT_EVERY)
+    # Only flex is left: read in order, and its credit stays for when a higher lane waits again.
+    assert read(redis_client, queue) == [("flex", "b", 1)]
+    assert redis_client.hget(KEYS.scheduler(queue), "credit:flex") == str(CREDIT_EVERY)
+
+
+def test_jobs_written_to_the_queue_stream_by_anyone_are_read_in_the_default_lane(redis_client, queue):
+    for i in range(3):
+        redis_client.xadd(KEYS.queue(queue), {"id": f"raw{i}", "v": PROTOCOL_VERSION, "body": "{}"})
+    enqueue(redis_client, queue, "a", ["default"] * 2)
+    order = served_order(redis_client, queue, 5)
+    assert sorted(order) == [("default", "-")] * 3 + [("default", "a")] * 2
+    assert order[:2] == [("default", "-"), ("default", "a")]  # the queue stream's tenant, lifted too
+    assert read(redis_client, queue, rooms=(5, 5, 5)) == []
+
+
+def test_a_new_lane_stream_gets_its_group_and_one_of_another_type_leaves_its_lane(redis_client, queue):
+    enqueue(redis_client, queue, "a", ["flex"])
+    assert read(redis_client, queue) == [("flex", "a", 1)]
+    assert redis_client.xinfo_groups(KEYS.lane_stream(queue, "flex", "a"))[0]["name"] == GROUP
+    enqueue(redis_client, queue, "b", ["flex"])
+    enqueue(redis_client, queue, "c", ["flex"])
+    stream = KEYS.lane_stream(queue, "flex", "b")
+    redis_client.delete(stream)
+    redis_client.set(stream, "x")
+    reply = call(redis_client, worker.read(KEYS, queue, "w1", (5, 5, 5), DEFAULT_COST, {}))
+    assert reply[0][:2] == ["!", stream] and "WRONGTYPE" in reply[0][2]
+    assert [(lane, tenant) for lane, tenant, _ in reply[1:]] == [("flex", "c")]
+    assert counter(redis_client, queue, "flex", "b") is None
+
+
+def test_the_doorbell_rings_for_new_work_and_is_silenced_when_none_is_left(redis_client, queue):
+    bell = KEYS.doorbell(queue)
+    enqueue(redis_client, queue, "a", ["default"] * 3)
+    enqueue(redis_client, queue, "b", ["flex"])
+    assert redis_client.xlen(bell) == 2  # one per tenant that became active
+    redis_client.delete(bell)
+    read(redis_client, queue)  # work is left: one entry wakes an idle worker
+    read(redis_client, queue)
+    assert redis_client.xlen(bell) == 1
+    read(redis_client, queue, rooms=(9, 9, 9))
+    assert redis_client.xlen(bell) == 0
+    for _ in range(DOORBELL_MAXLEN + 5):
+        enqueue(redis_client, queue, uuid.uuid4().hex[:8], ["default"])
+    assert redis_client.xlen(bell) == DOORBELL_MAXLEN
+
+
+def test_the_requests_limit_admits_a_full_bucket_then_its_rate(redis_client, queue):
+    limits = Limits(rpm=600)  # 10 a second
+    reply = enqueue(redis_client, queue, "a", ["default"] * 600, limits=limits)
+    assert reply[:2] == [600, ""]
+    assert reply[4:7] == [600, 0, pytest.approx(60_000, abs=50)]
+    added, reason, retry_after_ms, which = enqueue(redis_client, queue, "a", ["default"], limits=limits)[:4]
+    assert (added, reason, which) == (0, "rate", "requests") and 0 < retry_after_ms <= 100
+    start, admitted = time.monotonic(), 0
+    while time.monotonic() - start < 1.0:
+        admitted += enqueue(redis_client, queue, "a", ["default"], limits=limits)[0]
+    # Never more than the bucket (600) and the rate over the time that passed (10 a second).
+    assert 8 <= admitted <= 10 * (time.monotonic() - start) + 1
+    assert enqueue(redis_client, queue, "b", ["default"], limits=limits)[0] == 1  # each tenant its own
+
+
+def test_the_tokens_limit_counts_each_jobs_cost_and_refuses_one_larger_than_a_minute(redis_client, queue):
+    limits = Limits(tpm=1000)
+    reply = enqueue(redis_client, queue, "a", ["default"] * 4, cost=300, limits=limits)
+    assert reply[:4] == [3, "rate", reply[2], "tokens"]
+    assert reply[7:9] == [1000, 100]
+    assert enqueue(redis_client, queue, "b", ["default"], cost=1001, limits=limits)[:4] == [
+        0,
+        "too_large",
+        1001,
+        "1000",
+    ]
+
+
+def test_a_refused_job_counts_nothing_against_the_limits(redis_client, queue):
+    limits = Limits(rpm=2, max_waiting=1)
+    assert enqueue(redis_client, queue, "a", ["default"], limits=limits)[:2] == [1, ""]
+    assert enqueue(redis_client, queue, "a", ["default"], limits=limits)[:2] == [0, "quota"]
+    assert redis_client.hget(KEYS.rate(queue, "a"), "r") is not None
+    remaining = enqueue(redis_client, queue, "a", ["flex"], limits=Limits(rpm=2))[5]
+    assert remaining == 0  # the quota's refusal took nothing: this is the second of two
+
+
+def test_the_waiting_quota_counts_unread_jobs_of_every_lane(redis_client, queue):
+    limits = Limits(max_waiting=3)
+    assert enqueue(redis_client, queue, "a", ["default", "flex", "priority", "flex"], limits=limits)[:4] == [
+        3,
+        "quota",
+        3,
+        "3",
+    ]
+    assert (
+        enqueue(redis_client, queue, "b", ["default"], limits=limits)[0] == 1
+    )  # another tenant's flood refuses nothing
+    read(redis_client, queue, rooms=(1, 0, 0))  # a's priority job is read: it waits no more
+    assert enqueue(redis_client, queue, "a", ["flex", "flex"], limits=limits)[:2] == [1, "quota"]
+
+
+def test_the_depth_bound_is_each_streams(redis_client, queue):
+    assert enqueue(redis_client, queue, "a", ["default"] * 3, max_depth=2)[:4] == [2, "full", 2, "default"]
+    assert enqueue(redis_client, queue, "a", ["flex"], max_depth=2)[0] == 1
+    assert enqueue(redis_client, queue, "b", ["default"] * 2, max_depth=2)[0] == 2
+
+
+def test_reserving_counts_against_the_limits_and_adds_nothing(redis_client, queue):
+    limits = Limits(rpm=5)
+    assert enqueue(redis_client, queue, "a", ["default"] * 2, limits=limits, reserve=True)[:2] == [2, ""]
+    assert redis_client.exists(KEYS.lane_stream(queue, "default", "a")) == 0
+    assert counter(redis_client, queue, "default", "a") is None
+    assert enqueue(redis_client, queue, "a", ["default"] * 5, limits=limits)[0] == 3
+
+
+def test_reclaim_takes_idle_entries_of_every_lane_stream(redis_client, queue):
+    enqueue(redis_client, queue, "a", ["flex", "priority"])
+    enqueue(redis_client, queue, "b", ["default"])
+    assert len(read(redis_client, queue, rooms=(5, 5, 5), consumer="dead")) == 3
+    time.sleep(0.05)
+    assert call(redis_client, worker.reclaim_lanes(KEYS, queue, "w2", 10_000, 10, 0))[1] == []  # not idle enough
+    next_start, taken = call(redis_client, worker.reclaim_lanes(KEYS, queue, "w2", 20, 2, 0))
+    assert sum(len(entries) for _, _, entries in taken) == 2
+    _, rest = call(redis_client, worker.reclaim_lanes(KEYS, queue, "w2", 20, 10, next_start))
+    claimed = taken + rest
+    assert sorted((lane, tenant) for lane, tenant, _ in claimed) == [("default", "b"), ("flex", "a"), ("priority", "a")]
+    assert all(deliveries == 2 for _, _, entries in claimed for _, _, deliveries in entries)
+
+
+def test_a_revived_dead_letter_returns_to_its_lane_and_wakes_it(redis_client, queue):
+    dead = KEYS.dead(queue)
+    letter = redis_client.xadd(dead, {"id": "j1", "v": "1", "body": "{}"})
+    call(redis_client, producer.revive(KEYS, queue, letter, "j1", "1", "{}", "flex", "a", "120"))
+    assert redis_client.xlen(dead) == 0
+    [(_, fields)] = redis_client.xrange(KEYS.lane_stream(queue, "flex", "a"))
+    assert fields == {"id": "j1", "v": "1", "body": "{}", "cost": "120"}
+    assert read(redis_client, queue) == [("flex", "a", 1)]
+    assert call(redis_client, producer.revive(KEYS, queue, letter, "j1", "1", "{}", "flex", "a", "120")) is None
+
+
+def test_an_entry_placed_on_a_workers_stream_carries_its_lane(redis_client):
+    stream = KEYS.own_queue("q", "w1")
+    call(redis_client, producer.enqueue(stream, 0, "j1", "{}", {"lane": "flex", "tenant": "a", "cost": "9"}))
+    [(_, fields)] = redis_client.xrange(stream)
+    assert fields == {"id": "j1", "v": str(PROTOCOL_VERSION), "body": "{}", "lane": "flex", "tenant": "a", "cost": "9"}

@@ -1,0 +1,227 @@
+"""The sharing rules through the real client and the queue loop (echo engine) on a real
+redis-server: lanes and tenants from submit to result, a higher lane's job preempting lower lanes'
+running work, fair shares between tenants, the waiting quota, the rate limits, bad input refused
+before anything is enqueued, and lane jobs surviving a worker's kill -9 and their dead letters'
+retry."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import ExitStack
+
+import pytest
+
+from harness.echo_workers import GatedWorker, serving
+from harness.polling import eventually
+from producer_client import Client, InvalidArgument, QueueFull, RateLimited, WaitingQuotaExceeded
+from producer_client.keys import GROUP, Keys
+from tests.support.clients import make_client
+
+pytestmark = pytest.mark.waits
+
+KEYS = Keys()
+FAST_RECLAIM = dict(claim_idle_ms=500, reclaim_interval_s=0.05)
+
+
+@pytest.fixture
+def tenant():
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+def test_a_tenants_job_in_each_lane_runs_from_its_lanes_stream(redis_server, client_kind, queue, tenant, redis_client):
+    client = make_client(client_kind, redis_server.url, queue, tenant=tenant)
+    try:
+        with serving(redis_server.url, queue):
+            ids = {tier: client.submit(f"{tier} job", max_tokens=3, service_tier=tier) for tier in ("priority", "flex")}
+            ids["auto"] = client.submit("auto job", max_tokens=3, service_tier="auto")
+            results = {tier: client.result(job_id, timeout=10) for tier, job_id in ids.items()}
+    finally:
+        client.close()
+    assert {tier: r.text for tier, r in results.items()} == {"priority": "pri", "flex": "fle", "auto": "aut"}
+    assert (
+        redis_client.exists(*(KEYS.lane_stream(queue, lane, tenant) for lane in ("priority", "default", "flex"))) == 3
+    )
+    assert redis_client.xlen(KEYS.queue(queue)) == 0
+    assert redis_client.smembers(KEYS.lane_streams(queue)) == {
+        f"{lane}:{tenant}" for lane in ("priority", "default", "flex")
+    }
+
+
+def test_queue_stats_count_every_lanes_stream_and_name_each(redis_server, queue, tenant):
+    with Client(redis_server.url, queue) as client:  # no worker: everything waits
+        client.submit("no tenant", max_tokens=1)
+        client.as_tenant(tenant).submit_many([{"prompt": "flex", "service_tier": "flex"}] * 2)
+        stats = client.queue_stats()
+    assert (stats.depth, stats.pending, stats.waiting) == (3, 0, 3)
+    assert [(s.lane, s.tenant, s.depth, s.waiting) for s in stats.streams] == [
+        ("default", None, 1, 1),
+        ("flex", tenant, 2, 2),
+    ]
+
+
+def test_bad_lanes_and_tenants_are_refused_before_anything_is_enqueued(redis_server, queue, redis_client):
+    with pytest.raises(InvalidArgument) as bad:
+        Client(redis_server.url, queue, tenant="a:b")
+    assert bad.value.field == "tenant"
+    with Client(redis_server.url, queue, tenant="team-a") as client:
+        with pytest.raises(InvalidArgument) as bad:
+            client.submit("x", service_tier="gold")
+        assert bad.value.field == "service_tier"
+        with pytest.raises(InvalidArgument) as bad:
+            client.submit_many([{"prompt": "x"}, {"prompt": "y", "service_tier": "scale"}])
+        assert bad.value.field == "jobs[1].service_tier"
+        for settings, field in (({"weight": 0}, "weight"), ({"rpm": 0}, "rpm"), ({"max_waiting": -1}, "max_waiting")):
+            with pytest.raises(InvalidArgument) as bad:
+                client.tenant_quotas.set("team-a", **settings)
+            assert bad.value.field == field
+    assert redis_client.keys(f"*{queue}*") == []
+    assert not redis_client.exists(KEYS.quota("team-a"))
+
+
+def test_a_priority_job_preempts_a_worker_full_of_flex_jobs(redis_server, queue, tenant):
+    """Two slots, both running long flex jobs: a priority job starts at once, preempting one of
+    them, which then finishes with its whole output."""
+    with Client(redis_server.url, queue, tenant=tenant) as client:
+        with serving(redis_server.url, queue, step_s=0.01, engine={"max_running": 2}) as worker:
+            flex = [client.submit("f" * 200, max_tokens=200, service_tier="flex") for _ in range(2)]
+            assert eventually(lambda: len(worker.holdings.running) == 2)
+            urgent = client.submit("urgent", max_tokens=3, service_tier="priority")
+            result = client.result(urgent, timeout=10)
+            slow = [client.result(job_id, timeout=20) for job_id in flex]
+    assert result.text == "urg"
+    assert all(r.status == "done" and r.text == "f" * 200 for r in slow)
+    assert result.timings.finished_at < min(r.timings.finished_at for r in slow)
+    assert result.timings.first_token_at - result.timings.queued_at < 1.0  # not the flex jobs' 2 s
+    assert worker.engine.preemptions >= 1
+
+
+def test_tenants_of_a_lane_share_a_worker_by_tokens_not_by_jobs_sent(redis_server, queue):
+    """One slot: a sent 8 jobs before b sent 2; b's run second and fourth, not after a's eight."""
+    with ExitStack() as stack:
+        a = stack.enter_context(Client(redis_server.url, queue, tenant="a"))
+        b = stack.enter_context(Client(redis_server.url, queue, tenant="b"))
+        a_ids = [a.submit(f"a{i}", max_tokens=2) for i in range(8)]
+        b_ids = [b.submit(f"b{i}", max_tokens=2) for i in range(2)]
+        stack.enter_context(serving(redis_server.url, queue, step_s=0.005, engine={"max_running": 1}))
+        results = [a.result(job_id, timeout=10) for job_id in a_ids + b_ids]
+    order = [r.text[0] for r in sorted(results, key=lambda r: r.timings.started_at)]
+    assert order == ["a", "b", "a", "b", "a", "a", "a", "a", "a", "a"]
+
+
+def test_the_counters_hold_what_each_tenant_was_served(redis_server, queue, redis_client):
+    """Charged an estimate at read, corrected to the tokens served once each job ends."""
+    with ExitStack() as stack:
+        a = stack.enter_context(Client(redis_server.url, queue, tenant="a"))
+        stack.enter_context(serving(redis_server.url, queue))
+        a.tenant_quotas.set("a", weight=2.0)
+        time.sleep(1.1)  # the client's copy of a's quota is read again
+        ids = [a.submit("x" * 10, max_tokens=4) for _ in range(3)]
+        [a.result(job_id, timeout=10) for job_id in ids]
+        ids = [a.submit("y" * 6, max_tokens=2) for _ in range(2)]  # their read carries the corrections
+        [a.result(job_id, timeout=10) for job_id in ids]
+        served = 3 * (10 + 4) + 2 * (6 + 2)
+
+        def counter():
+            saved = redis_client.hget(KEYS.scheduler(queue), "c:default:a")
+            return saved is not None and float(saved)
+
+        # The last two jobs' corrections ride with a later read: the idle worker's next one.
+        stack.enter_context(Client(redis_server.url, queue, tenant="z")).submit("z", max_tokens=1)
+        assert eventually(lambda: counter() == served / 2), counter()
+
+
+def test_a_tenants_flood_fills_its_own_quota_and_stream_and_refuses_nobody_else(redis_server, queue):
+    with ExitStack() as stack:
+        a = stack.enter_context(Client(redis_server.url, queue, tenant="a", max_queue_depth=5))
+        b = stack.enter_context(Client(redis_server.url, queue, tenant="b", max_queue_depth=5))
+        plain = stack.enter_context(Client(redis_server.url, queue, max_queue_depth=5))
+        a.tenant_quotas.set("a", max_waiting=3)
+        a.submit_many([{"prompt": "a", "service_tier": tier} for tier in ("flex", "default", "priority")])
+        with pytest.raises(WaitingQuotaExceeded) as over:
+            a.submit("a4")
+        assert isinstance(over.value, QueueFull) and "max_waiting quota is 3" in over.value.message
+        with pytest.raises(WaitingQuotaExceeded) as over:
+            a.submit_many([{"prompt": "a5"}])
+        assert over.value.job_ids == []
+        b.submit_many([{"prompt": "b"}] * 5)  # b has no quota: only its stream's bound
+        with pytest.raises(QueueFull):
+            b.submit("b6")
+        plain.submit("no tenant")  # the queue's own stream has its own bound
+
+
+def test_a_rate_limit_refuses_past_its_bucket_and_says_when_to_retry(redis_server, queue, tenant):
+    with Client(redis_server.url, queue, tenant=tenant) as client:
+        client.tenant_quotas.set(tenant, rpm=3, tpm=1000)
+        submitted = [client.submit_rated(prompt="x" * 40, max_tokens=90) for _ in range(3)]
+        assert [s.limits.remaining_requests for s in submitted] == [2, 1, 0]
+        assert [s.limits.remaining_tokens for s in submitted] == [900, 800, 700]
+        assert submitted[-1].limits.limit_requests == 3 and 59 < submitted[-1].limits.reset_requests_s <= 60
+        with pytest.raises(RateLimited) as limited:
+            client.submit("x" * 40, max_tokens=90)
+        assert (limited.value.which, limited.value.limit) == ("requests", 3)
+        assert 19 < limited.value.reset_s <= 20  # a request drips back every 20 s
+        with pytest.raises(InvalidArgument) as large:
+            client.submit("x", max_tokens=1000)
+        assert large.value.field == "max_tokens"
+        client.tenant_quotas.set(tenant, unset=("rpm", "tpm"))
+        time.sleep(1.1)
+        assert client.submit_rated(prompt="x").limits.limit_requests == 0
+
+
+def test_lane_jobs_of_a_killed_worker_are_reclaimed_and_each_ends_once(redis_server, queue, tenant, redis_client):
+    with ExitStack() as stack:
+        client = stack.enter_context(Client(redis_server.url, queue, tenant=tenant))
+        victim = stack.enter_context(
+            serving(
+                redis_server.url, queue, step_s=0.01, worker_class=GatedWorker, name=f"victim-{queue}", **FAST_RECLAIM
+            )
+        )
+        ids = [
+            client.submit(f"job {i} " * 10, max_tokens=60, service_tier=tier)
+            for i, tier in enumerate(["flex", "priority", "default"] * 2)
+        ]
+        assert eventually(lambda: len(victim.holdings.running) == 6)
+        victim.killed = True
+        victim.gate.clear()
+        survivor = stack.enter_context(
+            serving(redis_server.url, queue, step_s=0.002, name=f"survivor-{queue}", **FAST_RECLAIM)
+        )
+        results = [client.result(job_id, timeout=20) for job_id in ids]
+        victim.gate.set()
+    assert all(r.status == "done" and r.worker == survivor.name for r in results)
+    assert [r.text for r in results] == [(f"job {i} " * 10)[:60] for i in range(6)]
+    for lane in ("priority", "default", "flex"):
+        stream = KEYS.lane_stream(queue, lane, tenant)
+        assert redis_client.xpending(stream, GROUP)["pending"] == 0 and redis_client.xlen(stream) == 0
+
+
+def test_an_idle_worker_wakes_for_a_lanes_job_at_once(redis_server, queue, tenant):
+    """Idle, the worker blocks on the queue's stream and the doorbell: a tenant's job (in its lane's
+    stream) starts well within the block (1.5 s). The queue's first lane job makes the doorbell,
+    which the worker was not blocked on yet: it waits for the block's end, once."""
+    with ExitStack() as stack:
+        client = stack.enter_context(Client(redis_server.url, queue, tenant=tenant))
+        stack.enter_context(
+            serving(redis_server.url, queue, block_ms=1500, heartbeat_interval_s=2.0, claim_idle_ms=5000)
+        )
+        time.sleep(0.3)
+        waits = []
+        for tier in ("default", "flex", "priority", "default", "flex"):
+            result = client.result(client.submit("hi", max_tokens=1, service_tier=tier), timeout=10)
+            waits.append(result.timings.started_at - result.timings.queued_at)
+            time.sleep(0.2)
+    assert waits[0] < 1.5 + 0.3 and max(waits[1:]) < 0.3, waits
+
+
+def test_a_dead_lane_job_is_retried_into_its_lane(redis_server, queue, tenant, redis_client):
+    job_id = f"dead-{queue}"
+    body = '{"prompt": "poison", "params": {"max_tokens": 2}}'
+    letter = {"id": job_id, "v": "1", "body": body, "cost": "9", "lane": "flex", "tenant": tenant}
+    redis_client.xadd(KEYS.dead(queue), letter)  # as a worker writes it after too many deliveries
+    with Client(redis_server.url, queue) as client:
+        assert client.dead_letters.retry(job_id).outcome == "retried"
+        stream = KEYS.lane_stream(queue, "flex", tenant)
+        assert [f for _, f in redis_client.xrange(stream)] == [{"id": job_id, "v": "1", "body": body, "cost": "9"}]
+        with serving(redis_server.url, queue):
+            assert client.result(job_id, timeout=10).text == "po"
