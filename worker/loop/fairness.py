@@ -17,7 +17,7 @@ Owed = dict[tuple[str, str], int]  # (lane, tenant) -> tokens
 
 
 class Ledger:
-    def __init__(self):
+    def __init__(self) -> None:
         self.charges: dict[str, tuple[Route, int]] = {}  # entry reference -> its route, what READ charged
         self.refs: dict[str, set[str]] = {}  # job id -> the references charged for it
         self.owed: Owed = {}  # corrections not yet sent

@@ -169,11 +169,11 @@ class Settle:
     """What a read sends before it reads, once: acknowledgements (and deletes) of settled entries,
     dead letters, and the doorbell's entries this worker was woken by."""
 
-    def __init__(self, acks: list[str], dead_letters: list[DeadLetter], bells: list[str]):
+    def __init__(self, acks: list[str], dead_letters: Sequence[DeadLetter], bells: list[str]):
         self.acks, self.dead_letters, self.bells = list(acks), list(dead_letters), list(bells)
         self.sent = not (self.acks or self.dead_letters or self.bells)
 
-    def add_to(self, pipe, queue: WorkerQueue) -> None:
+    def add_to(self, pipe: Pipe, queue: WorkerQueue) -> None:
         if self.sent:
             return
         queue.streams.add_acks(pipe, self.acks)
@@ -186,9 +186,9 @@ class Settle:
         self.sent = True
 
 
-def lane_deliveries(reply: list) -> list[Delivery]:
+def lane_deliveries(reply: list[Any]) -> list[Delivery]:
     """READ's reply: each entry named by its lane's reference and charged its cost."""
-    taken = []
+    taken: list[Delivery] = []
     for lane, tenant, entries in reply:
         if lane == REFUSED:
             log.error("the lane stream %s refused a read (%s): its jobs wait until it is put right", tenant, entries)
@@ -249,7 +249,8 @@ class WorkerQueue:
         self.clock = clock or RedisClock()
         self.stream = keys.queue(queue)
         self.doorbell = keys.doorbell(queue)
-        self.rings, self.bells = False, []  # the doorbell has its group (bell_ready); its entries read
+        self.rings = False  # the doorbell has its group (bell_ready)
+        self.bells: list[str] = []  # the doorbell's entries read, acknowledged with the next read
         self.streams = QueueStreams(keys, queue)
         self.own = keys.own_queue(queue, worker) if placed else None
         self.poll_ms = poll_ms
@@ -318,17 +319,24 @@ class WorkerQueue:
         corrections = corrections or {}
         settle = Settle(acks, dead_letters, self.bells)
         taken: list[Delivery] = []
-        if self.own is not None and rooms[2] > 0:
-            reply = self._send(
-                lambda pipe: (settle.add_to(pipe, self), self._read_into(pipe, self.own, rooms[2], None))
-            )
-            taken = self._entries(self.own, reply[-1])
-            rooms = tuple(max(0, room - len(taken)) for room in rooms)
+        own = self.own
+        if own is not None and rooms[2] > 0:
+
+            def add_own(pipe: Pipe) -> None:
+                settle.add_to(pipe, self)
+                self._read_into(pipe, own, rooms[2], None)
+
+            taken = self._entries(own, self._send(add_own)[-1])
+            low, mid, high = (max(0, room - len(taken)) for room in rooms)
+            rooms = (low, mid, high)
         if rooms[0] > 0 or corrections:
-            reply = self._send(
-                lambda pipe: (settle.add_to(pipe, self), self._read_call(rooms, corrections).add_to(pipe))
-            )
-            taken += lane_deliveries(reply[-1])
+            call = self._read_call(rooms, corrections)
+
+            def add_read(pipe: Pipe) -> None:
+                settle.add_to(pipe, self)
+                call.add_to(pipe)
+
+            taken += lane_deliveries(self._send(add_read)[-1])
         elif not settle.sent:
             self._send(lambda pipe: settle.add_to(pipe, self))
         self.bells = [b for b in self.bells if b not in settle.bells]
@@ -361,8 +369,9 @@ class WorkerQueue:
             return taken
         if self.bells:
             return self.read(rooms, None, [])
-        if self.own is not None and not one_node:
-            return self._entries(self.own, self._send(lambda pipe: self._read_into(pipe, self.own, rooms[2], None))[0])
+        own = self.own
+        if own is not None and not one_node:
+            return self._entries(own, self._send(lambda pipe: self._read_into(pipe, own, rooms[2], None))[0])
         return []
 
     def _read_into(self, pipe: Pipe, stream: str, count: int, block_ms: int | None) -> None:

@@ -51,7 +51,10 @@ def lane_ref(entry_id: str, route: Route) -> str:
 
 
 def _parts(ref: str) -> tuple[str, str, str]:
-    return REFERENCE.fullmatch(ref).groups()
+    match = REFERENCE.fullmatch(ref)
+    assert match is not None  # the pattern matches any string
+    entry_id, mark, rest = match.groups()
+    return entry_id, mark, rest
 
 
 def owner_of(ref: str) -> str | None:
