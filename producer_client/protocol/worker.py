@@ -516,10 +516,12 @@ return out
 )
 
 # KEYS: the queue's stream, its set of lane streams. ARGV: group, consumer, min idle ms, count,
-# where to start in the set (it rotates, so that every stream's turn comes). RECLAIM of every lane
-# stream in one call: up to `count` entries in all idle longer than `min idle` (their worker died
-# or stalled), each with its delivery count. A stream with no group or of another type is passed
-# over. Returns {next start, {{lane, tenant, {{id, {field, value...}, deliveries}...}}...}}.
+# where to start in the set (it rotates, so that every stream's turn comes), handed-over idle ms.
+# RECLAIM of every lane stream in one call: up to `count` entries in all idle longer than `min
+# idle` (their worker died or stalled, or a drain handed them over), each with its delivery count
+# and 1 if a drain had handed it over, as RECLAIM's. A stream with no group or of another type is
+# passed over. Returns {next start, {{lane, tenant, {{id, {field, value...}, deliveries, handed
+# over}...}}...}}.
 RECLAIM_LANES = Script(
     "reclaim_lanes",
     LUA_STREAM_OF
@@ -535,14 +537,20 @@ for i = 0, n - 1 do
   local lane, tenant = string.match(members[(start + i) % n + 1], '^([^:]+):(.+)$')
   local stream = stream_of(KEYS[1], lane, tenant)
   local reply = {err = 'the queue stream is reclaimed by RECLAIM'}
+  local handed = {}
   if stream ~= KEYS[1] then
+    -- read before the claim resets the idle times; an error here is XAUTOCLAIM's too
+    local idle = redis.pcall('XPENDING', stream, ARGV[1], 'IDLE', ARGV[6], '-', '+', count)
+    if not idle.err then
+      for _, p in ipairs(idle) do handed[p[1]] = 1 end
+    end
     reply = redis.pcall('XAUTOCLAIM', stream, ARGV[1], ARGV[2], ARGV[3], '0-0', 'COUNT', count)
   end
   if not reply.err then
     local claimed = {}
     for _, entry in ipairs(reply[2]) do
       local pending = redis.call('XPENDING', stream, ARGV[1], entry[1], entry[1], 1)
-      table.insert(claimed, {entry[1], entry[2], pending[1][4]})
+      table.insert(claimed, {entry[1], entry[2], pending[1][4], handed[entry[1]] or 0})
     end
     if #claimed > 0 then
       table.insert(out, {lane, tenant, claimed})
@@ -737,7 +745,8 @@ def read(
     return ScriptCall(READ, call_keys, (GROUP, worker, *rooms, default_cost, len(corrections), *flat))
 
 
-def reclaim_lanes(keys: Keys, queue: str, worker: str, min_idle_ms: int, count: int, start: int) -> ScriptCall:
-    return ScriptCall(
-        RECLAIM_LANES, (keys.queue(queue), keys.lane_streams(queue)), (GROUP, worker, min_idle_ms, count, start)
-    )
+def reclaim_lanes(
+    keys: Keys, queue: str, worker: str, min_idle_ms: int, count: int, start: int, handed_over_ms: int
+) -> ScriptCall:
+    call_keys = (keys.queue(queue), keys.lane_streams(queue))
+    return ScriptCall(RECLAIM_LANES, call_keys, (GROUP, worker, min_idle_ms, count, start, handed_over_ms))

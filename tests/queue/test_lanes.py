@@ -17,6 +17,8 @@ from producer_client.protocol.execution import execute
 from producer_client.protocol.lanes import CREDIT_EVERY, DEFAULT_COST, DOORBELL_MAXLEN
 from producer_client.protocol.producer import LaneJob, Limits
 from producer_client.protocol.worker import WORKER_SCRIPTS
+from worker.loop.queue import HANDED_OVER_IDLE_MS
+from worker.loop.queue import HANDED_OVER_MIN_IDLE_MS as HANDED
 
 KEYS = Keys()
 NO_LIMITS = Limits()
@@ -267,13 +269,28 @@ def test_reclaim_takes_idle_entries_of_every_lane_stream(redis_client, queue):
     enqueue(redis_client, queue, "b", ["default"])
     assert len(read(redis_client, queue, rooms=(5, 5, 5), consumer="dead")) == 3
     time.sleep(0.05)
-    assert call(redis_client, worker.reclaim_lanes(KEYS, queue, "w2", 10_000, 10, 0))[1] == []  # not idle enough
-    next_start, taken = call(redis_client, worker.reclaim_lanes(KEYS, queue, "w2", 20, 2, 0))
+    assert (
+        call(redis_client, worker.reclaim_lanes(KEYS, queue, "w2", 10_000, 10, 0, HANDED))[1] == []
+    )  # not idle enough
+    next_start, taken = call(redis_client, worker.reclaim_lanes(KEYS, queue, "w2", 20, 2, 0, HANDED))
     assert sum(len(entries) for _, _, entries in taken) == 2
-    _, rest = call(redis_client, worker.reclaim_lanes(KEYS, queue, "w2", 20, 10, next_start))
+    _, rest = call(redis_client, worker.reclaim_lanes(KEYS, queue, "w2", 20, 10, next_start, HANDED))
     claimed = taken + rest
     assert sorted((lane, tenant) for lane, tenant, _ in claimed) == [("default", "b"), ("flex", "a"), ("priority", "a")]
-    assert all(deliveries == 2 for _, _, entries in claimed for _, _, deliveries in entries)
+    assert all((deliveries, handed) == (2, 0) for _, _, entries in claimed for _, _, deliveries, handed in entries)
+
+
+def test_reclaim_says_which_lane_entries_a_drain_handed_over(redis_client, queue):
+    enqueue(redis_client, queue, "a", ["flex", "flex"])
+    assert read(redis_client, queue, rooms=(5, 5, 5)) == [("flex", "a", 2)]
+    stream = KEYS.lane_stream(queue, "flex", "a")
+    handed_id, idle_id = [entry_id for entry_id, _ in redis_client.xrange(stream)]
+    time.sleep(0.05)
+    assert call(redis_client, worker.release(stream, "w1", HANDED_OVER_IDLE_MS, [handed_id])) == 1
+    _, claimed = call(redis_client, worker.reclaim_lanes(KEYS, queue, "w2", 20, 10, 0, HANDED))
+    [(lane, tenant, entries)] = claimed
+    assert (lane, tenant) == ("flex", "a")
+    assert [(e, n, handed) for e, _, n, handed in entries] == [(handed_id, 1, 1), (idle_id, 2, 0)]
 
 
 def test_a_revived_dead_letter_returns_to_its_lane_and_wakes_it(redis_client, queue):

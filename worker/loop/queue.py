@@ -394,13 +394,14 @@ class WorkerQueue:
         self.reclaim_cursor = cursor
         taken = [Delivery(entry_id, _fields(flat), n, bool(handed)) for entry_id, flat, n, handed in claimed]
         if len(taken) < count:
+            left, start = count - len(taken), self.reclaim_start
             call = scripts.reclaim_lanes(
-                self.keys, self.queue, self.worker, min_idle_ms, count - len(taken), self.reclaim_start
+                self.keys, self.queue, self.worker, min_idle_ms, left, start, HANDED_OVER_MIN_IDLE_MS
             )
             self.reclaim_start, streams = self._send(call.add_to)[0]
             for lane, tenant, entries in streams:
                 route = Route(lane, tenant)
-                taken += [Delivery(lane_ref(i, route), _fields(flat), n) for i, flat, n in entries]
+                taken += [Delivery(lane_ref(i, route), _fields(flat), n, bool(h)) for i, flat, n, h in entries]
         return taken
 
     def take_over(
