@@ -112,16 +112,7 @@ class Engine(OfflineGeneration):
 
     def _build_request_path(self) -> None:
         """A request's way in (its checks, its adapter, its grammar) and its steps through the parts built before."""
-        self.intake = RequestIntake(
-            self.tokenizer,
-            self.grammars,
-            self.reader,
-            self.lora,
-            self.vocab_size,
-            self.max_model_len,
-            self.eos_token_ids,
-            self.device,
-        )
+        self.intake = RequestIntake(self.tokenizer, self.grammars, self.reader, self.lora, self.device)
         self.grammar_starts = GrammarStarts(self.scheduler, self.reader)
         self.stepper = Stepper(
             self.scheduler,

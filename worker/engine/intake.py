@@ -32,18 +32,16 @@ class RequestIntake:
         grammars: GrammarCompiler,
         reader: StepReader,
         lora: LoraManager | None,
-        vocab_size: int,
-        max_model_len: int,
-        eos_token_ids: list[int],
         device: torch.device,
     ):
         self.tokenizer = tokenizer
         self.grammars = grammars
         self.reader = reader  # its live requests: an id already running is refused
         self.lora = lora  # the adapters it serves (None: none)
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
+        # The model's limits, as the reader checks the tokens it reads against them.
+        self.vocab_size = reader.vocab_size
+        self.max_model_len = reader.max_model_len
+        self.eos_token_ids = reader.eos_token_ids
         self.device = device
         self.arrivals = itertools.count()  # first come, first served among equal priorities
 

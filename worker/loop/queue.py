@@ -185,6 +185,15 @@ class Settle:
             queue.streams.add_dead_letter(pipe, letter.entry_id, letter.letter(queue.worker, now))
         self.sent = True
 
+    def before(self, queue: WorkerQueue, add: AddCommands) -> AddCommands:
+        """`add`, with this settlement first in the same pipeline (unless it went already)."""
+
+        def both(pipe: Pipe) -> None:
+            self.add_to(pipe, queue)
+            add(pipe)
+
+        return both
+
 
 def lane_deliveries(reply: list[Any]) -> list[Delivery]:
     """READ's reply: each entry named by its lane's reference and charged its cost."""
@@ -321,31 +330,19 @@ class WorkerQueue:
         taken: list[Delivery] = []
         own = self.own
         if own is not None and rooms[2] > 0:
-
-            def add_own(pipe: Pipe) -> None:
-                settle.add_to(pipe, self)
-                self._read_into(pipe, own, rooms[2], None)
-
-            taken = self._entries(own, self._send(add_own)[-1])
+            reply = self._send(settle.before(self, lambda pipe: self._read_into(pipe, own, rooms[2], None)))
+            taken = self._entries(own, reply[-1])
             low, mid, high = (max(0, room - len(taken)) for room in rooms)
             rooms = (low, mid, high)
         if rooms[0] > 0 or corrections:
-            call = self._read_call(rooms, corrections)
-
-            def add_read(pipe: Pipe) -> None:
-                settle.add_to(pipe, self)
-                call.add_to(pipe)
-
-            taken += lane_deliveries(self._send(add_read)[-1])
+            call = scripts.read(self.keys, self.queue, self.worker, rooms, DEFAULT_COST, corrections)
+            taken += lane_deliveries(self._send(settle.before(self, call.add_to))[-1])
         elif not settle.sent:
             self._send(lambda pipe: settle.add_to(pipe, self))
         self.bells = [b for b in self.bells if b not in settle.bells]
         if taken or block_ms is None or rooms[2] <= 0:
             return taken
         return self._wait(rooms, block_ms)
-
-    def _read_call(self, rooms: tuple[int, int, int], corrections: Owed) -> ScriptCall:
-        return scripts.read(self.keys, self.queue, self.worker, rooms, DEFAULT_COST, corrections)
 
     def _wait(self, rooms: tuple[int, int, int], block_ms: int) -> list[Delivery]:
         """An idle worker's wait: one XREADGROUP of one entry from the queue's own stream, the
@@ -399,9 +396,7 @@ class WorkerQueue:
                 self.keys, self.queue, self.worker, min_idle_ms, left, start, HANDED_OVER_MIN_IDLE_MS
             )
             self.reclaim_start, streams = self._send(call.add_to)[0]
-            for lane, tenant, entries in streams:
-                route = Route(lane, tenant)
-                taken += [Delivery(lane_ref(i, route), _fields(flat), n, bool(h)) for i, flat, n, h in entries]
+            taken += reclaimed_lane_deliveries(streams)
         return taken
 
     def take_over(
@@ -433,15 +428,7 @@ class WorkerQueue:
         """Give a detached job back to its lane (REQUEUE, then a fresh entry)."""
         if not self._send(scripts.requeue(self.keys, job.id, job.run).add_to)[0]:
             return False
-        body, route = job.request.to_json(), job.route
-        if route == DEFAULT_ROUTE:
-            call = producer.enqueue(self.stream, 0, job.id, body)
-        else:
-            cost = len(job.prompt_token_ids) + job.request.params.max_tokens
-            call = producer.enqueue_lanes(
-                self.keys, self.queue, route.tenant, [producer.LaneJob(route.lane, cost, job.id, body)], 0
-            )
-        self._send(call.add_to)
+        self._send(requeued_entry(self.keys, self.queue, job).add_to)
         return True
 
     def heartbeat(self, fields: dict[str, str | int | float], ttl_s: float, held: list[str]) -> tuple[int, list[str]]:
@@ -490,6 +477,24 @@ class WorkerQueue:
                 pipe.zrem(self.keys.workers(self.queue), self.worker)
 
         self._send(add)
+
+
+def reclaimed_lane_deliveries(streams: list[Any]) -> list[Delivery]:
+    """RECLAIM_LANES' reply: each entry named by its lane's reference."""
+    return [
+        Delivery(lane_ref(entry_id, Route(lane, tenant)), _fields(flat), deliveries, bool(handed))
+        for lane, tenant, entries in streams
+        for entry_id, flat, deliveries, handed in entries
+    ]
+
+
+def requeued_entry(keys: Keys, queue: str, job: Job) -> ScriptCall:
+    """The fresh entry of a job given back: in the queue's own stream, or its lane's (ENQUEUE_LANES)."""
+    body, route = job.request.to_json(), job.route
+    if route == DEFAULT_ROUTE:
+        return producer.enqueue(keys.queue(queue), 0, job.id, body)
+    cost = len(job.prompt_token_ids) + job.request.params.max_tokens
+    return producer.enqueue_lanes(keys, queue, route.tenant, [producer.LaneJob(route.lane, cost, job.id, body)], 0)
 
 
 def _fields(flat: list[str]) -> dict[str, str]:
