@@ -41,6 +41,8 @@ from worker.engine.runner import ModelRunner
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledChunk, Scheduler
 from worker.engine.settings import EngineSettings
+from worker.engine.speculative.factory import build_speculator
+from worker.engine.speculative.verify import sampling_rows, settle
 from worker.engine.stop import TextOutput
 from kernels.token_bitmask import apply_token_bitmask
 from worker.model.config import Qwen3Config
@@ -97,6 +99,7 @@ class Engine(OfflineGeneration):
             ranks.ring if ranks is not None else None,
         )
         self.sampler = Sampler(self.eos_token_ids)
+        self.speculator = build_speculator(settings, self.max_model_len)
         self.overlap = overlap_enabled(settings, device)
         self._in_flight: LaunchedStep | None = None  # overlapped: the step the device may still be running
         self.reader = StepReader(self.scheduler, self.eos_token_ids, self.max_model_len, self.vocab_size)
@@ -109,6 +112,7 @@ class Engine(OfflineGeneration):
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         self._steps = self._computed_tokens = self._computed_prompt_tokens = 0
+        self._draft_tokens = self._accepted_draft_tokens = 0
         self._log_limits(num_pages)
 
     @classmethod
@@ -272,11 +276,14 @@ class Engine(OfflineGeneration):
         outputs, self._ended = self._ended, []
         if self._compiling:
             self._start_grammars(outputs)
-        if self._in_flight is not None and self._in_flight.needs_host_tokens:
-            outputs.extend(self._read(self._take_in_flight()))
+        speculating = self.speculator is not None
+        if self._in_flight is not None and (self._in_flight.needs_host_tokens or speculating):
+            outputs.extend(self._read(self._take_in_flight()))  # a draft follows the tokens read
         scheduled = self.scheduler.schedule()
         for req in scheduled.failed:
             outputs.append(self.reader.end(req, req.text.finish(), []))
+        if speculating:
+            self.speculator.draft(scheduled, self.scheduler)
         previous = self._take_in_flight()
         try:
             self._in_flight = self._launch(scheduled.chunks, previous, outputs) if scheduled.chunks else None
@@ -334,6 +341,8 @@ class Engine(OfflineGeneration):
             grammars.cache_hits,
             grammars.compiles,
             grammars.compile_seconds,
+            self._draft_tokens,
+            self._accepted_draft_tokens,
         )
 
     # -- one step ------------------------------------------------------------------------
@@ -348,23 +357,24 @@ class Engine(OfflineGeneration):
         that samples has a grammar, the previous step is read (into `outputs`) between the two:
         its tokens advance the matchers whose masks this sampling needs (overlap.py)."""
         self._count_computed(chunks)
-        sampling = [c.request for c in chunks if c.samples]
+        rows = sampling_rows(chunks)
         try:
             logits = self.runner.run(chunks, previous.device_tokens if previous is not None else None)
         except RankFailed as e:
             raise self.ranks.explain(e) if self.ranks is not None else e from None
         self.scheduler.commit(chunks)
-        if not sampling:
+        if not rows.requests:
             return None
-        constrained = any(r.grammar is not None for r in sampling)
+        constrained = any(r.grammar is not None for r in rows.requests)
         mask = None
         if constrained:
             if previous is not None and not previous.read:
                 outputs.extend(self._read(previous))
-            batch_mask = self.masks.batch_mask(sampling)
+            batch_mask = self.masks.batch_mask(rows.views)
             if batch_mask is not None:
                 mask = functools.partial(self.masks.apply, mask=batch_mask)
-        return launched(sampling, self.sampler.sample(logits, sampling, mask), constrained)
+        sampled = self.sampler.sample(logits, rows.views, mask)
+        return launched(rows.requests, sampled, constrained, rows.verification)
 
     def _take_in_flight(self) -> LaunchedStep | None:
         step, self._in_flight = self._in_flight, None
@@ -375,6 +385,10 @@ class Engine(OfflineGeneration):
         if step.constrained:
             self.masks.settle()  # no fill may touch a matcher while the reader advances it
         outputs = self.reader.read(step, self.sampler.read(step.wait(), step.requests))
+        if step.verification is not None:
+            settle(step.verification, self.sampler.penalties, self.vocab_size)
+            self._draft_tokens += step.verification.num_draft_tokens
+            self._accepted_draft_tokens += step.verification.num_accepted
         if step.constrained:
             self.masks.prefill(step.requests)  # the rows of their next step, while the loop goes on
         return outputs

@@ -103,16 +103,12 @@ class ModelRunner:
             token_ids = [c.request.token_ids[c.start] for c in chunks]
             owner, positions = np.arange(len(chunks)), prefix  # owner: the request index of each new token
         else:
-            token_ids = [t for c in chunks for t in c.request.token_ids[c.start : c.start + c.num_tokens]]
+            token_ids = [t for c in chunks for t in c.input_ids]
             owner = np.repeat(np.arange(len(chunks)), q_len)
             positions = np.arange(len(token_ids)) - cu_seqlens[owner] + prefix[owner]
         ps = self.page_size
         page_table = self.page_table.gather(self.page_table.rows_for(requests), pages_for(int(seq_lens.max()), ps))
         slot_mapping = page_table[owner, positions // ps].astype(np.int64) * ps + positions % ps
-        sample_indices = cu_seqlens[1:] - 1
-        samples = [c.samples for c in chunks]
-        if False in samples:
-            sample_indices = sample_indices[np.array(samples)]
         return HostStep(
             np.array(token_ids, dtype=np.int64),
             positions,
@@ -121,9 +117,22 @@ class ModelRunner:
             seq_lens.astype(np.int32),
             prefix.astype(np.int32),
             cu_seqlens.astype(np.int32),
-            sample_indices,
+            sample_indices(chunks, cu_seqlens),
             max_q_len,
         )
+
+
+def sample_indices(chunks: list[ScheduledChunk], cu_seqlens: np.ndarray) -> np.ndarray:
+    """The tokens whose logits the step returns: each sampling chunk's last, and every token of
+    a chunk with a draft (each one verifies the token after it)."""
+    last = cu_seqlens[1:] - 1
+    if not any(c.draft for c in chunks):
+        samples = [c.samples for c in chunks]
+        return last[np.array(samples)] if False in samples else last
+    counts = np.array([c.num_sampled for c in chunks], dtype=np.int64)
+    first = np.repeat(last + 1 - counts, counts)  # each chunk's first sampled token, once per row
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return first + within
 
 
 def resolve_future_tokens(input_ids: torch.Tensor, future_tokens: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,29 @@ class EngineSettings(BaseModel):
         description="a rank that takes part in no collective for this long (it hangs) stops the worker",
     )
 
+    speculative_method: Literal["ngram", "draft", "eagle3"] | None = Field(
+        None,
+        description="speculative decoding, lossless: drafts from n-gram lookup in each job's own tokens (ngram), a "
+        "smaller model (draft) or an EAGLE-3 head (eagle3), verified in one step; unset: off",
+    )
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=16, description="speculative decoding: the most tokens drafted per job and step"
+    )
+    speculative_model: str | None = Field(
+        None,
+        description="speculative decoding: the draft model (draft) or the EAGLE-3 head (eagle3), a checkpoint "
+        "directory or a preset",
+    )
+
+    @model_validator(mode="after")
+    def _speculative_model_when_needed(self) -> "EngineSettings":
+        needs_model = self.speculative_method in ("draft", "eagle3")
+        if needs_model and self.speculative_model is None:
+            raise InvalidArgument("speculative_model", f"speculative_method {self.speculative_method} needs one")
+        if not needs_model and self.speculative_model is not None:
+            raise InvalidArgument("speculative_model", "only speculative_method draft or eagle3 takes one")
+        return self
+
     @model_validator(mode="after")
     def _decodes_fit_one_step(self) -> "EngineSettings":
         # Every running request decodes every step, so a step must hold one token for each.

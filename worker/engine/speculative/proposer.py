@@ -1,0 +1,14 @@
+"""What the speculator asks of a proposer."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from worker.engine.request import Request
+
+
+class Proposer(Protocol):
+    def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+        """A draft for each request: up to `limits[i]` tokens to follow requests[i]'s token_ids
+        (an empty draft where it has no guess)."""
+        ...

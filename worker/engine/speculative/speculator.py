@@ -1,0 +1,52 @@
+"""Which of a step's decodes get a draft, and how long: the speculator asks its proposer for up
+to k tokens after each decoding request's last one, within what the request may still produce,
+the step's token budget and the free KV pages."""
+
+from __future__ import annotations
+
+from worker.engine.request import Request
+from worker.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from worker.engine.speculative.proposer import Proposer
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, num_tokens: int, max_model_len: int):
+        self.proposer = proposer
+        self.num_tokens = num_tokens  # k: the longest draft
+        self.max_model_len = max_model_len
+
+    def draft(self, scheduled: SchedulerOutput, scheduler: Scheduler) -> None:
+        """Gives the step's decoding chunks their drafts (chunk.draft, chunk.num_tokens)."""
+        chunks = [c for c in scheduled.chunks if self.may_draft(c)]
+        limits = [self.room(c.request) for c in chunks]
+        chunks = [c for c, limit in zip(chunks, limits) if limit > 0]
+        limits = [limit for limit in limits if limit > 0]
+        if not chunks:
+            return
+        budget = scheduled.budget
+        for chunk, draft in zip(chunks, self.proposer.propose([c.request for c in chunks], limits)):
+            n = scheduler.reserve_draft(chunk.request, min(len(draft), budget))
+            if n > 0:
+                chunk.draft = draft[:n]
+                chunk.num_tokens += n
+                budget -= n
+        scheduled.budget = budget
+
+    @staticmethod
+    def may_draft(chunk: ScheduledChunk) -> bool:
+        """A decode (its one token is its last) of a request that takes drafts: it has not opted
+        out and has no grammar (whose mask at each drafted position is not built yet)."""
+        req = chunk.request
+        return (
+            chunk.samples
+            and chunk.num_tokens == 1
+            and req.params.speculative
+            and req.grammar is None
+            and not req.token_in_flight
+        )
+
+    def room(self, req: Request) -> int:
+        """How many drafted tokens the request can still use: a step that accepts n of them also
+        yields the token after them, and the output ends at max_tokens or max_model_len."""
+        left = min(req.params.max_tokens - req.num_output_tokens, self.max_model_len - len(req.token_ids))
+        return max(0, min(self.num_tokens, left - 1))
