@@ -41,7 +41,7 @@ from worker.engine.runner import ModelRunner
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledChunk, Scheduler
 from worker.engine.settings import EngineSettings
-from worker.engine.speculative.factory import build_speculator
+from worker.engine.speculative.factory import build_speculator, draft_bytes_per_page, load_draft_model
 from worker.engine.speculative.verify import sampling_rows, settle
 from worker.engine.stop import TextOutput
 from kernels.token_bitmask import apply_token_bitmask
@@ -77,7 +77,10 @@ class Engine(OfflineGeneration):
         self.max_model_len = resolve_max_model_len(settings, config)
         # Stop tokens the model cannot emit (a small test vocabulary) are dropped, not masked.
         self.eos_token_ids = sorted(t for t in set(eos_token_ids) if t < config.vocab_size)
-        memory = prepare_rank(model, config, settings, device, self.max_model_len)
+        draft = load_draft_model(settings, model, device)
+        memory = prepare_rank(
+            model, config, settings, device, self.max_model_len, draft_bytes_per_page(draft, settings, device)
+        )
         num_pages = memory.num_pages
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(self.allocator, settings.page_size, settings.enable_prefix_cache)
@@ -99,7 +102,9 @@ class Engine(OfflineGeneration):
             ranks.ring if ranks is not None else None,
         )
         self.sampler = Sampler(self.eos_token_ids)
-        self.speculator = build_speculator(settings, self.max_model_len)
+        self.speculator = build_speculator(
+            settings, self.max_model_len, draft, num_pages, self.scheduler.page_table, device
+        )
         self.overlap = overlap_enabled(settings, device)
         self._in_flight: LaunchedStep | None = None  # overlapped: the step the device may still be running
         self.reader = StepReader(self.scheduler, self.eos_token_ids, self.max_model_len, self.vocab_size)

@@ -59,18 +59,21 @@ def kv_cache_pages(
     device: torch.device,
     settings: EngineSettings,
     profile: Callable[[], int],
+    draft_bytes_per_page: int = 0,
 ) -> int:
     """The pool's size in pages. `profile` measures the activations' peak in bytes; it runs
-    only when the pool is sized from GPU memory."""
+    only when the pool is sized from GPU memory. A page also holds `draft_bytes_per_page` of a
+    speculative draft's KV (worker/engine/speculative/draft_model.py)."""
+    page_bytes = shape.bytes_per_page + draft_bytes_per_page
     if settings.num_pages is not None:
         pages, source = settings.num_pages, "num_pages"
     elif device.type != "cuda":
-        pages = pages_in_budget(settings.kv_cache_mib * 2**20, shape.bytes_per_page)
+        pages = pages_in_budget(settings.kv_cache_mib * 2**20, page_bytes)
         source = f"kv_cache_mib {settings.kv_cache_mib}"
     else:
         free = torch.cuda.mem_get_info(device)[0]
         peak = profile()
-        pages = pages_in_budget(kv_budget_bytes(free, settings.gpu_memory_utilization, peak), shape.bytes_per_page)
+        pages = pages_in_budget(kv_budget_bytes(free, settings.gpu_memory_utilization, peak), page_bytes)
         source = (
             f"gpu_memory_utilization {settings.gpu_memory_utilization} of {free / 2**30:.2f} GiB free after "
             f"the weights, less an activation peak of {peak / 2**30:.2f} GiB"
@@ -80,7 +83,7 @@ def kv_cache_pages(
         pages,
         shape.page_size,
         pages * shape.page_size,
-        pages * shape.bytes_per_page / 2**20,
+        pages * page_bytes / 2**20,
         shape.dtype,
         device,
         source,

@@ -73,7 +73,9 @@ def prepare_rank(
     settings: EngineSettings,
     device: torch.device,
     max_model_len: int,
+    draft_bytes_per_page: int = 0,
 ) -> RankMemory:
+    """`draft_bytes_per_page`: what each page holds of a speculative draft's KV (rank 0's)."""
     shape = kv_cache_shape(model, config, settings, device)
     if shape.dtype != model.model.norm.weight.dtype:
         use_fp8_cache(model, shape)
@@ -83,6 +85,7 @@ def prepare_rank(
         device,
         settings,
         lambda: profile_activation_peak(model, shape, settings, vocab, device),
+        draft_bytes_per_page,
     )
     num_pages = model.tp.min(pages)
     if num_pages < pages:

@@ -14,6 +14,7 @@ import torch
 from worker.engine.host_step import HostStep
 from worker.engine.kv_pool import pages_for
 from worker.engine.page_table import PageTable
+from worker.engine.request import Request
 from worker.engine.scheduler import ScheduledChunk
 from worker.model.batch import KVCaches, StepInputs
 from worker.model.qwen3 import Qwen3ForCausalLM
@@ -89,49 +90,68 @@ class ModelRunner:
         return self.host_step(chunks).to_device(self.device)
 
     def host_step(self, chunks: list[ScheduledChunk]) -> HostStep:
-        """Builds the step's metadata from per-chunk lists in a handful of numpy ops (on the host,
-        a numpy op costs a fraction of a torch op's dispatch); the page table is a gather of the
-        requests' persistent rows (worker.engine.page_table)."""
-        requests = [c.request for c in chunks]
+        """The step's host arrays: each chunk's tokens from its request (its draft after them)."""
         prefix = np.array([c.start for c in chunks], dtype=np.int64)
         q_len = np.array([c.num_tokens for c in chunks], dtype=np.int64)
-        seq_lens = prefix + q_len
-        cu_seqlens = np.zeros(len(chunks) + 1, dtype=np.int64)
-        np.cumsum(q_len, out=cu_seqlens[1:])
-        max_q_len = int(q_len.max())
-        if max_q_len == 1:
+        if int(q_len.max()) == 1:
             token_ids = [c.request.token_ids[c.start] for c in chunks]
-            owner, positions = np.arange(len(chunks)), prefix  # owner: the request index of each new token
         else:
             token_ids = [t for c in chunks for t in c.input_ids]
-            owner = np.repeat(np.arange(len(chunks)), q_len)
-            positions = np.arange(len(token_ids)) - cu_seqlens[owner] + prefix[owner]
-        ps = self.page_size
-        page_table = self.page_table.gather(self.page_table.rows_for(requests), pages_for(int(seq_lens.max()), ps))
-        slot_mapping = page_table[owner, positions // ps].astype(np.int64) * ps + positions % ps
-        return HostStep(
-            np.array(token_ids, dtype=np.int64),
-            positions,
-            slot_mapping,
-            page_table,
-            seq_lens.astype(np.int32),
-            prefix.astype(np.int32),
-            cu_seqlens.astype(np.int32),
-            sample_indices(chunks, cu_seqlens),
-            max_q_len,
+        samples = [c.num_sampled for c in chunks]
+        num_sampled = None if samples.count(1) == len(samples) else np.array(samples, dtype=np.int64)
+        return build_host_step(
+            self.page_table, self.page_size, [c.request for c in chunks], prefix, q_len, token_ids, num_sampled
         )
 
 
-def sample_indices(chunks: list[ScheduledChunk], cu_seqlens: np.ndarray) -> np.ndarray:
-    """The tokens whose logits the step returns: each sampling chunk's last, and every token of
-    a chunk with a draft (each one verifies the token after it)."""
+def build_host_step(
+    page_table: PageTable,
+    page_size: int,
+    requests: list[Request],
+    prefix: np.ndarray,
+    q_len: np.ndarray,
+    token_ids: list[int],
+    num_sampled: np.ndarray | None = None,
+) -> HostStep:
+    """A step extending each request by q_len tokens after its first `prefix`, in a handful of
+    numpy ops (on the host, a numpy op costs a fraction of a torch op's dispatch); the page table
+    is a gather of the requests' persistent rows (worker.engine.page_table). `num_sampled`: how
+    many of each request's last tokens return logits (None: one each)."""
+    seq_lens = prefix + q_len
+    cu_seqlens = np.zeros(len(requests) + 1, dtype=np.int64)
+    np.cumsum(q_len, out=cu_seqlens[1:])
+    max_q_len = int(q_len.max())
+    if max_q_len == 1:
+        owner, positions = np.arange(len(requests)), prefix  # owner: the request index of each new token
+    else:
+        owner = np.repeat(np.arange(len(requests)), q_len)
+        positions = np.arange(len(token_ids)) - cu_seqlens[owner] + prefix[owner]
+    table = page_table.gather(page_table.rows_for(requests), pages_for(int(seq_lens.max()), page_size))
+    slot_mapping = table[owner, positions // page_size].astype(np.int64) * page_size + positions % page_size
+    return HostStep(
+        np.array(token_ids, dtype=np.int64),
+        positions,
+        slot_mapping,
+        table,
+        seq_lens.astype(np.int32),
+        prefix.astype(np.int32),
+        cu_seqlens.astype(np.int32),
+        sample_indices(cu_seqlens, num_sampled),
+        max_q_len,
+    )
+
+
+def sample_indices(cu_seqlens: np.ndarray, num_sampled: np.ndarray | None) -> np.ndarray:
+    """The tokens whose logits the step returns: the last `num_sampled` of each request's (a
+    sampling chunk's last token; every token of a chunk with a draft, each one verifying the
+    token after it; none of a prefill chunk short of its sequence's end)."""
     last = cu_seqlens[1:] - 1
-    if not any(c.draft for c in chunks):
-        samples = [c.samples for c in chunks]
-        return last[np.array(samples)] if False in samples else last
-    counts = np.array([c.num_sampled for c in chunks], dtype=np.int64)
-    first = np.repeat(last + 1 - counts, counts)  # each chunk's first sampled token, once per row
-    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    if num_sampled is None:
+        return last
+    if num_sampled.max(initial=0) <= 1:
+        return last[num_sampled.astype(bool)]
+    first = np.repeat(last + 1 - num_sampled, num_sampled)  # each request's first sampled token, once per row
+    within = np.arange(int(num_sampled.sum())) - np.repeat(np.cumsum(num_sampled) - num_sampled, num_sampled)
     return first + within
 
 

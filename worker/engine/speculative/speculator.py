@@ -16,21 +16,23 @@ class Speculator:
         self.max_model_len = max_model_len
 
     def draft(self, scheduled: SchedulerOutput, scheduler: Scheduler) -> None:
-        """Gives the step's decoding chunks their drafts (chunk.draft, chunk.num_tokens)."""
-        chunks = [c for c in scheduled.chunks if self.may_draft(c)]
-        limits = [self.room(c.request) for c in chunks]
-        chunks = [c for c, limit in zip(chunks, limits) if limit > 0]
-        limits = [limit for limit in limits if limit > 0]
+        """Gives the step's decoding chunks their drafts (chunk.draft, chunk.num_tokens). Each
+        request's pages are reserved first, so a proposer that runs a model writes its KV there."""
+        chunks, limits = [], []
+        budget = scheduled.budget
+        for chunk in scheduled.chunks:
+            if budget > 0 and self.may_draft(chunk):
+                n = scheduler.reserve_draft(chunk.request, min(self.room(chunk.request), budget))
+                if n > 0:
+                    chunks.append(chunk)
+                    limits.append(n)
+                    budget -= n
         if not chunks:
             return
-        budget = scheduled.budget
         for chunk, draft in zip(chunks, self.proposer.propose([c.request for c in chunks], limits)):
-            n = scheduler.reserve_draft(chunk.request, min(len(draft), budget))
-            if n > 0:
-                chunk.draft = draft[:n]
-                chunk.num_tokens += n
-                budget -= n
-        scheduled.budget = budget
+            chunk.draft = draft
+            chunk.num_tokens += len(draft)
+            scheduled.budget -= len(draft)
 
     @staticmethod
     def may_draft(chunk: ScheduledChunk) -> bool:
