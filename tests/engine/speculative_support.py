@@ -20,6 +20,9 @@ class ScriptedProposer:
         self.wrong = wrong
         self.proposed = 0
 
+    def observe(self, chunks) -> None:
+        pass
+
     def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
         drafts = []
         for req, limit in zip(requests, limits):

@@ -48,6 +48,9 @@ class MarkovModel:
 
 
 class FixedDraft:
+    def observe(self, chunks) -> None:
+        pass
+
     def propose(self, requests, limits):
         return [DRAFT[:limit] for limit in limits]
 

@@ -41,7 +41,7 @@ from worker.engine.runner import ModelRunner
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledChunk, Scheduler
 from worker.engine.settings import EngineSettings
-from worker.engine.speculative.factory import build_speculator, draft_bytes_per_page, load_draft_model
+from worker.engine.speculative.factory import build_speculator, load_speculative_model, speculative_bytes_per_page
 from worker.engine.speculative.verify import sampling_rows, settle
 from worker.engine.stop import TextOutput
 from kernels.token_bitmask import apply_token_bitmask
@@ -77,9 +77,9 @@ class Engine(OfflineGeneration):
         self.max_model_len = resolve_max_model_len(settings, config)
         # Stop tokens the model cannot emit (a small test vocabulary) are dropped, not masked.
         self.eos_token_ids = sorted(t for t in set(eos_token_ids) if t < config.vocab_size)
-        draft = load_draft_model(settings, model, device)
+        draft = load_speculative_model(settings, model, device)
         memory = prepare_rank(
-            model, config, settings, device, self.max_model_len, draft_bytes_per_page(draft, settings, device)
+            model, config, settings, device, self.max_model_len, speculative_bytes_per_page(draft, settings, device)
         )
         num_pages = memory.num_pages
         self.allocator = PageAllocator(num_pages)
@@ -103,7 +103,7 @@ class Engine(OfflineGeneration):
         )
         self.sampler = Sampler(self.eos_token_ids)
         self.speculator = build_speculator(
-            settings, self.max_model_len, draft, num_pages, self.scheduler.page_table, device
+            settings, self.max_model_len, draft, model, num_pages, self.scheduler.page_table, device
         )
         self.overlap = overlap_enabled(settings, device)
         self._in_flight: LaunchedStep | None = None  # overlapped: the step the device may still be running
@@ -367,6 +367,8 @@ class Engine(OfflineGeneration):
             logits = self.runner.run(chunks, previous.device_tokens if previous is not None else None)
         except RankFailed as e:
             raise self.ranks.explain(e) if self.ranks is not None else e from None
+        if self.speculator is not None:
+            self.speculator.observe(chunks)
         self.scheduler.commit(chunks)
         if not rows.requests:
             return None

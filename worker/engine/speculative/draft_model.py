@@ -26,6 +26,7 @@ import torch
 from worker.engine.kv_pool import KVCacheShape, allocate_kv_caches, kv_cache_dtype
 from worker.engine.page_table import PageTable
 from worker.engine.request import Request
+from worker.engine.scheduler import ScheduledChunk
 from worker.engine.runner import ModelRunner, build_host_step
 from worker.engine.sampler import greedy_tokens
 from worker.model.kv_scales import use_fp8_kv_scales
@@ -61,6 +62,9 @@ class DraftModelProposer:
             model, allocate_kv_caches(shape, num_pages, device), shape.page_size, device, page_table
         )
         self._states: weakref.WeakKeyDictionary[Request, DraftState] = weakref.WeakKeyDictionary()
+
+    def observe(self, chunks: list[ScheduledChunk]) -> None:
+        pass  # it drafts from the requests' tokens alone
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:

@@ -1,61 +1,93 @@
-"""The speculator a worker's settings ask for, and the model it drafts with."""
+"""The speculator a worker's settings ask for, and the model it drafts with: a draft Qwen3
+(speculative_method draft) or an EAGLE-3 head (eagle3), loaded before the KV pool is sized
+because each page of the pool holds their KV too."""
 
 from __future__ import annotations
 
 import torch
 
 from producer_client.errors import InvalidArgument
+from worker.engine.kv_pool import KVCacheShape
 from worker.engine.page_table import PageTable
 from worker.engine.settings import EngineSettings
 from worker.engine.speculative.draft_model import DraftModelProposer, draft_kv_shape
+from worker.engine.speculative.eagle3 import Eagle3Proposer
 from worker.engine.speculative.ngram import NgramProposer
 from worker.engine.speculative.speculator import Speculator
-from worker.model.config import Qwen3Config
+from worker.model.eagle3 import Eagle3Head
+from worker.model.eagle3_checkpoint import load_eagle3_head
 from worker.model.loader import load_model
 from worker.model.presets import resolve_model_path
 from worker.model.qwen3 import Qwen3ForCausalLM
 
+SpeculativeModel = Qwen3ForCausalLM | Eagle3Head
 
-def load_draft_model(
+
+def load_speculative_model(
     settings: EngineSettings, target: Qwen3ForCausalLM, device: torch.device
-) -> Qwen3ForCausalLM | None:
-    """The draft model of speculative_method draft, in the target's dtype on its device; None otherwise."""
-    if settings.speculative_method != "draft":
+) -> SpeculativeModel | None:
+    """The draft model or EAGLE-3 head, in the target's dtype on its device; None for ngram or off."""
+    method = settings.speculative_method
+    if method not in ("draft", "eagle3"):
         return None
-    draft = load_model(resolve_model_path(settings.speculative_model), target.model.norm.weight.dtype, device)
-    check_same_vocabulary(draft.config, target.config)
-    return draft.model
-
-
-def check_same_vocabulary(draft: Qwen3Config, target: Qwen3Config) -> None:
-    # Drafted ids are the target's ids: a draft of another vocabulary would draft other tokens.
-    if draft.vocab_size != target.vocab_size:
+    path = resolve_model_path(settings.speculative_model)
+    dtype = target.model.norm.weight.dtype
+    if method == "draft":
+        draft = load_model(path, dtype, device).model
+        check_same_vocabulary(draft.config.vocab_size, target.config.vocab_size)
+        return draft
+    whole_embedding = target.model.embed_tokens.weight if target.tp.size == 1 else None
+    head = load_eagle3_head(path, dtype, device, whole_embedding)
+    check_same_vocabulary(head.config.vocab_size, target.config.vocab_size)
+    if head.config.target_hidden_size != target.config.hidden_size:
         raise InvalidArgument(
             "speculative_model",
-            f"the draft's vocabulary has {draft.vocab_size} tokens, the model's {target.vocab_size}: "
-            "a draft model must share the model's tokenizer",
+            f"the EAGLE-3 head reads hidden states of size {head.config.target_hidden_size}, "
+            f"the model's are {target.config.hidden_size}",
+        )
+    target.model.capture_inputs = head.config.aux_layer_inputs(target.config.num_hidden_layers)
+    return head
+
+
+def check_same_vocabulary(draft: int, target: int) -> None:
+    # Drafted ids are the target's ids: a draft of another vocabulary would draft other tokens.
+    if draft != target:
+        raise InvalidArgument(
+            "speculative_model",
+            f"the draft's vocabulary has {draft} tokens, the model's {target}: "
+            "a draft model or head must share the model's tokenizer",
         )
 
 
-def draft_bytes_per_page(draft: Qwen3ForCausalLM | None, settings: EngineSettings, device: torch.device) -> int:
-    if draft is None:
-        return 0
-    return draft_kv_shape(draft, settings.page_size, settings.kv_cache_dtype, device).bytes_per_page
+def speculative_kv_shape(model: SpeculativeModel, settings: EngineSettings, device: torch.device) -> KVCacheShape:
+    if isinstance(model, Qwen3ForCausalLM):
+        return draft_kv_shape(model, settings.page_size, settings.kv_cache_dtype, device)
+    # The head's KV stays in its dtype: its keys are not normalized, so no scale bounds them for float8.
+    config = model.config
+    return KVCacheShape(1, config.num_key_value_heads, config.head_dim, settings.page_size, model.fc.weight.dtype)
+
+
+def speculative_bytes_per_page(model: SpeculativeModel | None, settings: EngineSettings, device: torch.device) -> int:
+    return 0 if model is None else speculative_kv_shape(model, settings, device).bytes_per_page
 
 
 def build_speculator(
     settings: EngineSettings,
     max_model_len: int,
-    draft: Qwen3ForCausalLM | None,
+    model: SpeculativeModel | None,
+    target: Qwen3ForCausalLM,
     num_pages: int,
     page_table: PageTable,
     device: torch.device,
 ) -> Speculator | None:
     if settings.speculative_method is None:
         return None
-    if draft is not None:
-        shape = draft_kv_shape(draft, settings.page_size, settings.kv_cache_dtype, device)
-        proposer = DraftModelProposer(draft, shape, num_pages, page_table, device)
-    else:
+    if model is None:
         proposer = NgramProposer()
+    else:
+        shape = speculative_kv_shape(model, settings, device)
+        if isinstance(model, Qwen3ForCausalLM):
+            proposer = DraftModelProposer(model, shape, num_pages, page_table, device)
+        else:
+            proposer = Eagle3Proposer(model, target, shape, num_pages, page_table, device)
     return Speculator(proposer, settings.num_speculative_tokens, max_model_len)

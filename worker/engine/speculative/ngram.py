@@ -13,6 +13,7 @@ from __future__ import annotations
 import weakref
 
 from worker.engine.request import Request
+from worker.engine.scheduler import ScheduledChunk
 
 MAX_N = 4
 MIN_N = 2  # a single repeated token predicts the next one too rarely to be worth verifying
@@ -46,6 +47,9 @@ class NgramIndex:
 class NgramProposer:
     def __init__(self):
         self._indexes: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
+
+    def observe(self, chunks: list[ScheduledChunk]) -> None:
+        pass  # it drafts from the requests' tokens alone
 
     def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
         drafts = []

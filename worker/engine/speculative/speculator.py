@@ -34,6 +34,10 @@ class Speculator:
             chunk.num_tokens += len(draft)
             scheduled.budget -= len(draft)
 
+    def observe(self, chunks: list[ScheduledChunk]) -> None:
+        """The step the target just ran (an EAGLE-3 head drafts from its hidden states)."""
+        self.proposer.observe(chunks)
+
     @staticmethod
     def may_draft(chunk: ScheduledChunk) -> bool:
         """A decode (its one token is its last) of a request that takes drafts: it has not opted
