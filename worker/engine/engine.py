@@ -26,6 +26,7 @@ from producer_client.schema import SamplingParams
 from worker.engine.errors import PromptTooLong
 from worker.engine.grammar.compiler import GrammarCompiler
 from worker.engine.grammar.constraint import Constraint
+from worker.engine.grammar.draft_masks import DraftMasks
 from worker.engine.grammar.masks import GrammarMasks
 from worker.engine.grammar.request_grammar import RequestGrammar, replayed
 from worker.engine.kv_pool import PageAllocator, pages_for
@@ -102,9 +103,6 @@ class Engine(OfflineGeneration):
             ranks.ring if ranks is not None else None,
         )
         self.sampler = Sampler(self.eos_token_ids)
-        self.speculator = build_speculator(
-            settings, self.max_model_len, draft, model, num_pages, self.scheduler.page_table, device
-        )
         self.overlap = overlap_enabled(settings, device)
         self._in_flight: LaunchedStep | None = None  # overlapped: the step the device may still be running
         self.reader = StepReader(self.scheduler, self.eos_token_ids, self.max_model_len, self.vocab_size)
@@ -112,6 +110,10 @@ class Engine(OfflineGeneration):
         mask_vocab = max(self.vocab_size, tokenizer.vocab_size)
         self.grammars = GrammarCompiler(tokenizer, mask_vocab, self.eos_token_ids, settings.grammar_cache_size)
         self.masks = GrammarMasks(mask_vocab, self.eos_token_ids, settings.max_running)
+        self.draft_masks = DraftMasks(self.masks)
+        self.speculator = build_speculator(
+            settings, self.max_model_len, draft, model, num_pages, self.scheduler.page_table, device, self.draft_masks
+        )
         self._compiling: list[Request] = []  # requests whose grammar has not started yet
         self._ended: list[RequestOutput] = []  # finals of requests that ended between steps (aborts)
         self._arrivals = itertools.count()
@@ -377,10 +379,11 @@ class Engine(OfflineGeneration):
         if constrained:
             if previous is not None and not previous.read:
                 outputs.extend(self._read(previous))
-            batch_mask = self.masks.batch_mask(rows.views)
+            batch_mask = self.draft_masks.add_rows(self.masks.batch_mask(rows.views), rows.views)
             if batch_mask is not None:
                 mask = functools.partial(self.masks.apply, mask=batch_mask)
         sampled = self.sampler.sample(logits, rows.views, mask)
+        self.draft_masks.release()
         return launched(rows.requests, sampled, constrained, rows.verification)
 
     def _take_in_flight(self) -> LaunchedStep | None:

@@ -64,6 +64,8 @@ class StepReader:
             if offset > 0:
                 self.scheduler.accept_draft_token(req)
                 verification.num_accepted += 1
+                if req.grammar is not None:
+                    req.grammar.advance()  # the drafted token just taken: whether it completed the output
             output = self._take_row(req, index, token, lp, finite)
             if outputs and outputs[-1].request_id == req.request_id:
                 merge_into(outputs[-1], output)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from producer_client.errors import InvalidArgument
+from worker.engine.grammar.draft_masks import DraftMasks
 from worker.engine.kv_pool import KVCacheShape
 from worker.engine.page_table import PageTable
 from worker.engine.settings import EngineSettings
@@ -79,6 +80,7 @@ def build_speculator(
     num_pages: int,
     page_table: PageTable,
     device: torch.device,
+    draft_masks: DraftMasks,
 ) -> Speculator | None:
     if settings.speculative_method is None:
         return None
@@ -90,4 +92,4 @@ def build_speculator(
             proposer = DraftModelProposer(model, shape, num_pages, page_table, device)
         else:
             proposer = Eagle3Proposer(model, target, shape, num_pages, page_table, device)
-    return Speculator(proposer, settings.num_speculative_tokens, max_model_len)
+    return Speculator(proposer, settings.num_speculative_tokens, max_model_len, draft_masks)

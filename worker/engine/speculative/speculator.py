@@ -4,16 +4,18 @@ the step's token budget and the free KV pages."""
 
 from __future__ import annotations
 
+from worker.engine.grammar.draft_masks import DraftMasks
 from worker.engine.request import Request
 from worker.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from worker.engine.speculative.proposer import Proposer
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, num_tokens: int, max_model_len: int):
+    def __init__(self, proposer: Proposer, num_tokens: int, max_model_len: int, draft_masks: DraftMasks):
         self.proposer = proposer
         self.num_tokens = num_tokens  # k: the longest draft
         self.max_model_len = max_model_len
+        self.draft_masks = draft_masks  # a request with a grammar keeps the draft its masks allow
 
     def draft(self, scheduled: SchedulerOutput, scheduler: Scheduler) -> None:
         """Gives the step's decoding chunks their drafts (chunk.draft, chunk.num_tokens). Each
@@ -30,6 +32,8 @@ class Speculator:
         if not chunks:
             return
         for chunk, draft in zip(chunks, self.proposer.propose([c.request for c in chunks], limits)):
+            if draft and chunk.request.grammar is not None:
+                draft = draft[: self.draft_masks.allowed(chunk.request, draft)]
             chunk.draft = draft
             chunk.num_tokens += len(draft)
             scheduled.budget -= len(draft)
@@ -40,16 +44,9 @@ class Speculator:
 
     @staticmethod
     def may_draft(chunk: ScheduledChunk) -> bool:
-        """A decode (its one token is its last) of a request that takes drafts: it has not opted
-        out and has no grammar (whose mask at each drafted position is not built yet)."""
+        """A decode (its one token is its last) of a request that has not opted out."""
         req = chunk.request
-        return (
-            chunk.samples
-            and chunk.num_tokens == 1
-            and req.params.speculative
-            and req.grammar is None
-            and not req.token_in_flight
-        )
+        return chunk.samples and chunk.num_tokens == 1 and req.params.speculative and not req.token_in_flight
 
     def room(self, req: Request) -> int:
         """How many drafted tokens the request can still use: a step that accepts n of them also

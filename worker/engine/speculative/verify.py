@@ -41,7 +41,7 @@ class Lookahead:
 
     @property
     def grammar(self):
-        return None  # drafts are not given to requests with a grammar
+        return None  # its row's mask is the request's grammar after the draft (grammar/draft_masks.py)
 
     @property
     def is_finished(self) -> bool:
