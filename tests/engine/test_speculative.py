@@ -151,8 +151,9 @@ def test_a_stop_string_ends_the_stream_where_it_would_without_speculation(make_e
         dict(num_pages=24),  # preemption: a pool too small for every request at once
         dict(overlap_schedule=True),
         dict(max_model_len=48),  # drafts end where the context does
+        dict(kv_cache_dtype="fp8_e4m3"),
     ],
-    ids=["small-budget", "preemption", "overlap", "max-model-len"],
+    ids=["small-budget", "preemption", "overlap", "max-model-len", "fp8-kv"],
 )
 def test_engine_settings_change_no_output(make_engine, settings):
     params = SamplingParams(temperature=0, max_tokens=20)

@@ -34,8 +34,8 @@ def acceptance(engine) -> float:
 
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"num_pages": 24}, {"max_num_batched_tokens": 24, "max_running": 8}],
-    ids=["roomy", "preemption", "small-budget"],
+    [{}, {"num_pages": 24}, {"max_num_batched_tokens": 24, "max_running": 8}, {"kv_cache_dtype": "fp8_e4m3"}],
+    ids=["roomy", "preemption", "small-budget", "fp8-kv"],
 )
 def test_the_model_drafting_for_itself_is_accepted_throughout(make_engine, checkpoint, settings):
     want = make_engine(**settings).generate(PROMPTS, GREEDY)

@@ -21,7 +21,7 @@ from tests.engine.conftest import DENSE
 from tests.engine.test_engine import assert_all_pages_free_after_clear, random_prompts
 from tests.engine.test_speculative import assert_same_outputs
 from worker.model.config import CheckpointError
-from worker.model.eagle3_checkpoint import write_random_eagle3_head
+from worker.model.eagle3_checkpoint import load_eagle3_head, write_random_eagle3_head
 from worker.model.eagle3_config import read_eagle3_config
 from worker.model.presets import qwen3_config
 
@@ -46,7 +46,11 @@ def test_a_published_layout_reads_the_aux_layers_in_its_own_convention(head):
     assert config.norm_before_residual == ("layers.0.hidden_norm.weight" in load_file(head / "model.safetensors"))
 
 
-@pytest.mark.parametrize("settings", [{}, {"num_pages": 24}], ids=["roomy", "preemption"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"num_pages": 24}, {"kv_cache_dtype": "fp8_e4m3", "overlap_schedule": True}],
+    ids=["roomy", "preemption", "fp8-kv-overlapped"],
+)
 def test_greedy_and_seeded_outputs_equal_the_engine_without_speculation(make_engine, head, settings):
     params = [SamplingParams(temperature=0, max_tokens=20), SamplingParams(temperature=0.9, seed=2, max_tokens=20)] * 2
     want = make_engine(**settings).generate(PROMPTS, params)
@@ -84,6 +88,12 @@ def test_a_head_of_another_vocabulary_or_hidden_size_is_refused(make_engine, tmp
     narrower = qwen3_config(**{**DENSE, "hidden_size": 32})
     with pytest.raises(InvalidArgument, match="hidden states of size 32"):
         eagle_engine(make_engine, write_random_eagle3_head(tmp_path / "hidden", narrower, aux_layer_ids=[0, 0, 1]))
+
+
+def test_a_head_without_an_embedding_needs_the_models_whole(head):
+    # As under tensor parallelism, where rank 0 holds a share of the model's embedding only.
+    with pytest.raises(CheckpointError, match="split across tensor-parallel ranks"):
+        load_eagle3_head(head, torch.float32, torch.device("cpu"), None)
 
 
 def test_a_head_missing_a_tensor_is_refused_naming_it(make_engine, head, tmp_path):

@@ -62,11 +62,11 @@ def test_steps_arrive_whole_and_in_order_with_their_draws_count():
 def test_a_slot_holds_the_largest_step_and_a_larger_one_is_refused():
     ring = StepRing(readers=1, capacity=message_bytes(32, 8, 4), timeout_s=5)
     reader = ring.reader(0)
-    largest = host_step(0, 32, 8, 4, 8)
+    largest = host_step(0, 32, 8, 4, 32)  # every token samples, as in a step that verifies drafts
     ring.send(largest)
     assert_same(reader.receive().step, largest)
     with pytest.raises(ValueError, match="overflows the ring's"):
-        ring.send(host_step(1, 32, 8, 5, 8))
+        ring.send(host_step(1, 32, 8, 5, 32))
 
 
 def read_in_another_process(reader, count: int, results) -> None:

@@ -65,8 +65,9 @@ def lengths(tokens: int, rows: int, width: int, samples: int) -> dict[str, int]:
 
 def message_bytes(tokens: int, rows: int, width: int) -> int:
     """The largest message a step of up to `tokens` tokens over up to `rows` sequences, page
-    tables up to `width` wide, can take: what a slot must hold."""
-    sizes = lengths(tokens, rows, width, rows)
+    tables up to `width` wide, can take: what a slot must hold. Every token may sample (a step
+    that verifies drafted tokens samples at each)."""
+    sizes = lengths(tokens, rows, width, tokens)
     return 8 * HEADER + sum(aligned(sizes[name] * np.dtype(dtype).itemsize) for name, dtype in ARRAYS)
 
 

@@ -47,7 +47,10 @@ def load_eagle3_head(
     tensors = read_tensors(path)
     own_embedding = tensors.pop("embed_tokens.weight", None)
     if own_embedding is None and target_embedding is None:
-        raise CheckpointError(f"{path}: the head has no embed_tokens.weight and no target embedding was given")
+        raise CheckpointError(
+            f"{path}: the head has no embed_tokens.weight of its own, and the model's embedding is split "
+            "across tensor-parallel ranks: serve it with one rank, or give the head the model's embedding"
+        )
     with torch.device(device):
         head = Eagle3Head(config, dtype, None if own_embedding is not None else target_embedding)
     weights = head_weights(tensors, config, path)
