@@ -42,11 +42,26 @@ class ScriptedProposer:
         return (token + 1) % self.vocab_size if self.wrong(position) else token
 
 
+class AlwaysSpeculate:
+    """In place of the adaptive choice: every step speculates, so a test knows which drafts run."""
+
+    def speculate(self, batch: int) -> bool:
+        return True
+
+    def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        pass
+
+
+def always_speculating(engine):
+    engine.speculator.adaptive = AlwaysSpeculate()
+    return engine
+
+
 def speculative(make, proposer_outputs, vocab_size: int, wrong=lambda position: False, k: int = 4, **settings):
-    """An engine from `make` with a ScriptedProposer drafting up to k tokens."""
+    """An engine from `make` with a ScriptedProposer drafting up to k tokens at every step."""
     engine = make(speculative_method="ngram", num_speculative_tokens=k, **settings)
     engine.speculator.proposer = ScriptedProposer(proposer_outputs, vocab_size, wrong)
-    return engine
+    return always_speculating(engine)
 
 
 def known_outputs(engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]):

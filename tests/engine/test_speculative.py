@@ -5,7 +5,7 @@ models of several shapes and with every feature a request can use."""
 import pytest
 
 from producer_client.schema import SamplingParams
-from tests.engine.speculative_support import known_outputs, speculative
+from tests.engine.speculative_support import always_speculating, known_outputs, speculative
 from tests.engine.support import VOCAB
 from tests.engine.test_engine import assert_all_pages_free_after_clear, random_prompts
 from worker.engine.speculative.ngram import NgramIndex
@@ -70,7 +70,7 @@ def test_ngram_drafts_on_repetitive_text_are_accepted_and_change_nothing(make_ti
     prompts = [[11, 12, 13, 14, 15] * 4, [21, 22, 23] * 6 + [21]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = make_tiny_engine().generate(prompts, params)
-    engine = make_tiny_engine(speculative_method="ngram")
+    engine = always_speculating(make_tiny_engine(speculative_method="ngram"))
     assert_same_outputs(engine.generate(prompts, params), want)
     assert engine.stats().accepted_draft_tokens > 0
 

@@ -9,6 +9,7 @@ import torch
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
 from tests.engine.conftest import DENSE, write_test_checkpoint
+from tests.engine.speculative_support import always_speculating
 from tests.engine.test_engine import assert_all_pages_free_after_clear, random_prompts
 from tests.engine.test_speculative import assert_same_outputs
 from worker.engine.kv_pool import KVCacheShape
@@ -39,7 +40,7 @@ def acceptance(engine) -> float:
 )
 def test_the_model_drafting_for_itself_is_accepted_throughout(make_engine, checkpoint, settings):
     want = make_engine(**settings).generate(PROMPTS, GREEDY)
-    engine = make_engine(speculative_method="draft", speculative_model=str(checkpoint), **settings)
+    engine = always_speculating(make_engine(speculative_method="draft", speculative_model=str(checkpoint), **settings))
     assert_same_outputs(engine.generate(PROMPTS, GREEDY), want)
     assert acceptance(engine) > 0.97
     if "num_pages" in settings:
@@ -50,7 +51,9 @@ def test_the_model_drafting_for_itself_is_accepted_throughout(make_engine, check
 def test_a_smaller_draft_changes_no_output_greedy_or_seeded(make_engine, small_draft):
     params = [GREEDY, SamplingParams(temperature=0.8, top_k=30, seed=5, max_tokens=24)] * 3
     want = make_engine().generate(PROMPTS, params)
-    engine = make_engine(speculative_method="draft", speculative_model=str(small_draft), num_speculative_tokens=3)
+    engine = always_speculating(
+        make_engine(speculative_method="draft", speculative_model=str(small_draft), num_speculative_tokens=3)
+    )
     assert_same_outputs(engine.generate(PROMPTS, params), want)
     assert engine.stats().draft_tokens > 0
 
@@ -59,7 +62,7 @@ def test_tiny_drafts_for_tiny_by_preset_name(make_tiny_engine):
     prompts = [[11, 12, 13, 14, 15] * 3, [21, 22, 23, 24]]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = make_tiny_engine().generate(prompts, params)
-    engine = make_tiny_engine(speculative_method="draft", speculative_model="tiny")
+    engine = always_speculating(make_tiny_engine(speculative_method="draft", speculative_model="tiny"))
     assert_same_outputs(engine.generate(prompts, params), want)
     assert acceptance(engine) > 0.97
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
 from tests.engine.conftest import DENSE
+from tests.engine.speculative_support import always_speculating
 from tests.engine.test_engine import assert_all_pages_free_after_clear, random_prompts
 from tests.engine.test_speculative import assert_same_outputs
 from worker.model.config import CheckpointError
@@ -37,7 +38,8 @@ def head(request, tmp_path_factory):
 
 
 def eagle_engine(make_engine, head, **settings):
-    return make_engine(speculative_method="eagle3", speculative_model=str(head), num_speculative_tokens=3, **settings)
+    engine = make_engine(speculative_method="eagle3", speculative_model=str(head), num_speculative_tokens=3, **settings)
+    return always_speculating(engine)
 
 
 def test_a_published_layout_reads_the_aux_layers_in_its_own_convention(head):

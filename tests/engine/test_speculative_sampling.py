@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from producer_client.schema import SamplingParams
+from tests.engine.speculative_support import always_speculating
 from tests.engine.support import VOCAB
 from worker.engine import Engine, EngineSettings
 from worker.model.parallel import SINGLE
@@ -64,6 +65,7 @@ def markov_engine(loaded):
         engine = Engine(MarkovModel(), config, tokenizer, EngineSettings.parse(**settings), [], torch.device("cpu"))
         if engine.speculator is not None:
             engine.speculator.proposer = FixedDraft()
+            always_speculating(engine)
         return engine
 
     return make

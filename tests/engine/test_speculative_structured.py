@@ -6,7 +6,7 @@ when the output completes inside a draft (drafted tokens follow the known output
 import pytest
 
 from producer_client.schema import SamplingParams
-from tests.engine.speculative_support import ScriptedProposer
+from tests.engine.speculative_support import ScriptedProposer, always_speculating
 from tests.engine.test_engine import random_prompts
 from tests.engine.test_speculative import assert_same_outputs
 from tests.engine.test_structured import FORMAT, SAMPLINGS, THINK_END, assert_valid, constrained, drive
@@ -18,7 +18,7 @@ VOCAB = 151936
 def spec_engine(make_tiny_engine, outputs, wrong=lambda position: position % 4 == 3, **settings):
     engine = make_tiny_engine(speculative_method="ngram", num_speculative_tokens=4, **settings)
     engine.speculator.proposer = ScriptedProposer(outputs, VOCAB, wrong)
-    return engine
+    return always_speculating(engine)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])

@@ -279,11 +279,13 @@ class Engine(OfflineGeneration):
 
         Overlapped (`self.overlap`), the step is launched and the previous one's deltas are
         returned while the device runs it (worker.engine.overlap)."""
+        started = time.perf_counter()
         self._check_ranks()
         outputs, self._ended = self._ended, []
         if self._compiling:
             self._start_grammars(outputs)
-        speculating = self.speculator is not None
+        batch = len(self.scheduler.running)
+        speculating = self.speculator is not None and self.speculator.adaptive.speculate(batch)
         if self._in_flight is not None and (self._in_flight.needs_host_tokens or speculating):
             outputs.extend(self._read(self._take_in_flight()))  # a draft follows the tokens read
         scheduled = self.scheduler.schedule()
@@ -304,6 +306,8 @@ class Engine(OfflineGeneration):
             self._compiling[0].grammar.wait_compiled(COMPILE_WAIT_S)
         if not self.overlap and self._in_flight is not None:
             outputs.extend(self._read(self._take_in_flight()))
+        if self.speculator is not None:
+            self.speculator.measure(batch, speculating, scheduled.chunks, outputs, time.perf_counter() - started)
         return outputs
 
     def abort(self, request_id: str) -> bool:

@@ -5,8 +5,10 @@ the step's token budget and the free KV pages."""
 from __future__ import annotations
 
 from worker.engine.grammar.draft_masks import DraftMasks
+from worker.engine.outputs import RequestOutput
 from worker.engine.request import Request
 from worker.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from worker.engine.speculative.adaptive import AdaptiveSpeculation
 from worker.engine.speculative.proposer import Proposer
 
 
@@ -16,6 +18,7 @@ class Speculator:
         self.num_tokens = num_tokens  # k: the longest draft
         self.max_model_len = max_model_len
         self.draft_masks = draft_masks  # a request with a grammar keeps the draft its masks allow
+        self.adaptive = AdaptiveSpeculation()  # whether a step speculates
 
     def draft(self, scheduled: SchedulerOutput, scheduler: Scheduler) -> None:
         """Gives the step's decoding chunks their drafts (chunk.draft, chunk.num_tokens). Each
@@ -37,6 +40,14 @@ class Speculator:
             chunk.draft = draft
             chunk.num_tokens += len(draft)
             scheduled.budget -= len(draft)
+
+    def measure(
+        self, batch: int, speculated: bool, chunks: list[ScheduledChunk], outputs: list[RequestOutput], seconds: float
+    ) -> None:
+        """A step's output tokens per second, for the adaptive choice: decode steps only, since a
+        prefill chunk's cost says nothing about speculation."""
+        if chunks and all(c.num_tokens - len(c.draft) == 1 and c.samples for c in chunks):
+            self.adaptive.record(batch, speculated, sum(len(o.new_token_ids) for o in outputs), seconds)
 
     def observe(self, chunks: list[ScheduledChunk]) -> None:
         """The step the target just ran (an EAGLE-3 head drafts from its hidden states)."""
