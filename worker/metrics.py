@@ -111,6 +111,12 @@ class WorkerMetrics:
             "Structured outputs: time spent compiling grammars, off the step loop.",
             registry=r,
         )
+        self.draft_tokens = Counter(
+            "mili_speculative_draft_tokens", "Speculative decoding: drafted tokens verified.", registry=r
+        )
+        self.accepted_draft_tokens = Counter(
+            "mili_speculative_accepted_tokens", "Speculative decoding: drafted tokens accepted as output.", registry=r
+        )
         jobs = Counter("mili_jobs", "Jobs this worker ended, by outcome.", ["outcome"], registry=r)
         # Each outcome's counter, exported at 0 from the start so that rates are defined, and
         # looked up once: labels() costs more than the increment.
@@ -152,6 +158,8 @@ class WorkerMetrics:
             "grammar_cache_hits": self.grammar_cache_hits,
             "grammar_compiles": self.grammar_compiles,
             "grammar_compile_seconds": self.grammar_compile_seconds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_draft_tokens": self.accepted_draft_tokens,
         }
         for name, counter in counters.items():
             total = getattr(stats, name)

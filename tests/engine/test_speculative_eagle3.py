@@ -21,6 +21,8 @@ from tests.engine.conftest import DENSE
 from tests.engine.speculative_support import always_speculating
 from tests.engine.test_engine import assert_all_pages_free_after_clear, random_prompts
 from tests.engine.test_speculative import assert_same_outputs
+from worker.engine.kv_pool import pages_for
+from worker.engine.verify_graphs import VerifyGraphRunner
 from worker.model.config import CheckpointError
 from worker.model.eagle3_checkpoint import load_eagle3_head, write_random_eagle3_head
 from worker.model.eagle3_config import read_eagle3_config
@@ -70,6 +72,21 @@ def test_the_head_drafts_what_the_published_math_drafts(make_engine, head, hf_mo
     weights, config = head_tensors(head), read_eagle3_config(head)
     for tokens, draft in proposals:
         assert draft == reference_drafts(hf_model, weights, config, tokens, len(draft))
+
+
+def test_replayed_verify_steps_give_the_head_the_same_states(make_engine, head):
+    """Padded for a graph, a verify step's captured states come back in the step's own row order."""
+    eager = eagle_engine(make_engine, head)
+    eager_proposals = record_proposals(eager)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    want = eager.generate(PROMPTS, params)
+    padded = eagle_engine(make_engine, head)
+    padded.runner.verify_graphs = VerifyGraphRunner(
+        padded.runner.model, padded.runner.kv_caches, 4, pages_for(padded.max_model_len + 4, 4), 4, torch.device("cpu")
+    )
+    proposals = record_proposals(padded)
+    assert_same_outputs(padded.generate(PROMPTS, params), want)
+    assert proposals == eager_proposals
 
 
 def test_the_captured_states_are_the_targets_layer_inputs(make_engine, head, hf_model):

@@ -125,6 +125,7 @@ class DecodeGraphRunner:
         self.sizes = capture_sizes(max_batch)
         self.buffers = DecodeBuffers(max_batch, max_pages, device)
         self._graphs: dict[int, Callable[[], torch.Tensor | None]] = {}
+        self._captured: dict[int, torch.Tensor | None] = {}  # each graph's hidden states for an EAGLE-3 head
         self._pool = None  # the memory pool all graphs share: they never run at once
         # Every size's logits are rows of this one buffer, on the rank that samples. A buffer per graph
         # held most of the 1,426 MiB that 20 graphs took on an H200 (qwen3-0.6b, batch 256). Sharing is
@@ -155,6 +156,9 @@ class DecodeGraphRunner:
         self.buffers.load(inputs, size)
         replay = self._graphs.get(size)
         logits = replay() if replay is not None else self._forward(size)
+        states = self.model.model
+        if states.capture_inputs:
+            states.captured = (self._captured[size] if replay is not None else states.captured)[:b]
         return logits[:b] if logits is not None else None
 
     @torch.inference_mode()
@@ -164,6 +168,7 @@ class DecodeGraphRunner:
         start = time.perf_counter()
         for size in reversed(self.sizes):
             self._graphs[size] = self._capture(size)
+            self._captured[size] = self.model.model.captured
         torch.cuda.synchronize()
         free_after = torch.cuda.mem_get_info(self.buffers.input_ids.device)[0]
         log.info(

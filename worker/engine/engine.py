@@ -101,6 +101,7 @@ class Engine(OfflineGeneration):
             self.scheduler.page_table,
             memory.decode_graphs,
             ranks.ring if ranks is not None else None,
+            memory.verify_graphs,
         )
         self.sampler = Sampler(self.eos_token_ids)
         self.overlap = overlap_enabled(settings, device)
@@ -119,7 +120,7 @@ class Engine(OfflineGeneration):
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         self._steps = self._computed_tokens = self._computed_prompt_tokens = 0
-        self._draft_tokens = self._accepted_draft_tokens = 0
+        self._drafts = self._draft_tokens = self._accepted_draft_tokens = 0
         self._log_limits(num_pages)
 
     @classmethod
@@ -352,6 +353,7 @@ class Engine(OfflineGeneration):
             grammars.cache_hits,
             grammars.compiles,
             grammars.compile_seconds,
+            self._drafts,
             self._draft_tokens,
             self._accepted_draft_tokens,
         )
@@ -401,6 +403,7 @@ class Engine(OfflineGeneration):
         outputs = self.reader.read(step, self.sampler.read(step.wait(), step.requests))
         if step.verification is not None:
             settle(step.verification, self.sampler.penalties, self.vocab_size)
+            self._drafts += step.verification.num_drafts
             self._draft_tokens += step.verification.num_draft_tokens
             self._accepted_draft_tokens += step.verification.num_accepted
         if step.constrained:

@@ -68,7 +68,12 @@ def start_rank(spec: RankSpec) -> ModelRunner:
     memory = prepare_rank(loaded.model, loaded.config, settings, spec.device, max_model_len)
     loaded.model.warm_up_experts(settings.max_num_batched_tokens)
     return ModelRunner(
-        loaded.model, memory.kv_caches, settings.page_size, spec.device, decode_graphs=memory.decode_graphs
+        loaded.model,
+        memory.kv_caches,
+        settings.page_size,
+        spec.device,
+        decode_graphs=memory.decode_graphs,
+        verify_graphs=memory.verify_graphs,
     )
 
 

@@ -93,20 +93,24 @@ def kv_cache_pages(
 
 def profile_batch(settings: EngineSettings, vocab_size: int) -> tuple[list[Request], list[ScheduledChunk]]:
     """The largest step: max_num_batched_tokens prompt tokens over min(max_running, that)
-    sequences as even as they split, each prefilled whole and sampling with PROFILE_PARAMS.
-    Sequence i owns the pages that follow sequence i-1's, from page 0."""
+    sequences as even as they split, each prefilled whole and sampling with PROFILE_PARAMS, at
+    its last k + 1 tokens under speculative decoding (a verify step samples at every token).
+    Sequence i owns the pages that follow sequence i-1's, from page 0. The requests: one per
+    sampled row."""
     num_tokens = settings.max_num_batched_tokens
     num_seqs = min(settings.max_running, num_tokens)
-    requests, chunks, next_page = [], [], 0
+    verified = settings.num_speculative_tokens if settings.speculative_method is not None else 0
+    rows, chunks, next_page = [], [], 0
     for i in range(num_seqs):
         length = num_tokens // num_seqs + (i < num_tokens % num_seqs)
         req = Request(f"profile-{i}", [(i + t) % vocab_size for t in range(length)], PROFILE_PARAMS, 0, i, None, None)
         pages = pages_for(length, settings.page_size)
         req.pages = list(range(next_page, next_page + pages))
         next_page += pages
-        requests.append(req)
-        chunks.append(ScheduledChunk(req, 0, length, True))
-    return requests, chunks
+        draft = req.token_ids[length - min(verified, length - 1) :] if length > 1 else []
+        chunks.append(ScheduledChunk(req, 0, length, True, draft))
+        rows += [req] * (1 + len(draft))
+    return rows, chunks
 
 
 @torch.inference_mode()
@@ -119,7 +123,7 @@ def profile_activation_peak(
 ) -> int:
     """Bytes the profile batch's step allocates at its peak beyond what was live before it (CUDA)."""
     requests, chunks = profile_batch(settings, vocab_size)
-    caches = allocate_kv_caches(shape, sum(len(r.pages) for r in requests), device)
+    caches = allocate_kv_caches(shape, sum(len(c.request.pages) for c in chunks), device)
     runner = ModelRunner(model, caches, settings.page_size, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -132,8 +136,9 @@ def profile_activation_peak(
     del caches, runner
     torch.cuda.empty_cache()  # what the pass cached must count as free for the pool
     log.info(
-        "profiled the largest step (%d tokens over %d sequences, all sampling): activations peak at %.0f MiB",
+        "profiled the largest step (%d tokens over %d sequences, %d rows sampling): activations peak at %.0f MiB",
         settings.max_num_batched_tokens,
+        len(chunks),
         len(requests),
         peak / 2**20,
     )

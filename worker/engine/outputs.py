@@ -84,5 +84,6 @@ class EngineStats:
     grammar_cache_hits: int = 0  # structured outputs: requests whose grammar was compiled already
     grammar_compiles: int = 0  # grammars compiled (cache misses), failures included
     grammar_compile_seconds: float = 0.0  # the time those compiles took, on the compile thread
-    draft_tokens: int = 0  # speculative decoding: tokens drafted and verified
+    drafts: int = 0  # speculative decoding: drafts verified (a request's, in a step)
+    draft_tokens: int = 0  # the tokens they held
     accepted_draft_tokens: int = 0  # of those, accepted as output

@@ -18,6 +18,7 @@ from worker.engine.kv_pool import KVCacheShape, allocate_kv_caches, kv_cache_dty
 from worker.engine.memory import kv_cache_pages, profile_activation_peak
 from producer_client.errors import InvalidArgument
 from worker.engine.settings import EngineSettings
+from worker.engine.verify_graphs import VerifyGraphRunner
 from worker.model.batch import KVCaches
 from worker.model.config import Qwen3Config
 from worker.model.kv_scales import use_fp8_kv_scales
@@ -40,6 +41,7 @@ class RankMemory(NamedTuple):
     num_pages: int
     kv_caches: KVCaches
     decode_graphs: DecodeGraphRunner | None  # captured on CUDA when settings.cuda_graphs
+    verify_graphs: VerifyGraphRunner | None  # the same, for speculative decoding's verify steps
 
 
 def kv_cache_shape(
@@ -91,10 +93,15 @@ def prepare_rank(
     if num_pages < pages:
         log.info("KV cache: %d pages, as many as every rank of the tensor-parallel group holds", num_pages)
     kv_caches = allocate_kv_caches(shape, num_pages, device)
-    graphs = None
+    graphs = verify = None
     if settings.cuda_graphs and device.type == "cuda":
         # A page table row never needs more pages than max_model_len tokens fill, nor than the pool has.
         max_pages = min(pages_for(max_model_len, settings.page_size), num_pages)
         graphs = DecodeGraphRunner(model, kv_caches, settings.max_running, max_pages, device)
         graphs.capture()
-    return RankMemory(num_pages, kv_caches, graphs)
+        if settings.speculative_method is not None:
+            q = settings.num_speculative_tokens + 1  # a verify step's padding reads up to q keys past a sequence
+            verify_pages = pages_for(max_model_len + q, settings.page_size)
+            verify = VerifyGraphRunner(model, kv_caches, settings.max_running, verify_pages, q, device)
+            verify.capture()
+    return RankMemory(num_pages, kv_caches, graphs, verify)

@@ -16,12 +16,14 @@ from worker.engine.kv_pool import pages_for
 from worker.engine.page_table import PageTable
 from worker.engine.request import Request
 from worker.engine.scheduler import ScheduledChunk
+from worker.engine.verify_graphs import is_verify_step, padded_verify_step
 from worker.model.batch import KVCaches, StepInputs
 from worker.model.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:
     from worker.engine.cuda_graph import DecodeGraphRunner
     from worker.engine.step_ring import StepRing
+    from worker.engine.verify_graphs import VerifyGraphRunner
 
 
 class ModelRunner:
@@ -34,6 +36,7 @@ class ModelRunner:
         page_table: PageTable | None = None,
         decode_graphs: DecodeGraphRunner | None = None,
         ring: StepRing | None = None,
+        verify_graphs: VerifyGraphRunner | None = None,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -44,6 +47,7 @@ class ModelRunner:
         self.page_table = page_table if page_table is not None else PageTable()
         self.decode_graphs = decode_graphs  # captured at start on CUDA: decode steps replay them
         self.ring = ring  # rank 0 of a tensor-parallel group: where the other ranks read each step
+        self.verify_graphs = verify_graphs  # speculative decoding's verify steps replay them on CUDA
         self._logits: torch.Tensor | None = None  # reused on CPU, see compute_logits
 
     @torch.inference_mode()
@@ -69,6 +73,8 @@ class ModelRunner:
             inputs.input_ids = resolve_future_tokens(inputs.input_ids, self.model.tp.broadcast(future_tokens))
         if self.decode_graphs is not None and self.decode_graphs.fits(inputs):
             return self.decode_graphs.run(inputs)
+        if self.verify_graphs is not None and self.verify_graphs.fits(step):
+            return self.verify_graphs.run(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         return self.compute_logits(hidden[inputs.sample_indices])
 
@@ -90,7 +96,10 @@ class ModelRunner:
         return self.host_step(chunks).to_device(self.device)
 
     def host_step(self, chunks: list[ScheduledChunk]) -> HostStep:
-        """The step's host arrays: each chunk's tokens from its request (its draft after them)."""
+        """The step's host arrays: each chunk's tokens from its request (its draft after them);
+        a verify step that a graph can replay is laid out for it (worker.engine.verify_graphs)."""
+        if self.verify_graphs is not None and is_verify_step(chunks):
+            return padded_verify_step(self.page_table, self.page_size, chunks, self.verify_graphs.q)
         prefix = np.array([c.start for c in chunks], dtype=np.int64)
         q_len = np.array([c.num_tokens for c in chunks], dtype=np.int64)
         if int(q_len.max()) == 1:

@@ -76,6 +76,7 @@ class Verification:
     expected: list[int | None]  # per row: the draft token its draw must equal for the next row to count
     seeded: list[SeededRows] = field(default_factory=list)
     penalized: list[Request] = field(default_factory=list)
+    num_drafts: int = 0  # requests with a draft
     num_draft_tokens: int = 0
     num_accepted: int = 0  # draft tokens the reader took
 
@@ -107,6 +108,7 @@ def sampling_rows(chunks: list[ScheduledChunk]) -> SamplingRows:
 
 
 def note_draft(verification: Verification, req: Request, num_tokens: int) -> None:
+    verification.num_drafts += 1
     verification.num_draft_tokens += num_tokens
     if req.generator is not None and not is_greedy(req.params):
         verification.seeded.append(SeededRows(req, req.generator.get_state(), len(req.token_ids), num_tokens + 1))
