@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from producer_client.schema import SamplingParams
-from tests.engine.speculative_support import known_outputs, speculative
+from tests.engine.speculative_support import AlwaysSpeculate, known_outputs, speculative
 from tests.engine.support import VOCAB
 from tests.engine.test_engine import random_prompts
 from tests.engine.test_speculative import assert_same_outputs
@@ -55,3 +55,34 @@ def test_an_engine_replaying_padded_verify_steps_generates_what_it_does_without_
     with mock.patch.object(graphs, "run", wraps=graphs.run) as replays:
         assert_same_outputs(engine.generate(prompts, params), want)
     assert {call.args[0].meta.prefix_lens.shape[0] for call in replays.call_args_list} >= {1, 7}
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_on_cuda_captured_verify_graphs_and_overlap_generate_what_eager_plain_steps_do(checkpoint, kv_cache_dtype):
+    from worker.engine import Engine
+
+    def engine(**settings):
+        return Engine.from_pretrained(
+            checkpoint,
+            device="cuda",
+            dtype="float32",
+            page_size=4,
+            max_running=8,
+            kv_cache_dtype=kv_cache_dtype,
+            **settings,
+        )
+
+    prompts = random_prompts(7, 1, 40, seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i) for i in range(7)]
+    params[2] = SamplingParams(temperature=0.9, seed=4, max_tokens=10, logprobs=2)
+    want = engine(num_pages=256, cuda_graphs=False, overlap_schedule=False).generate(prompts, params)
+    fast = engine(gpu_memory_utilization=0.01, speculative_method="draft", speculative_model=str(checkpoint))
+    assert fast.runner.verify_graphs is not None and fast.overlap
+    fast.speculator.adaptive = AlwaysSpeculate()
+    with mock.patch.object(fast.runner.verify_graphs, "run", wraps=fast.runner.verify_graphs.run) as replays:
+        assert_same_outputs(fast.generate(prompts, params), want)
+    assert replays.call_count > 0 and fast.stats().accepted_draft_tokens > 0

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from worker.engine.cuda_graph import DecodeGraphRunner
 from worker.engine.kv_pool import KVCacheShape, allocate_kv_caches, kv_cache_dtype
 from worker.engine.page_table import PageTable
 from worker.engine.request import Request
@@ -55,12 +56,18 @@ class DraftModelProposer:
         num_pages: int,
         page_table: PageTable,
         device: torch.device,
+        graph_shape: tuple[int, int] | None = None,
     ):
+        """`graph_shape`: (the most requests, the widest page table) of the decode steps whose
+        CUDA graphs to capture; None: the draft runs eagerly."""
         if shape.dtype != model.model.norm.weight.dtype:
             use_fp8_kv_scales(model)
-        self.runner = ModelRunner(
-            model, allocate_kv_caches(shape, num_pages, device), shape.page_size, device, page_table
-        )
+        caches = allocate_kv_caches(shape, num_pages, device)
+        graphs = None
+        if graph_shape is not None:  # k - 1 of its k steps are decodes: launch-bound without a graph
+            graphs = DecodeGraphRunner(model, caches, *graph_shape, device)
+            graphs.capture()
+        self.runner = ModelRunner(model, caches, shape.page_size, device, page_table, graphs)
         self._states: weakref.WeakKeyDictionary[Request, DraftState] = weakref.WeakKeyDictionary()
 
     def observe(self, chunks: list[ScheduledChunk]) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from producer_client.errors import InvalidArgument
 from worker.engine.grammar.draft_masks import DraftMasks
-from worker.engine.kv_pool import KVCacheShape
+from worker.engine.kv_pool import KVCacheShape, pages_for
 from worker.engine.page_table import PageTable
 from worker.engine.settings import EngineSettings
 from worker.engine.speculative.draft_model import DraftModelProposer, draft_kv_shape
@@ -89,7 +89,10 @@ def build_speculator(
     else:
         shape = speculative_kv_shape(model, settings, device)
         if isinstance(model, Qwen3ForCausalLM):
-            proposer = DraftModelProposer(model, shape, num_pages, page_table, device)
+            graphs = None
+            if settings.cuda_graphs and device.type == "cuda":
+                graphs = (settings.max_running, min(pages_for(max_model_len, settings.page_size), num_pages))
+            proposer = DraftModelProposer(model, shape, num_pages, page_table, device, graphs)
         else:
             proposer = Eagle3Proposer(model, target, shape, num_pages, page_table, device)
     return Speculator(proposer, settings.num_speculative_tokens, max_model_len, draft_masks)
