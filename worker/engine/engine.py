@@ -169,16 +169,23 @@ class Engine(OfflineGeneration):
         kernels do not specialize on what changes from step to step (tests/engine/test_warm_up.py
         checks it against a varied batch); a mixture of experts, whose kernels take larger tiles
         for larger steps, also runs its experts once per tile shape. The detokenizer's table is
-        built here too."""
+        built here too. A speculative proposer then drafts after them (a draft model or an EAGLE-3
+        head runs its own kernels)."""
         start = time.perf_counter()
         self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
         self.grammars.prepare()  # built on the compile thread while the worker starts
         req = Request("warm-up", [0, 1], SamplingParams(temperature=0, max_tokens=2), 0, 0, None, None)
-        req.pages = self.allocator.allocate(pages_for(3, self.settings.page_size))  # the prompt and one decode
+        k = self.settings.num_speculative_tokens if self.speculator is not None else 0
+        req.pages = self.allocator.allocate(pages_for(3 + k, self.settings.page_size))  # prompt, a decode, a draft
         try:
             for chunk in (ScheduledChunk(req, 0, 2, True), ScheduledChunk(req, 2, 1, True)):
                 sampled = self.sampler(self.runner.run([chunk]), [req], self._warm_up_mask)
                 req.token_ids.append(sampled.token_ids[0])
+                req.num_computed_tokens += chunk.num_tokens
+                if self.speculator is not None:
+                    self.speculator.observe([chunk])
+            if self.speculator is not None:
+                self.speculator.proposer.propose([req], [k])
         finally:
             self.allocator.decref(req.pages)
             self.scheduler.page_table.release(req)
