@@ -43,7 +43,7 @@ from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledChunk, Scheduler
 from worker.engine.settings import EngineSettings
 from worker.engine.speculative.factory import build_speculator, load_speculative_model, speculative_bytes_per_page
-from worker.engine.speculative.verify import sampling_rows, settle
+from worker.engine.speculative.verify import sampling_rows
 from worker.engine.stop import TextOutput
 from kernels.token_bitmask import apply_token_bitmask
 from worker.model.config import Qwen3Config
@@ -82,8 +82,7 @@ class Engine(OfflineGeneration):
         memory = prepare_rank(
             model, config, settings, device, self.max_model_len, speculative_bytes_per_page(draft, settings, device)
         )
-        num_pages = memory.num_pages
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = PageAllocator(memory.num_pages)
         self.cache = RadixCache(self.allocator, settings.page_size, settings.enable_prefix_cache)
         self.scheduler = Scheduler(
             self.allocator,
@@ -112,16 +111,13 @@ class Engine(OfflineGeneration):
         self.grammars = GrammarCompiler(tokenizer, mask_vocab, self.eos_token_ids, settings.grammar_cache_size)
         self.masks = GrammarMasks(mask_vocab, self.eos_token_ids, settings.max_running)
         self.draft_masks = DraftMasks(self.masks)
-        self.speculator = build_speculator(
-            settings, self.max_model_len, draft, model, num_pages, self.scheduler.page_table, device, self.draft_masks
-        )
+        self.speculator = build_speculator(settings, self.max_model_len, draft, model, self.scheduler, self.draft_masks)
         self._compiling: list[Request] = []  # requests whose grammar has not started yet
         self._ended: list[RequestOutput] = []  # finals of requests that ended between steps (aborts)
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
         self._steps = self._computed_tokens = self._computed_prompt_tokens = 0
-        self._drafts = self._draft_tokens = self._accepted_draft_tokens = 0
-        self._log_limits(num_pages)
+        self._log_limits(memory.num_pages)
 
     @classmethod
     def from_pretrained(
@@ -360,9 +356,7 @@ class Engine(OfflineGeneration):
             grammars.cache_hits,
             grammars.compiles,
             grammars.compile_seconds,
-            self._drafts,
-            self._draft_tokens,
-            self._accepted_draft_tokens,
+            *(self.speculator.totals if self.speculator is not None else (0, 0, 0)),
         )
 
     # -- one step ------------------------------------------------------------------------
@@ -409,10 +403,7 @@ class Engine(OfflineGeneration):
             self.masks.settle()  # no fill may touch a matcher while the reader advances it
         outputs = self.reader.read(step, self.sampler.read(step.wait(), step.requests))
         if step.verification is not None:
-            settle(step.verification, self.sampler.penalties, self.vocab_size)
-            self._drafts += step.verification.num_drafts
-            self._draft_tokens += step.verification.num_draft_tokens
-            self._accepted_draft_tokens += step.verification.num_accepted
+            self.speculator.settle(step.verification, self.sampler.penalties, self.vocab_size)
         if step.constrained:
             self.masks.prefill(step.requests)  # the rows of their next step, while the loop goes on
         return outputs

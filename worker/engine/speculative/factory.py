@@ -9,7 +9,7 @@ import torch
 from producer_client.errors import InvalidArgument
 from worker.engine.grammar.draft_masks import DraftMasks
 from worker.engine.kv_pool import KVCacheShape, pages_for
-from worker.engine.page_table import PageTable
+from worker.engine.scheduler import Scheduler
 from worker.engine.settings import EngineSettings
 from worker.engine.speculative.draft_model import DraftModelProposer, draft_kv_shape
 from worker.engine.speculative.eagle3 import Eagle3Proposer
@@ -77,13 +77,13 @@ def build_speculator(
     max_model_len: int,
     model: SpeculativeModel | None,
     target: Qwen3ForCausalLM,
-    num_pages: int,
-    page_table: PageTable,
-    device: torch.device,
+    scheduler: Scheduler,
     draft_masks: DraftMasks,
 ) -> Speculator | None:
+    """The speculator over the target's pool (the scheduler's pages and page table), on its device."""
     if settings.speculative_method is None:
         return None
+    device, num_pages = target.model.norm.weight.device, scheduler.allocator.num_pages
     if model is None:
         proposer = NgramProposer()
     else:
@@ -92,7 +92,7 @@ def build_speculator(
             graphs = None
             if settings.cuda_graphs and device.type == "cuda":
                 graphs = (settings.max_running, min(pages_for(max_model_len, settings.page_size), num_pages))
-            proposer = DraftModelProposer(model, shape, num_pages, page_table, device, graphs)
+            proposer = DraftModelProposer(model, shape, num_pages, scheduler.page_table, device, graphs)
         else:
-            proposer = Eagle3Proposer(model, target, shape, num_pages, page_table, device)
+            proposer = Eagle3Proposer(model, target, shape, num_pages, scheduler.page_table, device)
     return Speculator(proposer, settings.num_speculative_tokens, max_model_len, draft_masks)

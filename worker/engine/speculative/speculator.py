@@ -7,9 +7,11 @@ from __future__ import annotations
 from worker.engine.grammar.draft_masks import DraftMasks
 from worker.engine.outputs import RequestOutput
 from worker.engine.request import Request
+from worker.engine.sampler import PenaltyState
 from worker.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from worker.engine.speculative.adaptive import AdaptiveSpeculation
 from worker.engine.speculative.proposer import Proposer
+from worker.engine.speculative.verify import Verification, settle
 
 
 class Speculator:
@@ -19,6 +21,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.draft_masks = draft_masks  # a request with a grammar keeps the draft its masks allow
         self.adaptive = AdaptiveSpeculation()  # whether a step speculates
+        self.drafts = self.draft_tokens = self.accepted_tokens = 0  # verified so far (EngineStats)
 
     def draft(self, scheduled: SchedulerOutput, scheduler: Scheduler) -> None:
         """Gives the step's decoding chunks their drafts (chunk.draft, chunk.num_tokens). Each
@@ -40,6 +43,18 @@ class Speculator:
             chunk.draft = draft
             chunk.num_tokens += len(draft)
             scheduled.budget -= len(draft)
+
+    @property
+    def totals(self) -> tuple[int, int, int]:
+        """(drafts, their tokens, the tokens accepted) verified so far."""
+        return self.drafts, self.draft_tokens, self.accepted_tokens
+
+    def settle(self, verification: Verification, penalties: PenaltyState, vocab_size: int) -> None:
+        """After a verify step's tokens are read (speculative/verify.py), and counted."""
+        settle(verification, penalties, vocab_size)
+        self.drafts += verification.num_drafts
+        self.draft_tokens += verification.num_draft_tokens
+        self.accepted_tokens += verification.num_accepted
 
     def measure(
         self, batch: int, speculated: bool, chunks: list[ScheduledChunk], outputs: list[RequestOutput], seconds: float
