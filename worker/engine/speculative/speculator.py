@@ -22,15 +22,19 @@ class Speculator:
         self.draft_masks = draft_masks  # a request with a grammar keeps the draft its masks allow
         self.adaptive = AdaptiveSpeculation()  # whether a step speculates
         self.drafts = self.draft_tokens = self.accepted_tokens = 0  # verified so far (EngineStats)
+        self._cut_by_room = False  # the step's drafts: one was cut short by its request's end
 
     def draft(self, scheduled: SchedulerOutput, scheduler: Scheduler) -> None:
         """Gives the step's decoding chunks their drafts (chunk.draft, chunk.num_tokens). Each
         request's pages are reserved first, so a proposer that runs a model writes its KV there."""
         chunks, limits = [], []
         budget = scheduled.budget
+        self._cut_by_room = False
         for chunk in scheduled.chunks:
             if budget > 0 and self.may_draft(chunk):
-                n = scheduler.reserve_draft(chunk.request, min(self.room(chunk.request), budget))
+                room = self.room(chunk.request)
+                self._cut_by_room |= room < self.num_tokens
+                n = scheduler.reserve_draft(chunk.request, min(room, budget))
                 if n > 0:
                     chunks.append(chunk)
                     limits.append(n)
@@ -60,7 +64,10 @@ class Speculator:
         self, batch: int, speculated: bool, chunks: list[ScheduledChunk], outputs: list[RequestOutput], seconds: float
     ) -> None:
         """A step's output tokens per second, for the adaptive choice: decode steps only, since a
-        prefill chunk's cost says nothing about speculation."""
+        prefill chunk's cost says nothing about speculation, and not a speculating step where a
+        request's draft was cut short by the end of its output: that says nothing of the next."""
+        if speculated and self._cut_by_room:
+            return
         if chunks and all(c.num_tokens - len(c.draft) == 1 and c.samples for c in chunks):
             self.adaptive.record(batch, speculated, sum(len(o.new_token_ids) for o in outputs), seconds)
 
