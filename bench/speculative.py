@@ -79,7 +79,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--verify-batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--stage-batches", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--stage-draft", default="tiny", help="the stage's draft model (preset or directory)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs of each configuration; the fastest counts")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each configuration (pairs, where compared)")
     return p.parse_args()
 
 
@@ -250,7 +250,7 @@ def controlled(target: Target, args: argparse.Namespace) -> None:
     known = {tuple(p): o.token_ids for p, o in zip(work, plain_out)}
     p = acceptance_p(args.acceptance_length, args.k)
     print(f"\ncontrolled acceptance, batch {args.batch}, {args.output} output tokens, k = {args.k}:")
-    print("(each configuration's runs alternate with the engine's without speculation; ratios of their best)")
+    print("(each configuration's runs alternate with the engine's without speculation: medians over the pairs)")
     for label, prob, adaptive in (
         ("p = 1 (every draft right, at no cost: the verify step's ceiling)", 1.0, False),
         (f"p = {p:.3f} (expected acceptance length {args.acceptance_length:g}), every step speculating", p, False),
@@ -277,21 +277,24 @@ def speculating_engine(target: Target, args, context: int, proposer, adaptive: b
 
 def report(label: str, engine: Engine, plain: Engine, work, args, plain_out) -> float:
     """Runs `engine` and `plain` alternately, `args.repeats` times each after one run of each, and
-    prints the best rate of each and their ratio; the outputs must be the plain engine's."""
-    rate = plain_rate = 0.0
+    prints the median of each pair's ratio (a drift of the machine's speed hits both of a pair alike)
+    and the median rates; the outputs must be the plain engine's."""
+    rates, plain_rates = [], []
     for _ in range(args.repeats):
-        engine_rate, out = generate_rate(engine, work, args.output, 1)
-        rate = max(rate, engine_rate)
-        plain_rate = max(plain_rate, generate_rate(plain, work, args.output, 1)[0])
+        rate, out = generate_rate(engine, work, args.output, 1)
+        rates.append(rate)
+        plain_rates.append(generate_rate(plain, work, args.output, 1)[0])
         if [o.token_ids for o in out] != [o.token_ids for o in plain_out]:
             raise RuntimeError(f"{label}: the output differs from the engine's without speculation")
+    ratios = [r / p for r, p in zip(rates, plain_rates)]
     stats = engine.stats()
     print(
-        f"{label}: {rate:,.1f} tok/s, without {plain_rate:,.1f}: {rate / plain_rate:.2f}x; "
-        f"{tokens_per_verify(engine):.2f} tokens per verify, {stats.drafts / (args.batch * stats.steps):.0%} of "
-        "request-steps drafted"
+        f"{label}: {np.median(rates):,.1f} tok/s, without {np.median(plain_rates):,.1f}: "
+        f"{np.median(ratios):.2f}x (pairs {min(ratios):.2f}-{max(ratios):.2f}); "
+        f"{tokens_per_verify(engine):.2f} tokens per verify, "
+        f"{stats.drafts / (args.batch * stats.steps):.0%} of request-steps drafted"
     )
-    return rate
+    return float(np.median(ratios))
 
 
 def ngram(target: Target, args: argparse.Namespace) -> None:
