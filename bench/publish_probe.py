@@ -94,7 +94,7 @@ def send_inline(publisher_class) -> None:
     def send(self, round_) -> None:
         started = time.monotonic()
         try:
-            round_.published, round_.watched = self.queue.publish(round_.updates, round_.watch)
+            round_.published, round_.watched = self.commands.publish(round_.updates, round_.watch)
         except Exception as e:
             round_.error = e
         round_.seconds = time.monotonic() - started

@@ -19,8 +19,8 @@ import redis
 
 from cli import batch_command, client_commands, operator_commands
 from producer_client.client import Client
+from producer_client.client_base import DEFAULT_URL
 from producer_client.connection import redact_url
-from producer_client.core import DEFAULT_URL
 from producer_client.errors import MiliError
 
 

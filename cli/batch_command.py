@@ -1,7 +1,7 @@
 """`mili batch INPUT.jsonl -o OUTPUT.jsonl [-e ERRORS.jsonl] [--in-flight N]`: the command's
-arguments, Ctrl-C and summary. Its runner (cli.batch_file) needs the gateway's extra, so it is
-imported only when the command runs: the plain install's `mili` works without it, and this
-command says what to install."""
+arguments, Ctrl-C and summary. Its runner (cli.batch_file) is imported only when the command runs:
+OpenAI's request and response models (openai_format) are slower to import than all the rest of
+`mili`, which its other commands need not wait for."""
 
 from __future__ import annotations
 
@@ -39,11 +39,7 @@ def positive_int(text: str) -> int:
 
 
 def cmd_batch(client: Client, args: argparse.Namespace) -> int:
-    try:
-        from cli.batch_file import default_errors_path, run_batch
-    except ImportError as e:
-        print(f"error: mili batch needs the gateway extra (pip install 'mili[gateway]'): {e}", file=sys.stderr)
-        return 2
+    from cli.batch_file import default_errors_path, run_batch
 
     errors = args.errors or default_errors_path(args.output)
     stop = threading.Event()

@@ -10,9 +10,8 @@ answers only the lines they lack (a line cut short by a crash is cut off first),
 complete and without duplicates.
 
 Answers come in the order their jobs end, as OpenAI's do: match them by custom_id. The line
-format (gateway.batch.lines) is the gateway's own, validated and rendered as the gateway's routes
-do, so this module needs the gateway's extra (`pip install 'mili[gateway]'`); cli.batch_command
-imports it only when the command runs.
+format (openai_format.batch_lines) is the gateway's too, validated and rendered by the code its
+routes use, with no web framework: the plain install runs this command.
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ from typing import TextIO
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from gateway.batch.lines import (
+from openai_format.batch_flight import Flight
+from openai_format.batch_lines import (
     LineError,
     LineJobs,
     OutputLine,
@@ -39,17 +39,14 @@ from gateway.batch.lines import (
     not_a_request,
     parse_line,
     request_id,
-    split_at_full_queue,
 )
-from gateway.errors import APIError
-from producer_client.bulk import ResultWatch
+from openai_format.errors import APIError
 from producer_client.client import Client
 from producer_client.errors import BulkQueueFull, InvalidArgument
 
 log = logging.getLogger("mili.batch")
 
 READ_WAIT_S = 0.5  # the longest wait for results before the run looks at the queue again
-QUEUE_FULL_WAIT_S = 1.0  # a full queue (other producers) is tried again this much later
 
 
 def default_errors_path(output: Path) -> Path:
@@ -123,8 +120,9 @@ def read_answers(path: Path) -> list[OutputLine]:
 
 
 class BatchFileRun:
-    """Submits the input's request lines, at most `in_flight` jobs ahead of their answers, and
-    writes each line's answer once all its jobs have ended."""
+    """Submits the input's request lines, at most `in_flight` jobs ahead of their answers (a
+    line's jobs count until its answer), and writes each line's answer once all its jobs have
+    ended."""
 
     def __init__(
         self, client: Client, input_path: Path, files: AnswerFiles, in_flight: int, bar: tqdm, stop: threading.Event
@@ -134,20 +132,16 @@ class BatchFileRun:
         self.input_path = input_path
         self.scope = str(input_path.resolve())
         self.files = files
-        self.in_flight = in_flight
         self.bar = bar
         self.tally = Tally(lines=count_lines(input_path))
-        self.watch = ResultWatch(client.keys)
-        self.line_of: dict[str, LineJobs] = {}  # job id -> its line
-        self.held: list[LineJobs] = []  # lines the queue had no room for yet
-        self.retry_at = 0.0
+        self.flight = Flight(client.keys, in_flight, weight=lambda line: len(line.request.specs))
 
     def run(self) -> Tally:
         todo = self.lines_to_run()
         exhausted = False
         while not self.stop.is_set():
             exhausted = self.fill(todo) or exhausted
-            if exhausted and not self.line_of and not self.held:
+            if exhausted and self.flight.idle:
                 return self.tally
             self.collect()
         self.tally.interrupted = True
@@ -192,45 +186,33 @@ class BatchFileRun:
             self.write(not_a_request(error, self.scope))
 
     def fill(self, todo: Iterator[LineJobs]) -> bool:
-        """Submit lines while fewer than `in_flight` jobs are out; True once the input is spent."""
-        if time.monotonic() < self.retry_at:
-            return False
-        batch, jobs = self.held, sum(len(line.job_ids) for line in self.held)
-        self.held = []
+        """Add lines while the flight has room, and submit those due; True once the input is spent."""
         exhausted = False
-        while len(self.line_of) + jobs < self.in_flight:
+        while self.flight.room() > 0:
             line = next(todo, None)
             if line is None:
                 exhausted = True
                 break
-            batch.append(line)
-            jobs += len(line.job_ids)
-        self.submit(batch)
+            self.flight.add(line)
+        for lines in self.flight.due().values():
+            self.submit(lines)
         return exhausted
 
     def submit(self, lines: list[LineJobs]) -> None:
-        if not lines:
-            return
         try:
             self.client.submit_many([spec for line in lines for spec in line.submit_specs()])
-            taken = lines
         except BulkQueueFull as full:
-            taken, self.held = split_at_full_queue(lines, full)
-            self.retry_at = time.monotonic() + QUEUE_FULL_WAIT_S
-            log.info("queue %r is full (%d jobs): %d lines wait", full.queue, full.depth, len(self.held))
-        for line in taken:
-            for job_id in line.job_ids:
-                self.line_of[job_id] = line
-            self.watch.add(line.job_ids)
+            waiting = self.flight.submitted(lines, full)
+            log.info("queue %r is full (%d jobs): %d lines wait", full.queue, full.depth, len(waiting))
+        else:
+            self.flight.submitted(lines)
 
     def collect(self) -> None:
-        if not self.watch:
-            time.sleep(max(0.0, min(READ_WAIT_S, self.retry_at - time.monotonic())))
+        if not self.flight.watch:
+            time.sleep(max(0.0, min(READ_WAIT_S, self.flight.retry_at - time.monotonic())))
             return
-        for result in self.client.finished(self.watch, timeout=READ_WAIT_S):
-            line = self.line_of.pop(result.id)
-            if line.add(result):
-                self.write(answer(line.request, line.request_id, line.in_choice_order()))
+        for line in self.flight.ended(self.client.finished(self.flight.watch, timeout=READ_WAIT_S)):
+            self.write(answer(line.request, line.request_id, line.in_choice_order()))
         self.files.flush()
 
     def write(self, line: OutputLine) -> None:

@@ -1,5 +1,5 @@
-"""The API keys a request carries (`Authorization: Bearer KEY`), who each one is, and how often an
-address may get one wrong.
+"""The API keys a request carries (`Authorization: Bearer KEY`), who each one is, and how an
+address that keeps getting one wrong is answered.
 
 A key is a tenant: the files, batches and Idempotency-Keys it creates are its own (a tenant's id
 is a digest of its key, so no key is kept or shown anywhere). An `admin_api_keys` key is a tenant
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -75,10 +76,15 @@ class Access:
 
 
 class AuthFailures:
-    """Failed key and login attempts per client address, in fixed windows of WINDOW_S: an address
-    that has failed `per_minute` times is refused (429) until its window ends, right key or not,
-    so that keys cannot be guessed faster than that. At most MAX_ADDRESSES are remembered (the
-    oldest forgotten first), so that a flood of addresses cannot grow memory without bound."""
+    """Failed key and login attempts per client address, in fixed windows of WINDOW_S. Past
+    `per_minute` failures in its window, an address's further failures are answered 429 until
+    the window ends: at once, from the headers (no Redis command, no body read), and telling a
+    client that retries a wrong key to stop. A right key is never refused, whatever its address
+    has failed: behind a proxy or a NAT one address is many clients, and a lockout there would
+    let any one of them shut the others out, while a guesser who changes address escapes it.
+    Guessing is defeated by the keys' strength instead (gateway/key_strength.py). At most
+    MAX_ADDRESSES are remembered (the oldest forgotten first), so that a flood of addresses
+    cannot grow memory without bound."""
 
     WINDOW_S = 60.0
     MAX_ADDRESSES = 100_000
@@ -88,18 +94,11 @@ class AuthFailures:
         self.clock = clock
         self.windows: OrderedDict[str, tuple[float, int]] = OrderedDict()  # address -> (window start, failures)
 
-    def retry_after_s(self, address: str) -> int | None:
-        """Seconds until `address` may try again; None if it may now."""
-        if self.per_minute <= 0 or address not in self.windows:
+    def failed(self, address: str) -> int | None:
+        """Count a failed attempt of `address`: the seconds until its window ends if it is over
+        its limit (the attempt's answer is a 429 with that Retry-After), else None (a 401)."""
+        if self.per_minute <= 0:
             return None
-        start, failures = self.windows[address]
-        left = start + self.WINDOW_S - self.clock()
-        if left <= 0:
-            del self.windows[address]
-            return None
-        return max(1, int(left + 0.999)) if failures >= self.per_minute else None
-
-    def failed(self, address: str) -> None:
         now = self.clock()
         start, failures = self.windows.pop(address, (now, 0))
         if now - start >= self.WINDOW_S:
@@ -107,3 +106,6 @@ class AuthFailures:
         self.windows[address] = (start, failures + 1)
         while len(self.windows) > self.MAX_ADDRESSES:
             self.windows.popitem(last=False)
+        if failures < self.per_minute:
+            return None
+        return max(1, math.ceil(start + self.WINDOW_S - now))

@@ -25,18 +25,21 @@ from gateway.batch.routes import batch_router
 from gateway.batch.store import BatchStore
 from gateway.board import add_board
 from gateway.edge import Edge, Limits
-from gateway.errors import APIError, api_error_of, bad_request, job_error, not_found
+from gateway.errors import api_error_of, headers_of
+from gateway.generate import GenerateRequest, GenerateResponse, Health, generate_job
 from gateway.idempotency import fingerprint, idempotency_key, scoped_key
 from gateway.jobs import Jobs, RequestJobs, collect
+from gateway.key_strength import warn_of_weak_keys
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
 from gateway.registry import ModelRegistry
-from gateway.render import ChatRenderer, CompletionRenderer, Renderer, finish_reason, usage
-from gateway.requests import JobSpec, Model, chat_jobs, completion_jobs, generate_job, parse_body
-from gateway.responses import GenerateResponse, Health, ModelList
-from gateway.schema import ChatCompletionRequest, CompletionRequest, GenerateRequest, SamplingRequest
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream, events, opening
+from openai_format.errors import APIError, bad_request, job_error, not_found
+from openai_format.job_specs import JobSpec, Model, chat_jobs, completion_jobs, parse_body
+from openai_format.render import ChatRenderer, CompletionRenderer, Renderer, finish_reason, usage
+from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from openai_format.responses import ModelList
 from producer_client import AsyncClient, JobResult, MiliError
 from producer_client.schema import JobFailed
 from producer_client.keys import NAME_PATTERN
@@ -132,8 +135,9 @@ class Gateway:
 
 def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
     """The ASGI app: FastAPI's routes inside the request-id and metrics middleware."""
+    warn_of_weak_keys(settings.api_keys, settings.admin_api_keys)
     gw = Gateway(settings, lifecycle)
-    batch_store = BatchStore(gw.client.redis, gw.client.keys)
+    batch_store = BatchStore(gw.client)
     batch_driver = BatchDriver(batch_store, gw.client, gw.registry, settings)
 
     @asynccontextmanager
@@ -252,7 +256,7 @@ def answer_id(request: Request) -> str:
 
 def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     def error_response(error: APIError) -> Response:
-        return json_response(error.body, error.headers, error.status)
+        return json_response(error.body, headers_of(error), error.status)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, error: APIError):

@@ -4,7 +4,8 @@
   unauthenticated upload is refused before any of it is read, so none of it reaches memory or
   the disk (FastAPI reads and spools a multipart body before a route's dependencies run). The
   key's tenant goes into the request's state. An address that has got a key or a login wrong
-  `auth_failures_per_minute` times is answered 429 until its minute is over.
+  `auth_failures_per_minute` times has its further wrong keys answered 429 until its minute is
+  over; a right key is served whatever its address has failed (gateway.api_keys.AuthFailures).
 - **How much.** Each route has a body limit: `max_json_bytes` for the JSON API, the batch file
   limit (plus room for the form around it) for uploads, a small one for the board's login form.
   A `Content-Length` over it is refused at once with 413; a body sent without one (chunked) is
@@ -24,12 +25,12 @@ from starlette.requests import HTTPConnection
 from starlette.responses import Response
 
 from gateway.api_keys import Access, AuthFailures, bearer_key
-from gateway.errors import APIError, unauthorized
+from gateway.errors import RetryLater, headers_of, unauthorized
+from openai_format.errors import APIError
 
 # The form around a batch file (its boundary, headers and the purpose field) is far smaller.
 MULTIPART_OVERHEAD_BYTES = 64 << 10
 BOARD_BODY_BYTES = 4 << 10  # the login form's one key, with room to spare
-LOGIN_PATH = "/board/login"
 
 
 @dataclass(frozen=True)
@@ -103,16 +104,14 @@ class Edge:
         await self.run(scope, body, send)
 
     def refusal(self, request: HTTPConnection, policy: Policy) -> APIError | None:
-        """Why the request is refused from its headers alone, if it is."""
-        address = client_address(request)
+        """Why the request is refused from its headers alone, if it is. A right key is never
+        refused for its address's failures (gateway.api_keys.AuthFailures)."""
         given = bearer_key(request)
-        tries_a_key = given is not None or policy.needs_key or request.url.path == LOGIN_PATH
-        retry_after = self.failures.retry_after_s(address) if tries_a_key else None
-        if retry_after is not None:
-            return too_many_failures(retry_after)
         tenant = self.access.tenant(given) if given is not None or not self.access.required else None
         if given is not None and tenant is None:
-            self.failures.failed(address)
+            retry_after = self.failures.failed(client_address(request))
+            if retry_after is not None:
+                return too_many_failures(retry_after)
         if policy.needs_key and tenant is None:
             return unauthorized()
         request.scope.setdefault("state", {})["tenant"] = tenant
@@ -173,16 +172,17 @@ def too_large(limit: int) -> APIError:
 
 
 def too_many_failures(retry_after_s: int) -> APIError:
-    return APIError(
+    return RetryLater(
         429,
-        "too many failed key or login attempts from this address; try again later",
+        "too many wrong API keys from this address: until Retry-After each further wrong one is refused"
+        " (a right key is served)",
         "rate_limit_error",
         "too_many_auth_failures",
-        headers={"Retry-After": str(retry_after_s)},
+        retry_after_s,
     )
 
 
 def error_response(error: APIError) -> Response:
     return Response(
-        error.body.model_dump_json(), status_code=error.status, headers=error.headers, media_type="application/json"
+        error.body.model_dump_json(), status_code=error.status, headers=headers_of(error), media_type="application/json"
     )

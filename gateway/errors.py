@@ -1,75 +1,37 @@
-"""Errors as OpenAI's SDKs expect them: `{"error": {"message", "type", "param", "code"}}` under the
-status code the SDK maps to its exception classes (400 BadRequestError, 401 AuthenticationError,
-404 NotFoundError, 429 RateLimitError, 503/504 InternalServerError, which the SDK retries)."""
+"""The gateway's errors over HTTP: OpenAI's (openai_format.errors), with a Retry-After where the
+client should wait before it tries again, and the gateway's own: a missing key, Redis away, a
+restart."""
 
 from __future__ import annotations
 
 import redis
 
-from gateway.responses import ErrorBody, ErrorResponse
-from producer_client.errors import (
-    IdempotencyConflict,
-    InvalidArgument,
-    JobNotFound,
-    JobTimeout,
-    MiliError,
-    NotReplicated,
-    QueueFull,
-)
-from producer_client.schema import JobFailed
-
-# Failure codes of a job that mean its input was bad, found by the worker after the enqueue
-# (only it tokenizes, so only it can tell a prompt longer than the context).
-BAD_INPUT_CODES = frozenset(
-    {"invalid_argument", "invalid_body", "body_too_large", "prompt_too_long", "kv_capacity_exceeded"}
-)
+from openai_format.errors import APIError, error_of
+from producer_client.errors import MiliError, NotReplicated, QueueFull
 
 
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str,
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.body = ErrorResponse(error=ErrorBody(message=message, type=type, param=param, code=code))
-        self.headers = headers or {}
+class RetryLater(APIError):
+    """An error whose answer says when to try again (Retry-After): the SDKs wait that long before
+    they retry."""
+
+    def __init__(self, status: int, message: str, type: str, code: str, retry_after_s: int):
+        super().__init__(status, message, type, code)
+        self.retry_after_s = retry_after_s
+
+    @classmethod
+    def of(cls, error: APIError, retry_after_s: int) -> RetryLater:
+        body = error.body.error
+        return cls(error.status, body.message, body.type, body.code, retry_after_s)
 
 
-def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, "invalid_request_error", code, param)
-
-
-def unsupported(message: str, param: str) -> APIError:
-    """A parameter OpenAI's API has and MILI cannot honour."""
-    return APIError(400, message, "invalid_request_error", "unsupported_parameter", param)
-
-
-def job_error(error: JobFailed, prompt_param: str) -> APIError:
-    """A job's failure as the request's error; a prompt longer than the context is OpenAI's
-    `context_length_exceeded`, naming the request's prompt field."""
-    if error.code == "prompt_too_long":
-        return bad_request(error.message, prompt_param, "context_length_exceeded")
-    return api_error_of(error, 0)
+def headers_of(error: APIError) -> dict[str, str]:
+    return {"Retry-After": str(error.retry_after_s)} if isinstance(error, RetryLater) else {}
 
 
 def unauthorized() -> APIError:
     return APIError(
         401, "missing or incorrect API key in `Authorization: Bearer`", "invalid_request_error", "invalid_api_key"
     )
-
-
-def not_found(message: str, code: str, param: str | None = None) -> APIError:
-    return APIError(404, message, "invalid_request_error", code, param)
-
-
-def deadline_passed(message: str) -> APIError:
-    return APIError(504, message, "timeout_error", "deadline_exceeded")
 
 
 def gateway_stopping() -> APIError:
@@ -82,32 +44,12 @@ def gateway_stopping() -> APIError:
 
 
 def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
-    """The HTTP error for a client-library or Redis exception; None for anything else (a bug: 500)."""
-    if isinstance(error, InvalidArgument):  # the client library's bad value is OpenAI's invalid_value
-        return bad_request(
-            error.message, error.field, "invalid_value" if error.code == "invalid_argument" else error.code
-        )
-    if isinstance(error, QueueFull):
-        return APIError(429, error.message, "rate_limit_error", error.code, headers={"Retry-After": str(retry_after_s)})
-    if isinstance(error, JobNotFound):
-        return not_found(error.message, "job_not_found")
-    if isinstance(error, JobTimeout):
-        return deadline_passed(error.message)
-    if isinstance(error, JobFailed):
-        if error.code == "prompt_too_long":
-            return bad_request(error.message, code="context_length_exceeded")
-        if error.code in BAD_INPUT_CODES:
-            return bad_request(error.message, code=error.code)
-        return APIError(500, error.message, "server_error", error.code)
-    if isinstance(error, IdempotencyConflict):
-        message = "this Idempotency-Key was first used with another request; send a new key with a new request"
-        return APIError(422, message, "invalid_request_error", error.code, "Idempotency-Key")
-    if isinstance(error, NotReplicated):  # enqueued all the same: a retry with its Idempotency-Key finds its jobs
-        return APIError(
-            503, error.message, "service_unavailable_error", error.code, headers={"Retry-After": str(retry_after_s)}
-        )
+    """The HTTP error for a client-library or Redis exception; None for anything else (a bug: 500).
+    A full queue (429) and writes not yet on the replicas (503) are answered with a Retry-After."""
+    if isinstance(error, (QueueFull, NotReplicated)):
+        return RetryLater.of(error_of(error), retry_after_s)
     if isinstance(error, MiliError):
-        return APIError(500, error.message, "server_error", error.code)
+        return error_of(error)
     if isinstance(error, redis.RedisError):
         return APIError(
             503, f"the queue's Redis is unavailable: {error}", "service_unavailable_error", "redis_unavailable"

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from gateway.api_keys import OPEN, tenant_of
-from gateway.errors import bad_request
+from openai_format.errors import bad_request
 from producer_client.keys import NAME_PATTERN
 
 # A job id has 128 characters: room for `<tenant>.` (13) and `-<choice>` (up to 5) besides the key.

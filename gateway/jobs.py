@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from gateway.cancellation import cancel_and_wait
 from gateway.errors import gateway_stopping
 from gateway.lifecycle import Lifecycle
-from gateway.requests import JobSpec
+from openai_format.job_specs import JobSpec
 from producer_client import AsyncClient, JobResult, TokenDelta
 
 log = logging.getLogger("gateway.jobs")

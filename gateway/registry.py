@@ -17,8 +17,8 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from gateway.errors import not_found
-from gateway.responses import ModelCard
+from openai_format.errors import not_found
+from openai_format.responses import ModelCard
 from producer_client import AsyncClient, WorkerInfo
 
 

@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from producer_client.client_base import DEFAULT_MAX_QUEUE_DEPTH
 from producer_client.connection import parse_url
-from producer_client.core import DEFAULT_MAX_QUEUE_DEPTH
 from producer_client.keys import DEFAULT_PREFIX, check_name
 from producer_client.settings import TomlSettings
 
@@ -58,7 +58,8 @@ class GatewaySettings(TomlSettings):
     auth_failures_per_minute: int = Field(
         10,
         ge=0,
-        description="failed key and login attempts an address may make per minute, then 429; 0: no limit",
+        description="wrong keys and logins an address may send per minute, then 429 (a right key is always served); "
+        "0: no limit",
     )
     models: dict[str, str] = Field(
         default_factory=dict,

@@ -16,11 +16,12 @@ from collections.abc import AsyncIterator
 
 from starlette.responses import StreamingResponse
 
-from gateway.errors import APIError, api_error_of, gateway_stopping
+from gateway.errors import api_error_of, gateway_stopping
 from gateway.jobs import Inbox, JobEvent
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
-from gateway.render import ChatRenderer, CompletionRenderer
+from openai_format.errors import APIError
+from openai_format.render import ChatRenderer, CompletionRenderer
 from producer_client import JobResult, TokenDelta
 
 log = logging.getLogger("gateway.streaming")

@@ -1,4 +1,4 @@
-"""Many jobs at once, for the sync and asyncio clients alike. No I/O here (as in core.py): the
+"""Many jobs at once, for the sync and asyncio clients alike. No I/O here (as in operations.py): the
 clients run the same steps over their own connections.
 
 - `submit_many` validates every spec before anything is sent, then enqueues the jobs in chunks of
@@ -9,6 +9,8 @@ clients run the same steps over their own connections.
   what went in.
 - `ResultWatch` holds the jobs a caller waits for; one XREAD of their `done` streams returns every
   one of them that has ended, or blocks until one does (on a cluster, see `read_finished`).
+  `as_completed` yields them batch by batch (`watch_all`, then `next_finished` until none is left),
+  `results` collects them alike, `take_finished` serves callers that add jobs as they go.
 """
 
 from __future__ import annotations
@@ -17,14 +19,18 @@ from collections.abc import Callable, Iterable, Mapping
 from itertools import islice
 from typing import Any
 
-from producer_client import core
-from producer_client.core import NewJob
-from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound
+from producer_client.client_base import ClientBase
+from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound, JobTimeout
 from producer_client.keys import Keys
+from producer_client.new_job import NewJob, build_job_of
+from producer_client.operations import cancel_call
 from producer_client.placement import Placement
 from producer_client.protocol import producer as scripts
+from producer_client.protocol.clock import entry_order
 from producer_client.schema import JobResult
 from producer_client.steps import Steps, checked
+from producer_client.validation import check_job_id, check_timeout
+from producer_client.waiting import Deadline, streams_read
 
 CHUNK = 1000  # jobs per pipelined chunk: one ENQUEUE_MANY holds Redis for about a millisecond
 WINDOW = 512  # `done` streams per XREAD
@@ -42,21 +48,17 @@ def build_jobs(specs: Iterable[Mapping[str, Any]]) -> list[NewJob]:
 def build_spec(index: int, spec: Mapping[str, Any]) -> NewJob:
     if not isinstance(spec, Mapping):
         raise InvalidArgument(f"jobs[{index}]", "must be a dict of submit()'s keyword arguments")
-    sampling = dict(spec)
     try:
-        return core.build_job(
-            sampling.pop("prompt", None),
-            sampling.pop("messages", None),
-            sampling.pop("input_ids", None),
-            sampling.pop("request_id", None),
-            sampling.pop("timeout_s", None),
-            sampling.pop("priority", 0),
-            sampling,
-            sampling.pop("request_fingerprint", None),
-            stream=sampling.pop("stream", False),
-        )
+        return build_job_of(spec)
     except InvalidArgument as e:
         raise type(e)(f"jobs[{index}].{e.field}", e.message.removeprefix(f"{e.field}: ")) from None
+
+
+def submit_many(client: ClientBase, specs: Iterable[Mapping[str, Any]]) -> Steps[list[str]]:
+    """Client.submit_many: every spec validated first (build_jobs), then the jobs enqueued on the
+    client's queue (submit_steps)."""
+    jobs = build_jobs(specs)
+    return (yield from submit_steps(client.keys, client.queue, client.max_queue_depth, jobs, client.placement))
 
 
 def submit_steps(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob], placement: Placement) -> Steps:
@@ -178,9 +180,15 @@ def forget_commands(jobs: list[NewJob], keys: Keys) -> Callable:
     return lambda pipe: pipe.delete(*(keys.job(job.job_id) for job in jobs))
 
 
+def cancel_many(keys: Keys, job_ids: Iterable[str]) -> Steps[None]:
+    job_ids = [check_job_id(job_id) for job_id in job_ids]
+    if job_ids:
+        checked((yield cancel_commands(keys, job_ids)))
+
+
 def cancel_commands(keys: Keys, job_ids: list[str]) -> Callable:
     """CANCEL of each job, in one pipeline."""
-    return lambda pipe: [core.cancel_call(keys, job_id).add_to(pipe) for job_id in job_ids]
+    return lambda pipe: [cancel_call(keys, job_id).add_to(pipe) for job_id in job_ids]
 
 
 class ResultWatch:
@@ -241,21 +249,6 @@ def read_finished(watch: ResultWatch, block_ms: int, per_slot: bool) -> Steps[li
     return watch.take(window, ended)
 
 
-def streams_read(reply: list | Exception | None) -> list:
-    """An XREAD reply's streams: none if Redis cut a blocking read short (UNBLOCKED, in a
-    failover: reading again is right); another error is raised."""
-    if isinstance(reply, Exception):
-        if core.read_cut_short(reply):
-            return []
-        raise reply
-    return reply or []
-
-
-def entry_order(entry_id: str) -> tuple[int, int]:
-    ms, seq = entry_id.split("-")
-    return int(ms), int(seq)
-
-
 def check_exist(keys: Keys, job_ids: list[str]) -> Steps:
     """Raises JobNotFound for the first of `job_ids` with no job: one EXISTS of a chunk's hashes
     counts them, and only a chunk that comes up short is looked at key by key."""
@@ -265,3 +258,47 @@ def check_exist(keys: Keys, job_ids: list[str]) -> Steps:
         if count < len(chunk):
             found = checked((yield lambda pipe: [pipe.exists(keys.job(job_id)) for job_id in chunk]))
             raise JobNotFound(next(job_id for job_id, exists in zip(chunk, found) if not exists))
+
+
+def watch_all(keys: Keys, job_ids: Iterable[str], timeout: float | None) -> Steps[tuple[ResultWatch, Deadline]]:
+    """as_completed()'s start: the watch of `job_ids` and the deadline of the whole wait. Raises
+    JobNotFound for an id with no job."""
+    job_ids = [check_job_id(job_id) for job_id in job_ids]
+    deadline = Deadline("", check_timeout(timeout))
+    yield from check_exist(keys, job_ids)
+    return ResultWatch(keys, job_ids), deadline
+
+
+def next_finished(watch: ResultWatch, deadline: Deadline, per_slot: bool) -> Steps[list[JobResult]]:
+    """as_completed()'s next batch (read_finished): [] if none ended within a bounded read. Raises
+    JobTimeout naming an unfinished job once the deadline has passed."""
+    try:
+        block_ms = deadline.block_ms()
+    except JobTimeout:
+        raise JobTimeout(watch.first(), deadline.timeout) from None
+    return (yield from read_finished(watch, block_ms, per_slot))
+
+
+def results(keys: Keys, job_ids: Iterable[str], timeout: float | None, per_slot: bool) -> Steps[list[JobResult]]:
+    """Every job's result, in the order of `job_ids`, collected as as_completed() yields them."""
+    job_ids = list(job_ids)
+    watch, deadline = yield from watch_all(keys, job_ids, timeout)
+    ended = {}
+    while watch:
+        for result in (yield from next_finished(watch, deadline, per_slot)):
+            ended[result.id] = result
+    return [ended[job_id] for job_id in job_ids]
+
+
+def take_finished(watch: ResultWatch, timeout: float | None, per_slot: bool) -> Steps[list[JobResult]]:
+    """Client.finished: the watched jobs that have ended, at once if any has, else as soon as one
+    does; [] if none has within `timeout` seconds."""
+    deadline = Deadline("", check_timeout(timeout))
+    try:
+        while watch:
+            finished = yield from read_finished(watch, deadline.block_ms(), per_slot)
+            if finished:
+                return finished
+    except JobTimeout:
+        pass
+    return []

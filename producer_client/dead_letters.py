@@ -25,11 +25,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from producer_client.core import EVENT_ID, check_limit, entry_time, epoch_ms
 from producer_client.errors import InvalidArgument, MiliError
 from producer_client.keys import NAME_PATTERN, Keys, check_name
 from producer_client.protocol import producer as scripts
+from producer_client.protocol.clock import entry_time, epoch_ms
 from producer_client.steps import Steps, checked
+from producer_client.validation import EVENT_ID, check_limit
 
 DEFAULT_LIMIT = 20
 PAGE = 200  # letters per read when looking for a job id or retrying them all: bodies can be large

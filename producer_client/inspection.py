@@ -21,12 +21,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from producer_client.core import check_limit, entry_age_s, epoch_ms, queue_stats
 from producer_client.dead_letters import DeadLetterNotFound
 from producer_client.dead_letters import find as find_letter
 from producer_client.keys import GROUP, Keys
+from producer_client.protocol.clock import entry_age_s, epoch_ms
 from producer_client.schema import JobStatus, WorkerInfo
+from producer_client.status_reads import queue_stats
 from producer_client.steps import Steps, checked
+from producer_client.validation import check_limit
 
 GONE_SHOWN = 10  # gone workers listed per queue, the most recent first
 WAITING_SCAN = 1000  # entries read from the head of each queue to find a queued job's

@@ -1,4 +1,5 @@
-"""A job's event stream read as token deltas: what `stream()` of both clients keeps between reads.
+"""A job's event stream read as token deltas, for `stream()` of both clients: `follow` opens it, and
+each `JobStream.read` (steps, producer_client.steps) returns the deltas of the next events.
 
 Events carry the text the model generated. A chat job's `start` event says how its output splits
 (OutputFormat), and the reader runs the same parser over that text as the worker ran over the
@@ -10,31 +11,70 @@ again, to bring the parser to where that event left it.
 
 from __future__ import annotations
 
-from producer_client import core
+from collections.abc import Callable
+from typing import Any
+
 from producer_client.chat_output import OutputDelta, OutputFormat, OutputParser
-from producer_client.protocol.events import EventType, shown_output_format
-from producer_client.schema import TokenDelta
+from producer_client.errors import JobNotFound
+from producer_client.keys import Keys
+from producer_client.protocol import producer as scripts
+from producer_client.protocol.clock import entry_order
+from producer_client.protocol.events import EventType, shown_output_format, shown_tokens
+from producer_client.schema import JobResult, TokenDelta
+from producer_client.steps import Steps, checked
+from producer_client.validation import check_event_id, check_job_id, check_timeout
+from producer_client.waiting import Deadline, finished, xread
+
+EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
+
+
+def follow(keys: Keys, job_id: str, after: str, timeout: float | None) -> Steps[tuple[JobStream, Deadline]]:
+    """A reader of the job's events after `after`, and the deadline of `timeout` seconds for them all,
+    once FOLLOW has marked the job streamed (its worker publishes its tokens within
+    stream_interval_s once it sees that). Raises JobNotFound."""
+    job_id = check_job_id(job_id)
+    reader = JobStream(job_id, after)
+    deadline = Deadline(job_id, check_timeout(timeout))
+    (found,) = checked((yield scripts.follow(keys, job_id).add_to))
+    if not found:
+        raise JobNotFound(job_id)
+    return reader, deadline
 
 
 class JobStream:
     def __init__(self, job_id: str, after: str):
         self.job_id = job_id
-        self.resume_after = event_order(core.check_event_id(after))
+        self.resume_after = entry_order(check_event_id(after))
         self.last = "0-0"  # the last event read: the next read starts after it
         self.parser: OutputParser | None = None
         self.end: str | None = None  # the result JSON, once the end event is read
+
+    def read(self, keys: Keys, deadline: Deadline) -> Steps[list[TokenDelta]]:
+        """The deltas of the next events, up to the end event: none if a blocking read within the
+        deadline saw no event."""
+        events = yield from xread(keys.events(self.job_id), self.last, EVENT_BATCH, deadline)
+        deltas = []
+        for event_id, fields in events:
+            deltas += self.take(event_id, fields)
+            if self.end is not None:
+                break
+        return deltas
+
+    def result(self) -> JobResult:
+        """The job's result, once the end event is read; a failed job raises JobFailed."""
+        return finished(self.job_id, self.end)
 
     def take(self, event_id: str, fields: dict[str, str]) -> list[TokenDelta]:
         """The deltas one event adds to the stream: none for a `start` event or for an event at or
         before `after`. The `end` event sets `end` and adds what the parser held back."""
         previous, self.last = self.last, event_id
-        shown = event_order(event_id) > self.resume_after
+        shown = entry_order(event_id) > self.resume_after
         kind = fields["type"]
         if kind == EventType.START:
             self._start(shown_output_format(fields["data"]))
             return []
         if kind == EventType.TOKENS:
-            delta = core.token_delta(event_id, fields["data"], None if self.parser is None else self._split)
+            delta = token_delta(event_id, fields["data"], None if self.parser is None else self._split)
             return [delta] if shown else []
         if kind == EventType.END:
             self.end = fields["data"]
@@ -59,6 +99,8 @@ class JobStream:
         return fields
 
 
-def event_order(event_id: str) -> tuple[int, int]:
-    milliseconds, sequence = event_id.split("-")
-    return int(milliseconds), int(sequence)
+def token_delta(event_id: str, data: str, split: Callable[[str], dict[str, Any]] | None = None) -> TokenDelta:
+    """A `tokens` event as a TokenDelta; `split` turns its text into a chat's fields (JobStream)."""
+    payload = shown_tokens(data)
+    text = {"text": payload["text"]} if split is None else split(payload["text"])
+    return TokenDelta(event_id=event_id, token_ids=payload["ids"], logprobs=payload["logprobs"], **text)

@@ -89,7 +89,7 @@ class Keys:
         return f"{self.prefix}:file:{{{file_id}}}"
 
     def file_content(self, file_id: str) -> str:
-        """String: the file's bytes, written and read in pieces (APPEND, GETRANGE)."""
+        """List: the file's text in pieces of whole lines, written and read a few at a time (RPUSH, LRANGE)."""
         return f"{self.prefix}:file:{{{file_id}}}:content"
 
     def files(self) -> str:

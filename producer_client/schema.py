@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -16,6 +17,9 @@ MAX_LOGPROBS = 20
 # Token ids and top_k are bounded where they enter (int32, beyond any vocabulary), so that no
 # number a producer sends overflows a tensor inside an engine step.
 MAX_TOKEN_ID = 2**31
+# pydantic names the member of a union it tried in an error's location (`content.str`,
+# `tool_choice.literal['none','auto','required']`): a type, where fields are snake_case.
+UNION_MEMBER = re.compile(r"str|int|float|bool|[a-z-]+\[.*\]|[A-Z]\w*")
 
 
 class SamplingParams(BaseModel):
@@ -70,15 +74,18 @@ def check_token_ids(field: str, token_ids: list[int]) -> None:
 
 
 def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArgument:
-    """The first error, its field named as users write it (`max_tokens`, not `params.max_tokens`,
-    `response_format.pattern`, not the union member's tag pydantic puts in its path)."""
+    """The first error, its field named as users write it (`max_tokens`, not `params.max_tokens`;
+    `response_format.pattern`, not the union member's tag or type pydantic puts in its path)."""
     first = error.errors()[0]
     loc = list(first["loc"])
     for i in range(len(loc) - 1):
         if loc[i] == "response_format" and loc[i + 1] in FORMAT_TYPES:
             del loc[i + 1]
             break
-    field = ".".join(str(p) for p in loc) or "body"
+    names = [str(p) for p in loc if isinstance(p, int) or not UNION_MEMBER.fullmatch(p)]
+    if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        names.append("type")  # response_format's: the requests' one tagged union
+    field = ".".join(names) or "body"
     return InvalidArgument(field.removeprefix(strip), first["msg"])
 
 

@@ -3,27 +3,45 @@ dead letters, then retry the ones found) is a generator: it yields a function th
 to a pipeline, receives that pipeline's replies (a command's error in its place; a round trip that
 failed as a whole is raised inside the generator), and returns its outcome. `run` drives it over a
 redis.Redis, `arun` over a redis.asyncio.Redis, so `Client` and `AsyncClient` share every line of
-it. Pipelines go through `execution.execute`, which reloads scripts a server has lost (NOSCRIPT)."""
+it. Pipelines go through `execution.execute`, which reloads scripts a server has lost (NOSCRIPT):
+the producers' own, and `scripts` (another family's, such as the Batch API's).
+Whatever stops a round trip is raised inside the generator, a KeyboardInterrupt or an asyncio
+task's cancel too, so an operation can undo what it began (one more round trip) before it goes
+on up. A step whose commands are safe to run twice says so (`Repeatable`): on a cluster, a node
+that fails them in a failover then delays the step instead of failing it (execution.execute)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, TypeVar
 
 from producer_client.protocol import execution
+from producer_client.protocol.script import Script
 
 T = TypeVar("T")
 # Yields pipeline builders, receives each one's replies (errors in their places), returns a T.
 Steps = Generator[Callable[[Any], None], list, T]
 
 
-def run(client, steps: Steps[T]) -> T:
+class Repeatable:
+    """A step's commands (`add`) that are safe to run twice: reads, a DEL."""
+
+    def __init__(self, add: Callable[[Any], None]):
+        self.add = add
+
+    def __call__(self, pipe) -> None:
+        self.add(pipe)
+
+
+def run(client, steps: Steps[T], scripts: Sequence[Script] = ()) -> T:
     try:
         add = next(steps)
         while True:
             try:
-                replies = execution.execute(client, add, raise_on_error=False)
-            except Exception as e:  # the round trip failed as a whole: the operation may clean up
+                replies = execution.execute(
+                    client, add, scripts, raise_on_error=False, repeatable=isinstance(add, Repeatable)
+                )
+            except BaseException as e:  # the round trip failed or was stopped: the operation may clean up
                 add = steps.throw(e)
             else:
                 add = steps.send(replies)
@@ -31,13 +49,15 @@ def run(client, steps: Steps[T]) -> T:
         return done.value
 
 
-async def arun(client, steps: Steps[T]) -> T:
+async def arun(client, steps: Steps[T], scripts: Sequence[Script] = ()) -> T:
     try:
         add = next(steps)
         while True:
             try:
-                replies = await execution.aexecute(client, add, raise_on_error=False)
-            except Exception as e:
+                replies = await execution.aexecute(
+                    client, add, scripts, raise_on_error=False, repeatable=isinstance(add, Repeatable)
+                )
+            except BaseException as e:
                 add = steps.throw(e)
             else:
                 add = steps.send(replies)

@@ -24,6 +24,7 @@ apt_install() {
 python3 -c 'import sys; assert sys.version_info >= (3, 10), "MILI needs Python 3.10+"'
 
 if [ ! -x .venv/bin/python ]; then
+  echo "[bootstrap] creating the virtual environment .venv"
   python3 -m venv .venv 2>/dev/null || { apt_install python3-venv; python3 -m venv .venv; }
 fi
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
@@ -31,13 +32,28 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 # Without a GPU, pin the CPU build: an unpinned torch pulls several GB of CUDA wheels.
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    echo "[bootstrap] installing torch (a GPU is present: the CUDA build, several GB)"
     pip install torch
   else
+    echo "[bootstrap] installing torch 2.13.0, the CPU build (about a minute)"
     pip install torch==2.13.0
   fi
 fi
 
-extra="[demo]"  # the demo's gateway and the openai SDK it calls
-[ "${1:-}" = "--dev" ] && extra="[dev]"
-pip install -e ".${extra}"
+extra="demo"  # the demo's gateway and the openai SDK it calls
+[ "${1:-}" = "--dev" ] && extra="dev"
+# The install is skipped when this checkout's requirements are installed already: the stamp holds a
+# digest of pyproject.toml, the checkout's path (the install is editable) and the Python, for each
+# extra installed; `dev` holds `demo`. A changed pyproject.toml, a moved checkout or a new venv
+# installs again. (pip itself takes ~40 s to find that nothing changed.)
+digest=$( { cat pyproject.toml; pwd; .venv/bin/python -VV; } | sha256sum | cut -d' ' -f1)
+installed() { [ -f ".venv/.mili-$1" ] && [ "$(cat ".venv/.mili-$1")" = "$digest" ]; }
+if installed "$extra" || { [ "$extra" = demo ] && installed dev; }; then
+  echo "[bootstrap] the ${extra} requirements are installed already (pyproject.toml unchanged)"
+else
+  echo "[bootstrap] installing MILI and its ${extra} requirements into .venv (a few minutes the first time)"
+  rm -f .venv/.mili-demo .venv/.mili-dev
+  pip install -e ".[${extra}]"
+  echo "$digest" > ".venv/.mili-$extra"
+fi
 echo "[bootstrap] ready: $(.venv/bin/python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"

@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-exec .venv/bin/python -m worker demo "$@"
+.venv/bin/python -m worker demo "$@"
+# The commands live in the venv, which this script cannot activate in the caller's shell.
+echo "[run] mili, mili-worker and mili-gateway are in .venv/bin: 'source .venv/bin/activate' puts them on your PATH"

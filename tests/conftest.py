@@ -1,5 +1,5 @@
-"""Session-wide setup: the shared fixtures and the tiers' markers (tests/support/fixtures.py and
-tiers.py, through `pytest_plugins`, which pytest reads only in this top-level conftest), and
+"""Session-wide setup: the shared fixtures, the tiers' markers and the device tests' (tests/support/fixtures.py,
+tiers.py and devices.py, through `pytest_plugins`, which pytest reads only in this top-level conftest), and
 Triton's interpreter mode, chosen before anything imports triton.
 
 triton.jit decides compiled-or-interpreted when a function is defined, that is when
@@ -15,7 +15,7 @@ import os
 
 import torch
 
-pytest_plugins = ["tests.support.fixtures", "tests.support.tiers"]
+pytest_plugins = ["tests.support.fixtures", "tests.support.tiers", "tests.support.devices"]
 
 # Under pytest-xdist (scripts/test.sh) each process takes its share of the cores for torch's
 # threads: two processes with a thread per core each would make four threads spin on two cores.

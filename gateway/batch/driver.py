@@ -5,11 +5,12 @@ the lease lapses after `batch_lease_s`, and another gateway (or the same one, re
 the batch on where it stood; a gateway that stops gracefully gives its leases up at once.
 
 A batch's lines run as queue jobs whose ids derive from the batch and the line
-(lines.request_id), so a driver that takes a batch over submits its lines in flight again
+(batch_lines.request_id), so a driver that takes a batch over submits its lines in flight again
 and finds their jobs: queued and running ones are not added twice, ended ones are read back, and
 only a job whose result expired from Redis (no gateway drove the batch for longer than the
 workers' result_ttl_s) runs again. A line's answer goes in once (BatchStore.answer). So a batch
-survives any gateway and any worker dying, and each custom_id is answered exactly once.
+survives any gateway and any worker dying, and each custom_id is answered exactly once. The
+lines in flight are openai_format.batch_flight's, as `mili batch`'s are.
 
     validating --(input checked)--> in_progress --(every line answered)--> finalizing --> completed
     validating --(a bad line)--> failed
@@ -34,7 +35,13 @@ from collections.abc import AsyncIterator
 
 import redis
 
-from gateway.batch.lines import (
+from gateway.batch.schema import BatchErrors
+from gateway.batch.store import BatchStore, Pieces
+from gateway.cancellation import cancel_and_wait
+from gateway.registry import ModelRegistry
+from gateway.settings import GatewaySettings
+from openai_format.batch_flight import Flight
+from openai_format.batch_lines import (
     LineErrorBody,
     LineJobs,
     OutputLine,
@@ -44,22 +51,15 @@ from gateway.batch.lines import (
     line_request,
     parse_line,
     request_id,
-    split_at_full_queue,
     unanswered,
 )
-from gateway.batch.schema import BatchErrors
-from gateway.batch.store import BatchStore, Pieces
-from gateway.cancellation import cancel_and_wait
-from gateway.errors import APIError
-from gateway.registry import ModelRegistry
-from gateway.settings import GatewaySettings
-from producer_client import AsyncClient, BulkQueueFull, ResultWatch
+from openai_format.errors import APIError
+from producer_client import AsyncClient, BulkQueueFull
 
 log = logging.getLogger("gateway.batch")
 
 CANCEL_GRACE_S = 60.0  # how long the answers of cancelled jobs are awaited before lines are given up
 READ_WAIT_S = 0.5  # the longest wait for results in one step: a cancel is seen within about this
-QUEUE_FULL_WAIT_S = 1.0
 MAX_JOB_TIMEOUT_S = 7 * 24 * 3600  # the longest deadline a job may have (JobRequest.timeout_s)
 ENDED_CODES = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
 UNANSWERED = {
@@ -121,14 +121,11 @@ class DrivenBatch:
         self.store = driver.store
         self.client = driver.client
         self.batch_id = batch_id
-        self.watch = ResultWatch(driver.client.keys)
-        self.flying: dict[int, LineJobs] = {}  # line index -> its jobs
-        self.line_of: dict[str, int] = {}  # job id -> line index
+        self.flight = Flight(driver.client.keys, driver.settings.batch_in_flight, weight=lambda line: 1)
         self.total = 0
         self.next_line: int | None = None  # None until the run has taken the batch's progress on
         self.expires_at = 0
         self.ending: str | None = None  # batch_cancelled or batch_expired once the batch is ending
-        self.retry_at = 0.0
         self.ttl_s = driver.settings.batch_ttl_s  # the batch's own, once read
 
     async def drive(self) -> None:
@@ -204,7 +201,7 @@ class DrivenBatch:
         if self.next_line is None:
             await self.take_on(fields, resubmit=True)
         await self.fill()
-        if self.next_line >= self.total and not self.flying:
+        if self.next_line >= self.total and self.flight.idle:
             now = int(time.time())
             if (
                 await self.store.transition(self.batch_id, "in_progress", "finalizing", "finalizing_at", now)
@@ -219,35 +216,33 @@ class DrivenBatch:
         again (submitted again when `resubmit`: their jobs are found, or made anew if they expired)."""
         self.total = int(fields.get("total", 0))
         self.next_line = int(fields.get("next_line", 0))
-        by_queue = await self.prepare(await self.store.unanswered(self.batch_id, self.next_line))
+        lines = await self.prepare(await self.store.unanswered(self.batch_id, self.next_line))
         if resubmit:
-            refused = await self.submit(by_queue)
-            if refused is not None:  # fill() goes on from there (lines answered since are answered once)
-                self.next_line = min(self.next_line, refused)
+            for line in lines:
+                self.flight.add(line)
+            await self.submit()
         else:
-            self.track([line for lines in by_queue.values() for line in lines])
+            self.flight.resumed(lines)
         log.info(
-            "batch %s: taken on at line %d of %d, %d in flight",
-            self.batch_id,
-            self.next_line,
-            self.total,
-            len(self.flying),
+            "batch %s: taken on at line %d of %d, %d in flight", self.batch_id, self.next_line, self.total, len(lines)
         )
 
     async def fill(self) -> None:
-        """Submit the next lines while fewer than `batch_in_flight` lines are out."""
-        room = self.driver.settings.batch_in_flight - len(self.flying)
-        if room <= 0 or self.next_line >= self.total or time.monotonic() < self.retry_at:
-            return
-        indexes = [i for i in range(self.next_line, min(self.total, self.next_line + room)) if i not in self.flying]
-        refused = await self.submit(await self.prepare(indexes))
-        self.next_line = min(self.total, self.next_line + room) if refused is None else refused
-        await self.store.set_fields(self.batch_id, next_line=self.next_line)
+        """Add the next lines while the flight has room (`batch_in_flight` lines), and submit
+        those due. The lines a full queue refused wait in the flight, below `next_line`: a gateway
+        that takes the batch over finds them unanswered."""
+        count = min(self.flight.room(), self.total - self.next_line)
+        if count > 0:
+            for line in await self.prepare(list(range(self.next_line, self.next_line + count))):
+                self.flight.add(line)
+            self.next_line += count
+            await self.store.set_fields(self.batch_id, next_line=self.next_line)
+        await self.submit()
 
-    async def prepare(self, indexes: list[int]) -> dict[str, list[LineJobs]]:
-        """The lines' requests, by the queue of their model. A line whose body the HTTP API would
-        refuse (or whose model no queue serves) is answered here with that error."""
-        by_queue: dict[str, list[LineJobs]] = {}
+    async def prepare(self, indexes: list[int]) -> list[LineJobs]:
+        """The lines' requests, each with the queue of its model. A line whose body the HTTP API
+        would refuse (or whose model no queue serves) is answered here with that error."""
+        prepared: list[LineJobs] = []
         refused = []
         for index, text in zip(indexes, await self.store.input_lines(self.batch_id, indexes)):
             line = parse_line(text, index + 1)
@@ -258,55 +253,40 @@ class DrivenBatch:
             except APIError as e:
                 refused.append((index, error_answer(line.custom_id, rid, e)))
                 continue
-            by_queue.setdefault(queue, []).append(LineJobs(request, rid))
+            prepared.append(LineJobs(request, rid, queue))
         await self.store.answer(self.batch_id, refused)
-        return by_queue
+        return prepared
 
-    async def submit(self, by_queue: dict[str, list[LineJobs]]) -> int | None:
-        """Enqueue the lines' jobs, each queue's in one submit_many. Returns the first line a full
-        queue refused (it and the lines after it in that queue wait), or None."""
+    async def submit(self) -> None:
+        """Enqueue the jobs of the lines due, each queue's in one submit_many."""
         timeout_s = min(MAX_JOB_TIMEOUT_S, max(1.0, self.expires_at - time.time()))
-        refused: int | None = None
-        for queue, lines in by_queue.items():
+        for queue, lines in self.flight.due().items():
             try:
                 await self.client.on_queue(queue).submit_many(
                     [spec for line in lines for spec in line.submit_specs(timeout_s=timeout_s)]
                 )
-                taken = lines
             except BulkQueueFull as full:
-                taken, waiting = split_at_full_queue(lines, full)
-                first_out = index_of(waiting[0])
-                refused = first_out if refused is None else min(refused, first_out)
-                self.retry_at = time.monotonic() + QUEUE_FULL_WAIT_S
-                log.info("batch %s: queue %r is full; line %d waits", self.batch_id, queue, first_out)
-            self.track(taken)
-        return refused
-
-    def track(self, lines: list[LineJobs]) -> None:
-        for line in lines:
-            self.flying[index_of(line)] = line
-            for job_id in line.job_ids:
-                self.line_of[job_id] = index_of(line)
-            self.watch.add(line.job_ids)
+                waiting = self.flight.submitted(lines, full)
+                log.info("batch %s: queue %r is full; line %d waits", self.batch_id, queue, index_of(waiting[0]))
+            else:
+                self.flight.submitted(lines)
 
     async def collect(self) -> None:
         """Answer the lines whose jobs have all ended since the last step."""
-        if not self.watch:
+        if not self.flight.watch:
             await asyncio.sleep(READ_WAIT_S)
             return
-        answers = []
-        for result in await self.client.finished(self.watch, timeout=READ_WAIT_S):
-            index = self.line_of.pop(result.id)
-            if self.flying[index].add(result):
-                answers.append((index, self.answer(self.flying.pop(index))))
-        await self.store.answer(self.batch_id, answers)
+        results = await self.client.finished(self.flight.watch, timeout=READ_WAIT_S)
+        await self.store.answer(
+            self.batch_id, [(index_of(line), self.answer(line)) for line in self.flight.ended(results)]
+        )
 
     def answer(self, line: LineJobs) -> OutputLine:
         results = line.in_choice_order()
         code = self.unanswered_code(results)
         if code is not None:
             return unanswered(line.request.custom_id, line.request_id, code, UNANSWERED[code])
-        return answer(line.request, line.request_id, results, self.driver.settings.retry_after_s)
+        return answer(line.request, line.request_id, results)
 
     def unanswered_code(self, results: list) -> str | None:
         """batch_expired for a job past its deadline (the window's end), the batch's ending code
@@ -325,9 +305,9 @@ class DrivenBatch:
         self.ending = ENDED_CODES[final]
         if self.next_line is None:
             await self.take_on(fields, resubmit=False)
-        await self.client.cancel_many(list(self.line_of))
+        await self.client.cancel_many(self.flight.jobs_out())
         grace_until = time.monotonic() + CANCEL_GRACE_S
-        while self.flying and time.monotonic() < grace_until:
+        while self.flight.jobs_out() and time.monotonic() < grace_until:
             if not await self.store.renew_lease(self.batch_id, self.driver.holder, self.driver.lease_ms):
                 return
             await self.collect()

@@ -18,12 +18,12 @@ from fastapi import APIRouter, File, Form, Request, UploadFile
 from starlette.responses import StreamingResponse
 
 from gateway.api_keys import tenant_of
-from gateway.batch.lines import ENDPOINTS, jsonl_lines
 from gateway.batch.schema import ENDED, Batch, CreateBatch, FileDeleted, FileObject, RequestCounts
 from gateway.batch.store import BatchStore, text_pieces
-from gateway.errors import APIError, bad_request, not_found
-from gateway.requests import parse_body
 from gateway.settings import GatewaySettings, duration_s
+from openai_format.batch_lines import ENDPOINTS, jsonl_lines
+from openai_format.errors import APIError, bad_request, not_found
+from openai_format.job_specs import parse_body
 
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
 BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")

@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.batch.lines import LineErrorBody
-from gateway.responses import Omitted
+from openai_format.batch_lines import LineErrorBody
+from openai_format.responses import Omitted
 
 BatchStatus = Literal[
     "validating",

@@ -17,13 +17,14 @@ from gateway.board.auth import ACTION_HEADER, COOKIE, SESSION_S, BoardAuth
 from gateway.board.pages import environment
 from gateway.board.views import JOBS_SHOWN, BoardReader
 from gateway.edge import client_address
-from gateway.errors import APIError, not_found, unauthorized
+from gateway.errors import unauthorized
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream
+from openai_format.errors import APIError, not_found
 from producer_client import AsyncClient, JobFailed, JobNotFound, JobTimeout
-from producer_client.core import check_event_id, check_job_id
 from producer_client.dead_letters import DeadLetterNotFound, NotRetryable
 from producer_client.keys import check_name
+from producer_client.validation import check_event_id, check_job_id
 
 log = logging.getLogger("gateway.board")
 
@@ -119,11 +120,16 @@ def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings, fail
     @router.post("/login")
     async def login(request: Request):
         # The form's one field, parsed here: FastAPI's Form() would need python-multipart. The edge
-        # has bounded the body (gateway/edge.py) and refuses an address with too many failures.
+        # has bounded the body (gateway/edge.py). A right key logs in whatever its address has
+        # failed; a wrong one past the limit is a 429 (gateway.api_keys.AuthFailures).
         key = parse_qs((await request.body()).decode(errors="replace")).get("key", [""])[0]
         session = auth.session_for(key)
         if session is None:
-            failures.failed(client_address(request))
+            retry_after = failures.failed(client_address(request))
+            if retry_after is not None:
+                response = html("login.jinja", request, status=429, retry_after=retry_after)
+                response.headers["Retry-After"] = str(retry_after)
+                return response
             return html("login.jinja", request, status=401, wrong=True)
         response = RedirectResponse("/board", status_code=303)
         response.set_cookie(

@@ -1,11 +1,33 @@
-"""The Lua scripts of the Batch API's store (gateway/batch/store.py), and their call builders. A
-batch's keys share its hash tag, so each script is atomic and Redis Cluster-safe; every write is
-safe to repeat and to race with a second driver that has not yet noticed it lost its lease."""
+"""The Batch API's batches in Redis: the Lua scripts of its store (gateway/batch/store.py) with
+their call builders, and every command on a batch's keys and the batches' indexes
+(producer_client.keys: batch, batch_input, batch_answered, batch_output, batch_errors,
+batch_lease, batches, batches_of, batches_unfinished), each operation a Steps
+(producer_client.steps) that the store runs over its connection.
+
+A batch is a hash of its object's fields, how far its driver has got (`next_line`), its TTL and
+its owner. It has no TTL until it ends, however long it runs, and expires `ttl_s` after. Its copy
+of its input lines is a hash of runs of LINES_PER_FIELD lines (a value per run rather than per
+line: Redis's allocator rounds every value up to a size class, which on a value per line cost
+about a fifth of the text again). Its answers are two lists (output, errors) with a bitmap of the
+lines answered, and its driver holds a lease, a string with a TTL. The indexes (every batch, each
+owner's, the unfinished ones) are sorted sets by creation time, to the microsecond: batches
+created within a second keep their order.
+
+A batch's keys share its hash tag, so each script is atomic and Redis Cluster-safe. Every write a
+driver makes is safe to repeat, and to race with a second driver that has not yet noticed it lost
+its lease: a line is answered through ANSWER, whose SETBIT lets only the first answer of a line in;
+statuses move through TRANSITION, from the statuses named only."""
 
 from __future__ import annotations
 
 from producer_client.keys import Keys
+from producer_client.protocol.files import owned_by
 from producer_client.protocol.script import Script, ScriptCall
+from producer_client.steps import Steps, checked
+
+LINES_PER_FIELD = 64  # a batch's input lines per hash field
+FIELDS_PER_HSET = 1000  # the input's fields per HSET command
+ANSWERS_PER_READ = 1000
 
 # KEYS: answered, output, errors, batch. ARGV: line index, 1 (output) or 0 (errors), answer JSON.
 # Returns 1, or 0 (changing nothing) if the line was answered already.
@@ -122,3 +144,137 @@ def renew(keys: Keys, batch_id: str, holder: str, ttl_ms: int) -> ScriptCall:
 
 def release(keys: Keys, batch_id: str, holder: str) -> ScriptCall:
     return ScriptCall(RELEASE, (keys.batch_lease(batch_id),), (holder,))
+
+
+# -- operations: every command on a batch's keys and the batches' indexes ---------------------------
+
+
+def create_batch(keys: Keys, batch_id: str, fields: dict, ttl_s: int, owner: str, created: float) -> Steps[None]:
+    """The batch's hash and its place in the indexes (`created`: epoch seconds, their order)."""
+
+    def add(pipe) -> None:
+        pipe.hset(keys.batch(batch_id), mapping={**fields, "ttl_s": ttl_s, **owned_by(owner)})
+        pipe.zadd(keys.batches(), {batch_id: created})
+        pipe.zadd(keys.batches_of(owner), {batch_id: created})
+        pipe.zadd(keys.batches_unfinished(), {batch_id: created})
+
+    checked((yield add))
+
+
+def batch_fields(keys: Keys, batch_id: str) -> Steps[dict[str, str]]:
+    """The batch's hash ({} if there is no such batch)."""
+    (fields,) = checked((yield lambda pipe: pipe.hgetall(keys.batch(batch_id))))
+    return fields
+
+
+def batch_owner(keys: Keys, batch_id: str) -> Steps[str | None]:
+    (owner,) = checked((yield lambda pipe: pipe.hget(keys.batch(batch_id), "owner")))
+    return owner
+
+
+def listed_batches(keys: Keys, after: str | None, limit: int, owner: str | None) -> Steps[list[dict[str, str]]]:
+    """The hashes of up to `limit` + 1 batches, newest first, after the batch `after` in the index
+    of `owner` (None: every owner's). Batches that expired leave the index."""
+    index = keys.batches() if owner is None else keys.batches_of(owner)
+    start = 0
+    if after is not None:
+        (rank,) = checked((yield lambda pipe: pipe.zrevrank(index, after)))
+        start = 0 if rank is None else rank + 1
+    (ids,) = checked((yield lambda pipe: pipe.zrevrange(index, start, start + limit)))
+    hashes = checked((yield lambda pipe: [pipe.hgetall(keys.batch(batch_id)) for batch_id in ids]))
+    gone = [batch_id for batch_id, fields in zip(ids, hashes) if not fields]
+    if gone:
+        checked((yield lambda pipe: pipe.zrem(index, *gone)))
+    return [fields for fields in hashes if fields]
+
+
+def unfinished_batches(keys: Keys) -> Steps[list[str]]:
+    (ids,) = checked((yield lambda pipe: pipe.zrange(keys.batches_unfinished(), 0, -1)))
+    return ids
+
+
+def set_fields(keys: Keys, batch_id: str, fields: dict) -> Steps[None]:
+    checked((yield lambda pipe: pipe.hset(keys.batch(batch_id), mapping=fields)))
+
+
+def move_batch(
+    keys: Keys, batch_id: str, allowed: str, status: str, at_field: str, now: int, fields: dict
+) -> Steps[str | None]:
+    """TRANSITION: the batch's status after it (see there)."""
+    (status_after,) = checked((yield transition(keys, batch_id, allowed, status, at_field, now, fields).add_to))
+    return status_after
+
+
+def finish_batch(
+    keys: Keys, batch_id: str, status: str, at_field: str, now: int, ttl_s: int, files: dict
+) -> Steps[None]:
+    """FINISH, then the batch out of the unfinished ones: once FINISH has run, never before (a
+    batch out of them and not ended would never be driven again)."""
+    checked((yield finish(keys, batch_id, status, at_field, now, ttl_s, files).add_to))
+    checked((yield lambda pipe: pipe.zrem(keys.batches_unfinished(), batch_id)))
+
+
+def store_input(keys: Keys, batch_id: str, lines: list[str]) -> Steps[None]:
+    """Line i goes in field i // LINES_PER_FIELD, with its neighbours (the lines have no newline)."""
+    runs = {
+        str(n): "\n".join(lines[start : start + LINES_PER_FIELD])
+        for n, start in enumerate(range(0, len(lines), LINES_PER_FIELD))
+    }
+    names = list(runs)
+
+    def add(pipe) -> None:
+        for start in range(0, len(names), FIELDS_PER_HSET):
+            pipe.hset(
+                keys.batch_input(batch_id),
+                mapping={name: runs[name] for name in names[start : start + FIELDS_PER_HSET]},
+            )
+
+    checked((yield add))
+
+
+def input_lines(keys: Keys, batch_id: str, indexes: list[int]) -> Steps[list[str]]:
+    """The input lines at `indexes`, in that order."""
+    fields = sorted({i // LINES_PER_FIELD for i in indexes})
+    if not fields:
+        return []
+    (runs,) = checked((yield lambda pipe: pipe.hmget(keys.batch_input(batch_id), [str(n) for n in fields])))
+    lines_of = {n: run.split("\n") for n, run in zip(fields, runs)}
+    return [lines_of[i // LINES_PER_FIELD][i % LINES_PER_FIELD] for i in indexes]
+
+
+def unanswered_lines(keys: Keys, batch_id: str, upto: int) -> Steps[list[int]]:
+    """The lines below `upto` not answered yet: those from the first clear bit of the answered
+    bitmap (BITPOS) on, looked at one by one."""
+    key = keys.batch_answered(batch_id)
+    (first,) = checked((yield lambda pipe: pipe.bitpos(key, 0)))
+    if first >= upto:
+        return []
+    bits = checked((yield lambda pipe: [pipe.getbit(key, index) for index in range(first, upto)]))
+    return [index for index, bit in zip(range(first, upto), bits) if not bit]
+
+
+def answer_lines(keys: Keys, batch_id: str, answers: list[tuple[int, bool, str]]) -> Steps[None]:
+    """ANSWER of each (line index, whether it goes to the output, its answer's JSON)."""
+    if answers:
+        checked((yield lambda pipe: [answer(keys, batch_id, *line).add_to(pipe) for line in answers]))
+
+
+def answers_page(keys: Keys, batch_id: str, ok: bool, start: int) -> Steps[list[str]]:
+    """Up to ANSWERS_PER_READ answers of the output (`ok`) or error list, from answer `start`."""
+    key = keys.batch_output(batch_id) if ok else keys.batch_errors(batch_id)
+    (page,) = checked((yield lambda pipe: pipe.lrange(key, start, start + ANSWERS_PER_READ - 1)))
+    return page
+
+
+def take_lease(keys: Keys, batch_id: str, holder: str, ttl_ms: int) -> Steps[bool]:
+    (taken,) = checked((yield lambda pipe: pipe.set(keys.batch_lease(batch_id), holder, nx=True, px=ttl_ms)))
+    return bool(taken)
+
+
+def renew_lease(keys: Keys, batch_id: str, holder: str, ttl_ms: int) -> Steps[bool]:
+    (renewed,) = checked((yield renew(keys, batch_id, holder, ttl_ms).add_to))
+    return bool(renewed)
+
+
+def release_lease(keys: Keys, batch_id: str, holder: str) -> Steps[None]:
+    checked((yield release(keys, batch_id, holder).add_to))

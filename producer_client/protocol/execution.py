@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from redis.commands.core import CoreCommands
 from redis.exceptions import NoScriptError, ResponseError
 
-from producer_client.cluster import is_cluster, topology_errors
+from producer_client.cluster import NODE_ERRORS, is_cluster, topology_errors
 from producer_client.protocol.producer import PRODUCER_SCRIPTS
 from producer_client.protocol.script import Script
 
@@ -49,7 +49,13 @@ _NODE_OF = "mili_node_of"  # a recorded command's key whose node must run it; ne
 COUNTED_PER_KEY = frozenset({"EXISTS", "DEL", "UNLINK", "TOUCH"})
 
 
-def execute(client, add_commands: Callable, scripts: Sequence[Script] = (), raise_on_error: bool = True) -> list:
+def execute(
+    client,
+    add_commands: Callable,
+    scripts: Sequence[Script] = (),
+    raise_on_error: bool = True,
+    repeatable: bool = False,
+) -> list:
     """Record commands with `add_commands` and send them in one pipeline; on a cluster, redis-py
     splits it per node, one round trip to every node at once, and follows MOVED and ASK. A server
     that lacks our scripts (fresh, restarted, SCRIPT FLUSHed, or a replica just promoted) answers
@@ -60,11 +66,14 @@ def execute(client, add_commands: Callable, scripts: Sequence[Script] = (), rais
     leave the first read's entries pending and unknown to the caller).
     With `raise_on_error=False` a command's error is its reply, for the caller to judge one by
     one; otherwise the first error is raised. `scripts`: those the pipeline may run, beside the
-    producers' own."""
+    producers' own. `repeatable`: the commands are safe to run twice (reads, a DEL), so on a
+    cluster a command that a node failed (redis-py tries it again at once, then gives its error as
+    the reply) fails the round trip, which the client's retry policy sends again, as it does a
+    single command's, until the failover is over."""
     commands = Commands()
     add_commands(commands)
     with topology_errors():
-        replies = _send(client, commands.stack)
+        replies = _send(client, commands.stack, repeatable)
         for _ in range(SCRIPT_RELOADS):
             missing = _lacking_scripts(replies)
             if not missing:
@@ -74,14 +83,20 @@ def execute(client, add_commands: Callable, scripts: Sequence[Script] = (), rais
     return _checked(replies, raise_on_error)
 
 
-async def aexecute(client, add_commands: Callable, scripts: Sequence[Script] = (), raise_on_error: bool = True) -> list:
+async def aexecute(
+    client,
+    add_commands: Callable,
+    scripts: Sequence[Script] = (),
+    raise_on_error: bool = True,
+    repeatable: bool = False,
+) -> list:
     """`execute` for a redis.asyncio client."""
     commands = Commands()
     add_commands(commands)
     with topology_errors():
         if is_cluster(client) and any(_NODE_OF in options for _, options in commands.stack):
             await client.initialize()  # the slot table, to route each WAIT to its node; once per client
-        replies = await _asend(client, commands.stack)
+        replies = await _asend(client, commands.stack, repeatable)
         for _ in range(SCRIPT_RELOADS):
             missing = _lacking_scripts(replies)
             if not missing:
@@ -113,32 +128,39 @@ def _script_loads(client, scripts: Sequence[Script]) -> Stack:
     ]
 
 
-def _send(client, stack: Stack | Callable[[], Stack]) -> list:
+def _send(client, stack: Stack | Callable[[], Stack], repeatable: bool = False) -> list:
     """One reply (or error) per command of `stack` (or of the stack it makes), in one pipeline: on
     a cluster, built anew for each try of the client's pacing (redis-py's own empties a pipeline
-    it sent), each command routed by the topology of that try."""
+    it sent), each command routed by the topology of that try; a `repeatable` one is tried again
+    while a node fails any of its commands (see execute)."""
+
+    cluster = is_cluster(client)  # asked once: an isinstance of redis-py's cluster classes costs microseconds
 
     def attempt() -> list:
-        pipe, parts, waits = _pipeline(client, stack() if callable(stack) else stack)
-        return _judged_waits(client, _folded(pipe.execute(raise_on_error=False), parts), waits)
+        pipe, parts, waits = _pipeline(client, cluster, stack() if callable(stack) else stack)
+        replies = _judged_waits(client, _folded(pipe.execute(raise_on_error=False), parts), waits)
+        return _node_errors_raised(replies) if repeatable else replies
 
-    return client.paced(attempt) if is_cluster(client) else attempt()
+    return client.paced(attempt) if cluster else attempt()
 
 
-async def _asend(client, stack: Stack | Callable[[], Stack]) -> list:
+async def _asend(client, stack: Stack | Callable[[], Stack], repeatable: bool = False) -> list:
+    cluster = is_cluster(client)
+
     async def attempt() -> list:
-        pipe, parts, waits = _pipeline(client, stack() if callable(stack) else stack)
-        return _judged_waits(client, _folded(await pipe.execute(raise_on_error=False), parts), waits)
+        pipe, parts, waits = _pipeline(client, cluster, stack() if callable(stack) else stack)
+        replies = _judged_waits(client, _folded(await pipe.execute(raise_on_error=False), parts), waits)
+        return _node_errors_raised(replies) if repeatable else replies
 
-    return await client.paced(attempt) if is_cluster(client) else await attempt()
+    return await client.paced(attempt) if cluster else await attempt()
 
 
-def _pipeline(client, stack: Stack):
-    """A pipeline of `stack`'s commands as `client` must send them; how many went out for each
-    (more than one for a command of COUNTED_PER_KEY whose keys lie in several slots); and for
-    each WAIT, by its place in `stack`, its key and the node it was sent to (None: one server)."""
+def _pipeline(client, cluster: bool, stack: Stack):
+    """A pipeline of `stack`'s commands as `client` (a `cluster` or not) must send them; how many
+    went out for each (more than one for a command of COUNTED_PER_KEY whose keys lie in several
+    slots); and for each WAIT, by its place in `stack`, its key and the node it was sent to (None:
+    one server)."""
     pipe = client.pipeline(transaction=False)
-    cluster = is_cluster(client)  # asked once: an isinstance of redis-py's cluster classes costs microseconds
     parts, waits = [], {}
     for at, (args, options) in enumerate(stack):
         if _NODE_OF in options:
@@ -192,6 +214,14 @@ def _folded(replies: list, parts: list[int]) -> list:
         errors = [reply for reply in mine if isinstance(reply, Exception)]
         folded.append(mine[0] if count == 1 else errors[0] if errors else sum(mine))
     return folded
+
+
+def _node_errors_raised(replies: list) -> list:
+    """`replies`, once none is a node's failure (NODE_ERRORS): the first such is raised."""
+    for reply in replies:
+        if isinstance(reply, NODE_ERRORS):
+            raise reply
+    return replies
 
 
 def _lacking_scripts(replies: list) -> list[int]:

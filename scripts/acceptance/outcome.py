@@ -1,12 +1,15 @@
-"""A finished step's outcome, from its exit status, its JUnit report (pytest steps) and its output."""
+"""A finished step's outcome, from its exit status, its JUnit report (pytest steps) and its output.
+On a GPU run, a pytest step passes only when some of its device tests ran on the GPU (unless its
+tests are the host's alone): tests that all skipped there, or ran on the CPU, are no GPU pass."""
 
 from __future__ import annotations
 
-import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from scripts.acceptance.pytest_report import PytestCounts, reasons
 from scripts.acceptance.step import EXIT_NO_CUDA, Kind, Outcome, Step
+
+Verdict = tuple[Outcome, str]  # the outcome and its detail
 
 
 @dataclass
@@ -16,34 +19,7 @@ class Result:
     detail: str = ""
     seconds: float = 0.0
     figures: dict[str, str] = field(default_factory=dict)  # label -> value as printed
-
-
-@dataclass(frozen=True)
-class PytestCounts:
-    passed: int
-    failed: list[str]  # names of failed or erroring tests
-    skipped: int
-
-    @classmethod
-    def from_junit(cls, path: Path) -> PytestCounts:
-        passed, failed, skipped = 0, [], 0
-        for case in ElementTree.parse(path).iter("testcase"):
-            if case.find("failure") is not None or case.find("error") is not None:
-                failed.append(case.get("name", "?"))
-            elif case.find("skipped") is not None:
-                skipped += 1
-            else:
-                passed += 1
-        return cls(passed, failed, skipped)
-
-    def summary(self) -> str:
-        parts = [f"{self.passed} passed"]
-        if self.failed:
-            shown = ", ".join(self.failed[:3]) + (", ..." if len(self.failed) > 3 else "")
-            parts.append(f"{len(self.failed)} failed: {shown}")
-        if self.skipped:
-            parts.append(f"{self.skipped} skipped")
-        return ", ".join(parts)
+    tests: PytestCounts | None = None  # a pytest step's, read from its report
 
 
 def last_line(output: str) -> str:
@@ -51,24 +27,25 @@ def last_line(output: str) -> str:
     return lines[-1][:200] if lines else ""
 
 
-def pytest_outcome(step: Step, returncode: int, junit: Path, output: str, cuda: bool) -> tuple[Outcome, str]:
-    if not junit.exists():
+def pytest_outcome(step: Step, returncode: int, counts: PytestCounts | None, output: str, cuda: bool) -> Verdict:
+    if counts is None:
         return Outcome.FAIL, f"exit status {returncode}, no test report: {last_line(output)}"
-    counts = PytestCounts.from_junit(junit)
     if returncode != 0 or counts.failed:
         # compute-sanitizer fails a run whose tests passed when it found an error: its report is the detail.
         detail = (
             counts.summary() if counts.failed else f"{counts.summary()}; exit status {returncode}: {last_line(output)}"
         )
         return Outcome.FAIL, detail
-    if counts.passed == 0 and counts.skipped:
-        if cuda and step.cuda_only:
-            return Outcome.FAIL, f"all {counts.skipped} skipped on a GPU run"
-        return (Outcome.FAIL, "every test skipped") if cuda else (Outcome.SKIP_NO_CUDA, counts.summary())
+    if counts.passed == 0:
+        if not cuda and counts.only_device_tests_skipped:
+            return Outcome.SKIP_NO_CUDA, counts.summary()
+        return Outcome.FAIL, f"every test skipped: {reasons(counts.skipped)}"
+    if cuda and not step.host_only and counts.device.on_gpu == 0:
+        return Outcome.FAIL, f"no device test ran on the GPU: {counts.device.summary()}"
     return Outcome.PASS, counts.summary()
 
 
-def script_outcome(returncode: int, output: str, cuda: bool) -> tuple[Outcome, str]:
+def script_outcome(returncode: int, output: str, cuda: bool) -> Verdict:
     if returncode == 0:
         return Outcome.PASS, ""
     if returncode == EXIT_NO_CUDA and not cuda:
@@ -76,9 +53,10 @@ def script_outcome(returncode: int, output: str, cuda: bool) -> tuple[Outcome, s
     return Outcome.FAIL, f"exit status {returncode}: {last_line(output)}"
 
 
-def judge(step: Step, returncode: int, junit: Path, output: str, cuda: bool) -> tuple[Outcome, str]:
+def judge(step: Step, returncode: int, counts: PytestCounts | None, output: str, cuda: bool) -> Verdict:
+    """A finished step's outcome and its detail; `counts`: a pytest step's report, None where it wrote none."""
     if step.kind is Kind.PYTEST:
-        return pytest_outcome(step, returncode, junit, output, cuda)
+        return pytest_outcome(step, returncode, counts, output, cuda)
     return script_outcome(returncode, output, cuda)
 
 

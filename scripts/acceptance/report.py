@@ -1,4 +1,6 @@
-"""A stage's PASS/FAIL table and its figures, rewritten under OUTDIR after every step."""
+"""A stage's PASS/FAIL table and its figures, rewritten under OUTDIR after every step. Each pytest
+step's row says how many of its device tests ran on the GPU, on the CPU, or skipped and why; a
+rehearsal's verdict says it is one: its device tests never run on a GPU."""
 
 from __future__ import annotations
 
@@ -29,13 +31,14 @@ class StageReport:
         for r in self.results:
             counts[r.outcome.value] = counts.get(r.outcome.value, 0) + 1
         tally = ", ".join(f"{n} {outcome}" for outcome, n in counts.items())
-        return f"{'PASS' if self.passed() else 'FAIL'} ({tally})"
+        verdict = "PASS" if self.passed() else "FAIL"
+        return f"rehearsal {verdict}, nothing run on a GPU ({tally})" if self.rehearse else f"{verdict} ({tally})"
 
     def header(self) -> list[str]:
         m = self.machine
         where = (
-            "REHEARSAL on the CPU at tiny shapes: SKIP (no CUDA) marks what only a GPU runs, and its figures "
-            "are not GPU figures"
+            "REHEARSAL on the CPU at tiny shapes: SKIP (no CUDA) marks what only a GPU runs, no device test "
+            "runs on a GPU, and its figures are not GPU figures"
             if self.rehearse
             else f"on {m['gpus']} x {m['device']}"
         )
@@ -46,10 +49,10 @@ class StageReport:
         ]
 
     def step_rows(self) -> list[str]:
-        rows = ["| step | result | seconds | detail | what |", "|---|---|---|---|---|"]
+        rows = ["| step | result | seconds | device tests | detail | what |", "|---|---|---|---|---|---|"]
         for r in self.results:
-            detail = r.detail.replace("|", "\\|")
-            rows.append(f"| {r.step.name} | {r.outcome.value} | {r.seconds:.0f} | {detail} | {r.step.what} |")
+            cells = (r.step.name, r.outcome.value, f"{r.seconds:.0f}", device_tests(r), r.detail, r.step.what)
+            rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
         return rows
 
     def figure_rows(self) -> list[str]:
@@ -87,8 +90,19 @@ class StageReport:
                     "outcome": r.outcome.value,
                     "seconds": round(r.seconds, 1),
                     "detail": r.detail,
+                    "tests": r.tests.as_json() if r.tests else None,
                     "figures": r.figures,
                 }
                 for r in self.results
             ],
         }
+
+
+def device_tests(result: Result) -> str:
+    """The row's device tests: where they ran, and why those that skipped did; '-' for a step that ran no tests."""
+    if result.tests is None:
+        return "-"
+    device = result.tests.device
+    if result.step.host_only:
+        return f"host only: {device.summary()}" if device.total else "host only"
+    return device.summary() if device.total else "none"

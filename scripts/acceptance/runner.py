@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.acceptance.outcome import Result, judge, read_figures
+from scripts.acceptance.pytest_report import PytestCounts
 from scripts.acceptance.report import StageReport
 from scripts.acceptance.step import Kind, Outcome, Stage, Step
 
@@ -133,11 +134,12 @@ def run_step(step: Step, run: Run, left_s: float, log_file) -> Result:
                 else f"stopped after {timeout_s:.0f} s, the end of the stage's budget: rerun with --only {step.name}"
             )
             return Result(step, Outcome.FAIL, why, seconds)
-        outcome, detail = judge(step, returncode, junit, output, run.cuda)
+        counts = PytestCounts.from_junit(junit) if step.kind is Kind.PYTEST and junit.exists() else None
+        outcome, detail = judge(step, returncode, counts, output, run.cuda)
     figures, missing = read_figures(step, output, run.cuda)
     if outcome is Outcome.PASS and missing:
         outcome, detail = Outcome.FAIL, f"not in its output: {', '.join(missing)}"
-    return Result(step, outcome, detail, seconds, figures)
+    return Result(step, outcome, detail, seconds, figures, counts)
 
 
 def run_stage(stage: Stage, run: Run, only: set[str] | None) -> bool:

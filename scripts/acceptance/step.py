@@ -59,7 +59,9 @@ class Step:
     rehearsal: tuple[str, ...] | None  # on the CPU, at tiny shapes; None: only a GPU can run it
     timeout_s: int
     gate: bool = False  # a failure ends the stage: what follows would measure a broken path
-    cuda_only: bool = False  # on the GPU, a run whose tests all skip is a failure
+    # Its tests are the host's alone (none runs on the device); otherwise a GPU run of it fails unless
+    # some of its device tests (tests/support/devices.py) ran on the GPU.
+    host_only: bool = False
     gpus: int = 1  # the GPUs its GPU command needs; with fewer it is SKIP (too few GPUs), and rehearsed as usual
     tool: str | None = None  # an executable the GPU command needs
     env: dict[str, str] = field(default_factory=dict)
@@ -67,23 +69,14 @@ class Step:
 
 
 def pytest_args(*args: str) -> tuple[str, ...]:
-    return ("{python}", "-m", "pytest", "-q", "-p", "no:cacheprovider", *args)
+    """The plugin writes where each device test ran into the JUnit report, whatever conftest.py is in effect."""
+    return ("{python}", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.support.devices", *args)
 
 
-def tests(
-    name: str,
-    what: str,
-    args: tuple[str, ...],
-    rehearsal: tuple[str, ...] | None = None,
-    *,
-    cuda_only: bool = False,
-    **options,
-) -> Step:
-    """A pytest run; its rehearsal runs `rehearsal`'s arguments, or the same ones; with cuda_only
-    the rehearsal still runs them, and reports their skips as SKIP (no CUDA)."""
-    return Step(
-        name, what, Kind.PYTEST, pytest_args(*args), pytest_args(*(rehearsal or args)), cuda_only=cuda_only, **options
-    )
+def tests(name: str, what: str, args: tuple[str, ...], rehearsal: tuple[str, ...] | None = None, **options) -> Step:
+    """A pytest run; its rehearsal runs `rehearsal`'s arguments, or the same ones. A rehearsal whose
+    tests are all device tests that skipped is SKIP (no CUDA)."""
+    return Step(name, what, Kind.PYTEST, pytest_args(*args), pytest_args(*(rehearsal or args)), **options)
 
 
 def script(name: str, what: str, args: tuple[str, ...], rehearsal: tuple[str, ...] | None, **options) -> Step:

@@ -10,12 +10,15 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from scripts.acceptance import runner
-from scripts.acceptance.outcome import PytestCounts, judge, read_figures
+from scripts.acceptance.outcome import Result, judge, read_figures
+from scripts.acceptance.pytest_report import DeviceCounts, PytestCounts
+from scripts.acceptance.report import StageReport
 from scripts.acceptance.runner import Run, run_stage
 from scripts.acceptance.stages import ORDER, stages
 from scripts.acceptance.step import EXIT_NO_CUDA, Figure, Kind, Outcome, Stage, Step, script
@@ -30,43 +33,61 @@ CPU = {"cuda": False, "gpus": 0, "torch": "t", "triton": "t", "cuda_version": No
 GPU = {**CPU, "cuda": True, "gpus": 1, "device": "a stand-in GPU"}
 
 
-def junit(tmp_path: Path, passed: int = 0, failed: int = 0, skipped: int = 0) -> Path:
-    cases = (
-        [f'<testcase name="p{i}"/>' for i in range(passed)]
-        + [f'<testcase name="f{i}"><failure message="x"/></testcase>' for i in range(failed)]
-        + [f'<testcase name="s{i}"><skipped message="needs CUDA"/></testcase>' for i in range(skipped)]
-    )
-    path = tmp_path / "junit.xml"
-    path.write_text(f"<testsuites><testsuite>{''.join(cases)}</testsuite></testsuites>")
-    return path
+def counts(passed=0, failed=0, skipped=None, on_gpu=0, on_cpu=0, device_skipped=None) -> PytestCounts:
+    """A report's counts; `skipped`: reason -> tests, and the device tests among them in `device_skipped`."""
+    device = DeviceCounts(on_gpu, on_cpu, Counter(device_skipped or {}))
+    return PytestCounts(passed, [f"f{i}" for i in range(failed)], Counter(skipped or {}), device)
 
 
-def a_pytest_step(cuda_only: bool = False) -> Step:
-    return pytest_step("t", "what", ("tests/x.py",), cuda_only=cuda_only, timeout_s=10)
+NO_CUDA = "graph capture needs a CUDA device"
 
 
-def test_junit_counts_name_the_failed_tests(tmp_path):
-    counts = PytestCounts.from_junit(junit(tmp_path, passed=2, failed=4, skipped=1))
-    assert (counts.passed, counts.failed, counts.skipped) == (2, ["f0", "f1", "f2", "f3"], 1)
-    assert counts.summary() == "2 passed, 4 failed: f0, f1, f2, ..., 1 skipped"
+def a_pytest_step(host_only: bool = False) -> Step:
+    return pytest_step("t", "what", ("tests/x.py",), host_only=host_only, timeout_s=10)
 
 
-def test_tests_that_all_skip_are_skip_no_cuda_on_the_cpu_and_a_failure_on_the_gpu(tmp_path):
-    report = junit(tmp_path, skipped=2)
-    assert judge(a_pytest_step(), 0, report, "", cuda=False)[0] is Outcome.SKIP_NO_CUDA
-    assert judge(a_pytest_step(cuda_only=True), 0, report, "", cuda=True) == (
+def test_tests_that_all_skip_are_skip_no_cuda_on_the_cpu_only_when_each_is_a_device_test():
+    device_only = counts(skipped={NO_CUDA: 2}, device_skipped={NO_CUDA: 2})
+    assert judge(a_pytest_step(), 0, device_only, "", cuda=False) == (Outcome.SKIP_NO_CUDA, "0 passed, 2 skipped")
+    assert judge(a_pytest_step(), 0, device_only, "", cuda=True) == (
         Outcome.FAIL,
-        "all 2 skipped on a GPU run",
+        f"every test skipped: {NO_CUDA} (2)",
     )
-    assert judge(a_pytest_step(), 0, report, "", cuda=True)[0] is Outcome.FAIL
+    host_skipped = counts(skipped={NO_CUDA: 1, "no address but loopback": 1}, device_skipped={NO_CUDA: 1})
+    assert judge(a_pytest_step(), 0, host_skipped, "", cuda=False) == (
+        Outcome.FAIL,
+        f"every test skipped: {NO_CUDA} (1); no address but loopback (1)",
+    )
 
 
-def test_passing_tests_fail_the_step_when_the_command_fails_as_compute_sanitizer_does(tmp_path):
-    report = junit(tmp_path, passed=3)
+def test_on_a_gpu_run_a_step_none_of_whose_device_tests_ran_on_the_gpu_fails():
+    skipped_there = counts(passed=5, skipped={NO_CUDA: 2}, device_skipped={NO_CUDA: 2})
+    assert judge(a_pytest_step(), 0, skipped_there, "", cuda=True) == (
+        Outcome.FAIL,
+        f"no device test ran on the GPU: 0 on the GPU, 2 skipped: {NO_CUDA} (2)",
+    )
+    on_the_cpu = counts(passed=5, on_cpu=3)
+    assert judge(a_pytest_step(), 0, on_the_cpu, "", cuda=True) == (
+        Outcome.FAIL,
+        "no device test ran on the GPU: 0 on the GPU, 3 on the CPU",
+    )
+    assert judge(a_pytest_step(), 0, counts(passed=5), "", cuda=True) == (
+        Outcome.FAIL,
+        "no device test ran on the GPU: 0 on the GPU",
+    )
+    one_there = counts(passed=5, skipped={NO_CUDA: 2}, on_gpu=1, device_skipped={NO_CUDA: 2})
+    assert judge(a_pytest_step(), 0, one_there, "", cuda=True) == (Outcome.PASS, "5 passed, 2 skipped")
+    # The host's tests alone, by design (tp's shares); and a rehearsal checks the plumbing, not the GPU.
+    assert judge(a_pytest_step(host_only=True), 0, counts(passed=5), "", cuda=True) == (Outcome.PASS, "5 passed")
+    assert judge(a_pytest_step(), 0, skipped_there, "", cuda=False) == (Outcome.PASS, "5 passed, 2 skipped")
+
+
+def test_passing_tests_fail_the_step_when_the_command_fails_as_compute_sanitizer_does():
+    report = counts(passed=3, on_gpu=3)
     assert judge(a_pytest_step(), 0, report, "", cuda=True) == (Outcome.PASS, "3 passed")
     outcome, detail = judge(a_pytest_step(), 1, report, "========= ERROR SUMMARY: 1 error", cuda=True)
     assert outcome is Outcome.FAIL and detail.endswith("exit status 1: ========= ERROR SUMMARY: 1 error")
-    assert judge(a_pytest_step(), 4, tmp_path / "none.xml", "usage: ...", cuda=True) == (
+    assert judge(a_pytest_step(), 4, None, "usage: ...", cuda=True) == (
         Outcome.FAIL,
         "exit status 4, no test report: usage: ...",
     )
@@ -74,9 +95,9 @@ def test_passing_tests_fail_the_step_when_the_command_fails_as_compute_sanitizer
 
 def test_a_script_skips_only_where_there_is_no_cuda():
     step = script("s", "what", ("x.py",), ("x.py",), timeout_s=10)
-    assert judge(step, EXIT_NO_CUDA, Path("-"), "needs CUDA\n", cuda=False) == (Outcome.SKIP_NO_CUDA, "needs CUDA")
-    assert judge(step, EXIT_NO_CUDA, Path("-"), "needs CUDA\n", cuda=True)[0] is Outcome.FAIL
-    assert judge(step, 0, Path("-"), "", cuda=True) == (Outcome.PASS, "")
+    assert judge(step, EXIT_NO_CUDA, None, "needs CUDA\n", cuda=False) == (Outcome.SKIP_NO_CUDA, "needs CUDA")
+    assert judge(step, EXIT_NO_CUDA, None, "needs CUDA\n", cuda=True)[0] is Outcome.FAIL
+    assert judge(step, 0, None, "", cuda=True) == (Outcome.PASS, "")
 
 
 def test_figures_are_read_and_judged_and_gpu_only_ones_are_not_missed_on_the_cpu():
@@ -122,7 +143,11 @@ def test_a_failed_gate_ends_the_stage_and_the_files_say_so(tmp_path, capsys):
     assert report["steps"][1]["detail"] == "exit status 3: broken"
     assert report["steps"][0]["figures"] == {"rate": "12.5"}
     table = (tmp_path / "demo.md").read_text()
-    assert "| gate | FAIL |" in table and "| after | NOT RUN |" in table and "stage demo: FAIL" in table
+    assert (
+        "| gate | FAIL |" in table
+        and "| after | NOT RUN |" in table
+        and "stage demo: rehearsal FAIL, nothing run on a GPU (" in table
+    )
     assert "REHEARSAL on the CPU" in table and table.strip() in capsys.readouterr().out
     log = (tmp_path / "demo.log").read_text()
     assert "===== first:" in log and "rate: 12.5 tok/s" in log and "never" not in log
@@ -156,6 +181,58 @@ def test_a_step_needing_more_gpus_than_visible_is_skipped_on_the_gpu_and_rehears
     marker.unlink()
     passed, report = run(tmp_path, stage)
     assert passed and outcomes(report) == {"one": "PASS", "pair": "PASS"} and marker.exists()
+
+
+STAND_IN_TESTS = """
+    import pytest
+
+    def test_on_the_host():
+        pass
+
+    @pytest.mark.cuda
+    @pytest.mark.skip(reason="graph capture needs a CUDA device")
+    def test_on_the_device():
+        pass
+
+    @pytest.mark.cuda(gpus=64)
+    def test_on_more_gpus_than_any_host_has():
+        pass  # where its module sees too few, on the CPU's stand-in
+"""
+
+
+def test_on_a_gpu_host_a_pytest_step_whose_device_tests_did_not_run_there_fails_and_says_where_they_did(
+    tmp_path, monkeypatch
+):
+    # Issue 40: a step whose CUDA tests all skipped read PASS when its other tests passed.
+    monkeypatch.chdir(ROOT)  # where scripts/gpu_acceptance.sh runs the steps: -p finds the plugin there
+    tests_file = tmp_path / "stand_in" / "test_stand_in.py"
+    tests_file.parent.mkdir()
+    tests_file.write_text(textwrap.dedent(STAND_IN_TESTS))
+    # The unknown-mark warning an error: the plugin registers `cuda` where no conftest.py does.
+    args = ("-W", "error::pytest.PytestUnknownMarkWarning", str(tests_file))
+    stage = Stage("demo", "a stage", (pytest_step("graphs", "what", args, timeout_s=120),))
+    passed, report = run(tmp_path, stage, machine=GPU, rehearse=False)
+    device = "0 on the GPU, 1 on the CPU, 1 skipped: graph capture needs a CUDA device (1)"
+    assert not passed and outcomes(report) == {"graphs": "FAIL"}
+    assert report["steps"][0]["detail"] == f"no device test ran on the GPU: {device}"
+    assert report["steps"][0]["tests"] == {
+        "passed": 2,
+        "failed": [],
+        "skipped": {"graph capture needs a CUDA device": 1},
+        "device": {"on_gpu": 0, "on_cpu": 1, "skipped": {"graph capture needs a CUDA device": 1}},
+    }
+    table = (tmp_path / "demo.md").read_text()
+    assert "| graphs | FAIL | " in table and f" | {device} | no device test ran on the GPU: " in table
+    assert table.strip().endswith(f"stage demo: FAIL (1 FAIL); log: {tmp_path / 'demo.log'}")
+
+
+def test_a_rehearsals_report_says_it_ran_nothing_on_a_gpu(tmp_path):
+    step = pytest_step("graphs", "what", ("tests/x.py",), timeout_s=10)
+    report = StageReport(Stage("demo", "a stage", (step,)), True, CPU, tmp_path)
+    report.add(Result(step, Outcome.PASS, "5 passed", tests=counts(passed=5, on_cpu=2)))
+    assert "| graphs | PASS | 0 | 0 on the GPU, 2 on the CPU | 5 passed | what |" in report.render()
+    assert "no device test runs on a GPU" in report.render()
+    assert report.verdict() == "rehearsal PASS, nothing run on a GPU (1 PASS)"
 
 
 def test_a_step_that_narrows_the_visible_gpus_does_not_widen_a_rehearsals():

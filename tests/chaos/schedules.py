@@ -96,10 +96,10 @@ class ScheduleWorker(GatedWorker):
         self.starved = False
         self.passed_at = time.monotonic()
 
-    def _pass_gate(self) -> None:
+    def pass_gate(self) -> None:
         if time.monotonic() - self.passed_at > STARVED_S:
             self.starved = True
-        super()._pass_gate()
+        super().pass_gate()
         self.passed_at = time.monotonic()
 
 

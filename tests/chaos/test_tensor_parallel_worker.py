@@ -103,6 +103,7 @@ def submit_all(client: Client) -> list[str]:
     return [client.submit(input_ids=p, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True) for p in PROMPTS]
 
 
+@pytest.mark.cuda(gpus=2)
 def test_a_worker_of_two_ranks_serves_jobs_as_one_worker_and_drains_with_its_ranks(
     redis_server,
     redis_client,

@@ -1,21 +1,25 @@
 """The plain install is the client: `pip install mili` into a fresh virtual environment gives the
-client library, the `mili` CLI and the wire models with redis and pydantic only. torch is not
-importable there, and the client runs real jobs against a worker (which has the worker extra)."""
+client library, the `mili` CLI and the wire models with redis, pydantic and tqdm only. Neither
+torch nor the web stack is importable there, and the client and `mili batch` run real jobs
+against a worker (which has the worker extra)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tomllib
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.deploy.support import ROOT
 from tests.support.workers import WorkerProcess, start_workers
+from worker.embedded_redis import EmbeddedRedis
 
 PACKAGES = [
     p.rstrip("*")
@@ -63,43 +67,69 @@ def test_the_plain_install_needs_neither_torch_nor_the_web_stack(client_venv):
     imports = run_installed([client_venv / "python", "-c", "import torch"])
     assert imports.returncode != 0 and "No module named 'torch'" in imports.stderr
     base = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert [d.split(">")[0].split("[")[0] for d in base] == ["redis", "pydantic"]
+    assert [d.split(">")[0].split("[")[0] for d in base] == ["redis", "pydantic", "tqdm"]
 
 
-@pytest.mark.slow
-def test_the_plain_install_runs_jobs_through_a_worker(client_venv, redis_server, tmp_path):
+@pytest.fixture(scope="module")
+def echo_queue(tmp_path_factory) -> Iterator[tuple[str, str]]:
+    """(a Redis URL, a queue on it that an echo worker serves), for this module's tests that run jobs."""
     queue = f"install-{uuid.uuid4().hex[:6]}"
-    (worker,) = start_workers([WorkerProcess(redis_server.url, queue, queue, tmp_path, model="echo")])
-    try:
-        code = (
-            "import sys; from producer_client import Client; "
-            f"c = Client({redis_server.url!r}, {queue!r}); r = c.generate('plain install', max_tokens=32, timeout=60); "
-            "assert 'torch' not in sys.modules; print(r.status, r.text)"
+    with EmbeddedRedis() as server:
+        (worker,) = start_workers(
+            [WorkerProcess(server.url, queue, queue, tmp_path_factory.mktemp("install-worker"), model="echo")]
         )
-        done = run_installed([client_venv / "python", "-c", code], timeout=120)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == "done plain install"
-        stats = run_installed(
-            [client_venv / "mili", "--redis", redis_server.url, "--queue", queue, "stats"], timeout=60
-        )
-        assert stats.returncode == 0 and queue in stats.stdout, stats.stderr
-    finally:
-        worker.stop()
+        try:
+            yield server.url, queue
+        finally:
+            worker.stop()
 
 
 @pytest.mark.slow
-def test_mili_batch_on_the_plain_install_names_the_extra_it_needs(client_venv, redis_server, tmp_path):
+def test_the_plain_install_runs_jobs_through_a_worker(client_venv, echo_queue):
+    url, queue = echo_queue
+    code = (
+        "import sys; from producer_client import Client; "
+        f"c = Client({url!r}, {queue!r}); r = c.generate('plain install', max_tokens=32, timeout=60); "
+        "assert 'torch' not in sys.modules; print(r.status, r.text)"
+    )
+    done = run_installed([client_venv / "python", "-c", code], timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "done plain install"
+    stats = run_installed([client_venv / "mili", "--redis", url, "--queue", queue, "stats"], timeout=60)
+    assert stats.returncode == 0 and queue in stats.stdout, stats.stderr
+
+
+@pytest.mark.slow
+def test_mili_batch_runs_on_the_plain_install(client_venv, echo_queue, tmp_path):
+    url, queue = echo_queue
     lines = tmp_path / "in.jsonl"
+    bodies = {"a": {"model": "m", "prompt": "plain batch", "max_tokens": 64}, "b": {"model": "m", "prompt": 1}}
     lines.write_text(
-        '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}\n'
+        "".join(
+            json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": body}) + "\n"
+            for cid, body in bodies.items()
+        )
     )
+    output = tmp_path / "out.jsonl"
     done = run_installed(
-        [client_venv / "mili", "--redis", redis_server.url, "batch", str(lines), "-o", str(tmp_path / "out.jsonl")],
-        timeout=60,
+        [
+            client_venv / "mili",
+            "--redis",
+            url,
+            "--queue",
+            queue,
+            "batch",
+            str(lines),
+            "-o",
+            str(output),
+        ],
+        timeout=120,
     )
-    assert done.returncode == 2
-    assert done.stderr.startswith("error: mili batch needs the gateway extra (pip install 'mili[gateway]')")
-    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out.jsonl").exists()
+    assert done.returncode == 0, done.stderr
+    (answer,) = [json.loads(line) for line in output.read_text().splitlines()]
+    assert (answer["custom_id"], answer["response"]["body"]["choices"][0]["text"]) == ("a", "plain batch")
+    (refused,) = [json.loads(line) for line in (tmp_path / "out.errors.jsonl").read_text().splitlines()]
+    assert (refused["custom_id"], refused["response"]["status_code"]) == ("b", 400)
 
 
 @pytest.mark.slow

@@ -3,11 +3,16 @@ command and Redis key they refer to exists (in the manifests or in the project).
 
 from __future__ import annotations
 
+import ipaddress
+import json
+import os
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
+from gateway.__main__ import GRACEFUL_SHUTDOWN_S
+from gateway.settings import GatewaySettings
 from producer_client.keys import GROUP, Keys
 from tests.deploy.support import (
     DOCKER,
@@ -38,9 +43,20 @@ def the(kind: str, name: str | None = None) -> dict:
     return found[0]
 
 
-def worker_container() -> dict:
-    (container,) = the("Deployment")["spec"]["template"]["spec"]["containers"]
+DEPLOYMENTS = ["mili-worker", "mili-gateway"]
+
+
+def container_of(deployment: str) -> dict:
+    (container,) = the("Deployment", deployment)["spec"]["template"]["spec"]["containers"]
     return container
+
+
+def worker_container() -> dict:
+    return container_of("mili-worker")
+
+
+def gateway_container() -> dict:
+    return container_of("mili-gateway")
 
 
 def env_value(container: dict, name: str) -> dict:
@@ -57,8 +73,9 @@ def test_every_object_has_api_version_kind_and_name(obj):
     assert obj["apiVersion"] and obj["kind"] and obj["metadata"]["name"]
 
 
-def test_deployment_selector_matches_its_pods():
-    spec = the("Deployment")["spec"]
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_deployment_selector_matches_its_pods(deployment):
+    spec = the("Deployment", deployment)["spec"]
     assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
 
 
@@ -83,20 +100,31 @@ def test_the_startup_probe_allows_five_minutes_for_loading_the_model():
 def test_the_metrics_port_is_the_settings_default():
     default = WorkerSettings.model_fields["metrics_port"].default
     assert [p["containerPort"] for p in worker_container()["ports"]] == [default]
-    annotations = the("Deployment")["spec"]["template"]["metadata"]["annotations"]
+    annotations = the("Deployment", "mili-worker")["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == default
 
 
 def test_a_draining_worker_gets_its_grace_period():
-    pod = the("Deployment")["spec"]["template"]["spec"]
+    pod = the("Deployment", "mili-worker")["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] > WorkerSettings.model_fields["drain_grace_s"].default
 
 
-def test_pods_run_as_the_image_user():
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_pods_run_as_the_image_user(deployment):
     useradd = next(i.args for i in parse_dockerfile(DOCKER / "Dockerfile") if "useradd" in i.args)
-    security = the("Deployment")["spec"]["template"]["spec"]["securityContext"]
+    security = the("Deployment", deployment)["spec"]["template"]["spec"]["securityContext"]
     assert security["runAsNonRoot"] is True
     assert f"--uid {security['runAsUser']}" in useradd and f"--gid {security['runAsGroup']}" in useradd
+
+
+def image_environment() -> dict[str, str]:
+    """The Dockerfile's ENV: what every container of the image starts with."""
+    return {
+        k: v
+        for i in parse_dockerfile(DOCKER / "Dockerfile")
+        if i.keyword == "ENV"
+        for k, v in (pair.split("=", 1) for pair in i.args.split())
+    }
 
 
 def test_worker_environment_names_settings_and_objects_that_exist():
@@ -120,19 +148,13 @@ def test_the_redis_url_and_address_name_the_redis_service():
 
 
 def test_volumes_are_declared_and_claims_exist():
-    pod = the("Deployment")["spec"]["template"]["spec"]
+    pod = the("Deployment", "mili-worker")["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in worker_container()["volumeMounts"]}
     assert set(mounts.values()) == set(volumes)
     claim = volumes[mounts["/models"]]["persistentVolumeClaim"]["claimName"]
     the("PersistentVolumeClaim", claim)
-    env = {
-        k: v
-        for i in parse_dockerfile(DOCKER / "Dockerfile")
-        if i.keyword == "ENV"
-        for k, v in (pair.split("=", 1) for pair in i.args.split())
-    }
-    assert env["MILI_CACHE_DIR"] in mounts
+    assert image_environment()["MILI_CACHE_DIR"] in mounts
 
 
 def test_redis_keeps_an_append_only_file_and_never_evicts():
@@ -150,7 +172,7 @@ def test_redis_keeps_an_append_only_file_and_never_evicts():
 def test_keda_scales_the_worker_deployment_on_the_queue_groups_lag():
     scaled = the("ScaledObject")
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
-    assert scaled["spec"]["scaleTargetRef"]["name"] == the("Deployment")["metadata"]["name"]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == the("Deployment", "mili-worker")["metadata"]["name"]
     assert 0 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["type"] == "redis-streams"
@@ -160,3 +182,59 @@ def test_keda_scales_the_worker_deployment_on_the_queue_groups_lag():
     assert int(meta["lagCount"]) > 0 and int(meta["activationLagCount"]) >= 0
     # KEDA reads addressFromEnv from the scale target's container.
     assert env_value(worker_container(), meta["addressFromEnv"])
+
+
+def container_environment(container: dict) -> dict[str, str]:
+    """The container's variables as the pod gets them: the image's, then its own, each Secret's
+    value read from the Secret of the manifests."""
+    env = image_environment()
+    for variable in container["env"]:
+        if "value" in variable:
+            env[variable["name"]] = variable["value"]
+        else:
+            ref = variable["valueFrom"]["secretKeyRef"]
+            env[variable["name"]] = the("Secret", ref["name"])["stringData"][ref["key"]]
+    return env
+
+
+def gateway_settings(monkeypatch) -> GatewaySettings:
+    for name in [n for n in os.environ if n.startswith("MILI_")]:
+        monkeypatch.delenv(name)
+    for name, value in container_environment(gateway_container()).items():
+        monkeypatch.setenv(name, value)
+    return GatewaySettings.load(None)
+
+
+def test_the_gateway_trusts_forwarded_addresses_from_the_pod_networks_only(monkeypatch):
+    """Behind the ingress every connection comes from its pods: with the default (127.0.0.1) every
+    client would be one address to the gateway, which counts wrong keys per address."""
+    (variable,) = [e for e in gateway_container()["env"] if e["name"] == "MILI_TRUSTED_PROXIES"]
+    trusted = gateway_settings(monkeypatch).trusted_proxies
+    assert trusted == json.loads(variable["value"]) != GatewaySettings.model_fields["trusted_proxies"].default_factory()
+    networks = [ipaddress.ip_network(proxy) for proxy in trusted]  # "*" or a name would raise
+    assert networks and all(network.is_private for network in networks)
+
+
+def test_the_gateway_container_loads_its_settings_and_listens_where_its_port_and_probes_say(monkeypatch):
+    container = gateway_container()
+    assert container["command"] == ["python", "-m", "gateway"]
+    settings = gateway_settings(monkeypatch)
+    assert settings.host == "0.0.0.0" and settings.api_keys  # a gateway behind an ingress needs keys
+    assert {e["name"] for e in container["env"]} <= {f"MILI_{name.upper()}" for name in GatewaySettings.model_fields}
+    (port,) = container["ports"]
+    assert port["containerPort"] == settings.port
+    annotations = the("Deployment", "mili-gateway")["spec"]["template"]["metadata"]["annotations"]
+    assert (int(annotations["prometheus.io/port"]), annotations["prometheus.io/path"]) == (settings.port, "/metrics")
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["port"] == port["name"], probe
+        assert container[probe]["httpGet"]["path"] in ("/health", "/metrics"), probe  # open without a key
+    assert not settings.monitoring_needs_key
+    service = the("Service", "mili-gateway")
+    labels = the("Deployment", "mili-gateway")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == [port["name"]]
+
+
+def test_a_stopping_gateway_gets_its_grace_period():
+    pod = the("Deployment", "mili-gateway")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > GRACEFUL_SHUTDOWN_S

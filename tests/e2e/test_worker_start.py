@@ -170,6 +170,7 @@ def test_a_workers_metrics_listen_where_its_settings_say(host_flag, reachable_fr
             worker.stop()
 
 
+@pytest.mark.cuda
 def test_a_worker_with_a_float8_cache_serves_jobs_and_says_what_its_pool_holds(tmp_path):
     """On the device the worker picks: CUDA where there is one (the GPU acceptance's fp8 stage),
     whose pool is sized from its free memory, not kv_cache_mib."""

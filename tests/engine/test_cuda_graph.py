@@ -228,6 +228,7 @@ def test_an_engine_replaying_padded_decodes_generates_what_the_eager_engine_does
     assert batches == set(range(1, 12))  # every decode step, at every batch size, went through the graphs
 
 
+@pytest.mark.cuda
 @needs_cuda
 @DENSE_AND_MOE
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])

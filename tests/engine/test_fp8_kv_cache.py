@@ -38,6 +38,7 @@ def pool_pages(checkpoint, dtype: str, kv_cache_dtype: str) -> int:
     return pages
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype, ratio", [("bfloat16", 2), ("float32", 4)])
 def test_a_float8_pool_holds_the_bytes_ratio_more_pages_and_says_so(checkpoint, dtype, ratio, caplog):
     plain = pool_pages(checkpoint, dtype, "auto")
@@ -61,6 +62,7 @@ def fp8_model(checkpoint):
     return model
 
 
+@pytest.mark.cuda
 @torch.inference_mode()
 def test_every_stored_value_is_within_its_scales_bound(fp8_model):
     # The scales bound K and V from the weights (worker/model/kv_scales.py): nothing saturates.
@@ -75,6 +77,7 @@ def test_every_stored_value_is_within_its_scales_bound(fp8_model):
             assert (scale == 2.0 ** torch.log2(scale).round()).all()  # powers of two: exact (de)quantization
 
 
+@pytest.mark.cuda
 def test_float8_cache_flips_no_confident_greedy_choice_over_a_long_generation(fp8_model):
     # The figures for every shape and scale choice are bench/fp8_kv_accuracy.py's (bench/RESULTS.md);
     # these bounds hold them with a margin on this model, whose weights at 15x the usual init scale

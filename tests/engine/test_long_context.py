@@ -45,7 +45,7 @@ from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 from worker.model.tokenizer import Tokenizer
 
 # bench/RESULTS.md has its CPU time; the timeout leaves room for a loaded machine.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.cuda]
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAGE_SIZE = 16

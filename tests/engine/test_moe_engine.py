@@ -79,6 +79,7 @@ def test_the_memory_plans_profiled_step_runs_through_the_experts(moe_loaded):
     assert moe.call_args_list[0].args[1] is model.model.layers[0].mlp.experts.gate_up_proj
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_on_cuda_the_fused_moe_never_waits_for_the_host():
     # A sync inside a captured graph fails the capture; here any sync raises.
@@ -98,6 +99,7 @@ def test_on_cuda_the_fused_moe_never_waits_for_the_host():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_on_cuda_the_kv_pool_gets_what_the_expert_weights_leave(moe_loaded):
     # Two layers of Qwen3-30B-A3B's experts (2.4 GB in bf16), so leaving them out would show.

@@ -3,6 +3,7 @@ output is whatever the mask let through. Each constrained output must parse and 
 only where the grammar accepts it, survive preemption and resumption unchanged, and leave the
 requests beside it in the batch untouched."""
 
+import itertools
 import json
 import re
 import threading
@@ -10,16 +11,21 @@ from functools import partial
 from types import SimpleNamespace
 
 import jsonschema
+import openai
+import pydantic
 import pytest
 import torch
 
+from producer_client.chat_output import ChatOutput, OutputFormat, Reasoning, parse_output
 from producer_client.schema import SamplingParams
 from tests.engine.test_engine import random_prompts
 from tests.engine.test_resume import run, text_of, tokens_of
+from tests.structured_schemas import closed
 from worker.engine import Engine
 from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, tool_call_constraint
 from worker.engine.grammar.masks import GrammarMasks
 from worker.engine.grammar.request_grammar import RequestGrammar, replayed
+from worker.model.qwen_tokenizer import QWEN3_FIRST_ADDED_ID
 
 PERSON = {
     "type": "object",
@@ -65,6 +71,7 @@ def device_engine(make_tiny_engine, overlap_schedule: bool = True):
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 def test_every_output_parses_and_validates_greedy_and_sampled_and_overlapped_equals_synchronous(make_tiny_engine):
     prompts = random_prompts(len(SAMPLINGS), 2, 30, seed=40)
     params = [constrained(**p) for p in SAMPLINGS.values()]
@@ -75,6 +82,7 @@ def test_every_output_parses_and_validates_greedy_and_sampled_and_overlapped_equ
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in sync]
 
 
+@pytest.mark.cuda
 def test_free_requests_beside_constrained_ones_draw_what_they_draw_alone(make_tiny_engine):
     # Overlapped: the constrained rows read the previous step between the model and the sampler.
     prompts = random_prompts(4, 2, 30, seed=42)
@@ -374,6 +382,31 @@ def test_a_named_function_is_the_only_one_called(make_tiny_engine):
     assert call["name"] == "get_weather" and call["arguments"]["city"] in ("Oslo", "Lima")
 
 
+class Item(pydantic.BaseModel):
+    sku: str = pydantic.Field(pattern="^[A-Z]{2}$")
+    count: int = pydantic.Field(ge=1, le=9)
+
+
+class Order(pydantic.BaseModel):
+    items: list[Item] = pydantic.Field(min_length=1, max_length=2)
+    note: Item | None
+
+
+def test_a_forced_call_holds_to_parameters_whose_refs_point_into_their_own_defs(make_tiny_engine):
+    # What openai.pydantic_function_tool sends for nested models: `$ref`s to the parameters' `$defs`.
+    function = openai.pydantic_function_tool(Order)["function"]
+    assert "$defs" in function["parameters"] and "$ref" in json.dumps(function["parameters"]["properties"])
+    engine = make_tiny_engine()
+    constraint = tool_call_constraint([ToolFunction("Order", function["parameters"])], False)
+    for seed in (1, 2):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=100)
+        _, text, final = drive(engine, {"t": (random_prompts(1, 4, 4, seed=61)[0], params, constraint, ())})["t"]
+        assert (final.finish_reason, final.error) == ("stop", None), text
+        [call] = parse_tool_calls(text)
+        assert call["name"] == "Order"
+        jsonschema.validate(call["arguments"], function["parameters"])
+
+
 def parse_tool_calls(text: str) -> list[dict]:
     """Qwen3's tool call blocks, each `<tool_call>`, the call's JSON, `</tool_call>` on lines of their own."""
     lines = text.split("\n")
@@ -410,27 +443,123 @@ def test_with_auto_tool_choice_and_a_format_the_output_is_calls_or_the_answer(ma
             jsonschema.validate(json.loads(text), PERSON)
 
 
+def allowed_tokens(engine, masks: GrammarMasks, constraint: Constraint, taken=()) -> set[int]:
+    """The tokens a request's mask row allows, once it has taken `taken`."""
+    grammar = RequestGrammar(constraint, engine.grammars.submit(constraint, partial(replayed, constraint, [])), [])
+    grammar.wait_compiled(30)
+    assert grammar.start() is None
+    for token in taken:
+        grammar.take(token)
+    masks.batch_mask([SimpleNamespace(grammar=grammar, is_finished=False)])
+    bits = (masks.table[grammar.slot][:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    grammar.close()
+    return set(bits.flatten().nonzero().flatten().tolist())
+
+
 def test_a_mask_row_allows_what_the_phase_allows(make_tiny_engine):
     engine = make_tiny_engine()
     masks = GrammarMasks(engine.masks.table.shape[1] * 32, engine.eos_token_ids, 4)
-    allowed = {}
-    for name, thinking in (
-        ("answering", None),
-        ("deciding", Thinking(THINK_END, THINK_OPEN)),
-        ("thinking", Thinking(THINK_END)),
-    ):
-        constraint = Constraint.of_format(constrained().response_format, thinking)
-        grammar = RequestGrammar(constraint, engine.grammars.submit(constraint, partial(replayed, constraint, [])), [])
-        grammar.wait_compiled(30)
-        assert grammar.start() is None
-        masks.batch_mask([SimpleNamespace(grammar=grammar, is_finished=False)])
-        bits = (masks.table[grammar.slot][:, None] >> torch.arange(32, dtype=torch.int32)) & 1
-        allowed[name] = set(bits.flatten().nonzero().flatten().tolist())
+    fmt = constrained().response_format
+    deciding, thinking = Thinking(THINK_END, THINK_OPEN), Thinking(THINK_END)
+    allowed = {
+        "answering": allowed_tokens(engine, masks, Constraint.of_format(fmt)),
+        "deciding": allowed_tokens(engine, masks, Constraint.of_format(fmt, deciding)),
+        "thinking": allowed_tokens(engine, masks, Constraint.of_format(fmt, thinking)),
+        "after thinking": allowed_tokens(engine, masks, Constraint.of_format(fmt, thinking), [THINK_END]),
+    }
     decode = engine.tokenizer.decode
     assert allowed["answering"] and all(decode([t]).startswith("{") for t in allowed["answering"])
-    # After a thinking, the answer may come behind a blank line: the first token may open the thinking too.
+    # Without a think block the answer is the format from its first token, which may open the block instead.
     assert THINK_OPEN in allowed["deciding"] and allowed["answering"] <= allowed["deciding"]
-    assert all(
-        decode([t]).lstrip().startswith("{") or not decode([t]).strip() for t in allowed["deciding"] - {THINK_OPEN}
-    )
+    assert all(decode([t]).startswith("{") for t in allowed["deciding"] - {THINK_OPEN})
     assert allowed["thinking"] == set(range(masks.table.shape[1] * 32)) - set(engine.eos_token_ids)
+    # After one, up to four newlines may come first: Qwen3's blank line.
+    after = {decode([t]) for t in allowed["after thinking"]}
+    assert {text for text in after if not text.strip("\n")} == {"\n", "\n\n", "\n\n\n", "\n\n\n\n"}
+    assert all(re.fullmatch(r"\n{0,4}(\{.*)?", text, re.DOTALL) for text in after), after
+
+
+# Formats whose text spells Qwen3's markers, and their outputs' check.
+MARKER_FORMATS = {
+    "choice": (
+        {"type": "choice", "choices": ["<think>yes</think>", "<tool_call>no</tool_call>", "<|im_end|>"]},
+        lambda text: text in ("<think>yes</think>", "<tool_call>no</tool_call>", "<|im_end|>"),
+    ),
+    "regex": (
+        {"type": "regex", "pattern": "<tool_call>[a-z]{2}</tool_call><\\|endoftext\\|>"},
+        lambda text: re.fullmatch(r"<tool_call>[a-z]{2}</tool_call><\|endoftext\|>", text),
+    ),
+    "json string": (
+        {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "m",
+                "schema": closed({"m": {"enum": ["<think>", "</think>x"]}, "n": {"const": "<|im_start|>"}}, ["m", "n"]),
+            },
+        },
+        lambda text: json.loads(text)["n"] == "<|im_start|>" and json.loads(text)["m"] in ("<think>", "</think>x"),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", MARKER_FORMATS)
+def test_text_that_spells_a_marker_is_written_in_ordinary_tokens(make_tiny_engine, kind):
+    # Its spelling was forced as the marker's own token, which the grammar then refused as text.
+    fmt, valid = MARKER_FORMATS[kind]
+    engine = make_tiny_engine()
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=40, response_format=fmt) for seed in range(3)]
+    for out in engine.generate(random_prompts(3, 3, 6, seed=80), params):
+        assert (out.finish_reason, out.error) == ("stop", None) and valid(out.text), (out.text, out.error)
+        assert max(out.token_ids) < QWEN3_FIRST_ADDED_ID
+
+
+def test_with_thinking_and_no_think_block_the_answer_is_exactly_the_format(make_tiny_engine):
+    engine = make_tiny_engine()
+    choice = SamplingParams(response_format={"type": "choice", "choices": ["green", "red"]}).response_format
+    formats = {"json": constrained().response_format, "choice": choice}
+    answered = 0
+    for (kind, fmt), seed in itertools.product(formats.items(), range(4)):
+        constraint = Constraint.of_format(fmt, Thinking(THINK_END, opens=THINK_OPEN))
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=80)
+        tokens, text, final = drive(engine, {"t": (random_prompts(1, 5, 5, seed=90)[0], params, constraint, ())})["t"]
+        if tokens[0] == THINK_OPEN:
+            continue  # it thinks: free until </think>, which a random model does not write in time
+        answered += 1
+        assert final.finish_reason == "stop"
+        assert text in ("green", "red") if kind == "choice" else text.startswith("{"), text
+    assert answered >= 4
+
+
+def test_with_thinking_an_answer_without_a_think_block_never_opens_with_think(make_tiny_engine):
+    # The reader takes such an opening for the reasoning (producer_client.chat_output): the answer would land there.
+    engine = make_tiny_engine()
+    masks = GrammarMasks(engine.masks.table.shape[1] * 32, engine.eos_token_ids, 4)
+    deciding = Thinking(THINK_END, THINK_OPEN)
+    opening_only = SamplingParams(response_format={"type": "choice", "choices": ["<think>yes</think>", " <think>"]})
+    assert allowed_tokens(engine, masks, Constraint.of_format(opening_only.response_format, deciding)) == {THINK_OPEN}
+    regex = SamplingParams(response_format={"type": "regex", "pattern": "<(think|tool)>[a-z]{2}"}).response_format
+    reader = OutputFormat(reasoning=Reasoning.OPTIONAL)
+    outputs = {}
+    for seed in range(6):
+        constraint = Constraint.of_format(regex, deciding)
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=40)
+        tokens, text, final = drive(engine, {"t": (random_prompts(1, 5, 5, seed=91)[0], params, constraint, ())})["t"]
+        if tokens[0] != THINK_OPEN:
+            assert final.finish_reason == "stop" and re.fullmatch("<tool>[a-z]{2}", text), text
+            assert parse_output(text, reader) == ChatOutput(text, "", [])
+            outputs[seed] = text
+    assert len(outputs) >= 2
+
+
+def test_with_thinking_an_answer_after_the_think_block_may_open_with_think(make_tiny_engine):
+    engine = make_tiny_engine()
+    thought = engine.tokenizer.encode("<think>\nhmm\n</think>\n\n", add_special_tokens=False)
+    fmt = SamplingParams(response_format={"type": "choice", "choices": ["<think>yes</think>"]}).response_format
+    constraint = Constraint.of_format(fmt, Thinking(THINK_END, THINK_OPEN))
+    params = SamplingParams(temperature=0, max_tokens=40)
+    _, text, final = drive(engine, {"t": (random_prompts(1, 5, 5, seed=92)[0], params, constraint, thought)})["t"]
+    assert (final.finish_reason, text.lstrip("\n")) == ("stop", "<think>yes</think>")  # more of the blank line first
+    whole = engine.tokenizer.decode(thought) + text
+    assert parse_output(whole, OutputFormat(reasoning=Reasoning.OPTIONAL)) == ChatOutput(
+        "<think>yes</think>", "hmm", []
+    )

@@ -21,6 +21,7 @@ from worker.engine.scheduler import ScheduledChunk
 
 # On 2 GPUs (the tp stage of scripts/gpu_acceptance.sh) the ranks join by NCCL; elsewhere on the CPU, by gloo.
 DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+pytestmark = pytest.mark.cuda(gpus=2)
 ENGINE = dict(num_pages=256, page_size=4, max_running=8, max_num_batched_tokens=32, max_model_len=256)
 # float32 logits of the same weights, summed in another order across ranks: the largest difference
 # measured was below 1e-5 of logits of magnitude 10 (tests print it).

@@ -140,6 +140,7 @@ def test_warm_up_compiles_every_kernel_variant_a_varied_batch_launches(make_engi
     assert serving.keys <= warm_up.keys, sorted(serving.keys - warm_up.keys)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="counts the compiles of kernels built for a CUDA device")
 @pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
 def test_on_cuda_no_triton_kernel_compiles_after_warm_up(checkpoint, loaded, monkeypatch, cuda_graphs):
@@ -162,6 +163,7 @@ def test_on_cuda_no_triton_kernel_compiles_after_warm_up(checkpoint, loaded, mon
     assert compiled == []
 
 
+@pytest.mark.cuda
 def test_moe_warm_up_compiles_every_kernel_variant_steps_of_any_size_launch(moe_checkpoint, monkeypatch):
     # 6 experts, 3 per token: steps of more than 64 tokens take 32-pair blocks, of more than 256, 64.
     if torch.cuda.is_available():

@@ -12,8 +12,9 @@ import uuid
 import openai
 import pytest
 
-from gateway.batch.store import LINES_PER_FIELD, PIECE_CHARS
+from gateway.batch.store import PIECE_CHARS
 from producer_client.keys import Keys
+from producer_client.protocol.batch import LINES_PER_FIELD
 from producer_client.schema import MAX_TOKENS_LIMIT
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import entries_added

@@ -1,4 +1,4 @@
-"""OpenAI's batch line format (gateway/batch/lines.py), shared by `mili batch` and the Batch API:
+"""OpenAI's batch line format (openai_format/batch_lines.py), shared by `mili batch` and the Batch API:
 what a line that is not a request is called, request ids, answers rendered from results, and
 where a full queue splits the lines it was sent."""
 
@@ -7,7 +7,8 @@ import uuid
 
 import pytest
 
-from gateway.batch.lines import (
+from gateway.batch.store import text_pieces
+from openai_format.batch_lines import (
     LineError,
     LineJobs,
     answer,
@@ -17,8 +18,7 @@ from gateway.batch.lines import (
     request_id,
     split_at_full_queue,
 )
-from gateway.batch.store import text_pieces
-from gateway.errors import APIError
+from openai_format.errors import APIError
 from producer_client import BulkQueueFull, Client, JobResult
 from producer_client.keys import NAME_PATTERN, Keys
 from producer_client.schema import ErrorInfo, Usage

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.render import finish_reason
+from openai_format.render import finish_reason
 from producer_client import Client, JobResult
 from tests.gateway.support import PARKED_MODEL, PARKED_QUEUE
 from tests.openai_spec import check

@@ -4,6 +4,7 @@ fields, a forced tool call; every request body checked against OpenAI's spec, ev
 against its schema; what cannot compile is a 400 naming the part of the schema, before any job
 is enqueued. The worker is the session's tiny model (random weights: the mask does the work)."""
 
+import itertools
 import json
 import re
 
@@ -181,4 +182,101 @@ def test_what_cannot_compile_is_a_400_naming_it_before_anything_is_enqueued(sdk,
             sdk.completions.create(model="tiny", prompt="x", extra_body=extra)
     error = refused.value.body
     assert (error["param"], error["code"]) == (param, "invalid_value"), error
+    assert job_count(redis_client) == before
+
+
+MARKER_CHOICES = ["<think>yes</think>", "<tool_call>no</tool_call>", "<|im_end|>"]
+
+
+def test_a_format_that_spells_qwens_markers_is_answered_exactly_with_thinking_off(sdk):
+    # Each was a 500: the marker's spelling was forced as the marker's token, which the grammar refused.
+    chat = dict(model="tiny", messages=CHAT, max_tokens=40, temperature=1.0, seed=5)
+    choice = sdk.chat.completions.create(**chat, extra_body={**NO_THINKING, "guided_choice": MARKER_CHOICES})
+    assert (choice.choices[0].finish_reason, choice.choices[0].message.content in MARKER_CHOICES) == ("stop", True)
+    regex = "<tool_call>[a-z]{2}</tool_call>"
+    text = sdk.completions.create(model="tiny", prompt="x", max_tokens=40, seed=6, extra_body={"guided_regex": regex})
+    assert re.fullmatch(regex, text.choices[0].text) and text.choices[0].finish_reason == "stop", text
+    schema = {"type": "object", "properties": {"m": {"enum": ["<think>", "<|im_end|>"]}}, "required": ["m"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "m", "schema": schema}}
+    answer = sdk.chat.completions.create(**chat, response_format=fmt, extra_body=NO_THINKING).choices[0]
+    assert answer.finish_reason == "stop" and json.loads(answer.message.content)["m"] in ("<think>", "<|im_end|>")
+
+
+THINKING_FORMATS = {
+    "choice": {"guided_choice": ["<think>yes</think>", "\t green"]},
+    "json": {"response_format": FORMAT},
+}
+
+
+def test_with_thinking_on_the_answer_is_exactly_the_format_and_never_in_the_reasoning(sdk):
+    # A random model opens the think block or answers at its first token; thinking, it rarely ends in time.
+    answered = set()
+    for (kind, extra), seed in itertools.product(THINKING_FORMATS.items(), range(4)):
+        reply = sdk.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=40, temperature=1.0, seed=seed, extra_body=extra
+        ).choices[0]
+        if reply.finish_reason == "length":
+            continue
+        answered.add(kind)
+        content, reasoning = reply.message.content, getattr(reply.message, "reasoning_content", None)
+        assert reply.finish_reason == "stop", reply
+        if kind == "json":  # was "   \t{...}" without a think block
+            assert content.startswith("{") and jsonschema.validate(json.loads(content), PERSON) is None, content
+        elif reasoning is None:  # the other choice opens with <think>: only after a think block
+            assert content == "\t green", content
+        else:
+            assert content in ("<think>yes</think>", "\t green"), content
+    assert answered == set(THINKING_FORMATS)
+
+
+class Item(pydantic.BaseModel):
+    sku: str = pydantic.Field(pattern="^[A-Z]{2}$")
+
+
+class Order(pydantic.BaseModel):
+    items: list[Item] = pydantic.Field(min_length=1, max_length=2)
+
+
+def test_a_forced_call_of_a_pydantic_tool_with_nested_models_is_valid(sdk):
+    # Its parameters' $refs point into their own $defs: a 400 while the grammar nested them deeper.
+    tool = openai.pydantic_function_tool(Order)
+    for tool_choice in ("required", {"type": "function", "function": {"name": "Order"}}):
+        reply = sdk.chat.completions.create(
+            model="tiny",
+            messages=CHAT,
+            max_tokens=80,
+            tools=[tool],
+            tool_choice=tool_choice,
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=7,
+            extra_body=NO_THINKING,
+        ).choices[0]
+        assert reply.finish_reason == "tool_calls", reply
+        [call] = reply.message.tool_calls
+        Order.model_validate_json(call.function.arguments)
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "no spaces"}}},
+            "response_format.json_schema.name",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "regex"}}, "response_format.type"),
+        ({"response_format": {}}, "response_format.type"),
+        ({"response_format": {"type": "json_object", "schema": {}}}, "response_format.schema"),
+        ({"guided_choice": ["a", ""]}, "guided_choice.1"),
+        ({"guided_choice": ["a"] * 1025}, "guided_choice"),
+        ({"guided_regex": "a" * 4097}, "guided_regex"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+    ],
+)
+def test_a_malformed_format_is_a_400_naming_the_field_the_request_has(sdk, redis_client, extra, param):
+    before = job_count(redis_client)
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(model="tiny", messages=CHAT, extra_body=extra)
+    assert refused.value.body["param"] == param, refused.value.body
     assert job_count(redis_client) == before

@@ -1,4 +1,4 @@
-"""A chat job's prompt through Qwen3's own chat template (worker.loop.jobs.render_prompt): the thinking
+"""A chat job's prompt through Qwen3's own chat template (worker.loop.intake.render_prompt): the thinking
 switch, the tools offered (all, none, or the one named), tool calls, reasoning and tool answers in
 the history; and the output format the worker derives from it."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from producer_client.chat_output import OutputFormat, Reasoning
 from producer_client.schema import JobRequest
-from worker.loop.jobs import reasoning_of, render_prompt
+from worker.loop.intake import reasoning_of, render_prompt
 from worker.model.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

@@ -95,6 +95,7 @@ def logprobs_at_outputs(model, prompt: list[int], output: list[int]) -> torch.Te
     return torch.log_softmax(logits.double(), dim=-1)
 
 
+@pytest.mark.cuda
 @torch.inference_mode()
 def test_bf16_greedy_tokens_match_transformers_or_part_at_a_float32_tie(checkpoint, prompts):
     # Decode CUDA graphs and overlapped steps as a GPU serves (the defaults there); a small pool.

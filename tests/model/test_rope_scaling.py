@@ -162,6 +162,7 @@ def yarn_models(tmp_path_factory):
     return ours, ref
 
 
+@pytest.mark.cuda
 @torch.inference_mode()
 def test_yarn_model_matches_transformers_past_the_original_window(yarn_models):
     ours, ref = yarn_models

@@ -45,28 +45,21 @@ class WorkerKilled(Exception):
 
 
 class GatedWorker(ThreadedWorker):
-    """A worker whose every exchange with Redis and every engine step passes a gate: closed for a
-    while, the worker stalls (no heartbeat, no refresh); closed for good (`killed`), it is dead,
-    as after kill -9, between two exchanges, with nothing handed over or cleaned up."""
+    """A worker whose every exchange with Redis and every engine step passes a gate (the Worker's
+    pause point): closed for a while, the worker stalls (no heartbeat, no refresh); closed for good
+    (`killed`), it is dead, as after kill -9, between two exchanges, with nothing handed over or
+    cleaned up."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
         self.gate = threading.Event()
         self.gate.set()
         self.killed = False
+        super().__init__(*args, pause_point=self.pass_gate, **kwargs)
 
-    def _pass_gate(self) -> None:
+    def pass_gate(self) -> None:
         self.gate.wait()
         if self.killed:
             raise WorkerKilled(self.name)
-
-    def _exchange(self, talk) -> None:
-        self._pass_gate()
-        super()._exchange(talk)
-
-    def _step_if_possible(self) -> bool:
-        self._pass_gate()
-        return super()._step_if_possible()
 
     def serve(self) -> None:
         try:

@@ -1,6 +1,10 @@
 """The producer client against a real redis-server with no worker: validation, idempotency,
-backpressure, status, cancel of a queued job. Every test runs with Client and AsyncClient."""
+backpressure, status, cancel of a queued job, a submit stopped mid-enqueue. Every test runs with
+Client and AsyncClient (a stopped submit is stopped each one's way: Ctrl-C, a task's cancel)."""
 
+import asyncio
+import signal
+import threading
 import time
 import uuid
 
@@ -11,6 +15,7 @@ from producer_client import AsyncClient, Client, InvalidArgument, JobNotFound, J
 from producer_client.keys import GROUP, Keys
 from producer_client.protocol import execution
 from tests.support.clients import make_client
+from tests.support.polling import eventually
 from worker.embedded_redis import free_port
 from worker.loop.queue import WorkerQueue
 
@@ -250,7 +255,7 @@ def test_workers_lists_the_live_workers_of_every_queue_from_their_heartbeats(cli
         (f"{queue}-dead", queue, "tiny"),
     ):
         fields = {**heartbeat, "name": name, "queue": worker_queue, "model": model}
-        WorkerQueue(redis_client, Keys(), worker_queue, name, result_ttl_s=60).heartbeat(fields, ttl_s=5, held=[])
+        WorkerQueue(redis_client, Keys(), worker_queue, name).heartbeat(fields, ttl_s=5, held=[])
     redis_client.delete(Keys().worker(f"{queue}-dead"))  # as when its TTL runs out
 
     mine = sorted((w for w in client.workers() if w.queue in (queue, other)), key=lambda w: w.name)
@@ -260,20 +265,76 @@ def test_workers_lists_the_live_workers_of_every_queue_from_their_heartbeats(cli
     ]
 
 
-def test_a_client_on_another_queue_shares_the_connection_pool(redis_server, redis_client, queue):
-    with Client(redis_server.url, queue) as client:
-        other = client.on_queue(f"{queue}-2")
-        job_id = other.submit("hi", max_tokens=1)
-        assert (client.queue, other.queue, other.redis) == (queue, f"{queue}-2", client.redis)
-        assert [f["id"] for _, f in redis_client.xrange(Keys().queue(f"{queue}-2"))] == [job_id]
-        assert redis_client.xlen(Keys().queue(queue)) == 0
-        with pytest.raises(InvalidArgument, match="queue"):
-            client.on_queue("{bad}")
+def test_a_client_on_another_queue_shares_the_connection_pool(client, redis_client, queue):
+    other = client.on_queue(f"{queue}-2")
+    job_id = other.submit("hi", max_tokens=1)
+    assert (client.queue, other.queue, other.redis) == (queue, f"{queue}-2", client.redis)
+    assert [f["id"] for _, f in redis_client.xrange(Keys().queue(f"{queue}-2"))] == [job_id]
+    assert redis_client.xlen(Keys().queue(queue)) == 0
+    with pytest.raises(InvalidArgument, match="queue"):
+        client.on_queue("{bad}")
 
 
-async def test_an_async_client_on_another_queue_shares_the_connection_pool(redis_server, redis_client, queue):
-    async with AsyncClient(redis_server.url, queue) as client:
-        other = client.on_queue(f"{queue}-2")
-        job_id = await other.submit("hi", max_tokens=1)
-        assert (other.queue, other.redis) == (f"{queue}-2", client.redis)
-        assert [f["id"] for _, f in redis_client.xrange(Keys().queue(f"{queue}-2"))] == [job_id]
+def test_cancel_many_cancels_each_job_and_passes_over_an_unknown_one(client):
+    job_ids = [client.submit("x", max_tokens=1) for _ in range(3)]
+    client.cancel_many([job_ids[0], "no-such-job", *job_ids[1:]])
+    assert [client.status(job_id).status for job_id in job_ids] == ["cancelled"] * 3
+    assert [client.wait(job_id, timeout=1).finish_reason for job_id in job_ids] == ["abort"] * 3
+
+
+# A WAIT no replica answers holds a submit's enqueue this long on the server, unless it is stopped.
+HELD_ENQUEUE_MS = 20_000
+
+
+def held_enqueue_client(make, redis_server, queue):
+    return make(redis_server.url, queue, wait_replicas=1, wait_timeout_ms=HELD_ENQUEUE_MS)
+
+
+def enqueue_reached_redis(redis_client, request_id: str) -> bool:
+    """The pipeline that enqueues the job has run up to its WAIT: the `enqueued` flag is set."""
+    return eventually(lambda: redis_client.hget(Keys().job(request_id), "enqueued") == "1")
+
+
+def test_a_submit_interrupted_in_its_enqueue_leaves_no_job_behind(redis_server, redis_client, queue):
+    # Ctrl-C while the enqueue's reply is awaited: the job hash goes, so that the same request_id
+    # submitted again enqueues the job rather than finding one that may never run.
+    request_id = f"interrupted-{queue}"
+    main = threading.get_ident()
+
+    def interrupt_once_enqueued() -> None:
+        if enqueue_reached_redis(redis_client, request_id):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_once_enqueued)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    started = time.monotonic()
+    try:
+        with held_enqueue_client(Client, redis_server, queue) as client:
+            interrupter.start()
+            with pytest.raises(KeyboardInterrupt):
+                client.submit("hi", max_tokens=1, request_id=request_id)
+    finally:
+        interrupter.join()
+        signal.signal(signal.SIGINT, previous)
+    assert time.monotonic() - started < HELD_ENQUEUE_MS / 1000 / 2  # stopped, not timed out
+    assert redis_client.exists(Keys().job(request_id)) == 0
+    with Client(redis_server.url, queue) as again:
+        assert again.submit("hi", max_tokens=1, request_id=request_id) == request_id
+        assert again.status(request_id).status == "queued"
+
+
+async def test_a_submit_cancelled_in_its_enqueue_leaves_no_job_behind(redis_server, redis_client, queue):
+    # The asyncio twin: the task is cancelled while the enqueue's reply is awaited.
+    request_id = f"cancelled-{queue}"
+    started = time.monotonic()
+    async with held_enqueue_client(AsyncClient, redis_server, queue) as client:
+        task = asyncio.ensure_future(client.submit("hi", max_tokens=1, request_id=request_id))
+        assert await asyncio.to_thread(enqueue_reached_redis, redis_client, request_id)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert time.monotonic() - started < HELD_ENQUEUE_MS / 1000 / 2
+    assert redis_client.exists(Keys().job(request_id)) == 0
+    async with AsyncClient(redis_server.url, queue) as again:
+        assert await again.submit("hi", max_tokens=1, request_id=request_id) == request_id
+        assert (await again.status(request_id)).status == "queued"

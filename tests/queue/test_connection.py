@@ -12,10 +12,12 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import redis.asyncio
+import redis.retry
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.backoff import NoBackoff
 
-from producer_client import AsyncClient, Client, InvalidArgument
-from producer_client.cluster import known_keys
+from producer_client import AsyncClient, Client, InvalidArgument, steps
+from producer_client.cluster import Cluster, known_keys
 from producer_client.connection import Mode, connect, connect_async, parse_url, redact_url
 from tests.support.processes import REPO
 from worker.embedded_redis import free_port
@@ -215,3 +217,51 @@ def test_a_cluster_that_no_node_answers_raises_a_connection_error():
 )
 def test_script_calls_and_stream_reads_route_by_their_own_keys(args, keys):
     assert known_keys(args) == keys
+
+
+class NodeDownCluster(Cluster):
+    """A cluster client whose pipelines find a node down for their first `down_for` tries: each
+    command's reply is the node's ConnectionError, as redis-py gives it once its own immediate
+    tries are spent. No topology is read: nothing is sent."""
+
+    def __init__(self, down_for: int):
+        self.pacing = redis.retry.Retry(NoBackoff(), 5, supported_errors=(redis.ConnectionError,))
+        self.down_for = down_for
+        self.tries = 0
+
+    def pipeline(self, transaction: bool = False):
+        return NodeDownPipeline(self)
+
+
+class NodeDownPipeline:
+    def __init__(self, cluster: NodeDownCluster):
+        self.cluster = cluster
+        self.commands = []
+
+    def execute_command(self, *args, **options):
+        self.commands.append(args)
+
+    def execute(self, raise_on_error: bool = True) -> list:
+        self.cluster.tries += 1
+        if self.cluster.tries <= self.cluster.down_for:
+            return [redis.ConnectionError("node down") for _ in self.commands]
+        return [f"{args[0]} {args[1]}" for args in self.commands]
+
+
+def add_xlen(pipe) -> None:
+    pipe.xlen("s")
+
+
+def read_of(repeatable: bool) -> steps.Steps:
+    (reply,) = yield steps.Repeatable(add_xlen) if repeatable else add_xlen
+    return reply
+
+
+def test_on_a_cluster_a_repeatable_step_waits_out_a_node_down_and_another_step_gets_its_error():
+    # In a failover the node is down for a while: a read (Repeatable) is sent again with the
+    # client's retry policy, as a single command is; another step gets the node's error as its reply.
+    cluster = NodeDownCluster(down_for=2)
+    assert (steps.run(cluster, read_of(repeatable=True)), cluster.tries) == ("XLEN s", 3)
+    cluster = NodeDownCluster(down_for=2)
+    reply = steps.run(cluster, read_of(repeatable=False))
+    assert (type(reply), str(reply), cluster.tries) == (redis.ConnectionError, "node down", 1)

@@ -15,10 +15,10 @@ import pytest
 import redis
 
 from producer_client import JobFailed, JobTimeout
-from producer_client.core import entry_time
 from producer_client.dead_letters import DeadLetterNotFound, NotRetryable
 from producer_client.errors import InvalidArgument
 from producer_client.keys import GROUP, Keys
+from producer_client.protocol.clock import entry_time
 from producer_client.protocol.execution import execute
 from producer_client.protocol.producer import RETRY
 from producer_client.protocol.script import job_keys

@@ -89,7 +89,7 @@ def heartbeat(redis_client, queue: str, name: str, ttl_s: float) -> None:
         "page_size": 16,
         "started_at": time.time(),
     }
-    WorkerQueue(redis_client, KEYS, queue, name, result_ttl_s=60).heartbeat(fields, ttl_s, [])
+    WorkerQueue(redis_client, KEYS, queue, name).heartbeat(fields, ttl_s, [])
 
 
 @pytest.mark.timing

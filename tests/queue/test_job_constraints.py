@@ -1,4 +1,4 @@
-"""What the worker holds a job's output to (worker.loop.jobs.constraint_of): its response_format, the
+"""What the worker holds a job's output to (worker.loop.intake.constraint_of): its response_format, the
 calls a forced tool_choice asks for, a call or the formatted answer under "auto", nothing else;
 after Qwen3's reasoning when the chat thinks. The echo engine, which cannot, refuses them."""
 
@@ -11,7 +11,7 @@ from producer_client.errors import InvalidArgument
 from producer_client.schema import JobRequest, SamplingParams
 from worker.engine.echo import EchoEngine
 from worker.engine.settings import EngineSettings
-from worker.loop.jobs import constraint_of
+from worker.loop.intake import constraint_of
 from worker.model.presets import resolve_model_path
 from worker.model.tokenizer import Tokenizer
 
@@ -67,13 +67,14 @@ def test_a_forced_tool_choice_holds_the_output_to_calls(tokenizer, choice):
     constraint = constraint_of(job(tools=[TOOL], tool_choice=choice, response_format=FORMAT), OutputFormat(), tokenizer)
     grammar = json.loads(constraint.grammar)["grammars"]
     assert constraint.field == "tools" and len(grammar) == 1  # the calls, and no answer beside them
-    assert grammar[0]["lark_grammar"].startswith("start: calls")
+    assert grammar[0]["lark_grammar"].startswith("start: reply\nreply: calls\n")
 
 
 def test_tools_under_auto_with_a_format_allow_a_call_or_the_answer(tokenizer):
     constraint = constraint_of(job(tools=[TOOL], response_format=FORMAT), OutputFormat(), tokenizer)
     grammar = json.loads(constraint.grammar)["grammars"]
-    assert grammar[0]["lark_grammar"].startswith("start: (calls | @answer)") and grammar[1]["name"] == "answer"
+    assert grammar[0]["lark_grammar"].startswith("start: reply\nreply: calls | @answer\n")
+    assert grammar[1]["name"] == "answer"
 
 
 def test_a_prompt_job_has_no_reasoning_to_skip(tokenizer):

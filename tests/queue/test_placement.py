@@ -10,8 +10,10 @@ from contextlib import ExitStack
 
 import pytest
 
-from producer_client import BulkQueueFull, Client, core
+from producer_client import BulkQueueFull, Client
 from producer_client.keys import GROUP, Keys
+from producer_client.new_job import build_job
+from producer_client.operations import enqueue_commands
 from producer_client.placement import (
     PREFIX_CHARS,
     Candidate,
@@ -172,11 +174,11 @@ FAST = dict(claim_idle_ms=500, reclaim_interval_s=0.05, heartbeat_ttl_s=2.0, blo
 
 def enqueue_on(client: Client, owner: str, prompt: str, **options) -> str:
     """A job placed on `owner`'s stream, as a producer's placement would place it."""
-    job = core.build_job(prompt, None, None, None, None, 0, {"max_tokens": 8, **options})
+    job = build_job(prompt, None, None, None, None, 0, {"max_tokens": 8, **options})
     stream = KEYS.own_queue(client.queue, owner)
     replies = execution.execute(
         client.redis,
-        core.enqueue_commands(KEYS, client.queue, None, job, True, client.replication, stream),
+        enqueue_commands(KEYS, client.queue, None, job, True, client.replication, stream),
     )
     assert replies[1][0] == 1
     return job.job_id

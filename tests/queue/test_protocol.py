@@ -8,13 +8,15 @@ import sys
 import fakeredis
 import pytest
 
-from producer_client.core import entry_age_s, entry_time, queue_stats
 from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, UnsupportedVersion
 from producer_client.keys import GROUP, Keys, check_name
+from producer_client.protocol.clock import entry_age_s, entry_time
 from producer_client.protocol.events import encode_tokens
 from producer_client.protocol.replies import Look, Watched
 from producer_client.schema import JobRequest
-from worker.loop.jobs import job_id_of, parse_request
+from producer_client.status_reads import queue_stats
+from worker.loop.intake import job_id_of, parse_request
+from worker.loop.job_commands import JobCommands
 from worker.loop.queue import WorkerQueue
 
 LIMITS = dict(max_body_bytes=1000, max_tokens_limit=64)
@@ -98,7 +100,7 @@ def test_an_entry_age_is_whole_milliseconds_of_the_redis_clock():
 
 def test_acks_go_before_the_read_so_pending_never_grows_past_the_count():
     r = fakeredis.FakeRedis(decode_responses=True)
-    q = WorkerQueue(r, Keys(), "q", "w1", result_ttl_s=60)
+    q = WorkerQueue(r, Keys(), "q", "w1")
     q.ensure_group()
     q.ensure_group()  # a second worker: the group exists already
     stream = Keys().queue("q")
@@ -116,7 +118,7 @@ def test_acks_go_before_the_read_so_pending_never_grows_past_the_count():
 
 def test_publish_reports_cancel_flags_readers_and_lost_runs_of_watched_jobs():
     r = fakeredis.FakeRedis(decode_responses=True)
-    q = WorkerQueue(r, Keys(), "q", "w1", result_ttl_s=60)
+    q = JobCommands(r, Keys(), "w1", result_ttl_s=60)
     r.hset(Keys().job("a"), mapping={"cancel": "1", "run": "ra"})
     r.hset(Keys().job("b"), mapping={"status": "running", "run": "rb"})
     r.hset(Keys().job("c"), mapping={"status": "running", "run": "someone-else"})
@@ -136,7 +138,7 @@ def test_publish_reports_cancel_flags_readers_and_lost_runs_of_watched_jobs():
 
 def test_heartbeat_writes_a_hash_with_ttl_and_indexes_the_worker():
     r = fakeredis.FakeRedis(decode_responses=True)
-    q = WorkerQueue(r, Keys(), "q", "w1", result_ttl_s=60)
+    q = WorkerQueue(r, Keys(), "q", "w1")
     r.xadd(Keys().queue("q"), {"id": "x"})
     assert q.heartbeat({"name": "w1", "free_pages": 7}, ttl_s=5, held=[]) == (1, [])
     assert r.hget(Keys().worker("w1"), "free_pages") == "7"

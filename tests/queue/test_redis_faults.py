@@ -21,8 +21,8 @@ from tests.queue.support import GatedWorker, outcome_count, serving
 from tests.support.clients import make_client
 from tests.support.jobs import assert_one_final_result, runs, tokens_published
 from tests.support.polling import eventually
-from worker.loop import queue as worker_queue
 from worker.embedded_redis import free_port
+from worker.loop import job_commands
 from worker.loop.queue import GroupLost, RedisClock, is_transient
 
 pytestmark = pytest.mark.waits
@@ -181,7 +181,7 @@ def test_entries_whose_claims_redis_refused_are_held_and_admitted_later(
     # Reads and XAUTOCLAIM go through while memory is full, CLAIM (it writes the job's hash) does
     # not: the entries a worker took then are its own, and it must neither forget them nor let
     # them look idle to the other workers.
-    claim = worker_queue.WorkerQueue.claim
+    claim = job_commands.JobCommands.claim
     refuse_until = time.monotonic() + 3600
 
     def refused_for_a_while(self, jobs):
@@ -189,7 +189,7 @@ def test_entries_whose_claims_redis_refused_are_held_and_admitted_later(
             raise rex.OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
         return claim(self, jobs)
 
-    monkeypatch.setattr(worker_queue.WorkerQueue, "claim", refused_for_a_while)
+    monkeypatch.setattr(job_commands.JobCommands, "claim", refused_for_a_while)
     prompt = alphabet(150)
     fast = dict(claim_idle_ms=500, reclaim_interval_s=0.05)
     most: dict[str, int] = {}
@@ -336,7 +336,7 @@ def test_a_reply_the_protocol_does_not_define_fails_its_job_and_keeps_its_tokens
     queue,
     monkeypatch,
 ):
-    parse = worker_queue.parse_publish
+    parse = job_commands.parse_publish
     oks = iter(range(10**6))
 
     def garble_the_tenth_ok(reply):  # as if PUBLISH answered something v1 never does
@@ -344,7 +344,7 @@ def test_a_reply_the_protocol_does_not_define_fails_its_job_and_keeps_its_tokens
             reply = "maybe"
         return parse(reply)
 
-    monkeypatch.setattr(worker_queue, "parse_publish", garble_the_tenth_ok)
+    monkeypatch.setattr(job_commands, "parse_publish", garble_the_tenth_ok)
     with (
         make_client("sync", restartable_redis.url, queue) as client,
         serving(restartable_redis.url, queue, step_s=0.01) as worker,

@@ -172,6 +172,30 @@ def test_a_failed_engine_step_fails_its_jobs_and_the_worker_keeps_serving(redis_
         assert client.generate("after", max_tokens=5, timeout=10).text == "after"
 
 
+def test_a_stream_read_whole_resumed_or_waited_for_gives_the_same_output(redis_server, client, queue):
+    text = "streamed, in several reads"
+    with serving(redis_server.url, queue, step_s=0.005, stream_interval_s=0.005):
+        job_id = client.submit(text, max_tokens=len(text), stream=True)
+        deltas = list(client.stream(job_id, timeout=10))
+        assert len(deltas) > 2  # published in several events, read as they came
+        resumed = list(client.stream(job_id, after=deltas[1].event_id, timeout=10))
+        result = client.wait(job_id, timeout=10)
+    assert (result.status, result.text) == ("done", text)
+    assert "".join(d.text for d in deltas) == text
+    assert [t for d in deltas for t in d.token_ids] == result.token_ids
+    assert resumed == deltas[2:]
+
+
+def test_a_failed_jobs_stream_yields_its_deltas_then_raises_job_failed(redis_server, client, queue):
+    with serving(redis_server.url, queue, step_s=0.01, fail_on_step=4):
+        job_id = client.submit("z" * 50, max_tokens=50, stream=True)
+        read = []
+        with pytest.raises(JobFailed) as e:
+            read.extend(client.stream(job_id, timeout=10))
+    assert (e.value.code, e.value.result.text) == ("engine_error", "zzz")  # three steps ran, the fourth failed
+    assert "".join(d.text for d in read) == "zzz"
+
+
 def test_drain_finishes_running_jobs_and_leaves_unread_ones_in_the_stream(redis_server, client, queue, redis_client):
     with serving(
         redis_server.url, queue, step_s=0.01, engine={"max_running": 1, "max_num_batched_tokens": 64}

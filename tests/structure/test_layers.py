@@ -1,8 +1,9 @@
 """The code base's layering, read from its imports: the client library and wire models at the
-bottom, the gateway beside the worker service on top of them, the `mili` CLI a front end over
-the client library and the gateway, the engine and the model below the service, the kernels at
-the ground. No import runs the wrong way, nothing of ours imports the CLI, and no two modules
-import each other (not even for type hints only)."""
+bottom, OpenAI's format over the client library, the gateway beside the worker service on top
+of them, the `mili` CLI a front end over the client library and OpenAI's format, the engine and
+the model below the service, the kernels at the ground. No import runs the wrong way, nothing of
+ours imports the CLI, the CLI never imports the gateway, OpenAI's format imports no web framework,
+and no two modules import each other (not even for type hints only)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("producer_client", "gateway", "worker", "kernels", "cli")
+PACKAGES = ("producer_client", "openai_format", "gateway", "worker", "kernels", "cli")
 # A layer may import its own modules and those of the layers listed for it, nothing else of ours.
 MAY_IMPORT = {
     "kernels": set(),
@@ -18,10 +19,16 @@ MAY_IMPORT = {
     "worker.model": {"kernels", "producer_client"},
     "worker.engine": {"worker.model", "kernels", "producer_client"},
     "worker": {"worker.engine", "worker.model", "kernels", "producer_client"},
-    "gateway": {"producer_client"},
-    # `mili batch` reads OpenAI batch lines with the gateway's own validation and rendering.
-    "cli": {"producer_client", "gateway"},
+    # OpenAI's requests, responses, errors and batch lines: what the gateway serves over HTTP and
+    # `mili batch` over local files, so that the plain install (no web stack) runs `mili batch`.
+    "openai_format": {"producer_client"},
+    "gateway": {"producer_client", "openai_format"},
+    "cli": {"producer_client", "openai_format"},
 }
+# The web stack is the gateway extra's: what the plain install runs (the CLI and what it imports)
+# never imports it, at any depth.
+WEB_STACK = {"fastapi", "starlette", "uvicorn"}
+NEVER_IMPORTS = {"openai_format": WEB_STACK, "cli": WEB_STACK}
 
 
 def modules() -> dict[str, Path]:
@@ -48,6 +55,17 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
     return found
 
 
+def top_level_imports(path: Path) -> set[str]:
+    """The top-level names of every package `path` imports, at any depth of its code."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
 def layer_of(module: str) -> str:
     return next(
         layer
@@ -65,6 +83,17 @@ def test_no_import_runs_against_the_layering():
             target_layer = layer_of(target)
             if target_layer != layer and target_layer not in MAY_IMPORT[layer]:
                 wrong.append(f"{module} ({layer}) imports {target} ({target_layer})")
+    assert wrong == []
+
+
+def test_what_the_plain_install_runs_imports_no_web_framework():
+    checked = {module: path for module, path in modules().items() if layer_of(module) in NEVER_IMPORTS}
+    assert {layer_of(module) for module in checked} == set(NEVER_IMPORTS)
+    wrong = [
+        f"{module} imports {name}"
+        for module, path in checked.items()
+        for name in sorted(top_level_imports(path) & NEVER_IMPORTS[layer_of(module)])
+    ]
     assert wrong == []
 
 

@@ -12,9 +12,9 @@ from producer_client import AsyncClient, Client
 class SyncView:
     """An AsyncClient driven on its own event loop, with Client's synchronous methods."""
 
-    def __init__(self, client: AsyncClient):
+    def __init__(self, client: AsyncClient, loop: asyncio.AbstractEventLoop | None = None):
         self.client = client
-        self.loop = asyncio.new_event_loop()
+        self.loop = loop or asyncio.new_event_loop()
 
     def __getattr__(self, name):
         attr = getattr(self.client, name)
@@ -30,6 +30,10 @@ class SyncView:
                 yield self.loop.run_until_complete(agen.__anext__())
             except StopAsyncIteration:
                 return
+
+    def on_queue(self, queue: str) -> SyncView:
+        """The client's on_queue(), on the same event loop: its connections belong to it."""
+        return SyncView(self.client.on_queue(queue), self.loop)
 
     def close(self) -> None:
         self.loop.run_until_complete(self.client.aclose())

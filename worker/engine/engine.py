@@ -108,7 +108,9 @@ class Engine(OfflineGeneration):
         self.reader = StepReader(self.scheduler, self.eos_token_ids, self.max_model_len, self.vocab_size)
         # A mask covers the tokenizer's vocabulary, whose size the model's may fall short of (test models).
         mask_vocab = max(self.vocab_size, tokenizer.vocab_size)
-        self.grammars = GrammarCompiler(tokenizer, mask_vocab, self.eos_token_ids, settings.grammar_cache_size)
+        self.grammars = GrammarCompiler(
+            tokenizer, mask_vocab, self.vocab_size, self.eos_token_ids, settings.grammar_cache_size
+        )
         self.masks = GrammarMasks(mask_vocab, self.eos_token_ids, settings.max_running)
         self.draft_masks = DraftMasks(self.masks)
         self.speculator = build_speculator(settings, self.max_model_len, draft, model, self.scheduler, self.draft_masks)
@@ -373,6 +375,8 @@ class Engine(OfflineGeneration):
         self._count_computed(chunks)
         rows = sampling_rows(chunks)
         try:
+            if self.ranks is not None:
+                self.ranks.start_serving()  # the warm-up's steps were start-up's, this one is served
             logits = self.runner.run(chunks, previous.device_tokens if previous is not None else None)
         except RankFailed as e:
             raise self.ranks.explain(e) if self.ranks is not None else e from None

@@ -1,7 +1,8 @@
 """Ranks 1..N-1 of a tensor-parallel engine. Each runs in a process of its own, started by rank 0
 (worker/engine/ranks.py): it builds its share as rank 0 builds its own (load, agree on the KV
 pool's size, capture the decode graphs), then runs each step rank 0 sends through the ring,
-until told to stop.
+until told to stop. Its collectives wait tensor_parallel_startup_timeout_s for a peer until rank 0
+says start-up is over (worker/engine/ranks.py), tensor_parallel_timeout_s after.
 
 It dies with rank 0: the kernel kills it when the thread that started it ends
 (PR_SET_PDEATHSIG), so a worker killed with -9 leaves no rank behind. Signals are rank 0's to
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
 from worker.engine.rendezvous import RankSpec, connect_store, join_process_group, meet
 from worker.engine.runner import ModelRunner
-from worker.engine.step_ring import Kind, RingReader
+from worker.engine.step_ring import Kind, Message, RingReader
 from worker.model.loader import load_model
 from worker.model.rank_failed import RankFailed
 
@@ -44,7 +45,7 @@ def follower_main(spec: RankSpec, reader: RingReader) -> None:
     )
     torch.set_num_threads(spec.threads)
     try:
-        serve_steps(reader, start_rank(spec))
+        serve_steps(reader, start_rank(spec), spec.settings.tensor_parallel_timeout_s)
     except RankFailed as e:
         log.error("%s: this rank stops", e.message)
         sys.exit(1)
@@ -59,7 +60,7 @@ def start_rank(spec: RankSpec) -> ModelRunner:
     store = connect_store(spec.store_port, spec.rank, spec.size)
     meet(store, "started", spec.rank, spec.size, lambda: None)
     tp = join_process_group(
-        store, spec.rank, [torch.device(d) for d in spec.devices], spec.settings.tensor_parallel_timeout_s
+        store, spec.rank, [torch.device(d) for d in spec.devices], spec.settings.tensor_parallel_startup_timeout_s
     )
     loaded = load_model(spec.model_path, spec.dtype, spec.device, tp)
     meet(store, "loaded", spec.rank, spec.size, lambda: None)
@@ -77,19 +78,28 @@ def start_rank(spec: RankSpec) -> ModelRunner:
     )
 
 
-def serve_steps(reader: RingReader, runner: ModelRunner) -> None:
-    """Runs each step rank 0 sends until it sends STOP. A step that raises here raised on rank 0
-    too (the same code over the same inputs, up to the same point): rank 0 sets its jobs apart
-    and tries them again one by one (worker/loop/isolation.py), and this rank runs what it sends next,
-    as one rank would. A failure on some ranks only leaves a collective unmatched, which times out."""
-    while (message := reader.receive()).kind is Kind.STEP:
-        future = None
-        if message.future_rows:  # filled by rank 0's broadcast of its previous draws
-            future = torch.empty(message.future_rows, dtype=torch.int64, device=runner.device)
-        try:
-            runner.execute(message.step, future)
-        except Exception:
-            log.exception("a step failed on this rank")
+def serve_steps(reader: RingReader, runner: ModelRunner, timeout_s: float) -> None:
+    """Runs each step rank 0 sends until it sends STOP; from its SERVE on, a collective waits at
+    most timeout_s for a peer."""
+    while (message := reader.receive()).kind is not Kind.STOP:
+        if message.kind is Kind.SERVE:
+            runner.model.tp.set_timeout(timeout_s)
+        else:
+            run_step(runner, message)
+
+
+def run_step(runner: ModelRunner, message: Message) -> None:
+    """A step that raises here raised on rank 0 too (the same code over the same inputs, up to the
+    same point): rank 0 sets its jobs apart and tries them again one by one
+    (worker/loop/isolation.py), and this rank runs what it sends next, as one rank would. A failure
+    on some ranks only leaves a collective unmatched, which times out."""
+    future = None
+    if message.future_rows:  # filled by rank 0's broadcast of its previous draws
+        future = torch.empty(message.future_rows, dtype=torch.int64, device=runner.device)
+    try:
+        runner.execute(message.step, future)
+    except Exception:
+        log.exception("a step failed on this rank")
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -6,6 +6,11 @@ any process starts (a refusal is one error, not one per rank); starts ranks 1..N
 processes (worker/engine/follower.py); meets them once all have started, to join one process
 group; and watches them from then on. They meet again once each has loaded its share.
 
+Until the first served step (`start_serving`) every rank's collectives, and the ring, wait for a
+peer up to tensor_parallel_startup_timeout_s: in load and warm-up one rank legitimately works
+alone for long (rank 0 loads the tokenizer; the first steps compile kernels, each rank at its own
+pace) while the others wait. From that step on they wait tensor_parallel_timeout_s, the bound on a hang.
+
 A rank that exits while the group serves is a failure of the whole worker: the watching thread
 logs it and sets `failed` at once, and the engine's next call raises RankFailed (the worker's
 loop makes one every iteration). The other ranks die with this process (follower.py). `close`
@@ -72,12 +77,15 @@ class RankGroup:
         ring: StepRing,
         processes: list,
         threads: int,
+        timeout_s: float,
     ):
         self.devices = devices
         self.store = store
         self.ring = ring
         self.processes = processes  # rank r's process at index r - 1
         self.tp: TensorParallel | None = None
+        self.timeout_s = timeout_s  # a collective's bound from the first served step
+        self.starting = True
         self.failed = threading.Event()
         self.failure = ""
         self._closing = False
@@ -107,7 +115,7 @@ class RankGroup:
         store = connect_store(0, 0, size)
         max_pages = pages_for(resolve_max_model_len(settings, config), settings.page_size)
         capacity = message_bytes(settings.max_num_batched_tokens, settings.max_running, max_pages)
-        ring = StepRing(size - 1, capacity, settings.tensor_parallel_timeout_s)
+        ring = StepRing(size - 1, capacity, settings.tensor_parallel_startup_timeout_s)
         threads = torch.get_num_threads()
         spec = RankSpec(
             0,
@@ -132,11 +140,11 @@ class RankGroup:
         ]
         for process in processes:
             process.start()
-        group = cls(devices, store, ring, processes, threads)
+        group = cls(devices, store, ring, processes, threads, settings.tensor_parallel_timeout_s)
         try:
             torch.set_num_threads(spec.threads)
             meet(store, "started", 0, size, group.check)
-            group.tp = join_process_group(store, 0, devices, settings.tensor_parallel_timeout_s)
+            group.tp = join_process_group(store, 0, devices, settings.tensor_parallel_startup_timeout_s)
         except BaseException:
             group.close()
             raise
@@ -147,6 +155,15 @@ class RankGroup:
             ", ".join(str(p.pid) for p in processes),
         )
         return group
+
+    def start_serving(self) -> None:
+        """Ends start-up on every rank, before the first served step: the others are told through
+        the ring, ahead of that step."""
+        if not self.starting:
+            return
+        self.ring.serve(self.timeout_s)
+        self.tp.set_timeout(self.timeout_s)
+        self.starting = False
 
     def meet(self, stage: str) -> None:
         meet(self.store, stage, 0, len(self.devices), self.check)

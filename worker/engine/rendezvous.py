@@ -103,7 +103,8 @@ def join_process_group(
     timeout_s: float,
 ) -> TensorParallel:
     """The group of every rank (NCCL on GPUs, gloo on CPU), once all have met at 'started': a
-    collective then waits at most timeout_s for a peer."""
+    collective then waits at most timeout_s for a peer (the start-up's, until
+    TensorParallel.set_timeout)."""
     device = devices[rank]
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":

@@ -65,7 +65,14 @@ class EngineSettings(BaseModel):
     tensor_parallel_timeout_s: float = Field(
         60.0,
         gt=0.0,
-        description="a rank that takes part in no collective for this long (it hangs) stops the worker",
+        description="from the first served step, a rank that takes part in no collective for this long (it hangs) "
+        "stops the worker",
+    )
+    tensor_parallel_startup_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="the same bound while the ranks load and warm up, where one rank may work alone for long "
+        "(compiling kernels, loading the tokenizer) while the others wait in a collective",
     )
 
     speculative_method: Literal["ngram", "draft", "eagle3"] | None = Field(

@@ -8,7 +8,9 @@ per reader, where a gloo broadcast costs a round trip through its transport thre
 tensor. Waiting readers sleep in sem_wait, so idle ranks cost no CPU, and a reader waits for
 the next step as long as rank 0 has no work: that is no hang, so it has no timeout (a reader
 whose rank 0 died is killed with it, worker/engine/follower.py). Rank 0 waits for a free slot
-at most `timeout_s`: only a rank that stopped reading (it hangs) makes it wait that long.
+at most `timeout_s`: only a rank that stopped reading (it hangs) makes it wait that long. That is
+the start-up timeout until `serve` tells the readers that start-up is over (a SERVE message),
+and the served steps' timeout after.
 
 A message is a header of int64 (the kind, the arrays' lengths, the step's longest chunk and
 the rows of draws a step of the overlap scheduler receives by broadcast) and the HostStep's
@@ -34,6 +36,7 @@ HEADER = 8  # int64 words
 class Kind(enum.IntEnum):
     STEP = 1
     STOP = 2
+    SERVE = 3  # start-up is over: the next step is the first served one
 
 
 ARRAYS = (  # HostStep's arrays, in the order of a message
@@ -100,6 +103,11 @@ class StepRing:
     def send(self, step: HostStep, future_rows: int = 0) -> None:
         self._write(Message(Kind.STEP, step, future_rows), self.timeout_s)
 
+    def serve(self, timeout_s: float) -> None:
+        """Tells the readers that start-up is over; waits at most timeout_s from here on."""
+        self._write(Message(Kind.SERVE), self.timeout_s)
+        self.timeout_s = timeout_s
+
     def stop(self, timeout_s: float) -> None:
         self._write(Message(Kind.STOP), timeout_s)
 
@@ -152,7 +160,7 @@ def unpack(slot: np.ndarray) -> Message:
     """A copy of the slot's message: the slot is written again once every reader is done with it."""
     header = slot[: 8 * HEADER].view(np.int64).copy()
     kind = Kind(int(header[0]))
-    if kind is Kind.STOP:
+    if kind is not Kind.STEP:
         return Message(kind)
     max_q_len, rows, width, tokens, samples = (int(v) for v in header[2:7])
     sizes = lengths(tokens, rows, width, samples)

@@ -11,24 +11,13 @@ import uuid
 
 import redis
 
-from producer_client.core import entry_time
 from producer_client.errors import MiliError
+from producer_client.protocol.clock import entry_time
 from producer_client.protocol.events import encode_start
 from producer_client.protocol.replies import ClaimOutcome
 from worker.loop.context import LoopContext
-from worker.loop.jobs import (
-    AdmissionId,
-    Delivery,
-    InternalError,
-    InvalidJob,
-    Job,
-    Poison,
-    constraint_of,
-    final_result,
-    parse_request,
-    render_prompt,
-)
-from worker.loop.outbox import DeadLetter, Update
+from worker.loop.intake import Delivery, job_from_entry
+from worker.loop.jobs import AdmissionId, InternalError, InvalidJob, Job, Poison, final_result
 from worker.loop.queue import HANDED_OVER_IDLE_MS
 from worker.loop.rejection import Rejections
 
@@ -37,8 +26,12 @@ log = logging.getLogger(__name__)
 
 class Admission:
     def __init__(self, ctx: LoopContext, rejections: Rejections):
-        self.queue, self.engine, self.holdings = ctx.queue, ctx.engine, ctx.holdings
-        self.outbox, self.receipts = ctx.outbox, ctx.receipts
+        self.queue, self.job_commands, self.engine, self.holdings = (
+            ctx.queue,
+            ctx.job_commands,
+            ctx.engine,
+            ctx.holdings,
+        )
         self.settings, self.clock, self.worker = ctx.settings, ctx.clock, ctx.worker
         self.rejections = rejections
         self.next_reclaim = 0.0
@@ -55,7 +48,7 @@ class Admission:
         are pending until then, and pending entries stay within the engine's slots). Each job needs
         a slot and at least one page; its real page need is unknown until it is tokenized."""
         cap = self.engine.capacity()
-        return min(cap.free_slots, cap.free_pages) - len(self.holdings.unadmitted) - self.outbox.ended()
+        return min(cap.free_slots, cap.free_pages) - len(self.holdings.unadmitted) - self.holdings.ended()
 
     def defer_reclaims(self) -> None:
         """Take no idle entry for claim_idle_ms: Redis was out of reach, so every live worker's
@@ -100,9 +93,11 @@ class Admission:
             return
         now = self.clock.now()
         runs = [f"{self.instance}:{next(self.claims)}" for _ in deliveries]
-        prepared = [self._job_from_entry(d, run, now) for d, run in zip(deliveries, runs)]
-        claims = self.queue.claim([(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)])
-        self.holdings.clear_unadmitted()
+        prepared = [
+            job_from_entry(d, run, now, self.settings, self.engine.tokenizer) for d, run in zip(deliveries, runs)
+        ]
+        claims = self.job_commands.claim([(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)])
+        self.holdings.claims_answered()
         resumed: list[tuple[Delivery, Job, int]] = []
         for d, run, job, claim in zip(deliveries, runs, prepared, claims):
             if isinstance(claim, Exception):
@@ -112,13 +107,13 @@ class Admission:
                 self.holdings.drop(d.job_id)  # its own entry, reclaimed after a stall: the claim fenced the old run
             if claim.outcome is not ClaimOutcome.CLAIMED:
                 log.info("dropping entry %s of job %s: %s", d.entry_id, d.job_id, claim.outcome.value)
-                self.receipts.acks.append(d.entry_id)
+                self.holdings.ack_duplicate(d)
             elif d.deliveries > self.settings.max_deliveries:
                 self._dead_letter_poison(d, run, claim.recorded_tokens)
             elif isinstance(job, MiliError):
                 log.info("job %s failed before it started: %s: %s", d.job_id, job.code, job.message)
                 final = final_result(d.job_id, "failed", "error", self.worker, now, entry_time(d.entry_id), error=job)
-                self.outbox.add(Update(d.job_id, d.entry_id, run, claim.recorded_tokens, final=final))
+                self.holdings.end_delivery(d, run, claim.recorded_tokens, final)
             else:
                 if claim.deadline is not None:
                     job.deadline = claim.deadline
@@ -129,9 +124,10 @@ class Admission:
         if resumed:
             self._resume_all(resumed)
 
-    def add_to_engine(self, job: Job, update: Update) -> bool:
-        """Hand the job to the engine, continuing after its tokens so far; a job the engine
-        refuses ends failed. Returns whether it is in the engine."""
+    def add_to_engine(self, job: Job, start_event: str = "") -> bool:
+        """Hand the job to the engine, continuing after its tokens so far (`start_event`: its run's
+        start, for a run's first admission); a job the engine refuses ends failed. Returns whether
+        it is in the engine."""
         job.engine_id = AdmissionId(job.id, next(self.admissions))
         try:
             self.engine.add_request(
@@ -147,15 +143,15 @@ class Admission:
                 log.exception("job %s: the engine's add_request raised", job.id)
                 e = InternalError(f"{type(e).__name__}: {e}")
             log.info("job %s rejected by the engine: %s: %s", job.id, e.code, e.message)
-            update.final = job.result("failed", "error", self.worker, self.clock.now(), error=e)
+            self.holdings.end(job, job.result("failed", "error", self.worker, self.clock.now(), error=e))
             return False
-        self.holdings.start(job)
+        self.holdings.start(job, start_event)
         return True
 
     def start_unless_expired(self, job: Job) -> None:
         now = self.clock.now()
         if job.called_before:  # its one tool call is made: it ended then (tool_calls), whoever ends it now
-            self.outbox.for_job(job).final = job.result("done", "stop", self.worker, now)
+            self.holdings.end(job, job.result("done", "stop", self.worker, now))
             return
         if job.deadline is not None and now > job.deadline:
             # Never started: expired. Started by an earlier run: it ends now, with what it made.
@@ -163,15 +159,13 @@ class Admission:
                 final = job.result("done", "timeout", self.worker, now)
             else:
                 final = final_result(job.id, "expired", None, self.worker, now, job.queued_at)
-            self.outbox.for_job(job).final = final
+            self.holdings.end(job, final)
             return
-        update = self.outbox.for_job(job)
-        if self.add_to_engine(job, update):
-            update.start = encode_start(self.worker, now, job.resumed_tokens, job.output_format)
+        self.add_to_engine(job, encode_start(self.worker, now, job.resumed_tokens, job.output_format))
 
     def _resume_all(self, resumed: list[tuple[Delivery, Job, int]]) -> None:
         try:
-            events = self.queue.recorded_events([job.id for _, job, _ in resumed])
+            events = self.job_commands.recorded_events([job.id for _, job, _ in resumed])
         except redis.RedisError:
             self.holdings.take([d for d, _, _ in resumed])  # claimed again at the next try, with a new run
             raise
@@ -196,36 +190,13 @@ class Admission:
         log.info("job %s: resuming after %d recorded tokens", job.id, job.resumed_tokens)
         self.start_unless_expired(job)
 
-    def _job_from_entry(self, d: Delivery, run: str, now: float) -> Job | MiliError:
-        try:
-            request = parse_request(d.fields, self.settings.max_body_bytes, self.settings.max_tokens_limit)
-            ids, fmt = render_prompt(request, self.engine.tokenizer)
-            constraint = constraint_of(request, fmt, self.engine.tokenizer)
-        except MiliError as e:
-            return e
-        except Exception as e:  # a bug must cost one job, not the worker
-            log.exception("job %s: unexpected error while reading its entry", d.job_id)
-            return InternalError(f"{type(e).__name__}: {e}")
-        return Job(
-            d.job_id,
-            d.entry_id,
-            run,
-            request,
-            ids,
-            queued_at=entry_time(d.entry_id),
-            started_at=now,
-            output_format=fmt,
-            constraint=constraint,
-        )
-
     def _dead_letter_poison(self, d: Delivery, run: str, recorded_tokens: int) -> None:
         error = Poison(
             f"delivered {d.deliveries} times, more than max_deliveries {self.settings.max_deliveries}: "
             "every worker that took it stopped before finishing it"
         )
         log.warning("job %s: %s; moving entry %s to the dead-letter stream", d.job_id, error.message, d.entry_id)
-        letter = DeadLetter(d.entry_id, d.fields, error.message, d.deliveries)
         final = final_result(
             d.job_id, "failed", "error", self.worker, self.clock.now(), entry_time(d.entry_id), error=error
         )
-        self.outbox.add(Update(d.job_id, d.entry_id, run, recorded_tokens, final=final, dead_letter=letter))
+        self.holdings.dead_letter(d, run, recorded_tokens, final, error.message)

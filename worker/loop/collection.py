@@ -1,5 +1,5 @@
 """An engine step's outputs added to their jobs: tokens, text and logprobs to the job, where they
-wait for their publication (pace.py); a job's end to the outbox as its final result."""
+wait for their publication (pace.py); a job's end to its holdings as its final result."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ log = logging.getLogger(__name__)
 
 class Collector:
     def __init__(self, ctx: LoopContext, isolation: FailureIsolation):
-        self.holdings, self.outbox, self.clock, self.metrics = ctx.holdings, ctx.outbox, ctx.clock, ctx.metrics
+        self.holdings, self.clock, self.metrics = ctx.holdings, ctx.clock, ctx.metrics
         self.worker = ctx.worker
         self.isolation = isolation
 
     def collect(self, outputs: list) -> None:
         """Add each output to its job, where it waits for its publication (see pace.py); a job's
-        end goes to the outbox. Run for every output of every step: kept to plain appends."""
+        end goes to the outbox (Holdings.finished). Run for every output of every step: kept to plain appends."""
         now = self.clock.now()
         sampled_at = time.monotonic()
         running = self.holdings.running
@@ -38,8 +38,7 @@ class Collector:
                 tokens += len(out.new_token_ids)
                 self._record_delta(job, out, now, sampled_at)
             if out.finished:
-                self.holdings.finish(job.id)
-                self.outbox.for_job(job).final = self._final_result(job, out, now)
+                self.holdings.finished(job, self._final_result(job, out, now))
         self.metrics.generation_tokens.inc(tokens)
 
     def _record_delta(self, job: Job, out, now: float, sampled_at: float) -> None:

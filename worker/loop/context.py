@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from worker.engine.interface import EngineAPI
 from worker.loop.holdings import Holdings
-from worker.loop.outbox import Outbox, Receipts
+from worker.loop.job_commands import JobCommands
 from worker.loop.queue import RedisClock, WorkerQueue
 from worker.metrics import WorkerMetrics
 from worker.settings import WorkerSettings
@@ -18,9 +18,8 @@ class LoopContext:
     worker: str  # this worker's name: its consumer name, in logs and results
     settings: WorkerSettings
     engine: EngineAPI
-    queue: WorkerQueue  # every Redis command the loop sends
+    queue: WorkerQueue  # the Redis commands on the queue's keys
+    job_commands: JobCommands  # the Redis commands on each job's keys
     clock: RedisClock  # every time the loop writes or compares is on Redis's clock
     metrics: WorkerMetrics
-    holdings: Holdings  # the jobs this worker holds, changed only through its verbs
-    outbox: Outbox  # what Redis has not seen yet
-    receipts: Receipts  # entries to acknowledge or dead-letter with the next read
+    holdings: Holdings  # the jobs this worker holds and what Redis has not seen: changed only through its verbs

@@ -1,6 +1,17 @@
-"""Every job a worker holds, wherever it is: the loop's parts change what it holds through the
-verbs here (take, clear_unadmitted, start, finish, suspect, next_suspect, abort), and read it
-through read-only views."""
+"""Every job a worker holds, from its entry's delivery until Redis has its final result and the
+entry is acknowledged: the one writer of that state. The loop's parts change it only through the
+verbs here, and read it through read-only views and queries:
+
+- entries: take (read, reclaimed, stolen), claims_answered, then each settles once: ack_duplicate,
+  end_delivery, dead_letter, or a job; entries_lost when Redis lost the group;
+- jobs: start, finished (the engine ended it), end (this worker ends it), suspect, next_suspect,
+  stop, drop, detach;
+- what Redis has not seen (outbox.py): take_output, send_updates, answered, restore, written,
+  republish_whole; reject, failure_written, failure_refused; receipts_sent.
+
+A verb raises HeldStateError rather than make a change the protocol never makes: a job started
+while a run of it is held, a run ended twice, an entry acknowledged or dead-lettered that no
+answered claim, written result or settled failure gives back."""
 
 from __future__ import annotations
 
@@ -9,11 +20,37 @@ from collections import deque
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from producer_client.schema import JobResult
 from worker.engine.interface import EngineAPI
-from worker.loop.jobs import Delivery, Job, Rejection
-from worker.loop.outbox import Outbox
+from worker.loop.intake import Delivery
+from worker.loop.jobs import Job
+from worker.loop.outbox import DeadLetter, HeldStateError, Outbox, Rejection, Update
 
 log = logging.getLogger(__name__)
+
+
+class Deliveries:
+    """Entries taken (read, reclaimed, stolen) and not yet claimed; then, once Redis answered
+    their claims, each settled once: by a verb of Holdings, or as a job."""
+
+    def __init__(self):
+        self.unadmitted: list[Delivery] = []
+        self.answered: dict[int, Delivery] = {}  # by identity: claimed in the last admission, not yet settled
+
+    def claims_answered(self) -> None:
+        self.answered = {id(d): d for d in self.unadmitted}
+        self.unadmitted = []
+
+    def settle(self, d: Delivery) -> None:
+        if self.answered.pop(id(d), None) is not d:
+            raise HeldStateError(f"entry {d.entry_id} of job {d.job_id}: settled without an answered claim, or twice")
+
+    def lost(self) -> None:
+        """Their entries went with the queue's group."""
+        self.unadmitted, self.answered = [], {}
+
+    def drop(self, job_id: str) -> None:
+        self.unadmitted = [d for d in self.unadmitted if d.job_id != job_id]
 
 
 class Holdings:
@@ -23,59 +60,63 @@ class Holdings:
     the published output of running jobs that Redis has not answered yet), or rejected for its
     keys (see worker/loop/rejection.py). Each held entry is refreshed with every heartbeat."""
 
-    def __init__(self, engine: EngineAPI, outbox: Outbox):
+    def __init__(self, engine: EngineAPI):
         self.engine = engine
-        self.outbox = outbox
-        self._unadmitted: list[Delivery] = []
+        self._outbox = Outbox()  # what Redis has not seen: updates, failures, receipts
+        self._deliveries = Deliveries()
         self._running: dict[str, Job] = {}  # claimed and in the engine
         self.running: Mapping[str, Job] = MappingProxyType(self._running)
         self._suspects: deque[Job] = deque()  # claimed, out of the engine after a failed step
-        self.rejected: dict[str, Rejection] = {}  # failed for their keys, the failure not yet written
+
+    # -- views ----------------------------------------------------------------------------------
 
     @property
     def unadmitted(self) -> tuple[Delivery, ...]:
         """Entries taken and not yet claimed."""
-        return tuple(self._unadmitted)
+        return tuple(self._deliveries.unadmitted)
 
     @property
     def suspects(self) -> tuple[Job, ...]:
         return tuple(self._suspects)
 
-    def take(self, deliveries: list[Delivery]) -> None:
-        """Entries read, reclaimed or stolen: held until their claims are settled."""
-        self._unadmitted += deliveries
+    @property
+    def rejected(self) -> tuple[Rejection, ...]:
+        return tuple(self._outbox.rejected.values())
 
-    def clear_unadmitted(self) -> None:
-        """Their claims are settled (each is running, ended or dropped now), or their entries went
-        with a consumer group Redis lost."""
-        self._unadmitted = []
+    def receipts(self) -> tuple[list[str], list[DeadLetter]]:
+        """(entries to acknowledge and delete, entries to dead-letter) with the next read: copies."""
+        return list(self._outbox.receipts.acks), list(self._outbox.receipts.dead_letters)
 
-    def start(self, job: Job) -> None:
-        """The job is in the engine."""
-        self._running[job.id] = job
+    def has_updates(self) -> bool:
+        """Updates waiting or out."""
+        return bool(self._outbox)
 
-    def finish(self, job_id: str) -> Job | None:
-        """The job is out of the engine: it ended, or this worker stopped it. None if it was not in."""
-        return self._running.pop(job_id, None)
+    def has_update(self, job_id: str) -> bool:
+        return job_id in self._outbox.updates or job_id in self._outbox.out
 
-    def suspect(self, job: Job) -> None:
-        """A job out of the engine after a failed step, to be tried again alone (worker/loop/isolation.py)."""
-        self._suspects.append(job)
+    def waiting_update(self, job_id: str) -> Update | None:
+        return self._outbox.updates.get(job_id)
 
-    def next_suspect(self) -> Job:
-        return self._suspects.popleft()
+    def unsettled(self) -> bool:
+        """Anything held but the engine's jobs and the entries not yet admitted: suspects,
+        rejections, updates or receipts."""
+        return bool(self._suspects or self._outbox.rejected or self._outbox or self._outbox.receipts)
+
+    def ended(self) -> int:
+        """Jobs out of the engine whose entry waits for Redis to take their result."""
+        return self._outbox.ended()
 
     def entries(self) -> dict[str, str]:
         """{entry id: job id} of the entries this worker holds. Detached jobs have none."""
-        held = {d.entry_id: d.job_id for d in self._unadmitted}
-        held.update((u.entry_id, u.job_id) for u in self.outbox.held() if u.entry_id is not None)
+        held = {d.entry_id: d.job_id for d in self._deliveries.unadmitted}
+        held.update((u.entry_id, u.job_id) for u in self._outbox.held() if u.entry_id is not None)
         held.update((job.entry_id, job.id) for job in self.claimed() if job.entry_id is not None)
-        held.update((r.entry_id, r.job_id) for r in self.rejected.values() if r.entry_id is not None)
+        held.update((r.entry_id, r.job_id) for r in self._outbox.rejected.values() if r.entry_id is not None)
         return held
 
     def runs(self) -> dict[str, str]:
         """{job id: run token} of every claimed job."""
-        held = {u.job_id: u.run for u in self.outbox.held()}
+        held = {u.job_id: u.run for u in self._outbox.held()}
         for job in self.claimed():
             held.setdefault(job.id, job.run)
         return held
@@ -92,51 +133,166 @@ class Holdings:
             job = next((j for j in self._suspects if j.id == job_id), None)
         return job
 
-    def detach(self, job_id: str) -> None:
-        """Redis lost the job's entry: it runs on with none (see ADOPT in producer_client/protocol/worker.py)."""
-        job = self.find(job_id)
-        if job is not None:
-            job.entry_id = None
-        for update in self.outbox.held():
-            if update.job_id == job_id:
-                update.entry_id = None
-                update.dead_letter = None  # no entry left to move
+    def detached(self) -> list[Job]:
+        return [job for job in self.claimed() if job.entry_id is None]
 
     def unpublished_tokens(self) -> int:
         """Tokens Redis has not taken yet: in updates, and in claimed jobs' output no update holds."""
-        return self.outbox.buffered_tokens() + sum(len(j.token_ids) - j.feed.tokens for j in self.claimed())
+        return self._outbox.buffered_tokens() + sum(len(j.token_ids) - j.feed.tokens for j in self.claimed())
 
-    def detach_rejected(self) -> None:
-        """Redis lost the group: the rejected jobs' entries went with it."""
-        for rejection in self.rejected.values():
+    # -- entries --------------------------------------------------------------------------------
+
+    def take(self, deliveries: list[Delivery]) -> None:
+        """Entries read, reclaimed or stolen: held until their claims are settled."""
+        self._deliveries.unadmitted += deliveries
+
+    def claims_answered(self) -> None:
+        """Redis answered the claims of the entries taken: each is settled now, by one of the
+        verbs below or as a job (running, ended, rejected or dropped)."""
+        self._deliveries.claims_answered()
+
+    def ack_duplicate(self, d: Delivery) -> None:
+        """An entry whose claim found its job ended, or running under another entry: acknowledged
+        with the next read."""
+        self._deliveries.settle(d)
+        self._outbox.receipts.acks.append(d.entry_id)
+
+    def end_delivery(self, d: Delivery, run: str, recorded_tokens: int, result: JobResult) -> None:
+        """A claimed entry that ends before it becomes a job (it cannot be read)."""
+        self._deliveries.settle(d)
+        self._outbox.add(Update(d.job_id, d.entry_id, run, recorded_tokens, final=result))
+
+    def dead_letter(self, d: Delivery, run: str, recorded_tokens: int, result: JobResult, reason: str) -> None:
+        """A claimed entry delivered too often: its job ends with `result`, and once that is written
+        its entry moves to the dead-letter stream instead of being acknowledged."""
+        self._deliveries.settle(d)
+        letter = DeadLetter(d.entry_id, d.fields, reason, d.deliveries)
+        self._outbox.add(Update(d.job_id, d.entry_id, run, recorded_tokens, final=result, dead_letter=letter))
+
+    def entries_lost(self) -> None:
+        """Redis lost the queue's group: the entries not yet admitted, and those of rejected jobs,
+        went with it."""
+        self._deliveries.lost()
+        for rejection in self._outbox.rejected.values():
             rejection.entry_id = None
 
-    def detached(self) -> list[Job]:
-        return [job for job in self.claimed() if job.entry_id is None]
+    # -- jobs -----------------------------------------------------------------------------------
+
+    def start(self, job: Job, start_event: str = "") -> None:
+        """The job is in the engine. `start_event`: its run's start, published with its next output."""
+        if self.find(job.id) is not None:
+            raise HeldStateError(f"job {job.id}: run {job.run} started while a run of it is held")
+        update = self._outbox.for_job(job)
+        if start_event:
+            update.start = start_event
+        self._running[job.id] = job
+
+    def finished(self, job: Job, result: JobResult) -> None:
+        """The engine ended the job, with `result`."""
+        if self._running.get(job.id) is not job:
+            raise HeldStateError(f"job {job.id}: run {job.run} finished in the engine without running there")
+        del self._running[job.id]
+        self._outbox.end(job, result)
+
+    def end(self, job: Job, result: JobResult) -> None:
+        """This worker ends the job with `result`: taken out of the engine if it runs there."""
+        if self._running.get(job.id) is job:
+            del self._running[job.id]
+            self._abort(job)
+        self._outbox.end(job, result)
+
+    def suspect(self, job: Job) -> None:
+        """A running job out of the engine after a failed step, to be tried again alone
+        (worker/loop/isolation.py)."""
+        if self._running.pop(job.id, None) is not job:
+            raise HeldStateError(f"job {job.id}: made a suspect without running")
+        self._abort(job)
+        self._suspects.append(job)
+
+    def next_suspect(self) -> Job:
+        return self._suspects.popleft()
+
+    def stop(self, job: Job, reason: str) -> None:
+        """Abort in the engine; its final output (finish_reason "abort") comes with the next step."""
+        job.stop_reason = reason
+        self._abort(job)
 
     def drop(self, job_id: str) -> None:
         """Let go of a job without acknowledging its entry: it is someone else's now, or final."""
         job = self._running.pop(job_id, None)
         if job is not None:
-            self.abort(job)
+            self._abort(job)
         if self._suspects:
             self._suspects = deque(j for j in self._suspects if j.id != job_id)
-        self._unadmitted = [d for d in self._unadmitted if d.job_id != job_id]
-        self.outbox.discard(job_id)
-        self.rejected.pop(job_id, None)
+        self._deliveries.drop(job_id)
+        self._outbox.discard(job_id)
 
-    def reject(self, rejection: Rejection) -> None:
-        """Hold the job as rejected only: out of the engine, its update dropped."""
-        self.drop(rejection.job_id)
-        self.rejected[rejection.job_id] = rejection
+    def detach(self, job_id: str) -> None:
+        """Redis lost the job's entry: it runs on with none (see ADOPT in producer_client/protocol/worker.py)."""
+        job = self.find(job_id)
+        if job is not None:
+            job.entry_id = None
+        for update in self._outbox.held():
+            if update.job_id == job_id:
+                update.entry_id = None
+                update.dead_letter = None  # no entry left to move
 
-    def stop(self, job: Job, reason: str) -> None:
-        """Abort in the engine; its final output (finish_reason "abort") comes with the next step."""
-        job.stop_reason = reason
-        self.abort(job)
-
-    def abort(self, job: Job) -> None:
+    def _abort(self, job: Job) -> None:
         try:
             self.engine.abort(job.engine_id)
         except Exception:
             log.exception("job %s: the engine's abort raised", job.id)
+
+    # -- publication: what Redis has not seen ---------------------------------------------------
+
+    def take_output(self, job: Job) -> None:
+        """The job's output that no update holds yet goes into its update, for the next round."""
+        self._outbox.for_job(job)
+
+    def take_all_output(self) -> bool:
+        """Every claimed job's output that no update holds yet, into its update; whether any waits."""
+        for job in self.claimed():
+            if job.feed.behind(job):
+                self._outbox.for_job(job)
+        return bool(self._outbox.updates)
+
+    def send_updates(self) -> list[Update]:
+        """Every waiting update, now out."""
+        return self._outbox.send_all()
+
+    def answered(self, update: Update) -> bool:
+        """Whether `update`, sent, is still the job's (the job was not let go of meanwhile): then it
+        is no longer out, and waits to be settled by the caller (restore, written, drop...)."""
+        return self._outbox.answered(update)
+
+    def restore(self, update: Update) -> None:
+        """An update Redis did not take waits again, before whatever the job added since."""
+        self._outbox.restore(update)
+
+    def written(self, update: Update) -> None:
+        """Redis has the job's result (this update's, or one written elsewhere while it ran here):
+        the job is let go of, and its entry acknowledged or dead-lettered with the next read."""
+        self._outbox.written(update)
+        self.drop(update.job_id)
+
+    def republish_whole(self, job_id: str, run: str, start_event: str) -> None:
+        """Redis lost the job's events with its hash: its next publication carries `start_event`
+        and the whole output so far (with the final result, if it has one)."""
+        self._outbox.republish_whole(job_id, self.find(job_id), run, start_event)
+
+    def reject(self, rejection: Rejection) -> None:
+        """Hold the job as rejected only: out of the engine, its update dropped."""
+        self.drop(rejection.job_id)
+        self._outbox.rejected[rejection.job_id] = rejection
+
+    def failure_written(self, rejection: Rejection) -> None:
+        """FAIL wrote the rejected job's failure: its entry is acknowledged with the next read."""
+        self._outbox.failure_written(rejection)
+
+    def failure_refused(self, rejection: Rejection, reason: str) -> None:
+        """Redis refused even FAIL: the entry goes where an operator looks, the dead-letter stream."""
+        self._outbox.failure_refused(rejection, reason)
+
+    def receipts_sent(self) -> None:
+        """Redis took the acknowledgements and dead letters of the last read."""
+        self._outbox.receipts.sent()

@@ -27,7 +27,7 @@ class FailureIsolation:
     job's next position shows at its first step back, so it names its job."""
 
     def __init__(self, ctx: LoopContext, admission: Admission):
-        self.holdings, self.outbox, self.clock, self.worker = ctx.holdings, ctx.outbox, ctx.clock, ctx.worker
+        self.holdings, self.clock, self.worker = ctx.holdings, ctx.clock, ctx.worker
         self.admission = admission
         self.probe: Job | None = None  # the suspect re-added last: cleared once it produces output
 
@@ -43,14 +43,10 @@ class FailureIsolation:
         if culprit is None and len(live) == 1:
             culprit = live[0]
         self.probe = None
-        for job in live:
-            self.holdings.finish(job.id)
-            self.holdings.abort(job)
+        for job in live:  # each leaves the engine
             if job is culprit:
                 log.warning("job %s fails: an engine step failed with it: %s", job.id, error.message)
-                self.outbox.for_job(job).final = job.result(
-                    "failed", "error", self.worker, self.clock.now(), error=error
-                )
+                self.holdings.end(job, job.result("failed", "error", self.worker, self.clock.now(), error=error))
             else:
                 self.holdings.suspect(job)
         if self.holdings.suspects:
@@ -64,9 +60,9 @@ class FailureIsolation:
         job = self.holdings.next_suspect()
         now = self.clock.now()
         if job.deadline is not None and now > job.deadline:
-            self.outbox.for_job(job).final = job.result("done", "timeout", self.worker, now)
+            self.holdings.end(job, job.result("done", "timeout", self.worker, now))
             return
-        if self.admission.add_to_engine(job, self.outbox.for_job(job)):
+        if self.admission.add_to_engine(job):
             self.probe = job
 
     def produced_output(self, job: Job) -> None:

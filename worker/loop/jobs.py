@@ -1,33 +1,19 @@
-"""A job as the worker sees it: a queue entry turned into token ids (or into a failure
-with a code), then the deltas it accumulates until its result. A reclaimed job starts from
-the tokens its event stream recorded."""
+"""A job as the worker sees it, once its entry is read (worker/loop/intake.py): its run, its
+prompt's token ids and the deltas it accumulates until its result; how far they have gone
+towards Redis (Feed); its final result (Job.result, final_result); and the errors a job fails
+with in the loop. A reclaimed job starts from the tokens its event stream recorded."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
-from producer_client.chat import tool_names
-from producer_client.chat_output import (
-    THINK_CLOSE,
-    THINK_OPEN,
-    ChatOutput,
-    OutputFormat,
-    OutputParser,
-    Reasoning,
-    parse_output,
-)
-from producer_client.core import entry_time
-from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
-from producer_client.keys import NAME_PATTERN, PROTOCOL_VERSION
+from producer_client.chat_output import ChatOutput, OutputFormat, OutputParser, parse_output
+from producer_client.errors import MiliError
+from producer_client.protocol.clock import entry_time
 from producer_client.protocol.events import EventType, resumed_start, resumed_tokens
 from producer_client.schema import ErrorInfo, JobRequest, JobResult, JobState, Timings, TokenLogprob, Usage
-from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, tool_call_constraint
-
-ENTRY_FIELDS = frozenset({"id", "v", "body"})
-# A producer's entry may hold any number of fields of any length: the error names a few.
-UNKNOWN_FIELDS_SHOWN = 5
-NAME_CHARS_SHOWN = 64
+from worker.engine.grammar.constraint import Constraint
 
 
 class Poison(MiliError):
@@ -64,19 +50,6 @@ class AdmissionId:
 
     def __str__(self) -> str:  # the engine logs request ids
         return f"{self.job_id}#{self.number}"
-
-
-@dataclass
-class Delivery:
-    """A queue entry as this worker received it."""
-
-    entry_id: str
-    fields: dict[str, str]
-    deliveries: int = 1  # XPENDING's delivery count: 1 for a first read, raised by every reclaim
-    job_id: str = field(init=False)
-
-    def __post_init__(self):
-        self.job_id = job_id_of(self.entry_id, self.fields)
 
 
 @dataclass
@@ -238,106 +211,6 @@ def final_result(
         worker=worker,
         timings=Timings(queued_at=queued_at, started_at=started_at, first_token_at=first_token_at, finished_at=now),
     )
-
-
-@dataclass
-class Rejection:
-    """A job whose own keys refused the protocol: its failed result, which FAIL writes whatever
-    the job's run and recorded tokens, and its entry, acknowledged once the result is written
-    (moved to the dead-letter stream with `fields` should even FAIL be refused)."""
-
-    result: JobResult
-    entry_id: str | None  # None for a detached job (see ADOPT)
-    fields: dict[str, str]
-    deliveries: int = 1
-
-    @property
-    def job_id(self) -> str:
-        return self.result.id
-
-
-def job_id_of(entry_id: str, fields: dict[str, str]) -> str:
-    """The entry's job id; an entry without a usable one is reported under `entry-<entry id>`."""
-    job_id = fields.get("id", "")
-    return job_id if NAME_PATTERN.fullmatch(job_id) else f"entry-{entry_id}"
-
-
-def parse_request(fields: dict[str, str], max_body_bytes: int, max_tokens_limit: int) -> JobRequest:
-    """The entry's JobRequest, or a MiliError whose code the failed job will carry."""
-    if not NAME_PATTERN.fullmatch(fields.get("id", "")):
-        raise InvalidBody("the entry has no valid `id` field")
-    if fields.get("v") != str(PROTOCOL_VERSION):
-        raise UnsupportedVersion(f"protocol version {fields.get('v')!r}; this worker speaks {PROTOCOL_VERSION}")
-    unknown = sorted(set(fields) - ENTRY_FIELDS)
-    if unknown:
-        named = ", ".join(repr(name[:NAME_CHARS_SHOWN]) for name in unknown[:UNKNOWN_FIELDS_SHOWN])
-        more = f" and {len(unknown) - UNKNOWN_FIELDS_SHOWN} more" if len(unknown) > UNKNOWN_FIELDS_SHOWN else ""
-        raise InvalidBody(f"the entry has fields protocol v{PROTOCOL_VERSION} does not know: {named}{more}")
-    if "body" not in fields:
-        raise InvalidBody("the entry has no `body` field")
-    try:
-        # The worker's connection decodes with surrogateescape: invalid bytes surface here.
-        body = fields["body"].encode()
-    except UnicodeEncodeError:
-        raise InvalidBody("the body is not valid UTF-8") from None
-    return JobRequest.from_json(body, max_body_bytes, max_tokens_limit)
-
-
-def render_prompt(request: JobRequest, tokenizer) -> tuple[list[int], OutputFormat | None]:
-    """The prompt's token ids, and for a chat how its output splits. Tokenized here, in the
-    worker, so that producers need no tokenizer; chat messages and the tools offered go through
-    the checkpoint's own (sandboxed) chat template."""
-    if request.input_ids is not None:
-        return list(request.input_ids), None
-    if request.messages is None:
-        return tokenizer.encode(request.prompt), None
-    tools = request.offered_tools()
-    text = tokenizer.apply_chat_template(
-        [m.for_template() for m in request.messages],
-        add_generation_prompt=True,
-        tokenize=False,
-        tools=[t.model_dump(exclude_none=True) for t in tools] or None,
-        enable_thinking=request.enable_thinking,
-    )
-    fmt = OutputFormat(
-        reasoning=reasoning_of(request.enable_thinking, text), tools=tool_names(tools) if tools else None
-    )
-    # The template writes the special tokens itself, so encoding must not add more.
-    return tokenizer.encode(text, add_special_tokens=False), fmt
-
-
-def constraint_of(request: JobRequest, output: OutputFormat | None, tokenizer) -> Constraint | None:
-    """What the job's output must match, if anything: its response_format; the tool calls that
-    its tool_choice forces ("required", or a named function); with tools offered under "auto",
-    a call or the formatted answer. A chat that thinks is free until its reasoning ends."""
-    fmt = request.params.response_format
-    forced = bool(request.tools) and request.tool_choice not in (None, "auto", "none")
-    if fmt is None and not forced:
-        return None
-    tools = request.offered_tools()
-    thinking = thinking_of(output, tokenizer)
-    if tools:
-        functions = [ToolFunction(t.function.name, t.function.parameters) for t in tools]
-        return tool_call_constraint(functions, request.parallel_tool_calls, None if forced else fmt, thinking)
-    return Constraint.of_format(fmt, thinking)
-
-
-def thinking_of(output: OutputFormat | None, tokenizer) -> Thinking | None:
-    """The reasoning block's markers as the vocabulary's tokens, when the chat thinks."""
-    if output is None or output.reasoning is Reasoning.OFF:
-        return None
-    opens, closes = tokenizer.token_to_id(THINK_OPEN), tokenizer.token_to_id(THINK_CLOSE)
-    if closes is None:
-        return None  # a vocabulary without the markers: the model cannot write the block
-    return Thinking(closes, opens if output.reasoning is Reasoning.OPTIONAL else None)
-
-
-def reasoning_of(enable_thinking: bool, prompt: str) -> Reasoning:
-    """Thinking off: no reasoning. On: the output opens a <think> block, or (as the templates of
-    thinking-only models do) the prompt opened it already and the output starts inside it."""
-    if not enable_thinking:
-        return Reasoning.OFF
-    return Reasoning.OPEN if prompt.rstrip().endswith(THINK_OPEN) else Reasoning.OPTIONAL
 
 
 def printable(message: str) -> str:

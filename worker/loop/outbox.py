@@ -1,8 +1,10 @@
 """What a worker has to tell Redis and has not yet: one update per job (its output since its last
 publication, its final result), in the outbox until Redis has answered a publication of it (a
 running job's newest output waits in the job itself until its publication is due: see
-worker/loop/pace.py); and the receipts of settled entries: acknowledgements, and dead letters
-(entries that go to the dead-letter stream instead)."""
+worker/loop/pace.py); the failures of jobs whose own keys refused the protocol, for FAIL to write
+(worker/loop/rejection.py); and the receipts of settled entries: acknowledgements, and dead
+letters (entries that go to the dead-letter stream instead). Holdings (worker/loop/holdings.py) owns
+them: no other part of the loop changes them."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from producer_client.protocol import worker as scripts
 from producer_client.protocol.events import encode_tokens
 from producer_client.protocol.script import ScriptCall
 from producer_client.schema import JobResult, TokenLogprob
-from worker.loop.jobs import ENTRY_FIELDS, Job
+from worker.loop.intake import ENTRY_FIELDS
+from worker.loop.jobs import Feed, Job
 
 
 @dataclass
@@ -35,6 +38,22 @@ class DeadLetter:
             "worker": worker,
             "dead_at": now,
         }
+
+
+@dataclass
+class Rejection:
+    """A job whose own keys refused the protocol: its failed result, which FAIL writes whatever
+    the job's run and recorded tokens, and its entry, acknowledged once the result is written
+    (moved to the dead-letter stream with `fields` should even FAIL be refused)."""
+
+    result: JobResult
+    entry_id: str | None  # None for a detached job (see ADOPT)
+    fields: dict[str, str]
+    deliveries: int = 1
+
+    @property
+    def job_id(self) -> str:
+        return self.result.id
 
 
 @dataclass
@@ -123,16 +142,43 @@ class Update:
         )
 
 
+class HeldStateError(RuntimeError):
+    """A change of a held job's state that the loop never makes (a run ended twice, an entry
+    settled that nothing held): a bug, raised where it happens rather than lose a job or write a
+    result twice."""
+
+
+@dataclass
+class Receipts:
+    """What Redis is yet to hear about entries whose job is settled: acknowledge and delete them
+    (the job is final in Redis, or the entry was a duplicate), or move them to the dead-letter
+    stream. They go with the next read, in its pipeline."""
+
+    acks: list[str] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.acks or self.dead_letters)
+
+    def sent(self) -> None:
+        self.acks, self.dead_letters = [], []
+
+
 class Outbox:
     """Updates not yet in Redis, at most one per job waiting to be sent, and at most one per job out
     (sent in the publication Redis has not answered yet). They leave only once Redis has answered;
-    an update Redis did not take comes back in front of the job's newer one."""
+    an update Redis did not take comes back in front of the job's newer one. Beside them, the
+    failures FAIL is yet to write, and the receipts of settled entries. Holdings' alone: the rest
+    of the loop asks Holdings."""
 
     def __init__(self):
         self.updates: dict[str, Update] = {}  # waiting to be sent
         self.out: dict[str, Update] = {}  # sent, not answered yet
+        self.rejected: dict[str, Rejection] = {}  # failed for their keys, the failure not yet written
+        self.receipts = Receipts()
 
     def __bool__(self) -> bool:
+        """Updates waiting or out."""
         return bool(self.updates or self.out)
 
     def held(self) -> list[Update]:
@@ -149,6 +195,15 @@ class Outbox:
 
     def add(self, update: Update) -> None:
         self.updates[update.job_id] = update
+
+    def end(self, job: Job, result: JobResult) -> None:
+        """The run's final result, in its update with all its output: once per run."""
+        if any(
+            u is not None and u.run == job.run and u.final is not None
+            for u in (self.updates.get(job.id), self.out.get(job.id))
+        ):
+            raise HeldStateError(f"job {job.id}: run {job.run} ended twice")
+        self.for_job(job).final = result
 
     def send_all(self) -> list[Update]:
         """Every waiting update, now out."""
@@ -172,9 +227,51 @@ class Outbox:
             update.absorb(newer)
         self.updates[update.job_id] = update
 
+    def written(self, update: Update) -> None:
+        """Redis has the job's result, answered to `update`: its entry is acknowledged, or moved to
+        the dead-letter stream, with the next read."""
+        if self.updates.get(update.job_id) is update or self.out.get(update.job_id) is update:
+            raise HeldStateError(f"job {update.job_id}: its entry settled while its update waits for Redis")
+        if update.dead_letter is not None:
+            self.receipts.dead_letters.append(update.dead_letter)
+        elif update.entry_id is not None:
+            self.receipts.acks.append(update.entry_id)
+
+    def failure_written(self, rejection: Rejection) -> None:
+        self._settle_rejection(rejection)
+        if rejection.entry_id is not None:
+            self.receipts.acks.append(rejection.entry_id)
+
+    def failure_refused(self, rejection: Rejection, reason: str) -> None:
+        self._settle_rejection(rejection)
+        if rejection.entry_id is not None:
+            self.receipts.dead_letters.append(
+                DeadLetter(rejection.entry_id, rejection.fields, reason, rejection.deliveries)
+            )
+
+    def _settle_rejection(self, rejection: Rejection) -> None:
+        if self.rejected.get(rejection.job_id) is not rejection:
+            raise HeldStateError(f"job {rejection.job_id}: a failure settled that is not held")
+        del self.rejected[rejection.job_id]
+
+    def republish_whole(self, job_id: str, job: Job | None, run: str, start_event: str) -> None:
+        """A new update for a job whose events Redis lost: `start_event`, then the whole output of
+        `job` (None: the job has ended, and its final result holds the whole output)."""
+        old = self.updates.get(job_id)
+        final = old.final if old is not None else None
+        update = Update(job_id, None, run, 0, start=start_event, final=final)
+        if job is not None:
+            job.feed = Feed(streamed=job.feed.streamed)  # none of its output is in Redis now
+            update.take(job)
+        elif final.token_ids or final.text:
+            update.add_cut(list(final.token_ids), final.text, final.logprobs)
+        self.add(update)
+
     def discard(self, job_id: str) -> None:
+        """The job's updates and failure, dropped: the job is someone else's now, or final."""
         self.updates.pop(job_id, None)
         self.out.pop(job_id, None)
+        self.rejected.pop(job_id, None)
 
     def ended(self) -> int:
         """Jobs out of the engine whose entry waits for Redis to take their result."""
@@ -182,19 +279,3 @@ class Outbox:
 
     def buffered_tokens(self) -> int:
         return sum(len(u.token_ids) for u in self.held())
-
-
-@dataclass
-class Receipts:
-    """What Redis is yet to hear about entries whose job is settled: acknowledge and delete them
-    (the job is final in Redis, or the entry was a duplicate), or move them to the dead-letter
-    stream. They go with the next read, in its pipeline."""
-
-    acks: list[str] = field(default_factory=list)
-    dead_letters: list[DeadLetter] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.acks or self.dead_letters)
-
-    def sent(self) -> None:
-        self.acks, self.dead_letters = [], []

@@ -14,8 +14,6 @@ from producer_client.keys import PROTOCOL_VERSION
 from producer_client.protocol.events import encode_start
 from producer_client.protocol.replies import Adopted
 from worker.loop.context import LoopContext
-from worker.loop.jobs import Feed
-from worker.loop.outbox import Update
 from worker.loop.placement import advertised
 from worker.loop.rejection import Rejections
 
@@ -24,7 +22,12 @@ log = logging.getLogger(__name__)
 
 class Ownership:
     def __init__(self, ctx: LoopContext, rejections: Rejections, device: str, metrics_port: int | None):
-        self.queue, self.engine, self.holdings, self.outbox = ctx.queue, ctx.engine, ctx.holdings, ctx.outbox
+        self.queue, self.job_commands, self.engine, self.holdings = (
+            ctx.queue,
+            ctx.job_commands,
+            ctx.engine,
+            ctx.holdings,
+        )
         self.metrics, self.settings, self.clock, self.worker = ctx.metrics, ctx.settings, ctx.clock, ctx.worker
         self.rejections = rejections
         self.total_pages = ctx.engine.capacity().free_pages  # the engine is empty now
@@ -89,11 +92,10 @@ class Ownership:
         went with it: adopt each job (ADOPT) and run it on, detached from any entry. Nothing else
         can take such a job over, and its result reaches its producer as any other."""
         self.queue.ensure_group()
-        self.holdings.clear_unadmitted()  # their entries are gone with the group
-        self.holdings.detach_rejected()
+        self.holdings.entries_lost()
         runs = self.holdings.runs()
         if runs:
-            outcomes = self.queue.adopt(list(runs.items()))
+            outcomes = self.job_commands.adopt(list(runs.items()))
             for (job_id, run), outcome in zip(runs.items(), outcomes):
                 if isinstance(outcome, Exception):  # its keys refused ADOPT: it fails, detached
                     self.holdings.detach(job_id)
@@ -113,19 +115,11 @@ class Ownership:
         """Redis lost the job's events with its hash: the next publication carries a start event
         and the whole output so far (with the final result, if it has one), so that the event
         stream is complete again for any reader, or any run that resumes the job from it."""
-        old = self.outbox.updates.get(job_id)
-        final = old.final if old is not None else None
         job = self.holdings.find(job_id)
         if job is not None:
             started_at, fmt = job.started_at, job.output_format
         else:  # it ended while Redis had it still: its result holds the whole output
             # A chat's result holds its answer split from its reasoning and calls already: its
             # stream carries the answer as plain text, and the result the rest.
-            started_at, fmt = final.timings.started_at, None
-        update = Update(job_id, None, run, 0, start=encode_start(self.worker, started_at, 0, fmt), final=final)
-        if job is not None:
-            job.feed = Feed(streamed=job.feed.streamed)  # none of its output is in Redis now
-            update.take(job)
-        elif final.token_ids or final.text:
-            update.add_cut(list(final.token_ids), final.text, final.logprobs)
-        self.outbox.add(update)
+            started_at, fmt = self.holdings.waiting_update(job_id).final.timings.started_at, None
+        self.holdings.republish_whole(job_id, run, encode_start(self.worker, started_at, 0, fmt))

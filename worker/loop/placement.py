@@ -15,7 +15,7 @@ from producer_client.connection import is_fatal
 from worker.loop.admission import Admission
 from worker.loop.context import LoopContext
 from worker.loop.holdings import Holdings
-from worker.loop.jobs import Delivery
+from worker.loop.intake import Delivery
 from worker.loop.queue import is_transient
 from worker.loop.streams import owner_of
 from worker.settings import WorkerSettings

@@ -30,11 +30,11 @@ log = logging.getLogger(__name__)
 
 class Publication:
     def __init__(self, ctx: LoopContext, rejections: Rejections, pace: Pace):
-        self.queue, self.holdings, self.outbox, self.receipts = ctx.queue, ctx.holdings, ctx.outbox, ctx.receipts
+        self.queue, self.holdings = ctx.queue, ctx.holdings
         self.metrics, self.clock, self.worker = ctx.metrics, ctx.clock, ctx.worker
         self.rejections = rejections
         self.pace = pace
-        self.publisher = Publisher(ctx.queue)
+        self.publisher = Publisher(ctx.job_commands)
         self.last_call = time.monotonic()
 
     @property
@@ -63,10 +63,7 @@ class Publication:
     def flush(self) -> None:
         """Everything Redis has not taken, due or not, sent and settled before this returns."""
         self.settle_out()
-        for job in self.holdings.claimed():
-            if job.feed.behind(job):
-                self.outbox.for_job(job)
-        if self.outbox.updates:
+        if self.holdings.take_all_output():
             self._send([], [], time.monotonic())
             self.settle_out()
 
@@ -75,35 +72,35 @@ class Publication:
 
     def _send(self, due: list, look: list, now: float) -> None:
         for job in due:
-            self.outbox.for_job(job)
+            self.holdings.take_output(job)
         watch = []
         for job in look:
-            if job.stop_reason is None and job.id not in self.outbox.updates and job.id not in self.outbox.out:
+            if job.stop_reason is None and not self.holdings.has_update(job.id):
                 watch.append((job.id, job.run))
                 job.feed.looked_at = now
         for job in due:
             job.feed.looked_at = now
-        updates = self.outbox.send_all()
+        updates = self.holdings.send_updates()
         if updates or watch:
             self.publisher.send(Round(updates, watch))
 
     def _settle(self, answered: Round) -> None:
         if answered.error is not None:
             for update in answered.updates:
-                if self.outbox.answered(update):
-                    self.outbox.restore(update)
+                if self.holdings.answered(update):
+                    self.holdings.restore(update)
             raise answered.error
         refused: Exception | None = None  # a transient refusal: those updates wait, the link backs off
         gone: list[str] = []  # jobs whose hash Redis no longer has
         for update, reply in zip(answered.updates, answered.published):
-            if not self.outbox.answered(update):
+            if not self.holdings.answered(update):
                 continue  # let go of while it was out
             if isinstance(reply, Exception) and is_transient(reply):
                 refused = refused or reply
-                self.outbox.restore(update)
+                self.holdings.restore(update)
             elif isinstance(reply, PublishReply) and reply.outcome is Published.GONE:
                 gone.append(update.job_id)
-                self.outbox.restore(update)
+                self.holdings.restore(update)
             else:
                 self._settle_update(update, reply)
         for (job_id, _), state in zip(answered.watch, answered.watched):
@@ -134,16 +131,12 @@ class Publication:
         elif isinstance(reply, Exception):
             self.rejections.of_update(update, reply)  # the job's keys refused PUBLISH
         elif reply.outcome is Published.PARTIAL and update.skip_recorded(reply.recorded):
-            self.outbox.restore(update)  # the rest goes with the next publication
+            self.holdings.restore(update)  # the rest goes with the next publication
         elif reply.outcome in (Published.LOST, Published.PARTIAL):
             log.warning("job %s: another worker has taken it over; this run stops", update.job_id)
             self.holdings.drop(update.job_id)
         elif reply.outcome in (Published.WRITTEN, Published.ENDED):
-            self.holdings.drop(update.job_id)  # ended elsewhere while it ran here: a result exists
-            if update.dead_letter is not None:
-                self.receipts.dead_letters.append(update.dead_letter)
-            elif update.entry_id is not None:
-                self.receipts.acks.append(update.entry_id)
+            self.holdings.written(update)  # ENDED: ended elsewhere while it ran here, a result exists
             if reply.outcome is Published.WRITTEN and update.final is not None:
                 self._count_end(update)
         elif reply.outcome is Published.CANCEL:
@@ -155,18 +148,13 @@ class Publication:
         """The job fails with internal_error, its tokens kept for the result; if even its final
         update gets an answer PUBLISH does not give, FAIL writes the failure (worker/loop/rejection.py)."""
         log.error("job %s: %s", update.job_id, error)
-        job = self.holdings.finish(update.job_id)
+        job = self.holdings.running.get(update.job_id)
         if update.final is not None or job is None:
             self.rejections.of_update(update, error)
             return
-        self.holdings.abort(job)
-        self.outbox.restore(update)
-        self.outbox.for_job(job).final = job.result(
-            "failed",
-            "error",
-            self.worker,
-            self.clock.now(),
-            error=InternalError(str(error)),
+        self.holdings.restore(update)
+        self.holdings.end(
+            job, job.result("failed", "error", self.worker, self.clock.now(), error=InternalError(str(error)))
         )
 
     def _react(self, job_id: str, look: Look | Exception) -> None:

@@ -11,8 +11,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from worker.loop.job_commands import JobCommands
 from worker.loop.outbox import Update
-from worker.loop.queue import WorkerQueue
 
 
 @dataclass
@@ -26,8 +26,8 @@ class Round:
 
 
 class Publisher:
-    def __init__(self, queue: WorkerQueue):
-        self.queue = queue
+    def __init__(self, commands: JobCommands):
+        self.commands = commands
         self.changed = threading.Condition()
         self.sending: Round | None = None
         self.answered: Round | None = None
@@ -72,7 +72,7 @@ class Publisher:
                 return
             started = time.monotonic()
             try:
-                round_.published, round_.watched = self.queue.publish(round_.updates, round_.watch)
+                round_.published, round_.watched = self.commands.publish(round_.updates, round_.watch)
             except Exception as e:  # the loop's thread judges it, as it judges any failed exchange
                 round_.error = e
             round_.seconds = time.monotonic() - started

@@ -1,12 +1,15 @@
-"""The worker's side of protocol v1: every Redis command the queue loop sends, batched so that
-one loop iteration costs a few round trips (read, claim, publish); Redis's clock as the worker
-sees it; and the backoff for reaching Redis again when it cannot be reached.
+"""The worker's side of protocol v1 on the queue's keys (its streams, consumer group, dead
+letters, worker index): every command the queue loop sends there, batched so that one loop
+iteration costs a few round trips; how every pipeline of the worker classifies what Redis
+answered (send_pipeline: the commands on each job's keys, worker/loop/job_commands.py, go through
+it too); Redis's clock as the worker sees it; and the backoff for reaching Redis again when it
+cannot be reached.
 
 On a Redis Cluster the queue's keys (its stream, dead letters, worker index) live on one shard and
 each job's keys on the shard of its id; a pipeline that spans them (claims, publication, the
 heartbeat) goes out as one round trip to every node it concerns at once (execution.execute).
 
-Every exchange classifies what Redis answered in one place (`_send`): a transient failure
+Every exchange classifies what Redis answered in one place (`send_pipeline`): a transient failure
 (connection lost, loading, out of memory, read-only during a failover) raises, and the loop backs
 off and sends the same idempotent commands again; a lost consumer group (Redis restarted empty,
 or flushed) raises GroupLost, and the loop creates it again and adopts the jobs it holds; any
@@ -26,27 +29,13 @@ from redis.backoff import NoBackoff
 from producer_client import connection
 from producer_client.cluster import is_cluster
 from producer_client.connection import FATAL_ERRORS, Retry, reply_code
-from producer_client.core import Replication
 from producer_client.keys import GROUP, Keys
 from producer_client.protocol import execution, producer
 from producer_client.protocol import worker as scripts
-from producer_client.protocol.replies import (
-    Adopted,
-    Claim,
-    Failed,
-    Look,
-    Published,
-    PublishReply,
-    UnknownReply,
-    parse_adopt,
-    parse_claim,
-    parse_fail,
-    parse_publish,
-    parse_watch,
-)
-from producer_client.schema import JobResult
-from worker.loop.jobs import Delivery, Job
-from worker.loop.outbox import DeadLetter, Update
+from producer_client.protocol.replication import Replication
+from worker.loop.intake import Delivery
+from worker.loop.jobs import Job
+from worker.loop.outbox import DeadLetter
 from worker.loop.streams import QueueStreams, entry_ref
 
 log = logging.getLogger(__name__)
@@ -54,7 +43,6 @@ log = logging.getLogger(__name__)
 # Names of workers whose heartbeat is this stale are dropped from the queue's worker index (and
 # queues no worker has served for this long from the queue index).
 WORKER_INDEX_RETENTION_S = 3600
-EVENT_PAGE = 1000  # event stream entries per XRANGE when a reclaimed job's events are read
 # A draining worker makes the entries it hands over look this idle: older than any worker's
 # claim_idle_ms, so the next XAUTOCLAIM anywhere takes them, even by a worker that takes nothing
 # else yet (see Admission.reclaim: it asks for a tenth of this then).
@@ -151,6 +139,24 @@ def is_transient(error: BaseException) -> bool:
     )
 
 
+def send_pipeline(client: redis.Redis, add_commands: Callable, per_command_errors: bool = False) -> list:
+    """One pipeline. A transient error or a lost group raises, whichever command met it (the
+    loop sends everything again later); any other error raises too, unless
+    `per_command_errors`: then it stays in its command's place, for the caller to charge to
+    the job it concerns."""
+    replies = execution.execute(client, add_commands, scripts.WORKER_SCRIPTS, raise_on_error=False)
+    errors = [r for r in replies if isinstance(r, Exception)]
+    for error in errors:
+        if is_transient(error):
+            raise error
+    for error in errors:
+        if reply_code(error) == "NOGROUP":
+            raise GroupLost(str(error)) from error
+    if errors and not per_command_errors:
+        raise errors[0]
+    return replies
+
+
 class RedisClock:
     """Redis's clock as this process sees it. Deadlines count from the enqueue on Redis's clock (an
     entry's id, a job's `deadline`), so the worker compares them on that clock too, whatever its
@@ -181,9 +187,7 @@ class WorkerQueue:
         keys: Keys,
         queue: str,
         worker: str,
-        result_ttl_s: int,
         clock: RedisClock | None = None,
-        replication: Replication = Replication(),
         placed: bool = False,
         poll_ms: int = 50,
     ):
@@ -191,9 +195,7 @@ class WorkerQueue:
         self.keys = keys
         self.queue = queue
         self.worker = worker
-        self.result_ttl_s = result_ttl_s
         self.clock = clock or RedisClock()
-        self.replication = replication
         self.stream = keys.queue(queue)
         self.streams = QueueStreams(keys, queue)
         self.own = keys.own_queue(queue, worker) if placed else None
@@ -202,21 +204,7 @@ class WorkerQueue:
         self.peers: list[str] = []  # every worker of the queue's index, as of the last heartbeat
 
     def _send(self, add_commands: Callable, per_command_errors: bool = False) -> list:
-        """One pipeline. A transient error or a lost group raises, whichever command met it (the
-        loop sends everything again later); any other error raises too, unless
-        `per_command_errors`: then it stays in its command's place, for the caller to charge to
-        the job it concerns."""
-        replies = execution.execute(self.redis, add_commands, scripts.WORKER_SCRIPTS, raise_on_error=False)
-        errors = [r for r in replies if isinstance(r, Exception)]
-        for error in errors:
-            if is_transient(error):
-                raise error
-        for error in errors:
-            if reply_code(error) == "NOGROUP":
-                raise GroupLost(str(error)) from error
-        if errors and not per_command_errors:
-            raise errors[0]
-        return replies
+        return send_pipeline(self.redis, add_commands, per_command_errors)
 
     def ensure_group(self) -> None:
         # Looked up first: XGROUP CREATE is refused while Redis is out of memory, even for a group
@@ -334,115 +322,12 @@ class WorkerQueue:
 
         return [r if isinstance(r, Exception) else r == 1 for r in self._send(add, per_command_errors=True)]
 
-    def claim(self, jobs: list[tuple[str, str, str]]) -> list[Claim | Exception]:
-        """CLAIM each (job id, entry id, run token). An error in a job's place: its keys refused
-        the script, or the reply is not one CLAIM gives (UnknownReply)."""
-
-        def add(pipe):
-            for job_id, entry_id, run in jobs:
-                scripts.claim(self.keys, job_id, self.worker, entry_id, self.result_ttl_s, run).add_to(pipe)
-
-        return [_parsed(parse_claim, r) for r in self._send(add, per_command_errors=True)]
-
-    def adopt(self, jobs: list[tuple[str, str]]) -> list[Adopted | Exception]:
-        """ADOPT each (job id, run token) after Redis lost the group."""
-
-        def add(pipe):
-            for job_id, run in jobs:
-                scripts.adopt(self.keys, job_id, run, self.worker).add_to(pipe)
-
-        return [_parsed(parse_adopt, r) for r in self._send(add, per_command_errors=True)]
-
     def requeue(self, job: Job) -> bool:
         """Give a detached job back to the queue (REQUEUE, then a fresh entry)."""
         if not self._send(scripts.requeue(self.keys, job.id, job.run).add_to)[0]:
             return False
         self._send(producer.enqueue(self.stream, 0, job.id, job.request.to_json()).add_to)
         return True
-
-    def recorded_events(self, job_ids: list[str]) -> dict[str, list[tuple[str, dict[str, str]]] | Exception]:
-        """Each job's whole event stream, read in pages, or in its place the error its stream gave
-        (a key of another type: a producer may write it)."""
-        events: dict[str, list | Exception] = {job_id: [] for job_id in job_ids}
-        after = {job_id: "-" for job_id in job_ids}
-        while after:
-
-            def add(pipe):
-                for job_id, start in after.items():
-                    pipe.xrange(self.keys.events(job_id), start, "+", count=EVENT_PAGE)
-
-            for job_id, page in zip(list(after), self._send(add, per_command_errors=True)):
-                if isinstance(page, Exception):
-                    events[job_id] = page
-                    del after[job_id]
-                    continue
-                events[job_id].extend(page)
-                if len(page) < EVENT_PAGE:
-                    del after[job_id]
-                else:
-                    after[job_id] = "(" + page[-1][0]
-        return events
-
-    def fail(self, failures: list[tuple[str, JobResult]]) -> list[Failed | Exception]:
-        """FAIL each (job id, failed result): jobs whose keys refused the protocol."""
-
-        def add(pipe):
-            for job_id, result in failures:
-                scripts.fail(
-                    self.keys, job_id, result.model_dump_json(), len(result.token_ids), self.result_ttl_s
-                ).add_to(pipe)
-
-        return [_parsed(parse_fail, r) for r in self._send(add, per_command_errors=True)]
-
-    def publish(
-        self,
-        updates: list[Update],
-        watch: list[tuple[str, str]],
-    ) -> tuple[list[PublishReply | Exception], list[Look | Exception]]:
-        """Every job's update (events, final result) in one pipeline, and a look at the cancel flag,
-        run and streamed flag of each running job in `watch` (job id, run). Returns each
-        update's reply and each watched job's state, or in its place the error its job's keys gave
-        (a transient one too: the caller keeps that update for later and backs off). A lost group
-        cannot occur here: these are a job's keys. With a replication to wait for, each final
-        result is followed by a WAIT on its job's node, and a result too few replicas confirmed
-        answers ReplicasBehind (transient): its entry is not acknowledged yet."""
-        finals = [u for u in updates if u.final is not None] if self.replication.waits else []
-
-        def add(pipe):
-            for u in updates:
-                u.publish_call(self.keys, self.result_ttl_s).add_to(pipe)
-            for job_id, _ in watch:
-                pipe.hmget(self.keys.job(job_id), "cancel", "run", "streamed")
-            for u in finals:
-                # WAIT counts the replicas that have this connection's writes; a result published
-                # again is a no-op that writes nothing, and may go out on another connection. The
-                # EXPIRE (the TTL PUBLISH gave the result) is a write that always reaches the
-                # replication stream, after the result: a replica that has it has the result.
-                pipe.expire(self.keys.job(u.job_id), self.result_ttl_s)
-                pipe.wait_replicas(self.keys.job(u.job_id), self.replication.replicas, self.replication.timeout_ms)
-
-        replies = execution.execute(self.redis, add, scripts.WORKER_SCRIPTS, raise_on_error=False)
-        published = [_parsed(parse_publish, r) for r in replies[: len(updates)]]
-        ends = len(updates) + len(watch)
-        watched = [
-            _parsed(lambda r, run=run: parse_watch(r, run), r)
-            for (_, run), r in zip(watch, replies[len(updates) : ends])
-        ]
-        confirmed = dict(zip((u.job_id for u in finals), replies[ends + 1 :: 2]))  # each WAIT's, after its EXPIRE
-        return [self._replicated(u, reply, confirmed.get(u.job_id)) for u, reply in zip(updates, published)], watched
-
-    def _replicated(self, update: Update, reply: PublishReply | Exception, confirmed: int | Exception | None):
-        """A final result's reply, or ReplicasBehind (or the WAIT's own error) in its place when
-        fewer replicas than asked have confirmed it."""
-        if confirmed is None or not isinstance(reply, PublishReply) or reply.outcome is not Published.WRITTEN:
-            return reply
-        if isinstance(confirmed, Exception):
-            return confirmed
-        return (
-            reply
-            if confirmed >= self.replication.replicas
-            else ReplicasBehind(update.job_id, confirmed, self.replication)
-        )
 
     def heartbeat(self, fields: dict[str, str | int | float], ttl_s: float, held: list[str]) -> tuple[int, list[str]]:
         """Refresh this worker's heartbeat hash, its place in the worker and queue indexes, the
@@ -495,16 +380,6 @@ class WorkerQueue:
 
 def _fields(flat: list[str]) -> dict[str, str]:
     return dict(zip(flat[::2], flat[1::2]))
-
-
-def _parsed(parse: Callable, reply: object):
-    """`parse(reply)`, or the error in its place: Redis's own, or UnknownReply."""
-    if isinstance(reply, Exception):
-        return reply
-    try:
-        return parse(reply)
-    except UnknownReply as e:
-        return e
 
 
 class RedisLink:

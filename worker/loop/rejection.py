@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import logging
 
-from producer_client.core import entry_time
 from producer_client.errors import MiliError
 from producer_client.keys import PROTOCOL_VERSION
+from producer_client.protocol.clock import entry_time
 from producer_client.protocol.replies import Failed, UnknownReply
 from producer_client.schema import ErrorInfo
 from worker.loop.context import LoopContext
-from worker.loop.jobs import Delivery, InternalError, InvalidJob, Job, Rejection, final_result, printable
-from worker.loop.outbox import DeadLetter, Update
+from worker.loop.intake import Delivery
+from worker.loop.jobs import InternalError, InvalidJob, Job, final_result, printable
+from worker.loop.outbox import Rejection, Update
 from worker.loop.queue import is_transient
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def job_error(error: Exception) -> MiliError:
 
 class Rejections:
     def __init__(self, ctx: LoopContext):
-        self.queue, self.holdings, self.receipts = ctx.queue, ctx.holdings, ctx.receipts
+        self.job_commands, self.holdings = ctx.job_commands, ctx.holdings
         self.metrics, self.clock, self.worker = ctx.metrics, ctx.clock, ctx.worker
 
     # -- what fails a job -----------------------------------------------------------------------
@@ -80,7 +81,7 @@ class Rejections:
     def of_held(self, job_id: str, error: Exception) -> None:
         """A job held here, wherever it is (see Holdings)."""
         job = self.holdings.find(job_id)
-        update = self.holdings.outbox.updates.get(job_id)
+        update = self.holdings.waiting_update(job_id)
         if job is not None:
             self.of_job(job, error)
         elif update is not None:
@@ -97,16 +98,15 @@ class Rejections:
     def send(self) -> None:
         """FAIL every rejected job. A transient refusal keeps those for the next try and raises
         once the others are settled."""
-        pending = list(self.holdings.rejected.values())
+        pending = self.holdings.rejected
         if not pending:
             return
-        replies = self.queue.fail([(r.job_id, r.result) for r in pending])
+        replies = self.job_commands.fail([(r.job_id, r.result) for r in pending])
         refused: Exception | None = None
         for rejection, reply in zip(pending, replies):
             if isinstance(reply, Exception) and is_transient(reply):
                 refused = refused or reply
                 continue
-            del self.holdings.rejected[rejection.job_id]
             self._settle(rejection, reply)
         if refused is not None:
             raise refused
@@ -115,14 +115,10 @@ class Rejections:
         if isinstance(reply, Exception):
             # Nothing can be written for the job: its entry goes where an operator looks.
             log.error("job %s: Redis refused even its failure: %s", rejection.job_id, reply)
-            if rejection.entry_id is not None:
-                reason = f"its keys refused the protocol: {rejection.result.error.message}; and FAIL: {reply}"
-                self.receipts.dead_letters.append(
-                    DeadLetter(rejection.entry_id, rejection.fields, reason, rejection.deliveries)
-                )
+            reason = f"its keys refused the protocol: {rejection.result.error.message}; and FAIL: {reply}"
+            self.holdings.failure_refused(rejection, reason)
             return
-        if rejection.entry_id is not None:
-            self.receipts.acks.append(rejection.entry_id)
+        self.holdings.failure_written(rejection)
         if reply is Failed.FAILED:
             self.metrics.job_ended(rejection.result)
             error = rejection.result.error

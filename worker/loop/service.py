@@ -13,7 +13,7 @@ tokens its event stream recorded.
 Four kinds of trouble stay inside the loop. Redis unavailable (unreachable, loading, out of
 memory, read-only during a failover): the engine keeps stepping, what Redis has not seen waits in
 the outbox (generation pauses once it holds max_buffered_tokens), and the loop tries again with
-backoff. Redis having lost the queue's consumer group (it restarted empty, or was flushed): the
+backoff (exchanges.py). Redis having lost the queue's consumer group (it restarted empty, or was flushed): the
 loop creates the group again and adopts the jobs it holds, which run on to their results. An
 engine step that raises: its jobs leave the engine and come back one per step, so the job that
 makes a step fail is found and fails alone (isolation.py). A Redis error met on one job's keys
@@ -34,20 +34,21 @@ from collections.abc import Callable
 import redis
 
 from producer_client.connection import is_fatal
-from producer_client.core import Replication
 from producer_client.keys import Keys
+from producer_client.protocol.replication import Replication
 from worker.engine.interface import EngineAPI
 from worker.loop.admission import Admission
 from worker.loop.collection import Collector
 from worker.loop.context import LoopContext
+from worker.loop.exchanges import Exchanges
 from worker.loop.holdings import Holdings
 from worker.loop.isolation import EngineError, FailureIsolation
-from worker.loop.outbox import Outbox, Receipts
+from worker.loop.job_commands import JobCommands
 from worker.loop.ownership import Ownership
 from worker.loop.pace import Pace
 from worker.loop.placement import TakeOver
 from worker.loop.publication import Publication
-from worker.loop.queue import GroupLost, RedisClock, RedisLink, WorkerQueue, is_transient
+from worker.loop.queue import GroupLost, RedisClock, WorkerQueue, is_transient
 from worker.loop.rejection import Rejections
 from worker.loop.streams import owner_of
 from worker.metrics import WorkerMetrics
@@ -67,30 +68,26 @@ class Worker:
         device: str = "cpu",
         metrics_port: int | None = None,
         clock: RedisClock | None = None,
+        pause_point: Callable[[], None] | None = None,
     ):
+        """`pause_point`: called in the loop's thread before each exchange with Redis and each engine
+        step, the seam where a test holds the worker (a stall) or stops it for good between two of
+        its moves, as kill -9 would (tests/queue/support.py). None in production."""
         self.engine = engine
+        self.pause_point = pause_point
         self.settings = settings
         self.metrics = metrics
         self.name = name
         clock = clock or RedisClock()
         self.clock = clock
         replication = Replication(settings.wait_replicas, settings.wait_timeout_ms)
+        keys = Keys(settings.prefix)
         self.queue = WorkerQueue(
-            client,
-            Keys(settings.prefix),
-            settings.queue,
-            name,
-            settings.result_ttl_s,
-            clock,
-            replication,
-            placed=settings.placement,
-            poll_ms=settings.placement_poll_ms,
+            client, keys, settings.queue, name, clock, placed=settings.placement, poll_ms=settings.placement_poll_ms
         )
-        self.link = RedisLink(settings.redis_backoff_max_s)
-        self.outbox = Outbox()
-        self.receipts = Receipts()
-        self.holdings = Holdings(engine, self.outbox)
-        ctx = LoopContext(name, settings, engine, self.queue, clock, metrics, self.holdings, self.outbox, self.receipts)
+        job_commands = JobCommands(client, keys, name, settings.result_ttl_s, replication)
+        self.holdings = Holdings(engine)
+        ctx = LoopContext(name, settings, engine, self.queue, job_commands, clock, metrics, self.holdings)
         self.rejections = Rejections(ctx)
         self.admission = Admission(ctx, self.rejections)
         self.take_over = TakeOver(ctx, self.admission)
@@ -99,10 +96,10 @@ class Worker:
         pace = Pace(settings.stream_interval_s, settings.checkpoint_interval_s, settings.engine.max_running)
         self.publication = Publication(ctx, self.rejections, pace)
         self.ownership = Ownership(ctx, self.rejections, device, metrics_port)
+        self.exchanges = Exchanges(ctx, self.admission, self.ownership, pause_point)
         self.drain_deadline: float | None = None
         self.stop_now = False
         self.paused = False  # generation waits for the outbox to drain
-        self.last_exchange = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -133,8 +130,7 @@ class Worker:
             return False
         if self.drain_deadline is None:
             return True
-        held = self.holdings.suspects or self.holdings.rejected or self.outbox or self.receipts
-        if not (self.engine.has_unfinished() or held or self.publication.busy):
+        if not (self.engine.has_unfinished() or self.holdings.unsettled() or self.publication.busy):
             return False
         return time.monotonic() < self.drain_deadline
 
@@ -161,8 +157,8 @@ class Worker:
     def _publish_and_give_back(self) -> None:
         self.publication.flush()
         self.rejections.send()
-        self.queue.read(0, None, self.receipts.acks, self.receipts.dead_letters)
-        self.receipts.sent()
+        self.queue.read(0, None, *self.holdings.receipts())
+        self.holdings.receipts_sent()
         self._give_back_unfinished()
 
     def _give_back_unfinished(self) -> None:
@@ -187,65 +183,21 @@ class Worker:
     # -- one iteration -----------------------------------------------------------------------
 
     def _iterate(self) -> None:
-        if self.link.ready():
-            self._exchange(self._receive)
+        if self.exchanges.ready():
+            self.exchanges.run(self._receive)
         stepped = self._step_if_possible()
-        if self.link.ready():
-            self._exchange(self.publication.publish)
+        if self.exchanges.ready():
+            self.exchanges.run(self.publication.publish)
         if not stepped:
             self._wait_for_redis()
 
     def _wait_for_redis(self) -> None:
         """Nothing to step: rather than spin, wait for Redis to be due for another try, or for the
         publication round out to be answered, and settle it."""
-        if not self.link.up:
-            self.link.wait(self.settings.block_ms / 1000)
+        if not self.exchanges.up:
+            self.exchanges.wait_to_retry(self.settings.block_ms / 1000)
         elif self.publication.busy:
-            self._exchange(lambda: self.publication.settle_out(self.settings.block_ms / 1000))
-
-    def _exchange(self, talk: Callable[[], None]) -> None:
-        """Run one exchange with Redis. A transient failure (connection lost, Redis loading, out
-        of memory or read-only) marks the link down: everything sent is safe to send again, and
-        what was not acknowledged stays in the outbox, the receipts or the pending list. A lost
-        consumer group is created again before the next read, and the jobs held here adopted."""
-        buffered = 0 if self.link.up else self.holdings.unpublished_tokens()
-        if not self.link.up or self._was_away():
-            # Not in this exchange either, should Redis answer now: see below. A worker that has
-            # not talked to Redis for longer than any step may take (it stalled) knows as little:
-            # Redis may have restarted meanwhile, and the other workers be refreshing their
-            # entries only now.
-            self.admission.defer_reclaims()
-        try:
-            talk()
-        except GroupLost as e:
-            self.ownership.group_lost(e)
-        except redis.RedisError as e:
-            if is_fatal(e):
-                raise
-            if not is_transient(e):
-                self._refused(e)
-            self.link.failed(e, quiet=not is_transient(e))
-            return
-        finally:
-            self.last_exchange = time.monotonic()
-        down_s = self.link.succeeded()
-        if down_s is not None:
-            log.info("Redis is back after %.1fs; %d tokens were buffered meanwhile", down_s, buffered)
-            # Entries of every worker look idle after an outage of all of them (a Redis restart):
-            # reclaim nothing until the live ones have had claim_idle_ms to refresh theirs.
-            self.admission.defer_reclaims()
-
-    def _refused(self, error: redis.RedisError) -> None:
-        """An error no job's failure explains (those are charged to their jobs: rejection.py): a
-        key of the queue of another type (producers may write it), or a bug. No producer can
-        stop a worker: it keeps its jobs and tries again with backoff, as after an outage, and says
-        so at each try (they slow to one every redis_backoff_max_s) until an operator puts it right."""
-        log.error("Redis refused an exchange: %s: %s; trying again with backoff", type(error).__name__, error)
-
-    def _was_away(self) -> bool:
-        """Longer since the last exchange than claim_idle_ms allows a step and a heartbeat."""
-        away_s = time.monotonic() - self.last_exchange
-        return away_s > self.settings.claim_idle_ms / 1000 - self.settings.heartbeat_interval_s
+            self.exchanges.run(lambda: self.publication.settle_out(self.settings.block_ms / 1000))
 
     def _receive(self) -> None:
         if self.ownership.group_missing:
@@ -254,10 +206,10 @@ class Worker:
         self.rejections.send()  # their entries are acknowledged with the read below
         self.ownership.heartbeat_if_due("serving" if self.drain_deadline is None else "draining")
         self._take_idle_entries()
-        idle = not (self.engine.has_unfinished() or self.holdings.unadmitted or self.outbox)
+        idle = not (self.engine.has_unfinished() or self.holdings.unadmitted or self.holdings.has_updates())
         block_ms = max(1, min(self.settings.block_ms, self.ownership.ms_to_heartbeat())) if idle else None
-        read = self.queue.read(self._room(), block_ms, self.receipts.acks, self.receipts.dead_letters)
-        self.receipts.sent()
+        read = self.queue.read(self._room(), block_ms, *self.holdings.receipts())
+        self.holdings.receipts_sent()
         own = sum(1 for d in read if owner_of(d.entry_id) is not None)
         self.metrics.taken["own"].inc(own)
         self.metrics.taken["shared"].inc(len(read) - own)
@@ -283,6 +235,8 @@ class Worker:
     def _step_if_possible(self) -> bool:
         """One engine step, unless the engine has nothing to do or the outbox is full (Redis has
         been unreachable for a while: generation waits, the jobs stay in the engine)."""
+        if self.pause_point is not None:
+            self.pause_point()
         buffered = self.holdings.unpublished_tokens()
         if buffered >= self.settings.max_buffered_tokens:
             if not self.paused:

@@ -19,6 +19,7 @@ handler could catch; the worker stops and other workers reclaim its jobs.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,13 @@ class TensorParallel:
             end = min(start + width, vocab_size)
             out[:, start:end] = part[:, : end - start]
         return out
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """This rank's collectives from now on wait at most timeout_s for a peer (gloo and NCCL).
+        torch sets a group's timeout publicly only when it makes the group; its own
+        dist.breakpoint changes it after with this same function."""
+        if self.group is not None:
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), self.group)
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:

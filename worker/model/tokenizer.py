@@ -23,6 +23,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from producer_client.errors import MiliError
+from worker.model.grammar_vocabulary import grammar_vocabulary, split_pattern
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -60,7 +61,7 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.source = source
         self._token_bytes: dict[bool, TokenBytes] = {}  # by skip_special_tokens, built on first use
-        self._grammar_tables: dict[tuple, Any] = {}  # llguidance.LLTokenizer by (vocab_size, eos ids)
+        self._grammar_tables: dict[tuple, Any] = {}  # llguidance.LLTokenizer by grammar_tables' arguments
         self._grammar_tables_lock = threading.Lock()
 
     @classmethod
@@ -83,19 +84,27 @@ class Tokenizer:
         """Token ids this tokenizer knows, added tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def grammar_tables(self, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
+    def grammar_tables(self, vocab_size: int, drawable: int, eos_token_ids: Sequence[int]) -> Any:
         """llguidance's view of this vocabulary over `vocab_size` ids (at least the tokenizer's
-        own: a model may have more rows), for structured outputs. Built once per tokenizer and
-        arguments, from any thread: about a second of CPU for Qwen3's vocabulary."""
-        import llguidance
-
-        key = (vocab_size, tuple(eos_token_ids))
+        own: a model may have more rows), of which the model draws the first `drawable`, for
+        structured outputs (worker.model.grammar_vocabulary). Its end tokens: `eos_token_ids`, else
+        the tokenizer's own (a model cut short of them cannot draw them). Built once per tokenizer
+        and arguments, from any thread: about a second of CPU for Qwen3's vocabulary."""
+        key = (vocab_size, drawable, tuple(eos_token_ids))
         with self._grammar_tables_lock:
             if key not in self._grammar_tables:
-                self._grammar_tables[key] = llguidance.LLTokenizer(
-                    self.backend.to_str(),
-                    n_vocab=vocab_size,
-                    eos_token=list(eos_token_ids) or None,
+                pattern = split_pattern(self.backend)
+                if pattern is None:
+                    raise TokenizerError(
+                        f"{self.source}: structured outputs need a byte-level BPE tokenizer that splits text by one "
+                        "regex (as Qwen's does)"
+                    )
+                ends = list(eos_token_ids) or sorted(self.eos_token_ids)
+                if not ends:
+                    raise TokenizerError(f"{self.source}: structured outputs need an end-of-text token")
+                token_bytes = TokenBytes.of(self.backend, skip_special_tokens=False).raw
+                self._grammar_tables[key] = grammar_vocabulary(
+                    self.backend, token_bytes, pattern, vocab_size, drawable, ends
                 )
             return self._grammar_tables[key]
 

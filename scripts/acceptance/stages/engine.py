@@ -15,7 +15,6 @@ STAGE = Stage(
             "graph-smoke",
             "one engine captures its decode CUDA graphs and, overlapped, generates what eager steps do",
             (f"tests/engine/test_cuda_graph.py::{GRAPH_SMOKE}",),
-            cuda_only=True,
             gate=True,
             timeout_s=240,
         ),

@@ -33,6 +33,7 @@ STAGE = Stage(
             "each rank's heads, rows and vocabulary, its slices of safetensors (peak RSS), the step ring",
             ("tests/model/test_tensor_parallel_shares.py", "tests/engine/test_step_ring.py"),
             gate=True,
+            host_only=True,
             timeout_s=180,
         ),
         # One GPU shown to the step whatever the host has, so a 2-GPU host checks the refusal too.
@@ -42,6 +43,7 @@ STAGE = Stage(
             (REFUSED_ON_ONE_GPU, "tests/engine/test_tensor_parallel.py"),
             rehearsal=(REFUSED_ON_ONE_GPU,),
             env={"CUDA_VISIBLE_DEVICES": "0"},
+            host_only=True,
             timeout_s=180,
         ),
         tests(

@@ -42,10 +42,12 @@ class CompilerStats:
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int], cache_size: int):
-        """`vocab_size`: the mask's, at least the tokenizer's vocabulary (masks.py)."""
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, drawable: int, eos_token_ids: list[int], cache_size: int):
+        """`vocab_size`: the mask's, at least the tokenizer's vocabulary (masks.py); `drawable`: the
+        model's, whose tokens alone spell the text a grammar forces."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.drawable = drawable
         self.eos_token_ids = eos_token_ids
         self.cache_size = cache_size
         self.stats = CompilerStats()
@@ -98,4 +100,4 @@ class GrammarCompiler:
         return matcher
 
     def _tokenizer_info(self):
-        return self.tokenizer.grammar_tables(self.vocab_size, self.eos_token_ids)
+        return self.tokenizer.grammar_tables(self.vocab_size, self.drawable, self.eos_token_ids)

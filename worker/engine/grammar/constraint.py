@@ -10,10 +10,15 @@ chat's `tool_choice`: "required" (any of its tools), a named function (that one 
 with a response format (a call or a structured answer).
 
 With Qwen3's thinking on, the model writes `<think>...</think>` before its answer (`Thinking`):
-the output is free until `</think>`, except that it may not end, and the grammar holds from the
-next token. Where the prompt has not opened the block, the first token decides: `<think>` opens
-it, any other token is the answer's first. Qwen3 puts a blank line between `</think>` and its
-answer, so a grammar after thinking lets up to four whitespace characters come first.
+the output is free until `</think>`, except that it may not end, and the grammar holds from that
+token on. Where the prompt has not opened the block, the first token decides: `<think>` opens it,
+any other token is the reply's first. Qwen3 puts a blank line between `</think>` and its reply, so
+the grammar starts with `</think>` and up to four newlines before the reply, or (where the output
+may open the block) with the reply itself: a reply without a think block is exactly the format,
+and one after it is once the reader has dropped the newlines that follow the reasoning
+(producer_client.chat_output). That reader takes an output that opens with `<think>` (after
+whitespace) for a think block, so a reply without one may not open so, in Qwen3's token or in
+ordinary ones: it would land in the reasoning. After a think block it may.
 """
 
 from __future__ import annotations
@@ -25,9 +30,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from producer_client.structured import JSON_OPTIONS, grammar_text
+import llguidance
 
-LEADING_WHITESPACE = "/[ \\t\\r\\n]{0,4}/"
+from producer_client.chat_output import THINK_OPEN, WHITESPACE
+from producer_client.structured import JSON_OPTIONS, ChoiceFormat, RegexFormat, grammar_text
+
+AFTER_THINKING = "/\\n{0,4}/"
+THINK_OPENING = f"/[ \\t\\r\\n]*{THINK_OPEN}(?s:.*)/"  # what the reader takes for a think block
 
 
 class Phase(enum.Enum):
@@ -49,9 +58,9 @@ class Thinking:
         return Phase.DECIDING if self.opens is not None else Phase.THINKING
 
     def after(self, phase: Phase, token: int) -> tuple[Phase, bool]:
-        """The phase after `token`, and whether the grammar takes `token` as the answer's."""
+        """The phase after `token`, and whether the grammar takes `token` (`</think>` is its first)."""
         if phase is Phase.THINKING:
-            return (Phase.ANSWERING if token == self.closes else Phase.THINKING), False
+            return (Phase.ANSWERING, True) if token == self.closes else (Phase.THINKING, False)
         if phase is Phase.DECIDING and token == self.opens:
             return Phase.THINKING, False
         return Phase.ANSWERING, True
@@ -65,10 +74,7 @@ class Constraint:
 
     @classmethod
     def of_format(cls, fmt, thinking: Thinking | None = None) -> Constraint:
-        grammar = grammar_text(fmt)
-        if thinking is not None:
-            grammar = composed(None, grammar, thinking)
-        return cls(grammar, thinking)
+        return cls(grammar_text(fmt) if thinking is None else composed((), fmt, thinking), thinking)
 
     @property
     def key(self) -> str:
@@ -100,40 +106,67 @@ def tool_call_constraint(
     """Output that is Qwen3 tool calls (one, or with `parallel` one or more separated by newlines
     as Qwen3's chat template writes them, each of one of `functions`), or, with `answer_format`,
     either that or an answer in the format."""
-    calls = [call_schema(f) for f in functions]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    rules = (
+    rules = [
         'calls: call ("\\n" call)*' if parallel else "calls: call",
         # Qwen3's markers are tokens of their own: a Lark string of their text would be the same
         # text in other tokens, which llguidance's matcher refuses where its mask allowed it.
-        'call: <tool_call> "\\n" body "\\n" </tool_call>',
-        f"body: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}",
-    )
-    answer = grammar_text(answer_format) if answer_format is not None else None
-    return Constraint(composed(rules, answer, thinking), thinking, field="tools")
+        'call: <tool_call> "\\n" call_body "\\n" </tool_call>',
+        "call_body: " + " | ".join(f"call_{i}" for i in range(len(functions))),
+    ]
+    for i, function in enumerate(functions):
+        rules += function_rules(f"call_{i}", function)
+    return Constraint(composed(rules, answer_format, thinking), thinking, field="tools")
 
 
-def call_schema(function: ToolFunction) -> dict[str, Any]:
-    # The name comes first, as Qwen3 writes it; llguidance keeps the properties' order.
-    return {
-        "type": "object",
-        "properties": {"name": {"const": function.name}, "arguments": function.parameters or {"type": "object"}},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
+def function_rules(name: str, function: ToolFunction) -> list[str]:
+    """The rule `name`: a call of `function` as Qwen3 writes it, its name first, then arguments
+    valid against its parameters. They are a JSON document of their own, as they are in the
+    client's check (structured.check_schema): their `$ref`s resolve from their own root, where
+    `openai.pydantic_function_tool` puts a nested model's `$defs`."""
+    head = json.dumps(f'{{"name": {json.dumps(function.name)}, "arguments": ')
+    schema = function.parameters or {"type": "object"}
+    return [
+        f'{name}: {head} {name}_arguments "}}"',
+        f"{name}_arguments: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}",
+    ]
 
 
-def composed(call_rules: Sequence[str] | None, answer: str | None, thinking: Thinking | None) -> str:
-    """One grammar whose start is the calls (rules naming `calls`), the answer (an llguidance
-    grammar, referred to as `@answer`), or either; after thinking, behind some whitespace."""
-    alternatives = (["calls"] if call_rules else []) + (["@answer"] if answer is not None else [])
-    body = alternatives[0] if len(alternatives) == 1 else "(" + " | ".join(alternatives) + ")"
-    start = f"start: {LEADING_WHITESPACE} {body}" if thinking is not None else f"start: {body}"
-    grammars: list[dict[str, Any]] = [{"lark_grammar": "\n".join([start, *(call_rules or ())])}]
-    if answer is not None:
-        parts = grammar_parts(answer)
-        grammars += [{**parts[0], "name": "answer"}, *parts[1:]]
+def composed(call_rules: Sequence[str], fmt, thinking: Thinking | None) -> str:
+    """One grammar whose reply is the calls (`call_rules`, naming `calls`), an answer in `fmt` (an
+    llguidance grammar of its own), or either; after thinking, as the module's docstring says."""
+    answers = {} if fmt is None else {"answer": grammar_text(fmt)}
+    lark = [reply_rule("reply", bool(call_rules), "answer" if answers else None), *call_rules]
+    starts = ["reply"] if thinking is None else [f"<[{thinking.closes}]> {AFTER_THINKING} reply"]
+    if thinking is not None and thinking.opens is not None:
+        # A reply without a think block: its first token began it instead of opening one.
+        first = None if fmt is None else unopened(fmt)
+        if first is not None and first != answers["answer"]:
+            answers["first_answer"] = first
+        first_name = next((name for name, grammar in answers.items() if grammar == first), None)
+        if call_rules or first_name is not None:
+            lark.append(reply_rule("first_reply", bool(call_rules), first_name))
+            starts.insert(0, "first_reply")
+    grammars: list[dict[str, Any]] = [{"lark_grammar": "\n".join(["start: " + " | ".join(starts), *lark])}]
+    for name, grammar in answers.items():
+        parts = grammar_parts(grammar)
+        grammars += [{**parts[0], "name": name}, *parts[1:]]
     return json.dumps({"grammars": grammars})
+
+
+def reply_rule(name: str, calls: bool, answer: str | None) -> str:
+    """The rule `name`: the calls, the answer grammar named `answer`, or either."""
+    return f"{name}: " + " | ".join((["calls"] if calls else []) + ([f"@{answer}"] if answer is not None else []))
+
+
+def unopened(fmt) -> str | None:
+    """The format's grammar less the answers that open with `<think>` after whitespace; None when
+    no answer is left. Compact JSON opens with none."""
+    if isinstance(fmt, RegexFormat):
+        return f"start: ANSWER\nANSWER: /{llguidance.regex_to_lark(fmt.pattern, '')}/ & ~{THINK_OPENING}"
+    if isinstance(fmt, ChoiceFormat):
+        kept = [choice for choice in fmt.choices if not choice.lstrip(WHITESPACE).startswith(THINK_OPEN)]
+        return grammar_text(fmt.model_copy(update={"choices": kept})) if kept else None
+    return grammar_text(fmt)
 
 
 def grammar_parts(grammar: str) -> list[dict[str, Any]]:

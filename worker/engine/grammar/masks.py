@@ -6,7 +6,7 @@ into the row, without the GIL), then settles the tokens that end the request: EO
 ids are allowed where the grammar accepts the output as it is, and nowhere else (a stop id the
 grammar allows elsewhere is drawn as an ordinary token there: the reader does not stop on it). A
 request still thinking (before `</think>`) may draw any token but EOS; one whose first token
-decides whether it thinks may draw `<think>` or what the grammar allows.
+decides whether it thinks may draw `<think>` or what the grammar allows but `</think>`.
 
 When the engine has read a step's tokens, a thread of this module's own has each constrained
 request's matcher consume its token and fills its row for the next step, while the loop goes on
@@ -187,7 +187,10 @@ class GrammarMasks:
         if grammar.matcher.is_error():  # no token is allowed: a contradiction the compile did not see
             grammar.error = grammar.matcher.get_error()
         if grammar.phase is Phase.DECIDING:
-            self._set_bits(self._words[grammar.slot], (grammar.constraint.thinking.opens,), True)
+            # The grammar lets a reply start with `</think>`, for a reasoning this one has not opened.
+            thinking = grammar.constraint.thinking
+            self._set_bits(self._words[grammar.slot], (thinking.opens,), True)
+            self._set_bits(self._words[grammar.slot], (thinking.closes,), False)
         if grammar.accepts_end:
             words = self._words[grammar.slot]
             self._set_bits(words, self.eos_token_ids, False)

@@ -1,6 +1,6 @@
-"""The HTTP requests: OpenAI's chat and text completions as its published OpenAPI spec states
-them (fields, bounds, nullability), with vLLM's extras, and the seed's /generate. The response
-objects are in gateway.responses.
+"""OpenAI's requests: its chat and text completions as its published OpenAPI spec states them
+(fields, bounds, nullability), with vLLM's extras. The response objects are in
+openai_format.responses.
 
 Requests are parsed strictly from JSON. A field sent as null means its default, as the SDKs send
 it. A parameter of the spec that MILI cannot honour is accepted at its default (`echo: false`,
@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
+from producer_client import structured
 from producer_client.chat import MAX_TOOLS, NamedToolChoice, Tool, ToolCall
 from producer_client.structured import JsonObjectFormat, JsonSchemaFormat
 
@@ -67,7 +68,7 @@ ResponseFormatIn = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, F
 
 class SamplingRequest(Strict):
     """What chat and text completions share. Sampling fields map one to one onto the client's
-    SamplingParams, which checks what the spec leaves open (see gateway.requests)."""
+    SamplingParams, which checks what the spec leaves open (see openai_format.job_specs)."""
 
     model: str
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
@@ -94,8 +95,10 @@ class SamplingRequest(Strict):
     # and vLLM's guided decoding: a JSON schema (or its JSON text), a regex, one of the choices.
     response_format: ResponseFormatIn | None = None
     guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = Field(None, min_length=1)
-    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    guided_regex: str | None = Field(None, min_length=1, max_length=structured.MAX_PATTERN_CHARS)
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, max_length=structured.MAX_CHOICES
+    )
 
     @property
     def streams(self) -> bool:
@@ -170,7 +173,6 @@ ChatMessageIn = Annotated[
     | Annotated[ToolMessage, Tag("tool")],
     Discriminator(lambda m: {"developer": "system"}.get(m.get("role"), m.get("role")) if isinstance(m, dict) else None),
 ]
-MESSAGE_KINDS = ("system", "user", "assistant", "tool")  # the union's tags, which validation errors name
 
 
 class ChatTemplateKwargs(Strict):
@@ -220,7 +222,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: Annotated[bool | None, only(False)] = None
     suffix: Annotated[str | None, only("")] = None
-    best_of: int | None = Field(None, ge=0, le=20)  # only as n: one sample per choice (gateway.requests)
+    best_of: int | None = Field(None, ge=0, le=20)  # only as n: one sample per choice (job_specs)
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -232,13 +234,3 @@ class CompletionRequest(SamplingRequest):
             raise ValueError(
                 "must be a string, a list of strings, a list of token ids or a list of such lists"
             ) from None
-
-
-class GenerateRequest(Strict):
-    """The seed's POST /generate."""
-
-    prompt: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    model: str | None = None  # none: the gateway's default_queue

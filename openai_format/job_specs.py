@@ -4,36 +4,35 @@ each checked by the client library's own validation before any is enqueued."""
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from gateway.errors import bad_request, unsupported
-from gateway.schema import (
+from openai_format.errors import bad_request, unsupported
+from openai_format.requests import (
     MAX_CHOICES,
-    MESSAGE_KINDS,
     AssistantMessage,
     ChatCompletionRequest,
     CompletionRequest,
-    GenerateRequest,
     SamplingRequest,
     TextPart,
     ToolMessage,
     Unsupported,
 )
-from producer_client import core
 from producer_client.errors import InvalidArgument
+from producer_client.new_job import build_job
+from producer_client.schema import UNION_MEMBER
 from producer_client.structured import check_format, format_from_json
 
 # OpenAI's default for text completions. A chat runs to the client library's default
-# (SamplingParams.max_tokens) where OpenAI runs to the end of the context: the gateway has no
-# tokenizer to know where that is.
+# (SamplingParams.max_tokens) where OpenAI runs to the end of the context: neither the gateway nor
+# `mili batch` has a tokenizer to know where that is.
 COMPLETION_MAX_TOKENS = 16
-# Where a field is a union, pydantic names the member that failed inside the error's location
-# (`messages.0.content.str`); fields are snake_case, members are types.
-UNION_MEMBER = re.compile(r"str|int|float|bool|(list|dict)\[.*\]|[A-Z]\w*")
+# Where a field is a tagged union, pydantic names the tag of the member that failed after the
+# field (`response_format.json_schema.json_schema.name`): each such field by its path (int: any
+# list index), with the field its tag is in, which an error about the tag itself names.
+TAGGED_UNIONS = {("messages", int): "role", ("response_format",): "type"}
 Model = TypeVar("Model", bound=BaseModel)
 # SamplingRequest fields that pass to SamplingParams under the same name.
 SAMPLING_FIELDS = (
@@ -84,7 +83,7 @@ class JobSpec:
 
     def check(self, timeout_s: float) -> None:
         """Validate as `submit` will, touching nothing: raises InvalidArgument."""
-        core.build_job(self.prompt, self.messages, self.input_ids, None, timeout_s, self.priority, self.sampling or {})
+        build_job(self.prompt, self.messages, self.input_ids, None, timeout_s, self.priority, self.sampling or {})
 
 
 def parse_body(model: type[Model], body: bytes | str) -> Model:
@@ -104,15 +103,17 @@ def parse_body(model: type[Model], body: bytes | str) -> Model:
 
 def param_of(error: dict) -> str | None:
     """The field an error is about, as the client wrote it: `messages.0.content`, without the
-    members of unions that pydantic puts in its path (`str`, `list[...]`, a message's kind)."""
-    loc = error["loc"]
-    names = [
-        str(p)
-        for i, p in enumerate(loc)
-        if not UNION_MEMBER.fullmatch(str(p)) and not (p in MESSAGE_KINDS and i >= 2 and loc[i - 2] == "messages")
-    ]
-    if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
-        names.append("role")
+    union members and tags that pydantic puts in its path."""
+    names: list[str] = []
+    path: tuple = ()  # the location so far, as TAGGED_UNIONS keys it
+    for part in error["loc"]:
+        if path in TAGGED_UNIONS:
+            path += (TAGGED_UNIONS[path],)  # `part` is the member's tag
+        elif isinstance(part, int) or not UNION_MEMBER.fullmatch(part):
+            path += (int if isinstance(part, int) else part,)
+            names.append(str(part))
+    if error["type"] in ("union_tag_invalid", "union_tag_not_found") and path in TAGGED_UNIONS:
+        names.append(TAGGED_UNIONS[path])
     return ".".join(names) or None
 
 
@@ -159,11 +160,6 @@ def completion_jobs(req: CompletionRequest) -> list[JobSpec]:
             JobSpec(prompt=text, input_ids=ids, priority=req.priority or 0, sampling=params, prompt_index=index), n
         )
     return jobs
-
-
-def generate_job(req: GenerateRequest) -> JobSpec:
-    given = {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p}
-    return JobSpec(prompt=req.prompt, sampling={k: v for k, v in given.items() if v is not None})
 
 
 def choices(base: JobSpec, n: int) -> list[JobSpec]:

@@ -1,4 +1,4 @@
-"""The HTTP responses: OpenAI's chat completion and its chunks, the text completion, models,
+"""OpenAI's responses: its chat completion and its chunks, the text completion, models,
 usage, logprobs and errors, as the component schemas of its published OpenAPI spec state them
 (tests/openai_spec/ holds those schemas; every response is checked against them). A field the
 spec makes optional and not nullable is left out when it has no value, never sent as null.
@@ -154,18 +154,6 @@ class ModelCard(Response):
 class ModelList(Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class GenerateResponse(Response):
-    generated_text: str
-    finish_reason: str
-    usage: Usage
-
-
-class Health(Response):
-    status: Literal["ok"] = "ok"
-    model_loaded: bool
-    models: list[str]
 
 
 class ErrorBody(Response):

@@ -2,7 +2,7 @@
 chunks, usage and logprobs. A chat's reasoning and tool calls come split from its answer already
 (the worker's result, the client's stream: producer_client.chat_output).
 
-The gateway has no tokenizer, so a token in `logprobs` is written as `token_id:<id>` (vLLM's
+Only the worker has a tokenizer, so a token in `logprobs` is written as `token_id:<id>` (vLLM's
 `--return-tokens-as-token-ids` form), with the bytes of that string.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from gateway.errors import deadline_passed
-from gateway.responses import (
+from openai_format.errors import deadline_passed
+from openai_format.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,

@@ -5,8 +5,8 @@ by `mili batch` (local files) and the gateway's Batch API (files in Redis).
     output: {"id": "batch_req_...", "custom_id": "a", "response": {"status_code": 200, "request_id": "...", "body": {...}}, "error": null}
 
 A line's body is the same request as POST /v1/chat/completions or /v1/completions: it is
-validated and turned into jobs by the same code (gateway.requests), and its answer is rendered by
-the same renderers, so a batch answers exactly what the HTTP API would. A request that fails
+validated and turned into jobs by the same code (job_specs), and its answer is rendered by the
+same renderers (render), so a batch answers exactly what the HTTP API would. A request that fails
 (a bad body, a failed job) is answered with its HTTP status and OpenAI's error body, as the HTTP
 API would answer it; a line that is not a request at all (not JSON, no custom_id, an unknown url)
 is a LineError, which names the line.
@@ -22,10 +22,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.errors import APIError, api_error_of, bad_request
-from gateway.render import ChatRenderer, CompletionRenderer, Renderer
-from gateway.requests import JobSpec, chat_jobs, completion_jobs, parse_body
-from gateway.schema import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from openai_format.errors import APIError, bad_request, error_of
+from openai_format.job_specs import JobSpec, chat_jobs, completion_jobs, parse_body
+from openai_format.render import ChatRenderer, CompletionRenderer, Renderer
+from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from producer_client import JobResult
 from producer_client.errors import BulkQueueFull, InvalidArgument
 from producer_client.schema import JobFailed
@@ -86,10 +86,12 @@ class LineRequest:
 
 @dataclass
 class LineJobs:
-    """A request line in flight: its jobs (`<request id>-<choice>`) and their results so far."""
+    """A request line in flight: its jobs (`<request id>-<choice>`), the queue they go to (None: the
+    client's own), and their results so far."""
 
     request: LineRequest
     request_id: str
+    queue: str | None = None
     results: dict[str, JobResult] = field(default_factory=dict)
 
     @property
@@ -209,7 +211,7 @@ def line_request(line: InputLine, number: int) -> LineRequest:
         for spec in specs:
             spec.check(None)
     except InvalidArgument as e:
-        raise api_error_of(e, 0) from None
+        raise error_of(e) from None
     return LineRequest(number, line.custom_id, endpoint, line.body, request, specs)
 
 
@@ -253,12 +255,12 @@ def line_id(request_id: str) -> str:
     return "batch_req_" + hashlib.sha256(request_id.encode()).hexdigest()[:32]
 
 
-def answer(req: LineRequest, request_id: str, results: list[JobResult], retry_after_s: int = 1) -> OutputLine:
+def answer(req: LineRequest, request_id: str, results: list[JobResult]) -> OutputLine:
     """The line's answer from its jobs' results (in choice order), as the HTTP API would give it."""
     failed = next((r for r in results if r.status == "failed"), None)
     if failed is not None:
         code, message = (failed.error.code, failed.error.message) if failed.error else ("error", "failed")
-        return error_answer(req.custom_id, request_id, api_error_of(JobFailed(code, message, failed), retry_after_s))
+        return error_answer(req.custom_id, request_id, error_of(JobFailed(code, message, failed)))
     prompt_of = [spec.prompt_index for spec in req.specs]
     renderer = req.endpoint.renderer(f"{req.endpoint.id_prefix}-{request_id}", req.request.model, prompt_of)
     try:

@@ -1,0 +1,67 @@
+"""What Client and AsyncClient share beside their operations (producer_client.operations and
+bulk, written once as steps): their settings, checked before anything connects; a client of
+another queue over the same connection pool; the operator's views. Each names how it connects
+and how it runs steps."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import TypeVar
+
+from producer_client.connection import RedisURL, parse_url
+from producer_client.dead_letters import DeadLetters
+from producer_client.inspection import QueueInspector
+from producer_client.keys import DEFAULT_PREFIX, Keys, check_name
+from producer_client.placement import Placement
+from producer_client.protocol.replication import Replication
+from producer_client.validation import check_max_queue_depth
+
+DEFAULT_URL = "redis://localhost:6379/0"
+DEFAULT_MAX_QUEUE_DEPTH = 10_000
+
+C = TypeVar("C", bound="ClientBase")
+
+
+class ClientBase:
+    run_steps: Callable  # producer_client.steps.run, or .arun for asyncio: runs steps over `redis`
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        queue: str = "default",
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        max_queue_depth: int | None = DEFAULT_MAX_QUEUE_DEPTH,
+        max_connections: int | None = None,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+        placement: bool = True,
+    ):
+        self.queue = check_name("queue", queue)
+        self.keys = Keys(prefix)
+        self.max_queue_depth = check_max_queue_depth(max_queue_depth)
+        self.replication = Replication(wait_replicas, wait_timeout_ms)
+        self.placement = Placement(placement)
+        self.redis = self._connect(parse_url(url), max_connections)
+
+    def _connect(self, target: RedisURL, max_connections: int | None):
+        """A redis-py client of `target`, with the clients' retry policy."""
+        raise NotImplementedError
+
+    def on_queue(self: C, queue: str) -> C:
+        """A client of `queue` with this one's settings, over the same connection pool: one pool
+        serves every queue (closing either client closes it)."""
+        other = copy.copy(self)
+        other.queue = check_name("queue", queue)
+        return other
+
+    @property
+    def dead_letters(self) -> DeadLetters:
+        """The queue's dead letters: list, get, retry, purge (producer_client.dead_letters)."""
+        return DeadLetters(self.redis, self.keys, self.queue, self.run_steps)
+
+    @property
+    def inspect(self) -> QueueInspector:
+        """What the queue holds now: waiting and running jobs, depth, workers (producer_client.inspection)."""
+        return QueueInspector(self.redis, self.keys, self.queue, self.run_steps)

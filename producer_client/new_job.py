@@ -1,0 +1,166 @@
+"""A job as a client builds it, before it is enqueued: every argument validated the way the worker
+will, its JSON body, its id (the caller's request_id, or a fresh one), the fingerprint a
+request_id is bound to, and the prefix key that places it (producer_client.placement)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from producer_client import structured
+from producer_client.errors import BodyTooLarge, IdempotencyConflict, InvalidArgument
+from producer_client.keys import Keys, check_name
+from producer_client.placement import prefix_key
+from producer_client.protocol import producer as scripts
+from producer_client.protocol.script import ScriptCall
+from producer_client.schema import (
+    CHAT_OPTIONS,
+    MAX_BODY_BYTES,
+    MAX_TOKENS_LIMIT,
+    JobRequest,
+    SamplingParams,
+    invalid_argument_from,
+)
+
+FINGERPRINT_CHARS = 64
+FINGERPRINT = re.compile(r"[A-Za-z0-9]{1,64}")
+
+
+@dataclass(frozen=True)
+class NewJob:
+    job_id: str
+    body: str
+    idempotent: bool  # the id came from the caller's request_id, so it may exist already
+    timeout_ms: int  # 0: no deadline
+    fingerprint: str = ""  # of the request an idempotent job answers: its request_id is bound to it
+    prefix: bytes = b""  # what places it (placement.prefix_key)
+
+    def create_call(self, keys: Keys) -> ScriptCall:
+        return scripts.create(keys, self.job_id, self.timeout_ms, self.fingerprint)
+
+    def created(self, reply: int) -> bool:
+        """CREATE's reply: whether to enqueue the job. Raises IdempotencyConflict when its id is
+        another request's."""
+        if reply == -1:
+            raise IdempotencyConflict(self.job_id)
+        return bool(reply)
+
+    def add_fresh_create(self, pipe, keys: Keys) -> None:
+        """CREATE of a job with a fresh id: without a deadline that is one HSETNX, which costs
+        Redis less than a script (nobody reads the reply of a fresh id's CREATE)."""
+        if self.timeout_ms:
+            self.create_call(keys).add_to(pipe)
+        else:
+            pipe.hsetnx(keys.job(self.job_id), "status", "queued")
+
+    def enqueue_call(self, keys: Keys, queue: str, max_depth: int | None, stream: str | None = None) -> ScriptCall:
+        """ENQUEUE of this job, into the queue's shared stream or the worker stream `stream` it was
+        placed on. A worker's stream has no bound of its own: placement puts at most about twice a
+        worker's slots there, and the backlog beyond in the shared stream."""
+        if stream is not None:
+            return scripts.enqueue(stream, 0, self.job_id, self.body)
+        return scripts.enqueue(keys.queue(queue), max_depth or 0, self.job_id, self.body)
+
+
+def build_job(
+    prompt: Any,
+    messages: Any,
+    input_ids: Any,
+    request_id: Any,
+    timeout_s: Any,
+    priority: Any,
+    options: dict[str, Any],
+    fingerprint: Any = None,
+    stream: Any = False,
+) -> NewJob:
+    """Validate every argument the way the worker will, before anything touches Redis. `options`
+    are SamplingParams' fields and the chat options of JobRequest (tools, enable_thinking...). A
+    job with a request_id is bound to `fingerprint` (a digest of the request it answers; by
+    default of what it generates from): a later submit of the same id with another raises
+    IdempotencyConflict."""
+    sampling = {k: v for k, v in options.items() if k not in CHAT_OPTIONS}
+    chat = {k: v for k, v in options.items() if k in CHAT_OPTIONS}
+    try:
+        params = SamplingParams.model_validate(sampling, strict=True)
+        request = JobRequest.model_validate(
+            {
+                "prompt": prompt,
+                "messages": messages,
+                "input_ids": input_ids,
+                "params": params,
+                "priority": priority,
+                "timeout_s": timeout_s,
+                "stream": stream,
+                **chat,
+            },
+            strict=True,
+        )
+    except ValidationError as e:
+        raise invalid_argument_from(e, strip="params.") from None
+    request.check(MAX_TOKENS_LIMIT)
+    check_grammars(request)
+    body = request.to_json()
+    size = len(body.encode())
+    if size > MAX_BODY_BYTES:
+        raise BodyTooLarge("body", f"{size} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    timeout_ms = 0 if request.timeout_s is None else max(1, round(request.timeout_s * 1000))
+    if request_id is None:
+        # 128 random bits, as a uuid4's hex without building the UUID: submit_many makes many.
+        return NewJob(os.urandom(16).hex(), body, idempotent=False, timeout_ms=timeout_ms, prefix=prefix_key(request))
+    if fingerprint is None:
+        fingerprint = generation_fingerprint(request)
+    elif not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
+        raise InvalidArgument("request_fingerprint", f"must be 1-{FINGERPRINT_CHARS} letters and digits")
+    return NewJob(
+        check_name("request_id", request_id),
+        body,
+        idempotent=True,
+        timeout_ms=timeout_ms,
+        fingerprint=fingerprint,
+        prefix=prefix_key(request),
+    )
+
+
+def build_job_of(arguments: Mapping[str, Any]) -> NewJob:
+    """build_job() of submit()'s keyword arguments, given as a dict."""
+    options = dict(arguments)
+    fingerprint, stream = options.pop("request_fingerprint", None), options.pop("stream", False)
+    return build_job(
+        options.pop("prompt", None),
+        options.pop("messages", None),
+        options.pop("input_ids", None),
+        options.pop("request_id", None),
+        options.pop("timeout_s", None),
+        options.pop("priority", 0),
+        options,
+        fingerprint,
+        stream=stream,
+    )
+
+
+def generation_fingerprint(request: JobRequest) -> str:
+    """A digest of what a job generates from: its prompt, sampling parameters and chat options.
+    Not its deadline or priority: a retry may count its deadline from its own start; nor whether
+    it is streamed: a retry may read the same job whole."""
+    generation = request.model_dump_json(exclude={"timeout_s", "priority", "stream"})
+    return hashlib.sha256(generation.encode()).hexdigest()
+
+
+def check_grammars(request: JobRequest) -> None:
+    """Refuses, before anything is enqueued, what the worker would hold the output to and could not
+    compile: the response_format, and the tools' parameters where a call is enforced (a forced
+    tool_choice, or tools beside a response_format)."""
+    fmt = request.params.response_format
+    if fmt is not None:
+        structured.check_format(fmt)
+    forced = request.tool_choice not in (None, "auto", "none")
+    if forced or fmt is not None:
+        for i, tool in enumerate(request.tools or []):
+            if tool.function.parameters is not None and tool in request.offered_tools():
+                structured.check_schema(tool.function.parameters, f"tools.{i}.function.parameters")

@@ -1,0 +1,146 @@
+"""The clients' operations on one job, written once as steps (producer_client.steps): `Client` runs
+them over redis-py, `AsyncClient` over redis.asyncio, and each checks its arguments before its
+first command. Their many-job twins are in producer_client.bulk, a job's event stream in
+producer_client.job_stream."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from producer_client.client_base import ClientBase
+from producer_client.errors import JobNotFound, NotReplicated, QueueFull
+from producer_client.keys import Keys
+from producer_client.new_job import NewJob, build_job_of
+from producer_client.protocol import producer as scripts
+from producer_client.protocol.replication import Replication
+from producer_client.protocol.script import ScriptCall
+from producer_client.schema import JobResult, JobStatus, Timings
+from producer_client.status_reads import read_status
+from producer_client.steps import Repeatable, Steps, checked
+from producer_client.validation import check_job_id, check_timeout
+from producer_client.waiting import Deadline, finished, wait_done
+
+
+def submit(client: ClientBase, job: NewJob) -> Steps[str]:
+    """Enqueue `job` on the client's queue, with its settings (bound, replication, placement);
+    returns its id. A job whose request_id CREATE finds already is not enqueued again."""
+    if job.idempotent:
+        (reply,) = checked((yield job.create_call(client.keys).add_to))
+        if not job.created(reply):
+            return job.job_id
+        added = yield from enqueue_or_forget(client, job, create=False)
+    else:
+        # A fresh id cannot collide: create the job and enqueue it in one round trip.
+        added = yield from enqueue_or_forget(client, job, create=True)
+    if not added[0]:
+        checked((yield forget(client.keys, job)))
+        raise QueueFull(client.queue, added[1], client.max_queue_depth)
+    return job.job_id
+
+
+def enqueue_or_forget(client: ClientBase, job: NewJob, create: bool) -> Steps[list]:
+    """ENQUEUE's reply. If the enqueue fails, or is stopped on its way (a KeyboardInterrupt, an
+    asyncio task's cancel: the drivers raise those in here too), the job hash goes, so that a later
+    submit with the same request_id enqueues the job instead of finding one that will never run,
+    and no hash of a job that was never taken stays behind. An enqueued job too few replicas
+    confirmed stays: it runs (NotReplicated)."""
+    keys, queue = client.keys, client.queue
+    (stream,) = yield from client.placement.streams_for(keys, queue, [job.prefix])
+    add = enqueue_commands(keys, queue, client.max_queue_depth, job, create, client.replication, stream)
+    try:
+        replies = checked((yield add))
+    except GeneratorExit:
+        raise  # closed unfinished: its driver was stopped after the enqueue ran, so nothing to undo
+    except BaseException:
+        checked((yield forget(keys, job)))
+        raise
+    return enqueued(job, create, client.replication, replies)
+
+
+def forget(keys: Keys, job: NewJob) -> Callable:
+    return Repeatable(lambda pipe: pipe.delete(keys.job(job.job_id)))
+
+
+def enqueue_commands(
+    keys: Keys,
+    queue: str,
+    max_depth: int | None,
+    job: NewJob,
+    create: bool,
+    replication: Replication,
+    stream: str | None = None,
+) -> Callable:
+    """The pipeline that enqueues `job`: CREATE first when `create` (a fresh id cannot collide, so
+    creating and enqueueing take one round trip; CREATE sets the status only if there is none, so
+    a retried pipeline never sets a started job back to queued), then ENQUEUE, then for a
+    request_id's job the `enqueued` flag that tells a later submit with the same request_id that
+    the entry exists (no later submit names a fresh id); with a replication to wait for, a WAIT on
+    the job's node and one on the queue's (on one server they are the same: the second answers at
+    once). `enqueued` reads the replies."""
+
+    def add(pipe) -> None:
+        if create:
+            job.add_fresh_create(pipe, keys)
+        job.enqueue_call(keys, queue, max_depth, stream).add_to(pipe)
+        if job.idempotent:
+            pipe.hset(keys.job(job.job_id), "enqueued", "1")
+        if replication.waits:
+            for key in (keys.job(job.job_id), stream or keys.queue(queue)):
+                pipe.wait_replicas(key, replication.replicas, replication.timeout_ms)
+
+    return add
+
+
+def enqueued(job: NewJob, create: bool, replication: Replication, replies: list) -> list:
+    """ENQUEUE's reply ({1, entry id} or {0, depth}) among those of `enqueue_commands`. Raises
+    NotReplicated for an entry that fewer replicas than asked for have confirmed."""
+    added = replies[1 if create else 0]
+    if added[0] and replication.waits:
+        confirmed = min(replies[-2:])
+        if confirmed < replication.replicas:
+            raise NotReplicated(job.job_id, confirmed, replication.replicas, replication.timeout_ms)
+    return added
+
+
+def cancel_call(keys: Keys, job_id: str) -> ScriptCall:
+    """CANCEL, with the result the job gets if no worker started it yet."""
+    result = JobResult(id=job_id, status="cancelled", finish_reason="abort", timings=Timings(finished_at=time.time()))
+    return scripts.cancel(keys, job_id, result.model_dump_json())
+
+
+def result(keys: Keys, job_id: str, timeout: float | None) -> Steps[JobResult]:
+    """Client.result: the job's result, from its hash if it has ended, else from its `done` stream."""
+    job_id = check_job_id(job_id)
+    deadline = Deadline(job_id, check_timeout(timeout))
+    (job,) = checked((yield Repeatable(lambda pipe: pipe.hgetall(keys.job(job_id)))))
+    if not job:
+        raise JobNotFound(job_id)
+    return finished(job_id, job["result"] if "result" in job else (yield from wait_done(keys, job_id, deadline)))
+
+
+def wait(keys: Keys, job_id: str, timeout: float | None) -> Steps[JobResult]:
+    """Client.wait: result() without looking the job up first."""
+    job_id = check_job_id(job_id)
+    return finished(job_id, (yield from wait_done(keys, job_id, Deadline(job_id, check_timeout(timeout)))))
+
+
+def generate(client: ClientBase, arguments: Mapping[str, Any], timeout: float | None) -> Steps[JobResult]:
+    """Client.generate: submit() of `arguments` (its keyword arguments), then wait()."""
+    timeout = check_timeout(timeout)
+    job_id = yield from submit(client, build_job_of(arguments))
+    return finished(job_id, (yield from wait_done(client.keys, job_id, Deadline(job_id, timeout))))
+
+
+def status(keys: Keys, job_id: str) -> Steps[JobStatus]:
+    return (yield from read_status(keys, check_job_id(job_id)))
+
+
+def cancel(keys: Keys, job_id: str) -> Steps[JobStatus]:
+    """Client.cancel: CANCEL, then the job's status."""
+    job_id = check_job_id(job_id)
+    (found,) = checked((yield cancel_call(keys, job_id).add_to))
+    if found is None:
+        raise JobNotFound(job_id)
+    return (yield from read_status(keys, job_id))

@@ -1,0 +1,104 @@
+"""The Batch API's files in Redis, every command on their keys (producer_client.keys: file,
+file_content, files, files_of), each operation a Steps (producer_client.steps) that the gateway's
+store (gateway/batch/store.py) runs over its connection.
+
+A file is a hash of its object's fields and its `owner` (the tenant that created it), and its text
+as a list of pieces, each a run of whole lines: written and read a piece at a time, never one
+command of the whole file. Both expire `ttl_s` after they are written. The indexes (every file,
+each owner's) are sorted sets by creation time, without a TTL: a file that expired leaves them
+when a listing meets it. The pieces go first and the hash last, so that a file whose writer died
+half-way is not found, and its pieces expire."""
+
+from __future__ import annotations
+
+from producer_client.keys import Keys
+from producer_client.steps import Steps, checked
+
+PIECES_PER_READ = 8
+
+
+def clear_content(keys: Keys, file_id: str) -> Steps[None]:
+    checked((yield lambda pipe: pipe.delete(keys.file_content(file_id))))
+
+
+def append_piece(keys: Keys, file_id: str, piece: str, ttl_s: int) -> Steps[None]:
+    content = keys.file_content(file_id)
+    checked((yield lambda pipe: (pipe.rpush(content, piece), pipe.expire(content, ttl_s))))
+
+
+def add_file(keys: Keys, file_id: str, fields: dict, owner: str | None, ttl_s: int, created: float) -> Steps[None]:
+    """The file's hash, once its pieces are in, and its place in the indexes (`created`: epoch
+    seconds, their order)."""
+
+    def add(pipe) -> None:
+        pipe.hset(keys.file(file_id), mapping={**fields, **owned_by(owner)})
+        pipe.expire(keys.file(file_id), ttl_s)
+        pipe.zadd(keys.files(), {file_id: created})
+        if owner is not None:
+            pipe.zadd(keys.files_of(owner), {file_id: created})
+
+    checked((yield add))
+
+
+def owned_by(owner: str | None) -> dict[str, str]:
+    """The `owner` field of a file's or batch's hash: the tenant (API key) that created it."""
+    return {} if owner is None else {"owner": owner}
+
+
+def file_fields(keys: Keys, file_id: str) -> Steps[dict[str, str]]:
+    """The file's hash ({} if there is no such file)."""
+    (fields,) = checked((yield lambda pipe: pipe.hgetall(keys.file(file_id))))
+    return fields
+
+
+def pieces(keys: Keys, file_id: str, start: int) -> Steps[list[str]]:
+    """Up to PIECES_PER_READ pieces of the file's text from piece `start` ([] past its end)."""
+    (found,) = checked((yield lambda pipe: pipe.lrange(keys.file_content(file_id), start, start + PIECES_PER_READ - 1)))
+    return found
+
+
+def delete_file(keys: Keys, file_id: str) -> Steps[bool]:
+    """The file out of its indexes, then its keys; whether it existed."""
+    (owner,) = checked((yield lambda pipe: pipe.hget(keys.file(file_id), "owner")))
+
+    def delete(pipe) -> None:
+        pipe.zrem(keys.files(), file_id)
+        if owner is not None:
+            pipe.zrem(keys.files_of(owner), file_id)
+        pipe.delete(keys.file(file_id), keys.file_content(file_id))
+
+    *_, deleted = checked((yield delete))
+    return bool(deleted)
+
+
+def listed_files(
+    keys: Keys, after: str | None, limit: int, newest_first: bool, purpose: str | None, owner: str | None
+) -> Steps[list[dict[str, str]]]:
+    """The hashes of the files after the file `after` in the index of `owner` (None: every
+    owner's), of `purpose` if given, in order: more than `limit` if there are, so that the caller
+    knows there are more. Files that expired leave the index."""
+    index = keys.files() if owner is None else keys.files_of(owner)
+    start = yield from rank_after(index, after, newest_first)
+    found: list[dict[str, str]] = []
+    while len(found) <= limit:
+        (ids,) = checked(
+            (yield lambda pipe: (pipe.zrevrange if newest_first else pipe.zrange)(index, start, start + limit))
+        )
+        if not ids:
+            break
+        start += len(ids)
+        hashes = checked((yield lambda pipe: [pipe.hgetall(keys.file(file_id)) for file_id in ids]))
+        gone = [file_id for file_id, fields in zip(ids, hashes) if not fields]
+        if gone:
+            checked((yield lambda pipe: pipe.zrem(index, *gone)))
+            start -= len(gone)
+        found += [fields for fields in hashes if fields and purpose in (None, fields["purpose"])]
+    return found
+
+
+def rank_after(index: str, after: str | None, newest_first: bool) -> Steps[int]:
+    """Where a page after the id `after` starts in the sorted set `index` (0 for no such id)."""
+    if after is None:
+        return 0
+    (rank,) = checked((yield lambda pipe: (pipe.zrevrank if newest_first else pipe.zrank)(index, after)))
+    return 0 if rank is None else rank + 1

@@ -1,0 +1,172 @@
+"""The worker's commands on each job's keys (its hash, event stream and done stream): CLAIM, ADOPT
+and FAIL, the read of a resumed job's recorded events, and publication (PUBLISH, the look at a
+running job's flags, the wait for replicas). They answer job by job: an error in a job's place
+is that job's (worker/loop/rejection.py), and each reply is parsed into the protocol's enums
+(producer_client/protocol/replies.py) here, an answer the protocol does not define becoming
+UnknownReply. The queue's own keys are WorkerQueue's (worker/loop/queue.py), which classifies
+what a pipeline met (send_pipeline)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import redis
+
+from producer_client.keys import Keys
+from producer_client.protocol import execution
+from producer_client.protocol import worker as scripts
+from producer_client.protocol.replication import Replication
+from producer_client.protocol.replies import (
+    Adopted,
+    Claim,
+    Failed,
+    Look,
+    Published,
+    PublishReply,
+    UnknownReply,
+    parse_adopt,
+    parse_claim,
+    parse_fail,
+    parse_publish,
+    parse_watch,
+)
+from producer_client.schema import JobResult
+from worker.loop.outbox import Update
+from worker.loop.queue import ReplicasBehind, send_pipeline
+
+EVENT_PAGE = 1000  # event stream entries per XRANGE when a reclaimed job's events are read
+
+
+class JobCommands:
+    """`replication`: how many replicas must confirm a final result before its entry is
+    acknowledged (none by default)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        worker: str,
+        result_ttl_s: int,
+        replication: Replication = Replication(),
+    ):
+        self.redis = client
+        self.keys = keys
+        self.worker = worker
+        self.result_ttl_s = result_ttl_s
+        self.replication = replication
+
+    def _send(self, add_commands: Callable, per_command_errors: bool = False) -> list:
+        return send_pipeline(self.redis, add_commands, per_command_errors)
+
+    def claim(self, jobs: list[tuple[str, str, str]]) -> list[Claim | Exception]:
+        """CLAIM each (job id, entry id, run token). An error in a job's place: its keys refused
+        the script, or the reply is not one CLAIM gives (UnknownReply)."""
+
+        def add(pipe):
+            for job_id, entry_id, run in jobs:
+                scripts.claim(self.keys, job_id, self.worker, entry_id, self.result_ttl_s, run).add_to(pipe)
+
+        return [_parsed(parse_claim, r) for r in self._send(add, per_command_errors=True)]
+
+    def adopt(self, jobs: list[tuple[str, str]]) -> list[Adopted | Exception]:
+        """ADOPT each (job id, run token) after Redis lost the group."""
+
+        def add(pipe):
+            for job_id, run in jobs:
+                scripts.adopt(self.keys, job_id, run, self.worker).add_to(pipe)
+
+        return [_parsed(parse_adopt, r) for r in self._send(add, per_command_errors=True)]
+
+    def recorded_events(self, job_ids: list[str]) -> dict[str, list[tuple[str, dict[str, str]]] | Exception]:
+        """Each job's whole event stream, read in pages, or in its place the error its stream gave
+        (a key of another type: a producer may write it)."""
+        events: dict[str, list | Exception] = {job_id: [] for job_id in job_ids}
+        after = {job_id: "-" for job_id in job_ids}
+        while after:
+
+            def add(pipe):
+                for job_id, start in after.items():
+                    pipe.xrange(self.keys.events(job_id), start, "+", count=EVENT_PAGE)
+
+            for job_id, page in zip(list(after), self._send(add, per_command_errors=True)):
+                if isinstance(page, Exception):
+                    events[job_id] = page
+                    del after[job_id]
+                    continue
+                events[job_id].extend(page)
+                if len(page) < EVENT_PAGE:
+                    del after[job_id]
+                else:
+                    after[job_id] = "(" + page[-1][0]
+        return events
+
+    def fail(self, failures: list[tuple[str, JobResult]]) -> list[Failed | Exception]:
+        """FAIL each (job id, failed result): jobs whose keys refused the protocol."""
+
+        def add(pipe):
+            for job_id, result in failures:
+                scripts.fail(
+                    self.keys, job_id, result.model_dump_json(), len(result.token_ids), self.result_ttl_s
+                ).add_to(pipe)
+
+        return [_parsed(parse_fail, r) for r in self._send(add, per_command_errors=True)]
+
+    def publish(
+        self,
+        updates: list[Update],
+        watch: list[tuple[str, str]],
+    ) -> tuple[list[PublishReply | Exception], list[Look | Exception]]:
+        """Every job's update (events, final result) in one pipeline, and a look at the cancel flag,
+        run and streamed flag of each running job in `watch` (job id, run). Returns each
+        update's reply and each watched job's state, or in its place the error its job's keys gave
+        (a transient one too: the caller keeps that update for later and backs off). A lost group
+        cannot occur here: these are a job's keys. With a replication to wait for, each final
+        result is followed by a WAIT on its job's node, and a result too few replicas confirmed
+        answers ReplicasBehind (transient): its entry is not acknowledged yet."""
+        finals = [u for u in updates if u.final is not None] if self.replication.waits else []
+
+        def add(pipe):
+            for u in updates:
+                u.publish_call(self.keys, self.result_ttl_s).add_to(pipe)
+            for job_id, _ in watch:
+                pipe.hmget(self.keys.job(job_id), "cancel", "run", "streamed")
+            for u in finals:
+                # WAIT counts the replicas that have this connection's writes; a result published
+                # again is a no-op that writes nothing, and may go out on another connection. The
+                # EXPIRE (the TTL PUBLISH gave the result) is a write that always reaches the
+                # replication stream, after the result: a replica that has it has the result.
+                pipe.expire(self.keys.job(u.job_id), self.result_ttl_s)
+                pipe.wait_replicas(self.keys.job(u.job_id), self.replication.replicas, self.replication.timeout_ms)
+
+        replies = execution.execute(self.redis, add, scripts.WORKER_SCRIPTS, raise_on_error=False)
+        published = [_parsed(parse_publish, r) for r in replies[: len(updates)]]
+        ends = len(updates) + len(watch)
+        watched = [
+            _parsed(lambda r, run=run: parse_watch(r, run), r)
+            for (_, run), r in zip(watch, replies[len(updates) : ends])
+        ]
+        confirmed = dict(zip((u.job_id for u in finals), replies[ends + 1 :: 2]))  # each WAIT's, after its EXPIRE
+        return [self._replicated(u, reply, confirmed.get(u.job_id)) for u, reply in zip(updates, published)], watched
+
+    def _replicated(self, update: Update, reply: PublishReply | Exception, confirmed: int | Exception | None):
+        """A final result's reply, or ReplicasBehind (or the WAIT's own error) in its place when
+        fewer replicas than asked have confirmed it."""
+        if confirmed is None or not isinstance(reply, PublishReply) or reply.outcome is not Published.WRITTEN:
+            return reply
+        if isinstance(confirmed, Exception):
+            return confirmed
+        return (
+            reply
+            if confirmed >= self.replication.replicas
+            else ReplicasBehind(update.job_id, confirmed, self.replication)
+        )
+
+
+def _parsed(parse: Callable, reply: object):
+    """`parse(reply)`, or the error in its place: Redis's own, or UnknownReply."""
+    if isinstance(reply, Exception):
+        return reply
+    try:
+        return parse(reply)
+    except UnknownReply as e:
+        return e
