@@ -60,6 +60,7 @@ def test_an_engine_replaying_padded_verify_steps_generates_what_it_does_without_
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a CUDA device")
 
 
+@pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_on_cuda_captured_verify_graphs_and_overlap_generate_what_eager_plain_steps_do(checkpoint, kv_cache_dtype):
