@@ -313,22 +313,31 @@ def stage(target: Target, args: argparse.Namespace) -> None:
     print(f"\nstage: acceptance set by construction (p = {p:.3f}: acceptance length {args.acceptance_length:g})")
     with tempfile.TemporaryDirectory() as tmp:
         head = write_random_eagle3_head(Path(tmp) / "eagle3", read_config(target.path), draft_vocab_size=32000)
-        for method, model in (("draft", args.stage_draft), ("eagle3", str(head))):
-            for batch in args.stage_batches:
-                stage_row(target, args, method, model, batch, p)
+        for batch in args.stage_batches:
+            # One plain run per batch for both proposers: the stage's GPU time is what bounds it.
+            work = prompts(batch, args.prompt, seed=batch)
+            plain_engine = target.engine(batch, args.prompt + args.output, args.k)
+            plain = generate_rate(plain_engine, work, args.output, args.repeats)
+            del plain_engine  # its KV pool and graphs, before the next engine takes its own
+            for method, model in (("draft", args.stage_draft), ("eagle3", str(head))):
+                stage_row(target, args, method, model, work, plain, p)
 
 
 def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
-def stage_row(target: Target, args, method: str, model: str, batch: int, p: float) -> None:
-    work = prompts(batch, args.prompt, seed=batch)
-    context = args.prompt + args.output
-    plain_rate, plain_out = generate_rate(target.engine(batch, context, args.k), work, args.output, args.repeats)
+def stage_row(target: Target, args, method: str, model: str, work: list[list[int]], plain, p: float) -> None:
+    plain_rate, plain_out = plain
+    batch = len(work)
     known = {tuple(q): o.token_ids for q, o in zip(work, plain_out)}
     engine = target.engine(
-        batch, context, args.k, speculative_method=method, speculative_model=model, num_speculative_tokens=args.k
+        batch,
+        args.prompt + args.output,
+        args.k,
+        speculative_method=method,
+        speculative_model=model,
+        num_speculative_tokens=args.k,
     )
     engine.speculator.proposer = Oracle(known, p, target.config.vocab_size, inner=engine.speculator.proposer)
     rate, out = generate_rate(engine, work, args.output, args.repeats)
