@@ -9,6 +9,7 @@ import time
 import uuid
 
 import pytest
+import redis
 from redis.exceptions import NoScriptError
 
 from producer_client import AsyncClient, Client, InvalidArgument, JobNotFound, JobTimeout, QueueFull
@@ -16,7 +17,7 @@ from producer_client.keys import GROUP, Keys
 from producer_client.protocol import execution
 from tests.support.clients import make_client
 from tests.support.polling import eventually
-from worker.embedded_redis import free_port
+from worker.embedded_redis import EmbeddedRedis, free_port
 from worker.loop.queue import WorkerQueue
 
 pytestmark = pytest.mark.waits
@@ -154,16 +155,22 @@ def test_a_submit_whose_scripts_are_lost_again_after_each_reload_enqueues_once(
 
 
 def test_a_server_that_loses_the_scripts_at_every_reload_fails_the_submit_and_enqueues_nothing(
-    client,
-    redis_client,
+    client_kind,
     queue,
     monkeypatch,
 ):
-    flush_after_loads(monkeypatch, redis_client, execution.SCRIPT_RELOADS)
-    redis_client.script_flush()
-    with pytest.raises(NoScriptError):
-        client.submit("hello", max_tokens=4)
-    assert redis_client.xlen(Keys().queue(queue)) == 0
+    # A server of its own: on the session's, any other process's client (a worker a test left
+    # serving, or one of another module) may load the scripts between a flush and the resend.
+    with EmbeddedRedis(port=free_port()) as server, redis.Redis.from_url(server.url) as admin:
+        client = make_client(client_kind, server.url, queue)
+        try:
+            flush_after_loads(monkeypatch, admin, execution.SCRIPT_RELOADS)
+            admin.script_flush()
+            with pytest.raises(NoScriptError):
+                client.submit("hello", max_tokens=4)
+        finally:
+            client.close()
+        assert admin.xlen(Keys().queue(queue)) == 0
 
 
 def test_submit_raises_queue_full_at_the_configured_depth(client_kind, redis_server, redis_client, queue):

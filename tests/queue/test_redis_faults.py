@@ -116,7 +116,9 @@ def test_memory_full_pauses_publication_and_loses_nothing(restartable_redis, adm
         assert len(tokens_published(admin, job_id)) == refused_at  # nothing got in meanwhile
         admin.config_set("maxmemory", 0)
         assert_whole_output_once(admin, client, job_id, prompt)
-        assert worker.thread.is_alive() and outcome_count(worker, "done") == 1
+        # The worker counts the job once PUBLISH's reply is back: after the client can see the result.
+        assert eventually(lambda: outcome_count(worker, "done") == 1)
+        assert worker.thread.is_alive()
     assert [start["worker"] for start, _ in runs(admin, job_id)] == [worker.name]  # never taken over
 
 
