@@ -8,8 +8,8 @@ import torch
 
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
-from tests.engine.conftest import DENSE, write_test_checkpoint
 from tests.engine.speculative_support import always_speculating
+from tests.engine.support import DENSE, write_test_checkpoint
 from tests.engine.test_engine import assert_all_pages_free_after_clear, random_prompts
 from tests.engine.test_speculative import assert_same_outputs
 from worker.engine.kv_pool import KVCacheShape

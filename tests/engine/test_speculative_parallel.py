@@ -6,8 +6,8 @@ speculation generate what one rank generates without it."""
 import pytest
 
 from producer_client.schema import SamplingParams
-from tests.engine.conftest import DENSE
 from tests.engine.speculative_support import always_speculating
+from tests.engine.support import DENSE
 from tests.engine.test_engine import random_prompts
 from tests.engine.test_speculative import assert_same_outputs
 from tests.engine.test_tensor_parallel import DEVICE, ENGINE

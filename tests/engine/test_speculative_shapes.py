@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from producer_client.schema import SamplingParams
-from tests.engine.conftest import engine_maker
 from tests.engine.speculative_support import always_speculating, known_outputs, speculative
-from tests.engine.support import VOCAB
+from tests.engine.support import VOCAB, engine_maker
 from tests.engine.test_engine import assert_all_pages_free_after_clear, random_prompts
 from tests.engine.test_speculative import PATTERNS, assert_same_outputs
 from worker.model.loader import load_model
