@@ -127,6 +127,9 @@ def engine_run(request, long_checkpoint) -> EngineRun:
     )
     engine = Engine(loaded.model, loaded.config, Tokenizer.from_dir(long_checkpoint), settings, [], DEVICE)
     engine.warm_up()
+    # Structured outputs' vocabulary tables are built on the compile thread while warm-up goes on
+    # (about 100 MiB in passing): once per process, not the request's, so not in its peak.
+    engine.grammars.prepare().result()
     hidden = record_hidden(engine)
     memory, seconds = {}, {}
     with peak_memory(DEVICE, memory):
