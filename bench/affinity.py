@@ -64,6 +64,7 @@ SAMPLE_S = 0.05
 class Conversation:
     system: str
     users: list[str]
+    adapter: str | None = None  # the LoRA adapter its turns run with (bench/lora_placement.py)
 
 
 def make_trace(conversations: int, turns: int, groups: int, system_words: int, seed: int) -> list[Conversation]:
@@ -162,10 +163,12 @@ def parse_args() -> argparse.Namespace:
 # -- one placement ----------------------------------------------------------------------------------
 
 
-def run_mode(mode: Mode, trace: list[Conversation], args) -> Figures:
+def run_mode(mode: Mode, trace: list[Conversation], args, extra: tuple[str, ...] = (), read_more=None) -> Figures:
+    """The trace through `mode`'s workers (started with the `extra` flags); `read_more(redis, names)`
+    reads what else a caller wants of the workers before they stop."""
     with EmbeddedRedis() as server:
         names = [f"{mode.name}-{i}" for i in range(mode.workers)]
-        workers = [start_worker(server.url, name, mode.placement, args) for name in names]
+        workers = [start_worker(server.url, name, mode.placement, args, *extra) for name in names]
         try:
             with Client(server.url, QUEUE, placement=mode.placement) as client:
                 wait_ready(client, names)
@@ -179,6 +182,8 @@ def run_mode(mode: Mode, trace: list[Conversation], args) -> Figures:
                 monitor.stop()
                 cpu_s = sum(cpu_seconds(pid) for pid in pids) - cpu_before
                 taken, hit_rates = worker_metrics(client.redis, names)
+                if read_more is not None:
+                    read_more(client.redis, names)
         finally:
             for w in workers:
                 w.terminate()
@@ -187,7 +192,7 @@ def run_mode(mode: Mode, trace: list[Conversation], args) -> Figures:
     return Figures(results, wall_s, cpu_s, taken, hit_rates, monitor.longest_s)
 
 
-def start_worker(url: str, name: str, placement: bool, args) -> subprocess.Popen:
+def start_worker(url: str, name: str, placement: bool, args, *extra: str) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
@@ -214,6 +219,7 @@ def start_worker(url: str, name: str, placement: bool, args) -> subprocess.Popen
         "--steal-delay-ms",
         str(args.steal_delay_ms),
         "--placement" if placement else "--no-placement",
+        *extra,
     ]
     # One torch thread each: the workers share the machine's cores.
     return subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -252,6 +258,7 @@ def drive(client: Client, trace: list[Conversation], args, label: str) -> list[J
                 history.append({"role": "user", "content": user})
                 result = client.generate(
                     messages=history,
+                    adapter=conversation.adapter,
                     max_tokens=args.max_tokens,
                     temperature=0.0,
                     ignore_eos=True,

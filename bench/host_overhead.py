@@ -68,7 +68,7 @@ class StubModel:
         self.copies = copies
         self.calls = 0
 
-    def __call__(self, input_ids, positions, meta, kv_caches):
+    def __call__(self, input_ids, positions, meta, kv_caches, lora=None):
         return input_ids[:, None]
 
     def compute_logits(self, hidden, out=None):

@@ -6,13 +6,16 @@
     mili dead list|show|retry|purge | mili workers | mili jobs --status S    (cli.operator_commands)
     mili batch INPUT.jsonl -o OUTPUT.jsonl [-e ERRORS.jsonl]    an OpenAI batch file, resumable (cli.batch_command)
 
---redis (env MILI_REDIS) and --queue (env MILI_QUEUE) pick the queue.
+--redis (env MILI_REDIS) and --queue (env MILI_QUEUE) pick the queue. A command first checks that
+Redis answers, within --connect-timeout (env MILI_CONNECT_TIMEOUT_S, 1.5 s): an unreachable Redis is
+an error at once, with its cause, and not after the retries that carry a command across a failover.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 import redis
@@ -20,21 +23,49 @@ import redis
 from cli import batch_command, client_commands, operator_commands
 from producer_client.client import Client
 from producer_client.client_base import DEFAULT_URL
-from producer_client.connection import redact_url
+from producer_client.connection import PROBE_TIMEOUT_S, describe, probe, redact_url
 from producer_client.errors import MiliError
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        code = run(args)
+        sys.stdout.flush()  # a reader that left shows here, not in the interpreter's flush at exit
+        return code
+    except BrokenPipeError:
+        return reader_left()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        probe(args.redis, args.connect_timeout)
         with Client(args.redis, args.queue, prefix=args.prefix) as client:
             return args.run(client, args)
     except MiliError as e:
         print(f"error: {e.code}: {e.message}", file=sys.stderr)
         return 1
     except redis.RedisError as e:
-        print(f"error: redis at {redact_url(args.redis)}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"error: redis at {redact_url(args.redis)}: {describe(e)}", file=sys.stderr)
         return 1
+
+
+def reader_left() -> int:
+    """stdout's reader closed it (`mili workers | head`): end quietly, as a Unix tool that SIGPIPE
+    ends, with its exit status (128 + SIGPIPE). What is left to flush goes nowhere."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--redis", default=os.environ.get("MILI_REDIS", DEFAULT_URL), help="Redis URL (env MILI_REDIS)")
     parser.add_argument("--queue", default=os.environ.get("MILI_QUEUE", "default"), help="queue name (env MILI_QUEUE)")
     parser.add_argument("--prefix", default=os.environ.get("MILI_PREFIX", "mili"), help="key prefix (env MILI_PREFIX)")
+    parser.add_argument(
+        "--connect-timeout",
+        metavar="S",
+        type=positive_seconds,
+        default=os.environ.get("MILI_CONNECT_TIMEOUT_S", str(PROBE_TIMEOUT_S)),
+        help=f"seconds Redis has to answer before a command gives up (env MILI_CONNECT_TIMEOUT_S, {PROBE_TIMEOUT_S:g})",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     client_commands.add_commands(commands)
     batch_command.add_command(commands)

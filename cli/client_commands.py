@@ -1,6 +1,7 @@
 """The producer's commands of `mili`: submit a job, and read, wait for or cancel it; the queue's stats.
 
 mili submit "text" --max-tokens 32 [--stream] [--chat] [--no-thinking]    prints the job id (or streams the text)
+    [--adapter NAME]                                                        with a LoRA adapter the workers serve
     [--json | --json-schema SCHEMA | --regex PATTERN | --choice TEXT...]    structured output
 mili status ID | mili result ID [--timeout S] | mili cancel ID | mili stats [--all]
 """
@@ -50,6 +51,7 @@ def add_submit(commands) -> None:
     submit.add_argument("--request-id", help="idempotency key")
     submit.add_argument("--timeout-s", type=float, help="deadline, counted from the enqueue")
     submit.add_argument("--priority", type=int, default=0)
+    submit.add_argument("--adapter", metavar="NAME", help="run with this LoRA adapter (one the workers serve)")
     submit.add_argument(
         "--stream", action="store_true", help="print the text as it is generated (a chat's reasoning to stderr)"
     )
@@ -95,6 +97,7 @@ def cmd_submit(client: Client, args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         priority=args.priority,
         stream=args.stream,
+        adapter=args.adapter,
     )
     if not args.stream:
         print(job_id)
@@ -119,13 +122,29 @@ def response_format(args: argparse.Namespace) -> dict | None:
         return {"type": "choice", "choices": args.choice}
     if args.json_schema is None:
         return None
-    source = args.json_schema
+    return {"type": "json_schema", "json_schema": {"name": "schema", "schema": read_schema(args.json_schema)}}
+
+
+def read_schema(source: str) -> object:
+    """--json-schema's JSON: the text given, or @FILE's. Whether it is a usable schema is the
+    client's check, as for any submit."""
+    if not source.startswith("@"):
+        return parse_json(source, "not JSON (give the schema's JSON text, or @FILE)")
+    path = Path(source[1:])
     try:
-        text = Path(source[1:]).read_text() if source.startswith("@") else source
-        schema = json.loads(text)
-    except (OSError, ValueError) as e:
-        raise InvalidArgument("json_schema", f"not a JSON schema ({type(e).__name__}: {e})") from None
-    return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+        text = path.read_text()
+    except FileNotFoundError:
+        raise InvalidArgument("json_schema", f"the file {path} was not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgument("json_schema", f"the file {path} cannot be read: {e}") from None
+    return parse_json(text, f"the file {path} is not JSON")
+
+
+def parse_json(text: str, what: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise InvalidArgument("json_schema", f"{what}: {e}") from None
 
 
 def cmd_status(client: Client, args: argparse.Namespace) -> int:

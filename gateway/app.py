@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import redis
 from fastapi import FastAPI, Request
@@ -32,7 +33,7 @@ from gateway.jobs import Jobs, RequestJobs, collect
 from gateway.key_strength import warn_of_weak_keys
 from gateway.lifecycle import Lifecycle
 from gateway.metrics import GatewayMetrics
-from gateway.registry import ModelRegistry
+from gateway.registry import ModelRegistry, Route
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream, events, opening
 from openai_format.errors import APIError, bad_request, job_error, not_found
@@ -41,6 +42,7 @@ from openai_format.render import ChatRenderer, CompletionRenderer, Renderer, fin
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from openai_format.responses import ModelList
 from producer_client import AsyncClient, JobResult, MiliError
+from producer_client.connection import answered_within, connect_async, one_try_options
 from producer_client.schema import JobFailed
 from producer_client.keys import NAME_PATTERN
 
@@ -66,6 +68,19 @@ class Gateway:
         self.registry = ModelRegistry(self.client, settings.models, settings.workers_refresh_s)
         self.jobs = Jobs(lifecycle, settings.job_timeout_s, settings.cancel_on_disconnect)
         self.metrics = GatewayMetrics(self.client.placement)
+        # /health's own connection: the client's calls retry for seconds (a failover), a probe
+        # wants the answer within its timeout.
+        self.health_probe = connect_async(settings.redis, **one_try_options(settings.health_timeout_s, True))
+
+    async def health(self) -> Health:
+        """Redis answers PING, and which models live workers serve; Unreachable (a 503) once
+        health_timeout_s has passed without both."""
+        return await answered_within(self.settings.health_timeout_s, self._health())
+
+    async def _health(self) -> Health:
+        await self.health_probe.ping()
+        cards = (await self.registry.current()).cards
+        return Health(model_loaded=bool(cards), models=[c.id for c in cards])
 
     async def submit(
         self,
@@ -115,7 +130,9 @@ class Gateway:
         specs = jobs_of(req)
         renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, [s.prompt_index for s in specs])
         self.check(specs)
-        jobs = await self.submit(request, specs, await self.registry.queue_for(req.model), req, stream=req.streams)
+        route = await self.registry.route(req.model)
+        specs = [replace(spec, adapter=route.adapter) for spec in specs]
+        jobs = await self.submit(request, specs, route.queue, req, stream=req.streams)
         prompt = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         try:
             if req.streams:
@@ -147,6 +164,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
         yield
         await batch_driver.stop()
         await gw.client.aclose()
+        await gw.health_probe.aclose()
 
     app = FastAPI(title="MILI gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app, settings.retry_after_s)
@@ -181,8 +199,8 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
     async def generate(request: Request):
         req = await parse(request, GenerateRequest)
         spec = generate_job(req)
-        queue = settings.default_queue if req.model is None else await gw.registry.queue_for(req.model)
-        jobs = await gw.submit(request, [spec], queue, req)
+        route = Route(settings.default_queue) if req.model is None else await gw.registry.route(req.model)
+        jobs = await gw.submit(request, [replace(spec, adapter=route.adapter)], route.queue, req)
         results = await gw.results(request, jobs)
         if results is None:
             return client_left()
@@ -194,8 +212,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
 
     @app.get("/health")
     async def health():
-        cards = (await gw.registry.current()).cards
-        return json_response(Health(model_loaded=bool(cards), models=[c.id for c in cards]))
+        return json_response(await gw.health())
 
     @app.get("/metrics")
     async def metrics():

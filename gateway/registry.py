@@ -6,6 +6,11 @@ goes to the queue with the most live workers serving it (ties: the first by name
 settings' `models` map pins a name to a queue on top: it routes even while that queue has no
 live worker (a queue scaled to zero), and is listed while it has one.
 
+A worker's heartbeat also names the LoRA adapters it serves. As in vLLM, a request's `model` may
+name one: it goes to the queue of the workers that serve it (the most, as for a model), as a job
+on that adapter, and /v1/models lists it with its base model as `parent`. A base model's name
+wins over an adapter's of the same name.
+
 The table is read again at most every `refresh_s` seconds, and at once when a request names a
 model it does not know (a worker that just started), so routing costs no Redis round trip.
 """
@@ -15,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from openai_format.errors import not_found
 from openai_format.responses import ModelCard
@@ -23,9 +28,16 @@ from producer_client import AsyncClient, WorkerInfo
 
 
 @dataclass(frozen=True)
+class Route:
+    queue: str
+    adapter: str | None = None  # the LoRA adapter the request's model names; None: a base model
+
+
+@dataclass(frozen=True)
 class RouteTable:
-    queues: dict[str, str]  # model name -> queue
+    queues: dict[str, str]  # model name (or adapter name) -> queue
     cards: list[ModelCard]  # what GET /v1/models lists
+    adapters: dict[str, str] = field(default_factory=dict)  # adapter name -> its base model
 
     @classmethod
     def build(cls, workers: list[WorkerInfo], pinned: dict[str, str]) -> RouteTable:
@@ -34,7 +46,8 @@ class RouteTable:
         for w in workers:
             counts[w.model][w.queue] += 1
             started[w.model] = min(started.get(w.model, w.started_at), w.started_at)
-        queues = {model: min(by_queue, key=lambda q: (-by_queue[q], q)) for model, by_queue in counts.items()}
+        queues = {model: most_served(by_queue) for model, by_queue in counts.items()}
+        adapters = adapter_routes(workers, set(queues) | set(pinned), queues, started)
         queue_started: dict[str, float] = {}
         for w in workers:
             queue_started[w.queue] = min(queue_started.get(w.queue, w.started_at), w.started_at)
@@ -42,8 +55,35 @@ class RouteTable:
             queues[name] = queue
             if queue in queue_started:
                 started[name] = queue_started[queue]
-        cards = [ModelCard(id=name, created=int(at)) for name, at in sorted(started.items())]
-        return cls(queues, cards)
+        cards = [ModelCard(id=name, created=int(at), parent=adapters.get(name)) for name, at in sorted(started.items())]
+        return cls(queues, cards, adapters)
+
+    def route(self, model: str) -> Route | None:
+        queue = self.queues.get(model)
+        return None if queue is None else Route(queue, model if model in self.adapters else None)
+
+
+def most_served(by_queue: Counter[str]) -> str:
+    """The queue with the most live workers serving a name (ties: the first by name)."""
+    return min(by_queue, key=lambda q: (-by_queue[q], q))
+
+
+def adapter_routes(
+    workers: list[WorkerInfo], models: set[str], queues: dict[str, str], started: dict[str, float]
+) -> dict[str, str]:
+    """Adds each adapter (not named as a model) to `queues` and `started`; returns its base model:
+    that of the workers of the queue it goes to."""
+    counts: dict[str, Counter[str]] = defaultdict(Counter)
+    for w in workers:
+        for name in w.adapters:
+            if name not in models:
+                counts[name][w.queue] += 1
+                started[name] = min(started.get(name, w.started_at), w.started_at)
+    parents = {}
+    for name, by_queue in counts.items():
+        queues[name] = most_served(by_queue)
+        parents[name] = next(w.model for w in workers if w.queue == queues[name] and name in w.adapters)
+    return parents
 
 
 class ModelRegistry:
@@ -56,15 +96,20 @@ class ModelRegistry:
         self.reading: asyncio.Future | None = None  # one read at a time, shared by its waiters
 
     async def queue_for(self, model: str) -> str:
-        """The queue of `model`, or a 404 in OpenAI's shape."""
-        table = await self.current()
-        if model not in table.queues:
-            table = await self.current(force=True)
-        if model not in table.queues:
+        """The queue of `model` (a model or an adapter), or a 404 in OpenAI's shape."""
+        return (await self.route(model)).queue
+
+    async def route(self, model: str) -> Route:
+        """Where a request naming `model` goes, and whether that is an adapter; a 404 in OpenAI's
+        shape for a name no live worker serves."""
+        route = (await self.current()).route(model)
+        if route is None:
+            route = (await self.current(force=True)).route(model)
+        if route is None:
             raise not_found(
                 f"the model `{model}` does not exist (no live worker serves it)", "model_not_found", "model"
             )
-        return table.queues[model]
+        return route
 
     async def current(self, force: bool = False) -> RouteTable:
         if force or time.monotonic() >= self.fresh_until:

@@ -95,6 +95,12 @@ class GatewaySettings(TomlSettings):
     )
     cancel_on_disconnect: bool = Field(True, description="a client that disconnects cancels its jobs")
     workers_refresh_s: float = Field(1.0, gt=0.0, description="how often the live workers' models are read again")
+    health_timeout_s: float = Field(
+        1.5,
+        gt=0.0,
+        description="GET /health answers 503 with the cause once Redis has not answered for this long (one try, "
+        "no retry), inside a probe's own timeout",
+    )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
     batch_max_file_bytes: int = Field(100 << 20, ge=1, description="the largest file POST /v1/files takes")
     batch_max_lines: int = Field(50_000, ge=1, description="the most requests a batch input file may hold")

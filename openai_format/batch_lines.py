@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -93,6 +93,7 @@ class LineJobs:
     request_id: str
     queue: str | None = None
     results: dict[str, JobResult] = field(default_factory=dict)
+    adapter: str | None = None  # the LoRA adapter its model names
 
     @property
     def job_ids(self) -> list[str]:
@@ -101,7 +102,7 @@ class LineJobs:
     def submit_specs(self, **options: Any) -> list[dict]:
         """submit_many's specs of the line's jobs, with `options` (timeout_s...) added."""
         return [
-            {**spec.submit_kwargs(), "request_id": job_id, **options}
+            {**replace(spec, adapter=self.adapter).submit_kwargs(), "request_id": job_id, **options}
             for spec, job_id in zip(self.request.specs, self.job_ids)
         ]
 

@@ -16,7 +16,7 @@ from producer_client.errors import (
     NotReplicated,
     QueueFull,
 )
-from producer_client.schema import JobFailed
+from producer_client.schema import JobExpired, JobFailed
 
 # Failure codes of a job that mean its input was bad, found by the worker after the enqueue
 # (only it tokenizes, so only it can tell a prompt longer than the context).
@@ -67,7 +67,7 @@ def error_of(error: MiliError) -> APIError:
         return APIError(429, error.message, "rate_limit_error", error.code)
     if isinstance(error, JobNotFound):
         return not_found(error.message, "job_not_found")
-    if isinstance(error, JobTimeout):
+    if isinstance(error, (JobTimeout, JobExpired)):
         return deadline_passed(error.message)
     if isinstance(error, JobFailed):
         if error.code == "prompt_too_long":

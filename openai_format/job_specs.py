@@ -71,6 +71,7 @@ class JobSpec:
     priority: int = 0
     sampling: dict[str, Any] | None = None
     prompt_index: int = 0  # which prompt of a completion this job answers
+    adapter: str | None = None  # the LoRA adapter the request's model names (gateway/registry.py)
 
     def submit_kwargs(self) -> dict[str, Any]:
         return {
@@ -78,12 +79,16 @@ class JobSpec:
             "messages": self.messages,
             "input_ids": self.input_ids,
             "priority": self.priority,
-            **(self.sampling or {}),
+            **self.options(),
         }
+
+    def options(self) -> dict[str, Any]:
+        """The sampling parameters and job options submit takes among them."""
+        return {**(self.sampling or {}), **({"adapter": self.adapter} if self.adapter is not None else {})}
 
     def check(self, timeout_s: float) -> None:
         """Validate as `submit` will, touching nothing: raises InvalidArgument."""
-        build_job(self.prompt, self.messages, self.input_ids, None, timeout_s, self.priority, self.sampling or {})
+        build_job(self.prompt, self.messages, self.input_ids, None, timeout_s, self.priority, self.options())
 
 
 def parse_body(model: type[Model], body: bytes | str) -> Model:

@@ -131,10 +131,28 @@ class SystemMessage(Strict):
     name: str | None = None  # accepted; the chat template does not use it
 
 
+MEDIA_PARTS = ("image_url", "input_audio", "file")  # the spec's user content parts that are not text
+
+
 class UserMessage(Strict):
     role: Literal["user"]
-    content: TextContent  # text only: images, audio and files are refused
+    content: TextContent
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        """Images, audio and files are refused by name, before the union's checks would say
+        only that the content is not a string."""
+        if isinstance(content, list):
+            for index, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in MEDIA_PARTS:
+                    raise Unsupported(
+                        f"part {index} is of type {kind}, which MILI does not support: it serves text only "
+                        "(send a string or text parts)"
+                    )
+        return content
 
 
 class ToolCallIn(ToolCall):

@@ -149,6 +149,7 @@ class ModelCard(Response):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mili"
+    parent: str | None = None  # a LoRA adapter's base model, as vLLM lists adapters; None for a model
 
 
 class ModelList(Response):

@@ -13,9 +13,11 @@ from producer_client.errors import (
     JobTimeout,
     MiliError,
     QueueFull,
+    UnknownAdapter,
 )
 from producer_client.schema import (
     ChatMessage,
+    JobExpired,
     JobFailed,
     JobRequest,
     JobResult,
@@ -35,6 +37,7 @@ __all__ = [
     "Client",
     "IdempotencyConflict",
     "InvalidArgument",
+    "JobExpired",
     "JobFailed",
     "JobNotFound",
     "JobRequest",
@@ -48,6 +51,7 @@ __all__ = [
     "SamplingParams",
     "Timings",
     "TokenDelta",
+    "UnknownAdapter",
     "Usage",
     "WorkerInfo",
     "errors",

@@ -15,7 +15,8 @@ clients run the same steps over their own connections.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Any
 
@@ -27,10 +28,10 @@ from producer_client.operations import cancel_call
 from producer_client.placement import Placement
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_order
-from producer_client.schema import JobResult
+from producer_client.schema import JobExpired, JobResult, Timings
 from producer_client.steps import Steps, checked
 from producer_client.validation import check_job_id, check_timeout
-from producer_client.waiting import Deadline, streams_read
+from producer_client.waiting import Deadline, expiry, streams_read
 
 CHUNK = 1000  # jobs per pipelined chunk: one ENQUEUE_MANY holds Redis for about a millisecond
 WINDOW = 512  # `done` streams per XREAD
@@ -64,6 +65,7 @@ def submit_many(client: ClientBase, specs: Iterable[Mapping[str, Any]]) -> Steps
 def submit_steps(keys: Keys, queue: str, max_depth: int | None, jobs: list[NewJob], placement: Placement) -> Steps:
     """Enqueue `jobs` chunk by chunk; returns their ids in order. Specs with the same request_id
     are one job. Raises BulkQueueFull when the queue fills up part-way."""
+    yield from placement.check_adapters(keys, queue, [job.adapter for job in jobs])
     unique: dict[str, NewJob] = {}
     for job in jobs:
         unique.setdefault(job.job_id, job)
@@ -203,6 +205,9 @@ class ResultWatch:
     def __init__(self, keys: Keys, job_ids: Iterable[str] = ()):
         self.keys = keys
         self.waiting: dict[str, None] = dict.fromkeys(job_ids)
+        # When each job that was queued with a deadline expires unread (monotonic): as_completed
+        # yields it as expired then, since no worker will start it (see watch_all).
+        self.expiries: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -224,8 +229,58 @@ class ResultWatch:
         ended = []
         for key, ((entry_id, fields),) in reply:
             del self.waiting[window[key]]
+            self.expiries.pop(window[key], None)
             ended.append((entry_order(entry_id), fields["data"]))
         return [JobResult.model_validate_json(data) for _, data in sorted(ended)]
+
+    def next_expiry(self) -> float | None:
+        return min(self.expiries.values(), default=None)
+
+    def due(self) -> list[str]:
+        """The jobs whose deadline has passed by this process's clock, for Redis to confirm."""
+        now = time.monotonic()
+        return [job_id for job_id, at in self.expiries.items() if at <= now]
+
+    def expect(self, job_ids: list[str], replies: list) -> None:
+        """When each of `job_ids` expires unread, from its status and deadline and Redis's TIME
+        (read_deadlines): at once for one past it already; never for one that started or ended."""
+        for job_id, at, _ in expiries(job_ids, replies):
+            if at is not None:
+                self.expiries[job_id] = at
+
+    def expired(self, job_ids: list[str], replies: list) -> list[JobResult]:
+        """Of `job_ids`, read again as `expect` reads them: the expired results of those still
+        queued past their deadline, out of the watch; the others' expiries as they now stand."""
+        results = []
+        for job_id, at, deadline_ms in expiries(job_ids, replies):
+            if at == PASSED:
+                del self.waiting[job_id], self.expiries[job_id]
+                results.append(expired_result(job_id, int(deadline_ms)))
+            elif at is None:
+                self.expiries.pop(job_id, None)
+            else:
+                self.expiries[job_id] = at
+        return results
+
+
+PASSED = 0.0  # the expiry of a job past its deadline: due at once
+
+
+def expiries(job_ids: list[str], replies: list) -> Iterator[tuple[str, float | None, str | None]]:
+    """Each job's expiry as `waiting.expiry` has it (PASSED for one past its deadline), and its
+    deadline, from read_deadlines' replies."""
+    for i, job_id in enumerate(job_ids):
+        status, deadline_ms = replies[2 * i], replies[2 * i + 1]
+        try:
+            yield job_id, expiry(job_id, status, deadline_ms, replies[-1]), deadline_ms
+        except JobExpired:
+            yield job_id, PASSED, deadline_ms
+
+
+def expired_result(job_id: str, deadline_ms: int) -> JobResult:
+    """The result of a job that passed its deadline unread, before a worker writes it: the same,
+    but for the worker's name and when it was queued, which only its entry tells."""
+    return JobResult(id=job_id, status="expired", timings=Timings(finished_at=deadline_ms / 1000))
 
 
 def read_finished(watch: ResultWatch, block_ms: int, per_slot: bool) -> Steps[list[JobResult]]:
@@ -249,31 +304,47 @@ def read_finished(watch: ResultWatch, block_ms: int, per_slot: bool) -> Steps[li
     return watch.take(window, ended)
 
 
-def check_exist(keys: Keys, job_ids: list[str]) -> Steps:
-    """Raises JobNotFound for the first of `job_ids` with no job: one EXISTS of a chunk's hashes
-    counts them, and only a chunk that comes up short is looked at key by key."""
-    for start in range(0, len(job_ids), CHUNK):
-        chunk = job_ids[start : start + CHUNK]
-        (count,) = checked((yield lambda pipe: pipe.exists(*(keys.job(job_id) for job_id in chunk))))
-        if count < len(chunk):
-            found = checked((yield lambda pipe: [pipe.exists(keys.job(job_id)) for job_id in chunk]))
-            raise JobNotFound(next(job_id for job_id, exists in zip(chunk, found) if not exists))
+def read_deadlines(keys: Keys, job_ids: list[str]) -> Steps[list]:
+    """Each job's status and deadline, then Redis's TIME, in one round trip."""
+
+    def add(pipe) -> None:
+        for job_id in job_ids:
+            pipe.hmget(keys.job(job_id), "status", "deadline")
+        pipe.time()
+
+    *fields, redis_time = checked((yield add))
+    return [value for pair in fields for value in pair] + [redis_time]
 
 
 def watch_all(keys: Keys, job_ids: Iterable[str], timeout: float | None) -> Steps[tuple[ResultWatch, Deadline]]:
-    """as_completed()'s start: the watch of `job_ids` and the deadline of the whole wait. Raises
-    JobNotFound for an id with no job."""
+    """as_completed()'s start: the watch of `job_ids`, with when each job still queued expires
+    unread, and the deadline of the whole wait. Raises JobNotFound for an id with no job (no
+    status), JobExpired for none: a job expired already is yielded as such by the first read."""
     job_ids = [check_job_id(job_id) for job_id in job_ids]
     deadline = Deadline("", check_timeout(timeout))
-    yield from check_exist(keys, job_ids)
-    return ResultWatch(keys, job_ids), deadline
+    watch = ResultWatch(keys, job_ids)
+    for start in range(0, len(job_ids), CHUNK):
+        chunk = job_ids[start : start + CHUNK]
+        replies = yield from read_deadlines(keys, chunk)
+        missing = next((job_id for i, job_id in enumerate(chunk) if replies[2 * i] is None), None)
+        if missing is not None:
+            raise JobNotFound(missing)
+        watch.expect(chunk, replies)
+    return watch, deadline
 
 
 def next_finished(watch: ResultWatch, deadline: Deadline, per_slot: bool) -> Steps[list[JobResult]]:
-    """as_completed()'s next batch (read_finished): [] if none ended within a bounded read. Raises
-    JobTimeout naming an unfinished job once the deadline has passed."""
+    """as_completed()'s next batch (read_finished), with the jobs that expired unread (their
+    deadline passed, which Redis confirms, before a worker read them): [] if none ended within a
+    bounded read, which ends by the next job's deadline. Raises JobTimeout naming an unfinished
+    job once the caller's deadline has passed."""
+    due = watch.due()
+    if due:
+        expired = watch.expired(due, (yield from read_deadlines(watch.keys, due)))
+        if expired:
+            return expired
     try:
-        block_ms = deadline.block_ms()
+        block_ms = deadline.block_ms(watch.next_expiry())
     except JobTimeout:
         raise JobTimeout(watch.first(), deadline.timeout) from None
     return (yield from read_finished(watch, block_ms, per_slot))

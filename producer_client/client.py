@@ -63,10 +63,11 @@ class Client(ClientBase):
         **sampling: Any,
     ) -> str:
         """Enqueue a job and return its id. `sampling` takes SamplingParams' fields (max_tokens,
-        temperature, top_p, ...). A `request_id` seen before enqueues nothing and returns the same
-        id, if it came with the same request (prompt, sampling parameters and chat options; or
-        `request_fingerprint`, a digest of a request of the caller's own such as an HTTP body,
-        when given); with another it raises IdempotencyConflict and enqueues nothing. `stream`:
+        temperature, top_p, ...) and `adapter`, the LoRA adapter to run with (UnknownAdapter,
+        before anything is enqueued, for one no live worker of the queue serves). A `request_id`
+        seen before enqueues nothing and returns the same id, if it came with the same request
+        (prompt, sampling parameters and chat options; or `request_fingerprint`, a digest of a
+        request of the caller's own such as an HTTP body, when given); with another it raises IdempotencyConflict and enqueues nothing. `stream`:
         its tokens will be read as they come (stream()), so the worker publishes them within its
         stream_interval_s from the first; without it, a reader's stream() gets them at the
         worker's checkpoint_interval_s until the worker sees the reader."""

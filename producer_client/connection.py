@@ -1,6 +1,7 @@
 """How every MILI component talks to Redis: the URLs of its three modes and the one place that
 makes sync and asyncio clients of them, the clients' retry policy, which errors no retry mends,
-the code of an error reply, and Redis URLs as they may be shown (without a password).
+the code of an error reply, Redis URLs as they may be shown (without a password), and probes
+that fail fast where a client would retry for seconds.
 
     redis://[user:pass@]host:port/db, rediss://..., unix:///path.sock    one server (redis-py's URLs)
     redis+cluster://[user:pass@]host:port[,host:port...]                  Redis Cluster: any nodes of it
@@ -13,10 +14,13 @@ URL options (`?socket_timeout=5&ssl_cert_reqs=none`) in every mode.
 
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import redis
@@ -27,7 +31,7 @@ import redis.exceptions
 import redis.retry
 import redis.sentinel
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import ClusterNode
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.connection import parse_url as redis_py_url_options
@@ -88,6 +92,12 @@ def retry_policy(mode: Mode | None = None) -> Retry:
 
 def async_retry_policy(mode: Mode | None = None) -> AsyncRetry:
     return AsyncRetry(ExponentialWithJitterBackoff(base=RETRY_BASE_S, cap=RETRY_CAP_S), RETRIES[mode or Mode.SERVER])
+
+
+def one_try_options(timeout_s: float, for_asyncio: bool = False) -> dict[str, Any]:
+    """Client options for calls that fail fast: one try each, every socket wait at most timeout_s."""
+    retry = AsyncRetry(NoBackoff(), 0) if for_asyncio else Retry(NoBackoff(), 0)
+    return {"retry": retry, "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
 
 
 def is_fatal(error: BaseException) -> bool:
@@ -240,7 +250,9 @@ def connect(url: str | RedisURL, **kwargs: Any):
     if target.mode is Mode.SERVER:
         return redis.Redis.from_url(target.text, **kwargs)
     if target.mode is Mode.SENTINEL:
-        sentinels = redis.sentinel.Sentinel(list(target.nodes), sentinel_kwargs=_sentinel_options(target, kwargs))
+        sentinels = Sentinels(
+            list(target.nodes), sentinel_kwargs=_sentinel_options(target, kwargs, Retry(NoBackoff(), 0))
+        )
         return sentinels.master_for(target.service, redis_class=SentinelMaster, **_merged(target, kwargs))
     nodes = [ClusterNode(host, port) for host, port in target.nodes]
     retry = kwargs.get("retry")
@@ -254,8 +266,8 @@ def connect_async(url: str | RedisURL, **kwargs: Any):
     if target.mode is Mode.SERVER:
         return redis.asyncio.Redis.from_url(target.text, **kwargs)
     if target.mode is Mode.SENTINEL:
-        sentinels = redis.asyncio.sentinel.Sentinel(
-            list(target.nodes), sentinel_kwargs=_sentinel_options(target, kwargs)
+        sentinels = AsyncSentinels(
+            list(target.nodes), sentinel_kwargs=_sentinel_options(target, kwargs, AsyncRetry(NoBackoff(), 0))
         )
         return sentinels.master_for(target.service, redis_class=AsyncSentinelMaster, **_merged(target, kwargs))
     nodes = [AsyncClusterNode(host, port) for host, port in target.nodes]
@@ -268,9 +280,63 @@ def _merged(target: RedisURL, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in kwargs.items() if v is not None}, **target.options}
 
 
-def _sentinel_options(target: RedisURL, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """What the connections to the sentinels share with the master's: TLS and socket settings."""
-    return {k: v for k, v in _merged(target, kwargs).items() if k.startswith(("socket_", "ssl"))}
+def _sentinel_options(target: RedisURL, kwargs: dict[str, Any], retry) -> dict[str, Any]:
+    """What the connections to the sentinels share with the master's: TLS and socket settings.
+    Each sentinel is asked once per discovery, then the next: the caller's policy (`retry` of the
+    master's connections) repeats the whole discovery. redis-py's default would retry a dead
+    sentinel for seconds before it asks the next one, within each of the caller's tries."""
+    shared = {k: v for k, v in _merged(target, kwargs).items() if k.startswith(("socket_", "ssl"))}
+    return {**shared, "retry": retry}
+
+
+class SentinelUnreachable(redis.ConnectionError):
+    """A sentinel that did not answer, shown with its cause: redis-py's MasterNotFoundError lists
+    each sentinel's error by its repr, which redis-py 8 reduces to the error's class."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class SentinelNode(redis.Redis):
+    """A sentinel's client, shown as its address: MasterNotFoundError names each sentinel it asked
+    by its repr, which would be a screenful of connection settings."""
+
+    def __repr__(self) -> str:
+        return _sentinel_repr(self)
+
+    def sentinel_masters(self):
+        try:
+            return super().sentinel_masters()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise SentinelUnreachable(f"{type(e).__name__}: {e}") from e
+
+
+class AsyncSentinelNode(redis.asyncio.Redis):
+    def __repr__(self) -> str:
+        return _sentinel_repr(self)
+
+    async def sentinel_masters(self):
+        try:
+            return await super().sentinel_masters()
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            raise SentinelUnreachable(f"{type(e).__name__}: {e}") from e
+
+
+def _sentinel_repr(client) -> str:
+    options = client.connection_pool.connection_kwargs
+    return f"<sentinel {options.get('host')}:{options.get('port')}>"
+
+
+class Sentinels(redis.sentinel.Sentinel):
+    def __init__(self, nodes: list[tuple[str, int]], sentinel_kwargs: dict[str, Any]):
+        super().__init__(nodes, sentinel_kwargs=sentinel_kwargs)
+        self.sentinels = [SentinelNode(host, port, **sentinel_kwargs) for host, port in nodes]
+
+
+class AsyncSentinels(redis.asyncio.sentinel.Sentinel):
+    def __init__(self, nodes: list[tuple[str, int]], sentinel_kwargs: dict[str, Any]):
+        super().__init__(nodes, sentinel_kwargs=sentinel_kwargs)
+        self.sentinels = [AsyncSentinelNode(host=host, port=port, **sentinel_kwargs) for host, port in nodes]
 
 
 class SentinelMaster(redis.Redis):
@@ -287,3 +353,74 @@ class AsyncSentinelMaster(redis.asyncio.Redis):
         await super().aclose(close_connection_pool)
         for sentinel in self.connection_pool.sentinel_manager.sentinels:
             await sentinel.aclose()
+
+
+# -- probes ------------------------------------------------------------------------------------------
+
+# How long a health check or a CLI command waits for Redis by default before it says it cannot
+# reach it: a probe with a timeout of a second or two must see the answer, not its own timeout.
+PROBE_TIMEOUT_S = 1.5
+T = TypeVar("T")
+
+
+class Unreachable(redis.ConnectionError):
+    """Redis refused, dropped or did not answer a probe; the text says which (the cause's type and
+    message, or that nothing came within the bound)."""
+
+
+def ping(client) -> Any:
+    return client.ping()
+
+
+def probe(url: str | RedisURL, timeout_s: float, check: Callable[[Any], T] = ping) -> T:
+    """`check(client)`'s answer (PING by default) within timeout_s, on a client of `url` that
+    tries each call once: for health checks and commands that must fail fast, where a client's
+    calls retry for seconds (RETRIES) and a cluster's or a sentinel's discovery tries every node.
+    The check runs on a thread of its own, so that nothing (a name that does not resolve, several
+    silent nodes one after the other) outlasts the bound. Unreachable if Redis refuses, drops or
+    does not answer; other errors (a wrong password, a command the ACL forbids) as raised."""
+    target = url if isinstance(url, RedisURL) else parse_url(url)
+    outcome: list[tuple[Any, BaseException | None]] = []
+
+    def run() -> None:
+        client = None
+        try:
+            client = connect(target, decode_responses=True, **one_try_options(timeout_s))
+            outcome.append((check(client), None))
+        except Exception as e:  # noqa: BLE001  (whatever it is, the caller's thread raises it)
+            outcome.append((None, e))
+        finally:
+            if client is not None:
+                client.close()
+
+    thread = threading.Thread(target=run, name="mili-redis-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        raise Unreachable(f"no answer within {timeout_s:g} s")
+    answer, error = outcome[0]
+    if error is not None:
+        raise unreachable_or_itself(error)
+    return answer
+
+
+async def answered_within(timeout_s: float, call: Awaitable[T]) -> T:
+    """`probe` for asyncio: `call`'s answer (on a client made with one_try_options) within timeout_s."""
+    try:
+        return await asyncio.wait_for(call, timeout_s)
+    except asyncio.TimeoutError:
+        raise Unreachable(f"no answer within {timeout_s:g} s") from None
+    except redis.RedisError as e:
+        raise unreachable_or_itself(e) from None
+
+
+def describe(error: BaseException) -> str:
+    """An error as a line of a message: its type and text (Unreachable's text says its cause's type)."""
+    return str(error) if isinstance(error, Unreachable) else f"{type(error).__name__}: {error}"
+
+
+def unreachable_or_itself(error: BaseException) -> BaseException:
+    """Unreachable for an error that says Redis could not be reached; any other error as it is."""
+    if isinstance(error, (redis.ConnectionError, redis.TimeoutError)) and not is_fatal(error):
+        return Unreachable(f"{type(error).__name__}: {error}")
+    return error

@@ -75,6 +75,18 @@ class BulkQueueFull(QueueFull):
         self.job_ids = job_ids
 
 
+class UnknownAdapter(MiliError):
+    """A job names a LoRA adapter that no worker of its queue serves (the producer knows it from
+    the heartbeats), or that the worker it reached does not serve. OpenAI's code for an unknown
+    model, as the gateway answers it."""
+
+    code = "model_not_found"
+
+    def __init__(self, adapter: str, where: str):
+        super().__init__(f"no LoRA adapter named {adapter!r} is served {where}")
+        self.adapter = adapter
+
+
 class JobNotFound(MiliError):
     """No such job: never submitted, or its result has expired."""
 

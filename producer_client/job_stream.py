@@ -11,6 +11,7 @@ again, to bring the parser to where that event left it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,9 +22,9 @@ from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_order
 from producer_client.protocol.events import EventType, shown_output_format, shown_tokens
 from producer_client.schema import JobResult, TokenDelta
-from producer_client.steps import Steps, checked
+from producer_client.steps import Repeatable, Steps, checked
 from producer_client.validation import check_event_id, check_job_id, check_timeout
-from producer_client.waiting import Deadline, finished, xread
+from producer_client.waiting import Deadline, expiry, finished, job_deadline, xread
 
 EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
 
@@ -35,9 +36,12 @@ def follow(keys: Keys, job_id: str, after: str, timeout: float | None) -> Steps[
     job_id = check_job_id(job_id)
     reader = JobStream(job_id, after)
     deadline = Deadline(job_id, check_timeout(timeout))
-    (found,) = checked((yield scripts.follow(keys, job_id).add_to))
+    found, (status, deadline_ms), redis_time = checked(
+        (yield lambda pipe: (scripts.follow(keys, job_id).add_to(pipe), *job_deadline(pipe, keys, job_id)))
+    )
     if not found:
         raise JobNotFound(job_id)
+    reader.expires_at = expiry(job_id, status, deadline_ms, redis_time)
     return reader, deadline
 
 
@@ -48,11 +52,19 @@ class JobStream:
         self.last = "0-0"  # the last event read: the next read starts after it
         self.parser: OutputParser | None = None
         self.end: str | None = None  # the result JSON, once the end event is read
+        self.expires_at: float | None = None  # when the job expires if still queued (waiting.expiry)
 
     def read(self, keys: Keys, deadline: Deadline) -> Steps[list[TokenDelta]]:
         """The deltas of the next events, up to the end event: none if a blocking read within the
-        deadline saw no event."""
-        events = yield from xread(keys.events(self.job_id), self.last, EVENT_BATCH, deadline)
+        deadline saw no event. Raises JobExpired once a job still queued passes its deadline."""
+        if self.expires_at is not None and time.monotonic() >= self.expires_at:
+            (status, deadline_ms), redis_time = checked(
+                (yield Repeatable(lambda pipe: job_deadline(pipe, keys, self.job_id)))
+            )
+            self.expires_at = expiry(self.job_id, status, deadline_ms, redis_time)
+        events = yield from xread(keys.events(self.job_id), self.last, EVENT_BATCH, deadline, self.expires_at)
+        if events:
+            self.expires_at = None  # it has started
         deltas = []
         for event_id, fields in events:
             deltas += self.take(event_id, fields)
@@ -61,7 +73,8 @@ class JobStream:
         return deltas
 
     def result(self) -> JobResult:
-        """The job's result, once the end event is read; a failed job raises JobFailed."""
+        """The job's result, once the end event is read; a failed job raises JobFailed, an expired
+        one JobExpired."""
         return finished(self.job_id, self.end)
 
     def take(self, event_id: str, fields: dict[str, str]) -> list[TokenDelta]:

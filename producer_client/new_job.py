@@ -20,7 +20,7 @@ from producer_client.placement import prefix_key
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.script import ScriptCall
 from producer_client.schema import (
-    CHAT_OPTIONS,
+    JOB_OPTIONS,
     MAX_BODY_BYTES,
     MAX_TOKENS_LIMIT,
     JobRequest,
@@ -40,6 +40,7 @@ class NewJob:
     timeout_ms: int  # 0: no deadline
     fingerprint: str = ""  # of the request an idempotent job answers: its request_id is bound to it
     prefix: bytes = b""  # what places it (placement.prefix_key)
+    adapter: str | None = None  # the LoRA adapter it names (JobRequest.adapter)
 
     def create_call(self, keys: Keys) -> ScriptCall:
         return scripts.create(keys, self.job_id, self.timeout_ms, self.fingerprint)
@@ -80,12 +81,12 @@ def build_job(
     stream: Any = False,
 ) -> NewJob:
     """Validate every argument the way the worker will, before anything touches Redis. `options`
-    are SamplingParams' fields and the chat options of JobRequest (tools, enable_thinking...). A
+    are SamplingParams' fields and JobRequest's other options (tools, enable_thinking..., adapter). A
     job with a request_id is bound to `fingerprint` (a digest of the request it answers; by
     default of what it generates from): a later submit of the same id with another raises
     IdempotencyConflict."""
-    sampling = {k: v for k, v in options.items() if k not in CHAT_OPTIONS}
-    chat = {k: v for k, v in options.items() if k in CHAT_OPTIONS}
+    sampling = {k: v for k, v in options.items() if k not in JOB_OPTIONS}
+    chat = {k: v for k, v in options.items() if k in JOB_OPTIONS}
     try:
         params = SamplingParams.model_validate(sampling, strict=True)
         request = JobRequest.model_validate(
@@ -110,9 +111,10 @@ def build_job(
     if size > MAX_BODY_BYTES:
         raise BodyTooLarge("body", f"{size} bytes exceeds the limit of {MAX_BODY_BYTES}")
     timeout_ms = 0 if request.timeout_s is None else max(1, round(request.timeout_s * 1000))
+    placed = {"prefix": prefix_key(request), "adapter": request.adapter}
     if request_id is None:
         # 128 random bits, as a uuid4's hex without building the UUID: submit_many makes many.
-        return NewJob(os.urandom(16).hex(), body, idempotent=False, timeout_ms=timeout_ms, prefix=prefix_key(request))
+        return NewJob(os.urandom(16).hex(), body, idempotent=False, timeout_ms=timeout_ms, **placed)
     if fingerprint is None:
         fingerprint = generation_fingerprint(request)
     elif not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
@@ -123,7 +125,7 @@ def build_job(
         idempotent=True,
         timeout_ms=timeout_ms,
         fingerprint=fingerprint,
-        prefix=prefix_key(request),
+        **placed,
     )
 
 

@@ -20,12 +20,14 @@ from producer_client.schema import JobResult, JobStatus, Timings
 from producer_client.status_reads import read_status
 from producer_client.steps import Repeatable, Steps, checked
 from producer_client.validation import check_job_id, check_timeout
-from producer_client.waiting import Deadline, finished, wait_done
+from producer_client.waiting import UNKNOWN, Deadline, expiry, finished, wait_done
 
 
 def submit(client: ClientBase, job: NewJob) -> Steps[str]:
     """Enqueue `job` on the client's queue, with its settings (bound, replication, placement);
-    returns its id. A job whose request_id CREATE finds already is not enqueued again."""
+    returns its id. A job whose request_id CREATE finds already is not enqueued again; one on an
+    adapter no live worker of the queue serves is refused first (UnknownAdapter)."""
+    yield from client.placement.check_adapters(client.keys, client.queue, [job.adapter])
     if job.idempotent:
         (reply,) = checked((yield job.create_call(client.keys).add_to))
         if not job.created(reply):
@@ -111,26 +113,41 @@ def cancel_call(keys: Keys, job_id: str) -> ScriptCall:
 
 
 def result(keys: Keys, job_id: str, timeout: float | None) -> Steps[JobResult]:
-    """Client.result: the job's result, from its hash if it has ended, else from its `done` stream."""
+    """Client.result: the job's result, from its hash if it has ended, else from its `done` stream;
+    JobExpired as soon as a job still queued passes its deadline."""
     job_id = check_job_id(job_id)
     deadline = Deadline(job_id, check_timeout(timeout))
-    (job,) = checked((yield Repeatable(lambda pipe: pipe.hgetall(keys.job(job_id)))))
+    job, redis_time = checked((yield Repeatable(lambda pipe: (pipe.hgetall(keys.job(job_id)), pipe.time()))))
     if not job:
         raise JobNotFound(job_id)
-    return finished(job_id, job["result"] if "result" in job else (yield from wait_done(keys, job_id, deadline)))
+    if "result" in job:
+        return finished(job_id, job["result"])
+    expires_at = expiry(job_id, job["status"], job.get("deadline"), redis_time)
+    return finished(job_id, (yield from wait_done(keys, job_id, deadline, expires_at)))
 
 
 def wait(keys: Keys, job_id: str, timeout: float | None) -> Steps[JobResult]:
-    """Client.wait: result() without looking the job up first."""
+    """Client.wait: result() without looking the job up first (its first look at the `done`
+    stream reads the job's deadline too)."""
     job_id = check_job_id(job_id)
     return finished(job_id, (yield from wait_done(keys, job_id, Deadline(job_id, check_timeout(timeout)))))
 
 
 def generate(client: ClientBase, arguments: Mapping[str, Any], timeout: float | None) -> Steps[JobResult]:
-    """Client.generate: submit() of `arguments` (its keyword arguments), then wait()."""
+    """Client.generate: submit() of `arguments` (its keyword arguments), then wait(). A job just
+    created expires timeout_s from now at the latest; one found by its request_id may be older."""
     timeout = check_timeout(timeout)
-    job_id = yield from submit(client, build_job_of(arguments))
-    return finished(job_id, (yield from wait_done(client.keys, job_id, Deadline(job_id, timeout))))
+    job = build_job_of(arguments)
+    job_id = yield from submit(client, job)
+    return finished(job_id, (yield from wait_done(client.keys, job_id, Deadline(job_id, timeout), expiry_of_new(job))))
+
+
+def expiry_of_new(job: NewJob) -> float | None:
+    """When a job just submitted expires unread (monotonic), late rather than early: its deadline
+    counts from its enqueue, before now. A job found by its request_id may be older: UNKNOWN."""
+    if job.idempotent:
+        return UNKNOWN
+    return time.monotonic() + job.timeout_ms / 1000 if job.timeout_ms else None
 
 
 def status(keys: Keys, job_id: str) -> Steps[JobStatus]:

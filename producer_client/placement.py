@@ -7,7 +7,13 @@ loads, Mirrokni, Thorup and Zadimoghaddam, 2018). Every producer computes the sa
 same heartbeats, so producers that share no memory agree; the view of the workers is read at most
 every REFRESH_S, and what this producer placed since is counted in. A job no worker can take
 within the bound goes to the shared stream, as before placement. No I/O here: the clients run
-`view_steps` over their own connections."""
+`view_steps` over their own connections.
+
+A job on a LoRA adapter is keyed by its adapter: the adapter's jobs go to one worker, which then
+holds the adapter and the prefixes of its conversations (each adapter's prefix cache is its own),
+and a hot adapter spills to the next worker in its order under the same bound. The view also says
+which adapters the queue's live workers serve, so that a producer refuses a job naming another
+(UnknownAdapter) before it enqueues anything."""
 
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from producer_client.errors import UnknownAdapter
 from producer_client.keys import Keys
 from producer_client.schema import JobRequest
 from producer_client.steps import Steps, checked
@@ -48,7 +55,10 @@ class Placed(str, Enum):
 
 
 def prefix_key(request: JobRequest) -> bytes:
-    """A digest of the part of the prompt that the job most likely shares with earlier ones."""
+    """A digest of the part of the prompt that the job most likely shares with earlier ones; for a
+    job on a LoRA adapter, of the adapter."""
+    if request.adapter is not None:
+        return hashlib.blake2b(b"adapter:" + request.adapter.encode(), digest_size=16).digest()
     if request.messages is not None:
         root = []
         for message in request.messages:
@@ -82,6 +92,7 @@ class Candidate:
 class View:
     read_at: float
     candidates: list[Candidate] = field(default_factory=list)
+    adapters: frozenset[str] | None = None  # served by the queue's live workers; None: no worker is live
 
     def choose(self, key: bytes) -> Candidate | None:
         """The first worker in the key's rendezvous order under the load bound, preferring one with
@@ -127,7 +138,17 @@ def read_view(keys: Keys, queue: str) -> Steps[View]:
             pipe.xlen(keys.own_queue(queue, name))
 
     replies = checked((yield add)) if names else []
-    return View(time.monotonic(), candidates_from(replies[::2], replies[1::2], queue))
+    heartbeats = replies[::2]
+    return View(time.monotonic(), candidates_from(heartbeats, replies[1::2], queue), served_adapters(heartbeats, queue))
+
+
+def served_adapters(heartbeats: Iterable[dict[str, str]], queue: str) -> frozenset[str] | None:
+    """The adapters any serving worker of `queue` serves (its heartbeat's `adapters`, comma-separated);
+    None when no worker of the queue is live, and nothing can be known."""
+    live = [beat for beat in heartbeats if beat.get("queue") == queue and beat.get("state") == "serving"]
+    if not live:
+        return None
+    return frozenset(name for beat in live for name in beat.get("adapters", "").split(",") if name)
 
 
 class Placement:
@@ -141,16 +162,33 @@ class Placement:
         self.views: dict[str, View] = {}
         self.placed = {outcome: 0 for outcome in Placed}
 
+    def check_adapters(self, keys: Keys, queue: str, adapters: Iterable[str | None]) -> Steps[None]:
+        """UnknownAdapter for an adapter no live worker of the queue serves. With no live worker the
+        producer cannot know: the job goes in, and a worker that does not serve it fails it. Reads
+        the view (placement on or off) only for jobs that name an adapter."""
+        wanted = sorted({name for name in adapters if name is not None})
+        if not wanted:
+            return
+        served = (yield from self._view(keys, queue)).adapters
+        unknown = [name for name in wanted if served is not None and name not in served]
+        if unknown:
+            raise UnknownAdapter(unknown[0], f"by the live workers of queue {queue!r}")
+
     def streams_for(self, keys: Keys, queue: str, prefixes: list[bytes]) -> Steps[list[str | None]]:
         """The worker stream key of each job (by its prefix_key), or None for the shared stream;
         reads the view first when it is stale."""
         if not self.enabled:
             self.placed[Placed.SHARED] += len(prefixes)
             return [None] * len(prefixes)
+        view = yield from self._view(keys, queue)
+        return [self._place(view, prefix, keys, queue) for prefix in prefixes]
+
+    def _view(self, keys: Keys, queue: str) -> Steps[View]:
+        """The queue's view, read again when it is stale."""
         view = self.views.get(queue)
         if view is None or time.monotonic() - view.read_at >= self.refresh_s:
             view = self.views[queue] = yield from read_view(keys, queue)
-        return [self._place(view, prefix, keys, queue) for prefix in prefixes]
+        return view
 
     def _place(self, view: View, key: bytes, keys: Keys, queue: str) -> str | None:
         chosen = view.choose(key)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from producer_client.chat import MAX_TOOLS, ChatMessage, NamedToolChoice, Tool, ToolCall, ToolChoice, tool_names
 from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, MiliError
+from producer_client.keys import NAME_PATTERN
 from producer_client.structured import FORMAT_TYPES, ResponseFormat
 
 MAX_STOP_STRINGS = 16
@@ -95,6 +96,7 @@ def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArg
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_LIMIT = 32768
 CHAT_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls", "enable_thinking")  # JobRequest's, for messages only
+JOB_OPTIONS = (*CHAT_OPTIONS, "adapter")  # JobRequest's fields a submit takes among the sampling parameters
 JobState = Literal["queued", "running", "done", "failed", "cancelled", "expired"]
 
 
@@ -113,6 +115,9 @@ class JobRequest(BaseModel):
     `tool_choice` "none" they are neither rendered nor parsed, a named one is the only one offered,
     and `parallel_tool_calls` false ends the output at its first call. `enable_thinking` is the
     chat template's switch of Qwen3's reasoning.
+
+    `adapter` names the LoRA adapter the job runs with, one its queue's workers serve (None: the
+    base model). Its prefix cache is the adapter's own.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -128,6 +133,7 @@ class JobRequest(BaseModel):
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: bool = True
     enable_thinking: bool = True
+    adapter: str | None = Field(None, pattern=f"^{NAME_PATTERN.pattern}$")
 
     @classmethod
     def from_json(cls, body: str | bytes, max_body_bytes: int, max_tokens_limit: int) -> JobRequest:
@@ -258,6 +264,18 @@ class JobFailed(MiliError):
         self.result = result
 
 
+class JobExpired(MiliError):
+    """The job passed its deadline (`timeout_s`, from its enqueue) before a worker started it: no
+    worker will. `result` is the expired result a worker wrote on reading it, if one has."""
+
+    code = "expired"
+
+    def __init__(self, job_id: str, result: JobResult | None = None):
+        super().__init__(f"job {job_id} passed its deadline before a worker started it")
+        self.job_id = job_id
+        self.result = result
+
+
 class JobStatus(BaseModel):
     id: str
     status: JobState
@@ -304,3 +322,10 @@ class WorkerInfo(BaseModel):
     free_pages: int
     total_pages: int = 0  # the KV pool's size: with free_pages, the worker's KV usage
     started_at: float
+    adapters: list[str] = Field(default_factory=list)  # the LoRA adapters it serves (by name)
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _listed(cls, value: object) -> object:
+        """The heartbeat holds them comma-separated (no name has a comma: keys.NAME_PATTERN)."""
+        return [name for name in value.split(",") if name] if isinstance(value, str) else value

@@ -1,6 +1,7 @@
 """How a client waits on a job's streams: a caller's timeout as a series of bounded blocking
 reads (Deadline), each one XREAD as a step (producer_client.steps), a read that Redis cut short,
-and the end waited for (a result, or JobFailed)."""
+the deadline of a job still queued (JobExpired as soon as it passes: no worker will start it),
+and the end waited for (a result, JobFailed or JobExpired)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import time
 from producer_client.connection import reply_code
 from producer_client.errors import JobTimeout
 from producer_client.keys import Keys
-from producer_client.schema import JobFailed, JobResult
-from producer_client.steps import Repeatable, Steps
+from producer_client.protocol.clock import epoch_ms
+from producer_client.schema import JobExpired, JobFailed, JobResult
+from producer_client.steps import Repeatable, Steps, checked
 
 MAX_BLOCK_MS = 2000  # one blocking read, well inside redis-py's default 5 s socket timeout
 
@@ -26,28 +28,69 @@ class Deadline:
         self.timeout = timeout
         self.at = None if timeout is None else time.monotonic() + timeout
 
-    def block_ms(self) -> int:
-        if self.at is None:
+    def block_ms(self, until: float | None = None) -> int:
+        """The next read's block: to the caller's deadline, and no later than `until` (monotonic)."""
+        if self.at is None and until is None:
             return MAX_BLOCK_MS
-        left = self.at - time.monotonic()
-        if left <= 0:
+        now = time.monotonic()
+        if self.at is not None and self.at <= now:
             raise JobTimeout(self.job_id, self.timeout)
-        return max(1, min(MAX_BLOCK_MS, int(left * 1000)))
+        left = min(at for at in (self.at, until) if at is not None) - now
+        return max(1, min(MAX_BLOCK_MS, int(left * 1000)))  # BLOCK 0 would wait for ever
 
 
-def wait_done(keys: Keys, job_id: str, deadline: Deadline) -> Steps[str]:
-    """The job's result JSON, from its `done` stream: there at once if the job has ended."""
+UNKNOWN = -1.0  # wait_done's expires_at when the job's deadline is yet to be read
+
+
+def wait_done(keys: Keys, job_id: str, deadline: Deadline, expires_at: float | None = UNKNOWN) -> Steps[str]:
+    """The job's result JSON, from its `done` stream: there at once if the job has ended. A job
+    still queued when its deadline passes raises JobExpired then, not at the caller's timeout.
+    `expires_at`: when the job's deadline passes (monotonic), None if it cannot expire unread;
+    UNKNOWN: read it with a first look at the stream that does not block."""
+    done = keys.done(job_id)
+    if expires_at == UNKNOWN:
+        reply, (status, deadline_ms), redis_time = checked(
+            (yield Repeatable(lambda pipe: (pipe.xread({done: "0-0"}, count=1), *job_deadline(pipe, keys, job_id))))
+        )
+        streams = streams_read(reply)
+        if streams:
+            return streams[0][1][0][1]["data"]
+        expires_at = expiry(job_id, status, deadline_ms, redis_time)
     while True:
-        entries = yield from xread(keys.done(job_id), "0-0", 1, deadline)
+        if expires_at is not None and time.monotonic() >= expires_at:
+            (status, deadline_ms), redis_time = checked(
+                (yield Repeatable(lambda pipe: job_deadline(pipe, keys, job_id)))
+            )
+            expires_at = expiry(job_id, status, deadline_ms, redis_time)
+        entries = yield from xread(done, "0-0", 1, deadline, expires_at)
         if entries:
             return entries[0][1]["data"]
 
 
-def xread(key: str, after: str, count: int, deadline: Deadline) -> Steps[list]:
+def job_deadline(pipe, keys: Keys, job_id: str) -> tuple:
+    """The job's status and deadline (one HMGET), and Redis's clock, for `expiry`."""
+    return pipe.hmget(keys.job(job_id), "status", "deadline"), pipe.time()
+
+
+def expiry(job_id: str, status: str | None, deadline_ms: str | None, redis_time: tuple[int, int]) -> float | None:
+    """When a queued job's deadline passes, on this process's monotonic clock (within a round trip
+    of Redis's, late rather than early: the caller asks Redis again then); None if the job cannot
+    expire unread (it has started or ended, has no deadline, or is not there). Raises JobExpired
+    once it has passed, as `status()` reads it."""
+    if status != "queued" or deadline_ms is None:
+        return None
+    left_ms = int(deadline_ms) - epoch_ms(redis_time)
+    if left_ms < 0:
+        raise JobExpired(job_id)
+    return time.monotonic() + (left_ms + 1) / 1000
+
+
+def xread(key: str, after: str, count: int, deadline: Deadline, until: float | None = None) -> Steps[list]:
     """One blocking XREAD of one stream (on a cluster, sent to the node of its key): up to `count`
-    of its entries after `after`, or none if none came within the deadline's next block. A read
-    that Redis cut short returns none, and the caller reads again."""
-    block_ms = deadline.block_ms()
+    of its entries after `after`, or none if none came within the deadline's next block (which
+    ends by `until`, monotonic, if given). A read that Redis cut short returns none, and the
+    caller reads again."""
+    block_ms = deadline.block_ms(until)
     (reply,) = yield Repeatable(lambda pipe: pipe.xread({key: after}, count=count, block=block_ms))
     streams = streams_read(reply)
     return streams[0][1] if streams else []
@@ -70,8 +113,10 @@ def read_cut_short(error: Exception) -> bool:
 
 
 def finished(job_id: str, result_json: str) -> JobResult:
-    """The job's final result; a failed job raises JobFailed carrying it."""
+    """The job's final result; a failed job raises JobFailed carrying it, an expired one JobExpired."""
     result = JobResult.model_validate_json(result_json)
+    if result.status == "expired":
+        raise JobExpired(job_id, result)
     if result.status == "failed":
         error = result.error
         raise JobFailed(error.code if error else "error", error.message if error else "failed", result)

@@ -29,8 +29,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 
-# Without a GPU, pin the CPU build: an unpinned torch pulls several GB of CUDA wheels.
-if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+# Without a GPU, pin the CPU build: an unpinned torch pulls several GB of CUDA wheels. Whether torch
+# is installed is looked up, not imported: an import takes seconds, on every run.
+if ! .venv/bin/python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("torch") is None)'; then
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
     echo "[bootstrap] installing torch (a GPU is present: the CUDA build, several GB)"
     pip install torch
@@ -56,4 +57,4 @@ else
   pip install -e ".[${extra}]"
   echo "$digest" > ".venv/.mili-$extra"
 fi
-echo "[bootstrap] ready: $(.venv/bin/python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
+echo "[bootstrap] ready: $(.venv/bin/python -c 'from importlib.metadata import version as v; print("torch", v("torch"), "triton", v("triton"))')"

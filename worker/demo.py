@@ -1,7 +1,8 @@
 """The demo behind the README's run command: a private Redis, one worker process, and a few
-jobs sent through the producer client (one streamed live, one chat), one chat through the
-OpenAI-compatible gateway with the official `openai` SDK, then the results and the worker's
-own metrics, and a clean shutdown of all."""
+jobs sent through the producer client (one streamed live, one chat, one prompt under the base
+model and two LoRA adapters in one batch), one chat through the OpenAI-compatible gateway with the
+official `openai` SDK, then the results and the worker's own metrics, and a clean shutdown of all.
+The adapters are random ones written in PEFT's layout for the model (worker/model/random_adapter.py)."""
 
 from __future__ import annotations
 
@@ -28,23 +29,42 @@ def demo(model: str) -> int:
     with tempfile.TemporaryDirectory(prefix="mili-demo-") as tmp, EmbeddedRedis() as server:
         log_path = Path(tmp) / "worker.log"
         print(f"redis-server (embedded): {server.url}")
+        adapters = write_adapters(model, Path(tmp))
         with log_path.open("w") as log_file:
-            worker = start_worker(model, server.url, log_file)
+            worker = start_worker(model, server.url, log_file, adapters)
+            log = LogTail(log_path)
             try:
                 with Client(server.url) as client:
-                    port = wait_for_worker(client, worker, log_path)
-                    jobs = run_jobs(client) + chat_through_gateway(server.url, model, Path(tmp) / "gateway.log")
+                    port = wait_for_worker(client, worker, log)
+                    jobs = run_jobs(client) + run_adapter_jobs(client, list(adapters))
+                    jobs += chat_through_gateway(server.url, model, Path(tmp) / "gateway.log")
                     print_metrics(port, jobs)
             finally:
                 stop_process(worker, timeout_s=60)  # SIGTERM: the worker drains and exits
-        print(f"\nworker log ({log_path.name}):")
-        for line in log_path.read_text().splitlines():
-            print(f"  | {line}")
+        print(f"\nworker log since it started ({log_path.name}):")
+        log.show(final=True)
     print("\nworker and redis-server stopped.")
     return 0
 
 
-def start_worker(model: str, url: str, log_file) -> subprocess.Popen:
+def write_adapters(model: str, directory: Path) -> dict[str, Path]:
+    """Two random LoRA adapters of the model, by name. The echo engine serves names alone (it reads
+    no adapter), so for it none is written."""
+    from worker.model.config import read_json
+    from worker.model.presets import resolve_model_path
+    from worker.model.random_adapter import write_random_adapter
+
+    names = {"demo-sql": (8, ("q_proj", "v_proj")), "demo-chat": (16, ("q_proj", "k_proj", "v_proj", "o_proj"))}
+    if model == "echo":
+        return {name: directory / name for name in names}
+    config = read_json(resolve_model_path(model) / "config.json")
+    return {
+        name: write_random_adapter(directory / name, config, rank, targets, seed=rank)
+        for name, (rank, targets) in names.items()
+    }
+
+
+def start_worker(model: str, url: str, log_file, adapters: dict[str, Path]) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
@@ -62,6 +82,8 @@ def start_worker(model: str, url: str, log_file) -> subprocess.Popen:
         "0",
         "--kv-cache-mib",
         "256",
+        "--lora-modules",
+        *(f"{name}={path}" for name, path in adapters.items()),
     ]
     # Leave a core to redis-server and this client: torch's threads spin while they wait, and
     # on a small machine an oversubscribed worker runs several times slower.
@@ -70,16 +92,38 @@ def start_worker(model: str, url: str, log_file) -> subprocess.Popen:
     return subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
 
 
-def wait_for_worker(client: Client, worker: subprocess.Popen, log_path: Path) -> int:
-    """Wait for the worker's first heartbeat; returns its metrics port."""
-    print(f"waiting for the worker to load {WORKER_NAME}'s model...", flush=True)
+class LogTail:
+    """The worker's log, shown as it is written: each whole line once, indented."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+
+    def show(self, final: bool = False) -> None:
+        """Print the lines written since the last call (`final`: a last line without its newline too)."""
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = len(data) if final else data.rfind(b"\n") + 1
+        self.offset += end
+        for line in data[:end].decode(errors="replace").splitlines():
+            print(f"  | {line}", flush=True)
+
+
+def wait_for_worker(client: Client, worker: subprocess.Popen, log: LogTail) -> int:
+    """Wait for the worker's first heartbeat, showing its log's progress lines meanwhile (a first
+    start writes the preset and compiles for a minute or more); returns its metrics port."""
+    print(f"waiting for the worker to load {WORKER_NAME}'s model (its log follows):", flush=True)
     deadline = time.monotonic() + WORKER_START_TIMEOUT_S
     while WORKER_NAME not in client.queue_stats().workers:
+        log.show()
         if worker.poll() is not None:
-            raise SystemExit(f"the worker exited with code {worker.returncode}:\n{log_path.read_text()}")
+            log.show(final=True)
+            raise SystemExit(f"the worker exited with code {worker.returncode}")
         if time.monotonic() > deadline:
             raise SystemExit(f"the worker did not start within {WORKER_START_TIMEOUT_S:g}s")
         time.sleep(0.1)
+    log.show()
     return int(client.redis.hget(client.keys.worker(WORKER_NAME), "metrics_port"))
 
 
@@ -109,6 +153,18 @@ def run_jobs(client: Client) -> int:
         print(f"{prompt!r} ->")
         show(result)
     return 2 + len(PROMPTS)
+
+
+def run_adapter_jobs(client: Client, adapters: list[str]) -> int:
+    """One prompt under the base model and each adapter, submitted at once: one batch of the engine,
+    its rows on different adapters. Returns how many jobs ran."""
+    print(f"\n== one prompt under the base model and LoRA adapters {', '.join(adapters)} (one batch) ==")
+    names = [None, *adapters]
+    ids = [client.submit("Redis streams are", max_tokens=MAX_TOKENS, temperature=0.0, adapter=a) for a in names]
+    for name, job_id in zip(names, ids):
+        print(f"adapter {name or '(none: the base model)'} ->")
+        show(client.result(job_id, timeout=120))
+    return len(ids)
 
 
 def chat_through_gateway(redis_url: str, model: str, log_path: Path) -> int:

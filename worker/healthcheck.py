@@ -20,16 +20,12 @@ import sys
 
 import redis
 
-from producer_client.connection import connect
+from producer_client.connection import describe, probe
 from producer_client.errors import MiliError
 from producer_client.keys import Keys
 from producer_client.protocol.execution import execute
 from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.settings import WorkerSettings, settings_from_args
-
-# Well inside the HEALTHCHECK and probe timeouts (10 s), so a hung Redis reads as unhealthy
-# and not as a probe timeout.
-REDIS_TIMEOUT_S = 3.0
 
 
 def run_healthcheck(args: argparse.Namespace) -> int:
@@ -45,24 +41,21 @@ def run_healthcheck(args: argparse.Namespace) -> int:
 
 
 def healthcheck(settings: WorkerSettings) -> int:
-    """The process exit code: 0 healthy, 1 not; says why on stdout or stderr."""
+    """The process exit code: 0 healthy, 1 not; says why on stdout or stderr. Every Redis call is
+    tried once, all of them within healthcheck_timeout_s: a Redis that is down or hung reads as
+    unhealthy, with its cause, and not as the probe's own timeout."""
     if settings.redis == "embedded":
         return _unhealthy("an embedded Redis is private to its worker; give the worker and the check a Redis URL")
-    client = None
-    try:
-        client = connect(
-            settings.redis,
-            decode_responses=True,
-            socket_timeout=REDIS_TIMEOUT_S,
-            socket_connect_timeout=REDIS_TIMEOUT_S,
-        )
+    keys = Keys(settings.prefix)
+
+    def answers_and_live(client: redis.Redis) -> list[str]:
         client.ping()
-        live = live_workers(client, Keys(settings.prefix), settings.queue, settings.name)
+        return live_workers(client, keys, settings.queue, settings.name)
+
+    try:
+        live = probe(settings.redis, settings.healthcheck_timeout_s, answers_and_live)
     except redis.RedisError as e:
-        return _unhealthy(f"Redis does not answer: {type(e).__name__}: {e}")
-    finally:
-        if client is not None:
-            client.close()
+        return _unhealthy(f"Redis does not answer: {describe(e)}")
     if not live:
         who = settings.name or f"{socket.gethostname()}-*"
         return _unhealthy(f"no live heartbeat for worker {who} on queue {settings.queue}")

@@ -117,6 +117,12 @@ class WorkerMetrics:
         self.accepted_draft_tokens = Counter(
             "mili_speculative_accepted_tokens", "Speculative decoding: drafted tokens accepted as output.", registry=r
         )
+        self.lora_adapter_reads = Counter(
+            "mili_lora_adapter_reads", "LoRA adapters read from disk (on the loader thread).", registry=r
+        )
+        self.lora_adapter_installs = Counter(
+            "mili_lora_adapter_installs", "LoRA adapters installed in a device slot.", registry=r
+        )
         jobs = Counter("mili_jobs", "Jobs this worker ended, by outcome.", ["outcome"], registry=r)
         # Each outcome's counter, exported at 0 from the start so that rates are defined, and
         # looked up once: labels() costs more than the increment.
@@ -160,6 +166,8 @@ class WorkerMetrics:
             "grammar_compile_seconds": self.grammar_compile_seconds,
             "draft_tokens": self.draft_tokens,
             "accepted_draft_tokens": self.accepted_draft_tokens,
+            "adapter_reads": self.lora_adapter_reads,
+            "adapter_installs": self.lora_adapter_installs,
         }
         for name, counter in counters.items():
             total = getattr(stats, name)

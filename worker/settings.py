@@ -118,6 +118,12 @@ class WorkerSettings(TomlSettings):
         "0.0.0.0 every interface (a container, whose image sets it)",
     )
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus endpoint port; 0 binds any free port")
+    healthcheck_timeout_s: float = Field(
+        1.5,
+        gt=0.0,
+        description="`python -m worker healthcheck` reports unhealthy, with the cause, once Redis has not answered "
+        "for this long (one try, no retry), inside the probe's own timeout",
+    )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
     engine: EngineSettings = EngineSettings()
 
@@ -143,20 +149,33 @@ class WorkerSettings(TomlSettings):
     def _refresh_before_reclaim(self) -> WorkerSettings:
         # A live worker refreshes its entries with every heartbeat; a claim_idle_ms that does not
         # leave room for a late heartbeat would let other workers take its running jobs.
-        if self.claim_idle_ms < 2000 * self.heartbeat_interval_s:
-            raise InvalidArgument("claim_idle_ms", "must be at least twice heartbeat_interval_s")
+        least_ms = 2000 * self.heartbeat_interval_s
+        if self.claim_idle_ms < least_ms:
+            raise _claim_too_short(
+                self.claim_idle_ms,
+                f"at least {least_ms:g} (twice heartbeat_interval_s {self.heartbeat_interval_s:g} s)",
+                "one late heartbeat would let the other workers reclaim this worker's running jobs",
+            )
         # After an outage every worker waits claim_idle_ms before it reclaims, while a worker whose
         # backoff wait was longest refreshes its entries only after that wait and a heartbeat (and
         # a WAIT for replicas, as long again: the loop waits for the publisher's round when it
         # settles one before adopting, and at the end of a drain).
         waits_ms = self.wait_timeout_ms if self.wait_replicas else 0
-        if self.claim_idle_ms <= 1000 * (self.redis_backoff_max_s + self.heartbeat_interval_s) + waits_ms:
-            raise InvalidArgument(
-                "claim_idle_ms",
-                "must exceed redis_backoff_max_s + heartbeat_interval_s (+ wait_timeout_ms with "
-                "wait_replicas), or a worker back from a Redis outage can lose its running jobs to the others",
+        floor_ms = 1000 * (self.redis_backoff_max_s + self.heartbeat_interval_s) + waits_ms
+        if self.claim_idle_ms <= floor_ms:
+            waits = f" + wait_timeout_ms {waits_ms} with wait_replicas" if waits_ms else ""
+            raise _claim_too_short(
+                self.claim_idle_ms,
+                f"more than {floor_ms:g} (redis_backoff_max_s {self.redis_backoff_max_s:g} s + heartbeat_interval_s "
+                f"{self.heartbeat_interval_s:g} s{waits})",
+                "a worker back from a Redis outage refreshes its running jobs' entries only that long after, "
+                "and the other workers would reclaim them first",
             )
         return self
+
+
+def _claim_too_short(claim_idle_ms: int, least: str, why: str) -> InvalidArgument:
+    return InvalidArgument("claim_idle_ms", f"{claim_idle_ms} is too short: give {least}: {why}")
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -165,7 +184,15 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     for name, field in _flag_fields():
         flag = "--" + name.replace("_", "-")
         kind = _scalar_type(field.annotation)
-        if typing.get_origin(kind) is typing.Literal:
+        if typing.get_origin(kind) is dict:
+            parser.add_argument(
+                flag,
+                nargs="+",
+                metavar="NAME=PATH",
+                default=argparse.SUPPRESS,
+                help=field.description,
+            )
+        elif typing.get_origin(kind) is typing.Literal:
             parser.add_argument(
                 flag,
                 choices=typing.get_args(kind),

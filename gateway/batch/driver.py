@@ -249,11 +249,11 @@ class DrivenBatch:
             rid = request_id(self.batch_id, line.custom_id, line.body)
             try:
                 request = line_request(line, index + 1)
-                queue = await self.driver.registry.queue_for(request.request.model)
+                route = await self.driver.registry.route(request.request.model)
             except APIError as e:
                 refused.append((index, error_answer(line.custom_id, rid, e)))
                 continue
-            prepared.append(LineJobs(request, rid, queue))
+            prepared.append(LineJobs(request, rid, route.queue, adapter=route.adapter))
         await self.store.answer(self.batch_id, refused)
         return prepared
 

@@ -21,7 +21,7 @@ from gateway.errors import unauthorized
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream
 from openai_format.errors import APIError, not_found
-from producer_client import AsyncClient, JobFailed, JobNotFound, JobTimeout
+from producer_client import AsyncClient, JobExpired, JobFailed, JobNotFound, JobTimeout
 from producer_client.dead_letters import DeadLetterNotFound, NotRetryable
 from producer_client.keys import check_name
 from producer_client.validation import check_event_id, check_job_id
@@ -171,7 +171,7 @@ async def text_events(client: AsyncClient, job_id: str, after: str, keepalive_s:
         except JobTimeout:
             yield b": keep-alive\n\n"
             continue
-        except JobFailed as e:
+        except (JobFailed, JobExpired) as e:
             result = e.result
         except JobNotFound:
             result = None

@@ -219,18 +219,35 @@ return lost
 """,
 )
 
-# KEYS: queue. ARGV: group, consumer, min idle ms, start id, count.
+# Prepended to RECLAIM and TAKE_OVER (KEYS[1], group ARGV[1]): the set of the first `count`
+# entries from `start` that a drain handed over (idle longer than `idle`), read before a claim
+# resets their idle times, so that a worker says which jobs it took over and which it reclaimed.
+HANDED_OVER = """
+local function handed_over(start, count, idle)
+  local handed = {}
+  for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', idle, start, '+', count)) do
+    handed[p[1]] = 1
+  end
+  return handed
+end
+"""
+
+# KEYS: queue. ARGV: group, consumer, min idle ms, start id, count, handed-over idle ms.
 # XAUTOCLAIM of up to `count` entries idle longer than `min idle`, each returned with its
-# delivery count (which the claim has just raised): {next start id, {{id, {field, value...},
-# deliveries}...}}.
+# delivery count (which the claim has just raised) and 1 if a drain had handed it over (idle
+# longer than `handed-over idle` before the claim: RELEASE makes it so), else 0: {next start id,
+# {{id, {field, value...}, deliveries, handed over}...}}. The idle times are read before the claim
+# resets them; the first `count` handed-over entries from the start id include every one it takes.
 RECLAIM = Script(
     "reclaim",
-    """
+    HANDED_OVER
+    + """
+local handed = handed_over(ARGV[4], ARGV[5], ARGV[6])
 local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5])
 local claimed = {}
 for _, entry in ipairs(reply[2]) do
   local pending = redis.call('XPENDING', KEYS[1], ARGV[1], entry[1], entry[1], 1)
-  table.insert(claimed, {entry[1], entry[2], pending[1][4]})
+  table.insert(claimed, {entry[1], entry[2], pending[1][4], handed[entry[1]] or 0})
 end
 return {reply[1], claimed}
 """,
@@ -283,16 +300,19 @@ end
 """
 
 # KEYS: one worker's own stream (cache-aware placement: docs/architecture.md). ARGV: group, consumer,
-# min idle ms, steal before (epoch ms on Redis's clock; 0: steal nothing), count. Takes up to `count`
+# min idle ms, steal before (epoch ms on Redis's clock; 0: steal nothing), count, handed-over idle
+# ms. Takes up to `count`
 # entries of the stream: first those pending longer than `min idle` (their owner died or stalled,
 # XAUTOCLAIM as RECLAIM does on the shared stream), then entries nobody has read yet that were added
 # before `steal before` (their owner is busy, stalled or gone: a steal), oldest first. A stream of
 # another type is passed over (a producer may write it), and one whose group Redis lost is given a
 # new one from its start, so that entries of a worker that died meanwhile are still taken. Returns
-# {{{id, {field, value...}, deliveries}...} reclaimed, {{id, {field, value...}}...} stolen}.
+# {{{id, {field, value...}, deliveries, handed over}...} reclaimed, {{id, {field, value...}}...} stolen},
+# `handed over` as RECLAIM's.
 TAKE_OVER = Script(
     "take_over",
     LAST_DELIVERED
+    + HANDED_OVER
     + """
 if redis.call('TYPE', KEYS[1]).ok ~= 'stream' then return {{}, {}} end
 local last = last_delivered()
@@ -302,10 +322,11 @@ if not last then
 end
 local count = tonumber(ARGV[5])
 local reclaimed = {}
+local handed = handed_over('0-0', count, ARGV[6])
 local reply = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], '0-0', 'COUNT', count)
 for _, entry in ipairs(reply[2]) do
   local pending = redis.call('XPENDING', KEYS[1], ARGV[1], entry[1], entry[1], 1)
-  table.insert(reclaimed, {entry[1], entry[2], pending[1][4]})
+  table.insert(reclaimed, {entry[1], entry[2], pending[1][4], handed[entry[1]] or 0})
 end
 count = count - #reclaimed
 local before = tonumber(ARGV[4])
@@ -390,8 +411,8 @@ def refresh(stream: str, worker: str, entry_ids: list[str]) -> ScriptCall:
     return ScriptCall(REFRESH, (stream,), (GROUP, worker, *entry_ids))
 
 
-def reclaim(stream: str, worker: str, min_idle_ms: int, cursor: str, count: int) -> ScriptCall:
-    return ScriptCall(RECLAIM, (stream,), (GROUP, worker, min_idle_ms, cursor, count))
+def reclaim(stream: str, worker: str, min_idle_ms: int, cursor: str, count: int, handed_over_ms: int) -> ScriptCall:
+    return ScriptCall(RECLAIM, (stream,), (GROUP, worker, min_idle_ms, cursor, count, handed_over_ms))
 
 
 def release(stream: str, worker: str, idle_ms: int, entry_ids: list[str]) -> ScriptCall:
@@ -405,8 +426,10 @@ def deadletter(stream: str, dead: str, entry_id: str, dead_maxlen: int, letter: 
     )
 
 
-def take_over(stream: str, worker: str, min_idle_ms: int, steal_before_ms: int, count: int) -> ScriptCall:
-    return ScriptCall(TAKE_OVER, (stream,), (GROUP, worker, min_idle_ms, steal_before_ms, count))
+def take_over(
+    stream: str, worker: str, min_idle_ms: int, steal_before_ms: int, count: int, handed_over_ms: int
+) -> ScriptCall:
+    return ScriptCall(TAKE_OVER, (stream,), (GROUP, worker, min_idle_ms, steal_before_ms, count, handed_over_ms))
 
 
 def takeable(stream: str, min_idle_ms: int, steal_before_ms: int) -> ScriptCall:

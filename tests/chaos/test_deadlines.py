@@ -10,8 +10,10 @@ import uuid
 
 import pytest
 
+from producer_client import JobExpired
 from tests.support.clients import make_client
 from tests.support.jobs import runs, tokens_published
+from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
 
 pytestmark = pytest.mark.waits
@@ -44,7 +46,10 @@ def test_expired_jobs_are_not_run_and_timed_out_jobs_return_partial_output(
             running = client.submit("r" * 16000, max_tokens=16000, timeout_s=0.2)
             waiting = client.submit("never", max_tokens=8, timeout_s=0.1)
             timed_out = client.result(running, timeout=30)
-            expired = client.result(waiting, timeout=30)
+            with pytest.raises(JobExpired):
+                client.result(waiting, timeout=30)
+            assert eventually(lambda: client.status(waiting).result is not None, timeout=30)
+            expired = client.status(waiting).result
         assert (timed_out.status, timed_out.finish_reason) == ("done", "timeout")
         assert 0 < timed_out.usage.completion_tokens < 16000
         assert timed_out.text == "r" * timed_out.usage.completion_tokens

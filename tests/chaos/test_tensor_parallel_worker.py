@@ -94,9 +94,11 @@ def tp_worker(redis_url: str, queue: str, log_dir: Path, checkpoint: Path, *flag
 
 
 def rank_pids(worker: WorkerProcess) -> list[int]:
-    """The other ranks' pids, from the worker's start-up line."""
-    match = re.search(r"tensor parallelism: 2 ranks on .* \(pids ([\d, ]+)\)", worker.log())
-    return [int(p) for p in match.group(1).split(", ")]
+    """The other ranks' pids, from the worker's start-up line, which names every rank's: rank 0 is
+    the worker's own process."""
+    match = re.search(r"tensor parallelism: 2 ranks on .* \(rank 0: pid (\d+), rank 1: pid (\d+)\)", worker.log())
+    assert match is not None and int(match.group(1)) == worker.process.pid, worker.log()
+    return [int(match.group(2))]
 
 
 def submit_all(client: Client) -> list[str]:
@@ -211,8 +213,8 @@ def test_a_rank_killed_or_hung_takes_the_worker_down_and_its_jobs_finish_elsewhe
         assert_one_final_result(redis_client, job)
 
 
-def run_worker(*flags: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def run_worker(*flags: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "worker", "serve", *flags],
         cwd=REPO,
@@ -233,6 +235,20 @@ def test_a_worker_refuses_a_split_the_heads_do_not_allow_with_one_line(redis_ser
         "does not divide intermediate_size 128"
     )
     assert "Traceback" not in done.stderr
+
+
+def test_a_refusal_comes_before_a_preset_is_written_or_a_weight_read(redis_server, tmp_path):
+    """What config.json alone refuses is refused first: a preset's first use writes its checkpoint
+    (tens of seconds), and the checkpoint's check builds a model on the meta device (seconds)."""
+    done = run_worker(
+        "--model", "tiny", "--redis", redis_server.url, "--metrics-port", "0", "--tensor-parallel-size", "3",
+        env={"MILI_CACHE_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: invalid_argument: tensor_parallel_size: 3 does not divide num_attention_heads 4"
+    )
+    assert not (tmp_path / "presets").exists() and "loaded" not in done.stderr
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs")

@@ -4,15 +4,17 @@ while this worker's heartbeat is live and Redis answers."""
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests.deploy.support import HEARTBEAT_TTL_S, ROOT, environment_without_mili
 from tests.support.polling import eventually
 from worker.__main__ import build_parser
-from worker.embedded_redis import EmbeddedRedis
+from worker.embedded_redis import EmbeddedRedis, free_port
 from worker.healthcheck import healthcheck
 from worker.settings import WorkerSettings
 
@@ -83,6 +85,36 @@ def test_unhealthy_when_no_redis_ever_listened(capsys):
     server.stop()
     assert check(url, "anyone") == 1
     assert "Redis does not answer" in capsys.readouterr().err
+
+
+@pytest.mark.timing
+def test_unhealthy_at_once_with_the_cause_when_redis_refuses(capsys):
+    port = free_port()
+    started = time.monotonic()
+    assert check(f"redis://127.0.0.1:{port}/0", "anyone") == 1
+    assert time.monotonic() - started < WorkerSettings().healthcheck_timeout_s
+    assert capsys.readouterr().err == (
+        f"unhealthy: Redis does not answer: ConnectionError: Error 111 connecting to 127.0.0.1:{port}. "
+        "Connection refused.\n"
+    )
+
+
+@pytest.mark.timing
+def test_unhealthy_within_its_timeout_while_redis_is_silent(capsys):
+    """A hung Redis takes connections and answers nothing: the check ends at healthcheck_timeout_s,
+    not at the probe's timeout, each time."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        settings = WorkerSettings(redis=f"redis://127.0.0.1:{silent.getsockname()[1]}/0", healthcheck_timeout_s=0.3)
+        for _ in range(3):
+            started = time.monotonic()
+            assert healthcheck(settings) == 1
+            assert 0.3 <= time.monotonic() - started < 1.3
+            assert capsys.readouterr().err in (
+                "unhealthy: Redis does not answer: no answer within 0.3 s\n",
+                "unhealthy: Redis does not answer: TimeoutError: Timeout reading from socket\n",
+            )
 
 
 def test_an_embedded_redis_cannot_be_checked(capsys):

@@ -70,5 +70,9 @@ def test_the_demo_runs_jobs_through_redis_and_a_worker_and_stops_cleanly():
     assert "resubmitting request_id demo-0 returned the same job: True" in out
     assert 'chat.completions.create(model="echo"' in out
     assert "'user: Name a prime numbe' (length, 62 tokens)" in out  # the echo worker's 24 tokens, through the gateway
-    assert "jobs: done 6, failed 0, cancelled 0, expired 0" in out
+    assert "adapter demo-sql ->" in out and "adapter demo-chat ->" in out  # LoRA adapters, served by name
+    assert "jobs: done 9, failed 0, cancelled 0, expired 0" in out
+    # The worker's start is shown as it happens (its log's lines, before the first job), not after the demo.
+    started, first_job = out.index("worker.loop.service: serving queue 'default'"), out.index("== one job")
+    assert started < first_job, out
     assert "worker and redis-server stopped." in out

@@ -369,7 +369,7 @@ def test_the_cli_submits_each_kind_of_format_and_refuses_what_cannot_compile(red
     ), refused.stderr
     not_json = mili(url, "submit", "x", "--json-schema", "{not json")
     assert not_json.returncode == 1 and not_json.stderr.startswith(
-        "error: invalid_argument: json_schema: not a JSON schema"
+        "error: invalid_argument: json_schema: not JSON (give the schema's JSON text, or @FILE): "
     )
     both = mili(url, "submit", "x", "--json", "--regex", "a")
     assert both.returncode == 2 and "not allowed with argument" in both.stderr

@@ -101,7 +101,7 @@ def test_a_taken_metrics_port_stops_the_worker_before_its_model_loads():
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: metrics_port_taken:") and "--metrics-port" in last
-    assert "warmed up" not in done.stderr and "Traceback" not in done.stderr
+    assert "warming up" not in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize(
@@ -213,3 +213,50 @@ def test_a_checkpoint_with_an_unsupported_rope_scaling_stops_the_worker_with_one
         "(only 'default' and 'yarn')"
     )
     assert "Traceback" not in done.stderr
+
+
+# The steps a worker on a model logs as it starts, in order; each says when it is done, and how long it took.
+START_UP_STEPS = [
+    r"starting the engine for tiny: importing torch and the kernels \.\.\.",
+    r"starting the engine for tiny: importing torch and the kernels: done in \d+\.\d s",
+    r"loading \S+/presets/tiny-\w+ on cpu \.\.\.",
+    r"loaded \S+/presets/tiny-\w+: 4 layers, 20\.4M parameters, torch\.float32 on cpu",
+    r"loading \S+/presets/tiny-\w+ on cpu: done in \d+\.\d s",
+    r"warming up: the model and the sampler run once, to compile their kernels \.\.\.",
+    r"warming up: the model and the sampler run once, to compile their kernels: done in \d+\.\d s",
+    r"started in \d+\.\d s",
+    r"serving queue 'start' as start-w \(1024 KV pages\)",
+]
+
+
+def test_a_worker_logs_its_start_up_steps_with_their_times_and_exits_on_sigterm_without_a_leak_dump(tmp_path):
+    """gc.freeze kept Triton's objects alive past the interpreter's exit, and its C extension
+    (nanobind) printed 27 lines of leaks after the worker's last line, at every exit."""
+    with EmbeddedRedis(port=free_port()) as server:
+        worker = WorkerProcess(server.url, "start", "start-w", tmp_path)
+        try:
+            worker.start().wait_ready()
+            returncode = worker.terminate(timeout=60)
+        finally:
+            worker.stop()
+    output = worker.log()
+    assert returncode == 0, output
+    records = [line.split("[start-w] ", 1)[1].split(": ", 1)[1] for line in output.splitlines() if "[start-w] " in line]
+    steps = iter(records)
+    for step in START_UP_STEPS:
+        assert any(re.fullmatch(step, record) for record in steps), f"no {step!r} in order in:\n{output}"
+    assert records[-1] == "stopped" and output.endswith("stopped\n"), output
+    assert "nanobind" not in output and "leaked" not in output
+
+
+def test_an_error_ends_the_workers_output_with_no_leak_dump_after_it():
+    """The way out of serve_forever after a real error: the error is the process's last line."""
+    error = "error: rank_failed: tensor-parallel rank 1 (pid 7) was killed by SIGKILL"
+    code = (
+        "import triton.language\n"  # Triton's C extension, as a worker on a model has it loaded
+        "from worker.__main__ import frozen_startup_objects\n"
+        "with frozen_startup_objects():\n"
+        f"    raise SystemExit({error!r})\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (1, "", error + "\n")

@@ -39,7 +39,7 @@ class FakeModel:
         self.tp = SINGLE  # one rank
         self.failures = 0  # calls still to fail, as a lost device would
 
-    def __call__(self, input_ids, positions, meta, kv_caches):
+    def __call__(self, input_ids, positions, meta, kv_caches, lora=None):
         if self.failures:
             self.failures -= 1
             raise RuntimeError("device lost")

@@ -28,7 +28,7 @@ def assert_invariants(cache: RadixCache) -> None:
         assert all(cache.allocator.refcount(p) == 1 for p in n.pages)
     for n in cache._nodes():
         assert len(n.key) == len(n.pages) * PS and n.pages
-        assert n.lock_ref <= n.parent.lock_ref or n.parent is cache.root
+        assert n.lock_ref <= n.parent.lock_ref or n.parent.parent is None  # a root's lock_ref is its own
     tree_pages = [p for n in cache._nodes() for p in n.pages]
     assert len(tree_pages) == len(set(tree_pages))
 
@@ -82,6 +82,27 @@ def test_eviction_climbs_to_parents_that_become_leaves():
     assert cache.cached_pages() == 3
     assert cache.evict(3) == 3
     assert cache.cached_pages() == 0 and cache.evictable_pages == 0
+
+
+def test_a_prefix_cached_under_one_adapter_is_never_matched_under_another():
+    cache = make_cache()
+    tokens = list(range(12))
+    base, _ = cache_tokens(cache, tokens)
+    assert cache.match_prefix(tokens, "a").pages == []
+    pages = cache.allocator.allocate(3)
+    node = cache.insert(tokens, pages, "a")
+    cache.allocator.decref(pages)
+    assert cache.cached_pages() == 6  # the same tokens twice: once per adapter, never shared
+    assert cache.match_prefix(tokens, "a").pages == pages
+    assert cache.match_prefix(tokens).pages == base
+    assert cache.match_prefix(tokens, "b").pages == []
+    cache.lock(node)
+    assert cache.clear() == 3  # the base's tree goes, "a"'s locked pages stay
+    assert cache.match_prefix(tokens, "a").pages == pages
+    cache.unlock(node)
+    assert cache.clear() == 3
+    assert cache.allocator.num_free == cache.allocator.num_pages
+    assert_invariants(cache)
 
 
 def test_disabled_cache_stores_and_matches_nothing():

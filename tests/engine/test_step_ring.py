@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from worker.engine.host_step import HostStep
-from worker.engine.step_ring import SLOTS, Kind, StepRing, message_bytes
+from worker.engine.lora.rows import LoraRows
+from worker.engine.step_ring import SLOTS, AdapterMessage, Kind, StepRing, message_bytes
 from worker.model.rank_failed import RankFailed
 
 
@@ -39,6 +40,8 @@ def assert_same(a: HostStep, b: HostStep) -> None:
         if isinstance(value, np.ndarray):
             assert other.dtype == value.dtype and other.shape == value.shape, name
             assert np.array_equal(other, value), name
+        elif isinstance(value, LoraRows):
+            assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(value, other)), name
         else:
             assert other == value, name
 
@@ -68,6 +71,26 @@ def test_a_slot_holds_the_largest_step_and_a_larger_one_is_refused():
     assert_same(reader.receive().step, largest)
     with pytest.raises(ValueError, match="overflows the ring's"):
         ring.send(host_step(1, 32, 8, 5, 32))
+
+
+def test_a_steps_adapter_rows_and_the_adapters_to_read_and_install_cross_the_ring_in_order():
+    ring = StepRing(readers=1, capacity=message_bytes(32, 8, 4, lora_slots=3), timeout_s=5)
+    reader = ring.reader(0)
+    with_rows = host_step(0, 32, 8, 4, 8)
+    with_rows.lora = LoraRows.of(np.array([2, -1, 0, 2, -1, 1, 0, 2]), np.array([4] * 8), 3)
+    sent = [
+        (Kind.ADAPTER_READ, AdapterMessage(-1, "sql", "/adapters/sql")),
+        (Kind.ADAPTER_INSTALL, AdapterMessage(2, "sql", "/adapters/sql")),
+    ]
+    for kind, adapter in sent:  # as many as the ring has slots, then read
+        ring.send_adapter(kind, adapter)
+    for kind, adapter in sent:
+        message = reader.receive()
+        assert (message.kind, message.adapter, message.step) == (kind, adapter, None)
+    ring.send(with_rows)
+    ring.send(host_step(1, 5, 2, 3, 2))  # a step with no adapter rows after it
+    assert_same(reader.receive().step, with_rows)
+    assert reader.receive().step.lora is None
 
 
 def read_in_another_process(reader, count: int, results) -> None:

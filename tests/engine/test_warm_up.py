@@ -6,6 +6,7 @@ import importlib
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from triton.backends.compiler import BaseBackend
@@ -16,7 +17,13 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 from producer_client.schema import SamplingParams
 from tests.engine.test_engine import random_prompts, token_ids
 from worker.engine import Engine, EngineSettings
+from worker.engine.lora.adapters import AdapterHandle
+from worker.engine.lora.rows import LoraRows
+from worker.engine.lora.slots import DeviceSlots
 from worker.model.loader import load_model
+from worker.model.lora import attach_lora, warm_up_lora
+from worker.model.lora_adapter import read_adapter
+from worker.model.random_adapter import write_random_adapter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
@@ -42,6 +49,8 @@ KERNEL_MODULES = tuple(
         "extend_attention",
         "fused_moe",
         "kv_store",
+        "lora_expand",
+        "lora_shrink",
         "moe_align",
         "rms_norm",
         "rope",
@@ -182,6 +191,36 @@ def test_moe_warm_up_compiles_every_kernel_variant_steps_of_any_size_launch(moe_
     assert {name for name, _, _ in serving.keys} == {"_align_kernel", "_gate_up_kernel", "_down_kernel"}
     assert serving.values[("_gate_up_kernel", "BLOCK_M")] == {16, 32, 64}
     assert serving.keys <= warm_up.keys, sorted(serving.keys - warm_up.keys)
+
+
+@pytest.mark.cuda
+def test_lora_warm_up_compiles_every_kernel_variant_steps_of_any_size_launch(checkpoint, tmp_path, monkeypatch):
+    # 2 slots: steps of more than 64 adapter rows take 32-row blocks, of more than 256, 64.
+    if torch.cuda.is_available():
+        device = "cuda"
+    else:
+        device = "cpu"
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model, config, _ = load_model(checkpoint, dtype=torch.float32, device=device)
+    targets = attach_lora(model, 2, 16)
+    slots = DeviceSlots(targets, 2)
+    for slot, rank in enumerate((8, 16)):
+        path = write_random_adapter(tmp_path / str(rank), config, rank, seed=rank)
+        slots.install(slot, AdapterHandle(str(rank), path), read_adapter(str(rank), path, targets, 16, torch.float32))
+    with recorded_launches(monkeypatch) as warm_up:
+        warm_up_lora(model, 300)
+    with recorded_launches(monkeypatch) as serving, torch.inference_mode():
+        for rows, layer in zip((1, 5, 64, 65, 200, 257, 300), itertools.cycle([0, 1])):
+            low = -1 if rows % 2 else 0  # odd counts have base rows among them
+            batch = LoraRows.of(np.random.default_rng(rows).integers(low, 2, rows), np.ones(rows, dtype=np.int64), 2)
+            x = torch.randn(rows, config.hidden_size, device=device)
+            model.model.layers[layer].self_attn.qkv_proj(x, batch.to_device(torch.device(device)))
+            model.model.layers[layer].mlp.down_proj(torch.cat([x, x], 1), batch.to_device(torch.device(device)))
+
+    lora = {key for key in serving.keys if key[0].startswith("_lora_")}
+    assert {name for name, _, _ in lora} == {"_lora_shrink_kernel", "_lora_expand_kernel"}
+    assert serving.values[("_lora_shrink_kernel", "BLOCK_M")] == {16, 32, 64}
+    assert lora <= warm_up.keys, sorted(lora - warm_up.keys)
 
 
 def test_engine_warm_up_runs_the_moe_experts_up_to_the_step_budget(make_moe_engine, monkeypatch):

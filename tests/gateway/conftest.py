@@ -1,23 +1,44 @@
 """One redis-server, one worker on the `tiny` preset (a real model: tokenizer, chat template,
-sampling, logprobs), one on the echo engine (the prompt back, byte by byte: fast, and every
-token known in advance), and one gateway in front of them, shared by the whole session:
-a tiny worker takes many seconds to start."""
+sampling, logprobs; serving two LoRA adapters, tests/gateway/test_lora.py), one on the echo
+engine (the prompt back, byte by byte: fast, and every token known in advance), and one gateway
+in front of them, shared by the whole session: a tiny worker takes many seconds to start."""
 
 import json
 
 import openai
 import pytest
 
-from tests.gateway.support import ECHO_QUEUE, KEEPALIVE_S, PARKED_MODEL, PARKED_QUEUE, STREAM_HOLD_S, TINY_QUEUE
+from tests.gateway.support import (
+    ECHO_QUEUE,
+    KEEPALIVE_S,
+    LORA_ADAPTERS,
+    PARKED_MODEL,
+    PARKED_QUEUE,
+    STREAM_HOLD_S,
+    TINY_QUEUE,
+)
 from tests.support.gateways import GatewayProcess
 from tests.support.workers import WorkerProcess, start_workers
+from worker.model.presets import PRESETS
+from worker.model.random_adapter import write_random_adapter
 
 
 @pytest.fixture(scope="session")
-def gateway_workers(redis_server, tmp_path_factory):
+def lora_adapters(tmp_path_factory) -> dict[str, str]:
+    """The tiny worker's LoRA adapters, by name (PEFT's layout, random weights)."""
+    root = tmp_path_factory.mktemp("lora")
+    return {
+        name: str(write_random_adapter(root / name, PRESETS["tiny"].config, **args))
+        for name, args in LORA_ADAPTERS.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def gateway_workers(redis_server, lora_adapters, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("gateway-workers")
+    lora = ["--lora-modules", *(f"{name}={path}" for name, path in lora_adapters.items()), "--max-lora-rank", "16"]
     workers = [
-        WorkerProcess(redis_server.url, TINY_QUEUE, "gw-tiny-1", log_dir, model="tiny"),
+        WorkerProcess(redis_server.url, TINY_QUEUE, "gw-tiny-1", log_dir, *lora, model="tiny"),
         WorkerProcess(redis_server.url, ECHO_QUEUE, "gw-echo-1", log_dir, model="echo"),
     ]
     try:

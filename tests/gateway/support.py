@@ -15,6 +15,11 @@ TINY_QUEUE = "gw-tiny"
 ECHO_QUEUE = "gw-echo"
 PARKED_QUEUE = "gw-parked"  # no worker serves it until a test starts one: its jobs wait
 PARKED_MODEL = "parked"
+# The tiny worker's LoRA adapters: name -> write_random_adapter's arguments.
+LORA_ADAPTERS = {
+    "tiny-sql": {"rank": 8, "seed": 1},
+    "tiny-chat": {"rank": 16, "target_modules": ("q_proj", "v_proj"), "seed": 2},
+}
 KEEPALIVE_S = 0.2
 STREAM_HOLD_S = 3.0  # a stream of a job that waits in the queue begins after this, then keeps alive
 

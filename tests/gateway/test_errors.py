@@ -2,7 +2,10 @@
 anything is enqueued. Plain httpx, so that the exact status, headers and body are checked."""
 
 import json
+import re
+import socket
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -19,6 +22,9 @@ pytestmark = pytest.mark.waits
 CHAT = [{"role": "user", "content": "hi"}]
 API_KEYS = ["key-one", "key-two"]
 STRICT_TIMEOUT_S = 1.0
+# A probe's timeout: /health must answer within it, whatever Redis does (health_timeout_s is 1.5 s).
+HEALTH_TIMEOUT_S = 2.0
+SILENT_HEALTH_TIMEOUT_S = 0.3
 
 
 def error_of(response: httpx.Response) -> dict:
@@ -219,18 +225,55 @@ def test_a_job_past_its_deadline_is_a_504_and_is_cancelled(strict_gateway, redis
         timeout=30,
     )
     assert response.status_code == 504
-    assert error_of(response)["code"] == "deadline_exceeded"
+    error = error_of(response)
     (job_id,) = job_ids_in_queue(redis_client, strict_gateway.models[PARKED_MODEL])
+    # At the job's deadline, which the gateway sets to its own wait (job_timeout_s): no worker will start it.
+    assert (error["code"], error["message"]) == (
+        "deadline_exceeded",
+        f"job {job_id} passed its deadline before a worker started it",
+    )
     status = httpx.get(f"{strict_gateway.url}/v1/jobs/{job_id}", headers=auth).json()
     assert status["status"] == "cancelled"  # it never ran, and never will
 
 
 def test_redis_unreachable_is_a_503(tmp_path):
-    gw = GatewayProcess(f"redis://127.0.0.1:{free_port()}/0", tmp_path).start()
+    """A request retries for seconds (Redis may be failing over); /health answers at once, with the cause."""
+    port = free_port()
+    gw = GatewayProcess(f"redis://127.0.0.1:{port}/0", tmp_path).start()
     try:
         chat = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": "tiny", "messages": CHAT}, timeout=30)
-        health = httpx.get(f"{gw.url}/health", timeout=30)
+        health = httpx.get(f"{gw.url}/health", timeout=HEALTH_TIMEOUT_S)
     finally:
         gw.stop()
     assert (chat.status_code, health.status_code) == (503, 503)
     assert error_of(chat)["code"] == error_of(health)["code"] == "redis_unavailable"
+    assert error_of(health)["message"] == (
+        "the queue's Redis is unavailable: ConnectionError: "
+        f"Error 111 connecting to 127.0.0.1:{port}. Connection refused."
+    )
+
+
+@pytest.mark.timing
+def test_health_answers_503_within_its_timeout_while_redis_is_silent(tmp_path):
+    """A hung Redis (it takes connections, answers nothing): several probes at once, each answered
+    once health_timeout_s has passed, inside a probe's own timeout (httpx's here). The gateway's
+    own time for each, from its request log, is the bound's."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        gw = GatewayProcess(url, tmp_path, "--health-timeout-s", str(SILENT_HEALTH_TIMEOUT_S)).start()
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(lambda _: httpx.get(f"{gw.url}/health", timeout=HEALTH_TIMEOUT_S), range(4)))
+        finally:
+            gw.stop()
+    for response in answers:
+        assert response.status_code == 503
+        assert error_of(response)["message"] in (
+            "the queue's Redis is unavailable: no answer within 0.3 s",
+            "the queue's Redis is unavailable: TimeoutError: Timeout reading from socket",
+        )
+    served_ms = [float(ms) for ms in re.findall(r"GET '/health' -> 503 in ([\d.]+) ms", gw.log())]
+    assert len(served_ms) == 4, gw.log()
+    assert all(SILENT_HEALTH_TIMEOUT_S * 1000 <= ms < (SILENT_HEALTH_TIMEOUT_S + 1.0) * 1000 for ms in served_ms)

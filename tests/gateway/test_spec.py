@@ -294,6 +294,30 @@ def test_what_mili_cannot_honour_is_a_400_naming_it_and_enqueues_nothing(gateway
     assert job_count(redis_client) == before
 
 
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "file-1"}},
+    ],
+)
+def test_an_image_audio_or_file_part_is_a_400_saying_mili_serves_text_only(gateway, redis_client, part):
+    body = {"model": "echo", "messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, part]}]}
+    check("CreateChatCompletionRequest", body)  # OpenAI would take it
+    before = job_count(redis_client)
+    response = post(gateway, "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == {
+        "message": f"messages.0.content part 1 is of type {part['type']}, which MILI does not support: "
+        "it serves text only (send a string or text parts)",
+        "type": "invalid_request_error",
+        "param": "messages.0.content",
+        "code": "unsupported_parameter",
+    }
+    assert job_count(redis_client) == before
+
+
 # -- validated before the stream, finish reasons of the enum -------------------------------------------
 
 

@@ -20,7 +20,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 # Modules by import_module: kernels/__init__ rebinds some module names to their dispatch functions.
-activation, decode_attention, extend_attention, fused_moe, kv_store, moe_align, rms_norm, rope = (
+(
+    activation,
+    decode_attention,
+    extend_attention,
+    fused_moe,
+    kv_store,
+    lora_expand,
+    lora_shrink,
+    moe_align,
+    rms_norm,
+    rope,
+) = (
     importlib.import_module(f"kernels.{name}")
     for name in (
         "activation",
@@ -28,6 +39,8 @@ activation, decode_attention, extend_attention, fused_moe, kv_store, moe_align, 
         "extend_attention",
         "fused_moe",
         "kv_store",
+        "lora_expand",
+        "lora_shrink",
         "moe_align",
         "rms_norm",
         "rope",
@@ -120,7 +133,18 @@ def production_launches() -> list:
     """(kernel, args, kwargs, model dtype) of each launch the launchers make at Qwen3-8B-like
     shapes (128-dim heads, 32 q / 8 kv heads), and the fused MoE's at Qwen3-30B-A3B's."""
     launches: list = []
-    modules = (rms_norm, rope, activation, kv_store, decode_attention, extend_attention, moe_align, fused_moe)
+    modules = (
+        rms_norm,
+        rope,
+        activation,
+        kv_store,
+        decode_attention,
+        extend_attention,
+        moe_align,
+        fused_moe,
+        lora_shrink,
+        lora_expand,
+    )
     for module in modules:
         for name, value in vars(module).items():
             if isinstance(value, triton.runtime.jit.JITFunction) and name.startswith("_") and name.endswith("_kernel"):
@@ -197,6 +221,21 @@ def _record_all(dtype: torch.dtype) -> None:
         5,
     )
     _record_fused_moe(dtype)
+    _record_lora(dtype)
+
+
+def _record_lora(dtype: torch.dtype) -> None:
+    """Adapters of rank 64 in 8 slots on Qwen3-8B's qkv projection (hidden 4096; q 4096, k and v
+    1024 each), at a decode batch and a prefill step: the launcher's smallest and largest blocks."""
+    slots, rank, hidden, slices = 8, 64, 4096, (0, 4096, 5120, 6144)
+    a, b = torch.empty(slots, 3 * rank, hidden, dtype=dtype), torch.empty(slots, slices[-1], rank, dtype=dtype)
+    ranks, scales = torch.full((slots, 3), rank, dtype=torch.int32), torch.ones(slots, 3)
+    for tokens in (64, 4096):
+        rows = torch.arange(tokens)
+        ends = torch.full((slots,), tokens, dtype=torch.int32)
+        shrunk = lora_shrink.lora_shrink_triton(torch.zeros(tokens, hidden, dtype=dtype), a, rows, ends, ranks)
+        out = torch.zeros(tokens, slices[-1], dtype=dtype)
+        lora_expand.lora_expand_triton(shrunk, b, out, rows, ends, ranks, scales, slices)
 
 
 def _record_fused_moe(dtype: torch.dtype) -> None:

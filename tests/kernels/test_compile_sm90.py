@@ -28,6 +28,8 @@ KERNELS = {
     "_align_kernel",
     "_gate_up_kernel",
     "_down_kernel",
+    "_lora_shrink_kernel",
+    "_lora_expand_kernel",
 }
 
 

@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from worker.model.batch import AttentionMetadata
+from worker.model.batch import AttentionMetadata, LoraBatch
 from worker.model.qwen3 import Qwen3ForCausalLM
 
 
@@ -45,17 +45,18 @@ class PagedModelRunner:
         return len(self.lens) - 1
 
     @torch.inference_mode()
-    def extend(self, chunks: dict[int, list[int]]) -> list[torch.Tensor]:
-        """Append each sequence's new tokens in one step; returns each chunk's logits [len, vocab]."""
-        logits = self.step(chunks, is_decode=False)
+    def extend(self, chunks: dict[int, list[int]], lora: LoraBatch | None = None) -> list[torch.Tensor]:
+        """Append each sequence's new tokens in one step; returns each chunk's logits [len, vocab].
+        `lora`: which rows use which LoRA adapter slot."""
+        logits = self.step(chunks, is_decode=False, lora=lora)
         return list(logits.split([len(c) for c in chunks.values()]))
 
     @torch.inference_mode()
-    def decode(self, tokens: dict[int, int]) -> torch.Tensor:
+    def decode(self, tokens: dict[int, int], lora: LoraBatch | None = None) -> torch.Tensor:
         """One new token per sequence; returns logits [B, vocab] in the order given."""
-        return self.step({seq: [tok] for seq, tok in tokens.items()}, is_decode=True)
+        return self.step({seq: [tok] for seq, tok in tokens.items()}, is_decode=True, lora=lora)
 
-    def step(self, chunks: dict[int, list[int]], is_decode: bool) -> torch.Tensor:
+    def step(self, chunks: dict[int, list[int]], is_decode: bool, lora: LoraBatch | None = None) -> torch.Tensor:
         seqs = list(chunks)
         positions = [range(self.lens[s], self.lens[s] + len(chunks[s])) for s in seqs]
         for s, pos in zip(seqs, positions):
@@ -63,7 +64,7 @@ class PagedModelRunner:
         meta = self.metadata(seqs, positions, is_decode)
         input_ids = torch.tensor([t for s in seqs for t in chunks[s]], dtype=torch.int64, device=self.device)
         flat_positions = torch.tensor([p for pos in positions for p in pos], dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, flat_positions, meta, self.kv_caches)
+        hidden = self.model(input_ids, flat_positions, meta, self.kv_caches, lora)
         for s, pos in zip(seqs, positions):
             self.lens[s] = pos.stop
         return self.model.compute_logits(hidden)

@@ -12,7 +12,7 @@ import pytest
 import redis
 from redis.exceptions import NoScriptError
 
-from producer_client import AsyncClient, Client, InvalidArgument, JobNotFound, JobTimeout, QueueFull
+from producer_client import AsyncClient, Client, InvalidArgument, JobExpired, JobNotFound, JobTimeout, QueueFull
 from producer_client.keys import GROUP, Keys
 from producer_client.protocol import execution
 from tests.support.clients import make_client
@@ -207,6 +207,64 @@ def test_a_queued_job_past_its_deadline_reads_as_expired_before_any_worker_sees_
     assert client.status(job_id).status == "queued"
     time.sleep(0.4)
     assert client.status(job_id).status == "expired"
+
+
+EXPIRES_S = 0.3  # the job's timeout_s: no worker serves the queue, so it expires unread
+WAIT_S = 30  # the caller's timeout, which an expired job must not wait out
+
+
+def wait_for_it(client, how: str):
+    if how == "generate":
+        return client.generate("x", max_tokens=1, timeout_s=EXPIRES_S, timeout=WAIT_S)
+    job_id = client.submit("x", max_tokens=1, timeout_s=EXPIRES_S)
+    if how == "stream":
+        return list(client.stream(job_id, timeout=WAIT_S))
+    return getattr(client, how)(job_id, timeout=WAIT_S)
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize("how", ["result", "wait", "generate", "stream"])
+def test_waiting_for_a_job_that_expires_unread_raises_job_expired_at_its_deadline(client, how):
+    started = time.monotonic()
+    with pytest.raises(JobExpired) as e:
+        wait_for_it(client, how)
+    waited = time.monotonic() - started
+    assert EXPIRES_S <= waited < EXPIRES_S + 2  # its deadline, not the caller's 30 s
+    assert (e.value.code, e.value.result) == ("expired", None)
+    assert e.value.message == f"job {e.value.job_id} passed its deadline before a worker started it"
+    assert client.status(e.value.job_id).status == "expired"
+
+
+@pytest.mark.timing
+@pytest.mark.parametrize("how", ["result", "wait", "stream"])
+def test_waiting_for_a_job_expired_already_raises_job_expired_at_once(client, how):
+    job_id = client.submit("x", max_tokens=1, timeout_s=0.05)
+    time.sleep(0.1)
+    started = time.monotonic()
+    with pytest.raises(JobExpired) as e:
+        if how == "stream":
+            list(client.stream(job_id, timeout=WAIT_S))
+        else:
+            getattr(client, how)(job_id, timeout=WAIT_S)
+    assert time.monotonic() - started < 1
+    assert e.value.job_id == job_id
+
+
+@pytest.mark.timing
+def test_as_completed_yields_a_job_that_expires_unread_at_its_deadline(client):
+    late = client.submit("x", max_tokens=1, timeout_s=0.05)
+    time.sleep(0.1)
+    started = time.monotonic()
+    soon = client.submit("x", max_tokens=1, timeout_s=EXPIRES_S)
+    cancelled = client.submit("x", max_tokens=1)
+    client.cancel(cancelled)
+    ended = [(r.id, r.status) for r in client.as_completed([soon, late, cancelled], timeout=WAIT_S)]
+    waited = time.monotonic() - started
+    assert set(ended[:2]) == {(cancelled, "cancelled"), (late, "expired")}  # both ended at the call
+    assert ended[2:] == [(soon, "expired")]
+    assert EXPIRES_S <= waited < EXPIRES_S + 2  # the last one's deadline, not the caller's 30 s
+    (result,) = client.results([soon], timeout=WAIT_S)
+    assert (result.status, result.finish_reason, result.text) == ("expired", None, "")
 
 
 def test_unknown_jobs_are_not_found(client):

@@ -5,12 +5,14 @@ reclaimed and resumed, and either side can turn placement off."""
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import ExitStack
 
 import pytest
 
-from producer_client import BulkQueueFull, Client
+from producer_client import BulkQueueFull, Client, steps
+from producer_client.errors import UnknownAdapter
 from producer_client.keys import GROUP, Keys
 from producer_client.new_job import build_job
 from producer_client.operations import enqueue_commands
@@ -23,6 +25,7 @@ from producer_client.placement import (
     candidates_from,
     prefix_key,
     rendezvous_score,
+    served_adapters,
 )
 from producer_client.protocol import execution
 from producer_client.schema import JobRequest
@@ -69,6 +72,48 @@ def test_a_prompt_is_keyed_by_its_start_and_token_ids_by_their_first_256():
         request(input_ids=list(range(256)) + [2])
     )
     assert prefix_key(request(input_ids=[1, 2])) != prefix_key(request(input_ids=[1, 3]))
+
+
+def test_a_job_on_a_lora_adapter_is_keyed_by_its_adapter_alone():
+    sql = prefix_key(request(prompt="one", adapter="sql"))
+    assert prefix_key(request(messages=chat("plan a trip").messages, adapter="sql")) == sql
+    assert prefix_key(request(prompt="one", adapter="chat")) != sql
+    assert prefix_key(request(prompt="one")) != sql
+
+
+def test_a_hot_adapters_jobs_stay_on_its_worker_up_to_the_bound_then_spread():
+    key = prefix_key(request(prompt="any", adapter="hot"))
+    v = view(0, 0, 0, 0, slots=64)
+    order = order_of(v, key)
+    placed = [Placement()._place(v, key, KEYS, "q") for _ in range(200)]
+    owners = [stream.rsplit("|", 1)[-1].rstrip("}") for stream in placed]
+    assert owners[:32] == [order[0]] * 32  # least load + 32 is the bound while the others are idle
+    counts = [owners.count(name) for name in order]
+    # Then every worker takes a share, none above the bound: 1.25 x the mean once that is the higher.
+    assert min(counts) > 0 and max(counts) <= math.ceil(1.25 * 200 / 4)
+
+
+def test_the_view_says_which_adapters_the_queues_serving_workers_serve():
+    beats = [
+        {"queue": "q", "state": "serving", "adapters": "a,b"},
+        {"queue": "q", "state": "serving"},  # serves none
+        {"queue": "q", "state": "draining", "adapters": "c"},
+        {"queue": "other", "state": "serving", "adapters": "d"},
+        {},  # expired
+    ]
+    assert served_adapters(beats, "q") == {"a", "b"}
+    assert served_adapters(beats[3:], "q") is None  # no live worker of the queue: nothing is known
+
+
+def test_a_producer_refuses_an_adapter_no_live_worker_serves_and_lets_one_through_when_it_cannot_know():
+    placement = Placement(enabled=False)  # the check reads the view whether placement is on or off
+    placement.views["q"] = View(time.monotonic(), [], frozenset({"sql"}))
+    steps.run(None, placement.check_adapters(KEYS, "q", ["sql", None]))  # a fresh view: no round trip
+    with pytest.raises(UnknownAdapter) as e:
+        steps.run(None, placement.check_adapters(KEYS, "q", ["sql", "chat"]))
+    assert e.value.message == "no LoRA adapter named 'chat' is served by the live workers of queue 'q'"
+    placement.views["q"] = View(time.monotonic(), [], None)
+    steps.run(None, placement.check_adapters(KEYS, "q", ["chat"]))
 
 
 def first_choices(names: list[str], keys: list[bytes]) -> list[str]:

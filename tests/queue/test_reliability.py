@@ -6,13 +6,14 @@ of a drain. A "ghost" is a worker that took an entry and died: the test plays it
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
 
 import pytest
 
-from producer_client import JobFailed
+from producer_client import JobExpired, JobFailed
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.protocol.execution import execute
 from producer_client.protocol.script import job_keys
@@ -64,6 +65,11 @@ def ghost_takes(redis_client, queue, prompt: str, published: int, **job) -> str:
     return job_id
 
 
+def taken_lines(caplog) -> list[str]:
+    """What the worker logged as it took entries others held."""
+    return [r.getMessage() for r in caplog.records if r.name == "worker.loop.admission" and "entries" in r.getMessage()]
+
+
 def test_a_reclaimed_job_resumes_after_its_recorded_tokens(redis_server, redis_client, client, queue):
     prompt = "resume me from where the dead worker stopped"
     job_id = ghost_takes(redis_client, queue, prompt, published=7, params={"max_tokens": 100})
@@ -81,7 +87,9 @@ def test_a_reclaimed_job_resumes_after_its_recorded_tokens(redis_server, redis_c
 
 
 @pytest.mark.timing
-def test_a_worker_takes_only_handed_over_entries_in_its_first_claim_idle_ms(redis_server, redis_client, client, queue):
+def test_a_worker_takes_only_handed_over_entries_in_its_first_claim_idle_ms(
+    redis_server, redis_client, client, queue, caplog
+):
     # An entry idle for a while may be a live worker's that could not refresh it yet (Redis has
     # just come back); one a drain handed over is free at once.
     stale = ghost_takes(redis_client, queue, "stale", published=0)
@@ -96,9 +104,17 @@ def test_a_worker_takes_only_handed_over_entries_in_its_first_claim_idle_ms(redi
         WORKER_SCRIPTS,
     )
     started = time.time()
-    with serving(redis_server.url, queue, claim_idle_ms=1000, reclaim_interval_s=0.05):
+    with (
+        caplog.at_level(logging.INFO, logger="worker.loop.admission"),
+        serving(redis_server.url, queue, claim_idle_ms=1000, reclaim_interval_s=0.05),
+    ):
         assert client.result(handed, timeout=10).text == "handed over"
         assert client.result(stale, timeout=10).text == "stale"
+    # Each says how it was taken: not "idle over 1000 ms" for the entry handed over a moment ago.
+    assert taken_lines(caplog) == [
+        f"took over 1 entries that a draining worker handed over: {handed} (delivery 1)",
+        f"reclaimed 1 entries idle over 1000 ms: {stale} (delivery 2)",
+    ]
     ((handed_run, _),) = runs(redis_client, handed)
     ((stale_run, _),) = runs(redis_client, stale)
     assert handed_run["at"] - started < 0.5
@@ -174,7 +190,10 @@ def test_a_reclaimed_job_past_its_deadline_ends_with_its_recorded_tokens(redis_s
     time.sleep(0.3)
     with serving(redis_server.url, queue, **FAST_RECLAIM):
         partial = client.result(started, timeout=10)
-        expired = client.result(never_started, timeout=10)
+        with pytest.raises(JobExpired):
+            client.result(never_started, timeout=10)
+        assert eventually(lambda: client.status(never_started).result is not None)
+        expired = client.status(never_started).result
     assert (partial.status, partial.finish_reason, partial.text, partial.usage.completion_tokens) == (
         "done",
         "timeout",
@@ -271,7 +290,7 @@ def test_the_client_rides_out_a_redis_restart(restartable_redis, queue):
         assert client.result(second, timeout=10).text == "submitted while Redis was down"
 
 
-def test_a_drain_hands_unfinished_jobs_over_and_they_resume_at_once(redis_server, redis_client, client, queue):
+def test_a_drain_hands_unfinished_jobs_over_and_they_resume_at_once(redis_server, redis_client, client, queue, caplog):
     # claim_idle_ms is long: only the hand-over lets the second worker take the job this soon.
     slow = dict(claim_idle_ms=60_000, reclaim_interval_s=0.05)
     with serving(redis_server.url, queue, step_s=0.01, drain_grace_s=0.1, name=f"a-{queue}", **slow) as leaving:
@@ -279,9 +298,13 @@ def test_a_drain_hands_unfinished_jobs_over_and_they_resume_at_once(redis_server
         next(iter(client.stream(job_id, timeout=10)))
         leaving.request_stop()
         leaving.wait_stopped()
-    with serving(redis_server.url, queue, step_s=0.002, name=f"b-{queue}", **slow) as staying:
+    with (
+        caplog.at_level(logging.INFO, logger="worker.loop.admission"),
+        serving(redis_server.url, queue, step_s=0.002, name=f"b-{queue}", **slow) as staying,
+    ):
         result = client.result(job_id, timeout=10)
     assert (result.text, result.worker) == ("h" * 200, staying.name)
+    assert taken_lines(caplog) == [f"took over 1 entries that a draining worker handed over: {job_id} (delivery 1)"]
     (first, made), (second, _) = runs(redis_client, job_id)
     assert (first["worker"], second["worker"]) == (leaving.name, staying.name)
     assert second["resumed_tokens"] == len(made) > 0

@@ -26,6 +26,7 @@ from producer_client.protocol.worker import (
 )
 from producer_client.schema import JobResult
 from worker.loop.outbox import DeadLetter
+from worker.loop.queue import HANDED_OVER_MIN_IDLE_MS as HANDED
 from worker.loop.streams import DEAD_LETTER_MAXLEN
 
 KEYS = Keys()
@@ -235,14 +236,14 @@ def test_refresh_keeps_a_live_workers_entries_and_reports_those_taken_from_it(re
     redis_client.xclaim(stream, GROUP, "w2", 0, [b])  # reclaimed while w1 was cut off
     assert run(redis_client, REFRESH, [stream], GROUP, "w1", a, b) == [b]
     assert pending(redis_client, stream) == {a: ("w1", 1), b: ("w2", 2)}  # b stays w2's: not taken back
-    assert run(redis_client, RECLAIM, [stream], GROUP, "w3", 40, "0-0", 10)[1] == []  # a is fresh again
+    assert run(redis_client, RECLAIM, [stream], GROUP, "w3", 40, "0-0", 10, HANDED)[1] == []  # a is fresh again
 
 
 def test_refresh_resets_the_idle_time_of_every_entry_it_holds(redis_client, stream):
     held = deliver(redis_client, stream, "w1", 5)
     time.sleep(0.2)
     assert run(redis_client, REFRESH, [stream], GROUP, "w1", *held) == []
-    assert run(redis_client, RECLAIM, [stream], GROUP, "w2", 150, "0-0", 10)[1] == []  # none idle
+    assert run(redis_client, RECLAIM, [stream], GROUP, "w2", 150, "0-0", 10, HANDED)[1] == []  # none idle
     assert pending(redis_client, stream) == {entry_id: ("w1", 1) for entry_id in held}
 
 
@@ -266,21 +267,22 @@ def test_a_pipeline_resent_after_noscript_reads_the_queue_once(redis_client, str
 def test_reclaim_takes_idle_entries_with_their_delivery_count_and_no_more_than_asked(redis_client, stream):
     first = deliver(redis_client, stream, "w1", 3)
     time.sleep(0.05)
-    cursor, claimed = run(redis_client, RECLAIM, [stream], GROUP, "w2", 40, "0-0", 2)
-    assert [(entry_id, dict(zip(f[::2], f[1::2]))["id"], n) for entry_id, f, n in claimed] == [
-        (first[0], "j0", 2),
-        (first[1], "j1", 2),
+    cursor, claimed = run(redis_client, RECLAIM, [stream], GROUP, "w2", 40, "0-0", 2, HANDED)
+    assert [(entry_id, dict(zip(f[::2], f[1::2]))["id"], n, handed) for entry_id, f, n, handed in claimed] == [
+        (first[0], "j0", 2, 0),
+        (first[1], "j1", 2, 0),
     ]
     assert cursor == first[2]  # the next scan starts at the entry this one left
-    assert run(redis_client, RECLAIM, [stream], GROUP, "w2", 40, cursor, 2)[1][0][0] == first[2]
-    assert run(redis_client, RECLAIM, [stream], GROUP, "w3", 40, "0-0", 5)[1] == []  # all just claimed
+    assert run(redis_client, RECLAIM, [stream], GROUP, "w2", 40, cursor, 2, HANDED)[1][0][0] == first[2]
+    assert run(redis_client, RECLAIM, [stream], GROUP, "w3", 40, "0-0", 5, HANDED)[1] == []  # all just claimed
 
 
-def test_a_released_entry_is_reclaimed_at_once_without_counting_a_delivery(redis_client, stream):
-    (entry_id,) = deliver(redis_client, stream, "w1", 1)
+def test_a_released_entry_is_reclaimed_at_once_as_handed_over_without_counting_a_delivery(redis_client, stream):
+    (entry_id, idle_id) = deliver(redis_client, stream, "w1", 2)
+    time.sleep(0.05)
     assert run(redis_client, RELEASE, [stream], GROUP, "w1", 10**10, entry_id, "0-1") == 1  # 0-1: not w1's
-    _, claimed = run(redis_client, RECLAIM, [stream], GROUP, "w2", 60_000, "0-0", 5)
-    assert [(e, n) for e, _, n in claimed] == [(entry_id, 1)]
+    _, claimed = run(redis_client, RECLAIM, [stream], GROUP, "w2", 40, "0-0", 5, HANDED)
+    assert [(e, n, handed) for e, _, n, handed in claimed] == [(entry_id, 1, 1), (idle_id, 2, 0)]
 
 
 def test_a_dead_letter_moves_its_entry_once(redis_client, stream):

@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from producer_client.errors import InvalidArgument
+from worker.__main__ import main as worker_main
 from worker.engine.settings import EngineSettings
 from worker.settings import DEFAULT_CONFIG_FILE, WorkerSettings, add_setting_flags, settings_from_args
 
@@ -68,6 +69,40 @@ def test_a_claim_idle_time_that_would_let_live_workers_lose_their_jobs_is_refuse
         WorkerSettings.load(None, **timing)
     assert e.value.field == "claim_idle_ms"
     assert WorkerSettings.load(None, **{**timing, "claim_idle_ms": 10_000}).claim_idle_ms == 10_000
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--claim-idle-ms", "3000"],
+            (
+                "claim_idle_ms: 3000 is too short: give more than 6000 (redis_backoff_max_s 5 s + heartbeat_interval_s "
+                "1 s): a worker back from a Redis outage refreshes its running jobs' entries only that long after, "
+                "and the other workers would reclaim them first"
+            ),
+        ),
+        (
+            ["--claim-idle-ms", "6500", "--wait-replicas", "1"],
+            (
+                "claim_idle_ms: 6500 is too short: give more than 7000 (redis_backoff_max_s 5 s + heartbeat_interval_s "
+                "1 s + wait_timeout_ms 1000 with wait_replicas): a worker back from a Redis outage refreshes its "
+                "running jobs' entries only that long after, and the other workers would reclaim them first"
+            ),
+        ),
+        (
+            ["--claim-idle-ms", "1000", "--heartbeat-interval-s", "0.6", "--redis-backoff-max-s", "0.1"],
+            (
+                "claim_idle_ms: 1000 is too short: give at least 1200 (twice heartbeat_interval_s 0.6 s): one late "
+                "heartbeat would let the other workers reclaim this worker's running jobs"
+            ),
+        ),
+    ],
+)
+def test_a_claim_idle_time_too_short_is_refused_with_its_minimum_and_why(flags, message, capsys):
+    """As a user starting a worker sees it: one line, before anything loads."""
+    assert worker_main(["serve", *flags]) == 2
+    assert capsys.readouterr().err == f"error: invalid_argument: {message}\n"
 
 
 def test_checkpoints_sparser_than_streams_are_the_only_publish_intervals_taken():

@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from producer_client import JobFailed
+from producer_client import JobExpired, JobFailed
 from producer_client.keys import GROUP, Keys
 from tests.queue.support import outcome_count, serving
 from tests.support.polling import eventually
@@ -148,9 +148,12 @@ def test_a_job_past_its_deadline_is_not_started(redis_server, client, queue):
     job_id = client.submit("late", max_tokens=4, timeout_s=0.05)
     time.sleep(0.1)
     with serving(redis_server.url, queue) as worker:
-        result = client.result(job_id, timeout=10)
-        assert (result.status, result.text, result.token_ids) == ("expired", "", [])
+        with pytest.raises(JobExpired):
+            client.result(job_id, timeout=10)
         assert eventually(lambda: outcome_count(worker, "expired") == 1)
+        with pytest.raises(JobExpired) as e:  # the expired result the worker wrote, carried by the error
+            client.result(job_id, timeout=10)
+    assert (e.value.result.status, e.value.result.text, e.value.result.token_ids) == ("expired", "", [])
 
 
 def test_a_running_job_past_its_deadline_returns_its_partial_output(redis_server, client, queue):

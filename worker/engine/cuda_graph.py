@@ -10,6 +10,9 @@ A padded row is made harmless rather than skipped: slot -1 (store_kv writes noth
 context of one key in page 0 (read, never written, and finite because caches start zeroed
 and only ever hold K/V), input id 0 at position 0. Its logits row is sliced off.
 
+A model that serves LoRA adapters captures its adapter kernels too, reading the rows' slots from
+static buffers: a step with no adapter rows runs them over no rows (their programs return at once).
+
 Captured kernels must not sync with the host or choose launch grids from tensor values:
 the decode path (kernels/decode_attention.py) sizes its grid from shapes only (batch, kv
 heads, and a split count from the page table's width, which the static buffer fixes).
@@ -29,7 +32,8 @@ from collections.abc import Callable
 
 import torch
 
-from worker.model.batch import AttentionMetadata, KVCaches, StepInputs
+from worker.model.batch import AttentionMetadata, KVCaches, LoraBatch, StepInputs
+from worker.model.lora import lora_slots
 from worker.model.qwen3 import Qwen3ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -58,7 +62,7 @@ class DecodeBuffers:
     At rest every row is a padding row, so a capture (which runs the forward) writes nothing.
     """
 
-    def __init__(self, max_batch: int, max_pages: int, device: torch.device):
+    def __init__(self, max_batch: int, max_pages: int, device: torch.device, lora_slots: int = 0):
         def full(*shape: int, value: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.full(shape, value, dtype=dtype, device=device)
 
@@ -70,6 +74,13 @@ class DecodeBuffers:
         self.prefix_lens = full(max_batch, value=0, dtype=torch.int32)
         # One new token per row, padding rows too: the offsets never change.
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        # The rows that use a LoRA adapter (worker/model/batch.py's LoraBatch); the slots' row
+        # counts bound what the kernels read, so stale rows past them are never used.
+        self.lora = None
+        if lora_slots:
+            self.lora = LoraBatch(
+                full(max_batch, value=0, dtype=torch.int64), full(lora_slots, value=0, dtype=torch.int32)
+            )
 
     @property
     def max_pages(self) -> int:
@@ -91,6 +102,21 @@ class DecodeBuffers:
         # reads, but stale page ids would make the buffer's contents depend on history.
         self.page_table[:size].zero_()
         self.page_table[:b, : meta.page_table.shape[1]].copy_(meta.page_table, non_blocking=True)
+        if self.lora is not None:
+            self._load_lora(inputs.lora)
+
+    def _load_lora(self, lora: LoraBatch | None) -> None:
+        if lora is None:
+            self.lora.group_ends.zero_()
+            return
+        n = lora.tokens.shape[0]
+        self.lora.tokens[:n].copy_(lora.tokens, non_blocking=True)
+        self.lora.group_ends.copy_(lora.group_ends, non_blocking=True)
+
+    def lora_rows(self, size: int) -> LoraBatch | None:
+        if self.lora is None:
+            return None
+        return LoraBatch(self.lora.tokens[:size], self.lora.group_ends)
 
     def meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -123,7 +149,7 @@ class DecodeGraphRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_batch)
-        self.buffers = DecodeBuffers(max_batch, max_pages, device)
+        self.buffers = DecodeBuffers(max_batch, max_pages, device, lora_slots(model))
         self._graphs: dict[int, Callable[[], torch.Tensor | None]] = {}
         self._captured: dict[int, torch.Tensor | None] = {}  # each graph's hidden states for an EAGLE-3 head
         self._pool = None  # the memory pool all graphs share: they never run at once
@@ -194,7 +220,7 @@ class DecodeGraphRunner:
 
     def _forward(self, size: int) -> torch.Tensor | None:
         b = self.buffers
-        hidden = self.model(b.input_ids[:size], b.positions[:size], b.meta(size), self.kv_caches)
+        hidden = self.model(b.input_ids[:size], b.positions[:size], b.meta(size), self.kv_caches, b.lora_rows(size))
         return self.model.compute_logits(hidden, None if self.logits is None else self.logits[:size])
 
 

@@ -6,7 +6,10 @@ honours max_tokens only.
 
 For tests only, a token script (the JSON file named by MILI_ECHO_SCRIPT) makes it say given
 text instead: what a model with random weights never would, such as a tool call or a think block,
-to drive an agent loop end to end through the real worker, gateway and SDK."""
+to drive an agent loop end to end through the real worker, gateway and SDK.
+
+It serves the LoRA adapters its settings name (lora_modules) by name alone, reading no file: a job
+naming one echoes as any other, one naming another fails with UnknownAdapter, as on a model."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer_client.errors import InvalidArgument
+from producer_client.errors import InvalidArgument, UnknownAdapter
 from producer_client.schema import SamplingParams
 from worker.engine.errors import KVCapacityExceeded, PromptTooLong
 from worker.engine.outputs import Capacity, EngineStats, RequestOutput, TokenCounts
@@ -134,12 +137,15 @@ class EchoEngine:
         priority: int = 0,
         resume_token_ids: Sequence[int] = (),
         constraint: Any = None,
+        adapter: str | None = None,
     ) -> None:
         """As Engine.add_request: `resume_token_ids` are output tokens produced already (by an
         earlier run of the job), counted as output and not emitted again. An echo cannot follow a
         grammar: a request with a response format or a forced tool call is refused."""
         if request_id in self.running or request_id in self.waiting:
             raise InvalidArgument("request_id", f"{request_id!r} is already running")
+        if adapter is not None and adapter not in self.settings.lora_modules:
+            raise UnknownAdapter(adapter, "by this worker")
         if constraint is not None or params.response_format is not None:
             field = "response_format" if params.response_format is not None else "tool_choice"
             raise InvalidArgument(field, "the echo engine cannot hold its output to a grammar")
@@ -195,6 +201,10 @@ class EchoEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(self._steps, 0, 0, 0, 0, 0)
+
+    def adapters(self) -> tuple[list[str], list[str]] | None:
+        names = sorted(self.settings.lora_modules)
+        return (names, names) if names else None
 
     def _free_pages(self) -> int:
         return self.num_pages - self.running_pages

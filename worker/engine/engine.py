@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from producer_client.errors import InvalidArgument
+from producer_client.errors import InvalidArgument, UnknownAdapter
 from producer_client.schema import SamplingParams
 from worker.engine.errors import PromptTooLong
 from worker.engine.grammar.compiler import GrammarCompiler
@@ -30,12 +30,14 @@ from worker.engine.grammar.draft_masks import DraftMasks
 from worker.engine.grammar.masks import GrammarMasks
 from worker.engine.grammar.request_grammar import RequestGrammar, replayed
 from worker.engine.kv_pool import PageAllocator, pages_for
+from worker.engine.lora.manager import LoraManager
+from worker.model.lora import warm_up_lora
 from worker.engine.offline import OfflineGeneration
 from worker.engine.overlap import LaunchedStep, launched
 from worker.engine.radix_cache import RadixCache
 from worker.engine.outputs import Capacity, EngineStats, RequestError, RequestOutput
 from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
-from worker.engine.ranks import RankGroup, load_shares
+from worker.engine.ranks import RankGroup, check_group, load_shares
 from worker.engine.reader import StepReader
 from worker.engine.request import Request
 from worker.engine.runner import ModelRunner
@@ -48,7 +50,8 @@ from worker.engine.stop import TextOutput
 from kernels.token_bitmask import apply_token_bitmask
 from worker.model.config import Qwen3Config
 from worker.model.rank_failed import RankFailed
-from worker.model.presets import resolve_model_path
+from worker.model.presets import model_config, resolve_model_path
+from worker.model.progress import logged_step
 from worker.model.qwen3 import Qwen3ForCausalLM
 from worker.model.tokenizer import Tokenizer
 
@@ -78,6 +81,9 @@ class Engine(OfflineGeneration):
         self.max_model_len = resolve_max_model_len(settings, config)
         # Stop tokens the model cannot emit (a small test vocabulary) are dropped, not masked.
         self.eos_token_ids = sorted(t for t in set(eos_token_ids) if t < config.vocab_size)
+        # Before the KV pool is sized: the adapters' slots take their memory first.
+        ring = ranks.ring if ranks is not None else None
+        self.lora = LoraManager.attach(model, settings, device, ring) if settings.serves_lora else None
         draft = load_speculative_model(settings, model, device)
         memory = prepare_rank(
             model, config, settings, device, self.max_model_len, speculative_bytes_per_page(draft, settings, device)
@@ -135,17 +141,20 @@ class Engine(OfflineGeneration):
         on `device` (cuda:K: ranks take cuda:K..K+N-1), and N-1 processes are started for the
         others, to be stopped with `close()` (or `with Engine.from_pretrained(...) as engine`)."""
         engine_settings = EngineSettings.parse(**settings)
+        if engine_settings.tensor_parallel_size > 1:  # a refusal comes before a preset is written or a weight read
+            check_group(model_config(model), device, engine_settings.tensor_parallel_size)
         path = resolve_model_path(model)
-        loaded, ranks = load_shares(path, dtype, device, engine_settings)
-        try:
-            tokenizer = Tokenizer.from_dir(path)
-            eos = list(loaded.generation_config.eos_token_ids) + list(tokenizer.eos_token_ids)
-            rank_device = ranks.devices[0] if ranks is not None else torch.device(device)
-            return cls(loaded.model, loaded.config, tokenizer, engine_settings, eos, rank_device, ranks)
-        except BaseException:
-            if ranks is not None:
-                ranks.close()
-            raise
+        with logged_step(log, f"loading {path} on {device}"):
+            loaded, ranks = load_shares(path, dtype, device, engine_settings)
+            try:
+                tokenizer = Tokenizer.from_dir(path)
+                eos = list(loaded.generation_config.eos_token_ids) + list(tokenizer.eos_token_ids)
+                rank_device = ranks.devices[0] if ranks is not None else torch.device(device)
+                return cls(loaded.model, loaded.config, tokenizer, engine_settings, eos, rank_device, ranks)
+            except BaseException:
+                if ranks is not None:
+                    ranks.close()
+                raise
 
     @property
     def devices(self) -> list[str]:
@@ -167,11 +176,16 @@ class Engine(OfflineGeneration):
         kernels do not specialize on what changes from step to step (tests/engine/test_warm_up.py
         checks it against a varied batch); a mixture of experts, whose kernels take larger tiles
         for larger steps, also runs its experts once per tile shape. The detokenizer's table is
-        built here too. A speculative proposer then drafts after them (a draft model or an EAGLE-3
-        head runs its own kernels)."""
-        start = time.perf_counter()
+        built here too. The grammar library's view of the vocabulary is not: a worker that serves
+        no structured output never needs it, and its build (a second and a half of CPU for Qwen3's
+        vocabulary, holding the GIL) would hold up the warm-up; the first structured request has
+        it built on the compile thread (worker/engine/grammar/compiler.py). A speculative proposer
+        drafts after them (a draft model or an EAGLE-3 head runs its own kernels)."""
+        with logged_step(log, "warming up: the model and the sampler run once, to compile their kernels"):
+            self._warm_up()
+
+    def _warm_up(self) -> None:
         self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
-        self.grammars.prepare()  # built on the compile thread while the worker starts
         req = Request("warm-up", [0, 1], SamplingParams(temperature=0, max_tokens=2), 0, 0, None, None)
         k = self.settings.num_speculative_tokens if self.speculator is not None else 0
         req.pages = self.allocator.allocate(pages_for(3 + k, self.settings.page_size))  # prompt, a decode, a draft
@@ -188,7 +202,7 @@ class Engine(OfflineGeneration):
             self.allocator.decref(req.pages)
             self.scheduler.page_table.release(req)
         self.runner.model.warm_up_experts(self.settings.max_num_batched_tokens)
-        log.info("warmed up the model and sampler kernels in %.1f s", time.perf_counter() - start)
+        warm_up_lora(self.runner.model, self.settings.max_num_batched_tokens)
 
     def _warm_up_mask(self, logits: torch.Tensor) -> None:
         """Masks with an all-allowing row: compiles the structured outputs' kernel, changes nothing."""
@@ -229,6 +243,7 @@ class Engine(OfflineGeneration):
         priority: int = 0,
         resume_token_ids: Sequence[int] = (),
         constraint: Constraint | None = None,
+        adapter: str | None = None,
     ) -> None:
         """Queues a request. `priority`: lower runs sooner (as in vLLM); ties go first come, first served.
 
@@ -244,11 +259,17 @@ class Engine(OfflineGeneration):
         compile thread while the request waits; a grammar that does not compile ends the request
         with an error (InvalidArgument's code) at a later step.
 
+        `adapter` names the LoRA adapter it runs with (None: the base model); it waits for the
+        adapter to be in a device slot (worker/engine/lora/manager.py).
+
         Raises InvalidArgument (naming the field) for a bad id, prompt, resume tokens or
-        parameters, and PromptTooLong when the prompt leaves no room for output within
-        max_model_len.
+        parameters, PromptTooLong when the prompt leaves no room for output within
+        max_model_len, UnknownAdapter for an adapter this engine does not serve and AdapterError
+        for a named one it refused at start (one it refuses when it reads it ends the request with
+        that error at a later step).
         """
         self._check_request(request_id, prompt_token_ids, params)
+        handle = self._adapter(adapter) if adapter is not None else None
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -263,6 +284,7 @@ class Engine(OfflineGeneration):
             TextOutput(detokenizer, params.stop),
             generator,
         )
+        req.adapter = handle
         self.reader.replay(req, list(resume_token_ids))
         if constraint is None and params.response_format is not None:
             constraint = Constraint.of_format(params.response_format)
@@ -294,6 +316,8 @@ class Engine(OfflineGeneration):
         speculating = self.speculator is not None and self.speculator.adaptive.speculate(batch)
         if self._in_flight is not None and (self._in_flight.needs_host_tokens or speculating):
             outputs.extend(self._read(self._take_in_flight()))  # a draft follows the tokens read
+        if self.lora is not None:
+            self._place_adapters(outputs)
         scheduled = self.scheduler.schedule()
         for req in scheduled.failed:
             outputs.append(self.reader.end(req, req.text.finish(), []))
@@ -336,6 +360,10 @@ class Engine(OfflineGeneration):
             page_size=self.settings.page_size,
         )
 
+    def adapters(self) -> tuple[list[str], list[str]] | None:
+        """(the LoRA adapters it serves, those it holds in memory); None when it serves none."""
+        return None if self.lora is None else (self.lora.served(), self.lora.held())
+
     def has_unfinished(self) -> bool:
         self._check_ranks()
         return bool(self.reader.live or self._ended)
@@ -359,6 +387,7 @@ class Engine(OfflineGeneration):
             grammars.compiles,
             grammars.compile_seconds,
             *(self.speculator.totals if self.speculator is not None else (0, 0, 0)),
+            *((self.lora.loader.reads, self.lora.slots.installs) if self.lora is not None else ()),
         )
 
     # -- one step ------------------------------------------------------------------------
@@ -411,6 +440,19 @@ class Engine(OfflineGeneration):
         if step.constrained:
             self.masks.prefill(step.requests)  # the rows of their next step, while the loop goes on
         return outputs
+
+    def _adapter(self, name: str):
+        if self.lora is None:
+            raise UnknownAdapter(name, "by this worker (it serves no LoRA adapters)")
+        return self.lora.handle(name)
+
+    def _place_adapters(self, outputs: list[RequestOutput]) -> None:
+        """Adapters into slots for the waiting requests; those whose adapter was refused end with its error."""
+        for handle in self.lora.prepare(self.scheduler.waiting, self.scheduler.running):
+            for req in [r for r in self.scheduler.waiting if r.adapter is handle]:
+                self.scheduler.abort(req.request_id)
+                req.finish("error", RequestError(handle.error.code, handle.error.message))
+                outputs.append(self.reader.end(req, req.text.finish(), []))
 
     def _start_grammars(self, outputs: list[RequestOutput]) -> None:
         """Requests whose grammar compiled since the last step can be admitted now; one whose

@@ -22,11 +22,13 @@ import sys
 import torch
 import torch.distributed as dist
 
+from worker.engine.lora.follower import LoraFollower
 from worker.engine.rank_setup import prepare_rank, resolve_max_model_len
 from worker.engine.rendezvous import RankSpec, connect_store, join_process_group, meet
 from worker.engine.runner import ModelRunner
 from worker.engine.step_ring import Kind, Message, RingReader
 from worker.model.loader import load_model
+from worker.model.lora import warm_up_lora
 from worker.model.rank_failed import RankFailed
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,8 @@ def follower_main(spec: RankSpec, reader: RingReader) -> None:
     )
     torch.set_num_threads(spec.threads)
     try:
-        serve_steps(reader, start_rank(spec), spec.settings.tensor_parallel_timeout_s)
+        runner, lora = start_rank(spec)
+        serve_steps(reader, runner, spec.settings.tensor_parallel_timeout_s, lora)
     except RankFailed as e:
         log.error("%s: this rank stops", e.message)
         sys.exit(1)
@@ -55,8 +58,9 @@ def follower_main(spec: RankSpec, reader: RingReader) -> None:
     dist.destroy_process_group()
 
 
-def start_rank(spec: RankSpec) -> ModelRunner:
-    """This rank's share, ready to run steps: the same start-up as rank 0's, in the same order."""
+def start_rank(spec: RankSpec) -> tuple[ModelRunner, LoraFollower | None]:
+    """This rank's share, ready to run steps: the same start-up as rank 0's, in the same order
+    (the adapters' slots before the KV pool is sized)."""
     store = connect_store(spec.store_port, spec.rank, spec.size)
     meet(store, "started", spec.rank, spec.size, lambda: None)
     tp = join_process_group(
@@ -66,9 +70,11 @@ def start_rank(spec: RankSpec) -> ModelRunner:
     meet(store, "loaded", spec.rank, spec.size, lambda: None)
     settings = spec.settings
     max_model_len = resolve_max_model_len(settings, loaded.config)
+    lora = LoraFollower(loaded.model, settings) if settings.serves_lora else None
     memory = prepare_rank(loaded.model, loaded.config, settings, spec.device, max_model_len)
     loaded.model.warm_up_experts(settings.max_num_batched_tokens)
-    return ModelRunner(
+    warm_up_lora(loaded.model, settings.max_num_batched_tokens)
+    runner = ModelRunner(
         loaded.model,
         memory.kv_caches,
         settings.page_size,
@@ -76,16 +82,20 @@ def start_rank(spec: RankSpec) -> ModelRunner:
         decode_graphs=memory.decode_graphs,
         verify_graphs=memory.verify_graphs,
     )
+    return runner, lora
 
 
-def serve_steps(reader: RingReader, runner: ModelRunner, timeout_s: float) -> None:
+def serve_steps(reader: RingReader, runner: ModelRunner, timeout_s: float, lora: LoraFollower | None = None) -> None:
     """Runs each step rank 0 sends until it sends STOP; from its SERVE on, a collective waits at
-    most timeout_s for a peer."""
+    most timeout_s for a peer. Adapter messages go to `lora`: rank 0 sends them only when it
+    serves adapters."""
     while (message := reader.receive()).kind is not Kind.STOP:
         if message.kind is Kind.SERVE:
             runner.model.tp.set_timeout(timeout_s)
-        else:
+        elif message.kind is Kind.STEP:
             run_step(runner, message)
+        else:
+            lora.take(message)
 
 
 def run_step(runner: ModelRunner, message: Message) -> None:

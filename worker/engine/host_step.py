@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from worker.engine.lora.rows import LoraRows
 from worker.engine.transfer import to_device
 from worker.model.batch import AttentionMetadata, StepInputs
 
@@ -24,6 +25,7 @@ class HostStep:
     cu_seqlens_q: np.ndarray  # [B + 1] int32
     sample_indices: np.ndarray  # [N] int64
     max_q_len: int
+    lora: LoraRows | None = None  # the rows that use a LoRA adapter, by slot
 
     @property
     def has_placeholders(self) -> bool:
@@ -42,4 +44,5 @@ class HostStep:
             cu_seqlens_q=upload(self.cu_seqlens_q),
             max_q_len=self.max_q_len,
         )
-        return StepInputs(upload(self.input_ids), upload(self.positions), meta, upload(self.sample_indices))
+        lora = self.lora.to_device(device) if self.lora is not None else None
+        return StepInputs(upload(self.input_ids), upload(self.positions), meta, upload(self.sample_indices), lora)

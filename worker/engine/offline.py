@@ -31,23 +31,28 @@ class OfflineGeneration:
         self,
         prompts: list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        adapters: list[str | None] | None = None,
     ) -> list[GenerationOutput]:
         """Runs the prompts (text, or token id lists) to completion; outputs in input order.
 
-        A request that cannot run (too long, bad token ids) gets an output with finish_reason
-        "error" and its code, and the others still run. It steps the whole engine, so it is
+        `adapters`: the LoRA adapter each prompt runs with (None: the base model).
+        A request that cannot run (too long, bad token ids, an unknown adapter) gets an output
+        with finish_reason "error" and its code, and the others still run. It steps the whole engine, so it is
         not for an engine that a loop also feeds through add_request.
         """
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidArgument("params", f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        adapters = adapters if adapters is not None else [None] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise InvalidArgument("adapters", f"{len(adapters)} adapters for {len(prompts)} prompts")
         results: list[GenerationOutput | None] = [None] * len(prompts)
         index: dict[str, tuple[int, Request]] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+        for i, (prompt, p, adapter) in enumerate(zip(prompts, params_list, adapters)):
             request_id = f"generate-{next(self._generate_ids)}"
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             try:
-                self.add_request(request_id, ids, p)
+                self.add_request(request_id, ids, p, adapter=adapter)
             except MiliError as e:
                 results[i] = rejected_output(request_id, ids, e)
                 continue

@@ -87,3 +87,5 @@ class EngineStats:
     drafts: int = 0  # speculative decoding: drafts verified (a request's, in a step)
     draft_tokens: int = 0  # the tokens they held
     accepted_draft_tokens: int = 0  # of those, accepted as output
+    adapter_reads: int = 0  # LoRA adapters read from disk
+    adapter_installs: int = 0  # LoRA adapters installed in a device slot

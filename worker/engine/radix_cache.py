@@ -5,6 +5,10 @@ their KV. The tree keeps one allocator reference on every page it stores. A requ
 uses a node locks it and all its ancestors (`lock_ref`), so eviction only ever takes
 unlocked leaves, least recently used first. Invariant: the pages of an unlocked node are
 referenced by the tree alone, so evicting it frees them.
+
+KV computed under a LoRA adapter is that adapter's alone (its k and v projections may differ from
+the base's), so each adapter has a tree of its own: a root per adapter name, the base model's
+under None. No prefix is ever shared across adapters; eviction takes LRU leaves from all trees.
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ class RadixCache:
         self.page_size = page_size
         self.enabled = enabled
         self._clock = itertools.count()
-        self.root = TreeNode(None, [], [], next(self._clock))
-        self.root.lock_ref = 1  # the root is never evicted
+        self.roots: dict[str | None, TreeNode] = {}  # by adapter name; None: the base model
+        self.root = self._root(None)
         self._evictable_pages = 0  # pages in unlocked nodes; kept because a walk per check is too slow
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -50,9 +54,17 @@ class RadixCache:
     def evictable_pages(self) -> int:
         return self._evictable_pages
 
-    def match_prefix(self, tokens: list[int]) -> PrefixMatch:
-        """The longest cached page-aligned prefix of `tokens`. Touches the matched path (LRU)."""
-        node, pages, i = self.root, [], 0
+    def _root(self, adapter: str | None) -> TreeNode:
+        root = self.roots.get(adapter)
+        if root is None:
+            root = self.roots[adapter] = TreeNode(None, [], [], next(self._clock))
+            root.lock_ref = 1  # a root is never evicted
+        return root
+
+    def match_prefix(self, tokens: list[int], adapter: str | None = None) -> PrefixMatch:
+        """The longest cached page-aligned prefix of `tokens` computed under `adapter` (None: the
+        base model). Touches the matched path (LRU)."""
+        node, pages, i = self._root(adapter), [], 0
         if not self.enabled:
             return PrefixMatch(pages, node)
         ps, now = self.page_size, next(self._clock)
@@ -72,8 +84,9 @@ class RadixCache:
         self.queried_tokens += queried
         self.hit_tokens += hit
 
-    def insert(self, tokens: list[int], pages: list[int]) -> TreeNode:
-        """Cache `pages` as the KV of `tokens` (len(tokens) == len(pages) * page_size).
+    def insert(self, tokens: list[int], pages: list[int], adapter: str | None = None) -> TreeNode:
+        """Cache `pages` as the KV of `tokens` (len(tokens) == len(pages) * page_size) under
+        `adapter` (None: the base model).
 
         Where the tree already holds a prefix, its pages are kept and the caller's copies
         stay the caller's; new nodes take a reference on the caller's pages. Returns the
@@ -82,7 +95,7 @@ class RadixCache:
         if not self.enabled:
             return self.root
         ps, now = self.page_size, next(self._clock)
-        node, i = self.root, 0
+        node, i = self._root(adapter), 0
         while i < len(pages):
             first = tuple(tokens[i * ps : (i + 1) * ps])
             child = node.children.get(first)
@@ -100,14 +113,14 @@ class RadixCache:
         return node
 
     def lock(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable_pages -= len(node.pages)
             node.lock_ref += 1
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._evictable_pages += len(node.pages)
@@ -121,7 +134,7 @@ class RadixCache:
         while heap and self.allocator.num_free - free_before < num_pages:
             _, _, node = heapq.heappop(heap)
             parent = self._remove_leaf(node)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return self.allocator.num_free - free_before
 
@@ -158,7 +171,7 @@ class RadixCache:
         return parent
 
     def _nodes(self):
-        stack = list(self.root.children.values())
+        stack = [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node

@@ -39,6 +39,7 @@ from worker.engine.rank_setup import resolve_max_model_len
 from worker.engine.rendezvous import RankSpec, connect_store, join_process_group, meet, rank_devices
 from worker.engine.settings import EngineSettings
 from worker.engine.step_ring import StepRing, message_bytes
+from worker.model.config import Qwen3Config
 from worker.model.loader import LoadedModel, check_checkpoint, load_model
 from worker.model.parallel import TensorParallel, check_shapes
 from worker.model.rank_failed import RankFailed
@@ -67,6 +68,18 @@ def load_shares(
         ranks.close()
         raise
     return loaded, ranks
+
+
+def check_group(config: Qwen3Config, device: str | torch.device, size: int) -> list[torch.device]:
+    """The ranks' devices, once what refuses a group of `size` ranks and is known from config.json
+    and this machine alone is ruled out: a model that does not split over them, devices that are
+    not there, a group this process runs already. Engine.from_pretrained checks it first, before a
+    preset is written or a weight read."""
+    check_shapes(config, size)
+    devices = rank_devices(device, size)
+    if dist.is_initialized():
+        raise InvalidArgument("tensor_parallel_size", "this process already runs a tensor-parallel engine")
+    return devices
 
 
 class RankGroup:
@@ -107,14 +120,12 @@ class RankGroup:
         (on the thread it keeps: children die with the thread that started them) loads rank 0's
         share, meets them at 'loaded', and closes the group on any failure."""
         size = settings.tensor_parallel_size
+        devices = check_group(Qwen3Config.from_file(path / "config.json"), device, size)
         config = check_checkpoint(path, dtype)
-        check_shapes(config, size)
-        devices = rank_devices(device, size)
-        if dist.is_initialized():
-            raise InvalidArgument("tensor_parallel_size", "this process already runs a tensor-parallel engine")
         store = connect_store(0, 0, size)
         max_pages = pages_for(resolve_max_model_len(settings, config), settings.page_size)
-        capacity = message_bytes(settings.max_num_batched_tokens, settings.max_running, max_pages)
+        lora_slots = settings.max_loras if settings.serves_lora else 0
+        capacity = message_bytes(settings.max_num_batched_tokens, settings.max_running, max_pages, lora_slots)
         ring = StepRing(size - 1, capacity, settings.tensor_parallel_startup_timeout_s)
         threads = torch.get_num_threads()
         spec = RankSpec(
@@ -148,11 +159,12 @@ class RankGroup:
         except BaseException:
             group.close()
             raise
+        pids = [os.getpid(), *(p.pid for p in processes)]
         log.info(
-            "tensor parallelism: %d ranks on %s (pids %s)",
+            "tensor parallelism: %d ranks on %s (%s)",
             size,
             ", ".join(spec.devices),
-            ", ".join(str(p.pid) for p in processes),
+            ", ".join(f"rank {rank}: pid {pid}" for rank, pid in enumerate(pids)),
         )
         return group
 

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from worker.engine.grammar.request_grammar import RequestGrammar
+    from worker.engine.lora.adapters import AdapterHandle
     from worker.engine.radix_cache import TreeNode
     from worker.engine.stop import TextOutput
 
@@ -58,6 +59,7 @@ class Request:
         self.generator = generator
         self.logprobs: list[SampledLogprob] | None = [] if params.logprobs is not None else None
         self.grammar: RequestGrammar | None = None  # structured outputs: what the output must match
+        self.adapter: AdapterHandle | None = None  # the LoRA adapter it runs with; None: the base model
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -91,8 +93,15 @@ class Request:
 
     @property
     def ready(self) -> bool:
-        """Whether it can be admitted: its grammar, if it has one, is compiled and started."""
-        return self.grammar is None or self.grammar.started
+        """Whether it can be admitted: its grammar, if it has one, is compiled and started, and its
+        adapter, if it has one, is in a device slot."""
+        grammar_ready = self.grammar is None or self.grammar.started
+        return grammar_ready and (self.adapter is None or self.adapter.slot is not None)
+
+    @property
+    def adapter_name(self) -> str | None:
+        """Whose prefix cache its KV belongs to: its adapter's, or the base model's (None)."""
+        return self.adapter.name if self.adapter is not None else None
 
     @property
     def is_finished(self) -> bool:

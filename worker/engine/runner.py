@@ -13,11 +13,13 @@ import torch
 
 from worker.engine.host_step import HostStep
 from worker.engine.kv_pool import pages_for
+from worker.engine.lora.rows import LoraRows
 from worker.engine.page_table import PageTable
 from worker.engine.request import Request
 from worker.engine.scheduler import ScheduledChunk
 from worker.engine.verify_graphs import is_verify_step, padded_verify_step
 from worker.model.batch import KVCaches, StepInputs
+from worker.model.lora import lora_slots
 from worker.model.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:
@@ -48,6 +50,7 @@ class ModelRunner:
         self.decode_graphs = decode_graphs  # captured at start on CUDA: decode steps replay them
         self.ring = ring  # rank 0 of a tensor-parallel group: where the other ranks read each step
         self.verify_graphs = verify_graphs  # speculative decoding's verify steps replay them on CUDA
+        self.lora_slots = lora_slots(model)  # the model's LoRA adapter slots (0: it serves none)
         self._logits: torch.Tensor | None = None  # reused on CPU, see compute_logits
 
     @torch.inference_mode()
@@ -75,7 +78,7 @@ class ModelRunner:
             return self.decode_graphs.run(inputs)
         if self.verify_graphs is not None and self.verify_graphs.fits(step):
             return self.verify_graphs.run(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, inputs.lora)
         return self.compute_logits(hidden[inputs.sample_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -98,8 +101,11 @@ class ModelRunner:
     def host_step(self, chunks: list[ScheduledChunk]) -> HostStep:
         """The step's host arrays: each chunk's tokens from its request (its draft after them);
         a verify step that a graph can replay is laid out for it (worker.engine.verify_graphs)."""
+        requests = [c.request for c in chunks]
         if self.verify_graphs is not None and is_verify_step(chunks):
-            return padded_verify_step(self.page_table, self.page_size, chunks, self.verify_graphs.q)
+            q = self.verify_graphs.q
+            lora = self.lora_rows(requests, np.full(len(chunks), q, dtype=np.int64))
+            return padded_verify_step(self.page_table, self.page_size, chunks, q, lora)
         prefix = np.array([c.start for c in chunks], dtype=np.int64)
         q_len = np.array([c.num_tokens for c in chunks], dtype=np.int64)
         if int(q_len.max()) == 1:
@@ -109,8 +115,20 @@ class ModelRunner:
         samples = [c.num_sampled for c in chunks]
         num_sampled = None if samples.count(1) == len(samples) else np.array(samples, dtype=np.int64)
         return build_host_step(
-            self.page_table, self.page_size, [c.request for c in chunks], prefix, q_len, token_ids, num_sampled
+            self.page_table,
+            self.page_size,
+            requests,
+            prefix,
+            q_len,
+            token_ids,
+            num_sampled,
+            self.lora_rows(requests, q_len),
         )
+
+    def lora_rows(self, requests: list[Request], new_tokens: np.ndarray) -> LoraRows | None:
+        """The step's tokens that run with a LoRA adapter, by slot: every token of a request on one,
+        a verify step's drafted tokens included (None: no request uses one)."""
+        return LoraRows.of_chunks(requests, new_tokens, self.lora_slots) if self.lora_slots else None
 
 
 def build_host_step(
@@ -121,11 +139,13 @@ def build_host_step(
     q_len: np.ndarray,
     token_ids: list[int],
     num_sampled: np.ndarray | None = None,
+    lora: LoraRows | None = None,
 ) -> HostStep:
     """A step extending each request by q_len tokens after its first `prefix`, in a handful of
     numpy ops (on the host, a numpy op costs a fraction of a torch op's dispatch); the page table
     is a gather of the requests' persistent rows (worker.engine.page_table). `num_sampled`: how
-    many of each request's last tokens return logits (None: one each)."""
+    many of each request's last tokens return logits (None: one each); `lora`: the tokens that run
+    with an adapter."""
     seq_lens = prefix + q_len
     cu_seqlens = np.zeros(len(requests) + 1, dtype=np.int64)
     np.cumsum(q_len, out=cu_seqlens[1:])
@@ -147,6 +167,7 @@ def build_host_step(
         cu_seqlens.astype(np.int32),
         sample_indices(cu_seqlens, num_sampled),
         max_q_len,
+        lora,
     )
 
 

@@ -199,7 +199,7 @@ class Scheduler:
                 self.waiting.pop(i)
                 self._fail_too_large(req, out)
                 continue
-            match = self.cache.match_prefix(req.token_ids[:-1])  # the last token must run to sample
+            match = self.cache.match_prefix(req.token_ids[:-1], req.adapter_name)  # the last token must run to sample
             self.cache.lock(match.node)
             need = pages_for(len(req.token_ids), self.page_size) - len(match.pages)
             if need > self.allocator.num_free + self.cache.evictable_pages - owed:
@@ -287,7 +287,7 @@ class Scheduler:
         full = req.num_computed_tokens // self.page_size
         if full == 0 or not self.cache.enabled:
             return
-        node = self.cache.insert(req.token_ids[: full * self.page_size], req.pages[:full])
+        node = self.cache.insert(req.token_ids[: full * self.page_size], req.pages[:full], req.adapter_name)
         self.cache.lock(node)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from producer_client.errors import InvalidArgument
+from producer_client.keys import NAME_PATTERN
 from producer_client.schema import invalid_argument_from
 
 
@@ -74,6 +75,23 @@ class EngineSettings(BaseModel):
         description="the same bound while the ranks load and warm up, where one rank may work alone for long "
         "(compiling kernels, loading the tokenizer) while the others wait in a collective",
     )
+    lora_modules: dict[str, str] = Field(
+        {},
+        description="LoRA adapters served by name, NAME=PATH each (a PEFT adapter directory); "
+        "a job names one with adapter=NAME",
+    )
+    lora_dir: str | None = Field(
+        None,
+        description="a directory of PEFT adapters: a job naming one of its subdirectories gets that "
+        "adapter, loaded on first use",
+    )
+    max_loras: int = Field(4, ge=1, description="LoRA adapter slots on the device: the most adapters one batch runs")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="LoRA adapters kept in host memory, least recently used out first; unset: max_loras"
+    )
+    max_lora_rank: int = Field(
+        16, ge=1, le=512, description="the largest LoRA rank served; each slot holds this rank in every projection"
+    )
 
     speculative_method: Literal["ngram", "draft", "eagle3"] | None = Field(
         None,
@@ -89,6 +107,36 @@ class EngineSettings(BaseModel):
         "directory or a preset",
     )
 
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _named_paths(cls, value):
+        """NAME=PATH strings (the flag's form) or a table of them (TOML, JSON)."""
+        if not isinstance(value, (list, tuple)):
+            return value
+        pairs = [item.split("=", 1) if isinstance(item, str) else [item] for item in value]
+        bad = next((item for item, pair in zip(value, pairs) if len(pair) != 2 or not all(pair)), None)
+        if bad is not None:
+            raise ValueError(f"{bad!r} is not NAME=PATH")
+        return dict(pairs)
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _names_jobs_can_send(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = next((name for name in value if not NAME_PATTERN.fullmatch(name)), None)
+        if bad is not None:
+            raise ValueError(
+                f"adapter name {bad!r} is not 1-128 letters, digits and ._:@/- starting with one of the first two"
+            )
+        return value
+
+    @property
+    def serves_lora(self) -> bool:
+        return bool(self.lora_modules) or self.lora_dir is not None
+
+    @property
+    def host_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
     @model_validator(mode="after")
     def _speculative_model_when_needed(self) -> "EngineSettings":
         needs_model = self.speculative_method in ("draft", "eagle3")
@@ -103,6 +151,14 @@ class EngineSettings(BaseModel):
         # Every running request decodes every step, so a step must hold one token for each.
         if self.max_running > self.max_num_batched_tokens:
             raise InvalidArgument("max_running", "must not exceed max_num_batched_tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _slots_fit_the_host_cache(self) -> "EngineSettings":
+        # An adapter read from disk waits in the host cache for a slot: a cache smaller than the
+        # slots could drop it before it is installed.
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise InvalidArgument("max_cpu_loras", "must be at least max_loras")
         return self
 
     @classmethod

@@ -29,6 +29,7 @@ import torch
 from worker.engine.cuda_graph import capture_sizes, describe_sizes, padded_size
 from worker.engine.host_step import HostStep
 from worker.engine.kv_pool import pages_for
+from worker.engine.lora.rows import LoraRows
 from worker.engine.page_table import PageTable
 from worker.engine.scheduler import ScheduledChunk
 from worker.model.batch import AttentionMetadata, KVCaches, StepInputs
@@ -42,8 +43,11 @@ def is_verify_step(chunks: list[ScheduledChunk]) -> bool:
     return any(c.draft for c in chunks) and all(c.samples and c.num_tokens == 1 + len(c.draft) for c in chunks)
 
 
-def padded_verify_step(page_table: PageTable, page_size: int, chunks: list[ScheduledChunk], q: int) -> HostStep:
-    """The step's host arrays with every request at q query tokens, padding after a shorter draft."""
+def padded_verify_step(
+    page_table: PageTable, page_size: int, chunks: list[ScheduledChunk], q: int, lora: LoraRows | None = None
+) -> HostStep:
+    """The step's host arrays with every request at q query tokens, padding after a shorter draft;
+    `lora`: the tokens that run with an adapter, counted over that layout (q per request)."""
     drafts = np.array([len(c.draft) for c in chunks], dtype=np.int64)
     starts = np.array([c.start for c in chunks], dtype=np.int64)
     tokens = np.zeros((len(chunks), q), dtype=np.int64)
@@ -69,6 +73,7 @@ def padded_verify_step(page_table: PageTable, page_size: int, chunks: list[Sched
         (np.arange(len(chunks) + 1) * q).astype(np.int32),
         rows[real],
         q,
+        lora,
     )
 
 

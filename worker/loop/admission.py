@@ -18,7 +18,7 @@ from producer_client.protocol.replies import ClaimOutcome
 from worker.loop.context import LoopContext
 from worker.loop.intake import Delivery, job_from_entry
 from worker.loop.jobs import AdmissionId, InternalError, InvalidJob, Job, Poison, final_result
-from worker.loop.queue import HANDED_OVER_IDLE_MS
+from worker.loop.queue import HANDED_OVER_MIN_IDLE_MS
 from worker.loop.rejection import Rejections
 
 log = logging.getLogger(__name__)
@@ -68,20 +68,15 @@ class Admission:
         if room <= 0 or now < self.next_reclaim:
             return
         self.next_reclaim = now + self.settings.reclaim_interval_s
-        deliveries = self.queue.reclaim(room, self.min_idle_ms())
-        if deliveries:
-            log.info(
-                "reclaimed %d entries idle over %d ms: %s",
-                len(deliveries),
-                self.settings.claim_idle_ms,
-                ", ".join(f"{d.job_id} (delivery {d.deliveries})" for d in deliveries),
-            )
+        min_idle_ms = self.min_idle_ms()
+        deliveries = self.queue.reclaim(room, min_idle_ms)
+        log_reclaimed(deliveries, min_idle_ms)
         self.holdings.take(deliveries)
 
     def min_idle_ms(self) -> int:
         """How long an entry must have gone unrefreshed for this worker to take it now."""
         if time.monotonic() < self.takes_idle_entries_from:
-            return HANDED_OVER_IDLE_MS // 10
+            return HANDED_OVER_MIN_IDLE_MS
         return self.settings.claim_idle_ms
 
     def admit(self) -> None:
@@ -137,6 +132,7 @@ class Admission:
                 job.request.priority,
                 resume_token_ids=job.token_ids,
                 constraint=job.constraint,
+                adapter=job.request.adapter,
             )
         except Exception as e:
             if not isinstance(e, MiliError):
@@ -200,3 +196,18 @@ class Admission:
             d.job_id, "failed", "error", self.worker, self.clock.now(), entry_time(d.entry_id), error=error
         )
         self.holdings.dead_letter(d, run, recorded_tokens, final, error.message)
+
+
+def log_reclaimed(deliveries: list[Delivery], min_idle_ms: int, where: str = "") -> None:
+    """Says which entries a drain handed over and which were reclaimed from a worker that died or
+    stalled, with the idle time that took them (`where`: whose stream, if not the shared one)."""
+    handed = [d for d in deliveries if d.handed_over]
+    idle = [d for d in deliveries if not d.handed_over]
+    if handed:
+        log.info("took over %d entries%s that a draining worker handed over: %s", len(handed), where, _listed(handed))
+    if idle:
+        log.info("reclaimed %d entries%s idle over %d ms: %s", len(idle), where, min_idle_ms, _listed(idle))
+
+
+def _listed(deliveries: list[Delivery]) -> str:
+    return ", ".join(f"{d.job_id} (delivery {d.deliveries})" for d in deliveries)

@@ -33,6 +33,7 @@ class Delivery:
     entry_id: str
     fields: dict[str, str]
     deliveries: int = 1  # XPENDING's delivery count: 1 for a first read, raised by every reclaim
+    handed_over: bool = False  # reclaimed after a draining worker handed it over, not after it went idle
     job_id: str = field(init=False)
 
     def __post_init__(self):

@@ -192,6 +192,14 @@ def final_result(
     """The one way a job's final result is built: a job that ran (Job.result), or an entry that
     never did (failed on reading, expired unread, dead-lettered)."""
     token_ids, text, logprobs = output
+    # The worker's times are Redis's clock as this process estimates it, to within half a round
+    # trip, while queued_at is Redis's own, in whole ms: a job started at once could read as
+    # started before it was queued (`queue -0.001s`). No time precedes the one before it.
+    if started_at is not None:
+        started_at = max(started_at, queued_at)
+    if first_token_at is not None:
+        first_token_at = max(first_token_at, started_at or queued_at)
+    now = max(now, first_token_at or started_at or queued_at)
     if isinstance(error, MiliError):
         error = ErrorInfo(code=error.code, message=printable(error.message))
     reasoning, tool_calls = "", []

@@ -14,7 +14,7 @@ from producer_client.keys import PROTOCOL_VERSION
 from producer_client.protocol.events import encode_start
 from producer_client.protocol.replies import Adopted
 from worker.loop.context import LoopContext
-from worker.loop.placement import advertised
+from worker.loop.placement import adapters_advertised, advertised
 from worker.loop.rejection import Rejections
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class Ownership:
             "total_pages": self.total_pages,
             "page_size": cap.page_size,
             **advertised(self.settings, self.holdings, self.worker),
+            **adapters_advertised(self.engine),
         }
         held = self.holdings.entries()
         depth, lost = self.queue.heartbeat(fields, self.settings.heartbeat_ttl_s, list(held))

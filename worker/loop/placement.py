@@ -12,7 +12,7 @@ import time
 import redis
 
 from producer_client.connection import is_fatal
-from worker.loop.admission import Admission
+from worker.loop.admission import Admission, log_reclaimed
 from worker.loop.context import LoopContext
 from worker.loop.holdings import Holdings
 from worker.loop.intake import Delivery
@@ -31,6 +31,17 @@ def advertised(settings: WorkerSettings, holdings: Holdings, worker: str) -> dic
         return {"placement": 0}
     own = sum(1 for ref in holdings.entries() if owner_of(ref) == worker)
     return {"placement": 1, "slots": settings.engine.max_running, "placed_held": own}
+
+
+def adapters_advertised(engine) -> dict[str, str]:
+    """Heartbeat fields of a worker that serves LoRA adapters: the names it serves (what a producer
+    and the gateway check a job's adapter against, and route by) and those it holds in memory now
+    (a job naming one loads nothing), comma-separated."""
+    adapters = engine.adapters()
+    if adapters is None:
+        return {}
+    served, held = adapters
+    return {"adapters": ",".join(served), "adapters_held": ",".join(held)}
 
 
 class TakeOver:
@@ -52,14 +63,9 @@ class TakeOver:
         self.next_scan = now + self.interval_s
         # Steals need no wait after an outage, unlike reclaims: an entry nobody has read is nobody's.
         steal_before_ms = int(self.clock.now() * 1000) - self.settings.steal_delay_ms
-        reclaimed, stolen = self._take(room, self.admission.min_idle_ms(), steal_before_ms)
-        if reclaimed:
-            log.info(
-                "reclaimed %d entries of workers' own streams idle over %d ms: %s",
-                len(reclaimed),
-                self.settings.claim_idle_ms,
-                ", ".join(f"{d.job_id} (delivery {d.deliveries})" for d in reclaimed),
-            )
+        min_idle_ms = self.admission.min_idle_ms()
+        reclaimed, stolen = self._take(room, min_idle_ms, steal_before_ms)
+        log_reclaimed(reclaimed, min_idle_ms, " of workers' own streams")
         if stolen:
             log.info(
                 "stole %d entries unread for over %d ms: %s",

@@ -47,6 +47,7 @@ WORKER_INDEX_RETENTION_S = 3600
 # claim_idle_ms, so the next XAUTOCLAIM anywhere takes them, even by a worker that takes nothing
 # else yet (see Admission.reclaim: it asks for a tenth of this then).
 HANDED_OVER_IDLE_MS = 10**10
+HANDED_OVER_MIN_IDLE_MS = HANDED_OVER_IDLE_MS // 10  # an entry this idle was handed over
 
 
 class ReplicasBehind(redis.RedisError):
@@ -292,12 +293,12 @@ class WorkerQueue:
         """XAUTOCLAIM up to `count` entries idle longer than `min_idle_ms`: jobs of workers that
         died or stalled. The scan resumes where the last one stopped, so every pending entry is
         reached in turn."""
-        call = scripts.reclaim(self.stream, self.worker, min_idle_ms, self.reclaim_cursor, count)
+        call = scripts.reclaim(
+            self.stream, self.worker, min_idle_ms, self.reclaim_cursor, count, HANDED_OVER_MIN_IDLE_MS
+        )
         cursor, claimed = self._send(call.add_to)[0]
         self.reclaim_cursor = cursor
-        return [
-            Delivery(entry_id, dict(zip(flat[::2], flat[1::2])), deliveries) for entry_id, flat, deliveries in claimed
-        ]
+        return [Delivery(entry_id, _fields(flat), n, bool(handed)) for entry_id, flat, n, handed in claimed]
 
     def take_over(
         self, owner: str, count: int, min_idle_ms: int, steal_before_ms: int
@@ -305,10 +306,12 @@ class WorkerQueue:
         """TAKE_OVER on `owner`'s own stream: (up to `count` entries reclaimed after `min_idle_ms`,
         then entries stolen that nobody read since before `steal_before_ms`; 0: none). An error in
         its place raises as any other, but for a key of another type, which TAKE_OVER passes over."""
-        call = scripts.take_over(self.streams.of(owner), self.worker, min_idle_ms, steal_before_ms, count)
+        call = scripts.take_over(
+            self.streams.of(owner), self.worker, min_idle_ms, steal_before_ms, count, HANDED_OVER_MIN_IDLE_MS
+        )
         reclaimed, stolen = self._send(call.add_to)[0]
         return (
-            [Delivery(entry_ref(i, owner), _fields(flat), n) for i, flat, n in reclaimed],
+            [Delivery(entry_ref(i, owner), _fields(flat), n, bool(handed)) for i, flat, n, handed in reclaimed],
             [Delivery(entry_ref(i, owner), _fields(flat)) for i, flat in stolen],
         )
 

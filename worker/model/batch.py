@@ -27,6 +27,15 @@ class AttentionMetadata:
 
 
 @dataclass
+class LoraBatch:
+    """Which rows of a step use a LoRA adapter (worker/model/lora.py): their indices grouped by
+    adapter slot, and the cumulative count of each slot's rows. None in a step where no row uses one."""
+
+    tokens: torch.Tensor  # [N] int64
+    group_ends: torch.Tensor  # [slots] int32
+
+
+@dataclass
 class StepInputs:
     """One step's batch as the model takes it."""
 
@@ -34,3 +43,4 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [N] int64: the last new token of each chunk that samples
+    lora: LoraBatch | None = None

@@ -20,6 +20,7 @@ from torch import nn
 
 import kernels
 from kernels.fused_moe import warm_up_token_counts
+from worker.model.batch import LoraBatch
 from worker.model.config import Qwen3MoeConfig
 from worker.model.parallel import TensorParallel
 from worker.model.params import empty_weight
@@ -56,7 +57,9 @@ class Qwen3MoeSparseBlock(nn.Module):
         self.experts = Experts(config, dtype, tp)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """`lora` is the dense MLP's argument: experts take no adapter (one that targets them is
+        refused when it loads, worker/model/lora_adapter.py)."""
         return self.tp.all_reduce(self._local_experts(x))
 
     def _local_experts(self, x: torch.Tensor) -> torch.Tensor:

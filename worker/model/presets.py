@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from worker.model.config import DTYPES, CheckpointError, Qwen3Config, parse_config
 from worker.model.loader import INDEX_FILE, SINGLE_FILE, checkpoint_targets
+from worker.model.progress import logged_step
 from worker.model.qwen3 import Qwen3ForCausalLM
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 
@@ -168,6 +169,17 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
     return path
 
 
+def model_config(name_or_path: str | Path) -> Qwen3Config:
+    """The config of a preset (written or not) or of a checkpoint directory, read before any weight is."""
+    preset = PRESETS.get(str(name_or_path))
+    if preset is not None:
+        return parse_config(preset.config, str(name_or_path))
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"{name_or_path}: no such checkpoint directory, nor a preset ({', '.join(PRESETS)})")
+    return Qwen3Config.from_file(path / "config.json")
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("MILI_CACHE_DIR") or Path.home() / ".cache" / "mili")
 
@@ -201,7 +213,11 @@ def remove_abandoned_writes(target: Path) -> None:
 
 
 def write_preset(name: str, preset: Preset, target: Path) -> None:
-    log.info("writing preset %r to %s (first use)", name, target)
+    with logged_step(log, f"writing preset {name!r} to {target} (its first use: random weights, the tokenizer)"):
+        write_preset_files(preset, target)
+
+
+def write_preset_files(preset: Preset, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         write_random_checkpoint(tmp, preset.config, seed=preset.seed, dtype=preset.dtype)

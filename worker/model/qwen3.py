@@ -19,7 +19,7 @@ from torch import nn
 
 import kernels
 from kernels.cpu_linear import linear_cpu, supports as cpu_linear_supports
-from worker.model.batch import AttentionMetadata, KVCaches
+from worker.model.batch import AttentionMetadata, KVCaches, LoraBatch
 from worker.model.config import Qwen3Config
 from worker.model.moe import Qwen3MoeSparseBlock
 from worker.model.parallel import SINGLE, TensorParallel
@@ -31,9 +31,13 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = empty_weight(out_features, in_features, dtype=dtype)
+        self.lora: nn.Module | None = None  # its LoRA adapters' slots (worker/model/lora.py), when served
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        if lora is not None and self.lora is not None:
+            self.lora.add_update(out, x, lora)
+        return out
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -96,8 +100,9 @@ class Qwen3Attention(nn.Module):
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         cos_sin: torch.Tensor,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -121,7 +126,7 @@ class Qwen3Attention(nn.Module):
                 self.k_scale,
                 self.v_scale,
             )
-        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size), lora))
 
 
 class Qwen3MLP(nn.Module):
@@ -132,8 +137,8 @@ class Qwen3MLP(nn.Module):
         self.down_proj = Linear(inter, config.hidden_size, dtype)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x))))
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        return self.tp.all_reduce(self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x, lora)), lora))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -153,6 +158,7 @@ class Qwen3DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         cos_sin: torch.Tensor,
+        lora: LoraBatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (block output, residual stream before it); the next norm adds the two.
 
@@ -163,9 +169,9 @@ class Qwen3DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta, kv_cache, cos_sin)
+        hidden = self.self_attn(positions, hidden, meta, kv_cache, cos_sin, lora)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, lora), residual
 
 
 class Qwen3Model(nn.Module):
@@ -183,7 +189,12 @@ class Qwen3Model(nn.Module):
         self.captured: torch.Tensor | None = None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: KVCaches
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: KVCaches,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
@@ -191,7 +202,7 @@ class Qwen3Model(nn.Module):
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i in self.capture_inputs:
                 states[i] = hidden if residual is None else hidden + residual
-            hidden, residual = layer(positions, hidden, residual, meta, kv_cache, self.cos_sin)
+            hidden, residual = layer(positions, hidden, residual, meta, kv_cache, self.cos_sin, lora)
         hidden, stream = self.norm(hidden, residual)
         if self.capture_inputs:
             states[len(self.layers)] = stream
@@ -215,10 +226,16 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, tp.vocab_rows(config.vocab_size), dtype)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: KVCaches
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: KVCaches,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] int64 -> final hidden states [T, hidden_size]."""
-        return self.model(input_ids, positions, meta, kv_caches)
+        """input_ids, positions [T] int64 -> final hidden states [T, hidden_size]. `lora`: the rows
+        that use a LoRA adapter, and which (worker/model/lora.py)."""
+        return self.model(input_ids, positions, meta, kv_caches, lora)
 
     def warm_up_experts(self, max_tokens: int) -> None:
         """A mixture of experts runs each kernel tile shape a step of up to max_tokens tokens can

@@ -3,8 +3,8 @@
 One thread compiles. The loop hands it a constraint and goes on; the request waits unadmitted
 until its matcher is ready, and the requests behind it are admitted meanwhile. llguidance's view
 of the vocabulary (Tokenizer.grammar_tables: about a second of CPU for Qwen3's 151,936 tokens) is
-built on that thread, once, the first time it is needed: `prepare` asks for it when the worker
-starts.
+built on that thread, once, the first time it is needed: at the first structured request (a worker
+that serves none never builds it), or when `prepare` asks for it ahead.
 
 Compiled grammars are kept by the hash of their grammar in an LRU of at most `cache_size`: a
 prototype matcher each, of which every request gets its own copy (a copy costs microseconds,

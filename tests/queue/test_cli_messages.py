@@ -1,0 +1,79 @@
+"""What a user of the `mili` CLI sees: a reader that leaves early ends it quietly, and an argument
+it cannot use says which and why."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from cli.__main__ import main
+from producer_client import Client
+from tests.support.processes import REPO
+
+CLOSED_PIPE_EXIT = 128 + signal.SIGPIPE
+
+
+def mili_into_a_closed_pipe(url: str, *args: str) -> subprocess.CompletedProcess:
+    """`mili ARGS | head` once head has left: stdout is a pipe nobody reads."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "cli", "--redis", url, *args],
+            cwd=REPO,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+
+
+def test_a_reader_that_left_ends_the_command_quietly(redis_server, queue):
+    with Client(redis_server.url, queue) as client:
+        job_id = client.submit("piped", max_tokens=4)
+    status = mili_into_a_closed_pipe(redis_server.url, "--queue", queue, "status", job_id)
+    assert (status.returncode, status.stderr) == (CLOSED_PIPE_EXIT, "")
+
+
+def test_a_closed_stdout_does_not_hide_an_error(redis_server):
+    missing = mili_into_a_closed_pipe(redis_server.url, "status", "no-such-job")
+    assert (missing.returncode, missing.stderr) == (
+        1,
+        "error: not_found: job 'no-such-job' not found (never submitted, or its result expired)\n",
+    )
+
+
+def submit_with_schema(url: str, schema: str, capsys) -> tuple[int, str]:
+    code = main(["--redis", url, "submit", "x", "--max-tokens", "4", "--json-schema", schema])
+    return code, capsys.readouterr().err
+
+
+def test_a_schema_file_that_is_not_there_is_named(redis_server, tmp_path, capsys):
+    missing = tmp_path / "nofile.json"
+    assert submit_with_schema(redis_server.url, f"@{missing}", capsys) == (
+        1,
+        f"error: invalid_argument: json_schema: the file {missing} was not found\n",
+    )
+
+
+def test_a_schema_file_that_is_not_json_says_where(redis_server, tmp_path, capsys):
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"type": "object",\n "properties": }')
+    cause = "Expecting value: line 2 column 16 (char 34)"
+    assert submit_with_schema(redis_server.url, f"@{broken}", capsys) == (
+        1,
+        f"error: invalid_argument: json_schema: the file {broken} is not JSON: {cause}\n",
+    )
+
+
+def test_a_schema_text_that_is_not_json_says_so(redis_server, capsys):
+    cause = "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+    assert submit_with_schema(redis_server.url, "{type: object}", capsys) == (
+        1,
+        f"error: invalid_argument: json_schema: not JSON (give the schema's JSON text, or @FILE): {cause}\n",
+    )
