@@ -103,15 +103,7 @@ class DecodeBuffers:
         self.page_table[:size].zero_()
         self.page_table[:b, : meta.page_table.shape[1]].copy_(meta.page_table, non_blocking=True)
         if self.lora is not None:
-            self._load_lora(inputs.lora)
-
-    def _load_lora(self, lora: LoraBatch | None) -> None:
-        if lora is None:
-            self.lora.group_ends.zero_()
-            return
-        n = lora.tokens.shape[0]
-        self.lora.tokens[:n].copy_(lora.tokens, non_blocking=True)
-        self.lora.group_ends.copy_(lora.group_ends, non_blocking=True)
+            load_lora(self.lora, inputs.lora)
 
     def lora_rows(self, size: int) -> LoraBatch | None:
         if self.lora is None:
@@ -222,6 +214,16 @@ class DecodeGraphRunner:
         b = self.buffers
         hidden = self.model(b.input_ids[:size], b.positions[:size], b.meta(size), self.kv_caches, b.lora_rows(size))
         return self.model.compute_logits(hidden, None if self.logits is None else self.logits[:size])
+
+
+def load_lora(buffers: LoraBatch, lora: LoraBatch | None) -> None:
+    """A graph's static LoRA rows take the step's; a step with none leaves every slot without rows."""
+    if lora is None:
+        buffers.group_ends.zero_()
+        return
+    n = lora.tokens.shape[0]
+    buffers.tokens[:n].copy_(lora.tokens, non_blocking=True)
+    buffers.group_ends.copy_(lora.group_ends, non_blocking=True)
 
 
 def describe_sizes(sizes: list[int]) -> str:

@@ -26,13 +26,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from worker.engine.cuda_graph import capture_sizes, describe_sizes, padded_size
+from worker.engine.cuda_graph import capture_sizes, describe_sizes, load_lora, padded_size
 from worker.engine.host_step import HostStep
 from worker.engine.kv_pool import pages_for
 from worker.engine.lora.rows import LoraRows
 from worker.engine.page_table import PageTable
 from worker.engine.scheduler import ScheduledChunk
-from worker.model.batch import AttentionMetadata, KVCaches, StepInputs
+from worker.model.batch import AttentionMetadata, KVCaches, LoraBatch, StepInputs
+from worker.model.lora import lora_slots
 from worker.model.qwen3 import Qwen3ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class VerifyBuffers:
     """The static inputs of every verify graph: requests [0, size) of each feed the graph of that
     size, q tokens each. At rest every request is padding, so a capture writes nothing."""
 
-    def __init__(self, max_batch: int, max_pages: int, q: int, device: torch.device):
+    def __init__(self, max_batch: int, max_pages: int, q: int, device: torch.device, lora_slots: int = 0):
         def full(*shape: int, value: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.full(shape, value, dtype=dtype, device=device)
 
@@ -93,6 +94,13 @@ class VerifyBuffers:
         self.seq_lens = full(max_batch, value=q, dtype=torch.int32)
         self.prefix_lens = full(max_batch, value=0, dtype=torch.int32)
         self.cu_seqlens_q = torch.arange(0, (max_batch + 1) * q, q, dtype=torch.int32, device=device)
+        # The tokens that use a LoRA adapter, as the decode graphs hold them (worker/engine/cuda_graph.py):
+        # the slots' token counts bound what the kernels read.
+        self.lora = None
+        if lora_slots:
+            self.lora = LoraBatch(
+                full(max_batch * q, value=0, dtype=torch.int64), full(lora_slots, value=0, dtype=torch.int32)
+            )
 
     @property
     def max_pages(self) -> int:
@@ -115,6 +123,13 @@ class VerifyBuffers:
         self.prefix_lens[b:size].fill_(0)
         self.page_table[:size].zero_()
         self.page_table[:b, : meta.page_table.shape[1]].copy_(meta.page_table, non_blocking=True)
+        if self.lora is not None:
+            load_lora(self.lora, inputs.lora)
+
+    def lora_rows(self, size: int) -> LoraBatch | None:
+        if self.lora is None:
+            return None
+        return LoraBatch(self.lora.tokens[: size * self.q], self.lora.group_ends)
 
     def meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -145,7 +160,7 @@ class VerifyGraphRunner:
         self.kv_caches = kv_caches
         self.q = q
         self.sizes = capture_sizes(max_batch)
-        self.buffers = VerifyBuffers(max_batch, max_pages, q, device)
+        self.buffers = VerifyBuffers(max_batch, max_pages, q, device, lora_slots(model))
         self._graphs: dict[int, Callable[[], torch.Tensor | None]] = {}
         self._captured: dict[int, torch.Tensor | None] = {}  # each graph's hidden states for an EAGLE-3 head
         self._pool = None
@@ -210,5 +225,5 @@ class VerifyGraphRunner:
 
     def _forward(self, size: int) -> torch.Tensor | None:
         b, rows = self.buffers, size * self.q
-        hidden = self.model(b.input_ids[:rows], b.positions[:rows], b.meta(size), self.kv_caches)
+        hidden = self.model(b.input_ids[:rows], b.positions[:rows], b.meta(size), self.kv_caches, b.lora_rows(size))
         return self.model.compute_logits(hidden, None if self.logits is None else self.logits[:rows])
