@@ -1,6 +1,6 @@
 """speculative: lossless speculative decoding on the GPU. Verify steps through the extend kernel and
-their CUDA graphs with overlap, in float32 and float8 pools, generate what eager plain
-steps do; then tokens/s with and without speculation at batch 1, 16, 64 and 256 on the qwen3-0.6b
+their CUDA graphs with overlap, in float32 and float8 pools and with LoRA adapters' rows, generate
+what eager plain steps do; then tokens/s with and without speculation at batch 1, 16, 64 and 256 on the qwen3-0.6b
 shape, with a draft model (`tiny`) and with a random EAGLE-3 head in the published layout, each
 proposer run for its cost and its tokens set right with probability p (acceptance length 3 by
 construction), the engine's adaptive rule deciding each step."""
@@ -27,8 +27,12 @@ STAGE = Stage(
     (
         tests(
             "equality",
-            "outputs with speculation (graphs, overlap, float8) equal the engine's without, token for token",
-            ("tests/engine/test_speculative_graphs.py", "tests/engine/test_speculative_sampling.py"),
+            "outputs with speculation (graphs, overlap, float8, adapters) equal the engine's without, token for token",
+            (
+                "tests/engine/test_speculative_graphs.py",
+                "tests/engine/test_speculative_lora.py",
+                "tests/engine/test_speculative_sampling.py",
+            ),
             gate=True,
             timeout_s=300,
         ),
