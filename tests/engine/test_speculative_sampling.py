@@ -36,8 +36,11 @@ class MarkovModel:
         self.model = SimpleNamespace(norm=SimpleNamespace(weight=torch.zeros(1)))  # the KV dtype
         self.tp = SINGLE
 
-    def __call__(self, input_ids, positions, meta, kv_caches):
+    def __call__(self, input_ids, positions, meta, kv_caches, lora=None):
         return input_ids[:, None]
+
+    def modules(self):
+        return iter(())  # no LoRA adapter slots
 
     def compute_logits(self, hidden, out=None):
         logits = torch.full((hidden.shape[0], VOCAB), -1e4)
