@@ -2,7 +2,7 @@
 submits (placed on workers' own streams when two workers or more serve), cancels, deadlines,
 stalled, killed and drained workers, Redis restarts, SCRIPT FLUSH
 and out-of-memory windows from its seed, runs them against one real redis-server, and checks
-every invariant (tests/chaos/schedules.py says which). A failure prints the schedule, its seed
+every invariant (harness/chaos_schedules.py says which). A failure prints the schedule, its seed
 and what broke; the run goes on and ends with the count of clean schedules.
 
     python -m bench.chaos [--schedules 1000] [--seed FIRST]      seeds FIRST, FIRST+1, ...
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tests.chaos.schedules import STARVED_S, ScheduleFailed, run_schedule
-from tests.support.redis_servers import RestartableRedis
+from harness.chaos_schedules import STARVED_S, ScheduleFailed, run_schedule
+from harness.redis_servers import RestartableRedis
 
 
 def main() -> int:

@@ -16,13 +16,12 @@ float32 models), and the CPU time of each call is printed beside its wall time. 
 is checked against the torch reference over the same float8 cache before it is timed.
 """
 
-import sys
-
 import argparse
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -20,18 +20,17 @@ engine's scales (per-head) generates on its own, without teacher forcing: the ta
 token at which it first leaves the float32 cache's greedy sequence.
 """
 
-import sys
-from pathlib import Path
-
 import argparse
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from harness.kv_accuracy import PAGE_SIZE, compare, first_divergence, greedy, teacher_forced_fp8
+from harness.model_configs import CONFIGS
 from kernels.fp8 import FP8_DTYPE
-from tests.model.kv_accuracy import PAGE_SIZE, compare, first_divergence, greedy, teacher_forced_fp8
-from tests.model.test_parity import CONFIGS
 from worker.model.kv_scales import fp8_kv_scales_per_head
 from worker.model.loader import load_model
 from worker.model.presets import write_random_checkpoint

@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 
 from bench.measure import cpu_seconds, pct
-from worker.embedded_redis import EmbeddedRedis, free_port
 from producer_client import Client
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 QUEUE = "bench-echo"

@@ -19,6 +19,7 @@ apache-tvm-ffi` and `PYTHONPATH=/tmp/xg:.`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -185,10 +186,10 @@ def main() -> None:
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     eos = sorted(tokenizer.eos_token_ids)
     for cls in (LLGuidance, XGrammar):
-        lib, cpu, wall = cpu_and_wall(lambda: cls(tokenizer, vocab, eos))
+        lib, cpu, wall = cpu_and_wall(functools.partial(cls, tokenizer, vocab, eos))
         print(f"{cls.name}: tokenizer info {wall * 1000:.0f} ms wall, {cpu * 1000:.0f} ms CPU")
         for name, schema in SCHEMAS.items():
-            compiled, cpu, wall = cpu_and_wall(lambda: lib.compile(schema))
+            compiled, cpu, wall = cpu_and_wall(functools.partial(lib.compile, schema))
             line = f"  {name:40s} compile {wall * 1000:8.1f} ms wall {cpu * 1000:8.1f} ms CPU"
             for b in batches:
                 c, w = walk(lib, compiled, b, args.steps, vocab, random.Random(0))

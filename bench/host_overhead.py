@@ -60,8 +60,9 @@ class StubModel:
     copies only for requests whose sampling writes to its logits (penalties)."""
 
     def __init__(self, vocab: int, max_rows: int, dtype, copies: bool):
-        import torch
         from types import SimpleNamespace
+
+        import torch
 
         self.model = SimpleNamespace(norm=SimpleNamespace(weight=torch.zeros(1, dtype=dtype)))  # the KV dtype
         self.bank = torch.randn(max_rows + LOGIT_BANK, vocab, generator=torch.Generator().manual_seed(0)) * 4
@@ -103,6 +104,7 @@ class PhaseTimer:
 
 def build_engine(batch: int, vocab: int, mode: str):
     import torch
+
     from worker.engine import Engine, EngineSettings
     from worker.model.config import Qwen3Config
     from worker.model.presets import resolve_model_path
@@ -174,6 +176,7 @@ def measure(batch: int, mode: str, steps: int, vocab: int) -> dict:
 def measure_sampler(rows: int, vocab: int, case: str, calls: int) -> dict:
     """Median ms of `calls` Sampler.sample calls on fixed [rows, vocab] logits (not written to)."""
     import torch
+
     from producer_client.schema import SamplingParams
     from worker.engine.request import Request
     from worker.engine.sampler import Sampler

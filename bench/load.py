@@ -28,9 +28,9 @@ from pathlib import Path
 import redis
 
 from bench.measure import cpu_seconds, pct
-from worker.embedded_redis import EmbeddedRedis, free_port
 from producer_client import Client, JobFailed
 from producer_client.keys import Keys
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 QUEUE = "load"
 KEYS = Keys()

@@ -12,17 +12,16 @@ high-water mark Linux resets on request). transformers runs the prompt's forward
 KV cache) on the same prompt; the ratios are against it.
 """
 
-import sys
-
 import argparse
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
+from harness.peak_memory import peak_memory
 from producer_client.schema import SamplingParams
-from tests.engine.peak_memory import peak_memory
 from worker.engine import Engine, EngineSettings
 from worker.engine.kv_pool import pages_for
 from worker.model.config import Qwen3Config

@@ -23,13 +23,14 @@ one a large copy achieves on this machine, measured in the same run.
 """
 
 import argparse
+import functools
 import logging
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -143,7 +144,8 @@ def kernel_rows(shape: Shape, token_counts: list[int], dtype: torch.dtype, devic
         if device.type == "cuda":
             rows.append(cuda_kernel_row(label, shape, tokens, args, device))
         else:
-            ours, loop = time_cpu(lambda: fused_moe(*args), 10), time_cpu(lambda: fused_moe_per_expert_loop(*args), 10)
+            ours = time_cpu(functools.partial(fused_moe, *args), 10)
+            loop = time_cpu(functools.partial(fused_moe_per_expert_loop, *args), 10)
             rows.append(
                 f"| {label} | {ours.wall_ms:.3f} | {ours.cpu_ms:.3f} | {loop.wall_ms:.3f} | {loop.cpu_ms:.3f} "
                 f"| {loop.cpu_ms / ours.cpu_ms:.2f}x |"

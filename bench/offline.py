@@ -17,7 +17,6 @@ import random
 import time
 from dataclasses import dataclass
 
-
 import torch
 
 from producer_client.schema import SamplingParams

@@ -22,7 +22,7 @@ With --redis URL it measures throughput at saturation (as in 3) on that deployme
 and with three queues (on a cluster, each on a master of its own: a queue lives on one shard),
 beside an embedded redis-server over TCP with one queue and with three, in the same run, with
 three echo workers in each case (with three queues, one each). `--redis local-cluster` starts a
-six-node cluster on this machine (tests/support/redis_servers.py) and measures that.
+six-node cluster on this machine (harness/redis_servers.py) and measures that.
 
     python -m bench.queue_path [--procs 4 --threads 4 --seconds 10 --max-tokens 1 --tcp]
     python -m bench.queue_path --bulk [--jobs 100000 --one-at-a-time-jobs 10000 --tcp]
@@ -286,7 +286,7 @@ def deployment(url: str) -> Iterator[str]:
     if url != "local-cluster":
         yield url
         return
-    from tests.support.redis_servers import LocalCluster
+    from harness.redis_servers import LocalCluster
 
     with tempfile.TemporaryDirectory(prefix="mili-bench-cluster-") as root, LocalCluster(Path(root)) as cluster:
         yield cluster.url

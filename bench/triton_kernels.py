@@ -17,8 +17,8 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -26,24 +26,24 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch.nn.functional as F  # noqa: E402
+import torch.nn.functional as F
 
-from bench.timing import H100_DATASHEET_BYTES_PER_S, copy_bandwidth, median_seconds  # noqa: E402
-from kernels.activation import silu_and_mul_reference, silu_and_mul_triton  # noqa: E402
-from kernels.decode_attention import (  # noqa: E402
+from bench.timing import H100_DATASHEET_BYTES_PER_S, copy_bandwidth, median_seconds
+from kernels.activation import silu_and_mul_reference, silu_and_mul_triton
+from kernels.decode_attention import (
     decode_num_splits,
     paged_decode_attention_reference,
     paged_decode_attention_triton,
 )
-from kernels.extend_attention import paged_extend_attention_reference, paged_extend_attention_triton  # noqa: E402
-from kernels.kv_store import store_kv_reference, store_kv_triton  # noqa: E402
-from kernels.rms_norm import (  # noqa: E402
+from kernels.extend_attention import paged_extend_attention_reference, paged_extend_attention_triton
+from kernels.kv_store import store_kv_reference, store_kv_triton
+from kernels.rms_norm import (
     fused_add_rms_norm_reference,
     fused_add_rms_norm_triton,
     rms_norm_reference,
     rms_norm_triton,
 )
-from kernels.rope import qk_norm_rope_reference, qk_norm_rope_triton, rope_cos_sin_cache  # noqa: E402
+from kernels.rope import qk_norm_rope_reference, qk_norm_rope_triton, rope_cos_sin_cache
 
 log = logging.getLogger("bench.triton_kernels")
 

@@ -15,10 +15,10 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import HTTPException, RequestValidationError
 from pydantic import BaseModel
-from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from gateway.api_keys import Access, AuthFailures
 from gateway.batch.driver import BatchDriver
@@ -43,8 +43,8 @@ from openai_format.requests import ChatCompletionRequest, CompletionRequest, Sam
 from openai_format.responses import ModelList
 from producer_client import AsyncClient, JobResult, MiliError
 from producer_client.connection import answered_within, connect_async, one_try_options
-from producer_client.schema import JobFailed
 from producer_client.keys import NAME_PATTERN
+from producer_client.schema import JobFailed
 
 log = logging.getLogger("gateway")
 

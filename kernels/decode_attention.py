@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
-from kernels.cpu_decode_attention import paged_decode_attention_cpu, supports as cpu_kernel_supports
+from kernels.cpu_decode_attention import paged_decode_attention_cpu
+from kernels.cpu_decode_attention import supports as cpu_kernel_supports
 from kernels.fp8 import check_scales, dequantize, is_fp8
 
 LOG2E = 1.4426950408889634

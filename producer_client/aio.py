@@ -3,7 +3,7 @@ modes (producer_client.connection). It runs the same steps as `Client` (producer
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 from producer_client import bulk, operations, steps
@@ -13,8 +13,10 @@ from producer_client.cluster import is_cluster
 from producer_client.connection import RedisURL, async_retry_policy, connect_async
 from producer_client.job_stream import follow
 from producer_client.new_job import build_job
+from producer_client.protocol.script import Script
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 from producer_client.status_reads import read_live_workers, read_queue_stats
+from producer_client.steps import Steps, T
 
 
 class AsyncClient(ClientBase):
@@ -28,6 +30,12 @@ class AsyncClient(ClientBase):
 
     async def aclose(self) -> None:
         await self.redis.aclose()
+
+    async def run_protocol(self, operation: Steps[T], scripts: Sequence[Script] = ()) -> T:
+        """Runs one of producer_client.protocol's operations over this client's connection pool,
+        loading `scripts` where a server lacks them: how a part built over the client (the
+        gateway's batch store) sends its own commands where the jobs go."""
+        return await steps.arun(self.redis, operation, scripts)
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -28,6 +28,7 @@ from producer_client.operations import cancel_call
 from producer_client.placement import Placement
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_order
+from producer_client.protocol.script import add_all
 from producer_client.schema import JobExpired, JobResult, Timings
 from producer_client.steps import Steps, checked
 from producer_client.validation import check_job_id, check_timeout
@@ -123,7 +124,7 @@ def found_already(keys: Keys, idempotent: list[NewJob]) -> Steps:
     (nothing of the chunk is enqueued)."""
     if not idempotent:
         return set()
-    replies = checked((yield lambda pipe: [job.create_call(keys).add_to(pipe) for job in idempotent]))
+    replies = checked((yield add_all([job.create_call(keys) for job in idempotent])))
     conflict = next((job for job, reply in zip(idempotent, replies) if reply == -1), None)
     if conflict is not None:
         created = [job for job, reply in zip(idempotent, replies) if reply == 1]
@@ -188,9 +189,9 @@ def cancel_many(keys: Keys, job_ids: Iterable[str]) -> Steps[None]:
         checked((yield cancel_commands(keys, job_ids)))
 
 
-def cancel_commands(keys: Keys, job_ids: list[str]) -> Callable:
+def cancel_commands(keys: Keys, job_ids: list[str]) -> Callable[[Any], None]:
     """CANCEL of each job, in one pipeline."""
-    return lambda pipe: [cancel_call(keys, job_id).add_to(pipe) for job_id in job_ids]
+    return add_all([cancel_call(keys, job_id) for job_id in job_ids])
 
 
 class ResultWatch:

@@ -387,7 +387,7 @@ def probe(url: str | RedisURL, timeout_s: float, check: Callable[[Any], T] = pin
         try:
             client = connect(target, decode_responses=True, **one_try_options(timeout_s))
             outcome.append((check(client), None))
-        except Exception as e:  # noqa: BLE001  (whatever it is, the caller's thread raises it)
+        except Exception as e:  # whatever it is, the caller's thread raises it
             outcome.append((None, e))
         finally:
             if client is not None:

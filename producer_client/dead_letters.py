@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from enum import Enum
 from typing import Any, Literal
 
@@ -173,7 +174,7 @@ def find(keys: Keys, queue: str, ident: str) -> Steps[DeadLetter]:
             return DeadLetter.from_entry(queue, *entries[0])
     before = "+"
     while True:
-        (page,) = checked((yield lambda pipe, before=before: pipe.xrevrange(dead, before, "-", count=PAGE)))
+        (page,) = checked((yield newest_page(dead, before)))
         for letter_id, fields in page:
             if fields.get("id") == ident:
                 return DeadLetter.from_entry(queue, letter_id, fields)
@@ -240,7 +241,7 @@ def retry_all(keys: Keys, queue: str) -> Steps[list[Retried]]:
     outcomes: list[Retried] = []
     after = "-"
     while last:
-        (page,) = checked((yield lambda pipe, after=after: pipe.xrange(dead, after, last[0][0], count=PAGE)))
+        (page,) = checked((yield oldest_page(dead, after, last[0][0])))
         outcomes += yield from retry_letters(keys, queue, [DeadLetter.from_entry(queue, *entry) for entry in page])
         if len(page) < PAGE:
             break
@@ -267,3 +268,13 @@ def trim(keys: Keys, queue: str, strategy: str, threshold: int) -> Steps[int]:
     ms (a letter's id is the time it died)."""
     (removed,) = checked((yield lambda pipe: pipe.execute_command("XTRIM", keys.dead(queue), strategy, threshold)))
     return removed
+
+
+def newest_page(stream: str, before: str) -> Callable[[Any], object]:
+    """XREVRANGE of up to PAGE entries of `stream` from `before` down."""
+    return lambda pipe: pipe.xrevrange(stream, before, "-", count=PAGE)
+
+
+def oldest_page(stream: str, after: str, last: str) -> Callable[[Any], object]:
+    """XRANGE of up to PAGE entries of `stream` from `after` up to `last`."""
+    return lambda pipe: pipe.xrange(stream, after, last, count=PAGE)

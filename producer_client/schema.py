@@ -48,7 +48,7 @@ class SamplingParams(BaseModel):
     speculative: bool = True  # False: the job opts out of a worker's speculative decoding
 
     @classmethod
-    def parse(cls, **kwargs) -> "SamplingParams":
+    def parse(cls, **kwargs) -> SamplingParams:
         """Build and validate, raising InvalidArgument that names the first bad field."""
         try:
             params = cls(**kwargs)

@@ -19,8 +19,9 @@ from producer_client.protocol import execution
 from producer_client.protocol.script import Script
 
 T = TypeVar("T")
-# Yields pipeline builders, receives each one's replies (errors in their places), returns a T.
-Steps = Generator[Callable[[Any], None], list, T]
+# Yields pipeline builders, receives each one's replies (errors in their places), returns a T. What
+# a builder returns (redis-py's pipeline methods return the pipeline) is ignored.
+Steps = Generator[Callable[[Any], object], list, T]
 
 
 class Repeatable:

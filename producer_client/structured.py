@@ -15,7 +15,7 @@ import functools
 import json
 import re
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -73,7 +73,7 @@ class ChoiceFormat(Format):
 
 
 ResponseFormat = Annotated[
-    Union[JsonObjectFormat, JsonSchemaFormat, RegexFormat, ChoiceFormat],
+    JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat,
     Field(discriminator="type"),
 ]
 FORMAT_TYPES = ("json_object", "json_schema", "regex", "choice")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up the machine (see bootstrap.sh) and runs the tests; arguments after the flag go to pytest.
-#   scripts/test.sh            every test: what CI runs (.ci/run)
-#   scripts/test.sh --quick    the fast tier, for local work: no test marked slow, e2e or chaos
+#   scripts/test.sh            the static checks (ruff, mypy) and every test: what CI runs (.ci/run)
+#   scripts/test.sh --quick    the static checks and the fast tier, for local work: no test marked slow, e2e or chaos
 #                              (tests/support/tiers.py says how a test gets each mark)
 # The tests run on two pytest-xdist processes, and those marked `waits` (they mostly wait on
 # timeouts and faults) in a third pytest process beside them; then the `timing` tests (bounds on
@@ -16,6 +16,11 @@ if [ "${1:-}" = "--quick" ]; then
   shift
 fi
 scripts/bootstrap.sh --dev
+# The static checks first: lint, format and types ([tool.ruff] and [tool.mypy] in
+# pyproject.toml say what each covers).
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
 # The suite starts hundreds of Python processes (pytest steps, workers, gateways, CLIs); where the
 # environment forbids bytecode caches (PYTHONDONTWRITEBYTECODE, as this project's sandbox sets),
 # each compiles the project's modules again: ~1 s of CPU per pytest process, 10% of the tp stage's

@@ -30,6 +30,7 @@ if XDIST_PROCESSES > 1:
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     import triton.language  # noqa: F401
+
     import kernels  # noqa: F401
 
     del os.environ["TRITON_INTERPRET"]

@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from wsgiref.simple_server import WSGIServer
 
 import redis
 
@@ -25,6 +26,7 @@ from producer_client.connection import is_fatal, redact_url
 from producer_client.errors import MiliError
 from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.embedded_redis import EmbeddedRedis
+from worker.engine.interface import EngineAPI
 from worker.healthcheck import run_healthcheck
 from worker.loop.queue import RedisLink, connect, is_transient
 from worker.loop.service import Worker
@@ -142,7 +144,7 @@ class RedisRefused(MiliError):
     code = "redis_refused"
 
 
-def serve_metrics(metrics: WorkerMetrics, settings: WorkerSettings) -> tuple[object, int]:
+def serve_metrics(metrics: WorkerMetrics, settings: WorkerSettings) -> tuple[WSGIServer, int]:
     try:
         return metrics.serve(settings.metrics_host, settings.metrics_port)
     except OSError as e:
@@ -181,7 +183,7 @@ def wait_for_redis(url: str, backoff_max_s: float):
         return client
 
 
-def load_engine(settings: WorkerSettings):
+def load_engine(settings: WorkerSettings) -> tuple[EngineAPI, str]:
     """(engine, device) for the configured model; 'echo' is the model-free EchoEngine. The device
     of a tensor-parallel engine lists every rank's: cuda:0,cuda:1."""
     if settings.model == "echo":

@@ -3,6 +3,8 @@ worker's own (no global state: tests run several workers in one process)."""
 
 from __future__ import annotations
 
+from wsgiref.simple_server import WSGIServer
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from producer_client.schema import JobResult
@@ -137,7 +139,7 @@ class WorkerMetrics:
         )
         self.taken = {source: taken.labels(source) for source in TAKEN_FROM}
 
-    def serve(self, host: str, port: int) -> tuple[object, int]:
+    def serve(self, host: str, port: int) -> tuple[WSGIServer, int]:
         """Start the HTTP endpoint; returns (server, bound port). Port 0 binds any free port."""
         server, _ = start_http_server(port, host, registry=self.registry)
         return server, server.server_port

@@ -19,7 +19,7 @@ from openai_format.batch_lines import OutputLine, jsonl_lines
 from producer_client import AsyncClient
 from producer_client.protocol import batch as batch_commands
 from producer_client.protocol import files as file_commands
-from producer_client.steps import Steps, T, arun
+from producer_client.steps import Steps, T
 
 PIECE_CHARS = 1 << 18  # a file's text per list element, at most: 1 MiB of UTF-8 at the most
 
@@ -57,13 +57,13 @@ def text_pieces(text: str) -> list[str]:
 class BatchStore:
     def __init__(self, client: AsyncClient):
         # The client's own connection pool: the store's commands go where its jobs go.
-        self.redis = client.redis
+        self.client = client
         self.keys = client.keys
 
     async def _run(self, steps: Steps[T]) -> T:
         """A protocol operation over the store's connection (a server that lost the batch
         scripts gets them again)."""
-        return await arun(self.redis, steps, batch_commands.BATCH_SCRIPTS)
+        return await self.client.run_protocol(steps, batch_commands.BATCH_SCRIPTS)
 
     # -- files ---------------------------------------------------------------------------------
 

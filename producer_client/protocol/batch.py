@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from producer_client.keys import Keys
 from producer_client.protocol.files import owned_by
-from producer_client.protocol.script import Script, ScriptCall
+from producer_client.protocol.script import Script, ScriptCall, add_all
 from producer_client.steps import Steps, checked
 
 LINES_PER_FIELD = 64  # a batch's input lines per hash field
@@ -256,7 +256,7 @@ def unanswered_lines(keys: Keys, batch_id: str, upto: int) -> Steps[list[int]]:
 def answer_lines(keys: Keys, batch_id: str, answers: list[tuple[int, bool, str]]) -> Steps[None]:
     """ANSWER of each (line index, whether it goes to the output, its answer's JSON)."""
     if answers:
-        checked((yield lambda pipe: [answer(keys, batch_id, *line).add_to(pipe) for line in answers]))
+        checked((yield add_all([answer(keys, batch_id, *line) for line in answers])))
 
 
 def answers_page(keys: Keys, batch_id: str, ok: bool, start: int) -> Steps[list[str]]:

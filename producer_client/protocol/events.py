@@ -7,7 +7,7 @@ so it is input like any other), while a client's reader takes what it shows as i
 from __future__ import annotations
 
 import json
-from enum import StrEnum
+from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
@@ -16,7 +16,7 @@ from producer_client.chat_output import OutputFormat
 from producer_client.schema import MAX_TOKEN_ID, TokenLogprob
 
 
-class EventType(StrEnum):
+class EventType(str, Enum):  # enum.StrEnum is 3.11's; the project runs on 3.10 too
     START = "start"  # a run began: who runs the job, since when, after how many recorded tokens
     TOKENS = "tokens"  # a piece of output
     END = "end"  # the job's result
@@ -47,10 +47,10 @@ class TokensEvent(BaseModel):
 _json_text = json.JSONEncoder(ensure_ascii=False).encode
 
 
-def encode_start(worker: str, started_at: float, resumed_tokens: int, output_format: OutputFormat | None) -> str:
+def encode_start(worker: str, started_at: float | None, resumed_tokens: int, output_format: OutputFormat | None) -> str:
     """A run's `start` event: who runs the job, since when, after how many recorded tokens, and
     how a chat's output splits (readers of the stream parse its text with it: OutputParser)."""
-    event = {"worker": worker, "started_at": started_at, "resumed_tokens": resumed_tokens}
+    event: dict[str, Any] = {"worker": worker, "started_at": started_at, "resumed_tokens": resumed_tokens}
     if output_format is not None:
         event["output"] = output_format.model_dump(mode="json")
     return json.dumps(event)

@@ -6,6 +6,7 @@ again), and WAIT routed to the node that holds the writes it vouches for."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from redis.commands.core import CoreCommands
 from redis.exceptions import NoScriptError, ResponseError
@@ -42,6 +43,11 @@ class Commands(CoreCommands):
 # again between the load and the resend (two SCRIPT FLUSHes in a row, a failover after a
 # failover). One that loses them every round is being flushed on purpose; its NOSCRIPT is the reply.
 SCRIPT_RELOADS = 3
+# What a caller adds commands to: a Commands, typed Any because redis-py's command stubs take only
+# a client as `self`; and what it hands `execute`, which adds one exchange's commands to one.
+Pipe = Any
+AddCommands = Callable[[Pipe], None]
+
 _NODE_OF = "mili_node_of"  # a recorded command's key whose node must run it; never sent
 # Commands of several keys that answer a count: a cluster runs a command only on keys of one
 # slot, so there each of these goes out once per slot of its keys, and the counts are added up

@@ -11,6 +11,9 @@ half-way is not found, and its pieces expire."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from producer_client.keys import Keys
 from producer_client.steps import Steps, checked
 
@@ -71,6 +74,11 @@ def delete_file(keys: Keys, file_id: str) -> Steps[bool]:
     return bool(deleted)
 
 
+def index_range(index: str, start: int, stop: int, newest_first: bool) -> Callable[[Any], None]:
+    """The command reading ranks start..stop of a sorted set, in either order."""
+    return lambda pipe: (pipe.zrevrange if newest_first else pipe.zrange)(index, start, stop)
+
+
 def listed_files(
     keys: Keys, after: str | None, limit: int, newest_first: bool, purpose: str | None, owner: str | None
 ) -> Steps[list[dict[str, str]]]:
@@ -80,17 +88,16 @@ def listed_files(
     index = keys.files() if owner is None else keys.files_of(owner)
     start = yield from rank_after(index, after, newest_first)
     found: list[dict[str, str]] = []
+    # A yielded step runs before the generator resumes, so its lambda reads this iteration's values.
     while len(found) <= limit:
-        (ids,) = checked(
-            (yield lambda pipe: (pipe.zrevrange if newest_first else pipe.zrange)(index, start, start + limit))
-        )
+        (ids,) = checked((yield index_range(index, start, start + limit, newest_first)))
         if not ids:
             break
         start += len(ids)
-        hashes = checked((yield lambda pipe: [pipe.hgetall(keys.file(file_id)) for file_id in ids]))
+        hashes = checked((yield lambda pipe: [pipe.hgetall(keys.file(file_id)) for file_id in ids]))  # noqa: B023
         gone = [file_id for file_id, fields in zip(ids, hashes) if not fields]
         if gone:
-            checked((yield lambda pipe: pipe.zrem(index, *gone)))
+            checked((yield lambda pipe: pipe.zrem(index, *gone)))  # noqa: B023
             start -= len(gone)
         found += [fields for fields in hashes if fields and purpose in (None, fields["purpose"])]
     return found

@@ -4,7 +4,9 @@ order the script reads them, so a caller never counts keys or lines up ARGV itse
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from producer_client.keys import Keys
 
@@ -35,3 +37,13 @@ class ScriptCall:
 def job_keys(keys: Keys, job_id: str) -> tuple[str, str, str]:
     """The keys every job script takes, in order: its hash, event stream and done stream."""
     return keys.job(job_id), keys.events(job_id), keys.done(job_id)
+
+
+def add_all(calls: Iterable[ScriptCall]) -> Callable[[Any], None]:
+    """Adds each of `calls` to one pipeline."""
+
+    def add(pipe: Any) -> None:
+        for call in calls:
+            call.add_to(pipe)
+
+    return add

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.polling import eventually
+from harness.processes import alive
 from scripts.acceptance import runner
 from scripts.acceptance.outcome import Result, judge, read_figures
 from scripts.acceptance.pytest_report import DeviceCounts, PytestCounts
@@ -23,8 +25,6 @@ from scripts.acceptance.runner import Run, run_stage
 from scripts.acceptance.stages import ORDER, stages
 from scripts.acceptance.step import EXIT_NO_CUDA, Figure, Kind, Outcome, Stage, Step, script
 from scripts.acceptance.step import tests as pytest_step
-from tests.support.polling import eventually
-from tests.support.processes import alive
 
 pytestmark = pytest.mark.waits
 

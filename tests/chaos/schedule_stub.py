@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-import tests.chaos.schedules
+import harness.chaos_schedules
 
 
 def counted_schedule(seed, redis):
@@ -18,4 +18,4 @@ def counted_schedule(seed, redis):
     return {"placed": 1, "stolen": 1, "reclaimed": 1}
 
 
-tests.chaos.schedules.run_schedule = counted_schedule
+harness.chaos_schedules.run_schedule = counted_schedule

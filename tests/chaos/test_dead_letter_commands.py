@@ -12,10 +12,10 @@ import uuid
 
 import pytest
 
+from harness.polling import eventually
 from producer_client.keys import GROUP, Keys
 from tests.support.clients import make_client
 from tests.support.poison import LONG_PROMPT, MAX_DELIVERIES, kill_until_dead_lettered
-from tests.support.polling import eventually
 
 KEYS = Keys()
 

@@ -10,10 +10,10 @@ import uuid
 
 import pytest
 
+from harness.polling import eventually
 from producer_client import JobExpired
 from tests.support.clients import make_client
 from tests.support.jobs import runs, tokens_published
-from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
 
 pytestmark = pytest.mark.waits

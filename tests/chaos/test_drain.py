@@ -8,10 +8,10 @@ import uuid
 
 import pytest
 
+from harness.polling import eventually
 from producer_client.keys import Keys
 from tests.support.clients import make_client
 from tests.support.jobs import assert_one_final_result, queue_pending, runs, tokens_published
-from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()

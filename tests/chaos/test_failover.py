@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import subprocess
 import threading
-import traceback
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,13 +27,13 @@ import pytest
 import redis
 from redis.crc import key_slot
 
+from harness.polling import eventually
+from harness.redis_servers import LocalCluster, LocalSentinel
 from producer_client import Client
 from producer_client.errors import JobNotFound, JobTimeout, MiliError
 from producer_client.keys import GROUP, Keys
 from producer_client.schema import JobResult
 from tests.support.jobs import assert_one_final_result
-from tests.support.polling import eventually
-from tests.support.redis_servers import LocalCluster, LocalSentinel
 from tests.support.workers import echo_workers
 
 pytestmark = pytest.mark.waits

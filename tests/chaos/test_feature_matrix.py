@@ -44,14 +44,14 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.polling import eventually
+from harness.processes import alive
 from producer_client import Client
 from producer_client.keys import Keys
 from producer_client.placement import Placed, prefix_key, rendezvous_score
 from producer_client.schema import JobRequest, SamplingParams
 from tests.chaos.test_tensor_parallel_worker import rank_pids
 from tests.support.jobs import assert_one_final_result, pending_entries, queue_streams, runs, tokens_published
-from tests.support.polling import eventually
-from tests.support.processes import alive
 from tests.support.workers import WorkerProcess, start_workers
 from worker.model.presets import qwen3_config, qwen3_moe_config, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files

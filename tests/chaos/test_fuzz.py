@@ -11,11 +11,11 @@ import uuid
 import pytest
 import redis
 
+from harness.polling import eventually
 from producer_client import JobFailed
 from producer_client.keys import Keys
 from tests.support.clients import make_client
 from tests.support.jobs import queue_depth
-from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()

@@ -13,11 +13,11 @@ import uuid
 import pytest
 import redis
 
+from harness.polling import eventually
 from producer_client import Client, JobFailed
 from producer_client.keys import Keys
 from tests.support.acl import acl_server
 from tests.support.jobs import queue_depth, queue_pending, queue_streams
-from tests.support.polling import eventually
 from tests.support.workers import FAST_RECLAIM, WorkerProcess, start_workers
 
 KEYS = Keys()

@@ -17,12 +17,12 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.polling import eventually
 from producer_client import SamplingParams
 from producer_client.keys import Keys
 from tests.support.clients import make_client
 from tests.support.fixtures import on_modes
 from tests.support.jobs import assert_one_final_result, queue_depth, queue_pending, runs, tokens_published
-from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()

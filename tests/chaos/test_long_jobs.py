@@ -16,11 +16,11 @@ import uuid
 import pytest
 import torch
 
+from harness.polling import eventually
 from producer_client import SamplingParams
 from producer_client.keys import Keys
 from tests.support.clients import make_client
 from tests.support.jobs import assert_one_final_result, pending_entries, queue_streams, runs, tokens_published
-from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()

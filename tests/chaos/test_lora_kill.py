@@ -14,11 +14,11 @@ import uuid
 
 import pytest
 
+from harness.polling import eventually
 from producer_client import SamplingParams
 from producer_client.keys import Keys
 from tests.support.clients import make_client
 from tests.support.jobs import assert_one_final_result
-from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
 from worker.model.lora_adapter import WEIGHTS_FILE
 from worker.model.presets import PRESETS

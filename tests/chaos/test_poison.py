@@ -10,11 +10,11 @@ import uuid
 
 import pytest
 
+from harness.polling import eventually
 from producer_client import JobFailed
 from producer_client.keys import Keys
 from tests.support.clients import make_client
 from tests.support.jobs import queue_depth, queue_pending
-from tests.support.polling import eventually
 from tests.support.workers import FAST_RECLAIM, WorkerProcess
 
 pytestmark = pytest.mark.waits

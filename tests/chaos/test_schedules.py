@@ -1,4 +1,4 @@
-"""100 random fault schedules against the protocol (see tests/chaos/schedules.py for what they
+"""100 random fault schedules against the protocol (see harness/chaos_schedules.py for what they
 do and the invariants checked after each), with cache-aware placement on: jobs are placed on
 workers that are then killed, stalled, drained or restarted under. A failure names its seed;
 `python -m bench.chaos --seed N --schedules 1` runs that schedule again, and
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.chaos.schedules import run_schedule
-from tests.support.redis_servers import RestartableRedis
+from harness.chaos_schedules import run_schedule
+from harness.redis_servers import RestartableRedis
 
 SCHEDULES = 100
 # One xdist process runs every schedule (they share one Redis), so that its TOTALS see them all.

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.polling import eventually
+from harness.processes import REPO, alive
 from producer_client import Client
 from tests.support.jobs import assert_one_final_result, runs
-from tests.support.polling import eventually
-from tests.support.processes import REPO, alive
 from tests.support.workers import WorkerProcess, start_workers
 from worker.model.presets import qwen3_config, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files

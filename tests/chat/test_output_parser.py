@@ -119,7 +119,7 @@ def render(reasoning: str | None, answer: list[tuple]) -> str:
 def expected(reasoning: str | None, answer: list[tuple]) -> ChatOutput:
     """Texts keep what separates them from earlier text; the newlines next to a call go."""
     content, tool_calls = "", []
-    for i, (kind, value) in enumerate(answer):
+    for kind, value in answer:
         if kind == "text":
             content += ("\n" if content else "") + value
         else:

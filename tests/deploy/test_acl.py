@@ -12,12 +12,12 @@ import openai
 import pytest
 import redis
 
+from harness.polling import eventually
 from producer_client import Client, IdempotencyConflict
 from producer_client.keys import GROUP, Keys
 from producer_client.placement import Placed
 from tests.support.acl import acl_server
 from tests.support.gateways import GatewayProcess
-from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess
 from worker.healthcheck import healthcheck
 from worker.settings import WorkerSettings

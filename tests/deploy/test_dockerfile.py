@@ -7,9 +7,9 @@ import importlib.util
 import re
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 from tests.deploy.support import (
     DOCKER,

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from harness.polling import eventually
 from tests.deploy.support import HEARTBEAT_TTL_S, ROOT, environment_without_mili
-from tests.support.polling import eventually
 from worker.__main__ import build_parser
 from worker.embedded_redis import EmbeddedRedis, free_port
 from worker.healthcheck import healthcheck

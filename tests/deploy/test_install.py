@@ -10,12 +10,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from tests.deploy.support import ROOT
 from tests.support.workers import WorkerProcess, start_workers

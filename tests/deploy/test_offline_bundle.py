@@ -26,7 +26,7 @@ ISOLATED = os.geteuid() == 0 and UNSHARE is not None and IP is not None
 
 
 def this_python() -> str:
-    return "%d.%d.%d" % sys.version_info[:3]
+    return ".".join(map(str, sys.version_info[:3]))
 
 
 def this_platform() -> str:

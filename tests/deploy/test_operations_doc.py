@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
-from tests.deploy.support import DOCKER, ROOT, load_compose, redis_server_flags
 from kernels.fp8 import FP8_DTYPE
+from tests.deploy.support import DOCKER, ROOT, load_compose, redis_server_flags
 from worker.engine.kv_pool import KVCacheShape
 from worker.engine.settings import EngineSettings
 from worker.model.presets import PRESETS

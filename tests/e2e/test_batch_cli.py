@@ -14,10 +14,10 @@ import pytest
 from tqdm import tqdm
 
 from cli.batch_file import AnswerFiles, BatchFileRun, read_answers
+from harness.polling import eventually
+from harness.processes import REPO
 from producer_client import Client
 from tests.support.jobs import entries_added, runs
-from tests.support.polling import eventually
-from tests.support.processes import REPO
 from tests.support.workers import echo_workers
 
 pytestmark = pytest.mark.waits

@@ -5,9 +5,9 @@ import json
 import subprocess
 import sys
 
+from harness.processes import REPO
 from tests.e2e.support import E2E_QUEUE
 from tests.support.fixtures import SERVER_ONLY
-from tests.support.processes import REPO
 
 
 def mili(redis_url: str, *args: str) -> subprocess.CompletedProcess:

@@ -15,12 +15,12 @@ import uuid
 import openai
 import pytest
 
+from harness.polling import eventually
+from harness.processes import REPO
 from producer_client import AsyncClient, Client, JobNotFound
 from producer_client.keys import Keys
 from tests.support.clients import SyncView
 from tests.support.gateways import GatewayProcess
-from tests.support.polling import eventually
-from tests.support.processes import REPO
 from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()

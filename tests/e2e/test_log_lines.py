@@ -13,11 +13,11 @@ import uuid
 
 import pytest
 
+from harness.polling import eventually
 from producer_client import Client, JobFailed
 from producer_client.keys import Keys
 from producer_client.logs import OneLineFormatter
 from tests.support.gateways import GatewayProcess
-from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess
 
 FORGED = "2026-01-01 00:00:00,000 INFO gateway: forged"

@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from harness.polling import eventually
+from harness.processes import ChildProcess
 from producer_client.keys import Keys
-from tests.support.polling import eventually
-from tests.support.processes import ChildProcess
 from worker.embedded_redis import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.waits

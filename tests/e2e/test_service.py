@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from harness.polling import eventually
 from producer_client import JobFailed, SamplingParams
 from producer_client.connection import connect
 from producer_client.keys import GROUP, Keys
@@ -21,7 +22,6 @@ from tests.e2e.support import E2E_QUEUE, MAX_MODEL_LEN, MAX_RUNNING
 from tests.support.clients import make_client
 from tests.support.fixtures import SERVER_ONLY
 from tests.support.jobs import entries_added, queue_streams
-from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()
@@ -198,7 +198,7 @@ def test_bad_inputs_fail_with_a_code_and_the_workers_keep_serving(client, deploy
     stream = KEYS.queue(E2E_QUEUE)
     tag = uuid.uuid4().hex[:8]
     bad = {
-        f"long-{tag}": ('{"input_ids": [%s]}' % ",".join(["100"] * MAX_MODEL_LEN), "prompt_too_long"),
+        f"long-{tag}": (f'{{"input_ids": [{",".join(["100"] * MAX_MODEL_LEN)}]}}', "prompt_too_long"),
         f"stop-{tag}": ('{"prompt": "a", "params": {"stop_token_ids": [999999999]}}', "invalid_argument"),
         f"vocab-{tag}": ('{"input_ids": [151936]}', "invalid_argument"),
         f"json-{tag}": ('{"prompt": ', "invalid_body"),

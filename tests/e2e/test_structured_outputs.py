@@ -10,8 +10,8 @@ and a raw XADD of it fails as a job while the worker serves on."""
 
 from __future__ import annotations
 
-import json
 import itertools
+import json
 import subprocess
 import sys
 import urllib.request
@@ -24,16 +24,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.polling import eventually
 from producer_client import Client, SamplingParams
 from producer_client.errors import InvalidArgument
 from producer_client.keys import PROTOCOL_VERSION, Keys
 from producer_client.placement import prefix_key, rendezvous_score
 from producer_client.schema import JobFailed, JobRequest
+from tests.structured_schemas import MAX_TOKENS, SCHEMAS
 from tests.support.clients import make_client
 from tests.support.jobs import runs
-from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess, start_workers
-from tests.structured_schemas import MAX_TOKENS, SCHEMAS
 
 KEYS = Keys()
 QUEUE = "structured"
@@ -211,7 +211,7 @@ def settle(worker: WorkerProcess) -> None:
     writing one, so once the second is written the counters hold all the engine did before this call."""
     for _ in range(2):
         before = worker.heartbeat()["updated_at"]
-        assert eventually(lambda: worker.heartbeat()["updated_at"] != before, timeout=10), worker.log()
+        assert eventually(lambda: worker.heartbeat()["updated_at"] != before, timeout=10), worker.log()  # noqa: B023
 
 
 def metric(worker: WorkerProcess, name: str) -> float:

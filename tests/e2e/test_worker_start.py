@@ -14,11 +14,11 @@ import time
 import pytest
 import torch
 
+from harness.polling import eventually
+from harness.processes import REPO, ChildProcess
+from harness.redis_servers import RestartableRedis
 from producer_client import Client
 from producer_client.keys import Keys
-from tests.support.polling import eventually
-from tests.support.processes import REPO, ChildProcess
-from tests.support.redis_servers import RestartableRedis
 from tests.support.workers import WorkerProcess
 from worker.embedded_redis import EmbeddedRedis, free_port
 from worker.model.presets import PRESETS, write_random_checkpoint

@@ -13,8 +13,7 @@ from tests.engine.test_engine import random_prompts, token_ids
 from worker.engine import Engine, EngineSettings
 from worker.engine.cuda_graph import DecodeBuffers, DecodeGraphRunner, capture_sizes, padded_size
 from worker.engine.kv_pool import pages_for
-from worker.model.batch import StepInputs
-from worker.model.batch import AttentionMetadata
+from worker.model.batch import AttentionMetadata, StepInputs
 from worker.model.loader import load_model
 from worker.model.tokenizer import Tokenizer
 

@@ -7,12 +7,12 @@ import logging
 import pytest
 import torch
 
+from harness.kv_accuracy import compare, greedy, teacher_forced_fp8
+from harness.paged_model import PagedModelRunner
 from kernels.fp8 import FP8_DTYPE, FP8_MAX
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
 from tests.engine.test_engine import random_prompts, token_ids
-from tests.model.kv_accuracy import compare, greedy, teacher_forced_fp8
-from tests.model.paged import PagedModelRunner
 from worker.engine import Engine
 from worker.engine.kv_pool import kv_cache_dtype
 from worker.model.kv_scales import use_fp8_kv_scales

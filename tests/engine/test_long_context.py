@@ -35,8 +35,8 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
+from harness.peak_memory import peak_memory
 from producer_client.schema import SamplingParams
-from tests.engine.peak_memory import peak_memory
 from worker.engine import Engine, EngineSettings
 from worker.engine.kv_pool import KVCacheShape, pages_for
 from worker.model.loader import load_model

@@ -46,12 +46,12 @@ class FakeModel:
         self.events.append(("forward", input_ids.tolist()))
         return torch.stack([input_ids, positions], dim=1)
 
-    def modules(self):
-        return iter(())  # no LoRA adapter slots
-
     def compute_logits(self, hidden, out=None):
         logits = torch.nn.functional.one_hot(next_token(hidden[:, 0], hidden[:, 1]), VOCAB).float()
         return logits if out is None else out.copy_(logits)
+
+    def modules(self):
+        return iter(())  # no LoRA adapter slots (worker.model.lora.lora_slots looks for them)
 
 
 @pytest.fixture

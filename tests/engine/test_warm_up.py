@@ -13,7 +13,6 @@ from triton.backends.compiler import BaseBackend
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-
 from producer_client.schema import SamplingParams
 from tests.engine.test_engine import random_prompts, token_ids
 from worker.engine import Engine, EngineSettings

@@ -13,12 +13,12 @@ import openai
 import pytest
 
 from gateway.batch.store import PIECE_CHARS
+from harness.polling import eventually
 from producer_client.keys import Keys
 from producer_client.protocol.batch import LINES_PER_FIELD
 from producer_client.schema import MAX_TOKENS_LIMIT
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import entries_added
-from tests.support.polling import eventually
 from tests.support.workers import echo_workers
 from worker.embedded_redis import EmbeddedRedis, free_port
 

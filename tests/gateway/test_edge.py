@@ -32,7 +32,7 @@ def spool_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def edge_gateway(redis_server, tmp_path_factory, spool_dir):  # noqa: F811
+def edge_gateway(redis_server, tmp_path_factory, spool_dir):
     gateway = GatewayProcess(
         redis_server.url,
         tmp_path_factory.mktemp("edge"),
@@ -149,7 +149,7 @@ def test_the_board_login_reads_a_bounded_form(edge_gateway, spool_dir):
 @pytest.mark.parametrize(
     "content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"]
 )
-def test_a_json_route_takes_json_only_and_enqueues_nothing_else(edge_gateway, redis_client, content_type):  # noqa: F811
+def test_a_json_route_takes_json_only_and_enqueues_nothing_else(edge_gateway, redis_client, content_type):
     before = job_count(redis_client)
     body = json.dumps({"model": "echo", "prompt": "cross-site", "max_tokens": 4}).encode()
     headers = {"Authorization": f"Bearer {KEY}", "Origin": "https://evil.example"}
@@ -162,7 +162,7 @@ def test_a_json_route_takes_json_only_and_enqueues_nothing_else(edge_gateway, re
     assert job_count(redis_client) == before
 
 
-def test_cors_is_granted_to_configured_origins_only(edge_gateway, redis_server):  # noqa: F811
+def test_cors_is_granted_to_configured_origins_only(edge_gateway, redis_server):
     preflight = {
         "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization,content-type",
@@ -175,7 +175,7 @@ def test_cors_is_granted_to_configured_origins_only(edge_gateway, redis_server):
     assert "access-control-allow-origin" not in refused.headers
 
 
-def test_an_open_gateway_grants_no_cors_and_its_board_actions_need_their_header(redis_server, tmp_path):  # noqa: F811
+def test_an_open_gateway_grants_no_cors_and_its_board_actions_need_their_header(redis_server, tmp_path):
     gateway = GatewayProcess(redis_server.url, tmp_path).start()
     try:
         preflight = httpx.options(

@@ -7,10 +7,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.polling import eventually
 from producer_client import Client
 from tests.gateway.support import ECHO_QUEUE
 from tests.support.jobs import job_ids_in_queue
-from tests.support.polling import eventually
 
 
 def test_generate_returns_the_text_and_usage_of_its_job(gateway, redis_server):

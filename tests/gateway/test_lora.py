@@ -15,11 +15,11 @@ import openai
 import pytest
 
 from gateway.registry import Route, RouteTable
+from harness.polling import eventually
 from producer_client import Client, JobFailed, WorkerInfo
 from producer_client.errors import UnknownAdapter
 from producer_client.keys import Keys
 from tests.gateway.support import LORA_ADAPTERS, TINY_QUEUE
-from tests.support.polling import eventually
 
 PROMPT = [9707, 1879, 11, 1246, 525, 498]  # token ids, so that both sides see the same prompt
 

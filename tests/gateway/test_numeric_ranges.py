@@ -12,11 +12,11 @@ import uuid
 import httpx
 import pytest
 
+from harness.polling import eventually
 from producer_client import Client, InvalidArgument, JobFailed
 from producer_client.keys import Keys
 from tests.gateway.support import ECHO_QUEUE
 from tests.support.jobs import job_count
-from tests.support.polling import eventually
 
 OUT_OF_RANGE = [
     ({"top_k": 2**63}, "top_k"),
@@ -68,7 +68,7 @@ def test_the_worker_fails_a_hand_written_entry_and_serves_on(redis_server, redis
             redis_client.xadd(Keys().queue(ECHO_QUEUE), {"id": job_id, "v": "1", "body": body})
             bad[job_id] = field
         for job_id, field in bad.items():
-            assert eventually(lambda: redis_client.exists(Keys().job(job_id)), timeout=30)  # no client created it
+            assert eventually(lambda: redis_client.exists(Keys().job(job_id)), timeout=30)  # noqa: B023 (no client created it)
             with pytest.raises(JobFailed) as e:
                 client.result(job_id, timeout=30)
             assert e.value.code == "invalid_argument" and field in e.value.message

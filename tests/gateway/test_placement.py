@@ -11,10 +11,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.polling import eventually
 from producer_client import Client
 from producer_client.placement import REFRESH_S
 from tests.support.gateways import GatewayProcess
-from tests.support.polling import eventually
 from tests.support.workers import echo_workers
 
 pytestmark = pytest.mark.waits
@@ -52,7 +52,7 @@ def converse(sdk: openai.OpenAI, client: Client) -> dict[int, set[str]]:
 
 
 @pytest.mark.parametrize("placement", [True, False], ids=["placement", "no-placement"])
-def test_a_conversation_through_the_gateway_stays_on_one_worker(redis_server, tmp_path, placement):  # noqa: F811
+def test_a_conversation_through_the_gateway_stays_on_one_worker(redis_server, tmp_path, placement):
     queue = f"gw-placed-{placement}"
     flags = ["--models", json.dumps({MODEL: queue}), "--workers-refresh-s", "0.2"]
     flags.append("--placement" if placement else "--no-placement")

@@ -10,9 +10,9 @@ from pydantic import ValidationError
 
 from gateway.__main__ import build_parser
 from gateway.settings import GatewaySettings, settings_from_args
+from harness.processes import REPO, ProcessNotReady
 from producer_client import InvalidArgument
 from tests.support.gateways import GatewayProcess
-from tests.support.processes import REPO, ProcessNotReady
 
 
 def test_the_gateway_imports_neither_torch_nor_the_worker():

@@ -11,12 +11,12 @@ import httpx
 import openai
 import pytest
 
+from harness.polling import eventually
 from openai_format.render import finish_reason
 from producer_client import Client, JobResult
 from tests.gateway.support import PARKED_MODEL, PARKED_QUEUE
 from tests.openai_spec import check
 from tests.support.jobs import job_count
-from tests.support.polling import eventually
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -10,10 +10,10 @@ import httpx
 import openai
 import pytest
 
+from harness.polling import eventually
 from producer_client import Client
 from tests.gateway.support import ECHO_QUEUE, KEEPALIVE_S, PARKED_MODEL, PARKED_QUEUE, TINY_QUEUE
 from tests.support.gateways import GatewayProcess
-from tests.support.polling import eventually
 from tests.support.workers import WorkerProcess
 
 

@@ -13,8 +13,8 @@ import openai
 import pydantic
 import pytest
 
-from tests.support.jobs import job_count
 from tests.openai_spec import check
+from tests.support.jobs import job_count
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 PERSON = {

@@ -20,10 +20,10 @@ import pytest
 import redis
 
 from gateway.api_keys import tenant_id
+from harness.polling import eventually
 from tests.openai_spec import check
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import job_count
-from tests.support.polling import eventually
 from worker.embedded_redis import EmbeddedRedis, free_port
 
 KEY_A, KEY_B, ADMIN = "tenant-a-key", "tenant-b-key", "admin-key"

@@ -14,10 +14,10 @@ import uuid
 import openai
 import pytest
 
+from harness.processes import REPO
 from producer_client import Client
 from tests.openai_spec import check
 from tests.support.gateways import GatewayProcess
-from tests.support.processes import REPO
 from tests.support.workers import WorkerProcess
 
 WEATHER = {

@@ -8,7 +8,7 @@ page and a query tile), then greedy decode steps: the same tokens, and fp32 logi
 import pytest
 import torch
 
-from tests.model.paged import PagedModelRunner
+from harness.paged_model import PagedModelRunner
 from worker.model.loader import load_model
 from worker.model.presets import qwen3_config, qwen3_moe_config, write_random_checkpoint
 

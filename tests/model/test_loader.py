@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from harness.paged_model import PagedModelRunner
 from producer_client.errors import InvalidArgument
-from tests.model.paged import PagedModelRunner
 from worker.model.config import CheckpointError, Qwen3Config, UnsupportedModel
 from worker.model.loader import load_model
 from worker.model.presets import qwen3_config, write_random_checkpoint

@@ -13,7 +13,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from tests.model.paged import PagedModelRunner
+from harness.paged_model import PagedModelRunner
 from tests.model.test_parity import assert_logits_close
 from worker.engine.lora.adapters import AdapterHandle
 from worker.engine.lora.rows import LoraRows

@@ -7,9 +7,10 @@ import logging
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3MoeConfig as HFQwen3MoeConfig, Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
+from transformers import Qwen3MoeConfig as HFQwen3MoeConfig
+from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
 
-from tests.model.paged import PagedModelRunner
+from harness.paged_model import PagedModelRunner
 from worker.model.config import CheckpointError, Qwen3MoeConfig, parse_config
 from worker.model.loader import load_model
 from worker.model.moe import Qwen3MoeSparseBlock

@@ -4,9 +4,10 @@ import threading
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM, Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
+from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
 
-from tests.model.paged import PagedModelRunner
+from harness.paged_model import PagedModelRunner
 from worker.model import presets
 from worker.model.config import CheckpointError, Qwen3MoeConfig, parse_config
 from worker.model.loader import load_model

@@ -10,12 +10,12 @@ from transformers import Qwen3Config as HFQwen3Config
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from harness.paged_model import PagedModelRunner
+from kernels.rope import rope_cos_sin_cache
 from producer_client.errors import InvalidArgument
-from tests.model.paged import PagedModelRunner
 from tests.model.test_parity import assert_logits_close
 from worker.engine.rank_setup import resolve_max_model_len
 from worker.engine.settings import EngineSettings
-from kernels.rope import rope_cos_sin_cache
 from worker.model.config import CheckpointError, Qwen3Config
 from worker.model.loader import load_model
 from worker.model.presets import qwen3_config, write_random_checkpoint

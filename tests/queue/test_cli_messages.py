@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 from cli.__main__ import main
+from harness.processes import REPO
 from producer_client import Client
-from tests.support.processes import REPO
 
 CLOSED_PIPE_EXIT = 128 + signal.SIGPIPE
 

@@ -12,11 +12,11 @@ import pytest
 import redis
 from redis.exceptions import NoScriptError
 
+from harness.polling import eventually
 from producer_client import AsyncClient, Client, InvalidArgument, JobExpired, JobNotFound, JobTimeout, QueueFull
 from producer_client.keys import GROUP, Keys
 from producer_client.protocol import execution
 from tests.support.clients import make_client
-from tests.support.polling import eventually
 from worker.embedded_redis import EmbeddedRedis, free_port
 from worker.loop.queue import WorkerQueue
 

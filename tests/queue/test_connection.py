@@ -9,17 +9,17 @@ from urllib.parse import quote
 
 import pytest
 import redis
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import redis.asyncio
 import redis.retry
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.backoff import NoBackoff
 
+from harness.processes import REPO
 from producer_client import AsyncClient, Client, InvalidArgument, steps
 from producer_client.cluster import Cluster, known_keys
 from producer_client.connection import Mode, connect, connect_async, parse_url, redact_url
-from tests.support.processes import REPO
 from worker.embedded_redis import free_port
 
 SECRET = "pa55-w0rd"

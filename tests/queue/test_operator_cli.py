@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from producer_client import Client
 from cli.__main__ import main
+from producer_client import Client
 from producer_client.keys import Keys
 from tests.queue.test_dead_letters import make_poison, take
 

@@ -11,6 +11,8 @@ from contextlib import ExitStack
 
 import pytest
 
+from harness.echo_workers import GatedWorker, serving
+from harness.polling import eventually
 from producer_client import BulkQueueFull, Client, steps
 from producer_client.errors import UnknownAdapter
 from producer_client.keys import GROUP, Keys
@@ -29,10 +31,8 @@ from producer_client.placement import (
 )
 from producer_client.protocol import execution
 from producer_client.schema import JobRequest
-from tests.queue.support import GatedWorker, serving
 from tests.support.fixtures import on_modes
 from tests.support.jobs import assert_one_final_result, tokens_published
-from tests.support.polling import eventually
 
 pytestmark = pytest.mark.waits
 

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
+from harness.echo_workers import GatedWorker, SlowEchoEngine, serving
+from harness.polling import eventually
 from producer_client import Client
 from producer_client.keys import Keys
-from tests.queue.support import GatedWorker, SlowEchoEngine, serving
 from tests.support.jobs import assert_one_final_result, runs, tokens_published
-from tests.support.polling import eventually
 
 pytestmark = pytest.mark.waits
 

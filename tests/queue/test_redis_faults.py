@@ -14,13 +14,13 @@ import pytest
 import redis
 import redis.exceptions as rex
 
+from harness.echo_workers import GatedWorker, outcome_count, serving
+from harness.polling import eventually
 from producer_client.keys import GROUP, Keys
 from producer_client.protocol import execution
 from producer_client.protocol.replies import Published, UnknownReply, parse_claim, parse_publish
-from tests.queue.support import GatedWorker, outcome_count, serving
 from tests.support.clients import make_client
 from tests.support.jobs import assert_one_final_result, runs, tokens_published
-from tests.support.polling import eventually
 from worker.embedded_redis import free_port
 from worker.loop import job_commands
 from worker.loop.queue import GroupLost, RedisClock, is_transient

@@ -13,16 +13,16 @@ import uuid
 
 import pytest
 
+from harness.echo_workers import SlowEchoEngine, outcome_count, serving
+from harness.polling import eventually
 from producer_client import JobExpired, JobFailed
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.protocol.execution import execute
 from producer_client.protocol.script import job_keys
 from producer_client.protocol.worker import CLAIM, PUBLISH, RELEASE, WORKER_SCRIPTS
 from producer_client.schema import JobRequest
-from tests.queue.support import SlowEchoEngine, outcome_count, serving
 from tests.support.clients import make_client
 from tests.support.jobs import assert_one_final_result, events, runs, tokens_published
-from tests.support.polling import eventually
 from worker.loop.outbox import Update
 
 pytestmark = pytest.mark.waits

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
+from harness.echo_workers import serving
+from harness.polling import eventually
+from harness.redis_servers import ServerProcess
 from producer_client import Client
 from producer_client.errors import InvalidArgument, NotReplicated
 from producer_client.keys import GROUP, Keys
-from tests.queue.support import serving
 from tests.support.clients import make_client
-from tests.support.polling import eventually
-from tests.support.redis_servers import ServerProcess
 
 KEYS = Keys()
 WAIT_TIMEOUT_MS = 50

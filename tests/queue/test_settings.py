@@ -3,9 +3,9 @@ beat the environment, which beats the file."""
 
 import argparse
 import re
-import tomllib
 
 import pytest
+import tomllib
 from pydantic import ValidationError
 
 from producer_client.errors import InvalidArgument

@@ -8,10 +8,10 @@ import time
 import pytest
 import redis
 
+from harness.echo_workers import outcome_count, serving
+from harness.polling import eventually
 from producer_client import JobExpired, JobFailed
 from producer_client.keys import GROUP, Keys
-from tests.queue.support import outcome_count, serving
-from tests.support.polling import eventually
 
 pytestmark = pytest.mark.waits
 
@@ -117,7 +117,7 @@ def test_bad_entries_fail_with_their_code_and_the_worker_keeps_serving(redis_ser
         "unknown-field": ({"v": "1", "body": '{"prompt": "a", "model": "x"}'}, "invalid_argument"),
         "future": ({"v": "2", "body": '{"prompt": "a"}'}, "unsupported_version"),
         "bad-utf8": ({"v": "1", "body": b'{"prompt": "\xff\xfe"}'}, "invalid_body"),
-        "too-long": ({"v": "1", "body": '{"input_ids": [%s]}' % ",".join(["7"] * 5000)}, "prompt_too_long"),
+        "too-long": ({"v": "1", "body": f'{{"input_ids": [{",".join(["7"] * 5000)}]}}'}, "prompt_too_long"),
         "out-of-vocab": ({"v": "1", "body": '{"input_ids": [1, 300]}'}, "invalid_argument"),
         "over-limit": ({"v": "1", "body": '{"prompt": "a", "params": {"max_tokens": 40000}}'}, "invalid_argument"),
     }

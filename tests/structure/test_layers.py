@@ -3,7 +3,9 @@ bottom, OpenAI's format over the client library, the gateway beside the worker s
 of them, the `mili` CLI a front end over the client library and OpenAI's format, the engine and
 the model below the service, the kernels at the ground. No import runs the wrong way, nothing of
 ours imports the CLI, the CLI never imports the gateway, OpenAI's format imports no web framework,
-and no two modules import each other (not even for type hints only)."""
+and no two modules import each other (not even for type hints only). Beside the shipped packages,
+the harness serves the tests and the benchmarks: the benchmarks and the harness never import the
+tests, and nothing shipped imports any of the three."""
 
 from __future__ import annotations
 
@@ -118,3 +120,26 @@ def test_no_two_modules_import_each_other_even_for_type_hints():
                     seen.add(target)
                     stack.append((target, route + (target,)))
     assert sorted(cycles) == []
+
+
+# Run from a checkout, never shipped: what each may not import, at any depth of its code.
+UNSHIPPED_NEVER_IMPORTS = {"bench": {"tests"}, "harness": {"tests", "bench"}}
+
+
+def test_the_benchmarks_and_the_harness_never_import_the_tests():
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for folder, forbidden in UNSHIPPED_NEVER_IMPORTS.items()
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for name in sorted(top_level_imports(path) & forbidden)
+    ]
+    assert wrong == []
+
+
+def test_nothing_shipped_imports_the_tests_the_benchmarks_or_the_harness():
+    wrong = [
+        f"{module} imports {name}"
+        for module, path in modules().items()
+        for name in sorted(top_level_imports(path) & {"tests", "bench", *UNSHIPPED_NEVER_IMPORTS})
+    ]
+    assert wrong == []

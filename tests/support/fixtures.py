@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import redis
 
+from harness.redis_servers import LocalCluster, LocalSentinel, RestartableRedis
 from producer_client.connection import connect
-from tests.support.redis_servers import LocalCluster, LocalSentinel, RestartableRedis
 from worker.embedded_redis import EmbeddedRedis, free_port
 
 MODES = {"server": "redis_server", "cluster": "redis_cluster", "sentinel": "redis_sentinel"}

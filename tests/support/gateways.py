@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.processes import ChildProcess
+from harness.processes import ChildProcess
 from worker.embedded_redis import free_port
 
 

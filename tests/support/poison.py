@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.polling import eventually
 from producer_client.keys import Keys
-from tests.support.polling import eventually
 from tests.support.workers import FAST_RECLAIM, WorkerProcess
 
 KEYS = Keys()
@@ -47,7 +47,7 @@ def kill_until_dead_lettered(
     try:
         for _ in range(MAX_DELIVERIES):
             live = workers[-1]
-            taken = eventually(lambda: not live.running or _all_running_on(redis_client, job_ids, live.name), 120)
+            taken = eventually(lambda: not live.running or _all_running_on(redis_client, job_ids, live.name), 120)  # noqa: B023
             assert taken and live.running, live.log()
             live.kill()
             workers.append(echo_worker(redis_url, queue, f"{queue}-{len(workers)}", log_dir))

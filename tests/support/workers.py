@@ -9,9 +9,9 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from harness.processes import ChildProcess
 from producer_client.connection import connect
 from producer_client.keys import Keys
-from tests.support.processes import ChildProcess
 
 # Recovery settings small enough for a test: an entry idle for a second is reclaimed, and workers
 # look for one every 0.2 s (a WorkerProcess heartbeats every 0.1 s).

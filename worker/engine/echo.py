@@ -18,13 +18,16 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from producer_client.errors import InvalidArgument, UnknownAdapter
 from producer_client.schema import SamplingParams
 from worker.engine.errors import KVCapacityExceeded, PromptTooLong
-from worker.engine.outputs import Capacity, EngineStats, RequestOutput, TokenCounts
+from worker.engine.outputs import Capacity, EngineStats, FinishReason, RequestId, RequestOutput, TokenCounts
 from worker.engine.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from worker.engine.grammar.constraint import Constraint
 
 DEFAULT_NUM_PAGES = 4096
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -35,7 +38,7 @@ class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255; the part of the Tokenizer API the queue loop uses."""
 
     vocab_size = 256
-    eos_token_ids = frozenset()
+    eos_token_ids: frozenset[int] = frozenset()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
@@ -50,9 +53,9 @@ class ByteTokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
-        tokenize: bool = False,
-        tools: Sequence[Mapping[str, Any]] | None = None,
         enable_thinking: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tokenize: bool = False,
     ) -> str | list[int]:
         """`role: content` lines (an assistant's tool calls as JSON after its content), the tools'
         names first, and Qwen3's empty think block when thinking is off: what a script can key on."""
@@ -94,7 +97,7 @@ class EchoScript:
 
 @dataclass
 class EchoRequest:
-    request_id: str
+    request_id: RequestId
     prompt: list[int]
     output: list[int]  # what it says: the prompt, or its script's line
     max_tokens: int
@@ -120,8 +123,8 @@ class EchoEngine:
         # Both by request id, so that admitting, aborting and finding a duplicate cost the same
         # whether few requests are held or max_running (a bulk load holds that many); the waiting
         # ones in arrival order.
-        self.waiting: dict[str, EchoRequest] = {}
-        self.running: dict[str, EchoRequest] = {}
+        self.waiting: dict[RequestId, EchoRequest] = {}
+        self.running: dict[RequestId, EchoRequest] = {}
         # The echo engine's KV pool is this count: pages held by running requests, and promised
         # to waiting ones.
         self.running_pages = 0
@@ -131,12 +134,12 @@ class EchoEngine:
 
     def add_request(
         self,
-        request_id: str,
+        request_id: RequestId,
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
         resume_token_ids: Sequence[int] = (),
-        constraint: Any = None,
+        constraint: Constraint | None = None,
         adapter: str | None = None,
     ) -> None:
         """As Engine.add_request: `resume_token_ids` are output tokens produced already (by an
@@ -178,7 +181,7 @@ class EchoEngine:
             outputs.append(self._emit_next(req))
         return outputs
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: RequestId) -> bool:
         if request_id in self.running:
             req = self._release(request_id)
         elif request_id in self.waiting:
@@ -219,7 +222,7 @@ class EchoEngine:
             self.running[req.request_id] = req
             self.running_pages += req.pages
 
-    def _release(self, request_id: str) -> EchoRequest:
+    def _release(self, request_id: RequestId) -> EchoRequest:
         req = self.running.pop(request_id)
         self.running_pages -= req.pages
         return req
@@ -229,7 +232,7 @@ class EchoEngine:
         req.emitted += 1
         finished = req.emitted >= req.target
         text = req.decoder.decode(bytes([token]), final=finished)
-        reason = None
+        reason: FinishReason | None = None
         if finished:
             self._release(req.request_id)
             reason = "length" if req.emitted >= req.max_tokens else "stop"

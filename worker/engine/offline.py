@@ -8,7 +8,7 @@ import time
 
 from producer_client.errors import InvalidArgument, MiliError
 from producer_client.schema import SamplingParams
-from worker.engine.outputs import GenerationOutput, RequestError, TokenCounts
+from worker.engine.outputs import GenerationOutput, RequestError, RequestId, TokenCounts
 from worker.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def generation_output(req: Request) -> GenerationOutput:
     )
 
 
-def rejected_output(request_id: str, prompt_token_ids: list[int], error: MiliError) -> GenerationOutput:
+def rejected_output(request_id: RequestId, prompt_token_ids: list[int], error: MiliError) -> GenerationOutput:
     return GenerationOutput(
         request_id,
         prompt_token_ids,

@@ -3,10 +3,14 @@ running totals. No torch here: the echo engine and the queue loop use these with
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+# A request's id: any hashable value its caller chooses (the worker's loop numbers each admission
+# of a job, worker.loop.jobs.AdmissionId); every output carries it back.
+RequestId = Hashable
 
 
 # The engine's own report types are plain tuples and dataclasses, built once per request per
@@ -40,7 +44,7 @@ class SampledLogprob:
 class RequestOutput:
     """What one step produced for one request: a delta, or the final word on it."""
 
-    request_id: str
+    request_id: RequestId
     new_token_ids: list[int]
     text_delta: str
     finished: bool
@@ -54,7 +58,7 @@ class RequestOutput:
 class GenerationOutput:
     """A finished request from `Engine.generate`."""
 
-    request_id: str
+    request_id: RequestId
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str

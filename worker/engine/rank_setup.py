@@ -13,10 +13,10 @@ from typing import NamedTuple
 
 import torch
 
+from producer_client.errors import InvalidArgument
 from worker.engine.cuda_graph import DecodeGraphRunner
 from worker.engine.kv_pool import KVCacheShape, allocate_kv_caches, kv_cache_dtype, pages_for
 from worker.engine.memory import kv_cache_pages, profile_activation_peak
-from producer_client.errors import InvalidArgument
 from worker.engine.settings import EngineSettings
 from worker.engine.verify_graphs import VerifyGraphRunner
 from worker.model.batch import KVCaches

@@ -10,7 +10,7 @@ import logging
 
 from producer_client.errors import InvalidArgument, MiliError
 from worker.engine.errors import NonFiniteLogits, StructuredOutputError
-from worker.engine.outputs import FinishReason, RequestError, RequestOutput, SampledLogprob, TokenCounts
+from worker.engine.outputs import FinishReason, RequestError, RequestId, RequestOutput, SampledLogprob, TokenCounts
 from worker.engine.overlap import LaunchedStep, drop_placeholders
 from worker.engine.request import Request, RequestStatus
 from worker.engine.sampler import SampledTokens, skip_draws
@@ -26,7 +26,7 @@ class StepReader:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.live: dict[str, Request] = {}  # every request added and not yet ended
+        self.live: dict[RequestId, Request] = {}  # every request added and not yet ended
 
     def read(self, step: LaunchedStep, sampled: SampledTokens) -> list[RequestOutput]:
         """The step's tokens, in order, each in place of its placeholder. A request whose logits

@@ -6,7 +6,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from producer_client.schema import SamplingParams
-from worker.engine.outputs import FinishReason, RequestError, SampledLogprob, TokenCounts
+from worker.engine.outputs import FinishReason, RequestError, RequestId, SampledLogprob, TokenCounts
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +33,7 @@ class Request:
 
     def __init__(
         self,
-        request_id: str,
+        request_id: RequestId,
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int,

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_argmax import argmax_rows_cpu, supports as cpu_argmax_supports
+from kernels.cpu_argmax import argmax_rows_cpu
+from kernels.cpu_argmax import supports as cpu_argmax_supports
 from producer_client.schema import SamplingParams
 from worker.engine.outputs import SampledLogprob
 from worker.engine.random_sampling import DrawParams, sample_random

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 from worker.engine.errors import KVCapacityExceeded
 from worker.engine.kv_pool import PageAllocator, pages_for
+from worker.engine.outputs import RequestError, RequestId
 from worker.engine.page_table import PageTable
 from worker.engine.radix_cache import RadixCache
-from worker.engine.outputs import RequestError
 from worker.engine.request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class Scheduler:
         (self.running if req in self.running else self.waiting).remove(req)
         self._release(req)
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(self, request_id: RequestId) -> Request | None:
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.request_id == request_id:

@@ -138,7 +138,7 @@ class EngineSettings(BaseModel):
         return self.max_cpu_loras or self.max_loras
 
     @model_validator(mode="after")
-    def _speculative_model_when_needed(self) -> "EngineSettings":
+    def _speculative_model_when_needed(self) -> EngineSettings:
         needs_model = self.speculative_method in ("draft", "eagle3")
         if needs_model and self.speculative_model is None:
             raise InvalidArgument("speculative_model", f"speculative_method {self.speculative_method} needs one")
@@ -147,14 +147,14 @@ class EngineSettings(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _decodes_fit_one_step(self) -> "EngineSettings":
+    def _decodes_fit_one_step(self) -> EngineSettings:
         # Every running request decodes every step, so a step must hold one token for each.
         if self.max_running > self.max_num_batched_tokens:
             raise InvalidArgument("max_running", "must not exceed max_num_batched_tokens")
         return self
 
     @model_validator(mode="after")
-    def _slots_fit_the_host_cache(self) -> "EngineSettings":
+    def _slots_fit_the_host_cache(self) -> EngineSettings:
         # An adapter read from disk waits in the host cache for a slot: a cache smaller than the
         # slots could drop it before it is installed.
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
@@ -162,7 +162,7 @@ class EngineSettings(BaseModel):
         return self
 
     @classmethod
-    def parse(cls, **kwargs) -> "EngineSettings":
+    def parse(cls, **kwargs) -> EngineSettings:
         """Build and validate, raising InvalidArgument that names the first bad setting."""
         try:
             return cls(**kwargs)

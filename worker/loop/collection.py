@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import cast
 
 from producer_client.schema import ErrorInfo, JobResult, TokenLogprob, Usage
+from worker.engine.outputs import RequestOutput
 from worker.loop.context import LoopContext
 from worker.loop.isolation import FailureIsolation
-from worker.loop.jobs import Job
+from worker.loop.jobs import AdmissionId, Job
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +22,7 @@ class Collector:
         self.worker = ctx.worker
         self.isolation = isolation
 
-    def collect(self, outputs: list) -> None:
+    def collect(self, outputs: list[RequestOutput]) -> None:
         """Add each output to its job, where it waits for its publication (see pace.py); a job's
         end goes to the outbox (Holdings.finished). Run for every output of every step: kept to plain appends."""
         now = self.clock.now()
@@ -29,7 +31,8 @@ class Collector:
         probe = self.isolation.probe
         tokens = 0
         for out in outputs:
-            job = running.get(out.request_id.job_id)
+            # The loop's own request ids: every request it adds to the engine has an AdmissionId.
+            job = running.get(cast(AdmissionId, out.request_id).job_id)
             if job is None or out.request_id != job.engine_id:
                 continue  # an aborted admission's last word
             if job is probe:
@@ -41,7 +44,7 @@ class Collector:
                 self.holdings.finished(job, self._final_result(job, out, now))
         self.metrics.generation_tokens.inc(tokens)
 
-    def _record_delta(self, job: Job, out, now: float, sampled_at: float) -> None:
+    def _record_delta(self, job: Job, out: RequestOutput, now: float, sampled_at: float) -> None:
         if job.first_token_at is None and out.new_token_ids:
             job.first_token_at = now
         if out.logprobs is not None:
@@ -57,7 +60,7 @@ class Collector:
             log.info("job %s made its tool call (parallel_tool_calls is off): it ends here", job.id)
             self.holdings.stop(job, "tool_call")
 
-    def _final_result(self, job: Job, out, now: float) -> JobResult:
+    def _final_result(self, job: Job, out: RequestOutput, now: float) -> JobResult:
         u = out.usage
         usage = Usage(
             prompt_tokens=u.prompt_tokens,

@@ -33,7 +33,7 @@ class Deliveries:
     """Entries taken (read, reclaimed, stolen) and not yet claimed; then, once Redis answered
     their claims, each settled once: by a verb of Holdings, or as a job."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.unadmitted: list[Delivery] = []
         self.answered: dict[int, Delivery] = {}  # by identity: claimed in the last admission, not yet settled
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import cast
 
 from producer_client.chat import tool_names
 from producer_client.chat_output import THINK_CLOSE, THINK_OPEN, OutputFormat, Reasoning
@@ -15,6 +16,7 @@ from producer_client.keys import NAME_PATTERN, PROTOCOL_VERSION
 from producer_client.protocol.clock import entry_time
 from producer_client.schema import JobRequest
 from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, tool_call_constraint
+from worker.engine.interface import EngineTokenizer
 from worker.loop.jobs import InternalError, Job
 from worker.settings import WorkerSettings
 
@@ -36,11 +38,13 @@ class Delivery:
     handed_over: bool = False  # reclaimed after a draining worker handed it over, not after it went idle
     job_id: str = field(init=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.job_id = job_id_of(self.entry_id, self.fields)
 
 
-def job_from_entry(d: Delivery, run: str, now: float, settings: WorkerSettings, tokenizer) -> Job | MiliError:
+def job_from_entry(
+    d: Delivery, run: str, now: float, settings: WorkerSettings, tokenizer: EngineTokenizer
+) -> Job | MiliError:
     """The job a claimed entry asks for, as run `run` starting at `now`; or the error it fails with."""
     try:
         request = parse_request(d.fields, settings.max_body_bytes, settings.max_tokens_limit)
@@ -91,21 +95,24 @@ def parse_request(fields: dict[str, str], max_body_bytes: int, max_tokens_limit:
     return JobRequest.from_json(body, max_body_bytes, max_tokens_limit)
 
 
-def render_prompt(request: JobRequest, tokenizer) -> tuple[list[int], OutputFormat | None]:
+def render_prompt(request: JobRequest, tokenizer: EngineTokenizer) -> tuple[list[int], OutputFormat | None]:
     """The prompt's token ids, and for a chat how its output splits. Tokenized here, in the
     worker, so that producers need no tokenizer; chat messages and the tools offered go through
     the checkpoint's own (sandboxed) chat template."""
     if request.input_ids is not None:
         return list(request.input_ids), None
     if request.messages is None:
-        return tokenizer.encode(request.prompt), None
+        return tokenizer.encode(cast(str, request.prompt)), None  # JobRequest holds exactly one of the three
     tools = request.offered_tools()
-    text = tokenizer.apply_chat_template(
-        [m.for_template() for m in request.messages],
-        add_generation_prompt=True,
-        tokenize=False,
-        tools=[t.model_dump(exclude_none=True) for t in tools] or None,
-        enable_thinking=request.enable_thinking,
+    text = cast(  # tokenize=False: the text
+        str,
+        tokenizer.apply_chat_template(
+            [m.for_template() for m in request.messages],
+            add_generation_prompt=True,
+            tokenize=False,
+            tools=[t.model_dump(exclude_none=True) for t in tools] or None,
+            enable_thinking=request.enable_thinking,
+        ),
     )
     fmt = OutputFormat(
         reasoning=reasoning_of(request.enable_thinking, text), tools=tool_names(tools) if tools else None
@@ -114,7 +121,7 @@ def render_prompt(request: JobRequest, tokenizer) -> tuple[list[int], OutputForm
     return tokenizer.encode(text, add_special_tokens=False), fmt
 
 
-def constraint_of(request: JobRequest, output: OutputFormat | None, tokenizer) -> Constraint | None:
+def constraint_of(request: JobRequest, output: OutputFormat | None, tokenizer: EngineTokenizer) -> Constraint | None:
     """What the job's output must match, if anything: its response_format; the tool calls that
     its tool_choice forces ("required", or a named function); with tools offered under "auto",
     a call or the formatted answer. A chat that thinks is free until its reasoning ends."""
@@ -130,7 +137,7 @@ def constraint_of(request: JobRequest, output: OutputFormat | None, tokenizer) -
     return Constraint.of_format(fmt, thinking)
 
 
-def thinking_of(output: OutputFormat | None, tokenizer) -> Thinking | None:
+def thinking_of(output: OutputFormat | None, tokenizer: EngineTokenizer) -> Thinking | None:
     """The reasoning block's markers as the vocabulary's tokens, when the chat thinks."""
     if output is None or output.reasoning is Reasoning.OFF:
         return None

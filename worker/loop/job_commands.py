@@ -8,13 +8,16 @@ what a pipeline met (send_pipeline)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis
 
 from producer_client.keys import Keys
 from producer_client.protocol import execution
 from producer_client.protocol import worker as scripts
+from producer_client.protocol.execution import AddCommands, Pipe
 from producer_client.protocol.replication import Replication
 from producer_client.protocol.replies import (
     Adopted,
@@ -34,6 +37,7 @@ from producer_client.schema import JobResult
 from worker.loop.outbox import Update
 from worker.loop.queue import ReplicasBehind, send_pipeline
 
+T = TypeVar("T")
 EVENT_PAGE = 1000  # event stream entries per XRANGE when a reclaimed job's events are read
 
 
@@ -55,14 +59,14 @@ class JobCommands:
         self.result_ttl_s = result_ttl_s
         self.replication = replication
 
-    def _send(self, add_commands: Callable, per_command_errors: bool = False) -> list:
+    def _send(self, add_commands: AddCommands, per_command_errors: bool = False) -> list[Any]:
         return send_pipeline(self.redis, add_commands, per_command_errors)
 
     def claim(self, jobs: list[tuple[str, str, str]]) -> list[Claim | Exception]:
         """CLAIM each (job id, entry id, run token). An error in a job's place: its keys refused
         the script, or the reply is not one CLAIM gives (UnknownReply)."""
 
-        def add(pipe):
+        def add(pipe: Pipe) -> None:
             for job_id, entry_id, run in jobs:
                 scripts.claim(self.keys, job_id, self.worker, entry_id, self.result_ttl_s, run).add_to(pipe)
 
@@ -71,7 +75,7 @@ class JobCommands:
     def adopt(self, jobs: list[tuple[str, str]]) -> list[Adopted | Exception]:
         """ADOPT each (job id, run token) after Redis lost the group."""
 
-        def add(pipe):
+        def add(pipe: Pipe) -> None:
             for job_id, run in jobs:
                 scripts.adopt(self.keys, job_id, run, self.worker).add_to(pipe)
 
@@ -80,17 +84,18 @@ class JobCommands:
     def recorded_events(self, job_ids: list[str]) -> dict[str, list[tuple[str, dict[str, str]]] | Exception]:
         """Each job's whole event stream, read in pages, or in its place the error its stream gave
         (a key of another type: a producer may write it)."""
-        events: dict[str, list | Exception] = {job_id: [] for job_id in job_ids}
+        events: dict[str, list[tuple[str, dict[str, str]]]] = {job_id: [] for job_id in job_ids}
+        errors: dict[str, Exception] = {}
         after = {job_id: "-" for job_id in job_ids}
         while after:
 
-            def add(pipe):
+            def add(pipe: Pipe) -> None:
                 for job_id, start in after.items():
                     pipe.xrange(self.keys.events(job_id), start, "+", count=EVENT_PAGE)
 
             for job_id, page in zip(list(after), self._send(add, per_command_errors=True)):
                 if isinstance(page, Exception):
-                    events[job_id] = page
+                    errors[job_id] = page
                     del after[job_id]
                     continue
                 events[job_id].extend(page)
@@ -98,12 +103,12 @@ class JobCommands:
                     del after[job_id]
                 else:
                     after[job_id] = "(" + page[-1][0]
-        return events
+        return {job_id: errors.get(job_id, read) for job_id, read in events.items()}
 
     def fail(self, failures: list[tuple[str, JobResult]]) -> list[Failed | Exception]:
         """FAIL each (job id, failed result): jobs whose keys refused the protocol."""
 
-        def add(pipe):
+        def add(pipe: Pipe) -> None:
             for job_id, result in failures:
                 scripts.fail(
                     self.keys, job_id, result.model_dump_json(), len(result.token_ids), self.result_ttl_s
@@ -125,7 +130,7 @@ class JobCommands:
         answers ReplicasBehind (transient): its entry is not acknowledged yet."""
         finals = [u for u in updates if u.final is not None] if self.replication.waits else []
 
-        def add(pipe):
+        def add(pipe: Pipe) -> None:
             for u in updates:
                 u.publish_call(self.keys, self.result_ttl_s).add_to(pipe)
             for job_id, _ in watch:
@@ -142,13 +147,15 @@ class JobCommands:
         published = [_parsed(parse_publish, r) for r in replies[: len(updates)]]
         ends = len(updates) + len(watch)
         watched = [
-            _parsed(lambda r, run=run: parse_watch(r, run), r)
+            _parsed(functools.partial(parse_watch, run=run), r)
             for (_, run), r in zip(watch, replies[len(updates) : ends])
         ]
         confirmed = dict(zip((u.job_id for u in finals), replies[ends + 1 :: 2]))  # each WAIT's, after its EXPIRE
         return [self._replicated(u, reply, confirmed.get(u.job_id)) for u, reply in zip(updates, published)], watched
 
-    def _replicated(self, update: Update, reply: PublishReply | Exception, confirmed: int | Exception | None):
+    def _replicated(
+        self, update: Update, reply: PublishReply | Exception, confirmed: int | Exception | None
+    ) -> PublishReply | Exception:
         """A final result's reply, or ReplicasBehind (or the WAIT's own error) in its place when
         fewer replicas than asked have confirmed it."""
         if confirmed is None or not isinstance(reply, PublishReply) or reply.outcome is not Published.WRITTEN:
@@ -162,7 +169,7 @@ class JobCommands:
         )
 
 
-def _parsed(parse: Callable, reply: object):
+def _parsed(parse: Callable[[object], T], reply: object) -> T | Exception:
     """`parse(reply)`, or the error in its place: Redis's own, or UnknownReply."""
     if isinstance(reply, Exception):
         return reply

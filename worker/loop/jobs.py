@@ -106,7 +106,7 @@ class Job:
     called_before: bool = field(init=False, default=False)  # an earlier run made that call: nothing is left to run
     feed: Feed = field(init=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.deadline is None and self.request.timeout_s is not None:
             self.deadline = self.queued_at + self.request.timeout_s
         self.feed = Feed(streamed=self.request.stream)

@@ -14,7 +14,7 @@ from producer_client.keys import Keys
 from producer_client.protocol import worker as scripts
 from producer_client.protocol.events import encode_tokens
 from producer_client.protocol.script import ScriptCall
-from producer_client.schema import JobResult, TokenLogprob
+from producer_client.schema import ErrorInfo, JobResult, TokenLogprob
 from worker.loop.intake import ENTRY_FIELDS
 from worker.loop.jobs import Feed, Job
 
@@ -26,7 +26,7 @@ class DeadLetter:
     reason: str
     deliveries: int
 
-    def letter(self, worker: str, now: float) -> dict:
+    def letter(self, worker: str, now: float) -> dict[str, str | int | float]:
         """The dead letter's fields. The protocol's own of the entry only: a producer's entry may
         hold any number of others, more than DEADLETTER's Lua can unpack into one XADD."""
         fields = {name: value for name, value in self.fields.items() if name in ENTRY_FIELDS}
@@ -55,6 +55,13 @@ class Rejection:
     def job_id(self) -> str:
         return self.result.id
 
+    @property
+    def error(self) -> ErrorInfo:
+        """What failed the job: a rejection's result is a failed one, built with its error."""
+        if self.result.error is None:
+            raise HeldStateError(f"job {self.job_id}: rejected without an error")
+        return self.result.error
+
 
 @dataclass
 class Update:
@@ -75,6 +82,12 @@ class Update:
     # Set for a job that ends in the dead-letter stream: after its final result, its entry moves
     # there instead of being acknowledged.
     dead_letter: DeadLetter | None = None
+
+    def ended(self) -> JobResult:
+        """Its final result: asked only of the update of a job that ended."""
+        if self.final is None:
+            raise HeldStateError(f"job {self.job_id}: its update holds no final result")
+        return self.final
 
     def take(self, job: Job) -> None:
         """Move the job's output that no update holds yet into this one, as one cut."""
@@ -171,7 +184,7 @@ class Outbox:
     failures FAIL is yet to write, and the receipts of settled entries. Holdings' alone: the rest
     of the loop asks Holdings."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.updates: dict[str, Update] = {}  # waiting to be sent
         self.out: dict[str, Update] = {}  # sent, not answered yet
         self.rejected: dict[str, Rejection] = {}  # failed for their keys, the failure not yet written
@@ -263,6 +276,8 @@ class Outbox:
         if job is not None:
             job.feed = Feed(streamed=job.feed.streamed)  # none of its output is in Redis now
             update.take(job)
+        elif final is None:
+            raise HeldStateError(f"job {job_id}: republished with neither the job nor its final result")
         elif final.token_ids or final.text:
             update.add_cut(list(final.token_ids), final.text, final.logprobs)
         self.add(update)

@@ -14,6 +14,7 @@ from producer_client.keys import PROTOCOL_VERSION
 from producer_client.protocol.events import encode_start
 from producer_client.protocol.replies import Adopted
 from worker.loop.context import LoopContext
+from worker.loop.outbox import HeldStateError
 from worker.loop.placement import adapters_advertised, advertised
 from worker.loop.rejection import Rejections
 
@@ -35,7 +36,7 @@ class Ownership:
         # The consumer group must be created before the next read: at start, and whenever Redis
         # has lost it (then the jobs held here are adopted too).
         self.group_missing = True
-        self.identity = {
+        self.identity: dict[str, str | int | float] = {
             "name": ctx.worker,
             "queue": ctx.settings.queue,
             "model": ctx.settings.model,
@@ -58,7 +59,7 @@ class Ownership:
         cap = self.engine.capacity()
         running = self.holdings.running
         started = sum(1 for j in running.values() if j.first_token_at is not None)
-        fields = {
+        fields: dict[str, str | int | float] = {
             **self.identity,
             "state": state,
             "running": len(running) + len(self.holdings.suspects),
@@ -118,9 +119,13 @@ class Ownership:
         stream is complete again for any reader, or any run that resumes the job from it."""
         job = self.holdings.find(job_id)
         if job is not None:
-            started_at, fmt = job.started_at, job.output_format
+            started_at: float | None = job.started_at
+            fmt = job.output_format
         else:  # it ended while Redis had it still: its result holds the whole output
             # A chat's result holds its answer split from its reasoning and calls already: its
             # stream carries the answer as plain text, and the result the rest.
-            started_at, fmt = self.holdings.waiting_update(job_id).final.timings.started_at, None
+            update = self.holdings.waiting_update(job_id)
+            if update is None:
+                raise HeldStateError(f"job {job_id}: its events are lost, and it is held neither running nor ended")
+            started_at, fmt = update.ended().timings.started_at, None
         self.holdings.republish_whole(job_id, run, encode_start(self.worker, started_at, 0, fmt))

@@ -58,14 +58,13 @@ class Pace:
         publish, look = [], []
         for job in jobs:
             feed = job.feed
-            if feed.waiting_since is not None and self._due(job, feed, now, patience):
+            if feed.waiting_since is not None and self._due(job, feed, now - feed.waiting_since, patience):
                 publish.append(job)
             elif now - feed.looked_at >= (self.stream_interval_s if feed.streamed else self.checkpoint_interval_s):
                 look.append(job)
         return publish, look
 
-    def _due(self, job: Job, feed: Feed, now: float, patience: float) -> bool:
+    def _due(self, job: Job, feed: Feed, waited: float, patience: float) -> bool:
         if feed.tokens == job.resumed_tokens or len(job.token_ids) - feed.tokens >= MAX_EVENT_TOKENS:
             return True
-        waited = now - feed.waiting_since
         return waited >= patience if feed.streamed else waited >= self.checkpoint_interval_s

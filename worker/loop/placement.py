@@ -12,6 +12,7 @@ import time
 import redis
 
 from producer_client.connection import is_fatal
+from worker.engine.interface import EngineAPI
 from worker.loop.admission import Admission, log_reclaimed
 from worker.loop.context import LoopContext
 from worker.loop.holdings import Holdings
@@ -33,7 +34,7 @@ def advertised(settings: WorkerSettings, holdings: Holdings, worker: str) -> dic
     return {"placement": 1, "slots": settings.engine.max_running, "placed_held": own}
 
 
-def adapters_advertised(engine) -> dict[str, str]:
+def adapters_advertised(engine: EngineAPI) -> dict[str, str]:
     """Heartbeat fields of a worker that serves LoRA adapters: the names it serves (what a producer
     and the gateway check a job's adapter against, and route by) and those it holds in memory now
     (a job naming one loads nothing), comma-separated."""

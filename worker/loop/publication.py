@@ -18,7 +18,7 @@ import time
 from producer_client.protocol.replies import Look, Published, PublishReply, UnknownReply, Watched
 from producer_client.schema import JobResult
 from worker.loop.context import LoopContext
-from worker.loop.jobs import InternalError
+from worker.loop.jobs import InternalError, Job
 from worker.loop.outbox import Update
 from worker.loop.pace import Pace
 from worker.loop.publisher import Publisher, Round
@@ -70,7 +70,7 @@ class Publication:
     def close(self) -> None:
         self.publisher.close()
 
-    def _send(self, due: list, look: list, now: float) -> None:
+    def _send(self, due: list[Job], look: list[Job], now: float) -> None:
         for job in due:
             self.holdings.take_output(job)
         watch = []
@@ -179,8 +179,8 @@ class Publication:
         if update.dead_letter is not None:
             self.metrics.jobs["dead_lettered"].inc()
         else:
-            self.metrics.job_ended(update.final)
-        log_end(update.final)
+            self.metrics.job_ended(update.ended())
+        log_end(update.ended())
 
 
 def log_end(result: JobResult) -> None:

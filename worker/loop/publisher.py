@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from worker.loop.job_commands import JobCommands
 from worker.loop.outbox import Update
@@ -19,8 +20,8 @@ from worker.loop.outbox import Update
 class Round:
     updates: list[Update]
     watch: list[tuple[str, str]]  # (job id, run) of the jobs looked at
-    published: list = field(default_factory=list)  # a reply (or error) per update
-    watched: list = field(default_factory=list)  # a state (or error) per job looked at
+    published: list[Any] = field(default_factory=list)  # a reply (or error) per update
+    watched: list[Any] = field(default_factory=list)  # a state (or error) per job looked at
     error: Exception | None = None  # the round failed as a whole: Redis took none of it, or some
     seconds: float = 0.0  # from sending it to its answer
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import hiredis
 import redis
@@ -32,6 +33,7 @@ from producer_client.connection import FATAL_ERRORS, Retry, reply_code
 from producer_client.keys import GROUP, Keys
 from producer_client.protocol import execution, producer
 from producer_client.protocol import worker as scripts
+from producer_client.protocol.execution import AddCommands, Pipe
 from producer_client.protocol.replication import Replication
 from worker.loop.intake import Delivery
 from worker.loop.jobs import Job
@@ -107,7 +109,7 @@ class CommandPacker:
     than the packing itself, and publication packs a command per publishing job per round (see
     bench/RESULTS.md). redis-py's cluster client keeps its own packer."""
 
-    def pack(self, *args) -> list[bytes]:
+    def pack(self, *args: Any) -> list[bytes]:
         name = args[0]
         if (" " in name) if isinstance(name, str) else (b" " in name):  # "SCRIPT LOAD": two words
             args = (*name.split(), *args[1:])
@@ -117,19 +119,20 @@ class CommandPacker:
             raise redis.DataError(str(e)) from None
 
 
-def connect(url: str):
+def connect(url: str) -> redis.Redis:
     """The worker's client, of any of the three modes. surrogateescape: a producer's invalid UTF-8
     must fail its job, not the read. One immediate retry replaces a connection Redis closed (a
     restart; on a cluster, after reading the topology again); past that the loop's own backoff
     takes over, so that the engine keeps stepping while Redis is away. Wrong credentials are not
     retried at all. A cluster client reads the topology now, so this raises while no node answers."""
-    return connection.connect(
+    client: redis.Redis = connection.connect(
         url,
         decode_responses=True,
         encoding_errors="surrogateescape",
         retry=Retry(NoBackoff(), 1),
         command_packer=CommandPacker(),
     )
+    return client
 
 
 def is_transient(error: BaseException) -> bool:
@@ -140,7 +143,7 @@ def is_transient(error: BaseException) -> bool:
     )
 
 
-def send_pipeline(client: redis.Redis, add_commands: Callable, per_command_errors: bool = False) -> list:
+def send_pipeline(client: redis.Redis, add_commands: AddCommands, per_command_errors: bool = False) -> list[Any]:
     """One pipeline. A transient error or a lost group raises, whichever command met it (the
     loop sends everything again later); any other error raises too, unless
     `per_command_errors`: then it stays in its command's place, for the caller to charge to
@@ -204,7 +207,7 @@ class WorkerQueue:
         self.reclaim_cursor = "0-0"
         self.peers: list[str] = []  # every worker of the queue's index, as of the last heartbeat
 
-    def _send(self, add_commands: Callable, per_command_errors: bool = False) -> list:
+    def _send(self, add_commands: AddCommands, per_command_errors: bool = False) -> list[Any]:
         return send_pipeline(self.redis, add_commands, per_command_errors)
 
     def ensure_group(self) -> None:
@@ -239,7 +242,7 @@ class WorkerQueue:
         count: int,
         block_ms: int | None,
         acks: list[str],
-        dead_letters: list[DeadLetter] = (),
+        dead_letters: Sequence[DeadLetter] = (),
     ) -> list[Delivery]:
         """Acknowledge and delete `acks`, move `dead_letters`, then read up to `count` new entries:
         from this worker's own stream first, then from the shared one. The acks go first in the
@@ -259,20 +262,30 @@ class WorkerQueue:
             taken += self._entries(self.stream, reply)
         return taken
 
-    def _read_both(self, count: int, block_ms: int, acks: list[str], dead_letters: list[DeadLetter]) -> list[Delivery]:
+    def _read_both(
+        self, count: int, block_ms: int, acks: list[str], dead_letters: Sequence[DeadLetter]
+    ) -> list[Delivery]:
         """An idle worker on one server: one XREADGROUP blocks on its own stream and the shared one
         at once (they are on the same node), so that a job on either wakes it at once; half the
         room from each, so that it never takes more than it can start (COUNT is per stream)."""
         streams = {self.own: ">", self.stream: ">"}
 
-        def add(pipe):
+        def add(pipe: Pipe) -> None:
             self._settle(pipe, acks, dead_letters, self.stream, 0, None)
             pipe.xreadgroup(GROUP, self.worker, streams, count=count // 2, block=block_ms)
 
         reply = self._send(add)[-1] or []
         return [d for key, entries in reply for d in self._entries(key, [(key, entries)])]
 
-    def _settle(self, pipe, acks: list[str], dead_letters: list[DeadLetter], stream: str, count: int, block_ms) -> None:
+    def _settle(
+        self,
+        pipe: Pipe,
+        acks: list[str],
+        dead_letters: Sequence[DeadLetter],
+        stream: str,
+        count: int,
+        block_ms: int | None,
+    ) -> None:
         self.streams.add_acks(pipe, acks)
         now = self.clock.now()
         for letter in dead_letters:
@@ -280,10 +293,10 @@ class WorkerQueue:
         if count > 0:
             self._read_into(pipe, stream, count, None if stream != self.stream else block_ms)
 
-    def _read_into(self, pipe, stream: str, count: int, block_ms: int | None) -> None:
+    def _read_into(self, pipe: Pipe, stream: str, count: int, block_ms: int | None) -> None:
         pipe.xreadgroup(GROUP, self.worker, {stream: ">"}, count=count, block=block_ms)
 
-    def _entries(self, stream: str, reply) -> list[Delivery]:
+    def _entries(self, stream: str, reply: list[Any] | None) -> list[Delivery]:
         if not reply:
             return []
         owner = None if stream == self.stream else self.worker
@@ -319,7 +332,7 @@ class WorkerQueue:
         """TAKEABLE on each owner's stream, in one pipeline: whether TAKE_OVER would take anything
         there, or the error that stream gave (a producer may write it) in its place."""
 
-        def add(pipe):
+        def add(pipe: Pipe) -> None:
             for owner in owners:
                 scripts.takeable(self.streams.of(owner), min_idle_ms, steal_before_ms[owner]).add_to(pipe)
 
@@ -340,7 +353,7 @@ class WorkerQueue:
         index = self.keys.workers(self.queue)
         now = self.clock.now()
 
-        def add(pipe):
+        def add(pipe: Pipe) -> None:
             pipe.time()
             pipe.hset(key, mapping={**fields, "updated_at": now})
             pipe.pexpire(key, int(ttl_s * 1000))
@@ -373,7 +386,7 @@ class WorkerQueue:
         index is where the others find its stream: a producer whose view was read before the drain
         may still place jobs there, and they are stolen."""
 
-        def add(pipe):
+        def add(pipe: Pipe) -> None:
             pipe.delete(self.keys.worker(self.worker))
             if self.own is None:
                 pipe.zrem(self.keys.workers(self.queue), self.worker)

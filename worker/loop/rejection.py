@@ -90,7 +90,7 @@ class Rejections:
             self.holdings.drop(job_id)
 
     def _hold(self, rejection: Rejection) -> None:
-        log.warning("job %s fails: %s", rejection.job_id, rejection.result.error.message)
+        log.warning("job %s fails: %s", rejection.job_id, rejection.error.message)
         self.holdings.reject(rejection)
 
     # -- writing the failures ---------------------------------------------------------------------
@@ -115,11 +115,11 @@ class Rejections:
         if isinstance(reply, Exception):
             # Nothing can be written for the job: its entry goes where an operator looks.
             log.error("job %s: Redis refused even its failure: %s", rejection.job_id, reply)
-            reason = f"its keys refused the protocol: {rejection.result.error.message}; and FAIL: {reply}"
+            reason = f"its keys refused the protocol: {rejection.error.message}; and FAIL: {reply}"
             self.holdings.failure_refused(rejection, reason)
             return
         self.holdings.failure_written(rejection)
         if reply is Failed.FAILED:
             self.metrics.job_ended(rejection.result)
-            error = rejection.result.error
+            error = rejection.error
             log.info("job %s failed (%s): %s", rejection.job_id, error.code, error.message)

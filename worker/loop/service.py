@@ -37,6 +37,7 @@ from producer_client.connection import is_fatal
 from producer_client.keys import Keys
 from producer_client.protocol.replication import Replication
 from worker.engine.interface import EngineAPI
+from worker.engine.outputs import RequestOutput
 from worker.loop.admission import Admission
 from worker.loop.collection import Collector
 from worker.loop.context import LoopContext
@@ -72,7 +73,7 @@ class Worker:
     ):
         """`pause_point`: called in the loop's thread before each exchange with Redis and each engine
         step, the seam where a test holds the worker (a stall) or stops it for good between two of
-        its moves, as kill -9 would (tests/queue/support.py). None in production."""
+        its moves, as kill -9 would (harness/echo_workers.py). None in production."""
         self.engine = engine
         self.pause_point = pause_point
         self.settings = settings
@@ -257,7 +258,7 @@ class Worker:
             if job.stop_reason is None and job.deadline is not None and now > job.deadline:
                 self.holdings.stop(job, "timeout")
 
-    def _step(self) -> list:
+    def _step(self) -> list[RequestOutput]:
         try:
             return self.engine.step()
         except Exception as e:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from producer_client.keys import GROUP, Keys
 from producer_client.protocol import worker as scripts
+from producer_client.protocol.execution import AddCommands, Pipe
 
 SEPARATOR = "@"
 # The dead-letter stream keeps about this many entries (XADD MAXLEN ~): bounded memory, and far
@@ -57,12 +58,12 @@ class QueueStreams:
         """{stream key: owner} of the streams `refs` name."""
         return {self.of(owner_of(ref)): owner_of(ref) for ref in refs}
 
-    def add_acks(self, pipe, refs: list[str]) -> None:
+    def add_acks(self, pipe: Pipe, refs: list[str]) -> None:
         for key, ids in self.by_stream(refs).items():
             pipe.xack(key, GROUP, *ids)
             pipe.xdel(key, *ids)
 
-    def add_dead_letter(self, pipe, ref: str, letter: dict) -> None:
+    def add_dead_letter(self, pipe: Pipe, ref: str, letter: dict[str, str | int | float]) -> None:
         """DEADLETTER (`letter`: the dead letter's fields) moves an entry of the shared stream in one step. A worker's
         stream has a hash tag of its own, so its entry is moved in two commands: written to the
         dead-letter stream, then acknowledged and deleted (a worker that dies in between leaves it
@@ -76,16 +77,16 @@ class QueueStreams:
         self.add_acks(pipe, [ref])
 
     @staticmethod
-    def add_refreshes(pipe, worker: str, by_stream: dict[str, list[str]]) -> None:
+    def add_refreshes(pipe: Pipe, worker: str, by_stream: dict[str, list[str]]) -> None:
         """REFRESH of the held entries, one call per stream; each answers the ids it lost."""
         for key, ids in by_stream.items():
             scripts.refresh(key, worker, ids).add_to(pipe)
 
     @staticmethod
-    def add_releases(worker: str, idle_ms: int, by_stream: dict[str, list[str]]):
+    def add_releases(worker: str, idle_ms: int, by_stream: dict[str, list[str]]) -> AddCommands:
         """RELEASE of the entries, one call per stream; each answers how many were the worker's."""
 
-        def add(pipe) -> None:
+        def add(pipe: Pipe) -> None:
             for key, ids in by_stream.items():
                 scripts.release(key, worker, idle_ms, ids).add_to(pipe)
 

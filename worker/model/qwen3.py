@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels.cpu_linear import linear_cpu, supports as cpu_linear_supports
+from kernels.cpu_linear import linear_cpu
+from kernels.cpu_linear import supports as cpu_linear_supports
 from worker.model.batch import AttentionMetadata, KVCaches, LoraBatch
 from worker.model.config import Qwen3Config
 from worker.model.moe import Qwen3MoeSparseBlock

@@ -18,9 +18,9 @@ from typing import Any
 import jinja2
 import tokenizers
 import tokenizers.decoders
-from tokenizers.decoders import DecodeStream
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers.decoders import DecodeStream
 
 from producer_client.errors import MiliError
 from worker.model.grammar_vocabulary import grammar_vocabulary, split_pattern

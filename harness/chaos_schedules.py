@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import redis
 
+from harness.echo_workers import GatedWorker, SlowEchoEngine
+from harness.polling import eventually
 from producer_client import Client
 from producer_client.connection import retry_policy
 from producer_client.keys import GROUP, Keys
@@ -45,8 +47,6 @@ from producer_client.placement import Placed
 from producer_client.protocol import execution
 from producer_client.protocol import producer as scripts
 from producer_client.schema import JobResult
-from tests.queue.support import GatedWorker, SlowEchoEngine
-from tests.support.polling import eventually
 from worker.loop.queue import connect
 from worker.metrics import WorkerMetrics
 from worker.settings import WorkerSettings

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import redis
 
+from harness.polling import eventually
+from harness.processes import PROBE_INTERVAL_S, ChildProcess
 from producer_client.connection import connect
-from tests.support.polling import eventually
-from tests.support.processes import PROBE_INTERVAL_S, ChildProcess
 from worker.embedded_redis import free_port
 
 START_TIMEOUT_S = 30.0

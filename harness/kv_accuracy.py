@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from harness.paged_model import PagedModelRunner
 from kernels.fp8 import FP8_DTYPE
-from tests.model.paged import PagedModelRunner
 
 PAGE_SIZE = 16
 

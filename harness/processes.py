@@ -10,7 +10,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from tests.support.polling import eventually
+from harness.polling import eventually
 from worker.embedded_redis import stop_process
 
 REPO = Path(__file__).resolve().parents[2]
