@@ -4,9 +4,10 @@ too), so a batch that mixes adapters of different ranks and the base model gener
 exactly what the engine generates without speculation. The proposers draft without the adapters
 (a draft model or an EAGLE-3 head of the base): that costs acceptance only."""
 
+from unittest import mock
+
 import pytest
 import torch
-from unittest import mock
 
 from producer_client.schema import SamplingParams
 from tests.engine.speculative_support import ScriptedProposer, always_speculating

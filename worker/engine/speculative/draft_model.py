@@ -27,9 +27,9 @@ from worker.engine.cuda_graph import DecodeGraphRunner
 from worker.engine.kv_pool import KVCacheShape, allocate_kv_caches, kv_cache_dtype
 from worker.engine.page_table import PageTable
 from worker.engine.request import Request
-from worker.engine.scheduler import ScheduledChunk
 from worker.engine.runner import ModelRunner, build_host_step
 from worker.engine.sampler import greedy_tokens
+from worker.engine.scheduler import ScheduledChunk
 from worker.model.kv_scales import use_fp8_kv_scales
 from worker.model.qwen3 import Qwen3ForCausalLM
 
