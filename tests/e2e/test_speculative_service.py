@@ -11,10 +11,11 @@ import uuid
 import pytest
 import torch
 
+from harness.polling import eventually
 from producer_client import SamplingParams
 from producer_client.connection import connect
 from producer_client.keys import Keys
-from producer_client.placement import Placed
+from producer_client.placement import Placed, Placement
 from producer_client.schema import JobRequest
 from tests.chaos.test_feature_matrix import taken
 from tests.chaos.test_kill import counter
@@ -73,10 +74,25 @@ def test_a_placed_second_turn_hits_the_speculating_workers_cache_of_accepted_tok
         ]
     )
     try:
+        # Ready is the process's word; placement sees a worker once its heartbeat says it serves, and
+        # places by the load the heartbeats report.
+        admin = connect(redis_deployment.url, decode_responses=True)
+
+        def idle_in_view() -> bool:
+            beats = [admin.hgetall(KEYS.worker(w.name)) for w in workers]
+            return all(b.get("state") == "serving" and b.get("running") == "0" for b in beats)
+
+        assert eventually(idle_in_view)
         with make_client("sync", redis_deployment.url, queue) as client:
+            # A fresh view for every job: a cached one still counts the first turns as the workers'
+            # load when the second turns come, and the bound sends some of them to the other worker.
+            client.placement = Placement(refresh_s=0)
             first_ids = [client.submit(messages=m, **PARAMS) for m in FIRST_TURNS]
             first = [client.result(job_id, timeout=120) for job_id in first_ids]
             second_turns = [second_turn(m, r.text) for m, r in zip(FIRST_TURNS, first)]
+            # Placement sends a job past a worker whose heartbeat still counts the first turns as
+            # running: the second turns go once both say they are idle again.
+            assert eventually(idle_in_view)
             second_ids = [client.submit(messages=m, **PARAMS) for m in second_turns]
             second = [client.result(job_id, timeout=120) for job_id in second_ids]
             placed = dict(client.placement.placed)
