@@ -45,6 +45,7 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
+    speculative: bool = True  # False: the job opts out of a worker's speculative decoding
 
     @classmethod
     def parse(cls, **kwargs) -> SamplingParams:

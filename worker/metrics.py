@@ -113,6 +113,12 @@ class WorkerMetrics:
             "Structured outputs: time spent compiling grammars, off the step loop.",
             registry=r,
         )
+        self.draft_tokens = Counter(
+            "mili_speculative_draft_tokens", "Speculative decoding: drafted tokens verified.", registry=r
+        )
+        self.accepted_draft_tokens = Counter(
+            "mili_speculative_accepted_tokens", "Speculative decoding: drafted tokens accepted as output.", registry=r
+        )
         self.lora_adapter_reads = Counter(
             "mili_lora_adapter_reads", "LoRA adapters read from disk (on the loader thread).", registry=r
         )
@@ -160,6 +166,8 @@ class WorkerMetrics:
             "grammar_cache_hits": self.grammar_cache_hits,
             "grammar_compiles": self.grammar_compiles,
             "grammar_compile_seconds": self.grammar_compile_seconds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_draft_tokens": self.accepted_draft_tokens,
             "adapter_reads": self.lora_adapter_reads,
             "adapter_installs": self.lora_adapter_installs,
         }

@@ -58,11 +58,15 @@ def fault_free():
     return generate_alone(PROMPTS, PARAMS)
 
 
-def generated_tokens(worker: WorkerProcess) -> float:
+def counter(worker: WorkerProcess, name: str) -> float:
     port = int(worker.heartbeat()["metrics_port"])
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    family = next(f for f in text_string_to_metric_families(text) if f.name == "mili_generation_tokens")
-    return next(s.value for s in family.samples if s.name == "mili_generation_tokens_total")
+    family = next(f for f in text_string_to_metric_families(text) if f.name == name)
+    return next(s.value for s in family.samples if s.name == f"{name}_total")
+
+
+def generated_tokens(worker: WorkerProcess) -> float:
+    return counter(worker, "mili_generation_tokens")
 
 
 @pytest.mark.slow
@@ -196,6 +200,53 @@ def test_kill_9_mid_stream_loses_at_most_one_publish_interval_and_readers_see_ea
             if job_id in read:
                 assert "".join(d.text for d in read[job_id]) == result.text
                 assert [t for d in read[job_id] for t in d.token_ids] == result.token_ids
+    finally:
+        victim.stop()
+        survivor.stop()
+
+
+# Speculative decoding: n-gram drafts, which the tiny model's looping output makes accepted, so a
+# step publishes several tokens of a job at once; greedy and seeded jobs, and one that opts out.
+SPECULATIVE = dict(speculative_method="ngram", num_speculative_tokens=4)
+SPEC_PROMPTS = PROMPTS[:8]
+SPEC_PARAMS = [
+    dict(max_tokens=48, ignore_eos=True, **({"temperature": 0.0} if i % 2 else {"temperature": 0.8, "seed": i}))
+    for i in range(8)
+]
+SPEC_PARAMS[3] = {**SPEC_PARAMS[3], "speculative": False}
+
+
+@pytest.mark.slow
+@on_modes("server")
+def test_kill_9_mid_speculative_generation_resumes_each_job_to_the_fault_free_output(
+    redis_deployment, deployment_client, tmp_path
+):
+    fault_free = generate_alone(SPEC_PROMPTS, SPEC_PARAMS)  # without speculation
+    queue = f"kill-spec-{uuid.uuid4().hex[:6]}"
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in {**ENGINE, **RECLAIM, **SPECULATIVE}.items()]
+    victim, survivor = start_workers(
+        [WorkerProcess(redis_deployment.url, queue, f"{queue}-{n}", tmp_path, *flags) for n in ("victim", "survivor")]
+    )
+    try:
+        with make_client("sync", redis_deployment.url, queue) as client:
+            ids = [client.submit(p, **params) for p, params in zip(SPEC_PROMPTS, SPEC_PARAMS)]
+
+            def victim_generating() -> bool:
+                jobs = [deployment_client.hmget(KEYS.job(j), "worker", "status", "tokens") for j in ids]
+                return sum(w == victim.name and s == "running" and int(t or 0) >= 4 for w, s, t in jobs) >= 2
+
+            assert eventually(victim_generating, timeout=120), victim.log()
+            victim.process.kill()
+            victim.process.wait()
+            results = [client.result(job_id, timeout=180) for job_id in ids]
+        resumed = 0
+        for job_id, result, want in zip(ids, results, fault_free):
+            assert (result.status, result.token_ids, result.text) == ("done", want.token_ids, want.text), job_id
+            assert_one_final_result(deployment_client, job_id)
+            assert tokens_published(deployment_client, job_id) == result.token_ids  # each token once, none missing
+            resumed += len(runs(deployment_client, job_id)) > 1
+        assert resumed > 0
+        assert counter(survivor, "mili_speculative_accepted_tokens") > 0  # it did verify drafts
     finally:
         victim.stop()
         survivor.stop()

@@ -11,34 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.support import VOCAB
+from tests.engine.support import DENSE, VOCAB, engine_maker, write_test_checkpoint
 from worker.engine import Engine, EngineSettings
 from worker.model.loader import load_model
-from worker.model.presets import qwen3_config, qwen3_moe_config, resolve_model_path, write_random_checkpoint
-from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
+from worker.model.presets import qwen3_config, qwen3_moe_config, resolve_model_path
 from worker.model.tokenizer import Tokenizer
-
-# The dense test model's shape; each checkpoint below changes what it needs.
-DENSE = dict(
-    vocab_size=VOCAB,
-    max_position_embeddings=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    tie_word_embeddings=False,
-    initializer_range=0.3,
-    bos_token_id=None,
-    eos_token_id=None,
-)
-
-
-def write_test_checkpoint(directory: Path, config: dict, seed: int) -> Path:
-    ckpt = write_random_checkpoint(directory, config, seed=seed, norm_std=0.1)
-    write_qwen3_tokenizer_files(ckpt)
-    return ckpt
 
 
 @pytest.fixture(scope="session")
@@ -90,19 +67,6 @@ def loaded(checkpoint):
 @pytest.fixture(scope="session")
 def moe_loaded(moe_checkpoint):
     return load_model(moe_checkpoint, dtype=torch.float32), Tokenizer.from_dir(moe_checkpoint)
-
-
-def engine_maker(loaded):
-    """Engines share the (stateless) model and tokenizer; each gets its own KV pool."""
-    (model, config, _), tokenizer = loaded
-
-    def make(eos_token_ids=(), **settings) -> Engine:
-        settings = {"num_pages": 256, "page_size": 4, **settings}
-        return Engine(
-            model, config, tokenizer, EngineSettings.parse(**settings), list(eos_token_ids), torch.device("cpu")
-        )
-
-    return make
 
 
 @pytest.fixture(scope="session")

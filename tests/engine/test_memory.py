@@ -73,6 +73,20 @@ def test_the_profiled_step_is_the_token_budget_split_evenly_over_max_running_seq
     assert {len(r.token_ids) for r in requests} == {16} and len(requests) == 256
 
 
+def test_under_speculative_decoding_the_profiled_step_samples_at_each_sequences_last_k_plus_1_tokens(loaded):
+    settings = EngineSettings(
+        max_num_batched_tokens=40, max_running=6, page_size=4, speculative_method="ngram", num_speculative_tokens=2
+    )
+    rows, chunks = profile_batch(settings, 100)
+    assert [c.num_sampled for c in chunks] == [3] * 6 and len(rows) == 18
+    assert all(c.input_ids == c.request.token_ids for c in chunks)  # the draft is the sequence's own tail
+    (model, config, _), _ = loaded
+    shape = KVCacheShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 4, torch.float32)
+    cpu = torch.device("cpu")
+    runner = ModelRunner(model, allocate_kv_caches(shape, sum(len(c.request.pages) for c in chunks), cpu), 4, cpu)
+    assert len(Sampler([])(runner.run(chunks), rows).token_ids) == 18
+
+
 def test_the_profiled_step_runs_through_the_model_and_every_sampling_feature(loaded):
     (model, config, _), _ = loaded
     settings = EngineSettings(max_num_batched_tokens=40, max_running=6, page_size=4)

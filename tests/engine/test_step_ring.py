@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from worker.engine.host_step import HostStep
+from worker.engine.kv_pool import pages_for
 from worker.engine.lora.rows import LoraRows
-from worker.engine.step_ring import SLOTS, AdapterMessage, Kind, StepRing, message_bytes
+from worker.engine.settings import EngineSettings
+from worker.engine.step_ring import SLOTS, AdapterMessage, Kind, StepRing, message_bytes, ring_capacity
 from worker.model.rank_failed import RankFailed
 
 
@@ -66,11 +68,29 @@ def test_steps_arrive_whole_and_in_order_with_their_draws_count():
 def test_a_slot_holds_the_largest_step_and_a_larger_one_is_refused():
     ring = StepRing(readers=1, capacity=message_bytes(32, 8, 4), timeout_s=5)
     reader = ring.reader(0)
-    largest = host_step(0, 32, 8, 4, 8)
+    largest = host_step(0, 32, 8, 4, 32)  # every token samples, as in a step that verifies drafts
     ring.send(largest)
     assert_same(reader.receive().step, largest)
     with pytest.raises(ValueError, match="overflows the ring's"):
-        ring.send(host_step(1, 32, 8, 5, 8))
+        ring.send(host_step(1, 32, 8, 5, 32))
+
+
+def test_a_slot_holds_a_verify_step_laid_out_for_its_graphs_past_the_token_budget_on_adapters():
+    settings = EngineSettings.parse(
+        page_size=4,
+        max_running=64,
+        max_num_batched_tokens=256,
+        speculative_method="ngram",
+        num_speculative_tokens=16,
+        lora_modules={"sql": "/adapters/sql"},
+        max_loras=3,
+    )
+    ring = StepRing(readers=1, capacity=ring_capacity(settings, max_model_len=100), timeout_s=5)
+    q = 17  # every running request at k + 1 tokens, 1,088 in all; the page table past the last position
+    verify = host_step(0, 64 * q, 64, pages_for(99 + q, 4), 64 * q)
+    verify.lora = LoraRows.of(np.arange(64) % 3, np.full(64, q), 3)
+    ring.send(verify)
+    assert_same(ring.reader(0).receive().step, verify)
 
 
 def test_a_steps_adapter_rows_and_the_adapters_to_read_and_install_cross_the_ring_in_order():

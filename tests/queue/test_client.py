@@ -35,6 +35,7 @@ BAD_SUBMITS = [
     (dict(prompt="hi", stop=["y" * 257]), "stop"),
     (dict(prompt="hi", logprobs=50), "logprobs"),
     (dict(prompt="hi", min_tokens=9, max_tokens=8), "min_tokens"),
+    (dict(prompt="hi", speculative="no"), "speculative"),  # the opt-out of speculative decoding is a bool
     (dict(prompt="hi", colour="red"), "colour"),
     (dict(), "prompt"),
     (dict(prompt=""), "prompt"),

@@ -132,3 +132,19 @@ def test_kv_cache_dtype_flag_offers_its_choices_and_refuses_others(capsys):
     assert re.search(
         r"--kv-cache-dtype: invalid choice: 'int8' \(choose from '?auto'?, '?fp8_e4m3'?\)", capsys.readouterr().err
     )
+
+
+def test_speculative_flags_reach_the_engine_settings_and_a_method_without_its_model_is_refused(capsys):
+    engine = parse_flags(
+        "--speculative-method", "draft", "--speculative-model", "tiny", "--num-speculative-tokens", "3"
+    )
+    assert (engine.engine.speculative_method, engine.engine.speculative_model) == ("draft", "tiny")
+    assert engine.engine.num_speculative_tokens == 3
+    assert parse_flags().engine.speculative_method is None
+    with pytest.raises(InvalidArgument, match="speculative_model: speculative_method eagle3 needs one"):
+        parse_flags("--speculative-method", "eagle3")
+    with pytest.raises(InvalidArgument, match="speculative_model: only speculative_method draft or eagle3"):
+        parse_flags("--speculative-method", "ngram", "--speculative-model", "tiny")
+    with pytest.raises(SystemExit):
+        parse_flags("--speculative-method", "medusa")
+    assert "invalid choice: 'medusa'" in capsys.readouterr().err

@@ -103,15 +103,7 @@ class DecodeBuffers:
         self.page_table[:size].zero_()
         self.page_table[:b, : meta.page_table.shape[1]].copy_(meta.page_table, non_blocking=True)
         if self.lora is not None:
-            self._load_lora(inputs.lora)
-
-    def _load_lora(self, lora: LoraBatch | None) -> None:
-        if lora is None:
-            self.lora.group_ends.zero_()
-            return
-        n = lora.tokens.shape[0]
-        self.lora.tokens[:n].copy_(lora.tokens, non_blocking=True)
-        self.lora.group_ends.copy_(lora.group_ends, non_blocking=True)
+            load_lora(self.lora, inputs.lora)
 
     def lora_rows(self, size: int) -> LoraBatch | None:
         if self.lora is None:
@@ -151,6 +143,7 @@ class DecodeGraphRunner:
         self.sizes = capture_sizes(max_batch)
         self.buffers = DecodeBuffers(max_batch, max_pages, device, lora_slots(model))
         self._graphs: dict[int, Callable[[], torch.Tensor | None]] = {}
+        self._captured: dict[int, torch.Tensor | None] = {}  # each graph's hidden states for an EAGLE-3 head
         self._pool = None  # the memory pool all graphs share: they never run at once
         # Every size's logits are rows of this one buffer, on the rank that samples. A buffer per graph
         # held most of the 1,426 MiB that 20 graphs took on an H200 (qwen3-0.6b, batch 256). Sharing is
@@ -181,6 +174,9 @@ class DecodeGraphRunner:
         self.buffers.load(inputs, size)
         replay = self._graphs.get(size)
         logits = replay() if replay is not None else self._forward(size)
+        states = self.model.model
+        if states.capture_inputs:
+            states.captured = (self._captured[size] if replay is not None else states.captured)[:b]
         return logits[:b] if logits is not None else None
 
     @torch.inference_mode()
@@ -190,6 +186,7 @@ class DecodeGraphRunner:
         start = time.perf_counter()
         for size in reversed(self.sizes):
             self._graphs[size] = self._capture(size)
+            self._captured[size] = self.model.model.captured
         torch.cuda.synchronize()
         free_after = torch.cuda.mem_get_info(self.buffers.input_ids.device)[0]
         log.info(
@@ -217,6 +214,16 @@ class DecodeGraphRunner:
         b = self.buffers
         hidden = self.model(b.input_ids[:size], b.positions[:size], b.meta(size), self.kv_caches, b.lora_rows(size))
         return self.model.compute_logits(hidden, None if self.logits is None else self.logits[:size])
+
+
+def load_lora(buffers: LoraBatch, lora: LoraBatch | None) -> None:
+    """A graph's static LoRA rows take the step's; a step with none leaves every slot without rows."""
+    if lora is None:
+        buffers.group_ends.zero_()
+        return
+    n = lora.tokens.shape[0]
+    buffers.tokens[:n].copy_(lora.tokens, non_blocking=True)
+    buffers.group_ends.copy_(lora.group_ends, non_blocking=True)
 
 
 def describe_sizes(sizes: list[int]) -> str:

@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 
 from producer_client.schema import SamplingParams
+from worker.engine.counts import engine_stats
 from worker.engine.grammar.compiler import GrammarCompiler
 from worker.engine.grammar.constraint import Constraint
+from worker.engine.grammar.draft_masks import DraftMasks
 from worker.engine.grammar.masks import GrammarMasks
 from worker.engine.grammar_starts import GrammarStarts
 from worker.engine.intake import RequestIntake
@@ -38,6 +40,7 @@ from worker.engine.runner import ModelRunner
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import Scheduler
 from worker.engine.settings import EngineSettings
+from worker.engine.speculative.factory import build_speculator, load_speculative_model, speculative_bytes_per_page
 from worker.engine.startup import log_limits, warm_up_kernels
 from worker.engine.stepper import Stepper
 from worker.model.config import Qwen3Config
@@ -71,7 +74,9 @@ class Engine(OfflineGeneration):
         ring = ranks.ring if ranks is not None else None
         # Before the KV pool is sized: the adapters' slots take their memory first.
         self.lora = LoraManager.attach(model, settings, device, ring) if settings.serves_lora else None
-        memory = prepare_rank(model, config, settings, device, self.max_model_len)
+        draft = load_speculative_model(settings, model, device)
+        draft_bytes = speculative_bytes_per_page(draft, settings, device)
+        memory = prepare_rank(model, config, settings, device, self.max_model_len, draft_bytes)
         num_pages = memory.num_pages
         self._build_kv_pool(num_pages)
         self.runner = ModelRunner(
@@ -82,10 +87,12 @@ class Engine(OfflineGeneration):
             self.scheduler.page_table,
             memory.decode_graphs,
             ring,
+            memory.verify_graphs,
         )
         self.sampler = Sampler(self.eos_token_ids)
         self.reader = StepReader(self.scheduler, self.eos_token_ids, self.max_model_len, self.vocab_size)
         self._build_grammars()
+        self.speculator = build_speculator(settings, self.max_model_len, draft, model, self.scheduler, self.draft_masks)
         self._build_request_path()
         self._generate_ids = itertools.count()
         graphs = self.runner.decode_graphs is not None
@@ -101,7 +108,7 @@ class Engine(OfflineGeneration):
         )
 
     def _build_grammars(self) -> None:
-        """The structured outputs' compiler and masks."""
+        """The structured outputs' compiler and masks, with a verify step's rows of them."""
         # A mask covers the tokenizer's vocabulary, whose size the model's may fall short of (test models).
         mask_vocab = max(self.vocab_size, self.tokenizer.vocab_size)
         s = self.settings
@@ -109,6 +116,7 @@ class Engine(OfflineGeneration):
             self.tokenizer, mask_vocab, self.vocab_size, self.eos_token_ids, s.grammar_cache_size
         )
         self.masks = GrammarMasks(mask_vocab, self.eos_token_ids, s.max_running)
+        self.draft_masks = DraftMasks(self.masks)  # a draft's rows of the masks (speculative decoding)
 
     def _build_request_path(self) -> None:
         """A request's way in (its checks, its adapter, its grammar) and its steps through the parts built before."""
@@ -124,6 +132,8 @@ class Engine(OfflineGeneration):
             self.lora,
             self.ranks,
             overlap_enabled(self.settings, self.device),
+            self.speculator,
+            self.draft_masks,
         )
 
     @property
@@ -184,11 +194,14 @@ class Engine(OfflineGeneration):
         grammar library's view of the vocabulary is not: a worker that serves no structured output
         never needs it, and its build (a second and a half of CPU for Qwen3's vocabulary, holding
         the GIL) would hold up the warm-up; the first structured request has it built on the
-        compile thread (worker/engine/grammar/compiler.py)."""
+        compile thread (worker/engine/grammar/compiler.py). A speculative proposer drafts after them
+        (a draft model or an EAGLE-3 head runs its own kernels)."""
         with logged_step(log, "warming up: the model and the sampler run once, to compile their kernels"):
             self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
             page_table = self.scheduler.page_table
-            warm_up_kernels(self.runner, self.sampler, self.masks, self.allocator, page_table, self.settings)
+            warm_up_kernels(
+                self.runner, self.sampler, self.masks, self.allocator, page_table, self.settings, self.speculator
+            )
 
     # -- the loop interface ------------------------------------------------------------
 
@@ -281,19 +294,7 @@ class Engine(OfflineGeneration):
             self.ranks.check()
 
     def stats(self) -> EngineStats:
-        grammars, counts = self.grammars.stats, self.stepper.counts
-        return EngineStats(
-            counts.steps,
-            counts.computed_tokens,
-            counts.computed_prompt_tokens,
-            self.scheduler.num_preemptions,
-            self.cache.queried_tokens,
-            self.cache.hit_tokens,
-            grammars.cache_hits,
-            grammars.compiles,
-            grammars.compile_seconds,
-            *((self.lora.loader.reads, self.lora.slots.installs) if self.lora is not None else ()),
-        )
+        return engine_stats(self.stepper.counts, self.scheduler, self.cache, self.grammars, self.speculator, self.lora)
 
 
 def overlap_enabled(settings: EngineSettings, device: torch.device) -> bool:

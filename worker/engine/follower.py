@@ -75,7 +75,12 @@ def start_rank(spec: RankSpec) -> tuple[ModelRunner, LoraFollower | None]:
     loaded.model.warm_up_experts(settings.max_num_batched_tokens)
     warm_up_lora(loaded.model, settings.max_num_batched_tokens)
     runner = ModelRunner(
-        loaded.model, memory.kv_caches, settings.page_size, spec.device, decode_graphs=memory.decode_graphs
+        loaded.model,
+        memory.kv_caches,
+        settings.page_size,
+        spec.device,
+        decode_graphs=memory.decode_graphs,
+        verify_graphs=memory.verify_graphs,
     )
     return runner, lora
 

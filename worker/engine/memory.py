@@ -59,18 +59,21 @@ def kv_cache_pages(
     device: torch.device,
     settings: EngineSettings,
     profile: Callable[[], int],
+    draft_bytes_per_page: int = 0,
 ) -> int:
     """The pool's size in pages. `profile` measures the activations' peak in bytes; it runs
-    only when the pool is sized from GPU memory."""
+    only when the pool is sized from GPU memory. A page also holds `draft_bytes_per_page` of a
+    speculative draft's KV (worker/engine/speculative/draft_model.py)."""
+    page_bytes = shape.bytes_per_page + draft_bytes_per_page
     if settings.num_pages is not None:
         pages, source = settings.num_pages, "num_pages"
     elif device.type != "cuda":
-        pages = pages_in_budget(settings.kv_cache_mib * 2**20, shape.bytes_per_page)
+        pages = pages_in_budget(settings.kv_cache_mib * 2**20, page_bytes)
         source = f"kv_cache_mib {settings.kv_cache_mib}"
     else:
         free = torch.cuda.mem_get_info(device)[0]
         peak = profile()
-        pages = pages_in_budget(kv_budget_bytes(free, settings.gpu_memory_utilization, peak), shape.bytes_per_page)
+        pages = pages_in_budget(kv_budget_bytes(free, settings.gpu_memory_utilization, peak), page_bytes)
         source = (
             f"gpu_memory_utilization {settings.gpu_memory_utilization} of {free / 2**30:.2f} GiB free after "
             f"the weights, less an activation peak of {peak / 2**30:.2f} GiB"
@@ -80,7 +83,7 @@ def kv_cache_pages(
         pages,
         shape.page_size,
         pages * shape.page_size,
-        pages * shape.bytes_per_page / 2**20,
+        pages * page_bytes / 2**20,
         shape.dtype,
         device,
         source,
@@ -90,20 +93,24 @@ def kv_cache_pages(
 
 def profile_batch(settings: EngineSettings, vocab_size: int) -> tuple[list[Request], list[ScheduledChunk]]:
     """The largest step: max_num_batched_tokens prompt tokens over min(max_running, that)
-    sequences as even as they split, each prefilled whole and sampling with PROFILE_PARAMS.
-    Sequence i owns the pages that follow sequence i-1's, from page 0."""
+    sequences as even as they split, each prefilled whole and sampling with PROFILE_PARAMS, at
+    its last k + 1 tokens under speculative decoding (a verify step samples at every token).
+    Sequence i owns the pages that follow sequence i-1's, from page 0. The requests: one per
+    sampled row."""
     num_tokens = settings.max_num_batched_tokens
     num_seqs = min(settings.max_running, num_tokens)
-    requests, chunks, next_page = [], [], 0
+    verified = settings.num_speculative_tokens if settings.speculative_method is not None else 0
+    rows, chunks, next_page = [], [], 0
     for i in range(num_seqs):
         length = num_tokens // num_seqs + (i < num_tokens % num_seqs)
         req = Request(f"profile-{i}", [(i + t) % vocab_size for t in range(length)], PROFILE_PARAMS, 0, i, None, None)
         pages = pages_for(length, settings.page_size)
         req.pages = list(range(next_page, next_page + pages))
         next_page += pages
-        requests.append(req)
-        chunks.append(ScheduledChunk(req, 0, length, True))
-    return requests, chunks
+        draft = req.token_ids[length - min(verified, length - 1) :] if length > 1 else []
+        chunks.append(ScheduledChunk(req, 0, length, True, draft))
+        rows += [req] * (1 + len(draft))
+    return rows, chunks
 
 
 @torch.inference_mode()
@@ -116,7 +123,7 @@ def profile_activation_peak(
 ) -> int:
     """Bytes the profile batch's step allocates at its peak beyond what was live before it (CUDA)."""
     requests, chunks = profile_batch(settings, vocab_size)
-    caches = allocate_kv_caches(shape, sum(len(r.pages) for r in requests), device)
+    caches = allocate_kv_caches(shape, sum(len(c.request.pages) for c in chunks), device)
     runner = ModelRunner(model, caches, settings.page_size, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -129,8 +136,9 @@ def profile_activation_peak(
     del caches, runner
     torch.cuda.empty_cache()  # what the pass cached must count as free for the pool
     log.info(
-        "profiled the largest step (%d tokens over %d sequences, all sampling): activations peak at %.0f MiB",
+        "profiled the largest step (%d tokens over %d sequences, %d rows sampling): activations peak at %.0f MiB",
         settings.max_num_batched_tokens,
+        len(chunks),
         len(requests),
         peak / 2**20,
     )

@@ -88,5 +88,8 @@ class EngineStats:
     grammar_cache_hits: int = 0  # structured outputs: requests whose grammar was compiled already
     grammar_compiles: int = 0  # grammars compiled (cache misses), failures included
     grammar_compile_seconds: float = 0.0  # the time those compiles took, on the compile thread
+    drafts: int = 0  # speculative decoding: drafts verified (a request's, in a step)
+    draft_tokens: int = 0  # the tokens they held
+    accepted_draft_tokens: int = 0  # of those, accepted as output
     adapter_reads: int = 0  # LoRA adapters read from disk
     adapter_installs: int = 0  # LoRA adapters installed in a device slot

@@ -42,6 +42,7 @@ import torch
 
 from worker.engine.request import Request
 from worker.engine.sampler import SampledTokens, has_penalties
+from worker.engine.speculative.verify import Verification
 from worker.engine.transfer import to_host
 
 
@@ -55,11 +56,15 @@ class LaunchedStep:
     draws: SampledTokens  # host copies, complete once `landed` has fired (None: already on the host)
     landed: torch.cuda.Event | None
     constrained: bool  # a request that sampled has a grammar: reading the step advances matchers
+    verification: Verification | None = None  # it verified drafts (worker/engine/speculative)
     read: bool = False  # the engine has turned its draws into outputs
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Whether the next step's sampling reads these tokens' values on the host (penalties)."""
+        """Whether the next step needs these tokens' values on the host: its sampling (penalties),
+        or its inputs, which depend on how many drafted tokens were accepted."""
+        if self.verification is not None:
+            return True
         return any(has_penalties(r.params) and not r.is_finished for r in self.requests)
 
     def wait(self) -> SampledTokens:
@@ -68,15 +73,21 @@ class LaunchedStep:
         return self.draws
 
 
-def launched(requests: list[Request], sampled: SampledTokens, constrained: bool) -> LaunchedStep:
-    """Starts the draws' copy to the host and gives each request a placeholder for its token (a
-    request that ended since its row was scheduled gets none: its draw is discarded)."""
+def launched(
+    requests: list[Request],
+    sampled: SampledTokens,
+    constrained: bool,
+    verification: Verification | None = None,
+) -> LaunchedStep:
+    """Starts the draws' copy to the host and gives each row a placeholder for its token in its
+    request (a request that ended since its row was scheduled gets none: its draw is discarded)."""
     draws, landed = copy_to_host(sampled)
-    indices = [len(req.token_ids) for req in requests]
+    indices = []
     for row, req in enumerate(requests):
+        indices.append(len(req.token_ids))
         if not req.is_finished:
             req.token_ids.append(placeholder(row))
-    return LaunchedStep(requests, indices, sampled.token_ids, draws, landed, constrained)
+    return LaunchedStep(requests, indices, sampled.token_ids, draws, landed, constrained, verification)
 
 
 def placeholder(row: int) -> int:

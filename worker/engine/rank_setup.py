@@ -18,6 +18,7 @@ from worker.engine.cuda_graph import DecodeGraphRunner
 from worker.engine.kv_pool import KVCacheShape, allocate_kv_caches, kv_cache_dtype, pages_for
 from worker.engine.memory import kv_cache_pages, profile_activation_peak
 from worker.engine.settings import EngineSettings
+from worker.engine.verify_graphs import VerifyGraphRunner
 from worker.model.batch import KVCaches
 from worker.model.config import Qwen3Config
 from worker.model.kv_scales import use_fp8_kv_scales
@@ -40,6 +41,7 @@ class RankMemory(NamedTuple):
     num_pages: int
     kv_caches: KVCaches
     decode_graphs: DecodeGraphRunner | None  # captured on CUDA when settings.cuda_graphs
+    verify_graphs: VerifyGraphRunner | None  # the same, for speculative decoding's verify steps
 
 
 def kv_cache_shape(
@@ -73,7 +75,9 @@ def prepare_rank(
     settings: EngineSettings,
     device: torch.device,
     max_model_len: int,
+    draft_bytes_per_page: int = 0,
 ) -> RankMemory:
+    """`draft_bytes_per_page`: what each page holds of a speculative draft's KV (rank 0's)."""
     shape = kv_cache_shape(model, config, settings, device)
     if shape.dtype != model.model.norm.weight.dtype:
         use_fp8_cache(model, shape)
@@ -83,15 +87,21 @@ def prepare_rank(
         device,
         settings,
         lambda: profile_activation_peak(model, shape, settings, vocab, device),
+        draft_bytes_per_page,
     )
     num_pages = model.tp.min(pages)
     if num_pages < pages:
         log.info("KV cache: %d pages, as many as every rank of the tensor-parallel group holds", num_pages)
     kv_caches = allocate_kv_caches(shape, num_pages, device)
-    graphs = None
+    graphs = verify = None
     if settings.cuda_graphs and device.type == "cuda":
         # A page table row never needs more pages than max_model_len tokens fill, nor than the pool has.
         max_pages = min(pages_for(max_model_len, settings.page_size), num_pages)
         graphs = DecodeGraphRunner(model, kv_caches, settings.max_running, max_pages, device)
         graphs.capture()
-    return RankMemory(num_pages, kv_caches, graphs)
+        if settings.speculative_method is not None:
+            q = settings.num_speculative_tokens + 1  # a verify step's padding reads up to q keys past a sequence
+            verify_pages = pages_for(max_model_len + q, settings.page_size)
+            verify = VerifyGraphRunner(model, kv_caches, settings.max_running, verify_pages, q, device)
+            verify.capture()
+    return RankMemory(num_pages, kv_caches, graphs, verify)

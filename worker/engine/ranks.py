@@ -34,11 +34,10 @@ import torch.multiprocessing as mp
 
 from producer_client.errors import InvalidArgument
 from worker.engine.follower import follower_main
-from worker.engine.kv_pool import pages_for
 from worker.engine.rank_setup import resolve_max_model_len
 from worker.engine.rendezvous import RankSpec, connect_store, join_process_group, meet, rank_devices
 from worker.engine.settings import EngineSettings
-from worker.engine.step_ring import StepRing, message_bytes
+from worker.engine.step_ring import StepRing, ring_capacity
 from worker.model.config import Qwen3Config
 from worker.model.loader import LoadedModel, check_checkpoint, load_model
 from worker.model.parallel import TensorParallel, check_shapes
@@ -123,9 +122,7 @@ class RankGroup:
         devices = check_group(Qwen3Config.from_file(path / "config.json"), device, size)
         config = check_checkpoint(path, dtype)
         store = connect_store(0, 0, size)
-        max_pages = pages_for(resolve_max_model_len(settings, config), settings.page_size)
-        lora_slots = settings.max_loras if settings.serves_lora else 0
-        capacity = message_bytes(settings.max_num_batched_tokens, settings.max_running, max_pages, lora_slots)
+        capacity = ring_capacity(settings, resolve_max_model_len(settings, config))
         ring = StepRing(size - 1, capacity, settings.tensor_parallel_startup_timeout_s)
         threads = torch.get_num_threads()
         spec = RankSpec(

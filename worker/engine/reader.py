@@ -15,6 +15,7 @@ from worker.engine.overlap import LaunchedStep, drop_placeholders
 from worker.engine.request import Request, RequestStatus
 from worker.engine.sampler import SampledTokens, skip_draws
 from worker.engine.scheduler import Scheduler
+from worker.engine.speculative.verify import Verification
 
 log = logging.getLogger(__name__)
 
@@ -30,25 +31,62 @@ class StepReader:
     def read(self, step: LaunchedStep, sampled: SampledTokens) -> list[RequestOutput]:
         """The step's tokens, in order, each in place of its placeholder. A request whose logits
         were not finite fails instead, without the token drawn from them."""
+        if step.verification is not None:
+            return self._read_verified(step, sampled, step.verification)
         outputs = []
         rows = zip(step.requests, step.indices, sampled.token_ids, sampled.logprobs, sampled.finite)
         for req, index, token, lp, finite in rows:
             if req.status is RequestStatus.FINISHED:
                 continue  # it ended while this token was in flight: the token is discarded
-            if finite:
-                outputs.append(self._take_token(req, index, token, lp))
-            else:
-                del req.token_ids[index:]
-                outputs.append(
-                    self._fail(
-                        req,
-                        NonFiniteLogits(
-                            f"request {req.request_id}: non-finite logits (a NaN or an infinity) at output token "
-                            f"{req.num_output_tokens + 1}"
-                        ),
-                    )
-                )
+            outputs.append(self._take_row(req, index, token, lp, finite))
         return outputs
+
+    def _read_verified(
+        self, step: LaunchedStep, sampled: SampledTokens, verification: Verification
+    ) -> list[RequestOutput]:
+        """A verify step's rows: a request's row i counts once rows 0..i-1 drew its draft's first
+        i tokens, and then that draft token's KV is the request's too (speculative/verify.py). A
+        request's tokens come in one output."""
+        outputs: list[RequestOutput] = []
+        rejected: set[Request] = set()  # requests whose draft was cut at an earlier row
+        rows = zip(
+            step.requests,
+            step.indices,
+            sampled.token_ids,
+            sampled.logprobs,
+            sampled.finite,
+            verification.offsets,
+            verification.expected,
+        )
+        for req, index, token, lp, finite, offset, expected in rows:
+            if req.status is RequestStatus.FINISHED or req in rejected:
+                continue
+            if offset > 0:
+                self.scheduler.accept_draft_token(req)
+                verification.num_accepted += 1
+                if req.grammar is not None:
+                    req.grammar.advance()  # the drafted token just taken: whether it completed the output
+            output = self._take_row(req, index, token, lp, finite)
+            if outputs and outputs[-1].request_id == req.request_id:
+                merge_into(outputs[-1], output)
+            else:
+                outputs.append(output)
+            if not req.is_finished and token != expected:
+                rejected.add(req)
+                del req.token_ids[index + 1 :]  # the placeholders of the rows that no longer count
+        return outputs
+
+    def _take_row(self, req: Request, index: int, token: int, lp: SampledLogprob | None, finite: bool) -> RequestOutput:
+        if finite:
+            return self._take_token(req, index, token, lp)
+        del req.token_ids[index:]
+        return self._fail(
+            req,
+            NonFiniteLogits(
+                f"request {req.request_id}: non-finite logits (a NaN or an infinity) at output token "
+                f"{req.num_output_tokens + 1}"
+            ),
+        )
 
     def replay(self, req: Request, resume_token_ids: list[int]) -> None:
         """Brings a new request to where it stood after producing `resume_token_ids`."""
@@ -161,3 +199,17 @@ class StepReader:
             if req.grammar.complete:
                 return "stop"
         return "length"
+
+
+def merge_into(first: RequestOutput, then: RequestOutput) -> None:
+    """`then`, the same request's next output of the step, appended to `first`."""
+    first.new_token_ids += then.new_token_ids
+    first.text_delta += then.text_delta
+    if then.logprobs is not None:
+        first.logprobs = (first.logprobs or []) + then.logprobs
+    first.finished, first.finish_reason, first.usage, first.error = (
+        then.finished,
+        then.finish_reason,
+        then.usage,
+        then.error,
+    )

@@ -237,6 +237,10 @@ class PenaltyState:
         for c, row in zip(counts, rows):
             c.in_output.index_add_(0, tokens[row : row + 1], one)
 
+    def forget(self, req: Request) -> None:
+        """Drops the request's counts: they are rebuilt from its tokens when it next samples."""
+        self._counts.pop(req, None)
+
     def _counts_of(self, req: Request, vocab: int, device: torch.device) -> TokenCounts:
         counts = self._counts.get(req)
         if counts is None:

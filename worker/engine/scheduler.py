@@ -37,18 +37,32 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """The model extends `request.token_ids[start : start + num_tokens]` this step."""
+    """The model extends `request.token_ids[start : start + num_tokens]` this step; a decode
+    with a draft (speculative decoding) extends its last token and then the draft's tokens,
+    and samples at each of them (worker/engine/speculative)."""
 
     request: Request
     start: int
     num_tokens: int
     samples: bool  # the chunk reaches the end of the sequence, so it yields the next token
+    draft: list[int] = field(default_factory=list)  # drafted tokens after the last one, to verify
+
+    @property
+    def input_ids(self) -> list[int]:
+        own = self.request.token_ids[self.start : self.start + self.num_tokens - len(self.draft)]
+        return own + self.draft if self.draft else own
+
+    @property
+    def num_sampled(self) -> int:
+        """The rows of logits the chunk yields: one per token verified, none before its end."""
+        return (1 + len(self.draft)) if self.samples else 0
 
 
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)  # ended with an error while scheduling
+    budget: int = 0  # tokens the step could still take (drafts take from it)
 
 
 class Scheduler:
@@ -108,6 +122,7 @@ class Scheduler:
             ScheduledChunk(r, r.num_computed_tokens, n, r.num_computed_tokens + n == len(r.token_ids))
             for r, n in planned.items()
         ]
+        out.budget = budget
         return out
 
     def _plan_growth(
@@ -129,11 +144,27 @@ class Scheduler:
         return budget, preempted or bool(victims)
 
     def commit(self, chunks: list[ScheduledChunk]) -> None:
-        """Records that the model computed the chunks' KV."""
+        """Records that the model computed the chunks' KV. A drafted token's KV counts only once
+        the token is accepted (`accept_draft_token`): a rejected one's slot is written over later."""
         for c in chunks:
-            c.request.num_computed_tokens += c.num_tokens
-            if c.num_tokens > 1:  # prefill progress: share its full pages as soon as they exist
+            c.request.num_computed_tokens += c.num_tokens - len(c.draft)
+            if c.num_tokens > 1 and not c.draft:  # prefill progress: share its full pages as soon as they exist
                 self._cache_computed_pages(c.request)
+
+    def accept_draft_token(self, req: Request) -> None:
+        """A drafted token verified this step became the request's: its KV is the request's too."""
+        req.num_computed_tokens += 1
+
+    def reserve_draft(self, req: Request, num_tokens: int) -> int:
+        """Pages for up to `num_tokens` drafted tokens after the request's next one, from free
+        pages alone: a draft never evicts cached prefixes nor preempts anyone. Returns how many
+        of them fit."""
+        have = len(req.pages) * self.page_size - req.num_computed_tokens - 1  # slots past the next token
+        if have < num_tokens:
+            grant = min(pages_for(num_tokens - have, self.page_size), self.allocator.num_free)
+            req.pages.extend(self.allocator.allocate(grant))
+            have += grant * self.page_size
+        return max(0, min(num_tokens, have))
 
     def finish(self, req: Request) -> None:
         """Takes a finished request out of the scheduler and returns its pages. It may be

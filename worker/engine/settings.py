@@ -93,6 +93,20 @@ class EngineSettings(BaseModel):
         16, ge=1, le=512, description="the largest LoRA rank served; each slot holds this rank in every projection"
     )
 
+    speculative_method: Literal["ngram", "draft", "eagle3"] | None = Field(
+        None,
+        description="speculative decoding, lossless: drafts from n-gram lookup in each job's own tokens (ngram), a "
+        "smaller model (draft) or an EAGLE-3 head (eagle3), verified in one step; unset: off",
+    )
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=16, description="speculative decoding: the most tokens drafted per job and step"
+    )
+    speculative_model: str | None = Field(
+        None,
+        description="speculative decoding: the draft model (draft) or the EAGLE-3 head (eagle3), a checkpoint "
+        "directory or a preset",
+    )
+
     @field_validator("lora_modules", mode="before")
     @classmethod
     def _named_paths(cls, value):
@@ -122,6 +136,15 @@ class EngineSettings(BaseModel):
     @property
     def host_loras(self) -> int:
         return self.max_cpu_loras or self.max_loras
+
+    @model_validator(mode="after")
+    def _speculative_model_when_needed(self) -> EngineSettings:
+        needs_model = self.speculative_method in ("draft", "eagle3")
+        if needs_model and self.speculative_model is None:
+            raise InvalidArgument("speculative_model", f"speculative_method {self.speculative_method} needs one")
+        if not needs_model and self.speculative_model is not None:
+            raise InvalidArgument("speculative_model", "only speculative_method draft or eagle3 takes one")
+        return self
 
     @model_validator(mode="after")
     def _decodes_fit_one_step(self) -> EngineSettings:

@@ -17,6 +17,7 @@ from worker.engine.runner import ModelRunner
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledChunk
 from worker.engine.settings import EngineSettings
+from worker.engine.speculative.speculator import Speculator
 from worker.model.lora import warm_up_lora
 
 log = logging.getLogger(__name__)
@@ -29,17 +30,24 @@ def warm_up_kernels(
     allocator: PageAllocator,
     page_table: PageTable,
     settings: EngineSettings,
+    speculator: Speculator | None,
 ) -> None:
     """Runs a two-token prompt and one decode step through the model and the sampler, on pages
-    borrowed from the pool and outside the scheduler (Engine.warm_up says why this is enough),
-    then a mixture of experts' experts and the LoRA adapters' kernels (if the model serves any)
-    at each size a step can pick."""
+    borrowed from the pool and outside the scheduler (Engine.warm_up says why this is enough), a
+    speculative proposer's draft after them, then a mixture of experts' experts and the LoRA
+    adapters' kernels (if the model serves any) at each size a step can pick."""
     req = Request("warm-up", [0, 1], SamplingParams(temperature=0, max_tokens=2), 0, 0, None, None)
-    req.pages = allocator.allocate(pages_for(3, settings.page_size))  # the prompt and one decode
+    k = settings.num_speculative_tokens if speculator is not None else 0
+    req.pages = allocator.allocate(pages_for(3 + k, settings.page_size))  # prompt, a decode, a draft
     try:
         for chunk in (ScheduledChunk(req, 0, 2, True), ScheduledChunk(req, 2, 1, True)):
             sampled = sampler(runner.run([chunk]), [req], lambda logits: allow_everything(logits, masks))
             req.token_ids.append(sampled.token_ids[0])
+            req.num_computed_tokens += chunk.num_tokens
+            if speculator is not None:
+                speculator.observe([chunk])
+        if speculator is not None:
+            speculator.proposer.propose([req], [k])
     finally:
         allocator.decref(req.pages)
         page_table.release(req)

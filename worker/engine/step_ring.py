@@ -25,14 +25,19 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.multiprocessing as mp
 
 from worker.engine.host_step import HostStep
+from worker.engine.kv_pool import pages_for
 from worker.engine.lora.rows import LoraRows
 from worker.model.rank_failed import RankFailed
+
+if TYPE_CHECKING:
+    from worker.engine.settings import EngineSettings
 
 SLOTS = 2  # overlapped, rank 0 writes step N+1 while the others may still be reading step N
 HEADER = 10  # int64 words
@@ -79,13 +84,25 @@ MAX_ADAPTER_MESSAGE = 8192  # bytes of an adapter message's JSON (its name and p
 
 def message_bytes(tokens: int, rows: int, width: int, lora_slots: int = 0) -> int:
     """The largest message a step of up to `tokens` tokens over up to `rows` sequences, page
-    tables up to `width` wide, rows on `lora_slots` adapter slots, can take: what a slot must hold."""
-    sizes = lengths(tokens, rows, width, rows)
+    tables up to `width` wide, rows on `lora_slots` adapter slots, can take: what a slot must hold.
+    Every token may sample (a step that verifies drafted tokens samples at each)."""
+    sizes = lengths(tokens, rows, width, tokens)
     step = sum(aligned(sizes[name] * np.dtype(dtype).itemsize) for name, dtype in ARRAYS)
     if not lora_slots:
         return 8 * HEADER + step
     lora = aligned(8 * tokens) + aligned(4 * lora_slots)
     return 8 * HEADER + max(step + lora, MAX_ADAPTER_MESSAGE)
+
+
+def ring_capacity(settings: EngineSettings, max_model_len: int) -> int:
+    """The slot size the engine's largest step needs. A verify step laid out for its CUDA graphs
+    (worker/engine/verify_graphs.py) gives every running request k + 1 tokens, padding included,
+    whatever the step's token budget, and its page table reaches k + 1 positions past a sequence."""
+    q = settings.num_speculative_tokens + 1 if settings.speculative_method is not None else 1
+    tokens = max(settings.max_num_batched_tokens, settings.max_running * q)
+    width = pages_for(max_model_len - 1 + q, settings.page_size)  # a sequence's last position, then q - 1 more
+    lora_slots = settings.max_loras if settings.serves_lora else 0
+    return message_bytes(tokens, settings.max_running, width, lora_slots)
 
 
 def aligned(nbytes: int) -> int:

@@ -2,13 +2,16 @@
 go into device slots, the scheduler picks chunks, the runner extends their KV and returns logits,
 the sampler picks tokens (masked by grammars) and the reader turns them into deltas. Overlapped, a
 step is launched before the previous one is read, so that the host prepares one step while the
-device runs the other (worker.engine.overlap)."""
+device runs the other (worker.engine.overlap). With speculative decoding, a step the adaptive rule
+lets speculate gives its decodes drafts, verified in the same step (worker.engine.speculative)."""
 
 from __future__ import annotations
 
 import functools
+import time
 
 from worker.engine.counts import StepCounts
+from worker.engine.grammar.draft_masks import DraftMasks
 from worker.engine.grammar.masks import GrammarMasks
 from worker.engine.grammar_starts import GrammarStarts
 from worker.engine.lora.manager import LoraManager
@@ -19,6 +22,8 @@ from worker.engine.reader import StepReader
 from worker.engine.runner import ModelRunner
 from worker.engine.sampler import Sampler
 from worker.engine.scheduler import ScheduledChunk, Scheduler
+from worker.engine.speculative.speculator import Speculator
+from worker.engine.speculative.verify import sampling_rows
 from worker.model.rank_failed import RankFailed
 
 
@@ -34,6 +39,8 @@ class Stepper:
         lora: LoraManager | None,
         ranks: RankGroup | None,
         overlap: bool,
+        speculator: Speculator | None,
+        draft_masks: DraftMasks,
     ):
         self.scheduler = scheduler
         self.runner = runner
@@ -44,22 +51,29 @@ class Stepper:
         self.lora = lora
         self.ranks = ranks
         self.overlap = overlap
+        self.speculator = speculator  # drafts decodes and settles their verify steps (None: no speculation)
+        self.draft_masks = draft_masks  # a verify step's rows of the grammars' masks
         self.in_flight: LaunchedStep | None = None  # overlapped: the step the device may still be running
         self.ended: list[RequestOutput] = []  # finals of requests that ended between steps (aborts)
         self.counts = StepCounts()
 
     def step(self) -> list[RequestOutput]:
         """Engine.step, once the ranks are checked."""
+        started = time.perf_counter()
         outputs, self.ended = self.ended, []
         if self.grammar_starts.compiling:
             self.grammar_starts.start_compiled(outputs)
-        if self.in_flight is not None and self.in_flight.needs_host_tokens:
-            outputs.extend(self._read(self._take_in_flight()))
+        batch = len(self.scheduler.running)
+        speculating = self.speculator is not None and self.speculator.adaptive.speculate(batch)
+        if self.in_flight is not None and (self.in_flight.needs_host_tokens or speculating):
+            outputs.extend(self._read(self._take_in_flight()))  # a draft follows the tokens read
         if self.lora is not None:
             self._place_adapters(self.lora, outputs)
         scheduled = self.scheduler.schedule()
         for req in scheduled.failed:
             outputs.append(self.reader.end(req, req.text.finish(), []))
+        if speculating:
+            self.speculator.draft(scheduled, self.scheduler)
         previous = self._take_in_flight()
         try:
             self.in_flight = self._launch(scheduled.chunks, previous, outputs) if scheduled.chunks else None
@@ -73,6 +87,8 @@ class Stepper:
             self.grammar_starts.wait_a_little()
         if not self.overlap and self.in_flight is not None:
             outputs.extend(self._read(self._take_in_flight()))
+        if self.speculator is not None:
+            self.speculator.measure(batch, speculating, scheduled.chunks, outputs, time.perf_counter() - started)
         return outputs
 
     def _place_adapters(self, lora: LoraManager, outputs: list[RequestOutput]) -> None:
@@ -93,25 +109,29 @@ class Stepper:
         that samples has a grammar, the previous step is read (into `outputs`) between the two:
         its tokens advance the matchers whose masks this sampling needs (overlap.py)."""
         self.counts.count(chunks)
-        sampling = [c.request for c in chunks if c.samples]
+        rows = sampling_rows(chunks)
         try:
             if self.ranks is not None:
                 self.ranks.start_serving()  # the warm-up's steps were start-up's, this one is served
             logits = self.runner.run(chunks, previous.device_tokens if previous is not None else None)
         except RankFailed as e:
             raise self.ranks.explain(e) if self.ranks is not None else e from None
+        if self.speculator is not None:
+            self.speculator.observe(chunks)
         self.scheduler.commit(chunks)
-        if not sampling:
+        if not rows.requests:
             return None
-        constrained = any(r.grammar is not None for r in sampling)
+        constrained = any(r.grammar is not None for r in rows.requests)
         mask = None
         if constrained:
             if previous is not None and not previous.read:
                 outputs.extend(self._read(previous))
-            batch_mask = self.masks.batch_mask(sampling)
+            batch_mask = self.draft_masks.add_rows(self.masks.batch_mask(rows.views), rows.views)
             if batch_mask is not None:
                 mask = functools.partial(self.masks.apply, mask=batch_mask)
-        return launched(sampling, self.sampler.sample(logits, sampling, mask), constrained)
+        sampled = self.sampler.sample(logits, rows.views, mask)
+        self.draft_masks.release()
+        return launched(rows.requests, sampled, constrained, rows.verification)
 
     def _take_in_flight(self) -> LaunchedStep | None:
         step, self.in_flight = self.in_flight, None
@@ -122,6 +142,8 @@ class Stepper:
         if step.constrained:
             self.masks.settle()  # no fill may touch a matcher while the reader advances it
         outputs = self.reader.read(step, self.sampler.read(step.wait(), step.requests))
+        if step.verification is not None:
+            self.speculator.settle(step.verification, self.sampler.penalties, self.reader.vocab_size)
         if step.constrained:
             self.masks.prefill(step.requests)  # the rows of their next step, while the loop goes on
         return outputs

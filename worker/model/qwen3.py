@@ -184,6 +184,10 @@ class Qwen3Model(nn.Module):
         # fp32 whatever the weights' dtype, like transformers' rotary embedding; not a checkpoint tensor.
         cos_sin = rope_table(config.head_dim, config.rope_theta, config.context_length, config.rope_scaling)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
+        # An EAGLE-3 head reads the residual stream at the input of these layers (len(layers): the
+        # last one's output), concatenated in this order: `captured` after each forward.
+        self.capture_inputs: tuple[int, ...] = ()
+        self.captured: torch.Tensor | None = None
 
     def forward(
         self,
@@ -195,9 +199,15 @@ class Qwen3Model(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        states = {}
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i in self.capture_inputs:
+                states[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, meta, kv_cache, self.cos_sin, lora)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, stream = self.norm(hidden, residual)
+        if self.capture_inputs:
+            states[len(self.layers)] = stream
+            self.captured = torch.cat([states[i] for i in self.capture_inputs], dim=-1)
         return hidden
 
 

@@ -7,7 +7,7 @@ import importlib
 
 from scripts.acceptance.step import Stage
 
-ORDER = ("kernels", "engine", "bench", "serve", "moe", "structured", "tp", "long_context", "fp8", "lora")
+ORDER = ("kernels", "engine", "bench", "serve", "moe", "structured", "tp", "long_context", "fp8", "speculative", "lora")
 
 
 def stages() -> dict[str, Stage]:

@@ -61,7 +61,12 @@ class GrammarMasks:
         """Starts advancing the requests' matchers past the tokens just read, and filling their
         rows for the next step, on the mask thread."""
         self.settle()
-        grammars = [r.grammar for r in requests if r.grammar is not None and r.grammar.started and not r.is_finished]
+        # A request that verified a draft has a row per token: its grammar is filled once.
+        grammars = list(
+            dict.fromkeys(
+                r.grammar for r in requests if r.grammar is not None and r.grammar.started and not r.is_finished
+            )
+        )
         if not grammars:
             return
         for g in grammars:
@@ -109,6 +114,23 @@ class GrammarMasks:
         torch.index_select(self.table, 0, slots, out=staged)
         rows = staged.to(device, non_blocking=True)
         apply_token_bitmask(logits, rows, logit_rows, torch.arange(len(mask.slots), device=device))
+
+    def spare_slot(self) -> int:
+        """A row of the table for a caller's own fill, given back with `return_slot`."""
+        if not self._free:
+            self._grow()
+        return self._free.pop()
+
+    def return_slot(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def allows(self, slot: int, token: int) -> bool:
+        """Whether the row at `slot` allows `token`."""
+        return bool((int(self._words[slot][token >> 5]) >> (token & 31)) & 1)
+
+    def fill(self, grammars: list[RequestGrammar]) -> None:
+        """Fills the grammars' rows for their matchers' present state, on the caller's thread."""
+        self._fill(grammars)
 
     def shutdown(self) -> None:
         if self._thread is not None:
