@@ -1,7 +1,8 @@
 """What the queues hold right now, for operators (`mili jobs`, `mili workers`, the board), read from
 the keys protocol v1 already has, without a scan of the keyspace:
 
-- waiting jobs: the queue's entries past the consumer group's last-delivered id;
+- waiting jobs: the entries past the consumer group's last-delivered id of every stream of the
+  queue's jobs (producer_client.protocol.backlog: its own, its lanes', its workers');
 - running jobs: the group's pending entries list (each entry's job, worker, deliveries, idle time);
 - dead jobs: the dead-letter stream (producer_client.dead_letters);
 - queues: the queue index `mili:queues`; workers: each queue's worker index and heartbeats.
@@ -23,10 +24,10 @@ from pydantic import BaseModel
 
 from producer_client.dead_letters import DeadLetterNotFound
 from producer_client.dead_letters import find as find_letter
-from producer_client.keys import GROUP, Keys
+from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
+from producer_client.protocol.backlog import QueueStream, read_queue_streams, read_streams
 from producer_client.protocol.clock import entry_age_s, epoch_ms
 from producer_client.schema import JobStatus, WorkerInfo
-from producer_client.status_reads import queue_stats
 from producer_client.steps import Steps, checked
 from producer_client.validation import check_limit
 
@@ -39,7 +40,10 @@ class WaitingJob(BaseModel):
     job_id: str
     entry_id: str
     waited_s: float  # since its enqueue
-    fields: dict[str, str]  # the entry: id, v, body
+    lane: str
+    tenant: str | None  # None: of no tenant
+    worker: str | None  # the worker it was placed on; None: in the queue's or a lane's stream
+    fields: dict[str, str]  # the entry: id, v, body (and a lane stream's or a placed entry's route)
 
 
 class RunningJob(BaseModel):
@@ -124,52 +128,74 @@ def queue_names(keys: Keys) -> Steps[list[str]]:
 
 
 def overview(keys: Keys, queue: str) -> Steps[QueueOverview]:
-    stream = keys.queue(queue)
+    """Over every stream of the queue's jobs (protocol.backlog)."""
+    _, streams = yield from read_queue_streams(keys, queue)
+    readings = yield from read_streams(streams)
+    unread = [r for r in readings if r.stats().waiting]
 
     def add(pipe) -> None:
         pipe.time()
-        pipe.xlen(stream)
         pipe.xlen(keys.dead(queue))
-        pipe.xinfo_groups(stream)
-        pipe.xinfo_stream(stream)
+        for r in readings:
+            pipe.xinfo_stream(r.stream.key)
+        for r in unread:
+            pipe.xrange(r.stream.key, r.unread_after(), "+", count=1)
 
-    now, depth, dead, groups, info = yield add
-    checked([now, depth, dead])
-    # XINFO fails on a stream that does not exist (no worker has served the queue yet).
-    groups, info = (groups, info) if _exists(groups) and _exists(info) else ([], None)
-    stats = queue_stats(queue, depth, groups, [], [])
-    after = _last_delivered(groups)
-    (oldest,) = checked((yield lambda pipe: pipe.xrange(stream, after, "+", count=1)))
+    now, dead, *replies = yield add
+    checked([now, dead, *replies[len(readings) :]])
+    infos = [info for info in replies[: len(readings)] if _exists(info)]  # XINFO fails on a missing stream
+    heads = [entries[0][0] for entries in replies[len(readings) :] if entries]
     now_ms = epoch_ms(now)
+    stats = [r.stats() for r in readings]
     return QueueOverview(
         queue=queue,
-        depth=depth,
-        pending=stats.pending,
-        waiting=stats.waiting,
+        depth=sum(s.depth for s in stats),
+        pending=sum(s.pending for s in stats),
+        waiting=sum(s.waiting for s in stats),
         dead=dead,
-        oldest_waiting_s=entry_age_s(oldest[0][0], now_ms) if oldest else None,
-        processed=None if info is None or "entries-added" not in info else info["entries-added"] - info["length"],
+        oldest_waiting_s=max(entry_age_s(entry_id, now_ms) for entry_id in heads) if heads else None,
+        processed=sum(info["entries-added"] - info["length"] for info in infos) if infos else None,
         at=now_ms / 1000,
     )
 
 
 def waiting(keys: Keys, queue: str, limit: int) -> Steps[list[WaitingJob]]:
-    stream = keys.queue(queue)
-    now, groups = yield lambda pipe: (pipe.time(), pipe.xinfo_groups(stream))
-    checked([now])
-    start = _last_delivered(groups if _exists(groups) else [])
-    (entries,) = checked((yield lambda pipe: pipe.xrange(stream, start, "+", count=limit)))
+    """The oldest `limit` jobs no worker has read, over every stream of the queue's jobs: the first
+    `limit` of each stream's unread entries, merged by age."""
+    _, streams = yield from read_queue_streams(keys, queue)
+    unread = [r for r in (yield from read_streams(streams)) if r.stats().waiting]
+    if not unread:
+        return []
+
+    def add(pipe) -> None:
+        pipe.time()
+        for r in unread:
+            pipe.xrange(r.stream.key, r.unread_after(), "+", count=limit)
+
+    now, *found = checked((yield add))
     now_ms = epoch_ms(now)
-    return [
-        WaitingJob(
-            queue=queue,
-            job_id=fields.get("id", ""),
-            entry_id=entry_id,
-            waited_s=entry_age_s(entry_id, now_ms),
-            fields=fields,
-        )
+    jobs = [
+        waiting_job(queue, r.stream, entry_id, fields, now_ms)
+        for r, entries in zip(unread, found)
         for entry_id, fields in entries
     ]
+    return sorted(jobs, key=lambda job: -job.waited_s)[:limit]
+
+
+def waiting_job(queue: str, stream: QueueStream, entry_id: str, fields: dict[str, str], now_ms: int) -> WaitingJob:
+    """A worker's stream names no lane: its entries carry their own (none: the default lane's)."""
+    lane = stream.lane if stream.worker is None else fields.get("lane", DEFAULT_LANE)
+    tenant = stream.tenant if stream.worker is None else fields.get("tenant", NO_TENANT)
+    return WaitingJob(
+        queue=queue,
+        job_id=fields.get("id", ""),
+        entry_id=entry_id,
+        waited_s=entry_age_s(entry_id, now_ms),
+        lane=lane,
+        tenant=None if tenant == NO_TENANT else tenant,
+        worker=stream.worker,
+        fields=fields,
+    )
 
 
 def running(keys: Keys, queue: str, limit: int) -> Steps[list[RunningJob]]:
@@ -276,12 +302,6 @@ def health(queue: str, name: str, age_s: float, heartbeat: dict[str, str], ttl_m
         heartbeat_age_s=max(0.0, age_s),
         info=WorkerInfo.model_validate(heartbeat),
     )
-
-
-def _last_delivered(groups: list[dict]) -> str:
-    """XRANGE's start for the entries no worker has read yet."""
-    group = next((g for g in groups if g["name"] == GROUP), None)
-    return "-" if group is None else "(" + group["last-delivered-id"]
 
 
 def _exists(reply: object) -> bool:

@@ -74,6 +74,44 @@ def test_the_overview_counts_depth_pending_waiting_dead_and_processed_entries(cl
     assert (overview.depth, overview.pending, overview.processed) == (2, 0, 2)
 
 
+def place(redis_client, queue: str, worker: str, job_id: str, **route: str) -> str:
+    """An entry on `worker`'s own stream, with the fields a placing producer writes (its lane and
+    tenant ride in them), the worker named in the queue's index, as its heartbeat names it."""
+    redis_client.zadd(KEYS.workers(queue), {worker: time.time()})
+    return redis_client.xadd(KEYS.own_queue(queue, worker), {"id": job_id, "v": "1", "body": "{}", **route})
+
+
+@pytest.mark.timing
+def test_every_view_counts_the_jobs_of_every_lanes_and_every_workers_stream(client, redis_client, queue):
+    plain = client.submit("plain", max_tokens=4)
+    time.sleep(0.01)
+    flex = settle(client, client.as_tenant("ta").submit("flex", max_tokens=4, service_tier="flex"))
+    time.sleep(0.01)
+    place(redis_client, queue, "w1", "placed-1", cost="9", lane="priority", tenant="tb")
+    time.sleep(0.01)
+    place(redis_client, queue, "w2", "placed-2", cost="9")
+    redis_client.xgroup_create(KEYS.own_queue(queue, "w2"), GROUP, id="0")
+    redis_client.xreadgroup(GROUP, "w2", {KEYS.own_queue(queue, "w2"): ">"}, count=1)  # w2 runs it
+    stats = settle(client, client.queue_stats())
+    assert (stats.depth, stats.pending, stats.waiting) == (4, 1, 3)
+    assert [(s.lane, s.tenant, s.worker, s.depth, s.pending, s.waiting) for s in stats.streams] == [
+        ("default", None, None, 1, 0, 1),
+        ("flex", "ta", None, 1, 0, 1),
+        (None, None, "w1", 1, 0, 1),
+        (None, None, "w2", 1, 1, 0),
+    ]
+    overview = settle(client, client.inspect.overview())
+    assert (overview.depth, overview.pending, overview.waiting, overview.processed) == (4, 1, 3, 0)
+    waiting = settle(client, client.inspect.waiting(10))
+    assert [(j.job_id, j.lane, j.tenant, j.worker) for j in waiting] == [
+        (plain, "default", None, None),
+        (flex, "flex", "ta", None),
+        ("placed-1", "priority", "tb", "w1"),
+    ]
+    assert overview.oldest_waiting_s == pytest.approx(waiting[0].waited_s, abs=0.5)
+    assert [j.job_id for j in settle(client, client.inspect.waiting(2))] == [plain, flex]
+
+
 def heartbeat(redis_client, queue: str, name: str, ttl_s: float) -> None:
     """One heartbeat of a worker named `name`, sent by the worker's own code."""
     fields = {
