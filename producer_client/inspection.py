@@ -26,7 +26,7 @@ from producer_client.dead_letters import DeadLetterNotFound
 from producer_client.dead_letters import find as find_letter
 from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
 from producer_client.protocol.backlog import QueueStream, read_queue_streams, read_streams
-from producer_client.protocol.clock import entry_age_s, epoch_ms
+from producer_client.protocol.clock import entry_age_s, entry_order, epoch_ms
 from producer_client.schema import JobStatus, WorkerInfo
 from producer_client.steps import Steps, checked
 from producer_client.validation import check_limit
@@ -54,6 +54,9 @@ class RunningJob(BaseModel):
     deliveries: int
     idle_s: float  # since its worker last refreshed it (every heartbeat) or took it
     tokens: int  # generated so far
+    lane: str
+    tenant: str | None  # None: of no tenant
+    placed_on: str | None  # the worker whose own stream holds the entry; None: the queue's or a lane's
 
 
 class JobEntry(BaseModel):
@@ -182,50 +185,60 @@ def waiting(keys: Keys, queue: str, limit: int) -> Steps[list[WaitingJob]]:
     return sorted(jobs, key=lambda job: -job.waited_s)[:limit]
 
 
-def waiting_job(queue: str, stream: QueueStream, entry_id: str, fields: dict[str, str], now_ms: int) -> WaitingJob:
-    """A worker's stream names no lane: its entries carry their own (none: the default lane's)."""
+def route_of(stream: QueueStream, fields: dict[str, str]) -> tuple[str, str | None]:
+    """An entry's lane and tenant (None: no tenant). A worker's stream names no lane: its entries
+    carry their own (none: the default lane's, of no tenant)."""
     lane = stream.lane if stream.worker is None else fields.get("lane", DEFAULT_LANE)
     tenant = stream.tenant if stream.worker is None else fields.get("tenant", NO_TENANT)
+    return lane, None if tenant == NO_TENANT else tenant
+
+
+def waiting_job(queue: str, stream: QueueStream, entry_id: str, fields: dict[str, str], now_ms: int) -> WaitingJob:
+    lane, tenant = route_of(stream, fields)
     return WaitingJob(
         queue=queue,
         job_id=fields.get("id", ""),
         entry_id=entry_id,
         waited_s=entry_age_s(entry_id, now_ms),
         lane=lane,
-        tenant=None if tenant == NO_TENANT else tenant,
+        tenant=tenant,
         worker=stream.worker,
         fields=fields,
     )
 
 
 def running(keys: Keys, queue: str, limit: int) -> Steps[list[RunningJob]]:
-    stream = keys.queue(queue)
-    (pending,) = yield lambda pipe: pipe.xpending_range(stream, GROUP, "-", "+", limit)
-    if not _exists(pending) or not pending:
+    """Up to `limit` entries workers hold, over every stream of the queue's jobs, oldest first: the
+    first `limit` of each stream's pending entries list, merged by entry id."""
+    _, streams = yield from read_queue_streams(keys, queue)
+    held = [r.stream for r in (yield from read_streams(streams)) if r.stats().pending]
+    if not held:
         return []
+    lists = checked((yield lambda pipe: [pipe.xpending_range(s.key, GROUP, "-", "+", limit) for s in held]))
+    pending = sorted(
+        ((s, p) for s, entries in zip(held, lists) for p in entries), key=lambda sp: entry_order(sp[1]["message_id"])
+    )[:limit]
 
     def add_entries(pipe) -> None:
-        for p in pending:
-            pipe.xrange(stream, p["message_id"], p["message_id"])
+        for s, p in pending:
+            pipe.xrange(s.key, p["message_id"], p["message_id"])
 
-    job_ids = [entries[0][1].get("id", "") if entries else "" for entries in checked((yield add_entries))]
-
-    def add_tokens(pipe) -> None:
-        for job_id in job_ids:
-            pipe.hget(keys.job(job_id), "tokens")
-
-    tokens = checked((yield add_tokens))
+    entries = [found[0][1] if found else {} for found in checked((yield add_entries))]
+    tokens = checked((yield lambda pipe: [pipe.hget(keys.job(fields.get("id", "")), "tokens") for fields in entries]))
     return [
         RunningJob(
             queue=queue,
-            job_id=job_id,
+            job_id=fields.get("id", ""),
             entry_id=p["message_id"],
             worker=p["consumer"],
             deliveries=p["times_delivered"],
             idle_s=p["time_since_delivered"] / 1000,
             tokens=int(t or 0),
+            lane=route_of(s, fields)[0],
+            tenant=route_of(s, fields)[1],
+            placed_on=s.worker,
         )
-        for p, job_id, t in zip(pending, job_ids, tokens)
+        for (s, p), fields, t in zip(pending, entries, tokens)
     ]
 
 

@@ -110,6 +110,10 @@ def test_every_view_counts_the_jobs_of_every_lanes_and_every_workers_stream(clie
     ]
     assert overview.oldest_waiting_s == pytest.approx(waiting[0].waited_s, abs=0.5)
     assert [j.job_id for j in settle(client, client.inspect.waiting(2))] == [plain, flex]
+    running = settle(client, client.inspect.running(10))
+    assert [(r.job_id, r.worker, r.lane, r.tenant, r.placed_on) for r in running] == [
+        ("placed-2", "w2", "default", None, "w2")
+    ]
 
 
 def heartbeat(redis_client, queue: str, name: str, ttl_s: float) -> None:
