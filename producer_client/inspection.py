@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from producer_client.dead_letters import DeadLetterNotFound
 from producer_client.dead_letters import find as find_letter
 from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
-from producer_client.protocol.backlog import QueueStream, read_queue_streams, read_streams
+from producer_client.protocol.backlog import QueueStream, entry_stream, read_queue_streams, read_streams
 from producer_client.protocol.clock import entry_age_s, entry_order, epoch_ms
 from producer_client.schema import JobStatus, WorkerInfo
 from producer_client.steps import Steps, checked
@@ -119,8 +119,8 @@ class QueueInspector:
         return self.run(self.client, worker_health(self.keys))
 
     def entry_of(self, status: JobStatus, queues: list[str]) -> Any:
-        """The job's entry, looked for in `queues`: a running job's by its id, a queued job's among
-        the first WAITING_SCAN entries of each, a poison job's among the dead letters. None for
+        """The job's entry, looked for in `queues`: a running job's by its reference (its stream and
+        id), a queued job's among the first WAITING_SCAN entries of each stream of each queue, a poison job's among the dead letters. None for
         any other job: its entry is deleted once it ends, and its body with it."""
         return self.run(self.client, entry_of(self.keys, status, queues))
 
@@ -243,24 +243,31 @@ def running(keys: Keys, queue: str, limit: int) -> Steps[list[RunningJob]]:
 
 
 def entry_of(keys: Keys, status: JobStatus, queues: list[str]) -> Steps[JobEntry | None]:
-    (entry_id,) = checked((yield lambda pipe: pipe.hget(keys.job(status.id), "entry")))
-    if entry_id:
+    (ref,) = checked((yield lambda pipe: pipe.hget(keys.job(status.id), "entry")))
+    if ref:
+        # The entry's reference names its stream: the queue's own, a lane's, or a worker's.
+        located = [(queue, *entry_stream(keys, queue, ref)) for queue in queues]
 
         def add_lookups(pipe) -> None:
-            for queue in queues:
-                pipe.xrange(keys.queue(queue), entry_id, entry_id)
+            for _, stream, entry_id in located:
+                pipe.xrange(stream, entry_id, entry_id)
 
-        for queue, entries in zip(queues, checked((yield add_lookups))):
+        for (queue, _, entry_id), entries in zip(located, checked((yield add_lookups))):
             if entries and entries[0][1].get("id") == status.id:
                 return JobEntry(queue=queue, entry_id=entry_id, place="running", fields=entries[0][1])
     if status.status == "queued":
-        # From the stream's head, not past the last-delivered id: a worker may have read the entry
-        # and not yet claimed the job.
-        def add_heads(pipe) -> None:
-            for queue in queues:
-                pipe.xrange(keys.queue(queue), "-", "+", count=WAITING_SCAN)
+        # From each stream's head, not past the last-delivered id: a worker may have read the entry
+        # and not yet claimed the job. Every stream of each queue's jobs (protocol.backlog).
+        heads = []
+        for queue in queues:
+            _, streams = yield from read_queue_streams(keys, queue)
+            heads += [(queue, s.key) for s in streams]
 
-        for queue, entries in zip(queues, checked((yield add_heads))):
+        def add_heads(pipe) -> None:
+            for _, stream in heads:
+                pipe.xrange(stream, "-", "+", count=WAITING_SCAN)
+
+        for (queue, _), entries in zip(heads, checked((yield add_heads))):
             for entry_id, fields in entries:
                 if fields.get("id") == status.id:
                     return JobEntry(queue=queue, entry_id=entry_id, place="waiting", fields=fields)

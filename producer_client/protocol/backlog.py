@@ -11,11 +11,31 @@ what runs."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
 from producer_client.schema import StreamStats
 from producer_client.steps import Steps, checked
+
+
+# How a worker names an entry it holds, and CLAIM records as the job's `entry` (worker/loop/streams.py):
+# `<entry id>` in the queue's own stream, `<entry id>@<owner>` in worker `owner`'s own stream,
+# `<entry id>#<lane>:<tenant>` in a lane's stream of a tenant. An entry id is digits and one dash, so
+# the first `@` or `#` ends it.
+OWNED, LANED = "@", "#"
+REFERENCE = re.compile(r"([^@#]*)([@#]?)(.*)", re.S)
+
+
+def entry_stream(keys: Keys, queue: str, ref: str) -> tuple[str, str]:
+    """The stream key and the entry id that the entry reference `ref` names in `queue`."""
+    entry_id, mark, rest = REFERENCE.fullmatch(ref).groups()
+    if mark == OWNED:
+        return keys.own_queue(queue, rest), entry_id
+    if mark == LANED:
+        lane, _, tenant = rest.partition(":")
+        return keys.lane_stream(queue, lane, tenant), entry_id
+    return keys.queue(queue), entry_id
 
 
 @dataclass(frozen=True)

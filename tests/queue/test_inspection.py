@@ -116,6 +116,23 @@ def test_every_view_counts_the_jobs_of_every_lanes_and_every_workers_stream(clie
     ]
 
 
+def test_a_lane_jobs_and_a_placed_jobs_entry_is_found_waiting_and_running(client, redis_client, queue):
+    job_id = settle(client, client.as_tenant("ta").submit("flex", max_tokens=4, service_tier="flex"))
+    lane_stream = KEYS.lane_stream(queue, "flex", "ta")
+    status = settle(client, client.status(job_id))
+    found = settle(client, client.inspect.entry_of(status, [queue]))
+    assert (found.place, found.fields["id"]) == ("waiting", job_id)
+    redis_client.xgroup_create(lane_stream, GROUP, id="0")
+    [(_, [(entry_id, _)])] = redis_client.xreadgroup(GROUP, "w1", {lane_stream: ">"}, count=1)
+    redis_client.hset(KEYS.job(job_id), mapping={"status": "running", "entry": f"{entry_id}#flex:ta"})  # as CLAIM
+    found = settle(client, client.inspect.entry_of(settle(client, client.status(job_id)), [queue]))
+    assert (found.place, found.entry_id, found.fields["id"]) == ("running", entry_id, job_id)
+    placed_id = place(redis_client, queue, "w1", "placed-1")
+    redis_client.hset(KEYS.job("placed-1"), mapping={"status": "running", "entry": f"{placed_id}@w1"})
+    found = settle(client, client.inspect.entry_of(status.model_copy(update={"id": "placed-1"}), [queue]))
+    assert (found.place, found.entry_id, found.fields["id"]) == ("running", placed_id, "placed-1")
+
+
 def heartbeat(redis_client, queue: str, name: str, ttl_s: float) -> None:
     """One heartbeat of a worker named `name`, sent by the worker's own code."""
     fields = {
