@@ -8,9 +8,11 @@ import time
 
 import pytest
 
+from producer_client import Client
 from producer_client.errors import InvalidArgument
 from producer_client.keys import GROUP, Keys
 from tests.queue.test_dead_letters import make_poison, settle, take
+from tests.support.fixtures import on_modes
 from worker.loop.queue import WorkerQueue
 
 KEYS = Keys()
@@ -131,6 +133,21 @@ def test_a_lane_jobs_and_a_placed_jobs_entry_is_found_waiting_and_running(client
     redis_client.hset(KEYS.job("placed-1"), mapping={"status": "running", "entry": f"{placed_id}@w1"})
     found = settle(client, client.inspect.entry_of(status.model_copy(update={"id": "placed-1"}), [queue]))
     assert (found.place, found.entry_id, found.fields["id"]) == ("running", placed_id, "placed-1")
+
+
+@on_modes("server", "cluster")
+def test_the_stats_and_listings_read_workers_streams_on_every_shard(redis_deployment, deployment_client, queue):
+    """On a cluster each worker's stream has a hash tag, and so a shard, of its own."""
+    workers = [f"w{i}" for i in range(4)]
+    for name in workers:
+        place(deployment_client, queue, name, f"placed-{name}")
+    with Client(redis_deployment.url, queue) as client:
+        job_id = client.as_tenant("ta").submit("flex", max_tokens=4, service_tier="flex")
+        stats = client.queue_stats()
+        waiting = client.inspect.waiting(10)
+    assert (stats.depth, stats.waiting) == (5, 5)
+    assert [s.worker for s in stats.streams] == [None, *workers]
+    assert {j.job_id for j in waiting} == {job_id, *(f"placed-{name}" for name in workers)}
 
 
 def heartbeat(redis_client, queue: str, name: str, ttl_s: float) -> None:
