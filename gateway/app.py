@@ -31,7 +31,7 @@ from gateway.idempotency import fingerprint, idempotency_key, scoped_key
 from gateway.jobs import Jobs, RequestJobs, collect
 from gateway.key_strength import warn_of_weak_keys
 from gateway.lifecycle import Lifecycle
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, read_backlogs
 from gateway.rate_headers import EXPOSED_RATE_LIMIT_HEADERS, RateLimitHeaders
 from gateway.registry import ModelRegistry
 from gateway.settings import GatewaySettings
@@ -42,7 +42,7 @@ from openai_format.render import ChatRenderer, CompletionRenderer, Renderer, fin
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from openai_format.responses import ModelList
 from producer_client import AsyncClient, JobResult, MiliError, RateLimited
-from producer_client.schema import JobFailed, QueueStats
+from producer_client.schema import JobFailed
 from producer_client.keys import NAME_PATTERN
 from producer_client.new_job import lane_of
 
@@ -130,17 +130,6 @@ class Gateway:
             raise job_error(e, prompt) from None
         return client_left() if results is None else json_response(renderer.response(results), job_headers(jobs))
 
-    async def queue_backlogs(self) -> list[QueueStats]:
-        """Every queue's stats (the queue index's), for /metrics; none while Redis cannot answer:
-        the gateway's own metrics are scraped still, and the queues' gauges go missing, which an
-        alert on absent() sees."""
-        try:
-            queues = await self.client.inspect.queues()
-            return [await self.client.on_queue(queue).queue_stats() for queue in queues]
-        except (MiliError, redis.RedisError) as e:
-            log.warning("/metrics: the queues' backlogs could not be read: %s", e)
-            return []
-
     def check(self, specs: list[JobSpec]) -> None:
         """Every job of a request passes the client's validation before the first is enqueued.
         A single job needs no check here: `submit` validates it before it touches Redis."""
@@ -215,7 +204,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
 
     @app.get("/metrics")
     async def metrics():
-        gw.metrics.backlogs.stats = await gw.queue_backlogs()
+        gw.metrics.backlogs.stats = await read_backlogs(gw.client)
         return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     failures = AuthFailures(settings.auth_failures_per_minute)

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
+import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from producer_client import AsyncClient, MiliError
+from producer_client.keys import LANES
 from producer_client.placement import Placement
 from producer_client.schema import QueueStats
 
+log = logging.getLogger("gateway")
+
+# How long a scrape waits for the queues' backlogs: well under Prometheus' default scrape_timeout
+# (10 s), so that a Redis that does not answer costs the scrape the queue gauges, not the whole scrape.
+BACKLOG_TIMEOUT_S = 2.0
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -71,9 +82,26 @@ class QueueBacklogs(Collector):
         yield lanes
 
 
+async def read_backlogs(client: AsyncClient, timeout_s: float = BACKLOG_TIMEOUT_S) -> list[QueueStats]:
+    """Every queue's stats (the queue index's), for /metrics; none when Redis does not answer within
+    `timeout_s`: the gateway's own metrics are served still and the queue gauges go missing, which
+    an alert on absent() sees."""
+
+    async def read() -> list[QueueStats]:
+        return [await client.on_queue(queue).queue_stats() for queue in await client.inspect.queues()]
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except (MiliError, redis.RedisError, TimeoutError) as e:
+        log.warning("/metrics: the queues' backlogs could not be read: %s", e or f"no answer in {timeout_s} s")
+        return []
+
+
 def lane_backlogs(stats: QueueStats) -> dict[tuple[str, str], int]:
-    """The waiting jobs of each (lane, tenant) of the queue; the workers' streams summed as PLACED."""
-    waiting: dict[tuple[str, str], int] = {}
+    """The waiting jobs of each (lane, tenant) of the queue whose stream holds jobs, the workers'
+    streams summed as PLACED; each lane and PLACED of no tenant always, at 0 when empty, so that a
+    query of one lane (KEDA's) gets a value, never an empty answer."""
+    waiting: dict[tuple[str, str], int] = {(lane, ""): 0 for lane in (*LANES, PLACED)}
     for s in stats.streams:
         route = (PLACED, "") if s.worker is not None else (s.lane, s.tenant or "")
         waiting[route] = waiting.get(route, 0) + s.waiting

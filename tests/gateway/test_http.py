@@ -1,6 +1,8 @@
 """The seed's endpoints (POST /generate, GET /health), a job's status, Prometheus metrics and
 the gateway's Idempotency-Key, over plain httpx."""
 
+import asyncio
+import socket
 import time
 import uuid
 
@@ -8,7 +10,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from producer_client import Client
+from gateway.metrics import read_backlogs
+from producer_client import AsyncClient, Client
 from producer_client.keys import Keys
 from tests.gateway.support import ECHO_QUEUE
 from tests.support.jobs import job_ids_in_queue
@@ -103,7 +106,26 @@ def test_metrics_count_every_queues_backlog_over_its_lanes_and_its_workers_strea
         ("mili_queue_depth_jobs", (("queue", queue),)): 4,
         ("mili_queue_pending_jobs", (("queue", queue),)): 0,
         ("mili_queue_waiting_jobs", (("queue", queue),)): 4,
+        ("mili_queue_lane_waiting_jobs", (("lane", "priority"), ("queue", queue), ("tenant", ""))): 0,
         ("mili_queue_lane_waiting_jobs", (("lane", "default"), ("queue", queue), ("tenant", ""))): 1,
+        ("mili_queue_lane_waiting_jobs", (("lane", "flex"), ("queue", queue), ("tenant", ""))): 0,
         ("mili_queue_lane_waiting_jobs", (("lane", "flex"), ("queue", queue), ("tenant", "ta"))): 2,
         ("mili_queue_lane_waiting_jobs", (("lane", "placed"), ("queue", queue), ("tenant", ""))): 1,
     }
+
+
+def test_a_scrape_waits_for_the_backlogs_no_longer_than_its_bound_when_redis_does_not_answer():
+    """A server that accepts connections and never answers (a hung Redis): the queue gauges are
+    left out after the bound, and the rest of the scrape goes on."""
+
+    async def scrape(port: int) -> list:
+        client = AsyncClient(f"redis://127.0.0.1:{port}/0", "q")
+        try:
+            return await read_backlogs(client, timeout_s=0.3)
+        finally:
+            await client.aclose()
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        started = time.monotonic()
+        assert asyncio.run(scrape(silent.getsockname()[1])) == []
+    assert time.monotonic() - started < 1.5
