@@ -120,8 +120,9 @@ class QueueInspector:
 
     def entry_of(self, status: JobStatus, queues: list[str]) -> Any:
         """The job's entry, looked for in `queues`: a running job's by its reference (its stream and
-        id), a queued job's among the first WAITING_SCAN entries of each stream of each queue, a poison job's among the dead letters. None for
-        any other job: its entry is deleted once it ends, and its body with it."""
+        id), a queued job's among the first WAITING_SCAN entries of each stream of each queue, a
+        poison job's among the dead letters. None for any other job: its entry is deleted once it
+        ends, and its body with it."""
         return self.run(self.client, entry_of(self.keys, status, queues))
 
 

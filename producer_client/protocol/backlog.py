@@ -18,7 +18,6 @@ from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
 from producer_client.schema import StreamStats
 from producer_client.steps import Steps, checked
 
-
 # How a worker names an entry it holds, and CLAIM records as the job's `entry` (worker/loop/streams.py):
 # `<entry id>` in the queue's own stream, `<entry id>@<owner>` in worker `owner`'s own stream,
 # `<entry id>#<lane>:<tenant>` in a lane's stream of a tenant. An entry id is digits and one dash, so
