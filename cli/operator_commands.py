@@ -165,13 +165,19 @@ def print_workers(workers: list[WorkerHealth]) -> None:
 
 
 def print_waiting(jobs: list[WaitingJob]) -> None:
-    print_table(("JOB", "ENTRY", "WAITING"), [(j.job_id, j.entry_id, f"{j.waited_s:.1f}s") for j in jobs])
+    print_table(
+        ("JOB", "ENTRY", "WAITING", "LANE", "TENANT", "PLACED ON"),
+        [(j.job_id, j.entry_id, f"{j.waited_s:.1f}s", j.lane, j.tenant or "-", j.worker or "-") for j in jobs],
+    )
 
 
 def print_running(jobs: list[RunningJob]) -> None:
     print_table(
-        ("JOB", "ENTRY", "WORKER", "DELIVERIES", "IDLE", "TOKENS"),
-        [(j.job_id, j.entry_id, j.worker, j.deliveries, f"{j.idle_s:.1f}s", j.tokens) for j in jobs],
+        ("JOB", "ENTRY", "WORKER", "DELIVERIES", "IDLE", "TOKENS", "LANE", "TENANT"),
+        [
+            (j.job_id, j.entry_id, j.worker, j.deliveries, f"{j.idle_s:.1f}s", j.tokens, j.lane, j.tenant or "-")
+            for j in jobs
+        ],
     )
 
 

@@ -32,7 +32,7 @@ from gateway.idempotency import fingerprint, idempotency_key, scoped_key
 from gateway.jobs import Jobs, RequestJobs, collect
 from gateway.key_strength import warn_of_weak_keys
 from gateway.lifecycle import Lifecycle
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, read_backlogs
 from gateway.rate_headers import EXPOSED_RATE_LIMIT_HEADERS, RateLimitHeaders
 from gateway.registry import ModelRegistry, Route
 from gateway.settings import GatewaySettings
@@ -221,6 +221,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
 
     @app.get("/metrics")
     async def metrics():
+        gw.metrics.backlogs.stats = await read_backlogs(gw.client)
         return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     failures = AuthFailures(settings.auth_failures_per_minute)

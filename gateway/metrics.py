@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
+import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from producer_client import AsyncClient, MiliError
+from producer_client.keys import LANES
 from producer_client.placement import Placement
+from producer_client.schema import QueueStats
 
+log = logging.getLogger("gateway")
+
+# How long a scrape waits for the queues' backlogs: well under Prometheus' default scrape_timeout
+# (10 s), so that a Redis that does not answer costs the scrape the queue gauges, not the whole scrape.
+BACKLOG_TIMEOUT_S = 2.0
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -30,10 +42,78 @@ class PlacedJobs(Collector):
         yield family
 
 
+# The label a worker's own stream's jobs are counted under in mili_queue_lane_waiting: placed jobs
+# wait there whatever their lane, and a worker's stream holds at most about its slots.
+PLACED = "placed"
+
+
+class QueueBacklogs(Collector):
+    """Every queue's jobs over every stream that holds them (producer_client.protocol.backlog), as
+    read from Redis just before the scrape (`stats`): what KEDA's scaler reads through Prometheus,
+    since the jobs of a queue wait in streams no single redis-streams trigger sees. Every gateway
+    exports the same values: aggregate them with max, not sum."""
+
+    def __init__(self):
+        self.stats: list[QueueStats] = []
+
+    def collect(self):
+        families = {
+            "depth": GaugeMetricFamily(
+                "mili_queue_depth_jobs", "jobs of the queue not yet acknowledged: waiting + pending", labels=["queue"]
+            ),
+            "pending": GaugeMetricFamily(
+                "mili_queue_pending_jobs", "jobs of the queue that workers hold (running)", labels=["queue"]
+            ),
+            "waiting": GaugeMetricFamily(
+                "mili_queue_waiting_jobs", "jobs of the queue no worker has read yet: the backlog", labels=["queue"]
+            ),
+        }
+        lanes = GaugeMetricFamily(
+            "mili_queue_lane_waiting_jobs",
+            "jobs no worker has read yet, by lane and tenant ('' for none); lane 'placed': on workers' own streams",
+            labels=["queue", "lane", "tenant"],
+        )
+        for stats in self.stats:
+            for name, family in families.items():
+                family.add_metric([stats.queue], getattr(stats, name))
+            for (lane, tenant), waiting in lane_backlogs(stats).items():
+                lanes.add_metric([stats.queue, lane, tenant], waiting)
+        yield from families.values()
+        yield lanes
+
+
+async def read_backlogs(client: AsyncClient, timeout_s: float = BACKLOG_TIMEOUT_S) -> list[QueueStats]:
+    """Every queue's stats (the queue index's), for /metrics; none when Redis does not answer within
+    `timeout_s`: the gateway's own metrics are served still and the queue gauges go missing, which
+    an alert on absent() sees."""
+
+    async def read() -> list[QueueStats]:
+        return [await client.on_queue(queue).queue_stats() for queue in await client.inspect.queues()]
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except (MiliError, redis.RedisError, TimeoutError) as e:
+        log.warning("/metrics: the queues' backlogs could not be read: %s", e or f"no answer in {timeout_s} s")
+        return []
+
+
+def lane_backlogs(stats: QueueStats) -> dict[tuple[str, str], int]:
+    """The waiting jobs of each (lane, tenant) of the queue whose stream holds jobs, the workers'
+    streams summed as PLACED; each lane and PLACED of no tenant always, at 0 when empty, so that a
+    query of one lane (KEDA's) gets a value, never an empty answer."""
+    waiting: dict[tuple[str, str], int] = {(lane, ""): 0 for lane in (*LANES, PLACED)}
+    for s in stats.streams:
+        route = (PLACED, "") if s.worker is not None else (s.lane, s.tenant or "")
+        waiting[route] = waiting.get(route, 0) + s.waiting
+    return waiting
+
+
 class GatewayMetrics:
     def __init__(self, placement: Placement):
         self.registry = CollectorRegistry()
         self.registry.register(PlacedJobs(placement))
+        self.backlogs = QueueBacklogs()
+        self.registry.register(self.backlogs)
         self.requests = Counter(
             "mili_gateway_requests_total",
             "HTTP requests answered, by endpoint (route) and status code",

@@ -1,7 +1,8 @@
 """What the queues hold right now, for operators (`mili jobs`, `mili workers`, the board), read from
 the keys protocol v1 already has, without a scan of the keyspace:
 
-- waiting jobs: the queue's entries past the consumer group's last-delivered id;
+- waiting jobs: the entries past the consumer group's last-delivered id of every stream of the
+  queue's jobs (producer_client.protocol.backlog: its own, its lanes', its workers');
 - running jobs: the group's pending entries list (each entry's job, worker, deliveries, idle time);
 - dead jobs: the dead-letter stream (producer_client.dead_letters);
 - queues: the queue index `mili:queues`; workers: each queue's worker index and heartbeats.
@@ -23,10 +24,10 @@ from pydantic import BaseModel
 
 from producer_client.dead_letters import DeadLetterNotFound
 from producer_client.dead_letters import find as find_letter
-from producer_client.keys import GROUP, Keys
-from producer_client.protocol.clock import entry_age_s, epoch_ms
+from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
+from producer_client.protocol.backlog import QueueStream, entry_stream, read_queue_streams, read_streams
+from producer_client.protocol.clock import entry_age_s, entry_order, epoch_ms
 from producer_client.schema import JobStatus, WorkerInfo
-from producer_client.status_reads import queue_stats
 from producer_client.steps import Steps, checked
 from producer_client.validation import check_limit
 
@@ -39,7 +40,10 @@ class WaitingJob(BaseModel):
     job_id: str
     entry_id: str
     waited_s: float  # since its enqueue
-    fields: dict[str, str]  # the entry: id, v, body
+    lane: str
+    tenant: str | None  # None: of no tenant
+    worker: str | None  # the worker it was placed on; None: in the queue's or a lane's stream
+    fields: dict[str, str]  # the entry: id, v, body (and a lane stream's or a placed entry's route)
 
 
 class RunningJob(BaseModel):
@@ -50,6 +54,9 @@ class RunningJob(BaseModel):
     deliveries: int
     idle_s: float  # since its worker last refreshed it (every heartbeat) or took it
     tokens: int  # generated so far
+    lane: str
+    tenant: str | None  # None: of no tenant
+    placed_on: str | None  # the worker whose own stream holds the entry; None: the queue's or a lane's
 
 
 class JobEntry(BaseModel):
@@ -112,9 +119,10 @@ class QueueInspector:
         return self.run(self.client, worker_health(self.keys))
 
     def entry_of(self, status: JobStatus, queues: list[str]) -> Any:
-        """The job's entry, looked for in `queues`: a running job's by its id, a queued job's among
-        the first WAITING_SCAN entries of each, a poison job's among the dead letters. None for
-        any other job: its entry is deleted once it ends, and its body with it."""
+        """The job's entry, looked for in `queues`: a running job's by its reference (its stream and
+        id), a queued job's among the first WAITING_SCAN entries of each stream of each queue, a
+        poison job's among the dead letters. None for any other job: its entry is deleted once it
+        ends, and its body with it."""
         return self.run(self.client, entry_of(self.keys, status, queues))
 
 
@@ -124,104 +132,143 @@ def queue_names(keys: Keys) -> Steps[list[str]]:
 
 
 def overview(keys: Keys, queue: str) -> Steps[QueueOverview]:
-    stream = keys.queue(queue)
+    """Over every stream of the queue's jobs (protocol.backlog)."""
+    _, streams = yield from read_queue_streams(keys, queue)
+    readings = yield from read_streams(streams)
+    unread = [r for r in readings if r.stats().waiting]
 
     def add(pipe) -> None:
         pipe.time()
-        pipe.xlen(stream)
         pipe.xlen(keys.dead(queue))
-        pipe.xinfo_groups(stream)
-        pipe.xinfo_stream(stream)
+        for r in readings:
+            pipe.xinfo_stream(r.stream.key)
+        for r in unread:
+            pipe.xrange(r.stream.key, r.unread_after(), "+", count=1)
 
-    now, depth, dead, groups, info = yield add
-    checked([now, depth, dead])
-    # XINFO fails on a stream that does not exist (no worker has served the queue yet).
-    groups, info = (groups, info) if _exists(groups) and _exists(info) else ([], None)
-    stats = queue_stats(queue, depth, groups, [], [])
-    after = _last_delivered(groups)
-    (oldest,) = checked((yield lambda pipe: pipe.xrange(stream, after, "+", count=1)))
+    now, dead, *replies = yield add
+    checked([now, dead, *replies[len(readings) :]])
+    infos = [info for info in replies[: len(readings)] if _exists(info)]  # XINFO fails on a missing stream
+    heads = [entries[0][0] for entries in replies[len(readings) :] if entries]
     now_ms = epoch_ms(now)
+    stats = [r.stats() for r in readings]
     return QueueOverview(
         queue=queue,
-        depth=depth,
-        pending=stats.pending,
-        waiting=stats.waiting,
+        depth=sum(s.depth for s in stats),
+        pending=sum(s.pending for s in stats),
+        waiting=sum(s.waiting for s in stats),
         dead=dead,
-        oldest_waiting_s=entry_age_s(oldest[0][0], now_ms) if oldest else None,
-        processed=None if info is None or "entries-added" not in info else info["entries-added"] - info["length"],
+        oldest_waiting_s=max(entry_age_s(entry_id, now_ms) for entry_id in heads) if heads else None,
+        processed=sum(info["entries-added"] - info["length"] for info in infos) if infos else None,
         at=now_ms / 1000,
     )
 
 
 def waiting(keys: Keys, queue: str, limit: int) -> Steps[list[WaitingJob]]:
-    stream = keys.queue(queue)
-    now, groups = yield lambda pipe: (pipe.time(), pipe.xinfo_groups(stream))
-    checked([now])
-    start = _last_delivered(groups if _exists(groups) else [])
-    (entries,) = checked((yield lambda pipe: pipe.xrange(stream, start, "+", count=limit)))
+    """The oldest `limit` jobs no worker has read, over every stream of the queue's jobs: the first
+    `limit` of each stream's unread entries, merged by age."""
+    _, streams = yield from read_queue_streams(keys, queue)
+    unread = [r for r in (yield from read_streams(streams)) if r.stats().waiting]
+    if not unread:
+        return []
+
+    def add(pipe) -> None:
+        pipe.time()
+        for r in unread:
+            pipe.xrange(r.stream.key, r.unread_after(), "+", count=limit)
+
+    now, *found = checked((yield add))
     now_ms = epoch_ms(now)
-    return [
-        WaitingJob(
-            queue=queue,
-            job_id=fields.get("id", ""),
-            entry_id=entry_id,
-            waited_s=entry_age_s(entry_id, now_ms),
-            fields=fields,
-        )
+    jobs = [
+        waiting_job(queue, r.stream, entry_id, fields, now_ms)
+        for r, entries in zip(unread, found)
         for entry_id, fields in entries
     ]
+    return sorted(jobs, key=lambda job: -job.waited_s)[:limit]
+
+
+def route_of(stream: QueueStream, fields: dict[str, str]) -> tuple[str, str | None]:
+    """An entry's lane and tenant (None: no tenant). A worker's stream names no lane: its entries
+    carry their own (none: the default lane's, of no tenant)."""
+    lane = stream.lane if stream.worker is None else fields.get("lane", DEFAULT_LANE)
+    tenant = stream.tenant if stream.worker is None else fields.get("tenant", NO_TENANT)
+    return lane, None if tenant == NO_TENANT else tenant
+
+
+def waiting_job(queue: str, stream: QueueStream, entry_id: str, fields: dict[str, str], now_ms: int) -> WaitingJob:
+    lane, tenant = route_of(stream, fields)
+    return WaitingJob(
+        queue=queue,
+        job_id=fields.get("id", ""),
+        entry_id=entry_id,
+        waited_s=entry_age_s(entry_id, now_ms),
+        lane=lane,
+        tenant=tenant,
+        worker=stream.worker,
+        fields=fields,
+    )
 
 
 def running(keys: Keys, queue: str, limit: int) -> Steps[list[RunningJob]]:
-    stream = keys.queue(queue)
-    (pending,) = yield lambda pipe: pipe.xpending_range(stream, GROUP, "-", "+", limit)
-    if not _exists(pending) or not pending:
+    """Up to `limit` entries workers hold, over every stream of the queue's jobs, oldest first: the
+    first `limit` of each stream's pending entries list, merged by entry id."""
+    _, streams = yield from read_queue_streams(keys, queue)
+    held = [r.stream for r in (yield from read_streams(streams)) if r.stats().pending]
+    if not held:
         return []
+    lists = checked((yield lambda pipe: [pipe.xpending_range(s.key, GROUP, "-", "+", limit) for s in held]))
+    pending = sorted(
+        ((s, p) for s, entries in zip(held, lists) for p in entries), key=lambda sp: entry_order(sp[1]["message_id"])
+    )[:limit]
 
     def add_entries(pipe) -> None:
-        for p in pending:
-            pipe.xrange(stream, p["message_id"], p["message_id"])
+        for s, p in pending:
+            pipe.xrange(s.key, p["message_id"], p["message_id"])
 
-    job_ids = [entries[0][1].get("id", "") if entries else "" for entries in checked((yield add_entries))]
-
-    def add_tokens(pipe) -> None:
-        for job_id in job_ids:
-            pipe.hget(keys.job(job_id), "tokens")
-
-    tokens = checked((yield add_tokens))
+    entries = [found[0][1] if found else {} for found in checked((yield add_entries))]
+    tokens = checked((yield lambda pipe: [pipe.hget(keys.job(fields.get("id", "")), "tokens") for fields in entries]))
     return [
         RunningJob(
             queue=queue,
-            job_id=job_id,
+            job_id=fields.get("id", ""),
             entry_id=p["message_id"],
             worker=p["consumer"],
             deliveries=p["times_delivered"],
             idle_s=p["time_since_delivered"] / 1000,
             tokens=int(t or 0),
+            lane=route_of(s, fields)[0],
+            tenant=route_of(s, fields)[1],
+            placed_on=s.worker,
         )
-        for p, job_id, t in zip(pending, job_ids, tokens)
+        for (s, p), fields, t in zip(pending, entries, tokens)
     ]
 
 
 def entry_of(keys: Keys, status: JobStatus, queues: list[str]) -> Steps[JobEntry | None]:
-    (entry_id,) = checked((yield lambda pipe: pipe.hget(keys.job(status.id), "entry")))
-    if entry_id:
+    (ref,) = checked((yield lambda pipe: pipe.hget(keys.job(status.id), "entry")))
+    if ref:
+        # The entry's reference names its stream: the queue's own, a lane's, or a worker's.
+        located = [(queue, *entry_stream(keys, queue, ref)) for queue in queues]
 
         def add_lookups(pipe) -> None:
-            for queue in queues:
-                pipe.xrange(keys.queue(queue), entry_id, entry_id)
+            for _, stream, entry_id in located:
+                pipe.xrange(stream, entry_id, entry_id)
 
-        for queue, entries in zip(queues, checked((yield add_lookups))):
+        for (queue, _, entry_id), entries in zip(located, checked((yield add_lookups))):
             if entries and entries[0][1].get("id") == status.id:
                 return JobEntry(queue=queue, entry_id=entry_id, place="running", fields=entries[0][1])
     if status.status == "queued":
-        # From the stream's head, not past the last-delivered id: a worker may have read the entry
-        # and not yet claimed the job.
-        def add_heads(pipe) -> None:
-            for queue in queues:
-                pipe.xrange(keys.queue(queue), "-", "+", count=WAITING_SCAN)
+        # From each stream's head, not past the last-delivered id: a worker may have read the entry
+        # and not yet claimed the job. Every stream of each queue's jobs (protocol.backlog).
+        heads = []
+        for queue in queues:
+            _, streams = yield from read_queue_streams(keys, queue)
+            heads += [(queue, s.key) for s in streams]
 
-        for queue, entries in zip(queues, checked((yield add_heads))):
+        def add_heads(pipe) -> None:
+            for _, stream in heads:
+                pipe.xrange(stream, "-", "+", count=WAITING_SCAN)
+
+        for (queue, _), entries in zip(heads, checked((yield add_heads))):
             for entry_id, fields in entries:
                 if fields.get("id") == status.id:
                     return JobEntry(queue=queue, entry_id=entry_id, place="waiting", fields=fields)
@@ -276,12 +323,6 @@ def health(queue: str, name: str, age_s: float, heartbeat: dict[str, str], ttl_m
         heartbeat_age_s=max(0.0, age_s),
         info=WorkerInfo.model_validate(heartbeat),
     )
-
-
-def _last_delivered(groups: list[dict]) -> str:
-    """XRANGE's start for the entries no worker has read yet."""
-    group = next((g for g in groups if g["name"] == GROUP), None)
-    return "-" if group is None else "(" + group["last-delivered-id"]
 
 
 def _exists(reply: object) -> bool:

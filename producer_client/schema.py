@@ -300,25 +300,28 @@ class TokenDelta(BaseModel):
 
 
 class StreamStats(BaseModel):
-    """One lane's jobs of one tenant (None: of no tenant) in a queue."""
+    """One stream of a queue's jobs: a lane's jobs of one tenant (None: of no tenant), or the jobs
+    placed on one worker (`worker`; lane and tenant None: each entry names its own)."""
 
-    lane: str
+    lane: str | None
     tenant: str | None
+    worker: str | None = None
     depth: int
     pending: int
     waiting: int
 
 
 class QueueStats(BaseModel):
-    """The queue's jobs over all its lanes' streams (its own stream is the default lane's jobs of
-    no tenant); the jobs placed on workers' own streams are not counted."""
+    """The queue's jobs over every stream that holds them (producer_client.protocol.backlog): its
+    own stream (the default lane's jobs of no tenant), each lane's of each tenant, and each worker's
+    own (the jobs placed on it)."""
 
     queue: str
     depth: int  # entries not yet acknowledged: waiting + pending
     pending: int  # delivered to a worker, not yet acknowledged
     waiting: int  # not yet delivered to any worker (the group's lag)
     workers: list[str]  # names of workers with a fresh heartbeat
-    streams: list[StreamStats] = Field(default_factory=list)  # each lane's and tenant's that holds jobs
+    streams: list[StreamStats] = Field(default_factory=list)  # each stream that holds jobs
 
 
 class WorkerInfo(BaseModel):

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 from producer_client.errors import JobNotFound
-from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
+from producer_client.keys import Keys
+from producer_client.protocol.backlog import read_backlogs, read_queue_streams
 from producer_client.protocol.clock import epoch_ms
-from producer_client.schema import JobResult, JobStatus, QueueStats, StreamStats, WorkerInfo
+from producer_client.schema import JobResult, JobStatus, QueueStats, WorkerInfo
 from producer_client.steps import Steps, checked
 
 
@@ -36,67 +37,20 @@ def job_status(job_id: str, fields: dict[str, str], redis_time: tuple[int, int])
 
 
 def read_queue_stats(keys: Keys, queue: str) -> Steps[QueueStats]:
-    """The queue's stats over its own stream and every lane stream it has had, in three round
-    trips: the worker index and the set of lane streams; their lengths and the heartbeats; the
-    groups of the streams that hold entries."""
-    names, members = checked(
-        (yield lambda pipe: (pipe.zrange(keys.workers(queue), 0, -1), pipe.smembers(keys.lane_streams(queue))))
-    )
-    routes = [(DEFAULT_LANE, NO_TENANT), *sorted(tuple(member.split(":", 1)) for member in members)]
-    streams = [keys.lane_stream(queue, lane, tenant) for lane, tenant in routes]
-
-    def add(pipe) -> None:
-        for stream in streams:
-            pipe.xlen(stream)
-        for name in names:
-            pipe.exists(keys.worker(name))
-
-    replies = checked((yield add))
-    depths, alive = replies[: len(streams)], replies[len(streams) :]
-    held = [i for i, depth in enumerate(depths) if depth]  # XINFO GROUPS fails on a missing stream
-    groups = (
-        dict(zip(held, checked((yield lambda pipe: [pipe.xinfo_groups(streams[i]) for i in held])))) if held else {}
-    )
-    lanes = [stream_stats(lane, tenant, depths[i], groups.get(i, [])) for i, (lane, tenant) in enumerate(routes)]
-    base = queue_stats(queue, depths[0], groups.get(0, []), names, alive)
-    return base.model_copy(
-        update={
-            "depth": sum(s.depth for s in lanes),
-            "pending": sum(s.pending for s in lanes),
-            "waiting": sum(s.waiting for s in lanes),
-            "streams": [s for s in lanes if s.depth],
-        }
-    )
-
-
-def backlog(depth: int, groups: list[dict]) -> tuple[int, int]:
-    """(pending, waiting) of a stream of `depth` entries, from its XINFO GROUPS (empty when it
-    has none)."""
-    group = next((g for g in groups if g["name"] == GROUP), None)
-    pending = group["pending"] if group else 0
-    lag = group.get("lag") if group else None
-    # Acked entries are deleted, so depth = waiting + pending whenever Redis cannot tell the lag.
-    return pending, lag if lag is not None else depth - pending
-
-
-def stream_stats(lane: str, tenant: str, depth: int, groups: list[dict]) -> StreamStats:
-    pending, waiting = backlog(depth, groups)
-    return StreamStats(
-        lane=lane, tenant=None if tenant == NO_TENANT else tenant, depth=depth, pending=pending, waiting=waiting
-    )
-
-
-def queue_stats(queue: str, depth: int, groups: list[dict], names: list[str], alive: list[int]) -> QueueStats:
-    """Of the queue's own stream, from XLEN, XINFO GROUPS (empty when the queue is empty), the
-    worker index and EXISTS on each worker's heartbeat key: the heartbeat's TTL runs on the Redis
-    clock."""
-    pending, waiting = backlog(depth, groups)
+    """The queue's stats over every stream of its jobs (protocol.backlog): the queue's own, each
+    lane's of each tenant and each worker's own. Four round trips: the worker index and the set of
+    lane streams; the streams' lengths; the groups of those that hold entries; EXISTS on each
+    worker's heartbeat, whose TTL runs on the Redis clock."""
+    names, streams = yield from read_queue_streams(keys, queue)
+    found = yield from read_backlogs(streams)
+    alive = checked((yield lambda pipe: [pipe.exists(keys.worker(name)) for name in names])) if names else []
     return QueueStats(
         queue=queue,
-        depth=depth,
-        pending=pending,
-        waiting=waiting,
+        depth=sum(s.depth for s in found),
+        pending=sum(s.pending for s in found),
+        waiting=sum(s.waiting for s in found),
         workers=[n for n, a in zip(names, alive) if a],
+        streams=[s for s in found if s.depth],
     )
 
 

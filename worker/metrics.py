@@ -7,6 +7,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from producer_client.keys import NO_TENANT
 from producer_client.schema import JobResult
 from worker.engine.outputs import EngineStats
 
@@ -138,6 +139,13 @@ class WorkerMetrics:
             registry=r,
         )
         self.taken = {source: taken.labels(source) for source in TAKEN_FROM}
+        self.served = Counter(
+            "mili_served_tokens",
+            "Tokens this worker served (the prompt and output of each job it settled), by the lane and "
+            "tenant ('' for none) they were charged to: the tenants' shares of docs/architecture.md.",
+            ["lane", "tenant"],
+            registry=r,
+        )
 
     def serve(self, host: str, port: int) -> tuple[WSGIServer, int]:
         """Start the HTTP endpoint; returns (server, bound port). Port 0 binds any free port."""
@@ -156,6 +164,11 @@ class WorkerMetrics:
         n = result.usage.completion_tokens
         if n > 1 and t.first_token_at is not None and t.finished_at is not None:
             self.tpot.observe((t.finished_at - t.first_token_at) / (n - 1))
+
+    def tokens_served(self, served: dict[tuple[str, str], int]) -> None:
+        """Add the ledger's tokens served per (lane, tenant) since the last call (Ledger.take_served)."""
+        for (lane, tenant), tokens in served.items():
+            self.served.labels(lane, "" if tenant == NO_TENANT else tenant).inc(tokens)
 
     def engine_totals(self, stats: EngineStats) -> None:
         """Counters from the engine's running totals (EngineStats)."""

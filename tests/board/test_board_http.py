@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import httpx
 import pytest
@@ -37,6 +38,18 @@ def test_the_overview_fragment_lists_queues_and_workers(open_gateway, board_work
     assert f'<tr data-queue="{ECHO_QUEUE}">' in fragment.text and f'<tr data-queue="{PARKED_QUEUE}">' in fragment.text
     assert f'<tr data-worker="{board_worker.name}" class="live">' in fragment.text
     assert "<script" not in fragment.text
+
+
+def test_the_overview_lists_a_tenants_lane_job_with_its_lane_and_tenant(open_gateway, redis_server):
+    tenant = f"t{uuid.uuid4().hex[:8]}"
+    with Client(redis_server.url, PARKED_QUEUE, tenant=tenant) as client:
+        job_id = client.submit("waits in flex", max_tokens=4, service_tier="flex")
+        try:
+            fragment = httpx.get(f"{open_gateway.url}/board/overview").text
+        finally:
+            client.cancel(job_id)
+    row = fragment.split(f'<tr data-job="{job_id}">', 1)[1].split("</tr>", 1)[0]
+    assert f"<td>{PARKED_QUEUE}</td><td>flex</td><td>{tenant}</td><td>–</td>" in row
 
 
 def test_a_waiting_job_s_stream_keeps_alive_for_many_intervals(open_gateway, redis_server, redis_client):

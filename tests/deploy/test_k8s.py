@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from gateway.__main__ import GRACEFUL_SHUTDOWN_S
+from gateway.metrics import QueueBacklogs
 from gateway.settings import GatewaySettings
-from producer_client.keys import GROUP, Keys
+from producer_client.schema import QueueStats
 from tests.deploy.support import (
     DOCKER,
     known_mili_variables,
@@ -169,19 +170,32 @@ def test_redis_keeps_an_append_only_file_and_never_evicts():
     assert service["spec"]["selector"].items() <= statefulset["spec"]["template"]["metadata"]["labels"].items()
 
 
-def test_keda_scales_the_worker_deployment_on_the_queue_groups_lag():
+def test_keda_scales_the_worker_deployment_on_the_queues_whole_backlog_the_gateway_exports():
     scaled = the("ScaledObject")
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
     assert scaled["spec"]["scaleTargetRef"]["name"] == the("Deployment", "mili-worker")["metadata"]["name"]
     assert 0 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
     (trigger,) = scaled["spec"]["triggers"]
-    assert trigger["type"] == "redis-streams"
+    assert trigger["type"] == "prometheus"
     meta = trigger["metadata"]
-    assert meta["stream"] == Keys().queue(WorkerSettings.model_fields["queue"].default)
-    assert meta["consumerGroup"] == GROUP
-    assert int(meta["lagCount"]) > 0 and int(meta["activationLagCount"]) >= 0
-    # KEDA reads addressFromEnv from the scale target's container.
-    assert env_value(worker_container(), meta["addressFromEnv"])
+    queue = WorkerSettings.model_fields["queue"].default
+    # The gauge of the waiting jobs over every stream, the one KEDA must see, as the gateway names it.
+    stats = QueueStats(queue=queue, depth=3, pending=1, waiting=2, workers=[])
+    backlogs = QueueBacklogs()
+    backlogs.stats = [stats]
+    (waiting,) = [f for f in backlogs.collect() if f.name == "mili_queue_waiting_jobs"]
+    assert [(s.labels, s.value) for s in waiting.samples] == [({"queue": queue}, 2)]
+    assert meta["query"] == f'max({waiting.name}{{queue="{queue}"}})'
+    assert float(meta["threshold"]) > 0 and float(meta["activationThreshold"]) >= 0
+    assert meta["ignoreNullValues"] == "false"
+    assert urlsplit(meta["serverAddress"]).scheme == "http"
+
+
+def test_prometheus_scrapes_the_gateways_metrics_where_it_serves_them():
+    annotations = the("Deployment", "mili-gateway")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/path"] == "/metrics"
+    assert [p["containerPort"] for p in gateway_container()["ports"]] == [int(annotations["prometheus.io/port"])]
 
 
 def container_environment(container: dict) -> dict[str, str]:

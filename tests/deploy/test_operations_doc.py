@@ -10,7 +10,9 @@ import re
 import pytest
 import torch
 
+from gateway.metrics import QueueBacklogs
 from kernels.fp8 import FP8_DTYPE
+from producer_client.schema import QueueStats, StreamStats
 from tests.deploy.support import DOCKER, ROOT, load_compose, redis_server_flags
 from worker.engine.kv_pool import KVCacheShape
 from worker.engine.settings import EngineSettings
@@ -74,6 +76,18 @@ def test_the_metrics_table_lists_exactly_what_a_worker_exports(scraped_families)
         bookkeeping = family.endswith("_created") and family.removesuffix("_created") in scraped_families
         if family.startswith("mili_") and not bookkeeping:
             exported[f"{family}_total" if kind == "counter" else family] = kind
+    assert documented == exported
+
+
+def test_the_backlog_metrics_table_lists_exactly_what_the_gateway_exports_of_the_queues():
+    backlogs = QueueBacklogs()
+    flex = StreamStats(lane="flex", tenant="t", depth=1, pending=0, waiting=1)
+    backlogs.stats = [QueueStats(queue="q", depth=1, pending=0, waiting=1, workers=[], streams=[flex])]
+    exported = {(f.name, frozenset(f.samples[0].labels)): f.type for f in backlogs.collect()}
+    documented = {}
+    for name_cell, kind, _ in table_rows("Backlog metrics"):
+        name, labels = re.fullmatch(r"(\w+)\{([\w,]*)\}", code(name_cell)[0]).groups()
+        documented[(name, frozenset(labels.split(",")))] = kind
     assert documented == exported
 
 

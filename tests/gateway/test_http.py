@@ -1,14 +1,19 @@
 """The seed's endpoints (POST /generate, GET /health), a job's status, Prometheus metrics and
 the gateway's Idempotency-Key, over plain httpx."""
 
+import asyncio
+import socket
+import time
 import uuid
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.metrics import read_backlogs
 from harness.polling import eventually
-from producer_client import Client
+from producer_client import AsyncClient, Client
+from producer_client.keys import Keys
 from tests.gateway.support import ECHO_QUEUE
 from tests.support.jobs import job_ids_in_queue
 
@@ -78,3 +83,49 @@ def test_metrics_count_requests_by_route_and_status_and_time_the_first_byte(gate
     assert samples[("mili_gateway_requests_total", (route, ("status", "404")))] >= 1
     assert samples[("mili_gateway_time_to_first_byte_seconds_count", (route,))] >= 3
     assert samples[("mili_gateway_open_streams", ())] == 0
+
+
+def test_metrics_count_every_queues_backlog_over_its_lanes_and_its_workers_streams(gateway, redis_server, redis_client):
+    """A queue no worker serves now (in the queue index from an earlier heartbeat): its jobs wait in
+    its own stream, a tenant's flex stream and a worker's own stream, and every one counts in the
+    gauges KEDA scales on."""
+    keys, queue = Keys(), f"backlog-{uuid.uuid4().hex[:8]}"
+    redis_client.zadd(keys.queues(), {queue: time.time()})
+    with Client(redis_server.url, queue, placement=False) as client:
+        client.submit("plain", max_tokens=1)
+        client.as_tenant("ta").submit_many([{"prompt": "flex", "service_tier": "flex"}] * 2)
+    redis_client.zadd(keys.workers(queue), {"w1": time.time()})
+    redis_client.xadd(keys.own_queue(queue, "w1"), {"id": "placed-1", "v": "1", "body": "{}", "cost": "9"})
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(httpx.get(f"{gateway.url}/metrics").text)
+        for s in family.samples
+        if s.labels.get("queue") == queue
+    }
+    assert samples == {
+        ("mili_queue_depth_jobs", (("queue", queue),)): 4,
+        ("mili_queue_pending_jobs", (("queue", queue),)): 0,
+        ("mili_queue_waiting_jobs", (("queue", queue),)): 4,
+        ("mili_queue_lane_waiting_jobs", (("lane", "priority"), ("queue", queue), ("tenant", ""))): 0,
+        ("mili_queue_lane_waiting_jobs", (("lane", "default"), ("queue", queue), ("tenant", ""))): 1,
+        ("mili_queue_lane_waiting_jobs", (("lane", "flex"), ("queue", queue), ("tenant", ""))): 0,
+        ("mili_queue_lane_waiting_jobs", (("lane", "flex"), ("queue", queue), ("tenant", "ta"))): 2,
+        ("mili_queue_lane_waiting_jobs", (("lane", "placed"), ("queue", queue), ("tenant", ""))): 1,
+    }
+
+
+def test_a_scrape_waits_for_the_backlogs_no_longer_than_its_bound_when_redis_does_not_answer():
+    """A server that accepts connections and never answers (a hung Redis): the queue gauges are
+    left out after the bound, and the rest of the scrape goes on."""
+
+    async def scrape(port: int) -> list:
+        client = AsyncClient(f"redis://127.0.0.1:{port}/0", "q")
+        try:
+            return await read_backlogs(client, timeout_s=0.3)
+        finally:
+            await client.aclose()
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        started = time.monotonic()
+        assert asyncio.run(scrape(silent.getsockname()[1])) == []
+    assert time.monotonic() - started < 1.5

@@ -8,9 +8,11 @@ import time
 
 import pytest
 
+from producer_client import Client
 from producer_client.errors import InvalidArgument
 from producer_client.keys import GROUP, Keys
 from tests.queue.test_dead_letters import make_poison, settle, take
+from tests.support.fixtures import on_modes
 from worker.loop.queue import WorkerQueue
 
 KEYS = Keys()
@@ -72,6 +74,80 @@ def test_the_overview_counts_depth_pending_waiting_dead_and_processed_entries(cl
     redis_client.xdel(KEYS.queue(queue), entry)
     overview = settle(client, client.inspect.overview())
     assert (overview.depth, overview.pending, overview.processed) == (2, 0, 2)
+
+
+def place(redis_client, queue: str, worker: str, job_id: str, **route: str) -> str:
+    """An entry on `worker`'s own stream, with the fields a placing producer writes (its lane and
+    tenant ride in them), the worker named in the queue's index, as its heartbeat names it."""
+    redis_client.zadd(KEYS.workers(queue), {worker: time.time()})
+    return redis_client.xadd(KEYS.own_queue(queue, worker), {"id": job_id, "v": "1", "body": "{}", **route})
+
+
+@pytest.mark.timing
+def test_every_view_counts_the_jobs_of_every_lanes_and_every_workers_stream(client, redis_client, queue):
+    plain = client.submit("plain", max_tokens=4)
+    time.sleep(0.01)
+    flex = settle(client, client.as_tenant("ta").submit("flex", max_tokens=4, service_tier="flex"))
+    time.sleep(0.01)
+    place(redis_client, queue, "w1", "placed-1", cost="9", lane="priority", tenant="tb")
+    time.sleep(0.01)
+    place(redis_client, queue, "w2", "placed-2", cost="9")
+    redis_client.xgroup_create(KEYS.own_queue(queue, "w2"), GROUP, id="0")
+    redis_client.xreadgroup(GROUP, "w2", {KEYS.own_queue(queue, "w2"): ">"}, count=1)  # w2 runs it
+    stats = settle(client, client.queue_stats())
+    assert (stats.depth, stats.pending, stats.waiting) == (4, 1, 3)
+    assert [(s.lane, s.tenant, s.worker, s.depth, s.pending, s.waiting) for s in stats.streams] == [
+        ("default", None, None, 1, 0, 1),
+        ("flex", "ta", None, 1, 0, 1),
+        (None, None, "w1", 1, 0, 1),
+        (None, None, "w2", 1, 1, 0),
+    ]
+    overview = settle(client, client.inspect.overview())
+    assert (overview.depth, overview.pending, overview.waiting, overview.processed) == (4, 1, 3, 0)
+    waiting = settle(client, client.inspect.waiting(10))
+    assert [(j.job_id, j.lane, j.tenant, j.worker) for j in waiting] == [
+        (plain, "default", None, None),
+        (flex, "flex", "ta", None),
+        ("placed-1", "priority", "tb", "w1"),
+    ]
+    assert overview.oldest_waiting_s == pytest.approx(waiting[0].waited_s, abs=0.5)
+    assert [j.job_id for j in settle(client, client.inspect.waiting(2))] == [plain, flex]
+    running = settle(client, client.inspect.running(10))
+    assert [(r.job_id, r.worker, r.lane, r.tenant, r.placed_on) for r in running] == [
+        ("placed-2", "w2", "default", None, "w2")
+    ]
+
+
+def test_a_lane_jobs_and_a_placed_jobs_entry_is_found_waiting_and_running(client, redis_client, queue):
+    job_id = settle(client, client.as_tenant("ta").submit("flex", max_tokens=4, service_tier="flex"))
+    lane_stream = KEYS.lane_stream(queue, "flex", "ta")
+    status = settle(client, client.status(job_id))
+    found = settle(client, client.inspect.entry_of(status, [queue]))
+    assert (found.place, found.fields["id"]) == ("waiting", job_id)
+    redis_client.xgroup_create(lane_stream, GROUP, id="0")
+    [(_, [(entry_id, _)])] = redis_client.xreadgroup(GROUP, "w1", {lane_stream: ">"}, count=1)
+    redis_client.hset(KEYS.job(job_id), mapping={"status": "running", "entry": f"{entry_id}#flex:ta"})  # as CLAIM
+    found = settle(client, client.inspect.entry_of(settle(client, client.status(job_id)), [queue]))
+    assert (found.place, found.entry_id, found.fields["id"]) == ("running", entry_id, job_id)
+    placed_id = place(redis_client, queue, "w1", "placed-1")
+    redis_client.hset(KEYS.job("placed-1"), mapping={"status": "running", "entry": f"{placed_id}@w1"})
+    found = settle(client, client.inspect.entry_of(status.model_copy(update={"id": "placed-1"}), [queue]))
+    assert (found.place, found.entry_id, found.fields["id"]) == ("running", placed_id, "placed-1")
+
+
+@on_modes("server", "cluster")
+def test_the_stats_and_listings_read_workers_streams_on_every_shard(redis_deployment, deployment_client, queue):
+    """On a cluster each worker's stream has a hash tag, and so a shard, of its own."""
+    workers = [f"w{i}" for i in range(4)]
+    for name in workers:
+        place(deployment_client, queue, name, f"placed-{name}")
+    with Client(redis_deployment.url, queue) as client:
+        job_id = client.as_tenant("ta").submit("flex", max_tokens=4, service_tier="flex")
+        stats = client.queue_stats()
+        waiting = client.inspect.waiting(10)
+    assert (stats.depth, stats.waiting) == (5, 5)
+    assert [s.worker for s in stats.streams] == [None, *workers]
+    assert {j.job_id for j in waiting} == {job_id, *(f"placed-{name}" for name in workers)}
 
 
 def heartbeat(redis_client, queue: str, name: str, ttl_s: float) -> None:

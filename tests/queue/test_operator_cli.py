@@ -3,6 +3,8 @@ bad input is one line on stderr with a non-zero exit that changes nothing."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cli.__main__ import main
@@ -34,6 +36,18 @@ def test_jobs_lists_the_queued_and_running_jobs(mili, redis_server, redis_client
     assert code == 0 and [line.split()[0] for line in out.splitlines()] == ["JOB", jobs[1], jobs[2]]
     code, out, _ = mili("jobs", "--status", "running", "--limit", "5")
     assert code == 0 and out.splitlines()[1].split()[:4] == [jobs[0], entry, "w1", "1"]
+
+
+def test_jobs_lists_the_jobs_of_lanes_and_of_workers_streams_with_their_route(mili, redis_server, redis_client, queue):
+    with Client(redis_server.url, queue, tenant="ta") as client:
+        flex = client.submit("flex", max_tokens=4, service_tier="flex")
+    redis_client.zadd(KEYS.workers(queue), {"w1": time.time()})
+    placed = {"id": "placed-1", "v": "1", "body": "{}", "cost": "9", "lane": "priority", "tenant": "tb"}
+    redis_client.xadd(KEYS.own_queue(queue, "w1"), placed)
+    code, out, _ = mili("jobs", "--status", "queued")
+    rows = [line.split() for line in out.splitlines()]
+    assert code == 0 and rows[0] == ["JOB", "ENTRY", "WAITING", "LANE", "TENANT", "PLACED", "ON"]
+    assert [row[:1] + row[3:] for row in rows[1:]] == [[flex, "flex", "ta", "-"], ["placed-1", "priority", "tb", "w1"]]
 
 
 def test_dead_purge_older_than_takes_a_duration(mili, redis_server, redis_client, queue):

@@ -11,11 +11,11 @@ import pytest
 
 from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, UnsupportedVersion
 from producer_client.keys import GROUP, Keys, check_name
+from producer_client.protocol.backlog import QueueStream, stream_stats
 from producer_client.protocol.clock import entry_age_s, entry_time
 from producer_client.protocol.events import encode_tokens
 from producer_client.protocol.replies import Look, Watched
 from producer_client.schema import JobRequest
-from producer_client.status_reads import queue_stats
 from worker.loop.intake import job_id_of, parse_request
 from worker.loop.job_commands import JobCommands
 from worker.loop.queue import WorkerQueue
@@ -152,11 +152,11 @@ def test_heartbeat_writes_a_hash_with_ttl_and_indexes_the_worker():
     assert r.zrange(Keys().workers("q"), 0, -1) == []
 
 
-def test_queue_stats_falls_back_to_depth_minus_pending_when_redis_cannot_tell_the_lag():
+def test_a_streams_stats_fall_back_to_depth_minus_pending_when_redis_cannot_tell_the_lag():
     groups = [{"name": GROUP, "pending": 2, "lag": None}]
-    stats = queue_stats("q", depth=5, groups=groups, names=["a", "b"], alive=[1, 0])
-    assert (stats.depth, stats.pending, stats.waiting, stats.workers) == (5, 2, 3, ["a"])
-    assert queue_stats("q", depth=0, groups=[], names=[], alive=[]).waiting == 0
+    stats = stream_stats(QueueStream("k", "default"), depth=5, groups=groups)
+    assert (stats.depth, stats.pending, stats.waiting) == (5, 2, 3)
+    assert stream_stats(QueueStream("k", "default"), depth=0, groups=[]).waiting == 0
 
 
 def test_importing_the_producer_client_does_not_import_torch():

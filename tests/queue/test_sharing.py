@@ -60,6 +60,25 @@ def test_queue_stats_count_every_lanes_stream_and_name_each(redis_server, queue,
     ]
 
 
+def test_a_worker_counts_the_tokens_it_served_per_lane_and_tenant(redis_server, queue, tenant):
+    with Client(redis_server.url, queue, tenant=tenant) as client, serving(redis_server.url, queue) as worker:
+        flex = [client.submit(f"flex job {i}", max_tokens=3, service_tier="flex") for i in range(3)]
+        plain = client.as_tenant(None).submit("plain job", max_tokens=2)
+        results = {j: client.result(j, timeout=10) for j in [*flex, plain]}
+
+        def served(lane: str, name: str) -> float | None:
+            return worker.metrics.registry.get_sample_value("mili_served_tokens_total", {"lane": lane, "tenant": name})
+
+        tokens = {j: r.usage.prompt_tokens + r.usage.completion_tokens for j, r in results.items()}
+        expected = (sum(tokens[j] for j in flex), tokens[plain])
+        # The heartbeat (every 0.05 s here) hands the ledger's counts to the metrics.
+        assert eventually(lambda: (served("flex", tenant), served("default", "")) == expected), (
+            served("flex", tenant),
+            served("default", ""),
+            expected,
+        )
+
+
 def test_bad_lanes_and_tenants_are_refused_before_anything_is_enqueued(redis_server, queue, redis_client):
     with pytest.raises(InvalidArgument) as bad:
         Client(redis_server.url, queue, tenant="a:b")

@@ -84,6 +84,7 @@ class Ownership:
         m.requests_waiting.set(len(running) - started)
         m.kv_cache_usage.set(1 - cap.free_pages / self.total_pages if self.total_pages else 0.0)
         m.engine_totals(self.engine.stats())
+        m.tokens_served(self.holdings.ledger.take_served())
 
     def group_lost(self, error: Exception) -> None:
         log.warning("Redis has lost the consumer group of queue %r (%s): creating it again", self.settings.queue, error)

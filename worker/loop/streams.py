@@ -11,17 +11,15 @@ reads its milliseconds either way."""
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
 from producer_client.protocol import worker as scripts
+from producer_client.protocol.backlog import LANED, OWNED, REFERENCE, entry_stream
 from producer_client.protocol.execution import AddCommands, Pipe
 
-OWNED, LANED = "@", "#"
-REFERENCE = re.compile(r"([^@#]*)([@#]?)(.*)", re.S)
 # The dead-letter stream keeps about this many entries (XADD MAXLEN ~): bounded memory, and far
 # more than an operator reads before acting on the alert.
 DEAD_LETTER_MAXLEN = 10_000
@@ -90,13 +88,7 @@ class QueueStreams:
         return self.shared if owner is None else self.keys.own_queue(self.queue, owner)
 
     def of_ref(self, ref: str) -> str:
-        entry_id, mark, rest = _parts(ref)
-        if mark == OWNED:
-            return self.keys.own_queue(self.queue, rest)
-        if mark == LANED:
-            lane, _, tenant = rest.partition(":")
-            return self.keys.lane_stream(self.queue, lane, tenant)
-        return self.shared
+        return entry_stream(self.keys, self.queue, ref)[0]
 
     def by_stream(self, refs: Iterable[str]) -> dict[str, dict[str, str]]:
         """{stream key: {entry id: reference}} of the entries `refs` name, each stream's in the

@@ -1,0 +1,121 @@
+"""Every stream that holds a queue's jobs, and what each holds: the one definition of "the queue's
+jobs" that `mili stats`, `mili jobs`, the board, the metrics and the autoscaler's gauge read.
+
+A queue's jobs wait in three kinds of stream (docs/architecture.md): the queue's own stream (the
+default lane's jobs of no tenant); one stream per lane and tenant that has had jobs, listed in the
+queue's set of lane streams; and the own stream of each worker in the queue's index, where
+placement puts jobs. A worker's name stays in the index for an hour after it is gone, and so its
+stream is still read: what was placed on a gone worker waits there until another worker steals it.
+Each kind is read through the consumer group `workers`: its lag is what waits, its pending entries
+what runs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
+from producer_client.schema import StreamStats
+from producer_client.steps import Steps, checked
+
+# How a worker names an entry it holds, and CLAIM records as the job's `entry` (worker/loop/streams.py):
+# `<entry id>` in the queue's own stream, `<entry id>@<owner>` in worker `owner`'s own stream,
+# `<entry id>#<lane>:<tenant>` in a lane's stream of a tenant. An entry id is digits and one dash, so
+# the first `@` or `#` ends it.
+OWNED, LANED = "@", "#"
+REFERENCE = re.compile(r"([^@#]*)([@#]?)(.*)", re.S)
+
+
+def entry_stream(keys: Keys, queue: str, ref: str) -> tuple[str, str]:
+    """The stream key and the entry id that the entry reference `ref` names in `queue`."""
+    entry_id, mark, rest = REFERENCE.fullmatch(ref).groups()
+    if mark == OWNED:
+        return keys.own_queue(queue, rest), entry_id
+    if mark == LANED:
+        lane, _, tenant = rest.partition(":")
+        return keys.lane_stream(queue, lane, tenant), entry_id
+    return keys.queue(queue), entry_id
+
+
+@dataclass(frozen=True)
+class QueueStream:
+    """A stream of the queue's jobs: a lane's of a tenant (the queue's own stream is the default
+    lane's of NO_TENANT), or a worker's own (`worker` set; its entries name their lane and tenant)."""
+
+    key: str
+    lane: str | None = None
+    tenant: str = NO_TENANT
+    worker: str | None = None
+
+
+def queue_streams(keys: Keys, queue: str, members: set[str], workers: list[str]) -> list[QueueStream]:
+    """The queue's own stream first, then each lane stream (`members`: the set of lane streams'
+    `<lane>:<tenant>`) in order, then each worker's own stream in the index's order."""
+    routes = [(DEFAULT_LANE, NO_TENANT), *sorted(tuple(member.split(":", 1)) for member in members)]
+    return [QueueStream(keys.lane_stream(queue, lane, tenant), lane, tenant) for lane, tenant in routes] + [
+        QueueStream(keys.own_queue(queue, name), worker=name) for name in workers
+    ]
+
+
+def read_queue_streams(keys: Keys, queue: str) -> Steps[tuple[list[str], list[QueueStream]]]:
+    """The queue's worker index (its workers' names, gone ones too) and every stream of its jobs:
+    one round trip."""
+    names, members = checked(
+        (yield lambda pipe: (pipe.zrange(keys.workers(queue), 0, -1), pipe.smembers(keys.lane_streams(queue))))
+    )
+    return names, queue_streams(keys, queue, members, names)
+
+
+@dataclass(frozen=True)
+class StreamReading:
+    """A stream's XLEN and XINFO GROUPS (empty when it holds nothing)."""
+
+    stream: QueueStream
+    depth: int
+    groups: list[dict]
+
+    def stats(self) -> StreamStats:
+        return stream_stats(self.stream, self.depth, self.groups)
+
+    def unread_after(self) -> str:
+        """XRANGE's start for the entries no worker has read yet."""
+        group = next((g for g in self.groups if g["name"] == GROUP), None)
+        return "-" if group is None else "(" + group["last-delivered-id"]
+
+
+def read_streams(streams: list[QueueStream]) -> Steps[list[StreamReading]]:
+    """XLEN of each stream, then XINFO GROUPS of those that hold entries (it fails on a stream that
+    does not exist). Two round trips; on a cluster the workers' streams lie on other shards, and
+    each round trip goes to all of them at once."""
+    depths = checked((yield lambda pipe: [pipe.xlen(s.key) for s in streams]))
+    held = [i for i, depth in enumerate(depths) if depth]
+    replies = checked((yield lambda pipe: [pipe.xinfo_groups(streams[i].key) for i in held])) if held else []
+    groups = dict(zip(held, replies))
+    return [StreamReading(s, depths[i], groups.get(i, [])) for i, s in enumerate(streams)]
+
+
+def read_backlogs(streams: list[QueueStream]) -> Steps[list[StreamStats]]:
+    """Each stream's depth, pending and waiting entries (read_streams)."""
+    return [reading.stats() for reading in (yield from read_streams(streams))]
+
+
+def backlog(depth: int, groups: list[dict]) -> tuple[int, int]:
+    """(pending, waiting) of a stream of `depth` entries, from its XINFO GROUPS (empty when it
+    has none)."""
+    group = next((g for g in groups if g["name"] == GROUP), None)
+    pending = group["pending"] if group else 0
+    lag = group.get("lag") if group else None
+    # Acked entries are deleted, so depth = waiting + pending whenever Redis cannot tell the lag.
+    return pending, lag if lag is not None else depth - pending
+
+
+def stream_stats(stream: QueueStream, depth: int, groups: list[dict]) -> StreamStats:
+    pending, waiting = backlog(depth, groups)
+    return StreamStats(
+        lane=stream.lane,
+        tenant=None if stream.tenant == NO_TENANT else stream.tenant,
+        worker=stream.worker,
+        depth=depth,
+        pending=pending,
+        waiting=waiting,
+    )
