@@ -156,7 +156,7 @@ def test_the_demo_runs_offline_on_the_bundles_redis_server(venv, tmp_path):
     assert found.stdout.strip() == str(venv / "bin" / "redis-server")
     demo = offline([str(venv / "bin" / "python"), "-m", "worker", "demo"], cwd=tmp_path, env=env, timeout=600)
     assert demo.returncode == 0, demo.stdout + demo.stderr
-    assert "jobs: done 6, failed 0, cancelled 0, expired 0" in demo.stdout
+    assert "jobs: done 9, failed 0, cancelled 0, expired 0" in demo.stdout  # 6 base jobs, 3 on LoRA adapters
     assert 'OpenAI(base_url="http://127.0.0.1:' in demo.stdout
     assert "worker and redis-server stopped." in demo.stdout
 
