@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 
+from gateway.metrics import BACKLOG_TIMEOUT_S
 from harness.processes import ChildProcess
 from worker.embedded_redis import free_port
 
@@ -54,7 +55,9 @@ class GatewayProcess(ChildProcess):
         if f"Uvicorn running on {self.url}" not in self.log_of_this_start():
             return False
         try:
-            httpx.get(f"{self.url}/metrics", timeout=1)  # answered, 200 or 401 (monitoring_needs_key)
+            # Answered, 200 or 401 (monitoring_needs_key); a scrape reads the queues' backlogs, up to
+            # gateway.metrics.BACKLOG_TIMEOUT_S while Redis is away (a test's dead or silent Redis).
+            httpx.get(f"{self.url}/metrics", timeout=BACKLOG_TIMEOUT_S + 1)
             return True
         except httpx.TransportError:
             return False
