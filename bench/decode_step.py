@@ -56,7 +56,7 @@ def main() -> None:
     if len(chunks) != args.batch or any(c.num_tokens != 1 for c in chunks):
         raise RuntimeError(f"expected a decode step of {args.batch} requests, got {len(chunks)} chunks")
     model_ms = timed(lambda: engine.runner.run(chunks), args.warmup, args.steps, engine.device)
-    engine.overlap = overlap
+    engine.stepper.overlap = overlap  # the step pipeline reads it at each step
     step_ms = timed(engine.step, 1, args.steps, engine.device)
 
     nbytes = bytes_read(engine, chunks)

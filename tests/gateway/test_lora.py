@@ -115,7 +115,9 @@ def test_an_adapter_no_worker_serves_is_a_404_before_anything_is_enqueued(sdk, r
     assert entries_naming(redis_client, "tiny-nope") == 0
 
 
-def test_the_client_runs_a_job_on_an_adapter_and_refuses_an_unknown_one(redis_server, offline, redis_client):
+def test_the_client_runs_a_job_on_an_adapter_and_refuses_an_unknown_one(
+    redis_server, gateway_workers, offline, redis_client
+):
     with Client(redis_server.url, TINY_QUEUE) as client:
         result = client.generate(input_ids=PROMPT, adapter="tiny-sql", max_tokens=8, temperature=0, timeout=120)
         assert result.text == offline["tiny-sql"]
@@ -141,7 +143,9 @@ def test_the_client_runs_a_job_on_an_adapter_and_refuses_an_unknown_one(redis_se
         assert entries_naming(redis_client, "tiny-nope") == 0
 
 
-def test_a_job_whose_adapter_only_the_worker_finds_unknown_fails_with_the_code(redis_server, redis_client):
+def test_a_job_whose_adapter_only_the_worker_finds_unknown_fails_with_the_code(
+    redis_server, gateway_workers, redis_client
+):
     job_id = f"raw-{uuid.uuid4().hex}"
     body = json.dumps({"input_ids": PROMPT, "adapter": "tiny-nope", "params": {"max_tokens": 2}})
     redis_client.xadd(Keys().queue(TINY_QUEUE), {"id": job_id, "v": "1", "body": body})  # past the client's check
@@ -175,7 +179,7 @@ def test_routes_send_an_adapter_to_the_queue_most_of_its_workers_serve_it_on_and
     assert {c.id: c.parent for c in table.cards} == {"qwen": None, "qwen-big": None, "sql": "qwen", "chat": "qwen"}
 
 
-def test_the_cli_submits_on_an_adapter_and_refuses_an_unknown_one(redis_server):
+def test_the_cli_submits_on_an_adapter_and_refuses_an_unknown_one(redis_server, gateway_workers):
     def mili(*args: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "cli", "--redis", redis_server.url, "--queue", TINY_QUEUE, *args]
         return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
@@ -185,7 +189,9 @@ def test_the_cli_submits_on_an_adapter_and_refuses_an_unknown_one(redis_server):
         flags = ["--adapter", adapter] if adapter else []
         submitted = mili("submit", "Name a prime number.", "--max-tokens", "6", "--temperature", "0", *flags)
         assert submitted.returncode == 0, submitted.stderr
-        result = json.loads(mili("result", submitted.stdout.strip(), "--timeout", "60").stdout)
+        done = mili("result", submitted.stdout.strip(), "--timeout", "60")
+        assert done.returncode == 0, (submitted.stdout, done.stderr)
+        result = json.loads(done.stdout)
         assert result["status"] == "done"
         outputs[adapter] = result["token_ids"]
     assert outputs["tiny-sql"] != outputs[None]

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -51,11 +52,21 @@ def follower_main(spec: RankSpec, reader: RingReader) -> None:
         serve_steps(reader, runner, spec.settings.tensor_parallel_timeout_s, lora)
     except RankFailed as e:
         log.error("%s: this rank stops", e.message)
-        sys.exit(1)
+        exit_failed()
     except Exception:
         log.exception("tensor-parallel rank %d failed", spec.rank)
-        sys.exit(1)
+        exit_failed()
     dist.destroy_process_group()
+
+
+def exit_failed() -> NoReturn:
+    """Exit code 1 without the interpreter's teardown: a process group whose collective failed
+    may abort in its destructor (gloo: "terminate called without an active exception", SIGABRT),
+    and rank 0 reports how a rank ended. The log is flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def start_rank(spec: RankSpec) -> tuple[ModelRunner, LoraFollower | None]:
