@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from producer_client.chat_output import OutputDelta, OutputFormat, OutputParser
-from producer_client.errors import JobNotFound
+from producer_client.errors import JobNotFound, JobTimeout
 from producer_client.keys import Keys
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_order
@@ -24,7 +24,7 @@ from producer_client.protocol.events import EventType, shown_output_format, show
 from producer_client.schema import JobResult, TokenDelta
 from producer_client.steps import Repeatable, Steps, checked
 from producer_client.validation import check_event_id, check_job_id, check_timeout
-from producer_client.waiting import Deadline, expiry, finished, job_deadline, xread
+from producer_client.waiting import Deadline, expired_at_timeout, expiry, finished, job_deadline, xread
 
 EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
 
@@ -62,7 +62,12 @@ class JobStream:
                 (yield Repeatable(lambda pipe: job_deadline(pipe, keys, self.job_id)))
             )
             self.expires_at = expiry(self.job_id, status, deadline_ms, redis_time)
-        events = yield from xread(keys.events(self.job_id), self.last, EVENT_BATCH, deadline, self.expires_at)
+        try:
+            events = yield from xread(keys.events(self.job_id), self.last, EVENT_BATCH, deadline, self.expires_at)
+        except JobTimeout:
+            if self.expires_at is not None:
+                yield from expired_at_timeout(keys, self.job_id)
+            raise
         if events:
             self.expires_at = None  # it has started
         deltas = []

@@ -62,9 +62,22 @@ def wait_done(keys: Keys, job_id: str, deadline: Deadline, expires_at: float | N
                 (yield Repeatable(lambda pipe: job_deadline(pipe, keys, job_id)))
             )
             expires_at = expiry(job_id, status, deadline_ms, redis_time)
-        entries = yield from xread(done, "0-0", 1, deadline, expires_at)
+        try:
+            entries = yield from xread(done, "0-0", 1, deadline, expires_at)
+        except JobTimeout:
+            if expires_at is not None:  # the job's deadline may have passed with the caller's
+                yield from expired_at_timeout(keys, job_id)
+            raise
         if entries:
             return entries[0][1]["data"]
+
+
+def expired_at_timeout(keys: Keys, job_id: str) -> Steps[None]:
+    """Raises JobExpired if the job, still queued, has passed its deadline by Redis's clock. A
+    caller whose timeout is the job's own (the gateway's) reaches both ends within a few
+    milliseconds, in either order on this process's clock: the job's end is the answer."""
+    (status, deadline_ms), redis_time = checked((yield Repeatable(lambda pipe: job_deadline(pipe, keys, job_id))))
+    expiry(job_id, status, deadline_ms, redis_time)
 
 
 def job_deadline(pipe, keys: Keys, job_id: str) -> tuple:

@@ -13,9 +13,20 @@ import redis
 from redis.exceptions import NoScriptError
 
 from harness.polling import eventually
-from producer_client import AsyncClient, Client, InvalidArgument, JobExpired, JobNotFound, JobTimeout, QueueFull
+from producer_client import (
+    AsyncClient,
+    Client,
+    InvalidArgument,
+    JobExpired,
+    JobNotFound,
+    JobTimeout,
+    QueueFull,
+    job_stream,
+    waiting,
+)
 from producer_client.keys import GROUP, Keys
 from producer_client.protocol import execution
+from producer_client.steps import run as run_steps
 from tests.support.clients import make_client
 from worker.embedded_redis import EmbeddedRedis, free_port
 from worker.loop.queue import WorkerQueue
@@ -233,6 +244,50 @@ def test_waiting_for_a_job_that_expires_unread_raises_job_expired_at_its_deadlin
     assert (e.value.code, e.value.result) == ("expired", None)
     assert e.value.message == f"job {e.value.job_id} passed its deadline before a worker started it"
     assert client.status(e.value.job_id).status == "expired"
+
+
+@pytest.mark.parametrize("how", ["result", "wait", "generate", "stream"])
+def test_a_caller_whose_timeout_is_the_jobs_own_gets_job_expired(redis_server, how):
+    """The gateway waits exactly as long as its jobs' timeout_s: the caller's end and the job's
+    come within milliseconds, in either order on the caller's clock, and the job's end is the
+    answer (a CI run once answered JobTimeout). Eight jobs at once, each waited on for its own
+    timeout_s, on a queue no worker reads."""
+
+    async def wait_as_long_as_the_job(client: AsyncClient):
+        if how == "generate":
+            return await client.generate("x", max_tokens=1, timeout_s=EXPIRES_S, timeout=EXPIRES_S)
+        job_id = await client.submit("x", max_tokens=1, timeout_s=EXPIRES_S)
+        if how == "stream":
+            return [delta async for delta in client.stream(job_id, timeout=EXPIRES_S)]
+        return await getattr(client, how)(job_id, timeout=EXPIRES_S)
+
+    async def main():
+        async with AsyncClient(redis_server.url, f"unread-{uuid.uuid4().hex[:8]}") as client:
+            return await asyncio.gather(*(wait_as_long_as_the_job(client) for _ in range(8)), return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    assert [type(o).__name__ for o in outcomes] == ["JobExpired"] * 8
+
+
+@pytest.mark.parametrize("reader", ["done", "events"])
+def test_a_job_past_its_deadline_at_the_callers_timeout_is_job_expired_whatever_the_local_clock_says(
+    client, redis_client, reader
+):
+    """The ordering the test above can only sometimes meet: the caller's timeout comes first on
+    its own clock (a process descheduled between a reply and its clock read puts the job's end
+    later there), while Redis's clock has passed the job's deadline."""
+    job_id = client.submit("x", max_tokens=1, timeout_s=0.05)
+    time.sleep(0.1)
+    later_here = time.monotonic() + 60
+    if reader == "done":
+        steps = waiting.wait_done(client.keys, job_id, waiting.Deadline(job_id, 0.01), expires_at=later_here)
+    else:
+        stream = job_stream.JobStream(job_id, "0-0")
+        stream.expires_at = later_here
+        steps = stream.read(client.keys, waiting.Deadline(job_id, 0.01))
+    time.sleep(0.02)
+    with pytest.raises(JobExpired):
+        run_steps(redis_client, steps)
 
 
 @pytest.mark.timing
