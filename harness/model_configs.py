@@ -3,6 +3,24 @@
 
 from worker.model.presets import qwen3_config, qwen3_moe_config
 
+# The suite's small dense shape for the tests that run a checkpoint through the engine, the queue
+# and tensor parallelism, as qwen3_config's keyword arguments (a test changes what it needs):
+# weights at 0.3, so greedy outputs vary from token to token; 4 heads on 2 KV heads.
+SMALL_DENSE = dict(
+    vocab_size=2048,
+    max_position_embeddings=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    tie_word_embeddings=False,
+    initializer_range=0.3,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+
 # GQA ratios 1, 2 and 4; tied and untied embeddings; head_dim 64 and 128. The MoE configs:
 # tiny-moe's routing (8 experts, 2 per token, renormalized) in every layer; and 6 experts, 3
 # per token, not renormalized, with a dense layer between sparse ones (mlp_only_layers).

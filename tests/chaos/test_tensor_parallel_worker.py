@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.model_configs import SMALL_DENSE
 from harness.polling import eventually
 from harness.processes import REPO, alive
 from producer_client import Client
@@ -42,20 +43,7 @@ MAX_TOKENS = 40
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """Weights at 0.3, so greedy outputs vary from token to token; 4 heads, 2 KV heads."""
-    config = qwen3_config(
-        vocab_size=2048,
-        max_position_embeddings=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
+    config = qwen3_config(**SMALL_DENSE)
     ckpt = write_random_checkpoint(tmp_path_factory.mktemp("tp_worker_ckpt"), config, seed=11, norm_std=0.1)
     write_qwen3_tokenizer_files(ckpt)
     return ckpt

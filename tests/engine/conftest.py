@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.support import DENSE, VOCAB, engine_maker, write_test_checkpoint
+from harness.model_configs import SMALL_DENSE
+from tests.engine.support import VOCAB, engine_maker, write_test_checkpoint
 from worker.engine import Engine, EngineSettings
 from worker.model.loader import load_model
 from worker.model.presets import qwen3_config, qwen3_moe_config, resolve_model_path
@@ -20,14 +21,14 @@ from worker.model.tokenizer import Tokenizer
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:
-    return write_test_checkpoint(tmp_path_factory.mktemp("engine_ckpt"), qwen3_config(**DENSE), seed=3)
+    return write_test_checkpoint(tmp_path_factory.mktemp("engine_ckpt"), qwen3_config(**SMALL_DENSE), seed=3)
 
 
 @pytest.fixture(scope="session")
 def moe_checkpoint(tmp_path_factory) -> Path:
     config = qwen3_moe_config(
         **{
-            **DENSE,
+            **SMALL_DENSE,
             "moe_intermediate_size": 32,
             "num_experts": 6,
             "num_experts_per_tok": 3,
@@ -43,7 +44,7 @@ def moe_checkpoint(tmp_path_factory) -> Path:
 def replicated_kv_checkpoint(tmp_path_factory) -> Path:
     """One KV head for 4 query heads (each rank holds a copy), and an odd vocabulary (the last
     rank's share of the embedding and the head ends in a padding row)."""
-    config = qwen3_config(**{**DENSE, "vocab_size": VOCAB - 1, "num_key_value_heads": 1})
+    config = qwen3_config(**{**SMALL_DENSE, "vocab_size": VOCAB - 1, "num_key_value_heads": 1})
     return write_test_checkpoint(tmp_path_factory.mktemp("kv1_ckpt"), config, seed=7)
 
 

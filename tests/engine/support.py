@@ -5,27 +5,12 @@ from pathlib import Path
 
 import torch
 
+from harness.model_configs import SMALL_DENSE
 from worker.engine import Engine, EngineSettings
 from worker.model.presets import write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
 
-VOCAB = 2048  # the random checkpoint's vocabulary size (conftest.py)
-
-# The dense test model's shape; each of conftest.py's checkpoints changes what it needs.
-DENSE = dict(
-    vocab_size=VOCAB,
-    max_position_embeddings=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    tie_word_embeddings=False,
-    initializer_range=0.3,
-    bos_token_id=None,
-    eos_token_id=None,
-)
+VOCAB = SMALL_DENSE["vocab_size"]  # the random checkpoint's vocabulary size (conftest.py)
 
 
 def write_test_checkpoint(directory: Path, config: dict, seed: int) -> Path:

@@ -6,10 +6,11 @@ own draft every drafted token is the target's choice, so its acceptance shows th
 import pytest
 import torch
 
+from harness.model_configs import SMALL_DENSE
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
 from tests.engine.speculative_support import always_speculating
-from tests.engine.support import DENSE, write_test_checkpoint
+from tests.engine.support import write_test_checkpoint
 from tests.engine.test_engine import assert_all_pages_free_after_clear, random_prompts
 from tests.engine.test_speculative import assert_same_outputs
 from worker.engine.kv_pool import KVCacheShape
@@ -22,7 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24)
 @pytest.fixture(scope="module")
 def small_draft(tmp_path_factory):
     """Another random model of the test vocabulary: one layer, narrower, tied, 4 q heads per kv head."""
-    shape = {**DENSE, "hidden_size": 32, "num_hidden_layers": 1, "num_key_value_heads": 1, "head_dim": 16}
+    shape = {**SMALL_DENSE, "hidden_size": 32, "num_hidden_layers": 1, "num_key_value_heads": 1, "head_dim": 16}
     return write_test_checkpoint(
         tmp_path_factory.mktemp("draft"), qwen3_config(**shape | {"tie_word_embeddings": True}), 9
     )
@@ -77,7 +78,9 @@ def test_each_page_of_the_pool_is_sized_for_the_draft_too(make_engine, checkpoin
     drafting = make_engine(
         num_pages=None, kv_cache_mib=1, speculative_method="draft", speculative_model=str(small_draft)
     )
-    target = KVCacheShape(DENSE["num_hidden_layers"], DENSE["num_key_value_heads"], DENSE["head_dim"], 4, torch.float32)
+    target = KVCacheShape(
+        SMALL_DENSE["num_hidden_layers"], SMALL_DENSE["num_key_value_heads"], SMALL_DENSE["head_dim"], 4, torch.float32
+    )
     draft = KVCacheShape(1, 1, 16, 4, torch.float32)
     assert plain.allocator.num_pages == 2**20 // target.bytes_per_page
     assert drafting.allocator.num_pages == 2**20 // (target.bytes_per_page + draft.bytes_per_page)

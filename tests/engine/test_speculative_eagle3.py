@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from harness.model_configs import SMALL_DENSE
 from producer_client.errors import InvalidArgument
 from producer_client.schema import SamplingParams
 from tests.engine.speculative_support import always_speculating
-from tests.engine.support import DENSE
 from tests.engine.test_engine import assert_all_pages_free_after_clear, random_prompts
 from tests.engine.test_speculative import assert_same_outputs
 from worker.engine.kv_pool import pages_for
@@ -36,7 +36,9 @@ AUX_IDS = {"eagle": [0, 0, 1], "speculators": [1, 1, 2]}  # both: the inputs of 
 def head(request, tmp_path_factory):
     layout = request.param
     path = tmp_path_factory.mktemp(f"eagle3-{layout}")
-    return write_random_eagle3_head(path, qwen3_config(**DENSE), layout, 700, seed=4, aux_layer_ids=AUX_IDS[layout])
+    return write_random_eagle3_head(
+        path, qwen3_config(**SMALL_DENSE), layout, 700, seed=4, aux_layer_ids=AUX_IDS[layout]
+    )
 
 
 def eagle_engine(make_engine, head, **settings):
@@ -101,10 +103,10 @@ def test_the_captured_states_are_the_targets_layer_inputs(make_engine, head, hf_
 
 
 def test_a_head_of_another_vocabulary_or_hidden_size_is_refused(make_engine, tmp_path):
-    other_vocab = write_random_eagle3_head(tmp_path / "vocab", qwen3_config(**{**DENSE, "vocab_size": 1000}))
+    other_vocab = write_random_eagle3_head(tmp_path / "vocab", qwen3_config(**{**SMALL_DENSE, "vocab_size": 1000}))
     with pytest.raises(InvalidArgument, match="vocabulary"):
         eagle_engine(make_engine, other_vocab)
-    narrower = qwen3_config(**{**DENSE, "hidden_size": 32})
+    narrower = qwen3_config(**{**SMALL_DENSE, "hidden_size": 32})
     with pytest.raises(InvalidArgument, match="hidden states of size 32"):
         eagle_engine(make_engine, write_random_eagle3_head(tmp_path / "hidden", narrower, aux_layer_ids=[0, 0, 1]))
 

@@ -9,9 +9,10 @@ from unittest import mock
 import pytest
 import torch
 
+from harness.model_configs import SMALL_DENSE
 from producer_client.schema import SamplingParams
 from tests.engine.speculative_support import ScriptedProposer, always_speculating
-from tests.engine.support import DENSE, VOCAB
+from tests.engine.support import VOCAB
 from tests.engine.test_speculative import assert_same_outputs
 from worker.engine import Engine, EngineSettings
 from worker.engine.kv_pool import pages_for
@@ -98,7 +99,7 @@ def test_a_proposer_of_the_base_model_changes_no_output_under_adapters(
     if method == "eagle3":
         head = tmp_path_factory.mktemp("spec_lora_head")
         model = str(
-            write_random_eagle3_head(head, qwen3_config(**DENSE), "eagle", 700, seed=4, aux_layer_ids=[0, 0, 1])
+            write_random_eagle3_head(head, qwen3_config(**SMALL_DENSE), "eagle", 700, seed=4, aux_layer_ids=[0, 0, 1])
         )
     engine = always_speculating(
         make_lora_engine(speculative_method=method, speculative_model=model, num_speculative_tokens=3)

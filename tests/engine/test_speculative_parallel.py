@@ -5,9 +5,9 @@ speculation generate what one rank generates without it."""
 
 import pytest
 
+from harness.model_configs import SMALL_DENSE
 from producer_client.schema import SamplingParams
 from tests.engine.speculative_support import always_speculating
-from tests.engine.support import DENSE
 from tests.engine.test_engine import random_prompts
 from tests.engine.test_speculative import assert_same_outputs
 from tests.engine.test_tensor_parallel import DEVICE, ENGINE
@@ -40,7 +40,9 @@ def test_two_ranks_with_a_draft_model_generate_what_one_rank_does_without(checkp
 def test_two_ranks_with_an_eagle3_head_generate_what_one_rank_does_without(checkpoint, tmp_path):
     want = Engine.from_pretrained(checkpoint, device=DEVICE, dtype="float32", **ENGINE).generate(PROMPTS, PARAMS)
     # The head has an embedding of its own: rank 0 holds only its share of the model's.
-    own = write_random_eagle3_head(tmp_path / "own", qwen3_config(**DENSE), aux_layer_ids=[0, 0, 1], own_embedding=True)
+    own = write_random_eagle3_head(
+        tmp_path / "own", qwen3_config(**SMALL_DENSE), aux_layer_ids=[0, 0, 1], own_embedding=True
+    )
     with two_ranks(checkpoint, speculative_method="eagle3", speculative_model=str(own), overlap_schedule=True) as tp:
         always_speculating(tp)
         assert_same_outputs(tp.generate(PROMPTS, PARAMS), want)

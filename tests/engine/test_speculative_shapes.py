@@ -1,7 +1,7 @@
 """Speculative decoding is lossless on every shape of model the engine serves: the tiny and
 tiny-moe presets (Qwen3's whole vocabulary, tied heads; tiny-moe's routing renormalized) and the
 test checkpoints of other shapes: an untied head with 2 query heads per KV head (conftest's
-DENSE), one KV head for 4 query heads and an odd vocabulary, a mixture of experts whose routing is
+SMALL_DENSE), one KV head for 4 query heads and an odd vocabulary, a mixture of experts whose routing is
 not renormalized beside a dense layer. On each, greedy, seeded and penalized outputs equal the
 engine's without speculation token for token, with drafts wrong at every fifth position (so
 verification rejects at every depth) and with the model drafting for itself through the

@@ -10,6 +10,7 @@ from transformers import Qwen3Config as HFQwen3Config
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from harness.model_configs import SMALL_DENSE
 from harness.paged_model import PagedModelRunner
 from kernels.rope import rope_cos_sin_cache
 from producer_client.errors import InvalidArgument
@@ -140,19 +141,11 @@ def test_yarn_table_is_transformers_rotary_embedding_bit_for_bit(head_dim, theta
 def yarn_models(tmp_path_factory):
     """A random Qwen3 trained, as it were, on 64 positions, scaled 4x by YaRN to 256."""
     config = qwen3_config(
-        vocab_size=2048,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-        bos_token_id=None,
-        eos_token_id=None,
-        max_position_embeddings=256,
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        **SMALL_DENSE
+        | dict(
+            max_position_embeddings=256,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        )
     )
     ckpt = write_random_checkpoint(tmp_path_factory.mktemp("yarn"), config, seed=9, norm_std=0.1)
     ours = load_model(ckpt, dtype=torch.float32, device=DEVICE).model
