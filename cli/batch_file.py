@@ -37,6 +37,7 @@ from openai_format.batch_lines import (
     jsonl_lines,
     line_request,
     not_a_request,
+    note_custom_id,
     parse_line,
     request_id,
 )
@@ -157,18 +158,10 @@ class BatchFileRun:
                     continue
                 try:
                     line = parse_line(text, number)
-                    if line.custom_id in seen:
-                        raise LineError(
-                            number,
-                            "duplicate_custom_id",
-                            f"custom_id {line.custom_id!r} is on an earlier line",
-                            "custom_id",
-                            line.custom_id,
-                        )
+                    note_custom_id(line, number, seen)
                 except LineError as e:
                     self.answer_once_by_line(e)
                     continue
-                seen.add(line.custom_id)
                 if self.files.answered(line.custom_id):
                     self.tally.done_before += 1
                     continue

@@ -191,21 +191,26 @@ def check_lines(text: str, url: str, max_lines: int, max_errors: int = 100) -> t
     seen: set[str] = set()
     for number, text_line in numbered:
         try:
-            line = parse_line(text_line, number, frozenset({url}))
-            if line.custom_id in seen:
-                raise LineError(
-                    number,
-                    "duplicate_custom_id",
-                    f"custom_id {line.custom_id!r} is on an earlier line",
-                    "custom_id",
-                    line.custom_id,
-                )
-            seen.add(line.custom_id)
+            note_custom_id(parse_line(text_line, number, frozenset({url})), number, seen)
         except LineError as e:
             errors.append(e)
             if len(errors) == max_errors:
                 break
     return [line for _, line in numbered], errors
+
+
+def note_custom_id(line: InputLine, number: int, seen: set[str]) -> None:
+    """Adds the line's custom_id to those `seen` on earlier lines; one seen already is a LineError
+    (the Batch API refuses a file that repeats one: answers are matched to requests by it)."""
+    if line.custom_id in seen:
+        raise LineError(
+            number,
+            "duplicate_custom_id",
+            f"custom_id {line.custom_id!r} is on an earlier line",
+            "custom_id",
+            line.custom_id,
+        )
+    seen.add(line.custom_id)
 
 
 def custom_id_of(text: str) -> str | None:
