@@ -180,12 +180,19 @@ def listed_batches(keys: Keys, after: str | None, limit: int, owner: str | None)
     if after is not None:
         (rank,) = checked((yield lambda pipe: pipe.zrevrank(index, after)))
         start = 0 if rank is None else rank + 1
-    (ids,) = checked((yield lambda pipe: pipe.zrevrange(index, start, start + limit)))
-    hashes = checked((yield lambda pipe: [pipe.hgetall(keys.batch(batch_id)) for batch_id in ids]))
-    gone = [batch_id for batch_id, fields in zip(ids, hashes) if not fields]
-    if gone:
-        checked((yield lambda pipe: pipe.zrem(index, *gone)))
-    return [fields for fields in hashes if fields]
+    found: list[dict[str, str]] = []
+    while len(found) <= limit:  # a page short of expired batches reads on: has_more stays true
+        wanted = limit + 1 - len(found)
+        (ids,) = checked((yield lambda pipe: pipe.zrevrange(index, start, start + wanted - 1)))
+        hashes = checked((yield lambda pipe: [pipe.hgetall(keys.batch(batch_id)) for batch_id in ids]))
+        found += [fields for fields in hashes if fields]
+        gone = [batch_id for batch_id, fields in zip(ids, hashes) if not fields]
+        if gone:
+            checked((yield lambda pipe: pipe.zrem(index, *gone)))
+        if len(ids) < wanted:
+            break
+        start += len(ids) - len(gone)  # the gone ones left the index: the ranks after them moved up
+    return found
 
 
 def unfinished_batches(keys: Keys) -> Steps[list[str]]:

@@ -1,0 +1,24 @@
+"""GET /v1/batches pages over an index that outlives the batches it names: a batch that expired
+(its hash gone) leaves the index when a listing meets it, and a page never comes up short for it."""
+
+import uuid
+
+from producer_client.keys import Keys
+from producer_client.protocol.batch import listed_batches
+from producer_client.steps import run
+
+
+def test_a_page_with_expired_batches_in_it_reads_on_to_a_full_page(redis_client):
+    keys = Keys(prefix=f"list-{uuid.uuid4().hex[:8]}")
+    ids = [f"batch_{i}" for i in range(8)]
+    for i, batch_id in enumerate(ids):
+        redis_client.zadd(keys.batches(), {batch_id: i})
+        if i not in (5, 6, 3):  # these three expired: their hashes are gone
+            redis_client.hset(keys.batch(batch_id), "id", batch_id)
+    first = [b["id"] for b in run(redis_client, listed_batches(keys, None, 2, None))]
+    assert first == ["batch_7", "batch_4", "batch_2"]  # limit + 1: has_more
+    second = [b["id"] for b in run(redis_client, listed_batches(keys, "batch_4", 2, None))]
+    assert second == ["batch_2", "batch_1", "batch_0"]
+    last = [b["id"] for b in run(redis_client, listed_batches(keys, "batch_1", 2, None))]
+    assert last == ["batch_0"]
+    assert redis_client.zrevrange(keys.batches(), 0, -1) == ["batch_7", "batch_4", "batch_2", "batch_1", "batch_0"]
