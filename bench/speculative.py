@@ -41,6 +41,7 @@ from producer_client.schema import SamplingParams
 from worker.engine import Engine, EngineSettings
 from worker.engine.kv_pool import pages_for
 from worker.engine.scheduler import ScheduledChunk
+from worker.model import qwen3
 from worker.model.eagle3_checkpoint import write_random_eagle3_head
 from worker.model.loader import load_model
 from worker.model.presets import resolve_model_path
@@ -213,6 +214,28 @@ def verify_cost(target: Target, args: argparse.Namespace) -> None:
         row = "  ".join(f"n={n}: {t * 1e3:.2f} ms ({t / times[0]:.2f}x)" for n, t in enumerate(times))
         per_token = (times[-1] / times[0] - 1) / args.k
         print(f"batch {batch}: {row}; each extra token per request: +{per_token:.1%} of a decode step")
+        if engine.device.type == "cpu":
+            few_rows_beside_blas(engine, [0, args.k], args.repeats)
+
+
+def few_rows_beside_blas(engine: Engine, drafted: list[int], rounds: int) -> None:
+    """The CPU's projections of a step of up to qwen3.FEW_ROWS rows run on the numba kernel; the
+    same steps with them on BLAS (F.linear), in alternating rounds: the median of each."""
+    kernel_rows = qwen3.FEW_ROWS
+    times: dict[tuple[int, int], list[float]] = {(few, n): [] for few in (kernel_rows, 0) for n in drafted}
+    try:
+        for _ in range(rounds):
+            for few in (kernel_rows, 0):
+                qwen3.FEW_ROWS = few
+                for n in drafted:
+                    times[(few, n)].append(step_seconds(engine, n))
+    finally:
+        qwen3.FEW_ROWS = kernel_rows
+    for n in drafted:
+        kernel, blas = (float(np.median(times[(few, n)])) for few in (kernel_rows, 0))
+        print(
+            f"  n={n}: projections on the kernel {kernel * 1e3:.2f} ms, on BLAS {blas * 1e3:.2f} ms: {kernel / blas:.2f}x"
+        )
 
 
 def fill(engine: Engine, work: list[list[int]]) -> None:

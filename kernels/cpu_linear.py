@@ -1,4 +1,5 @@
-"""x @ w.T for float32 on CPU when x has few rows, compiled by numba: the CPU engine's LM head.
+"""x @ w.T for float32 on CPU when x has few rows, compiled by numba: the CPU engine's LM head,
+and its projections in a step of a few rows (worker/model/qwen3.py, FEW_ROWS).
 
 Each decode step multiplies a few dozen hidden rows by the whole [vocab, hidden] head, 311 MB
 for Qwen3's vocabulary at hidden 512. BLAS packs that weight into its own layout on every

@@ -1,4 +1,4 @@
-"""The CPU engine's float32 LM head kernel (numba) against torch's matmul."""
+"""The CPU engine's float32 kernel of the LM head and few-row projections (numba) against torch's matmul."""
 
 import numba
 import pytest

@@ -28,6 +28,13 @@ from worker.model.params import empty_weight
 from worker.model.rope import rope_table
 
 
+# Up to this many rows, a float32 projection on CPU runs on the LM head's kernel: BLAS packs the
+# weight on every call, which for a few rows costs more than the arithmetic (at 5 rows, a
+# speculative verify step at batch 1, the packed product took 2.6x one row's time; the kernel,
+# which reads the weight in place, half of it: bench/RESULTS.md, speculative decoding).
+FEW_ROWS = 8
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
@@ -35,7 +42,10 @@ class Linear(nn.Module):
         self.lora: nn.Module | None = None  # its LoRA adapters' slots (worker/model/lora.py), when served
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        if x.dim() == 2 and x.shape[0] <= FEW_ROWS and cpu_linear_supports(x, self.weight):
+            out = linear_cpu(x, self.weight)
+        else:
+            out = F.linear(x, self.weight)
         if lora is not None and self.lora is not None:
             self.lora.add_update(out, x, lora)
         return out
