@@ -183,16 +183,27 @@ def listed_batches(keys: Keys, after: str | None, limit: int, owner: str | None)
     found: list[dict[str, str]] = []
     while len(found) <= limit:  # a page short of expired batches reads on: has_more stays true
         wanted = limit + 1 - len(found)
-        (ids,) = checked((yield lambda pipe: pipe.zrevrange(index, start, start + wanted - 1)))
-        hashes = checked((yield lambda pipe: [pipe.hgetall(keys.batch(batch_id)) for batch_id in ids]))
+        ids, hashes = yield from index_entries(keys, index, start, wanted)
         found += [fields for fields in hashes if fields]
         gone = [batch_id for batch_id, fields in zip(ids, hashes) if not fields]
         if gone:
-            checked((yield lambda pipe: pipe.zrem(index, *gone)))
+            yield from leave_index(index, gone)
         if len(ids) < wanted:
             break
         start += len(ids) - len(gone)  # the gone ones left the index: the ranks after them moved up
     return found
+
+
+def leave_index(index: str, batch_ids: list[str]) -> Steps[None]:
+    checked((yield lambda pipe: pipe.zrem(index, *batch_ids)))
+
+
+def index_entries(keys: Keys, index: str, start: int, count: int) -> Steps[tuple[list[str], list[dict[str, str]]]]:
+    """`count` batch ids of the index from rank `start`, newest first, and each one's hash (empty:
+    expired)."""
+    (ids,) = checked((yield lambda pipe: pipe.zrevrange(index, start, start + count - 1)))
+    hashes = checked((yield lambda pipe: [pipe.hgetall(keys.batch(batch_id)) for batch_id in ids]))
+    return ids, hashes
 
 
 def unfinished_batches(keys: Keys) -> Steps[list[str]]:

@@ -27,7 +27,6 @@ from worker.model.parallel import SINGLE, TensorParallel
 from worker.model.params import empty_weight
 from worker.model.rope import rope_table
 
-
 # Up to this many rows, a float32 projection on CPU runs on the LM head's kernel: BLAS packs the
 # weight on every call, which for a few rows costs more than the arithmetic (at 5 rows, a
 # speculative verify step at batch 1, the packed product took 2.6x one row's time; the kernel,
