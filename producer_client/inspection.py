@@ -202,7 +202,7 @@ def waiting(keys: Keys, queue: str, limit: int) -> Steps[list[WaitingJob]]:
 def route_of(stream: QueueStream, fields: dict[str, str]) -> tuple[str, str | None]:
     """An entry's lane and tenant (None: no tenant). A worker's stream names no lane: its entries
     carry their own (none: the default lane's, of no tenant)."""
-    lane = stream.lane if stream.worker is None else fields.get("lane", DEFAULT_LANE)
+    lane = stream.lane if stream.lane is not None else fields.get("lane", DEFAULT_LANE)
     tenant = stream.tenant if stream.worker is None else fields.get("tenant", NO_TENANT)
     return lane, None if tenant == NO_TENANT else tenant
 

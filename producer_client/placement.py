@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from producer_client import roots
-from producer_client.errors import UnknownAdapter
+from producer_client.errors import InvalidArgument, UnknownAdapter
 from producer_client.keys import Keys
 from producer_client.schema import JobRequest
 from producer_client.steps import Steps, checked
@@ -59,10 +59,12 @@ def prefix_key(request: JobRequest) -> bytes:
         root = roots.chat_root(request.messages, request.tools).encode()
     elif request.prompt is not None:
         root = roots.text_root(request.prompt).encode()
-    else:
+    elif request.input_ids is not None:
         # The ids' machine bytes, not their decimal text: a third of the time, on a root of Qwen3's
         # chat format that may hold a whole system prompt.
         root = array("q", roots.ids_root(request.input_ids)).tobytes()
+    else:  # JobRequest's validation refuses this; a request built past it (model_construct) too
+        raise InvalidArgument("prompt", "give exactly one of prompt, messages or input_ids")
     return hashlib.blake2b(root, digest_size=16).digest()
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
 from producer_client.schema import StreamStats
@@ -24,12 +24,19 @@ from producer_client.steps import Steps, checked
 # `<entry id>#<lane>:<tenant>` in a lane's stream of a tenant. An entry id is digits and one dash, so
 # the first `@` or `#` ends it.
 OWNED, LANED = "@", "#"
-REFERENCE = re.compile(r"([^@#]*)([@#]?)(.*)", re.S)
+MARK = re.compile(f"([{OWNED}{LANED}])")
+
+
+def reference_parts(ref: str) -> tuple[str, str, str]:
+    """An entry reference's entry id, its mark (OWNED, LANED, or "" in the queue's own stream) and
+    what follows the mark (the owner, or `<lane>:<tenant>`)."""
+    parts = MARK.split(ref, maxsplit=1)
+    return (ref, "", "") if len(parts) == 1 else (parts[0], parts[1], parts[2])
 
 
 def entry_stream(keys: Keys, queue: str, ref: str) -> tuple[str, str]:
     """The stream key and the entry id that the entry reference `ref` names in `queue`."""
-    entry_id, mark, rest = REFERENCE.fullmatch(ref).groups()
+    entry_id, mark, rest = reference_parts(ref)
     if mark == OWNED:
         return keys.own_queue(queue, rest), entry_id
     if mark == LANED:
@@ -117,7 +124,7 @@ def processed(infos: list[dict | Exception]) -> int | None:
     return sum(info["entries-added"] - info["length"] for info in found) if found else None
 
 
-def stream_exists(reply: dict | Exception) -> bool:
+def stream_exists(reply: dict | Exception) -> TypeGuard[dict]:
     """False for the error XINFO gives on a key that does not exist; other errors raise."""
     if isinstance(reply, Exception):
         if "no such key" in str(reply).lower() or "nogroup" in str(reply).lower():

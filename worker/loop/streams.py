@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
 from producer_client.protocol import worker as scripts
-from producer_client.protocol.backlog import LANED, OWNED, REFERENCE, entry_stream
+from producer_client.protocol.backlog import LANED, OWNED, entry_stream, reference_parts
 from producer_client.protocol.execution import AddCommands, Pipe
 
 # The dead-letter stream keeps about this many entries (XADD MAXLEN ~): bounded memory, and far
@@ -48,26 +48,19 @@ def lane_ref(entry_id: str, route: Route) -> str:
     return entry_id if route == DEFAULT_ROUTE else f"{entry_id}{LANED}{route.lane}:{route.tenant}"
 
 
-def _parts(ref: str) -> tuple[str, str, str]:
-    match = REFERENCE.fullmatch(ref)
-    assert match is not None  # the pattern matches any string
-    entry_id, mark, rest = match.groups()
-    return entry_id, mark, rest
-
-
 def owner_of(ref: str) -> str | None:
-    entry_id, mark, rest = _parts(ref)
+    entry_id, mark, rest = reference_parts(ref)
     return rest if mark == OWNED else None
 
 
 def entry_id_of(ref: str) -> str:
-    return _parts(ref)[0]
+    return reference_parts(ref)[0]
 
 
 def route_of_ref(ref: str) -> Route | None:
     """The route a lane stream's reference names; None for the other streams' (the queue's own
     stream: the default route; a worker's own: the entry's fields say)."""
-    entry_id, mark, rest = _parts(ref)
+    entry_id, mark, rest = reference_parts(ref)
     if mark != LANED:
         return None
     lane, _, tenant = rest.partition(":")
