@@ -102,3 +102,18 @@ def alive(keys: Keys, names: list[str]) -> Steps[list[bool]]:
     if not names:
         return []
     return [bool(n) for n in checked((yield lambda pipe: [pipe.exists(keys.worker(name)) for name in names]))]
+
+
+def heartbeats_and_own_depths(keys: Keys, queue: str, names: list[str]) -> Steps[list[tuple[dict[str, str], int]]]:
+    """Each worker's heartbeat hash and the length of its own stream of `queue` (where placement
+    puts jobs): one round trip."""
+    if not names:
+        return []
+
+    def add(pipe: Any) -> None:
+        for name in names:
+            pipe.hgetall(keys.worker(name))
+            pipe.xlen(keys.own_queue(queue, name))
+
+    replies = checked((yield add))
+    return list(zip(replies[::2], replies[1::2]))
