@@ -1,6 +1,6 @@
 """A worker's commands on the consumer group `workers` (keys.GROUP) of the streams it reads as
 itself, outside the worker's scripts (protocol.worker): the group created and looked up on the
-queue's own stream, the worker's own stream and the doorbell, and XREADGROUP on them. The doorbell
+queue's own stream, the worker's own stream and the doorbell, and XREADGROUP on them, and the entries it is done with acknowledged and deleted. The doorbell
 (keys.doorbell) is the stream a producer rings when it gives a lane work: an idle worker blocks on
 it beside the queue's stream, and acknowledges and deletes the entries that woke it."""
 
@@ -41,8 +41,13 @@ def add_read(pipe: Pipe, worker: str, streams: dict[str, str], count: int, block
     pipe.xreadgroup(GROUP, worker, streams, count=count, block=block_ms)
 
 
+def add_settled(pipe: Pipe, stream: str, entry_ids: list[str]) -> None:
+    """Entries done with, acknowledged (out of the pending list) and deleted: a stream holds only
+    what waits or runs."""
+    pipe.xack(stream, GROUP, *entry_ids)
+    pipe.xdel(stream, *entry_ids)
+
+
 def add_bells_answered(pipe: Pipe, keys: Keys, queue: str, bells: list[str]) -> None:
     """The doorbell's entries that woke this worker, acknowledged and deleted."""
-    doorbell = keys.doorbell(queue)
-    pipe.xack(doorbell, GROUP, *bells)
-    pipe.xdel(doorbell, *bells)
+    add_settled(pipe, keys.doorbell(queue), bells)
