@@ -161,6 +161,26 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
     gw = Gateway(settings, lifecycle)
     batch_store = BatchStore(gw.client)
     batch_driver = BatchDriver(batch_store, gw.client, gw.registry, settings)
+    app = FastAPI(
+        title="MILI gateway",
+        lifespan=lifespan_of(gw, lifecycle, batch_driver),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    add_error_handlers(app, settings.retry_after_s)
+    app.include_router(batch_router(batch_store, settings))
+    add_openai_routes(app, gw)
+    add_mili_routes(app, gw, settings.default_queue)
+    add_operations_routes(app, gw)
+    failures = AuthFailures(settings.auth_failures_per_minute)
+    add_board(app, gw.client, settings, failures)
+    return edge_of(RateLimitHeaders(app, gw.client), settings, failures, gw.metrics)
+
+
+def lifespan_of(gw: Gateway, lifecycle: Lifecycle, batch_driver: BatchDriver):
+    """The app's start (ready, the batch driver running) and its stop (the driver, then the
+    connections)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -171,9 +191,11 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
         await gw.client.aclose()
         await gw.health_probe.aclose()
 
-    app = FastAPI(title="MILI gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    add_error_handlers(app, settings.retry_after_s)
-    app.include_router(batch_router(batch_store, settings))
+    return lifespan
+
+
+def add_openai_routes(app: FastAPI, gw: Gateway) -> None:
+    """OpenAI's chat completions, completions and models (the Files and Batch API: gateway.batch)."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -196,6 +218,10 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
             )
         return json_response(card)
 
+
+def add_mili_routes(app: FastAPI, gw: Gateway, default_queue: str) -> None:
+    """MILI's own: /generate (one prompt, its text) and a job's status by id."""
+
     @app.get("/v1/jobs/{job_id:path}")
     async def job_status(job_id: str):
         return json_response(await gw.client.status(job_id))
@@ -204,7 +230,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
     async def generate(request: Request):
         req = await parse(request, GenerateRequest)
         spec = generate_job(req)
-        route = Route(settings.default_queue) if req.model is None else await gw.registry.route(req.model)
+        route = Route(default_queue) if req.model is None else await gw.registry.route(req.model)
         jobs = await gw.submit(request, [replace(spec, adapter=route.adapter)], route.queue, req)
         results = await gw.results(request, jobs)
         if results is None:
@@ -215,6 +241,10 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
         )
         return json_response(answer, job_headers(jobs))
 
+
+def add_operations_routes(app: FastAPI, gw: Gateway) -> None:
+    """/health for probes, /metrics for Prometheus (the queues' backlogs read at each scrape)."""
+
     @app.get("/health")
     async def health():
         return json_response(await gw.health())
@@ -223,10 +253,6 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
     async def metrics():
         gw.metrics.backlogs.stats = await read_backlogs(gw.client)
         return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4")
-
-    failures = AuthFailures(settings.auth_failures_per_minute)
-    add_board(app, gw.client, settings, failures)
-    return edge_of(RateLimitHeaders(app, gw.client), settings, failures, gw.metrics)
 
 
 def edge_of(app, settings: GatewaySettings, failures: AuthFailures, metrics: GatewayMetrics):

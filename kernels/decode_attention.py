@@ -308,7 +308,7 @@ def paged_decode_attention_triton(
     """Same contract as the reference. num_splits defaults to decode_num_splits."""
     check_paged_cache(q, k_cache, v_cache)
     check_scales(k_cache, k_scale, v_scale)
-    batch, num_q_heads, head_dim = q.shape
+    batch = q.shape[0]
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     if batch == 0:
@@ -317,10 +317,31 @@ def paged_decode_attention_triton(
         num_splits = decode_num_splits(batch, kv_heads, page_table.shape[1] * page_size, q.device)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits {num_splits} is outside [1, {MAX_SPLITS}]")
+    partial_out, partial_lse = _attend_splits(
+        q, k_cache, v_cache, page_table, context_lens, scale, k_scale, v_scale, num_splits
+    )
+    _merge_splits(partial_out, partial_lse, out)
+    return out
+
+
+def _attend_splits(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each split of each context attended alone: its output and log-sum-exp, in float32, per
+    (request, query head, split)."""
+    batch, num_q_heads, head_dim = q.shape
+    page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // kv_heads
     partial_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     partial_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(head_dim)
     fp8 = is_fp8(k_cache)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q,
@@ -346,12 +367,18 @@ def paged_decode_attention_triton(
         HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=BLOCK_N,
-        BLOCK_D=block_d,
+        BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION=dot_precision(q.dtype),
         FP8=fp8,
         num_warps=4,
         num_stages=decode_stages(q.dtype, fp8),
     )
+    return partial_out, partial_lse
+
+
+def _merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """The splits' outputs merged into `out` by their log-sum-exps."""
+    batch, num_q_heads, num_splits, head_dim = partial_out.shape
     _decode_merge_kernel[(batch, num_q_heads)](
         partial_out,
         partial_lse,
@@ -362,10 +389,9 @@ def paged_decode_attention_triton(
         num_splits,
         HEAD_DIM=head_dim,
         BLOCK_S=MAX_SPLITS,
-        BLOCK_D=block_d,
+        BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=1,
     )
-    return out
 
 
 def paged_decode_attention(q, k_cache, v_cache, page_table, context_lens, scale, k_scale=None, v_scale=None):

@@ -30,7 +30,7 @@ from producer_client.placement import Placement
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_order
 from producer_client.protocol.producer import NO_LIMITS, Limits
-from producer_client.protocol.replies import Enqueued, Refusal, parse_enqueue
+from producer_client.protocol.replies import Enqueued, Refusal, UnknownReply, parse_enqueue
 from producer_client.protocol.script import add_all
 from producer_client.schema import JobExpired, JobResult, Timings
 from producer_client.sharing import lane_job, placed_fields, refusal_error, uses_queue_stream
@@ -99,8 +99,10 @@ def submit_steps(
             ids = [job.job_id for job in jobs]
             first_out = next(i for i, job_id in enumerate(ids) if job_id not in placed)
             if outcome.refusal is Refusal.FULL:
-                raise BulkQueueFull(queue, int(outcome.values[0]), max_depth, ids[:first_out])
-            raise refusal_error(outcome, queue, tenant, max_depth, ids[:first_out])
+                raise BulkQueueFull(queue, int(outcome.values[0]), max_depth or 0, ids[:first_out])
+            error = refusal_error(outcome, queue, tenant, max_depth, ids[:first_out])
+            # Fewer jobs went in than were sent: the reply must say why.
+            raise error if error is not None else UnknownReply("ENQUEUE_MANY or ENQUEUE_LANES", outcome)
     return [job.job_id for job in jobs]
 
 
@@ -123,6 +125,7 @@ def enqueue_chunk(
     to_add = [job for job in chunk if job.job_id not in found]
     if not to_add:
         return [job.job_id for job in chunk], Enqueued(len(chunk))
+    streams: list[str | None]
     if limits.any:
         streams = [None] * len(to_add)
     else:
@@ -305,7 +308,7 @@ class ResultWatch:
         queued past their deadline, out of the watch; the others' expiries as they now stand."""
         results = []
         for job_id, at, deadline_ms in expiries(job_ids, replies):
-            if at == PASSED:
+            if at == PASSED and deadline_ms is not None:  # only a deadline passes
                 del self.waiting[job_id], self.expiries[job_id]
                 results.append(expired_result(job_id, int(deadline_ms)))
             elif at is None:
@@ -397,8 +400,8 @@ def next_finished(watch: ResultWatch, deadline: Deadline, per_slot: bool) -> Ste
             return expired
     try:
         block_ms = deadline.block_ms(watch.next_expiry())
-    except JobTimeout:
-        raise JobTimeout(watch.first(), deadline.timeout) from None
+    except JobTimeout as e:
+        raise JobTimeout(watch.first(), e.timeout) from None
     return (yield from read_finished(watch, block_ms, per_slot))
 
 

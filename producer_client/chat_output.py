@@ -89,7 +89,8 @@ class State(enum.Enum):
 
 class OutputParser:
     def __init__(self, fmt: OutputFormat):
-        self.tools = None if fmt.tools is None else frozenset(fmt.tools)
+        self.parses_calls = fmt.tools is not None
+        self.tools = frozenset(fmt.tools or ())
         self.state = {
             Reasoning.OFF: State.CONTENT,
             Reasoning.OPTIONAL: State.START,
@@ -168,7 +169,7 @@ class OutputParser:
     def _content(self, out: OutputDelta, final: bool) -> bool:
         if not self._past_leading_newlines():
             return False
-        if self.tools is None:
+        if not self.parses_calls:
             out.content += self.text
             self.text = ""
             return False

@@ -20,10 +20,12 @@ needs; producer_client.connection builds them from `redis+cluster://` URLs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, cast
 
 import redis
 import redis.asyncio.retry
 import redis.retry
+from redis._parsers import AsyncCommandsParser, CommandsParser
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
@@ -57,7 +59,7 @@ class topology_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind, e, traceback) -> bool:
+    def __exit__(self, kind, e, traceback) -> Literal[False]:
         if not isinstance(e, RedisClusterException):
             return False
         if isinstance(e.__cause__, redis.RedisError):
@@ -89,11 +91,12 @@ class Cluster(RedisCluster):
     """redis.cluster.RedisCluster, which reads the cluster's topology when it is made; `retry`
     paces the tries of a call (see the module's docstring)."""
 
-    def __init__(self, *args, retry: redis.retry.Retry | None = None, **kwargs):
+    def __init__(self, *, retry: redis.retry.Retry | None = None, **kwargs):
         self.pacing = _pacing(retry or redis.retry.Retry(NoBackoff(), 0))  # the topology is read at once
         with topology_errors():
-            super().__init__(*args, retry=redis.retry.Retry(NoBackoff(), 0), **kwargs)
-        self.commands_parser = _KnownKeys(self.commands_parser)  # its pipelines share it
+            super().__init__(retry=redis.retry.Retry(NoBackoff(), 0), **kwargs)
+        # Its pipelines share it. A proxy of the parser, which it passes for.
+        self.commands_parser = cast(CommandsParser, _KnownKeys(self.commands_parser))
 
     def execute_command(self, *args, **kwargs):
         return self.paced(lambda: super(Cluster, self).execute_command(*args, **kwargs))
@@ -111,10 +114,10 @@ class Cluster(RedisCluster):
 class AsyncCluster(AsyncRedisCluster):
     """redis.asyncio.cluster.RedisCluster, which reads the topology at its first command."""
 
-    def __init__(self, *args, retry: redis.asyncio.retry.Retry | None = None, **kwargs):
+    def __init__(self, *, retry: redis.asyncio.retry.Retry | None = None, **kwargs):
         self.pacing = _pacing(retry or redis.asyncio.retry.Retry(NoBackoff(), 0))
-        super().__init__(*args, retry=redis.asyncio.retry.Retry(NoBackoff(), 0), **kwargs)
-        self.commands_parser = _AsyncKnownKeys(self.commands_parser)
+        super().__init__(retry=redis.asyncio.retry.Retry(NoBackoff(), 0), **kwargs)
+        self.commands_parser = cast(AsyncCommandsParser, _AsyncKnownKeys(self.commands_parser))
 
     async def execute_command(self, *args, **kwargs):
         return await self.paced(lambda: super(AsyncCluster, self).execute_command(*args, **kwargs))

@@ -342,6 +342,8 @@ class AsyncSentinels(redis.asyncio.sentinel.Sentinel):
 class SentinelMaster(redis.Redis):
     """The master a sentinel names: closing it closes the connections to the sentinels too."""
 
+    connection_pool: redis.sentinel.SentinelConnectionPool  # master_for gives it one
+
     def close(self) -> None:
         super().close()
         for sentinel in self.connection_pool.sentinel_manager.sentinels:
@@ -349,6 +351,8 @@ class SentinelMaster(redis.Redis):
 
 
 class AsyncSentinelMaster(redis.asyncio.Redis):
+    connection_pool: redis.asyncio.sentinel.SentinelConnectionPool  # master_for gives it one
+
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose(close_connection_pool)
         for sentinel in self.connection_pool.sentinel_manager.sentinels:

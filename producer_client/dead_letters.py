@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from enum import Enum
 from typing import Any, Literal
 
@@ -29,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from producer_client.errors import InvalidArgument, MiliError
 from producer_client.keys import DEFAULT_LANE, LANES, NAME_PATTERN, NO_TENANT, TENANT_PATTERN, Keys, check_name
+from producer_client.protocol import letters as dead
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_time, epoch_ms
 from producer_client.protocol.lanes import DEFAULT_COST
@@ -156,7 +156,7 @@ class DeadLetters:
 
     def purge_all(self) -> Any:
         """Remove every letter; returns how many."""
-        return self.run(self.client, trim(self.keys, self.queue, "MAXLEN", 0))
+        return self.run(self.client, dead.trim_letters(self.keys, self.queue, "MAXLEN", 0))
 
     def purge_older_than(self, seconds: float) -> Any:
         """Remove the letters that died more than `seconds` ago (Redis's clock); returns how many."""
@@ -173,20 +173,19 @@ def check_age(seconds: Any) -> float:
 
 
 def newest(keys: Keys, queue: str, limit: int) -> Steps[list[DeadLetter]]:
-    (entries,) = checked((yield lambda pipe: pipe.xrevrange(keys.dead(queue), "+", "-", count=limit)))
+    entries = yield from dead.newest_letters(keys, queue, limit)
     return [DeadLetter.from_entry(queue, letter_id, fields) for letter_id, fields in entries]
 
 
 def find(keys: Keys, queue: str, ident: str) -> Steps[DeadLetter]:
     """The letter with entry id `ident`, else the newest letter of job `ident`."""
-    dead = keys.dead(queue)
     if EVENT_ID.fullmatch(ident):
-        (entries,) = checked((yield lambda pipe: pipe.xrange(dead, ident, ident)))
-        if entries:
-            return DeadLetter.from_entry(queue, *entries[0])
+        entry = yield from dead.letter_at(keys, queue, ident)
+        if entry is not None:
+            return DeadLetter.from_entry(queue, *entry)
     before = "+"
     while True:
-        (page,) = checked((yield newest_page(dead, before)))
+        page = yield from dead.newest_letters(keys, queue, PAGE, before)
         for letter_id, fields in page:
             if fields.get("id") == ident:
                 return DeadLetter.from_entry(queue, letter_id, fields)
@@ -258,12 +257,11 @@ def retry_one(keys: Keys, queue: str, ident: str) -> Steps[Retried]:
 def retry_all(keys: Keys, queue: str) -> Steps[list[Retried]]:
     """Page by page from the oldest letter up to the newest there was at the start: a job that
     dies again while this runs is not retried twice in one call."""
-    dead = keys.dead(queue)
-    (last,) = checked((yield lambda pipe: pipe.xrevrange(dead, "+", "-", count=1)))
+    last = yield from dead.newest_letters(keys, queue, 1)
     outcomes: list[Retried] = []
     after = "-"
     while last:
-        (page,) = checked((yield oldest_page(dead, after, last[0][0])))
+        page = yield from dead.oldest_letters(keys, queue, after, last[0][0], PAGE)
         outcomes += yield from retry_letters(keys, queue, [DeadLetter.from_entry(queue, *entry) for entry in page])
         if len(page) < PAGE:
             break
@@ -273,7 +271,7 @@ def retry_all(keys: Keys, queue: str) -> Steps[list[Retried]]:
 
 def purge_one(keys: Keys, queue: str, ident: str) -> Steps[DeadLetter]:
     letter = yield from find(keys, queue, ident)
-    (removed,) = checked((yield lambda pipe: pipe.xdel(keys.dead(queue), letter.letter_id)))
+    removed = yield from dead.delete_letter(keys, queue, letter.letter_id)
     if not removed:
         raise DeadLetterNotFound(queue, ident)
     return letter
@@ -281,22 +279,5 @@ def purge_one(keys: Keys, queue: str, ident: str) -> Steps[DeadLetter]:
 
 def purge_older_than(keys: Keys, queue: str, seconds: float) -> Steps[int]:
     (now,) = checked((yield lambda pipe: pipe.time()))
-    removed = yield from trim(keys, queue, "MINID", max(0, epoch_ms(now) - round(seconds * 1000)))
+    removed = yield from dead.trim_letters(keys, queue, "MINID", max(0, epoch_ms(now) - round(seconds * 1000)))
     return removed
-
-
-def trim(keys: Keys, queue: str, strategy: str, threshold: int) -> Steps[int]:
-    """XTRIM, exact (no ~): MAXLEN 0 removes every letter, MINID every one older than `threshold`
-    ms (a letter's id is the time it died)."""
-    (removed,) = checked((yield lambda pipe: pipe.execute_command("XTRIM", keys.dead(queue), strategy, threshold)))
-    return removed
-
-
-def newest_page(stream: str, before: str) -> Callable[[Any], object]:
-    """XREVRANGE of up to PAGE entries of `stream` from `before` down."""
-    return lambda pipe: pipe.xrevrange(stream, before, "-", count=PAGE)
-
-
-def oldest_page(stream: str, after: str, last: str) -> Callable[[Any], object]:
-    """XRANGE of up to PAGE entries of `stream` from `after` up to `last`."""
-    return lambda pipe: pipe.xrange(stream, after, last, count=PAGE)

@@ -24,9 +24,22 @@ from pydantic import BaseModel
 
 from producer_client.dead_letters import DeadLetterNotFound
 from producer_client.dead_letters import find as find_letter
-from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
-from producer_client.protocol.backlog import QueueStream, entry_stream, read_queue_streams, read_streams
+from producer_client.keys import DEFAULT_LANE, NO_TENANT, Keys
+from producer_client.protocol import letters as dead
+from producer_client.protocol import registry
+from producer_client.protocol.backlog import (
+    QueueStream,
+    add_stream_info,
+    entries_at,
+    entry_stream,
+    pending_entries,
+    processed,
+    read_queue_streams,
+    read_streams,
+    stream_heads,
+)
 from producer_client.protocol.clock import entry_age_s, entry_order, epoch_ms
+from producer_client.protocol.job_reads import field_of_jobs
 from producer_client.schema import JobStatus, WorkerInfo
 from producer_client.steps import Steps, checked
 from producer_client.validation import check_limit
@@ -127,7 +140,7 @@ class QueueInspector:
 
 
 def queue_names(keys: Keys) -> Steps[list[str]]:
-    (names,) = checked((yield lambda pipe: pipe.zrange(keys.queues(), 0, -1)))
+    names = yield from registry.queue_names(keys)
     return names
 
 
@@ -139,16 +152,16 @@ def overview(keys: Keys, queue: str) -> Steps[QueueOverview]:
 
     def add(pipe) -> None:
         pipe.time()
-        pipe.xlen(keys.dead(queue))
+        dead.add_letter_count(pipe, keys, queue)
         for r in readings:
-            pipe.xinfo_stream(r.stream.key)
+            add_stream_info(pipe, r.stream)
         for r in unread:
-            pipe.xrange(r.stream.key, r.unread_after(), "+", count=1)
+            r.add_unread(pipe, 1)
 
-    now, dead, *replies = yield add
-    checked([now, dead, *replies[len(readings) :]])
-    infos = [info for info in replies[: len(readings)] if _exists(info)]  # XINFO fails on a missing stream
-    heads = [entries[0][0] for entries in replies[len(readings) :] if entries]
+    now, letters, *replies = yield add
+    infos, firsts = replies[: len(readings)], replies[len(readings) :]
+    checked([now, letters, *firsts])  # XINFO's replies are errors on a stream that is gone (processed)
+    heads = [entries[0][0] for entries in firsts if entries]
     now_ms = epoch_ms(now)
     stats = [r.stats() for r in readings]
     return QueueOverview(
@@ -156,9 +169,9 @@ def overview(keys: Keys, queue: str) -> Steps[QueueOverview]:
         depth=sum(s.depth for s in stats),
         pending=sum(s.pending for s in stats),
         waiting=sum(s.waiting for s in stats),
-        dead=dead,
+        dead=letters,
         oldest_waiting_s=max(entry_age_s(entry_id, now_ms) for entry_id in heads) if heads else None,
-        processed=sum(info["entries-added"] - info["length"] for info in infos) if infos else None,
+        processed=processed(infos),
         at=now_ms / 1000,
     )
 
@@ -174,7 +187,7 @@ def waiting(keys: Keys, queue: str, limit: int) -> Steps[list[WaitingJob]]:
     def add(pipe) -> None:
         pipe.time()
         for r in unread:
-            pipe.xrange(r.stream.key, r.unread_after(), "+", count=limit)
+            r.add_unread(pipe, limit)
 
     now, *found = checked((yield add))
     now_ms = epoch_ms(now)
@@ -189,7 +202,7 @@ def waiting(keys: Keys, queue: str, limit: int) -> Steps[list[WaitingJob]]:
 def route_of(stream: QueueStream, fields: dict[str, str]) -> tuple[str, str | None]:
     """An entry's lane and tenant (None: no tenant). A worker's stream names no lane: its entries
     carry their own (none: the default lane's, of no tenant)."""
-    lane = stream.lane if stream.worker is None else fields.get("lane", DEFAULT_LANE)
+    lane = stream.lane if stream.lane is not None else fields.get("lane", DEFAULT_LANE)
     tenant = stream.tenant if stream.worker is None else fields.get("tenant", NO_TENANT)
     return lane, None if tenant == NO_TENANT else tenant
 
@@ -215,17 +228,12 @@ def running(keys: Keys, queue: str, limit: int) -> Steps[list[RunningJob]]:
     held = [r.stream for r in (yield from read_streams(streams)) if r.stats().pending]
     if not held:
         return []
-    lists = checked((yield lambda pipe: [pipe.xpending_range(s.key, GROUP, "-", "+", limit) for s in held]))
+    lists = yield from pending_entries(held, limit)
     pending = sorted(
         ((s, p) for s, entries in zip(held, lists) for p in entries), key=lambda sp: entry_order(sp[1]["message_id"])
     )[:limit]
-
-    def add_entries(pipe) -> None:
-        for s, p in pending:
-            pipe.xrange(s.key, p["message_id"], p["message_id"])
-
-    entries = [found[0][1] if found else {} for found in checked((yield add_entries))]
-    tokens = checked((yield lambda pipe: [pipe.hget(keys.job(fields.get("id", "")), "tokens") for fields in entries]))
+    entries = [fields or {} for fields in (yield from entries_at([(s.key, p["message_id"]) for s, p in pending]))]
+    tokens = yield from field_of_jobs(keys, [fields.get("id", "") for fields in entries], "tokens")
     return [
         RunningJob(
             queue=queue,
@@ -244,66 +252,65 @@ def running(keys: Keys, queue: str, limit: int) -> Steps[list[RunningJob]]:
 
 
 def entry_of(keys: Keys, status: JobStatus, queues: list[str]) -> Steps[JobEntry | None]:
-    (ref,) = checked((yield lambda pipe: pipe.hget(keys.job(status.id), "entry")))
-    if ref:
-        # The entry's reference names its stream: the queue's own, a lane's, or a worker's.
-        located = [(queue, *entry_stream(keys, queue, ref)) for queue in queues]
-
-        def add_lookups(pipe) -> None:
-            for _, stream, entry_id in located:
-                pipe.xrange(stream, entry_id, entry_id)
-
-        for (queue, _, entry_id), entries in zip(located, checked((yield add_lookups))):
-            if entries and entries[0][1].get("id") == status.id:
-                return JobEntry(queue=queue, entry_id=entry_id, place="running", fields=entries[0][1])
-    if status.status == "queued":
-        # From each stream's head, not past the last-delivered id: a worker may have read the entry
-        # and not yet claimed the job. Every stream of each queue's jobs (protocol.backlog).
-        heads = []
-        for queue in queues:
-            _, streams = yield from read_queue_streams(keys, queue)
-            heads += [(queue, s.key) for s in streams]
-
-        def add_heads(pipe) -> None:
-            for _, stream in heads:
-                pipe.xrange(stream, "-", "+", count=WAITING_SCAN)
-
-        for (queue, _), entries in zip(heads, checked((yield add_heads))):
-            for entry_id, fields in entries:
-                if fields.get("id") == status.id:
-                    return JobEntry(queue=queue, entry_id=entry_id, place="waiting", fields=fields)
+    found = yield from running_entry(keys, status.id, queues)
+    if found is None and status.status == "queued":
+        found = yield from waiting_entry(keys, status.id, queues)
     error = status.result.error if status.result is not None else None
-    if error is not None and error.code == "poison":
-        for queue in queues:
-            try:
-                letter = yield from find_letter(keys, queue, status.id)
-            except DeadLetterNotFound:
-                continue
-            return JobEntry(queue=queue, entry_id=letter.letter_id, place="dead letter", fields=letter.fields)
+    if found is None and error is not None and error.code == "poison":
+        found = yield from dead_entry(keys, status.id, queues)
+    return found
+
+
+def running_entry(keys: Keys, job_id: str, queues: list[str]) -> Steps[JobEntry | None]:
+    """The entry the job was claimed from, by the reference its hash keeps, if it is still there."""
+    (ref,) = yield from field_of_jobs(keys, [job_id], "entry")
+    if not ref:
+        return None
+    # The entry's reference names its stream: the queue's own, a lane's, or a worker's.
+    located = [(queue, *entry_stream(keys, queue, ref)) for queue in queues]
+    found = yield from entries_at([(stream, entry_id) for _, stream, entry_id in located])
+    for (queue, _, entry_id), fields in zip(located, found):
+        if fields is not None and fields.get("id") == job_id:
+            return JobEntry(queue=queue, entry_id=entry_id, place="running", fields=fields)
+    return None
+
+
+def waiting_entry(keys: Keys, job_id: str, queues: list[str]) -> Steps[JobEntry | None]:
+    """A queued job's entry among the first WAITING_SCAN of each stream of each queue's jobs
+    (protocol.backlog), from each stream's head, not past the last-delivered id: a worker may have
+    read the entry and not yet claimed the job."""
+    heads: list[tuple[str, str]] = []
+    for queue in queues:
+        _, streams = yield from read_queue_streams(keys, queue)
+        heads += [(queue, s.key) for s in streams]
+    found = yield from stream_heads([stream for _, stream in heads], WAITING_SCAN)
+    for (queue, _), entries in zip(heads, found):
+        for entry_id, fields in entries:
+            if fields.get("id") == job_id:
+                return JobEntry(queue=queue, entry_id=entry_id, place="waiting", fields=fields)
+    return None
+
+
+def dead_entry(keys: Keys, job_id: str, queues: list[str]) -> Steps[JobEntry | None]:
+    """A poison job's newest dead letter, in the first of `queues` that has one."""
+    for queue in queues:
+        try:
+            letter = yield from find_letter(keys, queue, job_id)
+        except DeadLetterNotFound:
+            continue
+        return JobEntry(queue=queue, entry_id=letter.letter_id, place="dead letter", fields=letter.fields)
     return None
 
 
 def worker_health(keys: Keys) -> Steps[list[WorkerHealth]]:
-    queues = yield from queue_names(keys)
-
-    def add_indexes(pipe) -> None:
-        pipe.time()
-        for queue in queues:
-            pipe.zrange(keys.workers(queue), 0, -1, withscores=True)
-
-    now, *indexes = checked((yield add_indexes))
+    queues = yield from registry.queue_names(keys)
+    now, indexes = yield from registry.beat_times(keys, queues)
     named = [(queue, name, seen) for queue, index in zip(queues, indexes) for name, seen in index]
-
-    def add_heartbeats(pipe) -> None:
-        for _, name, _ in named:
-            pipe.hgetall(keys.worker(name))
-            pipe.pttl(keys.worker(name))
-
-    replies = checked((yield add_heartbeats))
+    beats = yield from registry.heartbeats_to_live(keys, [name for _, name, _ in named])
     at = epoch_ms(now) / 1000
     rows = [
         health(queue, name, at - seen, heartbeat, ttl_ms)
-        for (queue, name, seen), heartbeat, ttl_ms in zip(named, replies[::2], replies[1::2])
+        for (queue, name, seen), (heartbeat, ttl_ms) in zip(named, beats)
     ]
     live = [r for r in rows if r.condition != "gone"]
     gone = sorted((r for r in rows if r.condition == "gone"), key=lambda r: r.heartbeat_age_s)
@@ -323,12 +330,3 @@ def health(queue: str, name: str, age_s: float, heartbeat: dict[str, str], ttl_m
         heartbeat_age_s=max(0.0, age_s),
         info=WorkerInfo.model_validate(heartbeat),
     )
-
-
-def _exists(reply: object) -> bool:
-    """False for the error XINFO and XPENDING give on a key that does not exist; other errors raise."""
-    if isinstance(reply, Exception):
-        if "no such key" in str(reply).lower() or "nogroup" in str(reply).lower():
-            return False
-        raise reply
-    return True

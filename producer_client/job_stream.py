@@ -36,9 +36,12 @@ def follow(keys: Keys, job_id: str, after: str, timeout: float | None) -> Steps[
     job_id = check_job_id(job_id)
     reader = JobStream(job_id, after)
     deadline = Deadline(job_id, check_timeout(timeout))
-    found, (status, deadline_ms), redis_time = checked(
-        (yield lambda pipe: (scripts.follow(keys, job_id).add_to(pipe), *job_deadline(pipe, keys, job_id)))
-    )
+
+    def add(pipe: Any) -> None:
+        scripts.follow(keys, job_id).add_to(pipe)
+        job_deadline(pipe, keys, job_id)
+
+    found, (status, deadline_ms), redis_time = checked((yield add))
     if not found:
         raise JobNotFound(job_id)
     reader.expires_at = expiry(job_id, status, deadline_ms, redis_time)
@@ -80,6 +83,8 @@ class JobStream:
     def result(self) -> JobResult:
         """The job's result, once the end event is read; a failed job raises JobFailed, an expired
         one JobExpired."""
+        if self.end is None:
+            raise RuntimeError(f"job {self.job_id!r}: its stream has not ended yet, so it has no result")
         return finished(self.job_id, self.end)
 
     def take(self, event_id: str, fields: dict[str, str]) -> list[TokenDelta]:
@@ -92,7 +97,9 @@ class JobStream:
             self._start(shown_output_format(fields["data"]))
             return []
         if kind == EventType.TOKENS:
-            delta = token_delta(event_id, fields["data"], None if self.parser is None else self._split)
+            parser = self.parser
+            split = None if parser is None else lambda text: self._fields(parser.push(text))
+            delta = token_delta(event_id, fields["data"], split)
             return [delta] if shown else []
         if kind == EventType.END:
             self.end = fields["data"]
@@ -106,12 +113,9 @@ class JobStream:
         if self.parser is None and output is not None:
             self.parser = OutputParser(output)
 
-    def _split(self, text: str) -> dict:
-        return self._fields(self.parser.push(text))
-
     def _fields(self, parsed: OutputDelta) -> dict:
         """A TokenDelta's fields of a piece of the output, split."""
-        fields = {"text": parsed.content, "reasoning": parsed.reasoning}
+        fields: dict[str, Any] = {"text": parsed.content, "reasoning": parsed.reasoning}
         if parsed.tool_calls:
             fields["tool_calls"] = [call.of_job(self.job_id) for call in parsed.tool_calls]
         return fields

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from producer_client import roots
-from producer_client.errors import UnknownAdapter
+from producer_client.errors import InvalidArgument, UnknownAdapter
 from producer_client.keys import Keys
+from producer_client.protocol import registry
 from producer_client.schema import JobRequest
-from producer_client.steps import Steps, checked
+from producer_client.steps import Steps
 
 # A worker takes a job while its load is under LOAD_BOUND x the mean load (this job included):
 # the paper's 1 + epsilon. Lower spreads a hot prefix sooner; higher keeps it on fewer workers.
@@ -59,10 +60,12 @@ def prefix_key(request: JobRequest) -> bytes:
         root = roots.chat_root(request.messages, request.tools).encode()
     elif request.prompt is not None:
         root = roots.text_root(request.prompt).encode()
-    else:
+    elif request.input_ids is not None:
         # The ids' machine bytes, not their decimal text: a third of the time, on a root of Qwen3's
         # chat format that may hold a whole system prompt.
         root = array("q", roots.ids_root(request.input_ids)).tobytes()
+    else:  # JobRequest's validation refuses this; a request built past it (model_construct) too
+        raise InvalidArgument("prompt", "give exactly one of prompt, messages or input_ids")
     return hashlib.blake2b(root, digest_size=16).digest()
 
 
@@ -122,16 +125,10 @@ def candidates_from(heartbeats: Iterable[dict[str, str]], lengths: Iterable[int]
 def read_view(keys: Keys, queue: str) -> Steps[View]:
     """The queue's worker index, then each worker's heartbeat and own stream's length: two round
     trips (on a cluster, each to every node concerned at once)."""
-    (names,) = checked((yield lambda pipe: pipe.zrange(keys.workers(queue), 0, -1)))
-
-    def add(pipe) -> None:
-        for name in names:
-            pipe.hgetall(keys.worker(name))
-            pipe.xlen(keys.own_queue(queue, name))
-
-    replies = checked((yield add)) if names else []
-    heartbeats = replies[::2]
-    return View(time.monotonic(), candidates_from(heartbeats, replies[1::2], queue), served_adapters(heartbeats, queue))
+    (names,) = yield from registry.worker_names(keys, [queue])
+    read = yield from registry.heartbeats_and_own_depths(keys, queue, names)
+    heartbeats, depths = [beat for beat, _ in read], [depth for _, depth in read]
+    return View(time.monotonic(), candidates_from(heartbeats, depths, queue), served_adapters(heartbeats, queue))
 
 
 def served_adapters(heartbeats: Iterable[dict[str, str]], queue: str) -> frozenset[str] | None:

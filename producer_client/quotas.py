@@ -17,9 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from producer_client.errors import InvalidArgument
 from producer_client.keys import Keys, check_tenant
+from producer_client.protocol import tenants
 from producer_client.protocol.clock import epoch_ms
 from producer_client.protocol.producer import NO_LIMITS, Limits
-from producer_client.steps import Repeatable, Steps, checked
+from producer_client.steps import Steps
 
 CACHE_S = 1.0  # how stale a producer's copy of a tenant's quota may be
 MAX_LIMIT = 10**9
@@ -73,7 +74,7 @@ def quota_of(fields: Mapping[str, str]) -> Quota:
 
 
 def read_quota(keys: Keys, tenant: str) -> Steps[Quota]:
-    (fields,) = checked((yield Repeatable(lambda pipe: pipe.hgetall(keys.quota(tenant)))))
+    fields = yield from tenants.quota_fields(keys, tenant)
     return quota_of(fields)
 
 
@@ -84,25 +85,15 @@ def set_quota(keys: Keys, tenant: str, changes: Mapping[str, Any], unset: list[s
         if name not in QUOTA_FIELDS:
             raise InvalidArgument("unset", f"{name!r} is not a quota setting ({', '.join(QUOTA_FIELDS)})")
     written = {name: str(value) for name, value in changes.items() if value is not None}
-
-    def add(pipe) -> None:
-        if written:
-            pipe.hset(keys.quota(tenant), mapping=written)
-        if unset:
-            pipe.hdel(keys.quota(tenant), *unset)
-        pipe.zadd(keys.quotas(), {tenant: 0})
-
-    checked((yield add))
+    yield from tenants.write_quota_fields(keys, tenant, written, unset)
     return (yield from read_quota(keys, tenant))
 
 
 def all_quotas(keys: Keys) -> Steps[dict[str, Quota]]:
     """Every tenant with settings, by name."""
-    (tenants,) = checked((yield Repeatable(lambda pipe: pipe.zrange(keys.quotas(), 0, -1))))
-    if not tenants:
-        return {}
-    replies = checked((yield Repeatable(lambda pipe: [pipe.hgetall(keys.quota(t)) for t in tenants])))
-    return {tenant: quota_of(fields) for tenant, fields in zip(tenants, replies) if fields}
+    names = yield from tenants.tenants_with_quotas(keys)
+    replies = yield from tenants.quota_fields_of(keys, names)
+    return {tenant: quota_of(fields) for tenant, fields in zip(names, replies) if fields}
 
 
 class TenantQuotas:
@@ -190,6 +181,5 @@ def current_rate_limits(keys: Keys, queue: str, tenant: str | None, quotas: Quot
     limits = yield from quotas.limits_for(keys, tenant)
     if tenant is None or not limits.rated:
         return NO_RATE_LIMITS
-    key = keys.rate(queue, tenant)
-    tats, now = checked((yield Repeatable(lambda pipe: (pipe.hmget(key, "r", "t"), pipe.time()))))
+    tats, now = yield from tenants.rate_state(keys, queue, tenant)
     return RateLimits.now(limits, tats, epoch_ms(now))

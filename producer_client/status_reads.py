@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from producer_client.errors import JobNotFound
 from producer_client.keys import Keys
+from producer_client.protocol import registry
 from producer_client.protocol.backlog import read_backlogs, read_queue_streams
 from producer_client.protocol.clock import epoch_ms
+from producer_client.protocol.job_reads import job_fields
 from producer_client.schema import JobResult, JobStatus, QueueStats, WorkerInfo
-from producer_client.steps import Steps, checked
+from producer_client.steps import Steps
 
 
 def read_status(keys: Keys, job_id: str) -> Steps[JobStatus]:
-    fields, redis_time = checked((yield lambda pipe: (pipe.hgetall(keys.job(job_id)), pipe.time())))
+    fields, redis_time = yield from job_fields(keys, job_id)
     return job_status(job_id, fields, redis_time)
 
 
@@ -43,7 +45,7 @@ def read_queue_stats(keys: Keys, queue: str) -> Steps[QueueStats]:
     worker's heartbeat, whose TTL runs on the Redis clock."""
     names, streams = yield from read_queue_streams(keys, queue)
     found = yield from read_backlogs(streams)
-    alive = checked((yield lambda pipe: [pipe.exists(keys.worker(name)) for name in names])) if names else []
+    alive = yield from registry.alive(keys, names)
     return QueueStats(
         queue=queue,
         depth=sum(s.depth for s in found),
@@ -59,19 +61,10 @@ def read_live_workers(keys: Keys) -> Steps[list[WorkerInfo]]:
     heartbeats (an expired heartbeat is a dead worker): which models are served where. On a
     cluster the indexes and heartbeats lie on many shards: each step is one round trip to all of
     them at once."""
-    (queues,) = checked((yield lambda pipe: pipe.zrange(keys.queues(), 0, -1)))
-
-    def add_indexes(pipe) -> None:
-        for queue in queues:
-            pipe.zrange(keys.workers(queue), 0, -1)
-
-    names = [name for index in checked((yield add_indexes)) for name in index]
-
-    def add_heartbeats(pipe) -> None:
-        for name in names:
-            pipe.hgetall(keys.worker(name))
-
-    return live_workers(checked((yield add_heartbeats)))
+    queues = yield from registry.queue_names(keys)
+    indexes = yield from registry.worker_names(keys, queues)
+    heartbeats = yield from registry.heartbeats(keys, [name for index in indexes for name in index])
+    return live_workers(heartbeats)
 
 
 def live_workers(heartbeats: list[dict[str, str]]) -> list[WorkerInfo]:

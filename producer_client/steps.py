@@ -25,12 +25,13 @@ Steps = Generator[Callable[[Any], object], list, T]
 
 
 class Repeatable:
-    """A step's commands (`add`) that are safe to run twice: reads, a DEL."""
+    """A step's commands (`add`) that are safe to run twice: reads, a DEL. What `add` returns is
+    ignored, as any pipeline builder's (Steps)."""
 
-    def __init__(self, add: Callable[[Any], None]):
+    def __init__(self, add: Callable[[Any], object]):
         self.add = add
 
-    def __call__(self, pipe) -> None:
+    def __call__(self, pipe: Any) -> None:
         self.add(pipe)
 
 

@@ -109,7 +109,7 @@ def check_format(fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | Choice
 
 def check_schema(schema: dict[str, Any], at: str) -> None:
     """check_format for a JSON schema alone (a tool's parameters, which a forced call must match)."""
-    check_format(JsonSchemaFormat(type="json_schema", json_schema=JsonSchema(name="schema", schema=schema)), at)
+    check_format(JsonSchemaFormat(type="json_schema", json_schema=JsonSchema(name="schema", schema_=schema)), at)
 
 
 @functools.lru_cache(maxsize=256)
@@ -139,7 +139,7 @@ def grammar_error(grammar: str) -> str | None:
 def locate(schema: dict[str, Any], message: str) -> list[str]:
     """The path to the deepest subschema that fails alone with the same message (the root's
     definitions beside it, for its `$ref`s), then the keyword the message names, if any."""
-    definitions = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    definitions: dict[str, Any] = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
     tries = iter(range(LOCATE_BUDGET))
     path, node = [], schema
     while (found := failing_subschema(node, definitions, message, tries)) is not None:

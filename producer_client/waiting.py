@@ -33,7 +33,7 @@ class Deadline:
         if self.at is None and until is None:
             return MAX_BLOCK_MS
         now = time.monotonic()
-        if self.at is not None and self.at <= now:
+        if self.timeout is not None and self.at is not None and self.at <= now:
             raise JobTimeout(self.job_id, self.timeout)
         left = min(at for at in (self.at, until) if at is not None) - now
         return max(1, min(MAX_BLOCK_MS, int(left * 1000)))  # BLOCK 0 would wait for ever

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from producer_client import Client, JobResult
+from producer_client import Client, JobResult, steps
+from producer_client.protocol import registry
 from worker.embedded_redis import EmbeddedRedis, free_port, stop_process
 
 WORKER_NAME = "demo-worker"
@@ -124,7 +125,8 @@ def wait_for_worker(client: Client, worker: subprocess.Popen, log: LogTail) -> i
             raise SystemExit(f"the worker did not start within {WORKER_START_TIMEOUT_S:g}s")
         time.sleep(0.1)
     log.show()
-    return int(client.redis.hget(client.keys.worker(WORKER_NAME), "metrics_port"))
+    (heartbeat,) = steps.run(client.redis, registry.heartbeats(client.keys, [WORKER_NAME]))
+    return int(heartbeat["metrics_port"])
 
 
 def run_jobs(client: Client) -> int:

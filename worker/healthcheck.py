@@ -20,10 +20,11 @@ import sys
 
 import redis
 
+from producer_client import steps
 from producer_client.connection import describe, probe
 from producer_client.errors import MiliError
 from producer_client.keys import Keys
-from producer_client.protocol.execution import execute
+from producer_client.protocol import registry
 from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.settings import WorkerSettings, settings_from_args
 
@@ -66,13 +67,14 @@ def healthcheck(settings: WorkerSettings) -> int:
 def live_workers(client: redis.Redis, keys: Keys, queue: str, name: str) -> list[str]:
     """This worker's name if its heartbeat key exists; with no name, every live worker of this host."""
     names = [name] if name else this_host_workers(client, keys, queue)
-    alive = execute(client, lambda pipe: [pipe.exists(keys.worker(n)) for n in names])
+    alive = steps.run(client, registry.alive(keys, names))
     return [n for n, exists in zip(names, alive) if exists]
 
 
 def this_host_workers(client: redis.Redis, keys: Keys, queue: str) -> list[str]:
     prefix = f"{socket.gethostname()}-"
-    return [n for n in client.zrange(keys.workers(queue), 0, -1) if n.startswith(prefix)]
+    (names,) = steps.run(client, registry.worker_names(keys, [queue]))
+    return [n for n in names if n.startswith(prefix)]
 
 
 def _unhealthy(reason: str) -> int:

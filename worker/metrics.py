@@ -60,7 +60,16 @@ TAKEN_FROM = ("own", "shared", "stolen", "reclaimed")
 
 class WorkerMetrics:
     def __init__(self):
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self._engine_totals: dict[str, float] = {}  # the last EngineStats totals counted (engine_totals)
+        self._add_load_gauges()
+        self._add_latency_histograms()
+        self._add_job_counters()
+        self._add_engine_counters()
+
+    def _add_load_gauges(self) -> None:
+        """What the engine holds now, and the queue's depth."""
+        r = self.registry
         self.requests_running = Gauge(
             "mili_num_requests_running", "Jobs in the engine that have produced a token.", registry=r
         )
@@ -71,6 +80,10 @@ class WorkerMetrics:
         self.kv_cache_usage = Gauge(
             "mili_kv_cache_usage_perc", "Fraction of KV pages in use or promised to admitted jobs (0-1).", registry=r
         )
+
+    def _add_latency_histograms(self) -> None:
+        """Each done job's latencies, from its result's timings (job_ended)."""
+        r = self.registry
         self.ttft = Histogram(
             "mili_time_to_first_token_seconds", "From enqueue to the first token.", buckets=TTFT_BUCKETS, registry=r
         )
@@ -89,8 +102,36 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _add_job_counters(self) -> None:
+        """Jobs ended by outcome, entries taken by source, tokens generated and served."""
+        r = self.registry
         self.prompt_tokens = Counter("mili_prompt_tokens", "Prompt tokens of finished jobs.", registry=r)
         self.generation_tokens = Counter("mili_generation_tokens", "Tokens generated.", registry=r)
+        jobs = Counter("mili_jobs", "Jobs this worker ended, by outcome.", ["outcome"], registry=r)
+        # Each outcome's counter, exported at 0 from the start so that rates are defined, and
+        # looked up once: labels() costs more than the increment.
+        self.jobs = {outcome: jobs.labels(outcome) for outcome in OUTCOMES}
+        taken = Counter(
+            "mili_entries_taken",
+            "Queue entries this worker took, by source: its own stream (placed on it), the "
+            "shared stream, stolen from another worker's stream, reclaimed from a dead or stalled one.",
+            ["source"],
+            registry=r,
+        )
+        self.taken = {source: taken.labels(source) for source in TAKEN_FROM}
+        self.served = Counter(
+            "mili_served_tokens",
+            "Tokens this worker served (the prompt and output of each job it settled), by the lane and "
+            "tenant ('' for none) they were charged to: the tenants' shares of docs/architecture.md.",
+            ["lane", "tenant"],
+            registry=r,
+        )
+
+    def _add_engine_counters(self) -> None:
+        """The engine's running totals (engine_totals): prefix cache, preemptions, grammars,
+        speculative decoding, LoRA adapters."""
+        r = self.registry
         self.prefix_cache_queries = Counter(
             "mili_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
         )
@@ -125,26 +166,6 @@ class WorkerMetrics:
         )
         self.lora_adapter_installs = Counter(
             "mili_lora_adapter_installs", "LoRA adapters installed in a device slot.", registry=r
-        )
-        jobs = Counter("mili_jobs", "Jobs this worker ended, by outcome.", ["outcome"], registry=r)
-        # Each outcome's counter, exported at 0 from the start so that rates are defined, and
-        # looked up once: labels() costs more than the increment.
-        self.jobs = {outcome: jobs.labels(outcome) for outcome in OUTCOMES}
-        self._engine_totals: dict[str, float] = {}
-        taken = Counter(
-            "mili_entries_taken",
-            "Queue entries this worker took, by source: its own stream (placed on it), the "
-            "shared stream, stolen from another worker's stream, reclaimed from a dead or stalled one.",
-            ["source"],
-            registry=r,
-        )
-        self.taken = {source: taken.labels(source) for source in TAKEN_FROM}
-        self.served = Counter(
-            "mili_served_tokens",
-            "Tokens this worker served (the prompt and output of each job it settled), by the lane and "
-            "tenant ('' for none) they were charged to: the tenants' shares of docs/architecture.md.",
-            ["lane", "tenant"],
-            registry=r,
         )
 
     def serve(self, host: str, port: int) -> tuple[WSGIServer, int]:

@@ -33,6 +33,13 @@ MAX_FILE_LIST = 10_000  # the spec's default and bound of a file listing's limit
 
 def batch_router(store: BatchStore, settings: GatewaySettings) -> APIRouter:
     router = APIRouter()
+    add_file_routes(router, store, settings)
+    add_batch_routes(router, store, settings)
+    return router
+
+
+def add_file_routes(router: APIRouter, store: BatchStore, settings: GatewaySettings) -> None:
+    """/v1/files: upload (purpose batch), list, retrieve, content, delete; of the caller's tenant."""
 
     @router.post("/v1/files")
     async def upload_file(request: Request, file: UploadFile = File(...), purpose: str = Form(...)):
@@ -83,33 +90,19 @@ def batch_router(store: BatchStore, settings: GatewaySettings) -> APIRouter:
             raise file_not_found(file_id)
         return FileDeleted(id=file_id)
 
+
+def add_batch_routes(router: APIRouter, store: BatchStore, settings: GatewaySettings) -> None:
+    """/v1/batches: create, retrieve, list, cancel; of the caller's tenant."""
+
     @router.post("/v1/batches")
     async def create_batch(request: Request):
-        req = parse_body(CreateBatch, await request.body())
-        if req.endpoint not in ENDPOINTS:
-            raise bad_request(f"endpoint {req.endpoint!r} is not {' or '.join(ENDPOINTS)}", "endpoint")
-        if req.completion_window not in settings.batch_completion_windows:
-            allowed = ", ".join(settings.batch_completion_windows)
-            raise bad_request(
-                f"completion_window {req.completion_window!r} is not one of {allowed}", "completion_window"
-            )
+        req = check_create(parse_body(CreateBatch, await request.body()), settings)
         file = await store.file(checked_file_id(req.input_file_id), tenant_of(request).owns)
         if file is None or file.purpose != "batch":
             raise bad_request(
                 f"input_file_id {req.input_file_id!r} is not an uploaded batch file", "input_file_id", "file_not_found"
             )
-        now = int(time.time())
-        batch = Batch(
-            id=f"batch_{uuid.uuid4().hex}",
-            endpoint=req.endpoint,
-            input_file_id=req.input_file_id,
-            completion_window=req.completion_window,
-            status="validating",
-            created_at=now,
-            expires_at=now + duration_s(req.completion_window),
-            request_counts=RequestCounts(),
-            metadata=req.metadata,
-        )
+        batch = new_batch(req, int(time.time()))
         await store.create_batch(batch, settings.batch_ttl_s, tenant_of(request).id)
         return batch
 
@@ -135,7 +128,30 @@ def batch_router(store: BatchStore, settings: GatewaySettings) -> APIRouter:
             raise bad_request(f"batch {batch_id} has ended ({status}): there is nothing to cancel", None, "batch_ended")
         return await existing_batch(store, request, batch_id)
 
-    return router
+
+def check_create(req: CreateBatch, settings: GatewaySettings) -> CreateBatch:
+    """A batch's endpoint and completion window, among those this gateway serves."""
+    if req.endpoint not in ENDPOINTS:
+        raise bad_request(f"endpoint {req.endpoint!r} is not {' or '.join(ENDPOINTS)}", "endpoint")
+    if req.completion_window not in settings.batch_completion_windows:
+        allowed = ", ".join(settings.batch_completion_windows)
+        raise bad_request(f"completion_window {req.completion_window!r} is not one of {allowed}", "completion_window")
+    return req
+
+
+def new_batch(req: CreateBatch, now: int) -> Batch:
+    """The batch `req` asks for, created at `now` (epoch seconds): validating, nothing counted yet."""
+    return Batch(
+        id=f"batch_{uuid.uuid4().hex}",
+        endpoint=req.endpoint,
+        input_file_id=req.input_file_id,
+        completion_window=req.completion_window,
+        status="validating",
+        created_at=now,
+        expires_at=now + duration_s(req.completion_window),
+        request_counts=RequestCounts(),
+        metadata=req.metadata,
+    )
 
 
 def check_upload(data: bytes, settings: GatewaySettings) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -30,66 +31,94 @@ log = logging.getLogger("gateway.board")
 
 
 def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings, failures: AuthFailures) -> None:
-    auth = BoardAuth([*settings.api_keys, *settings.admin_api_keys])
-    reader = BoardReader(client, {settings.default_queue, *settings.models.values()})
-    pages = environment()
+    board = Board(
+        BoardAuth([*settings.api_keys, *settings.admin_api_keys]),
+        BoardReader(client, {settings.default_queue, *settings.models.values()}),
+    )
     router = APIRouter(prefix="/board")
+    add_overview_routes(router, board)
+    add_job_routes(router, board, client, settings.keepalive_s)
+    add_dead_letter_routes(router, client, board)
+    add_session_routes(router, board, failures)
+    app.include_router(router)
 
-    def html(template: str, request: Request, status: int = 200, **context) -> HTMLResponse:
-        body = pages.get_template(template).render(logout=auth.required and COOKIE in request.cookies, **context)
-        return HTMLResponse(body, status_code=status)
 
-    def to_login() -> RedirectResponse:
-        return RedirectResponse("/board/login", status_code=303)
+class Board:
+    """What every route of the board shares: who may see it, what it reads, how it renders."""
 
-    async def signed_in(request: Request) -> None:
-        if not auth.allows(request):
+    def __init__(self, auth: BoardAuth, reader: BoardReader):
+        self.auth = auth
+        self.reader = reader
+        self.pages = environment()
+
+    def html(self, template: str, request: Request, status: int = 200, **context: Any) -> HTMLResponse:
+        logout = self.auth.required and COOKIE in request.cookies
+        return HTMLResponse(self.pages.get_template(template).render(logout=logout, **context), status_code=status)
+
+    async def signed_in(self, request: Request) -> None:
+        if not self.auth.allows(request):
             raise unauthorized()
 
-    async def from_the_board(request: Request) -> None:
+    async def from_the_board(self, request: Request) -> None:
         """An action (it changes something) must come from the board's own script: see auth.py."""
-        await signed_in(request)
+        await self.signed_in(request)
         if request.headers.get(ACTION_HEADER) != "1":
             raise APIError(403, f"board actions need the {ACTION_HEADER} header", "invalid_request_error", "forbidden")
 
-    @router.get("")
-    async def board(request: Request):
-        if not auth.allows(request):
-            return to_login()
-        return html("board.jinja", request, view=await reader.overview(), shown=JOBS_SHOWN)
 
-    @router.get("/overview", dependencies=[Depends(signed_in)])
+def to_login() -> RedirectResponse:
+    return RedirectResponse("/board/login", status_code=303)
+
+
+def add_overview_routes(router: APIRouter, board: Board) -> None:
+    """The board's page (a signed-out visitor goes to the login form) and its overview fragment."""
+
+    @router.get("")
+    async def page(request: Request):
+        if not board.auth.allows(request):
+            return to_login()
+        return board.html("board.jinja", request, view=await board.reader.overview(), shown=JOBS_SHOWN)
+
+    @router.get("/overview", dependencies=[Depends(board.signed_in)])
     async def overview(request: Request):
-        return html("overview.jinja", request, view=await reader.overview(), shown=JOBS_SHOWN)
+        return board.html("overview.jinja", request, view=await board.reader.overview(), shown=JOBS_SHOWN)
+
+
+def add_job_routes(router: APIRouter, board: Board, client: AsyncClient, keepalive_s: float) -> None:
+    """A job's page, its summary fragment, its text as Server-Sent Events, and its cancel."""
 
     @router.get("/job")
     async def job_page(request: Request, id: str):
-        if not auth.allows(request):
+        if not board.auth.allows(request):
             return to_login()
         try:
-            view = await reader.job(id)
+            view = await board.reader.job(id)
         except JobNotFound as e:
             raise not_found(e.message, "job_not_found") from None
-        return html("job.jinja", request, view=view)
+        return board.html("job.jinja", request, view=view)
 
-    @router.get("/job/summary", dependencies=[Depends(signed_in)])
+    @router.get("/job/summary", dependencies=[Depends(board.signed_in)])
     async def job_summary(request: Request, id: str):
-        return html("job_summary.jinja", request, view=await reader.job(id))
+        return board.html("job_summary.jinja", request, view=await board.reader.job(id))
 
-    @router.get("/job/events", dependencies=[Depends(signed_in)])
+    @router.get("/job/events", dependencies=[Depends(board.signed_in)])
     async def job_events(request: Request, id: str):
         # Checked before the stream starts: past its first byte, an error cannot be a 400.
         job_id = check_job_id(id)
         after = check_event_id(request.headers.get("last-event-id", "0-0"))
-        return EventStream(text_events(client, job_id, after, settings.keepalive_s))
+        return EventStream(text_events(client, job_id, after, keepalive_s))
 
-    @router.post("/job/cancel", dependencies=[Depends(from_the_board)])
+    @router.post("/job/cancel", dependencies=[Depends(board.from_the_board)])
     async def cancel(id: str):
         status = await client.cancel(id)
         log.info("board: job %s cancel requested; it was %s", id, status.status)
         return Response(status.model_dump_json(), media_type="application/json")
 
-    @router.post("/dead/retry", dependencies=[Depends(from_the_board)])
+
+def add_dead_letter_routes(router: APIRouter, client: AsyncClient, board: Board) -> None:
+    """A dead letter's retry and purge: actions, refused with 404 or 409 (action_refused)."""
+
+    @router.post("/dead/retry", dependencies=[Depends(board.from_the_board)])
     async def retry(queue: str, letter: str):
         try:
             retried = await client.on_queue(check_name("queue", queue)).dead_letters.retry(letter)
@@ -104,7 +133,7 @@ def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings, fail
         )
         return Response(retried.model_dump_json(), media_type="application/json")
 
-    @router.post("/dead/purge", dependencies=[Depends(from_the_board)])
+    @router.post("/dead/purge", dependencies=[Depends(board.from_the_board)])
     async def purge(queue: str, letter: str):
         try:
             purged = await client.on_queue(check_name("queue", queue)).dead_letters.purge(letter)
@@ -113,9 +142,13 @@ def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings, fail
         log.info("board: dead letter %s of queue %r (job %s) purged", letter, queue, purged.job_id)
         return Response(purged.model_dump_json(), media_type="application/json")
 
+
+def add_session_routes(router: APIRouter, board: Board, failures: AuthFailures) -> None:
+    """The login form, a login (a session cookie for a right key) and a logout."""
+
     @router.get("/login")
     async def login_form(request: Request):
-        return html("login.jinja", request)
+        return board.html("login.jinja", request)
 
     @router.post("/login")
     async def login(request: Request):
@@ -123,33 +156,34 @@ def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings, fail
         # has bounded the body (gateway/edge.py). A right key logs in whatever its address has
         # failed; a wrong one past the limit is a 429 (gateway.api_keys.AuthFailures).
         key = parse_qs((await request.body()).decode(errors="replace")).get("key", [""])[0]
-        session = auth.session_for(key)
+        session = board.auth.session_for(key)
         if session is None:
-            retry_after = failures.failed(client_address(request))
-            if retry_after is not None:
-                response = html("login.jinja", request, status=429, retry_after=retry_after)
-                response.headers["Retry-After"] = str(retry_after)
-                return response
-            return html("login.jinja", request, status=401, wrong=True)
-        response = RedirectResponse("/board", status_code=303)
-        response.set_cookie(
-            COOKIE,
-            session,
-            max_age=SESSION_S,
-            path="/board",
-            httponly=True,
-            samesite="strict",
-            secure=request.url.scheme == "https",
-        )
-        return response
+            return login_refused(board, request, failures.failed(client_address(request)))
+        return session_started(session, secure=request.url.scheme == "https")
 
     @router.post("/logout")
     async def logout():
-        response = RedirectResponse("/board/login" if auth.required else "/board", status_code=303)
+        response = RedirectResponse("/board/login" if board.auth.required else "/board", status_code=303)
         response.delete_cookie(COOKIE, path="/board")
         return response
 
-    app.include_router(router)
+
+def login_refused(board: Board, request: Request, retry_after: int | None) -> Response:
+    """A wrong key: the form again, 401, or 429 once its address has failed too often."""
+    if retry_after is None:
+        return board.html("login.jinja", request, status=401, wrong=True)
+    response = board.html("login.jinja", request, status=429, retry_after=retry_after)
+    response.headers["Retry-After"] = str(retry_after)
+    return response
+
+
+def session_started(session: str, secure: bool) -> Response:
+    """To the board, with the session's cookie."""
+    response = RedirectResponse("/board", status_code=303)
+    response.set_cookie(
+        COOKIE, session, max_age=SESSION_S, path="/board", httponly=True, samesite="strict", secure=secure
+    )
+    return response
 
 
 def action_refused(error: DeadLetterNotFound | NotRetryable) -> APIError:

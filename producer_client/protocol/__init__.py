@@ -3,8 +3,12 @@ producer_client/keys.py; here are the Lua scripts, each beside its call builder 
 script's keys and argument order), by family: `producer` (a job's birth, cancel, follow, retry, and
 the queue's ENQUEUE), `worker` (claim, publish, fail, hand-over and the entries' upkeep), `batch`
 (the Batch API's batches: its scripts and every other command on their keys), `files` (the Batch
-API's files); `execution`, which runs them (NOSCRIPT reload, cluster fan-out, WAIT);
-`replies`, what the worker's scripts and reads answer, parsed; `events`, a job's event payloads
-written and read; `clock`, Redis's clock as TIME and stream entry ids give it; `replication`, how
-many replicas must confirm a write (WAIT).
+API's files); `registry` (the queue index, the worker indexes and the heartbeats), `letters` (a
+queue's dead letters), `consumer` (a worker's consumer group, its reads and the doorbell),
+`backlog` (every stream of a queue's jobs: what each holds, waits and runs), `job_reads` (a job's
+hash read for its status and for operators), `tenants` (a tenant's quota settings and rate
+state); `execution`, which runs them (NOSCRIPT reload,
+cluster fan-out, WAIT); `replies`, what the worker's scripts and reads answer, parsed; `events`, a
+job's event payloads written and read; `clock`, Redis's clock as TIME and stream entry ids give it;
+`replication`, how many replicas must confirm a write (WAIT).
 The worker and the gateway decide when to call a script, never how."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any, TypeGuard
 
 from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
 from producer_client.schema import StreamStats
@@ -23,12 +24,19 @@ from producer_client.steps import Steps, checked
 # `<entry id>#<lane>:<tenant>` in a lane's stream of a tenant. An entry id is digits and one dash, so
 # the first `@` or `#` ends it.
 OWNED, LANED = "@", "#"
-REFERENCE = re.compile(r"([^@#]*)([@#]?)(.*)", re.S)
+MARK = re.compile(f"([{OWNED}{LANED}])")
+
+
+def reference_parts(ref: str) -> tuple[str, str, str]:
+    """An entry reference's entry id, its mark (OWNED, LANED, or "" in the queue's own stream) and
+    what follows the mark (the owner, or `<lane>:<tenant>`)."""
+    parts = MARK.split(ref, maxsplit=1)
+    return (ref, "", "") if len(parts) == 1 else (parts[0], parts[1], parts[2])
 
 
 def entry_stream(keys: Keys, queue: str, ref: str) -> tuple[str, str]:
     """The stream key and the entry id that the entry reference `ref` names in `queue`."""
-    entry_id, mark, rest = REFERENCE.fullmatch(ref).groups()
+    entry_id, mark, rest = reference_parts(ref)
     if mark == OWNED:
         return keys.own_queue(queue, rest), entry_id
     if mark == LANED:
@@ -82,6 +90,10 @@ class StreamReading:
         group = next((g for g in self.groups if g["name"] == GROUP), None)
         return "-" if group is None else "(" + group["last-delivered-id"]
 
+    def add_unread(self, pipe: Any, count: int) -> None:
+        """XRANGE of the first `count` entries no worker has read yet, among a pipeline's reads."""
+        pipe.xrange(self.stream.key, self.unread_after(), "+", count=count)
+
 
 def read_streams(streams: list[QueueStream]) -> Steps[list[StreamReading]]:
     """XLEN of each stream, then XINFO GROUPS of those that hold entries (it fails on a stream that
@@ -97,6 +109,51 @@ def read_streams(streams: list[QueueStream]) -> Steps[list[StreamReading]]:
 def read_backlogs(streams: list[QueueStream]) -> Steps[list[StreamStats]]:
     """Each stream's depth, pending and waiting entries (read_streams)."""
     return [reading.stats() for reading in (yield from read_streams(streams))]
+
+
+def add_stream_info(pipe: Any, stream: QueueStream) -> None:
+    """XINFO STREAM, among a pipeline's reads; its reply is an error if the stream does not exist
+    (processed)."""
+    pipe.xinfo_stream(stream.key)
+
+
+def processed(infos: list[dict | Exception]) -> int | None:
+    """The entries that have left the streams since each was created (acknowledged or
+    dead-lettered), from their XINFO STREAM: entries-added less the length. None: no stream exists."""
+    found = [info for info in infos if stream_exists(info)]
+    return sum(info["entries-added"] - info["length"] for info in found) if found else None
+
+
+def stream_exists(reply: dict | Exception) -> TypeGuard[dict]:
+    """False for the error XINFO gives on a key that does not exist; other errors raise."""
+    if isinstance(reply, Exception):
+        if "no such key" in str(reply).lower() or "nogroup" in str(reply).lower():
+            return False
+        raise reply
+    return True
+
+
+def pending_entries(streams: list[QueueStream], count: int) -> Steps[list[list[dict]]]:
+    """The first `count` entries of each stream's pending entries list (XPENDING, extended form):
+    message_id, consumer, time_since_delivered (ms), times_delivered."""
+    if not streams:
+        return []
+    return checked((yield lambda pipe: [pipe.xpending_range(s.key, GROUP, "-", "+", count) for s in streams]))
+
+
+def entries_at(places: list[tuple[str, str]]) -> Steps[list[dict[str, str] | None]]:
+    """The fields of each (stream key, entry id)'s entry; None where it is gone."""
+    if not places:
+        return []
+    found = checked((yield lambda pipe: [pipe.xrange(key, entry_id, entry_id) for key, entry_id in places]))
+    return [entries[0][1] if entries else None for entries in found]
+
+
+def stream_heads(stream_keys: list[str], count: int) -> Steps[list[list[tuple[str, dict[str, str]]]]]:
+    """The first `count` entries of each stream, read or not."""
+    if not stream_keys:
+        return []
+    return checked((yield lambda pipe: [pipe.xrange(key, "-", "+", count=count) for key in stream_keys]))
 
 
 def backlog(depth: int, groups: list[dict]) -> tuple[int, int]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.cluster import ClusterNode
 from redis.commands.core import CoreCommands
 from redis.exceptions import NoScriptError, ResponseError
 
@@ -16,6 +18,8 @@ from producer_client.protocol.producer import PRODUCER_SCRIPTS
 from producer_client.protocol.script import Script
 
 Stack = list[tuple[tuple, dict]]  # recorded commands: (arguments, options) each
+Node = ClusterNode | AsyncClusterNode  # a cluster's node, sync or asyncio
+Waits = dict[int, tuple[str, Node | None]]  # each WAIT's place: its key, and its node (None: one server)
 
 
 class Commands(CoreCommands):
@@ -23,9 +27,12 @@ class Commands(CoreCommands):
     and the options that parse the reply) and sent by `execute`: so the commands NOSCRIPT refused
     can be sent again, whatever kind of pipeline carried them (a cluster's stores them its own way).
     EVALSHA, TIME and the rest are recorded alike: redis-py's cluster pipeline refuses their
-    methods, not the commands."""
+    methods, not the commands.
+    redis-py's CommandsProtocol, which its command methods take as `self`, declares a client's
+    `_event_dispatcher`, which none of those methods reads: a recorder has none, and mypy counts
+    it abstract (the `type: ignore[abstract]` where one is made)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.stack: Stack = []
 
     def execute_command(self, *args, **options):
@@ -76,7 +83,7 @@ def execute(
     cluster a command that a node failed (redis-py tries it again at once, then gives its error as
     the reply) fails the round trip, which the client's retry policy sends again, as it does a
     single command's, until the failover is over."""
-    commands = Commands()
+    commands = Commands()  # type: ignore[abstract]  # see Commands
     add_commands(commands)
     with topology_errors():
         replies = _send(client, commands.stack, repeatable)
@@ -97,7 +104,7 @@ async def aexecute(
     repeatable: bool = False,
 ) -> list:
     """`execute` for a redis.asyncio client."""
-    commands = Commands()
+    commands = Commands()  # type: ignore[abstract]  # see Commands
     add_commands(commands)
     with topology_errors():
         if is_cluster(client) and any(_NODE_OF in options for _, options in commands.stack):
@@ -161,13 +168,14 @@ async def _asend(client, stack: Stack | Callable[[], Stack], repeatable: bool = 
     return await client.paced(attempt) if cluster else await attempt()
 
 
-def _pipeline(client, cluster: bool, stack: Stack):
+def _pipeline(client, cluster: bool, stack: Stack) -> tuple[Any, list[int], Waits]:
     """A pipeline of `stack`'s commands as `client` (a `cluster` or not) must send them; how many
     went out for each (more than one for a command of COUNTED_PER_KEY whose keys lie in several
     slots); and for each WAIT, by its place in `stack`, its key and the node it was sent to (None:
     one server)."""
     pipe = client.pipeline(transaction=False)
-    parts, waits = [], {}
+    parts: list[int] = []
+    waits: Waits = {}
     for at, (args, options) in enumerate(stack):
         if _NODE_OF in options:
             options = dict(options)
@@ -196,7 +204,7 @@ def _as_sent(client, args: tuple, options: dict) -> Stack:
     return [((args[0], *keys), options) for keys in by_slot.values()]
 
 
-def _judged_waits(client, replies: list, waits: dict[int, tuple[str, object]]) -> list:
+def _judged_waits(client, replies: list, waits: Waits) -> list:
     """`replies`, with 0 (no replica confirmed anything) for each WAIT that cannot vouch for the
     writes before it: one its node refused (the node turned replica in a failover), and on a
     cluster one whose key's slot another node serves now (the writes followed MOVED there, on

@@ -160,9 +160,12 @@ def _member(kind: type[enum.Enum], value: object, script: str, reply: object):
 
 
 def _count(value: object, script: str, reply: object) -> int:
+    """A count in `reply`: an integer, or its decimal text, never negative."""
+    if not isinstance(value, (int, float, str, bytes)):
+        raise UnknownReply(script, reply)
     try:
         count = int(value)
-    except (TypeError, ValueError):
+    except ValueError:
         raise UnknownReply(script, reply) from None
     if count < 0:
         raise UnknownReply(script, reply)

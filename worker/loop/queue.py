@@ -30,8 +30,8 @@ from redis.backoff import NoBackoff
 from producer_client import connection
 from producer_client.cluster import is_cluster
 from producer_client.connection import FATAL_ERRORS, Retry, reply_code
-from producer_client.keys import GROUP, Keys
-from producer_client.protocol import execution, producer
+from producer_client.keys import Keys
+from producer_client.protocol import consumer, execution, producer, registry
 from producer_client.protocol import worker as scripts
 from producer_client.protocol.execution import AddCommands, Pipe
 from producer_client.protocol.lanes import DEFAULT_COST
@@ -45,9 +45,6 @@ from worker.loop.streams import DEFAULT_ROUTE, QueueStreams, Route, entry_ref, l
 
 log = logging.getLogger(__name__)
 
-# Names of workers whose heartbeat is this stale are dropped from the queue's worker index (and
-# queues no worker has served for this long from the queue index).
-WORKER_INDEX_RETENTION_S = 3600
 # A draining worker makes the entries it hands over look this idle: older than any worker's
 # claim_idle_ms, so the next XAUTOCLAIM anywhere takes them, even by a worker that takes nothing
 # else yet (see Admission.reclaim: it asks for a tenth of this then).
@@ -178,8 +175,7 @@ class Settle:
             return
         queue.streams.add_acks(pipe, self.acks)
         if self.bells:
-            pipe.xack(queue.doorbell, GROUP, *self.bells)
-            pipe.xdel(queue.doorbell, *self.bells)
+            consumer.add_bells_answered(pipe, queue.keys, queue.queue, self.bells)
         now = queue.clock.now()
         for letter in self.dead_letters:
             queue.streams.add_dead_letter(pipe, letter.entry_id, letter.letter(queue.worker, now))
@@ -277,13 +273,8 @@ class WorkerQueue:
         # once a producer has made it (bell_ready).
         self.rings = False
         for stream in self._group_streams():
-            if self._group_exists(stream):
-                continue
-            try:
-                self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
-            except redis.ResponseError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
+            if not self._group_exists(stream):
+                consumer.create_group(self.redis, stream, make_stream=True)
 
     def group_exists(self) -> bool:
         return all(self._group_exists(stream) for stream in self._group_streams())
@@ -294,23 +285,18 @@ class WorkerQueue:
     def bell_ready(self) -> bool:
         """Whether the doorbell has the group to block on: once a producer's first lane job made it
         (a queue without lanes never has one); until then a lane's first job waits for a read."""
-        if not self.rings and self.redis.exists(self.doorbell):
-            try:
-                self.redis.xgroup_create(self.doorbell, GROUP, id="0")
-            except redis.ResponseError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
+        if not self.rings and consumer.doorbell_made(self.redis, self.keys, self.queue):
+            consumer.create_group(self.redis, self.doorbell, make_stream=False)
             self.rings = True
         return self.rings
 
     def _group_exists(self, stream: str) -> bool:
         try:
-            groups = self.redis.xinfo_groups(stream)
+            return consumer.has_group(self.redis, stream)
         except redis.ResponseError as e:
             if is_transient(e):
                 raise
             return False  # no such key: the stream is gone, and its group with it
-        return any(g["name"] == GROUP for g in groups)
 
     def read(
         self,
@@ -355,7 +341,7 @@ class WorkerQueue:
         if self.own is not None and one_node:
             streams[self.own] = ">"
         block = block_ms if self.own is None or one_node else min(block_ms, self.poll_ms)
-        reply = self._send(lambda pipe: pipe.xreadgroup(GROUP, self.worker, streams, count=1, block=block))[0] or []
+        reply = self._send(lambda pipe: consumer.add_read(pipe, self.worker, streams, 1, block))[0] or []
         taken = []
         for key, entries in reply:
             if key == self.doorbell:
@@ -372,7 +358,7 @@ class WorkerQueue:
         return []
 
     def _read_into(self, pipe: Pipe, stream: str, count: int, block_ms: int | None) -> None:
-        pipe.xreadgroup(GROUP, self.worker, {stream: ">"}, count=count, block=block_ms)
+        consumer.add_read(pipe, self.worker, {stream: ">"}, count, block_ms)
 
     def _entries(self, stream: str, reply: list[Any] | None) -> list[Delivery]:
         if not reply:
@@ -435,29 +421,21 @@ class WorkerQueue:
         """Refresh this worker's heartbeat hash, its place in the worker and queue indexes, the
         idle time of the entries it holds (REFRESH), and the Redis clock. Returns the queue depth
         and the held entries it has lost."""
-        key = self.keys.worker(self.worker)
-        index = self.keys.workers(self.queue)
         now = self.clock.now()
 
         def add(pipe: Pipe) -> None:
             pipe.time()
-            pipe.hset(key, mapping={**fields, "updated_at": now})
-            pipe.pexpire(key, int(ttl_s * 1000))
-            pipe.zadd(index, {self.worker: now})
-            pipe.zremrangebyscore(index, "-inf", now - WORKER_INDEX_RETENTION_S)
-            pipe.zadd(self.keys.queues(), {self.queue: now})
-            pipe.zremrangebyscore(self.keys.queues(), "-inf", now - WORKER_INDEX_RETENTION_S)
-            pipe.xlen(self.stream)
-            pipe.zrange(index, 0, -1)
+            registry.add_heartbeat(pipe, self.keys, self.queue, self.worker, fields, int(ttl_s * 1000), now)
             self.streams.add_refreshes(pipe, self.worker, by_stream)
 
         by_stream = self.streams.by_stream(held)
         sent_at = self.clock.local()
         replies = self._send(add)
         self.clock.measured(sent_at, replies[0], self.clock.local())
-        self.peers = replies[8]
-        lost = [refs[i] for refs, reply in zip(by_stream.values(), replies[9:]) for i in reply]
-        return replies[7], lost
+        beat, refreshes = replies[1 : 1 + registry.HEARTBEAT_COMMANDS], replies[1 + registry.HEARTBEAT_COMMANDS :]
+        depth, self.peers = registry.heartbeat_reply(beat)
+        lost = [refs[i] for refs, reply in zip(by_stream.values(), refreshes) for i in reply]
+        return depth, lost
 
     def release(self, entry_ids: list[str]) -> int:
         """Hand unfinished entries over to other workers (RELEASE); returns how many were ours."""
@@ -467,16 +445,13 @@ class WorkerQueue:
 
     def leave(self) -> None:
         """Remove this worker's heartbeat: it no longer counts as live. With placement its name
-        stays in the queue's worker index (until WORKER_INDEX_RETENTION_S prunes it), because that
+        stays in the queue's worker index (until registry.WORKER_INDEX_RETENTION_S prunes it), because that
         index is where the others find its stream: a producer whose view was read before the drain
         may still place jobs there, and they are stolen."""
 
-        def add(pipe: Pipe) -> None:
-            pipe.delete(self.keys.worker(self.worker))
-            if self.own is None:
-                pipe.zrem(self.keys.workers(self.queue), self.worker)
-
-        self._send(add)
+        self._send(
+            lambda pipe: registry.add_leave(pipe, self.keys, self.queue, self.worker, keep_name=self.own is not None)
+        )
 
 
 def reclaimed_lane_deliveries(streams: list[Any]) -> list[Delivery]:

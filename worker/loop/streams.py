@@ -15,14 +15,12 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
+from producer_client.keys import DEFAULT_LANE, NO_TENANT, Keys
+from producer_client.protocol import consumer, letters
 from producer_client.protocol import worker as scripts
-from producer_client.protocol.backlog import LANED, OWNED, REFERENCE, entry_stream
+from producer_client.protocol.backlog import LANED, OWNED, entry_stream, reference_parts
 from producer_client.protocol.execution import AddCommands, Pipe
-
-# The dead-letter stream keeps about this many entries (XADD MAXLEN ~): bounded memory, and far
-# more than an operator reads before acting on the alert.
-DEAD_LETTER_MAXLEN = 10_000
+from producer_client.protocol.letters import DEAD_LETTER_MAXLEN
 
 
 @dataclass(frozen=True)
@@ -48,26 +46,19 @@ def lane_ref(entry_id: str, route: Route) -> str:
     return entry_id if route == DEFAULT_ROUTE else f"{entry_id}{LANED}{route.lane}:{route.tenant}"
 
 
-def _parts(ref: str) -> tuple[str, str, str]:
-    match = REFERENCE.fullmatch(ref)
-    assert match is not None  # the pattern matches any string
-    entry_id, mark, rest = match.groups()
-    return entry_id, mark, rest
-
-
 def owner_of(ref: str) -> str | None:
-    entry_id, mark, rest = _parts(ref)
+    entry_id, mark, rest = reference_parts(ref)
     return rest if mark == OWNED else None
 
 
 def entry_id_of(ref: str) -> str:
-    return _parts(ref)[0]
+    return reference_parts(ref)[0]
 
 
 def route_of_ref(ref: str) -> Route | None:
     """The route a lane stream's reference names; None for the other streams' (the queue's own
     stream: the default route; a worker's own: the entry's fields say)."""
-    entry_id, mark, rest = _parts(ref)
+    entry_id, mark, rest = reference_parts(ref)
     if mark != LANED:
         return None
     lane, _, tenant = rest.partition(":")
@@ -100,8 +91,7 @@ class QueueStreams:
 
     def add_acks(self, pipe: Pipe, refs: list[str]) -> None:
         for key, ids in self.by_stream(refs).items():
-            pipe.xack(key, GROUP, *ids)
-            pipe.xdel(key, *ids)
+            consumer.add_settled(pipe, key, list(ids))
 
     def add_dead_letter(self, pipe: Pipe, ref: str, letter: dict[str, str | int | float]) -> None:
         """DEADLETTER (`letter`: the dead letter's fields) moves an entry of the shared stream or a
@@ -113,7 +103,7 @@ class QueueStreams:
         if owner_of(ref) is None:
             scripts.deadletter(self.of_ref(ref), dead, entry_id_of(ref), DEAD_LETTER_MAXLEN, letter).add_to(pipe)
             return
-        pipe.xadd(dead, letter, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        letters.add_letter(pipe, self.keys, self.queue, letter)
         self.add_acks(pipe, [ref])
 
     @staticmethod

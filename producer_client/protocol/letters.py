@@ -1,0 +1,61 @@
+"""A queue's dead-letter stream `mili:dead:{queue}`: DEADLETTER (protocol.worker) writes its
+letters and REVIVE (protocol.producer) moves one back into the queue; here is every other command
+on it: a letter of a worker's own stream written, and each a Steps (producer_client.steps): read letters from either end, one by its id, count
+them, delete one, trim them. A letter's id is the time it died (Redis's clock), so the stream is in
+order of death. An entry is (its id, its fields)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from producer_client.keys import Keys
+from producer_client.steps import Steps, checked
+
+Entry = tuple[str, dict[str, str]]
+# The dead-letter stream keeps about this many entries (XADD MAXLEN ~): bounded memory, and far
+# more than an operator reads before acting on the alert.
+DEAD_LETTER_MAXLEN = 10_000
+
+
+def add_letter(pipe: Any, keys: Keys, queue: str, letter: Mapping[str, str | int | float]) -> None:
+    """A letter written (XADD, the stream trimmed to about DEAD_LETTER_MAXLEN): for an entry of a
+    worker's own stream, which DEADLETTER cannot reach from the dead-letter stream's hash tag."""
+    pipe.xadd(keys.dead(queue), dict(letter), maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+
+
+def newest_letters(keys: Keys, queue: str, count: int, before: str = "+") -> Steps[list[Entry]]:
+    """Up to `count` letters, newest first, from `before` down (XREVRANGE; "(" before an id
+    excludes it)."""
+    (entries,) = checked((yield lambda pipe: pipe.xrevrange(keys.dead(queue), before, "-", count=count)))
+    return entries
+
+
+def oldest_letters(keys: Keys, queue: str, after: str, last: str, count: int) -> Steps[list[Entry]]:
+    """Up to `count` letters, oldest first, from `after` up to `last` (XRANGE)."""
+    (entries,) = checked((yield lambda pipe: pipe.xrange(keys.dead(queue), after, last, count=count)))
+    return entries
+
+
+def letter_at(keys: Keys, queue: str, letter_id: str) -> Steps[Entry | None]:
+    """The letter whose id is `letter_id`, if there is one."""
+    (entries,) = checked((yield lambda pipe: pipe.xrange(keys.dead(queue), letter_id, letter_id)))
+    return entries[0] if entries else None
+
+
+def add_letter_count(pipe: Any, keys: Keys, queue: str) -> None:
+    """XLEN of the dead-letter stream, among a pipeline's other reads."""
+    pipe.xlen(keys.dead(queue))
+
+
+def delete_letter(keys: Keys, queue: str, letter_id: str) -> Steps[bool]:
+    """Whether there was such a letter to delete."""
+    (removed,) = checked((yield lambda pipe: pipe.xdel(keys.dead(queue), letter_id)))
+    return bool(removed)
+
+
+def trim_letters(keys: Keys, queue: str, strategy: Literal["MAXLEN", "MINID"], threshold: int) -> Steps[int]:
+    """XTRIM, exact (no ~): MAXLEN 0 removes every letter, MINID every one older than `threshold`
+    ms. Returns how many it removed."""
+    (removed,) = checked((yield lambda pipe: pipe.execute_command("XTRIM", keys.dead(queue), strategy, threshold)))
+    return removed

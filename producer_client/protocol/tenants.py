@@ -1,0 +1,52 @@
+"""A tenant's keys outside the queue's streams: its quota settings (`mili quota set` writes the
+hash, producers read it and pass it to ENQUEUE_LANES), the index of the tenants that have
+settings, and its rate hash on a queue (GCRA's theoretical arrival times, which ENQUEUE_LANES
+writes and a producer reads back for the x-ratelimit-* headers). Each operation a Steps
+(producer_client.steps); the reads are safe to repeat (Repeatable)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from producer_client.keys import Keys
+from producer_client.steps import Repeatable, Steps, checked
+
+
+def quota_fields(keys: Keys, tenant: str) -> Steps[dict[str, str]]:
+    """The tenant's settings hash ({}: none set)."""
+    (fields,) = checked((yield Repeatable(lambda pipe: pipe.hgetall(keys.quota(tenant)))))
+    return fields
+
+
+def write_quota_fields(keys: Keys, tenant: str, written: dict[str, str], unset: list[str]) -> Steps[None]:
+    """`written` set and `unset` removed in the tenant's settings, and the tenant in the index."""
+
+    def add(pipe: Any) -> None:
+        if written:
+            pipe.hset(keys.quota(tenant), mapping=written)
+        if unset:
+            pipe.hdel(keys.quota(tenant), *unset)
+        pipe.zadd(keys.quotas(), {tenant: 0})
+
+    checked((yield add))
+
+
+def tenants_with_quotas(keys: Keys) -> Steps[list[str]]:
+    """The index: every tenant that has had settings, by name."""
+    (tenants,) = checked((yield Repeatable(lambda pipe: pipe.zrange(keys.quotas(), 0, -1))))
+    return tenants
+
+
+def quota_fields_of(keys: Keys, tenants: list[str]) -> Steps[list[dict[str, str]]]:
+    """Each tenant's settings hash, in one round trip."""
+    if not tenants:
+        return []
+    return checked((yield Repeatable(lambda pipe: [pipe.hgetall(keys.quota(t)) for t in tenants])))
+
+
+def rate_state(keys: Keys, queue: str, tenant: str) -> Steps[tuple[list[str | None], tuple[int, int]]]:
+    """The tenant's theoretical arrival times on `queue`, requests' and tokens' (ms on Redis's
+    clock; None: its bucket is full), and Redis's clock (TIME): one round trip."""
+    key = keys.rate(queue, tenant)
+    tats, now = checked((yield Repeatable(lambda pipe: (pipe.hmget(key, "r", "t"), pipe.time()))))
+    return tats, now
