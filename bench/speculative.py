@@ -252,7 +252,7 @@ def step_seconds(engine: Engine, n: int, runs: int = 5) -> float:
     drafted ones: the median of `runs` (of `clock`) after one warm-up; on CUDA, do_bench's."""
     chunks = []
     for req in engine.scheduler.running:
-        engine.scheduler.reserve_draft(req, n)
+        engine.scheduler.pages.reserve_draft(req, n)
         chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1 + n, True, [7] * n))
     if engine.device.type == "cuda":
         return median_seconds(lambda: engine.runner.run(chunks), engine.device)

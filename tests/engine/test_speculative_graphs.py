@@ -34,7 +34,7 @@ def test_a_padded_verify_step_puts_padding_after_each_draft_writing_nothing(make
     engine.step()
     chunks = []
     for req, draft in zip(engine.scheduler.running, ([3, 4], [])):
-        engine.scheduler.reserve_draft(req, len(draft))
+        engine.scheduler.pages.reserve_draft(req, len(draft))
         chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1 + len(draft), True, draft))
     step = padded_verify_step(engine.scheduler.page_table, 4, chunks, K + 1)
     assert step.input_ids.tolist() == [chunks[0].input_ids[0], 3, 4, 0, 0, chunks[1].input_ids[0], 0, 0, 0, 0]

@@ -31,6 +31,7 @@ from worker.engine.outputs import RequestError, RequestId
 from worker.engine.page_table import PageTable
 from worker.engine.radix_cache import RadixCache
 from worker.engine.request import Request, RequestStatus
+from worker.engine.request_pages import RequestPages
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # both kept sorted by Request.sort_key
         self.running: list[Request] = []
         self.page_table = PageTable()  # the running requests' pages, for the model runner
+        self.pages = RequestPages(allocator, cache, page_size, self.page_table)
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
@@ -149,35 +151,24 @@ class Scheduler:
         for c in chunks:
             c.request.num_computed_tokens += c.num_tokens - len(c.draft)
             if c.num_tokens > 1 and not c.draft:  # prefill progress: share its full pages as soon as they exist
-                self._cache_computed_pages(c.request)
+                self.pages.cache_computed(c.request)
 
     def accept_draft_token(self, req: Request) -> None:
         """A drafted token verified this step became the request's: its KV is the request's too."""
         req.num_computed_tokens += 1
 
-    def reserve_draft(self, req: Request, num_tokens: int) -> int:
-        """Pages for up to `num_tokens` drafted tokens after the request's next one, from free
-        pages alone: a draft never evicts cached prefixes nor preempts anyone. Returns how many
-        of them fit."""
-        have = len(req.pages) * self.page_size - req.num_computed_tokens - 1  # slots past the next token
-        if have < num_tokens:
-            grant = min(pages_for(num_tokens - have, self.page_size), self.allocator.num_free)
-            req.pages.extend(self.allocator.allocate(grant))
-            have += grant * self.page_size
-        return max(0, min(num_tokens, have))
-
     def finish(self, req: Request) -> None:
         """Takes a finished request out of the scheduler and returns its pages. It may be
         waiting: an overlapped engine reads a token after the request was preempted."""
         (self.running if req in self.running else self.waiting).remove(req)
-        self._release(req)
+        self.pages.release(req)
 
     def abort(self, request_id: RequestId) -> Request | None:
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.request_id == request_id:
                     queue.remove(req)
-                    self._release(req)
+                    self.pages.release(req)
                     return req
         return None
 
@@ -226,7 +217,7 @@ class Scheduler:
             self.waiting.pop(i)
             self._start(req, match.pages, match.node)
             n = min(req.num_uncomputed_tokens, budget)
-            self._allocate(req, pages_for(req.num_computed_tokens + n, self.page_size) - len(req.pages))
+            self.pages.allocate(req, pages_for(req.num_computed_tokens + n, self.page_size) - len(req.pages))
             owed += pages_for(len(req.token_ids), self.page_size) - len(req.pages)
             planned[req] = n
             budget -= n
@@ -244,13 +235,7 @@ class Scheduler:
         return planned.pop(victim, 0)
 
     def _start(self, req: Request, pages: list[int], node) -> None:
-        self.allocator.incref(pages)
-        req.pages = list(pages)
-        req.cache_node = node
-        req.num_computed_tokens = len(pages) * self.page_size
-        if req.num_preemptions == 0:
-            req.num_cached_prompt_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
-            self.cache.record_lookup(req.num_prompt_tokens, req.num_cached_prompt_tokens)
+        self.pages.start(req, pages, node)
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=lambda r: r.sort_key)
 
@@ -273,17 +258,12 @@ class Scheduler:
             victims.append(victim)
             if victim is req:
                 return False, victims
-        self._allocate(req, need)
+        self.pages.allocate(req, need)
         return True, victims
-
-    def _allocate(self, req: Request, n: int) -> None:
-        if n > self.allocator.num_free:
-            self.cache.evict(n - self.allocator.num_free)
-        req.pages.extend(self.allocator.allocate(n))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._release(req)
+        self.pages.release(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -297,7 +277,7 @@ class Scheduler:
         )
 
     def _fail_too_large(self, req: Request, out: SchedulerOutput) -> None:
-        self._release(req)
+        self.pages.release(req)
         error = KVCapacityExceeded(
             f"request {req.request_id} needs {pages_for(len(req.token_ids), self.page_size)} KV pages "
             f"for its {len(req.token_ids)} tokens; the whole pool holds {self.allocator.num_pages} pages "
@@ -306,24 +286,3 @@ class Scheduler:
         req.finish("error", RequestError(error.code, error.message))
         out.failed.append(req)
         log.warning("%s", error.message)
-
-    def _release(self, req: Request) -> None:
-        """Returns the request's pages, first offering its computed full pages to the prefix cache."""
-        self._cache_computed_pages(req)
-        if req.cache_node is not None:
-            self.cache.unlock(req.cache_node)
-            req.cache_node = None
-        self.allocator.decref(req.pages)
-        self.page_table.release(req)
-        req.pages = []
-        req.num_computed_tokens = 0
-
-    def _cache_computed_pages(self, req: Request) -> None:
-        full = req.num_computed_tokens // self.page_size
-        if full == 0 or not self.cache.enabled:
-            return
-        node = self.cache.insert(req.token_ids[: full * self.page_size], req.pages[:full], req.adapter_name)
-        self.cache.lock(node)
-        if req.cache_node is not None:
-            self.cache.unlock(req.cache_node)
-        req.cache_node = node

@@ -34,7 +34,7 @@ class Speculator:
             if budget > 0 and self.may_draft(chunk):
                 room = self.room(chunk.request)
                 self._cut_by_room |= room < self.num_tokens
-                n = scheduler.reserve_draft(chunk.request, min(room, budget))
+                n = scheduler.pages.reserve_draft(chunk.request, min(room, budget))
                 if n > 0:
                     chunks.append(chunk)
                     limits.append(n)
