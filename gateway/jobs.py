@@ -72,22 +72,27 @@ class Jobs:
         """Enqueue one job per spec (see Gateway.check for their validation), as streamed jobs for
         an SSE response. With an Idempotency-Key (scoped to its tenant), job i is `<key>-<i>`,
         bound to the request's `fingerprint`: a retried request finds the same jobs, another
-        request with the key is refused (IdempotencyConflict)."""
-        submits = [
-            client.submit_rated(
+        request with the key is refused (IdempotencyConflict).
+        The request counts one request against its tenant's requests-per-minute limit, and all of
+        its jobs' tokens, as OpenAI counts a request with n choices: job 0 counts the request, and
+        goes in first, so that a request a limit refuses leaves nothing enqueued and counted."""
+
+        def submit(i: int, spec: JobSpec) -> Awaitable[Submitted]:
+            return client.submit_rated(
+                counts_request=i == 0,
                 request_id=None if key is None else f"{key}-{i}",
                 request_fingerprint=None if key is None else fingerprint,
                 timeout_s=self.job_timeout_s,
                 stream=stream,
                 **spec.submit_kwargs(),
             )
-            for i, spec in enumerate(specs)
-        ]
-        outcomes = [await submits[0]] if len(submits) == 1 else await asyncio.gather(*submits, return_exceptions=True)
+
+        first = await submit(0, specs[0])
+        others = await asyncio.gather(*(submit(i, spec) for i, spec in enumerate(specs) if i), return_exceptions=True)
+        outcomes = [first, *others]
         submitted = [o for o in outcomes if isinstance(o, Submitted)]
         jobs = RequestJobs(client, [s.job_id for s in submitted], request_id, idempotent=key is not None)
-        if submitted:
-            jobs.limits = min((s.limits for s in submitted), key=lambda limits: limits.remaining_requests)
+        jobs.limits = min((s.limits for s in submitted), key=lambda x: (x.remaining_requests, x.remaining_tokens))
         error = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if error is not None:
             self.release(jobs, client_left=False)

@@ -73,8 +73,9 @@ class AsyncClient(ClientBase):
         )
         return await self.run_steps(self.redis, operations.submit(self, job))
 
-    async def submit_rated(self, **arguments: Any) -> Submitted:
-        return await self.run_steps(self.redis, operations.submit_rated(self, build_job_of(arguments)))
+    async def submit_rated(self, counts_request: bool = True, **arguments: Any) -> Submitted:
+        job = build_job_of(arguments, requests=int(counts_request))
+        return await self.run_steps(self.redis, operations.submit_rated(self, job))
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         return await self.run_steps(self.redis, operations.result(self.keys, job_id, timeout))

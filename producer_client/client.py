@@ -94,10 +94,13 @@ class Client(ClientBase):
         )
         return self.run_steps(self.redis, operations.submit(self, job))
 
-    def submit_rated(self, **arguments: Any) -> Submitted:
+    def submit_rated(self, counts_request: bool = True, **arguments: Any) -> Submitted:
         """submit() of `arguments`, returning the job's id with its tenant's rate limits after it
-        (the gateway's x-ratelimit-* headers)."""
-        return self.run_steps(self.redis, operations.submit_rated(self, build_job_of(arguments)))
+        (the gateway's x-ratelimit-* headers). `counts_request` False: the job is a further choice
+        of a request another job counted, so it counts its tokens but no request against the
+        tenant's requests-per-minute limit (OpenAI counts a request with n choices as one)."""
+        job = build_job_of(arguments, requests=int(counts_request))
+        return self.run_steps(self.redis, operations.submit_rated(self, job))
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Block until the job ends (XREAD BLOCK on its `done` stream; no polling) and return its

@@ -8,7 +8,7 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -46,6 +46,7 @@ class NewJob:
     adapter: str | None = None  # the LoRA adapter it names (JobRequest.adapter)
     lane: str = DEFAULT_LANE
     cost: int = 0  # its tokens as the lanes and the tokens-per-minute limit count them (estimated_tokens)
+    requests: int = 1  # what it counts against a requests-per-minute limit (0: a further choice of one request)
 
     def create_call(self, keys: Keys) -> ScriptCall:
         return scripts.create(keys, self.job_id, self.timeout_ms, self.fingerprint)
@@ -146,11 +147,12 @@ def estimated_tokens(request: JobRequest, body: str) -> int:
     return prompt + request.params.max_tokens
 
 
-def build_job_of(arguments: Mapping[str, Any]) -> NewJob:
-    """build_job() of submit()'s keyword arguments, given as a dict."""
+def build_job_of(arguments: Mapping[str, Any], requests: int = 1) -> NewJob:
+    """build_job() of submit()'s keyword arguments, given as a dict; `requests`: what the job counts
+    against a requests-per-minute limit (NewJob.requests)."""
     options = dict(arguments)
     fingerprint, stream = options.pop("request_fingerprint", None), options.pop("stream", False)
-    return build_job(
+    job = build_job(
         options.pop("prompt", None),
         options.pop("messages", None),
         options.pop("input_ids", None),
@@ -162,6 +164,7 @@ def build_job_of(arguments: Mapping[str, Any]) -> NewJob:
         stream=stream,
         service_tier=options.pop("service_tier", None),
     )
+    return job if requests == 1 else replace(job, requests=requests)
 
 
 def generation_fingerprint(request: JobRequest) -> str:

@@ -27,7 +27,7 @@ class Submitted:
 
 
 def lane_job(job: NewJob) -> LaneJob:
-    return LaneJob(job.lane, job.cost, job.job_id, job.body)
+    return LaneJob(job.lane, job.cost, job.job_id, job.body, job.requests)
 
 
 def uses_queue_stream(jobs: list[NewJob], tenant: str) -> bool:

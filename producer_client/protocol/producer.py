@@ -139,7 +139,8 @@ return {1, redis.call(unpack(entry))}
 # unchanged), requests and tokens per minute and max waiting jobs (0: no limit each), '1' to
 # reserve only (check and count, add nothing: a job placed on a worker's own stream), protocol
 # version, then for each job: its lane (1-3, in LANES order), cost (its tokens: the prompt's
-# estimate and max_tokens), id, body.
+# estimate and max_tokens), the requests it counts (1; 0 for a further job of one HTTP request:
+# OpenAI counts a request with n choices as one request and all of their tokens), id, body.
 # The sharing rules' one atomic step: adds the jobs in order while the stream stays under max
 # depth, the tenant's unread jobs across its lanes under max waiting, and both rate limits allow
 # (GCRA on Redis's clock, each bucket holding a minute's limit: no more than the limit plus one
@@ -169,12 +170,12 @@ if rpm > 0 or tpm > 0 then
 end
 if weight ~= '' then redis.call('HSET', KEYS[1], 'w:' .. tenant, weight) end
 local depths, added, reason, a, b = {}, 0, '', 0, ''
-for i = 9, #ARGV, 4 do
-  local lane, cost = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
+for i = 9, #ARGV, 5 do
+  local lane, cost, requests = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   local stream = KEYS[7 + lane]
   if max_depth > 0 and not depths[lane] then depths[lane] = redis.call('XLEN', stream) end
   local next_r, next_t = tat_r, tat_t
-  if rpm > 0 then next_r = tat_r + 60000 / rpm end
+  if rpm > 0 then next_r = tat_r + requests * 60000 / rpm end
   if tpm > 0 then next_t = tat_t + cost * 60000 / tpm end
   if max_depth > 0 and depths[lane] >= max_depth then reason, a, b = 'full', depths[lane], LANES[lane]
   elseif max_waiting > 0 and waiting >= max_waiting then reason, a, b = 'quota', waiting, tostring(max_waiting)
@@ -184,7 +185,7 @@ for i = 9, #ARGV, 4 do
   end
   if reason ~= '' then break end
   if not reserve then
-    redis.call('XADD', stream, '*', 'id', ARGV[i + 2], 'v', ARGV[8], 'body', ARGV[i + 3], 'cost', cost)
+    redis.call('XADD', stream, '*', 'id', ARGV[i + 3], 'v', ARGV[8], 'body', ARGV[i + 4], 'cost', cost)
     activate(KEYS[4 + lane], KEYS[1], KEYS[2], KEYS[3], LANES[lane], tenant)
   end
   if depths[lane] then depths[lane] = depths[lane] + 1 end
@@ -275,12 +276,14 @@ def enqueue(stream: str, max_depth: int, job_id: str, body: str, extra: dict[str
 
 @dataclass(frozen=True)
 class LaneJob:
-    """One job as ENQUEUE_LANES adds it: its lane, what it is charged, its id and body."""
+    """One job as ENQUEUE_LANES adds it: its lane, what it is charged, its id and body, and the
+    requests it counts against a requests-per-minute limit (0: a further choice of one request)."""
 
     lane: str
     cost: int
     job_id: str
     body: str
+    requests: int = 1
 
 
 @dataclass(frozen=True)
@@ -326,7 +329,7 @@ def enqueue_lanes(
     )
     weight = "" if limits.weight is None else repr(float(limits.weight))
     head = (max_depth, tenant, weight, limits.rpm, limits.tpm, limits.max_waiting, int(reserve), PROTOCOL_VERSION)
-    flat = tuple(x for job in jobs for x in (LANES.index(job.lane) + 1, job.cost, job.job_id, job.body))
+    flat = tuple(x for job in jobs for x in (LANES.index(job.lane) + 1, job.cost, job.requests, job.job_id, job.body))
     return ScriptCall(ENQUEUE_LANES, call_keys, (*head, *flat))
 
 

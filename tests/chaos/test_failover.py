@@ -11,7 +11,9 @@ lost. With wait_replicas (client and workers), every acknowledged submit and eve
 result is on a replica first, so no job a submit acknowledged may be lost: the tests assert it.
 Without it they count what was lost and print the count (on one machine's loopback the replica
 is rarely behind, so it is usually 0, but nothing promises it). Every job that was not lost ends
-with exactly one result, and no entry is left in the queue."""
+with exactly one result, and no entry is left in the queue. The jobs go through every lane and
+two tenants as well as the queue's own stream (ROUTES): a lane's stream of a tenant lives in the
+queue's slot, and fails over with it."""
 
 from __future__ import annotations
 
@@ -49,13 +51,29 @@ WAIT_TIMEOUT_MS = 200
 # Fast recovery, and room for a WAIT in claim_idle_ms (WorkerSettings checks it).
 WORKER_FLAGS = ("--claim-idle-ms", "1000", "--reclaim-interval-s", "0.2", "--max-running", "4")
 DRAIN_TIMEOUT_S = 120
+# (tenant, service_tier) of job i: ROUTES[i % len(ROUTES)]. The first is the queue's own stream
+# (no tenant, default lane); the others each lane of two tenants.
+ROUTES = (
+    (None, None),
+    ("team-a", "priority"),
+    ("team-b", "flex"),
+    ("team-a", "default"),
+    ("team-b", "priority"),
+    ("team-a", "flex"),
+    ("team-b", "default"),
+)
+
+
+def lane_streams(queue: str) -> list[str]:
+    """Every stream ROUTES puts jobs in."""
+    return [KEYS.lane_stream(queue, tier or "default", tenant or "-") for tenant, tier in ROUTES]
 
 
 @dataclass
 class Producer:
     """Submits JOBS jobs, one every SUBMIT_GAP_S, through whatever Redis is doing meanwhile, each
     with a request_id, so that a job whose submit raised can be looked up too: it was not
-    acknowledged, but may exist (NotReplicated: it does)."""
+    acknowledged, but may exist (NotReplicated: it does). Job i goes by ROUTES[i % len(ROUTES)]."""
 
     client: Client
     queue: str
@@ -66,14 +84,17 @@ class Producer:
     def run(self) -> None:
         try:
             for i in range(JOBS):
-                self.submit(f"{self.queue}-{i}", f"{i:04d} " + "x" * (PROMPT_BYTES - 5))
+                self.submit(f"{self.queue}-{i}", f"{i:04d} " + "x" * (PROMPT_BYTES - 5), *ROUTES[i % len(ROUTES)])
                 time.sleep(SUBMIT_GAP_S)
         finally:
             self.done.set()
 
-    def submit(self, job_id: str, prompt: str) -> None:
+    def submit(self, job_id: str, prompt: str, tenant: str | None, tier: str | None) -> None:
+        client = self.client.as_tenant(tenant)
         try:
-            self.acknowledged.append(self.client.submit(prompt, max_tokens=PROMPT_BYTES, request_id=job_id))
+            self.acknowledged.append(
+                client.submit(prompt, max_tokens=PROMPT_BYTES, request_id=job_id, service_tier=tier)
+            )
         except MiliError as e:
             self.refused[job_id] = e.code
         except redis.RedisError as e:
@@ -154,8 +175,8 @@ def run_through(url: str, queue: str, wait_replicas: int, fault: Callable[[], No
             assert eventually(half_way, timeout=60)
             fault()
             assert producer.done.wait(timeout=DRAIN_TIMEOUT_S)
-            # Every stream of the queue: the shared one and, with placement, each worker's own.
-            streams = [KEYS.queue(queue), *(KEYS.own_queue(queue, w.name) for w in workers)]
+            # Every stream of the queue: the shared one, the lanes' and, with placement, each worker's own.
+            streams = [*lane_streams(queue), *(KEYS.own_queue(queue, w.name) for w in workers)]
             drained = eventually(lambda: all(admin.xlen(s) == 0 for s in streams), timeout=DRAIN_TIMEOUT_S)
             assert drained, "\n".join(w.log()[-3000:] for w in workers)
             assert [pending(admin, s) for s in streams] == [0] * len(streams)
@@ -175,6 +196,8 @@ def run_through(url: str, queue: str, wait_replicas: int, fault: Callable[[], No
             "length",
             PROMPT_BYTES,
         ), job_id
+    served = {ROUTES[int(job_id.rsplit("-", 1)[1]) % len(ROUTES)] for job_id in consumer.results}
+    assert served == set(ROUTES)  # results read in every lane of both tenants and the queue's own stream
     return Outcome(producer.acknowledged, producer.refused, sorted(consumer.lost))
 
 

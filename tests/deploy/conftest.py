@@ -4,13 +4,22 @@ worker processes on the echo engine (no model: a worker is up in a few seconds).
 from __future__ import annotations
 
 import os
-import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.deploy.support import DOCKER, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, load_compose
+from harness.polling import eventually
+from producer_client import Client
+from tests.deploy.support import (
+    DOCKER,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TTL_S,
+    Families,
+    exported_names,
+    families_at,
+    load_compose,
+)
+from tests.support.gateways import GatewayProcess
 from tests.support.workers import WorkerProcess
 from worker.embedded_redis import EmbeddedRedis
 
@@ -64,14 +73,30 @@ def start_worker(redis_server: EmbeddedRedis, tmp_path, no_mili_environment) -> 
 
 
 @pytest.fixture(scope="session")
-def scraped_families(tmp_path_factory) -> dict[str, tuple[str, set[str]]]:
-    """{family: (type, sample names)} from the /metrics endpoint of a running echo worker."""
+def scraped(tmp_path_factory) -> dict[str, Families]:
+    """The /metrics of a running echo worker and of a gateway on its Redis ({"worker": ...,
+    "gateway": ...}), scraped after the worker served a tenant's flex job: the series labelled by
+    lane and tenant exist."""
+    log_dir = tmp_path_factory.mktemp("scraped")
     with pytest.MonkeyPatch.context() as monkeypatch, EmbeddedRedis() as server:
         remove_mili_variables(monkeypatch)
-        worker = echo_worker(server.url, "scraped", tmp_path_factory.mktemp("scraped"))
+        worker, gateway = echo_worker(server.url, "scraped", log_dir), GatewayProcess(server.url, log_dir)
         try:
             port = worker.start().wait_ready().heartbeat()["metrics_port"]
-            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            gateway.start()
+            with Client(server.url, tenant="team-a") as client:
+                client.result(client.submit(prompt="scraped", max_tokens=8, service_tier="flex"), timeout=30)
+            # The worker adds the tokens it served to its metrics at its next heartbeat.
+            worker_url = f"http://127.0.0.1:{port}/metrics"
+            served = lambda: "mili_served_tokens_total" in exported_names(families_at(worker_url))  # noqa: E731
+            assert eventually(served, timeout=10), worker.log()
+            return {"worker": families_at(worker_url), "gateway": families_at(f"{gateway.url}/metrics")}
         finally:
+            gateway.stop()
             worker.stop()
-    return {f.name: (f.type, {s.name for s in f.samples}) for f in text_string_to_metric_families(body)}
+
+
+@pytest.fixture(scope="session")
+def scraped_families(scraped) -> Families:
+    """The families of a running echo worker's /metrics."""
+    return scraped["worker"]

@@ -7,10 +7,12 @@ import json
 import os
 import re
 import subprocess
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -174,3 +176,16 @@ def worker_commands() -> set[str]:
 def tracked_files(under: str) -> list[str]:
     out = subprocess.run(["git", "ls-files", under], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     return out.split()
+
+
+Families = dict[str, tuple[str, set[str]]]  # {family: (type, sample names)} of one /metrics scrape
+
+
+def families_at(url: str) -> Families:
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {f.name: (f.type, {s.name for s in f.samples}) for f in text_string_to_metric_families(body)}
+
+
+def exported_names(families: Families) -> set[str]:
+    """The names of every sample of a scrape."""
+    return {name for _, samples in families.values() for name in samples}

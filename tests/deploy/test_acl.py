@@ -16,6 +16,8 @@ from harness.polling import eventually
 from producer_client import Client, IdempotencyConflict
 from producer_client.keys import GROUP, Keys
 from producer_client.placement import Placed
+from producer_client.protocol.execution import execute
+from producer_client.protocol.producer import LaneJob, enqueue_lanes
 from tests.support.acl import acl_server
 from tests.support.gateways import GatewayProcess
 from tests.support.workers import WorkerProcess
@@ -151,3 +153,50 @@ def test_placement_reads_its_view_and_places_with_the_producers_rights_alone(acl
             assert client.placement.placed == {Placed.AFFINITY: 6, Placed.SHARED: 0}
     finally:
         second.stop()
+
+
+def test_a_tenants_pinned_user_submits_and_reads_as_its_tenant_and_no_other(acl_redis, acl_worker):
+    """docs/security.md's user pinned to team-a: it runs team-a's jobs in every lane and reads their
+    results, and Redis refuses it team-b's keys, the jobs of no tenant and the workers' streams but
+    their lengths; nothing it was refused was written. A job's keys name no tenant, so it reads
+    team-b's job by its id, as the docs say."""
+    keys, queue = Keys(), "default"
+    with Client(acl_redis["producer"], tenant="team-b") as team_b:
+        b_job = team_b.submit(prompt="team-b's", max_tokens=8, service_tier="flex")
+    lanes = ("priority", "default", "flex")
+    with Client(acl_redis["team-a"], tenant="team-a", placement=False) as team_a:
+        jobs = [team_a.submit(prompt=f"a {lane}", max_tokens=16, service_tier=lane) for lane in lanes]
+        assert [r.text for r in team_a.results(jobs, timeout=30)] == [f"a {lane}" for lane in lanes]
+        assert "".join(delta.text for delta in team_a.stream(jobs[0])) == "a priority"
+        assert team_a.rate_limits().limited is False
+        assert team_a.result(b_job, timeout=30).text == "team-b's"  # not pinnable: job keys carry no tenant
+    with Client(acl_redis["team-a"], tenant="team-b", placement=False) as posing:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            posing.submit(prompt="as team-b", max_tokens=8, service_tier="flex")
+    as_a = redis.Redis.from_url(acl_redis["team-a"], decode_responses=True)
+    b_flex, own = keys.lane_stream(queue, "flex", "team-b"), keys.own_queue(queue, "acl-worker")
+    entry = {"id": "intruder", "v": "1", "body": "{}", "cost": "1"}
+    forbidden = [
+        lambda: as_a.xadd(b_flex, entry),
+        lambda: as_a.xrange(b_flex),
+        lambda: as_a.xread({b_flex: "0"}),
+        lambda: as_a.xadd(keys.lane_stream(queue, "default", "team-b"), entry),
+        lambda: as_a.xadd(keys.queue(queue), entry),  # the jobs of no tenant
+        lambda: as_a.xrange(keys.queue(queue)),
+        lambda: as_a.hset(keys.rate(queue, "team-b"), "r", "0"),
+        lambda: as_a.hgetall(keys.quota("team-b")),
+        lambda: as_a.hset(keys.quota("team-a"), "rpm", "1000000"),
+        lambda: as_a.xadd(own, {**entry, "tenant": "team-b"}),
+        lambda: as_a.xrange(own),
+        lambda: execute(as_a, enqueue_lanes(keys, queue, "team-b", [LaneJob("flex", 1, "intruder", "{}")], 0).add_to),
+    ]
+    for command in forbidden:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            command()
+    assert as_a.xlen(own) == 0  # placement's view reads the workers' own streams' lengths
+    as_a.close()
+    admin = acl_redis["admin"]
+    assert [admin.exists(key) for key in (keys.lane_stream(queue, "default", "team-b"), keys.quota("team-b"))] == [0, 0]
+    assert admin.xinfo_stream(b_flex)["entries-added"] == 1  # team-b's job, read and deleted by the worker
+    assert admin.xinfo_stream(keys.queue(queue))["entries-added"] == 0
+    assert admin.hget(keys.quota("team-a"), "rpm") is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from gateway.settings import GatewaySettings
 from tests.deploy.support import (
     DOCKER,
     Tagged,
@@ -19,6 +20,7 @@ from worker.settings import WorkerSettings
 REQUIRED = {
     "redis": {"image", "command", "volumes", "healthcheck"},
     "worker": {"build", "image", "environment", "volumes", "deploy", "stop_grace_period"},
+    "gateway": {"build", "image", "entrypoint", "environment", "ports", "healthcheck"},
     "prometheus": {"image", "volumes"},
     "grafana": {"image", "volumes"},
 }
@@ -87,9 +89,27 @@ def test_bind_mounted_files_exist(compose):
                 assert (DOCKER / source).exists(), f"{name}: {source} (mounted at {target}) does not exist"
 
 
+def test_the_gateway_runs_the_workers_image_and_reaches_redis_without_a_gpu(compose):
+    gateway, worker = compose["services"]["gateway"], compose["services"]["worker"]
+    assert (gateway["build"], gateway["image"]) == (worker["build"], worker["image"])
+    assert gateway["entrypoint"] == ["python", "-m", "gateway"] and gateway["command"] == []
+    assert "deploy" not in gateway
+    assert gateway["environment"]["MILI_REDIS"] == worker["environment"]["MILI_REDIS"]
+    assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert set(gateway["environment"]) <= {f"MILI_{name.upper()}" for name in GatewaySettings.model_fields}
+    assert gateway["ports"] == [
+        f"127.0.0.1:{gateway['environment']['MILI_PORT']}:{gateway['environment']['MILI_PORT']}"
+    ]
+    assert f":{gateway['environment']['MILI_PORT']}/health" in " ".join(gateway["healthcheck"]["test"])
+
+
 def test_the_cpu_override_builds_the_cpu_variant_without_a_gpu_reservation(compose):
     override = load_compose(DOCKER / "compose.cpu.yml")
-    assert set(override["services"]) == {"worker"}
+    assert set(override["services"]) == {"worker", "gateway"}
+    assert override["services"]["gateway"] == {
+        "build": override["services"]["worker"]["build"],
+        "image": override["services"]["worker"]["image"],
+    }
     worker = override["services"]["worker"]
     args = {i.args.partition("=")[0] for i in parse_dockerfile(DOCKER / "Dockerfile") if i.keyword == "ARG"}
     assert set(worker["build"]["args"]) <= args

@@ -1,6 +1,7 @@
-"""Prometheus and Grafana as docker/compose.yml runs them: Prometheus finds every worker, Grafana
-finds its datasource and dashboard, and the dashboard asks only for metrics a running worker
-exports (checked against a scrape of a real worker)."""
+"""Prometheus and Grafana as docker/compose.yml runs them: Prometheus finds every worker and the
+gateway, Grafana finds its datasource and dashboard, and the dashboard asks only for metrics a
+running worker or gateway exports (checked against a scrape of a real worker and gateway), among
+them the backlogs and served tokens by lane and tenant."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from tests.deploy.support import DOCKER, volume_mounts
+from tests.deploy.support import DOCKER, exported_names, volume_mounts
 from worker.settings import WorkerSettings
 
 GRAFANA = DOCKER / "grafana"
@@ -24,9 +25,24 @@ REQUIRED_PANELS = {
     "Prefix cache hit rate",
     "KV cache usage",
     "Jobs by outcome",
+    "Jobs waiting by lane and tenant",
+    "Backlog over every stream",
+    "Served tokens by lane and tenant",
 }
 # Every other word a query may use: PromQL's functions and keywords, and label names.
-PROMQL_WORDS = {"sum", "max", "rate", "histogram_quantile", "by", "le", "outcome", "instance"}
+PROMQL_WORDS = {
+    "sum",
+    "max",
+    "rate",
+    "histogram_quantile",
+    "by",
+    "le",
+    "outcome",
+    "instance",
+    "queue",
+    "lane",
+    "tenant",
+}
 
 
 def expressions() -> list[str]:
@@ -40,14 +56,27 @@ def words(expr: str) -> set[str]:
     return set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr))
 
 
-def test_prometheus_discovers_every_worker_replica_by_dns(compose):
+def scrape_jobs() -> dict[str, dict]:
     config = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
-    (job,) = config["scrape_configs"]
-    (sd,) = job["dns_sd_configs"]
+    return {job["job_name"]: job for job in config["scrape_configs"]}
+
+
+def test_prometheus_discovers_every_worker_replica_by_dns(compose):
+    assert set(scrape_jobs()) == {"mili-worker", "mili-gateway"}
+    (sd,) = scrape_jobs()["mili-worker"]["dns_sd_configs"]
     assert sd["names"] == ["worker"] and sd["type"] == "A"
     assert "worker" in compose["services"]
     assert sd["port"] == WorkerSettings.model_fields["metrics_port"].default
     assert volume_mounts(compose["services"]["prometheus"])["/etc/prometheus/prometheus.yml"] == "./prometheus.yml"
+
+
+def test_prometheus_scrapes_the_gateways_metrics_where_compose_serves_them(compose):
+    job = scrape_jobs()["mili-gateway"]
+    (sd,) = job["dns_sd_configs"]
+    assert sd["names"] == ["gateway"] and sd["type"] == "A"
+    environment = compose["services"]["gateway"]["environment"]
+    assert (environment["MILI_HOST"], str(sd["port"])) == ("0.0.0.0", environment["MILI_PORT"])
+    assert job.get("metrics_path", "/metrics") == "/metrics"
 
 
 def test_grafana_datasource_points_at_the_compose_prometheus(compose):
@@ -82,10 +111,24 @@ def test_dashboard_has_the_required_panels_on_the_provisioned_datasource():
             assert source == {"type": "prometheus", "uid": datasource["uid"]}
 
 
-def test_dashboard_queries_use_only_metrics_a_running_worker_exports(scraped_families):
-    exported = {name for _, samples in scraped_families.values() for name in samples}
+def test_dashboard_queries_use_only_metrics_a_running_worker_or_gateway_exports(scraped):
+    exported = exported_names(scraped["worker"]) | exported_names(scraped["gateway"])
     asked = {word for expr in expressions() for word in words(expr) if word.startswith("mili_")}
     assert asked, "the dashboard asks for no mili_ metric"
-    assert asked <= exported, f"not exported by the worker: {sorted(asked - exported)}"
+    assert asked <= exported, f"not exported by the worker or the gateway: {sorted(asked - exported)}"
     others = {word for expr in expressions() for word in words(expr) if not word.startswith("mili_")}
     assert others <= PROMQL_WORDS, f"unknown names in the queries: {sorted(others - PROMQL_WORDS)}"
+
+
+def test_the_lane_and_tenant_panels_chart_what_the_gateway_and_the_workers_export(scraped):
+    panels = {panel["title"]: panel for panel in DASHBOARD["panels"]}
+
+    def asked(title: str) -> set[str]:
+        return {w for target in panels[title]["targets"] for w in words(target["expr"]) if w.startswith("mili_")}
+
+    gateway = exported_names(scraped["gateway"])
+    assert asked("Jobs waiting by lane and tenant") == {"mili_queue_lane_waiting_jobs"} <= gateway
+    assert asked("Backlog over every stream") == {"mili_queue_waiting_jobs", "mili_queue_pending_jobs"} <= gateway
+    assert (
+        asked("Served tokens by lane and tenant") == {"mili_served_tokens_total"} <= exported_names(scraped["worker"])
+    )

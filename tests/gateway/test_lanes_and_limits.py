@@ -20,8 +20,9 @@ from tests.gateway.support import ECHO_QUEUE
 from tests.openai_spec import check
 from tests.support.gateways import GatewayProcess
 
-KEY_PLAIN, KEY_RPM, KEY_SDK = "lanes-plain-key", "lanes-rpm-key", "lanes-sdk-key"
+KEY_PLAIN, KEY_RPM, KEY_SDK, KEY_CHOICES = "lanes-plain-key", "lanes-rpm-key", "lanes-sdk-key", "lanes-n-key"
 RPM = 3
+CHOICES_TPM = 600  # a token drips back every 100 ms: a few jobs' tokens stay counted for seconds
 SDK_RPM = 120  # a request drips back every 0.5 s: the SDK's retry waits that long
 CHAT = [{"role": "user", "content": "lanes"}]
 
@@ -32,7 +33,8 @@ def two_gateways(redis_server, gateway_workers, tmp_path_factory):
     client = Client(redis_server.url, ECHO_QUEUE)
     client.tenant_quotas.set(tenant_id(KEY_RPM), rpm=RPM, tpm=100_000)
     client.tenant_quotas.set(tenant_id(KEY_SDK), rpm=SDK_RPM)
-    keys = json.dumps([KEY_PLAIN, KEY_RPM, KEY_SDK])
+    client.tenant_quotas.set(tenant_id(KEY_CHOICES), rpm=RPM, tpm=CHOICES_TPM)
+    keys = json.dumps([KEY_PLAIN, KEY_RPM, KEY_SDK, KEY_CHOICES])
     log_dir = tmp_path_factory.mktemp("lanes")
     gateways = [GatewayProcess(redis_server.url, log_dir, "--api-keys", keys, name=f"gw-{i}") for i in (1, 2)]
     try:
@@ -40,7 +42,7 @@ def two_gateways(redis_server, gateway_workers, tmp_path_factory):
     finally:
         for g in gateways:
             g.stop()
-        for key in (KEY_RPM, KEY_SDK):
+        for key in (KEY_RPM, KEY_SDK, KEY_CHOICES):
             client.tenant_quotas.set(tenant_id(key), unset=("rpm", "tpm"))
         client.close()
 
@@ -122,6 +124,30 @@ def test_a_tenants_rate_limit_holds_across_gateways_with_openais_429_and_headers
     ) == (str(RPM), str(RPM))
     plain = httpx.get(f"{two_gateways[1].url}/v1/models", headers={"Authorization": f"Bearer {KEY_PLAIN}"})
     assert limit_headers(plain) == {}  # a tenant with no limits
+
+
+def test_a_request_with_n_choices_counts_one_request_and_every_choices_tokens(two_gateways, redis_client):
+    """As OpenAI counts them: n=3 is one request against the requests-per-minute limit and three
+    jobs' tokens against the tokens-per-minute one (read from the tenant's GCRA state: each
+    request moves its requests' arrival time by 60000/RPM ms, its tokens' by 60000/TPM ms per
+    token). Past the requests' limit an n=3 request is refused whole: nothing more is counted."""
+    sdk = sdk_for(two_gateways[0], KEY_CHOICES)
+    rate = Keys().rate(ECHO_QUEUE, tenant_id(KEY_CHOICES))
+    answers, tats = [], []
+    for n in (1, 1, 3):
+        answers.append(sdk.chat.completions.with_raw_response.create(model="echo", messages=CHAT, max_tokens=4, n=n))
+        tats.append([float(v) for v in redis_client.hmget(rate, "r", "t")])
+    assert [len(a.parse().choices) for a in answers] == [1, 1, 3]
+    assert [a.headers["x-ratelimit-remaining-requests"] for a in answers] == ["2", "1", "0"]
+    (r1, t1), (r2, t2), (r3, t3) = tats
+    assert (r2 - r1, r3 - r2) == (60_000 / RPM, 60_000 / RPM)
+    one_job_ms = t2 - t1  # the same request's job, counted while the bucket still held the first's
+    assert one_job_ms > 0 and one_job_ms % (60_000 / CHOICES_TPM) == 0
+    assert t3 - t2 == pytest.approx(3 * one_job_ms, abs=0.002)
+    with pytest.raises(openai.RateLimitError) as refused:
+        sdk.chat.completions.create(model="echo", messages=CHAT, max_tokens=4, n=3)
+    assert refused.value.type == "requests"
+    assert [float(v) for v in redis_client.hmget(rate, "r", "t")] == [r3, t3]
 
 
 def test_the_sdks_retry_waits_out_the_reset_and_is_admitted(two_gateways, redis_server):

@@ -19,12 +19,13 @@ PASSWORDS = {
     "PRODUCER_PASSWORD": "producer-secret",
     "WORKER_PASSWORD": "worker-secret",
     "GATEWAY_PASSWORD": "gateway-secret",
+    "TEAM_A_PASSWORD": "team-a-secret",
 }
 
 
 def acl_commands() -> list[list[str]]:
     lines = re.findall(r"^ACL SETUSER .+$", SECURITY_DOC.read_text(), flags=re.M)
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     for placeholder, password in PASSWORDS.items():
         lines = [line.replace(placeholder, password) for line in lines]
     return [shlex.split(line) for line in lines]
@@ -33,7 +34,7 @@ def acl_commands() -> list[list[str]]:
 @contextmanager
 def acl_server() -> Iterator[dict]:
     """A TCP redis-server with the documented users; the default user stays the admin. Yields the
-    admin client and each role's URL."""
+    admin client and each role's URL (`team-a`: a producer pinned to tenant team-a)."""
     with EmbeddedRedis(port=free_port()) as server:
         admin = redis.Redis.from_url(server.url, decode_responses=True)
         for command in acl_commands():
@@ -45,6 +46,7 @@ def acl_server() -> Iterator[dict]:
                 "producer": f"redis://mili-producer:{PASSWORDS['PRODUCER_PASSWORD']}@{base}",
                 "worker": f"redis://mili-worker:{PASSWORDS['WORKER_PASSWORD']}@{base}",
                 "gateway": f"redis://mili-gateway:{PASSWORDS['GATEWAY_PASSWORD']}@{base}",
+                "team-a": f"redis://mili-team-a:{PASSWORDS['TEAM_A_PASSWORD']}@{base}",
             }
         finally:
             admin.close()
