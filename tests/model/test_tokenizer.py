@@ -5,6 +5,7 @@ import random
 import unicodedata
 from importlib import resources
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import tiktoken
@@ -337,6 +338,16 @@ def test_tokenizer_json_is_built_once_per_cache_directory_and_read_back_as_built
     assert len(builds) == 1
     (cached,) = (tmp_path / "tokenizers").iterdir()  # no temp file left beside it
     assert cached.name.startswith("qwen3-") and cached.read_text(encoding="utf-8") == built
+
+
+def test_a_cache_directory_that_cannot_be_written_still_gives_the_tokenizer_json(tmp_path, monkeypatch, caplog):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    monkeypatch.setenv("MILI_CACHE_DIR", str(not_a_directory))
+    built = mock.Mock(**{"to_str.return_value": "{}"})  # the real build is the test above's
+    monkeypatch.setattr(qwen_tokenizer, "build_qwen3_tokenizer", lambda ranks: built)
+    assert qwen3_tokenizer_json.__wrapped__() == "{}"
+    assert "could not keep Qwen3's tokenizer.json in" in caplog.text
 
 
 # -- chat template ----------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def write_qwen3_tokenizer_files(out_dir: Path) -> None:
 
 @functools.cache
 def qwen3_tokenizer_json() -> str:
-    """The serialized tokenizer.json (about 4.6 MB). Building it takes about 3 s of CPU, which every
+    """The serialized tokenizer.json (about 4.6 MB). Building it costs seconds of CPU, which every
     process that wrote a test checkpoint paid again: it is built once per machine and kept in the
     cache directory, under a name that changes with anything it is built from."""
     data = qwen_ranks_file()
@@ -89,7 +89,10 @@ def qwen3_tokenizer_json() -> str:
     ranks = parse_ranks(data)
     text = build_qwen3_tokenizer(ranks).to_str()
     log.info("built Qwen3 tokenizer.json from %d BPE ranks", len(ranks))
-    write_atomically(cached, text)
+    try:
+        write_atomically(cached, text)
+    except OSError as e:  # the cache saves time, nothing depends on it: the next process builds it again
+        log.warning("could not keep Qwen3's tokenizer.json in %s: %s", cached.parent, e)
     return text
 
 
@@ -107,12 +110,16 @@ def write_atomically(path: Path, text: str) -> None:
     """Readers see no file or a whole one; of processes writing at once, the last rename wins, and
     they all wrote the same text."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(
-        "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", delete=False
-    ) as f:
-        f.write(text)
-    os.chmod(f.name, 0o644)  # as the presets' files: readable by whoever shares the cache
-    os.replace(f.name, path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    temp = Path(name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        temp.chmod(0o644)  # as the presets' files: readable by whoever shares the cache
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
 
 
 def qwen_ranks_file() -> bytes:
