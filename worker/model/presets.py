@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from worker.model.cache import cache_dir
 from worker.model.config import DTYPES, CheckpointError, Qwen3Config, parse_config
 from worker.model.loader import INDEX_FILE, SINGLE_FILE, checkpoint_targets
 from worker.model.progress import logged_step
@@ -179,10 +180,6 @@ def model_config(name_or_path: str | Path) -> Qwen3Config:
     if not path.is_dir():
         raise CheckpointError(f"{name_or_path}: no such checkpoint directory, nor a preset ({', '.join(PRESETS)})")
     return Qwen3Config.from_file(path / "config.json")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MILI_CACHE_DIR") or Path.home() / ".cache" / "mili")
 
 
 def ensure_preset(name: str, preset: Preset) -> Path:

