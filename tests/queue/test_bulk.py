@@ -52,6 +52,18 @@ def test_a_job_with_a_timeout_gets_its_deadline(client, redis_client, queue):
     assert abs(deadline_ms / 1000 - 30 - time.time()) < 5
 
 
+def test_fresh_jobs_of_a_chunk_are_queued_with_their_own_deadlines(client, redis_client, queue):
+    mixed = specs(CHUNK + 3) + [{"prompt": "later", "timeout_s": 60.0}] + specs(1, request_id=uuid.uuid4().hex)
+    mixed[5] = {**mixed[5], "timeout_s": 30.0}
+    ids = client.submit_many(mixed)
+    assert entry_ids(redis_client, queue) == ids
+    hashes = [redis_client.hgetall(KEYS.job(job_id)) for job_id in ids]
+    assert {h["status"] for h in hashes} == {"queued"}
+    with_deadline = {i: int(h["deadline"]) / 1000 - time.time() for i, h in enumerate(hashes) if "deadline" in h}
+    assert sorted(with_deadline) == [5, CHUNK + 3]
+    assert abs(with_deadline[5] - 30) < 5 and abs(with_deadline[CHUNK + 3] - 60) < 5
+
+
 @pytest.mark.parametrize(
     "bad, field",
     [
@@ -264,6 +276,19 @@ def commands_of(step) -> list[tuple]:
     pipe = RecordingPipe()
     step(pipe)
     return pipe.calls
+
+
+def test_on_one_server_the_fresh_jobs_of_a_chunk_are_created_by_one_script_call():
+    from producer_client import bulk
+    from producer_client.protocol.producer import CREATE_MANY, ENQUEUE_MANY
+
+    jobs = bulk.build_jobs(specs(2) + specs(1, timeout_s=2.5) + specs(1, request_id="r0"))
+    steps = bulk.submit_steps(KEYS, "q", None, jobs, Placement(False), one_server=True)
+    assert [c[0] for c in commands_of(steps.send(None))] == ["evalsha"]  # CREATE of the request id
+    enqueue = commands_of(steps.send([1]))
+    assert [c[1] for c in enqueue] == [CREATE_MANY.sha, ENQUEUE_MANY.sha]
+    fresh = jobs[:3]
+    assert enqueue[0][2:] == (3, *(KEYS.job(job.job_id) for job in fresh), 0, 0, 2500)
 
 
 def test_an_enqueue_that_fails_takes_back_the_hashes_of_its_jobs():
