@@ -49,14 +49,15 @@ CLUSTER_BLOCK_MS = 100
 def build_jobs(specs: Iterable[Mapping[str, Any]]) -> list[NewJob]:
     """Every spec validated as `submit` validates its arguments; InvalidArgument names the first
     bad one as `jobs[<index>].<field>`."""
-    return [build_spec(index, spec) for index, spec in enumerate(specs)]
+    known_params: dict = {}
+    return [build_spec(index, spec, known_params) for index, spec in enumerate(specs)]
 
 
-def build_spec(index: int, spec: Mapping[str, Any]) -> NewJob:
+def build_spec(index: int, spec: Mapping[str, Any], known_params: dict | None = None) -> NewJob:
     if not isinstance(spec, Mapping):
         raise InvalidArgument(f"jobs[{index}]", "must be a dict of submit()'s keyword arguments")
     try:
-        return build_job_of(spec)
+        return build_job_of(spec, known_params)
     except InvalidArgument as e:
         raise type(e)(f"jobs[{index}].{e.field}", e.message.removeprefix(f"{e.field}: ")) from None
 

@@ -79,14 +79,16 @@ def build_job(
     fingerprint: Any = None,
     stream: Any = False,
     service_tier: Any = None,
+    known_params: dict | None = None,
 ) -> NewJob:
     """Validate every argument the way the worker will, before anything touches Redis. `options`
     are SamplingParams' fields and JobRequest's other options (tools, enable_thinking..., adapter). A
     job with a request_id is bound to `fingerprint` (a digest of the request it answers; by
     default of what it generates from): a later submit of the same id with another raises
-    IdempotencyConflict. `service_tier` names its lane (SERVICE_TIERS; None: default)."""
+    IdempotencyConflict. `service_tier` names its lane (SERVICE_TIERS; None: default).
+    `known_params`: see sampling_params."""
     lane = lane_of(service_tier)
-    request = validated_request(prompt, messages, input_ids, priority, timeout_s, stream, options)
+    request = validated_request(prompt, messages, input_ids, priority, timeout_s, stream, options, known_params)
     body = request.to_json()
     size = len(body.encode())
     if size > MAX_BODY_BYTES:
@@ -103,7 +105,14 @@ def build_job(
 
 
 def validated_request(
-    prompt: Any, messages: Any, input_ids: Any, priority: Any, timeout_s: Any, stream: Any, options: dict[str, Any]
+    prompt: Any,
+    messages: Any,
+    input_ids: Any,
+    priority: Any,
+    timeout_s: Any,
+    stream: Any,
+    options: dict[str, Any],
+    known_params: dict | None = None,
 ) -> JobRequest:
     """The JobRequest of the arguments, validated once (the schema, then the rules it cannot state,
     then the grammars it names); InvalidArgument names the first bad one."""
@@ -113,7 +122,7 @@ def validated_request(
         sampling = {k: v for k, v in options.items() if k not in JOB_OPTIONS}
         chat = {k: v for k, v in options.items() if k in JOB_OPTIONS}
     try:
-        params = SamplingParams.model_validate(sampling, strict=True)
+        params = sampling_params(sampling, known_params)
         request = JobRequest.model_validate(
             {
                 "prompt": prompt,
@@ -132,6 +141,22 @@ def validated_request(
     request.check(MAX_TOKENS_LIMIT)
     check_grammars(request)
     return request
+
+
+def sampling_params(sampling: dict[str, Any], known: dict | None) -> SamplingParams:
+    """SamplingParams of `sampling`, validated. `known`: a memo of those validated already, by their
+    arguments' names, types and values (submit_many's: a batch's jobs mostly share theirs, and a
+    lookup costs a fifth of a validation); arguments that are not all hashable are validated."""
+    if known is None:
+        return SamplingParams.model_validate(sampling, strict=True)
+    try:
+        key = tuple([(name, type(value), value) for name, value in sampling.items()])
+        params = known.get(key)
+    except TypeError:  # a list (stop, stop_token_ids) or a dict (response_format)
+        return SamplingParams.model_validate(sampling, strict=True)
+    if params is None:
+        params = known[key] = SamplingParams.model_validate(sampling, strict=True)
+    return params
 
 
 def bound_fingerprint(request: JobRequest, fingerprint: Any) -> str:
@@ -163,7 +188,7 @@ def estimated_tokens(request: JobRequest, body: str) -> int:
     return prompt + request.params.max_tokens
 
 
-def build_job_of(arguments: Mapping[str, Any]) -> NewJob:
+def build_job_of(arguments: Mapping[str, Any], known_params: dict | None = None) -> NewJob:
     """build_job() of submit()'s keyword arguments, given as a dict."""
     options = dict(arguments)
     fingerprint, stream = options.pop("request_fingerprint", None), options.pop("stream", False)
@@ -178,6 +203,7 @@ def build_job_of(arguments: Mapping[str, Any]) -> NewJob:
         fingerprint,
         stream=stream,
         service_tier=options.pop("service_tier", None),
+        known_params=known_params,
     )
 
 

@@ -86,6 +86,17 @@ def test_an_invalid_spec_is_named_by_index_and_field_and_nothing_is_enqueued(cli
     assert job_keys(redis_client) == before
 
 
+@pytest.mark.parametrize("same_value_other_type", [1.0, True])
+def test_sampling_parameters_equal_to_an_earlier_specs_but_of_another_type_are_refused(
+    client, redis_client, queue, same_value_other_type
+):
+    jobs = specs(3, max_tokens=1) + specs(1, max_tokens=same_value_other_type)
+    with pytest.raises(InvalidArgument) as refused:
+        client.submit_many(jobs)
+    assert refused.value.field == "jobs[3].max_tokens"
+    assert not redis_client.exists(KEYS.queue(queue))
+
+
 def test_request_ids_seen_before_enqueue_nothing_again(client, redis_client, queue):
     tag = uuid.uuid4().hex[:8]
     first = [{**spec, "request_id": f"{tag}-{i}"} for i, spec in enumerate(specs(CHUNK + 50))]
