@@ -166,9 +166,11 @@ def _exchange(client, stack: Stack) -> list:
     """One round trip of `stack` to one server, as redis-py's pipeline makes it (one write of every
     command packed, then each reply read, a command's error in its place; the connection closed
     after a failure, and the whole exchange tried again as the connection's retry policy says)
-    without the pipeline object and its records, which cost a submit more than its own work
-    (bench/producer.py). A WAIT whose node refused it (a master turned replica) vouches for
-    nothing: 0."""
+    without the pipeline object and its per-call records, a good part of a submit's CPU (bench/
+    RESULTS.md, "The producer's own cost"). A WAIT whose node refused it (a master turned replica) vouches for
+    nothing: 0. No command, no connection (as redis-py's pipeline)."""
+    if not stack:
+        return []
     pool = client.connection_pool
     connection = pool.get_connection()
     try:
@@ -182,6 +184,8 @@ def _exchange(client, stack: Stack) -> list:
 
 async def _aexchange(client, stack: Stack) -> list:
     """`_exchange` for a redis.asyncio client."""
+    if not stack:
+        return []
     pool = client.connection_pool
     connection = await pool.get_connection()
     try:
