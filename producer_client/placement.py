@@ -173,6 +173,9 @@ class Placement:
             self.placed[Placed.SHARED] += len(prefixes)
             return [None] * len(prefixes)
         view = yield from self._view(keys, queue)
+        if len(view.candidates) < 2:  # nothing to choose from, for the whole batch
+            self.placed[Placed.SHARED] += len(prefixes)
+            return [None] * len(prefixes)
         return [self._place(view, prefix, keys, queue) for prefix in prefixes]
 
     def _view(self, keys: Keys, queue: str) -> Steps[View]:

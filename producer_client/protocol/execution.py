@@ -202,7 +202,9 @@ def _round_trip(client, connection, stack: Stack) -> list:
     replies = []
     for args, options in stack:
         try:
-            replies.append(client.parse_response(connection, args[0], **_sent_options(options)))
+            if _NODE_OF in options:
+                options = _sent_options(options)
+            replies.append(client.parse_response(connection, args[0], **options))
         except ResponseError as e:
             replies.append(e)
     return replies
@@ -213,7 +215,9 @@ async def _around_trip(client, connection, stack: Stack) -> list:
     replies = []
     for args, options in stack:
         try:
-            replies.append(await client.parse_response(connection, args[0], **_sent_options(options)))
+            if _NODE_OF in options:
+                options = _sent_options(options)
+            replies.append(await client.parse_response(connection, args[0], **options))
         except ResponseError as e:
             replies.append(e)
     return replies
@@ -221,7 +225,7 @@ async def _around_trip(client, connection, stack: Stack) -> list:
 
 def _sent_options(options: dict) -> dict:
     """A recorded command's options as redis-py reads its reply with them: without _NODE_OF."""
-    return options if _NODE_OF not in options else {k: v for k, v in options.items() if k != _NODE_OF}
+    return {k: v for k, v in options.items() if k != _NODE_OF}
 
 
 def _refused_waits_zero(stack: Stack, replies: list) -> list:
