@@ -123,7 +123,7 @@ def validated_request(
         chat = {k: v for k, v in options.items() if k in JOB_OPTIONS}
     try:
         params = sampling_params(sampling, known_params)
-        request = JobRequest.model_validate(
+        request = JobRequest.strictly_validated(
             {
                 "prompt": prompt,
                 "messages": messages,
@@ -134,7 +134,6 @@ def validated_request(
                 "stream": stream,
                 **chat,
             },
-            strict=True,
         )
     except ValidationError as e:
         raise invalid_argument_from(e, strip="params.") from None
