@@ -22,6 +22,7 @@ from itertools import islice
 from typing import Any
 
 from producer_client.client_base import ClientBase
+from producer_client.cluster import is_cluster
 from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound, JobTimeout
 from producer_client.keys import NO_TENANT, PROTOCOL_VERSION, Keys
 from producer_client.new_job import NewJob, build_job_of
@@ -48,14 +49,15 @@ CLUSTER_BLOCK_MS = 100
 def build_jobs(specs: Iterable[Mapping[str, Any]]) -> list[NewJob]:
     """Every spec validated as `submit` validates its arguments; InvalidArgument names the first
     bad one as `jobs[<index>].<field>`."""
-    return [build_spec(index, spec) for index, spec in enumerate(specs)]
+    known_params: dict = {}
+    return [build_spec(index, spec, known_params) for index, spec in enumerate(specs)]
 
 
-def build_spec(index: int, spec: Mapping[str, Any]) -> NewJob:
+def build_spec(index: int, spec: Mapping[str, Any], known_params: dict | None = None) -> NewJob:
     if not isinstance(spec, Mapping):
         raise InvalidArgument(f"jobs[{index}]", "must be a dict of submit()'s keyword arguments")
     try:
-        return build_job_of(spec)
+        return build_job_of(spec, known_params=known_params)
     except InvalidArgument as e:
         raise type(e)(f"jobs[{index}].{e.field}", e.message.removeprefix(f"{e.field}: ")) from None
 
@@ -65,11 +67,9 @@ def submit_many(client: ClientBase, specs: Iterable[Mapping[str, Any]]) -> Steps
     client's queue, in their lanes of the client's tenant (submit_steps)."""
     jobs = build_jobs(specs)
     limits = yield from client.quota_cache.limits_for(client.keys, client.tenant)
-    return (
-        yield from submit_steps(
-            client.keys, client.queue, client.max_queue_depth, jobs, client.placement, client.tenant_name, limits
-        )
-    )
+    keys, tenant, one_server = client.keys, client.tenant_name, not is_cluster(client.redis)
+    steps = submit_steps(keys, client.queue, client.max_queue_depth, jobs, client.placement, tenant, limits, one_server)
+    return (yield from steps)
 
 
 def submit_steps(
@@ -80,8 +80,10 @@ def submit_steps(
     placement: Placement,
     tenant: str = NO_TENANT,
     limits: Limits = NO_LIMITS,
+    one_server: bool = False,
 ) -> Steps:
-    """Enqueue `jobs` chunk by chunk; returns their ids in order. Specs with the same request_id
+    """Enqueue `jobs` chunk by chunk; returns their ids in order (`one_server`: not a cluster, so
+    that one CREATE_MANY creates a chunk's jobs of fresh ids). Specs with the same request_id
     are one job. Raises BulkQueueFull when a stream fills up part-way, WaitingQuotaExceeded or
     RateLimited when the tenant's limits stop it, each naming the ids of the specs enqueued;
     UnknownAdapter, before any goes in, for an adapter no live worker of the queue serves."""
@@ -93,7 +95,9 @@ def submit_steps(
     placed: set[str] = set()
     for start in range(0, len(order), CHUNK):
         chunk = order[start : start + CHUNK]
-        in_queue, outcome = yield from enqueue_chunk(keys, queue, max_depth, chunk, placement, tenant, limits)
+        in_queue, outcome = yield from enqueue_chunk(
+            keys, queue, max_depth, chunk, placement, tenant, limits, one_server
+        )
         placed.update(in_queue)
         if len(in_queue) < len(chunk):
             ids = [job.job_id for job in jobs]
@@ -114,6 +118,7 @@ def enqueue_chunk(
     placement: Placement,
     tenant: str,
     limits: Limits,
+    one_server: bool,
 ) -> Steps:
     """Returns (the ids of the chunk's jobs in the queue now, up to the first that did not go in;
     the enqueue's outcome). A job whose enqueue fails or does not go in loses its hash, as in
@@ -132,7 +137,7 @@ def enqueue_chunk(
         streams = yield from placement.streams_for(keys, queue, [job.prefix for job in to_add])
     shared = [job for job, stream in zip(to_add, streams) if stream is None]
     try:
-        replies = checked((yield enqueue_commands(keys, queue, max_depth, to_add, shared, tenant, limits)))
+        replies = checked((yield enqueue_commands(keys, queue, max_depth, to_add, shared, tenant, limits, one_server)))
     except Exception:
         yield forget_commands(to_add, keys)
         raise
@@ -186,14 +191,19 @@ def enqueue_commands(
     shared: list[NewJob],
     tenant: str,
     limits: Limits,
+    one_server: bool = False,
 ) -> Callable:
-    """The hashes of the jobs with a fresh id (CREATE of the others went first), then one call
-    for those bound for the lanes: ENQUEUE_MANY when they all go to the queue's own stream (the
-    default lane, no tenant), else ENQUEUE_LANES, which also counts the tenant's limits."""
+    """The hashes of the jobs with a fresh id (CREATE of the others went first): on `one_server`
+    one CREATE_MANY, else a command each; then one call for those bound for the lanes:
+    ENQUEUE_MANY when they all go to the queue's own stream (the default lane, no tenant), else
+    ENQUEUE_LANES, which also counts the tenant's limits."""
 
     def add(pipe) -> None:
-        for job in jobs:
-            if not job.idempotent:
+        fresh = [job for job in jobs if not job.idempotent]
+        if one_server and fresh:
+            scripts.create_many(keys, [(job.job_id, job.timeout_ms) for job in fresh]).add_to(pipe)
+        else:
+            for job in fresh:
                 job.add_fresh_create(pipe, keys)
         if not shared:
             return

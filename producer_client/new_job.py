@@ -8,8 +8,7 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -35,8 +34,11 @@ SERVICE_TIERS = {"auto": DEFAULT_LANE, "default": DEFAULT_LANE, "priority": "pri
 CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for estimating a text's tokens without a tokenizer
 
 
-@dataclass(frozen=True)
-class NewJob:
+class NewJob(NamedTuple):
+    """A job built and checked, to enqueue. A tuple, not a frozen dataclass: a third of the time to
+    make (submit_many makes tens of thousands), and, holding only strings and numbers, no work for
+    the garbage collector once it has seen it."""
+
     job_id: str
     body: str
     idempotent: bool  # the id came from the caller's request_id, so it may exist already
@@ -78,18 +80,51 @@ def build_job(
     fingerprint: Any = None,
     stream: Any = False,
     service_tier: Any = None,
+    known_params: dict | None = None,
 ) -> NewJob:
     """Validate every argument the way the worker will, before anything touches Redis. `options`
     are SamplingParams' fields and JobRequest's other options (tools, enable_thinking..., adapter). A
     job with a request_id is bound to `fingerprint` (a digest of the request it answers; by
     default of what it generates from): a later submit of the same id with another raises
-    IdempotencyConflict. `service_tier` names its lane (SERVICE_TIERS; None: default)."""
+    IdempotencyConflict. `service_tier` names its lane (SERVICE_TIERS; None: default).
+    `known_params`: see sampling_params."""
     lane = lane_of(service_tier)
-    sampling = {k: v for k, v in options.items() if k not in JOB_OPTIONS}
-    chat = {k: v for k, v in options.items() if k in JOB_OPTIONS}
+    request = validated_request(prompt, messages, input_ids, priority, timeout_s, stream, options, known_params)
+    body = request.to_json()
+    size = len(body.encode())
+    if size > MAX_BODY_BYTES:
+        raise BodyTooLarge("body", f"{size} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    timeout_ms = 0 if request.timeout_s is None else max(1, round(request.timeout_s * 1000))
+    cost = estimated_tokens(request, body)
+    if request_id is None:
+        # 128 random bits, as a uuid4's hex without building the UUID: submit_many makes many.
+        job_id = os.urandom(16).hex()
+        return NewJob(job_id, body, False, timeout_ms, "", prefix_key(request), request.adapter, lane, cost)
+    fingerprint = bound_fingerprint(request, fingerprint)
+    job_id = check_name("request_id", request_id)
+    return NewJob(job_id, body, True, timeout_ms, fingerprint, prefix_key(request), request.adapter, lane, cost)
+
+
+def validated_request(
+    prompt: Any,
+    messages: Any,
+    input_ids: Any,
+    priority: Any,
+    timeout_s: Any,
+    stream: Any,
+    options: dict[str, Any],
+    known_params: dict | None = None,
+) -> JobRequest:
+    """The JobRequest of the arguments, validated once (the schema, then the rules it cannot state,
+    then the grammars it names); InvalidArgument names the first bad one."""
+    if options.keys().isdisjoint(JOB_OPTIONS):  # sampling parameters alone: the most common by far
+        sampling, chat = options, {}
+    else:
+        sampling = {k: v for k, v in options.items() if k not in JOB_OPTIONS}
+        chat = {k: v for k, v in options.items() if k in JOB_OPTIONS}
     try:
-        params = SamplingParams.model_validate(sampling, strict=True)
-        request = JobRequest.model_validate(
+        params = sampling_params(sampling, known_params)
+        request = JobRequest.strictly_validated(
             {
                 "prompt": prompt,
                 "messages": messages,
@@ -100,31 +135,37 @@ def build_job(
                 "stream": stream,
                 **chat,
             },
-            strict=True,
         )
     except ValidationError as e:
         raise invalid_argument_from(e, strip="params.") from None
     request.check(MAX_TOKENS_LIMIT)
     check_grammars(request)
-    body = request.to_json()
-    size = len(body.encode())
-    if size > MAX_BODY_BYTES:
-        raise BodyTooLarge("body", f"{size} bytes exceeds the limit of {MAX_BODY_BYTES}")
-    timeout_ms = 0 if request.timeout_s is None else max(1, round(request.timeout_s * 1000))
-    placed: dict[str, Any] = {
-        "prefix": prefix_key(request),
-        "adapter": request.adapter,
-        "lane": lane,
-        "cost": estimated_tokens(request, body),
-    }
-    if request_id is None:
-        # 128 random bits, as a uuid4's hex without building the UUID: submit_many makes many.
-        return NewJob(os.urandom(16).hex(), body, idempotent=False, timeout_ms=timeout_ms, **placed)
+    return request
+
+
+def sampling_params(sampling: dict[str, Any], known: dict | None) -> SamplingParams:
+    """SamplingParams of `sampling`, validated. `known`: a memo of those validated already, by their
+    arguments' names, types and values (submit_many's: a batch's jobs mostly share theirs, and a
+    lookup costs a fifth of a validation); arguments that are not all hashable are validated."""
+    if known is None:
+        return SamplingParams.model_validate(sampling, strict=True)
+    try:
+        key = tuple([(name, type(value), value) for name, value in sampling.items()])
+        params = known.get(key)
+    except TypeError:  # a list (stop, stop_token_ids) or a dict (response_format)
+        return SamplingParams.model_validate(sampling, strict=True)
+    if params is None:
+        params = known[key] = SamplingParams.model_validate(sampling, strict=True)
+    return params
+
+
+def bound_fingerprint(request: JobRequest, fingerprint: Any) -> str:
+    """What a request_id is bound to: the caller's digest, checked, or that of the request's generation."""
     if fingerprint is None:
-        fingerprint = generation_fingerprint(request)
-    elif not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
+        return generation_fingerprint(request)
+    if not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
         raise InvalidArgument("request_fingerprint", f"must be 1-{FINGERPRINT_CHARS} letters and digits")
-    return NewJob(check_name("request_id", request_id), body, True, timeout_ms, fingerprint, **placed)
+    return fingerprint
 
 
 def lane_of(service_tier: Any) -> str:
@@ -147,9 +188,9 @@ def estimated_tokens(request: JobRequest, body: str) -> int:
     return prompt + request.params.max_tokens
 
 
-def build_job_of(arguments: Mapping[str, Any], requests: int = 1) -> NewJob:
+def build_job_of(arguments: Mapping[str, Any], requests: int = 1, known_params: dict | None = None) -> NewJob:
     """build_job() of submit()'s keyword arguments, given as a dict; `requests`: what the job counts
-    against a requests-per-minute limit (NewJob.requests)."""
+    against a requests-per-minute limit (NewJob.requests); `known_params`: see sampling_params."""
     options = dict(arguments)
     fingerprint, stream = options.pop("request_fingerprint", None), options.pop("stream", False)
     job = build_job(
@@ -163,8 +204,9 @@ def build_job_of(arguments: Mapping[str, Any], requests: int = 1) -> NewJob:
         fingerprint,
         stream=stream,
         service_tier=options.pop("service_tier", None),
+        known_params=known_params,
     )
-    return job if requests == 1 else replace(job, requests=requests)
+    return job if requests == 1 else job._replace(requests=requests)
 
 
 def generation_fingerprint(request: JobRequest) -> str:

@@ -37,7 +37,8 @@ def submit_rated(client: ClientBase, job: NewJob) -> Steps[Submitted]:
     already is not enqueued again; one on an adapter no live worker of the queue serves is refused
     first (UnknownAdapter). A refusal (the stream's bound, the tenant's waiting quota or a rate
     limit) removes the job's hash again and raises."""
-    yield from client.placement.check_adapters(client.keys, client.queue, [job.adapter])
+    if job.adapter is not None:
+        yield from client.placement.check_adapters(client.keys, client.queue, [job.adapter])
     if job.idempotent:
         (reply,) = checked((yield job.create_call(client.keys).add_to))
         if not job.created(reply):

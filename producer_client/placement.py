@@ -95,8 +95,8 @@ class View:
         load, or the least load plus BALANCE_ABS, whichever is higher. A job never waits in a
         worker's stream for a slot: a stream of its own is FIFO, where lanes and tenants' shares
         would not hold, so under contention every job goes through the lanes, where they do."""
-        if len(self.candidates) < 2:
-            return None
+        if len(self.candidates) < 2 or all(c.load >= c.slots for c in self.candidates):
+            return None  # before ordering the workers by the key: a bulk submit fills every slot soon
         total = sum(c.load for c in self.candidates) + 1
         least = min(c.load for c in self.candidates)
         bound = max(math.ceil(LOAD_BOUND * total / len(self.candidates)), least + BALANCE_ABS)
@@ -170,6 +170,9 @@ class Placement:
             self.placed[Placed.SHARED] += len(prefixes)
             return [None] * len(prefixes)
         view = yield from self._view(keys, queue)
+        if len(view.candidates) < 2:  # nothing to choose from, for the whole batch
+            self.placed[Placed.SHARED] += len(prefixes)
+            return [None] * len(prefixes)
         return [self._place(view, prefix, keys, queue) for prefix in prefixes]
 
     def _view(self, keys: Keys, queue: str) -> Steps[View]:

@@ -145,34 +145,107 @@ def _send(client, stack: Stack | Callable[[], Stack], repeatable: bool = False) 
     """One reply (or error) per command of `stack` (or of the stack it makes), in one pipeline: on
     a cluster, built anew for each try of the client's pacing (redis-py's own empties a pipeline
     it sent), each command routed by the topology of that try; a `repeatable` one is tried again
-    while a node fails any of its commands (see execute)."""
-
-    cluster = is_cluster(client)  # asked once: an isinstance of redis-py's cluster classes costs microseconds
+    while a node fails any of its commands (see execute). On one server, `_exchange`."""
+    if not is_cluster(client):
+        return _exchange(client, stack() if callable(stack) else stack)
 
     def attempt() -> list:
-        pipe, parts, waits = _pipeline(client, cluster, stack() if callable(stack) else stack)
+        pipe, parts, waits = _cluster_pipeline(client, stack() if callable(stack) else stack)
         replies = _judged_waits(client, _folded(pipe.execute(raise_on_error=False), parts), waits)
         return _node_errors_raised(replies) if repeatable else replies
 
-    return client.paced(attempt) if cluster else attempt()
+    return client.paced(attempt)
 
 
 async def _asend(client, stack: Stack | Callable[[], Stack], repeatable: bool = False) -> list:
-    cluster = is_cluster(client)
+    if not is_cluster(client):
+        return await _aexchange(client, stack() if callable(stack) else stack)
 
     async def attempt() -> list:
-        pipe, parts, waits = _pipeline(client, cluster, stack() if callable(stack) else stack)
+        pipe, parts, waits = _cluster_pipeline(client, stack() if callable(stack) else stack)
         replies = _judged_waits(client, _folded(await pipe.execute(raise_on_error=False), parts), waits)
         return _node_errors_raised(replies) if repeatable else replies
 
-    return await client.paced(attempt) if cluster else await attempt()
+    return await client.paced(attempt)
 
 
-def _pipeline(client, cluster: bool, stack: Stack) -> tuple[Any, list[int], Waits]:
-    """A pipeline of `stack`'s commands as `client` (a `cluster` or not) must send them; how many
-    went out for each (more than one for a command of COUNTED_PER_KEY whose keys lie in several
-    slots); and for each WAIT, by its place in `stack`, its key and the node it was sent to (None:
-    one server)."""
+def _exchange(client, stack: Stack) -> list:
+    """One round trip of `stack` to one server, as redis-py's pipeline makes it (one write of every
+    command packed, then each reply read, a command's error in its place; the connection closed
+    after a failure, and the whole exchange tried again as the connection's retry policy says)
+    without the pipeline object and its per-call records, a good part of a submit's CPU (bench/
+    RESULTS.md, "The producer's own cost"). A WAIT whose node refused it (a master turned replica) vouches for
+    nothing: 0. No command, no connection (as redis-py's pipeline)."""
+    if not stack:
+        return []
+    pool = client.connection_pool
+    connection = pool.get_connection()
+    try:
+        replies = connection.retry.call_with_retry(
+            lambda: _round_trip(client, connection, stack), lambda error: connection.disconnect()
+        )
+    finally:
+        pool.release(connection)
+    return _refused_waits_zero(stack, replies)
+
+
+async def _aexchange(client, stack: Stack) -> list:
+    """`_exchange` for a redis.asyncio client."""
+    if not stack:
+        return []
+    pool = client.connection_pool
+    connection = await pool.get_connection()
+    try:
+        replies = await connection.retry.call_with_retry(
+            lambda: _around_trip(client, connection, stack), lambda error: connection.disconnect()
+        )
+    finally:
+        await pool.release(connection)
+    return _refused_waits_zero(stack, replies)
+
+
+def _round_trip(client, connection, stack: Stack) -> list:
+    connection.send_packed_command(connection.pack_commands([args for args, _ in stack]))
+    replies = []
+    for args, options in stack:
+        try:
+            if _NODE_OF in options:
+                options = _sent_options(options)
+            replies.append(client.parse_response(connection, args[0], **options))
+        except ResponseError as e:
+            replies.append(e)
+    return replies
+
+
+async def _around_trip(client, connection, stack: Stack) -> list:
+    await connection.send_packed_command(connection.pack_commands([args for args, _ in stack]))
+    replies = []
+    for args, options in stack:
+        try:
+            if _NODE_OF in options:
+                options = _sent_options(options)
+            replies.append(await client.parse_response(connection, args[0], **options))
+        except ResponseError as e:
+            replies.append(e)
+    return replies
+
+
+def _sent_options(options: dict) -> dict:
+    """A recorded command's options as redis-py reads its reply with them: without _NODE_OF."""
+    return {k: v for k, v in options.items() if k != _NODE_OF}
+
+
+def _refused_waits_zero(stack: Stack, replies: list) -> list:
+    for at, (_, options) in enumerate(stack):
+        if _NODE_OF in options and isinstance(replies[at], ResponseError):
+            replies[at] = 0
+    return replies
+
+
+def _cluster_pipeline(client, stack: Stack) -> tuple[Any, list[int], Waits]:
+    """A cluster pipeline of `stack`'s commands; how many went out for each (more than one for a
+    command of COUNTED_PER_KEY whose keys lie in several slots); and for each WAIT, by its place in
+    `stack`, its key and the node it was sent to."""
     pipe = client.pipeline(transaction=False)
     parts: list[int] = []
     waits: Waits = {}
@@ -180,13 +253,8 @@ def _pipeline(client, cluster: bool, stack: Stack) -> tuple[Any, list[int], Wait
         if _NODE_OF in options:
             options = dict(options)
             key = options.pop(_NODE_OF)
-            waits[at] = (key, client.get_node_from_key(key) if cluster else None)
-            if waits[at][1] is not None:
-                options["target_nodes"] = waits[at][1]
-        if not cluster:
-            pipe.execute_command(*args, **options)
-            parts.append(1)
-            continue
+            waits[at] = (key, client.get_node_from_key(key))
+            options["target_nodes"] = waits[at][1]
         sent = _as_sent(client, args, options)
         for command_args, command_options in sent:
             pipe.execute_command(*command_args, **command_options)

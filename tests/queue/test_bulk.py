@@ -52,6 +52,18 @@ def test_a_job_with_a_timeout_gets_its_deadline(client, redis_client, queue):
     assert abs(deadline_ms / 1000 - 30 - time.time()) < 5
 
 
+def test_fresh_jobs_of_a_chunk_are_queued_with_their_own_deadlines(client, redis_client, queue):
+    mixed = specs(CHUNK + 3) + [{"prompt": "later", "timeout_s": 60.0}] + specs(1, request_id=uuid.uuid4().hex)
+    mixed[5] = {**mixed[5], "timeout_s": 30.0}
+    ids = client.submit_many(mixed)
+    assert entry_ids(redis_client, queue) == ids
+    hashes = [redis_client.hgetall(KEYS.job(job_id)) for job_id in ids]
+    assert {h["status"] for h in hashes} == {"queued"}
+    with_deadline = {i: int(h["deadline"]) / 1000 - time.time() for i, h in enumerate(hashes) if "deadline" in h}
+    assert sorted(with_deadline) == [5, CHUNK + 3]
+    assert abs(with_deadline[5] - 30) < 5 and abs(with_deadline[CHUNK + 3] - 60) < 5
+
+
 @pytest.mark.parametrize(
     "bad, field",
     [
@@ -72,6 +84,17 @@ def test_an_invalid_spec_is_named_by_index_and_field_and_nothing_is_enqueued(cli
     assert refused.value.field == field
     assert not redis_client.exists(KEYS.queue(queue))
     assert job_keys(redis_client) == before
+
+
+@pytest.mark.parametrize("same_value_other_type", [1.0, True])
+def test_sampling_parameters_equal_to_an_earlier_specs_but_of_another_type_are_refused(
+    client, redis_client, queue, same_value_other_type
+):
+    jobs = specs(3, max_tokens=1) + specs(1, max_tokens=same_value_other_type)
+    with pytest.raises(InvalidArgument) as refused:
+        client.submit_many(jobs)
+    assert refused.value.field == "jobs[3].max_tokens"
+    assert not redis_client.exists(KEYS.queue(queue))
 
 
 def test_request_ids_seen_before_enqueue_nothing_again(client, redis_client, queue):
@@ -264,6 +287,19 @@ def commands_of(step) -> list[tuple]:
     pipe = RecordingPipe()
     step(pipe)
     return pipe.calls
+
+
+def test_on_one_server_the_fresh_jobs_of_a_chunk_are_created_by_one_script_call():
+    from producer_client import bulk
+    from producer_client.protocol.producer import CREATE_MANY, ENQUEUE_MANY
+
+    jobs = bulk.build_jobs(specs(2) + specs(1, timeout_s=2.5) + specs(1, request_id="r0"))
+    steps = bulk.submit_steps(KEYS, "q", None, jobs, Placement(False), one_server=True)
+    assert [c[0] for c in commands_of(steps.send(None))] == ["evalsha"]  # CREATE of the request id
+    enqueue = commands_of(steps.send([1]))
+    assert [c[1] for c in enqueue] == [CREATE_MANY.sha, ENQUEUE_MANY.sha]
+    fresh = jobs[:3]
+    assert enqueue[0][2:] == (3, *(KEYS.job(job.job_id) for job in fresh), 0, 0, 2500)
 
 
 def test_an_enqueue_that_fails_takes_back_the_hashes_of_its_jobs():

@@ -178,3 +178,12 @@ def test_a_tokens_event_is_the_json_of_its_ids_and_text(ids, text):
     event = encode_tokens(ids, text, None)
     assert event == json.dumps({"ids": ids, "text": text}, ensure_ascii=False, separators=(",", ":"))
     assert json.loads(event) == {"ids": ids, "text": text}
+
+
+def test_an_exchange_of_no_command_takes_no_connection():
+    from producer_client.connection import connect, one_try_options
+    from producer_client.protocol.execution import execute
+    from worker.embedded_redis import free_port
+
+    nobody = connect(f"redis://127.0.0.1:{free_port()}/0", **one_try_options(0.5))  # nothing listens there
+    assert execute(nobody, lambda pipe: None) == []  # a connection would have raised ConnectionError
