@@ -15,7 +15,7 @@ import redis
 
 from harness.polling import eventually
 from producer_client import Client, JobFailed
-from producer_client.keys import Keys
+from producer_client.keys import PROTOCOL_VERSION, Keys
 from tests.support.acl import acl_server
 from tests.support.jobs import queue_depth, queue_pending, queue_streams
 from tests.support.workers import FAST_RECLAIM, WorkerProcess, start_workers
@@ -150,11 +150,11 @@ def test_a_producers_wrong_keys_fail_each_job_once_and_no_worker_stops(hostile_s
     for plant, code in CASES:
         job_id = f"{plant.__name__.removeprefix('plant_')}-{uuid.uuid4().hex[:6]}"
         plant(raw, job_id)
-        raw.xadd(KEYS.queue(QUEUE), {"id": job_id, "v": "1", "body": BODY})
+        raw.xadd(KEYS.queue(QUEUE), {"id": job_id, "v": str(PROTOCOL_VERSION), "body": BODY})
         planted[job_id] = code
     many_fields = {
         "id": f"many-fields-{uuid.uuid4().hex[:6]}",
-        "v": "1",
+        "v": str(PROTOCOL_VERSION),
         "body": BODY,
         **{f"f{i}": "x" for i in range(5000)},
     }
