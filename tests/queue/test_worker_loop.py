@@ -115,7 +115,7 @@ def test_bad_entries_fail_with_their_code_and_the_worker_keeps_serving(redis_ser
         "not-json": ({"v": str(PROTOCOL_VERSION), "body": "{oops"}, "invalid_body"),
         "wrong-type": ({"v": str(PROTOCOL_VERSION), "body": '{"prompt": ["a"]}'}, "invalid_argument"),
         "unknown-field": ({"v": str(PROTOCOL_VERSION), "body": '{"prompt": "a", "model": "x"}'}, "invalid_argument"),
-        "future": ({"v": "2", "body": '{"prompt": "a"}'}, "unsupported_version"),
+        "future": ({"v": "3", "body": '{"prompt": "a"}'}, "unsupported_version"),
         "bad-utf8": ({"v": str(PROTOCOL_VERSION), "body": b'{"prompt": "\xff\xfe"}'}, "invalid_body"),
         "too-long": (
             {"v": str(PROTOCOL_VERSION), "body": f'{{"input_ids": [{",".join(["7"] * 5000)}]}}'},
