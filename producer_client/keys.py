@@ -159,7 +159,7 @@ class Keys:
         """Hash: status, the claiming worker, its entry and run token, the run that published a
         start event, tokens so far, deadline, fingerprint, cancel, enqueued, streamed and resumed
         flags while the job is queued or running. Its end leaves `status`, the final `result` JSON,
-        `tokens`, the ending `run` and `fingerprint`, for result_ttl_s (docs/architecture.md)."""
+        `tokens`, and `fingerprint` and `cancel` where set, for result_ttl_s (docs/architecture.md)."""
         return f"{self.prefix}:job:{{{job_id}}}"
 
     def events(self, job_id: str) -> str:

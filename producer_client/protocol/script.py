@@ -39,10 +39,10 @@ class ScriptCall:
 # A job's end writes what its guarantees need after it, and nothing else (docs/architecture.md,
 # "What a job keeps"):
 # - the hash is rewritten with `status`, the `result` JSON and the `kept` fields ({name, value}
-#   pairs, a nil value left out): `tokens` (what the runs recorded), the ending `run` (a retried
-#   final PUBLISH of that run answers 'written'), `fingerprint` (a later submit of the same
-#   request_id is checked against it) and `cancel` (status() says a cancel was asked): the result
-#   is read there until `ttl`;
+#   pairs, a nil value left out): `tokens` (what the runs recorded), `fingerprint` (a later submit
+#   of the same request_id is checked against it) and `cancel` (status() says a cancel was asked):
+#   the result is read there until `ttl`. The run token goes: past the end, the result itself
+#   tells a retried final PUBLISH of the ending run from another run's (PUBLISH);
 # - the `done` stream gets the result, and expires DONE_TTL_MS later: the readers blocked on it
 #   wake, and those whose read is in flight find it; the hash serves any reader after that;
 # - the event stream, where `keep` (someone streams the job, or more than one run published to

@@ -90,7 +90,8 @@ return {'claimed', tonumber(tokens or '0')}
 #   'gone'     Redis has no hash of the job: it lost it (see ADOPT).
 #   'ended'    the job has a result from elsewhere (a second finisher): nothing changes, not even
 #              the event stream. This very result, written by this run (a call whose reply was
-#              lost), answers 'written' again instead.
+#              lost), answers 'written' again instead: the same JSON, which names the run's worker
+#              and times to the microsecond (an ended job's hash keeps no run token, END_JOB).
 #   'lost'     another run holds the job, or the recorded tokens are neither those the update
 #              follows nor those it ends with (this run's view and Redis's differ): nothing
 #              changes. Recorded tokens equal to those the update ends with mean this very update
@@ -109,7 +110,7 @@ local status, result, run, recorded, started, cancel, streamed, resumed, fingerp
   KEYS[1], 'status', 'result', 'run', 'tokens', 'started', 'cancel', 'streamed', 'resumed', 'fingerprint'))
 if not status then return 'gone' end  -- every job's hash has a status: this one has no hash
 if result then
-  if run == ARGV[1] and result == ARGV[7] then return 'written' end
+  if result == ARGV[7] then return 'written' end
   return 'ended'
 end
 if run ~= ARGV[1] then return 'lost' end
@@ -141,7 +142,7 @@ if keep and ARGV[3] ~= '' and recorded == ARGV[4] then
   redis.call('XADD', KEYS[2], '*', 'type', 'tokens', 'data', ARGV[3])
 end
 if final then
-  local kept = {{'tokens', ARGV[5]}, {'run', ARGV[1]}, {'fingerprint', fingerprint}, {'cancel', cancel}}
+  local kept = {{'tokens', ARGV[5]}, {'fingerprint', fingerprint}, {'cancel', cancel}}
   end_job(ARGV[6], ARGV[7], kept, keep, ARGV[8])
   return 'written'
 end
@@ -201,9 +202,9 @@ for i, kind in ipairs({'hash', 'stream', 'stream'}) do
   local found = redis.call('TYPE', KEYS[i]).ok
   if found ~= 'none' and found ~= kind then redis.call('DEL', KEYS[i]) end
 end
-local result, run, fingerprint, cancel = unpack(redis.call('HMGET', KEYS[1], 'result', 'run', 'fingerprint', 'cancel'))
+local result, fingerprint, cancel = unpack(redis.call('HMGET', KEYS[1], 'result', 'fingerprint', 'cancel'))
 if result then return 'ended' end
-local kept = {{'tokens', ARGV[2]}, {'run', run}, {'fingerprint', fingerprint}, {'cancel', cancel}}
+local kept = {{'tokens', ARGV[2]}, {'fingerprint', fingerprint}, {'cancel', cancel}}
 end_job('failed', ARGV[1], kept, redis.call('EXISTS', KEYS[2]) == 1, ARGV[3])
 return 'failed'
 """,

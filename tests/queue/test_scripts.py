@@ -126,7 +126,7 @@ def test_a_step_is_published_at_once_and_a_second_finisher_changes_nothing(redis
 def assert_kept_after_the_end(redis_client, job_id, events_kept):
     """What a job's end leaves (protocol v2): the hash with its result for the result TTL, the done
     stream for DONE_TTL_MS, the event stream only where kept, for the result TTL."""
-    assert set(redis_client.hgetall(KEYS.job(job_id))) <= {"status", "result", "tokens", "run", "fingerprint", "cancel"}
+    assert set(redis_client.hgetall(KEYS.job(job_id))) <= {"status", "result", "tokens", "fingerprint", "cancel"}
     assert 0 < redis_client.ttl(KEYS.job(job_id)) <= 60
     assert 0 < redis_client.pttl(KEYS.done(job_id)) <= DONE_TTL_MS
     if events_kept:
@@ -202,7 +202,7 @@ def test_a_reclaim_starts_a_new_run_that_fences_off_the_old_one(redis_client, jo
     assert publish(redis_client, job_id, "r2", json.dumps({"worker": "w2"}), tokens(3), 2, 3) == "ok"
     assert publish(redis_client, job_id, "r2", "", "", 3, 3, *final(job_id, "done", "abc")) == "written"
     assert [t for t, _ in events(redis_client, job_id)] == ["start", "tokens", "start", "tokens", "end"]
-    assert redis_client.hget(KEYS.job(job_id), "run") == "r2"
+    assert JobResult.model_validate_json(redis_client.hget(KEYS.job(job_id), "result")).text == "abc"
     assert_kept_after_the_end(redis_client, job_id, events_kept=True)  # two runs published to it
 
 
