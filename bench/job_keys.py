@@ -9,6 +9,7 @@ submitted and read to their end, the worker has acknowledged them, and the measu
 SETTLE_S, past the few seconds a v2 job's `done` stream outlives the job (producer_client/keys.py
 DONE_TTL_MS): what is left is what every finished job costs until result_ttl_s. `at once` is the
 same taken as the last result is read, the transient cost of the jobs of the last seconds included.
+A streamed job is followed by its reader before its end, so v2 keeps its events.
 
     python -m bench.job_keys --base /tmp/base43 [--jobs 2000 --tokens 16 1 --streamed]
 
@@ -116,21 +117,31 @@ def start_worker(url: str, logs: Path) -> subprocess.Popen:
 
 def run_jobs(client, jobs: int, tokens: int, streamed: bool) -> list[str]:
     """Submit the jobs (each prompt as long as its output: the echo engine stops at its prompt's
-    end) a hundred at a time, and read each to its end."""
+    end) and read each to its end: a hundred submitted, then each waited for; or, streamed, each
+    submitted and followed at once (stream(), whose FOLLOW comes before the job's end), as a
+    streaming caller does."""
     prompt = "abcdefghijklmnopqrstuvwxyz" * (tokens // 26 + 1)
     ids = []
     for start in range(0, jobs, 100):
-        batch = [client.submit(prompt, max_tokens=tokens, stream=streamed) for _ in range(min(100, jobs - start))]
-        for job_id in batch:
-            if streamed:
-                deltas = list(client.stream(job_id, timeout=60))
-                got = sum(len(d.token_ids) for d in deltas)
-            else:
-                got = len(client.wait(job_id, timeout=60).token_ids)
-            if got != tokens:
-                raise SystemExit(f"job {job_id}: {got} tokens, not {tokens}")
+        if streamed:
+            batch = [stream_one(client, prompt, tokens) for _ in range(min(100, jobs - start))]
+        else:
+            batch = [client.submit(prompt, max_tokens=tokens) for _ in range(min(100, jobs - start))]
+            for job_id in batch:
+                check_tokens(job_id, len(client.wait(job_id, timeout=60).token_ids), tokens)
         ids += batch
     return ids
+
+
+def stream_one(client, prompt: str, tokens: int) -> str:
+    job_id = client.submit(prompt, max_tokens=tokens, stream=True)
+    check_tokens(job_id, sum(len(d.token_ids) for d in client.stream(job_id, timeout=60)), tokens)
+    return job_id
+
+
+def check_tokens(job_id: str, got: int, tokens: int) -> None:
+    if got != tokens:
+        raise SystemExit(f"job {job_id}: {got} tokens, not {tokens}")
 
 
 def kept_memory(admin) -> int:
