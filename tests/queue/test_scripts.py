@@ -390,3 +390,21 @@ def test_fail_replaces_keys_of_another_type_and_writes_the_failure_once(redis_cl
     assert_kept_after_the_end(redis_client, job_id, events_kept=False)  # no run published to it
     assert on_job(redis_client, FAIL, job_id, result.model_dump_json(), 2, 60) == "ended"  # once
     assert done_entries(redis_client, job_id) == [result]
+
+
+def test_a_failed_job_keeps_the_events_its_runs_published_and_its_request_fingerprint(redis_client, job_id):
+    redis_client.hset(KEYS.job(job_id), mapping={"status": "queued", "fingerprint": "f1", "enqueued": "1"})
+    on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1")
+    assert publish(redis_client, job_id, "r1", json.dumps({"worker": "w1"}), tokens(1, 2), 0, 2) == "ok"
+    result = JobResult(id=job_id, status="failed", text="ab", token_ids=[1, 2])
+    assert on_job(redis_client, FAIL, job_id, result.model_dump_json(), 2, 60) == "failed"
+    assert [t for t, _ in events(redis_client, job_id)] == ["start", "tokens", "end"]
+    assert redis_client.hgetall(KEYS.job(job_id)) == {
+        "status": "failed",
+        "result": result.model_dump_json(),
+        "tokens": "2",
+        "fingerprint": "f1",
+    }
+    assert_kept_after_the_end(redis_client, job_id, events_kept=True)
+    assert run(redis_client, CREATE, [KEYS.job(job_id)], 0, "f2") == -1  # its request_id stays bound
+    assert run(redis_client, CREATE, [KEYS.job(job_id)], 0, "f1") == 0  # and is not run again
