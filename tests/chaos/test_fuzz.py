@@ -109,7 +109,11 @@ def bad_entries(rng: random.Random):
             "invalid_body",
             None,
         ),
-        lambda: ({"v": rng.choice(["2", "0", "abc", "", "1.0", b"\xff"]), "body": ok}, "unsupported_version", "id"),
+        lambda: (
+            {"v": rng.choice(["1", "3", "0", "abc", "", "1.0", b"\xff"]), "body": ok},
+            "unsupported_version",
+            "id",
+        ),
         lambda: ({"body": ok}, "unsupported_version", "id"),  # no version
         lambda: (
             {"v": str(PROTOCOL_VERSION), "body": ok, rng.choice(["priority", "x", "bodyy"]): "1"},
