@@ -85,7 +85,8 @@ return {'claimed', tonumber(tokens or '0')}
 )
 
 # KEYS: job, events, done. ARGV: run token, start JSON, tokens JSON, tokens before them, tokens
-# after them, final status, result JSON, result TTL seconds; '' for what the step does not have.
+# after them, final status, result JSON, result TTL seconds, '1' if the run streams the job (its
+# `stream` option, or a FOLLOW the run saw); '' for what the step does not have.
 # Returns one of:
 #   'gone'     Redis has no hash of the job: it lost it (see ADOPT).
 #   'ended'    the job has a result from elsewhere (a second finisher): nothing changes, not even
@@ -132,7 +133,7 @@ if started and started ~= ARGV[1] and resumed ~= '1' then
   table.insert(hset, '1')
 end
 local final = ARGV[6] ~= ''
-local keep = not final or streamed == '1' or resumed == '1'
+local keep = not final or streamed == '1' or ARGV[9] == '1' or resumed == '1'
 if ARGV[2] ~= '' and started ~= ARGV[1] then
   if keep then redis.call('XADD', KEYS[2], '*', 'type', 'start', 'data', ARGV[2]) end
   table.insert(hset, 'started')
@@ -692,9 +693,11 @@ def publish(
     status: str,
     result_json: str,
     result_ttl_s: int,
+    streamed: bool = False,
 ) -> ScriptCall:
-    """PUBLISH of one update; '' for what it does not have (no start, no tokens, no final result)."""
-    args = (run, start, tokens, tokens_before, tokens_after, status, result_json, result_ttl_s)
+    """PUBLISH of one update; '' for what it does not have (no start, no tokens, no final result).
+    `streamed`: the run streams the job, whose end then keeps its events."""
+    args = (run, start, tokens, tokens_before, tokens_after, status, result_json, result_ttl_s, "1" if streamed else "")
     return ScriptCall(PUBLISH, job_keys(keys, job_id), args)
 
 

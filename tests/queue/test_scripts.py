@@ -145,6 +145,17 @@ def test_a_streamed_job_keeps_its_events_after_its_end(redis_client, job_id):
     assert_kept_after_the_end(redis_client, job_id, events_kept=True)
 
 
+def test_a_job_its_run_streams_keeps_its_events_with_no_reader_yet(redis_client, job_id):
+    # Submitted with stream=True: the run publishes as it streams, and its end keeps the events for
+    # the reader to come, though no FOLLOW raised the hash's flag.
+    on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1")
+    start = json.dumps({"worker": "w1"})
+    args = ("r1", start, tokens(1), 0, 1, *final(job_id, "done", "a"), 60, "1")
+    assert on_job(redis_client, PUBLISH, job_id, *args) == "written"
+    assert [t for t, _ in events(redis_client, job_id)] == ["start", "tokens", "end"]
+    assert_kept_after_the_end(redis_client, job_id, events_kept=True)
+
+
 def test_a_job_that_ends_in_one_step_writes_no_event(redis_client, job_id):
     # Nobody streams it and one run made it: the events its final step would add would go at once.
     on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1")
