@@ -45,9 +45,9 @@ class ScriptCall:
 #   tells a retried final PUBLISH of the ending run from another run's (PUBLISH);
 # - the `done` stream gets the result, and expires DONE_TTL_MS later: the readers blocked on it
 #   wake, and those whose read is in flight find it; the hash serves any reader after that;
-# - the event stream, where `keep` (someone streams the job, or more than one run published to
-#   it: its trail), gets the `end` event and the TTL; any other job's goes, stream() reading the
-#   result instead.
+# - the event stream, where `keep` (someone streams the job: its `stream` option or a reader's
+#   FOLLOW; or more than one run published to it: its trail), gets the `end` event and the TTL;
+#   any other job's goes, stream() reading the result instead.
 # `ttl`: '' for none (a producer's end: the worker's claim of the job's entry sets it).
 END_JOB = f"""
 local function end_job(status, result, kept, keep, ttl)
