@@ -9,7 +9,8 @@ clients run the same steps over their own connections.
   would cross them goes in up to them, and BulkQueueFull (or WaitingQuotaExceeded, RateLimited)
   names what went in.
 - `ResultWatch` holds the jobs a caller waits for; one XREAD of their `done` streams returns every
-  one of them that has ended, or blocks until one does (on a cluster, see `read_finished`).
+  one of them that has ended, or blocks until one does (on a cluster, see `read_finished`); a job
+  that ended longer ago than its done stream lives is found in its hash (ResultWatch.to_look).
   `as_completed` yields them batch by batch (`watch_all`, then `next_finished` until none is left),
   `results` collects them alike, `take_finished` serves callers that add jobs as they go.
 """
@@ -24,7 +25,7 @@ from typing import Any
 from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
 from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound, JobTimeout
-from producer_client.keys import NO_TENANT, PROTOCOL_VERSION, Keys
+from producer_client.keys import DONE_TTL_MS, NO_TENANT, PROTOCOL_VERSION, Keys
 from producer_client.new_job import NewJob, build_job_of
 from producer_client.operations import cancel_call
 from producer_client.placement import Placement
@@ -265,11 +266,17 @@ class ResultWatch:
     of those that has ended, or blocks until one does, so collecting many results costs a round
     trip per batch of them, not per job, and Redis's work per read is bounded whatever the number
     of jobs watched. A queue is FIFO, so the earliest jobs are the ones that end first; a later
-    one that ends sooner is returned once those before it leave the window."""
+    one that ends sooner is returned once those before it leave the window.
+
+    A done stream lives DONE_TTL_MS after its job's end: a job that ended before it came into the
+    window, or while the caller left the watch unread for longer than half that, is found by a
+    look at its hash's result instead (to_look)."""
 
     def __init__(self, keys: Keys, job_ids: Iterable[str] = ()):
         self.keys = keys
         self.waiting: dict[str, None] = dict.fromkeys(job_ids)
+        self.looked: set[str] = set()  # jobs whose hash was looked at since they came into the window
+        self.read_at = -float("inf")  # when the last read or look returned (monotonic)
         # When each job that was queued with a deadline expires unread (monotonic): as_completed
         # yields it as expired then, since no worker will start it (see watch_all).
         self.expiries: dict[str, float] = {}
@@ -287,13 +294,38 @@ class ResultWatch:
         """The first WINDOW jobs' `done` streams: stream key -> job id."""
         return {self.keys.done(job_id): job_id for job_id in islice(self.waiting, WINDOW)}
 
+    def to_look(self, window: dict[str, str], every: bool) -> list[str]:
+        """The jobs of `window` whose hash the next read looks at first: those new in the window,
+        or all of them (`every`, or the last read is old enough that a done stream may have come
+        and gone since)."""
+        stale = time.monotonic() - self.read_at > DONE_TTL_MS / 2000
+        if every or stale:
+            self.looked.clear()
+        return [job_id for job_id in window.values() if job_id not in self.looked]
+
+    def take_looked(self, job_ids: list[str], results: list[str | None]) -> list[JobResult]:
+        """The results a look at `job_ids`' hashes found (None: not ended), out of the watch, in
+        the order the jobs ended."""
+        self.looked.update(job_ids)
+        self.read_at = time.monotonic()
+        ended = []
+        for job_id, data in zip(job_ids, results):
+            if data is not None:
+                self.looked.discard(job_id)
+                del self.waiting[job_id]
+                self.expiries.pop(job_id, None)
+                ended.append(JobResult.model_validate_json(data))
+        return sorted(ended, key=lambda result: result.timings.finished_at or 0.0)
+
     def take(self, window: dict[str, str], reply: list) -> list[JobResult]:
         """The results in an XREAD reply over `window`, in the order the jobs ended (their `done`
         entries' ids: Redis's clock, to the millisecond), out of the watch from now on. A failed
         job's result is returned like any other: one job's failure ends no wait."""
+        self.read_at = time.monotonic()
         ended = []
         for key, ((entry_id, fields),) in reply:
             del self.waiting[window[key]]
+            self.looked.discard(window[key])
             self.expiries.pop(window[key], None)
             ended.append((entry_order(entry_id), fields["data"]))
         return [JobResult.model_validate_json(data) for _, data in sorted(ended)]
@@ -349,24 +381,27 @@ def expired_result(job_id: str, deadline_ms: int) -> JobResult:
 
 
 def read_finished(watch: ResultWatch, block_ms: int, per_slot: bool) -> Steps[list[JobResult]]:
-    """The results of the watched jobs that have ended, out of `watch`: one XREAD of the window's
-    `done` streams, which returns at once with every one that has an entry, else blocks up to
-    `block_ms` for the first. `per_slot` (a cluster): one XREAD reads the streams of one slot
-    only, and a window's jobs lie in about as many slots as there are jobs; so one round trip
-    reads every stream without blocking, and if none has ended, a read blocks on the first job's
-    (the oldest: a queue ends its jobs about in order) for at most CLUSTER_BLOCK_MS, so that a
-    later job that ends first waits no longer than that."""
+    """The results of the watched jobs that have ended, out of `watch`: first a look at the hashes
+    of those the watch names (ResultWatch.to_look), which returns what it finds; else one XREAD of
+    the window's `done` streams, which returns at once with every one that has an entry, else
+    blocks up to `block_ms` for the first. `per_slot` (a cluster): one XREAD reads the streams of
+    one slot only, and a window's jobs lie in about as many slots as there are jobs; so every read
+    looks at the window's hashes in one round trip, and if none has ended, a read blocks on the
+    first job's done stream (the oldest: a queue ends its jobs about in order) for at most
+    CLUSTER_BLOCK_MS, so that a later job that ends first waits no longer than that."""
     window = watch.window()
+    to_look = watch.to_look(window, per_slot)
+    if to_look:
+        results = checked((yield lambda pipe: [pipe.hget(watch.keys.job(job_id), "result") for job_id in to_look]))
+        ended = watch.take_looked(to_look, results)
+        if ended:
+            return ended
     if not per_slot:
         (reply,) = yield lambda pipe: pipe.xread(dict.fromkeys(window, "0-0"), count=1, block=block_ms)
         return watch.take(window, streams_read(reply))
-    replies = yield lambda pipe: [pipe.xread({key: "0-0"}, count=1) for key in window]
-    ended = [stream for reply in replies for stream in streams_read(reply)]
-    if not ended:
-        first = next(iter(window))
-        (reply,) = yield lambda pipe: pipe.xread({first: "0-0"}, count=1, block=min(block_ms, CLUSTER_BLOCK_MS))
-        ended = streams_read(reply)
-    return watch.take(window, ended)
+    first = next(iter(window))
+    (reply,) = yield lambda pipe: pipe.xread({first: "0-0"}, count=1, block=min(block_ms, CLUSTER_BLOCK_MS))
+    return watch.take(window, streams_read(reply))
 
 
 def read_deadlines(keys: Keys, job_ids: list[str]) -> Steps[list]:

@@ -117,7 +117,8 @@ class Client(ClientBase):
         `after=` the last delta's `event_id`: nothing is lost or repeated. A chat's deltas carry
         its answer (`text`), reasoning and tool calls apart. A failed job raises JobFailed at its end.
         The job counts as streamed from now on (FOLLOW): its worker publishes its tokens within
-        stream_interval_s once it sees that."""
+        stream_interval_s once it sees that. A job that had ended unfollowed (and kept no events)
+        gives its whole output as one delta."""
         reader, deadline = self.run_steps(self.redis, follow(self.keys, job_id, after, timeout))
         while reader.end is None:
             yield from self.run_steps(self.redis, reader.read(self.keys, deadline))

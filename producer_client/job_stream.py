@@ -7,6 +7,10 @@ whole output for the result, so the deltas' `text`, `reasoning` and `tool_calls`
 result's. Splitting here rather than in the worker keeps the worker's per-token work and the
 events unchanged; the price is that a stream resumed after an event reads the events before it
 again, to bring the parser to where that event left it.
+
+A job that ended with nobody streaming it and one run publishing to it kept no events (protocol v2,
+producer_client/protocol/script.py's END_JOB): its stream is its result's whole output in one
+delta, under the event id WHOLE_OUTPUT, then its end.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ from producer_client.protocol.events import EventType, shown_output_format, show
 from producer_client.schema import JobResult, TokenDelta
 from producer_client.steps import Repeatable, Steps, checked
 from producer_client.validation import check_event_id, check_job_id, check_timeout
-from producer_client.waiting import Deadline, expired_at_timeout, expiry, finished, job_deadline, xread
+from producer_client.waiting import Deadline, expired_at_timeout, expiry, finished, job_look, xread
 
 EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
+# The event id of the one delta of a job that kept no events: the first after "0-0", so that a
+# stream resumed after it reads nothing more.
+WHOLE_OUTPUT = "0-1"
 
 
 def follow(keys: Keys, job_id: str, after: str, timeout: float | None) -> Steps[tuple[JobStream, Deadline]]:
@@ -36,15 +43,20 @@ def follow(keys: Keys, job_id: str, after: str, timeout: float | None) -> Steps[
     job_id = check_job_id(job_id)
     reader = JobStream(job_id, after)
     deadline = Deadline(job_id, check_timeout(timeout))
+    events = keys.events(job_id)
 
     def add(pipe: Any) -> None:
         scripts.follow(keys, job_id).add_to(pipe)
-        job_deadline(pipe, keys, job_id)
+        job_look(pipe, keys, job_id)
+        pipe.exists(events)
 
-    found, (status, deadline_ms), redis_time = checked((yield add))
+    found, (status, deadline_ms, result), redis_time, has_events = checked((yield add))
     if not found:
         raise JobNotFound(job_id)
-    reader.expires_at = expiry(job_id, status, deadline_ms, redis_time)
+    if result is not None and not has_events:
+        reader.kept_no_events(result)
+    else:
+        reader.expires_at = expiry(job_id, status, deadline_ms, redis_time)
     return reader, deadline
 
 
@@ -56,13 +68,21 @@ class JobStream:
         self.parser: OutputParser | None = None
         self.end: str | None = None  # the result JSON, once the end event is read
         self.expires_at: float | None = None  # when the job expires if still queued (waiting.expiry)
+        self.whole: str | None = None  # the result JSON of an ended job that kept no events
+
+    def kept_no_events(self, result_json: str) -> None:
+        """The job has ended and kept no events: the next read returns its result's output."""
+        self.whole = result_json
 
     def read(self, keys: Keys, deadline: Deadline) -> Steps[list[TokenDelta]]:
         """The deltas of the next events, up to the end event: none if a blocking read within the
         deadline saw no event. Raises JobExpired once a job still queued passes its deadline."""
+        if self.whole is not None:
+            whole, self.whole = self.whole, None
+            return self.take_whole(whole)
         if self.expires_at is not None and time.monotonic() >= self.expires_at:
-            (status, deadline_ms), redis_time = checked(
-                (yield Repeatable(lambda pipe: job_deadline(pipe, keys, self.job_id)))
+            (status, deadline_ms, _), redis_time = checked(
+                (yield Repeatable(lambda pipe: job_look(pipe, keys, self.job_id)))
             )
             self.expires_at = expiry(self.job_id, status, deadline_ms, redis_time)
         try:
@@ -86,6 +106,16 @@ class JobStream:
         if self.end is None:
             raise RuntimeError(f"job {self.job_id!r}: its stream has not ended yet, so it has no result")
         return finished(self.job_id, self.end)
+
+    def take_whole(self, result_json: str) -> list[TokenDelta]:
+        """The output of a job that kept no events (its result JSON), as one delta (none if it has
+        none or the stream resumes after it), and its end."""
+        self.end = result_json
+        result = JobResult.model_validate_json(result_json)
+        if not (result.token_ids or result.text) or entry_order(WHOLE_OUTPUT) <= self.resume_after:
+            return []
+        output = {"text": result.text, "reasoning": result.reasoning, "tool_calls": result.tool_calls}
+        return [TokenDelta(event_id=WHOLE_OUTPUT, token_ids=result.token_ids, logprobs=result.logprobs, **output)]
 
     def take(self, event_id: str, fields: dict[str, str]) -> list[TokenDelta]:
         """The deltas one event adds to the stream: none for a `start` event or for an event at or

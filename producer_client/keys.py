@@ -1,4 +1,4 @@
-"""Every Redis key MILI uses (protocol v1), and nothing else: no other module builds a key.
+"""Every Redis key MILI uses (protocol v2), and nothing else: no other module builds a key.
 
 The part of a key in braces is a Redis Cluster hash tag. All keys of one job share a slot
 (`job`, `events`, `done`), and so do all keys of one queue (`queue`, `dead`, `workers`, and the
@@ -19,7 +19,11 @@ from dataclasses import dataclass
 
 from producer_client.errors import InvalidArgument
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # v2: a job's end leaves its hash trimmed, a short-lived `done` stream, events only where read
+# How long a job's `done` stream outlives the job's end: it wakes the readers blocked on it and
+# those whose read is in flight, and then goes (a one-entry stream costs about 4.4 KB, the hash
+# holds the result until result_ttl_s). A reader that comes later reads the hash.
+DONE_TTL_MS = 5000
 GROUP = "workers"  # the consumer group every worker of a queue reads through
 DEFAULT_PREFIX = "mili"
 
@@ -153,17 +157,22 @@ class Keys:
 
     def job(self, job_id: str) -> str:
         """Hash: status, the claiming worker, its entry and run token, the run that published a
-        start event, tokens so far, cancel, enqueued and streamed flags, and the final result JSON."""
+        start event, tokens so far, deadline, fingerprint, cancel, enqueued, streamed and resumed
+        flags while the job is queued or running. Its end leaves `status`, the final `result` JSON,
+        `tokens`, and `fingerprint` and `cancel` where set, for result_ttl_s (docs/architecture.md)."""
         return f"{self.prefix}:job:{{{job_id}}}"
 
     def events(self, job_id: str) -> str:
-        """Stream of the job's events: start, tokens, end."""
+        """Stream of the job's events: start, tokens, end. After the job's end it is kept (with its
+        `end` event, for result_ttl_s) only where someone streams the job or more than one run
+        published to it; stream() of any other ended job reads the result instead."""
         return f"{self.prefix}:ev:{{{job_id}}}"
 
     def done(self, job_id: str) -> str:
-        """Stream that gets one entry, the job's result, when the job ends. result() blocks on
-        it and wakes once, however many steps the job takes; the event stream wakes per step.
-        Named under the job's key, so an ACL pattern for job keys covers it."""
+        """Stream that gets one entry, the job's result, when the job ends, and expires DONE_TTL_MS
+        later: result() blocks on it and wakes once, however many steps the job takes; a reader
+        that comes later finds the result in the hash. Named under the job's key, so an ACL
+        pattern for job keys covers it."""
         return f"{self.prefix}:job:{{{job_id}}}:done"
 
     def worker(self, name: str) -> str:

@@ -23,7 +23,7 @@ def job_status(job_id: str, fields: dict[str, str], redis_time: tuple[int, int])
     already: no worker will start it (the first to read its entry records that)."""
     if not fields:
         raise JobNotFound(job_id)
-    result = fields.get("result")
+    result = None if "result" not in fields else JobResult.model_validate_json(fields["result"])
     status = fields["status"]
     deadline_ms = fields.get("deadline")
     if status == "queued" and deadline_ms is not None and epoch_ms(redis_time) > int(deadline_ms):
@@ -32,9 +32,10 @@ def job_status(job_id: str, fields: dict[str, str], redis_time: tuple[int, int])
         id=job_id,
         status=status,
         tokens=int(fields.get("tokens", 0)),
-        worker=fields.get("worker"),
+        # An ended job's hash keeps no `worker` (protocol v2): its result names the one that ended it.
+        worker=fields.get("worker") or (result.worker if result else None),
         cancel_requested=fields.get("cancel") == "1",
-        result=None if result is None else JobResult.model_validate_json(result),
+        result=result,
     )
 
 

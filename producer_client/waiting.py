@@ -1,7 +1,9 @@
 """How a client waits on a job's streams: a caller's timeout as a series of bounded blocking
 reads (Deadline), each one XREAD as a step (producer_client.steps), a read that Redis cut short,
 the deadline of a job still queued (JobExpired as soon as it passes: no worker will start it),
-and the end waited for (a result, JobFailed or JobExpired)."""
+and the end waited for (a result, JobFailed or JobExpired). A job's result is in its hash from its
+end on; its `done` stream, which a blocking read wakes on, lives only DONE_TTL_MS after the end
+(producer_client/keys.py), so each blocking read is followed by a look at the hash."""
 
 from __future__ import annotations
 
@@ -43,46 +45,64 @@ UNKNOWN = -1.0  # wait_done's expires_at when the job's deadline is yet to be re
 
 
 def wait_done(keys: Keys, job_id: str, deadline: Deadline, expires_at: float | None = UNKNOWN) -> Steps[str]:
-    """The job's result JSON, from its `done` stream: there at once if the job has ended. A job
-    still queued when its deadline passes raises JobExpired then, not at the caller's timeout.
-    `expires_at`: when the job's deadline passes (monotonic), None if it cannot expire unread;
-    UNKNOWN: read it with a first look at the stream that does not block."""
-    done = keys.done(job_id)
+    """The job's result JSON: there at once if the job has ended, else from its `done` stream when
+    it does. A job still queued when its deadline passes raises JobExpired then, not at the
+    caller's timeout. `expires_at`: when the job's deadline passes (monotonic), None if it cannot
+    expire unread; UNKNOWN: read it with a first look at the job that does not block."""
     if expires_at == UNKNOWN:
-        reply, (status, deadline_ms), redis_time = checked(
-            (yield Repeatable(lambda pipe: (pipe.xread({done: "0-0"}, count=1), *job_deadline(pipe, keys, job_id))))
+        (status, deadline_ms, result), redis_time = checked(
+            (yield Repeatable(lambda pipe: job_look(pipe, keys, job_id)))
         )
-        streams = streams_read(reply)
-        if streams:
-            return streams[0][1][0][1]["data"]
+        if result is not None:
+            return result
         expires_at = expiry(job_id, status, deadline_ms, redis_time)
     while True:
         if expires_at is not None and time.monotonic() >= expires_at:
-            (status, deadline_ms), redis_time = checked(
-                (yield Repeatable(lambda pipe: job_deadline(pipe, keys, job_id)))
+            (status, deadline_ms, result), redis_time = checked(
+                (yield Repeatable(lambda pipe: job_look(pipe, keys, job_id)))
             )
+            if result is not None:
+                return result
             expires_at = expiry(job_id, status, deadline_ms, redis_time)
         try:
-            entries = yield from xread(done, "0-0", 1, deadline, expires_at)
+            result = yield from read_done(keys, job_id, deadline, expires_at)
         except JobTimeout:
             if expires_at is not None:  # the job's deadline may have passed with the caller's
                 yield from expired_at_timeout(keys, job_id)
             raise
-        if entries:
-            return entries[0][1]["data"]
+        if result is not None:
+            return result
+
+
+def read_done(keys: Keys, job_id: str, deadline: Deadline, until: float | None) -> Steps[str | None]:
+    """One blocking XREAD of the job's `done` stream, then the hash's result: the result JSON, or
+    None if the job did not end within the deadline's next block (ending by `until`). The hash is
+    read after the XREAD, in the same round trip: a job that ended before the read began, longer
+    ago than its done stream lives, is found there (the read then blocked for nothing, once)."""
+    block_ms = deadline.block_ms(until)
+    done, job = keys.done(job_id), keys.job(job_id)
+    reply, result = yield Repeatable(
+        lambda pipe: (pipe.xread({done: "0-0"}, count=1, block=block_ms), pipe.hget(job, "result"))
+    )
+    streams = streams_read(reply)
+    if streams:
+        return streams[0][1][0][1]["data"]
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 def expired_at_timeout(keys: Keys, job_id: str) -> Steps[None]:
     """Raises JobExpired if the job, still queued, has passed its deadline by Redis's clock. A
     caller whose timeout is the job's own (the gateway's) reaches both ends within a few
     milliseconds, in either order on this process's clock: the job's end is the answer."""
-    (status, deadline_ms), redis_time = checked((yield Repeatable(lambda pipe: job_deadline(pipe, keys, job_id))))
+    (status, deadline_ms, _), redis_time = checked((yield Repeatable(lambda pipe: job_look(pipe, keys, job_id))))
     expiry(job_id, status, deadline_ms, redis_time)
 
 
-def job_deadline(pipe, keys: Keys, job_id: str) -> tuple:
-    """The job's status and deadline (one HMGET), and Redis's clock, for `expiry`."""
-    return pipe.hmget(keys.job(job_id), "status", "deadline"), pipe.time()
+def job_look(pipe, keys: Keys, job_id: str) -> tuple:
+    """The job's status, deadline and result (one HMGET), and Redis's clock, for `expiry`."""
+    return pipe.hmget(keys.job(job_id), "status", "deadline", "result"), pipe.time()
 
 
 def expiry(job_id: str, status: str | None, deadline_ms: str | None, redis_time: tuple[int, int]) -> float | None:

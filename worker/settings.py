@@ -53,7 +53,11 @@ class WorkerSettings(TomlSettings):
     heartbeat_ttl_s: float = Field(
         5.0, gt=0.0, description="the worker counts as dead this long after its last heartbeat"
     )
-    result_ttl_s: int = Field(3600, ge=1, description="a job's hash and event stream expire this long after it ends")
+    result_ttl_s: int = Field(
+        3600,
+        ge=1,
+        description="a job's hash (its result) and, where kept, its event stream expire this long after it ends",
+    )
     drain_grace_s: float = Field(30.0, ge=0.0, description="on SIGTERM, running jobs get this long to finish")
     claim_idle_ms: int = Field(
         15000,

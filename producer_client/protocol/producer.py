@@ -1,4 +1,4 @@
-"""The Lua scripts of protocol v1 that producers run, and their call builders.
+"""The Lua scripts of protocol v2 that producers run, and their call builders.
 
 Each script touches the keys of one job only (its hash, event stream and done stream) or of one
 queue only (its stream and dead-letter stream): they share a hash tag, so every script is atomic
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from producer_client.keys import DEFAULT_LANE, LANES, NO_TENANT, PROTOCOL_VERSION, Keys
 from producer_client.protocol.lanes import LUA_ACTIVATE, LUA_UNREAD
-from producer_client.protocol.script import Script, ScriptCall, job_keys
+from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_keys
 
 # -- a job's keys ---------------------------------------------------------------------------------
 
@@ -82,17 +82,19 @@ return created
 )
 
 # KEYS: job, events, done. ARGV: result JSON of a cancelled job. Returns the status before the
-# call, or nil if there is no such job. A queued job ends here and now; a running one
-# gets the flag its worker reads every step.
+# call, or nil if there is no such job. A queued job ends here and now (END_JOB; its hash gets the
+# result TTL when a worker claims its entry, since a producer does not know result_ttl_s); a running
+# one gets the flag its worker reads every step.
 CANCEL = Script(
     "cancel",
-    """
-local status = redis.call('HGET', KEYS[1], 'status')
+    END_JOB
+    + """
+local status, tokens, fingerprint, streamed, resumed = unpack(
+  redis.call('HMGET', KEYS[1], 'status', 'tokens', 'fingerprint', 'streamed', 'resumed'))
 if not status then return false end
 if status == 'queued' then
-  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'cancel', '1', 'result', ARGV[1])
-  redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[1])
-  redis.call('XADD', KEYS[3], '*', 'data', ARGV[1])
+  local kept = {{'tokens', tokens}, {'fingerprint', fingerprint}, {'cancel', '1'}}
+  end_job('cancelled', ARGV[1], kept, streamed == '1' or resumed == '1', '')
 elseif status == 'running' then
   redis.call('HSET', KEYS[1], 'cancel', '1')
 end

@@ -1,5 +1,6 @@
-"""A Lua script of protocol v1 and one call of it: the call carries its keys and arguments in the
-order the script reads them, so a caller never counts keys or lines up ARGV itself."""
+"""A Lua script of the protocol and one call of it: the call carries its keys and arguments in the
+order the script reads them, so a caller never counts keys or lines up ARGV itself. Beside them,
+END_JOB, the Lua of a job's end that the scripts ending a job share."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from producer_client.keys import Keys
+from producer_client.keys import DONE_TTL_MS, Keys
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,46 @@ class ScriptCall:
     def add_to(self, pipe) -> None:
         """Add the call to a pipeline (or the commands `execution.execute` records)."""
         pipe.evalsha(self.script.sha, len(self.keys), *self.keys, *self.args)
+
+
+# Prepended to the scripts that end a job (KEYS: job, events, done), after every check of theirs.
+# A job's end writes what its guarantees need after it, and nothing else (docs/architecture.md,
+# "What a job keeps"):
+# - the hash is rewritten with `status`, the `result` JSON and the `kept` fields ({name, value}
+#   pairs, a nil value left out): `tokens` (what the runs recorded), `fingerprint` (a later submit
+#   of the same request_id is checked against it) and `cancel` (status() says a cancel was asked):
+#   the result is read there until `ttl`. The run token goes: past the end, the result itself
+#   tells a retried final PUBLISH of the ending run from another run's (PUBLISH);
+# - the `done` stream gets the result, and expires DONE_TTL_MS later: the readers blocked on it
+#   wake, and those whose read is in flight find it; the hash serves any reader after that;
+# - the event stream, where `keep` (someone streams the job: its `stream` option or a reader's
+#   FOLLOW; or more than one run published to it: its trail), gets the `end` event and the TTL;
+#   any other job's goes, stream() reading the result instead.
+# `ttl`: '' for none (a producer's end: the worker's claim of the job's entry sets it).
+END_JOB = f"""
+local function end_job(status, result, kept, keep, ttl)
+  local hash = {{'HSET', KEYS[1], 'status', status, 'result', result}}
+  for _, field in ipairs(kept) do
+    if field[2] then
+      table.insert(hash, field[1])
+      table.insert(hash, field[2])
+    end
+  end
+  redis.call('DEL', KEYS[1])
+  redis.call(unpack(hash))
+  redis.call('XADD', KEYS[3], '*', 'data', result)
+  redis.call('PEXPIRE', KEYS[3], {DONE_TTL_MS})
+  if keep then
+    redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', result)
+  else
+    redis.call('DEL', KEYS[2])
+  end
+  if ttl ~= '' then
+    redis.call('EXPIRE', KEYS[1], ttl)
+    if keep then redis.call('EXPIRE', KEYS[2], ttl) end
+  end
+end
+"""
 
 
 def job_keys(keys: Keys, job_id: str) -> tuple[str, str, str]:

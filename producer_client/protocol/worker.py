@@ -1,4 +1,4 @@
-"""The Lua scripts of protocol v1 that only workers run. Like the producers' (producer_client/
+"""The Lua scripts of protocol v2 that only workers run. Like the producers' (producer_client/
 protocol/producer.py), each touches the keys of one job only or of one queue only,
 so every script is atomic and Redis Cluster-safe. A job's status moves on through them:
 
@@ -17,8 +17,10 @@ Event stream entries have two fields: `type` (start | tokens | end) and `data` (
 publishes a job's output in pieces (worker/loop/pace.py): one PUBLISH call carries the tokens of every
 engine step since the last, so a reader blocked on the stream wakes once per piece, not once per
 token or step; a streamed job's piece is at most stream_interval_s old, any other job's at most
-checkpoint_interval_s. The job's end also adds its result, the one entry it will ever have, to its
-`done` stream: a reader that wants only the result blocks there and wakes once.
+checkpoint_interval_s. The job's end (END_JOB) writes its result into its hash and into its `done`
+stream, which a reader that wants only the result blocks on, and wakes once; then the done stream
+goes within seconds, and the event stream at once unless someone streams the job or more than one
+run published to it (the `resumed` flag): what a finished job keeps is its hash.
 
 Every script is safe to run twice, because a call whose reply was lost (the connection broke
 after Redis ran it) is retried: PUBLISH adds tokens only if the job's token count is still the
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 from producer_client.keys import GROUP, LANES, LUA_STREAM_OF, Keys
 from producer_client.protocol.lanes import CREDIT_EVERY, DOORBELL_MAXLEN, LUA_LANES
-from producer_client.protocol.script import Script, ScriptCall, job_keys
+from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_keys
 
 # -- a job's keys ---------------------------------------------------------------------------------
 
@@ -57,7 +59,9 @@ end
 # resume it), {'final'} (it has a result already: drop the entry) or {'duplicate'} (another entry
 # with the same job id is running it: drop this one). A missing hash is claimed too: a raw XADD
 # bypasses the client that would create it. Claiming the entry a job is running under again is a
-# reclaim: it starts a new run, and the old run's worker can publish nothing more.
+# reclaim: it starts a new run, and the old run's worker can publish nothing more. A job that ended
+# gets the result TTL on its hash and kept events (a job a producer cancelled has none until
+# then); its done stream keeps its own, DONE_TTL_MS.
 CLAIM = Script(
     "claim",
     JOB_KEY_TYPES
@@ -67,7 +71,8 @@ if refused then return refused end
 local result, status, entry, tokens, deadline = unpack(
   redis.call('HMGET', KEYS[1], 'result', 'status', 'entry', 'tokens', 'deadline'))
 if result then
-  for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[3]) end
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
   return {'final'}
 end
 if status == 'running' and entry ~= ARGV[2] then
@@ -80,12 +85,14 @@ return {'claimed', tonumber(tokens or '0')}
 )
 
 # KEYS: job, events, done. ARGV: run token, start JSON, tokens JSON, tokens before them, tokens
-# after them, final status, result JSON, result TTL seconds; '' for what the step does not have.
+# after them, final status, result JSON, result TTL seconds, '1' if the run streams the job (its
+# `stream` option, or a FOLLOW the run saw); '' for what the step does not have.
 # Returns one of:
 #   'gone'     Redis has no hash of the job: it lost it (see ADOPT).
 #   'ended'    the job has a result from elsewhere (a second finisher): nothing changes, not even
 #              the event stream. This very result, written by this run (a call whose reply was
-#              lost), answers 'written' again instead.
+#              lost), answers 'written' again instead: the same JSON, which names the run's worker
+#              and times to the microsecond (an ended job's hash keeps no run token, END_JOB).
 #   'lost'     another run holds the job, or the recorded tokens are neither those the update
 #              follows nor those it ends with (this run's view and Redis's differ): nothing
 #              changes. Recorded tokens equal to those the update ends with mean this very update
@@ -93,15 +100,18 @@ return {'claimed', tonumber(tokens or '0')}
 #   'written'  the result is written.
 #   else 'cancel' (its cancel flag is up), 'followed' (its streamed flag is up: a reader follows
 #   it, see FOLLOW) or 'ok'.
+# A run that publishes after another run did raises the job's `resumed` flag. The final step writes
+# its events only where the end keeps them (END_JOB): any other job's would go at once.
 PUBLISH = Script(
     "publish",
     JOB_KEY_TYPES
+    + END_JOB
     + """
-local status, result, run, recorded, started, cancel, streamed = unpack(
-  redis.call('HMGET', KEYS[1], 'status', 'result', 'run', 'tokens', 'started', 'cancel', 'streamed'))
+local status, result, run, recorded, started, cancel, streamed, resumed, fingerprint = unpack(redis.call('HMGET',
+  KEYS[1], 'status', 'result', 'run', 'tokens', 'started', 'cancel', 'streamed', 'resumed', 'fingerprint'))
 if not status then return 'gone' end  -- every job's hash has a status: this one has no hash
 if result then
-  if run == ARGV[1] and result == ARGV[7] then return 'written' end
+  if result == ARGV[7] then return 'written' end
   return 'ended'
 end
 if run ~= ARGV[1] then return 'lost' end
@@ -117,26 +127,30 @@ if ARGV[6] ~= '' then
   if refused then return refused end
 end
 local hset = {'HSET', KEYS[1], 'tokens', ARGV[5]}
+if started and started ~= ARGV[1] and resumed ~= '1' then
+  resumed = '1'
+  table.insert(hset, 'resumed')
+  table.insert(hset, '1')
+end
+local final = ARGV[6] ~= ''
+local keep = not final or streamed == '1' or ARGV[9] == '1' or resumed == '1'
 if ARGV[2] ~= '' and started ~= ARGV[1] then
-  redis.call('XADD', KEYS[2], '*', 'type', 'start', 'data', ARGV[2])
+  if keep then redis.call('XADD', KEYS[2], '*', 'type', 'start', 'data', ARGV[2]) end
   table.insert(hset, 'started')
   table.insert(hset, ARGV[1])
 end
-if ARGV[3] ~= '' and recorded == ARGV[4] then
+if keep and ARGV[3] ~= '' and recorded == ARGV[4] then
   redis.call('XADD', KEYS[2], '*', 'type', 'tokens', 'data', ARGV[3])
 end
-if ARGV[6] == '' then
-  redis.call(unpack(hset))
-  if cancel == '1' then return 'cancel' end
-  if streamed == '1' then return 'followed' end
-  return 'ok'
+if final then
+  local kept = {{'tokens', ARGV[5]}, {'fingerprint', fingerprint}, {'cancel', cancel}}
+  end_job(ARGV[6], ARGV[7], kept, keep, ARGV[8])
+  return 'written'
 end
-for _, field in ipairs({'status', ARGV[6], 'result', ARGV[7]}) do table.insert(hset, field) end
 redis.call(unpack(hset))
-redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[7])
-redis.call('XADD', KEYS[3], '*', 'data', ARGV[7])
-for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[8]) end
-return 'written'
+if cancel == '1' then return 'cancel' end
+if streamed == '1' then return 'followed' end
+return 'ok'
 """,
 )
 
@@ -180,18 +194,19 @@ return 1
 # another type, a field no script can read), so no run can go on with it. A key of another type
 # than the protocol's is deleted first, so that the failure can be written and read as any
 # result. Returns 'failed', or 'ended' (changing nothing but those keys) if the job has a result.
+# A failed job keeps whatever events its runs published (END_JOB): the trail of what failed.
 FAIL = Script(
     "fail",
-    """
+    END_JOB
+    + """
 for i, kind in ipairs({'hash', 'stream', 'stream'}) do
   local found = redis.call('TYPE', KEYS[i]).ok
   if found ~= 'none' and found ~= kind then redis.call('DEL', KEYS[i]) end
 end
-if redis.call('HEXISTS', KEYS[1], 'result') == 1 then return 'ended' end
-redis.call('HSET', KEYS[1], 'status', 'failed', 'result', ARGV[1], 'tokens', ARGV[2])
-redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', ARGV[1])
-redis.call('XADD', KEYS[3], '*', 'data', ARGV[1])
-for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ARGV[3]) end
+local result, fingerprint, cancel = unpack(redis.call('HMGET', KEYS[1], 'result', 'fingerprint', 'cancel'))
+if result then return 'ended' end
+local kept = {{'tokens', ARGV[2]}, {'fingerprint', fingerprint}, {'cancel', cancel}}
+end_job('failed', ARGV[1], kept, redis.call('EXISTS', KEYS[2]) == 1, ARGV[3])
 return 'failed'
 """,
 )
@@ -678,9 +693,11 @@ def publish(
     status: str,
     result_json: str,
     result_ttl_s: int,
+    streamed: bool = False,
 ) -> ScriptCall:
-    """PUBLISH of one update; '' for what it does not have (no start, no tokens, no final result)."""
-    args = (run, start, tokens, tokens_before, tokens_after, status, result_json, result_ttl_s)
+    """PUBLISH of one update; '' for what it does not have (no start, no tokens, no final result).
+    `streamed`: the run streams the job, whose end then keeps its events."""
+    args = (run, start, tokens, tokens_before, tokens_after, status, result_json, result_ttl_s, "1" if streamed else "")
     return ScriptCall(PUBLISH, job_keys(keys, job_id), args)
 
 

@@ -35,7 +35,7 @@ from producer_client import Client
 from producer_client.errors import JobNotFound, JobTimeout, MiliError
 from producer_client.keys import GROUP, Keys
 from producer_client.schema import JobResult
-from tests.support.jobs import assert_one_final_result
+from tests.support.jobs import assert_one_final_result, has_ended
 from tests.support.workers import echo_workers
 
 pytestmark = pytest.mark.waits
@@ -180,14 +180,14 @@ def run_through(url: str, queue: str, wait_replicas: int, fault: Callable[[], No
             drained = eventually(lambda: all(admin.xlen(s) == 0 for s in streams), timeout=DRAIN_TIMEOUT_S)
             assert drained, "\n".join(w.log()[-3000:] for w in workers)
             assert [pending(admin, s) for s in streams] == [0] * len(streams)
-            consumer.lost.update(job_id for job_id in producer.acknowledged if not admin.exists(KEYS.done(job_id)))
+            consumer.lost.update(job_id for job_id in producer.acknowledged if not has_ended(admin, job_id))
         finally:
             for thread in threads:
                 thread.join(timeout=60)
     assert consumer.error is None, "".join(traceback.format_exception(consumer.error))
     assert not any(thread.is_alive() for thread in threads)
     for job_id in [*producer.acknowledged, *producer.refused]:
-        if admin.exists(KEYS.done(job_id)):
+        if has_ended(admin, job_id):
             assert_one_final_result(admin, job_id)
     assert sorted(consumer.results) == sorted(set(producer.acknowledged) - consumer.lost)
     for job_id, result in consumer.results.items():

@@ -13,7 +13,7 @@ import redis
 
 from harness.polling import eventually
 from producer_client import JobFailed
-from producer_client.keys import Keys
+from producer_client.keys import PROTOCOL_VERSION, Keys
 from tests.support.clients import make_client
 from tests.support.jobs import queue_depth
 from tests.support.workers import WorkerProcess, start_workers
@@ -99,32 +99,64 @@ def bad_entries(rng: random.Random):
         b'{"prompt": "caf\xc3"}',
     ]
     makers = [
-        lambda: ({"v": "1", "body": ok}, "invalid_body", None),  # no id
+        lambda: ({"v": str(PROTOCOL_VERSION), "body": ok}, "invalid_body", None),  # no id
         lambda: (
             {
                 "id": rng.choice(["", "a b", "{x}", "x" * 129, "-lead", "caf\xe9".encode("latin-1")]),
-                "v": "1",
+                "v": str(PROTOCOL_VERSION),
                 "body": ok,
             },
             "invalid_body",
             None,
         ),
-        lambda: ({"v": rng.choice(["2", "0", "abc", "", "1.0", b"\xff"]), "body": ok}, "unsupported_version", "id"),
+        lambda: (
+            {"v": rng.choice(["1", "3", "0", "abc", "", "1.0", b"\xff"]), "body": ok},
+            "unsupported_version",
+            "id",
+        ),
         lambda: ({"body": ok}, "unsupported_version", "id"),  # no version
-        lambda: ({"v": "1", "body": ok, rng.choice(["priority", "x", "bodyy"]): "1"}, "invalid_body", "id"),
-        lambda: ({"v": "1"}, "invalid_body", "id"),  # no body
-        lambda: ({"v": "1", "body": rng.choice(malformed)}, "invalid_body", "id"),
-        lambda: ({"v": "1", "body": body(prompt="x" * MAX_BODY_BYTES)}, "body_too_large", "id"),
-        lambda: ({"v": "1", "body": body(**rng.choice(wrong_types))}, "invalid_argument", "id"),
-        lambda: ({"v": "1", "body": b'{"prompt": "a", "params": {"temperature": NaN}}'}, "invalid_argument", "id"),
-        lambda: ({"v": "1", "body": body(prompt="a", params=rng.choice(out_of_range))}, "invalid_argument", "id"),
-        lambda: ({"v": "1", "body": body(prompt="a", priority=rng.choice([-1001, 1001]))}, "invalid_argument", "id"),
-        lambda: ({"v": "1", "body": body(prompt="a", timeout_s=rng.choice([0, -5, 1e9]))}, "invalid_argument", "id"),
-        lambda: ({"v": "1", "body": body(**rng.choice(unknown_fields))}, "invalid_argument", "id"),
-        lambda: ({"v": "1", "body": body(**rng.choice(exactly_one))}, "invalid_argument", "id"),
-        lambda: ({"v": "1", "body": body(input_ids=[rng.choice([256, 10**6, 2**70])])}, "invalid_argument", "id"),
-        lambda: ({"v": "1", "body": body(input_ids=[1, -1])}, "invalid_argument", "id"),
-        lambda: ({"v": "1", "body": body(prompt="p" * rng.randint(MAX_MODEL_LEN, 500))}, "prompt_too_long", "id"),
+        lambda: (
+            {"v": str(PROTOCOL_VERSION), "body": ok, rng.choice(["priority", "x", "bodyy"]): "1"},
+            "invalid_body",
+            "id",
+        ),
+        lambda: ({"v": str(PROTOCOL_VERSION)}, "invalid_body", "id"),  # no body
+        lambda: ({"v": str(PROTOCOL_VERSION), "body": rng.choice(malformed)}, "invalid_body", "id"),
+        lambda: ({"v": str(PROTOCOL_VERSION), "body": body(prompt="x" * MAX_BODY_BYTES)}, "body_too_large", "id"),
+        lambda: ({"v": str(PROTOCOL_VERSION), "body": body(**rng.choice(wrong_types))}, "invalid_argument", "id"),
+        lambda: (
+            {"v": str(PROTOCOL_VERSION), "body": b'{"prompt": "a", "params": {"temperature": NaN}}'},
+            "invalid_argument",
+            "id",
+        ),
+        lambda: (
+            {"v": str(PROTOCOL_VERSION), "body": body(prompt="a", params=rng.choice(out_of_range))},
+            "invalid_argument",
+            "id",
+        ),
+        lambda: (
+            {"v": str(PROTOCOL_VERSION), "body": body(prompt="a", priority=rng.choice([-1001, 1001]))},
+            "invalid_argument",
+            "id",
+        ),
+        lambda: (
+            {"v": str(PROTOCOL_VERSION), "body": body(prompt="a", timeout_s=rng.choice([0, -5, 1e9]))},
+            "invalid_argument",
+            "id",
+        ),
+        lambda: ({"v": str(PROTOCOL_VERSION), "body": body(**rng.choice(unknown_fields))}, "invalid_argument", "id"),
+        lambda: ({"v": str(PROTOCOL_VERSION), "body": body(**rng.choice(exactly_one))}, "invalid_argument", "id"),
+        lambda: (
+            {"v": str(PROTOCOL_VERSION), "body": body(input_ids=[rng.choice([256, 10**6, 2**70])])},
+            "invalid_argument",
+            "id",
+        ),
+        lambda: ({"v": str(PROTOCOL_VERSION), "body": body(input_ids=[1, -1])}, "invalid_argument", "id"),
+        lambda: (
+            {"v": str(PROTOCOL_VERSION), "body": body(prompt="p" * rng.randint(MAX_MODEL_LEN, 500))},
+            "prompt_too_long",
+            "id",
+        ),
     ]
     while True:
         fields, code, needs_id = rng.choice(makers)()

@@ -14,7 +14,7 @@ import redis
 
 from harness.polling import eventually
 from producer_client import Client, IdempotencyConflict
-from producer_client.keys import GROUP, Keys
+from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.placement import Placed
 from producer_client.protocol.execution import execute
 from producer_client.protocol.producer import LaneJob, enqueue_lanes
@@ -68,7 +68,7 @@ def test_the_producer_user_can_do_what_the_client_does(acl_redis, acl_worker):
 def test_the_producer_user_cannot_act_as_a_worker(acl_redis, acl_worker):
     producer = redis.Redis.from_url(acl_redis["producer"], decode_responses=True)
     stream = Keys().queue("default")
-    entry = producer.xadd(stream, {"id": "raw", "v": "1", "body": "{}"})
+    entry = producer.xadd(stream, {"id": "raw", "v": str(PROTOCOL_VERSION), "body": "{}"})
     forbidden = [
         lambda: producer.xreadgroup(GROUP, "intruder", {stream: ">"}, count=1),
         lambda: producer.xack(stream, GROUP, entry),

@@ -15,7 +15,7 @@ import pytest
 
 from harness.polling import eventually
 from producer_client import Client, JobFailed
-from producer_client.keys import Keys
+from producer_client.keys import PROTOCOL_VERSION, Keys
 from producer_client.logs import OneLineFormatter
 from tests.support.gateways import GatewayProcess
 from tests.support.workers import WorkerProcess
@@ -69,7 +69,7 @@ def test_the_worker_logs_a_producers_hostile_field_names_on_one_line(redis_serve
     try:
         job_id = f"logs-{uuid.uuid4().hex}"
         body = json.dumps({"prompt": "x", "params": {"max_tokens": 2}})
-        redis_client.xadd(Keys().queue(queue), {"id": job_id, "v": "1", "body": body, HOSTILE: "1"})
+        redis_client.xadd(Keys().queue(queue), {"id": job_id, "v": str(PROTOCOL_VERSION), "body": body, HOSTILE: "1"})
         assert eventually(lambda: redis_client.exists(Keys().job(job_id)), timeout=30)
         with Client(redis_server.url, queue) as client, pytest.raises(JobFailed):
             client.result(job_id, timeout=30)

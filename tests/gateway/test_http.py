@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.metrics import read_backlogs
 from harness.polling import eventually
 from producer_client import AsyncClient, Client
-from producer_client.keys import Keys
+from producer_client.keys import PROTOCOL_VERSION, Keys
 from tests.gateway.support import ECHO_QUEUE
 from tests.support.jobs import job_ids_in_queue
 
@@ -95,7 +95,9 @@ def test_metrics_count_every_queues_backlog_over_its_lanes_and_its_workers_strea
         client.submit("plain", max_tokens=1)
         client.as_tenant("ta").submit_many([{"prompt": "flex", "service_tier": "flex"}] * 2)
     redis_client.zadd(keys.workers(queue), {"w1": time.time()})
-    redis_client.xadd(keys.own_queue(queue, "w1"), {"id": "placed-1", "v": "1", "body": "{}", "cost": "9"})
+    redis_client.xadd(
+        keys.own_queue(queue, "w1"), {"id": "placed-1", "v": str(PROTOCOL_VERSION), "body": "{}", "cost": "9"}
+    )
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(httpx.get(f"{gateway.url}/metrics").text)

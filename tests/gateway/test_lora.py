@@ -18,7 +18,7 @@ from gateway.registry import Route, RouteTable
 from harness.polling import eventually
 from producer_client import Client, JobFailed, WorkerInfo
 from producer_client.errors import UnknownAdapter
-from producer_client.keys import Keys
+from producer_client.keys import PROTOCOL_VERSION, Keys
 from tests.gateway.support import LORA_ADAPTERS, TINY_QUEUE
 
 PROMPT = [9707, 1879, 11, 1246, 525, 498]  # token ids, so that both sides see the same prompt
@@ -148,7 +148,9 @@ def test_a_job_whose_adapter_only_the_worker_finds_unknown_fails_with_the_code(
 ):
     job_id = f"raw-{uuid.uuid4().hex}"
     body = json.dumps({"input_ids": PROMPT, "adapter": "tiny-nope", "params": {"max_tokens": 2}})
-    redis_client.xadd(Keys().queue(TINY_QUEUE), {"id": job_id, "v": "1", "body": body})  # past the client's check
+    redis_client.xadd(
+        Keys().queue(TINY_QUEUE), {"id": job_id, "v": str(PROTOCOL_VERSION), "body": body}
+    )  # past the client's check
     assert eventually(lambda: redis_client.exists(Keys().job(job_id)), timeout=60)
     with Client(redis_server.url, TINY_QUEUE) as client:
         with pytest.raises(JobFailed) as e:

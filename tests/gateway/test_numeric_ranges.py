@@ -14,7 +14,7 @@ import pytest
 
 from harness.polling import eventually
 from producer_client import Client, InvalidArgument, JobFailed
-from producer_client.keys import Keys
+from producer_client.keys import PROTOCOL_VERSION, Keys
 from tests.gateway.support import ECHO_QUEUE
 from tests.support.jobs import job_count
 
@@ -65,7 +65,7 @@ def test_the_worker_fails_a_hand_written_entry_and_serves_on(redis_server, redis
         for sampling, field in OUT_OF_RANGE:
             job_id = f"range-{uuid.uuid4().hex}"
             body = json.dumps({"prompt": "x", "params": {"max_tokens": 4, **sampling}})
-            redis_client.xadd(Keys().queue(ECHO_QUEUE), {"id": job_id, "v": "1", "body": body})
+            redis_client.xadd(Keys().queue(ECHO_QUEUE), {"id": job_id, "v": str(PROTOCOL_VERSION), "body": body})
             bad[job_id] = field
         for job_id, field in bad.items():
             assert eventually(lambda: redis_client.exists(Keys().job(job_id)), timeout=30)  # noqa: B023 (no client created it)

@@ -3,6 +3,7 @@ backpressure, status, cancel of a queued job, a submit stopped mid-enqueue. Ever
 Client and AsyncClient (a stopped submit is stopped each one's way: Ctrl-C, a task's cancel)."""
 
 import asyncio
+import json
 import signal
 import threading
 import time
@@ -24,8 +25,12 @@ from producer_client import (
     job_stream,
     waiting,
 )
-from producer_client.keys import GROUP, Keys
+from producer_client.bulk import ResultWatch
+from producer_client.keys import DONE_TTL_MS, GROUP, Keys
 from producer_client.protocol import execution
+from producer_client.protocol import worker as worker_scripts
+from producer_client.protocol.script import add_all
+from producer_client.schema import JobResult
 from producer_client.steps import run as run_steps
 from tests.support.clients import make_client
 from worker.embedded_redis import EmbeddedRedis, free_port
@@ -336,6 +341,70 @@ def test_cancelling_a_queued_job_ends_it_at_once(client):
     assert (result.status, result.finish_reason, result.text, result.token_ids) == ("cancelled", "abort", "", [])
     assert list(client.stream(job_id, timeout=1)) == []
     assert client.cancel(job_id).status == "cancelled"  # a second cancel changes nothing
+
+
+def end_as_a_worker(redis_client, job_id: str, text: str) -> JobResult:
+    """The job claimed and ended in one final PUBLISH, as a worker whose job ends within its first
+    checkpoint interval does: one run, nobody streaming it. Returns the result written."""
+    keys = Keys()
+    result = JobResult(id=job_id, status="done", text=text, token_ids=list(text.encode()), finish_reason="stop")
+    tokens = json.dumps({"ids": result.token_ids, "text": text})
+    calls = [
+        worker_scripts.claim(keys, job_id, "w1", "1-0", 60, "r1"),
+        worker_scripts.publish(keys, job_id, "r1", "{}", tokens, 0, len(text), "done", result.model_dump_json(), 60),
+    ]
+    assert execution.execute(redis_client, add_all(calls), worker_scripts.WORKER_SCRIPTS) == [["claimed", 0], "written"]
+    return result
+
+
+def test_a_job_ended_before_its_reader_came_is_read_from_its_hash(client, redis_client):
+    # Protocol v2: a finished job keeps its hash; its done stream goes DONE_TTL_MS after the end (as
+    # its deletion here), and its events went at the end (one run, nobody streaming it).
+    ended = {
+        job_id: end_as_a_worker(redis_client, job_id, f"out{i}")
+        for i, job_id in enumerate(client.submit(f"p{i}", max_tokens=4) for i in range(3))
+    }
+    cancelled = client.submit("c", max_tokens=4)
+    client.cancel(cancelled)
+    ids = [*ended, cancelled]
+    redis_client.delete(*(Keys().done(job_id) for job_id in ids))
+    assert not redis_client.exists(*(Keys().events(job_id) for job_id in ids))
+    for job_id, result in ended.items():
+        assert client.result(job_id, timeout=1) == result
+        assert client.wait(job_id, timeout=1) == result
+        (delta,) = list(client.stream(job_id, timeout=1))
+        assert (delta.event_id, delta.token_ids, delta.text) == (job_stream.WHOLE_OUTPUT, result.token_ids, result.text)
+        assert list(client.stream(job_id, after=delta.event_id, timeout=1)) == []
+        assert client.status(job_id).status == "done"
+    assert [r.id for r in client.results(ids, timeout=1)] == ids
+    assert {r.id: r.status for r in client.as_completed(ids, timeout=1)} == {
+        **dict.fromkeys(ended, "done"),
+        cancelled: "cancelled",
+    }
+    assert list(client.stream(cancelled, timeout=1)) == []
+
+
+def test_a_wait_that_misses_the_done_stream_reads_the_result_from_the_hash_after_its_block(redis_client):
+    # A waiter whose first look preceded the job's end, and whose blocking read began after the done
+    # stream went (a reader stalled for longer than DONE_TTL_MS between the two): its read blocks
+    # once, for nothing, and the look at the hash that follows it in the same round trip finds it
+    # before the caller's time is up.
+    job_id = uuid.uuid4().hex
+    result = end_as_a_worker(redis_client, job_id, "out")
+    redis_client.delete(Keys().done(job_id))
+    found = run_steps(redis_client, waiting.wait_done(Keys(), job_id, waiting.Deadline(job_id, 0.5), None))
+    assert JobResult.model_validate_json(found) == result
+
+
+def test_a_watch_left_unread_past_the_done_streams_life_finds_its_jobs_in_their_hashes(client, redis_client):
+    ids = [client.submit(f"p{i}", max_tokens=4) for i in range(4)]
+    watch = ResultWatch(Keys(), ids)
+    assert client.finished(watch, timeout=0.2) == []  # read once: none has ended
+    results = [end_as_a_worker(redis_client, job_id, f"out{i}") for i, job_id in enumerate(ids)]
+    redis_client.delete(*(Keys().done(job_id) for job_id in ids))  # gone before the watch reads again
+    watch.read_at -= DONE_TTL_MS / 1000  # the caller came back after longer than the streams live
+    assert client.finished(watch, timeout=1) == results
+    assert len(watch) == 0
 
 
 def test_queue_stats_count_waiting_and_pending_entries(client, redis_client, queue):

@@ -17,7 +17,7 @@ import redis
 from producer_client import JobFailed, JobTimeout
 from producer_client.dead_letters import DeadLetterNotFound, NotRetryable
 from producer_client.errors import InvalidArgument
-from producer_client.keys import GROUP, Keys
+from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.protocol.clock import entry_time
 from producer_client.protocol.execution import execute
 from producer_client.protocol.producer import RETRY
@@ -289,7 +289,7 @@ def test_bad_arguments_raise_before_anything_changes(client, redis_client, queue
 
 
 def test_a_letter_without_a_job_id_is_not_retried(client, redis_client, queue):
-    redis_client.xadd(KEYS.dead(queue), {"v": "1", "body": "{}", "reason": "raw XADD without an id"})
+    redis_client.xadd(KEYS.dead(queue), {"v": str(PROTOCOL_VERSION), "body": "{}", "reason": "raw XADD without an id"})
     (outcome,) = settle(client, client.dead_letters.retry_all())
     assert (outcome.outcome, outcome.reason) == ("refused", f"dead letter {outcome.letter_id} has no usable job id")
     assert redis_client.xlen(KEYS.queue(queue)) == 0

@@ -5,6 +5,7 @@ acknowledges its entry, a dead-lettered job's entry goes to the dead-letter stre
 
 import pytest
 
+from producer_client.keys import PROTOCOL_VERSION
 from producer_client.schema import JobRequest
 from worker.loop.holdings import Holdings
 from worker.loop.intake import Delivery
@@ -35,7 +36,7 @@ def result(job_id: str = "j1"):
 
 
 def delivery(entry_id: str = "1-0", job_id: str = "j1") -> Delivery:
-    return Delivery(entry_id, {"id": job_id, "v": "1", "body": "{}"})
+    return Delivery(entry_id, {"id": job_id, "v": str(PROTOCOL_VERSION), "body": "{}"})
 
 
 def test_a_run_ends_once_and_its_written_result_acknowledges_its_entry():

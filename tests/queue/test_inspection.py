@@ -10,7 +10,7 @@ import pytest
 
 from producer_client import Client
 from producer_client.errors import InvalidArgument
-from producer_client.keys import GROUP, Keys
+from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from tests.queue.test_dead_letters import make_poison, settle, take
 from tests.support.fixtures import on_modes
 from worker.loop.queue import WorkerQueue
@@ -80,7 +80,9 @@ def place(redis_client, queue: str, worker: str, job_id: str, **route: str) -> s
     """An entry on `worker`'s own stream, with the fields a placing producer writes (its lane and
     tenant ride in them), the worker named in the queue's index, as its heartbeat names it."""
     redis_client.zadd(KEYS.workers(queue), {worker: time.time()})
-    return redis_client.xadd(KEYS.own_queue(queue, worker), {"id": job_id, "v": "1", "body": "{}", **route})
+    return redis_client.xadd(
+        KEYS.own_queue(queue, worker), {"id": job_id, "v": str(PROTOCOL_VERSION), "body": "{}", **route}
+    )
 
 
 @pytest.mark.timing

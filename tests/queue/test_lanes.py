@@ -295,13 +295,16 @@ def test_reclaim_says_which_lane_entries_a_drain_handed_over(redis_client, queue
 
 def test_a_revived_dead_letter_returns_to_its_lane_and_wakes_it(redis_client, queue):
     dead = KEYS.dead(queue)
-    letter = redis_client.xadd(dead, {"id": "j1", "v": "1", "body": "{}"})
-    call(redis_client, producer.revive(KEYS, queue, letter, "j1", "1", "{}", "flex", "a", "120"))
+    letter = redis_client.xadd(dead, {"id": "j1", "v": str(PROTOCOL_VERSION), "body": "{}"})
+    call(redis_client, producer.revive(KEYS, queue, letter, "j1", str(PROTOCOL_VERSION), "{}", "flex", "a", "120"))
     assert redis_client.xlen(dead) == 0
     [(_, fields)] = redis_client.xrange(KEYS.lane_stream(queue, "flex", "a"))
-    assert fields == {"id": "j1", "v": "1", "body": "{}", "cost": "120"}
+    assert fields == {"id": "j1", "v": str(PROTOCOL_VERSION), "body": "{}", "cost": "120"}
     assert read(redis_client, queue) == [("flex", "a", 1)]
-    assert call(redis_client, producer.revive(KEYS, queue, letter, "j1", "1", "{}", "flex", "a", "120")) is None
+    assert (
+        call(redis_client, producer.revive(KEYS, queue, letter, "j1", str(PROTOCOL_VERSION), "{}", "flex", "a", "120"))
+        is None
+    )
 
 
 def test_an_entry_placed_on_a_workers_stream_carries_its_lane(redis_client):

@@ -9,7 +9,7 @@ import pytest
 
 from cli.__main__ import main
 from producer_client import Client
-from producer_client.keys import Keys
+from producer_client.keys import PROTOCOL_VERSION, Keys
 from tests.queue.test_dead_letters import make_poison, take
 
 KEYS = Keys()
@@ -42,7 +42,14 @@ def test_jobs_lists_the_jobs_of_lanes_and_of_workers_streams_with_their_route(mi
     with Client(redis_server.url, queue, tenant="ta") as client:
         flex = client.submit("flex", max_tokens=4, service_tier="flex")
     redis_client.zadd(KEYS.workers(queue), {"w1": time.time()})
-    placed = {"id": "placed-1", "v": "1", "body": "{}", "cost": "9", "lane": "priority", "tenant": "tb"}
+    placed = {
+        "id": "placed-1",
+        "v": str(PROTOCOL_VERSION),
+        "body": "{}",
+        "cost": "9",
+        "lane": "priority",
+        "tenant": "tb",
+    }
     redis_client.xadd(KEYS.own_queue(queue, "w1"), placed)
     code, out, _ = mili("jobs", "--status", "queued")
     rows = [line.split() for line in out.splitlines()]

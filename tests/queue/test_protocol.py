@@ -10,7 +10,7 @@ import fakeredis
 import pytest
 
 from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, UnsupportedVersion
-from producer_client.keys import GROUP, Keys, check_name
+from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
 from producer_client.protocol.backlog import QueueStream, stream_stats
 from producer_client.protocol.clock import entry_age_s, entry_time
 from producer_client.protocol.events import encode_tokens
@@ -23,7 +23,7 @@ from worker.loop.queue import WorkerQueue
 LIMITS = dict(max_body_bytes=1000, max_tokens_limit=64)
 
 
-def entry(body, v="1", job_id="job-1"):
+def entry(body, v=str(PROTOCOL_VERSION), job_id="job-1"):
     return {"id": job_id, "v": v, "body": body if isinstance(body, str) else json.dumps(body)}
 
 
@@ -56,9 +56,9 @@ def test_a_valid_body_parses():
     [
         (entry("not json"), InvalidBody, "invalid_body"),
         (entry("[1, 2]"), InvalidBody, "invalid_body"),
-        (entry({"prompt": "hi"}, v="2"), UnsupportedVersion, "unsupported_version"),
-        ({"v": "1", "body": "{}"}, InvalidBody, "invalid_body"),
-        ({"id": "j", "v": "1"}, InvalidBody, "invalid_body"),
+        (entry({"prompt": "hi"}, v="1"), UnsupportedVersion, "unsupported_version"),  # protocol v1: refused
+        ({"v": str(PROTOCOL_VERSION), "body": "{}"}, InvalidBody, "invalid_body"),
+        ({"id": "j", "v": str(PROTOCOL_VERSION)}, InvalidBody, "invalid_body"),
         (entry({"prompt": 5}), InvalidArgument, "invalid_argument"),
         (entry({"prompt": "hi", "params": {"max_tokens": "5"}}), InvalidArgument, "invalid_argument"),
         (entry({"prompt": "hi", "params": {"max_tokens": True}}), InvalidArgument, "invalid_argument"),

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import redis
 
-from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
+from producer_client.keys import DONE_TTL_MS, GROUP, PROTOCOL_VERSION, Keys
 from producer_client.protocol.execution import execute
 from producer_client.protocol.producer import CANCEL, CREATE, ENQUEUE, PRODUCER_SCRIPTS
 from producer_client.protocol.worker import (
@@ -119,11 +119,52 @@ def test_a_step_is_published_at_once_and_a_second_finisher_changes_nothing(redis
     job = redis_client.hgetall(KEYS.job(job_id))
     assert job["status"] == "done" and job["tokens"] == "3"
     assert JobResult.model_validate_json(job["result"]).text == "abc"
+    assert [r.text for r in done_entries(redis_client, job_id)] == ["abc"]
+    assert_kept_after_the_end(redis_client, job_id, events_kept=False)
+
+
+def assert_kept_after_the_end(redis_client, job_id, events_kept):
+    """What a job's end leaves (protocol v2): the hash with its result for the result TTL, the done
+    stream for DONE_TTL_MS, the event stream only where kept, for the result TTL."""
+    assert set(redis_client.hgetall(KEYS.job(job_id))) <= {"status", "result", "tokens", "fingerprint", "cancel"}
+    assert 0 < redis_client.ttl(KEYS.job(job_id)) <= 60
+    assert 0 < redis_client.pttl(KEYS.done(job_id)) <= DONE_TTL_MS
+    if events_kept:
+        assert 0 < redis_client.ttl(KEYS.events(job_id)) <= 60
+    else:
+        assert not redis_client.exists(KEYS.events(job_id))
+
+
+def test_a_streamed_job_keeps_its_events_after_its_end(redis_client, job_id):
+    redis_client.hset(KEYS.job(job_id), mapping={"status": "queued", "streamed": "1"})
+    on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1")
+    assert publish(redis_client, job_id, "r1", json.dumps({"worker": "w1"}), tokens(1, 2), 0, 2) == "followed"
+    assert publish(redis_client, job_id, "r1", "", tokens(3), 2, 3, *final(job_id, "done", "abc")) == "written"
     assert [t for t, _ in events(redis_client, job_id)] == ["start", "tokens", "tokens", "end"]
     assert events(redis_client, job_id)[-1][1]["text"] == "abc"
-    assert [r.text for r in done_entries(redis_client, job_id)] == ["abc"]
-    for key in (KEYS.job(job_id), KEYS.events(job_id), KEYS.done(job_id)):
-        assert 0 < redis_client.ttl(key) <= 60
+    assert_kept_after_the_end(redis_client, job_id, events_kept=True)
+
+
+def test_a_job_its_run_streams_keeps_its_events_with_no_reader_yet(redis_client, job_id):
+    # Submitted with stream=True: the run publishes as it streams, and its end keeps the events for
+    # the reader to come, though no FOLLOW raised the hash's flag.
+    on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1")
+    start = json.dumps({"worker": "w1"})
+    args = ("r1", start, tokens(1), 0, 1, *final(job_id, "done", "a"), 60, "1")
+    assert on_job(redis_client, PUBLISH, job_id, *args) == "written"
+    assert [t for t, _ in events(redis_client, job_id)] == ["start", "tokens", "end"]
+    assert_kept_after_the_end(redis_client, job_id, events_kept=True)
+
+
+def test_a_job_that_ends_in_one_step_writes_no_event(redis_client, job_id):
+    # Nobody streams it and one run made it: the events its final step would add would go at once.
+    on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1")
+    start = json.dumps({"worker": "w1"})
+    assert publish(redis_client, job_id, "r1", start, tokens(1), 0, 1, *final(job_id, "done", "a")) == "written"
+    assert redis_client.xinfo_stream(KEYS.done(job_id))["entries-added"] == 1
+    assert not redis_client.exists(KEYS.events(job_id))
+    assert publish(redis_client, job_id, "r1", start, tokens(1), 0, 1, *final(job_id, "done", "a")) == "written"
+    assert redis_client.xlen(KEYS.done(job_id)) == 1  # a retried final step writes nothing again
 
 
 def test_a_publish_sent_twice_records_its_events_once(redis_client, job_id):
@@ -172,7 +213,8 @@ def test_a_reclaim_starts_a_new_run_that_fences_off_the_old_one(redis_client, jo
     assert publish(redis_client, job_id, "r2", json.dumps({"worker": "w2"}), tokens(3), 2, 3) == "ok"
     assert publish(redis_client, job_id, "r2", "", "", 3, 3, *final(job_id, "done", "abc")) == "written"
     assert [t for t, _ in events(redis_client, job_id)] == ["start", "tokens", "start", "tokens", "end"]
-    assert redis_client.hget(KEYS.job(job_id), "worker") == "w2"
+    assert JobResult.model_validate_json(redis_client.hget(KEYS.job(job_id), "result")).text == "abc"
+    assert_kept_after_the_end(redis_client, job_id, events_kept=True)  # two runs published to it
 
 
 def test_a_queued_job_cancelled_is_dropped_by_the_worker_that_reads_it(redis_client, job_id):
@@ -181,10 +223,9 @@ def test_a_queued_job_cancelled_is_dropped_by_the_worker_that_reads_it(redis_cli
     assert on_job(redis_client, CANCEL, job_id, result) == "queued"
     assert redis_client.hget(KEYS.job(job_id), "status") == "cancelled"
     assert [r.status for r in done_entries(redis_client, job_id)] == ["cancelled"]
+    assert redis_client.ttl(KEYS.job(job_id)) == -1  # a producer does not know the result TTL
     assert on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1") == ["final"]
-    assert [t for t, _ in events(redis_client, job_id)] == ["end"]
-    for key in (KEYS.job(job_id), KEYS.events(job_id), KEYS.done(job_id)):
-        assert 0 < redis_client.ttl(key) <= 60  # the worker's claim starts the result TTL
+    assert_kept_after_the_end(redis_client, job_id, events_kept=False)  # the claim starts the result TTL
 
 
 def test_cancelling_a_running_job_raises_the_flag_its_next_step_reads(redis_client, job_id):
@@ -219,7 +260,7 @@ def stream(redis_client):
 
 
 def deliver(redis_client, stream, consumer, n):
-    ids = [redis_client.xadd(stream, {"id": f"j{i}", "v": "1", "body": "{}"}) for i in range(n)]
+    ids = [redis_client.xadd(stream, {"id": f"j{i}", "v": str(PROTOCOL_VERSION), "body": "{}"}) for i in range(n)]
     redis_client.xreadgroup(GROUP, consumer, {stream: ">"}, count=n)
     return ids
 
@@ -249,7 +290,7 @@ def test_refresh_resets_the_idle_time_of_every_entry_it_holds(redis_client, stre
 
 def test_a_pipeline_resent_after_noscript_reads_the_queue_once(redis_client, stream):
     deliver(redis_client, stream, "w1", 1)
-    ids = [redis_client.xadd(stream, {"id": f"n{i}", "v": "1", "body": "{}"}) for i in range(3)]
+    ids = [redis_client.xadd(stream, {"id": f"n{i}", "v": str(PROTOCOL_VERSION), "body": "{}"}) for i in range(3)]
     redis_client.script_flush()
 
     def refresh_and_read(pipe):
@@ -296,7 +337,7 @@ def test_a_dead_letter_moves_its_entry_once(redis_client, stream):
 
 
 def test_a_dead_letter_of_an_entry_with_thousands_of_fields_keeps_the_protocols_own(redis_client, stream):
-    fields = {"id": "j0", "v": "1", "body": "{}", **{f"f{i}": "x" for i in range(5000)}}
+    fields = {"id": "j0", "v": str(PROTOCOL_VERSION), "body": "{}", **{f"f{i}": "x" for i in range(5000)}}
     entry_id = redis_client.xadd(stream, fields)
     redis_client.xreadgroup(GROUP, "w1", {stream: ">"})
     dead = KEYS.dead(stream.removeprefix("mili:q:{").removesuffix("}"))
@@ -313,7 +354,7 @@ def test_a_dead_letter_of_an_entry_with_thousands_of_fields_keeps_the_protocols_
     (moved,) = [f for _, f in redis_client.xrange(dead)]
     assert {k: moved[k] for k in ("id", "v", "body", "entry", "reason", "deliveries")} == {
         "id": "j0",
-        "v": "1",
+        "v": str(PROTOCOL_VERSION),
         "body": "{}",
         "entry": entry_id,
         "reason": "poison",
@@ -356,8 +397,25 @@ def test_fail_replaces_keys_of_another_type_and_writes_the_failure_once(redis_cl
         "result": result.model_dump_json(),
         "tokens": "2",
     }
-    assert events(redis_client, job_id) == [("end", json.loads(result.model_dump_json()))]
     assert done_entries(redis_client, job_id) == [result]
-    assert 0 < redis_client.ttl(KEYS.done(job_id)) <= 60
+    assert_kept_after_the_end(redis_client, job_id, events_kept=False)  # no run published to it
     assert on_job(redis_client, FAIL, job_id, result.model_dump_json(), 2, 60) == "ended"  # once
     assert done_entries(redis_client, job_id) == [result]
+
+
+def test_a_failed_job_keeps_the_events_its_runs_published_and_its_request_fingerprint(redis_client, job_id):
+    redis_client.hset(KEYS.job(job_id), mapping={"status": "queued", "fingerprint": "f1", "enqueued": "1"})
+    on_job(redis_client, CLAIM, job_id, "w1", "1-0", 60, "r1")
+    assert publish(redis_client, job_id, "r1", json.dumps({"worker": "w1"}), tokens(1, 2), 0, 2) == "ok"
+    result = JobResult(id=job_id, status="failed", text="ab", token_ids=[1, 2])
+    assert on_job(redis_client, FAIL, job_id, result.model_dump_json(), 2, 60) == "failed"
+    assert [t for t, _ in events(redis_client, job_id)] == ["start", "tokens", "end"]
+    assert redis_client.hgetall(KEYS.job(job_id)) == {
+        "status": "failed",
+        "result": result.model_dump_json(),
+        "tokens": "2",
+        "fingerprint": "f1",
+    }
+    assert_kept_after_the_end(redis_client, job_id, events_kept=True)
+    assert run(redis_client, CREATE, [KEYS.job(job_id)], 0, "f2") == -1  # its request_id stays bound
+    assert run(redis_client, CREATE, [KEYS.job(job_id)], 0, "f1") == 0  # and is not run again

@@ -15,7 +15,7 @@ import pytest
 from harness.echo_workers import GatedWorker, serving
 from harness.polling import eventually
 from producer_client import Client, InvalidArgument, QueueFull, RateLimited, WaitingQuotaExceeded
-from producer_client.keys import GROUP, Keys
+from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from tests.support.clients import make_client
 
 pytestmark = pytest.mark.waits
@@ -236,11 +236,13 @@ def test_an_idle_worker_wakes_for_a_lanes_job_at_once(redis_server, queue, tenan
 def test_a_dead_lane_job_is_retried_into_its_lane(redis_server, queue, tenant, redis_client):
     job_id = f"dead-{queue}"
     body = '{"prompt": "poison", "params": {"max_tokens": 2}}'
-    letter = {"id": job_id, "v": "1", "body": body, "cost": "9", "lane": "flex", "tenant": tenant}
+    letter = {"id": job_id, "v": str(PROTOCOL_VERSION), "body": body, "cost": "9", "lane": "flex", "tenant": tenant}
     redis_client.xadd(KEYS.dead(queue), letter)  # as a worker writes it after too many deliveries
     with Client(redis_server.url, queue) as client:
         assert client.dead_letters.retry(job_id).outcome == "retried"
         stream = KEYS.lane_stream(queue, "flex", tenant)
-        assert [f for _, f in redis_client.xrange(stream)] == [{"id": job_id, "v": "1", "body": body, "cost": "9"}]
+        assert [f for _, f in redis_client.xrange(stream)] == [
+            {"id": job_id, "v": str(PROTOCOL_VERSION), "body": body, "cost": "9"}
+        ]
         with serving(redis_server.url, queue):
             assert client.result(job_id, timeout=10).text == "po"

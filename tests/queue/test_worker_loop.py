@@ -11,7 +11,7 @@ import redis
 from harness.echo_workers import outcome_count, serving
 from harness.polling import eventually
 from producer_client import JobExpired, JobFailed
-from producer_client.keys import GROUP, Keys
+from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 
 pytestmark = pytest.mark.waits
 
@@ -112,21 +112,27 @@ def test_bad_entries_fail_with_their_code_and_the_worker_keeps_serving(redis_ser
     raw = redis.Redis.from_url(redis_server.url)  # bytes in, so that invalid UTF-8 can be written
     stream = KEYS.queue(queue)
     bad = {
-        "not-json": ({"v": "1", "body": "{oops"}, "invalid_body"),
-        "wrong-type": ({"v": "1", "body": '{"prompt": ["a"]}'}, "invalid_argument"),
-        "unknown-field": ({"v": "1", "body": '{"prompt": "a", "model": "x"}'}, "invalid_argument"),
-        "future": ({"v": "2", "body": '{"prompt": "a"}'}, "unsupported_version"),
-        "bad-utf8": ({"v": "1", "body": b'{"prompt": "\xff\xfe"}'}, "invalid_body"),
-        "too-long": ({"v": "1", "body": f'{{"input_ids": [{",".join(["7"] * 5000)}]}}'}, "prompt_too_long"),
-        "out-of-vocab": ({"v": "1", "body": '{"input_ids": [1, 300]}'}, "invalid_argument"),
-        "over-limit": ({"v": "1", "body": '{"prompt": "a", "params": {"max_tokens": 40000}}'}, "invalid_argument"),
+        "not-json": ({"v": str(PROTOCOL_VERSION), "body": "{oops"}, "invalid_body"),
+        "wrong-type": ({"v": str(PROTOCOL_VERSION), "body": '{"prompt": ["a"]}'}, "invalid_argument"),
+        "unknown-field": ({"v": str(PROTOCOL_VERSION), "body": '{"prompt": "a", "model": "x"}'}, "invalid_argument"),
+        "future": ({"v": "3", "body": '{"prompt": "a"}'}, "unsupported_version"),
+        "bad-utf8": ({"v": str(PROTOCOL_VERSION), "body": b'{"prompt": "\xff\xfe"}'}, "invalid_body"),
+        "too-long": (
+            {"v": str(PROTOCOL_VERSION), "body": f'{{"input_ids": [{",".join(["7"] * 5000)}]}}'},
+            "prompt_too_long",
+        ),
+        "out-of-vocab": ({"v": str(PROTOCOL_VERSION), "body": '{"input_ids": [1, 300]}'}, "invalid_argument"),
+        "over-limit": (
+            {"v": str(PROTOCOL_VERSION), "body": '{"prompt": "a", "params": {"max_tokens": 40000}}'},
+            "invalid_argument",
+        ),
     }
     bad = {f"{queue}-{name}": ({"id": f"{queue}-{name}", **fields}, code) for name, (fields, code) in bad.items()}
     with serving(redis_server.url, queue) as worker:
         good_before = client.submit("good", max_tokens=4)
         for fields, _ in bad.values():
             raw.xadd(stream, fields)
-        no_id = raw.xadd(stream, {"v": "1", "body": '{"prompt": "a"}'}).decode()
+        no_id = raw.xadd(stream, {"v": str(PROTOCOL_VERSION), "body": '{"prompt": "a"}'}).decode()
         good_after = client.submit("fine", max_tokens=4)
         assert client.result(good_before, timeout=10).text == "good"
         assert client.result(good_after, timeout=10).text == "fine"

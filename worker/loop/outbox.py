@@ -88,6 +88,9 @@ class Update:
     # Set for a job that ends in the dead-letter stream: after its final result, its entry moves
     # there instead of being acknowledged.
     dead_letter: DeadLetter | None = None
+    # The job is streamed (its `stream` option, or a reader's FOLLOW this run saw): its end keeps its
+    # events for its readers (END_JOB), as it does for a FOLLOW the run has not seen yet.
+    streamed: bool = False
 
     def ended(self) -> JobResult:
         """Its final result: asked only of the update of a job that ended."""
@@ -98,6 +101,7 @@ class Update:
     def take(self, job: Job) -> None:
         """Move the job's output that no update holds yet into this one, as one cut."""
         feed = job.feed
+        self.streamed = self.streamed or feed.streamed
         if not feed.behind(job):
             return
         logprobs = None if job.logprobs is None else job.logprobs[feed.logprobs :]
@@ -121,6 +125,7 @@ class Update:
         self.start = self.start or later.start
         self.final = later.final or self.final
         self.dead_letter = later.dead_letter or self.dead_letter
+        self.streamed = self.streamed or later.streamed
         self.entry_id = later.entry_id
 
     def skip_recorded(self, recorded: int) -> bool:
@@ -158,6 +163,7 @@ class Update:
             self.tokens_before + len(self.token_ids),
             *final,
             result_ttl_s,
+            self.streamed,
         )
 
 
