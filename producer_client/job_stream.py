@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from producer_client.chat_output import OutputDelta, OutputFormat, OutputParser
-from producer_client.errors import JobNotFound, JobTimeout
+from producer_client.errors import JobNotFound
 from producer_client.keys import Keys
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_order
@@ -28,7 +28,7 @@ from producer_client.protocol.events import EventType, shown_output_format, show
 from producer_client.schema import JobResult, TokenDelta
 from producer_client.steps import Repeatable, Steps, checked
 from producer_client.validation import check_event_id, check_job_id, check_timeout
-from producer_client.waiting import Deadline, expired_at_timeout, expiry, finished, job_look, xread
+from producer_client.waiting import Deadline, expiry, finished, job_look, unless_expired, xread
 
 EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
 # The event id of the one delta of a job that kept no events: the first after "0-0", so that a
@@ -85,12 +85,8 @@ class JobStream:
                 (yield Repeatable(lambda pipe: job_look(pipe, keys, self.job_id)))
             )
             self.expires_at = expiry(self.job_id, status, deadline_ms, redis_time)
-        try:
-            events = yield from xread(keys.events(self.job_id), self.last, EVENT_BATCH, deadline, self.expires_at)
-        except JobTimeout:
-            if self.expires_at is not None:
-                yield from expired_at_timeout(keys, self.job_id)
-            raise
+        read = xread(keys.events(self.job_id), self.last, EVENT_BATCH, deadline, self.expires_at)
+        events = yield from unless_expired(keys, self.job_id, self.expires_at, read)
         if events:
             self.expires_at = None  # it has started
         deltas = []

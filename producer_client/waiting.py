@@ -8,6 +8,7 @@ end on; its `done` stream, which a blocking read wakes on, lives only DONE_TTL_M
 from __future__ import annotations
 
 import time
+from typing import TypeVar
 
 from producer_client.connection import reply_code
 from producer_client.errors import JobTimeout
@@ -15,6 +16,8 @@ from producer_client.keys import Keys
 from producer_client.protocol.clock import epoch_ms
 from producer_client.schema import JobExpired, JobFailed, JobResult
 from producer_client.steps import Repeatable, Steps, checked
+
+T = TypeVar("T")
 
 MAX_BLOCK_MS = 2000  # one blocking read, well inside redis-py's default 5 s socket timeout
 
@@ -64,12 +67,7 @@ def wait_done(keys: Keys, job_id: str, deadline: Deadline, expires_at: float | N
             if result is not None:
                 return result
             expires_at = expiry(job_id, status, deadline_ms, redis_time)
-        try:
-            result = yield from read_done(keys, job_id, deadline, expires_at)
-        except JobTimeout:
-            if expires_at is not None:  # the job's deadline may have passed with the caller's
-                yield from expired_at_timeout(keys, job_id)
-            raise
+        result = yield from unless_expired(keys, job_id, expires_at, read_done(keys, job_id, deadline, expires_at))
         if result is not None:
             return result
 
@@ -92,12 +90,21 @@ def read_done(keys: Keys, job_id: str, deadline: Deadline, until: float | None) 
     return result
 
 
-def expired_at_timeout(keys: Keys, job_id: str) -> Steps[None]:
-    """Raises JobExpired if the job, still queued, has passed its deadline by Redis's clock. A
-    caller whose timeout is the job's own (the gateway's) reaches both ends within a few
-    milliseconds, in either order on this process's clock: the job's end is the answer."""
-    (status, deadline_ms, _), redis_time = checked((yield Repeatable(lambda pipe: job_look(pipe, keys, job_id))))
-    expiry(job_id, status, deadline_ms, redis_time)
+def unless_expired(keys: Keys, job_id: str, expires_at: float | None, read: Steps[T]) -> Steps[T]:
+    """`read`, a read of the job's streams under a Deadline. When the caller's time is up
+    (JobTimeout) and the job could still expire unread (`expires_at`), it is looked up once more:
+    JobExpired if it has passed its deadline by Redis's clock. A caller whose timeout is the job's
+    own (the gateway's) reaches both ends within a few milliseconds, in either order on this
+    process's clock: the job's end is the answer."""
+    try:
+        return (yield from read)
+    except JobTimeout:
+        if expires_at is not None:
+            (status, deadline_ms, _), redis_time = checked(
+                (yield Repeatable(lambda pipe: job_look(pipe, keys, job_id)))
+            )
+            expiry(job_id, status, deadline_ms, redis_time)
+        raise
 
 
 def job_look(pipe, keys: Keys, job_id: str) -> tuple:
