@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
+from harness.model_configs import SMALL_DENSE
 from producer_client.schema import SamplingParams
 from worker.engine import Engine
 from worker.model.presets import PRESETS, qwen3_config, write_random_checkpoint
@@ -35,21 +36,7 @@ TOP = 5
 MEAN_MARGIN, WORST_MARGIN, FLOOR = 1.25, 1.5, 0.02
 # Weights at 0.1, not the preset's 0.02: at 0.02 a random 0.6B's top logits tie exactly in bf16 and
 # greedy repeats a few tokens, which would prove little.
-SHAPE = (
-    {**PRESETS["qwen3-0.6b"].config, "initializer_range": 0.1}
-    if CUDA
-    else qwen3_config(
-        vocab_size=2048,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-    )
-)
+SHAPE = {**PRESETS["qwen3-0.6b"].config, "initializer_range": 0.1} if CUDA else qwen3_config(**SMALL_DENSE)
 
 
 @pytest.fixture(scope="module")
