@@ -407,6 +407,25 @@ def test_a_watch_left_unread_past_the_done_streams_life_finds_its_jobs_in_their_
     assert len(watch) == 0
 
 
+def test_jobs_whose_done_streams_expired_on_their_own_are_read_whole_by_every_reader(client, redis_client):
+    """The tests above delete the done streams; here Redis expires them, DONE_TTL_MS after each
+    job's end, while a watch that read before the ends waits: every reader finds each result after."""
+    ids = [client.submit(f"p{i}", max_tokens=4) for i in range(4)]
+    watch = ResultWatch(Keys(), ids)
+    assert client.finished(watch, timeout=0.2) == []  # read once: none has ended
+    results = [end_as_a_worker(redis_client, job_id, f"out{i}") for i, job_id in enumerate(ids)]
+    done_keys = [Keys().done(job_id) for job_id in ids]
+    assert redis_client.exists(*done_keys) == len(ids)
+    started = time.monotonic()
+    assert eventually(lambda: redis_client.exists(*done_keys) == 0, timeout=3 * DONE_TTL_MS / 1000, interval=0.1)
+    assert time.monotonic() - started >= DONE_TTL_MS / 1000 - 0.5  # gone by their TTL, not before
+    assert client.finished(watch, timeout=1) == results
+    assert client.results(ids, timeout=1) == results
+    for job_id, result in zip(ids, results):
+        assert client.result(job_id, timeout=1) == client.wait(job_id, timeout=1) == result
+        assert "".join(delta.text for delta in client.stream(job_id, timeout=1)) == result.text
+
+
 def test_queue_stats_count_waiting_and_pending_entries(client, redis_client, queue):
     empty = dict(queue=queue, depth=0, pending=0, waiting=0, workers=[], streams=[])
     assert client.queue_stats().model_dump() == empty
