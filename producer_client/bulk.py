@@ -25,10 +25,11 @@ from typing import Any
 from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
 from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound, JobTimeout
-from producer_client.keys import DONE_TTL_MS, NO_TENANT, PROTOCOL_VERSION, Keys
+from producer_client.keys import DONE_TTL_MS, NO_TENANT, Keys
 from producer_client.new_job import NewJob, build_job_of
 from producer_client.operations import cancel_call
 from producer_client.placement import Placement
+from producer_client.protocol import job_reads
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_order
 from producer_client.protocol.producer import NO_LIMITS, Limits
@@ -205,7 +206,7 @@ def enqueue_commands(
             scripts.create_many(keys, [(job.job_id, job.timeout_ms) for job in fresh]).add_to(pipe)
         else:
             for job in fresh:
-                job.add_fresh_create(pipe, keys)
+                scripts.add_fresh_create(pipe, keys, job.job_id, job.timeout_ms)
         if not shared:
             return
         if uses_queue_stream(shared, tenant):
@@ -225,7 +226,7 @@ def enqueue_placed_commands(placed: list[tuple[NewJob, str]], tenant: str) -> Ca
 
     def add(pipe) -> None:
         for job, stream in placed:
-            pipe.xadd(stream, {"id": job.job_id, "v": PROTOCOL_VERSION, "body": job.body, **placed_fields(job, tenant)})
+            scripts.add_placed(pipe, stream, job.job_id, job.body, placed_fields(job, tenant))
 
     return add
 
@@ -237,15 +238,15 @@ def flag_commands(keys: Keys, enqueued: list[NewJob], refused: list[NewJob]) -> 
     def add(pipe) -> None:
         for job in enqueued:
             if job.idempotent:
-                pipe.hset(keys.job(job.job_id), "enqueued", "1")
+                scripts.add_enqueued_flag(pipe, keys, job.job_id)
         if refused:
-            pipe.delete(*(keys.job(job.job_id) for job in refused))
+            scripts.add_forget(pipe, keys, [job.job_id for job in refused])
 
     return add
 
 
 def forget_commands(jobs: list[NewJob], keys: Keys) -> Callable:
-    return lambda pipe: pipe.delete(*(keys.job(job.job_id) for job in jobs))
+    return lambda pipe: scripts.add_forget(pipe, keys, [job.job_id for job in jobs])
 
 
 def cancel_many(keys: Keys, job_ids: Iterable[str]) -> Steps[None]:
@@ -392,27 +393,23 @@ def read_finished(watch: ResultWatch, block_ms: int, per_slot: bool) -> Steps[li
     window = watch.window()
     to_look = watch.to_look(window, per_slot)
     if to_look:
-        results = checked((yield lambda pipe: [pipe.hget(watch.keys.job(job_id), "result") for job_id in to_look]))
+        results = yield from job_reads.field_of_jobs(watch.keys, to_look, "result")
         ended = watch.take_looked(to_look, results)
         if ended:
             return ended
     if not per_slot:
-        (reply,) = yield lambda pipe: pipe.xread(dict.fromkeys(window, "0-0"), count=1, block=block_ms)
+        (reply,) = yield lambda pipe: job_reads.add_ends_read(pipe, window, block_ms)
         return watch.take(window, streams_read(reply))
     first = next(iter(window))
-    (reply,) = yield lambda pipe: pipe.xread({first: "0-0"}, count=1, block=min(block_ms, CLUSTER_BLOCK_MS))
+    block_ms = min(block_ms, CLUSTER_BLOCK_MS)
+    (reply,) = yield lambda pipe: job_reads.add_ends_read(pipe, (first,), block_ms)
     return watch.take(window, streams_read(reply))
 
 
 def read_deadlines(keys: Keys, job_ids: list[str]) -> Steps[list]:
     """Each job's status and deadline, then Redis's TIME, in one round trip."""
 
-    def add(pipe) -> None:
-        for job_id in job_ids:
-            pipe.hmget(keys.job(job_id), "status", "deadline")
-        pipe.time()
-
-    *fields, redis_time = checked((yield add))
+    *fields, redis_time = checked((yield lambda pipe: job_reads.add_deadlines(pipe, keys, job_ids)))
     return [value for pair in fields for value in pair] + [redis_time]
 
 

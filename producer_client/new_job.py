@@ -60,14 +60,6 @@ class NewJob(NamedTuple):
             raise IdempotencyConflict(self.job_id)
         return bool(reply)
 
-    def add_fresh_create(self, pipe, keys: Keys) -> None:
-        """CREATE of a job with a fresh id: without a deadline that is one HSETNX, which costs
-        Redis less than a script (nobody reads the reply of a fresh id's CREATE)."""
-        if self.timeout_ms:
-            self.create_call(keys).add_to(pipe)
-        else:
-            pipe.hsetnx(keys.job(self.job_id), "status", "queued")
-
 
 def build_job(
     prompt: Any,

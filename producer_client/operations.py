@@ -13,6 +13,7 @@ from producer_client.client_base import ClientBase
 from producer_client.errors import JobNotFound, NotReplicated
 from producer_client.keys import NO_TENANT, Keys
 from producer_client.new_job import NewJob, build_job_of
+from producer_client.protocol import job_reads
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.producer import NO_LIMITS, Limits
 from producer_client.protocol.replication import Replication
@@ -85,7 +86,7 @@ def enqueue_or_forget(client: ClientBase, job: NewJob, create: bool) -> Steps[En
 
 
 def forget(keys: Keys, job: NewJob) -> Callable:
-    return Repeatable(lambda pipe: pipe.delete(keys.job(job.job_id)))
+    return Repeatable(lambda pipe: scripts.add_forget(pipe, keys, [job.job_id]))
 
 
 def enqueue_commands(
@@ -109,10 +110,10 @@ def enqueue_commands(
 
     def add(pipe) -> None:
         if create:
-            job.add_fresh_create(pipe, keys)
+            scripts.add_fresh_create(pipe, keys, job.job_id, job.timeout_ms)
         enqueue_call(keys, queue, tenant, job, max_depth, limits, stream).add_to(pipe)
         if job.idempotent:
-            pipe.hset(keys.job(job.job_id), "enqueued", "1")
+            scripts.add_enqueued_flag(pipe, keys, job.job_id)
         if replication.waits:
             for key in (keys.job(job.job_id), stream or keys.queue(queue)):
                 pipe.wait_replicas(key, replication.replicas, replication.timeout_ms)
@@ -142,7 +143,7 @@ def result(keys: Keys, job_id: str, timeout: float | None) -> Steps[JobResult]:
     JobExpired as soon as a job still queued passes its deadline."""
     job_id = check_job_id(job_id)
     deadline = Deadline(job_id, check_timeout(timeout))
-    job, redis_time = checked((yield Repeatable(lambda pipe: (pipe.hgetall(keys.job(job_id)), pipe.time()))))
+    job, redis_time = checked((yield Repeatable(lambda pipe: job_reads.add_job_fields(pipe, keys, job_id))))
     if not job:
         raise JobNotFound(job_id)
     if "result" in job:

@@ -143,3 +143,38 @@ def test_nothing_shipped_imports_the_tests_the_benchmarks_or_the_harness():
         for name in sorted(top_level_imports(path) & {"tests", "bench", *UNSHIPPED_NEVER_IMPORTS})
     ]
     assert wrong == []
+
+
+# Redis's commands on keys, as redis-py's methods name them: the ones MILI sends on its keys.
+REDIS_COMMANDS = set(
+    "xadd xread xreadgroup hset hsetnx hget hgetall hmget expire pexpire delete unlink zadd zrange zrem xack "
+    "xautoclaim eval evalsha incr xlen xrange xrevrange xpending sadd smembers exists".split()
+)
+# Calls of those names that are no Redis command, by their receiver: a web route's method, a
+# model's eval mode, a file's unlink or existence.
+NOT_REDIS = {
+    ("router", "delete"),
+    ("model", "eval"),
+    ("head", "eval"),
+    ("temp", "unlink"),
+    ("path", "exists"),
+    ("path / name", "exists"),
+    ("config_path", "exists"),
+    ("log_file", "exists"),
+}
+
+
+def test_every_command_on_mili_keys_is_built_in_the_protocol_package():
+    """producer_client/protocol/ builds every command sent on MILI's keys (docs/development.md,
+    "Who owns what"): the clients, the worker, the gateway and the CLI call its functions, and
+    none sends a command of its own."""
+    wrong = []
+    for module, path in modules().items():
+        if module.startswith("producer_client.protocol") or layer_of(module) == "kernels":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                call = (ast.unparse(node.func.value), node.func.attr)
+                if call[1] in REDIS_COMMANDS and call not in NOT_REDIS:
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {call[0]}.{call[1]}(...)")
+    assert wrong == []
