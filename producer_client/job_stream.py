@@ -27,7 +27,7 @@ from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_order
 from producer_client.protocol.events import EventType, shown_output_format, shown_tokens
 from producer_client.schema import JobResult, TokenDelta
-from producer_client.steps import Repeatable, Steps, checked
+from producer_client.steps import Steps, checked
 from producer_client.validation import check_event_id, check_job_id, check_timeout
 from producer_client.waiting import Deadline, expiry, finished, read_events, unless_expired
 
@@ -81,9 +81,7 @@ class JobStream:
             whole, self.whole = self.whole, None
             return self.take_whole(whole)
         if self.expires_at is not None and time.monotonic() >= self.expires_at:
-            (status, deadline_ms, _), redis_time = checked(
-                (yield Repeatable(lambda pipe: job_reads.add_look(pipe, keys, self.job_id)))
-            )
+            (status, deadline_ms, _), redis_time = yield from job_reads.look(keys, self.job_id)
             self.expires_at = expiry(self.job_id, status, deadline_ms, redis_time)
         read = read_events(keys, self.job_id, self.last, EVENT_BATCH, deadline, self.expires_at)
         events = yield from unless_expired(keys, self.job_id, self.expires_at, read)
@@ -139,7 +137,7 @@ class JobStream:
         if self.parser is None and output is not None:
             self.parser = OutputParser(output)
 
-    def _fields(self, parsed: OutputDelta) -> dict:
+    def _fields(self, parsed: OutputDelta) -> dict[str, Any]:
         """A TokenDelta's fields of a piece of the output, split."""
         fields: dict[str, Any] = {"text": parsed.content, "reasoning": parsed.reasoning}
         if parsed.tool_calls:

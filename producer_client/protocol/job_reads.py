@@ -14,11 +14,15 @@ from collections.abc import Iterable
 from producer_client.keys import Keys
 from producer_client.protocol.clock import RedisTime
 from producer_client.protocol.execution import Pipe
-from producer_client.steps import Steps, checked
+from producer_client.steps import Repeatable, Steps, checked
 
 # The reply of add_look's HMGET: the job's status, deadline (epoch ms on
 # Redis's clock) and result JSON, each None where the hash has none.
 JobLook = tuple[str | None, str | None, str | None]
+StatusAndDeadline = tuple[str | None, str | None]  # see JobLook
+Entry = tuple[str, dict[str, str]]  # a stream entry: its id and fields
+# An XREAD's reply: each stream that had entries, with them; None when none came within its block.
+StreamsReply = list[tuple[str, list[Entry]]] | None
 
 
 def add_job_fields(pipe: Pipe, keys: Keys, job_id: str) -> None:
@@ -47,11 +51,22 @@ def add_look(pipe: Pipe, keys: Keys, job_id: str) -> None:
     pipe.time()
 
 
-def add_deadlines(pipe: Pipe, keys: Keys, job_ids: list[str]) -> None:
-    """Each job's status and deadline (an HMGET each), then Redis's clock (TIME)."""
-    for job_id in job_ids:
-        pipe.hmget(keys.job(job_id), "status", "deadline")
-    pipe.time()
+def look(keys: Keys, job_id: str) -> Steps[tuple[JobLook, RedisTime]]:
+    """add_look as a step of its own (Repeatable)."""
+    (status, deadline_ms, result), redis_time = checked((yield Repeatable(lambda pipe: add_look(pipe, keys, job_id))))
+    return (status, deadline_ms, result), redis_time
+
+
+def deadlines(keys: Keys, job_ids: list[str]) -> Steps[tuple[list[StatusAndDeadline], RedisTime]]:
+    """Each job's status and deadline (an HMGET each), then Redis's clock (TIME): one round trip."""
+
+    def add(pipe: Pipe) -> None:
+        for job_id in job_ids:
+            pipe.hmget(keys.job(job_id), "status", "deadline")
+        pipe.time()
+
+    *fields, redis_time = checked((yield add))
+    return [(status, deadline_ms) for status, deadline_ms in fields], redis_time
 
 
 def add_ends_read(pipe: Pipe, done_streams: Iterable[str], block_ms: int) -> None:
@@ -61,11 +76,18 @@ def add_ends_read(pipe: Pipe, done_streams: Iterable[str], block_ms: int) -> Non
     pipe.xread(dict.fromkeys(done_streams, "0-0"), count=1, block=block_ms)
 
 
-def add_end_read(pipe: Pipe, keys: Keys, job_id: str, block_ms: int) -> None:
-    """add_ends_read of the one job, then its hash's result (HGET): a job that ended before the
-    read began, longer ago than its done stream lives, is found there."""
-    add_ends_read(pipe, (keys.done(job_id),), block_ms)
-    pipe.hget(keys.job(job_id), "result")
+def end_read(keys: Keys, job_id: str, block_ms: int) -> Steps[tuple[StreamsReply | Exception, str | None | Exception]]:
+    """add_ends_read of the one job, then its hash's result (HGET), in one round trip (Repeatable):
+    a job that ended before the read began, longer ago than its done stream lives, is found there.
+    Each reply, or the error in its place."""
+    done, job = keys.done(job_id), keys.job(job_id)
+
+    def add(pipe: Pipe) -> None:
+        add_ends_read(pipe, (done,), block_ms)
+        pipe.hget(job, "result")
+
+    reply, result = yield Repeatable(add)
+    return reply, result
 
 
 def add_events_kept(pipe: Pipe, keys: Keys, job_id: str) -> None:
@@ -74,11 +96,14 @@ def add_events_kept(pipe: Pipe, keys: Keys, job_id: str) -> None:
     pipe.exists(keys.events(job_id))
 
 
-def add_events_read(pipe: Pipe, keys: Keys, job_id: str, after: str, count: int, block_ms: int) -> None:
+def events_read(keys: Keys, job_id: str, after: str, count: int, block_ms: int) -> Steps[StreamsReply | Exception]:
     """One XREAD of up to `count` of the job's events after the id `after`, blocking up to
-    `block_ms`. Its reply: [(events key, [(event id, {"type": ..., "data": ...}) ...])], None
-    when none came."""
-    pipe.xread({keys.events(job_id): after}, count=count, block=block_ms)
+    `block_ms` (Repeatable): [(events key, [(event id, {"type": ..., "data": ...}) ...])], None
+    when none came, or the error in its place."""
+    key = keys.events(job_id)
+    reply: StreamsReply | Exception
+    (reply,) = yield Repeatable(lambda pipe: pipe.xread({key: after}, count=count, block=block_ms))
+    return reply
 
 
 def add_events_page(pipe: Pipe, keys: Keys, job_id: str, start: str, count: int) -> None:

@@ -31,6 +31,7 @@ owns its keys and argument order.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from producer_client.keys import GROUP, LANES, LUA_STREAM_OF, Keys
@@ -739,7 +740,9 @@ def release(stream: str, worker: str, idle_ms: int, entry_ids: list[str]) -> Scr
     return ScriptCall(RELEASE, (stream,), (GROUP, worker, idle_ms, *entry_ids))
 
 
-def deadletter(stream: str, dead: str, entry_id: str, dead_maxlen: int, letter: dict) -> ScriptCall:
+def deadletter(
+    stream: str, dead: str, entry_id: str, dead_maxlen: int, letter: Mapping[str, str | int | float]
+) -> ScriptCall:
     """DEADLETTER of a pending entry of `stream`, as a dead letter of fields `letter`."""
     return ScriptCall(
         DEADLETTER, (stream, dead), (GROUP, entry_id, dead_maxlen, *(x for kv in letter.items() for x in kv))

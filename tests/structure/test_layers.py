@@ -5,7 +5,8 @@ the model below the service, the kernels at the ground. No import runs the wrong
 ours imports the CLI, the CLI never imports the gateway, OpenAI's format imports no web framework,
 and no two modules import each other (not even for type hints only). Beside the shipped packages,
 the harness serves the tests and the benchmarks: the benchmarks and the harness never import the
-tests, and nothing shipped imports any of the three."""
+tests, and nothing shipped imports any of the three. And every Redis command on MILI's keys is
+built in producer_client/protocol/: no other module calls a Redis command's method itself."""
 
 from __future__ import annotations
 

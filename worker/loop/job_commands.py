@@ -12,8 +12,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import redis
-
+from producer_client.cluster import SyncRedis
 from producer_client.keys import Keys
 from producer_client.protocol import execution, job_reads
 from producer_client.protocol import worker as scripts
@@ -47,7 +46,7 @@ class JobCommands:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: SyncRedis,
         keys: Keys,
         worker: str,
         result_ttl_s: int,
