@@ -25,7 +25,7 @@ from gateway.errors import gateway_stopping
 from gateway.lifecycle import Lifecycle
 from openai_format.job_specs import JobSpec
 from producer_client import AsyncClient, JobResult, TokenDelta
-from producer_client.quotas import NO_RATE_LIMITS, RateLimits
+from producer_client.rate_limits import NO_RATE_LIMITS, RateLimits
 from producer_client.sharing import Submitted
 
 log = logging.getLogger("gateway.jobs")

@@ -14,7 +14,7 @@ from starlette.requests import HTTPConnection
 
 from gateway.api_keys import queue_tenant, tenant_of
 from producer_client import AsyncClient
-from producer_client.quotas import RateLimits
+from producer_client.rate_limits import RateLimits
 
 log = logging.getLogger("gateway")
 

@@ -4,6 +4,7 @@ Depends on redis and pydantic only, so a producer host needs no GPU stack."""
 from producer_client import errors
 from producer_client.aio import AsyncClient
 from producer_client.bulk import ResultWatch
+from producer_client.chat import ChatMessage
 from producer_client.client import Client
 from producer_client.errors import (
     BulkQueueFull,
@@ -18,7 +19,6 @@ from producer_client.errors import (
     WaitingQuotaExceeded,
 )
 from producer_client.schema import (
-    ChatMessage,
     JobExpired,
     JobFailed,
     JobRequest,

@@ -9,12 +9,13 @@ from typing import Any
 from producer_client import bulk, operations, steps
 from producer_client.bulk import ResultWatch
 from producer_client.client_base import ClientBase
-from producer_client.cluster import is_cluster
+from producer_client.cluster import AsyncRedis, is_cluster
 from producer_client.connection import RedisURL, async_retry_policy, connect_async
 from producer_client.job_stream import follow
 from producer_client.new_job import build_job, build_job_of
 from producer_client.protocol.script import Script
-from producer_client.quotas import RateLimits, current_rate_limits
+from producer_client.quotas import current_rate_limits
+from producer_client.rate_limits import RateLimits
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 from producer_client.sharing import Submitted
 from producer_client.status_reads import read_live_workers, read_queue_stats
@@ -24,9 +25,10 @@ from producer_client.steps import Steps, T
 class AsyncClient(ClientBase):
     """See `producer_client.Client`; every method here is its awaitable twin."""
 
-    run_steps = staticmethod(steps.arun)
+    redis: AsyncRedis
+    run_steps = staticmethod(steps.arun)  # for the operator's views (ClientBase); its own calls name steps.arun
 
-    def _connect(self, target: RedisURL, max_connections: int | None):
+    def _connect(self, target: RedisURL, max_connections: int | None) -> AsyncRedis:
         retry = async_retry_policy(target.mode)
         return connect_async(target, decode_responses=True, retry=retry, max_connections=max_connections)
 
@@ -42,14 +44,14 @@ class AsyncClient(ClientBase):
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def submit(
         self,
         prompt: str | None = None,
         *,
-        messages: list[dict] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         input_ids: list[int] | None = None,
         request_id: str | None = None,
         timeout_s: float | None = None,
@@ -71,59 +73,57 @@ class AsyncClient(ClientBase):
             stream=stream,
             service_tier=service_tier,
         )
-        return await self.run_steps(self.redis, operations.submit(self, job))
+        return await steps.arun(self.redis, operations.submit(self, job))
 
     async def submit_rated(self, counts_request: bool = True, **arguments: Any) -> Submitted:
         job = build_job_of(arguments, requests=int(counts_request))
-        return await self.run_steps(self.redis, operations.submit_rated(self, job))
+        return await steps.arun(self.redis, operations.submit_rated(self, job))
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
-        return await self.run_steps(self.redis, operations.result(self.keys, job_id, timeout))
+        return await steps.arun(self.redis, operations.result(self.keys, job_id, timeout))
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
-        return await self.run_steps(self.redis, operations.wait(self.keys, job_id, timeout))
+        return await steps.arun(self.redis, operations.wait(self.keys, job_id, timeout))
 
     async def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenDelta]:
-        reader, deadline = await self.run_steps(self.redis, follow(self.keys, job_id, after, timeout))
+        reader, deadline = await steps.arun(self.redis, follow(self.keys, job_id, after, timeout))
         while reader.end is None:
-            for delta in await self.run_steps(self.redis, reader.read(self.keys, deadline)):
+            for delta in await steps.arun(self.redis, reader.read(self.keys, deadline)):
                 yield delta
         reader.result()
 
     async def status(self, job_id: str) -> JobStatus:
-        return await self.run_steps(self.redis, operations.status(self.keys, job_id))
+        return await steps.arun(self.redis, operations.status(self.keys, job_id))
 
     async def cancel(self, job_id: str) -> JobStatus:
-        return await self.run_steps(self.redis, operations.cancel(self.keys, job_id))
+        return await steps.arun(self.redis, operations.cancel(self.keys, job_id))
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
-        return await self.run_steps(self.redis, operations.generate(self, {"prompt": prompt, **kwargs}, timeout))
+        return await steps.arun(self.redis, operations.generate(self, {"prompt": prompt, **kwargs}, timeout))
 
     async def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
-        return await self.run_steps(self.redis, bulk.submit_many(self, jobs))
+        return await steps.arun(self.redis, bulk.submit_many(self, jobs))
 
     async def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> AsyncIterator[JobResult]:
-        watch, deadline = await self.run_steps(self.redis, bulk.watch_all(self.keys, job_ids, timeout))
+        watch, deadline = await steps.arun(self.redis, bulk.watch_all(self.keys, job_ids, timeout))
         while watch:
-            for result in await self.run_steps(self.redis, bulk.next_finished(watch, deadline, is_cluster(self.redis))):
+            for result in await steps.arun(self.redis, bulk.next_finished(watch, deadline, is_cluster(self.redis))):
                 yield result
 
     async def results(self, job_ids: Iterable[str], timeout: float | None = None) -> list[JobResult]:
-        return await self.run_steps(self.redis, bulk.results(self.keys, job_ids, timeout, is_cluster(self.redis)))
+        return await steps.arun(self.redis, bulk.results(self.keys, job_ids, timeout, is_cluster(self.redis)))
 
     async def finished(self, watch: ResultWatch, timeout: float | None = None) -> list[JobResult]:
-        return await self.run_steps(self.redis, bulk.take_finished(watch, timeout, is_cluster(self.redis)))
+        return await steps.arun(self.redis, bulk.take_finished(watch, timeout, is_cluster(self.redis)))
 
     async def cancel_many(self, job_ids: Iterable[str]) -> None:
-        await self.run_steps(self.redis, bulk.cancel_many(self.keys, job_ids))
+        await steps.arun(self.redis, bulk.cancel_many(self.keys, job_ids))
 
     async def rate_limits(self) -> RateLimits:
-        return await self.run_steps(
-            self.redis, current_rate_limits(self.keys, self.queue, self.tenant, self.quota_cache)
-        )
+        return await steps.arun(self.redis, current_rate_limits(self.keys, self.queue, self.tenant, self.quota_cache))
 
     async def queue_stats(self) -> QueueStats:
-        return await self.run_steps(self.redis, read_queue_stats(self.keys, self.queue))
+        return await steps.arun(self.redis, read_queue_stats(self.keys, self.queue))
 
     async def workers(self) -> list[WorkerInfo]:
-        return await self.run_steps(self.redis, read_live_workers(self.keys))
+        return await steps.arun(self.redis, read_live_workers(self.keys))

@@ -25,14 +25,17 @@ from typing import Any
 from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
 from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound, JobTimeout
-from producer_client.keys import DONE_TTL_MS, NO_TENANT, PROTOCOL_VERSION, Keys
-from producer_client.new_job import NewJob, build_job_of
+from producer_client.keys import DONE_TTL_MS, NO_TENANT, Keys
+from producer_client.new_job import KnownParams, NewJob, build_job_of
 from producer_client.operations import cancel_call
 from producer_client.placement import Placement
+from producer_client.protocol import job_reads
 from producer_client.protocol import producer as scripts
-from producer_client.protocol.clock import entry_order
+from producer_client.protocol.clock import RedisTime, entry_order
+from producer_client.protocol.execution import AddCommands, Pipe
+from producer_client.protocol.job_reads import Entry, StatusAndDeadline
 from producer_client.protocol.producer import NO_LIMITS, Limits
-from producer_client.protocol.replies import Enqueued, Refusal, UnknownReply, parse_enqueue
+from producer_client.protocol.replies import Enqueued, Refusal, UnknownReply, parse_enqueue, parse_enqueue_many
 from producer_client.protocol.script import add_all
 from producer_client.schema import JobExpired, JobResult, Timings
 from producer_client.sharing import lane_job, placed_fields, refusal_error, uses_queue_stream
@@ -50,11 +53,11 @@ CLUSTER_BLOCK_MS = 100
 def build_jobs(specs: Iterable[Mapping[str, Any]]) -> list[NewJob]:
     """Every spec validated as `submit` validates its arguments; InvalidArgument names the first
     bad one as `jobs[<index>].<field>`."""
-    known_params: dict = {}
+    known_params: KnownParams = {}
     return [build_spec(index, spec, known_params) for index, spec in enumerate(specs)]
 
 
-def build_spec(index: int, spec: Mapping[str, Any], known_params: dict | None = None) -> NewJob:
+def build_spec(index: int, spec: Mapping[str, Any], known_params: KnownParams | None = None) -> NewJob:
     if not isinstance(spec, Mapping):
         raise InvalidArgument(f"jobs[{index}]", "must be a dict of submit()'s keyword arguments")
     try:
@@ -82,7 +85,7 @@ def submit_steps(
     tenant: str = NO_TENANT,
     limits: Limits = NO_LIMITS,
     one_server: bool = False,
-) -> Steps:
+) -> Steps[list[str]]:
     """Enqueue `jobs` chunk by chunk; returns their ids in order (`one_server`: not a cluster, so
     that one CREATE_MANY creates a chunk's jobs of fresh ids). Specs with the same request_id
     are one job. Raises BulkQueueFull when a stream fills up part-way, WaitingQuotaExceeded or
@@ -120,7 +123,7 @@ def enqueue_chunk(
     tenant: str,
     limits: Limits,
     one_server: bool,
-) -> Steps:
+) -> Steps[tuple[list[str], Enqueued]]:
     """Returns (the ids of the chunk's jobs in the queue now, up to the first that did not go in;
     the enqueue's outcome). A job whose enqueue fails or does not go in loses its hash, as in
     `submit`: a later submit with its request_id then enqueues it. Jobs placed on workers' own
@@ -160,15 +163,15 @@ def enqueue_chunk(
     return in_queue, outcome
 
 
-def chunk_outcome(reply: list, shared: list[NewJob], tenant: str) -> Enqueued:
+def chunk_outcome(reply: object, shared: list[NewJob], tenant: str) -> Enqueued:
     """ENQUEUE_MANY's {jobs added, depth after} or ENQUEUE_LANES's reply, as an outcome."""
     if not uses_queue_stream(shared, tenant):
         return parse_enqueue(reply)
-    added, depth = reply
+    added, depth = parse_enqueue_many(reply)
     return Enqueued(added, Refusal.FULL if added < len(shared) else Refusal.NONE, (depth, ""))
 
 
-def found_already(keys: Keys, idempotent: list[NewJob]) -> Steps:
+def found_already(keys: Keys, idempotent: list[NewJob]) -> Steps[set[str]]:
     """The ids of the jobs that CREATE found in the queue already, or past it. A request_id of
     another request raises IdempotencyConflict, once the hashes this call created are gone again
     (nothing of the chunk is enqueued)."""
@@ -193,19 +196,19 @@ def enqueue_commands(
     tenant: str,
     limits: Limits,
     one_server: bool = False,
-) -> Callable:
+) -> AddCommands:
     """The hashes of the jobs with a fresh id (CREATE of the others went first): on `one_server`
     one CREATE_MANY, else a command each; then one call for those bound for the lanes:
     ENQUEUE_MANY when they all go to the queue's own stream (the default lane, no tenant), else
     ENQUEUE_LANES, which also counts the tenant's limits."""
 
-    def add(pipe) -> None:
+    def add(pipe: Pipe) -> None:
         fresh = [job for job in jobs if not job.idempotent]
         if one_server and fresh:
             scripts.create_many(keys, [(job.job_id, job.timeout_ms) for job in fresh]).add_to(pipe)
         else:
             for job in fresh:
-                job.add_fresh_create(pipe, keys)
+                scripts.add_fresh_create(pipe, keys, job.job_id, job.timeout_ms)
         if not shared:
             return
         if uses_queue_stream(shared, tenant):
@@ -219,33 +222,33 @@ def enqueue_commands(
     return add
 
 
-def enqueue_placed_commands(placed: list[tuple[NewJob, str]], tenant: str) -> Callable:
+def enqueue_placed_commands(placed: list[tuple[NewJob, str]], tenant: str) -> AddCommands:
     """An XADD per job placed on a worker's stream, which has no bound (see sharing.enqueue_call),
     with its route and cost (only lane-aware workers take placed jobs)."""
 
-    def add(pipe) -> None:
+    def add(pipe: Pipe) -> None:
         for job, stream in placed:
-            pipe.xadd(stream, {"id": job.job_id, "v": PROTOCOL_VERSION, "body": job.body, **placed_fields(job, tenant)})
+            scripts.add_placed(pipe, stream, job.job_id, job.body, placed_fields(job, tenant))
 
     return add
 
 
-def flag_commands(keys: Keys, enqueued: list[NewJob], refused: list[NewJob]) -> Callable:
+def flag_commands(keys: Keys, enqueued: list[NewJob], refused: list[NewJob]) -> AddCommands:
     """The `enqueued` flag of the jobs with a request_id now in the queue (only a later submit of
     the same request_id reads it: a fresh id has none), and no hash of a job that did not fit."""
 
-    def add(pipe) -> None:
+    def add(pipe: Pipe) -> None:
         for job in enqueued:
             if job.idempotent:
-                pipe.hset(keys.job(job.job_id), "enqueued", "1")
+                scripts.add_enqueued_flag(pipe, keys, job.job_id)
         if refused:
-            pipe.delete(*(keys.job(job.job_id) for job in refused))
+            scripts.add_forget(pipe, keys, [job.job_id for job in refused])
 
     return add
 
 
-def forget_commands(jobs: list[NewJob], keys: Keys) -> Callable:
-    return lambda pipe: pipe.delete(*(keys.job(job.job_id) for job in jobs))
+def forget_commands(jobs: list[NewJob], keys: Keys) -> AddCommands:
+    return lambda pipe: scripts.add_forget(pipe, keys, [job.job_id for job in jobs])
 
 
 def cancel_many(keys: Keys, job_ids: Iterable[str]) -> Steps[None]:
@@ -317,7 +320,7 @@ class ResultWatch:
                 ended.append(JobResult.model_validate_json(data))
         return sorted(ended, key=lambda result: result.timings.finished_at or 0.0)
 
-    def take(self, window: dict[str, str], reply: list) -> list[JobResult]:
+    def take(self, window: dict[str, str], reply: list[tuple[str, list[Entry]]]) -> list[JobResult]:
         """The results in an XREAD reply over `window`, in the order the jobs ended (their `done`
         entries' ids: Redis's clock, to the millisecond), out of the watch from now on. A failed
         job's result is returned like any other: one job's failure ends no wait."""
@@ -338,18 +341,18 @@ class ResultWatch:
         now = time.monotonic()
         return [job_id for job_id, at in self.expiries.items() if at <= now]
 
-    def expect(self, job_ids: list[str], replies: list) -> None:
+    def expect(self, job_ids: list[str], looks: list[StatusAndDeadline], redis_time: RedisTime) -> None:
         """When each of `job_ids` expires unread, from its status and deadline and Redis's TIME
-        (read_deadlines): at once for one past it already; never for one that started or ended."""
-        for job_id, at, _ in expiries(job_ids, replies):
+        (job_reads.deadlines): at once for one past it already; never for one that started or ended."""
+        for job_id, at, _ in expiries(job_ids, looks, redis_time):
             if at is not None:
                 self.expiries[job_id] = at
 
-    def expired(self, job_ids: list[str], replies: list) -> list[JobResult]:
+    def expired(self, job_ids: list[str], looks: list[StatusAndDeadline], redis_time: RedisTime) -> list[JobResult]:
         """Of `job_ids`, read again as `expect` reads them: the expired results of those still
         queued past their deadline, out of the watch; the others' expiries as they now stand."""
         results = []
-        for job_id, at, deadline_ms in expiries(job_ids, replies):
+        for job_id, at, deadline_ms in expiries(job_ids, looks, redis_time):
             if at == PASSED and deadline_ms is not None:  # only a deadline passes
                 del self.waiting[job_id], self.expiries[job_id]
                 results.append(expired_result(job_id, int(deadline_ms)))
@@ -363,13 +366,14 @@ class ResultWatch:
 PASSED = 0.0  # the expiry of a job past its deadline: due at once
 
 
-def expiries(job_ids: list[str], replies: list) -> Iterator[tuple[str, float | None, str | None]]:
+def expiries(
+    job_ids: list[str], looks: list[StatusAndDeadline], redis_time: RedisTime
+) -> Iterator[tuple[str, float | None, str | None]]:
     """Each job's expiry as `waiting.expiry` has it (PASSED for one past its deadline), and its
-    deadline, from read_deadlines' replies."""
-    for i, job_id in enumerate(job_ids):
-        status, deadline_ms = replies[2 * i], replies[2 * i + 1]
+    deadline, from its status and deadline as job_reads.deadlines read them."""
+    for job_id, (status, deadline_ms) in zip(job_ids, looks):
         try:
-            yield job_id, expiry(job_id, status, deadline_ms, replies[-1]), deadline_ms
+            yield job_id, expiry(job_id, status, deadline_ms, redis_time), deadline_ms
         except JobExpired:
             yield job_id, PASSED, deadline_ms
 
@@ -392,28 +396,17 @@ def read_finished(watch: ResultWatch, block_ms: int, per_slot: bool) -> Steps[li
     window = watch.window()
     to_look = watch.to_look(window, per_slot)
     if to_look:
-        results = checked((yield lambda pipe: [pipe.hget(watch.keys.job(job_id), "result") for job_id in to_look]))
+        results = yield from job_reads.field_of_jobs(watch.keys, to_look, "result")
         ended = watch.take_looked(to_look, results)
         if ended:
             return ended
     if not per_slot:
-        (reply,) = yield lambda pipe: pipe.xread(dict.fromkeys(window, "0-0"), count=1, block=block_ms)
+        (reply,) = yield lambda pipe: job_reads.add_ends_read(pipe, window, block_ms)
         return watch.take(window, streams_read(reply))
     first = next(iter(window))
-    (reply,) = yield lambda pipe: pipe.xread({first: "0-0"}, count=1, block=min(block_ms, CLUSTER_BLOCK_MS))
+    block_ms = min(block_ms, CLUSTER_BLOCK_MS)
+    (reply,) = yield lambda pipe: job_reads.add_ends_read(pipe, (first,), block_ms)
     return watch.take(window, streams_read(reply))
-
-
-def read_deadlines(keys: Keys, job_ids: list[str]) -> Steps[list]:
-    """Each job's status and deadline, then Redis's TIME, in one round trip."""
-
-    def add(pipe) -> None:
-        for job_id in job_ids:
-            pipe.hmget(keys.job(job_id), "status", "deadline")
-        pipe.time()
-
-    *fields, redis_time = checked((yield add))
-    return [value for pair in fields for value in pair] + [redis_time]
 
 
 def watch_all(keys: Keys, job_ids: Iterable[str], timeout: float | None) -> Steps[tuple[ResultWatch, Deadline]]:
@@ -425,11 +418,11 @@ def watch_all(keys: Keys, job_ids: Iterable[str], timeout: float | None) -> Step
     watch = ResultWatch(keys, job_ids)
     for start in range(0, len(job_ids), CHUNK):
         chunk = job_ids[start : start + CHUNK]
-        replies = yield from read_deadlines(keys, chunk)
-        missing = next((job_id for i, job_id in enumerate(chunk) if replies[2 * i] is None), None)
+        looks, redis_time = yield from job_reads.deadlines(keys, chunk)
+        missing = next((job_id for job_id, (status, _) in zip(chunk, looks) if status is None), None)
         if missing is not None:
             raise JobNotFound(missing)
-        watch.expect(chunk, replies)
+        watch.expect(chunk, looks, redis_time)
     return watch, deadline
 
 
@@ -440,7 +433,8 @@ def next_finished(watch: ResultWatch, deadline: Deadline, per_slot: bool) -> Ste
     job once the caller's deadline has passed."""
     due = watch.due()
     if due:
-        expired = watch.expired(due, (yield from read_deadlines(watch.keys, due)))
+        looks, redis_time = yield from job_reads.deadlines(watch.keys, due)
+        expired = watch.expired(due, looks, redis_time)
         if expired:
             return expired
     try:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+T = TypeVar("T")
 
 MAX_TOOLS = 128  # OpenAI's bound on `tools`
 # OpenAI's rule for a function's name; it also keeps names free of the characters that would let a
@@ -25,7 +27,7 @@ class FunctionSpec(Wire):
 
     name: str = Field(pattern=f"^{FUNCTION_NAME.pattern}$")
     description: str | None = None
-    parameters: dict | None = None  # a JSON Schema object
+    parameters: dict[str, Any] | None = None  # a JSON Schema object
     strict: bool | None = None
 
 
@@ -74,26 +76,26 @@ class ChatMessage(Wire):
 
     @field_validator("reasoning_content", "tool_calls")
     @classmethod
-    def _assistant_only(cls, value, info: ValidationInfo):
+    def _assistant_only(cls, value: T, info: ValidationInfo) -> T:
         if value is not None and info.data.get("role") != "assistant":
             raise ValueError("belongs to assistant messages only")
         return value
 
     @field_validator("tool_call_id")
     @classmethod
-    def _on_tool_messages(cls, value, info: ValidationInfo):
+    def _on_tool_messages(cls, value: str | None, info: ValidationInfo) -> str | None:
         if (value is not None) != (info.data.get("role") == "tool"):
             raise ValueError("is required on tool messages, and only there")
         return value
 
     @field_validator("content")
     @classmethod
-    def _given(cls, value, info: ValidationInfo):
+    def _given(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
             raise ValueError("is required (only an assistant message with tool_calls may leave it out)")
         return value
 
-    def for_template(self) -> dict:
+    def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: Qwen3's renders `arguments` text as is."""
         return self.model_dump(exclude_none=True)
 

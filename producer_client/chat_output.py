@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from pydantic import BaseModel, ConfigDict
 
@@ -271,6 +272,6 @@ def partial_marker(text: str, marker: str) -> int:
     return 0
 
 
-def refuse_constant(name: str):
+def refuse_constant(name: str) -> NoReturn:
     # json.loads takes NaN and Infinity, which are not JSON: the arguments could not be sent on.
     raise ValueError(f"{name} is not JSON")

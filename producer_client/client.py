@@ -11,11 +11,12 @@ from typing import Any
 from producer_client import bulk, operations, steps
 from producer_client.bulk import ResultWatch
 from producer_client.client_base import ClientBase
-from producer_client.cluster import is_cluster
+from producer_client.cluster import SyncRedis, is_cluster
 from producer_client.connection import RedisURL, connect, retry_policy
 from producer_client.job_stream import follow
 from producer_client.new_job import build_job, build_job_of
-from producer_client.quotas import RateLimits, current_rate_limits
+from producer_client.quotas import current_rate_limits
+from producer_client.rate_limits import RateLimits
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 from producer_client.sharing import Submitted
 from producer_client.status_reads import read_live_workers, read_queue_stats
@@ -40,9 +41,10 @@ class Client(ClientBase):
     to the shared stream.
     """
 
-    run_steps = staticmethod(steps.run)
+    redis: SyncRedis
+    run_steps = staticmethod(steps.run)  # for the operator's views (ClientBase); its own calls name steps.run
 
-    def _connect(self, target: RedisURL, max_connections: int | None):
+    def _connect(self, target: RedisURL, max_connections: int | None) -> SyncRedis:
         return connect(target, decode_responses=True, retry=retry_policy(target.mode), max_connections=max_connections)
 
     def close(self) -> None:
@@ -51,14 +53,14 @@ class Client(ClientBase):
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def submit(
         self,
         prompt: str | None = None,
         *,
-        messages: list[dict] | None = None,
+        messages: list[dict[str, Any]] | None = None,
         input_ids: list[int] | None = None,
         request_id: str | None = None,
         timeout_s: float | None = None,
@@ -92,7 +94,7 @@ class Client(ClientBase):
             stream=stream,
             service_tier=service_tier,
         )
-        return self.run_steps(self.redis, operations.submit(self, job))
+        return steps.run(self.redis, operations.submit(self, job))
 
     def submit_rated(self, counts_request: bool = True, **arguments: Any) -> Submitted:
         """submit() of `arguments`, returning the job's id with its tenant's rate limits after it
@@ -100,17 +102,17 @@ class Client(ClientBase):
         of a request another job counted, so it counts its tokens but no request against the
         tenant's requests-per-minute limit (OpenAI counts a request with n choices as one)."""
         job = build_job_of(arguments, requests=int(counts_request))
-        return self.run_steps(self.redis, operations.submit_rated(self, job))
+        return steps.run(self.redis, operations.submit_rated(self, job))
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Block until the job ends (XREAD BLOCK on its `done` stream; no polling) and return its
         result. Raises JobFailed for a failed job, JobTimeout, JobNotFound."""
-        return self.run_steps(self.redis, operations.result(self.keys, job_id, timeout))
+        return steps.run(self.redis, operations.result(self.keys, job_id, timeout))
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
         """result() of a job known to exist (this client just submitted it): one blocking read of
         its `done` stream, without looking the job up first."""
-        return self.run_steps(self.redis, operations.wait(self.keys, job_id, timeout))
+        return steps.run(self.redis, operations.wait(self.keys, job_id, timeout))
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
         """Yield the job's token deltas until it ends. Resume after a disconnect with
@@ -119,23 +121,23 @@ class Client(ClientBase):
         The job counts as streamed from now on (FOLLOW): its worker publishes its tokens within
         stream_interval_s once it sees that. A job that had ended unfollowed (and kept no events)
         gives its whole output as one delta."""
-        reader, deadline = self.run_steps(self.redis, follow(self.keys, job_id, after, timeout))
+        reader, deadline = steps.run(self.redis, follow(self.keys, job_id, after, timeout))
         while reader.end is None:
-            yield from self.run_steps(self.redis, reader.read(self.keys, deadline))
+            yield from steps.run(self.redis, reader.read(self.keys, deadline))
         reader.result()
 
     def status(self, job_id: str) -> JobStatus:
-        return self.run_steps(self.redis, operations.status(self.keys, job_id))
+        return steps.run(self.redis, operations.status(self.keys, job_id))
 
     def cancel(self, job_id: str) -> JobStatus:
         """A queued job is cancelled at once; a running one stops within its worker's
         stream_interval_s if streamed, else its checkpoint_interval_s (plus a step), and
         keeps its partial output. Returns the status right after the request."""
-        return self.run_steps(self.redis, operations.cancel(self.keys, job_id))
+        return steps.run(self.redis, operations.cancel(self.keys, job_id))
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
         """submit() then result(), without looking the job up: it was just created."""
-        return self.run_steps(self.redis, operations.generate(self, {"prompt": prompt, **kwargs}, timeout))
+        return steps.run(self.redis, operations.generate(self, {"prompt": prompt, **kwargs}, timeout))
 
     def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
         """Enqueue many jobs, each a dict of submit()'s keyword arguments (`request_id` too), and
@@ -143,40 +145,40 @@ class Client(ClientBase):
         names `jobs[<index>].<field>`); the jobs go out in pipelined chunks. The queue's bound holds
         as for submit(): a queue that fills part-way raises BulkQueueFull (a QueueFull), whose
         `job_ids` are those of the specs enqueued, a prefix of them; no spec after them was."""
-        return self.run_steps(self.redis, bulk.submit_many(self, jobs))
+        return steps.run(self.redis, bulk.submit_many(self, jobs))
 
     def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> Iterator[JobResult]:
         """Yield the jobs' results as they end, in the order they end, a round trip per batch of
         them (see ResultWatch). A failed job's result is yielded (status `failed`, with its error),
         not raised. Raises JobNotFound for an id with no job before yielding anything, and
         JobTimeout, naming an unfinished job, once `timeout` seconds have passed."""
-        watch, deadline = self.run_steps(self.redis, bulk.watch_all(self.keys, job_ids, timeout))
+        watch, deadline = steps.run(self.redis, bulk.watch_all(self.keys, job_ids, timeout))
         while watch:
-            yield from self.run_steps(self.redis, bulk.next_finished(watch, deadline, is_cluster(self.redis)))
+            yield from steps.run(self.redis, bulk.next_finished(watch, deadline, is_cluster(self.redis)))
 
     def results(self, job_ids: Iterable[str], timeout: float | None = None) -> list[JobResult]:
         """Every job's result, in the order of `job_ids`, collected as as_completed() does."""
-        return self.run_steps(self.redis, bulk.results(self.keys, job_ids, timeout, is_cluster(self.redis)))
+        return steps.run(self.redis, bulk.results(self.keys, job_ids, timeout, is_cluster(self.redis)))
 
     def finished(self, watch: ResultWatch, timeout: float | None = None) -> list[JobResult]:
         """The results of the watched jobs that have ended, taken out of `watch`: at once if any
         has, else as soon as one does; [] if none has within `timeout` seconds. For callers that
         add jobs as they go (ResultWatch.add); as_completed() is this over a fixed set."""
-        return self.run_steps(self.redis, bulk.take_finished(watch, timeout, is_cluster(self.redis)))
+        return steps.run(self.redis, bulk.take_finished(watch, timeout, is_cluster(self.redis)))
 
     def cancel_many(self, job_ids: Iterable[str]) -> None:
         """cancel() of each job in one round trip; an id with no job is passed over."""
-        self.run_steps(self.redis, bulk.cancel_many(self.keys, job_ids))
+        steps.run(self.redis, bulk.cancel_many(self.keys, job_ids))
 
     def rate_limits(self) -> RateLimits:
         """The client's tenant's rate limits on its queue now (counting nothing): what the
         gateway's x-ratelimit-* headers say of an answer that enqueued no job."""
-        return self.run_steps(self.redis, current_rate_limits(self.keys, self.queue, self.tenant, self.quota_cache))
+        return steps.run(self.redis, current_rate_limits(self.keys, self.queue, self.tenant, self.quota_cache))
 
     def queue_stats(self) -> QueueStats:
-        return self.run_steps(self.redis, read_queue_stats(self.keys, self.queue))
+        return steps.run(self.redis, read_queue_stats(self.keys, self.queue))
 
     def workers(self) -> list[WorkerInfo]:
         """Every live worker of every queue, from the queue index, each queue's worker index and
         the heartbeats (an expired heartbeat is a dead worker): which models are served where."""
-        return self.run_steps(self.redis, read_live_workers(self.keys))
+        return steps.run(self.redis, read_live_workers(self.keys))

@@ -6,9 +6,9 @@ and how it runs steps."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import TypeVar
 
+from producer_client.cluster import AsyncRedis, SyncRedis
 from producer_client.connection import RedisURL, parse_url
 from producer_client.dead_letters import DeadLetters
 from producer_client.inspection import QueueInspector
@@ -16,6 +16,7 @@ from producer_client.keys import DEFAULT_PREFIX, NO_TENANT, Keys, check_name, ch
 from producer_client.placement import Placement
 from producer_client.protocol.replication import Replication
 from producer_client.quotas import Quotas, TenantQuotas
+from producer_client.steps import Runner
 from producer_client.validation import check_max_queue_depth
 
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -25,7 +26,8 @@ C = TypeVar("C", bound="ClientBase")
 
 
 class ClientBase:
-    run_steps: Callable  # producer_client.steps.run, or .arun for asyncio: runs steps over `redis`
+    redis: SyncRedis | AsyncRedis  # each client's own kind
+    run_steps: Runner  # producer_client.steps.run, or .arun for asyncio: runs steps over `redis`
 
     def __init__(
         self,
@@ -49,7 +51,7 @@ class ClientBase:
         self.placement = Placement(placement)
         self.redis = self._connect(parse_url(url), max_connections)
 
-    def _connect(self, target: RedisURL, max_connections: int | None):
+    def _connect(self, target: RedisURL, max_connections: int | None) -> SyncRedis | AsyncRedis:
         """A redis-py client of `target`, with the clients' retry policy."""
         raise NotImplementedError
 

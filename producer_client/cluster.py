@@ -19,8 +19,9 @@ needs; producer_client.connection builds them from `redis+cluster://` URLs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal, cast
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any, Literal, TypeVar, cast
 
 import redis
 import redis.asyncio.retry
@@ -30,14 +31,17 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError
+from typing_extensions import TypeIs
 
 SCRIPT_CALLS = frozenset({"EVAL", "EVALSHA"})
 STREAM_READS = frozenset({"XREAD", "XREADGROUP"})
 # What a failover or a resharding answers until the cluster serves every slot again.
 NODE_ERRORS = (redis.ConnectionError, redis.TimeoutError, ClusterDownError)
+T = TypeVar("T")
+R = TypeVar("R", redis.retry.Retry, redis.asyncio.retry.Retry)
 
 
-def known_keys(args: Sequence) -> list | None:
+def known_keys(args: Sequence[Any]) -> list[Any] | None:
     """The keys of a script call (EVAL, EVALSHA: `numkeys` of them after it) or of a stream
     read (XREAD, XREADGROUP: the first half of what follows STREAMS); None for other commands."""
     command = str(args[0]).upper()
@@ -59,7 +63,9 @@ class topology_errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind, e, traceback) -> Literal[False]:
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, traceback: TracebackType | None
+    ) -> Literal[False]:
         if not isinstance(e, RedisClusterException):
             return False
         if isinstance(e.__cause__, redis.RedisError):
@@ -69,21 +75,28 @@ class topology_errors:
         return False
 
 
-class _KnownKeys:
-    """redis-py's command parser, except for the commands of `known_keys`."""
+class _ParserProxy:
+    """A proxy of redis-py's command parser: what the parser has, as it has it (`Any`: the proxy
+    passes for either parser, which redis-py's stubs cannot say)."""
 
-    def __init__(self, parser):
-        self._parser = parser
+    def __init__(self, parser: CommandsParser | AsyncCommandsParser):
+        self._parser: Any = parser
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._parser, name)
 
-    def get_keys(self, redis_conn, *args):
+
+class _KnownKeys(_ParserProxy):
+    """redis-py's command parser, except for the commands of `known_keys`."""
+
+    def get_keys(self, redis_conn: Any, *args: Any) -> list[Any] | None:
         return known_keys(args) or self._parser.get_keys(redis_conn, *args)
 
 
-class _AsyncKnownKeys(_KnownKeys):
-    async def get_keys(self, *args):
+class _AsyncKnownKeys(_ParserProxy):
+    """The asyncio command parser, except for the commands of `known_keys`."""
+
+    async def get_keys(self, *args: Any) -> list[Any] | None:
         return known_keys(args) or await self._parser.get_keys(*args)
 
 
@@ -91,20 +104,22 @@ class Cluster(RedisCluster):
     """redis.cluster.RedisCluster, which reads the cluster's topology when it is made; `retry`
     paces the tries of a call (see the module's docstring)."""
 
-    def __init__(self, *, retry: redis.retry.Retry | None = None, **kwargs):
+    def __init__(self, *, retry: redis.retry.Retry | None = None, **kwargs: Any):
         self.pacing = _pacing(retry or redis.retry.Retry(NoBackoff(), 0))  # the topology is read at once
         with topology_errors():
             super().__init__(retry=redis.retry.Retry(NoBackoff(), 0), **kwargs)
         # Its pipelines share it. A proxy of the parser, which it passes for.
         self.commands_parser = cast(CommandsParser, _KnownKeys(self.commands_parser))
 
-    def execute_command(self, *args, **kwargs):
-        return self.paced(lambda: super(Cluster, self).execute_command(*args, **kwargs))
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        # RedisCluster's, by its class: mypy's untyped_calls_exclude (pyproject.toml) knows an
+        # unannotated method of redis-py's by the class it is called on, not through super().
+        return self.paced(lambda: RedisCluster.execute_command(self, *args, **kwargs))
 
-    def paced(self, call):
+    def paced(self, call: Callable[[], T]) -> T:
         """call(), tried again as `retry` allows while no node can serve it."""
 
-        def attempt():
+        def attempt() -> T:
             with topology_errors():
                 return call()
 
@@ -114,30 +129,38 @@ class Cluster(RedisCluster):
 class AsyncCluster(AsyncRedisCluster):
     """redis.asyncio.cluster.RedisCluster, which reads the topology at its first command."""
 
-    def __init__(self, *, retry: redis.asyncio.retry.Retry | None = None, **kwargs):
+    def __init__(self, *, retry: redis.asyncio.retry.Retry | None = None, **kwargs: Any):
         self.pacing = _pacing(retry or redis.asyncio.retry.Retry(NoBackoff(), 0))
         super().__init__(retry=redis.asyncio.retry.Retry(NoBackoff(), 0), **kwargs)
         self.commands_parser = cast(AsyncCommandsParser, _AsyncKnownKeys(self.commands_parser))
 
-    async def execute_command(self, *args, **kwargs):
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         return await self.paced(lambda: super(AsyncCluster, self).execute_command(*args, **kwargs))
 
-    async def paced(self, call):
-        async def attempt():
+    async def paced(self, call: Callable[[], Awaitable[T]]) -> T:
+        async def attempt() -> T:
             with topology_errors():
                 return await call()
 
-        async def ignore(error):
+        async def ignore(error: Exception) -> None:
             pass
 
         return await self.pacing.call_with_retry(attempt, ignore)
 
 
-def _pacing(retry):
+def _pacing(retry: R) -> R:
     """`retry`, trying again on NODE_ERRORS too (redis-py's Retry knows connection errors only)."""
     retry.update_supported_errors(NODE_ERRORS)
     return retry
 
 
-def is_cluster(client) -> bool:
-    return isinstance(client, (RedisCluster, AsyncRedisCluster))
+# A client MILI connects (producer_client.connection): of one server (a sentinel's master too), or
+# of a cluster; synchronous or asyncio.
+SyncRedis = redis.Redis | Cluster
+AsyncRedis = redis.asyncio.Redis | AsyncCluster
+
+
+def is_cluster(client: object) -> TypeIs[Cluster | AsyncCluster]:
+    """Whether `client` is a cluster's (producer_client.connection makes every one a Cluster or an
+    AsyncCluster)."""
+    return isinstance(client, (Cluster, AsyncCluster))

@@ -20,8 +20,8 @@ import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, TypeVar
-from urllib.parse import parse_qsl, quote, unquote, urlsplit
+from typing import Any, TypeVar, overload
+from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlsplit
 
 import redis
 import redis.asyncio
@@ -33,10 +33,11 @@ import redis.sentinel
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.cluster import ClusterNode
+from redis.commands.sentinel import SentinelMastersResponse
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.connection import parse_url as redis_py_url_options
 
-from producer_client.cluster import AsyncCluster, Cluster
+from producer_client.cluster import AsyncCluster, AsyncRedis, Cluster, SyncRedis
 from producer_client.errors import InvalidArgument
 
 # Every call of the clients is safe to repeat: reads, CANCEL, and submits (CREATE never sets a
@@ -56,6 +57,7 @@ FATAL_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError, 
 # with plain values; never a value that could be a password.
 _PLAIN_VALUE = re.compile(r"[A-Za-z0-9._-]{0,32}")
 SHOWN_OPTIONS = frozenset(URL_QUERY_ARGUMENT_PARSERS) | {"ssl_cert_reqs", "client_name"}
+T = TypeVar("T")
 # Characters a URL reserves: in a user name or password they must be percent-encoded, or the URL
 # splits elsewhere than its writer meant (its host would be part of the password).
 RESERVED_IN_CREDENTIALS = "/?#"
@@ -67,22 +69,42 @@ class Mode(str, Enum):
     SENTINEL = "sentinel"
 
 
-class _SkipFatal:
+Fail = Callable[[Exception], Any] | Callable[[Exception, int], Any]  # what redis-py's Retry calls after a failed try
+
+
+def _not_fatal(is_retryable: Callable[[Exception], bool] | None) -> Callable[[Exception], bool]:
+    """`is_retryable`, and never for FATAL_ERRORS."""
+
+    def retryable(error: Exception) -> bool:
+        return not isinstance(error, FATAL_ERRORS) and (is_retryable is None or is_retryable(error))
+
+    return retryable
+
+
+class Retry(redis.retry.Retry):
     """A redis-py Retry that gives up at once on FATAL_ERRORS."""
 
-    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
-        def retryable(error: Exception) -> bool:
-            return not isinstance(error, FATAL_ERRORS) and (is_retryable is None or is_retryable(error))
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Fail,
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        return super().call_with_retry(do, fail, _not_fatal(is_retryable), with_failure_count)
 
-        return super().call_with_retry(do, fail, retryable, with_failure_count)
 
+class AsyncRetry(redis.asyncio.retry.Retry):
+    """Retry, for redis.asyncio."""
 
-class Retry(_SkipFatal, redis.retry.Retry):
-    pass
-
-
-class AsyncRetry(_SkipFatal, redis.asyncio.retry.Retry):
-    pass
+    async def call_with_retry(
+        self,
+        do: Callable[[], Awaitable[T]],
+        fail: Fail,
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        return await super().call_with_retry(do, fail, _not_fatal(is_retryable), with_failure_count)
 
 
 def retry_policy(mode: Mode | None = None) -> Retry:
@@ -203,7 +225,7 @@ def parse_url(url: Any) -> RedisURL:
     return RedisURL(url, mode, nodes, service, options)
 
 
-def _split(url: str):
+def _split(url: str) -> SplitResult:
     """urlsplit's parts, once sure that its user name and password are all in its netloc: an `@`
     past the netloc means a reserved character (/ ? #) in them, not percent-encoded."""
     try:
@@ -219,9 +241,10 @@ def _split(url: str):
 
 def _redis_py_options(url: str, text: str) -> dict[str, Any]:
     try:
-        return redis_py_url_options(text)
+        options: dict[str, Any] = redis_py_url_options(text)  # redis-py's parse_url is unannotated
     except ValueError as e:
         raise _bad(url, str(e)) from None
+    return options
 
 
 def _node(url: str, text: str, default_port: int) -> tuple[str, int]:
@@ -241,7 +264,7 @@ def _bad(url: str, reason: str) -> InvalidArgument:
 # -- clients -----------------------------------------------------------------------------------------
 
 
-def connect(url: str | RedisURL, **kwargs: Any):
+def connect(url: str | RedisURL, **kwargs: Any) -> SyncRedis:
     """A synchronous client of `url` in its mode: redis.Redis (one server, or the master a
     sentinel names, followed across failovers) or a cluster client, with `kwargs` (decode_responses,
     retry, max_connections, ...) given to every connection. A cluster client reads the cluster's
@@ -253,14 +276,17 @@ def connect(url: str | RedisURL, **kwargs: Any):
         sentinels = Sentinels(
             list(target.nodes), sentinel_kwargs=_sentinel_options(target, kwargs, Retry(NoBackoff(), 0))
         )
-        return sentinels.master_for(target.service, redis_class=SentinelMaster, **_merged(target, kwargs))
+        return sentinels.master(target.service, **_merged(target, kwargs))
     nodes = [ClusterNode(host, port) for host, port in target.nodes]
-    retry = kwargs.get("retry")
-    make = lambda: Cluster(startup_nodes=list(nodes), **_merged(target, kwargs))  # noqa: E731
+    retry: redis.retry.Retry | None = kwargs.get("retry")
+
+    def make() -> Cluster:
+        return Cluster(startup_nodes=list(nodes), **_merged(target, kwargs))
+
     return make() if retry is None else retry.call_with_retry(make, lambda error: None)
 
 
-def connect_async(url: str | RedisURL, **kwargs: Any):
+def connect_async(url: str | RedisURL, **kwargs: Any) -> AsyncRedis:
     """`connect` for asyncio: redis.asyncio clients, which connect at their first command."""
     target = url if isinstance(url, RedisURL) else parse_url(url)
     if target.mode is Mode.SERVER:
@@ -269,7 +295,7 @@ def connect_async(url: str | RedisURL, **kwargs: Any):
         sentinels = AsyncSentinels(
             list(target.nodes), sentinel_kwargs=_sentinel_options(target, kwargs, AsyncRetry(NoBackoff(), 0))
         )
-        return sentinels.master_for(target.service, redis_class=AsyncSentinelMaster, **_merged(target, kwargs))
+        return sentinels.master(target.service, **_merged(target, kwargs))
     nodes = [AsyncClusterNode(host, port) for host, port in target.nodes]
     return AsyncCluster(startup_nodes=nodes, **_merged(target, kwargs))
 
@@ -280,7 +306,7 @@ def _merged(target: RedisURL, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in kwargs.items() if v is not None}, **target.options}
 
 
-def _sentinel_options(target: RedisURL, kwargs: dict[str, Any], retry) -> dict[str, Any]:
+def _sentinel_options(target: RedisURL, kwargs: dict[str, Any], retry: Retry | AsyncRetry) -> dict[str, Any]:
     """What the connections to the sentinels share with the master's: TLS and socket settings.
     Each sentinel is asked once per discovery, then the next: the caller's policy (`retry` of the
     master's connections) repeats the whole discovery. redis-py's default would retry a dead
@@ -304,7 +330,7 @@ class SentinelNode(redis.Redis):
     def __repr__(self) -> str:
         return _sentinel_repr(self)
 
-    def sentinel_masters(self):
+    def sentinel_masters(self) -> SentinelMastersResponse:
         try:
             return super().sentinel_masters()
         except (redis.ConnectionError, redis.TimeoutError) as e:
@@ -315,28 +341,44 @@ class AsyncSentinelNode(redis.asyncio.Redis):
     def __repr__(self) -> str:
         return _sentinel_repr(self)
 
-    async def sentinel_masters(self):
+    async def sentinel_masters(self) -> SentinelMastersResponse:
         try:
             return await super().sentinel_masters()
         except (redis.ConnectionError, redis.TimeoutError) as e:
             raise SentinelUnreachable(f"{type(e).__name__}: {e}") from e
 
 
-def _sentinel_repr(client) -> str:
+def _sentinel_repr(client: redis.Redis | redis.asyncio.Redis) -> str:
     options = client.connection_pool.connection_kwargs
     return f"<sentinel {options.get('host')}:{options.get('port')}>"
 
 
+# redis-py's Sentinel classes are unannotated: their methods are called by their class below, not
+# through super() or a subclass's instance, so that mypy's untyped_calls_exclude (pyproject.toml)
+# knows them as redis-py's.
+
+
 class Sentinels(redis.sentinel.Sentinel):
     def __init__(self, nodes: list[tuple[str, int]], sentinel_kwargs: dict[str, Any]):
-        super().__init__(nodes, sentinel_kwargs=sentinel_kwargs)
+        redis.sentinel.Sentinel.__init__(self, nodes, sentinel_kwargs=sentinel_kwargs)
         self.sentinels = [SentinelNode(host, port, **sentinel_kwargs) for host, port in nodes]
+
+    def master(self, service: str, **kwargs: Any) -> SentinelMaster:
+        """The client of `service`'s master, followed across failovers."""
+        master: SentinelMaster = redis.sentinel.Sentinel.master_for(self, service, redis_class=SentinelMaster, **kwargs)
+        return master
 
 
 class AsyncSentinels(redis.asyncio.sentinel.Sentinel):
     def __init__(self, nodes: list[tuple[str, int]], sentinel_kwargs: dict[str, Any]):
-        super().__init__(nodes, sentinel_kwargs=sentinel_kwargs)
+        redis.asyncio.sentinel.Sentinel.__init__(self, nodes, sentinel_kwargs=sentinel_kwargs)
         self.sentinels = [AsyncSentinelNode(host=host, port=port, **sentinel_kwargs) for host, port in nodes]
+
+    def master(self, service: str, **kwargs: Any) -> AsyncSentinelMaster:
+        master: AsyncSentinelMaster = redis.asyncio.sentinel.Sentinel.master_for(
+            self, service, redis_class=AsyncSentinelMaster, **kwargs
+        )
+        return master
 
 
 class SentinelMaster(redis.Redis):
@@ -364,7 +406,6 @@ class AsyncSentinelMaster(redis.asyncio.Redis):
 # How long a health check or a CLI command waits for Redis by default before it says it cannot
 # reach it: a probe with a timeout of a second or two must see the answer, not its own timeout.
 PROBE_TIMEOUT_S = 1.5
-T = TypeVar("T")
 
 
 class Unreachable(redis.ConnectionError):
@@ -372,11 +413,15 @@ class Unreachable(redis.ConnectionError):
     message, or that nothing came within the bound)."""
 
 
-def ping(client) -> Any:
+def ping(client: SyncRedis) -> bool:
     return client.ping()
 
 
-def probe(url: str | RedisURL, timeout_s: float, check: Callable[[Any], T] = ping) -> T:
+@overload
+def probe(url: str | RedisURL, timeout_s: float) -> bool: ...
+@overload
+def probe(url: str | RedisURL, timeout_s: float, check: Callable[[SyncRedis], T]) -> T: ...
+def probe(url: str | RedisURL, timeout_s: float, check: Callable[[SyncRedis], Any] = ping) -> Any:
     """`check(client)`'s answer (PING by default) within timeout_s, on a client of `url` that
     tries each call once: for health checks and commands that must fail fast, where a client's
     calls retry for seconds (RETRIES) and a cluster's or a sentinel's discovery tries every node.
@@ -384,7 +429,7 @@ def probe(url: str | RedisURL, timeout_s: float, check: Callable[[Any], T] = pin
     silent nodes one after the other) outlasts the bound. Unreachable if Redis refuses, drops or
     does not answer; other errors (a wrong password, a command the ACL forbids) as raised."""
     target = url if isinstance(url, RedisURL) else parse_url(url)
-    outcome: list[tuple[Any, BaseException | None]] = []
+    outcome: list[tuple[object, BaseException | None]] = []
 
     def run() -> None:
         client = None

@@ -26,13 +26,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from producer_client.cluster import AsyncRedis, SyncRedis
 from producer_client.errors import InvalidArgument, MiliError
 from producer_client.keys import DEFAULT_LANE, LANES, NAME_PATTERN, NO_TENANT, TENANT_PATTERN, Keys, check_name
 from producer_client.protocol import letters as dead
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_time, epoch_ms
+from producer_client.protocol.execution import Pipe
 from producer_client.protocol.lanes import DEFAULT_COST
-from producer_client.steps import Steps, checked
+from producer_client.steps import Runner, Steps, checked
 from producer_client.validation import EVENT_ID, check_limit
 
 DEFAULT_LIMIT = 20
@@ -129,7 +131,7 @@ class DeadLetters:
     """The dead letters of `queue`. Each method returns its outcome; over an asyncio client (`run`
     is steps.arun) it returns an awaitable of it. Bad arguments raise InvalidArgument at once."""
 
-    def __init__(self, client, keys: Keys, queue: str, run):
+    def __init__(self, client: SyncRedis | AsyncRedis, keys: Keys, queue: str, run: Runner):
         self.client = client
         self.keys = keys
         self.queue = queue
@@ -207,7 +209,7 @@ def retry_letters(keys: Keys, queue: str, letters: list[DeadLetter]) -> Steps[li
                 letter_id=letter.letter_id, job_id=letter.job_id, outcome="refused", reason=e.message
             )
 
-    def add_retries(pipe) -> None:
+    def add_retries(pipe: Pipe) -> None:
         for letter in usable:
             scripts.retry(keys, letter.job_id, letter.timeout_ms()).add_to(pipe)
 
@@ -221,7 +223,7 @@ def retry_letters(keys: Keys, queue: str, letters: list[DeadLetter]) -> Steps[li
                 letter_id=letter.letter_id, job_id=letter.job_id, outcome="refused", reason=reason
             )
 
-    def add_revivals(pipe) -> None:
+    def add_revivals(pipe: Pipe) -> None:
         for letter in queued:
             f = letter.fields
             scripts.revive(

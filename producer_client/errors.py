@@ -3,6 +3,8 @@ which carries the failed job's result, is defined beside JobResult in schema.py.
 
 from __future__ import annotations
 
+from producer_client.rate_limits import RateLimits
+
 
 class MiliError(Exception):
     code = "error"
@@ -86,7 +88,7 @@ class RateLimited(MiliError):
     """The tenant is over its requests-per-minute or tokens-per-minute limit on the queue
     (`which`: "requests" or "tokens"); nothing was enqueued. `reset_s`: when the request would
     be admitted, in seconds from now (the gateway's Retry-After). `limits`: the tenant's limits as
-    they stand (producer_client.quotas.RateLimits). From submit_many, `job_ids` are those of the
+    they stand (producer_client.rate_limits.RateLimits). From submit_many, `job_ids` are those of the
     specs enqueued, a prefix of them, as BulkQueueFull's."""
 
     code = "rate_limit_exceeded"
@@ -98,7 +100,7 @@ class RateLimited(MiliError):
         which: str,
         limit: int,
         reset_s: float,
-        limits=None,
+        limits: RateLimits | None = None,
         job_ids: list[str] | None = None,
     ):
         super().__init__(

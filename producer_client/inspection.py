@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from producer_client.cluster import AsyncRedis, SyncRedis
 from producer_client.dead_letters import DeadLetterNotFound
 from producer_client.dead_letters import find as find_letter
 from producer_client.keys import DEFAULT_LANE, NO_TENANT, Keys
@@ -39,9 +40,10 @@ from producer_client.protocol.backlog import (
     stream_heads,
 )
 from producer_client.protocol.clock import entry_age_s, entry_order, epoch_ms
+from producer_client.protocol.execution import Pipe
 from producer_client.protocol.job_reads import field_of_jobs
 from producer_client.schema import JobStatus, WorkerInfo
-from producer_client.steps import Steps, checked
+from producer_client.steps import Runner, Steps, checked
 from producer_client.validation import check_limit
 
 GONE_SHOWN = 10  # gone workers listed per queue, the most recent first
@@ -106,7 +108,7 @@ class QueueInspector:
     """Read-only views of `queue` (and of every worker). Each method returns its outcome; over an
     asyncio client (`run` is steps.arun) it returns an awaitable of it."""
 
-    def __init__(self, client, keys: Keys, queue: str, run):
+    def __init__(self, client: SyncRedis | AsyncRedis, keys: Keys, queue: str, run: Runner):
         self.client = client
         self.keys = keys
         self.queue = queue
@@ -150,7 +152,7 @@ def overview(keys: Keys, queue: str) -> Steps[QueueOverview]:
     readings = yield from read_streams(streams)
     unread = [r for r in readings if r.stats().waiting]
 
-    def add(pipe) -> None:
+    def add(pipe: Pipe) -> None:
         pipe.time()
         dead.add_letter_count(pipe, keys, queue)
         for r in readings:
@@ -184,7 +186,7 @@ def waiting(keys: Keys, queue: str, limit: int) -> Steps[list[WaitingJob]]:
     if not unread:
         return []
 
-    def add(pipe) -> None:
+    def add(pipe: Pipe) -> None:
         pipe.time()
         for r in unread:
             r.add_unread(pipe, limit)

@@ -22,13 +22,14 @@ from typing import Any
 from producer_client.chat_output import OutputDelta, OutputFormat, OutputParser
 from producer_client.errors import JobNotFound
 from producer_client.keys import Keys
+from producer_client.protocol import job_reads
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_order
 from producer_client.protocol.events import EventType, shown_output_format, shown_tokens
 from producer_client.schema import JobResult, TokenDelta
-from producer_client.steps import Repeatable, Steps, checked
+from producer_client.steps import Steps, checked
 from producer_client.validation import check_event_id, check_job_id, check_timeout
-from producer_client.waiting import Deadline, expiry, finished, job_look, unless_expired, xread
+from producer_client.waiting import Deadline, expiry, finished, read_events, unless_expired
 
 EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
 # The event id of the one delta of a job that kept no events: the first after "0-0", so that a
@@ -43,12 +44,11 @@ def follow(keys: Keys, job_id: str, after: str, timeout: float | None) -> Steps[
     job_id = check_job_id(job_id)
     reader = JobStream(job_id, after)
     deadline = Deadline(job_id, check_timeout(timeout))
-    events = keys.events(job_id)
 
     def add(pipe: Any) -> None:
         scripts.follow(keys, job_id).add_to(pipe)
-        job_look(pipe, keys, job_id)
-        pipe.exists(events)
+        job_reads.add_look(pipe, keys, job_id)
+        job_reads.add_events_kept(pipe, keys, job_id)
 
     found, (status, deadline_ms, result), redis_time, has_events = checked((yield add))
     if not found:
@@ -81,11 +81,9 @@ class JobStream:
             whole, self.whole = self.whole, None
             return self.take_whole(whole)
         if self.expires_at is not None and time.monotonic() >= self.expires_at:
-            (status, deadline_ms, _), redis_time = checked(
-                (yield Repeatable(lambda pipe: job_look(pipe, keys, self.job_id)))
-            )
+            (status, deadline_ms, _), redis_time = yield from job_reads.look(keys, self.job_id)
             self.expires_at = expiry(self.job_id, status, deadline_ms, redis_time)
-        read = xread(keys.events(self.job_id), self.last, EVENT_BATCH, deadline, self.expires_at)
+        read = read_events(keys, self.job_id, self.last, EVENT_BATCH, deadline, self.expires_at)
         events = yield from unless_expired(keys, self.job_id, self.expires_at, read)
         if events:
             self.expires_at = None  # it has started
@@ -139,7 +137,7 @@ class JobStream:
         if self.parser is None and output is not None:
             self.parser = OutputParser(output)
 
-    def _fields(self, parsed: OutputDelta) -> dict:
+    def _fields(self, parsed: OutputDelta) -> dict[str, Any]:
         """A TokenDelta's fields of a piece of the output, split."""
         fields: dict[str, Any] = {"text": parsed.content, "reasoning": parsed.reasoning}
         if parsed.tool_calls:

@@ -81,7 +81,7 @@ def check_name(field: str, value: object) -> str:
 class Keys:
     prefix: str = DEFAULT_PREFIX
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_name("prefix", self.prefix)
 
     def queue(self, queue: str) -> str:

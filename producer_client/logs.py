@@ -9,6 +9,10 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from types import TracebackType
+
+# What logging hands formatException: sys.exc_info()'s triple.
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None] | tuple[None, None, None]
 
 CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 TRACEBACK_INDENT = "    "
@@ -24,7 +28,7 @@ class OneLineFormatter(logging.Formatter):
         copy.msg, copy.args = escaped(record.getMessage()), None
         return super().format(copy)
 
-    def formatException(self, exc_info) -> str:
+    def formatException(self, exc_info: ExcInfo) -> str:
         return "\n".join(TRACEBACK_INDENT + escaped(line) for line in super().formatException(exc_info).splitlines())
 
     def formatStack(self, stack_info: str) -> str:

@@ -34,6 +34,10 @@ SERVICE_TIERS = {"auto": DEFAULT_LANE, "default": DEFAULT_LANE, "priority": "pri
 CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for estimating a text's tokens without a tokenizer
 
 
+# sampling_params' memo: each set of SamplingParams validated, by its arguments' names, types and values.
+KnownParams = dict[tuple[tuple[str, type, Any], ...], SamplingParams]
+
+
 class NewJob(NamedTuple):
     """A job built and checked, to enqueue. A tuple, not a frozen dataclass: a third of the time to
     make (submit_many makes tens of thousands), and, holding only strings and numbers, no work for
@@ -60,14 +64,6 @@ class NewJob(NamedTuple):
             raise IdempotencyConflict(self.job_id)
         return bool(reply)
 
-    def add_fresh_create(self, pipe, keys: Keys) -> None:
-        """CREATE of a job with a fresh id: without a deadline that is one HSETNX, which costs
-        Redis less than a script (nobody reads the reply of a fresh id's CREATE)."""
-        if self.timeout_ms:
-            self.create_call(keys).add_to(pipe)
-        else:
-            pipe.hsetnx(keys.job(self.job_id), "status", "queued")
-
 
 def build_job(
     prompt: Any,
@@ -80,7 +76,7 @@ def build_job(
     fingerprint: Any = None,
     stream: Any = False,
     service_tier: Any = None,
-    known_params: dict | None = None,
+    known_params: KnownParams | None = None,
 ) -> NewJob:
     """Validate every argument the way the worker will, before anything touches Redis. `options`
     are SamplingParams' fields and JobRequest's other options (tools, enable_thinking..., adapter). A
@@ -113,7 +109,7 @@ def validated_request(
     timeout_s: Any,
     stream: Any,
     options: dict[str, Any],
-    known_params: dict | None = None,
+    known_params: KnownParams | None = None,
 ) -> JobRequest:
     """The JobRequest of the arguments, validated once (the schema, then the rules it cannot state,
     then the grammars it names); InvalidArgument names the first bad one."""
@@ -143,7 +139,7 @@ def validated_request(
     return request
 
 
-def sampling_params(sampling: dict[str, Any], known: dict | None) -> SamplingParams:
+def sampling_params(sampling: dict[str, Any], known: KnownParams | None) -> SamplingParams:
     """SamplingParams of `sampling`, validated. `known`: a memo of those validated already, by their
     arguments' names, types and values (submit_many's: a batch's jobs mostly share theirs, and a
     lookup costs a fifth of a validation); arguments that are not all hashable are validated."""
@@ -188,7 +184,7 @@ def estimated_tokens(request: JobRequest, body: str) -> int:
     return prompt + request.params.max_tokens
 
 
-def build_job_of(arguments: Mapping[str, Any], requests: int = 1, known_params: dict | None = None) -> NewJob:
+def build_job_of(arguments: Mapping[str, Any], requests: int = 1, known_params: KnownParams | None = None) -> NewJob:
     """build_job() of submit()'s keyword arguments, given as a dict; `requests`: what the job counts
     against a requests-per-minute limit (NewJob.requests); `known_params`: see sampling_params."""
     options = dict(arguments)

@@ -6,14 +6,16 @@ producer_client.job_stream."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from producer_client.client_base import ClientBase
 from producer_client.errors import JobNotFound, NotReplicated
 from producer_client.keys import NO_TENANT, Keys
 from producer_client.new_job import NewJob, build_job_of
+from producer_client.protocol import job_reads
 from producer_client.protocol import producer as scripts
+from producer_client.protocol.execution import AddCommands, Pipe, Replies
 from producer_client.protocol.producer import NO_LIMITS, Limits
 from producer_client.protocol.replication import Replication
 from producer_client.protocol.replies import Enqueued, Refusal, parse_enqueue
@@ -84,8 +86,8 @@ def enqueue_or_forget(client: ClientBase, job: NewJob, create: bool) -> Steps[En
     return reserved if reserved is not None else outcome
 
 
-def forget(keys: Keys, job: NewJob) -> Callable:
-    return Repeatable(lambda pipe: pipe.delete(keys.job(job.job_id)))
+def forget(keys: Keys, job: NewJob) -> AddCommands:
+    return Repeatable(lambda pipe: scripts.add_forget(pipe, keys, [job.job_id]))
 
 
 def enqueue_commands(
@@ -98,7 +100,7 @@ def enqueue_commands(
     stream: str | None = None,
     tenant: str = NO_TENANT,
     limits: Limits = NO_LIMITS,
-) -> Callable:
+) -> AddCommands:
     """The pipeline that enqueues `job`: CREATE first when `create` (a fresh id cannot collide, so
     creating and enqueueing take one round trip; CREATE sets the status only if there is none, so
     a retried pipeline never sets a started job back to queued), then the enqueue (sharing.
@@ -107,12 +109,12 @@ def enqueue_commands(
     replication to wait for, a WAIT on the job's node and one on the queue's (on one server they
     are the same: the second answers at once). `enqueued` reads the replies."""
 
-    def add(pipe) -> None:
+    def add(pipe: Pipe) -> None:
         if create:
-            job.add_fresh_create(pipe, keys)
+            scripts.add_fresh_create(pipe, keys, job.job_id, job.timeout_ms)
         enqueue_call(keys, queue, tenant, job, max_depth, limits, stream).add_to(pipe)
         if job.idempotent:
-            pipe.hset(keys.job(job.job_id), "enqueued", "1")
+            scripts.add_enqueued_flag(pipe, keys, job.job_id)
         if replication.waits:
             for key in (keys.job(job.job_id), stream or keys.queue(queue)):
                 pipe.wait_replicas(key, replication.replicas, replication.timeout_ms)
@@ -120,7 +122,7 @@ def enqueue_commands(
     return add
 
 
-def enqueued(job: NewJob, create: bool, replication: Replication, replies: list) -> Enqueued:
+def enqueued(job: NewJob, create: bool, replication: Replication, replies: Replies) -> Enqueued:
     """The enqueue's outcome among the replies of `enqueue_commands`. Raises NotReplicated for an
     entry that fewer replicas than asked for have confirmed."""
     outcome = parse_enqueue(replies[1 if create else 0])
@@ -142,7 +144,7 @@ def result(keys: Keys, job_id: str, timeout: float | None) -> Steps[JobResult]:
     JobExpired as soon as a job still queued passes its deadline."""
     job_id = check_job_id(job_id)
     deadline = Deadline(job_id, check_timeout(timeout))
-    job, redis_time = checked((yield Repeatable(lambda pipe: (pipe.hgetall(keys.job(job_id)), pipe.time()))))
+    job, redis_time = checked((yield Repeatable(lambda pipe: job_reads.add_job_fields(pipe, keys, job_id))))
     if not job:
         raise JobNotFound(job_id)
     if "result" in job:

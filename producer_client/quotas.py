@@ -10,17 +10,18 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from producer_client.cluster import AsyncRedis, SyncRedis
 from producer_client.errors import InvalidArgument
 from producer_client.keys import Keys, check_tenant
 from producer_client.protocol import tenants
 from producer_client.protocol.clock import epoch_ms
 from producer_client.protocol.producer import NO_LIMITS, Limits
-from producer_client.steps import Steps
+from producer_client.rate_limits import NO_RATE_LIMITS, RateLimits
+from producer_client.steps import Runner, Steps
 
 CACHE_S = 1.0  # how stale a producer's copy of a tenant's quota may be
 MAX_LIMIT = 10**9
@@ -101,7 +102,7 @@ class TenantQuotas:
     asyncio client (`run` is steps.arun) an awaitable of it. Bad arguments raise InvalidArgument
     before anything is sent."""
 
-    def __init__(self, client, keys: Keys, run):
+    def __init__(self, client: SyncRedis | AsyncRedis, keys: Keys, run: Runner):
         self.client, self.keys, self.run = client, keys, run
 
     def get(self, tenant: str) -> Any:
@@ -135,44 +136,17 @@ class Quotas:
         return limits
 
 
-@dataclass(frozen=True)
-class RateLimits:
-    """A tenant's rate limits on a queue after a request, as the enqueue script answers them:
-    each limit (0: none), what remains of it, and the seconds until its bucket is full again
-    (OpenAI's x-ratelimit-limit-*, -remaining-*, -reset-*)."""
+def rate_limits_now(limits: Limits, tats: list[str | None], now_ms: int) -> RateLimits:
+    """The limits as ENQUEUE_LANES would answer them at `now_ms`, from the rate hash's theoretical
+    arrival times (HMGET r t)."""
 
-    limit_requests: int = 0
-    remaining_requests: int = 0
-    reset_requests_s: float = 0.0
-    limit_tokens: int = 0
-    remaining_tokens: int = 0
-    reset_tokens_s: float = 0.0
+    def state(tat: str | None, limit: int) -> tuple[int, int, float]:
+        if not limit:
+            return 0, 0, 0.0
+        ahead = max(0.0, float(tat or 0) - now_ms)
+        return limit, math.floor(limit - ahead * limit / 60000 + 1e-9), math.ceil(ahead) / 1000
 
-    @classmethod
-    def from_reply(cls, values: list) -> RateLimits:
-        """ENQUEUE_LANES's last six values."""
-        lr, rr, sr, lt, rt, st = (int(v) for v in values)
-        return cls(lr, max(0, rr), max(0, sr) / 1000, lt, max(0, rt), max(0, st) / 1000)
-
-    @property
-    def limited(self) -> bool:
-        return bool(self.limit_requests or self.limit_tokens)
-
-    @classmethod
-    def now(cls, limits: Limits, tats: list[str | None], now_ms: int) -> RateLimits:
-        """The limits as ENQUEUE_LANES would answer them at `now_ms`, from the rate hash's
-        theoretical arrival times (HMGET r t)."""
-
-        def state(tat: str | None, limit: int) -> tuple[int, int, float]:
-            if not limit:
-                return 0, 0, 0.0
-            ahead = max(0.0, float(tat or 0) - now_ms)
-            return limit, math.floor(limit - ahead * limit / 60000 + 1e-9), math.ceil(ahead) / 1000
-
-        return cls(*state(tats[0], limits.rpm), *state(tats[1], limits.tpm))
-
-
-NO_RATE_LIMITS = RateLimits()
+    return RateLimits(*state(tats[0], limits.rpm), *state(tats[1], limits.tpm))
 
 
 def current_rate_limits(keys: Keys, queue: str, tenant: str | None, quotas: Quotas) -> Steps[RateLimits]:
@@ -182,4 +156,4 @@ def current_rate_limits(keys: Keys, queue: str, tenant: str | None, quotas: Quot
     if tenant is None or not limits.rated:
         return NO_RATE_LIMITS
     tats, now = yield from tenants.rate_state(keys, queue, tenant)
-    return RateLimits.now(limits, tats, epoch_ms(now))
+    return rate_limits_now(limits, tats, epoch_ms(now))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -55,7 +55,7 @@ class SamplingParams(BaseModel):
         return super().__eq__(other)
 
     @classmethod
-    def parse(cls, **kwargs) -> SamplingParams:
+    def parse(cls, **kwargs: Any) -> SamplingParams:
         """Build and validate, raising InvalidArgument that names the first bad field."""
         try:
             params = cls(**kwargs)
@@ -195,9 +195,10 @@ class JobRequest(BaseModel):
         return list(self.tools)
 
     @classmethod
-    def strictly_validated(cls, data: dict) -> JobRequest:
+    def strictly_validated(cls, data: dict[str, Any]) -> JobRequest:
         """model_validate(data, strict=True), without the wrapper's argument checks: once per submit."""
-        return cls.__pydantic_validator__.validate_python(data, strict=True)
+        request: JobRequest = cls.__pydantic_validator__.validate_python(data, strict=True)  # pydantic types it Any
+        return request
 
     def to_json(self) -> str:
         # model_dump_json's own work, without its wrapper's argument checks: a body per submit.

@@ -5,11 +5,13 @@ client library itself, which needs no pydantic-settings."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 from pydantic_settings.exceptions import SettingsError
+
+S = TypeVar("S", bound="TomlSettings")
 
 
 class TomlSettings(BaseSettings):
@@ -20,18 +22,23 @@ class TomlSettings(BaseSettings):
 
     @classmethod
     def settings_customise_sources(
-        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
-    ):
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
 
     @classmethod
-    def load(cls, config_file: Path | None = None, **flags: Any):
+    def load(cls: type[S], config_file: Path | None = None, **flags: Any) -> S:
         """Settings from `flags` over the environment over `config_file` (default: the class's file)."""
         if config_file is None:
             return cls(**flags)
         if not Path(config_file).is_file():
             raise FileNotFoundError(f"settings file {config_file} does not exist")
-        bound = type(cls.__name__, (cls,), {"model_config": {**cls.model_config, "toml_file": config_file}})
+        bound: type[S] = type(cls.__name__, (cls,), {"model_config": {**cls.model_config, "toml_file": config_file}})
         return bound(**flags)
 
 

@@ -14,7 +14,7 @@ from producer_client.protocol import producer as scripts
 from producer_client.protocol.producer import LaneJob, Limits
 from producer_client.protocol.replies import Enqueued, Refusal
 from producer_client.protocol.script import ScriptCall
-from producer_client.quotas import NO_RATE_LIMITS, RateLimits
+from producer_client.rate_limits import NO_RATE_LIMITS, RateLimits
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def refusal_error(
     if outcome.refusal is Refusal.RATE:
         limits = rate_limits_of(outcome)
         limit = limits.limit_requests if second == "requests" else limits.limit_tokens
-        return RateLimited(queue, tenant, second, limit, int(first) / 1000, limits, job_ids)
+        return RateLimited(queue, tenant, str(second), limit, int(first) / 1000, limits, job_ids)
     return None
 
 

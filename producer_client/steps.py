@@ -13,29 +13,39 @@ that fails them in a failover then delays the step instead of failing it (execut
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from producer_client.cluster import AsyncRedis, SyncRedis
 from producer_client.protocol import execution
+from producer_client.protocol.execution import Pipe, Replies
 from producer_client.protocol.script import Script
 
 T = TypeVar("T")
 # Yields pipeline builders, receives each one's replies (errors in their places), returns a T. What
 # a builder returns (redis-py's pipeline methods return the pipeline) is ignored.
-Steps = Generator[Callable[[Any], object], list, T]
+Steps = Generator[Callable[[Pipe], object], Replies, T]
+
+
+class Runner(Protocol):
+    """`run` or `arun`, as the operator's views (dead letters, inspection, quotas) hold it: they
+    serve both clients, so what a call returns is the outcome over a redis.Redis (run) and an
+    awaitable of it over a redis.asyncio.Redis (arun): no one type says both."""
+
+    def __call__(self, client: Any, steps: Steps[Any], /) -> Any: ...
 
 
 class Repeatable:
     """A step's commands (`add`) that are safe to run twice: reads, a DEL. What `add` returns is
     ignored, as any pipeline builder's (Steps)."""
 
-    def __init__(self, add: Callable[[Any], object]):
+    def __init__(self, add: Callable[[Pipe], object]):
         self.add = add
 
-    def __call__(self, pipe: Any) -> None:
+    def __call__(self, pipe: Pipe) -> None:
         self.add(pipe)
 
 
-def run(client, steps: Steps[T], scripts: Sequence[Script] = ()) -> T:
+def run(client: SyncRedis, steps: Steps[T], scripts: Sequence[Script] = ()) -> T:
     try:
         add = next(steps)
         while True:
@@ -48,10 +58,11 @@ def run(client, steps: Steps[T], scripts: Sequence[Script] = ()) -> T:
             else:
                 add = steps.send(replies)
     except StopIteration as done:
-        return done.value
+        outcome: T = done.value  # what the generator returned, a T as Steps[T] says
+        return outcome
 
 
-async def arun(client, steps: Steps[T], scripts: Sequence[Script] = ()) -> T:
+async def arun(client: AsyncRedis, steps: Steps[T], scripts: Sequence[Script] = ()) -> T:
     try:
         add = next(steps)
         while True:
@@ -64,10 +75,11 @@ async def arun(client, steps: Steps[T], scripts: Sequence[Script] = ()) -> T:
             else:
                 add = steps.send(replies)
     except StopIteration as done:
-        return done.value
+        outcome: T = done.value  # what the generator returned, a T as Steps[T] says
+        return outcome
 
 
-def checked(replies: list) -> list:
+def checked(replies: Replies) -> Replies:
     """`replies`, raising the first error among them: for steps that expect none."""
     for reply in replies:
         if isinstance(reply, Exception):

@@ -15,18 +15,23 @@ import functools
 import json
 import re
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from types import ModuleType
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from producer_client.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
+    from llguidance._lib import JsonCompileOptions  # a TypedDict its stubs alone define
 
 MAX_CHOICES = 1024
 MAX_PATTERN_CHARS = 4096
 # Compact JSON with json.dumps' separators: no free whitespace, so a model cannot spend its
 # tokens on blank lines (a known failure of whitespace-flexible JSON modes), and the output is
 # what `json.dumps` writes.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Subschemas compiled, at most, to find the part of a schema an error comes from.
 LOCATE_BUDGET = 64
 UNIMPLEMENTED_KEYS = re.compile(r"Unimplemented keys: (\[.*?\])")
@@ -81,7 +86,7 @@ FORMAT_TYPES = ("json_object", "json_schema", "regex", "choice")
 
 def grammar_text(fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat) -> str:
     """The format as an llguidance grammar (its JSON serialization), what the worker compiles."""
-    matcher = llguidance().LLMatcher
+    matcher: type[LLMatcher] = llguidance().LLMatcher
     if isinstance(fmt, JsonObjectFormat):
         return matcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
     if isinstance(fmt, JsonSchemaFormat):
@@ -132,7 +137,8 @@ def format_from_json(fmt_json: str) -> JsonObjectFormat | JsonSchemaFormat | Reg
 
 
 def grammar_error(grammar: str) -> str | None:
-    message = llguidance().LLMatcher.validate_grammar(grammar, byte_tokenizer())
+    matcher: type[LLMatcher] = llguidance().LLMatcher
+    message = matcher.validate_grammar(grammar, byte_tokenizer())
     return message.strip() or None
 
 
@@ -159,7 +165,8 @@ def failing_subschema(
 ) -> tuple[str, dict[str, Any]] | None:
     """The first subschema of `node` that fails alone with `message`, within the tries left."""
     for (key, child), _ in zip(subschemas(node), tries):
-        grammar = llguidance().LLMatcher.grammar_from_json_schema({**definitions, **child}, overrides=JSON_OPTIONS)
+        matcher: type[LLMatcher] = llguidance().LLMatcher
+        grammar = matcher.grammar_from_json_schema({**definitions, **child}, overrides=JSON_OPTIONS)
         if grammar_error(grammar) == message:
             return key, child
     return None
@@ -181,11 +188,12 @@ def subschemas(node: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 @functools.cache
-def byte_tokenizer():
+def byte_tokenizer() -> LLTokenizer:
     """A vocabulary of the 256 bytes and an end token: enough to build the whole grammar (its
     lexer, and the checks that find an unsatisfiable schema), in a few milliseconds."""
     lib = llguidance()
-    return lib.LLTokenizer(lib.TokenizerWrapper(ByteVocabulary()))
+    tokenizer: LLTokenizer = lib.LLTokenizer(lib.TokenizerWrapper(ByteVocabulary()))
+    return tokenizer
 
 
 class ByteVocabulary:
@@ -200,7 +208,8 @@ class ByteVocabulary:
         return list(text if isinstance(text, bytes) else text.encode())
 
 
-def llguidance():
+def llguidance() -> ModuleType:
+    """llguidance, imported at the first format checked (its classes typed where they are used)."""
     try:
         import llguidance as lib
     except ImportError:

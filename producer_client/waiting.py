@@ -13,9 +13,11 @@ from typing import TypeVar
 from producer_client.connection import reply_code
 from producer_client.errors import JobTimeout
 from producer_client.keys import Keys
+from producer_client.protocol import job_reads
 from producer_client.protocol.clock import epoch_ms
+from producer_client.protocol.job_reads import Entry, StreamsReply
 from producer_client.schema import JobExpired, JobFailed, JobResult
-from producer_client.steps import Repeatable, Steps, checked
+from producer_client.steps import Steps
 
 T = TypeVar("T")
 
@@ -53,17 +55,13 @@ def wait_done(keys: Keys, job_id: str, deadline: Deadline, expires_at: float | N
     caller's timeout. `expires_at`: when the job's deadline passes (monotonic), None if it cannot
     expire unread; UNKNOWN: read it with a first look at the job that does not block."""
     if expires_at == UNKNOWN:
-        (status, deadline_ms, result), redis_time = checked(
-            (yield Repeatable(lambda pipe: job_look(pipe, keys, job_id)))
-        )
+        (status, deadline_ms, result), redis_time = yield from job_reads.look(keys, job_id)
         if result is not None:
             return result
         expires_at = expiry(job_id, status, deadline_ms, redis_time)
     while True:
         if expires_at is not None and time.monotonic() >= expires_at:
-            (status, deadline_ms, result), redis_time = checked(
-                (yield Repeatable(lambda pipe: job_look(pipe, keys, job_id)))
-            )
+            (status, deadline_ms, result), redis_time = yield from job_reads.look(keys, job_id)
             if result is not None:
                 return result
             expires_at = expiry(job_id, status, deadline_ms, redis_time)
@@ -78,10 +76,7 @@ def read_done(keys: Keys, job_id: str, deadline: Deadline, until: float | None) 
     read after the XREAD, in the same round trip: a job that ended before the read began, longer
     ago than its done stream lives, is found there (the read then blocked for nothing, once)."""
     block_ms = deadline.block_ms(until)
-    done, job = keys.done(job_id), keys.job(job_id)
-    reply, result = yield Repeatable(
-        lambda pipe: (pipe.xread({done: "0-0"}, count=1, block=block_ms), pipe.hget(job, "result"))
-    )
+    reply, result = yield from job_reads.end_read(keys, job_id, block_ms)
     streams = streams_read(reply)
     if streams:
         return streams[0][1][0][1]["data"]
@@ -100,16 +95,9 @@ def unless_expired(keys: Keys, job_id: str, expires_at: float | None, read: Step
         return (yield from read)
     except JobTimeout:
         if expires_at is not None:
-            (status, deadline_ms, _), redis_time = checked(
-                (yield Repeatable(lambda pipe: job_look(pipe, keys, job_id)))
-            )
+            (status, deadline_ms, _), redis_time = yield from job_reads.look(keys, job_id)
             expiry(job_id, status, deadline_ms, redis_time)
         raise
-
-
-def job_look(pipe, keys: Keys, job_id: str) -> tuple:
-    """The job's status, deadline and result (one HMGET), and Redis's clock, for `expiry`."""
-    return pipe.hmget(keys.job(job_id), "status", "deadline", "result"), pipe.time()
 
 
 def expiry(job_id: str, status: str | None, deadline_ms: str | None, redis_time: tuple[int, int]) -> float | None:
@@ -125,18 +113,20 @@ def expiry(job_id: str, status: str | None, deadline_ms: str | None, redis_time:
     return time.monotonic() + (left_ms + 1) / 1000
 
 
-def xread(key: str, after: str, count: int, deadline: Deadline, until: float | None = None) -> Steps[list]:
-    """One blocking XREAD of one stream (on a cluster, sent to the node of its key): up to `count`
-    of its entries after `after`, or none if none came within the deadline's next block (which
-    ends by `until`, monotonic, if given). A read that Redis cut short returns none, and the
-    caller reads again."""
+def read_events(
+    keys: Keys, job_id: str, after: str, count: int, deadline: Deadline, until: float | None = None
+) -> Steps[list[Entry]]:
+    """One blocking XREAD of the job's event stream (on a cluster, sent to the node of its key):
+    up to `count` of its events after `after`, or none if none came within the deadline's next
+    block (which ends by `until`, monotonic, if given). A read that Redis cut short returns none,
+    and the caller reads again."""
     block_ms = deadline.block_ms(until)
-    (reply,) = yield Repeatable(lambda pipe: pipe.xread({key: after}, count=count, block=block_ms))
+    reply = yield from job_reads.events_read(keys, job_id, after, count, block_ms)
     streams = streams_read(reply)
     return streams[0][1] if streams else []
 
 
-def streams_read(reply: list | Exception | None) -> list:
+def streams_read(reply: StreamsReply | Exception) -> list[tuple[str, list[Entry]]]:
     """An XREAD reply's streams: none if Redis cut a blocking read short (UNBLOCKED, in a
     failover: reading again is right); another error is raised."""
     if isinstance(reply, Exception):

@@ -6,7 +6,7 @@ the queue's ENQUEUE), `worker` (claim, publish, fail, hand-over and the entries'
 API's files); `registry` (the queue index, the worker indexes and the heartbeats), `letters` (a
 queue's dead letters), `consumer` (a worker's consumer group, its reads and the doorbell),
 `backlog` (every stream of a queue's jobs: what each holds, waits and runs), `job_reads` (a job's
-hash read for its status and for operators), `tenants` (a tenant's quota settings and rate
+hash, done stream and events read), `tenants` (a tenant's quota settings and rate
 state); `execution`, which runs them (NOSCRIPT reload,
 cluster fan-out, WAIT); `replies`, what the worker's scripts and reads answer, parsed; `events`, a
 job's event payloads written and read; `clock`, Redis's clock as TIME and stream entry ids give it;

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, TypedDict, TypeGuard
 
 from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
 from producer_client.schema import StreamStats
@@ -74,13 +74,26 @@ def read_queue_streams(keys: Keys, queue: str) -> Steps[tuple[list[str], list[Qu
     return names, queue_streams(keys, queue, members, names)
 
 
+# What redis-py parses from XINFO GROUPS (one group's), XINFO STREAM and XPENDING's extended form
+# (one entry): the fields read here. A group's lag is None where Redis cannot tell it.
+GroupInfo = TypedDict("GroupInfo", {"name": str, "pending": int, "lag": "int | None", "last-delivered-id": str})
+StreamInfo = TypedDict("StreamInfo", {"entries-added": int, "length": int})
+
+
+class PendingEntry(TypedDict):
+    message_id: str
+    consumer: str
+    time_since_delivered: int  # ms
+    times_delivered: int
+
+
 @dataclass(frozen=True)
 class StreamReading:
     """A stream's XLEN and XINFO GROUPS (empty when it holds nothing)."""
 
     stream: QueueStream
     depth: int
-    groups: list[dict]
+    groups: list[GroupInfo]
 
     def stats(self) -> StreamStats:
         return stream_stats(self.stream, self.depth, self.groups)
@@ -117,14 +130,14 @@ def add_stream_info(pipe: Any, stream: QueueStream) -> None:
     pipe.xinfo_stream(stream.key)
 
 
-def processed(infos: list[dict | Exception]) -> int | None:
+def processed(infos: list[StreamInfo | Exception]) -> int | None:
     """The entries that have left the streams since each was created (acknowledged or
     dead-lettered), from their XINFO STREAM: entries-added less the length. None: no stream exists."""
     found = [info for info in infos if stream_exists(info)]
     return sum(info["entries-added"] - info["length"] for info in found) if found else None
 
 
-def stream_exists(reply: dict | Exception) -> TypeGuard[dict]:
+def stream_exists(reply: StreamInfo | Exception) -> TypeGuard[StreamInfo]:
     """False for the error XINFO gives on a key that does not exist; other errors raise."""
     if isinstance(reply, Exception):
         if "no such key" in str(reply).lower() or "nogroup" in str(reply).lower():
@@ -133,7 +146,7 @@ def stream_exists(reply: dict | Exception) -> TypeGuard[dict]:
     return True
 
 
-def pending_entries(streams: list[QueueStream], count: int) -> Steps[list[list[dict]]]:
+def pending_entries(streams: list[QueueStream], count: int) -> Steps[list[list[PendingEntry]]]:
     """The first `count` entries of each stream's pending entries list (XPENDING, extended form):
     message_id, consumer, time_since_delivered (ms), times_delivered."""
     if not streams:
@@ -156,7 +169,7 @@ def stream_heads(stream_keys: list[str], count: int) -> Steps[list[list[tuple[st
     return checked((yield lambda pipe: [pipe.xrange(key, "-", "+", count=count) for key in stream_keys]))
 
 
-def backlog(depth: int, groups: list[dict]) -> tuple[int, int]:
+def backlog(depth: int, groups: list[GroupInfo]) -> tuple[int, int]:
     """(pending, waiting) of a stream of `depth` entries, from its XINFO GROUPS (empty when it
     has none)."""
     group = next((g for g in groups if g["name"] == GROUP), None)
@@ -166,7 +179,7 @@ def backlog(depth: int, groups: list[dict]) -> tuple[int, int]:
     return pending, lag if lag is not None else depth - pending
 
 
-def stream_stats(stream: QueueStream, depth: int, groups: list[dict]) -> StreamStats:
+def stream_stats(stream: QueueStream, depth: int, groups: list[GroupInfo]) -> StreamStats:
     pending, waiting = backlog(depth, groups)
     return StreamStats(
         lane=stream.lane,

@@ -20,7 +20,10 @@ statuses move through TRANSITION, from the statuses named only."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from producer_client.keys import Keys
+from producer_client.protocol.execution import Pipe
 from producer_client.protocol.files import owned_by
 from producer_client.protocol.script import Script, ScriptCall, add_all
 from producer_client.steps import Steps, checked
@@ -101,12 +104,13 @@ return 0
 )
 
 BATCH_SCRIPTS = (ANSWER, TRANSITION, FINISH, RENEW, RELEASE)
+Fields = Mapping[str, str | int | float]  # a batch's hash fields, as HSET and the scripts' ARGV take them
 
 
 # -- call builders: each owns its script's keys and argument order ----------------------------------
 
 
-def _flat(fields: dict) -> tuple:
+def _flat(fields: Fields) -> tuple[str | int | float, ...]:
     return tuple(x for kv in fields.items() for x in kv)
 
 
@@ -121,12 +125,14 @@ def answer(keys: Keys, batch_id: str, index: int, ok: bool, answer_json: str) ->
 
 
 def transition(
-    keys: Keys, batch_id: str, allowed: str, status: str, at_field: str, now: int, fields: dict
+    keys: Keys, batch_id: str, allowed: str, status: str, at_field: str, now: int, fields: Fields
 ) -> ScriptCall:
     return ScriptCall(TRANSITION, (keys.batch(batch_id),), (allowed, status, at_field, now, *_flat(fields)))
 
 
-def finish(keys: Keys, batch_id: str, status: str, at_field: str, now: int, ttl_s: int, files: dict) -> ScriptCall:
+def finish(
+    keys: Keys, batch_id: str, status: str, at_field: str, now: int, ttl_s: int, files: Mapping[str, str]
+) -> ScriptCall:
     batch_keys = (
         keys.batch(batch_id),
         keys.batch_input(batch_id),
@@ -149,10 +155,10 @@ def release(keys: Keys, batch_id: str, holder: str) -> ScriptCall:
 # -- operations: every command on a batch's keys and the batches' indexes ---------------------------
 
 
-def create_batch(keys: Keys, batch_id: str, fields: dict, ttl_s: int, owner: str, created: float) -> Steps[None]:
+def create_batch(keys: Keys, batch_id: str, fields: Fields, ttl_s: int, owner: str, created: float) -> Steps[None]:
     """The batch's hash and its place in the indexes (`created`: epoch seconds, their order)."""
 
-    def add(pipe) -> None:
+    def add(pipe: Pipe) -> None:
         pipe.hset(keys.batch(batch_id), mapping={**fields, "ttl_s": ttl_s, **owned_by(owner)})
         pipe.zadd(keys.batches(), {batch_id: created})
         pipe.zadd(keys.batches_of(owner), {batch_id: created})
@@ -163,11 +169,13 @@ def create_batch(keys: Keys, batch_id: str, fields: dict, ttl_s: int, owner: str
 
 def batch_fields(keys: Keys, batch_id: str) -> Steps[dict[str, str]]:
     """The batch's hash ({} if there is no such batch)."""
+    fields: dict[str, str]
     (fields,) = checked((yield lambda pipe: pipe.hgetall(keys.batch(batch_id))))
     return fields
 
 
 def batch_owner(keys: Keys, batch_id: str) -> Steps[str | None]:
+    owner: str | None
     (owner,) = checked((yield lambda pipe: pipe.hget(keys.batch(batch_id), "owner")))
     return owner
 
@@ -207,24 +215,26 @@ def index_entries(keys: Keys, index: str, start: int, count: int) -> Steps[tuple
 
 
 def unfinished_batches(keys: Keys) -> Steps[list[str]]:
+    ids: list[str]
     (ids,) = checked((yield lambda pipe: pipe.zrange(keys.batches_unfinished(), 0, -1)))
     return ids
 
 
-def set_fields(keys: Keys, batch_id: str, fields: dict) -> Steps[None]:
+def set_fields(keys: Keys, batch_id: str, fields: Fields) -> Steps[None]:
     checked((yield lambda pipe: pipe.hset(keys.batch(batch_id), mapping=fields)))
 
 
 def move_batch(
-    keys: Keys, batch_id: str, allowed: str, status: str, at_field: str, now: int, fields: dict
+    keys: Keys, batch_id: str, allowed: str, status: str, at_field: str, now: int, fields: Fields
 ) -> Steps[str | None]:
     """TRANSITION: the batch's status after it (see there)."""
+    status_after: str | None
     (status_after,) = checked((yield transition(keys, batch_id, allowed, status, at_field, now, fields).add_to))
     return status_after
 
 
 def finish_batch(
-    keys: Keys, batch_id: str, status: str, at_field: str, now: int, ttl_s: int, files: dict
+    keys: Keys, batch_id: str, status: str, at_field: str, now: int, ttl_s: int, files: Mapping[str, str]
 ) -> Steps[None]:
     """FINISH, then the batch out of the unfinished ones: once FINISH has run, never before (a
     batch out of them and not ended would never be driven again)."""
@@ -240,7 +250,7 @@ def store_input(keys: Keys, batch_id: str, lines: list[str]) -> Steps[None]:
     }
     names = list(runs)
 
-    def add(pipe) -> None:
+    def add(pipe: Pipe) -> None:
         for start in range(0, len(names), FIELDS_PER_HSET):
             pipe.hset(
                 keys.batch_input(batch_id),
@@ -280,6 +290,7 @@ def answer_lines(keys: Keys, batch_id: str, answers: list[tuple[int, bool, str]]
 def answers_page(keys: Keys, batch_id: str, ok: bool, start: int) -> Steps[list[str]]:
     """Up to ANSWERS_PER_READ answers of the output (`ok`) or error list, from answer `start`."""
     key = keys.batch_output(batch_id) if ok else keys.batch_errors(batch_id)
+    page: list[str]
     (page,) = checked((yield lambda pipe: pipe.lrange(key, start, start + ANSWERS_PER_READ - 1)))
     return page
 

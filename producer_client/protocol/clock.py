@@ -5,8 +5,10 @@ measures on the one clock the deadlines are set by, whatever its own."""
 
 from __future__ import annotations
 
+RedisTime = tuple[int, int]  # TIME's reply: seconds and microseconds
 
-def epoch_ms(redis_time: tuple[int, int]) -> int:
+
+def epoch_ms(redis_time: RedisTime) -> int:
     """TIME's reply (seconds, microseconds) in milliseconds."""
     seconds, micros = redis_time
     return int(seconds) * 1000 + int(micros) // 1000

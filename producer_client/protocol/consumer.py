@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import redis
 
+from producer_client.cluster import SyncRedis
 from producer_client.keys import GROUP, Keys
 from producer_client.protocol.execution import Pipe
 
 
-def create_group(client: redis.Redis, stream: str, make_stream: bool) -> None:
+def create_group(client: SyncRedis, stream: str, make_stream: bool) -> None:
     """The group on `stream`, from id 0 (not $: entries added before it was made are read too);
     `make_stream` creates an empty stream if there is none. A group that exists (BUSYGROUP) is left
     as it is."""
@@ -23,13 +24,13 @@ def create_group(client: redis.Redis, stream: str, make_stream: bool) -> None:
             raise
 
 
-def has_group(client: redis.Redis, stream: str) -> bool:
+def has_group(client: SyncRedis, stream: str) -> bool:
     """Whether `stream` has the group, from XINFO GROUPS, which fails with a ResponseError on a
     stream that does not exist: the caller tells that from a transient failure."""
     return any(g["name"] == GROUP for g in client.xinfo_groups(stream))
 
 
-def doorbell_made(client: redis.Redis, keys: Keys, queue: str) -> bool:
+def doorbell_made(client: SyncRedis, keys: Keys, queue: str) -> bool:
     """Whether a producer has rung the queue's doorbell yet (a queue without lanes has none)."""
     return bool(client.exists(keys.doorbell(queue)))
 

@@ -6,20 +6,35 @@ again), and WAIT routed to the node that holds the writes it vouches for."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
+import redis
+import redis.asyncio
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.cluster import ClusterNode
 from redis.commands.core import CoreCommands
 from redis.exceptions import NoScriptError, ResponseError
 
-from producer_client.cluster import NODE_ERRORS, is_cluster, topology_errors
+from producer_client.cluster import (
+    NODE_ERRORS,
+    AsyncCluster,
+    AsyncRedis,
+    Cluster,
+    SyncRedis,
+    is_cluster,
+    topology_errors,
+)
 from producer_client.protocol.producer import PRODUCER_SCRIPTS
 from producer_client.protocol.script import Script
 
-Stack = list[tuple[tuple, dict]]  # recorded commands: (arguments, options) each
+# Recorded commands: (arguments, options) each, as redis-py's methods hand them to execute_command.
+Stack = list[tuple[tuple[Any, ...], dict[str, Any]]]
+# Each command's reply as redis-py parses it, or the error in its place. The one place MILI's
+# replies meet their types: redis-py's pipelines type a reply Any (its type is the command's), and
+# each protocol read says what its commands answer where it reads them.
+Replies = list[Any]
 Node = ClusterNode | AsyncClusterNode  # a cluster's node, sync or asyncio
-Waits = dict[int, tuple[str, Node | None]]  # each WAIT's place: its key, and its node (None: one server)
+Waits = dict[int, tuple[str, Node]]  # each WAIT's place in a cluster's pipeline: its key, and its node
 
 
 class Commands(CoreCommands):
@@ -35,7 +50,7 @@ class Commands(CoreCommands):
     def __init__(self) -> None:
         self.stack: Stack = []
 
-    def execute_command(self, *args, **options):
+    def execute_command(self, *args: Any, **options: Any) -> Commands:
         self.stack.append((args, options))
         return self
 
@@ -63,12 +78,12 @@ COUNTED_PER_KEY = frozenset({"EXISTS", "DEL", "UNLINK", "TOUCH"})
 
 
 def execute(
-    client,
-    add_commands: Callable,
+    client: SyncRedis,
+    add_commands: Callable[[Pipe], object],
     scripts: Sequence[Script] = (),
     raise_on_error: bool = True,
     repeatable: bool = False,
-) -> list:
+) -> Replies:
     """Record commands with `add_commands` and send them in one pipeline; on a cluster, redis-py
     splits it per node, one round trip to every node at once, and follows MOVED and ASK. A server
     that lacks our scripts (fresh, restarted, SCRIPT FLUSHed, or a replica just promoted) answers
@@ -97,12 +112,12 @@ def execute(
 
 
 async def aexecute(
-    client,
-    add_commands: Callable,
+    client: AsyncRedis,
+    add_commands: Callable[[Pipe], object],
     scripts: Sequence[Script] = (),
     raise_on_error: bool = True,
     repeatable: bool = False,
-) -> list:
+) -> Replies:
     """`execute` for a redis.asyncio client."""
     commands = Commands()  # type: ignore[abstract]  # see Commands
     add_commands(commands)
@@ -119,21 +134,21 @@ async def aexecute(
     return _checked(replies, raise_on_error)
 
 
-def load_scripts(client, scripts: Sequence[Script] = ()) -> None:
+def load_scripts(client: SyncRedis, scripts: Sequence[Script] = ()) -> None:
     """Load the producers' scripts and `scripts`, on every master of a cluster."""
     with topology_errors():
         # The masters are named anew for each try: after a failover the old one answers no more.
         _checked(_send(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
 
 
-async def aload_scripts(client, scripts: Sequence[Script] = ()) -> None:
+async def aload_scripts(client: AsyncRedis, scripts: Sequence[Script] = ()) -> None:
     """`load_scripts` for a redis.asyncio client."""
     with topology_errors():
         _checked(await _asend(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
 
 
-def _script_loads(client, scripts: Sequence[Script]) -> Stack:
-    masters = client.get_primaries() if is_cluster(client) else [None]
+def _script_loads(client: SyncRedis | AsyncRedis, scripts: Sequence[Script]) -> Stack:
+    masters: list[Node | None] = [*client.get_primaries()] if is_cluster(client) else [None]
     return [
         (("SCRIPT LOAD", script.source), {} if node is None else {"target_nodes": node})
         for node in masters
@@ -141,7 +156,7 @@ def _script_loads(client, scripts: Sequence[Script]) -> Stack:
     ]
 
 
-def _send(client, stack: Stack | Callable[[], Stack], repeatable: bool = False) -> list:
+def _send(client: SyncRedis, stack: Stack | Callable[[], Stack], repeatable: bool = False) -> Replies:
     """One reply (or error) per command of `stack` (or of the stack it makes), in one pipeline: on
     a cluster, built anew for each try of the client's pacing (redis-py's own empties a pipeline
     it sent), each command routed by the topology of that try; a `repeatable` one is tried again
@@ -149,7 +164,7 @@ def _send(client, stack: Stack | Callable[[], Stack], repeatable: bool = False) 
     if not is_cluster(client):
         return _exchange(client, stack() if callable(stack) else stack)
 
-    def attempt() -> list:
+    def attempt() -> Replies:
         pipe, parts, waits = _cluster_pipeline(client, stack() if callable(stack) else stack)
         replies = _judged_waits(client, _folded(pipe.execute(raise_on_error=False), parts), waits)
         return _node_errors_raised(replies) if repeatable else replies
@@ -157,11 +172,11 @@ def _send(client, stack: Stack | Callable[[], Stack], repeatable: bool = False) 
     return client.paced(attempt)
 
 
-async def _asend(client, stack: Stack | Callable[[], Stack], repeatable: bool = False) -> list:
+async def _asend(client: AsyncRedis, stack: Stack | Callable[[], Stack], repeatable: bool = False) -> Replies:
     if not is_cluster(client):
         return await _aexchange(client, stack() if callable(stack) else stack)
 
-    async def attempt() -> list:
+    async def attempt() -> Replies:
         pipe, parts, waits = _cluster_pipeline(client, stack() if callable(stack) else stack)
         replies = _judged_waits(client, _folded(await pipe.execute(raise_on_error=False), parts), waits)
         return _node_errors_raised(replies) if repeatable else replies
@@ -169,7 +184,7 @@ async def _asend(client, stack: Stack | Callable[[], Stack], repeatable: bool = 
     return await client.paced(attempt)
 
 
-def _exchange(client, stack: Stack) -> list:
+def _exchange(client: redis.Redis, stack: Stack) -> Replies:
     """One round trip of `stack` to one server, as redis-py's pipeline makes it (one write of every
     command packed, then each reply read, a command's error in its place; the connection closed
     after a failure, and the whole exchange tried again as the connection's retry policy says)
@@ -189,7 +204,7 @@ def _exchange(client, stack: Stack) -> list:
     return _refused_waits_zero(stack, replies)
 
 
-async def _aexchange(client, stack: Stack) -> list:
+async def _aexchange(client: redis.asyncio.Redis, stack: Stack) -> Replies:
     """`_exchange` for a redis.asyncio client."""
     if not stack:
         return []
@@ -204,9 +219,9 @@ async def _aexchange(client, stack: Stack) -> list:
     return _refused_waits_zero(stack, replies)
 
 
-def _round_trip(client, connection, stack: Stack) -> list:
+def _round_trip(client: redis.Redis, connection: Any, stack: Stack) -> Replies:
     connection.send_packed_command(connection.pack_commands([args for args, _ in stack]))
-    replies = []
+    replies: Replies = []
     for args, options in stack:
         try:
             if _NODE_OF in options:
@@ -217,9 +232,9 @@ def _round_trip(client, connection, stack: Stack) -> list:
     return replies
 
 
-async def _around_trip(client, connection, stack: Stack) -> list:
+async def _around_trip(client: redis.asyncio.Redis, connection: Any, stack: Stack) -> Replies:
     await connection.send_packed_command(connection.pack_commands([args for args, _ in stack]))
-    replies = []
+    replies: Replies = []
     for args, options in stack:
         try:
             if _NODE_OF in options:
@@ -230,19 +245,19 @@ async def _around_trip(client, connection, stack: Stack) -> list:
     return replies
 
 
-def _sent_options(options: dict) -> dict:
+def _sent_options(options: dict[str, Any]) -> dict[str, Any]:
     """A recorded command's options as redis-py reads its reply with them: without _NODE_OF."""
     return {k: v for k, v in options.items() if k != _NODE_OF}
 
 
-def _refused_waits_zero(stack: Stack, replies: list) -> list:
+def _refused_waits_zero(stack: Stack, replies: Replies) -> Replies:
     for at, (_, options) in enumerate(stack):
         if _NODE_OF in options and isinstance(replies[at], ResponseError):
             replies[at] = 0
     return replies
 
 
-def _cluster_pipeline(client, stack: Stack) -> tuple[Any, list[int], Waits]:
+def _cluster_pipeline(client: Cluster | AsyncCluster, stack: Stack) -> tuple[Any, list[int], Waits]:
     """A cluster pipeline of `stack`'s commands; how many went out for each (more than one for a
     command of COUNTED_PER_KEY whose keys lie in several slots); and for each WAIT, by its place in
     `stack`, its key and the node it was sent to."""
@@ -253,7 +268,7 @@ def _cluster_pipeline(client, stack: Stack) -> tuple[Any, list[int], Waits]:
         if _NODE_OF in options:
             options = dict(options)
             key = options.pop(_NODE_OF)
-            waits[at] = (key, client.get_node_from_key(key))
+            waits[at] = (key, _master_of(client, key))
             options["target_nodes"] = waits[at][1]
         sent = _as_sent(client, args, options)
         for command_args, command_options in sent:
@@ -262,17 +277,17 @@ def _cluster_pipeline(client, stack: Stack) -> tuple[Any, list[int], Waits]:
     return pipe, parts, waits
 
 
-def _as_sent(client, args: tuple, options: dict) -> Stack:
+def _as_sent(client: Cluster | AsyncCluster, args: tuple[Any, ...], options: dict[str, Any]) -> Stack:
     """The commands a cluster client sends for one recorded command."""
     if str(args[0]).upper() not in COUNTED_PER_KEY:
         return [(args, options)]
-    by_slot: dict[int, list] = {}
+    by_slot: dict[int, list[Any]] = {}
     for key in args[1:]:
         by_slot.setdefault(client.keyslot(key), []).append(key)
     return [((args[0], *keys), options) for keys in by_slot.values()]
 
 
-def _judged_waits(client, replies: list, waits: Waits) -> list:
+def _judged_waits(client: Cluster | AsyncCluster, replies: Replies, waits: Waits) -> Replies:
     """`replies`, with 0 (no replica confirmed anything) for each WAIT that cannot vouch for the
     writes before it: one its node refused (the node turned replica in a failover), and on a
     cluster one whose key's slot another node serves now (the writes followed MOVED there, on
@@ -281,15 +296,22 @@ def _judged_waits(client, replies: list, waits: Waits) -> list:
     WAIT then speaks for the writes that stayed on its node only."""
     for at, (key, node) in waits.items():
         refused = isinstance(replies[at], ResponseError)
-        if refused or (node is not None and client.get_node_from_key(key).name != node.name):
+        if refused or _master_of(client, key).name != node.name:
             replies[at] = 0
     return replies
 
 
-def _folded(replies: list, parts: list[int]) -> list:
+def _master_of(client: Cluster | AsyncCluster, key: str) -> Node:
+    """The master that serves `key`'s slot now (SlotNotCoveredError if none does). redis-py types
+    get_node_from_key's answer Optional: None answers only an ask for a replica."""
+    return cast(Node, client.get_node_from_key(key))
+
+
+def _folded(replies: Replies, parts: list[int]) -> Replies:
     """The replies of the commands `_pipeline` split, one per command of the stack again: the sum
     of its counts, or the first error among them."""
-    folded, at = [], 0
+    folded: Replies = []
+    at = 0
     for count in parts:
         mine = replies[at : at + count]
         at += count
@@ -298,7 +320,7 @@ def _folded(replies: list, parts: list[int]) -> list:
     return folded
 
 
-def _node_errors_raised(replies: list) -> list:
+def _node_errors_raised(replies: Replies) -> Replies:
     """`replies`, once none is a node's failure (NODE_ERRORS): the first such is raised."""
     for reply in replies:
         if isinstance(reply, NODE_ERRORS):
@@ -306,16 +328,16 @@ def _node_errors_raised(replies: list) -> list:
     return replies
 
 
-def _lacking_scripts(replies: list) -> list[int]:
+def _lacking_scripts(replies: Replies) -> list[int]:
     return [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
 
 
-def _splice(replies: list, positions: list[int], again: list) -> None:
+def _splice(replies: Replies, positions: list[int], again: Replies) -> None:
     for i, reply in zip(positions, again):
         replies[i] = reply
 
 
-def _checked(replies: list, raise_on_error: bool) -> list:
+def _checked(replies: Replies, raise_on_error: bool) -> Replies:
     if raise_on_error:
         for reply in replies:
             if isinstance(reply, Exception):

@@ -11,10 +11,11 @@ half-way is not found, and its pieces expire."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from producer_client.keys import Keys
+from producer_client.protocol.execution import Pipe
 from producer_client.steps import Steps, checked
 
 PIECES_PER_READ = 8
@@ -29,11 +30,13 @@ def append_piece(keys: Keys, file_id: str, piece: str, ttl_s: int) -> Steps[None
     checked((yield lambda pipe: (pipe.rpush(content, piece), pipe.expire(content, ttl_s))))
 
 
-def add_file(keys: Keys, file_id: str, fields: dict, owner: str | None, ttl_s: int, created: float) -> Steps[None]:
+def add_file(
+    keys: Keys, file_id: str, fields: Mapping[str, str | int | float], owner: str | None, ttl_s: int, created: float
+) -> Steps[None]:
     """The file's hash, once its pieces are in, and its place in the indexes (`created`: epoch
     seconds, their order)."""
 
-    def add(pipe) -> None:
+    def add(pipe: Pipe) -> None:
         pipe.hset(keys.file(file_id), mapping={**fields, **owned_by(owner)})
         pipe.expire(keys.file(file_id), ttl_s)
         pipe.zadd(keys.files(), {file_id: created})
@@ -50,12 +53,14 @@ def owned_by(owner: str | None) -> dict[str, str]:
 
 def file_fields(keys: Keys, file_id: str) -> Steps[dict[str, str]]:
     """The file's hash ({} if there is no such file)."""
+    fields: dict[str, str]
     (fields,) = checked((yield lambda pipe: pipe.hgetall(keys.file(file_id))))
     return fields
 
 
 def pieces(keys: Keys, file_id: str, start: int) -> Steps[list[str]]:
     """Up to PIECES_PER_READ pieces of the file's text from piece `start` ([] past its end)."""
+    found: list[str]
     (found,) = checked((yield lambda pipe: pipe.lrange(keys.file_content(file_id), start, start + PIECES_PER_READ - 1)))
     return found
 
@@ -64,7 +69,7 @@ def delete_file(keys: Keys, file_id: str) -> Steps[bool]:
     """The file out of its indexes, then its keys; whether it existed."""
     (owner,) = checked((yield lambda pipe: pipe.hget(keys.file(file_id), "owner")))
 
-    def delete(pipe) -> None:
+    def delete(pipe: Pipe) -> None:
         pipe.zrem(keys.files(), file_id)
         if owner is not None:
             pipe.zrem(keys.files_of(owner), file_id)

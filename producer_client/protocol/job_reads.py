@@ -1,17 +1,39 @@
-"""Reads of a job's hash `mili:job:{id}` for its status and for operators' views, each a Steps
-(producer_client.steps). The scripts of protocol.producer and protocol.worker write the hash: its
-`status`, `tokens` generated so far, the `worker` running it, the `entry` reference of the queue
-entry it was claimed from (protocol.backlog.entry_stream), its `result`..."""
+"""Reads of a job's keys: its hash `mili:job:{id}`, read for its status, its end and operators'
+views; its `done` stream, which a waiting reader blocks on; its event stream, which a reader of
+stream() and a worker that resumes the job read. The scripts of protocol.producer and
+protocol.worker write them: the hash's `status`, `tokens` generated so far, the `worker` running
+it, the `entry` reference of the queue entry it was claimed from (protocol.backlog.entry_stream),
+its `result`... Each read is an `add_*` function that adds its commands to a pipeline (the caller
+says whether the step is Repeatable, and reads the replies as each function says), or a Steps
+(producer_client.steps) where a read is a step of its own."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from producer_client.keys import Keys
-from producer_client.steps import Steps, checked
+from producer_client.protocol.clock import RedisTime
+from producer_client.protocol.execution import Pipe
+from producer_client.steps import Repeatable, Steps, checked
+
+# The reply of add_look's HMGET: the job's status, deadline (epoch ms on
+# Redis's clock) and result JSON, each None where the hash has none.
+JobLook = tuple[str | None, str | None, str | None]
+StatusAndDeadline = tuple[str | None, str | None]  # see JobLook
+Entry = tuple[str, dict[str, str]]  # a stream entry: its id and fields
+# An XREAD's reply: each stream that had entries, with them; None when none came within its block.
+StreamsReply = list[tuple[str, list[Entry]]] | None
 
 
-def job_fields(keys: Keys, job_id: str) -> Steps[tuple[dict[str, str], tuple[int, int]]]:
+def add_job_fields(pipe: Pipe, keys: Keys, job_id: str) -> None:
+    """The job's hash (HGETALL: {} for no such job), then Redis's clock (TIME)."""
+    pipe.hgetall(keys.job(job_id))
+    pipe.time()
+
+
+def job_fields(keys: Keys, job_id: str) -> Steps[tuple[dict[str, str], RedisTime]]:
     """The job's hash ({}: no such job) and Redis's clock (TIME) as it was read: one round trip."""
-    fields, redis_time = checked((yield lambda pipe: (pipe.hgetall(keys.job(job_id)), pipe.time())))
+    fields, redis_time = checked((yield lambda pipe: add_job_fields(pipe, keys, job_id)))
     return fields, redis_time
 
 
@@ -20,3 +42,77 @@ def field_of_jobs(keys: Keys, job_ids: list[str], field: str) -> Steps[list[str 
     if not job_ids:
         return []
     return checked((yield lambda pipe: [pipe.hget(keys.job(job_id), field) for job_id in job_ids]))
+
+
+def add_look(pipe: Pipe, keys: Keys, job_id: str) -> None:
+    """The job's status, deadline and result (one HMGET: a JobLook), then Redis's clock (TIME), for
+    waiting.expiry."""
+    pipe.hmget(keys.job(job_id), "status", "deadline", "result")
+    pipe.time()
+
+
+def look(keys: Keys, job_id: str) -> Steps[tuple[JobLook, RedisTime]]:
+    """add_look as a step of its own (Repeatable)."""
+    (status, deadline_ms, result), redis_time = checked((yield Repeatable(lambda pipe: add_look(pipe, keys, job_id))))
+    return (status, deadline_ms, result), redis_time
+
+
+def deadlines(keys: Keys, job_ids: list[str]) -> Steps[tuple[list[StatusAndDeadline], RedisTime]]:
+    """Each job's status and deadline (an HMGET each), then Redis's clock (TIME): one round trip."""
+
+    def add(pipe: Pipe) -> None:
+        for job_id in job_ids:
+            pipe.hmget(keys.job(job_id), "status", "deadline")
+        pipe.time()
+
+    *fields, redis_time = checked((yield add))
+    return [(status, deadline_ms) for status, deadline_ms in fields], redis_time
+
+
+def add_ends_read(pipe: Pipe, done_streams: Iterable[str], block_ms: int) -> None:
+    """One XREAD of jobs' `done` streams (Keys.done of each), from their start, one entry each: it
+    returns at once with every one that has its entry, else blocks up to `block_ms` for the first.
+    Its reply: [(done stream key, [(entry id, {"data": result JSON})]) ...], None when none came."""
+    pipe.xread(dict.fromkeys(done_streams, "0-0"), count=1, block=block_ms)
+
+
+def end_read(keys: Keys, job_id: str, block_ms: int) -> Steps[tuple[StreamsReply | Exception, str | None | Exception]]:
+    """add_ends_read of the one job, then its hash's result (HGET), in one round trip (Repeatable):
+    a job that ended before the read began, longer ago than its done stream lives, is found there.
+    Each reply, or the error in its place."""
+    done, job = keys.done(job_id), keys.job(job_id)
+
+    def add(pipe: Pipe) -> None:
+        add_ends_read(pipe, (done,), block_ms)
+        pipe.hget(job, "result")
+
+    reply, result = yield Repeatable(add)
+    return reply, result
+
+
+def add_events_kept(pipe: Pipe, keys: Keys, job_id: str) -> None:
+    """Whether the job's event stream exists (EXISTS: 1 or 0): an ended job keeps it only where
+    someone streams it or more than one run published to it (protocol.script.END_JOB)."""
+    pipe.exists(keys.events(job_id))
+
+
+def events_read(keys: Keys, job_id: str, after: str, count: int, block_ms: int) -> Steps[StreamsReply | Exception]:
+    """One XREAD of up to `count` of the job's events after the id `after`, blocking up to
+    `block_ms` (Repeatable): [(events key, [(event id, {"type": ..., "data": ...}) ...])], None
+    when none came, or the error in its place."""
+    key = keys.events(job_id)
+    reply: StreamsReply | Exception
+    (reply,) = yield Repeatable(lambda pipe: pipe.xread({key: after}, count=count, block=block_ms))
+    return reply
+
+
+def add_events_page(pipe: Pipe, keys: Keys, job_id: str, start: str, count: int) -> None:
+    """Up to `count` of the job's events from the id `start` on (XRANGE; "(" before an id excludes
+    it), for a worker that resumes the job: [(event id, fields) ...]."""
+    pipe.xrange(keys.events(job_id), start, "+", count=count)
+
+
+def add_run_flags(pipe: Pipe, keys: Keys, job_id: str) -> None:
+    """A running job's cancel flag, run token and streamed flag (one HMGET), which the worker
+    running it looks at (replies.parse_watch)."""
+    pipe.hmget(keys.job(job_id), "cancel", "run", "streamed")

@@ -27,12 +27,14 @@ def add_letter(pipe: Any, keys: Keys, queue: str, letter: Mapping[str, str | int
 def newest_letters(keys: Keys, queue: str, count: int, before: str = "+") -> Steps[list[Entry]]:
     """Up to `count` letters, newest first, from `before` down (XREVRANGE; "(" before an id
     excludes it)."""
+    entries: list[Entry]
     (entries,) = checked((yield lambda pipe: pipe.xrevrange(keys.dead(queue), before, "-", count=count)))
     return entries
 
 
 def oldest_letters(keys: Keys, queue: str, after: str, last: str, count: int) -> Steps[list[Entry]]:
     """Up to `count` letters, oldest first, from `after` up to `last` (XRANGE)."""
+    entries: list[Entry]
     (entries,) = checked((yield lambda pipe: pipe.xrange(keys.dead(queue), after, last, count=count)))
     return entries
 
@@ -57,5 +59,6 @@ def delete_letter(keys: Keys, queue: str, letter_id: str) -> Steps[bool]:
 def trim_letters(keys: Keys, queue: str, strategy: Literal["MAXLEN", "MINID"], threshold: int) -> Steps[int]:
     """XTRIM, exact (no ~): MAXLEN 0 removes every letter, MINID every one older than `threshold`
     ms. Returns how many it removed."""
+    removed: int
     (removed,) = checked((yield lambda pipe: pipe.execute_command("XTRIM", keys.dead(queue), strategy, threshold)))
     return removed

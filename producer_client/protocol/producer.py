@@ -22,6 +22,7 @@ table and `unpack` it last (tests/queue/test_scripts.py checks every script for 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from producer_client.keys import DEFAULT_LANE, LANES, NO_TENANT, PROTOCOL_VERSION, Keys
 from producer_client.protocol.lanes import LUA_ACTIVATE, LUA_UNREAD
@@ -392,3 +393,34 @@ def revive(
 def enqueue_many(stream: str, max_depth: int, ids_and_bodies: list[tuple[str, str]]) -> ScriptCall:
     flat = tuple(x for pair in ids_and_bodies for x in pair)
     return ScriptCall(ENQUEUE_MANY, (stream,), (max_depth, PROTOCOL_VERSION, *flat))
+
+
+# -- a job's commands beside the scripts ----------------------------------------------------------
+
+
+def add_fresh_create(pipe: Any, keys: Keys, job_id: str, timeout_ms: int) -> None:
+    """CREATE of a job with a fresh id: without a deadline that is one HSETNX of its status, which
+    costs Redis less than a script (nobody reads the reply of a fresh id's CREATE)."""
+    if timeout_ms:
+        create(keys, job_id, timeout_ms, "").add_to(pipe)
+    else:
+        pipe.hsetnx(keys.job(job_id), "status", "queued")
+
+
+def add_enqueued_flag(pipe: Any, keys: Keys, job_id: str) -> None:
+    """The `enqueued` flag of a job with a request_id, once its entry is in a stream: a later
+    submit of the same request_id that finds the job queued reads it (CREATE)."""
+    pipe.hset(keys.job(job_id), "enqueued", "1")
+
+
+def add_forget(pipe: Any, keys: Keys, job_ids: list[str]) -> None:
+    """The hashes of jobs that did not go in (one DEL): a later submit of their request_id then
+    creates and enqueues them again."""
+    pipe.delete(*(keys.job(job_id) for job_id in job_ids))
+
+
+def add_placed(pipe: Any, stream: str, job_id: str, body: str, fields: dict[str, str]) -> None:
+    """A job's entry added to the worker stream `stream` that placement chose (XADD; no bound:
+    placement puts a job there only while the worker has a free slot), with `fields`, its route
+    and cost (only lane-aware workers take placed jobs)."""
+    pipe.xadd(stream, {"id": job_id, "v": PROTOCOL_VERSION, "body": body, **fields})

@@ -53,6 +53,7 @@ def add_leave(pipe: Any, keys: Keys, queue: str, worker: str, keep_name: bool) -
 
 def queue_names(keys: Keys) -> Steps[list[str]]:
     """Every queue of the queue index."""
+    names: list[str]
     (names,) = checked((yield lambda pipe: pipe.zrange(keys.queues(), 0, -1)))
     return names
 

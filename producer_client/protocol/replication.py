@@ -17,7 +17,7 @@ class Replication:
     replicas: int = 0
     timeout_ms: int = 1000
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name, least in (("replicas", 0), ("timeout_ms", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:

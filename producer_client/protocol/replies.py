@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TypeVar
+
+E = TypeVar("E", bound=enum.Enum)
 
 
 class UnknownReply(Exception):
@@ -91,8 +94,8 @@ class Enqueued:
 
     added: int
     refusal: Refusal = Refusal.NONE
-    values: tuple = ()
-    limits: tuple = ()
+    values: tuple[int | str, ...] = ()
+    limits: tuple[int, ...] = ()
 
 
 def parse_enqueue(reply: object) -> Enqueued:
@@ -106,6 +109,13 @@ def parse_enqueue(reply: object) -> Enqueued:
         refusal = _member(Refusal, reply[1], "ENQUEUE_LANES", reply)
         return Enqueued(_count(reply[0], "ENQUEUE_LANES", reply), refusal, tuple(reply[2:4]), tuple(reply[4:]))
     raise UnknownReply("ENQUEUE", reply)
+
+
+def parse_enqueue_many(reply: object) -> tuple[int, int]:
+    """ENQUEUE_MANY's {jobs added, depth after}."""
+    if isinstance(reply, list) and len(reply) == 2:
+        return _count(reply[0], "ENQUEUE_MANY", reply), _count(reply[1], "ENQUEUE_MANY", reply)
+    raise UnknownReply("ENQUEUE_MANY", reply)
 
 
 def parse_claim(reply: object) -> Claim:
@@ -152,7 +162,7 @@ def parse_fail(reply: object) -> Failed:
     return _member(Failed, reply, "FAIL", reply)
 
 
-def _member(kind: type[enum.Enum], value: object, script: str, reply: object):
+def _member(kind: type[E], value: object, script: str, reply: object) -> E:
     try:
         return kind(value)
     except ValueError:

@@ -18,7 +18,7 @@ class Script:
     source: str
     sha: str = field(init=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
@@ -28,9 +28,9 @@ class ScriptCall:
 
     script: Script
     keys: tuple[str, ...]
-    args: tuple = ()
+    args: tuple[str | int | float, ...] = ()
 
-    def add_to(self, pipe) -> None:
+    def add_to(self, pipe: Any) -> None:
         """Add the call to a pipeline (or the commands `execution.execute` records)."""
         pipe.evalsha(self.script.sha, len(self.keys), *self.keys, *self.args)
 

@@ -14,6 +14,7 @@ from producer_client.steps import Repeatable, Steps, checked
 
 def quota_fields(keys: Keys, tenant: str) -> Steps[dict[str, str]]:
     """The tenant's settings hash ({}: none set)."""
+    fields: dict[str, str]
     (fields,) = checked((yield Repeatable(lambda pipe: pipe.hgetall(keys.quota(tenant)))))
     return fields
 
@@ -33,6 +34,7 @@ def write_quota_fields(keys: Keys, tenant: str, written: dict[str, str], unset: 
 
 def tenants_with_quotas(keys: Keys) -> Steps[list[str]]:
     """The index: every tenant that has had settings, by name."""
+    tenants: list[str]
     (tenants,) = checked((yield Repeatable(lambda pipe: pipe.zrange(keys.quotas(), 0, -1))))
     return tenants
 

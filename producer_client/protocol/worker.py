@@ -31,9 +31,13 @@ owns its keys and argument order.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from producer_client.keys import GROUP, LANES, LUA_STREAM_OF, Keys
 from producer_client.protocol.execution import Pipe
 from producer_client.protocol.lanes import CREDIT_EVERY, DOORBELL_MAXLEN, LUA_LANES
+from producer_client.protocol.replication import Replication
 from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_keys
 
 # -- a job's keys ---------------------------------------------------------------------------------
@@ -708,6 +712,17 @@ def publish(
     return ScriptCall(PUBLISH, job_keys(keys, job_id), args)
 
 
+def add_result_replicated(pipe: Any, keys: Keys, job_id: str, result_ttl_s: int, replication: Replication) -> None:
+    """After a final PUBLISH of the job, a WAIT for `replication`'s replicas on the job's node. WAIT
+    counts the replicas that have this connection's writes; a result published again is a no-op
+    that writes nothing, and may go out on another connection. So an EXPIRE (the TTL PUBLISH gave
+    the result) goes first: a write that always reaches the replication stream, after the result,
+    so a replica that has it has the result. The WAIT's reply (the replicas that confirmed) is the
+    second of the two."""
+    pipe.expire(keys.job(job_id), result_ttl_s)
+    pipe.wait_replicas(keys.job(job_id), replication.replicas, replication.timeout_ms)
+
+
 def adopt(keys: Keys, job_id: str, run: str, worker: str) -> ScriptCall:
     return ScriptCall(ADOPT, job_keys(keys, job_id), (run, worker))
 
@@ -732,7 +747,9 @@ def release(stream: str, worker: str, idle_ms: int, entry_ids: list[str]) -> Scr
     return ScriptCall(RELEASE, (stream,), (GROUP, worker, idle_ms, *entry_ids))
 
 
-def deadletter(stream: str, dead: str, entry_id: str, dead_maxlen: int, letter: dict) -> ScriptCall:
+def deadletter(
+    stream: str, dead: str, entry_id: str, dead_maxlen: int, letter: Mapping[str, str | int | float]
+) -> ScriptCall:
     """DEADLETTER of a pending entry of `stream`, as a dead letter of fields `letter`."""
     return ScriptCall(
         DEADLETTER, (stream, dead), (GROUP, entry_id, dead_maxlen, *(x for kv in letter.items() for x in kv))

@@ -5,7 +5,8 @@ the model below the service, the kernels at the ground. No import runs the wrong
 ours imports the CLI, the CLI never imports the gateway, OpenAI's format imports no web framework,
 and no two modules import each other (not even for type hints only). Beside the shipped packages,
 the harness serves the tests and the benchmarks: the benchmarks and the harness never import the
-tests, and nothing shipped imports any of the three."""
+tests, and nothing shipped imports any of the three. And every Redis command on MILI's keys is
+built in producer_client/protocol/: no other module calls a Redis command's method itself."""
 
 from __future__ import annotations
 
@@ -142,4 +143,39 @@ def test_nothing_shipped_imports_the_tests_the_benchmarks_or_the_harness():
         for module, path in modules().items()
         for name in sorted(top_level_imports(path) & {"tests", "bench", *UNSHIPPED_NEVER_IMPORTS})
     ]
+    assert wrong == []
+
+
+# Redis's commands on keys, as redis-py's methods name them: the ones MILI sends on its keys.
+REDIS_COMMANDS = set(
+    "xadd xread xreadgroup hset hsetnx hget hgetall hmget expire pexpire delete unlink zadd zrange zrem xack "
+    "xautoclaim eval evalsha incr xlen xrange xrevrange xpending sadd smembers exists".split()
+)
+# Calls of those names that are no Redis command, by their receiver: a web route's method, a
+# model's eval mode, a file's unlink or existence.
+NOT_REDIS = {
+    ("router", "delete"),
+    ("model", "eval"),
+    ("head", "eval"),
+    ("temp", "unlink"),
+    ("path", "exists"),
+    ("path / name", "exists"),
+    ("config_path", "exists"),
+    ("log_file", "exists"),
+}
+
+
+def test_every_command_on_mili_keys_is_built_in_the_protocol_package():
+    """producer_client/protocol/ builds every command sent on MILI's keys (docs/development.md,
+    "Who owns what"): the clients, the worker, the gateway and the CLI call its functions, and
+    none sends a command of its own."""
+    wrong = []
+    for module, path in modules().items():
+        if module.startswith("producer_client.protocol") or layer_of(module) == "kernels":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                call = (ast.unparse(node.func.value), node.func.attr)
+                if call[1] in REDIS_COMMANDS and call not in NOT_REDIS:
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {call[0]}.{call[1]}(...)")
     assert wrong == []

@@ -12,10 +12,9 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import redis
-
+from producer_client.cluster import SyncRedis
 from producer_client.keys import Keys
-from producer_client.protocol import execution
+from producer_client.protocol import execution, job_reads
 from producer_client.protocol import worker as scripts
 from producer_client.protocol.execution import AddCommands, Pipe
 from producer_client.protocol.replication import Replication
@@ -47,7 +46,7 @@ class JobCommands:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: SyncRedis,
         keys: Keys,
         worker: str,
         result_ttl_s: int,
@@ -91,7 +90,7 @@ class JobCommands:
 
             def add(pipe: Pipe) -> None:
                 for job_id, start in after.items():
-                    pipe.xrange(self.keys.events(job_id), start, "+", count=EVENT_PAGE)
+                    job_reads.add_events_page(pipe, self.keys, job_id, start, EVENT_PAGE)
 
             for job_id, page in zip(list(after), self._send(add, per_command_errors=True)):
                 if isinstance(page, Exception):
@@ -136,16 +135,11 @@ class JobCommands:
             for u in updates:
                 u.publish_call(self.keys, self.result_ttl_s).add_to(pipe)
             for job_id, _ in watch:
-                pipe.hmget(self.keys.job(job_id), "cancel", "run", "streamed")
+                job_reads.add_run_flags(pipe, self.keys, job_id)
             for job_id in forget:
                 scripts.forget_done(pipe, self.keys, job_id)
             for u in finals:
-                # WAIT counts the replicas that have this connection's writes; a result published
-                # again is a no-op that writes nothing, and may go out on another connection. The
-                # EXPIRE (the TTL PUBLISH gave the result) is a write that always reaches the
-                # replication stream, after the result: a replica that has it has the result.
-                pipe.expire(self.keys.job(u.job_id), self.result_ttl_s)
-                pipe.wait_replicas(self.keys.job(u.job_id), self.replication.replicas, self.replication.timeout_ms)
+                scripts.add_result_replicated(pipe, self.keys, u.job_id, self.result_ttl_s, self.replication)
 
         replies = execution.execute(self.redis, add, scripts.WORKER_SCRIPTS, raise_on_error=False)
         published = [_parsed(parse_publish, r) for r in replies[: len(updates)]]

@@ -28,7 +28,7 @@ import redis
 from redis.backoff import NoBackoff
 
 from producer_client import connection
-from producer_client.cluster import is_cluster
+from producer_client.cluster import SyncRedis, is_cluster
 from producer_client.connection import FATAL_ERRORS, Retry, reply_code
 from producer_client.keys import Keys
 from producer_client.protocol import consumer, execution, producer, registry
@@ -120,20 +120,19 @@ class CommandPacker:
             raise redis.DataError(str(e)) from None
 
 
-def connect(url: str) -> redis.Redis:
+def connect(url: str) -> SyncRedis:
     """The worker's client, of any of the three modes. surrogateescape: a producer's invalid UTF-8
     must fail its job, not the read. One immediate retry replaces a connection Redis closed (a
     restart; on a cluster, after reading the topology again); past that the loop's own backoff
     takes over, so that the engine keeps stepping while Redis is away. Wrong credentials are not
     retried at all. A cluster client reads the topology now, so this raises while no node answers."""
-    client: redis.Redis = connection.connect(
+    return connection.connect(
         url,
         decode_responses=True,
         encoding_errors="surrogateescape",
         retry=Retry(NoBackoff(), 1),
         command_packer=CommandPacker(),
     )
-    return client
 
 
 def is_transient(error: BaseException) -> bool:
@@ -144,7 +143,7 @@ def is_transient(error: BaseException) -> bool:
     )
 
 
-def send_pipeline(client: redis.Redis, add_commands: AddCommands, per_command_errors: bool = False) -> list[Any]:
+def send_pipeline(client: SyncRedis, add_commands: AddCommands, per_command_errors: bool = False) -> list[Any]:
     """One pipeline. A transient error or a lost group raises, whichever command met it (the
     loop sends everything again later); any other error raises too, unless
     `per_command_errors`: then it stays in its command's place, for the caller to charge to
@@ -239,7 +238,7 @@ class WorkerQueue:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: SyncRedis,
         keys: Keys,
         queue: str,
         worker: str,

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import redis
 
+from producer_client.cluster import SyncRedis
 from producer_client.connection import is_fatal
 from producer_client.keys import Keys
 from producer_client.protocol.replication import Replication
@@ -64,7 +65,7 @@ class Worker:
     def __init__(
         self,
         engine: EngineAPI,
-        client: redis.Redis,
+        client: SyncRedis,
         settings: WorkerSettings,
         metrics: WorkerMetrics,
         name: str,
