@@ -269,8 +269,6 @@ class WorkerQueue:
         self.queue = queue
         self.worker = worker
         self.clock = clock or RedisClock()
-        self.stream = keys.queue(queue)
-        self.doorbell = keys.doorbell(queue)
         self.shard_names = shard_names(queue, shards)
         self.shard_of_stream = {keys.queue(name): i for i, name in enumerate(self.shard_names)}
         self.rings = [False] * shards  # each shard's doorbell has its group (bell_ready)
