@@ -68,7 +68,7 @@ def submit_many(client: ClientBase, specs: Iterable[Mapping[str, Any]]) -> Steps
     """Client.submit_many: every spec validated first (build_jobs), then the jobs enqueued on the
     client's queue, in their lanes of the client's tenant (submit_steps)."""
     jobs = build_jobs(specs)
-    if client.shards.count > 1:
+    if client.shards.spreads:
         yield from client.shards.agree(client.keys, client.queue)
     limits = yield from client.quota_cache.limits_for(client.keys, client.tenant)
     keys, tenant, one_server = client.keys, client.tenant_name, not is_cluster(client.redis)
@@ -111,7 +111,7 @@ def submit_steps(
         if len(in_queue) < len(chunk):
             ids = [job.job_id for job in jobs]
             first_out = next(i for i, job_id in enumerate(ids) if job_id not in placed)
-            done = ids[:first_out] if shards.count == 1 else [job_id for job_id in ids if job_id in placed]
+            done = ids[:first_out] if shards.count_of(queue) == 1 else [job_id for job_id in ids if job_id in placed]
             if outcome.refusal is Refusal.FULL:
                 raise BulkQueueFull(queue, int(outcome.values[0]), max_depth or 0, done)
             error = refusal_error(outcome, queue, tenant, max_depth, done)
@@ -124,7 +124,7 @@ def shard_chunks(queue: str, jobs: list[NewJob], shards: QueueShards) -> Iterato
     """(the name of the shard's keys, a chunk of at most CHUNK jobs bound for it), shard by shard:
     one pipeline per chunk, so each goes to its shard's node alone."""
     by_shard = {queue: jobs}
-    if shards.count > 1:
+    if shards.count_of(queue) > 1:
         by_shard = {}
         for job in jobs:
             by_shard.setdefault(shards.name_for(queue, job.job_id), []).append(job)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from producer_client.connection import RedisURL, parse_url
 from producer_client.dead_letters import DeadLetters
@@ -40,7 +40,7 @@ class ClientBase:
         wait_timeout_ms: int = 1000,
         placement: bool = True,
         tenant: str | None = None,
-        queue_shards: int = 1,
+        queue_shards: int | Literal["auto"] = 1,
     ):
         self.queue = check_name("queue", queue)
         self.tenant = None if tenant is None else check_tenant("tenant", tenant)

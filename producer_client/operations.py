@@ -38,7 +38,7 @@ def submit_rated(client: ClientBase, job: NewJob) -> Steps[Submitted]:
     first (UnknownAdapter), and so is a shard count other than the queue's (ShardCountMismatch). A
     refusal (the stream's bound, the tenant's waiting quota or a rate limit) removes the job's hash
     again and raises."""
-    if client.shards.count > 1:
+    if client.shards.spreads:
         yield from client.shards.agree(client.keys, client.queue)
     if job.adapter is not None:
         yield from client.placement.check_adapters(client.keys, client.queue, [job.adapter])
@@ -69,7 +69,7 @@ def enqueue_or_forget(client: ClientBase, job: NewJob, create: bool) -> Steps[En
     keys, queue, tenant = client.keys, client.queue, client.tenant_name
     (stream,) = yield from client.placement.streams_for(keys, queue, [job.prefix])
     limits = yield from client.quota_cache.limits_for(keys, client.tenant)
-    if client.shards.count > 1 and not limits.any:
+    if client.shards.spreads and not limits.any:
         queue = client.shards.name_for(queue, job.job_id)
     try:
         reserved = None

@@ -9,8 +9,9 @@ A job's shard is a hash of its id, so the same request_id always lands on the sa
 
 from __future__ import annotations
 
+import time
 import zlib
-from typing import Any
+from typing import Any, Literal
 
 from producer_client.errors import InvalidArgument, ShardCountMismatch
 from producer_client.keys import MAX_SHARDS, SHARDS_FIELD, Keys
@@ -61,24 +62,47 @@ def serving_count(keys: Keys, queue: str, asked: int | None) -> Steps[int]:
     return (yield from stored_count(keys, queue)) if asked is None else (yield from agree(keys, queue, asked))
 
 
-class QueueShards:
-    """A producer's shard count, checked against the queue's once per queue (a client made by
-    on_queue shares it: the set of queues checked is per count, not per queue name)."""
+AUTO = "auto"  # a producer's count: each queue's own, as stored, read every AUTO_REFRESH_S
+# How stale an "auto" producer's copy of a queue's count may be: a queue that gets a count after
+# the producer read none is spread within this long (its jobs meanwhile go to shard 0, still read).
+AUTO_REFRESH_S = 10.0
 
-    def __init__(self, count: int = 1):
-        self.count = check_shards("queue_shards", count)
-        self.agreed: set[str] = set()
+
+class QueueShards:
+    """A producer's shard count: a number, checked against each queue's once (a client made by
+    on_queue shares it), or AUTO, each queue's stored count, read again every AUTO_REFRESH_S."""
+
+    def __init__(self, count: int | Literal["auto"] = 1):
+        self.auto = count == AUTO
+        try:
+            self.count = 1 if self.auto else check_shards("queue_shards", count)
+        except InvalidArgument:
+            raise InvalidArgument("queue_shards", f"must be an integer from 1 to {MAX_SHARDS}, or {AUTO!r}") from None
+        self.spreads = self.auto or self.count > 1  # whether any job may go past shard 0
+        self.counts: dict[str, tuple[int, float]] = {}  # queue -> (its count, when it was read)
 
     def agree(self, keys: Keys, queue: str) -> Steps[None]:
-        """Checks the count against `queue`'s the first time (a round trip), then never again: a
-        queue's count does not change while it has jobs (docs/operating-the-queue.md)."""
-        if self.count > 1 and queue not in self.agreed:
-            yield from agree(keys, queue, self.count)
-            self.agreed.add(queue)
+        """A number: checks it against `queue`'s the first time (a round trip), then never again,
+        as a queue's count does not change while it has jobs (docs/architecture.md). AUTO: reads
+        the queue's count when the copy is older than AUTO_REFRESH_S."""
+        known = self.counts.get(queue)
+        if known is not None and not (self.auto and time.monotonic() - known[1] > AUTO_REFRESH_S):
+            return
+        if self.auto:
+            count = yield from stored_count(keys, queue)
+        else:
+            count = yield from agree(keys, queue, self.count)
+        self.counts[queue] = (count, time.monotonic())
+
+    def count_of(self, queue: str) -> int:
+        """The count this producer spreads `queue`'s jobs over (after agree)."""
+        known = self.counts.get(queue)
+        return self.count if known is None else known[0]
 
     def name_for(self, queue: str, job_id: str) -> str:
         """The name of the shard `job_id` goes to (`queue` itself with one shard)."""
-        return queue if self.count == 1 else Keys.shard(queue, shard_of(job_id, self.count))
+        count = self.count_of(queue)
+        return queue if count == 1 else Keys.shard(queue, shard_of(job_id, count))
 
 
 ONE_SHARD = QueueShards()  # a queue's jobs all on shard 0: the queue itself

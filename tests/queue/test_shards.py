@@ -263,3 +263,20 @@ def test_on_a_cluster_the_shards_lie_on_every_master_and_each_job_is_served_once
             assert_one_final_result(admin, job_id)
         assert client.queue_stats().depth == 0
     admin.close()
+
+
+def test_an_auto_producer_spreads_over_each_queues_own_count(redis_server, redis_client, queue):
+    other = f"{queue}-one"
+    with Client(redis_server.url, queue, queue_shards=SHARDS) as first:
+        first.submit("stores the count", max_tokens=1)
+    with Client(redis_server.url, queue, queue_shards="auto") as auto:
+        ids = auto.submit_many([{"prompt": f"{i}"} for i in range(12)]) + [auto.submit("one more")]
+        for shard, job_ids in ids_by_shard(ids).items():
+            waiting = {fields["id"] for _, fields in redis_client.xrange(shard_streams(queue)[shard])}
+            assert set(job_ids) <= waiting
+        plain = auto.on_queue(other)
+        plain_ids = [plain.submit(f"{i}") for i in range(4)]
+        assert [f["id"] for _, f in redis_client.xrange(KEYS.queue(other))] == plain_ids
+    assert redis_client.hget(KEYS.scheduler(other), SHARDS_FIELD) is None
+    with pytest.raises(InvalidArgument, match="or 'auto'"):
+        Client("redis://localhost:1", "q", queue_shards="all")
