@@ -10,7 +10,14 @@ the last result. Per master: used_cpu_sys + used_cpu_user (INFO cpu) over the wi
 share of the three is the figure (a job's own keys, `mili:job:{id}`, spread over every master
 whatever N: what N moves is the queue's keys).
 
+With --fair-jobs J it measures the fair shares instead, on one embedded redis-server: tenant
+team-a submits 4J jobs and team-b J (8 tokens each, default lane, equal weights) on a queue of N
+shards, then one echo worker (16 jobs at a time) starts there; each tenant's share of the tokens
+started while both had work waiting, N = 1 and N = 3 in alternating rounds. With jobs spread by a
+hash the shares hold per shard, and across shards in expectation.
+
     python -m bench.shards [--rounds 3 --jobs 6000 --workers 3]
+    python -m bench.shards --fair-jobs 1000 [--rounds 3]
 """
 
 from __future__ import annotations
@@ -23,13 +30,18 @@ import uuid
 from pathlib import Path
 
 from bench.queue_path import start_worker
+from bench.tenants import shares_while_both_wait, specs, tokens
 from harness.redis_servers import LocalCluster
 from producer_client import Client
 from producer_client.keys import Keys
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 
 def main() -> None:
     args = parse_args()
+    if args.fair_jobs:
+        fair_main(args)
+        return
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print(f"{args.jobs} one-token echo jobs per run, {args.workers} echo workers, {args.rounds} rounds of N = 1, 3\n")
     rows = []
@@ -58,7 +70,39 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=6000)
     parser.add_argument("--workers", type=int, default=3)
+    parser.add_argument("--fair-jobs", type=int, default=0, help="measure the fair shares with this many jobs")
     return parser.parse_args()
+
+
+def fair_main(args: argparse.Namespace) -> None:
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+    print(f"team-a {4 * args.fair_jobs} jobs, team-b {args.fair_jobs}, equal weights, one worker; fair share 50%\n")
+    with EmbeddedRedis(port=free_port()) as server:
+        for round_ in range(1, args.rounds + 1):
+            for shards in (1, 3):
+                shares = shares_while_both_wait(parked_shards_run(server.url, shards, args.fair_jobs), tokens)
+                print(
+                    f"round {round_}, N = {shards}: team-a {shares['team-a']:.1f}%, team-b {shares['team-b']:.1f}%",
+                    flush=True,
+                )
+
+
+def parked_shards_run(url: str, shards: int, jobs: int) -> dict[str, list]:
+    """bench.tenants' parked run on a queue of `shards` shards: both tenants' jobs submitted before
+    the worker starts, so both have work waiting from its first read. Their results."""
+    queue = f"fair-{uuid.uuid4().hex[:6]}"
+    with Client(url, queue, queue_shards=shards, placement=False) as client:
+        ids = {
+            "team-a": client.as_tenant("team-a").submit_many(specs(4 * jobs)),
+            "team-b": client.as_tenant("team-b").submit_many(specs(jobs)),
+        }
+        worker = start_worker(url, f"w-{queue}", queue, "--queue-shards", str(shards), "--max-running", "16")
+        try:
+            by_id = {r.id: r for r in client.as_completed([i for v in ids.values() for i in v], timeout=600)}
+        finally:
+            worker.terminate()
+            worker.wait(timeout=30)
+    return {name: [by_id[i] for i in job_ids] for name, job_ids in ids.items()}
 
 
 def run(url: str, shards: int, args: argparse.Namespace) -> tuple[float, list[float]]:
