@@ -246,19 +246,30 @@ def spread_queue(client: Client) -> str:
 
 
 def test_on_a_cluster_the_shards_lie_on_every_master_and_each_job_is_served_once(redis_cluster):
+    """Jobs spread over three masters; a worker killed while it holds jobs of every shard has them
+    reclaimed, each in its shard, by the one left."""
     with Client(redis_cluster.url, "probe") as probe:
         queue = spread_queue(probe)
     admin = connect(redis_cluster.url, decode_responses=True)
+    settings = dict(queue_shards=SHARDS, **FAST_RECLAIM)
     with Client(redis_cluster.url, queue, queue_shards=SHARDS) as client, ExitStack() as stack:
-        ids = [client.submit(f"one {i}", max_tokens=4) for i in range(9)]
-        ids += client.submit_many([{"prompt": f"many {i}", "max_tokens": 4} for i in range(21)])
+        ids = [client.submit(f"one {i} " * 8, max_tokens=40) for i in range(6)]
+        ids += client.submit_many([{"prompt": f"many {i} " * 8, "max_tokens": 40} for i in range(12)])
         for shard, job_ids in ids_by_shard(ids).items():
             assert sorted(f["id"] for _, f in admin.xrange(shard_streams(queue)[shard])) == sorted(job_ids)
         assert client.queue_stats().waiting == len(ids)
-        for name in ("a", "b"):
-            stack.enter_context(serving(redis_cluster.url, queue, name=f"{name}-{queue}", step_s=0.005))
+        victim = stack.enter_context(
+            serving(redis_cluster.url, queue, step_s=0.01, worker_class=GatedWorker, name=f"v-{queue}", **settings)
+        )
+        assert eventually(lambda: len(victim.holdings.running) == len(ids))
+        assert {shard_parts(ref)[0] for ref in victim.holdings.entries()} == set(range(SHARDS))
+        victim.killed = True
+        victim.gate.clear()
+        survivor = stack.enter_context(serving(redis_cluster.url, queue, step_s=0.002, name=f"s-{queue}", **settings))
         results = [client.result(job_id, timeout=30) for job_id in ids]
-        assert [r.text for r in results] == [f"one {i}"[:4] for i in range(9)] + [f"many {i}"[:4] for i in range(21)]
+        victim.gate.set()
+        texts = [(f"one {i} " * 8)[:40] for i in range(6)] + [(f"many {i} " * 8)[:40] for i in range(12)]
+        assert [(r.text, r.worker) for r in results] == [(text, survivor.name) for text in texts]
         for job_id in ids:
             assert_one_final_result(admin, job_id)
         assert client.queue_stats().depth == 0
