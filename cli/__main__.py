@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     try:
         probe(args.redis, args.connect_timeout)
-        with Client(args.redis, args.queue, prefix=args.prefix, tenant=args.tenant) as client:
+        with Client(
+            args.redis, args.queue, prefix=args.prefix, tenant=args.tenant, queue_shards=args.queue_shards
+        ) as client:
             return args.run(client, args)
     except MiliError as e:
         print(f"error: {e.code}: {e.message}", file=sys.stderr)
@@ -84,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tenant", default=os.environ.get("MILI_TENANT"), help="who submits: its share and limits (env MILI_TENANT)"
+    )
+    parser.add_argument(
+        "--queue-shards",
+        metavar="N",
+        type=int,
+        default=int(os.environ.get("MILI_QUEUE_SHARDS", "1")),
+        help="spread submitted jobs over the queue's N shards; N must be the queue's count (env MILI_QUEUE_SHARDS, 1)",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     client_commands.add_commands(commands)

@@ -46,6 +46,7 @@ from producer_client import AsyncClient, JobResult, MiliError, RateLimited
 from producer_client.connection import answered_within, connect_async, one_try_options
 from producer_client.keys import NAME_PATTERN
 from producer_client.new_job import lane_of
+from producer_client.protocol.shards import AUTO
 from producer_client.schema import JobFailed
 
 log = logging.getLogger("gateway")
@@ -66,6 +67,7 @@ class Gateway:
             wait_replicas=settings.wait_replicas,
             wait_timeout_ms=settings.wait_timeout_ms,
             placement=settings.placement,
+            queue_shards=AUTO if settings.follow_queue_shards else 1,
         )
         self.registry = ModelRegistry(self.client, settings.models, settings.workers_refresh_s)
         self.jobs = Jobs(lifecycle, settings.job_timeout_s, settings.cancel_on_disconnect)

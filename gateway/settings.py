@@ -84,6 +84,11 @@ class GatewaySettings(TomlSettings):
         description="cache-aware placement: a job goes to the worker likely to hold its prompt's prefix "
         "(docs/architecture.md); off, every job goes to the queue's shared stream",
     )
+    follow_queue_shards: bool = Field(
+        False,
+        description="spread each queue's jobs over the shards the queue has (its stored count, read every 10 s: "
+        "docs/architecture.md); off, every job goes to shard 0, which every worker reads",
+    )
     retry_after_s: int = Field(1, ge=1, description="the Retry-After of a 429 (queue full)")
     keepalive_s: float = Field(
         5.0, gt=0.0, description="a stream with no token for this long gets a ': keep-alive' line"

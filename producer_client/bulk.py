@@ -37,6 +37,7 @@ from producer_client.protocol.job_reads import Entry, StatusAndDeadline
 from producer_client.protocol.producer import NO_LIMITS, Limits
 from producer_client.protocol.replies import Enqueued, Refusal, UnknownReply, parse_enqueue, parse_enqueue_many
 from producer_client.protocol.script import add_all
+from producer_client.protocol.shards import ONE_SHARD, QueueShards
 from producer_client.schema import JobExpired, JobResult, Timings
 from producer_client.sharing import lane_job, placed_fields, refusal_error, uses_queue_stream
 from producer_client.steps import Steps, checked
@@ -70,9 +71,15 @@ def submit_many(client: ClientBase, specs: Iterable[Mapping[str, Any]]) -> Steps
     """Client.submit_many: every spec validated first (build_jobs), then the jobs enqueued on the
     client's queue, in their lanes of the client's tenant (submit_steps)."""
     jobs = build_jobs(specs)
+    if client.shards.spreads:
+        yield from client.shards.agree(client.keys, client.queue)
     limits = yield from client.quota_cache.limits_for(client.keys, client.tenant)
     keys, tenant, one_server = client.keys, client.tenant_name, not is_cluster(client.redis)
-    steps = submit_steps(keys, client.queue, client.max_queue_depth, jobs, client.placement, tenant, limits, one_server)
+    # A tenant with limits enqueues on shard 0 only, where they are counted as one (operations.py).
+    shards = QueueShards() if limits.any else client.shards
+    steps = submit_steps(
+        keys, client.queue, client.max_queue_depth, jobs, client.placement, tenant, limits, one_server, shards
+    )
     return (yield from steps)
 
 
@@ -85,33 +92,48 @@ def submit_steps(
     tenant: str = NO_TENANT,
     limits: Limits = NO_LIMITS,
     one_server: bool = False,
+    shards: QueueShards = ONE_SHARD,
 ) -> Steps[list[str]]:
     """Enqueue `jobs` chunk by chunk; returns their ids in order (`one_server`: not a cluster, so
     that one CREATE_MANY creates a chunk's jobs of fresh ids). Specs with the same request_id
     are one job. Raises BulkQueueFull when a stream fills up part-way, WaitingQuotaExceeded or
-    RateLimited when the tenant's limits stop it, each naming the ids of the specs enqueued;
-    UnknownAdapter, before any goes in, for an adapter no live worker of the queue serves."""
+    RateLimited when the tenant's limits stop it, each naming the ids of the specs enqueued (a
+    prefix of them on one shard; on several, each shard's chunks go in turn, and the ids are
+    those enqueued in order); UnknownAdapter, before any goes in, for an adapter no live worker
+    of the queue serves."""
     yield from placement.check_adapters(keys, queue, [job.adapter for job in jobs])
     unique: dict[str, NewJob] = {}
     for job in jobs:
         unique.setdefault(job.job_id, job)
-    order = list(unique.values())
     placed: set[str] = set()
-    for start in range(0, len(order), CHUNK):
-        chunk = order[start : start + CHUNK]
+    for into, chunk in shard_chunks(queue, list(unique.values()), shards):
         in_queue, outcome = yield from enqueue_chunk(
-            keys, queue, max_depth, chunk, placement, tenant, limits, one_server
+            keys, queue, max_depth, chunk, placement, tenant, limits, one_server, into
         )
         placed.update(in_queue)
         if len(in_queue) < len(chunk):
             ids = [job.job_id for job in jobs]
             first_out = next(i for i, job_id in enumerate(ids) if job_id not in placed)
+            done = ids[:first_out] if shards.count_of(queue) == 1 else [job_id for job_id in ids if job_id in placed]
             if outcome.refusal is Refusal.FULL:
-                raise BulkQueueFull(queue, int(outcome.values[0]), max_depth or 0, ids[:first_out])
-            error = refusal_error(outcome, queue, tenant, max_depth, ids[:first_out])
+                raise BulkQueueFull(queue, int(outcome.values[0]), max_depth or 0, done)
+            error = refusal_error(outcome, queue, tenant, max_depth, done)
             # Fewer jobs went in than were sent: the reply must say why.
             raise error if error is not None else UnknownReply("ENQUEUE_MANY or ENQUEUE_LANES", outcome)
     return [job.job_id for job in jobs]
+
+
+def shard_chunks(queue: str, jobs: list[NewJob], shards: QueueShards) -> Iterator[tuple[str, list[NewJob]]]:
+    """(the name of the shard's keys, a chunk of at most CHUNK jobs bound for it), shard by shard:
+    one pipeline per chunk, so each goes to its shard's node alone."""
+    by_shard = {queue: jobs}
+    if shards.count_of(queue) > 1:
+        by_shard = {}
+        for job in jobs:
+            by_shard.setdefault(shards.name_for(queue, job.job_id), []).append(job)
+    for into, bound in by_shard.items():
+        for start in range(0, len(bound), CHUNK):
+            yield into, bound[start : start + CHUNK]
 
 
 def enqueue_chunk(
@@ -123,13 +145,15 @@ def enqueue_chunk(
     tenant: str,
     limits: Limits,
     one_server: bool,
+    into: str,
 ) -> Steps[tuple[list[str], Enqueued]]:
     """Returns (the ids of the chunk's jobs in the queue now, up to the first that did not go in;
     the enqueue's outcome). A job whose enqueue fails or does not go in loses its hash, as in
     `submit`: a later submit with its request_id then enqueues it. Jobs placed on workers' own
     streams (which have no bound) go in once the lanes have taken their part, and only those
     before the first job refused: what went in is still a prefix of the chunk. A tenant with
-    limits places nothing: its jobs all go through the lanes, where the limits are counted."""
+    limits places nothing: its jobs all go through the lanes, where the limits are counted. `into`:
+    the name of the shard's keys the chunk's lane jobs go to (`queue` itself on one shard)."""
     found = yield from found_already(keys, [job for job in chunk if job.idempotent])
     to_add = [job for job in chunk if job.job_id not in found]
     if not to_add:
@@ -141,7 +165,7 @@ def enqueue_chunk(
         streams = yield from placement.streams_for(keys, queue, [job.prefix for job in to_add])
     shared = [job for job, stream in zip(to_add, streams) if stream is None]
     try:
-        replies = checked((yield enqueue_commands(keys, queue, max_depth, to_add, shared, tenant, limits, one_server)))
+        replies = checked((yield enqueue_commands(keys, into, max_depth, to_add, shared, tenant, limits, one_server)))
     except Exception:
         yield forget_commands(to_add, keys)
         raise

@@ -38,7 +38,10 @@ class Client(ClientBase):
     NotReplicated: then a failover cannot lose an acknowledged submit. `placement` (on by
     default) sends a job to the worker likely to hold its prompt's prefix in its cache, when more
     than one worker serves the queue and advertises it (docs/architecture.md); off, every job goes
-    to the shared stream.
+    to the shared stream. `queue_shards` spreads the jobs over a queue spread over that many shards
+    (ShardCountMismatch if the queue has another count), or with "auto" over each queue's own
+    count; 1 (the default) sends them to shard 0, which every worker reads (docs/architecture.md,
+    "A queue over several shards").
     """
 
     redis: SyncRedis

@@ -6,7 +6,7 @@ and how it runs steps."""
 from __future__ import annotations
 
 import copy
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from producer_client.cluster import AsyncRedis, SyncRedis
 from producer_client.connection import RedisURL, parse_url
@@ -15,6 +15,7 @@ from producer_client.inspection import QueueInspector
 from producer_client.keys import DEFAULT_PREFIX, NO_TENANT, Keys, check_name, check_tenant
 from producer_client.placement import Placement
 from producer_client.protocol.replication import Replication
+from producer_client.protocol.shards import QueueShards
 from producer_client.quotas import Quotas, TenantQuotas
 from producer_client.steps import Runner
 from producer_client.validation import check_max_queue_depth
@@ -41,6 +42,7 @@ class ClientBase:
         wait_timeout_ms: int = 1000,
         placement: bool = True,
         tenant: str | None = None,
+        queue_shards: int | Literal["auto"] = 1,
     ):
         self.queue = check_name("queue", queue)
         self.tenant = None if tenant is None else check_tenant("tenant", tenant)
@@ -49,6 +51,7 @@ class ClientBase:
         self.max_queue_depth = check_max_queue_depth(max_queue_depth)
         self.replication = Replication(wait_replicas, wait_timeout_ms)
         self.placement = Placement(placement)
+        self.shards = QueueShards(queue_shards)
         self.redis = self._connect(parse_url(url), max_connections)
 
     def _connect(self, target: RedisURL, max_connections: int | None) -> SyncRedis | AsyncRedis:

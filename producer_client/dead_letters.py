@@ -15,6 +15,10 @@ is refused and keeps its letter.
 
 An ID names a letter by its entry id in the dead-letter stream, or by its job id (the job's
 newest letter: found by reading the stream from its newest end, which holds about 10,000).
+
+A queue of several shards has a dead-letter stream per shard (`mili:dead:{queue#i}`, where the
+shard's DEADLETTER writes): every operation here covers them all, a letter names its `shard`, and a
+retry returns it to its own shard. An entry id is looked for in shard 0 first, then the others.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from producer_client.errors import InvalidArgument, MiliError
 from producer_client.keys import DEFAULT_LANE, LANES, NAME_PATTERN, NO_TENANT, TENANT_PATTERN, Keys, check_name
 from producer_client.protocol import letters as dead
 from producer_client.protocol import producer as scripts
-from producer_client.protocol.clock import entry_time, epoch_ms
+from producer_client.protocol.clock import entry_order, entry_time, epoch_ms
 from producer_client.protocol.execution import Pipe
 from producer_client.protocol.lanes import DEFAULT_COST
+from producer_client.protocol.shards import stored_count
 from producer_client.steps import Runner, Steps, checked
 from producer_client.validation import EVENT_ID, check_limit
 
@@ -68,6 +73,7 @@ class DeadLetter(BaseModel):
     worker: str  # the worker that moved it
     dead_at: float  # epoch seconds on Redis's clock: the letter's id
     fields: dict[str, str]  # every field as the stream holds it, the job's body among them
+    shard: int = 0  # the shard of the queue whose dead-letter stream holds it
 
     @property
     def lane(self) -> str:
@@ -80,7 +86,7 @@ class DeadLetter(BaseModel):
         return tenant if TENANT_PATTERN.fullmatch(tenant) else NO_TENANT
 
     @classmethod
-    def from_entry(cls, queue: str, letter_id: str, fields: dict[str, str]) -> DeadLetter:
+    def from_entry(cls, queue: str, letter_id: str, fields: dict[str, str], shard: int = 0) -> DeadLetter:
         deliveries = fields.get("deliveries", "")
         return cls(
             queue=queue,
@@ -92,6 +98,7 @@ class DeadLetter(BaseModel):
             worker=fields.get("worker", ""),
             dead_at=entry_time(letter_id),
             fields=fields,
+            shard=shard,
         )
 
     def check_retryable(self) -> None:
@@ -139,10 +146,10 @@ class DeadLetters:
 
     def list(self, limit: int = DEFAULT_LIMIT) -> Any:
         """The newest `limit` letters, newest first."""
-        return self.run(self.client, newest(self.keys, self.queue, check_limit(limit)))
+        return self.run(self.client, newest_of_all(self.keys, self.queue, check_limit(limit)))
 
     def get(self, ident: str) -> Any:
-        return self.run(self.client, find(self.keys, self.queue, check_name("id", ident)))
+        return self.run(self.client, find_in_any(self.keys, self.queue, check_name("id", ident)))
 
     def retry(self, ident: str) -> Any:
         """Retry one letter; raises NotRetryable, or DeadLetterNotFound."""
@@ -150,7 +157,7 @@ class DeadLetters:
 
     def retry_all(self) -> Any:
         """Retry every letter there is now, oldest first; returns what happened to each."""
-        return self.run(self.client, retry_all(self.keys, self.queue))
+        return self.run(self.client, retry_all_shards(self.keys, self.queue))
 
     def purge(self, ident: str) -> Any:
         """Remove one letter; returns it. The job's hash (failed, poison) expires as any result."""
@@ -158,11 +165,11 @@ class DeadLetters:
 
     def purge_all(self) -> Any:
         """Remove every letter; returns how many."""
-        return self.run(self.client, dead.trim_letters(self.keys, self.queue, "MAXLEN", 0))
+        return self.run(self.client, purge_all(self.keys, self.queue))
 
     def purge_older_than(self, seconds: float) -> Any:
         """Remove the letters that died more than `seconds` ago (Redis's clock); returns how many."""
-        return self.run(self.client, purge_older_than(self.keys, self.queue, check_age(seconds)))
+        return self.run(self.client, purge_all(self.keys, self.queue, check_age(seconds)))
 
 
 def check_age(seconds: Any) -> float:
@@ -174,23 +181,47 @@ def check_age(seconds: Any) -> float:
 # -- the operations, as steps (see producer_client.steps) ---------------------------------------------
 
 
-def newest(keys: Keys, queue: str, limit: int) -> Steps[list[DeadLetter]]:
-    entries = yield from dead.newest_letters(keys, queue, limit)
-    return [DeadLetter.from_entry(queue, letter_id, fields) for letter_id, fields in entries]
+def shards_of(keys: Keys, queue: str) -> Steps[range]:
+    """The queue's shards (one round trip: its stored count)."""
+    return range((yield from stored_count(keys, queue)))
 
 
-def find(keys: Keys, queue: str, ident: str) -> Steps[DeadLetter]:
-    """The letter with entry id `ident`, else the newest letter of job `ident`."""
+def newest_of_all(keys: Keys, queue: str, limit: int) -> Steps[list[DeadLetter]]:
+    """The newest `limit` letters over every shard's stream, newest first."""
+    found: list[DeadLetter] = []
+    for shard in (yield from shards_of(keys, queue)):
+        found += yield from newest(keys, queue, limit, shard)
+    return sorted(found, key=lambda letter: entry_order(letter.letter_id), reverse=True)[:limit]
+
+
+def newest(keys: Keys, queue: str, limit: int, shard: int = 0) -> Steps[list[DeadLetter]]:
+    entries = yield from dead.newest_letters(keys, keys.shard(queue, shard), limit)
+    return [DeadLetter.from_entry(queue, letter_id, fields, shard) for letter_id, fields in entries]
+
+
+def find_in_any(keys: Keys, queue: str, ident: str) -> Steps[DeadLetter]:
+    """find() in each shard's stream in turn: the first letter found."""
+    for shard in (yield from shards_of(keys, queue)):
+        try:
+            return (yield from find(keys, queue, ident, shard))
+        except DeadLetterNotFound:
+            continue
+    raise DeadLetterNotFound(queue, ident)
+
+
+def find(keys: Keys, queue: str, ident: str, shard: int = 0) -> Steps[DeadLetter]:
+    """The letter with entry id `ident`, else the newest letter of job `ident`, in the shard's stream."""
+    name = keys.shard(queue, shard)
     if EVENT_ID.fullmatch(ident):
-        entry = yield from dead.letter_at(keys, queue, ident)
+        entry = yield from dead.letter_at(keys, name, ident)
         if entry is not None:
-            return DeadLetter.from_entry(queue, *entry)
+            return DeadLetter.from_entry(queue, *entry, shard)
     before = "+"
     while True:
-        page = yield from dead.newest_letters(keys, queue, PAGE, before)
+        page = yield from dead.newest_letters(keys, name, PAGE, before)
         for letter_id, fields in page:
             if fields.get("id") == ident:
-                return DeadLetter.from_entry(queue, letter_id, fields)
+                return DeadLetter.from_entry(queue, letter_id, fields, shard)
         if len(page) < PAGE:
             raise DeadLetterNotFound(queue, ident)
         before = "(" + page[-1][0]
@@ -228,7 +259,7 @@ def retry_letters(keys: Keys, queue: str, letters: list[DeadLetter]) -> Steps[li
             f = letter.fields
             scripts.revive(
                 keys,
-                queue,
+                keys.shard(queue, letter.shard),
                 letter.letter_id,
                 letter.job_id,
                 f.get("v", ""),
@@ -247,7 +278,7 @@ def retry_letters(keys: Keys, queue: str, letters: list[DeadLetter]) -> Steps[li
 
 
 def retry_one(keys: Keys, queue: str, ident: str) -> Steps[Retried]:
-    letter = yield from find(keys, queue, ident)
+    letter = yield from find_in_any(keys, queue, ident)
     (outcome,) = yield from retry_letters(keys, queue, [letter])
     if outcome.outcome == "refused":
         raise NotRetryable(outcome.reason)
@@ -256,15 +287,25 @@ def retry_one(keys: Keys, queue: str, ident: str) -> Steps[Retried]:
     return outcome
 
 
-def retry_all(keys: Keys, queue: str) -> Steps[list[Retried]]:
+def retry_all_shards(keys: Keys, queue: str) -> Steps[list[Retried]]:
+    """retry_all() of each shard's stream in turn."""
+    outcomes: list[Retried] = []
+    for shard in (yield from shards_of(keys, queue)):
+        outcomes += yield from retry_all(keys, queue, shard)
+    return outcomes
+
+
+def retry_all(keys: Keys, queue: str, shard: int = 0) -> Steps[list[Retried]]:
     """Page by page from the oldest letter up to the newest there was at the start: a job that
     dies again while this runs is not retried twice in one call."""
-    last = yield from dead.newest_letters(keys, queue, 1)
+    name = keys.shard(queue, shard)
+    last = yield from dead.newest_letters(keys, name, 1)
     outcomes: list[Retried] = []
     after = "-"
     while last:
-        page = yield from dead.oldest_letters(keys, queue, after, last[0][0], PAGE)
-        outcomes += yield from retry_letters(keys, queue, [DeadLetter.from_entry(queue, *entry) for entry in page])
+        page = yield from dead.oldest_letters(keys, name, after, last[0][0], PAGE)
+        letters = [DeadLetter.from_entry(queue, *entry, shard) for entry in page]
+        outcomes += yield from retry_letters(keys, queue, letters)
         if len(page) < PAGE:
             break
         after = "(" + page[-1][0]
@@ -272,11 +313,23 @@ def retry_all(keys: Keys, queue: str) -> Steps[list[Retried]]:
 
 
 def purge_one(keys: Keys, queue: str, ident: str) -> Steps[DeadLetter]:
-    letter = yield from find(keys, queue, ident)
-    removed = yield from dead.delete_letter(keys, queue, letter.letter_id)
+    letter = yield from find_in_any(keys, queue, ident)
+    removed = yield from dead.delete_letter(keys, keys.shard(queue, letter.shard), letter.letter_id)
     if not removed:
         raise DeadLetterNotFound(queue, ident)
     return letter
+
+
+def purge_all(keys: Keys, queue: str, older_than_s: float | None = None) -> Steps[int]:
+    """Removes every letter of every shard (or those that died more than `older_than_s` ago, on
+    Redis's clock); returns how many."""
+    removed = 0
+    for shard in (yield from shards_of(keys, queue)):
+        if older_than_s is None:
+            removed += yield from dead.trim_letters(keys, keys.shard(queue, shard), "MAXLEN", 0)
+        else:
+            removed += yield from purge_older_than(keys, keys.shard(queue, shard), older_than_s)
+    return removed
 
 
 def purge_older_than(keys: Keys, queue: str, seconds: float) -> Steps[int]:

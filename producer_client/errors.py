@@ -126,6 +126,23 @@ class BulkQueueFull(QueueFull):
         self.job_ids = job_ids
 
 
+class ShardCountMismatch(MiliError):
+    """The queue is spread over `stored` shards (the count its first worker or producer wrote), and
+    this client or worker was started with `asked`: it refuses to enqueue or read anything, as its
+    jobs would land where the queue's workers read nothing, or it would leave shards unread."""
+
+    code = "shard_count_mismatch"
+
+    def __init__(self, queue: str, asked: int, stored: int):
+        super().__init__(
+            f"queue {queue!r} is spread over {stored} shards, not {asked}: start with --queue-shards {stored} "
+            "(changing a queue's count: docs/operating-the-queue.md)"
+        )
+        self.queue = queue
+        self.asked = asked
+        self.stored = stored
+
+
 class UnknownAdapter(MiliError):
     """A job names a LoRA adapter that no worker of its queue serves (the producer knows it from
     the heartbeats), or that the worker it reached does not serve. OpenAI's code for an unknown

@@ -23,8 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from producer_client.cluster import AsyncRedis, SyncRedis
-from producer_client.dead_letters import DeadLetterNotFound
-from producer_client.dead_letters import find as find_letter
+from producer_client.dead_letters import DeadLetterNotFound, find_in_any
 from producer_client.keys import DEFAULT_LANE, NO_TENANT, Keys
 from producer_client.protocol import letters as dead
 from producer_client.protocol import registry
@@ -154,15 +153,19 @@ def overview(keys: Keys, queue: str) -> Steps[QueueOverview]:
 
     def add(pipe: Pipe) -> None:
         pipe.time()
-        dead.add_letter_count(pipe, keys, queue)
+        for shard in shards:
+            dead.add_letter_count(pipe, keys, keys.shard(queue, shard))
         for r in readings:
             add_stream_info(pipe, r.stream)
         for r in unread:
             r.add_unread(pipe, 1)
 
-    now, letters, *replies = yield add
+    shards = range(max(s.shard for s in streams) + 1)
+    now, *replies = yield add
+    counts, replies = replies[: len(shards)], replies[len(shards) :]
     infos, firsts = replies[: len(readings)], replies[len(readings) :]
-    checked([now, letters, *firsts])  # XINFO's replies are errors on a stream that is gone (processed)
+    checked([now, *counts, *firsts])
+    letters = sum(counts)  # XINFO's replies are errors on a stream that is gone (processed)
     heads = [entries[0][0] for entries in firsts if entries]
     now_ms = epoch_ms(now)
     stats = [r.stats() for r in readings]
@@ -297,7 +300,7 @@ def dead_entry(keys: Keys, job_id: str, queues: list[str]) -> Steps[JobEntry | N
     """A poison job's newest dead letter, in the first of `queues` that has one."""
     for queue in queues:
         try:
-            letter = yield from find_letter(keys, queue, job_id)
+            letter = yield from find_in_any(keys, queue, job_id)
         except DeadLetterNotFound:
             continue
         return JobEntry(queue=queue, entry_id=letter.letter_id, place="dead letter", fields=letter.fields)

@@ -30,6 +30,14 @@ DEFAULT_PREFIX = "mili"
 # Job ids, request ids, queue and worker names all end up inside keys: no braces
 # (they would break the hash tag), no whitespace, bounded length.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
+# A queue spread over shards (docs/architecture.md, "A queue over several shards"): shard i > 0 of
+# queue `q` is the queue's whole key family named as if the queue were `q#i`. No name holds `#`,
+# so no queue's keys are another's shard's.
+SHARD_MARK = "#"
+MAX_SHARDS = 64
+# The field of the queue's scheduler hash (shard 0's) that holds its shard count, written once by
+# the first worker or producer that names one (HSETNX). Absent: one shard.
+SHARDS_FIELD = "shards"
 
 
 # Lanes, most important first: a worker with room takes from the highest non-empty one (with the
@@ -88,6 +96,13 @@ class Keys:
         """Stream of jobs, read by the consumer group `workers`: fields id, v, body."""
         return f"{self.prefix}:q:{{{queue}}}"
 
+    @staticmethod
+    def shard(queue: str, shard: int) -> str:
+        """The name shard `shard` of `queue` forms its keys with: every key method that takes a
+        queue, given it, names that shard's key (its stream, lanes, scheduler, doorbell, rate
+        limits, dead letters) under the hash tag `{queue#shard}`; shard 0 is the queue itself."""
+        return queue if shard == 0 else f"{queue}{SHARD_MARK}{shard}"
+
     def own_queue(self, queue: str, worker: str) -> str:
         """Stream of the jobs placed on one worker of the queue (cache-aware placement, see
         docs/architecture.md), read by a consumer group `workers` of its own: the same fields as
@@ -113,7 +128,8 @@ class Keys:
     def scheduler(self, queue: str) -> str:
         """Hash of the lanes' shared state: the counters of tenants that went idle (`c:<lane>:<tenant>`),
         each lane's floor (`floor:<lane>`: a counter a tenant is lifted to when the lane was empty),
-        each tenant's weight (`w:<tenant>`), each lower lane's anti-starvation credit (`credit:<lane>`)."""
+        each tenant's weight (`w:<tenant>`), each lower lane's anti-starvation credit (`credit:<lane>`);
+        and in shard 0's, the queue's shard count (SHARDS_FIELD), where every producer may read it."""
         return f"{self.prefix}:sched:{{{queue}}}"
 
     def lane_streams(self, queue: str) -> str:

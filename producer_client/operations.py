@@ -37,8 +37,11 @@ def submit(client: ClientBase, job: NewJob) -> Steps[str]:
 def submit_rated(client: ClientBase, job: NewJob) -> Steps[Submitted]:
     """submit(), with the tenant's rate limits after it. A job whose request_id CREATE finds
     already is not enqueued again; one on an adapter no live worker of the queue serves is refused
-    first (UnknownAdapter). A refusal (the stream's bound, the tenant's waiting quota or a rate
-    limit) removes the job's hash again and raises."""
+    first (UnknownAdapter), and so is a shard count other than the queue's (ShardCountMismatch). A
+    refusal (the stream's bound, the tenant's waiting quota or a rate limit) removes the job's hash
+    again and raises."""
+    if client.shards.spreads:
+        yield from client.shards.agree(client.keys, client.queue)
     if job.adapter is not None:
         yield from client.placement.check_adapters(client.keys, client.queue, [job.adapter])
     if job.idempotent:
@@ -63,10 +66,13 @@ def enqueue_or_forget(client: ClientBase, job: NewJob, create: bool) -> Steps[En
     run, and no hash of a job that was never taken stays behind. An enqueued job too few replicas
     confirmed stays: it runs (NotReplicated). A job placed on a worker's own stream, of a tenant
     with limits, is counted against them first (a reservation in the queue's slot: the worker's
-    stream may lie on another shard)."""
+    stream may lie on another shard). On a queue of several shards the job goes to its id's, but
+    for a tenant with limits: shard 0, where its limits are counted as one."""
     keys, queue, tenant = client.keys, client.queue, client.tenant_name
     (stream,) = yield from client.placement.streams_for(keys, queue, [job.prefix])
     limits = yield from client.quota_cache.limits_for(keys, client.tenant)
+    if client.shards.spreads and not limits.any:
+        queue = client.shards.name_for(queue, job.job_id)
     try:
         reserved = None
         if stream is not None and limits.any:

@@ -324,6 +324,7 @@ class StreamStats(BaseModel):
     lane: str | None
     tenant: str | None
     worker: str | None = None
+    shard: int = 0  # on a queue of several shards, the shard of a lane's stream
     depth: int
     pending: int
     waiting: int

@@ -16,7 +16,7 @@ from pydantic_settings import SettingsConfigDict
 
 from producer_client.connection import parse_url
 from producer_client.errors import InvalidArgument
-from producer_client.keys import DEFAULT_PREFIX, check_name
+from producer_client.keys import DEFAULT_PREFIX, MAX_SHARDS, check_name
 from producer_client.schema import MAX_BODY_BYTES, MAX_TOKENS_LIMIT
 from producer_client.settings import TomlSettings
 from worker.engine.settings import EngineSettings
@@ -113,6 +113,14 @@ class WorkerSettings(TomlSettings):
         ge=1,
         le=2000,
         description="with placement on a cluster (where its own stream and the shared one lie on different nodes), an idle worker's longest block on the shared stream: how long a job placed on it may wait",
+    )
+    queue_shards: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_SHARDS,
+        description="spread the queue over this many shards, each under a hash tag of its own (docs/architecture.md, "
+        '"A queue over several shards"); the queue\'s first worker or producer that names a count stores it, and a '
+        "worker that names another refuses to start; unset: the count the queue has (1 if none)",
     )
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1, description="larger job bodies fail with body_too_large")
     max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1, description="larger max_tokens fail with invalid_argument")

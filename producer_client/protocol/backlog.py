@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeGuard
 
-from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, Keys
+from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, SHARDS_FIELD, Keys
+from producer_client.protocol.shards import parse_count
 from producer_client.schema import StreamStats
 from producer_client.steps import Steps, checked
 
@@ -23,22 +24,46 @@ from producer_client.steps import Steps, checked
 # `<entry id>` in the queue's own stream, `<entry id>@<owner>` in worker `owner`'s own stream,
 # `<entry id>#<lane>:<tenant>` in a lane's stream of a tenant. An entry id is digits and one dash, so
 # the first `@` or `#` ends it.
-OWNED, LANED = "@", "#"
+# On a queue of several shards, an entry of shard i > 0 (its own stream or a lane's) is named
+# `<entry id>%<i>` and then its reference within the shard: `1700000000000-0%2#flex:team-a`. No
+# name or tenant holds `%`.
+OWNED, LANED, SHARDED = "@", "#", "%"
 MARK = re.compile(f"([{OWNED}{LANED}])")
+
+
+def shard_parts(ref: str) -> tuple[int, str]:
+    """The shard an entry reference names (0 when it names none) and the reference within it."""
+    if SHARDED not in ref:
+        return 0, ref
+    entry_id, _, rest = ref.partition(SHARDED)
+    shard = rest[: len(rest) - len(rest.lstrip("0123456789"))]
+    return int(shard), entry_id + rest[len(shard) :]
+
+
+def shard_ref(ref: str, shard: int) -> str:
+    """The reference of the entry `ref` names within shard `shard` (unchanged for shard 0)."""
+    if shard == 0:
+        return ref
+    entry_id, mark, rest = reference_parts(ref)
+    return f"{entry_id}{SHARDED}{shard}{mark}{rest}"
 
 
 def reference_parts(ref: str) -> tuple[str, str, str]:
     """An entry reference's entry id, its mark (OWNED, LANED, or "" in the queue's own stream) and
-    what follows the mark (the owner, or `<lane>:<tenant>`)."""
+    what follows the mark (the owner, or `<lane>:<tenant>`), whatever its shard."""
+    if SHARDED in ref:
+        ref = shard_parts(ref)[1]
     parts = MARK.split(ref, maxsplit=1)
     return (ref, "", "") if len(parts) == 1 else (parts[0], parts[1], parts[2])
 
 
 def entry_stream(keys: Keys, queue: str, ref: str) -> tuple[str, str]:
     """The stream key and the entry id that the entry reference `ref` names in `queue`."""
+    shard, ref = shard_parts(ref)
     entry_id, mark, rest = reference_parts(ref)
     if mark == OWNED:
         return keys.own_queue(queue, rest), entry_id
+    queue = keys.shard(queue, shard)
     if mark == LANED:
         lane, _, tenant = rest.partition(":")
         return keys.lane_stream(queue, lane, tenant), entry_id
@@ -54,24 +79,41 @@ class QueueStream:
     lane: str | None = None
     tenant: str = NO_TENANT
     worker: str | None = None
+    shard: int = 0
 
 
-def queue_streams(keys: Keys, queue: str, members: set[str], workers: list[str]) -> list[QueueStream]:
-    """The queue's own stream first, then each lane stream (`members`: the set of lane streams'
-    `<lane>:<tenant>`) in order, then each worker's own stream in the index's order."""
-    routes = [(DEFAULT_LANE, NO_TENANT), *sorted(tuple(member.split(":", 1)) for member in members)]
-    return [QueueStream(keys.lane_stream(queue, lane, tenant), lane, tenant) for lane, tenant in routes] + [
-        QueueStream(keys.own_queue(queue, name), worker=name) for name in workers
-    ]
+def queue_streams(keys: Keys, queue: str, members: list[set[str]], workers: list[str]) -> list[QueueStream]:
+    """Each shard's own stream and then its lane streams (`members`: each shard's set of lane
+    streams' `<lane>:<tenant>`) in order, shard 0 (the queue's own keys) first; then each worker's
+    own stream in the index's order."""
+    streams = []
+    for shard, shard_members in enumerate(members):
+        name = keys.shard(queue, shard)
+        routes = [(DEFAULT_LANE, NO_TENANT), *sorted(tuple(member.split(":", 1)) for member in shard_members)]
+        streams += [
+            QueueStream(keys.lane_stream(name, lane, tenant), lane, tenant, shard=shard) for lane, tenant in routes
+        ]
+    return streams + [QueueStream(keys.own_queue(queue, name), worker=name) for name in workers]
 
 
 def read_queue_streams(keys: Keys, queue: str) -> Steps[tuple[list[str], list[QueueStream]]]:
     """The queue's worker index (its workers' names, gone ones too) and every stream of its jobs:
-    one round trip."""
-    names, members = checked(
-        (yield lambda pipe: (pipe.zrange(keys.workers(queue), 0, -1), pipe.smembers(keys.lane_streams(queue))))
+    one round trip, and a second for the other shards' sets of lane streams on a queue of several."""
+    sched = keys.scheduler(queue)
+    names, members, count = checked(
+        (
+            yield lambda pipe: (
+                pipe.zrange(keys.workers(queue), 0, -1),
+                pipe.smembers(keys.lane_streams(queue)),
+                pipe.hget(sched, SHARDS_FIELD),
+            )
+        )
     )
-    return names, queue_streams(keys, queue, members, names)
+    shards = [members]
+    if parse_count(count) > 1:
+        others = [keys.lane_streams(keys.shard(queue, i)) for i in range(1, parse_count(count))]
+        shards += checked((yield lambda pipe: [pipe.smembers(key) for key in others]))
+    return names, queue_streams(keys, queue, shards, names)
 
 
 # What redis-py parses from XINFO GROUPS (one group's), XINFO STREAM and XPENDING's extended form
@@ -182,6 +224,7 @@ def backlog(depth: int, groups: list[GroupInfo]) -> tuple[int, int]:
 def stream_stats(stream: QueueStream, depth: int, groups: list[GroupInfo]) -> StreamStats:
     pending, waiting = backlog(depth, groups)
     return StreamStats(
+        shard=stream.shard,
         lane=stream.lane,
         tenant=None if stream.tenant == NO_TENANT else stream.tenant,
         worker=stream.worker,

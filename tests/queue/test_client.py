@@ -437,7 +437,7 @@ def test_queue_stats_count_waiting_and_pending_entries(client, redis_client, que
     stats = client.queue_stats()
     assert (stats.queue, stats.depth, stats.pending, stats.waiting, stats.workers) == (queue, 3, 1, 2, [])
     assert [s.model_dump() for s in stats.streams] == [
-        dict(lane="default", tenant=None, worker=None, depth=3, pending=1, waiting=2)
+        dict(lane="default", tenant=None, worker=None, shard=0, depth=3, pending=1, waiting=2)
     ]
 
 

@@ -7,7 +7,7 @@ import json
 
 import redis
 
-from producer_client.keys import GROUP, Keys
+from producer_client.keys import GROUP, SHARDS_FIELD, Keys
 from producer_client.schema import JobResult
 
 
@@ -94,12 +94,12 @@ def queue_streams(redis_client, queue: str) -> list[str]:
     may be in."""
     keys = Keys()
     names = redis_client.zrange(keys.workers(queue), 0, -1)
-    lanes = [member.split(":", 1) for member in sorted(redis_client.smembers(keys.lane_streams(queue)))]
-    return [
-        keys.queue(queue),
-        *(keys.lane_stream(queue, lane, tenant) for lane, tenant in lanes),
-        *(keys.own_queue(queue, name) for name in names),
-    ]
+    shards = [keys.shard(queue, i) for i in range(int(redis_client.hget(keys.scheduler(queue), SHARDS_FIELD) or 1))]
+    streams = []
+    for shard in shards:  # a queue of several shards: each shard's own stream and lane streams
+        lanes = [member.split(":", 1) for member in sorted(redis_client.smembers(keys.lane_streams(shard)))]
+        streams += [keys.queue(shard), *(keys.lane_stream(shard, lane, tenant) for lane, tenant in lanes)]
+    return streams + [keys.own_queue(queue, name) for name in names]
 
 
 def entries_added(redis_client, queue: str) -> int:

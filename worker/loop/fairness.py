@@ -10,10 +10,14 @@ are charged what they were served."""
 
 from __future__ import annotations
 
+from producer_client.protocol.backlog import shard_parts
 from worker.loop.intake import Delivery
 from worker.loop.streams import Route
 
-Owed = dict[tuple[str, str], int]  # (lane, tenant) -> tokens
+# (lane, tenant, shard) -> tokens: a queue of several shards has counters in each, and a job's
+# correction goes to the shard that charged it.
+Owed = dict[tuple[str, str, int], int]
+Served = dict[tuple[str, str], int]  # (lane, tenant) -> tokens
 
 
 class Ledger:
@@ -21,7 +25,7 @@ class Ledger:
         self.charges: dict[str, tuple[Route, int]] = {}  # entry reference -> its route, what READ charged
         self.refs: dict[str, set[str]] = {}  # job id -> the references charged for it
         self.owed: Owed = {}  # corrections not yet sent
-        self.served: Owed = {}  # tokens served since the metrics last took them
+        self.served: Served = {}  # tokens served since the metrics last took them
 
     def charge(self, deliveries: list[Delivery]) -> None:
         for d in deliveries:
@@ -36,12 +40,13 @@ class Ledger:
     def settle(self, ref: str | None, served: int) -> None:
         """The entry `ref` is settled here, its job served `served` tokens (0: none, or not here)."""
         found = self.charges.pop(ref, None) if ref is not None else None
-        if found is None:
+        if found is None or ref is None:
             return
         route, charged = found
         key = (route.lane, route.tenant)
         if served != charged:
-            self.owed[key] = self.owed.get(key, 0) + served - charged
+            owed_key = (*key, shard_parts(ref)[0])
+            self.owed[owed_key] = self.owed.get(owed_key, 0) + served - charged
         if served:
             self.served[key] = self.served.get(key, 0) + served
 
@@ -54,7 +59,7 @@ class Ledger:
             else:
                 self.owed.pop(key, None)
 
-    def take_served(self) -> Owed:
+    def take_served(self) -> Served:
         served, self.served = self.served, {}
         return served
 

@@ -33,10 +33,12 @@ from producer_client.connection import FATAL_ERRORS, Retry, reply_code
 from producer_client.keys import Keys
 from producer_client.protocol import consumer, execution, producer, registry
 from producer_client.protocol import worker as scripts
+from producer_client.protocol.backlog import shard_parts, shard_ref
 from producer_client.protocol.execution import AddCommands, Pipe
 from producer_client.protocol.lanes import DEFAULT_COST
 from producer_client.protocol.replication import Replication
-from producer_client.protocol.script import ScriptCall
+from producer_client.protocol.script import ScriptCall, add_all
+from producer_client.protocol.shards import shard_names, shard_of
 from worker.loop.fairness import Owed
 from worker.loop.intake import Delivery
 from worker.loop.jobs import Job
@@ -173,8 +175,8 @@ class Settle:
         if self.sent:
             return
         queue.streams.add_acks(pipe, self.acks)
-        if self.bells:
-            consumer.add_bells_answered(pipe, queue.keys, queue.queue, self.bells)
+        for shard, bells in queue.bells_by_shard(self.bells).items():
+            consumer.add_bells_answered(pipe, queue.keys, queue.shard_names[shard], bells)
         now = queue.clock.now()
         for letter in self.dead_letters:
             queue.streams.add_dead_letter(pipe, letter.entry_id, letter.letter(queue.worker, now))
@@ -190,8 +192,8 @@ class Settle:
         return both
 
 
-def lane_deliveries(reply: list[Any]) -> list[Delivery]:
-    """READ's reply: each entry named by its lane's reference and charged its cost."""
+def lane_deliveries(reply: list[Any], shard: int = 0) -> list[Delivery]:
+    """READ's reply (of shard `shard`): each entry named by its lane's reference and charged its cost."""
     taken: list[Delivery] = []
     for lane, tenant, entries in reply:
         if lane == REFUSED:
@@ -200,8 +202,20 @@ def lane_deliveries(reply: list[Any]) -> list[Delivery]:
         route = Route(lane, tenant)
         for entry_id, flat in entries:
             fields = _fields(flat)
-            taken.append(Delivery(lane_ref(entry_id, route), fields, charged=cost_of(fields)))
+            ref = lane_ref(entry_id, route) if shard == 0 else shard_ref(lane_ref(entry_id, route), shard)
+            taken.append(Delivery(ref, fields, charged=cost_of(fields)))
     return taken
+
+
+def split_rooms(rooms: tuple[int, int, int], parts: int) -> list[tuple[int, int, int]]:
+    """`rooms` shared out over `parts` reads whose sum is `rooms`, the first ones a unit more where
+    it does not divide: each part's rooms still shrink from lane to lower lane, as READ expects."""
+    return [(*(room // parts + (j < room % parts) for room in rooms),) for j in range(parts)]  # type: ignore[misc]
+
+
+def of_shard(corrections: Owed, shard: int) -> dict[tuple[str, str], int]:
+    """The corrections owed to the counters of shard `shard`, as READ takes them."""
+    return {(lane, tenant): tokens for (lane, tenant, owed_to), tokens in corrections.items() if owed_to == shard}
 
 
 def cost_of(fields: dict[str, str]) -> int:
@@ -234,7 +248,9 @@ class WorkerQueue:
     """`placed`: this worker reads a stream of its own before the shared one (cache-aware
     placement: docs/architecture.md). While idle it blocks on both at once on one server; on a
     cluster, where they lie on different nodes, it blocks on the shared one for at most `poll_ms`
-    at a time, so that a job placed on it waits no longer than that."""
+    at a time, so that a job placed on it waits no longer than that. `shards`: the queue's shard
+    count (docs/architecture.md, "A queue over several shards"): every read, reclaim and settlement
+    covers each shard's keys, named keys.shard(queue, i); one shard is the queue's own keys alone."""
 
     def __init__(
         self,
@@ -245,21 +261,24 @@ class WorkerQueue:
         clock: RedisClock | None = None,
         placed: bool = False,
         poll_ms: int = 50,
+        shards: int = 1,
     ):
         self.redis = client
         self.keys = keys
         self.queue = queue
         self.worker = worker
         self.clock = clock or RedisClock()
-        self.stream = keys.queue(queue)
-        self.doorbell = keys.doorbell(queue)
-        self.rings = False  # the doorbell has its group (bell_ready)
-        self.bells: list[str] = []  # the doorbell's entries read, acknowledged with the next read
+        self.shard_names = shard_names(queue, shards)
+        self.shard_of_stream = {keys.queue(name): i for i, name in enumerate(self.shard_names)}
+        self.rings = [False] * shards  # each shard's doorbell has its group (bell_ready)
+        # The doorbells' entries read (shard_ref names their shard), acknowledged with the next read.
+        self.bells: list[str] = []
         self.streams = QueueStreams(keys, queue)
         self.own = keys.own_queue(queue, worker) if placed else None
         self.poll_ms = poll_ms
-        self.reclaim_cursor = "0-0"
-        self.reclaim_start = 0  # where RECLAIM_LANES starts in the queue's set of lane streams
+        self.reclaim_cursors = ["0-0"] * shards
+        self.reclaim_starts = [0] * shards  # where RECLAIM_LANES starts in each shard's set of lane streams
+        self.read_start = 0  # the shard a read with less room than shards asks first, in turn
         self.peers: list[str] = []  # every worker of the queue's index, as of the last heartbeat
 
     def _send(self, add_commands: AddCommands, per_command_errors: bool = False) -> list[Any]:
@@ -270,7 +289,7 @@ class WorkerQueue:
         # that exists. From id 0, not $: jobs submitted before the first worker started run too.
         # The lanes' streams get theirs from READ, the first time it reads each; the doorbell
         # once a producer has made it (bell_ready).
-        self.rings = False
+        self.rings = [False] * len(self.shard_names)
         for stream in self._group_streams():
             if not self._group_exists(stream):
                 consumer.create_group(self.redis, stream, make_stream=True)
@@ -279,15 +298,25 @@ class WorkerQueue:
         return all(self._group_exists(stream) for stream in self._group_streams())
 
     def _group_streams(self) -> list[str]:
-        return [self.stream] if self.own is None else [self.own, self.stream]
+        shards = list(self.shard_of_stream)
+        return shards if self.own is None else [self.own, *shards]
 
-    def bell_ready(self) -> bool:
-        """Whether the doorbell has the group to block on: once a producer's first lane job made it
-        (a queue without lanes never has one); until then a lane's first job waits for a read."""
-        if not self.rings and consumer.doorbell_made(self.redis, self.keys, self.queue):
-            consumer.create_group(self.redis, self.doorbell, make_stream=False)
-            self.rings = True
-        return self.rings
+    def bell_ready(self, shard: int = 0) -> bool:
+        """Whether the shard's doorbell has the group to block on: once a producer's first lane job
+        made it (a queue without lanes never has one); until then a lane's first job waits for a read."""
+        name = self.shard_names[shard]
+        if not self.rings[shard] and consumer.doorbell_made(self.redis, self.keys, name):
+            consumer.create_group(self.redis, self.keys.doorbell(name), make_stream=False)
+            self.rings[shard] = True
+        return self.rings[shard]
+
+    def bells_by_shard(self, bells: list[str]) -> dict[int, list[str]]:
+        """The doorbells' entries `bells` names, by shard."""
+        by_shard: dict[int, list[str]] = {}
+        for bell in bells:
+            shard, entry_id = shard_parts(bell)
+            by_shard.setdefault(shard, []).append(entry_id)
+        return by_shard
 
     def _group_exists(self, stream: str) -> bool:
         try:
@@ -320,8 +349,7 @@ class WorkerQueue:
             low, mid, high = (max(0, room - len(taken)) for room in rooms)
             rooms = (low, mid, high)
         if rooms[0] > 0 or corrections:
-            call = scripts.read(self.keys, self.queue, self.worker, rooms, DEFAULT_COST, corrections)
-            taken += lane_deliveries(self._send(settle.before(self, call.add_to))[-1])
+            taken += self._read_lanes(settle, rooms, corrections)
         elif not settle.sent:
             self._send(lambda pipe: settle.add_to(pipe, self))
         self.bells = [b for b in self.bells if b not in settle.bells]
@@ -329,22 +357,66 @@ class WorkerQueue:
             return taken
         return self._wait(rooms, block_ms)
 
+    def _read_lanes(self, settle: Settle, rooms: tuple[int, int, int], corrections: Owed) -> list[Delivery]:
+        """READ, after `settle` in the same pipeline. On several shards, a READ per shard in one
+        pipeline (one round trip per node that holds them), the rooms shared out over them so that
+        the worker never takes more than it can start now; with less room than shards, the shards
+        asked first take turns, and those not asked are asked next while nothing came."""
+        if len(self.shard_names) == 1:
+            call = scripts.read(self.keys, self.queue, self.worker, rooms, DEFAULT_COST, of_shard(corrections, 0))
+            return lane_deliveries(self._send(settle.before(self, call.add_to))[-1])
+        count = len(self.shard_names)
+        order = [(self.read_start + i) % count for i in range(count)]
+        self.read_start = (self.read_start + 1) % count
+        taken: list[Delivery] = []
+        while order and not taken:
+            asked = [
+                (shard, share)
+                for shard, share in zip(order, split_rooms(rooms, len(order)))
+                if share[0] > 0 or of_shard(corrections, shard)
+            ]
+            if not asked:
+                break
+            order = [shard for shard in order if shard not in dict(asked)]
+            calls = [
+                scripts.read(
+                    self.keys, self.shard_names[shard], self.worker, share, DEFAULT_COST, of_shard(corrections, shard)
+                )
+                for shard, share in asked
+            ]
+            replies = self._send(settle.before(self, add_all(calls)))
+            for (shard, _), reply in zip(asked, replies[len(replies) - len(calls) :]):
+                taken += lane_deliveries(reply, shard)
+        return taken
+
     def _wait(self, rooms: tuple[int, int, int], block_ms: int) -> list[Delivery]:
         """An idle worker's wait: one XREADGROUP of one entry from the queue's own stream, the
         doorbell and (on one server, where they share a node) this worker's own stream, so that any
         job wakes it at once; a doorbell's entry means a lane has work, which READ then takes. On a
         cluster its own stream lies on another node: it blocks for at most `poll_ms` at a time and
         then looks there."""
-        streams = {self.stream: ">", self.doorbell: ">"} if self.bell_ready() else {self.stream: ">"}
         one_node = not is_cluster(self.redis)
+        count = len(self.shard_names)
+        # On a cluster the shards lie on several nodes: it blocks on one at a time, in turn, for at
+        # most poll_ms, and the next read looks at all of them.
+        shards = range(count) if one_node or count == 1 else [self.read_start]
+        streams: dict[str, str] = {}
+        bells: dict[str, int] = {}
+        for shard in shards:
+            name = self.shard_names[shard]
+            streams[self.keys.queue(name)] = ">"
+            if self.bell_ready(shard):
+                streams[self.keys.doorbell(name)] = ">"
+                bells[self.keys.doorbell(name)] = shard
         if self.own is not None and one_node:
             streams[self.own] = ">"
-        block = block_ms if self.own is None or one_node else min(block_ms, self.poll_ms)
+        polls = not one_node and (self.own is not None or count > 1)
+        block = min(block_ms, self.poll_ms) if polls else block_ms
         reply = self._send(lambda pipe: consumer.add_read(pipe, self.worker, streams, 1, block))[0] or []
         taken = []
         for key, entries in reply:
-            if key == self.doorbell:
-                self.bells += [entry_id for entry_id, _ in entries]
+            if key in bells:
+                self.bells += [shard_ref(entry_id, bells[key]) for entry_id, _ in entries]
             else:
                 taken += self._entries(key, [(key, entries)])
         if taken:
@@ -362,26 +434,43 @@ class WorkerQueue:
     def _entries(self, stream: str, reply: list[Any] | None) -> list[Delivery]:
         if not reply:
             return []
-        owner = None if stream == self.stream else self.worker
+        shard = self.shard_of_stream.get(stream)
+        owner = None if shard is not None else self.worker
+        if shard:
+            return [Delivery(shard_ref(entry_id, shard), fields) for entry_id, fields in reply[0][1]]
         return [Delivery(entry_ref(entry_id, owner), fields) for entry_id, fields in reply[0][1]]
 
     def reclaim(self, count: int, min_idle_ms: int) -> list[Delivery]:
         """XAUTOCLAIM up to `count` entries idle longer than `min_idle_ms`: jobs of workers that
-        died or stalled, in the queue's stream, then in the lanes' (RECLAIM_LANES). Each scan
-        resumes where the last one stopped, so every pending entry is reached in turn."""
+        died or stalled, in the queue's stream, then in the lanes' (RECLAIM_LANES), shard after
+        shard (each scan starting at the next shard). Each scan resumes where the last one stopped,
+        so every pending entry is reached in turn."""
+        shards = len(self.shard_names)
+        taken: list[Delivery] = []
+        for i in range(shards):
+            if len(taken) >= count:
+                break
+            taken += self._reclaim_shard((self.read_start + i) % shards, count - len(taken), min_idle_ms)
+        return taken
+
+    def _reclaim_shard(self, shard: int, count: int, min_idle_ms: int) -> list[Delivery]:
+        name = self.shard_names[shard]
         call = scripts.reclaim(
-            self.stream, self.worker, min_idle_ms, self.reclaim_cursor, count, HANDED_OVER_MIN_IDLE_MS
+            self.keys.queue(name), self.worker, min_idle_ms, self.reclaim_cursors[shard], count, HANDED_OVER_MIN_IDLE_MS
         )
         cursor, claimed = self._send(call.add_to)[0]
-        self.reclaim_cursor = cursor
-        taken = [Delivery(entry_id, _fields(flat), n, bool(handed)) for entry_id, flat, n, handed in claimed]
+        self.reclaim_cursors[shard] = cursor
+        taken = [
+            Delivery(shard_ref(entry_id, shard), _fields(flat), n, bool(handed))
+            for entry_id, flat, n, handed in claimed
+        ]
         if len(taken) < count:
-            left, start = count - len(taken), self.reclaim_start
+            left, start = count - len(taken), self.reclaim_starts[shard]
             call = scripts.reclaim_lanes(
-                self.keys, self.queue, self.worker, min_idle_ms, left, start, HANDED_OVER_MIN_IDLE_MS
+                self.keys, name, self.worker, min_idle_ms, left, start, HANDED_OVER_MIN_IDLE_MS
             )
-            self.reclaim_start, streams = self._send(call.add_to)[0]
-            taken += reclaimed_lane_deliveries(streams)
+            self.reclaim_starts[shard], streams = self._send(call.add_to)[0]
+            taken += reclaimed_lane_deliveries(streams, shard)
         return taken
 
     def take_over(
@@ -413,7 +502,8 @@ class WorkerQueue:
         """Give a detached job back to its lane (REQUEUE, then a fresh entry)."""
         if not self._send(scripts.requeue(self.keys, job.id, job.run).add_to)[0]:
             return False
-        self._send(requeued_entry(self.keys, self.queue, job).add_to)
+        shard = self.shard_names[shard_of(job.id, len(self.shard_names))]
+        self._send(requeued_entry(self.keys, shard, job).add_to)
         return True
 
     def heartbeat(self, fields: dict[str, str | int | float], ttl_s: float, held: list[str]) -> tuple[int, list[str]]:
@@ -426,15 +516,19 @@ class WorkerQueue:
             pipe.time()
             registry.add_heartbeat(pipe, self.keys, self.queue, self.worker, fields, int(ttl_s * 1000), now)
             self.streams.add_refreshes(pipe, self.worker, by_stream)
+            for stream in others:
+                pipe.xlen(stream)
 
         by_stream = self.streams.by_stream(held)
+        others = list(self.shard_of_stream)[1:]  # the other shards' streams: the depth counts them too
         sent_at = self.clock.local()
         replies = self._send(add)
         self.clock.measured(sent_at, replies[0], self.clock.local())
-        beat, refreshes = replies[1 : 1 + registry.HEARTBEAT_COMMANDS], replies[1 + registry.HEARTBEAT_COMMANDS :]
+        beat = replies[1 : 1 + registry.HEARTBEAT_COMMANDS]
+        refreshes = replies[1 + registry.HEARTBEAT_COMMANDS : len(replies) - len(others)]
         depth, self.peers = registry.heartbeat_reply(beat)
         lost = [refs[i] for refs, reply in zip(by_stream.values(), refreshes) for i in reply]
-        return depth, lost
+        return depth + sum(replies[len(replies) - len(others) :]), lost
 
     def release(self, entry_ids: list[str]) -> int:
         """Hand unfinished entries over to other workers (RELEASE); returns how many were ours."""
@@ -453,10 +547,10 @@ class WorkerQueue:
         )
 
 
-def reclaimed_lane_deliveries(streams: list[Any]) -> list[Delivery]:
-    """RECLAIM_LANES' reply: each entry named by its lane's reference."""
+def reclaimed_lane_deliveries(streams: list[Any], shard: int = 0) -> list[Delivery]:
+    """RECLAIM_LANES' reply (of shard `shard`): each entry named by its lane's reference."""
     return [
-        Delivery(lane_ref(entry_id, Route(lane, tenant)), _fields(flat), deliveries, bool(handed))
+        Delivery(shard_ref(lane_ref(entry_id, Route(lane, tenant)), shard), _fields(flat), deliveries, bool(handed))
         for lane, tenant, entries in streams
         for entry_id, flat, deliveries, handed in entries
     ]

@@ -33,10 +33,12 @@ from collections.abc import Callable
 
 import redis
 
+from producer_client import steps
 from producer_client.cluster import SyncRedis
 from producer_client.connection import is_fatal
 from producer_client.keys import Keys
 from producer_client.protocol.replication import Replication
+from producer_client.protocol.shards import serving_count
 from worker.engine.interface import EngineAPI
 from worker.engine.outputs import RequestOutput
 from worker.loop.admission import Admission
@@ -86,8 +88,16 @@ class Worker:
         self.clock = clock
         replication = Replication(settings.wait_replicas, settings.wait_timeout_ms)
         keys = Keys(settings.prefix)
+        shards = steps.run(client, serving_count(keys, settings.queue, settings.queue_shards))
         self.queue = WorkerQueue(
-            client, keys, settings.queue, name, clock, placed=settings.placement, poll_ms=settings.placement_poll_ms
+            client,
+            keys,
+            settings.queue,
+            name,
+            clock,
+            placed=settings.placement,
+            poll_ms=settings.placement_poll_ms,
+            shards=shards,
         )
         job_commands = JobCommands(client, keys, name, settings.result_ttl_s, replication)
         self.holdings = Holdings(engine)

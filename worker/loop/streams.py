@@ -4,7 +4,8 @@ cache-aware placement, from the workers' own streams (its own, and others' when 
 reclaims); every part of the worker that names an entry (claims, refreshes, acknowledgements,
 hand-overs, dead letters) names it by one string, its reference: the entry id for the queue's own
 stream, as before, `<entry id>@<owner>` for the stream of worker `owner`, and
-`<entry id>#<lane>:<tenant>` for a lane's stream of a tenant. CLAIM records that string as the
+`<entry id>#<lane>:<tenant>` for a lane's stream of a tenant, each with `%<i>` after the entry id
+for shard i > 0 of a queue of several shards (backlog.shard_ref). CLAIM records that string as the
 job's `entry`, so entries of two streams never pass for one. An entry id is digits and one dash,
 and no worker name holds `#` nor any lane `:`, so the first `@` or `#` ends the id; entry_time()
 reads its milliseconds either way."""
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from producer_client.keys import DEFAULT_LANE, NO_TENANT, Keys
 from producer_client.protocol import consumer, letters
 from producer_client.protocol import worker as scripts
-from producer_client.protocol.backlog import LANED, OWNED, entry_stream, reference_parts
+from producer_client.protocol.backlog import LANED, OWNED, entry_stream, reference_parts, shard_parts
 from producer_client.protocol.execution import AddCommands, Pipe
 from producer_client.protocol.letters import DEAD_LETTER_MAXLEN
 
@@ -99,8 +100,8 @@ class QueueStreams:
         hash tag of its own, so its entry is moved in two commands: written to the dead-letter
         stream, then acknowledged and deleted (a worker that dies in between leaves it pending, and
         the next one to take it writes the letter again)."""
-        dead = self.keys.dead(self.queue)
-        if owner_of(ref) is None:
+        if owner_of(ref) is None:  # the shard's own dead-letter stream, in the shard's slot
+            dead = self.keys.dead(self.keys.shard(self.queue, shard_parts(ref)[0]))
             scripts.deadletter(self.of_ref(ref), dead, entry_id_of(ref), DEAD_LETTER_MAXLEN, letter).add_to(pipe)
             return
         letters.add_letter(pipe, self.keys, self.queue, letter)

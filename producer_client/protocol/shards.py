@@ -1,0 +1,108 @@
+"""A queue spread over shards (docs/architecture.md, "A queue over several shards"): how many it
+has, which one a job goes to, and the names their keys are formed with (keys.Keys.shard).
+
+The count is the queue's, not a process's: the first worker or producer that names one writes it
+(HSETNX of SHARDS_FIELD in the queue's scheduler hash, which every producer's ACL may read) and everyone else that names one must name the same, or gets
+ShardCountMismatch before it enqueues or reads anything. A producer that names none writes every
+job to shard 0, which is always read: an older producer, or one with the default, is still served.
+A job's shard is a hash of its id, so the same request_id always lands on the same shard."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Any, Literal
+
+from producer_client.errors import InvalidArgument, ShardCountMismatch
+from producer_client.keys import MAX_SHARDS, SHARDS_FIELD, Keys
+from producer_client.steps import Steps, checked
+
+
+def check_shards(field: str, value: Any) -> int:
+    """`value` if it can be a queue's shard count (1 to MAX_SHARDS), else InvalidArgument."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SHARDS:
+        raise InvalidArgument(field, f"must be an integer from 1 to {MAX_SHARDS}")
+    return value
+
+
+def shard_of(job_id: str, count: int) -> int:
+    """The shard of `count` that the job `job_id` goes to."""
+    return 0 if count == 1 else zlib.crc32(job_id.encode()) % count
+
+
+def shard_names(queue: str, count: int) -> list[str]:
+    """The names every shard's keys are formed with, shard 0 (the queue's own) first."""
+    return [Keys.shard(queue, i) for i in range(count)]
+
+
+def parse_count(reply: str | bytes | None) -> int:
+    """The stored count (HGET's reply); absent: 1."""
+    return 1 if reply is None else int(reply)
+
+
+def agree(keys: Keys, queue: str, count: int) -> Steps[int]:
+    """Writes `count` as the queue's shard count if none is stored yet (first writer wins) and
+    returns it; raises ShardCountMismatch if another count is stored. One round trip."""
+    key = keys.scheduler(queue)
+    _, stored = checked((yield lambda pipe: (pipe.hsetnx(key, SHARDS_FIELD, count), pipe.hget(key, SHARDS_FIELD))))
+    if parse_count(stored) != count:
+        raise ShardCountMismatch(queue, count, parse_count(stored))
+    return count
+
+
+def stored_count(keys: Keys, queue: str) -> Steps[int]:
+    """The queue's shard count (1 when none is stored)."""
+    (stored,) = checked((yield lambda pipe: pipe.hget(keys.scheduler(queue), SHARDS_FIELD)))
+    return parse_count(stored)
+
+
+def serving_count(keys: Keys, queue: str, asked: int | None) -> Steps[int]:
+    """How many shards a worker reads: `asked` once agreed (agree), or with None the queue's
+    stored count (1 when none is stored), so that a worker started without one reads them all."""
+    return (yield from stored_count(keys, queue)) if asked is None else (yield from agree(keys, queue, asked))
+
+
+AUTO = "auto"  # a producer's count: each queue's own, as stored, read every AUTO_REFRESH_S
+# How stale an "auto" producer's copy of a queue's count may be: a queue that gets a count after
+# the producer read none is spread within this long (its jobs meanwhile go to shard 0, still read).
+AUTO_REFRESH_S = 10.0
+
+
+class QueueShards:
+    """A producer's shard count: a number, checked against each queue's once (a client made by
+    on_queue shares it), or AUTO, each queue's stored count, read again every AUTO_REFRESH_S."""
+
+    def __init__(self, count: int | Literal["auto"] = 1):
+        self.auto = count == AUTO
+        try:
+            self.count = 1 if self.auto else check_shards("queue_shards", count)
+        except InvalidArgument:
+            raise InvalidArgument("queue_shards", f"must be an integer from 1 to {MAX_SHARDS}, or {AUTO!r}") from None
+        self.spreads = self.auto or self.count > 1  # whether any job may go past shard 0
+        self.counts: dict[str, tuple[int, float]] = {}  # queue -> (its count, when it was read)
+
+    def agree(self, keys: Keys, queue: str) -> Steps[None]:
+        """A number: checks it against `queue`'s the first time (a round trip), then never again,
+        as a queue's count does not change while it has jobs (docs/architecture.md). AUTO: reads
+        the queue's count when the copy is older than AUTO_REFRESH_S."""
+        known = self.counts.get(queue)
+        if known is not None and not (self.auto and time.monotonic() - known[1] > AUTO_REFRESH_S):
+            return
+        if self.auto:
+            count = yield from stored_count(keys, queue)
+        else:
+            count = yield from agree(keys, queue, self.count)
+        self.counts[queue] = (count, time.monotonic())
+
+    def count_of(self, queue: str) -> int:
+        """The count this producer spreads `queue`'s jobs over (after agree)."""
+        known = self.counts.get(queue)
+        return self.count if known is None else known[0]
+
+    def name_for(self, queue: str, job_id: str) -> str:
+        """The name of the shard `job_id` goes to (`queue` itself with one shard)."""
+        count = self.count_of(queue)
+        return queue if count == 1 else Keys.shard(queue, shard_of(job_id, count))
+
+
+ONE_SHARD = QueueShards()  # a queue's jobs all on shard 0: the queue itself

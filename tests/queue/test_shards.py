@@ -1,0 +1,293 @@
+"""A queue spread over several shards (docs/architecture.md, "A queue over several shards"), on a
+real redis-server with echo workers in this process: one shard is today's keys and nothing else;
+with three, jobs spread over the shards by their ids, several workers serve each exactly once, a
+killed worker's jobs are reclaimed in their shards, stats and dead letters cover every shard, a
+producer that names no count is still served, and a bad or mismatched count is refused before
+anything is enqueued; and on the session's 3-master cluster, the shards on every master."""
+
+from __future__ import annotations
+
+import uuid
+from contextlib import ExitStack
+
+import pytest
+
+from harness.echo_workers import GatedWorker, outcome_count, serving
+from harness.polling import eventually
+from producer_client import Client, JobFailed
+from producer_client.connection import connect
+from producer_client.errors import InvalidArgument, ShardCountMismatch
+from producer_client.keys import GROUP, SHARDS_FIELD, Keys
+from producer_client.protocol.backlog import entry_stream, reference_parts, shard_parts, shard_ref
+from producer_client.protocol.shards import shard_of
+from tests.support.jobs import assert_one_final_result, job_count
+from worker.loop.queue import split_rooms
+from worker.settings import WorkerSettings
+
+pytestmark = pytest.mark.waits
+
+KEYS = Keys()
+FAST_RECLAIM = dict(claim_idle_ms=500, reclaim_interval_s=0.05)
+SHARDS = 3
+
+
+def shard_streams(queue: str) -> list[str]:
+    return [KEYS.queue(KEYS.shard(queue, i)) for i in range(SHARDS)]
+
+
+def ids_by_shard(job_ids: list[str]) -> dict[int, list[str]]:
+    by_shard: dict[int, list[str]] = {}
+    for job_id in job_ids:
+        by_shard.setdefault(shard_of(job_id, SHARDS), []).append(job_id)
+    return by_shard
+
+
+# -- names ---------------------------------------------------------------------------------------
+
+
+def test_shard_zero_is_the_queues_own_keys_and_the_others_tags_no_name_can_have():
+    assert KEYS.shard("q", 0) == "q"
+    assert [KEYS.queue(KEYS.shard("q", i)) for i in range(3)] == ["mili:q:{q}", "mili:q:{q#1}", "mili:q:{q#2}"]
+    assert KEYS.dead(KEYS.shard("q", 2)) == "mili:dead:{q#2}"
+    with pytest.raises(InvalidArgument):
+        Client("redis://localhost:1", "q#1")
+
+
+@pytest.mark.parametrize(
+    ("ref", "shard", "stream", "entry_id", "mark", "rest"),
+    [
+        ("1-0", 0, "mili:q:{q}", "1-0", "", ""),
+        ("1-0%2", 2, "mili:q:{q#2}", "1-0", "", ""),
+        ("1-0%12#flex:team-a", 12, "mili:q:{q#12}:flex:team-a", "1-0", "#", "flex:team-a"),
+        ("1-0@w1", 0, "mili:q:{q|w1}", "1-0", "@", "w1"),
+    ],
+)
+def test_an_entry_reference_names_its_shard_and_its_stream_within_it(ref, shard, stream, entry_id, mark, rest):
+    assert shard_parts(ref)[0] == shard
+    assert entry_stream(KEYS, "q", ref) == (stream, entry_id)
+    assert reference_parts(ref) == (entry_id, mark, rest)
+    assert shard_ref(shard_parts(ref)[1], shard) == ref
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 5])
+@pytest.mark.parametrize("rooms", [(0, 0, 0), (1, 1, 0), (7, 4, 1), (9, 9, 9), (2, 1, 1)])
+def test_rooms_shared_over_shards_sum_to_the_rooms_and_still_shrink_by_lane(rooms, parts):
+    shares = split_rooms(rooms, parts)
+    assert tuple(sum(share[i] for share in shares) for i in range(3)) == rooms
+    assert all(share[0] >= share[1] >= share[2] >= 0 for share in shares)
+
+
+# -- one shard: today's protocol -------------------------------------------------------------------
+
+
+def test_one_shard_uses_exactly_todays_keys(redis_server, redis_client, queue):
+    tenant = f"t{uuid.uuid4().hex[:6]}"
+    with Client(redis_server.url, queue) as client, serving(redis_server.url, queue, name=f"w-{queue}"):
+        ids = [client.submit("plain", max_tokens=2), client.as_tenant(tenant).submit("lane", service_tier="flex")]
+        assert [client.result(job_id, timeout=10).status for job_id in ids] == ["done", "done"]
+    # The lane's sorted set went when its one tenant's stream was read to the end.
+    tagged = sorted(k for k in redis_client.keys(f"*{queue}*") if not k.startswith("mili:job:"))
+    assert tagged == [
+        f"mili:bell:{{{queue}}}",
+        f"mili:q:{{{queue}|w-{queue}}}",
+        f"mili:q:{{{queue}}}",
+        f"mili:q:{{{queue}}}:flex:{tenant}",
+        f"mili:sched:{{{queue}}}",
+        f"mili:streams:{{{queue}}}",
+        f"mili:workers:{{{queue}}}",
+    ]
+    assert redis_client.hget(KEYS.scheduler(queue), SHARDS_FIELD) is None
+
+
+# -- counts that do not agree ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [0, -1, 65, True, 2.0, "3"])
+def test_a_bad_shard_count_is_refused_by_the_client_and_the_worker(count):
+    with pytest.raises(InvalidArgument) as e:
+        Client("redis://localhost:1", "q", queue_shards=count)
+    assert e.value.field == "queue_shards"
+    if not isinstance(count, bool | str | float):
+        with pytest.raises(ValueError, match="queue_shards"):
+            WorkerSettings(queue_shards=count)
+
+
+def test_a_count_other_than_the_queues_is_refused_before_anything_is_enqueued(redis_server, redis_client, queue):
+    with Client(redis_server.url, queue, queue_shards=SHARDS) as first:
+        first.submit("stores the count", max_tokens=1)
+    jobs_before = job_count(redis_client)
+    with Client(redis_server.url, queue, queue_shards=2) as other:
+        for submit in (
+            lambda: other.submit("x", request_id=f"r-{queue}"),
+            lambda: other.submit_many([{"prompt": "y"}, {"prompt": "z", "request_id": f"s-{queue}"}]),
+        ):
+            with pytest.raises(ShardCountMismatch) as e:
+                submit()
+            assert (e.value.asked, e.value.stored) == (2, SHARDS)
+    assert job_count(redis_client) == jobs_before
+    assert sum(redis_client.xlen(s) for s in shard_streams(queue)) == 1
+    with pytest.raises(ShardCountMismatch):
+        with serving(redis_server.url, queue, queue_shards=2):
+            pass
+
+
+# -- three shards on one server ---------------------------------------------------------------------
+
+
+def test_jobs_spread_over_the_shards_and_several_workers_serve_each_once(redis_server, redis_client, queue):
+    with Client(redis_server.url, queue, queue_shards=SHARDS) as client:
+        ids = [client.submit(f"one {i} " * 4, max_tokens=16) for i in range(12)]
+        ids += client.submit_many([{"prompt": f"many {i} " * 4, "max_tokens": 16} for i in range(24)])
+        # Before any worker: each job waits in its id's shard, and the stats count them all.
+        for shard, job_ids in ids_by_shard(ids).items():
+            waiting = [fields["id"] for _, fields in redis_client.xrange(shard_streams(queue)[shard])]
+            assert sorted(waiting) == sorted(job_ids)
+        assert len(ids_by_shard(ids)) == SHARDS
+        stats = client.queue_stats()
+        assert (stats.depth, stats.waiting) == (36, 36)
+        assert {s.shard: s.waiting for s in stats.streams} == {k: len(v) for k, v in ids_by_shard(ids).items()}
+        assert client.inspect.overview().depth == 36
+        with ExitStack() as stack:
+            # Four jobs at a time each, so that neither takes them all; the second worker names no
+            # count: it reads the queue's.
+            slow = dict(step_s=0.01, engine={"max_running": 4})
+            workers = [
+                stack.enter_context(serving(redis_server.url, queue, name=f"a-{queue}", queue_shards=SHARDS, **slow)),
+                stack.enter_context(serving(redis_server.url, queue, name=f"b-{queue}", **slow)),
+            ]
+            results = [client.result(job_id, timeout=20) for job_id in ids]
+    assert [r.status for r in results] == ["done"] * len(ids)
+    assert {r.worker for r in results} == {w.name for w in workers}
+    for job_id in ids:
+        assert_one_final_result(redis_client, job_id)
+    assert sum(redis_client.xlen(s) for s in shard_streams(queue)) == 0
+
+
+def test_a_producer_that_names_no_count_writes_shard_zero_and_is_served(redis_server, redis_client, queue):
+    with (
+        Client(redis_server.url, queue, queue_shards=SHARDS) as sharded,
+        Client(redis_server.url, queue) as stale,
+        serving(redis_server.url, queue, queue_shards=SHARDS),
+    ):
+        sharded.submit("stores the count", max_tokens=1)
+        ids = [stale.submit(f"old {i}", max_tokens=3) for i in range(6)]
+        assert [stale.result(job_id, timeout=10).text for job_id in ids] == [f"old {i}"[:3] for i in range(6)]
+
+
+def test_lane_jobs_of_a_killed_worker_are_reclaimed_within_their_shards(redis_server, redis_client, queue):
+    tenant = f"t{uuid.uuid4().hex[:6]}"
+    settings = dict(queue_shards=SHARDS, **FAST_RECLAIM)
+    with ExitStack() as stack:
+        client = stack.enter_context(Client(redis_server.url, queue, tenant=tenant, queue_shards=SHARDS))
+        victim = stack.enter_context(
+            serving(redis_server.url, queue, step_s=0.01, worker_class=GatedWorker, name=f"v-{queue}", **settings)
+        )
+        tiers = ["flex", "priority", "default"] * 3
+        ids = [client.submit(f"job {i} " * 10, max_tokens=60, service_tier=tier) for i, tier in enumerate(tiers)]
+        assert eventually(lambda: len(victim.holdings.running) == len(ids))
+        held = {shard_parts(ref)[0] for ref in victim.holdings.entries()}
+        assert held == set(ids_by_shard(ids)) and len(held) > 1
+        victim.killed = True
+        victim.gate.clear()
+        survivor = stack.enter_context(serving(redis_server.url, queue, step_s=0.002, name=f"s-{queue}", **settings))
+        results = [client.result(job_id, timeout=20) for job_id in ids]
+        victim.gate.set()
+    assert all(r.status == "done" and r.worker == survivor.name for r in results)
+    assert [r.text for r in results] == [(f"job {i} " * 10)[:60] for i in range(len(ids))]
+    for shard in range(SHARDS):
+        for lane in ("priority", "default", "flex"):
+            stream = KEYS.lane_stream(KEYS.shard(queue, shard), lane, tenant)
+            assert redis_client.xlen(stream) == 0
+            if redis_client.exists(stream):
+                assert redis_client.xpending(stream, GROUP)["pending"] == 0
+
+
+def test_dead_letters_are_written_listed_and_retried_in_their_shards(redis_server, redis_client, queue):
+    with Client(redis_server.url, queue, queue_shards=SHARDS) as client:
+        ids = [client.submit(f"poison {i}", max_tokens=2) for i in range(6)]
+        shards = {job_id: shard_of(job_id, SHARDS) for job_id in ids}
+        for stream in shard_streams(queue):  # a ghost worker took each entry, and died three times over
+            redis_client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            taken = redis_client.xreadgroup(GROUP, "ghost", {stream: ">"}) or []
+            for _, entries in taken:
+                redis_client.xclaim(stream, GROUP, "ghost", 0, [e for e, _ in entries], retrycount=3)
+        with serving(redis_server.url, queue, max_deliveries=3, **FAST_RECLAIM) as worker:
+            for job_id in ids:
+                with pytest.raises(JobFailed):
+                    client.result(job_id, timeout=10)
+            assert eventually(lambda: outcome_count(worker, "dead_lettered") == len(ids))
+        for job_id in ids:
+            (letter,) = [
+                fields
+                for _, fields in redis_client.xrange(KEYS.dead(KEYS.shard(queue, shards[job_id])))
+                if fields["id"] == job_id
+            ]
+        letters = client.dead_letters.list(100)
+        assert {(letter.job_id, letter.shard) for letter in letters} == set(shards.items())
+        assert client.inspect.overview().dead == len(ids)
+        assert client.dead_letters.get(ids[-1]).shard == shards[ids[-1]]
+        with serving(redis_server.url, queue):
+            outcomes = client.dead_letters.retry_all()
+            assert sorted(o.job_id for o in outcomes if o.outcome == "retried") == sorted(ids)
+            assert [client.result(job_id, timeout=10).status for job_id in ids] == ["done"] * len(ids)
+        assert client.dead_letters.list(100) == []
+        assert client.dead_letters.purge_all() == 0
+
+
+# -- three shards on a 3-master cluster -------------------------------------------------------------
+
+
+def spread_queue(client: Client) -> str:
+    """A fresh queue name whose three shards' tags lie on three different masters."""
+    while True:
+        name = f"q-{uuid.uuid4().hex[:8]}"
+        if len({client.redis.get_node_from_key(stream).name for stream in shard_streams(name)}) == SHARDS:
+            return name
+
+
+def test_on_a_cluster_the_shards_lie_on_every_master_and_each_job_is_served_once(redis_cluster):
+    """Jobs spread over three masters; a worker killed while it holds jobs of every shard has them
+    reclaimed, each in its shard, by the one left."""
+    with Client(redis_cluster.url, "probe") as probe:
+        queue = spread_queue(probe)
+    admin = connect(redis_cluster.url, decode_responses=True)
+    settings = dict(queue_shards=SHARDS, **FAST_RECLAIM)
+    with Client(redis_cluster.url, queue, queue_shards=SHARDS) as client, ExitStack() as stack:
+        ids = [client.submit(f"one {i} " * 8, max_tokens=40) for i in range(6)]
+        ids += client.submit_many([{"prompt": f"many {i} " * 8, "max_tokens": 40} for i in range(12)])
+        for shard, job_ids in ids_by_shard(ids).items():
+            assert sorted(f["id"] for _, f in admin.xrange(shard_streams(queue)[shard])) == sorted(job_ids)
+        assert client.queue_stats().waiting == len(ids)
+        victim = stack.enter_context(
+            serving(redis_cluster.url, queue, step_s=0.01, worker_class=GatedWorker, name=f"v-{queue}", **settings)
+        )
+        assert eventually(lambda: len(victim.holdings.running) == len(ids))
+        assert {shard_parts(ref)[0] for ref in victim.holdings.entries()} == set(range(SHARDS))
+        victim.killed = True
+        victim.gate.clear()
+        survivor = stack.enter_context(serving(redis_cluster.url, queue, step_s=0.002, name=f"s-{queue}", **settings))
+        results = [client.result(job_id, timeout=30) for job_id in ids]
+        victim.gate.set()
+        texts = [(f"one {i} " * 8)[:40] for i in range(6)] + [(f"many {i} " * 8)[:40] for i in range(12)]
+        assert [(r.text, r.worker) for r in results] == [(text, survivor.name) for text in texts]
+        for job_id in ids:
+            assert_one_final_result(admin, job_id)
+        assert client.queue_stats().depth == 0
+    admin.close()
+
+
+def test_an_auto_producer_spreads_over_each_queues_own_count(redis_server, redis_client, queue):
+    other = f"{queue}-one"
+    with Client(redis_server.url, queue, queue_shards=SHARDS) as first:
+        first.submit("stores the count", max_tokens=1)
+    with Client(redis_server.url, queue, queue_shards="auto") as auto:
+        ids = auto.submit_many([{"prompt": f"{i}"} for i in range(12)]) + [auto.submit("one more")]
+        for shard, job_ids in ids_by_shard(ids).items():
+            waiting = {fields["id"] for _, fields in redis_client.xrange(shard_streams(queue)[shard])}
+            assert set(job_ids) <= waiting
+        plain = auto.on_queue(other)
+        plain_ids = [plain.submit(f"{i}") for i in range(4)]
+        assert [f["id"] for _, f in redis_client.xrange(KEYS.queue(other))] == plain_ids
+    assert redis_client.hget(KEYS.scheduler(other), SHARDS_FIELD) is None
+    with pytest.raises(InvalidArgument, match="or 'auto'"):
+        Client("redis://localhost:1", "q", queue_shards="all")
