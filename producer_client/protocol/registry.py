@@ -37,6 +37,12 @@ def add_heartbeat(
     pipe.zrange(index, 0, -1)
 
 
+def add_shard_depth(pipe: Any, stream: str) -> None:
+    """The length of another shard's stream of the queue (a shard's own stream, `Keys.queue` of
+    its name): a heartbeat's depth counts every shard's."""
+    pipe.xlen(stream)
+
+
 def heartbeat_reply(replies: list[Any]) -> tuple[int, list[str]]:
     """The queue's depth and its workers' names, from the replies of add_heartbeat's commands."""
     return replies[6], replies[7]

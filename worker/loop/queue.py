@@ -517,7 +517,7 @@ class WorkerQueue:
             registry.add_heartbeat(pipe, self.keys, self.queue, self.worker, fields, int(ttl_s * 1000), now)
             self.streams.add_refreshes(pipe, self.worker, by_stream)
             for stream in others:
-                pipe.xlen(stream)
+                registry.add_shard_depth(pipe, stream)
 
         by_stream = self.streams.by_stream(held)
         others = list(self.shard_of_stream)[1:]  # the other shards' streams: the depth counts them too
