@@ -226,6 +226,7 @@ def run_load(producers: list[ProducerProcess]) -> tuple[int, float, float]:
 
 # What a finished job keeps is measured past the transient: MILI's done stream of each job lives
 # DONE_TTL_MS after its end (the worker then deletes it), while a load run lasts a few seconds.
+# The baseline before the load run waits as long, for the latency run's jobs.
 KEPT_AFTER_S = DONE_TTL_MS / 1000 + 2
 
 
@@ -236,6 +237,7 @@ def load(
     workers' last writes have landed, with the producers still connected."""
     producers = start_load(python, lib, env, args)
     pids = workers.pids()
+    time.sleep(KEPT_AFTER_S)  # the latency run's transients gone: the baseline is what it kept
     cpu0, stats0, memory0 = (workers.cpu(pids), costs.cpu()), costs.commandstats(), costs.kept_memory()
     jobs, elapsed, producers_cpu = run_load(producers)
     cpu1, stats1 = (workers.cpu(pids), costs.cpu()), costs.commandstats()
