@@ -296,14 +296,16 @@ class ResultWatch:
     one that ends sooner is returned once those before it leave the window.
 
     A done stream lives DONE_TTL_MS after its job's end: a job that ended before it came into the
-    window, or while the caller left the watch unread for longer than half that, is found by a
-    look at its hash's result instead (to_look)."""
+    window, or while the caller left the watch unread for longer than that, is found by a look at
+    its hash's result instead (to_look). Each job of the window is looked at again once its last
+    look is half that old, whatever the reads did meanwhile: a read whose reply held a job's entry
+    and was lost (a connection cut under it, the read retried after the stream went) then costs
+    that job half the stream's life, not the rest of the wait."""
 
     def __init__(self, keys: Keys, job_ids: Iterable[str] = ()):
         self.keys = keys
         self.waiting: dict[str, None] = dict.fromkeys(job_ids)
-        self.looked: set[str] = set()  # jobs whose hash was looked at since they came into the window
-        self.read_at = -float("inf")  # when the last read or look returned (monotonic)
+        self.looked: dict[str, float] = {}  # job -> when a look at its hash last returned (monotonic)
         # When each job that was queued with a deadline expires unread (monotonic): as_completed
         # yields it as expired then, since no worker will start it (see watch_all).
         self.expiries: dict[str, float] = {}
@@ -322,23 +324,21 @@ class ResultWatch:
         return {self.keys.done(job_id): job_id for job_id in islice(self.waiting, WINDOW)}
 
     def to_look(self, window: dict[str, str], every: bool) -> list[str]:
-        """The jobs of `window` whose hash the next read looks at first: those new in the window,
-        or all of them (`every`, or the last read is old enough that a done stream may have come
-        and gone since)."""
-        stale = time.monotonic() - self.read_at > DONE_TTL_MS / 2000
-        if every or stale:
+        """The jobs of `window` whose hash the next read looks at first: all of them (`every`), or
+        those new in the window and those whose last look is half a done stream's life old."""
+        if every:
             self.looked.clear()
-        return [job_id for job_id in window.values() if job_id not in self.looked]
+        looked_since = time.monotonic() - DONE_TTL_MS / 2000
+        return [job_id for job_id in window.values() if self.looked.get(job_id, -float("inf")) < looked_since]
 
     def take_looked(self, job_ids: list[str], results: list[str | None]) -> list[JobResult]:
         """The results a look at `job_ids`' hashes found (None: not ended), out of the watch, in
         the order the jobs ended."""
-        self.looked.update(job_ids)
-        self.read_at = time.monotonic()
+        self.looked.update(dict.fromkeys(job_ids, time.monotonic()))
         ended = []
         for job_id, data in zip(job_ids, results):
             if data is not None:
-                self.looked.discard(job_id)
+                del self.looked[job_id]
                 del self.waiting[job_id]
                 self.expiries.pop(job_id, None)
                 ended.append(JobResult.model_validate_json(data))
@@ -348,11 +348,10 @@ class ResultWatch:
         """The results in an XREAD reply over `window`, in the order the jobs ended (their `done`
         entries' ids: Redis's clock, to the millisecond), out of the watch from now on. A failed
         job's result is returned like any other: one job's failure ends no wait."""
-        self.read_at = time.monotonic()
         ended = []
         for key, ((entry_id, fields),) in reply:
             del self.waiting[window[key]]
-            self.looked.discard(window[key])
+            self.looked.pop(window[key], None)
             self.expiries.pop(window[key], None)
             ended.append((entry_order(entry_id), fields["data"]))
         return [JobResult.model_validate_json(data) for _, data in sorted(ended)]
@@ -379,6 +378,7 @@ class ResultWatch:
         for job_id, at, deadline_ms in expiries(job_ids, looks, redis_time):
             if at == PASSED and deadline_ms is not None:  # only a deadline passes
                 del self.waiting[job_id], self.expiries[job_id]
+                self.looked.pop(job_id, None)
                 results.append(expired_result(job_id, int(deadline_ms)))
             elif at is None:
                 self.expiries.pop(job_id, None)

@@ -402,9 +402,28 @@ def test_a_watch_left_unread_past_the_done_streams_life_finds_its_jobs_in_their_
     assert client.finished(watch, timeout=0.2) == []  # read once: none has ended
     results = [end_as_a_worker(redis_client, job_id, f"out{i}") for i, job_id in enumerate(ids)]
     redis_client.delete(*(Keys().done(job_id) for job_id in ids))  # gone before the watch reads again
-    watch.read_at -= DONE_TTL_MS / 1000  # the caller came back after longer than the streams live
+    # the caller came back after longer than the streams live
+    watch.looked = {job_id: at - DONE_TTL_MS / 1000 for job_id, at in watch.looked.items()}
     assert client.finished(watch, timeout=1) == results
     assert len(watch) == 0
+
+
+def test_a_watch_whose_reads_missed_a_done_stream_finds_the_job_in_its_hash_within_half_its_life(client, redis_client):
+    # The reads go on, each well within DONE_TTL_MS of the last, but none saw the job's done entry
+    # (a reply lost with its connection, the read retried after the stream went): the job's next
+    # look at its hash, half the streams' life after its last, finds it. (It waited for ever.)
+    ids = [client.submit(f"p{i}", max_tokens=4) for i in range(3)]
+    watch = ResultWatch(Keys(), ids)
+    assert client.finished(watch, timeout=0.2) == []  # looked at: none has ended
+    looked = time.monotonic()
+    result = end_as_a_worker(redis_client, ids[1], "out1")
+    redis_client.delete(Keys().done(ids[1]))
+    found: list[JobResult] = []
+    while not found and time.monotonic() - looked < 2 * DONE_TTL_MS / 1000:
+        found = client.finished(watch, timeout=0.3)
+    assert found == [result]
+    assert time.monotonic() - looked < DONE_TTL_MS / 2000 + 1.5
+    assert [job_id for job_id in watch.waiting] == [ids[0], ids[2]]
 
 
 def test_jobs_whose_done_streams_expired_on_their_own_are_read_whole_by_every_reader(client, redis_client):
