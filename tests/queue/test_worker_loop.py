@@ -4,6 +4,7 @@ what the protocol promises, independent of the model."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
 import redis
@@ -12,6 +13,7 @@ from harness.echo_workers import outcome_count, serving
 from harness.polling import eventually
 from producer_client import JobExpired, JobFailed
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
+from worker.loop.service import READ_BATCH
 
 pytestmark = pytest.mark.waits
 
@@ -238,3 +240,14 @@ def test_a_job_still_running_when_the_grace_ends_stays_pending(redis_server, cli
         worker.wait_stopped()
     assert client.status(job_id).status == "running"
     assert redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 1
+
+
+def test_a_worker_with_room_for_more_reads_read_batch_entries_an_iteration(redis_server, client, queue):
+    """200 jobs wait before the worker starts, with room for 256: it starts them READ_BATCH an
+    iteration (the jobs admitted together share their start time), so no iteration's admission
+    holds back a higher lane's job for long."""
+    ids = client.submit_many([{"prompt": "x", "max_tokens": 2}] * 200)
+    with serving(redis_server.url, queue):
+        results = client.results(ids, timeout=30)
+    started_together = Counter(r.timings.started_at for r in results)
+    assert sorted(started_together.values(), reverse=True) == [READ_BATCH, READ_BATCH, READ_BATCH, 200 - 3 * READ_BATCH]
