@@ -11,9 +11,9 @@ import redis
 
 from harness.echo_workers import outcome_count, serving
 from harness.polling import eventually
-from producer_client import JobExpired, JobFailed
+from producer_client import Client, JobExpired, JobFailed
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
-from worker.loop.service import READ_BATCH
+from worker.loop.queue import FLEX_READ_BATCH
 
 pytestmark = pytest.mark.waits
 
@@ -242,12 +242,25 @@ def test_a_job_still_running_when_the_grace_ends_stays_pending(redis_server, cli
     assert redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 1
 
 
-def test_a_worker_with_room_for_more_reads_read_batch_entries_an_iteration(redis_server, client, queue):
-    """200 jobs wait before the worker starts, with room for 256: it starts them READ_BATCH an
-    iteration (the jobs admitted together share their start time), so no iteration's admission
-    holds back a higher lane's job for long."""
-    ids = client.submit_many([{"prompt": "x", "max_tokens": 2}] * 200)
-    with serving(redis_server.url, queue):
-        results = client.results(ids, timeout=30)
+def test_a_worker_with_room_for_more_reads_flex_read_batch_flex_entries_an_iteration(redis_server, queue):
+    """200 flex jobs wait before the worker starts, with room for 256: it starts them
+    FLEX_READ_BATCH an iteration (the jobs admitted together share their start time), so no
+    iteration's admission of flex jobs holds back a default or priority job for long."""
+    with Client(redis_server.url, queue, tenant="batch") as client:
+        ids = client.submit_many([{"prompt": "x", "max_tokens": 2, "service_tier": "flex"}] * 200)
+        with serving(redis_server.url, queue):
+            results = client.results(ids, timeout=30)
     started_together = Counter(r.timings.started_at for r in results)
-    assert sorted(started_together.values(), reverse=True) == [READ_BATCH, READ_BATCH, READ_BATCH, 200 - 3 * READ_BATCH]
+    batches = [FLEX_READ_BATCH] * (200 // FLEX_READ_BATCH) + [200 % FLEX_READ_BATCH]
+    assert sorted(started_together.values(), reverse=True) == batches
+
+
+def test_a_worker_reads_default_entries_up_to_its_room_at_once(redis_server, queue):
+    """The flex batch bounds flex alone: 200 default jobs, of a tenant's lane stream and of the
+    queue's own, start in the worker's first iteration (a bulk load keeps whole reads)."""
+    with Client(redis_server.url, queue) as client:
+        ids = client.as_tenant("team-a").submit_many([{"prompt": "x", "max_tokens": 2}] * 100)
+        ids += client.submit_many([{"prompt": "x", "max_tokens": 2}] * 100)
+        with serving(redis_server.url, queue):
+            results = client.results(ids, timeout=30)
+    assert Counter(r.timings.started_at for r in results).most_common(1)[0][1] == 200

@@ -58,12 +58,6 @@ from worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 NO_ROOM = (0, 0, 0)
-# The most entries one read takes: a worker with room for more (a batch of its jobs ended at once)
-# takes the rest over the next iterations. Each entry read is parsed and claimed in the iteration
-# that read it, and a job of a higher lane that arrives meanwhile waits for that iteration's end:
-# reads of 256 flex entries at once made a default job's wait behind a flex flood about 3x longer
-# at p99, at no gain in the flood's rate (bench/RESULTS.md, "Sharing rules").
-READ_BATCH = 64
 
 
 class Worker:
@@ -219,8 +213,7 @@ class Worker:
         idle = not (self.engine.has_unfinished() or self.holdings.unadmitted or self.holdings.has_updates())
         block_ms = max(1, min(self.settings.block_ms, self.ownership.ms_to_heartbeat())) if idle else None
         corrections = dict(self.holdings.ledger.owed)
-        priority, default, flex = (min(room, READ_BATCH) for room in self._rooms())
-        read = self.queue.read((priority, default, flex), block_ms, *self.holdings.receipts(), corrections)
+        read = self.queue.read(self._rooms(), block_ms, *self.holdings.receipts(), corrections)
         self.holdings.receipts_sent(corrections)
         own = sum(1 for d in read if owner_of(d.entry_id) is not None)
         self.metrics.taken["own"].inc(own)
