@@ -264,3 +264,17 @@ def test_a_worker_reads_default_entries_up_to_its_room_at_once(redis_server, que
         with serving(redis_server.url, queue):
             results = client.results(ids, timeout=30)
     assert Counter(r.timings.started_at for r in results).most_common(1)[0][1] == 200
+
+
+def test_a_default_job_is_read_while_ended_flex_jobs_hold_every_slot(redis_server, queue):
+    """With wait_replicas 1 and no replica Redis never confirms a result (the worker has written it
+    and waits again), so 4 flex jobs that ended keep their entries pending on a worker of 4 slots,
+    as the ends of a publication round that Redis is slow to answer do. A default job is read and
+    served all the same: a job that ended holds no engine slot, and counts against the room of its
+    own lane and the lower ones only."""
+    with Client(redis_server.url, queue, tenant="batch") as client:
+        with serving(redis_server.url, queue, wait_replicas=1, wait_timeout_ms=20, engine={"max_running": 4}):
+            flex = client.submit_many([{"prompt": "x", "max_tokens": 2, "service_tier": "flex"}] * 4)
+            assert [r.status for r in client.results(flex, timeout=30)] == ["done"] * 4
+            job = client.as_tenant("chat").submit("yz", max_tokens=2)
+            assert client.result(job, timeout=10).text == "yz"
