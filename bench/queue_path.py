@@ -24,7 +24,11 @@ beside an embedded redis-server over TCP with one queue and with three, in the s
 three echo workers in each case (with three queues, one each). `--redis local-cluster` starts a
 six-node cluster on this machine (harness/redis_servers.py) and measures that.
 
-    python -m bench.queue_path [--procs 4 --threads 4 --seconds 10 --max-tokens 1 --tcp]
+With --tenant NAME the producers submit as that tenant: every job goes through the tenant's
+default-lane stream (ENQUEUE_LANES, the lanes' READ, the fair shares' counters) instead of the
+queue's own stream, which a producer that names no tenant still uses.
+
+    python -m bench.queue_path [--procs 4 --threads 4 --seconds 10 --max-tokens 1 --tcp --tenant NAME]
     python -m bench.queue_path --bulk [--jobs 100000 --one-at-a-time-jobs 10000 --tcp]
     python -m bench.queue_path --redis redis+cluster://h:p,h:p [--procs 4 --threads 4 --seconds 10]
 """
@@ -68,13 +72,17 @@ def main() -> None:
         worker = start_worker(server.url)
         try:
             wait_ready(server.url, args.max_tokens)
-            queued = run_producers(server.url, 1, args.latency_producers, args.latency_jobs, None, args.max_tokens)
+            queued = run_producers(
+                server.url, 1, args.latency_producers, args.latency_jobs, None, args.max_tokens, tenant=args.tenant
+            )
             report(f"through the queue, {args.latency_producers} producers (moderate load)", queued["latencies"])
             for q in (50, 99):
                 print(f"  added by the queue path, p{q}: {(pct(queued['latencies'], q) - pct(direct, q)) * 1e3:.3f} ms")
             before = cpu_seconds(worker.pid), cpu_seconds(server.process.pid)
             t0 = time.perf_counter()
-            loaded = run_producers(server.url, args.procs, args.threads, None, args.seconds, args.max_tokens)
+            loaded = run_producers(
+                server.url, args.procs, args.threads, None, args.seconds, args.max_tokens, tenant=args.tenant
+            )
             wall = time.perf_counter() - t0
             after = cpu_seconds(worker.pid), cpu_seconds(server.process.pid)
         finally:
@@ -100,6 +108,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--latency-jobs", type=int, default=4000)
     p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--tcp", action="store_true", help="Redis over TCP on 127.0.0.1 instead of a unix socket")
+    p.add_argument("--tenant", help="the producers' tenant: their jobs go through its lane stream")
     p.add_argument("--bulk", action="store_true", help="measure submit_many and as_completed instead")
     p.add_argument("--jobs", type=int, default=100_000, help="jobs per bulk measurement")
     p.add_argument("--one-at-a-time-jobs", type=int, default=10_000, help="jobs per one-at-a-time measurement")
@@ -165,17 +174,19 @@ def run_producers(
     seconds: float | None,
     max_tokens: int,
     queues: tuple[str, ...] = (QUEUE,),
+    tenant: str | None = None,
 ) -> dict:
     """Each producer sends one job at a time and waits for its result, for `jobs` jobs in
-    all or for `seconds`; the producers take `queues` in turn. Returns all latencies, the
-    elapsed time and the producers' CPU."""
+    all or for `seconds`; the producers take `queues` in turn, as `tenant`. Returns all
+    latencies, the elapsed time and the producers' CPU."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     go = ctx.Event()
     per_thread = None if jobs is None else jobs // (procs * threads)
     children = [
         ctx.Process(
-            target=producer_process, args=(url, threads, per_thread, seconds, max_tokens, go, results, queues, p)
+            target=producer_process,
+            args=(url, threads, per_thread, seconds, max_tokens, go, results, queues, p, tenant),
         )
         for p in range(procs)
     ]
@@ -196,8 +207,10 @@ def run_producers(
     }
 
 
-def producer_process(url, threads, jobs, seconds, max_tokens, go, results, queues=(QUEUE,), first=0) -> None:
-    clients = [Client(url, queues[(first * threads + t) % len(queues)]) for t in range(threads)]
+def producer_process(
+    url, threads, jobs, seconds, max_tokens, go, results, queues=(QUEUE,), first=0, tenant=None
+) -> None:
+    clients = [Client(url, queues[(first * threads + t) % len(queues)], tenant=tenant) for t in range(threads)]
     for c in clients:
         c.generate(PROMPT, max_tokens=max_tokens, temperature=0.0, timeout=120)  # connect, load scripts
     latencies: list[list[float]] = [[] for _ in clients]

@@ -15,9 +15,13 @@ prompt back, one token per step) over an embedded redis-server:
   4. quotas: tenant A fills its max_waiting quota, then tenant B submits; beside it, the one
      queue bound (max_queue_depth) that A's flood fills for everyone;
   5. cost: jobs/s and redis-server CPU per job at saturation, the queue's own stream (no tenant,
-     default lane) beside a tenant's lane stream.
+     default lane) beside a tenant's lane stream;
+  6. with --ttft alone (a `tiny` worker instead of the echo one): a priority job's time to first
+     token with the engine idle, then with every slot held by tenant A's long default jobs (the
+     engine preempts one of them; in A's lane it would wait for one of them to end).
 
     python -m bench.tenants [--flood 9000 --probes 40 --fair-jobs 1500]
+    python -m bench.tenants --ttft [--ttft-probes 40]
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 from bench.measure import cpu_seconds, pct
 from bench.queue_path import start_worker
@@ -47,6 +54,10 @@ CLAIM_IDLE_MS = 2000  # a killed worker's jobs are reclaimed this soon
 def main() -> None:
     args = parse_args()
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+    if args.ttft:
+        with EmbeddedRedis(port=free_port()) as server:
+            priority_ttft(server.url, args.ttft_probes)
+        return
     with EmbeddedRedis(port=free_port()) as server:
         worker = start_worker(server.url, queue=QUEUE)
         try:
@@ -69,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fair-jobs", type=int, default=1500, help="the smaller tenant's jobs in the fairness runs")
     p.add_argument("--quota", type=int, default=10_000, help="A's max_waiting, and the queue bound beside it")
     p.add_argument("--cost-jobs", type=int, default=5000, help="jobs per cost run")
+    p.add_argument("--ttft", action="store_true", help="only the priority time-to-first-token runs (tiny model)")
+    p.add_argument("--ttft-probes", type=int, default=40, help="priority jobs per time-to-first-token run")
     return p.parse_args()
 
 
@@ -268,6 +281,74 @@ def cost(server: EmbeddedRedis, jobs: int) -> None:
                 pass
             wall, cpu = time.perf_counter() - t0, cpu_seconds(server.process.pid) - before
             print(f"  {name}: {jobs / wall:.0f} jobs/s end to end, redis-server {cpu / jobs * 1e6:.0f} us CPU per job")
+
+
+# -- 6. priority's time to first token (tiny model) ----------------------------------------------
+
+TTFT_RUNNING = 8  # the tiny worker's slots, which A's jobs fill
+TTFT_PROBE_TOKENS = 4
+TTFT_INTERVAL_S = 0.2  # B's priority jobs, one at a time: several engine steps apart
+A_TOKENS = 2000  # A's jobs (ignore_eos): each outlasts several probes, and 2x the slots fit the KV pool
+
+
+def priority_ttft(url: str, probes: int, rounds: int = 2) -> None:
+    print(f"\n6. priority's time to first token: a `tiny` worker with {TTFT_RUNNING} slots; B submits {probes}")
+    print(f"   priority jobs of {TTFT_PROBE_TOKENS} tokens, one every {TTFT_INTERVAL_S * 1e3:.0f} ms, the engine idle,")
+    print(f"   then with A's {2 * TTFT_RUNNING} long default jobs holding every slot; {rounds} rounds, alternating")
+    queue = f"ttft-{uuid.uuid4().hex[:6]}"
+    worker = start_tiny_worker(url, queue)
+    try:
+        with Client(url, queue) as client:
+            for _ in range(5):  # the worker loaded, its first steps run
+                client.generate(PROMPT, max_tokens=TTFT_PROBE_TOKENS, timeout=600)
+            b = client.as_tenant("team-b")
+            for round_ in range(rounds):
+                idle = ttft_probe(b, probes)
+                print(f"  round {round_}, engine idle: {ttft_line(idle, idle)}")
+                flood = engine_full_of_a(client)
+                print(f"  round {round_}, engine full of A's jobs: {ttft_line(ttft_probe(b, probes), idle)}")
+                drain(client, flood)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+
+
+def start_tiny_worker(url: str, queue: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "worker", "serve", "--model", "tiny", "--redis", url, "--queue", queue]
+    command += ["--max-running", str(TTFT_RUNNING), "--kv-cache-mib", "128", "--metrics-port", "0"]
+    command += ["--log-level", "WARNING"]
+    # One torch thread: the worker shares the machine's cores with Redis and this process.
+    return subprocess.Popen(
+        command, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+
+
+def engine_full_of_a(client: Client) -> list[str]:
+    """A's long default jobs, twice the worker's slots; returns once every slot runs one."""
+    a = client.as_tenant("team-a")
+    ids = a.submit_many([{"prompt": PROMPT, "max_tokens": A_TOKENS, "ignore_eos": True}] * (2 * TTFT_RUNNING))
+    deadline = time.monotonic() + 120
+    while sum(s.status == "running" for s in map(client.status, ids)) < TTFT_RUNNING:
+        if time.monotonic() > deadline:
+            raise SystemExit("A's jobs did not fill the worker's slots within 120 s")
+        time.sleep(0.1)
+    return ids
+
+
+def ttft_probe(client: Client, count: int) -> list[float]:
+    ids = []
+    for _ in range(count):
+        ids.append(client.submit(PROMPT, max_tokens=TTFT_PROBE_TOKENS, service_tier="priority"))
+        time.sleep(TTFT_INTERVAL_S)
+    return [r.timings.ttft_s for r in client.as_completed(ids, timeout=600)]
+
+
+def ttft_line(ttft: list[float], idle: list[float]) -> str:
+    p99 = pct(ttft, 99)
+    return (
+        f"TTFT p50 {pct(ttft, 50) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms ({p99 / pct(idle, 99):.2f}x idle); "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
 
 
 if __name__ == "__main__":

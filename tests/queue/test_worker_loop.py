@@ -4,15 +4,17 @@ what the protocol promises, independent of the model."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
 import redis
 
 from harness.echo_workers import outcome_count, serving
 from harness.polling import eventually
-from producer_client import JobExpired, JobFailed
+from producer_client import Client, JobExpired, JobFailed
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from worker.loop import done_sweep
+from worker.loop.queue import FLEX_READ_BATCH
 
 pytestmark = pytest.mark.waits
 
@@ -263,3 +265,41 @@ def test_the_worker_deletes_each_done_stream_once_its_readers_have_had_it(
         assert eventually(lambda: redis_client.exists(*(KEYS.done(j) for j in ended_at)) == 0, timeout=3)
         assert time.monotonic() - min(ended_at.values()) < 4.5
         assert all(redis_client.hget(KEYS.job(j), "status") == "done" for j in ended_at)
+
+
+def test_a_worker_with_room_for_more_reads_flex_read_batch_flex_entries_an_iteration(redis_server, queue):
+    """200 flex jobs wait before the worker starts, with room for 256: it starts them
+    FLEX_READ_BATCH an iteration (the jobs admitted together share their start time), so no
+    iteration's admission of flex jobs holds back a default or priority job for long."""
+    with Client(redis_server.url, queue, tenant="batch") as client:
+        ids = client.submit_many([{"prompt": "x", "max_tokens": 2, "service_tier": "flex"}] * 200)
+        with serving(redis_server.url, queue):
+            results = client.results(ids, timeout=30)
+    started_together = Counter(r.timings.started_at for r in results)
+    batches = [FLEX_READ_BATCH] * (200 // FLEX_READ_BATCH) + [200 % FLEX_READ_BATCH]
+    assert sorted(started_together.values(), reverse=True) == batches
+
+
+def test_a_worker_reads_default_entries_up_to_its_room_at_once(redis_server, queue):
+    """The flex batch bounds flex alone: 200 default jobs, of a tenant's lane stream and of the
+    queue's own, start in the worker's first iteration (a bulk load keeps whole reads)."""
+    with Client(redis_server.url, queue) as client:
+        ids = client.as_tenant("team-a").submit_many([{"prompt": "x", "max_tokens": 2}] * 100)
+        ids += client.submit_many([{"prompt": "x", "max_tokens": 2}] * 100)
+        with serving(redis_server.url, queue):
+            results = client.results(ids, timeout=30)
+    assert Counter(r.timings.started_at for r in results).most_common(1)[0][1] == 200
+
+
+def test_a_default_job_is_read_while_ended_flex_jobs_hold_every_slot(redis_server, queue):
+    """With wait_replicas 1 and no replica Redis never confirms a result (the worker has written it
+    and waits again), so 4 flex jobs that ended keep their entries pending on a worker of 4 slots,
+    as the ends of a publication round that Redis is slow to answer do. A default job is read and
+    served all the same: a job that ended holds no engine slot, and counts against the room of its
+    own lane and the lower ones only."""
+    with Client(redis_server.url, queue, tenant="batch") as client:
+        with serving(redis_server.url, queue, wait_replicas=1, wait_timeout_ms=20, engine={"max_running": 4}):
+            flex = client.submit_many([{"prompt": "x", "max_tokens": 2, "service_tier": "flex"}] * 4)
+            assert [r.status for r in client.results(flex, timeout=30)] == ["done"] * 4
+            job = client.as_tenant("chat").submit("yz", max_tokens=2)
+            assert client.result(job, timeout=10).text == "yz"

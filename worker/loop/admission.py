@@ -56,14 +56,17 @@ class Admission:
         """Room for each lane, in LANES order: how many entries of that lane (or a higher one) to
         take. The lowest lane's is room(); a higher lane's counts the jobs held of lower lanes as
         room too, since the engine preempts them for it (worker/engine: lanes): the engine's slots
-        less the jobs held of that lane and higher ones, and those ended whose entry is still
-        pending. So a lane's pending entries and its higher lanes' stay within the slots."""
+        less the jobs held of that lane and higher ones, and those of that lane and higher ones
+        that ended and whose entry is still pending. So a lane's pending entries and its higher
+        lanes' stay within the slots, and flex jobs that ended, which hold no engine slot, never
+        keep a default job out while Redis has not yet taken their results."""
         flex = self.room()
         held = Counter(job.route.lane for job in self.holdings.claimed())
         held.update(d.route.lane for d in self.holdings.unadmitted)
-        slots = self.settings.engine.max_running - self.holdings.ended()
-        default = max(flex, slots - held.get("priority", 0) - held.get("default", 0))
-        return max(default, slots - held.get("priority", 0)), default, flex
+        held.update(self.holdings.ended_by_lane())
+        slots = self.settings.engine.max_running
+        default = max(flex, slots - held["priority"] - held["default"])
+        return max(default, slots - held["priority"]), default, flex
 
     def defer_reclaims(self) -> None:
         """Take no idle entry for claim_idle_ms: Redis was out of reach, so every live worker's

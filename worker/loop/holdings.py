@@ -17,7 +17,7 @@ answered claim, written result or settled failure gives back."""
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -111,6 +111,9 @@ class Holdings:
 
     def ended(self) -> int:
         """Jobs out of the engine whose entry waits for Redis to take their result."""
+        return self._outbox.ended().total()
+
+    def ended_by_lane(self) -> Counter[str]:
         return self._outbox.ended()
 
     def entries(self) -> dict[str, str]:
@@ -168,14 +171,16 @@ class Holdings:
     def end_delivery(self, d: Delivery, run: str, recorded_tokens: int, result: JobResult) -> None:
         """A claimed entry that ends before it becomes a job (it cannot be read)."""
         self._deliveries.settle(d)
-        self._outbox.add(Update(d.job_id, d.entry_id, run, recorded_tokens, final=result))
+        self._outbox.add(Update(d.job_id, d.entry_id, run, recorded_tokens, final=result, lane=d.route.lane))
 
     def dead_letter(self, d: Delivery, run: str, recorded_tokens: int, result: JobResult, reason: str) -> None:
         """A claimed entry delivered too often: its job ends with `result`, and once that is written
         its entry moves to the dead-letter stream instead of being acknowledged."""
         self._deliveries.settle(d)
         letter = DeadLetter(d.entry_id, d.fields, reason, d.deliveries)
-        self._outbox.add(Update(d.job_id, d.entry_id, run, recorded_tokens, final=result, dead_letter=letter))
+        self._outbox.add(
+            Update(d.job_id, d.entry_id, run, recorded_tokens, final=result, dead_letter=letter, lane=d.route.lane)
+        )
 
     def entries_lost(self) -> None:
         """Redis lost the queue's group: the entries not yet admitted, and those of rejected jobs,

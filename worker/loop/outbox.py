@@ -8,9 +8,10 @@ them: no other part of the loop changes them."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
-from producer_client.keys import Keys
+from producer_client.keys import DEFAULT_LANE, Keys
 from producer_client.protocol import worker as scripts
 from producer_client.protocol.events import encode_tokens
 from producer_client.protocol.script import ScriptCall
@@ -91,6 +92,9 @@ class Update:
     # The job is streamed (its `stream` option, or a reader's FOLLOW this run saw): its end keeps its
     # events for its readers (END_JOB), as it does for a FOLLOW the run has not seen yet.
     streamed: bool = False
+    # Its job's lane: the slot of a job that ended and waits for Redis to take its result counts
+    # against the room of its lane and the lower ones only (Admission.rooms).
+    lane: str = DEFAULT_LANE
 
     def ended(self) -> JobResult:
         """Its final result: asked only of the update of a job that ended."""
@@ -215,7 +219,7 @@ class Outbox:
         that earlier updates hold."""
         update = self.updates.get(job.id)
         if update is None:
-            update = self.updates[job.id] = Update(job.id, job.entry_id, job.run, job.feed.tokens)
+            update = self.updates[job.id] = Update(job.id, job.entry_id, job.run, job.feed.tokens, lane=job.route.lane)
         update.take(job)
         return update
 
@@ -314,9 +318,9 @@ class Outbox:
         self.rejected.pop(job_id, None)
         self.ledger.drop(job_id)
 
-    def ended(self) -> int:
-        """Jobs out of the engine whose entry waits for Redis to take their result."""
-        return sum(1 for u in self.held() if u.final is not None and u.entry_id is not None)
+    def ended(self) -> Counter[str]:
+        """Jobs out of the engine whose entry waits for Redis to take their result, by lane."""
+        return Counter(u.lane for u in self.held() if u.final is not None and u.entry_id is not None)
 
     def buffered_tokens(self) -> int:
         return sum(len(u.token_ids) for u in self.held())

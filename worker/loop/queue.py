@@ -53,6 +53,14 @@ log = logging.getLogger(__name__)
 HANDED_OVER_IDLE_MS = 10**10
 HANDED_OVER_MIN_IDLE_MS = HANDED_OVER_IDLE_MS // 10  # an entry this idle was handed over
 REFUSED = "!"  # READ's reply for a lane stream that refused (a key of another type)
+# The most flex entries one READ takes, however much room the worker has: the entries read are
+# parsed, claimed and started in the iteration that read them, and a default or priority job that
+# arrives meanwhile is read at the next one. Behind a flood of short flex jobs, which start together
+# and end together, a worker with 256 free slots read 256 flex entries at once, and a default job's
+# wait grew with that iteration (bench/RESULTS.md, "Sharing rules"). Flex alone, as flex is the lane
+# that waits for the others: a read of the default or priority lane still takes all the room, so a
+# bulk load of default jobs keeps its throughput.
+FLEX_READ_BATCH = 16
 
 
 class ReplicasBehind(redis.RedisError):
@@ -337,8 +345,8 @@ class WorkerQueue:
         """Acknowledge and delete `acks`, move `dead_letters` (first in the same pipeline, so the
         pending lists never hold a finished job while new ones arrive), then read: this worker's
         own stream first (up to rooms[2], its room for any lane), then the lanes (READ: up to
-        rooms[i] of lane LANES[i] or higher, with `corrections` for the lanes' counters). Idle
-        (`block_ms`) and given nothing, it waits for a job (_wait)."""
+        rooms[i] of lane LANES[i] or higher, of flex at most FLEX_READ_BATCH, with `corrections` for
+        the lanes' counters). Idle (`block_ms`) and given nothing, it waits for a job (_wait)."""
         corrections = corrections or {}
         settle = Settle(acks, dead_letters, self.bells)
         taken: list[Delivery] = []
@@ -349,7 +357,8 @@ class WorkerQueue:
             low, mid, high = (max(0, room - len(taken)) for room in rooms)
             rooms = (low, mid, high)
         if rooms[0] > 0 or corrections:
-            taken += self._read_lanes(settle, rooms, corrections)
+            lane_rooms = (rooms[0], rooms[1], min(rooms[2], FLEX_READ_BATCH))
+            taken += self._read_lanes(settle, lane_rooms, corrections)
         elif not settle.sent:
             self._send(lambda pipe: settle.add_to(pipe, self))
         self.bells = [b for b in self.bells if b not in settle.bells]

@@ -1,0 +1,92 @@
+"""Tenant B's queue wait behind tenant A's flex flood (bench/tenants.py's isolation target), for
+several source trees in one run: per round, for each tree in turn, an echo worker started from
+that tree on a queue of its own, B's probes with A absent, then A's flood in the flex lane and B's
+probes behind it, then the flood cancelled; and how fast A's jobs were served meanwhile. Alternating the trees in each round puts them under
+the same load of the machine, which moves these latencies more than most changes do.
+
+    python -m bench.isolation_ab --flood 20000 --rounds 3 --probes 200 base=/path/to/tree new=$PWD
+
+Each tree runs with its own `.venv/bin/python` if it has one (else this interpreter) and its own
+directory first on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from bench.measure import pct
+from bench.tenants import QUEUE, probe, specs, warm_up
+from producer_client import Client
+from worker.embedded_redis import EmbeddedRedis, free_port
+
+
+def main() -> None:
+    args = parse_args()
+    trees = dict(tree.split("=", 1) for tree in args.trees)
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
+    print(
+        f"A floods {args.flood} flex jobs; B submits {args.probes} default jobs, one every 50 ms (wait: to the start)"
+    )
+    with EmbeddedRedis(port=free_port()) as server:
+        for round_ in range(args.rounds):
+            for name, tree in trees.items():
+                print(f"round {round_} {name}: {one_run(server.url, Path(tree), args)}", flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--flood", type=int, default=20_000, help="tenant A's flex jobs")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--probes", type=int, default=40, help="tenant B's jobs per measurement")
+    p.add_argument("trees", nargs="+", help="NAME=DIRECTORY of a source tree to run the worker from")
+    return p.parse_args()
+
+
+def one_run(url: str, tree: Path, args: argparse.Namespace) -> str:
+    queue = f"{QUEUE}-{uuid.uuid4().hex[:6]}"
+    worker = start_worker_from(tree, url, queue)
+    try:
+        with Client(url, queue, max_queue_depth=None) as client:
+            warm_up(client)
+            idle = probe(client.as_tenant("team-b"), args.probes)["wait"]
+            flood = client.as_tenant("team-a").submit_many(specs(args.flood, tier="flex"))
+            probing = time.time()
+            behind = probe(client.as_tenant("team-b"), args.probes)["wait"]
+            served = a_served_per_s(client, flood, probing)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+    return (
+        f"B's wait with A absent p50 {pct(idle, 50) * 1e3:.1f} ms, p99 {pct(idle, 99) * 1e3:.1f} ms; "
+        f"behind A's flex flood p50 {pct(behind, 50) * 1e3:.1f} ms, p99 {pct(behind, 99) * 1e3:.1f} ms "
+        f"({pct(behind, 99) / pct(idle, 99):.1f}x); A's jobs served meanwhile {served:.0f}/s; "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
+
+
+def a_served_per_s(client: Client, flood: list[str], since: float) -> float:
+    """Cancel what is left of A's flood (drain); the rate at which A's jobs ended done from `since`
+    until the cancel. Raises if the flood ran out first: the probes would not all have been behind it."""
+    until = time.time()
+    client.cancel_many(flood)
+    ended = [r.timings.finished_at for r in client.as_completed(flood, timeout=600) if r.status == "done"]
+    if len(ended) == len(flood):
+        raise SystemExit("A's flood ended before B's probes did: give a larger --flood")
+    return sum(t is not None and since <= t <= until for t in ended) / (until - since)
+
+
+def start_worker_from(tree: Path, url: str, queue: str) -> subprocess.Popen:
+    python = tree / ".venv" / "bin" / "python"
+    command = [str(python) if python.exists() else sys.executable, "-m", "worker", "serve", "--model", "echo"]
+    command += ["--redis", url, "--queue", queue, "--metrics-port", "0", "--log-level", "WARNING"]
+    return subprocess.Popen(command, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
+
+
+if __name__ == "__main__":
+    main()
