@@ -1,8 +1,10 @@
 """Speculative decoding beside the same engine without it, in one run (issue 45).
 
 Parts (`--parts`, all by default):
-- verify: the model step of a batch of decodes that each verify n drafted tokens (n = 0..k), as a
-  multiple of the plain decode step: what one extra query token per request costs.
+- verify: the model step of a batch of decodes that each verify n drafted tokens (n = 0..k, or
+  `--verify-drafts`; the n in alternating rounds, medians of `--repeats`), as a multiple of the
+  plain decode step: what one extra query token per request costs (and what a draft tree of n
+  nodes would cost: its attention mask aside, it is the same step).
 - controlled: tokens/s of `Engine.generate` at batch `--batch` with a draft that agrees with the
   target with probability p per token (the target's own greedy output, learnt from a first run,
   each drafted token right with probability p, else another token), at the p whose expected
@@ -78,6 +80,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output", type=int, default=96, help="output tokens per request")
     p.add_argument("--acceptance-length", type=float, default=3.0, help="expected tokens per verify step")
     p.add_argument("--verify-batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument(
+        "--verify-drafts",
+        type=int,
+        nargs="+",
+        default=None,
+        help="drafted tokens per request the verify part times (default 0..k); n query tokens cost what a tree of n nodes would",
+    )
     p.add_argument("--stage-batches", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--stage-draft", default="tiny", help="the stage's draft model (preset or directory)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each configuration (pairs, where compared)")
@@ -207,12 +216,14 @@ def tokens_per_verify(engine: Engine) -> float:
 
 def verify_cost(target: Target, args: argparse.Namespace) -> None:
     print("\nverify step: model step time of a batch of decodes verifying n drafted tokens each, / plain decode")
+    drafts = sorted({0, *(args.verify_drafts or range(args.k + 1))})
     for batch in args.verify_batches:
-        engine = target.engine(batch, args.prompt + 8, args.k)
+        engine = target.engine(batch, args.prompt + 8, max(args.k, drafts[-1]))
         fill(engine, prompts(batch, args.prompt, seed=batch))
-        times = [step_seconds(engine, n) for n in range(args.k + 1)]
-        row = "  ".join(f"n={n}: {t * 1e3:.2f} ms ({t / times[0]:.2f}x)" for n, t in enumerate(times))
-        per_token = (times[-1] / times[0] - 1) / args.k
+        rounds = [[step_seconds(engine, n) for n in drafts] for _ in range(args.repeats)]
+        times = [float(np.median(column)) for column in zip(*rounds)]  # alternating: load hits every n alike
+        row = "  ".join(f"n={n}: {t * 1e3:.2f} ms ({t / times[0]:.2f}x)" for n, t in zip(drafts, times))
+        per_token = (times[-1] / times[0] - 1) / drafts[-1]
         print(f"batch {batch}: {row}; each extra token per request: +{per_token:.1%} of a decode step")
         if engine.device.type == "cpu":
             few_rows_beside_blas(engine, [0, args.k], args.repeats)
@@ -313,7 +324,7 @@ def report(label: str, engine: Engine, plain: Engine, work, args, plain_out) -> 
     stats = engine.stats()
     print(
         f"{label}: {np.median(rates):,.1f} tok/s, without {np.median(plain_rates):,.1f}: "
-        f"{np.median(ratios):.2f}x (pairs {min(ratios):.2f}-{max(ratios):.2f}); "
+        f"{np.median(ratios):.2f}x (pairs {', '.join(f'{r:.2f}' for r in ratios)}); "
         f"{tokens_per_verify(engine):.2f} tokens per verify, "
         f"{stats.drafts / (args.batch * stats.steps):.0%} of request-steps drafted"
     )

@@ -1,12 +1,21 @@
 """x @ w.T for float32 on CPU when x has few rows, compiled by numba: the CPU engine's LM head,
 and its projections in a step of a few rows (worker/model/qwen3.py, FEW_ROWS).
 
-Each decode step multiplies a few dozen hidden rows by the whole [vocab, hidden] head, 311 MB
-for Qwen3's vocabulary at hidden 512. BLAS packs that weight into its own layout on every
-call, which for so few rows costs about as much as the arithmetic. This kernel reads the
-weight once, in place: 8 weight rows stay in L1 while every pair of x rows is multiplied by
-them, 16 dot products accumulating in vector registers; blocks of weight rows are spread
-over torch's thread count. bench/RESULTS.md has what it measured against MKL.
+Each decode step multiplies a few hidden rows by the whole [vocab, hidden] head, 311 MB for
+Qwen3's vocabulary at hidden 512. BLAS packs that weight into its own layout on every call,
+which for so few rows costs about as much as the arithmetic. These kernels read the weight once,
+in place, blocks of its rows spread over torch's thread count:
+
+- up to FEW_ROWS rows (a decode step of a few requests, a verify step of one): each block of
+  ROW_BLOCK weight rows is streamed from memory once, one weight row at a time (the order the
+  hardware prefetcher follows), and stays in L2 while every pair of x rows is multiplied by it.
+  A row's dot products are the same bits whether it is alone or among up to FEW_ROWS rows, in
+  either place of a pair: a speculative verify step of 1 + k tokens computes each token's
+  logits exactly as the decode step without speculation would.
+- more rows: 8 weight rows stay in L1 while every pair of x rows is multiplied by them, 16 dot
+  products accumulating in vector registers (arithmetic, not the stream, bounds this case).
+
+bench/RESULTS.md has what they measured against MKL and each other.
 """
 
 import numba
@@ -16,6 +25,44 @@ import torch
 from kernels._numba import FASTMATH, use_torch_thread_count
 
 W_BLOCK = 8  # weight rows per block; with 2 x rows, 16 accumulators fit the 32 vector registers
+FEW_ROWS = 8  # up to this many x rows, the streaming kernel, the same bits per row whatever their count
+ROW_BLOCK = 64  # weight rows streamed per block of the streaming kernel: 128 KB at hidden 512, in L2
+
+
+@numba.njit(fastmath=FASTMATH, cache=True, nogil=True, parallel=True)
+def _matmul_wt_few(x, w, out):  # pragma: no cover - compiled
+    rows, cols = x.shape[0], w.shape[0]
+    paired_rows = rows - rows % 2
+    for block in numba.prange((cols + ROW_BLOCK - 1) // ROW_BLOCK):
+        start, stop = block * ROW_BLOCK, min(cols, (block + 1) * ROW_BLOCK)
+        for r in range(0, paired_rows, 2):
+            for c in range(start, stop):
+                out[r, c], out[r + 1, c] = _pair_dots(x[r], x[r + 1], w[c])
+        if paired_rows < rows:
+            for c in range(start, stop):
+                out[rows - 1, c] = _dot(x[rows - 1], w[c])
+
+
+# _pair_dots's two sums and _dot's one compile to the same vector reduction (LLVM gives each sum
+# of a loop the same vector width and interleave): tests/kernels/test_cpu_linear.py checks that a
+# row's bits do not depend on the rows beside it, which is what keeps verify = decode.
+@numba.njit(fastmath=FASTMATH, inline="always", nogil=True)
+def _pair_dots(x0, x1, w_row):  # pragma: no cover - compiled
+    """(x0 . w_row, x1 . w_row), loading the weight row once for both."""
+    a = b = np.float32(0.0)
+    for k in range(w_row.shape[0]):
+        v = w_row[k]
+        a += x0[k] * v
+        b += x1[k] * v
+    return a, b
+
+
+@numba.njit(fastmath=FASTMATH, inline="always", nogil=True)
+def _dot(x0, w_row):  # pragma: no cover - compiled
+    total = np.float32(0.0)
+    for k in range(w_row.shape[0]):
+        total += x0[k] * w_row[k]
+    return total
 
 
 @numba.njit(fastmath=FASTMATH, cache=True, nogil=True, parallel=True)
@@ -81,5 +128,6 @@ def linear_cpu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None
     if out is None:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
     use_torch_thread_count()
-    _matmul_wt(x.numpy(), w.numpy(), out.numpy())
+    kernel = _matmul_wt_few if x.shape[0] <= FEW_ROWS else _matmul_wt
+    kernel(x.numpy(), w.numpy(), out.numpy())
     return out

@@ -5,14 +5,15 @@ import pytest
 import torch
 
 from kernels.cpu_decode_attention import paged_decode_attention_cpu
-from kernels.cpu_linear import linear_cpu
+from kernels.cpu_linear import FEW_ROWS, linear_cpu
 from tests.kernels.test_decode_attention import decode_case
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 17])
 @pytest.mark.parametrize("cols", [1, 7, 8, 9, 64 + 5])
 def test_cpu_linear_matches_torch_for_every_row_and_column_remainder(rows, cols, check_close):
-    # Blocks are 8 weight rows by 2 x rows; these shapes hit each remainder path.
+    # Up to FEW_ROWS x rows: blocks of 64 weight rows by pairs of x rows and an odd last one; more:
+    # blocks of 8 weight rows by 2 x rows. These shapes hit each remainder path of both.
     g = torch.Generator().manual_seed(rows * 100 + cols)
     x, w = torch.randn(rows, 96, generator=g), torch.randn(cols, 96, generator=g)
     check_close("linear_cpu", linear_cpu(x, w), x @ w.T)
@@ -25,6 +26,21 @@ def test_cpu_linear_writes_into_out_and_reads_strided_inputs(check_close):
     out = torch.full((3, 40), float("nan"))
     assert linear_cpu(x, w, out) is out
     check_close("linear_cpu", out, x @ w.T)
+
+
+@pytest.mark.parametrize("hidden", [96, 512, 1536])
+def test_a_rows_logits_are_the_same_bits_alone_and_at_any_place_among_few_rows(hidden):
+    # A speculative verify step computes 1 + k rows where the decode step without speculation
+    # computes one: each row must come out bit for bit as it would alone, or greedy output could
+    # differ on a near tie.
+    g = torch.Generator().manual_seed(hidden)
+    x, w = torch.randn(FEW_ROWS + 1, hidden, generator=g), torch.randn(203, hidden, generator=g)
+    alone = linear_cpu(x[-1:], w)[0]
+    others = x[:-1]
+    for rows in range(1, FEW_ROWS + 1):
+        for place in range(rows):
+            step = torch.cat([others[:place], x[-1:], others[place : rows - 1]])
+            assert torch.equal(linear_cpu(step, w)[place], alone), (rows, place)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.cpu_linear import FEW_ROWS as KERNEL_FEW_ROWS
 from kernels.cpu_linear import linear_cpu
 from kernels.cpu_linear import supports as cpu_linear_supports
 from worker.model.batch import AttentionMetadata, KVCaches, LoraBatch
@@ -30,8 +31,9 @@ from worker.model.rope import rope_table
 # Up to this many rows, a float32 projection on CPU runs on the LM head's kernel: BLAS packs the
 # weight on every call, which for a few rows costs more than the arithmetic (at 5 rows, a
 # speculative verify step at batch 1, the packed product took 2.6x one row's time; the kernel,
-# which reads the weight in place, half of it: bench/RESULTS.md, speculative decoding).
-FEW_ROWS = 8
+# which reads the weight in place, half of it: bench/RESULTS.md, speculative decoding). The
+# kernel's own few-row bound, where a row's output is the same bits whatever the rows beside it.
+FEW_ROWS = KERNEL_FEW_ROWS
 
 
 class Linear(nn.Module):
