@@ -5,9 +5,9 @@ a real run, and its JUnit record is written, but neither its fixtures nor its bo
 tests/acceptance/test_rehearsal.py loads it (PYTEST_ADDOPTS) into the pytest steps of each GPU
 stage's rehearsal: what that test proves of a step is its plumbing, that its selection collects,
 its device tests are counted, its JSON and its table come out. The tests a step selects are
-tests/' own, which the same CI run runs for real; running them again in the rehearsal cost four
-minutes of CPU and proved nothing more. `scripts/gpu_acceptance.sh --rehearse` run by hand runs
-them for real, as a GPU session does."""
+tests/' own, which the same CI run runs for real; running them again in the rehearsal cost two
+minutes of CPU (the 11 stages' rehearsals: 428 s -> 301 s) and proved nothing more.
+`scripts/gpu_acceptance.sh --rehearse` run by hand runs them for real, as a GPU session does."""
 
 from __future__ import annotations
 
