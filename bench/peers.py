@@ -14,9 +14,10 @@ the rounds, with MILI's ratio to the best peer in each column. One run of one li
      is its p50 (p99) less the p50 (p99) of the same job run in-process (the no-op);
   3. load: `--procs` processes x `--producers` producers for `--seconds`: jobs/s end to end; CPU
      per job of the producers, of the workers (every process of their trees) and of redis-server;
-     Redis memory per finished job kept: `used_memory` less the clients' buffers, once the last
-     results have landed (none expires during a run: Dramatiq keeps a result 10 minutes, arq and
-     MILI an hour, Celery a day, taskiq for ever).
+     Redis memory per finished job kept: `used_memory` less the clients' buffers, KEPT_AFTER_S
+     after the last results have landed, the same wait for every library (none expires a result
+     by then: Dramatiq keeps one 10 minutes, arq and MILI an hour, Celery a day, taskiq for ever;
+     MILI's short-lived `done` streams have gone), and `at once`, half a second after.
 
 After the rounds: one load run of MILI with 16-token jobs (issue 43's memory target is for those),
 and one more load run of MILI with every Redis command logged (SLOWLOG), for the map of where its
@@ -46,6 +47,7 @@ from bench.peer_queues.job import MAX_TOKENS_VARIABLE, POLL_VARIABLE, URL_VARIAB
 from bench.peer_queues.processes import ProducerProcess, WorkerGroup
 from bench.peer_queues.redis_costs import RedisCosts, script_costs, slowlog_everything
 from bench.peer_queues.report import print_breakdown, print_commands, print_table, print_targets
+from producer_client.keys import DONE_TTL_MS
 from worker.embedded_redis import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,6 +224,12 @@ def run_load(producers: list[ProducerProcess]) -> tuple[int, float, float]:
     return sum(p["jobs"] for p in parts), max(p["elapsed_s"] for p in parts), sum(p["cpu_s"] for p in parts)
 
 
+# What a finished job keeps is measured past the transient: MILI's done stream of each job lives
+# DONE_TTL_MS after its end (the worker then deletes it), while a load run lasts a few seconds.
+# The baseline before the load run waits as long, for the latency run's jobs.
+KEPT_AFTER_S = DONE_TTL_MS / 1000 + 2
+
+
 def load(
     python: str, lib: Library, env: dict, args: argparse.Namespace, costs: RedisCosts, workers: WorkerGroup
 ) -> dict:
@@ -229,10 +237,13 @@ def load(
     workers' last writes have landed, with the producers still connected."""
     producers = start_load(python, lib, env, args)
     pids = workers.pids()
+    time.sleep(KEPT_AFTER_S)  # the latency run's transients gone: the baseline is what it kept
     cpu0, stats0, memory0 = (workers.cpu(pids), costs.cpu()), costs.commandstats(), costs.kept_memory()
     jobs, elapsed, producers_cpu = run_load(producers)
     cpu1, stats1 = (workers.cpu(pids), costs.cpu()), costs.commandstats()
     time.sleep(0.5)
+    at_once = costs.kept_memory()
+    time.sleep(KEPT_AFTER_S - 0.5)
     memory1 = costs.kept_memory()
     for producer in producers:
         producer.finish()
@@ -242,6 +253,7 @@ def load(
         "worker_cpu_us": (cpu1[0] - cpu0[0]) / jobs * 1e6,
         "redis_cpu_us": (cpu1[1] - cpu0[1]) / jobs * 1e6,
         "memory_per_job": (memory1 - memory0) / jobs,
+        "memory_at_once": (at_once - memory0) / jobs,
         "commands": costs.per_job(stats0, stats1, jobs),
     }
 
@@ -276,7 +288,7 @@ def timed(lib: Library, python: str, args: argparse.Namespace, label: str, full:
     print(
         f"{label:11} {lib.name:9} {figures['jobs_per_s']:7,.0f} jobs/s, {added}, "
         f"CPU/job producers {figures['producer_cpu_us']:4.0f} workers {figures['worker_cpu_us']:4.0f} Redis "
-        f"{figures['redis_cpu_us']:4.0f} us, {figures['memory_per_job']:6,.0f} B/job kept "
+        f"{figures['redis_cpu_us']:4.0f} us, {figures['memory_per_job']:6,.0f} B/job kept ({figures['memory_at_once']:,.0f} at once) "
         f"({time.monotonic() - start:.0f} s; load average {load_average()})",
         flush=True,
     )

@@ -170,7 +170,8 @@ class Keys:
 
     def done(self, job_id: str) -> str:
         """Stream that gets one entry, the job's result, when the job ends, and expires DONE_TTL_MS
-        later: result() blocks on it and wakes once, however many steps the job takes; a reader
+        later (the worker that ended the job deletes it then too: worker/loop/done_sweep.py):
+        result() blocks on it and wakes once, however many steps the job takes; a reader
         that comes later finds the result in the hash. Named under the job's key, so an ACL
         pattern for job keys covers it."""
         return f"{self.prefix}:job:{{{job_id}}}:done"

@@ -32,6 +32,7 @@ owns its keys and argument order.
 from __future__ import annotations
 
 from producer_client.keys import GROUP, LANES, LUA_STREAM_OF, Keys
+from producer_client.protocol.execution import Pipe
 from producer_client.protocol.lanes import CREDIT_EVERY, DOORBELL_MAXLEN, LUA_LANES
 from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_keys
 
@@ -676,6 +677,12 @@ WORKER_SCRIPTS = (
 
 
 # -- call builders: each owns its script's keys and argument order ----------------------------------
+
+
+def forget_done(pipe: Pipe, keys: Keys, job_id: str) -> None:
+    """Delete an ended job's done stream once its readers have had DONE_TTL_MS (worker/loop/done_sweep.py):
+    one UNLINK of one key, so that on a cluster it goes to the key's node."""
+    pipe.unlink(keys.done(job_id))
 
 
 def claim(keys: Keys, job_id: str, worker: str, entry_id: str, result_ttl_s: int, run: str) -> ScriptCall:

@@ -12,6 +12,7 @@ from harness.echo_workers import outcome_count, serving
 from harness.polling import eventually
 from producer_client import JobExpired, JobFailed
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
+from worker.loop import done_sweep
 
 pytestmark = pytest.mark.waits
 
@@ -238,3 +239,27 @@ def test_a_job_still_running_when_the_grace_ends_stays_pending(redis_server, cli
         worker.wait_stopped()
     assert client.status(job_id).status == "running"
     assert redis_client.xpending(KEYS.queue(queue), GROUP)["pending"] == 1
+
+
+def test_the_worker_deletes_each_done_stream_once_its_readers_have_had_it(
+    redis_server, client, queue, redis_client, monkeypatch
+):
+    """A done stream's own TTL (DONE_TTL_MS, 5 s) is not what removes it: Redis reclaims an expired
+    key nobody reads only when its expiry cycle samples it, which among many kept jobs is rare. The
+    worker that ended the job deletes it, here 0.5 s after the end (not 5 s), jobs ending over
+    several times that; each done stream is there when the job ends, and gone before its TTL."""
+    monkeypatch.setattr(done_sweep, "DELAY_S", 0.5)
+    with serving(redis_server.url, queue, step_s=0.005):
+        ended_at = {}
+        for wave in range(4):
+            job_ids = [client.submit(f"wave {wave} job {i}", max_tokens=4) for i in range(5)]
+            for job_id in job_ids:
+                assert client.wait(job_id, timeout=10).status == "done"
+            ended_at.update(dict.fromkeys(job_ids, time.monotonic()))
+            assert redis_client.exists(KEYS.done(job_ids[-1])) == 1  # ended just now: there for its readers
+            time.sleep(0.3)
+        # Every done stream goes within the sweep's delay and a publication round or two: long
+        # before the TTL of 5 s that each still carries until then.
+        assert eventually(lambda: redis_client.exists(*(KEYS.done(j) for j in ended_at)) == 0, timeout=3)
+        assert time.monotonic() - min(ended_at.values()) < 4.5
+        assert all(redis_client.hget(KEYS.job(j), "status") == "done" for j in ended_at)

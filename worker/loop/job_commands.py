@@ -9,7 +9,7 @@ what a pipeline met (send_pipeline)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -120,9 +120,11 @@ class JobCommands:
         self,
         updates: list[Update],
         watch: list[tuple[str, str]],
+        forget: Sequence[str] = (),
     ) -> tuple[list[PublishReply | Exception], list[Look | Exception]]:
-        """Every job's update (events, final result) in one pipeline, and a look at the cancel flag,
-        run and streamed flag of each running job in `watch` (job id, run). Returns each
+        """Every job's update (events, final result) in one pipeline, a look at the cancel flag,
+        run and streamed flag of each running job in `watch` (job id, run), and the deletion of
+        the done stream of each job in `forget` (whatever it answers: its TTL is there). Returns each
         update's reply and each watched job's state, or in its place the error its job's keys gave
         (a transient one too: the caller keeps that update for later and backs off). A lost group
         cannot occur here: these are a job's keys. With a replication to wait for, each final
@@ -135,6 +137,8 @@ class JobCommands:
                 u.publish_call(self.keys, self.result_ttl_s).add_to(pipe)
             for job_id, _ in watch:
                 pipe.hmget(self.keys.job(job_id), "cancel", "run", "streamed")
+            for job_id in forget:
+                scripts.forget_done(pipe, self.keys, job_id)
             for u in finals:
                 # WAIT counts the replicas that have this connection's writes; a result published
                 # again is a no-op that writes nothing, and may go out on another connection. The
@@ -145,12 +149,13 @@ class JobCommands:
 
         replies = execution.execute(self.redis, add, scripts.WORKER_SCRIPTS, raise_on_error=False)
         published = [_parsed(parse_publish, r) for r in replies[: len(updates)]]
-        ends = len(updates) + len(watch)
+        looked = len(updates) + len(watch)
         watched = [
             _parsed(functools.partial(parse_watch, run=run), r)
-            for (_, run), r in zip(watch, replies[len(updates) : ends])
+            for (_, run), r in zip(watch, replies[len(updates) : looked])
         ]
-        confirmed = dict(zip((u.job_id for u in finals), replies[ends + 1 :: 2]))  # each WAIT's, after its EXPIRE
+        # each WAIT's, after its EXPIRE
+        confirmed = dict(zip((u.job_id for u in finals), replies[looked + len(forget) + 1 :: 2]))
         return [self._replicated(u, reply, confirmed.get(u.job_id)) for u, reply in zip(updates, published)], watched
 
     def _replicated(

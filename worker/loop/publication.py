@@ -18,6 +18,7 @@ import time
 from producer_client.protocol.replies import Look, Published, PublishReply, UnknownReply, Watched
 from producer_client.schema import JobResult
 from worker.loop.context import LoopContext
+from worker.loop.done_sweep import DoneSweep
 from worker.loop.jobs import InternalError, Job
 from worker.loop.outbox import Update
 from worker.loop.pace import Pace
@@ -35,6 +36,7 @@ class Publication:
         self.rejections = rejections
         self.pace = pace
         self.publisher = Publisher(ctx.job_commands)
+        self.done_sweep = DoneSweep()
         self.last_call = time.monotonic()
 
     @property
@@ -81,8 +83,9 @@ class Publication:
         for job in due:
             job.feed.looked_at = now
         updates = self.holdings.send_updates()
-        if updates or watch:
-            self.publisher.send(Round(updates, watch))
+        forget = self.done_sweep.due(now)
+        if updates or watch or forget:
+            self.publisher.send(Round(updates, watch, forget))
 
     def _settle(self, answered: Round) -> None:
         if answered.error is not None:
@@ -139,6 +142,7 @@ class Publication:
             self.holdings.written(update)  # ENDED: ended elsewhere while it ran here, a result exists
             if reply.outcome is Published.WRITTEN and update.final is not None:
                 self._count_end(update)
+                self.done_sweep.add(update.job_id, time.monotonic())
         elif reply.outcome is Published.CANCEL:
             self._react(update.job_id, Look(Watched.CANCEL))
         elif reply.outcome is Published.FOLLOWED:

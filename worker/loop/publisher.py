@@ -20,6 +20,7 @@ from worker.loop.outbox import Update
 class Round:
     updates: list[Update]
     watch: list[tuple[str, str]]  # (job id, run) of the jobs looked at
+    forget: list[str] = field(default_factory=list)  # jobs whose done stream goes (worker/loop/done_sweep.py)
     published: list[Any] = field(default_factory=list)  # a reply (or error) per update
     watched: list[Any] = field(default_factory=list)  # a state (or error) per job looked at
     error: Exception | None = None  # the round failed as a whole: Redis took none of it, or some
@@ -73,7 +74,7 @@ class Publisher:
                 return
             started = time.monotonic()
             try:
-                round_.published, round_.watched = self.commands.publish(round_.updates, round_.watch)
+                round_.published, round_.watched = self.commands.publish(round_.updates, round_.watch, round_.forget)
             except Exception as e:  # the loop's thread judges it, as it judges any failed exchange
                 round_.error = e
             round_.seconds = time.monotonic() - started
