@@ -1,12 +1,18 @@
 """scripts/gpu_acceptance.sh --rehearse: every stage runs on the CPU at tiny shapes through the same
 scripts and tests as on the GPU, and its table says SKIP (no CUDA), never PASS, for what only a GPU
 can run, and where each pytest step's device tests ran (never on a GPU). This keeps the GPU
-session's script from rotting between GPU sessions."""
+session's script from rotting between GPU sessions.
+
+The scripts run for real. The tests of a pytest step are collected, marked and reported but not run
+(tests/support/not_run.py): they are tests/' own, which this CI run runs for real beside this test,
+and what a step adds to them is its plumbing (its selection, its device tests' count, its JSON and
+table), which their reports prove. By hand, `scripts/gpu_acceptance.sh --rehearse` runs them."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import subprocess
 import tarfile
@@ -16,12 +22,14 @@ import pytest
 
 from scripts.acceptance.stages import ORDER, stages
 from scripts.acceptance.step import Kind, Step
+from tests.support.not_run import SUMMARY
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE_FILES_LIMIT = 8  # files a device command can bring back
 # tp's worker step rehearses the killed rank alone, whose ranks are the CPU's on a GPU host too; its
 # device test (a worker of two GPU ranks serving) runs only there.
 REHEARSED_WITHOUT_DEVICE_TESTS = {("tp", "worker")}
+NOT_RUN = {**os.environ, "PYTEST_ADDOPTS": f"{os.environ.get('PYTEST_ADDOPTS', '')} -p tests.support.not_run"}
 
 
 def skipped_for_want_of_cuda(step: Step, found: dict) -> bool:
@@ -38,6 +46,7 @@ def test_the_rehearsal_of_each_stage_passes_and_skips_only_what_needs_cuda(name,
     done = subprocess.run(
         ["scripts/gpu_acceptance.sh", "--rehearse", name, str(tmp_path)],
         cwd=ROOT,
+        env=NOT_RUN,
         capture_output=True,
         text=True,
         timeout=900,
@@ -47,13 +56,17 @@ def test_the_rehearsal_of_each_stage_passes_and_skips_only_what_needs_cuda(name,
     report = json.loads((tmp_path / f"{name}.json").read_text())
     assert report["rehearsal"] and report["passed"] and not report["machine"]["cuda"]
     steps = {step["name"]: step for step in report["steps"]}
+    log = (tmp_path / f"{name}.log").read_text()
     assert list(steps) == [step.name for step in stage.steps]
     for step in stage.steps:
         found = steps[step.name]
         assert found["outcome"] == ("SKIP (no CUDA)" if skipped_for_want_of_cuda(step, found) else "PASS"), step.name
         assert {f.label for f in step.figures if not f.cuda_only} <= found["figures"].keys()
         if step.kind is Kind.PYTEST and step.rehearsal is not None:
-            device = found["tests"]["device"]
+            tests = found["tests"]
+            reported = tests["passed"] + sum(tests["skipped"].values())
+            assert SUMMARY.format(reported) in log, step.name  # collected and reported, not run again
+            device = tests["device"]
             assert device["on_gpu"] == 0, step.name
             if not step.host_only and (name, step.name) not in REHEARSED_WITHOUT_DEVICE_TESTS:
                 # The device tests that a GPU run counts are marked: the rehearsal meets some.
