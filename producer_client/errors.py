@@ -143,6 +143,22 @@ class ShardCountMismatch(MiliError):
         self.stored = stored
 
 
+class InvalidShardCount(MiliError):
+    """The queue's stored shard count (the field `shards` of its scheduler hash, which producers
+    may write) is not a count MILI writes: nothing is enqueued or read until an operator fixes it."""
+
+    code = "invalid_shard_count"
+
+    def __init__(self, queue: str, stored: object, most: int):
+        super().__init__(
+            f"queue {queue!r} has {stored!r} as its shard count, not an integer from 1 to {most}: set the "
+            "field `shards` of its scheduler hash right, or delete it on an empty queue "
+            "(docs/operating-the-queue.md)"
+        )
+        self.queue = queue
+        self.stored = stored
+
+
 class UnknownAdapter(MiliError):
     """A job names a LoRA adapter that no worker of its queue serves (the producer knows it from
     the heartbeats), or that the worker it reached does not serve. OpenAI's code for an unknown

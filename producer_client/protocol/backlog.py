@@ -110,8 +110,9 @@ def read_queue_streams(keys: Keys, queue: str) -> Steps[tuple[list[str], list[Qu
         )
     )
     shards = [members]
-    if parse_count(count) > 1:
-        others = [keys.lane_streams(keys.shard(queue, i)) for i in range(1, parse_count(count))]
+    shard_count = parse_count(queue, count)
+    if shard_count > 1:
+        others = [keys.lane_streams(keys.shard(queue, i)) for i in range(1, shard_count)]
         shards += checked((yield lambda pipe: [pipe.smembers(key) for key in others]))
     return names, queue_streams(keys, queue, shards, names)
 

@@ -8,6 +8,8 @@ import enum
 from dataclasses import dataclass
 from typing import TypeVar
 
+from producer_client.keys import PROTOCOL_VERSION
+
 E = TypeVar("E", bound=enum.Enum)
 
 
@@ -16,7 +18,7 @@ class UnknownReply(Exception):
     version, or a bug): the job concerned fails with code internal_error."""
 
     def __init__(self, script: str, reply: object):
-        super().__init__(f"{script} answered {reply!r}, which protocol v1 does not define")
+        super().__init__(f"{script} answered {reply!r}, which protocol v{PROTOCOL_VERSION} does not define")
 
 
 class ClaimOutcome(str, enum.Enum):

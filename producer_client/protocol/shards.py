@@ -13,7 +13,7 @@ import time
 import zlib
 from typing import Any, Literal
 
-from producer_client.errors import InvalidArgument, ShardCountMismatch
+from producer_client.errors import InvalidArgument, InvalidShardCount, ShardCountMismatch
 from producer_client.keys import MAX_SHARDS, SHARDS_FIELD, Keys
 from producer_client.steps import Steps, checked
 
@@ -35,9 +35,15 @@ def shard_names(queue: str, count: int) -> list[str]:
     return [Keys.shard(queue, i) for i in range(count)]
 
 
-def parse_count(reply: str | bytes | None) -> int:
-    """The stored count (HGET's reply); absent: 1."""
-    return 1 if reply is None else int(reply)
+def parse_count(queue: str, reply: str | bytes | None) -> int:
+    """The stored count (HGET's reply); absent: 1. Anything else than a count (the field is in a hash
+    producers may write) raises InvalidShardCount."""
+    if reply is None:
+        return 1
+    text = reply.decode(errors="replace") if isinstance(reply, bytes) else reply
+    if not text.isdigit() or not 1 <= int(text) <= MAX_SHARDS:
+        raise InvalidShardCount(queue, text, MAX_SHARDS)
+    return int(text)
 
 
 def agree(keys: Keys, queue: str, count: int) -> Steps[int]:
@@ -45,15 +51,15 @@ def agree(keys: Keys, queue: str, count: int) -> Steps[int]:
     returns it; raises ShardCountMismatch if another count is stored. One round trip."""
     key = keys.scheduler(queue)
     _, stored = checked((yield lambda pipe: (pipe.hsetnx(key, SHARDS_FIELD, count), pipe.hget(key, SHARDS_FIELD))))
-    if parse_count(stored) != count:
-        raise ShardCountMismatch(queue, count, parse_count(stored))
+    if parse_count(queue, stored) != count:
+        raise ShardCountMismatch(queue, count, parse_count(queue, stored))
     return count
 
 
 def stored_count(keys: Keys, queue: str) -> Steps[int]:
     """The queue's shard count (1 when none is stored)."""
     (stored,) = checked((yield lambda pipe: pipe.hget(keys.scheduler(queue), SHARDS_FIELD)))
-    return parse_count(stored)
+    return parse_count(queue, stored)
 
 
 def serving_count(keys: Keys, queue: str, asked: int | None) -> Steps[int]:

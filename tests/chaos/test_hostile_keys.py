@@ -74,7 +74,7 @@ CASES = [
     (plant_recorded_tokens_without_events, "invalid_job"),
     (plant_events_no_run_wrote, "invalid_job"),
     (plant_token_ids_out_of_range, "invalid_job"),
-    (plant_unreadable_token_count, "internal_error"),  # CLAIM answers what v1 does not define
+    (plant_unreadable_token_count, "internal_error"),  # CLAIM answers what the protocol does not define
     (plant_unreadable_deadline, "internal_error"),
 ]
 

@@ -16,7 +16,7 @@ from harness.echo_workers import GatedWorker, outcome_count, serving
 from harness.polling import eventually
 from producer_client import Client, JobFailed
 from producer_client.connection import connect
-from producer_client.errors import InvalidArgument, ShardCountMismatch
+from producer_client.errors import InvalidArgument, InvalidShardCount, ShardCountMismatch
 from producer_client.keys import GROUP, SHARDS_FIELD, Keys
 from producer_client.protocol.backlog import entry_stream, reference_parts, shard_parts, shard_ref
 from producer_client.protocol.shards import shard_of
@@ -128,6 +128,26 @@ def test_a_count_other_than_the_queues_is_refused_before_anything_is_enqueued(re
     assert sum(redis_client.xlen(s) for s in shard_streams(queue)) == 1
     with pytest.raises(ShardCountMismatch):
         with serving(redis_server.url, queue, queue_shards=2):
+            pass
+
+
+@pytest.mark.parametrize("stored", ["x", "0", "-2", "65", "3.0", ""])
+def test_a_stored_count_that_is_no_count_is_a_typed_error_for_every_reader(redis_server, redis_client, queue, stored):
+    # Producers may write the queue's scheduler hash, so its `shards` field may hold anything.
+    redis_client.hset(Keys().scheduler(queue), SHARDS_FIELD, stored)
+    jobs_before = job_count(redis_client)
+    with Client(redis_server.url, queue, queue_shards=SHARDS) as client:
+        with pytest.raises(InvalidShardCount) as e:
+            client.submit("x", max_tokens=1)
+        assert (e.value.queue, e.value.stored, e.value.code) == (queue, stored, "invalid_shard_count")
+        with pytest.raises(InvalidShardCount):
+            client.queue_stats()
+    with Client(redis_server.url, queue, queue_shards="auto") as auto:
+        with pytest.raises(InvalidShardCount):
+            auto.submit("y", max_tokens=1)
+    assert job_count(redis_client) == jobs_before
+    with pytest.raises(InvalidShardCount):
+        with serving(redis_server.url, queue):
             pass
 
 
