@@ -164,3 +164,11 @@ def is_cluster(client: object) -> TypeIs[Cluster | AsyncCluster]:
     """Whether `client` is a cluster's (producer_client.connection makes every one a Cluster or an
     AsyncCluster)."""
     return isinstance(client, (Cluster, AsyncCluster))
+
+
+def master_count(client: SyncRedis) -> int:
+    """How many masters serve the slots `client` writes to: a cluster's, as of the topology it read
+    last (redis-py reads CLUSTER SLOTS, so a master that serves no slot is not one); one server's, or
+    a sentinel's master, 1. No round trip."""
+    # RedisCluster's, by its class, for mypy's untyped_calls_exclude (see Cluster.execute_command).
+    return len(RedisCluster.get_primaries(client)) if is_cluster(client) else 1

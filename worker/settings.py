@@ -9,7 +9,7 @@ import argparse
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -17,6 +17,7 @@ from pydantic_settings import SettingsConfigDict
 from producer_client.connection import parse_url
 from producer_client.errors import InvalidArgument
 from producer_client.keys import DEFAULT_PREFIX, MAX_SHARDS, check_name
+from producer_client.protocol.shards import check_count_or_auto
 from producer_client.schema import MAX_BODY_BYTES, MAX_TOKENS_LIMIT
 from producer_client.settings import TomlSettings
 from worker.engine.settings import EngineSettings
@@ -114,13 +115,13 @@ class WorkerSettings(TomlSettings):
         le=2000,
         description="with placement on a cluster (where its own stream and the shared one lie on different nodes), an idle worker's longest block on the shared stream: how long a job placed on it may wait",
     )
-    queue_shards: int | None = Field(
+    queue_shards: int | Literal["auto"] | None = Field(
         None,
-        ge=1,
-        le=MAX_SHARDS,
-        description="spread the queue over this many shards, each under a hash tag of its own (docs/architecture.md, "
+        description=f"spread the queue over this many shards (1-{MAX_SHARDS}), each under a hash tag of its own (docs/architecture.md, "
         '"A queue over several shards"); the queue\'s first worker or producer that names a count stores it, and a '
-        "worker that names another refuses to start; unset: the count the queue has (1 if none)",
+        "worker that names another refuses to start; auto: the count the queue has, or if it has none the Redis "
+        "Cluster's number of masters (1 on one server or Sentinel) stored as its count; unset: the count the queue has "
+        "(1 if none)",
     )
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1, description="larger job bodies fail with body_too_large")
     max_tokens_limit: int = Field(MAX_TOKENS_LIMIT, ge=1, description="larger max_tokens fail with invalid_argument")
@@ -145,6 +146,14 @@ class WorkerSettings(TomlSettings):
         if value != "embedded":
             parse_url(value)
         return value
+
+    @field_validator("queue_shards", mode="before")
+    @classmethod
+    def _a_shard_count(cls, value: Any) -> int | str | None:
+        # A flag's or a variable's value is text: "3" is the count 3.
+        if isinstance(value, str) and value.isascii() and value.isdigit():
+            value = int(value)
+        return None if value is None else check_count_or_auto("queue_shards", value)
 
     @field_validator("queue", "prefix", "name")
     @classmethod
@@ -223,7 +232,7 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
                 flag,
                 type=kind,
                 default=argparse.SUPPRESS,
-                metavar=kind.__name__.upper(),
+                metavar=_metavar(field.annotation),
                 help=field.description,
             )
 
@@ -247,8 +256,22 @@ def _flag_fields():
     yield from EngineSettings.model_fields.items()
 
 
+def _metavar(annotation: Any) -> str:
+    """INT for `int | None`; INT|auto for `int | Literal["auto"] | None`."""
+    kinds = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    if not kinds:
+        return str(annotation.__name__).upper()
+    return "|".join(
+        "|".join(typing.get_args(a)) if typing.get_origin(a) is typing.Literal else a.__name__.upper()
+        for a in kinds
+        if a is not type(None)
+    )
+
+
 def _scalar_type(annotation: Any) -> type:
-    """int for `int | None`, and so on: flags cannot say None, leaving a setting out does."""
+    """int for `int | None`, and so on: flags cannot say None, leaving a setting out does. A union
+    of several kinds (`int | Literal["auto"]`) is given as text, which the setting's validator reads."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return next(a for a in typing.get_args(annotation) if a is not type(None))
+        kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return kinds[0] if len(kinds) == 1 else str
     return annotation

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import time
 import zlib
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from producer_client.errors import InvalidArgument, InvalidShardCount, ShardCountMismatch
 from producer_client.keys import MAX_SHARDS, SHARDS_FIELD, Keys
 from producer_client.steps import Steps, checked
+
+# A producer's count: each queue's own, as stored, read every AUTO_REFRESH_S. A worker's: the
+# queue's stored count, or the cluster's count of masters stored first (serving_count).
+AUTO: Final = "auto"
 
 
 def check_shards(field: str, value: Any) -> int:
@@ -23,6 +27,16 @@ def check_shards(field: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SHARDS:
         raise InvalidArgument(field, f"must be an integer from 1 to {MAX_SHARDS}")
     return value
+
+
+def check_count_or_auto(field: str, value: Any) -> int | Literal["auto"]:
+    """`value` if it is AUTO or can be a queue's shard count, else InvalidArgument."""
+    if isinstance(value, str) and value == AUTO:
+        return AUTO
+    try:
+        return check_shards(field, value)
+    except InvalidArgument:
+        raise InvalidArgument(field, f"must be an integer from 1 to {MAX_SHARDS}, or {AUTO!r}") from None
 
 
 def shard_of(job_id: str, count: int) -> int:
@@ -46,13 +60,20 @@ def parse_count(queue: str, reply: str | bytes | None) -> int:
     return int(text)
 
 
+def stored_or_written(keys: Keys, queue: str, count: int) -> Steps[int]:
+    """The queue's stored count, after writing `count` as that count if none is stored yet (first
+    writer wins). One round trip."""
+    key = keys.scheduler(queue)
+    _, stored = checked((yield lambda pipe: (pipe.hsetnx(key, SHARDS_FIELD, count), pipe.hget(key, SHARDS_FIELD))))
+    return parse_count(queue, stored)
+
+
 def agree(keys: Keys, queue: str, count: int) -> Steps[int]:
     """Writes `count` as the queue's shard count if none is stored yet (first writer wins) and
     returns it; raises ShardCountMismatch if another count is stored. One round trip."""
-    key = keys.scheduler(queue)
-    _, stored = checked((yield lambda pipe: (pipe.hsetnx(key, SHARDS_FIELD, count), pipe.hget(key, SHARDS_FIELD))))
-    if parse_count(queue, stored) != count:
-        raise ShardCountMismatch(queue, count, parse_count(queue, stored))
+    stored = yield from stored_or_written(keys, queue, count)
+    if stored != count:
+        raise ShardCountMismatch(queue, count, stored)
     return count
 
 
@@ -62,13 +83,18 @@ def stored_count(keys: Keys, queue: str) -> Steps[int]:
     return parse_count(queue, stored)
 
 
-def serving_count(keys: Keys, queue: str, asked: int | None) -> Steps[int]:
-    """How many shards a worker reads: `asked` once agreed (agree), or with None the queue's
-    stored count (1 when none is stored), so that a worker started without one reads them all."""
-    return (yield from stored_count(keys, queue)) if asked is None else (yield from agree(keys, queue, asked))
+def serving_count(keys: Keys, queue: str, asked: int | Literal["auto"] | None, masters: int) -> Steps[int]:
+    """How many shards a worker reads: `asked` once agreed (agree); with None the queue's stored
+    count (1 when none is stored), so that a worker started without one reads them all; with AUTO
+    the stored count too, after storing `masters` (the cluster's, at most MAX_SHARDS) if none was:
+    a count stored already wins, as "auto" names none that could disagree."""
+    if isinstance(asked, int):
+        return (yield from agree(keys, queue, asked))
+    if asked is None:
+        return (yield from stored_count(keys, queue))
+    return (yield from stored_or_written(keys, queue, min(masters, MAX_SHARDS)))
 
 
-AUTO = "auto"  # a producer's count: each queue's own, as stored, read every AUTO_REFRESH_S
 # How stale an "auto" producer's copy of a queue's count may be: a queue that gets a count after
 # the producer read none is spread within this long (its jobs meanwhile go to shard 0, still read).
 AUTO_REFRESH_S = 10.0
@@ -79,11 +105,9 @@ class QueueShards:
     on_queue shares it), or AUTO, each queue's stored count, read again every AUTO_REFRESH_S."""
 
     def __init__(self, count: int | Literal["auto"] = 1):
-        self.auto = count == AUTO
-        try:
-            self.count = 1 if self.auto else check_shards("queue_shards", count)
-        except InvalidArgument:
-            raise InvalidArgument("queue_shards", f"must be an integer from 1 to {MAX_SHARDS}, or {AUTO!r}") from None
+        checked = check_count_or_auto("queue_shards", count)
+        self.auto = not isinstance(checked, int)
+        self.count = checked if isinstance(checked, int) else 1
         self.spreads = self.auto or self.count > 1  # whether any job may go past shard 0
         self.counts: dict[str, tuple[int, float]] = {}  # queue -> (its count, when it was read)
 

@@ -15,14 +15,17 @@ import pytest
 from harness.echo_workers import GatedWorker, outcome_count, serving
 from harness.polling import eventually
 from producer_client import Client, JobFailed
+from producer_client.cluster import master_count
 from producer_client.connection import connect
 from producer_client.errors import InvalidArgument, InvalidShardCount, ShardCountMismatch
 from producer_client.keys import GROUP, SHARDS_FIELD, Keys
 from producer_client.protocol.backlog import entry_stream, reference_parts, shard_parts, shard_ref
 from producer_client.protocol.shards import shard_of
 from tests.support.jobs import assert_one_final_result, job_count
+from worker.__main__ import build_parser
+from worker.__main__ import main as worker_main
 from worker.loop.queue import split_rooms
-from worker.settings import WorkerSettings
+from worker.settings import WorkerSettings, settings_from_args
 
 pytestmark = pytest.mark.waits
 
@@ -80,9 +83,13 @@ def test_rooms_shared_over_shards_sum_to_the_rooms_and_still_shrink_by_lane(room
 # -- one shard: today's protocol -------------------------------------------------------------------
 
 
-def test_one_shard_uses_exactly_todays_keys(redis_server, redis_client, queue):
+@pytest.mark.parametrize(("asked", "stored"), [(None, None), ("auto", "1")])
+def test_one_shard_uses_exactly_todays_keys(redis_server, redis_client, queue, asked, stored):
+    """Also with a worker's "auto" on one server: one master, so the count 1, stored."""
     tenant = f"t{uuid.uuid4().hex[:6]}"
-    with Client(redis_server.url, queue) as client, serving(redis_server.url, queue, name=f"w-{queue}"):
+    worker = serving(redis_server.url, queue, name=f"w-{queue}", queue_shards=asked)
+    with Client(redis_server.url, queue) as client, worker as w:
+        assert w.queue.shard_names == [queue]
         ids = [client.submit("plain", max_tokens=2), client.as_tenant(tenant).submit("lane", service_tier="flex")]
         assert [client.result(job_id, timeout=10).status for job_id in ids] == ["done", "done"]
     # The lane's sorted set went when its one tenant's stream was read to the end.
@@ -96,20 +103,55 @@ def test_one_shard_uses_exactly_todays_keys(redis_server, redis_client, queue):
         f"mili:streams:{{{queue}}}",
         f"mili:workers:{{{queue}}}",
     ]
-    assert redis_client.hget(KEYS.scheduler(queue), SHARDS_FIELD) is None
+    assert redis_client.hget(KEYS.scheduler(queue), SHARDS_FIELD) == stored
+
+
+def test_a_stored_count_wins_over_a_workers_auto(redis_server, redis_client, queue):
+    with Client(redis_server.url, queue, queue_shards=SHARDS) as client:
+        ids = [client.submit(f"job {i}", max_tokens=5) for i in range(12)]
+        assert len(ids_by_shard(ids)) == SHARDS
+        with serving(redis_server.url, queue, queue_shards="auto") as worker:
+            assert worker.queue.shard_names == [KEYS.shard(queue, i) for i in range(SHARDS)]
+            assert [client.result(job_id, timeout=10).text for job_id in ids] == [f"job {i}"[:5] for i in range(12)]
+    assert redis_client.hget(KEYS.scheduler(queue), SHARDS_FIELD) == str(SHARDS)
+
+
+def test_the_count_of_masters_is_one_but_on_a_cluster(redis_server, redis_cluster):
+    with connect(redis_server.url) as one, connect("redis+sentinel://127.0.0.1:1/mymaster") as sentinel:
+        assert (master_count(one), master_count(sentinel)) == (1, 1)  # neither asks Redis
+    cluster = connect(redis_cluster.url)
+    assert master_count(cluster) == 3
+    cluster.close()
 
 
 # -- counts that do not agree ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("count", [0, -1, 65, True, 2.0, "3"])
+@pytest.mark.parametrize("count", [0, -1, 65, True, 2.0, "3", "automatic", "0", "", None])
 def test_a_bad_shard_count_is_refused_by_the_client_and_the_worker(count):
     with pytest.raises(InvalidArgument) as e:
         Client("redis://localhost:1", "q", queue_shards=count)
     assert e.value.field == "queue_shards"
-    if not isinstance(count, bool | str | float):
-        with pytest.raises(ValueError, match="queue_shards"):
+    if count not in ("3", None):  # the worker's settings read a flag's text "3" as 3; None is unset
+        with pytest.raises(InvalidArgument, match="^queue_shards: must be an integer from 1 to 64, or 'auto'$"):
             WorkerSettings(queue_shards=count)
+
+
+@pytest.mark.parametrize("flag", ["automatic", "0", "65", "3.0"])
+def test_a_bad_shard_count_flag_stops_the_worker_before_it_reaches_redis(flag, capsys):
+    # Port 1: a worker that got as far as Redis would wait for it, with backoff.
+    assert worker_main(["serve", "--redis", "redis://127.0.0.1:1", "--queue-shards", flag]) == 2
+    assert (
+        capsys.readouterr().err == "error: invalid_argument: queue_shards: must be an integer from 1 to 64, or 'auto'\n"
+    )
+
+
+def test_a_shard_count_flag_takes_a_number_or_auto():
+    parser = build_parser()
+    for flag, count in [("3", 3), ("auto", "auto")]:
+        args = parser.parse_args(["serve", "--queue-shards", flag])
+        assert settings_from_args(args).queue_shards == count
+    assert settings_from_args(parser.parse_args(["serve"])).queue_shards is None
 
 
 def test_a_count_other_than_the_queues_is_refused_before_anything_is_enqueued(redis_server, redis_client, queue):
@@ -293,6 +335,29 @@ def test_on_a_cluster_the_shards_lie_on_every_master_and_each_job_is_served_once
         for job_id in ids:
             assert_one_final_result(admin, job_id)
         assert client.queue_stats().depth == 0
+    admin.close()
+
+
+def test_on_a_cluster_a_workers_auto_stores_its_masters_and_auto_producers_spread_over_them(redis_cluster):
+    with Client(redis_cluster.url, "probe") as probe:
+        queue = spread_queue(probe)
+    admin = connect(redis_cluster.url, decode_responses=True)
+    with serving(redis_cluster.url, queue, queue_shards="auto") as first:
+        assert len(first.queue.shard_names) == SHARDS
+    assert admin.hget(KEYS.scheduler(queue), SHARDS_FIELD) == str(SHARDS)
+    with Client(redis_cluster.url, queue, queue_shards="auto") as client:
+        ids = client.submit_many([{"prompt": f"many {i}", "max_tokens": 8} for i in range(45)])
+        ids += [client.submit(f"one {i}", max_tokens=8) for i in range(3)]
+        # Before a worker serves them: each waits in its id's shard, and 48 ids leave none empty.
+        for shard, job_ids in ids_by_shard(ids).items():
+            assert sorted(f["id"] for _, f in admin.xrange(shard_streams(queue)[shard])) == sorted(job_ids)
+        assert len(ids_by_shard(ids)) == SHARDS
+        with serving(redis_cluster.url, queue, queue_shards="auto", name=f"s-{queue}") as worker:
+            results = [client.result(job_id, timeout=30) for job_id in ids]
+    texts = [f"many {i}"[:8] for i in range(45)] + [f"one {i}"[:8] for i in range(3)]
+    assert [(r.text, r.worker) for r in results] == [(text, worker.name) for text in texts]
+    for job_id in ids:
+        assert_one_final_result(admin, job_id)
     admin.close()
 
 

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import redis
 
 from producer_client import steps
-from producer_client.cluster import SyncRedis
+from producer_client.cluster import SyncRedis, master_count
 from producer_client.connection import is_fatal
 from producer_client.keys import Keys
 from producer_client.protocol.replication import Replication
@@ -88,7 +88,7 @@ class Worker:
         self.clock = clock
         replication = Replication(settings.wait_replicas, settings.wait_timeout_ms)
         keys = Keys(settings.prefix)
-        shards = steps.run(client, serving_count(keys, settings.queue, settings.queue_shards))
+        shards = steps.run(client, serving_count(keys, settings.queue, settings.queue_shards, master_count(client)))
         self.queue = WorkerQueue(
             client,
             keys,
