@@ -1,13 +1,14 @@
-"""A queue spread over shards on a 3-master Redis Cluster on loopback (docs/architecture.md, "A
-queue over several shards"): how its Redis CPU divides among the masters, and jobs/s, with one
-shard and with three, in alternating rounds (the machine may be shared: each round runs both).
+"""A queue spread over shards on a Redis Cluster of M masters on loopback (`--masters`, 3 or 6,
+each with a replica; docs/architecture.md, "A queue over several shards"): how its Redis CPU
+divides among the masters, and jobs/s, with one shard and with M, in alternating rounds (the
+machine may be shared: each round runs both).
 
-Each run takes a fresh queue (with three shards, one whose shards' tags lie on three different
-masters), starts echo workers (`--model echo`, `--queue-shards N`), warms them up, then one
-producer sends `--jobs` one-token jobs with submit_many (queue_shards=N), which the workers run
-meanwhile, and collects their results with as_completed; the window runs from the first submit to
-the last result. Per master: used_cpu_sys + used_cpu_user (INFO cpu) over the window; the busiest master's
-share of the three is the figure (a job's own keys, `mili:job:{id}`, spread over every master
+Each run takes a fresh queue (with M shards, one whose shards' tags lie on M different masters),
+starts echo workers (`--model echo`, `--queue-shards N`), warms them up, then one producer sends
+`--jobs` one-token jobs with submit_many (queue_shards=N), which the workers run meanwhile, and
+collects their results with as_completed; the window runs from the first submit to the last
+result. Per master: used_cpu_sys + used_cpu_user (INFO cpu) over the window; the busiest master's
+share of the M is the figure (a job's own keys, `mili:job:{id}`, spread over every master
 whatever N: what N moves is the queue's keys).
 
 With --fair-jobs J it measures the fair shares instead, on one embedded redis-server: tenant
@@ -16,7 +17,7 @@ shards, then one echo worker (16 jobs at a time) starts there; each tenant's sha
 started while both had work waiting, N = 1 and N = 3 in alternating rounds. With jobs spread by a
 hash the shares hold per shard, and across shards in expectation.
 
-    python -m bench.shards [--rounds 3 --jobs 6000 --workers 3]
+    python -m bench.shards [--masters 3 --rounds 3 --jobs 6000 --workers 3]
     python -m bench.shards --fair-jobs 1000 [--rounds 3]
 """
 
@@ -43,20 +44,28 @@ def main() -> None:
         fair_main(args)
         return
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
-    print(f"{args.jobs} one-token echo jobs per run, {args.workers} echo workers, {args.rounds} rounds of N = 1, 3\n")
+    counts = (1, args.masters)
+    print(
+        f"{args.masters} masters (a replica each), {args.jobs} one-token echo jobs per run, {args.workers} echo "
+        f"workers, {args.rounds} rounds of N = {counts[0]}, {counts[1]}\n"
+    )
     rows = []
-    with tempfile.TemporaryDirectory(prefix="mili-bench-shards-") as root, LocalCluster(Path(root)) as cluster:
+    with (
+        tempfile.TemporaryDirectory(prefix="mili-bench-shards-") as root,
+        LocalCluster(Path(root), masters=args.masters) as cluster,
+    ):
         for round_ in range(1, args.rounds + 1):
-            for shards in (1, 3):
+            for shards in counts:
                 jobs_s, shares = run(cluster.url, shards, args)
                 rows.append((round_, shards, jobs_s, shares))
                 print(
                     f"round {round_}, N = {shards}: {jobs_s:,.0f} jobs/s; masters' share of Redis CPU "
                     + " / ".join(f"{s:.0%}" for s in shares)
-                    + f"; busiest {max(shares):.0%}",
+                    + f"; busiest {max(shares):.0%}"
+                    + f"; load average {os.getloadavg()[0]:.2f}",
                     flush=True,
                 )
-    for shards in (1, 3):
+    for shards in counts:
         mine = [r for r in rows if r[1] == shards]
         print(
             f"N = {shards}: busiest master {min(max(r[3]) for r in mine):.0%}-{max(max(r[3]) for r in mine):.0%}, "
@@ -67,6 +76,7 @@ def main() -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--masters", type=int, choices=(3, 6), default=3, help="the cluster's masters, M")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=6000)
     parser.add_argument("--workers", type=int, default=3)

@@ -139,10 +139,11 @@ def _in_sync(c: redis.Redis) -> bool:
 
 
 class LocalCluster(Deployment):
-    """Three masters and three replicas. `node_timeout_ms`: how long a master may be unreachable
-    before the others count it as failed and its replica is promoted."""
+    """`masters` masters (three unless told) and a replica of each. `node_timeout_ms`: how long a
+    master may be unreachable before the others count it as failed and its replica is promoted."""
 
-    def __init__(self, root: Path, node_timeout_ms: int = 2000):
+    def __init__(self, root: Path, node_timeout_ms: int = 2000, masters: int = 3):
+        self.masters = masters
         self.nodes = [
             ServerProcess(
                 root / f"node{i}",
@@ -155,7 +156,7 @@ class LocalCluster(Deployment):
                 "--cluster-port",
                 str(free_port()),
             )
-            for i in range(6)
+            for i in range(2 * masters)
         ]
 
     @property
@@ -191,7 +192,7 @@ class LocalCluster(Deployment):
         return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Until every live node says the cluster is ok, with three masters that all nodes agree on,
+        """Until every live node says the cluster is ok, with its masters, that all nodes agree on,
         and every replica has synced with its master: a replica that has not may not take over
         (a test kills a master seconds after the cluster is made)."""
 
@@ -202,7 +203,7 @@ class LocalCluster(Deployment):
                     if c.cluster("INFO")["cluster_state"] != "ok" or not _in_sync(c):
                         return False
                     views.add(tuple(sorted(self._masters_seen_by(c))))
-            return len(views) == 1 and len(next(iter(views))) == 3
+            return len(views) == 1 and len(next(iter(views))) == self.masters
 
         assert eventually(healthy, timeout, PROBE_INTERVAL_S), f"the cluster did not settle in {timeout:g}s"
 
