@@ -54,6 +54,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
+def shard_count(text: str) -> int | str:
+    """`--queue-shards` (or MILI_QUEUE_SHARDS, which a worker beside it may read as "auto"): a count
+    as a number, anything else as given, for the client to accept ("auto") or refuse with
+    invalid_argument, rather than a traceback from int()."""
+    return int(text) if text.isascii() and text.isdigit() else text
+
+
 def reader_left() -> int:
     """stdout's reader closed it (`mili workers | head`): end quietly, as a Unix tool that SIGPIPE
     ends, with its exit status (128 + SIGPIPE). What is left to flush goes nowhere."""
@@ -89,10 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--queue-shards",
-        metavar="N",
-        type=int,
-        default=int(os.environ.get("MILI_QUEUE_SHARDS", "1")),
-        help="spread submitted jobs over the queue's N shards; N must be the queue's count (env MILI_QUEUE_SHARDS, 1)",
+        metavar="N|auto",
+        type=shard_count,
+        default=shard_count(os.environ.get("MILI_QUEUE_SHARDS", "1")),
+        help="spread submitted jobs over the queue's N shards; N must be the queue's count; auto: the count the "
+        "queue has (env MILI_QUEUE_SHARDS, 1)",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     client_commands.add_commands(commands)

@@ -12,6 +12,8 @@ from contextlib import ExitStack
 
 import pytest
 
+from cli.__main__ import build_parser as mili_parser
+from cli.__main__ import main as mili_main
 from harness.echo_workers import GatedWorker, outcome_count, serving
 from harness.polling import eventually
 from producer_client import Client, JobFailed
@@ -141,6 +143,20 @@ def test_a_bad_shard_count_is_refused_by_the_client_and_the_worker(count):
 def test_a_bad_shard_count_flag_stops_the_worker_before_it_reaches_redis(flag, capsys):
     # Port 1: a worker that got as far as Redis would wait for it, with backoff.
     assert worker_main(["serve", "--redis", "redis://127.0.0.1:1", "--queue-shards", flag]) == 2
+    assert (
+        capsys.readouterr().err == "error: invalid_argument: queue_shards: must be an integer from 1 to 64, or 'auto'\n"
+    )
+
+
+def test_mili_takes_the_workers_auto_and_refuses_a_bad_count_with_invalid_argument(
+    redis_server, queue, monkeypatch, capsys
+):
+    # MILI_QUEUE_SHARDS is the worker's variable too: "auto" there must not break `mili` beside it.
+    monkeypatch.setenv("MILI_QUEUE_SHARDS", "auto")
+    assert mili_main(["--redis", redis_server.url, "--queue", queue, "stats"]) == 0
+    assert mili_parser().parse_args(["--queue-shards", "3", "stats"]).queue_shards == 3
+    capsys.readouterr()
+    assert mili_main(["--redis", redis_server.url, "--queue", queue, "--queue-shards", "automatic", "stats"]) == 1
     assert (
         capsys.readouterr().err == "error: invalid_argument: queue_shards: must be an integer from 1 to 64, or 'auto'\n"
     )
