@@ -3,7 +3,8 @@ real redis-server with echo workers in this process: one shard is today's keys a
 with three, jobs spread over the shards by their ids, several workers serve each exactly once, a
 killed worker's jobs are reclaimed in their shards, stats and dead letters cover every shard, a
 producer that names no count is still served, and a bad or mismatched count is refused before
-anything is enqueued; and on the session's 3-master cluster, the shards on every master."""
+anything is enqueued; a worker's "auto" stores 1 on one server and yields to a stored count; and on
+the session's 3-master cluster, the shards on every master, and "auto" stores 3 and spreads over them."""
 
 from __future__ import annotations
 
