@@ -157,17 +157,24 @@ def flush_after_loads(monkeypatch, redis_client, times: int) -> list:
 
 
 def test_a_submit_whose_scripts_are_lost_again_after_each_reload_enqueues_once(
-    client,
-    redis_client,
+    client_kind,
     queue,
     monkeypatch,
 ):
-    left = flush_after_loads(monkeypatch, redis_client, execution.SCRIPT_RELOADS - 1)
-    redis_client.script_flush()
-    job_id = client.submit("hello", max_tokens=4)  # CREATE and ENQUEUE meet NOSCRIPT three times
-    assert left == []
-    assert [f["id"] for _, f in redis_client.xrange(Keys().queue(queue))] == [job_id]
-    assert client.status(job_id).status == "queued"
+    # A server of its own, as below: on the session's, another process's client (a gateway or a
+    # worker another module started) loaded the scripts between the flush and the submit once, and
+    # the submit met no NOSCRIPT at all.
+    with EmbeddedRedis(port=free_port()) as server, redis.Redis.from_url(server.url, decode_responses=True) as admin:
+        client = make_client(client_kind, server.url, queue)
+        try:
+            left = flush_after_loads(monkeypatch, admin, execution.SCRIPT_RELOADS - 1)
+            admin.script_flush()
+            job_id = client.submit("hello", max_tokens=4)  # CREATE and ENQUEUE meet NOSCRIPT three times
+            assert left == []
+            assert [f["id"] for _, f in admin.xrange(Keys().queue(queue))] == [job_id]
+            assert client.status(job_id).status == "queued"
+        finally:
+            client.close()
 
 
 def test_a_server_that_loses_the_scripts_at_every_reload_fails_the_submit_and_enqueues_nothing(
