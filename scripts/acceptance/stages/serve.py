@@ -1,11 +1,12 @@
 """serve: the nano-vllm workload through Redis (the bundle's redis-server) to one worker process on
-the GPU, against the offline engine in the same run: throughput share, TTFT and TPOT."""
+the GPU, against the offline engine in the same run: throughput share, TTFT and TPOT; and a
+priority job's time to first token behind another tenant's full batch."""
 
 from scripts.acceptance.step import Figure, Stage, script
 
 STAGE = Stage(
     "serve",
-    "the nano-vllm workload through the queue: share of offline, TTFT and TPOT p50/p99",
+    "the nano-vllm workload through the queue: share of offline, TTFT and TPOT p50/p99; priority's TTFT",
     (
         script(
             "smoke",
@@ -89,6 +90,21 @@ STAGE = Stage(
                 Figure("share of offline, streamed, %", r"= ([\d.]+)% of offline", ">= 90"),
                 Figure("TTFT p50 streamed, ms", r"^TTFT: p50 ([\d,.]+) ms"),
                 Figure("TPOT p99 streamed, ms", r"^TPOT: .*p99 ([\d,.]+) ms"),
+            ),
+        ),
+        script(
+            "priority-ttft",
+            "a priority job's time to first token with every slot held by another tenant's long jobs, "
+            "beside the engine idle (issue 42: the engine preempts a lower lane's job for it)",
+            ("-m", "bench.tenants", "--ttft", "--ttft-model", "qwen3-0.6b", "--ttft-running", "256"),
+            ("-m", "bench.tenants", "--ttft", "--ttft-probes", "3", "--ttft-rounds", "1", "--ttft-running", "2"),
+            timeout_s=300,
+            figures=(
+                Figure(
+                    "priority TTFT p99, engine full / idle",
+                    r"^priority TTFT p99, engine full / idle: worst round ([\d.]+)x",
+                    "<= 1.5",
+                ),
             ),
         ),
     ),
