@@ -1,8 +1,9 @@
 """kill -9 one of two workers while it generates 20 greedy jobs on the tiny model: every job
 completes with exactly one final result and the output a fault-free run gives, and the event
 streams show that no token recorded before the kill was generated again: the surviving worker
-resumed each job right after the tokens the dead one had published. On one server and on a
-cluster (the queue on one shard, the jobs on all: XAUTOCLAIM recovers across shards); Sentinel's
+resumed each job right after the tokens the dead one had published. On one server, and on a
+cluster with the queue spread over three shards, one on each master (`--queue-shards 3`: the
+survivor reclaims the victim's entries in every shard, the jobs' keys on every master); Sentinel's
 master is one server to the workers."""
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import uuid
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
+from redis.cluster import RedisCluster
 
 from harness.polling import eventually
 from producer_client import SamplingParams
 from producer_client.keys import Keys
+from producer_client.protocol.shards import shard_of
 from tests.support.clients import make_client
 from tests.support.fixtures import on_modes
 from tests.support.jobs import assert_one_final_result, queue_depth, queue_pending, runs, tokens_published
@@ -58,6 +61,20 @@ def fault_free():
     return generate_alone(PROMPTS, PARAMS)
 
 
+SHARDS_ON_A_CLUSTER = 3  # the test cluster's masters
+
+
+def spread_queue(redis_client, shards: int) -> str:
+    """A fresh queue name; on a cluster, one whose shards' hash tags lie on as many masters."""
+    while True:
+        queue = f"kill-{uuid.uuid4().hex[:6]}"
+        if shards == 1:
+            return queue
+        streams = [KEYS.queue(KEYS.shard(queue, i)) for i in range(shards)]
+        if len({redis_client.get_node_from_key(stream).name for stream in streams}) == shards:
+            return queue
+
+
 def counter(worker: WorkerProcess, name: str) -> float:
     port = int(worker.heartbeat()["metrics_port"])
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -74,14 +91,17 @@ def generated_tokens(worker: WorkerProcess) -> float:
 def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(
     redis_deployment, deployment_client, fault_free, tmp_path
 ):
-    queue = f"kill-{uuid.uuid4().hex[:6]}"
-    flags = [f"--{name.replace('_', '-')}={value}" for name, value in {**ENGINE, **RECLAIM}.items()]
+    shards = SHARDS_ON_A_CLUSTER if isinstance(deployment_client, RedisCluster) else 1
+    queue = spread_queue(deployment_client, shards)
+    settings = {**ENGINE, **RECLAIM, "queue_shards": shards}
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in settings.items()]
     victim, survivor = start_workers(
         [WorkerProcess(redis_deployment.url, queue, f"{queue}-{n}", tmp_path, *flags) for n in ("victim", "survivor")]
     )
     try:
-        with make_client("sync", redis_deployment.url, queue) as client:
+        with make_client("sync", redis_deployment.url, queue, queue_shards=shards) as client:
             ids = [client.submit(p, **params) for p, params in zip(PROMPTS, PARAMS)]
+            assert len({shard_of(job_id, shards) for job_id in ids}) == shards  # entries in every shard
 
             def victim_generating() -> bool:
                 jobs = [deployment_client.hmget(KEYS.job(j), "worker", "status", "tokens") for j in ids]
@@ -93,7 +113,7 @@ def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(
             victim.process.wait()
             results = [client.result(job_id, timeout=180) for job_id in ids]
         victim_tokens = resumed_after = 0
-        recoveries = []
+        recoveries, resumed_shards = [], set()
         for job_id, result, want in zip(ids, results, fault_free):
             assert (result.status, result.finish_reason) == ("done", "length"), job_id
             assert (result.token_ids, result.text) == (want.token_ids, want.text), job_id
@@ -112,6 +132,7 @@ def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(
                 assert {start["worker"] for start, _ in earlier} == {victim.name} and last["worker"] == survivor.name
                 resumed_after += last["resumed_tokens"]
                 recoveries.append(last["at"] - killed_at)
+                resumed_shards.add(shard_of(job_id, shards))
         assert recoveries and resumed_after > 0
         # The survivor generated exactly the tokens the victim had not recorded: none twice.
         assert eventually(lambda: generated_tokens(survivor) == 32 * 20 - victim_tokens)
@@ -121,7 +142,7 @@ def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(
         print(
             f"\nkill -9: {len(recoveries)} jobs resumed after {resumed_after} recorded tokens; recovery "
             f"(kill to the survivor's start) {min(recoveries):.2f}-{max(recoveries):.2f}s with {RECLAIM}, "
-            f"heartbeat_interval_s 0.1"
+            f"heartbeat_interval_s 0.1; their shards {sorted(resumed_shards)} of {shards}"
         )
     finally:
         victim.stop()
