@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from harness.chaos_schedules import STARVED_S, ScheduleFailed, run_schedule
+from harness.chaos_schedules import SHARDS, STARVED_S, ScheduleFailed, run_schedule
 from harness.redis_servers import RestartableRedis
 
 
@@ -37,7 +37,7 @@ def main() -> int:
     server = RestartableRedis(Path(tempfile.mkdtemp(prefix="mili-chaos-"))).start()
     failed: list[int] = []
     jobs = starved = 0
-    moved = {"placed": 0, "stolen": 0, "reclaimed": 0, "laned": 0}
+    moved = {"placed": 0, "stolen": 0, "reclaimed": 0, "laned": 0, "sharded": 0}
     started = time.monotonic()
     try:
         bar = tqdm(range(first, first + args.schedules), unit="schedule", desc=f"seeds from {first}")
@@ -59,7 +59,7 @@ def main() -> int:
     print(
         f"{clean} of {args.schedules} schedules clean (seeds {first}..{first + args.schedules - 1}), "
         f"{jobs} jobs ({moved['placed']} placed on workers' own streams, {moved['stolen']} stolen, "
-        f"{moved['reclaimed']} reclaimed, {moved['laned']} of a tenant or another lane than default), {time.monotonic() - started:.0f} s; failed seeds: {failed or 'none'}; {starved} schedules "
+        f"{moved['reclaimed']} reclaimed, {moved['laned']} of a tenant or another lane than default; {moved['sharded']} schedules over {SHARDS} shards), {time.monotonic() - started:.0f} s; failed seeds: {failed or 'none'}; {starved} schedules "
         f"had a worker thread the machine left unscheduled for {STARVED_S * 1000:.0f} ms; worker log: {args.log}"
     )
     return 1 if failed else 0

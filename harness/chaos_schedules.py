@@ -28,6 +28,10 @@ then every invariant of the protocol is checked:
   - jobs were placed: a schedule that ran two workers or more at once placed some on their own
     streams (counted in the report, and checked over all schedules by test_schedules.py).
 
+Every fourth schedule (seed % 4 == 3) runs the queue over SHARDS shards (issue 43: producers spread
+jobs over them by id, workers read and reclaim every shard); the checks above then cover every
+shard's streams, lanes and keys.
+
 A failing schedule raises ScheduleFailed naming its seed: `python -m bench.chaos --seed N
 --schedules 1` runs it again. tests/chaos/test_schedules.py runs 100 of them in CI.
 """
@@ -92,6 +96,11 @@ SETTLE_TIMEOUT_S = 60.0
 # streams of no tenant or of one of two.
 TENANTS = (None, None, "ta", "tb")
 TIERS = (None, None, "priority", "flex")
+SHARDS = 3  # a sharded schedule's shards (decided by its seed, not drawn: earlier seeds keep their schedules)
+
+
+def shards_of(seed: int) -> int:
+    return SHARDS if seed % 4 == 3 else 1
 
 
 class ScheduleFailed(AssertionError):
@@ -138,6 +147,7 @@ class Run:
     troubled: set[str] = field(default_factory=set)  # killed, stalled or drained
     timers: list[threading.Timer] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
+    shards: int = 1  # the queue's
     spawned: int = 0
     laned: int = 0  # jobs submitted with a tenant or to a lane other than default
 
@@ -148,7 +158,10 @@ class Run:
 def start_worker(run: Run) -> ScheduleWorker:
     name = f"{run.prefix}-w{run.spawned}"
     run.spawned += 1
-    settings = WorkerSettings.load(None, redis=run.url, prefix=run.prefix, name=name, **SETTINGS)
+    # Unsharded, a worker names no count (it reads the stored one: none, so 1), as the schedules
+    # before sharding ran; sharded, each names it, as `--queue-shards 3` does.
+    shards = run.shards if run.shards > 1 else None
+    settings = WorkerSettings.load(None, redis=run.url, prefix=run.prefix, name=name, queue_shards=shards, **SETTINGS)
     engine = SlowEchoEngine(settings.engine, STEP_S)
     worker = ScheduleWorker(engine, connect(run.url), settings, WorkerMetrics(), name)
     run.workers.append(worker.start())
@@ -296,10 +309,10 @@ def run_schedule(seed: int, server, length: int = 24) -> dict:
     """Draw schedule `seed`, run it against `server` (a RestartableRedis), check the invariants.
     Returns counts for the report; raises ScheduleFailed naming the seed."""
     rng = random.Random(seed)
-    run = Run(seed, server.url, f"chaos{seed}", rng)
+    run = Run(seed, server.url, f"chaos{seed}", rng, shards=shards_of(seed))
     # Retried like the clients' calls: a memory window may end while Redis restarts.
     admin = redis.Redis.from_url(server.url, decode_responses=True, retry=retry_policy())
-    client = Client(server.url, QUEUE, prefix=run.prefix)
+    client = Client(server.url, QUEUE, prefix=run.prefix, queue_shards=run.shards)
     try:
         for _ in range(rng.randint(1, 3)):
             start_worker(run)
@@ -331,6 +344,7 @@ def run_schedule(seed: int, server, length: int = 24) -> dict:
             "stolen": taken(run, "stolen"),
             "reclaimed": taken(run, "reclaimed"),
             "laned": run.laned,
+            "sharded": int(run.shards > 1),
         }
     finally:
         for timer in run.timers:
@@ -408,7 +422,7 @@ def check_queue_drained(run: Run, admin: redis.Redis, keys: Keys) -> None:
 
 def check_lanes_left(run: Run, admin: redis.Redis, keys: Keys) -> None:
     """Every tenant has left its lane: READ read each stream to its end."""
-    lanes = [keys.lane(QUEUE, lane) for lane in LANES]
+    lanes = [keys.lane(shard, lane) for shard in shard_names(run) for lane in LANES]
 
     def idle() -> bool:
         return not any(admin.zcard(lane) for lane in lanes)
@@ -418,9 +432,16 @@ def check_lanes_left(run: Run, admin: redis.Redis, keys: Keys) -> None:
 
 
 def streams_of(run: Run, keys: Keys, admin: redis.Redis) -> list[str]:
-    """The shared stream, every lane's stream of every tenant and every worker's own."""
-    lanes = [keys.lane_stream(QUEUE, *member.split(":", 1)) for member in admin.smembers(keys.lane_streams(QUEUE))]
-    return [keys.queue(QUEUE), *lanes, *(keys.own_queue(QUEUE, w.name) for w in run.workers)]
+    """Each shard's stream and its every lane's stream of every tenant, and every worker's own."""
+    streams = []
+    for shard in shard_names(run):
+        members = admin.smembers(keys.lane_streams(shard))
+        streams += [keys.queue(shard), *(keys.lane_stream(shard, *member.split(":", 1)) for member in members)]
+    return streams + [keys.own_queue(QUEUE, w.name) for w in run.workers]
+
+
+def shard_names(run: Run) -> list[str]:
+    return [Keys.shard(QUEUE, i) for i in range(run.shards)]
 
 
 def pending(admin: redis.Redis, stream: str) -> int:
@@ -438,9 +459,10 @@ def taken(run: Run, source: str) -> int:
 def check_keys_expire(run: Run, admin: redis.Redis, keys: Keys) -> None:
     """Everything but the heartbeats, the indexes, the queue and dead-letter streams goes within
     result_ttl_s: each job key carries a TTL no longer than that."""
-    staying = {*streams_of(run, keys, admin), keys.dead(QUEUE), keys.workers(QUEUE), keys.queues()}
-    # The lanes' state outlives the jobs: idle tenants' counters, the set of lane streams, the doorbell.
-    staying |= {keys.scheduler(QUEUE), keys.lane_streams(QUEUE), keys.doorbell(QUEUE)}
+    staying = {*streams_of(run, keys, admin), keys.workers(QUEUE), keys.queues()}
+    for shard in shard_names(run):
+        # The lanes' state outlives the jobs: idle tenants' counters, the set of lane streams, the doorbell.
+        staying |= {keys.dead(shard), keys.scheduler(shard), keys.lane_streams(shard), keys.doorbell(shard)}
     heartbeats = f"{run.prefix}:worker:"
     for key in admin.scan_iter(match=f"{run.prefix}:*", count=1000):
         if key in staying or key.startswith(heartbeats):

@@ -62,15 +62,19 @@ def parse_count(queue: str, reply: str | bytes | None) -> int:
 
 def stored_or_written(keys: Keys, queue: str, count: int) -> Steps[int]:
     """The queue's stored count, after writing `count` as that count if none is stored yet (first
-    writer wins). One round trip."""
+    writer wins). It reads first, and writes only when nothing is stored (a second round trip, once
+    per queue): a worker or producer that starts while Redis refuses writes (over maxmemory, a
+    read-only replica promoted late) still starts on a queue whose count is stored."""
     key = keys.scheduler(queue)
-    _, stored = checked((yield lambda pipe: (pipe.hsetnx(key, SHARDS_FIELD, count), pipe.hget(key, SHARDS_FIELD))))
+    (stored,) = checked((yield lambda pipe: pipe.hget(key, SHARDS_FIELD)))
+    if stored is None:
+        _, stored = checked((yield lambda pipe: (pipe.hsetnx(key, SHARDS_FIELD, count), pipe.hget(key, SHARDS_FIELD))))
     return parse_count(queue, stored)
 
 
 def agree(keys: Keys, queue: str, count: int) -> Steps[int]:
     """Writes `count` as the queue's shard count if none is stored yet (first writer wins) and
-    returns it; raises ShardCountMismatch if another count is stored. One round trip."""
+    returns it; raises ShardCountMismatch if another count is stored."""
     stored = yield from stored_or_written(keys, queue, count)
     if stored != count:
         raise ShardCountMismatch(queue, count, stored)

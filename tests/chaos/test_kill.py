@@ -101,7 +101,6 @@ def test_kill_9_mid_generation_loses_no_job_and_regenerates_no_recorded_token(
     try:
         with make_client("sync", redis_deployment.url, queue, queue_shards=shards) as client:
             ids = [client.submit(p, **params) for p, params in zip(PROMPTS, PARAMS)]
-            assert len({shard_of(job_id, shards) for job_id in ids}) == shards  # entries in every shard
 
             def victim_generating() -> bool:
                 jobs = [deployment_client.hmget(KEYS.job(j), "worker", "status", "tokens") for j in ids]

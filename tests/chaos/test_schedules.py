@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.xdist_group("chaos-schedules"), pytest.mark.waits]
 
 # What the schedules of this module did, added up: test_the_schedules_covered_placement checks, once
 # they have all run, that they covered placement.
-TOTALS = {"schedules": 0, "placed": 0, "stolen": 0, "reclaimed": 0, "laned": 0}
+TOTALS = {"schedules": 0, "placed": 0, "stolen": 0, "reclaimed": 0, "laned": 0, "sharded": 0}
+COVERED = ("placed", "stolen", "reclaimed", "laned", "sharded")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def chaos_redis(tmp_path_factory):
 def test_a_random_fault_schedule_keeps_every_invariant(chaos_redis, seed):
     counts = run_schedule(seed, chaos_redis)
     TOTALS["schedules"] += 1
-    for name in ("placed", "stolen", "reclaimed", "laned"):
+    for name in COVERED:
         TOTALS[name] += counts[name]
 
 
@@ -46,9 +47,10 @@ def test_the_schedules_covered_placement(request):
     """After the schedules (pytest runs a module's tests in order, and its xdist group keeps them on
     one process): every schedule selected has run to its end, and when they were all selected (a full
     run, not a -k choice of a few), jobs were placed on workers' own streams, and some were stolen from,
-    and reclaimed out of, those of troubled workers, and jobs went through the lanes. A schedule that failed or never ran fails this too,
+    and reclaimed out of, those of troubled workers, jobs went through the lanes, and queues ran over
+    several shards. A schedule that failed or never ran fails this too,
     so a full run cannot pass without the coverage check."""
     selected = scheduled_in(request.session)
     assert TOTALS["schedules"] == selected, f"{TOTALS['schedules']} of the {selected} selected schedules ran"
     if selected == SCHEDULES:
-        assert all(TOTALS[name] > 0 for name in ("placed", "stolen", "reclaimed", "laned")), TOTALS
+        assert all(TOTALS[name] > 0 for name in COVERED), TOTALS
