@@ -13,7 +13,7 @@ from pathlib import Path
 from harness.polling import eventually
 from worker.embedded_redis import stop_process
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]  # the checkout: harness/ sits at its root
 PROBE_INTERVAL_S = 0.05  # a probe opens a connection or sends a request: not every 10 ms
 
 
