@@ -29,14 +29,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 from bench.measure import cpu_seconds, pct
-from bench.queue_path import start_worker
+from harness.processes import start_worker
 from producer_client import Client, QueueFull, WaitingQuotaExceeded
 from producer_client.protocol.lanes import CREDIT_EVERY
 from worker.embedded_redis import EmbeddedRedis, free_port
@@ -59,7 +56,7 @@ def main() -> None:
             priority_ttft(server.url, args.ttft_probes)
         return
     with EmbeddedRedis(port=free_port()) as server:
-        worker = start_worker(server.url, queue=QUEUE)
+        worker = start_worker(server.url, QUEUE, name="bench-worker")
         try:
             with Client(server.url, QUEUE) as client:
                 warm_up(client)
@@ -212,7 +209,7 @@ def parked_run(url: str, submit, workers: int = 1, kill_after_jobs: int | None =
     with Client(url, queue) as client:
         time.sleep(1.1)  # the producers' copies of the quotas (CACHE_S)
         ids = submit(client)
-        started = [start_worker(url, f"w{i}-{queue}", queue, *flags) for i in range(workers)]
+        started = [start_worker(url, queue, *flags, name=f"w{i}-{queue}") for i in range(workers)]
         by_id = {}
         try:
             for result in client.as_completed([i for v in ids.values() for i in v], timeout=600):
@@ -296,7 +293,9 @@ def priority_ttft(url: str, probes: int, rounds: int = 2) -> None:
     print(f"   priority jobs of {TTFT_PROBE_TOKENS} tokens, one every {TTFT_INTERVAL_S * 1e3:.0f} ms, the engine idle,")
     print(f"   then with A's {2 * TTFT_RUNNING} long default jobs holding every slot; {rounds} rounds, alternating")
     queue = f"ttft-{uuid.uuid4().hex[:6]}"
-    worker = start_tiny_worker(url, queue)
+    # One torch thread: the worker shares the machine's cores with Redis and this process.
+    flags = ("--max-running", str(TTFT_RUNNING), "--kv-cache-mib", "128")
+    worker = start_worker(url, queue, *flags, model="tiny", env={"OMP_NUM_THREADS": "1"})
     try:
         with Client(url, queue) as client:
             for _ in range(5):  # the worker loaded, its first steps run
@@ -311,16 +310,6 @@ def priority_ttft(url: str, probes: int, rounds: int = 2) -> None:
     finally:
         worker.terminate()
         worker.wait(timeout=60)
-
-
-def start_tiny_worker(url: str, queue: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "worker", "serve", "--model", "tiny", "--redis", url, "--queue", queue]
-    command += ["--max-running", str(TTFT_RUNNING), "--kv-cache-mib", "128", "--metrics-port", "0"]
-    command += ["--log-level", "WARNING"]
-    # One torch thread: the worker shares the machine's cores with Redis and this process.
-    return subprocess.Popen(
-        command, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
 
 
 def engine_full_of_a(client: Client) -> list[str]:
