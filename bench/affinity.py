@@ -39,12 +39,10 @@ import os
 import queue as queues
 import random
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 
 import redis
 from prometheus_client.parser import text_string_to_metric_families
@@ -52,6 +50,7 @@ from tqdm import tqdm
 
 from bench.chat_forms import FORMS, transcript
 from bench.measure import cpu_seconds, pct
+from harness.processes import start_worker
 from producer_client import Client
 from producer_client.keys import GROUP, Keys
 from producer_client.schema import JobResult
@@ -61,7 +60,6 @@ from worker.model.tokenizer import Tokenizer
 
 QUEUE = "affinity"
 KEYS = Keys()
-ROOT = Path(__file__).resolve().parents[1]
 WORDS = (
     "queue worker cache prefix token model stream batch page radix shard replica deadline priority answer "
     "question context history system user assistant policy schedule engine kernel memory latency throughput "
@@ -220,7 +218,7 @@ def run_mode(
     `read_more(redis, names)` reads what else a caller wants of the workers before they stop."""
     with EmbeddedRedis() as server:
         names = [f"{mode.name}-{i}" for i in range(mode.workers)]
-        workers = [start_worker(server.url, name, mode.placement, args, *extra) for name in names]
+        workers = [start_tiny_worker(server.url, name, mode.placement, args, *extra) for name in names]
         try:
             with Client(server.url, QUEUE, placement=mode.placement) as client:
                 wait_ready(client, names)
@@ -244,37 +242,11 @@ def run_mode(
     return Figures(chats, wall_s, cpu_s, taken, hit_rates, monitor.longest_s)
 
 
-def start_worker(url: str, name: str, placement: bool, args, *extra: str) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "worker",
-        "serve",
-        "--model",
-        "tiny",
-        "--redis",
-        url,
-        "--queue",
-        QUEUE,
-        "--name",
-        name,
-        "--metrics-port",
-        "0",
-        "--metrics-host",
-        "127.0.0.1",
-        "--log-level",
-        "WARNING",
-        "--heartbeat-interval-s",
-        "0.1",
-        "--kv-cache-mib",
-        str(args.kv_cache_mib),
-        "--steal-delay-ms",
-        str(args.steal_delay_ms),
-        "--placement" if placement else "--no-placement",
-        *extra,
-    ]
+def start_tiny_worker(url: str, name: str, placement: bool, args, *extra: str) -> subprocess.Popen:
+    flags = ["--heartbeat-interval-s", "0.1", "--kv-cache-mib", str(args.kv_cache_mib)]
+    flags += ["--steal-delay-ms", str(args.steal_delay_ms), "--placement" if placement else "--no-placement", *extra]
     # One torch thread each: the workers share the machine's cores.
-    return subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return start_worker(url, QUEUE, *flags, name=name, model="tiny", env={"OMP_NUM_THREADS": "1"})
 
 
 def wait_ready(client: Client, names: list[str]) -> None:

@@ -30,8 +30,9 @@ from pathlib import Path
 import httpx
 import openai
 
-from bench.queue_path import QUEUE, start_worker, wait_ready
+from bench.queue_path import QUEUE, wait_ready
 from cli.batch_file import run_batch
+from harness.processes import start_worker
 from producer_client import Client
 from worker.embedded_redis import EmbeddedRedis, free_port
 
@@ -44,7 +45,7 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     print(f"{args.lines:,} chat requests ({CONTENT!r}, max_tokens {MAX_TOKENS}); 2 echo workers\n")
     with EmbeddedRedis(port=free_port() if args.tcp else None) as server, tempfile.TemporaryDirectory() as tmp:
-        workers = [start_worker(server.url, f"bench-worker-{i}") for i in range(2)]
+        workers = [start_worker(server.url, QUEUE, name=f"bench-worker-{i}") for i in range(2)]
         try:
             wait_ready(server.url, MAX_TOKENS)
             source = write_input(Path(tmp) / "in.jsonl", args.lines)

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from bench.measure import cpu_seconds, pct
+from harness.processes import start_worker
 from producer_client import Client
 from worker.embedded_redis import EmbeddedRedis, free_port
 
@@ -44,7 +45,7 @@ def main() -> None:
     args = parse_args()
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start")
     with EmbeddedRedis(port=free_port()) as server:
-        processes = [start_worker(server.url, QUEUE, "bench-echo")]
+        processes = [start_worker(server.url, QUEUE, name="bench-echo")]
         gateway_port = free_port()
         gateway = start_gateway(server.url, gateway_port, args.keepalive_s)
         processes.append(gateway)
@@ -67,30 +68,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hold-s", type=float, default=20.0, help="how long the idle streams are held")
     p.add_argument("--keepalive-s", type=float, default=5.0, help="the gateway's keep-alive interval")
     return p.parse_args()
-
-
-def start_worker(redis_url: str, queue: str, name: str) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "worker",
-        "serve",
-        "--model",
-        "echo",
-        "--redis",
-        redis_url,
-        "--queue",
-        queue,
-        "--name",
-        name,
-        "--metrics-port",
-        "0",
-        "--metrics-host",
-        "127.0.0.1",
-        "--log-level",
-        "WARNING",
-    ]
-    return subprocess.Popen(command, cwd=REPO)
 
 
 def start_gateway(redis_url: str, port: int, keepalive_s: float) -> subprocess.Popen:
@@ -175,7 +152,7 @@ async def _idle_streams(redis_url, url, gateway_pid, streams, hold_s, keepalive_
         await asyncio.sleep(hold_s)
         cpu1, w1 = cpu_seconds(gateway_pid), time.perf_counter()
         rss_held = rss_bytes(gateway_pid)
-        worker = start_worker(redis_url, IDLE_QUEUE, "bench-idle")
+        worker = start_worker(redis_url, IDLE_QUEUE, name="bench-idle")
         answers = await asyncio.gather(*tasks)
     complete = sum(1 for text, keepalives in answers if text is not None)
     correct = sum(1 for i, (text, _) in enumerate(answers) if text == f"stream {i:05d}")

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 from bench.measure import pct
 from bench.tenants import QUEUE, probe, specs, warm_up
+from harness.processes import start_worker
 from producer_client import Client
 from worker.embedded_redis import EmbeddedRedis, free_port
 
@@ -50,7 +49,7 @@ def parse_args() -> argparse.Namespace:
 
 def one_run(url: str, tree: Path, args: argparse.Namespace) -> str:
     queue = f"{QUEUE}-{uuid.uuid4().hex[:6]}"
-    worker = start_worker_from(tree, url, queue)
+    worker = start_worker(url, queue, tree=tree)
     try:
         with Client(url, queue, max_queue_depth=None) as client:
             warm_up(client)
@@ -79,13 +78,6 @@ def a_served_per_s(client: Client, flood: list[str], since: float) -> float:
     if len(ended) == len(flood):
         raise SystemExit("A's flood ended before B's probes did: give a larger --flood")
     return sum(t is not None and since <= t <= until for t in ended) / (until - since)
-
-
-def start_worker_from(tree: Path, url: str, queue: str) -> subprocess.Popen:
-    python = tree / ".venv" / "bin" / "python"
-    command = [str(python) if python.exists() else sys.executable, "-m", "worker", "serve", "--model", "echo"]
-    command += ["--redis", url, "--queue", queue, "--metrics-port", "0", "--log-level", "WARNING"]
-    return subprocess.Popen(command, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
 
 
 if __name__ == "__main__":

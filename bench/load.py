@@ -19,22 +19,20 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import redis
 
 from bench.measure import cpu_seconds, pct
+from harness.processes import start_worker
 from producer_client import Client, JobFailed
 from producer_client.keys import Keys
 from worker.embedded_redis import EmbeddedRedis, free_port
 
 QUEUE = "load"
 KEYS = Keys()
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -48,7 +46,8 @@ def main() -> None:
     server = EmbeddedRedis(port=free_port() if args.tcp else None)
     with server:
         admin = redis.Redis.from_url(server.url, decode_responses=True)
-        workers = [start_worker(server.url, n, args.result_ttl_s) for n in range(2)]
+        ttl = ("--result-ttl-s", str(args.result_ttl_s))
+        workers = [start_worker(server.url, QUEUE, *ttl, name=f"load-{n}") for n in range(2)]
         try:
             wait_ready(server.url)
             time.sleep(args.result_ttl_s + 1)  # the warm-up jobs' keys expire: the baseline is idle
@@ -110,32 +109,6 @@ def parse_args() -> argparse.Namespace:
 
 
 WARM_UP = 20
-
-
-def start_worker(url: str, n: int, result_ttl_s: int) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "worker",
-        "serve",
-        "--model",
-        "echo",
-        "--redis",
-        url,
-        "--queue",
-        QUEUE,
-        "--name",
-        f"load-{n}",
-        "--metrics-port",
-        "0",
-        "--metrics-host",
-        "127.0.0.1",
-        "--log-level",
-        "WARNING",
-        "--result-ttl-s",
-        str(result_ttl_s),
-    ]
-    return subprocess.Popen(command, cwd=ROOT)
 
 
 def wait_ready(url: str) -> None:

@@ -39,8 +39,6 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -49,6 +47,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.measure import cpu_seconds, pct
+from harness.processes import start_worker
 from producer_client import Client  # (the producers import nothing heavier)
 from worker.embedded_redis import EmbeddedRedis, free_port
 
@@ -69,7 +68,7 @@ def main() -> None:
     server = EmbeddedRedis(port=free_port() if args.tcp else None)
     with server:
         print(f"redis-server: {server.url}")
-        worker = start_worker(server.url)
+        worker = start_worker(server.url, QUEUE, name="bench-worker")
         try:
             wait_ready(server.url, args.max_tokens)
             queued = run_producers(
@@ -133,31 +132,6 @@ def direct_latencies(jobs: int, max_tokens: int) -> list[float]:
             pass
         latencies.append(time.perf_counter() - t0)
     return latencies
-
-
-def start_worker(url: str, name: str = "bench-worker", queue: str = QUEUE, *flags: str) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "worker",
-        "serve",
-        "--model",
-        "echo",
-        "--redis",
-        url,
-        "--queue",
-        queue,
-        "--name",
-        name,
-        "--metrics-port",
-        "0",
-        "--metrics-host",
-        "127.0.0.1",
-        "--log-level",
-        "WARNING",
-        *flags,
-    ]
-    return subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1])
 
 
 def wait_ready(url: str, max_tokens: int, queue: str = QUEUE) -> None:
@@ -253,7 +227,7 @@ def bulk_main(args: argparse.Namespace) -> None:
             f"submit_many {many:,.0f} jobs/s ({args.jobs:,} jobs): {many / one:.1f}x"
         )
         client.redis.flushdb()  # the workers must not start on those
-        workers = [start_worker(server.url, f"bench-worker-{i}") for i in range(2)]
+        workers = [start_worker(server.url, QUEUE, name=f"bench-worker-{i}") for i in range(2)]
         try:
             wait_ready(server.url, args.max_tokens)
             one = rate(args.one_at_a_time_jobs, lambda: one_at_a_time(client, spec, args.one_at_a_time_jobs))
@@ -324,7 +298,7 @@ def queues_on_shards(url: str, n: int) -> tuple[str, ...]:
 def saturation(url: str, queues: tuple[str, ...], args: argparse.Namespace) -> float:
     """Jobs/s end to end with 3 echo workers spread over `queues`, the producers over them too."""
     workers = [
-        start_worker(url, f"bench-worker-{queues[i % len(queues)]}-{i}", queues[i % len(queues)]) for i in range(3)
+        start_worker(url, queues[i % len(queues)], name=f"bench-worker-{queues[i % len(queues)]}-{i}") for i in range(3)
     ]
     try:
         for queue in queues:

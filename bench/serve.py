@@ -23,19 +23,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import os
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.measure import pct
+from harness.processes import start_worker
 from producer_client import AsyncClient, Client, JobTimeout  # the producers import nothing heavier
 from worker.embedded_redis import EmbeddedRedis, free_port
-
-ROOT = Path(__file__).resolve().parents[1]
 
 QUEUE = "bench-serve"
 RESULT_TIMEOUT_S = 3600.0
@@ -61,7 +58,7 @@ def main() -> None:
     print(f"offline engine:    {offline_tok_s:,.1f} output tok/s")
 
     with EmbeddedRedis(port=free_port() if args.tcp else None) as server, tempfile.NamedTemporaryFile("w+") as log:
-        worker = start_worker(args, server.url, log)
+        worker = start_model_worker(args, server.url, Path(log.name))
         try:
             wait_ready(server.url, worker)
             times, seconds = run_producers(server.url, args.producers, work, args.stream)
@@ -137,38 +134,15 @@ def offline_throughput(args: argparse.Namespace, work) -> float:
     return result.tokens_per_s
 
 
-def start_worker(args: argparse.Namespace, url: str, log) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "worker",
-        "serve",
-        "--model",
-        args.model,
-        "--device",
-        args.device,
-        "--dtype",
-        args.dtype or "auto",
-        "--redis",
-        url,
-        "--queue",
-        QUEUE,
-        "--name",
-        "bench-serve-worker",
-        "--metrics-port",
-        "0",
-        "--metrics-host",
-        "127.0.0.1",
-        "--log-level",
-        "INFO",
-    ]
+def start_model_worker(args: argparse.Namespace, url: str, log_path: Path) -> subprocess.Popen:
+    flags = ["--device", args.device, "--dtype", args.dtype or "auto", "--log-level", "INFO"]
     from bench.offline import engine_settings
 
     for name, value in engine_settings(args).items():
         flag = "--" + name.replace("_", "-")
-        command += ([flag] if value else ["--no-" + flag[2:]]) if isinstance(value, bool) else [flag, str(value)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
-    return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        flags += ([flag] if value else ["--no-" + flag[2:]]) if isinstance(value, bool) else [flag, str(value)]
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
+    return start_worker(url, QUEUE, *flags, name="bench-serve-worker", model=args.model, log_path=log_path, env=env)
 
 
 def wait_ready(url: str, worker: subprocess.Popen) -> None:

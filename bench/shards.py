@@ -30,8 +30,8 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.queue_path import start_worker
 from bench.tenants import shares_while_both_wait, specs, tokens
+from harness.processes import start_worker
 from harness.redis_servers import LocalCluster
 from producer_client import Client
 from producer_client.keys import Keys
@@ -106,7 +106,7 @@ def parked_shards_run(url: str, shards: int, jobs: int) -> dict[str, list]:
             "team-a": client.as_tenant("team-a").submit_many(specs(4 * jobs)),
             "team-b": client.as_tenant("team-b").submit_many(specs(jobs)),
         }
-        worker = start_worker(url, f"w-{queue}", queue, "--queue-shards", str(shards), "--max-running", "16")
+        worker = start_worker(url, queue, "--queue-shards", str(shards), "--max-running", "16", name=f"w-{queue}")
         try:
             by_id = {r.id: r for r in client.as_completed([i for v in ids.values() for i in v], timeout=600)}
         finally:
@@ -120,7 +120,7 @@ def run(url: str, shards: int, args: argparse.Namespace) -> tuple[float, list[fl
         queue = spread_queue(probe, shards)
         masters = probe.redis.get_primaries()
         flags = ("--queue-shards", str(shards), "--max-running", "64")
-        workers = [start_worker(url, f"{queue}-w{i}", queue, *flags) for i in range(args.workers)]
+        workers = [start_worker(url, queue, *flags, name=f"{queue}-w{i}") for i in range(args.workers)]
         try:
             with Client(url, queue, queue_shards=shards, placement=False) as client:
                 warm = client.submit_many([{"prompt": "warm", "max_tokens": 1}] * 60)

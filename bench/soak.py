@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections import deque
@@ -26,6 +24,7 @@ from pathlib import Path
 import redis
 from tqdm import tqdm
 
+from harness.processes import start_worker
 from producer_client import Client
 from producer_client.keys import DONE_TTL_MS
 from worker.embedded_redis import EmbeddedRedis
@@ -57,7 +56,11 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the start")
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory(prefix="mili-soak-") as logs:
         admin = redis.Redis.from_url(server.url, decode_responses=True)
-        workers = [start_worker(server.url, f"soak-{i}", Path(logs)) for i in range(2)]
+        ttl = ("--result-ttl-s", str(RESULT_TTL_S))
+        workers = [
+            start_worker(server.url, QUEUE, *ttl, name=f"soak-{i}", log_path=Path(logs) / f"soak-{i}.log")
+            for i in range(2)
+        ]
         try:
             with Client(server.url, QUEUE) as client:
                 client.generate("warm up", max_tokens=1, timeout=120)
@@ -76,13 +79,6 @@ def main() -> None:
             for worker in workers:
                 worker.wait(30)
         report(args.jobs, elapsed, used, admin.dbsize(), bad, read_s)
-
-
-def start_worker(url: str, name: str, logs: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "worker", "serve", "--model", "echo", "--redis", url, "--queue", QUEUE]
-    command += ["--metrics-port", "0", "--log-level", "WARNING", "--name", name, "--result-ttl-s", str(RESULT_TTL_S)]
-    with open(logs / f"{name}.log", "w") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
 
 
 def kept_bytes(admin: redis.Redis) -> int:

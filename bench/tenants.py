@@ -30,15 +30,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 from bench.measure import cpu_seconds, pct
-from bench.queue_path import start_worker
+from harness.processes import start_worker
 from producer_client import Client, QueueFull, WaitingQuotaExceeded
 from producer_client.protocol.lanes import CREDIT_EVERY
 from worker.embedded_redis import EmbeddedRedis, free_port
@@ -61,7 +58,7 @@ def main() -> None:
             priority_ttft(server.url, TtftSetup.from_args(args))
         return
     with EmbeddedRedis(port=free_port()) as server:
-        worker = start_worker(server.url, queue=QUEUE)
+        worker = start_worker(server.url, QUEUE, name="bench-worker")
         try:
             with Client(server.url, QUEUE) as client:
                 warm_up(client)
@@ -221,7 +218,7 @@ def parked_run(url: str, submit, workers: int = 1, kill_after_jobs: int | None =
     with Client(url, queue) as client:
         time.sleep(1.1)  # the producers' copies of the quotas (CACHE_S)
         ids = submit(client)
-        started = [start_worker(url, f"w{i}-{queue}", queue, *flags) for i in range(workers)]
+        started = [start_worker(url, queue, *flags, name=f"w{i}-{queue}") for i in range(workers)]
         by_id = {}
         try:
             for result in client.as_completed([i for v in ids.values() for i in v], timeout=600):
@@ -329,7 +326,10 @@ def priority_ttft(url: str, setup: TtftSetup) -> None:
         f"   then with A's {2 * setup.running} default jobs of {setup.a_tokens} tokens holding every slot; {setup.rounds} rounds, alternating"
     )
     queue = f"ttft-{uuid.uuid4().hex[:6]}"
-    worker = start_model_worker(url, queue, setup)
+    # One torch thread: on a CPU the worker shares the machine's cores with Redis and this process
+    # (--kv-cache-mib is the CPU's pool; on a GPU the worker plans its own).
+    flags = ("--device", setup.device, "--max-running", str(setup.running), "--kv-cache-mib", "128")
+    worker = start_worker(url, queue, *flags, model=setup.model, env={"OMP_NUM_THREADS": "1"})
     ratios = []
     try:
         with Client(url, queue) as client:
@@ -351,16 +351,6 @@ def priority_ttft(url: str, setup: TtftSetup) -> None:
     verdict = "met" if worst <= TTFT_TARGET else "missed"
     print(
         f"priority TTFT p99, engine full / idle: worst round {worst:.2f}x (target <= {TTFT_TARGET}x in every round: {verdict})"
-    )
-
-
-def start_model_worker(url: str, queue: str, setup: TtftSetup) -> subprocess.Popen:
-    command = [sys.executable, "-m", "worker", "serve", "--model", setup.model, "--device", setup.device]
-    command += ["--redis", url, "--queue", queue, "--max-running", str(setup.running)]
-    command += ["--kv-cache-mib", "128", "--metrics-port", "0", "--log-level", "WARNING"]
-    # One torch thread: on a CPU the worker shares the machine's cores with Redis and this process.
-    return subprocess.Popen(
-        command, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
 
 

@@ -1,19 +1,20 @@
 """The one class for the processes tests start: a command, its output in a log file, a
 readiness probe, and a stop that leaves nothing behind (worker.embedded_redis.stop_process:
-SIGTERM, then SIGKILL)."""
+SIGTERM, then SIGKILL); and the one way a benchmark starts a worker process (`start_worker`)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 from harness.polling import eventually
 from worker.embedded_redis import stop_process
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]  # the checkout: harness/ sits at its root
 PROBE_INTERVAL_S = 0.05  # a probe opens a connection or sends a request: not every 10 ms
 
 
@@ -25,6 +26,42 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def start_worker(
+    redis_url: str,
+    queue: str,
+    *flags: str,
+    name: str | None = None,
+    model: str = "echo",
+    log_path: Path | None = None,
+    tree: Path = REPO,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen:
+    """`python -m worker serve` of `model` on `queue`, as a benchmark runs one: the echo engine by
+    default (no model: a job's output is its prompt, one token a step), metrics on a free port of
+    127.0.0.1, warnings only, written to `log_path` (else to this process's output); `flags` come
+    last, so they override these. `tree`: the source tree it runs from (by default this one; a
+    worktree of an older commit, to compare against), with only that directory on PYTHONPATH and,
+    for another tree, that tree's `.venv/bin/python` if it has one. `env`: variables set over this
+    process's environment. Readiness is the caller's: its warm-up jobs wait for the worker."""
+    tree = tree.resolve()
+    own_python = tree / ".venv" / "bin" / "python"
+    python = str(own_python) if tree != REPO and own_python.exists() else sys.executable
+    command = [
+        python,
+        *("-m", "worker", "serve", "--model", model, "--redis", redis_url, "--queue", queue),
+        *("--metrics-host", "127.0.0.1", "--metrics-port", "0", "--log-level", "WARNING"),
+        *(["--name", name] if name is not None else []),
+        *flags,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(tree), **(env or {})}
+    if log_path is None:
+        return subprocess.Popen(command, cwd=tree, env=env, stdin=subprocess.DEVNULL)
+    with log_path.open("w") as log_file:
+        return subprocess.Popen(
+            command, cwd=tree, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
+        )
 
 
 class ProcessNotReady(RuntimeError):
