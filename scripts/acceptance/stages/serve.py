@@ -4,6 +4,10 @@ priority job's time to first token behind another tenant's full batch."""
 
 from scripts.acceptance.step import Figure, Stage, script
 
+# The nano-vllm workload's rehearsal: the same script at a tiny model and six short requests.
+NANOVLLM_REHEARSAL = ("-m", "bench.serve", "--workload", "nanovllm", "--model", "tiny", "--num-requests", "6")
+NANOVLLM_REHEARSAL += ("--max-prompt", "48", "--max-output", "12", "--threads", "1")
+
 STAGE = Stage(
     "serve",
     "the nano-vllm workload through the queue: share of offline, TTFT and TPOT p50/p99; priority's TTFT",
@@ -36,22 +40,7 @@ STAGE = Stage(
             "nanovllm",
             "the nano-vllm workload through the queue (qwen3-0.6b, 1 worker, 4 producer processes)",
             ("-m", "bench.serve", "--workload", "nanovllm"),
-            (
-                "-m",
-                "bench.serve",
-                "--workload",
-                "nanovllm",
-                "--model",
-                "tiny",
-                "--num-requests",
-                "6",
-                "--max-prompt",
-                "48",
-                "--max-output",
-                "12",
-                "--threads",
-                "1",
-            ),
+            NANOVLLM_REHEARSAL,
             timeout_s=480,
             figures=(
                 Figure("through the queue, output tok/s", r"^through the queue: ([\d,.]+) output tok/s"),
@@ -67,23 +56,7 @@ STAGE = Stage(
             "the same with every job streamed and read by stream() (issue 25: publication "
             "coalesced and off the step's path)",
             ("-m", "bench.serve", "--workload", "nanovllm", "--stream"),
-            (
-                "-m",
-                "bench.serve",
-                "--workload",
-                "nanovllm",
-                "--model",
-                "tiny",
-                "--num-requests",
-                "6",
-                "--max-prompt",
-                "48",
-                "--max-output",
-                "12",
-                "--threads",
-                "1",
-                "--stream",
-            ),
+            (*NANOVLLM_REHEARSAL, "--stream"),
             timeout_s=480,
             figures=(
                 Figure("through the queue streamed, output tok/s", r"^through the queue: ([\d,.]+) output tok/s"),
