@@ -59,33 +59,58 @@ local function wrong_key_type()
 end
 """
 
-# KEYS: job, events, done. ARGV: worker, entry id, result TTL seconds, run token.
-# Returns {'claimed', tokens recorded so far[, deadline ms]} (run it; more than 0 tokens:
-# resume it), {'final'} (it has a result already: drop the entry) or {'duplicate'} (another entry
-# with the same job id is running it: drop this one). A missing hash is claimed too: a raw XADD
-# bypasses the client that would create it. Claiming the entry a job is running under again is a
-# reclaim: it starts a new run, and the old run's worker can publish nothing more. A job that ended
-# gets the result TTL on its hash and kept events (a job a producer cancelled has none until
-# then); its done stream keeps its own, DONE_TTL_MS.
-CLAIM = Script(
-    "claim",
-    JOB_KEY_TYPES
+# A job's claim, shared by CLAIM and CLAIM_MANY: the job's keys (as KEYS are given), then the
+# worker, entry id, result TTL seconds and run token. Returns {'claimed', tokens recorded so far[,
+# deadline ms]} (run it; more than 0 tokens: resume it), {'final'} (it has a result already: drop
+# the entry) or {'duplicate'} (another entry with the same job id is running it: drop this one), or
+# a WRONGTYPE error naming a key of another type (checked as JOB_KEY_TYPES does, before anything is
+# written). A missing hash is claimed too: a raw XADD bypasses the client that would create it.
+# Claiming the entry a job is running under again is a reclaim: it starts a new run, and the old
+# run's worker can publish nothing more. A job that ended gets the result TTL on its hash and kept
+# events (a job a producer cancelled has none until then); its done stream keeps its own, DONE_TTL_MS.
+LUA_CLAIM = """
+local function claim(job, events, done, worker, entry, ttl, run)
+  for i, key in ipairs({job, events, done}) do
+    local kind, found = i == 1 and 'hash' or 'stream', redis.call('TYPE', key).ok
+    if found ~= 'none' and found ~= kind then
+      return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. found .. ', not a ' .. kind)
+    end
+  end
+  local got = redis.call('HMGET', job, 'result', 'status', 'entry', 'tokens', 'deadline')
+  if got[1] then
+    redis.call('EXPIRE', job, ttl)
+    redis.call('EXPIRE', events, ttl)
+    return {'final'}
+  end
+  if got[2] == 'running' and got[3] ~= entry then
+    return {'duplicate'}
+  end
+  redis.call('HSET', job, 'status', 'running', 'worker', worker, 'entry', entry, 'run', run)
+  if got[5] then return {'claimed', tonumber(got[4] or '0'), got[5]} end
+  return {'claimed', tonumber(got[4] or '0')}
+end
+"""
+
+# KEYS: job, events, done. ARGV: worker, entry id, result TTL seconds, run token. The claim of one
+# job (LUA_CLAIM), its reply or its error.
+CLAIM = Script("claim", LUA_CLAIM + "return claim(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4])")
+
+# KEYS: each job's hash, events and done, job after job. ARGV: worker, result TTL seconds, then
+# each job's entry id and run token. CLAIM of every job in order, in one call: on one server a
+# read's entries are claimed by one EVALSHA instead of one each (Redis's cost of an EVALSHA was
+# more than a claim's own commands: bench/RESULTS.md, "Redis CPU per job"); on a cluster the jobs'
+# keys lie in many slots, and each gets a CLAIM of its own. Returns each job's CLAIM reply, a key
+# of another type's WRONGTYPE error in its job's place (that job only is refused).
+CLAIM_MANY = Script(
+    "claim_many",
+    LUA_CLAIM
     + """
-local refused = wrong_key_type()
-if refused then return refused end
-local result, status, entry, tokens, deadline = unpack(
-  redis.call('HMGET', KEYS[1], 'result', 'status', 'entry', 'tokens', 'deadline'))
-if result then
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
-  return {'final'}
+local replies = {}
+for i = 0, #KEYS / 3 - 1 do
+  local k, a = 3 * i, 2 * i
+  replies[i + 1] = claim(KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], ARGV[1], ARGV[a + 3], ARGV[2], ARGV[a + 4])
 end
-if status == 'running' and entry ~= ARGV[2] then
-  return {'duplicate'}
-end
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'entry', ARGV[2], 'run', ARGV[4])
-if deadline then return {'claimed', tonumber(tokens or '0'), deadline} end
-return {'claimed', tonumber(tokens or '0')}
+return replies
 """,
 )
 
@@ -665,6 +690,7 @@ return 0
 # job back to the queue, after REQUEUE): `execute` loads both sets on NOSCRIPT.
 WORKER_SCRIPTS = (
     CLAIM,
+    CLAIM_MANY,
     PUBLISH,
     FAIL,
     ADOPT,
@@ -691,6 +717,14 @@ def forget_done(pipe: Pipe, keys: Keys, job_id: str) -> None:
 
 def claim(keys: Keys, job_id: str, worker: str, entry_id: str, result_ttl_s: int, run: str) -> ScriptCall:
     return ScriptCall(CLAIM, job_keys(keys, job_id), (worker, entry_id, result_ttl_s, run))
+
+
+def claim_many(keys: Keys, worker: str, result_ttl_s: int, jobs: list[tuple[str, str, str]]) -> ScriptCall:
+    """CLAIM_MANY of `jobs`, (job id, entry id, run token) each: on one server only."""
+    call_keys = tuple(key for job_id, _, _ in jobs for key in job_keys(keys, job_id))
+    return ScriptCall(
+        CLAIM_MANY, call_keys, (worker, result_ttl_s, *(x for _, entry, run in jobs for x in (entry, run)))
+    )
 
 
 def publish(
