@@ -69,14 +69,22 @@ end
 # run's worker can publish nothing more. A job that ended gets the result TTL on its hash and kept
 # events (a job a producer cancelled has none until then); its done stream keeps its own, DONE_TTL_MS.
 LUA_CLAIM = """
-local function claim(job, events, done, worker, entry, ttl, run)
-  for i, key in ipairs({job, events, done}) do
-    local kind, found = i == 1 and 'hash' or 'stream', redis.call('TYPE', key).ok
-    if found ~= 'none' and found ~= kind then
-      return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. found .. ', not a ' .. kind)
-    end
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. found .. ', not a ' .. kind)
   end
-  local got = redis.call('HMGET', job, 'result', 'status', 'entry', 'tokens', 'deadline')
+end
+
+local function claim(job, events, done, worker, entry, ttl, run)
+  local got = redis.pcall('HMGET', job, 'result', 'status', 'entry', 'tokens', 'deadline')
+  if got.err then return wrong_type(job, 'hash') or got end
+  -- A job's streams are there only once it has run or ended: one EXISTS for both, TYPE where there
+  -- are any (a TYPE each cost Redis more than the claim's reads and writes: bench/RESULTS.md).
+  if redis.call('EXISTS', events, done) > 0 then
+    local refused = wrong_type(events, 'stream') or wrong_type(done, 'stream')
+    if refused then return refused end
+  end
   if got[1] then
     redis.call('EXPIRE', job, ttl)
     redis.call('EXPIRE', events, ttl)
