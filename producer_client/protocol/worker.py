@@ -80,7 +80,7 @@ local function claim(job, events, done, worker, entry, ttl, run)
   local got = redis.pcall('HMGET', job, 'result', 'status', 'entry', 'tokens', 'deadline')
   if got.err then return wrong_type(job, 'hash') or got end
   -- A job's streams are there only once it has run or ended: one EXISTS for both, TYPE where there
-  -- are any (a TYPE each cost Redis more than the claim's reads and writes: bench/RESULTS.md).
+  -- are any (three TYPEs cost Redis about what the claim's own reads and writes do: bench/RESULTS.md).
   if redis.call('EXISTS', events, done) > 0 then
     local refused = wrong_type(events, 'stream') or wrong_type(done, 'stream')
     if refused then return refused end
@@ -105,9 +105,9 @@ CLAIM = Script("claim", LUA_CLAIM + "return claim(KEYS[1], KEYS[2], KEYS[3], ARG
 
 # KEYS: each job's hash, events and done, job after job. ARGV: worker, result TTL seconds, then
 # each job's entry id and run token. CLAIM of every job in order, in one call: on one server a
-# read's entries are claimed by one EVALSHA instead of one each (Redis's cost of an EVALSHA was
-# more than a claim's own commands: bench/RESULTS.md, "Redis CPU per job"); on a cluster the jobs'
-# keys lie in many slots, and each gets a CLAIM of its own. Returns each job's CLAIM reply, a key
+# read's entries are claimed by one EVALSHA instead of one each (an EVALSHA and its arguments a job
+# cost Redis about 1.7 us more: bench/RESULTS.md, "Redis CPU per job"); on a cluster the jobs' keys
+# lie in many slots, and each gets a CLAIM of its own. Returns each job's CLAIM reply, a key
 # of another type's WRONGTYPE error in its job's place (that job only is refused).
 CLAIM_MANY = Script(
     "claim_many",
@@ -372,18 +372,14 @@ READ = Script(
 local group, consumer = ARGV[1], ARGV[2]
 local room = {{tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}}
 local default_cost = tonumber(ARGV[6])
-local own = {{}}
+local placed = nil  -- {{'own', '', entries}} of the worker's own stream, where given it
 if KEYS[7] then
   local own_room = tonumber(ARGV[#ARGV])
-  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', own_room, 'STREAMS', KEYS[7], '>')
-  if reply then own = reply[1][2] end
-  local n = #own
+  local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', own_room, 'STREAMS', KEYS[7], '>')
+  local n = reply and #reply[1][2] or 0
+  if n > 0 then placed = {{'own', '', reply[1][2]}} end
   room = {{math.max(0, room[1] - n), math.max(0, room[2] - n), math.min(room[3], math.max(0, own_room - n))}}
-  if #own > 0 then own = {{'own', '', own}} end
-  if room[1] <= 0 and tonumber(ARGV[7]) == 0 then
-    if #own > 0 then return {{own}} end
-    return {{}}
-  end
+  if room[1] <= 0 and tonumber(ARGV[7]) == 0 then return {{placed}} end
 end
 local sched = KEYS[5]
 local weights, costs = {{}}, {{}}
@@ -416,8 +412,7 @@ maybe[2] = maybe[2] or not probed
 local stored = redis.call('HMGET', sched, 'credit:default', 'credit:flex')
 local credit = {{0, tonumber(stored[1] or '0'), tonumber(stored[2] or '0')}}
 local credit_changed = false
-local out = {{}}
-if #own > 0 then out[1] = own end
+local out = {{placed}}
 
 local function want(l)
   return room[l] - taken[1] - taken[2] - taken[3]
