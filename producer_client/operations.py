@@ -56,6 +56,8 @@ def submit_rated(client: ClientBase, job: NewJob) -> Steps[Submitted]:
     if error is not None:
         checked((yield forget(client.keys, job)))
         raise error
+    if not job.idempotent:
+        client.submissions.add(job.job_id, expiry_of_new(job))
     return Submitted(job.job_id, rate_limits_of(outcome))
 
 
@@ -159,11 +161,13 @@ def result(keys: Keys, job_id: str, timeout: float | None) -> Steps[JobResult]:
     return finished(job_id, (yield from wait_done(keys, job_id, deadline, expires_at)))
 
 
-def wait(keys: Keys, job_id: str, timeout: float | None) -> Steps[JobResult]:
+def wait(keys: Keys, job_id: str, timeout: float | None, expires_at: float | None = UNKNOWN) -> Steps[JobResult]:
     """Client.wait: result() without looking the job up first (its first look at the `done`
-    stream reads the job's deadline too)."""
+    stream reads the job's deadline too). `expires_at`: when the job expires unread, where the
+    client knows it from its submit (Submissions): then its first read is the blocking one."""
     job_id = check_job_id(job_id)
-    return finished(job_id, (yield from wait_done(keys, job_id, Deadline(job_id, check_timeout(timeout)))))
+    deadline = Deadline(job_id, check_timeout(timeout))
+    return finished(job_id, (yield from wait_done(keys, job_id, deadline, expires_at)))
 
 
 def generate(client: ClientBase, arguments: Mapping[str, Any], timeout: float | None) -> Steps[JobResult]:

@@ -8,11 +8,12 @@ end on; its `done` stream, which a blocking read wakes on, lives only DONE_TTL_M
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TypeVar
 
 from producer_client.connection import reply_code
 from producer_client.errors import JobTimeout
-from producer_client.keys import Keys
+from producer_client.keys import DONE_TTL_MS, Keys
 from producer_client.protocol import job_reads
 from producer_client.protocol.clock import epoch_ms
 from producer_client.protocol.job_reads import Entry, StreamsReply
@@ -47,6 +48,39 @@ class Deadline:
 
 
 UNKNOWN = -1.0  # wait_done's expires_at when the job's deadline is yet to be read
+
+
+class Submissions:
+    """When each job this client submitted with a fresh id expires unread (monotonic; None: it
+    cannot), for `wait`, which then need not look the job up before its first blocking read (a
+    round trip and two commands less per job: bench/RESULTS.md, "Redis CPU per job"). Kept for
+    half of DONE_TTL_MS from the submit: a job ends after its submit, and its done stream lives
+    DONE_TTL_MS from its end, so a wait within that time finds the done entry of a job that has
+    ended, and blocks only for one that has not. Two generations of at most that age each, so that
+    what is kept stays bounded by the submits of DONE_TTL_MS, with no scan; each step a dict's or
+    an attribute's, safe across a client's threads."""
+
+    KEPT_S = DONE_TTL_MS / 2000
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.current: dict[str, tuple[float, float | None]] = {}
+        self.previous: dict[str, tuple[float, float | None]] = {}
+        self.since = clock()
+
+    def add(self, job_id: str, expires_at: float | None) -> None:
+        now = self.clock()
+        if now - self.since >= self.KEPT_S:
+            self.previous, self.current, self.since = self.current, {}, now
+        self.current[job_id] = (now, expires_at)
+
+    def expiry(self, job_id: str) -> float | None:
+        """The job's expires_at as its submit knew it, once (a later wait looks the job up); UNKNOWN
+        for a job this client did not submit, or submitted more than KEPT_S ago."""
+        kept = self.current.pop(job_id, None) or self.previous.pop(job_id, None)
+        if kept is None or self.clock() - kept[0] >= self.KEPT_S:
+            return UNKNOWN
+        return kept[1]
 
 
 def wait_done(keys: Keys, job_id: str, deadline: Deadline, expires_at: float | None = UNKNOWN) -> Steps[str]:

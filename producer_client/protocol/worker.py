@@ -59,33 +59,66 @@ local function wrong_key_type()
 end
 """
 
-# KEYS: job, events, done. ARGV: worker, entry id, result TTL seconds, run token.
-# Returns {'claimed', tokens recorded so far[, deadline ms]} (run it; more than 0 tokens:
-# resume it), {'final'} (it has a result already: drop the entry) or {'duplicate'} (another entry
-# with the same job id is running it: drop this one). A missing hash is claimed too: a raw XADD
-# bypasses the client that would create it. Claiming the entry a job is running under again is a
-# reclaim: it starts a new run, and the old run's worker can publish nothing more. A job that ended
-# gets the result TTL on its hash and kept events (a job a producer cancelled has none until
-# then); its done stream keeps its own, DONE_TTL_MS.
-CLAIM = Script(
-    "claim",
-    JOB_KEY_TYPES
+# A job's claim, shared by CLAIM and CLAIM_MANY: the job's keys (as KEYS are given), then the
+# worker, entry id, result TTL seconds and run token. Returns {'claimed', tokens recorded so far[,
+# deadline ms]} (run it; more than 0 tokens: resume it), {'final'} (it has a result already: drop
+# the entry) or {'duplicate'} (another entry with the same job id is running it: drop this one), or
+# a WRONGTYPE error naming a key of another type (checked as JOB_KEY_TYPES does, before anything is
+# written). A missing hash is claimed too: a raw XADD bypasses the client that would create it.
+# Claiming the entry a job is running under again is a reclaim: it starts a new run, and the old
+# run's worker can publish nothing more. A job that ended gets the result TTL on its hash and kept
+# events (a job a producer cancelled has none until then); its done stream keeps its own, DONE_TTL_MS.
+LUA_CLAIM = """
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. found .. ', not a ' .. kind)
+  end
+end
+
+local function claim(job, events, done, worker, entry, ttl, run)
+  local got = redis.pcall('HMGET', job, 'result', 'status', 'entry', 'tokens', 'deadline')
+  if got.err then return wrong_type(job, 'hash') or got end
+  -- A job's streams are there only once it has run or ended: one EXISTS for both, TYPE where there
+  -- are any (three TYPEs cost Redis about what the claim's own reads and writes do: bench/RESULTS.md).
+  if redis.call('EXISTS', events, done) > 0 then
+    local refused = wrong_type(events, 'stream') or wrong_type(done, 'stream')
+    if refused then return refused end
+  end
+  if got[1] then
+    redis.call('EXPIRE', job, ttl)
+    redis.call('EXPIRE', events, ttl)
+    return {'final'}
+  end
+  if got[2] == 'running' and got[3] ~= entry then
+    return {'duplicate'}
+  end
+  redis.call('HSET', job, 'status', 'running', 'worker', worker, 'entry', entry, 'run', run)
+  if got[5] then return {'claimed', tonumber(got[4] or '0'), got[5]} end
+  return {'claimed', tonumber(got[4] or '0')}
+end
+"""
+
+# KEYS: job, events, done. ARGV: worker, entry id, result TTL seconds, run token. The claim of one
+# job (LUA_CLAIM), its reply or its error.
+CLAIM = Script("claim", LUA_CLAIM + "return claim(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4])")
+
+# KEYS: each job's hash, events and done, job after job. ARGV: worker, result TTL seconds, then
+# each job's entry id and run token. CLAIM of every job in order, in one call: on one server a
+# read's entries are claimed by one EVALSHA instead of one each (an EVALSHA and its arguments a job
+# cost Redis about 1.7 us more: bench/RESULTS.md, "Redis CPU per job"); on a cluster the jobs' keys
+# lie in many slots, and each gets a CLAIM of its own. Returns each job's CLAIM reply, a key
+# of another type's WRONGTYPE error in its job's place (that job only is refused).
+CLAIM_MANY = Script(
+    "claim_many",
+    LUA_CLAIM
     + """
-local refused = wrong_key_type()
-if refused then return refused end
-local result, status, entry, tokens, deadline = unpack(
-  redis.call('HMGET', KEYS[1], 'result', 'status', 'entry', 'tokens', 'deadline'))
-if result then
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
-  return {'final'}
+local replies = {}
+for i = 0, #KEYS / 3 - 1 do
+  local k, a = 3 * i, 2 * i
+  replies[i + 1] = claim(KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], ARGV[1], ARGV[a + 3], ARGV[2], ARGV[a + 4])
 end
-if status == 'running' and entry ~= ARGV[2] then
-  return {'duplicate'}
-end
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'entry', ARGV[2], 'run', ARGV[4])
-if deadline then return {'claimed', tonumber(tokens or '0'), deadline} end
-return {'claimed', tonumber(tokens or '0')}
+return replies
 """,
 )
 
@@ -326,6 +359,11 @@ return 1
 # one entry if a lane's stream has work left (an idle worker wakes to take it), none if not
 # (nobody needs waking; the queue's own stream wakes its idle readers by itself). Returns {{lane, tenant, {{id, {field, value...}}...}}...}, and {'!', stream, error} for a
 # stream that refused.
+# With a 7th key, the worker's own stream (cache-aware placement; on one server, where it shares
+# the node: a round trip less per read), and a last ARGV, its room for any lane: that stream is
+# read first, up to that room, as {'own', '', entries}; the lanes' rooms shrink by what it gave
+# (flex's no further than its own ARGV says), and with none left in the highest lane and no
+# correction to apply, nothing else is done.
 READ = Script(
     "read",
     LUA_STREAM_OF
@@ -334,6 +372,15 @@ READ = Script(
 local group, consumer = ARGV[1], ARGV[2]
 local room = {{tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}}
 local default_cost = tonumber(ARGV[6])
+local placed = nil  -- {{'own', '', entries}} of the worker's own stream, where given it
+if KEYS[7] then
+  local own_room = tonumber(ARGV[#ARGV])
+  local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', own_room, 'STREAMS', KEYS[7], '>')
+  local n = reply and #reply[1][2] or 0
+  if n > 0 then placed = {{'own', '', reply[1][2]}} end
+  room = {{math.max(0, room[1] - n), math.max(0, room[2] - n), math.min(room[3], math.max(0, own_room - n))}}
+  if room[1] <= 0 and tonumber(ARGV[7]) == 0 then return {{placed}} end
+end
 local sched = KEYS[5]
 local weights, costs = {{}}, {{}}
 local function weight(tenant)
@@ -365,7 +412,7 @@ maybe[2] = maybe[2] or not probed
 local stored = redis.call('HMGET', sched, 'credit:default', 'credit:flex')
 local credit = {{0, tonumber(stored[1] or '0'), tonumber(stored[2] or '0')}}
 local credit_changed = false
-local out = {{}}
+local out = {{placed}}
 
 local function want(l)
   return room[l] - taken[1] - taken[2] - taken[3]
@@ -665,6 +712,7 @@ return 0
 # job back to the queue, after REQUEUE): `execute` loads both sets on NOSCRIPT.
 WORKER_SCRIPTS = (
     CLAIM,
+    CLAIM_MANY,
     PUBLISH,
     FAIL,
     ADOPT,
@@ -691,6 +739,14 @@ def forget_done(pipe: Pipe, keys: Keys, job_id: str) -> None:
 
 def claim(keys: Keys, job_id: str, worker: str, entry_id: str, result_ttl_s: int, run: str) -> ScriptCall:
     return ScriptCall(CLAIM, job_keys(keys, job_id), (worker, entry_id, result_ttl_s, run))
+
+
+def claim_many(keys: Keys, worker: str, result_ttl_s: int, jobs: list[tuple[str, str, str]]) -> ScriptCall:
+    """CLAIM_MANY of `jobs`, (job id, entry id, run token) each: on one server only."""
+    call_keys = tuple(key for job_id, _, _ in jobs for key in job_keys(keys, job_id))
+    return ScriptCall(
+        CLAIM_MANY, call_keys, (worker, result_ttl_s, *(x for _, entry, run in jobs for x in (entry, run)))
+    )
 
 
 def publish(
@@ -773,9 +829,11 @@ def read(
     rooms: tuple[int, int, int],
     default_cost: int,
     corrections: dict[tuple[str, str], int],
+    own: tuple[str, int] | None = None,
 ) -> ScriptCall:
     """READ of up to rooms[i] entries of lane LANES[i] or higher; `corrections`: (lane, tenant) ->
-    tokens to add to (or, negative, take from) the tenant's counter in the lane."""
+    tokens to add to (or, negative, take from) the tenant's counter in the lane. `own`: the
+    worker's own stream and its room for any lane, read first (on one server only)."""
     call_keys = (
         keys.queue(queue),
         *(keys.lane(queue, lane) for lane in LANES),
@@ -783,7 +841,10 @@ def read(
         keys.doorbell(queue),
     )
     flat = tuple(x for (lane, tenant), tokens in corrections.items() for x in (lane, tenant, tokens))
-    return ScriptCall(READ, call_keys, (GROUP, worker, *rooms, default_cost, len(corrections), *flat))
+    args = (GROUP, worker, *rooms, default_cost, len(corrections), *flat)
+    if own is not None:
+        return ScriptCall(READ, (*call_keys, own[0]), (*args, own[1]))
+    return ScriptCall(READ, call_keys, args)
 
 
 def reclaim_lanes(

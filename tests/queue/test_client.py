@@ -403,6 +403,29 @@ def test_a_wait_that_misses_the_done_stream_reads_the_result_from_the_hash_after
     assert JobResult.model_validate_json(found) == result
 
 
+def test_a_client_knows_the_expiry_of_its_own_submits_once_and_for_half_the_done_streams_life():
+    """What lets wait() skip its look at a job this client just submitted: within DONE_TTL_MS / 2
+    of the submit the job's done stream holds its end if it has ended (its first blocking read
+    returns at once), and the expiry the submit knew stands in for the job's deadline."""
+    now = [100.0]
+    kept = waiting.Submissions(clock=lambda: now[0])
+    assert waiting.Submissions.KEPT_S == DONE_TTL_MS / 2000
+    kept.add("a", 130.0)
+    kept.add("b", None)
+    assert (kept.expiry("a"), kept.expiry("a")) == (130.0, waiting.UNKNOWN)  # once: a later wait looks
+    assert kept.expiry("someone else's") == waiting.UNKNOWN
+    now[0] += waiting.Submissions.KEPT_S
+    assert kept.expiry("b") == waiting.UNKNOWN  # too old: its end may be older than its done stream
+    kept.add("c", None)
+    now[0] += waiting.Submissions.KEPT_S / 2
+    kept.add("d", 1.0)
+    assert (kept.expiry("d"), kept.expiry("c")) == (1.0, None)
+    for i in range(3):  # what is kept: the submits of the last two generations at most
+        now[0] += waiting.Submissions.KEPT_S
+        kept.add(f"e{i}", None)
+    assert set(kept.current) | set(kept.previous) == {"e1", "e2"}
+
+
 def test_a_watch_left_unread_past_the_done_streams_life_finds_its_jobs_in_their_hashes(client, redis_client):
     ids = [client.submit(f"p{i}", max_tokens=4) for i in range(4)]
     watch = ResultWatch(Keys(), ids)

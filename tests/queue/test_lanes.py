@@ -312,3 +312,37 @@ def test_an_entry_placed_on_a_workers_stream_carries_its_lane(redis_client):
     call(redis_client, producer.enqueue(stream, 0, "j1", "{}", {"lane": "flex", "tenant": "a", "cost": "9"}))
     [(_, fields)] = redis_client.xrange(stream)
     assert fields == {"id": "j1", "v": str(PROTOCOL_VERSION), "body": "{}", "lane": "flex", "tenant": "a", "cost": "9"}
+
+
+def test_read_given_the_workers_own_stream_reads_it_first_and_the_lanes_with_the_room_left(redis_client, queue):
+    own = KEYS.own_queue(queue, "w1")
+    redis_client.xgroup_create(own, GROUP, id="0", mkstream=True)
+
+    def place(n):
+        return [redis_client.xadd(own, {"id": uuid.uuid4().hex, "v": PROTOCOL_VERSION, "body": "{}"}) for _ in range(n)]
+
+    def read_with_own(lane_rooms, own_room):
+        """READ given the own stream: [(lane, tenant, entry ids)]."""
+        reply = call(redis_client, worker.read(KEYS, queue, "w1", lane_rooms, DEFAULT_COST, {}, (own, own_room)))
+        return [(lane, tenant, [entry_id for entry_id, _ in entries]) for lane, tenant, entries in reply]
+
+    def counts(reply):
+        return [(lane, tenant, len(ids)) for lane, tenant, ids in reply]
+
+    placed = place(2)
+    enqueue(redis_client, queue, "a", ["flex"] * 6)
+    # The placed entries first, then the lanes with what is left of each room.
+    first = read_with_own((3, 3, 3), 3)
+    assert counts(first) == [("own", "", 2), ("flex", "a", 1)] and first[0][2] == placed
+    place(1)
+    assert counts(read_with_own((3, 3, 3), 3)) == [("own", "", 1), ("flex", "a", 2)]
+    # Flex's room as given (the worker's flex read batch) where it is less than what is left.
+    place(1)
+    assert counts(read_with_own((9, 9, 1), 9)) == [("own", "", 1), ("flex", "a", 1)]
+    # The placed entries fill the highest lane's room: the lanes are not read, the doorbell stays as it was.
+    place(1)
+    bell = redis_client.xrange(KEYS.doorbell(queue))
+    assert counts(read_with_own((1, 1, 1), 1)) == [("own", "", 1)]
+    assert redis_client.xrange(KEYS.doorbell(queue)) == bell != []
+    assert counts(read_with_own((1, 1, 1), 1)) == [("flex", "a", 1)]  # none placed: the lanes' turn
+    assert read(redis_client, queue, rooms=(9, 9, 9)) == [("flex", "a", 1)]

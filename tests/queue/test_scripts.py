@@ -15,6 +15,7 @@ from producer_client.protocol.execution import execute
 from producer_client.protocol.producer import CANCEL, CREATE, ENQUEUE, PRODUCER_SCRIPTS
 from producer_client.protocol.worker import (
     CLAIM,
+    CLAIM_MANY,
     DEADLETTER,
     FAIL,
     PUBLISH,
@@ -385,6 +386,30 @@ def test_claim_and_publish_refuse_a_job_key_of_another_type_before_writing_anyth
         with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
             on_job(redis_client, PUBLISH, job_id, *args)
     assert {k: redis_client.dump(k) for k in before} == before  # nothing written
+
+
+def test_claim_many_answers_each_job_as_its_own_claim_and_refuses_a_job_of_another_key_type_alone(redis_client):
+    fresh, hostile, ended, resumed = (uuid.uuid4().hex for _ in range(4))
+    redis_client.hset(KEYS.events(hostile), "a", "b")
+    redis_client.hset(KEYS.job(ended), mapping={"status": "done", "result": "{}"})
+    redis_client.hset(KEYS.job(resumed), mapping={"status": "running", "entry": "4-0", "tokens": "3", "deadline": "9"})
+    jobs = [
+        (fresh, "1-0", "r1"),
+        (hostile, "2-0", "r2"),
+        (ended, "3-0", "r3"),
+        (resumed, "4-0", "r4"),
+        (fresh, "5-0", "r5"),
+    ]
+    call_keys = [key for job_id, _, _ in jobs for key in (KEYS.job(job_id), KEYS.events(job_id), KEYS.done(job_id))]
+    replies = run(redis_client, CLAIM_MANY, call_keys, "w1", 60, *(x for _, entry, run_ in jobs for x in (entry, run_)))
+    assert isinstance(replies[1], redis.ResponseError)
+    assert str(replies[1]) == f"WRONGTYPE {KEYS.events(hostile)} is a hash, not a stream"
+    # the same entry of a job claimed twice in one call: the second is a duplicate, as in two calls
+    assert replies[:1] + replies[2:] == [["claimed", 0], ["final"], ["claimed", 3, "9"], ["duplicate"]]
+    assert redis_client.hgetall(KEYS.job(fresh)) == {"status": "running", "worker": "w1", "entry": "1-0", "run": "r1"}
+    assert redis_client.hget(KEYS.job(resumed), "run") == "r4"
+    assert redis_client.ttl(KEYS.job(ended)) == 60
+    assert not redis_client.exists(KEYS.job(hostile))
 
 
 def test_fail_replaces_keys_of_another_type_and_writes_the_failure_once(redis_client, job_id):

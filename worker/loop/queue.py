@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 HANDED_OVER_IDLE_MS = 10**10
 HANDED_OVER_MIN_IDLE_MS = HANDED_OVER_IDLE_MS // 10  # an entry this idle was handed over
 REFUSED = "!"  # READ's reply for a lane stream that refused (a key of another type)
+OWN = "own"  # READ's reply for the entries of the worker's own stream, where READ reads it
 # The most flex entries one READ takes, however much room the worker has: the entries read are
 # parsed, claimed and started in the iteration that read them, and a default or priority job that
 # arrives meanwhile is read at the next one. Behind a flood of short flex jobs, which start together
@@ -200,12 +201,16 @@ class Settle:
         return both
 
 
-def lane_deliveries(reply: list[Any], shard: int = 0) -> list[Delivery]:
-    """READ's reply (of shard `shard`): each entry named by its lane's reference and charged its cost."""
+def lane_deliveries(reply: list[Any], shard: int = 0, owner: str | None = None) -> list[Delivery]:
+    """READ's reply (of shard `shard`): each entry named by its lane's reference and charged its cost;
+    those of `owner`'s own stream, which READ read first where it was given it, by their stream's."""
     taken: list[Delivery] = []
     for lane, tenant, entries in reply:
         if lane == REFUSED:
             log.error("the lane stream %s refused a read (%s): its jobs wait until it is put right", tenant, entries)
+            continue
+        if lane == OWN:
+            taken += [Delivery(entry_ref(entry_id, owner), _fields(flat)) for entry_id, flat in entries]
             continue
         route = Route(lane, tenant)
         for entry_id, flat in entries:
@@ -287,6 +292,8 @@ class WorkerQueue:
         self.reclaim_cursors = ["0-0"] * shards
         self.reclaim_starts = [0] * shards  # where RECLAIM_LANES starts in each shard's set of lane streams
         self.read_start = 0  # the shard a read with less room than shards asks first, in turn
+        # On one server of one shard READ reads this worker's own stream too: one round trip a read.
+        self.own_in_read = self.own is not None and shards == 1 and not is_cluster(client)
         self.peers: list[str] = []  # every worker of the queue's index, as of the last heartbeat
 
     def _send(self, add_commands: AddCommands, per_command_errors: bool = False) -> list[Any]:
@@ -349,6 +356,30 @@ class WorkerQueue:
         the lanes' counters). Idle (`block_ms`) and given nothing, it waits for a job (_wait)."""
         corrections = corrections or {}
         settle = Settle(acks, dead_letters, self.bells)
+        if self.own is not None and self.own_in_read and rooms[2] > 0:
+            taken = self._read_own_and_lanes(settle, self.own, rooms, corrections)
+        else:
+            taken, rooms = self._read_own_then_lanes(settle, rooms, corrections)
+        self.bells = [b for b in self.bells if b not in settle.bells]
+        if taken or block_ms is None or rooms[2] <= 0:
+            return taken
+        return self._wait(rooms, block_ms)
+
+    def _read_own_and_lanes(
+        self, settle: Settle, own: str, rooms: tuple[int, int, int], corrections: Owed
+    ) -> list[Delivery]:
+        """One READ that reads this worker's own stream `own` first, after `settle` in the same pipeline."""
+        lane_rooms = (rooms[0], rooms[1], min(rooms[2], FLEX_READ_BATCH))
+        call = scripts.read(
+            self.keys, self.queue, self.worker, lane_rooms, DEFAULT_COST, of_shard(corrections, 0), (own, rooms[2])
+        )
+        return lane_deliveries(self._send(settle.before(self, call.add_to))[-1], owner=self.worker)
+
+    def _read_own_then_lanes(
+        self, settle: Settle, rooms: tuple[int, int, int], corrections: Owed
+    ) -> tuple[list[Delivery], tuple[int, int, int]]:
+        """This worker's own stream, then the lanes with the rooms left, each read apart (on a
+        cluster they lie on different nodes); returns what was taken and the rooms left."""
         taken: list[Delivery] = []
         own = self.own
         if own is not None and rooms[2] > 0:
@@ -361,10 +392,7 @@ class WorkerQueue:
             taken += self._read_lanes(settle, lane_rooms, corrections)
         elif not settle.sent:
             self._send(lambda pipe: settle.add_to(pipe, self))
-        self.bells = [b for b in self.bells if b not in settle.bells]
-        if taken or block_ms is None or rooms[2] <= 0:
-            return taken
-        return self._wait(rooms, block_ms)
+        return taken, rooms
 
     def _read_lanes(self, settle: Settle, rooms: tuple[int, int, int], corrections: Owed) -> list[Delivery]:
         """READ, after `settle` in the same pipeline. On several shards, a READ per shard in one

@@ -1,0 +1,149 @@
+"""Redis's cost per 1-token job, and where it goes (issue 43: Redis CPU per job <= 40 us): bench.peers'
+MILI load run (2 echo workers, 2 producer processes x 8 producers each submitting a job and waiting
+for its result, a fresh redis-server) measured between the go and the last result: redis-server's
+CPU per job (/proc, and INFO cpu's used_cpu_sys + used_cpu_user), its commands per job (INFO stats
+total_commands_processed: a script's commands count too), its round trips per job (INFO stats
+total_reads_processed: one read event a client's pipeline), and per command its calls and
+microseconds per job (INFO commandstats; an EVALSHA's time includes its commands', which are
+counted under their own names as well).
+
+With `--before TREE` (a checkout of another commit, e.g. `git worktree add --detach /tmp/base
+<commit>`), the rounds alternate that tree's code and this one's, on the same machine and in the
+same hour, so that the load other work puts on the machine falls on both alike; CPU per job moves
+less with that load than jobs/s does.
+
+    python -m bench.redis_cpu [--rounds 3 --seconds 3] [--before /tmp/base]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bench.peer_queues.redis_costs import RedisCosts
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ("jobs_per_s", "redis_cpu_us", "info_cpu_us", "commands", "round_trips")
+
+
+def one_run(seconds: float) -> dict:
+    """One load run of the code on sys.path (bench.peers of the tree the run was started in): its
+    modules are imported here, in that run's process."""
+    from bench import peers
+    from bench.peer_queues.processes import WorkerGroup
+    from bench.peer_queues.redis_costs import RedisCosts
+    from worker.embedded_redis import EmbeddedRedis, free_port
+
+    args = argparse.Namespace(seconds=seconds, procs=2, producers=8, poll_s=0.001)
+    lib = peers.LIBRARIES[0]
+    with EmbeddedRedis(port=free_port()) as server, tempfile.TemporaryDirectory(prefix="mili-rcpu-") as logs:
+        env = peers.run_environment(server.url, lib, args)
+        costs = RedisCosts(server)
+        with WorkerGroup(lib.workers(sys.executable, server.url), env, Path(logs)):
+            producers = peers.start_load(sys.executable, lib, env, args)
+            time.sleep(1.0)  # the workers' start-up commands done
+            before = snapshot(costs)
+            jobs, elapsed, _ = peers.run_load(producers)
+            after = snapshot(costs)
+            for producer in producers:
+                producer.finish()
+        costs.close()
+    per_job = {name: (after[name] - before[name]) / jobs for name in ("cpu", "info_cpu", "commands", "reads")}
+    return {
+        "jobs_per_s": jobs / elapsed,
+        "redis_cpu_us": per_job["cpu"] * 1e6,
+        "info_cpu_us": per_job["info_cpu"] * 1e6,
+        "commands": per_job["commands"],
+        "round_trips": per_job["reads"],
+        "per_command": RedisCosts.per_job(before["stats"], after["stats"], jobs),
+    }
+
+
+def snapshot(costs: RedisCosts) -> dict:
+    stats, cpu = costs.redis.info("stats"), costs.redis.info("cpu")
+    return {
+        "cpu": costs.cpu(),
+        "info_cpu": cpu["used_cpu_sys"] + cpu["used_cpu_user"],
+        "commands": stats["total_commands_processed"],
+        "reads": stats["total_reads_processed"],
+        "stats": costs.commandstats(),
+    }
+
+
+def run_in(tree: Path, seconds: float) -> dict:
+    """one_run of `tree`'s code, in a process of its own started there: this file is run from its
+    path, so that a tree that lacks it can be measured too."""
+    code = (
+        f"import json, runpy; m = runpy.run_path({str(Path(__file__))!r}); print(json.dumps(m['one_run']({seconds})))"
+    )
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+    python = tree / ".venv" / "bin" / "python"
+    out = subprocess.run(
+        [str(python) if python.exists() else sys.executable, "-c", code],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--before", type=Path, help="a tree of the code to compare with, run in alternation")
+    args = p.parse_args()
+    trees = {"before": args.before, "after": ROOT} if args.before else {"this": ROOT}
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    print(f"load average at the start: {load_average()}")
+    for round_ in range(1, args.rounds + 1):
+        for name, tree in trees.items():
+            run = run_in(tree, args.seconds)
+            runs[name].append(run)
+            print(f"round {round_} {name:6} " + "  ".join(f"{f} {run[f]:,.2f}" for f in FIGURES), flush=True)
+    print(f"load average at the end: {load_average()}\n")
+    print("| code | " + " | ".join(FIGURES) + " |\n|---|" + "---|" * len(FIGURES))
+    for name, figures in runs.items():
+        print(
+            f"| {name} (median of {args.rounds}) | " + " | ".join(f"{median(figures, f):,.2f}" for f in FIGURES) + " |"
+        )
+    print_commands(runs)
+
+
+def print_commands(runs: dict[str, list[dict]]) -> None:
+    """Each command's calls and microseconds per job, the median over the rounds, heaviest first."""
+    names = sorted({c for figures in runs.values() for run in figures for c in run["per_command"]})
+    rows = {c: {n: per_command_median(f, c) for n, f in runs.items()} for c in names}
+    order = sorted(rows, key=lambda c: -max(us for _, us in rows[c].values()))
+    print("\n| command | " + " | ".join(f"{n}: calls/job, us/job" for n in runs) + " |\n|---|" + "---|" * len(runs))
+    for c in order:
+        if max(us for _, us in rows[c].values()) >= 0.05:
+            print(f"| {c} | " + " | ".join(f"{calls:.3f}, {us:.2f}" for calls, us in rows[c].values()) + " |")
+
+
+def per_command_median(figures: list[dict], command: str) -> tuple[float, float]:
+    pairs = [run["per_command"].get(command, (0.0, 0.0)) for run in figures]
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+
+
+def median(figures: list[dict], name: str) -> float:
+    return statistics.median(run[name] for run in figures)
+
+
+def load_average() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()
