@@ -5,7 +5,8 @@
 #                              (tests/support/tiers.py says how a test gets each mark)
 # The tests run on two pytest-xdist processes, and those marked `waits` (they mostly wait on
 # timeouts and faults) in a third pytest process beside them; then the `timing` tests (bounds on
-# elapsed time) run alone, so that nothing beside them stretches their time.
+# elapsed time) run alone, so that nothing beside them stretches their time (their process collects
+# beside the others, and waits for them before its first test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 parallel="not timing"
@@ -38,15 +39,24 @@ waits_log=$(mktemp)
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/python -m pytest tests -m "($parallel) and waits" "$@" \
   > "$waits_log" 2>&1 &
 waits_pid=$!
-trap 'kill "$waits_pid" 2>/dev/null || true; rm -f "$waits_log"' EXIT
+# The timing tests' process collects now, beside the others (the whole tree: ~8 s of CPU, which was
+# the lane's own wall time after theirs), and runs its first test once $gate exists, made when they
+# are done (tests/support/gate.py): nothing runs beside the timing tests.
+timing_log=$(mktemp)
+gate=$(mktemp -u)
+MILI_TESTS_GATE="$gate" .venv/bin/python -m pytest tests -m "$serial" -p tests.support.gate "$@" > "$timing_log" 2>&1 &
+timing_pid=$!
+trap 'kill "$waits_pid" "$timing_pid" 2>/dev/null || true; rm -f "$waits_log" "$timing_log" "$gate"' EXIT
 others=0
 .venv/bin/python -m pytest tests -n 2 --dist loadgroup -m "($parallel) and not waits" --durations=30 "$@" || others=$?
 waits=0
 wait "$waits_pid" || waits=$?
 echo "--- the tests marked waits, run beside the others:"
 cat "$waits_log"
+touch "$gate"
+tail -n +1 -f --pid="$timing_pid" "$timing_log"
 timing=0
-.venv/bin/python -m pytest tests -m "$serial" "$@" || timing=$?
+wait "$timing_pid" || timing=$?
 # 5 is pytest's "no test selected": a pass that arguments such as -k left empty, not a failure
 # unless every run is.
 for status in "$others" "$waits" "$timing"; do
