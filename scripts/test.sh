@@ -5,7 +5,8 @@
 #                              (tests/support/tiers.py says how a test gets each mark)
 # The tests run on two pytest-xdist processes, and those marked `waits` (they mostly wait on
 # timeouts and faults) in a third pytest process beside them; then the `timing` tests (bounds on
-# elapsed time) run alone, so that nothing beside them stretches their time.
+# elapsed time) run alone, so that nothing beside them stretches their time (their process collects
+# beside the others, and waits for them before its first test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 parallel="not timing"
@@ -16,11 +17,6 @@ if [ "${1:-}" = "--quick" ]; then
   shift
 fi
 scripts/bootstrap.sh --dev
-# The static checks first: lint, format and types ([tool.ruff] and [tool.mypy] in
-# pyproject.toml say what each covers).
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
-.venv/bin/mypy
 # The suite starts hundreds of Python processes (pytest steps, workers, gateways, CLIs); where the
 # environment forbids bytecode caches (PYTHONDONTWRITEBYTECODE, as this project's sandbox sets),
 # each compiles the project's modules again: ~1 s of CPU per pytest process, 10% of the tp stage's
@@ -28,8 +24,23 @@ scripts/bootstrap.sh --dev
 unset PYTHONDONTWRITEBYTECODE
 # The engine's CPU kernels (numba) compile on first use and are cached under kernels/__pycache__:
 # compiled once here, not by each of the first processes that need them at once on a fresh clone
-# (one tiny engine's start: 24 s with no cache, 6 s with it).
-.venv/bin/python -c "from worker.engine.engine import Engine; Engine.from_pretrained('tiny').warm_up()"
+# (one tiny engine's start: 24 s with no cache, 6 s with it); beside the static checks, a core each
+# (on a fresh clone ~12 s of CPU for this, ~6 s for mypy).
+warm_up_log=$(mktemp)
+.venv/bin/python -c "from worker.engine.engine import Engine; Engine.from_pretrained('tiny').warm_up()" \
+  > "$warm_up_log" 2>&1 &
+warm_up_pid=$!
+trap 'kill "$warm_up_pid" 2>/dev/null || true; rm -f "$warm_up_log"' EXIT
+# The static checks first: lint, format and types ([tool.ruff] and [tool.mypy] in
+# pyproject.toml say what each covers).
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
+warm_up=0
+wait "$warm_up_pid" || warm_up=$?
+cat "$warm_up_log"
+rm -f "$warm_up_log"
+[ "$warm_up" -eq 0 ] || exit "$warm_up"
 
 # The waiting tests' report comes after the others' (two reports written at once would interleave).
 # They compute little beside two processes that take a core each: one torch thread for them and
@@ -38,15 +49,24 @@ waits_log=$(mktemp)
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/python -m pytest tests -m "($parallel) and waits" "$@" \
   > "$waits_log" 2>&1 &
 waits_pid=$!
-trap 'kill "$waits_pid" 2>/dev/null || true; rm -f "$waits_log"' EXIT
+# The timing tests' process collects now, beside the others (the whole tree: ~8 s of CPU, which was
+# the lane's own wall time after theirs), and runs its first test once $gate exists, made when they
+# are done (tests/support/gate.py): nothing runs beside the timing tests.
+timing_log=$(mktemp)
+gate=$(mktemp -u)
+MILI_TESTS_GATE="$gate" .venv/bin/python -m pytest tests -m "$serial" -p tests.support.gate "$@" > "$timing_log" 2>&1 &
+timing_pid=$!
+trap 'kill "$waits_pid" "$timing_pid" 2>/dev/null || true; rm -f "$waits_log" "$timing_log" "$gate"' EXIT
 others=0
 .venv/bin/python -m pytest tests -n 2 --dist loadgroup -m "($parallel) and not waits" --durations=30 "$@" || others=$?
 waits=0
 wait "$waits_pid" || waits=$?
 echo "--- the tests marked waits, run beside the others:"
 cat "$waits_log"
+touch "$gate"
+tail -n +1 -f --pid="$timing_pid" "$timing_log"
 timing=0
-.venv/bin/python -m pytest tests -m "$serial" "$@" || timing=$?
+wait "$timing_pid" || timing=$?
 # 5 is pytest's "no test selected": a pass that arguments such as -k left empty, not a failure
 # unless every run is.
 for status in "$others" "$waits" "$timing"; do

@@ -32,6 +32,7 @@ def follower_pid(engine: Engine) -> int:
     return engine.ranks.processes[0].pid
 
 
+@pytest.mark.slow  # 12.5 s in the timing lane (nothing beside it), 8 s of it idle or hung past the timeout
 @pytest.mark.timing
 def test_ranks_idle_past_the_timeout_are_no_hang_and_a_stopped_rank_is_one(models):
     timeout_s = 2.0

@@ -12,6 +12,7 @@ from producer_client import Client
 from producer_client.errors import InvalidArgument
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from tests.queue.test_dead_letters import make_poison, settle, take
+from tests.support.clients import make_client
 from tests.support.fixtures import on_modes
 from worker.loop.queue import WorkerQueue
 
@@ -171,33 +172,43 @@ def heartbeat(redis_client, queue: str, name: str, ttl_s: float) -> None:
 
 
 @pytest.mark.timing
-def test_a_heartbeat_turns_stale_past_half_its_ttl_and_gone_past_it(client, redis_client, queue):
+def test_a_heartbeat_turns_stale_past_half_its_ttl_and_gone_past_it(redis_server, redis_client, queue):
+    # The sync and the async client read the same heartbeats at each moment: one run of the TTLs
+    # for both, where a run for each cost the timing lane (nothing runs beside it) 6 s more.
+    clients = {kind: make_client(kind, redis_server.url, queue) for kind in ("sync", "async")}
     ttl_s = 1.2  # stale from 0.6 s, gone from 1.2 s: each reading is 0.3 s from the next condition
     heartbeat(redis_client, queue, f"{queue}-steady", ttl_s)
     heartbeat(redis_client, queue, f"{queue}-silent", ttl_s)
-    conditions = {}
+    conditions = {kind: {} for kind in clients}
     started = time.monotonic()
-    for at in (0.1, 0.9, 1.8, 3.6, 6.0):  # inside half the TTL, past it, then past the TTL several times over
-        time.sleep(max(0.0, started + at - time.monotonic()))
-        heartbeat(redis_client, queue, f"{queue}-steady", ttl_s)
-        rows = {w.name: w for w in settle(client, client.inspect.workers()) if w.queue == queue}
-        conditions[at] = (rows[f"{queue}-steady"].condition, rows[f"{queue}-silent"].condition)
-        silent = rows[f"{queue}-silent"]
-        assert at - 0.1 <= silent.heartbeat_age_s < at + 0.5
-    assert conditions == {
-        0.1: ("live", "live"),
-        0.9: ("live", "stale"),
-        1.8: ("live", "gone"),
-        3.6: ("live", "gone"),
-        6.0: ("live", "gone"),
-    }
-    (steady,) = [w for w in settle(client, client.inspect.workers()) if w.name == f"{queue}-steady"]
-    assert (steady.info.model, steady.info.running, steady.info.free_pages, steady.info.total_pages) == (
-        "echo",
-        1,
-        10,
-        16,
-    )
+    try:
+        for at in (0.1, 0.9, 1.8, 3.6, 6.0):  # inside half the TTL, past it, then past the TTL several times over
+            time.sleep(max(0.0, started + at - time.monotonic()))
+            heartbeat(redis_client, queue, f"{queue}-steady", ttl_s)
+            for kind, client in clients.items():
+                rows = {w.name: w for w in settle(client, client.inspect.workers()) if w.queue == queue}
+                conditions[kind][at] = (rows[f"{queue}-steady"].condition, rows[f"{queue}-silent"].condition)
+                silent = rows[f"{queue}-silent"]
+                assert at - 0.1 <= silent.heartbeat_age_s < at + 0.5, kind
+        expected = {
+            0.1: ("live", "live"),
+            0.9: ("live", "stale"),
+            1.8: ("live", "gone"),
+            3.6: ("live", "gone"),
+            6.0: ("live", "gone"),
+        }
+        assert conditions == {"sync": expected, "async": expected}
+        for client in clients.values():
+            (steady,) = [w for w in settle(client, client.inspect.workers()) if w.name == f"{queue}-steady"]
+            assert (steady.info.model, steady.info.running, steady.info.free_pages, steady.info.total_pages) == (
+                "echo",
+                1,
+                10,
+                16,
+            )
+    finally:
+        for client in clients.values():
+            client.close()
 
 
 def test_only_the_most_recently_gone_workers_are_listed(client, redis_client, queue):
