@@ -190,9 +190,9 @@ class JobCommands:
 
 
 def _each_job(reply: object, jobs: int) -> list[object]:
-    """A call's reply per job: PUBLISH's own for one job, PUBLISH_ROUND's list for several, the
-    call's error for each of its jobs (Redis ran none of it, or all of it for nothing: each job's
-    publication is safe to send again)."""
+    """A call's reply per job: PUBLISH's own for one job, PUBLISH_ROUND's list for several, and an
+    error of the call itself (a job's own comes in its place in the list) for each of its jobs, as
+    each job's own call would have met it: each job's publication is safe to send again."""
     if jobs == 1:
         return [reply]
     if isinstance(reply, Exception):
