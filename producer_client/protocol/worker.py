@@ -174,22 +174,30 @@ end
 PUBLISH = Script("publish", PUBLISH_JOB + "return publish(KEYS[1], KEYS[2], KEYS[3], 0)\n")
 
 # KEYS: job, events, done of each job. ARGV: each job's PUBLISH_ARGS, in the same order. A round's
-# publications of several jobs (of one hash slot, on a cluster) in one call: a round's EVALSHAs
-# cost Redis and the worker more in the calls themselves (parsing, dispatch, the script's setup,
-# a reply each) than in the publications (bench/RESULTS.md, issue 43). Each job is published as
-# if alone: an error its keys give (a key of another type) is its reply in its place, after
-# whatever of its own writes came before, as its own call would have ended; the others go on.
-# Returns a reply per job (PUBLISH_JOB).
+# publications of several jobs (of one hash slot, on a cluster) in one call: a call per job cost
+# the worker a third to a half more per publication (packing it, its reply), and Redis a fifth
+# more when rounds come back to back (bench/RESULTS.md, issue 43). Each job is published as if
+# alone: an error its commands meet (a key of another type; OOM, which Redis gives a script's
+# writes until it has written once, so a job after one that wrote may write) is its reply in its
+# place, after whatever of its own writes came before, as its own call would have ended; the
+# others go on. Returns a reply per job (PUBLISH_JOB).
 PUBLISH_ROUND = Script(
     "publish_round",
     PUBLISH_JOB
     + """
+-- A caught error is the message (Redis 7.0) or an error table (7.2 on). A message keeps its code
+-- (OOM, WRONGTYPE...), which tells the worker whether to try again; a Lua error has none: ERR, as
+-- Redis gives it when it ends a call.
+local function error_reply(message)
+  if not message:match('^%u+ ') then message = 'ERR ' .. message end
+  return redis.error_reply(message)
+end
 local replies = {}
 for i = 1, #KEYS / 3 do
   local called, reply = pcall(publish, KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i], """
     + str(PUBLISH_ARGS)
     + """ * (i - 1))
-  if not called and type(reply) ~= 'table' then reply = redis.error_reply('ERR ' .. tostring(reply)) end
+  if not called and type(reply) ~= 'table' then reply = error_reply(tostring(reply)) end
   replies[i] = reply
 end
 return replies

@@ -22,6 +22,7 @@ from producer_client.schema import JobResult
 from worker.loop import job_commands
 from worker.loop.job_commands import ROUND_JOBS, JobCommands
 from worker.loop.outbox import Update
+from worker.loop.queue import is_transient
 
 KEYS = Keys()
 START = json.dumps({"worker": "w1"})
@@ -105,10 +106,27 @@ def test_a_job_whose_keys_refuse_gets_its_error_in_its_place_and_the_others_are_
     ]
     replies = evalsha(redis_client, PUBLISH_ROUND, publish_round(calls).keys, publish_round(calls).args)
     assert replies[0] == replies[2] == ("written" if final else "ok")
-    assert isinstance(replies[1], redis.ResponseError) and str(replies[1]).startswith("WRONGTYPE")
+    assert type(replies[1]) is redis.ResponseError and str(replies[1]).startswith("WRONGTYPE")
+    assert not is_transient(replies[1])
     assert [redis_client.dump(key) for key in refused] == before  # nothing of it written
     for j in (jobs[0], jobs[2]):
         assert redis_client.hget(KEYS.job(j), "tokens") == "1"
+
+
+def test_a_round_refused_for_memory_answers_each_job_the_error_to_try_again(redis_client):
+    """Redis refuses a script's writes past maxmemory: each job's reply is OutOfMemoryError, which
+    the worker keeps the update for (as its own call's), and nothing is written."""
+    jobs = [prepared(redis_client, CASES[0]) for _ in range(3)]
+    calls = [scripts.publish(KEYS, j, "r1", START, tokens(1), 0, 1, "", "", 60) for j in jobs]
+    redis_client.config_set("maxmemory", 1)
+    try:
+        replies = evalsha(redis_client, PUBLISH_ROUND, publish_round(calls).keys, publish_round(calls).args)
+    finally:
+        redis_client.config_set("maxmemory", 0)
+    assert [type(reply) for reply in replies] == [redis.exceptions.OutOfMemoryError] * 3
+    assert all(is_transient(reply) for reply in replies)
+    assert [redis_client.hget(KEYS.job(j), "tokens") for j in jobs] == [None] * 3
+    assert not any(redis_client.exists(KEYS.events(j)) for j in jobs)
 
 
 def updates_of(redis_client, n: int, lost_every: int) -> tuple[list[Update], list[Published]]:
