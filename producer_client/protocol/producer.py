@@ -95,7 +95,7 @@ local status, tokens, fingerprint, streamed, resumed = unpack(
 if not status then return false end
 if status == 'queued' then
   local kept = {{'tokens', tokens}, {'fingerprint', fingerprint}, {'cancel', '1'}}
-  end_job('cancelled', ARGV[1], kept, streamed == '1' or resumed == '1', '')
+  end_job(KEYS[1], KEYS[2], KEYS[3], 'cancelled', ARGV[1], kept, streamed == '1' or resumed == '1', '')
 elseif status == 'running' then
   redis.call('HSET', KEYS[1], 'cancel', '1')
 end

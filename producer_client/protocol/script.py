@@ -35,7 +35,8 @@ class ScriptCall:
         pipe.evalsha(self.script.sha, len(self.keys), *self.keys, *self.args)
 
 
-# Prepended to the scripts that end a job (KEYS: job, events, done), after every check of theirs.
+# Prepended to the scripts that end a job, after every check of theirs; it takes the job's keys
+# (job, events, done), since PUBLISH ends several jobs in one call.
 # A job's end writes what its guarantees need after it, and nothing else (docs/architecture.md,
 # "What a job keeps"):
 # - the hash is rewritten with `status`, the `result` JSON and the `kept` fields ({name, value}
@@ -50,26 +51,26 @@ class ScriptCall:
 #   any other job's goes, stream() reading the result instead.
 # `ttl`: '' for none (a producer's end: the worker's claim of the job's entry sets it).
 END_JOB = f"""
-local function end_job(status, result, kept, keep, ttl)
-  local hash = {{'HSET', KEYS[1], 'status', status, 'result', result}}
+local function end_job(job, events, done, status, result, kept, keep, ttl)
+  local hash = {{'HSET', job, 'status', status, 'result', result}}
   for _, field in ipairs(kept) do
     if field[2] then
       table.insert(hash, field[1])
       table.insert(hash, field[2])
     end
   end
-  redis.call('DEL', KEYS[1])
+  redis.call('DEL', job)
   redis.call(unpack(hash))
-  redis.call('XADD', KEYS[3], '*', 'data', result)
-  redis.call('PEXPIRE', KEYS[3], {DONE_TTL_MS})
+  redis.call('XADD', done, '*', 'data', result)
+  redis.call('PEXPIRE', done, {DONE_TTL_MS})
   if keep then
-    redis.call('XADD', KEYS[2], '*', 'type', 'end', 'data', result)
+    redis.call('XADD', events, '*', 'type', 'end', 'data', result)
   else
-    redis.call('DEL', KEYS[2])
+    redis.call('DEL', events)
   end
   if ttl ~= '' then
-    redis.call('EXPIRE', KEYS[1], ttl)
-    if keep then redis.call('EXPIRE', KEYS[2], ttl) end
+    redis.call('EXPIRE', job, ttl)
+    if keep then redis.call('EXPIRE', events, ttl) end
   end
 end
 """

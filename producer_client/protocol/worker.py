@@ -31,7 +31,7 @@ owns its keys and argument order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from producer_client.keys import GROUP, LANES, LUA_STREAM_OF, Keys
@@ -49,11 +49,12 @@ from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_key
 # worker fails the job (FAIL, below). A script whose first write would meet the wrong type needs
 # no check (PUBLISH's steps: the hash is read, or the event stream written, first).
 JOB_KEY_TYPES = """
-local function wrong_key_type()
-  for i, kind in ipairs({'hash', 'stream', 'stream'}) do
-    local found = redis.call('TYPE', KEYS[i]).ok
+local function wrong_key_type(job, events, done)
+  local kinds = {'hash', 'stream', 'stream'}
+  for i, key in ipairs({job, events, done}) do
+    local found, kind = redis.call('TYPE', key).ok, kinds[i]
     if found ~= 'none' and found ~= kind then
-      return redis.error_reply('WRONGTYPE ' .. KEYS[i] .. ' is a ' .. found .. ', not a ' .. kind)
+      return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. found .. ', not a ' .. kind)
     end
   end
 end
@@ -122,10 +123,14 @@ return replies
 """,
 )
 
-# KEYS: job, events, done. ARGV: run token, start JSON, tokens JSON, tokens before them, tokens
-# after them, final status, result JSON, result TTL seconds, '1' if the run streams the job (its
-# `stream` option, or a FOLLOW the run saw); '' for what the step does not have.
-# Returns one of:
+# ARGV of one job's publication, in order (PUBLISH's, and each job's in PUBLISH_ROUND's): run token,
+# start JSON, tokens JSON, tokens before them, tokens after them, final status, result JSON, result
+# TTL seconds, '1' if the run streams the job (its `stream` option, or a FOLLOW the run saw); ''
+# for what the step does not have.
+PUBLISH_ARGS = 9
+
+# The Lua of one job's publication, shared by PUBLISH and PUBLISH_ROUND: publish(job, events, done,
+# a) with the job's keys, its ARGV from a + 1. Returns one of:
 #   'gone'     Redis has no hash of the job: it lost it (see ADOPT).
 #   'ended'    the job has a result from elsewhere (a second finisher): nothing changes, not even
 #              the event stream. This very result, written by this run (a call whose reply was
@@ -139,56 +144,96 @@ return replies
 #   else 'cancel' (its cancel flag is up), 'followed' (its streamed flag is up: a reader follows
 #   it, see FOLLOW) or 'ok'.
 # A run that publishes after another run did raises the job's `resumed` flag. The final step writes
-# its events only where the end keeps them (END_JOB): any other job's would go at once.
-PUBLISH = Script(
-    "publish",
+# its events only where the end keeps them (END_JOB): any other job's would go at once. The hash's
+# fields are read once, by index, and the step's HSET names only the fields it changes: this runs
+# for every job of every round, and a table built to be unpacked costs more than it does.
+PUBLISH_JOB = (
     JOB_KEY_TYPES
     + END_JOB
     + """
-local status, result, run, recorded, started, cancel, streamed, resumed, fingerprint = unpack(redis.call('HMGET',
-  KEYS[1], 'status', 'result', 'run', 'tokens', 'started', 'cancel', 'streamed', 'resumed', 'fingerprint'))
-if not status then return 'gone' end  -- every job's hash has a status: this one has no hash
-if result then
-  if result == ARGV[7] then return 'written' end
-  return 'ended'
+local function publish(job, events, done, a)
+  local read = redis.call('HMGET', job, 'status', 'result', 'run', 'tokens', 'started', 'cancel', 'streamed',
+    'resumed', 'fingerprint')
+  if not read[1] then return 'gone' end  -- every job's hash has a status: this one has no hash
+  local result = read[2]
+  if result then
+    if result == ARGV[a + 7] then return 'written' end
+    return 'ended'
+  end
+  local run, before, after = ARGV[a + 1], ARGV[a + 4], ARGV[a + 5]
+  if read[3] ~= run then return 'lost' end
+  local recorded = read[4] or '0'
+  if recorded ~= before and recorded ~= after then
+    -- This run already recorded part of the update: an earlier call applied it and its reply was lost.
+    local n = tonumber(recorded)
+    if n > tonumber(before) and n < tonumber(after) then return 'partial:' .. recorded end
+    return 'lost'
+  end
+  local final = ARGV[a + 6] ~= ''
+  if final then
+    local refused = wrong_key_type(job, events, done)
+    if refused then return refused end
+  end
+  local started, streamed, resumed = read[5], read[7], read[8]
+  local resumes = started and started ~= run and resumed ~= '1'
+  local keep = not final or streamed == '1' or ARGV[a + 9] == '1' or resumed == '1' or resumes
+  local starts = ARGV[a + 2] ~= '' and started ~= run
+  if keep and starts then redis.call('XADD', events, '*', 'type', 'start', 'data', ARGV[a + 2]) end
+  if keep and ARGV[a + 3] ~= '' and recorded == before then
+    redis.call('XADD', events, '*', 'type', 'tokens', 'data', ARGV[a + 3])
+  end
+  if final then
+    local kept = {{'tokens', after}, {'fingerprint', read[9]}, {'cancel', read[6]}}
+    end_job(job, events, done, ARGV[a + 6], ARGV[a + 7], kept, keep, ARGV[a + 8])
+    return 'written'
+  end
+  if resumes and starts then
+    redis.call('HSET', job, 'tokens', after, 'resumed', '1', 'started', run)
+  elseif resumes then
+    redis.call('HSET', job, 'tokens', after, 'resumed', '1')
+  elseif starts then
+    redis.call('HSET', job, 'tokens', after, 'started', run)
+  else
+    redis.call('HSET', job, 'tokens', after)
+  end
+  if read[6] == '1' then return 'cancel' end
+  if streamed == '1' then return 'followed' end
+  return 'ok'
 end
-if run ~= ARGV[1] then return 'lost' end
-recorded = recorded or '0'
-if recorded ~= ARGV[4] and recorded ~= ARGV[5] then
-  -- This run already recorded part of the update: an earlier call applied it and its reply was lost.
-  local n = tonumber(recorded)
-  if n > tonumber(ARGV[4]) and n < tonumber(ARGV[5]) then return 'partial:' .. recorded end
-  return 'lost'
+"""
+)
+
+# KEYS: job, events, done. ARGV: one job's (PUBLISH_ARGS). Returns its reply (PUBLISH_JOB).
+PUBLISH = Script("publish", PUBLISH_JOB + "return publish(KEYS[1], KEYS[2], KEYS[3], 0)\n")
+
+# KEYS: job, events, done of each job. ARGV: each job's PUBLISH_ARGS, in the same order. A round's
+# publications of several jobs (of one hash slot, on a cluster) in one call: a call per job cost
+# the worker a third to a half more per publication (packing it, its reply), and Redis a fifth
+# more when rounds come back to back (bench/RESULTS.md, issue 43). Each job is published as if
+# alone: an error its commands meet (a key of another type; OOM, which Redis gives a script's
+# writes until it has written once, so a job after one that wrote may write) is its reply in its
+# place, after whatever of its own writes came before, as its own call would have ended; the
+# others go on. Returns a reply per job (PUBLISH_JOB).
+PUBLISH_ROUND = Script(
+    "publish_round",
+    PUBLISH_JOB
+    + """
+-- A caught error is the message (Redis 7.0) or an error table (7.2 on). A message keeps its code
+-- (OOM, WRONGTYPE...), which tells the worker whether to try again; a Lua error has none: ERR, as
+-- Redis gives it when it ends a call.
+local function error_reply(message)
+  if not message:match('^%u+ ') then message = 'ERR ' .. message end
+  return redis.error_reply(message)
 end
-if ARGV[6] ~= '' then
-  local refused = wrong_key_type()
-  if refused then return refused end
+local replies = {}
+for i = 1, #KEYS / 3 do
+  local called, reply = pcall(publish, KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i], """
+    + str(PUBLISH_ARGS)
+    + """ * (i - 1))
+  if not called and type(reply) ~= 'table' then reply = error_reply(tostring(reply)) end
+  replies[i] = reply
 end
-local hset = {'HSET', KEYS[1], 'tokens', ARGV[5]}
-if started and started ~= ARGV[1] and resumed ~= '1' then
-  resumed = '1'
-  table.insert(hset, 'resumed')
-  table.insert(hset, '1')
-end
-local final = ARGV[6] ~= ''
-local keep = not final or streamed == '1' or ARGV[9] == '1' or resumed == '1'
-if ARGV[2] ~= '' and started ~= ARGV[1] then
-  if keep then redis.call('XADD', KEYS[2], '*', 'type', 'start', 'data', ARGV[2]) end
-  table.insert(hset, 'started')
-  table.insert(hset, ARGV[1])
-end
-if keep and ARGV[3] ~= '' and recorded == ARGV[4] then
-  redis.call('XADD', KEYS[2], '*', 'type', 'tokens', 'data', ARGV[3])
-end
-if final then
-  local kept = {{'tokens', ARGV[5]}, {'fingerprint', fingerprint}, {'cancel', cancel}}
-  end_job(ARGV[6], ARGV[7], kept, keep, ARGV[8])
-  return 'written'
-end
-redis.call(unpack(hset))
-if cancel == '1' then return 'cancel' end
-if streamed == '1' then return 'followed' end
-return 'ok'
+return replies
 """,
 )
 
@@ -244,7 +289,7 @@ end
 local result, fingerprint, cancel = unpack(redis.call('HMGET', KEYS[1], 'result', 'fingerprint', 'cancel'))
 if result then return 'ended' end
 local kept = {{'tokens', ARGV[2]}, {'fingerprint', fingerprint}, {'cancel', cancel}}
-end_job('failed', ARGV[1], kept, redis.call('EXISTS', KEYS[2]) == 1, ARGV[3])
+end_job(KEYS[1], KEYS[2], KEYS[3], 'failed', ARGV[1], kept, redis.call('EXISTS', KEYS[2]) == 1, ARGV[3])
 return 'failed'
 """,
 )
@@ -714,6 +759,7 @@ WORKER_SCRIPTS = (
     CLAIM,
     CLAIM_MANY,
     PUBLISH,
+    PUBLISH_ROUND,
     FAIL,
     ADOPT,
     REQUEUE,
@@ -766,6 +812,16 @@ def publish(
     `streamed`: the run streams the job, whose end then keeps its events."""
     args = (run, start, tokens, tokens_before, tokens_after, status, result_json, result_ttl_s, "1" if streamed else "")
     return ScriptCall(PUBLISH, job_keys(keys, job_id), args)
+
+
+def publish_round(calls: Sequence[ScriptCall]) -> ScriptCall:
+    """PUBLISH_ROUND of several jobs' PUBLISH calls (`publish`), which it answers in their order.
+    On a cluster, the jobs of one hash slot only."""
+    return ScriptCall(
+        PUBLISH_ROUND,
+        tuple(key for call in calls for key in call.keys),
+        tuple(arg for call in calls for arg in call.args),
+    )
 
 
 def add_result_replicated(pipe: Any, keys: Keys, job_id: str, result_ttl_s: int, replication: Replication) -> None:

@@ -12,6 +12,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from redis.crc import key_slot
+
 from producer_client.cluster import SyncRedis, is_cluster
 from producer_client.keys import Keys
 from producer_client.protocol import execution, job_reads
@@ -38,6 +40,9 @@ from worker.loop.queue import ReplicasBehind, send_pipeline
 
 T = TypeVar("T")
 EVENT_PAGE = 1000  # event stream entries per XRANGE when a reclaimed job's events are read
+# At most this many jobs' publications in one PUBLISH_ROUND: Redis serves no other client while a
+# script runs, so a round of a full worker goes in a few calls rather than one long one.
+ROUND_JOBS = 64
 
 
 class JobCommands:
@@ -144,10 +149,12 @@ class JobCommands:
         result is followed by a WAIT on its job's node, and a result too few replicas confirmed
         answers ReplicasBehind (transient): its entry is not acknowledged yet."""
         finals = [u for u in updates if u.final is not None] if self.replication.waits else []
+        rounds = self._rounds(updates)
 
         def add(pipe: Pipe) -> None:
-            for u in updates:
-                u.publish_call(self.keys, self.result_ttl_s).add_to(pipe)
+            for round_ in rounds:
+                calls = [updates[i].publish_call(self.keys, self.result_ttl_s) for i in round_]
+                (calls[0] if len(calls) == 1 else scripts.publish_round(calls)).add_to(pipe)
             for job_id, _ in watch:
                 job_reads.add_run_flags(pipe, self.keys, job_id)
             for job_id in forget:
@@ -156,15 +163,29 @@ class JobCommands:
                 scripts.add_result_replicated(pipe, self.keys, u.job_id, self.result_ttl_s, self.replication)
 
         replies = execution.execute(self.redis, add, scripts.WORKER_SCRIPTS, raise_on_error=False)
-        published = [_parsed(parse_publish, r) for r in replies[: len(updates)]]
-        looked = len(updates) + len(watch)
+        by_update: dict[int, PublishReply | Exception] = {}
+        for round_, reply in zip(rounds, replies[: len(rounds)]):
+            for i, job_reply in zip(round_, _each_job(reply, len(round_))):
+                by_update[i] = _parsed(parse_publish, job_reply)
+        published = [by_update[i] for i in range(len(updates))]
+        looked = len(rounds) + len(watch)
         watched = [
             _parsed(functools.partial(parse_watch, run=run), r)
-            for (_, run), r in zip(watch, replies[len(updates) : looked])
+            for (_, run), r in zip(watch, replies[len(rounds) : looked])
         ]
         # each WAIT's, after its EXPIRE
         confirmed = dict(zip((u.job_id for u in finals), replies[looked + len(forget) + 1 :: 2]))
         return [self._replicated(u, reply, confirmed.get(u.job_id)) for u, reply in zip(updates, published)], watched
+
+    def _rounds(self, updates: list[Update]) -> list[list[int]]:
+        """The updates (by index) that each call publishes: one PUBLISH_ROUND for up to ROUND_JOBS
+        jobs, those of one hash slot on a cluster (a script's keys must share one)."""
+        by_slot: dict[int, list[int]] = {}
+        cluster = is_cluster(self.redis)
+        for i, update in enumerate(updates):
+            slot = key_slot(self.keys.job(update.job_id).encode()) if cluster else 0
+            by_slot.setdefault(slot, []).append(i)
+        return [jobs[at : at + ROUND_JOBS] for jobs in by_slot.values() for at in range(0, len(jobs), ROUND_JOBS)]
 
     def _replicated(
         self, update: Update, reply: PublishReply | Exception, confirmed: int | Exception | None
@@ -180,6 +201,19 @@ class JobCommands:
             if confirmed >= self.replication.replicas
             else ReplicasBehind(update.job_id, confirmed, self.replication)
         )
+
+
+def _each_job(reply: object, jobs: int) -> list[object]:
+    """A call's reply per job: PUBLISH's own for one job, PUBLISH_ROUND's list for several, and an
+    error of the call itself (a job's own comes in its place in the list) for each of its jobs, as
+    each job's own call would have met it: each job's publication is safe to send again."""
+    if jobs == 1:
+        return [reply]
+    if isinstance(reply, Exception):
+        return [reply] * jobs
+    if isinstance(reply, list) and len(reply) == jobs:
+        return reply
+    return [UnknownReply("PUBLISH_ROUND", reply)] * jobs
 
 
 def _parsed(parse: Callable[[object], T], reply: object) -> T | Exception:

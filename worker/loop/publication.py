@@ -1,9 +1,9 @@
 """Publication: what the worker tells Redis about its jobs, in rounds. Each round is one pipeline,
 sent by the publisher's thread (worker/loop/publisher.py) while the loop steps on: every update waiting
 (ends, starts, failures, and what an earlier round could not deliver), the output of the running
-jobs whose publication is due (worker/loop/pace.py), each as one PUBLISH, and a look at the hash of the
-running jobs due for one. One round is out at a time; the output of the steps that run meanwhile
-waits for the next.
+jobs whose publication is due (worker/loop/pace.py), each as one PUBLISH (the round's together in
+PUBLISH_ROUND calls: worker/loop/job_commands.py), and a look at the hash of the running jobs due
+for one. One round is out at a time; the output of the steps that run meanwhile waits for the next.
 
 What Redis answers settles the jobs here, in the loop's thread: a written result acknowledges its
 entry, a lost run stops the job, a cancel flag stops it, a reader's FOLLOW makes it streamed, a
