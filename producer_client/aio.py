@@ -83,7 +83,7 @@ class AsyncClient(ClientBase):
         return await steps.arun(self.redis, operations.result(self.keys, job_id, timeout))
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
-        return await steps.arun(self.redis, operations.wait(self.keys, job_id, timeout))
+        return await steps.arun(self.redis, operations.wait(self.keys, job_id, timeout, self.expiries))
 
     async def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenDelta]:
         reader, deadline = await steps.arun(self.redis, follow(self.keys, job_id, after, timeout))

@@ -19,6 +19,7 @@ from producer_client.protocol.shards import QueueShards
 from producer_client.quotas import Quotas, TenantQuotas
 from producer_client.steps import Runner
 from producer_client.validation import check_max_queue_depth
+from producer_client.waiting import Expiries
 
 DEFAULT_URL = "redis://localhost:6379/0"
 DEFAULT_MAX_QUEUE_DEPTH = 10_000
@@ -52,6 +53,7 @@ class ClientBase:
         self.replication = Replication(wait_replicas, wait_timeout_ms)
         self.placement = Placement(placement)
         self.shards = QueueShards(queue_shards)
+        self.expiries = Expiries()  # of the jobs it submits, for its wait()s: shared by its on_queue/as_tenant copies
         self.redis = self._connect(parse_url(url), max_connections)
 
     def _connect(self, target: RedisURL, max_connections: int | None) -> SyncRedis | AsyncRedis:

@@ -25,7 +25,7 @@ from producer_client.sharing import Submitted, enqueue_call, rate_limits_of, ref
 from producer_client.status_reads import read_status
 from producer_client.steps import Repeatable, Steps, checked
 from producer_client.validation import check_job_id, check_timeout
-from producer_client.waiting import UNKNOWN, Deadline, expiry, finished, wait_done
+from producer_client.waiting import Deadline, Expiries, expiry, finished, wait_done
 
 
 def submit(client: ClientBase, job: NewJob) -> Steps[str]:
@@ -56,6 +56,8 @@ def submit_rated(client: ClientBase, job: NewJob) -> Steps[Submitted]:
     if error is not None:
         checked((yield forget(client.keys, job)))
         raise error
+    if not job.idempotent:
+        client.expiries.remember(job.job_id, expiry_of_new(job))
     return Submitted(job.job_id, rate_limits_of(outcome))
 
 
@@ -159,27 +161,27 @@ def result(keys: Keys, job_id: str, timeout: float | None) -> Steps[JobResult]:
     return finished(job_id, (yield from wait_done(keys, job_id, deadline, expires_at)))
 
 
-def wait(keys: Keys, job_id: str, timeout: float | None) -> Steps[JobResult]:
-    """Client.wait: result() without looking the job up first (its first look at the `done`
-    stream reads the job's deadline too)."""
+def wait(keys: Keys, job_id: str, timeout: float | None, expiries: Expiries) -> Steps[JobResult]:
+    """Client.wait: result() without looking the job up first. A job this client created lately
+    (`expiries`) is one blocking read from the start; another is looked at once first, for its
+    deadline, without blocking."""
     job_id = check_job_id(job_id)
-    return finished(job_id, (yield from wait_done(keys, job_id, Deadline(job_id, check_timeout(timeout)))))
+    deadline = Deadline(job_id, check_timeout(timeout))
+    return finished(job_id, (yield from wait_done(keys, job_id, deadline, expiries.take(job_id))))
 
 
 def generate(client: ClientBase, arguments: Mapping[str, Any], timeout: float | None) -> Steps[JobResult]:
     """Client.generate: submit() of `arguments` (its keyword arguments), then wait(). A job just
     created expires timeout_s from now at the latest; one found by its request_id may be older."""
     timeout = check_timeout(timeout)
-    job = build_job_of(arguments)
-    job_id = yield from submit(client, job)
-    return finished(job_id, (yield from wait_done(client.keys, job_id, Deadline(job_id, timeout), expiry_of_new(job))))
+    job_id = yield from submit(client, build_job_of(arguments))
+    deadline = Deadline(job_id, timeout)
+    return finished(job_id, (yield from wait_done(client.keys, job_id, deadline, client.expiries.take(job_id))))
 
 
 def expiry_of_new(job: NewJob) -> float | None:
-    """When a job just submitted expires unread (monotonic), late rather than early: its deadline
-    counts from its enqueue, before now. A job found by its request_id may be older: UNKNOWN."""
-    if job.idempotent:
-        return UNKNOWN
+    """When a job just created with a fresh id expires unread (monotonic), late rather than early:
+    its deadline counts from its CREATE, before now."""
     return time.monotonic() + job.timeout_ms / 1000 if job.timeout_ms else None
 
 

@@ -8,6 +8,7 @@ end on; its `done` stream, which a blocking read wakes on, lives only DONE_TTL_M
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import TypeVar
 
 from producer_client.connection import reply_code
@@ -47,6 +48,33 @@ class Deadline:
 
 
 UNKNOWN = -1.0  # wait_done's expires_at when the job's deadline is yet to be read
+# How many jobs a client remembers the expiry of (Expiries): the submits not yet waited for. A job
+# past them is looked up first, as one submitted elsewhere.
+REMEMBERED_JOBS = 10_000
+
+
+class Expiries:
+    """When each job a client created lately expires unread (monotonic; None: it cannot), so that
+    its wait() needs no first look at the job: the wait after a submit is one round trip. Only jobs
+    with a fresh id (no request_id: a job found by its request_id may be older), the oldest
+    forgotten past REMEMBERED_JOBS; a wait takes its job's entry. An OrderedDict: each of its
+    calls here is one C call, atomic under the GIL, so the threads of a client share it unlocked."""
+
+    def __init__(self, size: int = REMEMBERED_JOBS):
+        self.size = size
+        self.expiries: OrderedDict[str, float | None] = OrderedDict()
+
+    def remember(self, job_id: str, expires_at: float | None) -> None:
+        self.expiries[job_id] = expires_at
+        if len(self.expiries) > self.size:
+            try:
+                self.expiries.popitem(last=False)
+            except KeyError:  # another thread emptied it between the two calls
+                pass
+
+    def take(self, job_id: str) -> float | None:
+        """The job's expiry as remembered, forgotten now; UNKNOWN for a job not remembered."""
+        return self.expiries.pop(job_id, UNKNOWN)
 
 
 def wait_done(keys: Keys, job_id: str, deadline: Deadline, expires_at: float | None = UNKNOWN) -> Steps[str]:
