@@ -187,3 +187,59 @@ def test_an_exchange_of_no_command_takes_no_connection():
 
     nobody = connect(f"redis://127.0.0.1:{free_port()}/0", **one_try_options(0.5))  # nothing listens there
     assert execute(nobody, lambda pipe: None) == []  # a connection would have raised ConnectionError
+
+
+@pytest.mark.parametrize("failures, outcome", [(0, "sent"), (2, "sent"), (3, "ConnectionError")])
+def test_an_exchanges_first_try_counts_as_its_retry_policys_first(redis_server, monkeypatch, failures, outcome):
+    """The first try of an exchange is made outside the connection's retry policy (no retry layer
+    on the way of one that succeeds); one that fails hands its error to the policy, which then
+    tries, disconnects and gives up as it would have alone: with 2 retries, 3 tries in all, each
+    failure followed by a disconnect, and the third failure raised."""
+    import redis
+    from redis.backoff import NoBackoff
+
+    from producer_client.connection import Retry
+    from producer_client.protocol import execution
+
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True, retry=Retry(NoBackoff(), 2))
+    tries, disconnects = [], []
+    round_trip = execution._round_trip
+
+    def failing_at_first(redis_client, connection, stack):
+        tries.append(len(disconnects))
+        if len(tries) <= failures:
+            raise redis.ConnectionError(f"try {len(tries)} failed")
+        return round_trip(redis_client, connection, stack)
+
+    monkeypatch.setattr(execution, "_round_trip", failing_at_first)
+    connection_class = client.connection_pool.connection_class
+    disconnect = connection_class.disconnect
+    monkeypatch.setattr(connection_class, "disconnect", lambda self, *a: disconnects.append(1) or disconnect(self, *a))
+    try:
+        replies = execution.execute(client, lambda pipe: pipe.echo("sent"))
+        got = replies[0]
+    except redis.ConnectionError as e:
+        got = type(e).__name__
+        assert str(e) == "try 3 failed"
+    finally:
+        client.close()
+    assert got == outcome
+    assert tries == list(range(min(failures + 1, 3)))  # each try after the disconnect of the failure before it
+
+
+def test_an_exchange_packs_every_argument_as_redis_py_would(redis_client):
+    """Commands are packed by hiredis directly; what hiredis refuses goes through redis-py's packer:
+    a bytearray is sent as its bytes, None is redis-py's DataError, and nothing of that exchange is
+    sent. A command name of two words is two words on the wire."""
+    import redis
+
+    from producer_client.protocol.execution import execute
+
+    key = f"packed-{uuid.uuid4().hex}"
+    execute(redis_client, lambda pipe: [pipe.set(key, bytearray(b"ab")), pipe.append(key, memoryview(b"c"))])
+    with pytest.raises(redis.DataError):
+        execute(redis_client, lambda pipe: [pipe.append(key, "d"), pipe.set(key, None)])
+    assert execute(redis_client, lambda pipe: [pipe.get(key), pipe.execute_command("OBJECT ENCODING", key)]) == [
+        "abc",
+        "raw",
+    ]
