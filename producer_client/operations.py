@@ -174,7 +174,7 @@ def generate(client: ClientBase, arguments: Mapping[str, Any], timeout: float | 
     """Client.generate: submit() of `arguments` (its keyword arguments), then wait(). A job just
     created expires timeout_s from now at the latest; one found by its request_id may be older."""
     timeout = check_timeout(timeout)
-    job_id = yield from submit(client, build_job_of(arguments))
+    job_id = yield from submit(client, build_job_of(arguments, known_params=client.known_params))
     deadline = Deadline(job_id, timeout)
     return finished(job_id, (yield from wait_done(client.keys, job_id, deadline, client.expiries.take(job_id))))
 

@@ -23,6 +23,7 @@ from producer_client import (
     JobTimeout,
     QueueFull,
     job_stream,
+    new_job,
     waiting,
 )
 from producer_client.bulk import ResultWatch
@@ -230,6 +231,28 @@ def test_a_queued_job_past_its_deadline_reads_as_expired_before_any_worker_sees_
     assert client.status(job_id).status == "queued"
     time.sleep(0.4)
     assert client.status(job_id).status == "expired"
+
+
+def test_a_clients_memo_of_validated_sampling_parameters_lets_no_bad_value_through(client_kind):
+    """A client validates each set of sampling parameters once (new_job.sampling_params): a value
+    equal to a remembered one but of another type is validated again (True and 1.0 are no
+    max_tokens, though both equal 1), and the memo starts again past KNOWN_PARAMS sets. The
+    submits' timeout_s is refused after their sampling parameters are validated: nothing is sent."""
+    c = make_client(client_kind, DEAD_URL, "default")
+    try:
+        refused = []
+        for max_tokens in (1, True, 1.0, 1):
+            with pytest.raises(InvalidArgument) as e:
+                c.submit("hi", timeout_s=-1, max_tokens=max_tokens)
+            refused.append(e.value.field)
+        assert refused == ["timeout_s", "max_tokens", "max_tokens", "timeout_s"]
+        assert list(c.known_params) == [(("max_tokens", int, 1),)]
+        for i in range(new_job.KNOWN_PARAMS + 3):
+            with pytest.raises(InvalidArgument):
+                c.submit("hi", timeout_s=-1, max_tokens=1, temperature=i / 1000)
+        assert len(c.known_params) == 4
+    finally:
+        c.close()
 
 
 EXPIRES_S = 0.3  # the job's timeout_s: no worker serves the queue, so it expires unread
