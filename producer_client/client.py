@@ -115,9 +115,9 @@ class Client(ClientBase):
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
         """result() of a job known to exist (this client just submitted it): one blocking read of
-        its `done` stream, without looking the job up first. A job this client did not submit (or
-        submitted with a request_id, or long ago: it remembers its last 10,000) is looked at once
-        first, for its deadline."""
+        its `done` stream, without looking the job up first. A job this client did not submit in
+        the last seconds (or submitted with a request_id; it remembers its last 10,000 submits) is
+        looked at once first: for its deadline, and for a result its `done` stream no longer holds."""
         return steps.run(self.redis, operations.wait(self.keys, job_id, timeout, self.expiries))
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:

@@ -162,9 +162,9 @@ def result(keys: Keys, job_id: str, timeout: float | None) -> Steps[JobResult]:
 
 
 def wait(keys: Keys, job_id: str, timeout: float | None, expiries: Expiries) -> Steps[JobResult]:
-    """Client.wait: result() without looking the job up first. A job this client created lately
-    (`expiries`) is one blocking read from the start; another is looked at once first, for its
-    deadline, without blocking."""
+    """Client.wait: result() without looking the job up first. A job this client created in the
+    last seconds (`expiries`) is one blocking read from the start; another is looked at once first,
+    without blocking, for its deadline and a result its `done` stream may no longer hold."""
     job_id = check_job_id(job_id)
     deadline = Deadline(job_id, check_timeout(timeout))
     return finished(job_id, (yield from wait_done(keys, job_id, deadline, expiries.take(job_id))))

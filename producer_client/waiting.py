@@ -7,13 +7,14 @@ end on; its `done` stream, which a blocking read wakes on, lives only DONE_TTL_M
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from typing import TypeVar
 
 from producer_client.connection import reply_code
 from producer_client.errors import JobTimeout
-from producer_client.keys import Keys
+from producer_client.keys import DONE_TTL_MS, Keys
 from producer_client.protocol import job_reads
 from producer_client.protocol.clock import epoch_ms
 from producer_client.protocol.job_reads import Entry, StreamsReply
@@ -48,33 +49,41 @@ class Deadline:
 
 
 UNKNOWN = -1.0  # wait_done's expires_at when the job's deadline is yet to be read
-# How many jobs a client remembers the expiry of (Expiries): the submits not yet waited for. A job
-# past them is looked up first, as one submitted elsewhere.
+# How many jobs a client remembers (Expiries): the submits not yet waited for. A job past them is
+# looked at first, as one submitted elsewhere.
 REMEMBERED_JOBS = 10_000
+# How long after its submit a job's first blocking read needs no look at the job before it: it
+# cannot have ended longer ago than its `done` stream lives (DONE_TTL_MS from its end; half of
+# that, for the submit's reply on its way back and the two clocks' rates).
+FRESH_S = DONE_TTL_MS / 1000 / 2
 
 
 class Expiries:
     """When each job a client created lately expires unread (monotonic; None: it cannot), so that
-    its wait() needs no first look at the job: the wait after a submit is one round trip. Only jobs
-    with a fresh id (no request_id: a job found by its request_id may be older), the oldest
-    forgotten past REMEMBERED_JOBS; a wait takes its job's entry. An OrderedDict: each of its
-    calls here is one C call, atomic under the GIL, so the threads of a client share it unlocked."""
+    a wait() soon after its submit needs no first look at the job: the wait is one round trip. A
+    job with a fresh id only (one found by its request_id may be older), while it is fresh
+    (FRESH_S: later, its `done` stream may be gone, and the look finds its result at once instead
+    of a read blocking for nothing); the oldest are forgotten past REMEMBERED_JOBS; a wait takes its
+    job's entry. An OrderedDict: each of its calls here is one C call, atomic under the GIL, so the
+    threads of a client share it unlocked."""
 
     def __init__(self, size: int = REMEMBERED_JOBS):
         self.size = size
-        self.expiries: OrderedDict[str, float | None] = OrderedDict()
+        self.jobs: OrderedDict[str, tuple[float, float | None]] = OrderedDict()  # (submitted at, expires at)
 
     def remember(self, job_id: str, expires_at: float | None) -> None:
-        self.expiries[job_id] = expires_at
-        if len(self.expiries) > self.size:
+        self.jobs[job_id] = (time.monotonic(), expires_at)
+        if len(self.jobs) > self.size:
             try:
-                self.expiries.popitem(last=False)
+                self.jobs.popitem(last=False)
             except KeyError:  # another thread emptied it between the two calls
                 pass
 
     def take(self, job_id: str) -> float | None:
-        """The job's expiry as remembered, forgotten now; UNKNOWN for a job not remembered."""
-        return self.expiries.pop(job_id, UNKNOWN)
+        """The job's expiry as remembered, if it is fresh; UNKNOWN otherwise (a job not remembered, or
+        no longer fresh). Forgotten now."""
+        submitted_at, expires_at = self.jobs.pop(job_id, (-math.inf, UNKNOWN))
+        return expires_at if time.monotonic() - submitted_at < FRESH_S else UNKNOWN
 
 
 def wait_done(keys: Keys, job_id: str, deadline: Deadline, expires_at: float | None = UNKNOWN) -> Steps[str]:

@@ -355,13 +355,31 @@ def test_a_wait_after_this_clients_submit_blocks_from_its_first_round_trip(
         assert {c for trip in rounds[0] for c in trip} == {"XREAD", "HGET"}
 
 
-def test_a_client_remembers_the_expiries_of_its_latest_jobs_only_until_a_wait_takes_them():
+def test_a_client_remembers_the_expiries_of_its_latest_jobs_only_until_a_wait_takes_them(monkeypatch):
     expiries = waiting.Expiries(size=3)
     for i in range(5):
         expiries.remember(f"job-{i}", None if i == 3 else float(i))
     taken = [expiries.take(f"job-{i}") for i in range(5)]
     assert taken == [waiting.UNKNOWN, waiting.UNKNOWN, 2.0, None, 4.0]
     assert expiries.take("job-4") == waiting.UNKNOWN
+    expiries.remember("job-5", 5.0)
+    monkeypatch.setattr(waiting, "FRESH_S", 0.0)  # submitted too long ago: its done stream may be gone
+    assert expiries.take("job-5") == waiting.UNKNOWN
+
+
+def test_a_wait_long_after_the_submit_finds_a_result_whose_done_stream_is_gone_at_once(
+    client, redis_client, monkeypatch
+):
+    """A job this client submitted, which ended longer ago than its `done` stream lives: wait()
+    looks at the job first, as for a job submitted elsewhere, and answers from its hash at once
+    (a first blocking read would wait out its whole block, 2 s, for nothing)."""
+    job_id = client.submit("x", max_tokens=1)
+    result = JobResult(id=job_id, status="done", text="x", finish_reason="length")
+    redis_client.hset(Keys().job(job_id), mapping={"status": "done", "result": result.model_dump_json()})
+    monkeypatch.setattr(waiting, "FRESH_S", 0.0)
+    started = time.monotonic()
+    assert client.wait(job_id, timeout=WAIT_S).text == "x"
+    assert time.monotonic() - started < 1
 
 
 def test_the_copies_a_gateway_serves_its_requests_with_share_the_clients_memory_of_its_jobs():
