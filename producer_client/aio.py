@@ -72,11 +72,12 @@ class AsyncClient(ClientBase):
             request_fingerprint,
             stream=stream,
             service_tier=service_tier,
+            known_params=self.known_params,
         )
         return await steps.arun(self.redis, operations.submit(self, job))
 
     async def submit_rated(self, counts_request: bool = True, **arguments: Any) -> Submitted:
-        job = build_job_of(arguments, requests=int(counts_request))
+        job = build_job_of(arguments, requests=int(counts_request), known_params=self.known_params)
         return await steps.arun(self.redis, operations.submit_rated(self, job))
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:

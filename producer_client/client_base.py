@@ -13,6 +13,7 @@ from producer_client.connection import RedisURL, parse_url
 from producer_client.dead_letters import DeadLetters
 from producer_client.inspection import QueueInspector
 from producer_client.keys import DEFAULT_PREFIX, NO_TENANT, Keys, check_name, check_tenant
+from producer_client.new_job import KnownParams
 from producer_client.placement import Placement
 from producer_client.protocol.replication import Replication
 from producer_client.protocol.shards import QueueShards
@@ -54,6 +55,7 @@ class ClientBase:
         self.placement = Placement(placement)
         self.shards = QueueShards(queue_shards)
         self.submissions = Submissions()  # shared by its copies (on_queue, as_tenant): ids are unique
+        self.known_params: KnownParams = {}  # its jobs' SamplingParams, validated once each (new_job.sampling_params)
         self.redis = self._connect(parse_url(url), max_connections)
 
     def _connect(self, target: RedisURL, max_connections: int | None) -> SyncRedis | AsyncRedis:

@@ -72,11 +72,18 @@ class Mode(str, Enum):
 Fail = Callable[[Exception], Any] | Callable[[Exception, int], Any]  # what redis-py's Retry calls after a failed try
 
 
+def _never_fatal(error: Exception) -> bool:
+    return not isinstance(error, FATAL_ERRORS)
+
+
 def _not_fatal(is_retryable: Callable[[Exception], bool] | None) -> Callable[[Exception], bool]:
-    """`is_retryable`, and never for FATAL_ERRORS."""
+    """`is_retryable`, and never for FATAL_ERRORS. Without one (every pooled connection's connect,
+    a no-op once connected, asks at each checkout), a function made once."""
+    if is_retryable is None:
+        return _never_fatal
 
     def retryable(error: Exception) -> bool:
-        return not isinstance(error, FATAL_ERRORS) and (is_retryable is None or is_retryable(error))
+        return not isinstance(error, FATAL_ERRORS) and is_retryable(error)
 
     return retryable
 

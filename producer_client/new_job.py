@@ -36,6 +36,9 @@ CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for estimating a text's tokens wit
 
 # sampling_params' memo: each set of SamplingParams validated, by its arguments' names, types and values.
 KnownParams = dict[tuple[tuple[str, type, Any], ...], SamplingParams]
+# A memo holds at most this many sets, and starts again empty past them: a client's submits mostly
+# share a few, and a caller that varies a float at every submit must not grow it for ever.
+KNOWN_PARAMS = 256
 
 
 class NewJob(NamedTuple):
@@ -141,8 +144,9 @@ def validated_request(
 
 def sampling_params(sampling: dict[str, Any], known: KnownParams | None) -> SamplingParams:
     """SamplingParams of `sampling`, validated. `known`: a memo of those validated already, by their
-    arguments' names, types and values (submit_many's: a batch's jobs mostly share theirs, and a
-    lookup costs a fifth of a validation); arguments that are not all hashable are validated."""
+    arguments' names, types and values (a client's, and submit_many's: jobs mostly share theirs,
+    and a lookup costs a fifth of a validation; SamplingParams is frozen, so jobs may share one);
+    arguments that are not all hashable are validated."""
     if known is None:
         return SamplingParams.model_validate(sampling, strict=True)
     try:
@@ -151,7 +155,10 @@ def sampling_params(sampling: dict[str, Any], known: KnownParams | None) -> Samp
     except TypeError:  # a list (stop, stop_token_ids) or a dict (response_format)
         return SamplingParams.model_validate(sampling, strict=True)
     if params is None:
-        params = known[key] = SamplingParams.model_validate(sampling, strict=True)
+        params = SamplingParams.model_validate(sampling, strict=True)
+        if len(known) >= KNOWN_PARAMS:
+            known.clear()
+        known[key] = params
     return params
 
 

@@ -174,16 +174,14 @@ def generate(client: ClientBase, arguments: Mapping[str, Any], timeout: float | 
     """Client.generate: submit() of `arguments` (its keyword arguments), then wait(). A job just
     created expires timeout_s from now at the latest; one found by its request_id may be older."""
     timeout = check_timeout(timeout)
-    job = build_job_of(arguments)
-    job_id = yield from submit(client, job)
-    return finished(job_id, (yield from wait_done(client.keys, job_id, Deadline(job_id, timeout), expiry_of_new(job))))
+    job_id = yield from submit(client, build_job_of(arguments, known_params=client.known_params))
+    deadline = Deadline(job_id, timeout)
+    return finished(job_id, (yield from wait_done(client.keys, job_id, deadline, client.submissions.expiry(job_id))))
 
 
 def expiry_of_new(job: NewJob) -> float | None:
-    """When a job just submitted expires unread (monotonic), late rather than early: its deadline
-    counts from its enqueue, before now. A job found by its request_id may be older: UNKNOWN."""
-    if job.idempotent:
-        return UNKNOWN
+    """When a job just created with a fresh id expires unread (monotonic), late rather than early:
+    its deadline counts from its CREATE, before now."""
     return time.monotonic() + job.timeout_ms / 1000 if job.timeout_ms else None
 
 

@@ -6,10 +6,11 @@ again), and WAIT routed to the node that holds the writes it vouches for."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio
+from hiredis import pack_command
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.cluster import ClusterNode
 from redis.commands.core import CoreCommands
@@ -35,6 +36,7 @@ Stack = list[tuple[tuple[Any, ...], dict[str, Any]]]
 Replies = list[Any]
 Node = ClusterNode | AsyncClusterNode  # a cluster's node, sync or asyncio
 Waits = dict[int, tuple[str, Node]]  # each WAIT's place in a cluster's pipeline: its key, and its node
+T = TypeVar("T")
 
 
 class Commands(CoreCommands):
@@ -189,19 +191,22 @@ def _exchange(client: redis.Redis, stack: Stack) -> Replies:
     command packed, then each reply read, a command's error in its place; the connection closed
     after a failure, and the whole exchange tried again as the connection's retry policy says)
     without the pipeline object and its per-call records, a good part of a submit's CPU (bench/
-    RESULTS.md, "The producer's own cost"). A WAIT whose node refused it (a master turned replica) vouches for
-    nothing: 0. No command, no connection (as redis-py's pipeline)."""
+    RESULTS.md, "The producer's own cost"). The first try is made outside the policy, which
+    takes over only after it failed (_after_failed_try): no retry layer on the way of an exchange
+    that succeeds. No command, no connection (as redis-py's pipeline)."""
     if not stack:
         return []
     pool = client.connection_pool
     connection = pool.get_connection()
     try:
-        replies = connection.retry.call_with_retry(
-            lambda: _round_trip(client, connection, stack), lambda error: connection.disconnect()
-        )
+        try:
+            return _round_trip(client, connection, stack)
+        except Exception as error:
+            retried = _after_failed_try(error, lambda: _round_trip(client, connection, stack))
+            replies: Replies = connection.retry.call_with_retry(retried, lambda _: connection.disconnect())
+            return replies
     finally:
         pool.release(connection)
-    return _refused_waits_zero(stack, replies)
 
 
 async def _aexchange(client: redis.asyncio.Redis, stack: Stack) -> Replies:
@@ -211,50 +216,88 @@ async def _aexchange(client: redis.asyncio.Redis, stack: Stack) -> Replies:
     pool = client.connection_pool
     connection = await pool.get_connection()
     try:
-        replies = await connection.retry.call_with_retry(
-            lambda: _around_trip(client, connection, stack), lambda error: connection.disconnect()
-        )
+        try:
+            return await _around_trip(client, connection, stack)
+        except Exception as error:
+            retried = _after_failed_try(error, lambda: _around_trip(client, connection, stack))
+            replies: Replies = await connection.retry.call_with_retry(retried, lambda _: connection.disconnect())
+            return replies
     finally:
         await pool.release(connection)
-    return _refused_waits_zero(stack, replies)
+
+
+def _after_failed_try(error: Exception, attempt: Callable[[], T]) -> Callable[[], T]:
+    """`attempt` as a retry policy's tries after a first try, made outside it, that failed with
+    `error`: the policy's own first try raises that error, so the policy judges it (retry it, or
+    let it through), runs its failure handler, counts it and backs off exactly as if it had made
+    that try itself."""
+    failed = [error]
+
+    def tried() -> T:
+        if failed:
+            raise failed.pop()
+        return attempt()
+
+    return tried
 
 
 def _round_trip(client: redis.Redis, connection: Any, stack: Stack) -> Replies:
-    connection.send_packed_command(connection.pack_commands([args for args, _ in stack]))
+    connection.send_packed_command(_packed(connection, stack))
     replies: Replies = []
     for args, options in stack:
-        try:
-            if _NODE_OF in options:
-                options = _sent_options(options)
-            replies.append(client.parse_response(connection, args[0], **options))
-        except ResponseError as e:
-            replies.append(e)
+        replies.append(_reply(client, connection, args[0], options))
     return replies
 
 
 async def _around_trip(client: redis.asyncio.Redis, connection: Any, stack: Stack) -> Replies:
-    await connection.send_packed_command(connection.pack_commands([args for args, _ in stack]))
+    await connection.send_packed_command(_packed(connection, stack))
     replies: Replies = []
     for args, options in stack:
         try:
             if _NODE_OF in options:
-                options = _sent_options(options)
-            replies.append(await client.parse_response(connection, args[0], **options))
+                replies.append(await client.parse_response(connection, args[0], **_sent_options(options)))
+            else:
+                replies.append(await client.parse_response(connection, args[0], **options))
         except ResponseError as e:
-            replies.append(e)
+            replies.append(0 if _NODE_OF in options else e)  # see _reply
     return replies
+
+
+def _reply(client: redis.Redis, connection: Any, command: Any, options: dict[str, Any]) -> Any:
+    """The next reply on `connection`, as redis-py parses `command`'s, or the error in its place. A
+    WAIT whose node refused it (a master turned replica) vouches for nothing: 0."""
+    try:
+        if _NODE_OF in options:
+            return client.parse_response(connection, command, **_sent_options(options))
+        return client.parse_response(connection, command, **options)
+    except ResponseError as e:
+        return 0 if _NODE_OF in options else e
+
+
+def _packed(connection: Any, stack: Stack) -> list[bytes]:
+    """The commands of `stack` in the Redis protocol, as redis-py's connection packs them (with
+    hiredis, a dependency, it calls hiredis for each command after a Python pass over its
+    arguments), by hiredis directly, in one buffer. A command with an argument hiredis does not
+    take (a bytearray, None) goes through redis-py's packer, which converts it or raises its
+    DataError."""
+    try:
+        return [b"".join([pack_command(_words(args)) for args, _ in stack])]
+    except TypeError:
+        packed: list[bytes] = connection.pack_commands([args for args, _ in stack])
+        return packed
+
+
+def _words(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A command's arguments with its name split into words ("SCRIPT LOAD"), as redis-py sends them."""
+    name = args[0]
+    if (" " if isinstance(name, str) else b" ") in name:
+        return (*name.split(), *args[1:])
+    return args
 
 
 def _sent_options(options: dict[str, Any]) -> dict[str, Any]:
     """A recorded command's options as redis-py reads its reply with them: without _NODE_OF."""
     return {k: v for k, v in options.items() if k != _NODE_OF}
-
-
-def _refused_waits_zero(stack: Stack, replies: Replies) -> Replies:
-    for at, (_, options) in enumerate(stack):
-        if _NODE_OF in options and isinstance(replies[at], ResponseError):
-            replies[at] = 0
-    return replies
 
 
 def _cluster_pipeline(client: Cluster | AsyncCluster, stack: Stack) -> tuple[Any, list[int], Waits]:

@@ -301,7 +301,7 @@ def retry(keys: Keys, job_id: str, timeout_ms: int) -> ScriptCall:
 def enqueue(stream: str, max_depth: int, job_id: str, body: str, extra: dict[str, str] | None = None) -> ScriptCall:
     """ENQUEUE into `stream` (a queue's shared stream or a worker's own); max_depth 0: no bound.
     `extra`: further fields of the entry (only lane-aware workers read a worker's own stream)."""
-    flat = tuple(x for kv in (extra or {}).items() for x in kv)
+    flat = tuple(x for kv in extra.items() for x in kv) if extra else ()
     return ScriptCall(ENQUEUE, (stream,), (max_depth, job_id, PROTOCOL_VERSION, body, *flat))
 
 

@@ -23,6 +23,7 @@ from producer_client import (
     JobTimeout,
     QueueFull,
     job_stream,
+    new_job,
     waiting,
 )
 from producer_client.bulk import ResultWatch
@@ -232,25 +233,57 @@ def test_a_queued_job_past_its_deadline_reads_as_expired_before_any_worker_sees_
     assert client.status(job_id).status == "expired"
 
 
+def test_a_clients_memo_of_validated_sampling_parameters_lets_no_bad_value_through(client_kind):
+    """A client validates each set of sampling parameters once (new_job.sampling_params): a value
+    equal to a remembered one but of another type is validated again (True and 1.0 are no
+    max_tokens, though both equal 1), and the memo starts again past KNOWN_PARAMS sets. The
+    submits' timeout_s is refused after their sampling parameters are validated: nothing is sent."""
+    c = make_client(client_kind, DEAD_URL, "default")
+    try:
+        refused = []
+        for max_tokens in (1, True, 1.0, 1):
+            with pytest.raises(InvalidArgument) as e:
+                c.submit("hi", timeout_s=-1, max_tokens=max_tokens)
+            refused.append(e.value.field)
+        assert refused == ["timeout_s", "max_tokens", "max_tokens", "timeout_s"]
+        assert list(c.known_params) == [(("max_tokens", int, 1),)]
+        for i in range(new_job.KNOWN_PARAMS + 3):
+            with pytest.raises(InvalidArgument):
+                c.submit("hi", timeout_s=-1, max_tokens=1, temperature=i / 1000)
+        assert len(c.known_params) == 4
+    finally:
+        c.close()
+
+
 EXPIRES_S = 0.3  # the job's timeout_s: no worker serves the queue, so it expires unread
 WAIT_S = 30  # the caller's timeout, which an expired job must not wait out
 
 
-def wait_for_it(client, how: str):
+def wait_for_it(client, how: str, submitter):
+    """`how` the client waits for a job that expires unread; "wait elsewhere": wait() of a job that
+    `submitter`, another client, submitted (its deadline is read from the job, not remembered)."""
     if how == "generate":
         return client.generate("x", max_tokens=1, timeout_s=EXPIRES_S, timeout=WAIT_S)
-    job_id = client.submit("x", max_tokens=1, timeout_s=EXPIRES_S)
+    job_id = (submitter if how == "wait elsewhere" else client).submit("x", max_tokens=1, timeout_s=EXPIRES_S)
     if how == "stream":
         return list(client.stream(job_id, timeout=WAIT_S))
-    return getattr(client, how)(job_id, timeout=WAIT_S)
+    return getattr(client, how.split()[0])(job_id, timeout=WAIT_S)
+
+
+@pytest.fixture
+def other_client(client_kind, redis_server, queue):
+    """Another client of the test's queue: it shares no memory with `client`."""
+    c = make_client(client_kind, redis_server.url, queue)
+    yield c
+    c.close()
 
 
 @pytest.mark.timing
-@pytest.mark.parametrize("how", ["result", "wait", "generate", "stream"])
-def test_waiting_for_a_job_that_expires_unread_raises_job_expired_at_its_deadline(client, how):
+@pytest.mark.parametrize("how", ["result", "wait", "wait elsewhere", "generate", "stream"])
+def test_waiting_for_a_job_that_expires_unread_raises_job_expired_at_its_deadline(client, other_client, how):
     started = time.monotonic()
     with pytest.raises(JobExpired) as e:
-        wait_for_it(client, how)
+        wait_for_it(client, how, other_client)
     waited = time.monotonic() - started
     assert EXPIRES_S <= waited < EXPIRES_S + 2  # its deadline, not the caller's 30 s
     assert (e.value.code, e.value.result) == ("expired", None)
@@ -281,6 +314,72 @@ def test_a_caller_whose_timeout_is_the_jobs_own_gets_job_expired(redis_server, h
     assert [type(o).__name__ for o in outcomes] == ["JobExpired"] * 8
 
 
+def commands_sent(monkeypatch) -> list[list[str]]:
+    """The command names of each round trip the clients make from now on (sync and asyncio)."""
+    sent: list[list[str]] = []
+
+    def recorded(add):
+        def add_and_record(pipe):
+            add(pipe)
+            sent.append([str(args[0]) for args, _ in pipe.stack])
+
+        return add_and_record
+
+    execute, aexecute = execution.execute, execution.aexecute
+    monkeypatch.setattr(execution, "execute", lambda client, add, *a, **kw: execute(client, recorded(add), *a, **kw))
+    monkeypatch.setattr(execution, "aexecute", lambda client, add, *a, **kw: aexecute(client, recorded(add), *a, **kw))
+    return sent
+
+
+@pytest.mark.parametrize("timeout_s", [None, 60])
+def test_a_wait_after_this_clients_submit_blocks_from_its_first_round_trip(
+    client, other_client, monkeypatch, timeout_s
+):
+    """wait() of a job this client submitted knows its deadline (or that it has none): its first
+    round trip is the blocking read of the job's `done` stream, and it never looks at the job. A
+    job another client submitted is looked at first (HMGET of its status, deadline and result),
+    then read; so is this client's job at a second wait(), once the first took its entry. (The
+    callers' timeouts are short: the reads time out, no worker serves the queue.)"""
+    mine = client.submit("x", max_tokens=1, timeout_s=timeout_s)
+    theirs = other_client.submit("x", max_tokens=1, timeout_s=timeout_s)
+    sent = commands_sent(monkeypatch)
+    rounds = []
+    for job_id in (mine, theirs, mine):
+        with pytest.raises(JobTimeout):
+            client.wait(job_id, timeout=0.05)
+        rounds.append(sent[:])
+        sent.clear()
+    assert [r[0] for r in rounds] == [["XREAD", "HGET"], ["HMGET", "TIME"], ["HMGET", "TIME"]]
+    assert [r[1] for r in rounds[1:]] == [["XREAD", "HGET"]] * 2
+    if timeout_s is None:  # else the caller's timeout ends with a look, for JobExpired (unless_expired)
+        assert {c for trip in rounds[0] for c in trip} == {"XREAD", "HGET"}
+
+
+def test_a_wait_long_after_the_submit_finds_a_result_whose_done_stream_is_gone_at_once(
+    client, redis_client, monkeypatch
+):
+    """A job this client submitted, which ended longer ago than its `done` stream lives: wait()
+    looks at the job first, as for a job submitted elsewhere, and answers from its hash at once
+    (a first blocking read would wait out its whole block, 2 s, for nothing)."""
+    job_id = client.submit("x", max_tokens=1)
+    result = JobResult(id=job_id, status="done", text="x", finish_reason="length")
+    redis_client.hset(Keys().job(job_id), mapping={"status": "done", "result": result.model_dump_json()})
+    monkeypatch.setattr(waiting.Submissions, "KEPT_S", 0.0)  # submitted too long ago: its done stream may be gone
+    started = time.monotonic()
+    assert client.wait(job_id, timeout=WAIT_S).text == "x"
+    assert time.monotonic() - started < 1
+
+
+def test_the_copies_a_gateway_serves_its_requests_with_share_the_clients_memory_of_its_jobs():
+    """The gateway submits and waits on a copy per request (on_queue, as_tenant): a copy's wait
+    after another copy's submit is one round trip too."""
+    c = Client(DEAD_URL, "default")
+    try:
+        assert c.on_queue("other").as_tenant("acme").submissions is c.submissions
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("reader", ["done", "events"])
 def test_a_job_past_its_deadline_at_the_callers_timeout_is_job_expired_whatever_the_local_clock_says(
     client, redis_client, reader
@@ -303,16 +402,16 @@ def test_a_job_past_its_deadline_at_the_callers_timeout_is_job_expired_whatever_
 
 
 @pytest.mark.timing
-@pytest.mark.parametrize("how", ["result", "wait", "stream"])
-def test_waiting_for_a_job_expired_already_raises_job_expired_at_once(client, how):
-    job_id = client.submit("x", max_tokens=1, timeout_s=0.05)
+@pytest.mark.parametrize("how", ["result", "wait", "wait elsewhere", "stream"])
+def test_waiting_for_a_job_expired_already_raises_job_expired_at_once(client, other_client, how):
+    job_id = (other_client if how == "wait elsewhere" else client).submit("x", max_tokens=1, timeout_s=0.05)
     time.sleep(0.1)
     started = time.monotonic()
     with pytest.raises(JobExpired) as e:
         if how == "stream":
             list(client.stream(job_id, timeout=WAIT_S))
         else:
-            getattr(client, how)(job_id, timeout=WAIT_S)
+            getattr(client, how.split()[0])(job_id, timeout=WAIT_S)
     assert time.monotonic() - started < 1
     assert e.value.job_id == job_id
 

@@ -187,3 +187,94 @@ def test_an_exchange_of_no_command_takes_no_connection():
 
     nobody = connect(f"redis://127.0.0.1:{free_port()}/0", **one_try_options(0.5))  # nothing listens there
     assert execute(nobody, lambda pipe: None) == []  # a connection would have raised ConnectionError
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+@pytest.mark.parametrize("failures, outcome", [(0, "sent"), (2, "sent"), (3, "ConnectionError")])
+def test_an_exchanges_first_try_counts_as_its_retry_policys_first(redis_server, monkeypatch, kind, failures, outcome):
+    """The first try of an exchange is made outside the connection's retry policy (no retry layer
+    on the way of one that succeeds); one that fails hands its error to the policy, which then
+    tries, disconnects and gives up as it would have alone: with 2 retries, 3 tries in all, each
+    failure followed by a disconnect, and the third failure raised."""
+    import asyncio
+
+    import redis
+    import redis.asyncio
+    from redis.backoff import NoBackoff
+
+    from producer_client.connection import AsyncRetry, Retry
+    from producer_client.protocol import execution
+
+    tries, disconnected = [], []  # disconnected: every connection's disconnect, garbage collected ones' too
+
+    def fail_first_tries(connection):
+        tries.append(sum(1 for c in disconnected if c is connection))
+        if len(tries) <= failures:
+            raise redis.ConnectionError(f"try {len(tries)} failed")
+
+    if kind == "sync":
+        client = redis.Redis.from_url(redis_server.url, decode_responses=True, retry=Retry(NoBackoff(), 2))
+        round_trip, disconnect = execution._round_trip, client.connection_pool.connection_class.disconnect
+
+        def failing_at_first(redis_client, connection, stack):
+            fail_first_tries(connection)
+            return round_trip(redis_client, connection, stack)
+
+        def counted(self, *args, **kwargs):
+            disconnected.append(self)
+            return disconnect(self, *args, **kwargs)
+
+        monkeypatch.setattr(execution, "_round_trip", failing_at_first)
+    else:
+        client = redis.asyncio.Redis.from_url(redis_server.url, decode_responses=True, retry=AsyncRetry(NoBackoff(), 2))
+        around_trip, disconnect = execution._around_trip, client.connection_pool.connection_class.disconnect
+
+        async def failing_at_first(redis_client, connection, stack):
+            fail_first_tries(connection)
+            return await around_trip(redis_client, connection, stack)
+
+        async def counted(self, *args, **kwargs):
+            disconnected.append(self)
+            return await disconnect(self, *args, **kwargs)
+
+        monkeypatch.setattr(execution, "_around_trip", failing_at_first)
+    monkeypatch.setattr(client.connection_pool.connection_class, "disconnect", counted)
+
+    def echo(pipe):
+        pipe.echo("sent")
+
+    async def run_async():
+        try:
+            return await execution.aexecute(client, echo)
+        finally:
+            await client.aclose()
+
+    try:
+        replies = execution.execute(client, echo) if kind == "sync" else asyncio.run(run_async())
+        got = replies[0]
+    except redis.ConnectionError as e:
+        got = type(e).__name__
+        assert str(e) == "try 3 failed"
+    finally:
+        if kind == "sync":
+            client.close()
+    assert got == outcome
+    assert tries == list(range(min(failures + 1, 3)))  # each try after the disconnect of the failure before it
+
+
+def test_an_exchange_packs_every_argument_as_redis_py_would(redis_client):
+    """Commands are packed by hiredis directly; what hiredis refuses goes through redis-py's packer:
+    a bytearray is sent as its bytes, None is redis-py's DataError, and nothing of that exchange is
+    sent. A command name of two words is two words on the wire."""
+    import redis
+
+    from producer_client.protocol.execution import execute
+
+    key = f"packed-{uuid.uuid4().hex}"
+    execute(redis_client, lambda pipe: [pipe.set(key, bytearray(b"ab")), pipe.append(key, memoryview(b"c"))])
+    with pytest.raises(redis.DataError):
+        execute(redis_client, lambda pipe: [pipe.append(key, "d"), pipe.set(key, None)])
+    assert execute(redis_client, lambda pipe: [pipe.get(key), pipe.execute_command("OBJECT ENCODING", key)]) == [
+        "abc",
+        "raw",
+    ]
