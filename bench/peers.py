@@ -26,7 +26,7 @@ Redis time per job goes, script by script; then the target rows of issue 43, met
 The peers run from their own environments, .venv-peers/<library>, made on first use from
 bench/peer_queues/requirements/<library>.txt (pip, from PyPI); MILI runs from the project's.
 
-    python -m bench.peers [--rounds 3 --seconds 3 --latency-jobs 200 --procs 2 --producers 8]
+    python -m bench.peers [--rounds 3 --seconds 3 --latency-jobs 200 --submit-jobs 2000 --procs 2 --producers 8]
     python -m bench.peers --only mili dramatiq --rounds 5
 """
 
@@ -135,7 +135,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--procs", type=int, default=2, help="producer processes in a load run")
     p.add_argument("--producers", type=int, default=8, help="producers per process (threads, or asyncio tasks)")
     p.add_argument("--latency-jobs", type=int, default=200, help="jobs of the low-load latency run")
-    p.add_argument("--submit-jobs", type=int, default=200, help="submits timed with no worker running")
+    # 2,000: a process's first few hundred submits run slower (caches, allocator), and 200 of them,
+    # some 30 ms, swung MILI's figure by 20% from run to run (bench/RESULTS.md, the producer's cost).
+    p.add_argument("--submit-jobs", type=int, default=2000, help="submits timed with no worker running")
     p.add_argument("--poll-s", type=float, default=0.001, help="arq's and taskiq's polling intervals")
     p.add_argument(
         "--only", nargs="+", default=[lib.name for lib in LIBRARIES], choices=[lib.name for lib in LIBRARIES]
