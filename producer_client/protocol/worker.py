@@ -42,20 +42,25 @@ from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_key
 
 # -- a job's keys ---------------------------------------------------------------------------------
 
-# Prepended to the scripts that write a job's keys (KEYS: job, events, done): a producer may write
-# those keys, so one may hold another type than the protocol's. Redis does not undo what a script
-# wrote before a command failed, so a script that would write more than one of them asks
-# wrong_key_type() first: it then fails whole, with a WRONGTYPE error naming the key, and the
-# worker fails the job (FAIL, below). A script whose first write would meet the wrong type needs
-# no check (PUBLISH's steps: the hash is read, or the event stream written, first).
+# Prepended to the scripts that write a job's keys (job, events, done): a producer may write those
+# keys, so one may hold another type than the protocol's. Redis does not undo what a script wrote
+# before a command failed, so a script that would write more than one of them checks first: it
+# then fails whole, with a WRONGTYPE error naming the key, and the worker fails the job (FAIL,
+# below). The hash is read first by each (its HMGET meets another type); a job's streams are there
+# only once it has run or ended, so wrong_stream_type asks one EXISTS of both and a TYPE only where
+# either is there (three TYPEs a job cost Redis about what a claim's own reads and writes do:
+# bench/RESULTS.md, "Redis CPU per job").
 JOB_KEY_TYPES = """
-local function wrong_key_type(job, events, done)
-  local kinds = {'hash', 'stream', 'stream'}
-  for i, key in ipairs({job, events, done}) do
-    local found, kind = redis.call('TYPE', key).ok, kinds[i]
-    if found ~= 'none' and found ~= kind then
-      return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. found .. ', not a ' .. kind)
-    end
+local function wrong_type(key, kind)
+  local found = redis.call('TYPE', key).ok
+  if found ~= 'none' and found ~= kind then
+    return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. found .. ', not a ' .. kind)
+  end
+end
+
+local function wrong_stream_type(events, done)
+  if redis.call('EXISTS', events, done) > 0 then
+    return wrong_type(events, 'stream') or wrong_type(done, 'stream')
   end
 end
 """
@@ -64,28 +69,19 @@ end
 # worker, entry id, result TTL seconds and run token. Returns {'claimed', tokens recorded so far[,
 # deadline ms]} (run it; more than 0 tokens: resume it), {'final'} (it has a result already: drop
 # the entry) or {'duplicate'} (another entry with the same job id is running it: drop this one), or
-# a WRONGTYPE error naming a key of another type (checked as JOB_KEY_TYPES does, before anything is
+# a WRONGTYPE error naming a key of another type (JOB_KEY_TYPES, checked before anything is
 # written). A missing hash is claimed too: a raw XADD bypasses the client that would create it.
 # Claiming the entry a job is running under again is a reclaim: it starts a new run, and the old
 # run's worker can publish nothing more. A job that ended gets the result TTL on its hash and kept
 # events (a job a producer cancelled has none until then); its done stream keeps its own, DONE_TTL_MS.
-LUA_CLAIM = """
-local function wrong_type(key, kind)
-  local found = redis.call('TYPE', key).ok
-  if found ~= 'none' and found ~= kind then
-    return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. found .. ', not a ' .. kind)
-  end
-end
-
+LUA_CLAIM = (
+    JOB_KEY_TYPES
+    + """
 local function claim(job, events, done, worker, entry, ttl, run)
   local got = redis.pcall('HMGET', job, 'result', 'status', 'entry', 'tokens', 'deadline')
   if got.err then return wrong_type(job, 'hash') or got end
-  -- A job's streams are there only once it has run or ended: one EXISTS for both, TYPE where there
-  -- are any (three TYPEs cost Redis about what the claim's own reads and writes do: bench/RESULTS.md).
-  if redis.call('EXISTS', events, done) > 0 then
-    local refused = wrong_type(events, 'stream') or wrong_type(done, 'stream')
-    if refused then return refused end
-  end
+  local refused = wrong_stream_type(events, done)
+  if refused then return refused end
   if got[1] then
     redis.call('EXPIRE', job, ttl)
     redis.call('EXPIRE', events, ttl)
@@ -99,6 +95,7 @@ local function claim(job, events, done, worker, entry, ttl, run)
   return {'claimed', tonumber(got[4] or '0')}
 end
 """
+)
 
 # KEYS: job, events, done. ARGV: worker, entry id, result TTL seconds, run token. The claim of one
 # job (LUA_CLAIM), its reply or its error.
@@ -171,7 +168,7 @@ local function publish(job, events, done, a)
   end
   local final = ARGV[a + 6] ~= ''
   if final then
-    local refused = wrong_key_type(job, events, done)
+    local refused = wrong_stream_type(events, done)
     if refused then return refused end
   end
   local started, streamed, resumed = read[5], read[7], read[8]
