@@ -48,16 +48,40 @@ def test_pinned_model_queues_must_be_usable_in_keys():
         GatewaySettings(models={"m": "{bad}"})
 
 
-def test_a_restarted_gateway_whose_port_was_taken_is_not_taken_for_ready(redis_server, tmp_path):
-    """The harness restarts a gateway on its port; a process that took the port meanwhile answers
-    the probe while the gateway fails to bind, and must not pass for it."""
-    gateway = GatewayProcess(redis_server.url, tmp_path)
-    squatter = http.server.HTTPServer(("127.0.0.1", gateway.port), http.server.SimpleHTTPRequestHandler)
+def squat(port: int) -> http.server.HTTPServer:
+    """An HTTP server on `port`: another process's socket, answering as a gateway would."""
+    squatter = http.server.HTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler)
     threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    return squatter
+
+
+def test_a_restarted_gateway_whose_port_was_taken_is_not_taken_for_ready(redis_server, tmp_path):
+    """The harness restarts a gateway on its port (the test holds its URL); a process that took the
+    port meanwhile answers the probe while the gateway fails to bind, and must not pass for it."""
+    gateway = GatewayProcess(redis_server.url, tmp_path).start()
+    gateway.stop()
+    squatter = squat(gateway.port)
     try:
         with pytest.raises(ProcessNotReady, match="exited"):
             gateway.start()
-        assert "address already in use" in gateway.log().lower()
+        assert "address already in use" in gateway.log_of_this_start().lower()
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+        gateway.stop()
+
+
+def test_a_first_start_whose_port_was_taken_meanwhile_moves_to_another(redis_server, tmp_path):
+    """free_port() can only say what was free when it asked: a socket that takes the port before
+    the gateway binds it (CI met it once) costs the gateway's first start a retry on another port."""
+    gateway = GatewayProcess(redis_server.url, tmp_path)
+    taken = gateway.port
+    squatter = squat(taken)
+    try:
+        gateway.start()
+        assert gateway.port != taken and gateway.url == f"http://127.0.0.1:{gateway.port}"
+        assert f"Uvicorn running on {gateway.url}" in gateway.log_of_this_start()
+        assert "address already in use" in gateway.log().lower()  # the first try's
     finally:
         squatter.shutdown()
         squatter.server_close()

@@ -11,8 +11,11 @@ from pathlib import Path
 import httpx
 
 from gateway.metrics import BACKLOG_TIMEOUT_S
-from harness.processes import ChildProcess
+from harness.processes import ChildProcess, ProcessNotReady
 from worker.embedded_redis import free_port
+
+PORT_TRIES = 3
+PORT_TAKEN = "address already in use"  # uvicorn's bind error (errno 98)
 
 
 class GatewayProcess(ChildProcess):
@@ -45,9 +48,25 @@ class GatewayProcess(ChildProcess):
         super().__init__(command, log_dir / f"{name}.log", {**os.environ, **(env or {})})
 
     def start(self) -> GatewayProcess:
-        """Started and answering: a gateway starts in about a second."""
+        """Started and answering: a gateway starts in about a second. At its first start the port
+        free_port() found may be taken before uvicorn binds it (by any socket of the machine's,
+        an outgoing connection's included: CI met it once); the gateway then starts again on
+        another free port. A restart keeps its port, which the test holds."""
+        first = self.process is None
+        for _ in range(PORT_TRIES - 1):
+            super().start()
+            try:
+                return self.wait_ready()
+            except ProcessNotReady:
+                if not first or PORT_TAKEN not in self.log_of_this_start():
+                    raise
+            self.move_to(free_port())
         super().start()
         return self.wait_ready()
+
+    def move_to(self, port: int) -> None:
+        self.command[self.command.index("--port") + 1] = str(port)
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
 
     def ready(self) -> bool:
         # A restart keeps the port, which another test's process may have taken meanwhile: it would
