@@ -84,11 +84,7 @@ class JobCommands:
         job's place, as separate CLAIMs would each have met it."""
         call = scripts.claim_many(self.keys, self.worker, self.result_ttl_s, jobs)
         (reply,) = self._send(call.add_to, per_command_errors=True)
-        if isinstance(reply, Exception):
-            return [reply] * len(jobs)
-        if not isinstance(reply, list) or len(reply) != len(jobs):
-            return [UnknownReply("CLAIM_MANY", reply)] * len(jobs)
-        return [_parsed(parse_claim, r) for r in reply]
+        return [_parsed(parse_claim, r) for r in _per_job("CLAIM_MANY", reply, len(jobs))]
 
     def adopt(self, jobs: list[tuple[str, str]]) -> list[Adopted | Exception]:
         """ADOPT each (job id, run token) after Redis lost the group."""
@@ -204,16 +200,20 @@ class JobCommands:
 
 
 def _each_job(reply: object, jobs: int) -> list[object]:
-    """A call's reply per job: PUBLISH's own for one job, PUBLISH_ROUND's list for several, and an
-    error of the call itself (a job's own comes in its place in the list) for each of its jobs, as
-    each job's own call would have met it: each job's publication is safe to send again."""
-    if jobs == 1:
-        return [reply]
+    """A publication call's reply per job: PUBLISH's own for one job, PUBLISH_ROUND's list for
+    several (_per_job): each job's publication is safe to send again."""
+    return [reply] if jobs == 1 else _per_job("PUBLISH_ROUND", reply, jobs)
+
+
+def _per_job(script: str, reply: object, jobs: int) -> list[object]:
+    """The reply of a script that answers each of `jobs` jobs in a list (CLAIM_MANY, PUBLISH_ROUND),
+    per job: an error of the call itself (a job's own comes in its place in the list) for each of
+    its jobs, as each job's own call would have met it; a reply of another shape UnknownReply."""
     if isinstance(reply, Exception):
         return [reply] * jobs
     if isinstance(reply, list) and len(reply) == jobs:
         return reply
-    return [UnknownReply("PUBLISH_ROUND", reply)] * jobs
+    return [UnknownReply(script, reply)] * jobs
 
 
 def _parsed(parse: Callable[[object], T], reply: object) -> T | Exception:
