@@ -66,7 +66,7 @@ def stored_or_written(keys: Keys, queue: str, count: int) -> Steps[int]:
     per queue): a worker or producer that starts while Redis refuses writes (over maxmemory, a
     read-only replica promoted late) still starts on a queue whose count is stored."""
     key = keys.scheduler(queue)
-    (stored,) = checked((yield lambda pipe: pipe.hget(key, SHARDS_FIELD)))
+    stored = yield from stored_field(keys, queue)
     if stored is None:
         _, stored = checked((yield lambda pipe: (pipe.hsetnx(key, SHARDS_FIELD, count), pipe.hget(key, SHARDS_FIELD))))
     return parse_count(queue, stored)
@@ -83,8 +83,14 @@ def agree(keys: Keys, queue: str, count: int) -> Steps[int]:
 
 def stored_count(keys: Keys, queue: str) -> Steps[int]:
     """The queue's shard count (1 when none is stored)."""
+    return parse_count(queue, (yield from stored_field(keys, queue)))
+
+
+def stored_field(keys: Keys, queue: str) -> Steps[str | bytes | None]:
+    """The count's field as stored, unparsed (None when absent)."""
+    stored: str | bytes | None
     (stored,) = checked((yield lambda pipe: pipe.hget(keys.scheduler(queue), SHARDS_FIELD)))
-    return parse_count(queue, stored)
+    return stored
 
 
 def serving_count(keys: Keys, queue: str, asked: int | Literal["auto"] | None, masters: int) -> Steps[int]:
