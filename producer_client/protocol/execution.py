@@ -254,24 +254,25 @@ async def _around_trip(client: redis.asyncio.Redis, connection: Any, stack: Stac
     replies: Replies = []
     for args, options in stack:
         try:
-            if _NODE_OF in options:
-                replies.append(await client.parse_response(connection, args[0], **_sent_options(options)))
-            else:
-                replies.append(await client.parse_response(connection, args[0], **options))
+            replies.append(await client.parse_response(connection, args[0], **_sent_options(options)))
         except ResponseError as e:
-            replies.append(0 if _NODE_OF in options else e)  # see _reply
+            replies.append(_refused(options, e))
     return replies
 
 
 def _reply(client: redis.Redis, connection: Any, command: Any, options: dict[str, Any]) -> Any:
-    """The next reply on `connection`, as redis-py parses `command`'s, or the error in its place. A
-    WAIT whose node refused it (a master turned replica) vouches for nothing: 0."""
+    """The next reply on `connection`, as redis-py parses `command`'s, or the error in its place
+    (_refused)."""
     try:
-        if _NODE_OF in options:
-            return client.parse_response(connection, command, **_sent_options(options))
-        return client.parse_response(connection, command, **options)
+        return client.parse_response(connection, command, **_sent_options(options))
     except ResponseError as e:
-        return 0 if _NODE_OF in options else e
+        return _refused(options, e)
+
+
+def _refused(options: dict[str, Any], error: ResponseError) -> Any:
+    """What a command's error reply stands for: the error, in the command's place; but a WAIT whose
+    node refused it (a master turned replica) vouches for nothing: 0."""
+    return 0 if _NODE_OF in options else error
 
 
 def _packed(connection: Any, stack: Stack) -> list[bytes]:
@@ -296,7 +297,10 @@ def _words(args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _sent_options(options: dict[str, Any]) -> dict[str, Any]:
-    """A recorded command's options as redis-py reads its reply with them: without _NODE_OF."""
+    """A recorded command's options as redis-py reads its reply with them: without _NODE_OF (most
+    have none, and are passed on as they are)."""
+    if _NODE_OF not in options:
+        return options
     return {k: v for k, v in options.items() if k != _NODE_OF}
 
 
