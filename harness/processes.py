@@ -48,13 +48,7 @@ def start_worker(
     tree = tree.resolve()
     own_python = tree / ".venv" / "bin" / "python"
     python = str(own_python) if tree != REPO and own_python.exists() else sys.executable
-    command = [
-        python,
-        *("-m", "worker", "serve", "--model", model, "--redis", redis_url, "--queue", queue),
-        *("--metrics-host", "127.0.0.1", "--metrics-port", "0", "--log-level", "WARNING"),
-        *(["--name", name] if name is not None else []),
-        *flags,
-    ]
+    command = serve_command(python, redis_url, model, queue, name, "--log-level", "WARNING", *flags)
     env = {**os.environ, "PYTHONPATH": str(tree), **(env or {})}
     if log_path is None:
         return subprocess.Popen(command, cwd=tree, env=env, stdin=subprocess.DEVNULL)
@@ -62,6 +56,21 @@ def start_worker(
         return subprocess.Popen(
             command, cwd=tree, env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
         )
+
+
+def serve_command(
+    python: str, redis_url: str, model: str, queue: str | None, name: str | None, *flags: str
+) -> list[str]:
+    """The command line of `python -m worker serve` of `model` on `queue` (None: the worker's
+    default queue), named `name` (None: <hostname>-<pid>), with metrics on a free port of
+    127.0.0.1, a benchmark's and a test's alike; `flags` come last, so they override these."""
+    return [
+        *(python, "-m", "worker", "serve", "--model", model, "--redis", redis_url),
+        *("--metrics-host", "127.0.0.1", "--metrics-port", "0"),
+        *(["--queue", queue] if queue is not None else []),
+        *(["--name", name] if name is not None else []),
+        *flags,
+    ]
 
 
 class ProcessNotReady(RuntimeError):

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness.processes import ChildProcess
+from harness.processes import ChildProcess, serve_command
 from producer_client.connection import connect
 from producer_client.keys import Keys
 
@@ -38,31 +38,10 @@ class WorkerProcess(ChildProcess):
     ):
         self.queue = queue
         self.name = name
-        command = [
-            sys.executable,
-            "-m",
-            "worker",
-            "serve",
-            "--model",
-            model,
-            "--redis",
-            redis_url,
-            "--metrics-host",
-            "127.0.0.1",
-            "--metrics-port",
-            "0",
-            "--heartbeat-interval-s",
-            "0.1",
-            "--block-ms",
-            "100",
-            "--redis-backoff-max-s",
-            "0.5",
-            "--kv-cache-mib",
-            "64",
-            *(["--queue", queue] if queue is not None else []),
-            *(["--name", name] if name is not None else []),
-            *flags,
-        ]
+        test_timings = ("--heartbeat-interval-s", "0.1", "--block-ms", "100", "--redis-backoff-max-s", "0.5")
+        command = serve_command(
+            sys.executable, redis_url, model, queue, name, *test_timings, "--kv-cache-mib", "64", *flags
+        )
         # One torch thread each: workers share this machine's cores with each other and with the
         # tests, and oversubscribed threads make every step several times slower.
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
