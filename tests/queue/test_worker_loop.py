@@ -303,31 +303,3 @@ def test_a_default_job_is_read_while_ended_flex_jobs_hold_every_slot(redis_serve
             assert [r.status for r in client.results(flex, timeout=30)] == ["done"] * 4
             job = client.as_tenant("chat").submit("yz", max_tokens=2)
             assert client.result(job, timeout=10).text == "yz"
-
-
-def test_a_busy_workers_read_goes_ahead_of_the_publication_round_and_an_idle_ones_holds_nothing(redis_server, queue):
-    """While the loop's read that does not block is out, the publisher sends no round (a READ behind
-    a round's PUBLISH_ROUND waits for all of it); a blocking read, which may wait block_ms for a
-    job, holds nothing back. 40 flex jobs of 30 tokens keep the loop busy, then it idles."""
-    seen: list[tuple[bool, bool]] = []  # (blocking, publisher held) of each read of the loop's
-    with Client(redis_server.url, queue, tenant="batch") as client:
-        with serving(redis_server.url, queue, step_s=0.002) as worker:
-            read = worker.queue.read
-            inside: list[bool] = []  # a blocking read that a doorbell woke reads again within
-
-            def recording_read(rooms, block_ms, *args, **kwargs):
-                if not inside:
-                    seen.append((block_ms is not None, worker.publication.publisher.holding))
-                inside.append(True)
-                try:
-                    return read(rooms, block_ms, *args, **kwargs)
-                finally:
-                    inside.pop()
-
-            worker.queue.read = recording_read
-            ids = client.submit_many([{"prompt": "x" * 30, "max_tokens": 30, "service_tier": "flex"}] * 40)
-            assert [r.status for r in client.results(ids, timeout=30)] == ["done"] * 40
-            assert eventually(lambda: seen.count((True, False)) >= 3)
-            reads = list(seen)  # the hand-over's read at the stop is not the loop's
-    assert set(reads) == {(False, True), (True, False)}
-    assert reads.count((False, True)) >= 30  # at least one a step of the jobs' 30

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import AbstractContextManager
 
 from producer_client.protocol.replies import Look, Published, PublishReply, UnknownReply, Watched
 from producer_client.schema import JobResult
@@ -43,10 +42,6 @@ class Publication:
     @property
     def busy(self) -> bool:
         return self.publisher.busy
-
-    def held_back(self) -> AbstractContextManager[None]:
-        """No round is sent while this block runs (the loop's read: worker/loop/publisher.py)."""
-        return self.publisher.held()
 
     def publish(self) -> None:
         """Settle the round Redis has answered, if any, then send what is due, without waiting for

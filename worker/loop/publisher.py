@@ -3,19 +3,12 @@ going out, and looks at jobs' hashes, in one pipeline) and keeps Redis's answer 
 loop picks it up. So the loop never waits for Redis to answer a publication: the next engine step
 starts at once, and the output of the steps that run meanwhile goes out with the next round. Only
 the round's packing, its round trip and the parsing of its replies happen here; what the replies
-mean is settled in the loop's thread (worker/loop/publication.py), which alone touches the jobs.
-
-While the loop's read of the queue is out (Publisher.held), a round waits to be sent: Redis runs a
-round's PUBLISH_ROUND as one script, and a READ that arrives behind it waits for all of it, so a
-higher lane's job that a saturated worker reads would wait for a round of the jobs already running.
-The round goes as soon as the read is answered: a read's round trip later, at most."""
+mean is settled in the loop's thread (worker/loop/publication.py), which alone touches the jobs."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +33,6 @@ class Publisher:
         self.changed = threading.Condition()
         self.sending: Round | None = None
         self.answered: Round | None = None
-        self.holding = False  # the loop's read is out: the round waits
         self.closed = False
         self.thread: threading.Thread | None = None
 
@@ -56,18 +48,6 @@ class Publisher:
                 self.thread.start()
             self.sending = round_
             self.changed.notify_all()
-
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        """No round is sent inside this block (one already out goes on)."""
-        with self.changed:
-            self.holding = True
-        try:
-            yield
-        finally:
-            with self.changed:
-                self.holding = False
-                self.changed.notify_all()
 
     def take_answer(self, timeout: float | None = 0.0) -> Round | None:
         """The answered round, if any: waiting up to `timeout` seconds (None: as long as it takes)
@@ -88,7 +68,7 @@ class Publisher:
     def _serve(self) -> None:
         while True:
             with self.changed:
-                self.changed.wait_for(lambda: (self.sending is not None and not self.holding) or self.closed)
+                self.changed.wait_for(lambda: self.sending is not None or self.closed)
                 round_ = self.sending
             if round_ is None:
                 return

@@ -45,9 +45,7 @@ from worker.loop.admission import Admission
 from worker.loop.collection import Collector
 from worker.loop.context import LoopContext
 from worker.loop.exchanges import Exchanges
-from worker.loop.fairness import Owed
 from worker.loop.holdings import Holdings
-from worker.loop.intake import Delivery
 from worker.loop.isolation import EngineError, FailureIsolation
 from worker.loop.job_commands import JobCommands
 from worker.loop.ownership import Ownership
@@ -226,23 +224,13 @@ class Worker:
         idle = not (self.engine.has_unfinished() or self.holdings.unadmitted or self.holdings.has_updates())
         block_ms = max(1, min(self.settings.block_ms, self.ownership.ms_to_heartbeat())) if idle else None
         corrections = dict(self.holdings.ledger.owed)
-        read = self._read(block_ms, corrections)
+        read = self.queue.read(self._rooms(), block_ms, *self.holdings.receipts(), corrections)
         self.holdings.receipts_sent(corrections)
         own = sum(1 for d in read if owner_of(d.entry_id) is not None)
         self.metrics.taken["own"].inc(own)
         self.metrics.taken["shared"].inc(len(read) - own)
         self.holdings.take(read)
         self.admission.admit()
-
-    def _read(self, block_ms: int | None, corrections: Owed) -> list[Delivery]:
-        """The queue's next entries, with the receipts and `corrections` sent before them. A read
-        that does not block goes ahead of the next publication round (Publisher.held): the job it
-        takes waits for no round of the jobs already running. A blocking read holds nothing back."""
-        rooms = self._rooms()
-        if block_ms is not None:
-            return self.queue.read(rooms, block_ms, *self.holdings.receipts(), corrections)
-        with self.publication.held_back():
-            return self.queue.read(rooms, None, *self.holdings.receipts(), corrections)
 
     def _take_idle_entries(self) -> None:
         """Entries of dead or stalled workers, in the shared stream and in every worker's own; and
