@@ -84,9 +84,7 @@ class AsyncClient(ClientBase):
         return await steps.arun(self.redis, operations.result(self.keys, job_id, timeout))
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
-        return await steps.arun(
-            self.redis, operations.wait(self.keys, job_id, timeout, self.submissions.expiry(job_id))
-        )
+        return await steps.arun(self.redis, operations.wait(self.keys, job_id, timeout, self.submissions.known(job_id)))
 
     async def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenDelta]:
         reader, deadline = await steps.arun(self.redis, follow(self.keys, job_id, after, timeout))

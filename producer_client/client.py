@@ -116,7 +116,7 @@ class Client(ClientBase):
     def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
         """result() of a job known to exist (this client just submitted it): one blocking read of
         its `done` stream, without looking the job up first."""
-        return steps.run(self.redis, operations.wait(self.keys, job_id, timeout, self.submissions.expiry(job_id)))
+        return steps.run(self.redis, operations.wait(self.keys, job_id, timeout, self.submissions.known(job_id)))
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
         """Yield the job's token deltas until it ends. Resume after a disconnect with

@@ -25,7 +25,7 @@ from producer_client.sharing import Submitted, enqueue_call, rate_limits_of, ref
 from producer_client.status_reads import read_status
 from producer_client.steps import Repeatable, Steps, checked
 from producer_client.validation import check_job_id, check_timeout
-from producer_client.waiting import UNKNOWN, Deadline, expiry, finished, wait_done
+from producer_client.waiting import NOTHING_KNOWN, Deadline, Known, expiry, finished, wait_done
 
 
 def submit(client: ClientBase, job: NewJob) -> Steps[str]:
@@ -161,13 +161,13 @@ def result(keys: Keys, job_id: str, timeout: float | None) -> Steps[JobResult]:
     return finished(job_id, (yield from wait_done(keys, job_id, deadline, expires_at)))
 
 
-def wait(keys: Keys, job_id: str, timeout: float | None, expires_at: float | None = UNKNOWN) -> Steps[JobResult]:
+def wait(keys: Keys, job_id: str, timeout: float | None, known: Known = NOTHING_KNOWN) -> Steps[JobResult]:
     """Client.wait: result() without looking the job up first (its first look at the `done`
-    stream reads the job's deadline too). `expires_at`: when the job expires unread, where the
-    client knows it from its submit (Submissions): then its first read is the blocking one."""
+    stream reads the job's deadline too). `known`: what the client knows of the job from its
+    submit (Submissions): then its first read is the blocking one, without the job's hash."""
     job_id = check_job_id(job_id)
     deadline = Deadline(job_id, check_timeout(timeout))
-    return finished(job_id, (yield from wait_done(keys, job_id, deadline, expires_at)))
+    return finished(job_id, (yield from wait_done(keys, job_id, deadline, *known)))
 
 
 def generate(client: ClientBase, arguments: Mapping[str, Any], timeout: float | None) -> Steps[JobResult]:
@@ -176,7 +176,7 @@ def generate(client: ClientBase, arguments: Mapping[str, Any], timeout: float | 
     timeout = check_timeout(timeout)
     job_id = yield from submit(client, build_job_of(arguments, known_params=client.known_params))
     deadline = Deadline(job_id, timeout)
-    return finished(job_id, (yield from wait_done(client.keys, job_id, deadline, client.submissions.expiry(job_id))))
+    return finished(job_id, (yield from wait_done(client.keys, job_id, deadline, *client.submissions.known(job_id))))
 
 
 def expiry_of_new(job: NewJob) -> float | None:

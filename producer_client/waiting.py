@@ -3,13 +3,14 @@ reads (Deadline), each one XREAD as a step (producer_client.steps), a read that 
 the deadline of a job still queued (JobExpired as soon as it passes: no worker will start it),
 and the end waited for (a result, JobFailed or JobExpired). A job's result is in its hash from its
 end on; its `done` stream, which a blocking read wakes on, lives only DONE_TTL_MS after the end
-(producer_client/keys.py), so each blocking read is followed by a look at the hash."""
+(producer_client/keys.py), so a blocking read is followed by a look at the hash, but where the
+job is known not to have ended within half that life before the read (Submissions.KEPT_S)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from producer_client.connection import reply_code
 from producer_client.errors import JobTimeout
@@ -50,6 +51,18 @@ class Deadline:
 UNKNOWN = -1.0  # wait_done's expires_at when the job's deadline is yet to be read
 
 
+class Known(NamedTuple):
+    """What a client knows of a job before it waits on it: when it expires unread (monotonic; None:
+    it cannot; UNKNOWN: to be read first), and a moment (monotonic) it had not ended at (None: no
+    such moment known)."""
+
+    expires_at: float | None = UNKNOWN
+    unended_at: float | None = None
+
+
+NOTHING_KNOWN = Known()
+
+
 class Submissions:
     """When each job this client submitted with a fresh id expires unread (monotonic; None: it
     cannot), for `wait`, which then need not look the job up before its first blocking read (a
@@ -74,43 +87,63 @@ class Submissions:
             self.previous, self.current, self.since = self.current, {}, now
         self.current[job_id] = (now, expires_at)
 
-    def expiry(self, job_id: str) -> float | None:
-        """The job's expires_at as its submit knew it, once (a later wait looks the job up); UNKNOWN
-        for a job this client did not submit, or submitted more than KEPT_S ago."""
+    def known(self, job_id: str) -> Known:
+        """The job's expires_at as its submit knew it, and its submit as a moment it had not ended
+        at, once (a later wait looks the job up); NOTHING_KNOWN for a job this client did not
+        submit, or submitted more than KEPT_S ago."""
         kept = self.current.pop(job_id, None) or self.previous.pop(job_id, None)
         if kept is None or self.clock() - kept[0] >= self.KEPT_S:
-            return UNKNOWN
-        return kept[1]
+            return NOTHING_KNOWN
+        return Known(kept[1], kept[0])
 
 
-def wait_done(keys: Keys, job_id: str, deadline: Deadline, expires_at: float | None = UNKNOWN) -> Steps[str]:
+def wait_done(
+    keys: Keys, job_id: str, deadline: Deadline, expires_at: float | None = UNKNOWN, unended_at: float | None = None
+) -> Steps[str]:
     """The job's result JSON: there at once if the job has ended, else from its `done` stream when
     it does. A job still queued when its deadline passes raises JobExpired then, not at the
     caller's timeout. `expires_at`: when the job's deadline passes (monotonic), None if it cannot
-    expire unread; UNKNOWN: read it with a first look at the job that does not block."""
+    expire unread; UNKNOWN: read it with a first look at the job that does not block.
+    `unended_at`: a moment (monotonic) the job had not ended at, if known (Known). A look or a read
+    that finds no end is one too, taken before it was sent: the job's end, if any, came after it."""
     if expires_at == UNKNOWN:
+        unended_at = time.monotonic()
         (status, deadline_ms, result), redis_time = yield from job_reads.look(keys, job_id)
         if result is not None:
             return result
         expires_at = expiry(job_id, status, deadline_ms, redis_time)
     while True:
         if expires_at is not None and time.monotonic() >= expires_at:
+            unended_at = time.monotonic()
             (status, deadline_ms, result), redis_time = yield from job_reads.look(keys, job_id)
             if result is not None:
                 return result
             expires_at = expiry(job_id, status, deadline_ms, redis_time)
-        result = yield from unless_expired(keys, job_id, expires_at, read_done(keys, job_id, deadline, expires_at))
+        sent_at = time.monotonic()
+        read = read_done(keys, job_id, deadline, expires_at, ends_kept(unended_at, sent_at))
+        result = yield from unless_expired(keys, job_id, expires_at, read)
         if result is not None:
             return result
+        unended_at = sent_at
 
 
-def read_done(keys: Keys, job_id: str, deadline: Deadline, until: float | None) -> Steps[str | None]:
+def ends_kept(unended_at: float | None, now: float) -> bool:
+    """Whether the job's `done` stream holds its end now if it has ended: the job had not ended at
+    `unended_at`, less than KEPT_S ago, half as long as the stream lives after the end (the other
+    half: the margin for a moment taken a round trip late, a submit's)."""
+    return unended_at is not None and now - unended_at < Submissions.KEPT_S
+
+
+def read_done(
+    keys: Keys, job_id: str, deadline: Deadline, until: float | None, end_in_stream: bool = False
+) -> Steps[str | None]:
     """One blocking XREAD of the job's `done` stream, then the hash's result: the result JSON, or
     None if the job did not end within the deadline's next block (ending by `until`). The hash is
     read after the XREAD, in the same round trip: a job that ended before the read began, longer
-    ago than its done stream lives, is found there (the read then blocked for nothing, once)."""
+    ago than its done stream lives, is found there (the read then blocked for nothing, once). With
+    `end_in_stream` (the stream holds the job's end if it has ended: wait_done) it is not read."""
     block_ms = deadline.block_ms(until)
-    reply, result = yield from job_reads.end_read(keys, job_id, block_ms)
+    reply, result = yield from job_reads.end_read(keys, job_id, block_ms, with_result=not end_in_stream)
     streams = streams_read(reply)
     if streams:
         return streams[0][1][0][1]["data"]

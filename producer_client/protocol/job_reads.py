@@ -76,18 +76,21 @@ def add_ends_read(pipe: Pipe, done_streams: Iterable[str], block_ms: int) -> Non
     pipe.xread(dict.fromkeys(done_streams, "0-0"), count=1, block=block_ms)
 
 
-def end_read(keys: Keys, job_id: str, block_ms: int) -> Steps[tuple[StreamsReply | Exception, str | None | Exception]]:
-    """add_ends_read of the one job, then its hash's result (HGET), in one round trip (Repeatable):
-    a job that ended before the read began, longer ago than its done stream lives, is found there.
-    Each reply, or the error in its place."""
+def end_read(
+    keys: Keys, job_id: str, block_ms: int, with_result: bool = True
+) -> Steps[tuple[StreamsReply | Exception, str | None | Exception]]:
+    """add_ends_read of the one job, then (`with_result`) its hash's result (HGET), in one round
+    trip (Repeatable): a job that ended before the read began, longer ago than its done stream
+    lives, is found there. Each reply, or the error in its place; None for the result not read."""
     done, job = keys.done(job_id), keys.job(job_id)
 
     def add(pipe: Pipe) -> None:
         add_ends_read(pipe, (done,), block_ms)
-        pipe.hget(job, "result")
+        if with_result:
+            pipe.hget(job, "result")
 
-    reply, result = yield Repeatable(add)
-    return reply, result
+    reply, *result = yield Repeatable(add)
+    return reply, result[0] if result else None
 
 
 def add_events_kept(pipe: Pipe, keys: Keys, job_id: str) -> None:

@@ -336,10 +336,11 @@ def test_a_wait_after_this_clients_submit_blocks_from_its_first_round_trip(
     client, other_client, monkeypatch, timeout_s
 ):
     """wait() of a job this client submitted knows its deadline (or that it has none): its first
-    round trip is the blocking read of the job's `done` stream, and it never looks at the job. A
-    job another client submitted is looked at first (HMGET of its status, deadline and result),
-    then read; so is this client's job at a second wait(), once the first took its entry. (The
-    callers' timeouts are short: the reads time out, no worker serves the queue.)"""
+    round trip is the blocking read of the job's `done` stream, and it never looks at the job's
+    hash (within KEPT_S of the submit its done stream holds its end if it has ended). A job another
+    client submitted is looked at first (HMGET of its status, deadline and result), then read;
+    so is this client's job at a second wait(), once the first took its entry. (The callers'
+    timeouts are short: the reads time out, no worker serves the queue.)"""
     mine = client.submit("x", max_tokens=1, timeout_s=timeout_s)
     theirs = other_client.submit("x", max_tokens=1, timeout_s=timeout_s)
     sent = commands_sent(monkeypatch)
@@ -349,10 +350,29 @@ def test_a_wait_after_this_clients_submit_blocks_from_its_first_round_trip(
             client.wait(job_id, timeout=0.05)
         rounds.append(sent[:])
         sent.clear()
-    assert [r[0] for r in rounds] == [["XREAD", "HGET"], ["HMGET", "TIME"], ["HMGET", "TIME"]]
-    assert [r[1] for r in rounds[1:]] == [["XREAD", "HGET"]] * 2
+    assert [r[0] for r in rounds] == [["XREAD"], ["HMGET", "TIME"], ["HMGET", "TIME"]]
+    assert [r[1] for r in rounds[1:]] == [["XREAD"]] * 2
     if timeout_s is None:  # else the caller's timeout ends with a look, for JobExpired (unless_expired)
-        assert {c for trip in rounds[0] for c in trip} == {"XREAD", "HGET"}
+        assert {c for trip in rounds[0] for c in trip} == {"XREAD"}
+
+
+@pytest.mark.parametrize("stalled", [False, True])
+def test_a_wait_reads_the_jobs_hash_only_where_its_done_stream_may_have_lost_its_end(client, monkeypatch, stalled):
+    """A wait of many blocking reads (each block cut to 20 ms here) reads only the job's done
+    stream while each read begins within KEPT_S of the last moment the job was seen unended (its
+    submit, then each read that found no end): a job that ended since is in the stream. Where that
+    moment is older (a process stalled between two reads for longer than KEPT_S: KEPT_S 0 here),
+    each read is followed by the job's result in its hash (HGET), which holds it for ever after."""
+    monkeypatch.setattr(waiting, "MAX_BLOCK_MS", 20)
+    if stalled:
+        monkeypatch.setattr(waiting.Submissions, "KEPT_S", 0.0)
+    job_id = client.submit("x", max_tokens=1)
+    sent = commands_sent(monkeypatch)
+    with pytest.raises(JobTimeout):
+        client.wait(job_id, timeout=0.3)
+    reads = [trip for trip in sent if trip[0] == "XREAD"]
+    assert len(reads) >= 2  # Redis ends a block at its own pace (its timers' resolution), 20 ms or more
+    assert set(map(tuple, reads)) == {("XREAD", "HGET") if stalled else ("XREAD",)}
 
 
 def test_a_wait_long_after_the_submit_finds_a_result_whose_done_stream_is_gone_at_once(
@@ -463,9 +483,11 @@ def end_as_a_worker(redis_client, job_id: str, text: str) -> JobResult:
     return result
 
 
-def test_a_job_ended_before_its_reader_came_is_read_from_its_hash(client, redis_client):
+def test_a_job_ended_before_its_reader_came_is_read_from_its_hash(client, redis_client, monkeypatch):
     # Protocol v2: a finished job keeps its hash; its done stream goes DONE_TTL_MS after the end (as
-    # its deletion here), and its events went at the end (one run, nobody streaming it).
+    # its deletion here), and its events went at the end (one run, nobody streaming it). So the
+    # submits are as old as that to the client too (KEPT_S 0): its memory of them stands for none.
+    monkeypatch.setattr(waiting.Submissions, "KEPT_S", 0.0)
     ended = {
         job_id: end_as_a_worker(redis_client, job_id, f"out{i}")
         for i, job_id in enumerate(client.submit(f"p{i}", max_tokens=4) for i in range(3))
@@ -511,14 +533,15 @@ def test_a_client_knows_the_expiry_of_its_own_submits_once_and_for_half_the_done
     assert waiting.Submissions.KEPT_S == DONE_TTL_MS / 2000
     kept.add("a", 130.0)
     kept.add("b", None)
-    assert (kept.expiry("a"), kept.expiry("a")) == (130.0, waiting.UNKNOWN)  # once: a later wait looks
-    assert kept.expiry("someone else's") == waiting.UNKNOWN
+    assert (kept.known("a"), kept.known("a")) == ((130.0, 100.0), waiting.NOTHING_KNOWN)  # once: a later wait looks
+    assert waiting.NOTHING_KNOWN == (waiting.UNKNOWN, None)
+    assert kept.known("someone else's") == waiting.NOTHING_KNOWN
     now[0] += waiting.Submissions.KEPT_S
-    assert kept.expiry("b") == waiting.UNKNOWN  # too old: its end may be older than its done stream
+    assert kept.known("b") == waiting.NOTHING_KNOWN  # too old: its end may be older than its done stream
     kept.add("c", None)
     now[0] += waiting.Submissions.KEPT_S / 2
     kept.add("d", 1.0)
-    assert (kept.expiry("d"), kept.expiry("c")) == (1.0, None)
+    assert (kept.known("d"), kept.known("c")) == ((1.0, now[0]), (None, now[0] - waiting.Submissions.KEPT_S / 2))
     for i in range(3):  # what is kept: the submits of the last two generations at most
         now[0] += waiting.Submissions.KEPT_S
         kept.add(f"e{i}", None)
