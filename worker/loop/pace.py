@@ -14,12 +14,14 @@ each job's output waits in the job and goes out in pieces:
 - every other job's every checkpoint_interval_s (what a crash costs: the next run generates them
   again), and in any case once MAX_EVENT_TOKENS wait.
 
-What a streamed token's delay holds to: it waits at most one share for its job's next slot (less
-the engine step before its sampling), then its delivery (the round out before it, its own round,
-and a reader's read). So the bound holds while delivery takes less than an engine step plus the
-interval's part no share takes, stream_interval_s - share (with every slot streamed: less than a
-step, as on a GPU at 12 ms steps with rounds of a few ms). A worker whose delivery takes longer
-(its host saturated) brings tokens to readers within a share plus that delivery.
+What a streamed token's delay holds to: its job's next slot comes at most a share after the job's
+last publication, which came a step or more before the token was sampled; then the loop's first
+iteration past the slot, and delivery (a round still out, its own round, a reader's read). With
+every slot streamed the bound leaves those about a step: it holds while rounds take well under a
+step (a GPU's at 12 ms steps: 3-4 ms for 256 publications; a slot taken an iteration later than the
+one before can bring a token up to a round past it); fewer streams leave stream_interval_s - share
+of slack besides. A worker whose rounds take longer (its host saturated) brings tokens to readers
+within a share plus that iteration and delivery.
 
 Every running job hears from its hash (its cancel flag, its run, whether a reader follows it) at
 least as often as its tokens go out, every stream_interval_s or checkpoint_interval_s: with each
