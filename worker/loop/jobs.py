@@ -67,6 +67,8 @@ class Feed:
     waiting_since: float | None = None  # monotonic time of the oldest output no update holds
     # Monotonic. A job is made as its claim reads its hash: that counts as a look.
     looked_at: float = field(default_factory=time.monotonic)
+    # Monotonic. A streamed job publishes no sooner than this (worker/loop/pace.py: its slots).
+    next_slot: float = 0.0
 
     def behind(self, job: Job) -> bool:
         """Whether the job has output no update holds."""

@@ -4,12 +4,24 @@ each job's output waits in the job and goes out in pieces:
 
 - a run's first tokens at once (the time to first token is the engine's), its end at once;
 - a streamed job's (its `stream` option, or a reader's FOLLOW) once waiting any longer would bring
-  them to their readers later than stream_interval_s after they were sampled. With fewer streamed
-  jobs than max_running, proportionally sooner: so a stream alone sees each step's tokens as they
-  come, and a worker's streamed publications stay under max_running / stream_interval_s a second
-  however many streams it runs;
+  them to their readers later than stream_interval_s after they were sampled, counting the time the
+  loop and its rounds have recently taken (the lag); but never twice in one share of the interval,
+  stream_interval_s * streams / max_running (a job's slots are a share apart, each taken by one
+  publication at most). So a stream alone sees each step's tokens as they come, and a worker's
+  streamed publications stay under max_running / stream_interval_s a second however many streams
+  it runs and however far behind it falls: a loop that falls behind publishes bigger pieces, not
+  more of them (more would make each round longer, and the lag with it);
 - every other job's every checkpoint_interval_s (what a crash costs: the next run generates them
   again), and in any case once MAX_EVENT_TOKENS wait.
+
+What a streamed token's delay holds to: its job's next slot comes at most a share after the job's
+last publication, which came a step or more before the token was sampled; then the loop's first
+iteration past the slot, and delivery (a round still out, its own round, a reader's read). With
+every slot streamed the bound leaves those about a step: it holds while rounds take well under a
+step (a GPU's at 12 ms steps: 3-4 ms for 256 publications; a slot taken an iteration later than the
+one before can bring a token up to a round past it); fewer streams leave stream_interval_s - share
+of slack besides. A worker whose rounds take longer (its host saturated) brings tokens to readers
+within a share plus that iteration and delivery.
 
 Every running job hears from its hash (its cancel flag, its run, whether a reader follows it) at
 least as often as its tokens go out, every stream_interval_s or checkpoint_interval_s: with each
@@ -54,17 +66,31 @@ class Pace:
         """(the jobs whose output is due now, the jobs due for a look at their hash)."""
         jobs = list(jobs)
         streams = sum(1 for job in jobs if job.feed.streamed)
-        patience = self.stream_interval_s * min(1.0, streams / self.max_running) - self.lag_s
+        share = self.stream_interval_s * min(1.0, streams / self.max_running)
+        patience = share - self.lag_s
         publish, look = [], []
         for job in jobs:
             feed = job.feed
-            if feed.waiting_since is not None and self._due(job, feed, now - feed.waiting_since, patience):
+            if feed.waiting_since is not None and self._due(job, feed, now - feed.waiting_since, patience, now):
                 publish.append(job)
+                if feed.streamed:
+                    take_slot(feed, share, now)
             elif now - feed.looked_at >= (self.stream_interval_s if feed.streamed else self.checkpoint_interval_s):
                 look.append(job)
         return publish, look
 
-    def _due(self, job: Job, feed: Feed, waited: float, patience: float) -> bool:
+    def _due(self, job: Job, feed: Feed, waited: float, patience: float, now: float) -> bool:
         if feed.tokens == job.resumed_tokens or len(job.token_ids) - feed.tokens >= MAX_EVENT_TOKENS:
             return True
-        return waited >= patience if feed.streamed else waited >= self.checkpoint_interval_s
+        if feed.streamed:
+            return waited >= patience and now >= feed.next_slot
+        return waited >= self.checkpoint_interval_s
+
+
+def take_slot(feed: Feed, share: float, now: float) -> None:
+    """A streamed job publishes now: its next slot is a share after this one's. Its slots keep their
+    step while it publishes within a share of each (a publication a loop iteration late does not
+    push the next one later); one that has waited longer (a quiet job, its first tokens) starts
+    them anew from now."""
+    following = feed.next_slot + share
+    feed.next_slot = following if now < following else now + share

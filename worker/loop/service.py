@@ -236,9 +236,16 @@ class Worker:
         """Entries of dead or stalled workers, in the shared stream and in every worker's own; and
         entries placed on a busy worker that waited longer than steal_delay_ms."""
         taken = len(self.holdings.unadmitted)
-        self.admission.reclaim(self._rooms()[-1])
+        self.admission.reclaim(self._room())
         self.metrics.taken["reclaimed"].inc(len(self.holdings.unadmitted) - taken)
-        self.take_over.scan(self._rooms()[-1])
+        self.take_over.scan(self._room())
+
+    def _room(self) -> int:
+        """Room for any lane: _rooms()'s last, without counting the jobs held of each lane (a full
+        worker's iteration asks this twice and most iterations take nothing)."""
+        if self.drain_deadline is not None or self.isolation.busy:
+            return 0
+        return self.admission.room()
 
     def _rooms(self) -> tuple[int, int, int]:
         """Room for each lane (Admission.rooms); none while draining, and none while suspects of a

@@ -1,0 +1,102 @@
+"""The pace of publication (worker/loop/pace.py), on simulated steps: a streamed job publishes at
+most once in each share of stream_interval_s, however far behind the loop falls (a lagging worker
+publishes bigger pieces, not more of them), its slots keep their step when a publication comes a
+step late, and a worker that keeps pace still publishes each token within the bound.
+
+Times are multiples of 1/128 s, exact in binary, so a slot is reached at an exact step."""
+
+from producer_client.schema import JobRequest
+from worker.loop.jobs import Job
+from worker.loop.pace import Pace
+
+STEP = 1 / 128
+INTERVAL = 8 * STEP  # stream_interval_s: eight steps
+START = 100.0  # a monotonic clock's time: far from 0
+
+
+def streamed_job(i: int) -> Job:
+    request = JobRequest.model_validate({"prompt": "hi", "stream": True})
+    return Job(f"j{i}", f"{i}-0", "r1", request, [1, 2], queued_at=0.0, started_at=0.0)
+
+
+def run(
+    pace: Pace, jobs: list[Job], steps: int, idle: frozenset[int] = frozenset(), busy: frozenset[int] = frozenset()
+):
+    """Each step samples a token for every job (none on `idle` steps), then asks the pace, as the
+    loop does after a step (not on `busy` steps: a round is still out). Returns, per job, the steps
+    it published at, the size of each piece, and each token's wait from its sampling to its piece."""
+    published: dict[str, list[int]] = {job.id: [] for job in jobs}
+    pieces: dict[str, list[int]] = {job.id: [] for job in jobs}
+    waits: list[float] = []
+    sampled: dict[str, list[float]] = {job.id: [] for job in jobs}
+    for k in range(steps):
+        now = START + k * STEP
+        if k not in idle:
+            for job in jobs:
+                job.token_ids.append(k)
+                sampled[job.id].append(now)
+                if job.feed.waiting_since is None:
+                    job.feed.waiting_since = now
+        if k in busy:
+            continue
+        due, _ = pace.plan(jobs, now)
+        for job in due:
+            published[job.id].append(k)
+            pieces[job.id].append(len(job.token_ids) - job.feed.tokens)
+            waits += [now - at for at in sampled[job.id][job.feed.tokens :]]
+            job.feed.catch_up(job)
+    return published, pieces, waits
+
+
+def lagging(pace: Pace) -> Pace:
+    """The loop has fallen far behind: its lag is past the interval, patience is gone."""
+    pace.measured(0.5, 0.2)
+    return pace
+
+
+def test_a_lagging_worker_publishes_a_streamed_job_once_a_share_in_bigger_pieces():
+    jobs = [streamed_job(i) for i in range(4)]
+    pace = lagging(Pace(INTERVAL, 1.0, max_running=4))
+    published, pieces, _ = run(pace, jobs, 320)  # 2.5 s: 40 intervals
+    for job in jobs:
+        # Its first token at once, then one piece of a share's eight tokens per slot: 40 in 2.5 s,
+        # max_running / stream_interval_s a second for the worker (the lag would have made it 320).
+        assert published[job.id] == list(range(0, 320, 8))
+        assert pieces[job.id] == [1] + [8] * 39
+
+
+def test_fewer_streams_than_slots_publish_in_proportionally_shorter_shares():
+    jobs = [streamed_job(i) for i in range(2)]
+    pace = lagging(Pace(INTERVAL, 1.0, max_running=8))  # a share: 2 of 8 slots, an interval's quarter
+    published, pieces, _ = run(pace, jobs, 64)
+    for job in jobs:
+        assert published[job.id] == list(range(0, 64, 2))
+        assert pieces[job.id] == [1] + [2] * 31
+
+
+def test_a_publication_a_step_late_does_not_push_the_next_slot_later():
+    job = streamed_job(0)
+    pace = lagging(Pace(INTERVAL, 1.0, max_running=1))
+    published, _, _ = run(pace, [job], 33, busy=frozenset({8, 9}))  # step 8's slot taken at step 10
+    assert published[job.id] == [0, 10, 16, 24, 32]
+
+
+def test_a_job_quiet_for_longer_than_a_share_starts_its_slots_anew():
+    job = streamed_job(0)
+    pace = lagging(Pace(INTERVAL, 1.0, max_running=1))
+    published, pieces, _ = run(pace, [job], 45, idle=frozenset(range(3, 28)))
+    # Slots at 0 and 8 (tokens of steps 1-2); its slot of step 16 went by a share ago with nothing
+    # to publish, so step 28's token goes out at once and the next slot is a share from there.
+    assert published[job.id] == [0, 8, 28, 36, 44]
+    assert pieces[job.id] == [1, 2, 1, 8, 8]
+
+
+def test_a_worker_that_keeps_pace_publishes_every_token_within_the_bound():
+    jobs = [streamed_job(i) for i in range(4)]
+    pace = Pace(INTERVAL, 1.0, max_running=4)
+    pace.measured(STEP, STEP / 4)  # a loop iteration a step, rounds of a quarter step: lag 1.75 steps
+    published, _, waits = run(pace, jobs, 160)
+    # The slots rule: a token waits at most a share less the step before its sampling; with
+    # delivery (the lag) under a step, it reaches readers within the interval.
+    assert max(waits) == INTERVAL - STEP
+    assert all(len(steps) == 20 for steps in published.values())
