@@ -49,7 +49,8 @@ from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_key
 # below). The hash is read first by each (its HMGET meets another type); a job's streams are there
 # only once it has run or ended, so wrong_stream_type asks one EXISTS of both and a TYPE only where
 # either is there (three TYPEs a job cost Redis about what a claim's own reads and writes do:
-# bench/RESULTS.md, "Redis CPU per job").
+# bench/RESULTS.md, "Redis CPU per job"). Its second value, that EXISTS's count, tells a job's end
+# that there is no event stream to delete.
 JOB_KEY_TYPES = """
 local function wrong_type(key, kind)
   local found = redis.call('TYPE', key).ok
@@ -59,9 +60,11 @@ local function wrong_type(key, kind)
 end
 
 local function wrong_stream_type(events, done)
-  if redis.call('EXISTS', events, done) > 0 then
-    return wrong_type(events, 'stream') or wrong_type(done, 'stream')
+  local there = redis.call('EXISTS', events, done)
+  if there > 0 then
+    return wrong_type(events, 'stream') or wrong_type(done, 'stream'), there
   end
+  return nil, there
 end
 """
 
@@ -167,8 +170,10 @@ local function publish(job, events, done, a)
     return 'lost'
   end
   local final = ARGV[a + 6] ~= ''
+  local streams
   if final then
-    local refused = wrong_stream_type(events, done)
+    local refused
+    refused, streams = wrong_stream_type(events, done)
     if refused then return refused end
   end
   local started, streamed, resumed = read[5], read[7], read[8]
@@ -180,8 +185,7 @@ local function publish(job, events, done, a)
     redis.call('XADD', events, '*', 'type', 'tokens', 'data', ARGV[a + 3])
   end
   if final then
-    local kept = {{'tokens', after}, {'fingerprint', read[9]}, {'cancel', read[6]}}
-    end_job(job, events, done, ARGV[a + 6], ARGV[a + 7], kept, keep, ARGV[a + 8])
+    end_job(job, events, done, ARGV[a + 6], ARGV[a + 7], after, read[9], read[6], keep, ARGV[a + 8], streams == 0)
     return 'written'
   end
   if resumes and starts then
@@ -285,8 +289,8 @@ for i, kind in ipairs({'hash', 'stream', 'stream'}) do
 end
 local result, fingerprint, cancel = unpack(redis.call('HMGET', KEYS[1], 'result', 'fingerprint', 'cancel'))
 if result then return 'ended' end
-local kept = {{'tokens', ARGV[2]}, {'fingerprint', fingerprint}, {'cancel', cancel}}
-end_job(KEYS[1], KEYS[2], KEYS[3], 'failed', ARGV[1], kept, redis.call('EXISTS', KEYS[2]) == 1, ARGV[3])
+local keep = redis.call('EXISTS', KEYS[2]) == 1
+end_job(KEYS[1], KEYS[2], KEYS[3], 'failed', ARGV[1], ARGV[2], fingerprint, cancel, keep, ARGV[3], not keep)
 return 'failed'
 """,
 )
