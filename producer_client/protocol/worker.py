@@ -453,10 +453,16 @@ for l = 1, 3 do
   waiting[l] = redis.call('ZCARD', KEYS[1 + l]) > 0
   maybe[l] = waiting[l]
 end
-local probed = redis.call('ZSCORE', KEYS[3], '-') ~= false
+-- An empty default lane has no '-' in it; and a lane's credit is read or earned only while a lane
+-- waits from the start (the probe can make the default lane wait, and only flex is below it): the
+-- queue's own stream alone, a queue without tenants, costs two commands less a read.
+local probed = waiting[2] and redis.call('ZSCORE', KEYS[3], '-') ~= false
 maybe[2] = maybe[2] or not probed
-local stored = redis.call('HMGET', sched, 'credit:default', 'credit:flex')
-local credit = {{0, tonumber(stored[1] or '0'), tonumber(stored[2] or '0')}}
+local credit = {{0, 0, 0}}
+if waiting[1] or waiting[2] or waiting[3] then
+  local stored = redis.call('HMGET', sched, 'credit:default', 'credit:flex')
+  credit = {{0, tonumber(stored[1] or '0'), tonumber(stored[2] or '0')}}
+end
 local credit_changed = false
 local out = {{placed}}
 
