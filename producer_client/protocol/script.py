@@ -45,7 +45,8 @@ class ScriptCall:
 #   is read there until `ttl`. The run token goes: past the end, the result itself tells a retried
 #   final PUBLISH of the ending run from another run's (PUBLISH). A job with tokens and neither
 #   of the others (every job without a request_id that nobody cancelled) gets its HSET as one
-#   call: a table built to be unpacked cost Redis more than the HSET itself;
+#   call, where five tables a job were built to unpack: a table costs a script about half what a
+#   command does (bench/RESULTS.md, "The Lua of a 1-token job");
 # - the `done` stream gets the result, and expires DONE_TTL_MS later: the readers blocked on it
 #   wake, and those whose read is in flight find it; the hash serves any reader after that;
 # - the event stream, where `keep` (someone streams the job: its `stream` option or a reader's
