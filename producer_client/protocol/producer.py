@@ -94,8 +94,8 @@ local status, tokens, fingerprint, streamed, resumed = unpack(
   redis.call('HMGET', KEYS[1], 'status', 'tokens', 'fingerprint', 'streamed', 'resumed'))
 if not status then return false end
 if status == 'queued' then
-  local kept = {{'tokens', tokens}, {'fingerprint', fingerprint}, {'cancel', '1'}}
-  end_job(KEYS[1], KEYS[2], KEYS[3], 'cancelled', ARGV[1], kept, streamed == '1' or resumed == '1', '')
+  local keep = streamed == '1' or resumed == '1'
+  end_job(KEYS[1], KEYS[2], KEYS[3], 'cancelled', ARGV[1], tokens, fingerprint, '1', keep, '')
 elseif status == 'running' then
   redis.call('HSET', KEYS[1], 'cancel', '1')
 end
@@ -153,6 +153,11 @@ if max > 0 then
   if depth >= max then return {0, depth} end
 end
 if #ARGV == 4 then return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])} end
+-- One extra field (a placed job's cost) is the producers' hot path: the table below, built to be
+-- unpacked, cost Redis about 3 us a call more (bench/RESULTS.md, "The Lua of a 1-token job").
+if #ARGV == 6 then
+  return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4], ARGV[5], ARGV[6])}
+end
 local entry = {'XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4]}
 for i = 5, #ARGV do table.insert(entry, ARGV[i]) end
 return {1, redis.call(unpack(entry))}

@@ -39,33 +39,41 @@ class ScriptCall:
 # (job, events, done), since PUBLISH ends several jobs in one call.
 # A job's end writes what its guarantees need after it, and nothing else (docs/architecture.md,
 # "What a job keeps"):
-# - the hash is rewritten with `status`, the `result` JSON and the `kept` fields ({name, value}
-#   pairs, a nil value left out): `tokens` (what the runs recorded), `fingerprint` (a later submit
-#   of the same request_id is checked against it) and `cancel` (status() says a cancel was asked):
-#   the result is read there until `ttl`. The run token goes: past the end, the result itself
-#   tells a retried final PUBLISH of the ending run from another run's (PUBLISH);
+# - the hash is rewritten with `status`, the `result` JSON and the kept fields, each left out
+#   where nil: `tokens` (what the runs recorded), `fingerprint` (a later submit of the same
+#   request_id is checked against it) and `cancel` (status() says a cancel was asked): the result
+#   is read there until `ttl`. The run token goes: past the end, the result itself tells a retried
+#   final PUBLISH of the ending run from another run's (PUBLISH). A job with tokens and neither
+#   of the others (every job without a request_id that nobody cancelled) gets its HSET as one
+#   call, where five tables a job were built to unpack: a table costs a script about half what a
+#   command does (bench/RESULTS.md, "The Lua of a 1-token job");
 # - the `done` stream gets the result, and expires DONE_TTL_MS later: the readers blocked on it
 #   wake, and those whose read is in flight find it; the hash serves any reader after that;
 # - the event stream, where `keep` (someone streams the job: its `stream` option or a reader's
 #   FOLLOW; or more than one run published to it: its trail), gets the `end` event and the TTL;
-#   any other job's goes, stream() reading the result instead.
+#   any other job's goes (no DEL where the caller knows it is not there: `no_events`), stream()
+#   reading the result instead.
 # `ttl`: '' for none (a producer's end: the worker's claim of the job's entry sets it).
 END_JOB = f"""
-local function end_job(job, events, done, status, result, kept, keep, ttl)
-  local hash = {{'HSET', job, 'status', status, 'result', result}}
-  for _, field in ipairs(kept) do
-    if field[2] then
-      table.insert(hash, field[1])
-      table.insert(hash, field[2])
-    end
-  end
+local function end_job(job, events, done, status, result, tokens, fingerprint, cancel, keep, ttl, no_events)
   redis.call('DEL', job)
-  redis.call(unpack(hash))
+  if tokens and not fingerprint and not cancel then
+    redis.call('HSET', job, 'status', status, 'result', result, 'tokens', tokens)
+  else
+    local hash = {{'HSET', job, 'status', status, 'result', result}}
+    for _, field in ipairs({{{{'tokens', tokens}}, {{'fingerprint', fingerprint}}, {{'cancel', cancel}}}}) do
+      if field[2] then
+        table.insert(hash, field[1])
+        table.insert(hash, field[2])
+      end
+    end
+    redis.call(unpack(hash))
+  end
   redis.call('XADD', done, '*', 'data', result)
   redis.call('PEXPIRE', done, {DONE_TTL_MS})
   if keep then
     redis.call('XADD', events, '*', 'type', 'end', 'data', result)
-  else
+  elseif not no_events then
     redis.call('DEL', events)
   end
   if ttl ~= '' then

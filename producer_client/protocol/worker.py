@@ -49,7 +49,8 @@ from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_key
 # below). The hash is read first by each (its HMGET meets another type); a job's streams are there
 # only once it has run or ended, so wrong_stream_type asks one EXISTS of both and a TYPE only where
 # either is there (three TYPEs a job cost Redis about what a claim's own reads and writes do:
-# bench/RESULTS.md, "Redis CPU per job").
+# bench/RESULTS.md, "Redis CPU per job"). Its second value, that EXISTS's count, tells a job's end
+# that there is no event stream to delete.
 JOB_KEY_TYPES = """
 local function wrong_type(key, kind)
   local found = redis.call('TYPE', key).ok
@@ -59,9 +60,11 @@ local function wrong_type(key, kind)
 end
 
 local function wrong_stream_type(events, done)
-  if redis.call('EXISTS', events, done) > 0 then
-    return wrong_type(events, 'stream') or wrong_type(done, 'stream')
+  local there = redis.call('EXISTS', events, done)
+  if there > 0 then
+    return wrong_type(events, 'stream') or wrong_type(done, 'stream'), there
   end
+  return nil, there
 end
 """
 
@@ -167,8 +170,10 @@ local function publish(job, events, done, a)
     return 'lost'
   end
   local final = ARGV[a + 6] ~= ''
+  local streams
   if final then
-    local refused = wrong_stream_type(events, done)
+    local refused
+    refused, streams = wrong_stream_type(events, done)
     if refused then return refused end
   end
   local started, streamed, resumed = read[5], read[7], read[8]
@@ -180,8 +185,7 @@ local function publish(job, events, done, a)
     redis.call('XADD', events, '*', 'type', 'tokens', 'data', ARGV[a + 3])
   end
   if final then
-    local kept = {{'tokens', after}, {'fingerprint', read[9]}, {'cancel', read[6]}}
-    end_job(job, events, done, ARGV[a + 6], ARGV[a + 7], kept, keep, ARGV[a + 8])
+    end_job(job, events, done, ARGV[a + 6], ARGV[a + 7], after, read[9], read[6], keep, ARGV[a + 8], streams == 0)
     return 'written'
   end
   if resumes and starts then
@@ -285,8 +289,8 @@ for i, kind in ipairs({'hash', 'stream', 'stream'}) do
 end
 local result, fingerprint, cancel = unpack(redis.call('HMGET', KEYS[1], 'result', 'fingerprint', 'cancel'))
 if result then return 'ended' end
-local kept = {{'tokens', ARGV[2]}, {'fingerprint', fingerprint}, {'cancel', cancel}}
-end_job(KEYS[1], KEYS[2], KEYS[3], 'failed', ARGV[1], kept, redis.call('EXISTS', KEYS[2]) == 1, ARGV[3])
+local keep = redis.call('EXISTS', KEYS[2]) == 1
+end_job(KEYS[1], KEYS[2], KEYS[3], 'failed', ARGV[1], ARGV[2], fingerprint, cancel, keep, ARGV[3], not keep)
 return 'failed'
 """,
 )
@@ -449,10 +453,44 @@ for l = 1, 3 do
   waiting[l] = redis.call('ZCARD', KEYS[1 + l]) > 0
   maybe[l] = waiting[l]
 end
-local probed = redis.call('ZSCORE', KEYS[3], '-') ~= false
+-- An empty default lane has no '-' in it; and a lane's credit is read or earned only while a lane
+-- waits from the start (the probe can make the default lane wait, and only flex is below it): the
+-- queue's own stream alone, a queue without tenants, costs two commands less a read.
+local probed = waiting[2] and redis.call('ZSCORE', KEYS[3], '-') ~= false
 maybe[2] = maybe[2] or not probed
-local stored = redis.call('HMGET', sched, 'credit:default', 'credit:flex')
-local credit = {{0, tonumber(stored[1] or '0'), tonumber(stored[2] or '0')}}
+
+-- The doorbell, last: one entry if a lane's stream has work `left` (an idle worker wakes to take
+-- it), none if not (nobody needs waking; the queue's own stream wakes its idle readers by itself).
+local function ring(left)
+  local bell = redis.call('XLEN', KEYS[6])
+  if left and bell == 0 then
+    redis.call('XADD', KEYS[6], 'MAXLEN', {DOORBELL_MAXLEN}, '*', 'r', '1')
+  elseif not left and bell > 0 then
+    redis.call('XTRIM', KEYS[6], 'MAXLEN', 0)
+  end
+end
+
+-- No lane with an active tenant (a queue without tenants: most reads): all that is left to do is
+-- the probe of the queue's own stream (below), so it is done here, and the functions and tables
+-- below, which each call builds anew, are built only when it finds an entry (they cost Redis
+-- about as much as the read's commands: bench/RESULTS.md, "The Lua of a 1-token job").
+local probed_entries = nil
+if not (waiting[1] or waiting[2] or waiting[3]) then
+  if room[2] > 0 then
+    local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', KEYS[1], '>')
+    probed_entries = reply and reply[1][2] or {{}}
+  end
+  if not probed_entries or #probed_entries == 0 then
+    ring(false)
+    return {{placed}}
+  end
+end
+
+local credit = {{0, 0, 0}}
+if waiting[1] or waiting[2] or waiting[3] then
+  local stored = redis.call('HMGET', sched, 'credit:default', 'credit:flex')
+  credit = {{0, tonumber(stored[1] or '0'), tonumber(stored[2] or '0')}}
+end
 local credit_changed = false
 local out = {{placed}}
 
@@ -516,11 +554,12 @@ local function leave(l, tenant, counter)
   end
 end
 
--- The queue's own stream while its tenant is not active: one entry, and if there is one, the
--- tenant joins the default lane (lifted as a producer's activate would) and is served as any.
+-- The queue's own stream while its tenant is not active: one entry (read above already where no
+-- lane was active), and if there is one, the tenant joins the default lane (lifted as a
+-- producer's activate would) and is served as any.
 local function probe()
   probed = true
-  local entries = read(KEYS[1], 1, true)
+  local entries = probed_entries or read(KEYS[1], 1, true)
   if #entries == 0 then
     maybe[2] = waiting[2]
     return 0
@@ -614,12 +653,7 @@ for l = 1, 3 do
     if tenants > 0 then left = true end
   end
 end
-local bell = redis.call('XLEN', KEYS[6])
-if left and bell == 0 then
-  redis.call('XADD', KEYS[6], 'MAXLEN', {DOORBELL_MAXLEN}, '*', 'r', '1')
-elseif not left and bell > 0 then
-  redis.call('XTRIM', KEYS[6], 'MAXLEN', 0)
-end
+ring(left)
 return out
 """,
 )

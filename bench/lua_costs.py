@@ -1,0 +1,212 @@
+"""What each script of a 1-token job costs redis-server, phase by phase, without the load's noise
+(issue 43: Redis CPU per job): on a fresh embedded redis-server, `--jobs` jobs placed on a worker's
+own stream go through the protocol's scripts as bench.peers' load sends them, each phase measured
+alone: the producer's ENQUEUE (one call a job), the worker's READ of its own stream, CLAIM_MANY
+and the final PUBLISH_ROUND (one call per `--batch` jobs each). Per phase and per job: the
+redis-server's instructions (`--callgrind`: the server runs under valgrind's callgrind, every
+instruction it executes while the phase runs, its network reads and replies included; the same
+code gives the same count within a few percent, where CPU time under other work moves by a
+third), else its EVALSHA microseconds (INFO commandstats), and the microseconds of the commands
+the scripts ran (counted under their own names too).
+
+With `--before TREE` (a checkout of another commit), the trees alternate, each run in a process of
+its own started there, as bench.redis_cpu does.
+
+    python -m bench.lua_costs [--callgrind] [--batch 6 --jobs 1200 --cycles 3] [--before /tmp/base]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("enqueue", "read", "claim_many", "publish_round")
+BODY = json.dumps({"prompt": "hello world, job 00-000005", "params": {"max_tokens": 1, "temperature": 0.0}})
+QUEUE, WORKER = "bench", "w0"
+RESULT_PAD = "y" * 250  # a 1-token job's result JSON is about 400 bytes
+
+
+class Server:
+    """A redis-server of the tree on sys.path's EmbeddedRedis, its counters read per phase."""
+
+    def __init__(self, url: str, pid: int, callgrind: Path | None):
+        import redis
+
+        self.redis = redis.Redis.from_url(url, decode_responses=True)
+        self.pid, self.callgrind = pid, callgrind
+        if callgrind:
+            self.redis.config_set("hz", 1)  # fewer cron runs in a phase that valgrind makes long
+
+    def phase(self, pipelines: list[Callable[[Any], None]], jobs: int) -> tuple[dict, list]:
+        """Runs each of `pipelines` as one round trip; returns the phase's figures per job and the replies."""
+        self.redis.config_resetstat()
+        if self.callgrind:
+            subprocess.run(["callgrind_control", "-z", str(self.pid)], capture_output=True, check=True)
+        replies = []
+        for add in pipelines:
+            pipe = self.redis.pipeline(transaction=False)
+            add(pipe)
+            replies.append(pipe.execute())
+        if self.callgrind:
+            subprocess.run(["callgrind_control", "-d", str(self.pid)], capture_output=True, check=True)
+        stats = {k.removeprefix("cmdstat_"): v for k, v in self.redis.info("commandstats").items()}
+        stats.pop("config|resetstat", None)
+        evalsha = stats.pop("evalsha", {"usec": 0})["usec"]
+        figures = {
+            "evalsha_us": evalsha / jobs,
+            "commands_us": sum(s["usec"] for s in stats.values()) / jobs,
+            "commands": {name: s["calls"] / jobs for name, s in stats.items()},
+        }
+        if self.callgrind:
+            figures["kinstr"] = self.instructions() / jobs / 1000
+        return figures, replies
+
+    def instructions(self) -> int:
+        """The last callgrind dump's total: the instructions since the zeroing before it."""
+        assert self.callgrind is not None
+        dumps = sorted(self.callgrind.glob(f"cg.{self.pid}.*"), key=lambda p: int(p.suffix[1:]))
+        totals = re.search(r"^totals: (\d+)", dumps[-1].read_text(), re.M)
+        assert totals, f"no totals in {dumps[-1]}"
+        return int(totals.group(1))
+
+
+def one_cycle(server: Server, jobs: int, batch: int) -> dict[str, dict]:
+    """`jobs` jobs through the four phases; each phase's figures."""
+    from producer_client.keys import Keys
+    from producer_client.protocol import consumer, producer, worker
+
+    keys = Keys()
+    own = keys.own_queue(QUEUE, WORKER)
+    ids = [uuid.uuid4().hex for _ in range(jobs)]
+    server.phase([functools.partial(producer.add_fresh_create, keys=keys, job_id=j, timeout_ms=0) for j in ids], jobs)
+    out = {}
+    calls = [producer.enqueue(own, 0, job_id, BODY, {"cost": "8"}) for job_id in ids]
+    out["enqueue"], _ = server.phase([call.add_to for call in calls], jobs)
+    read = worker.read(keys, QUEUE, WORKER, (256, 255, 16), 320, {}, (own, batch))
+    out["read"], replies = server.phase([read.add_to] * (jobs // batch), jobs)
+    entries = [(e[0], dict(zip(e[1][::2], e[1][1::2]))["id"]) for (r,) in replies for _, _, es in r for e in es]
+    runs = {job_id: f"run:{i}" for i, (_, job_id) in enumerate(entries)}
+    chunks = [entries[at : at + batch] for at in range(0, len(entries), batch)]
+    claims = [worker.claim_many(keys, WORKER, 3600, [(j, f"{e}@{WORKER}", runs[j]) for e, j in c]) for c in chunks]
+    out["claim_many"], _ = server.phase([call.add_to for call in claims], jobs)
+    rounds = [worker.publish_round([final_publish(keys, job_id, runs[job_id]) for _, job_id in c]) for c in chunks]
+    out["publish_round"], replies = server.phase([call.add_to for call in rounds], jobs)
+    assert all(reply == "written" for (r,) in replies for reply in r), replies[0]
+    pipe = server.redis.pipeline(transaction=False)
+    consumer.add_settled(pipe, own, [e for e, _ in entries])  # as the worker's next read does
+    pipe.execute()
+    return out
+
+
+def final_publish(keys: Any, job_id: str, run: str) -> Any:
+    """A 1-token job's only PUBLISH: its start, its token and its result, as an echo worker's."""
+    from producer_client.protocol import worker
+
+    start = json.dumps({"worker": WORKER, "started_at": 1795961456.0340335, "resumed_tokens": 0})
+    result = json.dumps({"id": job_id, "status": "done", "text": "h", "token_ids": [104], "pad": RESULT_PAD})
+    return worker.publish(keys, job_id, run, start, '{"ids":[104],"text":"h"}', 0, 1, "done", result, 3600)
+
+
+def one_run(jobs: int, batch: int, cycles: int, callgrind: str) -> dict:
+    """A warm-up cycle, then `cycles` measured ones, on a fresh server; each figure's median."""
+    from producer_client.keys import Keys
+    from producer_client.protocol import consumer, execution, worker
+    from worker.embedded_redis import EmbeddedRedis, free_port
+
+    with EmbeddedRedis(port=free_port()) as embedded:
+        assert embedded.process is not None
+        server = Server(embedded.url, embedded.process.pid, Path(callgrind) if callgrind else None)
+        execution.load_scripts(server.redis, worker.WORKER_SCRIPTS)
+        consumer.create_group(server.redis, Keys().queue(QUEUE), make_stream=True)
+        consumer.create_group(server.redis, Keys().own_queue(QUEUE, WORKER), make_stream=True)
+        one_cycle(server, jobs, batch)
+        measured = [one_cycle(server, jobs, batch) for _ in range(cycles)]
+    return {
+        phase: {
+            **{f: statistics.median(c[phase][f] for c in measured) for f in measured[0][phase] if f != "commands"},
+            "commands": measured[-1][phase]["commands"],
+        }
+        for phase in PHASES
+    }
+
+
+def run_in(tree: Path, args: argparse.Namespace, wrapper: Path | None) -> dict:
+    """one_run of `tree`'s code in a process of its own started there (as bench.redis_cpu's run_in)."""
+    call = f"{args.jobs}, {args.batch}, {args.cycles}, {str(wrapper.parent) if wrapper else ''!r}"
+    code = f"import json, runpy; m = runpy.run_path({str(Path(__file__))!r}); print(json.dumps(m['one_run']({call})))"
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+    if wrapper:
+        env["PATH"] = f"{wrapper.parent}:{env['PATH']}"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def callgrind_wrapper(folder: Path) -> Path:
+    """A `redis-server` that runs the real one under callgrind, its dumps in `folder`."""
+    real = shutil.which("redis-server")
+    if not real or not shutil.which("valgrind"):
+        raise SystemExit("--callgrind needs redis-server and valgrind on PATH")
+    wrapper = folder / "redis-server"
+    wrapper.write_text(
+        f'#!/bin/sh\nexec valgrind --tool=callgrind --callgrind-out-file={folder}/cg.%p {real} "$@" 2>/dev/null\n'
+    )
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", type=int, default=1200, help="jobs a cycle (600 is plenty under --callgrind)")
+    p.add_argument("--batch", type=int, default=6, help="jobs a READ, CLAIM_MANY and PUBLISH_ROUND call")
+    p.add_argument("--cycles", type=int, default=3, help="measured cycles a run, after one to warm up")
+    p.add_argument("--rounds", type=int, default=1, help="runs of each tree")
+    p.add_argument("--callgrind", action="store_true", help="count redis-server's instructions (valgrind)")
+    p.add_argument("--before", type=Path, help="a tree of the code to compare with, run in alternation")
+    args = p.parse_args()
+    trees = {"before": args.before, "after": ROOT} if args.before else {"this": ROOT}
+    with tempfile.TemporaryDirectory(prefix="mili-lua-") as folder:
+        wrapper = callgrind_wrapper(Path(folder)) if args.callgrind else None
+        runs: dict[str, list[dict]] = {name: [] for name in trees}
+        for _ in range(args.rounds):
+            for name, tree in trees.items():
+                runs[name].append(run_in(tree, args, wrapper))
+    print_table(runs, "kinstr" if args.callgrind else "evalsha_us")
+
+
+def print_table(runs: dict[str, list[dict]], figure: str) -> None:
+    # valgrind slows every command alike: under it, microseconds say nothing
+    unit = "redis-server's thousand instructions" if figure == "kinstr" else "EVALSHA us / its commands' us"
+    print("| phase | " + " | ".join(f"{name}: {unit}, a job" for name in runs) + " |")
+    print("|---|" + "---|" * len(runs))
+    for phase in PHASES:
+        cells = [
+            f"{statistics.median(r[phase][figure] for r in figures):.2f}"
+            + ("" if figure == "kinstr" else f" / {statistics.median(r[phase]['commands_us'] for r in figures):.2f}")
+            for figures in runs.values()
+        ]
+        print(f"| {phase} | " + " | ".join(cells) + " |")
+    totals = [
+        sum(statistics.median(r[phase][figure] for r in figures) for phase in PHASES) for figures in runs.values()
+    ]
+    print("| all four | " + " | ".join(f"{total:.2f}" for total in totals) + " |")
+    for phase in PHASES:
+        for name, figures in runs.items():
+            commands = ", ".join(f"{c} {n:.2f}" for c, n in sorted(figures[-1][phase]["commands"].items()))
+            print(f"{phase} ({name}), commands a job: {commands}")
+
+
+if __name__ == "__main__":
+    main()
