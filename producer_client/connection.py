@@ -25,8 +25,10 @@ from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlsplit
 
 import redis
 import redis.asyncio
+import redis.asyncio.connection
 import redis.asyncio.retry
 import redis.asyncio.sentinel
+import redis.connection
 import redis.exceptions
 import redis.retry
 import redis.sentinel
@@ -372,7 +374,10 @@ class Sentinels(redis.sentinel.Sentinel):
 
     def master(self, service: str, **kwargs: Any) -> SentinelMaster:
         """The client of `service`'s master, followed across failovers."""
-        master: SentinelMaster = redis.sentinel.Sentinel.master_for(self, service, redis_class=SentinelMaster, **kwargs)
+        connection_class = SentinelSSLConnection if kwargs.pop("ssl", False) else SentinelConnection
+        master: SentinelMaster = redis.sentinel.Sentinel.master_for(
+            self, service, redis_class=SentinelMaster, connection_class=connection_class, **kwargs
+        )
         return master
 
 
@@ -382,10 +387,44 @@ class AsyncSentinels(redis.asyncio.sentinel.Sentinel):
         self.sentinels = [AsyncSentinelNode(host=host, port=port, **sentinel_kwargs) for host, port in nodes]
 
     def master(self, service: str, **kwargs: Any) -> AsyncSentinelMaster:
+        connection_class = AsyncSentinelSSLConnection if kwargs.pop("ssl", False) else AsyncSentinelConnection
         master: AsyncSentinelMaster = redis.asyncio.sentinel.Sentinel.master_for(
-            self, service, redis_class=AsyncSentinelMaster, **kwargs
+            self, service, redis_class=AsyncSentinelMaster, connection_class=connection_class, **kwargs
         )
         return master
+
+
+class SentinelConnection(redis.sentinel.SentinelManagedConnection):
+    """A connection to the master the sentinels name, asked again each time it connects. redis-py
+    asks them when a call takes a connection from the pool, but a connection that the call lost
+    mid-way (its master killed during a blocking read) is connected again by the call's own
+    retries to the address it had: the old master's, refused until that server is back, then a
+    replica, which serves reads from its copy and refuses writes (READONLY), each try going back
+    to it. Such a call never follows the failover: a write fails once its tries are spent, a
+    read's connection goes back to the pool still on the replica. Here each try connects once to
+    the master named then; the call's retry policy (RETRIES) spaces and counts the tries."""
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self._sock:
+            redis.sentinel.SentinelManagedConnection._connect_retry(self)
+        redis.sentinel.SentinelManagedConnection.send_packed_command(self, command, check_health)
+
+
+class SentinelSSLConnection(SentinelConnection, redis.connection.SSLConnection):
+    pass
+
+
+class AsyncSentinelConnection(redis.asyncio.sentinel.SentinelManagedConnection):
+    """SentinelConnection, for asyncio."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self.is_connected:
+            await redis.asyncio.sentinel.SentinelManagedConnection._connect_retry(self)
+        await redis.asyncio.sentinel.SentinelManagedConnection.send_packed_command(self, command, check_health)
+
+
+class AsyncSentinelSSLConnection(AsyncSentinelConnection, redis.asyncio.connection.SSLConnection):
+    pass
 
 
 class SentinelMaster(redis.Redis):

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from urllib.parse import quote
 
 import pytest
 import redis
 import redis.asyncio
+import redis.asyncio.retry
 import redis.retry
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,7 +22,8 @@ from harness.processes import REPO
 from producer_client import AsyncClient, Client, InvalidArgument, steps
 from producer_client.cluster import Cluster, known_keys
 from producer_client.connection import Mode, connect, connect_async, parse_url, redact_url
-from worker.embedded_redis import free_port
+from producer_client.protocol import execution
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 SECRET = "pa55-w0rd"
 
@@ -265,3 +268,84 @@ def test_on_a_cluster_a_repeatable_step_waits_out_a_node_down_and_another_step_g
     cluster = NodeDownCluster(down_for=2)
     reply = steps.run(cluster, read_of(repeatable=False))
     assert (type(reply), str(reply), cluster.tries) == (redis.ConnectionError, "node down", 1)
+
+
+class Failover:
+    """What a client of `redis+sentinel://` meets in a failover, without sentinels: the master they
+    name (`master`, an address) moves from `old` to `new`, and `old` drops its clients mid-call.
+    Each server's key WHO says which it is."""
+
+    WHO = "failover-test-who"
+
+    def __init__(self, old: EmbeddedRedis, new_url: str):
+        self.old = redis.Redis.from_url(old.url, decode_responses=True)
+        self.new = redis.Redis.from_url(new_url, decode_responses=True)
+        self.old.set(self.WHO, "old")
+        self.new.set(self.WHO, "new")
+        self.master = self._address(self.old)
+        self.timer = threading.Timer(0, lambda: None)
+
+    def discover_master(self, service: str) -> tuple[str, int]:
+        return self.master
+
+    async def adiscover_master(self, service: str) -> tuple[str, int]:
+        return self.master
+
+    def fail_over_in(self, seconds: float) -> None:
+        """In `seconds`: the master is `new`, and `old` drops every client but its own."""
+
+        def fail_over() -> None:
+            self.master = self._address(self.new)
+            self.old.client_kill_filter(_type="normal", skipme=True)
+
+        self.timer = threading.Timer(seconds, fail_over)
+        self.timer.start()
+
+    @staticmethod
+    def _address(client: redis.Redis) -> tuple[str, int]:
+        options = client.connection_pool.connection_kwargs
+        return options["host"], options["port"]
+
+
+def read_across_a_failover(pipe) -> None:
+    """A blocking read (cut short by the failover), then the key that names the server."""
+    pipe.xread({"failover-test-stream": "$"}, block=500)
+    pipe.get(Failover.WHO)
+
+
+@pytest.fixture
+def failover(redis_server):
+    with EmbeddedRedis(port=free_port()) as old:
+        setup = Failover(old, redis_server.url)
+        yield setup
+        setup.timer.join()
+        setup.new.delete(Failover.WHO)
+
+
+SENTINEL_URL = "redis+sentinel://127.0.0.1:1/mili"  # never asked: Failover.discover_master answers
+FEW_TRIES = redis.retry.Retry(NoBackoff(), 3)
+
+
+def test_a_call_cut_off_by_a_failover_is_tried_again_on_the_master_the_sentinels_name_now(failover):
+    # redis-py reconnects a connection that its call lost to the address it had, the old master's
+    # (which is back here, as a restarted master comes back as a replica): each of the call's tries
+    # must ask the sentinels again, or the call never follows the failover.
+    client = connect(SENTINEL_URL, decode_responses=True, retry=FEW_TRIES)
+    client.connection_pool.sentinel_manager.discover_master = failover.discover_master
+    try:
+        assert client.get(Failover.WHO) == "old"
+        failover.fail_over_in(0.1)
+        assert execution.execute(client, read_across_a_failover)[1] == "new"
+    finally:
+        client.close()
+
+
+async def test_an_asyncio_call_cut_off_by_a_failover_is_tried_again_on_the_master_the_sentinels_name_now(failover):
+    client = connect_async(SENTINEL_URL, decode_responses=True, retry=redis.asyncio.retry.Retry(NoBackoff(), 3))
+    client.connection_pool.sentinel_manager.discover_master = failover.adiscover_master
+    try:
+        assert await client.get(Failover.WHO) == "old"
+        failover.fail_over_in(0.1)
+        assert (await execution.aexecute(client, read_across_a_failover))[1] == "new"
+    finally:
+        await client.aclose()

@@ -6,6 +6,7 @@ up, and a streamed token reaches its reader within stream_interval_s however man
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from harness.echo_workers import GatedWorker, SlowEchoEngine, serving
 from harness.polling import eventually
 from producer_client import Client
 from producer_client.keys import Keys
+from tests.support.cpu_waits import CpuWaits
 from tests.support.jobs import assert_one_final_result, runs, tokens_published
 
 pytestmark = pytest.mark.waits
@@ -189,7 +191,8 @@ def read_streams(url: str, queue: str, job_ids: list[str], out) -> None:
 def test_streamed_chunk_delay_stays_within_the_interval_under_load(redis_server, queue):
     """A worker full of streams (16 of its 16 slots), read by a process of their own: each job's
     tokens wait as long as the interval allows, every token is in Redis within stream_interval_s
-    of its sampling, and the reader wakes as it is written."""
+    of its sampling (plus what the host kept the worker or Redis waiting for a CPU meanwhile: the
+    promise holds while the host keeps up), and the reader wakes as it is written."""
     stream_s, step_s, n = 0.05, 0.01, 150
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -201,35 +204,43 @@ def test_streamed_chunk_delay_stays_within_the_interval_under_load(redis_server,
         reader.start()
         assert out.get(timeout=120) == "reading"
         time.sleep(0.2)  # its first reads are blocked on the streams
-        with serving(
-            redis_server.url,
-            queue,
-            step_s=step_s,
-            engine_class=RecordingEchoEngine,
-            stream_interval_s=stream_s,
-            engine={"max_running": len(prompts)},
-        ) as worker:
+        with (
+            CpuWaits(os.getpid(), redis_server.process.pid) as cpu_waits,
+            serving(
+                redis_server.url,
+                queue,
+                step_s=step_s,
+                engine_class=RecordingEchoEngine,
+                stream_interval_s=stream_s,
+                engine={"max_running": len(prompts)},
+            ) as worker,
+        ):
             arrivals = out.get(timeout=120)
             reader.join(30)
             sampled = worker.engine.sampled
     by_job: dict[str, list] = {}
     for job_id, written, arrived in arrivals:
         by_job.setdefault(job_id, []).append((written, arrived))
-    to_redis, to_reader, delivered = [], [], []
+    to_redis, to_reader, delivered, waits, late = [], [], [], [], []
     for job_id, times in by_job.items():
         assert len(times) == len(prompts[job_id].encode())
         for (written, arrived), at in zip(times, sampled[job_id]):
             to_redis.append(written - at)
             to_reader.append(arrived - at)
             delivered.append(arrived - written)
+            # The worker's part, sampling to the event's write, for every token: its lag counts a
+            # round for the reader's read besides. Event ids are whole milliseconds: a token written
+            # within the interval may read up to 1 ms late. The promise holds while the host keeps
+            # up: the time the worker's threads and Redis waited for a CPU meanwhile comes on top.
+            waits.append(waited := cpu_waits.during(at, written))
+            if written - at > stream_s + 0.001 + waited:
+                late.append((job_id, round((written - at) * 1e3, 1), round(waited * 1e3, 1)))
     print(
         f"delay to Redis: p99 {p99(to_redis) * 1e3:.1f} ms, max {max(to_redis) * 1e3:.1f} ms; to the reader: "
-        f"p99 {p99(to_reader) * 1e3:.1f} ms, max {max(to_reader) * 1e3:.1f} ms"
+        f"p99 {p99(to_reader) * 1e3:.1f} ms, max {max(to_reader) * 1e3:.1f} ms; waited for a CPU meanwhile: "
+        f"p99 {p99(waits) * 1e3:.1f} ms, max {max(waits) * 1e3:.1f} ms"
     )
-    # The worker's part, sampling to the event's write, for every token: its lag counts a round for
-    # the reader's read besides. Event ids are whole milliseconds: a token written within the
-    # interval may read up to 1 ms late.
-    assert max(to_redis) <= stream_s + 0.001
+    assert late == []  # (job, ms to Redis, ms waited for a CPU meanwhile) of each token over the bound
     # The reader's part: it blocks on the stream and wakes at the write (no polling), so most
     # tokens reach it within milliseconds of Redis; when its own process is not scheduled (a
     # loaded machine) they wait with it, which no worker can help.
