@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from harness.peak_memory import peak_memory
 from producer_client.schema import SamplingParams
@@ -179,6 +178,8 @@ def engine_run(request, long_checkpoint) -> EngineRun:
 def reference(engine_run, long_checkpoint):
     """transformers over all the tokens: (its final hidden states at the last generated + 1
     positions, its LM head)."""
+    from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+
     hf = HFQwen3ForCausalLM.from_pretrained(long_checkpoint, dtype=torch.float32).to(DEVICE).eval()
     ids = torch.tensor([engine_run.prompt + engine_run.generated], device=DEVICE)
     start = time.process_time()

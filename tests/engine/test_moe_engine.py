@@ -8,7 +8,6 @@ from unittest import mock
 
 import pytest
 import torch
-from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
 
 import kernels
 from producer_client.schema import SamplingParams
@@ -29,6 +28,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def transformers_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuations, one prompt at a time (no padding), never stopping early."""
+    from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
+
     model = HFQwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     outs = []
     with torch.inference_mode():

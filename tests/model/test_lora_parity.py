@@ -10,8 +10,6 @@ test_parity.py), and the batch's greedy continuations peft's generate token for 
 
 import pytest
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
 from harness.paged_model import PagedModelRunner
 from tests.model.test_parity import assert_logits_close
@@ -66,6 +64,9 @@ PROMPT_LENS = (9, 1, 23, 40)
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def setup(request, tmp_path_factory):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
     config = {
         **CONFIGS[request.param],

@@ -7,8 +7,6 @@ import logging
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3MoeConfig as HFQwen3MoeConfig
-from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
 
 from harness.paged_model import PagedModelRunner
 from worker.model.config import CheckpointError, Qwen3MoeConfig, parse_config
@@ -43,6 +41,8 @@ def prompt_logits(model) -> torch.Tensor:
 
 
 def test_a_sparse_config_means_what_it_means_to_transformers():
+    from transformers import Qwen3MoeConfig as HFQwen3MoeConfig
+
     # Fields left out take transformers' Qwen3MoeConfig defaults, which differ from Qwen3Config's.
     sparse = {
         "model_type": "qwen3_moe",
@@ -71,6 +71,9 @@ def test_a_sparse_config_means_what_it_means_to_transformers():
 
 @pytest.mark.parametrize("step, mlp_only, experts", [(1, [], 4), (2, [], 4), (1, [0, 3], 4), (3, [2], 4), (1, [], 0)])
 def test_sparse_layers_are_the_ones_transformers_builds_as_moe(step, mlp_only, experts):
+    from transformers import Qwen3MoeConfig as HFQwen3MoeConfig
+    from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
+
     config = qwen3_moe_config(
         **{
             **SHAPE,
@@ -104,6 +107,9 @@ def test_each_experts_gate_and_up_rows_stack_in_order_beside_the_dense_layers(tm
 
 
 def test_a_checkpoint_transformers_saved_loads_and_gives_its_logits(tmp_path, caplog):
+    from transformers import Qwen3MoeConfig as HFQwen3MoeConfig
+    from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
+
     # transformers 5 writes the expert count as num_local_experts, and rope_theta inside rope_parameters.
     config = HFQwen3MoeConfig(**{**SHAPE, "mlp_only_layers": [1], "norm_topk_prob": True, "rope_theta": 5e5})
     torch.manual_seed(0)

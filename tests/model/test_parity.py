@@ -7,7 +7,6 @@ whole batch and for every position on its own (a single wrong position cannot hi
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from harness.model_configs import CONFIGS
 from harness.paged_model import PagedModelRunner
@@ -46,6 +45,8 @@ def models(request, tmp_path_factory):
         "eos_token_id": None,
     }
     ckpt = write_random_checkpoint(tmp_path_factory.mktemp(request.param), config, seed=7, norm_std=0.1)
+    from transformers import AutoModelForCausalLM
+
     ours = load_model(ckpt, dtype=torch.float32).model
     ref = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     return ours, ref

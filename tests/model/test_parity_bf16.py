@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from harness.model_configs import SMALL_DENSE
 from producer_client.schema import SamplingParams
@@ -85,6 +84,8 @@ def logprobs_at_outputs(model, prompt: list[int], output: list[int]) -> torch.Te
 @pytest.mark.cuda
 @torch.inference_mode()
 def test_bf16_greedy_tokens_match_transformers_or_part_at_a_float32_tie(checkpoint, prompts):
+    from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+
     # Decode CUDA graphs and overlapped steps as a GPU serves (the defaults there); a small pool.
     engine = Engine.from_pretrained(
         checkpoint, device=DEVICE, dtype="bfloat16", max_running=NUM_PROMPTS, max_num_batched_tokens=2048, num_pages=512

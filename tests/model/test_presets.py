@@ -4,8 +4,6 @@ import threading
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
-from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
 
 from harness.paged_model import PagedModelRunner
 from worker.model import presets
@@ -85,6 +83,8 @@ def test_tiny_loads_with_the_qwen3_tokenizer_and_generation_config(tiny):
 
 
 def test_tiny_logits_are_non_degenerate_and_match_transformers(tiny):
+    from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+
     path, _ = tiny
     prompt = [9707, 11, 1879, 0, 151644, 872, 198, 3838, 374, 279, 6722, 30]
     runner = PagedModelRunner(load_model(path).model)
@@ -98,6 +98,8 @@ def test_tiny_logits_are_non_degenerate_and_match_transformers(tiny):
 
 
 def test_tiny_moe_is_tiny_with_a_mixture_of_experts_and_matches_transformers(cache_dir):
+    from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
+
     path = resolve_model_path("tiny-moe")
     model, config, generation = load_model(path)
     assert isinstance(config, Qwen3MoeConfig) and generation.eos_token_ids == [151645, 151643]
@@ -119,6 +121,8 @@ def test_tiny_moe_is_tiny_with_a_mixture_of_experts_and_matches_transformers(cac
 
 
 def test_tiny_moe_decode_steps_give_transformers_logits(cache_dir):
+    from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
+
     # At transformers' init scale greedy decoding repeats one token, so the steps' logits are
     # compared too: each against transformers' forward over the whole sequence so far.
     path = resolve_model_path("tiny-moe")

@@ -6,9 +6,6 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen3Config as HFQwen3Config
-from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from harness.model_configs import SMALL_DENSE
 from harness.paged_model import PagedModelRunner
@@ -125,6 +122,9 @@ def test_yarn_with_a_bad_factor_names_the_field(tmp_path):
     ],
 )
 def test_yarn_table_is_transformers_rotary_embedding_bit_for_bit(head_dim, theta, yarn):
+    from transformers import Qwen3Config as HFQwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
     # Qwen3's own case covers every position up to 131,072: 40K, past its 32K window, included.
     context = int(yarn["original_max_position_embeddings"] * yarn["factor"])
     hf = Qwen3RotaryEmbedding(
@@ -140,6 +140,8 @@ def test_yarn_table_is_transformers_rotary_embedding_bit_for_bit(head_dim, theta
 @pytest.fixture(scope="module")
 def yarn_models(tmp_path_factory):
     """A random Qwen3 trained, as it were, on 64 positions, scaled 4x by YaRN to 256."""
+    from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
+
     config = qwen3_config(
         **SMALL_DENSE
         | dict(
