@@ -11,7 +11,7 @@ from producer_client.errors import InvalidArgument, MiliError, QueueFull, RateLi
 from producer_client.keys import DEFAULT_LANE, NO_TENANT, Keys
 from producer_client.new_job import NewJob
 from producer_client.protocol import producer as scripts
-from producer_client.protocol.producer import LaneJob, Limits
+from producer_client.protocol.producer import LaneJob, Limits, PlacedEntry
 from producer_client.protocol.replies import Enqueued, Refusal
 from producer_client.protocol.script import ScriptCall
 from producer_client.rate_limits import NO_RATE_LIMITS, RateLimits
@@ -37,12 +37,12 @@ def uses_queue_stream(jobs: list[NewJob], tenant: str) -> bool:
 
 def enqueue_call(
     keys: Keys, queue: str, tenant: str, job: NewJob, max_depth: int | None, limits: Limits, stream: str | None
-) -> ScriptCall:
+) -> ScriptCall | PlacedEntry:
     """The call that adds `job`: to the worker stream `stream` placement chose (no bound of its
     own: placement puts a job there only while the worker has a free slot; its route rides in its
     fields), to the queue's own stream, or to its lane's stream of `tenant`."""
     if stream is not None:
-        return scripts.enqueue(stream, 0, job.job_id, job.body, placed_fields(job, tenant))
+        return PlacedEntry(stream, job.job_id, job.body, placed_fields(job, tenant))
     if uses_queue_stream([job], tenant):
         return scripts.enqueue(keys.queue(queue), max_depth or 0, job.job_id, job.body)
     return scripts.enqueue_lanes(keys, queue, tenant, [lane_job(job)], max_depth or 0, limits)

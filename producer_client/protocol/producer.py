@@ -140,10 +140,10 @@ return {'queued'}
 
 # -- a queue's keys -------------------------------------------------------------------------------
 
-# KEYS: queue. ARGV: max depth (0: no bound), job id, protocol version, body, then any further
-# fields and values of the entry (a job placed on a worker's own stream: its lane, tenant and cost).
-# Returns {1, entry id}, or {0, depth} when the queue is full. Checking and adding in one
-# script makes the bound exact under any number of producers; nothing is ever trimmed.
+# KEYS: queue. ARGV: max depth (0: no bound), job id, protocol version, body. Returns {1, entry
+# id}, or {0, depth} when the queue is full. Checking and adding in one script makes the bound
+# exact under any number of producers; nothing is ever trimmed. A job placed on a worker's own
+# stream, which has no bound, goes there by a plain XADD instead (PlacedEntry).
 ENQUEUE = Script(
     "enqueue",
     """
@@ -152,15 +152,7 @@ if max > 0 then
   local depth = redis.call('XLEN', KEYS[1])
   if depth >= max then return {0, depth} end
 end
-if #ARGV == 4 then return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])} end
--- One extra field (a placed job's cost) is the producers' hot path: the table below, built to be
--- unpacked, cost Redis about 3 us a call more (bench/RESULTS.md, "The Lua of a 1-token job").
-if #ARGV == 6 then
-  return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4], ARGV[5], ARGV[6])}
-end
-local entry = {'XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4]}
-for i = 5, #ARGV do table.insert(entry, ARGV[i]) end
-return {1, redis.call(unpack(entry))}
+return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])}
 """,
 )
 
@@ -303,11 +295,9 @@ def retry(keys: Keys, job_id: str, timeout_ms: int) -> ScriptCall:
     return ScriptCall(RETRY, job_keys(keys, job_id), (timeout_ms,))
 
 
-def enqueue(stream: str, max_depth: int, job_id: str, body: str, extra: dict[str, str] | None = None) -> ScriptCall:
-    """ENQUEUE into `stream` (a queue's shared stream or a worker's own); max_depth 0: no bound.
-    `extra`: further fields of the entry (only lane-aware workers read a worker's own stream)."""
-    flat = tuple(x for kv in extra.items() for x in kv) if extra else ()
-    return ScriptCall(ENQUEUE, (stream,), (max_depth, job_id, PROTOCOL_VERSION, body, *flat))
+def enqueue(stream: str, max_depth: int, job_id: str, body: str) -> ScriptCall:
+    """ENQUEUE into `stream`, a queue's own stream; max_depth 0: no bound."""
+    return ScriptCall(ENQUEUE, (stream,), (max_depth, job_id, PROTOCOL_VERSION, body))
 
 
 @dataclass(frozen=True)
@@ -422,6 +412,22 @@ def add_forget(pipe: Any, keys: Keys, job_ids: list[str]) -> None:
     """The hashes of jobs that did not go in (one DEL): a later submit of their request_id then
     creates and enqueues them again."""
     pipe.delete(*(keys.job(job_id) for job_id in job_ids))
+
+
+@dataclass(frozen=True)
+class PlacedEntry:
+    """A submit's entry on the worker stream placement chose, as one XADD (add_placed): that stream
+    has no bound to check, and ENQUEUE around the XADD cost Redis about 5 us a job more
+    (bench/RESULTS.md, "The Lua of a 1-token job"). Its reply, the entry id, is an enqueue's
+    (replies.parse_enqueue)."""
+
+    stream: str
+    job_id: str
+    body: str
+    fields: dict[str, str]
+
+    def add_to(self, pipe: Any) -> None:
+        add_placed(pipe, self.stream, self.job_id, self.body, self.fields)
 
 
 def add_placed(pipe: Any, stream: str, job_id: str, body: str, fields: dict[str, str]) -> None:

@@ -101,7 +101,10 @@ class Enqueued:
 
 
 def parse_enqueue(reply: object) -> Enqueued:
-    """ENQUEUE's {1, entry id} or {0, depth}; ENQUEUE_LANES's {added, refusal, a, b, limits x6}."""
+    """ENQUEUE's {1, entry id} or {0, depth}; ENQUEUE_LANES's {added, refusal, a, b, limits x6}; a
+    placed job's XADD's entry id (producer.PlacedEntry)."""
+    if isinstance(reply, str) and is_entry_id(reply):
+        return Enqueued(1)
     if isinstance(reply, list) and len(reply) == 2:
         if reply[0] == 1:
             return Enqueued(1)
@@ -111,6 +114,12 @@ def parse_enqueue(reply: object) -> Enqueued:
         refusal = _member(Refusal, reply[1], "ENQUEUE_LANES", reply)
         return Enqueued(_count(reply[0], "ENQUEUE_LANES", reply), refusal, tuple(reply[2:4]), tuple(reply[4:]))
     raise UnknownReply("ENQUEUE", reply)
+
+
+def is_entry_id(text: str) -> bool:
+    """Whether `text` is a stream entry's id, as XADD answers it: <milliseconds>-<sequence>."""
+    ms, dash, seq = text.partition("-")
+    return bool(dash) and ms.isdigit() and seq.isdigit()
 
 
 def parse_enqueue_many(reply: object) -> tuple[int, int]:
