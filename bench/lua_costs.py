@@ -93,8 +93,7 @@ def one_cycle(server: Server, jobs: int, batch: int) -> dict[str, dict]:
     ids = [uuid.uuid4().hex for _ in range(jobs)]
     server.phase([functools.partial(producer.add_fresh_create, keys=keys, job_id=j, timeout_ms=0) for j in ids], jobs)
     out = {}
-    calls = [producer.enqueue(own, 0, job_id, BODY, {"cost": "8"}) for job_id in ids]
-    out["enqueue"], _ = server.phase([call.add_to for call in calls], jobs)
+    out["enqueue"], _ = server.phase([call.add_to for call in placed_entries(producer, own, ids)], jobs)
     read = worker.read(keys, QUEUE, WORKER, (256, 255, 16), 320, {}, (own, batch))
     out["read"], replies = server.phase([read.add_to] * (jobs // batch), jobs)
     entries = [(e[0], dict(zip(e[1][::2], e[1][1::2]))["id"]) for (r,) in replies for _, _, es in r for e in es]
@@ -141,6 +140,15 @@ def one_run(jobs: int, batch: int, cycles: int, callgrind: str) -> dict:
         }
         for phase in PHASES
     }
+
+
+def placed_entries(producer: Any, own: str, ids: list[str]) -> list[Any]:
+    """A producer's call adding each job to the worker stream `own`, as the tree being measured makes
+    it: a plain XADD (PlacedEntry) where the tree has one, else (older trees) the ENQUEUE script with
+    no bound."""
+    if hasattr(producer, "PlacedEntry"):
+        return [producer.PlacedEntry(own, job_id, BODY, {"cost": "8"}) for job_id in ids]
+    return [producer.enqueue(own, 0, job_id, BODY, {"cost": "8"}) for job_id in ids]
 
 
 def run_in(tree: Path, args: argparse.Namespace, wrapper: Path | None) -> dict:

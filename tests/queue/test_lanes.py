@@ -309,7 +309,9 @@ def test_a_revived_dead_letter_returns_to_its_lane_and_wakes_it(redis_client, qu
 
 def test_an_entry_placed_on_a_workers_stream_carries_its_lane(redis_client):
     stream = KEYS.own_queue("q", "w1")
-    call(redis_client, producer.enqueue(stream, 0, "j1", "{}", {"lane": "flex", "tenant": "a", "cost": "9"}))
+    pipe = redis_client.pipeline(transaction=False)
+    producer.PlacedEntry(stream, "j1", "{}", {"lane": "flex", "tenant": "a", "cost": "9"}).add_to(pipe)
+    pipe.execute()
     [(_, fields)] = redis_client.xrange(stream)
     assert fields == {"id": "j1", "v": str(PROTOCOL_VERSION), "body": "{}", "lane": "flex", "tenant": "a", "cost": "9"}
 
