@@ -37,9 +37,9 @@ def test_another_tree_runs_its_own_worker_from_itself_with_the_callers_flags_las
     got = run(tree, tmp_path / "w.log", "--max-running", "4", name="w1", env={"MILI_TEST_VAR": "set"})
     assert got == {
         "argv": [
-            *("serve", "--model", "echo", "--redis", "redis://127.0.0.1:1", "--queue", "q"),
-            *("--metrics-host", "127.0.0.1", "--metrics-port", "0", "--log-level", "WARNING"),
-            *("--name", "w1", "--max-running", "4"),
+            *("serve", "--model", "echo", "--redis", "redis://127.0.0.1:1"),
+            *("--metrics-host", "127.0.0.1", "--metrics-port", "0", "--queue", "q", "--name", "w1"),
+            *("--log-level", "WARNING", "--max-running", "4"),
         ],
         "cwd": str(tree),
         "pythonpath": str(tree),
