@@ -20,11 +20,15 @@ from pathlib import Path
 import redis
 
 from harness.polling import eventually
-from harness.processes import PROBE_INTERVAL_S, ChildProcess
+from harness.processes import PROBE_INTERVAL_S, ChildProcess, ProcessNotReady
 from producer_client.connection import connect
 from worker.embedded_redis import free_port
 
 START_TIMEOUT_S = 30.0
+
+
+PORT_TRIES = 3
+PORT_TAKEN = "Address already in use"  # redis-server's bind error (errno 98)
 
 
 class ServerProcess(ChildProcess):
@@ -45,7 +49,21 @@ class ServerProcess(ChildProcess):
         return f"127.0.0.1:{self.port}"
 
     def start(self, *more_args: str) -> ServerProcess:
-        """Started and answering; `more_args` for this start only (a rejoining node's --replicaof)."""
+        """Started and answering; `more_args` for this start only (a rejoining node's --replicaof).
+        A first start whose port another process took after free_port() found it free (a test's
+        server beside it, started in between) starts again on another: the harness tells others
+        its port once it is started (LocalSentinel). A restart keeps its port, as others know it."""
+        first = self.process is None
+        for _ in range(PORT_TRIES - 1):
+            try:
+                return self._start_once(*more_args)
+            except ProcessNotReady:
+                if not first or PORT_TAKEN not in self.log_of_this_start():
+                    raise
+                self.port = free_port()
+        return self._start_once(*more_args)
+
+    def _start_once(self, *more_args: str) -> ServerProcess:
         if self.sentinel:
             config = self.dir / "sentinel.conf"  # a sentinel rewrites its own file as it learns
             config.write_text(f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n{self.args[0]}")
@@ -78,12 +96,13 @@ class ServerProcess(ChildProcess):
         return redis.Redis(port=self.port, decode_responses=True, socket_timeout=5)
 
     def ready(self) -> bool:
-        """It answers a PING (not while it loads its AOF)."""
+        """It answers a PING (not while it loads its AOF), and it is this process that answers: a
+        server of another test on the port this one could not bind would answer too."""
         if not self.running:
             return False
         with self.client() as c:
             try:
-                return c.ping()
+                return bool(c.ping()) and c.info("server")["process_id"] == self.process.pid
             except redis.RedisError:
                 return False
 
@@ -94,7 +113,10 @@ class RestartableRedis(ServerProcess):
 
     def __init__(self, data_dir: Path):
         super().__init__(data_dir, "--appendonly", "yes", "--appendfsync", "everysec")
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
 
     def restart(self, down_s: float, keep_data: bool = True) -> None:
         """Stop (SIGTERM: Redis writes out its AOF and exits, as in a restart or an upgrade), wait
@@ -287,14 +309,11 @@ class LocalSentinel(Deployment):
     SERVICE = "mili"
 
     def __init__(self, root: Path, down_after_ms: int = 1000):
+        self.down_after_ms = down_after_ms
         self.master = ServerProcess(root / "master")
-        self.replica = ServerProcess(root / "replica", "--replicaof", "127.0.0.1", str(self.master.port))
-        watch = (
-            f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 2\n"
-            f"sentinel down-after-milliseconds {self.SERVICE} {down_after_ms}\n"
-            f"sentinel failover-timeout {self.SERVICE} 10000\n"
-        )
-        self.sentinels = [ServerProcess(root / f"sentinel{i}", watch, sentinel=True) for i in range(3)]
+        # The others learn the master's port once it is started (it may move: ServerProcess.start).
+        self.replica = ServerProcess(root / "replica")
+        self.sentinels = [ServerProcess(root / f"sentinel{i}", sentinel=True) for i in range(3)]
 
     @property
     def url(self) -> str:
@@ -302,9 +321,16 @@ class LocalSentinel(Deployment):
 
     def start(self) -> LocalSentinel:
         self.master.start()
+        self.replica.args = ("--replicaof", "127.0.0.1", str(self.master.port))
         self.replica.start()
         assert eventually(self._replica_in_sync, START_TIMEOUT_S, PROBE_INTERVAL_S), "the replica did not sync"
+        watch = (
+            f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.master.port} 2\n"
+            f"sentinel down-after-milliseconds {self.SERVICE} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {self.SERVICE} 10000\n"
+        )
         for sentinel in self.sentinels:
+            sentinel.args = (watch,)
             sentinel.start()
         assert eventually(self._sentinels_see_everything, START_TIMEOUT_S, PROBE_INTERVAL_S), (
             "the sentinels did not find the replica and each other"
