@@ -25,7 +25,6 @@ import re
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -152,14 +151,13 @@ def placed_entries(producer: Any, own: str, ids: list[str]) -> list[Any]:
 
 
 def run_in(tree: Path, args: argparse.Namespace, wrapper: Path | None) -> dict:
-    """one_run of `tree`'s code in a process of its own started there (as bench.redis_cpu's run_in)."""
+    """one_run of `tree`'s code in a process of its own started there; with `wrapper`, the
+    redis-server it starts is that one (callgrind's)."""
+    from bench.measure import one_run_in  # here: this file also runs in older trees, that lack it
+
     call = f"{args.jobs}, {args.batch}, {args.cycles}, {str(wrapper.parent) if wrapper else ''!r}"
-    code = f"import json, runpy; m = runpy.run_path({str(Path(__file__))!r}); print(json.dumps(m['one_run']({call})))"
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-    if wrapper:
-        env["PATH"] = f"{wrapper.parent}:{env['PATH']}"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    env = {"PATH": f"{wrapper.parent}:{os.environ['PATH']}"} if wrapper else None
+    return one_run_in(tree, str(Path(__file__)), call, env)
 
 
 def callgrind_wrapper(folder: Path) -> Path:

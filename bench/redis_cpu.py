@@ -18,10 +18,8 @@ less with that load than jobs/s does.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -80,22 +78,10 @@ def snapshot(costs: RedisCosts) -> dict:
 
 
 def run_in(tree: Path, seconds: float) -> dict:
-    """one_run of `tree`'s code, in a process of its own started there: this file is run from its
-    path, so that a tree that lacks it can be measured too."""
-    code = (
-        f"import json, runpy; m = runpy.run_path({str(Path(__file__))!r}); print(json.dumps(m['one_run']({seconds})))"
-    )
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-    python = tree / ".venv" / "bin" / "python"
-    out = subprocess.run(
-        [str(python) if python.exists() else sys.executable, "-c", code],
-        cwd=tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """one_run of `tree`'s code, in a process of its own started there."""
+    from bench.measure import one_run_in  # here: this file also runs in older trees, that lack it
+
+    return one_run_in(tree, str(Path(__file__)), str(seconds))
 
 
 def main() -> None:
