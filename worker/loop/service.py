@@ -243,16 +243,16 @@ class Worker:
     def _room(self) -> int:
         """Room for any lane: _rooms()'s last, without counting the jobs held of each lane (a full
         worker's iteration asks this twice and most iterations take nothing)."""
-        if self.drain_deadline is not None or self.isolation.busy:
-            return 0
-        return self.admission.room()
+        return self.admission.room() if self._takes_jobs() else 0
 
     def _rooms(self) -> tuple[int, int, int]:
-        """Room for each lane (Admission.rooms); none while draining, and none while suspects of a
-        failed step are tried one at a time."""
-        if self.drain_deadline is not None or self.isolation.busy:
-            return NO_ROOM
-        return self.admission.rooms()
+        """Room for each lane (Admission.rooms)."""
+        return self.admission.rooms() if self._takes_jobs() else NO_ROOM
+
+    def _takes_jobs(self) -> bool:
+        """Whether this worker takes jobs now: not while draining, nor while suspects of a failed
+        step are tried one at a time."""
+        return self.drain_deadline is None and not self.isolation.busy
 
     # -- step ---------------------------------------------------------------------------------
 
