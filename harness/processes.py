@@ -8,13 +8,15 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from harness.polling import eventually
-from worker.embedded_redis import stop_process
+from worker.embedded_redis import free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout: harness/ sits at its root
+T = TypeVar("T")
 PROBE_INTERVAL_S = 0.05  # a probe opens a connection or sends a request: not every 10 ms
 
 
@@ -71,6 +73,10 @@ def serve_command(
         *(["--name", name] if name is not None else []),
         *flags,
     ]
+
+
+PORT_TRIES = 3
+PORT_TAKEN = "address already in use"  # a bind's errno 98, in redis-server's and uvicorn's words (any case)
 
 
 class ProcessNotReady(RuntimeError):
@@ -147,6 +153,22 @@ class ChildProcess:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGCONT)  # a process a test left stopped would ignore SIGTERM
         stop_process(self.process, self.stop_timeout_s)
+
+    def on_a_free_port(self, start: Callable[[], T], move_to: Callable[[int], None]) -> T:
+        """`start()` (a start that waits until ready). At the first start only, the port free_port()
+        found may be taken before the process binds it (by a server another test started in
+        between, or any socket of the machine's, an outgoing connection's included): when this
+        start's log says so, the process is moved to another free port (`move_to`) and started
+        again, PORT_TRIES starts in all. A restart keeps its port, as others know it."""
+        first = self.process is None
+        for _ in range(PORT_TRIES - 1):
+            try:
+                return start()
+            except ProcessNotReady:
+                if not first or PORT_TAKEN not in self.log_of_this_start().lower():
+                    raise
+            move_to(free_port())
+        return start()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -20,15 +20,11 @@ from pathlib import Path
 import redis
 
 from harness.polling import eventually
-from harness.processes import PROBE_INTERVAL_S, ChildProcess, ProcessNotReady
+from harness.processes import PROBE_INTERVAL_S, ChildProcess
 from producer_client.connection import connect
 from worker.embedded_redis import free_port
 
 START_TIMEOUT_S = 30.0
-
-
-PORT_TRIES = 3
-PORT_TAKEN = "Address already in use"  # redis-server's bind error (errno 98)
 
 
 class ServerProcess(ChildProcess):
@@ -50,18 +46,14 @@ class ServerProcess(ChildProcess):
 
     def start(self, *more_args: str) -> ServerProcess:
         """Started and answering; `more_args` for this start only (a rejoining node's --replicaof).
-        A first start whose port another process took after free_port() found it free (a test's
-        server beside it, started in between) starts again on another: the harness tells others
-        its port once it is started (LocalSentinel). A restart keeps its port, as others know it."""
-        first = self.process is None
-        for _ in range(PORT_TRIES - 1):
-            try:
-                return self._start_once(*more_args)
-            except ProcessNotReady:
-                if not first or PORT_TAKEN not in self.log_of_this_start():
-                    raise
-                self.port = free_port()
-        return self._start_once(*more_args)
+        A first start whose port another test's server took after free_port() found it starts
+        again on another (ChildProcess.on_a_free_port): the harness tells others its port once it
+        is started (LocalSentinel)."""
+
+        def move_to(port: int) -> None:
+            self.port = port
+
+        return self.on_a_free_port(lambda: self._start_once(*more_args), move_to)
 
     def _start_once(self, *more_args: str) -> ServerProcess:
         if self.sentinel:

@@ -11,11 +11,8 @@ from pathlib import Path
 import httpx
 
 from gateway.metrics import BACKLOG_TIMEOUT_S
-from harness.processes import ChildProcess, ProcessNotReady
+from harness.processes import ChildProcess
 from worker.embedded_redis import free_port
-
-PORT_TRIES = 3
-PORT_TAKEN = "address already in use"  # uvicorn's bind error (errno 98)
 
 
 class GatewayProcess(ChildProcess):
@@ -51,16 +48,11 @@ class GatewayProcess(ChildProcess):
         """Started and answering: a gateway starts in about a second. At its first start the port
         free_port() found may be taken before uvicorn binds it (by any socket of the machine's,
         an outgoing connection's included: CI met it once); the gateway then starts again on
-        another free port. A restart keeps its port, which the test holds."""
-        first = self.process is None
-        for _ in range(PORT_TRIES - 1):
-            super().start()
-            try:
-                return self.wait_ready()
-            except ProcessNotReady:
-                if not first or PORT_TAKEN not in self.log_of_this_start():
-                    raise
-            self.move_to(free_port())
+        another free port (ChildProcess.on_a_free_port). A restart keeps its port, which the test
+        holds."""
+        return self.on_a_free_port(self._start_once, self.move_to)
+
+    def _start_once(self) -> GatewayProcess:
         super().start()
         return self.wait_ready()
 
