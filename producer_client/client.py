@@ -115,7 +115,10 @@ class Client(ClientBase):
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
         """result() of a job known to exist (this client just submitted it): one blocking read of
-        its `done` stream, without looking the job up first."""
+        its `done` stream, without looking the job up first. A job this client did not submit with
+        a fresh id in the last DONE_TTL_MS / 2 (a request_id's, one submitted elsewhere, or an older
+        one) is looked at once first: for its deadline, and for a result its `done` stream no
+        longer holds."""
         return steps.run(self.redis, operations.wait(self.keys, job_id, timeout, self.submissions.known(job_id)))
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
