@@ -808,10 +808,19 @@ WORKER_SCRIPTS = (
 # -- call builders: each owns its script's keys and argument order ----------------------------------
 
 
-def forget_done(pipe: Pipe, keys: Keys, job_id: str) -> None:
-    """Delete an ended job's done stream once its readers have had DONE_TTL_MS (worker/loop/done_sweep.py):
-    one UNLINK of one key, so that on a cluster it goes to the key's node."""
-    pipe.unlink(keys.done(job_id))
+def forget_done(keys: Keys, job_ids: Sequence[str], one_server: bool) -> list[tuple[str, ...]]:
+    """The UNLINKs (each its keys: add_unlink) that delete ended jobs' done streams once their readers
+    have had DONE_TTL_MS (worker/loop/done_sweep.py): on one server one of them all (an UNLINK a
+    stream cost redis-server 7.4-8.3k instructions, one of six streams 5.5k a stream:
+    bench/RESULTS.md, "Fewer commands a job"); on a cluster one a key, which goes to its node."""
+    done = tuple(keys.done(job_id) for job_id in job_ids)
+    if one_server:
+        return [done] if done else []
+    return [(key,) for key in done]
+
+
+def add_unlink(pipe: Pipe, keys: tuple[str, ...]) -> None:
+    pipe.unlink(*keys)
 
 
 def claim(keys: Keys, job_id: str, worker: str, entry_id: str, result_ttl_s: int, run: str) -> ScriptCall:

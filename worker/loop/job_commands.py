@@ -145,7 +145,9 @@ class JobCommands:
         result is followed by a WAIT on its job's node, and a result too few replicas confirmed
         answers ReplicasBehind (transient): its entry is not acknowledged yet."""
         finals = [u for u in updates if u.final is not None] if self.replication.waits else []
-        rounds = self._rounds(updates)
+        cluster = is_cluster(self.redis)
+        rounds = self._rounds(updates, cluster)
+        unlinks = scripts.forget_done(self.keys, forget, not cluster)
 
         def add(pipe: Pipe) -> None:
             for round_ in rounds:
@@ -153,8 +155,8 @@ class JobCommands:
                 (calls[0] if len(calls) == 1 else scripts.publish_round(calls)).add_to(pipe)
             for job_id, _ in watch:
                 job_reads.add_run_flags(pipe, self.keys, job_id)
-            for job_id in forget:
-                scripts.forget_done(pipe, self.keys, job_id)
+            for unlink in unlinks:
+                scripts.add_unlink(pipe, unlink)
             for u in finals:
                 scripts.add_result_replicated(pipe, self.keys, u.job_id, self.result_ttl_s, self.replication)
 
@@ -170,14 +172,13 @@ class JobCommands:
             for (_, run), r in zip(watch, replies[len(rounds) : looked])
         ]
         # each WAIT's, after its EXPIRE
-        confirmed = dict(zip((u.job_id for u in finals), replies[looked + len(forget) + 1 :: 2]))
+        confirmed = dict(zip((u.job_id for u in finals), replies[looked + len(unlinks) + 1 :: 2]))
         return [self._replicated(u, reply, confirmed.get(u.job_id)) for u, reply in zip(updates, published)], watched
 
-    def _rounds(self, updates: list[Update]) -> list[list[int]]:
+    def _rounds(self, updates: list[Update], cluster: bool) -> list[list[int]]:
         """The updates (by index) that each call publishes: one PUBLISH_ROUND for up to ROUND_JOBS
         jobs, those of one hash slot on a cluster (a script's keys must share one)."""
         by_slot: dict[int, list[int]] = {}
-        cluster = is_cluster(self.redis)
         for i, update in enumerate(updates):
             slot = key_slot(self.keys.job(update.job_id).encode()) if cluster else 0
             by_slot.setdefault(slot, []).append(i)
