@@ -2,7 +2,8 @@
 (issue 43: Redis CPU per job): on a fresh embedded redis-server, `--jobs` jobs placed on a worker's
 own stream go through the protocol's scripts as bench.peers' load sends them, each phase measured
 alone: the producer's ENQUEUE (one call a job), the worker's READ of its own stream, CLAIM_MANY
-and the final PUBLISH_ROUND (one call per `--batch` jobs each). Per phase and per job: the
+and the final PUBLISH_ROUND (one call per `--batch` jobs each), and the deletion of the jobs' done
+streams that the worker sends DONE_TTL_MS later (`forget`: as a round of `--batch` ends sends it). Per phase and per job: the
 redis-server's instructions (`--callgrind`: the server runs under valgrind's callgrind, every
 instruction it executes while the phase runs, its network reads and replies included; the same
 code gives the same count within a few percent, where CPU time under other work moves by a
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = ("enqueue", "read", "claim_many", "publish_round")
+PHASES = ("enqueue", "read", "claim_many", "publish_round", "forget")
 BODY = json.dumps({"prompt": "hello world, job 00-000005", "params": {"max_tokens": 1, "temperature": 0.0}})
 QUEUE, WORKER = "bench", "w0"
 RESULT_PAD = "y" * 250  # a 1-token job's result JSON is about 400 bytes
@@ -106,7 +107,21 @@ def one_cycle(server: Server, jobs: int, batch: int) -> dict[str, dict]:
     pipe = server.redis.pipeline(transaction=False)
     consumer.add_settled(pipe, own, [e for e, _ in entries])  # as the worker's next read does
     pipe.execute()
+    out["forget"], _ = server.phase([functools.partial(forget_done, keys, [j for _, j in c]) for c in chunks], jobs)
     return out
+
+
+def forget_done(keys: Any, job_ids: list[str], pipe: Any) -> None:
+    """The UNLINKs of `job_ids`' done streams that a worker's round sends, as the tree being measured
+    sends them: one of them all where its forget_done takes them all, else (older trees) one a job."""
+    from producer_client.protocol import worker
+
+    if hasattr(worker, "add_unlink"):
+        for unlink in worker.forget_done(keys, job_ids, one_server=True):
+            worker.add_unlink(pipe, unlink)
+    else:
+        for job_id in job_ids:
+            worker.forget_done(pipe, keys, job_id)
 
 
 def final_publish(keys: Any, job_id: str, run: str) -> Any:
@@ -207,7 +222,7 @@ def print_table(runs: dict[str, list[dict]], figure: str) -> None:
     totals = [
         sum(statistics.median(r[phase][figure] for r in figures) for phase in PHASES) for figures in runs.values()
     ]
-    print("| all four | " + " | ".join(f"{total:.2f}" for total in totals) + " |")
+    print("| all | " + " | ".join(f"{total:.2f}" for total in totals) + " |")
     for phase in PHASES:
         for name, figures in runs.items():
             commands = ", ".join(f"{c} {n:.2f}" for c, n in sorted(figures[-1][phase]["commands"].items()))
