@@ -449,8 +449,12 @@ for _ = 1, tonumber(ARGV[7]) do
   end
 end
 local waiting, maybe, taken = {{}}, {{}}, {{0, 0, 0}}
+-- Redis deletes a sorted set with its last member: one EXISTS of the three lanes tells a queue with
+-- no active tenant (most reads) from one with, whose lanes' ZCARDs are asked then (and meet a lane
+-- key of another type as before): two commands less a read of a queue without tenants.
+local any_lane = redis.call('EXISTS', KEYS[2], KEYS[3], KEYS[4]) > 0
 for l = 1, 3 do
-  waiting[l] = redis.call('ZCARD', KEYS[1 + l]) > 0
+  waiting[l] = any_lane and redis.call('ZCARD', KEYS[1 + l]) > 0
   maybe[l] = waiting[l]
 end
 -- An empty default lane has no '-' in it; and a lane's credit is read or earned only while a lane
