@@ -16,13 +16,14 @@ from producer_client.connection import connect
 from producer_client.keys import Keys
 from producer_client.protocol import worker as scripts
 from producer_client.protocol.execution import execute
+from producer_client.protocol.replication import Replication
 from producer_client.protocol.replies import Published
 from producer_client.protocol.worker import PUBLISH, PUBLISH_ROUND, WORKER_SCRIPTS, publish_round
 from producer_client.schema import JobResult
 from worker.loop import job_commands
 from worker.loop.job_commands import ROUND_JOBS, JobCommands
 from worker.loop.outbox import Update
-from worker.loop.queue import is_transient
+from worker.loop.queue import ReplicasBehind, is_transient
 
 KEYS = Keys()
 START = json.dumps({"worker": "w1"})
@@ -222,3 +223,26 @@ def test_a_round_deletes_the_due_done_streams_in_one_unlink_on_one_server_and_on
             assert sum(s.get("cmdstat_unlink", {"calls": 0})["calls"] for s in stats) == unlinks
         finally:
             client.close()
+
+
+def test_a_rounds_wait_for_replicas_is_read_past_its_unlink_of_the_due_done_streams(redis_server):
+    """A final result whose replicas the round waits for (EXPIRE, WAIT after the UNLINK of the done
+    streams due): the WAIT's own reply is the one read, 0 replicas on a server that has none, so
+    the result answers ReplicasBehind (its entry is not acknowledged yet), not the EXPIRE's 1."""
+    client = connect(redis_server.url, decode_responses=True)
+    try:
+        job_id, ended = uuid.uuid4().hex, [uuid.uuid4().hex for _ in range(3)]
+        client.hset(KEYS.job(job_id), mapping={"status": "running", "run": "r1"})
+        for done_id in ended:
+            client.xadd(KEYS.done(done_id), {"data": "{}"})
+        update = Update(job_id, "1-0", "r1", 0, start=START)
+        update.add_cut([1], "a", None)
+        update.final = JobResult(id=job_id, status="done", text="a", token_ids=[1])
+        commands = JobCommands(client, KEYS, "w1", 60, Replication(replicas=1, timeout_ms=1))
+        (reply,), _ = commands.publish([update], [], forget=ended)
+        assert isinstance(reply, ReplicasBehind)
+        assert str(reply).startswith(f"job {job_id}: its result is written, 0 of 1 replicas confirmed it")
+        assert client.hget(KEYS.job(job_id), "status") == "done"
+        assert sum(client.exists(KEYS.done(j)) for j in ended) == 0
+    finally:
+        client.close()
