@@ -79,7 +79,7 @@ def plain_causal_attention(q, k, v, scale, prefix):
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize("prefix, q_len", [(0, 1), (0, 37), (1, 1), (45, 1), (45, 70), (300, 129)])
+@pytest.mark.parametrize("prefix, q_len", [(0, 1), (0, 37), (1, 1), (45, 1), (45, 70), (300, 129), (16, 0)])
 def test_the_cpu_reference_merging_prefix_and_causal_parts_is_plain_attention(group, prefix, q_len):
     # The CPU path attends the prefix unmasked and the new tokens causally, then merges the two by
     # their log-sum-exps; the masked blocks (off the CPU) attend the whole at once.
