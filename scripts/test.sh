@@ -49,7 +49,7 @@ waits_log=$(mktemp)
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/python -m pytest tests -m "($parallel) and waits" "$@" \
   > "$waits_log" 2>&1 &
 waits_pid=$!
-# The timing tests' process collects now, beside the others (the whole tree: ~8 s of CPU, which was
+# The timing tests' process collects now, beside the others (the whole tree: ~6 s of CPU, which was
 # the lane's own wall time after theirs), and runs its first test once $gate exists, made when they
 # are done (tests/support/gate.py): nothing runs beside the timing tests.
 timing_log=$(mktemp)

@@ -68,11 +68,39 @@ def test_extend_over_a_float8_cache_matches_reference(group, dtype, device, chec
     check_close("paged_extend_attention", paged_extend_attention_triton(*args), paged_extend_attention_reference(*args))
 
 
-def test_extend_reference_bounds_its_mask_without_changing_the_result(monkeypatch, device):
-    # Query blocks of one row each: the block-causal slicing must give what one block gives.
-    case = extend_case(2, 64, 16, torch.float32, device, [(0, 9), (21, 13)], seed=4)
-    q, k_cache, v_cache, page_table, cu, prefix_lens, max_q_len = case
-    whole = paged_extend_attention_reference(q, k_cache, v_cache, page_table, cu, prefix_lens, 0.125, max_q_len)
+def plain_causal_attention(q, k, v, scale, prefix):
+    """The definition, in float64 with every score materialized: softmax over keys [0, prefix + i]."""
+    group = q.shape[1] // k.shape[1]
+    keys, values = (t.double().repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))  # [Hq, L, D]
+    scores = q.double().transpose(0, 1) @ keys.transpose(1, 2) * scale  # [Hq, Lq, L]
+    seen = torch.arange(k.shape[0]) <= prefix + torch.arange(q.shape[0])[:, None]
+    weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+    return (weights @ values).transpose(0, 1)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("prefix, q_len", [(0, 1), (0, 37), (1, 1), (45, 1), (45, 70), (300, 129), (16, 0)])
+def test_the_cpu_reference_merging_prefix_and_causal_parts_is_plain_attention(group, prefix, q_len):
+    # The CPU path attends the prefix unmasked and the new tokens causally, then merges the two by
+    # their log-sum-exps; the masked blocks (off the CPU) attend the whole at once.
+    g = torch.Generator().manual_seed(prefix + q_len + group)
+    q = torch.randn(q_len, KV_HEADS * group, 64, generator=g)
+    k, v = (torch.randn(prefix + q_len, KV_HEADS, 64, generator=g) for _ in range(2))
+    want = plain_causal_attention(q, k, v, 0.125, prefix).float()
+    torch.testing.assert_close(
+        extend_attention.causal_attention_cpu(q, k, v, 0.125, prefix), want, atol=1e-6, rtol=1e-5
+    )
+    got = extend_attention.causal_attention_in_blocks(q, k, v, 0.125, prefix)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_the_masked_blocks_bound_their_mask_without_changing_the_result(monkeypatch, device):
+    # Query blocks of one row each (off the CPU the reference's path, called here on any device): the
+    # block-causal slicing must give what one block gives.
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(13, KV_HEADS * 2, 64, generator=g).to(device)
+    k, v = (torch.randn(21 + 13, KV_HEADS, 64, generator=g).to(device) for _ in range(2))
+    whole = extend_attention.causal_attention_in_blocks(q, k, v, 0.125, 21)
     monkeypatch.setattr(extend_attention, "MASK_ELEMENTS", 1)
-    rows = paged_extend_attention_reference(q, k_cache, v_cache, page_table, cu, prefix_lens, 0.125, max_q_len)
+    rows = extend_attention.causal_attention_in_blocks(q, k, v, 0.125, 21)
     torch.testing.assert_close(rows, whole, atol=1e-6, rtol=1e-6)

@@ -1,5 +1,5 @@
 """A pytest plugin for scripts/test.sh's timing lane: its process starts beside the others and
-collects then (the whole tree, about 8 s of CPU, which was the lane's own time after theirs), but
+collects then (the whole tree, about 6 s of CPU, which was the lane's own time after theirs), but
 runs its first test only once the file named by MILI_TESTS_GATE exists, which test.sh creates when
 the others are done: nothing runs beside the timing tests, as before."""
 
