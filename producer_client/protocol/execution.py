@@ -16,6 +16,7 @@ from redis.cluster import ClusterNode
 from redis.commands.core import CoreCommands
 from redis.exceptions import NoScriptError, ResponseError
 
+from producer_client import pooling
 from producer_client.cluster import (
     NODE_ERRORS,
     AsyncCluster,
@@ -193,11 +194,13 @@ def _exchange(client: redis.Redis, stack: Stack) -> Replies:
     without the pipeline object and its per-call records, a good part of a submit's CPU (bench/
     RESULTS.md, "The producer's own cost"). The first try is made outside the policy, which
     takes over only after it failed (_after_failed_try): no retry layer on the way of an exchange
-    that succeeds. No command, no connection (as redis-py's pipeline)."""
+    that succeeds. The connection is taken as it is (producer_client.pooling): each try connects
+    it once if it is not, so the policy's tries are the call's, its connects too. No command, no
+    connection (as redis-py's pipeline)."""
     if not stack:
         return []
     pool = client.connection_pool
-    connection = pool.get_connection()
+    connection = pooling.take(pool)
     try:
         try:
             return _round_trip(client, connection, stack)
@@ -206,7 +209,7 @@ def _exchange(client: redis.Redis, stack: Stack) -> Replies:
             replies: Replies = connection.retry.call_with_retry(retried, lambda _: connection.disconnect())
             return replies
     finally:
-        pool.release(connection)
+        pooling.give_back(pool, connection)
 
 
 async def _aexchange(client: redis.asyncio.Redis, stack: Stack) -> Replies:

@@ -3,6 +3,7 @@ No server runs here except where a test says so: a bad URL must fail on its own,
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ import redis.retry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-from redis.backoff import NoBackoff
+from redis.backoff import ConstantBackoff, NoBackoff
 
 from harness.processes import REPO
 from producer_client import AsyncClient, Client, InvalidArgument, steps
@@ -349,3 +350,64 @@ async def test_an_asyncio_call_cut_off_by_a_failover_is_tried_again_on_the_maste
         assert (await execution.aexecute(client, read_across_a_failover))[1] == "new"
     finally:
         await client.aclose()
+
+
+SILENCE_S = 1.0  # more than a redis-server takes to stop, and a socket to take its port
+
+
+class SilentPort:
+    """What a client meets at a host gone silent, on loopback: a socket listening on `port` whose
+    queue of one is full, so that each connect waits out its socket_connect_timeout. Counts the
+    connects made meanwhile (socket.socket.connect, patched)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.monkeypatch = monkeypatch
+        self.sockets: list[socket.socket] = []
+        self.connects = 0
+
+    def take(self, port: int) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(0)
+        filler = socket.create_connection(("127.0.0.1", port))
+        self.sockets += [listener, filler]
+        connect = socket.socket.connect
+
+        def counted(sock: socket.socket, address: object) -> None:
+            self.connects += 1
+            connect(sock, address)
+
+        self.monkeypatch.setattr(socket.socket, "connect", counted)
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
+def test_a_call_that_loses_its_server_connects_again_once_per_try_of_its_retry_policy(monkeypatch):
+    # The server goes silent in the middle of a blocking read: each of the call's two further
+    # tries connects once, and waits out its connect timeout. redis-py's connection would try the
+    # connect itself twice more within each: six connects. The backoff leaves the server the time
+    # to stop and its port to go silent before the first of them.
+    server = EmbeddedRedis(port=free_port()).start()
+    silent = SilentPort(monkeypatch)
+    retry = redis.retry.Retry(ConstantBackoff(SILENCE_S), 2)
+    client = connect(server.url, decode_responses=True, retry=retry, socket_connect_timeout=0.1)
+
+    def go_silent() -> None:
+        server.stop()
+        silent.take(server.port)
+
+    try:
+        client.ping()
+        timer = threading.Timer(0.2, go_silent)
+        timer.start()
+        with pytest.raises(redis.TimeoutError, match="connecting"):
+            execution.execute(client, lambda pipe: pipe.xread({"s": "$"}, block=2000))
+        timer.join()
+        assert silent.connects == 2
+    finally:
+        client.close()
+        silent.close()
+        server.stop()
