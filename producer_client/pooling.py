@@ -21,6 +21,9 @@ import os
 from typing import Any
 
 import redis
+import redis.asyncio
+import redis.asyncio.connection
+import redis.asyncio.sentinel
 import redis.connection
 import redis.sentinel
 from redis.exceptions import ConnectionError, TimeoutError
@@ -84,6 +87,9 @@ class ExchangePool(redis.ConnectionPool):
                 dirty = connection.can_read() and self.cache is None and not self._pushes()
             except _CLOSED:
                 dirty = True
+            except BaseException:  # interrupted: not lost to the pool
+                self.give_back(connection)
+                raise
             if dirty:
                 connection.disconnect()
         return connection
@@ -119,14 +125,74 @@ class SentinelPool(ExchangePool, redis.sentinel.SentinelConnectionPool):
     """ExchangePool, of the master a sentinel names."""
 
 
-def take(pool: Any) -> Any:
-    """A connection of `pool` for one exchange: `ExchangePool.take`, or redis-py's checkout (a
-    pool a caller made, such as a test's client's), which connects it."""
-    return pool.take() if isinstance(pool, ExchangePool) else pool.get_connection()
+class AsyncConnection(redis.asyncio.connection.Connection):
+    """Connection, for asyncio."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self.is_connected:
+            await redis.asyncio.connection.AbstractConnection.connect_check_health(
+                self, check_health=False, retry_socket_connect=False
+            )
+        await redis.asyncio.connection.AbstractConnection.send_packed_command(self, command, check_health)
 
 
-def give_back(pool: Any, connection: Any) -> None:
-    if isinstance(pool, ExchangePool):
-        pool.give_back(connection)
-    else:
-        pool.release(connection)
+class AsyncSSLConnection(AsyncConnection, redis.asyncio.connection.SSLConnection):
+    pass
+
+
+class AsyncUnixConnection(redis.asyncio.connection.UnixDomainSocketConnection):
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self.is_connected:
+            await redis.asyncio.connection.AbstractConnection.connect_check_health(
+                self, check_health=False, retry_socket_connect=False
+            )
+        await redis.asyncio.connection.AbstractConnection.send_packed_command(self, command, check_health)
+
+
+ASYNC_ONCE_PER_TRY: dict[type, type] = {
+    redis.asyncio.connection.Connection: AsyncConnection,
+    redis.asyncio.connection.SSLConnection: AsyncSSLConnection,
+    redis.asyncio.connection.UnixDomainSocketConnection: AsyncUnixConnection,
+}
+
+
+class AsyncExchangePool(redis.asyncio.ConnectionPool):
+    """ExchangePool, for asyncio."""
+
+    async def take(self) -> Any:
+        async with self._lock:
+            connection: Any = redis.asyncio.ConnectionPool.get_available_connection(self)
+        if connection.is_connected:
+            try:
+                dirty = await connection.can_read() and not self._pushes()
+            except _CLOSED:
+                dirty = True
+            except BaseException:  # cancelled: not lost to the pool
+                await self.give_back(connection)
+                raise
+            if dirty:
+                await connection.disconnect()
+        return connection
+
+    def _pushes(self) -> bool:
+        return bool(redis.asyncio.ConnectionPool.maint_notifications_enabled(self))
+
+    async def give_back(self, connection: Any) -> None:
+        """redis-py's release, less its records."""
+        async with self._lock:
+            self._in_use_connections.remove(connection)
+            if connection.should_reconnect():
+                await connection.disconnect()
+            self._available_connections.append(connection)
+        await connection.re_auth()
+
+
+class AsyncSentinelPool(AsyncExchangePool, redis.asyncio.sentinel.SentinelConnectionPool):
+    """AsyncExchangePool, of the master a sentinel names."""
+
+
+# The pools whose connections an exchange takes as they are (`take`): redis-py's own, such as a test's
+# client's, are checked out as redis-py does it (get_connection, which connects). By their exact
+# types: isinstance() of a redis-py pool runs the abc module's Python checks at every round trip.
+EXCHANGE_POOLS = frozenset({ExchangePool, SentinelPool})
+ASYNC_EXCHANGE_POOLS = frozenset({AsyncExchangePool, AsyncSentinelPool})

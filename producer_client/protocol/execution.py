@@ -16,7 +16,6 @@ from redis.cluster import ClusterNode
 from redis.commands.core import CoreCommands
 from redis.exceptions import NoScriptError, ResponseError
 
-from producer_client import pooling
 from producer_client.cluster import (
     NODE_ERRORS,
     AsyncCluster,
@@ -26,6 +25,7 @@ from producer_client.cluster import (
     is_cluster,
     topology_errors,
 )
+from producer_client.pooling import ASYNC_EXCHANGE_POOLS, EXCHANGE_POOLS
 from producer_client.protocol.producer import PRODUCER_SCRIPTS
 from producer_client.protocol.script import Script
 
@@ -199,8 +199,9 @@ def _exchange(client: redis.Redis, stack: Stack) -> Replies:
     connection (as redis-py's pipeline)."""
     if not stack:
         return []
-    pool = client.connection_pool
-    connection = pooling.take(pool)
+    pool: Any = client.connection_pool
+    ours = type(pool) in EXCHANGE_POOLS
+    connection = pool.take() if ours else pool.get_connection()
     try:
         try:
             return _round_trip(client, connection, stack)
@@ -209,15 +210,19 @@ def _exchange(client: redis.Redis, stack: Stack) -> Replies:
             replies: Replies = connection.retry.call_with_retry(retried, lambda _: connection.disconnect())
             return replies
     finally:
-        pooling.give_back(pool, connection)
+        if ours:
+            pool.give_back(connection)
+        else:
+            pool.release(connection)
 
 
 async def _aexchange(client: redis.asyncio.Redis, stack: Stack) -> Replies:
     """`_exchange` for a redis.asyncio client."""
     if not stack:
         return []
-    pool = client.connection_pool
-    connection = await pool.get_connection()
+    pool: Any = client.connection_pool
+    ours = type(pool) in ASYNC_EXCHANGE_POOLS
+    connection = await (pool.take() if ours else pool.get_connection())
     try:
         try:
             return await _around_trip(client, connection, stack)
@@ -226,7 +231,7 @@ async def _aexchange(client: redis.asyncio.Redis, stack: Stack) -> Replies:
             replies: Replies = await connection.retry.call_with_retry(retried, lambda _: connection.disconnect())
             return replies
     finally:
-        await pool.release(connection)
+        await (pool.give_back(connection) if ours else pool.release(connection))
 
 
 def _after_failed_try(error: Exception, attempt: Callable[[], T]) -> Callable[[], T]:

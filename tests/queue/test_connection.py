@@ -352,7 +352,7 @@ async def test_an_asyncio_call_cut_off_by_a_failover_is_tried_again_on_the_maste
         await client.aclose()
 
 
-SILENCE_S = 1.0  # more than a redis-server takes to stop, and a socket to take its port
+SILENCE_S = 0.5  # more than a redis-server takes to stop, and a socket to take its port
 
 
 class SilentPort:
@@ -385,29 +385,54 @@ class SilentPort:
             sock.close()
 
 
-def test_a_call_that_loses_its_server_connects_again_once_per_try_of_its_retry_policy(monkeypatch):
-    # The server goes silent in the middle of a blocking read: each of the call's two further
-    # tries connects once, and waits out its connect timeout. redis-py's connection would try the
-    # connect itself twice more within each: six connects. The backoff leaves the server the time
-    # to stop and its port to go silent before the first of them.
+@pytest.fixture
+def going_silent(monkeypatch):
+    """A server, and a timer that makes it go silent (SilentPort) 0.2 s after it is started."""
     server = EmbeddedRedis(port=free_port()).start()
     silent = SilentPort(monkeypatch)
-    retry = redis.retry.Retry(ConstantBackoff(SILENCE_S), 2)
-    client = connect(server.url, decode_responses=True, retry=retry, socket_connect_timeout=0.1)
 
     def go_silent() -> None:
         server.stop()
         silent.take(server.port)
 
+    timer = threading.Timer(0.2, go_silent)
+    try:
+        yield server, silent, timer
+    finally:
+        if timer.is_alive():
+            timer.join()
+        silent.close()
+        server.stop()
+
+
+SILENT_TRIES = {"socket_connect_timeout": 0.1, "decode_responses": True}
+
+
+def test_a_call_that_loses_its_server_connects_again_once_per_try_of_its_retry_policy(going_silent):
+    # The server goes silent in the middle of a blocking read: each of the call's two further
+    # tries connects once, and waits out its connect timeout. redis-py's connection would try the
+    # connect itself twice more within each: six connects. The backoff leaves the server the time
+    # to stop and its port to go silent before the first of them.
+    server, silent, timer = going_silent
+    client = connect(server.url, retry=redis.retry.Retry(ConstantBackoff(SILENCE_S), 2), **SILENT_TRIES)
     try:
         client.ping()
-        timer = threading.Timer(0.2, go_silent)
         timer.start()
         with pytest.raises(redis.TimeoutError, match="connecting"):
             execution.execute(client, lambda pipe: pipe.xread({"s": "$"}, block=2000))
-        timer.join()
         assert silent.connects == 2
     finally:
         client.close()
-        silent.close()
-        server.stop()
+
+
+async def test_an_asyncio_call_that_loses_its_server_connects_again_once_per_try_of_its_retry_policy(going_silent):
+    server, silent, timer = going_silent
+    client = connect_async(server.url, retry=redis.asyncio.retry.Retry(ConstantBackoff(SILENCE_S), 2), **SILENT_TRIES)
+    try:
+        await client.ping()
+        timer.start()
+        with pytest.raises(redis.TimeoutError, match="connecting"):
+            await execution.aexecute(client, lambda pipe: pipe.xread({"s": "$"}, block=2000))
+        assert silent.connects == 2
+    finally:
+        await client.aclose()
