@@ -436,3 +436,19 @@ async def test_an_asyncio_call_that_loses_its_server_connects_again_once_per_try
         assert silent.connects == 2
     finally:
         await client.aclose()
+
+
+def test_a_pooled_connection_its_server_closed_is_replaced_before_a_call_spends_a_try_on_it(redis_server):
+    # The readiness check of redis-py's checkout, kept in the exchange's: with no retry at all, the
+    # call after a CLIENT KILL of every idle connection still succeeds, on a fresh connection.
+    client = connect(redis_server.url, decode_responses=True, retry=redis.retry.Retry(NoBackoff(), 0))
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        execution.execute(client, lambda pipe: pipe.client_id())
+        (before,) = execution.execute(client, lambda pipe: pipe.client_id())
+        admin.client_kill_filter(_id=before)
+        (after,) = execution.execute(client, lambda pipe: pipe.client_id())
+        assert after != before
+    finally:
+        client.close()
+        admin.close()
