@@ -110,7 +110,7 @@ class ExchangePool(redis.ConnectionPool):
         with self._lock:
             try:
                 self._in_use_connections.remove(connection)
-            except KeyError:  # the pool was reset (disconnect) while it was out
+            except KeyError:  # none of this pool's (as redis-py's release, which passes it over)
                 return
             if not self.owns_connection(connection):
                 connection.disconnect()
