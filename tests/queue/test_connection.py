@@ -452,3 +452,17 @@ def test_a_pooled_connection_its_server_closed_is_replaced_before_a_call_spends_
     finally:
         client.close()
         admin.close()
+
+
+def test_max_connections_bounds_the_connections_the_exchanges_hold_at_once(redis_server):
+    # As redis-py's pool: past the bound, MaxConnectionsError at once, no try spent waiting for one.
+    client = connect(redis_server.url, decode_responses=True, max_connections=2)
+    pool = client.connection_pool
+    try:
+        held = [pool.take(), pool.take()]
+        with pytest.raises(redis.exceptions.MaxConnectionsError):
+            execution.execute(client, lambda pipe: pipe.ping())
+        pool.give_back(held.pop())
+        assert execution.execute(client, lambda pipe: pipe.ping()) == [True]  # on the one given back
+    finally:
+        client.close()
