@@ -209,6 +209,12 @@ def _exchange(client: redis.Redis, stack: Stack) -> Replies:
             retried = _after_failed_try(error, lambda: _round_trip(client, connection, stack))
             replies: Replies = connection.retry.call_with_retry(retried, lambda _: connection.disconnect())
             return replies
+    except BaseException:
+        # A reply whose parsing raised (a callback's error, an interrupt) leaves the later ones
+        # unread, which redis-py's checkout does not count as dirty while its maintenance
+        # notifications are on (its default): the next call would read them as its own.
+        connection.disconnect()
+        raise
     finally:
         if ours:
             pool.give_back(connection)
@@ -230,6 +236,9 @@ async def _aexchange(client: redis.asyncio.Redis, stack: Stack) -> Replies:
             retried = _after_failed_try(error, lambda: _around_trip(client, connection, stack))
             replies: Replies = await connection.retry.call_with_retry(retried, lambda _: connection.disconnect())
             return replies
+    except BaseException:
+        await connection.disconnect()  # replies left unread (see _exchange)
+        raise
     finally:
         await (pool.give_back(connection) if ours else pool.release(connection))
 

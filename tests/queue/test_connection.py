@@ -466,3 +466,25 @@ def test_max_connections_bounds_the_connections_the_exchanges_hold_at_once(redis
         assert execution.execute(client, lambda pipe: pipe.ping()) == [True]  # on the one given back
     finally:
         client.close()
+
+
+def test_a_round_trip_that_fails_between_its_replies_leaves_none_of_them_to_the_next_call(redis_server):
+    # A reply that fails in its parsing (here the first GET's, by a callback that raises) leaves
+    # the pipeline's later replies unread: redis-py's checkout does not count unread data as dirty
+    # where its maintenance notifications are on (its default), so the next call on that
+    # connection would read them as its own.
+    client = connect(redis_server.url, decode_responses=True, max_connections=1)
+    client.set("unread-a", "a")
+    client.set("unread-b", "b")
+
+    def refuse(response, **options):
+        raise ValueError("refused")
+
+    try:
+        client.response_callbacks["GET"] = refuse
+        with pytest.raises(ValueError, match="refused"):
+            execution.execute(client, lambda pipe: (pipe.get("unread-a"), pipe.get("unread-b")))
+        del client.response_callbacks["GET"]
+        assert execution.execute(client, lambda pipe: pipe.get("unread-a")) == ["a"]
+    finally:
+        client.close()
