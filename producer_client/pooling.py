@@ -74,9 +74,10 @@ class ExchangePool(redis.ConnectionPool):
 
     def take(self) -> Any:
         """The last connection returned (a free list's top: the one most likely warm), or a new one,
-        not connected; MaxConnectionsError past max_connections, as redis-py's. One that holds
-        unread replies or that its server closed (its readiness check, as redis-py's checkout
-        makes it) is disconnected first, so the exchange's first try connects it afresh."""
+        not connected; MaxConnectionsError past max_connections, as redis-py's. One its server
+        closed is disconnected first, so the exchange's first try connects it afresh: redis-py's
+        readiness check, as its checkout makes it (data waiting counts as dirty only where its
+        maintenance notifications are off; an exchange that fails closes its connection)."""
         if self.pid != os.getpid():
             self._checkpid()  # forked: the parent's connections are not ours
         with self._lock:
