@@ -41,6 +41,14 @@ from redis.connection import parse_url as redis_py_url_options
 
 from producer_client.cluster import AsyncCluster, AsyncRedis, Cluster, SyncRedis
 from producer_client.errors import InvalidArgument
+from producer_client.pooling import (
+    ASYNC_ONCE_PER_TRY,
+    ONCE_PER_TRY,
+    AsyncExchangePool,
+    AsyncSentinelPool,
+    ExchangePool,
+    SentinelPool,
+)
 
 # Every call of the clients is safe to repeat: reads, CANCEL, and submits (CREATE never sets a
 # started job back to queued; an entry enqueued twice is dropped by the worker that claims the
@@ -280,7 +288,8 @@ def connect(url: str | RedisURL, **kwargs: Any) -> SyncRedis:
     topology now, trying as often as `retry` allows."""
     target = url if isinstance(url, RedisURL) else parse_url(url)
     if target.mode is Mode.SERVER:
-        return redis.Redis.from_url(target.text, **kwargs)
+        kind = ONCE_PER_TRY[target.options.get("connection_class", redis.connection.Connection)]
+        return redis.Redis.from_pool(ExchangePool.from_url(target.text, connection_class=kind, **kwargs))
     if target.mode is Mode.SENTINEL:
         sentinels = Sentinels(
             list(target.nodes), sentinel_kwargs=_sentinel_options(target, kwargs, Retry(NoBackoff(), 0))
@@ -299,7 +308,10 @@ def connect_async(url: str | RedisURL, **kwargs: Any) -> AsyncRedis:
     """`connect` for asyncio: redis.asyncio clients, which connect at their first command."""
     target = url if isinstance(url, RedisURL) else parse_url(url)
     if target.mode is Mode.SERVER:
-        return redis.asyncio.Redis.from_url(target.text, **kwargs)
+        # As redis.asyncio's from_url, which would give the URL's own connection_class precedence.
+        options: dict[str, Any] = {**kwargs, **redis.asyncio.connection.parse_url(target.text)}
+        kind = ASYNC_ONCE_PER_TRY[options.get("connection_class", redis.asyncio.connection.Connection)]
+        return redis.asyncio.Redis.from_pool(AsyncExchangePool(**{**options, "connection_class": kind}))
     if target.mode is Mode.SENTINEL:
         sentinels = AsyncSentinels(
             list(target.nodes), sentinel_kwargs=_sentinel_options(target, kwargs, AsyncRetry(NoBackoff(), 0))
@@ -376,7 +388,12 @@ class Sentinels(redis.sentinel.Sentinel):
         """The client of `service`'s master, followed across failovers."""
         connection_class = SentinelSSLConnection if kwargs.pop("ssl", False) else SentinelConnection
         master: SentinelMaster = redis.sentinel.Sentinel.master_for(
-            self, service, redis_class=SentinelMaster, connection_class=connection_class, **kwargs
+            self,
+            service,
+            redis_class=SentinelMaster,
+            connection_pool_class=SentinelPool,
+            connection_class=connection_class,
+            **kwargs,
         )
         return master
 
@@ -389,7 +406,12 @@ class AsyncSentinels(redis.asyncio.sentinel.Sentinel):
     def master(self, service: str, **kwargs: Any) -> AsyncSentinelMaster:
         connection_class = AsyncSentinelSSLConnection if kwargs.pop("ssl", False) else AsyncSentinelConnection
         master: AsyncSentinelMaster = redis.asyncio.sentinel.Sentinel.master_for(
-            self, service, redis_class=AsyncSentinelMaster, connection_class=connection_class, **kwargs
+            self,
+            service,
+            redis_class=AsyncSentinelMaster,
+            connection_pool_class=AsyncSentinelPool,
+            connection_class=connection_class,
+            **kwargs,
         )
         return master
 

@@ -25,6 +25,7 @@ from producer_client.cluster import (
     is_cluster,
     topology_errors,
 )
+from producer_client.pooling import ASYNC_EXCHANGE_POOLS, EXCHANGE_POOLS
 from producer_client.protocol.producer import PRODUCER_SCRIPTS
 from producer_client.protocol.script import Script
 
@@ -193,11 +194,14 @@ def _exchange(client: redis.Redis, stack: Stack) -> Replies:
     without the pipeline object and its per-call records, a good part of a submit's CPU (bench/
     RESULTS.md, "The producer's own cost"). The first try is made outside the policy, which
     takes over only after it failed (_after_failed_try): no retry layer on the way of an exchange
-    that succeeds. No command, no connection (as redis-py's pipeline)."""
+    that succeeds. The connection is taken as it is (producer_client.pooling): each try connects
+    it once if it is not, so the policy's tries are the call's, its connects too. No command, no
+    connection (as redis-py's pipeline)."""
     if not stack:
         return []
-    pool = client.connection_pool
-    connection = pool.get_connection()
+    pool: Any = client.connection_pool
+    ours = type(pool) in EXCHANGE_POOLS
+    connection = pool.take() if ours else pool.get_connection()
     try:
         try:
             return _round_trip(client, connection, stack)
@@ -205,16 +209,26 @@ def _exchange(client: redis.Redis, stack: Stack) -> Replies:
             retried = _after_failed_try(error, lambda: _round_trip(client, connection, stack))
             replies: Replies = connection.retry.call_with_retry(retried, lambda _: connection.disconnect())
             return replies
+    except BaseException:
+        # A reply whose parsing raised (a callback's error, an interrupt) leaves the later ones
+        # unread, which redis-py's checkout does not count as dirty while its maintenance
+        # notifications are on (its default): the next call would read them as its own.
+        connection.disconnect()
+        raise
     finally:
-        pool.release(connection)
+        if ours:
+            pool.give_back(connection)
+        else:
+            pool.release(connection)
 
 
 async def _aexchange(client: redis.asyncio.Redis, stack: Stack) -> Replies:
     """`_exchange` for a redis.asyncio client."""
     if not stack:
         return []
-    pool = client.connection_pool
-    connection = await pool.get_connection()
+    pool: Any = client.connection_pool
+    ours = type(pool) in ASYNC_EXCHANGE_POOLS
+    connection = await (pool.take() if ours else pool.get_connection())
     try:
         try:
             return await _around_trip(client, connection, stack)
@@ -222,8 +236,11 @@ async def _aexchange(client: redis.asyncio.Redis, stack: Stack) -> Replies:
             retried = _after_failed_try(error, lambda: _around_trip(client, connection, stack))
             replies: Replies = await connection.retry.call_with_retry(retried, lambda _: connection.disconnect())
             return replies
+    except BaseException:
+        await connection.disconnect()  # replies left unread (see _exchange)
+        raise
     finally:
-        await pool.release(connection)
+        await (pool.give_back(connection) if ours else pool.release(connection))
 
 
 def _after_failed_try(error: Exception, attempt: Callable[[], T]) -> Callable[[], T]:
@@ -242,10 +259,17 @@ def _after_failed_try(error: Exception, attempt: Callable[[], T]) -> Callable[[]
 
 
 def _round_trip(client: redis.Redis, connection: Any, stack: Stack) -> Replies:
+    """Send `stack` and read a reply for each command, as redis-py parses it, or the error in its
+    place (_refused). A recorded command's options go to the parser as they are, but a WAIT's
+    (_sent_options): a function call per reply less, on every round trip of every component."""
     connection.send_packed_command(_packed(connection, stack))
     replies: Replies = []
     for args, options in stack:
-        replies.append(_reply(client, connection, args[0], options))
+        try:
+            sent = _sent_options(options) if _NODE_OF in options else options
+            replies.append(client.parse_response(connection, args[0], **sent))
+        except ResponseError as e:
+            replies.append(_refused(options, e))
     return replies
 
 
@@ -254,19 +278,11 @@ async def _around_trip(client: redis.asyncio.Redis, connection: Any, stack: Stac
     replies: Replies = []
     for args, options in stack:
         try:
-            replies.append(await client.parse_response(connection, args[0], **_sent_options(options)))
+            sent = _sent_options(options) if _NODE_OF in options else options
+            replies.append(await client.parse_response(connection, args[0], **sent))
         except ResponseError as e:
             replies.append(_refused(options, e))
     return replies
-
-
-def _reply(client: redis.Redis, connection: Any, command: Any, options: dict[str, Any]) -> Any:
-    """The next reply on `connection`, as redis-py parses `command`'s, or the error in its place
-    (_refused)."""
-    try:
-        return client.parse_response(connection, command, **_sent_options(options))
-    except ResponseError as e:
-        return _refused(options, e)
 
 
 def _refused(options: dict[str, Any], error: ResponseError) -> Any:
@@ -282,25 +298,20 @@ def _packed(connection: Any, stack: Stack) -> list[bytes]:
     take (a bytearray, None) goes through redis-py's packer, which converts it or raises its
     DataError."""
     try:
-        return [b"".join([pack_command(_words(args)) for args, _ in stack])]
+        # A name of two words is split (_words). A name given as bytes raises TypeError here: redis-py's packer.
+        return [b"".join([pack_command(_words(args) if " " in args[0] else args) for args, _ in stack])]
     except TypeError:
         packed: list[bytes] = connection.pack_commands([args for args, _ in stack])
         return packed
 
 
 def _words(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A command's arguments with its name split into words ("SCRIPT LOAD"), as redis-py sends them."""
-    name = args[0]
-    if (" " if isinstance(name, str) else b" ") in name:
-        return (*name.split(), *args[1:])
-    return args
+    """A command's arguments with its name, of two words ("SCRIPT LOAD"), split, as redis-py sends them."""
+    return (*args[0].split(), *args[1:])
 
 
 def _sent_options(options: dict[str, Any]) -> dict[str, Any]:
-    """A recorded command's options as redis-py reads its reply with them: without _NODE_OF (most
-    have none, and are passed on as they are)."""
-    if _NODE_OF not in options:
-        return options
+    """A WAIT's recorded options as redis-py reads its reply with them: without _NODE_OF."""
     return {k: v for k, v in options.items() if k != _NODE_OF}
 
 

@@ -3,6 +3,7 @@ No server runs here except where a test says so: a bad URL must fail on its own,
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ import redis.retry
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-from redis.backoff import NoBackoff
+from redis.backoff import ConstantBackoff, NoBackoff
 
 from harness.processes import REPO
 from producer_client import AsyncClient, Client, InvalidArgument, steps
@@ -349,3 +350,141 @@ async def test_an_asyncio_call_cut_off_by_a_failover_is_tried_again_on_the_maste
         assert (await execution.aexecute(client, read_across_a_failover))[1] == "new"
     finally:
         await client.aclose()
+
+
+SILENCE_S = 0.5  # more than a redis-server takes to stop, and a socket to take its port
+
+
+class SilentPort:
+    """What a client meets at a host gone silent, on loopback: a socket listening on `port` whose
+    queue of one is full, so that each connect waits out its socket_connect_timeout. Counts the
+    connects made meanwhile (socket.socket.connect, patched)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.monkeypatch = monkeypatch
+        self.sockets: list[socket.socket] = []
+        self.connects = 0
+
+    def take(self, port: int) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(0)
+        filler = socket.create_connection(("127.0.0.1", port))
+        self.sockets += [listener, filler]
+        connect = socket.socket.connect
+
+        def counted(sock: socket.socket, address: object) -> None:
+            self.connects += 1
+            connect(sock, address)
+
+        self.monkeypatch.setattr(socket.socket, "connect", counted)
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
+@pytest.fixture
+def going_silent(monkeypatch):
+    """A server, and a timer that makes it go silent (SilentPort) 0.2 s after it is started."""
+    server = EmbeddedRedis(port=free_port()).start()
+    silent = SilentPort(monkeypatch)
+
+    def go_silent() -> None:
+        server.stop()
+        silent.take(server.port)
+
+    timer = threading.Timer(0.2, go_silent)
+    try:
+        yield server, silent, timer
+    finally:
+        if timer.is_alive():
+            timer.join()
+        silent.close()
+        server.stop()
+
+
+SILENT_TRIES = {"socket_connect_timeout": 0.1, "decode_responses": True}
+
+
+def test_a_call_that_loses_its_server_connects_again_once_per_try_of_its_retry_policy(going_silent):
+    # The server goes silent in the middle of a blocking read: each of the call's two further
+    # tries connects once, and waits out its connect timeout. redis-py's connection would try the
+    # connect itself twice more within each: six connects. The backoff leaves the server the time
+    # to stop and its port to go silent before the first of them.
+    server, silent, timer = going_silent
+    client = connect(server.url, retry=redis.retry.Retry(ConstantBackoff(SILENCE_S), 2), **SILENT_TRIES)
+    try:
+        client.ping()
+        timer.start()
+        with pytest.raises(redis.TimeoutError, match="connecting"):
+            execution.execute(client, lambda pipe: pipe.xread({"s": "$"}, block=2000))
+        assert silent.connects == 2
+    finally:
+        client.close()
+
+
+async def test_an_asyncio_call_that_loses_its_server_connects_again_once_per_try_of_its_retry_policy(going_silent):
+    server, silent, timer = going_silent
+    client = connect_async(server.url, retry=redis.asyncio.retry.Retry(ConstantBackoff(SILENCE_S), 2), **SILENT_TRIES)
+    try:
+        await client.ping()
+        timer.start()
+        with pytest.raises(redis.TimeoutError, match="connecting"):
+            await execution.aexecute(client, lambda pipe: pipe.xread({"s": "$"}, block=2000))
+        assert silent.connects == 2
+    finally:
+        await client.aclose()
+
+
+def test_a_pooled_connection_its_server_closed_is_replaced_before_a_call_spends_a_try_on_it(redis_server):
+    # The readiness check of redis-py's checkout, kept in the exchange's: with no retry at all, the
+    # call after a CLIENT KILL of every idle connection still succeeds, on a fresh connection.
+    client = connect(redis_server.url, decode_responses=True, retry=redis.retry.Retry(NoBackoff(), 0))
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        execution.execute(client, lambda pipe: pipe.client_id())
+        (before,) = execution.execute(client, lambda pipe: pipe.client_id())
+        admin.client_kill_filter(_id=before)
+        (after,) = execution.execute(client, lambda pipe: pipe.client_id())
+        assert after != before
+    finally:
+        client.close()
+        admin.close()
+
+
+def test_max_connections_bounds_the_connections_the_exchanges_hold_at_once(redis_server):
+    # As redis-py's pool: past the bound, MaxConnectionsError at once, no try spent waiting for one.
+    client = connect(redis_server.url, decode_responses=True, max_connections=2)
+    pool = client.connection_pool
+    try:
+        held = [pool.take(), pool.take()]
+        with pytest.raises(redis.exceptions.MaxConnectionsError):
+            execution.execute(client, lambda pipe: pipe.ping())
+        pool.give_back(held.pop())
+        assert execution.execute(client, lambda pipe: pipe.ping()) == [True]  # on the one given back
+    finally:
+        client.close()
+
+
+def test_a_round_trip_that_fails_between_its_replies_leaves_none_of_them_to_the_next_call(redis_server):
+    # A reply that fails in its parsing (here the first GET's, by a callback that raises) leaves
+    # the pipeline's later replies unread: redis-py's checkout does not count unread data as dirty
+    # where its maintenance notifications are on (its default), so the next call on that
+    # connection would read them as its own.
+    client = connect(redis_server.url, decode_responses=True, max_connections=1)
+    client.set("unread-a", "a")
+    client.set("unread-b", "b")
+
+    def refuse(response, **options):
+        raise ValueError("refused")
+
+    try:
+        client.response_callbacks["GET"] = refuse
+        with pytest.raises(ValueError, match="refused"):
+            execution.execute(client, lambda pipe: (pipe.get("unread-a"), pipe.get("unread-b")))
+        del client.response_callbacks["GET"]
+        assert execution.execute(client, lambda pipe: pipe.get("unread-a")) == ["a"]
+    finally:
+        client.close()
