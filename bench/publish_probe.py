@@ -13,8 +13,8 @@ the engine sat idle, waiting for jobs, is none of publication's doing):
 - `gaps`: the loop's whole time between two steps (reading, admitting, publishing);
 - `periods`: the time from one step's outputs to the next's;
 - with `--samples`, when each job's tokens were sampled: {job id: [epoch seconds per token]} (the
-  wall clock, which Redis's event ids and the readers share on one machine), made from each step's
-  outputs when the worker stops: the per-token work of noting them is not the worker's CPU;
+  wall clock, which Redis's event ids and the readers share on one machine), made when the worker
+  stops from each step's request ids and token counts: little of the noting is in the worker's CPU;
 - `engine_cpu_s`: the loop thread's CPU time inside the engine's steps (the echo engine's own work,
   which a model's engine does in its own way), so that the worker's CPU can be read without it.
 
@@ -117,7 +117,10 @@ class Probe:
         self.step_ended: float | None = None
         self.running = False  # the last step left a job running
         self.samples = samples
-        self.stepped: list[tuple[float, list]] = []  # with samples: (epoch seconds, the step's outputs)
+        # With samples, per step: (epoch seconds, its outputs' request ids, their token counts); plain
+        # lists, not the outputs, which kept alive would each be one more object for the cyclic
+        # garbage collector to scan at every full collection.
+        self.stepped: list[tuple[float, list, list[int]]] = []
         self.engine_cpu_s = 0.0
 
     def wrap_step(self, worker_class) -> None:
@@ -141,7 +144,9 @@ class Probe:
             probe.in_publication = 0.0
             probe.steps += 1
             if probe.samples:
-                probe.stepped.append((time.time(), outputs))
+                probe.stepped.append(
+                    (time.time(), [out.request_id for out in outputs], [len(out.new_token_ids) for out in outputs])
+                )
             return outputs
 
         worker_class._step = timed_step
@@ -165,10 +170,10 @@ class Probe:
         if not self.samples:
             return None
         at_by_job: dict[str, list[float]] = {}
-        for at, outputs in self.stepped:
-            for out in outputs:
-                if out.new_token_ids:
-                    at_by_job.setdefault(out.request_id.job_id, []).extend([at] * len(out.new_token_ids))
+        for at, request_ids, counts in self.stepped:
+            for request_id, count in zip(request_ids, counts):
+                if count:
+                    at_by_job.setdefault(request_id.job_id, []).extend([at] * count)
         return at_by_job
 
     def report(self) -> dict:
