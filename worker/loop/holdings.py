@@ -147,8 +147,13 @@ class Holdings:
         return [job for job in self.claimed() if job.entry_id is None]
 
     def unpublished_tokens(self) -> int:
-        """Tokens Redis has not taken yet: in updates, and in claimed jobs' output no update holds."""
-        return self._outbox.buffered_tokens() + sum(len(j.token_ids) - j.feed.tokens for j in self.claimed())
+        """Tokens Redis has not taken yet: in updates, and in claimed jobs' output no update holds.
+        Asked before every step: a list comprehension over the running jobs where they are (a
+        generator over claimed()'s copy cost a fifth more)."""
+        in_jobs = sum([len(j.token_ids) - j.feed.tokens for j in self._running.values()])
+        if self._suspects:
+            in_jobs += sum([len(j.token_ids) - j.feed.tokens for j in self._suspects])
+        return self._outbox.buffered_tokens() + in_jobs
 
     # -- entries --------------------------------------------------------------------------------
 
