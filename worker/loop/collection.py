@@ -45,6 +45,7 @@ class Collector:
                 self._record_delta(job, out, now, sampled_at)
             if out.finished:
                 self.holdings.finished(job, self._final_result(job, out, now))
+        self.holdings.collected(tokens)
         self.metrics.generation_tokens.inc(tokens)
 
     def _record_delta(self, job: Job, out: RequestOutput, now: float, sampled_at: float) -> None:
