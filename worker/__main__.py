@@ -134,7 +134,7 @@ def frozen_startup_objects() -> Iterator[None]:
 
     And the young generation is collected every GC_YOUNG_THRESHOLD allocations instead of
     Python's 700: a step allocates a few objects per running job (its outputs), freed by reference
-    counting, and a young collection every few steps found the step's outputs still alive and
+    counting, and a young collection about every step found the step's outputs still alive and
     promoted them, which then set off collections of the older generations."""
     threshold = gc.get_threshold()
     gc.collect()

@@ -63,8 +63,9 @@ class Pace:
         self.lag_s = max(self.iterations) + 3 * max(self.rounds, default=0.0)
 
     def plan(self, jobs: Iterable[Job], now: float) -> tuple[list[Job], list[Job]]:
-        """(the jobs whose output is due now, the jobs due for a look at their hash). Asked of every
-        running job every iteration: the test of a job's output (_due's) is written out here."""
+        """(the jobs whose output is due now, the jobs due for a look at their hash). Every running
+        job is asked every iteration: whether its output is due is tested in the loop itself, not
+        by a method call a job."""
         jobs = list(jobs)
         streams = sum([job.feed.streamed for job in jobs])
         share = self.stream_interval_s * min(1.0, streams / self.max_running)
