@@ -5,14 +5,16 @@ One echo worker (`--model echo`: no model; each job's output is its prompt, one 
 at batch 256 runs 256 jobs of 512 tokens on an embedded redis-server, in these cases per tree:
 
 - whole: the results read whole (`as_completed`), nobody streaming;
-- streamed: a reader on `stream()` for every job (the asyncio client), submitted as streamed;
+- streamed: a reader on `stream()` for every job (the asyncio client), submitted as streamed (a
+  tree older than the submit option `stream`, STREAM_OPTION, learns it from its readers' FOLLOW);
 - whole-gpu, streamed-gpu: the same, each echo step standing for a GPU step of --device-step-ms
   (12 ms: Qwen3-0.6B at batch 256 on an H100), overlapped as the overlap scheduler runs on a GPU
   (bench/publish_probe.py): the steps' period shows whether publication stays hidden behind them;
 - per-job: 1-token jobs through `Client.generate` from several producer threads (Redis's CPU per job);
 
 and prints, per case, the worker's and redis-server's CPU per generated token (per job for 1-token
-jobs; from /proc, so other processes on the machine do not count), tokens/s, INFO commandstats'
+jobs; from /proc, so other processes on the machine do not count), of the worker's the part spent
+in the echo engine's steps (its own output, the work a model's engine does its own way), tokens/s, INFO commandstats'
 top commands, the step-time stall (the longest time the queue loop spent on publication between
 two engine steps, and its p99), the steps' period, and for streamed jobs each token's delay from
 its sampling to its reader (tokens sampled after the reader's first read). Then the ratios, new
@@ -48,6 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "bench" / "publish_probe.py"
 QUEUE = "bench"
 BASELINE_COMMIT = "eceecb5"  # main before issue 25
+STREAM_OPTION = "5a0c25d"  # the submit option `stream`: an older tree's streamed jobs are followed by their readers
 
 
 @dataclass
@@ -69,6 +72,10 @@ class Case:
 
     def per_unit_us(self, cpu_s: float) -> float:
         return cpu_s / self.units * 1e6
+
+    @property
+    def engine_cpu_s(self) -> float:
+        return self.probe.get("engine_cpu_s", 0.0)
 
     def stalls(self) -> list[float]:
         return self.probe.get("stalls") or [0.0]
@@ -149,7 +156,7 @@ def run_case(tree: str, path: Path, mode: str, args) -> Case:
             if mode == "per-job":
                 case.units = run_per_job(server.url, args)
             else:
-                case.units, delays_at = run_jobs(server.url, mode, args, tree == "new")
+                case.units, delays_at = run_jobs(server.url, mode, args, has_stream_option(path))
             case.wall_s = time.perf_counter() - before[2]
             case.worker_cpu_s = cpu_seconds(worker.pid) - before[0]
             case.redis_cpu_s = cpu_seconds(server.process.pid) - before[1]
@@ -208,6 +215,11 @@ def start_worker(tree: Path, url: str, out: Path, mode: str, args, tree_name: st
     return subprocess.Popen(command, cwd=tree, env=env)
 
 
+def has_stream_option(tree: Path) -> bool:
+    at = subprocess.run(["git", "-C", str(tree), "merge-base", "--is-ancestor", STREAM_OPTION, "HEAD"])
+    return at.returncode == 0
+
+
 def wait_ready(url: str, worker: subprocess.Popen) -> None:
     with Client(url, QUEUE) as client:
         deadline = time.monotonic() + 120
@@ -224,9 +236,9 @@ def prompt(i: int, tokens: int) -> str:
     return head + "x" * (tokens - len(head))
 
 
-def run_jobs(url: str, mode: str, args, new: bool) -> tuple[int, dict]:
+def run_jobs(url: str, mode: str, args, stream_option: bool) -> tuple[int, dict]:
     specs = [{"prompt": prompt(i, args.tokens), "max_tokens": args.tokens} for i in range(args.jobs)]
-    if mode.startswith("streamed") and new:
+    if mode.startswith("streamed") and stream_option:
         for spec in specs:
             spec["stream"] = True
     if mode.startswith("whole"):
@@ -309,7 +321,8 @@ def report(case: Case) -> None:
     unit = case.unit
     tqdm.write(
         f"[{case.tree} {case.mode}] {case.units} {unit}s in {case.wall_s:.2f}s ({case.units / case.wall_s:,.0f} {unit}s/s): "
-        f"worker {case.per_unit_us(case.worker_cpu_s):.2f} us/{unit}, redis-server {case.per_unit_us(case.redis_cpu_s):.2f} us/{unit} "
+        f"worker {case.per_unit_us(case.worker_cpu_s):.2f} us/{unit} (the engine's steps "
+        f"{case.per_unit_us(case.engine_cpu_s):.2f}), redis-server {case.per_unit_us(case.redis_cpu_s):.2f} us/{unit} "
         f"({case.redis_sys_share:.0%} of it in the kernel)"
     )
     stalls = case.stalls()
@@ -349,6 +362,9 @@ def compare(cases: list[Case]) -> None:
             o = min(c.per_unit_us(getattr(c, f"{what}_cpu_s")) for c in old)
             n = min(c.per_unit_us(getattr(c, f"{what}_cpu_s")) for c in new)
             print(f"{mode:9} {what:7} CPU per {old[0].unit}: baseline {o:8.2f} us, new {n:8.2f} us: {o / n:6.1f}x less")
+        o = min(c.per_unit_us(c.worker_cpu_s - c.engine_cpu_s) for c in old)
+        n = min(c.per_unit_us(c.worker_cpu_s - c.engine_cpu_s) for c in new)
+        print(f"{mode:9} worker CPU per {old[0].unit} less the engine's steps: baseline {o:8.2f} us, new {n:8.2f} us")
         o = max(c.units / c.wall_s for c in old)
         n = max(c.units / c.wall_s for c in new)
         print(f"{mode:9} rate: baseline {o:,.0f}, new {n:,.0f} {old[0].unit}s/s: {n / o:.1f}x")

@@ -13,7 +13,10 @@ the engine sat idle, waiting for jobs, is none of publication's doing):
 - `gaps`: the loop's whole time between two steps (reading, admitting, publishing);
 - `periods`: the time from one step's outputs to the next's;
 - with `--samples`, when each job's tokens were sampled: {job id: [epoch seconds per token]} (the
-  wall clock, which Redis's event ids and the readers share on one machine).
+  wall clock, which Redis's event ids and the readers share on one machine), made when the worker
+  stops from each step's request ids and token counts: little of the noting is in the worker's CPU;
+- `engine_cpu_s`: the loop thread's CPU time inside the engine's steps (the echo engine's own work,
+  which a model's engine does in its own way), so that the worker's CPU can be read without it.
 
 With `--device-step-ms MS` each echo step stands for a GPU step of MS ms, overlapped as the engine's
 overlap scheduler runs on a GPU: a step returns the previous step's outputs at once and the
@@ -113,7 +116,12 @@ class Probe:
         self.in_publication = 0.0  # the loop's time in publication since the last step ended
         self.step_ended: float | None = None
         self.running = False  # the last step left a job running
-        self.samples: dict[str, list[float]] | None = {} if samples else None
+        self.samples = samples
+        # With samples, per step: (epoch seconds, its outputs' request ids, their token counts); plain
+        # lists, not the outputs, which kept alive would each be one more object for the cyclic
+        # garbage collector to scan at every full collection.
+        self.stepped: list[tuple[float, list, list[int]]] = []
+        self.engine_cpu_s = 0.0
 
     def wrap_step(self, worker_class) -> None:
         probe = self
@@ -125,7 +133,9 @@ class Probe:
             if busy:
                 probe.gaps.append(started - probe.step_ended)
                 probe.stalls.append(probe.in_publication)
+            cpu = time.thread_time()
             outputs = step(self)
+            probe.engine_cpu_s += time.thread_time() - cpu
             ended = time.monotonic()
             if busy:
                 probe.periods.append(ended - probe.step_ended)
@@ -133,8 +143,10 @@ class Probe:
             probe.running = any(not out.finished for out in outputs)
             probe.in_publication = 0.0
             probe.steps += 1
-            if probe.samples is not None:
-                probe.record(outputs, time.time())
+            if probe.samples:
+                probe.stepped.append(
+                    (time.time(), [out.request_id for out in outputs], [len(out.new_token_ids) for out in outputs])
+                )
             return outputs
 
         worker_class._step = timed_step
@@ -154,11 +166,15 @@ class Probe:
 
         publication_class.publish = timed_publish
 
-    def record(self, outputs: list, at: float) -> None:
-        for out in outputs:
-            if out.new_token_ids:
-                job_id = out.request_id.job_id
-                self.samples.setdefault(job_id, []).extend([at] * len(out.new_token_ids))
+    def sampled(self) -> dict[str, list[float]] | None:
+        if not self.samples:
+            return None
+        at_by_job: dict[str, list[float]] = {}
+        for at, request_ids, counts in self.stepped:
+            for request_id, count in zip(request_ids, counts):
+                if count:
+                    at_by_job.setdefault(request_id.job_id, []).extend([at] * count)
+        return at_by_job
 
     def report(self) -> dict:
         return {
@@ -166,7 +182,8 @@ class Probe:
             "stalls": self.stalls,
             "gaps": self.gaps,
             "periods": self.periods,
-            "samples": self.samples,
+            "engine_cpu_s": self.engine_cpu_s,
+            "samples": self.sampled(),
         }
 
 

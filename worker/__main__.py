@@ -118,6 +118,11 @@ def serve_forever(settings: WorkerSettings) -> int:
     return 0
 
 
+# Allocations of container objects between two collections of the cyclic collector's young
+# generation: about 25 steps' worth at batch 256, three an output (see frozen_startup_objects).
+GC_YOUNG_THRESHOLD = 20_000
+
+
 @contextmanager
 def frozen_startup_objects() -> Iterator[None]:
     """What startup built (modules, the model, settings) lives as long as the process: out of the
@@ -125,12 +130,20 @@ def frozen_startup_objects() -> Iterator[None]:
     off every few thousand jobs, no longer scan all of it each time (see bench/RESULTS.md).
     Unfrozen on the way out, whatever ends the worker: a frozen object is never collected, not
     even as the interpreter exits, and Triton's C extension (nanobind) reports each of its
-    objects still alive then as a leak, a 27-line dump after the worker's last line."""
+    objects still alive then as a leak, a 27-line dump after the worker's last line.
+
+    And the young generation is collected every GC_YOUNG_THRESHOLD allocations instead of
+    Python's 700: a step allocates a few objects per running job (its outputs), freed by reference
+    counting, and a young collection about every step found the step's outputs still alive and
+    promoted them, which then set off collections of the older generations."""
+    threshold = gc.get_threshold()
     gc.collect()
     gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *threshold[1:])
     try:
         yield
     finally:
+        gc.set_threshold(*threshold)
         gc.unfreeze()
 
 

@@ -4,6 +4,7 @@ at once with one line, before any model loads; no password ever reaches the outp
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import socket
@@ -20,6 +21,7 @@ from harness.redis_servers import RestartableRedis
 from producer_client import Client
 from producer_client.keys import Keys
 from tests.support.workers import WorkerProcess
+from worker.__main__ import GC_YOUNG_THRESHOLD, frozen_startup_objects
 from worker.embedded_redis import EmbeddedRedis, free_port
 from worker.model.presets import PRESETS, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
@@ -260,3 +262,11 @@ def test_an_error_ends_the_workers_output_with_no_leak_dump_after_it():
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout, done.stderr) == (1, "", error + "\n")
+
+
+def test_serving_collects_the_young_generation_less_often_and_puts_the_collector_back_after():
+    before = gc.get_threshold()
+    with frozen_startup_objects():
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *before[1:])
+        assert gc.get_freeze_count() > 0
+    assert (gc.get_threshold(), gc.get_freeze_count()) == (before, 0)

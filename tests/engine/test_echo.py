@@ -36,3 +36,25 @@ def test_within_a_lane_a_request_waits_for_a_slot():
     run(engine, 1)
     engine.add_request("b", list(b"bbbb"), SamplingParams(max_tokens=4), priority=-5, lane=1)
     assert sorted(run(engine, 1)) == ["a"] and engine.preemptions == 0
+
+
+def deltas(engine: EchoEngine) -> list[str]:
+    return [o.text_delta for _ in range(64) for o in engine.step()]
+
+
+def test_an_ascii_echo_gives_each_tokens_character_and_a_multibyte_one_whole_characters():
+    engine = EchoEngine(EngineSettings())
+    engine.add_request("ascii", list(b"plain text"), SamplingParams(max_tokens=6))
+    assert deltas(engine) == list("plain ")
+    engine.add_request("utf8", list("né ✓".encode()), SamplingParams(max_tokens=16))
+    assert deltas(engine) == ["n", "", "é", " ", "", "", "✓"]  # a character once its last byte came
+
+
+def test_a_resumed_echo_goes_on_after_its_given_tokens_with_their_decoding_state():
+    engine = EchoEngine(EngineSettings())
+    engine.add_request("ascii", list(b"abcdef"), SamplingParams(max_tokens=6), resume_token_ids=list(b"abc"))
+    engine.add_request("utf8", list("a✓b".encode()), SamplingParams(max_tokens=8), resume_token_ids=[97, 0xE2])
+    outputs = [o for _ in range(8) for o in engine.step()]
+    texts = {rid: "".join(o.text_delta for o in outputs if o.request_id == rid) for rid in ("ascii", "utf8")}
+    assert texts == {"ascii": "def", "utf8": "✓b"}
+    assert {o.request_id: o.usage.completion_tokens for o in outputs if o.finished} == {"ascii": 6, "utf8": 5}

@@ -113,3 +113,40 @@ def test_a_failure_is_settled_once_and_only_while_held():
     with pytest.raises(HeldStateError, match="not held"):
         holdings.failure_refused(rejection, "and FAIL too")
     assert holdings.receipts() == (["1-0"], []) and holdings.rejected == ()
+
+
+def test_the_check_before_a_step_agrees_with_the_unpublished_count_and_sums_the_jobs_only_near_its_limit():
+    holdings = Holdings(Engine())
+    running = job()
+    holdings.start(running, start_event="{}")
+    counts = []
+    count = holdings.unpublished_tokens
+
+    def counted() -> int:
+        counts.append(count())
+        return counts[-1]
+
+    holdings.unpublished_tokens = counted  # type: ignore[method-assign]
+
+    def agrees() -> None:
+        for limit in range(1, 8):  # max_buffered_tokens is at least 1
+            assert holdings.unpublished_reach(limit) == (count() >= limit), limit
+
+    running.token_ids += [7, 8, 9, 10]  # a step's tokens, as the collector adds them
+    holdings.collected(4)
+    assert not holdings.unpublished_reach(5) and counts == []  # below the bound: no sum
+    agrees()
+    holdings.take_output(running)
+    [update] = holdings.send_updates()
+    agrees()
+    assert holdings.answered(update)
+    agrees()  # counted while the update is neither out nor waiting
+    holdings.restore(update)  # Redis did not take it: its tokens wait again
+    agrees()
+    [update] = holdings.send_updates()
+    assert holdings.answered(update)  # Redis took them
+    agrees()
+    assert count() == 0
+    holdings.republish_whole(running.id, "r2", "{}")  # Redis lost them: the whole output again
+    agrees()
+    assert count() == 4 and len(counts) > 10

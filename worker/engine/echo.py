@@ -106,10 +106,16 @@ class EchoRequest:
     emitted: int = 0
     lane: int = DEFAULT_LANE
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    target: int = field(init=False)  # tokens it emits in all
+    # An ASCII output's text: each token's text is its character, what the decoder would give
+    # token by token; read by index, so that the stand-in for a model spends no decoding per token
+    # (None: the output has multi-byte characters, decoded as they come).
+    ascii_text: str | None = field(init=False)
 
-    @property
-    def target(self) -> int:
-        return min(len(self.output), self.max_tokens)
+    def __post_init__(self) -> None:
+        self.target = min(len(self.output), self.max_tokens)
+        said = bytes(self.output[: self.target])
+        self.ascii_text = said.decode("ascii") if said.isascii() else None
 
     def usage(self) -> TokenCounts:
         return TokenCounts(len(self.prompt), self.emitted, 0)
@@ -183,8 +189,7 @@ class EchoEngine:
         self._steps += 1
         outputs, self._ended = self._ended, []
         self._admit()
-        for req in list(self.running.values()):
-            outputs.append(self._emit_next(req))
+        outputs += [self._emit_next(req) for req in list(self.running.values())]
         return outputs
 
     def abort(self, request_id: RequestId) -> bool:
@@ -263,12 +268,13 @@ class EchoEngine:
         return req
 
     def _emit_next(self, req: EchoRequest) -> RequestOutput:
-        token = req.output[req.emitted]
-        req.emitted += 1
-        finished = req.emitted >= req.target
-        text = req.decoder.decode(bytes([token]), final=finished)
+        at = req.emitted
+        token = req.output[at]
+        req.emitted = emitted = at + 1
+        finished = emitted >= req.target
+        text = req.ascii_text[at] if req.ascii_text is not None else req.decoder.decode(bytes([token]), final=finished)
         reason: FinishReason | None = None
         if finished:
             self._release(req.request_id)
-            reason = "length" if req.emitted >= req.max_tokens else "stop"
-        return RequestOutput(req.request_id, [token], text, finished, reason, req.usage())
+            reason = "length" if emitted >= req.max_tokens else "stop"
+        return RequestOutput(req.request_id, [token], text, finished, reason, TokenCounts(len(req.prompt), emitted, 0))

@@ -31,9 +31,12 @@ class Collector:
         probe = self.isolation.probe
         tokens = 0
         for out in outputs:
-            # The loop's own request ids: every request it adds to the engine has an AdmissionId.
-            job = running.get(cast(AdmissionId, out.request_id).job_id)
-            if job is None or out.request_id != job.engine_id:
+            # The loop's own request ids: every request it adds to the engine has an AdmissionId,
+            # which the engine hands back as it was given (the identity test spares most outputs a
+            # comparison).
+            request_id = cast(AdmissionId, out.request_id)
+            job = running.get(request_id.job_id)
+            if job is None or (request_id is not job.engine_id and request_id != job.engine_id):
                 continue  # an aborted admission's last word
             if job is probe:
                 self.isolation.produced_output(job)
@@ -42,21 +45,24 @@ class Collector:
                 self._record_delta(job, out, now, sampled_at)
             if out.finished:
                 self.holdings.finished(job, self._final_result(job, out, now))
+        self.holdings.collected(tokens)
         self.metrics.generation_tokens.inc(tokens)
 
     def _record_delta(self, job: Job, out: RequestOutput, now: float, sampled_at: float) -> None:
-        if job.first_token_at is None and out.new_token_ids:
-            job.first_token_at = now
+        if out.new_token_ids:
+            if job.first_token_at is None:
+                job.first_token_at = now
+            job.token_ids += out.new_token_ids
         if out.logprobs is not None:
             logprobs = [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top)) for lp in out.logprobs]
             if job.logprobs is None:
                 job.logprobs = []
             job.logprobs += logprobs
-        job.token_ids += out.new_token_ids
         job.text.append(out.text_delta)
-        if job.feed.waiting_since is None:
-            job.feed.waiting_since = sampled_at
-        if job.stop_reason is None and job.watch_for_call(out.text_delta):
+        feed = job.feed
+        if feed.waiting_since is None:
+            feed.waiting_since = sampled_at
+        if job.call_watch is not None and job.stop_reason is None and job.watch_for_call(out.text_delta):
             log.info("job %s made its tool call (parallel_tool_calls is off): it ends here", job.id)
             self.holdings.stop(job, "tool_call")
 

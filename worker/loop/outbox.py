@@ -323,7 +323,9 @@ class Outbox:
         return Counter(u.lane for u in self.held() if u.final is not None and u.entry_id is not None)
 
     def buffered_tokens(self) -> int:
-        return sum(len(u.token_ids) for u in self.held())
+        return sum([len(u.token_ids) for u in self.out.values()]) + sum(
+            [len(u.token_ids) for u in self.updates.values()]
+        )
 
 
 def served(result: JobResult | None) -> int:

@@ -63,28 +63,29 @@ class Pace:
         self.lag_s = max(self.iterations) + 3 * max(self.rounds, default=0.0)
 
     def plan(self, jobs: Iterable[Job], now: float) -> tuple[list[Job], list[Job]]:
-        """(the jobs whose output is due now, the jobs due for a look at their hash)."""
+        """(the jobs whose output is due now, the jobs due for a look at their hash). Every running
+        job is asked every iteration: whether its output is due is tested in the loop itself, not
+        by a method call a job."""
         jobs = list(jobs)
-        streams = sum(1 for job in jobs if job.feed.streamed)
+        streams = sum([job.feed.streamed for job in jobs])
         share = self.stream_interval_s * min(1.0, streams / self.max_running)
         patience = share - self.lag_s
+        checkpoint_s, stream_s = self.checkpoint_interval_s, self.stream_interval_s
         publish, look = [], []
         for job in jobs:
             feed = job.feed
-            if feed.waiting_since is not None and self._due(job, feed, now - feed.waiting_since, patience, now):
+            since = feed.waiting_since
+            if since is not None and (
+                feed.tokens == job.resumed_tokens
+                or len(job.token_ids) - feed.tokens >= MAX_EVENT_TOKENS
+                or (now - since >= patience and now >= feed.next_slot if feed.streamed else now - since >= checkpoint_s)
+            ):
                 publish.append(job)
                 if feed.streamed:
                     take_slot(feed, share, now)
-            elif now - feed.looked_at >= (self.stream_interval_s if feed.streamed else self.checkpoint_interval_s):
+            elif now - feed.looked_at >= (stream_s if feed.streamed else checkpoint_s):
                 look.append(job)
         return publish, look
-
-    def _due(self, job: Job, feed: Feed, waited: float, patience: float, now: float) -> bool:
-        if feed.tokens == job.resumed_tokens or len(job.token_ids) - feed.tokens >= MAX_EVENT_TOKENS:
-            return True
-        if feed.streamed:
-            return waited >= patience and now >= feed.next_slot
-        return waited >= self.checkpoint_interval_s
 
 
 def take_slot(feed: Feed, share: float, now: float) -> None:

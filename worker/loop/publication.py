@@ -75,13 +75,12 @@ class Publication:
     def _send(self, due: list[Job], look: list[Job], now: float) -> None:
         for job in due:
             self.holdings.take_output(job)
+            job.feed.looked_at = now  # its publication's answer tells what a look would
         watch = []
         for job in look:
             if job.stop_reason is None and not self.holdings.has_update(job.id):
                 watch.append((job.id, job.run))
                 job.feed.looked_at = now
-        for job in due:
-            job.feed.looked_at = now
         updates = self.holdings.send_updates()
         forget = self.done_sweep.due(now)
         if updates or watch or forget:
@@ -98,6 +97,8 @@ class Publication:
         for update, reply in zip(answered.updates, answered.published):
             if not self.holdings.answered(update):
                 continue  # let go of while it was out
+            if isinstance(reply, PublishReply) and reply.outcome is Published.OK:
+                continue  # recorded, and the job runs on: most of a round's replies
             if isinstance(reply, Exception) and is_transient(reply):
                 refused = refused or reply
                 self.holdings.restore(update)

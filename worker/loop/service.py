@@ -261,10 +261,12 @@ class Worker:
         been unreachable for a while: generation waits, the jobs stay in the engine)."""
         if self.pause_point is not None:
             self.pause_point()
-        buffered = self.holdings.unpublished_tokens()
-        if buffered >= self.settings.max_buffered_tokens:
+        if self.holdings.unpublished_reach(self.settings.max_buffered_tokens):
             if not self.paused:
-                log.warning("%d tokens await publication: generation pauses until Redis takes them", buffered)
+                log.warning(
+                    "%d tokens await publication: generation pauses until Redis takes them",
+                    self.holdings.unpublished_tokens(),
+                )
             self.paused = True
             return False
         self.paused = False
