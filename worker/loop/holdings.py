@@ -111,7 +111,7 @@ class Holdings:
 
     def ended(self) -> int:
         """Jobs out of the engine whose entry waits for Redis to take their result."""
-        return self._outbox.ended().total()
+        return self._outbox.ended_count()
 
     def ended_by_lane(self) -> Counter[str]:
         return self._outbox.ended()

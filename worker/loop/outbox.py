@@ -9,6 +9,7 @@ them: no other part of the loop changes them."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from producer_client.keys import DEFAULT_LANE, Keys
@@ -228,11 +229,9 @@ class Outbox:
 
     def end(self, job: Job, result: JobResult) -> None:
         """The run's final result, in its update with all its output: once per run."""
-        if any(
-            u is not None and u.run == job.run and u.final is not None
-            for u in (self.updates.get(job.id), self.out.get(job.id))
-        ):
-            raise HeldStateError(f"job {job.id}: run {job.run} ended twice")
+        for u in (self.updates.get(job.id), self.out.get(job.id)):
+            if u is not None and u.run == job.run and u.final is not None:
+                raise HeldStateError(f"job {job.id}: run {job.run} ended twice")
         self.for_job(job).final = result
 
     def send_all(self) -> list[Update]:
@@ -320,7 +319,18 @@ class Outbox:
 
     def ended(self) -> Counter[str]:
         """Jobs out of the engine whose entry waits for Redis to take their result, by lane."""
-        return Counter(u.lane for u in self.held() if u.final is not None and u.entry_id is not None)
+        return Counter(u.lane for u in self._ended())
+
+    def ended_count(self) -> int:
+        """How many jobs ended() counts, without a Counter's Python calls: the room for new entries
+        asks it several times an iteration."""
+        return sum(1 for _ in self._ended())
+
+    def _ended(self) -> Iterator[Update]:
+        for updates in (self.out, self.updates):
+            for u in updates.values():
+                if u.final is not None and u.entry_id is not None:
+                    yield u
 
     def buffered_tokens(self) -> int:
         return sum(len(u.token_ids) for u in self.held())
