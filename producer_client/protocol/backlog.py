@@ -51,6 +51,8 @@ def shard_ref(ref: str, shard: int) -> str:
 def reference_parts(ref: str) -> tuple[str, str, str]:
     """An entry reference's entry id, its mark (OWNED, LANED, or "" in the queue's own stream) and
     what follows the mark (the owner, or `<lane>:<tenant>`), whatever its shard."""
+    if OWNED not in ref and LANED not in ref and SHARDED not in ref:
+        return ref, "", ""  # the queue's own stream's, most entries: no split to make
     if SHARDED in ref:
         ref = shard_parts(ref)[1]
     parts = MARK.split(ref, maxsplit=1)
