@@ -139,7 +139,7 @@ class Holdings:
         """A claimed job by id: looked up in the engine's jobs (every claim of an entry asks, so
         not by scanning max_running of them), else among the suspects, who are few and rare."""
         job = self._running.get(job_id)
-        if job is None:
+        if job is None and self._suspects:
             job = next((j for j in self._suspects if j.id == job_id), None)
         return job
 
