@@ -77,7 +77,7 @@ class SamplingParams(BaseModel):
 
 
 def check_token_ids(field: str, token_ids: list[int]) -> None:
-    if any(not 0 <= t < MAX_TOKEN_ID for t in token_ids):
+    if token_ids and not 0 <= min(token_ids) <= max(token_ids) < MAX_TOKEN_ID:
         raise InvalidArgument(field, f"token ids must be 0 to {MAX_TOKEN_ID - 1}")
 
 
@@ -149,7 +149,8 @@ class JobRequest(BaseModel):
         if size > max_body_bytes:
             raise BodyTooLarge("body", f"{size} bytes exceeds the limit of {max_body_bytes}")
         try:
-            request = cls.model_validate_json(body, strict=True)
+            # model_validate_json's own work, without its wrapper's argument checks: once per job.
+            request: JobRequest = cls.__pydantic_validator__.validate_json(body, strict=True)
         except ValidationError as e:
             first = e.errors()[0]
             # Not a JSON object at all: the body is bad. A nested object of the wrong type

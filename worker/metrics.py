@@ -174,17 +174,29 @@ class WorkerMetrics:
         return server, server.server_port
 
     def job_ended(self, result: JobResult) -> None:
-        self.jobs[result.status].inc()
-        t = result.timings
-        if result.status != "done":
-            return
-        self.prompt_tokens.inc(result.usage.prompt_tokens)
-        for histogram, seconds in ((self.e2e, t.e2e_s), (self.queue_time, t.queue_s), (self.ttft, t.ttft_s)):
-            if seconds is not None:
-                histogram.observe(max(0.0, seconds))
-        n = result.usage.completion_tokens
-        if n > 1 and t.first_token_at is not None and t.finished_at is not None:
-            self.tpot.observe((t.finished_at - t.first_token_at) / (n - 1))
+        self.jobs_ended([result])
+
+    def jobs_ended(self, results: list[JobResult]) -> None:
+        """The jobs a publication round ended: each counter moved once for all of them (an inc is
+        four Python calls, two a job), each job's latencies observed on their own."""
+        statuses: dict[str, int] = {}
+        prompt_tokens = 0
+        for result in results:
+            statuses[result.status] = statuses.get(result.status, 0) + 1
+            if result.status != "done":
+                continue
+            prompt_tokens += result.usage.prompt_tokens
+            t = result.timings
+            for histogram, seconds in ((self.e2e, t.e2e_s), (self.queue_time, t.queue_s), (self.ttft, t.ttft_s)):
+                if seconds is not None:
+                    histogram.observe(max(0.0, seconds))
+            n = result.usage.completion_tokens
+            if n > 1 and t.first_token_at is not None and t.finished_at is not None:
+                self.tpot.observe((t.finished_at - t.first_token_at) / (n - 1))
+        for status, n in statuses.items():
+            self.jobs[status].inc(n)
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
 
     def tokens_served(self, served: dict[tuple[str, str], int]) -> None:
         """Add the ledger's tokens served per (lane, tenant) since the last call (Ledger.take_served)."""

@@ -32,6 +32,7 @@ owns its keys and argument order.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 from producer_client.keys import GROUP, LANES, LUA_STREAM_OF, Keys
@@ -861,10 +862,11 @@ def publish(
 def publish_round(calls: Sequence[ScriptCall]) -> ScriptCall:
     """PUBLISH_ROUND of several jobs' PUBLISH calls (`publish`), which it answers in their order.
     On a cluster, the jobs of one hash slot only."""
+    # chain's C loop, where a generator over every key and argument resumes once for each (a dozen a job).
     return ScriptCall(
         PUBLISH_ROUND,
-        tuple(key for call in calls for key in call.keys),
-        tuple(arg for call in calls for arg in call.args),
+        tuple(chain.from_iterable([call.keys for call in calls])),
+        tuple(chain.from_iterable([call.args for call in calls])),
     )
 
 

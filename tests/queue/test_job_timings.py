@@ -35,3 +35,25 @@ def test_the_end_line_of_a_job_started_at_once_says_queue_0_000s(caplog):
     with caplog.at_level(logging.INFO, logger="worker.loop.publication"):
         log_end(result)
     assert "queue 0.000s ttft 0.000s e2e 0.000s" in caplog.messages[0], caplog.messages
+
+
+def test_a_rounds_ended_jobs_count_once_each_in_the_job_and_latency_metrics():
+    from producer_client.schema import Usage
+    from worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics()
+    done = [
+        final_result(
+            f"d{i}", "done", "stop", "w1", QUEUED_AT + 3, QUEUED_AT, usage=Usage(prompt_tokens=5, completion_tokens=3)
+        )
+        for i in range(3)
+    ]
+    failed = final_result("f1", "failed", "error", "w1", QUEUED_AT + 1, QUEUED_AT, usage=Usage(prompt_tokens=7))
+    metrics.jobs_ended([done[0], failed, done[1]])
+    metrics.job_ended(done[2])
+    sample = metrics.registry.get_sample_value
+    assert sample("mili_jobs_total", {"outcome": "done"}) == 3
+    assert sample("mili_jobs_total", {"outcome": "failed"}) == 1
+    assert sample("mili_prompt_tokens_total") == 15  # the done jobs' only
+    assert sample("mili_e2e_request_latency_seconds_count") == 3
+    assert sample("mili_e2e_request_latency_seconds_sum") == 9.0

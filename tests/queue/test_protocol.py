@@ -13,7 +13,7 @@ from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, U
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys, check_name
 from producer_client.protocol.backlog import QueueStream, stream_stats
 from producer_client.protocol.clock import entry_age_s, entry_time
-from producer_client.protocol.events import encode_tokens
+from producer_client.protocol.events import encode_start, encode_tokens
 from producer_client.protocol.replies import Look, Watched
 from producer_client.schema import JobRequest
 from worker.loop.intake import job_id_of, parse_request
@@ -278,3 +278,12 @@ def test_an_exchange_packs_every_argument_as_redis_py_would(redis_client):
         "abc",
         "raw",
     ]
+
+
+@pytest.mark.parametrize(
+    ("worker", "started_at", "resumed_tokens"),
+    [("bench-worker-0", 1_790_000_000.123456, 0), ('w\u00e9"\\', None, 5), ("w", 1e16, 12)],
+)
+def test_a_start_event_is_the_json_json_dumps_writes(worker, started_at, resumed_tokens):
+    want = json.dumps({"worker": worker, "started_at": started_at, "resumed_tokens": resumed_tokens})
+    assert encode_start(worker, started_at, resumed_tokens, None) == want

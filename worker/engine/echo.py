@@ -18,6 +18,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from producer_client.errors import InvalidArgument, UnknownAdapter
@@ -105,7 +106,9 @@ class EchoRequest:
     pages: int
     emitted: int = 0
     lane: int = DEFAULT_LANE
-    decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=partial(codecs.getincrementaldecoder("utf-8"), "replace")
+    )
     target: int = field(init=False)  # tokens it emits in all
     # An ASCII output's text: each token's text is its character, what the decoder would give
     # token by token; read by index, so that the stand-in for a model spends no decoding per token
@@ -182,7 +185,8 @@ class EchoEngine:
         req = EchoRequest(
             request_id, list(prompt_token_ids), output, params.max_tokens, pages, len(resume_token_ids), lane
         )
-        req.decoder.decode(bytes(resume_token_ids))  # the decoder's state after them, their text dropped
+        if resume_token_ids:
+            req.decoder.decode(bytes(resume_token_ids))  # the decoder's state after them, their text dropped
         self._wait(req)
 
     def step(self) -> list[RequestOutput]:

@@ -116,7 +116,7 @@ class Holdings:
 
     def ended(self) -> int:
         """Jobs out of the engine whose entry waits for Redis to take their result."""
-        return self._outbox.ended().total()
+        return self._outbox.ended_count()
 
     def ended_by_lane(self) -> Counter[str]:
         return self._outbox.ended()
@@ -144,7 +144,7 @@ class Holdings:
         """A claimed job by id: looked up in the engine's jobs (every claim of an entry asks, so
         not by scanning max_running of them), else among the suspects, who are few and rare."""
         job = self._running.get(job_id)
-        if job is None:
+        if job is None and self._suspects:
             job = next((j for j in self._suspects if j.id == job_id), None)
         return job
 

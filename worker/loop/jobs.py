@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from producer_client.chat_output import ChatOutput, OutputFormat, OutputParser, parse_output
 from producer_client.errors import MiliError
@@ -39,12 +40,12 @@ class InvalidJob(MiliError):
     code = "invalid_job"
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionId:
+class AdmissionId(NamedTuple):
     """One admission of a job to the engine: the engine's request id for it, which every output
     carries back. Each admission has a number of its own, so that the final output of an aborted
     earlier one (after a failed step, or a run this worker lost and took back) is never taken for
-    this one's."""
+    this one's. A tuple: its hash and equality are C's, where a frozen dataclass's are two Python
+    calls each time the engine or the loop looks a request up (eight a job)."""
 
     job_id: str
     number: int

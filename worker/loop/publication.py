@@ -92,21 +92,8 @@ class Publication:
                 if self.holdings.answered(update):
                     self.holdings.restore(update)
             raise answered.error
-        refused: Exception | None = None  # a transient refusal: those updates wait, the link backs off
         gone: list[str] = []  # jobs whose hash Redis no longer has
-        for update, reply in zip(answered.updates, answered.published):
-            if not self.holdings.answered(update):
-                continue  # let go of while it was out
-            if isinstance(reply, PublishReply) and reply.outcome is Published.OK:
-                continue  # recorded, and the job runs on: most of a round's replies
-            if isinstance(reply, Exception) and is_transient(reply):
-                refused = refused or reply
-                self.holdings.restore(update)
-            elif isinstance(reply, PublishReply) and reply.outcome is Published.GONE:
-                gone.append(update.job_id)
-                self.holdings.restore(update)
-            else:
-                self._settle_update(update, reply)
+        refused = self._settle_updates(answered, gone)  # a transient refusal: those updates wait, the link backs off
         for (job_id, _), state in zip(answered.watch, answered.watched):
             if isinstance(state, Exception) and is_transient(state):
                 refused = refused or state
@@ -119,6 +106,29 @@ class Publication:
         if gone:
             self._account_for_gone(gone)
 
+    def _settle_updates(self, answered: Round, gone: list[str]) -> Exception | None:
+        """Each update's reply, the jobs gone added to `gone`; the first transient refusal, if any.
+        The results written are counted together (WorkerMetrics.jobs_ended), whatever happens."""
+        refused: Exception | None = None
+        ended: list[JobResult] = []
+        try:
+            for update, reply in zip(answered.updates, answered.published):
+                if not self.holdings.answered(update):
+                    continue  # let go of while it was out
+                if isinstance(reply, PublishReply) and reply.outcome is Published.OK:
+                    continue  # recorded, and the job runs on: most of a round's replies
+                if isinstance(reply, Exception) and is_transient(reply):
+                    refused = refused or reply
+                    self.holdings.restore(update)
+                elif isinstance(reply, PublishReply) and reply.outcome is Published.GONE:
+                    gone.append(update.job_id)
+                    self.holdings.restore(update)
+                else:
+                    self._settle_update(update, reply, ended)
+        finally:
+            self.metrics.jobs_ended(ended)
+        return refused
+
     def _account_for_gone(self, job_ids: list[str]) -> None:
         """Jobs whose hash Redis no longer has. If the queue's group is gone too, Redis lost its
         data: the jobs (their updates kept) are adopted before the next read. Otherwise their keys
@@ -129,7 +139,8 @@ class Publication:
             log.warning("job %s: its keys were deleted while it ran; this run stops", job_id)
             self.holdings.drop(job_id)
 
-    def _settle_update(self, update: Update, reply: PublishReply | Exception) -> None:
+    def _settle_update(self, update: Update, reply: PublishReply | Exception, ended: list[JobResult]) -> None:
+        """`ended`: gets the result of a job that ended here, to be counted."""
         if isinstance(reply, UnknownReply):
             self._fail_on_unknown_reply(update, reply)
         elif isinstance(reply, Exception):
@@ -142,7 +153,7 @@ class Publication:
         elif reply.outcome in (Published.WRITTEN, Published.ENDED):
             self.holdings.written(update)  # ENDED: ended elsewhere while it ran here, a result exists
             if reply.outcome is Published.WRITTEN and update.final is not None:
-                self._count_end(update)
+                self._count_end(update, ended)
                 self.done_sweep.add(update.job_id, time.monotonic())
         elif reply.outcome is Published.CANCEL:
             self._react(update.job_id, Look(Watched.CANCEL))
@@ -180,12 +191,13 @@ class Publication:
             log.info("job %s cancelled while running", job_id)
             self.holdings.stop(job, "cancel")
 
-    def _count_end(self, update: Update) -> None:
+    def _count_end(self, update: Update, ended: list[JobResult]) -> None:
+        result = update.ended()
         if update.dead_letter is not None:
             self.metrics.jobs["dead_lettered"].inc()
         else:
-            self.metrics.job_ended(update.ended())
-        log_end(update.ended())
+            ended.append(result)
+        log_end(result)
 
 
 def log_end(result: JobResult) -> None:
