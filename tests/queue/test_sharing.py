@@ -117,8 +117,8 @@ def test_a_priority_job_preempts_a_worker_full_of_flex_jobs(redis_server, queue,
 
 
 class HeldEchoEngine(SlowEchoEngine):
-    """An echo engine whose step waits while `gate` is closed (and says so: `held`), and that notes
-    its step count when each job is added to it."""
+    """An echo engine whose steps wait while `gate` is closed (each says so: `held`), let through one
+    at a time by `one_step`, and that notes its step count when each job is added to it."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -131,6 +131,13 @@ class HeldEchoEngine(SlowEchoEngine):
             self.held.set()
         return super().step()
 
+    def one_step(self) -> None:
+        """Let the held step run, and wait until the next one is held (an iteration later)."""
+        self.held.clear()
+        self.gate.set()  # wakes the held step, which runs though the gate closes again at once
+        self.gate.clear()
+        assert self.held.wait(5)
+
     def add_request(self, request_id, *args, **kwargs):
         self.added_at_step.setdefault(request_id.job_id, self.stats().steps)
         super().add_request(request_id, *args, **kwargs)
@@ -140,27 +147,34 @@ def test_a_worker_full_of_default_jobs_takes_a_priority_job_in_the_iteration_aft
     redis_server, queue, tenant
 ):
     """Two slots running long default jobs: while no priority job waits the worker only looks for
-    one each iteration (an EXISTS, not a READ). One that arrives while an engine step runs is
+    one each iteration (an EXISTS, not a READ). A priority job that arrives while a step runs is
     added to the engine right after that step, before the next (the iteration's read follows its
-    step and publication), and preempts a default job, which still ends whole."""
+    step and publication), in two iterations running, and each preempts a default job, which still
+    ends whole."""
     with Client(redis_server.url, queue, tenant=tenant) as client:
         with serving(
             redis_server.url, queue, step_s=0.01, engine_class=HeldEchoEngine, engine={"max_running": 2}
         ) as worker:
+            engine = worker.engine
             default = [client.submit("d" * 100, max_tokens=100) for _ in range(2)]
             assert eventually(lambda: len(worker.holdings.running) == 2)
-            worker.engine.gate.clear()
-            assert worker.engine.held.wait(5)
-            steps = worker.engine.stats().steps  # the held step's not counted yet
-            urgent = client.submit("urgent", max_tokens=3, service_tier="priority")
-            worker.engine.gate.set()
-            result = client.result(urgent, timeout=10)
+            engine.gate.clear()
+            assert engine.held.wait(5)
+            urgent, added_after = [], []
+            for _ in range(2):
+                steps = engine.stats().steps  # the held step's not counted yet
+                urgent.append(client.submit("urgent", max_tokens=3, service_tier="priority"))
+                engine.one_step()
+                added = engine.added_at_step.get(urgent[-1])
+                added_after.append(None if added is None else added - steps)
+            engine.gate.set()
+            results = [client.result(job_id, timeout=10) for job_id in urgent]
             slow = [client.result(job_id, timeout=20) for job_id in default]
-    assert result.text == "urg"
-    assert worker.engine.added_at_step[urgent] == steps + 1
-    assert worker.engine.preemptions >= 1
+    assert added_after == [1, 1]
+    assert [r.text for r in results] == ["urg", "urg"]
+    assert engine.preemptions == 2
     assert [(r.status, r.text) for r in slow] == [("done", "d" * 100)] * 2
-    assert result.timings.finished_at < min(r.timings.finished_at for r in slow)
+    assert max(r.timings.finished_at for r in results) < min(r.timings.finished_at for r in slow)
 
 
 def test_tenants_of_a_lane_share_a_worker_by_tokens_not_by_jobs_sent(redis_server, queue):
