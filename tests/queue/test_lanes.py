@@ -17,7 +17,7 @@ from producer_client.protocol.execution import execute
 from producer_client.protocol.lanes import CREDIT_EVERY, DEFAULT_COST, DOORBELL_MAXLEN
 from producer_client.protocol.producer import LaneJob, Limits
 from producer_client.protocol.worker import WORKER_SCRIPTS
-from worker.loop.queue import HANDED_OVER_IDLE_MS
+from worker.loop.queue import HANDED_OVER_IDLE_MS, WorkerQueue
 from worker.loop.queue import HANDED_OVER_MIN_IDLE_MS as HANDED
 
 KEYS = Keys()
@@ -196,6 +196,28 @@ def test_the_doorbell_rings_for_new_work_and_is_silenced_when_none_is_left(redis
     for _ in range(DOORBELL_MAXLEN + 5):
         enqueue(redis_client, queue, uuid.uuid4().hex[:8], ["default"])
     assert redis_client.xlen(bell) == DOORBELL_MAXLEN
+
+
+def test_a_worker_with_room_for_priority_jobs_alone_looks_with_one_exists_until_one_waits(redis_client, queue):
+    """A worker full of default jobs can take priority jobs only (the engine preempts for them):
+    while none waits, each of its reads is one EXISTS of the priority lane, however much waits in
+    the lower lanes; a priority job is taken by the read after it arrived, and acknowledgements
+    still go with the next read."""
+    q = WorkerQueue(redis_client, KEYS, queue, "w1")
+    enqueue(redis_client, queue, "a", ["default", "flex"])
+    redis_client.xadd(KEYS.queue(queue), {"id": "plain", "v": PROTOCOL_VERSION, "body": "{}"})
+    redis_client.config_resetstat()
+    assert [q.read((4, 0, 0), None, []) for _ in range(20)] == [[]] * 20
+    stats = redis_client.info("commandstats").items()
+    assert {name: stat["calls"] for name, stat in stats if "config" not in name} == {"cmdstat_exists": 20}
+    enqueue(redis_client, queue, "b", ["priority"])
+    [taken] = q.read((4, 0, 0), None, [])
+    assert (taken.route.lane, taken.route.tenant) == ("priority", "b")
+    redis_client.config_resetstat()
+    assert q.read((4, 0, 0), None, [taken.entry_id]) == []  # READ: the ack first, then nothing to read
+    assert redis_client.info("commandstats")["cmdstat_evalsha"]["calls"] == 1
+    assert redis_client.xpending(KEYS.lane_stream(queue, "priority", "b"), GROUP)["pending"] == 0
+    assert read(redis_client, queue, rooms=(9, 9, 9)) == [("default", "-", 1), ("default", "a", 1), ("flex", "a", 1)]
 
 
 def test_the_requests_limit_admits_a_full_bucket_then_its_rate(redis_client, queue):

@@ -6,13 +6,14 @@ retry."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from contextlib import ExitStack
 
 import pytest
 
-from harness.echo_workers import GatedWorker, serving
+from harness.echo_workers import GatedWorker, SlowEchoEngine, serving
 from harness.polling import eventually
 from producer_client import Client, InvalidArgument, QueueFull, RateLimited, WaitingQuotaExceeded
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
@@ -113,6 +114,67 @@ def test_a_priority_job_preempts_a_worker_full_of_flex_jobs(redis_server, queue,
     assert result.timings.finished_at < min(r.timings.finished_at for r in slow)
     assert result.timings.first_token_at - result.timings.queued_at < 1.0  # not the flex jobs' 2 s
     assert worker.engine.preemptions >= 1
+
+
+class HeldEchoEngine(SlowEchoEngine):
+    """An echo engine whose steps wait while `gate` is closed (each says so: `held`), let through one
+    at a time by `one_step`, and that notes its step count when each job is added to it."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.gate, self.held = threading.Event(), threading.Event()
+        self.gate.set()
+        self.added_at_step: dict[str, int] = {}
+
+    def step(self):
+        while not self.gate.wait(0.005):
+            self.held.set()
+        return super().step()
+
+    def one_step(self) -> None:
+        """Let the held step run, and wait until the next one is held (an iteration later)."""
+        self.held.clear()
+        self.gate.set()  # wakes the held step, which runs though the gate closes again at once
+        self.gate.clear()
+        assert self.held.wait(5)
+
+    def add_request(self, request_id, *args, **kwargs):
+        self.added_at_step.setdefault(request_id.job_id, self.stats().steps)
+        super().add_request(request_id, *args, **kwargs)
+
+
+def test_a_worker_full_of_default_jobs_takes_a_priority_job_in_the_iteration_after_it_arrives(
+    redis_server, queue, tenant
+):
+    """Two slots running long default jobs: while no priority job waits the worker only looks for
+    one each iteration (an EXISTS, not a READ). A priority job that arrives while a step runs is
+    added to the engine right after that step, before the next (the iteration's read follows its
+    step and publication), in two iterations running, and each preempts a default job, which still
+    ends whole."""
+    with Client(redis_server.url, queue, tenant=tenant) as client:
+        with serving(
+            redis_server.url, queue, step_s=0.01, engine_class=HeldEchoEngine, engine={"max_running": 2}
+        ) as worker:
+            engine = worker.engine
+            default = [client.submit("d" * 100, max_tokens=100) for _ in range(2)]
+            assert eventually(lambda: len(worker.holdings.running) == 2)
+            engine.gate.clear()
+            assert engine.held.wait(5)
+            urgent, added_after = [], []
+            for _ in range(2):
+                steps = engine.stats().steps  # the held step's not counted yet
+                urgent.append(client.submit("urgent", max_tokens=3, service_tier="priority"))
+                engine.one_step()
+                added = engine.added_at_step.get(urgent[-1])
+                added_after.append(None if added is None else added - steps)
+            engine.gate.set()
+            results = [client.result(job_id, timeout=10) for job_id in urgent]
+            slow = [client.result(job_id, timeout=20) for job_id in default]
+    assert added_after == [1, 1]
+    assert [r.text for r in results] == ["urg", "urg"]
+    assert engine.preemptions == 2
+    assert [(r.status, r.text) for r in slow] == [("done", "d" * 100)] * 2
+    assert max(r.timings.finished_at for r in results) < min(r.timings.finished_at for r in slow)
 
 
 def test_tenants_of_a_lane_share_a_worker_by_tokens_not_by_jobs_sent(redis_server, queue):

@@ -30,7 +30,7 @@ from redis.backoff import NoBackoff
 from producer_client import connection
 from producer_client.cluster import SyncRedis, is_cluster
 from producer_client.connection import FATAL_ERRORS, Retry, reply_code
-from producer_client.keys import Keys
+from producer_client.keys import LANES, Keys
 from producer_client.protocol import consumer, execution, producer, registry
 from producer_client.protocol import worker as scripts
 from producer_client.protocol.backlog import shard_parts, shard_ref
@@ -295,6 +295,7 @@ class WorkerQueue:
         # On one server of one shard READ reads this worker's own stream too: one round trip a read.
         self.own_in_read = self.own is not None and shards == 1 and not is_cluster(client)
         self.peers: list[str] = []  # every worker of the queue's index, as of the last heartbeat
+        self.priority_lanes = [keys.lane(name, LANES[0]) for name in self.shard_names]  # see priority_waiting
 
     def _send(self, add_commands: AddCommands, per_command_errors: bool = False) -> list[Any]:
         return send_pipeline(self.redis, add_commands, per_command_errors)
@@ -353,9 +354,13 @@ class WorkerQueue:
         pending lists never hold a finished job while new ones arrive), then read: this worker's
         own stream first (up to rooms[2], its room for any lane), then the lanes (READ: up to
         rooms[i] of lane LANES[i] or higher, of flex at most FLEX_READ_BATCH, with `corrections` for
-        the lanes' counters). Idle (`block_ms`) and given nothing, it waits for a job (_wait)."""
+        the lanes' counters). Idle (`block_ms`) and given nothing, it waits for a job (_wait). With
+        room for priority jobs alone and nothing to settle or correct, it reads only once
+        priority_waiting says there is one to read."""
         corrections = corrections or {}
         settle = Settle(acks, dead_letters, self.bells)
+        if rooms[0] > 0 >= rooms[1] and settle.sent and not corrections and not self.priority_waiting():
+            return []
         if self.own is not None and self.own_in_read and rooms[2] > 0:
             taken = self._read_own_and_lanes(settle, self.own, rooms, corrections)
         else:
@@ -364,6 +369,16 @@ class WorkerQueue:
         if taken or block_ms is None or rooms[2] <= 0:
             return taken
         return self._wait(rooms, block_ms)
+
+    def priority_waiting(self) -> bool:
+        """Whether the priority lane of any shard holds a job nobody has read: its sorted set of active
+        tenants exists (a tenant is in it exactly while its lane stream holds unread entries, and Redis
+        deletes the set with its last member). What a read that can take priority jobs alone finds,
+        asked of a worker full of default and priority jobs by one EXISTS instead of READ, every
+        iteration (bench/RESULTS.md, "What a full worker pays to look for priority jobs"). The look
+        leaves the doorbell as it is: the READs of the workers that can take the other lanes' work
+        ring it while such work is left, and silence it once none is."""
+        return int(self._send(lambda pipe: pipe.exists(*self.priority_lanes))[0]) > 0
 
     def _read_own_and_lanes(
         self, settle: Settle, own: str, rooms: tuple[int, int, int], corrections: Owed
