@@ -33,30 +33,33 @@ from redis.exceptions import ConnectionError, TimeoutError
 _CLOSED = (ConnectionError, TimeoutError, OSError)
 
 
-class Connection(redis.connection.Connection):
+class OncePerTry:
     """A connection that a send connects, once, if it is not: the call's retry policy spaces and
     counts the tries, where redis-py's send would try the socket's connect again within each."""
+
+    _sock: Any
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         if not self._sock:
             # Called by their class, not through super(): see connection.py's note on redis-py's classes.
             redis.connection.AbstractConnection.connect_check_health(
-                self, check_health=False, retry_socket_connect=False
+                self,  # type: ignore[arg-type]
+                check_health=False,
+                retry_socket_connect=False,
             )
-        redis.connection.AbstractConnection.send_packed_command(self, command, check_health)
+        redis.connection.AbstractConnection.send_packed_command(self, command, check_health)  # type: ignore[arg-type]
+
+
+class Connection(OncePerTry, redis.connection.Connection):
+    pass
 
 
 class SSLConnection(Connection, redis.connection.SSLConnection):
     pass
 
 
-class UnixConnection(redis.connection.UnixDomainSocketConnection):
-    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        if not self._sock:
-            redis.connection.AbstractConnection.connect_check_health(
-                self, check_health=False, retry_socket_connect=False
-            )
-        redis.connection.AbstractConnection.send_packed_command(self, command, check_health)
+class UnixConnection(OncePerTry, redis.connection.UnixDomainSocketConnection):
+    pass
 
 
 # The connection of each kind redis-py makes of a URL (its parse_url's connection_class), connected once per try.
@@ -127,28 +130,35 @@ class SentinelPool(ExchangePool, redis.sentinel.SentinelConnectionPool):
     """ExchangePool, of the master a sentinel names."""
 
 
-class AsyncConnection(redis.asyncio.connection.Connection):
-    """Connection, for asyncio."""
+class AsyncOncePerTry:
+    """OncePerTry, for asyncio."""
+
+    is_connected: bool
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         if not self.is_connected:
             await redis.asyncio.connection.AbstractConnection.connect_check_health(
-                self, check_health=False, retry_socket_connect=False
+                self,  # type: ignore[arg-type]
+                check_health=False,
+                retry_socket_connect=False,
             )
-        await redis.asyncio.connection.AbstractConnection.send_packed_command(self, command, check_health)
+        await redis.asyncio.connection.AbstractConnection.send_packed_command(
+            self,  # type: ignore[arg-type]
+            command,
+            check_health,
+        )
+
+
+class AsyncConnection(AsyncOncePerTry, redis.asyncio.connection.Connection):
+    pass
 
 
 class AsyncSSLConnection(AsyncConnection, redis.asyncio.connection.SSLConnection):
     pass
 
 
-class AsyncUnixConnection(redis.asyncio.connection.UnixDomainSocketConnection):
-    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        if not self.is_connected:
-            await redis.asyncio.connection.AbstractConnection.connect_check_health(
-                self, check_health=False, retry_socket_connect=False
-            )
-        await redis.asyncio.connection.AbstractConnection.send_packed_command(self, command, check_health)
+class AsyncUnixConnection(AsyncOncePerTry, redis.asyncio.connection.UnixDomainSocketConnection):
+    pass
 
 
 ASYNC_ONCE_PER_TRY: dict[type, type] = {
