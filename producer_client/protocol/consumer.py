@@ -42,6 +42,13 @@ def add_read(pipe: Pipe, worker: str, streams: dict[str, str], count: int, block
     pipe.xreadgroup(GROUP, worker, streams, count=count, block=block_ms)
 
 
+def add_lanes_active(pipe: Pipe, lanes: list[str]) -> None:
+    """EXISTS of lanes' sorted sets of active tenants (keys.lane): its reply, how many of them have
+    a tenant whose stream holds entries nobody has read (Redis deletes a set with its last member:
+    protocol.lanes)."""
+    pipe.exists(*lanes)
+
+
 def add_settled(pipe: Pipe, stream: str, entry_ids: list[str]) -> None:
     """Entries done with, acknowledged (out of the pending list) and deleted: a stream holds only
     what waits or runs."""

@@ -378,7 +378,7 @@ class WorkerQueue:
         iteration (bench/RESULTS.md, "What a full worker pays to look for priority jobs"). The look
         leaves the doorbell as it is: the READs of the workers that can take the other lanes' work
         ring it while such work is left, and silence it once none is."""
-        return int(self._send(lambda pipe: pipe.exists(*self.priority_lanes))[0]) > 0
+        return int(self._send(lambda pipe: consumer.add_lanes_active(pipe, self.priority_lanes))[0]) > 0
 
     def _read_own_and_lanes(
         self, settle: Settle, own: str, rooms: tuple[int, int, int], corrections: Owed
