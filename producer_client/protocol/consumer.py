@@ -35,6 +35,11 @@ def doorbell_made(client: SyncRedis, keys: Keys, queue: str) -> bool:
     return bool(client.exists(keys.doorbell(queue)))
 
 
+def add_doorbell_made(pipe: Pipe, keys: Keys, queue: str) -> None:
+    """doorbell_made's EXISTS in a pipeline: its reply, 1 once a producer has rung the doorbell."""
+    pipe.exists(keys.doorbell(queue))
+
+
 def add_read(pipe: Pipe, worker: str, streams: dict[str, str], count: int, block_ms: int | None) -> None:
     """XREADGROUP as `worker` of up to `count` entries after each stream's id (">": never delivered
     to any consumer), blocking up to `block_ms` (None: not at all). Its reply: [(stream, [(entry

@@ -198,6 +198,41 @@ def test_the_doorbell_rings_for_new_work_and_is_silenced_when_none_is_left(redis
     assert redis_client.xlen(bell) == DOORBELL_MAXLEN
 
 
+def test_an_idle_read_and_its_wait_are_two_round_trips_with_the_doorbell_looked_at_in_the_first(
+    redis_client, queue, monkeypatch
+):
+    """A queue whose producers know no lanes never has a doorbell, so every wait of an idle worker
+    would ask whether it is made yet: that EXISTS goes in the idle read's own pipeline, and the read
+    and its wait are two round trips. Once a lane job made the doorbell, the wait after the next
+    idle read gives it the group and blocks on it, as before."""
+    q = WorkerQueue(redis_client, KEYS, queue, "w1")
+    sent = []  # one packed command or pipeline each: a round trip
+    connection = redis_client.connection_pool.connection_class
+    send = connection.send_packed_command
+
+    def counted(self, command, check_health=True):
+        sent.append(command)
+        return send(self, command, check_health)
+
+    monkeypatch.setattr(connection, "send_packed_command", counted)
+    assert q.read((4, 4, 4), 5, []) == []  # the first loads the scripts
+    for _ in range(3):
+        sent.clear()
+        assert q.read((4, 4, 4), 5, []) == []
+        assert len(sent) == 2  # READ (and the look), then the blocking XREADGROUP
+    assert q.rings == [False] and not redis_client.exists(KEYS.doorbell(queue))
+    enqueue(redis_client, queue, "a", ["default"])
+    [taken] = q.read((4, 4, 4), 5, [])
+    assert (taken.route.lane, taken.route.tenant) == ("default", "a")
+    sent.clear()
+    assert q.read((4, 4, 4), 5, [taken.entry_id]) == []
+    assert len(sent) == 3 and q.rings == [True]  # and, once, the doorbell's group made
+    assert [g["name"] for g in redis_client.xinfo_groups(KEYS.doorbell(queue))] == [GROUP]
+    sent.clear()
+    assert q.read((4, 4, 4), 5, []) == []
+    assert len(sent) == 2 and KEYS.doorbell(queue).encode() in sent[1][0]  # the wait blocks on it
+
+
 def test_a_worker_with_room_for_priority_jobs_alone_looks_with_one_exists_until_one_waits(redis_client, queue):
     """A worker full of default jobs can take priority jobs only (the engine preempts for them):
     while none waits, each of its reads is one EXISTS of the priority lane, however much waits in

@@ -284,6 +284,10 @@ class WorkerQueue:
         self.shard_names = shard_names(queue, shards)
         self.shard_of_stream = {keys.queue(name): i for i, name in enumerate(self.shard_names)}
         self.rings = [False] * shards  # each shard's doorbell has its group (bell_ready)
+        # An idle read's look at the doorbells not yet made, in its own pipeline (_send_read): the
+        # shards to look at, then what the look found, which the wait after it takes (bell_ready).
+        self.looks: list[int] = []
+        self.seen: dict[int, bool] = {}
         # The doorbells' entries read (shard_ref names their shard), acknowledged with the next read.
         self.bells: list[str] = []
         self.streams = QueueStreams(keys, queue)
@@ -299,6 +303,24 @@ class WorkerQueue:
 
     def _send(self, add_commands: AddCommands, per_command_errors: bool = False) -> list[Any]:
         return send_pipeline(self.redis, add_commands, per_command_errors)
+
+    def _send_read(self, add_commands: AddCommands) -> list[Any]:
+        """A read's pipeline, its replies; the first of an idle read starts with an EXISTS of each
+        doorbell not yet made (`looks`), which the wait that follows an empty read needs: a round
+        trip less each wait of a queue without lanes, whose doorbell is never made (bench/RESULTS.md,
+        "The worker's round trips")."""
+        looks, self.looks = self.looks, []
+        if not looks:
+            return self._send(add_commands)
+
+        def add(pipe: Pipe) -> None:
+            for shard in looks:
+                consumer.add_doorbell_made(pipe, self.keys, self.shard_names[shard])
+            add_commands(pipe)
+
+        replies = self._send(add)
+        self.seen = {shard: bool(made) for shard, made in zip(looks, replies)}
+        return replies[len(looks) :]
 
     def ensure_group(self) -> None:
         # Looked up first: XGROUP CREATE is refused while Redis is out of memory, even for a group
@@ -319,9 +341,13 @@ class WorkerQueue:
 
     def bell_ready(self, shard: int = 0) -> bool:
         """Whether the shard's doorbell has the group to block on: once a producer's first lane job
-        made it (a queue without lanes never has one); until then a lane's first job waits for a read."""
+        made it (a queue without lanes never has one); until then a lane's first job waits for a read.
+        Whether it is made is what the idle read just before found (_send_read), else asked here."""
         name = self.shard_names[shard]
-        if not self.rings[shard] and consumer.doorbell_made(self.redis, self.keys, name):
+        made = self.seen.pop(shard) if shard in self.seen else None
+        if made is None and not self.rings[shard]:
+            made = consumer.doorbell_made(self.redis, self.keys, name)
+        if not self.rings[shard] and made:
             consumer.create_group(self.redis, self.keys.doorbell(name), make_stream=False)
             self.rings[shard] = True
         return self.rings[shard]
@@ -359,6 +385,8 @@ class WorkerQueue:
         priority_waiting says there is one to read."""
         corrections = corrections or {}
         settle = Settle(acks, dead_letters, self.bells)
+        self.seen = {}
+        self.looks = [shard for shard, rung in enumerate(self.rings) if not rung] if block_ms is not None else []
         if rooms[0] > 0 >= rooms[1] and settle.sent and not corrections and not self.priority_waiting():
             return []
         if self.own is not None and self.own_in_read and rooms[2] > 0:
@@ -388,7 +416,7 @@ class WorkerQueue:
         call = scripts.read(
             self.keys, self.queue, self.worker, lane_rooms, DEFAULT_COST, of_shard(corrections, 0), (own, rooms[2])
         )
-        return lane_deliveries(self._send(settle.before(self, call.add_to))[-1], owner=self.worker)
+        return lane_deliveries(self._send_read(settle.before(self, call.add_to))[-1], owner=self.worker)
 
     def _read_own_then_lanes(
         self, settle: Settle, rooms: tuple[int, int, int], corrections: Owed
@@ -398,7 +426,7 @@ class WorkerQueue:
         taken: list[Delivery] = []
         own = self.own
         if own is not None and rooms[2] > 0:
-            reply = self._send(settle.before(self, lambda pipe: self._read_into(pipe, own, rooms[2], None)))
+            reply = self._send_read(settle.before(self, lambda pipe: self._read_into(pipe, own, rooms[2], None)))
             taken = self._entries(own, reply[-1])
             low, mid, high = (max(0, room - len(taken)) for room in rooms)
             rooms = (low, mid, high)
@@ -406,7 +434,7 @@ class WorkerQueue:
             lane_rooms = (rooms[0], rooms[1], min(rooms[2], FLEX_READ_BATCH))
             taken += self._read_lanes(settle, lane_rooms, corrections)
         elif not settle.sent:
-            self._send(lambda pipe: settle.add_to(pipe, self))
+            self._send_read(lambda pipe: settle.add_to(pipe, self))
         return taken, rooms
 
     def _read_lanes(self, settle: Settle, rooms: tuple[int, int, int], corrections: Owed) -> list[Delivery]:
@@ -416,7 +444,7 @@ class WorkerQueue:
         asked first take turns, and those not asked are asked next while nothing came."""
         if len(self.shard_names) == 1:
             call = scripts.read(self.keys, self.queue, self.worker, rooms, DEFAULT_COST, of_shard(corrections, 0))
-            return lane_deliveries(self._send(settle.before(self, call.add_to))[-1])
+            return lane_deliveries(self._send_read(settle.before(self, call.add_to))[-1])
         count = len(self.shard_names)
         order = [(self.read_start + i) % count for i in range(count)]
         self.read_start = (self.read_start + 1) % count
@@ -436,7 +464,7 @@ class WorkerQueue:
                 )
                 for shard, share in asked
             ]
-            replies = self._send(settle.before(self, add_all(calls)))
+            replies = self._send_read(settle.before(self, add_all(calls)))
             for (shard, _), reply in zip(asked, replies[len(replies) - len(calls) :]):
                 taken += lane_deliveries(reply, shard)
         return taken
