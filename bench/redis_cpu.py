@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from bench.peer_queues.redis_costs import RedisCosts
 
 ROOT = Path(__file__).resolve().parents[1]
-FIGURES = ("jobs_per_s", "redis_cpu_us", "info_cpu_us", "commands", "round_trips")
+FIGURES = ("jobs_per_s", "redis_cpu_us", "user_us", "sys_us", "commands", "round_trips", "writes")
 
 
 def one_run(seconds: float) -> dict:
@@ -55,13 +55,17 @@ def one_run(seconds: float) -> dict:
             for producer in producers:
                 producer.finish()
         costs.close()
-    per_job = {name: (after[name] - before[name]) / jobs for name in ("cpu", "info_cpu", "commands", "reads")}
+    counted = ("cpu", "info_cpu", "user", "sys", "commands", "reads", "writes")
+    per_job = {name: (after[name] - before[name]) / jobs for name in counted}
     return {
         "jobs_per_s": jobs / elapsed,
         "redis_cpu_us": per_job["cpu"] * 1e6,
         "info_cpu_us": per_job["info_cpu"] * 1e6,
+        "user_us": per_job["user"] * 1e6,
+        "sys_us": per_job["sys"] * 1e6,
         "commands": per_job["commands"],
         "round_trips": per_job["reads"],
+        "writes": per_job["writes"],
         "per_command": RedisCosts.per_job(before["stats"], after["stats"], jobs),
     }
 
@@ -71,8 +75,11 @@ def snapshot(costs: RedisCosts) -> dict:
     return {
         "cpu": costs.cpu(),
         "info_cpu": cpu["used_cpu_sys"] + cpu["used_cpu_user"],
+        "user": cpu["used_cpu_user"],
+        "sys": cpu["used_cpu_sys"],
         "commands": stats["total_commands_processed"],
         "reads": stats["total_reads_processed"],
+        "writes": stats["total_writes_processed"],
         "stats": costs.commandstats(),
     }
 
