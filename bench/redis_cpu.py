@@ -12,7 +12,10 @@ With `--before TREE` (a checkout of another commit, e.g. `git worktree add --det
 same hour, so that the load other work puts on the machine falls on both alike; CPU per job moves
 less with that load than jobs/s does.
 
-    python -m bench.redis_cpu [--rounds 3 --seconds 3] [--before /tmp/base]
+With `--procs 1 --producers 1`, one job at a time: the workers wait idle between jobs, and each
+job pays every round trip alone (no batch shares them).
+
+    python -m bench.redis_cpu [--rounds 3 --seconds 3] [--procs 2 --producers 8] [--before /tmp/base]
 """
 
 from __future__ import annotations
@@ -33,15 +36,16 @@ ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ("jobs_per_s", "redis_cpu_us", "user_us", "sys_us", "commands", "round_trips", "writes")
 
 
-def one_run(seconds: float) -> dict:
+def one_run(seconds: float, procs: int = 2, producers: int = 8) -> dict:
     """One load run of the code on sys.path (bench.peers of the tree the run was started in): its
-    modules are imported here, in that run's process."""
+    modules are imported here, in that run's process. `procs` producer processes of `producers`
+    producers each."""
     from bench import peers
     from bench.peer_queues.processes import WorkerGroup
     from bench.peer_queues.redis_costs import RedisCosts
     from worker.embedded_redis import EmbeddedRedis, free_port
 
-    args = argparse.Namespace(seconds=seconds, procs=2, producers=8, poll_s=0.001)
+    args = argparse.Namespace(seconds=seconds, procs=procs, producers=producers, poll_s=0.001)
     lib = peers.LIBRARIES[0]
     with EmbeddedRedis(port=free_port()) as server, tempfile.TemporaryDirectory(prefix="mili-rcpu-") as logs:
         env = peers.run_environment(server.url, lib, args)
@@ -84,17 +88,19 @@ def snapshot(costs: RedisCosts) -> dict:
     }
 
 
-def run_in(tree: Path, seconds: float) -> dict:
+def run_in(tree: Path, args: argparse.Namespace) -> dict:
     """one_run of `tree`'s code, in a process of its own started there."""
     from bench.measure import one_run_in  # here: this file also runs in older trees, that lack it
 
-    return one_run_in(tree, str(Path(__file__)), str(seconds))
+    return one_run_in(tree, str(Path(__file__)), f"{args.seconds}, {args.procs}, {args.producers}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--procs", type=int, default=2, help="producer processes (bench.peers': 2)")
+    p.add_argument("--producers", type=int, default=8, help="producers a process, each submitting and waiting (8)")
     p.add_argument("--before", type=Path, help="a tree of the code to compare with, run in alternation")
     args = p.parse_args()
     trees = {"before": args.before, "after": ROOT} if args.before else {"this": ROOT}
@@ -102,7 +108,7 @@ def main() -> None:
     print(f"load average at the start: {load_average()}")
     for round_ in range(1, args.rounds + 1):
         for name, tree in trees.items():
-            run = run_in(tree, args.seconds)
+            run = run_in(tree, args)
             runs[name].append(run)
             print(f"round {round_} {name:6} " + "  ".join(f"{f} {run[f]:,.2f}" for f in FIGURES), flush=True)
     print(f"load average at the end: {load_average()}\n")
