@@ -211,6 +211,17 @@ def counted_rounds(monkeypatch) -> list[int]:
     return sizes
 
 
+def counted_appends(monkeypatch) -> list[int]:
+    sizes: list[int] = []
+
+    def counting(keys, appends):
+        sizes.append(len(appends))
+        return append_round(keys, appends)
+
+    monkeypatch.setattr(job_commands.scripts, "append_round", counting)
+    return sizes
+
+
 def test_a_full_round_goes_in_calls_of_at_most_round_jobs_each_update_answered_in_its_order(redis_client, monkeypatch):
     sizes = counted_rounds(monkeypatch)
     updates, outcomes = updates_of(redis_client, 2 * ROUND_JOBS + 1, lost_every=7)
@@ -227,14 +238,7 @@ def test_a_rounds_appends_go_in_append_round_calls_and_each_update_is_answered_i
     """A round of first publications (a start each) and of appends (tokens alone), mixed: the appends
     go in APPEND_ROUND calls of at most ROUND_JOBS, the others in PUBLISH_ROUND, and every update is
     answered in its own place."""
-    sizes = counted_rounds(monkeypatch)
-    appended: list[int] = []
-
-    def counting(keys, appends):
-        appended.append(len(appends))
-        return append_round(keys, appends)
-
-    monkeypatch.setattr(job_commands.scripts, "append_round", counting)
+    sizes, appended = counted_rounds(monkeypatch), counted_appends(monkeypatch)
     starts, start_outcomes = updates_of(redis_client, 3, lost_every=2)
     appends, append_outcomes = [], []
     for i in range(ROUND_JOBS + 2):
@@ -270,7 +274,7 @@ def same_slot_pair() -> tuple[str, str]:
 
 
 def test_on_a_cluster_a_round_publishes_the_jobs_of_one_slot_together(redis_cluster, monkeypatch):
-    sizes = counted_rounds(monkeypatch)
+    sizes, appended = counted_rounds(monkeypatch), counted_appends(monkeypatch)
     client = connect(redis_cluster.url, decode_responses=True)
     try:
         pair = same_slot_pair()
@@ -285,6 +289,13 @@ def test_on_a_cluster_a_round_publishes_the_jobs_of_one_slot_together(redis_clus
         assert [reply.outcome for reply in published] == [Published.OK] * 3
         assert sizes == [2]  # the pair in one call, the third job (another slot) in its own
         assert [client.hget(KEYS.job(j), "tokens") for j in job_ids] == ["1"] * 3
+        appends = [Update(job_id, "1-0", "r1", 1) for job_id in job_ids]
+        for update in appends:
+            update.add_cut([2], "b", None)
+        published, _ = JobCommands(client, KEYS, "w1", 60).publish(appends, [])
+        assert [reply.outcome for reply in published] == [Published.OK] * 3
+        assert appended == [2, 1]  # APPEND_ROUND by slot likewise
+        assert [client.hget(KEYS.job(j), "tokens") for j in job_ids] == ["2"] * 3
     finally:
         client.close()
 
