@@ -40,8 +40,8 @@ from worker.loop.queue import ReplicasBehind, send_pipeline
 
 T = TypeVar("T")
 EVENT_PAGE = 1000  # event stream entries per XRANGE when a reclaimed job's events are read
-# At most this many jobs' publications in one PUBLISH_ROUND: Redis serves no other client while a
-# script runs, so a round of a full worker goes in a few calls rather than one long one.
+# At most this many jobs' publications in one PUBLISH_ROUND or APPEND_ROUND: Redis serves no other
+# client while a script runs, so a round of a full worker goes in a few calls rather than one long one.
 ROUND_JOBS = 64
 
 
