@@ -130,8 +130,8 @@ return replies
 # for what the step does not have.
 PUBLISH_ARGS = 9
 
-# The Lua of one job's publication, shared by PUBLISH and PUBLISH_ROUND: publish(job, events, done,
-# a) with the job's keys, its ARGV from a + 1. Returns one of:
+# The Lua of one job's publication, shared by PUBLISH, PUBLISH_ROUND and APPEND_ROUND: publish(job,
+# events, done, argv, a) with the job's keys, its arguments argv[a + 1] on. Returns one of:
 #   'gone'     Redis has no hash of the job: it lost it (see ADOPT).
 #   'ended'    the job has a result from elsewhere (a second finisher): nothing changes, not even
 #              the event stream. This very result, written by this run (a call whose reply was
@@ -152,16 +152,16 @@ PUBLISH_JOB = (
     JOB_KEY_TYPES
     + END_JOB
     + """
-local function publish(job, events, done, a)
+local function publish(job, events, done, argv, a)
   local read = redis.call('HMGET', job, 'status', 'result', 'run', 'tokens', 'started', 'cancel', 'streamed',
     'resumed', 'fingerprint')
   if not read[1] then return 'gone' end  -- every job's hash has a status: this one has no hash
   local result = read[2]
   if result then
-    if result == ARGV[a + 7] then return 'written' end
+    if result == argv[a + 7] then return 'written' end
     return 'ended'
   end
-  local run, before, after = ARGV[a + 1], ARGV[a + 4], ARGV[a + 5]
+  local run, before, after = argv[a + 1], argv[a + 4], argv[a + 5]
   if read[3] ~= run then return 'lost' end
   local recorded = read[4] or '0'
   if recorded ~= before and recorded ~= after then
@@ -170,7 +170,7 @@ local function publish(job, events, done, a)
     if n > tonumber(before) and n < tonumber(after) then return 'partial:' .. recorded end
     return 'lost'
   end
-  local final = ARGV[a + 6] ~= ''
+  local final = argv[a + 6] ~= ''
   local streams
   if final then
     local refused
@@ -179,14 +179,14 @@ local function publish(job, events, done, a)
   end
   local started, streamed, resumed = read[5], read[7], read[8]
   local resumes = started and started ~= run and resumed ~= '1'
-  local keep = not final or streamed == '1' or ARGV[a + 9] == '1' or resumed == '1' or resumes
-  local starts = ARGV[a + 2] ~= '' and started ~= run
-  if keep and starts then redis.call('XADD', events, '*', 'type', 'start', 'data', ARGV[a + 2]) end
-  if keep and ARGV[a + 3] ~= '' and recorded == before then
-    redis.call('XADD', events, '*', 'type', 'tokens', 'data', ARGV[a + 3])
+  local keep = not final or streamed == '1' or argv[a + 9] == '1' or resumed == '1' or resumes
+  local starts = argv[a + 2] ~= '' and started ~= run
+  if keep and starts then redis.call('XADD', events, '*', 'type', 'start', 'data', argv[a + 2]) end
+  if keep and argv[a + 3] ~= '' and recorded == before then
+    redis.call('XADD', events, '*', 'type', 'tokens', 'data', argv[a + 3])
   end
   if final then
-    end_job(job, events, done, ARGV[a + 6], ARGV[a + 7], after, read[9], read[6], keep, ARGV[a + 8], streams == 0)
+    end_job(job, events, done, argv[a + 6], argv[a + 7], after, read[9], read[6], keep, argv[a + 8], streams == 0)
     return 'written'
   end
   if resumes and starts then
@@ -206,7 +206,17 @@ end
 )
 
 # KEYS: job, events, done. ARGV: one job's (PUBLISH_ARGS). Returns its reply (PUBLISH_JOB).
-PUBLISH = Script("publish", PUBLISH_JOB + "return publish(KEYS[1], KEYS[2], KEYS[3], 0)\n")
+PUBLISH = Script("publish", PUBLISH_JOB + "return publish(KEYS[1], KEYS[2], KEYS[3], ARGV, 0)\n")
+
+# A caught error is the message (Redis 7.0) or an error table (7.2 on). A message keeps its code
+# (OOM, WRONGTYPE...), which tells the worker whether to try again; a Lua error has none: ERR, as
+# Redis gives it when it ends a call.
+ROUND_ERROR = """
+local function error_reply(message)
+  if not message:match('^%u+ ') then message = 'ERR ' .. message end
+  return redis.error_reply(message)
+end
+"""
 
 # KEYS: job, events, done of each job. ARGV: each job's PUBLISH_ARGS, in the same order. A round's
 # publications of several jobs (of one hash slot, on a cluster) in one call: a call per job cost
@@ -219,19 +229,50 @@ PUBLISH = Script("publish", PUBLISH_JOB + "return publish(KEYS[1], KEYS[2], KEYS
 PUBLISH_ROUND = Script(
     "publish_round",
     PUBLISH_JOB
+    + ROUND_ERROR
     + """
--- A caught error is the message (Redis 7.0) or an error table (7.2 on). A message keeps its code
--- (OOM, WRONGTYPE...), which tells the worker whether to try again; a Lua error has none: ERR, as
--- Redis gives it when it ends a call.
-local function error_reply(message)
-  if not message:match('^%u+ ') then message = 'ERR ' .. message end
-  return redis.error_reply(message)
-end
 local replies = {}
 for i = 1, #KEYS / 3 do
-  local called, reply = pcall(publish, KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i], """
+  local called, reply = pcall(publish, KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i], ARGV, """
     + str(PUBLISH_ARGS)
     + """ * (i - 1))
+  if not called and type(reply) ~= 'table' then reply = error_reply(tostring(reply)) end
+  replies[i] = reply
+end
+return replies
+""",
+)
+
+# KEYS: job and events of each job. ARGV: each job's run token, tokens JSON, tokens before them and
+# tokens after them. A round's appends: publications of a running job's tokens alone (no start, no
+# end), most of what a streamed job publishes, each answered as PUBLISH would answer it. A job whose
+# hash has this run, which has started it, and the recorded tokens these follow takes its events
+# and its count at once, from five fields of its hash; any other goes through PUBLISH's own Lua. A
+# hash with a run token has no result (END_JOB deletes the token with the hash), so the fields
+# PUBLISH reads besides (status, result, resumed, fingerprint) answer nothing here. Half the
+# arguments of PUBLISH_ROUND a job, and four of its nine fields read, where each costs Redis about
+# a thousand instructions to take in and answer (bench/RESULTS.md, issue 43, "A streamed
+# publication's Redis instructions").
+APPEND_ROUND = Script(
+    "append_round",
+    PUBLISH_JOB
+    + ROUND_ERROR
+    + """
+local function append(job, events, a)
+  local run, tokens, before = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  local read = redis.call('HMGET', job, 'run', 'started', 'tokens', 'cancel', 'streamed')
+  if read[1] ~= run or read[2] ~= run or (read[3] or '0') ~= before then
+    return publish(job, events, nil, {run, '', tokens, before, ARGV[a + 4], '', '', '', ''}, 0)
+  end
+  redis.call('XADD', events, '*', 'type', 'tokens', 'data', tokens)
+  redis.call('HSET', job, 'tokens', ARGV[a + 4])
+  if read[4] == '1' then return 'cancel' end
+  if read[5] == '1' then return 'followed' end
+  return 'ok'
+end
+local replies = {}
+for i = 1, #KEYS / 2 do
+  local called, reply = pcall(append, KEYS[2 * i - 1], KEYS[2 * i], 4 * (i - 1))
   if not called and type(reply) ~= 'table' then reply = error_reply(tostring(reply)) end
   replies[i] = reply
 end
@@ -796,6 +837,7 @@ WORKER_SCRIPTS = (
     CLAIM_MANY,
     PUBLISH,
     PUBLISH_ROUND,
+    APPEND_ROUND,
     FAIL,
     ADOPT,
     REQUEUE,
@@ -867,6 +909,20 @@ def publish_round(calls: Sequence[ScriptCall]) -> ScriptCall:
         PUBLISH_ROUND,
         tuple(chain.from_iterable([call.keys for call in calls])),
         tuple(chain.from_iterable([call.args for call in calls])),
+    )
+
+
+# One job's append: (job id, run token, tokens JSON, tokens before them, tokens after them).
+Append = tuple[str, str, str, int, int]
+
+
+def append_round(keys: Keys, appends: Sequence[Append]) -> ScriptCall:
+    """APPEND_ROUND of `appends`, which it answers in their order, as PUBLISH would (replies.parse_publish).
+    On a cluster, the jobs of one hash slot only."""
+    return ScriptCall(
+        APPEND_ROUND,
+        tuple(chain.from_iterable([(keys.job(a[0]), keys.events(a[0])) for a in appends])),
+        tuple(chain.from_iterable([a[1:] for a in appends])),
     )
 
 

@@ -72,6 +72,21 @@ def test_streamed_deltas_concatenate_to_the_result_at_any_interval_setting(
     assert head + tail == read[ids[0]]
 
 
+def test_a_job_a_reader_follows_mid_run_is_published_at_the_stream_pace_from_its_next_checkpoint(redis_server, queue):
+    """A job submitted unstreamed publishes every checkpoint_interval_s; once a reader follows it,
+    its worker sees the flag within that interval (a look at the hash, or a PUBLISH answering
+    `followed`), and its tokens go out at the stream's pace from then on: over 1.5 s of 10 ms steps,
+    at most 5 deltas unnoticed (one a checkpoint), about one a step noticed."""
+    intervals = {"stream_interval_s": 0.02, "checkpoint_interval_s": 0.4}
+    with Client(redis_server.url, queue) as client, serving(redis_server.url, queue, step_s=0.01, **intervals):
+        job_id = client.submit(prompt(0, 150), max_tokens=150)
+        assert eventually(lambda: client.status(job_id).tokens > 0, timeout=10)  # its first tokens, unstreamed
+        deltas = list(client.stream(job_id, timeout=20))
+        result = client.result(job_id, timeout=20)
+    assert "".join(d.text for d in deltas) == result.text
+    assert len(deltas) > 10
+
+
 @pytest.mark.timing
 @pytest.mark.parametrize("streamed", [True, False])
 def test_a_killed_worker_loses_at_most_one_publish_interval_of_tokens(redis_server, redis_client, queue, streamed):

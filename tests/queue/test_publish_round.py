@@ -1,8 +1,9 @@
-"""PUBLISH_ROUND, a publication round's PUBLISHes of several jobs in one call: each job is answered
-and written exactly as its own PUBLISH would answer and write it, whatever the others' outcomes;
-a job whose keys refuse the protocol gets its error in its place and the others are published;
-and the worker's round (JobCommands.publish) splits its jobs into calls of at most ROUND_JOBS, of
-one hash slot each on a cluster, answering every update in its order."""
+"""PUBLISH_ROUND, a publication round's PUBLISHes of several jobs in one call, and APPEND_ROUND, its
+appends (a running job's tokens alone) in one call: each job is answered and written exactly as its
+own PUBLISH would answer and write it, whatever the others' outcomes; a job whose keys refuse the
+protocol gets its error in its place and the others are published; and the worker's round
+(JobCommands.publish) splits its jobs into calls of at most ROUND_JOBS, of one hash slot each on a
+cluster, its appends apart, answering every update in its order."""
 
 import itertools
 import json
@@ -18,7 +19,14 @@ from producer_client.protocol import worker as scripts
 from producer_client.protocol.execution import execute
 from producer_client.protocol.replication import Replication
 from producer_client.protocol.replies import Published
-from producer_client.protocol.worker import PUBLISH, PUBLISH_ROUND, WORKER_SCRIPTS, publish_round
+from producer_client.protocol.worker import (
+    APPEND_ROUND,
+    PUBLISH,
+    PUBLISH_ROUND,
+    WORKER_SCRIPTS,
+    append_round,
+    publish_round,
+)
 from producer_client.schema import JobResult
 from worker.loop import job_commands
 from worker.loop.job_commands import ROUND_JOBS, JobCommands
@@ -96,6 +104,54 @@ def test_a_round_answers_and_writes_each_job_as_its_own_publish_would(redis_clie
         assert state(redis_client, b) == state(redis_client, a), case[0]
 
 
+# (name, the job's hash before, an append's (run, tokens, before, after), PUBLISH's reply): every
+# state a running job's hash can be in when its run's tokens alone are published.
+APPEND_CASES = [
+    ("next", {"status": "running", "run": "r1", "tokens": "2", "started": "r1"}, ("r1", tokens(3), 2, 3), "ok"),
+    ("first-tokens", {"status": "running", "run": "r1", "started": "r1"}, ("r1", tokens(1), 0, 1), "ok"),
+    ("again", {"status": "running", "run": "r1", "tokens": "3", "started": "r1"}, ("r1", tokens(3), 2, 3), "ok"),
+    ("partial", {"status": "running", "run": "r1", "tokens": "2", "started": "r1"}, ("r1", tokens(1, 2, 3), 0, 3), "partial:2"),
+    ("behind", {"status": "running", "run": "r1", "tokens": "5", "started": "r1"}, ("r1", tokens(3), 2, 3), "lost"),
+    ("followed", {"status": "running", "run": "r1", "tokens": "1", "started": "r1", "streamed": "1"}, ("r1", tokens(2), 1, 2), "followed"),
+    ("cancel", {"status": "running", "run": "r1", "tokens": "1", "started": "r1", "cancel": "1", "streamed": "1"}, ("r1", tokens(2), 1, 2), "cancel"),
+    ("lost", {"status": "running", "run": "r2", "tokens": "1", "started": "r2"}, ("r1", tokens(2), 1, 2), "lost"),
+    ("gone", {}, ("r1", tokens(2), 1, 2), "gone"),
+    ("unstarted", {"status": "running", "run": "r1", "tokens": "1"}, ("r1", tokens(2), 1, 2), "ok"),
+    ("resumes", {"status": "running", "run": "r2", "tokens": "1", "started": "r1"}, ("r2", tokens(2), 1, 2), "ok"),
+    ("resumed", {"status": "running", "run": "r2", "tokens": "1", "started": "r1", "resumed": "1"}, ("r2", tokens(2), 1, 2), "ok"),
+    ("ended", {"status": "done", "result": "{}", "tokens": "3"}, ("r1", tokens(4), 3, 4), "ended"),
+]  # fmt: skip
+
+
+def test_an_append_round_answers_and_writes_each_job_as_its_own_publish_would(redis_client):
+    alone = [prepared(redis_client, case) for case in APPEND_CASES]
+    replies = []
+    for (_, _, (run, data, before, after), _), job_id in zip(APPEND_CASES, alone):
+        args = (run, "", data, before, after, "", "", 60, "")
+        replies.append(evalsha(redis_client, PUBLISH, job_keys(job_id), args))
+    assert replies == [case[3] for case in APPEND_CASES]
+    together = [prepared(redis_client, case) for case in APPEND_CASES]
+    call = append_round(KEYS, [(j, *case[2]) for case, j in zip(APPEND_CASES, together)])
+    assert call.script is APPEND_ROUND and len(call.keys) == 2 * len(together) and len(call.args) == 4 * len(together)
+    assert evalsha(redis_client, APPEND_ROUND, call.keys, call.args) == replies
+    for case, a, b in zip(APPEND_CASES, alone, together):
+        assert state(redis_client, b) == state(redis_client, a), case[0]
+
+
+def test_an_append_whose_keys_refuse_gets_its_error_in_its_place_and_the_others_are_appended(redis_client):
+    jobs = [prepared(redis_client, APPEND_CASES[0]) for _ in range(3)]
+    redis_client.hset(KEYS.events(jobs[1]), "a", "b")  # a producer's key of another type
+    refused = (KEYS.job(jobs[1]), KEYS.events(jobs[1]))
+    before = [redis_client.dump(key) for key in refused]
+    call = append_round(KEYS, [(j, "r1", tokens(3), 2, 3) for j in jobs])
+    replies = evalsha(redis_client, APPEND_ROUND, call.keys, call.args)
+    assert replies[0] == replies[2] == "ok"
+    assert type(replies[1]) is redis.ResponseError and str(replies[1]).startswith("WRONGTYPE")
+    assert [redis_client.dump(key) for key in refused] == before  # nothing of it written
+    for j in (jobs[0], jobs[2]):
+        assert redis_client.hget(KEYS.job(j), "tokens") == "3"
+
+
 @pytest.mark.parametrize("final", [False, True], ids=["step", "final step"])
 def test_a_job_whose_keys_refuse_gets_its_error_in_its_place_and_the_others_are_published(redis_client, final):
     jobs = [prepared(redis_client, CASES[0]) for _ in range(3)]
@@ -155,6 +211,17 @@ def counted_rounds(monkeypatch) -> list[int]:
     return sizes
 
 
+def counted_appends(monkeypatch) -> list[int]:
+    sizes: list[int] = []
+
+    def counting(keys, appends):
+        sizes.append(len(appends))
+        return append_round(keys, appends)
+
+    monkeypatch.setattr(job_commands.scripts, "append_round", counting)
+    return sizes
+
+
 def test_a_full_round_goes_in_calls_of_at_most_round_jobs_each_update_answered_in_its_order(redis_client, monkeypatch):
     sizes = counted_rounds(monkeypatch)
     updates, outcomes = updates_of(redis_client, 2 * ROUND_JOBS + 1, lost_every=7)
@@ -165,6 +232,30 @@ def test_a_full_round_goes_in_calls_of_at_most_round_jobs_each_update_answered_i
     for update, outcome in zip(updates, outcomes):
         recorded = redis_client.hget(KEYS.job(update.job_id), "tokens")
         assert recorded == (None if outcome is Published.LOST else "2")
+
+
+def test_a_rounds_appends_go_in_append_round_calls_and_each_update_is_answered_in_its_order(redis_client, monkeypatch):
+    """A round of first publications (a start each) and of appends (tokens alone), mixed: the appends
+    go in APPEND_ROUND calls of at most ROUND_JOBS, the others in PUBLISH_ROUND, and every update is
+    answered in its own place."""
+    sizes, appended = counted_rounds(monkeypatch), counted_appends(monkeypatch)
+    starts, start_outcomes = updates_of(redis_client, 3, lost_every=2)
+    appends, append_outcomes = [], []
+    for i in range(ROUND_JOBS + 2):
+        job_id = uuid.uuid4().hex
+        run = "r0" if i % 5 == 0 else "r1"
+        redis_client.hset(KEYS.job(job_id), mapping={"status": "running", "run": run, "started": run, "tokens": "2"})
+        update = Update(job_id, f"{i + 10}-0", "r1", 2)
+        update.add_cut([3], "c", None)
+        appends.append(update)
+        append_outcomes.append(Published.LOST if run == "r0" else Published.OK)
+    updates = [u for pair in itertools.zip_longest(starts, appends) for u in pair if u is not None]
+    outcomes = [o for pair in itertools.zip_longest(start_outcomes, append_outcomes) for o in pair if o is not None]
+    published, _ = JobCommands(redis_client, KEYS, "w1", 60).publish(updates, [])
+    assert [reply.outcome for reply in published] == outcomes
+    assert sizes == [3] and appended == [ROUND_JOBS, 2]
+    for update, outcome in zip(appends, append_outcomes):
+        assert redis_client.hget(KEYS.job(update.job_id), "tokens") == ("2" if outcome is Published.LOST else "3")
 
 
 def slot_of(job_id: str) -> int:
@@ -183,7 +274,7 @@ def same_slot_pair() -> tuple[str, str]:
 
 
 def test_on_a_cluster_a_round_publishes_the_jobs_of_one_slot_together(redis_cluster, monkeypatch):
-    sizes = counted_rounds(monkeypatch)
+    sizes, appended = counted_rounds(monkeypatch), counted_appends(monkeypatch)
     client = connect(redis_cluster.url, decode_responses=True)
     try:
         pair = same_slot_pair()
@@ -198,6 +289,13 @@ def test_on_a_cluster_a_round_publishes_the_jobs_of_one_slot_together(redis_clus
         assert [reply.outcome for reply in published] == [Published.OK] * 3
         assert sizes == [2]  # the pair in one call, the third job (another slot) in its own
         assert [client.hget(KEYS.job(j), "tokens") for j in job_ids] == ["1"] * 3
+        appends = [Update(job_id, "1-0", "r1", 1) for job_id in job_ids]
+        for update in appends:
+            update.add_cut([2], "b", None)
+        published, _ = JobCommands(client, KEYS, "w1", 60).publish(appends, [])
+        assert [reply.outcome for reply in published] == [Published.OK] * 3
+        assert appended == [2, 1]  # APPEND_ROUND by slot likewise
+        assert [client.hget(KEYS.job(j), "tokens") for j in job_ids] == ["2"] * 3
     finally:
         client.close()
 

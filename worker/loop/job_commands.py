@@ -40,8 +40,8 @@ from worker.loop.queue import ReplicasBehind, send_pipeline
 
 T = TypeVar("T")
 EVENT_PAGE = 1000  # event stream entries per XRANGE when a reclaimed job's events are read
-# At most this many jobs' publications in one PUBLISH_ROUND: Redis serves no other client while a
-# script runs, so a round of a full worker goes in a few calls rather than one long one.
+# At most this many jobs' publications in one PUBLISH_ROUND or APPEND_ROUND: Redis serves no other
+# client while a script runs, so a round of a full worker goes in a few calls rather than one long one.
 ROUND_JOBS = 64
 
 
@@ -150,7 +150,10 @@ class JobCommands:
         unlinks = scripts.forget_done(self.keys, forget, not cluster)
 
         def add(pipe: Pipe) -> None:
-            for round_ in rounds:
+            for appends, round_ in rounds:
+                if appends:
+                    scripts.append_round(self.keys, [updates[i].append() for i in round_]).add_to(pipe)
+                    continue
                 calls = [updates[i].publish_call(self.keys, self.result_ttl_s) for i in round_]
                 (calls[0] if len(calls) == 1 else scripts.publish_round(calls)).add_to(pipe)
             for job_id, _ in watch:
@@ -162,8 +165,9 @@ class JobCommands:
 
         replies = execution.execute(self.redis, add, scripts.WORKER_SCRIPTS, raise_on_error=False)
         by_update: dict[int, PublishReply | Exception] = {}
-        for round_, reply in zip(rounds, replies[: len(rounds)]):
-            for i, job_reply in zip(round_, _each_job(reply, len(round_))):
+        for (appends, round_), reply in zip(rounds, replies[: len(rounds)]):
+            per_job = _per_job("APPEND_ROUND", reply, len(round_)) if appends else _each_job(reply, len(round_))
+            for i, job_reply in zip(round_, per_job):
                 by_update[i] = _parsed(parse_publish, job_reply)
         published = [by_update[i] for i in range(len(updates))]
         looked = len(rounds) + len(watch)
@@ -175,14 +179,19 @@ class JobCommands:
         confirmed = dict(zip((u.job_id for u in finals), replies[looked + len(unlinks) + 1 :: 2]))
         return [self._replicated(u, reply, confirmed.get(u.job_id)) for u, reply in zip(updates, published)], watched
 
-    def _rounds(self, updates: list[Update], cluster: bool) -> list[list[int]]:
-        """The updates (by index) that each call publishes: one PUBLISH_ROUND for up to ROUND_JOBS
+    def _rounds(self, updates: list[Update], cluster: bool) -> list[tuple[bool, list[int]]]:
+        """The updates (by index) that each call publishes, and whether the call is APPEND_ROUND (the
+        updates that only add tokens: Update.appends) or PUBLISH_ROUND: one for up to ROUND_JOBS
         jobs, those of one hash slot on a cluster (a script's keys must share one)."""
-        by_slot: dict[int, list[int]] = {}
+        by_call: dict[tuple[int, bool], list[int]] = {}
         for i, update in enumerate(updates):
             slot = key_slot(self.keys.job(update.job_id).encode()) if cluster else 0
-            by_slot.setdefault(slot, []).append(i)
-        return [jobs[at : at + ROUND_JOBS] for jobs in by_slot.values() for at in range(0, len(jobs), ROUND_JOBS)]
+            by_call.setdefault((slot, update.appends), []).append(i)
+        return [
+            (appends, jobs[at : at + ROUND_JOBS])
+            for (_, appends), jobs in by_call.items()
+            for at in range(0, len(jobs), ROUND_JOBS)
+        ]
 
     def _replicated(
         self, update: Update, reply: PublishReply | Exception, confirmed: int | Exception | None

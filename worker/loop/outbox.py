@@ -149,6 +149,17 @@ class Update:
         self.tokens_before = recorded
         return True
 
+    @property
+    def appends(self) -> bool:
+        """Whether it only adds tokens to a running job (no start, no end): a `scripts.Append`,
+        which APPEND_ROUND publishes for half of PUBLISH's arguments (worker/loop/job_commands.py)."""
+        return not self.start and self.final is None and bool(self.token_ids)
+
+    def append(self) -> scripts.Append:
+        """The update as APPEND_ROUND's job: asked only of one that `appends`."""
+        tokens = encode_tokens(self.token_ids, "".join(self.text), self.logprobs)
+        return self.job_id, self.run, tokens, self.tokens_before, self.tokens_before + len(self.token_ids)
+
     def publish_call(self, keys: Keys, result_ttl_s: int) -> ScriptCall:
         # A tokens event without ids (held-back text flushed at the end) only comes with the
         # final result, in the same atomic call: PUBLISH's token count check needs ids to

@@ -115,8 +115,12 @@ class Publication:
             for update, reply in zip(answered.updates, answered.published):
                 if not self.holdings.answered(update):
                     continue  # let go of while it was out
-                if isinstance(reply, PublishReply) and reply.outcome is Published.OK:
-                    continue  # recorded, and the job runs on: most of a round's replies
+                if isinstance(reply, PublishReply) and (
+                    reply.outcome is Published.OK or (reply.outcome is Published.FOLLOWED and update.streamed)
+                ):
+                    # Recorded, and the job runs on: most of a round's replies. A streamed job's are
+                    # FOLLOWED (its flag is up), which tells this run nothing new once it streams it.
+                    continue
                 if isinstance(reply, Exception) and is_transient(reply):
                     refused = refused or reply
                     self.holdings.restore(update)
