@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import redis
 
@@ -43,6 +44,30 @@ def main() -> None:
         f"load: {args.producers} producers x {args.jobs} jobs = {total} (window {args.window} each), "
         f"2 echo workers, result_ttl_s {args.result_ttl_s}\n"
     )
+    ok = report(run_load(args), total)
+    print("OK" if ok else "FAILED: results lost, duplicated or wrong")
+    sys.exit(0 if ok else 1)
+
+
+@dataclass
+class Measured:
+    """What one load run measured: the producers' outcome (run_producers), the run's time, the CPU
+    seconds each worker and redis-server spent in it, the results the workers wrote, and Redis's
+    memory (and queue depth) before, during and after it."""
+
+    outcome: dict
+    elapsed: float
+    cpu: list[float]  # the two workers', then redis-server's
+    written: int
+    depth: int
+    before_mib: float
+    after_mib: float
+    keys_after: int
+    sampler: MemorySampler
+
+
+def run_load(args: argparse.Namespace) -> Measured:
+    """The load on a redis-server and two echo workers of its own, measured from an idle start."""
     server = EmbeddedRedis(port=free_port() if args.tcp else None)
     with server:
         admin = redis.Redis.from_url(server.url, decode_responses=True)
@@ -70,6 +95,12 @@ def main() -> None:
                 w.terminate()
                 w.wait(timeout=30)
         admin.close()
+    return Measured(outcome, elapsed, cpu, written, depth, before, after, keys_after, sampler)
+
+
+def report(m: Measured, total: int) -> bool:
+    """Prints what the run measured; whether every job got exactly one result, the right one."""
+    outcome, cpu, elapsed = m.outcome, m.cpu, m.elapsed
     lat = sorted(outcome["latencies"])
     print(f"jobs: {len(lat)} completed in {elapsed:.2f}s: {len(lat) / elapsed:,.0f} jobs/s")
     print(
@@ -83,19 +114,17 @@ def main() -> None:
     )
     print(
         f"results: lost {outcome['lost']}, duplicated {outcome['duplicated']}, wrong {outcome['wrong']}; "
-        f"results written by the workers {written} (jobs {total} + warm-up {WARM_UP})"
+        f"results written by the workers {m.written} (jobs {total} + warm-up {WARM_UP})"
     )
     print(
-        f"redis memory: before {before:.2f} MiB, peak during {sampler.peak_mib:.2f} MiB "
-        f"(queue stream at most {sampler.peak_depth} entries), after {after:.2f} MiB ({keys_after} keys); "
-        f"queue stream after the run: {depth} entries"
+        f"redis memory: before {m.before_mib:.2f} MiB, peak during {m.sampler.peak_mib:.2f} MiB "
+        f"(queue stream at most {m.sampler.peak_depth} entries), after {m.after_mib:.2f} MiB ({m.keys_after} keys); "
+        f"queue stream after the run: {m.depth} entries"
     )
-    print("redis memory during the run, each second (MiB): " + " ".join(f"{m:.0f}" for m in sampler.per_second()))
+    print("redis memory during the run, each second (MiB): " + " ".join(f"{x:.0f}" for x in m.sampler.per_second()))
     for example in outcome["examples"]:
         print(f"  {example}")
-    ok = outcome["lost"] == outcome["duplicated"] == outcome["wrong"] == 0 and written == total + WARM_UP
-    print("OK" if ok else "FAILED: results lost, duplicated or wrong")
-    sys.exit(0 if ok else 1)
+    return outcome["lost"] == outcome["duplicated"] == outcome["wrong"] == 0 and m.written == total + WARM_UP
 
 
 def parse_args() -> argparse.Namespace:

@@ -35,7 +35,7 @@ from producer_client.schema import JobResult
 from producer_client.steps import run as run_steps
 from tests.support.clients import make_client
 from worker.embedded_redis import EmbeddedRedis, free_port
-from worker.loop.queue import WorkerQueue
+from worker.loop.worker_queue import WorkerQueue
 
 pytestmark = pytest.mark.waits
 
@@ -638,7 +638,7 @@ def test_workers_lists_the_live_workers_of_every_queue_from_their_heartbeats(cli
         (f"{queue}-dead", queue, "tiny"),
     ):
         fields = {**heartbeat, "name": name, "queue": worker_queue, "model": model}
-        WorkerQueue(redis_client, Keys(), worker_queue, name).heartbeat(fields, ttl_s=5, held=[])
+        WorkerQueue(redis_client, Keys(), worker_queue, name).members.heartbeat(fields, ttl_s=5, held=[])
     redis_client.delete(Keys().worker(f"{queue}-dead"))  # as when its TTL runs out
 
     mine = sorted((w for w in client.workers() if w.queue in (queue, other)), key=lambda w: w.name)

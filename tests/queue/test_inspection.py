@@ -14,7 +14,7 @@ from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from tests.queue.test_dead_letters import make_poison, settle, take
 from tests.support.clients import make_client
 from tests.support.fixtures import on_modes
-from worker.loop.queue import WorkerQueue
+from worker.loop.worker_queue import WorkerQueue
 
 KEYS = Keys()
 
@@ -168,7 +168,7 @@ def heartbeat(redis_client, queue: str, name: str, ttl_s: float) -> None:
         "page_size": 16,
         "started_at": time.time(),
     }
-    WorkerQueue(redis_client, KEYS, queue, name).heartbeat(fields, ttl_s, [])
+    WorkerQueue(redis_client, KEYS, queue, name).members.heartbeat(fields, ttl_s, [])
 
 
 @pytest.mark.timing

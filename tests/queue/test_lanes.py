@@ -17,8 +17,9 @@ from producer_client.protocol.execution import execute
 from producer_client.protocol.lanes import CREDIT_EVERY, DEFAULT_COST, DOORBELL_MAXLEN
 from producer_client.protocol.producer import LaneJob, Limits
 from producer_client.protocol.worker import WORKER_SCRIPTS
-from worker.loop.queue import HANDED_OVER_IDLE_MS, WorkerQueue
+from worker.loop.queue import HANDED_OVER_IDLE_MS
 from worker.loop.queue import HANDED_OVER_MIN_IDLE_MS as HANDED
+from worker.loop.worker_queue import WorkerQueue
 
 KEYS = Keys()
 NO_LIMITS = Limits()
@@ -215,21 +216,21 @@ def test_an_idle_read_and_its_wait_are_two_round_trips_with_the_doorbell_looked_
         return send(self, command, check_health)
 
     monkeypatch.setattr(connection, "send_packed_command", counted)
-    assert q.read((4, 4, 4), 5, []) == []  # the first loads the scripts
+    assert q.reads.read((4, 4, 4), 5, []) == []  # the first loads the scripts
     for _ in range(3):
         sent.clear()
-        assert q.read((4, 4, 4), 5, []) == []
+        assert q.reads.read((4, 4, 4), 5, []) == []
         assert len(sent) == 2  # READ (and the look), then the blocking XREADGROUP
-    assert q.rings == [False] and not redis_client.exists(KEYS.doorbell(queue))
+    assert q.groups.rings == [False] and not redis_client.exists(KEYS.doorbell(queue))
     enqueue(redis_client, queue, "a", ["default"])
-    [taken] = q.read((4, 4, 4), 5, [])
+    [taken] = q.reads.read((4, 4, 4), 5, [])
     assert (taken.route.lane, taken.route.tenant) == ("default", "a")
     sent.clear()
-    assert q.read((4, 4, 4), 5, [taken.entry_id]) == []
-    assert len(sent) == 3 and q.rings == [True]  # and, once, the doorbell's group made
+    assert q.reads.read((4, 4, 4), 5, [taken.entry_id]) == []
+    assert len(sent) == 3 and q.groups.rings == [True]  # and, once, the doorbell's group made
     assert [g["name"] for g in redis_client.xinfo_groups(KEYS.doorbell(queue))] == [GROUP]
     sent.clear()
-    assert q.read((4, 4, 4), 5, []) == []
+    assert q.reads.read((4, 4, 4), 5, []) == []
     assert len(sent) == 2 and KEYS.doorbell(queue).encode() in sent[1][0]  # the wait blocks on it
 
 
@@ -242,14 +243,14 @@ def test_a_worker_with_room_for_priority_jobs_alone_looks_with_one_exists_until_
     enqueue(redis_client, queue, "a", ["default", "flex"])
     redis_client.xadd(KEYS.queue(queue), {"id": "plain", "v": PROTOCOL_VERSION, "body": "{}"})
     redis_client.config_resetstat()
-    assert [q.read((4, 0, 0), None, []) for _ in range(20)] == [[]] * 20
+    assert [q.reads.read((4, 0, 0), None, []) for _ in range(20)] == [[]] * 20
     stats = redis_client.info("commandstats").items()
     assert {name: stat["calls"] for name, stat in stats if "config" not in name} == {"cmdstat_exists": 20}
     enqueue(redis_client, queue, "b", ["priority"])
-    [taken] = q.read((4, 0, 0), None, [])
+    [taken] = q.reads.read((4, 0, 0), None, [])
     assert (taken.route.lane, taken.route.tenant) == ("priority", "b")
     redis_client.config_resetstat()
-    assert q.read((4, 0, 0), None, [taken.entry_id]) == []  # READ: the ack first, then nothing to read
+    assert q.reads.read((4, 0, 0), None, [taken.entry_id]) == []  # READ: the ack first, then nothing to read
     assert redis_client.info("commandstats")["cmdstat_evalsha"]["calls"] == 1
     assert redis_client.xpending(KEYS.lane_stream(queue, "priority", "b"), GROUP)["pending"] == 0
     assert read(redis_client, queue, rooms=(9, 9, 9)) == [("default", "-", 1), ("default", "a", 1), ("flex", "a", 1)]

@@ -18,7 +18,7 @@ from producer_client.protocol.replies import Look, Watched
 from producer_client.schema import JobRequest
 from worker.loop.intake import job_id_of, parse_request
 from worker.loop.job_commands import JobCommands
-from worker.loop.queue import WorkerQueue
+from worker.loop.worker_queue import WorkerQueue
 
 LIMITS = dict(max_body_bytes=1000, max_tokens_limit=64)
 
@@ -103,18 +103,18 @@ def test_acks_go_before_the_read_so_pending_never_grows_past_the_count(redis_cli
     r = redis_client
     queue = f"q-{uuid.uuid4().hex[:8]}"
     q = WorkerQueue(r, Keys(), queue, "w1")
-    q.ensure_group()
-    q.ensure_group()  # a second worker: the group exists already
+    q.groups.ensure()
+    q.groups.ensure()  # a second worker: the group exists already
     stream = Keys().queue(queue)
     for i in range(3):
         r.xadd(stream, {"id": f"j{i}"})
-    first = q.read((1, 1, 1), block_ms=None, acks=[])
+    first = q.reads.read((1, 1, 1), block_ms=None, acks=[])
     assert [(d.fields["id"], d.deliveries) for d in first] == [("j0", 1)]
-    second = q.read((1, 1, 1), block_ms=None, acks=[first[0].entry_id])
+    second = q.reads.read((1, 1, 1), block_ms=None, acks=[first[0].entry_id])
     assert [d.fields["id"] for d in second] == ["j1"]
     assert r.xpending(stream, GROUP)["pending"] == 1
     assert r.xlen(stream) == 2  # the acked entry is deleted too
-    assert q.read((0, 0, 0), block_ms=None, acks=[second[0].entry_id]) == []
+    assert q.reads.read((0, 0, 0), block_ms=None, acks=[second[0].entry_id]) == []
     assert r.xpending(stream, GROUP)["pending"] == 0
 
 
@@ -142,12 +142,12 @@ def test_heartbeat_writes_a_hash_with_ttl_and_indexes_the_worker():
     r = fakeredis.FakeRedis(decode_responses=True)
     q = WorkerQueue(r, Keys(), "q", "w1")
     r.xadd(Keys().queue("q"), {"id": "x"})
-    assert q.heartbeat({"name": "w1", "free_pages": 7}, ttl_s=5, held=[]) == (1, [])
+    assert q.members.heartbeat({"name": "w1", "free_pages": 7}, ttl_s=5, held=[]) == (1, [])
     assert r.hget(Keys().worker("w1"), "free_pages") == "7"
     assert 0 < r.pttl(Keys().worker("w1")) <= 5000
     assert r.zrange(Keys().workers("q"), 0, -1) == ["w1"]
     assert r.zrange(Keys().queues(), 0, -1) == ["q"]
-    q.leave()
+    q.members.leave()
     assert not r.exists(Keys().worker("w1"))
     assert r.zrange(Keys().workers("q"), 0, -1) == []
 

@@ -29,7 +29,7 @@ from tests.support.jobs import assert_one_final_result, job_count
 from worker.__main__ import build_parser
 from worker.__main__ import main as worker_main
 from worker.embedded_redis import EmbeddedRedis, free_port
-from worker.loop.queue import split_rooms
+from worker.loop.reads import split_rooms
 from worker.settings import WorkerSettings, settings_from_args
 
 pytestmark = pytest.mark.waits
@@ -94,7 +94,7 @@ def test_one_shard_uses_exactly_todays_keys(redis_server, redis_client, queue, a
     tenant = f"t{uuid.uuid4().hex[:6]}"
     worker = serving(redis_server.url, queue, name=f"w-{queue}", queue_shards=asked)
     with Client(redis_server.url, queue) as client, worker as w:
-        assert w.queue.shard_names == [queue]
+        assert w.queue.shards.names == [queue]
         ids = [client.submit("plain", max_tokens=2), client.as_tenant(tenant).submit("lane", service_tier="flex")]
         assert [client.result(job_id, timeout=10).status for job_id in ids] == ["done", "done"]
     # The lane's sorted set went when its one tenant's stream was read to the end.
@@ -117,7 +117,7 @@ def test_a_stored_count_wins_over_a_workers_auto(redis_server, redis_client, que
         ids = [client.submit(f"job {i}", max_tokens=5) for i in range(48)]
         assert len(ids_by_shard(ids)) == SHARDS
         with serving(redis_server.url, queue, queue_shards="auto") as worker:
-            assert worker.queue.shard_names == [KEYS.shard(queue, i) for i in range(SHARDS)]
+            assert worker.queue.shards.names == [KEYS.shard(queue, i) for i in range(SHARDS)]
             assert [client.result(job_id, timeout=10).text for job_id in ids] == [f"job {i}"[:5] for i in range(48)]
     assert redis_client.hget(KEYS.scheduler(queue), SHARDS_FIELD) == str(SHARDS)
 
@@ -364,7 +364,7 @@ def test_on_a_cluster_a_workers_auto_stores_its_masters_and_auto_producers_sprea
         queue = spread_queue(probe)
     admin = connect(redis_cluster.url, decode_responses=True)
     with serving(redis_cluster.url, queue, queue_shards="auto") as first:
-        assert len(first.queue.shard_names) == SHARDS
+        assert len(first.queue.shards.names) == SHARDS
     assert admin.hget(KEYS.scheduler(queue), SHARDS_FIELD) == str(SHARDS)
     with Client(redis_cluster.url, queue, queue_shards="auto") as client:
         ids = client.submit_many([{"prompt": f"many {i}", "max_tokens": 8} for i in range(45)])

@@ -14,7 +14,7 @@ from harness.polling import eventually
 from producer_client import Client, JobExpired, JobFailed
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from worker.loop import done_sweep
-from worker.loop.queue import FLEX_READ_BATCH
+from worker.loop.reads import FLEX_READ_BATCH
 
 pytestmark = pytest.mark.waits
 
@@ -96,14 +96,14 @@ def test_pending_entries_never_exceed_max_running(redis_server, client, queue, r
         redis_server.url, queue, step_s=0.002, engine={"max_running": 2, "max_num_batched_tokens": 64}
     ) as worker:
         seen = []
-        read = worker.queue.read
+        read = worker.queue.reads.read
 
         def read_and_count(*args):
             entries = read(*args)
             seen.append(redis_client.xpending(KEYS.queue(queue), GROUP)["pending"])
             return entries
 
-        worker.queue.read = read_and_count
+        worker.queue.reads.read = read_and_count
         ids = [client.submit("abcdefghij", max_tokens=10) for _ in range(12)]
         results = [client.result(i, timeout=20) for i in ids]
     assert all(r.status == "done" and r.text == "abcdefghij" for r in results)

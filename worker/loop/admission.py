@@ -87,7 +87,7 @@ class Admission:
             return
         self.next_reclaim = now + self.settings.reclaim_interval_s
         min_idle_ms = self.min_idle_ms()
-        deliveries = self.queue.reclaim(room, min_idle_ms)
+        deliveries = self.queue.reclaims.reclaim(room, min_idle_ms)
         log_reclaimed(deliveries, min_idle_ms)
         self.holdings.take(deliveries)
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from worker.engine.interface import EngineAPI
 from worker.loop.holdings import Holdings
 from worker.loop.job_commands import JobCommands
-from worker.loop.queue import RedisClock, WorkerQueue
+from worker.loop.queue import RedisClock
+from worker.loop.worker_queue import WorkerQueue
 from worker.metrics import WorkerMetrics
 from worker.settings import WorkerSettings
 

@@ -56,20 +56,85 @@ class Deliveries:
         self.unadmitted = [d for d in self.unadmitted if d.job_id != job_id]
 
 
+class Claimed:
+    """The claimed jobs that have, or had, a place in the engine: running there, and the suspects,
+    out of it after a failed step until each is tried again alone (worker/loop/isolation.py). Apart
+    from the entries and the outbox because only these are the engine's too: a job leaves them
+    through the engine's abort, whatever Holdings' verb lets it go."""
+
+    def __init__(self, engine: EngineAPI):
+        self.engine = engine
+        self.running: dict[str, Job] = {}
+        self.suspects: deque[Job] = deque()
+
+    def find(self, job_id: str) -> Job | None:
+        """A claimed job by id: looked up in the engine's jobs (every claim of an entry asks, so
+        not by scanning max_running of them), else among the suspects, who are few and rare."""
+        job = self.running.get(job_id)
+        if job is None and self.suspects:
+            job = next((j for j in self.suspects if j.id == job_id), None)
+        return job
+
+    def all(self) -> list[Job]:
+        return [*self.running.values(), *self.suspects]
+
+    def start(self, job: Job) -> None:
+        if self.find(job.id) is not None:
+            raise HeldStateError(f"job {job.id}: run {job.run} started while a run of it is held")
+        self.running[job.id] = job
+
+    def finished(self, job: Job) -> None:
+        if self.running.get(job.id) is not job:
+            raise HeldStateError(f"job {job.id}: run {job.run} finished in the engine without running there")
+        del self.running[job.id]
+
+    def end(self, job: Job) -> None:
+        if self.running.get(job.id) is job:
+            del self.running[job.id]
+            self.abort(job)
+
+    def suspect(self, job: Job) -> None:
+        if self.running.pop(job.id, None) is not job:
+            raise HeldStateError(f"job {job.id}: made a suspect without running")
+        self.abort(job)
+        self.suspects.append(job)
+
+    def drop(self, job_id: str) -> None:
+        job = self.running.pop(job_id, None)
+        if job is not None:
+            self.abort(job)
+        if self.suspects:
+            self.suspects = deque(j for j in self.suspects if j.id != job_id)
+
+    def unpublished_tokens(self) -> int:
+        """Their output no update holds. List comprehensions over the running jobs where they are (a
+        generator over all()'s copy cost a fifth more)."""
+        in_jobs = sum([len(j.token_ids) - j.feed.tokens for j in self.running.values()])
+        if self.suspects:
+            in_jobs += sum([len(j.token_ids) - j.feed.tokens for j in self.suspects])
+        return in_jobs
+
+    def abort(self, job: Job) -> None:
+        try:
+            self.engine.abort(job.engine_id)
+        except Exception:
+            log.exception("job %s: the engine's abort raised", job.id)
+
+
 class Holdings:
     """A job is held from its delivery until its final result is in Redis: delivered and not yet
     admitted (its claim not settled), running in the engine, out of the engine after a failed
     step (a suspect), ended with an update Redis has not seen (in the outbox, which also holds
     the published output of running jobs that Redis has not answered yet), or rejected for its
-    keys (see worker/loop/rejection.py). Each held entry is refreshed with every heartbeat."""
+    keys (see worker/loop/rejection.py). Each held entry is refreshed with every heartbeat. Each
+    place is a part (Deliveries, Claimed, the Outbox); the verbs here move a job between them."""
 
     def __init__(self, engine: EngineAPI):
-        self.engine = engine
         self._outbox = Outbox()  # what Redis has not seen: updates, failures, receipts
         self._deliveries = Deliveries()
-        self._running: dict[str, Job] = {}  # claimed and in the engine
-        self.running: Mapping[str, Job] = MappingProxyType(self._running)
-        self._suspects: deque[Job] = deque()  # claimed, out of the engine after a failed step
+        self._claimed = Claimed(engine)  # in the engine, or suspects
+        self.running: Mapping[str, Job] = MappingProxyType(self._claimed.running)
+        self.find = self._claimed.find  # asked at every claim: no call of its own in between
         # At least unpublished_tokens(): the count when it was last made, raised since by whatever
         # can raise the count (tokens collected, a job started, an update restored or republished),
         # so that the check before every step sums over the running jobs only near its limit.
@@ -84,7 +149,7 @@ class Holdings:
 
     @property
     def suspects(self) -> tuple[Job, ...]:
-        return tuple(self._suspects)
+        return tuple(self._claimed.suspects)
 
     @property
     def rejected(self) -> tuple[Rejection, ...]:
@@ -112,7 +177,7 @@ class Holdings:
     def unsettled(self) -> bool:
         """Anything held but the engine's jobs and the entries not yet admitted: suspects,
         rejections, updates or receipts."""
-        return bool(self._suspects or self._outbox.rejected or self._outbox or self._outbox.receipts)
+        return bool(self._claimed.suspects or self._outbox.rejected or self._outbox or self._outbox.receipts)
 
     def ended(self) -> int:
         """Jobs out of the engine whose entry waits for Redis to take their result."""
@@ -138,27 +203,14 @@ class Holdings:
 
     def claimed(self) -> list[Job]:
         """Jobs in the engine and suspects."""
-        return [*self._running.values(), *self._suspects]
-
-    def find(self, job_id: str) -> Job | None:
-        """A claimed job by id: looked up in the engine's jobs (every claim of an entry asks, so
-        not by scanning max_running of them), else among the suspects, who are few and rare."""
-        job = self._running.get(job_id)
-        if job is None and self._suspects:
-            job = next((j for j in self._suspects if j.id == job_id), None)
-        return job
+        return self._claimed.all()
 
     def detached(self) -> list[Job]:
         return [job for job in self.claimed() if job.entry_id is None]
 
     def unpublished_tokens(self) -> int:
-        """Tokens Redis has not taken yet: in updates, and in claimed jobs' output no update holds.
-        List comprehensions over the running jobs where they are (a generator over claimed()'s
-        copy cost a fifth more)."""
-        in_jobs = sum([len(j.token_ids) - j.feed.tokens for j in self._running.values()])
-        if self._suspects:
-            in_jobs += sum([len(j.token_ids) - j.feed.tokens for j in self._suspects])
-        return self._outbox.buffered_tokens() + in_jobs
+        """Tokens Redis has not taken yet: in updates, and in claimed jobs' output no update holds."""
+        return self._outbox.buffered_tokens() + self._claimed.unpublished_tokens()
 
     def unpublished_reach(self, limit: int) -> bool:
         """Whether unpublished_tokens() >= `limit`: counted only once the bound has reached it."""
@@ -215,51 +267,38 @@ class Holdings:
 
     def start(self, job: Job, start_event: str = "") -> None:
         """The job is in the engine. `start_event`: its run's start, published with its next output."""
-        if self.find(job.id) is not None:
-            raise HeldStateError(f"job {job.id}: run {job.run} started while a run of it is held")
+        self._claimed.start(job)
         update = self._outbox.for_job(job)
         if start_event:
             update.start = start_event
-        self._running[job.id] = job
         self._unpublished_at_most += len(job.token_ids) - job.feed.tokens
 
     def finished(self, job: Job, result: JobResult) -> None:
         """The engine ended the job, with `result`."""
-        if self._running.get(job.id) is not job:
-            raise HeldStateError(f"job {job.id}: run {job.run} finished in the engine without running there")
-        del self._running[job.id]
+        self._claimed.finished(job)
         self._outbox.end(job, result)
 
     def end(self, job: Job, result: JobResult) -> None:
         """This worker ends the job with `result`: taken out of the engine if it runs there."""
-        if self._running.get(job.id) is job:
-            del self._running[job.id]
-            self._abort(job)
+        self._claimed.end(job)
         self._outbox.end(job, result)
 
     def suspect(self, job: Job) -> None:
         """A running job out of the engine after a failed step, to be tried again alone
         (worker/loop/isolation.py)."""
-        if self._running.pop(job.id, None) is not job:
-            raise HeldStateError(f"job {job.id}: made a suspect without running")
-        self._abort(job)
-        self._suspects.append(job)
+        self._claimed.suspect(job)
 
     def next_suspect(self) -> Job:
-        return self._suspects.popleft()
+        return self._claimed.suspects.popleft()
 
     def stop(self, job: Job, reason: str) -> None:
         """Abort in the engine; its final output (finish_reason "abort") comes with the next step."""
         job.stop_reason = reason
-        self._abort(job)
+        self._claimed.abort(job)
 
     def drop(self, job_id: str) -> None:
         """Let go of a job without acknowledging its entry: it is someone else's now, or final."""
-        job = self._running.pop(job_id, None)
-        if job is not None:
-            self._abort(job)
-        if self._suspects:
-            self._suspects = deque(j for j in self._suspects if j.id != job_id)
+        self._claimed.drop(job_id)
         self._deliveries.drop(job_id)
         self._outbox.discard(job_id)
 
@@ -272,12 +311,6 @@ class Holdings:
             if update.job_id == job_id:
                 update.entry_id = None
                 update.dead_letter = None  # no entry left to move
-
-    def _abort(self, job: Job) -> None:
-        try:
-            self.engine.abort(job.engine_id)
-        except Exception:
-            log.exception("job %s: the engine's abort raised", job.id)
 
     # -- publication: what Redis has not seen ---------------------------------------------------
 

@@ -3,8 +3,8 @@ and FAIL, the read of a resumed job's recorded events, and publication (PUBLISH,
 running job's flags, the wait for replicas). They answer job by job: an error in a job's place
 is that job's (worker/loop/rejection.py), and each reply is parsed into the protocol's enums
 (producer_client/protocol/replies.py) here, an answer the protocol does not define becoming
-UnknownReply. The queue's own keys are WorkerQueue's (worker/loop/queue.py), which classifies
-what a pipeline met (send_pipeline)."""
+UnknownReply. The queue's own keys are WorkerQueue's (worker/loop/worker_queue.py); what a
+pipeline met is classified by worker/loop/queue.py (send_pipeline)."""
 
 from __future__ import annotations
 

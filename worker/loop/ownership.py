@@ -71,7 +71,7 @@ class Ownership:
             **adapters_advertised(self.engine),
         }
         held = self.holdings.entries()
-        depth, lost = self.queue.heartbeat(fields, self.settings.heartbeat_ttl_s, list(held))
+        depth, lost = self.queue.members.heartbeat(fields, self.settings.heartbeat_ttl_s, list(held))
         self.next_heartbeat = now + self.settings.heartbeat_interval_s
         for entry_id in lost:
             log.warning(
@@ -94,7 +94,7 @@ class Ownership:
         """Create the consumer group; if Redis lost it while this worker held jobs, their entries
         went with it: adopt each job (ADOPT) and run it on, detached from any entry. Nothing else
         can take such a job over, and its result reaches its producer as any other."""
-        self.queue.ensure_group()
+        self.queue.groups.ensure()
         self.holdings.entries_lost()
         runs = self.holdings.runs()
         if runs:

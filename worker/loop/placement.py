@@ -2,7 +2,7 @@
 heartbeat so that producers place jobs on it, and how a worker with room takes over the entries
 placed on other workers that wait too long (a steal: their owner is busy, stalled or gone) or that
 a dead or stalled owner held (a reclaim, as on the shared stream). Reading its own stream before
-the shared one is WorkerQueue.read's."""
+the shared one is QueueReads.read's."""
 
 from __future__ import annotations
 
@@ -87,11 +87,11 @@ class TakeOver:
         stream that refuses (a producer wrote it) is passed over; the next scan tries again."""
         reclaimed: list[Delivery] = []
         stolen: list[Delivery] = []
-        owners = list(self.queue.peers)
+        owners = list(self.queue.members.peers)
         if not owners:
             return reclaimed, stolen
         before = {owner: 0 if owner == self.queue.worker else steal_before_ms for owner in owners}
-        answers = self.queue.takeable(owners, min_idle_ms, before)
+        answers = self.queue.reclaims.takeable(owners, min_idle_ms, before)
         for owner, answer in zip(owners, answers):
             left = room - len(reclaimed) - len(stolen)
             if left <= 0:
@@ -102,7 +102,7 @@ class TakeOver:
             if not answer:
                 continue
             try:
-                taken = self.queue.take_over(owner, left, min_idle_ms, before[owner])
+                taken = self.queue.reclaims.take_over(owner, left, min_idle_ms, before[owner])
             except redis.ResponseError as e:
                 if is_transient(e) or is_fatal(e):
                     raise

@@ -137,7 +137,7 @@ class Publication:
         """Jobs whose hash Redis no longer has. If the queue's group is gone too, Redis lost its
         data: the jobs (their updates kept) are adopted before the next read. Otherwise their keys
         were deleted by hand, and they stop here."""
-        if not self.queue.group_exists():
+        if not self.queue.groups.exist():
             raise GroupLost(f"the hashes of {len(job_ids)} running jobs and the group are gone")
         for job_id in job_ids:
             log.warning("job %s: its keys were deleted while it ran; this run stops", job_id)

@@ -52,9 +52,10 @@ from worker.loop.ownership import Ownership
 from worker.loop.pace import Pace
 from worker.loop.placement import TakeOver
 from worker.loop.publication import Publication
-from worker.loop.queue import GroupLost, RedisClock, WorkerQueue, is_transient
+from worker.loop.queue import GroupLost, RedisClock, is_transient
 from worker.loop.rejection import Rejections
 from worker.loop.streams import owner_of
+from worker.loop.worker_queue import WorkerQueue
 from worker.metrics import WorkerMetrics
 from worker.settings import WorkerSettings
 
@@ -126,7 +127,7 @@ class Worker:
         finally:
             self.publication.close()
             try:
-                self.queue.leave()
+                self.queue.members.leave()
             except redis.RedisError as e:  # do not hide why the loop ended
                 log.warning("could not remove the heartbeat: %s", e)
 
@@ -172,7 +173,7 @@ class Worker:
         self.publication.flush()
         self.rejections.send()
         corrections = dict(self.holdings.ledger.owed)
-        self.queue.read(NO_ROOM, None, *self.holdings.receipts(), corrections)
+        self.queue.reads.read(NO_ROOM, None, *self.holdings.receipts(), corrections)
         self.holdings.receipts_sent(corrections)
         self._give_back_unfinished()
 
@@ -181,11 +182,11 @@ class Worker:
         go back to the queue as new entries (REQUEUE)."""
         held = list(self.holdings.entries())
         if held:
-            released = self.queue.release(held)
+            released = self.queue.members.release(held)
             log.info("handed %d unfinished jobs over to other workers", released)
         for job in self.holdings.detached():
             try:
-                requeued = self.queue.requeue(job)
+                requeued = self.queue.members.requeue(job)
             except redis.ResponseError as e:
                 if is_transient(e) or is_fatal(e):
                     raise
@@ -224,7 +225,7 @@ class Worker:
         idle = not (self.engine.has_unfinished() or self.holdings.unadmitted or self.holdings.has_updates())
         block_ms = max(1, min(self.settings.block_ms, self.ownership.ms_to_heartbeat())) if idle else None
         corrections = dict(self.holdings.ledger.owed)
-        read = self.queue.read(self._rooms(), block_ms, *self.holdings.receipts(), corrections)
+        read = self.queue.reads.read(self._rooms(), block_ms, *self.holdings.receipts(), corrections)
         self.holdings.receipts_sent(corrections)
         own = sum(1 for d in read if owner_of(d.entry_id) is not None)
         self.metrics.taken["own"].inc(own)

@@ -22,6 +22,7 @@ from producer_client.protocol import worker as scripts
 from producer_client.protocol.backlog import LANED, OWNED, entry_stream, reference_parts, shard_parts
 from producer_client.protocol.execution import AddCommands, Pipe
 from producer_client.protocol.letters import DEAD_LETTER_MAXLEN
+from producer_client.protocol.shards import shard_names
 
 
 @dataclass(frozen=True)
@@ -122,3 +123,20 @@ class QueueStreams:
                 scripts.release(key, worker, idle_ms, list(ids)).add_to(pipe)
 
         return add
+
+
+class QueueShards:
+    """The queue's shards as this worker reads them (docs/architecture.md, "A queue over several
+    shards"): each shard's name (keys.shard(queue, i); one shard is the queue's own keys alone), the
+    shard of each shard's stream, and which shard is asked first, in turn: the reads move the turn
+    on, and the reclaim scans and an idle wait on a cluster start where it stands."""
+
+    def __init__(self, keys: Keys, queue: str, count: int):
+        self.names = shard_names(queue, count)
+        self.of_stream = {keys.queue(name): i for i, name in enumerate(self.names)}
+        self.first = 0
+
+
+def fields_of(flat: list[str]) -> dict[str, str]:
+    """An entry's fields from Redis's flat list of names and values."""
+    return dict(zip(flat[::2], flat[1::2]))
