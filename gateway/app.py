@@ -38,12 +38,13 @@ from gateway.registry import ModelRegistry, Route
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream, events, opening
 from openai_format.errors import APIError, bad_request, job_error, not_found
-from openai_format.job_specs import JobSpec, Model, chat_jobs, completion_jobs, parse_body
+from openai_format.job_specs import JobSpec, Model, chat_jobs, completion_jobs, named_as_requested, parse_body
 from openai_format.render import ChatRenderer, CompletionRenderer, Renderer, finish_reason, usage
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from openai_format.responses import ModelList
 from producer_client import AsyncClient, JobResult, MiliError, RateLimited
 from producer_client.connection import answered_within, connect_async, one_try_options
+from producer_client.errors import InvalidArgument
 from producer_client.keys import NAME_PATTERN
 from producer_client.new_job import lane_of
 from producer_client.protocol.shards import AUTO
@@ -136,10 +137,13 @@ class Gateway:
         specs = jobs_of(req)
         prompt_of, lane = [s.prompt_index for s in specs], lane_of(specs[0].service_tier)
         renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, prompt_of, lane)
-        self.check(specs)
-        route = await self.registry.route(req.model)
-        specs = [replace(spec, adapter=route.adapter) for spec in specs]
-        jobs = await self.submit(request, specs, route.queue, req, stream=req.streams)
+        try:
+            self.check(specs)
+            route = await self.registry.route(req.model)
+            specs = [replace(spec, adapter=route.adapter) for spec in specs]
+            jobs = await self.submit(request, specs, route.queue, req, stream=req.streams)
+        except InvalidArgument as e:
+            raise named_as_requested(e, req) from None
         prompt = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         try:
             if req.streams:

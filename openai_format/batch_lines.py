@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from openai_format.errors import APIError, bad_request, error_of
-from openai_format.job_specs import JobSpec, chat_jobs, completion_jobs, parse_body
+from openai_format.job_specs import JobSpec, chat_jobs, completion_jobs, named_as_requested, parse_body
 from openai_format.render import ChatRenderer, CompletionRenderer, Renderer
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from producer_client import JobResult
@@ -233,7 +233,7 @@ def line_request(line: InputLine, number: int) -> LineRequest:
         for spec in specs:
             spec.check(None)
     except InvalidArgument as e:
-        raise error_of(e) from None
+        raise error_of(named_as_requested(e, request)) from None
     return LineRequest(number, line.custom_id, endpoint, line.body, request, specs)
 
 

@@ -94,6 +94,20 @@ class JobSpec:
         build_job(prompt, messages, ids, None, timeout_s, self.priority, self.options(), service_tier=tier)
 
 
+def named_as_requested(error: InvalidArgument, req: SamplingRequest) -> InvalidArgument:
+    """The client library's error on a request's job, naming the field as the request does where
+    the two names differ: a completion's token ids are its `prompt` (the client's `input_ids`),
+    and a chat's `max_completion_tokens` is the client's `max_tokens`."""
+    field = error.field
+    if field == "input_ids":
+        field = "prompt"
+    elif field == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+        field = "max_completion_tokens"
+    if field == error.field:
+        return error
+    return type(error)(field, error.message.removeprefix(f"{error.field}: "))
+
+
 def parse_body(model: type[Model], body: bytes | str) -> Model:
     """A request body as `model`, strictly from its JSON; a 400 naming the first bad field."""
     try:

@@ -93,6 +93,7 @@ def test_request_ids_depend_on_scope_custom_id_and_body_and_fit_a_job_id():
     [
         ({"stream": True}, "stream"),
         ({"max_tokens": 10**6}, "max_tokens"),
+        ({"max_completion_tokens": 10**6, "n": 2}, "max_completion_tokens"),
         ({"tools": [{"type": "function"}]}, "tools.0.function"),
         ({"temperature": "hot"}, "temperature"),
         (
