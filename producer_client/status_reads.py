@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from producer_client.errors import JobNotFound
+from producer_client.errors import InvalidJob, JobNotFound
 from producer_client.keys import Keys
 from producer_client.protocol import registry
 from producer_client.protocol.backlog import read_backlogs, read_queue_streams
@@ -23,6 +23,13 @@ def job_status(job_id: str, fields: dict[str, str], redis_time: tuple[int, int])
     already: no worker will start it (the first to read its entry records that)."""
     if not fields:
         raise JobNotFound(job_id)
+    try:
+        return parsed_status(job_id, fields, redis_time)
+    except (ValueError, KeyError):  # pydantic's ValidationError is a ValueError
+        raise InvalidJob(job_id, "its hash's status, tokens, deadline or result do not parse") from None
+
+
+def parsed_status(job_id: str, fields: dict[str, str], redis_time: tuple[int, int]) -> JobStatus:
     result = None if "result" not in fields else JobResult.model_validate_json(fields["result"])
     status = fields["status"]
     deadline_ms = fields.get("deadline")

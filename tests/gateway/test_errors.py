@@ -13,6 +13,7 @@ import pytest
 
 from gateway.api_keys import tenant_id
 from producer_client import Client
+from producer_client.keys import Keys
 from tests.gateway.support import PARKED_MODEL
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import job_count, job_ids_in_queue
@@ -281,3 +282,11 @@ def test_health_answers_503_within_its_timeout_while_redis_is_silent(tmp_path):
     served_ms = [float(ms) for ms in re.findall(r"GET '/health' -> 503 in ([\d.]+) ms", gw.log())]
     assert len(served_ms) == 4, gw.log()
     assert all(SILENT_HEALTH_TIMEOUT_S * 1000 <= ms < (SILENT_HEALTH_TIMEOUT_S + 1.0) * 1000 for ms in served_ms)
+
+
+def test_a_job_hash_no_worker_wrote_is_a_500_invalid_job_never_an_unhandled_error(gateway, redis_client):
+    job_id = f"planted-{uuid.uuid4().hex[:8]}"
+    redis_client.hset(Keys().job(job_id), mapping={"status": "done", "result": "not json"})
+    response = httpx.get(f"{gateway.url}/v1/jobs/{job_id}")
+    assert response.status_code == 500, response.text
+    assert (error_of(response)["type"], error_of(response)["code"]) == ("server_error", "invalid_job")

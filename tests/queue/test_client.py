@@ -18,7 +18,9 @@ from producer_client import (
     AsyncClient,
     Client,
     InvalidArgument,
+    InvalidJob,
     JobExpired,
+    JobFailed,
     JobNotFound,
     JobTimeout,
     QueueFull,
@@ -721,3 +723,37 @@ async def test_a_submit_cancelled_in_its_enqueue_leaves_no_job_behind(redis_serv
     async with AsyncClient(redis_server.url, queue) as again:
         assert await again.submit("hi", max_tokens=1, request_id=request_id) == request_id
         assert (await again.status(request_id)).status == "queued"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"status": "bogus"},
+        {"tokens": "3"},
+        {"status": "running", "tokens": "many"},
+        {"status": "queued", "deadline": "soon"},
+        {"status": "done", "result": "not json"},
+    ],
+)
+def test_a_job_hash_no_worker_wrote_is_an_invalid_job_to_status(client, redis_client, fields):
+    """A producer may write a job's hash: what no worker writes there is the job's `invalid_job`
+    (the code a worker fails such a job with), never a parse error of the client's."""
+    job_id = f"planted-{uuid.uuid4().hex[:8]}"
+    redis_client.hset(Keys().job(job_id), mapping=fields)
+    with pytest.raises(InvalidJob) as invalid:
+        client.status(job_id)
+    assert (invalid.value.code, invalid.value.job_id) == ("invalid_job", job_id)
+
+
+def test_a_result_no_worker_wrote_fails_its_job_alone_with_invalid_job(client, redis_client):
+    """result() raises JobFailed, as_completed() yields the failed result and the others'."""
+    bad, good = (f"{name}-{uuid.uuid4().hex[:8]}" for name in ("bad", "good"))
+    redis_client.hset(Keys().job(bad), mapping={"status": "done", "result": "not json"})
+    ok = JobResult(id=good, status="done", text="ok").model_dump_json()
+    redis_client.hset(Keys().job(good), mapping={"status": "done", "result": ok})
+    with pytest.raises(JobFailed) as failed:
+        client.result(bad, timeout=5)
+    assert failed.value.code == "invalid_job"
+    results = {r.id: r for r in client.as_completed([bad, good], timeout=5)}
+    assert (results[good].status, results[good].text) == ("done", "ok")
+    assert (results[bad].status, results[bad].error.code) == ("failed", "invalid_job")
