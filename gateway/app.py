@@ -51,6 +51,8 @@ from producer_client.protocol.shards import AUTO
 from producer_client.schema import JobFailed
 
 log = logging.getLogger("gateway")
+# The answer's headers a page on a granted origin may read (cors_origins): none is CORS-safelisted.
+EXPOSED_HEADERS = ["x-request-id", "x-mili-job-ids", "retry-after", "retry-after-ms", *EXPOSED_RATE_LIMIT_HEADERS]
 
 
 class Gateway:
@@ -269,12 +271,15 @@ def edge_of(app, settings: GatewaySettings, failures: AuthFailures, metrics: Gat
     limits = Limits(settings.max_json_bytes, settings.batch_max_file_bytes, settings.monitoring_needs_key)
     guarded = Edge(app, access, limits, failures)
     if settings.cors_origins:
+        # Any request header from the origins granted: the official SDKs send headers of their own
+        # (x-stainless-*, openai-organization...), and a preflight that refuses one stops every
+        # request.
         guarded = CORSMiddleware(
             guarded,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=["authorization", "content-type", "idempotency-key", "x-request-id"],
-            expose_headers=["x-request-id", "x-mili-job-ids", *EXPOSED_RATE_LIMIT_HEADERS],
+            allow_headers=["*"],
+            expose_headers=EXPOSED_HEADERS,
         )
     return ProxyHeadersMiddleware(RequestContext(guarded, metrics), trusted_hosts=settings.trusted_proxies)
 
