@@ -448,7 +448,8 @@ for _ = 1, tonumber(ARGV[7]) do
     if redis.call('ZSCORE', KEYS[1 + l], tenant) then
       redis.call('ZINCRBY', KEYS[1 + l], tokens / weight(tenant), tenant)
     elseif tenant ~= '-' then
-      redis.call('HINCRBYFLOAT', sched, 'c:' .. LANES[l] .. ':' .. tenant, tokens / weight(tenant))
+      local field = 'c:' .. LANES[l] .. ':' .. tenant  -- read and set: HINCRBYFLOAT refuses a producer's junk
+      redis.call('HSET', sched, field, stored(redis.call('HGET', sched, field), 0) + tokens / weight(tenant))
     end
   end
 end
