@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import logging
+
+from pydantic import ValidationError
+
 from producer_client.errors import InvalidJob, JobNotFound
 from producer_client.keys import Keys
 from producer_client.protocol import registry
@@ -11,6 +15,8 @@ from producer_client.protocol.clock import epoch_ms
 from producer_client.protocol.job_reads import job_fields
 from producer_client.schema import JobResult, JobStatus, QueueStats, WorkerInfo
 from producer_client.steps import Steps
+
+log = logging.getLogger(__name__)
 
 
 def read_status(keys: Keys, job_id: str) -> Steps[JobStatus]:
@@ -76,5 +82,15 @@ def read_live_workers(keys: Keys) -> Steps[list[WorkerInfo]]:
 
 
 def live_workers(heartbeats: list[dict[str, str]]) -> list[WorkerInfo]:
-    """The workers whose heartbeat hash still exists (HGETALL of an expired one is empty)."""
-    return [WorkerInfo.model_validate(h) for h in heartbeats if h]
+    """The workers whose heartbeat hash still exists (HGETALL of an expired one is empty). One
+    that does not parse (a worker of another version, during an upgrade) is left out, with a
+    warning: the others are every gateway's model table, which one such hash must not stop."""
+    workers = []
+    for heartbeat in (h for h in heartbeats if h):
+        try:
+            workers.append(WorkerInfo.model_validate(heartbeat))
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(map(str, first["loc"]))
+            log.warning("worker %r: its heartbeat's %s: %s; left out", heartbeat.get("name"), where, first["msg"])
+    return workers

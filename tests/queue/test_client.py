@@ -623,7 +623,7 @@ def test_a_wait_longer_than_the_socket_timeout_reads_in_bounded_blocks(client):
         client.result(job_id, timeout=6)
 
 
-def test_workers_lists_the_live_workers_of_every_queue_from_their_heartbeats(client, redis_client, queue):
+def test_workers_lists_the_live_workers_of_every_queue_from_their_heartbeats(client, redis_server, redis_client, queue):
     other = f"{queue}-other"
     heartbeat = {
         "device": "cpu",
@@ -638,16 +638,25 @@ def test_workers_lists_the_live_workers_of_every_queue_from_their_heartbeats(cli
         (f"{queue}-a", queue, "tiny"),
         (f"{queue}-b", other, "/models/qwen"),
         (f"{queue}-dead", queue, "tiny"),
+        (f"{queue}-odd", queue, "tiny"),
     ):
         fields = {**heartbeat, "name": name, "queue": worker_queue, "model": model}
         WorkerQueue(redis_client, Keys(), worker_queue, name).heartbeat(fields, ttl_s=5, held=[])
     redis_client.delete(Keys().worker(f"{queue}-dead"))  # as when its TTL runs out
+    # A heartbeat no worker of this version writes (another version's, during an upgrade) is left
+    # out: the others are listed, and a gateway's model table, read from them, still serves.
+    redis_client.hset(Keys().worker(f"{queue}-odd"), mapping={"state": "warming", "running": "many"})
+    redis_client.pexpire(Keys().worker(f"{queue}-odd"), 5000)
 
     mine = sorted((w for w in client.workers() if w.queue in (queue, other)), key=lambda w: w.name)
     assert [(w.name, w.queue, w.model, w.state, w.running, w.free_slots, w.free_pages) for w in mine] == [
         (f"{queue}-a", queue, "tiny", "serving", 2, 3, 40),
         (f"{queue}-b", other, "/models/qwen", "serving", 2, 3, 40),
     ]
+    with Client(redis_server.url, queue) as operator:  # `mili workers`' view
+        health = {w.name: w for w in operator.inspect.workers() if w.queue in (queue, other)}
+    assert (health[f"{queue}-odd"].condition, health[f"{queue}-odd"].info) == ("unreadable", None)
+    assert health[f"{queue}-a"].condition == "live"
 
 
 def test_a_client_on_another_queue_shares_the_connection_pool(client, redis_client, queue):
