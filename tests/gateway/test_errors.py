@@ -290,3 +290,14 @@ def test_a_job_hash_no_worker_wrote_is_a_500_invalid_job_never_an_unhandled_erro
     response = httpx.get(f"{gateway.url}/v1/jobs/{job_id}")
     assert response.status_code == 500, response.text
     assert (error_of(response)["type"], error_of(response)["code"]) == ("server_error", "invalid_job")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_token_ids_past_the_vocabulary_found_by_the_worker_are_a_400_naming_the_prompt(gateway, stream):
+    """Only the worker knows its vocabulary: its refusal is the request's bad `prompt`, in OpenAI's
+    code, before a stream starts as after a whole answer."""
+    body = {"model": "tiny", "prompt": [[1, 2], [10**9]], "max_tokens": 2, "stream": stream}
+    response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "prompt", "invalid_value")
