@@ -113,7 +113,7 @@ def parse_body(model: type[Model], body: bytes | str) -> Model:
     try:
         return model.model_validate_json(body, strict=True)
     except ValidationError as e:
-        first = e.errors()[0]
+        first = telling(e.errors())
         param = param_of(first)
         if first["type"] == "extra_forbidden":
             raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter") from None
@@ -121,6 +121,14 @@ def parse_body(model: type[Model], body: bytes | str) -> Model:
             raise unsupported(f"{param} {first['ctx']['error']}", param) from None
         code = ERROR_CODES.get(first["type"], "invalid_value" if param else "invalid_json")
         raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param, code) from None
+
+
+def telling(errors: list) -> dict:
+    """The error to answer: of a union's members' errors on the first bad field, the one of the
+    member the value's type matched (a list of five stops is too long, not "no string"): pydantic's
+    errors of a member the value is not of are its `*_type` ones. Else the first."""
+    param = param_of(errors[0])
+    return next((e for e in errors if param_of(e) == param and not e["type"].endswith("_type")), errors[0])
 
 
 def param_of(error: dict) -> str | None:

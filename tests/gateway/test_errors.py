@@ -12,6 +12,9 @@ import openai
 import pytest
 
 from gateway.api_keys import tenant_id
+from openai_format.errors import APIError
+from openai_format.job_specs import parse_body
+from openai_format.requests import ChatCompletionRequest
 from producer_client import Client
 from producer_client.keys import Keys
 from tests.gateway.support import PARKED_MODEL
@@ -301,3 +304,32 @@ def test_token_ids_past_the_vocabulary_found_by_the_worker_are_a_400_naming_the_
     assert response.status_code == 400, response.text
     error = error_of(response)
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "prompt", "invalid_value")
+
+
+@pytest.mark.parametrize(
+    "extra, param, code, message",
+    [
+        (
+            {"stop": ["x"] * 5},
+            "stop",
+            "above_max_length",
+            "stop: List should have at most 4 items after validation, not 5",
+        ),
+        ({"stop": []}, "stop", "below_min_length", "stop: List should have at least 1 item after validation, not 0"),
+        (
+            {"messages": [{"role": "user", "content": []}]},
+            "messages.0.content",
+            "below_min_length",
+            "messages.0.content: List should have at least 1 item after validation, not 0",
+        ),
+        ({"stop": 5}, "stop", "invalid_value", "stop: Input should be a valid string"),
+    ],
+)
+def test_a_union_fields_error_is_its_values_member_not_the_first_member(extra, param, code, message):
+    """A list of five stops is too long, not "no string": of a union's members, the error named is
+    the one of the member the value's type matched, where there is one."""
+    body = {"model": "tiny", "messages": CHAT, **extra}
+    with pytest.raises(APIError) as refused:
+        parse_body(ChatCompletionRequest, json.dumps(body))
+    error = refused.value.body.error
+    assert (refused.value.status, error.param, error.code, error.message) == (400, param, code, message)
