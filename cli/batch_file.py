@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -76,11 +77,16 @@ class AnswerFiles:
     or, for a line that is not a request, by its line number."""
 
     def __init__(self, output: Path, errors: Path):
-        written = read_answers(output) + read_answers(errors)
+        with file_argument("output", output):
+            written = read_answers(output)
+        with file_argument("errors", errors):
+            written += read_answers(errors)
         self.custom_ids = {a.custom_id for a in written if a.error is None or a.error.line is None}
         self.lines = {a.error.line for a in written if a.error is not None and a.error.line is not None}
-        self.output: TextIO = output.open("a", encoding="utf-8")
-        self.errors: TextIO = errors.open("a", encoding="utf-8")
+        with file_argument("output", output):
+            self.output: TextIO = output.open("a", encoding="utf-8")
+        with file_argument("errors", errors):
+            self.errors: TextIO = errors.open("a", encoding="utf-8")
 
     def answered(self, custom_id: str) -> bool:
         return custom_id in self.custom_ids
@@ -95,6 +101,16 @@ class AnswerFiles:
     def close(self) -> None:
         self.output.close()
         self.errors.close()
+
+
+@contextmanager
+def file_argument(name: str, path: Path) -> Iterator[None]:
+    """An OSError on `path`, the file the argument `name` names (missing, a directory, not
+    allowed), as InvalidArgument: the CLI's one-line error, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        raise InvalidArgument(name, f"{path}: {e.strerror or e}") from None
 
 
 def read_answers(path: Path) -> list[OutputLine]:
@@ -126,7 +142,14 @@ class BatchFileRun:
     ended."""
 
     def __init__(
-        self, client: Client, input_path: Path, files: AnswerFiles, in_flight: int, bar: tqdm, stop: threading.Event
+        self,
+        client: Client,
+        input_path: Path,
+        lines: int,
+        files: AnswerFiles,
+        in_flight: int,
+        bar: tqdm,
+        stop: threading.Event,
     ):
         self.client = client
         self.stop = stop
@@ -134,7 +157,7 @@ class BatchFileRun:
         self.scope = str(input_path.resolve())
         self.files = files
         self.bar = bar
-        self.tally = Tally(lines=count_lines(input_path))
+        self.tally = Tally(lines=lines)
         self.flight = Flight(client.keys, in_flight, weight=lambda line: len(line.request.specs))
 
     def run(self) -> Tally:
@@ -220,8 +243,19 @@ class BatchFileRun:
 
 
 def count_lines(path: Path) -> int:
-    with path.open("rb") as f:
-        return sum(1 for text in f if text.strip())
+    """The input's request lines (blank ones left out), once sure that the whole file reads as
+    UTF-8: one that does not is refused before any of its lines is submitted, as the Batch API
+    refuses such an upload."""
+    count = 0
+    with file_argument("input", path), path.open("rb") as f:
+        for number, raw in enumerate(f, 1):  # split at b"\n" only, as jsonl_lines splits
+            try:
+                count += bool(raw.decode("utf-8").strip())
+            except UnicodeDecodeError as e:
+                raise InvalidArgument(
+                    "input", f"{path}: line {number} is not UTF-8 text ({e.reason} at byte {e.start})"
+                ) from None
+    return count
 
 
 def run_batch(
@@ -231,9 +265,10 @@ def run_batch(
     (Ctrl-C) ends the run within READ_WAIT_S, between two exchanges with Redis, so that nothing is
     left half-sent: the answers written so far stay, and the jobs in flight run on. Run it again to
     finish."""
+    lines = count_lines(input_path)  # before the output is created: a wrong input leaves no file
     files = AnswerFiles(output, errors)
     bar = tqdm(unit="line", dynamic_ncols=True)
-    run = BatchFileRun(client, input_path, files, in_flight, bar, stop)
+    run = BatchFileRun(client, input_path, lines, files, in_flight, bar, stop)
     bar.total = run.tally.lines - len(files.custom_ids) - len(files.lines)
     try:
         return run.run()

@@ -156,6 +156,11 @@ def print_workers(workers: list[WorkerHealth]) -> None:
     rows = []
     for w in workers:
         i = w.info
+        if i is None:  # a heartbeat that does not parse: a worker of another version?
+            rows.append(
+                (w.name, w.queue, "-", "-", f"{w.condition} heartbeat", "-", "-", "-", f"{w.heartbeat_age_s:.1f}s ago")
+            )
+            continue
         state = i.state + (" (stale)" if w.condition == "stale" else "")
         kv = f"{i.total_pages - i.free_pages}/{i.total_pages} pages" if i.total_pages else f"{i.free_pages} free pages"
         rows.append(

@@ -38,18 +38,21 @@ from gateway.registry import ModelRegistry, Route
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream, events, opening
 from openai_format.errors import APIError, bad_request, job_error, not_found
-from openai_format.job_specs import JobSpec, Model, chat_jobs, completion_jobs, parse_body
+from openai_format.job_specs import JobSpec, Model, chat_jobs, completion_jobs, named_as_requested, parse_body
 from openai_format.render import ChatRenderer, CompletionRenderer, Renderer, finish_reason, usage
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from openai_format.responses import ModelList
 from producer_client import AsyncClient, JobResult, MiliError, RateLimited
 from producer_client.connection import answered_within, connect_async, one_try_options
+from producer_client.errors import InvalidArgument
 from producer_client.keys import NAME_PATTERN
 from producer_client.new_job import lane_of
 from producer_client.protocol.shards import AUTO
 from producer_client.schema import JobFailed
 
 log = logging.getLogger("gateway")
+# The answer's headers a page on a granted origin may read (cors_origins): none is CORS-safelisted.
+EXPOSED_HEADERS = ["x-request-id", "x-mili-job-ids", "retry-after", "retry-after-ms", *EXPOSED_RATE_LIMIT_HEADERS]
 
 
 class Gateway:
@@ -136,10 +139,13 @@ class Gateway:
         specs = jobs_of(req)
         prompt_of, lane = [s.prompt_index for s in specs], lane_of(specs[0].service_tier)
         renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, prompt_of, lane)
-        self.check(specs)
-        route = await self.registry.route(req.model)
-        specs = [replace(spec, adapter=route.adapter) for spec in specs]
-        jobs = await self.submit(request, specs, route.queue, req, stream=req.streams)
+        try:
+            self.check(specs)
+            route = await self.registry.route(req.model)
+            specs = [replace(spec, adapter=route.adapter) for spec in specs]
+            jobs = await self.submit(request, specs, route.queue, req, stream=req.streams)
+        except InvalidArgument as e:
+            raise named_as_requested(e, req) from None
         prompt = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         try:
             if req.streams:
@@ -265,12 +271,15 @@ def edge_of(app, settings: GatewaySettings, failures: AuthFailures, metrics: Gat
     limits = Limits(settings.max_json_bytes, settings.batch_max_file_bytes, settings.monitoring_needs_key)
     guarded = Edge(app, access, limits, failures)
     if settings.cors_origins:
+        # Any request header from the origins granted: the official SDKs send headers of their own
+        # (x-stainless-*, openai-organization...), and a preflight that refuses one stops every
+        # request.
         guarded = CORSMiddleware(
             guarded,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=["authorization", "content-type", "idempotency-key", "x-request-id"],
-            expose_headers=["x-request-id", "x-mili-job-ids", *EXPOSED_RATE_LIMIT_HEADERS],
+            allow_headers=["*"],
+            expose_headers=EXPOSED_HEADERS,
         )
     return ProxyHeadersMiddleware(RequestContext(guarded, metrics), trusted_hosts=settings.trusted_proxies)
 

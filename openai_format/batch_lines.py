@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from openai_format.errors import APIError, bad_request, error_of
-from openai_format.job_specs import JobSpec, chat_jobs, completion_jobs, parse_body
+from openai_format.errors import APIError, bad_request, error_of, job_error
+from openai_format.job_specs import JobSpec, chat_jobs, completion_jobs, named_as_requested, parse_body
 from openai_format.render import ChatRenderer, CompletionRenderer, Renderer
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from producer_client import JobResult
@@ -233,7 +233,7 @@ def line_request(line: InputLine, number: int) -> LineRequest:
         for spec in specs:
             spec.check(None)
     except InvalidArgument as e:
-        raise error_of(e) from None
+        raise error_of(named_as_requested(e, request)) from None
     return LineRequest(number, line.custom_id, endpoint, line.body, request, specs)
 
 
@@ -282,7 +282,8 @@ def answer(req: LineRequest, request_id: str, results: list[JobResult]) -> Outpu
     failed = next((r for r in results if r.status == "failed"), None)
     if failed is not None:
         code, message = (failed.error.code, failed.error.message) if failed.error else ("error", "failed")
-        return error_answer(req.custom_id, request_id, error_of(JobFailed(code, message, failed)))
+        prompt = "messages" if req.endpoint.request is ChatCompletionRequest else "prompt"
+        return error_answer(req.custom_id, request_id, job_error(JobFailed(code, message, failed), prompt))
     prompt_of = [spec.prompt_index for spec in req.specs]
     renderer = req.endpoint.renderer(
         f"{req.endpoint.id_prefix}-{request_id}", req.request.model, prompt_of, lane_of(req.service_tier)

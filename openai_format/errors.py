@@ -24,6 +24,9 @@ from producer_client.schema import JobExpired, JobFailed
 BAD_INPUT_CODES = frozenset(
     {"invalid_argument", "invalid_body", "body_too_large", "prompt_too_long", "kv_capacity_exceeded"}
 )
+# The field the worker's InvalidArgument names for its checks of a prompt's tokens (its message
+# begins with it: worker/engine/intake.py).
+WORKER_PROMPT_FIELD = "prompt_token_ids"
 
 
 class APIError(Exception):
@@ -52,9 +55,12 @@ def deadline_passed(message: str) -> APIError:
 
 def job_error(error: JobFailed, prompt_param: str) -> APIError:
     """A job's failure as the request's error; a prompt longer than the context is OpenAI's
-    `context_length_exceeded`, naming the request's prompt field."""
+    `context_length_exceeded`, and one the worker refuses otherwise (token ids past its vocabulary)
+    an `invalid_value`, each naming the request's prompt field."""
     if error.code == "prompt_too_long":
         return bad_request(error.message, prompt_param, "context_length_exceeded")
+    if error.code == "invalid_argument" and error.message.startswith(f"{WORKER_PROMPT_FIELD}:"):
+        return bad_request(error.message, prompt_param)
     return error_of(error)
 
 
@@ -75,8 +81,8 @@ def error_of(error: MiliError) -> APIError:
     if isinstance(error, JobFailed):
         if error.code == "prompt_too_long":
             return bad_request(error.message, code="context_length_exceeded")
-        if error.code in BAD_INPUT_CODES:
-            return bad_request(error.message, code=error.code)
+        if error.code in BAD_INPUT_CODES:  # the worker's bad value is OpenAI's invalid_value, as the client's
+            return bad_request(error.message, code="invalid_value" if error.code == "invalid_argument" else error.code)
         return APIError(500, error.message, "server_error", error.code)
     if isinstance(error, IdempotencyConflict):
         message = "this Idempotency-Key was first used with another request; send a new key with a new request"

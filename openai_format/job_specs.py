@@ -94,12 +94,26 @@ class JobSpec:
         build_job(prompt, messages, ids, None, timeout_s, self.priority, self.options(), service_tier=tier)
 
 
+def named_as_requested(error: InvalidArgument, req: SamplingRequest) -> InvalidArgument:
+    """The client library's error on a request's job, naming the field as the request does where
+    the two names differ: a completion's token ids are its `prompt` (the client's `input_ids`),
+    and a chat's `max_completion_tokens` is the client's `max_tokens`."""
+    field = error.field
+    if field == "input_ids":
+        field = "prompt"
+    elif field == "max_tokens" and getattr(req, "max_completion_tokens", None) is not None:
+        field = "max_completion_tokens"
+    if field == error.field:
+        return error
+    return type(error)(field, error.message.removeprefix(f"{error.field}: "))
+
+
 def parse_body(model: type[Model], body: bytes | str) -> Model:
     """A request body as `model`, strictly from its JSON; a 400 naming the first bad field."""
     try:
         return model.model_validate_json(body, strict=True)
     except ValidationError as e:
-        first = e.errors()[0]
+        first = telling(e.errors())
         param = param_of(first)
         if first["type"] == "extra_forbidden":
             raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter") from None
@@ -107,6 +121,14 @@ def parse_body(model: type[Model], body: bytes | str) -> Model:
             raise unsupported(f"{param} {first['ctx']['error']}", param) from None
         code = ERROR_CODES.get(first["type"], "invalid_value" if param else "invalid_json")
         raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param, code) from None
+
+
+def telling(errors: list) -> dict:
+    """The error to answer: of a union's members' errors on the first bad field, the one of the
+    member the value's type matched (a list of five stops is too long, not "no string"): pydantic's
+    errors of a member the value is not of are its `*_type` ones. Else the first."""
+    param = param_of(errors[0])
+    return next((e for e in errors if param_of(e) == param and not e["type"].endswith("_type")), errors[0])
 
 
 def param_of(error: dict) -> str | None:

@@ -112,9 +112,24 @@ class SamplingRequest(Strict):
 # -- chat messages, as the spec's request message types ---------------------------------------------
 
 
+class PromptCacheBreakpoint(Strict):
+    """The spec's explicit cache breakpoint on a part: accepted, with no effect, as
+    prompt_cache_key is (the radix cache finds shared prefixes by itself)."""
+
+    mode: Literal["explicit"]
+
+
+class PromptCacheOptions(Strict):
+    """The spec's prompt_cache_options: accepted, with no effect, as PromptCacheBreakpoint."""
+
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
+
+
 class TextPart(Strict):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class RefusalPart(Strict):
@@ -214,6 +229,7 @@ class ChatCompletionRequest(SamplingRequest):
     metadata: dict[str, str] | None = Field(None, max_length=16)
     store: Annotated[bool | None, only(False)] = None
     prompt_cache_key: str | None = None  # a cache hint: the radix cache finds shared prefixes by itself
+    prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: str | None = Field(None, max_length=64)
     modalities: Annotated[list[str] | None, only(["text"])] = None
     audio: Unused = None

@@ -38,7 +38,7 @@ from producer_client.protocol.producer import NO_LIMITS, Limits
 from producer_client.protocol.replies import Enqueued, Refusal, UnknownReply, parse_enqueue, parse_enqueue_many
 from producer_client.protocol.script import add_all
 from producer_client.protocol.shards import ONE_SHARD, QueueShards
-from producer_client.schema import JobExpired, JobResult, Timings
+from producer_client.schema import JobExpired, JobResult, Timings, parse_result
 from producer_client.sharing import lane_job, placed_fields, refusal_error, uses_queue_stream
 from producer_client.steps import Steps, checked
 from producer_client.validation import check_job_id, check_timeout
@@ -341,7 +341,7 @@ class ResultWatch:
                 del self.looked[job_id]
                 del self.waiting[job_id]
                 self.expiries.pop(job_id, None)
-                ended.append(JobResult.model_validate_json(data))
+                ended.append(parse_result(job_id, data))
         return sorted(ended, key=lambda result: result.timings.finished_at or 0.0)
 
     def take(self, window: dict[str, str], reply: list[tuple[str, list[Entry]]]) -> list[JobResult]:
@@ -353,8 +353,8 @@ class ResultWatch:
             del self.waiting[window[key]]
             self.looked.pop(window[key], None)
             self.expiries.pop(window[key], None)
-            ended.append((entry_order(entry_id), fields["data"]))
-        return [JobResult.model_validate_json(data) for _, data in sorted(ended)]
+            ended.append((entry_order(entry_id), window[key], fields.get("data")))
+        return [parse_result(job_id, data) for _, job_id, data in sorted(ended)]
 
     def next_expiry(self) -> float | None:
         return min(self.expiries.values(), default=None)

@@ -181,6 +181,17 @@ class JobNotFound(MiliError):
         self.job_id = job_id
 
 
+class InvalidJob(MiliError):
+    """A job's keys hold what no worker writes there (a producer may write them): its status
+    cannot be told. The code is the one a worker fails such a job with (`invalid_job`)."""
+
+    code = "invalid_job"
+
+    def __init__(self, job_id: str, what: str):
+        super().__init__(f"job {job_id!r}: {what}, which no worker writes: submit it anew under a fresh id")
+        self.job_id = job_id
+
+
 class JobTimeout(MiliError):
     """Waiting for a job timed out. The job itself may still be queued or running."""
 

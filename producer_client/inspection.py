@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from producer_client.cluster import AsyncRedis, SyncRedis
 from producer_client.dead_letters import DeadLetterNotFound, find_in_any
@@ -98,9 +98,9 @@ class QueueOverview(BaseModel):
 class WorkerHealth(BaseModel):
     name: str
     queue: str
-    condition: Literal["live", "stale", "gone"]
+    condition: Literal["live", "stale", "gone", "unreadable"]
     heartbeat_age_s: float
-    info: WorkerInfo | None  # None once gone
+    info: WorkerInfo | None  # None once gone, or where the heartbeat does not parse (another version's)
 
 
 class QueueInspector:
@@ -328,10 +328,10 @@ def health(queue: str, name: str, age_s: float, heartbeat: dict[str, str], ttl_m
     if not heartbeat:
         return WorkerHealth(name=name, queue=queue, condition="gone", heartbeat_age_s=age_s, info=None)
     stale = ttl_ms >= 0 and age_s > ttl_ms / 1000
+    try:
+        info = WorkerInfo.model_validate(heartbeat)
+    except ValidationError:
+        return WorkerHealth(name=name, queue=queue, condition="unreadable", heartbeat_age_s=max(0.0, age_s), info=None)
     return WorkerHealth(
-        name=name,
-        queue=queue,
-        condition="stale" if stale else "live",
-        heartbeat_age_s=max(0.0, age_s),
-        info=WorkerInfo.model_validate(heartbeat),
+        name=name, queue=queue, condition="stale" if stale else "live", heartbeat_age_s=max(0.0, age_s), info=info
     )

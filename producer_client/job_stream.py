@@ -26,7 +26,7 @@ from producer_client.protocol import job_reads
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.clock import entry_order
 from producer_client.protocol.events import EventType, shown_output_format, shown_tokens
-from producer_client.schema import JobResult, TokenDelta
+from producer_client.schema import JobResult, TokenDelta, parse_result
 from producer_client.steps import Steps, checked
 from producer_client.validation import check_event_id, check_job_id, check_timeout
 from producer_client.waiting import Deadline, expiry, finished, read_events, unless_expired
@@ -105,7 +105,7 @@ class JobStream:
         """The output of a job that kept no events (its result JSON), as one delta (none if it has
         none or the stream resumes after it), and its end."""
         self.end = result_json
-        result = JobResult.model_validate_json(result_json)
+        result = parse_result(self.job_id, result_json)
         if not (result.token_ids or result.text) or entry_order(WHOLE_OUTPUT) <= self.resume_after:
             return []
         output = {"text": result.text, "reasoning": result.reasoning, "tool_calls": result.tool_calls}
@@ -126,7 +126,7 @@ class JobStream:
             delta = token_delta(event_id, fields["data"], split)
             return [delta] if shown else []
         if kind == EventType.END:
-            self.end = fields["data"]
+            self.end = fields.get("data", "")  # an end without one: parse_result's invalid_job
             rest = self.parser.finish() if self.parser is not None else None
             if rest and shown:
                 # Resuming after the last tokens event reads the end again, and so this again.

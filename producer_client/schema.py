@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from producer_client.chat import MAX_TOOLS, ChatMessage, NamedToolChoice, Tool, ToolCall, ToolChoice, tool_names
-from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, MiliError
+from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, InvalidJob, MiliError
 from producer_client.keys import NAME_PATTERN
 from producer_client.structured import FORMAT_TYPES, ResponseFormat
 
@@ -271,6 +271,17 @@ class JobResult(BaseModel):
     error: ErrorInfo | None = None
     logprobs: list[TokenLogprob] | None = None
     worker: str | None = None
+
+
+def parse_result(job_id: str, text: str | None) -> JobResult:
+    """The job's result as its hash or its `done` entry holds it. One that no worker wrote (a
+    producer may write the job's keys) is the job's failure with `invalid_job`, the code a worker
+    fails such a job with: it ends that job's wait alone, and every other's goes on."""
+    try:
+        return JobResult.model_validate_json(text or "")
+    except ValidationError:
+        invalid = InvalidJob(job_id, "its result is not a result's JSON")
+        return JobResult(id=job_id, status="failed", error=ErrorInfo(code=invalid.code, message=invalid.message))
 
 
 class JobFailed(MiliError):

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
-from producer_client.errors import JobNotFound
+import logging
+
+from pydantic import ValidationError
+
+from producer_client.errors import InvalidJob, JobNotFound
 from producer_client.keys import Keys
 from producer_client.protocol import registry
 from producer_client.protocol.backlog import read_backlogs, read_queue_streams
@@ -11,6 +15,8 @@ from producer_client.protocol.clock import epoch_ms
 from producer_client.protocol.job_reads import job_fields
 from producer_client.schema import JobResult, JobStatus, QueueStats, WorkerInfo
 from producer_client.steps import Steps
+
+log = logging.getLogger(__name__)
 
 
 def read_status(keys: Keys, job_id: str) -> Steps[JobStatus]:
@@ -23,6 +29,13 @@ def job_status(job_id: str, fields: dict[str, str], redis_time: tuple[int, int])
     already: no worker will start it (the first to read its entry records that)."""
     if not fields:
         raise JobNotFound(job_id)
+    try:
+        return parsed_status(job_id, fields, redis_time)
+    except (ValueError, KeyError):  # pydantic's ValidationError is a ValueError
+        raise InvalidJob(job_id, "its hash's status, tokens, deadline or result do not parse") from None
+
+
+def parsed_status(job_id: str, fields: dict[str, str], redis_time: tuple[int, int]) -> JobStatus:
     result = None if "result" not in fields else JobResult.model_validate_json(fields["result"])
     status = fields["status"]
     deadline_ms = fields.get("deadline")
@@ -69,5 +82,15 @@ def read_live_workers(keys: Keys) -> Steps[list[WorkerInfo]]:
 
 
 def live_workers(heartbeats: list[dict[str, str]]) -> list[WorkerInfo]:
-    """The workers whose heartbeat hash still exists (HGETALL of an expired one is empty)."""
-    return [WorkerInfo.model_validate(h) for h in heartbeats if h]
+    """The workers whose heartbeat hash still exists (HGETALL of an expired one is empty). One
+    that does not parse (a worker of another version, during an upgrade) is left out, with a
+    warning: the others are every gateway's model table, which one such hash must not stop."""
+    workers = []
+    for heartbeat in (h for h in heartbeats if h):
+        try:
+            workers.append(WorkerInfo.model_validate(heartbeat))
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(map(str, first["loc"]))
+            log.warning("worker %r: its heartbeat's %s: %s; left out", heartbeat.get("name"), where, first["msg"])
+    return workers

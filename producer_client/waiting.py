@@ -18,7 +18,7 @@ from producer_client.keys import DONE_TTL_MS, Keys
 from producer_client.protocol import job_reads
 from producer_client.protocol.clock import epoch_ms
 from producer_client.protocol.job_reads import Entry, StreamsReply
-from producer_client.schema import JobExpired, JobFailed, JobResult
+from producer_client.schema import JobExpired, JobFailed, JobResult, parse_result
 from producer_client.steps import Steps
 
 T = TypeVar("T")
@@ -146,7 +146,7 @@ def read_done(
     reply, result = yield from job_reads.end_read(keys, job_id, block_ms, with_result=not end_in_stream)
     streams = streams_read(reply)
     if streams:
-        return streams[0][1][0][1]["data"]
+        return streams[0][1][0][1].get("data", "")  # an entry without one: parse_result's invalid_job
     if isinstance(result, Exception):
         raise result
     return result
@@ -211,7 +211,7 @@ def read_cut_short(error: Exception) -> bool:
 
 def finished(job_id: str, result_json: str) -> JobResult:
     """The job's final result; a failed job raises JobFailed carrying it, an expired one JobExpired."""
-    result = JobResult.model_validate_json(result_json)
+    result = parse_result(job_id, result_json)
     if result.status == "expired":
         raise JobExpired(job_id, result)
     if result.status == "failed":

@@ -24,8 +24,21 @@ DOORBELL_MAXLEN = 16
 # read under contention. Measured in bench/tenants.py.
 CREDIT_EVERY = 10
 
-# Lua: the lanes in order, by their index in KEYS and the replies (1 = priority).
-LUA_LANES = "local LANES = {" + ", ".join(f"'{lane}'" for lane in LANES) + "}\n"
+# Lua: the lanes in order, by their index in KEYS and the replies (1 = priority); and stored(value,
+# default), a number the scheduler hash holds, or `default` where it holds none, or text that is no
+# finite number: producers write that hash (their enqueue script activates tenants in it), and one
+# field of theirs must stop no other producer's script, nor a worker's READ.
+LUA_LANES = (
+    "local LANES = {"
+    + ", ".join(f"'{lane}'" for lane in LANES)
+    + """}
+local function stored(value, default)
+  local n = tonumber(value)
+  if n == nil or n ~= n or n == math.huge or n == -math.huge then return default end
+  return n
+end
+"""
+)
 
 # Prepended to the scripts that add entries to lane streams. activate(zset, sched, streams, bell,
 # lane, tenant): a tenant not active in its lane's `zset` becomes so, at the higher of its saved
@@ -38,8 +51,8 @@ LUA_ACTIVATE = (
 local function activate(zset, sched, streams, bell, lane, tenant)
   if redis.call('ZSCORE', zset, tenant) then return end
   local least = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')
-  local lift = tonumber(least[2] or redis.call('HGET', sched, 'floor:' .. lane) or '0')
-  local saved = tonumber(redis.call('HGET', sched, 'c:' .. lane .. ':' .. tenant) or '0')
+  local lift = stored(least[2] or redis.call('HGET', sched, 'floor:' .. lane), 0)
+  local saved = stored(redis.call('HGET', sched, 'c:' .. lane .. ':' .. tenant), 0)
   redis.call('ZADD', zset, math.max(saved, lift), tenant)  -- '-' has none saved: lifted
   if lane ~= 'default' or tenant ~= '-' then redis.call('SADD', streams, lane .. ':' .. tenant) end
   redis.call('XADD', bell, 'MAXLEN', {DOORBELL_MAXLEN}, '*', 'r', '1')

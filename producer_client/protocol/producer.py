@@ -40,7 +40,12 @@ from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_key
 CREATE = Script(
     "create",
     """
-if redis.call('HSETNX', KEYS[1], 'status', 'queued') == 1 then
+-- A job key of another type (a producer may write one) is no request of this one's: -1, as for a
+-- fingerprint of another request, and nothing is written.
+local fresh = redis.pcall('HSETNX', KEYS[1], 'status', 'queued')
+if type(fresh) == 'table' and fresh.err and string.sub(fresh.err, 1, 9) == 'WRONGTYPE' then return -1 end
+if type(fresh) == 'table' then return redis.error_reply(fresh.err) end
+if fresh == 1 then
   if ARGV[2] and ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'fingerprint', ARGV[2]) end
   local timeout = tonumber(ARGV[1] or '0')
   if timeout > 0 then

@@ -472,7 +472,10 @@ end
 local sched = KEYS[5]
 local weights, costs = {{}}, {{}}
 local function weight(tenant)
-  if not weights[tenant] then weights[tenant] = tonumber(redis.call('HGET', sched, 'w:' .. tenant) or '1') end
+  if not weights[tenant] then
+    local w = stored(redis.call('HGET', sched, 'w:' .. tenant), 1)
+    weights[tenant] = w > 0 and w or 1  -- a share is above 0 (mili quota set)
+  end
   return weights[tenant]
 end
 local function lane_index(name)
@@ -486,7 +489,8 @@ for _ = 1, tonumber(ARGV[7]) do
     if redis.call('ZSCORE', KEYS[1 + l], tenant) then
       redis.call('ZINCRBY', KEYS[1 + l], tokens / weight(tenant), tenant)
     elseif tenant ~= '-' then
-      redis.call('HINCRBYFLOAT', sched, 'c:' .. LANES[l] .. ':' .. tenant, tokens / weight(tenant))
+      local field = 'c:' .. LANES[l] .. ':' .. tenant  -- read and set: HINCRBYFLOAT refuses a producer's junk
+      redis.call('HSET', sched, field, stored(redis.call('HGET', sched, field), 0) + tokens / weight(tenant))
     end
   end
 end
@@ -534,8 +538,8 @@ end
 
 local credit = {{0, 0, 0}}
 if waiting[1] or waiting[2] or waiting[3] then
-  local stored = redis.call('HMGET', sched, 'credit:default', 'credit:flex')
-  credit = {{0, tonumber(stored[1] or '0'), tonumber(stored[2] or '0')}}
+  local banked = redis.call('HMGET', sched, 'credit:default', 'credit:flex')
+  credit = {{0, stored(banked[1], 0), stored(banked[2], 0)}}
 end
 local credit_changed = false
 local out = {{placed}}
@@ -616,7 +620,7 @@ local function probe()
     return 1
   end
   local least = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
-  local lift = tonumber(least[2] or redis.call('HGET', sched, 'floor:default') or '0')
+  local lift = stored(least[2] or redis.call('HGET', sched, 'floor:default'), 0)
   local counter = lift + cost_of(entries[1]) / weight('-')
   redis.call('ZADD', KEYS[3], counter, '-')
   waiting[2] = true

@@ -202,3 +202,30 @@ def test_a_queue_stream_of_another_type_stops_no_worker(hostile_setup, producer)
     assert all(w.running for w in workers)
     admin.delete(KEYS.queue(QUEUE))  # an operator puts it right; the workers create the group again
     assert_workers_serve(hostile_setup, client, pids)
+
+
+REFUSED = "Redis refused an exchange"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("floor:flex", "zz"), ("c:flex:team-z", "nan"), ("w:-", "abc"), ("w:team-z", "0"), ("credit:flex", "x")],
+)
+def test_a_producers_junk_in_the_scheduler_hash_stops_no_submit_and_no_read(hostile_setup, producer, field, value):
+    """The scheduler hash is the producers' to write (their enqueue script activates tenants in it):
+    a field that is no number, or no usable weight, is its default to every script that reads it.
+    On main the enqueue script raised for every producer's flex job, and the workers' READ raised
+    after taking the jobs, which then waited for a reclaim."""
+    server, workers = hostile_setup
+    raw, _ = producer
+    admin = server["admin"]
+    refused_before = [w.log().count(REFUSED) for w in workers]
+    raw.hset(KEYS.scheduler(QUEUE), field, value)
+    try:
+        with Client(server["producer"], QUEUE, placement=False) as client:
+            for submitter in (client, client.as_tenant("team-z")):
+                job_id = submitter.submit(prompt="lane", max_tokens=4, service_tier="flex")
+                assert client.result(job_id, timeout=30).text == "lane"
+    finally:
+        admin.hdel(KEYS.scheduler(QUEUE), field)
+    assert [w.log().count(REFUSED) for w in workers] == refused_before, [w.log() for w in workers]

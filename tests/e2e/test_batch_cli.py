@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tqdm import tqdm
 
-from cli.batch_file import AnswerFiles, BatchFileRun, read_answers
+from cli.batch_file import AnswerFiles, BatchFileRun, count_lines, read_answers
 from harness.polling import eventually
 from harness.processes import REPO
 from producer_client import Client
@@ -188,7 +188,9 @@ def test_lines_wait_for_room_in_a_full_queue(redis_server, redis_client, batch_q
     files = AnswerFiles(output, errors)
     # The bound is the shared stream's, which placement bypasses while the workers have room.
     with Client(redis_server.url, batch_queue, max_queue_depth=5, placement=False) as client, tqdm(disable=True) as bar:
-        tally = BatchFileRun(client, source, files, in_flight=50, bar=bar, stop=threading.Event()).run()
+        tally = BatchFileRun(
+            client, source, count_lines(source), files, in_flight=50, bar=bar, stop=threading.Event()
+        ).run()
     files.close()
     assert (tally.done, tally.failed, tally.interrupted) == (n, 0, False)
     assert set(answers_by_id(output)) == {f"f{i}" for i in range(n)}

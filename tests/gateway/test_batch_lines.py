@@ -93,6 +93,7 @@ def test_request_ids_depend_on_scope_custom_id_and_body_and_fit_a_job_id():
     [
         ({"stream": True}, "stream"),
         ({"max_tokens": 10**6}, "max_tokens"),
+        ({"max_completion_tokens": 10**6, "n": 2}, "max_completion_tokens"),
         ({"tools": [{"type": "function"}]}, "tools.0.function"),
         ({"temperature": "hot"}, "temperature"),
         (
@@ -159,6 +160,11 @@ def test_answers_are_the_http_apis_own():
         failed = answer(single.request, "rid", [result("rid-0", status=status, code=code, finish_reason=finish)])
         assert not failed.ok and failed.response.status_code == expected
         assert failed.response.body["error"]["message"]
+    too_long = answer(single.request, "rid", [result("rid-0", status="failed", code="prompt_too_long")])
+    assert (too_long.response.body["error"]["param"], too_long.response.body["error"]["code"]) == (
+        "messages",
+        "context_length_exceeded",
+    )
 
 
 # JSON allows these raw inside a string; str.splitlines takes each for a line's end.

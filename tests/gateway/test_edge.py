@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 
 from tests.gateway.support import ResourceWatch, raw_request
@@ -173,6 +174,26 @@ def test_cors_is_granted_to_configured_origins_only(edge_gateway, redis_server):
     )
     assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == ORIGIN
     assert "access-control-allow-origin" not in refused.headers
+    # The official SDK in a page (openai-node's dangerouslyAllowBrowser sends the same) asks for
+    # its own headers in the preflight: each one refused would stop every request it makes.
+    sdk = openai.OpenAI(base_url=f"{edge_gateway.url}/v1", api_key=KEY)
+    asked = [h.lower() for h in sdk.default_headers if h.lower().startswith(("x-", "openai-"))]
+    asked += ["x-stainless-retry-count", "x-stainless-timeout", "authorization", "content-type"]
+    sdk.close()
+    sdk_preflight = httpx.options(
+        f"{edge_gateway.url}/v1/chat/completions",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": ",".join(asked),
+        },
+    )
+    assert sdk_preflight.status_code == 200, sdk_preflight.text
+    assert sdk_preflight.headers["access-control-allow-origin"] == ORIGIN
+    # A page reads the headers a retry waits on (the SDKs' retry-after-ms), none CORS-safelisted.
+    answer = httpx.get(f"{edge_gateway.url}/v1/models", headers={"Origin": ORIGIN, "Authorization": f"Bearer {KEY}"})
+    exposed = {name.strip() for name in answer.headers["access-control-expose-headers"].split(",")}
+    assert {"retry-after", "retry-after-ms", "x-request-id", "x-ratelimit-reset-requests"} <= exposed
 
 
 def test_an_open_gateway_grants_no_cors_and_its_board_actions_need_their_header(redis_server, tmp_path):

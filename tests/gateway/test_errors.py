@@ -12,7 +12,11 @@ import openai
 import pytest
 
 from gateway.api_keys import tenant_id
+from openai_format.errors import APIError
+from openai_format.job_specs import parse_body
+from openai_format.requests import ChatCompletionRequest
 from producer_client import Client
+from producer_client.keys import Keys
 from tests.gateway.support import PARKED_MODEL
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import job_count, job_ids_in_queue
@@ -59,7 +63,8 @@ def error_of(response: httpx.Response) -> dict:
         ({"model": "tiny", "messages": CHAT, "temperature": 2.5}, "temperature"),
         ({"model": "tiny", "messages": CHAT, "top_p": 1.5}, "top_p"),
         ({"model": "tiny", "messages": CHAT, "max_tokens": 0}, "max_tokens"),
-        ({"model": "tiny", "messages": CHAT, "max_completion_tokens": 10**9}, "max_tokens"),
+        ({"model": "tiny", "messages": CHAT, "max_completion_tokens": 10**9}, "max_completion_tokens"),
+        ({"model": "tiny", "messages": CHAT, "max_completion_tokens": 0, "n": 2}, "max_completion_tokens"),
         ({"model": "tiny", "messages": CHAT, "n": 0}, "n"),
         ({"model": "tiny", "messages": CHAT, "n": 129}, "n"),
         ({"model": "tiny", "messages": CHAT, "seed": 2**63}, "seed"),
@@ -112,7 +117,8 @@ def test_a_bad_chat_argument_is_a_400_naming_it_and_enqueues_nothing(gateway, re
         ({"model": "tiny", "prompt": []}, "prompt"),
         ({"model": "tiny", "prompt": [[]]}, "prompt"),
         ({"model": "tiny", "prompt": [1, "two"]}, "prompt"),
-        ({"model": "tiny", "prompt": [-1]}, "input_ids"),
+        ({"model": "tiny", "prompt": [-1]}, "prompt"),
+        ({"model": "tiny", "prompt": [[1], [2**31]]}, "prompt"),
         ({"model": "tiny", "prompt": "hi", "logprobs": 6}, "logprobs"),
         ({"model": "tiny", "prompt": ["a"] * 65, "n": 2}, "n"),
     ],
@@ -279,3 +285,51 @@ def test_health_answers_503_within_its_timeout_while_redis_is_silent(tmp_path):
     served_ms = [float(ms) for ms in re.findall(r"GET '/health' -> 503 in ([\d.]+) ms", gw.log())]
     assert len(served_ms) == 4, gw.log()
     assert all(SILENT_HEALTH_TIMEOUT_S * 1000 <= ms < (SILENT_HEALTH_TIMEOUT_S + 1.0) * 1000 for ms in served_ms)
+
+
+def test_a_job_hash_no_worker_wrote_is_a_500_invalid_job_never_an_unhandled_error(gateway, redis_client):
+    job_id = f"planted-{uuid.uuid4().hex[:8]}"
+    redis_client.hset(Keys().job(job_id), mapping={"status": "done", "result": "not json"})
+    response = httpx.get(f"{gateway.url}/v1/jobs/{job_id}")
+    assert response.status_code == 500, response.text
+    assert (error_of(response)["type"], error_of(response)["code"]) == ("server_error", "invalid_job")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_token_ids_past_the_vocabulary_found_by_the_worker_are_a_400_naming_the_prompt(gateway, stream):
+    """Only the worker knows its vocabulary: its refusal is the request's bad `prompt`, in OpenAI's
+    code, before a stream starts as after a whole answer."""
+    body = {"model": "tiny", "prompt": [[1, 2], [10**9]], "max_tokens": 2, "stream": stream}
+    response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "prompt", "invalid_value")
+
+
+@pytest.mark.parametrize(
+    "extra, param, code, message",
+    [
+        (
+            {"stop": ["x"] * 5},
+            "stop",
+            "above_max_length",
+            "stop: List should have at most 4 items after validation, not 5",
+        ),
+        ({"stop": []}, "stop", "below_min_length", "stop: List should have at least 1 item after validation, not 0"),
+        (
+            {"messages": [{"role": "user", "content": []}]},
+            "messages.0.content",
+            "below_min_length",
+            "messages.0.content: List should have at least 1 item after validation, not 0",
+        ),
+        ({"stop": 5}, "stop", "invalid_value", "stop: Input should be a valid string"),
+    ],
+)
+def test_a_union_fields_error_is_its_values_member_not_the_first_member(extra, param, code, message):
+    """A list of five stops is too long, not "no string": of a union's members, the error named is
+    the one of the member the value's type matched, where there is one."""
+    body = {"model": "tiny", "messages": CHAT, **extra}
+    with pytest.raises(APIError) as refused:
+        parse_body(ChatCompletionRequest, json.dumps(body))
+    error = refused.value.body.error
+    assert (refused.value.status, error.param, error.code, error.message) == (400, param, code, message)

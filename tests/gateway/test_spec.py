@@ -12,10 +12,11 @@ import openai
 import pytest
 
 from harness.polling import eventually
+from openai_format import requests
 from openai_format.render import finish_reason
 from producer_client import Client, JobResult
 from tests.gateway.support import PARKED_MODEL, PARKED_QUEUE
-from tests.openai_spec import check
+from tests.openai_spec import SPEC, check
 from tests.support.jobs import job_count
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -217,7 +218,62 @@ ACCEPTED_CHATS = [
         "tools": [],
         "tool_choice": "auto",
     },
+    {  # prompt caching hints: MILI's radix cache finds shared prefixes by itself
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi", "prompt_cache_breakpoint": {"mode": "explicit"}}],
+            }
+        ],
+        "prompt_cache_options": {"mode": "implicit", "ttl": "30m"},
+    },
+    {
+        "messages": [
+            {
+                "role": "system",
+                "content": [{"type": "text", "text": "s", "prompt_cache_breakpoint": {"mode": "explicit"}}],
+            },
+            *CHAT,
+            {
+                "role": "assistant",
+                "content": [{"type": "text", "text": "a", "prompt_cache_breakpoint": {"mode": "explicit"}}],
+            },
+            *CHAT,
+        ],
+        "prompt_cache_options": {"mode": "explicit"},
+    },
 ]
+
+
+def spec_properties(name: str) -> set[str]:
+    """The request fields schema `name` of the spec names, its allOf parts' included."""
+    schema = SPEC["$defs"][name]
+    names: set[str] = set()
+    for part in schema.get("allOf", [schema]):
+        if "$ref" in part:
+            names |= spec_properties(part["$ref"].rsplit("/", 1)[-1])
+        names |= set(part.get("properties", {}))
+    return names
+
+
+@pytest.mark.parametrize(
+    "spec_name, model",
+    [
+        ("CreateChatCompletionRequest", requests.ChatCompletionRequest),
+        ("CreateCompletionRequest", requests.CompletionRequest),
+        ("ChatCompletionRequestSystemMessage", requests.SystemMessage),
+        ("ChatCompletionRequestDeveloperMessage", requests.SystemMessage),
+        ("ChatCompletionRequestUserMessage", requests.UserMessage),
+        ("ChatCompletionRequestAssistantMessage", requests.AssistantMessage),
+        ("ChatCompletionRequestToolMessage", requests.ToolMessage),
+        ("ChatCompletionRequestMessageContentPartText", requests.TextPart),
+        ("ChatCompletionRequestMessageContentPartRefusal", requests.RefusalPart),
+    ],
+)
+def test_every_field_of_the_specs_requests_is_known_never_an_unknown_parameter(spec_name, model):
+    """`unknown_parameter` is for a field the spec does not have: each one it has is honoured,
+    accepted with no effect, or refused as unsupported_parameter, by a field of its own."""
+    assert spec_properties(spec_name) - set(model.model_fields) == set()
 
 
 @pytest.mark.parametrize("extra", ACCEPTED_CHATS)

@@ -11,6 +11,7 @@ import sys
 from cli.__main__ import main
 from harness.processes import REPO
 from producer_client import Client
+from tests.support.jobs import entries_added
 
 CLOSED_PIPE_EXIT = 128 + signal.SIGPIPE
 
@@ -77,3 +78,32 @@ def test_a_schema_text_that_is_not_json_says_so(redis_server, capsys):
         1,
         f"error: invalid_argument: json_schema: not JSON (give the schema's JSON text, or @FILE): {cause}\n",
     )
+
+
+BATCH_LINE = (
+    '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "echo", "prompt": "x"}}\n'
+)
+
+
+def test_batch_files_it_cannot_use_are_named_before_any_line_is_submitted(
+    redis_server, redis_client, queue, tmp_path, capsys
+):
+    """An input that is not there, a directory, a line that is not UTF-8 (the Batch API refuses such
+    an upload whole), an output it cannot create: one line naming the argument, exit 1, no output
+    file left behind for a wrong input, and no job enqueued for any of them."""
+    good = tmp_path / "good.jsonl"
+    good.write_text(BATCH_LINE)
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(BATCH_LINE.encode() + b'{"custom_id": "caf\xe9"}\n')
+    out = tmp_path / "out.jsonl"
+    cases = {
+        (tmp_path / "nofile.jsonl", out): f"input: {tmp_path / 'nofile.jsonl'}: No such file or directory",
+        (tmp_path, out): f"input: {tmp_path}: Is a directory",
+        (latin1, out): f"input: {latin1}: line 2 is not UTF-8 text (invalid continuation byte at byte 18)",
+        (good, tmp_path / "no" / "out.jsonl"): f"output: {tmp_path / 'no' / 'out.jsonl'}: No such file or directory",
+    }
+    for (source, output), message in cases.items():
+        code = main(["--redis", redis_server.url, "--queue", queue, "batch", str(source), "-o", str(output)])
+        assert (code, capsys.readouterr().err) == (1, f"error: invalid_argument: {message}\n")
+        assert not out.exists()
+    assert entries_added(redis_client, queue) == 0

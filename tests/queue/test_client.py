@@ -18,7 +18,9 @@ from producer_client import (
     AsyncClient,
     Client,
     InvalidArgument,
+    InvalidJob,
     JobExpired,
+    JobFailed,
     JobNotFound,
     JobTimeout,
     QueueFull,
@@ -621,7 +623,7 @@ def test_a_wait_longer_than_the_socket_timeout_reads_in_bounded_blocks(client):
         client.result(job_id, timeout=6)
 
 
-def test_workers_lists_the_live_workers_of_every_queue_from_their_heartbeats(client, redis_client, queue):
+def test_workers_lists_the_live_workers_of_every_queue_from_their_heartbeats(client, redis_server, redis_client, queue):
     other = f"{queue}-other"
     heartbeat = {
         "device": "cpu",
@@ -636,16 +638,25 @@ def test_workers_lists_the_live_workers_of_every_queue_from_their_heartbeats(cli
         (f"{queue}-a", queue, "tiny"),
         (f"{queue}-b", other, "/models/qwen"),
         (f"{queue}-dead", queue, "tiny"),
+        (f"{queue}-odd", queue, "tiny"),
     ):
         fields = {**heartbeat, "name": name, "queue": worker_queue, "model": model}
         WorkerQueue(redis_client, Keys(), worker_queue, name).members.heartbeat(fields, ttl_s=5, held=[])
     redis_client.delete(Keys().worker(f"{queue}-dead"))  # as when its TTL runs out
+    # A heartbeat no worker of this version writes (another version's, during an upgrade) is left
+    # out: the others are listed, and a gateway's model table, read from them, still serves.
+    redis_client.hset(Keys().worker(f"{queue}-odd"), mapping={"state": "warming", "running": "many"})
+    redis_client.pexpire(Keys().worker(f"{queue}-odd"), 5000)
 
     mine = sorted((w for w in client.workers() if w.queue in (queue, other)), key=lambda w: w.name)
     assert [(w.name, w.queue, w.model, w.state, w.running, w.free_slots, w.free_pages) for w in mine] == [
         (f"{queue}-a", queue, "tiny", "serving", 2, 3, 40),
         (f"{queue}-b", other, "/models/qwen", "serving", 2, 3, 40),
     ]
+    with Client(redis_server.url, queue) as operator:  # `mili workers`' view
+        health = {w.name: w for w in operator.inspect.workers() if w.queue in (queue, other)}
+    assert (health[f"{queue}-odd"].condition, health[f"{queue}-odd"].info) == ("unreadable", None)
+    assert health[f"{queue}-a"].condition == "live"
 
 
 def test_a_client_on_another_queue_shares_the_connection_pool(client, redis_client, queue):
@@ -721,3 +732,37 @@ async def test_a_submit_cancelled_in_its_enqueue_leaves_no_job_behind(redis_serv
     async with AsyncClient(redis_server.url, queue) as again:
         assert await again.submit("hi", max_tokens=1, request_id=request_id) == request_id
         assert (await again.status(request_id)).status == "queued"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"status": "bogus"},
+        {"tokens": "3"},
+        {"status": "running", "tokens": "many"},
+        {"status": "queued", "deadline": "soon"},
+        {"status": "done", "result": "not json"},
+    ],
+)
+def test_a_job_hash_no_worker_wrote_is_an_invalid_job_to_status(client, redis_client, fields):
+    """A producer may write a job's hash: what no worker writes there is the job's `invalid_job`
+    (the code a worker fails such a job with), never a parse error of the client's."""
+    job_id = f"planted-{uuid.uuid4().hex[:8]}"
+    redis_client.hset(Keys().job(job_id), mapping=fields)
+    with pytest.raises(InvalidJob) as invalid:
+        client.status(job_id)
+    assert (invalid.value.code, invalid.value.job_id) == ("invalid_job", job_id)
+
+
+def test_a_result_no_worker_wrote_fails_its_job_alone_with_invalid_job(client, redis_client):
+    """result() raises JobFailed, as_completed() yields the failed result and the others'."""
+    bad, good = (f"{name}-{uuid.uuid4().hex[:8]}" for name in ("bad", "good"))
+    redis_client.hset(Keys().job(bad), mapping={"status": "done", "result": "not json"})
+    ok = JobResult(id=good, status="done", text="ok").model_dump_json()
+    redis_client.hset(Keys().job(good), mapping={"status": "done", "result": ok})
+    with pytest.raises(JobFailed) as failed:
+        client.result(bad, timeout=5)
+    assert failed.value.code == "invalid_job"
+    results = {r.id: r for r in client.as_completed([bad, good], timeout=5)}
+    assert (results[good].status, results[good].text) == ("done", "ok")
+    assert (results[bad].status, results[bad].error.code) == ("failed", "invalid_job")

@@ -36,6 +36,22 @@ def test_the_same_request_id_with_another_request_is_refused_and_enqueues_nothin
     assert redis_client.hget(KEYS.job(request_id), "status") == "queued"
 
 
+def test_a_request_id_whose_job_key_is_of_another_type_is_another_requests_and_enqueues_nothing(
+    client, redis_client, queue
+):
+    """A producer may write a job's keys: a request id whose job key is no hash names no request of
+    this one's, as one first used with another request (a gateway's Idempotency-Key: its 422)."""
+    request_id = f"r-{uuid.uuid4().hex}"
+    redis_client.xadd(KEYS.job(request_id), {"not": "a hash"})
+    with pytest.raises(IdempotencyConflict) as e:
+        client.submit(prompt="planted", max_tokens=8, request_id=request_id)
+    assert e.value.request_id == request_id
+    with pytest.raises(IdempotencyConflict):
+        client.submit_many([{"prompt": "planted", "request_id": request_id}])
+    assert not redis_client.exists(KEYS.queue(queue))
+    assert redis_client.type(KEYS.job(request_id)) == "stream"
+
+
 def test_submit_many_refuses_a_chunk_with_a_request_id_of_another_request(client, redis_client, queue):
     taken = f"r-{uuid.uuid4().hex}"
     client.submit(prompt="first", request_id=taken)

@@ -25,6 +25,9 @@ from producer_client.protocol.worker import (
     WORKER_SCRIPTS,
     deadletter,
 )
+from producer_client.protocol.worker import (
+    read as worker_read,
+)
 from producer_client.schema import JobResult
 from worker.loop.outbox import DeadLetter
 from worker.loop.queue import HANDED_OVER_MIN_IDLE_MS as HANDED
@@ -444,3 +447,15 @@ def test_a_failed_job_keeps_the_events_its_runs_published_and_its_request_finger
     assert_kept_after_the_end(redis_client, job_id, events_kept=True)
     assert run(redis_client, CREATE, [KEYS.job(job_id)], 0, "f2") == -1  # its request_id stays bound
     assert run(redis_client, CREATE, [KEYS.job(job_id)], 0, "f1") == 0  # and is not run again
+
+
+@pytest.mark.parametrize("counter", ["zz", "nan", "inf"])
+def test_read_adds_a_correction_to_an_idle_tenants_counter_that_is_no_number_from_zero(redis_client, counter):
+    """Producers may HSET the scheduler hash: a counter of theirs that is no number is 0 to READ,
+    which then applies what the worker owes, where HINCRBYFLOAT refused the whole READ."""
+    keys, queue = Keys(), f"q-{uuid.uuid4().hex[:8]}"
+    redis_client.xgroup_create(keys.queue(queue), GROUP, id="0", mkstream=True)
+    redis_client.hset(keys.scheduler(queue), "c:flex:team-q", counter)
+    call = worker_read(keys, queue, "w1", (1, 1, 1), 320, {("flex", "team-q"): 40})
+    execute(redis_client, call.add_to, WORKER_SCRIPTS)
+    assert float(redis_client.hget(keys.scheduler(queue), "c:flex:team-q")) == 40.0
