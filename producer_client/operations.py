@@ -32,7 +32,8 @@ from producer_client.waiting import NOTHING_KNOWN, Deadline, Known, end_read_of,
 def submit(client: ClientBase, job: NewJob) -> Steps[str]:
     """Enqueue `job` on the client's queue, in its lane of the client's tenant, with its settings
     (bound, limits, replication, placement); returns its id."""
-    return (yield from submit_rated(client, job)).job_id
+    submitted, _ = yield from submit_reading(client, job, None)
+    return submitted.job_id
 
 
 def submit_rated(client: ClientBase, job: NewJob) -> Steps[Submitted]:
@@ -98,7 +99,7 @@ def enqueue_or_forget(
     limits = yield from client.quota_cache.limits_for(keys, client.tenant)
     if client.shards.spreads and not limits.any:
         queue = client.shards.name_for(queue, job.job_id)
-    block_ms = first_read_block(client, job, create, stream, limits, read)
+    block_ms = None if read is None else first_read_block(client, job, create, stream, limits, read)
     try:
         reserved = None
         if stream is not None and limits.any:
@@ -123,7 +124,7 @@ def enqueue_or_forget(
 
 
 def first_read_block(
-    client: ClientBase, job: NewJob, create: bool, stream: str | None, limits: Limits, read: Deadline | None
+    client: ClientBase, job: NewJob, create: bool, stream: str | None, limits: Limits, read: Deadline
 ) -> int | None:
     """The block (ms) of the job's first read of its `done` stream under `read`, where that read
     may go in the round trip of the job's enqueue; None where it may not. The read blocks the
@@ -131,15 +132,18 @@ def first_read_block(
     where nothing can refuse the enqueue (a refused job would never end, and the refusal's error
     would wait out the block): a fresh job (a request_id's may exist already) placed on a worker's
     own stream or sent to a queue without a bound, of a tenant without limits, with no replication
-    to wait for (NotReplicated is the submit's answer). On one server only: a cluster splits the
-    pipeline per node, and the job's `done` stream may lie on another node than the stream its
-    entry goes to. Its block ends by the job's deadline, as wait()'s does."""
-    if read is None or not create or limits.any or client.replication.waits or is_cluster(client.redis):
+    to wait for (NotReplicated is the submit's answer). And for a job without a deadline
+    (timeout_s): the caller's timeout would count from before the job's CREATE, so a caller whose
+    timeout is the job's own could reach its end before the job's deadline by Redis's clock
+    (JobTimeout, where a wait after the submit answers JobExpired). On one server only: a cluster
+    splits the pipeline per node, and the job's `done` stream may lie on another node than the
+    stream its entry goes to."""
+    if not create or job.timeout_ms or limits.any or client.replication.waits or is_cluster(client.redis):
         return None
     if stream is None and client.max_queue_depth is not None:
         return None
     try:
-        return read.block_ms(expiry_of_new(job))
+        return read.block_ms()
     except JobTimeout:
         return None  # the caller's time is up already: the submit goes alone, and the wait says so
 
@@ -231,19 +235,23 @@ def wait(keys: Keys, job_id: str, timeout: float | None, known: Known = NOTHING_
 
 
 def generate(client: ClientBase, arguments: Mapping[str, Any], timeout: float | None) -> Steps[JobResult]:
-    """Client.generate: submit() of `arguments` (its keyword arguments), then wait(). Where nothing
-    can refuse the enqueue (first_read_block), the wait's first blocking read goes in the enqueue's
-    round trip: a job that ends within that block costs one round trip. A job just created expires
-    timeout_s from now at the latest; one found by its request_id may be older."""
+    """Client.generate: submit() of `arguments` (its keyword arguments), then wait(). Where
+    first_read_block allows it, the wait's first blocking read goes in the enqueue's round trip,
+    and the caller's timeout counts from its sending: a job that ends within that block costs one
+    round trip. Elsewhere the timeout counts from the submit's end, as a wait()'s after a submit.
+    A job just created expires timeout_s from now at the latest; one found by its request_id may be
+    older."""
     timeout = check_timeout(timeout)
     job = build_job_of(arguments, known_params=client.known_params)
     deadline = Deadline(job.job_id, timeout)
     submitted, first = yield from submit_reading(client, job, deadline)
     job_id = submitted.job_id
     known = client.submissions.known(job_id)
-    if first is not None:
-        if first.end is not None:
-            return finished(job_id, first.end)
+    if first is None:
+        deadline = Deadline(job_id, timeout)
+    elif first.end is not None:
+        return finished(job_id, first.end)
+    else:
         known = Known(known.expires_at, first.sent_at)  # its submit's moment, before the read blocked
     return finished(job_id, (yield from wait_done(client.keys, job_id, deadline, *known)))
 

@@ -81,17 +81,26 @@ def test_a_generate_that_outlasts_its_first_block_reads_again_and_keeps_its_job(
 
 
 @pytest.mark.timing
-def test_a_generate_of_a_job_that_passes_its_deadline_unread_raises_job_expired_then(client_kind, redis_server, queue):
-    """The first block, in the enqueue's round trip, ends by the job's deadline, as a wait's does:
-    JobExpired comes at the deadline (0.3 s), not at the caller's timeout (30 s)."""
+def test_a_generate_of_a_job_with_a_deadline_submits_alone_and_raises_job_expired_at_it(
+    client_kind, redis_server, queue, monkeypatch
+):
+    """A job with a deadline (timeout_s) is submitted alone, and the caller's timeout counts from
+    the submit's end, as a wait()'s after a submit (a caller whose timeout is the job's own gets
+    JobExpired: tests/queue/test_client.py); JobExpired comes at the job's deadline (0.3 s), not at
+    the caller's timeout (30 s)."""
     client = make_client(client_kind, redis_server.url, queue, max_queue_depth=None)
     try:
+        held(client, quota_cache=Quotas(cache_s=600))
+        client.submit("warm up", max_tokens=1)
+        sent = commands_sent(monkeypatch, client.redis)
         started = time.monotonic()
         with pytest.raises(JobExpired):
             client.generate("nobody serves this", max_tokens=1, timeout_s=0.3, timeout=30)
         assert 0.3 <= time.monotonic() - started < 3
     finally:
         client.close()
+    assert sent[0] == ["EVALSHA", "EVALSHA"]  # CREATE (with its deadline) and ENQUEUE, no read
+    assert sent[1] == ["XREAD"]
 
 
 @pytest.mark.timing
