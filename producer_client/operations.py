@@ -132,10 +132,11 @@ def first_read_block(
     where nothing can refuse the enqueue (a refused job would never end, and the refusal's error
     would wait out the block): a fresh job (a request_id's may exist already) placed on a worker's
     own stream or sent to a queue without a bound, of a tenant without limits, with no replication
-    to wait for (NotReplicated is the submit's answer). And for a job without a deadline
-    (timeout_s): the caller's timeout would count from before the job's CREATE, so a caller whose
-    timeout is the job's own could reach its end before the job's deadline by Redis's clock
-    (JobTimeout, where a wait after the submit answers JobExpired). On one server only: a cluster
+    to wait for (NotReplicated is the submit's answer). And only for a job without a deadline
+    (timeout_s): for one with a deadline, the caller's timeout would count from before the job's
+    CREATE, so a caller whose timeout is the job's own could reach its end before the job's
+    deadline by Redis's clock (JobTimeout, where a wait after the submit answers JobExpired). On
+    one server only: a cluster
     splits the pipeline per node, and the job's `done` stream may lie on another node than the
     stream its entry goes to."""
     if not create or job.timeout_ms or limits.any or client.replication.waits or is_cluster(client.redis):
