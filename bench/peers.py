@@ -3,7 +3,10 @@ published package with its documented worker and result backend, all on the same
 
 A job is a no-op task of one short string argument that returns a short string (MILI: an echo job
 of max_tokens=1, `--model echo`), its result read back by the producer through the library's
-documented result API. Every library gets 2 worker processes (LIBRARIES says with which knobs),
+documented result API; the latency and load runs submit and wait by the library's one documented
+call for both where it has one (MILI's `generate`: one round trip for a job placed on a worker's
+stream; none of the peers documents such a call), and the submit run times its submit alone
+(bench/peer_queues/producer.py). Every library gets 2 worker processes (LIBRARIES says with which knobs),
 the same producers (threads, or asyncio tasks where the library's client is async), and a fresh
 redis-server (the same binary and config, TCP on 127.0.0.1) for each of its runs; rounds
 interleave the libraries (A B C D E, A B C D E, ...) and the table gives each figure's median over

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from producer_client.client_base import ClientBase
-from producer_client.errors import JobNotFound, NotReplicated
+from producer_client.cluster import is_cluster
+from producer_client.errors import JobNotFound, JobTimeout, NotReplicated
 from producer_client.keys import NO_TENANT, Keys
 from producer_client.new_job import NewJob, build_job_of
 from producer_client.protocol import job_reads
@@ -25,13 +26,14 @@ from producer_client.sharing import Submitted, enqueue_call, rate_limits_of, ref
 from producer_client.status_reads import read_status
 from producer_client.steps import Repeatable, Steps, checked
 from producer_client.validation import check_job_id, check_timeout
-from producer_client.waiting import NOTHING_KNOWN, Deadline, Known, expiry, finished, wait_done
+from producer_client.waiting import NOTHING_KNOWN, Deadline, Known, end_read_of, expiry, finished, wait_done
 
 
 def submit(client: ClientBase, job: NewJob) -> Steps[str]:
     """Enqueue `job` on the client's queue, in its lane of the client's tenant, with its settings
     (bound, limits, replication, placement); returns its id."""
-    return (yield from submit_rated(client, job)).job_id
+    submitted, _ = yield from submit_reading(client, job, None)
+    return submitted.job_id
 
 
 def submit_rated(client: ClientBase, job: NewJob) -> Steps[Submitted]:
@@ -40,29 +42,51 @@ def submit_rated(client: ClientBase, job: NewJob) -> Steps[Submitted]:
     first (UnknownAdapter), and so is a shard count other than the queue's (ShardCountMismatch). A
     refusal (the stream's bound, the tenant's waiting quota or a rate limit) removes the job's hash
     again and raises."""
+    submitted, _ = yield from submit_reading(client, job, None)
+    return submitted
+
+
+def submit_reading(client: ClientBase, job: NewJob, read: Deadline | None) -> Steps[tuple[Submitted, FirstRead | None]]:
+    """submit_rated(); with `read`, the job's first blocking read of its `done` stream under that
+    deadline goes in the enqueue's round trip where first_read_block allows it: what it read, or
+    None where it was not sent."""
     if client.shards.spreads:
         yield from client.shards.agree(client.keys, client.queue)
     if job.adapter is not None:
         yield from client.placement.check_adapters(client.keys, client.queue, [job.adapter])
+    first = None
     if job.idempotent:
         (reply,) = checked((yield job.create_call(client.keys).add_to))
         if not job.created(reply):
-            return Submitted(job.job_id)
-        outcome = yield from enqueue_or_forget(client, job, create=False)
+            return Submitted(job.job_id), None
+        outcome, _ = yield from enqueue_or_forget(client, job, create=False)
     else:
         # A fresh id cannot collide: create the job and enqueue it in one round trip.
-        outcome = yield from enqueue_or_forget(client, job, create=True)
+        outcome, first = yield from enqueue_or_forget(client, job, create=True, read=read)
     error = refusal_error(outcome, client.queue, client.tenant_name, client.max_queue_depth)
     if error is not None:
         checked((yield forget(client.keys, job)))
         raise error
     if not job.idempotent:
         client.submissions.add(job.job_id, expiry_of_new(job))
-    return Submitted(job.job_id, rate_limits_of(outcome))
+    return Submitted(job.job_id, rate_limits_of(outcome)), first
 
 
-def enqueue_or_forget(client: ClientBase, job: NewJob, create: bool) -> Steps[Enqueued]:
-    """The enqueue's outcome. If the enqueue fails, or is stopped on its way (a KeyboardInterrupt,
+class FirstRead(NamedTuple):
+    """The first blocking read of a job's `done` stream, sent in its enqueue's round trip: the
+    job's end (result JSON; None: it did not end within the read's block), and when the round
+    trip was sent (monotonic), a moment the job had not ended at."""
+
+    end: str | None
+    sent_at: float
+
+
+def enqueue_or_forget(
+    client: ClientBase, job: NewJob, create: bool, read: Deadline | None = None
+) -> Steps[tuple[Enqueued, FirstRead | None]]:
+    """The enqueue's outcome, and with `read` the job's first read of its `done` stream where
+    first_read_block lets it ride in the enqueue's round trip (None where it did not). If the
+    enqueue fails, or is stopped on its way (a KeyboardInterrupt,
     an asyncio task's cancel: the drivers raise those in here too), the job hash goes, so that a
     later submit with the same request_id enqueues the job instead of finding one that will never
     run, and no hash of a job that was never taken stays behind. An enqueued job too few replicas
@@ -75,23 +99,64 @@ def enqueue_or_forget(client: ClientBase, job: NewJob, create: bool) -> Steps[En
     limits = yield from client.quota_cache.limits_for(keys, client.tenant)
     if client.shards.spreads and not limits.any:
         queue = client.shards.name_for(queue, job.job_id)
+    block_ms = None if read is None else first_read_block(client, job, create, stream, limits, read)
     try:
         reserved = None
         if stream is not None and limits.any:
             reserved = parse_enqueue(checked((yield reserve_call(keys, queue, tenant, [job], limits).add_to))[0])
             if reserved.refusal is not Refusal.NONE:
-                return reserved
+                return reserved, None
         add = enqueue_commands(
             keys, queue, client.max_queue_depth, job, create, client.replication, stream, tenant, limits
         )
-        replies = checked((yield add))
+        sent_at = time.monotonic()
+        replies = yield (add if block_ms is None else with_end_read(add, keys.done(job.job_id), block_ms))
+        read_reply = replies.pop() if block_ms is not None else None
+        checked(replies)
     except GeneratorExit:
         raise  # closed unfinished: its driver was stopped after the enqueue ran, so nothing to undo
     except BaseException:
         checked((yield forget(keys, job)))
         raise
     outcome = enqueued(job, create, client.replication, replies)
-    return reserved if reserved is not None else outcome
+    first = None if block_ms is None else FirstRead(end_read_of(read_reply), sent_at)
+    return (reserved if reserved is not None else outcome), first
+
+
+def first_read_block(
+    client: ClientBase, job: NewJob, create: bool, stream: str | None, limits: Limits, read: Deadline
+) -> int | None:
+    """The block (ms) of the job's first read of its `done` stream under `read`, where that read
+    may go in the round trip of the job's enqueue; None where it may not. The read blocks the
+    connection, and Redis runs a pipeline's commands in order, so it may follow the enqueue only
+    where nothing can refuse the enqueue (a refused job would never end, and the refusal's error
+    would wait out the block): a fresh job (a request_id's may exist already) placed on a worker's
+    own stream or sent to a queue without a bound, of a tenant without limits, with no replication
+    to wait for (NotReplicated is the submit's answer). And only for a job without a deadline
+    (timeout_s): for one with a deadline, the caller's timeout would count from before the job's
+    CREATE, so a caller whose timeout is the job's own could reach its end before the job's
+    deadline by Redis's clock (JobTimeout, where a wait after the submit answers JobExpired). On
+    one server only: a cluster
+    splits the pipeline per node, and the job's `done` stream may lie on another node than the
+    stream its entry goes to."""
+    if not create or job.timeout_ms or limits.any or client.replication.waits or is_cluster(client.redis):
+        return None
+    if stream is None and client.max_queue_depth is not None:
+        return None
+    try:
+        return read.block_ms()
+    except JobTimeout:
+        return None  # the caller's time is up already: the submit goes alone, and the wait says so
+
+
+def with_end_read(add: AddCommands, done: str, block_ms: int) -> AddCommands:
+    """`add`'s commands, then one blocking XREAD of the job's `done` stream (its reply last)."""
+
+    def both(pipe: Pipe) -> None:
+        add(pipe)
+        job_reads.add_ends_read(pipe, (done,), block_ms)
+
+    return both
 
 
 def forget(keys: Keys, job: NewJob) -> AddCommands:
@@ -171,12 +236,25 @@ def wait(keys: Keys, job_id: str, timeout: float | None, known: Known = NOTHING_
 
 
 def generate(client: ClientBase, arguments: Mapping[str, Any], timeout: float | None) -> Steps[JobResult]:
-    """Client.generate: submit() of `arguments` (its keyword arguments), then wait(). A job just
-    created expires timeout_s from now at the latest; one found by its request_id may be older."""
+    """Client.generate: submit() of `arguments` (its keyword arguments), then wait(). Where
+    first_read_block allows it, the wait's first blocking read goes in the enqueue's round trip,
+    and the caller's timeout counts from its sending: a job that ends within that block costs one
+    round trip. Elsewhere the timeout counts from the submit's end, as a wait()'s after a submit.
+    A job just created expires timeout_s from now at the latest; one found by its request_id may be
+    older."""
     timeout = check_timeout(timeout)
-    job_id = yield from submit(client, build_job_of(arguments, known_params=client.known_params))
-    deadline = Deadline(job_id, timeout)
-    return finished(job_id, (yield from wait_done(client.keys, job_id, deadline, *client.submissions.known(job_id))))
+    job = build_job_of(arguments, known_params=client.known_params)
+    deadline = Deadline(job.job_id, timeout)
+    submitted, first = yield from submit_reading(client, job, deadline)
+    job_id = submitted.job_id
+    known = client.submissions.known(job_id)
+    if first is None:
+        deadline = Deadline(job_id, timeout)
+    elif first.end is not None:
+        return finished(job_id, first.end)
+    else:
+        known = Known(known.expires_at, first.sent_at)  # its submit's moment, before the read blocked
+    return finished(job_id, (yield from wait_done(client.keys, job_id, deadline, *known)))
 
 
 def expiry_of_new(job: NewJob) -> float | None:

@@ -144,12 +144,21 @@ def read_done(
     `end_in_stream` (the stream holds the job's end if it has ended: wait_done) it is not read."""
     block_ms = deadline.block_ms(until)
     reply, result = yield from job_reads.end_read(keys, job_id, block_ms, with_result=not end_in_stream)
-    streams = streams_read(reply)
-    if streams:
-        return streams[0][1][0][1].get("data", "")  # an entry without one: parse_result's invalid_job
+    end = end_read_of(reply)
+    if end is not None:
+        return end
     if isinstance(result, Exception):
         raise result
     return result
+
+
+def end_read_of(reply: StreamsReply | Exception) -> str | None:
+    """The job's end (result JSON) in the reply of an XREAD of its `done` stream alone; None if
+    none came within the read's block (or Redis cut it short: see streams_read)."""
+    streams = streams_read(reply)
+    if not streams:
+        return None
+    return streams[0][1][0][1].get("data", "")  # an entry without one: parse_result's invalid_job
 
 
 def unless_expired(keys: Keys, job_id: str, expires_at: float | None, read: Steps[T]) -> Steps[T]:

@@ -1,6 +1,10 @@
-"""MILI: the producer client (`submit`, then `wait`, the documented read of a job this client has
-just submitted: one blocking read of its `done` stream) against echo workers (`python -m worker
-serve --model echo`). Results are kept for the workers' result_ttl_s (default 3,600 s)."""
+"""MILI: the producer client against echo workers (`python -m worker serve --model echo`). The load
+submits and waits by `generate` (`run`), the client's documented call for both (README): where
+nothing can refuse the enqueue (a job placed on a worker's stream, as most are here) its create,
+enqueue and blocking read of the job's `done` stream are one round trip. `submit` alone is what the
+submit figures time, and `submit` then `wait` (the documented read of a job this client has just
+submitted: one blocking read of its `done` stream) what the warm-up runs. Results are kept for the
+workers' result_ttl_s (default 3,600 s)."""
 
 from __future__ import annotations
 
@@ -49,6 +53,9 @@ class Producer:
 
     def result(self, job_id: str) -> str:
         return self.client.wait(job_id, timeout=RESULT_TIMEOUT_S).text
+
+    def run(self, prompt: str) -> str:
+        return self.client.generate(prompt, max_tokens=max_tokens(), temperature=0.0, timeout=RESULT_TIMEOUT_S).text
 
     def close(self) -> None:
         self.client.close()

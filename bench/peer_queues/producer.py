@@ -9,8 +9,9 @@ line after that (so that Redis's memory is read with the same clients connected 
           functions alone), the median of PROFILED submits.
   load:   `--producers` producers (threads, or asyncio tasks for an async library: each library
           as it is documented), each submitting a job and reading its result before the next, for
-          `--seconds` or `--jobs` each; with `--direct N`, also N jobs run in-process (the no-op
-          baseline of the added latency)."""
+          `--seconds` or `--jobs` each: by the app's `run` where the library documents one call for
+          both (MILI's `generate`), else its `submit` then its `result`; with `--direct N`, also N
+          jobs run in-process (the no-op baseline of the added latency)."""
 
 from __future__ import annotations
 
@@ -135,9 +136,10 @@ def load_sync(producers: list, feeds: list[Iterator[str]], args: argparse.Namesp
 
 
 def produce_sync(producer, feed: Iterator[str], jobs: int | None, end: float | None, out: list[float]) -> None:
+    run = getattr(producer, "run", None) or (lambda prompt: producer.result(producer.submit(prompt)))
     while (jobs is None or len(out) < jobs) and (end is None or time.perf_counter() < end):
         start = time.perf_counter()
-        producer.result(producer.submit(next(feed)))
+        run(next(feed))
         out.append(time.perf_counter() - start)
 
 
@@ -210,9 +212,13 @@ async def load_async(producer, feeds: list[Iterator[str]], args: argparse.Namesp
 
 
 async def produce_async(producer, feed: Iterator[str], jobs: int | None, end: float | None, out: list[float]) -> None:
+    run = getattr(producer, "run", None)
     while (jobs is None or len(out) < jobs) and (end is None or time.perf_counter() < end):
         start = time.perf_counter()
-        await producer.result(await producer.submit(next(feed)))
+        if run is None:
+            await producer.result(await producer.submit(next(feed)))
+        else:
+            await run(next(feed))
         out.append(time.perf_counter() - start)
 
 

@@ -35,7 +35,7 @@ from producer_client.protocol import worker as worker_scripts
 from producer_client.protocol.script import add_all
 from producer_client.schema import JobResult
 from producer_client.steps import run as run_steps
-from tests.support.clients import make_client
+from tests.support.clients import commands_sent, make_client
 from worker.embedded_redis import EmbeddedRedis, free_port
 from worker.loop.worker_queue import WorkerQueue
 
@@ -314,23 +314,6 @@ def test_a_caller_whose_timeout_is_the_jobs_own_gets_job_expired(redis_server, h
 
     outcomes = asyncio.run(main())
     assert [type(o).__name__ for o in outcomes] == ["JobExpired"] * 8
-
-
-def commands_sent(monkeypatch) -> list[list[str]]:
-    """The command names of each round trip the clients make from now on (sync and asyncio)."""
-    sent: list[list[str]] = []
-
-    def recorded(add):
-        def add_and_record(pipe):
-            add(pipe)
-            sent.append([str(args[0]) for args, _ in pipe.stack])
-
-        return add_and_record
-
-    execute, aexecute = execution.execute, execution.aexecute
-    monkeypatch.setattr(execution, "execute", lambda client, add, *a, **kw: execute(client, recorded(add), *a, **kw))
-    monkeypatch.setattr(execution, "aexecute", lambda client, add, *a, **kw: aexecute(client, recorded(add), *a, **kw))
-    return sent
 
 
 @pytest.mark.parametrize("timeout_s", [None, 60])

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from typing import Any
 
 from producer_client import AsyncClient, Client
+from producer_client.protocol import execution
 
 
 class SyncView:
@@ -44,3 +46,27 @@ def make_client(kind: str, url: str, queue: str, **kwargs) -> Client | SyncView:
     if kind == "sync":
         return Client(url, queue, **kwargs)
     return SyncView(AsyncClient(url, queue, **kwargs))
+
+
+def commands_sent(monkeypatch, redis_client: Any = None) -> list[list[str]]:
+    """The command names of each round trip the clients make from now on (sync and asyncio); with
+    `redis_client`, those made over that redis-py client alone (a client's `.redis`: not those of
+    a worker serving in the same process)."""
+    sent: list[list[str]] = []
+
+    def recorded(client, add):
+        def add_and_record(pipe):
+            add(pipe)
+            if redis_client is None or client is redis_client:
+                sent.append([str(args[0]) for args, _ in pipe.stack])
+
+        return add_and_record
+
+    execute, aexecute = execution.execute, execution.aexecute
+    monkeypatch.setattr(
+        execution, "execute", lambda client, add, *a, **kw: execute(client, recorded(client, add), *a, **kw)
+    )
+    monkeypatch.setattr(
+        execution, "aexecute", lambda client, add, *a, **kw: aexecute(client, recorded(client, add), *a, **kw)
+    )
+    return sent
