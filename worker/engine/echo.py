@@ -97,7 +97,8 @@ class EchoScript:
         return None if line is None else list(line.say.encode())
 
 
-@dataclass
+# Slots: every running one is read each step (see RequestOutput).
+@dataclass(slots=True)
 class EchoRequest:
     request_id: RequestId
     prompt: list[int]
