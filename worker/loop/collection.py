@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import cast
 
 from producer_client.schema import ErrorInfo, JobResult, TokenLogprob, Usage
 from worker.engine.outputs import RequestOutput
@@ -33,8 +32,8 @@ class Collector:
         for out in outputs:
             # The loop's own request ids: every request it adds to the engine has an AdmissionId,
             # which the engine hands back as it was given (the identity test spares most outputs a
-            # comparison).
-            request_id = cast(AdmissionId, out.request_id)
+            # comparison). Not cast(): a call an output.
+            request_id: AdmissionId = out.request_id  # type: ignore[assignment]
             job = running.get(request_id.job_id)
             if job is None or (request_id is not job.engine_id and request_id != job.engine_id):
                 continue  # an aborted admission's last word
