@@ -278,9 +278,12 @@ class Worker:
         return True
 
     def _stop_overdue(self) -> None:
+        """Every running job past its deadline is stopped. Found by a list comprehension (asked
+        before every step of every running job; most have no deadline, or one far off)."""
         now = self.clock.now()
-        for job in list(self.holdings.running.values()):
-            if job.stop_reason is None and job.deadline is not None and now > job.deadline:
+        overdue = [job for job in self.holdings.running.values() if job.deadline is not None and now > job.deadline]
+        for job in overdue:
+            if job.stop_reason is None:
                 self.holdings.stop(job, "timeout")
 
     def _step(self) -> list[RequestOutput]:
