@@ -97,8 +97,7 @@ class EchoScript:
         return None if line is None else list(line.say.encode())
 
 
-# Slots: every running one is read each step (see RequestOutput).
-@dataclass(slots=True)
+@dataclass
 class EchoRequest:
     request_id: RequestId
     prompt: list[int]
