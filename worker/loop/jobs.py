@@ -54,7 +54,7 @@ class AdmissionId(NamedTuple):
         return f"{self.job_id}#{self.number}"
 
 
-@dataclass
+@dataclass(slots=True)
 class Feed:
     """How far a claimed job's output has gone towards Redis: how much of it some update holds
     already (outbox.Update.take moves the rest in), since when the rest has waited, when the worker
@@ -82,7 +82,10 @@ class Feed:
         self.waiting_since = None
 
 
-@dataclass
+# Slots (Job, Feed): the loop reads every running job's and its feed's fields each step and each
+# iteration (collection.py, pace.py); fields in the object itself are fewer cache lines to miss
+# after a step's wait (bench/RESULTS.md, x/whole).
+@dataclass(slots=True)
 class Job:
     id: str
     # None once the job is detached from its entry: Redis lost the queue's group, and the worker
