@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from typing import NoReturn
 from wsgiref.simple_server import WSGIServer
 
 import redis
@@ -225,5 +226,20 @@ def configure_logging(level: str, worker_name: str) -> None:
     logs.configure(level, f"%(asctime)s %(levelname)s [{worker_name}] %(name)s: %(message)s")
 
 
+def run() -> NoReturn:
+    """The process's way in (`python -m worker`, `mili-worker`): main, then an exit that leaves
+    the interpreter's teardown out. Once main returns, serving is over: every job handed back or
+    ended and said so to Redis, the ranks and the embedded Redis stopped, no thread of ours left.
+    The teardown then only frees what the OS frees at once: on a worker of the tiny model it ran
+    0.7-1.1 s of CPU (full garbage collections over the ~300,000 objects of torch, Triton and the
+    model, then each one's release), 15-20% of such a worker's whole life in a test. Output is
+    flushed first, the logging handlers' included."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

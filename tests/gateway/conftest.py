@@ -1,7 +1,9 @@
 """One redis-server, one worker on the `tiny` preset (a real model: tokenizer, chat template,
 sampling, logprobs; serving two LoRA adapters, tests/gateway/test_lora.py), one on the echo
 engine (the prompt back, byte by byte: fast, and every token known in advance), and one gateway
-in front of them, shared by the whole session: a tiny worker takes many seconds to start."""
+in front of them, shared by the package's tests (a tiny worker takes many seconds to start) and
+stopped when they end, as tests/board's: idle, the set polls Redis (~1.2 s of CPU a minute), and
+a session's would poll for the rest of its pytest process."""
 
 import json
 
@@ -33,7 +35,7 @@ def lora_adapters(tmp_path_factory) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def gateway_workers(redis_server, lora_adapters, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("gateway-workers")
     lora = ["--lora-modules", *(f"{name}={path}" for name, path in lora_adapters.items()), "--max-lora-rank", "16"]
@@ -48,7 +50,7 @@ def gateway_workers(redis_server, lora_adapters, tmp_path_factory):
             w.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def gateway(redis_server, gateway_workers, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("gateway")
     process = GatewayProcess(
