@@ -182,7 +182,7 @@ def test_a_heartbeat_turns_stale_past_half_its_ttl_and_gone_past_it(redis_server
     conditions = {kind: {} for kind in clients}
     started = time.monotonic()
     try:
-        for at in (0.1, 0.9, 1.8, 3.6, 6.0):  # inside half the TTL, past it, then past the TTL several times over
+        for at in (0.1, 0.9, 1.8, 3.6):  # inside half the TTL, past it, then past the TTL once and three times over
             time.sleep(max(0.0, started + at - time.monotonic()))
             heartbeat(redis_client, queue, f"{queue}-steady", ttl_s)
             for kind, client in clients.items():
@@ -195,7 +195,6 @@ def test_a_heartbeat_turns_stale_past_half_its_ttl_and_gone_past_it(redis_server
             0.9: ("live", "stale"),
             1.8: ("live", "gone"),
             3.6: ("live", "gone"),
-            6.0: ("live", "gone"),
         }
         assert conditions == {"sync": expected, "async": expected}
         for client in clients.values():
