@@ -268,7 +268,9 @@ def edge_of(app, settings: GatewaySettings, failures: AuthFailures, metrics: Gat
     and scheme), the request's id, metrics and log line, CORS only where configured, the edge's
     checks of key, body size and type (gateway/edge.py), and the tenant's rate-limit headers."""
     access = Access(settings.api_keys, settings.admin_api_keys)
-    limits = Limits(settings.max_json_bytes, settings.batch_max_file_bytes, settings.monitoring_needs_key)
+    limits = Limits(
+        settings.max_json_bytes, settings.batch_max_file_bytes, settings.monitoring_needs_key, settings.body_timeout_s
+    )
     guarded = Edge(app, access, limits, failures)
     if settings.cors_origins:
         # Any request header from the origins granted: the official SDKs send headers of their own

@@ -10,6 +10,10 @@
   limit (plus room for the form around it) for uploads, a small one for the board's login form.
   A `Content-Length` over it is refused at once with 413; a body sent without one (chunked) is
   counted as it is read and cut off with 413 once it passes the limit.
+- **How long.** The whole body must arrive within `body_timeout_s` of the request's headers, else
+  408: the server under us (uvicorn) waits for a body as long as its client keeps the connection
+  open, so a client sending a byte now and then would hold a connection, and what the app had
+  read, for ever; enough of them hold them all.
 - **What.** A JSON route's body must say `Content-Type: application/json` (or `+json`): a page of
   another site can send a "simple" cross-site request (text/plain, a form, no type at all)
   without a CORS preflight, and must not enqueue work through a browser that can reach the
@@ -18,7 +22,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import email.message
+import time
 from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
@@ -45,6 +51,7 @@ class Limits:
     json_bytes: int
     upload_bytes: int
     monitoring_needs_key: bool
+    body_timeout_s: float
 
     def policy(self, method: str, path: str, keys_required: bool) -> Policy:
         if path == "/v1/files" and method == "POST":
@@ -62,25 +69,47 @@ class BodyTooLarge(Exception):
     """Raised into the app's read of a body that passed its limit."""
 
 
-class CountedBody:
-    """The request's `receive`, counting body bytes: past `limit` it raises BodyTooLarge."""
+class BodyTimedOut(Exception):
+    """Raised into the app's read of a body that did not arrive whole in time."""
 
-    def __init__(self, receive, limit: int):
+
+class CountedBody:
+    """The request's `receive`, counting body bytes and timing the body: past `limit` it raises
+    BodyTooLarge; a body not whole by `deadline` (monotonic) raises BodyTimedOut. Once the body is
+    whole, receive() passes through untimed: the app then waits on it for the client's disconnect
+    (a stream's cancel), for as long as it answers."""
+
+    def __init__(self, receive, limit: int, deadline: float):
         self.receive = receive
         self.limit = limit
+        self.deadline = deadline
         self.seen = 0
+        self.whole = False
+        self.timed_out = False
 
     @property
     def exceeded(self) -> bool:
         return self.seen > self.limit
 
+    @property
+    def cut(self) -> bool:
+        return self.exceeded or self.timed_out
+
     async def __call__(self) -> dict:
-        message = await self.receive()
+        message = await (self.receive() if self.whole else self._receive_in_time())
         if message["type"] == "http.request":
             self.seen += len(message.get("body", b""))
+            self.whole = not message.get("more_body", False)
             if self.exceeded:
                 raise BodyTooLarge()
         return message
+
+    async def _receive_in_time(self) -> dict:
+        try:
+            return await asyncio.wait_for(self.receive(), max(0.0, self.deadline - time.monotonic()))
+        except TimeoutError:
+            self.timed_out = True
+            raise BodyTimedOut() from None
 
 
 class Edge:
@@ -100,7 +129,7 @@ class Edge:
         refusal = self.refusal(request, policy)
         if refusal is not None:
             return await error_response(refusal)(scope, receive, send)
-        body = CountedBody(receive, policy.limit)
+        body = CountedBody(receive, policy.limit, time.monotonic() + self.limits.body_timeout_s)
         await self.run(scope, body, send)
 
     def refusal(self, request: HTTPConnection, policy: Policy) -> APIError | None:
@@ -133,13 +162,14 @@ class Edge:
         return None
 
     async def run(self, scope, body: CountedBody, send) -> None:
-        """The app, with a 413 in place of whatever it answers once the body passed its limit
-        (its parsers may turn the BodyTooLarge they meet into an error of their own)."""
+        """The app, with a 413 or a 408 in place of whatever it answers once the body passed its
+        limit or its time (its parsers may turn the exception they meet into an error of their own).
+        A 408 closes the connection: the rest of the body may still come."""
         started = False
 
         async def send_unless_cut(message) -> None:
             nonlocal started
-            if body.exceeded:
+            if body.cut:
                 return
             started = started or message["type"] == "http.response.start"
             await send(message)
@@ -147,10 +177,10 @@ class Edge:
         try:
             await self.app(scope, body, send_unless_cut)
         except Exception:
-            if not body.exceeded or started:
+            if not body.cut or started:
                 raise
-        if body.exceeded and not started:
-            await error_response(too_large(body.limit))(scope, body.receive, send)
+        if body.cut and not started:
+            await cut_response(body, self.limits.body_timeout_s)(scope, body.receive, send)
 
 
 def client_address(request: HTTPConnection) -> str:
@@ -169,6 +199,23 @@ def is_json(content_type: str | None) -> bool:
 
 def too_large(limit: int) -> APIError:
     return APIError(413, f"the request body exceeds {limit} bytes", "invalid_request_error", "request_too_large")
+
+
+def cut_response(body: CountedBody, timeout_s: float) -> Response:
+    if body.exceeded:
+        return error_response(too_large(body.limit))
+    response = error_response(too_slow(timeout_s))
+    response.headers["Connection"] = "close"  # the server would otherwise wait on for the rest of the body
+    return response
+
+
+def too_slow(timeout_s: float) -> APIError:
+    return APIError(
+        408,
+        f"the request body did not arrive whole within {timeout_s:g} s (body_timeout_s)",
+        "invalid_request_error",
+        "request_timeout",
+    )
 
 
 def too_many_failures(retry_after_s: int) -> APIError:

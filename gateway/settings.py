@@ -47,6 +47,12 @@ class GatewaySettings(TomlSettings):
         ge=1,
         description="the largest JSON request body; a larger one is refused with 413 before it is read",
     )
+    body_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="a request's whole body must arrive within this long of its headers, else 408 and the "
+        "connection closes: a client that sends its body slowly holds no connection longer",
+    )
     cors_origins: list[str] = Field(
         default_factory=list,
         description='origins granted CORS (JSON list, "*" for any); empty: none',

@@ -3,11 +3,16 @@ upload is refused before any of it is read: nothing is spooled to disk, memory d
 its size (a Content-Length over the limit is refused at once with 413; a chunked body is cut off
 once it passes the limit, and what the gateway held stays under the limit plus a small constant),
 and its type (a JSON route takes application/json only: a cross-site "simple" request cannot
-enqueue work). No CORS is granted unless configured; the board's actions need their header."""
+enqueue work), its time (a body not whole within body_timeout_s is answered 408 and its connection
+closed). No CORS is granted unless configured; the board's actions need their header."""
 
 from __future__ import annotations
 
 import json
+import select
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -24,6 +29,7 @@ MIB = 1 << 20
 # What the gateway may hold beyond a limit: one read of the socket, the interpreter's own churn.
 SLACK = 4 * MIB
 ORIGIN = "https://app.example"
+BODY_TIMEOUT_S = 2.0
 BOUNDARY = "edgeboundary"
 
 
@@ -47,6 +53,8 @@ def edge_gateway(redis_server, tmp_path_factory, spool_dir):
         json.dumps([ORIGIN]),
         "--auth-failures-per-minute",
         "1000",
+        "--body-timeout-s",
+        str(BODY_TIMEOUT_S),
         env={"TMPDIR": str(spool_dir)},
     ).start()
     yield gateway
@@ -214,3 +222,62 @@ def test_an_open_gateway_grants_no_cors_and_its_board_actions_need_their_header(
         assert action.status_code == 403
     finally:
         gateway.stop()
+
+
+def request_in_pieces(port: int, pieces: list[bytes], every_s: float, announced: int | None = None) -> dict:
+    """A JSON POST whose Content-Length says `announced` bytes (those of `pieces` if None), its
+    body sent a piece every `every_s` until the gateway answers; then read to the connection's end
+    (a connection the gateway kept open fails the read by its socket timeout)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    length = sum(map(len, pieces)) if announced is None else announced
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Length: {length}\r\n\r\n"
+    )
+    started = time.monotonic()
+    sock.sendall(head.encode())
+    sent = 0
+    for piece in pieces:
+        if select.select([sock], [], [], every_s)[0]:
+            break
+        sock.sendall(piece)
+        sent += len(piece)
+    select.select([sock], [], [], 30)
+    answered_s = time.monotonic() - started
+    answer = b""
+    while more := sock.recv(65536):
+        answer += more
+    closed_s = time.monotonic() - started
+    sock.close()
+    head_part, _, body = answer.partition(b"\r\n\r\n")
+    return {
+        "status": int(head_part.split()[1]),
+        "body": body,
+        "sent": sent,
+        "answered_s": answered_s,
+        "closed_s": closed_s,
+    }
+
+
+def test_a_body_not_whole_in_time_is_answered_408_and_its_connection_closed_while_others_are_served(edge_gateway):
+    # Three clients announce 400 bytes and send one every 0.25 s: 100 s of body, past the timeout
+    # many times over. Each is answered 408 at the timeout and its connection closed; meanwhile
+    # a body sent in pieces that arrive in time is read whole (its error is about its content),
+    # and the gateway serves other requests.
+    dribble = [b" "] * 400
+    in_time = [b'{"model": "echo", ', b'"prompt": "hi", ', b'"max_tokens": 4}']
+    with ThreadPoolExecutor(4) as pool:
+        slow = [pool.submit(request_in_pieces, edge_gateway.port, dribble, 0.25, 400) for _ in range(3)]
+        ontime = pool.submit(request_in_pieces, edge_gateway.port, in_time, 0.4)
+        models = httpx.get(f"{edge_gateway.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        answers = [future.result() for future in slow]
+        read_whole = ontime.result()
+    assert models.status_code == 200
+    for answer in answers:
+        assert (answer["status"], error_of(answer["body"])["code"]) == (408, "request_timeout")
+        assert BODY_TIMEOUT_S - 0.1 <= answer["answered_s"] < BODY_TIMEOUT_S + 2.0, answer
+        assert answer["sent"] < 400 * BODY_TIMEOUT_S / 100 + 8, answer  # about one a 0.25 s until the answer
+        assert answer["closed_s"] - answer["answered_s"] < 1.0, answer  # closed with the answer, not left open
+    # No worker serves `echo` here: an answer about the body's model is one about a body read whole.
+    assert (read_whole["status"], error_of(read_whole["body"])["code"]) == (404, "model_not_found"), read_whole
+    assert read_whole["sent"] == sum(map(len, in_time))
