@@ -265,7 +265,7 @@ def test_a_body_not_whole_in_time_is_answered_408_and_its_connection_closed_whil
     # a body sent in pieces that arrive in time is read whole (its error is about its content),
     # and the gateway serves other requests.
     dribble = [b" "] * 400
-    in_time = [b'{"model": "echo", ', b'"prompt": "hi", ', b'"max_tokens": 4}']
+    in_time = [b'{"model": "no-worker-serves-this", ', b'"prompt": "hi", ', b'"max_tokens": 4}']
     with ThreadPoolExecutor(4) as pool:
         slow = [pool.submit(request_in_pieces, edge_gateway.port, dribble, 0.25, 400) for _ in range(3)]
         ontime = pool.submit(request_in_pieces, edge_gateway.port, in_time, 0.4)
@@ -278,6 +278,7 @@ def test_a_body_not_whole_in_time_is_answered_408_and_its_connection_closed_whil
         assert BODY_TIMEOUT_S - 0.1 <= answer["answered_s"] < BODY_TIMEOUT_S + 2.0, answer
         assert answer["sent"] < 400 * BODY_TIMEOUT_S / 100 + 8, answer  # about one a 0.25 s until the answer
         assert answer["closed_s"] - answer["answered_s"] < 1.0, answer  # closed with the answer, not left open
-    # No worker serves `echo` here: an answer about the body's model is one about a body read whole.
+    # No worker serves that model (whichever workers other tests started on this Redis): an answer
+    # about the body's model is one about a body read whole.
     assert (read_whole["status"], error_of(read_whole["body"])["code"]) == (404, "model_not_found"), read_whole
     assert read_whole["sent"] == sum(map(len, in_time))
