@@ -52,7 +52,14 @@ from producer_client.schema import JobFailed
 
 log = logging.getLogger("gateway")
 # The answer's headers a page on a granted origin may read (cors_origins): none is CORS-safelisted.
-EXPOSED_HEADERS = ["x-request-id", "x-mili-job-ids", "retry-after", "retry-after-ms", *EXPOSED_RATE_LIMIT_HEADERS]
+EXPOSED_HEADERS = [
+    "x-request-id",
+    "x-mili-job-ids",
+    "retry-after",
+    "retry-after-ms",
+    "x-should-retry",
+    *EXPOSED_RATE_LIMIT_HEADERS,
+]
 
 
 class Gateway:
