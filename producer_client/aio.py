@@ -73,11 +73,12 @@ class AsyncClient(ClientBase):
             stream=stream,
             service_tier=service_tier,
             known_params=self.known_params,
+            tenant=self.tenant,
         )
         return await steps.arun(self.redis, operations.submit(self, job))
 
     async def submit_rated(self, counts_request: bool = True, **arguments: Any) -> Submitted:
-        job = build_job_of(arguments, requests=int(counts_request), known_params=self.known_params)
+        job = build_job_of(arguments, int(counts_request), self.known_params, self.tenant)
         return await steps.arun(self.redis, operations.submit_rated(self, job))
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:

@@ -97,6 +97,7 @@ class Client(ClientBase):
             stream=stream,
             service_tier=service_tier,
             known_params=self.known_params,
+            tenant=self.tenant,
         )
         return steps.run(self.redis, operations.submit(self, job))
 
@@ -105,7 +106,7 @@ class Client(ClientBase):
         (the gateway's x-ratelimit-* headers). `counts_request` False: the job is a further choice
         of a request another job counted, so it counts its tokens but no request against the
         tenant's requests-per-minute limit (OpenAI counts a request with n choices as one)."""
-        job = build_job_of(arguments, requests=int(counts_request), known_params=self.known_params)
+        job = build_job_of(arguments, int(counts_request), self.known_params, self.tenant)
         return steps.run(self.redis, operations.submit_rated(self, job))
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
