@@ -220,6 +220,23 @@ def ask(gateway: GatewayProcess, method: str, path: str, key: str) -> httpx.Resp
     return httpx.request(method, f"{gateway.url}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=30)
 
 
+def test_with_admin_keys_the_board_lets_in_only_them(tenants_gateway):
+    """The board shows and acts on every tenant's jobs: where admin keys are set, a tenant's key is
+    refused there as a wrong one (login form, Bearer reads and actions), and an admin key let in."""
+    job_id = completion(tenants_gateway, KEY_A, f"idem-{uuid.uuid4().hex}", "on the board").headers["x-mili-job-ids"]
+    board = f"{tenants_gateway.url}/board"
+    for key in (KEY_A, KEY_B):
+        assert httpx.post(f"{board}/login", data={"key": key}).status_code == 401, key
+        bearer = {"Authorization": f"Bearer {key}", "X-MILI-Board": "1"}
+        assert httpx.get(f"{board}/overview", headers=bearer).status_code == 401, key
+        assert httpx.get(f"{board}/job/summary", params={"id": job_id}, headers=bearer).status_code == 401, key
+        assert httpx.post(f"{board}/job/cancel", params={"id": job_id}, headers=bearer).status_code == 401, key
+    let_in = httpx.post(f"{board}/login", data={"key": ADMIN})
+    assert let_in.status_code == 303 and let_in.headers["location"] == "/board"
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    assert httpx.get(f"{board}/job/summary", params={"id": job_id}, headers=admin).status_code == 200
+
+
 def test_health_and_metrics_can_be_put_behind_a_key(tenants_gateway):
     for path in ("/health", "/metrics"):
         assert httpx.get(f"{tenants_gateway.url}{path}").status_code == 401, path
@@ -320,7 +337,7 @@ def test_a_right_board_login_is_let_in_whatever_its_address_failed(limited_gatew
         assert httpx.post(login, data={"key": "guess"}, headers=headers).status_code == 401
     refused = httpx.post(login, data={"key": "guess"}, headers=headers)
     assert refused.status_code == 429 and 0 < int(refused.headers["retry-after"]) <= 60
-    let_in = httpx.post(login, data={"key": KEY_A}, headers=headers)
+    let_in = httpx.post(login, data={"key": STRONG_ADMIN}, headers=headers)
     assert let_in.status_code == 303 and let_in.headers["location"] == "/board"
 
 
@@ -334,7 +351,7 @@ def test_the_gateway_warns_at_start_of_each_weak_key_naming_its_place_only(limit
 def test_a_trusted_proxys_https_makes_the_board_cookie_secure(limited_gateway, redis_server, tmp_path):
     login = httpx.post(
         f"{limited_gateway.url}/board/login",
-        data={"key": KEY_A},
+        data={"key": STRONG_ADMIN},
         headers={"X-Forwarded-Proto": "https", "X-Forwarded-For": "198.51.100.20"},
     )
     assert "Secure" in [part.strip() for part in login.headers["set-cookie"].split(";")]
