@@ -11,7 +11,10 @@ DONE_TTL_MS): what is left is what every finished job costs until result_ttl_s. 
 same taken as the last result is read, the transient cost of the jobs of the last seconds included.
 A streamed job is followed by its reader before its end, so v2 keeps its events.
 
-    python -m bench.job_keys --base /tmp/base43 [--jobs 2000 --tokens 16 1 --streamed]
+    python -m bench.job_keys --base /tmp/base43 [--jobs 2000 --tokens 16 1 --streamed --tenant k0123456789ab]
+
+With --tenant the jobs are that tenant's (a gateway's API key's are `k` and 12 hex digits): its
+lane stream, and the ids the client makes for it, which carry it.
 
 The measuring half imports only the client's public API, `Keys` and the embedded Redis, so that it
 runs on an older tree too.
@@ -41,7 +44,7 @@ def main() -> None:
     if args.child:
         for tokens in args.tokens:
             for streamed in (False, True) if args.streamed else (False,):
-                print(json.dumps(measure(args.jobs, tokens, streamed)), flush=True)
+                print(json.dumps(measure(args.jobs, tokens, streamed, args.tenant)), flush=True)
         return
     trees = {"after": ROOT} if args.base is None else {"before": Path(args.base).resolve(), "after": ROOT}
     found = {name: run_tree(tree, args) for name, tree in trees.items()}
@@ -54,6 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=2000)
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 1])
     p.add_argument("--streamed", action="store_true", help="also jobs read through stream() to their end")
+    p.add_argument("--tenant", help="submit as this tenant (Client(tenant=...))")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -62,6 +66,7 @@ def run_tree(tree: Path, args: argparse.Namespace) -> list[dict]:
     """The cases measured by a process whose imports (and whose worker's) come from `tree`."""
     argv = [__file__, "--child", "--jobs", str(args.jobs), "--tokens", *map(str, args.tokens)]
     argv += ["--streamed"] if args.streamed else []
+    argv += ["--tenant", args.tenant] if args.tenant else []
     code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path({__file__!r}, run_name='__main__')"
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True)
@@ -70,7 +75,7 @@ def run_tree(tree: Path, args: argparse.Namespace) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-def measure(jobs: int, tokens: int, streamed: bool) -> dict:
+def measure(jobs: int, tokens: int, streamed: bool, tenant: str | None = None) -> dict:
     import redis
 
     from producer_client import Client
@@ -80,7 +85,7 @@ def measure(jobs: int, tokens: int, streamed: bool) -> dict:
         worker = start_worker(server.url, Path(logs))
         try:
             admin = redis.Redis.from_url(server.url, decode_responses=True)
-            with Client(server.url, QUEUE) as client:
+            with Client(server.url, QUEUE, tenant=tenant) as client:
                 client.generate("warm up", max_tokens=1, timeout=60)
                 time.sleep(SETTLE_S)
                 before = kept_memory(admin)

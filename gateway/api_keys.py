@@ -1,10 +1,10 @@
 """The API keys a request carries (`Authorization: Bearer KEY`), who each one is, and how an
 address that keeps getting one wrong is answered.
 
-A key is a tenant: the files, batches and Idempotency-Keys it creates are its own (a tenant's id
-is a digest of its key, so no key is kept or shown anywhere). An `admin_api_keys` key is a tenant
-too, that may also see and cancel every other tenant's files and batches. Without `api_keys` the
-gateway is open and every request is the one anonymous tenant."""
+A key is a tenant: the jobs, files, batches and Idempotency-Keys it creates are its own (a tenant's
+id is a digest of its key, so no key is kept or shown anywhere). An `admin_api_keys` key is a tenant
+too, that may also see and cancel every other tenant's jobs, files and batches. Without `api_keys`
+the gateway is open and every request is the one anonymous tenant."""
 
 from __future__ import annotations
 
@@ -30,6 +30,14 @@ class Tenant:
     def owns(self, owner: str | None) -> bool:
         """Whether this tenant may see and change what `owner` created."""
         return self.admin or owner == self.id
+
+    def owns_job(self, job_id: str) -> bool:
+        """Whether this tenant may see the job `job_id`. A tenant's jobs have ids `<tenant>.<...>`
+        (producer_client.new_job.fresh_job_id; an Idempotency-Key's: gateway/idempotency.py), and a
+        tenant id has a fixed length without a dot, so no other key's id begins so. A job of no
+        tenant (a producer's that names none, or one submitted before ids carried the tenant) is
+        the default tenant's, which no API key is: an admin key's only."""
+        return self.admin or job_id.startswith(f"{self.id}.")
 
 
 OPEN = Tenant(ANONYMOUS, admin=True)  # an open gateway: one tenant, who sees everything

@@ -44,15 +44,23 @@ from openai_format.requests import ChatCompletionRequest, CompletionRequest, Sam
 from openai_format.responses import ModelList
 from producer_client import AsyncClient, JobResult, MiliError, RateLimited
 from producer_client.connection import answered_within, connect_async, one_try_options
-from producer_client.errors import InvalidArgument
+from producer_client.errors import InvalidArgument, JobNotFound
 from producer_client.keys import NAME_PATTERN
 from producer_client.new_job import lane_of
 from producer_client.protocol.shards import AUTO
 from producer_client.schema import JobFailed
+from producer_client.validation import check_job_id
 
 log = logging.getLogger("gateway")
 # The answer's headers a page on a granted origin may read (cors_origins): none is CORS-safelisted.
-EXPOSED_HEADERS = ["x-request-id", "x-mili-job-ids", "retry-after", "retry-after-ms", *EXPOSED_RATE_LIMIT_HEADERS]
+EXPOSED_HEADERS = [
+    "x-request-id",
+    "x-mili-job-ids",
+    "retry-after",
+    "retry-after-ms",
+    "x-should-retry",
+    *EXPOSED_RATE_LIMIT_HEADERS,
+]
 
 
 class Gateway:
@@ -231,7 +239,10 @@ def add_mili_routes(app: FastAPI, gw: Gateway, default_queue: str) -> None:
     """MILI's own: /generate (one prompt, its text) and a job's status by id."""
 
     @app.get("/v1/jobs/{job_id:path}")
-    async def job_status(job_id: str):
+    async def job_status(request: Request, job_id: str):
+        # Another tenant's job is answered as a missing one, before any read: its existence is not told.
+        if not tenant_of(request).owns_job(check_job_id(job_id)):
+            raise JobNotFound(job_id)
         return json_response(await gw.client.status(job_id))
 
     @app.post("/generate")

@@ -1,6 +1,6 @@
 """The gateway's errors over HTTP: OpenAI's (openai_format.errors), with a Retry-After where the
-client should wait before it tries again, and the gateway's own: a missing key, Redis away, a
-restart."""
+client should wait before it tries again, `x-should-retry: false` where trying again cannot help,
+and the gateway's own: a missing key, Redis away, a restart."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import redis
 
 from openai_format.errors import APIError, error_of
-from producer_client.errors import MiliError, NotReplicated, QueueFull, RateLimited
+from producer_client.errors import InvalidJob, MiliError, NotReplicated, QueueFull, RateLimited
 
 
 class RetryLater(APIError):
@@ -26,7 +26,20 @@ class RetryLater(APIError):
         return cls(error.status, body.message, body.type, body.code, retry_after_s)
 
 
+class Final(APIError):
+    """A 5xx error that asking again will not mend (a job whose keys hold what no worker writes):
+    its answer says `x-should-retry: false`, which OpenAI's SDKs obey before their rule of
+    retrying every 5xx."""
+
+    @classmethod
+    def of(cls, error: APIError) -> Final:
+        body = error.body.error
+        return cls(error.status, body.message, body.type, body.code)
+
+
 def headers_of(error: APIError) -> dict[str, str]:
+    if isinstance(error, Final):
+        return {"x-should-retry": "false"}
     if not isinstance(error, RetryLater):
         return {}
     return {
@@ -53,11 +66,14 @@ def gateway_stopping() -> APIError:
 def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
     """The HTTP error for a client-library or Redis exception; None for anything else (a bug: 500).
     A full queue (429), a rate limit (429, after its reset) and writes not yet on the replicas
-    (503) are answered with a Retry-After."""
+    (503) are answered with a Retry-After; a job whose keys hold what no worker writes (500
+    invalid_job) as Final."""
     if isinstance(error, RateLimited):  # admitted once its bucket has dripped back: reset_s from now
         return RetryLater.of(error_of(error), error.reset_s)
     if isinstance(error, (QueueFull, NotReplicated)):
         return RetryLater.of(error_of(error), retry_after_s)
+    if isinstance(error, InvalidJob):
+        return Final.of(error_of(error))
     if isinstance(error, MiliError):
         return error_of(error)
     if isinstance(error, redis.RedisError):

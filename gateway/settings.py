@@ -37,7 +37,8 @@ class GatewaySettings(TomlSettings):
     )
     admin_api_keys: list[str] = Field(
         default_factory=list,
-        description="keys (JSON list) that may also see and cancel every key's files and batches",
+        description="keys (JSON list) that may also see and cancel every key's jobs, files and batches; where set, "
+        "the board's only keys",
     )
     monitoring_needs_key: bool = Field(
         False, description="/health and /metrics need an API key too (with api_keys set)"

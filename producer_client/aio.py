@@ -18,7 +18,7 @@ from producer_client.quotas import current_rate_limits
 from producer_client.rate_limits import RateLimits
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 from producer_client.sharing import Submitted
-from producer_client.status_reads import read_live_workers, read_queue_stats
+from producer_client.status_reads import of_job, read_live_workers, read_queue_stats
 from producer_client.steps import Steps, T
 
 
@@ -73,31 +73,34 @@ class AsyncClient(ClientBase):
             stream=stream,
             service_tier=service_tier,
             known_params=self.known_params,
+            tenant=self.tenant,
         )
         return await steps.arun(self.redis, operations.submit(self, job))
 
     async def submit_rated(self, counts_request: bool = True, **arguments: Any) -> Submitted:
-        job = build_job_of(arguments, requests=int(counts_request), known_params=self.known_params)
+        job = build_job_of(arguments, int(counts_request), self.known_params, self.tenant)
         return await steps.arun(self.redis, operations.submit_rated(self, job))
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
-        return await steps.arun(self.redis, operations.result(self.keys, job_id, timeout))
+        return await steps.arun(self.redis, of_job(job_id, operations.result(self.keys, job_id, timeout)))
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
-        return await steps.arun(self.redis, operations.wait(self.keys, job_id, timeout, self.submissions.known(job_id)))
+        return await steps.arun(
+            self.redis, of_job(job_id, operations.wait(self.keys, job_id, timeout, self.submissions.known(job_id)))
+        )
 
     async def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenDelta]:
-        reader, deadline = await steps.arun(self.redis, follow(self.keys, job_id, after, timeout))
+        reader, deadline = await steps.arun(self.redis, of_job(job_id, follow(self.keys, job_id, after, timeout)))
         while reader.end is None:
-            for delta in await steps.arun(self.redis, reader.read(self.keys, deadline)):
+            for delta in await steps.arun(self.redis, of_job(job_id, reader.read(self.keys, deadline))):
                 yield delta
         reader.result()
 
     async def status(self, job_id: str) -> JobStatus:
-        return await steps.arun(self.redis, operations.status(self.keys, job_id))
+        return await steps.arun(self.redis, of_job(job_id, operations.status(self.keys, job_id)))
 
     async def cancel(self, job_id: str) -> JobStatus:
-        return await steps.arun(self.redis, operations.cancel(self.keys, job_id))
+        return await steps.arun(self.redis, of_job(job_id, operations.cancel(self.keys, job_id)))
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
         return await steps.arun(self.redis, operations.generate(self, {"prompt": prompt, **kwargs}, timeout))

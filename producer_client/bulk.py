@@ -51,18 +51,20 @@ WINDOW = 512  # `done` streams per XREAD
 CLUSTER_BLOCK_MS = 100
 
 
-def build_jobs(specs: Iterable[Mapping[str, Any]]) -> list[NewJob]:
+def build_jobs(specs: Iterable[Mapping[str, Any]], tenant: str | None = None) -> list[NewJob]:
     """Every spec validated as `submit` validates its arguments; InvalidArgument names the first
     bad one as `jobs[<index>].<field>`."""
     known_params: KnownParams = {}
-    return [build_spec(index, spec, known_params) for index, spec in enumerate(specs)]
+    return [build_spec(index, spec, known_params, tenant) for index, spec in enumerate(specs)]
 
 
-def build_spec(index: int, spec: Mapping[str, Any], known_params: KnownParams | None = None) -> NewJob:
+def build_spec(
+    index: int, spec: Mapping[str, Any], known_params: KnownParams | None = None, tenant: str | None = None
+) -> NewJob:
     if not isinstance(spec, Mapping):
         raise InvalidArgument(f"jobs[{index}]", "must be a dict of submit()'s keyword arguments")
     try:
-        return build_job_of(spec, known_params=known_params)
+        return build_job_of(spec, known_params=known_params, tenant=tenant)
     except InvalidArgument as e:
         raise type(e)(f"jobs[{index}].{e.field}", e.message.removeprefix(f"{e.field}: ")) from None
 
@@ -70,7 +72,7 @@ def build_spec(index: int, spec: Mapping[str, Any], known_params: KnownParams | 
 def submit_many(client: ClientBase, specs: Iterable[Mapping[str, Any]]) -> Steps[list[str]]:
     """Client.submit_many: every spec validated first (build_jobs), then the jobs enqueued on the
     client's queue, in their lanes of the client's tenant (submit_steps)."""
-    jobs = build_jobs(specs)
+    jobs = build_jobs(specs, client.tenant)
     if client.shards.spreads:
         yield from client.shards.agree(client.keys, client.queue)
     limits = yield from client.quota_cache.limits_for(client.keys, client.tenant)

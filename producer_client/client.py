@@ -19,7 +19,7 @@ from producer_client.quotas import current_rate_limits
 from producer_client.rate_limits import RateLimits
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 from producer_client.sharing import Submitted
-from producer_client.status_reads import read_live_workers, read_queue_stats
+from producer_client.status_reads import of_job, read_live_workers, read_queue_stats
 
 
 class Client(ClientBase):
@@ -97,6 +97,7 @@ class Client(ClientBase):
             stream=stream,
             service_tier=service_tier,
             known_params=self.known_params,
+            tenant=self.tenant,
         )
         return steps.run(self.redis, operations.submit(self, job))
 
@@ -105,13 +106,14 @@ class Client(ClientBase):
         (the gateway's x-ratelimit-* headers). `counts_request` False: the job is a further choice
         of a request another job counted, so it counts its tokens but no request against the
         tenant's requests-per-minute limit (OpenAI counts a request with n choices as one)."""
-        job = build_job_of(arguments, requests=int(counts_request), known_params=self.known_params)
+        job = build_job_of(arguments, int(counts_request), self.known_params, self.tenant)
         return steps.run(self.redis, operations.submit_rated(self, job))
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:
         """Block until the job ends (XREAD BLOCK on its `done` stream; no polling) and return its
-        result. Raises JobFailed for a failed job, JobTimeout, JobNotFound."""
-        return steps.run(self.redis, operations.result(self.keys, job_id, timeout))
+        result. Raises JobFailed for a failed job, JobTimeout, JobNotFound; InvalidJob, as every
+        call on one job does, where a key of the job holds another type (status_reads.of_job)."""
+        return steps.run(self.redis, of_job(job_id, operations.result(self.keys, job_id, timeout)))
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
         """result() of a job known to exist (this client just submitted it): one blocking read of
@@ -119,7 +121,9 @@ class Client(ClientBase):
         a fresh id in the last DONE_TTL_MS / 2 (a request_id's, one submitted elsewhere, or an older
         one) is looked at once first: for its deadline, and for a result its `done` stream no
         longer holds."""
-        return steps.run(self.redis, operations.wait(self.keys, job_id, timeout, self.submissions.known(job_id)))
+        return steps.run(
+            self.redis, of_job(job_id, operations.wait(self.keys, job_id, timeout, self.submissions.known(job_id)))
+        )
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
         """Yield the job's token deltas until it ends. Resume after a disconnect with
@@ -128,19 +132,19 @@ class Client(ClientBase):
         The job counts as streamed from now on (FOLLOW): its worker publishes its tokens within
         stream_interval_s once it sees that. A job that had ended unfollowed (and kept no events)
         gives its whole output as one delta."""
-        reader, deadline = steps.run(self.redis, follow(self.keys, job_id, after, timeout))
+        reader, deadline = steps.run(self.redis, of_job(job_id, follow(self.keys, job_id, after, timeout)))
         while reader.end is None:
-            yield from steps.run(self.redis, reader.read(self.keys, deadline))
+            yield from steps.run(self.redis, of_job(job_id, reader.read(self.keys, deadline)))
         reader.result()
 
     def status(self, job_id: str) -> JobStatus:
-        return steps.run(self.redis, operations.status(self.keys, job_id))
+        return steps.run(self.redis, of_job(job_id, operations.status(self.keys, job_id)))
 
     def cancel(self, job_id: str) -> JobStatus:
         """A queued job is cancelled at once; a running one stops within its worker's
         stream_interval_s if streamed, else its checkpoint_interval_s (plus a step), and
         keeps its partial output. Returns the status right after the request."""
-        return steps.run(self.redis, operations.cancel(self.keys, job_id))
+        return steps.run(self.redis, of_job(job_id, operations.cancel(self.keys, job_id)))
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
         """submit() then result(), without looking the job up: it was just created."""

@@ -80,13 +80,14 @@ def build_job(
     stream: Any = False,
     service_tier: Any = None,
     known_params: KnownParams | None = None,
+    tenant: str | None = None,
 ) -> NewJob:
     """Validate every argument the way the worker will, before anything touches Redis. `options`
     are SamplingParams' fields and JobRequest's other options (tools, enable_thinking..., adapter). A
     job with a request_id is bound to `fingerprint` (a digest of the request it answers; by
     default of what it generates from): a later submit of the same id with another raises
     IdempotencyConflict. `service_tier` names its lane (SERVICE_TIERS; None: default).
-    `known_params`: see sampling_params."""
+    `known_params`: see sampling_params. `tenant`: the submitting client's (fresh_job_id)."""
     lane = lane_of(service_tier)
     request = validated_request(prompt, messages, input_ids, priority, timeout_s, stream, options, known_params)
     body = request.to_json()
@@ -96,12 +97,20 @@ def build_job(
     timeout_ms = 0 if request.timeout_s is None else max(1, round(request.timeout_s * 1000))
     cost = estimated_tokens(request, body)
     if request_id is None:
-        # 128 random bits, as a uuid4's hex without building the UUID: submit_many makes many.
-        job_id = os.urandom(16).hex()
+        job_id = fresh_job_id(tenant)
         return NewJob(job_id, body, False, timeout_ms, "", prefix_key(request), request.adapter, lane, cost)
     fingerprint = bound_fingerprint(request, fingerprint)
     job_id = check_name("request_id", request_id)
     return NewJob(job_id, body, True, timeout_ms, fingerprint, prefix_key(request), request.adapter, lane, cost)
+
+
+def fresh_job_id(tenant: str | None) -> str:
+    """A job id nobody chose: 128 random bits, as a uuid4's hex without building the UUID
+    (submit_many makes many), after `<tenant>.` for a tenant's job. The id is where a job's tenant
+    is recorded: it costs the job's keys no field, survives every rewrite of its hash (a job's
+    end, a retry), and the gateway tells an API key's jobs by it (gateway.api_keys.Tenant.owns_job)."""
+    random_hex = os.urandom(16).hex()
+    return random_hex if tenant is None else f"{tenant}.{random_hex}"
 
 
 def validated_request(
@@ -191,9 +200,12 @@ def estimated_tokens(request: JobRequest, body: str) -> int:
     return prompt + request.params.max_tokens
 
 
-def build_job_of(arguments: Mapping[str, Any], requests: int = 1, known_params: KnownParams | None = None) -> NewJob:
+def build_job_of(
+    arguments: Mapping[str, Any], requests: int = 1, known_params: KnownParams | None = None, tenant: str | None = None
+) -> NewJob:
     """build_job() of submit()'s keyword arguments, given as a dict; `requests`: what the job counts
-    against a requests-per-minute limit (NewJob.requests); `known_params`: see sampling_params."""
+    against a requests-per-minute limit (NewJob.requests); `known_params`: see sampling_params;
+    `tenant`: the submitting client's (fresh_job_id)."""
     options = dict(arguments)
     fingerprint, stream = options.pop("request_fingerprint", None), options.pop("stream", False)
     job = build_job(
@@ -208,6 +220,7 @@ def build_job_of(arguments: Mapping[str, Any], requests: int = 1, known_params: 
         stream=stream,
         service_tier=options.pop("service_tier", None),
         known_params=known_params,
+        tenant=tenant,
     )
     return job if requests == 1 else job._replace(requests=requests)
 

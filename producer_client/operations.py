@@ -243,7 +243,7 @@ def generate(client: ClientBase, arguments: Mapping[str, Any], timeout: float | 
     A job just created expires timeout_s from now at the latest; one found by its request_id may be
     older."""
     timeout = check_timeout(timeout)
-    job = build_job_of(arguments, known_params=client.known_params)
+    job = build_job_of(arguments, known_params=client.known_params, tenant=client.tenant)
     deadline = Deadline(job.job_id, timeout)
     submitted, first = yield from submit_reading(client, job, deadline)
     job_id = submitted.job_id

@@ -1,4 +1,5 @@
-"""Who may see the board: with `api_keys` set, the same keys as the API.
+"""Who may see the board: with `api_keys` set, the admin keys where there are any, else every key
+(routes.board_keys).
 
 A browser cannot send an `Authorization: Bearer` header when it follows a link, and a key in the
 URL would end up in histories, logs and Referer headers. So the board has a login form: the key

@@ -32,7 +32,7 @@ log = logging.getLogger("gateway.board")
 
 def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings, failures: AuthFailures) -> None:
     board = Board(
-        BoardAuth([*settings.api_keys, *settings.admin_api_keys]),
+        BoardAuth(board_keys(settings)),
         BoardReader(client, {settings.default_queue, *settings.models.values()}),
     )
     router = APIRouter(prefix="/board")
@@ -41,6 +41,14 @@ def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings, fail
     add_dead_letter_routes(router, client, board)
     add_session_routes(router, board, failures)
     app.include_router(router)
+
+
+def board_keys(settings: GatewaySettings) -> list[str]:
+    """The keys the board lets in: the board shows every tenant's jobs and dead letters, and
+    cancels, retries and purges them, so where there are `admin_api_keys` only they (a tenant's
+    key, which sees its own jobs only through the API, is refused here); else every key, as every
+    key is then an operator's."""
+    return list(settings.admin_api_keys) or list(settings.api_keys)
 
 
 class Board:

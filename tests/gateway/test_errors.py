@@ -295,6 +295,32 @@ def test_a_job_hash_no_worker_wrote_is_a_500_invalid_job_never_an_unhandled_erro
     assert (error_of(response)["type"], error_of(response)["code"]) == ("server_error", "invalid_job")
 
 
+def test_a_job_key_of_another_type_is_a_500_invalid_job_not_retried_and_other_jobs_are_served(gateway, redis_client):
+    """A string where a job's hash lies (someone's SET): its status is a 500 invalid_job that tells
+    OpenAI's SDKs not to retry it (`x-should-retry: false`: one request, where a 503
+    redis_unavailable is retried), never a Redis failure; the gateway serves the next job."""
+    job_id = f"planted-{uuid.uuid4().hex[:8]}"
+    redis_client.set(Keys().job(job_id), "not a hash")
+    response = httpx.get(f"{gateway.url}/v1/jobs/{job_id}")
+    assert response.status_code == 500 and response.headers["x-should-retry"] == "false"
+    assert error_of(response) == {
+        "message": f"job {job_id!r}: a key of it holds a value of another type than its own, which no worker "
+        "writes: submit it anew under a fresh id",
+        "type": "server_error",
+        "param": None,
+        "code": "invalid_job",
+    }
+    retrying = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=2)
+    with pytest.raises(openai.InternalServerError):
+        retrying.get(f"/jobs/{job_id}", cast_to=object)
+    retrying.close()
+    assert len(re.findall(rf"GET '/v1/jobs/{job_id}' -> 500", gateway.log())) == 2  # httpx's and the SDK's one
+    served = httpx.post(f"{gateway.url}/v1/completions", json={"model": "echo", "prompt": "next", "max_tokens": 4})
+    assert served.status_code == 200 and served.json()["choices"][0]["text"] == "next"
+    status = httpx.get(f"{gateway.url}/v1/jobs/{served.headers['x-mili-job-ids']}")
+    assert status.status_code == 200 and status.json()["status"] == "done"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_token_ids_past_the_vocabulary_found_by_the_worker_are_a_400_naming_the_prompt(gateway, stream):
     """Only the worker knows its vocabulary: its refusal is the request's bad `prompt`, in OpenAI's

@@ -1,7 +1,7 @@
 """Each API key is a tenant: its Idempotency-Keys are its own (another key reusing one gets its own
 jobs; the same key with another body is refused with 422, not answered with the first result),
-and so are its files and batches (another key cannot list, read, download, delete or cancel
-them; an admin key can). /health and /metrics can be put behind a key. A client address (the one
+and so are its jobs, files and batches (another key cannot list, read, download, delete or cancel
+them, and is answered as for an id that does not exist; an admin key can). /health and /metrics can be put behind a key. A client address (the one
 a trusted proxy forwards) past its limit of wrong keys or logins gets its further wrong ones
 answered 429, at no Redis command, while every right key from that address is served; the
 gateway warns at start of each key that could be guessed. A trusted proxy's X-Forwarded-Proto
@@ -147,6 +147,96 @@ def test_files_and_batches_are_their_api_keys_and_an_admin_keys(tenants_gateway)
     assert a.files.delete(file_id).deleted
 
 
+def get(gateway: GatewayProcess, path: str, key: str | None) -> httpx.Response:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    return httpx.get(f"{gateway.url}{path}", headers=headers, timeout=30)
+
+
+def body_without(response: httpx.Response, object_id: str) -> dict:
+    """The answer's body with `object_id` (which its message names) put as ID."""
+    return json.loads(response.text.replace(object_id, "ID"))
+
+
+def test_a_job_is_its_api_keys_and_an_admin_keys_and_another_key_finds_no_such_job(tenants_gateway):
+    """Key A's jobs (a fresh id's and an Idempotency-Key's) are 404 to key B, in the body of an id
+    that was never submitted, whether made up or of B's own form; 200 to A and to an admin key."""
+    plain = completion(tenants_gateway, KEY_A, f"idem-{uuid.uuid4().hex}", "job of a")
+    fresh = httpx.post(
+        f"{tenants_gateway.url}/v1/completions",
+        json={"model": "echo", "prompt": "fresh job of a", "max_tokens": 4},
+        headers={"Authorization": f"Bearer {KEY_A}"},
+        timeout=30,
+    )
+    assert plain.status_code == fresh.status_code == 200
+    job_ids = [plain.headers["x-mili-job-ids"], fresh.headers["x-mili-job-ids"]]
+    assert all(job_id.startswith(f"{tenant_id(KEY_A)}.") for job_id in job_ids)
+    made_up = get(tenants_gateway, f"/v1/jobs/{uuid.uuid4().hex}", KEY_B)
+    own_form = get(tenants_gateway, f"/v1/jobs/{tenant_id(KEY_B)}.{uuid.uuid4().hex}", KEY_B)
+    assert made_up.status_code == own_form.status_code == 404
+    check("ErrorResponse", made_up.json())
+    missing = body_without(made_up, made_up.url.path.rsplit("/", 1)[1])
+    assert missing == body_without(own_form, own_form.url.path.rsplit("/", 1)[1])
+    assert missing["error"]["code"] == "job_not_found"
+    for job_id in job_ids:
+        of_b = get(tenants_gateway, f"/v1/jobs/{job_id}", KEY_B)
+        assert of_b.status_code == 404 and body_without(of_b, job_id) == missing
+        for key in (KEY_A, ADMIN):
+            status = get(tenants_gateway, f"/v1/jobs/{job_id}", key)
+            assert status.status_code == 200 and status.json()["status"] == "done", key
+        assert get(tenants_gateway, f"/v1/jobs/{job_id}", None).status_code == 401
+
+
+def test_another_keys_file_or_batch_is_answered_as_one_that_does_not_exist(tenants_gateway):
+    """Every route that names a file or batch by id answers key B, for key A's, exactly as for an
+    id never created (status and body), while A and an admin key are served."""
+    file_id = upload(sdk_for(tenants_gateway, KEY_A), "yours")
+    batch_id = (
+        sdk_for(tenants_gateway, KEY_A)
+        .batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+        .id
+    )
+    made_up = {file_id: f"file-{uuid.uuid4().hex}", batch_id: f"batch_{uuid.uuid4().hex}"}
+    routes = [
+        ("GET", "/v1/files/{}", file_id),
+        ("GET", "/v1/files/{}/content", file_id),
+        ("POST", "/v1/batches/{}/cancel", batch_id),
+        ("GET", "/v1/batches/{}", batch_id),
+        ("DELETE", "/v1/files/{}", file_id),
+    ]
+    for method, route, object_id in routes:
+        of_a = ask(tenants_gateway, method, route.format(object_id), KEY_B)
+        never = ask(tenants_gateway, method, route.format(made_up[object_id]), KEY_B)
+        assert of_a.status_code == never.status_code == 404, route
+        assert body_without(of_a, object_id) == body_without(never, made_up[object_id]), route
+        if method == "GET":
+            for key in (KEY_A, ADMIN):
+                assert ask(tenants_gateway, method, route.format(object_id), key).status_code == 200, (route, key)
+    after_a = get(tenants_gateway, f"/v1/files?after={file_id}", KEY_B)
+    assert after_a.status_code == 200 and after_a.json() == get(tenants_gateway, "/v1/files", KEY_B).json()
+    assert get(tenants_gateway, f"/v1/files/{file_id}", KEY_A).status_code == 200  # B's DELETE deleted nothing
+
+
+def ask(gateway: GatewayProcess, method: str, path: str, key: str) -> httpx.Response:
+    return httpx.request(method, f"{gateway.url}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def test_with_admin_keys_the_board_lets_in_only_them(tenants_gateway):
+    """The board shows and acts on every tenant's jobs: where admin keys are set, a tenant's key is
+    refused there as a wrong one (login form, Bearer reads and actions), and an admin key let in."""
+    job_id = completion(tenants_gateway, KEY_A, f"idem-{uuid.uuid4().hex}", "on the board").headers["x-mili-job-ids"]
+    board = f"{tenants_gateway.url}/board"
+    for key in (KEY_A, KEY_B):
+        assert httpx.post(f"{board}/login", data={"key": key}).status_code == 401, key
+        bearer = {"Authorization": f"Bearer {key}", "X-MILI-Board": "1"}
+        assert httpx.get(f"{board}/overview", headers=bearer).status_code == 401, key
+        assert httpx.get(f"{board}/job/summary", params={"id": job_id}, headers=bearer).status_code == 401, key
+        assert httpx.post(f"{board}/job/cancel", params={"id": job_id}, headers=bearer).status_code == 401, key
+    let_in = httpx.post(f"{board}/login", data={"key": ADMIN})
+    assert let_in.status_code == 303 and let_in.headers["location"] == "/board"
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    assert httpx.get(f"{board}/job/summary", params={"id": job_id}, headers=admin).status_code == 200
+
+
 def test_health_and_metrics_can_be_put_behind_a_key(tenants_gateway):
     for path in ("/health", "/metrics"):
         assert httpx.get(f"{tenants_gateway.url}{path}").status_code == 401, path
@@ -247,7 +337,7 @@ def test_a_right_board_login_is_let_in_whatever_its_address_failed(limited_gatew
         assert httpx.post(login, data={"key": "guess"}, headers=headers).status_code == 401
     refused = httpx.post(login, data={"key": "guess"}, headers=headers)
     assert refused.status_code == 429 and 0 < int(refused.headers["retry-after"]) <= 60
-    let_in = httpx.post(login, data={"key": KEY_A}, headers=headers)
+    let_in = httpx.post(login, data={"key": STRONG_ADMIN}, headers=headers)
     assert let_in.status_code == 303 and let_in.headers["location"] == "/board"
 
 
@@ -261,7 +351,7 @@ def test_the_gateway_warns_at_start_of_each_weak_key_naming_its_place_only(limit
 def test_a_trusted_proxys_https_makes_the_board_cookie_secure(limited_gateway, redis_server, tmp_path):
     login = httpx.post(
         f"{limited_gateway.url}/board/login",
-        data={"key": KEY_A},
+        data={"key": STRONG_ADMIN},
         headers={"X-Forwarded-Proto": "https", "X-Forwarded-For": "198.51.100.20"},
     )
     assert "Secure" in [part.strip() for part in login.headers["set-cookie"].split(";")]

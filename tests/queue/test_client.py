@@ -749,3 +749,46 @@ def test_a_result_no_worker_wrote_fails_its_job_alone_with_invalid_job(client, r
     results = {r.id: r for r in client.as_completed([bad, good], timeout=5)}
     assert (results[good].status, results[good].text) == ("done", "ok")
     assert (results[bad].status, results[bad].error.code) == ("failed", "invalid_job")
+
+
+# What reads each of a job's keys: a string planted there (someone's SET) is met by these.
+READS_OF_KEY = {
+    "job": ["status", "result", "wait", "stream", "cancel"],
+    "done": ["result", "wait"],
+    "events": ["stream"],
+}
+
+
+@pytest.mark.parametrize("planted", list(READS_OF_KEY))
+def test_a_job_key_of_another_type_is_that_jobs_invalid_job_and_the_next_job_is_read(
+    client, redis_client, queue, planted
+):
+    """A string where a job's hash, `done` stream or event stream lies (WRONGTYPE) is that job's
+    InvalidJob to every read that meets it, at once: an error of the job alone, not a Redis failure
+    that a caller (the gateway: 503 redis_unavailable) would retry; the next job is read as ever."""
+    bad, good = (f"{name}-{uuid.uuid4().hex[:8]}" for name in ("bad", "good"))
+    keys = Keys()
+    for job_id in (bad, good):
+        redis_client.hset(keys.job(job_id), "status", "queued")
+    key = {"job": keys.job, "done": keys.done, "events": keys.events}[planted](bad)
+    redis_client.delete(key)
+    redis_client.set(key, "not what the protocol writes here")
+    reads = {
+        "status": lambda: client.status(bad),
+        "result": lambda: client.result(bad, timeout=5),
+        "wait": lambda: client.wait(bad, timeout=5),
+        "stream": lambda: list(client.stream(bad, timeout=5)),
+        "cancel": lambda: client.cancel(bad),
+    }
+    for read in READS_OF_KEY[planted]:
+        started = time.monotonic()
+        with pytest.raises(InvalidJob) as invalid:
+            reads[read]()
+        assert (invalid.value.code, invalid.value.job_id) == ("invalid_job", bad), read
+        assert str(invalid.value) == (
+            f"job {bad!r}: a key of it holds a value of another type than its own, which no worker writes: "
+            "submit it anew under a fresh id"
+        )
+        assert time.monotonic() - started < 2, read  # at once, not at the caller's timeout
+    assert client.status(good).status == "queued"
+    assert redis_client.get(key) == "not what the protocol writes here"  # nothing was written over it

@@ -6,6 +6,7 @@ retry."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -47,6 +48,26 @@ def test_a_tenants_job_in_each_lane_runs_from_its_lanes_stream(redis_server, cli
     assert redis_client.smembers(KEYS.lane_streams(queue)) == {
         f"{lane}:{tenant}" for lane in ("priority", "default", "flex")
     }
+
+
+def test_the_ids_a_client_makes_for_a_tenants_jobs_carry_the_tenant(redis_server, client_kind, queue, tenant):
+    """submit, submit_many and generate of a tenant's client make ids `<tenant>.<32 hex>` (what the
+    gateway tells an API key's jobs by); a request_id stays as given, and a client of no tenant's
+    ids are 32 hex digits, as before."""
+    client = make_client(client_kind, redis_server.url, queue, tenant=tenant)
+    untenanted = make_client(client_kind, redis_server.url, queue)
+    try:
+        with serving(redis_server.url, queue):
+            made = [client.submit("one", max_tokens=1), *client.submit_many([{"prompt": "two", "max_tokens": 1}] * 2)]
+            made.append(client.generate("three", max_tokens=1, timeout=10).id)
+            named = client.submit("four", max_tokens=1, request_id=f"mine-{tenant}")
+            plain = untenanted.submit("five", max_tokens=1)
+            assert [client.result(job_id, timeout=10).status for job_id in [*made, named, plain]] == ["done"] * 6
+    finally:
+        client.close()
+        untenanted.close()
+    assert all(re.fullmatch(rf"{tenant}\.[0-9a-f]{{32}}", job_id) for job_id in made), made
+    assert (named, re.fullmatch("[0-9a-f]{32}", plain) is not None) == (f"mine-{tenant}", True)
 
 
 def test_queue_stats_count_every_lanes_stream_and_name_each(redis_server, queue, tenant):
