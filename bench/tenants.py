@@ -130,7 +130,8 @@ def isolation(url: str, args: argparse.Namespace) -> None:
 
 
 def probe(client: Client, count: int) -> dict[str, list[float]]:
-    """B's jobs at a steady rate: their queue waits and latencies (entry to end), in seconds."""
+    """B's jobs at a steady rate: their queue waits (entry to admission), times to first token (entry
+    to its first token in Redis, what a reader sees) and latencies (entry to end), in seconds."""
     ids = []
     for _ in range(count):
         ids.append(client.submit(PROMPT, max_tokens=PROBE_TOKENS))
@@ -138,6 +139,7 @@ def probe(client: Client, count: int) -> dict[str, list[float]]:
     results = list(client.as_completed(ids, timeout=600))
     return {
         "wait": [r.timings.queue_s for r in results],
+        "ttft": [r.timings.ttft_s for r in results],
         "latency": [r.timings.finished_at - r.timings.queued_at for r in results],
     }
 

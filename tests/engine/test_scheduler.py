@@ -123,6 +123,47 @@ def test_a_higher_lane_request_preempts_a_lower_lanes_running_one_for_its_slot()
     assert_pages_all_free_after_clear(sched)
 
 
+def test_a_priority_prefill_runs_its_lane_alone_for_one_step_and_never_two_in_a_row():
+    sched = make_scheduler(max_running=4)
+    default = [add(sched, f"r{i}", 5, max_tokens=20, lane=1, base=100 * i) for i in (1, 2)]
+    flex = add(sched, "r3", 5, max_tokens=20, lane=2, base=300)
+    step(sched)  # their prefills
+    first = add(sched, "r4", 6, lane=0, base=400)
+    out = step(sched)
+    # The first priority request's prefill: a step of its own; nobody preempted (a slot was free).
+    assert [(c.request, c.num_tokens) for c in out.chunks] == [(first, 6)]
+    assert sched.num_preemptions == 0 and len(sched.running) == 4
+    second = add(sched, "r5", 6, lane=0, base=500)
+    out = step(sched)
+    # The next step runs every lane: the others' decodes, and the second prefill, which preempts the
+    # flex request for its slot.
+    assert [(c.request, c.num_tokens) for c in out.chunks] == [(first, 1), *((d, 1) for d in default), (second, 6)]
+    assert flex.status is RequestStatus.WAITING and sched.num_preemptions == 1
+    out = step(sched)  # no priority prefill left: every running request decodes
+    assert [c.request for c in out.chunks] == [first, second, *default]
+    run_all(sched)
+    assert all(r.num_output_tokens == r.params.max_tokens for r in [*default, flex, first, second])
+    assert_pages_all_free_after_clear(sched)
+
+
+def test_a_priority_prompt_in_chunks_runs_alone_every_other_step():
+    sched = make_scheduler(max_running=4, budget=8)
+    default = add(sched, "r1", 5, max_tokens=20, lane=1)
+    step(sched)
+    priority = add(sched, "r2", 30, max_tokens=2, lane=0, base=200)
+    chunks = [[(c.request, c.num_tokens) for c in step(sched).chunks] for _ in range(5)]
+    # 30 tokens in chunks under a budget of 8: alone, then beside the default decode (7 left for it).
+    assert chunks == [
+        [(priority, 8)],
+        [(default, 1), (priority, 7)],
+        [(priority, 8)],
+        [(default, 1), (priority, 7)],
+        [(priority, 1), (default, 1)],
+    ]
+    run_all(sched)
+    assert priority.num_output_tokens == 2 and default.num_output_tokens == 20
+
+
 def test_within_a_lane_a_request_waits_for_a_slot():
     sched = make_scheduler(max_running=2)
     running = [add(sched, f"r{i}", 5, max_tokens=8, lane=1, priority=5, base=100 * i) for i in (1, 2)]

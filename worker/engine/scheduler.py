@@ -16,7 +16,11 @@ one, so it always progresses; a request that cannot fit even alone fails with
 Lanes (docs/architecture.md, "Sharing rules"): a waiting request that cannot be admitted, for
 want of a slot (max_running) or of pages, preempts the least important running request of a
 lower lane, and so on while there is one, rather than wait for it to finish. Within a lane a
-request waits for a slot, as before; only pages preempt there.
+request waits for a slot, as before; only pages preempt there. A step in which a priority request
+prefills (admitted, or its prompt's next chunk) runs the priority lane alone: the lower lanes' requests
+sit that one step out, so that its first token costs a step of its own and not one beside every
+running decode (a step's cost grows with its batch and its contexts); never two steps in a row, so
+the lower lanes still step at least every other step.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from worker.engine.request import Request, RequestStatus
 from worker.engine.request_pages import RequestPages
 
 log = logging.getLogger(__name__)
+
+PRIORITY_LANE = 0  # Request.lane of the queue's priority lane
+LOWEST_LANE = 2  # of its flex lane: a step that runs every lane runs up to it
 
 
 @dataclass(slots=True)
@@ -87,6 +94,7 @@ class Scheduler:
         self.page_table = PageTable()  # the running requests' pages, for the model runner
         self.pages = RequestPages(allocator, cache, page_size, self.page_table)
         self.num_preemptions = 0
+        self.yielded = False  # the last step ran the priority lane alone (see _last_lane)
 
     def add(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
@@ -100,9 +108,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted = False
         prefilling = []
+        last_lane = self._last_lane()
         for req in list(self.running):  # decodes first: each gets its one token
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted by a more important request earlier in this loop
+            if req.status is not RequestStatus.RUNNING or req.lane > last_lane:
+                continue  # preempted by a more important request earlier in this loop, or sitting this step out
             if req.ends_by_length(req.num_output_tokens, self.max_model_len):
                 # Overlapped, its token in flight is its last (synchronous, it has already left `running`):
                 # a row for it would compute what is discarded.
@@ -119,7 +128,7 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING and n > 0:
                 budget, preempted = self._plan_growth(req, n, planned, budget, out, preempted)
         if not preempted:
-            budget = self._admit(planned, budget, out)
+            budget = self._admit(planned, budget, out, last_lane)
         out.chunks = [
             ScheduledChunk(r, r.num_computed_tokens, n, r.num_computed_tokens + n == len(r.token_ids))
             for r, n in planned.items()
@@ -180,9 +189,22 @@ class Scheduler:
         """Pages the waiting requests' sequences fill (before any prefix-cache hit)."""
         return sum(pages_for(len(r.token_ids), self.page_size) for r in self.waiting)
 
-    def _admit(self, planned: dict[Request, int], budget: int, out: SchedulerOutput) -> int:
+    def _last_lane(self) -> int:
+        """The lowest lane that runs this step: the priority lane alone when one of its requests
+        prefills (the head of the waiting queue, or a running one's next chunk of prompt) while a
+        lower lane's request runs, unless the last step did so already; else every lane."""
+        prefills = bool(self.waiting) and self.waiting[0].lane == PRIORITY_LANE and self.waiting[0].ready
+        for req in self.running:  # sorted: the priority lane's requests come first
+            if prefills or req.lane != PRIORITY_LANE:
+                break
+            prefills = req.num_uncomputed_tokens > 1
+        self.yielded = prefills and not self.yielded and bool(self.running) and self.running[-1].lane > PRIORITY_LANE
+        return PRIORITY_LANE if self.yielded else LOWEST_LANE
+
+    def _admit(self, planned: dict[Request, int], budget: int, out: SchedulerOutput, last_lane: int) -> int:
         """Admits waiting requests in order while they fit, preempting running requests of lower
-        lanes for them. One whose grammar is still compiling is passed over: it holds no one back."""
+        lanes for them, none of a lane past `last_lane`. One whose grammar is still compiling is
+        passed over: it holds no one back."""
         if not self.waiting or budget == 0:
             return budget
         if len(self.running) >= self.max_running and not self._outranks_running(self.waiting[0]):
@@ -191,6 +213,8 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0:
             req = self.waiting[i]
+            if req.lane > last_lane:
+                break  # waiting is sorted: the rest are of lanes past it too
             if not req.ready:
                 i += 1
                 continue
