@@ -21,7 +21,8 @@ class LookAhead:
 
     def __init__(self, client: redis.Redis, lanes: list[str]):
         self.pool: Any = client.connection_pool
-        self.packed = [pack_command(("EXISTS", *lanes))]  # send_packed_command takes a list of buffers
+        command: tuple[Any, ...] = ("EXISTS", *lanes)
+        self.packed = [pack_command(command)]  # packed once; send_packed_command takes a list of buffers
         self.connection: Any = None
         self.sent = False
 
