@@ -281,4 +281,5 @@ class EchoEngine:
         if finished:
             self._release(req.request_id)
             reason = "length" if emitted >= req.max_tokens else "stop"
-        return RequestOutput(req.request_id, [token], text, finished, reason, TokenCounts(len(req.prompt), emitted, 0))
+        usage = tuple.__new__(TokenCounts, (len(req.prompt), emitted, 0))  # see outputs.TokenCounts
+        return RequestOutput(req.request_id, [token], text, finished, reason, usage)

@@ -145,7 +145,8 @@ class StepReader:
         text, reason = self._check_stop(req, token, num_output)
         logprobs = [logprob] if logprob is not None else None
         if reason is None:
-            usage = TokenCounts(req.num_prompt_tokens, num_output, req.num_cached_prompt_tokens)
+            # see outputs.TokenCounts
+            usage = tuple.__new__(TokenCounts, (req.num_prompt_tokens, num_output, req.num_cached_prompt_tokens))
             return RequestOutput(req.request_id, [token], text, False, None, usage, logprobs)
         del req.token_ids[index + 1 :]
         req.finish(reason)

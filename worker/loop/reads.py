@@ -15,6 +15,7 @@ from producer_client.protocol import worker as scripts
 from producer_client.protocol.backlog import shard_parts, shard_ref
 from producer_client.protocol.execution import AddCommands, Pipe
 from producer_client.protocol.lanes import DEFAULT_COST
+from producer_client.protocol.look_ahead import LookAhead
 from producer_client.protocol.script import add_all
 from worker.loop.fairness import Owed
 from worker.loop.groups import ConsumerGroups
@@ -103,6 +104,9 @@ class QueueReads:
         # On one server of one shard READ reads this worker's own stream too: one round trip a read.
         self.own_in_read = own is not None and len(shards.names) == 1 and not is_cluster(client)
         self.priority_lanes = [keys.lane(name, LANES[0]) for name in shards.names]  # see priority_waiting
+        # The look of a full worker sent ahead, after its step (look_ahead), on one server.
+        self.ahead = None if is_cluster(client) else LookAhead(client, self.priority_lanes)
+        self.full = False  # the last read was a full worker's look
 
     def _send(self, add_commands: AddCommands) -> list[Any]:
         return send_pipeline(self.redis, add_commands)
@@ -121,11 +125,13 @@ class QueueReads:
         rooms[i] of lane LANES[i] or higher, of flex at most FLEX_READ_BATCH, with `corrections` for
         the lanes' counters). Idle (`block_ms`) and given nothing, it waits for a job (_wait). With
         room for priority jobs alone and nothing to settle or correct, it reads only once
-        priority_waiting says there is one to read."""
+        priority_waiting (or the look sent ahead since the last read) says there is one to read."""
+        ahead = self.ahead.answer() if self.ahead is not None else None
         corrections = corrections or {}
         settle = Settle(acks, dead_letters, self.bells)
         self.groups.look_with(block_ms is not None)
-        if rooms[0] > 0 >= rooms[1] and settle.sent and not corrections and not self.priority_waiting():
+        self.full = rooms[0] > 0 >= rooms[1] and settle.sent and not corrections
+        if self.full and not (self.priority_waiting() if ahead is None else ahead):
             return []
         if self.own is not None and self.own_in_read and rooms[2] > 0:
             taken = self._read_own_and_lanes(settle, self.own, rooms, corrections)
@@ -135,6 +141,19 @@ class QueueReads:
         if taken or block_ms is None or rooms[2] <= 0:
             return taken
         return self._wait(rooms, block_ms)
+
+    def look_ahead(self) -> None:
+        """A full worker's next look, sent now for the next read to find answered: called once an
+        engine step's outputs are collected, it sees what the look at the next read's start would,
+        but for what arrives during the publication between them (read an iteration later), and its
+        round trip runs while the loop publishes instead of as a wait of its own (bench/RESULTS.md).
+        Only while the last read was such a look: a worker with room for other jobs reads them anyway."""
+        if self.full and self.ahead is not None:
+            self.ahead.send()
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
 
     def priority_waiting(self) -> bool:
         """Whether the priority lane of any shard holds a job nobody has read: its sorted set of active

@@ -126,6 +126,7 @@ class Worker:
             self._hand_over()
         finally:
             self.publication.close()
+            self.queue.reads.close()
             try:
                 self.queue.members.leave()
             except redis.RedisError as e:  # do not hide why the loop ended
@@ -280,6 +281,8 @@ class Worker:
             return False
         self._stop_overdue()
         self.collector.collect(self._step())
+        if self.exchanges.up:
+            self.queue.reads.look_ahead()
         return True
 
     def _stop_overdue(self) -> None:
