@@ -50,12 +50,11 @@ READERS = ("none", "xread", "subscribed", "subscribed-shared")
 # data) to a channel named as the job's event stream, to which a reader may subscribe instead of
 # blocking an XREAD on the stream: what a reader's delivery costs Redis then, beside a blocked
 # read's wake.
+APPENDED = "redis.call('XADD', events, '*', 'type', 'tokens', 'data', tokens)"
+assert APPENDED in scripts.APPEND_ROUND.source, "APPEND_ROUND's XADD changed: APPEND+NOTICE would notice nothing"
 APPEND_NOTICE = scripts.Script(
     "append_notice",
-    scripts.APPEND_ROUND.source.replace(
-        "redis.call('XADD', events, '*', 'type', 'tokens', 'data', tokens)",
-        "redis.call('PUBLISH', events, redis.call('XADD', events, '*', 'type', 'tokens', 'data', tokens) .. ' ' .. tokens)",
-    ),
+    scripts.APPEND_ROUND.source.replace(APPENDED, f"redis.call('PUBLISH', events, {APPENDED} .. ' ' .. tokens)"),
 )
 
 
@@ -86,9 +85,9 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="mili-publish-calls-") as folder:
         server = Server(Path(folder) if args.callgrind else None)
-        for name, value in args.redis_config:
-            server.client.config_set(name, value)
         try:
+            for name, value in args.redis_config:
+                server.client.config_set(name, value)
             for repeat in range(args.repeats):
                 for way in args.ways:
                     redis_cost, sender_us = measure(server, way, f"{repeat}-{way[-4:]}", args)
