@@ -127,6 +127,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--new-flags", default="", help="more worker flags for this tree's worker, e.g. '--stream-interval-s 0.1'"
     )
+    p.add_argument(
+        "--new-redis-config",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "VALUE"),
+        help="a CONFIG SET of redis-server's for this tree's cases, e.g. stream-node-max-entries 16",
+    )
     return p.parse_args()
 
 
@@ -145,6 +153,8 @@ def git_head(path: Path) -> str:
 def run_case(tree: str, path: Path, mode: str, args) -> Case:
     case = Case(tree, mode)
     with EmbeddedRedis() as server, tempfile.TemporaryDirectory(prefix="mili-bench-publish-") as tmp:
+        if tree == "new":
+            configure(server.url, args.new_redis_config)
         out = Path(tmp) / "probe.json"
         worker = start_worker(path, server.url, out, mode, args, tree)
         try:
@@ -173,6 +183,13 @@ def run_case(tree: str, path: Path, mode: str, args) -> Case:
     if mode.startswith("streamed"):
         case.delays = token_delays(*delays_at, case.probe["samples"])
     return case
+
+
+def configure(url: str, settings: list[tuple[str, str]]) -> None:
+    """The server's settings (CONFIG SET) before the worker starts."""
+    with redis.Redis(unix_socket_path=url.removeprefix("unix://")) as admin:
+        for name, value in settings:
+            admin.config_set(name, value)
 
 
 def start_worker(tree: Path, url: str, out: Path, mode: str, args, tree_name: str) -> subprocess.Popen:
@@ -340,6 +357,12 @@ def report(case: Case) -> None:
                 f"  token delay sampled -> {name}: p50 {pct(d, 50) * 1e3:.1f} ms, p99 {pct(d, 99) * 1e3:.1f} ms, "
                 f"max {max(d) * 1e3:.1f} ms ({len(d)} tokens)"
             )
+    if case.mode.startswith("streamed"):
+        calls = {name: case.commands.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("xadd", "xread")}
+        tqdm.write(
+            f"  per {unit}: {calls['xadd'] / case.units:.3f} events written (XADD), "
+            f"{calls['xread'] / case.units:.3f} reads of them (XREAD: a blocked reader's wake and its next read)"
+        )
     top = sorted(case.commands.items(), key=lambda kv: -kv[1]["usec"])[:6]
     tqdm.write(
         "  redis commands: "

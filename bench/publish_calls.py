@@ -2,10 +2,13 @@
 a round's publications are called (issue 43): each job's PUBLISH in one pipeline, PUBLISH_ROUND
 calls of --round-jobs jobs, or APPEND_ROUND calls (what a worker sends for a running job's tokens
 alone). --jobs running jobs publish 3 tokens each per round, --rounds rounds --step-ms apart (a GPU
-step), on an embedded redis-server; with --readers, a reader blocked on each job's event stream
-(XREAD COUNT 512 BLOCK 2000, as stream() reads), which Redis wakes at each publication.
+step), on an embedded redis-server; with --readers xread, a reader blocked on each job's event
+stream (XREAD COUNT 512 BLOCK 2000, as stream() reads), which Redis wakes at each publication; with
+--readers subscribed (a connection each) or subscribed-shared (one for all), a reader subscribed
+to a channel per job, to which APPEND+NOTICE (APPEND_ROUND that also PUBLISHes each entry it adds)
+sends each publication: what delivering a publication costs Redis either way.
 
-    python -m bench.publish_calls [--jobs 256 --rounds 100 --round-jobs 64 --readers] [--callgrind]
+    python -m bench.publish_calls [--jobs 256 --rounds 100 --round-jobs 64 --readers xread] [--callgrind]
 
 Prints, per way and repeat, redis-server's CPU per publication (from /proc: other processes on
 the machine do not count) and the sending process's (building the calls, the pipeline, its replies).
@@ -41,7 +44,18 @@ from worker.embedded_redis import EmbeddedRedis
 
 KEYS = Keys()
 TOKENS_PER_ROUND = 3
-WAYS = ("PUBLISH each", "PUBLISH_ROUND", "APPEND_ROUND")
+WAYS = ("PUBLISH each", "PUBLISH_ROUND", "APPEND_ROUND", "APPEND+NOTICE")
+READERS = ("none", "xread", "subscribed", "subscribed-shared")
+# A measurement only (issue 43, y/pubredis): APPEND_ROUND whose XADD also sends the entry (its id and
+# data) to a channel named as the job's event stream, to which a reader may subscribe instead of
+# blocking an XREAD on the stream: what a reader's delivery costs Redis then, beside a blocked
+# read's wake.
+APPENDED = "redis.call('XADD', events, '*', 'type', 'tokens', 'data', tokens)"
+assert APPENDED in scripts.APPEND_ROUND.source, "APPEND_ROUND's XADD changed: APPEND+NOTICE would notice nothing"
+APPEND_NOTICE = scripts.Script(
+    "append_notice",
+    scripts.APPEND_ROUND.source.replace(APPENDED, f"redis.call('PUBLISH', events, {APPENDED} .. ' ' .. tokens)"),
+)
 
 
 def main() -> None:
@@ -51,13 +65,29 @@ def main() -> None:
     p.add_argument("--round-jobs", type=int, default=64, help="jobs per PUBLISH_ROUND call")
     p.add_argument("--step-ms", type=float, default=12.0)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--readers", action="store_true", help="a reader blocked on each job's event stream")
+    p.add_argument(
+        "--readers",
+        default="none",
+        choices=READERS,
+        help="a reader per job: blocked on its event stream (xread), or subscribed to its channel (APPEND+NOTICE's),"
+        " on a connection each or on one for all (subscribed-shared)",
+    )
     p.add_argument("--ways", nargs="+", default=WAYS, choices=WAYS)
     p.add_argument("--callgrind", action="store_true", help="count redis-server's instructions (valgrind)")
+    p.add_argument(
+        "--redis-config",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "VALUE"),
+        help="a CONFIG SET of the server's before the rounds, e.g. stream-node-max-entries 16",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="mili-publish-calls-") as folder:
         server = Server(Path(folder) if args.callgrind else None)
         try:
+            for name, value in args.redis_config:
+                server.client.config_set(name, value)
             for repeat in range(args.repeats):
                 for way in args.ways:
                     redis_cost, sender_us = measure(server, way, f"{repeat}-{way[-4:]}", args)
@@ -81,7 +111,7 @@ class Server:
         self.pid = self.embedded.process.pid
         self.socket = self.embedded.url.removeprefix("unix://")
         self.client = redis.Redis(unix_socket_path=self.socket, decode_responses=True)
-        for script in scripts.WORKER_SCRIPTS:
+        for script in (*scripts.WORKER_SCRIPTS, APPEND_NOTICE):
             self.client.script_load(script.source)
 
     def stop(self) -> None:
@@ -126,19 +156,21 @@ def measure(server: Server, way: str, tag: str, args) -> tuple[str, float]:
         pipe.hset(KEYS.job(job_id), mapping={"status": "running", "run": "r1", "streamed": "1"})
     pipe.execute()
     send_round(client, job_ids, 0, "PUBLISH_ROUND", args.round_jobs)  # each job's start and first tokens
-    readers = start_readers(server.socket, job_ids) if args.readers else None
-    wait_blocked(client, readers, args.jobs)
+    readers = start_readers(server.socket, job_ids, args.readers) if args.readers != "none" else None
+    blocking = args.readers == "xread"
+    wait_blocked(client, readers if blocking else None, args.jobs)
     since = server.started()
     for n in range(1, args.rounds + 1):
         send_round(client, job_ids, n, way, args.round_jobs)
         time.sleep(args.step_ms / 1000)
         if args.callgrind:
-            wait_blocked(client, readers, args.jobs)
+            wait_blocked(client, readers if blocking else None, args.jobs)
     redis_cost, sender_us = server.spent(since, args.rounds * args.jobs)
     if readers is not None:
         pipe = client.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.xadd(KEYS.events(job_id), {"type": "end", "data": "{}"})
+            pipe.publish(KEYS.events(job_id), "0-0 end")
         pipe.execute()
         readers.join(60)
     return redis_cost, sender_us
@@ -155,10 +187,13 @@ def send_round(client: redis.Redis, job_ids: list[str], n: int, way: str, round_
     tokens = encode_tokens(list(range(before, after)), "abc", None)
     start = '{"worker":"w"}' if n == 0 else ""
     pipe = client.pipeline(transaction=False)
-    if way == "APPEND_ROUND":
+    if way in ("APPEND_ROUND", "APPEND+NOTICE"):
         appends = [(job_id, "r1", tokens, before, after) for job_id in job_ids]
         for at in range(0, len(appends), round_jobs):
-            scripts.append_round(KEYS, appends[at : at + round_jobs]).add_to(pipe)
+            call = scripts.append_round(KEYS, appends[at : at + round_jobs])
+            if way == "APPEND+NOTICE":
+                call = scripts.ScriptCall(APPEND_NOTICE, call.keys, call.args)
+            call.add_to(pipe)
     else:
         calls = [
             scripts.publish(KEYS, job_id, "r1", start, tokens, before, after, "", "", 60, True) for job_id in job_ids
@@ -175,17 +210,20 @@ def send_round(client: redis.Redis, job_ids: list[str], n: int, way: str, round_
         raise RuntimeError(f"unexpected replies: {flat[:3]}")
 
 
-def start_readers(path: str, job_ids: list[str]) -> mp.Process:
+def start_readers(path: str, job_ids: list[str], how: str) -> mp.Process:
     ready = mp.get_context("spawn").Event()
-    process = mp.get_context("spawn").Process(target=read_all, args=(path, job_ids, ready))
+    process = mp.get_context("spawn").Process(target=read_all, args=(path, job_ids, how, ready))
     process.start()
     if not ready.wait(60):
         raise RuntimeError("the readers did not start")
     return process
 
 
-def read_all(path: str, job_ids: list[str], ready) -> None:
+def read_all(path: str, job_ids: list[str], how: str, ready) -> None:
     async def read(client: aredis.Redis, job_id: str) -> None:
+        if how == "subscribed":
+            await listen(client, [job_id])
+            return
         last = "0-0"
         while True:
             streams = await client.xread({KEYS.events(job_id): last}, block=MAX_BLOCK_MS, count=EVENT_BATCH)
@@ -203,13 +241,28 @@ def read_all(path: str, job_ids: list[str], ready) -> None:
             socket_timeout=None,
         )
         client = aredis.Redis(connection_pool=pool)
-        tasks = [asyncio.create_task(read(client, job_id)) for job_id in job_ids]
+        if how == "subscribed-shared":
+            tasks = [asyncio.create_task(listen(client, job_ids))]
+        else:
+            tasks = [asyncio.create_task(read(client, job_id)) for job_id in job_ids]
         await asyncio.sleep(1.0)  # every reader blocked on its stream
         ready.set()
         await asyncio.gather(*tasks)
         await client.aclose()
 
     asyncio.run(main())
+
+
+async def listen(client: aredis.Redis, job_ids: list[str]) -> None:
+    """One subscriber connection for the jobs' channels, until each has sent its end."""
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(*[KEYS.events(job_id) for job_id in job_ids])
+    left = len(job_ids)
+    while left:
+        message = await pubsub.get_message(timeout=None)
+        if message is not None and message["data"].endswith(" end"):
+            left -= 1
+    await pubsub.aclose()
 
 
 if __name__ == "__main__":
