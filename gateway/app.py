@@ -183,7 +183,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
     add_operations_routes(app, gw)
     failures = AuthFailures(settings.auth_failures_per_minute)
     add_board(app, gw.client, settings, failures)
-    return edge_of(RateLimitHeaders(app, gw.client), settings, failures, gw.metrics)
+    return edge_of(app, gw.client, settings, failures, gw.metrics)
 
 
 def lifespan_of(gw: Gateway, lifecycle: Lifecycle, batch_driver: BatchDriver):
@@ -263,15 +263,17 @@ def add_operations_routes(app: FastAPI, gw: Gateway) -> None:
         return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
 
-def edge_of(app, settings: GatewaySettings, failures: AuthFailures, metrics: GatewayMetrics):
+def edge_of(app, client: AsyncClient, settings: GatewaySettings, failures: AuthFailures, metrics: GatewayMetrics):
     """The routes behind, from the outside in: the trusted proxies' view of the client (address
-    and scheme), the request's id, metrics and log line, CORS only where configured, the edge's
-    checks of key, body size and type (gateway/edge.py), and the tenant's rate-limit headers."""
+    and scheme), the request's id, metrics and log line, CORS only where configured, the tenant's
+    rate-limit headers, and the edge's checks of key, body size and type (gateway/edge.py). The
+    headers go outside the edge so that its refusals of a known tenant (413, 415, 408) carry them
+    too: the promise is every answer to the tenant."""
     access = Access(settings.api_keys, settings.admin_api_keys)
     limits = Limits(
         settings.max_json_bytes, settings.batch_max_file_bytes, settings.monitoring_needs_key, settings.body_timeout_s
     )
-    guarded = Edge(app, access, limits, failures)
+    guarded = RateLimitHeaders(Edge(app, access, limits, failures), client)
     if settings.cors_origins:
         # Any request header from the origins granted: the official SDKs send headers of their own
         # (x-stainless-*, openai-organization...), and a preflight that refuses one stops every
