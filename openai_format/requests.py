@@ -50,7 +50,9 @@ Unused = Annotated[Any, only()]  # in the spec, not in MILI: null only
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # A NaN or an infinity (JSON has neither, but Python's json and pydantic read them) is no
+    # finite number: refused as such, not for whichever bound a NaN happened to fail.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class StreamOptions(Strict):

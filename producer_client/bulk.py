@@ -64,7 +64,7 @@ def build_spec(index: int, spec: Mapping[str, Any], known_params: KnownParams | 
     try:
         return build_job_of(spec, known_params=known_params)
     except InvalidArgument as e:
-        raise type(e)(f"jobs[{index}].{e.field}", e.message.removeprefix(f"{e.field}: ")) from None
+        raise e.named(f"jobs[{index}].{e.field}") from None
 
 
 def submit_many(client: ClientBase, specs: Iterable[Mapping[str, Any]]) -> Steps[list[str]]:
