@@ -326,9 +326,11 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     async def on_api_error(request: Request, error: APIError):
         return error_response(error)
 
+    # The router's own errors keep their headers: a 405's Allow, which HTTP requires (RFC 9110 15.5.6).
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, error: HTTPException):
-        return error_response(APIError(error.status_code, str(error.detail), "invalid_request_error"))
+        api_error = APIError(error.status_code, str(error.detail), "invalid_request_error")
+        return json_response(api_error.body, dict(error.headers or {}), api_error.status)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, error: RequestValidationError):

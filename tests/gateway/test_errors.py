@@ -162,6 +162,22 @@ def test_an_unknown_model_job_or_route_is_a_404(gateway, sdk):
         sdk.models.retrieve("no-such-model")
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [("GET", "/v1/chat/completions", "POST"), ("DELETE", "/v1/models/echo", "GET"), ("PUT", "/generate", "POST")],
+)
+def test_a_method_a_route_does_not_take_is_a_405_naming_those_it_takes(gateway, method, path, allowed):
+    """HTTP requires a 405's Allow header (RFC 9110, 15.5.6); the error is OpenAI's shape."""
+    response = httpx.request(method, f"{gateway.url}{path}")
+    assert (response.status_code, response.headers.get("allow")) == (405, allowed)
+    assert error_of(response) == {
+        "message": "Method Not Allowed",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+
+
 def test_the_request_id_is_the_clients_when_it_sends_a_usable_one(gateway):
     mine = httpx.get(f"{gateway.url}/health", headers={"x-request-id": "my-request-7"})
     bad = httpx.get(f"{gateway.url}/health", headers={"x-request-id": "{no}"})
