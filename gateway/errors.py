@@ -9,6 +9,7 @@ import math
 import redis
 
 from openai_format.errors import APIError, error_of
+from producer_client.connection import is_fatal
 from producer_client.errors import MiliError, NotReplicated, QueueFull, RateLimited
 
 
@@ -60,6 +61,13 @@ def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
         return RetryLater.of(error_of(error), retry_after_s)
     if isinstance(error, MiliError):
         return error_of(error)
+    if is_fatal(error):  # no retry mends it: the gateway's Redis user lacks a right, or its password is wrong
+        return APIError(
+            500,
+            f"the queue's Redis refused the gateway's user: {type(error).__name__}: {error} (fix the URL or the ACL)",
+            "server_error",
+            "redis_refused",
+        )
     if isinstance(error, redis.RedisError):
         return APIError(
             503, f"the queue's Redis is unavailable: {error}", "service_unavailable_error", "redis_unavailable"
