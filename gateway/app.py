@@ -285,7 +285,8 @@ def edge_of(app, client: AsyncClient, settings: GatewaySettings, failures: AuthF
             allow_headers=["*"],
             expose_headers=EXPOSED_HEADERS,
         )
-    return ProxyHeadersMiddleware(RequestContext(guarded, metrics), trusted_hosts=settings.trusted_proxies)
+    keys = [*settings.api_keys, *settings.admin_api_keys]
+    return ProxyHeadersMiddleware(RequestContext(guarded, metrics, keys), trusted_hosts=settings.trusted_proxies)
 
 
 def client_left() -> Response:
@@ -353,11 +354,14 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 class RequestContext:
     """ASGI middleware: a request id for every request (the client's `x-request-id` if usable),
     sent back in `x-request-id`; the request count by route and status, and the time to the
-    first byte of the body; one log line per request, with its jobs and their queue."""
+    first byte of the body; one log line per request, with its jobs and their queue. The line's
+    path shows `***` for any API key in it: a client that put its key in the URL
+    (`/v1/models/KEY`, a base URL ending in it) must not have it written to the log."""
 
-    def __init__(self, app, metrics: GatewayMetrics):
+    def __init__(self, app, metrics: GatewayMetrics, api_keys: list[str]):
         self.app = app
         self.metrics = metrics
+        self.api_keys = api_keys
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -386,11 +390,16 @@ class RequestContext:
                 "request %s: %s %r -> %d in %.1f ms%s",
                 request_id,
                 scope["method"],
-                scope["path"],
+                self.shown_path(scope["path"]),
                 status,
                 (time.perf_counter() - started) * 1000,
                 f"; {scope['state']['jobs']}" if "jobs" in scope["state"] else "",
             )
+
+    def shown_path(self, path: str) -> str:
+        for key in self.api_keys:
+            path = path.replace(key, "***")
+        return path
 
 
 def request_id_of(scope) -> str:

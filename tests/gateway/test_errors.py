@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from gateway.api_keys import tenant_id
+from harness.polling import eventually
 from openai_format.errors import APIError
 from openai_format.job_specs import parse_body
 from openai_format.requests import ChatCompletionRequest
@@ -221,6 +222,16 @@ def test_a_missing_or_wrong_api_key_is_a_401(strict_gateway):
     assert httpx.get(f"{strict_gateway.url}/health").status_code == 200  # probes need no key
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{strict_gateway.url}/v1", api_key="key-three", max_retries=0).models.list()
+
+
+def test_an_api_key_a_client_put_in_the_url_is_not_logged(strict_gateway):
+    """A key in the path (a base URL or a model named with it); its query is never logged."""
+    key = API_KEYS[1]
+    for path in (f"/v1/models/{key}", f"/{key}/v1/models", f"/v1/models?api_key={key}"):
+        httpx.get(f"{strict_gateway.url}{path}", headers={"Authorization": f"Bearer {key}"})
+    assert eventually(lambda: "GET '/***/v1/models' -> 404" in strict_gateway.log(), timeout=10)
+    assert "GET '/v1/models/***' -> 404" in strict_gateway.log()
+    assert key not in strict_gateway.log()
 
 
 def test_a_full_queue_is_a_429_with_retry_after(strict_gateway, redis_server):
