@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from producer_client.connection import reply_code
 from producer_client.keys import Keys
 from producer_client.steps import Repeatable, Steps, checked
 
@@ -50,5 +51,8 @@ def rate_state(keys: Keys, queue: str, tenant: str) -> Steps[tuple[list[str | No
     """The tenant's theoretical arrival times on `queue`, requests' and tokens' (ms on Redis's
     clock; None: its bucket is full), and Redis's clock (TIME): one round trip."""
     key = keys.rate(queue, tenant)
-    tats, now = checked((yield Repeatable(lambda pipe: (pipe.hmget(key, "r", "t"), pipe.time()))))
+    tats, now = yield Repeatable(lambda pipe: (pipe.hmget(key, "r", "t"), pipe.time()))
+    if isinstance(tats, Exception) and reply_code(tats) == "WRONGTYPE":
+        tats = [None, None]  # a producer's key of another type: a full bucket, as ENQUEUE_LANES reads it
+    checked([tats, now])
     return tats, now
