@@ -225,8 +225,12 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    # The job's lane (producer_client.new_job.SERVICE_TIERS): OpenAI's "scale" and "fast" are not MILI's.
-    service_tier: Annotated[str | None, only("auto", "default", "flex", "priority")] = None
+    # The job's lane (producer_client.new_job.SERVICE_TIERS): OpenAI's "scale" and "fast" are not
+    # MILI's (unsupported_parameter); a value the spec has not is no service tier (invalid_value).
+    service_tier: Annotated[
+        Literal["auto", "default", "flex", "scale", "priority", "fast"] | None,
+        only("auto", "default", "flex", "priority"),
+    ] = None
     # Accepted as the spec describes them, with no effect on the output.
     metadata: dict[str, str] | None = Field(None, max_length=16)
     store: Annotated[bool | None, only(False)] = None
