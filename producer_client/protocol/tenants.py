@@ -15,9 +15,8 @@ from producer_client.steps import Repeatable, Steps, checked
 
 def quota_fields(keys: Keys, tenant: str) -> Steps[dict[str, str]]:
     """The tenant's settings hash ({}: none set)."""
-    fields: dict[str, str]
-    (fields,) = checked((yield Repeatable(lambda pipe: pipe.hgetall(keys.quota(tenant)))))
-    return fields
+    (fields,) = yield Repeatable(lambda pipe: pipe.hgetall(keys.quota(tenant)))
+    return settings_hash(fields)
 
 
 def write_quota_fields(keys: Keys, tenant: str, written: dict[str, str], unset: list[str]) -> Steps[None]:
@@ -44,7 +43,18 @@ def quota_fields_of(keys: Keys, tenants: list[str]) -> Steps[list[dict[str, str]
     """Each tenant's settings hash, in one round trip."""
     if not tenants:
         return []
-    return checked((yield Repeatable(lambda pipe: [pipe.hgetall(keys.quota(t)) for t in tenants])))
+    replies = yield Repeatable(lambda pipe: [pipe.hgetall(keys.quota(t)) for t in tenants])
+    return [settings_hash(reply) for reply in replies]
+
+
+def settings_hash(reply: Any) -> dict[str, str]:
+    """A tenant's settings hash as HGETALL answered; a key of another type holds no setting, as a
+    field that does not read counts as unset (quotas.quota_of): it raised WRONGTYPE from every
+    submit of the tenant and every gateway answer to it."""
+    if isinstance(reply, Exception) and reply_code(reply) == "WRONGTYPE":
+        return {}
+    (fields,) = checked([reply])
+    return dict(fields)
 
 
 def rate_state(keys: Keys, queue: str, tenant: str) -> Steps[tuple[list[str | None], tuple[int, int]]]:

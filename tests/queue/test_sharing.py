@@ -17,6 +17,7 @@ from harness.echo_workers import GatedWorker, SlowEchoEngine, serving
 from harness.polling import eventually
 from producer_client import Client, InvalidArgument, QueueFull, RateLimited, WaitingQuotaExceeded
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
+from producer_client.quotas import Quota
 from tests.support.clients import make_client
 
 pytestmark = pytest.mark.waits
@@ -274,6 +275,21 @@ def test_a_producers_junk_in_a_tenants_rate_hash_reads_as_a_full_bucket(
         assert client.rate_limits().remaining_requests == 2
         assert redis_client.type(rate) == "hash" and float(redis_client.hget(rate, "r")) > 0
         client.tenant_quotas.set(tenant, unset=("rpm", "tpm"))
+
+
+def test_a_tenants_settings_key_of_another_type_holds_no_setting(redis_server, queue, tenant, redis_client):
+    """As a settings field that does not read counts as unset: the tenant submits, unlimited,
+    and its quota lists as none, where WRONGTYPE came from each of its submits."""
+    redis_client.set(KEYS.quota(tenant), "x")
+    redis_client.zadd(KEYS.quotas(), {tenant: 0})
+    try:
+        with Client(redis_server.url, queue, tenant=tenant) as client:
+            assert client.submit_rated(prompt="x", max_tokens=2).limits.limit_requests == 0
+            assert client.tenant_quotas.get(tenant) == Quota()
+            assert tenant not in client.tenant_quotas.all()  # as a tenant with no setting left
+    finally:
+        redis_client.delete(KEYS.quota(tenant))
+        redis_client.zrem(KEYS.quotas(), tenant)
 
 
 def test_lane_jobs_of_a_killed_worker_are_reclaimed_and_each_ends_once(redis_server, queue, tenant, redis_client):
