@@ -191,7 +191,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
     add_operations_routes(app, gw)
     failures = AuthFailures(settings.auth_failures_per_minute)
     add_board(app, gw.client, settings, failures)
-    return edge_of(RateLimitHeaders(app, gw.client), settings, failures, gw.metrics)
+    return edge_of(app, gw.client, settings, failures, gw.metrics)
 
 
 def lifespan_of(gw: Gateway, lifecycle: Lifecycle, batch_driver: BatchDriver):
@@ -274,15 +274,17 @@ def add_operations_routes(app: FastAPI, gw: Gateway) -> None:
         return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
 
-def edge_of(app, settings: GatewaySettings, failures: AuthFailures, metrics: GatewayMetrics):
+def edge_of(app, client: AsyncClient, settings: GatewaySettings, failures: AuthFailures, metrics: GatewayMetrics):
     """The routes behind, from the outside in: the trusted proxies' view of the client (address
-    and scheme), the request's id, metrics and log line, CORS only where configured, the edge's
-    checks of key, body size and type (gateway/edge.py), and the tenant's rate-limit headers."""
+    and scheme), the request's id, metrics and log line, CORS only where configured, the tenant's
+    rate-limit headers, and the edge's checks of key, body size and type (gateway/edge.py). The
+    headers go outside the edge so that its refusals of a known tenant (413, 415, 408) carry them
+    too: the promise is every answer to the tenant."""
     access = Access(settings.api_keys, settings.admin_api_keys)
     limits = Limits(
         settings.max_json_bytes, settings.batch_max_file_bytes, settings.monitoring_needs_key, settings.body_timeout_s
     )
-    guarded = Edge(app, access, limits, failures)
+    guarded = RateLimitHeaders(Edge(app, access, limits, failures), client)
     if settings.cors_origins:
         # Any request header from the origins granted: the official SDKs send headers of their own
         # (x-stainless-*, openai-organization...), and a preflight that refuses one stops every
@@ -294,7 +296,8 @@ def edge_of(app, settings: GatewaySettings, failures: AuthFailures, metrics: Gat
             allow_headers=["*"],
             expose_headers=EXPOSED_HEADERS,
         )
-    return ProxyHeadersMiddleware(RequestContext(guarded, metrics), trusted_hosts=settings.trusted_proxies)
+    keys = [*settings.api_keys, *settings.admin_api_keys]
+    return ProxyHeadersMiddleware(RequestContext(guarded, metrics, keys), trusted_hosts=settings.trusted_proxies)
 
 
 def client_left() -> Response:
@@ -335,9 +338,11 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     async def on_api_error(request: Request, error: APIError):
         return error_response(error)
 
+    # The router's own errors keep their headers: a 405's Allow, which HTTP requires (RFC 9110 15.5.6).
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, error: HTTPException):
-        return error_response(APIError(error.status_code, str(error.detail), "invalid_request_error"))
+        api_error = APIError(error.status_code, str(error.detail), "invalid_request_error")
+        return json_response(api_error.body, dict(error.headers or {}), api_error.status)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, error: RequestValidationError):
@@ -360,11 +365,14 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 class RequestContext:
     """ASGI middleware: a request id for every request (the client's `x-request-id` if usable),
     sent back in `x-request-id`; the request count by route and status, and the time to the
-    first byte of the body; one log line per request, with its jobs and their queue."""
+    first byte of the body; one log line per request, with its jobs and their queue. The line's
+    path shows `***` for any API key in it: a client that put its key in the URL
+    (`/v1/models/KEY`, a base URL ending in it) must not have it written to the log."""
 
-    def __init__(self, app, metrics: GatewayMetrics):
+    def __init__(self, app, metrics: GatewayMetrics, api_keys: list[str]):
         self.app = app
         self.metrics = metrics
+        self.api_keys = api_keys
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -393,11 +401,16 @@ class RequestContext:
                 "request %s: %s %r -> %d in %.1f ms%s",
                 request_id,
                 scope["method"],
-                scope["path"],
+                self.shown_path(scope["path"]),
                 status,
                 (time.perf_counter() - started) * 1000,
                 f"; {scope['state']['jobs']}" if "jobs" in scope["state"] else "",
             )
+
+    def shown_path(self, path: str) -> str:
+        for key in self.api_keys:
+            path = path.replace(key, "***")
+        return path
 
 
 def request_id_of(scope) -> str:

@@ -9,6 +9,7 @@ import math
 import redis
 
 from openai_format.errors import APIError, error_of
+from producer_client.connection import is_fatal
 from producer_client.errors import InvalidJob, MiliError, NotReplicated, QueueFull, RateLimited
 
 
@@ -27,9 +28,9 @@ class RetryLater(APIError):
 
 
 class Final(APIError):
-    """A 5xx error that asking again will not mend (a job whose keys hold what no worker writes):
-    its answer says `x-should-retry: false`, which OpenAI's SDKs obey before their rule of
-    retrying every 5xx."""
+    """A 5xx error that asking again will not mend (a job whose keys hold what no worker writes, Redis
+    refusing the gateway's user): its answer says `x-should-retry: false`, which OpenAI's SDKs obey
+    before their rule of retrying every 5xx."""
 
     @classmethod
     def of(cls, error: APIError) -> Final:
@@ -76,6 +77,13 @@ def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
         return Final.of(error_of(error))
     if isinstance(error, MiliError):
         return error_of(error)
+    if is_fatal(error):  # no retry mends it: the gateway's Redis user lacks a right, or its password is wrong
+        return Final(
+            500,
+            f"the queue's Redis refused the gateway's user: {type(error).__name__}: {error} (fix the URL or the ACL)",
+            "server_error",
+            "redis_refused",
+        )
     if isinstance(error, redis.RedisError):
         return APIError(
             503, f"the queue's Redis is unavailable: {error}", "service_unavailable_error", "redis_unavailable"

@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 
 import redis
-from starlette.requests import HTTPConnection
 
-from gateway.api_keys import queue_tenant, tenant_of
+from gateway.api_keys import queue_tenant
 from producer_client import AsyncClient
 from producer_client.rate_limits import RateLimits
 
@@ -53,7 +52,9 @@ def duration(seconds: float) -> str:
 
 
 class RateLimitHeaders:
-    """ASGI middleware, inside the edge (which names the request's tenant)."""
+    """ASGI middleware around the edge (gateway/edge.py), which names the request's tenant before
+    it answers or refuses: its refusals of a known tenant (413, 415, 408) are answers to it too. A
+    request the edge refused for its key has no tenant, and costs no Redis command here."""
 
     def __init__(self, app, client: AsyncClient):
         self.app = app
@@ -75,8 +76,11 @@ class RateLimitHeaders:
         state = scope.setdefault("state", {})
         if "rate_limits" in state:
             return state["rate_limits"]
+        tenant = state.get("tenant")
+        if tenant is None:
+            return RateLimits()
         try:
-            return await self.client.as_tenant(queue_tenant(tenant_of(HTTPConnection(scope)).id)).rate_limits()
+            return await self.client.as_tenant(queue_tenant(tenant.id)).rate_limits()
         except redis.RedisError as e:  # the answer goes out without them
             log.warning("the tenant's rate limits could not be read: %s", e)
             return RateLimits()

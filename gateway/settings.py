@@ -137,6 +137,20 @@ class GatewaySettings(TomlSettings):
         parse_url(value)
         return value
 
+    @field_validator("api_keys", "admin_api_keys")
+    @classmethod
+    def _sendable_keys(cls, value: list[str], info) -> list[str]:
+        """A key a client can send in `Authorization: Bearer`: an empty one (a shell variable unset
+        in '["$KEY"]') matched a header with no key at all, opening the gateway to anyone, and one
+        with a space or a character outside visible ASCII can never arrive as it is written. The
+        message names the key's place, never the key."""
+        for place, key in enumerate(value):
+            if not SENDABLE_KEY.fullmatch(key):
+                raise ValueError(
+                    f"{info.field_name}[{place}] is empty or holds a space or a character outside visible ASCII"
+                )
+        return value
+
     @field_validator("prefix", "default_queue")
     @classmethod
     def _usable_in_keys(cls, value: str, info) -> str:
@@ -157,6 +171,7 @@ class GatewaySettings(TomlSettings):
         return value
 
 
+SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
 DURATION = re.compile(r"([1-9][0-9]*)([smhd])")
 SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 

@@ -14,6 +14,7 @@ from producer_client.errors import (
     JobTimeout,
     MiliError,
     NotReplicated,
+    OutOfRange,
     QueueFull,
     RateLimited,
 )
@@ -66,6 +67,8 @@ def job_error(error: JobFailed, prompt_param: str) -> APIError:
 
 def error_of(error: MiliError) -> APIError:
     """A client-library exception as OpenAI's error."""
+    if isinstance(error, OutOfRange):  # as the gateway's own checks of a bound answer
+        return bad_request(error.message, error.field, "below_min_value" if error.below else "above_max_value")
     if isinstance(error, InvalidArgument):  # the client library's bad value is OpenAI's invalid_value
         return bad_request(
             error.message, error.field, "invalid_value" if error.code == "invalid_argument" else error.code

@@ -105,7 +105,7 @@ def named_as_requested(error: InvalidArgument, req: SamplingRequest) -> InvalidA
         field = "max_completion_tokens"
     if field == error.field:
         return error
-    return type(error)(field, error.message.removeprefix(f"{error.field}: "))
+    return error.named(field)
 
 
 def parse_body(model: type[Model], body: bytes | str) -> Model:

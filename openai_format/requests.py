@@ -50,7 +50,9 @@ Unused = Annotated[Any, only()]  # in the spec, not in MILI: null only
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # A NaN or an infinity (JSON has neither, but Python's json and pydantic read them) is no
+    # finite number: refused as such, not for whichever bound a NaN happened to fail.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class StreamOptions(Strict):
@@ -223,8 +225,12 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    # The job's lane (producer_client.new_job.SERVICE_TIERS): OpenAI's "scale" and "fast" are not MILI's.
-    service_tier: Annotated[str | None, only("auto", "default", "flex", "priority")] = None
+    # The job's lane (producer_client.new_job.SERVICE_TIERS): OpenAI's "scale" and "fast" are not
+    # MILI's (unsupported_parameter); a value the spec has not is no service tier (invalid_value).
+    service_tier: Annotated[
+        Literal["auto", "default", "flex", "scale", "priority", "fast"] | None,
+        only("auto", "default", "flex", "priority"),
+    ] = None
     # Accepted as the spec describes them, with no effect on the output.
     metadata: dict[str, str] | None = Field(None, max_length=16)
     store: Annotated[bool | None, only(False)] = None

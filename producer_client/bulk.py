@@ -41,7 +41,7 @@ from producer_client.protocol.shards import ONE_SHARD, QueueShards
 from producer_client.schema import JobExpired, JobResult, Timings, parse_result
 from producer_client.sharing import lane_job, placed_fields, refusal_error, uses_queue_stream
 from producer_client.steps import Steps, checked
-from producer_client.validation import check_job_id, check_timeout
+from producer_client.validation import check_job_ids, check_timeout
 from producer_client.waiting import Deadline, expiry, streams_read
 
 CHUNK = 1000  # jobs per pipelined chunk: one ENQUEUE_MANY holds Redis for about a millisecond
@@ -66,7 +66,7 @@ def build_spec(
     try:
         return build_job_of(spec, known_params=known_params, tenant=tenant)
     except InvalidArgument as e:
-        raise type(e)(f"jobs[{index}].{e.field}", e.message.removeprefix(f"{e.field}: ")) from None
+        raise e.named(f"jobs[{index}].{e.field}") from None
 
 
 def submit_many(client: ClientBase, specs: Iterable[Mapping[str, Any]]) -> Steps[list[str]]:
@@ -278,7 +278,7 @@ def forget_commands(jobs: list[NewJob], keys: Keys) -> AddCommands:
 
 
 def cancel_many(keys: Keys, job_ids: Iterable[str]) -> Steps[None]:
-    job_ids = [check_job_id(job_id) for job_id in job_ids]
+    job_ids = check_job_ids(job_ids)
     if job_ids:
         checked((yield cancel_commands(keys, job_ids)))
 
@@ -306,7 +306,7 @@ class ResultWatch:
 
     def __init__(self, keys: Keys, job_ids: Iterable[str] = ()):
         self.keys = keys
-        self.waiting: dict[str, None] = dict.fromkeys(job_ids)
+        self.waiting: dict[str, None] = dict.fromkeys(check_job_ids(job_ids))
         self.looked: dict[str, float] = {}  # job -> when a look at its hash last returned (monotonic)
         # When each job that was queued with a deadline expires unread (monotonic): as_completed
         # yields it as expired then, since no worker will start it (see watch_all).
@@ -316,7 +316,7 @@ class ResultWatch:
         return len(self.waiting)
 
     def add(self, job_ids: Iterable[str]) -> None:
-        self.waiting.update(dict.fromkeys(job_ids))
+        self.waiting.update(dict.fromkeys(check_job_ids(job_ids)))
 
     def first(self) -> str:
         return next(iter(self.waiting))
@@ -439,7 +439,7 @@ def watch_all(keys: Keys, job_ids: Iterable[str], timeout: float | None) -> Step
     """as_completed()'s start: the watch of `job_ids`, with when each job still queued expires
     unread, and the deadline of the whole wait. Raises JobNotFound for an id with no job (no
     status), JobExpired for none: a job expired already is yielded as such by the first read."""
-    job_ids = [check_job_id(job_id) for job_id in job_ids]
+    job_ids = check_job_ids(job_ids)
     deadline = Deadline("", check_timeout(timeout))
     watch = ResultWatch(keys, job_ids)
     for start in range(0, len(job_ids), CHUNK):
@@ -472,7 +472,7 @@ def next_finished(watch: ResultWatch, deadline: Deadline, per_slot: bool) -> Ste
 
 def results(keys: Keys, job_ids: Iterable[str], timeout: float | None, per_slot: bool) -> Steps[list[JobResult]]:
     """Every job's result, in the order of `job_ids`, collected as as_completed() yields them."""
-    job_ids = list(job_ids)
+    job_ids = check_job_ids(job_ids)
     watch, deadline = yield from watch_all(keys, job_ids, timeout)
     ended = {}
     while watch:

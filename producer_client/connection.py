@@ -15,6 +15,7 @@ URL options (`?socket_timeout=5&ssl_cert_reqs=none`) in every mode.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import re
 import threading
 from collections.abc import Awaitable, Callable
@@ -67,6 +68,24 @@ FATAL_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError, 
 # with plain values; never a value that could be a password.
 _PLAIN_VALUE = re.compile(r"[A-Za-z0-9._-]{0,32}")
 SHOWN_OPTIONS = frozenset(URL_QUERY_ARGUMENT_PARSERS) | {"ssl_cert_reqs", "client_name"}
+# The options a URL's query may set: redis-py's connection options that a user gives as text (not
+# its internals, such as parser_class), each where the connection made takes it (ssl_* with
+# rediss:// only, socket_keepalive not on a unix socket), and the pool's size.
+USER_OPTIONS = (
+    frozenset(URL_QUERY_ARGUMENT_PARSERS)
+    | {"username", "password", "client_name"}
+    | {
+        name
+        for name in inspect.signature(redis.connection.SSLConnection.__init__).parameters
+        if name.startswith("ssl_")
+    }
+)
+POOL_OPTIONS = frozenset({"max_connections"})
+_KIND = {
+    redis.connection.Connection: "a TCP connection",
+    redis.connection.SSLConnection: "a TLS connection (rediss://)",
+    redis.connection.UnixDomainSocketConnection: "a unix socket",
+}
 T = TypeVar("T")
 # Characters a URL reserves: in a user name or password they must be percent-encoded, or the URL
 # splits elsewhere than its writer meant (its host would be part of the password).
@@ -222,7 +241,10 @@ def parse_url(url: Any) -> RedisURL:
     parts = _split(url)
     mode, tls = SCHEMES[scheme]
     if mode is Mode.SERVER:
-        return RedisURL(url, mode, options=_redis_py_options(url, url))
+        options = _redis_py_options(url, url)
+        _check_query(url, parts.query, options.get("connection_class", redis.connection.Connection))
+        return RedisURL(url, mode, options=options)
+    _check_query(url, parts.query, redis.connection.SSLConnection if tls else redis.connection.Connection)
     userinfo, _, hosts = parts.netloc.rpartition("@")
     nodes = tuple(_node(url, text, DEFAULT_PORT[mode]) for text in hosts.split(","))
     options = _redis_py_options(
@@ -262,6 +284,24 @@ def _redis_py_options(url: str, text: str) -> dict[str, Any]:
     except ValueError as e:
         raise _bad(url, str(e)) from None
     return options
+
+
+def _check_query(url: str, query: str, connection: type) -> None:
+    """Every option of the query one that `connection` takes: redis-py passes any name on to the
+    connection, which raised TypeError at its first command. The message names no option: with a
+    raw `&` in a password, a part of the password reads as one."""
+    if any(name not in _taken_options(connection) for name, _ in parse_qsl(query, keep_blank_values=True)):
+        raise _bad(url, f"its query holds an option that is none of redis-py's for {_KIND[connection]}")
+
+
+def _taken_options(connection: type) -> frozenset[str]:
+    parameters = {name for kind in connection.__mro__ for name in _parameters(kind)}
+    return frozenset(parameters & USER_OPTIONS) | POOL_OPTIONS
+
+
+def _parameters(kind: type) -> list[str]:
+    init = kind.__dict__.get("__init__")
+    return list(inspect.signature(init).parameters) if init is not None else []
 
 
 def _node(url: str, text: str, default_port: int) -> tuple[str, int]:

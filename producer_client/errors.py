@@ -22,6 +22,23 @@ class InvalidArgument(MiliError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.detail = message
+
+    def named(self, field: str) -> InvalidArgument:
+        """The same error, of a field its caller names otherwise."""
+        return type(self)(field, self.detail)
+
+
+class OutOfRange(InvalidArgument):
+    """A number past a bound of its field's: `below` its minimum, else above its maximum (the
+    gateway's below_min_value and above_max_value, as for the fields it checks itself)."""
+
+    def __init__(self, field: str, message: str, below: bool):
+        super().__init__(field, message)
+        self.below = below
+
+    def named(self, field: str) -> OutOfRange:
+        return OutOfRange(field, self.detail, self.below)
 
 
 class BodyTooLarge(InvalidArgument):

@@ -143,10 +143,20 @@ def rate_limits_now(limits: Limits, tats: list[str | None], now_ms: int) -> Rate
     def state(tat: str | None, limit: int) -> tuple[int, int, float]:
         if not limit:
             return 0, 0, 0.0
-        ahead = max(0.0, float(tat or 0) - now_ms)
+        ahead = max(0.0, stored_ms(tat) - now_ms)
         return limit, math.floor(limit - ahead * limit / 60000 + 1e-9), math.ceil(ahead) / 1000
 
     return RateLimits(*state(tats[0], limits.rpm), *state(tats[1], limits.tpm))
+
+
+def stored_ms(tat: str | None) -> float:
+    """A time the rate hash holds, 0 (a full bucket) where it holds none or text that is no finite
+    number: producers write that hash, as ENQUEUE_LANES reads it."""
+    try:
+        value = float(tat or 0)
+    except ValueError:
+        return 0.0
+    return value if math.isfinite(value) else 0.0
 
 
 def current_rate_limits(keys: Keys, queue: str, tenant: str | None, quotas: Quotas) -> Steps[RateLimits]:

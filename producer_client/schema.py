@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from producer_client.chat import MAX_TOOLS, ChatMessage, NamedToolChoice, Tool, ToolCall, ToolChoice, tool_names
-from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, InvalidJob, MiliError
+from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, InvalidJob, MiliError, OutOfRange
 from producer_client.keys import NAME_PATTERN
 from producer_client.structured import FORMAT_TYPES, ResponseFormat
 
@@ -20,6 +20,8 @@ MAX_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31
 # pydantic names the member of a union it tried in an error's location (`content.str`,
 # `tool_choice.literal['none','auto','required']`): a type, where fields are snake_case.
+# pydantic's errors of a bound, each with whether the value is below it.
+BOUNDS = {"greater_than_equal": True, "greater_than": True, "less_than_equal": False, "less_than": False}
 UNION_MEMBER = re.compile(r"str|int|float|bool|[a-z-]+\[.*\]|[A-Z]\w*")
 
 
@@ -28,7 +30,9 @@ class SamplingParams(BaseModel):
     constrains the output to a JSON schema, any JSON object, a regex or a list of choices
     (producer_client.structured), enforced while decoding."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # A NaN fails every comparison: it was refused for whichever bound came first ("temperature:
+    # Input should be less than or equal to 100"); a number must be finite.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     max_tokens: int = Field(256, ge=1)
     min_tokens: int = Field(0, ge=0)
@@ -93,8 +97,10 @@ def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArg
     names = [str(p) for p in loc if isinstance(p, int) or not UNION_MEMBER.fullmatch(p)]
     if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
         names.append("type")  # response_format's: the requests' one tagged union
-    field = ".".join(names) or "body"
-    return InvalidArgument(field.removeprefix(strip), first["msg"])
+    field = ".".join(names).removeprefix(strip) or "body"
+    if first["type"] in BOUNDS:
+        return OutOfRange(field, first["msg"], below=BOUNDS[first["type"]])
+    return InvalidArgument(field, first["msg"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +133,7 @@ class JobRequest(BaseModel):
     base model). Its prefix cache is the adapter's own.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # timeout_s: as SamplingParams
 
     prompt: str | None = Field(None, min_length=1)
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -168,7 +174,8 @@ class JobRequest(BaseModel):
         if self.input_ids is not None:
             check_token_ids("input_ids", self.input_ids)
         if self.params.max_tokens > max_tokens_limit:
-            raise InvalidArgument("max_tokens", f"{self.params.max_tokens} exceeds the limit of {max_tokens_limit}")
+            message = f"{self.params.max_tokens} exceeds the limit of {max_tokens_limit}"
+            raise OutOfRange("max_tokens", message, below=False)
         self.params.check_consistency()
         self.check_chat_options()
 

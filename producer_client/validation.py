@@ -19,6 +19,14 @@ def check_job_id(job_id: Any) -> str:
     return check_name("job_id", job_id)
 
 
+def check_job_ids(job_ids: Any) -> list[str]:
+    """Many jobs' ids. One id given alone is refused: as an iterable it is its characters, so
+    cancel_many(job_id) passed over 32 jobs that do not exist and cancelled nothing, silently."""
+    if isinstance(job_ids, (str, bytes)):
+        raise InvalidArgument("job_ids", "must be a list of job ids, not one id: wrap it, [job_id]")
+    return [check_job_id(job_id) for job_id in job_ids]
+
+
 def check_event_id(after: Any) -> str:
     if not isinstance(after, str) or not EVENT_ID.fullmatch(after):
         raise InvalidArgument("after", "must be an event id such as '1700000000000-0'")

@@ -189,12 +189,19 @@ local waiting = 0
 if max_waiting > 0 then
   for i = 8, 10 do waiting = waiting + unread(KEYS[i]) end
 end
-local now, tat_r, tat_t = 0, 0, 0
+-- The rate hash is the producers' to write: one of another type, or a time that is no finite
+-- number, reads as a full bucket (and a key of another type is replaced), as the scheduler hash's
+-- junk reads as its defaults, so that no producer's write stops another's submits.
+local now, tat_r, tat_t, rate_replaced = 0, 0, 0, false
 if rpm > 0 or tpm > 0 then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local tats = redis.call('HMGET', KEYS[4], 'r', 't')
-  tat_r, tat_t = math.max(tonumber(tats[1] or '0'), now), math.max(tonumber(tats[2] or '0'), now)
+  local tats = redis.pcall('HMGET', KEYS[4], 'r', 't')
+  if tats.err then
+    if string.sub(tats.err, 1, 9) ~= 'WRONGTYPE' then return redis.error_reply(tats.err) end
+    tats, rate_replaced = {}, true
+  end
+  tat_r, tat_t = math.max(stored(tats[1], 0), now), math.max(stored(tats[2], 0), now)
 end
 if weight ~= '' then redis.call('HSET', KEYS[1], 'w:' .. tenant, weight) end
 local depths, added, reason, a, b = {}, 0, '', 0, ''
@@ -220,6 +227,7 @@ for i = 9, #ARGV, 5 do
   waiting, tat_r, tat_t, added = waiting + 1, next_r, next_t, added + 1
 end
 if now > 0 and added > 0 then
+  if rate_replaced then redis.call('DEL', KEYS[4]) end
   redis.call('HSET', KEYS[4], 'r', string.format('%.3f', tat_r), 't', string.format('%.3f', tat_t))
   redis.call('PEXPIRE', KEYS[4], math.ceil(math.max(tat_r, tat_t) - now) + 1000)
 end

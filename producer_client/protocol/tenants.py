@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from producer_client.connection import reply_code
 from producer_client.keys import Keys
 from producer_client.steps import Repeatable, Steps, checked
 
 
 def quota_fields(keys: Keys, tenant: str) -> Steps[dict[str, str]]:
     """The tenant's settings hash ({}: none set)."""
-    fields: dict[str, str]
-    (fields,) = checked((yield Repeatable(lambda pipe: pipe.hgetall(keys.quota(tenant)))))
-    return fields
+    (fields,) = yield Repeatable(lambda pipe: pipe.hgetall(keys.quota(tenant)))
+    return settings_hash(fields)
 
 
 def write_quota_fields(keys: Keys, tenant: str, written: dict[str, str], unset: list[str]) -> Steps[None]:
@@ -43,12 +43,26 @@ def quota_fields_of(keys: Keys, tenants: list[str]) -> Steps[list[dict[str, str]
     """Each tenant's settings hash, in one round trip."""
     if not tenants:
         return []
-    return checked((yield Repeatable(lambda pipe: [pipe.hgetall(keys.quota(t)) for t in tenants])))
+    replies = yield Repeatable(lambda pipe: [pipe.hgetall(keys.quota(t)) for t in tenants])
+    return [settings_hash(reply) for reply in replies]
+
+
+def settings_hash(reply: Any) -> dict[str, str]:
+    """A tenant's settings hash as HGETALL answered; a key of another type holds no setting, as a
+    field that does not read counts as unset (quotas.quota_of): it raised WRONGTYPE from every
+    submit of the tenant and every gateway answer to it."""
+    if isinstance(reply, Exception) and reply_code(reply) == "WRONGTYPE":
+        return {}
+    (fields,) = checked([reply])
+    return dict(fields)
 
 
 def rate_state(keys: Keys, queue: str, tenant: str) -> Steps[tuple[list[str | None], tuple[int, int]]]:
     """The tenant's theoretical arrival times on `queue`, requests' and tokens' (ms on Redis's
     clock; None: its bucket is full), and Redis's clock (TIME): one round trip."""
     key = keys.rate(queue, tenant)
-    tats, now = checked((yield Repeatable(lambda pipe: (pipe.hmget(key, "r", "t"), pipe.time()))))
+    tats, now = yield Repeatable(lambda pipe: (pipe.hmget(key, "r", "t"), pipe.time()))
+    if isinstance(tats, Exception) and reply_code(tats) == "WRONGTYPE":
+        tats = [None, None]  # a producer's key of another type: a full bucket, as ENQUEUE_LANES reads it
+    checked([tats, now])
     return tats, now

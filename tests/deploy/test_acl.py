@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 
+import httpx
 import openai
 import pytest
 import redis
@@ -125,6 +126,13 @@ def test_the_gateway_user_runs_a_batch_and_is_a_producer_to_jobs(acl_redis, acl_
         assert file.id in [f.id for f in sdk.files.list()]
         assert [f.id for f in sdk.files.list(order="asc", after=file.id)][0] == done.output_file_id
         assert sdk.files.delete(file.id).deleted
+        # The board reads what only the workers' user may (docs/operating-the-queue.md): Redis's
+        # refusal is the gateway's user's, a 500 redis_refused, not a 503 that says Redis is away.
+        board = httpx.get(f"{gateway.url}/board")
+        error = board.json()["error"]
+        assert (board.status_code, error["type"], error["code"]) == (500, "server_error", "redis_refused")
+        assert board.headers["x-should-retry"] == "false"  # no retry mends it: the SDKs ask once
+        assert error["message"].startswith("the queue's Redis refused the gateway's user: NoPermissionError: ")
     finally:
         sdk.close()
         gateway.stop()

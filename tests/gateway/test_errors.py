@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from gateway.api_keys import tenant_id
+from harness.polling import eventually
 from openai_format.errors import APIError
 from openai_format.job_specs import parse_body
 from openai_format.requests import ChatCompletionRequest
@@ -162,6 +163,22 @@ def test_an_unknown_model_job_or_route_is_a_404(gateway, sdk):
         sdk.models.retrieve("no-such-model")
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [("GET", "/v1/chat/completions", "POST"), ("DELETE", "/v1/models/echo", "GET"), ("PUT", "/generate", "POST")],
+)
+def test_a_method_a_route_does_not_take_is_a_405_naming_those_it_takes(gateway, method, path, allowed):
+    """HTTP requires a 405's Allow header (RFC 9110, 15.5.6); the error is OpenAI's shape."""
+    response = httpx.request(method, f"{gateway.url}{path}")
+    assert (response.status_code, response.headers.get("allow")) == (405, allowed)
+    assert error_of(response) == {
+        "message": "Method Not Allowed",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+
+
 def test_the_request_id_is_the_clients_when_it_sends_a_usable_one(gateway):
     mine = httpx.get(f"{gateway.url}/health", headers={"x-request-id": "my-request-7"})
     bad = httpx.get(f"{gateway.url}/health", headers={"x-request-id": "{no}"})
@@ -205,6 +222,16 @@ def test_a_missing_or_wrong_api_key_is_a_401(strict_gateway):
     assert httpx.get(f"{strict_gateway.url}/health").status_code == 200  # probes need no key
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{strict_gateway.url}/v1", api_key="key-three", max_retries=0).models.list()
+
+
+def test_an_api_key_a_client_put_in_the_url_is_not_logged(strict_gateway):
+    """A key in the path (a base URL or a model named with it); its query is never logged."""
+    key = API_KEYS[1]
+    for path in (f"/v1/models/{key}", f"/{key}/v1/models", f"/v1/models?api_key={key}"):
+        httpx.get(f"{strict_gateway.url}{path}", headers={"Authorization": f"Bearer {key}"})
+    assert eventually(lambda: "GET '/***/v1/models' -> 404" in strict_gateway.log(), timeout=10)
+    assert "GET '/v1/models/***' -> 404" in strict_gateway.log()
+    assert key not in strict_gateway.log()
 
 
 def test_a_full_queue_is_a_429_with_retry_after(strict_gateway, redis_server):

@@ -126,6 +126,35 @@ def test_a_tenants_rate_limit_holds_across_gateways_with_openais_429_and_headers
     assert limit_headers(plain) == {}  # a tenant with no limits
 
 
+def test_the_edges_refusals_of_a_limited_tenant_carry_its_rate_limit_headers(two_gateways):
+    """Every answer to the tenant: a 415 and the two 413s (announced, and a chunked body cut off
+    past max_json_bytes) the edge answers before any route; a wrong key is no tenant's and gets
+    none. Each counts nothing (no request was enqueued)."""
+    url = f"{two_gateways[0].url}/v1/chat/completions"
+    key = {"Authorization": f"Bearer {KEY_RPM}"}
+    too_big = 4 * 1024 * 1024 + 1  # max_json_bytes' default, and a byte
+
+    def chunked():
+        yield b" " * too_big
+
+    answers = {
+        415: httpx.post(url, headers={**key, "content-type": "text/plain"}, content=b"{}"),
+        413: httpx.post(url, headers={**key, "content-type": "application/json"}, content=b" " * too_big),
+        "413 chunked": httpx.post(url, headers={**key, "content-type": "application/json"}, content=chunked()),
+    }
+    for status, answer in answers.items():
+        assert answer.status_code == int(str(status)[:3])
+        assert (
+            limit_headers(answer)["x-ratelimit-limit-requests"],
+            limit_headers(answer)["x-ratelimit-limit-tokens"],
+        ) == (
+            str(RPM),
+            "100000",
+        ), status
+    wrong = httpx.post(url, headers={"Authorization": "Bearer wrong", "content-type": "text/plain"}, content=b"{}")
+    assert (wrong.status_code, limit_headers(wrong)) == (401, {})
+
+
 def test_a_request_with_n_choices_counts_one_request_and_every_choices_tokens(two_gateways, redis_client):
     """As OpenAI counts them: n=3 is one request against the requests-per-minute limit and three
     jobs' tokens against the tokens-per-minute one (read from the tenant's GCRA state: each

@@ -49,6 +49,42 @@ def test_the_gateway_answers_400_and_enqueues_nothing(gateway, redis_client, sam
     assert job_count(redis_client) == before
 
 
+# A bound the client library checks answers as one the gateway's request model checks; a NaN or an
+# infinity (which Python's json writes and pydantic reads) is no number of any range.
+BOUND_CODES = [
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens", "below_min_value"),
+    ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens", "below_min_value"),
+    ("/v1/completions", {"max_tokens": 10**6}, "max_tokens", "above_max_value"),
+    ("/v1/completions", {"top_k": -1}, "top_k", "below_min_value"),
+    ("/v1/completions", {"min_p": 2}, "min_p", "above_max_value"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty", "below_min_value"),
+    ("/v1/completions", {"temperature": float("nan")}, "temperature", "invalid_value"),
+    ("/v1/chat/completions", {"top_p": float("inf")}, "top_p", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("path, sampling, field, code", BOUND_CODES)
+def test_a_bound_is_answered_with_openais_code_for_it_whoever_checks_it(gateway, path, sampling, field, code):
+    prompt = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    response = httpx.post(
+        f"{gateway.url}{path}",
+        content=json.dumps({"model": "echo", **prompt, **sampling}),
+        headers={"content-type": "application/json"},
+    )
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["param"]) == (400, code, field), error
+    assert code != "invalid_value" or error["message"] == f"{field}: Input should be a finite number"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_the_client_refuses_a_number_that_is_not_finite_as_such(redis_server, value):
+    with Client(redis_server.url, ECHO_QUEUE) as client:
+        for field in ("temperature", "top_p", "presence_penalty", "timeout_s"):
+            with pytest.raises(InvalidArgument) as e:
+                client.submit(prompt="x", **{field: value})
+            assert e.value.message == f"{field}: Input should be a finite number"
+
+
 def test_a_token_id_past_int32_in_a_prompt_is_refused_too(redis_server, gateway):
     with Client(redis_server.url, ECHO_QUEUE) as client, pytest.raises(InvalidArgument) as e:
         client.submit(input_ids=[1, 2**63], max_tokens=4)

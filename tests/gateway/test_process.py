@@ -43,6 +43,16 @@ def test_the_gateway_joins_an_existing_redis_only():
         GatewaySettings(redis="embedded")
 
 
+@pytest.mark.parametrize("bad", ["", "sk-Zq1 2", " sk-Zq12", "sk-Zq1\u00e92", "sk-Zq1\t2"])
+@pytest.mark.parametrize("field", ["api_keys", "admin_api_keys"])
+def test_an_api_key_no_client_can_send_is_refused_naming_its_place_only(field, bad):
+    """An empty key matched `Authorization: Bearer` with no key at all: the gateway was open."""
+    with pytest.raises(ValidationError) as refused:
+        GatewaySettings(**{field: ["sk-good-one", bad]})
+    assert f"{field}[1] is empty or holds a space" in str(refused.value)
+    assert bad.strip() == "" or "Zq" not in str(refused.value)
+
+
 def test_pinned_model_queues_must_be_usable_in_keys():
     with pytest.raises(InvalidArgument, match="models"):
         GatewaySettings(models={"m": "{bad}"})

@@ -330,6 +330,7 @@ def test_completions_the_spec_allows_are_accepted(gateway, extra):
         ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
         ("/v1/chat/completions", {"store": True}, "store"),
         ("/v1/chat/completions", {"service_tier": "scale"}, "service_tier"),
+        ("/v1/chat/completions", {"service_tier": "fast"}, "service_tier"),
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
         ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
         ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
@@ -347,6 +348,16 @@ def test_what_mili_cannot_honour_is_a_400_naming_it_and_enqueues_nothing(gateway
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["param"], error["code"], error["type"]) == (param, "unsupported_parameter", "invalid_request_error")
+    assert job_count(redis_client) == before
+
+
+def test_a_service_tier_the_spec_has_not_is_an_invalid_value_not_an_unsupported_one(gateway, redis_client):
+    """Only the spec's tiers MILI does not run (scale, fast) are unsupported_parameter."""
+    full = {"model": "echo", "messages": CHAT, "service_tier": "bogus"}
+    before = job_count(redis_client)
+    response = post(gateway, "/v1/chat/completions", full)
+    error = response.json()["error"]
+    assert (response.status_code, error["param"], error["code"]) == (400, "service_tier", "invalid_value")
     assert job_count(redis_client) == before
 
 

@@ -199,6 +199,23 @@ def test_as_completed_refuses_an_unknown_job_before_yielding(client, queue):
         next(iter(client.as_completed(["bad id"])))
 
 
+def test_one_id_given_where_many_are_taken_is_refused_and_cancels_nothing(client, queue):
+    """A string is an iterable of its characters: cancel_many(job_id) passed over 32 jobs that do
+    not exist and cancelled nothing, silently."""
+    job_id = client.submit(prompt="x", max_tokens=2)  # no worker serves this queue
+    for call in (
+        lambda: client.cancel_many(job_id),
+        lambda: next(iter(client.as_completed(job_id))),
+        lambda: client.results(job_id),
+        lambda: ResultWatch(KEYS, job_id),
+        lambda: ResultWatch(KEYS).add(job_id),
+    ):
+        with pytest.raises(InvalidArgument) as refused:
+            call()
+        assert refused.value.message == "job_ids: must be a list of job ids, not one id: wrap it, [job_id]"
+    assert client.status(job_id).status == "queued"
+
+
 @pytest.mark.timing
 def test_as_completed_times_out_naming_an_unfinished_job(client, queue):
     ids = client.submit_many(specs(5))

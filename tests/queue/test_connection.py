@@ -38,6 +38,8 @@ GOOD = [
         {"socket_timeout": 3.0, "username": "u", "password": "p"},
     ),
     ("unix:///tmp/redis.sock", Mode.SERVER, (), "", {"path": "/tmp/redis.sock"}),
+    ("unix:///r.sock?db=1&max_connections=5", Mode.SERVER, (), "", {"path": "/r.sock", "db": 1, "max_connections": 5}),
+    ("rediss://h/0?ssl_check_hostname=false", Mode.SERVER, (), "", {"ssl_check_hostname": False}),
     ("redis+cluster://10.0.0.1:7000", Mode.CLUSTER, (("10.0.0.1", 7000),), "", {}),
     (
         "redis+cluster://u:p%40ss@a:7000,b:7001,[::1]:7002/",
@@ -86,6 +88,15 @@ BAD = [
     ("redis+sentinel://s1:26379/", "name the master's service"),
     ("redis+sentinel://s1:26379/a/b", "name the master's service"),
     (f"redis+sentinel://user:{SECRET}@s1:x/m", "'s1:x' is not host:port"),
+    # An option the connection does not take, which redis-py would pass on to it (a TypeError at
+    # the first command); not named, as it may be part of a password with a raw &.
+    ("redis://h:1/0?fo0=bar", "none of redis-py's for a TCP connection"),
+    ("redis://h:1/0?ssl_cert_reqs=none", "none of redis-py's for a TCP connection"),
+    ("redis+cluster://a:7000?timeout=3", "none of redis-py's for a TCP connection"),
+    ("redis+sentinel://s1/m?decode_responses=true", "none of redis-py's for a TCP connection"),
+    ("rediss+sentinel://s1/m?parser_class=x", "none of redis-py's for a TLS connection (rediss://)"),
+    ("unix:///tmp/r.sock?socket_keepalive=true", "none of redis-py's for a unix socket"),
+    (f"redis://h:1/0?password=a&{SECRET}=b", "none of redis-py's for a TCP connection"),
 ]
 
 
@@ -94,7 +105,7 @@ def test_a_bad_url_is_one_invalid_argument_naming_redis_without_the_password(url
     with pytest.raises(InvalidArgument) as e:
         parse_url(url)
     assert e.value.field == "redis" and reason in e.value.message
-    assert SECRET not in e.value.message and "\n" not in e.value.message
+    assert SECRET not in e.value.message and "\n" not in e.value.message and "fo0" not in e.value.message
 
 
 def test_a_url_that_is_not_a_string_is_refused():

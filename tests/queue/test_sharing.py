@@ -18,6 +18,7 @@ from harness.echo_workers import GatedWorker, SlowEchoEngine, serving
 from harness.polling import eventually
 from producer_client import Client, InvalidArgument, QueueFull, RateLimited, WaitingQuotaExceeded
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
+from producer_client.quotas import Quota
 from tests.support.clients import make_client
 
 pytestmark = pytest.mark.waits
@@ -269,6 +270,47 @@ def test_a_rate_limit_refuses_past_its_bucket_and_says_when_to_retry(redis_serve
         client.tenant_quotas.set(tenant, unset=("rpm", "tpm"))
         time.sleep(1.1)
         assert client.submit_rated(prompt="x").limits.limit_requests == 0
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [{"type": "string"}, {"r": "zz", "t": "nan"}, {"r": "inf", "t": "-inf"}],
+    ids=["another type", "no number", "not finite"],
+)
+def test_a_producers_junk_in_a_tenants_rate_hash_reads_as_a_full_bucket(
+    redis_server, queue, tenant, redis_client, junk
+):
+    """Producers write the rate hash (their enqueue script keeps it): a key of another type, or a
+    time that is no finite number, raised WRONGTYPE or a Lua error from every submit of the tenant
+    and from the gateway's headers. It reads as a full bucket, and the submit writes it anew."""
+    rate = KEYS.rate(queue, tenant)
+    if junk == {"type": "string"}:
+        redis_client.set(rate, "x")
+    else:
+        redis_client.hset(rate, mapping=junk)
+    with Client(redis_server.url, queue, tenant=tenant) as client:
+        client.tenant_quotas.set(tenant, rpm=3, tpm=1000)
+        assert (client.rate_limits().remaining_requests, client.rate_limits().remaining_tokens) == (3, 1000)
+        submitted = client.submit_rated(prompt="x", max_tokens=9)
+        assert (submitted.limits.remaining_requests, submitted.limits.remaining_tokens) == (2, 990)
+        assert client.rate_limits().remaining_requests == 2
+        assert redis_client.type(rate) == "hash" and float(redis_client.hget(rate, "r")) > 0
+        client.tenant_quotas.set(tenant, unset=("rpm", "tpm"))
+
+
+def test_a_tenants_settings_key_of_another_type_holds_no_setting(redis_server, queue, tenant, redis_client):
+    """As a settings field that does not read counts as unset: the tenant submits, unlimited,
+    and its quota lists as none, where WRONGTYPE came from each of its submits."""
+    redis_client.set(KEYS.quota(tenant), "x")
+    redis_client.zadd(KEYS.quotas(), {tenant: 0})
+    try:
+        with Client(redis_server.url, queue, tenant=tenant) as client:
+            assert client.submit_rated(prompt="x", max_tokens=2).limits.limit_requests == 0
+            assert client.tenant_quotas.get(tenant) == Quota()
+            assert tenant not in client.tenant_quotas.all()  # as a tenant with no setting left
+    finally:
+        redis_client.delete(KEYS.quota(tenant))
+        redis_client.zrem(KEYS.quotas(), tenant)
 
 
 def test_lane_jobs_of_a_killed_worker_are_reclaimed_and_each_ends_once(redis_server, queue, tenant, redis_client):
