@@ -55,7 +55,9 @@ local function activate(zset, sched, streams, bell, lane, tenant)
   local saved = stored(redis.call('HGET', sched, 'c:' .. lane .. ':' .. tenant), 0)
   redis.call('ZADD', zset, math.max(saved, lift), tenant)  -- '-' has none saved: lifted
   if lane ~= 'default' or tenant ~= '-' then redis.call('SADD', streams, lane .. ':' .. tenant) end
-  redis.call('XADD', bell, 'MAXLEN', {DOORBELL_MAXLEN}, '*', 'r', '1')
+  -- A doorbell of another type (a producer wrote it) rings nobody, and the job is enqueued all the
+  -- same: idle workers block for a bounded time, and the next READ makes it a stream again.
+  redis.pcall('XADD', bell, 'MAXLEN', {DOORBELL_MAXLEN}, '*', 'r', '1')
 end
 """
 )

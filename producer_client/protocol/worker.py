@@ -512,7 +512,15 @@ maybe[2] = maybe[2] or not probed
 -- The doorbell, last: one entry if a lane's stream has work `left` (an idle worker wakes to take
 -- it), none if not (nobody needs waking; the queue's own stream wakes its idle readers by itself).
 local function ring(left)
-  local bell = redis.call('XLEN', KEYS[6])
+  local bell = redis.pcall('XLEN', KEYS[6])
+  if type(bell) == 'table' then
+    -- Of another type: producers may write the doorbell (docs/security.md), and every idle wait
+    -- and READ would fail on it. It is made a stream again with its group, which the idle waits
+    -- block on.
+    redis.call('DEL', KEYS[6])
+    redis.call('XGROUP', 'CREATE', KEYS[6], group, '0', 'MKSTREAM')
+    bell = 0
+  end
   if left and bell == 0 then
     redis.call('XADD', KEYS[6], 'MAXLEN', {DOORBELL_MAXLEN}, '*', 'r', '1')
   elseif not left and bell > 0 then

@@ -15,7 +15,7 @@ import redis
 
 from harness.polling import eventually
 from producer_client import Client, JobFailed
-from producer_client.keys import PROTOCOL_VERSION, Keys
+from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from tests.support.acl import acl_server
 from tests.support.jobs import assert_one_final_result, queue_depth, queue_pending, queue_streams
 from tests.support.workers import FAST_RECLAIM, WorkerProcess, start_workers
@@ -229,3 +229,27 @@ def test_a_producers_junk_in_the_scheduler_hash_stops_no_submit_and_no_read(host
     finally:
         admin.hdel(KEYS.scheduler(QUEUE), field)
     assert [w.log().count(REFUSED) for w in workers] == refused_before, [w.log() for w in workers]
+
+
+def test_a_doorbell_of_another_type_stops_no_submit_and_no_worker(hostile_setup, producer):
+    """The doorbell is the producers' to ring (their enqueue script adds to it when a lane gets
+    work): one a producer made a hash failed every idle worker's wait and READ, so no job of the
+    queue was served until someone deleted it (found by the outside audit), and every lane submit
+    failed. Now the submit enqueues its job all the same, and the next READ makes the doorbell a
+    stream again with its group; three times over, with jobs of two tenants each time."""
+    server, workers = hostile_setup
+    raw, _ = producer
+    admin = server["admin"]
+    pids = [w.heartbeat()["pid"] for w in workers]
+    bell = KEYS.doorbell(QUEUE)
+    with Client(server["producer"], QUEUE, placement=False) as client:
+        for _ in range(3):
+            raw.delete(bell)
+            raw.hset(bell, "not", "a stream")
+            jobs = [
+                s.submit(prompt="lane", max_tokens=4, service_tier="flex") for s in (client, client.as_tenant("team-z"))
+            ]
+            assert [client.result(job_id, timeout=30).text for job_id in jobs] == ["lane", "lane"]
+            assert eventually(lambda: admin.type(bell) == "stream", timeout=10), admin.type(bell)
+            assert [g["name"] for g in admin.xinfo_groups(bell)] == [GROUP]
+        assert_workers_serve(hostile_setup, client, pids)
