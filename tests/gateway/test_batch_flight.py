@@ -6,12 +6,18 @@ earlier run."""
 import json
 import time
 
+import pytest
+
 from openai_format import batch_flight
 from openai_format.batch_flight import Flight
 from openai_format.batch_lines import LineJobs, line_request, parse_line
 from producer_client import BulkQueueFull, JobResult
 from producer_client.keys import Keys
 from producer_client.schema import Usage
+
+# A full queue's refused lines wait out QUEUE_FULL_WAIT_S, four times: 0.1 s of CPU over its 0.8 s alone:
+# tests/support/tiers.py's `waits`.
+pytestmark = pytest.mark.waits
 
 
 def line_jobs(custom_id: str, n: int = 1, queue: str | None = None) -> LineJobs:

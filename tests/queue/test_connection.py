@@ -26,6 +26,10 @@ from producer_client.connection import Mode, connect, connect_async, parse_url, 
 from producer_client.protocol import execution
 from worker.embedded_redis import EmbeddedRedis, free_port
 
+# Its reconnection tests wait out retry back-offs and a failover (1.6 s of CPU over its 5.9 s run alone, at load 5):
+# tests/support/tiers.py's `waits`.
+pytestmark = pytest.mark.waits
+
 SECRET = "pa55-w0rd"
 
 GOOD = [

@@ -16,6 +16,10 @@ from producer_client.errors import InvalidArgument, NotReplicated
 from producer_client.keys import GROUP, Keys
 from tests.support.clients import make_client
 
+# Its tests wait on replicas (WAIT, its timeouts, a replica started beside the server, a Sentinel's
+# and a Cluster's): 1.2 s of CPU over its 7.4 s alone: tests/support/tiers.py's `waits`.
+pytestmark = pytest.mark.waits
+
 KEYS = Keys()
 WAIT_TIMEOUT_MS = 50
 
