@@ -363,6 +363,12 @@ def report(case: Case) -> None:
             f"  per {unit}: {calls['xadd'] / case.units:.3f} events written (XADD), "
             f"{calls['xread'] / case.units:.3f} reads of them (XREAD: a blocked reader's wake and its next read)"
         )
+    if case.mode.startswith("whole"):
+        calls = {name: case.commands.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("xadd", "hmget")}
+        tqdm.write(
+            f"  {calls['xadd']:,} entries written (XADD: events, done), {calls['hmget']:,} reads of a job's hash "
+            f"(HMGET: in each claim and publication, and each look at a running job)"
+        )
     top = sorted(case.commands.items(), key=lambda kv: -kv[1]["usec"])[:6]
     tqdm.write(
         "  redis commands: "
