@@ -13,12 +13,12 @@ at batch 256 runs 256 jobs of 512 tokens on an embedded redis-server, in these c
 - per-job: 1-token jobs through `Client.generate` from several producer threads (Redis's CPU per job);
 
 and prints, per case, the worker's and redis-server's CPU per generated token (per job for 1-token
-jobs; from /proc, so other processes on the machine do not count), of the worker's the part spent
-in the echo engine's steps (its own output, the work a model's engine does its own way), tokens/s, INFO commandstats'
-top commands, the step-time stall (the longest time the queue loop spent on publication between
-two engine steps, and its p99), the steps' period, and for streamed jobs each token's delay from
-its sampling to its reader (tokens sampled after the reader's first read). Then the ratios, new
-against baseline.
+jobs; from /proc, so other processes on the machine do not count), of the worker's the part spent in
+the echo engine's steps (its own output, the work a model's engine does its own way), tokens/s, INFO
+commandstats' top commands (and a whole case's XADD and HMGET calls: a job's writes and reads of its
+hash), the step-time stall (the longest time the queue loop spent on publication between two engine
+steps, and its p99), the steps' period, and for streamed jobs each token's delay from its sampling
+to its reader (tokens sampled after the reader's first read). Then the ratios, new against baseline.
 
     python -m bench.publish [--baseline /tmp/mili-base-25] [--jobs 256 --tokens 512] [--rounds 1]
 
