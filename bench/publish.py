@@ -13,12 +13,12 @@ at batch 256 runs 256 jobs of 512 tokens on an embedded redis-server, in these c
 - per-job: 1-token jobs through `Client.generate` from several producer threads (Redis's CPU per job);
 
 and prints, per case, the worker's and redis-server's CPU per generated token (per job for 1-token
-jobs; from /proc, so other processes on the machine do not count), of the worker's the part spent
-in the echo engine's steps (its own output, the work a model's engine does its own way), tokens/s, INFO commandstats'
-top commands, the step-time stall (the longest time the queue loop spent on publication between
-two engine steps, and its p99), the steps' period, and for streamed jobs each token's delay from
-its sampling to its reader (tokens sampled after the reader's first read). Then the ratios, new
-against baseline.
+jobs; from /proc, so other processes on the machine do not count), of the worker's the part spent in
+the echo engine's steps (its own output, the work a model's engine does its own way), tokens/s, INFO
+commandstats' top commands (and a whole case's XADD and HMGET calls: a job's writes and reads of its
+hash), the step-time stall (the longest time the queue loop spent on publication between two engine
+steps, and its p99), the steps' period, and for streamed jobs each token's delay from its sampling
+to its reader (tokens sampled after the reader's first read). Then the ratios, new against baseline.
 
     python -m bench.publish [--baseline /tmp/mili-base-25] [--jobs 256 --tokens 512] [--rounds 1]
 
@@ -362,6 +362,12 @@ def report(case: Case) -> None:
         tqdm.write(
             f"  per {unit}: {calls['xadd'] / case.units:.3f} events written (XADD), "
             f"{calls['xread'] / case.units:.3f} reads of them (XREAD: a blocked reader's wake and its next read)"
+        )
+    if case.mode.startswith("whole"):
+        calls = {name: case.commands.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("xadd", "hmget")}
+        tqdm.write(
+            f"  {calls['xadd']:,} entries written (XADD: events, done), {calls['hmget']:,} reads of a job's hash "
+            f"(HMGET: in each claim and publication, and each look at a running job)"
         )
     top = sorted(case.commands.items(), key=lambda kv: -kv[1]["usec"])[:6]
     tqdm.write(

@@ -100,3 +100,54 @@ def test_a_worker_that_keeps_pace_publishes_every_token_within_the_bound():
     # delivery (the lag) under a step, it reaches readers within the interval.
     assert max(waits) == INTERVAL - STEP
     assert all(len(steps) == 20 for steps in published.values())
+
+
+def unstreamed_job(i: int, at: float) -> Job:
+    request = JobRequest.model_validate({"prompt": "hi"})
+    job = Job(f"u{i}", f"{i}-0", "r1", request, [1, 2], queued_at=0.0, started_at=0.0)
+    job.feed.looked_at = at  # its claim read its hash
+    return job
+
+
+def hearings(pace: Pace, job: Job, steps: int, idle: frozenset[int] = frozenset()) -> tuple[list[int], list[int]]:
+    """The steps at which the job published and at which it was looked at, its output sampled each
+    step but `idle` ones, each publication and look telling the job what its hash holds (looked_at),
+    as the loop's Publication does."""
+    published, looked = [], []
+    for k in range(steps):
+        now = START + k * STEP
+        if k not in idle:
+            job.token_ids.append(k)
+            if job.feed.waiting_since is None:
+                job.feed.waiting_since = now
+        due, look = pace.plan([job], now)
+        for j in due:
+            published.append(k)
+            j.feed.catch_up(j)
+            j.feed.waiting_since = None
+            j.feed.looked_at = now
+        for j in look:
+            looked.append(k)
+            j.feed.looked_at = now
+    return published, looked
+
+
+CHECKPOINT = 32 * STEP  # checkpoint_interval_s: 32 steps
+
+
+def test_an_unstreamed_job_that_generates_is_heard_from_by_its_publications_alone_once_a_checkpoint():
+    """Its output waits from the step after each publication, so its checkpoint falls a step after
+    its look would: the look's answer comes with the publication instead, at the look's time."""
+    job = unstreamed_job(0, START)
+    published, looked = hearings(Pace(INTERVAL, CHECKPOINT, max_running=4), job, 160)
+    assert published == [0, 32, 64, 96, 128]  # its first token at once, then one piece a checkpoint
+    assert looked == []
+
+
+def test_a_quiet_unstreamed_job_is_looked_at_once_a_checkpoint_and_publishes_its_next_output_at_its_look():
+    job = unstreamed_job(0, START)
+    # Steps 1-70 sample nothing (a long prefill of another job, a paused request): the job is
+    # looked at instead; step 71's token goes out at the look due at step 96, 25 steps later.
+    published, looked = hearings(Pace(INTERVAL, CHECKPOINT, max_running=4), job, 130, idle=frozenset(range(1, 71)))
+    assert looked == [32, 64]
+    assert published == [0, 96, 128]

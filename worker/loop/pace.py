@@ -27,7 +27,11 @@ Every running job hears from its hash (its cancel flag, its run, whether a reade
 least as often as its tokens go out, every stream_interval_s or checkpoint_interval_s: with each
 publication (PUBLISH answers it), else by a look (HMGET). So a cancel stops a streamed job within
 stream_interval_s and any other within checkpoint_interval_s, and a reader that starts following
-a job is noticed within checkpoint_interval_s."""
+a job is noticed within checkpoint_interval_s. An unstreamed job whose look comes due with output
+waiting publishes it instead, its checkpoint that much early: its output started waiting after its
+last publication (a step after it, for a job that generates), so its own checkpoint would come
+that much after its look, which would be one command more a checkpoint for what the publication
+answers."""
 
 from __future__ import annotations
 
@@ -78,7 +82,12 @@ class Pace:
             if since is not None and (
                 feed.tokens == job.resumed_tokens
                 or len(job.token_ids) - feed.tokens >= MAX_EVENT_TOKENS
-                or (now - since >= patience and now >= feed.next_slot if feed.streamed else now - since >= checkpoint_s)
+                or (
+                    now - since >= patience and now >= feed.next_slot
+                    if feed.streamed
+                    # Its checkpoint, or its look: output waiting goes out once either is due.
+                    else now - since >= checkpoint_s or now - feed.looked_at >= checkpoint_s
+                )
             ):
                 publish.append(job)
                 if feed.streamed:
