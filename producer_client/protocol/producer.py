@@ -90,7 +90,11 @@ return created
 # KEYS: job, events, done. ARGV: result JSON of a cancelled job. Returns the status before the
 # call, or nil if there is no such job. A queued job ends here and now (END_JOB; its hash gets the
 # result TTL when a worker claims its entry, since a producer does not know result_ttl_s); a running
-# one gets the flag its worker reads every step.
+# one gets the flag its worker reads every step. A job stream of another type (a producer may
+# write one) is a WRONGTYPE error before anything is written, as the worker's scripts check
+# (JOB_KEY_TYPES): Redis does not undo a script's writes before a failed command, and END_JOB
+# rewrote the hash before its XADD met the stream. A producer's ACL has no TYPE: an XLEN of each
+# stream, only for a queued job, meets another type.
 CANCEL = Script(
     "cancel",
     END_JOB
@@ -99,6 +103,10 @@ local status, tokens, fingerprint, streamed, resumed = unpack(
   redis.call('HMGET', KEYS[1], 'status', 'tokens', 'fingerprint', 'streamed', 'resumed'))
 if not status then return false end
 if status == 'queued' then
+  for i = 2, 3 do
+    local length = redis.pcall('XLEN', KEYS[i])
+    if type(length) == 'table' then return length end
+  end
   local keep = streamed == '1' or resumed == '1'
   end_job(KEYS[1], KEYS[2], KEYS[3], 'cancelled', ARGV[1], tokens, fingerprint, '1', keep, '')
 elseif status == 'running' then
