@@ -23,6 +23,13 @@ DOORBELL_MAXLEN = 16
 # CREDIT_EVERY), so that a lower lane gets at least about 1 / (CREDIT_EVERY + 1) of the entries
 # read under contention. Measured in bench/tenants.py.
 CREDIT_EVERY = 10
+# A tenant's weight, its share of a lane's tokens against others': from a thousandth to a thousand
+# of the default's 1. Outside it a counter charged cost / weight runs off (a weight of 1e-300 made
+# one entry's charge infinite, which Redis stores in a sorted set and a hash reads back as no
+# number, so the tenant came first) or never moves; a stored weight outside it (a producer may
+# write the scheduler hash) reads as the default.
+MIN_WEIGHT = 0.001
+MAX_WEIGHT = 1000.0
 
 # Lua: the lanes in order, by their index in KEYS and the replies (1 = priority); and stored(value,
 # default), a number the scheduler hash holds, or `default` where it holds none, or text that is no

@@ -37,7 +37,7 @@ from typing import Any
 
 from producer_client.keys import GROUP, LANES, LUA_STREAM_OF, Keys
 from producer_client.protocol.execution import Pipe
-from producer_client.protocol.lanes import CREDIT_EVERY, DOORBELL_MAXLEN, LUA_LANES
+from producer_client.protocol.lanes import CREDIT_EVERY, DOORBELL_MAXLEN, LUA_LANES, MAX_WEIGHT, MIN_WEIGHT
 from producer_client.protocol.replication import Replication
 from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_keys
 
@@ -474,7 +474,7 @@ local weights, costs = {{}}, {{}}
 local function weight(tenant)
   if not weights[tenant] then
     local w = stored(redis.call('HGET', sched, 'w:' .. tenant), 1)
-    weights[tenant] = w > 0 and w or 1  -- a share is above 0 (mili quota set)
+    weights[tenant] = (w >= {MIN_WEIGHT} and w <= {MAX_WEIGHT}) and w or 1  -- mili quota set's range
   end
   return weights[tenant]
 end

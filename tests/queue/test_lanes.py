@@ -93,6 +93,17 @@ def test_a_tenants_weight_multiplies_its_share(redis_client, queue):
     assert order.count("b") == 6 and order.count("a") == 3
 
 
+@pytest.mark.parametrize("stored", ["1e-310", "0.0009", "1001", "-2"])
+def test_a_stored_weight_outside_the_range_reads_as_the_default(redis_client, queue, stored):
+    """A producer may write the scheduler hash: a weight of 1e-310 charged 100 / 1e-310, an infinite
+    counter, which reads back as no number (0) wherever a tenant is lifted to it."""
+    enqueue(redis_client, queue, "a", ["default"] * 4)
+    enqueue(redis_client, queue, "b", ["default"] * 4)
+    redis_client.hset(KEYS.scheduler(queue), "w:b", stored)
+    assert [tenant for _, tenant in served_order(redis_client, queue, 4)] == ["a", "b", "a", "b"]
+    assert (counter(redis_client, queue, "default", "a"), counter(redis_client, queue, "default", "b")) == (200, 200)
+
+
 def test_several_entries_of_the_least_served_tenant_are_read_at_once(redis_client, queue):
     enqueue(redis_client, queue, "a", ["default"] * 10)
     assert read(redis_client, queue, rooms=(10, 10, 10)) == [("default", "a", 10)]

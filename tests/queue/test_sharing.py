@@ -113,7 +113,9 @@ def test_bad_lanes_and_tenants_are_refused_before_anything_is_enqueued(redis_ser
         with pytest.raises(InvalidArgument) as bad:
             client.submit_many([{"prompt": "x"}, {"prompt": "y", "service_tier": "scale"}])
         assert bad.value.field == "jobs[1].service_tier"
-        for settings, field in (({"weight": 0}, "weight"), ({"rpm": 0}, "rpm"), ({"max_waiting": -1}, "max_waiting")):
+        refused = [({"weight": w}, "weight") for w in (0, 1e-300, 0.0009, 1000.5, float("inf"), float("nan"))]
+        refused += [({"rpm": 0}, "rpm"), ({"max_waiting": -1}, "max_waiting")]
+        for settings, field in refused:
             with pytest.raises(InvalidArgument) as bad:
                 client.tenant_quotas.set("team-a", **settings)
             assert bad.value.field == field
