@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from producer_client.errors import InvalidArgument, MiliError, QueueFull, RateLimited, WaitingQuotaExceeded
+from producer_client.errors import (
+    InvalidArgument,
+    InvalidQueueStream,
+    MiliError,
+    QueueFull,
+    RateLimited,
+    WaitingQuotaExceeded,
+)
 from producer_client.keys import DEFAULT_LANE, NO_TENANT, Keys
 from producer_client.new_job import NewJob
 from producer_client.protocol import producer as scripts
@@ -80,6 +87,8 @@ def refusal_error(
             f"the job's {first} tokens (its prompt's estimate and max_tokens) exceed tenant {tenant!r}'s "
             f"limit of {second} tokens per minute",
         )
+    if outcome.refusal is Refusal.OTHER_TYPE:
+        return InvalidQueueStream(queue, str(second), tenant)
     if outcome.refusal is Refusal.RATE:
         limits = rate_limits_of(outcome)
         limit = limits.limit_requests if second == "requests" else limits.limit_tokens

@@ -16,7 +16,7 @@ import pytest
 
 from harness.echo_workers import GatedWorker, SlowEchoEngine, serving
 from harness.polling import eventually
-from producer_client import Client, InvalidArgument, QueueFull, RateLimited, WaitingQuotaExceeded
+from producer_client import Client, InvalidArgument, InvalidQueueStream, QueueFull, RateLimited, WaitingQuotaExceeded
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.quotas import Quota
 from tests.support.clients import make_client
@@ -313,6 +313,39 @@ def test_a_tenants_settings_key_of_another_type_holds_no_setting(redis_server, q
     finally:
         redis_client.delete(KEYS.quota(tenant))
         redis_client.zrem(KEYS.quotas(), tenant)
+
+
+@pytest.mark.parametrize("limits", [{}, {"max_waiting": 5}])
+def test_a_tenants_lane_stream_of_another_type_refuses_its_submits_there_alone(
+    redis_server, queue, tenant, redis_client, limits
+):
+    """A producer may write a tenant's lane stream: its jobs went with the DEL that changed its
+    type, so it cannot be made anew. A submit there raised a raw WRONGTYPE (the gateway's 503, which
+    the SDKs retry); now InvalidQueueStream, with nothing of the job left, and the tenant's other
+    lanes, other tenants' same lane and the count of its waiting jobs go on."""
+    flex = KEYS.lane_stream(queue, "flex", tenant)
+    redis_client.hset(flex, "not", "a stream")
+    with Client(redis_server.url, queue, tenant=tenant, placement=False) as client:
+        if limits:
+            client.tenant_quotas.set(tenant, **limits)
+        try:
+            with pytest.raises(InvalidQueueStream) as refused:
+                client.submit(prompt="x", max_tokens=2, service_tier="flex")
+            assert (refused.value.code, refused.value.lane, refused.value.tenant) == (
+                "invalid_queue_stream",
+                "flex",
+                tenant,
+            )
+            with pytest.raises(InvalidQueueStream):
+                client.submit_many([{"prompt": "x", "service_tier": "flex"}])
+            assert redis_client.keys(KEYS.job(f"{tenant}.*")) == []  # no hash left of the jobs refused
+            kept = client.submit(prompt="x", max_tokens=2, service_tier="default")
+            other = client.as_tenant("other-" + tenant).submit(prompt="x", max_tokens=2, service_tier="flex")
+            assert [client.status(job_id).status for job_id in (kept, other)] == ["queued", "queued"]
+        finally:
+            if limits:
+                client.tenant_quotas.set(tenant, unset=tuple(limits))
+    assert redis_client.hgetall(flex) == {"not": "a stream"}
 
 
 def test_lane_jobs_of_a_killed_worker_are_reclaimed_and_each_ends_once(redis_server, queue, tenant, redis_client):
