@@ -464,7 +464,16 @@ local default_cost = tonumber(ARGV[6])
 local placed = nil  -- {{'own', '', entries}} of the worker's own stream, where given it
 if KEYS[8] then
   local own_room = tonumber(ARGV[#ARGV])
-  local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', own_room, 'STREAMS', KEYS[8], '>')
+  local reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', own_room, 'STREAMS', KEYS[8], '>')
+  reply = unless_wrongtype(reply, OTHER_TYPE)
+  if reply == OTHER_TYPE then
+    -- Producers may write it (mili:q:*): one of another type failed every READ, and the worker
+    -- served nothing. Its placed jobs went with the DEL that changed its type; it is made a stream
+    -- again with its group, as the worker's start makes it.
+    redis.call('DEL', KEYS[8])
+    redis.call('XGROUP', 'CREATE', KEYS[8], group, '0', 'MKSTREAM')
+    reply = false
+  end
   local n = reply and #reply[1][2] or 0
   if n > 0 then placed = {{'own', '', reply[1][2]}} end
   room = {{math.max(0, room[1] - n), math.max(0, room[2] - n), math.min(room[3], math.max(0, own_room - n))}}

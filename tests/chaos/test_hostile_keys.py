@@ -296,3 +296,22 @@ def test_a_shared_sharing_key_of_another_type_stops_no_submit_and_no_worker(host
             assert admin.type(key) in ("none", own_type)  # made anew, or (a lane read to its end) gone
         assert_workers_serve(hostile_setup, client, pids)
     assert [w.log().count(REFUSED) for w in workers] == refused_before, [w.log() for w in workers]
+
+
+def test_a_workers_own_stream_of_another_type_stops_no_worker(hostile_setup, producer):
+    """A worker's own stream (placed jobs) is under mili:q:*, the producers' to write: one a producer
+    made another type failed that worker's every READ, and it served nothing, the queue's own
+    stream's jobs included. Its placed jobs went with the DEL that changed its type: READ makes
+    it a stream again with its group, and the worker serves on."""
+    server, workers = hostile_setup
+    raw, _ = producer
+    admin = server["admin"]
+    pids = [w.heartbeat()["pid"] for w in workers]
+    refused_before = [w.log().count(REFUSED) for w in workers]
+    own = KEYS.own_queue(QUEUE, workers[0].name)
+    plant_other_type(raw, own, "hash")
+    assert eventually(lambda: admin.type(own) == "stream", timeout=10), admin.type(own)
+    assert [g["name"] for g in admin.xinfo_groups(own)] == [GROUP]
+    assert [w.log().count(REFUSED) for w in workers] == refused_before, [w.log() for w in workers]
+    with Client(server["producer"], QUEUE) as client:
+        assert_workers_serve(hostile_setup, client, pids)
