@@ -40,7 +40,13 @@ from producer_client.protocol.replies import Enqueued, Refusal, UnknownReply, pa
 from producer_client.protocol.script import add_all
 from producer_client.protocol.shards import ONE_SHARD, QueueShards
 from producer_client.schema import JobExpired, JobResult, Timings, invalid_job_result, parse_result
-from producer_client.sharing import lane_job, placed_fields, refusal_error, uses_queue_stream
+from producer_client.sharing import (
+    lane_job,
+    placed_fields,
+    refusal_error,
+    refuse_queue_stream_of_another_type,
+    uses_queue_stream,
+)
 from producer_client.steps import Steps, checked
 from producer_client.validation import check_job_ids, check_timeout
 from producer_client.waiting import Deadline, expiry, streams_read
@@ -171,7 +177,10 @@ def enqueue_chunk(
         streams = yield from placement.streams_for(keys, queue, [job.prefix for job in to_add])
     shared = [job for job, stream in zip(to_add, streams) if stream is None]
     try:
-        replies = checked((yield enqueue_commands(keys, into, max_depth, to_add, shared, tenant, limits, one_server)))
+        replies = yield enqueue_commands(keys, into, max_depth, to_add, shared, tenant, limits, one_server)
+        if shared:
+            refuse_queue_stream_of_another_type(replies[-1], queue, shared, tenant)
+        checked(replies)
     except Exception:
         yield forget_commands(to_add, keys)
         raise

@@ -348,6 +348,22 @@ def test_a_tenants_lane_stream_of_another_type_refuses_its_submits_there_alone(
     assert redis_client.hgetall(flex) == {"not": "a stream"}
 
 
+def test_the_queues_own_stream_of_another_type_refuses_its_submits_alone(redis_server, queue, tenant, redis_client):
+    """The default lane's stream of no tenant is the queue's own (ENQUEUE, ENQUEUE_MANY): the same
+    InvalidQueueStream, where a raw WRONGTYPE came, and a tenant's lane submit goes in."""
+    redis_client.hset(KEYS.queue(queue), "not", "a stream")
+    jobs_before = set(redis_client.keys(KEYS.job("*")))
+    with Client(redis_server.url, queue, placement=False) as client:
+        for submit in (lambda: client.submit(prompt="x", max_tokens=2), lambda: client.submit_many([{"prompt": "x"}])):
+            with pytest.raises(InvalidQueueStream) as refused:
+                submit()
+            assert (refused.value.lane, refused.value.tenant) == ("default", "-")
+        assert set(redis_client.keys(KEYS.job("*"))) == jobs_before  # no hash left of the jobs refused
+        job_id = client.as_tenant(tenant).submit(prompt="x", max_tokens=2, service_tier="flex")
+        assert client.status(job_id).status == "queued"
+    assert redis_client.hgetall(KEYS.queue(queue)) == {"not": "a stream"}
+
+
 def test_lane_jobs_of_a_killed_worker_are_reclaimed_and_each_ends_once(redis_server, queue, tenant, redis_client):
     with ExitStack() as stack:
         client = stack.enter_context(Client(redis_server.url, queue, tenant=tenant))
