@@ -83,6 +83,20 @@ def test_queue_stats_count_every_lanes_stream_and_name_each(redis_server, queue,
     ]
 
 
+def test_queue_stats_read_a_set_of_lane_streams_and_a_scheduler_hash_of_another_type_as_missing(
+    redis_server, queue, tenant, redis_client
+):
+    """Producers may write both (the scripts make them anew at the next enqueue or reclaim): stats,
+    the board and the gateway's metrics raised WRONGTYPE meanwhile."""
+    with Client(redis_server.url, queue) as client:
+        client.submit("no tenant", max_tokens=1)
+        for key in (KEYS.lane_streams(queue), KEYS.scheduler(queue)):
+            redis_client.delete(key)
+            redis_client.xadd(key, {"not": "ours"})
+        stats = client.queue_stats()
+    assert (stats.depth, [(s.lane, s.tenant, s.depth) for s in stats.streams]) == (1, [("default", None, 1)])
+
+
 def test_a_worker_counts_the_tokens_it_served_per_lane_and_tenant(redis_server, queue, tenant):
     with Client(redis_server.url, queue, tenant=tenant) as client, serving(redis_server.url, queue) as worker:
         flex = [client.submit(f"flex job {i}", max_tokens=3, service_tier="flex") for i in range(3)]
