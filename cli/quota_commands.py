@@ -25,7 +25,9 @@ def add_commands(commands) -> None:
     change.add_argument("--max-waiting", type=int, help="jobs nobody has read yet, across the queue's lanes")
     change.add_argument("--rpm", type=int, help="requests per minute, on each queue")
     change.add_argument("--tpm", type=int, help="tokens per minute (prompt estimate + max_tokens), on each queue")
-    change.add_argument("--weight", type=float, help="share of a lane's tokens against other tenants' (default 1)")
+    change.add_argument(
+        "--weight", type=float, help="share of a lane's tokens against other tenants', from 0.001 to 1000 (default 1)"
+    )
     change.add_argument(
         "--unset", action="append", default=[], choices=QUOTA_FIELDS, metavar="NAME", help="remove a setting"
     )

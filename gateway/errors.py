@@ -10,7 +10,7 @@ import redis
 
 from openai_format.errors import APIError, error_of
 from producer_client.connection import is_fatal
-from producer_client.errors import InvalidJob, MiliError, NotReplicated, QueueFull, RateLimited
+from producer_client.errors import InvalidJob, InvalidQueueStream, MiliError, NotReplicated, QueueFull, RateLimited
 
 
 class RetryLater(APIError):
@@ -68,12 +68,12 @@ def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
     """The HTTP error for a client-library or Redis exception; None for anything else (a bug: 500).
     A full queue (429), a rate limit (429, after its reset) and writes not yet on the replicas
     (503) are answered with a Retry-After; a job whose keys hold what no worker writes (500
-    invalid_job) as Final."""
+    invalid_job) and a stream of the queue's jobs of another type (500 invalid_queue_stream) as Final."""
     if isinstance(error, RateLimited):  # admitted once its bucket has dripped back: reset_s from now
         return RetryLater.of(error_of(error), error.reset_s)
     if isinstance(error, (QueueFull, NotReplicated)):
         return RetryLater.of(error_of(error), retry_after_s)
-    if isinstance(error, InvalidJob):
+    if isinstance(error, (InvalidJob, InvalidQueueStream)):
         return Final.of(error_of(error))
     if isinstance(error, MiliError):
         return error_of(error)

@@ -18,13 +18,14 @@ clients run the same steps over their own connections.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
-from typing import Any
+from typing import Any, TypeVar
 
 from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
-from producer_client.errors import BulkQueueFull, InvalidArgument, JobNotFound, JobTimeout
+from producer_client.connection import reply_code
+from producer_client.errors import BulkQueueFull, InvalidArgument, InvalidJob, JobNotFound, JobTimeout
 from producer_client.keys import DONE_TTL_MS, NO_TENANT, Keys
 from producer_client.new_job import KnownParams, NewJob, build_job_of
 from producer_client.operations import cancel_call
@@ -38,8 +39,14 @@ from producer_client.protocol.producer import NO_LIMITS, Limits
 from producer_client.protocol.replies import Enqueued, Refusal, UnknownReply, parse_enqueue, parse_enqueue_many
 from producer_client.protocol.script import add_all
 from producer_client.protocol.shards import ONE_SHARD, QueueShards
-from producer_client.schema import JobExpired, JobResult, Timings, parse_result
-from producer_client.sharing import lane_job, placed_fields, refusal_error, uses_queue_stream
+from producer_client.schema import JobExpired, JobResult, Timings, invalid_job_result, parse_result
+from producer_client.sharing import (
+    lane_job,
+    placed_fields,
+    refusal_error,
+    refuse_queue_stream_of_another_type,
+    uses_queue_stream,
+)
 from producer_client.steps import Steps, checked
 from producer_client.validation import check_job_ids, check_timeout
 from producer_client.waiting import Deadline, expiry, streams_read
@@ -49,6 +56,9 @@ WINDOW = 512  # `done` streams per XREAD
 # On a cluster a blocking read waits on one job's `done` stream; the window's others are looked
 # at again this often.
 CLUSTER_BLOCK_MS = 100
+# What a job is, one of whose keys holds another type (WRONGTYPE), as status_reads.of_job says it.
+OTHER_TYPE = "a key of it holds a value of another type than its own"
+R = TypeVar("R")
 
 
 def build_jobs(specs: Iterable[Mapping[str, Any]], tenant: str | None = None) -> list[NewJob]:
@@ -167,7 +177,10 @@ def enqueue_chunk(
         streams = yield from placement.streams_for(keys, queue, [job.prefix for job in to_add])
     shared = [job for job, stream in zip(to_add, streams) if stream is None]
     try:
-        replies = checked((yield enqueue_commands(keys, into, max_depth, to_add, shared, tenant, limits, one_server)))
+        replies = yield enqueue_commands(keys, into, max_depth, to_add, shared, tenant, limits, one_server)
+        if shared:
+            refuse_queue_stream_of_another_type(replies[-1], queue, shared, tenant)
+        checked(replies)
     except Exception:
         yield forget_commands(to_add, keys)
         raise
@@ -278,9 +291,29 @@ def forget_commands(jobs: list[NewJob], keys: Keys) -> AddCommands:
 
 
 def cancel_many(keys: Keys, job_ids: Iterable[str]) -> Steps[None]:
+    """CANCEL of each job in one pipeline; then InvalidJob names the first job one of whose keys
+    holds another type (its CANCEL wrote nothing), the others cancelled."""
     job_ids = check_job_ids(job_ids)
     if job_ids:
-        checked((yield cancel_commands(keys, job_ids)))
+        _, _, invalid = split_invalid(job_ids, (yield cancel_commands(keys, job_ids)))
+        if invalid:
+            raise InvalidJob(invalid[0], OTHER_TYPE)
+
+
+def split_invalid(job_ids: Sequence[str], replies: Sequence[R | Exception]) -> tuple[list[str], list[R], list[str]]:
+    """(the jobs that replied, their replies, the jobs whose reply is WRONGTYPE): a key of such a
+    job holds another type (a producer may write one), an error of that job alone, which leaves
+    the others' replies good. Any other error is raised, as `checked` raises it."""
+    good_ids, good, invalid = [], [], []
+    for job_id, reply in zip(job_ids, replies):
+        if not isinstance(reply, Exception):
+            good_ids.append(job_id)
+            good.append(reply)
+        elif reply_code(reply) == "WRONGTYPE":
+            invalid.append(job_id)
+        else:
+            raise reply
+    return good_ids, good, invalid
 
 
 def cancel_commands(keys: Keys, job_ids: list[str]) -> Callable[[Any], None]:
@@ -311,9 +344,26 @@ class ResultWatch:
         # When each job that was queued with a deadline expires unread (monotonic): as_completed
         # yields it as expired then, since no worker will start it (see watch_all).
         self.expiries: dict[str, float] = {}
+        self.ready: list[JobResult] = []  # results known before any read (watch_all): the next's
 
     def __len__(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.ready)
+
+    def drop_invalid(self, job_ids: Iterable[str]) -> list[JobResult]:
+        """Jobs one of whose keys holds another type, out of the watch: each is its failure with
+        `invalid_job` (InvalidJob's), which ends its wait alone."""
+        results = []
+        for job_id in job_ids:
+            if job_id in self.waiting:
+                del self.waiting[job_id]
+                self.looked.pop(job_id, None)
+                self.expiries.pop(job_id, None)
+                results.append(invalid_job_result(InvalidJob(job_id, OTHER_TYPE)))
+        return results
+
+    def take_ready(self) -> list[JobResult]:
+        ready, self.ready = self.ready, []
+        return ready
 
     def add(self, job_ids: Iterable[str]) -> None:
         self.waiting.update(dict.fromkeys(check_job_ids(job_ids)))
@@ -422,17 +472,27 @@ def read_finished(watch: ResultWatch, block_ms: int, per_slot: bool) -> Steps[li
     window = watch.window()
     to_look = watch.to_look(window, per_slot)
     if to_look:
-        results = yield from job_reads.field_of_jobs(watch.keys, to_look, "result")
-        ended = watch.take_looked(to_look, results)
+        replies = yield from job_reads.fields_of_jobs(watch.keys, to_look, "result")
+        to_look, results, invalid = split_invalid(to_look, replies)
+        ended = watch.drop_invalid(invalid) + watch.take_looked(to_look, results)
         if ended:
             return ended
-    if not per_slot:
-        (reply,) = yield lambda pipe: job_reads.add_ends_read(pipe, window, block_ms)
-        return watch.take(window, streams_read(reply))
-    first = next(iter(window))
-    block_ms = min(block_ms, CLUSTER_BLOCK_MS)
-    (reply,) = yield lambda pipe: job_reads.add_ends_read(pipe, (first,), block_ms)
+    if per_slot:
+        first = next(iter(window))
+        window, block_ms = {first: window[first]}, min(block_ms, CLUSTER_BLOCK_MS)
+    (reply,) = yield lambda pipe: job_reads.add_ends_read(pipe, window, block_ms)
+    if isinstance(reply, Exception) and reply_code(reply) == "WRONGTYPE":
+        return (yield from done_of_another_type(watch, window))
     return watch.take(window, streams_read(reply))
+
+
+def done_of_another_type(watch: ResultWatch, window: dict[str, str]) -> Steps[list[JobResult]]:
+    """An XREAD of `window`'s done streams met one of another type, which fails the whole read: an
+    XLEN of each finds which, and each is its job's InvalidJob, out of the watch (the others are
+    read again next)."""
+    replies = yield lambda pipe: job_reads.add_done_types(pipe, window)
+    _, _, invalid = split_invalid(list(window.values()), replies)
+    return watch.drop_invalid(invalid)
 
 
 def watch_all(keys: Keys, job_ids: Iterable[str], timeout: float | None) -> Steps[tuple[ResultWatch, Deadline]]:
@@ -443,8 +503,9 @@ def watch_all(keys: Keys, job_ids: Iterable[str], timeout: float | None) -> Step
     deadline = Deadline("", check_timeout(timeout))
     watch = ResultWatch(keys, job_ids)
     for start in range(0, len(job_ids), CHUNK):
-        chunk = job_ids[start : start + CHUNK]
-        looks, redis_time = yield from job_reads.deadlines(keys, chunk)
+        replies, redis_time = yield from job_reads.deadlines(keys, job_ids[start : start + CHUNK])
+        chunk, looks, invalid = split_invalid(job_ids[start : start + CHUNK], replies)
+        watch.ready += watch.drop_invalid(invalid)
         missing = next((job_id for job_id, (status, _) in zip(chunk, looks) if status is None), None)
         if missing is not None:
             raise JobNotFound(missing)
@@ -457,10 +518,13 @@ def next_finished(watch: ResultWatch, deadline: Deadline, per_slot: bool) -> Ste
     deadline passed, which Redis confirms, before a worker read them): [] if none ended within a
     bounded read, which ends by the next job's deadline. Raises JobTimeout naming an unfinished
     job once the caller's deadline has passed."""
+    if watch.ready:
+        return watch.take_ready()
     due = watch.due()
     if due:
-        looks, redis_time = yield from job_reads.deadlines(watch.keys, due)
-        expired = watch.expired(due, looks, redis_time)
+        replies, redis_time = yield from job_reads.deadlines(watch.keys, due)
+        due, looks, invalid = split_invalid(due, replies)
+        expired = watch.drop_invalid(invalid) + watch.expired(due, looks, redis_time)
         if expired:
             return expired
     try:

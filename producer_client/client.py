@@ -161,7 +161,7 @@ class Client(ClientBase):
     def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> Iterator[JobResult]:
         """Yield the jobs' results as they end, in the order they end, a round trip per batch of
         them (see ResultWatch). A failed job's result is yielded (status `failed`, with its error),
-        not raised. Raises JobNotFound for an id with no job before yielding anything, and
+        not raised; so is a job one of whose keys holds another type (InvalidJob's `invalid_job`). Raises JobNotFound for an id with no job before yielding anything, and
         JobTimeout, naming an unfinished job, once `timeout` seconds have passed."""
         watch, deadline = steps.run(self.redis, bulk.watch_all(self.keys, job_ids, timeout))
         while watch:
@@ -178,7 +178,8 @@ class Client(ClientBase):
         return steps.run(self.redis, bulk.take_finished(watch, timeout, is_cluster(self.redis)))
 
     def cancel_many(self, job_ids: Iterable[str]) -> None:
-        """cancel() of each job in one round trip; an id with no job is passed over."""
+        """cancel() of each job in one round trip; an id with no job is passed over. InvalidJob
+        names a job one of whose keys holds another type, once the others are cancelled."""
         steps.run(self.redis, bulk.cancel_many(self.keys, job_ids))
 
     def rate_limits(self) -> RateLimits:

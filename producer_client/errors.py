@@ -84,6 +84,24 @@ class QueueFull(MiliError):
         self.max_depth = max_depth
 
 
+class InvalidQueueStream(MiliError):
+    """A stream of the queue's jobs holds another type than a stream (a producer may write one): it
+    held jobs, which went with the DEL that changed its type, so no script can make it anew. Nothing
+    is enqueued there until an operator deletes it; the queue's other streams, its other lanes and
+    tenants, are served. Asking again will not mend it (the gateway's 500, not retried)."""
+
+    code = "invalid_queue_stream"
+
+    def __init__(self, queue: str, lane: str, tenant: str):
+        super().__init__(
+            f"queue {queue!r}: the stream of lane {lane!r} of tenant {tenant!r} holds another type than a stream, "
+            "which no MILI program writes: nothing is enqueued there until an operator deletes it"
+        )
+        self.queue = queue
+        self.lane = lane
+        self.tenant = tenant
+
+
 class WaitingQuotaExceeded(QueueFull):
     """The tenant has `max_waiting` jobs nobody has read yet, across the queue's lanes: its quota
     (`mili quota set TENANT --max-waiting N`). Other tenants' submits are not refused for it. From

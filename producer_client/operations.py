@@ -22,7 +22,14 @@ from producer_client.protocol.replication import Replication
 from producer_client.protocol.replies import Enqueued, Refusal, parse_enqueue
 from producer_client.protocol.script import ScriptCall
 from producer_client.schema import JobResult, JobStatus, Timings
-from producer_client.sharing import Submitted, enqueue_call, rate_limits_of, refusal_error, reserve_call
+from producer_client.sharing import (
+    Submitted,
+    enqueue_call,
+    rate_limits_of,
+    refusal_error,
+    refuse_queue_stream_of_another_type,
+    reserve_call,
+)
 from producer_client.status_reads import read_status
 from producer_client.steps import Repeatable, Steps, checked
 from producer_client.validation import check_job_id, check_timeout
@@ -112,6 +119,8 @@ def enqueue_or_forget(
         sent_at = time.monotonic()
         replies = yield (add if block_ms is None else with_end_read(add, keys.done(job.job_id), block_ms))
         read_reply = replies.pop() if block_ms is not None else None
+        if stream is None:
+            refuse_queue_stream_of_another_type(replies[1 if create else 0], client.queue, [job], tenant)
         checked(replies)
     except GeneratorExit:
         raise  # closed unfinished: its driver was stopped after the enqueue ran, so nothing to undo

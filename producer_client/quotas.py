@@ -19,6 +19,7 @@ from producer_client.errors import InvalidArgument
 from producer_client.keys import Keys, check_tenant
 from producer_client.protocol import tenants
 from producer_client.protocol.clock import epoch_ms
+from producer_client.protocol.lanes import MAX_WEIGHT, MIN_WEIGHT
 from producer_client.protocol.producer import NO_LIMITS, Limits
 from producer_client.rate_limits import NO_RATE_LIMITS, RateLimits
 from producer_client.steps import Runner, Steps
@@ -36,7 +37,9 @@ class Quota(BaseModel):
     max_waiting: int | None = Field(None, description="jobs nobody has read yet, across the queue's lanes")
     rpm: int | None = Field(None, description="requests per minute on each queue")
     tpm: int | None = Field(None, description="tokens per minute on each queue: prompt estimate + max_tokens")
-    weight: float | None = Field(None, description="share of a lane's tokens against other tenants' (1 by default)")
+    weight: float | None = Field(
+        None, description="share of a lane's tokens against other tenants', from 0.001 to 1000 (1 by default)"
+    )
 
     def limits(self) -> Limits:
         """As ENQUEUE_LANES takes them; the weight always (1 unless set), so that an unset weight
@@ -46,15 +49,15 @@ class Quota(BaseModel):
 
 def check_quota(values: Mapping[str, Any]) -> Quota:
     """The settings `values` names, each checked: limits whole numbers from 1 to MAX_LIMIT, a
-    weight a finite number above 0. InvalidArgument names the first bad one."""
+    weight a number from MIN_WEIGHT to MAX_WEIGHT. InvalidArgument names the first bad one."""
     for name, value in values.items():
         if name not in QUOTA_FIELDS:
             raise InvalidArgument(name, f"is not a quota setting ({', '.join(QUOTA_FIELDS)})")
         if value is None:
             continue
         if name == "weight":
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise InvalidArgument("weight", "must be a number above 0")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not MIN_WEIGHT <= value <= MAX_WEIGHT:
+                raise InvalidArgument("weight", f"must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}")
         elif isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
             raise InvalidArgument(
                 name, f"must be a whole number from 1 to {MAX_LIMIT} (a limit of 0 would refuse everything: unset it)"

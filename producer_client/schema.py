@@ -287,8 +287,13 @@ def parse_result(job_id: str, text: str | None) -> JobResult:
     try:
         return JobResult.model_validate_json(text or "")
     except ValidationError:
-        invalid = InvalidJob(job_id, "its result is not a result's JSON")
-        return JobResult(id=job_id, status="failed", error=ErrorInfo(code=invalid.code, message=invalid.message))
+        return invalid_job_result(InvalidJob(job_id, "its result is not a result's JSON"))
+
+
+def invalid_job_result(invalid: InvalidJob) -> JobResult:
+    """The result a wait over many jobs gives a job whose keys hold what no worker writes: its
+    failure with `invalid_job`, the code a worker fails such a job with."""
+    return JobResult(id=invalid.job_id, status="failed", error=ErrorInfo(code=invalid.code, message=invalid.message))
 
 
 class JobFailed(MiliError):

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from producer_client.errors import InvalidArgument, MiliError, QueueFull, RateLimited, WaitingQuotaExceeded
+from producer_client.connection import reply_code
+from producer_client.errors import (
+    InvalidArgument,
+    InvalidQueueStream,
+    MiliError,
+    QueueFull,
+    RateLimited,
+    WaitingQuotaExceeded,
+)
 from producer_client.keys import DEFAULT_LANE, NO_TENANT, Keys
 from producer_client.new_job import NewJob
 from producer_client.protocol import producer as scripts
@@ -33,6 +41,15 @@ def lane_job(job: NewJob) -> LaneJob:
 def uses_queue_stream(jobs: list[NewJob], tenant: str) -> bool:
     """Whether every job goes to the queue's own stream: the default lane's, of no tenant."""
     return tenant == NO_TENANT and all(job.lane == DEFAULT_LANE for job in jobs)
+
+
+def refuse_queue_stream_of_another_type(reply: object, queue: str, jobs: list[NewJob], tenant: str) -> None:
+    """Raises InvalidQueueStream where `reply`, the enqueue's of `jobs` to the queue's own stream
+    (ENQUEUE, ENQUEUE_MANY: they touch that stream alone), is WRONGTYPE: a producer made it another
+    type, and its jobs went with the DEL that did, so no script makes it anew (the workers log it
+    and retry until an operator deletes it). A lane's stream is refused by ENQUEUE_LANES itself."""
+    if isinstance(reply, Exception) and reply_code(reply) == "WRONGTYPE" and uses_queue_stream(jobs, tenant):
+        raise InvalidQueueStream(queue, DEFAULT_LANE, NO_TENANT)
 
 
 def enqueue_call(
@@ -80,6 +97,8 @@ def refusal_error(
             f"the job's {first} tokens (its prompt's estimate and max_tokens) exceed tenant {tenant!r}'s "
             f"limit of {second} tokens per minute",
         )
+    if outcome.refusal is Refusal.OTHER_TYPE:
+        return InvalidQueueStream(queue, str(second), tenant)
     if outcome.refusal is Refusal.RATE:
         limits = rate_limits_of(outcome)
         limit = limits.limit_requests if second == "requests" else limits.limit_tokens

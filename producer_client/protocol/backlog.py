@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeGuard
 
+from producer_client.connection import reply_code
 from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, SHARDS_FIELD, Keys
 from producer_client.protocol.shards import parse_count
 from producer_client.schema import StreamStats
@@ -104,21 +105,28 @@ def read_queue_streams(keys: Keys, queue: str) -> Steps[tuple[list[str], list[Qu
     """The queue's worker index (its workers' names, gone ones too) and every stream of its jobs:
     one round trip, and a second for the other shards' sets of lane streams on a queue of several."""
     sched = keys.scheduler(queue)
-    names, members, count = checked(
-        (
-            yield lambda pipe: (
-                pipe.zrange(keys.workers(queue), 0, -1),
-                pipe.smembers(keys.lane_streams(queue)),
-                pipe.hget(sched, SHARDS_FIELD),
-            )
-        )
+    names, members, count = yield lambda pipe: (
+        pipe.zrange(keys.workers(queue), 0, -1),
+        pipe.smembers(keys.lane_streams(queue)),
+        pipe.hget(sched, SHARDS_FIELD),
     )
-    shards = [members]
-    shard_count = parse_count(queue, count)
+    names = checked([names])[0]
+    shards = [unless_other_type(members, set())]
+    shard_count = parse_count(queue, unless_other_type(count, None))
     if shard_count > 1:
         others = [keys.lane_streams(keys.shard(queue, i)) for i in range(1, shard_count)]
-        shards += checked((yield lambda pipe: [pipe.smembers(key) for key in others]))
+        shards += [unless_other_type(r, set()) for r in (yield lambda pipe: [pipe.smembers(key) for key in others])]
     return names, queue_streams(keys, queue, shards, names)
+
+
+def unless_other_type(reply: Any, missing: Any) -> Any:
+    """`reply`, or what a missing key answers where it is WRONGTYPE: producers may write the set of
+    lane streams and the scheduler hash, and one of another type, which the scripts make anew
+    (protocol.lanes.LUA_LANES), must stop no stats, board or metrics read meanwhile. Any other
+    error is raised."""
+    if isinstance(reply, Exception) and reply_code(reply) == "WRONGTYPE":
+        return missing
+    return checked([reply])[0]
 
 
 # What redis-py parses from XINFO GROUPS (one group's), XINFO STREAM and XPENDING's extended form

@@ -39,9 +39,21 @@ def job_fields(keys: Keys, job_id: str) -> Steps[tuple[dict[str, str], RedisTime
 
 def field_of_jobs(keys: Keys, job_ids: list[str], field: str) -> Steps[list[str | None]]:
     """One field of each job's hash (None where it has none, or there is no such job)."""
+    return checked((yield from fields_of_jobs(keys, job_ids, field)))
+
+
+def fields_of_jobs(keys: Keys, job_ids: list[str], field: str) -> Steps[list[str | None | Exception]]:
+    """field_of_jobs, with each job's error in its place (a hash of another type)."""
     if not job_ids:
         return []
-    return checked((yield lambda pipe: [pipe.hget(keys.job(job_id), field) for job_id in job_ids]))
+    return (yield lambda pipe: [pipe.hget(keys.job(job_id), field) for job_id in job_ids])
+
+
+def add_done_types(pipe: Pipe, done_streams: Iterable[str]) -> None:
+    """XLEN of each of jobs' `done` streams: a WRONGTYPE error in the place of one of another
+    type, which fails an XREAD of them all (a producer's ACL has no TYPE)."""
+    for done in done_streams:
+        pipe.xlen(done)
 
 
 def add_look(pipe: Pipe, keys: Keys, job_id: str) -> None:
@@ -57,16 +69,19 @@ def look(keys: Keys, job_id: str) -> Steps[tuple[JobLook, RedisTime]]:
     return (status, deadline_ms, result), redis_time
 
 
-def deadlines(keys: Keys, job_ids: list[str]) -> Steps[tuple[list[StatusAndDeadline], RedisTime]]:
-    """Each job's status and deadline (an HMGET each), then Redis's clock (TIME): one round trip."""
+def deadlines(keys: Keys, job_ids: list[str]) -> Steps[tuple[list[StatusAndDeadline | Exception], RedisTime]]:
+    """Each job's status and deadline (an HMGET each), or its error in its place (a hash of
+    another type), then Redis's clock (TIME): one round trip."""
 
     def add(pipe: Pipe) -> None:
         for job_id in job_ids:
             pipe.hmget(keys.job(job_id), "status", "deadline")
         pipe.time()
 
-    *fields, redis_time = checked((yield add))
-    return [(status, deadline_ms) for status, deadline_ms in fields], redis_time
+    *fields, redis_time = yield add
+    if isinstance(redis_time, Exception):
+        raise redis_time
+    return [f if isinstance(f, Exception) else (f[0], f[1]) for f in fields], redis_time
 
 
 def add_ends_read(pipe: Pipe, done_streams: Iterable[str], block_ms: int) -> None:

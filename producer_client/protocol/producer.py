@@ -90,7 +90,11 @@ return created
 # KEYS: job, events, done. ARGV: result JSON of a cancelled job. Returns the status before the
 # call, or nil if there is no such job. A queued job ends here and now (END_JOB; its hash gets the
 # result TTL when a worker claims its entry, since a producer does not know result_ttl_s); a running
-# one gets the flag its worker reads every step.
+# one gets the flag its worker reads every step. A job stream of another type (a producer may
+# write one) is a WRONGTYPE error before anything is written, as the worker's scripts check
+# (JOB_KEY_TYPES): Redis does not undo a script's writes before a failed command, and END_JOB
+# rewrote the hash before its XADD met the stream. A producer's ACL has no TYPE: an XLEN of each
+# stream, only for a queued job, meets another type.
 CANCEL = Script(
     "cancel",
     END_JOB
@@ -99,6 +103,10 @@ local status, tokens, fingerprint, streamed, resumed = unpack(
   redis.call('HMGET', KEYS[1], 'status', 'tokens', 'fingerprint', 'streamed', 'resumed'))
 if not status then return false end
 if status == 'queued' then
+  for i = 2, 3 do
+    local length = redis.pcall('XLEN', KEYS[i])
+    if type(length) == 'table' then return length end
+  end
   local keep = streamed == '1' or resumed == '1'
   end_job(KEYS[1], KEYS[2], KEYS[3], 'cancelled', ARGV[1], tokens, fingerprint, '1', keep, '')
 elseif status == 'running' then
@@ -175,7 +183,8 @@ return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body',
 # full bucket pass in any minute); each job's tenant becomes active in its lane (activate). A job
 # refused stops the call, and what it refused counts nothing. Returns {jobs added, why the next
 # was refused ('' none; 'full' {depth, lane}; 'quota' {waiting, max}; 'too_large' {cost, tpm};
-# 'rate' {retry after ms, 'requests' | 'tokens'}), then each limit's limit, remaining and ms
+# 'rate' {retry after ms, 'requests' | 'tokens'}; 'other_type' {0, lane}: the tenant's stream of
+# that lane holds another type, which a producer wrote, and counts no waiting job), then each limit's limit, remaining and ms
 # until its bucket is full again, requests first} (0s for no limit).
 ENQUEUE_LANES = Script(
     "enqueue_lanes",
@@ -203,12 +212,15 @@ if rpm > 0 or tpm > 0 then
   end
   tat_r, tat_t = math.max(stored(tats[1], 0), now), math.max(stored(tats[2], 0), now)
 end
-if weight ~= '' then redis.call('HSET', KEYS[1], 'w:' .. tenant, weight) end
+if weight ~= '' and unless_wrongtype(redis.pcall('HSET', KEYS[1], 'w:' .. tenant, weight), OTHER_TYPE) == OTHER_TYPE then
+  redis.call('DEL', KEYS[1])  -- a scheduler hash of another type (LUA_LANES, sched_field)
+  redis.call('HSET', KEYS[1], 'w:' .. tenant, weight)
+end
 local depths, added, reason, a, b = {}, 0, '', 0, ''
 for i = 9, #ARGV, 5 do
   local lane, cost, requests = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   local stream = KEYS[7 + lane]
-  if max_depth > 0 and not depths[lane] then depths[lane] = redis.call('XLEN', stream) end
+  if max_depth > 0 and not depths[lane] then depths[lane] = unless_wrongtype(redis.pcall('XLEN', stream), 0) end
   local next_r, next_t = tat_r, tat_t
   if rpm > 0 then next_r = tat_r + requests * 60000 / rpm end
   if tpm > 0 then next_t = tat_t + cost * 60000 / tpm end
@@ -218,11 +230,14 @@ for i = 9, #ARGV, 5 do
   elseif next_r - now > 60000 then reason, a, b = 'rate', math.ceil(next_r - now - 60000), 'requests'
   elseif next_t - now > 60000 then reason, a, b = 'rate', math.ceil(next_t - now - 60000), 'tokens'
   end
-  if reason ~= '' then break end
-  if not reserve then
-    redis.call('XADD', stream, '*', 'id', ARGV[i + 3], 'v', ARGV[8], 'body', ARGV[i + 4], 'cost', cost)
-    activate(KEYS[4 + lane], KEYS[1], KEYS[2], KEYS[3], LANES[lane], tenant)
+  if reason == '' and not reserve then
+    local entry = {'XADD', stream, '*', 'id', ARGV[i + 3], 'v', ARGV[8], 'body', ARGV[i + 4], 'cost', cost}
+    if unless_wrongtype(redis.pcall(unpack(entry)), OTHER_TYPE) == OTHER_TYPE then
+      reason, a, b = 'other_type', 0, LANES[lane]
+    end
   end
+  if reason ~= '' then break end
+  if not reserve then activate(KEYS[4 + lane], KEYS[1], KEYS[2], KEYS[3], LANES[lane], tenant) end
   if depths[lane] then depths[lane] = depths[lane] + 1 end
   waiting, tat_r, tat_t, added = waiting + 1, next_r, next_t, added + 1
 end

@@ -86,6 +86,7 @@ class Refusal(str, enum.Enum):
     QUOTA = "quota"  # the tenant's unread jobs reached max_waiting: {waiting, max}
     TOO_LARGE = "too_large"  # one job's tokens exceed the tokens-per-minute limit: {tokens, tpm}
     RATE = "rate"  # a rate limit: {retry after ms, "requests" | "tokens"}
+    OTHER_TYPE = "other_type"  # the tenant's stream of the job's lane holds another type: {0, lane}
 
 
 @dataclass(frozen=True)

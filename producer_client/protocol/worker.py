@@ -37,7 +37,7 @@ from typing import Any
 
 from producer_client.keys import GROUP, LANES, LUA_STREAM_OF, Keys
 from producer_client.protocol.execution import Pipe
-from producer_client.protocol.lanes import CREDIT_EVERY, DOORBELL_MAXLEN, LUA_LANES
+from producer_client.protocol.lanes import CREDIT_EVERY, DOORBELL_MAXLEN, LUA_LANES, MAX_WEIGHT, MIN_WEIGHT
 from producer_client.protocol.replication import Replication
 from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_keys
 
@@ -430,7 +430,8 @@ return 1
 )
 
 # KEYS: the queue's stream, the lanes' sorted sets (priority, default, flex), the scheduler hash,
-# the doorbell. ARGV: group, consumer, room in each lane (priority, default, flex: how many entries
+# the doorbell, the set of lane streams (read only to make a lane's sorted set of another type
+# anew: LUA_LANES). ARGV: group, consumer, room in each lane (priority, default, flex: how many entries
 # of that lane the worker can start now, counting its jobs of lower lanes as room: the engine
 # preempts them), the cost of an entry that names none,
 # the number of corrections, then each correction's lane, tenant and tokens (what its jobs were
@@ -447,7 +448,7 @@ return 1
 # one entry if a lane's stream has work left (an idle worker wakes to take it), none if not
 # (nobody needs waking; the queue's own stream wakes its idle readers by itself). Returns {{lane, tenant, {{id, {field, value...}}...}}...}, and {'!', stream, error} for a
 # stream that refused.
-# With a 7th key, the worker's own stream (cache-aware placement; on one server, where it shares
+# With an 8th key, the worker's own stream (cache-aware placement; on one server, where it shares
 # the node: a round trip less per read), and a last ARGV, its room for any lane: that stream is
 # read first, up to that room, as {'own', '', entries}; the lanes' rooms shrink by what it gave
 # (flex's no further than its own ARGV says), and with none left in the highest lane and no
@@ -461,9 +462,18 @@ local group, consumer = ARGV[1], ARGV[2]
 local room = {{tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}}
 local default_cost = tonumber(ARGV[6])
 local placed = nil  -- {{'own', '', entries}} of the worker's own stream, where given it
-if KEYS[7] then
+if KEYS[8] then
   local own_room = tonumber(ARGV[#ARGV])
-  local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', own_room, 'STREAMS', KEYS[7], '>')
+  local reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', own_room, 'STREAMS', KEYS[8], '>')
+  reply = unless_wrongtype(reply, OTHER_TYPE)
+  if reply == OTHER_TYPE then
+    -- Producers may write it (mili:q:*): one of another type failed every READ, and the worker
+    -- served nothing. Its placed jobs went with the DEL that changed its type; it is made a stream
+    -- again with its group, as the worker's start makes it.
+    redis.call('DEL', KEYS[8])
+    redis.call('XGROUP', 'CREATE', KEYS[8], group, '0', 'MKSTREAM')
+    reply = false
+  end
   local n = reply and #reply[1][2] or 0
   if n > 0 then placed = {{'own', '', reply[1][2]}} end
   room = {{math.max(0, room[1] - n), math.max(0, room[2] - n), math.min(room[3], math.max(0, own_room - n))}}
@@ -473,8 +483,8 @@ local sched = KEYS[5]
 local weights, costs = {{}}, {{}}
 local function weight(tenant)
   if not weights[tenant] then
-    local w = stored(redis.call('HGET', sched, 'w:' .. tenant), 1)
-    weights[tenant] = w > 0 and w or 1  -- a share is above 0 (mili quota set)
+    local w = stored(sched_field(sched, 'w:' .. tenant), 1)
+    weights[tenant] = (w >= {MIN_WEIGHT} and w <= {MAX_WEIGHT}) and w or 1  -- mili quota set's range
   end
   return weights[tenant]
 end
@@ -490,7 +500,7 @@ for _ = 1, tonumber(ARGV[7]) do
       redis.call('ZINCRBY', KEYS[1 + l], tokens / weight(tenant), tenant)
     elseif tenant ~= '-' then
       local field = 'c:' .. LANES[l] .. ':' .. tenant  -- read and set: HINCRBYFLOAT refuses a producer's junk
-      redis.call('HSET', sched, field, stored(redis.call('HGET', sched, field), 0) + tokens / weight(tenant))
+      redis.call('HSET', sched, field, stored(sched_field(sched, field), 0) + tokens / weight(tenant))
     end
   end
 end
@@ -500,7 +510,26 @@ local waiting, maybe, taken = {{}}, {{}}, {{0, 0, 0}}
 -- key of another type as before): two commands less a read of a queue without tenants.
 local any_lane = redis.call('EXISTS', KEYS[2], KEYS[3], KEYS[4]) > 0
 for l = 1, 3 do
-  waiting[l] = any_lane and redis.call('ZCARD', KEYS[1 + l]) > 0
+  local active = any_lane and unless_wrongtype(redis.pcall('ZCARD', KEYS[1 + l]), OTHER_TYPE)
+  if active == OTHER_TYPE then
+    -- Of another type (LUA_LANES: a producer wrote it): made anew from the set of lane streams, each
+    -- tenant of the lane whose stream holds entries active again at the higher of its saved
+    -- counter and the lane's floor, as activate lifts it (one with nothing unread leaves at its
+    -- first read; the queue's own stream is probed as ever). Inline: a function here would be
+    -- built by every READ.
+    redis.call('DEL', KEYS[1 + l])
+    local floor = stored(sched_field(sched, 'floor:' .. LANES[l]), 0)
+    for _, member in ipairs(unless_wrongtype(redis.pcall('SMEMBERS', KEYS[7]), {{}})) do  -- activate makes it anew
+      local lane, tenant = string.match(member, '^([^:]+):(.+)$')
+      local length = lane == LANES[l] and unless_wrongtype(redis.pcall('XLEN', stream_of(KEYS[1], lane, tenant)), 0)
+      if length and length > 0 then
+        local saved = stored(sched_field(sched, 'c:' .. lane .. ':' .. tenant), 0)
+        redis.call('ZADD', KEYS[1 + l], math.max(saved, floor), tenant)
+      end
+    end
+    active = redis.call('ZCARD', KEYS[1 + l])
+  end
+  waiting[l] = active and active > 0
   maybe[l] = waiting[l]
 end
 -- An empty default lane has no '-' in it; and a lane's credit is read or earned only while a lane
@@ -546,7 +575,8 @@ end
 
 local credit = {{0, 0, 0}}
 if waiting[1] or waiting[2] or waiting[3] then
-  local banked = redis.call('HMGET', sched, 'credit:default', 'credit:flex')
+  local banked = unless_wrongtype(redis.pcall('HMGET', sched, 'credit:default', 'credit:flex'), OTHER_TYPE)
+  if banked == OTHER_TYPE then banked = {{sched_field(sched, 'credit:default'), false}} end  -- deleted it
   credit = {{0, stored(banked[1], 0), stored(banked[2], 0)}}
 end
 local credit_changed = false
@@ -628,7 +658,7 @@ local function probe()
     return 1
   end
   local least = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
-  local lift = stored(least[2] or redis.call('HGET', sched, 'floor:default'), 0)
+  local lift = stored(least[2] or sched_field(sched, 'floor:default'), 0)
   local counter = lift + cost_of(entries[1]) / weight('-')
   redis.call('ZADD', KEYS[3], counter, '-')
   waiting[2] = true
@@ -726,8 +756,13 @@ return out
 RECLAIM_LANES = Script(
     "reclaim_lanes",
     LUA_STREAM_OF
+    + LUA_LANES
     + """
-local members = redis.call('SMEMBERS', KEYS[2])
+local members = unless_wrongtype(redis.pcall('SMEMBERS', KEYS[2]), OTHER_TYPE)
+if members == OTHER_TYPE then
+  redis.call('DEL', KEYS[2])  -- of another type (LUA_LANES): activate makes it anew, as after a DEL
+  return {0, {}}
+end
 local count, n = tonumber(ARGV[4]), #members
 if n == 0 then return {0, {}} end
 local start = tonumber(ARGV[5]) % n
@@ -1009,6 +1044,7 @@ def read(
         *(keys.lane(queue, lane) for lane in LANES),
         keys.scheduler(queue),
         keys.doorbell(queue),
+        keys.lane_streams(queue),
     )
     flat = tuple(x for (lane, tenant), tokens in corrections.items() for x in (lane, tenant, tokens))
     args = (GROUP, worker, *rooms, default_cost, len(corrections), *flat)

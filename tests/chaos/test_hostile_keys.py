@@ -253,3 +253,65 @@ def test_a_doorbell_of_another_type_stops_no_submit_and_no_worker(hostile_setup,
             assert eventually(lambda: admin.type(bell) == "stream", timeout=10), admin.type(bell)
             assert [g["name"] for g in admin.xinfo_groups(bell)] == [GROUP]
         assert_workers_serve(hostile_setup, client, pids)
+
+
+def plant_other_type(raw: redis.Redis, key: str, kind: str) -> None:
+    raw.delete(key)
+    if kind == "hash":
+        raw.hset(key, "not", "ours")
+    else:
+        raw.xadd(key, {"not": "ours"})
+
+
+@pytest.mark.parametrize(
+    "which, kind",
+    [("scheduler", "stream"), ("lane flex", "hash"), ("lane default", "stream"), ("lane streams", "hash")],
+)
+def test_a_shared_sharing_key_of_another_type_stops_no_submit_and_no_worker(hostile_setup, producer, which, kind):
+    """The scheduler hash, a lane's sorted set of active tenants and the set of lane streams are the
+    producers' to write (their enqueue script writes them for every tenant): one a producer made
+    another type failed every lane submit with a raw WRONGTYPE (a 503 the SDKs retry), and every
+    worker's READ once a lane had work, so no job of the queue, plain or lane, was served (found by
+    the outside audit, round three). They hold derived state: the scripts make them anew. Twice
+    over, with a flex job of two tenants and a plain job each time."""
+    server, workers = hostile_setup
+    raw, _ = producer
+    admin = server["admin"]
+    pids = [w.heartbeat()["pid"] for w in workers]
+    refused_before = [w.log().count(REFUSED) for w in workers]
+    key, own_type = {
+        "scheduler": (KEYS.scheduler(QUEUE), "hash"),
+        "lane flex": (KEYS.lane(QUEUE, "flex"), "zset"),
+        "lane default": (KEYS.lane(QUEUE, "default"), "zset"),
+        "lane streams": (KEYS.lane_streams(QUEUE), "set"),
+    }[which]
+    with Client(server["producer"], QUEUE, placement=False) as client:
+        for _ in range(2):
+            plant_other_type(raw, key, kind)
+            jobs = [
+                s.submit(prompt="lane", max_tokens=4, service_tier="flex") for s in (client, client.as_tenant("team-z"))
+            ]
+            jobs.append(client.submit(prompt="lane", max_tokens=4))
+            assert [client.result(job_id, timeout=30).text for job_id in jobs] == ["lane"] * 3
+            assert admin.type(key) in ("none", own_type)  # made anew, or (a lane read to its end) gone
+        assert_workers_serve(hostile_setup, client, pids)
+    assert [w.log().count(REFUSED) for w in workers] == refused_before, [w.log() for w in workers]
+
+
+def test_a_workers_own_stream_of_another_type_stops_no_worker(hostile_setup, producer):
+    """A worker's own stream (placed jobs) is under mili:q:*, the producers' to write: one a producer
+    made another type failed that worker's every READ, and it served nothing, the queue's own
+    stream's jobs included. Its placed jobs went with the DEL that changed its type: READ makes
+    it a stream again with its group, and the worker serves on."""
+    server, workers = hostile_setup
+    raw, _ = producer
+    admin = server["admin"]
+    pids = [w.heartbeat()["pid"] for w in workers]
+    refused_before = [w.log().count(REFUSED) for w in workers]
+    own = KEYS.own_queue(QUEUE, workers[0].name)
+    plant_other_type(raw, own, "hash")
+    assert eventually(lambda: admin.type(own) == "stream", timeout=10), admin.type(own)
+    assert [g["name"] for g in admin.xinfo_groups(own)] == [GROUP]
+    assert [w.log().count(REFUSED) for w in workers] == refused_before, [w.log() for w in workers]
+    with Client(server["producer"], QUEUE) as client:
+        assert_workers_serve(hostile_setup, client, pids)

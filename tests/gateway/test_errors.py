@@ -18,7 +18,7 @@ from openai_format.job_specs import parse_body
 from openai_format.requests import ChatCompletionRequest
 from producer_client import Client
 from producer_client.keys import Keys
-from tests.gateway.support import PARKED_MODEL
+from tests.gateway.support import ECHO_QUEUE, PARKED_MODEL
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import job_count, job_ids_in_queue
 from worker.embedded_redis import free_port
@@ -346,6 +346,23 @@ def test_a_job_key_of_another_type_is_a_500_invalid_job_not_retried_and_other_jo
     assert served.status_code == 200 and served.json()["choices"][0]["text"] == "next"
     status = httpx.get(f"{gateway.url}/v1/jobs/{served.headers['x-mili-job-ids']}")
     assert status.status_code == 200 and status.json()["status"] == "done"
+
+
+def test_a_lane_stream_of_another_type_is_a_500_not_retried_and_other_lanes_are_served(gateway, redis_client):
+    """A producer made the flex lane's stream of the gateway's tenant (none: an open gateway) another
+    type: its requests were a 503 redis_unavailable, which the SDKs retry; now a 500
+    invalid_queue_stream with `x-should-retry: false`, and the default lane is served."""
+    flex = Keys().lane_stream(ECHO_QUEUE, "flex", "-")
+    redis_client.hset(flex, "not", "a stream")
+    try:
+        body = {"model": "echo", "messages": CHAT, "max_tokens": 4, "service_tier": "flex"}
+        response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body)
+        assert response.status_code == 500 and response.headers["x-should-retry"] == "false", response.text
+        assert (error_of(response)["type"], error_of(response)["code"]) == ("server_error", "invalid_queue_stream")
+        served = httpx.post(f"{gateway.url}/v1/chat/completions", json={**body, "service_tier": "default"})
+        assert served.status_code == 200, served.text
+    finally:
+        redis_client.delete(flex)
 
 
 @pytest.mark.parametrize("stream", [False, True])

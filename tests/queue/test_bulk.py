@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from producer_client import BulkQueueFull, Client, InvalidArgument, JobNotFound, JobTimeout, ResultWatch
+from producer_client import BulkQueueFull, Client, InvalidArgument, InvalidJob, JobNotFound, JobTimeout, ResultWatch
 from producer_client.bulk import CHUNK, WINDOW
 from producer_client.keys import Keys
 from producer_client.placement import Placement
@@ -214,6 +214,31 @@ def test_one_id_given_where_many_are_taken_is_refused_and_cancels_nothing(client
             call()
         assert refused.value.message == "job_ids: must be a list of job ids, not one id: wrap it, [job_id]"
     assert client.status(job_id).status == "queued"
+
+
+@pytest.mark.parametrize("planted", ["job", "done"])
+def test_a_job_key_of_another_type_is_that_jobs_invalid_job_to_the_bulk_calls_and_the_others_go_on(
+    client, redis_client, queue, planted
+):
+    """cancel_many(), results() and as_completed() raised the raw WRONGTYPE of one job whose hash or
+    done stream holds another type (someone's SET) for all the jobs asked about (a Redis failure the
+    gateway answers 503): that job alone is its InvalidJob, a failed result with invalid_job, and
+    cancel_many raises it once it has cancelled the others."""
+    ids = client.submit_many(specs(4))  # no worker serves this queue
+    bad = ids[1]
+    key = {"job": KEYS.job, "done": KEYS.done}[planted](bad)
+    redis_client.delete(key)
+    redis_client.set(key, "not what the protocol writes here")
+    with pytest.raises(InvalidJob) as invalid:
+        client.cancel_many(ids)
+    assert (invalid.value.code, invalid.value.job_id) == ("invalid_job", bad)
+    assert [client.status(job_id).status for job_id in ids if job_id != bad] == ["cancelled"] * 3
+    expected = [(job_id, "cancelled", None) for job_id in ids]
+    expected[1] = (bad, "failed", "invalid_job")
+    results = client.results(ids, timeout=5)
+    assert [(r.id, r.status, r.error and r.error.code) for r in results] == expected
+    assert sorted((r.id, r.status) for r in client.as_completed(ids, timeout=5)) == sorted(e[:2] for e in expected)
+    assert redis_client.get(key) == "not what the protocol writes here"  # nothing written over it
 
 
 @pytest.mark.timing

@@ -93,6 +93,17 @@ def test_a_tenants_weight_multiplies_its_share(redis_client, queue):
     assert order.count("b") == 6 and order.count("a") == 3
 
 
+@pytest.mark.parametrize("stored", ["1e-310", "0.0009", "1001", "-2"])
+def test_a_stored_weight_outside_the_range_reads_as_the_default(redis_client, queue, stored):
+    """A producer may write the scheduler hash: a weight of 1e-310 charged 100 / 1e-310, an infinite
+    counter, which reads back as no number (0) wherever a tenant is lifted to it."""
+    enqueue(redis_client, queue, "a", ["default"] * 4)
+    enqueue(redis_client, queue, "b", ["default"] * 4)
+    redis_client.hset(KEYS.scheduler(queue), "w:b", stored)
+    assert [tenant for _, tenant in served_order(redis_client, queue, 4)] == ["a", "b", "a", "b"]
+    assert (counter(redis_client, queue, "default", "a"), counter(redis_client, queue, "default", "b")) == (200, 200)
+
+
 def test_several_entries_of_the_least_served_tenant_are_read_at_once(redis_client, queue):
     enqueue(redis_client, queue, "a", ["default"] * 10)
     assert read(redis_client, queue, rooms=(10, 10, 10)) == [("default", "a", 10)]
@@ -406,3 +417,47 @@ def test_read_given_the_workers_own_stream_reads_it_first_and_the_lanes_with_the
     assert redis_client.xrange(KEYS.doorbell(queue)) == bell != []
     assert counts(read_with_own((1, 1, 1), 1)) == [("flex", "a", 1)]  # none placed: the lanes' turn
     assert read(redis_client, queue, rooms=(9, 9, 9)) == [("flex", "a", 1)]
+
+
+def plant_other_type(redis_client, key):
+    redis_client.delete(key)
+    redis_client.xadd(key, {"not": "ours"})
+
+
+def test_a_lanes_sorted_set_of_another_type_is_made_anew_from_the_lane_streams(redis_client, queue):
+    """Producers may write a lane's sorted set of active tenants (LUA_LANES): one of another type
+    failed every READ, so the worker served nothing, plain jobs included, and every enqueue into the
+    lane. READ makes it anew from the set of lane streams; an enqueue leaves it to READ."""
+    enqueue(redis_client, queue, "a", ["flex"] * 2)
+    enqueue(redis_client, queue, "b", ["flex"])
+    redis_client.hset(KEYS.scheduler(queue), "c:flex:b", 50)  # b's saved counter, above the floor
+    plant_other_type(redis_client, KEYS.lane(queue, "flex"))
+    enqueue(redis_client, queue, "c", ["flex"])
+    assert redis_client.type(KEYS.lane(queue, "flex")) == "stream"  # left to READ
+    assert read(redis_client, queue, rooms=(0, 0, 0)) == []
+    assert redis_client.zrange(KEYS.lane(queue, "flex"), 0, -1, withscores=True) == [("a", 0), ("c", 0), ("b", 50)]
+    assert served_order(redis_client, queue, 4) == [("flex", "a"), ("flex", "c"), ("flex", "b"), ("flex", "a")]
+    assert not redis_client.exists(KEYS.lane(queue, "flex"))  # every tenant read to its end
+
+
+def test_a_scheduler_hash_of_another_type_reads_as_a_missing_one(redis_client, queue):
+    """The DEL that changed its type took its state: every script reads it as the hash a DEL leaves
+    (each field its default) and writes it anew, where each raised WRONGTYPE."""
+    enqueue(redis_client, queue, "a", ["default"] * 3)
+    plant_other_type(redis_client, KEYS.scheduler(queue))
+    enqueue(redis_client, queue, "b", ["default"] * 3, limits=Limits(weight=2.0))
+    assert redis_client.hgetall(KEYS.scheduler(queue)) == {"w:b": "2.0"}
+    plant_other_type(redis_client, KEYS.scheduler(queue))
+    order = [tenant for _, tenant in served_order(redis_client, queue, 6)]
+    assert sorted(order) == ["a"] * 3 + ["b"] * 3
+    assert redis_client.type(KEYS.scheduler(queue)) == "hash"
+
+
+def test_a_set_of_lane_streams_of_another_type_is_made_anew(redis_client, queue):
+    enqueue(redis_client, queue, "a", ["flex"])
+    plant_other_type(redis_client, KEYS.lane_streams(queue))
+    assert call(redis_client, worker.reclaim_lanes(KEYS, queue, "w1", 0, 10, 0, HANDED)) == [0, []]
+    assert not redis_client.exists(KEYS.lane_streams(queue))
+    plant_other_type(redis_client, KEYS.lane_streams(queue))
+    enqueue(redis_client, queue, "b", ["default"])
+    assert redis_client.smembers(KEYS.lane_streams(queue)) == {"default:b"}

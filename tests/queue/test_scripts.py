@@ -459,3 +459,15 @@ def test_read_adds_a_correction_to_an_idle_tenants_counter_that_is_no_number_fro
     call = worker_read(keys, queue, "w1", (1, 1, 1), 320, {("flex", "team-q"): 40})
     execute(redis_client, call.add_to, WORKER_SCRIPTS)
     assert float(redis_client.hget(keys.scheduler(queue), "c:flex:team-q")) == 40.0
+
+
+@pytest.mark.parametrize("key", ["events", "done"])
+def test_cancel_of_a_queued_job_refuses_a_stream_of_another_type_before_writing_anything(redis_client, job_id, key):
+    """As the worker's scripts: CANCEL rewrote the job's hash as cancelled before its XADD met a
+    done stream (or kept events) of another type, and failed with part of the job's end written."""
+    redis_client.hset(KEYS.job(job_id), mapping={"status": "queued", "streamed": "1"})
+    redis_client.hset({"events": KEYS.events, "done": KEYS.done}[key](job_id), "a", "b")
+    before = {k: redis_client.dump(k) for k in (KEYS.job(job_id), KEYS.events(job_id), KEYS.done(job_id))}
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        on_job(redis_client, CANCEL, job_id, final(job_id, "cancelled", "")[1])
+    assert {k: redis_client.dump(k) for k in before} == before  # nothing written

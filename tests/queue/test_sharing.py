@@ -16,7 +16,7 @@ import pytest
 
 from harness.echo_workers import GatedWorker, SlowEchoEngine, serving
 from harness.polling import eventually
-from producer_client import Client, InvalidArgument, QueueFull, RateLimited, WaitingQuotaExceeded
+from producer_client import Client, InvalidArgument, InvalidQueueStream, QueueFull, RateLimited, WaitingQuotaExceeded
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.quotas import Quota
 from tests.support.clients import make_client
@@ -83,6 +83,20 @@ def test_queue_stats_count_every_lanes_stream_and_name_each(redis_server, queue,
     ]
 
 
+def test_queue_stats_read_a_set_of_lane_streams_and_a_scheduler_hash_of_another_type_as_missing(
+    redis_server, queue, tenant, redis_client
+):
+    """Producers may write both (the scripts make them anew at the next enqueue or reclaim): stats,
+    the board and the gateway's metrics raised WRONGTYPE meanwhile."""
+    with Client(redis_server.url, queue) as client:
+        client.submit("no tenant", max_tokens=1)
+        for key in (KEYS.lane_streams(queue), KEYS.scheduler(queue)):
+            redis_client.delete(key)
+            redis_client.xadd(key, {"not": "ours"})
+        stats = client.queue_stats()
+    assert (stats.depth, [(s.lane, s.tenant, s.depth) for s in stats.streams]) == (1, [("default", None, 1)])
+
+
 def test_a_worker_counts_the_tokens_it_served_per_lane_and_tenant(redis_server, queue, tenant):
     with Client(redis_server.url, queue, tenant=tenant) as client, serving(redis_server.url, queue) as worker:
         flex = [client.submit(f"flex job {i}", max_tokens=3, service_tier="flex") for i in range(3)]
@@ -113,7 +127,9 @@ def test_bad_lanes_and_tenants_are_refused_before_anything_is_enqueued(redis_ser
         with pytest.raises(InvalidArgument) as bad:
             client.submit_many([{"prompt": "x"}, {"prompt": "y", "service_tier": "scale"}])
         assert bad.value.field == "jobs[1].service_tier"
-        for settings, field in (({"weight": 0}, "weight"), ({"rpm": 0}, "rpm"), ({"max_waiting": -1}, "max_waiting")):
+        refused = [({"weight": w}, "weight") for w in (0, 1e-300, 0.0009, 1000.5, float("inf"), float("nan"))]
+        refused += [({"rpm": 0}, "rpm"), ({"max_waiting": -1}, "max_waiting")]
+        for settings, field in refused:
             with pytest.raises(InvalidArgument) as bad:
                 client.tenant_quotas.set("team-a", **settings)
             assert bad.value.field == field
@@ -311,6 +327,55 @@ def test_a_tenants_settings_key_of_another_type_holds_no_setting(redis_server, q
     finally:
         redis_client.delete(KEYS.quota(tenant))
         redis_client.zrem(KEYS.quotas(), tenant)
+
+
+@pytest.mark.parametrize("limits", [{}, {"max_waiting": 5}])
+def test_a_tenants_lane_stream_of_another_type_refuses_its_submits_there_alone(
+    redis_server, queue, tenant, redis_client, limits
+):
+    """A producer may write a tenant's lane stream: its jobs went with the DEL that changed its
+    type, so it cannot be made anew. A submit there raised a raw WRONGTYPE (the gateway's 503, which
+    the SDKs retry); now InvalidQueueStream, with nothing of the job left, and the tenant's other
+    lanes, other tenants' same lane and the count of its waiting jobs go on."""
+    flex = KEYS.lane_stream(queue, "flex", tenant)
+    redis_client.hset(flex, "not", "a stream")
+    with Client(redis_server.url, queue, tenant=tenant, placement=False) as client:
+        if limits:
+            client.tenant_quotas.set(tenant, **limits)
+        try:
+            with pytest.raises(InvalidQueueStream) as refused:
+                client.submit(prompt="x", max_tokens=2, service_tier="flex")
+            assert (refused.value.code, refused.value.lane, refused.value.tenant) == (
+                "invalid_queue_stream",
+                "flex",
+                tenant,
+            )
+            with pytest.raises(InvalidQueueStream):
+                client.submit_many([{"prompt": "x", "service_tier": "flex"}])
+            assert redis_client.keys(KEYS.job(f"{tenant}.*")) == []  # no hash left of the jobs refused
+            kept = client.submit(prompt="x", max_tokens=2, service_tier="default")
+            other = client.as_tenant("other-" + tenant).submit(prompt="x", max_tokens=2, service_tier="flex")
+            assert [client.status(job_id).status for job_id in (kept, other)] == ["queued", "queued"]
+        finally:
+            if limits:
+                client.tenant_quotas.set(tenant, unset=tuple(limits))
+    assert redis_client.hgetall(flex) == {"not": "a stream"}
+
+
+def test_the_queues_own_stream_of_another_type_refuses_its_submits_alone(redis_server, queue, tenant, redis_client):
+    """The default lane's stream of no tenant is the queue's own (ENQUEUE, ENQUEUE_MANY): the same
+    InvalidQueueStream, where a raw WRONGTYPE came, and a tenant's lane submit goes in."""
+    redis_client.hset(KEYS.queue(queue), "not", "a stream")
+    jobs_before = set(redis_client.keys(KEYS.job("*")))
+    with Client(redis_server.url, queue, placement=False) as client:
+        for submit in (lambda: client.submit(prompt="x", max_tokens=2), lambda: client.submit_many([{"prompt": "x"}])):
+            with pytest.raises(InvalidQueueStream) as refused:
+                submit()
+            assert (refused.value.lane, refused.value.tenant) == ("default", "-")
+        assert set(redis_client.keys(KEYS.job("*"))) == jobs_before  # no hash left of the jobs refused
+        job_id = client.as_tenant(tenant).submit(prompt="x", max_tokens=2, service_tier="flex")
+        assert client.status(job_id).status == "queued"
+    assert redis_client.hgetall(KEYS.queue(queue)) == {"not": "a stream"}
 
 
 def test_lane_jobs_of_a_killed_worker_are_reclaimed_and_each_ends_once(redis_server, queue, tenant, redis_client):
