@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import jsonschema
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import api_error_of
@@ -233,6 +233,8 @@ def assert_in_format(request: JobRequest, output: OutputFormat | None, text: str
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=BODIES, seed=st.integers(0, 2**32))
+# Found in CI: a choice that opens with a newline, after a think block whose reader drops it.
+@example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "guided_choice": ["\n"]}, seed=0)
 def test_a_request_that_reaches_a_grammar_is_refused_naming_its_field_or_holds_to_it(tokenizer, grammars, body, seed):
     try:
         jobs = gateway_jobs(body)

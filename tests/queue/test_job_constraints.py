@@ -10,6 +10,7 @@ from producer_client.chat_output import OutputFormat, Reasoning
 from producer_client.errors import InvalidArgument
 from producer_client.schema import JobRequest, SamplingParams
 from worker.engine.echo import EchoEngine
+from worker.engine.grammar.constraint import Thinking
 from worker.engine.settings import EngineSettings
 from worker.loop.intake import constraint_of
 from worker.model.presets import resolve_model_path
@@ -88,3 +89,38 @@ def test_the_echo_engine_refuses_what_it_cannot_hold_to_a_grammar():
         engine.add_request("a", [104, 105], SamplingParams(response_format={"type": "json_object"}))
     assert refused.value.field == "response_format"
     assert not engine.has_unfinished()
+
+
+NEWLINE_CHOICES = {"type": "choice", "choices": ["\n", "\nyes", "no"]}
+
+
+def named_grammars(constraint) -> dict[str, str]:
+    return {g["name"]: g["lark_grammar"] for g in json.loads(constraint.grammar)["grammars"] if "name" in g}
+
+
+def test_after_a_think_block_only_the_answers_the_reader_gives_whole_may_follow(tokenizer):
+    # The reader drops the newlines that open a reply after </think> (producer_client.chat_output):
+    # "\n" and "\nyes" would reach the user as "" and "yes", neither a choice (hypothesis found the
+    # first in CI). Without a think block each may open the output.
+    request = job(response_format=NEWLINE_CHOICES)
+    constraint = constraint_of(request, OutputFormat(reasoning=Reasoning.OPTIONAL), tokenizer)
+    assert constraint.thinking == Thinking(THINK_CLOSE, THINK_OPEN)
+    main = json.loads(constraint.grammar)["grammars"][0]["lark_grammar"]
+    assert main.startswith(f"start: first_reply | <[{THINK_CLOSE}]> /\\n{{0,4}}/ reply\nreply: @after_answer\n")
+    assert named_grammars(constraint) == {
+        "answer": 'start: "\\n" | "\\nyes" | "no"',
+        "after_answer": 'start: "no"',
+    }
+
+
+@pytest.mark.parametrize("reasoning", [Reasoning.OPTIONAL, Reasoning.OPEN])
+def test_a_format_whose_every_answer_opens_with_a_newline_keeps_the_think_block_closed(tokenizer, reasoning):
+    request = job(response_format={"type": "choice", "choices": ["\n", "\nyes"]})
+    if reasoning is Reasoning.OPEN:  # the prompt opened the block: no answer can follow it
+        with pytest.raises(InvalidArgument) as refused:
+            constraint_of(request, OutputFormat(reasoning=reasoning), tokenizer)
+        assert refused.value.field == "response_format"
+        return
+    constraint = constraint_of(request, OutputFormat(reasoning=reasoning), tokenizer)
+    assert constraint.thinking is None  # the grammar holds from the first token: the answer whole
+    assert constraint.grammar == 'start: "\\n" | "\\nyes"'

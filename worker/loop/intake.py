@@ -12,11 +12,12 @@ from typing import cast
 
 from producer_client.chat import tool_names
 from producer_client.chat_output import THINK_CLOSE, THINK_OPEN, OutputFormat, Reasoning
-from producer_client.errors import InvalidBody, MiliError, UnsupportedVersion
+from producer_client.errors import InvalidArgument, InvalidBody, MiliError, UnsupportedVersion
 from producer_client.keys import DEFAULT_LANE, LANES, NAME_PATTERN, NO_TENANT, PROTOCOL_VERSION, TENANT_PATTERN
 from producer_client.protocol.clock import entry_time
 from producer_client.schema import JobRequest
-from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, tool_call_constraint
+from producer_client.structured import ResponseFormat
+from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, after_thinking, tool_call_constraint
 from worker.engine.interface import EngineTokenizer
 from worker.loop.jobs import InternalError, Job
 from worker.loop.streams import DEFAULT_ROUTE, Route, owner_of, route_of_ref
@@ -169,7 +170,7 @@ def constraint_of(request: JobRequest, output: OutputFormat | None, tokenizer: E
     if tools:
         functions = [ToolFunction(t.function.name, t.function.parameters) for t in tools]
         return tool_call_constraint(functions, request.parallel_tool_calls, None if forced else fmt, thinking)
-    return Constraint.of_format(fmt, thinking)
+    return Constraint.of_format(fmt, thinking_before(fmt, thinking))
 
 
 def thinking_of(output: OutputFormat | None, tokenizer: EngineTokenizer) -> Thinking | None:
@@ -180,6 +181,19 @@ def thinking_of(output: OutputFormat | None, tokenizer: EngineTokenizer) -> Thin
     if closes is None:
         return None  # a vocabulary without the markers: the model cannot write the block
     return Thinking(closes, opens if output.reasoning is Reasoning.OPTIONAL else None)
+
+
+def thinking_before(fmt: ResponseFormat | None, thinking: Thinking | None) -> Thinking | None:
+    """The thinking a format's answer may follow: none where each of its answers opens with a
+    newline, which the reader drops after a think block (the output then may not open one, and the
+    grammar holds from its first token); such a format cannot follow reasoning the prompt opened."""
+    if thinking is None or fmt is None or after_thinking(fmt) is not None:
+        return thinking
+    if thinking.opens is None:
+        raise InvalidArgument(
+            "response_format", "every answer opens with a newline, which cannot follow the reasoning the prompt opened"
+        )
+    return None
 
 
 def reasoning_of(enable_thinking: bool, prompt: str) -> Reasoning:

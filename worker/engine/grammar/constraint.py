@@ -15,8 +15,9 @@ token on. Where the prompt has not opened the block, the first token decides: `<
 any other token is the reply's first. Qwen3 puts a blank line between `</think>` and its reply, so
 the grammar starts with `</think>` and up to four newlines before the reply, or (where the output
 may open the block) with the reply itself: a reply without a think block is exactly the format,
-and one after it is once the reader has dropped the newlines that follow the reasoning
-(producer_client.chat_output). That reader takes an output that opens with `<think>` (after
+and one after it is the format's answers that do not open with a newline, as the reader gives them
+once it has dropped the newlines that follow the reasoning (producer_client.chat_output; a format
+every answer of which opens with one keeps the block closed: intake.thinking_before). That reader takes an output that opens with `<think>` (after
 whitespace) for a think block, so a reply without one may not open so, in Qwen3's token or in
 ordinary ones: it would land in the reasoning. After a think block it may.
 """
@@ -135,8 +136,20 @@ def composed(call_rules: Sequence[str], fmt, thinking: Thinking | None) -> str:
     """One grammar whose reply is the calls (`call_rules`, naming `calls`), an answer in `fmt` (an
     llguidance grammar of its own), or either; after thinking, as the module's docstring says."""
     answers = {} if fmt is None else {"answer": grammar_text(fmt)}
-    lark = [reply_rule("reply", bool(call_rules), "answer" if answers else None), *call_rules]
-    starts = ["reply"] if thinking is None else [f"<[{thinking.closes}]> {AFTER_THINKING} reply"]
+    if thinking is None:
+        lark = [reply_rule("reply", bool(call_rules), "answer" if answers else None), *call_rules]
+        starts = ["reply"]
+    else:
+        # After a think block the reader drops the newlines that open the reply: an answer that
+        # opens with one would reach the user without them, so only the others may follow it.
+        after = None if fmt is None else after_thinking(fmt)
+        after_name = (
+            None if after is None else next(n for n, g in {**answers, "after_answer": after}.items() if g == after)
+        )
+        if after_name == "after_answer":
+            answers[after_name] = after
+        lark = [reply_rule("reply", bool(call_rules), after_name), *call_rules]
+        starts = [f"<[{thinking.closes}]> {AFTER_THINKING} reply"]
     if thinking is not None and thinking.opens is not None:
         # A reply without a think block: its first token began it instead of opening one.
         first = None if fmt is None else unopened(fmt)
@@ -148,6 +161,8 @@ def composed(call_rules: Sequence[str], fmt, thinking: Thinking | None) -> str:
             starts.insert(0, "first_reply")
     grammars: list[dict[str, Any]] = [{"lark_grammar": "\n".join(["start: " + " | ".join(starts), *lark])}]
     for name, grammar in answers.items():
+        if not any(f"@{name}" in rule.split() for rule in lark):
+            continue  # the whole format, where only the answers after a think block may be given
         parts = grammar_parts(grammar)
         grammars += [{**parts[0], "name": name}, *parts[1:]]
     return json.dumps({"grammars": grammars})
@@ -156,6 +171,18 @@ def composed(call_rules: Sequence[str], fmt, thinking: Thinking | None) -> str:
 def reply_rule(name: str, calls: bool, answer: str | None) -> str:
     """The rule `name`: the calls, the answer grammar named `answer`, or either."""
     return f"{name}: " + " | ".join((["calls"] if calls else []) + ([f"@{answer}"] if answer is not None else []))
+
+
+def after_thinking(fmt) -> str | None:
+    """The format's grammar less the answers that open with a newline, which the reader drops after
+    a think block (producer_client.chat_output); None when no answer is left (a constraint_of then
+    keeps the block closed). Compact JSON opens with none."""
+    if isinstance(fmt, RegexFormat):
+        return f"start: ANSWER\nANSWER: /{llguidance.regex_to_lark(fmt.pattern, '')}/ & ~/\\n(?s:.*)/"
+    if isinstance(fmt, ChoiceFormat):
+        kept = [choice for choice in fmt.choices if not choice.startswith("\n")]
+        return grammar_text(fmt.model_copy(update={"choices": kept})) if kept else None
+    return grammar_text(fmt)
 
 
 def unopened(fmt) -> str | None:
