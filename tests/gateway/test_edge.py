@@ -245,9 +245,16 @@ def request_in_pieces(port: int, pieces: list[bytes], every_s: float, announced:
     select.select([sock], [], [], 30)
     answered_s = time.monotonic() - started
     answer = b""
-    while more := sock.recv(65536):
-        answer += more
+    try:
+        while more := sock.recv(65536):
+            answer += more
+    except ConnectionResetError:
+        # A piece sent in the instant the gateway answered and closed reaches a closed socket, whose
+        # kernel resets the connection (seen in CI at load): it is closed all the same, and what
+        # arrived before the reset has been read.
+        pass
     closed_s = time.monotonic() - started
+    assert answer, "the connection ended with no answer"
     sock.close()
     head_part, _, body = answer.partition(b"\r\n\r\n")
     return {
