@@ -496,7 +496,10 @@ for _ = 1, tonumber(ARGV[7]) do
   local l, tenant, tokens = lane_index(ARGV[c]), ARGV[c + 1], tonumber(ARGV[c + 2])
   c = c + 3
   if l then
-    if redis.call('ZSCORE', KEYS[1 + l], tenant) then
+    -- A lane's set of another type (a producer wrote it) holds no tenant: the correction goes to the
+    -- saved counter, which the set made anew below lifts the tenant to.
+    local active = unless_wrongtype(redis.pcall('ZSCORE', KEYS[1 + l], tenant), OTHER_TYPE)
+    if active and active ~= OTHER_TYPE then
       redis.call('ZINCRBY', KEYS[1 + l], tokens / weight(tenant), tenant)
     elseif tenant ~= '-' then
       local field = 'c:' .. LANES[l] .. ':' .. tenant  -- read and set: HINCRBYFLOAT refuses a producer's junk

@@ -440,6 +440,19 @@ def test_a_lanes_sorted_set_of_another_type_is_made_anew_from_the_lane_streams(r
     assert not redis_client.exists(KEYS.lane(queue, "flex"))  # every tenant read to its end
 
 
+def test_a_correction_for_a_lane_whose_sorted_set_is_of_another_type_goes_to_the_saved_counter(redis_client, queue):
+    """The corrections come first in READ, before the lanes' sets are looked at: a correction for a
+    tenant of a lane whose set a producer made another type failed the READ (seen in CI: a worker's
+    refusal, the read tried again with backoff). It goes to the tenant's saved counter, which the
+    set made anew in the same READ lifts the tenant to."""
+    enqueue(redis_client, queue, "a", ["flex"] * 3)
+    read(redis_client, queue)  # a charged 100
+    plant_other_type(redis_client, KEYS.lane(queue, "flex"))
+    read(redis_client, queue, rooms=(0, 0, 0), corrections={("flex", "a"): 60})
+    assert float(redis_client.hget(KEYS.scheduler(queue), "c:flex:a")) == 60
+    assert redis_client.zrange(KEYS.lane(queue, "flex"), 0, -1, withscores=True) == [("a", 60)]
+
+
 def test_a_scheduler_hash_of_another_type_reads_as_a_missing_one(redis_client, queue):
     """The DEL that changed its type took its state: every script reads it as the hash a DEL leaves
     (each field its default) and writes it anew, where each raised WRONGTYPE."""
