@@ -52,6 +52,13 @@ class ServerProcess(ChildProcess):
 
         def move_to(port: int) -> None:
             self.port = port
+            if "--cluster-port" in self.args:
+                # The bind that failed may be the cluster bus's, a port picked with the node's
+                # (CI: an outgoing connection took it in between): both move, and the node
+                # forgets the ports its first start wrote down.
+                i = self.args.index("--cluster-port") + 1
+                self.args = (*self.args[:i], str(free_port()), *self.args[i + 1 :])
+                (self.dir / "nodes.conf").unlink(missing_ok=True)
 
         return self.on_a_free_port(lambda: self._start_once(*more_args), move_to)
 
