@@ -244,8 +244,7 @@ def test_a_doorbell_of_another_type_stops_no_submit_and_no_worker(hostile_setup,
     bell = KEYS.doorbell(QUEUE)
     with Client(server["producer"], QUEUE, placement=False) as client:
         for _ in range(3):
-            raw.delete(bell)
-            raw.hset(bell, "not", "a stream")
+            plant_other_type(raw, bell, "hash")
             jobs = [
                 s.submit(prompt="lane", max_tokens=4, service_tier="flex") for s in (client, client.as_tenant("team-z"))
             ]
@@ -255,12 +254,17 @@ def test_a_doorbell_of_another_type_stops_no_submit_and_no_worker(hostile_setup,
         assert_workers_serve(hostile_setup, client, pids)
 
 
+# In one script, as the producer's rights allow (no MULTI): between a DEL and a write of its own,
+# a worker's READ or an enqueue may make the key anew, and the write then met it (seen in CI).
+PLANT = """
+redis.call('DEL', KEYS[1])
+if ARGV[1] == 'hash' then return redis.call('HSET', KEYS[1], 'not', 'ours') end
+return redis.call('XADD', KEYS[1], '*', 'not', 'ours')
+"""
+
+
 def plant_other_type(raw: redis.Redis, key: str, kind: str) -> None:
-    raw.delete(key)
-    if kind == "hash":
-        raw.hset(key, "not", "ours")
-    else:
-        raw.xadd(key, {"not": "ours"})
+    raw.eval(PLANT, 1, key, kind)
 
 
 @pytest.mark.parametrize(
