@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.offline import PROMPT_ID_LIMIT, add_engine_switches, engine_settings
+from bench.offline import PROMPT_ID_LIMIT, add_engine_switches, add_kv_cache_mib, engine_settings
 from bench.timing import H100_DATASHEET_BYTES_PER_S, copy_bandwidth
 from bench.trace_timeline import STEP_RANGE, Timeline
 from producer_client.schema import SamplingParams
@@ -96,6 +96,7 @@ def parse_args() -> argparse.Namespace:
         "--trace", type=Path, help="profile engine steps after the timings; the gzipped Chrome trace goes here"
     )
     p.add_argument("--profile-steps", type=int, default=20, help="engine steps profiled with --trace")
+    add_kv_cache_mib(p)
     add_engine_switches(p)
     p.set_defaults(max_num_batched_tokens=None, max_running=None)  # set from --batch
     return p.parse_args()

@@ -86,12 +86,13 @@ def main() -> None:
 
 def parse_args() -> argparse.Namespace:
     # Imported here, in the parent only: producers spawned from this module must not import torch.
-    from bench.offline import add_engine_switches, add_model_and_workload_args
+    from bench.offline import add_engine_switches, add_kv_cache_mib, add_model_and_workload_args
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_and_workload_args(p, default_workload="nanovllm")
     p.add_argument("--max-num-batched-tokens", type=int, help="engine setting (default: EngineSettings')")
     p.add_argument("--max-running", type=int, help="engine setting (default: EngineSettings')")
+    add_kv_cache_mib(p)
     add_engine_switches(p)
     p.add_argument("--threads", type=int, help="torch CPU threads of the engine, offline and in the worker")
     p.add_argument("--producers", type=int, default=4, help="producer processes, each submitting its share of the jobs")

@@ -10,6 +10,10 @@ from enum import Enum
 
 # A script that needs CUDA and finds none exits with this status (automake's "skipped").
 EXIT_NO_CUDA = 77
+# The KV pool of a rehearsed engine on the CPU: the tiny model's whole context (max_model_len 40,960
+# tokens at 4 KiB a token), not EngineSettings' 1 GiB, which each engine zeroes as it starts (0.55 s
+# of CPU a GiB; the suite's rehearsals start nine).
+TINY_KV_CACHE = ("--kv-cache-mib", "160")
 
 
 class Outcome(str, Enum):

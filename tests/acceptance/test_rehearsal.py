@@ -11,6 +11,7 @@ table), which their reports prove. By hand, `scripts/gpu_acceptance.sh --rehears
 from __future__ import annotations
 
 import gzip
+import importlib
 import json
 import os
 import re
@@ -19,10 +20,15 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
+from bench.offline import engine_settings
 from scripts.acceptance.stages import ORDER, stages
-from scripts.acceptance.step import Kind, Step
+from scripts.acceptance.step import TINY_KV_CACHE, Kind, Step
 from tests.support.not_run import SUMMARY
+from worker.engine.kv_pool import KVCacheShape
+from worker.engine.memory import pages_in_budget
+from worker.model.presets import model_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE_FILES_LIMIT = 8  # files a device command can bring back
@@ -38,6 +44,25 @@ def skipped_for_want_of_cuda(step: Step, found: dict) -> bool:
         return True
     tests = found["tests"]
     return tests is not None and tests["passed"] == 0 and tests["skipped"] == tests["device"]["skipped"]
+
+
+# The rehearsed scripts that start engines on the CPU's default pool unless told its size.
+ENGINE_BENCHES = ("bench.offline", "bench.serve", "bench.decode_step")
+
+
+def test_a_rehearsed_engine_pool_holds_the_tiny_models_whole_context_and_no_more(monkeypatch):
+    config = model_config("tiny")
+    shape = KVCacheShape(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 16, torch.float32)
+    pages = pages_in_budget(int(TINY_KV_CACHE[1]) * 2**20, shape.bytes_per_page)
+    assert pages * shape.page_size == config.context_length  # no request is refused that the default pool takes
+    rehearsed = [step.rehearsal for stage in stages().values() for step in stage.steps if step.rehearsal]
+    engines = [args for args in rehearsed if args[2] in ENGINE_BENCHES]
+    assert len(engines) == 7
+    for args in engines:
+        monkeypatch.setattr("sys.argv", [args[2], *(a.replace("{out}", "out") for a in args[3:])])
+        parsed = importlib.import_module(args[2]).parse_args()
+        # bench.serve's worker takes the same settings as flags.
+        assert engine_settings(parsed)["kv_cache_mib"] == int(TINY_KV_CACHE[1]), args
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 against the measured HBM bandwidth, a decode step against its weights+KV bound, a profile of steady
 decode steps, the nano-vllm workload offline beside transformers, and its ablations."""
 
-from scripts.acceptance.step import Figure, Stage, script
+from scripts.acceptance.step import TINY_KV_CACHE, Figure, Stage, script
 
 TOKENS_PER_S = r"= ([\d,.]+) output tok/s"
 TINY_WORKLOAD = (
@@ -16,6 +16,7 @@ TINY_WORKLOAD = (
     "32",
     "--max-output",
     "8",
+    *TINY_KV_CACHE,
 )
 
 
@@ -65,6 +66,7 @@ STAGE = Stage(
                 "5",
                 "--trace",
                 "{out}/decode_trace.json.gz",
+                *TINY_KV_CACHE,
             ),
             gate=True,
             timeout_s=300,

@@ -2,11 +2,11 @@
 the GPU, against the offline engine in the same run: throughput share, TTFT and TPOT; and a
 priority job's time to first token behind another tenant's full batch."""
 
-from scripts.acceptance.step import Figure, Stage, script
+from scripts.acceptance.step import TINY_KV_CACHE, Figure, Stage, script
 
 # The nano-vllm workload's rehearsal: the same script at a tiny model and six short requests.
 NANOVLLM_REHEARSAL = ("-m", "bench.serve", "--workload", "nanovllm", "--model", "tiny", "--num-requests", "6")
-NANOVLLM_REHEARSAL += ("--max-prompt", "48", "--max-output", "12", "--threads", "1")
+NANOVLLM_REHEARSAL += ("--max-prompt", "48", "--max-output", "12", "--threads", "1", *TINY_KV_CACHE)
 
 STAGE = Stage(
     "serve",
@@ -31,6 +31,7 @@ STAGE = Stage(
                 "1",
                 "--producers",
                 "2",
+                *TINY_KV_CACHE,
             ),
             gate=True,
             timeout_s=300,
