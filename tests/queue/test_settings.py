@@ -152,3 +152,26 @@ def test_speculative_flags_reach_the_engine_settings_and_a_method_without_its_mo
     with pytest.raises(SystemExit):
         parse_flags("--speculative-method", "medusa")
     assert "invalid choice: 'medusa'" in capsys.readouterr().err
+
+
+def test_a_settings_file_that_is_missing_or_no_toml_and_a_log_level_of_no_name_are_one_line_each(tmp_path, capsys):
+    """As a user starting a worker sees them: one line and exit code 2, before anything binds or
+    loads; a missing --config, TOML that does not parse and a log level logging has no name for
+    were tracebacks (FileNotFoundError, TOMLDecodeError, ValueError from logging at its setup).
+    The file's text (a Redis URL, with its password) is never shown."""
+    not_toml = tmp_path / "not.toml"
+    not_toml.write_text('redis = "redis://u:pw-in-the-file@h:1/0"\nblock_ms = \n')
+    not_utf8 = tmp_path / "binary.toml"
+    not_utf8.write_bytes(b"\xff\xfe")
+    for flags, message in (
+        (["--config", str(tmp_path / "none.toml")], f"config: settings file {tmp_path / 'none.toml'} does not exist"),
+        (["--config", str(tmp_path)], f"config: settings file {tmp_path} does not exist"),
+        (["--config", str(not_toml)], f"config: settings file {not_toml} is not TOML that can be read: Invalid value"),
+        (["--config", str(not_utf8)], f"config: settings file {not_utf8} is not TOML that can be read: 'utf-8' codec"),
+        (["--log-level", "loud"], "log_level: String should match pattern '^(?i:DEBUG|INFO|WARNING|ERROR)$'"),
+    ):
+        assert worker_main(["serve", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: invalid_argument: {message}") and err.count("\n") == 1, err
+        assert "pw-in-the-file" not in err
+    assert WorkerSettings.load(None, log_level="warning").log_level == "warning"  # any case, as logging takes it
