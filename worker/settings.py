@@ -37,7 +37,12 @@ class WorkerSettings(TomlSettings):
     model: str = Field(
         "tiny", description='a preset (tiny, tiny-moe, small, qwen3-0.6b), "echo" (no model), or a checkpoint directory'
     )
-    device: str = Field("auto", description="cpu, cuda, cuda:N; auto picks cuda when torch sees one")
+    # Checked here: torch refused another only once the model loaded (a RuntimeError traceback).
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda(:\d{1,3})?)$",
+        description="cpu, cuda, cuda:N; auto picks cuda when torch sees one",
+    )
     dtype: str = Field("auto", description="float32, bfloat16, float16; auto keeps the checkpoint's own")
     redis: str = Field(
         "embedded",

@@ -9,6 +9,7 @@ import tomllib
 from pydantic import ValidationError
 
 from producer_client.errors import InvalidArgument
+from worker.__main__ import check_cuda_device
 from worker.__main__ import main as worker_main
 from worker.engine.settings import EngineSettings
 from worker.settings import DEFAULT_CONFIG_FILE, WorkerSettings, add_setting_flags, settings_from_args
@@ -175,3 +176,25 @@ def test_a_settings_file_that_is_missing_or_no_toml_and_a_log_level_of_no_name_a
         assert err.startswith(f"error: invalid_argument: {message}") and err.count("\n") == 1, err
         assert "pw-in-the-file" not in err
     assert WorkerSettings.load(None, log_level="warning").log_level == "warning"  # any case, as logging takes it
+
+
+def test_a_device_the_host_has_not_is_one_line_before_the_model_loads(capsys):
+    """`--device bogus` was torch's RuntimeError, and `--device cuda:N` on a host without it an
+    AssertionError ('Torch not compiled with CUDA enabled'), both tracebacks from the model's load."""
+    for device in ("bogus", "CPU", "cuda:x", "gpu"):
+        assert worker_main(["serve", "--device", device]) == 2
+        assert capsys.readouterr().err == (
+            "error: invalid_argument: device: String should match pattern '^(auto|cpu|cuda(:\\d{1,3})?)$'\n"
+        )
+    for device in ("cpu", "auto", "cuda", "cuda:1"):
+        assert WorkerSettings.load(None, device=device).device == device
+    check_cuda_device("cpu", 0)
+    check_cuda_device("cuda:1", 2)
+    for device, count, seen in (
+        ("cuda", 0, "no CUDA device"),
+        ("cuda:1", 1, "1 CUDA device (cuda:0)"),
+        ("cuda:4", 4, "4 CUDA devices (cuda:0 to 3)"),
+    ):
+        with pytest.raises(InvalidArgument) as refused:
+            check_cuda_device(device, count)
+        assert refused.value.message == f"device: {device}: torch sees {seen} on this host; use cpu, or auto"
