@@ -807,12 +807,15 @@ def test_a_job_key_of_another_type_is_that_jobs_invalid_job_and_the_next_job_is_
 )
 def test_a_job_hash_no_worker_writes_is_that_jobs_invalid_job_to_a_wait_at_once(client, redis_client, fields):
     """A producer may write a job's hash: an ended status without the result every end writes with
-    it kept result() and wait() blocking to the caller's timeout (for ever without one), a hash
+    it kept result(), wait() and stream() blocking to the caller's timeout (for ever without one), a hash
     without a status or with a deadline that is no number raised KeyError or ValueError from
     result(). Each is the job's InvalidJob now, at once, as status() reads it."""
     job_id = f"junk-{uuid.uuid4().hex[:8]}"
     redis_client.hset(Keys().job(job_id), mapping=fields)
-    waits = {"result": lambda: client.result(job_id, timeout=5)}
+    waits = {
+        "result": lambda: client.result(job_id, timeout=5),
+        "stream": lambda: list(client.stream(job_id, timeout=5)),
+    }
     if "status" in fields:  # wait() does not look the job up first: a hash with no status is no job yet to it
         waits["wait"] = lambda: client.wait(job_id, timeout=5)
     for name, call in waits.items():
