@@ -47,11 +47,17 @@ def run(args: argparse.Namespace) -> int:
         ) as client:
             return args.run(client, args)
     except MiliError as e:
-        print(f"error: {e.code}: {e.message}", file=sys.stderr)
+        print(one_line(f"error: {e.code}: {e.message}"), file=sys.stderr)
         return 1
     except redis.RedisError as e:
-        print(f"error: redis at {redact_url(args.redis)}: {describe(e)}", file=sys.stderr)
+        print(one_line(f"error: redis at {redact_url(args.redis)}: {describe(e)}"), file=sys.stderr)
         return 1
+
+
+def one_line(text: str) -> str:
+    """An error as the one line the CLI promises: a message of several lines (the grammar
+    library's for a bad --regex draws a caret under the pattern) has its lines joined by " | "."""
+    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def shard_count(text: str) -> int | str:

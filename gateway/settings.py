@@ -17,7 +17,7 @@ from pydantic_settings import SettingsConfigDict
 from producer_client.client_base import DEFAULT_MAX_QUEUE_DEPTH
 from producer_client.connection import parse_url
 from producer_client.keys import DEFAULT_PREFIX, check_name
-from producer_client.settings import TomlSettings
+from producer_client.settings import LOG_LEVEL_PATTERN, TomlSettings
 
 DEFAULT_CONFIG_FILE = Path(__file__).resolve().parents[1] / "config" / "gateway.toml"
 
@@ -113,7 +113,7 @@ class GatewaySettings(TomlSettings):
         description="GET /health answers 503 with the cause once Redis has not answered for this long (one try, "
         "no retry), inside a probe's own timeout",
     )
-    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
+    log_level: str = Field("INFO", pattern=LOG_LEVEL_PATTERN, description="DEBUG, INFO, WARNING, ERROR")
     batch_max_file_bytes: int = Field(100 << 20, ge=1, description="the largest file POST /v1/files takes")
     batch_max_lines: int = Field(50_000, ge=1, description="the most requests a batch input file may hold")
     batch_completion_windows: list[str] = Field(

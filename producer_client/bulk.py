@@ -63,7 +63,10 @@ R = TypeVar("R")
 
 def build_jobs(specs: Iterable[Mapping[str, Any]], tenant: str | None = None) -> list[NewJob]:
     """Every spec validated as `submit` validates its arguments; InvalidArgument names the first
-    bad one as `jobs[<index>].<field>`."""
+    bad one as `jobs[<index>].<field>`. One spec alone (a dict: its keys would be the specs) or
+    what is no iterable (None: a TypeError) is refused as `jobs`."""
+    if isinstance(specs, (str, bytes, Mapping)) or not isinstance(specs, Iterable):
+        raise InvalidArgument("jobs", "must be a list of dicts of submit()'s keyword arguments (one alone: wrap it)")
     known_params: KnownParams = {}
     return [build_spec(index, spec, known_params, tenant) for index, spec in enumerate(specs)]
 

@@ -55,6 +55,15 @@ def known_keys(args: Sequence[Any]) -> list[Any] | None:
     return streams_and_ids[: len(streams_and_ids) // 2]
 
 
+class NotACluster(redis.ResponseError):
+    """A `redis+cluster://` URL's node answered that it runs with cluster mode off: one server,
+    which no retry makes a cluster (producer_client.connection counts it among the fatal errors).
+    redis-py raised it as a RedisClusterException, which no caller of a client catches."""
+
+
+NOT_A_CLUSTER = "Cluster mode is not enabled on this node"
+
+
 class topology_errors:
     """Raise a cluster that cannot be used now as a RedisError (see the module's docstring). A class
     rather than a @contextmanager: every pipeline of a client and a worker goes through it, and a
@@ -70,6 +79,8 @@ class topology_errors:
             return False
         if isinstance(e.__cause__, redis.RedisError):
             raise e.__cause__ from None  # e.g. "cannot be connected", from the ConnectionError behind it
+        if NOT_A_CLUSTER in str(e):
+            raise NotACluster(f"{NOT_A_CLUSTER}: for one server, use a redis:// URL") from None
         if isinstance(e, SlotNotCoveredError) or str(e).startswith("All slots are not covered"):
             raise ClusterDownError(str(e)) from e
         return False

@@ -40,7 +40,7 @@ from redis.commands.sentinel import SentinelMastersResponse
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.connection import parse_url as redis_py_url_options
 
-from producer_client.cluster import AsyncCluster, AsyncRedis, Cluster, SyncRedis
+from producer_client.cluster import AsyncCluster, AsyncRedis, Cluster, NotACluster, SyncRedis
 from producer_client.errors import InvalidArgument
 from producer_client.pooling import (
     ASYNC_ONCE_PER_TRY,
@@ -60,9 +60,15 @@ from producer_client.pooling import (
 # 20 s (see RETRIES).
 RETRY_BASE_S = 0.05
 RETRY_CAP_S = 1.0
-# Errors that retrying cannot mend: wrong credentials, or an ACL that forbids a command. redis-py
-# raises the first two as kinds of ConnectionError, which it would otherwise retry.
-FATAL_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError, redis.exceptions.NoPermissionError)
+# Errors that retrying cannot mend: wrong credentials, an ACL that forbids a command, or a cluster's
+# URL naming a server that is none. redis-py raises the first two as kinds of ConnectionError,
+# which it would otherwise retry.
+FATAL_ERRORS = (
+    redis.AuthenticationError,
+    redis.exceptions.AuthorizationError,
+    redis.exceptions.NoPermissionError,
+    NotACluster,
+)
 
 # What redact_url shows of a query: redis-py's own URL options (numbers, booleans, TLS settings)
 # with plain values; never a value that could be a password.
@@ -213,6 +219,23 @@ SCHEMES = {
     "rediss+sentinel": (Mode.SENTINEL, True),
 }
 DEFAULT_PORT = {Mode.CLUSTER: 6379, Mode.SENTINEL: 26379}
+# A one-server URL's path: its database, as a number (redis-py would take `/abc` for database 0
+# and `/1/2` for database 12).
+_DB_PATH = re.compile(r"/?|/\d{1,9}")
+# The numeric options of a URL's query, each with what it must be: redis-py takes any number, and
+# a socket timeout of 0 or less failed in the socket module at the first command (a traceback),
+# or made a non-blocking socket whose connect never succeeds.
+_SECONDS = ("a number of seconds above 0", lambda v: 0 < v < float("inf"))
+_OPTION_RANGES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "socket_timeout": _SECONDS,
+    "socket_connect_timeout": _SECONDS,
+    "timeout": _SECONDS,
+    "health_check_interval": ("a whole number of seconds, 0 or more", lambda v: v >= 0),
+    "max_connections": ("a whole number from 1", lambda v: v >= 1),
+    "socket_read_size": ("a whole number of bytes from 1", lambda v: v >= 1),
+    "db": ("a database number, 0 or more", lambda v: v >= 0),
+    "protocol": ("2 or 3 (RESP2, RESP3)", lambda v: v in (2, 3)),
+}
 _HOST_PORT = re.compile(r"(?:\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]]+))(?::(?P<port>\d{1,5}))?")
 
 
@@ -243,6 +266,8 @@ def parse_url(url: Any) -> RedisURL:
     if mode is Mode.SERVER:
         options = _redis_py_options(url, url)
         _check_query(url, parts.query, options.get("connection_class", redis.connection.Connection))
+        if scheme != "unix" and not _DB_PATH.fullmatch(unquote(parts.path)):
+            raise _bad(url, "its path must be a database number, such as /0")
         return RedisURL(url, mode, options=options)
     _check_query(url, parts.query, redis.connection.SSLConnection if tls else redis.connection.Connection)
     userinfo, _, hosts = parts.netloc.rpartition("@")
@@ -283,6 +308,9 @@ def _redis_py_options(url: str, text: str) -> dict[str, Any]:
         options: dict[str, Any] = redis_py_url_options(text)  # redis-py's parse_url is unannotated
     except ValueError as e:
         raise _bad(url, str(e)) from None
+    for name, (what, holds) in _OPTION_RANGES.items():
+        if name in options and not holds(options[name]):
+            raise _bad(url, f"its option {name} must be {what}")
     return options
 
 

@@ -29,7 +29,7 @@ from producer_client.protocol.events import EventType, shown_output_format, show
 from producer_client.schema import JobResult, TokenDelta, parse_result
 from producer_client.steps import Steps, checked
 from producer_client.validation import check_event_id, check_job_id, check_timeout
-from producer_client.waiting import Deadline, expiry, finished, read_events, unless_expired
+from producer_client.waiting import Deadline, expiry, finished, read_events, unended_expiry, unless_expired
 
 EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
 # The event id of the one delta of a job that kept no events: the first after "0-0", so that a
@@ -55,6 +55,8 @@ def follow(keys: Keys, job_id: str, after: str, timeout: float | None) -> Steps[
         raise JobNotFound(job_id)
     if result is not None and not has_events:
         reader.kept_no_events(result)
+    elif result is None:  # not ended, or a hash no worker wrote (waiting.UNENDED): FOLLOW found it
+        reader.expires_at = unended_expiry(job_id, status or "", deadline_ms, redis_time)
     else:
         reader.expires_at = expiry(job_id, status, deadline_ms, redis_time)
     return reader, deadline

@@ -97,6 +97,8 @@ def build_job(
     timeout_ms = 0 if request.timeout_s is None else max(1, round(request.timeout_s * 1000))
     cost = estimated_tokens(request, body)
     if request_id is None:
+        if fingerprint is not None:  # binds nothing here, but a malformed one is still the caller's mistake
+            bound_fingerprint(request, fingerprint)
         job_id = fresh_job_id(tenant)
         return NewJob(job_id, body, False, timeout_ms, "", prefix_key(request), request.adapter, lane, cost)
     fingerprint = bound_fingerprint(request, fingerprint)

@@ -33,7 +33,15 @@ from producer_client.sharing import (
 from producer_client.status_reads import read_status
 from producer_client.steps import Repeatable, Steps, checked
 from producer_client.validation import check_job_id, check_timeout
-from producer_client.waiting import NOTHING_KNOWN, Deadline, Known, end_read_of, expiry, finished, wait_done
+from producer_client.waiting import (
+    NOTHING_KNOWN,
+    Deadline,
+    Known,
+    end_read_of,
+    finished,
+    unended_expiry,
+    wait_done,
+)
 
 
 def submit(client: ClientBase, job: NewJob) -> Steps[str]:
@@ -231,7 +239,7 @@ def result(keys: Keys, job_id: str, timeout: float | None) -> Steps[JobResult]:
         raise JobNotFound(job_id)
     if "result" in job:
         return finished(job_id, job["result"])
-    expires_at = expiry(job_id, job["status"], job.get("deadline"), redis_time)
+    expires_at = unended_expiry(job_id, job.get("status", ""), job.get("deadline"), redis_time)
     return finished(job_id, (yield from wait_done(keys, job_id, deadline, expires_at)))
 
 

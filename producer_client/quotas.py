@@ -88,6 +88,8 @@ def set_quota(keys: Keys, tenant: str, changes: Mapping[str, Any], unset: list[s
     for name in unset:
         if name not in QUOTA_FIELDS:
             raise InvalidArgument("unset", f"{name!r} is not a quota setting ({', '.join(QUOTA_FIELDS)})")
+        if changes.get(name) is not None:  # which one is meant? The write would win over the removal, or not
+            raise InvalidArgument("unset", f"{name} is both set and unset: give one of the two")
     written = {name: str(value) for name, value in changes.items() if value is not None}
     yield from tenants.write_quota_fields(keys, tenant, written, unset)
     return (yield from read_quota(keys, tenant))

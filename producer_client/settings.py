@@ -11,7 +11,13 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 from pydantic_settings.exceptions import SettingsError
 
+from producer_client.errors import InvalidArgument
+
 S = TypeVar("S", bound="TomlSettings")
+SETTINGS_ERRORS = (ValidationError, SettingsError)
+# The levels a program's `log_level` takes, in any case: logging refused another only when the
+# program configured its logging (a ValueError traceback, at the worker's start).
+LOG_LEVEL_PATTERN = r"^(?i:DEBUG|INFO|WARNING|ERROR)$"
 
 
 class TomlSettings(BaseSettings):
@@ -37,12 +43,15 @@ class TomlSettings(BaseSettings):
         if config_file is None:
             return cls(**flags)
         if not Path(config_file).is_file():
-            raise FileNotFoundError(f"settings file {config_file} does not exist")
+            raise InvalidArgument("config", f"settings file {config_file} does not exist")
         bound: type[S] = type(cls.__name__, (cls,), {"model_config": {**cls.model_config, "toml_file": config_file}})
-        return bound(**flags)
-
-
-SETTINGS_ERRORS = (ValidationError, SettingsError)
+        try:
+            return bound(**flags)
+        except SETTINGS_ERRORS:
+            raise
+        except (ValueError, OSError) as e:  # tomllib's (tomli's on 3.10) TOMLDecodeError, a UnicodeDecodeError
+            # The decoder's message names a line and column, never the file's text (a password).
+            raise InvalidArgument("config", f"settings file {config_file} is not TOML that can be read: {e}") from None
 
 
 def settings_error_line(error: Exception) -> str:

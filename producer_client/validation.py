@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from producer_client.errors import InvalidArgument
@@ -24,6 +25,8 @@ def check_job_ids(job_ids: Any) -> list[str]:
     cancel_many(job_id) passed over 32 jobs that do not exist and cancelled nothing, silently."""
     if isinstance(job_ids, (str, bytes)):
         raise InvalidArgument("job_ids", "must be a list of job ids, not one id: wrap it, [job_id]")
+    if not isinstance(job_ids, Iterable):  # None, a number: a TypeError from the loop below
+        raise InvalidArgument("job_ids", "must be a list of job ids")
     return [check_job_id(job_id) for job_id in job_ids]
 
 

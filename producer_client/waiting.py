@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
 from producer_client.connection import reply_code
-from producer_client.errors import JobTimeout
+from producer_client.errors import InvalidJob, JobTimeout
 from producer_client.keys import DONE_TTL_MS, Keys
 from producer_client.protocol import job_reads
 from producer_client.protocol.clock import epoch_ms
@@ -24,6 +24,11 @@ from producer_client.steps import Steps
 T = TypeVar("T")
 
 MAX_BLOCK_MS = 2000  # one blocking read, well inside redis-py's default 5 s socket timeout
+# The statuses of a job that has not ended. Every end writes the job's status and its result at
+# once (protocol.script's end_job), so a look that finds another status and no result has met a
+# hash no worker wrote (a producer may write it): without this a wait on it never ended.
+UNENDED = frozenset({"queued", "running"})
+UNPARSED = "its hash holds a status or a deadline the protocol does not define"
 
 
 class Deadline:
@@ -111,14 +116,14 @@ def wait_done(
         (status, deadline_ms, result), redis_time = yield from job_reads.look(keys, job_id)
         if result is not None:
             return result
-        expires_at = expiry(job_id, status, deadline_ms, redis_time)
+        expires_at = unended_expiry(job_id, status, deadline_ms, redis_time)
     while True:
         if expires_at is not None and time.monotonic() >= expires_at:
             unended_at = time.monotonic()
             (status, deadline_ms, result), redis_time = yield from job_reads.look(keys, job_id)
             if result is not None:
                 return result
-            expires_at = expiry(job_id, status, deadline_ms, redis_time)
+            expires_at = unended_expiry(job_id, status, deadline_ms, redis_time)
         sent_at = time.monotonic()
         read = read_done(keys, job_id, deadline, expires_at, ends_kept(unended_at, sent_at))
         result = yield from unless_expired(keys, job_id, expires_at, read)
@@ -176,13 +181,25 @@ def unless_expired(keys: Keys, job_id: str, expires_at: float | None, read: Step
         raise
 
 
+def unended_expiry(
+    job_id: str, status: str | None, deadline_ms: str | None, redis_time: tuple[int, int]
+) -> float | None:
+    """expiry() of a job a look found no result of (None: no such job yet): InvalidJob if its
+    status is neither queued nor running (see UNENDED)."""
+    if status is not None and status not in UNENDED:
+        raise InvalidJob(job_id, UNPARSED)
+    return expiry(job_id, status, deadline_ms, redis_time)
+
+
 def expiry(job_id: str, status: str | None, deadline_ms: str | None, redis_time: tuple[int, int]) -> float | None:
     """When a queued job's deadline passes, on this process's monotonic clock (within a round trip
     of Redis's, late rather than early: the caller asks Redis again then); None if the job cannot
     expire unread (it has started or ended, has no deadline, or is not there). Raises JobExpired
-    once it has passed, as `status()` reads it."""
+    once it has passed, as `status()` reads it; InvalidJob for a deadline that is no number."""
     if status != "queued" or deadline_ms is None:
         return None
+    if not (deadline_ms.isascii() and deadline_ms.isdigit()):
+        raise InvalidJob(job_id, UNPARSED)
     left_ms = int(deadline_ms) - epoch_ms(redis_time)
     if left_ms < 0:
         raise JobExpired(job_id)

@@ -24,7 +24,7 @@ import redis
 
 from producer_client import logs
 from producer_client.connection import is_fatal, redact_url
-from producer_client.errors import MiliError
+from producer_client.errors import InvalidArgument, MiliError
 from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.embedded_redis import EmbeddedRedis
 from worker.engine.interface import EngineAPI
@@ -197,6 +197,19 @@ def wait_for_redis(url: str, backoff_max_s: float):
         return client
 
 
+def check_cuda_device(device: str, count: int) -> None:
+    """A CUDA device the host has, in one line: torch failed on another at its first tensor, deep
+    in the model's load (an AssertionError on a CPU build: 'Torch not compiled with CUDA enabled')."""
+    if not device.startswith("cuda"):
+        return
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        seen = {0: "no CUDA device", 1: "1 CUDA device (cuda:0)"}.get(
+            count, f"{count} CUDA devices (cuda:0 to {count - 1})"
+        )
+        raise InvalidArgument("device", f"{device}: torch sees {seen} on this host; use cpu, or auto")
+
+
 def load_engine(settings: WorkerSettings) -> tuple[EngineAPI, str]:
     """(engine, device) for the configured model; 'echo' is the model-free EchoEngine. The device
     of a tensor-parallel engine lists every rank's: cuda:0,cuda:1."""
@@ -212,6 +225,7 @@ def load_engine(settings: WorkerSettings) -> tuple[EngineAPI, str]:
     device = settings.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_cuda_device(device, torch.cuda.device_count())
     dtype = None if settings.dtype == "auto" else settings.dtype
     engine = Engine.from_pretrained(settings.model, device=device, dtype=dtype, **settings.engine.model_dump())
     try:

@@ -19,7 +19,7 @@ from producer_client.errors import InvalidArgument
 from producer_client.keys import DEFAULT_PREFIX, MAX_SHARDS, check_name
 from producer_client.protocol.shards import check_count_or_auto
 from producer_client.schema import MAX_BODY_BYTES, MAX_TOKENS_LIMIT
-from producer_client.settings import TomlSettings
+from producer_client.settings import LOG_LEVEL_PATTERN, TomlSettings
 from worker.engine.settings import EngineSettings
 
 DEFAULT_CONFIG_FILE = Path(__file__).resolve().parents[1] / "config" / "worker.toml"
@@ -37,7 +37,12 @@ class WorkerSettings(TomlSettings):
     model: str = Field(
         "tiny", description='a preset (tiny, tiny-moe, small, qwen3-0.6b), "echo" (no model), or a checkpoint directory'
     )
-    device: str = Field("auto", description="cpu, cuda, cuda:N; auto picks cuda when torch sees one")
+    # Checked here: torch refused another only once the model loaded (a RuntimeError traceback).
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda(:\d{1,3})?)$",
+        description="cpu, cuda, cuda:N; auto picks cuda when torch sees one",
+    )
     dtype: str = Field("auto", description="float32, bfloat16, float16; auto keeps the checkpoint's own")
     redis: str = Field(
         "embedded",
@@ -137,7 +142,7 @@ class WorkerSettings(TomlSettings):
         description="`python -m worker healthcheck` reports unhealthy, with the cause, once Redis has not answered "
         "for this long (one try, no retry), inside the probe's own timeout",
     )
-    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
+    log_level: str = Field("INFO", pattern=LOG_LEVEL_PATTERN, description="DEBUG, INFO, WARNING, ERROR")
     engine: EngineSettings = EngineSettings()
 
     @field_validator("redis")

@@ -166,8 +166,10 @@ class StreamReading:
 def read_streams(streams: list[QueueStream]) -> Steps[list[StreamReading]]:
     """XLEN of each stream, then XINFO GROUPS of those that hold entries (it fails on a stream that
     does not exist). Two round trips; on a cluster the workers' streams lie on other shards, and
-    each round trip goes to all of them at once."""
-    depths = checked((yield lambda pipe: [pipe.xlen(s.key) for s in streams]))
+    each round trip goes to all of them at once. A stream a producer made another type holds no
+    jobs (they went with the DEL that changed its type): it reads as empty, and stops no stats,
+    listing, board or metrics read of the queue's other streams."""
+    depths = [unless_other_type(reply, 0) for reply in (yield lambda pipe: [pipe.xlen(s.key) for s in streams])]
     held = [i for i, depth in enumerate(depths) if depth]
     replies = checked((yield lambda pipe: [pipe.xinfo_groups(streams[i].key) for i in held])) if held else []
     groups = dict(zip(held, replies))
@@ -193,9 +195,10 @@ def processed(infos: list[StreamInfo | Exception]) -> int | None:
 
 
 def stream_exists(reply: StreamInfo | Exception) -> TypeGuard[StreamInfo]:
-    """False for the error XINFO gives on a key that does not exist; other errors raise."""
+    """False for the error XINFO gives on a key that does not exist, or one of another type (as
+    read_streams reads it); other errors raise."""
     if isinstance(reply, Exception):
-        if "no such key" in str(reply).lower() or "nogroup" in str(reply).lower():
+        if "no such key" in str(reply).lower() or "nogroup" in str(reply).lower() or reply_code(reply) == "WRONGTYPE":
             return False
         raise reply
     return True

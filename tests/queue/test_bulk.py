@@ -216,6 +216,29 @@ def test_one_id_given_where_many_are_taken_is_refused_and_cancels_nothing(client
     assert client.status(job_id).status == "queued"
 
 
+def test_what_is_no_list_where_many_are_taken_is_refused_and_enqueues_or_cancels_nothing(client, redis_client, queue):
+    """None (or a number) where a list of ids or specs is taken raised a TypeError from the loop over
+    it, and a dict given to submit_many as one spec was refused as its first key's: each is one
+    InvalidArgument naming the argument, before anything reaches Redis."""
+    for call in (
+        lambda: client.cancel_many(None),
+        lambda: next(iter(client.as_completed(None))),
+        lambda: client.results(7),
+        lambda: ResultWatch(KEYS, None),
+    ):
+        with pytest.raises(InvalidArgument) as refused:
+            call()
+        assert refused.value.message == "job_ids: must be a list of job ids"
+    for specs in (None, 3, {"prompt": "x"}, "x"):
+        with pytest.raises(InvalidArgument) as refused:
+            client.submit_many(specs)
+        assert (
+            refused.value.message
+            == "jobs: must be a list of dicts of submit()'s keyword arguments (one alone: wrap it)"
+        )
+    assert redis_client.keys(f"*{queue}*") == []  # nothing enqueued, on any stream of the queue
+
+
 @pytest.mark.parametrize("planted", ["job", "done"])
 def test_a_job_key_of_another_type_is_that_jobs_invalid_job_to_the_bulk_calls_and_the_others_go_on(
     client, redis_client, queue, planted

@@ -85,6 +85,17 @@ BATCH_LINE = (
 )
 
 
+def test_an_error_of_several_lines_is_said_in_one(redis_server, redis_client, queue, capsys):
+    """The grammar library's message for a bad pattern draws a caret under it, over five lines:
+    the CLI says it in one, and enqueues nothing."""
+    code = main(["--redis", redis_server.url, "--queue", queue, "submit", "x", "--regex", "("])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("error: invalid_argument: response_format.pattern: the grammar library refuses it: ")
+    assert "unclosed group" in err
+    assert entries_added(redis_client, queue) == 0
+
+
 def test_batch_files_it_cannot_use_are_named_before_any_line_is_submitted(
     redis_server, redis_client, queue, tmp_path, capsys
 ):

@@ -792,3 +792,36 @@ def test_a_job_key_of_another_type_is_that_jobs_invalid_job_and_the_next_job_is_
         assert time.monotonic() - started < 2, read  # at once, not at the caller's timeout
     assert client.status(good).status == "queued"
     assert redis_client.get(key) == "not what the protocol writes here"  # nothing was written over it
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"status": "done"},
+        {"status": "failed"},
+        {"status": "bogus"},
+        {"tokens": "1"},
+        {"status": "queued", "deadline": "x"},
+    ],
+    ids=["done-without-result", "failed-without-result", "unknown-status", "no-status", "deadline-no-number"],
+)
+def test_a_job_hash_no_worker_writes_is_that_jobs_invalid_job_to_a_wait_at_once(client, redis_client, fields):
+    """A producer may write a job's hash: an ended status without the result every end writes with
+    it kept result(), wait() and stream() blocking to the caller's timeout (for ever without one), a hash
+    without a status or with a deadline that is no number raised KeyError or ValueError from
+    result(). Each is the job's InvalidJob now, at once, as status() reads it."""
+    job_id = f"junk-{uuid.uuid4().hex[:8]}"
+    redis_client.hset(Keys().job(job_id), mapping=fields)
+    waits = {
+        "result": lambda: client.result(job_id, timeout=5),
+        "stream": lambda: list(client.stream(job_id, timeout=5)),
+    }
+    if "status" in fields:  # wait() does not look the job up first: a hash with no status is no job yet to it
+        waits["wait"] = lambda: client.wait(job_id, timeout=5)
+    for name, call in waits.items():
+        started = time.monotonic()
+        with pytest.raises(InvalidJob) as invalid:
+            call()
+        assert (invalid.value.code, invalid.value.job_id) == ("invalid_job", job_id), name
+        assert "holds a status or a deadline the protocol does not define" in str(invalid.value)
+        assert time.monotonic() - started < 2, name  # at once, not at the caller's timeout

@@ -21,9 +21,10 @@ from redis.backoff import ConstantBackoff, NoBackoff
 
 from harness.processes import REPO
 from producer_client import AsyncClient, Client, InvalidArgument, steps
-from producer_client.cluster import Cluster, known_keys
+from producer_client.cluster import Cluster, NotACluster, known_keys
 from producer_client.connection import Mode, connect, connect_async, parse_url, redact_url
 from producer_client.protocol import execution
+from worker.__main__ import RedisRefused, wait_for_redis
 from worker.embedded_redis import EmbeddedRedis, free_port
 
 # Its reconnection tests wait out retry back-offs and a failover (1.6 s of CPU over its 5.9 s run alone, at load 5):
@@ -101,6 +102,24 @@ BAD = [
     ("rediss+sentinel://s1/m?parser_class=x", "none of redis-py's for a TLS connection (rediss://)"),
     ("unix:///tmp/r.sock?socket_keepalive=true", "none of redis-py's for a unix socket"),
     (f"redis://h:1/0?password=a&{SECRET}=b", "none of redis-py's for a TCP connection"),
+    # A path that is no database number: redis-py took /abc for database 0 and /1/2 for 12.
+    ("redis://h:1/abc", "its path must be a database number"),
+    ("redis://h:1/1/2", "its path must be a database number"),
+    (f"rediss://u:{SECRET}@h:1/0x", "its path must be a database number"),
+    # Numbers out of their range, which redis-py passed on: a negative timeout was a ValueError
+    # (a traceback) at the first command, a timeout of 0 a connect that never succeeds.
+    ("redis://h:1/0?socket_timeout=-1", "its option socket_timeout must be a number of seconds above 0"),
+    ("redis://h:1/0?socket_connect_timeout=0", "its option socket_connect_timeout must be a number of seconds"),
+    ("redis://h:1/0?socket_timeout=nan", "its option socket_timeout must be a number of seconds"),
+    ("redis://h:1/0?socket_timeout=inf", "its option socket_timeout must be a number of seconds"),
+    ("redis://h:1/0?health_check_interval=-5", "its option health_check_interval must be a whole number"),
+    ("redis://h:1/0?max_connections=0", "its option max_connections must be a whole number from 1"),
+    ("redis://h:1/0?socket_read_size=0", "its option socket_read_size must be"),
+    ("redis://h:1?db=-1", "its option db must be a database number"),
+    ("redis://h:1/0?protocol=5", "its option protocol must be 2 or 3"),
+    ("unix:///tmp/r.sock?socket_timeout=-2", "its option socket_timeout must be"),
+    ("redis+cluster://a:7000?socket_timeout=0", "its option socket_timeout must be"),
+    ("redis+sentinel://s1/m?socket_connect_timeout=-1", "its option socket_connect_timeout must be"),
 ]
 
 
@@ -209,6 +228,29 @@ def test_the_cli_says_a_bad_url_in_one_line_and_exits_1():
     assert done.stderr.strip() == (
         "error: invalid_argument: redis: redis+sentinel://***@s1:26379: name the master's service after the "
         "sentinels: redis+sentinel://host:26379/mymaster"
+    )
+
+
+async def test_a_cluster_url_naming_one_server_is_one_fatal_error_at_once_to_every_program(redis_server):
+    """redis+cluster:// of a server whose cluster mode is off: redis-py raised RedisClusterException,
+    which is no RedisError, so the CLI and the worker printed a traceback. Now NotACluster, at once
+    (no retry makes a server a cluster): the CLI says it in one line, the worker stops with
+    redis_refused before it loads a model."""
+    url = redis_server.url.replace("redis://", "redis+cluster://").removesuffix("/0")
+    with pytest.raises(NotACluster, match="use a redis:// URL"):
+        Client(url).submit(prompt="a")
+    client = AsyncClient(url)
+    with pytest.raises(NotACluster, match="use a redis:// URL"):
+        await client.submit(prompt="a")
+    with pytest.raises(RedisRefused, match="NotACluster: Cluster mode is not enabled on this node"):
+        wait_for_redis(url, backoff_max_s=0.1)
+    done = subprocess.run(
+        [sys.executable, "-m", "cli", "--redis", url, "stats"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1
+    assert done.stderr == (
+        f"error: redis at {url}: NotACluster: Cluster mode is not enabled on this node: for one server, use a "
+        "redis:// URL\n"
     )
 
 

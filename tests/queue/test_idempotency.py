@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from producer_client import IdempotencyConflict
+from producer_client import IdempotencyConflict, InvalidArgument
 from producer_client.keys import Keys
 
 KEYS = Keys()
@@ -64,3 +64,15 @@ def test_submit_many_refuses_a_chunk_with_a_request_id_of_another_request(client
         fresh,
         taken,
     ]
+
+
+@pytest.mark.parametrize("fingerprint", [5, "", "not hex!", "f" * 1000])
+def test_a_malformed_request_fingerprint_is_refused_with_or_without_a_request_id(
+    client, redis_client, queue, fingerprint
+):
+    """Without a request_id a fingerprint binds nothing, and a malformed one was taken silently;
+    it is refused as with one, and nothing is enqueued."""
+    for request_id in (None, f"r-{uuid.uuid4().hex[:8]}"):
+        with pytest.raises(InvalidArgument, match="request_fingerprint: must be"):
+            client.submit(prompt="x", max_tokens=2, request_id=request_id, request_fingerprint=fingerprint)
+    assert redis_client.exists(KEYS.queue(queue)) == 0

@@ -124,6 +124,19 @@ def test_quota_set_and_show_print_the_tenants_settings_and_a_limit_of_0_is_refus
     assert redis_client.hget(KEYS.quota(tenant), "rpm") is None
 
 
+def test_a_quota_setting_both_set_and_unset_is_refused_and_changes_nothing(mili, redis_client):
+    """`--rpm 60 --unset rpm` asks for two things: the removal won, silently; now neither is done."""
+    tenant = f"team-{redis_client.incr('test:quota-tenant')}"
+    assert mili("quota", "set", tenant, "--rpm", "30")[0] == 0
+    code, out, err = mili("quota", "set", tenant, "--rpm", "60", "--tpm", "100", "--unset", "rpm")
+    assert (code, out, err) == (
+        1,
+        "",
+        "error: invalid_argument: unset: rpm is both set and unset: give one of the two\n",
+    )
+    assert redis_client.hgetall(KEYS.quota(tenant)) == {"rpm": "30"}
+
+
 def test_submit_takes_a_service_tier_and_the_tenant(mili, redis_client, queue):
     code, out, _ = mili("--tenant", "team-cli", "submit", "hi", "--service-tier", "flex", "--max-tokens", "1")
     assert code == 0

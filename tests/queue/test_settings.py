@@ -9,6 +9,7 @@ import tomllib
 from pydantic import ValidationError
 
 from producer_client.errors import InvalidArgument
+from worker.__main__ import check_cuda_device
 from worker.__main__ import main as worker_main
 from worker.engine.settings import EngineSettings
 from worker.settings import DEFAULT_CONFIG_FILE, WorkerSettings, add_setting_flags, settings_from_args
@@ -152,3 +153,48 @@ def test_speculative_flags_reach_the_engine_settings_and_a_method_without_its_mo
     with pytest.raises(SystemExit):
         parse_flags("--speculative-method", "medusa")
     assert "invalid choice: 'medusa'" in capsys.readouterr().err
+
+
+def test_a_settings_file_that_is_missing_or_no_toml_and_a_log_level_of_no_name_are_one_line_each(tmp_path, capsys):
+    """As a user starting a worker sees them: one line and exit code 2, before anything binds or
+    loads; a missing --config, TOML that does not parse and a log level logging has no name for
+    were tracebacks (FileNotFoundError, TOMLDecodeError, ValueError from logging at its setup).
+    The file's text (a Redis URL, with its password) is never shown."""
+    not_toml = tmp_path / "not.toml"
+    not_toml.write_text('redis = "redis://u:pw-in-the-file@h:1/0"\nblock_ms = \n')
+    not_utf8 = tmp_path / "binary.toml"
+    not_utf8.write_bytes(b"\xff\xfe")
+    for flags, message in (
+        (["--config", str(tmp_path / "none.toml")], f"config: settings file {tmp_path / 'none.toml'} does not exist"),
+        (["--config", str(tmp_path)], f"config: settings file {tmp_path} does not exist"),
+        (["--config", str(not_toml)], f"config: settings file {not_toml} is not TOML that can be read: Invalid value"),
+        (["--config", str(not_utf8)], f"config: settings file {not_utf8} is not TOML that can be read: 'utf-8' codec"),
+        (["--log-level", "loud"], "log_level: String should match pattern '^(?i:DEBUG|INFO|WARNING|ERROR)$'"),
+    ):
+        assert worker_main(["serve", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: invalid_argument: {message}") and err.count("\n") == 1, err
+        assert "pw-in-the-file" not in err
+    assert WorkerSettings.load(None, log_level="warning").log_level == "warning"  # any case, as logging takes it
+
+
+def test_a_device_the_host_has_not_is_one_line_before_the_model_loads(capsys):
+    """`--device bogus` was torch's RuntimeError, and `--device cuda:N` on a host without it an
+    AssertionError ('Torch not compiled with CUDA enabled'), both tracebacks from the model's load."""
+    for device in ("bogus", "CPU", "cuda:x", "gpu"):
+        assert worker_main(["serve", "--device", device]) == 2
+        assert capsys.readouterr().err == (
+            "error: invalid_argument: device: String should match pattern '^(auto|cpu|cuda(:\\d{1,3})?)$'\n"
+        )
+    for device in ("cpu", "auto", "cuda", "cuda:1"):
+        assert WorkerSettings.load(None, device=device).device == device
+    check_cuda_device("cpu", 0)
+    check_cuda_device("cuda:1", 2)
+    for device, count, seen in (
+        ("cuda", 0, "no CUDA device"),
+        ("cuda:1", 1, "1 CUDA device (cuda:0)"),
+        ("cuda:4", 4, "4 CUDA devices (cuda:0 to 3)"),
+    ):
+        with pytest.raises(InvalidArgument) as refused:
+            check_cuda_device(device, count)
+        assert refused.value.message == f"device: {device}: torch sees {seen} on this host; use cpu, or auto"

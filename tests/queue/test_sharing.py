@@ -97,6 +97,29 @@ def test_queue_stats_read_a_set_of_lane_streams_and_a_scheduler_hash_of_another_
     assert (stats.depth, [(s.lane, s.tenant, s.depth) for s in stats.streams]) == (1, [("default", None, 1)])
 
 
+def test_a_job_stream_of_another_type_reads_as_empty_to_stats_listings_and_the_board(
+    redis_server, queue, tenant, redis_client
+):
+    """A producer may DEL and SET the queue's own stream or a tenant's lane stream: XLEN's
+    WRONGTYPE failed the whole of `mili stats`, `mili jobs`, the board and the gateway's metrics for
+    every stream of the queue. Its jobs went with the DEL, so it reads as empty, and the queue's
+    other streams are read as ever."""
+    with Client(redis_server.url, queue, tenant=tenant) as client:
+        flex = client.submit("flex job", max_tokens=1, service_tier="flex")
+        client.submit("priority job", max_tokens=1, service_tier="priority")
+        client.as_tenant(None).submit("no tenant", max_tokens=1)
+        for key in (KEYS.queue(queue), KEYS.lane_stream(queue, "priority", tenant)):
+            redis_client.delete(key)
+            redis_client.set(key, "not a stream")
+        stats = client.queue_stats()
+        waiting = client.inspect.waiting(limit=10)
+        running = client.inspect.running(limit=10)
+        overview = client.inspect.overview()
+    assert (stats.depth, [(s.lane, s.tenant, s.depth) for s in stats.streams]) == (1, [("flex", tenant, 1)])
+    assert [job.job_id for job in waiting] == [flex] and running == []
+    assert (overview.depth, overview.waiting, overview.processed) == (1, 1, 0)
+
+
 def test_a_worker_counts_the_tokens_it_served_per_lane_and_tenant(redis_server, queue, tenant):
     with Client(redis_server.url, queue, tenant=tenant) as client, serving(redis_server.url, queue) as worker:
         flex = [client.submit(f"flex job {i}", max_tokens=3, service_tier="flex") for i in range(3)]
