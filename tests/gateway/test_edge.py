@@ -4,6 +4,7 @@ its size (a Content-Length over the limit is refused at once with 413; a chunked
 once it passes the limit, and what the gateway held stays under the limit plus a small constant),
 and its type (a JSON route takes application/json only: a cross-site "simple" request cannot
 enqueue work), its time (a body not whole within body_timeout_s is answered 408 and its connection
+closed; a head not whole within header_timeout_s too, and a connection that sends nothing is
 closed). No CORS is granted unless configured; the board's actions need their header."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ MIB = 1 << 20
 SLACK = 4 * MIB
 ORIGIN = "https://app.example"
 BODY_TIMEOUT_S = 2.0
+HEADER_TIMEOUT_S = 2.0
 BOUNDARY = "edgeboundary"
 
 
@@ -55,6 +57,8 @@ def edge_gateway(redis_server, tmp_path_factory, spool_dir):
         "1000",
         "--body-timeout-s",
         str(BODY_TIMEOUT_S),
+        "--header-timeout-s",
+        str(HEADER_TIMEOUT_S),
         env={"TMPDIR": str(spool_dir)},
     ).start()
     yield gateway
@@ -289,3 +293,74 @@ def test_a_body_not_whole_in_time_is_answered_408_and_its_connection_closed_whil
     # about the body's model is one about a body read whole.
     assert (read_whole["status"], error_of(read_whole["body"])["code"]) == (404, "model_not_found"), read_whole
     assert read_whole["sent"] == sum(map(len, in_time))
+
+
+def head_in_pieces(port: int, pieces: list[bytes], every_s: float) -> dict:
+    """A connection that sends `pieces` of a request's head, one every `every_s`, until the gateway
+    answers or closes; then read to the connection's end. status None: closed with no answer."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    started = time.monotonic()
+    for piece in pieces:
+        if select.select([sock], [], [], every_s)[0]:
+            break
+        sock.sendall(piece)
+    select.select([sock], [], [], 30)
+    answer = b""
+    try:
+        while more := sock.recv(65536):
+            answer += more
+    except ConnectionResetError:
+        pass  # a piece sent as the gateway closed: see request_in_pieces
+    closed_s = time.monotonic() - started
+    sock.close()
+    head_part, _, body = answer.partition(b"\r\n\r\n")
+    return {"status": int(head_part.split()[1]) if answer else None, "body": body, "closed_s": closed_s}
+
+
+def two_requests_apart(port: int, pause_s: float) -> list[int]:
+    """Two GETs on one connection, `pause_s` apart: the statuses of both."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    statuses = []
+    for i in range(2):
+        if i:
+            time.sleep(pause_s)
+        sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+        head_part, _, body = answer.partition(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1]) for line in head_part.split(b"\r\n") if line.lower().startswith(b"content-length:")
+        )
+        while len(body) < length:
+            body += sock.recv(65536)
+        statuses.append(int(head_part.split()[1]))
+    sock.close()
+    return statuses
+
+
+def test_a_head_not_whole_in_time_is_answered_408_and_a_silent_connection_closed_while_others_are_served(
+    edge_gateway,
+):
+    # A slowloris: connections that send no byte, or part of a head and then nothing, or a header
+    # line every 0.25 s (100 of them: 25 s of head, past the timeout many times over), were held
+    # for as long as their clients kept them open. Each now ends at the timeout; meanwhile a
+    # connection that waits between two requests longer than the timeout keeps being served (the
+    # deadline is its head's, not its life's).
+    begun = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    drip = [begun] + [f"X-Slow-{i}: {i}\r\n".encode() for i in range(100)]
+    with ThreadPoolExecutor(4) as pool:
+        silent = pool.submit(head_in_pieces, edge_gateway.port, [], 0.25)
+        partial = pool.submit(head_in_pieces, edge_gateway.port, [begun], 0.25)
+        dripping = pool.submit(head_in_pieces, edge_gateway.port, drip, 0.25)
+        apart = pool.submit(two_requests_apart, edge_gateway.port, HEADER_TIMEOUT_S + 0.5)
+        models = httpx.get(f"{edge_gateway.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        answers = {"silent": silent.result(), "partial": partial.result(), "dripping": dripping.result()}
+        statuses = apart.result()
+    assert models.status_code == 200
+    assert statuses == [200, 200]
+    assert answers["silent"]["status"] is None, answers["silent"]
+    for name in ("partial", "dripping"):
+        assert (answers[name]["status"], error_of(answers[name]["body"])["code"]) == (408, "request_timeout"), answers
+    for answer in answers.values():
+        assert HEADER_TIMEOUT_S - 0.1 <= answer["closed_s"] < HEADER_TIMEOUT_S + 2.0, answers
