@@ -11,6 +11,7 @@ import sys
 import uvicorn
 
 from gateway.app import create_app
+from gateway.http_protocol import head_timed_protocol
 from gateway.lifecycle import Lifecycle
 from gateway.settings import GatewaySettings, add_setting_flags, settings_from_args
 from producer_client import MiliError, logs
@@ -61,6 +62,7 @@ def serve(settings: GatewaySettings) -> None:
         create_app(settings, lifecycle),
         host=settings.host,
         port=settings.port,
+        http=head_timed_protocol(settings.header_timeout_s),
         access_log=False,
         proxy_headers=False,
         log_level=settings.log_level.lower(),

@@ -54,6 +54,13 @@ class GatewaySettings(TomlSettings):
         description="a request's whole body must arrive within this long of its headers, else 408 and the "
         "connection closes: a client that sends its body slowly holds no connection longer",
     )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0.0,
+        description="a request's head must arrive whole within this long of its connection's opening (or of its "
+        "first byte), else 408 and the connection closes: a client that sends nothing, or its head slowly, holds "
+        "no connection longer",
+    )
     cors_origins: list[str] = Field(
         default_factory=list,
         description='origins granted CORS (JSON list, "*" for any); empty: none',

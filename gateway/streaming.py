@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 from starlette.responses import StreamingResponse
 
@@ -26,6 +26,10 @@ from producer_client import JobResult, TokenDelta
 
 log = logging.getLogger("gateway.streaming")
 
+# A proxy must pass each event on as it comes, and keep none: nginx (and the ingress controllers
+# built on it) buffers an upstream's answer, a stream's tokens included, unless the answer says
+# X-Accel-Buffering: no; a cache may store what does not say no-cache.
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE = b": keep-alive\n\n"
 DONE = b"data: [DONE]\n\n"
 
@@ -41,6 +45,9 @@ class EventStream(StreamingResponse):
     rather than whenever it is garbage-collected."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], headers: Mapping[str, str] | None = None):
+        super().__init__(content, headers={**STREAM_HEADERS, **(headers or {})})
 
     async def __call__(self, scope, receive, send) -> None:
         try:

@@ -46,12 +46,12 @@ def raw_request(
                 sock.sendall(b"0\r\n\r\n")
     except (BrokenPipeError, ConnectionResetError):
         pass
-    status, body = _read_answer(sock)
+    status, body = read_answer(sock)
     sock.close()
     return status, body, sent
 
 
-def _read_answer(sock: socket.socket) -> tuple[int, bytes]:
+def read_answer(sock: socket.socket) -> tuple[int, bytes]:
     data = b""
     while b"\r\n\r\n" not in data:
         more = sock.recv(65536)

@@ -4,7 +4,8 @@ its size (a Content-Length over the limit is refused at once with 413; a chunked
 once it passes the limit, and what the gateway held stays under the limit plus a small constant),
 and its type (a JSON route takes application/json only: a cross-site "simple" request cannot
 enqueue work), its time (a body not whole within body_timeout_s is answered 408 and its connection
-closed). No CORS is granted unless configured; the board's actions need their header."""
+closed; a head not whole within header_timeout_s too, and a connection that sends nothing is
+closed; a head over 64 KiB is refused with 431 as it passes the limit). No CORS is granted unless configured; the board's actions need their header."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.support import ResourceWatch, raw_request
+from tests.gateway.support import ResourceWatch, raw_request, read_answer
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import job_count
 
@@ -30,6 +31,7 @@ MIB = 1 << 20
 SLACK = 4 * MIB
 ORIGIN = "https://app.example"
 BODY_TIMEOUT_S = 2.0
+HEADER_TIMEOUT_S = 2.0
 BOUNDARY = "edgeboundary"
 
 
@@ -55,6 +57,8 @@ def edge_gateway(redis_server, tmp_path_factory, spool_dir):
         "1000",
         "--body-timeout-s",
         str(BODY_TIMEOUT_S),
+        "--header-timeout-s",
+        str(HEADER_TIMEOUT_S),
         env={"TMPDIR": str(spool_dir)},
     ).start()
     yield gateway
@@ -289,3 +293,101 @@ def test_a_body_not_whole_in_time_is_answered_408_and_its_connection_closed_whil
     # about the body's model is one about a body read whole.
     assert (read_whole["status"], error_of(read_whole["body"])["code"]) == (404, "model_not_found"), read_whole
     assert read_whole["sent"] == sum(map(len, in_time))
+
+
+def head_in_pieces(port: int, pieces: list[bytes], every_s: float) -> dict:
+    """A connection that sends `pieces` of a request's head, one every `every_s`, until the gateway
+    answers or closes; then read to the connection's end. status None: closed with no answer."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    started = time.monotonic()
+    for piece in pieces:
+        if select.select([sock], [], [], every_s)[0]:
+            break
+        sock.sendall(piece)
+    select.select([sock], [], [], 30)
+    answer = b""
+    try:
+        while more := sock.recv(65536):
+            answer += more
+    except ConnectionResetError:
+        pass  # a piece sent as the gateway closed: see request_in_pieces
+    closed_s = time.monotonic() - started
+    sock.close()
+    head_part, _, body = answer.partition(b"\r\n\r\n")
+    return {"status": int(head_part.split()[1]) if answer else None, "body": body, "closed_s": closed_s}
+
+
+def two_requests_apart(port: int, pause_s: float) -> list[int]:
+    """Two GETs on one connection, `pause_s` apart: the statuses of both."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    statuses = []
+    for i in range(2):
+        if i:
+            time.sleep(pause_s)
+        sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+        head_part, _, body = answer.partition(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1]) for line in head_part.split(b"\r\n") if line.lower().startswith(b"content-length:")
+        )
+        while len(body) < length:
+            body += sock.recv(65536)
+        statuses.append(int(head_part.split()[1]))
+    sock.close()
+    return statuses
+
+
+def test_a_head_not_whole_in_time_is_answered_408_and_a_silent_connection_closed_while_others_are_served(
+    edge_gateway,
+):
+    # A slowloris: connections that send no byte, or part of a head and then nothing, or a header
+    # line every 0.25 s (100 of them: 25 s of head, past the timeout many times over), were held
+    # for as long as their clients kept them open. Each now ends at the timeout; meanwhile a
+    # connection that waits between two requests longer than the timeout keeps being served (the
+    # deadline is its head's, not its life's).
+    begun = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    drip = [begun] + [f"X-Slow-{i}: {i}\r\n".encode() for i in range(100)]
+    with ThreadPoolExecutor(4) as pool:
+        silent = pool.submit(head_in_pieces, edge_gateway.port, [], 0.25)
+        partial = pool.submit(head_in_pieces, edge_gateway.port, [begun], 0.25)
+        dripping = pool.submit(head_in_pieces, edge_gateway.port, drip, 0.25)
+        apart = pool.submit(two_requests_apart, edge_gateway.port, HEADER_TIMEOUT_S + 0.5)
+        models = httpx.get(f"{edge_gateway.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+        answers = {"silent": silent.result(), "partial": partial.result(), "dripping": dripping.result()}
+        statuses = apart.result()
+    assert models.status_code == 200
+    assert statuses == [200, 200]
+    assert answers["silent"]["status"] is None, answers["silent"]
+    for name in ("partial", "dripping"):
+        assert (answers[name]["status"], error_of(answers[name]["body"])["code"]) == (408, "request_timeout"), answers
+    for answer in answers.values():
+        assert HEADER_TIMEOUT_S - 0.1 <= answer["closed_s"] < HEADER_TIMEOUT_S + 2.0, answers
+
+
+def head_of_size(port: int, header_bytes: int, piece: int = 64 << 10) -> dict:
+    """A GET whose one X-Big header has `header_bytes` bytes, sent a piece at a time until the
+    gateway answers; then its answer, read to its length (the gateway may close after)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\nX-Big: ".encode())
+    sent = 0
+    while sent < header_bytes and not select.select([sock], [], [], 0.005)[0]:
+        sock.sendall(b"a" * min(piece, header_bytes - sent))
+        sent += min(piece, header_bytes - sent)
+    if sent == header_bytes:
+        sock.sendall(b"\r\n\r\n")
+    status, body = read_answer(sock)
+    sock.close()
+    return {"status": status, "body": body, "sent": sent}
+
+
+def test_a_head_over_its_limit_is_refused_431_and_the_gateway_holds_no_more_of_it(edge_gateway, spool_dir):
+    # uvicorn bounds no head: a header sent for as long as a client liked was held whole (170 MiB
+    # of one header in 2.5 s grew the gateway by as much). A head of 32 KiB (a big cookie) is served.
+    with ResourceWatch(edge_gateway.process.pid, spool_dir) as watch:
+        huge = head_of_size(edge_gateway.port, 64 * MIB)
+    assert (huge["status"], error_of(huge["body"])["code"]) == (431, "headers_too_large"), huge["body"]
+    assert huge["sent"] < 64 * MIB
+    assert watch.max_rss_growth < SLACK, watch.max_rss_growth
+    assert head_of_size(edge_gateway.port, 32 << 10)["status"] == 200

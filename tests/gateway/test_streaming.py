@@ -42,6 +42,20 @@ def test_curl_sees_data_lines_then_done(gateway):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_stream_tells_proxies_to_pass_it_on_unbuffered_and_caches_to_keep_none(gateway, sdk):
+    # nginx, and the ingress controllers built on it, buffer an upstream's answer unless it says
+    # X-Accel-Buffering: no: behind one, the tokens would reach the client in 4-8 KiB lumps.
+    chat = sdk.chat.completions.with_raw_response.create(
+        model="echo", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+    )
+    text = sdk.completions.with_raw_response.create(model="echo", prompt="hi", max_tokens=4, stream=True)
+    for raw in (chat, text):
+        assert raw.headers["content-type"].startswith("text/event-stream")
+        assert (raw.headers.get("x-accel-buffering"), raw.headers.get("cache-control")) == ("no", "no-cache")
+        assert raw.headers["x-mili-job-ids"]  # the request's own headers are kept beside
+        raw.parse().close()
+
+
 @pytest.mark.timing
 async def test_waiting_streams_get_a_keepalive_every_interval_then_their_tokens(gateway, redis_server, tmp_path):
     waited_s = 8 * KEEPALIVE_S

@@ -1,0 +1,125 @@
+"""uvicorn's HTTP protocol with a deadline on each request's head.
+
+uvicorn times a connection only between two requests (its keep-alive timeout, armed once an answer
+is sent): a connection that never sends a request, or sends its head a byte now and then, is held
+for as long as its client keeps it open, and a few clients holding many each would take every file
+descriptor the gateway has (a "slowloris"). The edge (gateway/edge.py) times the body, which the app
+reads; the head is read by the protocol before the app runs, so its deadline is kept here: a
+request's head must arrive whole within `header_timeout_s` of the connection's opening (its first
+request) or of its first byte (a later request on the connection), else a 408 `request_timeout`
+and the connection closes. A connection that sent no byte at all is closed without an answer, as
+uvicorn closes an idle keep-alive one.
+
+Nor does uvicorn bound a head's size: the parser holds a header line, and uvicorn the headers, for
+as long as they come (a client sending 170 MiB of one header in 2.5 s grew the gateway by as
+much). A head past MAX_HEAD_BYTES is answered 431 and its connection closed. The bytes are counted
+as they are read, so the gateway holds at most the limit and one read of the socket."""
+
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from openai_format.errors import APIError
+
+# Far above any client's head (the SDKs send about 1 KiB); nginx's largest is 32 KiB by default.
+MAX_HEAD_BYTES = 64 << 10
+LINGER_S = 1.0
+
+
+def head_timed_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol (httptools is a dependency of the gateway's), with the head's
+    deadline. A class per setting: uvicorn makes one protocol per connection from the class."""
+
+    class HeadTimedProtocol(HttpToolsProtocol):
+        head_timer: asyncio.TimerHandle | None = None
+        head_begun = False
+        in_head = True  # the bytes read now are a head's (a request's body is the edge's to bound)
+        head_bytes = 0
+
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            self.arm_head_timer()
+
+        def data_received(self, data: bytes) -> None:
+            if self.in_head:
+                self.head_bytes += len(data)
+            super().data_received(data)
+            # Checked after the parser has read them: a read that ends the head may hold a body too.
+            if self.in_head and self.head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                self.refuse_head()
+
+        def refuse_head(self) -> None:
+            """The 431, then the connection closed LINGER_S later: the client may still be
+            sending its head, and closing a socket with unread bytes resets the connection, which
+            may drop the answer before the client reads it. Meanwhile what comes is dropped."""
+            self.disarm_head_timer()
+            self.in_head = False
+            self.data_received = lambda data: None  # type: ignore[method-assign]
+            self.transport.write(answer(head_too_large()))
+            self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.head_begun = True
+            if self.head_timer is None:
+                self.arm_head_timer()
+
+        def on_headers_complete(self) -> None:
+            self.disarm_head_timer()
+            self.head_begun = self.in_head = False
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self.in_head, self.head_bytes = True, 0  # what follows is the next request's head
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.disarm_head_timer()
+            super().connection_lost(exc)
+
+        def arm_head_timer(self) -> None:
+            self.head_timer = self.loop.call_later(header_timeout_s, self.on_head_timeout)
+
+        def disarm_head_timer(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def on_head_timeout(self) -> None:
+            self.head_timer = None
+            if self.transport.is_closing():
+                return
+            if self.head_begun:
+                self.transport.write(answer(head_too_slow(header_timeout_s)))
+            self.transport.close()
+
+    return HeadTimedProtocol
+
+
+def head_too_slow(header_timeout_s: float) -> APIError:
+    return APIError(
+        408,
+        f"the request's head did not arrive whole within {header_timeout_s:g} s (header_timeout_s)",
+        "invalid_request_error",
+        "request_timeout",
+    )
+
+
+def head_too_large() -> APIError:
+    return APIError(
+        431, f"the request's head exceeds {MAX_HEAD_BYTES} bytes", "invalid_request_error", "headers_too_large"
+    )
+
+
+def answer(error: APIError) -> bytes:
+    """The error's answer, written whole on the socket: no request exists for the app to answer."""
+    body = error.body.model_dump_json().encode()
+    reason = {408: "Request Timeout", 431: "Request Header Fields Too Large"}[error.status]
+    head = (
+        f"HTTP/1.1 {error.status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
