@@ -255,6 +255,43 @@ def test_jobs_held_when_redis_loses_the_group_run_on_to_their_results(restartabl
         assert [(s["worker"], s["resumed_tokens"]) for s, _ in runs(admin, job_id)] == [(worker.name, 0)]
 
 
+def flush_after_a_round(worker, admin) -> None:
+    """FLUSHALL from the worker's loop, once a round it sent has been answered and before the loop
+    settles it: the next iteration's READ finds the group lost, and its publication sends another round."""
+    publish, publisher, flushed = worker.publication.publish, worker.publication.publisher, threading.Event()
+
+    def publish_then_flush() -> None:
+        publish()
+        if publisher.sending is not None and not flushed.is_set():
+            with publisher.changed:
+                publisher.changed.wait_for(lambda: publisher.sending is None)
+            admin.flushall()
+            flushed.set()
+
+    worker.publication.publish = publish_then_flush
+    assert flushed.wait(10)
+
+
+def test_a_lost_group_a_read_finds_while_a_round_is_out_is_mended_and_its_jobs_adopted(restartable_redis, admin, queue):
+    """A round is sent at every iteration (the intervals are shorter than a step), so that when an
+    iteration's READ finds the group lost, a round is out when the next mends it, and settling
+    that round reports the loss again (its job's hash is gone). The worker adopts its job all the
+    same: it used to report the loss at each iteration and never mend it (seen at load in the
+    drain test: 331 reports in 10 s, the job never adopted)."""
+    prompt = alphabet(300)
+    every_iteration = dict(stream_interval_s=0.001, checkpoint_interval_s=0.001)
+    with (
+        make_client("sync", restartable_redis.url, queue) as client,
+        serving(restartable_redis.url, queue, step_s=0.01, engine_class=HoldingEchoEngine, **every_iteration) as worker,
+    ):
+        job_id = running_job(client, prompt)
+        flush_after_a_round(worker, admin)
+        assert eventually(lambda: admin.hget(KEYS.job(job_id), "worker") == worker.name)  # adopted
+        worker.engine.release()
+        assert_whole_output_once(admin, client, job_id, prompt)
+    assert [(s["worker"], s["resumed_tokens"]) for s, _ in runs(admin, job_id)] == [(worker.name, 0)]
+
+
 def test_a_drain_gives_detached_jobs_back_to_the_queue(restartable_redis, admin, queue):
     # The leaving worker holds the job (HoldingEchoEngine, never released): on a paced echo alone, a
     # loaded machine let it end before the drain that gives it back (seen in CI at load 8).
