@@ -7,6 +7,7 @@ import time
 from contextlib import contextmanager
 
 from worker.engine.echo import EchoEngine
+from worker.engine.outputs import RequestOutput
 from worker.loop.queue import RedisClock, connect
 from worker.loop.service import Worker
 from worker.metrics import WorkerMetrics
@@ -27,6 +28,27 @@ class SlowEchoEngine(EchoEngine):
             self._steps += 1
             raise RuntimeError("injected step failure")
         return super().step()
+
+
+class HoldingEchoEngine(SlowEchoEngine):
+    """Echo that emits the first HOLD_AT tokens of each job, then holds it (its steps go on and
+    emit nothing for it) until `release()`: a job still running when the test acts on it, however
+    long a loaded machine takes, rather than one paced to outlast the test's steps."""
+
+    HOLD_AT = 100
+
+    def __init__(self, settings, step_s: float = 0.005, fail_on_step: int | None = None):
+        super().__init__(settings, step_s, fail_on_step)
+        self.released = False
+
+    def release(self) -> None:
+        """The held jobs go on to their ends."""
+        self.released = True
+
+    def _emit_next(self, req):
+        if self.released or req.emitted < self.HOLD_AT:
+            return super()._emit_next(req)
+        return RequestOutput(req.request_id, [], "", False, None, req.usage())
 
 
 class ThreadedWorker(Worker):

@@ -23,7 +23,10 @@ from tests.support.gateways import GatewayProcess
 KEY_PLAIN, KEY_RPM, KEY_SDK, KEY_CHOICES = "lanes-plain-key", "lanes-rpm-key", "lanes-sdk-key", "lanes-n-key"
 RPM = 3
 CHOICES_TPM = 600  # a token drips back every 100 ms: a few jobs' tokens stay counted for seconds
-SDK_RPM = 120  # a request drips back every 0.5 s: the SDK's retry waits that long
+# A request drips back every 5 s: an emptied bucket refuses the tenant's requests that long, many
+# times what a request takes on a loaded machine (at 0.5 s, CI's first request came after the drip
+# and was admitted), and the SDK's retry waits that long.
+SDK_RPM = 12
 CHAT = [{"role": "user", "content": "lanes"}]
 
 
@@ -186,7 +189,9 @@ def test_the_sdks_retry_waits_out_the_reset_and_is_admitted(two_gateways, redis_
         producer.submit_many([{"prompt": "x", "max_tokens": 1}] * SDK_RPM)
     with pytest.raises(openai.RateLimitError):
         sdk_for(two_gateways[0], KEY_SDK).chat.completions.create(model="echo", messages=CHAT, max_tokens=4)
-    answer = sdk_for(two_gateways[1], KEY_SDK, retries=1).chat.completions.create(
+    raw = sdk_for(two_gateways[1], KEY_SDK, retries=1).chat.completions.with_raw_response.create(
         model="echo", messages=CHAT, max_tokens=4
     )
+    answer = raw.parse()
+    assert raw.retries_taken == 1  # refused first: admitted by the retry
     assert (answer.choices[0].finish_reason, answer.usage.completion_tokens) == ("length", 4)

@@ -218,7 +218,7 @@ class Worker:
 
     def _receive(self) -> None:
         if self.ownership.group_missing:
-            self.publication.settle_out()  # adoption replaces the jobs' updates: none may be out
+            self._settle_out_for_adoption()
             self.ownership.restore_group()
         self.rejections.send()  # their entries are acknowledged with the read below
         self.ownership.heartbeat_if_due("serving" if self.drain_deadline is None else "draining")
@@ -234,6 +234,16 @@ class Worker:
             self.metrics.taken["shared"].inc(len(read) - own)
         self.holdings.take(read)
         self.admission.admit()
+
+    def _settle_out_for_adoption(self) -> None:
+        """Adoption replaces the jobs' updates: none may be out. A round sent after the loss
+        reports it again (GroupLost: its jobs' hashes are gone), its updates kept for the adoption
+        all the same (Publication._settle): raised, it stopped the adoption, and a round out at
+        each iteration (one is sent at most iterations of a busy worker) stopped it for ever."""
+        try:
+            self.publication.settle_out()
+        except GroupLost:
+            pass  # the loss being mended
 
     def _take_idle_entries(self) -> None:
         """Entries of dead or stalled workers, in the shared stream and in every worker's own; and
