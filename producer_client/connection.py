@@ -172,6 +172,18 @@ def reply_code(error: BaseException) -> str:
     return text.split(" ", 1)[0]
 
 
+def unless_other_type(reply: Any, missing: Any) -> Any:
+    """`reply` (a pipeline's, errors in place), or what a missing key answers where it is WRONGTYPE:
+    producers may write the set of lane streams and the scheduler hash, and one of another type,
+    which the scripts make anew (protocol.lanes.LUA_LANES), must stop no read of theirs meanwhile
+    (stats, the board, metrics, the shard count). Any other error is raised."""
+    if isinstance(reply, Exception):
+        if reply_code(reply) == "WRONGTYPE":
+            return missing
+        raise reply
+    return reply
+
+
 def redact_url(url: object) -> str:
     """`url` as messages and logs may show it: rebuilt from its parsed parts, never by a pattern on
     the raw text. Everything up to the URL's last `@` is its user name and password, however
