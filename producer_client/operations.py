@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
-from producer_client.connection import unless_other_type
+from producer_client.connection import is_other_type
 from producer_client.errors import JobNotFound, JobTimeout, NotReplicated
 from producer_client.keys import NO_TENANT, Keys
 from producer_client.new_job import NewJob, build_job_of
@@ -80,9 +80,6 @@ def submit_reading(client: ClientBase, job: NewJob, read: Deadline | None) -> St
     return Submitted(job.job_id, rate_limits_of(outcome)), first
 
 
-OTHER_TYPE = object()  # what unless_other_type answers for a key of another type, here
-
-
 class FirstRead(NamedTuple):
     """The first blocking read of a job's `done` stream, sent in its enqueue's round trip: the
     job's end (result JSON; None: it did not end within the read's block), and when the round
@@ -133,7 +130,7 @@ def enqueue_or_forget(
         read_reply = replies.pop() if block_ms is not None else None
         if stream is None:
             refuse_queue_stream_of_another_type(replies[1 if create else 0], client.queue, [job], tenant)
-        elif unless_other_type(replies[1 if create else 0], OTHER_TYPE) is OTHER_TYPE:
+        elif is_other_type(replies[1 if create else 0]):
             return (yield from placed_elsewhere(client, job, reserved is not None))
         checked(replies)
     except GeneratorExit:
