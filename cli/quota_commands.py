@@ -10,10 +10,13 @@ within a second. A limit of 0 is refused: `--unset NAME` removes a limit (or the
 from __future__ import annotations
 
 import argparse
+import sys
 
 from cli.operator_commands import print_table
 from producer_client.client import Client
-from producer_client.quotas import QUOTA_FIELDS, Quota
+from producer_client.quotas import DEFAULT_WEIGHT, QUOTA_FIELDS, Quota
+
+UNLIMITED = "unlimited"
 
 
 def add_commands(commands) -> None:
@@ -51,8 +54,15 @@ def cmd_quota_show(client: Client, args: argparse.Namespace) -> int:
 
 
 def print_quotas(quotas: dict[str, Quota]) -> None:
-    def shown(value) -> str:
-        return "-" if value is None else f"{value:g}"
-
-    rows = [(tenant, *(shown(getattr(q, name)) for name in QUOTA_FIELDS)) for tenant, q in sorted(quotas.items())]
+    """Each tenant's settings as they hold: an unset limit is no limit, an unset weight is 1 (a row
+    of dashes told a user nothing about a tenant with none). Such a tenant is named on stderr."""
+    rows = [(tenant, *shown_settings(q)) for tenant, q in sorted(quotas.items())]
     print_table(("TENANT", "MAX WAITING", "RPM", "TPM", "WEIGHT"), rows)
+    for tenant, quota in sorted(quotas.items()):
+        if quota == Quota():
+            print(f"({tenant} has no settings: no limits, weight {DEFAULT_WEIGHT:g})", file=sys.stderr)
+
+
+def shown_settings(quota: Quota) -> list[str]:
+    limits = [UNLIMITED if value is None else f"{value:g}" for value in (quota.max_waiting, quota.rpm, quota.tpm)]
+    return [*limits, f"{DEFAULT_WEIGHT if quota.weight is None else quota.weight:g}"]

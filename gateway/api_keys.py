@@ -34,7 +34,8 @@ class Tenant:
     def owns_job(self, job_id: str) -> bool:
         """Whether this tenant may see the job `job_id`. A tenant's jobs have ids `<tenant>.<...>`
         (producer_client.new_job.fresh_job_id; an Idempotency-Key's: gateway/idempotency.py), and a
-        tenant id has a fixed length without a dot, so no other key's id begins so. A job of no
+        tenant id has a fixed length without a dot, so no other key's id begins so; nor does a
+        library's tenant's, whose name holds no dot either (keys.check_tenant). A job of no
         tenant (a producer's that names none, or one submitted before ids carried the tenant) is
         the default tenant's, which no API key is: an admin key's only."""
         return self.admin or job_id.startswith(f"{self.id}.")

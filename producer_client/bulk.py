@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
-from producer_client.connection import reply_code
+from producer_client.connection import is_other_type, reply_code
 from producer_client.errors import BulkQueueFull, InvalidArgument, InvalidJob, JobNotFound, JobTimeout
 from producer_client.keys import DONE_TTL_MS, NO_TENANT, Keys
 from producer_client.new_job import KnownParams, NewJob, build_job_of
@@ -192,7 +192,7 @@ def enqueue_chunk(
     placed = [(job, stream) for job, stream in zip(to_add[:cut], streams) if stream is not None]
     if placed:
         try:
-            checked((yield enqueue_placed_commands(placed, tenant)))
+            yield from enqueue_placed(keys, queue, into, placed, placement, tenant, limits, one_server)
         except Exception:
             yield forget_commands([job for job, _ in placed], keys)
             raise
@@ -203,6 +203,32 @@ def enqueue_chunk(
     if refused:
         in_queue = in_queue[: in_queue.index(refused[0].job_id)]
     return in_queue, outcome
+
+
+def enqueue_placed(
+    keys: Keys,
+    queue: str,
+    into: str,
+    placed: list[tuple[NewJob, str]],
+    placement: Placement,
+    tenant: str,
+    limits: Limits,
+    one_server: bool,
+) -> Steps[None]:
+    """The placed jobs' XADDs. Those whose worker's stream a producer made another type go to the
+    shared route instead (operations.placed_elsewhere), without a bound, as a placed entry has
+    none: a job admitted by its placement is not refused after it. The view is read again."""
+    replies = yield enqueue_placed_commands(placed, tenant)
+    checked([reply for reply in replies if not is_other_type(reply)])
+    elsewhere = [job for (job, _), reply in zip(placed, replies) if is_other_type(reply)]
+    if not elsewhere:
+        return
+    placement.forget_view(queue)
+    replies = yield enqueue_commands(keys, into, None, [], elsewhere, tenant, limits, one_server)
+    refuse_queue_stream_of_another_type(replies[-1], queue, elsewhere, tenant)
+    error = refusal_error(chunk_outcome(checked(replies)[-1], elsewhere, tenant), queue, tenant, None)
+    if error is not None:
+        raise error
 
 
 def chunk_outcome(reply: object, shared: list[NewJob], tenant: str) -> Enqueued:

@@ -178,6 +178,23 @@ def reply_code(error: BaseException) -> str:
     return text.split(" ", 1)[0]
 
 
+def is_other_type(reply: object) -> bool:
+    """Whether `reply` (a pipeline's, errors in place) is WRONGTYPE: a key of another type."""
+    return isinstance(reply, Exception) and reply_code(reply) == "WRONGTYPE"
+
+
+def unless_other_type(reply: Any, missing: Any) -> Any:
+    """`reply` (a pipeline's, errors in place), or what a missing key answers where it is WRONGTYPE:
+    producers may write the set of lane streams and the scheduler hash, and one of another type,
+    which the scripts make anew (protocol.lanes.LUA_LANES), must stop no read of theirs meanwhile
+    (stats, the board, metrics, the shard count). Any other error is raised."""
+    if is_other_type(reply):
+        return missing
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
+
+
 def redact_url(url: object) -> str:
     """`url` as messages and logs may show it: rebuilt from its parsed parts, never by a pattern on
     the raw text. Everything up to the URL's last `@` is its user name and password, however

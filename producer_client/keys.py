@@ -47,15 +47,22 @@ DEFAULT_LANE = "default"
 # The tenant of jobs that name none: not a valid tenant name, so it clashes with none.
 NO_TENANT = "-"
 # A tenant names keys, ACL patterns (`...:<tenant>`) and a metric label: no ':' (a pinned ACL
-# user's pattern must match its own keys only), no '@' or '#' (entry references use them).
+# user's pattern must match its own keys only), no '@' or '#' (entry references use them). What an
+# entry or a key may name: it takes the names of clients before TENANT_NAME too.
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# A tenant a client names holds no '.' either: its jobs' ids are `<tenant>.<32 hex>`, so the
+# tenant ends at the id's first '.', and that is exact only without one in the name. With one,
+# tenant `k0123456789ab.x` made ids that the gateway's API key k0123456789ab took for its own
+# (gateway.api_keys.Tenant.owns_job), and `~mili:job:{team.*`, the pattern of a user pinned to
+# tenant `team` (docs/security.md), would have matched tenant `team.b`'s jobs.
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 
 def check_tenant(field: str, value: object) -> str:
     """Return `value` if it can name a tenant, else raise InvalidArgument naming `field`."""
-    if not isinstance(value, str) or not TENANT_PATTERN.fullmatch(value):
+    if not isinstance(value, str) or not TENANT_NAME.fullmatch(value):
         raise InvalidArgument(
-            field, "must be 1-64 characters of letters, digits and ._- starting with a letter or digit"
+            field, "must be 1-64 characters of letters, digits and _- starting with a letter or digit"
         )
     return value
 

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
+from producer_client.connection import is_other_type
 from producer_client.errors import JobNotFound, JobTimeout, NotReplicated
 from producer_client.keys import NO_TENANT, Keys
 from producer_client.new_job import NewJob, build_job_of
@@ -97,7 +98,12 @@ class FirstRead(NamedTuple):
 
 
 def enqueue_or_forget(
-    client: ClientBase, job: NewJob, create: bool, read: Deadline | None = None
+    client: ClientBase,
+    job: NewJob,
+    create: bool,
+    read: Deadline | None = None,
+    place: bool = True,
+    counted: bool = False,
 ) -> Steps[tuple[Enqueued, FirstRead | None]]:
     """The enqueue's outcome, and with `read` the job's first read of its `done` stream where
     first_read_block lets it ride in the enqueue's round trip (None where it did not). If the
@@ -108,10 +114,13 @@ def enqueue_or_forget(
     confirmed stays: it runs (NotReplicated). A job placed on a worker's own stream, of a tenant
     with limits, is counted against them first (a reservation in the queue's slot: the worker's
     stream may lie on another shard). On a queue of several shards the job goes to its id's, but
-    for a tenant with limits: shard 0, where its limits are counted as one."""
+    for a tenant with limits: shard 0, where its limits are counted as one. `place` False: the
+    shared route; `counted`: the tenant's limits counted the job already (placed_elsewhere)."""
     keys, queue, tenant = client.keys, client.queue, client.tenant_name
-    (stream,) = yield from client.placement.streams_for(keys, queue, [job.prefix])
+    (stream,) = (yield from client.placement.streams_for(keys, queue, [job.prefix])) if place else (None,)
     limits = yield from client.quota_cache.limits_for(keys, client.tenant)
+    if counted:
+        limits = Limits(weight=limits.weight)
     if client.shards.spreads and not limits.any:
         queue = client.shards.name_for(queue, job.job_id)
     block_ms = None if read is None else first_read_block(client, job, create, stream, limits, read)
@@ -129,6 +138,8 @@ def enqueue_or_forget(
         read_reply = replies.pop() if block_ms is not None else None
         if stream is None:
             refuse_queue_stream_of_another_type(replies[1 if create else 0], client.queue, [job], tenant)
+        elif is_other_type(replies[1 if create else 0]):
+            return (yield from placed_elsewhere(client, job, reserved is not None))
         checked(replies)
     except GeneratorExit:
         raise  # closed unfinished: its driver was stopped after the enqueue ran, so nothing to undo
@@ -138,6 +149,16 @@ def enqueue_or_forget(
     outcome = enqueued(job, create, client.replication, replies)
     first = None if block_ms is None else FirstRead(end_read_of(read_reply), sent_at)
     return (reserved if reserved is not None else outcome), first
+
+
+def placed_elsewhere(client: ClientBase, job: NewJob, reserved: bool) -> Steps[tuple[Enqueued, FirstRead | None]]:
+    """The job whose placed XADD met its worker's stream of another type (a producer may write it:
+    docs/security.md), enqueued on the shared route instead, where any worker takes it: the
+    worker's next READ makes its stream anew, and the view that chose it is read again first. Its
+    hash is there already (the first round trip created it). A tenant's limits counted the job
+    already where it was `reserved`: the shared route counts it no more."""
+    client.placement.forget_view(client.queue)
+    return (yield from enqueue_or_forget(client, job, create=False, place=False, counted=reserved))
 
 
 def first_read_block(

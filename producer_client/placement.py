@@ -104,12 +104,14 @@ class View:
         return next((c for c in order if c.load < bound and c.load < c.slots), None)
 
 
-def candidates_from(heartbeats: Iterable[dict[str, str]], lengths: Iterable[int], queue: str) -> list[Candidate]:
+def candidates_from(heartbeats: Iterable[dict[str, str]], lengths: Iterable[int | None], queue: str) -> list[Candidate]:
     """The serving workers of `queue` that advertise placement and read lanes (a placed entry
     carries its lane, tenant and cost, which only those read), from their heartbeat hashes (empty:
-    expired) and the lengths of their own streams."""
+    expired) and the lengths of their own streams (None: of another type)."""
     found = []
     for beat, length in zip(heartbeats, lengths):
+        if length is None:
+            continue  # its stream is of another type: a placed XADD fails until its READ makes it anew
         if beat.get("queue") != queue or beat.get("state") != "serving" or beat.get("placement") != "1":
             continue
         if beat.get("lanes") != "1":
@@ -174,6 +176,11 @@ class Placement:
             self.placed[Placed.SHARED] += len(prefixes)
             return [None] * len(prefixes)
         return [self._place(view, prefix, keys, queue) for prefix in prefixes]
+
+    def forget_view(self, queue: str) -> None:
+        """Read `queue`'s view again before the next placement: it chose a worker whose stream
+        turned out to be of another type."""
+        self.views.pop(queue, None)
 
     def _view(self, keys: Keys, queue: str) -> Steps[View]:
         """The queue's view, read again when it is stale."""

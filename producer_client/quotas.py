@@ -25,6 +25,7 @@ from producer_client.rate_limits import NO_RATE_LIMITS, RateLimits
 from producer_client.steps import Runner, Steps
 
 CACHE_S = 1.0  # how stale a producer's copy of a tenant's quota may be
+DEFAULT_WEIGHT = 1.0  # a tenant's weight where none is set
 MAX_LIMIT = 10**9
 QUOTA_FIELDS = ("max_waiting", "rpm", "tpm", "weight")
 
@@ -44,7 +45,7 @@ class Quota(BaseModel):
     def limits(self) -> Limits:
         """As ENQUEUE_LANES takes them; the weight always (1 unless set), so that an unset weight
         reaches the scheduler too."""
-        return Limits(self.rpm or 0, self.tpm or 0, self.max_waiting or 0, self.weight or 1.0)
+        return Limits(self.rpm or 0, self.tpm or 0, self.max_waiting or 0, self.weight or DEFAULT_WEIGHT)
 
 
 def check_quota(values: Mapping[str, Any]) -> Quota:

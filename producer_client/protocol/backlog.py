@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeGuard
 
-from producer_client.connection import reply_code
+from producer_client.connection import unless_other_type
 from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, SHARDS_FIELD, Keys
 from producer_client.protocol.shards import parse_count
 from producer_client.schema import StreamStats
@@ -117,16 +117,6 @@ def read_queue_streams(keys: Keys, queue: str) -> Steps[tuple[list[str], list[Qu
         others = [keys.lane_streams(keys.shard(queue, i)) for i in range(1, shard_count)]
         shards += [unless_other_type(r, set()) for r in (yield lambda pipe: [pipe.smembers(key) for key in others])]
     return names, queue_streams(keys, queue, shards, names)
-
-
-def unless_other_type(reply: Any, missing: Any) -> Any:
-    """`reply`, or what a missing key answers where it is WRONGTYPE: producers may write the set of
-    lane streams and the scheduler hash, and one of another type, which the scripts make anew
-    (protocol.lanes.LUA_LANES), must stop no stats, board or metrics read meanwhile. Any other
-    error is raised."""
-    if isinstance(reply, Exception) and reply_code(reply) == "WRONGTYPE":
-        return missing
-    return checked([reply])[0]
 
 
 # What redis-py parses from XINFO GROUPS (one group's), XINFO STREAM and XPENDING's extended form

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from producer_client.keys import DEFAULT_LANE, LANES, NO_TENANT, PROTOCOL_VERSION, Keys
-from producer_client.protocol.lanes import LUA_ACTIVATE, LUA_UNREAD
+from producer_client.protocol.lanes import LUA_ACTIVATE, LUA_LANES, LUA_UNREAD
 from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_keys
 
 # -- a job's keys ---------------------------------------------------------------------------------
@@ -296,7 +296,33 @@ return {room, depth + room}
 """,
 )
 
-PRODUCER_SCRIPTS = (CREATE, CREATE_MANY, CANCEL, FOLLOW, ENQUEUE, ENQUEUE_MANY, ENQUEUE_LANES, RETRY, REVIVE)
+# KEYS: the queue's scheduler hash. ARGV: the shard count's field, a count. Returns the count stored,
+# after storing ARGV[2] where none was (first writer wins: protocol.shards.stored_or_written). A
+# hash of another type (a producer may write it) holds no count: the DEL that changed its type
+# took it, and sched_field makes the hash anew, as the lanes' scripts do, where an HSETNX met it.
+STORE_SHARDS = Script(
+    "store_shards",
+    LUA_LANES
+    + """
+local stored = sched_field(KEYS[1], ARGV[1])
+if stored then return stored end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return ARGV[2]
+""",
+)
+
+PRODUCER_SCRIPTS = (
+    CREATE,
+    CREATE_MANY,
+    CANCEL,
+    FOLLOW,
+    ENQUEUE,
+    ENQUEUE_MANY,
+    ENQUEUE_LANES,
+    RETRY,
+    REVIVE,
+    STORE_SHARDS,
+)
 
 
 # -- call builders: each owns its script's keys and argument order ----------------------------------
@@ -321,6 +347,10 @@ def follow(keys: Keys, job_id: str) -> ScriptCall:
 
 def retry(keys: Keys, job_id: str, timeout_ms: int) -> ScriptCall:
     return ScriptCall(RETRY, job_keys(keys, job_id), (timeout_ms,))
+
+
+def store_shards(sched: str, field: str, count: int) -> ScriptCall:
+    return ScriptCall(STORE_SHARDS, (sched,), (field, count))
 
 
 def enqueue(stream: str, max_depth: int, job_id: str, body: str) -> ScriptCall:

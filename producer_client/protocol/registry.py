@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from producer_client.connection import unless_other_type
 from producer_client.keys import Keys
 from producer_client.steps import Steps, checked
 
@@ -100,8 +101,9 @@ def heartbeats_to_live(keys: Keys, names: list[str]) -> Steps[list[tuple[dict[st
             pipe.hgetall(keys.worker(name))
             pipe.pttl(keys.worker(name))
 
-    replies = checked((yield add))
-    return list(zip(replies[::2], replies[1::2]))
+    replies = yield add
+    beats = checked(replies[::2])
+    return list(zip(beats, [unless_other_type(length, None) for length in replies[1::2]]))
 
 
 def alive(keys: Keys, names: list[str]) -> Steps[list[bool]]:
@@ -111,9 +113,12 @@ def alive(keys: Keys, names: list[str]) -> Steps[list[bool]]:
     return [bool(n) for n in checked((yield lambda pipe: [pipe.exists(keys.worker(name)) for name in names]))]
 
 
-def heartbeats_and_own_depths(keys: Keys, queue: str, names: list[str]) -> Steps[list[tuple[dict[str, str], int]]]:
+def heartbeats_and_own_depths(
+    keys: Keys, queue: str, names: list[str]
+) -> Steps[list[tuple[dict[str, str], int | None]]]:
     """Each worker's heartbeat hash and the length of its own stream of `queue` (where placement
-    puts jobs): one round trip."""
+    puts jobs; None where a producer made it another type, which the worker's READ makes anew):
+    one round trip."""
     if not names:
         return []
 
@@ -122,5 +127,6 @@ def heartbeats_and_own_depths(keys: Keys, queue: str, names: list[str]) -> Steps
             pipe.hgetall(keys.worker(name))
             pipe.xlen(keys.own_queue(queue, name))
 
-    replies = checked((yield add))
-    return list(zip(replies[::2], replies[1::2]))
+    replies = yield add
+    beats = checked(replies[::2])
+    return list(zip(beats, [unless_other_type(length, None) for length in replies[1::2]]))

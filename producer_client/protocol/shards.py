@@ -2,7 +2,7 @@
 has, which one a job goes to, and the names their keys are formed with (keys.Keys.shard).
 
 The count is the queue's, not a process's: the first worker or producer that names one writes it
-(HSETNX of SHARDS_FIELD in the queue's scheduler hash, which every producer's ACL may read) and everyone else that names one must name the same, or gets
+(SHARDS_FIELD in the queue's scheduler hash, which every producer's ACL may read, by the script STORE_SHARDS) and everyone else that names one must name the same, or gets
 ShardCountMismatch before it enqueues or reads anything. A producer that names none writes every
 job to shard 0, which is always read: an older producer, or one with the default, is still served.
 A job's shard is a hash of its id, so the same request_id always lands on the same shard."""
@@ -13,8 +13,10 @@ import time
 import zlib
 from typing import Any, Final, Literal
 
+from producer_client.connection import unless_other_type
 from producer_client.errors import InvalidArgument, InvalidShardCount, ShardCountMismatch
 from producer_client.keys import MAX_SHARDS, SHARDS_FIELD, Keys
+from producer_client.protocol.producer import store_shards
 from producer_client.steps import Steps, checked
 
 # A producer's count: each queue's own, as stored, read every AUTO_REFRESH_S. A worker's: the
@@ -65,10 +67,9 @@ def stored_or_written(keys: Keys, queue: str, count: int) -> Steps[int]:
     writer wins). It reads first, and writes only when nothing is stored (a second round trip, once
     per queue): a worker or producer that starts while Redis refuses writes (over maxmemory, a
     read-only replica promoted late) still starts on a queue whose count is stored."""
-    key = keys.scheduler(queue)
     stored = yield from stored_field(keys, queue)
     if stored is None:
-        _, stored = checked((yield lambda pipe: (pipe.hsetnx(key, SHARDS_FIELD, count), pipe.hget(key, SHARDS_FIELD))))
+        (stored,) = checked((yield store_shards(keys.scheduler(queue), SHARDS_FIELD, count).add_to))
     return parse_count(queue, stored)
 
 
@@ -87,9 +88,11 @@ def stored_count(keys: Keys, queue: str) -> Steps[int]:
 
 
 def stored_field(keys: Keys, queue: str) -> Steps[str | bytes | None]:
-    """The count's field as stored, unparsed (None when absent)."""
-    stored: str | bytes | None
-    (stored,) = checked((yield lambda pipe: pipe.hget(keys.scheduler(queue), SHARDS_FIELD)))
+    """The count's field as stored, unparsed (None when absent). A scheduler hash of another type (a
+    producer may write it) holds none: the DEL that changed its type took it, and the scripts read
+    it so too (protocol.lanes.LUA_LANES); its WRONGTYPE reached every producer that reads the count."""
+    (reply,) = yield lambda pipe: pipe.hget(keys.scheduler(queue), SHARDS_FIELD)
+    stored: str | bytes | None = unless_other_type(reply, None)
     return stored
 
 

@@ -14,8 +14,9 @@ import pytest
 import redis
 
 from harness.polling import eventually
-from producer_client import Client, JobFailed
-from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
+from producer_client import Client, JobFailed, steps
+from producer_client.keys import GROUP, PROTOCOL_VERSION, SHARDS_FIELD, Keys
+from producer_client.protocol.shards import serving_count
 from tests.support.acl import acl_server
 from tests.support.jobs import assert_one_final_result, queue_depth, queue_pending, queue_streams
 from tests.support.workers import FAST_RECLAIM, WorkerProcess, start_workers
@@ -319,3 +320,31 @@ def test_a_workers_own_stream_of_another_type_stops_no_worker(hostile_setup, pro
     assert [w.log().count(REFUSED) for w in workers] == refused_before, [w.log() for w in workers]
     with Client(server["producer"], QUEUE) as client:
         assert_workers_serve(hostile_setup, client, pids)
+
+
+def test_a_scheduler_hash_of_another_type_is_no_error_to_the_shard_count_reads(hostile_setup, producer):
+    """A queue's shard count is a field of its scheduler hash, which producers write: one a producer
+    made another type holds none (the DEL that changed its type took it). On main every read of the
+    count (a producer's that spreads its jobs, the dead letters, a worker's start) raised a raw
+    WRONGTYPE until a lane submit or a READ made the hash anew. Now it reads as no count, and one
+    who names a count makes the hash anew with it, as the lanes' scripts do. A queue of its own,
+    which no worker reads: its hash stays as planted until a read of the count writes it."""
+    server, _ = hostile_setup
+    raw, _ = producer
+    admin = server["admin"]
+    queue = f"shards-{uuid.uuid4().hex[:6]}"
+    sched = KEYS.scheduler(queue)
+    plant_other_type(raw, sched, "stream")
+    with Client(server["producer"], queue, queue_shards="auto", placement=False) as auto:
+        job_id = auto.submit(prompt="spread", max_tokens=4)
+        assert admin.xrange(KEYS.queue(queue))[0][1]["id"] == job_id  # shard 0: no count stored
+    with Client(server["worker"], queue) as operator:  # dead letters are the workers' keys
+        assert operator.dead_letters.list() == []
+    worker = redis.Redis.from_url(server["worker"], decode_responses=True)
+    assert steps.run(worker, serving_count(KEYS, queue, None, masters=1)) == 1
+    assert admin.type(sched) == "stream"  # the reads wrote nothing
+    with Client(server["producer"], queue, queue_shards=2, placement=False) as spread:
+        spread.submit(prompt="spread", max_tokens=4)
+    assert admin.type(sched) == "hash" and admin.hgetall(sched) == {SHARDS_FIELD: "2"}
+    assert steps.run(worker, serving_count(KEYS, queue, 2, masters=1)) == 2
+    worker.close()

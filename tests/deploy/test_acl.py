@@ -165,9 +165,9 @@ def test_placement_reads_its_view_and_places_with_the_producers_rights_alone(acl
 
 def test_a_tenants_pinned_user_submits_and_reads_as_its_tenant_and_no_other(acl_redis, acl_worker):
     """docs/security.md's user pinned to team-a: it runs team-a's jobs in every lane and reads their
-    results, and Redis refuses it team-b's keys, the jobs of no tenant and the workers' streams but
-    their lengths; nothing it was refused was written. A job's keys name no tenant, so it reads
-    team-b's job by its id, as the docs say."""
+    results, and Redis refuses it team-b's keys (its jobs' too, whose ids begin with the tenant:
+    on main the user read and could cancel them), the jobs of no tenant and the workers' streams
+    but their lengths; nothing it was refused was written."""
     keys, queue = Keys(), "default"
     with Client(acl_redis["producer"], tenant="team-b") as team_b:
         b_job = team_b.submit(prompt="team-b's", max_tokens=8, service_tier="flex")
@@ -177,7 +177,13 @@ def test_a_tenants_pinned_user_submits_and_reads_as_its_tenant_and_no_other(acl_
         assert [r.text for r in team_a.results(jobs, timeout=30)] == [f"a {lane}" for lane in lanes]
         assert "".join(delta.text for delta in team_a.stream(jobs[0])) == "a priority"
         assert team_a.rate_limits().limited is False
-        assert team_a.result(b_job, timeout=30).text == "team-b's"  # not pinnable: job keys carry no tenant
+        assert team_a.submit(prompt="named", max_tokens=4, request_id="team-a.order-17") == "team-a.order-17"
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            team_a.submit(prompt="named", max_tokens=4, request_id="order-18")  # not its tenant's id
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            team_a.result(b_job, timeout=30)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            team_a.cancel(b_job)
     with Client(acl_redis["team-a"], tenant="team-b", placement=False) as posing:
         with pytest.raises(redis.exceptions.NoPermissionError):
             posing.submit(prompt="as team-b", max_tokens=8, service_tier="flex")
@@ -197,6 +203,11 @@ def test_a_tenants_pinned_user_submits_and_reads_as_its_tenant_and_no_other(acl_
         lambda: as_a.xadd(own, {**entry, "tenant": "team-b"}),
         lambda: as_a.xrange(own),
         lambda: execute(as_a, enqueue_lanes(keys, queue, "team-b", [LaneJob("flex", 1, "intruder", "{}")], 0).add_to),
+        lambda: as_a.hgetall(keys.job(b_job)),
+        lambda: as_a.hset(keys.job(b_job), "status", "cancelled"),
+        lambda: as_a.xrange(keys.events(b_job)),
+        lambda: as_a.xread({keys.done(b_job): "0"}),
+        lambda: as_a.hgetall(keys.job("team-ab.0")),  # a tenant whose name begins as team-a's
     ]
     for command in forbidden:
         with pytest.raises(redis.exceptions.NoPermissionError):
@@ -208,3 +219,4 @@ def test_a_tenants_pinned_user_submits_and_reads_as_its_tenant_and_no_other(acl_
     assert admin.xinfo_stream(b_flex)["entries-added"] == 1  # team-b's job, read and deleted by the worker
     assert admin.xinfo_stream(keys.queue(queue))["entries-added"] == 0
     assert admin.hget(keys.quota("team-a"), "rpm") is None
+    assert admin.hget(keys.job(b_job), "status") == "done" and not admin.exists(keys.job("order-18"))

@@ -19,8 +19,10 @@ import openai
 import pytest
 import redis
 
-from gateway.api_keys import tenant_id
+from gateway.api_keys import Tenant, tenant_id
 from harness.polling import eventually
+from producer_client import Client, InvalidArgument
+from producer_client.new_job import fresh_job_id
 from tests.openai_spec import check
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import job_count
@@ -370,3 +372,17 @@ def test_a_trusted_proxys_https_makes_the_board_cookie_secure(limited_gateway, r
         assert httpx.get(f"{untrusted.url}/v1/models", headers=from_address("198.51.100.77", KEY_A)).status_code == 200
     finally:
         untrusted.stop()
+
+
+@pytest.mark.parametrize("posing", ["{key}.x", "{key}.", "{key}.{other}"])
+def test_no_library_tenant_makes_ids_an_api_keys_tenant_takes_for_its_own(redis_server, posing):
+    # Job ids are `<tenant>.<32 hex>`: a library tenant named `<key's tenant>.x` made ids that
+    # the key's tenant check took for its own. Tenant names hold no dot: the tenant is refused.
+    key, other = Tenant(tenant_id(KEY_A)), tenant_id(KEY_B)
+    name = posing.format(key=key.id, other=other)
+    with pytest.raises(InvalidArgument) as refused:
+        Client(redis_server.url, tenant=name)
+    assert refused.value.field == "tenant"
+    with Client(redis_server.url, tenant=key.id) as own, Client(redis_server.url, tenant=other) as neighbour:
+        assert key.owns_job(fresh_job_id(own.tenant))
+        assert not key.owns_job(fresh_job_id(neighbour.tenant))

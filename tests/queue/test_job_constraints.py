@@ -9,6 +9,7 @@ import pytest
 from producer_client.chat_output import OutputFormat, Reasoning
 from producer_client.errors import InvalidArgument
 from producer_client.schema import JobRequest, SamplingParams
+from producer_client.structured import format_from_json, grammar_text
 from worker.engine.echo import EchoEngine
 from worker.engine.grammar.constraint import Thinking
 from worker.engine.settings import EngineSettings
@@ -113,9 +114,15 @@ def test_after_a_think_block_only_the_answers_the_reader_gives_whole_may_follow(
     }
 
 
+NEWLINE_OPENED = [{"type": "choice", "choices": ["\n", "\nyes"]}, {"type": "regex", "pattern": "\n[a-z]+|\n"}]
+
+
+@pytest.mark.parametrize("fmt", NEWLINE_OPENED, ids=["choice", "regex"])
 @pytest.mark.parametrize("reasoning", [Reasoning.OPTIONAL, Reasoning.OPEN])
-def test_a_format_whose_every_answer_opens_with_a_newline_keeps_the_think_block_closed(tokenizer, reasoning):
-    request = job(response_format={"type": "choice", "choices": ["\n", "\nyes"]})
+def test_a_format_whose_every_answer_opens_with_a_newline_keeps_the_think_block_closed(tokenizer, reasoning, fmt):
+    # A regex's answers are found as a choice's are: on main its grammar after the think block was
+    # one that matched nothing, and the block was left open.
+    request = job(response_format=fmt)
     if reasoning is Reasoning.OPEN:  # the prompt opened the block: no answer can follow it
         with pytest.raises(InvalidArgument) as refused:
             constraint_of(request, OutputFormat(reasoning=reasoning), tokenizer)
@@ -123,4 +130,14 @@ def test_a_format_whose_every_answer_opens_with_a_newline_keeps_the_think_block_
         return
     constraint = constraint_of(request, OutputFormat(reasoning=reasoning), tokenizer)
     assert constraint.thinking is None  # the grammar holds from the first token: the answer whole
-    assert constraint.grammar == 'start: "\\n" | "\\nyes"'
+    assert constraint.grammar == grammar_text(format_from_json(json.dumps(fmt)))
+
+
+def test_a_regex_whose_every_answer_opens_a_think_block_is_no_reply_without_one(tokenizer):
+    # The reader takes such an output for reasoning: the output must open the block, as it must
+    # for such choices; on main the reply without one was a grammar that matched nothing.
+    fmt = {"type": "regex", "pattern": " ?<think>[a-z]+"}
+    constraint = constraint_of(job(response_format=fmt), OutputFormat(reasoning=Reasoning.OPTIONAL), tokenizer)
+    main = json.loads(constraint.grammar)["grammars"][0]["lark_grammar"]
+    assert main == f"start: <[{THINK_CLOSE}]> /\\n{{0,4}}/ reply\nreply: @after_answer"
+    assert list(named_grammars(constraint)) == ["after_answer"]

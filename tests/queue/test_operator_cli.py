@@ -112,10 +112,10 @@ def test_quota_set_and_show_print_the_tenants_settings_and_a_limit_of_0_is_refus
     tenant = f"team-{redis_client.incr('test:quota-tenant')}"
     code, out, _ = mili("quota", "set", tenant, "--max-waiting", "100", "--rpm", "60", "--weight", "2")
     assert code == 0 and out.splitlines()[0].split() == ["TENANT", "MAX", "WAITING", "RPM", "TPM", "WEIGHT"]
-    assert out.splitlines()[1].split() == [tenant, "100", "60", "-", "2"]
+    assert out.splitlines()[1].split() == [tenant, "100", "60", "unlimited", "2"]
     assert mili("quota", "set", tenant, "--unset", "rpm", "--tpm", "5000")[0] == 0
     code, out, _ = mili("quota", "show", tenant)
-    assert out.splitlines()[1].split() == [tenant, "100", "-", "5000", "2"]
+    assert out.splitlines()[1].split() == [tenant, "100", "unlimited", "5000", "2"]
     assert tenant in mili("quota", "show")[1]
     code, out, err = mili("quota", "set", tenant, "--rpm", "0")
     assert (code, out) == (1, "") and err.startswith("error: invalid_argument: rpm: must be a whole number from 1")
@@ -135,6 +135,17 @@ def test_a_quota_setting_both_set_and_unset_is_refused_and_changes_nothing(mili,
         "error: invalid_argument: unset: rpm is both set and unset: give one of the two\n",
     )
     assert redis_client.hgetall(KEYS.quota(tenant)) == {"rpm": "30"}
+
+
+def test_quota_show_of_a_tenant_with_no_settings_prints_the_defaults_that_hold(mili, redis_client):
+    # On main: a row of dashes, which said nothing of what holds.
+    tenant = f"team-{redis_client.incr('test:quota-tenant')}"
+    code, out, err = mili("quota", "show", tenant)
+    assert code == 0 and out.splitlines()[1].split() == [tenant, "unlimited", "unlimited", "unlimited", "1"]
+    assert err == f"({tenant} has no settings: no limits, weight 1)\n"
+    mili("quota", "set", tenant, "--rpm", "60")
+    code, out, err = mili("quota", "set", tenant, "--unset", "rpm")
+    assert out.splitlines()[1].split() == [tenant, "unlimited", "unlimited", "unlimited", "1"] and "no settings" in err
 
 
 def test_submit_takes_a_service_tier_and_the_tenant(mili, redis_client, queue):

@@ -616,3 +616,74 @@ def test_an_idle_worker_on_one_server_wakes_for_a_job_placed_on_it_at_once(redis
             waits.append(client.result(job_id, timeout=30).timings.queue_s)
         assert max(waits) < 0.5, waits
         assert worker.metrics.taken["own"]._value.get() == 4
+
+
+def test_a_placed_job_whose_workers_stream_is_of_another_type_goes_to_the_shared_stream(
+    redis_server, queue, redis_client
+):
+    """A worker's own stream is under the producers' `mili:q:*`: one a producer made another type
+    failed the XADD of the job placed there with a raw WRONGTYPE (the gateway's 503), and a view
+    read meanwhile failed every submit of the queue, until that worker's READ made it anew. Now
+    the job goes to the shared stream, where any worker takes it, and the view is read again: a
+    worker whose stream is of another type is no candidate. Two workers, as their heartbeats say
+    (no worker runs: the stream stays as planted); a view that never goes stale by itself."""
+    beat_two_workers(redis_client, queue, slots=4)
+
+    def shared() -> list[str]:
+        return [f["id"] for _, f in redis_client.xrange(KEYS.queue(queue))]
+
+    with Client(redis_server.url, queue) as client:
+        client.placement.refresh_s = 3600
+        first = client.submit("same prompt", max_tokens=1)
+        [chosen] = [n for n in ("a", "b") if redis_client.xlen(KEYS.own_queue(queue, n))]
+        redis_client.eval(
+            "redis.call('DEL', KEYS[1]) return redis.call('HSET', KEYS[1], 'not', 'ours')",
+            1,
+            KEYS.own_queue(queue, chosen),
+        )
+        second = client.submit("same prompt", max_tokens=1)  # placed on `chosen` by the view it keeps
+        assert shared() == [second]
+        third = client.submit("same prompt", max_tokens=1)  # the view read again: one candidate left
+        assert shared() == [second, third]
+    with Client(redis_server.url, queue) as fresh:  # its first view meets the stream of another type
+        fourth = fresh.submit("same prompt", max_tokens=1)
+    assert shared() == [second, third, fourth]
+    assert [redis_client.hget(KEYS.job(job), "status") for job in (first, second, third, fourth)] == ["queued"] * 4
+    assert redis_client.type(KEYS.own_queue(queue, chosen)) == "hash"
+
+
+def test_submit_many_sends_its_jobs_placed_on_a_stream_of_another_type_to_the_shared_stream(
+    redis_server, queue, redis_client
+):
+    """As submit's (above): on main submit_many raised the placed XADDs' raw WRONGTYPE and forgot
+    the placed jobs. Two workers of four slots; a submit reads the view and places its job on the
+    first choice, whose stream then becomes a hash: of six jobs of the same prompt, those placed
+    there go to the shared stream, the others to the second choice's stream or the shared one."""
+    beat_two_workers(redis_client, queue, slots=4)
+    first, second = sorted(
+        ("a", "b"), key=lambda n: rendezvous_score(prefix_key(request(prompt="same prompt")), n), reverse=True
+    )
+    with Client(redis_server.url, queue) as client:
+        client.placement.refresh_s = 3600
+        client.submit("same prompt", max_tokens=1)
+        plant_hash(redis_client, KEYS.own_queue(queue, first))
+        ids = client.submit_many([{"prompt": "same prompt", "max_tokens": 1} for _ in range(6)])
+    on_second = [f["id"] for _, f in redis_client.xrange(KEYS.own_queue(queue, second))]
+    shared = [f["id"] for _, f in redis_client.xrange(KEYS.queue(queue))]
+    assert ids[0] in shared  # placed on the first choice, within its bound
+    assert sorted(on_second + shared) == sorted(ids)
+    assert [redis_client.hget(KEYS.job(job_id), "status") for job_id in ids] == ["queued"] * 6
+    assert redis_client.type(KEYS.own_queue(queue, first)) == "hash"
+
+
+def beat_two_workers(redis_client, queue: str, slots: int) -> None:
+    """Heartbeats of workers a and b of `queue`, serving with placement and lanes (no worker runs)."""
+    for name in ("a", "b"):
+        beat = {"name": name, "queue": queue, "state": "serving", "placement": 1, "lanes": 1}
+        redis_client.hset(KEYS.worker(name), mapping={**beat, "slots": slots, "running": 0, "placed_held": 0})
+        redis_client.zadd(KEYS.workers(queue), {name: time.time()})
+
+
+def plant_hash(redis_client, key: str) -> None:
+    """`key` made a hash in one script, as a producer may (tests/chaos/test_hostile_keys.py)."""
+    redis_client.eval("redis.call('DEL', KEYS[1]) return redis.call('HSET', KEYS[1], 'not', 'ours')", 1, key)

@@ -25,6 +25,7 @@ ordinary ones: it would land in the reasoning. After a think block it may.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -34,7 +35,14 @@ from typing import Any
 import llguidance
 
 from producer_client.chat_output import THINK_OPEN, WHITESPACE
-from producer_client.structured import JSON_OPTIONS, ChoiceFormat, RegexFormat, grammar_text
+from producer_client.structured import (
+    JSON_OPTIONS,
+    ByteVocabulary,
+    ChoiceFormat,
+    RegexFormat,
+    byte_tokenizer,
+    grammar_text,
+)
 
 AFTER_THINKING = "/\\n{0,4}/"
 THINK_OPENING = f"/[ \\t\\r\\n]*{THINK_OPEN}(?s:.*)/"  # what the reader takes for a think block
@@ -143,9 +151,7 @@ def composed(call_rules: Sequence[str], fmt, thinking: Thinking | None) -> str:
         # After a think block the reader drops the newlines that open the reply: an answer that
         # opens with one would reach the user without them, so only the others may follow it.
         after = None if fmt is None else after_thinking(fmt)
-        after_name = (
-            None if after is None else next(n for n, g in {**answers, "after_answer": after}.items() if g == after)
-        )
+        after_name = None if after is None else "answer" if after == answers["answer"] else "after_answer"
         if after_name == "after_answer":
             answers[after_name] = after
         lark = [reply_rule("reply", bool(call_rules), after_name), *call_rules]
@@ -178,7 +184,7 @@ def after_thinking(fmt) -> str | None:
     a think block (producer_client.chat_output); None when no answer is left (a constraint_of then
     keeps the block closed). Compact JSON opens with none."""
     if isinstance(fmt, RegexFormat):
-        return f"start: ANSWER\nANSWER: /{llguidance.regex_to_lark(fmt.pattern, '')}/ & ~/\\n(?s:.*)/"
+        return regex_less(fmt.pattern, "/\\n(?s:.*)/")
     if isinstance(fmt, ChoiceFormat):
         kept = [choice for choice in fmt.choices if not choice.startswith("\n")]
         return grammar_text(fmt.model_copy(update={"choices": kept})) if kept else None
@@ -189,11 +195,28 @@ def unopened(fmt) -> str | None:
     """The format's grammar less the answers that open with `<think>` after whitespace; None when
     no answer is left. Compact JSON opens with none."""
     if isinstance(fmt, RegexFormat):
-        return f"start: ANSWER\nANSWER: /{llguidance.regex_to_lark(fmt.pattern, '')}/ & ~{THINK_OPENING}"
+        return regex_less(fmt.pattern, THINK_OPENING)
     if isinstance(fmt, ChoiceFormat):
         kept = [choice for choice in fmt.choices if not choice.lstrip(WHITESPACE).startswith(THINK_OPEN)]
         return grammar_text(fmt.model_copy(update={"choices": kept})) if kept else None
     return grammar_text(fmt)
+
+
+@functools.lru_cache(maxsize=256)
+def regex_less(pattern: str, dropped: str) -> str | None:
+    """The grammar of the answers of `pattern` that `dropped` (a Lark regex) does not match; None
+    when none is left, as for choices: a regex cannot tell, so the grammar is built over the 256
+    bytes and asked for the first byte of an answer. Cached: a format's jobs ask it twice each
+    (intake.thinking_before, composed), and formats repeat."""
+    grammar = f"start: ANSWER\nANSWER: /{llguidance.regex_to_lark(pattern, '')}/ & ~{dropped}"
+    return grammar if answers_some(grammar) else None
+
+
+def answers_some(grammar: str) -> bool:
+    """Whether `grammar` matches any text: its empty answer, or a first byte it allows."""
+    matcher = llguidance.LLMatcher(byte_tokenizer(), grammar)
+    allowed = matcher.compute_logit_bias()
+    return matcher.is_accepting() or any(allowed[: ByteVocabulary.eos_token_id])
 
 
 def grammar_parts(grammar: str) -> list[dict[str, Any]]:
