@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeGuard
 
-from producer_client.connection import unless_other_type
+from producer_client.connection import reply_code, unless_other_type
 from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, SHARDS_FIELD, Keys
 from producer_client.protocol.shards import parse_count
 from producer_client.schema import StreamStats
