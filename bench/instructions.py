@@ -12,7 +12,7 @@ and `--against` another worktree), in turn, every process under callgrind:
 
 Each count is taken between a zero and a dump (callgrind_control) around the timed jobs, after a
 warm-up (connections opened, scripts loaded, caches warm). The producer's submit count repeats
-to within 0.01% from run to run (at the same `--jobs`). A worker's background threads (heartbeat, claims) and
+to within 0.01% at the same `--jobs` and a like load, within about 1% across loads. A worker's background threads (heartbeat, claims) and
 redis-server's cron run by the clock, and a job under callgrind takes some 50 times its usual
 time, longer when the machine is loaded: the worker's and redis-server's counts a job move by 5-10%
 between runs of the same code (bench/RESULTS.md). For redis-server's scripts alone, bench.lua_costs
