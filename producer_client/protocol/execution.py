@@ -74,6 +74,9 @@ Pipe = Any
 AddCommands = Callable[[Pipe], None]
 
 _NODE_OF = "mili_node_of"  # a recorded command's key whose node must run it; never sent
+# The option redis-py's read commands record for its client-side cache (HGET's, EXISTS', XREAD's
+# keys), which parse_response drops: a command with no other option is read as a plain one.
+_CACHE_KEYS = frozenset({"keys"})
 # Commands of several keys that answer a count: a cluster runs a command only on keys of one
 # slot, so there each of these goes out once per slot of its keys, and the counts are added up
 # (as redis-py's cluster client does for its own exists() and delete(), which a pipeline lacks).
@@ -264,10 +267,20 @@ def _round_trip(client: redis.Redis, connection: Any, stack: Stack) -> Replies:
     (_sent_options): a function call per reply less, on every round trip of every component."""
     connection.send_packed_command(_packed(connection, stack))
     replies: Replies = []
+    callbacks = client.response_callbacks
     for args, options in stack:
         try:
-            sent = _sent_options(options) if _NODE_OF in options else options
-            replies.append(client.parse_response(connection, args[0], **sent))
+            if options.keys() <= _CACHE_KEYS:
+                # No option that steers its read (a submit's two commands, most of a worker's): read,
+                # then the client's callback for its name where there is one, as parse_response does
+                # for it, without its option handling and with one case-insensitive lookup of the
+                # callback, not two: a Python call a reply less. Inline: a function would be one more.
+                response = connection.read_response()
+                callback = callbacks.get(args[0])
+                replies.append(response if callback is None else callback(response))
+            else:
+                sent = _sent_options(options) if _NODE_OF in options else options
+                replies.append(client.parse_response(connection, args[0], **sent))
         except ResponseError as e:
             replies.append(_refused(options, e))
     return replies

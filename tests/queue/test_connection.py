@@ -511,6 +511,22 @@ def test_a_pooled_connection_its_server_closed_is_replaced_before_a_call_spends_
         admin.close()
 
 
+def test_a_checkouts_readiness_check_asks_the_parser_not_the_connection(redis_server, monkeypatch):
+    # The connection's can_read adds a connect (the checkout checks only a connected one) and its
+    # host's name for an error message the checkout drops: 3 Python calls of every exchange. The
+    # check itself is kept (the test above: a connection its server closed is replaced).
+    def refused(*args, **kwargs):
+        raise AssertionError("the connection's can_read called")
+
+    client = connect(redis_server.url, decode_responses=True)
+    try:
+        execution.execute(client, lambda pipe: pipe.ping())
+        monkeypatch.setattr(redis.connection.AbstractConnection, "can_read", refused)
+        assert execution.execute(client, lambda pipe: pipe.echo("checked")) == ["checked"]
+    finally:
+        client.close()
+
+
 def test_max_connections_bounds_the_connections_the_exchanges_hold_at_once(redis_server):
     # As redis-py's pool: past the bound, MaxConnectionsError at once, no try spent waiting for one.
     client = connect(redis_server.url, decode_responses=True, max_connections=2)

@@ -280,6 +280,56 @@ def test_an_exchange_packs_every_argument_as_redis_py_would(redis_client):
     ]
 
 
+def test_an_exchange_gives_each_reply_as_redis_pys_parse_response_would(redis_client):
+    """A reply goes through the client's callback for its command (one set by set_response_callback,
+    that of a two-word name: CONFIG GET's dict), a command's error stands in its place, and a
+    command recorded with options (EMPTY_RESPONSE) is read by redis-py's parse_response with them:
+    the same replies as redis-py's own pipeline gives."""
+    import redis
+    from redis.client import EMPTY_RESPONSE
+
+    from producer_client.protocol.execution import execute
+
+    text = f"replies-text-{uuid.uuid4().hex}"
+    redis_client.set(text, "x")
+
+    def commands(pipe, key):
+        pipe.hsetnx(key, "f", "v")
+        pipe.hsetnx(key, "f", "w")
+        pipe.hget(text, "f")  # WRONGTYPE
+        pipe.execute_command("CONFIG GET", "maxmemory-policy")
+        pipe.execute_command("HGET", text, "f", **{EMPTY_RESPONSE: "empty"})
+        pipe.echo("7")
+
+    redis_client.set_response_callback("ECHO", int)  # this test's client alone (each copies redis-py's)
+    replies = execute(redis_client, lambda pipe: commands(pipe, f"replies-{uuid.uuid4().hex}"), raise_on_error=False)
+    with redis_client.pipeline(transaction=False) as pipe:
+        commands(pipe, f"replies-{uuid.uuid4().hex}")
+        theirs = pipe.execute(raise_on_error=False)
+    shown = [(type(r), str(r)) if isinstance(r, Exception) else r for r in replies]
+    assert shown == [(type(r), str(r)) if isinstance(r, Exception) else r for r in theirs]
+    assert shown[:2] == [1, 0] and shown[4:] == ["empty", 7]
+    assert isinstance(replies[2], redis.ResponseError) and str(replies[2]).startswith("WRONGTYPE")
+    assert list(shown[3]) == ["maxmemory-policy"]  # CONFIG GET's callback: a dict
+
+
+def test_an_exchange_reads_the_reply_of_a_command_without_options_without_parse_response(redis_client, monkeypatch):
+    """parse_response is entered only for a command recorded with options: for the others (a
+    submit's CREATE and enqueue, most of a worker's) its option handling has nothing to do, and
+    its frame and its second case-insensitive lookup of the callback were a Python call a reply
+    on every round trip of every component."""
+    import redis
+
+    from producer_client.protocol.execution import execute
+
+    def refused(*args, **kwargs):
+        raise AssertionError("parse_response called")
+
+    monkeypatch.setattr(redis.Redis, "parse_response", refused)
+    key = f"plain-{uuid.uuid4().hex}"
+    assert execute(redis_client, lambda pipe: [pipe.hsetnx(key, "f", "v"), pipe.hget(key, "f")]) == [True, "v"]
+
+
 @pytest.mark.parametrize(
     ("worker", "started_at", "resumed_tokens"),
     [("bench-worker-0", 1_790_000_000.123456, 0), ('w\u00e9"\\', None, 5), ("w", 1e16, 12)],
