@@ -22,19 +22,22 @@ to its reader (tokens sampled after the reader's first read). Then the ratios, n
 
     python -m bench.publish [--baseline /tmp/mili-base-25] [--jobs 256 --tokens 512] [--rounds 1]
 
+Each tree's jobs are submitted and read by that tree's own client, in a process of their own
+(bench/publish_jobs.py), as its worker runs that tree's code: a reader of a newer client against an
+older worker would measure neither version (this tree's stream() waits for events the scripts
+publish, which an older worker does not, and read it only at its silence reads).
+
 The baseline worktree is made (`git worktree add --detach`) from --baseline-commit when missing.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,11 +46,11 @@ import redis
 from tqdm import tqdm
 
 from bench.measure import cpu_seconds, pct
-from producer_client import AsyncClient, Client
 from worker.embedded_redis import EmbeddedRedis
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "bench" / "publish_probe.py"
+JOBS = REPO / "bench" / "publish_jobs.py"
 QUEUE = "bench"
 BASELINE_COMMIT = "eceecb5"  # main before issue 25
 STREAM_OPTION = "5a0c25d"  # the submit option `stream`: an older tree's streamed jobs are followed by their readers
@@ -141,7 +144,7 @@ def parse_args() -> argparse.Namespace:
 def ensure_baseline(path: Path, commit: str) -> Path:
     if not path.exists():
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), commit], check=True)
-    return path
+    return path.resolve()  # its processes run in it, with it on sys.path
 
 
 def git_head(path: Path) -> str:
@@ -157,16 +160,14 @@ def run_case(tree: str, path: Path, mode: str, args) -> Case:
             configure(server.url, args.new_redis_config)
         out = Path(tmp) / "probe.json"
         worker = start_worker(path, server.url, out, mode, args, tree)
+        jobs = start_jobs(path, server.url, Path(tmp) / "jobs.json", mode, args)
         try:
-            wait_ready(server.url, worker)
+            wait_ready(jobs, path, worker)
             admin = redis.Redis(unix_socket_path=server.url.removeprefix("unix://"), decode_responses=True)
             admin.config_resetstat()
             cpu_before = admin.info("cpu")
             before = cpu_seconds(worker.pid), cpu_seconds(server.process.pid), time.perf_counter()
-            if mode == "per-job":
-                case.units = run_per_job(server.url, args)
-            else:
-                case.units, delays_at = run_jobs(server.url, mode, args, has_stream_option(path))
+            run_jobs(jobs)
             case.wall_s = time.perf_counter() - before[2]
             case.worker_cpu_s = cpu_seconds(worker.pid) - before[0]
             case.redis_cpu_s = cpu_seconds(server.process.pid) - before[1]
@@ -176,12 +177,18 @@ def run_case(tree: str, path: Path, mode: str, args) -> Case:
                 1e-9, sum(cpu_after[k] - cpu_before[k] for k in ("used_cpu_sys", "used_cpu_user"))
             )
             admin.close()
+            if jobs.wait(timeout=120) != 0:
+                raise RuntimeError(f"the {tree} tree's producers failed")
         finally:
+            jobs.kill()
+            jobs.wait()
             worker.terminate()
             worker.wait(timeout=60)
         case.probe = json.loads(out.read_text())
+        answer = json.loads((Path(tmp) / "jobs.json").read_text())
+    case.units = answer["units"]
     if mode.startswith("streamed"):
-        case.delays = token_delays(*delays_at, case.probe["samples"])
+        case.delays = token_delays(answer["arrivals"], answer["starts"], case.probe["samples"])
     return case
 
 
@@ -232,73 +239,45 @@ def start_worker(tree: Path, url: str, out: Path, mode: str, args, tree_name: st
     return subprocess.Popen(command, cwd=tree, env=env)
 
 
+def start_jobs(tree: Path, url: str, out: Path, mode: str, args) -> subprocess.Popen:
+    """The case's producers and readers (bench/publish_jobs.py) in a process of their own with
+    `tree`'s client: a tree's worker is measured with the client of its version (a reader of this
+    tree's stream() waits for events an older worker does not publish)."""
+    params = {
+        "queue": QUEUE,
+        "mode": mode,
+        "jobs": args.jobs,
+        "tokens": args.tokens,
+        "per_job_jobs": args.per_job_jobs,
+        "producers": args.producers,
+        "stream_option": has_stream_option(tree),
+    }
+    command = [sys.executable, str(JOBS), str(tree), url, str(out), json.dumps(params)]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.Popen(command, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def wait_ready(jobs: subprocess.Popen, tree: Path, worker: subprocess.Popen) -> None:
+    """Until the producers' process has seen the worker and warmed it up; it must run `tree`'s client."""
+    line = jobs.stdout.readline()
+    if not line.startswith("ready "):
+        alive = "running" if worker.poll() is None else f"exited {worker.returncode}"
+        raise RuntimeError(f"the producers did not start (the worker: {alive}): {line!r}")
+    client = Path(json.loads(line.removeprefix("ready "))["client"])
+    assert client.is_relative_to(tree), f"the producers of {tree} run the client at {client}"
+
+
+def run_jobs(jobs: subprocess.Popen) -> None:
+    """The case's jobs, from the go to their end (the producers' process then writes its figures)."""
+    jobs.stdin.write("go\n")
+    jobs.stdin.flush()
+    if jobs.stdout.readline().strip() != "done":
+        raise RuntimeError("the producers failed")
+
+
 def has_stream_option(tree: Path) -> bool:
     at = subprocess.run(["git", "-C", str(tree), "merge-base", "--is-ancestor", STREAM_OPTION, "HEAD"])
     return at.returncode == 0
-
-
-def wait_ready(url: str, worker: subprocess.Popen) -> None:
-    with Client(url, QUEUE) as client:
-        deadline = time.monotonic() + 120
-        while not client.workers():
-            if worker.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the worker did not start")
-            time.sleep(0.1)
-        for _ in range(20):  # its connection, the scripts, the code paths
-            client.generate("warm up", max_tokens=4, timeout=60)
-
-
-def prompt(i: int, tokens: int) -> str:
-    head = f"job {i}: "
-    return head + "x" * (tokens - len(head))
-
-
-def run_jobs(url: str, mode: str, args, stream_option: bool) -> tuple[int, dict]:
-    specs = [{"prompt": prompt(i, args.tokens), "max_tokens": args.tokens} for i in range(args.jobs)]
-    if mode.startswith("streamed") and stream_option:
-        for spec in specs:
-            spec["stream"] = True
-    if mode.startswith("whole"):
-        with Client(url, QUEUE) as client:
-            ids = client.submit_many(specs)
-            results = list(client.as_completed(ids, timeout=600))
-        check(results, specs)
-        return sum(r.usage.completion_tokens for r in results), {}
-    return asyncio.run(stream_all(url, specs))
-
-
-async def stream_all(url: str, specs: list[dict]) -> tuple[int, tuple[dict, dict]]:
-    """A reader per job on stream(), each delta's arrival time noted per token."""
-    client = AsyncClient(url, QUEUE, max_connections=len(specs) + 8)
-    try:
-        await asyncio.gather(*(client.redis.ping() for _ in specs))  # a connection per reader, made now
-        ids = await client.submit_many(specs)
-        arrivals: dict[str, list[tuple[float, float]]] = {}
-        starts: dict[str, float] = {}
-        texts: dict[str, str] = {}
-
-        async def read(job_id: str) -> None:
-            times, text = arrivals.setdefault(job_id, []), []
-            starts[job_id] = time.time()
-            async for delta in client.stream(job_id, timeout=600):
-                now, written = time.time(), int(delta.event_id.split("-")[0]) / 1000
-                times.extend([(written, now)] * len(delta.token_ids))
-                text.append(delta.text)
-            texts[job_id] = "".join(text)
-
-        await asyncio.gather(*(read(job_id) for job_id in ids))
-        results = [await client.result(job_id) for job_id in ids]
-    finally:
-        await client.aclose()
-    check(results, specs)
-    for job_id, result in zip(ids, results):
-        assert texts[job_id] == result.text, f"job {job_id}: the streamed deltas differ from the result"
-    return sum(r.usage.completion_tokens for r in results), (arrivals, starts)
-
-
-def check(results: list, specs: list[dict]) -> None:
-    wanted = sorted(s["prompt"][: s["max_tokens"]] for s in specs)
-    assert sorted(r.text for r in results) == wanted, "a job's output is not its prompt"
 
 
 def token_delays(
@@ -314,24 +293,6 @@ def token_delays(
         sampled = samples.get(job_id, [])[-len(times) :]
         delays.extend((w - s, a - s) for (w, a), s in zip(times, sampled) if s >= starts[job_id])
     return delays
-
-
-def run_per_job(url: str, args) -> int:
-    per_thread = args.per_job_jobs // args.producers
-
-    def produce(client: Client) -> None:
-        for _ in range(per_thread):
-            client.generate("hello world", max_tokens=1, timeout=120)
-
-    clients = [Client(url, QUEUE) for _ in range(args.producers)]
-    threads = [threading.Thread(target=produce, args=(c,)) for c in clients]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for c in clients:
-        c.close()
-    return per_thread * args.producers
 
 
 def report(case: Case) -> None:
