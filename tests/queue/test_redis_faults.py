@@ -95,6 +95,13 @@ def running_job(client, prompt: str) -> str:
     return job_id
 
 
+def assert_running(admin, client, job_id: str, prompt: str) -> None:
+    """A test's precondition, checked rather than assumed: the job has neither ended nor published
+    its whole output when the fault comes (else the test passes without meeting the fault)."""
+    assert client.status(job_id).status == "running"
+    assert len(tokens_published(admin, job_id)) < len(prompt)
+
+
 def assert_whole_output_once(admin, client, job_id: str, prompt: str) -> None:
     result = client.result(job_id, timeout=30)
     assert (result.status, result.text) == ("done", prompt)
@@ -106,12 +113,17 @@ def test_memory_full_pauses_publication_and_loses_nothing(restartable_redis, adm
     prompt = alphabet(300)
     with (
         make_client("sync", restartable_redis.url, queue) as client,
-        serving(restartable_redis.url, queue, step_s=0.01) as worker,
+        # Held until memory is full, then released: the tokens it makes from then on meet the
+        # refusal, however long a loaded machine took to get here.
+        serving(restartable_redis.url, queue, step_s=0.01, engine_class=HoldingEchoEngine) as worker,
     ):
         job_id = running_job(client, prompt)
+        assert_running(admin, client, job_id, prompt)
         admin.config_set("maxmemory", 1)  # every write refused (noeviction), as with memory full
+        worker.engine.release()
         time.sleep(1.0)
         refused_at = len(tokens_published(admin, job_id))
+        assert refused_at <= HoldingEchoEngine.HOLD_AT  # none made since the refusal got in
         time.sleep(0.3)
         assert len(tokens_published(admin, job_id)) == refused_at  # nothing got in meanwhile
         admin.config_set("maxmemory", 0)
@@ -126,10 +138,13 @@ def test_a_read_only_window_is_ridden_out(restartable_redis, admin, queue):
     prompt = alphabet(300, offset=5)
     with (
         make_client("sync", restartable_redis.url, queue) as client,
-        serving(restartable_redis.url, queue, step_s=0.01) as worker,
+        # Held until the server is read-only, then released: its tokens meet the refusal.
+        serving(restartable_redis.url, queue, step_s=0.01, engine_class=HoldingEchoEngine) as worker,
     ):
         job_id = running_job(client, prompt)
+        assert_running(admin, client, job_id, prompt)
         admin.replicaof("127.0.0.1", free_port())  # a replica of a master that never answers: read-only
+        worker.engine.release()
         time.sleep(1.0)
         admin.replicaof("NO", "ONE")
         assert_whole_output_once(admin, client, job_id, prompt)
@@ -144,13 +159,23 @@ def test_a_read_only_window_longer_than_claim_idle_costs_no_worker_its_jobs(rest
     fast = dict(claim_idle_ms=500, reclaim_interval_s=0.05)
     with (
         make_client("sync", restartable_redis.url, queue) as client,
-        serving(restartable_redis.url, queue, step_s=0.01, name=f"a-{queue}", **fast) as holder,
+        # The holder holds the job through the window: it is still running when b gets through.
+        serving(
+            restartable_redis.url,
+            queue,
+            step_s=0.01,
+            engine_class=HoldingEchoEngine,
+            name=f"a-{queue}",
+            **fast,
+        ) as holder,
     ):
         job_id = running_job(client, prompt)
         with serving(restartable_redis.url, queue, name=f"b-{queue}", **fast):
+            assert_running(admin, client, job_id, prompt)
             admin.replicaof("127.0.0.1", free_port())
             time.sleep(1.5)  # three times claim_idle_ms
             admin.replicaof("NO", "ONE")
+            holder.engine.release()
             assert_whole_output_once(admin, client, job_id, prompt)
     assert [start["worker"] for start, _ in runs(admin, job_id)] == [holder.name]
 
@@ -162,14 +187,25 @@ def test_a_worker_that_slept_through_a_redis_restart_takes_no_live_workers_job(r
     fast = dict(claim_idle_ms=500, reclaim_interval_s=0.02, redis_backoff_max_s=0.4)
     with (
         make_client("sync", restartable_redis.url, queue) as client,
-        serving(restartable_redis.url, queue, step_s=0.01, name=f"a-{queue}", **fast) as holder,
+        # The holder holds the job until the sleeper is awake: it is still running when the
+        # sleeper could take it.
+        serving(
+            restartable_redis.url,
+            queue,
+            step_s=0.01,
+            engine_class=HoldingEchoEngine,
+            name=f"a-{queue}",
+            **fast,
+        ) as holder,
     ):
         job_id = running_job(client, prompt)
         with serving(restartable_redis.url, queue, name=f"b-{queue}", worker_class=GatedWorker, **fast) as sleeper:
             time.sleep(0.6)  # past the sleeper's first claim_idle_ms
             sleeper.gate.clear()
+            assert_running(admin, client, job_id, prompt)
             restartable_redis.restart(down_s=0.7)
             sleeper.gate.set()
+            holder.engine.release()
             assert_whole_output_once(admin, client, job_id, prompt)
     assert [start["worker"] for start, _ in runs(admin, job_id)] == [holder.name]
 
@@ -322,11 +358,16 @@ def test_scripts_flushed_and_connections_killed_mid_run_lose_nothing(restartable
     prompts = [alphabet(200, offset=i) for i in range(3)]
     with (
         make_client("sync", restartable_redis.url, queue) as client,
-        serving(restartable_redis.url, queue, step_s=0.01) as worker,
+        # Held until the first flush, then released: the jobs make their last 100 tokens (1 s at
+        # least) while the flushes and kills go on, however long a loaded machine took to get here.
+        serving(restartable_redis.url, queue, step_s=0.01, engine_class=HoldingEchoEngine) as worker,
     ):
         ids = [running_job(client, p) for p in prompts]
+        for job_id, prompt in zip(ids, prompts):
+            assert_running(admin, client, job_id, prompt)
         for _ in range(3):
             admin.script_flush()
+            worker.engine.release()
             time.sleep(0.1)
             admin.client_kill_filter(_type="normal", skipme=True)
             time.sleep(0.1)
