@@ -13,6 +13,7 @@ import openai
 import pytest
 import redis
 
+from cli.__main__ import main as mili
 from harness.polling import eventually
 from producer_client import Client, IdempotencyConflict
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
@@ -64,6 +65,76 @@ def test_the_producer_user_can_do_what_the_client_does(acl_redis, acl_worker):
         laned = team.submit(prompt="flex lane", max_tokens=16, service_tier="flex")
         assert team.result(laned, timeout=30).text == "flex lane"
         assert team.rate_limits().limited is False
+
+
+def readme_calls(client: Client) -> None:
+    """README.md's client calls, each checked: what a producer's user is promised it may run."""
+    job = client.submit(prompt="readme", max_tokens=8)
+    assert client.result(job, timeout=30).text == "readme"
+    chat = client.submit(messages=[{"role": "user", "content": "Hi"}], max_tokens=64, stream=True)
+    assert "".join(delta.text for delta in client.stream(chat))
+    assert client.status(job).status == "done"
+    client.cancel(chat)  # ended: the cancel script runs and changes nothing
+    assert client.generate(prompt="Hello", max_tokens=8).text == "Hello"
+    assert [w.name for w in client.workers()] == ["acl-worker"]
+    assert client.wait(client.submit(prompt="waited", max_tokens=8), timeout=30).text == "waited"
+    other = client.on_queue("acl-batch").submit(prompt="Hi")
+    client.cancel(other)  # no worker serves that queue: cancelled while queued
+    assert client.status(other).status == "cancelled"
+    ids = client.submit_many([{"prompt": p, "max_tokens": 16} for p in ["a", "b"]])
+    assert sorted(r.text for r in client.as_completed(ids, timeout=30)) == ["a", "b"]
+    assert [r.text for r in client.results(ids, timeout=30)] == ["a", "b"]
+
+
+@pytest.fixture
+def mili_as(capsys):
+    """Runs `mili` in process as a URL's user: its exit status, and whether Redis refused it."""
+
+    def run(url: str, *args: str) -> tuple[int, bool]:
+        code = mili(["--redis", url, *args])
+        return code, "NoPermissionError" in capsys.readouterr().err
+
+    return run
+
+
+@pytest.mark.parametrize("user", ["producer", "gateway"])
+def test_readmes_producer_calls_and_commands_run_as_the_producer_and_gateway_users(
+    user, acl_redis, acl_worker, mili_as
+):
+    """Every client call README.md shows, and the `mili` commands docs/operating-the-queue.md gives
+    producers: `mili workers` and `client.inspect.workers()` read each heartbeat's PTTL (live or
+    stale), which the documented users lacked; the dead letters and every tenant's quota stay the
+    workers' user's (NOPERM)."""
+    url = acl_redis[user]
+    with Client(url) as client:
+        readme_calls(client)
+        assert client.queue_stats().workers == ["acl-worker"]
+        assert [(w.name, w.condition) for w in client.inspect.workers()] == [("acl-worker", "live")]
+        assert client.inspect.queues() == ["default"]
+        assert client.inspect.waiting(5) == [] and client.inspect.running(5) == []
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.dead_letters.list(5)
+        with pytest.raises(redis.exceptions.NoPermissionError):  # PTTL is the heartbeats' alone
+            client.redis.pttl(Keys().job("x"))
+    for command in (["stats"], ["stats", "--all"], ["workers"], ["jobs", "--status", "queued"], ["quota", "show", "t"]):
+        assert mili_as(url, *command) == (0, False), command
+    for command in (["dead", "list"], ["jobs", "--status", "dead"], ["quota", "show"]):
+        assert mili_as(url, *command) == (1, True), command
+        assert mili_as(acl_redis["worker"], *command) == (0, False), command
+
+
+def test_a_tenants_pinned_user_runs_readmes_calls_as_its_tenant(acl_redis, acl_worker, mili_as):
+    """docs/security.md's user pinned to team-a runs README.md's client calls, `mili workers` and
+    its own quota; the queue's stats read every tenant's streams, which it may not (NOPERM)."""
+    url = acl_redis["team-a"]
+    with Client(url, tenant="team-a", placement=False) as client:
+        readme_calls(client)
+        assert [(w.name, w.condition) for w in client.inspect.workers()] == [("acl-worker", "live")]
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.queue_stats()
+    assert mili_as(url, "--tenant", "team-a", "workers") == (0, False)
+    assert mili_as(url, "--tenant", "team-a", "quota", "show", "team-a") == (0, False)
+    assert mili_as(url, "--tenant", "team-a", "stats") == (1, True)
 
 
 def test_the_producer_user_cannot_act_as_a_worker(acl_redis, acl_worker):
