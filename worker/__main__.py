@@ -225,7 +225,8 @@ def load_engine(settings: WorkerSettings) -> tuple[EngineAPI, str]:
     device = settings.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_cuda_device(device, torch.cuda.device_count())
+    if settings.engine.tensor_parallel_size == 1:  # the ranks' own check names every device they need
+        check_cuda_device(device, torch.cuda.device_count())
     dtype = None if settings.dtype == "auto" else settings.dtype
     engine = Engine.from_pretrained(settings.model, device=device, dtype=dtype, **settings.engine.model_dump())
     try:
