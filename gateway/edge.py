@@ -164,7 +164,8 @@ class Edge:
     async def run(self, scope, body: CountedBody, send) -> None:
         """The app, with a 413 or a 408 in place of whatever it answers once the body passed its
         limit or its time (its parsers may turn the exception they meet into an error of their own).
-        A 408 closes the connection: the rest of the body may still come."""
+        A 408 closes the connection: the rest of the body may still come (the close lingers, so
+        that a client still sending reads the 408: gateway/http_protocol.py)."""
         started = False
 
         async def send_unless_cut(message) -> None:

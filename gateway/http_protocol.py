@@ -13,13 +13,16 @@ uvicorn closes an idle keep-alive one.
 Nor does uvicorn bound a head's size: the parser holds a header line, and uvicorn the headers, for
 as long as they come (a client sending 170 MiB of one header in 2.5 s grew the gateway by as
 much). A head past MAX_HEAD_BYTES is answered 431 and its connection closed. The bytes are counted
-as they are read, so the gateway holds at most the limit and one read of the socket."""
+as they are read, so the gateway holds at most the limit and one read of the socket.
+
+Both answers, and the edge's 408 for a body too slow, are sent while the client may still be
+sending: the connection's close lingers (close_lingering), so that the client reads the answer."""
 
 from __future__ import annotations
 
 import asyncio
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from openai_format.errors import APIError
 
@@ -51,15 +54,11 @@ def head_timed_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
                 self.refuse_head()
 
         def refuse_head(self) -> None:
-            """The 431, then the connection closed LINGER_S later: the client may still be
-            sending its head, and closing a socket with unread bytes resets the connection, which
-            may drop the answer before the client reads it. Meanwhile what comes is dropped."""
+            """The 431: the client may still be sending its head."""
             self.disarm_head_timer()
             self.in_head = False
-            self.data_received = lambda data: None  # type: ignore[method-assign]
             self.transport.write(answer(head_too_large()))
-            self.transport.write_eof()
-            self.loop.call_later(LINGER_S, self.transport.close)
+            close_lingering(self)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -71,6 +70,8 @@ def head_timed_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
             self.disarm_head_timer()
             self.head_begun = self.in_head = False
             super().on_headers_complete()
+            if self.cycle is not None and self.cycle.transport is self.transport:  # a new request's
+                self.cycle.transport = LingeringTransport(self, self.cycle)  # type: ignore[assignment]
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
@@ -97,6 +98,38 @@ def head_timed_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
             self.transport.close()
 
     return HeadTimedProtocol
+
+
+def close_lingering(protocol: HttpToolsProtocol) -> None:
+    """Close after an answer sent while the client may still be sending (a head past its limit, a
+    body past its time): closing a socket with unread bytes, or one that more bytes reach, resets
+    the connection, and the reset drops the answer the client has not read yet. So the answer is
+    followed by an end of writing, what comes is dropped, and the connection closes LINGER_S
+    later, or once its client closes its side (uvicorn's eof_received lets the transport close)."""
+    protocol.data_received = lambda data: None  # type: ignore[method-assign]
+    protocol.flow.resume_reading()  # paused while the app read slower, maybe: bytes are dropped only once read
+    protocol.transport.write_eof()
+    protocol.loop.call_later(LINGER_S, protocol.transport.close)
+
+
+class LingeringTransport:
+    """A request's transport as uvicorn's request cycle sees it. The cycle closes the connection
+    once an answer saying `Connection: close` is sent whole (the edge's 408 for a body too slow,
+    gateway/edge.py): if the request's body has not come whole, that close lingers."""
+
+    def __init__(self, protocol: HttpToolsProtocol, cycle: RequestResponseCycle) -> None:
+        self.protocol = protocol
+        self.cycle = cycle
+
+    def close(self) -> None:
+        transport = self.protocol.transport
+        if self.cycle.response_complete and self.cycle.more_body and not transport.is_closing():
+            close_lingering(self.protocol)
+        else:
+            transport.close()
+
+    def __getattr__(self, name: str) -> object:  # write, is_closing: the connection's own
+        return getattr(self.protocol.transport, name)
 
 
 def head_too_slow(header_timeout_s: float) -> APIError:

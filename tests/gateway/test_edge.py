@@ -4,7 +4,7 @@ its size (a Content-Length over the limit is refused at once with 413; a chunked
 once it passes the limit, and what the gateway held stays under the limit plus a small constant),
 and its type (a JSON route takes application/json only: a cross-site "simple" request cannot
 enqueue work), its time (a body not whole within body_timeout_s is answered 408 and its connection
-closed; a head not whole within header_timeout_s too, and a connection that sends nothing is
+closed, read whole by a client still sending; a head not whole within header_timeout_s too, and a connection that sends nothing is
 closed; a head over 64 KiB is refused with 431 as it passes the limit). No CORS is granted unless configured; the board's actions need their header."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.http_protocol import LINGER_S
 from tests.gateway.support import ResourceWatch, raw_request, read_answer
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import job_count
@@ -293,6 +294,42 @@ def test_a_body_not_whole_in_time_is_answered_408_and_its_connection_closed_whil
     # about the body's model is one about a body read whole.
     assert (read_whole["status"], error_of(read_whole["body"])["code"]) == (404, "model_not_found"), read_whole
     assert read_whole["sent"] == sum(map(len, in_time))
+
+
+def body_sent_on_regardless(port: int, until_s: float) -> dict:
+    """A JSON POST announcing its limit whose body comes a KiB every 0.05 s for `until_s`, whatever the
+    gateway answers meanwhile (a client writing its body before it reads, as most do); then its
+    answer, read to the connection's end. `reset`: the read ended by a reset."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Length: {JSON_LIMIT}\r\n\r\n".encode()
+    )
+    started = time.monotonic()
+    answer, reset = b"", False
+    try:
+        while time.monotonic() - started < until_s:
+            sock.sendall(b" " * 1024)
+            time.sleep(0.05)
+        while more := sock.recv(65536):
+            answer += more
+    except (ConnectionResetError, BrokenPipeError):
+        reset = True
+    sock.close()
+    head_part, _, body = answer.partition(b"\r\n\r\n")
+    return {"status": int(head_part.split()[1]) if answer else None, "body": body, "reset": reset}
+
+
+def test_a_client_still_sending_its_body_reads_the_whole_408(edge_gateway):
+    # The gateway closed its side with the 408: the client's further pieces, and those unread on
+    # the gateway's side, reset the connection, and a client reading after it had written lost
+    # the answer. The gateway now drops what comes for LINGER_S after its answer before closing:
+    # a client that keeps sending for half of that past the timeout reads the 408 whole.
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(body_sent_on_regardless, [edge_gateway.port] * 4, [BODY_TIMEOUT_S + LINGER_S / 2] * 4))
+    for answer in answers:
+        assert not answer["reset"], answer
+        assert (answer["status"], error_of(answer["body"])["code"]) == (408, "request_timeout"), answer
 
 
 def head_in_pieces(port: int, pieces: list[bytes], every_s: float) -> dict:
