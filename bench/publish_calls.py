@@ -4,9 +4,9 @@ calls of --round-jobs jobs, or APPEND_ROUND calls (what a worker sends for a run
 alone). --jobs running jobs publish 3 tokens each per round, --rounds rounds --step-ms apart (a GPU
 step), on an embedded redis-server; with --readers xread, a reader blocked on each job's event
 stream (XREAD COUNT 512 BLOCK 2000, as stream() reads), which Redis wakes at each publication; with
---readers subscribed (a connection each) or subscribed-shared (one for all), a reader subscribed
-to a channel per job, to which APPEND+NOTICE (APPEND_ROUND that also PUBLISHes each entry it adds)
-sends each publication: what delivering a publication costs Redis either way.
+--readers subscribed (a connection each) or subscribed-shared (one for all, as stream() reads), a
+reader subscribed to each job's channel (SSUBSCRIBE), on which the scripts publish each event of a
+followed job (every job here): what delivering a publication costs Redis either way.
 
     python -m bench.publish_calls [--jobs 256 --rounds 100 --round-jobs 64 --readers xread] [--callgrind]
 
@@ -44,18 +44,8 @@ from worker.embedded_redis import EmbeddedRedis
 
 KEYS = Keys()
 TOKENS_PER_ROUND = 3
-WAYS = ("PUBLISH each", "PUBLISH_ROUND", "APPEND_ROUND", "APPEND+NOTICE")
+WAYS = ("PUBLISH each", "PUBLISH_ROUND", "APPEND_ROUND")
 READERS = ("none", "xread", "subscribed", "subscribed-shared")
-# A measurement only (issue 43, y/pubredis): APPEND_ROUND whose XADD also sends the entry (its id and
-# data) to a channel named as the job's event stream, to which a reader may subscribe instead of
-# blocking an XREAD on the stream: what a reader's delivery costs Redis then, beside a blocked
-# read's wake.
-APPENDED = "redis.call('XADD', events, '*', 'type', 'tokens', 'data', tokens)"
-assert APPENDED in scripts.APPEND_ROUND.source, "APPEND_ROUND's XADD changed: APPEND+NOTICE would notice nothing"
-APPEND_NOTICE = scripts.Script(
-    "append_notice",
-    scripts.APPEND_ROUND.source.replace(APPENDED, f"redis.call('PUBLISH', events, {APPENDED} .. ' ' .. tokens)"),
-)
 
 
 def main() -> None:
@@ -69,7 +59,7 @@ def main() -> None:
         "--readers",
         default="none",
         choices=READERS,
-        help="a reader per job: blocked on its event stream (xread), or subscribed to its channel (APPEND+NOTICE's),"
+        help="a reader per job: blocked on its event stream (xread), or subscribed to its channel (SSUBSCRIBE),"
         " on a connection each or on one for all (subscribed-shared)",
     )
     p.add_argument("--ways", nargs="+", default=WAYS, choices=WAYS)
@@ -111,7 +101,7 @@ class Server:
         self.pid = self.embedded.process.pid
         self.socket = self.embedded.url.removeprefix("unix://")
         self.client = redis.Redis(unix_socket_path=self.socket, decode_responses=True)
-        for script in (*scripts.WORKER_SCRIPTS, APPEND_NOTICE):
+        for script in scripts.WORKER_SCRIPTS:
             self.client.script_load(script.source)
 
     def stop(self) -> None:
@@ -170,7 +160,7 @@ def measure(server: Server, way: str, tag: str, args) -> tuple[str, float]:
         pipe = client.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.xadd(KEYS.events(job_id), {"type": "end", "data": "{}"})
-            pipe.publish(KEYS.events(job_id), "0-0 end")
+            pipe.spublish(KEYS.events(job_id), "0-0 0-0 end {}")
         pipe.execute()
         readers.join(60)
     return redis_cost, sender_us
@@ -187,13 +177,10 @@ def send_round(client: redis.Redis, job_ids: list[str], n: int, way: str, round_
     tokens = encode_tokens(list(range(before, after)), "abc", None)
     start = '{"worker":"w"}' if n == 0 else ""
     pipe = client.pipeline(transaction=False)
-    if way in ("APPEND_ROUND", "APPEND+NOTICE"):
+    if way == "APPEND_ROUND":
         appends = [(job_id, "r1", tokens, before, after) for job_id in job_ids]
         for at in range(0, len(appends), round_jobs):
-            call = scripts.append_round(KEYS, appends[at : at + round_jobs])
-            if way == "APPEND+NOTICE":
-                call = scripts.ScriptCall(APPEND_NOTICE, call.keys, call.args)
-            call.add_to(pipe)
+            scripts.append_round(KEYS, appends[at : at + round_jobs]).add_to(pipe)
     else:
         calls = [
             scripts.publish(KEYS, job_id, "r1", start, tokens, before, after, "", "", 60, True) for job_id in job_ids
@@ -256,11 +243,11 @@ def read_all(path: str, job_ids: list[str], how: str, ready) -> None:
 async def listen(client: aredis.Redis, job_ids: list[str]) -> None:
     """One subscriber connection for the jobs' channels, until each has sent its end."""
     pubsub = client.pubsub(ignore_subscribe_messages=True)
-    await pubsub.subscribe(*[KEYS.events(job_id) for job_id in job_ids])
+    await pubsub.ssubscribe(*[KEYS.events_channel(job_id) for job_id in job_ids])
     left = len(job_ids)
     while left:
         message = await pubsub.get_message(timeout=None)
-        if message is not None and message["data"].endswith(" end"):
+        if message is not None and message["data"].split(" ", 3)[2] == "end":
             left -= 1
     await pubsub.aclose()
 

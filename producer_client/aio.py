@@ -11,6 +11,7 @@ from producer_client.bulk import ResultWatch
 from producer_client.client_base import ClientBase
 from producer_client.cluster import AsyncRedis, is_cluster
 from producer_client.connection import RedisURL, async_retry_policy, connect_async
+from producer_client.event_feed import AsyncSubscriber
 from producer_client.job_stream import follow
 from producer_client.new_job import build_job, build_job_of
 from producer_client.protocol.script import Script
@@ -30,9 +31,12 @@ class AsyncClient(ClientBase):
 
     def _connect(self, target: RedisURL, max_connections: int | None) -> AsyncRedis:
         retry = async_retry_policy(target.mode)
-        return connect_async(target, decode_responses=True, retry=retry, max_connections=max_connections)
+        redis = connect_async(target, decode_responses=True, retry=retry, max_connections=max_connections)
+        self.subscriber = AsyncSubscriber(redis, self.keys)  # shared by its copies, as the pool
+        return redis
 
     async def aclose(self) -> None:
+        await self.subscriber.aclose()
         await self.redis.aclose()
 
     async def run_protocol(self, operation: Steps[T], scripts: Sequence[Script] = ()) -> T:
@@ -91,9 +95,15 @@ class AsyncClient(ClientBase):
 
     async def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenDelta]:
         reader, deadline = await steps.arun(self.redis, of_job(job_id, follow(self.keys, job_id, after, timeout)))
-        while reader.end is None:
-            for delta in await steps.arun(self.redis, of_job(job_id, reader.read(self.keys, deadline))):
-                yield delta
+        async with self.subscriber.follow(job_id) as feed:
+            while reader.end is None:
+                if reader.reads_feed(feed):
+                    await feed.wait(reader.wait_s(deadline))
+                    read = reader.read_feed(self.keys, deadline, feed)
+                else:
+                    read = reader.read(self.keys, deadline)
+                for delta in await steps.arun(self.redis, of_job(job_id, read)):
+                    yield delta
         reader.result()
 
     async def status(self, job_id: str) -> JobStatus:

@@ -13,6 +13,7 @@ from producer_client.bulk import ResultWatch
 from producer_client.client_base import ClientBase
 from producer_client.cluster import SyncRedis, is_cluster
 from producer_client.connection import RedisURL, connect, retry_policy
+from producer_client.event_feed import Subscriber
 from producer_client.job_stream import follow
 from producer_client.new_job import build_job, build_job_of
 from producer_client.quotas import current_rate_limits
@@ -48,9 +49,12 @@ class Client(ClientBase):
     run_steps = staticmethod(steps.run)  # for the operator's views (ClientBase); its own calls name steps.run
 
     def _connect(self, target: RedisURL, max_connections: int | None) -> SyncRedis:
-        return connect(target, decode_responses=True, retry=retry_policy(target.mode), max_connections=max_connections)
+        redis = connect(target, decode_responses=True, retry=retry_policy(target.mode), max_connections=max_connections)
+        self.subscriber = Subscriber(redis, self.keys)  # shared by its copies, as the pool
+        return redis
 
     def close(self) -> None:
+        self.subscriber.close()
         self.redis.close()
 
     def __enter__(self) -> Client:
@@ -133,8 +137,14 @@ class Client(ClientBase):
         stream_interval_s once it sees that. A job that had ended unfollowed (and kept no events)
         gives its whole output as one delta."""
         reader, deadline = steps.run(self.redis, of_job(job_id, follow(self.keys, job_id, after, timeout)))
-        while reader.end is None:
-            yield from steps.run(self.redis, of_job(job_id, reader.read(self.keys, deadline)))
+        with self.subscriber.follow(job_id) as feed:
+            while reader.end is None:
+                if reader.reads_feed(feed):
+                    feed.wait(reader.wait_s(deadline))
+                    read = reader.read_feed(self.keys, deadline, feed)
+                else:
+                    read = reader.read(self.keys, deadline)
+                yield from steps.run(self.redis, of_job(job_id, read))
         reader.result()
 
     def status(self, job_id: str) -> JobStatus:

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from producer_client.chat_output import OutputDelta, OutputFormat, OutputParser
-from producer_client.errors import JobNotFound
+from producer_client.errors import JobNotFound, JobTimeout
+from producer_client.event_feed import Feed
 from producer_client.keys import Keys
 from producer_client.protocol import job_reads
 from producer_client.protocol import producer as scripts
@@ -76,24 +77,56 @@ class JobStream:
         """The job has ended and kept no events: the next read returns its result's output."""
         self.whole = result_json
 
-    def read(self, keys: Keys, deadline: Deadline) -> Steps[list[TokenDelta]]:
+    def read(self, keys: Keys, deadline: Deadline, blocking: bool = True) -> Steps[list[TokenDelta]]:
         """The deltas of the next events, up to the end event: none if a blocking read within the
-        deadline saw no event. Raises JobExpired once a job still queued passes its deadline."""
+        deadline saw no event (not `blocking`: none there now). Raises JobExpired once a job still
+        queued passes its deadline."""
         if self.whole is not None:
             whole, self.whole = self.whole, None
             return self.take_whole(whole)
         if self.expires_at is not None and time.monotonic() >= self.expires_at:
             (status, deadline_ms, _), redis_time = yield from job_reads.look(keys, self.job_id)
             self.expires_at = expiry(self.job_id, status, deadline_ms, redis_time)
-        read = read_events(keys, self.job_id, self.last, EVENT_BATCH, deadline, self.expires_at)
+        read = read_events(keys, self.job_id, self.last, EVENT_BATCH, deadline, self.expires_at, blocking)
         events = yield from unless_expired(keys, self.job_id, self.expires_at, read)
-        if events:
-            self.expires_at = None  # it has started
         deltas = []
         for event_id, fields in events:
             deltas += self.take(event_id, fields)
             if self.end is not None:
                 break
+        return deltas
+
+    def reads_feed(self, feed: Feed) -> bool:
+        """Whether the next events come from `feed` (producer_client.event_feed): not once the
+        subscriber has failed, nor for the one delta of a job that kept no events."""
+        return not feed.broken and self.whole is None
+
+    def wait_s(self, deadline: Deadline) -> float:
+        """How long to wait for a message before reading the stream: a blocking read's block (0
+        once the caller's time is up: the read then raises JobTimeout, or JobExpired)."""
+        try:
+            return deadline.block_ms(self.expires_at) / 1000
+        except JobTimeout:
+            return 0.0
+
+    def read_feed(self, keys: Keys, deadline: Deadline, feed: Feed) -> Steps[list[TokenDelta]]:
+        """The deltas of what came on `feed` since the last call: its messages in order from the
+        last event read, after a read of the stream (not blocking) where the feed is stale; a
+        message that does not follow the last event read marks the feed stale, and the caller
+        reads again at once. No round trip where the messages follow on."""
+        messages, stale = feed.take()
+        deltas = (yield from self.read(keys, deadline, blocking=False)) if stale else []
+        last = entry_order(self.last)
+        for message in messages:
+            if self.end is not None:
+                break
+            if message is not None and entry_order(message.event_id) <= last:
+                continue  # read already (a stale feed's read, or a message sent again)
+            if message is None or message.previous != self.last:
+                feed.mark_stale()  # an event missed: the next call reads the stream
+                break
+            deltas += self.take(message.event_id, {"type": message.kind, "data": message.data})
+            last = entry_order(self.last)
         return deltas
 
     def result(self) -> JobResult:
@@ -117,6 +150,7 @@ class JobStream:
         """The deltas one event adds to the stream: none for a `start` event or for an event at or
         before `after`. The `end` event sets `end` and adds what the parser held back."""
         previous, self.last = self.last, event_id
+        self.expires_at = None  # it has started
         shown = entry_order(event_id) > self.resume_after
         kind = fields["type"]
         if kind == EventType.START:

@@ -191,6 +191,12 @@ class Keys:
         published to it; stream() of any other ended job reads the result instead."""
         return f"{self.prefix}:ev:{{{job_id}}}"
 
+    def events_channel(self, job_id: str) -> str:
+        """Shard channel (SSUBSCRIBE) on which the scripts publish each event they add to the job's
+        event stream while a reader follows it (protocol/script.py's ADD_EVENT): named as the stream,
+        so in its hash slot on a cluster, and granted by the stream's ACL pattern's twin (`&`)."""
+        return self.events(job_id)
+
     def done(self, job_id: str) -> str:
         """Stream that gets one entry, the job's result, when the job ends, and expires DONE_TTL_MS
         later (the worker that ended the job deletes it then too: worker/loop/done_sweep.py):

@@ -207,14 +207,20 @@ def expiry(job_id: str, status: str | None, deadline_ms: str | None, redis_time:
 
 
 def read_events(
-    keys: Keys, job_id: str, after: str, count: int, deadline: Deadline, until: float | None = None
+    keys: Keys,
+    job_id: str,
+    after: str,
+    count: int,
+    deadline: Deadline,
+    until: float | None = None,
+    blocking: bool = True,
 ) -> Steps[list[Entry]]:
     """One blocking XREAD of the job's event stream (on a cluster, sent to the node of its key):
     up to `count` of its events after `after`, or none if none came within the deadline's next
     block (which ends by `until`, monotonic, if given). A read that Redis cut short returns none,
-    and the caller reads again."""
+    and the caller reads again. Not `blocking`: the events there now, the deadline checked all the same."""
     block_ms = deadline.block_ms(until)
-    reply = yield from job_reads.events_read(keys, job_id, after, count, block_ms)
+    reply = yield from job_reads.events_read(keys, job_id, after, count, block_ms if blocking else None)
     streams = streams_read(reply)
     return streams[0][1] if streams else []
 

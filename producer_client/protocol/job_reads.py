@@ -114,9 +114,11 @@ def add_events_kept(pipe: Pipe, keys: Keys, job_id: str) -> None:
     pipe.exists(keys.events(job_id))
 
 
-def events_read(keys: Keys, job_id: str, after: str, count: int, block_ms: int) -> Steps[StreamsReply | Exception]:
+def events_read(
+    keys: Keys, job_id: str, after: str, count: int, block_ms: int | None
+) -> Steps[StreamsReply | Exception]:
     """One XREAD of up to `count` of the job's events after the id `after`, blocking up to
-    `block_ms` (Repeatable): [(events key, [(event id, {"type": ..., "data": ...}) ...])], None
+    `block_ms` (None: not blocking) (Repeatable): [(events key, [(event id, {"type": ..., "data": ...}) ...])], None
     when none came, or the error in its place."""
     key = keys.events(job_id)
     reply: StreamsReply | Exception

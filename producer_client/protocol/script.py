@@ -35,6 +35,31 @@ class ScriptCall:
         pipe.evalsha(self.script.sha, len(self.keys), *self.keys, *self.args)
 
 
+# Prepended to every script that adds to a job's event stream (through END_JOB): an event added,
+# and where `published` (a stream() reader follows the job: its streamed flag is up; and every
+# end) also published on the job's shard channel (Keys.events_channel: the stream's own name, so
+# in its hash slot on a cluster) as "<previous id> <id> <type> <data>". A reader on the client's
+# shared subscriber (producer_client/event_feed.py) takes the event from the message where the
+# previous id is the last it has, and reads the stream where it is not (a message missed): one
+# message is about 7k instructions of Redis's where waking a blocked XREAD is about 57k
+# (bench/RESULTS.md, issue 43). The id before (`previous`) is the caller's where it knows it: the
+# event it has just added, or the run's own record of its last event (the job hash's `last`, which
+# every script of a run that adds an event sets: PUBLISH_JOB in protocol/worker.py); else it comes
+# from the stream (XREVRANGE, which costs Redis more than the XADD: a run's first event, an end).
+# SPUBLISH under pcall: a worker whose ACL user lacks the channel's rights (docs/security.md before
+# this) still writes its events, its readers reading the stream.
+ADD_EVENT = """
+local function add_event(events, kind, data, published, previous)
+  if published and not previous then
+    local last = redis.call('XREVRANGE', events, '+', '-', 'COUNT', 1)[1]
+    previous = last and last[1] or '0-0'
+  end
+  local id = redis.call('XADD', events, '*', 'type', kind, 'data', data)
+  if published then redis.pcall('SPUBLISH', events, previous .. ' ' .. id .. ' ' .. kind .. ' ' .. data) end
+  return id
+end
+"""
+
 # Prepended to the scripts that end a job, after every check of theirs; it takes the job's keys
 # (job, events, done), since PUBLISH ends several jobs in one call.
 # A job's end writes what its guarantees need after it, and nothing else (docs/architecture.md,
@@ -54,8 +79,11 @@ class ScriptCall:
 #   any other job's goes (no DEL where the caller knows it is not there: `no_events`), stream()
 #   reading the result instead.
 # `ttl`: '' for none (a producer's end: the worker's claim of the job's entry sets it).
-END_JOB = f"""
-local function end_job(job, events, done, status, result, tokens, fingerprint, cancel, keep, ttl, no_events)
+# `previous`: the id of the stream's last event, where the caller has just added it (ADD_EVENT).
+END_JOB = (
+    ADD_EVENT
+    + f"""
+local function end_job(job, events, done, status, result, tokens, fingerprint, cancel, keep, ttl, no_events, previous)
   redis.call('DEL', job)
   if tokens and not fingerprint and not cancel then
     redis.call('HSET', job, 'status', status, 'result', result, 'tokens', tokens)
@@ -72,7 +100,7 @@ local function end_job(job, events, done, status, result, tokens, fingerprint, c
   redis.call('XADD', done, '*', 'data', result)
   redis.call('PEXPIRE', done, {DONE_TTL_MS})
   if keep then
-    redis.call('XADD', events, '*', 'type', 'end', 'data', result)
+    add_event(events, 'end', result, true, previous)
   elseif not no_events then
     redis.call('DEL', events)
   end
@@ -82,6 +110,7 @@ local function end_job(job, events, done, status, result, tokens, fingerprint, c
   end
 end
 """
+)
 
 
 def job_keys(keys: Keys, job_id: str) -> tuple[str, str, str]:

@@ -148,13 +148,18 @@ PUBLISH_ARGS = 9
 # its events only where the end keeps them (END_JOB): any other job's would go at once. The hash's
 # fields are read once, by index, and the step's HSET names only the fields it changes: this runs
 # for every job of every round, and a table built to be unpacked costs more than it does.
+# Each event a run adds is recorded as the hash's `last` (here, or in APPEND_ROUND's HSET), which the
+# run's next event names as the one before it in its message (script.py's ADD_EVENT): one field
+# more to read and write, where reading the stream's last entry (XREVRANGE) cost Redis more than
+# the XADD (bench/RESULTS.md, issue 43). A run that has not started yet trusts no record (another
+# run's, maybe of a worker of another version) and reads the stream's last id.
 PUBLISH_JOB = (
     JOB_KEY_TYPES
     + END_JOB
     + """
 local function publish(job, events, done, argv, a)
   local read = redis.call('HMGET', job, 'status', 'result', 'run', 'tokens', 'started', 'cancel', 'streamed',
-    'resumed', 'fingerprint')
+    'resumed', 'fingerprint', 'last')
   if not read[1] then return 'gone' end  -- every job's hash has a status: this one has no hash
   local result = read[2]
   if result then
@@ -181,14 +186,21 @@ local function publish(job, events, done, argv, a)
   local resumes = started and started ~= run and resumed ~= '1'
   local keep = not final or streamed == '1' or argv[a + 9] == '1' or resumed == '1' or resumes
   local starts = argv[a + 2] ~= '' and started ~= run
-  if keep and starts then redis.call('XADD', events, '*', 'type', 'start', 'data', argv[a + 2]) end
+  local published, added = streamed == '1', nil
+  local last = started == run and read[10] or nil  -- the run's own record (LAST_EVENT)
+  if keep and starts then
+    added = add_event(events, 'start', argv[a + 2], published)
+    last = added
+  end
   if keep and argv[a + 3] ~= '' and recorded == before then
-    redis.call('XADD', events, '*', 'type', 'tokens', 'data', argv[a + 3])
+    added = add_event(events, 'tokens', argv[a + 3], published, last)
+    last = added
   end
   if final then
-    end_job(job, events, done, argv[a + 6], argv[a + 7], after, read[9], read[6], keep, argv[a + 8], streams == 0)
+    end_job(job, events, done, argv[a + 6], argv[a + 7], after, read[9], read[6], keep, argv[a + 8], streams == 0, last)
     return 'written'
   end
+  if added then redis.call('HSET', job, 'last', added) end
   if resumes and starts then
     redis.call('HSET', job, 'tokens', after, 'resumed', '1', 'started', run)
   elseif resumes then
@@ -260,12 +272,12 @@ APPEND_ROUND = Script(
     + """
 local function append(job, events, a)
   local run, tokens, before = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-  local read = redis.call('HMGET', job, 'run', 'started', 'tokens', 'cancel', 'streamed')
+  local read = redis.call('HMGET', job, 'run', 'started', 'tokens', 'cancel', 'streamed', 'last')
   if read[1] ~= run or read[2] ~= run or (read[3] or '0') ~= before then
     return publish(job, events, nil, {run, '', tokens, before, ARGV[a + 4], '', '', '', ''}, 0)
   end
-  redis.call('XADD', events, '*', 'type', 'tokens', 'data', tokens)
-  redis.call('HSET', job, 'tokens', ARGV[a + 4])
+  local added = add_event(events, 'tokens', tokens, read[5] == '1', read[6])
+  redis.call('HSET', job, 'tokens', ARGV[a + 4], 'last', added)
   if read[4] == '1' then return 'cancel' end
   if read[5] == '1' then return 'followed' end
   return 'ok'

@@ -80,9 +80,14 @@ def job_keys(job_id):
 
 
 def state(redis_client, job_id):
-    """What the job's keys hold, its own id and the entries' ids left out."""
+    """What the job's keys hold, its own id and the entries' ids left out (the hash's `last`, the
+    id of the last event, as which of the events it names)."""
+    entries = redis_client.xrange(KEYS.events(job_id))
+    ids = {entry_id: f"event {i}" for i, (entry_id, _) in enumerate(entries)}
     hash_ = {k: v.replace(job_id, "ID") for k, v in redis_client.hgetall(KEYS.job(job_id)).items()}
-    events = [f for _, f in redis_client.xrange(KEYS.events(job_id))]
+    if "last" in hash_:
+        hash_["last"] = ids.get(hash_["last"], hash_["last"])
+    events = [f for _, f in entries]
     done = [f["data"].replace(job_id, "ID") for _, f in redis_client.xrange(KEYS.done(job_id))]
     ttl = [min(redis_client.ttl(key), 1) for key in (KEYS.job(job_id), KEYS.events(job_id))]  # 1: one set
     return hash_, [{k: v.replace(job_id, "ID") for k, v in e.items()} for e in events], done, ttl
