@@ -72,6 +72,7 @@ class JobStream:
         self.end: str | None = None  # the result JSON, once the end event is read
         self.expires_at: float | None = None  # when the job expires if still queued (waiting.expiry)
         self.whole: str | None = None  # the result JSON of an ended job that kept no events
+        self.more_kept = False  # the last read was a whole batch: the stream may hold more now
 
     def kept_no_events(self, result_json: str) -> None:
         """The job has ended and kept no events: the next read returns its result's output."""
@@ -89,6 +90,7 @@ class JobStream:
             self.expires_at = expiry(self.job_id, status, deadline_ms, redis_time)
         read = read_events(keys, self.job_id, self.last, EVENT_BATCH, deadline, self.expires_at, blocking)
         events = yield from unless_expired(keys, self.job_id, self.expires_at, read)
+        self.more_kept = len(events) >= EVENT_BATCH
         deltas = []
         for event_id, fields in events:
             deltas += self.take(event_id, fields)
@@ -116,6 +118,11 @@ class JobStream:
         reads again at once. No round trip where the messages follow on."""
         messages, stale = feed.take()
         deltas = (yield from self.read(keys, deadline, blocking=False)) if stale else []
+        if stale and self.more_kept and self.end is None:
+            # The events already in the stream come in batches, and no message will announce the
+            # next batch's: read it at once, not after a silence (a reader starting far behind, a
+            # keep-alive's stream() called again, read one batch a block and never caught up).
+            feed.mark_stale()
         last = entry_order(self.last)
         for message in messages:
             if self.end is not None:

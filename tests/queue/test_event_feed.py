@@ -18,6 +18,7 @@ from harness.polling import eventually
 from producer_client import AsyncClient, Client
 from producer_client.cluster import is_cluster
 from producer_client.event_feed import HELD, Feeds, Published, Subscriber, ThreadFeed
+from producer_client.job_stream import EVENT_BATCH
 from producer_client.keys import Keys
 from producer_client.schema import TokenDelta
 from tests.support.acl import PASSWORDS, acl_commands, acl_server
@@ -255,3 +256,25 @@ def test_every_deployment_streams_exactly_and_a_cluster_reads_the_streams(
     for job_id in job_ids:
         assert_exact(read[job_id], results[job_id].text)
     assert broken == [is_cluster(client.redis)] * len(job_ids)
+
+
+def test_a_reader_far_behind_reads_the_kept_events_batch_after_batch_without_waiting(redis_server, redis_client, queue):
+    """A job whose stream kept several batches of events, read from its start by a stream() with a
+    short timeout (the board's job page calls stream() again after each keep-alive's timeout): no
+    message announces the events already there, so the reader read one batch a silence (2 s) and
+    never reached the end within its timeout (seen as a board page's text cut short after a retry)."""
+    tokens = 3 * EVENT_BATCH
+    text = ("abcdefghij" * tokens)[:tokens]
+    with Client(redis_server.url, queue) as client:
+        job_id = client.submit(text, max_tokens=tokens)
+        first = stream_in_threads(
+            client,
+            [job_id],
+            lambda: serving(redis_server.url, queue, step_s=0.001, stream_interval_s=0.0001),
+            redis_client,
+        )[job_id]
+        result = client.result(job_id, timeout=WAIT_S)
+        assert len(first) > 2 * EVENT_BATCH  # more batches kept than one read takes
+        again = list(client.stream(job_id, timeout=1.5))
+    assert_exact(first, result.text)
+    assert_exact(again, result.text)
