@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
-from producer_client.connection import is_other_type, reply_code
+from producer_client.connection import is_other_type
 from producer_client.errors import BulkQueueFull, InvalidArgument, InvalidJob, JobNotFound, JobTimeout
 from producer_client.keys import DONE_TTL_MS, NO_TENANT, Keys
 from producer_client.new_job import KnownParams, NewJob, build_job_of
@@ -338,7 +338,7 @@ def split_invalid(job_ids: Sequence[str], replies: Sequence[R | Exception]) -> t
         if not isinstance(reply, Exception):
             good_ids.append(job_id)
             good.append(reply)
-        elif reply_code(reply) == "WRONGTYPE":
+        elif is_other_type(reply):
             invalid.append(job_id)
         else:
             raise reply
@@ -510,7 +510,7 @@ def read_finished(watch: ResultWatch, block_ms: int, per_slot: bool) -> Steps[li
         first = next(iter(window))
         window, block_ms = {first: window[first]}, min(block_ms, CLUSTER_BLOCK_MS)
     (reply,) = yield lambda pipe: job_reads.add_ends_read(pipe, window, block_ms)
-    if isinstance(reply, Exception) and reply_code(reply) == "WRONGTYPE":
+    if is_other_type(reply):
         return (yield from done_of_another_type(watch, window))
     return watch.take(window, streams_read(reply))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from producer_client.connection import reply_code
+from producer_client.connection import is_other_type
 from producer_client.errors import (
     InvalidArgument,
     InvalidQueueStream,
@@ -48,7 +48,7 @@ def refuse_queue_stream_of_another_type(reply: object, queue: str, jobs: list[Ne
     (ENQUEUE, ENQUEUE_MANY: they touch that stream alone), is WRONGTYPE: a producer made it another
     type, and its jobs went with the DEL that did, so no script makes it anew (the workers log it
     and retry until an operator deletes it). A lane's stream is refused by ENQUEUE_LANES itself."""
-    if isinstance(reply, Exception) and reply_code(reply) == "WRONGTYPE" and uses_queue_stream(jobs, tenant):
+    if is_other_type(reply) and uses_queue_stream(jobs, tenant):
         raise InvalidQueueStream(queue, DEFAULT_LANE, NO_TENANT)
 
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeGuard
 
-from producer_client.connection import reply_code, unless_other_type
+from producer_client.connection import is_other_type, unless_other_type
 from producer_client.keys import DEFAULT_LANE, GROUP, NO_TENANT, SHARDS_FIELD, Keys
 from producer_client.protocol.shards import parse_count
 from producer_client.schema import StreamStats
@@ -188,7 +188,7 @@ def stream_exists(reply: StreamInfo | Exception) -> TypeGuard[StreamInfo]:
     """False for the error XINFO gives on a key that does not exist, or one of another type (as
     read_streams reads it); other errors raise."""
     if isinstance(reply, Exception):
-        if "no such key" in str(reply).lower() or "nogroup" in str(reply).lower() or reply_code(reply) == "WRONGTYPE":
+        if "no such key" in str(reply).lower() or "nogroup" in str(reply).lower() or is_other_type(reply):
             return False
         raise reply
     return True

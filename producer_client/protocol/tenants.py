@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from producer_client.connection import reply_code
+from producer_client.connection import is_other_type
 from producer_client.keys import Keys
 from producer_client.steps import Repeatable, Steps, checked
 
@@ -51,7 +51,7 @@ def settings_hash(reply: Any) -> dict[str, str]:
     """A tenant's settings hash as HGETALL answered; a key of another type holds no setting, as a
     field that does not read counts as unset (quotas.quota_of): it raised WRONGTYPE from every
     submit of the tenant and every gateway answer to it."""
-    if isinstance(reply, Exception) and reply_code(reply) == "WRONGTYPE":
+    if is_other_type(reply):
         return {}
     (fields,) = checked([reply])
     return dict(fields)
@@ -62,7 +62,7 @@ def rate_state(keys: Keys, queue: str, tenant: str) -> Steps[tuple[list[str | No
     clock; None: its bucket is full), and Redis's clock (TIME): one round trip."""
     key = keys.rate(queue, tenant)
     tats, now = yield Repeatable(lambda pipe: (pipe.hmget(key, "r", "t"), pipe.time()))
-    if isinstance(tats, Exception) and reply_code(tats) == "WRONGTYPE":
+    if is_other_type(tats):
         tats = [None, None]  # a producer's key of another type: a full bucket, as ENQUEUE_LANES reads it
     checked([tats, now])
     return tats, now
