@@ -146,8 +146,8 @@ PUBLISH_ARGS = 9
 #   it, see FOLLOW) or 'ok'.
 # A run that publishes after another run did raises the job's `resumed` flag. The final step writes
 # its events only where the end keeps them (END_JOB): any other job's would go at once. The hash's
-# fields are read once, by index, and the step's HSET names only the fields it changes: this runs
-# for every job of every round, and a table built to be unpacked costs more than it does.
+# fields are read once, by index, and the step's one HSET names only the fields it changes (a
+# running job's tokens alone go in APPEND_ROUND, so this is mostly a run's first publication).
 # Each event a run adds is recorded as the hash's `last` (here, or in APPEND_ROUND's HSET), which the
 # run's next event names as the one before it in its message (script.py's ADD_EVENT): one field
 # more to read and write, where reading the stream's last entry (XREVRANGE) cost Redis more than
@@ -200,13 +200,18 @@ local function publish(job, events, done, argv, a)
     end_job(job, events, done, argv[a + 6], argv[a + 7], after, read[9], read[6], keep, argv[a + 8], streams == 0, last)
     return 'written'
   end
-  if added then redis.call('HSET', job, 'last', added) end
+  -- One HSET, its fields spelled out (a table to unpack costs about what a second HSET does). A
+  -- step that starts the run (not a final one) has added its start event.
   if resumes and starts then
-    redis.call('HSET', job, 'tokens', after, 'resumed', '1', 'started', run)
+    redis.call('HSET', job, 'tokens', after, 'last', added, 'resumed', '1', 'started', run)
+  elseif resumes and added then
+    redis.call('HSET', job, 'tokens', after, 'last', added, 'resumed', '1')
   elseif resumes then
     redis.call('HSET', job, 'tokens', after, 'resumed', '1')
   elseif starts then
-    redis.call('HSET', job, 'tokens', after, 'started', run)
+    redis.call('HSET', job, 'tokens', after, 'last', added, 'started', run)
+  elseif added then
+    redis.call('HSET', job, 'tokens', after, 'last', added)
   else
     redis.call('HSET', job, 'tokens', after)
   end

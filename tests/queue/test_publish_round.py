@@ -157,6 +157,22 @@ def test_an_append_whose_keys_refuse_gets_its_error_in_its_place_and_the_others_
         assert redis_client.hget(KEYS.job(j), "tokens") == "3"
 
 
+@pytest.mark.parametrize("name", ["first", "followed", "resumed", "again"])
+def test_a_publication_that_does_not_end_its_job_writes_the_hash_with_one_hset(redis_server, name):
+    """A run's first publication (its start, its tokens, the run's record of its last event, a
+    resumed run's flag) or a repeated one: the hash's fields in one HSET, where each command a
+    script calls costs Redis about as much again as the fields it writes (issue 43)."""
+    case = next(c for c in CASES if c[0] == name)
+    client = connect(redis_server.url, decode_responses=True)
+    try:
+        job_id = prepared(client, case)
+        client.config_resetstat()
+        assert evalsha(client, PUBLISH, job_keys(job_id), argv(case, job_id)) == case[3]
+        assert client.info("commandstats")["cmdstat_hset"]["calls"] == 1
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("final", [False, True], ids=["step", "final step"])
 def test_a_job_whose_keys_refuse_gets_its_error_in_its_place_and_the_others_are_published(redis_client, final):
     jobs = [prepared(redis_client, CASES[0]) for _ in range(3)]
