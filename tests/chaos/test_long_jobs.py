@@ -206,10 +206,17 @@ def test_a_worker_frozen_past_claim_idle_loses_its_jobs_once_and_serves_on_when_
         with make_client("sync", redis_server.url, queue) as client:
             jobs = submit_long(client, PROMPTS[:4], tokens_per_job)  # all four on `frozen`: `other` is not up
             assert eventually(lambda: all(int(redis_client.hget(KEYS.job(j), "tokens") or 0) > 0 for j in jobs), 120)
-            start_workers([other])
+            # Frozen before `other` starts: a start-up on a loaded machine can outlast the jobs.
             frozen.process.send_signal(signal.SIGSTOP)
+            frozen_at = time.monotonic()
             assert all(client.status(j).status == "running" for j in jobs)  # frozen mid-run
-            time.sleep(3 * CLAIM_IDLE_MS / 1000)
+            start_workers([other])
+            time.sleep(max(0.0, frozen_at + 3 * CLAIM_IDLE_MS / 1000 - time.monotonic()))
+
+            def other_took_them_all() -> bool:
+                return all(redis_client.hget(KEYS.job(j), "worker") == other.name for j in jobs)
+
+            assert eventually(other_took_them_all, timeout=120), other.log()  # only then does `frozen` wake
             frozen.process.send_signal(signal.SIGCONT)
             results = {job_id: client.result(job_id, timeout=600) for job_id in jobs}
             check_outputs(redis_client, results, jobs, fault_free)
