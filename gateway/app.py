@@ -38,7 +38,15 @@ from gateway.registry import ModelRegistry, Route
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream, events, opening
 from openai_format.errors import APIError, bad_request, job_error, not_found
-from openai_format.job_specs import JobSpec, Model, chat_jobs, completion_jobs, named_as_requested, parse_body
+from openai_format.job_specs import (
+    JobSpec,
+    Model,
+    chat_jobs,
+    completion_jobs,
+    named_as_requested,
+    parameter_error,
+    parse_body,
+)
 from openai_format.render import ChatRenderer, CompletionRenderer, Renderer, finish_reason, usage
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from openai_format.responses import ModelList
@@ -346,7 +354,7 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, error: RequestValidationError):
-        return error_response(bad_request(str(error.errors()[0]["msg"])))
+        return error_response(parameter_error(list(error.errors())))
 
     # Client-library and Redis errors have their status codes; anything else is a bug, answered
     # by Starlette's last-resort handler (which logs it) in the same shape.
