@@ -126,6 +126,7 @@ class Gateway:
             stream,
         )
         request.state.jobs = f"queue {queue!r} jobs {','.join(jobs.ids)}"  # for the request's log line
+        request.state.job_ids = jobs.ids  # x-mili-job-ids on its answer, an error's too (RequestContext)
         request.state.rate_limits = jobs.limits  # the x-ratelimit-* headers (gateway/rate_headers.py)
         return jobs
 
@@ -143,7 +144,7 @@ class Gateway:
         inbox = self.jobs.open_inbox(jobs, stream=True, receive=None)
         first = await opening(inbox, s.stream_hold_s)
         body = events(inbox, first, renderer, include_usage, s.keepalive_s, self.metrics, s.retry_after_s)
-        return EventStream(body, headers=job_headers(jobs))
+        return EventStream(body)
 
     async def answer(
         self, request: Request, request_model: type[SamplingRequest], jobs_of, renderer_of, id_prefix: str
@@ -169,7 +170,7 @@ class Gateway:
             results = await self.results(request, jobs)
         except JobFailed as e:
             raise job_error(e, prompt) from None
-        return client_left() if results is None else json_response(renderer.response(results), job_headers(jobs))
+        return client_left() if results is None else json_response(renderer.response(results))
 
     def check(self, specs: list[JobSpec]) -> None:
         """Every job of a request passes the client's validation before the first is enqueued.
@@ -266,7 +267,7 @@ def add_mili_routes(app: FastAPI, gw: Gateway, default_queue: str) -> None:
         answer = GenerateResponse(
             generated_text=result.text, finish_reason=finish_reason(result)[0], usage=usage([result], [0])
         )
-        return json_response(answer, job_headers(jobs))
+        return json_response(answer)
 
 
 def add_operations_routes(app: FastAPI, gw: Gateway) -> None:
@@ -310,10 +311,6 @@ def edge_of(app, client: AsyncClient, settings: GatewaySettings, failures: AuthF
 
 def client_left() -> Response:
     return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-
-
-def job_headers(jobs: RequestJobs) -> dict[str, str]:
-    return {"x-mili-job-ids": ",".join(jobs.ids)}
 
 
 def json_response(model: BaseModel, headers: dict[str, str] | None = None, status: int = 200) -> Response:
@@ -395,7 +392,7 @@ class RequestContext:
             nonlocal status, first_byte
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+                message["headers"] = [*message.get("headers", ()), *context_headers(request_id, scope["state"])]
             elif first_byte and message.get("body"):
                 first_byte = False
                 self.metrics.time_to_first_byte.labels(endpoint(scope)).observe(time.perf_counter() - started)
@@ -419,6 +416,15 @@ class RequestContext:
         for key in self.api_keys:
             path = path.replace(key, "***")
         return path
+
+
+def context_headers(request_id: str, state: dict) -> list[tuple[bytes, bytes]]:
+    """x-request-id, and x-mili-job-ids once the request has jobs: on every answer, an error's
+    after they were enqueued too (one the worker found, a deadline), so that they can be looked up."""
+    headers = [(b"x-request-id", request_id.encode())]
+    if job_ids := state.get("job_ids"):
+        headers.append((b"x-mili-job-ids", ",".join(job_ids).encode()))
+    return headers
 
 
 def request_id_of(scope) -> str:
