@@ -38,7 +38,15 @@ from gateway.registry import ModelRegistry, Route
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream, events, opening
 from openai_format.errors import APIError, bad_request, job_error, not_found
-from openai_format.job_specs import JobSpec, Model, chat_jobs, completion_jobs, named_as_requested, parse_body
+from openai_format.job_specs import (
+    JobSpec,
+    Model,
+    chat_jobs,
+    completion_jobs,
+    named_as_requested,
+    parameter_error,
+    parse_body,
+)
 from openai_format.render import ChatRenderer, CompletionRenderer, Renderer, finish_reason, usage
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from openai_format.responses import ModelList
@@ -118,6 +126,7 @@ class Gateway:
             stream,
         )
         request.state.jobs = f"queue {queue!r} jobs {','.join(jobs.ids)}"  # for the request's log line
+        request.state.job_ids = jobs.ids  # x-mili-job-ids on its answer, an error's too (RequestContext)
         request.state.rate_limits = jobs.limits  # the x-ratelimit-* headers (gateway/rate_headers.py)
         return jobs
 
@@ -135,7 +144,7 @@ class Gateway:
         inbox = self.jobs.open_inbox(jobs, stream=True, receive=None)
         first = await opening(inbox, s.stream_hold_s)
         body = events(inbox, first, renderer, include_usage, s.keepalive_s, self.metrics, s.retry_after_s)
-        return EventStream(body, headers=job_headers(jobs))
+        return EventStream(body)
 
     async def answer(
         self, request: Request, request_model: type[SamplingRequest], jobs_of, renderer_of, id_prefix: str
@@ -161,7 +170,7 @@ class Gateway:
             results = await self.results(request, jobs)
         except JobFailed as e:
             raise job_error(e, prompt) from None
-        return client_left() if results is None else json_response(renderer.response(results), job_headers(jobs))
+        return client_left() if results is None else json_response(renderer.response(results))
 
     def check(self, specs: list[JobSpec]) -> None:
         """Every job of a request passes the client's validation before the first is enqueued.
@@ -258,7 +267,7 @@ def add_mili_routes(app: FastAPI, gw: Gateway, default_queue: str) -> None:
         answer = GenerateResponse(
             generated_text=result.text, finish_reason=finish_reason(result)[0], usage=usage([result], [0])
         )
-        return json_response(answer, job_headers(jobs))
+        return json_response(answer)
 
 
 def add_operations_routes(app: FastAPI, gw: Gateway) -> None:
@@ -304,10 +313,6 @@ def client_left() -> Response:
     return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
 
-def job_headers(jobs: RequestJobs) -> dict[str, str]:
-    return {"x-mili-job-ids": ",".join(jobs.ids)}
-
-
 def json_response(model: BaseModel, headers: dict[str, str] | None = None, status: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code=status, headers=headers, media_type="application/json")
 
@@ -346,7 +351,7 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, error: RequestValidationError):
-        return error_response(bad_request(str(error.errors()[0]["msg"])))
+        return error_response(parameter_error(list(error.errors())))
 
     # Client-library and Redis errors have their status codes; anything else is a bug, answered
     # by Starlette's last-resort handler (which logs it) in the same shape.
@@ -387,7 +392,7 @@ class RequestContext:
             nonlocal status, first_byte
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+                message["headers"] = [*message.get("headers", ()), *context_headers(request_id, scope["state"])]
             elif first_byte and message.get("body"):
                 first_byte = False
                 self.metrics.time_to_first_byte.labels(endpoint(scope)).observe(time.perf_counter() - started)
@@ -411,6 +416,15 @@ class RequestContext:
         for key in self.api_keys:
             path = path.replace(key, "***")
         return path
+
+
+def context_headers(request_id: str, state: dict) -> list[tuple[bytes, bytes]]:
+    """x-request-id, and x-mili-job-ids once the request has jobs: on every answer, an error's
+    after they were enqueued too (one the worker found, a deadline), so that they can be looked up."""
+    headers = [(b"x-request-id", request_id.encode())]
+    if job_ids := state.get("job_ids"):
+        headers.append((b"x-mili-job-ids", ",".join(job_ids).encode()))
+    return headers
 
 
 def request_id_of(scope) -> str:

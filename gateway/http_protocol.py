@@ -40,18 +40,29 @@ def head_timed_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
         head_begun = False
         in_head = True  # the bytes read now are a head's (a request's body is the edge's to bound)
         head_bytes = 0
+        head_tail = b""  # the head's last 3 bytes read: its end, CRLF CRLF, may straddle two reads
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self.arm_head_timer()
 
         def data_received(self, data: bytes) -> None:
+            if self.in_head and self.head_bytes + len(data) > MAX_HEAD_BYTES and not self.head_fits(data):
+                self.refuse_head()  # before the parser reads it: it may find the head whole in this read
+                return
             if self.in_head:
                 self.head_bytes += len(data)
+                self.head_tail = (self.head_tail + data)[-3:]
             super().data_received(data)
             # Checked after the parser has read them: a read that ends the head may hold a body too.
             if self.in_head and self.head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
                 self.refuse_head()
+
+        def head_fits(self, data: bytes) -> bool:
+            """Whether the head ends within the limit in `data`, the read that passes it (the rest
+            of the read is its body, or the next request's)."""
+            end = (self.head_tail + data).find(b"\r\n\r\n")
+            return end >= 0 and self.head_bytes - len(self.head_tail) + end + 4 <= MAX_HEAD_BYTES
 
         def refuse_head(self) -> None:
             """The 431: the client may still be sending its head."""
@@ -75,7 +86,7 @@ def head_timed_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
-            self.in_head, self.head_bytes = True, 0  # what follows is the next request's head
+            self.in_head, self.head_bytes, self.head_tail = True, 0, b""  # what follows is the next request's head
 
         def connection_lost(self, exc: Exception | None) -> None:
             self.disarm_head_timer()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 
 from starlette.responses import StreamingResponse
 
@@ -46,8 +46,8 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], headers: Mapping[str, str] | None = None):
-        super().__init__(content, headers={**STREAM_HEADERS, **(headers or {})})
+    def __init__(self, content: AsyncIterator[bytes]):
+        super().__init__(content, headers=STREAM_HEADERS)
 
     async def __call__(self, scope, receive, send) -> None:
         try:

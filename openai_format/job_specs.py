@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from openai_format.errors import bad_request, unsupported
+from openai_format.errors import APIError, bad_request, unsupported
 from openai_format.requests import (
     MAX_CHOICES,
     AssistantMessage,
@@ -121,6 +121,16 @@ def parse_body(model: type[Model], body: bytes | str) -> Model:
             raise unsupported(f"{param} {first['ctx']['error']}", param) from None
         code = ERROR_CODES.get(first["type"], "invalid_value" if param else "invalid_json")
         raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param, code) from None
+
+
+def parameter_error(errors: list) -> APIError:
+    """A 400 for the route's own parameters that FastAPI refused (an upload's form fields, a
+    listing's query), named and coded as parse_body names a JSON body's: their locations begin
+    with where the value was read (`body`, `query`), which is no part of the client's name for it."""
+    first = errors[0]
+    param = ".".join(str(part) for part in first["loc"][1:]) or None
+    code = ERROR_CODES.get(first["type"], "invalid_value")
+    return bad_request(f"{param}: {first['msg']}" if param else first["msg"], param, code)
 
 
 def telling(errors: list) -> dict:

@@ -201,11 +201,31 @@ class ToolMessage(Strict):
     tool_call_id: str
 
 
+def refused(why: str):
+    """A value of the spec's that MILI refuses whatever else the request says."""
+
+    def check(value: Any) -> Any:
+        raise Unsupported(why)
+
+    return AfterValidator(check)
+
+
+class FunctionMessage(Strict):
+    """The spec's deprecated function message, the answer to a call of `functions`, which MILI
+    does not support either: refused as such (an unsupported_parameter naming its role), not as
+    a role the spec does not have."""
+
+    role: Annotated[Literal["function"], refused("function is not supported by this server: use tools")]
+    content: str | None = None
+    name: str
+
+
 ChatMessageIn = Annotated[
     Annotated[SystemMessage, Tag("system")]
     | Annotated[UserMessage, Tag("user")]
     | Annotated[AssistantMessage, Tag("assistant")]
-    | Annotated[ToolMessage, Tag("tool")],
+    | Annotated[ToolMessage, Tag("tool")]
+    | Annotated[FunctionMessage, Tag("function")],
     Discriminator(lambda m: {"developer": "system"}.get(m.get("role"), m.get("role")) if isinstance(m, dict) else None),
 ]
 

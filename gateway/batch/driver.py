@@ -128,6 +128,7 @@ class DrivenBatch:
         self.expires_at = 0
         self.ending: str | None = None  # batch_cancelled or batch_expired once the batch is ending
         self.ttl_s = driver.settings.batch_ttl_s  # the batch's own, once read
+        self.output_ttl_s = self.ttl_s  # its output files': its output_expires_after, else its own
         self.tenant: str | None = None  # its owner's, as its jobs are submitted (gateway/api_keys.py)
 
     async def drive(self) -> None:
@@ -155,6 +156,7 @@ class DrivenBatch:
         status = fields["status"]
         self.expires_at = int(fields["expires_at"])
         self.ttl_s = int(fields.get("ttl_s", self.ttl_s))
+        self.output_ttl_s = int(fields.get("output_ttl_s", self.ttl_s))
         if status in ("validating", "in_progress") and time.time() >= self.expires_at:
             await self.end(fields, "expired")
         elif status == "validating":
@@ -346,7 +348,7 @@ class DrivenBatch:
                 "batch_output",
                 self.pieces(ok),
                 now,
-                self.ttl_s,
+                self.output_ttl_s,
                 owner,
             )
             if file is not None:

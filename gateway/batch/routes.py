@@ -15,15 +15,16 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
+from pydantic import ValidationError
 from starlette.responses import StreamingResponse
 
 from gateway.api_keys import tenant_of
-from gateway.batch.schema import ENDED, Batch, CreateBatch, FileDeleted, FileObject, RequestCounts
+from gateway.batch.schema import ENDED, Batch, CreateBatch, ExpiresAfter, FileDeleted, FileObject, RequestCounts
 from gateway.batch.store import BatchStore, text_pieces
 from gateway.settings import GatewaySettings, duration_s
 from openai_format.batch_lines import ENDPOINTS, jsonl_lines
 from openai_format.errors import APIError, bad_request, not_found
-from openai_format.job_specs import parse_body
+from openai_format.job_specs import parameter_error, parse_body
 
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
 BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
@@ -42,9 +43,17 @@ def add_file_routes(router: APIRouter, store: BatchStore, settings: GatewaySetti
     """/v1/files: upload (purpose batch), list, retrieve, content, delete; of the caller's tenant."""
 
     @router.post("/v1/files")
-    async def upload_file(request: Request, file: UploadFile = File(...), purpose: str = Form(...)):
+    async def upload_file(
+        request: Request,
+        file: UploadFile = File(...),
+        purpose: str = Form(...),
+        # The SDK sends `expires_after` as these two form fields.
+        expires_anchor: str | None = Form(None, alias="expires_after[anchor]"),
+        expires_seconds: str | None = Form(None, alias="expires_after[seconds]"),
+    ):
         if purpose != "batch":
             raise bad_request(f"purpose {purpose!r} is not supported: only `batch` files are", "purpose")
+        ttl_s = upload_ttl_s(expires_anchor, expires_seconds, settings.batch_ttl_s)
         text = check_upload(await file.read(settings.batch_max_file_bytes + 1), settings)
         saved = await store.put_file(
             f"file-{uuid.uuid4().hex}",
@@ -52,7 +61,7 @@ def add_file_routes(router: APIRouter, store: BatchStore, settings: GatewaySetti
             "batch",
             each(text_pieces(text)),
             int(time.time()),
-            settings.batch_ttl_s,
+            ttl_s,
             tenant_of(request).id,
         )
         if saved is None:
@@ -103,7 +112,8 @@ def add_batch_routes(router: APIRouter, store: BatchStore, settings: GatewaySett
                 f"input_file_id {req.input_file_id!r} is not an uploaded batch file", "input_file_id", "file_not_found"
             )
         batch = new_batch(req, int(time.time()))
-        await store.create_batch(batch, settings.batch_ttl_s, tenant_of(request).id)
+        output = req.output_expires_after
+        await store.create_batch(batch, settings.batch_ttl_s, tenant_of(request).id, output and output.seconds)
         return batch
 
     @router.get("/v1/batches/{batch_id}")
@@ -152,6 +162,19 @@ def new_batch(req: CreateBatch, now: int) -> Batch:
         request_counts=RequestCounts(),
         metadata=req.metadata,
     )
+
+
+def upload_ttl_s(anchor: str | None, seconds: str | None, default_s: int) -> int:
+    """How long an upload is kept: its `expires_after` policy's seconds where it has one, else
+    `default_s` (batch_ttl_s)."""
+    if anchor is None and seconds is None:
+        return default_s
+    given = {name: value for name, value in (("anchor", anchor), ("seconds", seconds)) if value is not None}
+    try:
+        return ExpiresAfter.model_validate(given).seconds
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise parameter_error([{**first, "loc": ("body", "expires_after", *first["loc"])}]) from None
 
 
 def check_upload(data: bytes, settings: GatewaySettings) -> str:

@@ -47,6 +47,16 @@ class FileDeleted(Shape):
     deleted: bool = True
 
 
+class ExpiresAfter(Shape):
+    """OpenAI's expiration policy of a file (an upload's `expires_after`, a batch's
+    `output_expires_after`): `seconds` after the file's creation, from an hour to 30 days."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=3600, le=2_592_000)
+
+
 class CreateBatch(Shape):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -54,6 +64,7 @@ class CreateBatch(Shape):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = Field(None, max_length=16)
+    output_expires_after: ExpiresAfter | None = None
 
 
 class RequestCounts(Shape):

@@ -6,7 +6,8 @@ the gateway's objects into those commands' arguments and their replies back into
 A file's text is stored in pieces, each a run of whole lines of at most PIECE_CHARS characters:
 written and read a piece at a time, never one command of the whole file. Files expire `ttl_s`
 after they are written; a batch expires `ttl_s` after it ends. A batch records the TTL of the
-gateway that created it, which its output files get too, whichever gateway writes them.
+gateway that created it, which its output files get too, whichever gateway writes them (unless
+its `output_expires_after` gave them their own).
 """
 
 from __future__ import annotations
@@ -127,8 +128,10 @@ class BatchStore:
 
     # -- batches -------------------------------------------------------------------------------
 
-    async def create_batch(self, batch: Batch, ttl_s: int, owner: str) -> None:
-        await self._run(batch_commands.create_batch(self.keys, batch.id, batch.fields(), ttl_s, owner, time.time()))
+    async def create_batch(self, batch: Batch, ttl_s: int, owner: str, output_ttl_s: int | None = None) -> None:
+        """`output_ttl_s`: how long its output files are kept (its `output_expires_after`), else `ttl_s`."""
+        fields = batch.fields() | ({} if output_ttl_s is None else {"output_ttl_s": output_ttl_s})
+        await self._run(batch_commands.create_batch(self.keys, batch.id, fields, ttl_s, owner, time.time()))
 
     async def batch_fields(self, batch_id: str) -> dict[str, str]:
         return await self._run(batch_commands.batch_fields(self.keys, batch_id))

@@ -4,8 +4,8 @@ their call builders, and every command on a batch's keys and the batches' indexe
 batch_lease, batches, batches_of, batches_unfinished), each operation a Steps
 (producer_client.steps) that the store runs over its connection.
 
-A batch is a hash of its object's fields, how far its driver has got (`next_line`), its TTL and
-its owner. It has no TTL until it ends, however long it runs, and expires `ttl_s` after. Its copy
+A batch is a hash of its object's fields, how far its driver has got (`next_line`), its TTL (and
+its output files', `output_ttl_s`, where its request set one) and its owner. It has no TTL until it ends, however long it runs, and expires `ttl_s` after. Its copy
 of its input lines is a hash of runs of LINES_PER_FIELD lines (a value per run rather than per
 line: Redis's allocator rounds every value up to a size class, which on a value per line cost
 about a fifth of the text again). Its answers are two lists (output, errors) with a bitmap of the

@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 
+import httpx
 import openai
 import pytest
 
@@ -452,3 +453,67 @@ def test_files_and_ended_batches_expire_after_batch_ttl_s(
     finally:
         sdk.close()
         gateway.stop()
+
+
+def test_an_uploads_expires_after_is_when_it_expires(sdk, redis_client):
+    """OpenAI's files.create takes `expires_after` (1 hour to 30 days after the upload): it was
+    accepted and ignored, the file kept for batch_ttl_s and saying so in its expires_at."""
+    policy = {"anchor": "created_at", "seconds": 3600}
+    file = sdk.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="batch", expires_after=policy)
+    assert file.expires_at == file.created_at + 3600
+    assert sdk.files.retrieve(file.id).expires_at == file.created_at + 3600
+    assert 3500 < redis_client.ttl(KEYS.file(file.id)) <= 3600
+    assert 3500 < redis_client.ttl(KEYS.file_content(file.id)) <= 3600
+    for bad, param in (
+        ({"anchor": "created_at", "seconds": 60}, "expires_after.seconds"),
+        ({"anchor": "created_at", "seconds": 2_592_001}, "expires_after.seconds"),
+        ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="batch", expires_after=bad)
+        assert refused.value.param == param, refused.value.body
+
+
+def test_a_batchs_output_expires_after_is_when_its_output_files_expire(sdk, redis_client):
+    """OpenAI's batches.create takes `output_expires_after`: it was refused as a field the spec
+    does not have (400 unknown_parameter)."""
+    created = sdk.batches.create(
+        input_file_id=upload(sdk, [chat_line("o", "out")]),
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
+    )
+    batch = ended(sdk, created.id)
+    assert batch.status == "completed", batch
+    output = sdk.files.retrieve(batch.output_file_id)
+    assert output.expires_at == output.created_at + 7200
+    assert 7000 < redis_client.ttl(KEYS.file(output.id)) <= 7200
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.batches.create(
+            input_file_id=batch.input_file_id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            output_expires_after={"anchor": "created_at", "seconds": 60},
+        )
+    assert refused.value.param == "output_expires_after.seconds" and refused.value.code == "below_min_value"
+
+
+def test_a_form_or_query_parameter_refused_is_named_with_openais_code(gateway):
+    """A missing upload field or a listing's malformed query was a 400 `invalid_value` naming no
+    field ("Field required"), where a JSON body's is `missing_required_parameter` naming it."""
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        for form, files, param in (
+            (None, {"file": ("x.jsonl", b"{}\n")}, "purpose"),
+            ({"purpose": "batch"}, None, "file"),
+        ):
+            answer = http.post("/v1/files", data=form, files=files)
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"] | {"message": None} == {
+                "message": None,
+                "type": "invalid_request_error",
+                "param": param,
+                "code": "missing_required_parameter",
+            }
+        for path in ("/v1/files?limit=ten", "/v1/batches?limit=ten"):
+            answer = http.get(path)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "limit", answer.text

@@ -131,3 +131,16 @@ def test_a_scrape_waits_for_the_backlogs_no_longer_than_its_bound_when_redis_doe
         started = time.monotonic()
         assert asyncio.run(scrape(silent.getsockname()[1])) == []
     assert time.monotonic() - started < 1.5
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_error_after_the_jobs_were_enqueued_names_them_in_x_mili_job_ids(gateway, stream):
+    """Every response names its jobs once they exist (docs/http-api.md): an error found by the
+    worker (a prompt longer than the echo worker's 4,096-token context) was answered without them,
+    so its job could not be looked up."""
+    body = {"model": "echo", "messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 4, "stream": stream}
+    response = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    (job_id,) = response.headers["x-mili-job-ids"].split(",")
+    status = httpx.get(f"{gateway.url}/v1/jobs/{job_id}").json()
+    assert (status["status"], status["result"]["error"]["code"]) == ("failed", "prompt_too_long"), status

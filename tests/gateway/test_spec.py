@@ -337,6 +337,12 @@ def test_completions_the_spec_allows_are_accepted(gateway, extra):
         ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        # The deprecated functions' answer, a message of role `function` (it was an invalid_value).
+        (
+            "/v1/chat/completions",
+            {"messages": [*CHAT, {"role": "function", "name": "f", "content": "y"}]},
+            "messages.1.role",
+        ),
     ],
 )
 def test_what_mili_cannot_honour_is_a_400_naming_it_and_enqueues_nothing(gateway, redis_client, path, body, param):
