@@ -19,6 +19,7 @@ needs; producer_client.connection builds them from `redis+cluster://` URLs.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar, cast
@@ -32,6 +33,8 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCoveredError
 from typing_extensions import TypeIs
+
+from producer_client import forks
 
 SCRIPT_CALLS = frozenset({"EVAL", "EVALSHA"})
 STREAM_READS = frozenset({"XREAD", "XREADGROUP"})
@@ -144,9 +147,24 @@ class AsyncCluster(AsyncRedisCluster):
         self.pacing = _pacing(retry or redis.asyncio.retry.Retry(NoBackoff(), 0))
         super().__init__(retry=redis.asyncio.retry.Retry(NoBackoff(), 0), **kwargs)
         self.commands_parser = cast(AsyncCommandsParser, _AsyncKnownKeys(self.commands_parser))
+        forks.reset_after_fork(self)
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         return await self.paced(lambda: super(AsyncCluster, self).execute_command(*args, **kwargs))
+
+    def after_fork_in_child(self) -> None:
+        """redis.asyncio's cluster nodes hold their connections themselves, with no pid check: in a
+        forked child they are set aside, never closed (producer_client.forks), and the locks, maybe
+        held by a task of the parent's loop, made again; the child connects its own."""
+        manager = self.nodes_manager
+        nodes = {id(node): node for node in (*manager.nodes_cache.values(), *manager.startup_nodes.values())}
+        for node in nodes.values():
+            forks.keep(list(node._connections))
+            node._connections = []
+            node._free.clear()
+        self._lock = None
+        self._usage_lock = asyncio.Lock()
+        manager._initialize_lock = asyncio.Lock()
 
     async def paced(self, call: Callable[[], Awaitable[T]]) -> T:
         async def attempt() -> T:

@@ -40,6 +40,7 @@ from redis.commands.sentinel import SentinelMastersResponse
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS
 from redis.connection import parse_url as redis_py_url_options
 
+from producer_client import forks
 from producer_client.cluster import AsyncCluster, AsyncRedis, Cluster, NotACluster, SyncRedis
 from producer_client.errors import InvalidArgument
 from producer_client.pooling import (
@@ -49,6 +50,7 @@ from producer_client.pooling import (
     AsyncSentinelPool,
     ExchangePool,
     SentinelPool,
+    set_aside,
 )
 
 # Every call of the clients is safe to repeat: reads, CANCEL, and submits (CREATE never sets a
@@ -444,6 +446,15 @@ class SentinelNode(redis.Redis):
 
 
 class AsyncSentinelNode(redis.asyncio.Redis):
+    """A sentinel's asyncio client: set aside in a forked child, as the master's pool is."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        forks.reset_after_fork(self)
+
+    def after_fork_in_child(self) -> None:
+        set_aside(self.connection_pool)
+
     def __repr__(self) -> str:
         return _sentinel_repr(self)
 

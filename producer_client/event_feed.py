@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from typing import Any, NamedTuple
 
 import redis
 
+from producer_client import forks
 from producer_client.cluster import AsyncRedis, SyncRedis, is_cluster
 from producer_client.keys import Keys
 
@@ -82,6 +82,12 @@ class Feed:
         with self.lock:
             self.broken = True
         self.wake()
+
+    def after_fork_in_child(self) -> None:
+        """A reader that the child carries on (the fork came in the middle of its stream()) reads
+        its stream itself: its channel is subscribed to in the parent, not here."""
+        self.lock = threading.Lock()  # maybe held by a thread of the parent's
+        self.broken = True
 
     def take(self) -> tuple[list[Published | None], bool]:
         """The messages that came, and whether the stream must be read first; both reset."""
@@ -193,6 +199,17 @@ class Feeds:
             for feed in self.of(channel):
                 feed.mark_stale()
 
+    def forked(self) -> Feeds:
+        """A child's Feeds, of none of the parent's channels (the parent's readers' go on reading
+        their streams themselves), read in the child alone right after the fork: its lock may be
+        held by a thread of the parent's."""
+        for readers in self.by_channel.values():
+            for feed in readers:
+                feed.after_fork_in_child()
+        feeds = Feeds()
+        feeds.refused = self.refused
+        return feeds
+
     def fail(self, error: BaseException) -> None:
         """The subscriber failed: every reader reads its stream from now on."""
         if isinstance(error, REFUSALS):
@@ -216,8 +233,16 @@ class Subscriber:
         self.lock = threading.Lock()
         self.pubsub: Any = None
         self.thread: threading.Thread | None = None
-        self.pid = os.getpid()
         self.closed = False
+        forks.reset_after_fork(self)
+
+    def after_fork_in_child(self) -> None:
+        """The parent's thread is not in the child, its connection is not the child's (dropped, it
+        is closed without a shutdown: redis-py's disconnect checks the pid), and its lock may be
+        held by a thread of the parent's: the child's next stream() starts its own."""
+        self.lock = threading.Lock()
+        self.feeds = self.feeds.forked()
+        self.pubsub, self.thread = None, None
 
     @contextlib.contextmanager
     def follow(self, job_id: str) -> Iterator[ThreadFeed]:
@@ -251,8 +276,6 @@ class Subscriber:
                 pubsub.sunsubscribe(*channels)
 
     def _started(self) -> Any:
-        if self.pid != os.getpid():  # a forked child: the parent's thread is not here, nor is its connection its own
-            self.pubsub, self.thread, self.pid = None, None, os.getpid()
         if self.pubsub is None:
             self.pubsub = self.client.pubsub()  # type: ignore[no-untyped-call]
         if self.thread is None:
@@ -302,6 +325,15 @@ class AsyncSubscriber:
         self.pubsub: Any = None
         self.task: asyncio.Task[None] | None = None
         self.closed = False
+        forks.reset_after_fork(self)
+
+    def after_fork_in_child(self) -> None:
+        """The parent's task and connection belong to the parent's event loop: set aside, never
+        closed (producer_client.forks); the child's next stream(), in a loop of its own, starts
+        its own. The lock, bound to the parent's loop once used, is made again."""
+        forks.keep(self.pubsub, self.task)
+        self.lock, self.pubsub, self.task = None, None, None
+        self.feeds = self.feeds.forked()
 
     @contextlib.asynccontextmanager
     async def follow(self, job_id: str) -> Any:

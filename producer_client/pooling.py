@@ -18,6 +18,7 @@ means in redis-py: connections open at once, each held by one call while it runs
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -28,6 +29,8 @@ import redis.asyncio.sentinel
 import redis.connection
 import redis.sentinel
 from redis.exceptions import ConnectionError, TimeoutError
+
+from producer_client import forks
 
 # What a connection's readiness check at its checkout may raise: it was closed by the server.
 _CLOSED = (ConnectionError, TimeoutError, OSError)
@@ -179,6 +182,13 @@ ASYNC_ONCE_PER_TRY: dict[type, type] = {
 class AsyncExchangePool(redis.asyncio.ConnectionPool):
     """ExchangePool, for asyncio."""
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        forks.reset_after_fork(self)
+
+    def after_fork_in_child(self) -> None:
+        set_aside(self)
+
     async def take(self) -> Any:
         async with self._lock:
             connection: Any = redis.asyncio.ConnectionPool.get_available_connection(self)
@@ -205,6 +215,16 @@ class AsyncExchangePool(redis.asyncio.ConnectionPool):
                 await connection.disconnect()
             self._available_connections.append(connection)
         await connection.re_auth()
+
+
+def set_aside(pool: redis.asyncio.ConnectionPool) -> None:
+    """In a forked child, empties an asyncio pool: redis.asyncio's pools have no pid check, and the
+    child would send its commands over the parent's sockets and read the parent's replies. The
+    connections, of the parent's event loop, are kept, never closed (producer_client.forks); the
+    child connects its own. Its lock may be held by a task of the parent's loop."""
+    forks.keep(list(pool._available_connections), list(pool._in_use_connections))
+    pool.reset()
+    pool._lock = asyncio.Lock()
 
 
 class AsyncSentinelPool(AsyncExchangePool, redis.asyncio.sentinel.SentinelConnectionPool):
