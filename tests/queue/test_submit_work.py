@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
+from producer_client import Client
 from producer_client.new_job import build_job
+from producer_client.placement import Placed, Placement, View
 from producer_client.schema import JobRequest, SamplingParams
 
 PROMPTS = [
@@ -81,3 +83,26 @@ def test_building_a_prompt_job_makes_few_python_calls():
     # 759db3b: 20 (a model attribute read through pydantic's __getattr__ is no Python call; the
     # params' comparison with the defaults and the memo key's comprehension are).
     assert python_calls(build) <= 18
+
+
+def test_a_queue_of_one_worker_or_none_sends_jobs_to_the_shared_stream_without_reading_placement():
+    placement = Placement()
+    assert not placement.shared_now("q", 1)  # no view yet: streams_for reads it
+    placement.views["q"] = View(float("inf"), [])  # fresh, no worker to choose
+    assert placement.shared_now("q", 2)
+    assert placement.placed == {Placed.AFFINITY: 0, Placed.SHARED: 2}
+    placement.views["q"] = View(0.0, [])  # stale
+    assert not placement.shared_now("q", 1)
+    off = Placement(enabled=False)
+    assert off.shared_now("q", 1) and off.placed[Placed.SHARED] == 1
+
+
+def test_a_submit_to_a_queue_without_workers_makes_few_python_calls(redis_server, queue):
+    """Client.submit, no tenant, no worker (placement's view fresh and empty): its Python calls,
+    the round trip's included."""
+    with Client(redis_server.url, queue=queue) as client:
+        for i in range(3):  # the scripts loaded, the view read, the params validated
+            client.submit(f"warm {i}", max_tokens=1, temperature=0.0)
+        # 759db3b: 99 (the placement's and the quota's generators, the frozen dataclasses' __init__,
+        # the commands recorder's __init__, besides build_job's above).
+        assert python_calls(lambda: client.submit("a prompt", max_tokens=1, temperature=0.0)) <= 94
