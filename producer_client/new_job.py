@@ -94,16 +94,18 @@ def build_job(
     size = len(body.encode())
     if size > MAX_BODY_BYTES:
         raise BodyTooLarge("body", f"{size} bytes exceeds the limit of {MAX_BODY_BYTES}")
-    timeout_ms = 0 if request.timeout_s is None else max(1, round(request.timeout_s * 1000))
+    fields = request.__dict__  # not attributes: see schema.py's note on fields read from `__dict__`
+    timeout_s, adapter = fields["timeout_s"], fields["adapter"]
+    timeout_ms = 0 if timeout_s is None else max(1, round(timeout_s * 1000))
     cost = estimated_tokens(request, body)
     if request_id is None:
         if fingerprint is not None:  # binds nothing here, but a malformed one is still the caller's mistake
             bound_fingerprint(request, fingerprint)
         job_id = fresh_job_id(tenant)
-        return NewJob(job_id, body, False, timeout_ms, "", prefix_key(request), request.adapter, lane, cost)
+        return NewJob(job_id, body, False, timeout_ms, "", prefix_key(request), adapter, lane, cost)
     fingerprint = bound_fingerprint(request, fingerprint)
     job_id = check_name("request_id", request_id)
-    return NewJob(job_id, body, True, timeout_ms, fingerprint, prefix_key(request), request.adapter, lane, cost)
+    return NewJob(job_id, body, True, timeout_ms, fingerprint, prefix_key(request), adapter, lane, cost)
 
 
 def fresh_job_id(tenant: str | None) -> str:
@@ -161,7 +163,8 @@ def sampling_params(sampling: dict[str, Any], known: KnownParams | None) -> Samp
     if known is None:
         return SamplingParams.model_validate(sampling, strict=True)
     try:
-        key = tuple([(name, type(value), value) for name, value in sampling.items()])
+        # (name, type, value) of each, by zip and map: a comprehension would be a frame of its own.
+        key = tuple(zip(sampling, map(type, sampling.values()), sampling.values()))
         params = known.get(key)
     except TypeError:  # a list (stop, stop_token_ids) or a dict (response_format)
         return SamplingParams.model_validate(sampling, strict=True)
@@ -195,11 +198,14 @@ def estimated_tokens(request: JobRequest, body: str) -> int:
     """A job's tokens as OpenAI counts them against a tokens-per-minute limit, without a
     tokenizer: its prompt's (the ids' count, else about one per CHARS_PER_TOKEN characters of the
     prompt, or of the body for a chat) plus max_tokens."""
-    if request.input_ids is not None:
-        prompt = len(request.input_ids)
+    fields = request.__dict__  # see schema.py's note on fields read from `__dict__`
+    input_ids, text = fields["input_ids"], fields["prompt"]
+    if input_ids is not None:
+        prompt = len(input_ids)
     else:
-        prompt = -(-len(request.prompt if request.prompt is not None else body) // CHARS_PER_TOKEN)
-    return prompt + request.params.max_tokens
+        prompt = -(-len(text if text is not None else body) // CHARS_PER_TOKEN)
+    max_tokens: int = fields["params"].__dict__["max_tokens"]
+    return prompt + max_tokens
 
 
 def build_job_of(
@@ -239,10 +245,11 @@ def check_grammars(request: JobRequest) -> None:
     """Refuses, before anything is enqueued, what the worker would hold the output to and could not
     compile: the response_format, and the tools' parameters where a call is enforced (a forced
     tool_choice, or tools beside a response_format)."""
-    fmt = request.params.response_format
+    fields = request.__dict__  # see schema.py's note on fields read from `__dict__`
+    fmt = fields["params"].__dict__["response_format"]
     if fmt is not None:
         structured.check_format(fmt)
-    forced = request.tool_choice not in (None, "auto", "none")
+    forced = fields["tool_choice"] not in (None, "auto", "none")
     if forced or fmt is not None:
         for i, tool in enumerate(request.tools or []):
             if tool.function.parameters is not None and tool in request.offered_tools():

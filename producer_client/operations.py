@@ -22,6 +22,7 @@ from producer_client.protocol.producer import NO_LIMITS, Limits
 from producer_client.protocol.replication import Replication
 from producer_client.protocol.replies import Enqueued, Refusal, parse_enqueue
 from producer_client.protocol.script import ScriptCall
+from producer_client.rate_limits import NO_RATE_LIMITS, RateLimits
 from producer_client.schema import JobResult, JobStatus, Timings
 from producer_client.sharing import (
     Submitted,
@@ -48,8 +49,8 @@ from producer_client.waiting import (
 def submit(client: ClientBase, job: NewJob) -> Steps[str]:
     """Enqueue `job` on the client's queue, in its lane of the client's tenant, with its settings
     (bound, limits, replication, placement); returns its id."""
-    submitted, _ = yield from submit_reading(client, job, None)
-    return submitted.job_id
+    job_id, _, _ = yield from submit_reading(client, job, None)
+    return job_id
 
 
 def submit_rated(client: ClientBase, job: NewJob) -> Steps[Submitted]:
@@ -58,14 +59,17 @@ def submit_rated(client: ClientBase, job: NewJob) -> Steps[Submitted]:
     first (UnknownAdapter), and so is a shard count other than the queue's (ShardCountMismatch). A
     refusal (the stream's bound, the tenant's waiting quota or a rate limit) removes the job's hash
     again and raises."""
-    submitted, _ = yield from submit_reading(client, job, None)
-    return submitted
+    job_id, limits, _ = yield from submit_reading(client, job, None)
+    return Submitted(job_id, limits)
 
 
-def submit_reading(client: ClientBase, job: NewJob, read: Deadline | None) -> Steps[tuple[Submitted, FirstRead | None]]:
-    """submit_rated(); with `read`, the job's first blocking read of its `done` stream under that
-    deadline goes in the enqueue's round trip where first_read_block allows it: what it read, or
-    None where it was not sent."""
+def submit_reading(
+    client: ClientBase, job: NewJob, read: Deadline | None
+) -> Steps[tuple[str, RateLimits, FirstRead | None]]:
+    """submit_rated()'s job id and rate limits, as a tuple: no Submitted made at every submit (a
+    frozen dataclass, some 6k instructions to make). With `read`, the job's first blocking read of its
+    `done` stream under that deadline goes in the enqueue's round trip where first_read_block
+    allows it: what it read, or None where it was not sent."""
     if client.shards.spreads:
         yield from client.shards.agree(client.keys, client.queue)
     if job.adapter is not None:
@@ -74,7 +78,7 @@ def submit_reading(client: ClientBase, job: NewJob, read: Deadline | None) -> St
     if job.idempotent:
         (reply,) = checked((yield job.create_call(client.keys).add_to))
         if not job.created(reply):
-            return Submitted(job.job_id), None
+            return job.job_id, NO_RATE_LIMITS, None
         outcome, _ = yield from enqueue_or_forget(client, job, create=False)
     else:
         # A fresh id cannot collide: create the job and enqueue it in one round trip.
@@ -85,7 +89,7 @@ def submit_reading(client: ClientBase, job: NewJob, read: Deadline | None) -> St
         raise error
     if not job.idempotent:
         client.submissions.add(job.job_id, expiry_of_new(job))
-    return Submitted(job.job_id, rate_limits_of(outcome)), first
+    return job.job_id, rate_limits_of(outcome), first
 
 
 class FirstRead(NamedTuple):
@@ -117,8 +121,13 @@ def enqueue_or_forget(
     for a tenant with limits: shard 0, where its limits are counted as one. `place` False: the
     shared route; `counted`: the tenant's limits counted the job already (placed_elsewhere)."""
     keys, queue, tenant = client.keys, client.queue, client.tenant_name
-    (stream,) = (yield from client.placement.streams_for(keys, queue, [job.prefix])) if place else (None,)
-    limits = yield from client.quota_cache.limits_for(keys, client.tenant)
+    # Neither a placement nor a quota to read (a queue of one worker or none, a client without a
+    # tenant): answered without their generators, a few thousand instructions of every such submit.
+    if not place or client.placement.shared_now(queue, 1):
+        stream = None
+    else:
+        (stream,) = yield from client.placement.streams_for(keys, queue, [job.prefix])
+    limits = NO_LIMITS if client.tenant is None else (yield from client.quota_cache.limits_for(keys, client.tenant))
     if counted:
         limits = Limits(weight=limits.weight)
     if client.shards.spreads and not limits.any:
@@ -283,8 +292,7 @@ def generate(client: ClientBase, arguments: Mapping[str, Any], timeout: float | 
     timeout = check_timeout(timeout)
     job = build_job_of(arguments, known_params=client.known_params, tenant=client.tenant)
     deadline = Deadline(job.job_id, timeout)
-    submitted, first = yield from submit_reading(client, job, deadline)
-    job_id = submitted.job_id
+    job_id, _, first = yield from submit_reading(client, job, deadline)
     known = client.submissions.known(job_id)
     if first is None:
         deadline = Deadline(job_id, timeout)

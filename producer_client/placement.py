@@ -54,16 +54,18 @@ class Placed(str, Enum):
 def prefix_key(request: JobRequest) -> bytes:
     """A digest of the job's root (roots.py): the part of its prompt that every turn of its
     conversation repeats; for a job on a LoRA adapter, of the adapter (the module's docstring)."""
-    if request.adapter is not None:
-        return hashlib.blake2b(b"adapter:" + request.adapter.encode(), digest_size=16).digest()
-    if request.messages is not None:
-        root = roots.chat_root(request.messages, request.tools).encode()
-    elif request.prompt is not None:
-        root = roots.text_root(request.prompt).encode()
-    elif request.input_ids is not None:
+    fields = request.__dict__  # not attributes: see schema.py's note on fields read from `__dict__`
+    adapter, messages, prompt, input_ids = fields["adapter"], fields["messages"], fields["prompt"], fields["input_ids"]
+    if adapter is not None:
+        return hashlib.blake2b(b"adapter:" + adapter.encode(), digest_size=16).digest()
+    if messages is not None:
+        root = roots.chat_root(messages, fields["tools"]).encode()
+    elif prompt is not None:
+        root = roots.text_root(prompt).encode()
+    elif input_ids is not None:
         # The ids' machine bytes, not their decimal text: a third of the time, on a root of Qwen3's
         # chat format that may hold a whole system prompt.
-        root = array("q", roots.ids_root(request.input_ids)).tobytes()
+        root = array("q", roots.ids_root(input_ids)).tobytes()
     else:  # JobRequest's validation refuses this; a request built past it (model_construct) too
         raise InvalidArgument("prompt", "give exactly one of prompt, messages or input_ids")
     return hashlib.blake2b(root, digest_size=16).digest()
@@ -177,6 +179,17 @@ class Placement:
             return [None] * len(prefixes)
         return [self._place(view, prefix, keys, queue) for prefix in prefixes]
 
+    def shared_now(self, queue: str, jobs: int) -> bool:
+        """Whether `jobs` jobs go to the shared stream, counted so, with no view to read: placement
+        off, or a fresh view with fewer than two workers. streams_for's answer then, without its two
+        generators: what a submit to a queue of one worker or none pays (bench/RESULTS.md, y/submit3)."""
+        if self.enabled:
+            view = self._fresh_view(queue)
+            if view is None or len(view.candidates) >= 2:
+                return False
+        self.placed[Placed.SHARED] += jobs
+        return True
+
     def forget_view(self, queue: str) -> None:
         """Read `queue`'s view again before the next placement: it chose a worker whose stream
         turned out to be of another type."""
@@ -184,10 +197,15 @@ class Placement:
 
     def _view(self, keys: Keys, queue: str) -> Steps[View]:
         """The queue's view, read again when it is stale."""
-        view = self.views.get(queue)
-        if view is None or time.monotonic() - view.read_at >= self.refresh_s:
+        view = self._fresh_view(queue)
+        if view is None:
             view = self.views[queue] = yield from read_view(keys, queue)
         return view
+
+    def _fresh_view(self, queue: str) -> View | None:
+        """The queue's view, None if it is not yet read or stale."""
+        view = self.views.get(queue)
+        return None if view is None or time.monotonic() - view.read_at >= self.refresh_s else view
 
     def _place(self, view: View, key: bytes, keys: Keys, queue: str) -> str | None:
         chosen = view.choose(key)

@@ -57,8 +57,10 @@ def first_line(head: str) -> str:
     """Up to the first line break after content: blank lines before it belong to it, so that no
     root is blanks alone. (str.find, not a regular expression: 0.3 us, not 46, over 1,024 chars.)"""
     content = len(head) - len(head.lstrip())
-    ends = [end for end in (head.find("\n", content), head.find("\r", content)) if end >= 0]
-    return head[: min(ends)] if ends else head
+    newline, ret = head.find("\n", content), head.find("\r", content)
+    if newline < 0 or 0 <= ret < newline:  # no comprehension: a frame of its own, at every submit
+        newline = ret
+    return head if newline < 0 else head[:newline]
 
 
 def templated_text_root(prompt: str) -> str:

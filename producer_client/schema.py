@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from producer_client.chat import MAX_TOOLS, ChatMessage, NamedToolChoice, Tool, ToolCall, ToolChoice, tool_names
@@ -12,6 +13,11 @@ from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, I
 from producer_client.keys import NAME_PATTERN
 from producer_client.structured import FORMAT_TYPES, ResponseFormat
 
+# Fields read from `__dict__`: pydantic's BaseModel defines __getattr__ (for private attributes),
+# so CPython 3.11 cannot specialize an attribute read of a model's instance: each read of a field
+# is about 400 instructions, a read of its `__dict__`'s item a tenth of that. The checks a submit
+# runs on every job read their fields from `__dict__` (where pydantic keeps them, model_construct's
+# too): some twenty reads a submit (bench/RESULTS.md, "A submit's own work, by instructions (y/submit3)").
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
@@ -69,13 +75,15 @@ class SamplingParams(BaseModel):
         return params
 
     def check_consistency(self) -> None:
-        if self.min_tokens > self.max_tokens:
+        fields = self.__dict__  # see the module's note on fields read from `__dict__`
+        if fields["min_tokens"] > fields["max_tokens"]:
             raise InvalidArgument("min_tokens", "must not exceed max_tokens")
-        for s in self.stop:
+        stop = fields["stop"]
+        for s in stop:
             if not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidArgument("stop", f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
-        check_token_ids("stop_token_ids", self.stop_token_ids)
-        if self.response_format is not None and self.stop:
+        check_token_ids("stop_token_ids", fields["stop_token_ids"])
+        if fields["response_format"] is not None and stop:
             # A stop string is cut from the text, and the cut would break the structure.
             raise InvalidArgument("stop", "cannot be combined with response_format: stop strings cut the output")
 
@@ -168,21 +176,26 @@ class JobRequest(BaseModel):
         return request
 
     def check(self, max_tokens_limit: int) -> None:
-        """The rules a field-by-field schema cannot state."""
-        if (self.prompt is not None) + (self.messages is not None) + (self.input_ids is not None) != 1:
+        """The rules a field-by-field schema cannot state (once per submit, and per job a worker reads)."""
+        fields = self.__dict__  # see the module's note on fields read from `__dict__`
+        input_ids = fields["input_ids"]
+        if (fields["prompt"] is not None) + (fields["messages"] is not None) + (input_ids is not None) != 1:
             raise InvalidArgument("prompt", "give exactly one of prompt, messages or input_ids")
-        if self.input_ids is not None:
-            check_token_ids("input_ids", self.input_ids)
-        if self.params.max_tokens > max_tokens_limit:
-            message = f"{self.params.max_tokens} exceeds the limit of {max_tokens_limit}"
+        if input_ids is not None:
+            check_token_ids("input_ids", input_ids)
+        params = fields["params"]
+        max_tokens = params.__dict__["max_tokens"]
+        if max_tokens > max_tokens_limit:
+            message = f"{max_tokens} exceeds the limit of {max_tokens_limit}"
             raise OutOfRange("max_tokens", message, below=False)
-        self.params.check_consistency()
+        params.check_consistency()
         self.check_chat_options()
 
     def check_chat_options(self) -> None:
-        if self.messages is None:
+        fields = self.__dict__  # see the module's note on fields read from `__dict__`
+        if fields["messages"] is None:
             for name, default in CHAT_DEFAULTS.items():
-                if getattr(self, name) != default:
+                if fields[name] != default:
                     raise InvalidArgument(name, "applies to chats only (messages)")
             return
         names = tool_names(self.tools or [])
@@ -209,12 +222,50 @@ class JobRequest(BaseModel):
         return request
 
     def to_json(self) -> str:
-        # model_dump_json's own work, without its wrapper's argument checks: a body per submit.
-        return self.__pydantic_serializer__.to_json(self, exclude_defaults=True).decode()
+        """The job's body: model_dump_json(exclude_defaults=True)'s text, a body per submit. That of a
+        prompt whose every other field but its params is at its default (nearly every submit's) is
+        joined from the prompt's JSON string and its params' JSON, kept per params (params_json):
+        the same text, for about a quarter of the instructions of pydantic's serializer, which
+        compares each field of the two models with its default at every call."""
+        fields = self.__dict__  # see the module's note on fields read from `__dict__`
+        prompt = fields["prompt"]
+        if prompt is None:
+            return self.__pydantic_serializer__.to_json(self, exclude_defaults=True).decode()
+        for name, default in PROMPT_JOB_DEFAULTS.items():  # a loop: a generator would be a frame more
+            if fields[name] != default:
+                return self.__pydantic_serializer__.to_json(self, exclude_defaults=True).decode()
+        text, params = pydantic_core.to_json(prompt).decode(), params_json(fields["params"])
+        return f'{{"prompt":{text}}}' if params is None else f'{{"prompt":{text},"params":{params}}}'
 
 
 # Read once: JobRequest.model_fields is a class property, two Python calls at each read.
 CHAT_DEFAULTS = {name: JobRequest.model_fields[name].default for name in CHAT_OPTIONS}
+# JobRequest's fields beside its prompt and params, with their defaults: a prompt's job whose fields
+# all hold these has the body JobRequest.to_json joins. Every field of JobRequest has a plain default.
+PROMPT_JOB_DEFAULTS = {
+    name: field.default for name, field in JobRequest.model_fields.items() if name not in ("prompt", "params")
+}
+DEFAULT_PARAMS = SamplingParams()
+# Each SamplingParams' JSON in a body, by the params' identity: a client's memo (new_job.
+# sampling_params) hands the same params to every submit that shares them. The params are kept
+# beside their JSON, so that no identity is reused while its entry lives; emptied past PARAMS_JSON_KEPT.
+_PARAMS_JSON: dict[int, tuple[SamplingParams, str | None]] = {}
+PARAMS_JSON_KEPT = 256
+
+
+def params_json(params: SamplingParams) -> str | None:
+    """`params` as a body holds them (exclude_defaults): None for the default ones, which a body
+    leaves out. Serialized, and compared with the defaults, once per params."""
+    kept = _PARAMS_JSON.get(id(params))
+    if kept is not None and kept[0] is params:
+        return kept[1]
+    text = None
+    if params != DEFAULT_PARAMS:
+        text = params.__pydantic_serializer__.to_json(params, exclude_defaults=True).decode()
+    if len(_PARAMS_JSON) >= PARAMS_JSON_KEPT:
+        _PARAMS_JSON.clear()
+    _PARAMS_JSON[id(params)] = (params, text)
+    return text
 
 
 class Usage(BaseModel):

@@ -86,6 +86,8 @@ def refusal_error(
 ) -> MiliError | None:
     """The error an enqueue's refusal raises; None when nothing was refused. `job_ids`: from
     submit_many, the ids of the specs enqueued (BulkQueueFull's are made by the caller)."""
+    if outcome.refusal is Refusal.NONE:  # nearly every enqueue: none of the refusals' checks
+        return None
     first, second = (outcome.values + (0, ""))[:2]
     if outcome.refusal is Refusal.FULL:
         return QueueFull(queue, int(first), max_depth or 0)

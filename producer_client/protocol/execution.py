@@ -48,10 +48,9 @@ class Commands(CoreCommands):
     methods, not the commands.
     redis-py's CommandsProtocol, which its command methods take as `self`, declares a client's
     `_event_dispatcher`, which none of those methods reads: a recorder has none, and mypy counts
-    it abstract (the `type: ignore[abstract]` where one is made)."""
+    it abstract (the `type: ignore[type-abstract]` where one is made: `recorder`)."""
 
-    def __init__(self) -> None:
-        self.stack: Stack = []
+    stack: Stack  # set by `recorder`
 
     def execute_command(self, *args: Any, **options: Any) -> Commands:
         self.stack.append((args, options))
@@ -62,6 +61,14 @@ class Commands(CoreCommands):
         replicas that have this connection's writes, so on a cluster it goes to that node's."""
         self.stack.append((("WAIT", replicas, timeout_ms), {_NODE_OF: key}))
         return self
+
+
+def recorder() -> Commands:
+    """An empty Commands: its stack set on an instance made without an __init__ of Python, whose
+    call goes through CPython's slow path for a class's __init__ (some 3k instructions an exchange)."""
+    commands = Commands.__new__(Commands)  # type: ignore[type-abstract]  # see Commands
+    commands.stack = []
+    return commands
 
 
 # Rounds of load-and-resend for the EVALSHAs that met NOSCRIPT: a server can lose the scripts
@@ -104,7 +111,7 @@ def execute(
     cluster a command that a node failed (redis-py tries it again at once, then gives its error as
     the reply) fails the round trip, which the client's retry policy sends again, as it does a
     single command's, until the failover is over."""
-    commands = Commands()  # type: ignore[abstract]  # see Commands
+    commands = recorder()
     add_commands(commands)
     with topology_errors():
         replies = _send(client, commands.stack, repeatable)
@@ -125,7 +132,7 @@ async def aexecute(
     repeatable: bool = False,
 ) -> Replies:
     """`execute` for a redis.asyncio client."""
-    commands = Commands()  # type: ignore[abstract]  # see Commands
+    commands = recorder()
     add_commands(commands)
     with topology_errors():
         if is_cluster(client) and any(_NODE_OF in options for _, options in commands.stack):

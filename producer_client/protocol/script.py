@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from producer_client.keys import DONE_TTL_MS, Keys
 
@@ -22,9 +22,9 @@ class Script:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
-@dataclass(frozen=True)
-class ScriptCall:
-    """One EVALSHA of `script`, built by the call builder beside the script's source."""
+class ScriptCall(NamedTuple):
+    """One EVALSHA of `script`, built by the call builder beside the script's source. A tuple, not
+    a frozen dataclass: under half the instructions to make, and every submit makes one."""
 
     script: Script
     keys: tuple[str, ...]

@@ -1,0 +1,108 @@
+"""A submit's own work without Redis (branch y/submit3, issue 43's submit row): the body a job is sent
+with, joined by hand for a prompt's job, is pydantic's text byte for byte; the Python calls of
+building a job and of deciding where it goes stay few (bench/instructions.py counts them in
+instructions: bench/RESULTS.md, "A submit's own work, by instructions (y/submit3)")."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from producer_client import Client
+from producer_client.new_job import build_job
+from producer_client.placement import Placed, Placement, View
+from producer_client.schema import JobRequest, SamplingParams
+
+PROMPTS = [
+    "hello",
+    'quotes " and \\ backslashes',
+    "".join(chr(i) for i in range(1, 64)),  # every control character JSON escapes
+    "é 中文 😀 \u2028\u2029 \x7f \x80",
+    "x" * 5000,
+]
+PARAMS = [
+    SamplingParams(),
+    SamplingParams(max_tokens=1, temperature=0.0),
+    SamplingParams(stop=["a\n"], top_p=0.5, seed=3, temperature=1e-5),
+    SamplingParams(max_tokens=256),  # its default, set: the body leaves it out
+]
+
+
+def pydantic_body(request: JobRequest) -> str:
+    return request.__pydantic_serializer__.to_json(request, exclude_defaults=True).decode()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("params", PARAMS)
+def test_a_prompt_jobs_body_is_pydantics_text_byte_for_byte(prompt, params):
+    request = JobRequest(prompt=prompt, params=params)
+    assert request.to_json() == pydantic_body(request)
+    assert request.to_json() == pydantic_body(request)  # the params' JSON kept from the first
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt": "p", "priority": 3},
+        {"prompt": "p", "timeout_s": 1.5},
+        {"prompt": "p", "stream": True},
+        {"prompt": "p", "adapter": "a"},
+        {"input_ids": [1, 2]},
+        {"messages": [{"role": "user", "content": "hi"}], "enable_thinking": False},
+    ],
+)
+def test_a_job_with_another_field_set_has_pydantics_body(fields):
+    request = JobRequest(**fields, params=SamplingParams(max_tokens=2))
+    assert request.to_json() == pydantic_body(request)
+    assert JobRequest.from_json(request.to_json(), 1 << 20, 32768) == request
+
+
+def python_calls(call: Callable[[], Any]) -> int:
+    """The Python functions `call` enters (sys.setprofile's `call` events), itself not counted."""
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return calls - 1
+
+
+def test_building_a_prompt_job_makes_few_python_calls():
+    known: dict = {}
+    build = lambda: build_job("a prompt", None, None, None, None, 0, {"max_tokens": 1}, known_params=known)  # noqa: E731
+    build()  # the params validated, and their JSON kept
+    # 759db3b: 20 (a model attribute read through pydantic's __getattr__ is no Python call; the
+    # params' comparison with the defaults and the memo key's comprehension are).
+    assert python_calls(build) <= 18
+
+
+def test_a_queue_of_one_worker_or_none_sends_jobs_to_the_shared_stream_without_reading_placement():
+    placement = Placement()
+    assert not placement.shared_now("q", 1)  # no view yet: streams_for reads it
+    placement.views["q"] = View(float("inf"), [])  # fresh, no worker to choose
+    assert placement.shared_now("q", 2)
+    assert placement.placed == {Placed.AFFINITY: 0, Placed.SHARED: 2}
+    placement.views["q"] = View(0.0, [])  # stale
+    assert not placement.shared_now("q", 1)
+    off = Placement(enabled=False)
+    assert off.shared_now("q", 1) and off.placed[Placed.SHARED] == 1
+
+
+def test_a_submit_to_a_queue_without_workers_makes_few_python_calls(redis_server, queue):
+    """Client.submit, no tenant, no worker (placement's view fresh and empty): its Python calls,
+    the round trip's included."""
+    with Client(redis_server.url, queue=queue) as client:
+        for i in range(3):  # the scripts loaded, the view read, the params validated
+            client.submit(f"warm {i}", max_tokens=1, temperature=0.0)
+        # 759db3b: 99 (the placement's and the quota's generators, the frozen dataclasses' __init__,
+        # the commands recorder's __init__, besides build_job's above).
+        assert python_calls(lambda: client.submit("a prompt", max_tokens=1, temperature=0.0)) <= 94
