@@ -14,7 +14,7 @@ from hiredis import pack_command
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.cluster import ClusterNode
 from redis.commands.core import CoreCommands
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
 from producer_client.cluster import (
     NODE_ERRORS,
@@ -25,6 +25,7 @@ from producer_client.cluster import (
     is_cluster,
     topology_errors,
 )
+from producer_client.connection import REDIS_FAILURES, permission_denied, raise_typed
 from producer_client.pooling import ASYNC_EXCHANGE_POOLS, EXCHANGE_POOLS
 from producer_client.protocol.producer import PRODUCER_SCRIPTS
 from producer_client.protocol.script import Script
@@ -106,14 +107,17 @@ def execute(
     single command's, until the failover is over."""
     commands = Commands()  # type: ignore[abstract]  # see Commands
     add_commands(commands)
-    with topology_errors():
-        replies = _send(client, commands.stack, repeatable)
-        for _ in range(SCRIPT_RELOADS):
-            missing = _lacking_scripts(replies)
-            if not missing:
-                break
-            load_scripts(client, scripts)
-            _splice(replies, missing, _send(client, [commands.stack[i] for i in missing]))
+    try:
+        with topology_errors():
+            replies = _send(client, commands.stack, repeatable)
+            for _ in range(SCRIPT_RELOADS):
+                missing = _lacking_scripts(replies)
+                if not missing:
+                    break
+                load_scripts(client, scripts)
+                _splice(replies, missing, _send(client, [commands.stack[i] for i in missing]))
+    except REDIS_FAILURES as e:
+        raise_typed(e, client, [args for args, _ in commands.stack])
     return _checked(replies, raise_on_error)
 
 
@@ -127,30 +131,39 @@ async def aexecute(
     """`execute` for a redis.asyncio client."""
     commands = Commands()  # type: ignore[abstract]  # see Commands
     add_commands(commands)
-    with topology_errors():
-        if is_cluster(client) and any(_NODE_OF in options for _, options in commands.stack):
-            await client.initialize()  # the slot table, to route each WAIT to its node; once per client
-        replies = await _asend(client, commands.stack, repeatable)
-        for _ in range(SCRIPT_RELOADS):
-            missing = _lacking_scripts(replies)
-            if not missing:
-                break
-            await aload_scripts(client, scripts)
-            _splice(replies, missing, await _asend(client, [commands.stack[i] for i in missing]))
+    try:
+        with topology_errors():
+            if is_cluster(client) and any(_NODE_OF in options for _, options in commands.stack):
+                await client.initialize()  # the slot table, to route each WAIT to its node; once per client
+            replies = await _asend(client, commands.stack, repeatable)
+            for _ in range(SCRIPT_RELOADS):
+                missing = _lacking_scripts(replies)
+                if not missing:
+                    break
+                await aload_scripts(client, scripts)
+                _splice(replies, missing, await _asend(client, [commands.stack[i] for i in missing]))
+    except REDIS_FAILURES as e:
+        raise_typed(e, client, [args for args, _ in commands.stack])
     return _checked(replies, raise_on_error)
 
 
 def load_scripts(client: SyncRedis, scripts: Sequence[Script] = ()) -> None:
     """Load the producers' scripts and `scripts`, on every master of a cluster."""
-    with topology_errors():
-        # The masters are named anew for each try: after a failover the old one answers no more.
-        _checked(_send(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
+    try:
+        with topology_errors():
+            # The masters are named anew for each try: after a failover the old one answers no more.
+            _checked(_send(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
+    except REDIS_FAILURES as e:
+        raise_typed(e, client, [("SCRIPT LOAD",)])
 
 
 async def aload_scripts(client: AsyncRedis, scripts: Sequence[Script] = ()) -> None:
     """`load_scripts` for a redis.asyncio client."""
-    with topology_errors():
-        _checked(await _asend(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
+    try:
+        with topology_errors():
+            _checked(await _asend(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
+    except REDIS_FAILURES as e:
+        raise_typed(e, client, [("SCRIPT LOAD",)])
 
 
 def _script_loads(client: SyncRedis | AsyncRedis, scripts: Sequence[Script]) -> Stack:
@@ -171,8 +184,11 @@ def _send(client: SyncRedis, stack: Stack | Callable[[], Stack], repeatable: boo
         return _exchange(client, stack() if callable(stack) else stack)
 
     def attempt() -> Replies:
-        pipe, parts, waits = _cluster_pipeline(client, stack() if callable(stack) else stack)
-        replies = _judged_waits(client, _folded(pipe.execute(raise_on_error=False), parts), waits)
+        sent = stack() if callable(stack) else stack
+        pipe, parts, waits = _cluster_pipeline(client, sent)
+        replies = _typed_refusals(
+            _judged_waits(client, _folded(pipe.execute(raise_on_error=False), parts), waits), sent
+        )
         return _node_errors_raised(replies) if repeatable else replies
 
     return client.paced(attempt)
@@ -183,8 +199,10 @@ async def _asend(client: AsyncRedis, stack: Stack | Callable[[], Stack], repeata
         return await _aexchange(client, stack() if callable(stack) else stack)
 
     async def attempt() -> Replies:
-        pipe, parts, waits = _cluster_pipeline(client, stack() if callable(stack) else stack)
-        replies = _judged_waits(client, _folded(await pipe.execute(raise_on_error=False), parts), waits)
+        sent = stack() if callable(stack) else stack
+        pipe, parts, waits = _cluster_pipeline(client, sent)
+        replies = await pipe.execute(raise_on_error=False)
+        replies = _typed_refusals(_judged_waits(client, _folded(replies, parts), waits), sent)
         return _node_errors_raised(replies) if repeatable else replies
 
     return await client.paced(attempt)
@@ -282,7 +300,7 @@ def _round_trip(client: redis.Redis, connection: Any, stack: Stack) -> Replies:
                 sent = _sent_options(options) if _NODE_OF in options else options
                 replies.append(client.parse_response(connection, args[0], **sent))
         except ResponseError as e:
-            replies.append(_refused(options, e))
+            replies.append(_refused(args, options, e))
     return replies
 
 
@@ -294,14 +312,17 @@ async def _around_trip(client: redis.asyncio.Redis, connection: Any, stack: Stac
             sent = _sent_options(options) if _NODE_OF in options else options
             replies.append(await client.parse_response(connection, args[0], **sent))
         except ResponseError as e:
-            replies.append(_refused(options, e))
+            replies.append(_refused(args, options, e))
     return replies
 
 
-def _refused(options: dict[str, Any], error: ResponseError) -> Any:
-    """What a command's error reply stands for: the error, in the command's place; but a WAIT whose
-    node refused it (a master turned replica) vouches for nothing: 0."""
-    return 0 if _NODE_OF in options else error
+def _refused(args: tuple[Any, ...], options: dict[str, Any], error: ResponseError) -> Any:
+    """What a command's error reply stands for: the error, in the command's place, NOPERM as
+    PermissionDenied (naming the command); but a WAIT whose node refused it (a master turned
+    replica) vouches for nothing: 0."""
+    if _NODE_OF in options:
+        return 0
+    return permission_denied(args, error) if isinstance(error, NoPermissionError) else error
 
 
 def _packed(connection: Any, stack: Stack) -> list[bytes]:
@@ -397,6 +418,15 @@ def _node_errors_raised(replies: Replies) -> Replies:
         if isinstance(reply, NODE_ERRORS):
             raise reply
     return replies
+
+
+def _typed_refusals(replies: Replies, stack: Stack) -> Replies:
+    """`replies` of a cluster's pipeline of `stack`, each NOPERM as PermissionDenied (_refused does
+    it for one server's, as it reads them)."""
+    return [
+        permission_denied(args, reply) if isinstance(reply, NoPermissionError) else reply
+        for (args, _), reply in zip(stack, replies)
+    ]
 
 
 def _lacking_scripts(replies: Replies) -> list[int]:
