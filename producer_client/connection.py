@@ -704,6 +704,8 @@ def describe(error: BaseException) -> str:
 
 def unreachable_or_itself(error: BaseException) -> BaseException:
     """Unreachable for an error that says Redis could not be reached; any other error as it is."""
+    if isinstance(error, RedisUnavailable):  # a check's call through the client's boundary: its cause
+        return Unreachable(error.detail)
     if isinstance(error, (redis.ConnectionError, redis.TimeoutError)) and not is_fatal(error):
         return Unreachable(f"{type(error).__name__}: {error}")
     return error
