@@ -64,6 +64,18 @@ class Commands(CoreCommands):
         self.stack.append((("WAIT", replicas, timeout_ms), {_NODE_OF: key}))
         return self
 
+    def last_unless_refused(self, add: Callable[[Commands], object]) -> Commands:
+        """The one command `add` records, the exchange's last, whose reply is read only where no
+        command before it was refused (an error reply); else the connection is closed and the reply
+        is None. For a blocking read whose wait a refusal makes moot (a job's first read of its end,
+        after its enqueue): Redis runs a pipeline's commands in order, so the read would wait out
+        its whole block for a job never enqueued; Redis ends a closed connection's block. On one
+        server: a cluster's pipeline goes per node, in no order between them, and reads it as any."""
+        add(self)
+        args, options = self.stack[-1]
+        self.stack[-1] = (args, {**options, _UNLESS_REFUSED: True})
+        return self
+
 
 # Rounds of load-and-resend for the EVALSHAs that met NOSCRIPT: a server can lose the scripts
 # again between the load and the resend (two SCRIPT FLUSHes in a row, a failover after a
@@ -75,6 +87,8 @@ Pipe = Any
 AddCommands = Callable[[Pipe], None]
 
 _NODE_OF = "mili_node_of"  # a recorded command's key whose node must run it; never sent
+_UNLESS_REFUSED = "mili_unless_refused"  # Commands.last_unless_refused's mark; never sent
+_MARKS = frozenset({_NODE_OF, _UNLESS_REFUSED})
 # The option redis-py's read commands record for its client-side cache (HGET's, EXISTS', XREAD's
 # keys), which parse_response drops: a command with no other option is read as a plain one.
 _CACHE_KEYS = frozenset({"keys"})
@@ -296,8 +310,11 @@ def _round_trip(client: redis.Redis, connection: Any, stack: Stack) -> Replies:
                 response = connection.read_response()
                 callback = callbacks.get(args[0])
                 replies.append(response if callback is None else callback(response))
+            elif _UNLESS_REFUSED in options and _any_refused(replies):
+                connection.disconnect()  # rather than wait for its reply: see Commands.last_unless_refused
+                replies.append(None)
             else:
-                sent = _sent_options(options) if _NODE_OF in options else options
+                sent = _sent_options(options) if _NODE_OF in options or _UNLESS_REFUSED in options else options
                 replies.append(client.parse_response(connection, args[0], **sent))
         except ResponseError as e:
             replies.append(_refused(args, options, e))
@@ -308,12 +325,20 @@ async def _around_trip(client: redis.asyncio.Redis, connection: Any, stack: Stac
     await connection.send_packed_command(_packed(connection, stack))
     replies: Replies = []
     for args, options in stack:
+        if _UNLESS_REFUSED in options and _any_refused(replies):
+            await connection.disconnect()  # see _round_trip
+            replies.append(None)
+            continue
         try:
-            sent = _sent_options(options) if _NODE_OF in options else options
+            sent = _sent_options(options) if _NODE_OF in options or _UNLESS_REFUSED in options else options
             replies.append(await client.parse_response(connection, args[0], **sent))
         except ResponseError as e:
             replies.append(_refused(args, options, e))
     return replies
+
+
+def _any_refused(replies: Replies) -> bool:
+    return any(isinstance(reply, Exception) for reply in replies)
 
 
 def _refused(args: tuple[Any, ...], options: dict[str, Any], error: ResponseError) -> Any:
@@ -345,8 +370,8 @@ def _words(args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _sent_options(options: dict[str, Any]) -> dict[str, Any]:
-    """A WAIT's recorded options as redis-py reads its reply with them: without _NODE_OF."""
-    return {k: v for k, v in options.items() if k != _NODE_OF}
+    """A command's recorded options as redis-py reads its reply with them: without our marks."""
+    return {k: v for k, v in options.items() if k not in _MARKS}
 
 
 def _cluster_pipeline(client: Cluster | AsyncCluster, stack: Stack) -> tuple[Any, list[int], Waits]:
@@ -362,6 +387,8 @@ def _cluster_pipeline(client: Cluster | AsyncCluster, stack: Stack) -> tuple[Any
             key = options.pop(_NODE_OF)
             waits[at] = (key, _master_of(client, key))
             options["target_nodes"] = waits[at][1]
+        elif _UNLESS_REFUSED in options:
+            options = _sent_options(options)  # read as any command (Commands.last_unless_refused)
         sent = _as_sent(client, args, options)
         for command_args, command_options in sent:
             pipe.execute_command(*command_args, **command_options)
