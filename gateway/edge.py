@@ -9,7 +9,8 @@
 - **How much.** Each route has a body limit: `max_json_bytes` for the JSON API, the batch file
   limit (plus room for the form around it) for uploads, a small one for the board's login form.
   A `Content-Length` over it is refused at once with 413; a body sent without one (chunked) is
-  counted as it is read and cut off with 413 once it passes the limit.
+  counted as it is read and cut off with 413 once it passes the limit. Either 413 closes its
+  connection: the rest of that body is never read.
 - **How long.** The whole body must arrive within `body_timeout_s` of the request's headers, else
   408: the server under us (uvicorn) waits for a body as long as its client keeps the connection
   open, so a client sending a byte now and then would hold a connection, and what the app had
@@ -128,7 +129,7 @@ class Edge:
         policy = self.limits.policy(scope["method"], scope["path"], self.access.required)
         refusal = self.refusal(request, policy)
         if refusal is not None:
-            return await error_response(refusal)(scope, receive, send)
+            return await refusal_response(refusal)(scope, receive, send)
         body = CountedBody(receive, policy.limit, time.monotonic() + self.limits.body_timeout_s)
         await self.run(scope, body, send)
 
@@ -164,8 +165,8 @@ class Edge:
     async def run(self, scope, body: CountedBody, send) -> None:
         """The app, with a 413 or a 408 in place of whatever it answers once the body passed its
         limit or its time (its parsers may turn the exception they meet into an error of their own).
-        A 408 closes the connection: the rest of the body may still come (the close lingers, so
-        that a client still sending reads the 408: gateway/http_protocol.py)."""
+        Either closes the connection: the rest of the body may still come (the close lingers, so
+        that a client still sending reads the answer: gateway/http_protocol.py)."""
         started = False
 
         async def send_unless_cut(message) -> None:
@@ -202,11 +203,23 @@ def too_large(limit: int) -> APIError:
     return APIError(413, f"the request body exceeds {limit} bytes", "invalid_request_error", "request_too_large")
 
 
+def refusal_response(error: APIError) -> Response:
+    """The answer to a request refused from its headers. A 413's body, whatever its size, is not to
+    be read: its connection closes (a 401's or a 415's, within the limit, is read and dropped)."""
+    return closing(error_response(error)) if error.status == 413 else error_response(error)
+
+
 def cut_response(body: CountedBody, timeout_s: float) -> Response:
-    if body.exceeded:
-        return error_response(too_large(body.limit))
-    response = error_response(too_slow(timeout_s))
-    response.headers["Connection"] = "close"  # the server would otherwise wait on for the rest of the body
+    """The 413 or 408 of a body cut off: its connection closes."""
+    return closing(error_response(too_large(body.limit) if body.exceeded else too_slow(timeout_s)))
+
+
+def closing(response: Response) -> Response:
+    """`response`, closing its connection once sent: uvicorn would otherwise read on the rest of a
+    body the gateway refused, for as long as its client sends it. The close lingers while the body is
+    unread (gateway/http_protocol.py's LingeringTransport), so that a client still sending reads the
+    answer."""
+    response.headers["Connection"] = "close"
     return response
 
 

@@ -10,7 +10,16 @@ import redis
 
 from openai_format.errors import APIError, error_of
 from producer_client.connection import is_fatal
-from producer_client.errors import InvalidJob, InvalidQueueStream, MiliError, NotReplicated, QueueFull, RateLimited
+from producer_client.errors import (
+    CredentialsRefused,
+    InvalidJob,
+    InvalidQueueStream,
+    MiliError,
+    NotReplicated,
+    QueueFull,
+    RateLimited,
+    RedisUnavailable,
+)
 
 
 class RetryLater(APIError):
@@ -75,17 +84,28 @@ def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
         return RetryLater.of(error_of(error), retry_after_s)
     if isinstance(error, (InvalidJob, InvalidQueueStream)):
         return Final.of(error_of(error))
-    if isinstance(error, MiliError):
-        return error_of(error)
     if is_fatal(error):  # no retry mends it: the gateway's Redis user lacks a right, or its password is wrong
         return Final(
             500,
-            f"the queue's Redis refused the gateway's user: {type(error).__name__}: {error} (fix the URL or the ACL)",
+            f"the queue's Redis refused the gateway's user: {type(error).__name__}: {refusal_of(error)} "
+            "(fix the URL or the ACL)",
             "server_error",
             "redis_refused",
         )
+    if isinstance(error, RedisUnavailable):  # the client's error names the server; redis-py's text does too
+        return unavailable(error.detail)
+    if isinstance(error, MiliError):
+        return error_of(error)
     if isinstance(error, redis.RedisError):
-        return APIError(
-            503, f"the queue's Redis is unavailable: {error}", "service_unavailable_error", "redis_unavailable"
-        )
+        return unavailable(str(error))
     return None
+
+
+def refusal_of(error: Exception) -> str:
+    """What Redis refused, as the gateway's answer says it: never the URL nor its credentials
+    (CredentialsRefused's `detail` is Redis's reason alone)."""
+    return error.detail if isinstance(error, CredentialsRefused) else str(error)
+
+
+def unavailable(cause: str) -> APIError:
+    return APIError(503, f"the queue's Redis is unavailable: {cause}", "service_unavailable_error", "redis_unavailable")

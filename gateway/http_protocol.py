@@ -15,8 +15,8 @@ as long as they come (a client sending 170 MiB of one header in 2.5 s grew the g
 much). A head past MAX_HEAD_BYTES is answered 431 and its connection closed. The bytes are counted
 as they are read, so the gateway holds at most the limit and one read of the socket.
 
-Both answers, and the edge's 408 for a body too slow, are sent while the client may still be
-sending: the connection's close lingers (close_lingering), so that the client reads the answer."""
+Both answers, and the edge's 408 for a body too slow and 413 for one too large, are sent while the
+client may still be sending: the connection's close lingers (close_lingering), so that the client reads the answer."""
 
 from __future__ import annotations
 
@@ -125,8 +125,8 @@ def close_lingering(protocol: HttpToolsProtocol) -> None:
 
 class LingeringTransport:
     """A request's transport as uvicorn's request cycle sees it. The cycle closes the connection
-    once an answer saying `Connection: close` is sent whole (the edge's 408 for a body too slow,
-    gateway/edge.py): if the request's body has not come whole, that close lingers."""
+    once an answer saying `Connection: close` is sent whole (the edge's 408 for a body too slow, its
+    413 for one too large: gateway/edge.py): if the request's body has not come whole, that close lingers."""
 
     def __init__(self, protocol: HttpToolsProtocol, cycle: RequestResponseCycle) -> None:
         self.protocol = protocol

@@ -18,10 +18,10 @@ import asyncio
 import inspect
 import re
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, TypeVar, overload
+from typing import Any, NoReturn, TypeVar, overload
 from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlsplit
 
 import redis
@@ -42,7 +42,14 @@ from redis.connection import parse_url as redis_py_url_options
 
 from producer_client import forks
 from producer_client.cluster import AsyncCluster, AsyncRedis, Cluster, NotACluster, SyncRedis
-from producer_client.errors import InvalidArgument
+from producer_client.errors import (
+    CredentialsRefused,
+    InvalidArgument,
+    MiliError,
+    PermissionDenied,
+    RedisTimedOut,
+    RedisUnavailable,
+)
 from producer_client.pooling import (
     ASYNC_ONCE_PER_TRY,
     ONCE_PER_TRY,
@@ -223,6 +230,80 @@ def _shown_query(query: str) -> str:
     pairs = parse_qsl(query, keep_blank_values=True)
     shown = [f"{name}={value}" for name, value in pairs if name in SHOWN_OPTIONS and _PLAIN_VALUE.fullmatch(value)]
     return "&".join(shown + (["***"] if len(shown) < len(pairs) else []))
+
+
+# -- errors at the clients' boundary ---------------------------------------------------------------
+
+# What a call that failed raises once its tries are spent (protocol.execution, the one way every
+# call of the clients and workers goes): MILI's typed error for each of these, a kind of the
+# redis-py class it stands for, so that code catching redis-py's classes catches it still and the
+# retry policy, which saw redis-py's own errors try by try, is not in its way.
+REDIS_FAILURES = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.NoPermissionError)
+# Not Redis's failure: the client's own pool is at max_connections.
+_OWN_LIMITS = (redis.exceptions.MaxConnectionsError,)
+_SCRIPT_CALLS = frozenset({"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO", "FCALL", "FCALL_RO"})
+
+
+def typed_failure(error: Exception, client: object, commands: Sequence[tuple[Any, ...]]) -> Exception:
+    """`error`, raised by an exchange of `commands` (each its arguments) with `client`, as MILI's
+    typed error: PermissionDenied, CredentialsRefused, RedisTimedOut or RedisUnavailable, naming
+    the server without the URL's credentials; any other error as it is."""
+    if isinstance(error, (MiliError, *_OWN_LIMITS)):
+        return error
+    if isinstance(error, redis.exceptions.NoPermissionError):
+        if len(commands) == 1:
+            return permission_denied(commands[0], error)
+        return PermissionDenied(
+            "one of " + ", ".join(dict.fromkeys(str(args[0]).upper() for args in commands)), str(error)
+        )
+    where = server_of(client)
+    if isinstance(error, redis.AuthenticationError):
+        return CredentialsRefused(where, str(error))
+    if isinstance(error, redis.exceptions.AuthorizationError):
+        return error  # NOAUTH and the like: redis-py's own class, which no MILI error stands for
+    if isinstance(error, redis.TimeoutError):
+        return RedisTimedOut(where, f"{type(error).__name__}: {error}")
+    return RedisUnavailable(where, f"{type(error).__name__}: {error}")
+
+
+def raise_typed(error: Exception, client: object, commands: Sequence[tuple[Any, ...]]) -> NoReturn:
+    """Raise typed_failure's error for `error`, caused by it; `error` itself where it is its own."""
+    typed = typed_failure(error, client, commands)
+    if typed is error:
+        raise error
+    raise typed from error
+
+
+def permission_denied(args: tuple[Any, ...], error: BaseException) -> PermissionDenied:
+    """The NOPERM reply `error` of the command of `args` as PermissionDenied, naming the command and
+    the key its rights are about: a script's first key (each script's keys are of one owner: the
+    producers' or the workers', docs/security.md), else a command's first argument."""
+    name = str(args[0]).upper()
+    if name in _SCRIPT_CALLS:
+        command = (
+            f"a script ({name}) on key {args[3]!r}" if len(args) > 3 and str(args[2]) != "0" else f"a script ({name})"
+        )
+    elif len(args) > 1 and name not in ("XREAD", "XREADGROUP"):
+        command = f"{name} on {args[1]!r}"
+    else:
+        command = name
+    return PermissionDenied(command, str(error))
+
+
+def server_of(client: object) -> str:
+    """The server(s) `client` talks to, as a message may show them: host:port (or a unix socket's
+    path), a cluster's startup nodes, a sentinel's service; never a user name or password."""
+    nodes = getattr(getattr(client, "nodes_manager", None), "startup_nodes", None)
+    if nodes:
+        return "the cluster of " + ",".join(nodes)
+    pool = getattr(client, "connection_pool", None)
+    service = getattr(pool, "service_name", None)
+    if service:
+        return f"the master of Sentinel's service {service!r}"
+    options = getattr(pool, "connection_kwargs", {})
+    if "path" in options:
+        return f"unix:{options['path']}"
+    return f"{options.get('host', '?')}:{options.get('port', '?')}"
 
 
 # -- URLs ------------------------------------------------------------------------------------------
@@ -634,6 +715,8 @@ def describe(error: BaseException) -> str:
 
 def unreachable_or_itself(error: BaseException) -> BaseException:
     """Unreachable for an error that says Redis could not be reached; any other error as it is."""
+    if isinstance(error, RedisUnavailable):  # a check's call through the client's boundary: its cause
+        return Unreachable(error.detail)
     if isinstance(error, (redis.ConnectionError, redis.TimeoutError)) and not is_fatal(error):
         return Unreachable(f"{type(error).__name__}: {error}")
     return error

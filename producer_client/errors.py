@@ -3,6 +3,9 @@ which carries the failed job's result, is defined beside JobResult in schema.py.
 
 from __future__ import annotations
 
+import redis
+import redis.exceptions
+
 from producer_client.rate_limits import RateLimits
 
 
@@ -252,3 +255,56 @@ class NotReplicated(MiliError):
         self.job_id = job_id
         self.confirmed = confirmed
         self.replicas = replicas
+
+
+class PermissionDenied(MiliError, redis.exceptions.NoPermissionError):
+    """Redis's ACL refused this client's user a command or a key (NOPERM): `command` names the
+    command (a script's EVALSHA names the script's first key, the key class its rights must
+    cover), `detail` Redis's reason (the command, the key or the channel it may not touch). No
+    retry mends it (docs/security.md: each role's rights). A redis-py NoPermissionError too, so
+    that code written against redis-py's class still catches it."""
+
+    code = "redis_refused"
+
+    def __init__(self, command: str, detail: str):
+        super().__init__(
+            f"Redis refused {command} to this client's user (NOPERM {detail}): grant the user that right "
+            "(docs/security.md)"
+        )
+        self.command = command
+        self.detail = detail
+        self.status_code = "NOPERM"  # where redis-py keeps an error reply's first word (connection.reply_code)
+
+
+class CredentialsRefused(MiliError, redis.AuthenticationError):
+    """Redis refused the URL's user name and password (or wants one and got none): no retry mends
+    it. `where` is the server as a message may show it, without the URL's credentials. A redis-py
+    AuthenticationError (a ConnectionError) too."""
+
+    code = "redis_refused"
+
+    def __init__(self, where: str, detail: str):
+        super().__init__(
+            f"Redis at {where} refused this client's credentials: {detail} (fix the URL's user or password)"
+        )
+        self.where = where
+        self.detail = detail  # Redis's reason
+
+
+class RedisUnavailable(MiliError, redis.ConnectionError):
+    """Redis could not be reached, or dropped the connection, for all of the call's tries (about 4 s
+    on one server, 20 s under Sentinel or on a cluster): refused, reset, a name that does not
+    resolve. `where` is the server as a message may show it, without the URL's credentials. A
+    redis-py ConnectionError too; the call may be sent again once Redis is back."""
+
+    code = "redis_unavailable"
+
+    def __init__(self, where: str, detail: str):
+        super().__init__(f"Redis at {where} is unavailable: {detail}")
+        self.where = where
+        self.detail = detail  # redis-py's error, as its type and text
+
+
+class RedisTimedOut(RedisUnavailable, redis.TimeoutError):
+    """RedisUnavailable where Redis did not answer within the socket's timeout; a redis-py
+    TimeoutError too."""

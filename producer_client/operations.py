@@ -176,8 +176,8 @@ def first_read_block(
     """The block (ms) of the job's first read of its `done` stream under `read`, where that read
     may go in the round trip of the job's enqueue; None where it may not. The read blocks the
     connection, and Redis runs a pipeline's commands in order, so it may follow the enqueue only
-    where nothing can refuse the enqueue (a refused job would never end, and the refusal's error
-    would wait out the block): a fresh job (a request_id's may exist already) placed on a worker's
+    where nothing the client checks for can refuse the enqueue (a refused job would never end; a
+    refusal all the same, a stream of another type or an ACL's, drops the read: with_end_read): a fresh job (a request_id's may exist already) placed on a worker's
     own stream or sent to a queue without a bound, of a tenant without limits, with no replication
     to wait for (NotReplicated is the submit's answer). And only for a job without a deadline
     (timeout_s): for one with a deadline, the caller's timeout would count from before the job's
@@ -197,11 +197,14 @@ def first_read_block(
 
 
 def with_end_read(add: AddCommands, done: str, block_ms: int) -> AddCommands:
-    """`add`'s commands, then one blocking XREAD of the job's `done` stream (its reply last)."""
+    """`add`'s commands, then one blocking XREAD of the job's `done` stream (its reply last: None where
+    a command before it was refused)."""
 
     def both(pipe: Pipe) -> None:
         add(pipe)
-        job_reads.add_ends_read(pipe, (done,), block_ms)
+        # Read only where nothing before it was refused (a placed XADD's WRONGTYPE, an ACL's NOPERM,
+        # a lost script): else it would wait out its block for a job never enqueued.
+        pipe.last_unless_refused(lambda commands: job_reads.add_ends_read(commands, (done,), block_ms))
 
     return both
 

@@ -14,7 +14,7 @@ from hiredis import pack_command
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.cluster import ClusterNode
 from redis.commands.core import CoreCommands
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
 from producer_client.cluster import (
     NODE_ERRORS,
@@ -25,6 +25,7 @@ from producer_client.cluster import (
     is_cluster,
     topology_errors,
 )
+from producer_client.connection import REDIS_FAILURES, permission_denied, raise_typed
 from producer_client.pooling import ASYNC_EXCHANGE_POOLS, EXCHANGE_POOLS
 from producer_client.protocol.producer import PRODUCER_SCRIPTS
 from producer_client.protocol.script import Script
@@ -62,6 +63,18 @@ class Commands(CoreCommands):
         self.stack.append((("WAIT", replicas, timeout_ms), {_NODE_OF: key}))
         return self
 
+    def last_unless_refused(self, add: Callable[[Commands], object]) -> Commands:
+        """The one command `add` records, the exchange's last, whose reply is read only where no
+        command before it was refused (an error reply); else the connection is closed and the reply
+        is None. For a blocking read whose wait a refusal makes moot (a job's first read of its end,
+        after its enqueue): Redis runs a pipeline's commands in order, so the read would wait out
+        its whole block for a job never enqueued; Redis ends a closed connection's block. On one
+        server: a cluster's pipeline goes per node, in no order between them, and reads it as any."""
+        add(self)
+        args, options = self.stack[-1]
+        self.stack[-1] = (args, {**options, _UNLESS_REFUSED: True})
+        return self
+
 
 def recorder() -> Commands:
     """An empty Commands: its stack set on an instance made without an __init__ of Python, whose
@@ -81,6 +94,8 @@ Pipe = Any
 AddCommands = Callable[[Pipe], None]
 
 _NODE_OF = "mili_node_of"  # a recorded command's key whose node must run it; never sent
+_UNLESS_REFUSED = "mili_unless_refused"  # Commands.last_unless_refused's mark; never sent
+_MARKS = frozenset({_NODE_OF, _UNLESS_REFUSED})
 # The option redis-py's read commands record for its client-side cache (HGET's, EXISTS', XREAD's
 # keys), which parse_response drops: a command with no other option is read as a plain one.
 _CACHE_KEYS = frozenset({"keys"})
@@ -113,14 +128,17 @@ def execute(
     single command's, until the failover is over."""
     commands = recorder()
     add_commands(commands)
-    with topology_errors():
-        replies = _send(client, commands.stack, repeatable)
-        for _ in range(SCRIPT_RELOADS):
-            missing = _lacking_scripts(replies)
-            if not missing:
-                break
-            load_scripts(client, scripts)
-            _splice(replies, missing, _send(client, [commands.stack[i] for i in missing]))
+    try:
+        with topology_errors():
+            replies = _send(client, commands.stack, repeatable)
+            for _ in range(SCRIPT_RELOADS):
+                missing = _lacking_scripts(replies)
+                if not missing:
+                    break
+                load_scripts(client, scripts)
+                _splice(replies, missing, _send(client, [commands.stack[i] for i in missing]))
+    except REDIS_FAILURES as e:
+        raise_typed(e, client, [args for args, _ in commands.stack])
     return _checked(replies, raise_on_error)
 
 
@@ -134,30 +152,39 @@ async def aexecute(
     """`execute` for a redis.asyncio client."""
     commands = recorder()
     add_commands(commands)
-    with topology_errors():
-        if is_cluster(client) and any(_NODE_OF in options for _, options in commands.stack):
-            await client.initialize()  # the slot table, to route each WAIT to its node; once per client
-        replies = await _asend(client, commands.stack, repeatable)
-        for _ in range(SCRIPT_RELOADS):
-            missing = _lacking_scripts(replies)
-            if not missing:
-                break
-            await aload_scripts(client, scripts)
-            _splice(replies, missing, await _asend(client, [commands.stack[i] for i in missing]))
+    try:
+        with topology_errors():
+            if is_cluster(client) and any(_NODE_OF in options for _, options in commands.stack):
+                await client.initialize()  # the slot table, to route each WAIT to its node; once per client
+            replies = await _asend(client, commands.stack, repeatable)
+            for _ in range(SCRIPT_RELOADS):
+                missing = _lacking_scripts(replies)
+                if not missing:
+                    break
+                await aload_scripts(client, scripts)
+                _splice(replies, missing, await _asend(client, [commands.stack[i] for i in missing]))
+    except REDIS_FAILURES as e:
+        raise_typed(e, client, [args for args, _ in commands.stack])
     return _checked(replies, raise_on_error)
 
 
 def load_scripts(client: SyncRedis, scripts: Sequence[Script] = ()) -> None:
     """Load the producers' scripts and `scripts`, on every master of a cluster."""
-    with topology_errors():
-        # The masters are named anew for each try: after a failover the old one answers no more.
-        _checked(_send(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
+    try:
+        with topology_errors():
+            # The masters are named anew for each try: after a failover the old one answers no more.
+            _checked(_send(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
+    except REDIS_FAILURES as e:
+        raise_typed(e, client, [("SCRIPT LOAD",)])
 
 
 async def aload_scripts(client: AsyncRedis, scripts: Sequence[Script] = ()) -> None:
     """`load_scripts` for a redis.asyncio client."""
-    with topology_errors():
-        _checked(await _asend(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
+    try:
+        with topology_errors():
+            _checked(await _asend(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
+    except REDIS_FAILURES as e:
+        raise_typed(e, client, [("SCRIPT LOAD",)])
 
 
 def _script_loads(client: SyncRedis | AsyncRedis, scripts: Sequence[Script]) -> Stack:
@@ -178,8 +205,11 @@ def _send(client: SyncRedis, stack: Stack | Callable[[], Stack], repeatable: boo
         return _exchange(client, stack() if callable(stack) else stack)
 
     def attempt() -> Replies:
-        pipe, parts, waits = _cluster_pipeline(client, stack() if callable(stack) else stack)
-        replies = _judged_waits(client, _folded(pipe.execute(raise_on_error=False), parts), waits)
+        sent = stack() if callable(stack) else stack
+        pipe, parts, waits = _cluster_pipeline(client, sent)
+        replies = _typed_refusals(
+            _judged_waits(client, _folded(pipe.execute(raise_on_error=False), parts), waits), sent
+        )
         return _node_errors_raised(replies) if repeatable else replies
 
     return client.paced(attempt)
@@ -190,8 +220,10 @@ async def _asend(client: AsyncRedis, stack: Stack | Callable[[], Stack], repeata
         return await _aexchange(client, stack() if callable(stack) else stack)
 
     async def attempt() -> Replies:
-        pipe, parts, waits = _cluster_pipeline(client, stack() if callable(stack) else stack)
-        replies = _judged_waits(client, _folded(await pipe.execute(raise_on_error=False), parts), waits)
+        sent = stack() if callable(stack) else stack
+        pipe, parts, waits = _cluster_pipeline(client, sent)
+        replies = await pipe.execute(raise_on_error=False)
+        replies = _typed_refusals(_judged_waits(client, _folded(replies, parts), waits), sent)
         return _node_errors_raised(replies) if repeatable else replies
 
     return await client.paced(attempt)
@@ -285,11 +317,14 @@ def _round_trip(client: redis.Redis, connection: Any, stack: Stack) -> Replies:
                 response = connection.read_response()
                 callback = callbacks.get(args[0])
                 replies.append(response if callback is None else callback(response))
+            elif _UNLESS_REFUSED in options and _any_refused(replies):
+                connection.disconnect()  # rather than wait for its reply: see Commands.last_unless_refused
+                replies.append(None)
             else:
-                sent = _sent_options(options) if _NODE_OF in options else options
+                sent = _sent_options(options) if _NODE_OF in options or _UNLESS_REFUSED in options else options
                 replies.append(client.parse_response(connection, args[0], **sent))
         except ResponseError as e:
-            replies.append(_refused(options, e))
+            replies.append(_refused(args, options, e))
     return replies
 
 
@@ -297,18 +332,29 @@ async def _around_trip(client: redis.asyncio.Redis, connection: Any, stack: Stac
     await connection.send_packed_command(_packed(connection, stack))
     replies: Replies = []
     for args, options in stack:
+        if _UNLESS_REFUSED in options and _any_refused(replies):
+            await connection.disconnect()  # see _round_trip
+            replies.append(None)
+            continue
         try:
-            sent = _sent_options(options) if _NODE_OF in options else options
+            sent = _sent_options(options) if _NODE_OF in options or _UNLESS_REFUSED in options else options
             replies.append(await client.parse_response(connection, args[0], **sent))
         except ResponseError as e:
-            replies.append(_refused(options, e))
+            replies.append(_refused(args, options, e))
     return replies
 
 
-def _refused(options: dict[str, Any], error: ResponseError) -> Any:
-    """What a command's error reply stands for: the error, in the command's place; but a WAIT whose
-    node refused it (a master turned replica) vouches for nothing: 0."""
-    return 0 if _NODE_OF in options else error
+def _any_refused(replies: Replies) -> bool:
+    return any(isinstance(reply, Exception) for reply in replies)
+
+
+def _refused(args: tuple[Any, ...], options: dict[str, Any], error: ResponseError) -> Any:
+    """What a command's error reply stands for: the error, in the command's place, NOPERM as
+    PermissionDenied (naming the command); but a WAIT whose node refused it (a master turned
+    replica) vouches for nothing: 0."""
+    if _NODE_OF in options:
+        return 0
+    return permission_denied(args, error) if isinstance(error, NoPermissionError) else error
 
 
 def _packed(connection: Any, stack: Stack) -> list[bytes]:
@@ -331,8 +377,8 @@ def _words(args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _sent_options(options: dict[str, Any]) -> dict[str, Any]:
-    """A WAIT's recorded options as redis-py reads its reply with them: without _NODE_OF."""
-    return {k: v for k, v in options.items() if k != _NODE_OF}
+    """A command's recorded options as redis-py reads its reply with them: without our marks."""
+    return {k: v for k, v in options.items() if k not in _MARKS}
 
 
 def _cluster_pipeline(client: Cluster | AsyncCluster, stack: Stack) -> tuple[Any, list[int], Waits]:
@@ -348,6 +394,8 @@ def _cluster_pipeline(client: Cluster | AsyncCluster, stack: Stack) -> tuple[Any
             key = options.pop(_NODE_OF)
             waits[at] = (key, _master_of(client, key))
             options["target_nodes"] = waits[at][1]
+        elif _UNLESS_REFUSED in options:
+            options = _sent_options(options)  # read as any command (Commands.last_unless_refused)
         sent = _as_sent(client, args, options)
         for command_args, command_options in sent:
             pipe.execute_command(*command_args, **command_options)
@@ -404,6 +452,15 @@ def _node_errors_raised(replies: Replies) -> Replies:
         if isinstance(reply, NODE_ERRORS):
             raise reply
     return replies
+
+
+def _typed_refusals(replies: Replies, stack: Stack) -> Replies:
+    """`replies` of a cluster's pipeline of `stack`, each NOPERM as PermissionDenied (_refused does
+    it for one server's, as it reads them)."""
+    return [
+        permission_denied(args, reply) if isinstance(reply, NoPermissionError) else reply
+        for (args, _), reply in zip(stack, replies)
+    ]
 
 
 def _lacking_scripts(replies: Replies) -> list[int]:

@@ -320,6 +320,49 @@ def body_sent_on_regardless(port: int, until_s: float) -> dict:
     return {"status": int(head_part.split()[1]) if answer else None, "body": body, "reset": reset}
 
 
+@pytest.mark.parametrize("announced", [True, False], ids=["content-length", "chunked"])
+def test_a_body_over_the_limit_is_answered_413_and_its_connection_closed(edge_gateway, announced):
+    """The rest of a body refused for its size is never read: its connection closes with the 413,
+    as with a 408 (the close lingers, so that a client still sending reads it whole), where it stayed
+    open and the gateway read the body it had refused to its end, however long (a Content-Length
+    over the limit: as long as the client kept sending). A request announcing four times the limit
+    sends a KiB every 0.05 s until answered; a chunked one, 8 KiB every 0.05 s, is refused once past
+    the limit."""
+    if announced:
+        answer = request_in_pieces(edge_gateway.port, [b" " * 1024] * 400, 0.05, announced=4 * JSON_LIMIT)
+        assert answer["sent"] < 4 * JSON_LIMIT, answer
+    else:
+        answer = chunked_in_pieces(edge_gateway.port, [b" " * 8192] * 400, 0.05)
+    assert (answer["status"], error_of(answer["body"])["code"]) == (413, "request_too_large"), answer
+    assert answer["closed_s"] - answer["answered_s"] < LINGER_S + 1.0, answer  # closed with the answer
+
+
+def chunked_in_pieces(port: int, pieces: list[bytes], every_s: float) -> dict:
+    """request_in_pieces, with a chunked body: each piece a chunk."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEY}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    )
+    started = time.monotonic()
+    for piece in pieces:
+        if select.select([sock], [], [], every_s)[0]:
+            break
+        sock.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+    select.select([sock], [], [], 30)
+    answered_s = time.monotonic() - started
+    answer = b""
+    try:
+        while more := sock.recv(65536):
+            answer += more
+    except ConnectionResetError:
+        pass  # as in request_in_pieces
+    closed_s = time.monotonic() - started
+    sock.close()
+    head_part, _, body = answer.partition(b"\r\n\r\n")
+    return {"status": int(head_part.split()[1]), "body": body, "answered_s": answered_s, "closed_s": closed_s}
+
+
 def test_a_client_still_sending_its_body_reads_the_whole_408(edge_gateway):
     # The gateway closed its side with the 408: the client's further pieces, and those unread on
     # the gateway's side, reset the connection, and a client reading after it had written lost

@@ -288,6 +288,24 @@ def test_redis_unreachable_is_a_503(tmp_path):
     )
 
 
+def test_refused_credentials_are_a_final_500_that_shows_no_password(redis_server, tmp_path):
+    """The client's CredentialsRefused (a redis-py AuthenticationError) is the gateway's 500
+    redis_refused, which asking again will not mend: Redis's reason, and neither the URL's password
+    nor its user."""
+    secret = "hunter2-not-shown"
+    gw = GatewayProcess(redis_server.url.replace("redis://", f"redis://nobody:{secret}@"), tmp_path).start()
+    try:
+        chat = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": "tiny", "messages": CHAT}, timeout=30)
+    finally:
+        gw.stop()
+    assert (chat.status_code, error_of(chat)["code"], chat.headers["x-should-retry"]) == (500, "redis_refused", "false")
+    assert error_of(chat)["message"] == (
+        "the queue's Redis refused the gateway's user: CredentialsRefused: invalid username-password pair or user "
+        "is disabled. (fix the URL or the ACL)"
+    )
+    assert secret not in chat.text and "nobody" not in chat.text
+
+
 @pytest.mark.timing
 def test_health_answers_503_within_its_timeout_while_redis_is_silent(tmp_path):
     """A hung Redis (it takes connections, answers nothing): several probes at once, each answered

@@ -15,6 +15,7 @@ import redis
 
 from cli.__main__ import main
 from producer_client.connection import PROBE_TIMEOUT_S, Unreachable, probe
+from producer_client.protocol.execution import execute
 from worker.embedded_redis import free_port
 
 # A refused connection is known in milliseconds; this much is left for a loaded machine.
@@ -58,6 +59,17 @@ def test_a_probe_of_a_dead_port_says_why_at_once():
         elapsed, message = timed_probe(url, PROBE_TIMEOUT_S)
         assert elapsed < REFUSED_BOUND_S
         assert message in (expected if isinstance(expected, tuple) else (expected,)), message
+
+
+def test_a_probes_check_through_the_clients_boundary_says_redis_pys_cause():
+    """A check whose calls go through protocol.execution (the healthcheck's read of the live
+    workers) meets the client's RedisUnavailable: the probe says its cause, as for a PING's."""
+    port = free_port()
+    with pytest.raises(Unreachable) as caught:
+        probe(
+            f"redis://127.0.0.1:{port}/0", PROBE_TIMEOUT_S, lambda client: execute(client, lambda pipe: pipe.echo("x"))
+        )
+    assert str(caught.value) == refused(port)
 
 
 def test_a_probe_of_an_unknown_host_says_so():

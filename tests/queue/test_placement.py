@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from harness.echo_workers import GatedWorker, serving
 from harness.polling import eventually
 from producer_client import BulkQueueFull, Client, roots, steps
-from producer_client.errors import UnknownAdapter
+from producer_client.errors import JobTimeout, UnknownAdapter
 from producer_client.keys import GROUP, Keys
 from producer_client.new_job import build_job
 from producer_client.operations import enqueue_commands
@@ -34,6 +35,7 @@ from producer_client.protocol import execution
 from producer_client.protocol.replies import is_entry_id
 from producer_client.roots import PREFIX_CHARS, PREFIX_IDS
 from producer_client.schema import JobRequest, JobResult
+from producer_client.waiting import MAX_BLOCK_MS
 from tests.support.fixtures import on_modes
 from tests.support.jobs import assert_one_final_result, tokens_published
 from worker.model.presets import resolve_model_path
@@ -649,6 +651,31 @@ def test_a_placed_job_whose_workers_stream_is_of_another_type_goes_to_the_shared
         fourth = fresh.submit("same prompt", max_tokens=1)
     assert shared() == [second, third, fourth]
     assert [redis_client.hget(KEYS.job(job), "status") for job in (first, second, third, fourth)] == ["queued"] * 4
+    assert redis_client.type(KEYS.own_queue(queue, chosen)) == "hash"
+
+
+def test_generate_placed_on_a_stream_of_another_type_goes_to_the_shared_stream_at_once(
+    redis_server, queue, redis_client
+):
+    """generate() sends its first blocking read of the job's end in the enqueue's round trip, where
+    nothing should refuse the enqueue: a placed XADD refused (WRONGTYPE) left that read waiting out
+    its block (2 s) for a job never enqueued before the job went to the shared stream. The client
+    now drops the connection rather than wait for the read (Redis ends a closed client's block). No
+    worker runs: the job waits in the shared stream, found there within well under the block."""
+    beat_two_workers(redis_client, queue, slots=4)
+    with Client(redis_server.url, queue) as client:
+        client.placement.refresh_s = 3600
+        client.submit("same prompt", max_tokens=1)
+        [chosen] = [n for n in ("a", "b") if redis_client.xlen(KEYS.own_queue(queue, n))]
+        plant_hash(redis_client, KEYS.own_queue(queue, chosen))
+        with ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
+            waiting = pool.submit(client.generate, "same prompt", max_tokens=1, timeout=4 * MAX_BLOCK_MS / 1000)
+            assert eventually(lambda: redis_client.xlen(KEYS.queue(queue)), timeout=10)
+            took = time.monotonic() - started
+            with pytest.raises(JobTimeout):
+                waiting.result()
+    assert took < MAX_BLOCK_MS / 1000 * 0.75, took
     assert redis_client.type(KEYS.own_queue(queue, chosen)) == "hash"
 
 

@@ -195,7 +195,7 @@ def test_an_exchanges_first_try_counts_as_its_retry_policys_first(redis_server, 
     """The first try of an exchange is made outside the connection's retry policy (no retry layer
     on the way of one that succeeds); one that fails hands its error to the policy, which then
     tries, disconnects and gives up as it would have alone: with 2 retries, 3 tries in all, each
-    failure followed by a disconnect, and the third failure raised."""
+    failure followed by a disconnect, and the third failure raised (as RedisUnavailable's cause)."""
     import asyncio
 
     import redis
@@ -203,6 +203,7 @@ def test_an_exchanges_first_try_counts_as_its_retry_policys_first(redis_server, 
     from redis.backoff import NoBackoff
 
     from producer_client.connection import AsyncRetry, Retry
+    from producer_client.errors import RedisUnavailable
     from producer_client.protocol import execution
 
     tries, disconnected = [], []  # disconnected: every connection's disconnect, garbage collected ones' too
@@ -252,9 +253,10 @@ def test_an_exchanges_first_try_counts_as_its_retry_policys_first(redis_server, 
     try:
         replies = execution.execute(client, echo) if kind == "sync" else asyncio.run(run_async())
         got = replies[0]
-    except redis.ConnectionError as e:
-        got = type(e).__name__
-        assert str(e) == "try 3 failed"
+    except redis.ConnectionError as e:  # the client's RedisUnavailable, caused by the third failure
+        assert isinstance(e, RedisUnavailable) and e.detail == "ConnectionError: try 3 failed"
+        got = type(e.__cause__).__name__
+        assert str(e.__cause__) == "try 3 failed"
     finally:
         if kind == "sync":
             client.close()

@@ -6,6 +6,7 @@ retry."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -16,9 +17,18 @@ import pytest
 
 from harness.echo_workers import GatedWorker, SlowEchoEngine, serving
 from harness.polling import eventually
-from producer_client import Client, InvalidArgument, InvalidQueueStream, QueueFull, RateLimited, WaitingQuotaExceeded
+from producer_client import (
+    AsyncClient,
+    Client,
+    InvalidArgument,
+    InvalidQueueStream,
+    QueueFull,
+    RateLimited,
+    WaitingQuotaExceeded,
+)
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.quotas import Quota
+from producer_client.waiting import MAX_BLOCK_MS
 from tests.support.clients import make_client
 
 pytestmark = pytest.mark.waits
@@ -399,6 +409,38 @@ def test_the_queues_own_stream_of_another_type_refuses_its_submits_alone(redis_s
         job_id = client.as_tenant(tenant).submit(prompt="x", max_tokens=2, service_tier="flex")
         assert client.status(job_id).status == "queued"
     assert redis_client.hgetall(KEYS.queue(queue)) == {"not": "a stream"}
+
+
+def test_generate_on_an_unbounded_queue_whose_stream_is_of_another_type_is_refused_at_once(
+    redis_server, queue, redis_client
+):
+    """With no bound (max_queue_depth=None) generate() sends its first blocking read of the job's
+    end in the enqueue's round trip: the enqueue refused (its stream of another type), the read
+    waited out its block (2 s) for a job never enqueued before InvalidQueueStream came. The client
+    now drops the connection rather than wait for it, and the job's hash goes as before; the
+    asyncio client too."""
+    redis_client.hset(KEYS.queue(queue), "not", "a stream")
+    jobs_before = set(redis_client.keys(KEYS.job("*")))
+    with Client(redis_server.url, queue, placement=False, max_queue_depth=None) as client:
+        started = time.monotonic()
+        with pytest.raises(InvalidQueueStream):
+            client.generate("x", max_tokens=2, timeout=4 * MAX_BLOCK_MS / 1000)
+        took = time.monotonic() - started
+        assert client.queue_stats().depth == 0  # the connection dropped is made anew for the next call
+
+    async def agenerate() -> float:
+        client = AsyncClient(redis_server.url, queue, placement=False, max_queue_depth=None)
+        try:
+            started = time.monotonic()
+            with pytest.raises(InvalidQueueStream):
+                await client.generate("x", max_tokens=2, timeout=4 * MAX_BLOCK_MS / 1000)
+            return time.monotonic() - started
+        finally:
+            await client.aclose()
+
+    took_async = asyncio.run(agenerate())
+    assert max(took, took_async) < MAX_BLOCK_MS / 1000 * 0.75, (took, took_async)
+    assert set(redis_client.keys(KEYS.job("*"))) == jobs_before
 
 
 def test_lane_jobs_of_a_killed_worker_are_reclaimed_and_each_ends_once(redis_server, queue, tenant, redis_client):

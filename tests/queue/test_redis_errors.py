@@ -1,0 +1,133 @@
+"""Redis's refusals and absences reach the client's users as MILI's typed errors, each a kind of the
+redis-py class it stands for: an ACL refusal (NOPERM) as PermissionDenied naming the command and
+its key, refused credentials as CredentialsRefused, a server that refuses connections or does not
+answer as RedisUnavailable (RedisTimedOut), naming the server and never the URL's password; `mili`
+says each in one line. Against real redis-servers with docs/security.md's users."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import redis
+import redis.exceptions
+
+from cli.__main__ import main as mili
+from producer_client import AsyncClient, Client, MiliError
+from producer_client.connection import is_fatal
+from producer_client.errors import CredentialsRefused, PermissionDenied, RedisTimedOut, RedisUnavailable
+from tests.support.acl import acl_server
+from worker.embedded_redis import free_port
+
+SECRET = "hunter2-not-shown"
+
+
+@pytest.fixture(scope="module")
+def acl():
+    with acl_server() as server:
+        yield server
+
+
+def test_an_acl_refusal_is_permission_denied_naming_the_command_and_its_key(acl):
+    """The producers' user may not read the dead letters (the workers' user's, docs/security.md)."""
+    with Client(acl["producer"]) as client:
+        with pytest.raises(PermissionDenied) as refused:
+            client.dead_letters.list(5)
+    error = refused.value
+    assert isinstance(error, MiliError) and isinstance(error, redis.exceptions.NoPermissionError)
+    assert is_fatal(error)  # the retry policy and the worker's start still see a refusal no retry mends
+    assert error.code == "redis_refused"
+    assert error.command == "XREVRANGE on 'mili:dead:{default}'"
+    assert error.message == (
+        "Redis refused XREVRANGE on 'mili:dead:{default}' to this client's user (NOPERM this user has no "
+        "permissions to access one of the keys used as arguments): grant the user that right (docs/security.md)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("tenant", "request_id", "command"),
+    [
+        ("team-b", None, "HGETALL on 'mili:quota:team-b'"),  # its quota, read first
+        ("team-a", "order-18", "a script (EVALSHA) on key 'mili:job:{order-18}'"),  # an id not its tenant's
+    ],
+    ids=["another-tenant", "another-tenants-id"],
+)
+def test_a_pinned_users_refusal_names_the_key_for_the_asyncio_client_too(acl, tenant, request_id, command):
+    """docs/security.md's user pinned to team-a: a submit as team-b, or under an id outside team-a's
+    (a job's keys begin with its tenant), is refused on the first key its rights do not cover."""
+
+    async def submit() -> None:
+        client = AsyncClient(acl["team-a"], tenant=tenant, placement=False)
+        try:
+            await client.submit(prompt="refused", max_tokens=8, request_id=request_id)
+        finally:
+            await client.aclose()
+
+    with pytest.raises(PermissionDenied) as refused:
+        asyncio.run(submit())
+    assert refused.value.command == command
+    assert refused.value.detail == "this user has no permissions to access one of the keys used as arguments"
+
+
+def test_refused_credentials_are_credentials_refused_at_once_without_the_password(acl):
+    url = acl["producer"].replace("producer-secret", SECRET)
+    with Client(url) as client:
+        with pytest.raises(CredentialsRefused) as refused:
+            client.submit(prompt="hi", max_tokens=1)
+    error = refused.value
+    assert isinstance(error, redis.AuthenticationError) and is_fatal(error)
+    assert error.code == "redis_refused"
+    host_port = url.rpartition("@")[2].removesuffix("/0")
+    assert error.message == (
+        f"Redis at {host_port} refused this client's credentials: invalid username-password pair or user is "
+        "disabled. (fix the URL's user or password)"
+    )
+    assert SECRET not in repr(error) and SECRET not in str(error.__cause__)
+
+
+def test_a_refused_connection_is_redis_unavailable_naming_the_host_without_the_password():
+    port = free_port()
+    with Client(f"redis://someone:{SECRET}@127.0.0.1:{port}/0") as client:
+        with pytest.raises(RedisUnavailable) as unavailable:
+            client.submit(prompt="hi", max_tokens=1)  # after the call's tries (about 4 s)
+    error = unavailable.value
+    assert isinstance(error, redis.ConnectionError) and not is_fatal(error)
+    assert error.code == "redis_unavailable"
+    assert error.message == (
+        f"Redis at 127.0.0.1:{port} is unavailable: ConnectionError: Error 111 connecting to 127.0.0.1:{port}. "
+        "Connection refused."
+    )
+    assert SECRET not in repr(error)
+
+
+def test_a_silent_server_is_redis_timed_out_for_the_asyncio_client_too():
+    """A server that takes connections and answers nothing: each try's read times out."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        port = silent.getsockname()[1]
+
+        async def submit() -> None:
+            client = AsyncClient(f"redis://127.0.0.1:{port}/0?socket_timeout=0.05&socket_connect_timeout=0.05")
+            try:
+                await client.submit(prompt="hi", max_tokens=1)
+            finally:
+                await client.aclose()
+
+        with pytest.raises(RedisTimedOut) as timed_out:
+            asyncio.run(submit())
+    error = timed_out.value
+    assert isinstance(error, redis.TimeoutError) and isinstance(error, redis.ConnectionError)
+    assert isinstance(error, RedisUnavailable) and error.code == "redis_unavailable"
+    assert error.message.startswith(f"Redis at 127.0.0.1:{port} is unavailable: TimeoutError: "), error.message
+
+
+def test_mili_says_an_acl_refusal_in_one_line_with_its_code(acl, capsys):
+    assert mili(["--redis", acl["producer"], "dead", "list"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "error: redis_refused: Redis refused XREVRANGE on 'mili:dead:{default}' to this client's user (NOPERM this "
+        "user has no permissions to access one of the keys used as arguments): grant the user that right "
+        "(docs/security.md)\n"
+    )
