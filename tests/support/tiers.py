@@ -19,7 +19,7 @@ others: their waits then overlap the others' work instead of adding to the run's
 Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) the tests that share processes
 started by a fixture of module scope or wider run on one xdist worker (their `xdist_group`), so
 those processes start once: a worker on the tiny model costs seconds of CPU to start. So do the
-slow tests that share a module-scoped fixture of their module, and the tests of a parametrized one."""
+tests that share a module-scoped fixture of their module."""
 
 from __future__ import annotations
 
@@ -89,17 +89,14 @@ def shared_process_group(item: pytest.Function) -> str | None:
 
 
 def shared_setup_group(item: pytest.Function) -> str | None:
-    """The test's module, for a test that uses a fixture of module scope defined there when the test
-    is slow or the fixture parametrized. A slow test's module fixture is usually what makes it slow
-    (the 32K engine run takes two minutes), and it runs once only if its tests all run on one xdist
-    worker. A parametrized one is set up once per parameter, pytest running every test of one
-    parameter before the next; spread over two workers, a parameter's tests set it up on both, and
-    again after each test of another parameter between them (test_tensor_parallel.py's two-rank
+    """The test's module, for a test that uses a fixture of module scope defined there: the fixture
+    runs once only if the module's tests all run on one xdist worker. Spread over two, each builds it
+    (the 32K engine run takes two minutes; test_tokenizer's three tokenizers and
+    test_grammar_vocabulary's tables seconds of CPU each), and a parametrized one again after each
+    test of another parameter between a parameter's tests (test_tensor_parallel.py's two-rank
     engines: 8 setups of 4 parameters)."""
     module = item.module.__name__
     own = [d for d in fixture_definitions(item) if d.scope == "module" and d.func.__module__ == module]
-    if item.get_closest_marker("slow") is None:
-        own = [d for d in own if d.params]
     return module if own else None
 
 
