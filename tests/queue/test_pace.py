@@ -74,6 +74,20 @@ def test_fewer_streams_than_slots_publish_in_proportionally_shorter_shares():
         assert pieces[job.id] == [1] + [2] * 31
 
 
+def test_the_streams_among_jobs_read_whole_share_the_interval_by_their_own_count():
+    """The share counts the streamed jobs of the whole plan, those met before the first streamed job
+    too (the jobs read whole come first here); the jobs read whole keep their checkpoints."""
+    whole = [unstreamed_job(i, START) for i in range(6)]
+    streams = [streamed_job(i) for i in range(2)]
+    pace = lagging(Pace(INTERVAL, 1.0, max_running=8))  # a share: 2 of 8 slots, an interval's quarter
+    published, pieces, _ = run(pace, [*whole, *streams], 64)  # half a checkpoint
+    for job in streams:
+        assert published[job.id] == list(range(0, 64, 2))
+        assert pieces[job.id] == [1] + [2] * 31
+    for job in whole:
+        assert published[job.id] == [0]  # its first token at once, its checkpoint not yet due
+
+
 def test_a_publication_a_step_late_does_not_push_the_next_slot_later():
     job = streamed_job(0)
     pace = lagging(Pace(INTERVAL, 1.0, max_running=1))

@@ -18,7 +18,7 @@ answered claim, written result or settled failure gives back."""
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -183,8 +183,9 @@ class Holdings:
         """Jobs out of the engine whose entry waits for Redis to take their result."""
         return self._outbox.ended_count()
 
-    def ended_by_lane(self) -> Counter[str]:
-        return self._outbox.ended()
+    def ended_lanes(self) -> list[str]:
+        """The lane of each job ended() counts."""
+        return self._outbox.ended_lanes()
 
     def entries(self) -> dict[str, str]:
         """{entry id: job id} of the entries this worker holds. Detached jobs have none."""

@@ -8,7 +8,6 @@ them: no other part of the loop changes them."""
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 from producer_client.keys import DEFAULT_LANE, Keys
@@ -327,12 +326,14 @@ class Outbox:
         self.rejected.pop(job_id, None)
         self.ledger.drop(job_id)
 
-    def ended(self) -> Counter[str]:
-        """Jobs out of the engine whose entry waits for Redis to take their result, by lane."""
-        return Counter(u.lane for u in self.held() if u.final is not None and u.entry_id is not None)
+    def ended_lanes(self) -> list[str]:
+        """The lane of each job out of the engine whose entry waits for Redis to take its result."""
+        return [u.lane for u in self.out.values() if u.final is not None and u.entry_id is not None] + [
+            u.lane for u in self.updates.values() if u.final is not None and u.entry_id is not None
+        ]
 
     def ended_count(self) -> int:
-        """How many jobs ended() counts, in a loop that calls nothing: the room for new entries asks
+        """How many jobs ended_lanes() counts, in a loop that calls nothing: the room for new entries asks
         it three times an iteration, and a Counter (or a generator) costs a Python call a job."""
         count = 0
         for updates in (self.out, self.updates):

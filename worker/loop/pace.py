@@ -36,7 +36,7 @@ answers."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection
 
 from worker.loop.jobs import Feed, Job
 
@@ -66,35 +66,50 @@ class Pace:
             self.rounds.append(round_s)
         self.lag_s = max(self.iterations) + 3 * max(self.rounds, default=0.0)
 
-    def plan(self, jobs: Iterable[Job], now: float) -> tuple[list[Job], list[Job]]:
+    def plan(self, jobs: Collection[Job], now: float) -> tuple[list[Job], list[Job]]:
         """(the jobs whose output is due now, the jobs due for a look at their hash). Every running
         job is asked every iteration: whether its output is due is tested in the loop itself, not
-        by a method call a job."""
-        jobs = list(jobs)
-        streams = sum([job.feed.streamed for job in jobs])
-        share = self.stream_interval_s * min(1.0, streams / self.max_running)
-        patience = share - self.lag_s
-        checkpoint_s, stream_s = self.checkpoint_interval_s, self.stream_interval_s
+        by a method call a job. The streams, which set a streamed job's share, are counted (a pass
+        over every job) only once a streamed job is met: a worker of jobs read whole never counts."""
+        horizon = now - self.checkpoint_interval_s  # a job read whole last heard of before it is due
+        share = patience = -1.0  # not counted yet
         publish, look = [], []
         for job in jobs:
             feed = job.feed
             since = feed.waiting_since
+            if feed.streamed:
+                if share < 0:
+                    share = self._share(jobs)
+                    patience = share - self.lag_s
+                if since is not None and (
+                    feed.tokens == job.resumed_tokens
+                    or len(job.token_ids) - feed.tokens >= MAX_EVENT_TOKENS
+                    or (now - since >= patience and now >= feed.next_slot)
+                ):
+                    publish.append(job)
+                    take_slot(feed, share, now)
+                elif now - feed.looked_at >= self.stream_interval_s:
+                    look.append(job)
+                continue
+            # Its checkpoint, or its look: output waiting goes out once either is due. A job not
+            # due is most jobs of most iterations, each test made: the look's once, and each time
+            # compared with the horizon, not subtracted from now (a float made per job and test).
+            look_due = feed.looked_at <= horizon
             if since is not None and (
-                feed.tokens == job.resumed_tokens
+                look_due
+                or since <= horizon
+                or feed.tokens == job.resumed_tokens
                 or len(job.token_ids) - feed.tokens >= MAX_EVENT_TOKENS
-                or (
-                    now - since >= patience and now >= feed.next_slot
-                    if feed.streamed
-                    # Its checkpoint, or its look: output waiting goes out once either is due.
-                    else now - since >= checkpoint_s or now - feed.looked_at >= checkpoint_s
-                )
             ):
                 publish.append(job)
-                if feed.streamed:
-                    take_slot(feed, share, now)
-            elif now - feed.looked_at >= (stream_s if feed.streamed else checkpoint_s):
+            elif look_due:
                 look.append(job)
         return publish, look
+
+    def _share(self, jobs: Collection[Job]) -> float:
+        """A streamed job's share of stream_interval_s: its slots' spacing."""
+        streams = sum([job.feed.streamed for job in jobs])
+        return self.stream_interval_s * min(1.0, streams / self.max_running)
 
 
 def take_slot(feed: Feed, share: float, now: float) -> None:

@@ -247,9 +247,12 @@ class Worker:
 
     def _take_idle_entries(self) -> None:
         """Entries of dead or stalled workers, in the shared stream and in every worker's own; and
-        entries placed on a busy worker that waited longer than steal_delay_ms."""
-        taken = len(self.holdings.unadmitted)
+        entries placed on a busy worker that waited longer than steal_delay_ms. A full worker (most
+        iterations of a busy one) has no room: neither the reclaim nor the scan takes anything."""
         room = self._room()
+        if room <= 0:
+            return
+        taken = len(self.holdings.unadmitted)
         self.admission.reclaim(room)
         reclaimed = len(self.holdings.unadmitted) - taken
         if reclaimed:  # a counter's inc takes a lock and five Python calls, even of 0
