@@ -131,3 +131,39 @@ def test_mili_says_an_acl_refusal_in_one_line_with_its_code(acl, capsys):
         "user has no permissions to access one of the keys used as arguments): grant the user that right "
         "(docs/security.md)\n"
     )
+
+
+async def _asubmit(url: str, many: bool) -> None:
+    client = AsyncClient(url, placement=False)
+    try:
+        if many:
+            await client.submit_many([{"prompt": "refused", "max_tokens": 8}] * 2)
+        else:
+            await client.submit(prompt="refused", max_tokens=8)
+    finally:
+        await client.aclose()
+
+
+def _submit(url: str, many: bool) -> None:
+    with Client(url, placement=False) as client:
+        if many:
+            client.submit_many([{"prompt": "refused", "max_tokens": 8}] * 2)
+        else:
+            client.submit(prompt="refused", max_tokens=8)
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["submit", "submit_many"])
+@pytest.mark.parametrize("use_asyncio", [False, True], ids=["sync", "asyncio"])
+def test_a_refused_submits_refused_clean_up_does_not_hide_the_enqueues_refusal(acl, many, use_asyncio, caplog):
+    """docs/security.md's user pinned to team-a, submitting without a tenant: its jobs' keys are not
+    team-a's, so Redis refuses the job's CREATE, and then the DEL of the clean-up as well. The user
+    sees the CREATE's refusal, the cause, and the clean-up's is logged, not raised in its place."""
+    with pytest.raises(PermissionDenied) as refused:
+        if use_asyncio:
+            asyncio.run(_asubmit(acl["team-a"], many))
+        else:
+            _submit(acl["team-a"], many)
+    create = "a script (EVALSHA) on key 'mili:job:{" if many else "HSETNX on 'mili:job:{"
+    assert refused.value.command.startswith(create), refused.value.command
+    (logged,) = [record.getMessage() for record in caplog.records if record.name == "producer_client.steps"]
+    assert logged.startswith("the clean-up after PermissionDenied failed too: Redis refused DEL on 'mili:job:{")
