@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 
 import pytest
 import redis
 import redis.exceptions
 
 from cli.__main__ import main as mili
+from harness.processes import REPO
 from producer_client import AsyncClient, Client, MiliError
 from producer_client.connection import is_fatal
 from producer_client.errors import CredentialsRefused, PermissionDenied, RedisTimedOut, RedisUnavailable
@@ -167,3 +170,32 @@ def test_a_refused_submits_refused_clean_up_does_not_hide_the_enqueues_refusal(a
     assert refused.value.command.startswith(create), refused.value.command
     (logged,) = [record.getMessage() for record in caplog.records if record.name == "producer_client.steps"]
     assert logged.startswith("the clean-up after PermissionDenied failed too: Redis refused DEL on 'mili:job:{")
+
+
+def run_mili(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_mili_says_refused_credentials_at_its_first_check_in_the_typed_line_without_the_password(acl):
+    """`mili`'s first check (one try, before the command's calls) meets the wrong password first:
+    it says it as the client's calls' CredentialsRefused reads, not as redis-py's error."""
+    url = acl["producer"].replace("producer-secret", SECRET)
+    host_port = url.rpartition("@")[2].removesuffix("/0")
+    done = run_mili("--redis", url, "stats")
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        f"error: redis_refused: Redis at {host_port} refused this client's credentials: invalid username-password "
+        "pair or user is disabled. (fix the URL's user or password)\n"
+    )
+
+
+def test_mili_says_an_unreachable_redis_at_its_first_check_in_the_typed_line_without_the_password():
+    port = free_port()
+    done = run_mili("--redis", f"redis://someone:{SECRET}@127.0.0.1:{port}/0", "stats")
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        f"error: redis_unavailable: Redis at 127.0.0.1:{port} is unavailable: ConnectionError: Error 111 connecting "
+        f"to 127.0.0.1:{port}. Connection refused.\n"
+    )
