@@ -25,8 +25,16 @@ import redis
 from cli import batch_command, client_commands, operator_commands, quota_commands
 from producer_client.client import Client
 from producer_client.client_base import DEFAULT_URL
-from producer_client.connection import PROBE_TIMEOUT_S, describe, probe, redact_url
-from producer_client.errors import MiliError
+from producer_client.connection import (
+    PROBE_TIMEOUT_S,
+    Unreachable,
+    describe,
+    parse_url,
+    probe,
+    redact_url,
+    server_of_url,
+)
+from producer_client.errors import CredentialsRefused, MiliError, RedisUnavailable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        probe(args.redis, args.connect_timeout)
+        first_check(args.redis, args.connect_timeout)
         with Client(
             args.redis, args.queue, prefix=args.prefix, tenant=args.tenant, queue_shards=args.queue_shards
         ) as client:
@@ -52,6 +60,18 @@ def run(args: argparse.Namespace) -> int:
     except redis.RedisError as e:
         print(one_line(f"error: redis at {redact_url(args.redis)}: {describe(e)}"), file=sys.stderr)
         return 1
+
+
+def first_check(url: str, timeout_s: float) -> None:
+    """One try of Redis within `timeout_s` (probe), before the command's calls, which retry for
+    seconds. Redis unreachable, or refusing the URL's credentials, is the typed error the client's
+    calls raise for it (RedisUnavailable, CredentialsRefused), so it reads as theirs does."""
+    try:
+        probe(url, timeout_s)
+    except Unreachable as e:
+        raise RedisUnavailable(server_of_url(parse_url(url)), str(e)) from e
+    except redis.AuthenticationError as e:
+        raise CredentialsRefused(server_of_url(parse_url(url)), str(e)) from e
 
 
 def one_line(text: str) -> str:

@@ -47,7 +47,7 @@ from producer_client.sharing import (
     refuse_queue_stream_of_another_type,
     uses_queue_stream,
 )
-from producer_client.steps import Steps, checked
+from producer_client.steps import Steps, checked, undoing
 from producer_client.validation import check_job_ids, check_timeout
 from producer_client.waiting import Deadline, expiry, streams_read
 
@@ -184,8 +184,8 @@ def enqueue_chunk(
         if shared:
             refuse_queue_stream_of_another_type(replies[-1], queue, shared, tenant)
         checked(replies)
-    except Exception:
-        yield forget_commands(to_add, keys)
+    except Exception as stopped:
+        yield from undoing(forget_commands(to_add, keys), stopped)
         raise
     outcome = chunk_outcome(replies[-1], shared, tenant) if shared else Enqueued(0)
     cut = to_add.index(shared[outcome.added]) if outcome.added < len(shared) else len(to_add)
@@ -193,8 +193,8 @@ def enqueue_chunk(
     if placed:
         try:
             yield from enqueue_placed(keys, queue, into, placed, placement, tenant, limits, one_server)
-        except Exception:
-            yield forget_commands([job for job, _ in placed], keys)
+        except Exception as stopped:
+            yield from undoing(forget_commands([job for job, _ in placed], keys), stopped)
             raise
     enqueued, refused = to_add[:cut], to_add[cut:]
     if refused or any(job.idempotent for job in enqueued):

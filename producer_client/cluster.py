@@ -20,6 +20,7 @@ needs; producer_client.connection builds them from `redis+cluster://` URLs.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar, cast
@@ -124,11 +125,23 @@ class Cluster(RedisCluster):
             super().__init__(retry=redis.retry.Retry(NoBackoff(), 0), **kwargs)
         # Its pipelines share it. A proxy of the parser, which it passes for.
         self.commands_parser = cast(CommandsParser, _KnownKeys(self.commands_parser))
+        forks.reset_after_fork(self)
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         # RedisCluster's, by its class: mypy's untyped_calls_exclude (pyproject.toml) knows an
         # unannotated method of redis-py's by the class it is called on, not through super().
         return self.paced(lambda: RedisCluster.execute_command(self, *args, **kwargs))
+
+    def after_fork_in_child(self) -> None:
+        """redis-py's locks of the client, its nodes manager (one held for a whole topology
+        refresh, one to read or swap its tables) and its load balancer, which a thread of the
+        parent's may hold at the fork, made again. The nodes' pools see the fork themselves (their
+        pid check)."""
+        manager = self.nodes_manager
+        self._lock = threading.RLock()
+        manager._lock = threading.RLock()
+        manager._initialization_lock = threading.RLock()
+        manager.read_load_balancer._lock = threading.Lock()
 
     def paced(self, call: Callable[[], T]) -> T:
         """call(), tried again as `retry` allows while no node can serve it."""

@@ -300,7 +300,20 @@ def server_of(client: object) -> str:
     service = getattr(pool, "service_name", None)
     if service:
         return f"the master of Sentinel's service {service!r}"
-    options = getattr(pool, "connection_kwargs", {})
+    return _server_of_options(getattr(pool, "connection_kwargs", {}))
+
+
+def server_of_url(target: RedisURL) -> str:
+    """server_of's text for the client `target` makes, before one is made (a cluster's client
+    reads the topology when it is made, so a failure to connect leaves none to ask)."""
+    if target.mode is Mode.CLUSTER:
+        return "the cluster of " + ",".join(f"{host}:{port}" for host, port in target.nodes)
+    if target.mode is Mode.SENTINEL:
+        return f"the master of Sentinel's service {target.service!r}"
+    return _server_of_options(target.options)
+
+
+def _server_of_options(options: dict[str, Any]) -> str:
     if "path" in options:
         return f"unix:{options['path']}"
     return f"{options.get('host', '?')}:{options.get('port', '?')}"

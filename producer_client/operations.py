@@ -33,7 +33,7 @@ from producer_client.sharing import (
     reserve_call,
 )
 from producer_client.status_reads import read_status
-from producer_client.steps import Repeatable, Steps, checked
+from producer_client.steps import Repeatable, Steps, checked, undoing
 from producer_client.validation import check_job_id, check_timeout
 from producer_client.waiting import (
     NOTHING_KNOWN,
@@ -85,7 +85,7 @@ def submit_reading(
         outcome, first = yield from enqueue_or_forget(client, job, create=True, read=read)
     error = refusal_error(outcome, client.queue, client.tenant_name, client.max_queue_depth)
     if error is not None:
-        checked((yield forget(client.keys, job)))
+        yield from undoing(forget(client.keys, job), error)
         raise error
     if not job.idempotent:
         client.submissions.add(job.job_id, expiry_of_new(job))
@@ -152,8 +152,8 @@ def enqueue_or_forget(
         checked(replies)
     except GeneratorExit:
         raise  # closed unfinished: its driver was stopped after the enqueue ran, so nothing to undo
-    except BaseException:
-        checked((yield forget(keys, job)))
+    except BaseException as stopped:
+        yield from undoing(forget(keys, job), stopped)
         raise
     outcome = enqueued(job, create, client.replication, replies)
     first = None if block_ms is None else FirstRead(end_read_of(read_reply), sent_at)

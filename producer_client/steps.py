@@ -12,6 +12,7 @@ that fails them in a failover then delays the step instead of failing it (execut
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -19,6 +20,8 @@ from producer_client.cluster import AsyncRedis, SyncRedis
 from producer_client.protocol import execution
 from producer_client.protocol.execution import Pipe, Replies
 from producer_client.protocol.script import Script
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 # Yields pipeline builders, receives each one's replies (errors in their places), returns a T. What
@@ -85,3 +88,15 @@ def checked(replies: Replies) -> Replies:
         if isinstance(reply, Exception):
             raise reply
     return replies
+
+
+def undoing(add: Callable[[Pipe], object], stopped: BaseException) -> Steps[None]:
+    """`add`'s commands, which undo what an operation began before `stopped` stopped it (a DEL of
+    what it wrote). Their failure is logged, never raised: the caller raises `stopped`, the error
+    its user must see. The ACL that refused a submit refuses its clean-up too (a pinned tenant
+    user submitting outside its keys), and that DEL's refusal would hide why. (Logged, not a note
+    on `stopped`: Python 3.10 has no add_note.)"""
+    try:
+        checked((yield add))
+    except Exception as failed:
+        log.warning("the clean-up after %s failed too: %s", type(stopped).__name__, failed)

@@ -116,7 +116,7 @@ def test_a_cli_command_against_a_dead_port_fails_at_once_with_the_cause(capsys):
     port = free_port()
     code, err, elapsed = mili("--redis", f"redis://127.0.0.1:{port}/0", "stats", capsys=capsys)
     cause = f"ConnectionError: Error 111 connecting to 127.0.0.1:{port}. Connection refused."
-    assert (code, err) == (1, f"error: redis at redis://127.0.0.1:{port}/0: {cause}\n")
+    assert (code, err) == (1, f"error: redis_unavailable: Redis at 127.0.0.1:{port} is unavailable: {cause}\n")
     assert elapsed < REFUSED_BOUND_S
 
 
@@ -124,7 +124,7 @@ def test_a_cli_command_against_a_dead_port_fails_at_once_with_the_cause(capsys):
 def test_a_cli_command_waits_for_a_silent_redis_no_longer_than_its_connect_timeout(silent_port, capsys):
     url = f"redis://127.0.0.1:{silent_port}/0"
     code, err, elapsed = mili("--redis", url, "--connect-timeout", "0.3", "status", "some-job", capsys=capsys)
-    assert code == 1 and err.startswith(f"error: redis at {url}: ")
+    assert code == 1 and err.startswith(f"error: redis_unavailable: Redis at 127.0.0.1:{silent_port} is unavailable: ")
     assert err.endswith(("no answer within 0.3 s\n", "TimeoutError: Timeout reading from socket\n"))
     assert SILENT_TIMEOUT_S <= elapsed < SILENT_TIMEOUT_S + 1.0
 

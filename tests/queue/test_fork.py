@@ -334,3 +334,33 @@ def test_an_async_client_whose_loop_ended_before_the_fork_works_in_a_new_loop_of
     asyncio.run(async_submitted_as_asked(client, "parent-before"))
     children = [forked(lambda: asyncio.run(async_submitted_as_asked(client, f"child-{os.getpid()}"))) for _ in range(2)]
     assert_done(children)
+
+
+def test_a_cluster_client_forked_while_a_thread_refreshes_the_topology_works_in_the_child(redis_cluster, queue):
+    """A Client of a cluster forked while a thread of the parent's holds the cluster client's
+    locks, as a topology refresh does (redis-py's nodes manager holds its initialization lock for
+    the whole refresh, its lock to swap the tables in): the child's submits and its own refresh
+    (a MOVED would start one) do not wait for a thread it does not have, and the parent's go on."""
+    with Client(redis_cluster.url, queue, placement=False) as client:
+        submitted_as_asked(client, "parent-before")
+        cluster, manager = client.redis, client.redis.nodes_manager
+        held, release = threading.Event(), threading.Event()
+
+        def refreshing() -> None:
+            with manager._initialization_lock, manager._lock, cluster._lock, manager.read_load_balancer._lock:
+                held.set()
+                release.wait(WAIT_S)
+
+        def in_child() -> None:
+            submitted_as_asked(client, f"child-{os.getpid()}")
+            manager.initialize()
+            submitted_as_asked(client, f"child-{os.getpid()}-refreshed")
+
+        holder, holder_errors = in_thread(refreshing)
+        assert held.wait(WAIT_S)
+        children = [forked(in_child) for _ in range(2)]
+        release.set()
+        holder.join(WAIT_S)
+        assert_done(children)
+        assert holder_errors == []
+        submitted_as_asked(client, "parent-after")

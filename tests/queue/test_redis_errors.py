@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 
 import pytest
 import redis
 import redis.exceptions
 
 from cli.__main__ import main as mili
+from harness.processes import REPO
 from producer_client import AsyncClient, Client, MiliError
 from producer_client.connection import is_fatal
 from producer_client.errors import CredentialsRefused, PermissionDenied, RedisTimedOut, RedisUnavailable
@@ -130,4 +133,69 @@ def test_mili_says_an_acl_refusal_in_one_line_with_its_code(acl, capsys):
         "error: redis_refused: Redis refused XREVRANGE on 'mili:dead:{default}' to this client's user (NOPERM this "
         "user has no permissions to access one of the keys used as arguments): grant the user that right "
         "(docs/security.md)\n"
+    )
+
+
+async def _asubmit(url: str, many: bool) -> None:
+    client = AsyncClient(url, placement=False)
+    try:
+        if many:
+            await client.submit_many([{"prompt": "refused", "max_tokens": 8}] * 2)
+        else:
+            await client.submit(prompt="refused", max_tokens=8)
+    finally:
+        await client.aclose()
+
+
+def _submit(url: str, many: bool) -> None:
+    with Client(url, placement=False) as client:
+        if many:
+            client.submit_many([{"prompt": "refused", "max_tokens": 8}] * 2)
+        else:
+            client.submit(prompt="refused", max_tokens=8)
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["submit", "submit_many"])
+@pytest.mark.parametrize("use_asyncio", [False, True], ids=["sync", "asyncio"])
+def test_a_refused_submits_refused_clean_up_does_not_hide_the_enqueues_refusal(acl, many, use_asyncio, caplog):
+    """docs/security.md's user pinned to team-a, submitting without a tenant: its jobs' keys are not
+    team-a's, so Redis refuses the job's CREATE, and then the DEL of the clean-up as well. The user
+    sees the CREATE's refusal, the cause, and the clean-up's is logged, not raised in its place."""
+    with pytest.raises(PermissionDenied) as refused:
+        if use_asyncio:
+            asyncio.run(_asubmit(acl["team-a"], many))
+        else:
+            _submit(acl["team-a"], many)
+    create = "a script (EVALSHA) on key 'mili:job:{" if many else "HSETNX on 'mili:job:{"
+    assert refused.value.command.startswith(create), refused.value.command
+    (logged,) = [record.getMessage() for record in caplog.records if record.name == "producer_client.steps"]
+    assert logged.startswith("the clean-up after PermissionDenied failed too: Redis refused DEL on 'mili:job:{")
+
+
+def run_mili(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_mili_says_refused_credentials_at_its_first_check_in_the_typed_line_without_the_password(acl):
+    """`mili`'s first check (one try, before the command's calls) meets the wrong password first:
+    it says it as the client's calls' CredentialsRefused reads, not as redis-py's error."""
+    url = acl["producer"].replace("producer-secret", SECRET)
+    host_port = url.rpartition("@")[2].removesuffix("/0")
+    done = run_mili("--redis", url, "stats")
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        f"error: redis_refused: Redis at {host_port} refused this client's credentials: invalid username-password "
+        "pair or user is disabled. (fix the URL's user or password)\n"
+    )
+
+
+def test_mili_says_an_unreachable_redis_at_its_first_check_in_the_typed_line_without_the_password():
+    port = free_port()
+    done = run_mili("--redis", f"redis://someone:{SECRET}@127.0.0.1:{port}/0", "stats")
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        f"error: redis_unavailable: Redis at 127.0.0.1:{port} is unavailable: ConnectionError: Error 111 connecting "
+        f"to 127.0.0.1:{port}. Connection refused.\n"
     )
