@@ -102,7 +102,7 @@ class Gateway:
 
     async def _health(self) -> Health:
         await self.health_probe.ping()
-        cards = (await self.registry.current()).cards
+        cards = (await self.registry.current()).live_cards
         return Health(model_loaded=bool(cards), models=[c.id for c in cards])
 
     async def submit(

@@ -205,7 +205,8 @@ def too_large(limit: int) -> APIError:
 
 def refusal_response(error: APIError) -> Response:
     """The answer to a request refused from its headers. A 413's body, whatever its size, is not to
-    be read: its connection closes (a 401's or a 415's, within the limit, is read and dropped)."""
+    be read: its connection closes. So does any other's whose body has not come whole when it is
+    answered (gateway/http_protocol.py's close_if_answered_before_body); a bodiless one's stays open."""
     return closing(error_response(error)) if error.status == 413 else error_response(error)
 
 

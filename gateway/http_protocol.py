@@ -15,13 +15,16 @@ as long as they come (a client sending 170 MiB of one header in 2.5 s grew the g
 much). A head past MAX_HEAD_BYTES is answered 431 and its connection closed. The bytes are counted
 as they are read, so the gateway holds at most the limit and one read of the socket.
 
-Both answers, and the edge's 408 for a body too slow and 413 for one too large, are sent while the
-client may still be sending: the connection's close lingers (close_lingering), so that the client reads the answer."""
+Both answers, the edge's 408 for a body too slow and 413 for one too large, and any answer begun
+before its request's body came whole (a 401, a 415, a 404 decided from the head: the connection
+closes rather than read on a body nobody will use), are sent while the client may still be sending:
+the connection's close lingers (close_lingering), so that the client reads the answer."""
 
 from __future__ import annotations
 
 import asyncio
 
+from uvicorn._types import ASGISendEvent
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from openai_format.errors import APIError
@@ -83,6 +86,7 @@ def head_timed_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
             super().on_headers_complete()
             if self.cycle is not None and self.cycle.transport is self.transport:  # a new request's
                 self.cycle.transport = LingeringTransport(self, self.cycle)  # type: ignore[assignment]
+                close_if_answered_before_body(self.cycle)
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
@@ -123,10 +127,29 @@ def close_lingering(protocol: HttpToolsProtocol) -> None:
     protocol.loop.call_later(LINGER_S, protocol.transport.close)
 
 
+def close_if_answered_before_body(cycle: RequestResponseCycle) -> None:
+    """Make an answer begun before its request's body came whole say `Connection: close`, and close
+    its connection once sent (lingering: LingeringTransport). Such an answer was decided without the
+    body (a 401, a 415, a 404, a 405): uvicorn would otherwise read on and drop the rest of the body
+    to keep the connection, unbounded by the edge, which bounds only what the app reads, for as long
+    as its client sends it. HTTP has a server that answers before reading the whole content either
+    close or read and drop it (RFC 9110 10.1.1), the close in stages (RFC 9112 9.6: the linger);
+    a request without a body, or one the app read whole, keeps its connection."""
+    send = cycle.send
+
+    async def send_closing_if_body_unread(message: ASGISendEvent) -> None:
+        if message["type"] == "http.response.start" and cycle.more_body:
+            cycle.keep_alive = False  # uvicorn adds the header and closes once the answer is sent
+        await send(message)
+
+    cycle.send = send_closing_if_body_unread  # type: ignore[method-assign]
+
+
 class LingeringTransport:
     """A request's transport as uvicorn's request cycle sees it. The cycle closes the connection
     once an answer saying `Connection: close` is sent whole (the edge's 408 for a body too slow, its
-    413 for one too large: gateway/edge.py): if the request's body has not come whole, that close lingers."""
+    413 for one too large: gateway/edge.py; any answer begun before the body came whole:
+    close_if_answered_before_body): if the request's body has not come whole, that close lingers."""
 
     def __init__(self, protocol: HttpToolsProtocol, cycle: RequestResponseCycle) -> None:
         self.protocol = protocol

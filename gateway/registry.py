@@ -4,7 +4,9 @@ Each worker's heartbeat names its model (its --model: a preset, "echo", or a che
 served under that name as vLLM serves a path) and its queue. A model served on several queues
 goes to the queue with the most live workers serving it (ties: the first by name). The
 settings' `models` map pins a name to a queue on top: it routes even while that queue has no
-live worker (a queue scaled to zero), and is listed while it has one.
+live worker (a queue scaled to zero), so it is listed and retrieved then too, as OpenAI lists the
+models a request may name (its `created`: its queue's first live worker's start, else the
+gateway's). /health counts only the names live workers serve.
 
 A worker's heartbeat also names the LoRA adapters it serves. As in vLLM, a request's `model` may
 name one: it goes to the queue of the workers that serve it (the most, as for a model), as a job
@@ -38,9 +40,14 @@ class RouteTable:
     queues: dict[str, str]  # model name (or adapter name) -> queue
     cards: list[ModelCard]  # what GET /v1/models lists
     adapters: dict[str, str] = field(default_factory=dict)  # adapter name -> its base model
+    live: frozenset[str] = frozenset()  # the names of `cards` a live worker serves
+
+    @property
+    def live_cards(self) -> list[ModelCard]:
+        return [card for card in self.cards if card.id in self.live]
 
     @classmethod
-    def build(cls, workers: list[WorkerInfo], pinned: dict[str, str]) -> RouteTable:
+    def build(cls, workers: list[WorkerInfo], pinned: dict[str, str], pinned_since: float) -> RouteTable:
         counts: dict[str, Counter[str]] = defaultdict(Counter)
         started: dict[str, float] = {}
         for w in workers:
@@ -51,12 +58,16 @@ class RouteTable:
         queue_started: dict[str, float] = {}
         for w in workers:
             queue_started[w.queue] = min(queue_started.get(w.queue, w.started_at), w.started_at)
+        live = set(started)
         for name, queue in pinned.items():
             queues[name] = queue
             if queue in queue_started:
                 started[name] = queue_started[queue]
+                live.add(name)
+            else:
+                started.setdefault(name, pinned_since)
         cards = [ModelCard(id=name, created=int(at), parent=adapters.get(name)) for name, at in sorted(started.items())]
-        return cls(queues, cards, adapters)
+        return cls(queues, cards, adapters, frozenset(live))
 
     def route(self, model: str) -> Route | None:
         queue = self.queues.get(model)
@@ -91,7 +102,8 @@ class ModelRegistry:
         self.client = client
         self.pinned = pinned
         self.refresh_s = refresh_s
-        self.table = RouteTable.build([], pinned)
+        self.pinned_since = time.time()  # a pinned name's `created` while no live worker serves it
+        self.table = RouteTable.build([], pinned, self.pinned_since)
         self.fresh_until = 0.0
         self.reading: asyncio.Future | None = None  # one read at a time, shared by its waiters
 
@@ -101,7 +113,7 @@ class ModelRegistry:
 
     async def route(self, model: str) -> Route:
         """Where a request naming `model` goes, and whether that is an adapter; a 404 in OpenAI's
-        shape for a name no live worker serves."""
+        shape for a name neither pinned nor served by a live worker."""
         route = (await self.current()).route(model)
         if route is None:
             route = (await self.current(force=True)).route(model)
@@ -122,7 +134,7 @@ class ModelRegistry:
     async def _read(self) -> None:
         try:
             workers = await self.client.workers()
-            self.table = RouteTable.build(workers, self.pinned)
+            self.table = RouteTable.build(workers, self.pinned, self.pinned_since)
             self.fresh_until = time.monotonic() + self.refresh_s
         finally:
             self.reading = None

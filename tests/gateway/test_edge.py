@@ -337,6 +337,83 @@ def test_a_body_over_the_limit_is_answered_413_and_its_connection_closed(edge_ga
     assert answer["closed_s"] - answer["answered_s"] < LINGER_S + 1.0, answer  # closed with the answer
 
 
+def answered_while_sending(port: int, head: str, chunked: bool) -> dict:
+    """A request whose body comes a KiB every 0.05 s whatever the gateway answers (a client writing
+    its body before it reads, as most do), read as it comes, until the gateway ends the connection
+    or LINGER_S + 3 s after its answer began. `ended_s`: how long after the answer's first byte the
+    connection ended (None: it did not by then)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(head.encode() + b"\r\n")
+    piece = b"400\r\n" + b" " * 1024 + b"\r\n" if chunked else b" " * 1024
+    answer, answered_at, ended_at = b"", None, None
+    try:
+        while answered_at is None or time.monotonic() - answered_at < LINGER_S + 3.0:
+            if not select.select([sock], [], [], 0.05)[0]:
+                sock.sendall(piece)
+            elif more := sock.recv(65536):
+                answered_at = answered_at or time.monotonic()
+                answer += more
+            else:
+                ended_at = time.monotonic()
+                break
+    except (ConnectionResetError, BrokenPipeError):
+        ended_at = time.monotonic()  # a piece sent as the gateway's linger ended: see request_in_pieces
+    sock.close()
+    assert answered_at is not None, f"the connection ended with no answer: {answer!r}"
+    head_part, _, body = answer.partition(b"\r\n\r\n")
+    lines = head_part.decode("latin-1").lower().split("\r\n")
+    return {
+        "status": int(lines[0].split()[1]),
+        "headers": dict(line.split(": ", 1) for line in lines[1:]),
+        "body": body,
+        "ended_s": None if ended_at is None else ended_at - answered_at,
+    }
+
+
+JSON_HEAD = "Content-Type: application/json\r\n"
+WITH_KEY = f"Authorization: Bearer {KEY}\r\n"
+CHUNKED = "Transfer-Encoding: chunked\r\n"
+UPLOAD = f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\nContent-Length: {UPLOAD_LIMIT}\r\n"
+
+
+@pytest.mark.parametrize(
+    ("request_head", "chunked", "status"),
+    [
+        (f"POST /v1/files HTTP/1.1\r\n{UPLOAD}", False, 401),
+        (f"POST /v1/completions HTTP/1.1\r\n{JSON_HEAD}{CHUNKED}", True, 401),
+        (f"POST /v1/completions HTTP/1.1\r\nContent-Type: text/plain\r\n{WITH_KEY}{CHUNKED}", True, 415),
+        (f"POST /v1/nowhere HTTP/1.1\r\n{JSON_HEAD}{WITH_KEY}{CHUNKED}", True, 404),
+        (f"PUT /generate HTTP/1.1\r\n{JSON_HEAD}{WITH_KEY}Content-Length: {JSON_LIMIT}\r\n", False, 405),
+    ],
+    ids=["401-upload-length", "401-chunked", "415-chunked", "404-chunked", "405-length"],
+)
+def test_an_answer_decided_before_the_body_is_read_closes_its_connection_and_arrives_whole(
+    edge_gateway, request_head, chunked, status
+):
+    """A request refused from its head alone (no key, not JSON, no such route or method) is answered
+    before its body is read; its connection now closes with the answer (lingering, so that a client
+    still sending reads it whole), where it stayed open and uvicorn read and dropped the rest of
+    the body for as long as the client sent it: a chunked body, or an upload's, for ever."""
+    answer = answered_while_sending(edge_gateway.port, f"{request_head}Host: 127.0.0.1\r\n", chunked)
+    assert answer["status"] == status, answer
+    assert len(answer["body"]) == int(answer["headers"]["content-length"]), answer  # the answer whole
+    assert json.loads(answer["body"])["error"]["type"] == "invalid_request_error", answer
+    assert answer["headers"]["connection"] == "close", answer
+    assert answer["ended_s"] is not None and answer["ended_s"] < LINGER_S + 1.0, answer
+
+
+def test_a_refusal_of_a_request_without_a_body_keeps_its_connection(edge_gateway):
+    """Nothing is left to read after a bodiless request: its 401 keeps the connection alive (HTTP/1.1's
+    default), and the next request on it is served."""
+    with socket.create_connection(("127.0.0.1", edge_gateway.port), timeout=10) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        refused = read_answer(sock)
+        sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n{WITH_KEY}\r\n".encode())
+        served = read_answer(sock)
+    assert (refused[0], json.loads(refused[1])["error"]["code"]) == (401, "invalid_api_key")
+    assert (served[0], json.loads(served[1])["object"]) == (200, "list")
+
+
 def chunked_in_pieces(port: int, pieces: list[bytes], every_s: float) -> dict:
     """request_in_pieces, with a chunked body: each piece a chunk."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)

@@ -4,6 +4,7 @@ anything is enqueued. Plain httpx, so that the exact status, headers and body ar
 import json
 import re
 import socket
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -222,6 +223,22 @@ def test_a_missing_or_wrong_api_key_is_a_401(strict_gateway):
     assert httpx.get(f"{strict_gateway.url}/health").status_code == 200  # probes need no key
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{strict_gateway.url}/v1", api_key="key-three", max_retries=0).models.list()
+
+
+def test_a_pinned_model_no_live_worker_serves_is_listed_and_retrieved_as_its_requests_are_taken(strict_gateway):
+    """A name the `models` setting pins routes to its queue while no worker serves it (its requests
+    wait there for one): the official SDK lists and retrieves it as any model it may name, where it
+    was left out of the list and retrieving it was a 404. /health counts only what live workers serve."""
+    sdk = openai.OpenAI(base_url=f"{strict_gateway.url}/v1", api_key=API_KEYS[0], max_retries=0)
+    listed = {model.id: model for model in sdk.models.list()}
+    for name in strict_gateway.models:
+        card = sdk.models.retrieve(name)
+        assert (card.id, card.object, card.owned_by) == (name, "model", "mili")
+        assert listed[name] == card
+        assert 0 < card.created <= time.time()  # the gateway's start: its queue has had no worker
+    health = httpx.get(f"{strict_gateway.url}/health").json()
+    assert health["model_loaded"] is True and {"tiny", "echo"} <= set(health["models"])  # the session's workers
+    assert not set(strict_gateway.models) & set(health["models"])
 
 
 def test_an_api_key_a_client_put_in_the_url_is_not_logged(strict_gateway):

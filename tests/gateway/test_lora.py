@@ -173,12 +173,21 @@ def test_routes_send_an_adapter_to_the_queue_most_of_its_workers_serve_it_on_and
         worker_info("w3", "q2", "qwen", "sql,qwen-big"),
         worker_info("w4", "q3", "qwen-big", ""),
     ]
-    table = RouteTable.build(workers, {"pinned": "q9"})
+    table = RouteTable.build(workers, {"pinned": "q9"}, pinned_since=5.0)
     assert table.route("sql") == Route("q2", "sql")
     assert table.route("chat") == Route("q1", "chat")
     assert table.route("qwen-big") == Route("q3", None)  # a model's name is the model, not the adapter
     assert table.route("pinned") == Route("q9", None) and table.route("nope") is None
-    assert {c.id: c.parent for c in table.cards} == {"qwen": None, "qwen-big": None, "sql": "qwen", "chat": "qwen"}
+    listed = {c.id: (c.parent, c.created) for c in table.cards}
+    # A pinned name is listed while its queue has no worker (requests to it wait there), not as live.
+    assert listed == {
+        "qwen": (None, 1),
+        "qwen-big": (None, 1),
+        "sql": ("qwen", 1),
+        "chat": ("qwen", 1),
+        "pinned": (None, 5),
+    }
+    assert table.live == {"qwen", "qwen-big", "sql", "chat"}
 
 
 def test_the_cli_submits_on_an_adapter_and_refuses_an_unknown_one(redis_server, gateway_workers):
