@@ -23,11 +23,14 @@ the connection's close lingers (close_lingering), so that the client reads the a
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
-from uvicorn._types import ASGISendEvent
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from openai_format.errors import APIError
+
+if TYPE_CHECKING:  # uvicorn's private module, for the annotation alone
+    from uvicorn._types import ASGISendEvent
 
 # Far above any client's head (the SDKs send about 1 KiB); nginx's largest is 32 KiB by default.
 MAX_HEAD_BYTES = 64 << 10
