@@ -96,6 +96,7 @@ WORKER_FLAGS = (
     "--checkpoint-interval-s",
     "0.05",
 )
+STEAL_DELAY_MS = 600_000  # far past the test's run: no steals (row_worker)
 
 
 @dataclass(frozen=True)
@@ -265,6 +266,10 @@ def row_worker(redis_url: str, row: Row, role: str, checkpoint: Path, log_dir: P
         row.kv_cache_dtype,
         "--placement" if row.placement else "--no-placement",
         model=str(checkpoint),
+        # Each job runs where it is placed: a survivor of two ranks on a loaded machine can leave a
+        # placed entry unread past the default second, and a steal by the victim would move it
+        # (stealing has its own tests in tests/queue/test_placement.py).
+        env={"MILI_STEAL_DELAY_MS": str(STEAL_DELAY_MS)},
     )
 
 
