@@ -229,6 +229,19 @@ def test_an_open_gateway_grants_no_cors_and_its_board_actions_need_their_header(
         gateway.stop()
 
 
+def read_to_the_end(sock: socket.socket) -> bytes:
+    """What the gateway sends until it ends the connection. A piece sent in the instant it answered
+    and closed reaches a closed socket, whose kernel resets the connection (seen in CI at load): it
+    is closed all the same, and what arrived before the reset has been read."""
+    answer = b""
+    try:
+        while more := sock.recv(65536):
+            answer += more
+    except ConnectionResetError:
+        pass
+    return answer
+
+
 def request_in_pieces(port: int, pieces: list[bytes], every_s: float, announced: int | None = None) -> dict:
     """A JSON POST whose Content-Length says `announced` bytes (those of `pieces` if None), its
     body sent a piece every `every_s` until the gateway answers; then read to the connection's end
@@ -249,15 +262,7 @@ def request_in_pieces(port: int, pieces: list[bytes], every_s: float, announced:
         sent += len(piece)
     select.select([sock], [], [], 30)
     answered_s = time.monotonic() - started
-    answer = b""
-    try:
-        while more := sock.recv(65536):
-            answer += more
-    except ConnectionResetError:
-        # A piece sent in the instant the gateway answered and closed reaches a closed socket, whose
-        # kernel resets the connection (seen in CI at load): it is closed all the same, and what
-        # arrived before the reset has been read.
-        pass
+    answer = read_to_the_end(sock)
     closed_s = time.monotonic() - started
     assert answer, "the connection ended with no answer"
     sock.close()
@@ -357,7 +362,7 @@ def answered_while_sending(port: int, head: str, chunked: bool) -> dict:
                 ended_at = time.monotonic()
                 break
     except (ConnectionResetError, BrokenPipeError):
-        ended_at = time.monotonic()  # a piece sent as the gateway's linger ended: see request_in_pieces
+        ended_at = time.monotonic()  # a piece sent as the gateway's linger ended: see read_to_the_end
     sock.close()
     assert answered_at is not None, f"the connection ended with no answer: {answer!r}"
     head_part, _, body = answer.partition(b"\r\n\r\n")
@@ -428,12 +433,7 @@ def chunked_in_pieces(port: int, pieces: list[bytes], every_s: float) -> dict:
         sock.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
     select.select([sock], [], [], 30)
     answered_s = time.monotonic() - started
-    answer = b""
-    try:
-        while more := sock.recv(65536):
-            answer += more
-    except ConnectionResetError:
-        pass  # as in request_in_pieces
+    answer = read_to_the_end(sock)
     closed_s = time.monotonic() - started
     sock.close()
     head_part, _, body = answer.partition(b"\r\n\r\n")
@@ -462,12 +462,7 @@ def head_in_pieces(port: int, pieces: list[bytes], every_s: float) -> dict:
             break
         sock.sendall(piece)
     select.select([sock], [], [], 30)
-    answer = b""
-    try:
-        while more := sock.recv(65536):
-            answer += more
-    except ConnectionResetError:
-        pass  # a piece sent as the gateway closed: see request_in_pieces
+    answer = read_to_the_end(sock)
     closed_s = time.monotonic() - started
     sock.close()
     head_part, _, body = answer.partition(b"\r\n\r\n")
