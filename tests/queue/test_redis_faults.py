@@ -89,6 +89,12 @@ def admin(restartable_redis, redis_client_of):
     return redis_client_of(restartable_redis)
 
 
+def holding(url: str, queue: str, **settings):
+    """An echo worker of 10 ms steps whose jobs are held (HoldingEchoEngine) until the test releases
+    them: on a loaded machine a paced job alone could end before the fault it meets."""
+    return serving(url, queue, step_s=0.01, engine_class=HoldingEchoEngine, **settings)
+
+
 def running_job(client, prompt: str) -> str:
     job_id = client.submit(prompt, max_tokens=len(prompt))
     next(iter(client.stream(job_id, timeout=10)))
@@ -115,7 +121,7 @@ def test_memory_full_pauses_publication_and_loses_nothing(restartable_redis, adm
         make_client("sync", restartable_redis.url, queue) as client,
         # Held until memory is full, then released: the tokens it makes from then on meet the
         # refusal, however long a loaded machine took to get here.
-        serving(restartable_redis.url, queue, step_s=0.01, engine_class=HoldingEchoEngine) as worker,
+        holding(restartable_redis.url, queue) as worker,
     ):
         job_id = running_job(client, prompt)
         assert_running(admin, client, job_id, prompt)
@@ -139,7 +145,7 @@ def test_a_read_only_window_is_ridden_out(restartable_redis, admin, queue):
     with (
         make_client("sync", restartable_redis.url, queue) as client,
         # Held until the server is read-only, then released: its tokens meet the refusal.
-        serving(restartable_redis.url, queue, step_s=0.01, engine_class=HoldingEchoEngine) as worker,
+        holding(restartable_redis.url, queue) as worker,
     ):
         job_id = running_job(client, prompt)
         assert_running(admin, client, job_id, prompt)
@@ -160,14 +166,7 @@ def test_a_read_only_window_longer_than_claim_idle_costs_no_worker_its_jobs(rest
     with (
         make_client("sync", restartable_redis.url, queue) as client,
         # The holder holds the job through the window: it is still running when b gets through.
-        serving(
-            restartable_redis.url,
-            queue,
-            step_s=0.01,
-            engine_class=HoldingEchoEngine,
-            name=f"a-{queue}",
-            **fast,
-        ) as holder,
+        holding(restartable_redis.url, queue, name=f"a-{queue}", **fast) as holder,
     ):
         job_id = running_job(client, prompt)
         with serving(restartable_redis.url, queue, name=f"b-{queue}", **fast):
@@ -189,14 +188,7 @@ def test_a_worker_that_slept_through_a_redis_restart_takes_no_live_workers_job(r
         make_client("sync", restartable_redis.url, queue) as client,
         # The holder holds the job until the sleeper is awake: it is still running when the
         # sleeper could take it.
-        serving(
-            restartable_redis.url,
-            queue,
-            step_s=0.01,
-            engine_class=HoldingEchoEngine,
-            name=f"a-{queue}",
-            **fast,
-        ) as holder,
+        holding(restartable_redis.url, queue, name=f"a-{queue}", **fast) as holder,
     ):
         job_id = running_job(client, prompt)
         with serving(restartable_redis.url, queue, name=f"b-{queue}", worker_class=GatedWorker, **fast) as sleeper:
@@ -266,7 +258,7 @@ def test_jobs_held_when_redis_loses_the_group_run_on_to_their_results(restartabl
         make_client("sync", restartable_redis.url, queue) as client,
         # The jobs are held until Redis has lost them: paced alone, one could end before the loss
         # on a loaded machine, and its result went with it (JobNotFound).
-        serving(restartable_redis.url, queue, step_s=0.01, engine_class=HoldingEchoEngine) as worker,
+        holding(restartable_redis.url, queue) as worker,
     ):
         ids = [running_job(client, p) for p in prompts]
         # Producers already waiting for the results, as they would be.
@@ -318,7 +310,7 @@ def test_a_lost_group_a_read_finds_while_a_round_is_out_is_mended_and_its_jobs_a
     every_iteration = dict(stream_interval_s=0.001, checkpoint_interval_s=0.001)
     with (
         make_client("sync", restartable_redis.url, queue) as client,
-        serving(restartable_redis.url, queue, step_s=0.01, engine_class=HoldingEchoEngine, **every_iteration) as worker,
+        holding(restartable_redis.url, queue, **every_iteration) as worker,
     ):
         job_id = running_job(client, prompt)
         flush_after_a_round(worker, admin)
@@ -333,14 +325,7 @@ def test_a_drain_gives_detached_jobs_back_to_the_queue(restartable_redis, admin,
     # loaded machine let it end before the drain that gives it back (seen in CI at load 8).
     prompt = alphabet(300)
     with make_client("sync", restartable_redis.url, queue) as client:
-        with serving(
-            restartable_redis.url,
-            queue,
-            step_s=0.01,
-            engine_class=HoldingEchoEngine,
-            drain_grace_s=0.1,
-            name=f"a-{queue}",
-        ) as leaving:
+        with holding(restartable_redis.url, queue, drain_grace_s=0.1, name=f"a-{queue}") as leaving:
             job_id = running_job(client, prompt)
             admin.flushall()
             assert eventually(lambda: admin.hget(KEYS.job(job_id), "worker") == leaving.name)  # adopted
@@ -360,7 +345,7 @@ def test_scripts_flushed_and_connections_killed_mid_run_lose_nothing(restartable
         make_client("sync", restartable_redis.url, queue) as client,
         # Held until the first flush, then released: the jobs make their last 100 tokens (1 s at
         # least) while the flushes and kills go on, however long a loaded machine took to get here.
-        serving(restartable_redis.url, queue, step_s=0.01, engine_class=HoldingEchoEngine) as worker,
+        holding(restartable_redis.url, queue) as worker,
     ):
         ids = [running_job(client, p) for p in prompts]
         for job_id, prompt in zip(ids, prompts):
