@@ -170,19 +170,18 @@ class Placement:
     def streams_for(self, keys: Keys, queue: str, prefixes: list[bytes]) -> Steps[list[str | None]]:
         """The worker stream key of each job (by its prefix_key), or None for the shared stream;
         reads the view first when it is stale."""
-        if not self.enabled:
-            self.placed[Placed.SHARED] += len(prefixes)
+        if self.shared_now(queue, len(prefixes)):
             return [None] * len(prefixes)
-        view = yield from self._view(keys, queue)
-        if len(view.candidates) < 2:  # nothing to choose from, for the whole batch
+        view = yield from self._view(keys, queue)  # placement is on: a stale view, or one to choose from
+        if len(view.candidates) < 2:  # read again, nothing to choose from, for the whole batch
             self.placed[Placed.SHARED] += len(prefixes)
             return [None] * len(prefixes)
         return [self._place(view, prefix, keys, queue) for prefix in prefixes]
 
     def shared_now(self, queue: str, jobs: int) -> bool:
         """Whether `jobs` jobs go to the shared stream, counted so, with no view to read: placement
-        off, or a fresh view with fewer than two workers. streams_for's answer then, without its two
-        generators: what a submit to a queue of one worker or none pays (bench/RESULTS.md, y/submit3)."""
+        off, or a fresh view with fewer than two workers. streams_for's first question; asked alone,
+        without its generators, by a submit to a queue of one worker or none (bench/RESULTS.md, y/submit3)."""
         if self.enabled:
             view = self._fresh_view(queue)
             if view is None or len(view.candidates) >= 2:
