@@ -986,11 +986,12 @@ Append = tuple[str, str, str, int, int]
 def append_round(keys: Keys, appends: Sequence[Append]) -> ScriptCall:
     """APPEND_ROUND of `appends`, which it answers in their order, as PUBLISH would (replies.parse_publish).
     On a cluster, the jobs of one hash slot only."""
-    return ScriptCall(
-        APPEND_ROUND,
-        tuple(chain.from_iterable([(keys.job(a[0]), keys.events(a[0])) for a in appends])),
-        tuple(chain.from_iterable([a[1:] for a in appends])),
-    )
+    job_keys: list[str] = []
+    args: list[str | int] = []
+    for job_id, run, tokens, before, after in appends:  # one pass: no tuple a job to slice and chain
+        job_keys += (keys.job(job_id), keys.events(job_id))
+        args += (run, tokens, before, after)
+    return ScriptCall(APPEND_ROUND, tuple(job_keys), tuple(args))
 
 
 def add_result_replicated(pipe: Any, keys: Keys, job_id: str, result_ttl_s: int, replication: Replication) -> None:

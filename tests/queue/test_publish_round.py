@@ -366,3 +366,11 @@ def test_a_rounds_wait_for_replicas_is_read_past_its_unlink_of_the_due_done_stre
         assert sum(client.exists(KEYS.done(j)) for j in ended) == 0
     finally:
         client.close()
+
+
+def test_an_append_rounds_call_names_each_jobs_keys_and_arguments_in_the_order_its_lua_reads_them():
+    """KEYS: job and events of each job; ARGV: run, tokens JSON, tokens before and after, of each."""
+    call = append_round(KEYS, [("a", "r1", tokens(1), 0, 1), ("b", "r2", tokens(2, 3), 5, 7)])
+    assert call.keys == (KEYS.job("a"), KEYS.events("a"), KEYS.job("b"), KEYS.events("b"))
+    assert call.args == ("r1", tokens(1), 0, 1, "r2", tokens(2, 3), 5, 7)
+    assert append_round(KEYS, []) == (APPEND_ROUND, (), ())

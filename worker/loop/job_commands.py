@@ -164,17 +164,18 @@ class JobCommands:
                 scripts.add_result_replicated(pipe, self.keys, u.job_id, self.result_ttl_s, self.replication)
 
         replies = execution.execute(self.redis, add, scripts.WORKER_SCRIPTS, raise_on_error=False)
-        by_update: dict[int, PublishReply | Exception] = {}
+        published: list[PublishReply | Exception] = [None] * len(updates)  # type: ignore[list-item]  # each set below
         for (appends, round_), reply in zip(rounds, replies[: len(rounds)]):
             per_job = _per_job("APPEND_ROUND", reply, len(round_)) if appends else _each_job(reply, len(round_))
             for i, job_reply in zip(round_, per_job):
-                by_update[i] = _parsed(parse_publish, job_reply)
-        published = [by_update[i] for i in range(len(updates))]
+                published[i] = _parsed(parse_publish, job_reply)
         looked = len(rounds) + len(watch)
         watched = [
             _parsed(functools.partial(parse_watch, run=run), r)
             for (_, run), r in zip(watch, replies[len(rounds) : looked])
         ]
+        if not finals:  # no WAIT was sent: every reply stands as it is
+            return published, watched
         # each WAIT's, after its EXPIRE
         confirmed = dict(zip((u.job_id for u in finals), replies[looked + len(unlinks) + 1 :: 2]))
         return [self._replicated(u, reply, confirmed.get(u.job_id)) for u, reply in zip(updates, published)], watched
