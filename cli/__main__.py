@@ -21,12 +21,14 @@ import signal
 import sys
 
 import redis
+import redis.exceptions
 
 from cli import batch_command, client_commands, operator_commands, quota_commands
 from producer_client.client import Client
 from producer_client.client_base import DEFAULT_URL
 from producer_client.connection import (
     PROBE_TIMEOUT_S,
+    RedisURL,
     Unreachable,
     describe,
     parse_url,
@@ -34,7 +36,7 @@ from producer_client.connection import (
     redact_url,
     server_of_url,
 )
-from producer_client.errors import CredentialsRefused, MiliError, RedisUnavailable
+from producer_client.errors import CredentialsRefused, MiliError, PermissionDenied, RedisRefused, RedisUnavailable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,14 +66,28 @@ def run(args: argparse.Namespace) -> int:
 
 def first_check(url: str, timeout_s: float) -> None:
     """One try of Redis within `timeout_s` (probe), before the command's calls, which retry for
-    seconds. Redis unreachable, or refusing the URL's credentials, is the typed error the client's
-    calls raise for it (RedisUnavailable, CredentialsRefused), so it reads as theirs does."""
+    seconds. Redis unreachable, refusing the URL's credentials or the user's PING is the typed
+    error the client's calls raise for it (RedisUnavailable, CredentialsRefused, PermissionDenied),
+    so it reads as theirs does; any other error reply (a cluster URL of one server, a database it
+    does not have) is RedisRefused, with Redis's reason."""
     try:
         probe(url, timeout_s)
     except Unreachable as e:
         raise RedisUnavailable(server_of_url(parse_url(url)), str(e)) from e
     except redis.AuthenticationError as e:
-        raise CredentialsRefused(server_of_url(parse_url(url)), str(e)) from e
+        raise CredentialsRefused(server_of_url(parse_url(url)), credentials_refusal(parse_url(url), e)) from e
+    except redis.exceptions.NoPermissionError as e:
+        raise PermissionDenied("a new connection's first commands (its set-up and a PING)", str(e)) from e
+    except redis.ResponseError as e:
+        raise RedisRefused(server_of_url(parse_url(url)), str(e)) from e
+
+
+def credentials_refusal(target: RedisURL, error: redis.AuthenticationError) -> str:
+    """Redis's reason, led by the cause where the URL gives no password: Redis's NOAUTH to a new
+    connection's HELLO speaks of HELLO's options, not of the password it wants."""
+    if "password" in target.options:
+        return str(error)
+    return f"it wants a password and the URL gives none ({error})"
 
 
 def one_line(text: str) -> str:

@@ -25,7 +25,14 @@ from typing import Any, TypeVar
 from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
 from producer_client.connection import is_other_type
-from producer_client.errors import BulkQueueFull, InvalidArgument, InvalidJob, JobNotFound, JobTimeout
+from producer_client.errors import (
+    BulkQueueFull,
+    IdempotencyConflict,
+    InvalidArgument,
+    InvalidJob,
+    JobNotFound,
+    JobTimeout,
+)
 from producer_client.keys import DONE_TTL_MS, NO_TENANT, Keys
 from producer_client.new_job import KnownParams, NewJob, build_job_of
 from producer_client.operations import cancel_call
@@ -242,16 +249,17 @@ def chunk_outcome(reply: object, shared: list[NewJob], tenant: str) -> Enqueued:
 def found_already(keys: Keys, idempotent: list[NewJob]) -> Steps[set[str]]:
     """The ids of the jobs that CREATE found in the queue already, or past it. A request_id of
     another request raises IdempotencyConflict, once the hashes this call created are gone again
-    (nothing of the chunk is enqueued)."""
+    (nothing of the chunk is enqueued); a clean-up that fails is logged, and the conflict raised."""
     if not idempotent:
         return set()
     replies = checked((yield add_all([job.create_call(keys) for job in idempotent])))
     conflict = next((job for job, reply in zip(idempotent, replies) if reply == -1), None)
     if conflict is not None:
+        error = IdempotencyConflict(conflict.job_id)
         created = [job for job, reply in zip(idempotent, replies) if reply == 1]
         if created:
-            yield forget_commands(created, keys)
-        conflict.created(-1)
+            yield from undoing(forget_commands(created, keys), error)
+        raise error
     return {job.job_id for job, reply in zip(idempotent, replies) if not job.created(reply)}
 
 

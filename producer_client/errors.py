@@ -291,6 +291,21 @@ class CredentialsRefused(MiliError, redis.AuthenticationError):
         self.detail = detail  # Redis's reason
 
 
+class RedisRefused(MiliError, redis.ResponseError):
+    """Redis refused a program at its start with an error no retry mends: `mili`'s first check met
+    one that is neither an ACL's nor a password's (a `redis+cluster://` URL of a server with cluster
+    mode off, a database the server does not have, a URL option it refuses), or a worker any fatal
+    one (connection.is_fatal). `where` as CredentialsRefused's; `detail` Redis's reason; `whom`
+    the program. A redis-py ResponseError too."""
+
+    code = "redis_refused"
+
+    def __init__(self, where: str, detail: str, whom: str = "this client"):
+        super().__init__(f"Redis at {where} refused {whom}: {detail}")
+        self.where = where
+        self.detail = detail
+
+
 class RedisUnavailable(MiliError, redis.ConnectionError):
     """Redis could not be reached, or dropped the connection, for all of the call's tries (about 4 s
     on one server, 20 s under Sentinel or on a cluster): refused, reset, a name that does not

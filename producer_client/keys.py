@@ -24,6 +24,11 @@ PROTOCOL_VERSION = 2  # v2: a job's end leaves its hash trimmed, a short-lived `
 # those whose read is in flight, and then goes (a one-entry stream costs about 4.4 KB, the hash
 # holds the result until result_ttl_s). A reader that comes later reads the hash.
 DONE_TTL_MS = 5000
+# How long a job cancelled while queued keeps its hash (and kept events) when no worker reads its
+# entry (a queue nobody serves, a backlog): a producer does not know the workers' result_ttl_s, and a
+# worker's claim of the entry sets it. Longer than any backlog a queue should hold (the Batch API's
+# window is 24 h), since a worker that reads the entry after the hash went would run the job.
+CANCELLED_TTL_S = 2 * 86400
 GROUP = "workers"  # the consumer group every worker of a queue reads through
 DEFAULT_PREFIX = "mili"
 

@@ -24,7 +24,7 @@ import redis
 
 from producer_client import logs
 from producer_client.connection import is_fatal, redact_url
-from producer_client.errors import InvalidArgument, MiliError
+from producer_client.errors import InvalidArgument, MiliError, RedisRefused
 from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.embedded_redis import EmbeddedRedis
 from worker.engine.interface import EngineAPI
@@ -114,7 +114,7 @@ def serve_forever(settings: WorkerSettings) -> int:
         except redis.RedisError as e:
             if not is_fatal(e):
                 raise
-            raise RedisRefused(f"Redis at {redact_url(url)} refused this worker: {type(e).__name__}: {e}") from None
+            raise RedisRefused(redact_url(url), f"{type(e).__name__}: {e}", "this worker") from None
     log.info("stopped")
     return 0
 
@@ -152,12 +152,6 @@ class MetricsPortTaken(MiliError):
     code = "metrics_port_taken"
 
 
-class RedisRefused(MiliError):
-    """Redis refused the worker's credentials or commands (AUTH, ACL): no retry mends that."""
-
-    code = "redis_refused"
-
-
 def serve_metrics(metrics: WorkerMetrics, settings: WorkerSettings) -> tuple[WSGIServer, int]:
     try:
         return metrics.serve(settings.metrics_host, settings.metrics_port)
@@ -181,7 +175,7 @@ def wait_for_redis(url: str, backoff_max_s: float):
             client.ping()
         except redis.RedisError as e:
             if is_fatal(e):
-                raise RedisRefused(f"Redis at {redact_url(url)} refused this worker: {type(e).__name__}: {e}") from None
+                raise RedisRefused(redact_url(url), f"{type(e).__name__}: {e}", "this worker") from None
             if not is_transient(e):
                 raise
             if link.up:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from producer_client.keys import DEFAULT_LANE, LANES, NO_TENANT, PROTOCOL_VERSION, Keys
+from producer_client.keys import CANCELLED_TTL_S, DEFAULT_LANE, LANES, NO_TENANT, PROTOCOL_VERSION, Keys
 from producer_client.protocol.lanes import LUA_ACTIVATE, LUA_LANES, LUA_UNREAD
 from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_keys
 
@@ -87,10 +87,11 @@ return created
 """,
 )
 
-# KEYS: job, events, done. ARGV: result JSON of a cancelled job. Returns the status before the
-# call, or nil if there is no such job. A queued job ends here and now (END_JOB; its hash gets the
-# result TTL when a worker claims its entry, since a producer does not know result_ttl_s); a running
-# one gets the flag its worker reads every step. A job stream of another type (a producer may
+# KEYS: job, events, done. ARGV: result JSON of a cancelled job, TTL seconds of a queued one's keys.
+# Returns the status before the call, or nil if there is no such job. A queued job ends here and
+# now (END_JOB), with the TTL (CANCELLED_TTL_S), so that its keys go even if no worker ever reads
+# its entry; a worker's claim of the entry gives them its result_ttl_s. A running one gets the
+# flag its worker reads every step. A job stream of another type (a producer may
 # write one) is a WRONGTYPE error before anything is written, as the worker's scripts check
 # (JOB_KEY_TYPES): Redis does not undo a script's writes before a failed command, and END_JOB
 # rewrote the hash before its XADD met the stream. A producer's ACL has no TYPE: an XLEN of each
@@ -108,7 +109,7 @@ if status == 'queued' then
     if type(length) == 'table' then return length end
   end
   local keep = streamed == '1' or resumed == '1'
-  end_job(KEYS[1], KEYS[2], KEYS[3], 'cancelled', ARGV[1], tokens, fingerprint, '1', keep, '')
+  end_job(KEYS[1], KEYS[2], KEYS[3], 'cancelled', ARGV[1], tokens, fingerprint, '1', keep, ARGV[2])
 elseif status == 'running' then
   redis.call('HSET', KEYS[1], 'cancel', '1')
 end
@@ -338,7 +339,7 @@ def create_many(keys: Keys, jobs: list[tuple[str, int]]) -> ScriptCall:
 
 
 def cancel(keys: Keys, job_id: str, cancelled_json: str) -> ScriptCall:
-    return ScriptCall(CANCEL, job_keys(keys, job_id), (cancelled_json,))
+    return ScriptCall(CANCEL, job_keys(keys, job_id), (cancelled_json, CANCELLED_TTL_S))
 
 
 def follow(keys: Keys, job_id: str) -> ScriptCall:

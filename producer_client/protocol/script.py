@@ -78,7 +78,8 @@ end
 #   FOLLOW; or more than one run published to it: its trail), gets the `end` event and the TTL;
 #   any other job's goes (no DEL where the caller knows it is not there: `no_events`), stream()
 #   reading the result instead.
-# `ttl`: '' for none (a producer's end: the worker's claim of the job's entry sets it).
+# `ttl`: seconds the hash and kept events stay (a worker's result_ttl_s; CANCELLED_TTL_S for a producer's end),
+# set by PEXPIRE: the producers' ACL grants it, not EXPIRE (docs/security.md).
 # `previous`: the id of the stream's last event, where the caller has just added it (ADD_EVENT).
 END_JOB = (
     ADD_EVENT
@@ -104,10 +105,8 @@ local function end_job(job, events, done, status, result, tokens, fingerprint, c
   elseif not no_events then
     redis.call('DEL', events)
   end
-  if ttl ~= '' then
-    redis.call('EXPIRE', job, ttl)
-    if keep then redis.call('EXPIRE', events, ttl) end
-  end
+  redis.call('PEXPIRE', job, ttl * 1000)
+  if keep then redis.call('PEXPIRE', events, ttl * 1000) end
 end
 """
 )

@@ -23,8 +23,9 @@ from harness.processes import REPO
 from producer_client import AsyncClient, Client, InvalidArgument, steps
 from producer_client.cluster import Cluster, NotACluster, known_keys
 from producer_client.connection import Mode, connect, connect_async, parse_url, redact_url
+from producer_client.errors import RedisRefused
 from producer_client.protocol import execution
-from worker.__main__ import RedisRefused, wait_for_redis
+from worker.__main__ import wait_for_redis
 from worker.embedded_redis import EmbeddedRedis, free_port
 
 # Its reconnection tests wait out retry back-offs and a failover (1.6 s of CPU over its 5.9 s run alone, at load 5):
@@ -249,8 +250,8 @@ async def test_a_cluster_url_naming_one_server_is_one_fatal_error_at_once_to_eve
     )
     assert done.returncode == 1
     assert done.stderr == (
-        f"error: redis at {url}: NotACluster: Cluster mode is not enabled on this node: for one server, use a "
-        "redis:// URL\n"
+        f"error: redis_refused: Redis at the cluster of {url.removeprefix('redis+cluster://')} refused this client: "
+        "Cluster mode is not enabled on this node: for one server, use a redis:// URL\n"
     )
 
 

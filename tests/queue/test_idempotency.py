@@ -7,8 +7,9 @@ from __future__ import annotations
 import uuid
 
 import pytest
+import redis
 
-from producer_client import IdempotencyConflict, InvalidArgument
+from producer_client import IdempotencyConflict, InvalidArgument, bulk
 from producer_client.keys import Keys
 
 KEYS = Keys()
@@ -76,3 +77,35 @@ def test_a_malformed_request_fingerprint_is_refused_with_or_without_a_request_id
         with pytest.raises(InvalidArgument, match="request_fingerprint: must be"):
             client.submit(prompt="x", max_tokens=2, request_id=request_id, request_fingerprint=fingerprint)
     assert redis_client.exists(KEYS.queue(queue)) == 0
+
+
+def refused_forget(jobs, keys):
+    """The clean-up's command, refused by Redis (as an ACL that grants no DEL would)."""
+    return lambda pipe: pipe.execute_command("DEL")
+
+
+def cut_forget(jobs, keys):
+    """The clean-up's round trip, failed (the connection lost past the retries)."""
+
+    def add(pipe):
+        raise redis.ConnectionError("injected: the clean-up's connection is lost")
+
+    return add
+
+
+@pytest.mark.parametrize("failing_forget", [refused_forget, cut_forget], ids=["refused", "cut"])
+def test_submit_many_raises_the_conflict_when_its_clean_up_fails_and_logs_the_clean_up(
+    client, redis_client, queue, monkeypatch, caplog, failing_forget
+):
+    """As a single submit's refusal (steps.undoing): the user must learn that its request_id is
+    another request's, whatever became of the hashes the call created before it found out."""
+    taken = f"r-{uuid.uuid4().hex}"
+    client.submit(prompt="first", request_id=taken)
+    monkeypatch.setattr(bulk, "forget_commands", failing_forget)
+    fresh = f"r-{uuid.uuid4().hex}"
+    with pytest.raises(IdempotencyConflict) as e:
+        client.submit_many([{"prompt": "new", "request_id": fresh}, {"prompt": "second", "request_id": taken}])
+    assert e.value.request_id == taken
+    (logged,) = [record.getMessage() for record in caplog.records if record.name == "producer_client.steps"]
+    assert logged.startswith("the clean-up after IdempotencyConflict failed too: ")
+    assert redis_client.xlen(KEYS.queue(queue)) == 1  # nothing of the chunk went in

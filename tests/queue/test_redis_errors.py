@@ -21,7 +21,7 @@ from producer_client import AsyncClient, Client, MiliError
 from producer_client.connection import is_fatal
 from producer_client.errors import CredentialsRefused, PermissionDenied, RedisTimedOut, RedisUnavailable
 from tests.support.acl import acl_server
-from worker.embedded_redis import free_port
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 SECRET = "hunter2-not-shown"
 
@@ -189,6 +189,61 @@ def test_mili_says_refused_credentials_at_its_first_check_in_the_typed_line_with
         f"error: redis_refused: Redis at {host_port} refused this client's credentials: invalid username-password "
         "pair or user is disabled. (fix the URL's user or password)\n"
     )
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """A redis-server that wants a password (requirepass), with a user that may not PING: its
+    address (host:port)."""
+    with EmbeddedRedis(port=free_port()) as server:
+        admin = redis.Redis.from_url(server.url)
+        admin.execute_command("ACL", "SETUSER", "no-ping", "on", f">{SECRET}", "+@all", "-ping", "~*", "&*")
+        admin.config_set("requirepass", SECRET)
+        admin.close()
+        yield server.url.removeprefix("redis://").removesuffix("/0")
+
+
+def test_mili_says_a_missing_or_wrong_password_at_its_first_check_in_the_typed_line(guarded):
+    """NOAUTH to a URL without a password names the cause, where Redis's reply speaks of HELLO."""
+    done = run_mili("--redis", f"redis://{guarded}/0", "stats")
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr.startswith(
+        f"error: redis_refused: Redis at {guarded} refused this client's credentials: it wants a password and the "
+        "URL gives none (HELLO must be called with the client already authenticated"
+    ), done.stderr
+    assert done.stderr.endswith(" (fix the URL's user or password)\n") and done.stderr.count("\n") == 1
+    done = run_mili("--redis", f"redis://:wrong-{SECRET}@{guarded}/0", "stats")
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        f"error: redis_refused: Redis at {guarded} refused this client's credentials: invalid username-password "
+        "pair or user is disabled. (fix the URL's user or password)\n"
+    )
+
+
+def test_mili_says_a_user_refused_its_first_check_in_the_typed_permission_line(guarded):
+    done = run_mili("--redis", f"redis://no-ping:{SECRET}@{guarded}/0", "stats")
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == (
+        "error: redis_refused: Redis refused a new connection's first commands (its set-up and a PING) to this "
+        "client's user (NOPERM this user has no permissions to run the 'ping' command): grant the user that right "
+        "(docs/security.md)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("redis+cluster://{}", "Cluster mode is not enabled on this node: for one server, use a redis:// URL"),
+        ("redis://{}/99", "DB index is out of range"),
+    ],
+    ids=["cluster URL of one server", "database out of range"],
+)
+def test_mili_says_any_other_refusal_at_its_first_check_in_the_typed_line(redis_server, url, reason):
+    host_port = redis_server.url.removeprefix("redis://").removesuffix("/0")
+    done = run_mili("--redis", url.format(host_port), "stats")
+    where = f"the cluster of {host_port}" if url.startswith("redis+cluster") else host_port
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == f"error: redis_refused: Redis at {where} refused this client: {reason}\n"
 
 
 def test_mili_says_an_unreachable_redis_at_its_first_check_in_the_typed_line_without_the_password():

@@ -16,7 +16,7 @@ import pytest
 from harness.echo_workers import SlowEchoEngine, outcome_count, serving
 from harness.polling import eventually
 from producer_client import JobExpired, JobFailed
-from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
+from producer_client.keys import CANCELLED_TTL_S, GROUP, PROTOCOL_VERSION, Keys
 from producer_client.protocol.execution import execute
 from producer_client.protocol.script import job_keys
 from producer_client.protocol.worker import CLAIM, PUBLISH, RELEASE, WORKER_SCRIPTS
@@ -363,3 +363,41 @@ def test_an_update_skips_the_cuts_redis_recorded_from_a_call_whose_reply_was_los
     assert update.skip_recorded(7)
     assert (update.tokens_before, update.token_ids, update.text, update.cut_sizes) == (7, [4, 5], ["de"], [2])
     assert update.publish_call(KEYS, 60).args[3:5] == (7, 9)  # tokens before, tokens after
+
+
+def job_key_ttls(redis_client, job_id: str) -> dict[str, int]:
+    """TTL of each of the job's keys (keys.py: hash, events, done): -2 where the key is gone."""
+    return {key: redis_client.ttl(key) for key in job_keys(KEYS, job_id)}
+
+
+def test_every_ended_jobs_keys_expire_however_it_ended(redis_server, redis_client, client, queue):
+    # A job ends five ways: cancelled queued (here with no worker reading its entry yet: a
+    # queue nobody serves, or one behind a backlog), cancelled running, failed at its claim (a key
+    # of another type), dead-lettered, past its deadline. None may leave a key that stays.
+    result_ttl_s = 300
+    dead_lettered = ghost_takes(redis_client, queue, "poison", published=2)  # first: the ghost reads the first entry
+    (entry,) = redis_client.xpending_range(KEYS.queue(queue), GROUP, "-", "+", 1)
+    redis_client.xclaim(KEYS.queue(queue), GROUP, "ghost", 0, [entry["message_id"]], retrycount=3)
+    cancelled_queued = client.submit("never read", max_tokens=4)
+    client.cancel(cancelled_queued)
+    ttls = job_key_ttls(redis_client, cancelled_queued)
+    assert all(ttl == -2 or 0 < ttl <= CANCELLED_TTL_S for ttl in ttls.values()), ttls
+    expired = client.submit("too late", max_tokens=4, timeout_s=0.2)
+    failed_at_claim = uuid.uuid4().hex
+    redis_client.set(KEYS.events(failed_at_claim), "not a stream")  # CLAIM refuses it: the job fails
+    redis_client.xadd(KEYS.queue(queue), {"id": failed_at_claim, "v": PROTOCOL_VERSION, "body": '{"prompt": "x"}'})
+    time.sleep(0.3)
+    with serving(redis_server.url, queue, step_s=0.05, max_deliveries=3, result_ttl_s=result_ttl_s, **FAST_RECLAIM):
+        cancelled_running = client.submit("a long one " * 10, max_tokens=100)
+        assert eventually(lambda: client.status(cancelled_running).status == "running")
+        client.cancel(cancelled_running)
+        ended = [cancelled_queued, cancelled_running, failed_at_claim, dead_lettered, expired]
+        for job_id in ended:
+            assert eventually(lambda job_id=job_id: redis_client.hexists(KEYS.job(job_id), "result"), timeout=10)
+        assert eventually(lambda: redis_client.xlen(KEYS.queue(queue)) == 0)
+    statuses = [client.status(job_id).status for job_id in ended]
+    assert statuses == ["cancelled", "cancelled", "failed", "failed", "expired"]
+    for job_id in ended:
+        ttls = job_key_ttls(redis_client, job_id)
+        assert all(ttl == -2 or 0 < ttl <= result_ttl_s for ttl in ttls.values()), (job_id, ttls)
+        assert 0 < ttls[KEYS.job(job_id)] <= result_ttl_s
