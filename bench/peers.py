@@ -12,7 +12,9 @@ redis-server (the same binary and config, TCP on 127.0.0.1) for each of its runs
 interleave the libraries (A B C D E, A B C D E, ...) and the table gives each figure's median over
 the rounds, with MILI's ratio to the best peer in each column. One run of one library:
 
-  1. submit, no worker running: wall and CPU time per submit, and the function calls of one;
+  1. submit, no worker running: wall and CPU time per submit, and the function calls of one; run
+     twice, the producer kept to one CPU and redis-server kept to the same CPU, then to another
+     (`submit_cpus` says why);
   2. latency at low load: one producer waiting for each result before the next; the added latency
      is its p50 (p99) less the p50 (p99) of the same job run in-process (the no-op);
   3. load: `--procs` processes x `--producers` producers for `--seconds`: jobs/s end to end; CPU
@@ -47,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.peer_queues.job import MAX_TOKENS_VARIABLE, POLL_VARIABLE, URL_VARIABLE
-from bench.peer_queues.processes import ProducerProcess, WorkerGroup
+from bench.peer_queues.processes import ProducerProcess, WorkerGroup, pinned
 from bench.peer_queues.redis_costs import RedisCosts, script_costs, slowlog_everything
 from bench.peer_queues.report import print_breakdown, print_commands, print_table, print_targets
 from producer_client.keys import DONE_TTL_MS
@@ -184,7 +186,7 @@ def measure(lib: Library, python: str, args: argparse.Namespace, full: bool = Tr
     with EmbeddedRedis(port=free_port()) as server, tempfile.TemporaryDirectory(prefix="mili-peers-") as logs:
         env = run_environment(server.url, lib, args)
         costs = RedisCosts(server)
-        figures = submit_figures(python, lib, env, args, costs) if full else {}
+        figures = submit_figures(python, lib, env, args, costs, server.process.pid) if full else {}
         with WorkerGroup(lib.workers(python, server.url), env, Path(logs)) as workers:
             if full:
                 figures |= latency_figures(python, lib, env, args)
@@ -198,9 +200,34 @@ def run_environment(url: str, lib: Library, args: argparse.Namespace) -> dict[st
     return env | {URL_VARIABLE: url, POLL_VARIABLE: str(args.poll_s)}
 
 
-def submit_figures(python: str, lib: Library, env: dict, args: argparse.Namespace, costs: RedisCosts) -> dict:
-    figures = ProducerProcess.one_run(python, lib.app_name, env, ["submit", "--jobs", str(args.submit_jobs)])
-    costs.redis.flushall()  # the workers start on an empty server
+# Where the scheduler puts redis-server decides what a submit's CPU reads, more than the code does:
+# on the producer's core, the server woken by the request runs before the producer reads the reply
+# (about one involuntary switch a submit), and the producer's caches stay warm; on another core, the
+# producer sleeps for each reply (one voluntary switch a submit) and its core goes idle: the same
+# code read about 70 and 120 us a submit (bench/RESULTS.md, "bench.peers' submit column"). Left to
+# the scheduler, a run got either or a mix, which moved by half from run to run and chunk to chunk;
+# each placement alone is steady. The submit run is made in each: its figures' keys begin with
+# SAME_CORE or APART.
+SAME_CORE, APART = "submit_", "apart_submit_"
+
+
+def submit_cpus() -> dict[str, tuple[set[int], set[int]]]:
+    """Figure prefix -> (the producer's CPUs, redis-server's) of each submit run this machine allows."""
+    cpus = sorted(os.sched_getaffinity(0))
+    producer, other = {cpus[0]}, {cpus[-1]}
+    return {SAME_CORE: (producer, producer)} | ({APART: (producer, other)} if other != producer else {})
+
+
+def submit_figures(
+    python: str, lib: Library, env: dict, args: argparse.Namespace, costs: RedisCosts, server_pid: int
+) -> dict:
+    figures = {}
+    for prefix, (producer, server) in submit_cpus().items():
+        with pinned(server_pid, server):
+            argv = ["submit", "--jobs", str(args.submit_jobs)]
+            run = ProducerProcess.one_run(python, lib.app_name, env, argv, producer)
+        figures |= {prefix + key.removeprefix(SAME_CORE): value for key, value in run.items()}
+        costs.redis.flushall()  # each run, and the workers after them, start on an empty server
     return figures
 
 
@@ -289,7 +316,7 @@ def timed(lib: Library, python: str, args: argparse.Namespace, label: str, full:
     """One run of `lib`, with a line of its figures."""
     start = time.monotonic()
     figures = measure(lib, python, args, full)
-    added = f"added p50 {figures['added_p50_ms']:6.2f} ms" if full else "load only"
+    added = f"added p50 {figures['added_p50_ms']:6.2f} ms, {submit_line(figures)}" if full else "load only"
     print(
         f"{label:11} {lib.name:9} {figures['jobs_per_s']:7,.0f} jobs/s, {added}, "
         f"CPU/job producers {figures['producer_cpu_us']:4.0f} workers {figures['worker_cpu_us']:4.0f} Redis "
@@ -298,6 +325,16 @@ def timed(lib: Library, python: str, args: argparse.Namespace, label: str, full:
         flush=True,
     )
     return figures
+
+
+def submit_line(figures: dict) -> str:
+    """A submit's CPU in each placement: over all the timed submits (the lowest-highest of its parts)."""
+    parts = [
+        f"{figures[prefix + 'cpu_us']:.0f} ({figures[prefix + 'cpu_low_us']:.0f}-{figures[prefix + 'cpu_high_us']:.0f})"
+        for prefix in (SAME_CORE, APART)
+        if prefix + "cpu_us" in figures
+    ]
+    return "submit CPU " + " / ".join(parts) + " us (Redis on its core / another)"
 
 
 def load_average() -> str:
