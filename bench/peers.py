@@ -205,9 +205,10 @@ def run_environment(url: str, lib: Library, args: argparse.Namespace) -> dict[st
 # (about one involuntary switch a submit), and the producer's caches stay warm; on another core, the
 # producer sleeps for each reply (one voluntary switch a submit) and its core goes idle: the same
 # code read about 70 and 120 us a submit (bench/RESULTS.md, "bench.peers' submit column"). Left to
-# the scheduler, a run got either or a mix, which moved by half from run to run and chunk to chunk;
-# each placement alone is steady. The submit run is made in each: its figures' keys begin with
-# SAME_CORE or APART.
+# the scheduler, a run got either or a mix, which moved by half from run to run and chunk to chunk.
+# The submit run is made in each, named (its figures' keys begin with SAME_CORE or APART): at a low
+# load each is steadier than the mix (1.27x against 1.71x over 5 runs), not at a high one, where the
+# other processes on the pinned CPU move it as much (CPU time is not a count: bench.instructions).
 SAME_CORE, APART = "submit_", "apart_submit_"
 
 
