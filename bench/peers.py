@@ -14,7 +14,8 @@ the rounds, with MILI's ratio to the best peer in each column. One run of one li
 
   1. submit, no worker running: wall and CPU time per submit, and the function calls of one; run
      twice, the producer kept to one CPU and redis-server kept to the same CPU, then to another
-     (`submit_cpus` says why);
+     (`submit_cpus` says why); then `--count-submits` more under callgrind, unpinned: the producer
+     process's instructions a submit (every thread's), a figure the machine's load does not move;
   2. latency at low load: one producer waiting for each result before the next; the added latency
      is its p50 (p99) less the p50 (p99) of the same job run in-process (the no-op);
   3. load: `--procs` processes x `--producers` producers for `--seconds`: jobs/s end to end; CPU
@@ -48,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.instructions import VALGRIND, control, last_dump
 from bench.peer_queues.job import MAX_TOKENS_VARIABLE, POLL_VARIABLE, URL_VARIABLE
 from bench.peer_queues.processes import ProducerProcess, WorkerGroup, pinned
 from bench.peer_queues.redis_costs import RedisCosts, script_costs, slowlog_everything
@@ -143,6 +145,9 @@ def parse_args() -> argparse.Namespace:
     # 2,000: a process's first few hundred submits run slower (caches, allocator), and 200 of them,
     # some 30 ms, swung MILI's figure by 20% from run to run (bench/RESULTS.md, the producer's cost).
     p.add_argument("--submit-jobs", type=int, default=2000, help="submits timed with no worker running")
+    p.add_argument(
+        "--count-submits", type=int, default=200, help="submits counted under callgrind, no worker running (0: none)"
+    )
     p.add_argument("--poll-s", type=float, default=0.001, help="arq's and taskiq's polling intervals")
     p.add_argument(
         "--only", nargs="+", default=[lib.name for lib in LIBRARIES], choices=[lib.name for lib in LIBRARIES]
@@ -229,7 +234,25 @@ def submit_figures(
             run = ProducerProcess.one_run(python, lib.app_name, env, argv, producer)
         figures |= {prefix + key.removeprefix(SAME_CORE): value for key, value in run.items()}
         costs.redis.flushall()  # each run, and the workers after them, start on an empty server
+    if args.count_submits:
+        figures["submit_instructions"] = submit_instructions(python, lib, env, args.count_submits)
+        costs.redis.flushall()
     return figures
+
+
+def submit_instructions(python: str, lib: Library, env: dict, jobs: int) -> float:
+    """The producer process's instructions a submit (every thread's), counted by callgrind from the
+    go to its last submit's end, after its warm-up (as bench.instructions counts MILI's)."""
+    with tempfile.TemporaryDirectory(prefix="mili-peers-callgrind-") as out:
+        under = (*VALGRIND, "-q", f"--callgrind-out-file={out}/producer.%p.out")
+        producer = ProducerProcess(python, lib.app_name, env, ["count", "--jobs", str(jobs)], under=under)
+        producer.expect()  # warmed up
+        control("-z", producer.process.pid)
+        producer.send()
+        submits = producer.expect()["submits"]
+        control("-d", producer.process.pid)
+        producer.finish()
+        return last_dump(out, producer.process.pid) / submits
 
 
 def latency_figures(python: str, lib: Library, env: dict, args: argparse.Namespace) -> dict:
@@ -335,7 +358,8 @@ def submit_line(figures: dict) -> str:
         for prefix in (SAME_CORE, APART)
         if prefix + "cpu_us" in figures
     ]
-    return "submit CPU " + " / ".join(parts) + " us (Redis on its core / another)"
+    counted = f", {figures['submit_instructions']:,.0f} instructions" if "submit_instructions" in figures else ""
+    return "submit CPU " + " / ".join(parts) + f" us (Redis on its core / another){counted}"
 
 
 def load_average() -> str:

@@ -25,11 +25,20 @@ class ProducerFailed(RuntimeError):
 class ProducerProcess:
     """`python -m bench.peer_queues.producer APP ...` in the library's environment."""
 
-    def __init__(self, python: str, app: str, env: dict[str, str], argv: list[str], cpus: set[int] | None = None):
-        """`cpus`: the CPUs the producer (every thread it starts) may run on; None: any."""
+    def __init__(
+        self,
+        python: str,
+        app: str,
+        env: dict[str, str],
+        argv: list[str],
+        cpus: set[int] | None = None,
+        under: tuple[str, ...] = (),
+    ):
+        """`cpus`: the CPUs the producer (every thread it starts) may run on; None: any. `under`:
+        the command it runs under (valgrind's)."""
         self.app = app
         self.process = subprocess.Popen(
-            [python, "-m", "bench.peer_queues.producer", app, *argv],
+            [*under, python, "-m", "bench.peer_queues.producer", app, *argv],
             cwd=ROOT,
             env=env,
             stdin=subprocess.PIPE,

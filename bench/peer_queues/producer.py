@@ -10,6 +10,9 @@ line after that (so that Redis's memory is read with the same clients connected 
           switches per submit (voluntary: it slept for the reply; involuntary: redis-server, woken
           on its core, ran first); then the function calls of one submit (cProfile: all calls,
           and calls of Python functions alone), the median of PROFILED submits.
+  count:  `--jobs` submits one after another, with no worker running, and nothing else: for a
+          count of the process's instructions (bench/peers.py zeroes callgrind's at the go and
+          dumps them at its {"submits": N} line).
   load:   `--producers` producers (threads, or asyncio tasks for an async library: each library
           as it is documented), each submitting a job and reading its result before the next, for
           `--seconds` or `--jobs` each: by the app's `run` where the library documents one call for
@@ -51,7 +54,7 @@ def main() -> None:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("app", help="a module bench.peer_queues.<app>_app")
-    p.add_argument("mode", choices=("submit", "load"))
+    p.add_argument("mode", choices=("submit", "count", "load"))
     p.add_argument("--producers", type=int, default=1)
     p.add_argument("--jobs", type=int, help="submits (submit), or jobs per producer (load)")
     p.add_argument("--seconds", type=float, help="how long each producer runs (load)")
@@ -87,6 +90,10 @@ def run_sync(app, args: argparse.Namespace) -> None:
         next_line()
         if args.mode == "submit":
             say(submit_figures(lambda: producers[0].submit(next(feeds[0])), args.jobs))
+        elif args.mode == "count":
+            for prompt in itertools.islice(feeds[0], args.jobs):
+                producers[0].submit(prompt)
+            say({"submits": args.jobs})
         else:
             say(load_sync(producers, feeds, args) | direct_figures(app, args.direct))
         next_line()
@@ -231,6 +238,10 @@ async def run_async(app, args: argparse.Namespace) -> None:
         await asyncio.to_thread(next_line)
         if args.mode == "submit":
             say(await submit_figures_async(producer, feeds[0], args.jobs))
+        elif args.mode == "count":
+            for prompt in itertools.islice(feeds[0], args.jobs):
+                await producer.submit(prompt)
+            say({"submits": args.jobs})
         else:
             say(await load_async(producer, feeds, args) | direct_figures(app, args.direct))
         await asyncio.to_thread(next_line)

@@ -29,6 +29,7 @@ COLUMNS = (
     Column("submit_wall_us", "submit wall us", 0),
     Column("submit_cpu_us", "submit CPU us, Redis on its core", 0),
     Column("apart_submit_cpu_us", "submit CPU us, Redis on another core", 0),
+    Column("submit_instructions", "submit instructions", 0),
     Column("submit_calls", "calls/submit", 0),
     Column("submit_python_calls", "Python calls/submit", 0),
 )

@@ -1,7 +1,9 @@
 """bench/peers.py's accounting: Redis time charged to the command or script that spent it, per
 job, and the verdicts of its target rows."""
 
+import argparse
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +13,7 @@ from bench import peers
 from bench.peer_queues import report
 from bench.peer_queues.job import URL_VARIABLE
 from bench.peer_queues.processes import ProducerProcess, pinned
-from bench.peer_queues.producer import Chunk, chunk_sizes, submit_summary
+from bench.peer_queues.producer import WARMUP_JOBS, Chunk, chunk_sizes, submit_summary
 from bench.peer_queues.redis_costs import RedisCosts, script_costs, slowlog_everything
 
 SCRIPT = "redis.call('SET', KEYS[1], ARGV[1]); redis.call('TYPE', KEYS[1]); redis.call('TYPE', KEYS[1]); return 1"
@@ -125,3 +127,28 @@ def test_a_submit_run_reports_its_parts_and_switches_from_a_pinned_producer(redi
     assert figures["submit_cpu_low_us"] <= figures["submit_cpu_us"] <= figures["submit_cpu_high_us"]
     assert figures["submit_slept"] >= 0 and figures["submit_preempted"] >= 0
     assert figures["submit_python_calls"] > 0
+
+
+def test_a_count_run_submits_its_jobs_between_the_go_and_its_line(redis_server, redis_client):
+    """The producer's count mode: nothing but the submits between the go (callgrind zeroed) and its
+    {"submits": N} line (callgrind dumped), every one enqueued."""
+    from producer_client.keys import Keys
+
+    redis_client.delete(Keys().queue("bench"))
+    env = dict(os.environ, PYTHONPATH=str(peers.ROOT), **{URL_VARIABLE: redis_server.url})
+    producer = ProducerProcess(sys.executable, "mili", env, ["count", "--jobs", "7"])
+    assert producer.expect() == {"ready": True}
+    assert redis_client.xlen(Keys().queue("bench")) == WARMUP_JOBS
+    producer.send()
+    assert producer.expect() == {"submits": 7}
+    assert redis_client.xlen(Keys().queue("bench")) == WARMUP_JOBS + 7
+    producer.finish()
+    assert producer.process.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="callgrind counts the instructions")
+def test_a_submits_instructions_are_counted_under_callgrind(redis_server):
+    mili = peers.LIBRARIES[0]
+    env = peers.run_environment(redis_server.url, mili, argparse.Namespace(poll_s=0.001))
+    assert 50_000 < peers.submit_instructions(sys.executable, mili, env, 5) < 5_000_000
