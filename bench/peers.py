@@ -12,7 +12,10 @@ redis-server (the same binary and config, TCP on 127.0.0.1) for each of its runs
 interleave the libraries (A B C D E, A B C D E, ...) and the table gives each figure's median over
 the rounds, with MILI's ratio to the best peer in each column. One run of one library:
 
-  1. submit, no worker running: wall and CPU time per submit, and the function calls of one;
+  1. submit, no worker running: wall and CPU time per submit, and the function calls of one; run
+     twice, the producer kept to one CPU and redis-server kept to the same CPU, then to another
+     (`submit_cpus` says why); then `--count-submits` more under callgrind, unpinned: the producer
+     process's instructions a submit (every thread's), a figure the machine's load does not move;
   2. latency at low load: one producer waiting for each result before the next; the added latency
      is its p50 (p99) less the p50 (p99) of the same job run in-process (the no-op);
   3. load: `--procs` processes x `--producers` producers for `--seconds`: jobs/s end to end; CPU
@@ -46,8 +49,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.instructions import VALGRIND, control, last_dump
 from bench.peer_queues.job import MAX_TOKENS_VARIABLE, POLL_VARIABLE, URL_VARIABLE
-from bench.peer_queues.processes import ProducerProcess, WorkerGroup
+from bench.peer_queues.processes import ProducerProcess, WorkerGroup, pinned
 from bench.peer_queues.redis_costs import RedisCosts, script_costs, slowlog_everything
 from bench.peer_queues.report import print_breakdown, print_commands, print_table, print_targets
 from producer_client.keys import DONE_TTL_MS
@@ -141,6 +145,9 @@ def parse_args() -> argparse.Namespace:
     # 2,000: a process's first few hundred submits run slower (caches, allocator), and 200 of them,
     # some 30 ms, swung MILI's figure by 20% from run to run (bench/RESULTS.md, the producer's cost).
     p.add_argument("--submit-jobs", type=int, default=2000, help="submits timed with no worker running")
+    p.add_argument(
+        "--count-submits", type=int, default=200, help="submits counted under callgrind, no worker running (0: none)"
+    )
     p.add_argument("--poll-s", type=float, default=0.001, help="arq's and taskiq's polling intervals")
     p.add_argument(
         "--only", nargs="+", default=[lib.name for lib in LIBRARIES], choices=[lib.name for lib in LIBRARIES]
@@ -184,7 +191,7 @@ def measure(lib: Library, python: str, args: argparse.Namespace, full: bool = Tr
     with EmbeddedRedis(port=free_port()) as server, tempfile.TemporaryDirectory(prefix="mili-peers-") as logs:
         env = run_environment(server.url, lib, args)
         costs = RedisCosts(server)
-        figures = submit_figures(python, lib, env, args, costs) if full else {}
+        figures = submit_figures(python, lib, env, args, costs, server.process.pid) if full else {}
         with WorkerGroup(lib.workers(python, server.url), env, Path(logs)) as workers:
             if full:
                 figures |= latency_figures(python, lib, env, args)
@@ -198,10 +205,54 @@ def run_environment(url: str, lib: Library, args: argparse.Namespace) -> dict[st
     return env | {URL_VARIABLE: url, POLL_VARIABLE: str(args.poll_s)}
 
 
-def submit_figures(python: str, lib: Library, env: dict, args: argparse.Namespace, costs: RedisCosts) -> dict:
-    figures = ProducerProcess.one_run(python, lib.app_name, env, ["submit", "--jobs", str(args.submit_jobs)])
-    costs.redis.flushall()  # the workers start on an empty server
+# Where the scheduler puts redis-server decides what a submit's CPU reads, more than the code does:
+# on the producer's core, the server woken by the request runs before the producer reads the reply
+# (about one involuntary switch a submit), and the producer's caches stay warm; on another core, the
+# producer sleeps for each reply (one voluntary switch a submit) and its core goes idle: the same
+# code read about 70 and 120 us a submit (bench/RESULTS.md, "bench.peers' submit column"). Left to
+# the scheduler, a run got either or a mix, which moved by half from run to run and chunk to chunk.
+# The submit run is made in each, named (its figures' keys begin with SAME_CORE or APART): at a low
+# load each is steadier than the mix (1.27x against 1.71x over 5 runs), not at a high one, where the
+# other processes on the pinned CPU move it as much (CPU time is not a count: bench.instructions).
+SAME_CORE, APART = "submit_", "apart_submit_"
+
+
+def submit_cpus() -> dict[str, tuple[set[int], set[int]]]:
+    """Figure prefix -> (the producer's CPUs, redis-server's) of each submit run this machine allows."""
+    cpus = sorted(os.sched_getaffinity(0))
+    producer, other = {cpus[0]}, {cpus[-1]}
+    return {SAME_CORE: (producer, producer)} | ({APART: (producer, other)} if other != producer else {})
+
+
+def submit_figures(
+    python: str, lib: Library, env: dict, args: argparse.Namespace, costs: RedisCosts, server_pid: int
+) -> dict:
+    figures = {}
+    for prefix, (producer, server) in submit_cpus().items():
+        with pinned(server_pid, server):
+            argv = ["submit", "--jobs", str(args.submit_jobs)]
+            run = ProducerProcess.one_run(python, lib.app_name, env, argv, producer)
+        figures |= {prefix + key.removeprefix(SAME_CORE): value for key, value in run.items()}
+        costs.redis.flushall()  # each run, and the workers after them, start on an empty server
+    if args.count_submits:
+        figures["submit_instructions"] = submit_instructions(python, lib, env, args.count_submits)
+        costs.redis.flushall()
     return figures
+
+
+def submit_instructions(python: str, lib: Library, env: dict, jobs: int) -> float:
+    """The producer process's instructions a submit (every thread's), counted by callgrind from the
+    go to its last submit's end, after its warm-up (as bench.instructions counts MILI's)."""
+    with tempfile.TemporaryDirectory(prefix="mili-peers-callgrind-") as out:
+        under = (*VALGRIND, "-q", f"--callgrind-out-file={out}/producer.%p.out")
+        producer = ProducerProcess(python, lib.app_name, env, ["count", "--jobs", str(jobs)], under=under)
+        producer.expect()  # warmed up
+        control("-z", producer.process.pid)
+        producer.send()
+        submits = producer.expect()["submits"]
+        control("-d", producer.process.pid)
+        producer.finish()
+        return last_dump(out, producer.process.pid) / submits
 
 
 def latency_figures(python: str, lib: Library, env: dict, args: argparse.Namespace) -> dict:
@@ -289,7 +340,7 @@ def timed(lib: Library, python: str, args: argparse.Namespace, label: str, full:
     """One run of `lib`, with a line of its figures."""
     start = time.monotonic()
     figures = measure(lib, python, args, full)
-    added = f"added p50 {figures['added_p50_ms']:6.2f} ms" if full else "load only"
+    added = f"added p50 {figures['added_p50_ms']:6.2f} ms, {submit_line(figures)}" if full else "load only"
     print(
         f"{label:11} {lib.name:9} {figures['jobs_per_s']:7,.0f} jobs/s, {added}, "
         f"CPU/job producers {figures['producer_cpu_us']:4.0f} workers {figures['worker_cpu_us']:4.0f} Redis "
@@ -298,6 +349,17 @@ def timed(lib: Library, python: str, args: argparse.Namespace, label: str, full:
         flush=True,
     )
     return figures
+
+
+def submit_line(figures: dict) -> str:
+    """A submit's CPU in each placement: over all the timed submits (the lowest-highest of its parts)."""
+    parts = [
+        f"{figures[prefix + 'cpu_us']:.0f} ({figures[prefix + 'cpu_low_us']:.0f}-{figures[prefix + 'cpu_high_us']:.0f})"
+        for prefix in (SAME_CORE, APART)
+        if prefix + "cpu_us" in figures
+    ]
+    counted = f", {figures['submit_instructions']:,.0f} instructions" if "submit_instructions" in figures else ""
+    return "submit CPU " + " / ".join(parts) + f" us (Redis on its core / another){counted}"
 
 
 def load_average() -> str:

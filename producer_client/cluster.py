@@ -205,8 +205,17 @@ AsyncRedis = redis.asyncio.Redis | AsyncCluster
 def is_cluster(client: object) -> TypeIs[Cluster | AsyncCluster]:
     """Whether `client` is a cluster's (producer_client.connection makes every one a Cluster or an
     AsyncCluster). By its class: redis-py's clients are Protocols, whose isinstance() runs the
-    typing module's Python checks (a microsecond at every round trip of every client and worker)."""
-    return issubclass(type(client), (Cluster, AsyncCluster))
+    typing module's Python checks (a microsecond at every round trip of every client and worker).
+    The answer is kept per class: the clusters' classes are ABCs, whose issubclass() runs
+    ABCMeta.__subclasscheck__, a Python call for each of the two, at every round trip."""
+    cls = type(client)
+    known = _CLUSTER_CLASSES.get(cls)
+    if known is None:
+        known = _CLUSTER_CLASSES[cls] = issubclass(cls, (Cluster, AsyncCluster))
+    return known
+
+
+_CLUSTER_CLASSES: dict[type, bool] = {}  # is_cluster's answers (a race only computes one twice)
 
 
 def master_count(client: SyncRedis) -> int:

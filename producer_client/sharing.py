@@ -43,6 +43,11 @@ def uses_queue_stream(jobs: list[NewJob], tenant: str) -> bool:
     return tenant == NO_TENANT and all(job.lane == DEFAULT_LANE for job in jobs)
 
 
+def goes_to_queue_stream(job: NewJob, tenant: str) -> bool:
+    """uses_queue_stream of one job, without its generator's calls (a submit's)."""
+    return tenant == NO_TENANT and job.lane == DEFAULT_LANE
+
+
 def refuse_queue_stream_of_another_type(reply: object, queue: str, jobs: list[NewJob], tenant: str) -> None:
     """Raises InvalidQueueStream where `reply`, the enqueue's of `jobs` to the queue's own stream
     (ENQUEUE, ENQUEUE_MANY: they touch that stream alone), is WRONGTYPE: a producer made it another
@@ -60,7 +65,7 @@ def enqueue_call(
     fields), to the queue's own stream, or to its lane's stream of `tenant`."""
     if stream is not None:
         return PlacedEntry(stream, job.job_id, job.body, placed_fields(job, tenant))
-    if uses_queue_stream([job], tenant):
+    if goes_to_queue_stream(job, tenant):
         return scripts.enqueue(keys.queue(queue), max_depth or 0, job.job_id, job.body)
     return scripts.enqueue_lanes(keys, queue, tenant, [lane_job(job)], max_depth or 0, limits)
 

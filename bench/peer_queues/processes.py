@@ -9,6 +9,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from bench.measure import cpu_seconds
@@ -23,21 +25,32 @@ class ProducerFailed(RuntimeError):
 class ProducerProcess:
     """`python -m bench.peer_queues.producer APP ...` in the library's environment."""
 
-    def __init__(self, python: str, app: str, env: dict[str, str], argv: list[str]):
+    def __init__(
+        self,
+        python: str,
+        app: str,
+        env: dict[str, str],
+        argv: list[str],
+        cpus: set[int] | None = None,
+        under: tuple[str, ...] = (),
+    ):
+        """`cpus`: the CPUs the producer (every thread it starts) may run on; None: any. `under`:
+        the command it runs under (valgrind's)."""
         self.app = app
         self.process = subprocess.Popen(
-            [python, "-m", "bench.peer_queues.producer", app, *argv],
+            [*under, python, "-m", "bench.peer_queues.producer", app, *argv],
             cwd=ROOT,
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
         )
 
     @classmethod
-    def one_run(cls, python: str, app: str, env: dict[str, str], argv: list[str]) -> dict:
+    def one_run(cls, python: str, app: str, env: dict[str, str], argv: list[str], cpus: set[int] | None = None) -> dict:
         """Start a producer, let it run as soon as it is ready, and return its figures."""
-        producer = cls(python, app, env, argv)
+        producer = cls(python, app, env, argv, cpus)
         producer.expect()
         producer.send()
         figures = producer.expect()
@@ -118,6 +131,20 @@ class WorkerGroup:
             except (FileNotFoundError, ProcessLookupError):
                 pass
         return total
+
+
+@contextmanager
+def pinned(pid: int, cpus: set[int]) -> Iterator[None]:
+    """Every thread of process `pid` kept to `cpus` for the block, then let run where it ran before."""
+    threads = [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
+    before = {tid: os.sched_getaffinity(tid) for tid in threads}
+    for tid in threads:
+        os.sched_setaffinity(tid, cpus)
+    try:
+        yield
+    finally:
+        for tid, allowed in before.items():
+            os.sched_setaffinity(tid, allowed)
 
 
 def child_table() -> dict[int, list[int]]:

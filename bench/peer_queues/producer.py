@@ -5,8 +5,14 @@ at the next line on stdin, prints its figures as one JSON line, and closes its c
 line after that (so that Redis's memory is read with the same clients connected before and after).
 
   submit: `--jobs` submits one after another, with no worker running: wall and CPU time per
-          submit, and the function calls of one submit (cProfile: all calls, and calls of Python
-          functions alone), the median of PROFILED submits.
+          submit (the process's: every thread's, its collections included), in CHUNKS parts whose
+          lowest and highest CPU per submit show how steady the figure was, and the context
+          switches per submit (voluntary: it slept for the reply; involuntary: redis-server, woken
+          on its core, ran first); then the function calls of one submit (cProfile: all calls,
+          and calls of Python functions alone), the median of PROFILED submits.
+  count:  `--jobs` submits one after another, with no worker running, and nothing else: for a
+          count of the process's instructions (bench/peers.py zeroes callgrind's at the go and
+          dumps them at its {"submits": N} line).
   load:   `--producers` producers (threads, or asyncio tasks for an async library: each library
           as it is documented), each submitting a job and reading its result before the next, for
           `--seconds` or `--jobs` each: by the app's `run` where the library documents one call for
@@ -23,14 +29,17 @@ import inspect
 import itertools
 import json
 import pstats
+import resource
 import statistics
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 WARMUP_JOBS = 5  # per producer: connections opened, scripts loaded, the workers' first jobs done
 PROFILED = 21
+CHUNKS = 10  # parts of the timed submits, each timed alone: the figure's spread within a run
 
 
 def main() -> None:
@@ -45,7 +54,7 @@ def main() -> None:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("app", help="a module bench.peer_queues.<app>_app")
-    p.add_argument("mode", choices=("submit", "load"))
+    p.add_argument("mode", choices=("submit", "count", "load"))
     p.add_argument("--producers", type=int, default=1)
     p.add_argument("--jobs", type=int, help="submits (submit), or jobs per producer (load)")
     p.add_argument("--seconds", type=float, help="how long each producer runs (load)")
@@ -81,6 +90,10 @@ def run_sync(app, args: argparse.Namespace) -> None:
         next_line()
         if args.mode == "submit":
             say(submit_figures(lambda: producers[0].submit(next(feeds[0])), args.jobs))
+        elif args.mode == "count":
+            for prompt in itertools.islice(feeds[0], args.jobs):
+                producers[0].submit(prompt)
+            say({"submits": args.jobs})
         else:
             say(load_sync(producers, feeds, args) | direct_figures(app, args.direct))
         next_line()
@@ -90,10 +103,7 @@ def run_sync(app, args: argparse.Namespace) -> None:
 
 
 def submit_figures(submit: Callable[[], object], jobs: int) -> dict:
-    cpu, wall = time.process_time(), time.perf_counter()
-    for _ in range(jobs):
-        submit()
-    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    chunks = [timed_chunk(submit, part) for part in chunk_sizes(jobs)]
     counts = []
     for _ in range(PROFILED):
         profile = cProfile.Profile()
@@ -101,7 +111,46 @@ def submit_figures(submit: Callable[[], object], jobs: int) -> dict:
         submit()
         profile.disable()
         counts.append(call_counts(profile))
-    return submit_summary(wall, cpu, jobs, counts)
+    return submit_summary(chunks, counts)
+
+
+def chunk_sizes(jobs: int) -> list[int]:
+    """`jobs` split into up to CHUNKS parts, as even as can be."""
+    parts = min(CHUNKS, jobs)
+    return [jobs // parts + (i < jobs % parts) for i in range(parts)]
+
+
+def timed_chunk(submit: Callable[[], object], jobs: int) -> Chunk:
+    clock = ChunkClock()
+    for _ in range(jobs):
+        submit()
+    return clock.chunk(jobs)
+
+
+class Chunk(NamedTuple):
+    """One part of the timed submits: its CPU and wall seconds, and the process's context switches."""
+
+    jobs: int
+    cpu_s: float
+    wall_s: float
+    slept: int  # voluntary switches: waits for a reply
+    preempted: int  # involuntary switches
+
+
+class ChunkClock:
+    """The process's CPU, wall time and context switches from its making to `chunk`."""
+
+    def __init__(self) -> None:
+        self.usage, self.cpu, self.wall = (
+            resource.getrusage(resource.RUSAGE_SELF),
+            time.process_time(),
+            time.perf_counter(),
+        )
+
+    def chunk(self, jobs: int) -> Chunk:
+        cpu, wall, usage = time.process_time(), time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        slept, preempted = usage.ru_nvcsw - self.usage.ru_nvcsw, usage.ru_nivcsw - self.usage.ru_nivcsw
+        return Chunk(jobs, cpu - self.cpu, wall - self.wall, slept, preempted)
 
 
 def call_counts(profile: cProfile.Profile) -> tuple[int, int]:
@@ -111,10 +160,18 @@ def call_counts(profile: cProfile.Profile) -> tuple[int, int]:
     return stats.total_calls, python
 
 
-def submit_summary(wall: float, cpu: float, jobs: int, counts: list[tuple[int, int]]) -> dict:
+def submit_summary(chunks: list[Chunk], counts: list[tuple[int, int]]) -> dict:
+    """Per submit over all the timed submits (every cost in any part counts), and the lowest and
+    highest CPU of a part."""
+    jobs = sum(c.jobs for c in chunks)
+    per_chunk = [c.cpu_s / c.jobs * 1e6 for c in chunks]
     return {
-        "submit_wall_us": wall / jobs * 1e6,
-        "submit_cpu_us": cpu / jobs * 1e6,
+        "submit_wall_us": sum(c.wall_s for c in chunks) / jobs * 1e6,
+        "submit_cpu_us": sum(c.cpu_s for c in chunks) / jobs * 1e6,
+        "submit_cpu_low_us": min(per_chunk),
+        "submit_cpu_high_us": max(per_chunk),
+        "submit_slept": sum(c.slept for c in chunks) / jobs,
+        "submit_preempted": sum(c.preempted for c in chunks) / jobs,
         "submit_calls": statistics.median(c[0] for c in counts),
         "submit_python_calls": statistics.median(c[1] for c in counts),
     }
@@ -181,6 +238,10 @@ async def run_async(app, args: argparse.Namespace) -> None:
         await asyncio.to_thread(next_line)
         if args.mode == "submit":
             say(await submit_figures_async(producer, feeds[0], args.jobs))
+        elif args.mode == "count":
+            for prompt in itertools.islice(feeds[0], args.jobs):
+                await producer.submit(prompt)
+            say({"submits": args.jobs})
         else:
             say(await load_async(producer, feeds, args) | direct_figures(app, args.direct))
         await asyncio.to_thread(next_line)
@@ -189,10 +250,12 @@ async def run_async(app, args: argparse.Namespace) -> None:
 
 
 async def submit_figures_async(producer, feed: Iterator[str], jobs: int) -> dict:
-    cpu, wall = time.process_time(), time.perf_counter()
-    for _ in range(jobs):
-        await producer.submit(next(feed))
-    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    chunks = []
+    for part in chunk_sizes(jobs):
+        clock = ChunkClock()
+        for _ in range(part):
+            await producer.submit(next(feed))
+        chunks.append(clock.chunk(part))
     counts = []
     for _ in range(PROFILED):
         profile = cProfile.Profile()
@@ -200,7 +263,7 @@ async def submit_figures_async(producer, feed: Iterator[str], jobs: int) -> dict
         await producer.submit(next(feed))
         profile.disable()
         counts.append(call_counts(profile))
-    return submit_summary(wall, cpu, jobs, counts)
+    return submit_summary(chunks, counts)
 
 
 async def load_async(producer, feeds: list[Iterator[str]], args: argparse.Namespace) -> dict:

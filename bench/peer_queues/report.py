@@ -27,7 +27,9 @@ COLUMNS = (
     Column("redis_cpu_us", "CPU/job Redis us", 0),
     Column("memory_per_job", "Redis B/job kept", 0),
     Column("submit_wall_us", "submit wall us", 0),
-    Column("submit_cpu_us", "submit CPU us", 0),
+    Column("submit_cpu_us", "submit CPU us, Redis on its core", 0),
+    Column("apart_submit_cpu_us", "submit CPU us, Redis on another core", 0),
+    Column("submit_instructions", "submit instructions", 0),
     Column("submit_calls", "calls/submit", 0),
     Column("submit_python_calls", "Python calls/submit", 0),
 )
@@ -38,7 +40,11 @@ def best_peers(table: dict[str, dict]) -> dict[str, str]:
     """Column key -> the peer with the best median in it."""
     peers = [name for name in PEER_NAMES if name in table]
     pick = {True: max, False: min}
-    return {c.key: pick[c.higher_is_better](peers, key=lambda n: table[n][c.key]) for c in COLUMNS} if peers else {}
+    return {
+        c.key: pick[c.higher_is_better](peers, key=lambda n: table[n][c.key])
+        for c in COLUMNS
+        if peers and all(c.key in table[n] for n in peers)  # a one-CPU machine runs no submit apart
+    }
 
 
 def print_table(table: dict[str, dict], rounds: int) -> None:
@@ -50,9 +56,13 @@ def print_table(table: dict[str, dict], rounds: int) -> None:
     best = best_peers(table)
     if not best or "mili" not in table:
         return
-    print("| best peer | " + " | ".join(f"{best[c.key]} {c.show(table[best[c.key]][c.key])}" for c in COLUMNS) + " |")
-    ratios = (table["mili"][c.key] / table[best[c.key]][c.key] for c in COLUMNS)
-    print("| **MILI / best peer** | " + " | ".join(f"**{r:.2f}x**" for r in ratios) + " |")
+    print(
+        "| best peer | "
+        + " | ".join(f"{best[c.key]} {c.show(table[best[c.key]][c.key])}" if c.key in best else "-" for c in COLUMNS)
+        + " |"
+    )
+    ratios = (f"**{table['mili'][c.key] / table[best[c.key]][c.key]:.2f}x**" if c.key in best else "-" for c in COLUMNS)
+    print("| **MILI / best peer** | " + " | ".join(ratios) + " |")
 
 
 def print_targets(table: dict[str, dict]) -> None:
@@ -72,11 +82,20 @@ def print_targets(table: dict[str, dict]) -> None:
     if "mili-16" in table:
         kept = table["mili-16"]["memory_per_job"]
         rows.append(("memory per finished job kept <= 1,024 B (16 tokens)", f"{kept:,.0f} B", kept <= 1024))
-    cpu = mili["submit_cpu_us"]
-    rows.append(("one submit <= 100 us CPU in the producer", f"{cpu:.0f} us", cpu <= 100))
+    rows.append(submit_row(mili))
     print("\n| target (issue 43) | MILI in this run | |\n|---|---|---|")
     for target, figure, met in rows:
         print(f"| {target} | {figure} | {'met' if met else 'missed'} |")
+
+
+def submit_row(mili: dict) -> tuple[str, str, bool]:
+    """Met where a submit is in budget with redis-server on the producer's core and, where the
+    machine has another, on that one (where the producer sleeps for each reply): a user gets either."""
+    placements = {"on its core": mili["submit_cpu_us"]}
+    if "apart_submit_cpu_us" in mili:
+        placements["on another"] = mili["apart_submit_cpu_us"]
+    figure = ", ".join(f"{cpu:.0f} us with Redis {where}" for where, cpu in placements.items())
+    return "one submit <= 100 us CPU in the producer", figure, all(cpu <= 100 for cpu in placements.values())
 
 
 def print_commands(commands: dict[str, dict[str, tuple[float, float]]], top: int = 8) -> None:

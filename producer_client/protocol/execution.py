@@ -12,6 +12,7 @@ import redis
 import redis.asyncio
 from hiredis import pack_command
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.client import CaseInsensitiveDict
 from redis.cluster import ClusterNode
 from redis.commands.core import CoreCommands
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
@@ -307,6 +308,9 @@ def _round_trip(client: redis.Redis, connection: Any, stack: Stack) -> Replies:
     connection.send_packed_command(_packed(connection, stack))
     replies: Replies = []
     callbacks = client.response_callbacks
+    # redis-py's callbacks are a CaseInsensitiveDict, whose keys it upper-cases as it stores them;
+    # its get() is a Python call of every reply: the name is upper-cased here and looked up by dict's.
+    upper_keys = type(callbacks) is CaseInsensitiveDict
     for args, options in stack:
         try:
             if options.keys() <= _CACHE_KEYS:
@@ -315,7 +319,7 @@ def _round_trip(client: redis.Redis, connection: Any, stack: Stack) -> Replies:
                 # for it, without its option handling and with one case-insensitive lookup of the
                 # callback, not two: a Python call a reply less. Inline: a function would be one more.
                 response = connection.read_response()
-                callback = callbacks.get(args[0])
+                callback = dict.get(callbacks, args[0].upper()) if upper_keys else callbacks.get(args[0])
                 replies.append(response if callback is None else callback(response))
             elif _UNLESS_REFUSED in options and _any_refused(replies):
                 connection.disconnect()  # rather than wait for its reply: see Commands.last_unless_refused
@@ -464,7 +468,13 @@ def _typed_refusals(replies: Replies, stack: Stack) -> Replies:
 
 
 def _lacking_scripts(replies: Replies) -> list[int]:
-    return [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    # A loop, not a comprehension, whose frame (Python 3.11) costs more than this loop over an
+    # exchange's few replies: every exchange of every component asks.
+    missing = []
+    for i, reply in enumerate(replies):
+        if isinstance(reply, NoScriptError):
+            missing.append(i)
+    return missing
 
 
 def _splice(replies: Replies, positions: list[int], again: Replies) -> None:

@@ -458,7 +458,7 @@ def add_fresh_create(pipe: Any, keys: Keys, job_id: str, timeout_ms: int) -> Non
     if timeout_ms:
         create(keys, job_id, timeout_ms, "").add_to(pipe)
     else:
-        pipe.hsetnx(keys.job(job_id), "status", "queued")
+        pipe.execute_command("HSETNX", keys.job(job_id), "status", "queued")  # hsetnx's, one call less
 
 
 def add_enqueued_flag(pipe: Any, keys: Keys, job_id: str) -> None:

@@ -31,8 +31,10 @@ class ScriptCall(NamedTuple):
     args: tuple[str | int | float, ...] = ()
 
     def add_to(self, pipe: Any) -> None:
-        """Add the call to a pipeline (or the commands `execution.execute` records)."""
-        pipe.evalsha(self.script.sha, len(self.keys), *self.keys, *self.args)
+        """Add the call to a pipeline (or the commands `execution.execute` records): the EVALSHA its
+        `evalsha` method records, without that method and redis-py's `_evalsha` under it (two
+        Python calls of every script call: a submit's, each of a worker's)."""
+        pipe.execute_command("EVALSHA", self.script.sha, len(self.keys), *self.keys, *self.args)
 
 
 # Prepended to every script that adds to a job's event stream (through END_JOB): an event added,

@@ -344,20 +344,14 @@ def test_a_failed_job_is_yielded_and_a_short_job_ends_before_a_long_one(
     assert by_id[short].text == "short"
 
 
-class RecordingPipe:
-    """Records the commands a step adds, as a pipeline would take them."""
-
-    def __init__(self):
-        self.calls: list[tuple] = []
-
-    def __getattr__(self, name):
-        return lambda *args: self.calls.append((name, *args))
-
-
 def commands_of(step) -> list[tuple]:
-    pipe = RecordingPipe()
+    """The commands a step adds, as the exchange records them (redis-py's command names: a
+    method's or execute_command's alike), each its arguments."""
+    from producer_client.protocol.execution import recorder
+
+    pipe = recorder()
     step(pipe)
-    return pipe.calls
+    return [args for args, _ in pipe.stack]
 
 
 def test_on_one_server_the_fresh_jobs_of_a_chunk_are_created_by_one_script_call():
@@ -366,7 +360,7 @@ def test_on_one_server_the_fresh_jobs_of_a_chunk_are_created_by_one_script_call(
 
     jobs = bulk.build_jobs(specs(2) + specs(1, timeout_s=2.5) + specs(1, request_id="r0"))
     steps = bulk.submit_steps(KEYS, "q", None, jobs, Placement(False), one_server=True)
-    assert [c[0] for c in commands_of(steps.send(None))] == ["evalsha"]  # CREATE of the request id
+    assert [c[0] for c in commands_of(steps.send(None))] == ["EVALSHA"]  # CREATE of the request id
     enqueue = commands_of(steps.send([1]))
     assert [c[1] for c in enqueue] == [CREATE_MANY.sha, ENQUEUE_MANY.sha]
     fresh = jobs[:3]
@@ -379,11 +373,11 @@ def test_an_enqueue_that_fails_takes_back_the_hashes_of_its_jobs():
     jobs = bulk.build_jobs([{**spec, "request_id": f"r{i}"} for i, spec in enumerate(specs(3))] + specs(1))
     steps = bulk.submit_steps(KEYS, "q", None, jobs, Placement(False))
     creates = commands_of(steps.send(None))
-    assert [c[0] for c in creates] == ["evalsha"] * 3  # CREATE of the request ids first
+    assert [c[0] for c in creates] == ["EVALSHA"] * 3  # CREATE of the request ids first
     enqueue = commands_of(steps.send([1, 0, 1]))  # r1 is in the queue already
-    assert [c[0] for c in enqueue] == ["hsetnx", "evalsha"]
+    assert [c[0] for c in enqueue] == ["HSETNX", "EVALSHA"]
     assert enqueue[-1][6:] == ("r0", jobs[0].body, "r2", jobs[2].body, jobs[3].job_id, jobs[3].body)
     forget = commands_of(steps.throw(ConnectionError("lost")))
-    assert forget == [("delete", KEYS.job("r0"), KEYS.job("r2"), KEYS.job(jobs[3].job_id))]
+    assert forget == [("DEL", KEYS.job("r0"), KEYS.job("r2"), KEYS.job(jobs[3].job_id))]
     with pytest.raises(ConnectionError):
         steps.send([1])

@@ -1,9 +1,19 @@
 """bench/peers.py's accounting: Redis time charged to the command or script that spent it, per
 job, and the verdicts of its target rows."""
 
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 
+from bench import peers
 from bench.peer_queues import report
+from bench.peer_queues.job import URL_VARIABLE
+from bench.peer_queues.processes import ProducerProcess, pinned
+from bench.peer_queues.producer import WARMUP_JOBS, Chunk, chunk_sizes, submit_summary
 from bench.peer_queues.redis_costs import RedisCosts, script_costs, slowlog_everything
 
 SCRIPT = "redis.call('SET', KEYS[1], ARGV[1]); redis.call('TYPE', KEYS[1]); redis.call('TYPE', KEYS[1]); return 1"
@@ -61,3 +71,84 @@ def test_target_rows_compare_mili_with_the_best_peer_of_each_column(capsys, mili
     report.print_targets(table)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "target" not in line]
     assert [row.rsplit("|", 2)[1].strip() for row in rows] == verdicts
+
+
+@pytest.mark.parametrize(
+    ("same_core", "apart", "verdict"),
+    [(70, 120, "missed"), (70, 100, "met"), (101, 90, "missed"), (100, None, "met")],
+)
+def test_the_submit_row_is_met_only_where_both_placements_are_in_budget(same_core, apart, verdict):
+    """A user's producer may share redis-server's core or sleep for each reply on another one: the
+    row holds for both (a machine of one CPU measures the first alone)."""
+    mili = {"submit_cpu_us": same_core} | ({} if apart is None else {"apart_submit_cpu_us": apart})
+    target, figure, met = report.submit_row(mili)
+    assert met == (verdict == "met")
+    assert f"{same_core} us with Redis on its core" in figure
+    assert apart is None or f"{apart} us with Redis on another" in figure
+
+
+def test_a_submits_cpu_counts_every_part_and_shows_the_lowest_and_highest():
+    chunks = [Chunk(200, 0.014, 0.03, 1, 199), Chunk(200, 0.030, 0.05, 200, 2), Chunk(100, 0.006, 0.01, 0, 100)]
+    summary = submit_summary(chunks, [(197, 100), (199, 101), (197, 100)])
+    assert summary["submit_cpu_us"] == pytest.approx(50_000 / 500)  # 0.050 s over 500 submits, the slow part too
+    assert summary["submit_wall_us"] == pytest.approx(90_000 / 500)
+    assert (summary["submit_cpu_low_us"], summary["submit_cpu_high_us"]) == pytest.approx((60, 150))
+    assert (summary["submit_slept"], summary["submit_preempted"]) == pytest.approx((201 / 500, 301 / 500))
+    assert (summary["submit_calls"], summary["submit_python_calls"]) == (197, 100)
+
+
+@pytest.mark.parametrize(("jobs", "sizes"), [(2000, [200] * 10), (25, [3] * 5 + [2] * 5), (3, [1, 1, 1])])
+def test_the_timed_submits_are_split_into_even_parts(jobs, sizes):
+    assert chunk_sizes(jobs) == sizes
+
+
+def test_pinned_keeps_every_thread_of_a_process_to_the_cpus_then_gives_back_its_own():
+    allowed = os.sched_getaffinity(0)
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start(); print(1, flush=True); time.sleep(30)"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        process.stdout.readline()  # its second thread has started
+        tids = [int(t) for t in os.listdir(f"/proc/{process.pid}/task")]
+        assert len(tids) == 2
+        one = {min(allowed)}
+        with pinned(process.pid, one):
+            assert [os.sched_getaffinity(tid) for tid in tids] == [one, one]
+        assert [os.sched_getaffinity(tid) for tid in tids] == [allowed, allowed]
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_submit_run_reports_its_parts_and_switches_from_a_pinned_producer(redis_server):
+    """The submit mode of MILI's producer, kept to one CPU as bench/peers.py runs it."""
+    env = dict(os.environ, PYTHONPATH=str(peers.ROOT), **{URL_VARIABLE: redis_server.url})
+    cpu = {min(os.sched_getaffinity(0))}
+    figures = ProducerProcess.one_run(sys.executable, "mili", env, ["submit", "--jobs", "40"], cpu)
+    assert figures["submit_cpu_low_us"] <= figures["submit_cpu_us"] <= figures["submit_cpu_high_us"]
+    assert figures["submit_slept"] >= 0 and figures["submit_preempted"] >= 0
+    assert figures["submit_python_calls"] > 0
+
+
+def test_a_count_run_submits_its_jobs_between_the_go_and_its_line(redis_server, redis_client):
+    """The producer's count mode: nothing but the submits between the go (callgrind zeroed) and its
+    {"submits": N} line (callgrind dumped), every one enqueued."""
+    from producer_client.keys import Keys
+
+    redis_client.delete(Keys().queue("bench"))
+    env = dict(os.environ, PYTHONPATH=str(peers.ROOT), **{URL_VARIABLE: redis_server.url})
+    producer = ProducerProcess(sys.executable, "mili", env, ["count", "--jobs", "7"])
+    assert producer.expect() == {"ready": True}
+    assert redis_client.xlen(Keys().queue("bench")) == WARMUP_JOBS
+    producer.send()
+    assert producer.expect() == {"submits": 7}
+    assert redis_client.xlen(Keys().queue("bench")) == WARMUP_JOBS + 7
+    producer.finish()
+    assert producer.process.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="callgrind counts the instructions")
+def test_a_submits_instructions_are_counted_under_callgrind(redis_server):
+    mili = peers.LIBRARIES[0]
+    env = peers.run_environment(redis_server.url, mili, argparse.Namespace(poll_s=0.001))
+    assert 50_000 < peers.submit_instructions(sys.executable, mili, env, 5) < 5_000_000

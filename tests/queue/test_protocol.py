@@ -332,6 +332,25 @@ def test_an_exchange_reads_the_reply_of_a_command_without_options_without_parse_
     assert execute(redis_client, lambda pipe: [pipe.hsetnx(key, "f", "v"), pipe.hget(key, "f")]) == [True, "v"]
 
 
+@pytest.mark.parametrize("name", ["hsetnx", "HSetNX"])
+def test_a_plain_replys_callback_is_the_clients_for_its_name_in_any_case(redis_server, name):
+    """A callback the caller set (redis-py upper-cases its name) is the one a plain reply goes
+    through, found by dict's lookup of the upper-cased name (288b85c: CaseInsensitiveDict.get); a
+    client whose callbacks are a plain dict is asked by its get."""
+    import redis
+
+    from producer_client.protocol.execution import execute
+
+    key = f"callback-{uuid.uuid4().hex}"
+    with redis.Redis.from_url(redis_server.url, decode_responses=True) as client:
+        client.set_response_callback(name, lambda reply: ("set", reply))
+        assert execute(
+            client, lambda pipe: [pipe.hsetnx(key, "f", "v"), pipe.execute_command("hsetnx", key, "f", "w")]
+        ) == [("set", 1), ("set", 0)]
+        client.response_callbacks = {"HGET": lambda reply: ("plain", reply)}
+        assert execute(client, lambda pipe: [pipe.hget(key, "f"), pipe.hsetnx(key, "f", "x")]) == [("plain", "v"), 0]
+
+
 @pytest.mark.parametrize(
     ("worker", "started_at", "resumed_tokens"),
     [("bench-worker-0", 1_790_000_000.123456, 0), ('w\u00e9"\\', None, 5), ("w", 1e16, 12)],

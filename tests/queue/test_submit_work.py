@@ -10,11 +10,18 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis
+from redis.exceptions import NoScriptError, ResponseError
 
 from producer_client import Client
+from producer_client.cluster import AsyncCluster, Cluster, is_cluster
+from producer_client.keys import DEFAULT_LANE, NO_TENANT, Keys
 from producer_client.new_job import build_job
 from producer_client.placement import Placed, Placement, View
+from producer_client.protocol import producer as protocol
+from producer_client.protocol.execution import _lacking_scripts, recorder
 from producer_client.schema import JobRequest, SamplingParams
+from producer_client.sharing import goes_to_queue_stream, uses_queue_stream
 
 PROMPTS = [
     "hello",
@@ -104,5 +111,43 @@ def test_a_submit_to_a_queue_without_workers_makes_few_python_calls(redis_server
         for i in range(3):  # the scripts loaded, the view read, the params validated
             client.submit(f"warm {i}", max_tokens=1, temperature=0.0)
         # 759db3b: 99 (the placement's and the quota's generators, the frozen dataclasses' __init__,
-        # the commands recorder's __init__, besides build_job's above).
-        assert python_calls(lambda: client.submit("a prompt", max_tokens=1, temperature=0.0)) <= 94
+        # the commands recorder's __init__, besides build_job's above). 288b85c: 94 (redis-py's
+        # hsetnx, evalsha and _evalsha methods, ABCMeta's two subclass checks, the single job's
+        # lane test's generator, the NOSCRIPT scan's comprehension, the callbacks' get per reply).
+        assert python_calls(lambda: client.submit("a prompt", max_tokens=1, temperature=0.0)) <= 84
+
+
+def test_a_script_call_and_a_fresh_create_record_what_redis_pys_methods_record():
+    """The same commands, argument for argument, as evalsha and hsetnx made them (288b85c)."""
+    keys = Keys()
+    call = protocol.enqueue(keys.queue("q"), 7, "job-1", '{"prompt":"x"}')
+    ours, theirs = recorder(), recorder()
+    call.add_to(ours)
+    protocol.add_fresh_create(ours, keys, "job-1", 0)
+    theirs.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+    theirs.hsetnx(keys.job("job-1"), "status", "queued")
+    assert ours.stack == theirs.stack
+
+
+@pytest.mark.parametrize("lane", [DEFAULT_LANE, "batch"])
+@pytest.mark.parametrize("tenant", [NO_TENANT, "acme"])
+def test_one_jobs_queue_stream_answer_is_the_lists(lane, tenant):
+    job = build_job("a prompt", None, None, None, None, 0, {"max_tokens": 1}, known_params={})._replace(lane=lane)
+    assert goes_to_queue_stream(job, tenant) == uses_queue_stream([job], tenant)
+
+
+def test_is_cluster_answers_by_class_each_time():
+    class OwnCluster(Cluster):
+        pass
+
+    plain, cluster = object.__new__(redis.Redis), object.__new__(OwnCluster)
+    for _ in range(2):  # the second answer is the kept one
+        assert not is_cluster(plain)
+        assert is_cluster(cluster)
+        assert is_cluster(object.__new__(AsyncCluster))
+
+
+def test_the_noscript_scan_finds_every_refused_script_in_order():
+    replies = [1, NoScriptError("NOSCRIPT"), ResponseError("WRONGTYPE"), NoScriptError("NOSCRIPT"), None]
+    assert _lacking_scripts(replies) == [1, 3]
+    assert _lacking_scripts([]) == []
