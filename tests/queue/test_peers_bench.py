@@ -1,9 +1,7 @@
 """bench/peers.py's accounting: Redis time charged to the command or script that spent it, per
 job, and the verdicts of its target rows."""
 
-import argparse
 import os
-import shutil
 import subprocess
 import sys
 
@@ -144,11 +142,3 @@ def test_a_count_run_submits_its_jobs_between_the_go_and_its_line(redis_server, 
     assert redis_client.xlen(Keys().queue("bench")) == WARMUP_JOBS + 7
     producer.finish()
     assert producer.process.returncode == 0
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("valgrind") is None, reason="callgrind counts the instructions")
-def test_a_submits_instructions_are_counted_under_callgrind(redis_server):
-    mili = peers.LIBRARIES[0]
-    env = peers.run_environment(redis_server.url, mili, argparse.Namespace(poll_s=0.001))
-    assert 50_000 < peers.submit_instructions(sys.executable, mili, env, 5) < 5_000_000
