@@ -25,7 +25,7 @@ from gateway.batch.driver import BatchDriver
 from gateway.batch.routes import batch_router
 from gateway.batch.store import BatchStore
 from gateway.board import add_board
-from gateway.edge import Edge, Limits
+from gateway.edge import Edge, Hosts, Limits
 from gateway.errors import api_error_of, headers_of
 from gateway.generate import GenerateRequest, GenerateResponse, Health, generate_job
 from gateway.idempotency import fingerprint, idempotency_key, scoped_key
@@ -293,7 +293,8 @@ def edge_of(app, client: AsyncClient, settings: GatewaySettings, failures: AuthF
     limits = Limits(
         settings.max_json_bytes, settings.batch_max_file_bytes, settings.monitoring_needs_key, settings.body_timeout_s
     )
-    guarded = RateLimitHeaders(Edge(app, access, limits, failures), client)
+    hosts = Hosts.of(settings.allowed_hosts, access.required)
+    guarded = RateLimitHeaders(Edge(app, access, limits, failures, hosts), client)
     if settings.cors_origins:
         # Any request header from the origins granted: the official SDKs send headers of their own
         # (x-stainless-*, openai-organization...), and a preflight that refuses one stops every
