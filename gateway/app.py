@@ -5,6 +5,7 @@ request's id in `x-request-id`."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -25,7 +26,7 @@ from gateway.batch.driver import BatchDriver
 from gateway.batch.routes import batch_router
 from gateway.batch.store import BatchStore
 from gateway.board import add_board
-from gateway.edge import Edge, Limits
+from gateway.edge import Edge, Hosts, Limits
 from gateway.errors import api_error_of, headers_of
 from gateway.generate import GenerateRequest, GenerateResponse, Health, generate_job
 from gateway.idempotency import fingerprint, idempotency_key, scoped_key
@@ -39,6 +40,7 @@ from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream, events, opening
 from openai_format.errors import APIError, bad_request, job_error, not_found
 from openai_format.job_specs import (
+    STRUCTURED_FIELDS,
     JobSpec,
     Model,
     chat_jobs,
@@ -153,7 +155,7 @@ class Gateway:
         wait for them. `jobs_of` turns the request into job specs, `renderer_of` makes its renderer."""
         req = await parse(request, request_model)
         check_stream_options(req)
-        specs = jobs_of(req)
+        specs = await self.specs_of(req, jobs_of)
         prompt_of, lane = [s.prompt_index for s in specs], lane_of(specs[0].service_tier)
         renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, prompt_of, lane)
         try:
@@ -171,6 +173,25 @@ class Gateway:
         except JobFailed as e:
             raise job_error(e, prompt) from None
         return client_left() if results is None else json_response(renderer.response(results))
+
+    async def specs_of(self, req: SamplingRequest, jobs_of) -> list[JobSpec]:
+        """`jobs_of(req)`; where the request asks for a grammar (a format, tools), on a thread, with
+        its first job checked as its submit will check it. Compiling a grammar takes the library up
+        to seconds of CPU (a schema of 60,000 values: 0.8 s), in which it lets the GIL go: on the
+        event loop it held every other request, and a key sending such schemas held them all. A
+        grammar compiled there is cached (structured.compile_error), which the submits on the loop
+        find."""
+        if not any(getattr(req, name, None) for name in (*STRUCTURED_FIELDS, "tools")):
+            return jobs_of(req)
+        return await asyncio.to_thread(self.checked_specs, req, jobs_of)
+
+    def checked_specs(self, req: SamplingRequest, jobs_of) -> list[JobSpec]:
+        specs = jobs_of(req)
+        try:
+            specs[0].check(self.settings.job_timeout_s)
+        except InvalidArgument as e:
+            raise named_as_requested(e, req) from None
+        return specs
 
     def check(self, specs: list[JobSpec]) -> None:
         """Every job of a request passes the client's validation before the first is enqueued.
@@ -293,7 +314,8 @@ def edge_of(app, client: AsyncClient, settings: GatewaySettings, failures: AuthF
     limits = Limits(
         settings.max_json_bytes, settings.batch_max_file_bytes, settings.monitoring_needs_key, settings.body_timeout_s
     )
-    guarded = RateLimitHeaders(Edge(app, access, limits, failures), client)
+    hosts = Hosts.of(settings.allowed_hosts, access.required)
+    guarded = RateLimitHeaders(Edge(app, access, limits, failures, hosts), client)
     if settings.cors_origins:
         # Any request header from the origins granted: the official SDKs send headers of their own
         # (x-stainless-*, openai-organization...), and a preflight that refuses one stops every

@@ -65,6 +65,11 @@ class GatewaySettings(TomlSettings):
         default_factory=list,
         description='origins granted CORS (JSON list, "*" for any); empty: none',
     )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="host names an open gateway (no api_keys) answers besides addresses, localhost and *.localhost "
+        '(JSON list, "*" for any): another is refused with 400, as a page rebound by DNS to the gateway names one',
+    )
     trusted_proxies: list[str] = Field(
         default_factory=lambda: ["127.0.0.1"],
         description='proxies (JSON list of addresses or networks, "*" for any) whose X-Forwarded-For and -Proto are believed',

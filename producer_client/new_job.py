@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from pydantic import ValidationError
@@ -241,16 +241,17 @@ def generation_fingerprint(request: JobRequest) -> str:
     return hashlib.sha256(generation.encode()).hexdigest()
 
 
-def check_grammars(request: JobRequest) -> None:
+def check_grammars(request: JobRequest, check: Callable[..., None] = structured.check_format) -> None:
     """Refuses, before anything is enqueued, what the worker would hold the output to and could not
     compile: the response_format, and the tools' parameters where a call is enforced (a forced
-    tool_choice, or tools beside a response_format)."""
+    tool_choice, or tools beside a response_format). `check`: structured.check_format, or the
+    worker's structured.check_size."""
     fields = request.__dict__  # see schema.py's note on fields read from `__dict__`
     fmt = fields["params"].__dict__["response_format"]
     if fmt is not None:
-        structured.check_format(fmt)
+        check(fmt)
     forced = fields["tool_choice"] not in (None, "auto", "none")
     if forced or fmt is not None:
         for i, tool in enumerate(request.tools or []):
             if tool.function.parameters is not None and tool in request.offered_tools():
-                structured.check_schema(tool.function.parameters, f"tools.{i}.function.parameters")
+                check(structured.schema_format(tool.function.parameters), f"tools.{i}.function.parameters")

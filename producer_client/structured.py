@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from producer_client import regex_size
 from producer_client.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -99,9 +100,28 @@ def grammar_text(fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | Choice
 
 def check_format(fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat, at: str | None = None) -> None:
     """Raises InvalidArgument, naming the part of the format at fault and quoting the grammar
-    library, when the worker could not compile it. `at` is where the format's schema, pattern or
-    choices sit in the caller's request (by default, in `response_format`)."""
-    error = compile_error(fmt.model_dump_json())
+    library, when the worker could not compile it, or not follow it at its pace (a regex too large:
+    producer_client.regex_size). `at` is where the format's schema, pattern or choices sit in the
+    caller's request (by default, in `response_format`)."""
+    refuse(fmt, at, compile_error(fmt.model_dump_json()))
+
+
+def check_size(fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat, at: str | None = None) -> None:
+    """check_format's refusal of a regex too large alone: a worker's, of a job no client checked
+    (a producer's raw XADD), with no compile on its loop."""
+    refuse(fmt, at, too_large(fmt))
+
+
+def schema_format(schema: dict[str, Any]) -> JsonSchemaFormat:
+    """A JSON schema alone as a format (a tool's parameters, which a forced call must match)."""
+    return JsonSchemaFormat(type="json_schema", json_schema=JsonSchema(name="schema", schema_=schema))
+
+
+def refuse(
+    fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat,
+    at: str | None,
+    error: tuple[str, tuple[str, ...]] | None,
+) -> None:
     if error is None:
         return
     message, path = error
@@ -109,12 +129,7 @@ def check_format(fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | Choice
         at = "response_format" + {"json_schema": ".json_schema.schema", "regex": ".pattern", "choice": ".choices"}.get(
             fmt.type, ""
         )
-    raise InvalidArgument(".".join((at, *path)), f"the grammar library refuses it: {message}")
-
-
-def check_schema(schema: dict[str, Any], at: str) -> None:
-    """check_format for a JSON schema alone (a tool's parameters, which a forced call must match)."""
-    check_format(JsonSchemaFormat(type="json_schema", json_schema=JsonSchema(name="schema", schema_=schema)), at)
+    raise InvalidArgument(".".join((at, *path)), message)
 
 
 @functools.lru_cache(maxsize=256)
@@ -124,10 +139,29 @@ def compile_error(fmt_json: str) -> tuple[str, tuple[str, ...]] | None:
     fmt = format_from_json(fmt_json)
     message = grammar_error(grammar_text(fmt))
     if message is None:
-        return None
+        return too_large(fmt)
+    refused = f"the grammar library refuses it: {message}"
     if isinstance(fmt, JsonSchemaFormat):
-        return message, tuple(locate(fmt.json_schema.schema_, message))
-    return message, ()
+        return refused, tuple(locate(fmt.json_schema.schema_, message))
+    return refused, ()
+
+
+def too_large(
+    fmt: JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat,
+) -> tuple[str, tuple[str, ...]] | None:
+    """A regex of the format the library compiles but the worker could not follow at its pace
+    (producer_client.regex_size), as compile_error says it."""
+    if isinstance(fmt, RegexFormat):
+        patterns: list[tuple[tuple[str, ...], str]] = [((), fmt.pattern)]
+    elif isinstance(fmt, JsonSchemaFormat):
+        patterns = list(regex_size.schema_patterns(fmt.json_schema.schema_))
+    else:
+        return None
+    for path, pattern in patterns:
+        message = regex_size.oversized(pattern)
+        if message is not None:
+            return message, path
+    return None
 
 
 def format_from_json(fmt_json: str) -> JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat:

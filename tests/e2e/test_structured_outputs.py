@@ -254,6 +254,58 @@ def test_what_cannot_compile_is_refused_before_anything_is_enqueued(redis_server
     assert redis_client.xlen(KEYS.queue(queue)) == 0
 
 
+def test_a_regex_too_large_to_follow_is_refused_before_anything_is_enqueued(redis_server, redis_client, client_kind):
+    """The grammar library compiles `a{1000000}` at once, and then takes over a minute for each mask
+    over Qwen3's vocabulary, while every job of the worker's batch waits: a counted repetition is a
+    lexer state each. A regex is refused once its repetitions unrolled pass 2000 atoms, in a
+    format, a schema's pattern or patternProperties, and a forced tool's parameters."""
+    queue = f"refused-{uuid.uuid4().hex[:6]}"
+    client = make_client(client_kind, redis_server.url, queue)
+    big = {"type": "string", "pattern": "^(ab{100}){100}$"}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": big}}}}
+    refused_at = {
+        "response_format.pattern": dict(response_format={"type": "regex", "pattern": "a{1000000}"}),
+        "response_format.json_schema.schema.properties.a.pattern": dict(
+            response_format=json_schema({"type": "object", "properties": {"a": big}})
+        ),
+        "response_format.json_schema.schema.patternProperties.x{3000}": dict(
+            response_format=json_schema({"type": "object", "patternProperties": {"x{3000}": {}}})
+        ),
+        "tools.0.function.parameters.properties.a.pattern": dict(
+            messages=[{"role": "user", "content": "x"}], tool_choice="required", tools=[tool]
+        ),
+    }
+    try:
+        for field, request in refused_at.items():
+            with pytest.raises(InvalidArgument) as refused:
+                client.submit(**({"prompt": "x"} if "messages" not in request else {}), **request)
+            assert refused.value.field == field
+            assert "over 2000" in refused.value.message
+        assert redis_client.xlen(KEYS.queue(queue)) == 0
+        # What a format usually counts is far below: a UUID's pattern is 36 atoms, and the bound itself passes.
+        uuid_pattern = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+        for pattern in (uuid_pattern, "(a{10}b){180}", "x{2000}", r"\{1000000\}"):
+            job = client.submit("x", response_format={"type": "regex", "pattern": pattern})
+            client.cancel(job)
+    finally:
+        client.close()
+
+
+def test_a_raw_xadd_of_a_regex_too_large_to_follow_fails_its_job_at_once_and_the_worker_serves_on(
+    redis_server, redis_client, worker
+):
+    """A producer's raw XADD skips the client's check: the worker refuses the regex at intake, where
+    its masks held every job of its batch for minutes (a free job behind it waited 21 s at first)."""
+    body = {"prompt": "x", "params": {"max_tokens": 4, "response_format": {"type": "regex", "pattern": "a{1000000}"}}}
+    job_id = f"raw-{uuid.uuid4().hex[:8]}"
+    redis_client.xadd(KEYS.queue(QUEUE), {"id": job_id, "v": str(PROTOCOL_VERSION), "body": json.dumps(body)})
+    with Client(redis_server.url, QUEUE) as client:
+        with pytest.raises(JobFailed) as failed:
+            client.wait(job_id, timeout=30)
+        assert failed.value.code == "invalid_argument" and failed.value.message.startswith("response_format.pattern")
+        assert client.generate("ok", max_tokens=2, timeout=30).status == "done"
+
+
 def test_a_raw_xadd_of_an_uncompilable_schema_fails_its_job_and_the_worker_serves_on(
     redis_server, redis_client, worker
 ):

@@ -5,7 +5,8 @@ once it passes the limit, and what the gateway held stays under the limit plus a
 and its type (a JSON route takes application/json only: a cross-site "simple" request cannot
 enqueue work), its time (a body not whole within body_timeout_s is answered 408 and its connection
 closed, read whole by a client still sending; a head not whole within header_timeout_s too, and a connection that sends nothing is
-closed; a head over 64 KiB is refused with 431 as it passes the limit). No CORS is granted unless configured; the board's actions need their header."""
+closed; a head over 64 KiB is refused with 431 as it passes the limit). No CORS is granted unless configured; the board's actions need their header; an open gateway
+answers a Host a page rebound by DNS to it cannot name only."""
 
 from __future__ import annotations
 
@@ -225,6 +226,57 @@ def test_an_open_gateway_grants_no_cors_and_its_board_actions_need_their_header(
         assert simple.status_code == 415 and "access-control-allow-origin" not in simple.headers
         action = httpx.post(f"{gateway.url}/board/job/cancel?id=anything", headers={"Origin": "https://evil.example"})
         assert action.status_code == 403
+    finally:
+        gateway.stop()
+
+
+def test_an_open_gateway_answers_only_hosts_a_rebound_page_cannot_name(redis_server, redis_client, tmp_path):
+    """DNS rebinding: a page of evil.example whose name the attacker then points at 127.0.0.1 is of
+    the same origin as the gateway on the developer's loopback, so it sends any header (the board's
+    X-MILI-Board, application/json) and reads the answers, with no CORS asked. Its requests name
+    its own host: an open gateway answers a Host that is an address, localhost, or a listed name."""
+    gateway = GatewayProcess(redis_server.url, tmp_path, "--allowed-hosts", '["gw.internal"]').start()
+    try:
+        before = job_count(redis_client)
+        rebound = {"Host": f"evil.example:{gateway.port}"}
+        job = {"model": "nobody", "prompt": "hi", "max_tokens": 1}
+        for answer in (
+            httpx.get(f"{gateway.url}/v1/models", headers=rebound),
+            httpx.post(f"{gateway.url}/v1/completions", json=job, headers=rebound),
+            httpx.get(f"{gateway.url}/board/", headers=rebound),
+            httpx.post(f"{gateway.url}/board/job/cancel?id=anything", headers={**rebound, "X-MILI-Board": "1"}),
+            httpx.get(f"{gateway.url}/v1/models", headers={"Host": "localhost.evil.example"}),
+        ):
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["code"] == "host_not_allowed"
+        assert job_count(redis_client) == before
+        for host in (
+            "127.0.0.1",
+            f"127.0.0.1:{gateway.port}",
+            "localhost",
+            f"LocalHost.:{gateway.port}",
+            "board.localhost",
+            f"[::1]:{gateway.port}",
+            "10.1.2.3",
+            f"gw.internal:{gateway.port}",
+        ):
+            answer = httpx.get(f"{gateway.url}/v1/models", headers={"Host": host})
+            assert answer.status_code == 200, (host, answer.text)
+    finally:
+        gateway.stop()
+
+
+def test_a_keyed_gateway_answers_any_host_its_keys_guard_it(redis_server, tmp_path):
+    """A rebound page has no key, and no board cookie (the browser keeps those per host): a keyed
+    gateway serves any Host, as one behind an ingress under its public name must be."""
+    gateway = GatewayProcess(redis_server.url, tmp_path, "--api-keys", json.dumps([KEY])).start()
+    try:
+        named = {"Host": "api.example.com"}
+        assert (
+            httpx.get(f"{gateway.url}/v1/models", headers={**named, "Authorization": f"Bearer {KEY}"}).status_code
+            == 200
+        )
+        assert httpx.get(f"{gateway.url}/v1/models", headers=named).status_code == 401
     finally:
         gateway.stop()
 

@@ -7,7 +7,10 @@ is enqueued. The worker is the session's tiny model (random weights: the mask do
 import itertools
 import json
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -280,3 +283,33 @@ def test_a_malformed_format_is_a_400_naming_the_field_the_request_has(sdk, redis
         sdk.chat.completions.create(model="tiny", messages=CHAT, extra_body=extra)
     assert refused.value.body["param"] == param, refused.value.body
     assert job_count(redis_client) == before
+
+
+def test_a_grammar_being_compiled_holds_no_other_request(gateway):
+    """The grammar library takes up to seconds to compile a schema (60,000 values here), letting the
+    GIL go: compiled on the event loop, it held every request behind it, and a key sending such
+    schemas held them all. Four distinct ones (no cache to hit) are compiled while /v1/models is
+    answered at once; the echo model then refuses them (it follows no grammar)."""
+    url = f"{gateway.url}/v1/chat/completions"
+
+    def heavy(n: int) -> tuple[httpx.Response, float]:
+        schema = {"enum": [f"{n}-{value}" for value in range(60_000)]}
+        body = {
+            "model": "echo",
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        }
+        started = time.monotonic()
+        return httpx.post(url, json=body, timeout=120), time.monotonic() - started
+
+    with ThreadPoolExecutor(4) as pool:
+        compiling = [pool.submit(heavy, n) for n in range(4)]
+        time.sleep(0.3)  # their bodies are in, their grammars compiling
+        started = time.monotonic()
+        assert httpx.get(f"{gateway.url}/v1/models", timeout=120).status_code == 200
+        waited = time.monotonic() - started
+        answers = [future.result() for future in compiling]
+    assert all(answer.status_code == 400 for answer, _ in answers), [a.text for a, _ in answers]
+    fastest = min(seconds for _, seconds in answers)
+    assert fastest > 0.6, "the grammars compiled too fast to hold anything"
+    assert waited < fastest / 3, (waited, [seconds for _, seconds in answers])

@@ -10,10 +10,12 @@ import re
 from dataclasses import dataclass, field
 from typing import cast
 
+from producer_client import structured
 from producer_client.chat import tool_names
 from producer_client.chat_output import THINK_CLOSE, THINK_OPEN, OutputFormat, Reasoning
 from producer_client.errors import InvalidArgument, InvalidBody, MiliError, UnsupportedVersion
 from producer_client.keys import DEFAULT_LANE, LANES, NAME_PATTERN, NO_TENANT, PROTOCOL_VERSION, TENANT_PATTERN
+from producer_client.new_job import check_grammars
 from producer_client.protocol.clock import entry_time
 from producer_client.schema import JobRequest
 from producer_client.structured import ResponseFormat
@@ -165,6 +167,8 @@ def constraint_of(request: JobRequest, output: OutputFormat | None, tokenizer: E
     forced = bool(request.tools) and request.tool_choice not in (None, "auto", "none")
     if fmt is None and not forced:
         return None
+    # A client refused a regex too large to follow at its pace; a producer's raw XADD skips it.
+    check_grammars(request, structured.check_size)
     tools = request.offered_tools()
     thinking = thinking_of(output, tokenizer)
     if tools:

@@ -130,7 +130,7 @@ def tool_call_constraint(
 def function_rules(name: str, function: ToolFunction) -> list[str]:
     """The rule `name`: a call of `function` as Qwen3 writes it, its name first, then arguments
     valid against its parameters. They are a JSON document of their own, as they are in the
-    client's check (structured.check_schema): their `$ref`s resolve from their own root, where
+    client's check (structured.schema_format): their `$ref`s resolve from their own root, where
     `openai.pydantic_function_tool` puts a nested model's `$defs`."""
     head = json.dumps(f'{{"name": {json.dumps(function.name)}, "arguments": ')
     schema = function.parameters or {"type": "object"}
