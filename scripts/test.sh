@@ -4,16 +4,22 @@
 #   scripts/test.sh --quick    the static checks and the fast tier, for local work: no test marked slow, e2e or chaos
 #                              (tests/support/tiers.py says how a test gets each mark)
 # The tests run on two pytest-xdist processes, and those marked `waits` (they mostly wait on
-# timeouts and faults) in a third pytest process beside them; then the `timing` tests (bounds on
-# elapsed time) run alone, so that nothing beside them stretches their time (their process collects
-# beside the others, and waits for them before its first test).
+# timeouts and faults) in a third pytest process beside them (two with --quick, below); then the
+# `timing` tests (bounds on elapsed time) run alone, so that nothing beside them stretches their
+# time (their process collects beside the others, and waits for them before its first test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 parallel="not timing"
 serial="timing"
+# The waiting tests' processes: one in the full run, where they end minutes before the others (10 min
+# of 14.5), so a second would only add its collection's CPU to theirs. In the quick run they were
+# the last to end (3:02 beside the others' 2:20, each test mostly asleep): two processes end them
+# before the others, for a collection's CPU (~7 s).
+waits_processes=()
 if [ "${1:-}" = "--quick" ]; then
   parallel="not (timing or slow or e2e or chaos)"
   serial="timing and not (slow or e2e or chaos)"
+  waits_processes=(-n 2 --dist loadgroup)
   shift
 fi
 scripts/bootstrap.sh --dev
@@ -46,7 +52,7 @@ rm -f "$warm_up_log"
 # They compute little beside two processes that take a core each: one torch thread for them and
 # the processes they start.
 waits_log=$(mktemp)
-OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/python -m pytest tests -m "($parallel) and waits" "$@" \
+OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" .venv/bin/python -m pytest tests "${waits_processes[@]}" -m "($parallel) and waits" "$@" \
   > "$waits_log" 2>&1 &
 waits_pid=$!
 # The timing tests' process collects now, beside the others (the whole tree: ~6 s of CPU, which was

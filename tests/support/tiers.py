@@ -14,7 +14,8 @@ A module whose tests mostly wait (on claim_idle_ms, timeouts, Redis restarts and
 processes' retries) carries `waits`, set by hand: run alone on a quiet machine, it uses less than
 half a core on average (the busy time /proc/stat counts over its run, over its wall time).
 scripts/test.sh runs those in a third pytest process beside the two xdist processes of the
-others: their waits then overlap the others' work instead of adding to the run's time.
+others (two more with --quick, where one ended last): their waits then overlap the others' work
+instead of adding to the run's time.
 
 Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) the tests that share processes
 started by a fixture of module scope or wider run on one xdist worker (their `xdist_group`), so
