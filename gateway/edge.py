@@ -253,7 +253,8 @@ def is_json(content_type: str | None) -> bool:
 # The refused name is not repeated: the header is the client's to fill.
 HOST_NOT_ALLOWED = APIError(
     400,
-    "this open gateway answers a Host header naming an address, localhost or one of allowed_hosts only",
+    "this open gateway (no api_keys) answers a Host header naming an address, localhost or one of "
+    "allowed_hosts only (MILI_ALLOWED_HOSTS, a JSON list): name this host there, or give the gateway keys",
     "invalid_request_error",
     "host_not_allowed",
 )
