@@ -158,7 +158,8 @@ class Client(ClientBase):
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
         """submit() then result(), without looking the job up: it was just created."""
-        return steps.run(self.redis, operations.generate(self, {"prompt": prompt, **kwargs}, timeout))
+        job = build_job_of({"prompt": prompt, **kwargs}, known_params=self.known_params, tenant=self.tenant)
+        return steps.run(self.redis, operations.generate(self, job, timeout))
 
     def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
         """Enqueue many jobs, each a dict of submit()'s keyword arguments (`request_id` too), and

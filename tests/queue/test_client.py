@@ -825,3 +825,50 @@ def test_a_job_hash_no_worker_writes_is_that_jobs_invalid_job_to_a_wait_at_once(
         assert (invalid.value.code, invalid.value.job_id) == ("invalid_job", job_id), name
         assert "holds a status or a deadline the protocol does not define" in str(invalid.value)
         assert time.monotonic() - started < 2, name  # at once, not at the caller's timeout
+
+
+def heavy_format(tag: str) -> dict:
+    """A schema the grammar library takes about half a second to compile (60,000 values), of values
+    no other test sends: compile_error's cache cannot have it."""
+    schema = {"enum": [f"{tag}{value}" for value in range(60_000)]}
+    return {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+
+
+async def longest_pause_of_the_loop_during(work) -> tuple[float, float]:
+    """(the longest the event loop went without running a ticking coroutine, how long `work` took)."""
+    ticks = [time.monotonic()]
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            ticks.append(time.monotonic())
+
+    ticker = asyncio.ensure_future(tick())
+    await asyncio.sleep(0.05)  # ticking
+    started = time.monotonic()
+    await work
+    ended = time.monotonic()
+    ticker.cancel()
+    during = [started, *(t for t in ticks if started < t < ended), ended]
+    return max(b - a for a, b in zip(during, during[1:])), ended - started
+
+
+@pytest.mark.parametrize("many", [False, True])
+async def test_a_grammar_being_checked_holds_no_other_coroutine(redis_server, queue, many):
+    """AsyncClient's submit (and submit_many) compiles a job's grammar to check it, up to seconds of
+    CPU for a large schema, in which the library lets the GIL go: on the caller's event loop it held
+    every other coroutine of the program. Jobs that carry a grammar are checked on a thread."""
+    jobs = [{"prompt": "hi", "max_tokens": 2, "response_format": heavy_format(uuid.uuid4().hex[:6])} for _ in range(2)]
+    async with AsyncClient(redis_server.url, queue) as client:
+
+        async def submit_them() -> None:
+            if many:
+                await client.submit_many(jobs)
+            else:
+                for job in jobs:
+                    await client.submit(**job)
+
+        paused, took = await longest_pause_of_the_loop_during(submit_them())
+        assert (await client.queue_stats()).waiting == 2
+    assert took > 0.6, "the grammar compiled too fast to hold anything"
+    assert paused < took / 3, (paused, took)
