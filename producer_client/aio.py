@@ -3,8 +3,9 @@ modes (producer_client.connection). It runs the same steps as `Client` (producer
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from typing import Any
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from producer_client import bulk, operations, steps
 from producer_client.bulk import ResultWatch
@@ -13,7 +14,7 @@ from producer_client.cluster import AsyncRedis, is_cluster
 from producer_client.connection import RedisURL, async_retry_policy, connect_async
 from producer_client.event_feed import AsyncSubscriber
 from producer_client.job_stream import follow
-from producer_client.new_job import build_job, build_job_of
+from producer_client.new_job import asks_for_grammar, build_job, build_job_of
 from producer_client.protocol.script import Script
 from producer_client.quotas import current_rate_limits
 from producer_client.rate_limits import RateLimits
@@ -21,6 +22,16 @@ from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta,
 from producer_client.sharing import Submitted
 from producer_client.status_reads import of_job, read_live_workers, read_queue_stats
 from producer_client.steps import Steps, T
+
+B = TypeVar("B")
+
+
+async def validated(build: Callable[..., B], *args: Any, grammar: bool) -> B:
+    """build(*args): a job's validation, on a thread where it compiles a `grammar`. The grammar
+    library takes up to seconds of CPU for a large schema (60,000 enum values: about 0.5 s), in
+    which it lets the GIL go: on the caller's event loop it held every other coroutine of the
+    program. Other jobs are validated in place: a thread's hop would cost more than their check."""
+    return await asyncio.to_thread(build, *args) if grammar else build(*args)
 
 
 class AsyncClient(ClientBase):
@@ -65,7 +76,8 @@ class AsyncClient(ClientBase):
         service_tier: str | None = None,
         **sampling: Any,
     ) -> str:
-        job = build_job(
+        job = await validated(
+            build_job,
             prompt,
             messages,
             input_ids,
@@ -74,15 +86,23 @@ class AsyncClient(ClientBase):
             priority,
             sampling,
             request_fingerprint,
-            stream=stream,
-            service_tier=service_tier,
-            known_params=self.known_params,
-            tenant=self.tenant,
+            stream,
+            service_tier,
+            self.known_params,
+            self.tenant,
+            grammar=asks_for_grammar(sampling),
         )
         return await steps.arun(self.redis, operations.submit(self, job))
 
     async def submit_rated(self, counts_request: bool = True, **arguments: Any) -> Submitted:
-        job = build_job_of(arguments, int(counts_request), self.known_params, self.tenant)
+        job = await validated(
+            build_job_of,
+            arguments,
+            int(counts_request),
+            self.known_params,
+            self.tenant,
+            grammar=asks_for_grammar(arguments),
+        )
         return await steps.arun(self.redis, operations.submit_rated(self, job))
 
     async def result(self, job_id: str, timeout: float | None = None) -> JobResult:
@@ -113,10 +133,17 @@ class AsyncClient(ClientBase):
         return await steps.arun(self.redis, of_job(job_id, operations.cancel(self.keys, job_id)))
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
-        return await steps.arun(self.redis, operations.generate(self, {"prompt": prompt, **kwargs}, timeout))
+        arguments = {"prompt": prompt, **kwargs}
+        job = await validated(
+            build_job_of, arguments, 1, self.known_params, self.tenant, grammar=asks_for_grammar(arguments)
+        )
+        return await steps.arun(self.redis, operations.generate(self, job, timeout))
 
     async def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
-        return await steps.arun(self.redis, bulk.submit_many(self, jobs))
+        specs = bulk.listed_specs(jobs)
+        grammar = any(isinstance(spec, Mapping) and asks_for_grammar(spec) for spec in specs)
+        built = await validated(bulk.build_jobs, specs, self.tenant, grammar=grammar)
+        return await steps.arun(self.redis, bulk.submit_built(self, built))
 
     async def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> AsyncIterator[JobResult]:
         watch, deadline = await steps.arun(self.redis, bulk.watch_all(self.keys, job_ids, timeout))

@@ -68,14 +68,19 @@ OTHER_TYPE = "a key of it holds a value of another type than its own"
 R = TypeVar("R")
 
 
-def build_jobs(specs: Iterable[Mapping[str, Any]], tenant: str | None = None) -> list[NewJob]:
-    """Every spec validated as `submit` validates its arguments; InvalidArgument names the first
-    bad one as `jobs[<index>].<field>`. One spec alone (a dict: its keys would be the specs) or
-    what is no iterable (None: a TypeError) is refused as `jobs`."""
+def listed_specs(specs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """submit_many's specs as a list. One spec alone (a dict: its keys would be the specs) or what
+    is no iterable (None: a TypeError) is refused as `jobs`."""
     if isinstance(specs, (str, bytes, Mapping)) or not isinstance(specs, Iterable):
         raise InvalidArgument("jobs", "must be a list of dicts of submit()'s keyword arguments (one alone: wrap it)")
+    return list(specs)
+
+
+def build_jobs(specs: Iterable[Mapping[str, Any]], tenant: str | None = None) -> list[NewJob]:
+    """Every spec validated as `submit` validates its arguments; InvalidArgument names the first
+    bad one as `jobs[<index>].<field>`."""
     known_params: KnownParams = {}
-    return [build_spec(index, spec, known_params, tenant) for index, spec in enumerate(specs)]
+    return [build_spec(index, spec, known_params, tenant) for index, spec in enumerate(listed_specs(specs))]
 
 
 def build_spec(
@@ -90,9 +95,13 @@ def build_spec(
 
 
 def submit_many(client: ClientBase, specs: Iterable[Mapping[str, Any]]) -> Steps[list[str]]:
-    """Client.submit_many: every spec validated first (build_jobs), then the jobs enqueued on the
-    client's queue, in their lanes of the client's tenant (submit_steps)."""
-    jobs = build_jobs(specs, client.tenant)
+    """Client.submit_many: every spec validated first (build_jobs), then the jobs enqueued."""
+    return (yield from submit_built(client, build_jobs(specs, client.tenant)))
+
+
+def submit_built(client: ClientBase, jobs: list[NewJob]) -> Steps[list[str]]:
+    """`jobs`, validated already (build_jobs), enqueued on the client's queue, in their lanes of the
+    client's tenant (submit_steps)."""
     if client.shards.spreads:
         yield from client.shards.agree(client.keys, client.queue)
     limits = yield from client.quota_cache.limits_for(client.keys, client.tenant)

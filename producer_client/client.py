@@ -131,7 +131,9 @@ class Client(ClientBase):
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:
         """Yield the job's token deltas until it ends. Resume after a disconnect with
-        `after=` the last delta's `event_id`: nothing is lost or repeated. A chat's deltas carry
+        `after=` the last delta's `event_id`: nothing is lost or repeated. `after` takes every
+        stream id XREAD reads, meaning what it means there: `ms-seq`, `ms` alone (`ms-0`), `0` (from
+        the start), and `$` (only the events after the stream opens). A chat's deltas carry
         its answer (`text`), reasoning and tool calls apart. A failed job raises JobFailed at its end.
         The job counts as streamed from now on (FOLLOW): its worker publishes its tokens within
         stream_interval_s once it sees that. A job that had ended unfollowed (and kept no events)
@@ -158,7 +160,8 @@ class Client(ClientBase):
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
         """submit() then result(), without looking the job up: it was just created."""
-        return steps.run(self.redis, operations.generate(self, {"prompt": prompt, **kwargs}, timeout))
+        job = build_job_of({"prompt": prompt, **kwargs}, known_params=self.known_params, tenant=self.tenant)
+        return steps.run(self.redis, operations.generate(self, job, timeout))
 
     def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
         """Enqueue many jobs, each a dict of submit()'s keyword arguments (`request_id` too), and

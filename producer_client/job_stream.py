@@ -36,24 +36,33 @@ EVENT_BATCH = 512  # events per XREAD: bounds one reply, not the stream
 # The event id of the one delta of a job that kept no events: the first after "0-0", so that a
 # stream resumed after it reads nothing more.
 WHOLE_OUTPUT = "0-1"
+# `after=` as XREAD reads it: the job's last event when the stream is opened, so only later ones.
+LAST_EVENT = "$"
 
 
 def follow(keys: Keys, job_id: str, after: str, timeout: float | None) -> Steps[tuple[JobStream, Deadline]]:
     """A reader of the job's events after `after`, and the deadline of `timeout` seconds for them all,
     once FOLLOW has marked the job streamed (its worker publishes its tokens within
-    stream_interval_s once it sees that). Raises JobNotFound."""
+    stream_interval_s once it sees that). `after` LAST_EVENT: after the job's last event now (the
+    one delta of a job that kept no events, WHOLE_OUTPUT). Raises JobNotFound."""
     job_id = check_job_id(job_id)
-    reader = JobStream(job_id, after)
+    from_now = after == LAST_EVENT
+    reader = JobStream(job_id, "0-0" if from_now else after)
     deadline = Deadline(job_id, check_timeout(timeout))
 
     def add(pipe: Any) -> None:
         scripts.follow(keys, job_id).add_to(pipe)
         job_reads.add_look(pipe, keys, job_id)
         job_reads.add_events_kept(pipe, keys, job_id)
+        if from_now:
+            job_reads.add_last_event(pipe, keys, job_id)
 
-    found, (status, deadline_ms, result), redis_time, has_events = checked((yield add))
+    found, (status, deadline_ms, result), redis_time, has_events, *last = checked((yield add))
     if not found:
         raise JobNotFound(job_id)
+    if from_now:
+        kept_none = result is not None and not has_events
+        reader.resume_after = entry_order(WHOLE_OUTPUT if kept_none else last_event_id(last[0]))
     if result is not None and not has_events:
         reader.kept_no_events(result)
     elif result is None:  # not ended, or a hash no worker wrote (waiting.UNENDED): FOLLOW found it
@@ -61,6 +70,11 @@ def follow(keys: Keys, job_id: str, after: str, timeout: float | None) -> Steps[
     else:
         reader.expires_at = expiry(job_id, status, deadline_ms, redis_time)
     return reader, deadline
+
+
+def last_event_id(reply: list[tuple[str, Any]]) -> str:
+    """The id of the last event (add_last_event's reply), or `0-0` where there is none yet."""
+    return reply[0][0] if reply else "0-0"
 
 
 class JobStream:

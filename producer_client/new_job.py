@@ -241,6 +241,13 @@ def generation_fingerprint(request: JobRequest) -> str:
     return hashlib.sha256(generation.encode()).hexdigest()
 
 
+def asks_for_grammar(arguments: Mapping[str, Any]) -> bool:
+    """Whether submit()'s keyword arguments name what check_grammars compiles: a response_format, or
+    tools (compiled where a call is enforced). Read before validation, so loosely: a caller that
+    must not block on a compile (AsyncClient) validates such a job off its event loop."""
+    return arguments.get("response_format") is not None or bool(arguments.get("tools"))
+
+
 def check_grammars(request: JobRequest, check: Callable[..., None] = structured.check_format) -> None:
     """Refuses, before anything is enqueued, what the worker would hold the output to and could not
     compile: the response_format, and the tools' parameters where a call is enforced (a forced

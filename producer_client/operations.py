@@ -6,15 +6,14 @@ producer_client.job_stream."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
 from producer_client.connection import is_other_type
 from producer_client.errors import JobNotFound, JobTimeout, NotReplicated
 from producer_client.keys import NO_TENANT, Keys
-from producer_client.new_job import NewJob, build_job_of
+from producer_client.new_job import NewJob
 from producer_client.protocol import job_reads
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.execution import AddCommands, Pipe, Replies
@@ -285,15 +284,14 @@ def wait(keys: Keys, job_id: str, timeout: float | None, known: Known = NOTHING_
     return finished(job_id, (yield from wait_done(keys, job_id, deadline, *known)))
 
 
-def generate(client: ClientBase, arguments: Mapping[str, Any], timeout: float | None) -> Steps[JobResult]:
-    """Client.generate: submit() of `arguments` (its keyword arguments), then wait(). Where
+def generate(client: ClientBase, job: NewJob, timeout: float | None) -> Steps[JobResult]:
+    """Client.generate: submit() of `job` (built of its keyword arguments), then wait(). Where
     first_read_block allows it, the wait's first blocking read goes in the enqueue's round trip,
     and the caller's timeout counts from its sending: a job that ends within that block costs one
     round trip. Elsewhere the timeout counts from the submit's end, as a wait()'s after a submit.
     A job just created expires timeout_s from now at the latest; one found by its request_id may be
     older."""
     timeout = check_timeout(timeout)
-    job = build_job_of(arguments, known_params=client.known_params, tenant=client.tenant)
     deadline = Deadline(job.job_id, timeout)
     job_id, _, first = yield from submit_reading(client, job, deadline)
     known = client.submissions.known(job_id)

@@ -14,6 +14,12 @@ from producer_client.keys import check_name
 
 MAX_LIMIT = 10_000  # items one listing returns at most: as many as a dead-letter stream holds
 EVENT_ID = re.compile(r"\d{1,20}-\d{1,20}")
+# A stream id in each form Redis documents for reading after it (XREAD): `ms-seq`, or `ms` alone,
+# which it reads as `ms-0` (`0`: from the start); each part at most 2^64 - 1, leading zeros allowed.
+# (Redis's own parse, strtoull, also lets a part begin with spaces or a plus sign: no documented
+# form, refused.) `$` is resolved where it means something (job_stream.follow).
+STREAM_ID = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+MAX_ID_PART = 2**64 - 1
 
 
 def check_job_id(job_id: Any) -> str:
@@ -31,9 +37,19 @@ def check_job_ids(job_ids: Any) -> list[str]:
 
 
 def check_event_id(after: Any) -> str:
-    if not isinstance(after, str) or not EVENT_ID.fullmatch(after):
-        raise InvalidArgument("after", "must be an event id such as '1700000000000-0'")
-    return after
+    """`after`, a stream id Redis reads (STREAM_ID), as the full id it means: `0` is `0-0`."""
+    found = STREAM_ID.fullmatch(after) if isinstance(after, str) else None
+    parts = [] if found is None else [id_part(part or "0") for part in found.groups()]
+    if found is None or None in parts:
+        raise InvalidArgument("after", "must be an event id such as '1700000000000-0' (or '1700000000000', '0')")
+    return f"{parts[0]}-{parts[1]}"
+
+
+def id_part(digits: str) -> int | None:
+    """A stream id's part, or None past 2^64 - 1 (leading zeros first: int() refuses over 4,300 digits)."""
+    significant = digits.lstrip("0") or "0"
+    value = int(significant) if len(significant) <= 20 else None
+    return value if value is not None and value <= MAX_ID_PART else None
 
 
 def check_timeout(timeout: Any) -> float | None:

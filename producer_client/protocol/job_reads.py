@@ -114,6 +114,11 @@ def add_events_kept(pipe: Pipe, keys: Keys, job_id: str) -> None:
     pipe.exists(keys.events(job_id))
 
 
+def add_last_event(pipe: Pipe, keys: Keys, job_id: str) -> None:
+    """The job's last event (XREVRANGE + - COUNT 1): [(its id, its fields)], or [] for none."""
+    pipe.xrevrange(keys.events(job_id), count=1)
+
+
 def events_read(
     keys: Keys, job_id: str, after: str, count: int, block_ms: int | None
 ) -> Steps[StreamsReply | Exception]:

@@ -392,6 +392,9 @@ def test_a_lane_stream_of_another_type_is_a_500_not_retried_and_other_lanes_are_
     type: its requests were a 503 redis_unavailable, which the SDKs retry; now a 500
     invalid_queue_stream with `x-should-retry: false`, and the default lane is served."""
     flex = Keys().lane_stream(ECHO_QUEUE, "flex", "-")
+    # As a producer changes a key's type: deleted first. An earlier test's flex job (a batch's line,
+    # tests/gateway/test_spec.py) leaves the stream there, and HSET on a stream is itself WRONGTYPE.
+    redis_client.delete(flex)
     redis_client.hset(flex, "not", "a stream")
     try:
         body = {"model": "echo", "messages": CHAT, "max_tokens": 4, "service_tier": "flex"}

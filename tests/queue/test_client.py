@@ -825,3 +825,146 @@ def test_a_job_hash_no_worker_writes_is_that_jobs_invalid_job_to_a_wait_at_once(
         assert (invalid.value.code, invalid.value.job_id) == ("invalid_job", job_id), name
         assert "holds a status or a deadline the protocol does not define" in str(invalid.value)
         assert time.monotonic() - started < 2, name  # at once, not at the caller's timeout
+
+
+def heavy_format(tag: str) -> dict:
+    """A schema the grammar library takes about half a second to compile (60,000 values), of values
+    no other test sends: compile_error's cache cannot have it."""
+    schema = {"enum": [f"{tag}{value}" for value in range(60_000)]}
+    return {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+
+
+async def longest_pause_of_the_loop_during(work) -> tuple[float, float]:
+    """(the longest the event loop went without running a ticking coroutine, how long `work` took)."""
+    ticks = [time.monotonic()]
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            ticks.append(time.monotonic())
+
+    ticker = asyncio.ensure_future(tick())
+    await asyncio.sleep(0.05)  # ticking
+    started = time.monotonic()
+    await work
+    ended = time.monotonic()
+    ticker.cancel()
+    during = [started, *(t for t in ticks if started < t < ended), ended]
+    return max(b - a for a, b in zip(during, during[1:])), ended - started
+
+
+@pytest.mark.parametrize("many", [False, True])
+async def test_a_grammar_being_checked_holds_no_other_coroutine(redis_server, queue, many):
+    """AsyncClient's submit (and submit_many) compiles a job's grammar to check it, up to seconds of
+    CPU for a large schema, in which the library lets the GIL go: on the caller's event loop it held
+    every other coroutine of the program. Jobs that carry a grammar are checked on a thread."""
+    jobs = [{"prompt": "hi", "max_tokens": 2, "response_format": heavy_format(uuid.uuid4().hex[:6])} for _ in range(2)]
+    async with AsyncClient(redis_server.url, queue) as client:
+
+        async def submit_them() -> None:
+            if many:
+                await client.submit_many(jobs)
+            else:
+                for job in jobs:
+                    await client.submit(**job)
+
+        paused, took = await longest_pause_of_the_loop_during(submit_them())
+        assert (await client.queue_stats()).waiting == 2
+    assert took > 0.6, "the grammar compiled too fast to hold anything"
+    assert paused < took / 3, (paused, took)
+
+
+def run_streamed_as_a_worker(
+    redis_client, job_id: str, pieces: list[str], before: str = "", ends: bool = True
+) -> list[str]:
+    """The job claimed (unless it was, with `before` its output so far), each piece published as
+    one `tokens` event, then (`ends`) ended, by a run that streams it (its events kept). Returns the
+    job's `tokens` events' ids, in order."""
+    keys, offset = Keys(), len(before)
+    calls = [] if before else [worker_scripts.claim(keys, job_id, "w1", "1-0", 60, "r1")]
+    for piece in pieces:
+        tokens = json.dumps({"ids": list(piece.encode()), "text": piece})
+        start = "" if offset else "{}"
+        calls.append(
+            worker_scripts.publish(keys, job_id, "r1", start, tokens, offset, offset + len(piece), "", "", 60, True)
+        )
+        offset += len(piece)
+    if ends:
+        text = before + "".join(pieces)
+        result = JobResult(id=job_id, status="done", text=text, token_ids=list(text.encode()), finish_reason="stop")
+        calls.append(
+            worker_scripts.publish(
+                keys, job_id, "r1", "", "", offset, offset, "done", result.model_dump_json(), 60, True
+            )
+        )
+    execution.execute(redis_client, add_all(calls), worker_scripts.WORKER_SCRIPTS)
+    return [i for i, fields in redis_client.xrange(keys.events(job_id)) if fields["type"] == "tokens"]
+
+
+# Stream ids as Redis reads them after (XREAD): in each documented form, and not.
+IDS_REDIS_TAKES = ["0", "0-0", "7", "007-01", str(2**64 - 1), f"{2**64 - 1}-{2**64 - 1}", "$"]
+IDS_REDIS_REFUSES = [
+    "",
+    "latest",
+    "-1",
+    "1-",
+    "-",
+    "+",
+    "*",
+    "1-*",
+    "1-2-3",
+    "0x10",
+    "1.5",
+    "1 ",
+    str(2**64),
+    f"1-{2**64}",
+]
+
+
+@pytest.mark.parametrize("after", IDS_REDIS_TAKES + IDS_REDIS_REFUSES)
+def test_stream_takes_as_after_the_stream_ids_redis_takes(client, redis_client, after):
+    """`after` is a stream id: `stream(after="0")` was refused though Redis reads `0` (from the
+    start), as it reads `ms` alone (`ms-0`) and `$`; an id past 2^64 - 1 reached Redis and came
+    back as its untyped error. Each is taken or refused (InvalidArgument) as XREAD takes it."""
+    try:
+        redis_client.xread({f"ids-{uuid.uuid4().hex[:8]}": after}, count=1)
+        redis_takes = True
+    except redis.ResponseError:
+        redis_takes = False
+    job_id = client.submit("hi", max_tokens=4)
+    run_streamed_as_a_worker(redis_client, job_id, ["ab"])
+    try:
+        list(client.stream(job_id, after=after, timeout=5))
+        client_takes = True
+    except InvalidArgument as e:
+        assert e.field == "after"
+        client_takes = False
+    assert client_takes == redis_takes
+
+
+def test_stream_after_an_id_in_any_form_reads_what_xread_reads_after_it(client, redis_client):
+    """Each form of `after` means what it means to Redis: the tokens after it, as XREAD reads them.
+    `$` is the last event when the stream opens: none of an ended job's."""
+    job_id = client.submit("hi", max_tokens=8)
+    ids = run_streamed_as_a_worker(redis_client, job_id, ["ab", "cd", "ef"])
+    ms, seq = ids[1].split("-")
+    events = Keys().events(job_id)
+    for after in ["0", "0-0", ms, ids[1], f"00{ms}-0{seq}", "$"]:
+        ((_, read),) = redis_client.xread({events: after}) or [(events, [])]
+        expected = [i for i, fields in read if fields["type"] == "tokens"]
+        assert [d.event_id for d in client.stream(job_id, after=after, timeout=5)] == expected, after
+
+
+def test_stream_after_dollar_reads_the_events_that_come_after_it_opens(client, redis_client):
+    """`$` as XREAD reads it: the job's last event when the stream opens. A running job's tokens
+    published before are not read, those published after are, and its end."""
+    job_id = client.submit("hi", max_tokens=8)
+    run_streamed_as_a_worker(redis_client, job_id, ["ab"], ends=False)
+    keys = Keys()
+    reader, deadline = run_steps(redis_client, job_stream.follow(keys, job_id, "$", 10))
+    ids = run_streamed_as_a_worker(redis_client, job_id, ["cd", "ef"], before="ab")
+    deltas = []
+    while reader.end is None:
+        deltas += run_steps(redis_client, reader.read(keys, deadline))
+    assert [(d.event_id, d.text) for d in deltas] == [(ids[1], "cd"), (ids[2], "ef")]
+    assert [d.text for d in client.stream(job_id, after="$", timeout=5)] == []  # ended: nothing after its end

@@ -24,4 +24,4 @@ def test_every_security_line_names_a_test_that_exists():
         match = TEST.search(line)
         assert match, f"names no test: {line}"
         path, name = match.groups()
-        assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"{path} has no {name}"
+        assert re.search(rf"^(async )?def {name}\(", (ROOT / path).read_text(), re.M), f"{path} has no {name}"
