@@ -285,6 +285,7 @@ def test_a_malformed_format_is_a_400_naming_the_field_the_request_has(sdk, redis
     assert job_count(redis_client) == before
 
 
+@pytest.mark.timing  # a pause against the compile's time: the load of tests beside it moves both
 def test_a_grammar_being_compiled_holds_no_other_request(gateway):
     """The grammar library takes up to seconds to compile a schema (60,000 values here), letting the
     GIL go: compiled on the event loop, it held every request behind it, and a key sending such

@@ -853,6 +853,7 @@ async def longest_pause_of_the_loop_during(work) -> tuple[float, float]:
     return max(b - a for a, b in zip(during, during[1:])), ended - started
 
 
+@pytest.mark.timing  # a pause against the compile's time: the load of tests beside it moves both
 @pytest.mark.parametrize("many", [False, True])
 async def test_a_grammar_being_checked_holds_no_other_coroutine(redis_server, queue, many):
     """AsyncClient's submit (and submit_many) compiles a job's grammar to check it, up to seconds of
