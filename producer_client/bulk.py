@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
@@ -138,20 +138,35 @@ def submit_steps(
         unique.setdefault(job.job_id, job)
     placed: set[str] = set()
     for into, chunk in shard_chunks(queue, list(unique.values()), shards):
-        in_queue, outcome = yield from enqueue_chunk(
-            keys, queue, max_depth, chunk, placement, tenant, limits, one_server, into
-        )
-        placed.update(in_queue)
-        if len(in_queue) < len(chunk):
-            ids = [job.job_id for job in jobs]
-            first_out = next(i for i, job_id in enumerate(ids) if job_id not in placed)
-            done = ids[:first_out] if shards.count_of(queue) == 1 else [job_id for job_id in ids if job_id in placed]
-            if outcome.refusal is Refusal.FULL:
-                raise BulkQueueFull(queue, int(outcome.values[0]), max_depth or 0, done)
-            error = refusal_error(outcome, queue, tenant, max_depth, done)
-            # Fewer jobs went in than were sent: the reply must say why.
-            raise error if error is not None else UnknownReply("ENQUEUE_MANY or ENQUEUE_LANES", outcome)
+        sent = yield from enqueue_chunk(keys, queue, max_depth, chunk, placement, tenant, limits, one_server, into)
+        placed.update(sent.in_queue)
+        refusal = None
+        if sent.refused:
+            done = enqueued_ids(jobs, placed, shards.count_of(queue))
+            refusal = chunk_refusal(sent.outcome, queue, tenant, max_depth, done)
+        yield from flag_chunk(keys, sent, refusal)
+        if refusal is not None:
+            raise refusal
     return [job.job_id for job in jobs]
+
+
+def enqueued_ids(jobs: list[NewJob], placed: set[str], shard_count: int) -> list[str]:
+    """The ids of the specs enqueued, as a refusal names them: those before the first spec not
+    `placed` on one shard (what went in is a prefix), every one placed, in order, on several."""
+    ids = [job.job_id for job in jobs]
+    if shard_count > 1:
+        return [job_id for job_id in ids if job_id in placed]
+    first_out = next(i for i, job_id in enumerate(ids) if job_id not in placed)
+    return ids[:first_out]
+
+
+def chunk_refusal(outcome: Enqueued, queue: str, tenant: str, max_depth: int | None, done: list[str]) -> Exception:
+    """The error of a chunk some of whose jobs did not go in, naming `done`, the specs enqueued."""
+    if outcome.refusal is Refusal.FULL:
+        return BulkQueueFull(queue, int(outcome.values[0]), max_depth or 0, done)
+    error = refusal_error(outcome, queue, tenant, max_depth, done)
+    # Fewer jobs went in than were sent: the reply must say why.
+    return error if error is not None else UnknownReply("ENQUEUE_MANY or ENQUEUE_LANES", outcome)
 
 
 def shard_chunks(queue: str, jobs: list[NewJob], shards: QueueShards) -> Iterator[tuple[str, list[NewJob]]]:
@@ -177,10 +192,10 @@ def enqueue_chunk(
     limits: Limits,
     one_server: bool,
     into: str,
-) -> Steps[tuple[list[str], Enqueued]]:
-    """Returns (the ids of the chunk's jobs in the queue now, up to the first that did not go in;
-    the enqueue's outcome). A job whose enqueue fails or does not go in loses its hash, as in
-    `submit`: a later submit with its request_id then enqueues it. Jobs placed on workers' own
+) -> Steps[ChunkSent]:
+    """What went in of the chunk and what did not (ChunkSent), the flags and the refused jobs'
+    hashes left to `flag_chunk`. A job whose enqueue fails or does not go in loses its hash, as
+    in `submit`: a later submit with its request_id then enqueues it. Jobs placed on workers' own
     streams (which have no bound) go in once the lanes have taken their part, and only those
     before the first job refused: what went in is still a prefix of the chunk. A tenant with
     limits places nothing: its jobs all go through the lanes, where the limits are counted. `into`:
@@ -188,7 +203,7 @@ def enqueue_chunk(
     found = yield from found_already(keys, [job for job in chunk if job.idempotent])
     to_add = [job for job in chunk if job.job_id not in found]
     if not to_add:
-        return [job.job_id for job in chunk], Enqueued(len(chunk))
+        return ChunkSent([job.job_id for job in chunk], [], [], Enqueued(len(chunk)))
     streams: list[str | None]
     if limits.any:
         streams = [None] * len(to_add)
@@ -213,12 +228,34 @@ def enqueue_chunk(
             yield from undoing(forget_commands([job for job, _ in placed], keys), stopped)
             raise
     enqueued, refused = to_add[:cut], to_add[cut:]
-    if refused or any(job.idempotent for job in enqueued):
-        checked((yield flag_commands(keys, enqueued, refused)))
     in_queue = [job.job_id for job in chunk]
     if refused:
         in_queue = in_queue[: in_queue.index(refused[0].job_id)]
-    return in_queue, outcome
+    return ChunkSent(in_queue, enqueued, refused, outcome)
+
+
+class ChunkSent(NamedTuple):
+    """A chunk's enqueue: `in_queue`, the ids of its jobs in the queue now, up to the first that
+    did not go in; `enqueued`, the jobs this call enqueued; `refused`, those it created and did not
+    enqueue; the enqueue's `outcome`."""
+
+    in_queue: list[str]
+    enqueued: list[NewJob]
+    refused: list[NewJob]
+    outcome: Enqueued
+
+
+def flag_chunk(keys: Keys, sent: ChunkSent, refusal: Exception | None) -> Steps[None]:
+    """One round trip: the `enqueued` flags of the chunk's jobs with a request_id, and no hash of
+    those refused. Where some were refused, a failure of it is logged and `refusal` is what the
+    caller raises (steps.undoing, as a single refused submit): the user must learn which jobs
+    went in and why the others did not. Then a refused job's hash stays (status: queued), and a
+    job enqueued stays unflagged: a later submit of either's request_id enqueues it (CREATE finds
+    it unflagged), once more for the second, which CLAIM drops."""
+    if refusal is not None:
+        yield from undoing(flag_commands(keys, sent.enqueued, sent.refused), refusal)
+    elif any(job.idempotent for job in sent.enqueued):
+        checked((yield flag_commands(keys, sent.enqueued, [])))
 
 
 def enqueue_placed(

@@ -7,8 +7,20 @@ import time
 import uuid
 
 import pytest
+import redis
 
-from producer_client import BulkQueueFull, Client, InvalidArgument, InvalidJob, JobNotFound, JobTimeout, ResultWatch
+from producer_client import (
+    BulkQueueFull,
+    Client,
+    InvalidArgument,
+    InvalidJob,
+    JobNotFound,
+    JobTimeout,
+    RateLimited,
+    ResultWatch,
+    WaitingQuotaExceeded,
+    bulk,
+)
 from producer_client.bulk import CHUNK, WINDOW
 from producer_client.keys import Keys
 from producer_client.placement import Placement
@@ -149,6 +161,72 @@ def test_a_full_queue_refuses_the_first_chunk_whole(client_kind, redis_server, r
         assert job_keys(redis_client) - before == {KEYS.job(job_id) for job_id in entry_ids(redis_client, queue)}
     finally:
         bounded.close()
+
+
+def refused_flags(keys, enqueued, refused):
+    """The round trip of the flags and the refused jobs' DEL, refused by Redis (as an ACL that
+    grants no DEL would)."""
+    return lambda pipe: pipe.execute_command("DEL")
+
+
+def cut_flags(keys, enqueued, refused):
+    """The round trip of the flags and the refused jobs' DEL, failed (the connection lost past the
+    retries)."""
+
+    def add(pipe):
+        raise redis.ConnectionError("injected: the clean-up's connection is lost")
+
+    return add
+
+
+# Each refusal of a chunk's third job, the first two in: (the refusal, the client's settings, the
+# tenant's limits, the stream the jobs go to).
+PARTLY_REFUSED = {
+    "full": (BulkQueueFull, {"max_queue_depth": 2}, None, lambda queue, tenant: KEYS.queue(queue)),
+    "quota": (WaitingQuotaExceeded, {}, {"max_waiting": 2}, lambda q, t: KEYS.lane_stream(q, "default", t)),
+    "rate": (RateLimited, {}, {"rpm": 2}, lambda q, t: KEYS.lane_stream(q, "default", t)),
+}
+
+
+@pytest.mark.parametrize("failing_flags", [refused_flags, cut_flags], ids=["refused", "cut"])
+@pytest.mark.parametrize("refusal", list(PARTLY_REFUSED))
+def test_submit_many_raises_its_refusal_when_the_clean_up_after_it_fails_and_logs_the_clean_up(
+    client_kind, redis_server, redis_client, queue, monkeypatch, caplog, failing_flags, refusal
+):
+    """As a single submit's refusal (steps.undoing): the user must learn which jobs went in and
+    why the others did not, whatever became of the round trip that flags the first and removes the
+    others' hashes. A refused job whose hash stayed behind goes in when it is submitted again."""
+    error, settings, limits, stream_of = PARTLY_REFUSED[refusal]
+    tenant = f"t{uuid.uuid4().hex[:8]}" if limits else None
+    if limits:
+        with Client(redis_server.url, queue) as admin:
+            admin.tenant_quotas.set(tenant, **limits)
+    client = make_client(client_kind, redis_server.url, queue, tenant=tenant, **settings)
+    try:
+        tag = uuid.uuid4().hex[:8]
+        jobs = [{"prompt": f"p{i}", "max_tokens": 2, "request_id": f"{tag}-{i}"} for i in range(4)]
+        with monkeypatch.context() as injected:
+            injected.setattr(bulk, "flag_commands", failing_flags)
+            with pytest.raises(error) as refused:
+                client.submit_many(jobs)
+        in_queue = [f"{tag}-0", f"{tag}-1"]
+        assert refused.value.job_ids == in_queue
+        assert [fields["id"] for _, fields in redis_client.xrange(stream_of(queue, tenant))] == in_queue
+        (logged,) = [record.getMessage() for record in caplog.records if record.name == "producer_client.steps"]
+        assert logged.startswith(f"the clean-up after {error.__name__} failed too: ")
+        if limits:
+            with Client(redis_server.url, queue) as admin:
+                admin.tenant_quotas.set(tenant, unset=tuple(limits))
+        unbounded = make_client(client_kind, redis_server.url, queue, tenant=tenant, max_queue_depth=None)
+        try:
+            assert unbounded.submit_many(jobs) == [job["request_id"] for job in jobs]
+        finally:
+            unbounded.close()
+        # The first two were left unflagged: they go in once more, which CLAIM drops (CREATE).
+        entries = [fields["id"] for _, fields in redis_client.xrange(stream_of(queue, tenant))]
+        assert entries == in_queue + [job["request_id"] for job in jobs]
+    finally:
+        client.close()
 
 
 def cancel_in_order(client, job_ids: list[str], spaced: int | None = None) -> None:

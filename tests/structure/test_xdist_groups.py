@@ -10,8 +10,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 
 GROUPED = textwrap.dedent("""
     import os
@@ -78,3 +81,29 @@ def test_a_module_fixture_of_its_own_puts_a_modules_tests_in_one_group(built_onc
     that use it run on one xdist worker: tests/support/tiers.py groups them by their module."""
     group = request.node.get_closest_marker("xdist_group")
     assert group is not None and group.args == (__name__,)
+
+
+GROUPS_PRINTED = textwrap.dedent("""
+    def pytest_collection_finish(session):
+        for item in session.items:
+            marker = item.get_closest_marker("xdist_group")
+            print("GROUP", marker.args[0] if marker else None)
+""")
+
+
+def test_a_group_set_by_hand_keeps_every_test_of_its_module_in_it(tmp_path):
+    """tests/chaos/test_schedules.py groups its schedules with the totals check that reads what
+    they added up in their process; the schedules' module fixture (chaos_redis) must not move
+    them to a group of their own (tiers.shared_setup_group), away from the check."""
+    (tmp_path / "groups_printed.py").write_text(GROUPS_PRINTED)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/chaos/test_schedules.py", "--co", "-q", "-m", ""]
+        + ["-p", "no:cacheprovider", "-p", "no:xdist", "-p", "groups_printed"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    groups = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("GROUP ")]
+    assert len(groups) == 101 and set(groups) == {"chaos-schedules"}, done.stdout[-2000:]

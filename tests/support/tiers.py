@@ -121,6 +121,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = tier_of(item)
         if tier is not None:
             item.add_marker(tier)
+        # A group set by hand is kept: its module puts tests together that share more than a
+        # fixture (test_schedules' totals check reads what the schedules added up in its process).
         group = shared_process_group(item) or shared_setup_group(item)
-        if group is not None:
+        if group is not None and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group))
