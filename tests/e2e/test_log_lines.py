@@ -55,7 +55,9 @@ def test_the_gateway_logs_a_hostile_path_on_one_line(redis_server, tmp_path):
     try:
         path = "/v1/x%0A" + FORGED.replace(" ", "%20") + "%0D%1B[31m"
         with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
-            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Request-Id: {uuid.uuid4().hex}\r\n\r\n".encode())
+            sock.sendall(
+                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{gateway.port}\r\nX-Request-Id: {uuid.uuid4().hex}\r\n\r\n".encode()
+            )
             assert sock.recv(65536).startswith(b"HTTP/1.1 404")
         assert eventually(lambda: "GET '/v1/x\\n2026" in gateway.log(), timeout=10), gateway.log()
         assert_unforgeable(gateway.log())

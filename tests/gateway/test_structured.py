@@ -312,5 +312,7 @@ def test_a_grammar_being_compiled_holds_no_other_request(gateway):
         answers = [future.result() for future in compiling]
     assert all(answer.status_code == 400 for answer, _ in answers), [a.text for a, _ in answers]
     fastest = min(seconds for _, seconds in answers)
-    assert fastest > 0.6, "the grammars compiled too fast to hold anything"
+    # On the loop, /v1/models would wait for at least one compile (~0.5 s alone on this VM, seconds
+    # beside a loaded lane): it must stand well above a request's few ms to be seen.
+    assert fastest > 0.2, "the grammars compiled too fast to hold anything"
     assert waited < fastest / 3, (waited, [seconds for _, seconds in answers])
