@@ -32,6 +32,7 @@ from producer_client.errors import (
     InvalidJob,
     JobNotFound,
     JobTimeout,
+    MiliError,
 )
 from producer_client.keys import DONE_TTL_MS, NO_TENANT, Keys
 from producer_client.new_job import KnownParams, NewJob, build_job_of
@@ -128,40 +129,68 @@ def submit_steps(
     """Enqueue `jobs` chunk by chunk; returns their ids in order (`one_server`: not a cluster, so
     that one CREATE_MANY creates a chunk's jobs of fresh ids). Specs with the same request_id
     are one job. Raises BulkQueueFull when a stream fills up part-way, WaitingQuotaExceeded or
-    RateLimited when the tenant's limits stop it, each naming the ids of the specs enqueued (a
-    prefix of them on one shard; on several, each shard's chunks go in turn, and the ids are
-    those enqueued in order); UnknownAdapter, before any goes in, for an adapter no live worker
-    of the queue serves."""
+    RateLimited when the tenant's limits stop it; whatever MiliError stops it (those, and
+    InvalidQueueStream, IdempotencyConflict, RedisUnavailable...) names in `job_ids` the ids of the
+    specs enqueued (WentIn.ids_of); UnknownAdapter, before any goes in, for an adapter no live
+    worker of the queue serves."""
     yield from placement.check_adapters(keys, queue, [job.adapter for job in jobs])
     unique: dict[str, NewJob] = {}
     for job in jobs:
         unique.setdefault(job.job_id, job)
-    placed: set[str] = set()
+    went = WentIn(shards.count_of(queue))
     for into, chunk in shard_chunks(queue, list(unique.values()), shards):
-        sent = yield from enqueue_chunk(keys, queue, max_depth, chunk, placement, tenant, limits, one_server, into)
-        placed.update(sent.in_queue)
+        try:
+            sent = yield from enqueue_chunk(keys, queue, max_depth, chunk, placement, tenant, limits, one_server, into)
+        except MiliError as stopped:
+            stopped.job_ids = went.ids_of(jobs)
+            raise
+        went.add(sent)
         refusal = None
         if sent.refused:
-            done = enqueued_ids(jobs, placed, shards.count_of(queue))
-            refusal = chunk_refusal(sent.outcome, queue, tenant, max_depth, done)
+            refusal = chunk_refusal(sent, queue, tenant, max_depth, went.ids_of(jobs))
         yield from flag_chunk(keys, sent, refusal)
         if refusal is not None:
             raise refusal
     return [job.job_id for job in jobs]
 
 
-def enqueued_ids(jobs: list[NewJob], placed: set[str], shard_count: int) -> list[str]:
-    """The ids of the specs enqueued, as a refusal names them: those before the first spec not
-    `placed` on one shard (what went in is a prefix), every one placed, in order, on several."""
-    ids = [job.job_id for job in jobs]
-    if shard_count > 1:
-        return [job_id for job_id in ids if job_id in placed]
-    first_out = next(i for i, job_id in enumerate(ids) if job_id not in placed)
-    return ids[:first_out]
+class WentIn:
+    """What submit_many's chunks put in so far: `in_queue`, the ids of their jobs in the queue (found
+    there already or enqueued); `enqueued`, those the call enqueued; over `shard_count` shards."""
+
+    def __init__(self, shard_count: int):
+        self.in_queue: set[str] = set()
+        self.enqueued: set[str] = set()
+        self.shard_count = shard_count
+
+    def add(self, sent: ChunkSent) -> None:
+        self.in_queue.update(sent.in_queue)
+        self.enqueued.update(job.job_id for job in sent.enqueued)
+
+    def ids_of(self, jobs: list[NewJob]) -> list[str]:
+        """The ids of the specs enqueued, in order, as an error of submit_many names them. On one
+        shard: those before the first spec not in the queue (a prefix, so that submitting the
+        specs after it again carries on; a job found there already past it is not named), and any
+        later one this call enqueued: a job placed on a worker's stream that went in after one
+        the shared route refused (enqueue_placed), whose entry is in, and which no later submit
+        must lose. On several shards, where each shard's chunks go in turn: every spec in the
+        queue."""
+        ids = [job.job_id for job in jobs]
+        if self.shard_count > 1:
+            return [job_id for job_id in ids if job_id in self.in_queue]
+        first_out = next((i for i, job_id in enumerate(ids) if job_id not in self.in_queue), len(ids))
+        return ids[:first_out] + [job_id for job_id in ids[first_out:] if job_id in self.enqueued]
 
 
-def chunk_refusal(outcome: Enqueued, queue: str, tenant: str, max_depth: int | None, done: list[str]) -> Exception:
-    """The error of a chunk some of whose jobs did not go in, naming `done`, the specs enqueued."""
+def chunk_refusal(sent: ChunkSent, queue: str, tenant: str, max_depth: int | None, done: list[str]) -> Exception:
+    """The error of a chunk some of whose jobs did not go in, naming `done`, the specs enqueued: what
+    stopped its placed jobs (enqueue_placed) first, which asking again will not mend where it is
+    a stream of another type; else its lanes' refusal."""
+    if sent.stopped is not None:
+        if isinstance(sent.stopped, MiliError):
+            sent.stopped.job_ids = done
+        return sent.stopped
+    outcome = sent.outcome
     if outcome.refusal is Refusal.FULL:
         return BulkQueueFull(queue, int(outcome.values[0]), max_depth or 0, done)
     error = refusal_error(outcome, queue, tenant, max_depth, done)
@@ -197,9 +226,10 @@ def enqueue_chunk(
     hashes left to `flag_chunk`. A job whose enqueue fails or does not go in loses its hash, as
     in `submit`: a later submit with its request_id then enqueues it. Jobs placed on workers' own
     streams (which have no bound) go in once the lanes have taken their part, and only those
-    before the first job refused: what went in is still a prefix of the chunk. A tenant with
-    limits places nothing: its jobs all go through the lanes, where the limits are counted. `into`:
-    the name of the shard's keys the chunk's lane jobs go to (`queue` itself on one shard)."""
+    before the first job refused. What stops a placed job (enqueue_placed) stops it alone: one
+    placed that went in keeps its hash, and is named as enqueued. A tenant with limits places
+    nothing: its jobs all go through the lanes, where the limits are counted. `into`: the name of
+    the shard's keys the chunk's lane jobs go to (`queue` itself on one shard)."""
     found = yield from found_already(keys, [job for job in chunk if job.idempotent])
     to_add = [job for job in chunk if job.job_id not in found]
     if not to_add:
@@ -221,28 +251,34 @@ def enqueue_chunk(
     outcome = chunk_outcome(replies[-1], shared, tenant) if shared else Enqueued(0)
     cut = to_add.index(shared[outcome.added]) if outcome.added < len(shared) else len(to_add)
     placed = [(job, stream) for job, stream in zip(to_add[:cut], streams) if stream is not None]
-    if placed:
-        try:
-            yield from enqueue_placed(keys, queue, into, placed, placement, tenant, limits, one_server)
-        except Exception as stopped:
-            yield from undoing(forget_commands([job for job, _ in placed], keys), stopped)
-            raise
-    enqueued, refused = to_add[:cut], to_add[cut:]
-    in_queue = [job.job_id for job in chunk]
-    if refused:
-        in_queue = in_queue[: in_queue.index(refused[0].job_id)]
-    return ChunkSent(in_queue, enqueued, refused, outcome)
+    missed = (
+        (yield from enqueue_placed(keys, queue, into, placed, placement, tenant, limits, one_server))
+        if placed
+        else NONE_MISSED
+    )
+    out = {job.job_id for job in missed.jobs}
+    enqueued = [job for job in to_add[:cut] if job.job_id not in out]
+    in_queue = found | {job.job_id for job in enqueued}
+    return ChunkSent(
+        [job.job_id for job in chunk if job.job_id in in_queue],
+        enqueued,
+        missed.jobs + to_add[cut:],
+        outcome,
+        missed.error,
+    )
 
 
 class ChunkSent(NamedTuple):
-    """A chunk's enqueue: `in_queue`, the ids of its jobs in the queue now, up to the first that
-    did not go in; `enqueued`, the jobs this call enqueued; `refused`, those it created and did not
-    enqueue; the enqueue's `outcome`."""
+    """A chunk's enqueue: `in_queue`, the ids of its jobs in the queue now (found there or enqueued),
+    in order; `enqueued`, the jobs this call enqueued; `refused`, those it created and did not
+    enqueue; the lanes' `outcome`; `stopped`, what stopped placed jobs (enqueue_placed; None: none
+    was)."""
 
     in_queue: list[str]
     enqueued: list[NewJob]
     refused: list[NewJob]
     outcome: Enqueued
+    stopped: Exception | None = None
 
 
 def flag_chunk(keys: Keys, sent: ChunkSent, refusal: Exception | None) -> Steps[None]:
@@ -258,6 +294,17 @@ def flag_chunk(keys: Keys, sent: ChunkSent, refusal: Exception | None) -> Steps[
         checked((yield flag_commands(keys, sent.enqueued, [])))
 
 
+class Missed(NamedTuple):
+    """Placed jobs that did not go in, or may not have (their round trip failed), and the error that
+    stopped the first of them (None: none did)."""
+
+    jobs: list[NewJob]
+    error: Exception | None
+
+
+NONE_MISSED = Missed([], None)
+
+
 def enqueue_placed(
     keys: Keys,
     queue: str,
@@ -267,21 +314,45 @@ def enqueue_placed(
     tenant: str,
     limits: Limits,
     one_server: bool,
-) -> Steps[None]:
-    """The placed jobs' XADDs. Those whose worker's stream a producer made another type go to the
-    shared route instead (operations.placed_elsewhere), without a bound, as a placed entry has
-    none: a job admitted by its placement is not refused after it. The view is read again."""
-    replies = yield enqueue_placed_commands(placed, tenant)
-    checked([reply for reply in replies if not is_other_type(reply)])
-    elsewhere = [job for (job, _), reply in zip(placed, replies) if is_other_type(reply)]
+) -> Steps[Missed]:
+    """The placed jobs' XADDs; returns those that did not go in, and why. Those whose worker's
+    stream a producer made another type go to the shared route instead (enqueue_elsewhere), the
+    view read again. Whatever stops some, one whose XADD went in is not among them: its entry is in
+    its worker's stream, which will run it, and it keeps its hash. A round trip that failed as a
+    whole may have added any of them: they all lose their hash, as a submit's job does."""
+    jobs = [job for job, _ in placed]
+    try:
+        replies = yield enqueue_placed_commands(placed, tenant)
+    except Exception as stopped:
+        return Missed(jobs, stopped)
+    errors = [(job, reply) for job, reply in zip(jobs, replies) if isinstance(reply, Exception)]
+    elsewhere = [job for job, reply in errors if is_other_type(reply)]
+    failed = [(job, reply) for job, reply in errors if not is_other_type(reply)]
+    missed = Missed([job for job, _ in failed], failed[0][1] if failed else None)
     if not elsewhere:
-        return
+        return missed
     placement.forget_view(queue)
-    replies = yield enqueue_commands(keys, into, None, [], elsewhere, tenant, limits, one_server)
-    refuse_queue_stream_of_another_type(replies[-1], queue, elsewhere, tenant)
-    error = refusal_error(chunk_outcome(checked(replies)[-1], elsewhere, tenant), queue, tenant, None)
-    if error is not None:
-        raise error
+    more = yield from enqueue_elsewhere(keys, queue, into, elsewhere, tenant, limits, one_server)
+    return Missed(missed.jobs + more.jobs, missed.error or more.error)
+
+
+def enqueue_elsewhere(
+    keys: Keys, queue: str, into: str, jobs: list[NewJob], tenant: str, limits: Limits, one_server: bool
+) -> Steps[Missed]:
+    """`jobs`, whose placed XADDs met their worker's stream of another type (operations.placed_elsewhere),
+    on the shared route, without a bound, as a placed entry has none: a job admitted by its
+    placement is not refused after it. Returns those it did not take and why: a stream of the
+    route of another type (InvalidQueueStream), or a round trip that failed."""
+    try:
+        replies = yield enqueue_commands(keys, into, None, [], jobs, tenant, limits, one_server)
+        refuse_queue_stream_of_another_type(replies[-1], queue, jobs, tenant)
+        outcome = chunk_outcome(checked(replies)[-1], jobs, tenant)
+    except Exception as stopped:
+        return Missed(jobs, stopped)
+    if outcome.added == len(jobs):
+        return NONE_MISSED
+    error = refusal_error(outcome, queue, tenant, None)
+    return Missed(jobs[outcome.added :], error or UnknownReply("ENQUEUE_MANY or ENQUEUE_LANES", outcome))
 
 
 def chunk_outcome(reply: object, shared: list[NewJob], tenant: str) -> Enqueued:

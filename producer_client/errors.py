@@ -11,6 +11,9 @@ from producer_client.rate_limits import RateLimits
 
 class MiliError(Exception):
     code = "error"
+    # From submit_many: the ids of the specs enqueued when it stopped (bulk.enqueued_ids), whatever
+    # stopped it; None from any other call.
+    job_ids: list[str] | None = None
 
     def __init__(self, message: str):
         super().__init__(message)

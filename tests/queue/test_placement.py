@@ -17,8 +17,8 @@ import pytest
 from harness.echo_workers import GatedWorker, serving
 from harness.polling import eventually
 from producer_client import BulkQueueFull, Client, roots, steps
-from producer_client.errors import JobTimeout, UnknownAdapter
-from producer_client.keys import GROUP, Keys
+from producer_client.errors import InvalidQueueStream, JobTimeout, UnknownAdapter
+from producer_client.keys import GROUP, NO_TENANT, Keys
 from producer_client.new_job import build_job
 from producer_client.operations import enqueue_commands
 from producer_client.placement import (
@@ -703,9 +703,55 @@ def test_submit_many_sends_its_jobs_placed_on_a_stream_of_another_type_to_the_sh
     assert redis_client.type(KEYS.own_queue(queue, first)) == "hash"
 
 
-def beat_two_workers(redis_client, queue: str, slots: int) -> None:
-    """Heartbeats of workers a and b of `queue`, serving with placement and lanes (no worker runs)."""
-    for name in ("a", "b"):
+@pytest.mark.parametrize("tiers", ["placed", "mixed"])
+def test_submit_many_keeps_every_placed_job_that_went_in_when_the_shared_route_refuses_the_others(
+    redis_server, queue, redis_client, tiers
+):
+    """A chunk placed on two workers of two slots each, as their heartbeats say, whose first choice's
+    stream a producer made a hash: its jobs' XADDs fail (WRONGTYPE) and they go to the shared route,
+    whose stream is a hash too, and refuses them. On main the clean-up after that refusal took the
+    hashes of the jobs that went in on the second choice's stream too (their entries pointed at no
+    hash: lost), and the error named none of them. Now the error (InvalidQueueStream) names exactly
+    the jobs that went in, not a prefix: those on the second choice's stream and (`mixed`: a fifth
+    job of the default lane, past the free slots) the one on the shared stream, of the default
+    lane, whose refused jobs are of lane `priority`. Each keeps its hash and is served to its end
+    by the second choice's worker once it runs; the refused left no key."""
+    first, second = sorted(
+        (f"{queue}-a", f"{queue}-b"),
+        key=lambda n: rendezvous_score(prefix_key(request(prompt="same prompt")), n),
+        reverse=True,
+    )
+    beat_two_workers(redis_client, queue, slots=2, names=(first, second))
+    refused_lane = "priority" if tiers == "mixed" else "default"
+    ids = [f"{queue}-{i}" for i in range(5 if tiers == "mixed" else 4)]
+    jobs = [{"prompt": "same prompt", "max_tokens": 2, "request_id": job_id} for job_id in ids]
+    for job in jobs[:2]:
+        job["service_tier"] = refused_lane
+    with Client(redis_server.url, queue) as client:
+        client.placement.refresh_s = 3600
+        steps.run(client.redis, client.placement.streams_for(KEYS, queue, []))  # the view it keeps
+        plant_hash(redis_client, KEYS.own_queue(queue, first))
+        plant_hash(redis_client, KEYS.lane_stream(queue, refused_lane, NO_TENANT))
+        with pytest.raises(InvalidQueueStream) as refused:
+            client.submit_many(jobs)
+        went_in = ids[2:]
+        assert refused.value.job_ids == went_in
+        on_second = [f["id"] for _, f in redis_client.xrange(KEYS.own_queue(queue, second))]
+        assert on_second == ids[2:4]
+        if tiers == "mixed":
+            assert [f["id"] for _, f in redis_client.xrange(KEYS.queue(queue))] == ids[4:]
+        assert [redis_client.hget(KEYS.job(job_id), "status") for job_id in went_in] == ["queued"] * len(went_in)
+        assert [redis_client.exists(KEYS.job(job_id), KEYS.done(job_id)) for job_id in ids[:2]] == [0, 0]
+        redis_client.delete(KEYS.own_queue(queue, first), KEYS.lane_stream(queue, refused_lane, NO_TENANT))
+        redis_client.zrem(KEYS.workers(queue), first)
+        with serving(redis_server.url, queue, name=second, **FAST):
+            results = [client.result(job_id, timeout=30) for job_id in went_in]
+    assert [result.status for result in results] == ["done"] * len(went_in)
+
+
+def beat_two_workers(redis_client, queue: str, slots: int, names: tuple[str, str] = ("a", "b")) -> None:
+    """Heartbeats of workers `names` of `queue`, serving with placement and lanes (no worker runs)."""
+    for name in names:
         beat = {"name": name, "queue": queue, "state": "serving", "placement": 1, "lanes": 1}
         redis_client.hset(KEYS.worker(name), mapping={**beat, "slots": slots, "running": 0, "placed_held": 0})
         redis_client.zadd(KEYS.workers(queue), {name: time.time()})

@@ -18,7 +18,7 @@ from cli.__main__ import build_parser as mili_parser
 from cli.__main__ import main as mili_main
 from harness.echo_workers import GatedWorker, outcome_count, serving
 from harness.polling import eventually
-from producer_client import Client, JobFailed, steps
+from producer_client import BulkQueueFull, Client, JobFailed, steps
 from producer_client.cluster import master_count
 from producer_client.connection import connect
 from producer_client.errors import InvalidArgument, InvalidShardCount, ShardCountMismatch
@@ -214,6 +214,29 @@ def test_a_stored_count_that_is_no_count_is_a_typed_error_for_every_reader(redis
 
 
 # -- three shards on one server ---------------------------------------------------------------------
+
+
+def test_a_full_shard_names_every_job_in_the_queue_a_request_id_found_past_the_refused_one_too(
+    redis_server, redis_client, queue
+):
+    """Three shards of two entries each. A job of shard `x` is in already (request_id `old`). A
+    submit_many of two fresh request ids of `x`, `old` again and one of shard `y`: `x`'s chunk goes
+    first; its first job fits, the second is refused. On main BulkQueueFull's job_ids left `old`
+    out, in the queue past the refused job (its chunk's ids were cut at the first refused), where
+    the ids on several shards are every spec in the queue; `y`'s chunk is never sent."""
+    tag = uuid.uuid4().hex[:8]
+    by_shard: dict[int, list[str]] = {}
+    for i in range(200):
+        by_shard.setdefault(shard_of(f"{tag}-{i}", SHARDS), []).append(f"{tag}-{i}")
+    (old, x1, x2), (y1,) = by_shard[0][:3], by_shard[1][:1]
+    with Client(redis_server.url, queue, queue_shards=SHARDS, max_queue_depth=2) as client:
+        client.submit(old, max_tokens=1, request_id=old)
+        specs = [{"prompt": job_id, "max_tokens": 1, "request_id": job_id} for job_id in (x1, x2, old, y1)]
+        with pytest.raises(BulkQueueFull) as full:
+            client.submit_many(specs)
+    assert full.value.job_ids == [x1, old]
+    assert [fields["id"] for _, fields in redis_client.xrange(shard_streams(queue)[0])] == [old, x1]
+    assert [bool(redis_client.exists(KEYS.job(job_id))) for job_id in (x1, x2, old, y1)] == [True, False, True, False]
 
 
 def test_jobs_spread_over_the_shards_and_several_workers_serve_each_once(redis_server, redis_client, queue):
