@@ -138,19 +138,20 @@ def submit_steps(
     for job in jobs:
         unique.setdefault(job.job_id, job)
     went = WentIn(shards.count_of(queue))
-    for into, chunk in shard_chunks(queue, list(unique.values()), shards):
-        try:
+    try:
+        for into, chunk in shard_chunks(queue, list(unique.values()), shards):
             sent = yield from enqueue_chunk(keys, queue, max_depth, chunk, placement, tenant, limits, one_server, into)
-        except MiliError as stopped:
+            went.add(sent)
+            refusal = None
+            if sent.refused:
+                refusal = chunk_refusal(sent, queue, tenant, max_depth, went.ids_of(jobs))
+            yield from flag_chunk(keys, sent, refusal)
+            if refusal is not None:
+                raise refusal
+    except MiliError as stopped:
+        if stopped.job_ids is None:  # not a chunk's refusal, which names them already
             stopped.job_ids = went.ids_of(jobs)
-            raise
-        went.add(sent)
-        refusal = None
-        if sent.refused:
-            refusal = chunk_refusal(sent, queue, tenant, max_depth, went.ids_of(jobs))
-        yield from flag_chunk(keys, sent, refusal)
-        if refusal is not None:
-            raise refusal
+        raise
     return [job.job_id for job in jobs]
 
 

@@ -313,14 +313,23 @@ class RedisUnavailable(MiliError, redis.ConnectionError):
     """Redis could not be reached, or dropped the connection, for all of the call's tries (about 4 s
     on one server, 20 s under Sentinel or on a cluster): refused, reset, a name that does not
     resolve. `where` is the server as a message may show it, without the URL's credentials. A
-    redis-py ConnectionError too; the call may be sent again once Redis is back."""
+    redis-py ConnectionError too; the call may be sent again once Redis is back. `job_id`: the job
+    a call on one job was about (submit, result, cancel...; None: no one job), which the message
+    names too: a caller handling many jobs learns which call failed; a submit's job may or may not
+    be in (submitting it again with its request_id is safe)."""
 
     code = "redis_unavailable"
 
-    def __init__(self, where: str, detail: str):
-        super().__init__(f"Redis at {where} is unavailable: {detail}")
+    def __init__(self, where: str, detail: str, job_id: str | None = None):
+        about = "" if job_id is None else f" (a call on job {job_id!r})"
+        super().__init__(f"Redis at {where} is unavailable{about}: {detail}")
         self.where = where
         self.detail = detail  # redis-py's error, as its type and text
+        self.job_id = job_id
+
+    def of_job(self, job_id: str) -> RedisUnavailable:
+        """The same error, of a call on the job `job_id`; of its own kind (RedisTimedOut stays one)."""
+        return type(self)(self.where, self.detail, job_id)
 
 
 class RedisTimedOut(RedisUnavailable, redis.TimeoutError):

@@ -32,7 +32,7 @@ from producer_client.sharing import (
     reserve_call,
 )
 from producer_client.status_reads import read_status
-from producer_client.steps import Repeatable, Steps, checked, undoing
+from producer_client.steps import Repeatable, Steps, checked, naming_job, undoing
 from producer_client.validation import check_job_id, check_timeout
 from producer_client.waiting import (
     NOTHING_KNOWN,
@@ -48,7 +48,7 @@ from producer_client.waiting import (
 def submit(client: ClientBase, job: NewJob) -> Steps[str]:
     """Enqueue `job` on the client's queue, in its lane of the client's tenant, with its settings
     (bound, limits, replication, placement); returns its id."""
-    job_id, _, _ = yield from submit_reading(client, job, None)
+    job_id, _, _ = yield from naming_job(job.job_id, submit_reading(client, job, None))
     return job_id
 
 
@@ -58,7 +58,7 @@ def submit_rated(client: ClientBase, job: NewJob) -> Steps[Submitted]:
     first (UnknownAdapter), and so is a shard count other than the queue's (ShardCountMismatch). A
     refusal (the stream's bound, the tenant's waiting quota or a rate limit) removes the job's hash
     again and raises."""
-    job_id, limits, _ = yield from submit_reading(client, job, None)
+    job_id, limits, _ = yield from naming_job(job.job_id, submit_reading(client, job, None))
     return Submitted(job_id, limits)
 
 
@@ -285,7 +285,12 @@ def wait(keys: Keys, job_id: str, timeout: float | None, known: Known = NOTHING_
 
 
 def generate(client: ClientBase, job: NewJob, timeout: float | None) -> Steps[JobResult]:
-    """Client.generate: submit() of `job` (built of its keyword arguments), then wait(). Where
+    """Client.generate: generate_steps, whose RedisUnavailable names the job (naming_job)."""
+    return (yield from naming_job(job.job_id, generate_steps(client, job, timeout)))
+
+
+def generate_steps(client: ClientBase, job: NewJob, timeout: float | None) -> Steps[JobResult]:
+    """submit() of `job` (built of its keyword arguments), then wait(). Where
     first_read_block allows it, the wait's first blocking read goes in the enqueue's round trip,
     and the caller's timeout counts from its sending: a job that ends within that block costs one
     round trip. Elsewhere the timeout counts from the submit's end, as a wait()'s after a submit.

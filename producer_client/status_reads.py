@@ -16,7 +16,7 @@ from producer_client.protocol.backlog import read_backlogs, read_queue_streams
 from producer_client.protocol.clock import epoch_ms
 from producer_client.protocol.job_reads import job_fields
 from producer_client.schema import JobResult, JobStatus, QueueStats, WorkerInfo
-from producer_client.steps import Steps, T
+from producer_client.steps import Steps, T, naming_job
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +25,10 @@ def of_job(job_id: str, steps: Steps[T]) -> Steps[T]:
     """`steps`, an operation on the one job `job_id` (its status, result, events, cancel), where a
     key of the job holding another type (a WRONGTYPE reply: someone wrote a string at its hash or
     a stream key) raises InvalidJob: an error of that job alone, which asking again will not mend,
-    not a Redis failure (which a caller retries, and the gateway answers 503)."""
+    not a Redis failure (which a caller retries, and the gateway answers 503), whose
+    RedisUnavailable names the job (naming_job)."""
     try:
-        return (yield from steps)
+        return (yield from naming_job(job_id, steps))
     except redis.ResponseError as e:
         if reply_code(e) == "WRONGTYPE":
             raise InvalidJob(job_id, "a key of it holds a value of another type than its own") from None

@@ -10,6 +10,7 @@ import asyncio
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -17,7 +18,7 @@ import redis.exceptions
 
 from cli.__main__ import main as mili
 from harness.processes import REPO
-from producer_client import AsyncClient, Client, MiliError
+from producer_client import AsyncClient, Client, MiliError, bulk
 from producer_client.connection import is_fatal
 from producer_client.errors import CredentialsRefused, PermissionDenied, RedisTimedOut, RedisUnavailable
 from tests.support.acl import acl_server
@@ -97,11 +98,98 @@ def test_a_refused_connection_is_redis_unavailable_naming_the_host_without_the_p
     error = unavailable.value
     assert isinstance(error, redis.ConnectionError) and not is_fatal(error)
     assert error.code == "redis_unavailable"
+    assert error.job_id is not None  # the submit's job, which the message names
     assert error.message == (
-        f"Redis at 127.0.0.1:{port} is unavailable: ConnectionError: Error 111 connecting to 127.0.0.1:{port}. "
-        "Connection refused."
+        f"Redis at 127.0.0.1:{port} is unavailable (a call on job {error.job_id!r}): ConnectionError: Error 111 "
+        f"connecting to 127.0.0.1:{port}. Connection refused."
     )
     assert SECRET not in repr(error)
+
+
+# Each call on one job, as the clients make it (`request_id`: a submit's job id is known to the caller).
+ONE_JOB_CALLS = {
+    "submit": lambda c, job_id: c.submit(prompt="hi", max_tokens=1, request_id=f"{job_id}-new"),
+    "submit_rated": lambda c, job_id: c.submit_rated(prompt="hi", max_tokens=1, request_id=f"{job_id}-new"),
+    "generate": lambda c, job_id: c.generate("hi", max_tokens=1, request_id=f"{job_id}-new", timeout=30),
+    "status": lambda c, job_id: c.status(job_id),
+    "result": lambda c, job_id: c.result(job_id, timeout=30),
+    "wait": lambda c, job_id: c.wait(job_id, timeout=30),
+    "cancel": lambda c, job_id: c.cancel(job_id),
+    "stream": lambda c, job_id: list(c.stream(job_id, timeout=30)),
+}
+
+
+def test_redis_gone_under_a_call_on_one_job_is_redis_unavailable_naming_the_job():
+    """A server that went away after the job was submitted: each call on one job, at once in threads
+    (each spends its tries, about 4 s), raises RedisUnavailable whose job_id and message name the
+    job it was about (a submit's: the one it submitted), caused by redis-py's error. On main none
+    named its job: a caller with many jobs in flight could not tell which call failed."""
+    server = EmbeddedRedis(port=free_port()).start()
+    try:
+        client = Client(server.url, "q", placement=False)
+        job_id = client.submit(prompt="hi", max_tokens=1)
+    finally:
+        server.stop()
+    with client, ThreadPoolExecutor(len(ONE_JOB_CALLS)) as pool:
+        calls = {name: pool.submit(call, client, job_id) for name, call in ONE_JOB_CALLS.items()}
+        errors = {name: call.exception(timeout=60) for name, call in calls.items()}
+    for name, error in errors.items():
+        about = f"{job_id}-new" if name.startswith(("submit", "generate")) else job_id
+        assert isinstance(error, RedisUnavailable), (name, error)
+        assert error.job_id == about, name
+        assert error.message.startswith(
+            f"Redis at 127.0.0.1:{server.port} is unavailable (a call on job {about!r}): ConnectionError: "
+        ), (name, error.message)
+        assert isinstance(error.__cause__, redis.ConnectionError) and not isinstance(error.__cause__, MiliError)
+
+
+def test_redis_gone_under_the_asyncio_clients_call_on_one_job_names_the_job_too():
+    server = EmbeddedRedis(port=free_port()).start()
+
+    async def calls() -> list[BaseException | None]:
+        client = AsyncClient(server.url, "q", placement=False)
+        try:
+            job_id = await client.submit(prompt="hi", max_tokens=1)
+            server.stop()
+            outcomes = await asyncio.gather(
+                client.submit(prompt="hi", max_tokens=1, request_id=f"{job_id}-new"),
+                client.result(job_id, timeout=30),
+                client.cancel(job_id),
+                return_exceptions=True,
+            )
+            return [job_id, *outcomes]
+        finally:
+            await client.aclose()
+
+    try:
+        job_id, *errors = asyncio.run(calls())
+    finally:
+        server.stop()
+    assert [type(error) for error in errors] == [RedisUnavailable] * 3
+    assert [error.job_id for error in errors] == [f"{job_id}-new", job_id, job_id]
+
+
+def test_redis_gone_under_submit_many_is_redis_unavailable_naming_the_jobs_in_the_queue(monkeypatch):
+    """Chunks of two jobs; the server goes away before the first chunk's `enqueued` flags are set
+    (its jobs are in the queue): the RedisUnavailable that stops submit_many names those two as
+    BulkQueueFull would. On main it named none (job_ids: no such attribute)."""
+    server = EmbeddedRedis(port=free_port()).start()
+    flags = bulk.flag_commands
+
+    def server_gone(*args):
+        server.stop()
+        return flags(*args)
+
+    monkeypatch.setattr(bulk, "CHUNK", 2)
+    monkeypatch.setattr(bulk, "flag_commands", server_gone)
+    ids = [f"gone-{i}" for i in range(4)]
+    try:
+        with Client(server.url, "q", placement=False) as client:
+            with pytest.raises(RedisUnavailable) as unavailable:
+                client.submit_many([{"prompt": job_id, "max_tokens": 1, "request_id": job_id} for job_id in ids])
+    finally:
+        server.stop()
+    assert unavailable.value.job_ids == ids[:2]
 
 
 def test_a_silent_server_is_redis_timed_out_for_the_asyncio_client_too():
@@ -123,7 +211,9 @@ def test_a_silent_server_is_redis_timed_out_for_the_asyncio_client_too():
     error = timed_out.value
     assert isinstance(error, redis.TimeoutError) and isinstance(error, redis.ConnectionError)
     assert isinstance(error, RedisUnavailable) and error.code == "redis_unavailable"
-    assert error.message.startswith(f"Redis at 127.0.0.1:{port} is unavailable: TimeoutError: "), error.message
+    assert error.message.startswith(
+        f"Redis at 127.0.0.1:{port} is unavailable (a call on job {error.job_id!r}): TimeoutError: "
+    ), error.message
 
 
 def test_mili_says_an_acl_refusal_in_one_line_with_its_code(acl, capsys):
