@@ -20,18 +20,15 @@
   without a CORS preflight, and must not enqueue work through a browser that can reach the
   gateway. 415 otherwise, as FastAPI answers for its own JSON bodies since CVE-2021-32677.
 - **Where to.** An open gateway (no `api_keys`) answers a request only if its Host is an address,
-  `localhost`, a name under `.localhost`, or one of `allowed_hosts`. DNS rebinding: a page of
-  evil.example whose name its owner then points at 127.0.0.1 is of the gateway's origin for the
-  browser, so it sends any header and reads every answer, no CORS asked; its requests name its
-  own host. A keyed gateway answers any Host: such a page has no key, nor the board's cookie,
-  which the browser keeps per host.
+  `localhost`, a name under `.localhost`, or one of `allowed_hosts` (producer_client.hosts: DNS
+  rebinding; a worker's metrics answer by the same rule). A keyed gateway answers any Host: a
+  rebound page has no key, nor the board's cookie, which the browser keeps per host.
 """
 
 from __future__ import annotations
 
 import asyncio
 import email.message
-import ipaddress
 import time
 from dataclasses import dataclass
 
@@ -41,6 +38,7 @@ from starlette.responses import Response
 from gateway.api_keys import Access, AuthFailures, bearer_key
 from gateway.errors import RetryLater, headers_of, unauthorized
 from openai_format.errors import APIError
+from producer_client.hosts import Hosts
 
 # The form around a batch file (its boundary, headers and the purpose field) is far smaller.
 MULTIPART_OVERHEAD_BYTES = 64 << 10
@@ -71,47 +69,6 @@ class Limits:
         if path == "/board" or path.startswith("/board/"):
             return Policy(BOARD_BODY_BYTES, needs_key=False, json=False)  # the board checks its own
         return Policy(self.json_bytes, needs_key=False, json=False)
-
-
-@dataclass(frozen=True)
-class Hosts:
-    """The Host names a gateway answers: every one where `checked` is off (a keyed gateway, or
-    `allowed_hosts` holding "*"), else addresses, localhost, names under .localhost (RFC 6761:
-    browsers resolve them to loopback themselves, never through DNS) and `names`."""
-
-    names: frozenset[str]
-    checked: bool
-
-    @classmethod
-    def of(cls, allowed_hosts: list[str], keys_required: bool) -> Hosts:
-        names = frozenset(name.lower() for name in allowed_hosts)
-        return cls(names, checked=not keys_required and "*" not in names)
-
-    def allows(self, header: str | None) -> bool:
-        # No browser sends a request without a Host: one without it is no rebound page's.
-        if not self.checked or header is None:
-            return True
-        name = host_name(header)
-        return is_address(name) or name == "localhost" or name.endswith(".localhost") or name in self.names
-
-
-def host_name(header: str) -> str:
-    """A Host header's name or address, without its port or a final dot: `[::1]:8000` is `::1`,
-    `LocalHost.:8000` is `localhost`."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        return header[1:].partition("]")[0]
-    if header.count(":") == 1:
-        header = header.partition(":")[0]
-    return header.removesuffix(".")
-
-
-def is_address(name: str) -> bool:
-    try:
-        ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    return True
 
 
 class BodyTooLarge(Exception):

@@ -25,6 +25,7 @@ import redis
 from producer_client import logs
 from producer_client.connection import is_fatal, redact_url
 from producer_client.errors import InvalidArgument, MiliError, RedisRefused
+from producer_client.hosts import Hosts
 from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.embedded_redis import EmbeddedRedis
 from worker.engine.interface import EngineAPI
@@ -154,7 +155,7 @@ class MetricsPortTaken(MiliError):
 
 def serve_metrics(metrics: WorkerMetrics, settings: WorkerSettings) -> tuple[WSGIServer, int]:
     try:
-        return metrics.serve(settings.metrics_host, settings.metrics_port)
+        return metrics.serve(settings.metrics_host, settings.metrics_port, Hosts.of(settings.allowed_hosts))
     except OSError as e:
         raise MetricsPortTaken(
             f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port} ({e.strerror}): another worker "

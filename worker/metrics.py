@@ -3,10 +3,16 @@ worker's own (no global state: tests run several workers in one process)."""
 
 from __future__ import annotations
 
-from wsgiref.simple_server import WSGIServer
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
+from producer_client.hosts import Hosts
 from producer_client.keys import NO_TENANT
 from producer_client.schema import JobResult
 from worker.engine.outputs import EngineStats
@@ -54,6 +60,12 @@ LATENCY_BUCKETS = (
     480.0,
     960.0,
 )
+ALLOWED_BY_DEFAULT = Hosts.of([])  # addresses, localhost and *.localhost (allowed_hosts' default)
+HOST_NOT_ALLOWED = (
+    b"this worker's metrics answer a Host header naming an address, localhost or one of allowed_hosts only "
+    b"(MILI_ALLOWED_HOSTS, a JSON list)\n"
+)
+WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 OUTCOMES = ("done", "failed", "cancelled", "expired", "dead_lettered")
 TAKEN_FROM = ("own", "shared", "stolen", "reclaimed")
 
@@ -168,9 +180,13 @@ class WorkerMetrics:
             "mili_lora_adapter_installs", "LoRA adapters installed in a device slot.", registry=r
         )
 
-    def serve(self, host: str, port: int) -> tuple[WSGIServer, int]:
-        """Start the HTTP endpoint; returns (server, bound port). Port 0 binds any free port."""
-        server, _ = start_http_server(port, host, registry=self.registry)
+    def serve(self, host: str, port: int, hosts: Hosts = ALLOWED_BY_DEFAULT) -> tuple[WSGIServer, int]:
+        """Start the HTTP endpoint, in a thread of its own; returns (server, bound port). Port 0
+        binds any free port. A request whose Host `hosts` does not allow is answered 400, as the
+        gateway answers it (producer_client.hosts: a page rebound by DNS to a loopback port)."""
+        app = host_checked(make_wsgi_app(self.registry), hosts)
+        server = make_server(host, port, app, server_class_for(host), handler_class=QuietHandler)
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         return server, server.server_port
 
     def job_ended(self, result: JobResult) -> None:
@@ -223,3 +239,31 @@ class WorkerMetrics:
             self._engine_totals[name] = total
         if stats.cache_queried_tokens:
             self.prefix_cache_hit_rate.set(stats.cache_hit_tokens / stats.cache_queried_tokens)
+
+
+def host_checked(app: WSGIApp, hosts: Hosts) -> WSGIApp:
+    """`app`, answering 400 to a request whose Host `hosts` does not allow (the refused name is not
+    repeated: the header is the client's to fill)."""
+
+    def checked(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if hosts.allows(environ.get("HTTP_HOST")):
+            return app(environ, start_response)
+        start_response("400 Bad Request", [("Content-Type", "text/plain; charset=utf-8")])
+        return [HOST_NOT_ALLOWED]
+
+    return checked
+
+
+def server_class_for(host: str) -> type[WSGIServer]:
+    """prometheus_client's threading server (a scrape that hangs holds no other), of the address
+    family of `host` (an IPv6 address binds IPv6)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+
+
+class QuietHandler(WSGIRequestHandler):
+    """No log line per request: Prometheus scrapes every few seconds (prometheus_client's own
+    server is as quiet)."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass

@@ -136,6 +136,12 @@ class WorkerSettings(TomlSettings):
         "0.0.0.0 every interface (a container, whose image sets it)",
     )
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus endpoint port; 0 binds any free port")
+    allowed_hosts: list[str] = Field(
+        [],  # pydantic copies it for each instance
+        description="host names the Prometheus endpoint answers besides addresses, localhost and *.localhost "
+        '(JSON list, "*" for any): another is refused with 400, as a page rebound by DNS to the endpoint names one '
+        "(the gateway's setting of the same name)",
+    )
     healthcheck_timeout_s: float = Field(
         1.5,
         gt=0.0,
@@ -222,6 +228,14 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(
                 flag,
                 choices=typing.get_args(kind),
+                default=argparse.SUPPRESS,
+                help=field.description,
+            )
+        elif typing.get_origin(kind) is list:
+            parser.add_argument(
+                flag,
+                nargs="*",
+                metavar="NAME",
                 default=argparse.SUPPRESS,
                 help=field.description,
             )

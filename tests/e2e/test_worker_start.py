@@ -21,10 +21,12 @@ from harness.redis_servers import RestartableRedis
 from producer_client import Client
 from producer_client.keys import Keys
 from tests.support.workers import WorkerProcess
-from worker.__main__ import GC_YOUNG_THRESHOLD, frozen_startup_objects
+from worker.__main__ import GC_YOUNG_THRESHOLD, frozen_startup_objects, serve_metrics
 from worker.embedded_redis import EmbeddedRedis, free_port
+from worker.metrics import WorkerMetrics
 from worker.model.presets import PRESETS, write_random_checkpoint
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
+from worker.settings import WorkerSettings
 
 SECRET = "s3cret-Pa55"
 
@@ -168,8 +170,48 @@ def test_a_workers_metrics_listen_where_its_settings_say(host_flag, reachable_fr
             port = int(admin.hget(heartbeat, "metrics_port"))
             assert answers("127.0.0.1", port)
             assert answers(outside, port) is reachable_from_outside
+            assert metrics_status("127.0.0.1", port, f"127.0.0.1:{port}") == 200
+            assert metrics_status("127.0.0.1", port, "evil.example") == 400  # a page rebound by DNS
+            if reachable_from_outside:  # Prometheus scrapes a container by its address
+                assert metrics_status(outside, port, f"{outside}:{port}") == 200
         finally:
             worker.stop()
+
+
+def metrics_status(address: str, port: int, host: str) -> int:
+    """The status of a raw GET /metrics sent to `address`:`port` with `host` as its Host header."""
+    with socket.create_connection((address, port), timeout=10) as conn:
+        conn.sendall(f"GET /metrics HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        head = conn.makefile("rb").readline().decode()
+    return int(head.split()[1])
+
+
+@pytest.mark.parametrize(
+    ("allowed_hosts", "host", "status"),
+    [
+        ([], "evil.example", 400),
+        ([], "evil.example:{port}", 400),
+        ([], "127.0.0.1:{port}", 200),
+        ([], "[::1]:{port}", 200),
+        ([], "localhost:{port}", 200),
+        ([], "metrics.localhost", 200),
+        (["Metrics.Internal"], "metrics.internal:{port}", 200),
+        (["metrics.internal"], "evil.example", 400),
+        (["*"], "evil.example", 200),
+    ],
+)
+def test_a_workers_metrics_answer_a_host_the_gateways_rule_allows_only(allowed_hosts, host, status):
+    """A worker's metrics on loopback were readable by any page rebound by DNS to 127.0.0.1 (its
+    requests name its own host): they now answer as an open gateway does (producer_client.hosts),
+    with the worker's allowed_hosts (MILI_ALLOWED_HOSTS, as the gateway's). The endpoint the worker
+    starts (serve_metrics), asked with raw requests; on main every one was 200."""
+    settings = WorkerSettings.load(None, metrics_port=0, allowed_hosts=allowed_hosts)
+    server, port = serve_metrics(WorkerMetrics(), settings)
+    try:
+        assert metrics_status("127.0.0.1", port, host.format(port=port)) == status
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.cuda

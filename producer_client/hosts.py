@@ -1,0 +1,53 @@
+"""The Host names MILI's HTTP endpoints answer (the gateway's, a worker's metrics): DNS rebinding.
+A page of evil.example whose name its owner then points at 127.0.0.1 is of the endpoint's origin
+for the browser, so it sends any header and reads every answer, no CORS asked; but its requests
+name its own host. An endpoint open to anyone who reaches it answers a Host that is an address,
+`localhost`, a name under `.localhost`, or one its settings allow (`allowed_hosts`,
+MILI_ALLOWED_HOSTS). Imported by those programs only, as producer_client.settings: the one layer
+both import."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """The Host names an endpoint answers: every one where `checked` is off (a keyed gateway, or
+    `allowed_hosts` holding "*"), else addresses, localhost, names under .localhost (RFC 6761:
+    browsers resolve them to loopback themselves, never through DNS) and `names`."""
+
+    names: frozenset[str]
+    checked: bool
+
+    @classmethod
+    def of(cls, allowed_hosts: list[str], keys_required: bool = False) -> Hosts:
+        names = frozenset(name.lower() for name in allowed_hosts)
+        return cls(names, checked=not keys_required and "*" not in names)
+
+    def allows(self, header: str | None) -> bool:
+        # No browser sends a request without a Host: one without it is no rebound page's.
+        if not self.checked or header is None:
+            return True
+        name = host_name(header)
+        return is_address(name) or name == "localhost" or name.endswith(".localhost") or name in self.names
+
+
+def host_name(header: str) -> str:
+    """A Host header's name or address, without its port or a final dot: `[::1]:8000` is `::1`,
+    `LocalHost.:8000` is `localhost`."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    if header.count(":") == 1:
+        header = header.partition(":")[0]
+    return header.removesuffix(".")
+
+
+def is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
