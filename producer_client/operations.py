@@ -11,7 +11,7 @@ from typing import NamedTuple
 from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
 from producer_client.connection import is_other_type
-from producer_client.errors import JobNotFound, JobTimeout, NotReplicated
+from producer_client.errors import JobNotFound, JobTimeout, NotReplicated, RedisUnavailable
 from producer_client.keys import NO_TENANT, Keys
 from producer_client.new_job import NewJob
 from producer_client.protocol import job_reads
@@ -32,7 +32,7 @@ from producer_client.sharing import (
     reserve_call,
 )
 from producer_client.status_reads import read_status
-from producer_client.steps import Repeatable, Steps, checked, naming_job, undoing
+from producer_client.steps import Repeatable, Steps, checked, undoing
 from producer_client.validation import check_job_id, check_timeout
 from producer_client.waiting import (
     NOTHING_KNOWN,
@@ -48,7 +48,10 @@ from producer_client.waiting import (
 def submit(client: ClientBase, job: NewJob) -> Steps[str]:
     """Enqueue `job` on the client's queue, in its lane of the client's tenant, with its settings
     (bound, limits, replication, placement); returns its id."""
-    job_id, _, _ = yield from naming_job(job.job_id, submit_reading(client, job, None))
+    try:
+        job_id, _, _ = yield from submit_reading(client, job, None)
+    except RedisUnavailable as e:  # here, not in a generator around it: a submit's Python calls count
+        raise e.of_job(job.job_id) from e.__cause__
     return job_id
 
 
@@ -58,7 +61,10 @@ def submit_rated(client: ClientBase, job: NewJob) -> Steps[Submitted]:
     first (UnknownAdapter), and so is a shard count other than the queue's (ShardCountMismatch). A
     refusal (the stream's bound, the tenant's waiting quota or a rate limit) removes the job's hash
     again and raises."""
-    job_id, limits, _ = yield from naming_job(job.job_id, submit_reading(client, job, None))
+    try:
+        job_id, limits, _ = yield from submit_reading(client, job, None)
+    except RedisUnavailable as e:
+        raise e.of_job(job.job_id) from e.__cause__
     return Submitted(job_id, limits)
 
 
@@ -285,12 +291,7 @@ def wait(keys: Keys, job_id: str, timeout: float | None, known: Known = NOTHING_
 
 
 def generate(client: ClientBase, job: NewJob, timeout: float | None) -> Steps[JobResult]:
-    """Client.generate: generate_steps, whose RedisUnavailable names the job (naming_job)."""
-    return (yield from naming_job(job.job_id, generate_steps(client, job, timeout)))
-
-
-def generate_steps(client: ClientBase, job: NewJob, timeout: float | None) -> Steps[JobResult]:
-    """submit() of `job` (built of its keyword arguments), then wait(). Where
+    """Client.generate: submit() of `job` (built of its keyword arguments), then wait(). Where
     first_read_block allows it, the wait's first blocking read goes in the enqueue's round trip,
     and the caller's timeout counts from its sending: a job that ends within that block costs one
     round trip. Elsewhere the timeout counts from the submit's end, as a wait()'s after a submit.
@@ -298,15 +299,18 @@ def generate_steps(client: ClientBase, job: NewJob, timeout: float | None) -> St
     older."""
     timeout = check_timeout(timeout)
     deadline = Deadline(job.job_id, timeout)
-    job_id, _, first = yield from submit_reading(client, job, deadline)
-    known = client.submissions.known(job_id)
-    if first is None:
-        deadline = Deadline(job_id, timeout)
-    elif first.end is not None:
-        return finished(job_id, first.end)
-    else:
-        known = Known(known.expires_at, first.sent_at)  # its submit's moment, before the read blocked
-    return finished(job_id, (yield from wait_done(client.keys, job_id, deadline, *known)))
+    try:
+        job_id, _, first = yield from submit_reading(client, job, deadline)
+        known = client.submissions.known(job_id)
+        if first is None:
+            deadline = Deadline(job_id, timeout)
+        elif first.end is not None:
+            return finished(job_id, first.end)
+        else:
+            known = Known(known.expires_at, first.sent_at)  # its submit's moment, before the read blocked
+        return finished(job_id, (yield from wait_done(client.keys, job_id, deadline, *known)))
+    except RedisUnavailable as e:
+        raise e.of_job(job.job_id) from e.__cause__
 
 
 def expiry_of_new(job: NewJob) -> float | None:

@@ -9,14 +9,14 @@ import redis
 from pydantic import ValidationError
 
 from producer_client.connection import reply_code
-from producer_client.errors import InvalidJob, JobNotFound
+from producer_client.errors import InvalidJob, JobNotFound, RedisUnavailable
 from producer_client.keys import Keys
 from producer_client.protocol import registry
 from producer_client.protocol.backlog import read_backlogs, read_queue_streams
 from producer_client.protocol.clock import epoch_ms
 from producer_client.protocol.job_reads import job_fields
 from producer_client.schema import JobResult, JobStatus, QueueStats, WorkerInfo
-from producer_client.steps import Steps, T, naming_job
+from producer_client.steps import Steps, T
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +26,11 @@ def of_job(job_id: str, steps: Steps[T]) -> Steps[T]:
     key of the job holding another type (a WRONGTYPE reply: someone wrote a string at its hash or
     a stream key) raises InvalidJob: an error of that job alone, which asking again will not mend,
     not a Redis failure (which a caller retries, and the gateway answers 503), whose
-    RedisUnavailable names the job (naming_job)."""
+    RedisUnavailable names the job (RedisUnavailable.of_job)."""
     try:
-        return (yield from naming_job(job_id, steps))
+        return (yield from steps)
+    except RedisUnavailable as e:
+        raise e.of_job(job_id) from e.__cause__
     except redis.ResponseError as e:
         if reply_code(e) == "WRONGTYPE":
             raise InvalidJob(job_id, "a key of it holds a value of another type than its own") from None

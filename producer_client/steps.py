@@ -17,7 +17,6 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol, TypeVar
 
 from producer_client.cluster import AsyncRedis, SyncRedis
-from producer_client.errors import RedisUnavailable
 from producer_client.protocol import execution
 from producer_client.protocol.execution import Pipe, Replies
 from producer_client.protocol.script import Script
@@ -81,17 +80,6 @@ async def arun(client: AsyncRedis, steps: Steps[T], scripts: Sequence[Script] = 
     except StopIteration as done:
         outcome: T = done.value  # what the generator returned, a T as Steps[T] says
         return outcome
-
-
-def naming_job(job_id: str, steps: Steps[T]) -> Steps[T]:
-    """`steps`, an operation on the one job `job_id`, whose RedisUnavailable names that job
-    (RedisUnavailable.of_job), caused by what caused it."""
-    try:
-        return (yield from steps)
-    except RedisUnavailable as e:
-        if e.job_id is not None:
-            raise
-        raise e.of_job(job_id) from e.__cause__
 
 
 def checked(replies: Replies) -> Replies:
