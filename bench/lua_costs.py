@@ -10,10 +10,19 @@ code gives the same count within a few percent, where CPU time under other work 
 third), else its EVALSHA microseconds (INFO commandstats), and the microseconds of the commands
 the scripts ran (counted under their own names too).
 
-With `--before TREE` (a checkout of another commit), the trees alternate, each run in a process of
-its own started there, as bench.redis_cpu does.
+With `--wait`, each cycle is followed by one of the job's whole path as `generate()` and the worker
+send it, measured the same way: `submit`, each job's HSETNX, XADD and XREAD BLOCK of its `done`
+stream in one round trip on a connection of its own (the read blocks); READ, CLAIM_MANY; the
+PUBLISH_ROUND that ends the jobs, which now also wakes each job's blocked read and writes its
+reply; `settle`, the XACK and XDEL of the batch's entries (sent first in the worker's next READ
+pipeline); `forget`. Beside it, what the blocked reads cost: `submit` against the first cycle's
+HSETNX (`create`) and XADD (`enqueue`) in round trips of their own, and PUBLISH_ROUND with the
+readers against without.
 
-    python -m bench.lua_costs [--callgrind] [--batch 6 --jobs 1200 --cycles 3] [--before /tmp/base]
+With `--before TREE` (a checkout of another commit), the trees alternate, each run in a process of
+its own started there, as bench.redis_cpu does (`--wait` only where both trees have it).
+
+    python -m bench.lua_costs [--callgrind] [--batch 6 --jobs 1200 --cycles 3] [--wait] [--before /tmp/base]
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("enqueue", "read", "claim_many", "publish_round", "forget")
+WHOLE_PHASES = ("submit", "read", "claim_many", "publish_round", "settle", "forget")
+BLOCK_MS = 600_000  # a waiting reader's block: far past any cycle, valgrind's included
 BODY = json.dumps({"prompt": "hello world, job 00-000005", "params": {"max_tokens": 1, "temperature": 0.0}})
 QUEUE, WORKER = "bench", "w0"
 RESULT_PAD = "y" * 250  # a 1-token job's result JSON is about 400 bytes
@@ -52,14 +63,30 @@ class Server:
 
     def phase(self, pipelines: list[Callable[[Any], None]], jobs: int) -> tuple[dict, list]:
         """Runs each of `pipelines` as one round trip; returns the phase's figures per job and the replies."""
+        replies: list = []
+
+        def run() -> None:
+            for add in pipelines:
+                pipe = self.redis.pipeline(transaction=False)
+                add(pipe)
+                replies.append(pipe.execute())
+
+        return self.counted(run, jobs), replies
+
+    def reader(self) -> Any:
+        """A connection of its own to the server, outside the client's pool (a job's waiting producer)."""
+        import redis
+
+        connection = redis.Connection(**self.redis.connection_pool.connection_kwargs)
+        connection.connect()  # its handshake (HELLO) before any phase counts
+        return connection
+
+    def counted(self, run: Callable[[], None], jobs: int) -> dict:
+        """The figures per job of what `run` makes the server do."""
         self.redis.config_resetstat()
         if self.callgrind:
             subprocess.run(["callgrind_control", "-z", str(self.pid)], capture_output=True, check=True)
-        replies = []
-        for add in pipelines:
-            pipe = self.redis.pipeline(transaction=False)
-            add(pipe)
-            replies.append(pipe.execute())
+        run()
         if self.callgrind:
             subprocess.run(["callgrind_control", "-d", str(self.pid)], capture_output=True, check=True)
         stats = {k.removeprefix("cmdstat_"): v for k, v in self.redis.info("commandstats").items()}
@@ -72,7 +99,7 @@ class Server:
         }
         if self.callgrind:
             figures["kinstr"] = self.instructions() / jobs / 1000
-        return figures, replies
+        return figures
 
     def instructions(self) -> int:
         """The last callgrind dump's total: the instructions since the zeroing before it."""
@@ -91,8 +118,10 @@ def one_cycle(server: Server, jobs: int, batch: int) -> dict[str, dict]:
     keys = Keys()
     own = keys.own_queue(QUEUE, WORKER)
     ids = [uuid.uuid4().hex for _ in range(jobs)]
-    server.phase([functools.partial(producer.add_fresh_create, keys=keys, job_id=j, timeout_ms=0) for j in ids], jobs)
     out = {}
+    out["create"], _ = server.phase(
+        [functools.partial(producer.add_fresh_create, keys=keys, job_id=j, timeout_ms=0) for j in ids], jobs
+    )
     out["enqueue"], _ = server.phase([call.add_to for call in placed_entries(producer, own, ids)], jobs)
     read = worker.read(keys, QUEUE, WORKER, (256, 255, 16), 320, {}, (own, batch))
     out["read"], replies = server.phase([read.add_to] * (jobs // batch), jobs)
@@ -107,6 +136,47 @@ def one_cycle(server: Server, jobs: int, batch: int) -> dict[str, dict]:
     pipe = server.redis.pipeline(transaction=False)
     consumer.add_settled(pipe, own, [e for e, _ in entries])  # as the worker's next read does
     pipe.execute()
+    out["forget"], _ = server.phase([functools.partial(forget_done, keys, [j for _, j in c]) for c in chunks], jobs)
+    return out
+
+
+def whole_cycle(server: Server, jobs: int, batch: int) -> dict[str, dict]:
+    """`jobs` jobs through their whole path (WHOLE_PHASES), each job's submit and wait on a
+    connection of its own, as `generate()` sends them; each phase's figures."""
+    from producer_client.keys import Keys
+    from producer_client.protocol import consumer, job_reads, producer, worker
+
+    keys = Keys()
+    own = keys.own_queue(QUEUE, WORKER)
+    ids = [uuid.uuid4().hex for _ in range(jobs)]
+    readers = [server.reader() for _ in ids]
+
+    def submit() -> None:
+        for reader, job_id in zip(readers, ids):
+            pipe = server.redis.pipeline(transaction=False)
+            producer.add_fresh_create(pipe, keys, job_id, 0)
+            producer.PlacedEntry(own, job_id, BODY, {"cost": "8"}).add_to(pipe)
+            job_reads.add_ends_read(pipe, (keys.done(job_id),), BLOCK_MS)
+            reader.send_packed_command(reader.pack_commands([args for args, _ in pipe.command_stack]))
+            reader.read_response(), reader.read_response()  # the create's and the XADD's; the read blocks
+
+    out = {"submit": server.counted(submit, jobs)}
+    read = worker.read(keys, QUEUE, WORKER, (256, 255, 16), 320, {}, (own, batch))
+    out["read"], replies = server.phase([read.add_to] * (jobs // batch), jobs)
+    entries = [(e[0], dict(zip(e[1][::2], e[1][1::2]))["id"]) for (r,) in replies for _, _, es in r for e in es]
+    runs = {job_id: f"run:{i}" for i, (_, job_id) in enumerate(entries)}
+    chunks = [entries[at : at + batch] for at in range(0, len(entries), batch)]
+    claims = [worker.claim_many(keys, WORKER, 3600, [(j, f"{e}@{WORKER}", runs[j]) for e, j in c]) for c in chunks]
+    out["claim_many"], _ = server.phase([call.add_to for call in claims], jobs)
+    rounds = [worker.publish_round([final_publish(keys, job_id, runs[job_id]) for _, job_id in c]) for c in chunks]
+    out["publish_round"], replies = server.phase([call.add_to for call in rounds], jobs)
+    assert all(reply == "written" for (r,) in replies for reply in r), replies[0]
+    woken = [reader.read_response() for reader in readers]
+    assert all(woken), woken  # each read woke with its job's end (None: its block ran out)
+    for reader in readers:
+        reader.disconnect()
+    settled = [functools.partial(consumer.add_settled, stream=own, entry_ids=[e for e, _ in c]) for c in chunks]
+    out["settle"], _ = server.phase(settled, jobs)
     out["forget"], _ = server.phase([functools.partial(forget_done, keys, [j for _, j in c]) for c in chunks], jobs)
     return out
 
@@ -133,8 +203,9 @@ def final_publish(keys: Any, job_id: str, run: str) -> Any:
     return worker.publish(keys, job_id, run, start, '{"ids":[104],"text":"h"}', 0, 1, "done", result, 3600)
 
 
-def one_run(jobs: int, batch: int, cycles: int, callgrind: str) -> dict:
-    """A warm-up cycle, then `cycles` measured ones, on a fresh server; each figure's median."""
+def one_run(jobs: int, batch: int, cycles: int, callgrind: str, wait: bool = False) -> dict:
+    """A warm-up cycle, then `cycles` measured ones, on a fresh server; each figure's median. With
+    `wait`, each measured cycle is followed by a whole_cycle, its phases named `whole:<phase>`."""
     from producer_client.keys import Keys
     from producer_client.protocol import consumer, execution, worker
     from worker.embedded_redis import EmbeddedRedis, free_port
@@ -146,13 +217,18 @@ def one_run(jobs: int, batch: int, cycles: int, callgrind: str) -> dict:
         consumer.create_group(server.redis, Keys().queue(QUEUE), make_stream=True)
         consumer.create_group(server.redis, Keys().own_queue(QUEUE, WORKER), make_stream=True)
         one_cycle(server, jobs, batch)
-        measured = [one_cycle(server, jobs, batch) for _ in range(cycles)]
+        measured = []
+        for _ in range(cycles):
+            cycle = one_cycle(server, jobs, batch)
+            if wait:
+                cycle |= {f"whole:{phase}": figures for phase, figures in whole_cycle(server, jobs, batch).items()}
+            measured.append(cycle)
     return {
         phase: {
             **{f: statistics.median(c[phase][f] for c in measured) for f in measured[0][phase] if f != "commands"},
             "commands": measured[-1][phase]["commands"],
         }
-        for phase in PHASES
+        for phase in measured[0]
     }
 
 
@@ -171,6 +247,7 @@ def run_in(tree: Path, args: argparse.Namespace, wrapper: Path | None) -> dict:
     from bench.measure import one_run_in  # here: this file also runs in older trees, that lack it
 
     call = f"{args.jobs}, {args.batch}, {args.cycles}, {str(wrapper.parent) if wrapper else ''!r}"
+    call += ", wait=True" if args.wait else ""
     env = {"PATH": f"{wrapper.parent}:{os.environ['PATH']}"} if wrapper else None
     return one_run_in(tree, str(Path(__file__)), call, env)
 
@@ -195,6 +272,9 @@ def main() -> None:
     p.add_argument("--cycles", type=int, default=3, help="measured cycles a run, after one to warm up")
     p.add_argument("--rounds", type=int, default=1, help="runs of each tree")
     p.add_argument("--callgrind", action="store_true", help="count redis-server's instructions (valgrind)")
+    p.add_argument(
+        "--wait", action="store_true", help="also each job's whole path, its blocked read of `done` included"
+    )
     p.add_argument("--before", type=Path, help="a tree of the code to compare with, run in alternation")
     args = p.parse_args()
     trees = {"before": args.before, "after": ROOT} if args.before else {"this": ROOT}
@@ -204,7 +284,31 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, tree in trees.items():
                 runs[name].append(run_in(tree, args, wrapper))
-    print_table(runs, "kinstr" if args.callgrind else "evalsha_us")
+    figure = "kinstr" if args.callgrind else "evalsha_us"
+    print_table(runs, figure)
+    if args.wait:
+        print_whole(runs, figure)
+
+
+def print_whole(runs: dict[str, list[dict]], figure: str) -> None:
+    """The whole path's table (--wait), and what the blocked reads add: the submit's pipeline against
+    its create and XADD sent alone, PUBLISH_ROUND waking them against the same with no reader."""
+    print(f"\n| the whole path (--wait) | {' | '.join(runs)} |\n|---|" + "---|" * len(runs))
+
+    def cell(figures: list[dict], phase: str) -> float:
+        return statistics.median(r[phase][figure] for r in figures)
+
+    for phase in WHOLE_PHASES:
+        print(f"| {phase} | " + " | ".join(f"{cell(f, 'whole:' + phase):.2f}" for f in runs.values()) + " |")
+    totals = [sum(cell(f, "whole:" + phase) for phase in WHOLE_PHASES) for f in runs.values()]
+    print("| all | " + " | ".join(f"{total:.2f}" for total in totals) + " |")
+    alone = [cell(f, "create") + cell(f, "enqueue") for f in runs.values()]
+    print("| create + enqueue, round trips of their own | " + " | ".join(f"{a:.2f}" for a in alone) + " |")
+    print("| publish_round, no reader | " + " | ".join(f"{cell(f, 'publish_round'):.2f}" for f in runs.values()) + " |")
+    for phase in ("submit", "settle"):
+        for name, figures in runs.items():
+            commands = ", ".join(f"{c} {n:.2f}" for c, n in sorted(figures[-1][f"whole:{phase}"]["commands"].items()))
+            print(f"{phase} ({name}), commands a job: {commands}")
 
 
 def print_table(runs: dict[str, list[dict]], figure: str) -> None:

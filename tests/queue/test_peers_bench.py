@@ -142,3 +142,17 @@ def test_a_count_run_submits_its_jobs_between_the_go_and_its_line(redis_server, 
     assert redis_client.xlen(Keys().queue("bench")) == WARMUP_JOBS + 7
     producer.finish()
     assert producer.process.returncode == 0
+
+
+def test_lua_costs_whole_path_counts_each_jobs_submit_its_blocked_wait_and_its_settlement():
+    """bench.lua_costs --wait: a job's submit goes as generate() sends it (its create, its entry and
+    the blocking read of its done stream in one round trip), the PUBLISH_ROUND that ends it wakes
+    that read, and the worker's acknowledgement and deletion of its entry are counted too."""
+    from bench import lua_costs
+
+    run = lua_costs.one_run(12, 6, 1, "", wait=True)
+    assert run["whole:submit"]["commands"] == {"hsetnx": 1.0, "xadd": 1.0, "xread": 1.0}
+    assert run["whole:settle"]["commands"] == {"xack": 1 / 6, "xdel": 1 / 6}
+    assert run["whole:publish_round"]["commands"] == run["publish_round"]["commands"]
+    assert set(lua_costs.WHOLE_PHASES) <= {p.removeprefix("whole:") for p in run if p.startswith("whole:")}
+    assert "create" in run and set(lua_costs.PHASES) <= set(run)
