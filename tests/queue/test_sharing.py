@@ -248,6 +248,32 @@ def test_a_worker_full_of_default_jobs_takes_a_priority_job_in_the_iteration_aft
     assert max(r.timings.finished_at for r in results) < min(r.timings.finished_at for r in slow)
 
 
+def test_a_default_job_that_arrives_while_flex_entries_are_claimed_starts_before_the_next_step(
+    redis_server, queue, tenant
+):
+    """A flex job's entry is read; while the worker prepares its claim (its prompt tokenized, the
+    CLAIM not yet sent) a default job arrives. The claim's look at the higher lanes finds it, so it
+    is read and added to the engine in the same iteration, before the step that runs the flex job
+    first: not an iteration later, after that step, its publication and the next READ (behind a
+    flex flood, that iteration was most of a default job's wait)."""
+    with Client(redis_server.url, queue, tenant=tenant) as client, Client(redis_server.url, queue, tenant=tenant) as b:
+        with serving(redis_server.url, queue, step_s=0.01, engine_class=HeldEchoEngine) as worker:
+            engine = worker.engine
+            encode = engine.tokenizer.encode
+            arrived: list[str] = []
+
+            def arriving(text, *args, **kwargs):  # in the worker's admission, before the CLAIM
+                if text == "flex" and not arrived:
+                    arrived.append(b.submit("default", max_tokens=3))
+                return encode(text, *args, **kwargs)
+
+            engine.tokenizer.encode = arriving
+            flex = client.submit("flex", max_tokens=3, service_tier="flex")
+            assert client.result(flex, timeout=10).text == "fle"
+            assert b.result(arrived[0], timeout=10).text == "def"
+    assert engine.added_at_step[arrived[0]] == engine.added_at_step[flex]
+
+
 def test_tenants_of_a_lane_share_a_worker_by_tokens_not_by_jobs_sent(redis_server, queue):
     """One slot: a sent 8 jobs before b sent 2; b's run second and fourth, not after a's eight."""
     with ExitStack() as stack:

@@ -15,6 +15,7 @@ from producer_client.errors import MiliError
 from producer_client.keys import LANES
 from producer_client.protocol.clock import entry_time
 from producer_client.protocol.events import encode_start
+from producer_client.protocol.execution import AddCommands
 from producer_client.protocol.replies import ClaimOutcome
 from worker.loop.context import LoopContext
 from worker.loop.intake import Delivery, job_from_entry
@@ -23,6 +24,8 @@ from worker.loop.queue import HANDED_OVER_MIN_IDLE_MS
 from worker.loop.rejection import Rejections
 
 log = logging.getLogger(__name__)
+
+FLEX = LANES[2]
 
 
 class Admission:
@@ -103,19 +106,26 @@ class Admission:
             return HANDED_OVER_MIN_IDLE_MS
         return self.settings.claim_idle_ms
 
-    def admit(self) -> None:
+    def admit(self, look: AddCommands | None = None) -> bool:
         """Claim every entry taken and not yet admitted, and act on each claim's outcome. If the
         claims fail (Redis refuses them, the connection breaks), the entries stay held for the
-        next try."""
+        next try. `look` (QueueReads.higher_lanes_look): sent with the claims when every entry is
+        flex; returns whether it found a job waiting in a higher lane."""
         deliveries = self.holdings.unadmitted
         if not deliveries:
-            return
+            return False
         now = self.clock.now()
         runs = [f"{self.instance}:{next(self.claims)}" for _ in deliveries]
         prepared = [
             job_from_entry(d, run, now, self.settings, self.engine.tokenizer) for d, run in zip(deliveries, runs)
         ]
-        claims = self.job_commands.claim([(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)])
+        jobs = [(d.job_id, d.entry_id, run) for d, run in zip(deliveries, runs)]
+        found = False
+        if look is not None and all(d.route.lane == FLEX for d in deliveries):
+            claims, looked = self.job_commands.claim_and_look(jobs, look)
+            found = isinstance(looked, int) and looked > 0
+        else:
+            claims = self.job_commands.claim(jobs)
         self.holdings.claims_answered()
         resumed: list[tuple[Delivery, Job, int]] = []
         for d, run, job, claim in zip(deliveries, runs, prepared, claims):
@@ -142,6 +152,7 @@ class Admission:
                     self.start_unless_expired(job)
         if resumed:
             self._resume_all(resumed)
+        return found
 
     def add_to_engine(self, job: Job, start_event: str = "") -> bool:
         """Hand the job to the engine, continuing after its tokens so far (`start_event`: its run's

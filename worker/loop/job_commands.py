@@ -71,7 +71,7 @@ class JobCommands:
         cluster (the jobs' keys in many slots) one CLAIM each. An error in a job's place: its keys
         refused the script, or the reply is not one CLAIM gives (UnknownReply)."""
         if len(jobs) > 1 and not is_cluster(self.redis):
-            return self._claim_many(jobs)
+            return self._claim_many(jobs)[0]
 
         def add(pipe: Pipe) -> None:
             for job_id, entry_id, run in jobs:
@@ -79,12 +79,28 @@ class JobCommands:
 
         return [_parsed(parse_claim, r) for r in self._send(add, per_command_errors=True)]
 
-    def _claim_many(self, jobs: list[tuple[str, str, str]]) -> list[Claim | Exception]:
-        """CLAIM_MANY's replies, one per job; an error of the whole call (not a job's) in every
-        job's place, as separate CLAIMs would each have met it."""
+    def claim_and_look(
+        self, jobs: list[tuple[str, str, str]], look: AddCommands
+    ) -> tuple[list[Claim | Exception], Any]:
+        """claim()'s replies, on one server, and the reply of `look`, one command sent after the
+        claims in the same pipeline (what Redis holds once it has taken the claims)."""
+        return self._claim_many(jobs, look)
+
+    def _claim_many(
+        self, jobs: list[tuple[str, str, str]], look: AddCommands | None = None
+    ) -> tuple[list[Claim | Exception], Any]:
+        """CLAIM_MANY's replies, one per job (an error of the whole call, not a job's, in every
+        job's place, as separate CLAIMs would each have met it); and `look`'s reply, if any."""
         call = scripts.claim_many(self.keys, self.worker, self.result_ttl_s, jobs)
-        (reply,) = self._send(call.add_to, per_command_errors=True)
-        return [_parsed(parse_claim, r) for r in _per_job("CLAIM_MANY", reply, len(jobs))]
+
+        def add(pipe: Pipe) -> None:
+            call.add_to(pipe)
+            if look is not None:
+                look(pipe)
+
+        reply, *looked = self._send(add, per_command_errors=True)
+        claims = [_parsed(parse_claim, r) for r in _per_job("CLAIM_MANY", reply, len(jobs))]
+        return claims, looked[0] if looked else None
 
     def adopt(self, jobs: list[tuple[str, str]]) -> list[Adopted | Exception]:
         """ADOPT each (job id, run token) after Redis lost the group."""

@@ -104,6 +104,7 @@ class QueueReads:
         # On one server of one shard READ reads this worker's own stream too: one round trip a read.
         self.own_in_read = own is not None and len(shards.names) == 1 and not is_cluster(client)
         self.priority_lanes = [keys.lane(name, LANES[0]) for name in shards.names]  # see priority_waiting
+        self.default_lanes = [keys.lane(name, LANES[1]) for name in shards.names]  # see higher_lanes_look
         # The look of a full worker sent ahead, after its step (look_ahead), on one server.
         self.ahead = None if is_cluster(client) else LookAhead(client, self.priority_lanes)
         self.full = False  # the last read was a full worker's look
@@ -164,6 +165,26 @@ class QueueReads:
         leaves the doorbell as it is: the READs of the workers that can take the other lanes' work
         ring it while such work is left, and silence it once none is."""
         return int(self._send(lambda pipe: consumer.add_lanes_active(pipe, self.priority_lanes))[0]) > 0
+
+    def higher_lanes_look(self, rooms: tuple[int, int, int]) -> AddCommands | None:
+        """A look (one EXISTS, what priority_waiting asks) at the lanes above flex that `rooms` has
+        room for, to send with the claim of flex entries just read, on one server (None: no such
+        room, or a cluster, where the lanes' keys lie on other nodes than the jobs'). A job of those
+        lanes that arrived after the READ that took the flex entries is then read in the same loop
+        iteration (read_higher_lanes), not after its engine step and publication and the next
+        READ: behind a flex flood that iteration was most of a default job's wait (bench/RESULTS.md,
+        "A default job behind a flex flood read in the iteration it arrives in")."""
+        if is_cluster(self.redis):
+            return None
+        lanes = (self.priority_lanes if rooms[0] > 0 else []) + (self.default_lanes if rooms[1] > 0 else [])
+        if not lanes:
+            return None
+        return lambda pipe: consumer.add_lanes_active(pipe, lanes)
+
+    def read_higher_lanes(self, rooms: tuple[int, int, int]) -> list[Delivery]:
+        """READ of the priority and default lanes alone, up to `rooms` (flex gets none): after a look
+        found work there. Nothing to settle: the iteration's read settled it."""
+        return self._read_lanes(Settle([], (), []), (rooms[0], rooms[1], 0), {})
 
     def _read_own_and_lanes(
         self, settle: Settle, own: str, rooms: tuple[int, int, int], corrections: Owed

@@ -36,7 +36,7 @@ import redis
 from producer_client import steps
 from producer_client.cluster import SyncRedis, master_count
 from producer_client.connection import is_fatal
-from producer_client.keys import Keys
+from producer_client.keys import LANES, Keys
 from producer_client.protocol.replication import Replication
 from producer_client.protocol.shards import serving_count
 from worker.engine.interface import EngineAPI
@@ -46,6 +46,7 @@ from worker.loop.collection import Collector
 from worker.loop.context import LoopContext
 from worker.loop.exchanges import Exchanges
 from worker.loop.holdings import Holdings
+from worker.loop.intake import Delivery
 from worker.loop.isolation import EngineError, FailureIsolation
 from worker.loop.job_commands import JobCommands
 from worker.loop.ownership import Ownership
@@ -62,6 +63,7 @@ from worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 NO_ROOM = (0, 0, 0)
+FLEX = LANES[2]
 
 
 class Worker:
@@ -226,14 +228,24 @@ class Worker:
         idle = not (self.engine.has_unfinished() or self.holdings.unadmitted or self.holdings.has_updates())
         block_ms = max(1, min(self.settings.block_ms, self.ownership.ms_to_heartbeat())) if idle else None
         corrections = dict(self.holdings.ledger.owed)
-        read = self.queue.reads.read(self._rooms(), block_ms, *self.holdings.receipts(), corrections)
+        rooms = self._rooms()
+        read = self.queue.reads.read(rooms, block_ms, *self.holdings.receipts(), corrections)
         self.holdings.receipts_sent(corrections)
-        if read:  # most iterations of a full worker read nothing
+        self._take(read)
+        # Flex entries read count as room for the higher lanes (the engine preempts them), so the
+        # rooms of those lanes are what they were before the read.
+        look = self.queue.reads.higher_lanes_look(rooms) if read and all(d.route.lane == FLEX for d in read) else None
+        if self.admission.admit(look):
+            self._take(self.queue.reads.read_higher_lanes(rooms))
+            self.admission.admit()
+
+    def _take(self, read: list[Delivery]) -> None:
+        """Entries read, held until admitted (most iterations of a full worker read nothing)."""
+        if read:
             own = sum(1 for d in read if owner_of(d.entry_id) is not None)
             self.metrics.taken["own"].inc(own)
             self.metrics.taken["shared"].inc(len(read) - own)
         self.holdings.take(read)
-        self.admission.admit()
 
     def _settle_out_for_adoption(self) -> None:
         """Adoption replaces the jobs' updates: none may be out. A round sent after the loss
