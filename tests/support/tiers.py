@@ -17,6 +17,11 @@ scripts/test.sh runs those in a third pytest process beside the two xdist proces
 others (two more with --quick, where one ended last): their waits then overlap the others' work
 instead of adding to the run's time.
 
+Both `timing` and `waits` are written in the test's own module (`pytest.mark.timing`,
+`pytest.mark.waits`, on the test or as its module's `pytestmark`): scripts/test.sh gives their
+lanes only the modules whose text names their mark, so a test marked from elsewhere (a conftest, a
+helper) would run in no lane; the collection refuses it.
+
 Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) the tests that share processes
 started by a fixture of module scope or wider run on one xdist worker (their `xdist_group`), so
 those processes start once: a worker on the tiny model costs seconds of CPU to start. So do the
@@ -111,10 +116,37 @@ def tier_of(item: pytest.Function) -> str | None:
     return None
 
 
+# The marks scripts/test.sh runs in lanes of their own, which it finds by their modules' text.
+LANE_MARKS = ("timing", "waits")
+
+
+def marked_outside_their_module(items: list[pytest.Item]) -> list[str]:
+    """The tests that carry a lane's mark their module's text does not name: what test.sh's lanes,
+    given the modules that name it, would not collect (and the others deselect)."""
+    texts: dict[Path, str] = {}
+    outside = []
+    for item in items:
+        for mark in LANE_MARKS:
+            if item.get_closest_marker(mark) is None:
+                continue
+            path = Path(item.path)
+            if path not in texts:
+                texts[path] = path.read_text()
+            if f"pytest.mark.{mark}" not in texts[path]:
+                outside.append(f"{item.nodeid} ({mark})")
+    return outside
+
+
 # First: pytest-xdist's own hook reads each test's xdist_group to name its group, and runs before a
 # plain hook of a plugin loaded from a conftest; a group marked after it is no group at all.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    outside = marked_outside_their_module(items)
+    if outside:
+        raise pytest.UsageError(
+            "tests marked for a lane of their own where their module does not name the mark "
+            f"(scripts/test.sh would run them in no lane): {', '.join(outside)}"
+        )
     for item in items:
         if not isinstance(item, pytest.Function):
             continue
