@@ -19,12 +19,26 @@ import redis.exceptions
 from cli.__main__ import main as mili
 from harness.processes import REPO
 from producer_client import AsyncClient, Client, MiliError, bulk
-from producer_client.connection import is_fatal
-from producer_client.errors import CredentialsRefused, PermissionDenied, RedisTimedOut, RedisUnavailable
+from producer_client.connection import is_fatal, reply_code
+from producer_client.errors import (
+    CredentialsRefused,
+    PermissionDenied,
+    RedisOutOfMemory,
+    RedisReadOnly,
+    RedisTimedOut,
+    RedisUnavailable,
+)
 from tests.support.acl import acl_server
 from worker.embedded_redis import EmbeddedRedis, free_port
+from worker.loop.queue import is_transient
 
 SECRET = "hunter2-not-shown"
+# Each way Redis refuses writes for now (maxmemory 1 with noeviction; a replica of a master that
+# never answers), and how it takes them again.
+WRITES_REFUSED = {
+    "oom": (RedisOutOfMemory, lambda r: r.config_set("maxmemory", 1), lambda r: r.config_set("maxmemory", 0)),
+    "readonly": (RedisReadOnly, lambda r: r.replicaof("127.0.0.1", free_port()), lambda r: r.replicaof("NO", "ONE")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +118,33 @@ def test_a_refused_connection_is_redis_unavailable_naming_the_host_without_the_p
         f"connecting to 127.0.0.1:{port}. Connection refused."
     )
     assert SECRET not in repr(error)
+
+
+@pytest.mark.parametrize("refusal", list(WRITES_REFUSED))
+def test_writes_redis_refuses_for_now_are_the_typed_error_naming_the_command(refusal):
+    """Memory full under noeviction (OOM), a replica's copy (READONLY): a submit raised redis-py's
+    raw error on main. Now it is RedisOutOfMemory (RedisReadOnly), a MiliError that names the
+    command refused, still redis-py's class with its reply's first word, and an error the worker
+    waits out (is_transient); code redis_unavailable: sending it again helps once Redis takes
+    writes again."""
+    kind, refuse, allow = WRITES_REFUSED[refusal]
+    with EmbeddedRedis(port=free_port()) as server, redis.Redis.from_url(server.url) as admin:
+        with Client(server.url, "q", placement=False) as client:
+            refuse(admin)
+            try:
+                with pytest.raises(kind) as refused:
+                    client.submit(prompt="hi", max_tokens=1, request_id="refused-1")
+            finally:
+                allow(admin)
+    error = refused.value
+    redis_class = redis.exceptions.OutOfMemoryError if refusal == "oom" else redis.exceptions.ReadOnlyError
+    assert isinstance(error, MiliError) and isinstance(error, redis_class)
+    assert (error.code, reply_code(error), is_transient(error)) == ("redis_unavailable", refusal.upper(), True)
+    assert error.command == "a script (EVALSHA) on key 'mili:job:{refused-1}'"
+    assert error.message == (
+        f"Redis refused a script (EVALSHA) on key 'mili:job:{{refused-1}}' for now ({refusal.upper()} {error.detail}): try again "
+        "once it takes writes"
+    )
 
 
 # Each call on one job, as the clients make it (`request_id`: a submit's job id is known to the caller).
