@@ -19,6 +19,7 @@ from producer_client.errors import (
     QueueFull,
     RateLimited,
     RedisUnavailable,
+    WritesRefused,
 )
 
 
@@ -94,6 +95,8 @@ def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
         )
     if isinstance(error, RedisUnavailable):  # the client's error names the server; redis-py's text does too
         return unavailable(error.detail)
+    if isinstance(error, WritesRefused):  # memory full or a replica's copy: as Redis away, for now
+        return unavailable(error.message)
     if isinstance(error, MiliError):
         return error_of(error)
     if isinstance(error, redis.RedisError):

@@ -19,10 +19,13 @@ from producer_client.errors import (
     PermissionDenied,
     QueueFull,
     RateLimited,
+    RedisOutOfMemory,
+    RedisReadOnly,
     RedisTimedOut,
     RedisUnavailable,
     UnknownAdapter,
     WaitingQuotaExceeded,
+    WritesRefused,
 )
 from producer_client.schema import (
     JobExpired,
@@ -60,6 +63,8 @@ __all__ = [
     "QueueFull",
     "QueueStats",
     "RateLimited",
+    "RedisOutOfMemory",
+    "RedisReadOnly",
     "RedisTimedOut",
     "RedisUnavailable",
     "ResultWatch",
@@ -70,5 +75,6 @@ __all__ = [
     "Usage",
     "WaitingQuotaExceeded",
     "WorkerInfo",
+    "WritesRefused",
     "errors",
 ]

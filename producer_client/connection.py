@@ -47,6 +47,8 @@ from producer_client.errors import (
     InvalidArgument,
     MiliError,
     PermissionDenied,
+    RedisOutOfMemory,
+    RedisReadOnly,
     RedisTimedOut,
     RedisUnavailable,
 )
@@ -274,20 +276,39 @@ def raise_typed(error: Exception, client: object, commands: Sequence[tuple[Any, 
     raise typed from error
 
 
+def typed_refusal(args: tuple[Any, ...], error: Exception) -> Exception:
+    """The error reply `error` of the command of `args` as MILI's typed error where it has one
+    (PermissionDenied for NOPERM, RedisOutOfMemory for OOM, RedisReadOnly for READONLY), each a
+    kind of redis-py's class: a caller of many jobs (submit_many) learns from it which went in
+    (MiliError.job_ids). Any other reply as it is."""
+    if isinstance(error, MiliError):
+        return error
+    if isinstance(error, redis.exceptions.NoPermissionError):
+        return permission_denied(args, error)
+    if isinstance(error, redis.exceptions.OutOfMemoryError):
+        return RedisOutOfMemory(command_of(args), str(error))
+    if isinstance(error, redis.exceptions.ReadOnlyError):
+        return RedisReadOnly(command_of(args), str(error))
+    return error
+
+
 def permission_denied(args: tuple[Any, ...], error: BaseException) -> PermissionDenied:
-    """The NOPERM reply `error` of the command of `args` as PermissionDenied, naming the command and
-    the key its rights are about: a script's first key (each script's keys are of one owner: the
-    producers' or the workers', docs/security.md), else a command's first argument."""
+    """The NOPERM reply `error` of the command of `args` as PermissionDenied (command_of)."""
+    return PermissionDenied(command_of(args), str(error))
+
+
+def command_of(args: tuple[Any, ...]) -> str:
+    """The command of `args` as an error names it, with the key its rights are about: a script's
+    first key (each script's keys are of one owner: the producers' or the workers',
+    docs/security.md), else a command's first argument."""
     name = str(args[0]).upper()
     if name in _SCRIPT_CALLS:
-        command = (
+        return (
             f"a script ({name}) on key {args[3]!r}" if len(args) > 3 and str(args[2]) != "0" else f"a script ({name})"
         )
-    elif len(args) > 1 and name not in ("XREAD", "XREADGROUP"):
-        command = f"{name} on {args[1]!r}"
-    else:
-        command = name
-    return PermissionDenied(command, str(error))
+    if len(args) > 1 and name not in ("XREAD", "XREADGROUP"):
+        return f"{name} on {args[1]!r}"
+    return name
 
 
 def server_of(client: object) -> str:

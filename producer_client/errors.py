@@ -11,7 +11,7 @@ from producer_client.rate_limits import RateLimits
 
 class MiliError(Exception):
     code = "error"
-    # From submit_many: the ids of the specs enqueued when it stopped (bulk.enqueued_ids), whatever
+    # From submit_many: the ids of the specs enqueued when it stopped (bulk.WentIn.ids_of), whatever
     # stopped it; None from any other call.
     job_ids: list[str] | None = None
 
@@ -277,6 +277,33 @@ class PermissionDenied(MiliError, redis.exceptions.NoPermissionError):
         self.command = command
         self.detail = detail
         self.status_code = "NOPERM"  # where redis-py keeps an error reply's first word (connection.reply_code)
+
+
+class WritesRefused(MiliError):
+    """Redis refused a command's writes for now: memory full under maxmemory with `noeviction`
+    (OOM), or a replica's copy (READONLY: a master demoted in a failover). Nothing of the command
+    was written; as with RedisUnavailable, sending it again helps once Redis takes writes again.
+    `command` names it as PermissionDenied's does, `detail` is Redis's reason. Each kind is also
+    the redis-py class it stands for, so that code written against redis-py's class still catches
+    it; from submit_many, `job_ids` names the jobs in the queue."""
+
+    code = "redis_unavailable"
+    reply = ""  # the first word of Redis's reply, which redis-py strips from the message
+    status_code: str | None  # as redis-py's RedisError, the other base of each kind
+
+    def __init__(self, command: str, detail: str):
+        super().__init__(f"Redis refused {command} for now ({self.reply} {detail}): try again once it takes writes")
+        self.command = command
+        self.detail = detail
+        self.status_code = self.reply  # where redis-py keeps an error reply's first word (connection.reply_code)
+
+
+class RedisOutOfMemory(WritesRefused, redis.exceptions.OutOfMemoryError):
+    reply = "OOM"
+
+
+class RedisReadOnly(WritesRefused, redis.exceptions.ReadOnlyError):
+    reply = "READONLY"
 
 
 class CredentialsRefused(MiliError, redis.AuthenticationError):

@@ -15,7 +15,7 @@ from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.client import CaseInsensitiveDict
 from redis.cluster import ClusterNode
 from redis.commands.core import CoreCommands
-from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from producer_client.cluster import (
     NODE_ERRORS,
@@ -26,7 +26,7 @@ from producer_client.cluster import (
     is_cluster,
     topology_errors,
 )
-from producer_client.connection import REDIS_FAILURES, permission_denied, raise_typed
+from producer_client.connection import REDIS_FAILURES, raise_typed, typed_refusal
 from producer_client.pooling import ASYNC_EXCHANGE_POOLS, EXCHANGE_POOLS
 from producer_client.protocol.producer import PRODUCER_SCRIPTS
 from producer_client.protocol.script import Script
@@ -353,12 +353,12 @@ def _any_refused(replies: Replies) -> bool:
 
 
 def _refused(args: tuple[Any, ...], options: dict[str, Any], error: ResponseError) -> Any:
-    """What a command's error reply stands for: the error, in the command's place, NOPERM as
-    PermissionDenied (naming the command); but a WAIT whose node refused it (a master turned
-    replica) vouches for nothing: 0."""
+    """What a command's error reply stands for: the error, in the command's place, MILI's typed
+    error where it has one (connection.typed_refusal: NOPERM, OOM, READONLY, naming the command);
+    but a WAIT whose node refused it (a master turned replica) vouches for nothing: 0."""
     if _NODE_OF in options:
         return 0
-    return permission_denied(args, error) if isinstance(error, NoPermissionError) else error
+    return typed_refusal(args, error)
 
 
 def _packed(connection: Any, stack: Stack) -> list[bytes]:
@@ -459,10 +459,10 @@ def _node_errors_raised(replies: Replies) -> Replies:
 
 
 def _typed_refusals(replies: Replies, stack: Stack) -> Replies:
-    """`replies` of a cluster's pipeline of `stack`, each NOPERM as PermissionDenied (_refused does
-    it for one server's, as it reads them)."""
+    """`replies` of a cluster's pipeline of `stack`, each error reply typed as _refused types one
+    server's as it reads them (connection.typed_refusal)."""
     return [
-        permission_denied(args, reply) if isinstance(reply, NoPermissionError) else reply
+        typed_refusal(args, reply) if isinstance(reply, ResponseError) else reply
         for (args, _), reply in zip(stack, replies)
     ]
 

@@ -13,11 +13,13 @@ import openai
 import pytest
 
 from gateway.api_keys import tenant_id
+from gateway.errors import api_error_of
 from harness.polling import eventually
 from openai_format.errors import APIError
 from openai_format.job_specs import parse_body
 from openai_format.requests import ChatCompletionRequest
 from producer_client import Client
+from producer_client.errors import RedisOutOfMemory, RedisReadOnly
 from producer_client.keys import Keys
 from tests.gateway.support import ECHO_QUEUE, PARKED_MODEL
 from tests.support.gateways import GatewayProcess
@@ -303,6 +305,21 @@ def test_redis_unreachable_is_a_503(tmp_path):
         "the queue's Redis is unavailable: ConnectionError: "
         f"Error 111 connecting to 127.0.0.1:{port}. Connection refused."
     )
+
+
+@pytest.mark.parametrize("kind", [RedisOutOfMemory, RedisReadOnly])
+def test_writes_redis_refuses_for_now_are_a_503_as_redis_away(kind):
+    """Memory full or a replica's copy: the client's typed error (a MiliError now, redis-py's raw
+    error before) is answered as Redis away, 503 redis_unavailable, which the SDKs retry; not the
+    500 of a MiliError the gateway knows no status for."""
+    refused = kind("XADD on 'mili:q:{q}'", "refused")
+    error = api_error_of(refused, retry_after_s=1)
+    assert (error.status, error.body.error.type, error.body.error.code) == (
+        503,
+        "service_unavailable_error",
+        "redis_unavailable",
+    )
+    assert error.body.error.message == f"the queue's Redis is unavailable: {refused.message}"
 
 
 def test_refused_credentials_are_a_final_500_that_shows_no_password(redis_server, tmp_path):

@@ -13,10 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import pytest
+import redis
+import redis.exceptions
 
 from harness.echo_workers import GatedWorker, serving
 from harness.polling import eventually
-from producer_client import BulkQueueFull, Client, roots, steps
+from producer_client import BulkQueueFull, Client, bulk, roots, steps
 from producer_client.errors import InvalidQueueStream, JobTimeout, UnknownAdapter
 from producer_client.keys import GROUP, NO_TENANT, Keys
 from producer_client.new_job import build_job
@@ -36,8 +38,10 @@ from producer_client.protocol.replies import is_entry_id
 from producer_client.roots import PREFIX_CHARS, PREFIX_IDS
 from producer_client.schema import JobRequest, JobResult
 from producer_client.waiting import MAX_BLOCK_MS
+from tests.queue.test_redis_errors import WRITES_REFUSED
 from tests.support.fixtures import on_modes
 from tests.support.jobs import assert_one_final_result, tokens_published
+from worker.embedded_redis import EmbeddedRedis, free_port
 from worker.model.presets import resolve_model_path
 from worker.model.qwen_tokenizer import load_qwen_ranks
 from worker.model.tokenizer import Tokenizer
@@ -747,6 +751,46 @@ def test_submit_many_keeps_every_placed_job_that_went_in_when_the_shared_route_r
         with serving(redis_server.url, queue, name=second, **FAST):
             results = [client.result(job_id, timeout=30) for job_id in went_in]
     assert [result.status for result in results] == ["done"] * len(went_in)
+
+
+@pytest.mark.parametrize("refusal", list(WRITES_REFUSED))
+def test_submit_many_whose_placed_xadds_redis_refuses_for_now_raises_the_typed_error_naming_the_jobs_in(
+    queue, monkeypatch, refusal
+):
+    """Five jobs of one prompt on two workers of two slots each, as their heartbeats say: four placed
+    (two on each), the fifth on the shared stream. Redis refuses writes (OOM, READONLY) once the
+    lanes took theirs, before the placed XADDs, and takes them again for the clean-up. On main the
+    XADDs' refusal was redis-py's raw OutOfMemoryError (ReadOnlyError), naming no job; now it is
+    RedisOutOfMemory (RedisReadOnly), as a submit's, a kind of redis-py's class, whose job_ids are
+    exactly the job in the queue: the fifth. It keeps its hash and entry; the four have neither."""
+    kind, refuse, allow = WRITES_REFUSED[refusal]
+    ids = [f"{queue}-{i}" for i in range(5)]
+    placed = bulk.enqueue_placed_commands
+    flags = bulk.flag_commands
+
+    def refused_first(*args):
+        refuse(admin)
+        return placed(*args)
+
+    def allowed_again(*args):
+        allow(admin)
+        return flags(*args)
+
+    with EmbeddedRedis(port=free_port()) as server, redis.Redis.from_url(server.url, decode_responses=True) as admin:
+        beat_two_workers(admin, queue, slots=2)
+        with Client(server.url, queue) as client:
+            client.placement.refresh_s = 3600
+            steps.run(client.redis, client.placement.streams_for(KEYS, queue, []))  # the view it keeps
+            monkeypatch.setattr(bulk, "enqueue_placed_commands", refused_first)
+            monkeypatch.setattr(bulk, "flag_commands", allowed_again)
+            with pytest.raises(kind) as stopped:
+                client.submit_many([{"prompt": "same prompt", "max_tokens": 1, "request_id": i} for i in ids])
+        assert isinstance(stopped.value, (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError))
+        assert stopped.value.command.startswith("XADD on 'mili:q:{"), stopped.value.command
+        assert stopped.value.job_ids == ids[4:]
+        assert [f["id"] for _, f in admin.xrange(KEYS.queue(queue))] == ids[4:]
+        assert [admin.exists(KEYS.own_queue(queue, name)) for name in ("a", "b")] == [0, 0]
+        assert [admin.hget(KEYS.job(job_id), "status") for job_id in ids] == [None] * 4 + ["queued"]
 
 
 def beat_two_workers(redis_client, queue: str, slots: int, names: tuple[str, str] = ("a", "b")) -> None:

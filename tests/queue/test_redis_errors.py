@@ -10,7 +10,9 @@ import asyncio
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import pytest
 import redis
@@ -18,13 +20,33 @@ import redis.exceptions
 
 from cli.__main__ import main as mili
 from harness.processes import REPO
-from producer_client import AsyncClient, Client, MiliError, bulk
-from producer_client.connection import is_fatal
-from producer_client.errors import CredentialsRefused, PermissionDenied, RedisTimedOut, RedisUnavailable
+from harness.redis_servers import RestartableRedis
+from producer_client import AsyncClient, Client, MiliError, bulk, steps
+from producer_client.connection import is_fatal, reply_code
+from producer_client.errors import (
+    CredentialsRefused,
+    PermissionDenied,
+    RedisOutOfMemory,
+    RedisReadOnly,
+    RedisTimedOut,
+    RedisUnavailable,
+)
+from producer_client.keys import Keys
+from producer_client.placement import prefix_key, rendezvous_score
+from producer_client.schema import JobRequest
 from tests.support.acl import acl_server
 from worker.embedded_redis import EmbeddedRedis, free_port
+from worker.loop.queue import is_transient
 
 SECRET = "hunter2-not-shown"
+KEYS = Keys()
+T = TypeVar("T")
+# Each way Redis refuses writes for now (maxmemory 1 with noeviction; a replica of a master that
+# never answers), and how it takes them again.
+WRITES_REFUSED = {
+    "oom": (RedisOutOfMemory, lambda r: r.config_set("maxmemory", 1), lambda r: r.config_set("maxmemory", 0)),
+    "readonly": (RedisReadOnly, lambda r: r.replicaof("127.0.0.1", free_port()), lambda r: r.replicaof("NO", "ONE")),
+}
 
 # Its tests of an unreachable or silent server wait out the client's tries (~13 s of its run): 0.9 s
 # of CPU over its 16.7 s alone, at load 9: tests/support/tiers.py's `waits`.
@@ -108,6 +130,33 @@ def test_a_refused_connection_is_redis_unavailable_naming_the_host_without_the_p
         f"connecting to 127.0.0.1:{port}. Connection refused."
     )
     assert SECRET not in repr(error)
+
+
+@pytest.mark.parametrize("refusal", list(WRITES_REFUSED))
+def test_writes_redis_refuses_for_now_are_the_typed_error_naming_the_command(refusal):
+    """Memory full under noeviction (OOM), a replica's copy (READONLY): a submit raised redis-py's
+    raw error on main. Now it is RedisOutOfMemory (RedisReadOnly), a MiliError that names the
+    command refused, still redis-py's class with its reply's first word, and an error the worker
+    waits out (is_transient); code redis_unavailable: sending it again helps once Redis takes
+    writes again."""
+    kind, refuse, allow = WRITES_REFUSED[refusal]
+    with EmbeddedRedis(port=free_port()) as server, redis.Redis.from_url(server.url) as admin:
+        with Client(server.url, "q", placement=False) as client:
+            refuse(admin)
+            try:
+                with pytest.raises(kind) as refused:
+                    client.submit(prompt="hi", max_tokens=1, request_id="refused-1")
+            finally:
+                allow(admin)
+    error = refused.value
+    redis_class = redis.exceptions.OutOfMemoryError if refusal == "oom" else redis.exceptions.ReadOnlyError
+    assert isinstance(error, MiliError) and isinstance(error, redis_class)
+    assert (error.code, reply_code(error), is_transient(error)) == ("redis_unavailable", refusal.upper(), True)
+    assert error.command == "a script (EVALSHA) on key 'mili:job:{refused-1}'"
+    assert error.message == (
+        f"Redis refused a script (EVALSHA) on key 'mili:job:{{refused-1}}' for now ({refusal.upper()} {error.detail}): try again "
+        "once it takes writes"
+    )
 
 
 # Each call on one job, as the clients make it (`request_id`: a submit's job id is known to the caller).
@@ -194,6 +243,67 @@ def test_redis_gone_under_submit_many_is_redis_unavailable_naming_the_jobs_in_th
     finally:
         server.stop()
     assert unavailable.value.job_ids == ids[:2]
+
+
+@pytest.mark.parametrize(
+    ("gone_at", "went_in"), [("xadds", slice(4, 5)), ("fallback", slice(2, 5))], ids=["placed xadds", "fallback"]
+)
+def test_redis_gone_under_submit_many_placed_jobs_is_redis_unavailable_naming_exactly_the_jobs_in(
+    restartable_redis, monkeypatch, gone_at, went_in
+):
+    """Five jobs of one prompt on two workers of two slots each, as their heartbeats say: two placed
+    on the first choice, two on the second, the fifth on the shared stream. The server stops once
+    the lanes took theirs: before the placed XADDs (`xadds`), or before the fallback to the shared
+    route of the first choice's jobs, whose stream a producer made a hash (`fallback`); it is back
+    (its AOF kept) for the clean-up. RedisUnavailable names exactly the jobs in the queue, not a
+    prefix; each has its hash and entry, and no job is left with a hash whose entry is not in.
+    Passes since y/debts7's Missed; an enqueue_placed (or enqueue_elsewhere) that let the round
+    trip's failure out, as before it, fails it: job_ids []."""
+    queue, ids = "q", [f"gone-{i}" for i in range(5)]
+    admin = redis.Redis.from_url(restartable_redis.url, decode_responses=True)
+    for name in ("a", "b"):
+        beat = {"name": name, "queue": queue, "state": "serving", "placement": 1, "lanes": 1, "slots": 2}
+        admin.hset(KEYS.worker(name), mapping={**beat, "running": 0, "placed_held": 0})
+        admin.zadd(KEYS.workers(queue), {name: time.time()})
+    first = max(("a", "b"), key=lambda name: rendezvous_score(prefix_key(JobRequest(prompt="same prompt")), name))
+    flags = bulk.flag_commands
+
+    def back_for_the_clean_up(*args):
+        restartable_redis.start()
+        return flags(*args)
+
+    with admin, Client(restartable_redis.url, queue) as client:
+        client.placement.refresh_s = 3600
+        steps.run(client.redis, client.placement.streams_for(KEYS, queue, []))  # the view it keeps
+        if gone_at == "xadds":
+            placed = bulk.enqueue_placed_commands
+            monkeypatch.setattr(bulk, "enqueue_placed_commands", lambda *args: gone(restartable_redis, placed(*args)))
+        else:
+            admin.eval(
+                "redis.call('DEL', KEYS[1]) return redis.call('HSET', KEYS[1], 'not', 'ours')",
+                1,
+                KEYS.own_queue(queue, first),
+            )
+            forget_view = client.placement.forget_view
+            monkeypatch.setattr(client.placement, "forget_view", lambda q: gone(restartable_redis, forget_view(q)))
+        monkeypatch.setattr(bulk, "flag_commands", back_for_the_clean_up)
+        with pytest.raises(RedisUnavailable) as unavailable:
+            client.submit_many([{"prompt": "same prompt", "max_tokens": 1, "request_id": i} for i in ids])
+        assert unavailable.value.job_ids == ids[went_in]
+        entries = {
+            f["id"]
+            for key in (KEYS.queue(queue), *(KEYS.own_queue(queue, name) for name in ("a", "b")))
+            if admin.type(key) == "stream"
+            for _, f in admin.xrange(key)
+        }
+        assert sorted(entries) == ids[went_in]
+        assert [job_id for job_id in ids if admin.exists(KEYS.job(job_id))] == ids[went_in]
+
+
+def gone(server: RestartableRedis, outcome: T) -> T:
+    """`outcome`, once `server` has stopped."""
+    server.stop()
+    return outcome
 
 
 def test_a_silent_server_is_redis_timed_out_for_the_asyncio_client_too():
