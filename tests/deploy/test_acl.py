@@ -294,3 +294,22 @@ def test_a_tenants_pinned_user_submits_and_reads_as_its_tenant_and_no_other(acl_
     assert admin.xinfo_stream(keys.queue(queue))["entries-added"] == 0
     assert admin.hget(keys.quota("team-a"), "rpm") is None
     assert admin.hget(keys.job(b_job), "status") == "done" and not admin.exists(keys.job("order-18"))
+
+
+@pytest.mark.parametrize("user", ["producer", "gateway"])
+def test_the_producer_and_gateway_users_list_the_queued_and_running_jobs(user, acl_redis, mili_as):
+    """docs/security.md gives producers `mili jobs` of queued and running jobs: both read the
+    entries themselves (XRANGE), which the documented users lacked, so each listing was refused
+    as soon as it had a job to show. On a queue no worker serves: two waiting jobs, and one that
+    a consumer of the workers' group holds (read by the admin, as a worker would)."""
+    url = acl_redis[user]
+    with Client(url, queue="acl-idle") as client:
+        waiting = [client.submit(prompt=p, max_tokens=2) for p in ("first", "second")]
+        stream = Keys().queue("acl-idle")
+        acl_redis["admin"].xgroup_create(stream, GROUP, id="0")
+        acl_redis["admin"].xreadgroup(GROUP, "held-by", {stream: ">"}, count=1)
+        assert [job.job_id for job in client.inspect.waiting(5)] == waiting[1:]
+        assert [job.job_id for job in client.inspect.running(5)] == waiting[:1]
+        assert client.inspect.entry_of(client.status(waiting[1]), ["acl-idle"]).place == "waiting"
+    for status in ("queued", "running"):
+        assert mili_as(url, "--queue", "acl-idle", "jobs", "--status", status) == (0, False), status
