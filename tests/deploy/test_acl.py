@@ -137,6 +137,25 @@ def test_a_tenants_pinned_user_runs_readmes_calls_as_its_tenant(acl_redis, acl_w
     assert mili_as(url, "--tenant", "team-a", "stats") == (1, True)
 
 
+def test_a_tenants_pinned_user_runs_a_batch_file_as_its_tenant(acl_redis, acl_worker, mili_as, tmp_path):
+    """`mili batch` is a producer's command (README.md): its lines' jobs are the tenant's, with ids
+    that begin with the tenant, which its pinned user may touch (they began `batch.`: NOPERM)."""
+    lines = [
+        {"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "echo", **body}}
+        for i, body in enumerate([{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}] * 2)
+    ]
+    lines[1]["body"]["service_tier"] = "priority"
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert mili_as(acl_redis["team-a"], "--tenant", "team-a", "batch", str(source), "-o", str(output)) == (0, False)
+    answers = [json.loads(text) for text in output.read_text().splitlines()]
+    assert sorted((a["custom_id"], a["response"]["body"]["service_tier"]) for a in answers) == [
+        ("c0", "flex"),
+        ("c1", "priority"),
+    ]
+    assert all(a["response"]["request_id"].startswith("team-a.") for a in answers)
+
+
 def test_the_producer_user_cannot_act_as_a_worker(acl_redis, acl_worker):
     producer = redis.Redis.from_url(acl_redis["producer"], decode_responses=True)
     stream = Keys().queue("default")
