@@ -191,9 +191,10 @@ class BatchFileRun:
                 try:
                     request = line_request(line, number)
                 except APIError as e:
-                    self.write(error_answer(line.custom_id, request_id(self.scope, line.custom_id, line.body), e))
+                    rid = request_id(self.scope, line.custom_id, line.body, self.client.tenant)
+                    self.write(error_answer(line.custom_id, rid, e))
                     continue
-                yield LineJobs(request, request.request_id(self.scope))
+                yield LineJobs(request, request.request_id(self.scope, self.client.tenant))
 
     def answer_once_by_line(self, error: LineError) -> None:
         if error.line in self.files.lines:

@@ -64,5 +64,7 @@ def print_quotas(quotas: dict[str, Quota]) -> None:
 
 
 def shown_settings(quota: Quota) -> list[str]:
-    limits = [UNLIMITED if value is None else f"{value:g}" for value in (quota.max_waiting, quota.rpm, quota.tpm)]
-    return [*limits, f"{DEFAULT_WEIGHT if quota.weight is None else quota.weight:g}"]
+    """Each setting as it holds, exactly: `:g` wrote a limit of a million `1e+06` and rounded to six
+    digits (a TPM of 123456789 read 1.23457e+08). A float's 15 digits are all a weight has."""
+    limits = [UNLIMITED if value is None else str(value) for value in (quota.max_waiting, quota.rpm, quota.tpm)]
+    return [*limits, f"{DEFAULT_WEIGHT if quota.weight is None else quota.weight:.15g}"]

@@ -7,6 +7,7 @@ are written as OpenAI writes them: `20ms`, `1s`, `6m0s`."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import redis
@@ -16,6 +17,11 @@ from producer_client import AsyncClient
 from producer_client.rate_limits import RateLimits
 
 log = logging.getLogger("gateway")
+
+# How long an answer waits for its headers' read: a read takes a round trip, but while Redis is
+# away the client retries for seconds, and every answer to a limited tenant (a 404 that needs no
+# Redis too) waited them out. Past it the answer goes without the headers.
+RATE_HEADERS_TIMEOUT_S = 1.0
 
 EXPOSED_RATE_LIMIT_HEADERS = [
     f"x-ratelimit-{what}-{name}" for name in ("requests", "tokens") for what in ("limit", "remaining", "reset")
@@ -80,7 +86,9 @@ class RateLimitHeaders:
         if tenant is None:
             return RateLimits()
         try:
-            return await self.client.as_tenant(queue_tenant(tenant.id)).rate_limits()
-        except redis.RedisError as e:  # the answer goes out without them
-            log.warning("the tenant's rate limits could not be read: %s", e)
+            return await asyncio.wait_for(
+                self.client.as_tenant(queue_tenant(tenant.id)).rate_limits(), RATE_HEADERS_TIMEOUT_S
+            )
+        except (redis.RedisError, asyncio.TimeoutError) as e:  # the answer goes out without them
+            log.warning("the tenant's rate limits could not be read: %r", e)
             return RateLimits()

@@ -85,8 +85,8 @@ class LineRequest:
     request: SamplingRequest
     specs: list[JobSpec]
 
-    def request_id(self, scope: str) -> str:
-        return request_id(scope, self.custom_id, self.body)
+    def request_id(self, scope: str, tenant: str | None) -> str:
+        return request_id(scope, self.custom_id, self.body, tenant)
 
     @property
     def service_tier(self) -> str:
@@ -143,12 +143,15 @@ def split_at_full_queue(lines: list[LineJobs], full: BulkQueueFull) -> tuple[lis
     return taken, waiting
 
 
-def request_id(scope: str, custom_id: str, body: dict[str, Any]) -> str:
+def request_id(scope: str, custom_id: str, body: dict[str, Any], tenant: str | None = None) -> str:
     """A line's request id within `scope` (a batch file, a batch): its jobs are
     `<request id>-<choice>`, so a line submitted again finds its jobs. The body is part of it: a
-    line changed between two runs is another request."""
+    line changed between two runs is another request. A job's id records its tenant, up to its
+    first dot (producer_client.new_job.fresh_job_id): a tenant's line's id begins `<tenant>.`, so
+    that the gateway's key and a producer user pinned to the tenant own its jobs; one of no tenant
+    holds no dot (`batch.` named a tenant `batch`, who would have owned every batch's jobs)."""
     digest = hashlib.sha256(json.dumps([scope, custom_id, body], sort_keys=True).encode()).hexdigest()
-    return f"batch.{digest[:40]}"
+    return f"batch-{digest[:40]}" if tenant is None else f"{tenant}.batch-{digest[:40]}"
 
 
 def jsonl_lines(text: str, keepends: bool = False) -> list[str]:

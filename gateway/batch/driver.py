@@ -157,6 +157,7 @@ class DrivenBatch:
         self.expires_at = int(fields["expires_at"])
         self.ttl_s = int(fields.get("ttl_s", self.ttl_s))
         self.output_ttl_s = int(fields.get("output_ttl_s", self.ttl_s))
+        self.tenant = queue_tenant(fields.get("owner"))  # its lines' job ids begin with it, ended or not
         if status in ("validating", "in_progress") and time.time() >= self.expires_at:
             await self.end(fields, "expired")
         elif status == "validating":
@@ -220,7 +221,6 @@ class DrivenBatch:
         again (submitted again when `resubmit`: their jobs are found, or made anew if they expired)."""
         self.total = int(fields.get("total", 0))
         self.next_line = int(fields.get("next_line", 0))
-        self.tenant = queue_tenant(fields.get("owner"))
         lines = await self.prepare(await self.store.unanswered(self.batch_id, self.next_line))
         if resubmit:
             for line in lines:
@@ -251,7 +251,7 @@ class DrivenBatch:
         refused = []
         for index, text in zip(indexes, await self.store.input_lines(self.batch_id, indexes)):
             line = parse_line(text, index + 1)
-            rid = request_id(self.batch_id, line.custom_id, line.body)
+            rid = request_id(self.batch_id, line.custom_id, line.body, self.tenant)
             try:
                 request = line_request(line, index + 1)
                 route = await self.driver.registry.route(request.request.model)
@@ -332,7 +332,7 @@ class DrivenBatch:
             answers = []
             for index, text in zip(page, texts):
                 line = parse_line(text, index + 1)
-                rid = request_id(self.batch_id, line.custom_id, line.body)
+                rid = request_id(self.batch_id, line.custom_id, line.body, self.tenant)
                 answers.append((index, unanswered(line.custom_id, rid, self.ending, UNANSWERED[self.ending])))
             await self.store.answer(self.batch_id, answers)
 

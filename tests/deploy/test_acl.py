@@ -137,6 +137,25 @@ def test_a_tenants_pinned_user_runs_readmes_calls_as_its_tenant(acl_redis, acl_w
     assert mili_as(url, "--tenant", "team-a", "stats") == (1, True)
 
 
+def test_a_tenants_pinned_user_runs_a_batch_file_as_its_tenant(acl_redis, acl_worker, mili_as, tmp_path):
+    """`mili batch` is a producer's command (README.md): its lines' jobs are the tenant's, with ids
+    that begin with the tenant, which its pinned user may touch (they began `batch.`: NOPERM)."""
+    lines = [
+        {"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "echo", **body}}
+        for i, body in enumerate([{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}] * 2)
+    ]
+    lines[1]["body"]["service_tier"] = "priority"
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert mili_as(acl_redis["team-a"], "--tenant", "team-a", "batch", str(source), "-o", str(output)) == (0, False)
+    answers = [json.loads(text) for text in output.read_text().splitlines()]
+    assert sorted((a["custom_id"], a["response"]["body"]["service_tier"]) for a in answers) == [
+        ("c0", "flex"),
+        ("c1", "priority"),
+    ]
+    assert all(a["response"]["request_id"].startswith("team-a.") for a in answers)
+
+
 def test_the_producer_user_cannot_act_as_a_worker(acl_redis, acl_worker):
     producer = redis.Redis.from_url(acl_redis["producer"], decode_responses=True)
     stream = Keys().queue("default")
@@ -294,3 +313,22 @@ def test_a_tenants_pinned_user_submits_and_reads_as_its_tenant_and_no_other(acl_
     assert admin.xinfo_stream(keys.queue(queue))["entries-added"] == 0
     assert admin.hget(keys.quota("team-a"), "rpm") is None
     assert admin.hget(keys.job(b_job), "status") == "done" and not admin.exists(keys.job("order-18"))
+
+
+@pytest.mark.parametrize("user", ["producer", "gateway"])
+def test_the_producer_and_gateway_users_list_the_queued_and_running_jobs(user, acl_redis, mili_as):
+    """docs/security.md gives producers `mili jobs` of queued and running jobs: both read the
+    entries themselves (XRANGE), which the documented users lacked, so each listing was refused
+    as soon as it had a job to show. On a queue no worker serves: two waiting jobs, and one that
+    a consumer of the workers' group holds (read by the admin, as a worker would)."""
+    url = acl_redis[user]
+    with Client(url, queue="acl-idle") as client:
+        waiting = [client.submit(prompt=p, max_tokens=2) for p in ("first", "second")]
+        stream = Keys().queue("acl-idle")
+        acl_redis["admin"].xgroup_create(stream, GROUP, id="0")
+        acl_redis["admin"].xreadgroup(GROUP, "held-by", {stream: ">"}, count=1)
+        assert [job.job_id for job in client.inspect.waiting(5)] == waiting[1:]
+        assert [job.job_id for job in client.inspect.running(5)] == waiting[:1]
+        assert client.inspect.entry_of(client.status(waiting[1]), ["acl-idle"]).place == "waiting"
+    for status in ("queued", "running"):
+        assert mili_as(url, "--queue", "acl-idle", "jobs", "--status", status) == (0, False), status

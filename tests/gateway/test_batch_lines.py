@@ -88,6 +88,19 @@ def test_request_ids_depend_on_scope_custom_id_and_body_and_fit_a_job_id():
     assert NAME_PATTERN.fullmatch(f"{base}-127")
 
 
+def test_a_lines_job_ids_begin_with_its_tenant_and_no_others():
+    """A job's id is where its tenant is recorded (`<tenant>.`, up to the first dot): the gateway
+    shows an API key its own jobs by it, and a producer user pinned to a tenant may touch the
+    jobs whose ids begin so (docs/security.md). A batch line's ids began `batch.` whoever ran it:
+    a pinned tenant's `mili batch` was refused its own jobs, and a tenant named `batch` owned
+    every batch's jobs. A line of no tenant names none (no dot)."""
+    tenant = "t" * 64  # the longest tenant name
+    mine = request_id("s", "a", {"x": 1}, tenant)
+    assert mine.startswith(f"{tenant}.") and NAME_PATTERN.fullmatch(f"{mine}-127")
+    assert mine != request_id("s", "a", {"x": 1}, "other")
+    assert "." not in request_id("s", "a", {"x": 1})
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

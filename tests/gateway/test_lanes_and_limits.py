@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import openai
 import pytest
 
 from gateway.api_keys import tenant_id
+from gateway.rate_headers import RATE_HEADERS_TIMEOUT_S
 from producer_client import Client
 from producer_client.keys import Keys
 from tests.gateway.support import ECHO_QUEUE
 from tests.openai_spec import check
 from tests.support.gateways import GatewayProcess
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 KEY_PLAIN, KEY_RPM, KEY_SDK, KEY_CHOICES = "lanes-plain-key", "lanes-rpm-key", "lanes-sdk-key", "lanes-n-key"
 RPM = 3
@@ -195,3 +198,24 @@ def test_the_sdks_retry_waits_out_the_reset_and_is_admitted(two_gateways, redis_
     answer = raw.parse()
     assert raw.retries_taken == 1  # refused first: admitted by the retry
     assert (answer.choices[0].finish_reason, answer.usage.completion_tokens) == ("length", 4)
+
+
+def test_a_limited_tenants_answers_do_not_wait_on_an_unreachable_redis_for_their_headers(tmp_path):
+    """The headers are read from Redis for every answer to a tenant with limits; while Redis was
+    away that read waited out the client's retries (7 s on this machine), so even a 404 that
+    needs no Redis took that long, and a refused request twice that. The read is bounded: the
+    answer goes out without the headers, as after any failed read."""
+    with EmbeddedRedis(port=free_port()) as server:
+        with Client(server.url) as client:
+            client.tenant_quotas.set(tenant_id(KEY_RPM), rpm=RPM)
+        gateway = GatewayProcess(server.url, tmp_path, "--api-keys", json.dumps([KEY_RPM])).start()
+    try:  # Redis is gone from here on
+        started = time.monotonic()
+        answer = httpx.get(
+            f"{gateway.url}/v1/no-such-route", headers={"Authorization": f"Bearer {KEY_RPM}"}, timeout=60
+        )
+        elapsed = time.monotonic() - started
+    finally:
+        gateway.stop()
+    assert answer.status_code == 404 and limit_headers(answer) == {}
+    assert elapsed < 4 * RATE_HEADERS_TIMEOUT_S, elapsed

@@ -120,7 +120,16 @@ def test_files_and_batches_are_their_api_keys_and_an_admin_keys(tenants_gateway)
     batch = a.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
     done = wait_done(a, batch.id)
     assert done.status == "completed"
-    assert json.loads(a.files.content(done.output_file_id).text)["custom_id"] == "mine"
+    answered = json.loads(a.files.content(done.output_file_id).text)
+    assert answered["custom_id"] == "mine"
+    # Its line's job is the key's, as a request's (its id begins with the key's tenant): found by
+    # its key, not by another's.
+    line_job = answered["response"]["request_id"] + "-0"
+    assert line_job.startswith(f"{tenant_id(KEY_A)}.")
+    assert (
+        get(tenants_gateway, f"/v1/jobs/{line_job}", KEY_A).status_code,
+        get(tenants_gateway, f"/v1/jobs/{line_job}", KEY_B).status_code,
+    ) == (200, 404)
 
     for touch in (
         lambda: b.files.retrieve(file_id),

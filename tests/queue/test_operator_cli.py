@@ -137,6 +137,16 @@ def test_a_quota_setting_both_set_and_unset_is_refused_and_changes_nothing(mili,
     assert redis_client.hgetall(KEYS.quota(tenant)) == {"rpm": "30"}
 
 
+def test_quota_set_and_show_print_large_limits_and_fine_weights_exactly(mili, redis_client):
+    """A limit of a million printed `1e+06`, a TPM of 123456789 `1.23457e+08` (what the operator
+    read was not what held), and a weight of 123.4567 `123.457`: each is printed as set."""
+    tenant = f"team-{redis_client.incr('test:quota-tenant')}"
+    args = ("--max-waiting", "1000000000", "--rpm", "1000000", "--tpm", "123456789", "--weight", "123.4567")
+    code, out, _ = mili("quota", "set", tenant, *args)
+    assert code == 0 and out.splitlines()[1].split() == [tenant, "1000000000", "1000000", "123456789", "123.4567"]
+    assert mili("quota", "show", tenant)[1] == out
+
+
 def test_quota_show_of_a_tenant_with_no_settings_prints_the_defaults_that_hold(mili, redis_client):
     # On main: a row of dashes, which said nothing of what holds.
     tenant = f"team-{redis_client.incr('test:quota-tenant')}"
