@@ -14,6 +14,7 @@ import pytest
 
 from gateway.api_keys import tenant_id
 from gateway.errors import api_error_of
+from gateway.rate_headers import RATE_HEADERS_TIMEOUT_S
 from harness.polling import eventually
 from openai_format.errors import APIError
 from openai_format.job_specs import parse_body
@@ -24,7 +25,7 @@ from producer_client.keys import Keys
 from tests.gateway.support import ECHO_QUEUE, PARKED_MODEL
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import job_count, job_ids_in_queue
-from worker.embedded_redis import free_port
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.waits
 
@@ -364,6 +365,35 @@ def test_health_answers_503_within_its_timeout_while_redis_is_silent(tmp_path):
     served_ms = [float(ms) for ms in re.findall(r"GET '/health' -> 503 in ([\d.]+) ms", gw.log())]
     assert len(served_ms) == 4, gw.log()
     assert all(SILENT_HEALTH_TIMEOUT_S * 1000 <= ms < (SILENT_HEALTH_TIMEOUT_S + 1.0) * 1000 for ms in served_ms)
+
+
+@pytest.mark.timing
+def test_health_answers_503_at_once_to_a_limited_tenants_probes_while_redis_is_stopped(tmp_path):
+    """/health behind a key of a tenant with rate limits: its 503 no longer waits on the
+    x-ratelimit-* headers' read (RATE_HEADERS_TIMEOUT_S) after the probe found Redis away. Several
+    probes at once, each answered well inside a probe's timeout, by the gateway's own time too."""
+    key = API_KEYS[0]
+    with EmbeddedRedis(port=free_port()) as server:
+        with Client(server.url) as client:
+            client.tenant_quotas.set(tenant_id(key), rpm=3)
+        gw = GatewayProcess(server.url, tmp_path, "--api-keys", json.dumps([key]), "--monitoring-needs-key").start()
+
+    def probe(_) -> tuple[httpx.Response, float]:
+        started = time.monotonic()
+        answer = httpx.get(f"{gw.url}/health", headers={"Authorization": f"Bearer {key}"}, timeout=HEALTH_TIMEOUT_S)
+        return answer, time.monotonic() - started
+
+    try:  # Redis is gone from here on
+        with ThreadPoolExecutor(4) as pool:
+            probes = list(pool.map(probe, range(4)))
+    finally:
+        gw.stop()
+    for answer, elapsed in probes:
+        assert (answer.status_code, error_of(answer)["code"]) == (503, "redis_unavailable")
+        assert elapsed < HEALTH_TIMEOUT_S / 2, elapsed
+    served_ms = [float(ms) for ms in re.findall(r"GET '/health' -> 503 in ([\d.]+) ms", gw.log())]
+    assert len(served_ms) == 4, gw.log()
+    assert all(ms < RATE_HEADERS_TIMEOUT_S * 1000 / 2 for ms in served_ms), served_ms
 
 
 def test_a_job_hash_no_worker_wrote_is_a_500_invalid_job_never_an_unhandled_error(gateway, redis_client):
