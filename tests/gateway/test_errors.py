@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from gateway.api_keys import tenant_id
-from gateway.errors import api_error_of
+from gateway.errors import WWW_AUTHENTICATE, api_error_of
 from gateway.rate_headers import RATE_HEADERS_TIMEOUT_S
 from harness.polling import eventually
 from openai_format.errors import APIError
@@ -222,6 +222,8 @@ def test_a_missing_or_wrong_api_key_is_a_401(strict_gateway):
     right = [httpx.get(url, headers={"Authorization": f"Bearer {k}"}) for k in API_KEYS]
     assert (missing.status_code, wrong.status_code) == (401, 401)
     assert error_of(missing)["code"] == error_of(wrong)["code"] == "invalid_api_key"
+    # RFC 9110 11.6.1: a 401 names how to authenticate.
+    assert missing.headers["www-authenticate"] == wrong.headers["www-authenticate"] == WWW_AUTHENTICATE
     assert [r.status_code for r in right] == [200, 200]
     assert httpx.get(f"{strict_gateway.url}/health").status_code == 200  # probes need no key
     with pytest.raises(openai.AuthenticationError):
@@ -269,6 +271,27 @@ def test_a_full_queue_is_a_429_with_retry_after(strict_gateway, redis_server):
                 client.cancel(job_id)
     assert response.status_code == 429
     assert (error_of(response)["code"], response.headers["retry-after"]) == ("queue_full", "3")
+    assert response.headers["retry-after-ms"] == "3000"  # what OpenAI's SDKs read first
+
+
+def test_the_sdks_retry_of_a_full_queue_waits_its_retry_after(strict_gateway, redis_server):
+    """The SDK's retry waits the answer's retry-after-ms (3 s here), not its own backoff (0.5 s,
+    then 1 s): each of its tries is a 429 logged, the last one raised."""
+    sdk = openai.OpenAI(base_url=f"{strict_gateway.url}/v1", api_key=API_KEYS[0], max_retries=1)
+    refused_before = strict_gateway.log().count("POST '/v1/completions' -> 429")
+    with Client(redis_server.url, strict_gateway.models["full"], tenant=tenant_id(API_KEYS[0])) as client:
+        waiting = [client.submit("fill", max_tokens=1) for _ in range(2)]
+        try:
+            started = time.monotonic()
+            with pytest.raises(openai.RateLimitError) as refused:
+                sdk.completions.create(model="full", prompt="one more", timeout=30)
+            elapsed = time.monotonic() - started
+        finally:
+            for job_id in waiting:
+                client.cancel(job_id)
+    assert refused.value.code == "queue_full"
+    assert eventually(lambda: strict_gateway.log().count("POST '/v1/completions' -> 429") == refused_before + 2)
+    assert 3.0 <= elapsed < 3.0 + 5.0, elapsed
 
 
 def test_a_job_past_its_deadline_is_a_504_and_is_cancelled(strict_gateway, redis_client):
