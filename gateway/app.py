@@ -58,6 +58,7 @@ from producer_client.errors import InvalidArgument, JobNotFound
 from producer_client.keys import NAME_PATTERN
 from producer_client.new_job import lane_of
 from producer_client.protocol.shards import AUTO
+from producer_client.rate_limits import NO_RATE_LIMITS
 from producer_client.schema import JobFailed
 from producer_client.validation import check_job_id
 
@@ -382,6 +383,10 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     async def on_queue_error(request: Request, error: Exception):
         if isinstance(error, RateLimited) and error.limits is not None:
             request.state.rate_limits = error.limits  # the headers say the limits that refused it
+        elif isinstance(error, (redis.ConnectionError, redis.TimeoutError)):
+            # Redis has just not answered this request (a /health probe's 503 too): the headers'
+            # read would wait its bound out on the same silence, so the answer goes without them.
+            request.state.rate_limits = NO_RATE_LIMITS
         return error_response(api_error_of(error, retry_after_s))
 
     @app.exception_handler(Exception)

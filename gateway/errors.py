@@ -48,14 +48,26 @@ class Final(APIError):
         return cls(error.status, body.message, body.type, body.code)
 
 
+# RFC 9110 11.6.1: a 401 must name how to authenticate; the gateway takes its API keys as Bearer tokens.
+WWW_AUTHENTICATE = 'Bearer realm="MILI"'
+
+
 def headers_of(error: APIError) -> dict[str, str]:
     if isinstance(error, Final):
         return {"x-should-retry": "false"}
-    if not isinstance(error, RetryLater):
-        return {}
+    if isinstance(error, RetryLater):
+        return retry_after_headers(error.retry_after_s)
+    if error.status == 401:
+        return {"WWW-Authenticate": WWW_AUTHENTICATE}
+    return {}
+
+
+def retry_after_headers(retry_after_s: float) -> dict[str, str]:
+    """When to try again, as every answer that says it sends it (a 429, a 503): Retry-After in whole
+    seconds (HTTP's), never sooner than meant, and retry-after-ms, which OpenAI's SDKs read first."""
     return {
-        "Retry-After": str(max(1, math.ceil(error.retry_after_s))),
-        "retry-after-ms": str(max(1, math.ceil(error.retry_after_s * 1000))),
+        "Retry-After": str(max(1, math.ceil(retry_after_s))),
+        "retry-after-ms": str(max(1, math.ceil(retry_after_s * 1000))),
     }
 
 

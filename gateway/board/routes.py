@@ -18,7 +18,7 @@ from gateway.board.auth import ACTION_HEADER, COOKIE, SESSION_S, BoardAuth
 from gateway.board.pages import environment
 from gateway.board.views import JOBS_SHOWN, BoardReader
 from gateway.edge import client_address
-from gateway.errors import unauthorized
+from gateway.errors import WWW_AUTHENTICATE, retry_after_headers, unauthorized
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream
 from openai_format.errors import APIError, not_found
@@ -177,11 +177,14 @@ def add_session_routes(router: APIRouter, board: Board, failures: AuthFailures) 
 
 
 def login_refused(board: Board, request: Request, retry_after: int | None) -> Response:
-    """A wrong key: the form again, 401, or 429 once its address has failed too often."""
+    """A wrong key: the form again, 401 (its challenge as the API's: the board takes a Bearer key
+    too), or 429 once its address has failed too often."""
     if retry_after is None:
-        return board.html("login.jinja", request, status=401, wrong=True)
+        response = board.html("login.jinja", request, status=401, wrong=True)
+        response.headers["WWW-Authenticate"] = WWW_AUTHENTICATE
+        return response
     response = board.html("login.jinja", request, status=429, retry_after=retry_after)
-    response.headers["Retry-After"] = str(retry_after)
+    response.headers.update(retry_after_headers(retry_after))
     return response
 
 

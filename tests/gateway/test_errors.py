@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from gateway.api_keys import tenant_id
-from gateway.errors import api_error_of
+from gateway.errors import WWW_AUTHENTICATE, api_error_of
+from gateway.rate_headers import RATE_HEADERS_TIMEOUT_S
 from harness.polling import eventually
 from openai_format.errors import APIError
 from openai_format.job_specs import parse_body
@@ -24,7 +25,7 @@ from producer_client.keys import Keys
 from tests.gateway.support import ECHO_QUEUE, PARKED_MODEL
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import job_count, job_ids_in_queue
-from worker.embedded_redis import free_port
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 pytestmark = pytest.mark.waits
 
@@ -221,6 +222,8 @@ def test_a_missing_or_wrong_api_key_is_a_401(strict_gateway):
     right = [httpx.get(url, headers={"Authorization": f"Bearer {k}"}) for k in API_KEYS]
     assert (missing.status_code, wrong.status_code) == (401, 401)
     assert error_of(missing)["code"] == error_of(wrong)["code"] == "invalid_api_key"
+    # RFC 9110 11.6.1: a 401 names how to authenticate.
+    assert missing.headers["www-authenticate"] == wrong.headers["www-authenticate"] == WWW_AUTHENTICATE
     assert [r.status_code for r in right] == [200, 200]
     assert httpx.get(f"{strict_gateway.url}/health").status_code == 200  # probes need no key
     with pytest.raises(openai.AuthenticationError):
@@ -268,6 +271,27 @@ def test_a_full_queue_is_a_429_with_retry_after(strict_gateway, redis_server):
                 client.cancel(job_id)
     assert response.status_code == 429
     assert (error_of(response)["code"], response.headers["retry-after"]) == ("queue_full", "3")
+    assert response.headers["retry-after-ms"] == "3000"  # what OpenAI's SDKs read first
+
+
+def test_the_sdks_retry_of_a_full_queue_waits_its_retry_after(strict_gateway, redis_server):
+    """The SDK's retry waits the answer's retry-after-ms (3 s here), not its own backoff (0.5 s,
+    then 1 s): each of its tries is a 429 logged, the last one raised."""
+    sdk = openai.OpenAI(base_url=f"{strict_gateway.url}/v1", api_key=API_KEYS[0], max_retries=1)
+    refused_before = strict_gateway.log().count("POST '/v1/completions' -> 429")
+    with Client(redis_server.url, strict_gateway.models["full"], tenant=tenant_id(API_KEYS[0])) as client:
+        waiting = [client.submit("fill", max_tokens=1) for _ in range(2)]
+        try:
+            started = time.monotonic()
+            with pytest.raises(openai.RateLimitError) as refused:
+                sdk.completions.create(model="full", prompt="one more", timeout=30)
+            elapsed = time.monotonic() - started
+        finally:
+            for job_id in waiting:
+                client.cancel(job_id)
+    assert refused.value.code == "queue_full"
+    assert eventually(lambda: strict_gateway.log().count("POST '/v1/completions' -> 429") == refused_before + 2)
+    assert 3.0 <= elapsed < 3.0 + 5.0, elapsed
 
 
 def test_a_job_past_its_deadline_is_a_504_and_is_cancelled(strict_gateway, redis_client):
@@ -364,6 +388,35 @@ def test_health_answers_503_within_its_timeout_while_redis_is_silent(tmp_path):
     served_ms = [float(ms) for ms in re.findall(r"GET '/health' -> 503 in ([\d.]+) ms", gw.log())]
     assert len(served_ms) == 4, gw.log()
     assert all(SILENT_HEALTH_TIMEOUT_S * 1000 <= ms < (SILENT_HEALTH_TIMEOUT_S + 1.0) * 1000 for ms in served_ms)
+
+
+@pytest.mark.timing
+def test_health_answers_503_at_once_to_a_limited_tenants_probes_while_redis_is_stopped(tmp_path):
+    """/health behind a key of a tenant with rate limits: its 503 no longer waits on the
+    x-ratelimit-* headers' read (RATE_HEADERS_TIMEOUT_S) after the probe found Redis away. Several
+    probes at once, each answered well inside a probe's timeout, by the gateway's own time too."""
+    key = API_KEYS[0]
+    with EmbeddedRedis(port=free_port()) as server:
+        with Client(server.url) as client:
+            client.tenant_quotas.set(tenant_id(key), rpm=3)
+        gw = GatewayProcess(server.url, tmp_path, "--api-keys", json.dumps([key]), "--monitoring-needs-key").start()
+
+    def probe(_) -> tuple[httpx.Response, float]:
+        started = time.monotonic()
+        answer = httpx.get(f"{gw.url}/health", headers={"Authorization": f"Bearer {key}"}, timeout=HEALTH_TIMEOUT_S)
+        return answer, time.monotonic() - started
+
+    try:  # Redis is gone from here on
+        with ThreadPoolExecutor(4) as pool:
+            probes = list(pool.map(probe, range(4)))
+    finally:
+        gw.stop()
+    for answer, elapsed in probes:
+        assert (answer.status_code, error_of(answer)["code"]) == (503, "redis_unavailable")
+        assert elapsed < HEALTH_TIMEOUT_S / 2, elapsed
+    served_ms = [float(ms) for ms in re.findall(r"GET '/health' -> 503 in ([\d.]+) ms", gw.log())]
+    assert len(served_ms) == 4, gw.log()
+    assert all(ms < RATE_HEADERS_TIMEOUT_S * 1000 / 2 for ms in served_ms), served_ms
 
 
 def test_a_job_hash_no_worker_wrote_is_a_500_invalid_job_never_an_unhandled_error(gateway, redis_client):

@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from gateway.api_keys import Tenant, tenant_id
+from gateway.errors import WWW_AUTHENTICATE
 from harness.polling import eventually
 from producer_client import Client, InvalidArgument
 from producer_client.new_job import fresh_job_id
@@ -237,11 +238,15 @@ def test_with_admin_keys_the_board_lets_in_only_them(tenants_gateway):
     job_id = completion(tenants_gateway, KEY_A, f"idem-{uuid.uuid4().hex}", "on the board").headers["x-mili-job-ids"]
     board = f"{tenants_gateway.url}/board"
     for key in (KEY_A, KEY_B):
-        assert httpx.post(f"{board}/login", data={"key": key}).status_code == 401, key
         bearer = {"Authorization": f"Bearer {key}", "X-MILI-Board": "1"}
-        assert httpx.get(f"{board}/overview", headers=bearer).status_code == 401, key
-        assert httpx.get(f"{board}/job/summary", params={"id": job_id}, headers=bearer).status_code == 401, key
-        assert httpx.post(f"{board}/job/cancel", params={"id": job_id}, headers=bearer).status_code == 401, key
+        refused = [
+            httpx.post(f"{board}/login", data={"key": key}),
+            httpx.get(f"{board}/overview", headers=bearer),
+            httpx.get(f"{board}/job/summary", params={"id": job_id}, headers=bearer),
+            httpx.post(f"{board}/job/cancel", params={"id": job_id}, headers=bearer),
+        ]
+        assert [r.status_code for r in refused] == [401] * 4, key
+        assert all(r.headers["www-authenticate"] == WWW_AUTHENTICATE for r in refused), key  # RFC 9110 11.6.1
     let_in = httpx.post(f"{board}/login", data={"key": ADMIN})
     assert let_in.status_code == 303 and let_in.headers["location"] == "/board"
     admin = {"Authorization": f"Bearer {ADMIN}"}
@@ -250,7 +255,8 @@ def test_with_admin_keys_the_board_lets_in_only_them(tenants_gateway):
 
 def test_health_and_metrics_can_be_put_behind_a_key(tenants_gateway):
     for path in ("/health", "/metrics"):
-        assert httpx.get(f"{tenants_gateway.url}{path}").status_code == 401, path
+        refused = httpx.get(f"{tenants_gateway.url}{path}")
+        assert (refused.status_code, refused.headers.get("www-authenticate")) == (401, WWW_AUTHENTICATE), path
         assert (
             httpx.get(f"{tenants_gateway.url}{path}", headers={"Authorization": f"Bearer {KEY_B}"}).status_code == 200
         )
@@ -328,6 +334,7 @@ def test_one_clients_wrong_keys_leave_every_other_client_at_its_address_served(l
             "rate_limit_error",
         )
         assert 0 < int(answer.headers["retry-after"]) <= 60
+        assert int(answer.headers["retry-after-ms"]) == 1000 * int(answer.headers["retry-after"])
     for key in (KEY_A, STRONG_KEY, STRONG_ADMIN):
         assert httpx.get(url, headers=from_address(shared, key)).status_code == 200, key
     sdk = openai.OpenAI(
@@ -348,6 +355,7 @@ def test_a_right_board_login_is_let_in_whatever_its_address_failed(limited_gatew
         assert httpx.post(login, data={"key": "guess"}, headers=headers).status_code == 401
     refused = httpx.post(login, data={"key": "guess"}, headers=headers)
     assert refused.status_code == 429 and 0 < int(refused.headers["retry-after"]) <= 60
+    assert int(refused.headers["retry-after-ms"]) == 1000 * int(refused.headers["retry-after"])  # as every 429's
     let_in = httpx.post(login, data={"key": STRONG_ADMIN}, headers=headers)
     assert let_in.status_code == 303 and let_in.headers["location"] == "/board"
 
