@@ -113,7 +113,7 @@ class Server:
 def one_cycle(server: Server, jobs: int, batch: int) -> dict[str, dict]:
     """`jobs` jobs through the four phases; each phase's figures."""
     from producer_client.keys import Keys
-    from producer_client.protocol import consumer, producer, worker
+    from producer_client.protocol import consumer, producer
 
     keys = Keys()
     own = keys.own_queue(QUEUE, WORKER)
@@ -123,18 +123,9 @@ def one_cycle(server: Server, jobs: int, batch: int) -> dict[str, dict]:
         [functools.partial(producer.add_fresh_create, keys=keys, job_id=j, timeout_ms=0) for j in ids], jobs
     )
     out["enqueue"], _ = server.phase([call.add_to for call in placed_entries(producer, own, ids)], jobs)
-    read = worker.read(keys, QUEUE, WORKER, (256, 255, 16), 320, {}, (own, batch))
-    out["read"], replies = server.phase([read.add_to] * (jobs // batch), jobs)
-    entries = [(e[0], dict(zip(e[1][::2], e[1][1::2]))["id"]) for (r,) in replies for _, _, es in r for e in es]
-    runs = {job_id: f"run:{i}" for i, (_, job_id) in enumerate(entries)}
-    chunks = [entries[at : at + batch] for at in range(0, len(entries), batch)]
-    claims = [worker.claim_many(keys, WORKER, 3600, [(j, f"{e}@{WORKER}", runs[j]) for e, j in c]) for c in chunks]
-    out["claim_many"], _ = server.phase([call.add_to for call in claims], jobs)
-    rounds = [worker.publish_round([final_publish(keys, job_id, runs[job_id]) for _, job_id in c]) for c in chunks]
-    out["publish_round"], replies = server.phase([call.add_to for call in rounds], jobs)
-    assert all(reply == "written" for (r,) in replies for reply in r), replies[0]
+    chunks = serve(server, keys, own, jobs, batch, out)
     pipe = server.redis.pipeline(transaction=False)
-    consumer.add_settled(pipe, own, [e for e, _ in entries])  # as the worker's next read does
+    consumer.add_settled(pipe, own, [e for c in chunks for e, _ in c])  # as the worker's next read does
     pipe.execute()
     out["forget"], _ = server.phase([functools.partial(forget_done, keys, [j for _, j in c]) for c in chunks], jobs)
     return out
@@ -144,7 +135,7 @@ def whole_cycle(server: Server, jobs: int, batch: int) -> dict[str, dict]:
     """`jobs` jobs through their whole path (WHOLE_PHASES), each job's submit and wait on a
     connection of its own, as `generate()` sends them; each phase's figures."""
     from producer_client.keys import Keys
-    from producer_client.protocol import consumer, job_reads, producer, worker
+    from producer_client.protocol import consumer, job_reads, producer
 
     keys = Keys()
     own = keys.own_queue(QUEUE, WORKER)
@@ -161,6 +152,23 @@ def whole_cycle(server: Server, jobs: int, batch: int) -> dict[str, dict]:
             reader.read_response(), reader.read_response()  # the create's and the XADD's; the read blocks
 
     out = {"submit": server.counted(submit, jobs)}
+    chunks = serve(server, keys, own, jobs, batch, out)
+    woken = [reader.read_response() for reader in readers]
+    assert all(woken), woken  # each read woke with its job's end (None: its block ran out)
+    for reader in readers:
+        reader.disconnect()
+    settled = [functools.partial(consumer.add_settled, stream=own, entry_ids=[e for e, _ in c]) for c in chunks]
+    out["settle"], _ = server.phase(settled, jobs)
+    out["forget"], _ = server.phase([functools.partial(forget_done, keys, [j for _, j in c]) for c in chunks], jobs)
+    return out
+
+
+def serve(server: Server, keys: Any, own: str, jobs: int, batch: int, out: dict[str, dict]) -> list[list[tuple]]:
+    """A worker's part of `jobs` 1-token jobs queued on `own`: its READs of `batch` entries, their
+    CLAIM_MANY and the PUBLISH_ROUND that ends them, each phase's figures put in `out`; returns the
+    (entry id, job id) pairs read, a chunk a READ."""
+    from producer_client.protocol import worker
+
     read = worker.read(keys, QUEUE, WORKER, (256, 255, 16), 320, {}, (own, batch))
     out["read"], replies = server.phase([read.add_to] * (jobs // batch), jobs)
     entries = [(e[0], dict(zip(e[1][::2], e[1][1::2]))["id"]) for (r,) in replies for _, _, es in r for e in es]
@@ -171,14 +179,7 @@ def whole_cycle(server: Server, jobs: int, batch: int) -> dict[str, dict]:
     rounds = [worker.publish_round([final_publish(keys, job_id, runs[job_id]) for _, job_id in c]) for c in chunks]
     out["publish_round"], replies = server.phase([call.add_to for call in rounds], jobs)
     assert all(reply == "written" for (r,) in replies for reply in r), replies[0]
-    woken = [reader.read_response() for reader in readers]
-    assert all(woken), woken  # each read woke with its job's end (None: its block ran out)
-    for reader in readers:
-        reader.disconnect()
-    settled = [functools.partial(consumer.add_settled, stream=own, entry_ids=[e for e, _ in c]) for c in chunks]
-    out["settle"], _ = server.phase(settled, jobs)
-    out["forget"], _ = server.phase([functools.partial(forget_done, keys, [j for _, j in c]) for c in chunks], jobs)
-    return out
+    return chunks
 
 
 def forget_done(keys: Any, job_ids: list[str], pipe: Any) -> None:
