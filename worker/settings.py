@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import SettingsConfigDict
 
 from producer_client.connection import parse_url
@@ -215,45 +216,22 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=argparse.SUPPRESS, help="TOML settings file")
     for name, field in _flag_fields():
         flag = "--" + name.replace("_", "-")
-        kind = _scalar_type(field.annotation)
-        if typing.get_origin(kind) is dict:
-            parser.add_argument(
-                flag,
-                nargs="+",
-                metavar="NAME=PATH",
-                default=argparse.SUPPRESS,
-                help=field.description,
-            )
-        elif typing.get_origin(kind) is typing.Literal:
-            parser.add_argument(
-                flag,
-                choices=typing.get_args(kind),
-                default=argparse.SUPPRESS,
-                help=field.description,
-            )
-        elif typing.get_origin(kind) is list:
-            parser.add_argument(
-                flag,
-                nargs="*",
-                metavar="NAME",
-                default=argparse.SUPPRESS,
-                help=field.description,
-            )
-        elif kind is bool:
-            parser.add_argument(
-                flag,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=field.description,
-            )
-        else:
-            parser.add_argument(
-                flag,
-                type=kind,
-                default=argparse.SUPPRESS,
-                metavar=_metavar(field.annotation),
-                help=field.description,
-            )
+        parser.add_argument(flag, default=argparse.SUPPRESS, help=field.description, **_flag_options(field))
+
+
+def _flag_options(field: FieldInfo) -> dict[str, Any]:
+    """How a setting's flag takes its value, by the setting's type."""
+    kind = _scalar_type(field.annotation)
+    origin = typing.get_origin(kind)
+    if origin is dict:
+        return {"nargs": "+", "metavar": "NAME=PATH"}
+    if origin is typing.Literal:
+        return {"choices": typing.get_args(kind)}
+    if origin is list:
+        return {"nargs": "*", "metavar": "NAME"}
+    if kind is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    return {"type": kind, "metavar": _metavar(field.annotation)}
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
