@@ -36,7 +36,7 @@ import redis
 from producer_client import steps
 from producer_client.cluster import SyncRedis, master_count
 from producer_client.connection import is_fatal
-from producer_client.keys import LANES, Keys
+from producer_client.keys import Keys
 from producer_client.protocol.replication import Replication
 from producer_client.protocol.shards import serving_count
 from worker.engine.interface import EngineAPI
@@ -63,7 +63,6 @@ from worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 NO_ROOM = (0, 0, 0)
-FLEX = LANES[2]
 
 
 class Worker:
@@ -233,8 +232,9 @@ class Worker:
         self.holdings.receipts_sent(corrections)
         self._take(read)
         # Flex entries read count as room for the higher lanes (the engine preempts them), so the
-        # rooms of those lanes are what they were before the read.
-        look = self.queue.reads.higher_lanes_look(rooms) if read and all(d.route.lane == FLEX for d in read) else None
+        # rooms of those lanes are what they were before the read. Admission sends the look only
+        # where every entry it claims is flex.
+        look = self.queue.reads.higher_lanes_look(rooms) if read else None
         if self.admission.admit(look):
             self._take(self.queue.reads.read_higher_lanes(rooms))
             self.admission.admit()
