@@ -54,6 +54,13 @@ class DeviceStep:
             return self.full_ms / 1e3
         return self.full_ms / 1e3 * (WEIGHTS_SHARE + (1 - WEIGHTS_SHARE) * batch / FULL_BATCH)
 
+    def name(self) -> str:
+        return (
+            f"{self.full_ms:g} ms steps"
+            if self.model == "constant"
+            else f"steps by batch, {self.full_ms:g} ms at {FULL_BATCH}"
+        )
+
     def describe(self) -> str:
         if self.model == "constant":
             return f"every GPU step {self.full_ms:g} ms"

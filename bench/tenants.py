@@ -171,7 +171,7 @@ def isolation(url: str, args: argparse.Namespace) -> None:
         print(f"    A's jobs served meanwhile {served:.0f}/s")
         show("  A absent", idle, idle)
         show("  A's jobs in the flex lane, B default", behind, idle)
-        verdicts.append(f"GPU-paced echo ({step.describe()}): {isolation_verdict(behind['wait'], idle['wait'])}")
+        verdicts.append(f"GPU-paced echo, {step.name()}: {isolation_verdict(behind['wait'], idle['wait'])}")
     print(f"  target, B's wait p99 behind A's {args.flood} flex jobs <= {ISOLATION_TARGET:g}x its p99 with A absent:")
     for verdict in verdicts:
         print(f"    {verdict}")
