@@ -5,6 +5,11 @@ probes behind it, then the flood cancelled; and how fast A's jobs were served me
 the same load of the machine, which moves these latencies more than most changes do.
 
     python -m bench.isolation_ab --flood 20000 --rounds 3 --probes 200 base=/path/to/tree new=$PWD
+    python -m bench.isolation_ab --device-step-ms 12 --device-step-model batch ... base=... new=...
+
+With --device-step-ms each tree's echo worker is paced like a GPU (bench/device_pace.py), a run of
+each tree for each --device-step-model in every round; without it the echo steps are the worker's
+CPU alone.
 
 Each tree runs with its own `.venv/bin/python` if it has one (else this interpreter) and its own
 directory first on PYTHONPATH.
@@ -14,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 import uuid
 from pathlib import Path
 
+from bench.device_pace import DeviceStep
 from bench.measure import pct
-from bench.tenants import QUEUE, probe, specs, warm_up
+from bench.tenants import QUEUE, add_device_step_options, device_steps, flex_flood_run, isolation_verdict, paced_worker
 from harness.processes import start_worker
-from producer_client import Client
 from worker.embedded_redis import EmbeddedRedis, free_port
 
 
@@ -35,8 +39,10 @@ def main() -> None:
     )
     with EmbeddedRedis(port=free_port()) as server:
         for round_ in range(args.rounds):
-            for name, tree in trees.items():
-                print(f"round {round_} {name}: {one_run(server.url, Path(tree), args)}", flush=True)
+            for step in device_steps(args) or [None]:
+                print(f"round {round_}, echo steps {step.describe() if step else 'of the worker CPU alone'}:")
+                for name, tree in trees.items():
+                    print(f"  {name}: {one_run(server.url, Path(tree), step, args)}", flush=True)
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,26 +50,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--flood", type=int, default=20_000, help="tenant A's flex jobs")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--probes", type=int, default=40, help="tenant B's jobs per measurement")
+    add_device_step_options(p)
+    p.set_defaults(device_step_ms=0.0)  # the CPU-paced echo unless asked
     p.add_argument("trees", nargs="+", help="NAME=DIRECTORY of a source tree to run the worker from")
     return p.parse_args()
 
 
-def one_run(url: str, tree: Path, args: argparse.Namespace) -> str:
+def one_run(url: str, tree: Path, step: DeviceStep | None, args: argparse.Namespace) -> str:
     queue = f"{QUEUE}-{uuid.uuid4().hex[:6]}"
-    worker = start_worker(url, queue, tree=tree)
-    try:
-        with Client(url, queue, max_queue_depth=None) as client:
-            warm_up(client)
-            idle = probe(client.as_tenant("team-b"), args.probes)
-            flood = client.as_tenant("team-a").submit_many(specs(args.flood, tier="flex"))
-            probing = time.time()
-            behind = probe(client.as_tenant("team-b"), args.probes)
-            served = a_served_per_s(client, flood, probing)
-    finally:
-        worker.terminate()
-        worker.wait(timeout=60)
+    worker = paced_worker(url, queue, step, tree) if step else start_worker(url, queue, tree=tree)
+    idle, behind, served = flex_flood_run(url, queue, args.flood, args.probes, worker)
     return (
-        f"B's wait {against_idle(behind['wait'], idle['wait'])}; B's first token "
+        f"B's wait {against_idle(behind['wait'], idle['wait'])}, "
+        f"{isolation_verdict(behind['wait'], idle['wait'])}; B's first token "
         f"{against_idle(behind['ttft'], idle['ttft'])}; A's jobs served meanwhile {served:.0f}/s; "
         f"load {os.getloadavg()[0]:.1f}"
     )
@@ -74,17 +73,6 @@ def against_idle(behind: list[float], idle: list[float]) -> str:
         f"with A absent p50 {pct(idle, 50) * 1e3:.1f} ms, p99 {pct(idle, 99) * 1e3:.1f} ms, behind A's flex flood "
         f"p50 {pct(behind, 50) * 1e3:.1f} ms, p99 {pct(behind, 99) * 1e3:.1f} ms ({pct(behind, 99) / pct(idle, 99):.1f}x)"
     )
-
-
-def a_served_per_s(client: Client, flood: list[str], since: float) -> float:
-    """Cancel what is left of A's flood (drain); the rate at which A's jobs ended done from `since`
-    until the cancel. Raises if the flood ran out first: the probes would not all have been behind it."""
-    until = time.time()
-    client.cancel_many(flood)
-    ended = [r.timings.finished_at for r in client.as_completed(flood, timeout=600) if r.status == "done"]
-    if len(ended) == len(flood):
-        raise SystemExit("A's flood ended before B's probes did: give a larger --flood")
-    return sum(t is not None and since <= t <= until for t in ended) / (until - since)
 
 
 if __name__ == "__main__":

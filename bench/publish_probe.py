@@ -19,10 +19,8 @@ the engine sat idle, waiting for jobs, is none of publication's doing):
   which a model's engine does in its own way), so that the worker's CPU can be read without it.
 
 With `--device-step-ms MS` each echo step stands for a GPU step of MS ms, overlapped as the engine's
-overlap scheduler runs on a GPU: a step returns the previous step's outputs at once and the
-"device" stays busy for MS ms, which the next step waits out (sleeping, as a CUDA event's
-synchronize does, without the GIL). The host's work between steps is then hidden while it takes
-less than MS ms: `periods` stays flat at MS.
+overlap scheduler runs on a GPU (bench/device_pace.py, its constant model): the host's work
+between steps is then hidden while it takes less than MS ms, and `periods` stays flat at MS.
 
 With `--inline-publisher` (this branch's tree only) each publication round is sent in the loop's
 own thread, as the overlap scheduler's idle time would carry it, instead of the publisher's thread:
@@ -38,6 +36,9 @@ import sys
 import threading
 import time
 
+# This file's directory leads sys.path until main() puts the tree there (it runs as a script).
+from device_pace import DeviceStep, pace_like_a_device
+
 
 def main() -> int:
     tree, out_path, *argv = sys.argv[1:]
@@ -47,10 +48,10 @@ def main() -> int:
     inline = "--inline-publisher" in argv
     if inline:
         argv.remove("--inline-publisher")
-    device_step_s = 0.0
+    device_step_ms = 0.0
     if "--device-step-ms" in argv:
         at = argv.index("--device-step-ms")
-        device_step_s = float(argv[at + 1]) / 1000
+        device_step_ms = float(argv[at + 1])
         del argv[at : at + 2]
     # Run as a script (the baseline tree has no copy of it), so this checkout's bench/ leads
     # sys.path: the measured tree takes its place, and its packages are the ones imported.
@@ -60,8 +61,8 @@ def main() -> int:
     from worker.loop.publication import Publication
     from worker.loop.service import Worker
 
-    if device_step_s:
-        pace_like_a_device(EchoEngine, device_step_s)
+    if device_step_ms:
+        pace_like_a_device(EchoEngine, DeviceStep(device_step_ms))
     if inline:
         from worker.loop.publisher import Publisher
 
@@ -74,21 +75,6 @@ def main() -> int:
     finally:
         with open(out_path, "w") as f:
             json.dump(probe.report(), f)
-
-
-def pace_like_a_device(engine_class, step_s: float) -> None:
-    step = engine_class.step
-
-    def device_step(self):
-        free_at = getattr(self, "device_free_at", 0.0)
-        now = time.monotonic()
-        if free_at > now:
-            time.sleep(free_at - now)
-        outputs = step(self)
-        self.device_free_at = time.monotonic() + step_s
-        return outputs
-
-    engine_class.step = device_step
 
 
 def send_inline(publisher_class) -> None:

@@ -6,7 +6,10 @@ prompt back, one token per step) over an embedded redis-server:
   1. isolation: tenant A submits FLOOD jobs at once (submit_many), then tenant B submits 8-token
      jobs at a steady rate; B's queue wait and latency (Redis's entry time to the job's end),
      with A absent, behind A in the one FIFO stream, with A in the same lane as another tenant,
-     and with A's jobs in the flex lane;
+     and with A's jobs in the flex lane (issue 42's target: B's wait p99 <= 2x with A absent);
+     then the flex row again on an echo worker paced like a GPU (bench/device_pace.py: each step
+     stands for an overlapped GPU step of --device-step-ms, by each --device-step-model), beside
+     the CPU-paced one, whose every step costs the worker's CPU more the larger its batch;
   2. fairness: two tenants flood the default lane at a 4:1 request ratio; each one's share of
      the tokens served while both have work waiting (equal weights, then weights 3:1, then equal
      weights over three workers, one of them killed with SIGKILL mid-run);
@@ -20,7 +23,7 @@ prompt back, one token per step) over an embedded redis-server:
      token with the engine idle, then with every slot held by tenant A's long default jobs (the
      engine preempts one of them; in A's lane it would wait for one of them to end).
 
-    python -m bench.tenants [--flood 9000 --probes 40 --fair-jobs 1500]
+    python -m bench.tenants [--flood 9000 --probes 40 --fair-jobs 1500 --device-step-ms 12]
     python -m bench.tenants --ttft [--ttft-probes 40 --ttft-rounds 2]
     python -m bench.tenants --ttft --ttft-model qwen3-0.6b --ttft-running 256   # on a GPU
 """
@@ -30,12 +33,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
+from bench.device_pace import MODELS, DeviceStep
 from bench.measure import cpu_seconds, pct
-from harness.processes import start_worker
+from harness.processes import REPO, start_worker
 from producer_client import Client, QueueFull, WaitingQuotaExceeded
 from producer_client.protocol.lanes import CREDIT_EVERY
 from worker.embedded_redis import EmbeddedRedis, free_port
@@ -48,6 +54,8 @@ PROBE_INTERVAL_S = 0.05
 # the job that ran one tenant out, so a read is the error bar (256, the default, would be wide).
 PARKED_RUNNING = 16
 CLAIM_IDLE_MS = 2000  # a killed worker's jobs are reclaimed this soon
+ISOLATION_TARGET = 2.0  # issue 42: B's wait p99 behind A's flex flood <= 2x its p99 with A absent
+DEVICE_PACE = REPO / "bench" / "device_pace.py"
 
 
 def main() -> None:
@@ -76,6 +84,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flood", type=int, default=9000, help="tenant A's jobs in the isolation runs")
     p.add_argument("--probes", type=int, default=40, help="tenant B's jobs per isolation run")
+    add_device_step_options(p)
     p.add_argument("--fair-jobs", type=int, default=1500, help="the smaller tenant's jobs in the fairness runs")
     p.add_argument("--quota", type=int, default=10_000, help="A's max_waiting, and the queue bound beside it")
     p.add_argument("--cost-jobs", type=int, default=5000, help="jobs per cost run")
@@ -89,6 +98,30 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ttft-running", type=int, default=TtftSetup.running, help="the worker's slots (max_running)")
     p.add_argument("--ttft-a-tokens", type=int, default=TtftSetup.a_tokens, help="tokens of each of A's jobs")
     return p.parse_args()
+
+
+def add_device_step_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device-step-ms", type=float, default=12.0, help="the GPU-paced isolation runs' step at batch 256 (0: none)"
+    )
+    p.add_argument(
+        "--device-step-model",
+        action="append",
+        choices=MODELS,
+        help="a GPU step's time: the same at every batch, or by its batch (bench/device_pace.py); "
+        "give it again for another (default: each)",
+    )
+
+
+def device_steps(args: argparse.Namespace) -> list[DeviceStep]:
+    models = args.device_step_model or MODELS
+    return [DeviceStep(args.device_step_ms, model) for model in models] if args.device_step_ms else []
+
+
+def paced_worker(url: str, queue: str, step: DeviceStep, tree: Path = REPO) -> subprocess.Popen:
+    """An echo worker from `tree` whose steps stand for a GPU's (bench/device_pace.py)."""
+    launcher = (str(DEVICE_PACE), str(step.full_ms), step.model)
+    return start_worker(url, queue, name=f"bench-gpu-{step.model}", tree=tree, launcher=launcher)
 
 
 def warm_up(client: Client) -> None:
@@ -120,13 +153,64 @@ ISOLATION_RUNS = [  # name, A's tenant and tier, B's tenant
 def isolation(url: str, args: argparse.Namespace) -> None:
     print(f"\n1. isolation: A submits {args.flood} jobs at once; B then {args.probes} jobs of {PROBE_TOKENS} tokens,")
     print(f"   one every {PROBE_INTERVAL_S * 1e3:.0f} ms (B's wait: Redis's entry time to the worker's start)")
+    verdicts = []
     with Client(url, QUEUE, max_queue_depth=None) as client:  # A's flood may pass the default bound
         idle = probe(client.as_tenant("team-b"), args.probes)
         show("A absent", idle, idle)
         for name, a_tenant, a_tier, b_tenant in ISOLATION_RUNS:
             flood = client.as_tenant(a_tenant).submit_many(specs(args.flood, tier=a_tier))
-            show(name, probe(client.as_tenant(b_tenant), args.probes), idle)
+            behind = probe(client.as_tenant(b_tenant), args.probes)
+            show(name, behind, idle)
             drain(client, flood)
+        # behind: the last run's, A's jobs in the flex lane (the target's case)
+        verdicts.append(f"CPU-paced echo: {isolation_verdict(behind['wait'], idle['wait'])}")
+    for step in device_steps(args):
+        print(f"  GPU-paced echo worker, {step.describe()}:")
+        queue = f"{QUEUE}-gpu-{step.model}"
+        idle, behind, served = flex_flood_run(url, queue, args.flood, args.probes, paced_worker(url, queue, step))
+        print(f"    A's jobs served meanwhile {served:.0f}/s")
+        show("  A absent", idle, idle)
+        show("  A's jobs in the flex lane, B default", behind, idle)
+        verdicts.append(f"GPU-paced echo, {step.name()}: {isolation_verdict(behind['wait'], idle['wait'])}")
+    print(f"  target, B's wait p99 behind A's {args.flood} flex jobs <= {ISOLATION_TARGET:g}x its p99 with A absent:")
+    for verdict in verdicts:
+        print(f"    {verdict}")
+
+
+def flex_flood_run(
+    url: str, queue: str, flood_jobs: int, probes: int, worker: subprocess.Popen
+) -> tuple[dict, dict, float]:
+    """On `queue`, served by `worker` (stopped after): B's probes with A absent, then behind A's
+    flood of flex jobs. Both probes' figures (`probe`), and A's jobs served per second meanwhile."""
+    try:
+        with Client(url, queue, max_queue_depth=None) as client:
+            warm_up(client)
+            idle = probe(client.as_tenant("team-b"), probes)
+            flood = client.as_tenant("team-a").submit_many(specs(flood_jobs, tier="flex"))
+            probing = time.time()
+            behind = probe(client.as_tenant("team-b"), probes)
+            served = a_served_per_s(client, flood, probing)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+    return idle, behind, served
+
+
+def a_served_per_s(client: Client, flood: list[str], since: float) -> float:
+    """Cancel what is left of A's flood (drain); the rate at which A's jobs ended done from `since`
+    until the cancel. Raises if the flood ran out first: the probes would not all have been behind it."""
+    until = time.time()
+    client.cancel_many(flood)
+    ended = [r.timings.finished_at for r in client.as_completed(flood, timeout=600) if r.status == "done"]
+    if len(ended) == len(flood):
+        raise SystemExit("A's flood ended before B's probes did: give a larger --flood")
+    return sum(t is not None and since <= t <= until for t in ended) / (until - since)
+
+
+def isolation_verdict(behind: list[float], idle: list[float]) -> str:
+    """Issue 42's isolation target for B's waits behind A's flood and with A absent."""
+    ratio = pct(behind, 99) / pct(idle, 99)
+    return f"{'met' if ratio <= ISOLATION_TARGET else 'missed'} (p99 {ratio:.1f}x, target <= {ISOLATION_TARGET:g}x)"
 
 
 def probe(client: Client, count: int) -> dict[str, list[float]]:

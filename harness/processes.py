@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -17,6 +17,7 @@ from worker.embedded_redis import free_port, stop_process
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout: harness/ sits at its root
 T = TypeVar("T")
+WORKER_MODULE = ("-m", "worker")  # the interpreter's arguments before `serve`: the worker's own entry
 PROBE_INTERVAL_S = 0.05  # a probe opens a connection or sends a request: not every 10 ms
 
 
@@ -39,6 +40,7 @@ def start_worker(
     log_path: Path | None = None,
     tree: Path = REPO,
     env: Mapping[str, str] | None = None,
+    launcher: Sequence[str] = WORKER_MODULE,
 ) -> subprocess.Popen:
     """`python -m worker serve` of `model` on `queue`, as a benchmark runs one: the echo engine by
     default (no model: a job's output is its prompt, one token a step), metrics on a free port of
@@ -46,11 +48,13 @@ def start_worker(
     last, so they override these. `tree`: the source tree it runs from (by default this one; a
     worktree of an older commit, to compare against), with only that directory on PYTHONPATH and,
     for another tree, that tree's `.venv/bin/python` if it has one. `env`: variables set over this
-    process's environment. Readiness is the caller's: its warm-up jobs wait for the worker."""
+    process's environment. `launcher`: what the interpreter runs (`-m worker`, or a script that runs
+    the tree's worker its own way, as bench/device_pace.py). Readiness is the caller's: its warm-up
+    jobs wait for the worker."""
     tree = tree.resolve()
     own_python = tree / ".venv" / "bin" / "python"
     python = str(own_python) if tree != REPO and own_python.exists() else sys.executable
-    command = serve_command(python, redis_url, model, queue, name, "--log-level", "WARNING", *flags)
+    command = serve_command(python, redis_url, model, queue, name, "--log-level", "WARNING", *flags, launcher=launcher)
     env = {**os.environ, "PYTHONPATH": str(tree), **(env or {})}
     if log_path is None:
         return subprocess.Popen(command, cwd=tree, env=env, stdin=subprocess.DEVNULL)
@@ -61,13 +65,19 @@ def start_worker(
 
 
 def serve_command(
-    python: str, redis_url: str, model: str, queue: str | None, name: str | None, *flags: str
+    python: str,
+    redis_url: str,
+    model: str,
+    queue: str | None,
+    name: str | None,
+    *flags: str,
+    launcher: Sequence[str] = WORKER_MODULE,
 ) -> list[str]:
     """The command line of `python -m worker serve` of `model` on `queue` (None: the worker's
     default queue), named `name` (None: <hostname>-<pid>), with metrics on a free port of
     127.0.0.1, a benchmark's and a test's alike; `flags` come last, so they override these."""
     return [
-        *(python, "-m", "worker", "serve", "--model", model, "--redis", redis_url),
+        *(python, *launcher, "serve", "--model", model, "--redis", redis_url),
         *("--metrics-host", "127.0.0.1", "--metrics-port", "0"),
         *(["--queue", queue] if queue is not None else []),
         *(["--name", name] if name is not None else []),

@@ -1,7 +1,8 @@
 """harness.processes.start_worker, the one way a benchmark starts a worker process: from another
 source tree (a worktree of an older commit) it runs that tree's `worker`, from that tree, with only
 that tree on PYTHONPATH and that tree's own python if it has one, with the caller's flags last and
-its output in the log file. A stand-in `worker` package in the other tree writes down what it got,
+its output in the log file; started through bench/device_pace.py, that tree's worker with its echo
+steps paced like a GPU's. A stand-in `worker` package in the other tree writes down what it got,
 so no real worker starts."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from bench import device_pace
 from harness.processes import start_worker
 
 STAND_IN = """import json, os, sys
@@ -56,3 +58,34 @@ def test_another_tree_with_a_venv_runs_that_venvs_python(tmp_path):
     assert got["python"] == str(tree / ".venv" / "bin" / "python")
     assert got["argv"][:3] == ["serve", "--model", "tiny"]
     assert "--name" not in got["argv"]  # no name: the worker names itself, as in a container
+
+
+PACED_STAND_IN = """import json, sys, time
+
+from worker.engine.echo import EchoEngine
+
+
+def main(argv):
+    engine = EchoEngine()
+    started = time.monotonic()
+    engine.step()
+    engine.step()  # waits out the first step's device time
+    print(json.dumps({"argv": argv, "two_steps_s": time.monotonic() - started, "path": sys.path}))
+    return 0
+"""
+ONE_REQUEST_ENGINE = "class EchoEngine:\n    def step(self):\n        return ['one output']\n"
+
+
+def test_a_tree_started_through_device_pace_runs_its_own_worker_with_its_echo_steps_paced(tmp_path):
+    tree = tmp_path / "old"
+    (tree / "worker" / "engine").mkdir(parents=True)
+    (tree / "worker" / "__init__.py").write_text("")
+    (tree / "worker" / "__main__.py").write_text(PACED_STAND_IN)
+    (tree / "worker" / "engine" / "__init__.py").write_text("")
+    (tree / "worker" / "engine" / "echo.py").write_text(ONE_REQUEST_ENGINE)
+    launcher = (str(Path(device_pace.__file__)), "300", "constant")
+    got = run(tree, tmp_path / "w.log", "--max-running", "4", launcher=launcher)
+    assert got["argv"][:5] == ["serve", "--model", "echo", "--redis", "redis://127.0.0.1:1"]
+    assert got["argv"][-2:] == ["--max-running", "4"]
+    assert got["two_steps_s"] >= 0.3  # the second step waited for the first's 300 ms on the "device"
+    assert got["path"][0] == str(tree)  # bench/ left sys.path: the tree's packages are imported
