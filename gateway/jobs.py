@@ -68,18 +68,22 @@ class Jobs:
         fingerprint: str,
         request_id: str,
         stream: bool,
+        tokens: int | None = None,
     ) -> RequestJobs:
         """Enqueue one job per spec (see Gateway.check for their validation), as streamed jobs for
         an SSE response. With an Idempotency-Key (scoped to its tenant), job i is `<key>-<i>`,
         bound to the request's `fingerprint`: a retried request finds the same jobs, another
         request with the key is refused (IdempotencyConflict).
         The request counts one request against its tenant's requests-per-minute limit, and all of
-        its jobs' tokens, as OpenAI counts a request with n choices: job 0 counts the request, and
-        goes in first, so that a request a limit refuses leaves nothing enqueued and counted."""
+        its jobs' tokens, as OpenAI counts a request with n choices: job 0 counts the request and
+        the request's `tokens` (None: a single job's own), and goes in first, so that a request a
+        limit refuses leaves nothing enqueued and counted. Were each job to count its own tokens,
+        a request whose later choices did not fit would leave its first ones counted and run."""
 
         def submit(i: int, spec: JobSpec) -> Awaitable[Submitted]:
             return client.submit_rated(
                 counts_request=i == 0,
+                counts_tokens=tokens if i == 0 or tokens is None else 0,
                 request_id=None if key is None else f"{key}-{i}",
                 request_fingerprint=None if key is None else fingerprint,
                 timeout_s=self.job_timeout_s,
