@@ -121,18 +121,17 @@ class Gateway:
         under ids of the request's tenant, bound to this request (gateway/idempotency.py). The jobs
         are the API key's tenant's: its share of each lane, its quotas and rate limits."""
         client = self.client.on_queue(queue).as_tenant(queue_tenant(tenant_of(request).id))
-        jobs = await self.jobs.submit(
-            client,
-            specs,
-            scoped_key(request),
-            fingerprint(request, body),
-            request.state.request_id,
-            stream,
-            tokens,
-        )
-        request.state.jobs = f"queue {queue!r} jobs {','.join(jobs.ids)}"  # for the request's log line
-        request.state.job_ids = jobs.ids  # x-mili-job-ids on its answer, an error's too (RequestContext)
-        request.state.rate_limits = jobs.limits  # the x-ratelimit-* headers (gateway/rate_headers.py)
+
+        def record(jobs: RequestJobs) -> None:
+            """The jobs that went in, on the request's answer: with its jobs, or with the refusal
+            of the others after them (those are cancelled, Jobs.submit), which names them too."""
+            request.state.jobs = f"queue {queue!r} jobs {','.join(jobs.ids)}"  # for the request's log line
+            request.state.job_ids = jobs.ids  # x-mili-job-ids on its answer, an error's too (RequestContext)
+            request.state.rate_limits = jobs.limits  # the x-ratelimit-* headers (gateway/rate_headers.py)
+
+        key, digest, request_id = scoped_key(request), fingerprint(request, body), request.state.request_id
+        jobs = await self.jobs.submit(client, specs, key, digest, request_id, stream, tokens, record)
+        record(jobs)
         return jobs
 
     async def results(self, request: Request, jobs: RequestJobs) -> list[JobResult] | None:

@@ -69,6 +69,7 @@ class Jobs:
         request_id: str,
         stream: bool,
         tokens: int | None = None,
+        refused_after: Callable[[RequestJobs], None] | None = None,
     ) -> RequestJobs:
         """Enqueue one job per spec (see Gateway.check for their validation), as streamed jobs for
         an SSE response. With an Idempotency-Key (scoped to its tenant), job i is `<key>-<i>`,
@@ -78,7 +79,9 @@ class Jobs:
         its jobs' tokens, as OpenAI counts a request with n choices: job 0 counts the request and
         the request's `tokens` (None: a single job's own), and goes in first, so that a request a
         limit refuses leaves nothing enqueued and counted. Were each job to count its own tokens,
-        a request whose later choices did not fit would leave its first ones counted and run."""
+        a request whose later choices did not fit would leave its first ones counted and run.
+        A job refused after others went in (a full queue, a waiting quota) cancels those, and
+        `refused_after` is told them before the refusal is raised: they exist, and the answer names them."""
 
         def submit(i: int, spec: JobSpec) -> Awaitable[Submitted]:
             return client.submit_rated(
@@ -100,6 +103,8 @@ class Jobs:
         error = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if error is not None:
             self.release(jobs, client_left=False)
+            if refused_after is not None and jobs.ids:
+                refused_after(jobs)
             raise error
         return jobs
 
