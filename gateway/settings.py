@@ -5,6 +5,7 @@ MILI_PREFIX mean what they mean to the workers and the `mili` CLI."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import re
 import typing
@@ -173,6 +174,22 @@ class GatewaySettings(TomlSettings):
     def _durations(cls, value: list[str]) -> list[str]:
         for window in value:
             duration_s(window)
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _addresses_or_networks(cls, value: list[str]) -> list[str]:
+        """uvicorn keeps an entry that is neither as a literal that no client's address ever
+        equals: a network written with its host bits set, or a name, would trust nobody, silently."""
+        if value == ["*"]:
+            return value
+        for place, entry in enumerate(value):
+            try:
+                ipaddress.ip_network(entry) if "/" in entry else ipaddress.ip_address(entry)
+            except ValueError as e:
+                raise ValueError(
+                    f'trusted_proxies[{place}] {entry!r} is not an address, a network or "*" alone: {e}'
+                ) from None
         return value
 
     @field_validator("models")

@@ -53,6 +53,20 @@ def test_an_api_key_no_client_can_send_is_refused_naming_its_place_only(field, b
     assert bad.strip() == "" or "Zq" not in str(refused.value)
 
 
+@pytest.mark.parametrize("bad", ["300.1.1.1", "10.244.0.1/16", "10.0.0.0/33", "ingress.internal", ""])
+def test_a_trusted_proxy_that_is_no_address_or_network_is_refused_naming_it(bad):
+    """uvicorn keeps such an entry as a literal that no client address ever equals: a network
+    written with its host bits set (10.244.0.1/16) or a name trusted nobody, silently, and behind
+    that ingress every client was its one address (the failed-attempt limit shared, the board's
+    cookie not Secure)."""
+    with pytest.raises(ValidationError) as refused:
+        GatewaySettings(trusted_proxies=["127.0.0.1", bad])
+    assert f"trusted_proxies[1] {bad!r} is not an address, a network or" in str(refused.value)
+    kept = ["127.0.0.1", "::1", "10.244.0.0/16", "fd00::/8"]
+    assert GatewaySettings(trusted_proxies=kept).trusted_proxies == kept
+    assert GatewaySettings(trusted_proxies=["*"]).trusted_proxies == ["*"]
+
+
 def test_pinned_model_queues_must_be_usable_in_keys():
     with pytest.raises(InvalidArgument, match="models"):
         GatewaySettings(models={"m": "{bad}"})
