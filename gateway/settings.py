@@ -176,6 +176,20 @@ class GatewaySettings(TomlSettings):
             duration_s(window)
         return value
 
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins_as_sent(cls, value: list[str]) -> list[str]:
+        """CORS grants an Origin header equal to an entry; a browser sends `scheme://host[:port]`
+        in lower case with no path, so an entry of another form (a URL's trailing slash, a path,
+        no scheme) granted nothing, silently."""
+        for place, origin in enumerate(value):
+            if origin != "*" and not BROWSER_ORIGIN.fullmatch(origin):
+                raise ValueError(
+                    f"cors_origins[{place}] {origin!r} is not an origin as a browser sends it: give "
+                    'scheme://host[:port] in lower case, with no path or trailing slash, or "*"'
+                )
+        return value
+
     @field_validator("trusted_proxies")
     @classmethod
     def _addresses_or_networks(cls, value: list[str]) -> list[str]:
@@ -201,6 +215,7 @@ class GatewaySettings(TomlSettings):
 
 
 SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
+BROWSER_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\sA-Z]+")  # an Origin header's serialization
 DURATION = re.compile(r"([1-9][0-9]*)([smhd])")
 SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 

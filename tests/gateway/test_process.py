@@ -67,6 +67,22 @@ def test_a_trusted_proxy_that_is_no_address_or_network_is_refused_naming_it(bad)
     assert GatewaySettings(trusted_proxies=["*"]).trusted_proxies == ["*"]
 
 
+@pytest.mark.parametrize(
+    "bad",
+    ["https://app.example.com/", "https://app.example.com/chat", "app.example.com", "https://App.example.com", ""],
+)
+def test_a_cors_origin_no_browser_sends_is_refused_naming_it(bad):
+    """CORS grants an Origin header equal to an entry, and a browser's Origin is `scheme://host[:port]`
+    in lower case, with no path: an entry with a trailing slash (as a URL is often copied), a path
+    or no scheme granted nothing, silently, and the page's every request failed as cross-origin."""
+    with pytest.raises(ValidationError) as refused:
+        GatewaySettings(cors_origins=["https://ok.example.com", bad])
+    assert f"cors_origins[1] {bad!r} is not an origin as a browser sends it" in str(refused.value)
+    kept = ["https://ok.example.com", "http://localhost:3000", "http://[::1]:8080"]
+    assert GatewaySettings(cors_origins=kept).cors_origins == kept
+    assert GatewaySettings(cors_origins=["*"]).cors_origins == ["*"]
+
+
 def test_pinned_model_queues_must_be_usable_in_keys():
     with pytest.raises(InvalidArgument, match="models"):
         GatewaySettings(models={"m": "{bad}"})
