@@ -115,22 +115,23 @@ class Gateway:
         queue: str,
         body: BaseModel,
         stream: bool = False,
+        tokens: int | None = None,
     ) -> RequestJobs:
         """Enqueue the request's jobs (streamed ones for an SSE response); with an Idempotency-Key,
         under ids of the request's tenant, bound to this request (gateway/idempotency.py). The jobs
         are the API key's tenant's: its share of each lane, its quotas and rate limits."""
         client = self.client.on_queue(queue).as_tenant(queue_tenant(tenant_of(request).id))
-        jobs = await self.jobs.submit(
-            client,
-            specs,
-            scoped_key(request),
-            fingerprint(request, body),
-            request.state.request_id,
-            stream,
-        )
-        request.state.jobs = f"queue {queue!r} jobs {','.join(jobs.ids)}"  # for the request's log line
-        request.state.job_ids = jobs.ids  # x-mili-job-ids on its answer, an error's too (RequestContext)
-        request.state.rate_limits = jobs.limits  # the x-ratelimit-* headers (gateway/rate_headers.py)
+
+        def record(jobs: RequestJobs) -> None:
+            """The jobs that went in, on the request's answer: with its jobs, or with the refusal
+            of the others after them (those are cancelled, Jobs.submit), which names them too."""
+            request.state.jobs = f"queue {queue!r} jobs {','.join(jobs.ids)}"  # for the request's log line
+            request.state.job_ids = jobs.ids  # x-mili-job-ids on its answer, an error's too (RequestContext)
+            request.state.rate_limits = jobs.limits  # the x-ratelimit-* headers (gateway/rate_headers.py)
+
+        key, digest, request_id = scoped_key(request), fingerprint(request, body), request.state.request_id
+        jobs = await self.jobs.submit(client, specs, key, digest, request_id, stream, tokens, record)
+        record(jobs)
         return jobs
 
     async def results(self, request: Request, jobs: RequestJobs) -> list[JobResult] | None:
@@ -160,10 +161,10 @@ class Gateway:
         prompt_of, lane = [s.prompt_index for s in specs], lane_of(specs[0].service_tier)
         renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, prompt_of, lane)
         try:
-            self.check(specs)
             route = await self.registry.route(req.model)
             specs = [replace(spec, adapter=route.adapter) for spec in specs]
-            jobs = await self.submit(request, specs, route.queue, req, stream=req.streams)
+            tokens = self.check(specs, req.streams)
+            jobs = await self.submit(request, specs, route.queue, req, stream=req.streams, tokens=tokens)
         except InvalidArgument as e:
             raise named_as_requested(e, req) from None
         prompt = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
@@ -194,12 +195,14 @@ class Gateway:
             raise named_as_requested(e, req) from None
         return specs
 
-    def check(self, specs: list[JobSpec]) -> None:
-        """Every job of a request passes the client's validation before the first is enqueued.
-        A single job needs no check here: `submit` validates it before it touches Redis."""
-        if len(specs) > 1:
-            for spec in specs:
-                spec.check(self.settings.job_timeout_s)
+    def check(self, specs: list[JobSpec], stream: bool) -> int | None:
+        """Every job of a request passes the client's validation before the first is enqueued;
+        returns the request's tokens (its jobs' together), which its first job counts against its
+        tenant's tokens-per-minute limit (Jobs.submit). A single job needs no check here: `submit`
+        validates it before it touches Redis, and it counts its own tokens (None)."""
+        if len(specs) == 1:
+            return None
+        return sum(spec.check(self.settings.job_timeout_s, stream) for spec in specs)
 
 
 def create_app(settings: GatewaySettings, lifecycle: Lifecycle):

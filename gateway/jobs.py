@@ -68,18 +68,25 @@ class Jobs:
         fingerprint: str,
         request_id: str,
         stream: bool,
+        tokens: int | None = None,
+        refused_after: Callable[[RequestJobs], None] | None = None,
     ) -> RequestJobs:
         """Enqueue one job per spec (see Gateway.check for their validation), as streamed jobs for
         an SSE response. With an Idempotency-Key (scoped to its tenant), job i is `<key>-<i>`,
         bound to the request's `fingerprint`: a retried request finds the same jobs, another
         request with the key is refused (IdempotencyConflict).
         The request counts one request against its tenant's requests-per-minute limit, and all of
-        its jobs' tokens, as OpenAI counts a request with n choices: job 0 counts the request, and
-        goes in first, so that a request a limit refuses leaves nothing enqueued and counted."""
+        its jobs' tokens, as OpenAI counts a request with n choices: job 0 counts the request and
+        the request's `tokens` (None: a single job's own), and goes in first, so that a request a
+        limit refuses leaves nothing enqueued and counted. Were each job to count its own tokens,
+        a request whose later choices did not fit would leave its first ones counted and run.
+        A job refused after others went in (a full queue, a waiting quota) cancels those, and
+        `refused_after` is told them before the refusal is raised: they exist, and the answer names them."""
 
         def submit(i: int, spec: JobSpec) -> Awaitable[Submitted]:
             return client.submit_rated(
                 counts_request=i == 0,
+                counts_tokens=tokens if i == 0 or tokens is None else 0,
                 request_id=None if key is None else f"{key}-{i}",
                 request_fingerprint=None if key is None else fingerprint,
                 timeout_s=self.job_timeout_s,
@@ -96,6 +103,8 @@ class Jobs:
         error = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if error is not None:
             self.release(jobs, client_left=False)
+            if refused_after is not None and jobs.ids:
+                refused_after(jobs)
             raise error
         return jobs
 

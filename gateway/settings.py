@@ -5,6 +5,7 @@ MILI_PREFIX mean what they mean to the workers and the `mili` CLI."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import re
 import typing
@@ -175,6 +176,36 @@ class GatewaySettings(TomlSettings):
             duration_s(window)
         return value
 
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins_as_sent(cls, value: list[str]) -> list[str]:
+        """CORS grants an Origin header equal to an entry; a browser sends `scheme://host[:port]`
+        in lower case with no path, so an entry of another form (a URL's trailing slash, a path,
+        no scheme) granted nothing, silently."""
+        for place, origin in enumerate(value):
+            if origin != "*" and not BROWSER_ORIGIN.fullmatch(origin):
+                raise ValueError(
+                    f"cors_origins[{place}] {origin!r} is not an origin as a browser sends it: give "
+                    'scheme://host[:port] in lower case, with no path or trailing slash, or "*"'
+                )
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _addresses_or_networks(cls, value: list[str]) -> list[str]:
+        """uvicorn keeps an entry that is neither as a literal that no client's address ever
+        equals: a network written with its host bits set, or a name, would trust nobody, silently."""
+        if value == ["*"]:
+            return value
+        for place, entry in enumerate(value):
+            try:
+                ipaddress.ip_network(entry) if "/" in entry else ipaddress.ip_address(entry)
+            except ValueError as e:
+                raise ValueError(
+                    f'trusted_proxies[{place}] {entry!r} is not an address, a network or "*" alone: {e}'
+                ) from None
+        return value
+
     @field_validator("models")
     @classmethod
     def _queues_usable_in_keys(cls, value: dict[str, str]) -> dict[str, str]:
@@ -184,6 +215,7 @@ class GatewaySettings(TomlSettings):
 
 
 SENDABLE_KEY = re.compile(r"[\x21-\x7e]+")
+BROWSER_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\sA-Z]+")  # an Origin header's serialization
 DURATION = re.compile(r"([1-9][0-9]*)([smhd])")
 SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 

@@ -174,7 +174,9 @@ def parse_line(text: str, number: int, urls: frozenset[str] = frozenset(ENDPOINT
         if first["type"] in ("json_invalid", "json_type"):
             raise LineError(number, "invalid_json", f"not a JSON object: {first['msg']}") from None
         param = ".".join(str(p) for p in first["loc"]) or None
-        raise LineError(number, "invalid_line", f"{param}: {first['msg']}", param, custom_id_of(text)) from None
+        # A line of JSON that is no object has no field to name: its error is the line's own.
+        message = f"{param}: {first['msg']}" if param is not None else f"the line is not a JSON object: {first['msg']}"
+        raise LineError(number, "invalid_line", message, param, custom_id_of(text)) from None
     if line.url not in urls:
         allowed = " or ".join(sorted(urls))
         raise LineError(number, "invalid_url", f"url {line.url!r} is not {allowed}", "url", line.custom_id)

@@ -88,10 +88,12 @@ class JobSpec:
         """The sampling parameters and job options submit takes among them."""
         return {**(self.sampling or {}), **({"adapter": self.adapter} if self.adapter is not None else {})}
 
-    def check(self, timeout_s: float) -> None:
-        """Validate as `submit` will, touching nothing: raises InvalidArgument."""
+    def check(self, timeout_s: float | None, stream: bool = False) -> int:
+        """Validate as `submit` will, touching nothing: raises InvalidArgument. Returns the job's
+        tokens as a tokens-per-minute limit counts them (NewJob.cost)."""
         prompt, messages, ids, tier = self.prompt, self.messages, self.input_ids, self.service_tier
-        build_job(prompt, messages, ids, None, timeout_s, self.priority, self.options(), service_tier=tier)
+        options = self.options()
+        return build_job(prompt, messages, ids, None, timeout_s, self.priority, options, None, stream, tier).cost
 
 
 def named_as_requested(error: InvalidArgument, req: SamplingRequest) -> InvalidArgument:

@@ -94,13 +94,16 @@ class AsyncClient(ClientBase):
         )
         return await steps.arun(self.redis, operations.submit(self, job))
 
-    async def submit_rated(self, counts_request: bool = True, **arguments: Any) -> Submitted:
+    async def submit_rated(
+        self, counts_request: bool = True, counts_tokens: int | None = None, **arguments: Any
+    ) -> Submitted:
         job = await validated(
             build_job_of,
             arguments,
             int(counts_request),
             self.known_params,
             self.tenant,
+            counts_tokens,
             grammar=asks_for_grammar(arguments),
         )
         return await steps.arun(self.redis, operations.submit_rated(self, job))

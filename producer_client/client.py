@@ -105,12 +105,17 @@ class Client(ClientBase):
         )
         return steps.run(self.redis, operations.submit(self, job))
 
-    def submit_rated(self, counts_request: bool = True, **arguments: Any) -> Submitted:
+    def submit_rated(
+        self, counts_request: bool = True, counts_tokens: int | None = None, **arguments: Any
+    ) -> Submitted:
         """submit() of `arguments`, returning the job's id with its tenant's rate limits after it
         (the gateway's x-ratelimit-* headers). `counts_request` False: the job is a further choice
-        of a request another job counted, so it counts its tokens but no request against the
-        tenant's requests-per-minute limit (OpenAI counts a request with n choices as one)."""
-        job = build_job_of(arguments, int(counts_request), self.known_params, self.tenant)
+        of a request another job counted, so it counts no request against the tenant's
+        requests-per-minute limit (OpenAI counts a request with n choices as one). `counts_tokens`:
+        the tokens it counts against the tokens-per-minute limit in place of its own (None): a
+        request's first job counts every choice's and the further ones 0, so that a request whose
+        choices do not fit together is refused whole, nothing enqueued."""
+        job = build_job_of(arguments, int(counts_request), self.known_params, self.tenant, counts_tokens)
         return steps.run(self.redis, operations.submit_rated(self, job))
 
     def result(self, job_id: str, timeout: float | None = None) -> JobResult:

@@ -56,6 +56,9 @@ class NewJob(NamedTuple):
     lane: str = DEFAULT_LANE
     cost: int = 0  # its tokens as the lanes and the tokens-per-minute limit count them (estimated_tokens)
     requests: int = 1  # what it counts against a requests-per-minute limit (0: a further choice of one request)
+    # What it counts against a tokens-per-minute limit; None: its cost. A request's first job counts
+    # every choice's tokens and the further ones none, so that the limit takes or refuses it whole.
+    tokens: int | None = None
 
     def create_call(self, keys: Keys) -> ScriptCall:
         return scripts.create(keys, self.job_id, self.timeout_ms, self.fingerprint)
@@ -209,11 +212,15 @@ def estimated_tokens(request: JobRequest, body: str) -> int:
 
 
 def build_job_of(
-    arguments: Mapping[str, Any], requests: int = 1, known_params: KnownParams | None = None, tenant: str | None = None
+    arguments: Mapping[str, Any],
+    requests: int = 1,
+    known_params: KnownParams | None = None,
+    tenant: str | None = None,
+    tokens: int | None = None,
 ) -> NewJob:
-    """build_job() of submit()'s keyword arguments, given as a dict; `requests`: what the job counts
-    against a requests-per-minute limit (NewJob.requests); `known_params`: see sampling_params;
-    `tenant`: the submitting client's (fresh_job_id)."""
+    """build_job() of submit()'s keyword arguments, given as a dict; `requests` and `tokens`: what
+    the job counts against a requests- and a tokens-per-minute limit (NewJob.requests, .tokens);
+    `known_params`: see sampling_params; `tenant`: the submitting client's (fresh_job_id)."""
     options = dict(arguments)
     fingerprint, stream = options.pop("request_fingerprint", None), options.pop("stream", False)
     job = build_job(
@@ -230,7 +237,7 @@ def build_job_of(
         known_params=known_params,
         tenant=tenant,
     )
-    return job if requests == 1 else job._replace(requests=requests)
+    return job if requests == 1 and tokens is None else job._replace(requests=requests, tokens=tokens)
 
 
 def generation_fingerprint(request: JobRequest) -> str:

@@ -35,7 +35,7 @@ class Submitted:
 
 
 def lane_job(job: NewJob) -> LaneJob:
-    return LaneJob(job.lane, job.cost, job.job_id, job.body, job.requests)
+    return LaneJob(job.lane, job.cost, job.job_id, job.body, job.requests, job.tokens)
 
 
 def uses_queue_stream(jobs: list[NewJob], tenant: str) -> bool:
@@ -101,8 +101,8 @@ def refusal_error(
     if outcome.refusal is Refusal.TOO_LARGE:
         return InvalidArgument(
             "max_tokens",
-            f"the job's {first} tokens (its prompt's estimate and max_tokens) exceed tenant {tenant!r}'s "
-            f"limit of {second} tokens per minute",
+            f"the job's {first} tokens (its prompt's estimate and max_tokens; a request's first job counts "
+            f"every choice's) exceed tenant {tenant!r}'s limit of {second} tokens per minute",
         )
     if outcome.refusal is Refusal.OTHER_TYPE:
         return InvalidQueueStream(queue, str(second), tenant)

@@ -179,6 +179,21 @@ class WorkerSettings(TomlSettings):
         return self
 
     @model_validator(mode="after")
+    def _refresh_before_expiry(self) -> WorkerSettings:
+        # A heartbeat living no longer than an interval expired between refreshes: the live worker
+        # counted as dead for a moment of each (its healthcheck failed, the gateway left its model
+        # out); one living under two read as stale (older than the time it has left) before each.
+        least_s = 2 * self.heartbeat_interval_s
+        if self.heartbeat_ttl_s < least_s:
+            raise InvalidArgument(
+                "heartbeat_ttl_s",
+                f"{self.heartbeat_ttl_s:g} is too short: give at least {least_s:g} (twice heartbeat_interval_s "
+                f"{self.heartbeat_interval_s:g} s): the heartbeat would go stale, or expire and count the live "
+                "worker as dead, between two refreshes",
+            )
+        return self
+
+    @model_validator(mode="after")
     def _refresh_before_reclaim(self) -> WorkerSettings:
         # A live worker refreshes its entries with every heartbeat; a claim_idle_ms that does not
         # leave room for a late heartbeat would let other workers take its running jobs.

@@ -177,13 +177,15 @@ return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body',
 # reserve only (check and count, add nothing: a job placed on a worker's own stream), protocol
 # version, then for each job: its lane (1-3, in LANES order), cost (its tokens: the prompt's
 # estimate and max_tokens), the requests it counts (1; 0 for a further job of one HTTP request:
-# OpenAI counts a request with n choices as one request and all of their tokens), id, body.
+# OpenAI counts a request with n choices as one request and all of their tokens), the tokens it
+# counts (its cost; a request's first job counts every choice's, the further ones 0: a request
+# goes in whole or not at all), id, body.
 # The sharing rules' one atomic step: adds the jobs in order while the stream stays under max
 # depth, the tenant's unread jobs across its lanes under max waiting, and both rate limits allow
 # (GCRA on Redis's clock, each bucket holding a minute's limit: no more than the limit plus one
 # full bucket pass in any minute); each job's tenant becomes active in its lane (activate). A job
 # refused stops the call, and what it refused counts nothing. Returns {jobs added, why the next
-# was refused ('' none; 'full' {depth, lane}; 'quota' {waiting, max}; 'too_large' {cost, tpm};
+# was refused ('' none; 'full' {depth, lane}; 'quota' {waiting, max}; 'too_large' {tokens, tpm};
 # 'rate' {retry after ms, 'requests' | 'tokens'}; 'other_type' {0, lane}: the tenant's stream of
 # that lane holds another type, which a producer wrote, and counts no waiting job), then each limit's limit, remaining and ms
 # until its bucket is full again, requests first} (0s for no limit).
@@ -218,21 +220,21 @@ if weight ~= '' and unless_wrongtype(redis.pcall('HSET', KEYS[1], 'w:' .. tenant
   redis.call('HSET', KEYS[1], 'w:' .. tenant, weight)
 end
 local depths, added, reason, a, b = {}, 0, '', 0, ''
-for i = 9, #ARGV, 5 do
-  local lane, cost, requests = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+for i = 9, #ARGV, 6 do
+  local lane, cost, requests, tokens = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
   local stream = KEYS[7 + lane]
   if max_depth > 0 and not depths[lane] then depths[lane] = unless_wrongtype(redis.pcall('XLEN', stream), 0) end
   local next_r, next_t = tat_r, tat_t
   if rpm > 0 then next_r = tat_r + requests * 60000 / rpm end
-  if tpm > 0 then next_t = tat_t + cost * 60000 / tpm end
+  if tpm > 0 then next_t = tat_t + tokens * 60000 / tpm end
   if max_depth > 0 and depths[lane] >= max_depth then reason, a, b = 'full', depths[lane], LANES[lane]
   elseif max_waiting > 0 and waiting >= max_waiting then reason, a, b = 'quota', waiting, tostring(max_waiting)
-  elseif tpm > 0 and cost > tpm then reason, a, b = 'too_large', cost, tostring(tpm)
+  elseif tpm > 0 and tokens > tpm then reason, a, b = 'too_large', tokens, tostring(tpm)
   elseif next_r - now > 60000 then reason, a, b = 'rate', math.ceil(next_r - now - 60000), 'requests'
   elseif next_t - now > 60000 then reason, a, b = 'rate', math.ceil(next_t - now - 60000), 'tokens'
   end
   if reason == '' and not reserve then
-    local entry = {'XADD', stream, '*', 'id', ARGV[i + 3], 'v', ARGV[8], 'body', ARGV[i + 4], 'cost', cost}
+    local entry = {'XADD', stream, '*', 'id', ARGV[i + 4], 'v', ARGV[8], 'body', ARGV[i + 5], 'cost', cost}
     if unless_wrongtype(redis.pcall(unpack(entry)), OTHER_TYPE) == OTHER_TYPE then
       reason, a, b = 'other_type', 0, LANES[lane]
     end
@@ -361,14 +363,20 @@ def enqueue(stream: str, max_depth: int, job_id: str, body: str) -> ScriptCall:
 
 @dataclass(frozen=True)
 class LaneJob:
-    """One job as ENQUEUE_LANES adds it: its lane, what it is charged, its id and body, and the
-    requests it counts against a requests-per-minute limit (0: a further choice of one request)."""
+    """One job as ENQUEUE_LANES adds it: its lane, what it is charged, its id and body, the
+    requests it counts against a requests-per-minute limit (0: a further choice of one request),
+    and the tokens it counts against a tokens-per-minute limit (None: its cost; NewJob.tokens)."""
 
     lane: str
     cost: int
     job_id: str
     body: str
     requests: int = 1
+    tokens: int | None = None
+
+    @property
+    def counted_tokens(self) -> int:
+        return self.cost if self.tokens is None else self.tokens
 
 
 @dataclass(frozen=True)
@@ -414,7 +422,11 @@ def enqueue_lanes(
     )
     weight = "" if limits.weight is None else repr(float(limits.weight))
     head = (max_depth, tenant, weight, limits.rpm, limits.tpm, limits.max_waiting, int(reserve), PROTOCOL_VERSION)
-    flat = tuple(x for job in jobs for x in (LANES.index(job.lane) + 1, job.cost, job.requests, job.job_id, job.body))
+    flat = tuple(
+        x
+        for job in jobs
+        for x in (LANES.index(job.lane) + 1, job.cost, job.requests, job.counted_tokens, job.job_id, job.body)
+    )
     return ScriptCall(ENQUEUE_LANES, call_keys, (*head, *flat))
 
 

@@ -61,6 +61,15 @@ def test_a_line_that_is_not_a_request_is_named_with_its_number(text, code, param
     assert bad.value.error().line == 7
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", "3", '"a request"', "null"])
+def test_a_line_of_json_that_is_no_object_says_so_in_words(text):
+    """The error file's message for such a line read `None: Input should be an object`: the
+    Python name of the missing field's place, where a field-less line has none."""
+    with pytest.raises(LineError) as bad:
+        parse_line(text, 2)
+    assert bad.value.error().message == "the line is not a JSON object: Input should be an object"
+
+
 def test_check_lines_names_every_bad_line_up_to_the_cap_and_skips_blank_ones():
     text = "\n".join([line("a"), "", line("b", url="/v1/completions"), line("a"), "{", line("c")])
     lines, errors = check_lines(text, CHAT, max_lines=10)

@@ -274,6 +274,30 @@ def test_a_full_queue_is_a_429_with_retry_after(strict_gateway, redis_server):
     assert response.headers["retry-after-ms"] == "3000"  # what OpenAI's SDKs read first
 
 
+def test_a_request_refused_after_some_of_its_jobs_went_in_names_them_and_cancels_them(
+    redis_server, redis_client, tmp_path
+):
+    """n=2 on a queue bound to one job (no worker serves it): the first choice's job goes in, the
+    second is refused (429 queue_full) and the first is cancelled. It exists (its entry waits for a
+    worker to read it), so the answer names it in x-mili-job-ids, as every answer once jobs exist:
+    it went without."""
+    queue = f"gw-one-{uuid.uuid4().hex[:8]}"
+    gateway = GatewayProcess(
+        redis_server.url, tmp_path, "--max-queue-depth", "1", "--models", json.dumps({"one": queue})
+    ).start()
+    try:
+        response = httpx.post(
+            f"{gateway.url}/v1/completions", json={"model": "one", "prompt": "two choices", "n": 2}, timeout=30
+        )
+        assert (response.status_code, error_of(response)["code"]) == (429, "queue_full"), response.text
+        in_queue = job_ids_in_queue(redis_client, queue)
+        assert len(in_queue) == 1 and response.headers.get("x-mili-job-ids") == in_queue[0], response.headers
+        with Client(redis_server.url, queue) as client:
+            assert eventually(lambda: client.status(in_queue[0]).status == "cancelled", timeout=10)
+    finally:
+        gateway.stop()
+
+
 def test_the_sdks_retry_of_a_full_queue_waits_its_retry_after(strict_gateway, redis_server):
     """The SDK's retry waits the answer's retry-after-ms (3 s here), not its own backoff (0.5 s,
     then 1 s): each of its tries is a 429 logged, the last one raised."""

@@ -24,6 +24,7 @@ from tests.support.gateways import GatewayProcess
 from worker.embedded_redis import EmbeddedRedis, free_port
 
 KEY_PLAIN, KEY_RPM, KEY_SDK, KEY_CHOICES = "lanes-plain-key", "lanes-rpm-key", "lanes-sdk-key", "lanes-n-key"
+KEY_TOKENS = "lanes-tokens-key"
 RPM = 3
 CHOICES_TPM = 600  # a token drips back every 100 ms: a few jobs' tokens stay counted for seconds
 # A request drips back every 5 s: an emptied bucket refuses the tenant's requests that long, many
@@ -40,7 +41,8 @@ def two_gateways(redis_server, gateway_workers, tmp_path_factory):
     client.tenant_quotas.set(tenant_id(KEY_RPM), rpm=RPM, tpm=100_000)
     client.tenant_quotas.set(tenant_id(KEY_SDK), rpm=SDK_RPM)
     client.tenant_quotas.set(tenant_id(KEY_CHOICES), rpm=RPM, tpm=CHOICES_TPM)
-    keys = json.dumps([KEY_PLAIN, KEY_RPM, KEY_SDK, KEY_CHOICES])
+    client.tenant_quotas.set(tenant_id(KEY_TOKENS), tpm=CHOICES_TPM)
+    keys = json.dumps([KEY_PLAIN, KEY_RPM, KEY_SDK, KEY_CHOICES, KEY_TOKENS])
     log_dir = tmp_path_factory.mktemp("lanes")
     gateways = [GatewayProcess(redis_server.url, log_dir, "--api-keys", keys, name=f"gw-{i}") for i in (1, 2)]
     try:
@@ -48,7 +50,7 @@ def two_gateways(redis_server, gateway_workers, tmp_path_factory):
     finally:
         for g in gateways:
             g.stop()
-        for key in (KEY_RPM, KEY_SDK, KEY_CHOICES):
+        for key in (KEY_RPM, KEY_SDK, KEY_CHOICES, KEY_TOKENS):
             client.tenant_quotas.set(tenant_id(key), unset=("rpm", "tpm"))
         client.close()
 
@@ -183,6 +185,46 @@ def test_a_request_with_n_choices_counts_one_request_and_every_choices_tokens(tw
         sdk.chat.completions.create(model="echo", messages=CHAT, max_tokens=4, n=3)
     assert refused.value.type == "requests"
     assert [float(v) for v in redis_client.hmget(rate, "r", "t")] == [r3, t3]
+
+
+def test_a_request_whose_choices_tokens_do_not_fit_is_refused_whole_with_nothing_enqueued(
+    two_gateways, redis_client, redis_server
+):
+    """A request counts every choice's tokens, so they are counted at once: one whose choices
+    together pass what the tenant's bucket holds now is a 429 with nothing enqueued or counted, and
+    one whose choices pass the limit itself, which no wait lets in, a 400 as a single job's (not a
+    429 the SDK retries). Each choice alone fits: the first went in, was counted and ran, and only
+    the second was refused (each retry took the first's tokens again). Token ids as the prompt, so
+    that a job's tokens are exactly 3 + max_tokens; a token drips back every 100 ms."""
+    tenant = tenant_id(KEY_TOKENS)
+    rate, jobs = Keys().rate(ECHO_QUEUE, tenant), Keys().job(f"{tenant}.*")
+
+    def request(n: int, max_tokens: int) -> httpx.Response:
+        body = {"model": "echo", "prompt": [1, 2, 3], "max_tokens": max_tokens, "n": n}
+        return httpx.post(
+            f"{two_gateways[0].url}/v1/completions",
+            headers={"Authorization": f"Bearer {KEY_TOKENS}"},
+            json=body,
+            timeout=30,
+        )
+
+    never = request(2, 397)  # 2 x 400 tokens against 600
+    assert (never.status_code, never.json()["error"]["code"], never.json()["error"]["param"]) == (
+        400,
+        "invalid_value",
+        "max_tokens",
+    ), never.text
+    assert redis_client.hmget(rate, "r", "t") == [None, None] and list(redis_client.scan_iter(jobs)) == []
+    with Client(redis_server.url, ECHO_QUEUE, tenant=tenant) as producer:
+        producer.wait(producer.submit(input_ids=[1, 2, 3], max_tokens=397))  # 400 of the 600 taken
+    counted, kept = redis_client.hmget(rate, "r", "t"), set(redis_client.scan_iter(jobs))
+    not_now = request(2, 147)  # 2 x 150 against the 200 left (and the few dripped back since)
+    assert (not_now.status_code, not_now.json()["error"]["type"]) == (429, "tokens"), not_now.text
+    assert "x-mili-job-ids" not in not_now.headers
+    assert redis_client.hmget(rate, "r", "t") == counted and set(redis_client.scan_iter(jobs)) == kept
+    fits = request(2, 47)  # 2 x 50: in, both counted at once
+    assert [c["text"] for c in fits.json()["choices"]] == ["\x01\x02\x03"] * 2, fits.text  # the echo of the ids
+    assert float(redis_client.hget(rate, "t")) - float(counted[1]) == 100 * 60_000 / CHOICES_TPM
 
 
 def test_the_sdks_retry_waits_out_the_reset_and_is_admitted(two_gateways, redis_server):

@@ -53,6 +53,36 @@ def test_an_api_key_no_client_can_send_is_refused_naming_its_place_only(field, b
     assert bad.strip() == "" or "Zq" not in str(refused.value)
 
 
+@pytest.mark.parametrize("bad", ["300.1.1.1", "10.244.0.1/16", "10.0.0.0/33", "ingress.internal", ""])
+def test_a_trusted_proxy_that_is_no_address_or_network_is_refused_naming_it(bad):
+    """uvicorn keeps such an entry as a literal that no client address ever equals: a network
+    written with its host bits set (10.244.0.1/16) or a name trusted nobody, silently, and behind
+    that ingress every client was its one address (the failed-attempt limit shared, the board's
+    cookie not Secure)."""
+    with pytest.raises(ValidationError) as refused:
+        GatewaySettings(trusted_proxies=["127.0.0.1", bad])
+    assert f"trusted_proxies[1] {bad!r} is not an address, a network or" in str(refused.value)
+    kept = ["127.0.0.1", "::1", "10.244.0.0/16", "fd00::/8"]
+    assert GatewaySettings(trusted_proxies=kept).trusted_proxies == kept
+    assert GatewaySettings(trusted_proxies=["*"]).trusted_proxies == ["*"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["https://app.example.com/", "https://app.example.com/chat", "app.example.com", "https://App.example.com", ""],
+)
+def test_a_cors_origin_no_browser_sends_is_refused_naming_it(bad):
+    """CORS grants an Origin header equal to an entry, and a browser's Origin is `scheme://host[:port]`
+    in lower case, with no path: an entry with a trailing slash (as a URL is often copied), a path
+    or no scheme granted nothing, silently, and the page's every request failed as cross-origin."""
+    with pytest.raises(ValidationError) as refused:
+        GatewaySettings(cors_origins=["https://ok.example.com", bad])
+    assert f"cors_origins[1] {bad!r} is not an origin as a browser sends it" in str(refused.value)
+    kept = ["https://ok.example.com", "http://localhost:3000", "http://[::1]:8080"]
+    assert GatewaySettings(cors_origins=kept).cors_origins == kept
+    assert GatewaySettings(cors_origins=["*"]).cors_origins == ["*"]
+
+
 def test_pinned_model_queues_must_be_usable_in_keys():
     with pytest.raises(InvalidArgument, match="models"):
         GatewaySettings(models={"m": "{bad}"})

@@ -610,7 +610,9 @@ def test_an_idle_worker_on_one_server_wakes_for_a_job_placed_on_it_at_once(redis
     """Idle, the worker blocks on its own stream and the shared one in one read (one server): a job
     placed on it starts well within the block, however long that is (here 1.5 s, four jobs; the
     heartbeat, which also ends a block, every 2 s)."""
-    settings = dict(FAST, block_ms=1500, placement_poll_ms=1500, heartbeat_interval_s=2.0, claim_idle_ms=5000)
+    settings = dict(
+        FAST, block_ms=1500, placement_poll_ms=1500, heartbeat_interval_s=2.0, heartbeat_ttl_s=4.0, claim_idle_ms=5000
+    )
     with ExitStack() as stack:
         worker = stack.enter_context(serving(redis_server.url, queue, name=f"{queue}-a", **settings))
         client = stack.enter_context(Client(redis_server.url, queue))

@@ -110,6 +110,32 @@ def test_a_claim_idle_time_too_short_is_refused_with_its_minimum_and_why(flags, 
     assert capsys.readouterr().err == f"error: invalid_argument: {message}\n"
 
 
+@pytest.mark.parametrize(
+    "timing",
+    [
+        dict(heartbeat_interval_s=6.0),  # past the default TTL (5 s): the heartbeat is gone 1 s in 6
+        dict(heartbeat_interval_s=2.0, heartbeat_ttl_s=2.0),
+        dict(heartbeat_interval_s=3.0, heartbeat_ttl_s=5.0),  # stale (past half its TTL) before each beat
+    ],
+)
+def test_a_heartbeat_that_would_expire_or_go_stale_between_its_refreshes_is_refused(timing):
+    """A heartbeat refreshed every interval with a TTL no longer than that expired between beats:
+    the worker counted as dead for a moment of every interval (its healthcheck failed, `/health`
+    and `GET /v1/models` left its model out, a request for it was a 404); one of under two
+    intervals read as stale to the board between beats. 6 s with the default TTL of 5 s passed
+    every other check."""
+    with pytest.raises(InvalidArgument) as e:
+        WorkerSettings.load(None, **timing)
+    assert e.value.field == "heartbeat_ttl_s"
+    assert str(e.value) == (
+        f"heartbeat_ttl_s: {timing.get('heartbeat_ttl_s', 5.0):g} is too short: give at least "
+        f"{2 * timing['heartbeat_interval_s']:g} (twice heartbeat_interval_s {timing['heartbeat_interval_s']:g} s): "
+        "the heartbeat would go stale, or expire and count the live worker as dead, between two refreshes"
+    )
+    ttl_s = 2 * timing["heartbeat_interval_s"]
+    assert WorkerSettings.load(None, **{**timing, "heartbeat_ttl_s": ttl_s}).heartbeat_ttl_s == ttl_s
+
+
 def test_checkpoints_sparser_than_streams_are_the_only_publish_intervals_taken():
     with pytest.raises(InvalidArgument) as e:
         WorkerSettings.load(None, stream_interval_s=0.5, checkpoint_interval_s=0.2)
