@@ -3,14 +3,17 @@ changes the protocol never makes (a run ended twice, a job started while a run o
 entry or a failure settled that nothing held), and settle each entry once: a written result
 acknowledges its entry, a dead-lettered job's entry goes to the dead-letter stream."""
 
+from collections import Counter
+
 import pytest
 
-from producer_client.keys import PROTOCOL_VERSION
+from producer_client.keys import LANES, PROTOCOL_VERSION
 from producer_client.schema import JobRequest
 from worker.loop.holdings import Holdings
 from worker.loop.intake import Delivery
 from worker.loop.jobs import AdmissionId, Job, final_result
 from worker.loop.outbox import HeldStateError, Rejection
+from worker.loop.streams import Route
 
 
 class Engine:
@@ -150,3 +153,44 @@ def test_the_check_before_a_step_agrees_with_the_unpublished_count_and_sums_the_
     holdings.republish_whole(running.id, "r2", "{}")  # Redis lost them: the whole output again
     agrees()
     assert count() == 4 and len(counts) > 10
+
+
+def lane_job(job_id: str, lane: str, timeout_s: float | None = None) -> Job:
+    request = JobRequest.model_validate({"prompt": "hi", "timeout_s": timeout_s})
+    made = Job(job_id, f"{job_id}-0", "r1", request, [1, 2], queued_at=0.0, started_at=0.0, route=Route(lane))
+    made.engine_id = AdmissionId(job_id, 0)
+    return made
+
+
+def test_the_running_jobs_lanes_and_deadlines_are_kept_as_every_verb_starts_or_lets_go_of_a_job():
+    """What the loop asks before every step (Admission.rooms: the running jobs of each lane;
+    Worker._stop_overdue: those with a deadline) agrees with a count over the running jobs after
+    each verb that starts a job or takes it out of the engine, a suspect's return included."""
+    holdings = Holdings(Engine())
+
+    def agree() -> None:
+        counted = Counter(job.route.lane for job in holdings.running.values())
+        assert {lane: n for lane, n in holdings.running_lanes.items() if n} == counted
+        assert dict(holdings.timed) == {j.id: j for j in holdings.running.values() if j.deadline is not None}
+
+    jobs = [lane_job(f"j{i}", LANES[i % 3], 30.0 if i % 2 else None) for i in range(9)]
+    for made in jobs:
+        holdings.start(made)
+        agree()
+    holdings.finished(jobs[0], result("j0"))
+    agree()
+    holdings.end(jobs[1], result("j1"))
+    agree()
+    holdings.suspect(jobs[3])
+    agree()
+    assert holdings.next_suspect() is jobs[3]
+    holdings.start(jobs[3])  # tried again alone
+    agree()
+    holdings.drop("j5")
+    holdings.drop("j-none")
+    agree()
+    with pytest.raises(HeldStateError):
+        holdings.suspect(lane_job("j0", "default"))  # not running
+    agree()
+    assert sorted(holdings.timed) == ["j3", "j7"]
+    assert dict(holdings.running_lanes) == {"priority": 2, "default": 2, "flex": 2}

@@ -63,18 +63,17 @@ class Admission:
         lanes' stay within the slots, and flex jobs that ended, which hold no engine slot, never
         keep a default job out while Redis has not yet taken their results."""
         flex = self.room()
-        # The lanes of the jobs held and of the ended ones whose entry is pending, counted by
-        # list.count (in C) over list comprehensions: asked every iteration of up to max_running
-        # jobs, where a Counter over a generator resumed the generator once a job (about three
-        # times the time at 256 jobs). The running jobs' straight from their mapping, not a copy.
+        # The running jobs' lanes as Holdings counts them when jobs start and leave (asked every
+        # iteration, where up to max_running of them run); the few others' (suspects, entries not
+        # yet admitted, ended jobs whose entry is pending) counted here by list.count, in C.
         holdings = self.holdings
-        lanes = [job.route.lane for job in holdings.running.values()]
-        lanes += [job.route.lane for job in holdings.suspects]
+        running = holdings.running_lanes
+        lanes = [job.route.lane for job in holdings.suspects]
         lanes += [d.route.lane for d in holdings.unadmitted]
         lanes += holdings.ended_lanes()
-        priority = lanes.count("priority")
+        priority = running.get("priority", 0) + lanes.count("priority")
         slots = self.settings.engine.max_running
-        default = max(flex, slots - priority - lanes.count("default"))
+        default = max(flex, slots - priority - running.get("default", 0) - lanes.count("default"))
         return max(default, slots - priority), default, flex
 
     def defer_reclaims(self) -> None:

@@ -66,6 +66,12 @@ class Claimed:
         self.engine = engine
         self.running: dict[str, Job] = {}
         self.suspects: deque[Job] = deque()
+        # Kept as jobs start and leave (a job's lane and deadline are set before it starts), for
+        # what the loop asks before every step: the running jobs of each lane (Admission.rooms)
+        # and those with a deadline (Worker._stop_overdue). Counted anew over every running job,
+        # they were two passes of max_running jobs an iteration (bench/RESULTS.md, y/pub5).
+        self.lanes: dict[str, int] = {}
+        self.timed: dict[str, Job] = {}
 
     def find(self, job_id: str) -> Job | None:
         """A claimed job by id: looked up in the engine's jobs (every claim of an entry asks, so
@@ -82,29 +88,41 @@ class Claimed:
         if self.find(job.id) is not None:
             raise HeldStateError(f"job {job.id}: run {job.run} started while a run of it is held")
         self.running[job.id] = job
+        lane = job.route.lane
+        self.lanes[lane] = self.lanes.get(lane, 0) + 1
+        if job.deadline is not None:
+            self.timed[job.id] = job
 
     def finished(self, job: Job) -> None:
         if self.running.get(job.id) is not job:
             raise HeldStateError(f"job {job.id}: run {job.run} finished in the engine without running there")
-        del self.running[job.id]
+        self._leave(job)
 
     def end(self, job: Job) -> None:
         if self.running.get(job.id) is job:
-            del self.running[job.id]
+            self._leave(job)
             self.abort(job)
 
     def suspect(self, job: Job) -> None:
-        if self.running.pop(job.id, None) is not job:
+        if self.running.get(job.id) is not job:
             raise HeldStateError(f"job {job.id}: made a suspect without running")
+        self._leave(job)
         self.abort(job)
         self.suspects.append(job)
 
     def drop(self, job_id: str) -> None:
-        job = self.running.pop(job_id, None)
+        job = self.running.get(job_id)
         if job is not None:
+            self._leave(job)
             self.abort(job)
         if self.suspects:
             self.suspects = deque(j for j in self.suspects if j.id != job_id)
+
+    def _leave(self, job: Job) -> None:
+        """A running job leaves the engine's jobs (it runs there: the caller checked)."""
+        del self.running[job.id]
+        self.lanes[job.route.lane] -= 1
+        self.timed.pop(job.id, None)
 
     def unpublished_tokens(self) -> int:
         """Their output no update holds. List comprehensions over the running jobs where they are (a
@@ -134,6 +152,8 @@ class Holdings:
         self._deliveries = Deliveries()
         self._claimed = Claimed(engine)  # in the engine, or suspects
         self.running: Mapping[str, Job] = MappingProxyType(self._claimed.running)
+        self.running_lanes: Mapping[str, int] = MappingProxyType(self._claimed.lanes)  # jobs of each lane
+        self.timed: Mapping[str, Job] = MappingProxyType(self._claimed.timed)  # the running jobs with a deadline
         self.find = self._claimed.find  # asked at every claim: no call of its own in between
         # At least unpublished_tokens(): the count when it was last made, raised since by whatever
         # can raise the count (tokens collected, a job started, an update restored or republished),

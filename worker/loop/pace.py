@@ -92,18 +92,19 @@ class Pace:
                     look.append(job)
                 continue
             # Its checkpoint, or its look: output waiting goes out once either is due. A job not
-            # due is most jobs of most iterations, each test made: the look's once, and each time
-            # compared with the horizon, not subtracted from now (a float made per job and test).
-            look_due = feed.looked_at <= horizon
-            if since is not None and (
-                look_due
-                or since <= horizon
+            # due is most jobs of most iterations, each test made once (the look's in the branch
+            # it decides, not kept in a name for the other), and compared with the horizon, not
+            # subtracted from now (a float made per job and test).
+            if since is None:
+                if feed.looked_at <= horizon:
+                    look.append(job)
+            elif (
+                since <= horizon
+                or feed.looked_at <= horizon
                 or feed.tokens == job.resumed_tokens
                 or len(job.token_ids) - feed.tokens >= MAX_EVENT_TOKENS
             ):
                 publish.append(job)
-            elif look_due:
-                look.append(job)
         return publish, look
 
     def _share(self, jobs: Collection[Job]) -> float:

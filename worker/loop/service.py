@@ -311,10 +311,11 @@ class Worker:
         return True
 
     def _stop_overdue(self) -> None:
-        """Every running job past its deadline is stopped. Found by a list comprehension (asked
-        before every step of every running job; most have no deadline, or one far off)."""
+        """Every running job past its deadline is stopped. Asked before every step, of the running
+        jobs that have a deadline (Holdings.timed: a job without a timeout has none), by a list
+        comprehension; most deadlines are far off."""
         now = self.clock.now()
-        overdue = [job for job in self.holdings.running.values() if job.deadline is not None and now > job.deadline]
+        overdue = [job for job in self.holdings.timed.values() if now > job.deadline]  # type: ignore[operator]
         for job in overdue:
             if job.stop_reason is None:
                 self.holdings.stop(job, "timeout")
