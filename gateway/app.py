@@ -29,6 +29,7 @@ from gateway.board import add_board
 from gateway.edge import Edge, Hosts, Limits
 from gateway.errors import api_error_of, headers_of
 from gateway.generate import GenerateRequest, GenerateResponse, Health, generate_job
+from gateway.head import HeadAsGet
 from gateway.idempotency import fingerprint, idempotency_key, scoped_key
 from gateway.jobs import Jobs, RequestJobs, collect
 from gateway.key_strength import warn_of_weak_keys
@@ -308,7 +309,8 @@ def add_operations_routes(app: FastAPI, gw: Gateway) -> None:
 def edge_of(app, client: AsyncClient, settings: GatewaySettings, failures: AuthFailures, metrics: GatewayMetrics):
     """The routes behind, from the outside in: the trusted proxies' view of the client (address
     and scheme), the request's id, metrics and log line, CORS only where configured, the tenant's
-    rate-limit headers, and the edge's checks of key, body size and type (gateway/edge.py). The
+    rate-limit headers, the edge's checks of key, body size and type (gateway/edge.py), and HEAD
+    answered as GET (gateway/head.py). The
     headers go outside the edge so that its refusals of a known tenant (413, 415, 408) carry them
     too: the promise is every answer to the tenant."""
     access = Access(settings.api_keys, settings.admin_api_keys)
@@ -316,7 +318,7 @@ def edge_of(app, client: AsyncClient, settings: GatewaySettings, failures: AuthF
         settings.max_json_bytes, settings.batch_max_file_bytes, settings.monitoring_needs_key, settings.body_timeout_s
     )
     hosts = Hosts.of(settings.allowed_hosts, access.required)
-    guarded = RateLimitHeaders(Edge(app, access, limits, failures, hosts), client)
+    guarded = RateLimitHeaders(Edge(HeadAsGet(app), access, limits, failures, hosts), client)
     if settings.cors_origins:
         # Any request header from the origins granted: the official SDKs send headers of their own
         # (x-stainless-*, openai-organization...), and a preflight that refuses one stops every
