@@ -54,13 +54,13 @@ from openai_format.render import ChatRenderer, CompletionRenderer, Renderer, fin
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from openai_format.responses import ModelList
 from producer_client import AsyncClient, JobResult, MiliError, RateLimited
-from producer_client.connection import answered_within, connect_async, one_try_options
+from producer_client.connection import answered_within, connect_async, describe, one_try_options
 from producer_client.errors import InvalidArgument, JobNotFound
 from producer_client.keys import NAME_PATTERN
 from producer_client.new_job import lane_of
 from producer_client.protocol.shards import AUTO
 from producer_client.rate_limits import NO_RATE_LIMITS
-from producer_client.schema import JobFailed
+from producer_client.schema import JobFailed, QueueStats
 from producer_client.validation import check_job_id
 
 log = logging.getLogger("gateway")
@@ -103,6 +103,17 @@ class Gateway:
         """Redis answers PING, and which models live workers serve; Unreachable (a 503) once
         health_timeout_s has passed without both."""
         return await answered_within(self.settings.health_timeout_s, self._health())
+
+    async def backlogs(self) -> list[QueueStats] | None:
+        """The queues' backlogs for a scrape; None with Redis away. Redis is asked once first, as
+        /health asks it (one try, health_timeout_s at most): the client's reads retry for seconds
+        (a failover), and a scrape with Redis stopped waited BACKLOG_TIMEOUT_S for them."""
+        try:
+            await answered_within(self.settings.health_timeout_s, self.health_probe.ping())
+        except redis.RedisError as e:
+            log.warning("/metrics: Redis did not answer: %s", describe(e))
+            return None
+        return await read_backlogs(self.client)
 
     async def _health(self) -> Health:
         await self.health_probe.ping()
@@ -294,7 +305,8 @@ def add_mili_routes(app: FastAPI, gw: Gateway, default_queue: str) -> None:
 
 
 def add_operations_routes(app: FastAPI, gw: Gateway) -> None:
-    """/health for probes, /metrics for Prometheus (the queues' backlogs read at each scrape)."""
+    """/health for probes, /metrics for Prometheus (the queues' backlogs read at each scrape, once
+    Redis has answered a PING: Gateway.backlogs)."""
 
     @app.get("/health")
     async def health():
@@ -302,7 +314,7 @@ def add_operations_routes(app: FastAPI, gw: Gateway) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        gw.metrics.backlogs.stats = await read_backlogs(gw.client)
+        gw.metrics.backlogs.stats = await gw.backlogs()
         return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
 
