@@ -9,15 +9,17 @@ import time
 import uuid
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.api_keys import tenant_id
 from gateway.metrics import read_backlogs
 from harness.polling import eventually
 from producer_client import AsyncClient, Client
 from producer_client.keys import PROTOCOL_VERSION, Keys
 from tests.gateway.support import ECHO_QUEUE, PARKED_QUEUE
-from tests.support.jobs import job_ids_in_queue
+from tests.support.jobs import job_count, job_ids_in_queue
 
 
 def test_generate_returns_the_text_and_usage_of_its_job(gateway, redis_server):
@@ -69,6 +71,54 @@ def test_an_idempotency_key_maps_a_repeated_request_to_the_same_jobs(gateway, re
     assert first.json()["id"] == again.json()["id"] == f"cmpl-{key}"
     assert first.json()["choices"] == again.json()["choices"]
     assert first.headers["x-request-id"] != again.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_open_gateway_refuses_an_idempotency_key_whose_jobs_ids_would_read_as_a_tenants(
+    gateway, sdk, redis_client, stream
+):
+    """An open gateway's jobs are no tenant's, and a job's tenant is its id's up to the first dot:
+    `team-a.x` made jobs `team-a.x-0`, which team-a's pinned Redis user may read and cancel, and a
+    keyed gateway shows the key whose tenant id it names. Such a key is a 400 naming the header
+    before anything is enqueued, through the official SDK, streamed or not, and on /generate."""
+    before = job_count(redis_client)
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(
+            model="echo",
+            messages=[{"role": "user", "content": "whose"}],
+            max_tokens=4,
+            stream=stream,
+            extra_headers={"Idempotency-Key": f"team-a.{uuid.uuid4().hex}"},
+        )
+    generate = httpx.post(
+        f"{gateway.url}/generate",
+        json={"model": "echo", "prompt": "whose", "max_tokens": 4},
+        headers={"Idempotency-Key": f"{tenant_id('some-key')}.{uuid.uuid4().hex}"},
+    )
+    assert (refused.value.status_code, refused.value.body["param"], refused.value.body["type"]) == (
+        400,
+        "Idempotency-Key",
+        "invalid_request_error",
+    )
+    assert "no '.'" in refused.value.body["message"]
+    assert (generate.status_code, generate.json()["error"]["param"]) == (400, "Idempotency-Key")
+    assert job_count(redis_client) == before
+
+
+def test_the_official_sdks_own_idempotency_keys_map_its_retries_to_the_same_jobs(gateway):
+    """The keys the SDK makes itself (`stainless-python-retry-<uuid>`, one per call, sent again on
+    each of its retries where the client names the header: OpenAI's leaves it unnamed) hold no dot:
+    an open gateway takes them, and the call's jobs are `<key>-0`."""
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    client._idempotency_header = "Idempotency-Key"  # as the Stainless SDKs of APIs that take one do
+    try:
+        raw = client.completions.with_raw_response.create(model="echo", prompt="sdk key", max_tokens=4)
+    finally:
+        client.close()
+    key = raw.http_request.headers["idempotency-key"]
+    assert key.startswith("stainless-python-retry-")
+    assert (raw.status_code, raw.headers["x-mili-job-ids"]) == (200, f"{key}-0")
+    assert raw.parse().choices[0].text == "sdk "
 
 
 def test_metrics_count_requests_by_route_and_status_and_time_the_first_byte(gateway):

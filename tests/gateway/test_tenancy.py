@@ -97,6 +97,15 @@ def test_an_idempotency_key_is_its_api_keys_and_bound_to_its_request(tenants_gat
         )
 
 
+def test_a_keyed_gateway_takes_an_idempotency_key_with_a_dot_under_its_tenant(tenants_gateway):
+    """With API keys the key is scoped, `<tenant>.K-0`: the id's tenant is the API key's whatever
+    dots K holds (an open gateway refuses them: test_http)."""
+    key = f"team-a.{uuid.uuid4().hex}"
+    answer = completion(tenants_gateway, KEY_A, key, "dotted")
+    assert (answer.status_code, answer.headers["x-mili-job-ids"]) == (200, f"{tenant_id(KEY_A)}.{key}-0")
+    assert Tenant(tenant_id(KEY_A)).owns_job(answer.headers["x-mili-job-ids"])
+
+
 def upload(sdk: openai.OpenAI, custom_id: str) -> str:
     line = {
         "custom_id": custom_id,
