@@ -29,7 +29,7 @@ from gateway.board import add_board
 from gateway.edge import Edge, Hosts, Limits
 from gateway.errors import api_error_of, headers_of
 from gateway.generate import GenerateRequest, GenerateResponse, Health, generate_job
-from gateway.head import HeadAsGet
+from gateway.head import HeadAsGet, allow_with_head
 from gateway.idempotency import fingerprint, idempotency_key, scoped_key
 from gateway.jobs import Jobs, RequestJobs, collect
 from gateway.key_strength import warn_of_weak_keys
@@ -384,7 +384,7 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, error: HTTPException):
         api_error = APIError(error.status_code, str(error.detail), "invalid_request_error")
-        return json_response(api_error.body, dict(error.headers or {}), api_error.status)
+        return json_response(api_error.body, allow_with_head(dict(error.headers or {})), api_error.status)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, error: RequestValidationError):

@@ -37,3 +37,12 @@ class HeadAsGet:
                 await self.app(scope, receive, head_only)
             finally:
                 scope["method"] = "HEAD"
+
+
+def allow_with_head(headers: dict[str, str]) -> dict[str, str]:
+    """A 405's headers, its Allow naming HEAD wherever it names GET: the router lists the routes'
+    own methods, and HEAD is answered on every GET route (RFC 9110 15.5.6: Allow lists them all)."""
+    allowed = [method.strip() for method in headers.get("Allow", "").split(",") if method.strip()]
+    if "GET" in allowed and "HEAD" not in allowed:
+        return {**headers, "Allow": ", ".join([*allowed, "HEAD"])}
+    return headers

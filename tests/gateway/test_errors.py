@@ -170,10 +170,16 @@ def test_an_unknown_model_job_or_route_is_a_404(gateway, sdk):
 
 @pytest.mark.parametrize(
     ("method", "path", "allowed"),
-    [("GET", "/v1/chat/completions", "POST"), ("DELETE", "/v1/models/echo", "GET"), ("PUT", "/generate", "POST")],
+    [
+        ("GET", "/v1/chat/completions", "POST"),
+        ("DELETE", "/v1/models/echo", "GET, HEAD"),
+        ("PUT", "/generate", "POST"),
+        ("POST", "/metrics", "GET, HEAD"),
+    ],
 )
 def test_a_method_a_route_does_not_take_is_a_405_naming_those_it_takes(gateway, method, path, allowed):
-    """HTTP requires a 405's Allow header (RFC 9110, 15.5.6); the error is OpenAI's shape."""
+    """HTTP requires a 405's Allow header (RFC 9110, 15.5.6), every method the route takes: HEAD
+    with GET (gateway/head.py); the error is OpenAI's shape."""
     response = httpx.request(method, f"{gateway.url}{path}")
     assert (response.status_code, response.headers.get("allow")) == (405, allowed)
     assert error_of(response) == {
