@@ -105,7 +105,7 @@ async def read_backlogs(client: AsyncClient, timeout_s: float = BACKLOG_TIMEOUT_
     try:
         return await asyncio.wait_for(read(), timeout_s)
     except (MiliError, redis.RedisError, TimeoutError) as e:
-        log.warning("/metrics: the queues' backlogs could not be read: %s", e or f"no answer in {timeout_s} s")
+        log.warning("/metrics: the queues' backlogs could not be read: %s", str(e) or f"no answer in {timeout_s} s")
         return None
 
 
