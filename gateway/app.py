@@ -322,9 +322,8 @@ def edge_of(app, client: AsyncClient, settings: GatewaySettings, failures: AuthF
     """The routes behind, from the outside in: the trusted proxies' view of the client (address
     and scheme), the request's id, metrics and log line, CORS only where configured, the tenant's
     rate-limit headers, the edge's checks of key, body size and type (gateway/edge.py), and HEAD
-    answered as GET (gateway/head.py). The
-    headers go outside the edge so that its refusals of a known tenant (413, 415, 408) carry them
-    too: the promise is every answer to the tenant."""
+    answered as GET (gateway/head.py). The headers go outside the edge so that its refusals of a
+    known tenant (413, 415, 408) carry them too: the promise is every answer to the tenant."""
     access = Access(settings.api_keys, settings.admin_api_keys)
     limits = Limits(
         settings.max_json_bytes, settings.batch_max_file_bytes, settings.monitoring_needs_key, settings.body_timeout_s

@@ -5,10 +5,10 @@ A request with `Idempotency-Key: K` has jobs `K-0`, `K-1`... on an open gateway,
 gets jobs of its own, and cannot reach, read or wait on the first key's. An open gateway's jobs
 are no tenant's, and a job's tenant is its id's up to the first dot (docs/architecture.md): there
 a K with a dot (`team-a.x`) would make ids that read as a tenant's (a pinned Redis user's, a keyed
-gateway's key's), so it is refused. Each job is bound to a
-digest of the whole request (route and validated body): the same key with another request is
-refused with 422 (the IETF draft "The Idempotency-Key HTTP Header Field" answers so, as does
-Stripe), never answered with the first request's result."""
+gateway's key's), so it is refused. Each job is bound to a digest of the whole request (route and
+validated body): the same key with another request is refused with 422 (the IETF draft "The
+Idempotency-Key HTTP Header Field" answers so, as does Stripe), never answered with the first
+request's result."""
 
 from __future__ import annotations
 
