@@ -29,6 +29,7 @@ from gateway.board import add_board
 from gateway.edge import Edge, Hosts, Limits
 from gateway.errors import api_error_of, headers_of
 from gateway.generate import GenerateRequest, GenerateResponse, Health, generate_job
+from gateway.head import HeadAsGet, allow_with_head
 from gateway.idempotency import fingerprint, idempotency_key, scoped_key
 from gateway.jobs import Jobs, RequestJobs, collect
 from gateway.key_strength import warn_of_weak_keys
@@ -53,13 +54,13 @@ from openai_format.render import ChatRenderer, CompletionRenderer, Renderer, fin
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from openai_format.responses import ModelList
 from producer_client import AsyncClient, JobResult, MiliError, RateLimited
-from producer_client.connection import answered_within, connect_async, one_try_options
+from producer_client.connection import answered_within, connect_async, describe, one_try_options
 from producer_client.errors import InvalidArgument, JobNotFound
 from producer_client.keys import NAME_PATTERN
 from producer_client.new_job import lane_of
 from producer_client.protocol.shards import AUTO
 from producer_client.rate_limits import NO_RATE_LIMITS
-from producer_client.schema import JobFailed
+from producer_client.schema import JobFailed, QueueStats
 from producer_client.validation import check_job_id
 
 log = logging.getLogger("gateway")
@@ -102,6 +103,17 @@ class Gateway:
         """Redis answers PING, and which models live workers serve; Unreachable (a 503) once
         health_timeout_s has passed without both."""
         return await answered_within(self.settings.health_timeout_s, self._health())
+
+    async def backlogs(self) -> list[QueueStats] | None:
+        """The queues' backlogs for a scrape; None with Redis away. Redis is asked once first, as
+        /health asks it (one try, health_timeout_s at most): the client's reads retry for seconds
+        (a failover), and a scrape with Redis stopped waited BACKLOG_TIMEOUT_S for them."""
+        try:
+            await answered_within(self.settings.health_timeout_s, self.health_probe.ping())
+        except redis.RedisError as e:
+            log.warning("/metrics: Redis did not answer: %s", describe(e))
+            return None
+        return await read_backlogs(self.client)
 
     async def _health(self) -> Health:
         await self.health_probe.ping()
@@ -296,7 +308,8 @@ def add_mili_routes(app: FastAPI, gw: Gateway, default_queue: str) -> None:
 
 
 def add_operations_routes(app: FastAPI, gw: Gateway) -> None:
-    """/health for probes, /metrics for Prometheus (the queues' backlogs read at each scrape)."""
+    """/health for probes, /metrics for Prometheus (the queues' backlogs read at each scrape, once
+    Redis has answered a PING: Gateway.backlogs)."""
 
     @app.get("/health")
     async def health():
@@ -304,22 +317,22 @@ def add_operations_routes(app: FastAPI, gw: Gateway) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        gw.metrics.backlogs.stats = await read_backlogs(gw.client)
+        gw.metrics.backlogs.stats = await gw.backlogs()
         return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
 
 def edge_of(app, client: AsyncClient, settings: GatewaySettings, failures: AuthFailures, metrics: GatewayMetrics):
     """The routes behind, from the outside in: the trusted proxies' view of the client (address
     and scheme), the request's id, metrics and log line, CORS only where configured, the tenant's
-    rate-limit headers, and the edge's checks of key, body size and type (gateway/edge.py). The
-    headers go outside the edge so that its refusals of a known tenant (413, 415, 408) carry them
-    too: the promise is every answer to the tenant."""
+    rate-limit headers, the edge's checks of key, body size and type (gateway/edge.py), and HEAD
+    answered as GET (gateway/head.py). The headers go outside the edge so that its refusals of a
+    known tenant (413, 415, 408) carry them too: the promise is every answer to the tenant."""
     access = Access(settings.api_keys, settings.admin_api_keys)
     limits = Limits(
         settings.max_json_bytes, settings.batch_max_file_bytes, settings.monitoring_needs_key, settings.body_timeout_s
     )
     hosts = Hosts.of(settings.allowed_hosts, access.required)
-    guarded = RateLimitHeaders(Edge(app, access, limits, failures, hosts), client)
+    guarded = RateLimitHeaders(Edge(HeadAsGet(app), access, limits, failures, hosts), client)
     if settings.cors_origins:
         # Any request header from the origins granted: the official SDKs send headers of their own
         # (x-stainless-*, openai-organization...), and a preflight that refuses one stops every
@@ -373,7 +386,7 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, error: HTTPException):
         api_error = APIError(error.status_code, str(error.detail), "invalid_request_error")
-        return json_response(api_error.body, dict(error.headers or {}), api_error.status)
+        return json_response(api_error.body, allow_with_head(dict(error.headers or {})), api_error.status)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, error: RequestValidationError):

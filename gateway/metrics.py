@@ -51,12 +51,24 @@ class QueueBacklogs(Collector):
     """Every queue's jobs over every stream that holds them (producer_client.protocol.backlog), as
     read from Redis just before the scrape (`stats`): what KEDA's scaler reads through Prometheus,
     since the jobs of a queue wait in streams no single redis-streams trigger sees. Every gateway
-    exports the same values: aggregate them with max, not sum."""
+    exports the same values: aggregate them with max, not sum. `stats` None: Redis was not read
+    (away, silent, refusing): mili_gateway_redis_up says 0 and the queue series are absent, as an
+    exporter whose backend is down answers (redis_exporter's redis_up, mysqld_exporter's mysql_up),
+    neither the last values read nor zeros, which KEDA would take for a backlog gone."""
 
     def __init__(self):
-        self.stats: list[QueueStats] = []
+        self.stats: list[QueueStats] | None = None
 
     def collect(self):
+        yield GaugeMetricFamily(
+            "mili_gateway_redis_up",
+            "1 if this scrape read the queues' backlogs from Redis; 0 if Redis did not answer or refused "
+            "the read (the mili_queue_* series are then absent)",
+            value=0 if self.stats is None else 1,
+        )
+        yield from self.backlog_families()
+
+    def backlog_families(self):
         families = {
             "depth": GaugeMetricFamily(
                 "mili_queue_depth_jobs", "jobs of the queue not yet acknowledged: waiting + pending", labels=["queue"]
@@ -73,7 +85,7 @@ class QueueBacklogs(Collector):
             "jobs no worker has read yet, by lane and tenant ('' for none); lane 'placed': on workers' own streams",
             labels=["queue", "lane", "tenant"],
         )
-        for stats in self.stats:
+        for stats in self.stats or []:
             for name, family in families.items():
                 family.add_metric([stats.queue], getattr(stats, name))
             for (lane, tenant), waiting in lane_backlogs(stats).items():
@@ -82,10 +94,10 @@ class QueueBacklogs(Collector):
         yield lanes
 
 
-async def read_backlogs(client: AsyncClient, timeout_s: float = BACKLOG_TIMEOUT_S) -> list[QueueStats]:
-    """Every queue's stats (the queue index's), for /metrics; none when Redis does not answer within
-    `timeout_s`: the gateway's own metrics are served still and the queue gauges go missing, which
-    an alert on absent() sees."""
+async def read_backlogs(client: AsyncClient, timeout_s: float = BACKLOG_TIMEOUT_S) -> list[QueueStats] | None:
+    """Every queue's stats (the queue index's), for /metrics; None when Redis does not answer within
+    `timeout_s` or refuses: the gateway's own metrics are served still and the queue series go
+    missing (QueueBacklogs)."""
 
     async def read() -> list[QueueStats]:
         return [await client.on_queue(queue).queue_stats() for queue in await client.inspect.queues()]
@@ -93,8 +105,8 @@ async def read_backlogs(client: AsyncClient, timeout_s: float = BACKLOG_TIMEOUT_
     try:
         return await asyncio.wait_for(read(), timeout_s)
     except (MiliError, redis.RedisError, TimeoutError) as e:
-        log.warning("/metrics: the queues' backlogs could not be read: %s", e or f"no answer in {timeout_s} s")
-        return []
+        log.warning("/metrics: the queues' backlogs could not be read: %s", str(e) or f"no answer in {timeout_s} s")
+        return None
 
 
 def lane_backlogs(stats: QueueStats) -> dict[tuple[str, str], int]:

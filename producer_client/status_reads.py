@@ -13,7 +13,7 @@ from producer_client.errors import InvalidJob, JobNotFound, RedisUnavailable
 from producer_client.keys import Keys
 from producer_client.protocol import registry
 from producer_client.protocol.backlog import read_backlogs, read_queue_streams
-from producer_client.protocol.clock import epoch_ms
+from producer_client.protocol.clock import us_left
 from producer_client.protocol.job_reads import job_fields
 from producer_client.schema import JobResult, JobStatus, QueueStats, WorkerInfo
 from producer_client.steps import Steps, T
@@ -57,7 +57,7 @@ def parsed_status(job_id: str, fields: dict[str, str], redis_time: tuple[int, in
     result = None if "result" not in fields else JobResult.model_validate_json(fields["result"])
     status = fields["status"]
     deadline_ms = fields.get("deadline")
-    if status == "queued" and deadline_ms is not None and epoch_ms(redis_time) > int(deadline_ms):
+    if status == "queued" and deadline_ms is not None and us_left(int(deadline_ms), redis_time) < 0:
         status = "expired"
     return JobStatus(
         id=job_id,

@@ -16,7 +16,7 @@ from producer_client.connection import reply_code
 from producer_client.errors import InvalidJob, JobTimeout
 from producer_client.keys import DONE_TTL_MS, Keys
 from producer_client.protocol import job_reads
-from producer_client.protocol.clock import epoch_ms
+from producer_client.protocol.clock import us_left
 from producer_client.protocol.job_reads import Entry, StreamsReply
 from producer_client.schema import JobExpired, JobFailed, JobResult, parse_result
 from producer_client.steps import Steps
@@ -200,10 +200,10 @@ def expiry(job_id: str, status: str | None, deadline_ms: str | None, redis_time:
         return None
     if not (deadline_ms.isascii() and deadline_ms.isdigit()):
         raise InvalidJob(job_id, UNPARSED)
-    left_ms = int(deadline_ms) - epoch_ms(redis_time)
-    if left_ms < 0:
+    left_us = us_left(int(deadline_ms), redis_time)
+    if left_us < 0:
         raise JobExpired(job_id)
-    return time.monotonic() + (left_ms + 1) / 1000
+    return time.monotonic() + left_us / 1_000_000
 
 
 def read_events(

@@ -183,8 +183,9 @@ class WorkerMetrics:
     def serve(self, host: str, port: int, hosts: Hosts = ALLOWED_BY_DEFAULT) -> tuple[WSGIServer, int]:
         """Start the HTTP endpoint, in a thread of its own; returns (server, bound port). Port 0
         binds any free port. A request whose Host `hosts` does not allow is answered 400, as the
-        gateway answers it (producer_client.hosts: a page rebound by DNS to a loopback port)."""
-        app = host_checked(make_wsgi_app(self.registry), hosts)
+        gateway answers it (producer_client.hosts: a page rebound by DNS to a loopback port); HEAD
+        is answered as GET, without the body (head_as_get)."""
+        app = head_as_get(host_checked(make_wsgi_app(self.registry), hosts))
         server = make_server(host, port, app, server_class_for(host), handler_class=QuietHandler)
         threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         return server, server.server_port
@@ -252,6 +253,31 @@ def host_checked(app: WSGIApp, hosts: Hosts) -> WSGIApp:
         return [HOST_NOT_ALLOWED]
 
     return checked
+
+
+def head_as_get(app: WSGIApp) -> WSGIApp:
+    """`app`, answering HEAD as it answers GET, without the body (RFC 9110 9.3.2: probes and uptime
+    checkers send HEAD). prometheus_client's app answers HEAD 405, and wsgiref sends whatever body
+    an app returns, a HEAD's too. The head says the GET's Content-Length, which wsgiref counts from
+    the body (an empty one's would say 0: RFC 9110 8.6 allows the GET's length or none)."""
+
+    def head_only(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("REQUEST_METHOD") != "HEAD":
+            return app(environ, start_response)
+        head: list[Any] = []
+        body = app({**environ, "REQUEST_METHOD": "GET"}, lambda *given: head.extend(given))
+        try:
+            length = sum(len(chunk) for chunk in body)
+        finally:
+            if hasattr(body, "close"):
+                body.close()
+        status, headers, *exc_info = head
+        if not any(name.lower() == "content-length" for name, _ in headers):
+            headers = [*headers, ("Content-Length", str(length))]
+        start_response(status, headers, *exc_info)
+        return []
+
+    return head_only
 
 
 def server_class_for(host: str) -> type[WSGIServer]:

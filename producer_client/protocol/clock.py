@@ -14,6 +14,21 @@ def epoch_ms(redis_time: RedisTime) -> int:
     return int(seconds) * 1000 + int(micros) // 1000
 
 
+def epoch_us(redis_time: RedisTime) -> int:
+    """TIME's reply (seconds, microseconds) in microseconds."""
+    seconds, micros = redis_time
+    return int(seconds) * 1_000_000 + int(micros)
+
+
+def us_left(deadline_ms: int, redis_time: RedisTime) -> int:
+    """Microseconds from `redis_time` to a job's deadline (epoch ms); below 0 once it has passed.
+    Passed means after it to the microsecond, as a worker compares it (worker/loop/admission.py:
+    now > deadline): TIME's whole milliseconds (epoch_ms) left a deadline unpassed for up to a
+    millisecond after it, and a caller whose timeout is the job's own, reaching its end in that
+    millisecond, was answered JobTimeout for a job that had expired."""
+    return deadline_ms * 1000 - epoch_us(redis_time)
+
+
 def entry_time(entry_id: str) -> float:
     """When Redis added a stream entry: its id's milliseconds, in epoch seconds (Redis's clock)."""
     return entry_ms(entry_id) / 1000

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.api_keys import tenant_id
 from gateway.errors import WWW_AUTHENTICATE, api_error_of
@@ -169,10 +170,16 @@ def test_an_unknown_model_job_or_route_is_a_404(gateway, sdk):
 
 @pytest.mark.parametrize(
     ("method", "path", "allowed"),
-    [("GET", "/v1/chat/completions", "POST"), ("DELETE", "/v1/models/echo", "GET"), ("PUT", "/generate", "POST")],
+    [
+        ("GET", "/v1/chat/completions", "POST"),
+        ("DELETE", "/v1/models/echo", "GET, HEAD"),
+        ("PUT", "/generate", "POST"),
+        ("POST", "/metrics", "GET, HEAD"),
+    ],
 )
 def test_a_method_a_route_does_not_take_is_a_405_naming_those_it_takes(gateway, method, path, allowed):
-    """HTTP requires a 405's Allow header (RFC 9110, 15.5.6); the error is OpenAI's shape."""
+    """HTTP requires a 405's Allow header (RFC 9110, 15.5.6), every method the route takes: HEAD
+    with GET (gateway/head.py); the error is OpenAI's shape."""
     response = httpx.request(method, f"{gateway.url}{path}")
     assert (response.status_code, response.headers.get("allow")) == (405, allowed)
     assert error_of(response) == {
@@ -539,3 +546,75 @@ def test_a_union_fields_error_is_its_values_member_not_the_first_member(extra, p
         parse_body(ChatCompletionRequest, json.dumps(body))
     error = refused.value.body.error
     assert (refused.value.status, error.param, error.code, error.message) == (400, param, code, message)
+
+
+def scrape_four_at_once(gateway: GatewayProcess) -> list[tuple[int, dict[str, float]]]:
+    """Four scrapes of /metrics at once (within a probe's timeout): each one's status and samples."""
+
+    def scrape(_) -> tuple[int, dict[str, float]]:
+        answer = httpx.get(f"{gateway.url}/metrics", timeout=HEALTH_TIMEOUT_S)
+        return answer.status_code, {
+            f"{s.name}{sorted(s.labels.items())}": s.value
+            for family in text_string_to_metric_families(answer.text)
+            for s in family.samples
+        }
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(scrape, range(4)))
+
+
+def served_scrapes_ms(gateway: GatewayProcess) -> list[float]:
+    return [float(ms) for ms in re.findall(r"GET '/metrics' -> 200 in ([\d.]+) ms", gateway.log())]
+
+
+def without_backlogs(samples: dict[str, float]) -> bool:
+    """Redis not read: mili_gateway_redis_up 0, and no queue series at all (not stale, not zero)."""
+    return samples["mili_gateway_redis_up[]"] == 0 and not any(name.startswith("mili_queue_") for name in samples)
+
+
+@pytest.mark.timing
+def test_a_scrape_answers_at_once_without_the_backlogs_while_redis_is_stopped(tmp_path):
+    """The backlogs' read retried for BACKLOG_TIMEOUT_S (2 s a scrape on c8ee6d1) with Redis
+    stopped. A scrape asks Redis once first, as /health does: refused at once, it answers 200 with
+    mili_gateway_redis_up 0 and no queue series, the gateway's own served as ever; with Redis
+    there, redis_up 1 and the queue's backlog. Several scrapes at once, by the gateway's own time."""
+    with EmbeddedRedis(port=free_port()) as server:
+        with Client(server.url, "scraped", placement=False) as client:
+            client.submit("waits", max_tokens=1)
+            client.redis.zadd(Keys().queues(), {"scraped": time.time()})  # as a worker's heartbeat indexes it
+        gw = GatewayProcess(server.url, tmp_path).start()
+        (status, up), *_ = scrape_four_at_once(gw)
+    try:  # Redis is gone from here on
+        scrapes = scrape_four_at_once(gw)
+    finally:
+        gw.stop()
+    assert (status, up["mili_gateway_redis_up[]"], up["mili_queue_waiting_jobs[('queue', 'scraped')]"]) == (200, 1, 1)
+    for status, samples in scrapes:
+        assert status == 200 and without_backlogs(samples), samples
+        assert "mili_gateway_open_streams[]" in samples
+    served_ms = served_scrapes_ms(gw)[-4:]
+    assert len(served_ms) == 4, gw.log()
+    assert all(ms < STRICT_TIMEOUT_S * 1000 / 2 for ms in served_ms), served_ms
+
+
+@pytest.mark.timing
+def test_a_scrape_answers_within_the_health_timeout_without_the_backlogs_while_redis_is_silent(tmp_path):
+    """A hung Redis (it takes connections, answers nothing): each of several scrapes at once is
+    answered once health_timeout_s has passed (the backlogs' 2 s bound on c8ee6d1), without the
+    queue series and with redis_up 0."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        gw = GatewayProcess(url, tmp_path, "--health-timeout-s", str(SILENT_HEALTH_TIMEOUT_S)).start()
+        try:
+            scrapes = scrape_four_at_once(gw)
+        finally:
+            gw.stop()
+    for status, samples in scrapes:
+        assert status == 200 and without_backlogs(samples), samples
+    served_ms = served_scrapes_ms(gw)[-4:]
+    assert len(served_ms) == 4, gw.log()
+    assert all(SILENT_HEALTH_TIMEOUT_S * 1000 <= ms < (SILENT_HEALTH_TIMEOUT_S + 0.7) * 1000 for ms in served_ms), (
+        served_ms
+    )

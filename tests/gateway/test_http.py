@@ -2,20 +2,24 @@
 the gateway's Idempotency-Key, over plain httpx."""
 
 import asyncio
+import http.client
+import io
 import socket
 import time
 import uuid
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.api_keys import tenant_id
 from gateway.metrics import read_backlogs
 from harness.polling import eventually
 from producer_client import AsyncClient, Client
 from producer_client.keys import PROTOCOL_VERSION, Keys
-from tests.gateway.support import ECHO_QUEUE
-from tests.support.jobs import job_ids_in_queue
+from tests.gateway.support import ECHO_QUEUE, PARKED_QUEUE
+from tests.support.jobs import job_count, job_ids_in_queue
 
 
 def test_generate_returns_the_text_and_usage_of_its_job(gateway, redis_server):
@@ -69,6 +73,54 @@ def test_an_idempotency_key_maps_a_repeated_request_to_the_same_jobs(gateway, re
     assert first.headers["x-request-id"] != again.headers["x-request-id"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_open_gateway_refuses_an_idempotency_key_whose_jobs_ids_would_read_as_a_tenants(
+    gateway, sdk, redis_client, stream
+):
+    """An open gateway's jobs are no tenant's, and a job's tenant is its id's up to the first dot:
+    `team-a.x` made jobs `team-a.x-0`, which team-a's pinned Redis user may read and cancel, and a
+    keyed gateway shows the key whose tenant id it names. Such a key is a 400 naming the header
+    before anything is enqueued, through the official SDK, streamed or not, and on /generate."""
+    before = job_count(redis_client)
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(
+            model="echo",
+            messages=[{"role": "user", "content": "whose"}],
+            max_tokens=4,
+            stream=stream,
+            extra_headers={"Idempotency-Key": f"team-a.{uuid.uuid4().hex}"},
+        )
+    generate = httpx.post(
+        f"{gateway.url}/generate",
+        json={"model": "echo", "prompt": "whose", "max_tokens": 4},
+        headers={"Idempotency-Key": f"{tenant_id('some-key')}.{uuid.uuid4().hex}"},
+    )
+    assert (refused.value.status_code, refused.value.body["param"], refused.value.body["type"]) == (
+        400,
+        "Idempotency-Key",
+        "invalid_request_error",
+    )
+    assert "no '.'" in refused.value.body["message"]
+    assert (generate.status_code, generate.json()["error"]["param"]) == (400, "Idempotency-Key")
+    assert job_count(redis_client) == before
+
+
+def test_the_official_sdks_own_idempotency_keys_map_its_retries_to_the_same_jobs(gateway):
+    """The keys the SDK makes itself (`stainless-python-retry-<uuid>`, one per call, sent again on
+    each of its retries where the client names the header: OpenAI's leaves it unnamed) hold no dot:
+    an open gateway takes them, and the call's jobs are `<key>-0`."""
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    client._idempotency_header = "Idempotency-Key"  # as the Stainless SDKs of APIs that take one do
+    try:
+        raw = client.completions.with_raw_response.create(model="echo", prompt="sdk key", max_tokens=4)
+    finally:
+        client.close()
+    key = raw.http_request.headers["idempotency-key"]
+    assert key.startswith("stainless-python-retry-")
+    assert (raw.status_code, raw.headers["x-mili-job-ids"]) == (200, f"{key}-0")
+    assert raw.parse().choices[0].text == "sdk "
+
+
 def test_metrics_count_requests_by_route_and_status_and_time_the_first_byte(gateway):
     httpx.post(f"{gateway.url}/v1/completions", json={"model": "echo", "prompt": "m", "max_tokens": 1})
     httpx.post(f"{gateway.url}/v1/completions", json={"model": "echo", "prompt": "m", "max_tokens": 1, "stream": True})
@@ -116,11 +168,92 @@ def test_metrics_count_every_queues_backlog_over_its_lanes_and_its_workers_strea
     }
 
 
+# The headers a HEAD and its GET may differ in: each answer's own, the framing of a body a HEAD does
+# not send (RFC 9110 9.3.2 lets it go), and a length where the body changes between two reads (the
+# metrics' counts, the board's job lists).
+OWN_HEADERS = {"date", "x-request-id", "transfer-encoding"}
+CHANGING_BODIES = {"/metrics", "/board", "/board/overview"}
+
+
+def test_every_get_route_answers_head_as_its_get_without_a_body(gateway, redis_server, sdk):
+    """RFC 9110 9.3.2: HEAD is GET without the body; probes and uptime checkers send it. Every GET
+    route of the gateway (found or not: a 404 is the GET's too), a Host the open gateway refuses
+    (400 as GET), and a board job's event stream, whose HEAD ends at its head: the same connection
+    then serves the next request (the stream would have held it until the job's end)."""
+    with Client(redis_server.url, PARKED_QUEUE) as client:
+        parked = client.submit("never served", max_tokens=1)  # its events would never end
+    file_id = sdk.files.create(file=("in.jsonl", io.BytesIO(b'{"custom_id": "a"}\n')), purpose="batch").id
+    paths = [
+        "/health",
+        "/metrics",
+        "/v1/models",
+        "/v1/models/echo",
+        "/v1/models/no-such-model",
+        f"/v1/jobs/{parked}",
+        "/v1/jobs/no-such-job",
+        "/v1/files",
+        f"/v1/files/{file_id}",
+        f"/v1/files/{file_id}/content",
+        "/v1/files/file-none",
+        "/v1/batches",
+        "/v1/batches/batch_none",
+        "/board",
+        "/board/overview",
+        f"/board/job?id={parked}",
+        f"/board/job/summary?id={parked}",
+        "/board/login",
+        "/no/such/route",
+    ]
+    for path, host in [*((p, None) for p in paths), ("/metrics", "evil.example")]:
+        headers = {} if host is None else {"Host": host}
+        get, head = (httpx.request(m, f"{gateway.url}{path}", headers=headers) for m in ("GET", "HEAD"))
+        assert (head.status_code, head.content) == (get.status_code, b""), path
+        ignored = OWN_HEADERS | ({"content-length"} if path in CHANGING_BODIES else set())
+        assert {k: v for k, v in head.headers.items() if k not in ignored} == {
+            k: v for k, v in get.headers.items() if k not in ignored
+        }, path
+    with httpx.Client(base_url=gateway.url, timeout=5, limits=httpx.Limits(max_connections=1)) as one_connection:
+        events = one_connection.head("/board/job/events", params={"id": parked})
+        assert (events.status_code, events.headers["content-type"], events.content) == (
+            200,
+            "text/event-stream; charset=utf-8",
+            b"",
+        )
+        assert one_connection.get("/health").status_code == 200
+
+
+def test_a_workers_metrics_answer_head_as_get_without_a_body(gateway_workers):
+    """The worker's endpoint (prometheus_client's app under wsgiref) answered HEAD 405, with a body
+    a HEAD must not have; now its GET's head, Content-Length included, and a Host it refuses 400
+    as for GET. Raw requests: a client that reads a HEAD's answer knows to read no body after it."""
+    port = int(gateway_workers[1].heartbeat()["metrics_port"])
+    for host, status in ((f"127.0.0.1:{port}", 200), ("evil.example", 400)):
+        get, head = (raw_answer(port, method, host) for method in ("GET", "HEAD"))
+        assert (get.status, head.status, head.read()) == (status, status, b"")
+        # The length the GET's body has: a gauge of the worker's may change it between two reads.
+        assert eventually(lambda host=host: head_length_is_the_gets(port, host), timeout=10, interval=0.2)
+
+
+def head_length_is_the_gets(port: int, host: str) -> bool:
+    get, head = (raw_answer(port, method, host) for method in ("GET", "HEAD"))
+    return int(head.getheader("content-length")) == len(get.read()) > 0
+
+
+def raw_answer(port: int, method: str, host: str) -> http.client.HTTPResponse:
+    """The answer to `method /metrics` with `host` as its Host header (no Accept-Encoding: the
+    body's length is the same at each read of an idle worker's counters)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    connection.putrequest(method, "/metrics", skip_host=True, skip_accept_encoding=True)
+    connection.putheader("Host", host)
+    connection.endheaders()
+    return connection.getresponse()
+
+
 def test_a_scrape_waits_for_the_backlogs_no_longer_than_its_bound_when_redis_does_not_answer():
     """A server that accepts connections and never answers (a hung Redis): the queue gauges are
     left out after the bound, and the rest of the scrape goes on."""
 
-    async def scrape(port: int) -> list:
+    async def scrape(port: int) -> list | None:
         client = AsyncClient(f"redis://127.0.0.1:{port}/0", "q")
         try:
             return await read_backlogs(client, timeout_s=0.3)
@@ -129,7 +262,7 @@ def test_a_scrape_waits_for_the_backlogs_no_longer_than_its_bound_when_redis_doe
 
     with socket.create_server(("127.0.0.1", 0)) as silent:
         started = time.monotonic()
-        assert asyncio.run(scrape(silent.getsockname()[1])) == []
+        assert asyncio.run(scrape(silent.getsockname()[1])) is None
     assert time.monotonic() - started < 1.5
 
 

@@ -97,6 +97,15 @@ def test_an_idempotency_key_is_its_api_keys_and_bound_to_its_request(tenants_gat
         )
 
 
+def test_a_keyed_gateway_takes_an_idempotency_key_with_a_dot_under_its_tenant(tenants_gateway):
+    """With API keys the key is scoped, `<tenant>.K-0`: the id's tenant is the API key's whatever
+    dots K holds (an open gateway refuses them: test_http)."""
+    key = f"team-a.{uuid.uuid4().hex}"
+    answer = completion(tenants_gateway, KEY_A, key, "dotted")
+    assert (answer.status_code, answer.headers["x-mili-job-ids"]) == (200, f"{tenant_id(KEY_A)}.{key}-0")
+    assert Tenant(tenant_id(KEY_A)).owns_job(answer.headers["x-mili-job-ids"])
+
+
 def upload(sdk: openai.OpenAI, custom_id: str) -> str:
     line = {
         "custom_id": custom_id,
@@ -253,13 +262,26 @@ def test_with_admin_keys_the_board_lets_in_only_them(tenants_gateway):
     assert httpx.get(f"{board}/job/summary", params={"id": job_id}, headers=admin).status_code == 200
 
 
-def test_health_and_metrics_can_be_put_behind_a_key(tenants_gateway):
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_health_and_metrics_can_be_put_behind_a_key(tenants_gateway, method):
+    """HEAD as GET: refused without the key, answered with it (a HEAD's 401 and 200 bodiless)."""
     for path in ("/health", "/metrics"):
-        refused = httpx.get(f"{tenants_gateway.url}{path}")
+        refused = httpx.request(method, f"{tenants_gateway.url}{path}")
         assert (refused.status_code, refused.headers.get("www-authenticate")) == (401, WWW_AUTHENTICATE), path
-        assert (
-            httpx.get(f"{tenants_gateway.url}{path}", headers={"Authorization": f"Bearer {KEY_B}"}).status_code == 200
-        )
+        let_in = httpx.request(method, f"{tenants_gateway.url}{path}", headers={"Authorization": f"Bearer {KEY_B}"})
+        assert let_in.status_code == 200
+        assert (let_in.content == b"") is (method == "HEAD")
+
+
+def test_a_head_of_another_keys_job_is_a_404_as_its_get(tenants_gateway):
+    """HEAD goes through the same tenancy as GET: another key's job is missing to it, its own found."""
+    job_id = completion(tenants_gateway, KEY_A, f"head-{uuid.uuid4().hex}", "whose").headers["x-mili-job-ids"]
+    url = f"{tenants_gateway.url}/v1/jobs/{job_id}"
+    for key, status in ((KEY_B, 404), (KEY_A, 200)):
+        auth = {"Authorization": f"Bearer {key}"}
+        head, get = httpx.head(url, headers=auth), httpx.get(url, headers=auth)
+        assert (head.status_code, get.status_code, head.content) == (status, status, b"")
+        assert head.headers["content-length"] == get.headers["content-length"]
 
 
 def test_health_and_metrics_stay_open_by_default(redis_server, tmp_path):

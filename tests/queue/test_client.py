@@ -26,6 +26,7 @@ from producer_client import (
     QueueFull,
     job_stream,
     new_job,
+    status_reads,
     waiting,
 )
 from producer_client.bulk import ResultWatch
@@ -297,8 +298,9 @@ def test_waiting_for_a_job_that_expires_unread_raises_job_expired_at_its_deadlin
 def test_a_caller_whose_timeout_is_the_jobs_own_gets_job_expired(redis_server, how):
     """The gateway waits exactly as long as its jobs' timeout_s: the caller's end and the job's
     come within milliseconds, in either order on the caller's clock, and the job's end is the
-    answer (a CI run once answered JobTimeout). Eight jobs at once, each waited on for its own
-    timeout_s, on a queue no worker reads."""
+    answer (a CI run once answered JobTimeout: a look within the deadline's millisecond, see
+    test_a_deadline_has_passed_a_microsecond_after_it_...). Eight jobs at once, each waited on for
+    its own timeout_s, on a queue no worker reads."""
 
     async def wait_as_long_as_the_job(client: AsyncClient):
         if how == "generate":
@@ -404,6 +406,29 @@ def test_a_job_past_its_deadline_at_the_callers_timeout_is_job_expired_whatever_
     time.sleep(0.02)
     with pytest.raises(JobExpired):
         run_steps(redis_client, steps)
+
+
+DEADLINE_MS = 1_700_000_000_300  # a job's deadline as CREATE writes it: epoch ms on Redis's clock
+
+
+@pytest.mark.parametrize("past_us", [1, 500, 999])
+def test_a_deadline_has_passed_a_microsecond_after_it_for_the_caller_and_the_status_as_for_the_worker(past_us):
+    """The cause of test_a_caller_whose_timeout_is_the_jobs_own_gets_job_expired[stream]'s flake:
+    the job's deadline is a whole millisecond, and the client compared it with TIME's whole
+    milliseconds, so a look within the deadline's millisecond found the job unexpired. A stream's
+    caller whose timeout is the job's own reaches its end there (its timer is its own, where a
+    blocking read ends when Redis's does), and was answered JobTimeout for a job expired by a
+    worker's rule (now > deadline, to the microsecond). Both rules are the worker's now; at the
+    deadline itself the job is queued still."""
+    seconds, ms = divmod(DEADLINE_MS, 1000)
+    after = (seconds, ms * 1000 + past_us)
+    with pytest.raises(JobExpired):
+        waiting.expiry("j", "queued", str(DEADLINE_MS), after)
+    queued = {"status": "queued", "deadline": str(DEADLINE_MS)}
+    assert status_reads.job_status("j", queued, after).status == "expired"
+    at_it = (seconds, ms * 1000)
+    assert waiting.expiry("j", "queued", str(DEADLINE_MS), at_it) is not None
+    assert status_reads.job_status("j", queued, at_it).status == "queued"
 
 
 @pytest.mark.timing
