@@ -1,12 +1,11 @@
-"""A queue's dead-letter stream `mili:dead:{queue}`: DEADLETTER (protocol.worker) writes its
-letters and REVIVE (protocol.producer) moves one back into the queue; here is every other command
-on it: a letter of a worker's own stream written, and each a Steps (producer_client.steps): read letters from either end, one by its id, count
+"""A queue's dead-letter stream `mili:dead:{queue}`: DEADLETTER and LETTER (protocol.worker) write
+its letters and REVIVE (protocol.producer) moves one back into the queue; here is every other
+command on it, each a Steps (producer_client.steps): read letters from either end, one by its id, count
 them, delete one, trim them. A letter's id is the time it died (Redis's clock), so the stream is in
 order of death. An entry is (its id, its fields)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Literal
 
 from producer_client.keys import Keys
@@ -16,12 +15,6 @@ Entry = tuple[str, dict[str, str]]
 # The dead-letter stream keeps about this many entries (XADD MAXLEN ~): bounded memory, and far
 # more than an operator reads before acting on the alert.
 DEAD_LETTER_MAXLEN = 10_000
-
-
-def add_letter(pipe: Any, keys: Keys, queue: str, letter: Mapping[str, str | int | float]) -> None:
-    """A letter written (XADD, the stream trimmed to about DEAD_LETTER_MAXLEN): for an entry of a
-    worker's own stream, which DEADLETTER cannot reach from the dead-letter stream's hash tag."""
-    pipe.xadd(keys.dead(queue), dict(letter), maxlen=DEAD_LETTER_MAXLEN, approximate=True)
 
 
 def newest_letters(keys: Keys, queue: str, count: int, before: str = "+") -> Steps[list[Entry]]:
