@@ -38,6 +38,25 @@ def add_heartbeat(
     pipe.zrange(index, 0, -1)
 
 
+def heartbeat_key_types(keys: Keys, queue: str, worker: str) -> dict[str, str]:
+    """The registry's keys a worker's heartbeat writes, each with the type it holds. Only workers and
+    operators may write them (docs/security.md), so one of another type is a mistake, and it held
+    only what the heartbeats write anew: the worker deletes it (Membership.heartbeat)."""
+    return {keys.worker(worker): "hash", keys.workers(queue): "zset", keys.queues(): "zset"}
+
+
+def add_types(pipe: Any, keys: list[str]) -> None:
+    """TYPE of each of `keys` (of heartbeat_key_types)."""
+    for key in keys:
+        pipe.type(key)
+
+
+def add_deletes(pipe: Any, keys: list[str]) -> None:
+    """DEL of each of `keys` (of heartbeat_key_types, found of another type): one a key, each in its slot."""
+    for key in keys:
+        pipe.delete(key)
+
+
 def add_shard_depth(pipe: Any, stream: str) -> None:
     """The length of another shard's stream of the queue (a shard's own stream, `Keys.queue` of
     its name): a heartbeat's depth counts every shard's."""

@@ -68,3 +68,33 @@ def test_a_dead_letter_stream_of_another_type_is_made_anew_and_the_worker_serves
             assert worker.running and "Traceback" not in worker.log(), worker.log()
         finally:
             worker.stop()
+
+
+@pytest.mark.parametrize("index", ["queue index", "worker index", "heartbeat"])
+def test_a_registry_key_of_another_type_is_made_anew_and_the_worker_serves_on(
+    redis_server, redis_client, tmp_path, index
+):
+    """The queue index, the queue's worker index or the worker's heartbeat hash made a string while
+    the worker serves: its next heartbeat deletes it and writes it anew, jobs submitted meanwhile and
+    after are served, and the key holds its type again, the worker's heartbeat with it."""
+    queue = f"registry-{index.split()[0]}"
+    key, kind = {
+        "queue index": (KEYS.queues(), "zset"),
+        "worker index": (KEYS.workers(queue), "zset"),
+        "heartbeat": (KEYS.worker(WORKER), "hash"),
+    }[index]
+    worker = WorkerProcess(redis_server.url, queue, WORKER, tmp_path, *FAST_RECLAIM, model="echo")
+    worker.start().wait_ready()
+    try:
+        with Client(redis_server.url, queue, placement=False) as client:
+            for round_ in range(3):  # past several heartbeats each time
+                redis_client.delete(key)
+                redis_client.set(key, "an operator's mistake")
+                jobs = [client.submit(prompt=f"round {round_} job {i}", max_tokens=16) for i in range(4)]
+                assert [client.result(job, timeout=30).text for job in jobs] == [
+                    f"round {round_} job {i}" for i in range(4)
+                ]
+                assert eventually(lambda: redis_client.type(key) == kind and worker.ready())
+        assert worker.running and "Traceback" not in worker.log(), worker.log()
+    finally:
+        worker.stop()
