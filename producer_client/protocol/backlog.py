@@ -110,7 +110,7 @@ def read_queue_streams(keys: Keys, queue: str) -> Steps[tuple[list[str], list[Qu
         pipe.smembers(keys.lane_streams(queue)),
         pipe.hget(sched, SHARDS_FIELD),
     )
-    names = checked([names])[0]
+    names = unless_other_type(names, [])  # the worker index: registry.py reads one of another type as missing
     shards = [unless_other_type(members, set())]
     shard_count = parse_count(queue, unless_other_type(count, None))
     if shard_count > 1:

@@ -3,7 +3,10 @@ WORKER_INDEX_RETENTION_S), each queue's worker index (its workers' names, each s
 heartbeat's time) and each worker's heartbeat hash, whose TTL runs on Redis's clock: a worker whose
 heartbeat has expired is dead. A worker writes them each heartbeat (add_heartbeat) and as it
 leaves (add_leave); producers, `mili` and the board read them here. On a cluster the indexes and
-heartbeats lie on many shards: each read is one round trip to all of them at once."""
+heartbeats lie on many shards: each read is one round trip to all of them at once. A key of
+them of another type reads as a missing one (unless_other_type): the worker's next heartbeat makes
+it anew (heartbeat_key_types), and meanwhile no submit (placement's view), no listing and no stats
+may fail on it."""
 
 from __future__ import annotations
 
@@ -38,6 +41,25 @@ def add_heartbeat(
     pipe.zrange(index, 0, -1)
 
 
+def heartbeat_key_types(keys: Keys, queue: str, worker: str) -> dict[str, str]:
+    """The registry's keys a worker's heartbeat writes, each with the type it holds. Only workers and
+    operators may write them (docs/security.md), so one of another type is a mistake, and it held
+    only what the heartbeats write anew: the worker deletes it (Membership.heartbeat)."""
+    return {keys.worker(worker): "hash", keys.workers(queue): "zset", keys.queues(): "zset"}
+
+
+def add_types(pipe: Any, keys: list[str]) -> None:
+    """TYPE of each of `keys` (of heartbeat_key_types)."""
+    for key in keys:
+        pipe.type(key)
+
+
+def add_deletes(pipe: Any, keys: list[str]) -> None:
+    """DEL of each of `keys` (of heartbeat_key_types, found of another type): one a key, each in its slot."""
+    for key in keys:
+        pipe.delete(key)
+
+
 def add_shard_depth(pipe: Any, stream: str) -> None:
     """The length of another shard's stream of the queue (a shard's own stream, `Keys.queue` of
     its name): a heartbeat's depth counts every shard's."""
@@ -60,8 +82,8 @@ def add_leave(pipe: Any, keys: Keys, queue: str, worker: str, keep_name: bool) -
 
 def queue_names(keys: Keys) -> Steps[list[str]]:
     """Every queue of the queue index."""
-    names: list[str]
-    (names,) = checked((yield lambda pipe: pipe.zrange(keys.queues(), 0, -1)))
+    (reply,) = yield lambda pipe: pipe.zrange(keys.queues(), 0, -1)
+    names: list[str] = unless_other_type(reply, [])
     return names
 
 
@@ -69,7 +91,8 @@ def worker_names(keys: Keys, queues: list[str]) -> Steps[list[list[str]]]:
     """Each queue's worker index: its workers' names, gone ones too."""
     if not queues:
         return []
-    return checked((yield lambda pipe: [pipe.zrange(keys.workers(queue), 0, -1) for queue in queues]))
+    replies = yield lambda pipe: [pipe.zrange(keys.workers(queue), 0, -1) for queue in queues]
+    return [unless_other_type(names, []) for names in replies]
 
 
 def beat_times(keys: Keys, queues: list[str]) -> Steps[tuple[tuple[int, int], list[list[tuple[str, float]]]]]:
@@ -80,15 +103,16 @@ def beat_times(keys: Keys, queues: list[str]) -> Steps[tuple[tuple[int, int], li
         for queue in queues:
             pipe.zrange(keys.workers(queue), 0, -1, withscores=True)
 
-    now, *indexes = checked((yield add))
-    return now, indexes
+    now, *indexes = yield add
+    return checked([now])[0], [unless_other_type(index, []) for index in indexes]
 
 
 def heartbeats(keys: Keys, names: list[str]) -> Steps[list[dict[str, str]]]:
     """Each worker's heartbeat hash: empty once it has expired."""
     if not names:
         return []
-    return checked((yield lambda pipe: [pipe.hgetall(keys.worker(name)) for name in names]))
+    replies = yield lambda pipe: [pipe.hgetall(keys.worker(name)) for name in names]
+    return [unless_other_type(beat, {}) for beat in replies]
 
 
 def heartbeats_to_live(keys: Keys, names: list[str]) -> Steps[list[tuple[dict[str, str], int]]]:
@@ -102,7 +126,7 @@ def heartbeats_to_live(keys: Keys, names: list[str]) -> Steps[list[tuple[dict[st
             pipe.pttl(keys.worker(name))
 
     replies = yield add
-    beats = checked(replies[::2])
+    beats = [unless_other_type(beat, {}) for beat in replies[::2]]
     return list(zip(beats, [unless_other_type(length, None) for length in replies[1::2]]))
 
 
@@ -128,5 +152,5 @@ def heartbeats_and_own_depths(
             pipe.xlen(keys.own_queue(queue, name))
 
     replies = yield add
-    beats = checked(replies[::2])
+    beats = [unless_other_type(beat, {}) for beat in replies[::2]]
     return list(zip(beats, [unless_other_type(length, None) for length in replies[1::2]]))

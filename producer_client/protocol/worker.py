@@ -432,16 +432,42 @@ return released
 """,
 )
 
+# Prepended to the scripts that write a dead letter: add_letter(dead-letter stream, its max length,
+# the index in ARGV of the letter's first field). A dead-letter stream of another type (only
+# workers and operators may write it: an operator's mistake) holds no letter, the DEL that changed
+# its type took them, so it is made anew, as after a DEL: its WRONGTYPE failed the worker's whole
+# exchange, which it retried with backoff for ever, serving no job. One TYPE a letter: letters are rare.
+LUA_ADD_LETTER = """
+local function add_letter(dead, maxlen, first)
+  local found = redis.call('TYPE', dead).ok
+  if found ~= 'stream' and found ~= 'none' then redis.call('DEL', dead) end
+  redis.call('XADD', dead, 'MAXLEN', '~', maxlen, '*', unpack(ARGV, first))
+end
+"""
+
 # KEYS: queue, dead. ARGV: group, entry id, dead-letter stream max length, then the dead letter's
 # fields and values. Moves a pending entry to the dead-letter stream: XADD there, XACK and XDEL
 # here, at once. Returns 0, doing nothing, if the entry is no longer pending (moved already).
 DEADLETTER = Script(
     "deadletter",
-    """
+    LUA_ADD_LETTER
+    + """
 if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then return 0 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
+add_letter(KEYS[2], ARGV[3], 4)
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+""",
+)
+
+# KEYS: dead. ARGV: dead-letter stream max length, then the dead letter's fields and values. Writes
+# the letter of an entry of a worker's own stream, whose hash tag DEADLETTER cannot reach from the
+# dead-letter stream's: the worker acknowledges the entry next (worker/loop/streams.py).
+LETTER = Script(
+    "letter",
+    LUA_ADD_LETTER
+    + """
+add_letter(KEYS[1], ARGV[1], 2)
 return 1
 """,
 )
@@ -912,6 +938,7 @@ WORKER_SCRIPTS = (
     RECLAIM,
     RELEASE,
     DEADLETTER,
+    LETTER,
     TAKE_OVER,
     TAKEABLE,
     READ,
@@ -1036,6 +1063,11 @@ def deadletter(
     return ScriptCall(
         DEADLETTER, (stream, dead), (GROUP, entry_id, dead_maxlen, *(x for kv in letter.items() for x in kv))
     )
+
+
+def letter(dead: str, dead_maxlen: int, fields: Mapping[str, str | int | float]) -> ScriptCall:
+    """LETTER: a dead letter of `fields` written to `dead`."""
+    return ScriptCall(LETTER, (dead,), (dead_maxlen, *(x for kv in fields.items() for x in kv)))
 
 
 def take_over(

@@ -293,3 +293,21 @@ def test_a_letter_without_a_job_id_is_not_retried(client, redis_client, queue):
     (outcome,) = settle(client, client.dead_letters.retry_all())
     assert (outcome.outcome, outcome.reason) == ("refused", f"dead letter {outcome.letter_id} has no usable job id")
     assert redis_client.xlen(KEYS.queue(queue)) == 0
+
+
+def test_a_dead_letter_stream_of_another_type_reads_as_one_with_no_letters(client, redis_client, queue):
+    """An operator's SET on the dead-letter stream took its letters with the DEL that changed its
+    type, and the next letter makes it a stream anew (DEADLETTER): meanwhile every read and purge
+    answers as for a queue with no letters, never a raw WRONGTYPE."""
+    client.submit("queued", max_tokens=4)
+    redis_client.set(KEYS.dead(queue), "an operator's mistake")
+    assert settle(client, client.dead_letters.list()) == []
+    with pytest.raises(DeadLetterNotFound):
+        settle(client, client.dead_letters.get("1-0"))
+    with pytest.raises(DeadLetterNotFound):
+        settle(client, client.dead_letters.purge("1-0"))
+    assert settle(client, client.dead_letters.purge_all()) == 0
+    assert settle(client, client.dead_letters.purge_older_than(60)) == 0
+    assert settle(client, client.dead_letters.retry_all()) == []
+    assert settle(client, client.inspect.overview()).dead == 0
+    assert redis_client.get(KEYS.dead(queue)) == "an operator's mistake"  # reads change nothing

@@ -8,12 +8,14 @@ import time
 
 import pytest
 
+from cli.__main__ import main as mili
 from producer_client import Client
 from producer_client.errors import InvalidArgument
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from tests.queue.test_dead_letters import make_poison, settle, take
 from tests.support.clients import make_client
 from tests.support.fixtures import on_modes
+from worker.embedded_redis import EmbeddedRedis, free_port
 from worker.loop.worker_queue import WorkerQueue
 
 KEYS = Keys()
@@ -224,3 +226,30 @@ def test_a_listing_needs_a_limit_from_1_to_10000(client, limit):
         with pytest.raises(InvalidArgument) as e:
             listing(limit)
         assert e.value.field == "limit"
+
+
+@pytest.mark.parametrize("index", ["queue index", "worker index", "heartbeat"])
+def test_a_registry_key_of_another_type_reads_as_missing_to_submits_and_listings(index, capsys):
+    """The queue index, a queue's worker index or a worker's heartbeat hash of another type (an
+    operator's SET: the worker's next heartbeat makes it anew) is no WRONGTYPE to a producer: its
+    submits go on (placement's view, the adapters' check read no worker there), and queue_stats(),
+    workers(), the inspector and `mili workers` read the key as a missing one. A private server:
+    the queue index is every queue's."""
+    queue, keys = "registry", Keys()
+    with EmbeddedRedis(port=free_port()) as server, Client(server.url, queue) as client:
+        admin = client.redis
+        admin.zadd(keys.workers(queue), {"w-gone": time.time()})
+        admin.zadd(keys.queues(), {queue: time.time()})
+        key = {"queue index": keys.queues(), "worker index": keys.workers(queue), "heartbeat": keys.worker("w-gone")}
+        admin.delete(key[index])
+        admin.set(key[index], "an operator's mistake")
+        job = client.submit(prompt="still enqueued", max_tokens=4)
+        assert client.status(job).status == "queued"
+        # (queue_stats() tells a live worker by its heartbeat's EXISTS, the producers' right: a
+        # heartbeat of another type, which its worker's next heartbeat makes anew, counts.)
+        assert client.queue_stats().depth == 1
+        assert client.workers() == []
+        assert [w.name for w in client.inspect.workers() if w.condition == "live"] == []
+        assert mili(["--redis", server.url, "workers"]) == 0
+        assert mili(["--redis", server.url, "stats", "--all"]) == 0
+        assert "WRONGTYPE" not in capsys.readouterr().err

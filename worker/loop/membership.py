@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import redis
+
 from producer_client.cluster import SyncRedis
+from producer_client.connection import is_other_type
 from producer_client.keys import Keys
 from producer_client.protocol import producer, registry
 from producer_client.protocol import worker as scripts
@@ -58,13 +61,32 @@ class Membership:
         by_stream = self.streams.by_stream(held)
         others = list(self.shards.of_stream)[1:]  # the other shards' streams: the depth counts them too
         sent_at = self.clock.local()
-        replies = send_pipeline(self.redis, add)
+        try:
+            replies = send_pipeline(self.redis, add)
+        except redis.ResponseError as error:
+            # A registry key of another type failed the whole heartbeat, and with it every exchange
+            # the worker retries with backoff: it served no job until someone deleted the key.
+            if not is_other_type(error) or not self.registry_made_anew():
+                raise
+            sent_at = self.clock.local()
+            replies = send_pipeline(self.redis, add)
         self.clock.measured(sent_at, replies[0], self.clock.local())
         beat = replies[1 : 1 + registry.HEARTBEAT_COMMANDS]
         refreshes = replies[1 + registry.HEARTBEAT_COMMANDS : len(replies) - len(others)]
         depth, self.peers = registry.heartbeat_reply(beat)
         lost = [refs[i] for refs, reply in zip(by_stream.values(), refreshes) for i in reply]
         return depth + sum(replies[len(replies) - len(others) :]), lost
+
+    def registry_made_anew(self) -> bool:
+        """Delete those of the heartbeat's registry keys that hold another type, which the heartbeat
+        then writes anew (registry.heartbeat_key_types); whether there was any. A WRONGTYPE from
+        another of its keys (the queue's stream: left to whoever made it so) finds none here."""
+        kinds = registry.heartbeat_key_types(self.keys, self.queue, self.worker)
+        found = send_pipeline(self.redis, lambda pipe: registry.add_types(pipe, list(kinds)))
+        wrong = [key for (key, kind), held in zip(kinds.items(), found) if held not in (kind, "none")]
+        if wrong:
+            send_pipeline(self.redis, lambda pipe: registry.add_deletes(pipe, wrong))
+        return bool(wrong)
 
     def release(self, entry_ids: list[str]) -> int:
         """Hand unfinished entries over to other workers (RELEASE); returns how many were ours."""

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from producer_client.keys import DEFAULT_LANE, NO_TENANT, Keys
-from producer_client.protocol import consumer, letters
+from producer_client.protocol import consumer
 from producer_client.protocol import worker as scripts
 from producer_client.protocol.backlog import LANED, OWNED, entry_stream, reference_parts, shard_parts
 from producer_client.protocol.execution import AddCommands, Pipe
@@ -99,13 +99,13 @@ class QueueStreams:
         """DEADLETTER (`letter`: the dead letter's fields) moves an entry of the shared stream or a
         lane's, which share the dead-letter stream's hash tag, in one step. A worker's stream has a
         hash tag of its own, so its entry is moved in two commands: written to the dead-letter
-        stream, then acknowledged and deleted (a worker that dies in between leaves it pending, and
+        stream (LETTER), then acknowledged and deleted (a worker that dies in between leaves it pending, and
         the next one to take it writes the letter again)."""
         if owner_of(ref) is None:  # the shard's own dead-letter stream, in the shard's slot
             dead = self.keys.dead(self.keys.shard(self.queue, shard_parts(ref)[0]))
             scripts.deadletter(self.of_ref(ref), dead, entry_id_of(ref), DEAD_LETTER_MAXLEN, letter).add_to(pipe)
             return
-        letters.add_letter(pipe, self.keys, self.queue, letter)
+        scripts.letter(self.keys.dead(self.queue), DEAD_LETTER_MAXLEN, letter).add_to(pipe)
         self.add_acks(pipe, [ref])
 
     @staticmethod
