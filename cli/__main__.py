@@ -154,7 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 class OneLineParser(argparse.ArgumentParser):
     """Usage errors in one line, as every other error of the CLI (the subcommands' parsers are of
-    this class too)."""
+    this class too). No abbreviated long flags: `submit --n 2` was taken as `--no-thinking`, a
+    misspelt flag as another one; a flag must be given whole, or it is an error."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"error: invalid_argument: {message} (see {self.prog} --help)\n")
