@@ -40,13 +40,59 @@ from producer_client.errors import CredentialsRefused, MiliError, PermissionDeni
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(values_joined_to_flags(parser, sys.argv[1:] if argv is None else argv))
     try:
         code = run(args)
         sys.stdout.flush()  # a reader that left shows here, not in the interpreter's flush at exit
         return code
     except BrokenPipeError:
         return reader_left()
+
+
+def values_joined_to_flags(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--older-than -1d`, `--regex -?[0-9]+`, `--stop -END` as `--FLAG=VALUE`: argparse takes a
+    value that begins with '-' (and is no negative number) for a flag, and said only "expected one
+    argument"; joined, the value reaches the flag's own check (a duration must be positive) or is
+    taken as given. A token that is one of mili's flags is left apart: a value forgotten before
+    the next flag stays an error. Nothing after `--` is touched."""
+    takes_value = flags_taking_one_value(parser)
+    joined: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--":
+            return [*joined, token, *tokens]
+        joined.append(token)
+        if token in takes_value:
+            value = next(tokens, None)
+            if value is None:
+                break
+            if value.startswith("-") and value.split("=", 1)[0] not in every_flag(parser):
+                joined[-1] = f"{token}={value}"
+            else:
+                joined.append(value)
+    return joined
+
+
+def flags_taking_one_value(parser: argparse.ArgumentParser) -> set[str]:
+    """The option strings of mili's parsers (subcommands' included) that take one value in every
+    parser that has them."""
+    one, other = set(), set()
+    for action in parser_actions(parser):
+        (one if action.nargs is None else other).update(action.option_strings)
+    return one - other
+
+
+def every_flag(parser: argparse.ArgumentParser) -> set[str]:
+    return {flag for action in parser_actions(parser) for flag in action.option_strings}
+
+
+def parser_actions(parser: argparse.ArgumentParser):
+    for action in parser._actions:  # argparse has no public walk over a parser's arguments
+        yield action
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                yield from parser_actions(subparser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,7 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 class OneLineParser(argparse.ArgumentParser):
     """Usage errors in one line, as every other error of the CLI (the subcommands' parsers are of
-    this class too)."""
+    this class too). No abbreviated long flags: `submit --n 2` was taken as `--no-thinking`, a
+    misspelt flag as another one; a flag must be given whole, or it is an error."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"error: invalid_argument: {message} (see {self.prog} --help)\n")

@@ -22,7 +22,7 @@ from producer_client.dead_letters import DEFAULT_LIMIT, DeadLetter, Retried
 from producer_client.errors import InvalidArgument
 from producer_client.inspection import RunningJob, WaitingJob, WorkerHealth
 
-DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+DURATION = re.compile(r"([-+]?\d+(?:\.\d+)?)([smhd])")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 # Statuses that have an index to list them from; the others exist only as each job's own keys.
 LISTABLE = ("queued", "running", "dead")
@@ -130,8 +130,10 @@ def check_listable(status: str) -> str:
 
 def parse_duration(text: str) -> float:
     match = DURATION.fullmatch(text.strip())
-    if not match or float(match.group(1)) <= 0:
+    if not match:
         raise InvalidArgument("older_than", f"{text!r} is not a duration such as 90s, 15m, 12h or 7d")
+    if float(match.group(1)) <= 0:
+        raise InvalidArgument("older_than", f"{text!r} is not a duration: it must be positive, such as 90s or 7d")
     return float(match.group(1)) * UNIT_S[match.group(2)]
 
 

@@ -48,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mili-gateway", description="MILI's OpenAI-compatible HTTP gateway")
+    # No abbreviated flags: a misspelt one is an error, never taken as another setting.
+    parser = argparse.ArgumentParser(
+        prog="mili-gateway", description="MILI's OpenAI-compatible HTTP gateway", allow_abbrev=False
+    )
     add_setting_flags(parser)
     return parser
 

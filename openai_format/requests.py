@@ -12,7 +12,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from producer_client import structured
 from producer_client.chat import MAX_TOOLS, NamedToolChoice, Tool, ToolCall
@@ -47,6 +58,21 @@ def repr_json(value: Any) -> str:
 
 
 Unused = Annotated[Any, only()]  # in the spec, not in MILI: null only
+
+# OpenAI's service_tier values: those MILI runs (producer_client.new_job.SERVICE_TIERS, a lane
+# each) and those it does not (unsupported_parameter).
+RUN_TIERS = ("auto", "default", "flex", "priority")
+OTHER_TIERS = ("scale", "fast")
+
+
+def a_spec_tier(value: Any) -> Any:
+    """A service_tier that is none of the spec's is an invalid value whose message lists the tiers
+    MILI takes: the Literal's own error listed "scale" and "fast" as valid, which only() then
+    refuses as unsupported."""
+    if value is not None and value not in RUN_TIERS + OTHER_TIERS:
+        expected = ", ".join(map(repr, RUN_TIERS[:-1])) + f" or {RUN_TIERS[-1]!r}"
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return value
 
 
 class Strict(BaseModel):
@@ -249,7 +275,8 @@ class ChatCompletionRequest(SamplingRequest):
     # MILI's (unsupported_parameter); a value the spec has not is no service tier (invalid_value).
     service_tier: Annotated[
         Literal["auto", "default", "flex", "scale", "priority", "fast"] | None,
-        only("auto", "default", "flex", "priority"),
+        BeforeValidator(a_spec_tier),
+        only(*RUN_TIERS),
     ] = None
     # Accepted as the spec describes them, with no effect on the output.
     metadata: dict[str, str] | None = Field(None, max_length=16)

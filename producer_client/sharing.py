@@ -102,7 +102,7 @@ def refusal_error(
         return InvalidArgument(
             "max_tokens",
             f"the job's {first} tokens (its prompt's estimate and max_tokens; a request's first job counts "
-            f"every choice's) exceed tenant {tenant!r}'s limit of {second} tokens per minute",
+            f"every choice's) exceed the limit of {second} tokens per minute of tenant {tenant!r}",
         )
     if outcome.refusal is Refusal.OTHER_TYPE:
         return InvalidQueueStream(queue, str(second), tenant)

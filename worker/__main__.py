@@ -63,17 +63,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No abbreviated flags (allow_abbrev=False, on each subcommand too): `--log-lev` is an error,
+    # not `--log-level`, and a misspelt flag is never taken as another one.
     parser = argparse.ArgumentParser(
-        prog="python -m worker", description="MILI worker: Qwen3 generation from a Redis queue"
+        prog="python -m worker", description="MILI worker: Qwen3 generation from a Redis queue", allow_abbrev=False
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run a worker (the default)")
+    serve = commands.add_parser("serve", help="run a worker (the default)", allow_abbrev=False)
     add_setting_flags(serve)
     serve.set_defaults(run=lambda args: serve_forever(settings_from_args(args)))
-    demo = commands.add_parser("demo", help="start Redis and a worker, run a few jobs through the client, stop")
+    demo = commands.add_parser(
+        "demo", help="start Redis and a worker, run a few jobs through the client, stop", allow_abbrev=False
+    )
     demo.add_argument("--model", default="tiny", help="preset or checkpoint directory (default: tiny)")
     demo.set_defaults(run=run_demo)
-    check = commands.add_parser("healthcheck", help="exit 0 only if Redis answers and this worker's heartbeat is live")
+    check = commands.add_parser(
+        "healthcheck", help="exit 0 only if Redis answers and this worker's heartbeat is live", allow_abbrev=False
+    )
     add_setting_flags(check)
     check.set_defaults(run=run_healthcheck)
     return parser

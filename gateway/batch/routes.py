@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from pydantic import ValidationError
+from starlette.datastructures import FormData
 from starlette.responses import StreamingResponse
 
 from gateway.api_keys import tenant_of
@@ -51,6 +52,7 @@ def add_file_routes(router: APIRouter, store: BatchStore, settings: GatewaySetti
         expires_anchor: str | None = Form(None, alias="expires_after[anchor]"),
         expires_seconds: str | None = Form(None, alias="expires_after[seconds]"),
     ):
+        one_of_each_field(await request.form())  # parsed already, for the fields above
         if purpose != "batch":
             raise bad_request(f"purpose {purpose!r} is not supported: only `batch` files are", "purpose")
         ttl_s = upload_ttl_s(expires_anchor, expires_seconds, settings.batch_ttl_s)
@@ -175,6 +177,15 @@ def upload_ttl_s(anchor: str | None, seconds: str | None, default_s: int) -> int
     except ValidationError as e:
         first = e.errors()[0]
         raise parameter_error([{**first, "loc": ("body", "expires_after", *first["loc"])}]) from None
+
+
+def one_of_each_field(form: FormData) -> None:
+    """An upload's form fields each given once: FastAPI takes the last of a field given twice (two
+    `file` parts stored the second and dropped the first, unsaid)."""
+    for name in dict.fromkeys(form.keys()):
+        given = len(form.getlist(name))
+        if given > 1:
+            raise bad_request(f"{name}: given {given} times: an upload takes one", name)
 
 
 def check_upload(data: bytes, settings: GatewaySettings) -> str:

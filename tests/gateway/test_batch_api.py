@@ -498,6 +498,27 @@ def test_a_batchs_output_expires_after_is_when_its_output_files_expire(sdk, redi
     assert refused.value.param == "output_expires_after.seconds" and refused.value.code == "below_min_value"
 
 
+def test_an_upload_of_a_field_given_twice_is_refused_naming_it_and_stores_nothing(gateway):
+    """Two `file` parts stored the last and dropped the first, unsaid; a field given twice is now a
+    400 naming it, and no file is stored."""
+    first, second = ("file", ("a.jsonl", b"{}\n")), ("file", ("b.jsonl", b"{}\n{}\n"))
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        stored = http.get("/v1/files").json()["data"]
+        for form, files, param in (
+            ({"purpose": "batch"}, [first, second], "file"),
+            ({"purpose": ["batch", "batch"]}, [first], "purpose"),
+        ):
+            answer = http.post("/v1/files", data=form, files=files)
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"] == {
+                "message": f"{param}: given 2 times: an upload takes one",
+                "type": "invalid_request_error",
+                "param": param,
+                "code": "invalid_value",
+            }
+        assert http.get("/v1/files").json()["data"] == stored
+
+
 def test_a_form_or_query_parameter_refused_is_named_with_openais_code(gateway):
     """A missing upload field or a listing's malformed query was a 400 `invalid_value` naming no
     field ("Field required"), where a JSON body's is `missing_required_parameter` naming it."""

@@ -8,7 +8,7 @@ import threading
 import pytest
 from pydantic import ValidationError
 
-from gateway.__main__ import build_parser
+from gateway.__main__ import build_parser, main
 from gateway.settings import GatewaySettings, settings_from_args
 from harness.processes import REPO, ProcessNotReady
 from producer_client import InvalidArgument
@@ -126,3 +126,12 @@ def test_a_first_start_whose_port_was_taken_meanwhile_moves_to_another(redis_ser
         squatter.shutdown()
         squatter.server_close()
         gateway.stop()
+
+
+def test_an_abbreviated_flag_is_refused_not_taken_as_the_setting_it_begins(capsys):
+    """`--log-lev loud` was `--log-level loud` (argparse takes a flag's prefix by default): a flag
+    is given whole, or the gateway says which it does not know."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["--log-lev", "loud"])
+    assert stopped.value.code == 2
+    assert "unrecognized arguments: --log-lev loud" in capsys.readouterr().err

@@ -118,3 +118,20 @@ def test_batch_files_it_cannot_use_are_named_before_any_line_is_submitted(
         assert (code, capsys.readouterr().err) == (1, f"error: invalid_argument: {message}\n")
         assert not out.exists()
     assert entries_added(redis_client, queue) == 0
+
+
+def test_an_abbreviated_or_misspelt_flag_is_refused_not_taken_as_another(redis_server, redis_client, queue, capsys):
+    """argparse takes any unambiguous prefix of a long flag by default: `submit --n 2` was
+    `--no-thinking` (and `2` a stray argument), `--no-think` a chat with thinking off. A flag is
+    given whole or it is an error, and nothing is enqueued."""
+    for flags in (["--n", "2"], ["--no-think"], ["--max-tok", "4"]):
+        try:
+            code = main(["--redis", redis_server.url, "--queue", queue, "submit", "x", *flags])
+        except SystemExit as e:  # a usage error, from argparse
+            code = e.code
+        unrecognized = " ".join(flags)
+        assert (code, capsys.readouterr().err) == (
+            2,
+            f"error: invalid_argument: unrecognized arguments: {unrecognized} (see mili --help)\n",
+        )
+    assert entries_added(redis_client, queue) == 0

@@ -3,6 +3,7 @@ bad input is one line on stderr with a non-zero exit that changes nothing."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -94,6 +95,17 @@ def test_dead_purge_older_than_takes_a_duration(mili, redis_server, redis_client
         ),
         (("dead", "purge", "--older-than", "soon"), 1, "error: invalid_argument: older_than: 'soon' is not a duration"),
         (("dead", "purge", "--older-than", "0s"), 1, "error: invalid_argument: older_than: '0s' is not a duration"),
+        (
+            ("dead", "purge", "--older-than", "-1d"),
+            1,
+            "error: invalid_argument: older_than: '-1d' is not a duration: it must be positive",
+        ),
+        (
+            ("dead", "purge", "--older-than=-1d"),
+            1,
+            "error: invalid_argument: older_than: '-1d' is not a duration: it must be positive",
+        ),
+        (("dead", "purge", "--older-than", "--all"), 2, "error: invalid_argument: argument --older-than: expected one"),
         (("dead", "show", "no-such-job"), 1, "error: not_found: queue"),
         (("dead", "retry", "{bad}"), 1, "error: invalid_argument: id: must be 1-128 characters"),
         (("dead", "frobnicate"), 2, "error: invalid_argument: argument dead_command: invalid choice: 'frobnicate'"),
@@ -165,3 +177,13 @@ def test_submit_takes_a_service_tier_and_the_tenant(mili, redis_client, queue):
     assert fields["id"] == out.strip()
     code, _, err = mili("submit", "hi", "--service-tier", "gold")
     assert code == 2 and "invalid choice: 'gold'" in err
+
+
+def test_a_value_that_begins_with_a_dash_is_the_flags_value(mili, redis_client, queue):
+    """`--stop -END` and `--regex -?[0-9]+` were argparse's "expected one argument" (a token that
+    begins with '-' is taken for a flag): a value after its flag is the flag's, unless it is one of
+    mili's flags."""
+    assert mili("submit", "hi", "--max-tokens", "1", "--stop", "-END")[0] == 0
+    assert mili("submit", "hi", "--max-tokens", "1", "--regex", "-?[0-9]+")[0] == 0
+    stop, regex = (json.loads(fields["body"]) for _, fields in redis_client.xrange(KEYS.queue(queue)))
+    assert (stop["params"]["stop"], regex["params"]["response_format"]["pattern"]) == (["-END"], "-?[0-9]+")

@@ -224,3 +224,13 @@ def test_a_device_the_host_has_not_is_one_line_before_the_model_loads(capsys):
         with pytest.raises(InvalidArgument) as refused:
             check_cuda_device(device, count)
         assert refused.value.message == f"device: {device}: torch sees {seen} on this host; use cpu, or auto"
+
+
+def test_an_abbreviated_flag_is_refused_not_taken_as_the_setting_it_begins(capsys):
+    """`--log-lev loud` was `--log-level loud` (argparse takes a flag's prefix by default): a flag
+    is given whole, or the worker says which it does not know, for every subcommand."""
+    for command in ("serve", "healthcheck"):
+        with pytest.raises(SystemExit) as stopped:
+            worker_main([command, "--log-lev", "loud"])
+        assert stopped.value.code == 2
+        assert "unrecognized arguments: --log-lev loud" in capsys.readouterr().err

@@ -342,6 +342,8 @@ def test_a_rate_limit_refuses_past_its_bucket_and_says_when_to_retry(redis_serve
         with pytest.raises(InvalidArgument) as large:
             client.submit("x", max_tokens=1000)
         assert large.value.field == "max_tokens"
+        # The tenant named last: "tenant 'team-z''s limit" read as a quote left open.
+        assert large.value.message.endswith(f"exceed the limit of 1000 tokens per minute of tenant {tenant!r}")
         client.tenant_quotas.set(tenant, unset=("rpm", "tpm"))
         time.sleep(1.1)
         assert client.submit_rated(prompt="x").limits.limit_requests == 0
