@@ -6,7 +6,9 @@ import re
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -395,21 +397,29 @@ def test_refused_credentials_are_a_final_500_that_shows_no_password(redis_server
     assert secret not in chat.text and "nobody" not in chat.text
 
 
-@pytest.mark.timing
-def test_health_answers_503_within_its_timeout_while_redis_is_silent(tmp_path):
-    """A hung Redis (it takes connections, answers nothing): several probes at once, each answered
-    once health_timeout_s has passed, inside a probe's own timeout (httpx's here). The gateway's
-    own time for each, from its request log, is the bound's."""
+@contextmanager
+def gateway_of_a_silent_redis(tmp_path) -> Iterator[GatewayProcess]:
+    """A gateway whose Redis is hung: a socket that takes connections and answers nothing; its log
+    is still read after it stops."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(64)
         url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
         gw = GatewayProcess(url, tmp_path, "--health-timeout-s", str(SILENT_HEALTH_TIMEOUT_S)).start()
         try:
-            with ThreadPoolExecutor(4) as pool:
-                answers = list(pool.map(lambda _: httpx.get(f"{gw.url}/health", timeout=HEALTH_TIMEOUT_S), range(4)))
+            yield gw
         finally:
             gw.stop()
+
+
+@pytest.mark.timing
+def test_health_answers_503_within_its_timeout_while_redis_is_silent(tmp_path):
+    """A hung Redis (it takes connections, answers nothing): several probes at once, each answered
+    once health_timeout_s has passed, inside a probe's own timeout (httpx's here). The gateway's
+    own time for each, from its request log, is the bound's."""
+    with gateway_of_a_silent_redis(tmp_path) as gw:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: httpx.get(f"{gw.url}/health", timeout=HEALTH_TIMEOUT_S), range(4)))
     for response in answers:
         assert response.status_code == 503
         assert error_of(response)["message"] in (
@@ -602,15 +612,8 @@ def test_a_scrape_answers_within_the_health_timeout_without_the_backlogs_while_r
     """A hung Redis (it takes connections, answers nothing): each of several scrapes at once is
     answered once health_timeout_s has passed (the backlogs' 2 s bound on c8ee6d1), without the
     queue series and with redis_up 0."""
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(64)
-        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
-        gw = GatewayProcess(url, tmp_path, "--health-timeout-s", str(SILENT_HEALTH_TIMEOUT_S)).start()
-        try:
-            scrapes = scrape_four_at_once(gw)
-        finally:
-            gw.stop()
+    with gateway_of_a_silent_redis(tmp_path) as gw:
+        scrapes = scrape_four_at_once(gw)
     for status, samples in scrapes:
         assert status == 200 and without_backlogs(samples), samples
     served_ms = served_scrapes_ms(gw)[-4:]
