@@ -164,10 +164,8 @@ def overview(keys: Keys, queue: str) -> Steps[QueueOverview]:
     now, *replies = yield add
     counts, replies = replies[: len(shards)], replies[len(shards) :]
     infos, firsts = replies[: len(readings)], replies[len(readings) :]
-    checked([now, *firsts])
-    letters = sum(
-        dead.letter_count(count) for count in counts
-    )  # XINFO's replies are errors on a stream that is gone (processed)
+    checked([now, *firsts])  # not the XINFO replies: errors on a stream that is gone (processed)
+    letters = sum(dead.letter_count(count) for count in counts)
     heads = [entries[0][0] for entries in firsts if entries]
     now_ms = epoch_ms(now)
     stats = [r.stats() for r in readings]
