@@ -16,7 +16,12 @@ serial="timing"
 # the last to end (3:02 beside the others' 2:20, each test mostly asleep): two processes end them
 # before the others, for a collection's CPU (~7 s).
 waits_processes=()
+# The folders of tests/ whose every test is of a tier --quick leaves out, by their folder alone
+# (tests/support/tiers.py's CHAOS_DIRS and E2E_DIRS): its lanes do not collect them, where each of
+# its seven collecting processes imported their modules and built their ~270 tests to deselect them.
+left_out=()
 if [ "${1:-}" = "--quick" ]; then
+  left_out=(chaos e2e board)
   parallel="not (timing or slow or e2e or chaos)"
   serial="timing and not (slow or e2e or chaos)"
   waits_processes=(-n 2 --dist loadgroup)
@@ -46,7 +51,14 @@ trap 'kill "$warm_up_pid" 2>/dev/null || true; rm -f "$warm_up_log"' EXIT
 # The waits and timing lanes collect only the modules that name their mark (tests/support/tiers.py
 # refuses a test marked where its module does not): the whole tree cost each of their processes
 # ~5 s more CPU (13.2 s against 7.7 s for the waits tests' 24 modules), spent beside the others.
-modules_naming() { grep -rl --include='test_*.py' -e "pytest.mark.$1" tests | sort; }
+not_left_out() {
+  local module folder
+  while read -r module; do
+    for folder in "${left_out[@]}"; do [[ $module == tests/$folder/* ]] && continue 2; done
+    echo "$module"
+  done
+}
+modules_naming() { grep -rl --include='test_*.py' -e "pytest.mark.$1" tests | sort | not_left_out; }
 mapfile -t waits_modules < <(modules_naming waits)
 mapfile -t timing_modules < <(modules_naming timing)
 # The lanes start now and collect beside the warm-up's end (on a set-up clone the warm-up is ~6 s
@@ -70,8 +82,8 @@ timing_log=$(mktemp)
 MILI_TESTS_GATE="$gate" MILI_TESTS_GATE_FOR="the other lanes" .venv/bin/python -m pytest "${timing_modules[@]}" \
   -m "$serial" -p tests.support.gate "$@" > "$timing_log" 2>&1 &
 timing_pid=$!
-MILI_TESTS_GATE="$warmed" MILI_TESTS_GATE_FOR="the kernels' warm-up" .venv/bin/python -m pytest tests -n 2 \
-  --dist loadgroup -m "($parallel) and not waits" -p tests.support.gate --durations=30 "$@" &
+MILI_TESTS_GATE="$warmed" MILI_TESTS_GATE_FOR="the kernels' warm-up" .venv/bin/python -m pytest tests \
+  "${left_out[@]/#/--ignore=tests/}" -n 2 --dist loadgroup -m "($parallel) and not waits" -p tests.support.gate --durations=30 "$@" &
 others_pid=$!
 trap 'kill "$warm_up_pid" "$waits_pid" "$timing_pid" "$others_pid" 2>/dev/null || true
   rm -f "$warm_up_log" "$waits_log" "$timing_log" "$warmed" "$gate"' EXIT
