@@ -259,11 +259,12 @@ def head_as_get(app: WSGIApp) -> WSGIApp:
     """`app`, answering HEAD as it answers GET, without the body (RFC 9110 9.3.2: probes and uptime
     checkers send HEAD). prometheus_client's app answers HEAD 405, and wsgiref sends whatever body
     an app returns, a HEAD's too. The head says the GET's Content-Length, which wsgiref counts from
-    the body (an empty one's would say 0: RFC 9110 8.6 allows the GET's length or none)."""
+    the body (an empty one's would say 0: RFC 9110 8.6 allows the GET's length or none). Another
+    method's answer (a POST's 405, an OPTIONS) has its Allow name HEAD beside GET (allow_with_head)."""
 
     def head_only(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("REQUEST_METHOD") != "HEAD":
-            return app(environ, start_response)
+            return app(environ, lambda status, headers, *exc: start_response(status, allow_with_head(headers), *exc))
         head: list[Any] = []
         body = app({**environ, "REQUEST_METHOD": "GET"}, lambda *given: head.extend(given))
         try:
@@ -278,6 +279,19 @@ def head_as_get(app: WSGIApp) -> WSGIApp:
         return []
 
     return head_only
+
+
+def allow_with_head(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """`headers`, their Allow naming HEAD wherever it names GET: prometheus_client's app lists
+    OPTIONS,GET (its 405 to a POST, its OPTIONS), and HEAD is answered too (RFC 9110 15.5.6: Allow
+    lists every method the resource answers; the gateway's 405s say the same: gateway/head.py)."""
+    answered = []
+    for name, value in headers:
+        allowed = [method.strip() for method in value.split(",") if method.strip()]
+        if name.lower() == "allow" and "GET" in allowed and "HEAD" not in allowed:
+            value = ", ".join([*allowed, "HEAD"])
+        answered.append((name, value))
+    return answered
 
 
 def server_class_for(host: str) -> type[WSGIServer]:
