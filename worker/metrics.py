@@ -10,7 +10,9 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.registry import Collector
 
 from producer_client.hosts import Hosts
 from producer_client.keys import NO_TENANT
@@ -88,7 +90,14 @@ class WorkerMetrics:
         self.requests_waiting = Gauge(
             "mili_num_requests_waiting", "Jobs in the engine still waiting for their first token.", registry=r
         )
-        self.queue_depth = Gauge("mili_queue_depth", "Unacknowledged entries in the queue stream (XLEN).", registry=r)
+        self.queue_depth = ReadFromRedis(
+            "mili_queue_depth", "Unacknowledged entries in the queue stream (XLEN), as of the last heartbeat.", r
+        )
+        self.redis_up = Gauge(
+            "mili_worker_redis_up",
+            "1 if Redis answered this worker's last exchange, 0 if not (mili_queue_depth is then absent).",
+            registry=r,
+        )
         self.kv_cache_usage = Gauge(
             "mili_kv_cache_usage_perc", "Fraction of KV pages in use or promised to admitted jobs (0-1).", registry=r
         )
@@ -190,6 +199,14 @@ class WorkerMetrics:
         threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         return server, server.server_port
 
+    def redis_answered(self, answered: bool) -> None:
+        """The outcome of an exchange with Redis (the loop's: worker/loop/exchanges.py). One that
+        failed leaves the depth unknown until a heartbeat reads it again: the last one read would
+        show a stale backlog, which KEDA and alerts take for a live one."""
+        self.redis_up.set(1 if answered else 0)
+        if not answered:
+            self.queue_depth.forget()
+
     def job_ended(self, result: JobResult) -> None:
         self.jobs_ended([result])
 
@@ -240,6 +257,27 @@ class WorkerMetrics:
             self._engine_totals[name] = total
         if stats.cache_queried_tokens:
             self.prefix_cache_hit_rate.set(stats.cache_hit_tokens / stats.cache_queried_tokens)
+
+
+class ReadFromRedis(Collector):
+    """A gauge of a value read from Redis, absent until read and again once Redis has failed to
+    answer (forget), as an exporter whose backend is down answers (the gateway's queue series:
+    gateway/metrics.py QueueBacklogs)."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry):
+        self.name, self.documentation = name, documentation
+        self.value: float | None = None
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def forget(self) -> None:
+        self.value = None
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        if self.value is not None:
+            yield GaugeMetricFamily(self.name, self.documentation, value=self.value)
 
 
 def host_checked(app: WSGIApp, hosts: Hosts) -> WSGIApp:
