@@ -10,7 +10,9 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.registry import Collector
 
 from producer_client.hosts import Hosts
 from producer_client.keys import NO_TENANT
@@ -88,7 +90,14 @@ class WorkerMetrics:
         self.requests_waiting = Gauge(
             "mili_num_requests_waiting", "Jobs in the engine still waiting for their first token.", registry=r
         )
-        self.queue_depth = Gauge("mili_queue_depth", "Unacknowledged entries in the queue stream (XLEN).", registry=r)
+        self.queue_depth = ReadFromRedis(
+            "mili_queue_depth", "Unacknowledged entries in the queue stream (XLEN), as of the last heartbeat.", r
+        )
+        self.redis_up = Gauge(
+            "mili_worker_redis_up",
+            "1 if Redis answered this worker's last exchange, 0 if not (mili_queue_depth is then absent).",
+            registry=r,
+        )
         self.kv_cache_usage = Gauge(
             "mili_kv_cache_usage_perc", "Fraction of KV pages in use or promised to admitted jobs (0-1).", registry=r
         )
@@ -190,6 +199,14 @@ class WorkerMetrics:
         threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         return server, server.server_port
 
+    def redis_answered(self, answered: bool) -> None:
+        """The outcome of an exchange with Redis (the loop's: worker/loop/exchanges.py). One that
+        failed leaves the depth unknown until a heartbeat reads it again: the last one read would
+        show a stale backlog, which KEDA and alerts take for a live one."""
+        self.redis_up.set(1 if answered else 0)
+        if not answered:
+            self.queue_depth.forget()
+
     def job_ended(self, result: JobResult) -> None:
         self.jobs_ended([result])
 
@@ -242,6 +259,27 @@ class WorkerMetrics:
             self.prefix_cache_hit_rate.set(stats.cache_hit_tokens / stats.cache_queried_tokens)
 
 
+class ReadFromRedis(Collector):
+    """A gauge of a value read from Redis, absent until read and again once Redis has failed to
+    answer (forget), as an exporter whose backend is down answers (the gateway's queue series:
+    gateway/metrics.py QueueBacklogs)."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry):
+        self.name, self.documentation = name, documentation
+        self.value: float | None = None
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def forget(self) -> None:
+        self.value = None
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        if self.value is not None:
+            yield GaugeMetricFamily(self.name, self.documentation, value=self.value)
+
+
 def host_checked(app: WSGIApp, hosts: Hosts) -> WSGIApp:
     """`app`, answering 400 to a request whose Host `hosts` does not allow (the refused name is not
     repeated: the header is the client's to fill)."""
@@ -259,11 +297,12 @@ def head_as_get(app: WSGIApp) -> WSGIApp:
     """`app`, answering HEAD as it answers GET, without the body (RFC 9110 9.3.2: probes and uptime
     checkers send HEAD). prometheus_client's app answers HEAD 405, and wsgiref sends whatever body
     an app returns, a HEAD's too. The head says the GET's Content-Length, which wsgiref counts from
-    the body (an empty one's would say 0: RFC 9110 8.6 allows the GET's length or none)."""
+    the body (an empty one's would say 0: RFC 9110 8.6 allows the GET's length or none). Another
+    method's answer (a POST's 405, an OPTIONS) has its Allow name HEAD beside GET (allow_with_head)."""
 
     def head_only(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("REQUEST_METHOD") != "HEAD":
-            return app(environ, start_response)
+            return app(environ, lambda status, headers, *exc: start_response(status, allow_with_head(headers), *exc))
         head: list[Any] = []
         body = app({**environ, "REQUEST_METHOD": "GET"}, lambda *given: head.extend(given))
         try:
@@ -278,6 +317,19 @@ def head_as_get(app: WSGIApp) -> WSGIApp:
         return []
 
     return head_only
+
+
+def allow_with_head(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """`headers`, their Allow naming HEAD wherever it names GET: prometheus_client's app lists
+    OPTIONS,GET (its 405 to a POST, its OPTIONS), and HEAD is answered too (RFC 9110 15.5.6: Allow
+    lists every method the resource answers; the gateway's 405s say the same: gateway/head.py)."""
+    answered = []
+    for name, value in headers:
+        allowed = [method.strip() for method in value.split(",") if method.strip()]
+        if name.lower() == "allow" and "GET" in allowed and "HEAD" not in allowed:
+            value = ", ".join([*allowed, "HEAD"])
+        answered.append((name, value))
+    return answered
 
 
 def server_class_for(host: str) -> type[WSGIServer]:

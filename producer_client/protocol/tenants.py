@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from producer_client.connection import is_other_type
+from producer_client.connection import is_other_type, unless_other_type
 from producer_client.keys import Keys
 from producer_client.steps import Repeatable, Steps, checked
 
@@ -33,9 +33,11 @@ def write_quota_fields(keys: Keys, tenant: str, written: dict[str, str], unset: 
 
 
 def tenants_with_quotas(keys: Keys) -> Steps[list[str]]:
-    """The index: every tenant that has had settings, by name."""
-    tenants: list[str]
-    (tenants,) = checked((yield Repeatable(lambda pipe: pipe.zrange(keys.quotas(), 0, -1))))
+    """The index: every tenant that has had settings, by name. An index of another type names
+    none, as a tenant's settings hash of another type holds none (settings_hash): `mili quota
+    show` printed Redis's WRONGTYPE."""
+    (reply,) = yield Repeatable(lambda pipe: pipe.zrange(keys.quotas(), 0, -1))
+    tenants: list[str] = unless_other_type(reply, [])
     return tenants
 
 

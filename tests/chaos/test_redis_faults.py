@@ -12,8 +12,11 @@ import threading
 import time
 import uuid
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from harness.polling import eventually
 from producer_client import JobNotFound
 from tests.support.clients import make_client
 from tests.support.jobs import assert_one_final_result, tokens_published
@@ -124,3 +127,34 @@ def test_workers_ride_out_the_fault_and_every_acknowledged_job_ends_once(
         stop.set()
         for w in workers:
             w.stop()
+
+
+def test_a_workers_queue_depth_is_absent_while_redis_is_away_and_redis_up_says_so(restartable_redis, tmp_path):
+    """The worker kept the last depth its heartbeat read while Redis was stopped: a stale backlog,
+    which KEDA and alerts take for a live one. Now mili_worker_redis_up says 0 and mili_queue_depth
+    is absent within a few heartbeats (0.1 s here), and both are back once Redis answers again,
+    as the gateway's mili_gateway_redis_up and queue series are (gateway/metrics.py)."""
+    queue = f"away-{uuid.uuid4().hex[:6]}"
+    (worker,) = start_workers([WorkerProcess(restartable_redis.url, queue, f"{queue}-0", tmp_path, model="echo")])
+    port = int(worker.heartbeat()["metrics_port"])
+    try:
+        assert eventually(lambda: scraped(port) == {"redis_up": 1.0, "depth": 0.0}, timeout=10, interval=0.1)
+        restartable_redis.stop()
+        assert eventually(lambda: scraped(port) == {"redis_up": 0.0}, timeout=10, interval=0.1), scraped(port)
+        restartable_redis.start()
+        assert eventually(lambda: scraped(port) == {"redis_up": 1.0, "depth": 0.0}, timeout=20, interval=0.1)
+        assert worker.process.poll() is None
+    finally:
+        worker.stop()
+
+
+def scraped(port: int) -> dict[str, float]:
+    """The worker's mili_worker_redis_up and mili_queue_depth, by short names (a name absent, absent)."""
+    names = {"mili_worker_redis_up": "redis_up", "mili_queue_depth": "depth"}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {
+        names[sample.name]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in names
+    }

@@ -234,6 +234,17 @@ def test_a_workers_metrics_answer_head_as_get_without_a_body(gateway_workers):
         assert eventually(lambda host=host: head_length_is_the_gets(port, host), timeout=10, interval=0.2)
 
 
+def test_a_workers_metrics_name_head_in_allow_wherever_get_is(gateway_workers):
+    """prometheus_client's app answered a POST/PUT/DELETE 405 (and OPTIONS 200) with `Allow:
+    OPTIONS,GET`, leaving out the HEAD the endpoint answers (head_as_get); the gateway's 405s list
+    HEAD beside GET (gateway/head.py), as RFC 9110 15.5.6 asks of Allow."""
+    port = int(gateway_workers[1].heartbeat()["metrics_port"])
+    for method, status in (("POST", 405), ("PUT", 405), ("DELETE", 405), ("OPTIONS", 200)):
+        answer = raw_answer(port, method, f"127.0.0.1:{port}")
+        allowed = [m.strip() for m in answer.getheader("allow").split(",")]
+        assert (answer.status, sorted(allowed)) == (status, ["GET", "HEAD", "OPTIONS"]), method
+
+
 def head_length_is_the_gets(port: int, host: str) -> bool:
     get, head = (raw_answer(port, method, host) for method in ("GET", "HEAD"))
     return int(head.getheader("content-length")) == len(get.read()) > 0

@@ -170,6 +170,22 @@ def test_quota_show_of_a_tenant_with_no_settings_prints_the_defaults_that_hold(m
     assert out.splitlines()[1].split() == [tenant, "unlimited", "unlimited", "unlimited", "1"] and "no settings" in err
 
 
+def test_quota_show_reads_an_index_of_another_type_as_no_quotas_set(mili, redis_client, queue):
+    """`mili quota show` printed Redis's raw `ResponseError: WRONGTYPE` when the tenants' index
+    (mili:quotas, which `quota set` writes) held another type; a tenant's settings hash of another
+    type read as none already (tenants.settings_hash), as the sharing reads read such keys
+    (connection.unless_other_type). Under a prefix of its own: other tests share the index."""
+    prefix = f"other-{queue}"
+    keys = Keys(prefix)
+    redis_client.set(keys.quotas(), "not a sorted set")
+    redis_client.set(keys.quota("team-x"), "not a hash")
+    none_set = mili("--prefix", f"empty-{queue}", "quota", "show")
+    assert none_set == (0, "TENANT  MAX WAITING  RPM  TPM  WEIGHT\n", "(none)\n")
+    assert mili("--prefix", prefix, "quota", "show") == none_set
+    code, out, err = mili("--prefix", prefix, "quota", "show", "team-x")
+    assert code == 0 and out.splitlines()[1].split() == ["team-x", "unlimited", "unlimited", "unlimited", "1"]
+
+
 def test_submit_takes_a_service_tier_and_the_tenant(mili, redis_client, queue):
     code, out, _ = mili("--tenant", "team-cli", "submit", "hi", "--service-tier", "flex", "--max-tokens", "1")
     assert code == 0

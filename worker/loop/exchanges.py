@@ -29,7 +29,7 @@ class Exchanges:
         ownership: Ownership,
         pause_point: Callable[[], None] | None,
     ):
-        self.settings, self.holdings = ctx.settings, ctx.holdings
+        self.settings, self.holdings, self.metrics = ctx.settings, ctx.holdings, ctx.metrics
         self.admission, self.ownership = admission, ownership
         self.pause_point = pause_point  # see Worker
         self.link = RedisLink(ctx.settings.redis_backoff_max_s)
@@ -70,9 +70,11 @@ class Exchanges:
             if not is_transient(e):
                 self._refused(e)
             self.link.failed(e, quiet=not is_transient(e))
+            self.metrics.redis_answered(False)
             return
         finally:
             self.last = time.monotonic()
+        self.metrics.redis_answered(True)
         down_s = self.link.succeeded()
         if down_s is not None:
             log.info("Redis is back after %.1fs; %d tokens were buffered meanwhile", down_s, buffered)
