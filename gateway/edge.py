@@ -132,6 +132,8 @@ class Edge:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         request = HTTPConnection(scope)
+        if not names_one_host(scope):
+            return await refusal_response(HOST_MISSING_OR_REPEATED)(scope, receive, send)
         if not self.hosts.allows(request.headers.get("host")):
             return await refusal_response(HOST_NOT_ALLOWED)(scope, receive, send)
         policy = self.limits.policy(scope["method"], scope["path"], self.access.required)
@@ -208,6 +210,12 @@ def is_json(content_type: str | None) -> bool:
 
 
 # The refused name is not repeated: the header is the client's to fill.
+HOST_MISSING_OR_REPEATED = APIError(
+    400,
+    "an HTTP/1.1 request carries exactly one Host header line (RFC 9112 3.2)",
+    "invalid_request_error",
+    "invalid_host",
+)
 HOST_NOT_ALLOWED = APIError(
     400,
     "this open gateway (no api_keys) answers a Host header naming an address, localhost or one of "
@@ -266,3 +274,11 @@ def error_response(error: APIError) -> Response:
     return Response(
         error.body.model_dump_json(), status_code=error.status, headers=headers_of(error), media_type="application/json"
     )
+
+
+def names_one_host(scope) -> bool:
+    """RFC 9112 3.2: an HTTP/1.1 request without a Host line, or with several, is answered 400 (the
+    server cannot tell which target it names); HTTP/1.0 had no Host to send. uvicorn's parser
+    passes both on."""
+    hosts = sum(1 for name, _ in scope["headers"] if name == b"host")
+    return hosts == 1 or (hosts == 0 and scope.get("http_version") == "1.0")

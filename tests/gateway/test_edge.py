@@ -614,3 +614,25 @@ def test_a_head_over_its_limit_is_refused_431_and_the_gateway_holds_no_more_of_i
     assert huge["sent"] < 64 * MIB
     assert watch.max_rss_growth < SLACK, watch.max_rss_growth
     assert head_of_size(edge_gateway.port, 32 << 10)["status"] == 200
+
+
+def a_head_answer(port: int, head: str) -> tuple[int, bytes]:
+    """The answer to a request of `head` alone (request line and header lines), sent raw."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head.encode() + b"\r\n")
+        return read_answer(sock)
+
+
+def test_an_http_1_1_request_without_one_host_line_is_a_400(edge_gateway):
+    """RFC 9112 3.2: a server answers 400 to an HTTP/1.1 request that has no Host, or more than one
+    Host line (which names the request's target is then unsaid); HTTP/1.0 had no Host to send."""
+    key = f"Authorization: Bearer {KEY}\r\n"
+    for head in (
+        f"GET /v1/models HTTP/1.1\r\n{key}",
+        f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n{key}",
+    ):
+        status, body = a_head_answer(edge_gateway.port, head)
+        assert status == 400, (head, body)
+        assert json.loads(body)["error"]["code"] == "invalid_host", body
+    assert a_head_answer(edge_gateway.port, f"GET /v1/models HTTP/1.0\r\n{key}")[0] == 200
+    assert a_head_answer(edge_gateway.port, f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n{key}")[0] == 200
