@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import anyio
 
+from producer_client.allow import with_head
+
 END_OF_BODY = {"type": "http.response.body", "body": b"", "more_body": False}
 
 
@@ -40,9 +42,8 @@ class HeadAsGet:
 
 
 def allow_with_head(headers: dict[str, str]) -> dict[str, str]:
-    """A 405's headers, its Allow naming HEAD wherever it names GET: the router lists the routes'
-    own methods, and HEAD is answered on every GET route (RFC 9110 15.5.6: Allow lists them all)."""
-    allowed = [method.strip() for method in headers.get("Allow", "").split(",") if method.strip()]
-    if "GET" in allowed and "HEAD" not in allowed:
-        return {**headers, "Allow": ", ".join([*allowed, "HEAD"])}
-    return headers
+    """A 405's headers, its Allow naming HEAD wherever it names GET (producer_client.allow): the
+    router lists the routes' own methods, and HEAD is answered on every GET route."""
+    if "Allow" not in headers:
+        return headers
+    return {**headers, "Allow": with_head(headers["Allow"])}

@@ -14,6 +14,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from producer_client.allow import with_head
 from producer_client.hosts import Hosts
 from producer_client.keys import NO_TENANT
 from producer_client.schema import JobResult
@@ -320,16 +321,9 @@ def head_as_get(app: WSGIApp) -> WSGIApp:
 
 
 def allow_with_head(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """`headers`, their Allow naming HEAD wherever it names GET: prometheus_client's app lists
-    OPTIONS,GET (its 405 to a POST, its OPTIONS), and HEAD is answered too (RFC 9110 15.5.6: Allow
-    lists every method the resource answers; the gateway's 405s say the same: gateway/head.py)."""
-    answered = []
-    for name, value in headers:
-        allowed = [method.strip() for method in value.split(",") if method.strip()]
-        if name.lower() == "allow" and "GET" in allowed and "HEAD" not in allowed:
-            value = ", ".join([*allowed, "HEAD"])
-        answered.append((name, value))
-    return answered
+    """`headers`, their Allow naming HEAD wherever it names GET (producer_client.allow):
+    prometheus_client's app lists OPTIONS,GET (its 405 to a POST, its OPTIONS)."""
+    return [(name, with_head(value) if name.lower() == "allow" else value) for name, value in headers]
 
 
 def server_class_for(host: str) -> type[WSGIServer]:
