@@ -196,6 +196,10 @@ def flex_flood_run(
     return idle, behind, served
 
 
+class FloodRanOut(SystemExit):
+    """A's flood ended before B's probes did: they were not all behind it."""
+
+
 def a_served_per_s(client: Client, flood: list[str], since: float) -> float:
     """Cancel what is left of A's flood (drain); the rate at which A's jobs ended done from `since`
     until the cancel. Raises if the flood ran out first: the probes would not all have been behind it."""
@@ -203,7 +207,7 @@ def a_served_per_s(client: Client, flood: list[str], since: float) -> float:
     client.cancel_many(flood)
     ended = [r.timings.finished_at for r in client.as_completed(flood, timeout=600) if r.status == "done"]
     if len(ended) == len(flood):
-        raise SystemExit("A's flood ended before B's probes did: give a larger --flood")
+        raise FloodRanOut("A's flood ended before B's probes did: give a larger --flood")
     return sum(t is not None and since <= t <= until for t in ended) / (until - since)
 
 
