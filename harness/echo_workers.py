@@ -100,6 +100,7 @@ def serving(
     name: str | None = None,
     clock: RedisClock | None = None,
     worker_class=ThreadedWorker,
+    timer=time.perf_counter,
     **overrides,
 ):
     engine_overrides = overrides.pop("engine", {})
@@ -119,7 +120,7 @@ def serving(
     )
     engine = engine_class(settings.engine, step_s, fail_on_step)
     client = connect(url)
-    worker = worker_class(engine, client, settings, WorkerMetrics(), settings.name, clock=clock).start()
+    worker = worker_class(engine, client, settings, WorkerMetrics(), settings.name, clock=clock, timer=timer).start()
     try:
         yield worker
     finally:

@@ -9,11 +9,12 @@ from collections import Counter
 import pytest
 import redis
 
-from harness.echo_workers import outcome_count, serving
+from harness.echo_workers import HoldingEchoEngine, outcome_count, serving
 from harness.polling import eventually
 from producer_client import Client, JobExpired, JobFailed
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from worker.loop import done_sweep
+from worker.loop.flex_pace import FLEX_YIELD_BATCH
 from worker.loop.reads import FLEX_READ_BATCH
 
 pytestmark = pytest.mark.waits
@@ -278,6 +279,65 @@ def test_a_worker_with_room_for_more_reads_flex_read_batch_flex_entries_an_itera
     started_together = Counter(r.timings.started_at for r in results)
     batches = [FLEX_READ_BATCH] * (200 // FLEX_READ_BATCH) + [200 % FLEX_READ_BATCH]
     assert sorted(started_together.values(), reverse=True) == batches
+
+
+class PaceTimer:
+    """The flex pace's clock in a test: it moves only when the engine steps or parses a prompt."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def timed_echo_engine(timer: PaceTimer, device_s: float, parse_s: float) -> type[HoldingEchoEngine]:
+    """An echo engine whose every step takes `device_s` on `timer` (the wait for a device) and every
+    prompt's parse `parse_s`: the flex pace's measures, given."""
+
+    class TimedEchoEngine(HoldingEchoEngine):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            encode = self.tokenizer.encode
+
+            def parse(text, *args, **kwargs):
+                timer.now += parse_s
+                return encode(text, *args, **kwargs)
+
+            self.tokenizer.encode = parse  # type: ignore[method-assign]
+
+        def step(self):
+            timer.now += device_s
+            return super().step()
+
+    return TimedEchoEngine
+
+
+@pytest.mark.parametrize(
+    ("device_s", "batch"),
+    [(0.050, FLEX_READ_BATCH), (0.0005, FLEX_YIELD_BATCH)],
+    ids=["a-long-step-hides-the-admissions", "a-host-bound-loop-yields"],
+)
+def test_flex_entries_read_while_a_default_job_runs_fit_in_an_engine_step(redis_server, queue, device_s, batch):
+    """A default job runs (held) while 64 flex jobs wait; each prompt's parse takes 1 ms. With 50 ms
+    engine steps far more admissions than a read takes fit in one and flex keeps reading
+    FLEX_READ_BATCH an iteration; with 0.5 ms steps two fit in STEP_MULTIPLE (4) of them and it reads
+    FLEX_YIELD_BATCH, so that an arriving default job waits for fewer of them. The first two reads come before the pace has measured an admission of flex
+    entries alone."""
+    timer = PaceTimer()
+    engine_class = timed_echo_engine(timer, device_s, parse_s=0.001)
+    with Client(redis_server.url, queue, tenant="batch") as client:
+        chat = client.as_tenant("chat").submit("x" * 200, max_tokens=200)
+        ids = client.submit_many([{"prompt": "x", "max_tokens": 2, "service_tier": "flex"}] * 64)
+        with serving(redis_server.url, queue, engine_class=engine_class, timer=timer) as worker:
+            results = client.results(ids, timeout=30)
+            worker.engine.release()
+            assert client.result(chat, timeout=10).status == "done"
+    started_together = Counter(r.timings.started_at for r in results)
+    sizes = [started_together[at] for at in sorted(started_together)]
+    assert sizes[:2] == [FLEX_READ_BATCH - 1, FLEX_READ_BATCH]  # the first read took the default job too
+    rest = len(ids) - sum(sizes[:2])
+    assert sizes[2:] == [batch] * (rest // batch) + [rest % batch]
 
 
 def test_a_worker_reads_default_entries_up_to_its_room_at_once(redis_server, queue):

@@ -34,7 +34,8 @@ OWN = "own"  # READ's reply for the entries of the worker's own stream, where RE
 # and end together, a worker with 256 free slots read 256 flex entries at once, and a default job's
 # wait grew with that iteration (bench/RESULTS.md, "Sharing rules"). Flex alone, as flex is the lane
 # that waits for the others: a read of the default or priority lane still takes all the room, so a
-# bulk load of default jobs keeps its throughput.
+# bulk load of default jobs keeps its throughput. While a higher lane is served on a loop bound by
+# its host work, fewer (flex_pace.py).
 FLEX_READ_BATCH = 16
 
 
@@ -119,12 +120,13 @@ class QueueReads:
         acks: list[str],
         dead_letters: Sequence[DeadLetter] = (),
         corrections: Owed | None = None,
+        flex_batch: int = FLEX_READ_BATCH,
     ) -> list[Delivery]:
         """Acknowledge and delete `acks`, move `dead_letters` (first in the same pipeline, so the
         pending lists never hold a finished job while new ones arrive), then read: this worker's
         own stream first (up to rooms[2], its room for any lane), then the lanes (READ: up to
-        rooms[i] of lane LANES[i] or higher, of flex at most FLEX_READ_BATCH, with `corrections` for
-        the lanes' counters). Idle (`block_ms`) and given nothing, it waits for a job (_wait). With
+        rooms[i] of lane LANES[i] or higher, of flex at most `flex_batch` (flex_pace.py), with
+        `corrections` for the lanes' counters). Idle (`block_ms`) and given nothing, it waits for a job (_wait). With
         room for priority jobs alone and nothing to settle or correct, it reads only once
         priority_waiting (or the look sent ahead since the last read) says there is one to read."""
         ahead = self.ahead.answer() if self.ahead is not None else None
@@ -135,13 +137,13 @@ class QueueReads:
         if self.full and not (self.priority_waiting() if ahead is None else ahead):
             return []
         if self.own is not None and self.own_in_read and rooms[2] > 0:
-            taken = self._read_own_and_lanes(settle, self.own, rooms, corrections)
+            taken = self._read_own_and_lanes(settle, self.own, rooms, corrections, flex_batch)
         else:
-            taken, rooms = self._read_own_then_lanes(settle, rooms, corrections)
+            taken, rooms = self._read_own_then_lanes(settle, rooms, corrections, flex_batch)
         self.bells = [b for b in self.bells if b not in settle.bells]
         if taken or block_ms is None or rooms[2] <= 0:
             return taken
-        return self._wait(rooms, block_ms)
+        return self._wait(rooms, block_ms, flex_batch)
 
     def look_ahead(self) -> None:
         """A full worker's next look, sent now for the next read to find answered: called once an
@@ -187,17 +189,17 @@ class QueueReads:
         return self._read_lanes(Settle([], (), []), (rooms[0], rooms[1], 0), {})
 
     def _read_own_and_lanes(
-        self, settle: Settle, own: str, rooms: tuple[int, int, int], corrections: Owed
+        self, settle: Settle, own: str, rooms: tuple[int, int, int], corrections: Owed, flex_batch: int
     ) -> list[Delivery]:
         """One READ that reads this worker's own stream `own` first, after `settle` in the same pipeline."""
-        lane_rooms = (rooms[0], rooms[1], min(rooms[2], FLEX_READ_BATCH))
+        lane_rooms = (rooms[0], rooms[1], min(rooms[2], flex_batch))
         call = scripts.read(
             self.keys, self.queue, self.worker, lane_rooms, DEFAULT_COST, of_shard(corrections, 0), (own, rooms[2])
         )
         return lane_deliveries(self.groups.send_read(settle.before(self, call.add_to))[-1], owner=self.worker)
 
     def _read_own_then_lanes(
-        self, settle: Settle, rooms: tuple[int, int, int], corrections: Owed
+        self, settle: Settle, rooms: tuple[int, int, int], corrections: Owed, flex_batch: int
     ) -> tuple[list[Delivery], tuple[int, int, int]]:
         """This worker's own stream, then the lanes with the rooms left, each read apart (on a
         cluster they lie on different nodes); returns what was taken and the rooms left."""
@@ -209,7 +211,7 @@ class QueueReads:
             low, mid, high = (max(0, room - len(taken)) for room in rooms)
             rooms = (low, mid, high)
         if rooms[0] > 0 or corrections:
-            lane_rooms = (rooms[0], rooms[1], min(rooms[2], FLEX_READ_BATCH))
+            lane_rooms = (rooms[0], rooms[1], min(rooms[2], flex_batch))
             taken += self._read_lanes(settle, lane_rooms, corrections)
         elif not settle.sent:
             self.groups.send_read(lambda pipe: settle.add_to(pipe, self))
@@ -247,7 +249,7 @@ class QueueReads:
                 taken += lane_deliveries(reply, shard)
         return taken
 
-    def _wait(self, rooms: tuple[int, int, int], block_ms: int) -> list[Delivery]:
+    def _wait(self, rooms: tuple[int, int, int], block_ms: int, flex_batch: int) -> list[Delivery]:
         """An idle worker's wait: one XREADGROUP of one entry from the queue's own stream, the
         doorbell and (on one server, where they share a node) this worker's own stream, so that any
         job wakes it at once; a doorbell's entry means a lane has work, which READ then takes. On a
@@ -280,7 +282,7 @@ class QueueReads:
         if taken:
             return taken
         if self.bells:
-            return self.read(rooms, None, [])
+            return self.read(rooms, None, [], flex_batch=flex_batch)
         own = self.own
         if own is not None and not one_node:
             return self._entries(own, self._send(lambda pipe: self._read_into(pipe, own, rooms[2], None))[0])

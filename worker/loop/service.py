@@ -37,14 +37,16 @@ from producer_client import steps
 from producer_client.cluster import SyncRedis, master_count
 from producer_client.connection import is_fatal
 from producer_client.keys import Keys
+from producer_client.protocol.execution import AddCommands
 from producer_client.protocol.replication import Replication
 from producer_client.protocol.shards import serving_count
 from worker.engine.interface import EngineAPI
 from worker.engine.outputs import RequestOutput
-from worker.loop.admission import Admission
+from worker.loop.admission import FLEX, Admission
 from worker.loop.collection import Collector
 from worker.loop.context import LoopContext
 from worker.loop.exchanges import Exchanges
+from worker.loop.flex_pace import FlexPace
 from worker.loop.holdings import Holdings
 from worker.loop.intake import Delivery
 from worker.loop.isolation import EngineError, FailureIsolation
@@ -77,10 +79,12 @@ class Worker:
         metrics_port: int | None = None,
         clock: RedisClock | None = None,
         pause_point: Callable[[], None] | None = None,
+        timer: Callable[[], float] = time.perf_counter,
     ):
         """`pause_point`: called in the loop's thread before each exchange with Redis and each engine
         step, the seam where a test holds the worker (a stall) or stops it for good between two of
-        its moves, as kill -9 would (harness/echo_workers.py). None in production."""
+        its moves, as kill -9 would (harness/echo_workers.py). None in production. `timer`: what
+        the flex pace measures steps and admissions with (flex_pace.py), a test's own clock."""
         self.engine = engine
         self.pause_point = pause_point
         self.settings = settings
@@ -113,6 +117,7 @@ class Worker:
         self.publication = Publication(ctx, self.rejections, pace)
         self.ownership = Ownership(ctx, self.rejections, device, metrics_port)
         self.exchanges = Exchanges(ctx, self.admission, self.ownership, pause_point)
+        self.flex_pace = FlexPace(timer)
         self.drain_deadline: float | None = None
         self.stop_now = False
         self.paused = False  # generation waits for the outbox to drain
@@ -228,16 +233,31 @@ class Worker:
         block_ms = max(1, min(self.settings.block_ms, self.ownership.ms_to_heartbeat())) if idle else None
         corrections = dict(self.holdings.ledger.owed)
         rooms = self._rooms()
-        read = self.queue.reads.read(rooms, block_ms, *self.holdings.receipts(), corrections)
+        flex_batch = self.flex_pace.batch(self._higher_lanes_held())
+        read = self.queue.reads.read(rooms, block_ms, *self.holdings.receipts(), corrections, flex_batch)
         self.holdings.receipts_sent(corrections)
         self._take(read)
         # Flex entries read count as room for the higher lanes (the engine preempts them), so the
         # rooms of those lanes are what they were before the read. Admission sends the look only
         # where every entry it claims is flex.
         look = self.queue.reads.higher_lanes_look(rooms) if read else None
-        if self.admission.admit(look):
+        if self._admit_timed(look):
             self._take(self.queue.reads.read_higher_lanes(rooms))
             self.admission.admit()
+
+    def _higher_lanes_held(self) -> bool:
+        running = self.holdings.running_lanes
+        return running.get("priority", 0) + running.get("default", 0) > 0
+
+    def _admit_timed(self, look: AddCommands | None) -> bool:
+        """Admission.admit, its time given to the flex pace when every entry admitted is flex."""
+        unadmitted = self.holdings.unadmitted
+        flex = all(d.route.lane == FLEX for d in unadmitted)
+        started = self.flex_pace.timer()
+        found = self.admission.admit(look)
+        if flex:
+            self.flex_pace.admitted(len(unadmitted), self.flex_pace.timer() - started)
+        return found
 
     def _take(self, read: list[Delivery]) -> None:
         """Entries read, held until admitted (most iterations of a full worker read nothing)."""
@@ -322,7 +342,10 @@ class Worker:
 
     def _step(self) -> list[RequestOutput]:
         try:
-            return self.engine.step()
+            started = self.flex_pace.timer()
+            outputs = self.engine.step()
+            self.flex_pace.stepped(self.flex_pace.timer() - started)
+            return outputs
         except Exception as e:
             log.exception("an engine step of %d jobs failed", len(self.holdings.running))
             self.isolation.isolate(EngineError(f"{type(e).__name__}: {e}"))
