@@ -23,8 +23,9 @@ from collections.abc import Callable
 
 from worker.loop.reads import FLEX_READ_BATCH
 
-# The fewest flex entries a read takes while yielding: at 4 the echo worker's flex rate held and a
-# default job's wait behind a flex flood fell (bench/RESULTS.md, "A lever probed and not kept").
+# The fewest flex entries a read takes while yielding: the fixed cap that shortened a default job's
+# wait behind a flex flood on the CPU echo (bench/RESULTS.md, "A lever probed and not kept"); a
+# host-bound loop serves the flood slower while it yields (this pace's section there says how much).
 FLEX_YIELD_BATCH = 4
 # A higher-lane job served this recently marks traffic that sends the next one soon: a steady
 # interactive tenant's requests come seconds apart at most.
