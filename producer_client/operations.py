@@ -181,13 +181,30 @@ def record_entry(keys: Keys, job_id: str, entry: WaitingEntry) -> Steps[None]:
     bound or a quota counts (its entry id comes with the enqueue's reply): an entry nothing counts
     is left for the worker that reads it to drop, as before, and costs no round trip. Its failure
     is logged, not raised: the job is enqueued and will run; a cancel then leaves its entry to that
-    worker."""
+    worker. Stopped on its way (a KeyboardInterrupt, an asyncio task's cancel), the submit answers
+    no job id: as a submit stopped in its enqueue leaves no job behind, the entry and the hash go
+    (withdraw), unless a worker has read the entry already."""
     try:
         (status,) = checked((yield Repeatable(scripts.record_entry(keys, job_id, entry).add_to)))
         if status == "cancelled":
             checked((yield Repeatable(scripts.remove_entry(job_id, entry).add_to)))
+    except GeneratorExit:
+        raise  # closed unfinished: its driver was stopped after the record ran, so nothing to undo
     except Exception as failed:
         log.warning("job %s is enqueued, but where its entry waits was not recorded: %s", job_id, failed)
+    except BaseException as stopped:
+        yield from undoing(withdraw(keys, job_id, entry), stopped)
+        raise
+
+
+def withdraw(keys: Keys, job_id: str, entry: WaitingEntry) -> AddCommands:
+    """The job's entry removed where no worker has read it (REMOVE_ENTRY), then its hash."""
+
+    def add(pipe: Pipe) -> None:
+        scripts.remove_entry(job_id, entry).add_to(pipe)
+        scripts.add_forget(pipe, keys, [job_id])
+
+    return Repeatable(add)
 
 
 def remove_cancelled_entries(entries: dict[str, WaitingEntry]) -> Steps[None]:

@@ -110,6 +110,25 @@ def test_a_cancel_before_the_entry_is_recorded_is_removed_by_the_record(redis_cl
     assert "waits_at" not in redis_client.hgetall(KEYS.job(job_id))
 
 
+def test_a_submit_stopped_in_its_record_leaves_no_job_behind(redis_client, queue):
+    """A KeyboardInterrupt (or a task's cancel) in the record's round trip: the submit answers no
+    job id, so its entry and its hash go, as a submit stopped in its enqueue leaves none."""
+    job_id = uuid.uuid4().hex
+    stream = KEYS.queue(queue)
+    redis_client.hsetnx(KEYS.job(job_id), "status", "queued")
+    entry_id = redis_client.xadd(stream, {"id": job_id, "v": "2", "body": "{}"})
+    redis_client.script_load(scripts.REMOVE_ENTRY.source)
+    record = record_entry(KEYS, job_id, WaitingEntry(stream, entry_id))
+    next(record)
+    undo = record.throw(KeyboardInterrupt())
+    pipe = redis_client.pipeline(transaction=False)
+    undo(pipe)
+    assert pipe.execute() == [1, 1]
+    with pytest.raises(KeyboardInterrupt):
+        record.send([1, 1])
+    assert redis_client.xlen(stream) == 0 and redis_client.exists(KEYS.job(job_id)) == 0
+
+
 def test_an_entry_a_worker_has_read_is_left_to_it_and_another_jobs_is_never_removed(redis_client, queue):
     stream = KEYS.queue(queue)
     ids = [uuid.uuid4().hex for _ in range(2)]
