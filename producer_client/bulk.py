@@ -36,7 +36,7 @@ from producer_client.errors import (
 )
 from producer_client.keys import DONE_TTL_MS, NO_TENANT, Keys
 from producer_client.new_job import KnownParams, NewJob, build_job_of
-from producer_client.operations import cancel_call
+from producer_client.operations import cancel_call, cancelled_entry, remove_cancelled_entries
 from producer_client.placement import Placement
 from producer_client.protocol import job_reads
 from producer_client.protocol import producer as scripts
@@ -446,11 +446,16 @@ def forget_commands(jobs: list[NewJob], keys: Keys) -> AddCommands:
 
 
 def cancel_many(keys: Keys, job_ids: Iterable[str]) -> Steps[None]:
-    """CANCEL of each job in one pipeline; then InvalidJob names the first job one of whose keys
+    """CANCEL of each job in one pipeline, and the entries of those it ended while queued removed
+    (operations.cancel); then InvalidJob names the first job one of whose keys
     holds another type (its CANCEL wrote nothing), the others cancelled."""
     job_ids = check_job_ids(job_ids)
     if job_ids:
-        _, _, invalid = split_invalid(job_ids, (yield cancel_commands(keys, job_ids)))
+        cancelled, replies, invalid = split_invalid(job_ids, (yield cancel_commands(keys, job_ids)))
+        entries = {job_id: cancelled_entry(reply) for job_id, reply in zip(cancelled, replies)}
+        waiting = {job_id: entry for job_id, entry in entries.items() if entry is not None}
+        if waiting:
+            yield from remove_cancelled_entries(waiting)
         if invalid:
             raise InvalidJob(invalid[0], OTHER_TYPE)
 

@@ -186,7 +186,8 @@ class Keys:
     def job(self, job_id: str) -> str:
         """Hash: status, the claiming worker, its entry and run token, the run that published a
         start event, tokens so far, deadline, fingerprint, cancel, enqueued, streamed and resumed
-        flags while the job is queued or running. Its end leaves `status`, the final `result` JSON,
+        flags while the job is queued or running, and while it is queued where its entry waits
+        (`waits_at`, which a cancel removes it by: protocol/producer.py's RECORD_ENTRY). Its end leaves `status`, the final `result` JSON,
         `tokens`, and `fingerprint` and `cancel` where set, for result_ttl_s (docs/architecture.md)."""
         return f"{self.prefix}:job:{{{job_id}}}"
 

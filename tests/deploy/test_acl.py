@@ -61,6 +61,11 @@ def test_the_producer_user_can_do_what_the_client_does(acl_redis, acl_worker):
         )
         assert sorted(r.text for r in client.as_completed(many, timeout=30)) == ["bulk 0", "bulk 1", "bulk 2", "r"]
         client.cancel_many(many)
+        parked = client.on_queue("acl-parked")  # no worker: a cancel frees the bound's place at once
+        waiting = parked.submit(prompt="parked", max_tokens=8)
+        assert parked.queue_stats().depth == 1
+        parked.cancel(waiting)
+        assert parked.queue_stats().depth == 0
         team = client.as_tenant("acl-team")  # the sharing rules' keys: a lane's stream, a tenant's quota
         laned = team.submit(prompt="flex lane", max_tokens=16, service_tier="flex")
         assert team.result(laned, timeout=30).text == "flex lane"
@@ -163,7 +168,8 @@ def test_the_producer_user_cannot_act_as_a_worker(acl_redis, acl_worker):
     forbidden = [
         lambda: producer.xreadgroup(GROUP, "intruder", {stream: ">"}, count=1),
         lambda: producer.xack(stream, GROUP, entry),
-        lambda: producer.xdel(stream, entry),
+        # XDEL is a producer's (docs/security.md: a cancel removes a queued job's entry), as DEL of
+        # the whole stream was already.
         lambda: producer.xgroup_destroy(stream, GROUP),
         lambda: producer.hset(Keys().worker("acl-worker"), "state", "fake"),
         lambda: producer.expire(Keys().job("raw"), 1),
