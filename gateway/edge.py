@@ -38,7 +38,7 @@ from starlette.responses import Response
 from gateway.api_keys import Access, AuthFailures, bearer_key
 from gateway.errors import RetryLater, headers_of, unauthorized
 from openai_format.errors import APIError
-from producer_client.hosts import Hosts
+from producer_client.hosts import Hosts, names_one_host
 
 # The form around a batch file (its boundary, headers and the purpose field) is far smaller.
 MULTIPART_OVERHEAD_BYTES = 64 << 10
@@ -132,7 +132,7 @@ class Edge:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         request = HTTPConnection(scope)
-        if not names_one_host(scope):
+        if not host_lines_named_once(scope):
             return await refusal_response(HOST_MISSING_OR_REPEATED)(scope, receive, send)
         if not self.hosts.allows(request.headers.get("host")):
             return await refusal_response(HOST_NOT_ALLOWED)(scope, receive, send)
@@ -276,9 +276,7 @@ def error_response(error: APIError) -> Response:
     )
 
 
-def names_one_host(scope) -> bool:
-    """RFC 9112 3.2: an HTTP/1.1 request without a Host line, or with several, is answered 400 (the
-    server cannot tell which target it names); HTTP/1.0 had no Host to send. uvicorn's parser
-    passes both on."""
+def host_lines_named_once(scope) -> bool:
+    """The request has one Host line, or is HTTP/1.0 with none (producer_client.hosts.names_one_host)."""
     hosts = sum(1 for name, _ in scope["headers"] if name == b"host")
-    return hosts == 1 or (hosts == 0 and scope.get("http_version") == "1.0")
+    return names_one_host(hosts, scope.get("http_version", ""))
