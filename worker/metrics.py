@@ -70,6 +70,8 @@ HOST_NOT_ALLOWED = (
 )
 HOST_MISSING_OR_REPEATED = b"an HTTP/1.1 request carries exactly one Host header line (RFC 9112 3.2)\n"
 HOST_LINES = "mili.host_lines"  # the environ key MetricsHandler counts the request's Host lines under
+# A scrape sends its request at once; Prometheus's own scrape_timeout defaults to 10 s.
+REQUEST_TIMEOUT_S = 10.0
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 OUTCOMES = ("done", "failed", "cancelled", "expired", "dead_lettered")
 TAKEN_FROM = ("own", "shared", "stolen", "reclaimed")
@@ -192,13 +194,17 @@ class WorkerMetrics:
             "mili_lora_adapter_installs", "LoRA adapters installed in a device slot.", registry=r
         )
 
-    def serve(self, host: str, port: int, hosts: Hosts = ALLOWED_BY_DEFAULT) -> tuple[WSGIServer, int]:
+    def serve(
+        self, host: str, port: int, hosts: Hosts = ALLOWED_BY_DEFAULT, request_timeout_s: float = REQUEST_TIMEOUT_S
+    ) -> tuple[WSGIServer, int]:
         """Start the HTTP endpoint, in a thread of its own; returns (server, bound port). Port 0
         binds any free port. A request whose Host `hosts` does not allow is answered 400, as the
         gateway answers it (producer_client.hosts: a page rebound by DNS to a loopback port); HEAD
-        is answered as GET, without the body (head_as_get)."""
+        is answered as GET, without the body (head_as_get). A connection whose request (or whose
+        reading of the answer) stalls for `request_timeout_s` is closed (MetricsHandler)."""
         app = head_as_get(host_checked(make_wsgi_app(self.registry), hosts))
-        server = make_server(host, port, app, server_class_for(host), handler_class=MetricsHandler)
+        handler = type("TimedMetricsHandler", (MetricsHandler,), {"timeout": request_timeout_s})
+        server = make_server(host, port, app, server_class_for(host), handler_class=handler)
         threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         return server, server.server_port
 
@@ -345,6 +351,16 @@ class MetricsHandler(WSGIRequestHandler):
     """No log line per request: Prometheus scrapes every few seconds (prometheus_client's own
     server is as quiet). The environ counts the request's Host lines (HOST_LINES): wsgiref joins
     several into one HTTP_HOST value, which host_checked could not tell from one."""
+
+    def handle(self) -> None:
+        """wsgiref's, its socket timed (StreamRequestHandler's `timeout`, set by serve): wsgiref
+        waits for a request line and headers without end, so each client that opened a connection
+        and sent nothing held a thread of this worker for ever. A timeout closes the connection
+        without the traceback socketserver prints for an error."""
+        try:
+            super().handle()
+        except TimeoutError:
+            pass
 
     def get_environ(self) -> dict[str, Any]:
         environ = super().get_environ()

@@ -243,6 +243,29 @@ def test_a_workers_metrics_answer_an_http_1_1_request_without_one_host_line_400(
         server.server_close()
 
 
+def test_a_workers_metrics_close_a_connection_whose_request_stalls_and_serve_on(capfd):
+    """wsgiref waited for a request's line and headers without end: each client that opened a
+    connection and sent nothing, or half a request, held one of the worker's threads for ever (on
+    main the connections below were still open after 20 timeouts). Now each is closed once its
+    request stalls request_timeout_s, without a traceback, and a scrape meanwhile is served."""
+    timeout_s = 0.5
+    server, port = WorkerMetrics().serve("127.0.0.1", 0, request_timeout_s=timeout_s)
+    stalled = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(4)]
+    try:
+        stalled[1].sendall(b"GET /metrics HTTP/1.1\r\n")
+        stalled[2].sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        assert metrics_answer_to(port, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")[0] == 200
+        for conn in stalled:
+            conn.settimeout(20 * timeout_s)
+            assert conn.recv(1024) == b""  # closed by the server, not timed out here (that raises)
+    finally:
+        for conn in stalled:
+            conn.close()
+        server.shutdown()
+        server.server_close()
+    assert "Traceback" not in capfd.readouterr().err
+
+
 @pytest.mark.cuda
 def test_a_worker_with_a_float8_cache_serves_jobs_and_says_what_its_pool_holds(tmp_path):
     """On the device the worker picks: CUDA where there is one (the GPU acceptance's fp8 stage),
