@@ -585,3 +585,29 @@ def test_an_index_of_another_type_is_a_500_not_retried_and_the_rest_is_served(tm
             sdk.close()
             gateway.stop()
             admin.close()
+
+
+def test_a_failing_look_for_batches_is_logged_once_while_it_lasts(tmp_path):
+    """A gateway looks for batches to drive every batch_poll_s; each look that failed logged a
+    warning, a line a second for as long as the index of unfinished batches held another type (or
+    Redis was away). Now one line when it starts, one when it ends, one if it starts again."""
+    with EmbeddedRedis(port=free_port()) as server:
+        admin = redis.Redis.from_url(server.url, decode_responses=True)
+        admin.set(KEYS.batches_unfinished(), "an operator's mistake")
+        gateway = GatewayProcess(server.url, tmp_path, *gateway_flags("nobody-serves"), "--batch-poll-s", "0.02")
+        warning = "looking for batches to drive: ResponseError: WRONGTYPE"
+        again = "looking for batches to drive: Redis answers again"
+        try:
+            gateway.start()
+            assert eventually(lambda: warning in gateway.log(), timeout=10), gateway.log()
+            time.sleep(50 * 0.02)
+            assert gateway.log().count(warning) == 1, gateway.log()
+            admin.delete(KEYS.batches_unfinished())
+            assert eventually(lambda: again in gateway.log(), timeout=10), gateway.log()
+            admin.set(KEYS.batches_unfinished(), "an operator's mistake")
+            assert eventually(lambda: gateway.log().count(warning) == 2, timeout=10), gateway.log()
+            time.sleep(50 * 0.02)
+            assert (gateway.log().count(warning), gateway.log().count(again)) == (2, 1), gateway.log()
+        finally:
+            gateway.stop()
+            admin.close()
