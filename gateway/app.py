@@ -332,7 +332,9 @@ def edge_of(app, client: AsyncClient, settings: GatewaySettings, failures: AuthF
         settings.max_json_bytes, settings.batch_max_file_bytes, settings.monitoring_needs_key, settings.body_timeout_s
     )
     hosts = Hosts.of(settings.allowed_hosts, access.required)
-    guarded = RateLimitHeaders(Edge(HeadAsGet(app), access, limits, failures, hosts), client)
+    guarded = RateLimitHeaders(
+        Edge(HeadAsGet(app), access, limits, failures, hosts, frozenset(settings.cors_origins)), client
+    )
     if settings.cors_origins:
         # Any request header from the origins granted: the official SDKs send headers of their own
         # (x-stainless-*, openai-organization...), and a preflight that refuses one stops every

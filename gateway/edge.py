@@ -19,6 +19,9 @@
   another site can send a "simple" cross-site request (text/plain, a form, no type at all)
   without a CORS preflight, and must not enqueue work through a browser that can reach the
   gateway. 415 otherwise, as FastAPI answers for its own JSON bodies since CVE-2021-32677.
+- **From where.** A browser's request that may change something (not GET, HEAD, OPTIONS) from a
+  page of another origin (Sec-Fetch-Site) is refused 403 unless `cors_origins` grants that origin:
+  a form's multipart upload needs no preflight (is_cross_site_action).
 - **Where to.** An open gateway (no `api_keys`) answers a request only if its Host is an address,
   `localhost`, a name under `.localhost`, or one of `allowed_hosts` (producer_client.hosts: DNS
   rebinding; a worker's metrics answer by the same rule). A keyed gateway answers any Host: a
@@ -38,7 +41,7 @@ from starlette.responses import Response
 from gateway.api_keys import Access, AuthFailures, bearer_key
 from gateway.errors import RetryLater, headers_of, unauthorized
 from openai_format.errors import APIError
-from producer_client.hosts import Hosts
+from producer_client.hosts import Hosts, names_one_host
 
 # The form around a batch file (its boundary, headers and the purpose field) is far smaller.
 MULTIPART_OVERHEAD_BYTES = 64 << 10
@@ -121,21 +124,26 @@ class CountedBody:
 class Edge:
     """ASGI middleware in front of the routes (see the module's docstring)."""
 
-    def __init__(self, app, access: Access, limits: Limits, failures: AuthFailures, hosts: Hosts):
+    def __init__(
+        self, app, access: Access, limits: Limits, failures: AuthFailures, hosts: Hosts, origins: frozenset[str]
+    ):
         self.app = app
         self.access = access
         self.limits = limits
         self.failures = failures
         self.hosts = hosts
+        self.origins = origins  # cors_origins: the pages of other sites that may act here
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         request = HTTPConnection(scope)
-        if not names_one_host(scope):
+        if not host_lines_named_once(scope):
             return await refusal_response(HOST_MISSING_OR_REPEATED)(scope, receive, send)
         if not self.hosts.allows(request.headers.get("host")):
             return await refusal_response(HOST_NOT_ALLOWED)(scope, receive, send)
+        if is_cross_site_action(request, self.origins):
+            return await refusal_response(CROSS_SITE_ACTION)(scope, receive, send)
         policy = self.limits.policy(scope["method"], scope["path"], self.access.required)
         refusal = self.refusal(request, policy)
         if refusal is not None:
@@ -200,6 +208,20 @@ def client_address(request: HTTPConnection) -> str:
     return request.client.host if request.client is not None else "unknown"
 
 
+def is_cross_site_action(request: HTTPConnection, origins: frozenset[str]) -> bool:
+    """A browser's request that may change something (not GET, HEAD, OPTIONS) sent by a page of
+    another origin (Sec-Fetch-Site, which browsers set and no page can; "same-site" is another
+    origin too: a page of another port of localhost) that cors_origins does not grant. A form's
+    multipart POST needs no CORS preflight: a page of any site could upload batch files, as much
+    as the file limit allows each time, through the browser of anyone who reaches an open gateway.
+    Go's net/http CrossOriginProtection answers the same. SDKs and curl send no Sec-Fetch-Site."""
+    if request.scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        return False
+    if request.headers.get("sec-fetch-site", "same-origin") in ("same-origin", "none"):
+        return False
+    return "*" not in origins and request.headers.get("origin") not in origins
+
+
 def is_json(content_type: str | None) -> bool:
     if not content_type:
         return False
@@ -215,6 +237,12 @@ HOST_MISSING_OR_REPEATED = APIError(
     "an HTTP/1.1 request carries exactly one Host header line (RFC 9112 3.2)",
     "invalid_request_error",
     "invalid_host",
+)
+CROSS_SITE_ACTION = APIError(
+    403,
+    "a page of another site may not act here (Sec-Fetch-Site): name its origin in cors_origins to let it",
+    "invalid_request_error",
+    "cross_site_request",
 )
 HOST_NOT_ALLOWED = APIError(
     400,
@@ -276,9 +304,7 @@ def error_response(error: APIError) -> Response:
     )
 
 
-def names_one_host(scope) -> bool:
-    """RFC 9112 3.2: an HTTP/1.1 request without a Host line, or with several, is answered 400 (the
-    server cannot tell which target it names); HTTP/1.0 had no Host to send. uvicorn's parser
-    passes both on."""
+def host_lines_named_once(scope) -> bool:
+    """The request has one Host line, or is HTTP/1.0 with none (producer_client.hosts.names_one_host)."""
     hosts = sum(1 for name, _ in scope["headers"] if name == b"host")
-    return hosts == 1 or (hosts == 0 and scope.get("http_version") == "1.0")
+    return names_one_host(hosts, scope.get("http_version", ""))

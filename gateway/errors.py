@@ -9,7 +9,7 @@ import math
 import redis
 
 from openai_format.errors import APIError, error_of
-from producer_client.connection import is_fatal
+from producer_client.connection import is_fatal, is_other_type
 from producer_client.errors import (
     CredentialsRefused,
     InvalidJob,
@@ -90,7 +90,8 @@ def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
     """The HTTP error for a client-library or Redis exception; None for anything else (a bug: 500).
     A full queue (429), a rate limit (429, after its reset) and writes not yet on the replicas
     (503) are answered with a Retry-After; a job whose keys hold what no worker writes (500
-    invalid_job) and a stream of the queue's jobs of another type (500 invalid_queue_stream) as Final."""
+    invalid_job), a stream of the queue's jobs of another type (500 invalid_queue_stream) and any
+    other key of another type (500 key_of_another_type) as Final."""
     if isinstance(error, RateLimited):  # admitted once its bucket has dripped back: reset_s from now
         return RetryLater.of(error_of(error), error.reset_s)
     if isinstance(error, (QueueFull, NotReplicated)):
@@ -105,6 +106,8 @@ def api_error_of(error: Exception, retry_after_s: int) -> APIError | None:
             "server_error",
             "redis_refused",
         )
+    if is_other_type(error):  # one the client reads as missing, or raises as its own, never gets here
+        return key_of_another_type()
     if isinstance(error, RedisUnavailable):  # the client's error names the server; redis-py's text does too
         return unavailable(error.detail)
     if isinstance(error, WritesRefused):  # memory full or a replica's copy: as Redis away, for now
@@ -120,6 +123,20 @@ def refusal_of(error: Exception) -> str:
     """What Redis refused, as the gateway's answer says it: never the URL nor its credentials
     (CredentialsRefused's `detail` is Redis's reason alone)."""
     return error.detail if isinstance(error, CredentialsRefused) else str(error)
+
+
+def key_of_another_type() -> Final:
+    """A WRONGTYPE: a key the request met holds another type than MILI writes there (the Batch API's
+    files and batches, which the gateway's user alone writes: an operator's mistake). It was a 503
+    redis_unavailable, which the SDKs retry; no retry mends it until someone deletes the key
+    (Redis's reply does not say which)."""
+    return Final(
+        500,
+        "a key of the queue's Redis that this request reads holds another type than MILI writes there "
+        "(WRONGTYPE): an operator deletes it",
+        "server_error",
+        "key_of_another_type",
+    )
 
 
 def unavailable(cause: str) -> APIError:

@@ -108,6 +108,25 @@ class InvalidQueueStream(MiliError):
         self.tenant = tenant
 
 
+class InvalidQuotaKey(MiliError):
+    """A key of the tenants' quotas (a tenant's settings hash, the index of the tenants that have
+    settings) holds another type than MILI writes there (`found`, as TYPE names it): `mili quota
+    set` writes nothing until an operator deletes it. Reads take such a key for no settings."""
+
+    code = "invalid_quota_key"
+
+    def __init__(self, key: str, found: str, kind: str):
+        super().__init__(
+            f"{key} holds a {TYPE_NAMES.get(found, found)}, not the {TYPE_NAMES.get(kind, kind)} MILI writes there: "
+            "mili quota set writes nothing until an operator deletes it"
+        )
+        self.key = key
+        self.found = found
+
+
+TYPE_NAMES = {"zset": "sorted set"}  # Redis's TYPE names other than the documentation's
+
+
 class WaitingQuotaExceeded(QueueFull):
     """The tenant has `max_waiting` jobs nobody has read yet, across the queue's lanes: its quota
     (`mili quota set TENANT --max-waiting N`). Other tenants' submits are not refused for it. From

@@ -34,6 +34,14 @@ class Hosts:
         return is_address(name) or name == "localhost" or name.endswith(".localhost") or name in self.names
 
 
+def names_one_host(host_lines: int, http_version: str) -> bool:
+    """RFC 9112 3.2: an HTTP/1.1 request without a Host line, or with several, is answered 400 (the
+    server cannot tell which target it names); HTTP/1.0 had no Host to send. `http_version` as
+    ASGI says it ("1.1"). Neither server under MILI refuses it: uvicorn's parser passes both on,
+    wsgiref joins several lines into one value."""
+    return host_lines == 1 or (host_lines == 0 and http_version == "1.0")
+
+
 def host_name(header: str) -> str:
     """A Host header's name or address, without its port or a final dot: `[::1]:8000` is `::1`,
     `LocalHost.:8000` is `localhost`."""

@@ -73,8 +73,8 @@ def parsed_status(job_id: str, fields: dict[str, str], redis_time: tuple[int, in
 def read_queue_stats(keys: Keys, queue: str) -> Steps[QueueStats]:
     """The queue's stats over every stream of its jobs (protocol.backlog): the queue's own, each
     lane's of each tenant and each worker's own. Four round trips: the worker index and the set of
-    lane streams; the streams' lengths; the groups of those that hold entries; EXISTS on each
-    worker's heartbeat, whose TTL runs on the Redis clock."""
+    lane streams; the streams' lengths; the groups of those that hold entries; each worker's
+    heartbeat (registry.alive), whose TTL runs on the Redis clock."""
     names, streams = yield from read_queue_streams(keys, queue)
     found = yield from read_backlogs(streams)
     alive = yield from registry.alive(keys, names)

@@ -15,7 +15,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from producer_client.allow import with_head
-from producer_client.hosts import Hosts
+from producer_client.hosts import Hosts, names_one_host
 from producer_client.keys import NO_TENANT
 from producer_client.schema import JobResult
 from worker.engine.outputs import EngineStats
@@ -68,6 +68,10 @@ HOST_NOT_ALLOWED = (
     b"this worker's metrics answer a Host header naming an address, localhost or one of allowed_hosts only "
     b"(MILI_ALLOWED_HOSTS, a JSON list)\n"
 )
+HOST_MISSING_OR_REPEATED = b"an HTTP/1.1 request carries exactly one Host header line (RFC 9112 3.2)\n"
+HOST_LINES = "mili.host_lines"  # the environ key MetricsHandler counts the request's Host lines under
+# A scrape sends its request at once; Prometheus's own scrape_timeout defaults to 10 s.
+REQUEST_TIMEOUT_S = 10.0
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 OUTCOMES = ("done", "failed", "cancelled", "expired", "dead_lettered")
 TAKEN_FROM = ("own", "shared", "stolen", "reclaimed")
@@ -190,13 +194,17 @@ class WorkerMetrics:
             "mili_lora_adapter_installs", "LoRA adapters installed in a device slot.", registry=r
         )
 
-    def serve(self, host: str, port: int, hosts: Hosts = ALLOWED_BY_DEFAULT) -> tuple[WSGIServer, int]:
+    def serve(
+        self, host: str, port: int, hosts: Hosts = ALLOWED_BY_DEFAULT, request_timeout_s: float = REQUEST_TIMEOUT_S
+    ) -> tuple[WSGIServer, int]:
         """Start the HTTP endpoint, in a thread of its own; returns (server, bound port). Port 0
         binds any free port. A request whose Host `hosts` does not allow is answered 400, as the
         gateway answers it (producer_client.hosts: a page rebound by DNS to a loopback port); HEAD
-        is answered as GET, without the body (head_as_get)."""
+        is answered as GET, without the body (head_as_get). A connection whose request (or whose
+        reading of the answer) stalls for `request_timeout_s` is closed (MetricsHandler)."""
         app = head_as_get(host_checked(make_wsgi_app(self.registry), hosts))
-        server = make_server(host, port, app, server_class_for(host), handler_class=QuietHandler)
+        handler = type("TimedMetricsHandler", (MetricsHandler,), {"timeout": request_timeout_s})
+        server = make_server(host, port, app, server_class_for(host), handler_class=handler)
         threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         return server, server.server_port
 
@@ -282,14 +290,20 @@ class ReadFromRedis(Collector):
 
 
 def host_checked(app: WSGIApp, hosts: Hosts) -> WSGIApp:
-    """`app`, answering 400 to a request whose Host `hosts` does not allow (the refused name is not
+    """`app`, answering 400 to an HTTP/1.1 request without one Host line (names_one_host, as the
+    gateway answers it) and to one whose Host `hosts` does not allow (the refused name is not
     repeated: the header is the client's to fill)."""
 
     def checked(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if hosts.allows(environ.get("HTTP_HOST")):
+        version = environ.get("SERVER_PROTOCOL", "").removeprefix("HTTP/")
+        if not names_one_host(environ.get(HOST_LINES, 0), version):
+            refusal = HOST_MISSING_OR_REPEATED
+        elif not hosts.allows(environ.get("HTTP_HOST")):
+            refusal = HOST_NOT_ALLOWED
+        else:
             return app(environ, start_response)
         start_response("400 Bad Request", [("Content-Type", "text/plain; charset=utf-8")])
-        return [HOST_NOT_ALLOWED]
+        return [refusal]
 
     return checked
 
@@ -333,9 +347,25 @@ def server_class_for(host: str) -> type[WSGIServer]:
     return type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
 
 
-class QuietHandler(WSGIRequestHandler):
+class MetricsHandler(WSGIRequestHandler):
     """No log line per request: Prometheus scrapes every few seconds (prometheus_client's own
-    server is as quiet)."""
+    server is as quiet). The environ counts the request's Host lines (HOST_LINES): wsgiref joins
+    several into one HTTP_HOST value, which host_checked could not tell from one."""
+
+    def handle(self) -> None:
+        """wsgiref's, its socket timed (StreamRequestHandler's `timeout`, set by serve): wsgiref
+        waits for a request line and headers without end, so each client that opened a connection
+        and sent nothing held a thread of this worker for ever. A timeout closes the connection
+        without the traceback socketserver prints for an error."""
+        try:
+            super().handle()
+        except TimeoutError:
+            pass
+
+    def get_environ(self) -> dict[str, Any]:
+        environ = super().get_environ()
+        environ[HOST_LINES] = len(self.headers.get_all("Host", []))
+        return environ
 
     def log_message(self, format: str, *args: Any) -> None:
         pass

@@ -93,13 +93,24 @@ class BatchDriver:
         await cancel_and_wait([t for t in (self.task, *self.runs.values()) if t is not None])
 
     async def _look_for_batches(self) -> None:
+        """Every batch_poll_s. A failure is logged once while it lasts, and its end once: each look
+        logged it again, a line a second for as long as Redis was away or the index of unfinished
+        batches held another type."""
+        failing: str | None = None  # the last look's failure
         while True:
             try:
                 for batch_id in await self.store.unfinished():
                     if batch_id not in self.runs and await self.store.take_lease(batch_id, self.holder, self.lease_ms):
                         self._drive(batch_id)
             except redis.RedisError as e:
-                log.warning("looking for batches to drive: %s: %s", type(e).__name__, e)
+                cause = f"{type(e).__name__}: {e}"
+                if cause != failing:
+                    log.warning("looking for batches to drive: %s (logged once while it lasts)", cause)
+                failing = cause
+            else:
+                if failing is not None:
+                    log.info("looking for batches to drive: Redis answers again")
+                failing = None
             await asyncio.sleep(self.settings.batch_poll_s)
 
     def _drive(self, batch_id: str) -> None:

@@ -131,10 +131,14 @@ def heartbeats_to_live(keys: Keys, names: list[str]) -> Steps[list[tuple[dict[st
 
 
 def alive(keys: Keys, names: list[str]) -> Steps[list[bool]]:
-    """Whether each worker's heartbeat still exists."""
+    """Whether each worker's heartbeat hash still exists: its `updated_at`, which every heartbeat
+    writes, by HGET (the producers' right on it; TYPE is not). EXISTS counted a key of another
+    type, which for a gone worker no heartbeat makes anew and no TTL ends: live for ever, where
+    workers() and the inspector read it as missing."""
     if not names:
         return []
-    return [bool(n) for n in checked((yield lambda pipe: [pipe.exists(keys.worker(name)) for name in names]))]
+    replies = yield lambda pipe: [pipe.hget(keys.worker(name), "updated_at") for name in names]
+    return [unless_other_type(updated_at, None) is not None for updated_at in replies]
 
 
 def heartbeats_and_own_depths(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from producer_client.connection import is_other_type, unless_other_type
+from producer_client.errors import InvalidQuotaKey
 from producer_client.keys import Keys
 from producer_client.steps import Repeatable, Steps, checked
 
@@ -20,7 +21,14 @@ def quota_fields(keys: Keys, tenant: str) -> Steps[dict[str, str]]:
 
 
 def write_quota_fields(keys: Keys, tenant: str, written: dict[str, str], unset: list[str]) -> Steps[None]:
-    """`written` set and `unset` removed in the tenant's settings, and the tenant in the index."""
+    """`written` set and `unset` removed in the tenant's settings, and the tenant in the index. Each
+    key is first found of its type or missing (InvalidQuotaKey otherwise): the writes run apart
+    (two keys, two slots), so one's WRONGTYPE came after the other had taken effect."""
+    kinds = {keys.quota(tenant): "hash", keys.quotas(): "zset"}
+    found = checked((yield Repeatable(lambda pipe: [pipe.type(key) for key in kinds])))
+    for (key, kind), held in zip(kinds.items(), found):
+        if held not in (kind, "none"):
+            raise InvalidQuotaKey(key, held, kind)
 
     def add(pipe: Any) -> None:
         if written:

@@ -214,6 +214,58 @@ def test_a_workers_metrics_answer_a_host_the_gateways_rule_allows_only(allowed_h
         server.server_close()
 
 
+def metrics_answer_to(port: int, head: str) -> tuple[int, bytes]:
+    """The status and body of a raw request of `head` (request line and header lines) to a worker's
+    metrics."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(head.encode() + b"Connection: close\r\n\r\n")
+        answer = conn.makefile("rb").read()
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+@pytest.mark.parametrize("allowed_hosts", [[], ["*"]])
+def test_a_workers_metrics_answer_an_http_1_1_request_without_one_host_line_400(allowed_hosts):
+    """RFC 9112 3.2, as the gateway answers it (gateway/edge.py): an HTTP/1.1 request with no Host
+    line, or two, names no one target, and is answered 400 whatever the hosts allowed; HTTP/1.0 had
+    no Host to send and is served. On main wsgiref served both (200), and joined two Host lines into
+    one value that allowed_hosts "*" let through."""
+    settings = WorkerSettings.load(None, metrics_port=0, allowed_hosts=allowed_hosts)
+    server, port = serve_metrics(WorkerMetrics(), settings)
+    try:
+        for head in ("GET /metrics HTTP/1.1\r\n", "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n"):
+            status, body = metrics_answer_to(port, head)
+            assert (status, body) == (400, b"an HTTP/1.1 request carries exactly one Host header line (RFC 9112 3.2)\n")
+        assert metrics_answer_to(port, "GET /metrics HTTP/1.0\r\n")[0] == 200
+        assert metrics_answer_to(port, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")[0] == 200
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_workers_metrics_close_a_connection_whose_request_stalls_and_serve_on(capfd):
+    """wsgiref waited for a request's line and headers without end: each client that opened a
+    connection and sent nothing, or half a request, held one of the worker's threads for ever (on
+    main the connections below were still open after 20 timeouts). Now each is closed once its
+    request stalls request_timeout_s, without a traceback, and a scrape meanwhile is served."""
+    timeout_s = 0.5
+    server, port = WorkerMetrics().serve("127.0.0.1", 0, request_timeout_s=timeout_s)
+    stalled = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(4)]
+    try:
+        stalled[1].sendall(b"GET /metrics HTTP/1.1\r\n")
+        stalled[2].sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        assert metrics_answer_to(port, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")[0] == 200
+        for conn in stalled:
+            conn.settimeout(20 * timeout_s)
+            assert conn.recv(1024) == b""  # closed by the server, not timed out here (that raises)
+    finally:
+        for conn in stalled:
+            conn.close()
+        server.shutdown()
+        server.server_close()
+    assert "Traceback" not in capfd.readouterr().err
+
+
 @pytest.mark.cuda
 def test_a_worker_with_a_float8_cache_serves_jobs_and_says_what_its_pool_holds(tmp_path):
     """On the device the worker picks: CUDA where there is one (the GPU acceptance's fp8 stage),

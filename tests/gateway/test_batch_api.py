@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
 import uuid
 
 import httpx
 import openai
 import pytest
+import redis
 
 from gateway.batch.store import PIECE_CHARS
 from harness.polling import eventually
@@ -538,3 +540,74 @@ def test_a_form_or_query_parameter_refused_is_named_with_openais_code(gateway):
         for path in ("/v1/files?limit=ten", "/v1/batches?limit=ten"):
             answer = http.get(path)
             assert answer.status_code == 400 and answer.json()["error"]["param"] == "limit", answer.text
+
+
+def test_an_index_of_another_type_is_a_500_not_retried_and_the_rest_is_served(tmp_path):
+    """The Batch API's indexes (mili:files, mili:batches, which the gateway's user alone writes)
+    holding another type: listing, uploading, creating a batch were a 503 redis_unavailable,
+    which OpenAI's SDKs retry (three requests for one call) though asking again cannot mend it.
+    Now a 500 `key_of_another_type` with `x-should-retry: false`, as a job's keys or a lane's
+    stream of another type are; once the key is deleted the same calls are served. A private
+    Redis and gateway: the module's drive batches that write the indexes."""
+    with EmbeddedRedis(port=free_port()) as server:
+        admin = redis.Redis.from_url(server.url, decode_responses=True)
+        gateway = GatewayProcess(server.url, tmp_path, *gateway_flags("nobody-serves")).start()
+        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=2)
+        try:
+            file_id = upload(sdk, [chat_line("a", "x")])
+            admin.set(KEYS.files(), "an operator's mistake")
+            admin.set(KEYS.batches(), "an operator's mistake")
+            calls = {
+                "GET '/v1/files'": sdk.files.list,
+                "POST '/v1/files'": lambda: upload(sdk, [chat_line("b", "y")]),
+                "GET '/v1/batches'": sdk.batches.list,
+                "POST '/v1/batches'": lambda: sdk.batches.create(
+                    input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+                ),
+            }
+            for call in calls.values():
+                with pytest.raises(openai.InternalServerError) as refused:
+                    call()
+                assert refused.value.response.headers["x-should-retry"] == "false"
+                assert refused.value.code == "key_of_another_type", refused.value.body
+            assert eventually(lambda: "POST '/v1/batches' -> 500" in gateway.log(), timeout=10), gateway.log()
+            for request in calls:
+                assert len(re.findall(rf"{re.escape(request)} -> 500", gateway.log())) == 1, gateway.log()
+            # The index made anew lists what is written from then on; the file it no longer names
+            # is there all the same.
+            admin.delete(KEYS.files(), KEYS.batches())
+            assert sdk.files.retrieve(file_id).id == file_id
+            uploaded = upload(sdk, [chat_line("c", "z")])
+            assert [f.id for f in sdk.files.list()] == [uploaded]
+            batch = sdk.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+            assert [b.id for b in sdk.batches.list()] == [batch.id]
+        finally:
+            sdk.close()
+            gateway.stop()
+            admin.close()
+
+
+def test_a_failing_look_for_batches_is_logged_once_while_it_lasts(tmp_path):
+    """A gateway looks for batches to drive every batch_poll_s; each look that failed logged a
+    warning, a line a second for as long as the index of unfinished batches held another type (or
+    Redis was away). Now one line when it starts, one when it ends, one if it starts again."""
+    with EmbeddedRedis(port=free_port()) as server:
+        admin = redis.Redis.from_url(server.url, decode_responses=True)
+        admin.set(KEYS.batches_unfinished(), "an operator's mistake")
+        gateway = GatewayProcess(server.url, tmp_path, *gateway_flags("nobody-serves"), "--batch-poll-s", "0.02")
+        warning = "looking for batches to drive: ResponseError: WRONGTYPE"
+        again = "looking for batches to drive: Redis answers again"
+        try:
+            gateway.start()
+            assert eventually(lambda: warning in gateway.log(), timeout=10), gateway.log()
+            time.sleep(50 * 0.02)
+            assert gateway.log().count(warning) == 1, gateway.log()
+            admin.delete(KEYS.batches_unfinished())
+            assert eventually(lambda: again in gateway.log(), timeout=10), gateway.log()
+            admin.set(KEYS.batches_unfinished(), "an operator's mistake")
+            assert eventually(lambda: gateway.log().count(warning) == 2, timeout=10), gateway.log()
+            time.sleep(50 * 0.02)
+            assert (gateway.log().count(warning), gateway.log().count(again)) == (2, 1), gateway.log()
+        finally:
+            gateway.stop()
+            admin.close()

@@ -24,6 +24,7 @@ from gateway.http_protocol import LINGER_S
 from tests.gateway.support import ResourceWatch, raw_request, read_answer
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import job_count
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 KEY = "edge-key"
 UPLOAD_LIMIT = 1 << 20
@@ -228,6 +229,60 @@ def test_an_open_gateway_grants_no_cors_and_its_board_actions_need_their_header(
         assert action.status_code == 403
     finally:
         gateway.stop()
+
+
+def test_a_page_of_another_site_cannot_upload_or_act_through_a_browser(tmp_path):
+    """A form's multipart POST is a "simple" request: no CORS preflight, so a page of any site could
+    upload batch files (each up to the file limit, as often as it liked) to an open gateway through
+    the browser of anyone who reached it; its 200 was not read, but the file was stored. A browser
+    marks such a request (Sec-Fetch-Site, which no page can set): any that may change something is
+    now a 403 unless cors_origins grants the page's origin. The gateway's own pages, a typed URL,
+    and the SDKs (no Sec-Fetch-Site) are served as before; GETs too (a page cannot read them). A
+    Redis of its own: the files listed are this test's."""
+    with EmbeddedRedis(port=free_port()) as server:
+        cross_site_uploads(GatewayProcess(server.url, tmp_path).start())
+
+
+def cross_site_uploads(gateway: GatewayProcess) -> None:
+    line = json.dumps({"custom_id": "1", "method": "POST", "url": "/v1/chat/completions", "body": {}}).encode()
+
+    def upload(**headers: str) -> httpx.Response:
+        form = {"file": ("a.jsonl", line + b"\n")}
+        return httpx.post(f"{gateway.url}/v1/files", files=form, data={"purpose": "batch"}, headers=headers)
+
+    evil = {"Origin": "https://evil.example"}
+    try:
+        for site in ("cross-site", "same-site"):
+            refused = upload(**evil, **{"Sec-Fetch-Site": site})
+            assert refused.status_code == 403, refused.text
+            assert refused.json()["error"]["code"] == "cross_site_request"
+            cancel = httpx.post(
+                f"{gateway.url}/v1/batches/batch_{'0' * 32}/cancel", headers={**evil, "Sec-Fetch-Site": site}
+            )
+            assert cancel.status_code == 403, cancel.text
+        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+        assert [f.id for f in sdk.files.list()] == []
+        own = upload(**{"Origin": gateway.url, "Sec-Fetch-Site": "same-origin"})
+        assert own.status_code == 200, own.text
+        assert upload(**{"Sec-Fetch-Site": "none"}).status_code == 200
+        assert upload().status_code == 200
+        read = httpx.get(f"{gateway.url}/v1/files", headers={**evil, "Sec-Fetch-Site": "cross-site"})
+        assert read.status_code == 200 and "access-control-allow-origin" not in read.headers
+        assert len(sdk.files.list().data) == 3
+        sdk.close()
+    finally:
+        gateway.stop()
+
+
+def test_a_page_of_an_origin_cors_origins_grants_may_act(edge_gateway):
+    body = json.dumps({"model": "echo", "prompt": "granted", "max_tokens": 1})
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", "Sec-Fetch-Site": "cross-site"}
+    granted = httpx.post(f"{edge_gateway.url}/v1/completions", content=body, headers={**headers, "Origin": ORIGIN})
+    assert granted.status_code != 403 and granted.headers["access-control-allow-origin"] == ORIGIN, granted.text
+    other = httpx.post(
+        f"{edge_gateway.url}/v1/completions", content=body, headers={**headers, "Origin": "https://evil.example"}
+    )
+    assert other.status_code == 403 and other.json()["error"]["code"] == "cross_site_request"
 
 
 def test_an_open_gateway_answers_only_hosts_a_rebound_page_cannot_name(redis_server, redis_client, tmp_path):

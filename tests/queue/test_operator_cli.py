@@ -186,6 +186,33 @@ def test_quota_show_reads_an_index_of_another_type_as_no_quotas_set(mili, redis_
     assert code == 0 and out.splitlines()[1].split() == ["team-x", "unlimited", "unlimited", "unlimited", "1"]
 
 
+def test_quota_set_refuses_a_quota_key_of_another_type_and_writes_nothing(mili, redis_client, queue):
+    """`mili quota set` printed Redis's raw `ResponseError: WRONGTYPE` when the tenants' index
+    (mili:quotas) or the tenant's settings hash held another type, and had written the settings
+    before the index's ZADD failed. Now: one line naming the key, exit 1, nothing written. Under a
+    prefix of its own: other tests share the index."""
+    keys = Keys(f"other-{queue}")
+    redis_client.set(keys.quotas(), "not a sorted set")
+    code, out, err = mili("--prefix", f"other-{queue}", "quota", "set", "team-x", "--rpm", "60")
+    assert (code, out) == (1, "")
+    assert err == (
+        f"error: invalid_quota_key: {keys.quotas()} holds a string, not the sorted set MILI writes there: "
+        "mili quota set writes nothing until an operator deletes it\n"
+    )
+    assert redis_client.exists(keys.quota("team-x")) == 0
+    redis_client.delete(keys.quotas())
+    redis_client.rpush(keys.quota("team-y"), "not a hash")
+    code, out, err = mili("--prefix", f"other-{queue}", "quota", "set", "team-y", "--rpm", "60")
+    assert (code, out) == (1, "")
+    assert err == (
+        f"error: invalid_quota_key: {keys.quota('team-y')} holds a list, not the hash MILI writes there: "
+        "mili quota set writes nothing until an operator deletes it\n"
+    )
+    assert redis_client.exists(keys.quotas()) == 0 and redis_client.lrange(keys.quota("team-y"), 0, -1) == [
+        "not a hash"
+    ]
+
+
 def test_submit_takes_a_service_tier_and_the_tenant(mili, redis_client, queue):
     code, out, _ = mili("--tenant", "team-cli", "submit", "hi", "--service-tier", "flex", "--max-tokens", "1")
     assert code == 0
