@@ -5,8 +5,13 @@ step late, and a worker that keeps pace still publishes each token within the bo
 
 Times are multiples of 1/128 s, exact in binary, so a slot is reached at an exact step."""
 
+from types import SimpleNamespace
+
 from producer_client.schema import JobRequest
-from worker.loop.jobs import Job
+from worker.engine.outputs import RequestOutput
+from worker.loop.collection import Collector
+from worker.loop.holdings import Holdings
+from worker.loop.jobs import AdmissionId, Job
 from worker.loop.pace import Pace
 
 STEP = 1 / 128
@@ -165,3 +170,163 @@ def test_a_quiet_unstreamed_job_is_looked_at_once_a_checkpoint_and_publishes_its
     published, looked = hearings(Pace(INTERVAL, CHECKPOINT, max_running=4), job, 130, idle=frozenset(range(1, 71)))
     assert looked == [32, 64]
     assert published == [0, 96, 128]
+
+
+class Asked:
+    """The running jobs as the plan gets them, counting its passes over them."""
+
+    def __init__(self, jobs: list[Job]):
+        self.jobs = jobs
+        self.passes = 0
+
+    def __iter__(self):
+        self.passes += 1
+        return iter(self.jobs)
+
+    def __len__(self):
+        return len(self.jobs)
+
+    def __contains__(self, job):
+        return job in self.jobs
+
+
+def generate(jobs: list[Job], now: float, tokens: int = 1) -> None:
+    """A step's output for each job, as the collection adds it."""
+    for job in jobs:
+        job.token_ids += [0] * tokens
+        if job.feed.waiting_since is None:
+            job.feed.waiting_since = now
+
+
+def heard(due: list[Job], look: list[Job], now: float) -> None:
+    """What the loop's Publication does with a plan: publications and looks answer for the jobs."""
+    for job in due:
+        job.feed.catch_up(job)
+        job.feed.looked_at = now
+    for job in look:
+        job.feed.looked_at = now
+
+
+def test_between_due_times_a_pace_of_jobs_read_whole_passes_over_none_of_them():
+    """Its checkpoints and looks come due at times the last pass knew: the iterations in between ask
+    nothing of the running jobs (a pass over max_running of them was 12% of a whole-read token's
+    loop, bench/RESULTS.md y/pub5)."""
+    jobs = [unstreamed_job(i, START) for i in range(4)]
+    running = Asked(jobs)
+    pace = Pace(INTERVAL, CHECKPOINT, max_running=4)
+    published = []
+    for k in range(70):
+        now = START + k * STEP
+        generate(jobs, now)
+        pace.collected(1, first=k == 0)  # step 0: each run's first output
+        due, look = pace.plan(running, now)
+        heard(due, look, now)
+        if due:
+            published.append(k)
+    assert published == [0, 32, 64]  # the first tokens at once, then one piece a checkpoint
+    assert running.passes == 3
+
+
+def quiet_pace(jobs: list[Job]) -> Pace:
+    """A pace whose jobs read whole published their first tokens at START: nothing due for a
+    checkpoint."""
+    pace = Pace(INTERVAL, CHECKPOINT, max_running=8)
+    generate(jobs, START)
+    heard(*pace.plan(jobs, START), START)
+    return pace
+
+
+def test_a_runs_first_output_between_due_times_is_published_at_once():
+    """The collection tells the pace of a run's first output (a job started since the last pass):
+    it goes out with the iteration's round, not at the others' checkpoint."""
+    jobs = [unstreamed_job(0, START)]
+    pace = quiet_pace(jobs)
+    new = unstreamed_job(1, START + STEP)
+    jobs.append(new)
+    pace.wake()  # it started (Publication.publish hears of each start)
+    assert pace.plan(jobs, START + STEP) == ([], [])
+    generate([new], START + 2 * STEP)
+    pace.collected(1, first=True)
+    assert pace.plan(jobs, START + 2 * STEP) == ([new], [])
+
+
+def test_a_job_started_between_due_times_is_looked_at_at_once_when_its_look_is_overdue():
+    """A suspect tried again alone (worker/loop/isolation.py) was last heard from long ago: its look
+    is due as it starts, before any output."""
+    jobs = [unstreamed_job(0, START)]
+    pace = quiet_pace(jobs)
+    suspect = unstreamed_job(1, START - 2 * CHECKPOINT)
+    jobs.append(suspect)
+    pace.wake()
+    assert pace.plan(jobs, START + STEP) == ([], [suspect])
+
+
+def test_a_job_whose_waiting_tokens_reach_an_events_bound_between_checkpoints_publishes_then():
+    """MAX_EVENT_TOKENS waiting is due whatever the checkpoint: the collection tells the pace the
+    most tokens a step gave one job, and the pass comes once a job may hold that many."""
+    jobs = [unstreamed_job(i, START) for i in range(2)]
+    pace = Pace(INTERVAL, 60.0, max_running=8)  # a checkpoint far off
+    generate(jobs, START)
+    heard(*pace.plan(jobs, START), START)
+    published = []
+    for k in range(1, 120):
+        now = START + k * STEP
+        generate(jobs[:1], now, tokens=10)  # one job gives 10 tokens a step, the other 1
+        generate(jobs[1:], now)
+        pace.collected(10, first=False)
+        due, look = pace.plan(jobs, now)
+        heard(due, look, now)
+        published += [(k, job.id) for job in due]
+    assert published == [(103, "u0")]  # 1,030 tokens waiting: the first step past MAX_EVENT_TOKENS
+
+
+def test_a_job_turned_streamed_between_due_times_publishes_at_its_next_slot():
+    """A reader's FOLLOW, seen by a look or a publication's answer (Publication._react), wakes the
+    pace: a streamed job is asked every iteration."""
+    jobs = [unstreamed_job(i, START) for i in range(2)]
+    pace = quiet_pace(jobs)
+    generate(jobs, START + STEP)
+    assert pace.plan(jobs, START + STEP) == ([], [])
+    jobs[1].feed.streamed = True
+    pace.wake()
+    due, _ = pace.plan(jobs, START + 2 * STEP)
+    assert due == [jobs[1]]
+
+
+class Told:
+    """A pace that notes what the collection tells it."""
+
+    def __init__(self):
+        self.steps: list[tuple[int, bool]] = []
+
+    def collected(self, most: int, first: bool) -> None:
+        self.steps.append((most, first))
+
+
+def test_the_collection_tells_the_pace_each_steps_most_tokens_for_one_job_and_a_runs_first_output():
+    holdings = Holdings(SimpleNamespace(abort=lambda request_id: True))
+    ctx = SimpleNamespace(
+        holdings=holdings,
+        clock=SimpleNamespace(now=lambda: 0.0),
+        metrics=SimpleNamespace(generation_tokens=SimpleNamespace(inc=lambda n: None)),
+        worker="w1",
+    )
+    pace = Told()
+    collector = Collector(ctx, SimpleNamespace(probe=None), pace)
+    jobs = [unstreamed_job(i, START) for i in range(2)]
+    for job in jobs:
+        job.engine_id = AdmissionId(job.id, 0)
+        holdings.start(job)
+
+    def step(*tokens: int) -> None:
+        collector.collect(
+            [RequestOutput(job.engine_id, [7] * n, "x" * n, False, None, None) for job, n in zip(jobs, tokens) if n]
+        )
+
+    step(0, 0)  # a long prefill: nothing yet
+    step(3, 0)  # the first job's first output (three tokens: a speculative step)
+    step(1, 2)  # the second's first output
+    step(1, 1)  # output waiting in both
+    holdings.take_output(jobs[0])  # published: its output waits anew from the next step, not a run's first
+    step(2, 1)
+    assert pace.steps == [(0, False), (3, True), (2, True), (1, False), (2, False)]

@@ -87,6 +87,23 @@ def test_a_job_a_reader_follows_mid_run_is_published_at_the_stream_pace_from_its
     assert len(deltas) > 10
 
 
+def test_a_job_started_between_the_checkpoints_of_jobs_read_whole_publishes_its_first_tokens_at_once(
+    redis_server, queue
+):
+    """A worker whose jobs are all read whole asks them nothing between their due times (pace.py);
+    a job that starts meanwhile is heard of (its start, its run's first output), and its first
+    tokens go out with the next round, not at the running job's checkpoint 10 s later: the second
+    job's hash counts tokens while it still runs (its 400 steps of 10 ms, 4 s at least)."""
+    intervals = {"stream_interval_s": 0.02, "checkpoint_interval_s": 10.0}
+    with Client(redis_server.url, queue) as client, serving(redis_server.url, queue, step_s=0.01, **intervals):
+        first = client.submit(prompt(0, 800), max_tokens=800)
+        assert eventually(lambda: client.status(first).tokens > 0, timeout=10)  # its first tokens, then quiet
+        second = client.submit(prompt(1, 400), max_tokens=400)
+        status = eventually(lambda: (s := client.status(second)).tokens > 0 and s, timeout=20)
+        assert status and status.status == "running", status
+        assert client.status(first).tokens < 100  # the first job's checkpoint has not come (its 800 tokens, 8 s)
+
+
 @pytest.mark.timing
 @pytest.mark.parametrize("streamed", [True, False])
 def test_a_killed_worker_loses_at_most_one_publish_interval_of_tokens(redis_server, redis_client, queue, streamed):

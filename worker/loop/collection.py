@@ -11,15 +11,17 @@ from worker.engine.outputs import RequestOutput
 from worker.loop.context import LoopContext
 from worker.loop.isolation import FailureIsolation
 from worker.loop.jobs import AdmissionId, Job
+from worker.loop.pace import Pace
 
 log = logging.getLogger(__name__)
 
 
 class Collector:
-    def __init__(self, ctx: LoopContext, isolation: FailureIsolation):
+    def __init__(self, ctx: LoopContext, isolation: FailureIsolation, pace: Pace):
         self.holdings, self.clock, self.metrics = ctx.holdings, ctx.clock, ctx.metrics
         self.worker = ctx.worker
         self.isolation = isolation
+        self.pace = pace
 
     def collect(self, outputs: list[RequestOutput]) -> None:
         """Add each output to its job, where it waits for its publication (see pace.py); a job's
@@ -28,7 +30,8 @@ class Collector:
         sampled_at = time.monotonic()
         running = self.holdings.running
         probe = self.isolation.probe
-        tokens = 0
+        tokens = most = 0  # the step's tokens, and the most of them one job got (the pace's MAX_EVENT_TOKENS)
+        first = False  # a run's first output is among them: due at once
         for out in outputs:
             # The loop's own request ids: every request it adds to the engine has an AdmissionId,
             # which the engine hands back as it was given (the identity test spares most outputs a
@@ -48,17 +51,22 @@ class Collector:
             if new_token_ids or out.text_delta:
                 # Written out here, not in a call: most outputs of most steps are a running job's
                 # next token, and need nothing else.
-                tokens += len(new_token_ids)
+                n = len(new_token_ids)
+                tokens += n
+                if n > most:
+                    most = n
                 job.token_ids += new_token_ids
                 job.text.append(out.text_delta)
                 feed = job.feed
                 if feed.waiting_since is None:
                     feed.waiting_since = sampled_at
+                    first = first or feed.tokens == job.resumed_tokens
                 if job.first_token_at is None or out.logprobs is not None or job.call_watch is not None:
                     self._record_rest(job, out, now)
             if out.finished:
                 self.holdings.finished(job, self._final_result(job, out, now))
         self.holdings.collected(tokens)
+        self.pace.collected(most, first)
         self.metrics.generation_tokens.inc(tokens)
 
     def _record_rest(self, job: Job, out: RequestOutput, now: float) -> None:

@@ -72,6 +72,7 @@ class Claimed:
         # they were two passes of max_running jobs an iteration (bench/RESULTS.md, y/pub5).
         self.lanes: dict[str, int] = {}
         self.timed: dict[str, Job] = {}
+        self.starts = 0  # jobs started so far: the pace hears of each (Publication.publish)
 
     def find(self, job_id: str) -> Job | None:
         """A claimed job by id: looked up in the engine's jobs (every claim of an entry asks, so
@@ -88,6 +89,7 @@ class Claimed:
         if self.find(job.id) is not None:
             raise HeldStateError(f"job {job.id}: run {job.run} started while a run of it is held")
         self.running[job.id] = job
+        self.starts += 1
         lane = job.route.lane
         self.lanes[lane] = self.lanes.get(lane, 0) + 1
         if job.deadline is not None:
@@ -161,6 +163,12 @@ class Holdings:
         self._unpublished_at_most = 0
 
     # -- views ----------------------------------------------------------------------------------
+
+    @property
+    def starts(self) -> int:
+        """How many jobs have started in the engine (a suspect's return included): a new one may
+        be due for a look before its first output (worker/loop/pace.py)."""
+        return self._claimed.starts
 
     @property
     def unadmitted(self) -> tuple[Delivery, ...]:

@@ -31,10 +31,20 @@ a job is noticed within checkpoint_interval_s. An unstreamed job whose look come
 waiting publishes it instead, its checkpoint that much early: its output started waiting after its
 last publication (a step after it, for a job that generates), so its own checkpoint would come
 that much after its look, which would be one command more a checkpoint for what the publication
-answers."""
+answers.
+
+While no running job is streamed, the iterations between due times ask nothing of the jobs: the
+last pass over them knew the oldest time one was heard from (so when the next checkpoint or look
+comes) and the most tokens one had waiting (so how many more bring one to MAX_EVENT_TOKENS, each
+step's most for one job told by the collection). What it could not know wakes the pace (the next
+plan passes over every job): a job started (its look may be overdue: a suspect tried again), a
+run's first output (due at once), a job turned streamed, a look the loop could not send (due
+again). A cancel, a job's end or its lost run change nothing here: they are learnt from, or go
+out with, the rounds these plans make."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Collection
 
@@ -59,6 +69,14 @@ class Pace:
         # (a due job is seen after a step at the latest), a round still out before it, its own
         # round, and about as long again for a reader's blocked read to return it.
         self.lag_s = 0.0
+        # Between due times the pass over every running job is skipped (bench/RESULTS.md, y/pub6):
+        # while no job is streamed, none comes due before the oldest time a job was last heard from
+        # (or its output started waiting) plus checkpoint_interval_s, nor before the job whose
+        # output waits longest could hold MAX_EVENT_TOKENS, unless something the pass did not see
+        # happens: a job starts, a run's first output, a job turns streamed, a look not taken
+        # (wake). -inf: the next plan passes over every job.
+        self.heard_at = -math.inf  # monotonic: the oldest hearing of the jobs not due, at the last pass
+        self.room = 0  # tokens any job may add before one of them holds MAX_EVENT_TOKENS waiting
 
     def measured(self, iteration_s: float, round_s: float | None) -> None:
         self.iterations.append(iteration_s)
@@ -66,14 +84,31 @@ class Pace:
             self.rounds.append(round_s)
         self.lag_s = max(self.iterations) + 3 * max(self.rounds, default=0.0)
 
+    def wake(self) -> None:
+        """Something the last pass did not see may have made a job due: the next plan passes over
+        every job (a job started, a job turned streamed, a look the loop could not send)."""
+        self.heard_at = -math.inf
+
+    def collected(self, most: int, first: bool) -> None:
+        """An engine step added at most `most` tokens to any one job; `first`: a run's first output
+        is among them (due at once)."""
+        self.room -= most
+        if first:
+            self.heard_at = -math.inf
+
     def plan(self, jobs: Collection[Job], now: float) -> tuple[list[Job], list[Job]]:
-        """(the jobs whose output is due now, the jobs due for a look at their hash). Every running
-        job is asked every iteration: whether its output is due is tested in the loop itself, not
-        by a method call a job. The streams, which set a streamed job's share, are counted (a pass
-        over every job) only once a streamed job is met: a worker of jobs read whole never counts."""
+        """(the jobs whose output is due now, the jobs due for a look at their hash). While no job
+        is streamed and none can be due (see wake), nothing is asked of the jobs; otherwise every
+        running job is asked: whether its output is due is tested in the loop itself, not by a
+        method call a job. The streams, which set a streamed job's share, are counted (a pass over
+        every job) only once a streamed job is met: a worker of jobs read whole never counts."""
         horizon = now - self.checkpoint_interval_s  # a job read whole last heard of before it is due
+        if self.heard_at > horizon and self.room > 0:
+            return [], []
         share = patience = -1.0  # not counted yet
         publish, look = [], []
+        heard = now  # a job due now is heard from now: its publication, or its look (else wake)
+        most = 0  # the most tokens waiting in a job not due
         for job in jobs:
             feed = job.feed
             since = feed.waiting_since
@@ -95,16 +130,31 @@ class Pace:
             # due is most jobs of most iterations, each test made once (the look's in the branch
             # it decides, not kept in a name for the other), and compared with the horizon, not
             # subtracted from now (a float made per job and test).
+            looked_at = feed.looked_at
             if since is None:
-                if feed.looked_at <= horizon:
+                if looked_at <= horizon:
                     look.append(job)
-            elif (
+                elif looked_at < heard:
+                    heard = looked_at
+                continue
+            waiting = len(job.token_ids) - feed.tokens
+            if (
                 since <= horizon
-                or feed.looked_at <= horizon
+                or looked_at <= horizon
                 or feed.tokens == job.resumed_tokens
-                or len(job.token_ids) - feed.tokens >= MAX_EVENT_TOKENS
+                or waiting >= MAX_EVENT_TOKENS
             ):
                 publish.append(job)
+                continue
+            if looked_at < heard:
+                heard = looked_at
+            if since < heard:
+                heard = since
+            if waiting > most:
+                most = waiting
+        # A streamed job is asked every iteration: its slots come a share apart.
+        self.heard_at = heard if share < 0 else -math.inf
+        self.room = MAX_EVENT_TOKENS - most
         return publish, look
 
     def _share(self, jobs: Collection[Job]) -> float:

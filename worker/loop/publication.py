@@ -38,6 +38,7 @@ class Publication:
         self.publisher = Publisher(ctx.job_commands)
         self.done_sweep = DoneSweep()
         self.last_call = time.monotonic()
+        self.starts = 0  # the holdings' starts the pace has been told of
 
     @property
     def busy(self) -> bool:
@@ -53,6 +54,9 @@ class Publication:
         if answered is not None:
             self._settle(answered)
         if not self.publisher.busy:
+            if self.holdings.starts != self.starts:
+                self.starts = self.holdings.starts
+                self.pace.wake()  # a job the pace's last pass did not see: its look may be due
             self._send(*self.pace.plan(self.holdings.running.values(), now), now)
 
     def settle_out(self, timeout: float | None = None) -> None:
@@ -81,6 +85,8 @@ class Publication:
             if job.stop_reason is None and not self.holdings.has_update(job.id):
                 watch.append((job.id, job.run))
                 job.feed.looked_at = now
+            else:
+                self.pace.wake()  # its look stays due, asked again next iteration
         updates = self.holdings.send_updates()
         forget = self.done_sweep.due(now)
         if updates or watch or forget:
@@ -191,6 +197,7 @@ class Publication:
         if look.streamed and not job.feed.streamed:
             log.info("job %s: a reader follows it; its tokens go out as they come", job_id)
             job.feed.streamed = True
+            self.pace.wake()  # its slots start now
         if look.state is Watched.CANCEL and job.stop_reason is None:
             log.info("job %s cancelled while running", job_id)
             self.holdings.stop(job, "cancel")
