@@ -121,10 +121,11 @@ class GatewaySettings(TomlSettings):
     cancel_on_disconnect: bool = Field(True, description="a client that disconnects cancels its jobs")
     workers_refresh_s: float = Field(1.0, gt=0.0, description="how often the live workers' models are read again")
     health_timeout_s: float = Field(
-        1.5,
+        0.5,
         gt=0.0,
         description="GET /health answers 503 with the cause once Redis has not answered for this long (one try, "
-        "no retry), inside a probe's own timeout",
+        "no retry), inside a probe's own timeout: the default answers a probe with Kubernetes' default timeout "
+        "(1 s) with time to spare",
     )
     log_level: str = Field("INFO", pattern=LOG_LEVEL_PATTERN, description="DEBUG, INFO, WARNING, ERROR")
     batch_max_file_bytes: int = Field(100 << 20, ge=1, description="the largest file POST /v1/files takes")

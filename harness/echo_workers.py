@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from worker.engine.echo import EchoEngine
@@ -70,18 +71,34 @@ class GatedWorker(ThreadedWorker):
     """A worker whose every exchange with Redis and every engine step passes a gate (the Worker's
     pause point): closed for a while, the worker stalls (no heartbeat, no refresh); closed for good
     (`killed`), it is dead, as after kill -9, between two exchanges, with nothing handed over or
-    cleaned up."""
+    cleaned up. `held()` stops it at its next gate for as long as a test acts on it."""
 
     def __init__(self, *args, **kwargs):
         self.gate = threading.Event()
         self.gate.set()
+        self.stopped = threading.Event()  # the loop waits at a closed gate
         self.killed = False
         super().__init__(*args, pause_point=self.pass_gate, **kwargs)
 
     def pass_gate(self) -> None:
+        if not self.gate.is_set():
+            self.stopped.set()
         self.gate.wait()
         if self.killed:
             raise WorkerKilled(self.name)
+
+    @contextmanager
+    def held(self, timeout: float = 10) -> Iterator[None]:
+        """The loop stopped at its next gate (an engine step or an exchange with Redis) until the
+        block ends: what the test reads of its jobs meanwhile is what they are while it acts (its
+        publisher may still answer the round it sent)."""
+        self.stopped.clear()
+        self.gate.clear()
+        try:
+            assert self.stopped.wait(timeout), "the loop did not reach its gate"
+            yield
+        finally:
+            self.gate.set()
 
     def serve(self) -> None:
         try:

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.api_keys import tenant_id
 from gateway.errors import WWW_AUTHENTICATE, api_error_of
 from gateway.rate_headers import RATE_HEADERS_TIMEOUT_S
+from gateway.settings import GatewaySettings
 from harness.polling import eventually
 from openai_format.errors import APIError
 from openai_format.job_specs import parse_body
@@ -35,9 +36,11 @@ pytestmark = pytest.mark.waits
 CHAT = [{"role": "user", "content": "hi"}]
 API_KEYS = ["key-one", "key-two"]
 STRICT_TIMEOUT_S = 1.0
-# A probe's timeout: /health must answer within it, whatever Redis does (health_timeout_s is 1.5 s).
+# A probe's timeout: /health must answer within it, whatever Redis does (health_timeout_s is 0.5 s).
 HEALTH_TIMEOUT_S = 2.0
 SILENT_HEALTH_TIMEOUT_S = 0.3
+# Kubernetes' default probe timeoutSeconds: what a probe waits where a manifest sets none.
+KUBERNETES_PROBE_TIMEOUT_S = 1.0
 
 
 def error_of(response: httpx.Response) -> dict:
@@ -401,14 +404,17 @@ def test_refused_credentials_are_a_final_500_that_shows_no_password(redis_server
 
 
 @contextmanager
-def gateway_of_a_silent_redis(tmp_path) -> Iterator[GatewayProcess]:
+def gateway_of_a_silent_redis(
+    tmp_path, health_timeout_s: float | None = SILENT_HEALTH_TIMEOUT_S
+) -> Iterator[GatewayProcess]:
     """A gateway whose Redis is hung: a socket that takes connections and answers nothing; its log
-    is still read after it stops."""
+    is still read after it stops. `health_timeout_s` None: the setting's default."""
+    flags = () if health_timeout_s is None else ("--health-timeout-s", str(health_timeout_s))
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(64)
         url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
-        gw = GatewayProcess(url, tmp_path, "--health-timeout-s", str(SILENT_HEALTH_TIMEOUT_S)).start()
+        gw = GatewayProcess(url, tmp_path, *flags).start()
         try:
             yield gw
         finally:
@@ -429,9 +435,33 @@ def test_health_answers_503_within_its_timeout_while_redis_is_silent(tmp_path):
             "the queue's Redis is unavailable: no answer within 0.3 s",
             "the queue's Redis is unavailable: TimeoutError: Timeout reading from socket",
         )
-    served_ms = [float(ms) for ms in re.findall(r"GET '/health' -> 503 in ([\d.]+) ms", gw.log())]
+    served_ms = served_probes_ms(gw)
     assert len(served_ms) == 4, gw.log()
     assert all(SILENT_HEALTH_TIMEOUT_S * 1000 <= ms < (SILENT_HEALTH_TIMEOUT_S + 1.0) * 1000 for ms in served_ms)
+
+
+@pytest.mark.timing
+def test_health_answers_503_inside_kubernetes_default_probe_timeout_while_redis_is_silent(tmp_path):
+    """With the default health_timeout_s, several probes at once of a gateway whose Redis takes
+    connections and answers nothing each get their 503 and its cause inside Kubernetes' default
+    probe timeout (1 s), where a manifest sets none: the default of 1.5 s made such a probe time
+    out, a failure that says nothing of its cause."""
+    default_s = GatewaySettings.model_fields["health_timeout_s"].default
+
+    with gateway_of_a_silent_redis(tmp_path, health_timeout_s=None) as gw:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(
+                pool.map(lambda _: httpx.get(f"{gw.url}/health", timeout=KUBERNETES_PROBE_TIMEOUT_S), range(4))
+            )
+    served_ms = served_probes_ms(gw)
+    assert len(served_ms) == 4, gw.log()
+    assert all(default_s * 1000 <= ms < KUBERNETES_PROBE_TIMEOUT_S * 1000 for ms in served_ms), served_ms
+    for response in answers:
+        assert response.status_code == 503
+        assert error_of(response)["message"] in (
+            f"the queue's Redis is unavailable: no answer within {default_s:g} s",
+            "the queue's Redis is unavailable: TimeoutError: Timeout reading from socket",
+        )
 
 
 @pytest.mark.timing
@@ -458,7 +488,7 @@ def test_health_answers_503_at_once_to_a_limited_tenants_probes_while_redis_is_s
     for answer, elapsed in probes:
         assert (answer.status_code, error_of(answer)["code"]) == (503, "redis_unavailable")
         assert elapsed < HEALTH_TIMEOUT_S / 2, elapsed
-    served_ms = [float(ms) for ms in re.findall(r"GET '/health' -> 503 in ([\d.]+) ms", gw.log())]
+    served_ms = served_probes_ms(gw)
     assert len(served_ms) == 4, gw.log()
     assert all(ms < RATE_HEADERS_TIMEOUT_S * 1000 / 2 for ms in served_ms), served_ms
 
@@ -574,6 +604,11 @@ def scrape_four_at_once(gateway: GatewayProcess) -> list[tuple[int, dict[str, fl
 
     with ThreadPoolExecutor(4) as pool:
         return list(pool.map(scrape, range(4)))
+
+
+def served_probes_ms(gateway: GatewayProcess) -> list[float]:
+    """The gateway's own time for each 503 of /health, from its request log."""
+    return [float(ms) for ms in re.findall(r"GET '/health' -> 503 in ([\d.]+) ms", gateway.log())]
 
 
 def served_scrapes_ms(gateway: GatewayProcess) -> list[float]:

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import redis
 
-from harness.echo_workers import HoldingEchoEngine, outcome_count, serving
+from harness.echo_workers import GatedWorker, HoldingEchoEngine, outcome_count, serving
 from harness.polling import eventually
 from producer_client import Client, JobExpired, JobFailed
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
@@ -70,16 +70,20 @@ def test_cancel_stops_running_jobs_within_their_publish_interval_and_frees_their
     """A running job hears from its hash as often as its tokens go out: every stream_interval_s
     when streamed, every checkpoint_interval_s otherwise. Four jobs at once, two of each, are
     cancelled one after the other over several times those intervals; each stops within its
-    interval's worth of steps, give or take the round out and a step."""
+    interval's worth of steps after its cancel is recorded, give or take the round out and a step.
+    The loop is held while the cancel goes in, so that the tokens counted are those made after
+    Redis recorded it: counted from before the call, a loaded machine's delay in sending it (its
+    steps meanwhile) was charged to the worker."""
     step_s, intervals = 0.01, {"stream_interval_s": 0.05, "checkpoint_interval_s": 0.2}
-    with serving(redis_server.url, queue, step_s=step_s, **intervals) as worker:
+    with serving(redis_server.url, queue, step_s=step_s, worker_class=GatedWorker, **intervals) as worker:
         free_before = worker.engine.capacity().free_pages
         jobs = {client.submit(c * 500, max_tokens=500, stream=c == "s"): c for c in "spsp"}
         assert eventually(lambda: all(len(getattr(worker.holdings.running.get(j), "token_ids", ())) >= 3 for j in jobs))
         made_before = {}
         for job_id in jobs:
-            made_before[job_id] = len(worker.holdings.running[job_id].token_ids)
-            assert client.cancel(job_id).cancel_requested
+            with worker.held():
+                made_before[job_id] = len(worker.holdings.running[job_id].token_ids)
+                assert client.cancel(job_id).cancel_requested
             time.sleep(0.15)
         for job_id, c in jobs.items():
             result = client.result(job_id, timeout=10)
