@@ -8,6 +8,7 @@ the run is printed at the end (pytest's terminal summary).
 """
 
 import importlib
+import inspect
 
 import numpy as np
 import pytest
@@ -97,6 +98,41 @@ def make_interpreter_fp8_faithful(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(builder, "create_fp_to_fp", create_fp_to_fp)
 
 
+def patch_the_language_once_per_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let a launch's patch of triton.language serve the @triton.jit helpers it calls.
+
+    The interpreter swaps triton.language's builtins for interpreted ones at each launch (a scan
+    of the language's modules with inspect.getmembers, undone when the launch ends), and again at
+    each call of a jit helper inside it (InterpretedFunction.__call__), never undone there: the
+    helper's scan finds the same modules already patched and sets the same functions again. A
+    kernel calls its helpers once per tile of each program, so those scans were about a fifth of
+    an interpreted test's time (tests/kernels/test_model_interpreter.py under cProfile: 10,703
+    scans for 100 launches). A helper whose module sees a language module the launch did not
+    patch still has it patched, as before.
+    """
+    plain_patch_lang = interpreter._patch_lang
+    plain_launch = interpreter.GridExecutor.__call__
+    patched: list[set] = []  # while a launch runs: the language modules its patches cover
+
+    def patch_lang(fn):
+        modules = {value for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
+        if patched and modules <= patched[-1]:
+            return interpreter._LangPatchScope()  # nothing to restore: the launch's scope restores it all
+        if patched:
+            patched[-1] |= modules
+        return plain_patch_lang(fn)
+
+    def launch(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return plain_launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    monkeypatch.setattr(interpreter, "_patch_lang", patch_lang)
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", launch)
+
+
 @pytest.fixture
 def device(monkeypatch: pytest.MonkeyPatch) -> str:
     """Where this test runs the kernels: compiled on CUDA, else interpreted on CPU."""
@@ -108,6 +144,7 @@ def device(monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     make_interpreter_bf16_faithful(monkeypatch)
     make_interpreter_fp8_faithful(monkeypatch)
+    patch_the_language_once_per_launch(monkeypatch)
     return "cpu"
 
 
