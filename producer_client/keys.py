@@ -149,6 +149,19 @@ class Keys:
         statistics and dead letters find them."""
         return f"{self.prefix}:streams:{{{queue}}}"
 
+    def waiting_entries(self, queue: str) -> str:
+        """Hash: job id -> `<entry id> <stream>` of each job whose entry waits unread in one of the
+        queue's streams where a bound or a waiting quota counts it, written by the enqueue that
+        adds the entry (protocol/producer.py's ENQUEUE, ENQUEUE_MANY, ENQUEUE_LANES); READ deletes
+        the fields of the entries it reads, and a cancel's REMOVE_ENTRY the field and the entry
+        (docs/architecture.md, "What a cancel frees")."""
+        return f"{self.prefix}:waits:{{{queue}}}"
+
+    def queue_and_waiting_entries(self, queue: str) -> tuple[str, str]:
+        """The queue's own stream and its waiting_entries hash, ENQUEUE's keys, in one call: a
+        submit's hot path counts its calls (tests/queue/test_submit_work.py)."""
+        return f"{self.prefix}:q:{{{queue}}}", f"{self.prefix}:waits:{{{queue}}}"
+
     def doorbell(self, queue: str) -> str:
         """Stream, group `workers`: a producer that gives a lane work adds an entry, which wakes one
         idle worker blocked on it and the queue's stream (docs/architecture.md)."""
@@ -186,8 +199,7 @@ class Keys:
     def job(self, job_id: str) -> str:
         """Hash: status, the claiming worker, its entry and run token, the run that published a
         start event, tokens so far, deadline, fingerprint, cancel, enqueued, streamed and resumed
-        flags while the job is queued or running, and while it is queued where its entry waits
-        (`waits_at`, which a cancel removes it by: protocol/producer.py's RECORD_ENTRY). Its end leaves `status`, the final `result` JSON,
+        flags while the job is queued or running. Its end leaves `status`, the final `result` JSON,
         `tokens`, and `fingerprint` and `cancel` where set, for result_ttl_s (docs/architecture.md)."""
         return f"{self.prefix}:job:{{{job_id}}}"
 

@@ -18,18 +18,16 @@ from producer_client.new_job import NewJob
 from producer_client.protocol import job_reads
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.execution import AddCommands, Pipe, Replies
-from producer_client.protocol.producer import NO_LIMITS, Limits, WaitingEntry
+from producer_client.protocol.producer import NO_LIMITS, Limits
 from producer_client.protocol.replication import Replication
-from producer_client.protocol.replies import Enqueued, Refusal, first_entry_id, parse_enqueue
+from producer_client.protocol.replies import Enqueued, Refusal, parse_enqueue
 from producer_client.protocol.script import ScriptCall
 from producer_client.rate_limits import NO_RATE_LIMITS, RateLimits
 from producer_client.schema import JobResult, JobStatus, Timings
 from producer_client.sharing import (
     Submitted,
     enqueue_call,
-    goes_to_queue_stream,
     rate_limits_of,
-    records_entry,
     refusal_error,
     refuse_queue_stream_of_another_type,
     reserve_call,
@@ -167,61 +165,30 @@ def enqueue_or_forget(
         raise
     outcome = enqueued(job, create, client.replication, replies)
     first = None if block_ms is None else FirstRead(end_read_of(read_reply), sent_at)
-    if stream is None and records_entry(client.max_queue_depth, limits):
-        entry_id = first_entry_id(replies[1 if create else 0])
-        if entry_id is not None:
-            yield from record_entry(keys, job.job_id, WaitingEntry(shared_stream(keys, queue, tenant, job), entry_id))
     return (reserved if reserved is not None else outcome), first
 
 
-def record_entry(keys: Keys, job_id: str, entry: WaitingEntry) -> Steps[None]:
-    """Where the job's entry waits, in its hash (RECORD_ENTRY), so that a cancel from any client
-    removes it and the stream's bound and the tenant's waiting quota stop counting it at once; for
-    a job cancelled before the record, the entry removed here. Sent only after an enqueue that a
-    bound or a quota counts (its entry id comes with the enqueue's reply): an entry nothing counts
-    is left for the worker that reads it to drop, as before, and costs no round trip. Its failure
-    is logged, not raised: the job is enqueued and will run; a cancel then leaves its entry to that
-    worker. Stopped on its way (a KeyboardInterrupt, an asyncio task's cancel), the submit answers
-    no job id: as a submit stopped in its enqueue leaves no job behind, the entry and the hash go
-    (withdraw), unless a worker has read the entry already."""
-    try:
-        (status,) = checked((yield Repeatable(scripts.record_entry(keys, job_id, entry).add_to)))
-        if status == "cancelled":
-            checked((yield Repeatable(scripts.remove_entry(job_id, entry).add_to)))
-    except GeneratorExit:
-        raise  # closed unfinished: its driver was stopped after the record ran, so nothing to undo
-    except Exception as failed:
-        log.warning("job %s is enqueued, but where its entry waits was not recorded: %s", job_id, failed)
-    except BaseException as stopped:
-        yield from undoing(withdraw(keys, job_id, entry), stopped)
-        raise
-
-
-def withdraw(keys: Keys, job_id: str, entry: WaitingEntry) -> AddCommands:
-    """The job's entry removed where no worker has read it (REMOVE_ENTRY), then its hash."""
-
-    def add(pipe: Pipe) -> None:
-        scripts.remove_entry(job_id, entry).add_to(pipe)
-        scripts.add_forget(pipe, keys, [job_id])
-
-    return Repeatable(add)
-
-
-def remove_cancelled_entries(entries: dict[str, WaitingEntry]) -> Steps[None]:
-    """The entries of jobs a cancel ended while queued (job id -> where its entry waits), removed
-    from their streams in one round trip (REMOVE_ENTRY, in each stream's slot). A failure is
-    logged: the jobs are cancelled, and the worker that reads an entry left behind drops it."""
-    calls = [scripts.remove_entry(job_id, entry) for job_id, entry in entries.items()]
+def remove_cancelled_entries(keys: Keys, entries: dict[str, list[str]]) -> Steps[None]:
+    """The entries of jobs a cancel ended while queued (job id -> the queues, or shards, its
+    enqueue may have recorded it on: waiting_queues), removed from their streams in one round trip
+    (REMOVE_ENTRY, in each queue's slot). A failure is logged: the jobs are cancelled, and the
+    worker that reads an entry left behind drops it."""
+    calls = [scripts.remove_entry(keys, queue, job_id) for job_id, queues in entries.items() for queue in queues]
     try:
         checked((yield Repeatable(lambda pipe: [call.add_to(pipe) for call in calls])))
     except Exception as failed:
         log.warning("cancelled jobs' entries were not removed from their streams: %s", failed)
 
 
-def shared_stream(keys: Keys, queue: str, tenant: str, job: NewJob) -> str:
-    """The stream enqueue_call adds `job` to on the shared route: the queue's own or its lane's of
-    `tenant`."""
-    return keys.queue(queue) if goes_to_queue_stream(job, tenant) else keys.lane_stream(queue, job.lane, tenant)
+def waiting_queues(client: ClientBase, job_id: str) -> list[str]:
+    """The queues whose enqueue may have recorded where `job_id`'s entry waits, as the canceller
+    knows them: its client's queue, or on a queue spread over shards the job id's shard and shard 0
+    (where a tenant with limits enqueues: enqueue_or_forget). A job of another queue is not
+    looked for: its entry is left to the worker that reads it, which drops it."""
+    queue = client.queue
+    if not client.shards.spreads:
+        return [queue]
+    return list(dict.fromkeys((client.shards.name_for(queue, job_id), queue)))
 
 
 def placed_elsewhere(client: ClientBase, job: NewJob, reserved: bool) -> Steps[tuple[Enqueued, FirstRead | None]]:
@@ -382,22 +349,14 @@ def status(keys: Keys, job_id: str) -> Steps[JobStatus]:
     return (yield from read_status(keys, check_job_id(job_id)))
 
 
-def cancel(keys: Keys, job_id: str) -> Steps[JobStatus]:
+def cancel(client: ClientBase, job_id: str) -> Steps[JobStatus]:
     """Client.cancel: CANCEL, the entry of a job it ended while queued removed from its stream
-    where its producer recorded it, then the job's status."""
+    where its enqueue recorded it, then the job's status."""
+    keys = client.keys
     job_id = check_job_id(job_id)
     (found,) = checked((yield cancel_call(keys, job_id).add_to))
     if found is None:
         raise JobNotFound(job_id)
-    entry = cancelled_entry(found)
-    if entry is not None:
-        yield from remove_cancelled_entries({job_id: entry})
+    if found == "queued":
+        yield from remove_cancelled_entries(keys, {job_id: waiting_queues(client, job_id)})
     return (yield from read_status(keys, job_id))
-
-
-def cancelled_entry(reply: object) -> WaitingEntry | None:
-    """Where the entry of a job CANCEL ended while queued waits, as its reply says; None where it
-    names none (a job that was not queued, or whose producer recorded nothing)."""
-    if isinstance(reply, list) and len(reply) == 2 and reply[0] == "queued":
-        return WaitingEntry.recorded(reply[1])
-    return None

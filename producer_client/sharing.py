@@ -66,15 +66,8 @@ def enqueue_call(
     if stream is not None:
         return PlacedEntry(stream, job.job_id, job.body, placed_fields(job, tenant))
     if goes_to_queue_stream(job, tenant):
-        return scripts.enqueue(keys.queue(queue), max_depth or 0, job.job_id, job.body)
-    recorded = records_entry(max_depth, limits)
-    return scripts.enqueue_lanes(keys, queue, tenant, [lane_job(job)], max_depth or 0, limits, answer_ids=recorded)
-
-
-def records_entry(max_depth: int | None, limits: Limits) -> bool:
-    """Whether a submit on the shared route records where its entry waits (RECORD_ENTRY): where
-    a bound or a waiting quota counts the entry, which a cancel must then free at once."""
-    return bool(max_depth or limits.max_waiting)
+        return scripts.enqueue(keys, queue, max_depth or 0, job.job_id, job.body)
+    return scripts.enqueue_lanes(keys, queue, tenant, [lane_job(job)], max_depth or 0, limits)
 
 
 def reserve_call(keys: Keys, queue: str, tenant: str, jobs: list[NewJob], limits: Limits) -> ScriptCall:

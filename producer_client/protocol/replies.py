@@ -116,19 +116,10 @@ def parse_enqueue(reply: object) -> Enqueued:
             return ADDED
         if reply[0] == 0:
             return Enqueued(0, Refusal.FULL, (_count(reply[1], "ENQUEUE", reply), ""))
-    if isinstance(reply, list) and len(reply) >= 10:
+    if isinstance(reply, list) and len(reply) == 10:
         refusal = _member(Refusal, reply[1], "ENQUEUE_LANES", reply)
-        return Enqueued(_count(reply[0], "ENQUEUE_LANES", reply), refusal, tuple(reply[2:4]), tuple(reply[4:10]))
+        return Enqueued(_count(reply[0], "ENQUEUE_LANES", reply), refusal, tuple(reply[2:4]), tuple(reply[4:]))
     raise UnknownReply("ENQUEUE", reply)
-
-
-def first_entry_id(reply: object) -> str | None:
-    """The entry id of the first job an enqueue added (ENQUEUE's {1, entry id}, ENQUEUE_LANES's
-    eleventh value on), or None where it added none."""
-    if not isinstance(reply, list):
-        return None
-    found = reply[1] if len(reply) == 2 and reply[0] == 1 else reply[10] if len(reply) > 10 else None
-    return found if isinstance(found, str) and is_entry_id(found) else None
 
 
 def is_entry_id(text: str) -> bool:

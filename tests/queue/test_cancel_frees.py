@@ -14,11 +14,9 @@ import pytest
 
 from harness.echo_workers import HoldingEchoEngine, outcome_count, serving
 from harness.polling import eventually
-from producer_client import Client, QueueFull, WaitingQuotaExceeded, steps
+from producer_client import Client, QueueFull, WaitingQuotaExceeded
 from producer_client.keys import GROUP, LANES, Keys
-from producer_client.operations import record_entry
 from producer_client.protocol import producer as scripts
-from producer_client.protocol.producer import WaitingEntry
 from producer_client.protocol.script import ScriptCall
 from tests.support.clients import make_client
 
@@ -96,37 +94,34 @@ def test_cancelled_queued_jobs_free_the_streams_bound_at_once_whoever_cancels(re
         other.close()
 
 
-def test_a_cancel_before_the_entry_is_recorded_is_removed_by_the_record(redis_client, queue):
-    """The cancel comes between the enqueue and its record (CANCEL finds no entry to name): the
-    record finds the job cancelled and removes the entry itself."""
-    job_id = uuid.uuid4().hex
-    stream = KEYS.queue(queue)
-    redis_client.hsetnx(KEYS.job(job_id), "status", "queued")
-    entry_id = redis_client.xadd(stream, {"id": job_id, "v": "2", "body": "{}"})
-    reply = run_call(redis_client, scripts.cancel(KEYS, job_id, '{"id": "x"}'))
-    assert reply == "queued" and redis_client.xlen(stream) == 1
-    steps.run(redis_client, record_entry(KEYS, job_id, WaitingEntry(stream, entry_id)))
-    assert redis_client.xlen(stream) == 0
-    assert "waits_at" not in redis_client.hgetall(KEYS.job(job_id))
+def test_cancelled_queued_jobs_of_submit_many_free_the_bound_and_the_quota_at_once(
+    redis_server, client_kind, queue, tenant
+):
+    """submit_many's jobs are recorded by the same enqueue scripts (ENQUEUE_MANY on the queue's own
+    stream, ENQUEUE_LANES on a tenant's lanes): their cancels free their places too."""
+    producer = make_client(client_kind, redis_server.url, queue, max_queue_depth=N)
+    tenants = make_client(client_kind, redis_server.url, f"{queue}-t", tenant=tenant)
+    try:
+        set_max_waiting(redis_server.url, f"{queue}-t", tenant, N)
+        for client, refusal in ((producer, QueueFull), (tenants, WaitingQuotaExceeded)):
+            first = client.submit_many([{"prompt": "a", "max_tokens": 2}] * N)
+            with pytest.raises(refusal):
+                client.submit("over", max_tokens=2)
+            client.cancel_many(first)
+            stats = client.queue_stats()
+            assert (stats.depth, stats.waiting) == (0, 0)
+            second = client.submit_many([{"prompt": "b", "max_tokens": 2}] * N)
+            with pytest.raises(refusal):
+                client.submit("over", max_tokens=2)
+            assert [client.status(job_id).status for job_id in first + second] == ["cancelled"] * N + ["queued"] * N
+    finally:
+        producer.close()
+        tenants.close()
 
 
-def test_a_submit_stopped_in_its_record_leaves_no_job_behind(redis_client, queue):
-    """A KeyboardInterrupt (or a task's cancel) in the record's round trip: the submit answers no
-    job id, so its entry and its hash go, as a submit stopped in its enqueue leaves none."""
-    job_id = uuid.uuid4().hex
-    stream = KEYS.queue(queue)
-    redis_client.hsetnx(KEYS.job(job_id), "status", "queued")
-    entry_id = redis_client.xadd(stream, {"id": job_id, "v": "2", "body": "{}"})
-    redis_client.script_load(scripts.REMOVE_ENTRY.source)
-    record = record_entry(KEYS, job_id, WaitingEntry(stream, entry_id))
-    next(record)
-    undo = record.throw(KeyboardInterrupt())
-    pipe = redis_client.pipeline(transaction=False)
-    undo(pipe)
-    assert pipe.execute() == [1, 1]
-    with pytest.raises(KeyboardInterrupt):
-        record.send([1, 1])
-    assert redis_client.xlen(stream) == 0 and redis_client.exists(KEYS.job(job_id)) == 0
+def record(redis_client, queue: str, job_id: str, entry_id: str, stream: str) -> None:
+    """Where a job's entry waits, as the enqueue scripts record it."""
+    redis_client.hset(KEYS.waiting_entries(queue), job_id, f"{entry_id} {stream}")
 
 
 def test_an_entry_a_worker_has_read_is_left_to_it_and_another_jobs_is_never_removed(redis_client, queue):
@@ -136,11 +131,40 @@ def test_an_entry_a_worker_has_read_is_left_to_it_and_another_jobs_is_never_remo
     redis_client.xgroup_create(stream, GROUP, "0")
     redis_client.xreadgroup(GROUP, "w", {stream: ">"}, count=1)  # the first is read: pending
     remove = scripts.remove_entry
-    assert run_call(redis_client, remove(ids[0], WaitingEntry(stream, entries[0]))) == 0
-    assert run_call(redis_client, remove(ids[0], WaitingEntry(stream, entries[1]))) == 0  # another job's
-    assert run_call(redis_client, remove(ids[1], WaitingEntry(stream, entries[1]))) == 1
-    assert run_call(redis_client, remove(ids[1], WaitingEntry(stream, entries[1]))) == 0  # twice: once
+    record(redis_client, queue, ids[0], entries[0], stream)
+    assert run_call(redis_client, remove(KEYS, queue, ids[0])) == 0
+    record(redis_client, queue, ids[0], entries[1], stream)  # a forged record: another job's entry
+    assert run_call(redis_client, remove(KEYS, queue, ids[0])) == 0
+    record(redis_client, queue, ids[1], entries[1], KEYS.queue(f"{queue}x"))  # another queue's stream
+    assert run_call(redis_client, remove(KEYS, queue, ids[1])) == 0
+    assert redis_client.xlen(stream) == 2
+    record(redis_client, queue, ids[1], entries[1], stream)
+    assert run_call(redis_client, remove(KEYS, queue, ids[1])) == 1
+    assert run_call(redis_client, remove(KEYS, queue, ids[1])) == 0  # twice: once
     assert redis_client.xlen(stream) == 1 and unread(redis_client, stream) == 0
+    assert redis_client.exists(KEYS.waiting_entries(queue)) == 0  # each record went with its remove
+    assert KEYS.queue_and_waiting_entries(queue) == (stream, KEYS.waiting_entries(queue))  # ENQUEUE's keys
+
+
+@pytest.mark.parametrize("route", ["queue stream", "lanes"])
+def test_no_record_of_where_an_entry_waits_outlives_its_read(redis_server, redis_client, client_kind, queue, route):
+    """The leak bound: jobs submitted (one by one and with submit_many) to a bounded queue, read by
+    a worker's READ and by its idle wait (the queue's own stream), run and settled: the queue's
+    record hash is empty. A record lives only while its entry waits unread."""
+    tenant = {"tenant": "t1"} if route == "lanes" else {}
+    client = make_client(client_kind, redis_server.url, queue, max_queue_depth=1000, **tenant)
+    try:
+        with serving(redis_server.url, queue, 0.001):
+            ids = [client.submit("x", max_tokens=2) for _ in range(10)]
+            ids += client.submit_many([{"prompt": "y", "max_tokens": 2}] * 20)
+            for _ in range(5):  # an idle worker's wait reads these
+                time.sleep(0.05)
+                ids.append(client.submit("z", max_tokens=2))
+            assert [client.result(job_id, timeout=30).status for job_id in ids] == ["done"] * len(ids)
+            assert eventually(lambda: redis_client.exists(KEYS.waiting_entries(queue)) == 0)
+        assert client.queue_stats().depth == 0
+    finally:
+        client.close()
 
 
 def test_cancels_racing_a_workers_reads_end_each_job_once_and_leave_nothing_counted(
@@ -181,3 +205,14 @@ def test_cancels_racing_a_workers_reads_end_each_job_once_and_leave_nothing_coun
     finally:
         client.close()
         canceller.close()
+
+
+def test_a_record_hash_of_another_type_is_made_anew_and_refuses_no_submit(redis_server, redis_client, queue):
+    """A producer may write the record hash (docs/security.md): one of another type failed no
+    enqueue, it is made a hash again, and the cancels free their places."""
+    redis_client.set(KEYS.waiting_entries(queue), "junk")
+    with Client(redis_server.url, queue, max_queue_depth=N) as client:
+        ids = [client.submit("a", max_tokens=2), *client.submit_many([{"prompt": "b", "max_tokens": 2}])]
+        assert redis_client.type(KEYS.waiting_entries(queue)) == "hash"
+        client.cancel_many(ids)
+        assert client.queue_stats().depth == 0
