@@ -34,6 +34,22 @@ MAX_STOP = 4  # the spec's bound on stop sequences
 INT64 = 2**63
 
 NonEmptyIds = Annotated[list[int], Field(min_length=1)]
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # the spec's Metadata bounds
+
+
+def within_metadata_bounds(metadata: dict[str, str]) -> dict[str, str]:
+    """The spec's bounds on a key and a value, checked here rather than as constrained dict keys,
+    whose error would name the field by the (long) key itself."""
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise PydanticCustomError("too_long", f"a key is over {METADATA_KEY_CHARS} characters")
+        if len(value) > METADATA_VALUE_CHARS:
+            raise PydanticCustomError("too_long", f"the value of {key!r} is over {METADATA_VALUE_CHARS} characters")
+    return metadata
+
+
+# OpenAI's Metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512.
+Metadata = Annotated[dict[str, str], Field(max_length=METADATA_PAIRS), AfterValidator(within_metadata_bounds)]
 
 
 class Unsupported(ValueError):
@@ -279,7 +295,7 @@ class ChatCompletionRequest(SamplingRequest):
         only(*RUN_TIERS),
     ] = None
     # Accepted as the spec describes them, with no effect on the output.
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: Metadata | None = None
     store: Annotated[bool | None, only(False)] = None
     prompt_cache_key: str | None = None  # a cache hint: the radix cache finds shared prefixes by itself
     prompt_cache_options: PromptCacheOptions | None = None
