@@ -78,6 +78,13 @@ def check_max_connections(max_connections: Any) -> int | None:
     return max_connections
 
 
+def check_placement(placement: Any) -> bool:
+    """Placement on or off: a bool only, as a string such as "false" or "no" would read as on."""
+    if not isinstance(placement, bool):
+        raise InvalidArgument("placement", "must be True or False")
+    return placement
+
+
 def check_limit(limit: Any) -> int:
     """How many items an operator's listing returns."""
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:

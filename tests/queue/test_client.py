@@ -121,6 +121,14 @@ def test_a_bad_max_connections_is_an_invalid_argument_naming_it(client_kind, max
     assert e.value.field == "max_connections"
 
 
+@pytest.mark.parametrize("placement", ["no", "false", None, 0])
+def test_a_placement_that_is_not_a_bool_is_an_invalid_argument_naming_it(client_kind, placement):
+    """ "no" and "false" are true: they turned placement on, where the caller meant it off."""
+    with pytest.raises(InvalidArgument) as e:
+        make_client(client_kind, DEAD_URL, "q", placement=placement)
+    assert e.value.field == "placement"
+
+
 def test_same_request_id_twice_gives_one_job_and_one_stream_entry(client, redis_client, queue):
     request_id = f"order-{queue}"
     first = client.submit("hello", max_tokens=4, request_id=request_id)
