@@ -278,13 +278,33 @@ class ChatTemplateKwargs(Strict):
     enable_thinking: bool | None = None
 
 
+def refusing_types(spec_types: frozenset[str], instead: str):
+    """An object of a `type` the spec has but MILI cannot honour (a custom tool, an allowed_tools
+    choice) refused as such, an unsupported_parameter, not as a shape the spec has not."""
+
+    def check(value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind in spec_types:
+            raise Unsupported(f"of type {kind!r} is not supported by this server: {instead}")
+        return value
+
+    return BeforeValidator(check)
+
+
+ToolIn = Annotated[Tool, refusing_types(frozenset({"custom"}), "only function tools")]
+ToolChoiceIn = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice | None,
+    refusing_types(frozenset({"custom", "allowed_tools"}), "none, auto, required or one function"),
+]
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: list[ToolIn] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoiceIn = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     # The job's lane (producer_client.new_job.SERVICE_TIERS): OpenAI's "scale" and "fast" are not
