@@ -34,6 +34,22 @@ MAX_STOP = 4  # the spec's bound on stop sequences
 INT64 = 2**63
 
 NonEmptyIds = Annotated[list[int], Field(min_length=1)]
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # the spec's Metadata bounds
+
+
+def within_metadata_bounds(metadata: dict[str, str]) -> dict[str, str]:
+    """The spec's bounds on a key and a value, checked here rather than as constrained dict keys,
+    whose error would name the field by the (long) key itself."""
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise PydanticCustomError("too_long", f"a key is over {METADATA_KEY_CHARS} characters")
+        if len(value) > METADATA_VALUE_CHARS:
+            raise PydanticCustomError("too_long", f"the value of {key!r} is over {METADATA_VALUE_CHARS} characters")
+    return metadata
+
+
+# OpenAI's Metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512.
+Metadata = Annotated[dict[str, str], Field(max_length=METADATA_PAIRS), AfterValidator(within_metadata_bounds)]
 
 
 class Unsupported(ValueError):
@@ -262,13 +278,33 @@ class ChatTemplateKwargs(Strict):
     enable_thinking: bool | None = None
 
 
+def refusing_types(spec_types: frozenset[str], instead: str):
+    """An object of a `type` the spec has but MILI cannot honour (a custom tool, an allowed_tools
+    choice) refused as such, an unsupported_parameter, not as a shape the spec has not."""
+
+    def check(value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind in spec_types:
+            raise Unsupported(f"of type {kind!r} is not supported by this server: {instead}")
+        return value
+
+    return BeforeValidator(check)
+
+
+ToolIn = Annotated[Tool, refusing_types(frozenset({"custom"}), "only function tools")]
+ToolChoiceIn = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice | None,
+    refusing_types(frozenset({"custom", "allowed_tools"}), "none, auto, required or one function"),
+]
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: list[ToolIn] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoiceIn = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     # The job's lane (producer_client.new_job.SERVICE_TIERS): OpenAI's "scale" and "fast" are not
@@ -279,7 +315,7 @@ class ChatCompletionRequest(SamplingRequest):
         only(*RUN_TIERS),
     ] = None
     # Accepted as the spec describes them, with no effect on the output.
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: Metadata | None = None
     store: Annotated[bool | None, only(False)] = None
     prompt_cache_key: str | None = None  # a cache hint: the radix cache finds shared prefixes by itself
     prompt_cache_options: PromptCacheOptions | None = None

@@ -81,7 +81,18 @@ def build_jobs(specs: Iterable[Mapping[str, Any]], tenant: str | None = None) ->
     """Every spec validated as `submit` validates its arguments; InvalidArgument names the first
     bad one as `jobs[<index>].<field>`."""
     known_params: KnownParams = {}
-    return [build_spec(index, spec, known_params, tenant) for index, spec in enumerate(listed_specs(specs))]
+    jobs = [build_spec(index, spec, known_params, tenant) for index, spec in enumerate(listed_specs(specs))]
+    refuse_a_request_id_bound_twice(jobs)
+    return jobs
+
+
+def refuse_a_request_id_bound_twice(jobs: list[NewJob]) -> None:
+    """A request_id given twice in one call with two requests is IdempotencyConflict, before anything
+    is sent, as a later call's would be: else the second spec's id would answer with the first's job."""
+    bound: dict[str, str] = {}
+    for job in jobs:
+        if job.idempotent and bound.setdefault(job.job_id, job.fingerprint) != job.fingerprint:
+            raise IdempotencyConflict(job.job_id)
 
 
 def build_spec(

@@ -19,7 +19,7 @@ from producer_client.protocol.replication import Replication
 from producer_client.protocol.shards import QueueShards
 from producer_client.quotas import Quotas, TenantQuotas
 from producer_client.steps import Runner
-from producer_client.validation import check_max_queue_depth
+from producer_client.validation import check_max_connections, check_max_queue_depth, check_placement
 from producer_client.waiting import Submissions
 
 DEFAULT_URL = "redis://localhost:6379/0"
@@ -52,11 +52,11 @@ class ClientBase:
         self.keys = Keys(prefix)
         self.max_queue_depth = check_max_queue_depth(max_queue_depth)
         self.replication = Replication(wait_replicas, wait_timeout_ms)
-        self.placement = Placement(placement)
+        self.placement = Placement(check_placement(placement))
         self.shards = QueueShards(queue_shards)
         self.submissions = Submissions()  # shared by its copies (on_queue, as_tenant): ids are unique
         self.known_params: KnownParams = {}  # its jobs' SamplingParams, validated once each (new_job.sampling_params)
-        self.redis = self._connect(parse_url(url), max_connections)
+        self.redis = self._connect(parse_url(url), check_max_connections(max_connections))
 
     def _connect(self, target: RedisURL, max_connections: int | None) -> SyncRedis | AsyncRedis:
         """A redis-py client of `target`, with the clients' retry policy."""

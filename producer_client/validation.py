@@ -68,6 +68,23 @@ def check_max_queue_depth(max_queue_depth: Any) -> int | None:
     return max_queue_depth
 
 
+def check_max_connections(max_connections: Any) -> int | None:
+    """The pool's bound, as a URL's `max_connections` option is checked (connection.py): redis-py
+    raised its own ValueError for a negative one and took 0 for no bound at all."""
+    if max_connections is not None and (
+        isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1
+    ):
+        raise InvalidArgument("max_connections", "must be a positive integer, or None for the default pool")
+    return max_connections
+
+
+def check_placement(placement: Any) -> bool:
+    """Placement on or off: a bool only, as a string such as "false" or "no" would read as on."""
+    if not isinstance(placement, bool):
+        raise InvalidArgument("placement", "must be True or False")
+    return placement
+
+
 def check_limit(limit: Any) -> int:
     """How many items an operator's listing returns."""
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:

@@ -78,8 +78,7 @@ def add_file_routes(router: APIRouter, store: BatchStore, settings: GatewaySetti
         order: str = "desc",
         purpose: str | None = None,
     ):
-        if not 1 <= limit <= MAX_FILE_LIST:
-            raise bad_request(f"limit must be 1 to {MAX_FILE_LIST}", "limit")
+        check_limit(limit, MAX_FILE_LIST)
         if order not in ("asc", "desc"):
             raise bad_request("order must be asc or desc", "order")
         tenant = tenant_of(request)
@@ -100,6 +99,14 @@ def add_file_routes(router: APIRouter, store: BatchStore, settings: GatewaySetti
         if not await store.delete_file(file_id):
             raise file_not_found(file_id)
         return FileDeleted(id=file_id)
+
+
+def check_limit(limit: int, most: int) -> None:
+    """A listing's `limit`, refused with OpenAI's code for the bound it passes, as a body's number is."""
+    if limit < 1:
+        raise bad_request(f"limit must be 1 to {most}", "limit", "below_min_value")
+    if limit > most:
+        raise bad_request(f"limit must be 1 to {most}", "limit", "above_max_value")
 
 
 def add_batch_routes(router: APIRouter, store: BatchStore, settings: GatewaySettings) -> None:
@@ -124,8 +131,7 @@ def add_batch_routes(router: APIRouter, store: BatchStore, settings: GatewaySett
 
     @router.get("/v1/batches")
     async def list_batches(request: Request, after: str | None = None, limit: int = 20):
-        if not 1 <= limit <= MAX_LIST:
-            raise bad_request(f"limit must be 1 to {MAX_LIST}", "limit")
+        check_limit(limit, MAX_LIST)
         tenant = tenant_of(request)
         return await store.list_batches(after, limit, None if tenant.admin else tenant.id)
 

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from openai_format.batch_lines import LineErrorBody
+from openai_format.requests import Metadata
 from openai_format.responses import Omitted
 
 BatchStatus = Literal[
@@ -63,7 +64,7 @@ class CreateBatch(Shape):
     input_file_id: str
     endpoint: str
     completion_window: str
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: Metadata | None = None
     output_expires_after: ExpiresAfter | None = None
 
 

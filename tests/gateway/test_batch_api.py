@@ -408,6 +408,28 @@ def test_files_are_refused_and_found_as_the_api_says(sdk, gateway):
         sdk.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
 
 
+@pytest.mark.parametrize(
+    "path, limit, code",
+    [
+        ("/v1/files", 0, "below_min_value"),
+        ("/v1/files", 10_001, "above_max_value"),
+        ("/v1/batches", 0, "below_min_value"),
+        ("/v1/batches", 101, "above_max_value"),
+    ],
+)
+def test_a_listings_limit_out_of_its_range_is_a_400_with_openais_code_for_the_bound(gateway, path, limit, code):
+    """A body's number past a bound is below_min_value or above_max_value (docs/http-api.md); a
+    listing's limit was invalid_value."""
+    response = httpx.get(f"{gateway.url}{path}", params={"limit": limit})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] | {"message": None} == {
+        "message": None,
+        "type": "invalid_request_error",
+        "param": "limit",
+        "code": code,
+    }
+
+
 def test_a_file_of_several_pieces_comes_back_byte_for_byte(sdk):
     line = json.dumps(chat_line("big", "é" * 3000), ensure_ascii=False) + "\n"  # two bytes a character
     text = line * (int(3.5 * PIECE_CHARS) // len(line))

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.api_keys import tenant_id
+from gateway.batch.schema import CreateBatch
 from gateway.errors import WWW_AUTHENTICATE, api_error_of
 from gateway.rate_headers import RATE_HEADERS_TIMEOUT_S
 from gateway.settings import GatewaySettings
@@ -589,6 +590,45 @@ def test_a_union_fields_error_is_its_values_member_not_the_first_member(extra, p
         parse_body(ChatCompletionRequest, json.dumps(body))
     error = refused.value.body.error
     assert (refused.value.status, error.param, error.code, error.message) == (400, param, code, message)
+
+
+BATCH = {"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+
+
+@pytest.mark.parametrize(
+    "shape, body", [(ChatCompletionRequest, {"model": "tiny", "messages": CHAT}), (CreateBatch, BATCH)]
+)
+@pytest.mark.parametrize(
+    "metadata, message",
+    [
+        ({"k" * 65: "v"}, "metadata: a key is over 64 characters"),
+        ({"k": "v" * 513}, "metadata: the value of 'k' is over 512 characters"),
+        (
+            {f"k{i}": "v" for i in range(17)},
+            "metadata: Dictionary should have at most 16 items after validation, not more",
+        ),
+    ],
+)
+def test_metadata_past_the_specs_bounds_is_a_400_naming_metadata(shape, body, metadata, message):
+    """OpenAI's Metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512.
+    The count was checked alone: a 10 KiB key or a 1 MiB value went in (and a batch's is kept in Redis)."""
+    with pytest.raises(APIError) as refused:
+        parse_body(shape, json.dumps({**body, "metadata": metadata}))
+    error = refused.value.body.error
+    assert (refused.value.status, error.param, error.code, error.message) == (
+        400,
+        "metadata",
+        "above_max_length",
+        message,
+    )
+
+
+@pytest.mark.parametrize(
+    "shape, body", [(ChatCompletionRequest, {"model": "tiny", "messages": CHAT}), (CreateBatch, BATCH)]
+)
+def test_metadata_at_the_specs_bounds_is_taken(shape, body):
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    assert parse_body(shape, json.dumps({**body, "metadata": metadata})).metadata == metadata
 
 
 def scrape_four_at_once(gateway: GatewayProcess) -> list[tuple[int, dict[str, float]]]:

@@ -20,6 +20,7 @@ from tests.openai_spec import SPEC, check
 from tests.support.jobs import job_count
 
 CHAT = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
 def post(gateway, path: str, body: dict) -> httpx.Response:
@@ -337,6 +338,18 @@ def test_completions_the_spec_allows_are_accepted(gateway, extra):
         ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        # Of the spec's, but not MILI's: a custom tool, an allowed_tools or custom choice (invalid_value).
+        ("/v1/chat/completions", {"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools.0"),
+        (
+            "/v1/chat/completions",
+            {"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}},
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {"tools": TOOLS, "tool_choice": {"type": "custom", "custom": {"name": "f"}}},
+            "tool_choice",
+        ),
         # The deprecated functions' answer, a message of role `function` (it was an invalid_value).
         (
             "/v1/chat/completions",

@@ -112,6 +112,23 @@ def test_invalid_client_settings_raise(client_kind):
     assert e.value.field == "max_queue_depth"
 
 
+@pytest.mark.parametrize("max_connections", [0, -1, True, 1.5, "8"])
+def test_a_bad_max_connections_is_an_invalid_argument_naming_it(client_kind, max_connections):
+    """redis-py raised its own ValueError for -1 and took 0 (and True) as no bound at all; a URL's
+    max_connections option was refused as InvalidArgument already."""
+    with pytest.raises(InvalidArgument) as e:
+        make_client(client_kind, DEAD_URL, "q", max_connections=max_connections)
+    assert e.value.field == "max_connections"
+
+
+@pytest.mark.parametrize("placement", ["no", "false", None, 0])
+def test_a_placement_that_is_not_a_bool_is_an_invalid_argument_naming_it(client_kind, placement):
+    """ "no" and "false" are true: they turned placement on, where the caller meant it off."""
+    with pytest.raises(InvalidArgument) as e:
+        make_client(client_kind, DEAD_URL, "q", placement=placement)
+    assert e.value.field == "placement"
+
+
 def test_same_request_id_twice_gives_one_job_and_one_stream_entry(client, redis_client, queue):
     request_id = f"order-{queue}"
     first = client.submit("hello", max_tokens=4, request_id=request_id)

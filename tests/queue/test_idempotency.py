@@ -67,6 +67,20 @@ def test_submit_many_refuses_a_chunk_with_a_request_id_of_another_request(client
     ]
 
 
+def test_submit_many_refuses_a_request_id_given_twice_in_one_call_with_two_requests(client, redis_client, queue):
+    """The second spec's id answered with the first's job (its prompt's text), where a later call
+    of the same id raised IdempotencyConflict. Refused before anything is sent; the same request
+    twice is still one job."""
+    request_id = f"r-{uuid.uuid4().hex}"
+    with pytest.raises(IdempotencyConflict) as e:
+        client.submit_many([{"prompt": "a", "request_id": request_id}, {"prompt": "b", "request_id": request_id}])
+    assert e.value.request_id == request_id
+    assert not redis_client.exists(KEYS.queue(queue), KEYS.job(request_id))
+    twice = [{"prompt": "a", "request_id": request_id}] * 2
+    assert client.submit_many(twice) == [request_id, request_id]
+    assert redis_client.xlen(KEYS.queue(queue)) == 1
+
+
 @pytest.mark.parametrize("fingerprint", [5, "", "not hex!", "f" * 1000])
 def test_a_malformed_request_fingerprint_is_refused_with_or_without_a_request_id(
     client, redis_client, queue, fingerprint
