@@ -133,7 +133,7 @@ class AsyncClient(ClientBase):
         return await steps.arun(self.redis, of_job(job_id, operations.status(self.keys, job_id)))
 
     async def cancel(self, job_id: str) -> JobStatus:
-        return await steps.arun(self.redis, of_job(job_id, operations.cancel(self, job_id)))
+        return await steps.arun(self.redis, of_job(job_id, operations.cancel(self.keys, job_id)))
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
         arguments = {"prompt": prompt, **kwargs}
@@ -161,7 +161,7 @@ class AsyncClient(ClientBase):
         return await steps.arun(self.redis, bulk.take_finished(watch, timeout, is_cluster(self.redis)))
 
     async def cancel_many(self, job_ids: Iterable[str]) -> None:
-        await steps.arun(self.redis, bulk.cancel_many(self, job_ids))
+        await steps.arun(self.redis, bulk.cancel_many(self.keys, job_ids))
 
     async def rate_limits(self) -> RateLimits:
         return await steps.arun(self.redis, current_rate_limits(self.keys, self.queue, self.tenant, self.quota_cache))

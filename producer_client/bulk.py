@@ -36,7 +36,7 @@ from producer_client.errors import (
 )
 from producer_client.keys import DONE_TTL_MS, NO_TENANT, Keys
 from producer_client.new_job import KnownParams, NewJob, build_job_of
-from producer_client.operations import cancel_call, remove_cancelled_entries, waiting_queues
+from producer_client.operations import cancel_call
 from producer_client.placement import Placement
 from producer_client.protocol import job_reads
 from producer_client.protocol import producer as scripts
@@ -418,7 +418,7 @@ def enqueue_commands(
             return
         if uses_queue_stream(shared, tenant):
             pairs = [(job.job_id, job.body) for job in shared]
-            scripts.enqueue_many(keys, queue, max_depth or 0, pairs).add_to(pipe)
+            scripts.enqueue_many(keys.queue(queue), max_depth or 0, pairs).add_to(pipe)
         else:
             scripts.enqueue_lanes(
                 keys, queue, tenant, [lane_job(job) for job in shared], max_depth or 0, limits
@@ -456,19 +456,12 @@ def forget_commands(jobs: list[NewJob], keys: Keys) -> AddCommands:
     return lambda pipe: scripts.add_forget(pipe, keys, [job.job_id for job in jobs])
 
 
-def cancel_many(client: ClientBase, job_ids: Iterable[str]) -> Steps[None]:
-    """CANCEL of each job in one pipeline, and the entries of those it ended while queued removed
-    (operations.cancel); then InvalidJob names the first job one of whose keys
+def cancel_many(keys: Keys, job_ids: Iterable[str]) -> Steps[None]:
+    """CANCEL of each job in one pipeline; then InvalidJob names the first job one of whose keys
     holds another type (its CANCEL wrote nothing), the others cancelled."""
-    keys = client.keys
     job_ids = check_job_ids(job_ids)
     if job_ids:
-        cancelled, replies, invalid = split_invalid(job_ids, (yield cancel_commands(keys, job_ids)))
-        waiting = {
-            job_id: waiting_queues(client, job_id) for job_id, reply in zip(cancelled, replies) if reply == "queued"
-        }
-        if waiting:
-            yield from remove_cancelled_entries(keys, waiting)
+        _, _, invalid = split_invalid(job_ids, (yield cancel_commands(keys, job_ids)))
         if invalid:
             raise InvalidJob(invalid[0], OTHER_TYPE)
 

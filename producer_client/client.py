@@ -161,7 +161,7 @@ class Client(ClientBase):
         """A queued job is cancelled at once; a running one stops within its worker's
         stream_interval_s if streamed, else its checkpoint_interval_s (plus a step), and
         keeps its partial output. Returns the status right after the request."""
-        return steps.run(self.redis, of_job(job_id, operations.cancel(self, job_id)))
+        return steps.run(self.redis, of_job(job_id, operations.cancel(self.keys, job_id)))
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
         """submit() then result(), without looking the job up: it was just created."""
@@ -198,7 +198,7 @@ class Client(ClientBase):
     def cancel_many(self, job_ids: Iterable[str]) -> None:
         """cancel() of each job in one round trip; an id with no job is passed over. InvalidJob
         names a job one of whose keys holds another type, once the others are cancelled."""
-        steps.run(self.redis, bulk.cancel_many(self, job_ids))
+        steps.run(self.redis, bulk.cancel_many(self.keys, job_ids))
 
     def rate_limits(self) -> RateLimits:
         """The client's tenant's rate limits on its queue now (counting nothing): what the

@@ -149,19 +149,6 @@ class Keys:
         statistics and dead letters find them."""
         return f"{self.prefix}:streams:{{{queue}}}"
 
-    def waiting_entries(self, queue: str) -> str:
-        """Hash: job id -> `<entry id> <stream>` of each job whose entry waits unread in one of the
-        queue's streams where a bound or a waiting quota counts it, written by the enqueue that
-        adds the entry (protocol/producer.py's ENQUEUE, ENQUEUE_MANY, ENQUEUE_LANES); READ deletes
-        the fields of the entries it reads, and a cancel's REMOVE_ENTRY the field and the entry
-        (docs/architecture.md, "What a cancel frees")."""
-        return f"{self.prefix}:waits:{{{queue}}}"
-
-    def queue_and_waiting_entries(self, queue: str) -> tuple[str, str]:
-        """The queue's own stream and its waiting_entries hash, ENQUEUE's keys, in one call: a
-        submit's hot path counts its calls (tests/queue/test_submit_work.py)."""
-        return f"{self.prefix}:q:{{{queue}}}", f"{self.prefix}:waits:{{{queue}}}"
-
     def doorbell(self, queue: str) -> str:
         """Stream, group `workers`: a producer that gives a lane work adds an entry, which wakes one
         idle worker blocked on it and the queue's stream (docs/architecture.md)."""

@@ -5,7 +5,6 @@ producer_client.job_stream."""
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import NamedTuple
 
@@ -44,8 +43,6 @@ from producer_client.waiting import (
     unended_expiry,
     wait_done,
 )
-
-log = logging.getLogger(__name__)
 
 
 def submit(client: ClientBase, job: NewJob) -> Steps[str]:
@@ -166,29 +163,6 @@ def enqueue_or_forget(
     outcome = enqueued(job, create, client.replication, replies)
     first = None if block_ms is None else FirstRead(end_read_of(read_reply), sent_at)
     return (reserved if reserved is not None else outcome), first
-
-
-def remove_cancelled_entries(keys: Keys, entries: dict[str, list[str]]) -> Steps[None]:
-    """The entries of jobs a cancel ended while queued (job id -> the queues, or shards, its
-    enqueue may have recorded it on: waiting_queues), removed from their streams in one round trip
-    (REMOVE_ENTRY, in each queue's slot). A failure is logged: the jobs are cancelled, and the
-    worker that reads an entry left behind drops it."""
-    calls = [scripts.remove_entry(keys, queue, job_id) for job_id, queues in entries.items() for queue in queues]
-    try:
-        checked((yield Repeatable(lambda pipe: [call.add_to(pipe) for call in calls])))
-    except Exception as failed:
-        log.warning("cancelled jobs' entries were not removed from their streams: %s", failed)
-
-
-def waiting_queues(client: ClientBase, job_id: str) -> list[str]:
-    """The queues whose enqueue may have recorded where `job_id`'s entry waits, as the canceller
-    knows them: its client's queue, or on a queue spread over shards the job id's shard and shard 0
-    (where a tenant with limits enqueues: enqueue_or_forget). A job of another queue is not
-    looked for: its entry is left to the worker that reads it, which drops it."""
-    queue = client.queue
-    if not client.shards.spreads:
-        return [queue]
-    return list(dict.fromkeys((client.shards.name_for(queue, job_id), queue)))
 
 
 def placed_elsewhere(client: ClientBase, job: NewJob, reserved: bool) -> Steps[tuple[Enqueued, FirstRead | None]]:
@@ -349,14 +323,10 @@ def status(keys: Keys, job_id: str) -> Steps[JobStatus]:
     return (yield from read_status(keys, check_job_id(job_id)))
 
 
-def cancel(client: ClientBase, job_id: str) -> Steps[JobStatus]:
-    """Client.cancel: CANCEL, the entry of a job it ended while queued removed from its stream
-    where its enqueue recorded it, then the job's status."""
-    keys = client.keys
+def cancel(keys: Keys, job_id: str) -> Steps[JobStatus]:
+    """Client.cancel: CANCEL, then the job's status."""
     job_id = check_job_id(job_id)
     (found,) = checked((yield cancel_call(keys, job_id).add_to))
     if found is None:
         raise JobNotFound(job_id)
-    if found == "queued":
-        yield from remove_cancelled_entries(keys, {job_id: waiting_queues(client, job_id)})
     return (yield from read_status(keys, job_id))

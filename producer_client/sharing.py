@@ -66,7 +66,7 @@ def enqueue_call(
     if stream is not None:
         return PlacedEntry(stream, job.job_id, job.body, placed_fields(job, tenant))
     if goes_to_queue_stream(job, tenant):
-        return scripts.enqueue(keys, queue, max_depth or 0, job.job_id, job.body)
+        return scripts.enqueue(keys.queue(queue), max_depth or 0, job.job_id, job.body)
     return scripts.enqueue_lanes(keys, queue, tenant, [lane_job(job)], max_depth or 0, limits)
 
 

@@ -61,12 +61,6 @@ def add_settled(pipe: Pipe, stream: str, entry_ids: list[str]) -> None:
     pipe.xdel(stream, *entry_ids)
 
 
-def add_records_deleted(pipe: Pipe, keys: Keys, queue: str, job_ids: list[str]) -> None:
-    """The records of where the jobs' entries waited (keys.waiting_entries), deleted: entries a
-    worker read outside READ, which deletes the records of those it reads."""
-    pipe.hdel(keys.waiting_entries(queue), *job_ids)
-
-
 def add_bells_answered(pipe: Pipe, keys: Keys, queue: str, bells: list[str]) -> None:
     """The doorbell's entries that woke this worker, acknowledged and deleted."""
     add_settled(pipe, keys.doorbell(queue), bells)

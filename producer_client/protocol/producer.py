@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from producer_client.keys import CANCELLED_TTL_S, DEFAULT_LANE, GROUP, LANES, NO_TENANT, PROTOCOL_VERSION, Keys
+from producer_client.keys import CANCELLED_TTL_S, DEFAULT_LANE, LANES, NO_TENANT, PROTOCOL_VERSION, Keys
 from producer_client.protocol.lanes import LUA_ACTIVATE, LUA_LANES, LUA_UNREAD
 from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_keys
 
@@ -88,10 +88,7 @@ return created
 )
 
 # KEYS: job, events, done. ARGV: result JSON of a cancelled job, TTL seconds of a queued one's keys.
-# Returns the status before the call, or nil if there is no such job. For a queued one the caller
-# then removes its entry (REMOVE_ENTRY, in the queue's slot, which the job's end here cannot reach
-# on a cluster), so that it stops counting against the stream's bound and the tenant's waiting
-# quota at once. A queued job ends here and
+# Returns the status before the call, or nil if there is no such job. A queued job ends here and
 # now (END_JOB), with the TTL (CANCELLED_TTL_S), so that its keys go even if no worker ever reads
 # its entry; a worker's claim of the entry gives them its result_ttl_s. A running one gets the
 # flag its worker reads every step. A job stream of another type (a producer may
@@ -157,49 +154,27 @@ return {'queued'}
 
 # -- a queue's keys -------------------------------------------------------------------------------
 
-# Prepended to the enqueue scripts: record(map, fields) writes where each entry added waits (`fields`:
-# job id, '<entry id> <stream>', ...) into the queue's keys.waiting_entries hash, in the same call as
-# the XADD, where a bound or a waiting quota counts the entries: a cancel's REMOVE_ENTRY finds the
-# entry there, in the queue's slot, without a round trip of the submit's own. A hash of another
-# type (a producer may write it) holds no record: the DEL that changed its type took them, so it is
-# made anew.
-LUA_RECORD = """
-local function record(map, fields)
-  if #fields == 0 then return end
-  local written = redis.pcall('HSET', map, unpack(fields))
-  if type(written) == 'table' then
-    redis.call('DEL', map)
-    redis.call('HSET', map, unpack(fields))
-  end
-end
-"""
-
-# KEYS: queue, its keys.waiting_entries hash. ARGV: max depth (0: no bound), job id, protocol
-# version, body. Returns {1, entry id}, or {0, depth} when the queue is full. Checking and adding in
-# one script makes the bound exact under any number of producers; nothing is ever trimmed. With a
-# bound, where the entry waits is recorded (LUA_RECORD). A job placed on a worker's own stream,
-# which has no bound, goes there by a plain XADD instead (PlacedEntry).
+# KEYS: queue. ARGV: max depth (0: no bound), job id, protocol version, body. Returns {1, entry
+# id}, or {0, depth} when the queue is full. Checking and adding in one script makes the bound
+# exact under any number of producers; nothing is ever trimmed. A job placed on a worker's own
+# stream, which has no bound, goes there by a plain XADD instead (PlacedEntry).
 ENQUEUE = Script(
     "enqueue",
-    LUA_RECORD
-    + """
+    """
 local max = tonumber(ARGV[1])
 if max > 0 then
   local depth = redis.call('XLEN', KEYS[1])
   if depth >= max then return {0, depth} end
 end
-local id = redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])
-if max > 0 then record(KEYS[2], {ARGV[2], id .. ' ' .. KEYS[1]}) end
-return {1, id}
+return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])}
 """,
 )
 
 # KEYS: the queue's scheduler hash, its set of lane streams, its doorbell, the tenant's rate-limit
 # hash, the lanes' sorted sets (priority, default, flex), then the tenant's stream in each lane in
-# the same order, then the queue's keys.waiting_entries hash. ARGV: max depth of one stream (0: no
-# bound), tenant ('-': none), weight ('': unchanged), requests and tokens per minute and max
-# waiting jobs (0: no limit each), '1' to reserve only (check and count, add nothing: a job placed
-# on a worker's own stream), protocol
+# the same order. ARGV: max depth of one stream (0: no bound), tenant ('-': none), weight ('':
+# unchanged), requests and tokens per minute and max waiting jobs (0: no limit each), '1' to
+# reserve only (check and count, add nothing: a job placed on a worker's own stream), protocol
 # version, then for each job: its lane (1-3, in LANES order), cost (its tokens: the prompt's
 # estimate and max_tokens), the requests it counts (1; 0 for a further job of one HTTP request:
 # OpenAI counts a request with n choices as one request and all of their tokens), the tokens it
@@ -213,17 +188,15 @@ return {1, id}
 # was refused ('' none; 'full' {depth, lane}; 'quota' {waiting, max}; 'too_large' {tokens, tpm};
 # 'rate' {retry after ms, 'requests' | 'tokens'}; 'other_type' {0, lane}: the tenant's stream of
 # that lane holds another type, which a producer wrote, and counts no waiting job), then each limit's limit, remaining and ms
-# until its bucket is full again, requests first} (0s for no limit). Where a bound or a waiting
-# quota counts the entries added, where each waits is recorded (LUA_RECORD).
+# until its bucket is full again, requests first} (0s for no limit).
 ENQUEUE_LANES = Script(
     "enqueue_lanes",
-    LUA_RECORD
-    + LUA_ACTIVATE
+    LUA_ACTIVATE
     + LUA_UNREAD
     + """
 local max_depth, tenant, weight = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local rpm, tpm, max_waiting = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local reserve, records = ARGV[7] == '1', max_depth > 0 or max_waiting > 0
+local reserve = ARGV[7] == '1'
 local waiting = 0
 if max_waiting > 0 then
   for i = 8, 10 do waiting = waiting + unread(KEYS[i]) end
@@ -246,7 +219,7 @@ if weight ~= '' and unless_wrongtype(redis.pcall('HSET', KEYS[1], 'w:' .. tenant
   redis.call('DEL', KEYS[1])  -- a scheduler hash of another type (LUA_LANES, sched_field)
   redis.call('HSET', KEYS[1], 'w:' .. tenant, weight)
 end
-local depths, added, reason, a, b, recorded = {}, 0, '', 0, '', {}
+local depths, added, reason, a, b = {}, 0, '', 0, ''
 for i = 9, #ARGV, 6 do
   local lane, cost, requests, tokens = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
   local stream = KEYS[7 + lane]
@@ -262,12 +235,8 @@ for i = 9, #ARGV, 6 do
   end
   if reason == '' and not reserve then
     local entry = {'XADD', stream, '*', 'id', ARGV[i + 4], 'v', ARGV[8], 'body', ARGV[i + 5], 'cost', cost}
-    local id = unless_wrongtype(redis.pcall(unpack(entry)), OTHER_TYPE)
-    if id == OTHER_TYPE then
+    if unless_wrongtype(redis.pcall(unpack(entry)), OTHER_TYPE) == OTHER_TYPE then
       reason, a, b = 'other_type', 0, LANES[lane]
-    elseif records then
-      table.insert(recorded, ARGV[i + 4])
-      table.insert(recorded, id .. ' ' .. stream)
     end
   end
   if reason ~= '' then break end
@@ -288,7 +257,6 @@ local function reset(tat, limit)
   if limit == 0 then return 0 end
   return math.ceil(tat - now)
 end
-record(KEYS[11], recorded)
 return {added, reason, a, b, rpm, remaining(tat_r, rpm), reset(tat_r, rpm), tpm, remaining(tat_t, tpm), reset(tat_t, tpm)}
 """,
 )
@@ -314,66 +282,20 @@ return id
 """,
 )
 
-# KEYS: queue, its keys.waiting_entries hash. ARGV: max depth (0: no bound), protocol version, then
-# each job's id and body. submit_many's ENQUEUE: adds the jobs in order while the queue holds fewer
-# than max depth entries, the bound ENQUEUE keeps for one job, so a chunk that would cross it fills
-# the queue up to it and adds no more; with a bound, where each entry waits is recorded
-# (LUA_RECORD). Returns {jobs added, depth after}.
+# KEYS: queue. ARGV: max depth (0: no bound), protocol version, then each job's id and body.
+# submit_many's ENQUEUE: adds the jobs in order while the queue holds fewer than max depth entries,
+# the bound ENQUEUE keeps for one job, so a chunk that would cross it fills the queue up to it and
+# adds no more. Returns {jobs added, depth after}.
 ENQUEUE_MANY = Script(
     "enqueue_many",
-    LUA_RECORD
-    + """
+    """
 local max, depth = tonumber(ARGV[1]), redis.call('XLEN', KEYS[1])
 local room = (#ARGV - 2) / 2
 if max > 0 then room = math.min(room, math.max(0, max - depth)) end
-local recorded = {}
 for i = 1, room do
-  local id = redis.call('XADD', KEYS[1], '*', 'id', ARGV[2 * i + 1], 'v', ARGV[2], 'body', ARGV[2 * i + 2])
-  if max > 0 then
-    table.insert(recorded, ARGV[2 * i + 1])
-    table.insert(recorded, id .. ' ' .. KEYS[1])
-  end
+  redis.call('XADD', KEYS[1], '*', 'id', ARGV[2 * i + 1], 'v', ARGV[2], 'body', ARGV[2 * i + 2])
 end
-record(KEYS[2], recorded)
 return {room, depth + room}
-""",
-)
-
-# KEYS: the queue's keys.waiting_entries hash. ARGV: the cancelled job's id, the queue's own stream.
-# Removes the entry where the job's enqueue recorded it (LUA_RECORD) and the record: the entry is
-# deleted where it is still there, names the job, and no worker has read it (no pending entry in
-# the group `workers`): the depth and the waiting count that the enqueue scripts check are the
-# stream's length and its unread entries, so they drop by one at once, and READ never delivers it.
-# An entry a worker has read is left to it: it no longer counts as waiting, and the worker's CLAIM
-# finds the job ended ('final') and acknowledges and deletes it, as before. READ and this script
-# both run in the queue's slot, and READ deletes the records of the entries it reads, so each entry
-# is either read or deleted, never both. The record is a producer's to write (docs/security.md):
-# the stream it names must be one of the queue's (the queue's own stream, or a name under it: a
-# lane's), which shares the hash's slot, and a cancel deletes no other job's entry. The stream is
-# not among KEYS: only the record names it, and a tenant's user may read its own lane stream alone.
-# Returns 1 if it deleted the entry, else 0 (no record, gone, read, or of another job).
-REMOVE_ENTRY = Script(
-    "remove_entry",
-    f"""
-local at = redis.pcall('HGET', KEYS[1], ARGV[1])
-if type(at) ~= 'string' then return 0 end
-redis.call('HDEL', KEYS[1], ARGV[1])
-local entry_id, stream = string.match(at, '^(%d+%-%d+) (.+)$')
-if not entry_id then return 0 end
-if stream ~= ARGV[2] and string.sub(stream, 1, #ARGV[2] + 1) ~= ARGV[2] .. ':' then return 0 end
-local found = redis.pcall('XRANGE', stream, entry_id, entry_id)
-if type(found) ~= 'table' or found.err or #found == 0 then return 0 end
-local fields, named = found[1][2], false
-for i = 1, #fields, 2 do
-  if fields[i] == 'id' then
-    named = fields[i + 1] == ARGV[1]
-    break
-  end
-end
-if not named then return 0 end
-local pending = redis.pcall('XPENDING', stream, '{GROUP}', entry_id, entry_id, 1)
-if type(pending) == 'table' and not pending.err and #pending > 0 then return 0 end
-return redis.call('XDEL', stream, entry_id)
 """,
 )
 
@@ -397,7 +319,6 @@ PRODUCER_SCRIPTS = (
     CREATE_MANY,
     CANCEL,
     FOLLOW,
-    REMOVE_ENTRY,
     ENQUEUE,
     ENQUEUE_MANY,
     ENQUEUE_LANES,
@@ -427,12 +348,6 @@ def follow(keys: Keys, job_id: str) -> ScriptCall:
     return ScriptCall(FOLLOW, (keys.job(job_id),))
 
 
-def remove_entry(keys: Keys, queue: str, job_id: str) -> ScriptCall:
-    """REMOVE_ENTRY of a cancelled job's entry where its enqueue on `queue` (a shard's name on a
-    queue of several) recorded it."""
-    return ScriptCall(REMOVE_ENTRY, (keys.waiting_entries(queue),), (job_id, keys.queue(queue)))
-
-
 def retry(keys: Keys, job_id: str, timeout_ms: int) -> ScriptCall:
     return ScriptCall(RETRY, job_keys(keys, job_id), (timeout_ms,))
 
@@ -441,9 +356,9 @@ def store_shards(sched: str, field: str, count: int) -> ScriptCall:
     return ScriptCall(STORE_SHARDS, (sched,), (field, count))
 
 
-def enqueue(keys: Keys, queue: str, max_depth: int, job_id: str, body: str) -> ScriptCall:
-    """ENQUEUE into `queue`'s own stream; max_depth 0: no bound."""
-    return ScriptCall(ENQUEUE, keys.queue_and_waiting_entries(queue), (max_depth, job_id, PROTOCOL_VERSION, body))
+def enqueue(stream: str, max_depth: int, job_id: str, body: str) -> ScriptCall:
+    """ENQUEUE into `stream`, a queue's own stream; max_depth 0: no bound."""
+    return ScriptCall(ENQUEUE, (stream,), (max_depth, job_id, PROTOCOL_VERSION, body))
 
 
 @dataclass(frozen=True)
@@ -504,7 +419,6 @@ def enqueue_lanes(
         keys.rate(queue, tenant),
         *(keys.lane(queue, lane) for lane in LANES),
         *(keys.lane_stream(queue, lane, tenant) for lane in LANES),
-        keys.waiting_entries(queue),
     )
     weight = "" if limits.weight is None else repr(float(limits.weight))
     head = (max_depth, tenant, weight, limits.rpm, limits.tpm, limits.max_waiting, int(reserve), PROTOCOL_VERSION)
@@ -542,9 +456,9 @@ def revive(
     return ScriptCall(REVIVE, call_keys, (letter_id, job_id, version, body, lane, tenant, cost))
 
 
-def enqueue_many(keys: Keys, queue: str, max_depth: int, ids_and_bodies: list[tuple[str, str]]) -> ScriptCall:
+def enqueue_many(stream: str, max_depth: int, ids_and_bodies: list[tuple[str, str]]) -> ScriptCall:
     flat = tuple(x for pair in ids_and_bodies for x in pair)
-    return ScriptCall(ENQUEUE_MANY, keys.queue_and_waiting_entries(queue), (max_depth, PROTOCOL_VERSION, *flat))
+    return ScriptCall(ENQUEUE_MANY, (stream,), (max_depth, PROTOCOL_VERSION, *flat))
 
 
 # -- a job's commands beside the scripts ----------------------------------------------------------

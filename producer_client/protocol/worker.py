@@ -491,12 +491,7 @@ return 1
 # one entry if a lane's stream has work left (an idle worker wakes to take it), none if not
 # (nobody needs waking; the queue's own stream wakes its idle readers by itself). Returns {{lane, tenant, {{id, {field, value...}}...}}...}, and {'!', stream, error} for a
 # stream that refused.
-# The 8th key: the queue's keys.waiting_entries hash, whose records of the entries read here it
-# deletes (a cancel's REMOVE_ENTRY then leaves a read entry to its worker: a record lives exactly
-# while its entry waits unread, and no record is left behind by an entry read, whatever becomes of
-# it: settled, reclaimed, dead-lettered). One HDEL a READ that took entries, in the script: no
-# command or reply of its own in the worker's pipeline.
-# With a 9th key, the worker's own stream (cache-aware placement; on one server, where it shares
+# With an 8th key, the worker's own stream (cache-aware placement; on one server, where it shares
 # the node: a round trip less per read), and a last ARGV, its room for any lane: that stream is
 # read first, up to that room, as {'own', '', entries}; the lanes' rooms shrink by what it gave
 # (flex's no further than its own ARGV says), and with none left in the highest lane and no
@@ -510,16 +505,16 @@ local group, consumer = ARGV[1], ARGV[2]
 local room = {{tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}}
 local default_cost = tonumber(ARGV[6])
 local placed = nil  -- {{'own', '', entries}} of the worker's own stream, where given it
-if KEYS[9] then
+if KEYS[8] then
   local own_room = tonumber(ARGV[#ARGV])
-  local reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', own_room, 'STREAMS', KEYS[9], '>')
+  local reply = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', own_room, 'STREAMS', KEYS[8], '>')
   reply = unless_wrongtype(reply, OTHER_TYPE)
   if reply == OTHER_TYPE then
     -- Producers may write it (mili:q:*): one of another type failed every READ, and the worker
     -- served nothing. Its placed jobs went with the DEL that changed its type; it is made a stream
     -- again with its group, as the worker's start makes it.
-    redis.call('DEL', KEYS[9])
-    redis.call('XGROUP', 'CREATE', KEYS[9], group, '0', 'MKSTREAM')
+    redis.call('DEL', KEYS[8])
+    redis.call('XGROUP', 'CREATE', KEYS[8], group, '0', 'MKSTREAM')
     reply = false
   end
   local n = reply and #reply[1][2] or 0
@@ -793,23 +788,6 @@ for l = 1, 3 do
   end
 end
 ring(left)
--- The records of the entries read (keys.waiting_entries): the job's id is the entry's field 'id'.
--- A record hash of another type (a producer may write it) is left to the next enqueue to remake.
-local read_ids = {{}}
-for _, got in ipairs(out) do
-  if got[1] ~= 'own' and got[1] ~= '!' then
-    for _, entry in ipairs(got[3]) do
-      local fields = entry[2]
-      for i = 1, #fields, 2 do
-        if fields[i] == 'id' then
-          read_ids[#read_ids + 1] = fields[i + 1]
-          break
-        end
-      end
-    end
-  end
-end
-if #read_ids > 0 then redis.pcall('HDEL', KEYS[8], unpack(read_ids)) end
 return out
 """,
 )
@@ -1120,7 +1098,6 @@ def read(
         keys.scheduler(queue),
         keys.doorbell(queue),
         keys.lane_streams(queue),
-        keys.waiting_entries(queue),
     )
     flat = tuple(x for (lane, tenant), tokens in corrections.items() for x in (lane, tenant, tokens))
     args = (GROUP, worker, *rooms, default_cost, len(corrections), *flat)

@@ -17,7 +17,7 @@ import pytest
 
 from harness.polling import eventually
 from harness.processes import REPO
-from producer_client import AsyncClient, Client, JobNotFound, WaitingQuotaExceeded
+from producer_client import AsyncClient, Client, JobNotFound
 from producer_client.keys import Keys
 from tests.support.clients import SyncView
 from tests.support.gateways import GatewayProcess
@@ -137,30 +137,3 @@ def test_the_batch_api_runs_a_batch_on_a_cluster(redis_cluster, queues, workers,
         assert texts == {f"c{i}": f"line {i:02d}"[:7] for i in range(40)}
     finally:
         gateway.stop()
-
-
-def test_a_cancel_frees_a_queued_jobs_place_at_once_though_its_hash_lies_on_another_shard(redis_cluster):
-    """No worker serves the queue. A tenant with a waiting quota of 3 fills it with jobs whose
-    hashes lie on other masters than the queue's streams (request ids chosen so) and one of a fresh
-    id; cancelled by the submitting client, by `mili cancel` (another process, which never saw the
-    entry) and by cancel_many, they free the quota at once: 3 more go in, the next is refused."""
-    run = uuid.uuid4().hex[:8]
-    queue, tenant = f"parked-{run}", f"t{run}"
-    with Client(redis_cluster.url, queue) as admin:
-        admin.tenant_quotas.set(tenant, max_waiting=3)
-    queue_master = redis_cluster.master_of(KEYS.queue(queue)).port
-    elsewhere = [f"{tenant}.r{n}" for n in range(200)]
-    elsewhere = [rid for rid in elsewhere if redis_cluster.master_of(KEYS.job(rid)).port != queue_master][:2]
-    with Client(redis_cluster.url, queue, tenant=tenant) as client:
-        ids = [client.submit("a", max_tokens=2, request_id=rid) for rid in elsewhere]
-        ids.append(client.submit("b", max_tokens=2, service_tier="flex"))
-        with pytest.raises(WaitingQuotaExceeded):
-            client.submit("over", max_tokens=2)
-        client.cancel(ids[0])
-        assert json.loads(mili(redis_cluster.url, queue, "cancel", ids[1]))["status"] == "cancelled"
-        client.cancel_many(ids[2:])
-        assert (client.queue_stats().depth, client.queue_stats().waiting) == (0, 0)
-        again = [client.submit("c", max_tokens=2) for _ in range(3)]
-        with pytest.raises(WaitingQuotaExceeded):
-            client.submit("over", max_tokens=2)
-        assert [client.status(job_id).status for job_id in ids + again] == ["cancelled"] * 3 + ["queued"] * 3

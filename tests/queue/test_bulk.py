@@ -454,7 +454,7 @@ def test_an_enqueue_that_fails_takes_back_the_hashes_of_its_jobs():
     assert [c[0] for c in creates] == ["EVALSHA"] * 3  # CREATE of the request ids first
     enqueue = commands_of(steps.send([1, 0, 1]))  # r1 is in the queue already
     assert [c[0] for c in enqueue] == ["HSETNX", "EVALSHA"]
-    assert enqueue[-1][7:] == ("r0", jobs[0].body, "r2", jobs[2].body, jobs[3].job_id, jobs[3].body)
+    assert enqueue[-1][6:] == ("r0", jobs[0].body, "r2", jobs[2].body, jobs[3].job_id, jobs[3].body)
     forget = commands_of(steps.throw(ConnectionError("lost")))
     assert forget == [("DEL", KEYS.job("r0"), KEYS.job("r2"), KEYS.job(jobs[3].job_id))]
     with pytest.raises(ConnectionError):

@@ -91,18 +91,13 @@ def test_scripts_load_on_a_server_that_lacks_them(redis_client, job_id):
 
 
 def test_enqueue_refuses_at_the_bound_and_never_trims(redis_client):
-    queue, waits = KEYS.queue_and_waiting_entries(uuid.uuid4().hex)
-    entry_ids = []
+    queue = KEYS.queue(uuid.uuid4().hex)
     for i in range(2):
-        added, entry_id = run(redis_client, ENQUEUE, [queue, waits], 2, f"j{i}", PROTOCOL_VERSION, "{}")
+        added, entry_id = run(redis_client, ENQUEUE, [queue], 2, f"j{i}", PROTOCOL_VERSION, "{}")
         assert added == 1 and entry_id
-        entry_ids.append(entry_id)
-    assert run(redis_client, ENQUEUE, [queue, waits], 2, "j2", PROTOCOL_VERSION, "{}") == [0, 2]
+    assert run(redis_client, ENQUEUE, [queue], 2, "j2", PROTOCOL_VERSION, "{}") == [0, 2]
     assert [f["id"] for _, f in redis_client.xrange(queue)] == ["j0", "j1"]
-    # With a bound, where each entry waits is recorded for a cancel (REMOVE_ENTRY); without, nothing.
-    assert redis_client.hgetall(waits) == {f"j{i}": f"{entry_ids[i]} {queue}" for i in range(2)}
-    assert run(redis_client, ENQUEUE, [queue, waits], 0, "j3", PROTOCOL_VERSION, "{}")[0] == 1  # 0: no bound
-    assert "j3" not in redis_client.hgetall(waits)
+    assert run(redis_client, ENQUEUE, [queue], 0, "j3", PROTOCOL_VERSION, "{}")[0] == 1  # 0: no bound
 
 
 def test_create_says_enqueue_until_an_enqueue_is_recorded(redis_client, job_id):

@@ -120,7 +120,7 @@ def test_a_submit_to_a_queue_without_workers_makes_few_python_calls(redis_server
 def test_a_script_call_and_a_fresh_create_record_what_redis_pys_methods_record():
     """The same commands, argument for argument, as evalsha and hsetnx made them (288b85c)."""
     keys = Keys()
-    call = protocol.enqueue(keys, "q", 7, "job-1", '{"prompt":"x"}')
+    call = protocol.enqueue(keys.queue("q"), 7, "job-1", '{"prompt":"x"}')
     ours, theirs = recorder(), recorder()
     call.add_to(ours)
     protocol.add_fresh_create(ours, keys, "job-1", 0)

@@ -118,6 +118,6 @@ def requeued_entry(keys: Keys, queue: str, job: Job) -> ScriptCall:
     """The fresh entry of a job given back: in the queue's own stream, or its lane's (ENQUEUE_LANES)."""
     body, route = job.request.to_json(), job.route
     if route == DEFAULT_ROUTE:
-        return producer.enqueue(keys, queue, 0, job.id, body)
+        return producer.enqueue(keys.queue(queue), 0, job.id, body)
     cost = len(job.prompt_token_ids) + job.request.params.max_tokens
     return producer.enqueue_lanes(keys, queue, route.tenant, [producer.LaneJob(route.lane, cost, job.id, body)], 0)

@@ -41,20 +41,11 @@ FLEX_READ_BATCH = 16
 
 class Settle:
     """What a read sends before it reads, once: acknowledgements (and deletes) of settled entries,
-    dead letters, the doorbell's entries this worker was woken by, and the records (keys.waiting_entries)
-    of the entries its idle wait read, (shard, job id) each: READ deletes those of the entries it
-    reads itself."""
+    dead letters, and the doorbell's entries this worker was woken by."""
 
-    def __init__(
-        self,
-        acks: list[str],
-        dead_letters: Sequence[DeadLetter],
-        bells: list[str],
-        records: Sequence[tuple[int, str]] = (),
-    ):
+    def __init__(self, acks: list[str], dead_letters: Sequence[DeadLetter], bells: list[str]):
         self.acks, self.dead_letters, self.bells = list(acks), list(dead_letters), list(bells)
-        self.records = list(records)
-        self.sent = not (self.acks or self.dead_letters or self.bells or self.records)
+        self.sent = not (self.acks or self.dead_letters or self.bells)
 
     def add_to(self, pipe: Pipe, reads: QueueReads) -> None:
         if self.sent:
@@ -62,8 +53,6 @@ class Settle:
         reads.streams.add_acks(pipe, self.acks)
         for shard, bells in bells_by_shard(self.bells).items():
             consumer.add_bells_answered(pipe, reads.keys, reads.shard_names[shard], bells)
-        for shard, job_ids in records_by_shard(self.records).items():
-            consumer.add_records_deleted(pipe, reads.keys, reads.shard_names[shard], job_ids)
         now = reads.clock.now()
         for letter in self.dead_letters:
             reads.streams.add_dead_letter(pipe, letter.entry_id, letter.letter(reads.worker, now))
@@ -113,8 +102,6 @@ class QueueReads:
         self.poll_ms = poll_ms
         # The doorbells' entries read (shard_ref names their shard), acknowledged with the next read.
         self.bells: list[str] = []
-        # The records of the entries the idle wait read (shard, job id), deleted with the next read.
-        self.records: list[tuple[int, str]] = []
         # On one server of one shard READ reads this worker's own stream too: one round trip a read.
         self.own_in_read = own is not None and len(shards.names) == 1 and not is_cluster(client)
         self.priority_lanes = [keys.lane(name, LANES[0]) for name in shards.names]  # see priority_waiting
@@ -144,7 +131,7 @@ class QueueReads:
         priority_waiting (or the look sent ahead since the last read) says there is one to read."""
         ahead = self.ahead.answer() if self.ahead is not None else None
         corrections = corrections or {}
-        settle = Settle(acks, dead_letters, self.bells, self.records)
+        settle = Settle(acks, dead_letters, self.bells)
         self.groups.look_with(block_ms is not None)
         self.full = rooms[0] > 0 >= rooms[1] and settle.sent and not corrections
         if self.full and not (self.priority_waiting() if ahead is None else ahead):
@@ -154,8 +141,6 @@ class QueueReads:
         else:
             taken, rooms = self._read_own_then_lanes(settle, rooms, corrections, flex_batch)
         self.bells = [b for b in self.bells if b not in settle.bells]
-        if settle.sent:
-            del self.records[: len(settle.records)]
         if taken or block_ms is None or rooms[2] <= 0:
             return taken
         return self._wait(rooms, block_ms, flex_batch)
@@ -293,11 +278,7 @@ class QueueReads:
             if key in bells:
                 self.bells += [shard_ref(entry_id, bells[key]) for entry_id, _ in entries]
             else:
-                got = self._entries(key, [(key, entries)])
-                of_shard = self.shards.of_stream.get(key)
-                if of_shard is not None:  # a shared stream's: the own stream's entries have no record
-                    self.records += [(of_shard, delivery.job_id) for delivery in got]
-                taken += got
+                taken += self._entries(key, [(key, entries)])
         if taken:
             return taken
         if self.bells:
@@ -326,14 +307,6 @@ def bells_by_shard(bells: list[str]) -> dict[int, list[str]]:
     for bell in bells:
         shard, entry_id = shard_parts(bell)
         by_shard.setdefault(shard, []).append(entry_id)
-    return by_shard
-
-
-def records_by_shard(records: list[tuple[int, str]]) -> dict[int, list[str]]:
-    """The job ids of (shard, job id) records, by shard."""
-    by_shard: dict[int, list[str]] = {}
-    for shard, job_id in records:
-        by_shard.setdefault(shard, []).append(job_id)
     return by_shard
 
 
