@@ -41,7 +41,7 @@ from starlette.responses import Response
 from gateway.api_keys import Access, AuthFailures, bearer_key
 from gateway.errors import RetryLater, headers_of, unauthorized
 from openai_format.errors import APIError
-from producer_client.hosts import Hosts, names_one_host
+from producer_client.hosts import ONE_HOST_LINE, Hosts, names_one_host
 
 # The form around a batch file (its boundary, headers and the purpose field) is far smaller.
 MULTIPART_OVERHEAD_BYTES = 64 << 10
@@ -234,7 +234,7 @@ def is_json(content_type: str | None) -> bool:
 # The refused name is not repeated: the header is the client's to fill.
 HOST_MISSING_OR_REPEATED = APIError(
     400,
-    "an HTTP/1.1 request carries exactly one Host header line (RFC 9112 3.2)",
+    ONE_HOST_LINE,
     "invalid_request_error",
     "invalid_host",
 )

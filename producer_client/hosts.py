@@ -34,6 +34,10 @@ class Hosts:
         return is_address(name) or name == "localhost" or name.endswith(".localhost") or name in self.names
 
 
+# What a request refused by names_one_host is told, by the gateway and by a worker's metrics.
+ONE_HOST_LINE = "an HTTP/1.1 request carries exactly one Host header line (RFC 9112 3.2)"
+
+
 def names_one_host(host_lines: int, http_version: str) -> bool:
     """RFC 9112 3.2: an HTTP/1.1 request without a Host line, or with several, is answered 400 (the
     server cannot tell which target it names); HTTP/1.0 had no Host to send. `http_version` as

@@ -61,21 +61,20 @@ def check_timeout(timeout: Any) -> float | None:
 
 
 def check_max_queue_depth(max_queue_depth: Any) -> int | None:
-    if max_queue_depth is not None and (
-        isinstance(max_queue_depth, bool) or not isinstance(max_queue_depth, int) or max_queue_depth < 1
-    ):
-        raise InvalidArgument("max_queue_depth", "must be a positive integer, or None for no limit")
-    return max_queue_depth
+    return optional_positive_int("max_queue_depth", max_queue_depth, "for no limit")
 
 
 def check_max_connections(max_connections: Any) -> int | None:
     """The pool's bound, as a URL's `max_connections` option is checked (connection.py): redis-py
     raised its own ValueError for a negative one and took 0 for no bound at all."""
-    if max_connections is not None and (
-        isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1
-    ):
-        raise InvalidArgument("max_connections", "must be a positive integer, or None for the default pool")
-    return max_connections
+    return optional_positive_int("max_connections", max_connections, "for the default pool")
+
+
+def optional_positive_int(name: str, value: Any, when_none: str) -> int | None:
+    """A positive int (not a bool) or None, which means `when_none`."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InvalidArgument(name, f"must be a positive integer, or None {when_none}")
+    return value
 
 
 def check_placement(placement: Any) -> bool:

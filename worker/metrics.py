@@ -15,7 +15,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from producer_client.allow import with_head
-from producer_client.hosts import Hosts, names_one_host
+from producer_client.hosts import ONE_HOST_LINE, Hosts, names_one_host
 from producer_client.keys import NO_TENANT
 from producer_client.schema import JobResult
 from worker.engine.outputs import EngineStats
@@ -68,7 +68,7 @@ HOST_NOT_ALLOWED = (
     b"this worker's metrics answer a Host header naming an address, localhost or one of allowed_hosts only "
     b"(MILI_ALLOWED_HOSTS, a JSON list)\n"
 )
-HOST_MISSING_OR_REPEATED = b"an HTTP/1.1 request carries exactly one Host header line (RFC 9112 3.2)\n"
+HOST_MISSING_OR_REPEATED = f"{ONE_HOST_LINE}\n".encode()
 HOST_LINES = "mili.host_lines"  # the environ key MetricsHandler counts the request's Host lines under
 # A scrape sends its request at once; Prometheus's own scrape_timeout defaults to 10 s.
 REQUEST_TIMEOUT_S = 10.0

@@ -246,8 +246,8 @@ class Worker:
             self.admission.admit()
 
     def _higher_lanes_held(self) -> bool:
-        running = self.holdings.running_lanes
-        return running.get("priority", 0) + running.get("default", 0) > 0
+        """Whether a job of a lane above flex (default, priority) is held."""
+        return any(count > 0 for lane, count in self.holdings.running_lanes.items() if lane != FLEX)
 
     def _admit_timed(self, look: AddCommands | None) -> bool:
         """Admission.admit, its time given to the flex pace when every entry admitted is flex."""
