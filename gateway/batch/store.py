@@ -79,7 +79,7 @@ class BatchStore:
         owner: str | None,
     ) -> FileObject | None:
         """Store a file of `owner` (a tenant's id) from its pieces (None if there are none)."""
-        await self._run(file_commands.clear_content(self.keys, file_id))
+        await self._run(file_commands.clear_content(self.keys, file_id, owner))
         size = 0
         async for piece in pieces:
             await self._run(file_commands.append_piece(self.keys, file_id, piece, ttl_s))

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 from producer_client.keys import Keys
 from producer_client.protocol.execution import Pipe
-from producer_client.protocol.files import owned_by
+from producer_client.protocol.files import indexes_read, owned_by
 from producer_client.protocol.script import Script, ScriptCall, add_all
 from producer_client.steps import Steps, checked
 
@@ -156,7 +156,9 @@ def release(keys: Keys, batch_id: str, holder: str) -> ScriptCall:
 
 
 def create_batch(keys: Keys, batch_id: str, fields: Fields, ttl_s: int, owner: str, created: float) -> Steps[None]:
-    """The batch's hash and its place in the indexes (`created`: epoch seconds, their order)."""
+    """The batch's hash and its place in the indexes (`created`: epoch seconds, their order), once
+    each index is read (files.indexes_read: one of another type refuses it with nothing written)."""
+    yield from indexes_read((keys.batches(), keys.batches_of(owner), keys.batches_unfinished()), batch_id)
 
     def add(pipe: Pipe) -> None:
         pipe.hset(keys.batch(batch_id), mapping={**fields, "ttl_s": ttl_s, **owned_by(owner)})

@@ -11,17 +11,33 @@ half-way is not found, and its pieces expire."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from producer_client.keys import Keys
 from producer_client.protocol.execution import Pipe
-from producer_client.steps import Steps, checked
+from producer_client.steps import Repeatable, Steps, checked
 
 PIECES_PER_READ = 8
 
 
-def clear_content(keys: Keys, file_id: str) -> Steps[None]:
+def indexes_read(indexes: Sequence[str], member: str) -> Steps[None]:
+    """A read (ZSCORE) of each index that a write is about to change, with the keys it indexes:
+    one of another type (an operator's mistake: the gateway's user alone writes them) is then a
+    WRONGTYPE with nothing written. In the write's own pipeline the other commands ran around the
+    one it failed (Redis undoes none, in MULTI neither): a file deleted, a batch stored and driven,
+    each answered 500 key_of_another_type."""
+    checked((yield Repeatable(lambda pipe: [pipe.zscore(index, member) for index in indexes])))
+
+
+def file_indexes(keys: Keys, owner: str | None) -> list[str]:
+    """The indexes a file of `owner` is in: every file's, and its owner's."""
+    return [keys.files()] + ([keys.files_of(owner)] if owner is not None else [])
+
+
+def clear_content(keys: Keys, file_id: str, owner: str | None) -> Steps[None]:
+    """The start of a file's upload: its indexes read (indexes_read), then no text under its id."""
+    yield from indexes_read(file_indexes(keys, owner), file_id)
     checked((yield lambda pipe: pipe.delete(keys.file_content(file_id))))
 
 
@@ -68,6 +84,7 @@ def pieces(keys: Keys, file_id: str, start: int) -> Steps[list[str]]:
 def delete_file(keys: Keys, file_id: str) -> Steps[bool]:
     """The file out of its indexes, then its keys; whether it existed."""
     (owner,) = checked((yield lambda pipe: pipe.hget(keys.file(file_id), "owner")))
+    yield from indexes_read(file_indexes(keys, owner), file_id)
 
     def delete(pipe: Pipe) -> None:
         pipe.zrem(keys.files(), file_id)

@@ -633,3 +633,56 @@ def test_a_failing_look_for_batches_is_logged_once_while_it_lasts(tmp_path):
         finally:
             gateway.stop()
             admin.close()
+
+
+def test_an_index_of_another_type_refuses_a_files_or_batchs_write_before_anything_is_written(tmp_path):
+    """A file's upload and delete and a batch's create each write a hash and the indexes it is in
+    (every owner's, its owner's, the unfinished batches) in one pipeline, which ran its other
+    commands around the one an index of another type failed: DELETE /v1/files/{id} answered 500
+    key_of_another_type with the file deleted, an upload and a create answered it with their file
+    or batch stored, and the batch driven (its lines enqueued) though its creator was told it
+    failed and never learned its id. Now each index is read first, and such a write is refused
+    with nothing written or deleted. A keyed gateway, so that its files and batches have an owner
+    and an owner's index; a private Redis, whose every key the test can see."""
+    key = uuid.uuid4().hex + uuid.uuid4().hex
+    with EmbeddedRedis(port=free_port()) as server:
+        admin = redis.Redis.from_url(server.url, decode_responses=True)
+        flags = (*gateway_flags("nobody-serves"), "--api-keys", json.dumps([key]))
+        gateway = GatewayProcess(server.url, tmp_path, *flags).start()
+        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
+        try:
+            file_id = upload(sdk, [chat_line("a", "x")])
+            (own_files,) = admin.keys(f"{KEYS.files()}:of:*")
+            owner = own_files.removeprefix(f"{KEYS.files()}:of:")
+            indexes = (KEYS.files(), own_files, KEYS.batches(), KEYS.batches_of(owner), KEYS.batches_unfinished())
+
+            def stored() -> tuple:
+                """Every file's and batch's keys, and what each index that is one names."""
+                named = [admin.zrange(i, 0, -1) if admin.type(i) == "zset" else None for i in indexes]
+                return sorted(admin.keys(f"{KEYS.prefix}:file:*") + admin.keys(f"{KEYS.prefix}:batch:*")), named
+
+            upload_one = lambda: upload(sdk, [chat_line("c", "z")])  # noqa: E731
+            delete = lambda: sdk.files.delete(file_id)  # noqa: E731
+            create = lambda: sdk.batches.create(  # noqa: E731
+                input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            writes = {indexes[0]: (upload_one, delete), indexes[1]: (upload_one, delete)}
+            writes |= {index: (create,) for index in indexes[2:]}
+            for index, calls in writes.items():
+                held = admin.dump(index)
+                admin.delete(index)
+                admin.set(index, "an operator's mistake")
+                for call in calls:
+                    before = stored()
+                    with pytest.raises(openai.InternalServerError) as refused:
+                        call()
+                    assert refused.value.code == "key_of_another_type", (index, refused.value.body)
+                    assert stored() == before, index
+                admin.delete(index)
+                if held is not None:
+                    admin.restore(index, 0, held)
+            assert sdk.files.retrieve(file_id).id == file_id
+        finally:
+            sdk.close()
+            gateway.stop()
+            admin.close()
