@@ -20,8 +20,9 @@
   without a CORS preflight, and must not enqueue work through a browser that can reach the
   gateway. 415 otherwise, as FastAPI answers for its own JSON bodies since CVE-2021-32677.
 - **From where.** A browser's request that may change something (not GET, HEAD, OPTIONS) from a
-  page of another origin (Sec-Fetch-Site) is refused 403 unless `cors_origins` grants that origin:
-  a form's multipart upload needs no preflight (is_cross_site_action).
+  page of another origin (Sec-Fetch-Site; without it, an Origin of another host than the Host
+  header) is refused 403 unless `cors_origins` grants that origin: a form's multipart upload needs
+  no preflight (is_cross_site_action).
 - **Where to.** An open gateway (no `api_keys`) answers a request only if its Host is an address,
   `localhost`, a name under `.localhost`, or one of `allowed_hosts` (producer_client.hosts: DNS
   rebinding; a worker's metrics answer by the same rule). A keyed gateway answers any Host: a
@@ -33,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import email.message
 import time
+import urllib.parse
 from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
@@ -210,16 +212,28 @@ def client_address(request: HTTPConnection) -> str:
 
 def is_cross_site_action(request: HTTPConnection, origins: frozenset[str]) -> bool:
     """A browser's request that may change something (not GET, HEAD, OPTIONS) sent by a page of
-    another origin (Sec-Fetch-Site, which browsers set and no page can; "same-site" is another
-    origin too: a page of another port of localhost) that cors_origins does not grant. A form's
-    multipart POST needs no CORS preflight: a page of any site could upload batch files, as much
-    as the file limit allows each time, through the browser of anyone who reaches an open gateway.
-    Go's net/http CrossOriginProtection answers the same. SDKs and curl send no Sec-Fetch-Site."""
+    another origin that cors_origins does not grant. A form's multipart POST needs no CORS
+    preflight: a page of any site could upload batch files, as much as the file limit allows each
+    time, through the browser of anyone who reaches an open gateway. Go's net/http
+    CrossOriginProtection answers the same, from Sec-Fetch-Site where the browser sends it (which
+    no page can set; "same-site" is another origin too: a page of another port of localhost), else
+    from an Origin whose host is not the Host header's (sent_from_elsewhere). SDKs and curl send
+    neither."""
     if request.scope["method"] in ("GET", "HEAD", "OPTIONS"):
         return False
-    if request.headers.get("sec-fetch-site", "same-origin") in ("same-origin", "none"):
+    site = request.headers.get("sec-fetch-site")
+    if site in ("same-origin", "none") or (site is None and not sent_from_elsewhere(request)):
         return False
     return "*" not in origins and request.headers.get("origin") not in origins
+
+
+def sent_from_elsewhere(request: HTTPConnection) -> bool:
+    """Whether a request without Sec-Fetch-Site (a browser older than it: Safari before 16.4) names
+    an Origin of another host than it asks for. No Origin: no browser's cross-origin request (a
+    browser sends Origin with every cross-origin POST); `null` (a sandboxed frame, a file) names no
+    host, so it is another's."""
+    origin = request.headers.get("origin")
+    return origin is not None and urllib.parse.urlsplit(origin).netloc != request.headers.get("host")
 
 
 def is_json(content_type: str | None) -> bool:
@@ -240,7 +254,8 @@ HOST_MISSING_OR_REPEATED = APIError(
 )
 CROSS_SITE_ACTION = APIError(
     403,
-    "a page of another site may not act here (Sec-Fetch-Site): name its origin in cors_origins to let it",
+    "a page of another site may not act here (Sec-Fetch-Site, or an Origin of another host than the Host header): "
+    "name its origin in cors_origins to let it",
     "invalid_request_error",
     "cross_site_request",
 )

@@ -168,13 +168,17 @@ def test_the_board_login_reads_a_bounded_form(edge_gateway, spool_dir):
 def test_a_json_route_takes_json_only_and_enqueues_nothing_else(edge_gateway, redis_client, content_type):
     before = job_count(redis_client)
     body = json.dumps({"model": "echo", "prompt": "cross-site", "max_tokens": 4}).encode()
-    headers = {"Authorization": f"Bearer {KEY}", "Origin": "https://evil.example"}
-    if content_type:
-        headers["Content-Type"] = content_type
-    for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/batches"):
-        response = httpx.post(f"{edge_gateway.url}{path}", content=body, headers=headers)
-        assert response.status_code == 415 and response.json()["error"]["code"] == "unsupported_media_type", path
-        assert "access-control-allow-origin" not in response.headers
+    # A page of the gateway's own origin must send JSON too; one of another site, which a browser
+    # too old for Sec-Fetch-Site marks by its Origin alone, is refused for where it comes from first.
+    refusals = {edge_gateway.url: (415, "unsupported_media_type"), "https://evil.example": (403, "cross_site_request")}
+    for origin, refusal in refusals.items():
+        headers = {"Authorization": f"Bearer {KEY}", "Origin": origin}
+        if content_type:
+            headers["Content-Type"] = content_type
+        for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/batches"):
+            response = httpx.post(f"{edge_gateway.url}{path}", content=body, headers=headers)
+            assert (response.status_code, response.json()["error"]["code"]) == refusal, (origin, path)
+            assert "access-control-allow-origin" not in response.headers
     assert job_count(redis_client) == before
 
 
@@ -219,12 +223,11 @@ def test_an_open_gateway_grants_no_cors_and_its_board_actions_need_their_header(
             headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
         )
         assert "access-control-allow-origin" not in preflight.headers
-        simple = httpx.post(
-            f"{gateway.url}/v1/completions",
-            content=b"{}",
-            headers={"Origin": "https://evil.example", "Content-Type": "text/plain"},
-        )
-        assert simple.status_code == 415 and "access-control-allow-origin" not in simple.headers
+        for origin, status in ((gateway.url, 415), ("https://evil.example", 403)):
+            simple = httpx.post(
+                f"{gateway.url}/v1/completions", content=b"{}", headers={"Origin": origin, "Content-Type": "text/plain"}
+            )
+            assert simple.status_code == status and "access-control-allow-origin" not in simple.headers
         action = httpx.post(f"{gateway.url}/board/job/cancel?id=anything", headers={"Origin": "https://evil.example"})
         assert action.status_code == 403
     finally:
@@ -277,6 +280,50 @@ def cross_site_uploads(gateway: GatewayProcess) -> None:
 def test_a_page_of_an_origin_cors_origins_grants_may_act(edge_gateway):
     body = json.dumps({"model": "echo", "prompt": "granted", "max_tokens": 1})
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", "Sec-Fetch-Site": "cross-site"}
+    granted = httpx.post(f"{edge_gateway.url}/v1/completions", content=body, headers={**headers, "Origin": ORIGIN})
+    assert granted.status_code != 403 and granted.headers["access-control-allow-origin"] == ORIGIN, granted.text
+    other = httpx.post(
+        f"{edge_gateway.url}/v1/completions", content=body, headers={**headers, "Origin": "https://evil.example"}
+    )
+    assert other.status_code == 403 and other.json()["error"]["code"] == "cross_site_request"
+
+
+def test_a_browser_that_sends_no_sec_fetch_site_is_judged_by_its_origin_against_the_host(tmp_path):
+    """Browsers older than Sec-Fetch-Site (Safari before 16.4, any engine before 2020) send a
+    cross-origin POST's Origin, not its mark: such a page's multipart upload went through as the
+    SDKs' did. Now, as Go's CrossOriginProtection answers, a request that may change something,
+    with no Sec-Fetch-Site and an Origin whose host is not the Host header's, is a 403 (the `null`
+    origin of a sandboxed frame or a file too). No Origin: no browser's cross-origin request, served;
+    GETs are served as before. A Redis of its own: the files listed are this test's."""
+    with EmbeddedRedis(port=free_port()) as server:
+        gateway = GatewayProcess(server.url, tmp_path).start()
+        line = json.dumps({"custom_id": "1", "method": "POST", "url": "/v1/chat/completions", "body": {}}).encode()
+
+        def upload(**headers: str) -> httpx.Response:
+            form = {"file": ("a.jsonl", line + b"\n")}
+            return httpx.post(f"{gateway.url}/v1/files", files=form, data={"purpose": "batch"}, headers=headers)
+
+        try:
+            for origin in ("https://evil.example", f"http://localhost:{gateway.port}", "null"):
+                refused = upload(Origin=origin)
+                assert refused.status_code == 403, (origin, refused.text)
+                assert refused.json()["error"]["code"] == "cross_site_request"
+                cancel = httpx.post(f"{gateway.url}/v1/batches/batch_{'0' * 32}/cancel", headers={"Origin": origin})
+                assert cancel.status_code == 403, (origin, cancel.text)
+            sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+            assert [f.id for f in sdk.files.list()] == []
+            assert upload(Origin=gateway.url).status_code == 200
+            assert upload().status_code == 200
+            read = httpx.get(f"{gateway.url}/v1/files", headers={"Origin": "https://evil.example"})
+            assert read.status_code == 200 and len(read.json()["data"]) == 2
+            sdk.close()
+        finally:
+            gateway.stop()
+
+
+def test_an_origin_cors_origins_grants_may_act_from_a_browser_without_sec_fetch_site(edge_gateway):
+    body = json.dumps({"model": "echo", "prompt": "granted", "max_tokens": 1})
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     granted = httpx.post(f"{edge_gateway.url}/v1/completions", content=body, headers={**headers, "Origin": ORIGIN})
     assert granted.status_code != 403 and granted.headers["access-control-allow-origin"] == ORIGIN, granted.text
     other = httpx.post(
