@@ -31,6 +31,7 @@ def idempotency_key(request: Request) -> str | None:
         raise bad_request(
             f"Idempotency-Key must be 1-{IDEMPOTENCY_KEY_CHARS} letters, digits and ._:@/-, starting with a letter or digit",
             "Idempotency-Key",
+            "string_above_max_length" if len(key) > IDEMPOTENCY_KEY_CHARS else "invalid_value",
         )
     return key
 

@@ -17,6 +17,7 @@ from producer_client.errors import (
     OutOfRange,
     QueueFull,
     RateLimited,
+    TooLong,
 )
 from producer_client.schema import JobExpired, JobFailed
 
@@ -69,6 +70,8 @@ def error_of(error: MiliError) -> APIError:
     """A client-library exception as OpenAI's error."""
     if isinstance(error, OutOfRange):  # as the gateway's own checks of a bound answer
         return bad_request(error.message, error.field, "below_min_value" if error.below else "above_max_value")
+    if isinstance(error, TooLong):
+        return bad_request(error.message, error.field, "string_above_max_length")
     if isinstance(error, InvalidArgument):  # the client library's bad value is OpenAI's invalid_value
         return bad_request(
             error.message, error.field, "invalid_value" if error.code == "invalid_argument" else error.code

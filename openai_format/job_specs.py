@@ -58,6 +58,7 @@ ERROR_CODES = {
     "less_than": "above_max_value",
     "too_short": "below_min_length",
     "too_long": "above_max_length",
+    "string_too_long": "string_above_max_length",  # OpenAI's "string too long"
 }
 
 

@@ -42,9 +42,11 @@ def within_metadata_bounds(metadata: dict[str, str]) -> dict[str, str]:
     whose error would name the field by the (long) key itself."""
     for key, value in metadata.items():
         if len(key) > METADATA_KEY_CHARS:
-            raise PydanticCustomError("too_long", f"a key is over {METADATA_KEY_CHARS} characters")
+            raise PydanticCustomError("string_too_long", f"a key is over {METADATA_KEY_CHARS} characters")
         if len(value) > METADATA_VALUE_CHARS:
-            raise PydanticCustomError("too_long", f"the value of {key!r} is over {METADATA_VALUE_CHARS} characters")
+            raise PydanticCustomError(
+                "string_too_long", f"the value of {key!r} is over {METADATA_VALUE_CHARS} characters"
+            )
     return metadata
 
 

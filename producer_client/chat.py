@@ -15,7 +15,8 @@ T = TypeVar("T")
 MAX_TOOLS = 128  # OpenAI's bound on `tools`
 # OpenAI's rule for a function's name; it also keeps names free of the characters that would let a
 # name break out of the chat template's JSON.
-FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+FUNCTION_NAME_CHARS = 64
+FUNCTION_NAME = re.compile(rf"[A-Za-z0-9_-]{{1,{FUNCTION_NAME_CHARS}}}")
 
 
 class Wire(BaseModel):
@@ -25,7 +26,9 @@ class Wire(BaseModel):
 class FunctionSpec(Wire):
     """What the model is told about a function: rendered into the prompt by the chat template."""
 
-    name: str = Field(pattern=f"^{FUNCTION_NAME.pattern}$")
+    # The length bound besides the pattern's: a name too long is refused as too long (pydantic
+    # checks it first), not as a name of other characters.
+    name: str = Field(pattern=f"^{FUNCTION_NAME.pattern}$", max_length=FUNCTION_NAME_CHARS)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema object
     strict: bool | None = None

@@ -47,6 +47,11 @@ class OutOfRange(InvalidArgument):
         return OutOfRange(field, self.detail, self.below)
 
 
+class TooLong(InvalidArgument):
+    """A string longer than its field allows (the gateway's string_above_max_length, OpenAI's code
+    for it)."""
+
+
 class BodyTooLarge(InvalidArgument):
     """The job's JSON body exceeds the size limit."""
 

@@ -9,7 +9,15 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from producer_client.chat import MAX_TOOLS, ChatMessage, NamedToolChoice, Tool, ToolCall, ToolChoice, tool_names
-from producer_client.errors import BodyTooLarge, InvalidArgument, InvalidBody, InvalidJob, MiliError, OutOfRange
+from producer_client.errors import (
+    BodyTooLarge,
+    InvalidArgument,
+    InvalidBody,
+    InvalidJob,
+    MiliError,
+    OutOfRange,
+    TooLong,
+)
 from producer_client.keys import NAME_PATTERN
 from producer_client.structured import FORMAT_TYPES, ResponseFormat
 
@@ -81,7 +89,8 @@ class SamplingParams(BaseModel):
         stop = fields["stop"]
         for s in stop:
             if not s or len(s) > MAX_STOP_STRING_CHARS:
-                raise InvalidArgument("stop", f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
+                error = TooLong if s else InvalidArgument
+                raise error("stop", f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
         check_token_ids("stop_token_ids", fields["stop_token_ids"])
         if fields["response_format"] is not None and stop:
             # A stop string is cut from the text, and the cut would break the structure.
@@ -108,6 +117,8 @@ def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArg
     field = ".".join(names).removeprefix(strip) or "body"
     if first["type"] in BOUNDS:
         return OutOfRange(field, first["msg"], below=BOUNDS[first["type"]])
+    if first["type"] == "string_too_long":
+        return TooLong(field, first["msg"])
     return InvalidArgument(field, first["msg"])
 
 

@@ -596,28 +596,25 @@ BATCH = {"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "complet
     "shape, body", [(ChatCompletionRequest, {"model": "tiny", "messages": CHAT}), (CreateBatch, BATCH)]
 )
 @pytest.mark.parametrize(
-    "metadata, message",
+    "metadata, code, message",
     [
-        ({"k" * 65: "v"}, "metadata: a key is over 64 characters"),
-        ({"k": "v" * 513}, "metadata: the value of 'k' is over 512 characters"),
+        ({"k" * 65: "v"}, "string_above_max_length", "metadata: a key is over 64 characters"),
+        ({"k": "v" * 513}, "string_above_max_length", "metadata: the value of 'k' is over 512 characters"),
         (
             {f"k{i}": "v" for i in range(17)},
+            "above_max_length",
             "metadata: Dictionary should have at most 16 items after validation, not more",
         ),
     ],
 )
-def test_metadata_past_the_specs_bounds_is_a_400_naming_metadata(shape, body, metadata, message):
+def test_metadata_past_the_specs_bounds_is_a_400_naming_metadata(shape, body, metadata, code, message):
     """OpenAI's Metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512.
-    The count was checked alone: a 10 KiB key or a 1 MiB value went in (and a batch's is kept in Redis)."""
+    The count was checked alone: a 10 KiB key or a 1 MiB value went in (and a batch's is kept in Redis).
+    A key or a value too long is a string too long (OpenAI's string_above_max_length)."""
     with pytest.raises(APIError) as refused:
         parse_body(shape, json.dumps({**body, "metadata": metadata}))
     error = refused.value.body.error
-    assert (refused.value.status, error.param, error.code, error.message) == (
-        400,
-        "metadata",
-        "above_max_length",
-        message,
-    )
+    assert (refused.value.status, error.param, error.code, error.message) == (400, "metadata", code, message)
 
 
 @pytest.mark.parametrize(
@@ -696,3 +693,46 @@ def test_a_scrape_answers_within_the_health_timeout_without_the_backlogs_while_r
     assert all(SILENT_HEALTH_TIMEOUT_S * 1000 <= ms < (SILENT_HEALTH_TIMEOUT_S + 0.7) * 1000 for ms in served_ms), (
         served_ms
     )
+
+
+TOO_LONG_STRINGS = [
+    ("/v1/completions", {"stop": ["x" * 257]}, {}, "stop"),
+    ("/v1/chat/completions", {"stop": "x" * 257}, {}, "stop"),
+    ("/v1/completions", {"guided_regex": "x" * 4097}, {}, "guided_regex"),
+    ("/v1/chat/completions", {"safety_identifier": "x" * 65}, {}, "safety_identifier"),
+    ("/v1/chat/completions", {"metadata": {"k" * 65: "v"}}, {}, "metadata"),
+    ("/v1/chat/completions", {"metadata": {"k": "v" * 513}}, {}, "metadata"),
+    (
+        "/v1/chat/completions",
+        {"tools": [{"type": "function", "function": {"name": "f" * 65}}]},
+        {},
+        "tools.0.function.name",
+    ),
+    ("/v1/completions", {}, {"Idempotency-Key": "k" * 101}, "Idempotency-Key"),
+]
+
+
+@pytest.mark.parametrize("path, extra, headers, param", TOO_LONG_STRINGS)
+def test_a_string_over_its_length_is_a_400_string_above_max_length_naming_it(
+    gateway, redis_client, path, extra, headers, param
+):
+    """OpenAI answers a string longer than its field allows with `string_above_max_length` ("string
+    too long"); the gateway answered most of them `invalid_value` (pydantic's string_too_long, the
+    client library's stop strings, a function's name by its pattern, the Idempotency-Key) and a
+    metadata key's or value's `above_max_length`, the code of a list too long. The SDK's
+    BadRequestError carries the code, nothing is enqueued."""
+    prompt = {"prompt": "x"} if path == "/v1/completions" else {"messages": CHAT}
+    before = job_count(redis_client)
+    sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    try:
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.post(
+                path.removeprefix("/v1"),
+                body={"model": "echo", "max_tokens": 4, **prompt, **extra},
+                cast_to=httpx.Response,
+                options={"headers": headers},
+            )
+    finally:
+        sdk.close()
+    assert (refused.value.code, refused.value.param) == ("string_above_max_length", param), refused.value.body
+    assert job_count(redis_client) == before
