@@ -190,7 +190,7 @@ class DrivenBatch:
         batch (its errors name the lines). The lines are copied into the batch, which so owns
         its input whatever becomes of the file."""
         file_id = fields["input_file_id"]
-        pieces = [piece async for piece in self.store.file_text(file_id)]
+        pieces = [piece async for piece in await self.store.file_text(file_id)]
         if await self.store.file(file_id) is None:
             return await self.fail(
                 [LineErrorBody(code="file_not_found", message=f"the input file {file_id} no longer exists")]

@@ -91,7 +91,7 @@ def add_file_routes(router: APIRouter, store: BatchStore, settings: GatewaySetti
     @router.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str):
         await owned_file(store, request, file_id)
-        return StreamingResponse(encoded(store.file_text(file_id)), media_type="application/jsonl")
+        return StreamingResponse(encoded(await store.file_text(file_id)), media_type="application/jsonl")
 
     @router.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str):

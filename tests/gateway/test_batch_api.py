@@ -686,3 +686,32 @@ def test_an_index_of_another_type_refuses_a_files_or_batchs_write_before_anythin
             sdk.close()
             gateway.stop()
             admin.close()
+
+
+def test_a_files_text_of_another_type_is_a_500_before_its_answer_begins(tmp_path):
+    """GET /v1/files/{id}/content streams the file's text: its first read came after the 200 had
+    gone out, so a text key of another type cut the answer off (an incomplete chunked body, which
+    the SDK raised as a broken connection and retries) with uvicorn's traceback in the log. Now
+    the first pieces are read before the answer begins: a 500 key_of_another_type, not retried."""
+    with EmbeddedRedis(port=free_port()) as server:
+        admin = redis.Redis.from_url(server.url, decode_responses=True)
+        gateway = GatewayProcess(server.url, tmp_path, *gateway_flags("nobody-serves")).start()
+        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+        try:
+            file_id = upload(sdk, [chat_line("a", "x")])
+            text = sdk.files.content(file_id).text
+            held = admin.dump(KEYS.file_content(file_id))
+            admin.delete(KEYS.file_content(file_id))
+            admin.set(KEYS.file_content(file_id), "an operator's mistake")
+            with pytest.raises(openai.InternalServerError) as refused:
+                sdk.files.content(file_id)
+            assert refused.value.code == "key_of_another_type", refused.value.body
+            assert refused.value.response.headers["x-should-retry"] == "false"
+            admin.delete(KEYS.file_content(file_id))
+            admin.restore(KEYS.file_content(file_id), 0, held)
+            assert sdk.files.content(file_id).text == text
+            assert "Exception in ASGI application" not in gateway.log(), gateway.log()
+        finally:
+            sdk.close()
+            gateway.stop()
+            admin.close()
