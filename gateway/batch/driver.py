@@ -56,6 +56,7 @@ from openai_format.batch_lines import (
 )
 from openai_format.errors import APIError
 from producer_client import AsyncClient, BulkQueueFull
+from producer_client.connection import is_other_type
 
 log = logging.getLogger("gateway.batch")
 
@@ -190,7 +191,14 @@ class DrivenBatch:
         batch (its errors name the lines). The lines are copied into the batch, which so owns
         its input whatever becomes of the file."""
         file_id = fields["input_file_id"]
-        pieces = [piece async for piece in await self.store.file_text(file_id)]
+        try:
+            pieces = [piece async for piece in await self.store.file_text(file_id)]
+        except redis.ResponseError as e:
+            if not is_other_type(e):
+                raise
+            # No retry mends it: given up, the batch was taken again every poll, with a traceback.
+            message = f"the input file {file_id}'s text holds another type than MILI writes there (WRONGTYPE)"
+            return await self.fail([LineErrorBody(code="invalid_input_file", message=message)])
         if await self.store.file(file_id) is None:
             return await self.fail(
                 [LineErrorBody(code="file_not_found", message=f"the input file {file_id} no longer exists")]

@@ -715,3 +715,28 @@ def test_a_files_text_of_another_type_is_a_500_before_its_answer_begins(tmp_path
             sdk.close()
             gateway.stop()
             admin.close()
+
+
+def test_a_batch_whose_input_text_is_of_another_type_fails_naming_it(tmp_path):
+    """A batch's input file whose text key holds another type: its validation raised WRONGTYPE,
+    the driver logged 'driving stopped' with a traceback and gave the batch up, the next look took
+    it again, a traceback every poll for as long as the batch lived, and it stayed `validating`.
+    Now it fails as a batch whose input file is gone does, its error naming the file."""
+    with EmbeddedRedis(port=free_port()) as server:
+        admin = redis.Redis.from_url(server.url, decode_responses=True)
+        gateway = GatewayProcess(server.url, tmp_path, *gateway_flags("nobody-serves")).start()
+        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+        try:
+            file_id = upload(sdk, [chat_line("a", "x")])
+            admin.delete(KEYS.file_content(file_id))
+            admin.set(KEYS.file_content(file_id), "an operator's mistake")
+            batch = sdk.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+            ended = wait_for(sdk, batch.id, lambda b: b.status in ENDED, timeout=30)
+            assert ended.status == "failed", ended
+            (error,) = ended.errors.data
+            assert error.code == "invalid_input_file" and file_id in error.message, error
+            assert "driving stopped" not in gateway.log(), gateway.log()
+        finally:
+            sdk.close()
+            gateway.stop()
+            admin.close()
