@@ -114,4 +114,6 @@ def refusal_error(
 
 
 def rate_limits_of(outcome: Enqueued) -> RateLimits:
-    return RateLimits.from_reply(list(outcome.limits)) if outcome.limits else NO_RATE_LIMITS
+    """The tenant's rate limits the enqueue answered. All six 0 (a tenant without rate limits, the
+    most common): NO_RATE_LIMITS, equal to what they read as, without their generator and dataclass."""
+    return RateLimits.from_reply(list(outcome.limits)) if any(outcome.limits) else NO_RATE_LIMITS

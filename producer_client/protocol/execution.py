@@ -85,10 +85,7 @@ def recorder() -> Commands:
     return commands
 
 
-# Rounds of load-and-resend for the EVALSHAs that met NOSCRIPT: a server can lose the scripts
-# again between the load and the resend (two SCRIPT FLUSHes in a row, a failover after a
-# failover). One that loses them every round is being flushed on purpose; its NOSCRIPT is the reply.
-SCRIPT_RELOADS = 3
+SCRIPT_RELOADS = 3  # rounds of load-and-resend for the EVALSHAs that met NOSCRIPT (_reloaded)
 # What a caller adds commands to: a Commands, typed Any because redis-py's command stubs take only
 # a client as `self`; and what it hands `execute`, which adds one exchange's commands to one.
 Pipe = Any
@@ -129,18 +126,20 @@ def execute(
     single command's, until the failover is over."""
     commands = recorder()
     add_commands(commands)
+    stack = commands.stack
     try:
-        with topology_errors():
-            replies = _send(client, commands.stack, repeatable)
-            for _ in range(SCRIPT_RELOADS):
-                missing = _lacking_scripts(replies)
-                if not missing:
-                    break
-                load_scripts(client, scripts)
-                _splice(replies, missing, _send(client, [commands.stack[i] for i in missing]))
+        if is_cluster(client):
+            with topology_errors():
+                replies = _send(client, stack, repeatable)
+        else:
+            # One server raises no cluster's errors: the exchange alone, no context of topology_errors.
+            replies = _exchange(client, stack)
+        missing = _lacking_scripts(replies)
+        if missing:  # NOSCRIPT: the reload is off the way of every exchange that met none
+            _reloaded(client, stack, replies, missing, scripts)
     except REDIS_FAILURES as e:
-        raise_typed(e, client, [args for args, _ in commands.stack])
-    return _checked(replies, raise_on_error)
+        raise_typed(e, client, [args for args, _ in stack])
+    return _checked(replies) if raise_on_error else replies
 
 
 async def aexecute(
@@ -153,20 +152,48 @@ async def aexecute(
     """`execute` for a redis.asyncio client."""
     commands = recorder()
     add_commands(commands)
+    stack = commands.stack
     try:
-        with topology_errors():
-            if is_cluster(client) and any(_NODE_OF in options for _, options in commands.stack):
-                await client.initialize()  # the slot table, to route each WAIT to its node; once per client
-            replies = await _asend(client, commands.stack, repeatable)
-            for _ in range(SCRIPT_RELOADS):
-                missing = _lacking_scripts(replies)
-                if not missing:
-                    break
-                await aload_scripts(client, scripts)
-                _splice(replies, missing, await _asend(client, [commands.stack[i] for i in missing]))
+        if is_cluster(client):
+            with topology_errors():
+                if any(_NODE_OF in options for _, options in stack):
+                    await client.initialize()  # the slot table, to route each WAIT to its node; once per client
+                replies = await _asend(client, stack, repeatable)
+        else:
+            replies = await _aexchange(client, stack)
+        missing = _lacking_scripts(replies)
+        if missing:
+            await _areloaded(client, stack, replies, missing, scripts)
     except REDIS_FAILURES as e:
-        raise_typed(e, client, [args for args, _ in commands.stack])
-    return _checked(replies, raise_on_error)
+        raise_typed(e, client, [args for args, _ in stack])
+    return _checked(replies) if raise_on_error else replies
+
+
+def _reloaded(client: SyncRedis, stack: Stack, replies: Replies, missing: list[int], scripts: Sequence[Script]) -> None:
+    """`replies`, each NOSCRIPT at `missing` replaced by the reply of its EVALSHA sent again once the
+    scripts are loaded (on every master of a cluster), for up to SCRIPT_RELOADS rounds: a server can
+    lose them again between the load and the resend (two SCRIPT FLUSHes in a row, a failover after
+    a failover). One that loses them every round is being flushed on purpose; its NOSCRIPT is the reply."""
+    with topology_errors():
+        for _ in range(SCRIPT_RELOADS):
+            load_scripts(client, scripts)
+            _splice(replies, missing, _send(client, [stack[i] for i in missing]))
+            missing = _lacking_scripts(replies)
+            if not missing:
+                return
+
+
+async def _areloaded(
+    client: AsyncRedis, stack: Stack, replies: Replies, missing: list[int], scripts: Sequence[Script]
+) -> None:
+    """`_reloaded` for a redis.asyncio client."""
+    with topology_errors():
+        for _ in range(SCRIPT_RELOADS):
+            await aload_scripts(client, scripts)
+            _splice(replies, missing, await _asend(client, [stack[i] for i in missing]))
+            missing = _lacking_scripts(replies)
+            if not missing:
+                return
 
 
 def load_scripts(client: SyncRedis, scripts: Sequence[Script] = ()) -> None:
@@ -174,7 +201,7 @@ def load_scripts(client: SyncRedis, scripts: Sequence[Script] = ()) -> None:
     try:
         with topology_errors():
             # The masters are named anew for each try: after a failover the old one answers no more.
-            _checked(_send(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
+            _checked(_send(client, lambda: _script_loads(client, scripts)))
     except REDIS_FAILURES as e:
         raise_typed(e, client, [("SCRIPT LOAD",)])
 
@@ -183,7 +210,7 @@ async def aload_scripts(client: AsyncRedis, scripts: Sequence[Script] = ()) -> N
     """`load_scripts` for a redis.asyncio client."""
     try:
         with topology_errors():
-            _checked(await _asend(client, lambda: _script_loads(client, scripts)), raise_on_error=True)
+            _checked(await _asend(client, lambda: _script_loads(client, scripts)))
     except REDIS_FAILURES as e:
         raise_typed(e, client, [("SCRIPT LOAD",)])
 
@@ -369,7 +396,12 @@ def _packed(connection: Any, stack: Stack) -> list[bytes]:
     DataError."""
     try:
         # A name of two words is split (_words). A name given as bytes raises TypeError here: redis-py's packer.
-        return [b"".join([pack_command(_words(args) if " " in args[0] else args) for args, _ in stack])]
+        # A loop, not a comprehension, whose frame (Python 3.11) costs more than this loop over an
+        # exchange's few commands: every exchange of every component packs.
+        parts: list[bytes] = []
+        for args, _ in stack:
+            parts.append(pack_command(_words(args) if " " in args[0] else args))
+        return [b"".join(parts)]
     except TypeError:
         packed: list[bytes] = connection.pack_commands([args for args, _ in stack])
         return packed
@@ -482,9 +514,9 @@ def _splice(replies: Replies, positions: list[int], again: Replies) -> None:
         replies[i] = reply
 
 
-def _checked(replies: Replies, raise_on_error: bool) -> Replies:
-    if raise_on_error:
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
+def _checked(replies: Replies) -> Replies:
+    """`replies`, raising the first error among them."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
     return replies

@@ -15,13 +15,17 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from producer_client import Client
 from producer_client.cluster import AsyncCluster, Cluster, is_cluster
-from producer_client.keys import DEFAULT_LANE, NO_TENANT, Keys
+from producer_client.keys import DEFAULT_LANE, LANES, NO_TENANT, Keys
 from producer_client.new_job import build_job
 from producer_client.placement import Placed, Placement, View
+from producer_client.protocol import execution
 from producer_client.protocol import producer as protocol
 from producer_client.protocol.execution import _lacking_scripts, recorder
+from producer_client.protocol.replies import Enqueued, Refusal, UnknownReply, parse_enqueue
+from producer_client.quotas import Quotas
+from producer_client.rate_limits import NO_RATE_LIMITS, RateLimits
 from producer_client.schema import JobRequest, SamplingParams
-from producer_client.sharing import goes_to_queue_stream, uses_queue_stream
+from producer_client.sharing import goes_to_queue_stream, rate_limits_of, uses_queue_stream
 
 PROMPTS = [
     "hello",
@@ -114,7 +118,35 @@ def test_a_submit_to_a_queue_without_workers_makes_few_python_calls(redis_server
         # the commands recorder's __init__, besides build_job's above). 288b85c: 94 (redis-py's
         # hsetnx, evalsha and _evalsha methods, ABCMeta's two subclass checks, the single job's
         # lane test's generator, the NOSCRIPT scan's comprehension, the callbacks' get per reply).
-        assert python_calls(lambda: client.submit("a prompt", max_tokens=1, temperature=0.0)) <= 84
+        # 2993be3: 84 (topology_errors' __enter__ and __exit__ and _send around one server's
+        # exchange, _checked's call where nothing is raised, _packed's comprehension).
+        assert python_calls(lambda: client.submit("a prompt", max_tokens=1, temperature=0.0)) <= 79
+
+
+def test_a_tenants_submit_to_a_lane_makes_few_python_calls(redis_server, queue):
+    """Client.submit of a tenant without limits to the flex lane (ENQUEUE_LANES), no worker: its
+    Python calls, the round trip's included. A tenant of its own (no other test sets its quotas), whose
+    settings the client reads once (not again past CACHE_S on a loaded machine)."""
+    with Client(redis_server.url, queue=queue, tenant=f"solo-{queue}") as client:
+        client.quota_cache = Quotas(cache_s=3600)
+        for i in range(3):  # the scripts loaded, the view read, the quotas read, the params validated
+            client.submit(f"warm {i}", max_tokens=1, temperature=0.0, service_tier="flex")
+        # 2993be3: 129 (ENQUEUE_LANES' ten keys named at every submit, by 14 calls and two
+        # generators; its arguments by a generator; LaneJob's and Enqueued's dataclass __init__;
+        # the refusal by Refusal(text), Enum's three calls; rate limits of six 0 read by a generator
+        # into a dataclass; with the plain submit's five above).
+        submit = lambda: client.submit("a prompt", max_tokens=1, temperature=0.0, service_tier="flex")  # noqa: E731
+        assert python_calls(submit) <= 84
+
+
+def test_an_exchange_on_one_server_makes_few_python_calls(redis_server):
+    """execution.execute of one PING (every component's round trips go this way): no cluster's
+    context, no NOSCRIPT reload and no check of errors where none is raised."""
+    with Client(redis_server.url, queue="q") as client:
+        ping = lambda: execution.execute(client.redis, lambda pipe: pipe.execute_command("PING"))  # noqa: E731
+        for _ in range(2):
+            assert ping() == [True]
+        assert python_calls(ping) <= 27  # 2993be3: 31
 
 
 def test_a_script_call_and_a_fresh_create_record_what_redis_pys_methods_record():
@@ -151,3 +183,46 @@ def test_the_noscript_scan_finds_every_refused_script_in_order():
     replies = [1, NoScriptError("NOSCRIPT"), ResponseError("WRONGTYPE"), NoScriptError("NOSCRIPT"), None]
     assert _lacking_scripts(replies) == [1, 3]
     assert _lacking_scripts([]) == []
+
+
+def test_enqueue_lanes_keys_are_the_keys_of_their_prefix_queue_and_tenant(monkeypatch):
+    """ENQUEUE_LANES' ten keys, named once per prefix, queue and tenant: the names Keys gives, in
+    the script's order, for each; the memo starts again empty past ENQUEUE_LANES_KEYS_KEPT."""
+    monkeypatch.setattr(protocol, "_ENQUEUE_LANES_KEYS", {})
+    monkeypatch.setattr(protocol, "ENQUEUE_LANES_KEYS_KEPT", 2)
+    for _ in range(2):  # the second time from the memo (or named again after it was emptied)
+        for keys, queue, tenant in [(Keys(), "q", "acme"), (Keys("other"), "q", "acme"), (Keys(), "q", NO_TENANT)]:
+            assert protocol.enqueue_lanes_keys(keys, queue, tenant) == (
+                keys.scheduler(queue),
+                keys.lane_streams(queue),
+                keys.doorbell(queue),
+                keys.rate(queue, tenant),
+                *(keys.lane(queue, lane) for lane in LANES),
+                *(keys.lane_stream(queue, lane, tenant) for lane in LANES),
+            )
+            assert len(protocol._ENQUEUE_LANES_KEYS) <= 2
+    jobs = [protocol.LaneJob("flex", 5, "a", "{}"), protocol.LaneJob(DEFAULT_LANE, 3, "b", "{}", 0, 9)]
+    call = protocol.enqueue_lanes(Keys(), "q", "acme", jobs, 10)
+    assert call.keys == protocol.enqueue_lanes_keys(Keys(), "q", "acme")
+    flex, default = LANES.index("flex") + 1, LANES.index(DEFAULT_LANE) + 1
+    assert call.args[8:] == (flex, 5, 1, 5, "a", "{}", default, 3, 0, 9, "b", "{}")
+
+
+@pytest.mark.parametrize("refusal", list(Refusal))
+def test_an_enqueue_lanes_refusal_is_read_by_its_text(refusal):
+    reply = [0, refusal.value, 3, "x", 0, 0, 0, 0, 0, 0]
+    assert parse_enqueue(reply) == Enqueued(0, refusal, (3, "x"), (0, 0, 0, 0, 0, 0))
+    assert parse_enqueue(reply).refusal is refusal
+
+
+@pytest.mark.parametrize("text", ["nope", None, 1, ["full"]])
+def test_an_enqueue_lanes_refusal_of_no_known_text_is_an_unknown_reply(text):
+    with pytest.raises(UnknownReply):
+        parse_enqueue([0, text, 3, "x", 0, 0, 0, 0, 0, 0])
+
+
+def test_rate_limits_of_six_zeros_are_no_rate_limits_and_others_are_read():
+    assert rate_limits_of(Enqueued(1, Refusal.NONE, (0, ""), (0, 0, 0, 0, 0, 0))) == NO_RATE_LIMITS
+    assert rate_limits_of(Enqueued(1)) == NO_RATE_LIMITS
+    assert rate_limits_of(Enqueued(1, Refusal.NONE, (0, ""), (10, 9, 6000, 0, 0, 0))) == RateLimits(10, 9, 6.0)
+    assert rate_limits_of(Enqueued(1, Refusal.NONE, (0, ""), (0, 0, 0, 0, 0, 1))).reset_tokens_s == 0.001
