@@ -46,6 +46,25 @@ class TokensEvent(BaseModel):
 # json.dumps makes an encoder per call when given options; one made once serves every event.
 _json_text = json.JSONEncoder(ensure_ascii=False).encode
 _json_ascii = json.JSONEncoder().encode  # json.dumps's own escaping of a string
+# Token ids below this keep their decimal text once made (_Decimals): every id of a model's
+# vocabulary (Qwen3's 151,936), a few MB at most in a worker that writes every one of them.
+DECIMAL_CACHE_IDS = 2**18
+
+
+class _Decimals(dict[int, str]):
+    """Each token id's decimal text, made once: a tokens event's ids are most of its cost, and an
+    int's str() costs about ten times a dict's subscript (bench/RESULTS.md, y/pub7). An id's integer
+    value is written (an int-like id, a bool, a numpy int, shares its int's key). Written from the
+    publisher's thread and the loop's: a race makes one id's text twice, the same text."""
+
+    def __missing__(self, token_id: int) -> str:
+        text = str(int(token_id))
+        if 0 <= token_id < DECIMAL_CACHE_IDS:
+            self[token_id] = text
+        return text
+
+
+_decimal = _Decimals().__getitem__
 
 
 def encode_start(worker: str, started_at: float | None, resumed_tokens: int, output_format: OutputFormat | None) -> str:
@@ -63,7 +82,7 @@ def encode_tokens(token_ids: list[int], text: str, logprobs: list[TokenLogprob] 
     """A tokens event's JSON, {"ids": [...], "text": "...", "logprobs": [...]}. Without logprobs
     (most events) it is put together here: json.dumps of the whole dict costs twice as much."""
     if logprobs is None:
-        return '{"ids":[' + ",".join(map(str, token_ids)) + '],"text":' + _json_text(text) + "}"
+        return '{"ids":[' + ",".join(map(_decimal, token_ids)) + '],"text":' + _json_text(text) + "}"
     payload = {"ids": token_ids, "text": text, "logprobs": [lp.model_dump() for lp in logprobs]}
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 

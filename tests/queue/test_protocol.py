@@ -180,6 +180,17 @@ def test_a_tokens_event_is_the_json_of_its_ids_and_text(ids, text):
     assert json.loads(event) == {"ids": ids, "text": text}
 
 
+def test_a_tokens_events_ids_are_their_decimals_every_time_kept_or_not():
+    """Each id's decimal text is kept once made (events._Decimals): the second event of the same ids
+    is the same text, and ids past the kept range (or an int subclass) are written as json.dumps does."""
+    from producer_client.protocol.events import DECIMAL_CACHE_IDS
+
+    ids = [0, 9, 10, 151_935, DECIMAL_CACHE_IDS - 1, DECIMAL_CACHE_IDS, 2**31 - 1, 9, 0]
+    want = json.dumps({"ids": ids, "text": "x"}, ensure_ascii=False, separators=(",", ":"))
+    assert [encode_tokens(ids, "x", None) for _ in range(2)] == [want, want]
+    assert encode_tokens([True, 3], "", None) == '{"ids":[1,3],"text":""}'  # an int's value, never "True"
+
+
 def test_an_exchange_of_no_command_takes_no_connection():
     from producer_client.connection import connect, one_try_options
     from producer_client.protocol.execution import execute
