@@ -423,7 +423,9 @@ def enqueue_commands(
             scripts.enqueue_many(keys, keys.queue(queue), max_depth or 0, pairs, record).add_to(pipe)
         else:
             lane_jobs = [lane_job(job) for job in shared]
-            scripts.enqueue_lanes(keys, queue, tenant, lane_jobs, max_depth or 0, limits, record=record).add_to(pipe)
+            records_in = tuple(keys.job(job.job_id) for job in shared) if record else ()
+            call = scripts.enqueue_lanes(keys, queue, tenant, lane_jobs, max_depth or 0, limits, records_in=records_in)
+            call.add_to(pipe)
 
     return add
 

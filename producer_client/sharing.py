@@ -75,8 +75,8 @@ def enqueue_call(
         return PlacedEntry(stream, job.job_id, job.body, placed_fields(job, tenant))
     if goes_to_queue_stream(job, tenant):
         return scripts.enqueue(keys.queue(queue), max_depth or 0, job.job_id, job.body, record_in)
-    record = record_in is not None
-    return scripts.enqueue_lanes(keys, queue, tenant, [lane_job(job)], max_depth or 0, limits, record=record)
+    records_in = () if record_in is None else (record_in,)
+    return scripts.enqueue_lanes(keys, queue, tenant, [lane_job(job)], max_depth or 0, limits, records_in=records_in)
 
 
 def records_entry(max_depth: int | None, limits: Limits) -> bool:

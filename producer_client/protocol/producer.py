@@ -491,21 +491,19 @@ def enqueue_lanes(
     max_depth: int,
     limits: Limits = NO_LIMITS,
     reserve: bool = False,
-    record: bool = False,
+    records_in: tuple[str, ...] = (),
 ) -> ScriptCall:
     """ENQUEUE_LANES of `jobs` of `tenant` (NO_TENANT: none); `reserve`: check and count them
-    against the limits, add nothing (the caller adds them to a worker's own stream); `record`:
-    record in each job's hash where its entry waits (on one server only: sharing.records_entry)."""
+    against the limits, add nothing (the caller adds them to a worker's own stream); `records_in`:
+    the jobs' hashes, in their order, where each records where its entry waits (on one server only:
+    sharing.records_entry; empty: none)."""
     weight = "" if limits.weight is None else repr(float(limits.weight))
     head = (max_depth, tenant, weight, limits.rpm, limits.tpm, limits.max_waiting, int(reserve), PROTOCOL_VERSION)
     args: list[Any] = [*head]
     for job in jobs:  # a loop, not a generator: a frame resumed at every value of every job
         counted_tokens = job.cost if job.tokens is None else job.tokens
         args += (LANES.index(job.lane) + 1, job.cost, job.requests, counted_tokens, job.job_id, job.body)
-    call_keys = enqueue_lanes_keys(keys, queue, tenant)
-    if record:
-        call_keys = (*call_keys, *(keys.job(job.job_id) for job in jobs))
-    return ScriptCall(ENQUEUE_LANES, call_keys, tuple(args))
+    return ScriptCall(ENQUEUE_LANES, enqueue_lanes_keys(keys, queue, tenant) + records_in, tuple(args))
 
 
 # ENQUEUE_LANES' keys, by the keys' prefix, the queue and the tenant: the same ten for every job of
