@@ -5,8 +5,9 @@
 #                              (tests/support/tiers.py says how a test gets each mark)
 # The tests run on two pytest-xdist processes, and those marked `waits` (they mostly wait on
 # timeouts and faults) in a third pytest process beside them (two with --quick, below); then the
-# `timing` tests (bounds on elapsed time) run alone, so that nothing beside them stretches their
-# time (their process collects beside the others, and waits for them before its first test).
+# `timing` tests (bounds on elapsed time) run after them, so that no other test stretches their
+# time (their process collects beside the others, and waits for them before its first test): alone
+# in the full run, two at a time with --quick (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 parallel="not timing"
@@ -16,6 +17,13 @@ serial="timing"
 # the last to end (3:02 beside the others' 2:20, each test mostly asleep): two processes end them
 # before the others, for a collection's CPU (~7 s).
 waits_processes=()
+# The timing tests' processes, each its share of them (tests/support/shard.py): one in the full run
+# (CI), where nothing at all runs beside a timing test. In the quick run their lane ran last and
+# alone for ~34 s, one core idle and the other at 0.12 of a core (3.5 s of CPU over ~29 s of tests,
+# each mostly asleep; the busiest, a grammar checked while other coroutines run, half a core): two
+# processes, a core each, end it in about half that, for one more collection beside the others
+# (pytest-xdist's controller and two workers cost a third process and more CPU there: y/suite6).
+timing_processes=1
 # The folders of tests/ whose every test is of a tier --quick leaves out, by their folder alone
 # (tests/support/tiers.py's CHAOS_DIRS and E2E_DIRS): its lanes do not collect them, where each of
 # its seven collecting processes imported their modules and built their ~270 tests to deselect them.
@@ -25,6 +33,7 @@ if [ "${1:-}" = "--quick" ]; then
   parallel="not (timing or slow or e2e or chaos)"
   serial="timing and not (slow or e2e or chaos)"
   waits_processes=(-n 2 --dist loadgroup)
+  timing_processes=2
   shift
 fi
 scripts/bootstrap.sh --dev
@@ -75,18 +84,30 @@ MILI_TESTS_GATE="$warmed" MILI_TESTS_GATE_FOR="the kernels' warm-up" OMP_NUM_THR
   .venv/bin/python -m pytest "${waits_modules[@]}" "${waits_processes[@]}" -m "($parallel) and waits" \
   -p tests.support.gate "$@" > "$waits_log" 2>&1 &
 waits_pid=$!
-# The timing tests' process collects now, beside the others (the whole tree was ~6 s of CPU, the
-# lane's own wall time after theirs), and runs its first test once $gate exists, made when they
-# are done: nothing runs beside the timing tests.
-timing_log=$(mktemp)
-MILI_TESTS_GATE="$gate" MILI_TESTS_GATE_FOR="the other lanes" .venv/bin/python -m pytest "${timing_modules[@]}" \
-  -m "$serial" -p tests.support.gate "$@" > "$timing_log" 2>&1 &
-timing_pid=$!
+# The timing tests' processes collect now, beside the others (the whole tree was ~6 s of CPU, the
+# lane's own wall time after theirs), and run their first test once $gate exists, made when they
+# are done: no other test runs beside the timing tests.
+# With two, each has one torch thread, as each of the two xdist processes has (tests/conftest.py),
+# and they share the tests out as they go through an empty folder (tests/support/shard.py).
+timing_env=()
+timing_share=""
+if [ "$timing_processes" -gt 1 ]; then
+  timing_share=$(mktemp -d)
+  timing_env=(OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MILI_TESTS_SHARE="$timing_share")
+fi
+timing_logs=()
+timing_pids=()
+for ((process = 0; process < timing_processes; process++)); do
+  timing_logs+=("$(mktemp)")
+  MILI_TESTS_GATE="$gate" MILI_TESTS_GATE_FOR="the other lanes" env "${timing_env[@]}" .venv/bin/python -m pytest \
+    "${timing_modules[@]}" -m "$serial" -p tests.support.gate -p tests.support.shard "$@" > "${timing_logs[$process]}" 2>&1 &
+  timing_pids+=($!)
+done
 MILI_TESTS_GATE="$warmed" MILI_TESTS_GATE_FOR="the kernels' warm-up" .venv/bin/python -m pytest tests \
   "${left_out[@]/#/--ignore=tests/}" -n 2 --dist loadgroup -m "($parallel) and not waits" -p tests.support.gate --durations=30 "$@" &
 others_pid=$!
-trap 'kill "$warm_up_pid" "$waits_pid" "$timing_pid" "$others_pid" 2>/dev/null || true
-  rm -f "$warm_up_log" "$waits_log" "$timing_log" "$warmed" "$gate"' EXIT
+trap 'kill "$warm_up_pid" "$waits_pid" "${timing_pids[@]}" "$others_pid" 2>/dev/null || true
+  rm -rf "$warm_up_log" "$waits_log" "${timing_logs[@]}" "$warmed" "$gate" ${timing_share:+"$timing_share"}' EXIT
 warm_up=0
 wait "$warm_up_pid" || warm_up=$?
 cat "$warm_up_log"
@@ -99,13 +120,24 @@ wait "$waits_pid" || waits=$?
 echo "--- the tests marked waits, run beside the others:"
 cat "$waits_log"
 touch "$gate"
-tail -n +1 -f --pid="$timing_pid" "$timing_log"
-timing=0
-wait "$timing_pid" || timing=$?
+# The first process's report as it runs, then the other's once it ends (two written at once would
+# interleave).
+tail -n +1 -f --pid="${timing_pids[0]}" "${timing_logs[0]}"
+timing=()
+for ((process = 0; process < timing_processes; process++)); do
+  status=0
+  wait "${timing_pids[$process]}" || status=$?
+  timing+=("$status")
+  if [ "$process" -gt 0 ]; then
+    echo "--- the tests marked timing that the second process ran:"
+    cat "${timing_logs[$process]}"
+  fi
+done
 # 5 is pytest's "no test selected": a pass that arguments such as -k left empty, not a failure
 # unless every run is.
-for status in "$others" "$waits" "$timing"; do
+all_empty=1
+for status in "$others" "$waits" "${timing[@]}"; do
   if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
+  [ "$status" -eq 5 ] || all_empty=0
 done
-if [ "$others" -eq 5 ] && [ "$waits" -eq 5 ] && [ "$timing" -eq 5 ]; then exit 5; fi
-exit 0
+exit $((all_empty ? 5 : 0))

@@ -11,14 +11,17 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.support import shard
 from tests.support.tiers import CHAOS_DIRS, E2E_DIRS, marked_outside_their_module
 
 TEST_SH = Path(__file__).resolve().parents[2] / "scripts" / "test.sh"
 
 
-def item(path: Path, *marks: str) -> SimpleNamespace:
+def item(path: Path, *marks: str, name: str = "test", group: str | None = None) -> SimpleNamespace:
     found = {mark: getattr(pytest.mark, mark).mark for mark in marks}
-    return SimpleNamespace(path=path, nodeid=f"{path.name}::test", get_closest_marker=found.get)
+    if group is not None:
+        found["xdist_group"] = pytest.mark.xdist_group(group).mark
+    return SimpleNamespace(path=path, nodeid=f"{path.name}::{name}", get_closest_marker=found.get)
 
 
 def test_a_lane_mark_its_module_does_not_name_is_refused(tmp_path):
@@ -43,3 +46,63 @@ def test_the_quick_run_collects_no_folder_whose_every_test_it_leaves_out():
     assert "\nleft_out=()\n" in script  # the full run collects every folder
     [line] = [line for line in quick_branch(script).splitlines() if line.strip().startswith("left_out=(")]
     assert set(line.strip()[len("left_out=(") : -1].split()) == CHAOS_DIRS | E2E_DIRS
+
+
+def fake_session(items: list, run) -> SimpleNamespace:
+    """What shard.run_shared reads of a pytest session; `run(item, nextitem)` stands for the test's run."""
+    deselected: list = []
+    hook = SimpleNamespace(
+        pytest_runtest_protocol=lambda item, nextitem: run(item, nextitem),
+        pytest_deselected=lambda items: deselected.extend(items),
+    )
+    config = SimpleNamespace(hook=hook)
+    own = [SimpleNamespace(**vars(test), config=config) for test in items]  # each process collects its own
+    return SimpleNamespace(items=own, config=config, shouldfail=False, shouldstop=False, deselected=deselected)
+
+
+def test_two_processes_share_the_tests_out_as_they_go_each_run_once_a_group_together(tmp_path):
+    """The quick timing lane's two processes (tests/support/shard.py): each test runs once, an
+    xdist_group's tests in one process one after the other (their setup once), and a process held
+    by a long test takes fewer of the rest. Each takes its next unit before the last test of the
+    one it runs, and tells that test what comes next (its teardown keeps what both need)."""
+    path = Path("test_m.py")
+    items = [item(path, name=f"t{i}") for i in range(6)]
+    items[2:2] = [item(path, name="g1", group="m")]
+    items.append(item(path, name="g2", group="m"))  # the group's tests apart in collection order
+    first: list = []
+    second: list = []
+
+    def run_first(test, nextitem):
+        first.append((test.nodeid.split("::")[1], nextitem and nextitem.nodeid.split("::")[1]))
+        if len(first) == 1:  # a long test: the second process runs all it can meanwhile
+            shard.run_shared(other, str(tmp_path))
+
+    def run_second(test, nextitem):
+        second.append((test.nodeid.split("::")[1], nextitem and nextitem.nodeid.split("::")[1]))
+
+    this = fake_session(items, run_first)
+    other = fake_session(items, run_second)
+    shard.run_shared(this, str(tmp_path))
+    # t0 is the first's; before running it (its unit's last test) the first took the next unit, t1.
+    assert first == [("t0", "t1"), ("t1", None)]
+    assert second == [("g1", "g2"), ("g2", "t2"), ("t2", "t3"), ("t3", "t4"), ("t4", "t5"), ("t5", None)]
+    ran_first = [name for name, _ in first]
+    ran_second = [name for name, _ in second]
+    assert sorted(ran_first + ran_second) == sorted(test.nodeid.split("::")[1] for test in items)
+    assert [test.nodeid.split("::")[1] for test in this.deselected] == ["g1", "t2", "t3", "t4", "t5", "g2"]
+    assert [test.nodeid.split("::")[1] for test in other.deselected] == ["t0", "t1"]
+
+
+def test_without_a_share_folder_pytest_runs_every_test_itself(monkeypatch):
+    monkeypatch.delenv(shard.SHARE_ENV, raising=False)
+    assert shard.pytest_runtestloop(SimpleNamespace()) is None
+
+
+def test_the_quick_runs_timing_tests_run_on_two_processes_and_the_full_runs_on_one():
+    """Nothing runs beside a timing test in CI's run; in the quick run the timing lane, last and alone
+    and mostly asleep, has two processes that share its tests out through one folder."""
+    script = TEST_SH.read_text()
+    assert "\ntiming_processes=1\n" in script
+    quick = [line.strip() for line in quick_branch(script).splitlines() if "timing_processes=" in line]
+    assert quick == ["timing_processes=2"]
+    assert 'MILI_TESTS_SHARE="$timing_share"' in script
