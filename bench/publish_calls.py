@@ -6,9 +6,7 @@ step), on an embedded redis-server; with --readers xread, a reader blocked on ea
 stream (XREAD COUNT 512 BLOCK 2000, as stream() reads), which Redis wakes at each publication; with
 --readers subscribed (a connection each) or subscribed-shared (one for all, as stream() reads), a
 reader subscribed to each job's channel (SSUBSCRIBE), on which the scripts publish each event of a
-followed job (every job here): what delivering a publication costs Redis either way. APPEND_BATCH,
-a measurement-only variant of APPEND_ROUND (not a protocol script), sends a call's messages as one
-message on one channel, which --readers batched splits: what batching them would save.
+followed job (every job here): what delivering a publication costs Redis either way.
 
     python -m bench.publish_calls [--jobs 256 --rounds 100 --round-jobs 64 --readers xread] [--callgrind]
 
@@ -46,45 +44,8 @@ from worker.embedded_redis import EmbeddedRedis
 
 KEYS = Keys()
 TOKENS_PER_ROUND = 3
-WAYS = ("PUBLISH each", "PUBLISH_ROUND", "APPEND_ROUND", "APPEND_BATCH")
-BATCH_CHANNEL = "mili:batch"  # APPEND_BATCH's one channel (one server only: measurement, no slot)
-
-# Measurement only, not a protocol script: APPEND_ROUND whose followed jobs' messages go out as one
-# message a call on one channel, "<channel> <previous id> <id> <type> <data>" a job, a line each,
-# where APPEND_ROUND SPUBLISHes one a job on the job's own channel: what batching a round's messages
-# would save Redis (issue 43's streamed row, y/stream5). The reader splits it (--readers batched).
-APPEND_BATCH = scripts.Script(
-    "append_batch",
-    scripts.PUBLISH_JOB
-    + scripts.ROUND_ERROR
-    + """
-local parts = {}
-local function append(job, events, a)
-  local run, tokens, before = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-  local read = redis.call('HMGET', job, 'run', 'started', 'tokens', 'cancel', 'streamed', 'last')
-  if read[1] ~= run or read[2] ~= run or (read[3] or '0') ~= before then
-    return publish(job, events, nil, {run, '', tokens, before, ARGV[a + 4], '', '', '', ''}, 0)
-  end
-  local added = redis.call('XADD', events, '*', 'type', 'tokens', 'data', tokens)
-  if read[5] == '1' then parts[#parts + 1] = events .. ' ' .. read[6] .. ' ' .. added .. ' tokens ' .. tokens end
-  redis.call('HSET', job, 'tokens', ARGV[a + 4], 'last', added)
-  if read[4] == '1' then return 'cancel' end
-  if read[5] == '1' then return 'followed' end
-  return 'ok'
-end
-local replies = {}
-for i = 1, #KEYS / 2 do
-  local called, reply = pcall(append, KEYS[2 * i - 1], KEYS[2 * i], 4 * (i - 1))
-  if not called and type(reply) ~= 'table' then reply = error_reply(tostring(reply)) end
-  replies[i] = reply
-end
-if #parts > 0 then redis.pcall('SPUBLISH', '"""
-    + BATCH_CHANNEL
-    + """', table.concat(parts, '\\n')) end
-return replies
-""",
-)
-READERS = ("none", "xread", "subscribed", "subscribed-shared", "batched")
+WAYS = ("PUBLISH each", "PUBLISH_ROUND", "APPEND_ROUND")
+READERS = ("none", "xread", "subscribed", "subscribed-shared")
 
 
 def main() -> None:
@@ -140,7 +101,7 @@ class Server:
         self.pid = self.embedded.process.pid
         self.socket = self.embedded.url.removeprefix("unix://")
         self.client = redis.Redis(unix_socket_path=self.socket, decode_responses=True)
-        for script in (*scripts.WORKER_SCRIPTS, APPEND_BATCH):
+        for script in scripts.WORKER_SCRIPTS:
             self.client.script_load(script.source)
 
     def stop(self) -> None:
@@ -216,11 +177,10 @@ def send_round(client: redis.Redis, job_ids: list[str], n: int, way: str, round_
     tokens = encode_tokens(list(range(before, after)), "abc", None)
     start = '{"worker":"w"}' if n == 0 else ""
     pipe = client.pipeline(transaction=False)
-    if way in ("APPEND_ROUND", "APPEND_BATCH"):
+    if way == "APPEND_ROUND":
         appends = [(job_id, "r1", tokens, before, after) for job_id in job_ids]
         for at in range(0, len(appends), round_jobs):
-            call = scripts.append_round(KEYS, appends[at : at + round_jobs])
-            (call._replace(script=APPEND_BATCH) if way == "APPEND_BATCH" else call).add_to(pipe)
+            scripts.append_round(KEYS, appends[at : at + round_jobs]).add_to(pipe)
     else:
         calls = [
             scripts.publish(KEYS, job_id, "r1", start, tokens, before, after, "", "", 60, True) for job_id in job_ids
@@ -268,8 +228,8 @@ def read_all(path: str, job_ids: list[str], how: str, ready) -> None:
             socket_timeout=None,
         )
         client = aredis.Redis(connection_pool=pool)
-        if how in ("subscribed-shared", "batched"):
-            tasks = [asyncio.create_task(listen(client, job_ids, batched=how == "batched"))]
+        if how == "subscribed-shared":
+            tasks = [asyncio.create_task(listen(client, job_ids))]
         else:
             tasks = [asyncio.create_task(read(client, job_id)) for job_id in job_ids]
         await asyncio.sleep(1.0)  # every reader blocked on its stream
@@ -280,22 +240,14 @@ def read_all(path: str, job_ids: list[str], how: str, ready) -> None:
     asyncio.run(main())
 
 
-async def listen(client: aredis.Redis, job_ids: list[str], batched: bool = False) -> None:
-    """One subscriber connection for the jobs' channels (and APPEND_BATCH's where `batched`), until
-    each job has sent its end."""
+async def listen(client: aredis.Redis, job_ids: list[str]) -> None:
+    """One subscriber connection for the jobs' channels, until each has sent its end."""
     pubsub = client.pubsub(ignore_subscribe_messages=True)
     await pubsub.ssubscribe(*[KEYS.events_channel(job_id) for job_id in job_ids])
-    if batched:
-        await pubsub.ssubscribe(BATCH_CHANNEL)
     left = len(job_ids)
     while left:
         message = await pubsub.get_message(timeout=None)
-        if message is None:
-            continue
-        if message["channel"] == BATCH_CHANNEL:
-            lines = [line.split(" ", 4) for line in message["data"].split("\n")]
-            left -= sum(1 for line in lines if line[3] == "end")
-        elif message["data"].split(" ", 3)[2] == "end":
+        if message is not None and message["data"].split(" ", 3)[2] == "end":
             left -= 1
     await pubsub.aclose()
 
