@@ -39,7 +39,7 @@ from gateway.rate_headers import EXPOSED_RATE_LIMIT_HEADERS, RateLimitHeaders
 from gateway.registry import ModelRegistry, Route
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream, events, opening
-from openai_format.errors import APIError, bad_request, job_error, not_found
+from openai_format.errors import APIError, bad_request, echoed, job_error, not_found
 from openai_format.job_specs import (
     STRUCTURED_FIELDS,
     JobSpec,
@@ -276,7 +276,7 @@ def add_openai_routes(app: FastAPI, gw: Gateway) -> None:
         card = next((c for c in (await gw.registry.current(force=True)).cards if c.id == model), None)
         if card is None:
             raise not_found(
-                f"the model `{model}` does not exist (no live worker serves it)", "model_not_found", "model"
+                f"the model `{echoed(model)}` does not exist (no live worker serves it)", "model_not_found", "model"
             )
         return json_response(card)
 

@@ -24,7 +24,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from openai_format.errors import not_found
+from openai_format.errors import echoed, not_found
 from openai_format.responses import ModelCard
 from producer_client import AsyncClient, WorkerInfo
 
@@ -119,7 +119,7 @@ class ModelRegistry:
             route = (await self.current(force=True)).route(model)
         if route is None:
             raise not_found(
-                f"the model `{model}` does not exist (no live worker serves it)", "model_not_found", "model"
+                f"the model `{echoed(model)}` does not exist (no live worker serves it)", "model_not_found", "model"
             )
         return route
 

@@ -47,6 +47,15 @@ def unsupported(message: str, param: str) -> APIError:
     return APIError(400, message, "invalid_request_error", "unsupported_parameter", param)
 
 
+ECHOED_CHARS = 64  # of a name an answer echoes (a file's, batch's, model's it did not find)
+
+
+def echoed(name: str) -> str:
+    """`name` as an error message quotes it: its first ECHOED_CHARS characters and an ellipsis when
+    longer (a 5,000-character id came back whole in its 404), enough to tell which request it was."""
+    return name if len(name) <= ECHOED_CHARS else name[:ECHOED_CHARS] + "…"
+
+
 def not_found(message: str, code: str, param: str | None = None) -> APIError:
     return APIError(404, message, "invalid_request_error", code, param)
 

@@ -146,7 +146,7 @@ class DrivenBatch:
     async def drive(self) -> None:
         try:
             while await self.store.renew_lease(self.batch_id, self.driver.holder, self.driver.lease_ms):
-                fields = await self.store.batch_fields(self.batch_id)
+                fields = await self.batch_fields()
                 if not fields or not await self.step(fields):
                     return
         except asyncio.CancelledError:
@@ -156,6 +156,23 @@ class DrivenBatch:
             log.exception("batch %s: driving stopped", self.batch_id)
         finally:
             await asyncio.shield(self._release())
+
+    async def batch_fields(self) -> dict[str, str] | None:
+        """The batch's hash; None for one of another type, which no step can read nor end: it
+        leaves the unfinished batches, logged once (it was given up with a traceback and taken
+        again every poll). Its GET stays a 500 key_of_another_type, listings leave it out."""
+        try:
+            return await self.store.batch_fields(self.batch_id)
+        except redis.ResponseError as e:
+            if not is_other_type(e):
+                raise
+        log.warning(
+            "batch %s: its hash holds another type than MILI writes there (WRONGTYPE): no longer driven; "
+            "an operator deletes it",
+            self.batch_id,
+        )
+        await self.store.leave_unfinished(self.batch_id)
+        return None
 
     async def _release(self) -> None:
         try:

@@ -24,7 +24,7 @@ from gateway.batch.schema import ENDED, Batch, CreateBatch, ExpiresAfter, FileDe
 from gateway.batch.store import BatchStore, text_pieces
 from gateway.settings import GatewaySettings, duration_s
 from openai_format.batch_lines import ENDPOINTS, jsonl_lines
-from openai_format.errors import APIError, bad_request, not_found
+from openai_format.errors import APIError, bad_request, echoed, not_found
 from openai_format.job_specs import parameter_error, parse_body
 
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
@@ -118,7 +118,9 @@ def add_batch_routes(router: APIRouter, store: BatchStore, settings: GatewaySett
         file = await store.file(checked_file_id(req.input_file_id), tenant_of(request).owns)
         if file is None or file.purpose != "batch":
             raise bad_request(
-                f"input_file_id {req.input_file_id!r} is not an uploaded batch file", "input_file_id", "file_not_found"
+                f"input_file_id {echoed(req.input_file_id)!r} is not an uploaded batch file",
+                "input_file_id",
+                "file_not_found",
             )
         batch = new_batch(req, int(time.time()))
         output = req.output_expires_after
@@ -215,7 +217,7 @@ async def existing_batch(store: BatchStore, request: Request, batch_id: str) -> 
     does not exist (its existence is not told)."""
     batch = await store.batch(batch_id, tenant_of(request).owns) if BATCH_ID.fullmatch(batch_id) else None
     if batch is None:
-        raise not_found(f"no batch {batch_id!r} (never created, or expired)", "batch_not_found")
+        raise not_found(f"no batch {echoed(batch_id)!r} (never created, or expired)", "batch_not_found")
     return batch
 
 
@@ -233,7 +235,7 @@ def checked_file_id(file_id: str) -> str:
 
 
 def file_not_found(file_id: str) -> APIError:
-    return not_found(f"no file {file_id!r} (never uploaded, deleted, or expired)", "file_not_found")
+    return not_found(f"no file {echoed(file_id)!r} (never uploaded, deleted, or expired)", "file_not_found")
 
 
 async def each(items: list[str]) -> AsyncIterator[str]:

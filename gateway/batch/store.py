@@ -12,6 +12,7 @@ its `output_expires_after` gave them their own).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -21,6 +22,8 @@ from producer_client import AsyncClient
 from producer_client.protocol import batch as batch_commands
 from producer_client.protocol import files as file_commands
 from producer_client.steps import Steps, T
+
+log = logging.getLogger("gateway.batch")
 
 PIECE_CHARS = 1 << 18  # a file's text per list element, at most: 1 MiB of UTF-8 at the most
 
@@ -60,6 +63,7 @@ class BatchStore:
         # The client's own connection pool: the store's commands go where its jobs go.
         self.client = client
         self.keys = client.keys
+        self.other_type_logged: set[str] = set()  # batches of another type logged (log_other_type)
 
     async def _run(self, steps: Steps[T]) -> T:
         """A protocol operation over the store's connection (a server that lost the batch
@@ -153,11 +157,11 @@ class BatchStore:
         return await self._run(batch_commands.batch_owner(self.keys, batch_id))
 
     async def list_batches(self, after: str | None, limit: int, owner: str | None) -> BatchList:
-        """Newest first, `limit` after the batch `after`, of `owner` (None: of every owner)."""
-        batches = [
-            Batch.from_fields(fields)
-            for fields in await self._run(batch_commands.listed_batches(self.keys, after, limit, owner))
-        ]
+        """Newest first, `limit` after the batch `after`, of `owner` (None: of every owner); a batch
+        whose hash holds another type left out, and logged once (listed_batches)."""
+        listed = await self._run(batch_commands.listed_batches(self.keys, after, limit, owner))
+        self.log_other_type(listed.other_type)
+        batches = [Batch.from_fields(fields) for fields in listed.found]
         page = batches[:limit]
         return BatchList(
             data=page,
@@ -165,6 +169,22 @@ class BatchStore:
             last_id=page[-1].id if page else None,
             has_more=len(batches) > limit,
         )
+
+    def log_other_type(self, batch_ids: list[str]) -> None:
+        """A warning per batch id, once per gateway: every listing meets it again until an operator
+        deletes the key."""
+        for batch_id in batch_ids:
+            if batch_id not in self.other_type_logged:
+                self.other_type_logged.add(batch_id)
+                log.warning(
+                    "batch %s: its hash %s holds another type than MILI writes there (WRONGTYPE): left out "
+                    "of listings; an operator deletes it",
+                    batch_id,
+                    self.keys.batch(batch_id),
+                )
+
+    async def leave_unfinished(self, batch_id: str) -> None:
+        await self._run(batch_commands.leave_unfinished(self.keys, batch_id))
 
     async def unfinished(self) -> list[str]:
         return await self._run(batch_commands.unfinished_batches(self.keys))

@@ -1,5 +1,6 @@
 """Who may see the board: with `api_keys` set, the admin keys where there are any, else every key
-(routes.board_keys).
+(routes.board_keys). A tenant's key where admin keys are set is a right key without the right: a
+403 that says the board needs an admin key (RFC 9110 15.5.4), not the 401 of a wrong key.
 
 A browser cannot send an `Authorization: Bearer` header when it follows a link, and a key in the
 URL would end up in histories, logs and Referer headers. So the board has a login form: the key
@@ -18,7 +19,7 @@ import hashlib
 import hmac
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from starlette.requests import Request
 
@@ -31,8 +32,9 @@ ACTION_HEADER = "x-mili-board"
 
 
 class BoardAuth:
-    def __init__(self, api_keys: list[str], clock: Callable[[], float] = time.time):
+    def __init__(self, api_keys: list[str], clock: Callable[[], float] = time.time, tenant_keys: Sequence[str] = ()):
         self.keys = [k.encode() for k in api_keys]
+        self.tenant_keys = [k.encode() for k in tenant_keys]  # the gateway's keys the board lets not in
         self.clock = clock
 
     @property
@@ -53,6 +55,10 @@ class BoardAuth:
         if bearer is not None:
             return key_matches(bearer, self.keys)
         return self.session_valid(request.cookies.get(COOKIE, ""))
+
+    def is_tenant_key(self, key: str | None) -> bool:
+        """Whether `key` is one of the gateway's keys that the board does not let in (a tenant's)."""
+        return key is not None and key_matches(key, self.tenant_keys)
 
     def session_valid(self, cookie: str) -> bool:
         """Any cookie a browser may send (not ASCII, no dot, digits of other scripts) is valid

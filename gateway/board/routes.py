@@ -13,7 +13,7 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
-from gateway.api_keys import AuthFailures
+from gateway.api_keys import AuthFailures, bearer_key
 from gateway.board.auth import ACTION_HEADER, COOKIE, SESSION_S, BoardAuth
 from gateway.board.pages import environment
 from gateway.board.views import JOBS_SHOWN, BoardReader
@@ -32,7 +32,7 @@ log = logging.getLogger("gateway.board")
 
 def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings, failures: AuthFailures) -> None:
     board = Board(
-        BoardAuth(board_keys(settings)),
+        BoardAuth(board_keys(settings), tenant_keys=tenant_keys(settings)),
         BoardReader(client, {settings.default_queue, *settings.models.values()}),
     )
     router = APIRouter(prefix="/board")
@@ -51,6 +51,22 @@ def board_keys(settings: GatewaySettings) -> list[str]:
     return list(settings.admin_api_keys) or list(settings.api_keys)
 
 
+def tenant_keys(settings: GatewaySettings) -> list[str]:
+    """The gateway's keys that board_keys leaves out: right keys, refused here with a 403."""
+    admitted = set(board_keys(settings))
+    return [k for k in [*settings.api_keys, *settings.admin_api_keys] if k not in admitted]
+
+
+def admin_key_required() -> APIError:
+    return APIError(
+        403,
+        "the board needs an admin key (`admin_api_keys`): this API key is a tenant's, which sees its own jobs "
+        "through the API only",
+        "invalid_request_error",
+        "admin_key_required",
+    )
+
+
 class Board:
     """What every route of the board shares: who may see it, what it reads, how it renders."""
 
@@ -65,7 +81,18 @@ class Board:
 
     async def signed_in(self, request: Request) -> None:
         if not self.auth.allows(request):
-            raise unauthorized()
+            raise self.refusal(request)
+
+    def refusal(self, request: Request) -> APIError:
+        """A tenant's key is right but not enough (403); a missing or wrong one, or no session, a 401."""
+        return admin_key_required() if self.auth.is_tenant_key(bearer_key(request)) else unauthorized()
+
+    def signed_out(self, request: Request) -> RedirectResponse:
+        """A page's answer to a visitor it does not let in: the login form, or the 403 of a tenant's
+        Bearer key (a script's, which a login would not mend)."""
+        if self.auth.is_tenant_key(bearer_key(request)):
+            raise admin_key_required()
+        return to_login()
 
     async def from_the_board(self, request: Request) -> None:
         """An action (it changes something) must come from the board's own script: see auth.py."""
@@ -84,7 +111,7 @@ def add_overview_routes(router: APIRouter, board: Board) -> None:
     @router.get("")
     async def page(request: Request):
         if not board.auth.allows(request):
-            return to_login()
+            return board.signed_out(request)
         return board.html("board.jinja", request, view=await board.reader.overview(), shown=JOBS_SHOWN)
 
     @router.get("/overview", dependencies=[Depends(board.signed_in)])
@@ -98,7 +125,7 @@ def add_job_routes(router: APIRouter, board: Board, client: AsyncClient, keepali
     @router.get("/job")
     async def job_page(request: Request, id: str):
         if not board.auth.allows(request):
-            return to_login()
+            return board.signed_out(request)
         try:
             view = await board.reader.job(id)
         except JobNotFound as e:
@@ -165,6 +192,8 @@ def add_session_routes(router: APIRouter, board: Board, failures: AuthFailures) 
         # failed; a wrong one past the limit is a 429 (gateway.api_keys.AuthFailures).
         key = parse_qs((await request.body()).decode(errors="replace")).get("key", [""])[0]
         session = board.auth.session_for(key)
+        if session is None and board.auth.is_tenant_key(key):  # a right key: no failed attempt
+            return board.html("login.jinja", request, status=403, tenant=True)
         if session is None:
             return login_refused(board, request, failures.failed(client_address(request)))
         return session_started(session, secure=request.url.scheme == "https")

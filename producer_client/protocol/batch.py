@@ -21,7 +21,9 @@ statuses move through TRANSITION, from the statuses named only."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
+from producer_client.connection import is_other_type
 from producer_client.keys import Keys
 from producer_client.protocol.execution import Pipe
 from producer_client.protocol.files import indexes_read, owned_by
@@ -182,38 +184,54 @@ def batch_owner(keys: Keys, batch_id: str) -> Steps[str | None]:
     return owner
 
 
-def listed_batches(keys: Keys, after: str | None, limit: int, owner: str | None) -> Steps[list[dict[str, str]]]:
+class Listed(NamedTuple):
+    found: list[dict[str, str]]  # up to `limit` + 1 batches' hashes
+    other_type: list[str]  # the ids met whose hash holds another type (an operator's mistake)
+
+
+def listed_batches(keys: Keys, after: str | None, limit: int, owner: str | None) -> Steps[Listed]:
     """The hashes of up to `limit` + 1 batches, newest first, after the batch `after` in the index
-    of `owner` (None: every owner's). Batches that expired leave the index."""
+    of `owner` (None: every owner's). Batches that expired leave the index. A batch whose hash
+    holds another type is left out and named in `other_type` (it stays in the index, its GET a 500
+    key_of_another_type): one bad entry made the whole listing that 500."""
     index = keys.batches() if owner is None else keys.batches_of(owner)
     start = 0
     if after is not None:
         (rank,) = checked((yield lambda pipe: pipe.zrevrank(index, after)))
         start = 0 if rank is None else rank + 1
-    found: list[dict[str, str]] = []
-    while len(found) <= limit:  # a page short of expired batches reads on: has_more stays true
-        wanted = limit + 1 - len(found)
+    listed = Listed([], [])
+    while len(listed.found) <= limit:  # a page short of expired batches reads on: has_more stays true
+        wanted = limit + 1 - len(listed.found)
         ids, hashes = yield from index_entries(keys, index, start, wanted)
-        found += [fields for fields in hashes if fields]
-        gone = [batch_id for batch_id, fields in zip(ids, hashes) if not fields]
+        listed.other_type.extend(batch_id for batch_id, fields in zip(ids, hashes) if fields is None)
+        listed.found.extend(fields for fields in hashes if fields)
+        gone = [batch_id for batch_id, fields in zip(ids, hashes) if fields == {}]
         if gone:
             yield from leave_index(index, gone)
         if len(ids) < wanted:
             break
         start += len(ids) - len(gone)  # the gone ones left the index: the ranks after them moved up
-    return found
+    return listed
 
 
 def leave_index(index: str, batch_ids: list[str]) -> Steps[None]:
     checked((yield lambda pipe: pipe.zrem(index, *batch_ids)))
 
 
-def index_entries(keys: Keys, index: str, start: int, count: int) -> Steps[tuple[list[str], list[dict[str, str]]]]:
+def index_entries(
+    keys: Keys, index: str, start: int, count: int
+) -> Steps[tuple[list[str], list[dict[str, str] | None]]]:
     """`count` batch ids of the index from rank `start`, newest first, and each one's hash (empty:
-    expired)."""
+    expired; None: of another type)."""
     (ids,) = checked((yield lambda pipe: pipe.zrevrange(index, start, start + count - 1)))
-    hashes = checked((yield lambda pipe: [pipe.hgetall(keys.batch(batch_id)) for batch_id in ids]))
-    return ids, hashes
+    replies = yield lambda pipe: [pipe.hgetall(keys.batch(batch_id)) for batch_id in ids]
+    return ids, [None if is_other_type(reply) else checked([reply])[0] for reply in replies]
+
+
+def leave_unfinished(keys: Keys, batch_id: str) -> Steps[None]:
+    """The batch out of the unfinished ones, unended: for a batch whose hash holds another type,
+    which no driver can read nor end (see gateway/batch/driver.py)."""
+    checked((yield lambda pipe: pipe.zrem(keys.batches_unfinished(), batch_id)))
 
 
 def unfinished_batches(keys: Keys) -> Steps[list[str]]:

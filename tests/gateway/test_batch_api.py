@@ -740,3 +740,41 @@ def test_a_batch_whose_input_text_is_of_another_type_fails_naming_it(tmp_path):
             sdk.close()
             gateway.stop()
             admin.close()
+
+
+def test_a_batch_hash_of_another_type_is_left_out_of_listings_and_no_longer_driven(tmp_path):
+    """A batch's hash someone made another type (a SET at its key), its id still in the indexes:
+    GET /v1/batches answered 500 for every batch (the SDK's list raised), and the driver took it
+    every poll, gave it up with a 'driving stopped' traceback, and took it again. Now the listing
+    leaves it out and serves the others, warning once; the driver warns once and drops it from the
+    unfinished batches; its own GET stays a 500 key_of_another_type, not retried."""
+    bad = f"batch_{uuid.uuid4().hex}"
+    with EmbeddedRedis(port=free_port()) as server:
+        admin = redis.Redis.from_url(server.url, decode_responses=True)
+        flags = (*gateway_flags("nobody-serves"), "--batch-poll-s", "0.02")
+        gateway = GatewayProcess(server.url, tmp_path, *flags).start()
+        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+        try:
+            older = run_batch(sdk, [chat_line("a", "x")])
+            admin.set(KEYS.batch(bad), "an operator's mistake")
+            admin.zadd(KEYS.batches(), {bad: time.time()})
+            admin.zadd(KEYS.batches_unfinished(), {bad: time.time()})
+            newer = run_batch(sdk, [chat_line("b", "y")])
+            for _ in range(3):
+                assert [b.id for b in sdk.batches.list()] == [newer.id, older.id]
+            assert [b.id for b in sdk.batches.list(limit=1, after=newer.id)] == [older.id]
+            assert eventually(lambda: admin.zscore(KEYS.batches_unfinished(), bad) is None, timeout=10)
+            time.sleep(50 * 0.02)  # fifty more looks for batches
+            log = gateway.log()
+            assert log.count(f"batch {bad}: its hash {KEYS.batch(bad)} holds another type") == 1, log
+            assert log.count(f"batch {bad}: its hash holds another type") == 1, log
+            assert "driving stopped" not in log and "Traceback" not in log, log
+            with pytest.raises(openai.InternalServerError) as refused:
+                sdk.batches.retrieve(bad)
+            assert refused.value.code == "key_of_another_type", refused.value.body
+            assert refused.value.response.headers["x-should-retry"] == "false"
+            assert admin.zscore(KEYS.batches_unfinished(), older.id) is not None  # the others still driven
+        finally:
+            sdk.close()
+            gateway.stop()
+            admin.close()

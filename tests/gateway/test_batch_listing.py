@@ -15,10 +15,10 @@ def test_a_page_with_expired_batches_in_it_reads_on_to_a_full_page(redis_client)
         redis_client.zadd(keys.batches(), {batch_id: i})
         if i not in (5, 6, 3):  # these three expired: their hashes are gone
             redis_client.hset(keys.batch(batch_id), "id", batch_id)
-    first = [b["id"] for b in run(redis_client, listed_batches(keys, None, 2, None))]
+    first = [b["id"] for b in run(redis_client, listed_batches(keys, None, 2, None)).found]
     assert first == ["batch_7", "batch_4", "batch_2"]  # limit + 1: has_more
-    second = [b["id"] for b in run(redis_client, listed_batches(keys, "batch_4", 2, None))]
+    second = [b["id"] for b in run(redis_client, listed_batches(keys, "batch_4", 2, None)).found]
     assert second == ["batch_2", "batch_1", "batch_0"]
-    last = [b["id"] for b in run(redis_client, listed_batches(keys, "batch_1", 2, None))]
+    last = [b["id"] for b in run(redis_client, listed_batches(keys, "batch_1", 2, None)).found]
     assert last == ["batch_0"]
     assert redis_client.zrevrange(keys.batches(), 0, -1) == ["batch_7", "batch_4", "batch_2", "batch_1", "batch_0"]

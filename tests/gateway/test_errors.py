@@ -739,3 +739,41 @@ def test_a_string_over_its_length_is_a_400_string_above_max_length_naming_it(
         sdk.close()
     assert (refused.value.code, refused.value.param) == ("string_above_max_length", param), refused.value.body
     assert job_count(redis_client) == before
+
+
+def test_a_very_long_id_is_echoed_cut_to_its_first_characters(gateway):
+    """An error for a file, batch or model it did not find echoed the whole name the request gave:
+    a 5,000-character id came back whole in its 404 (and the batch's input_file_id in its 400).
+    Now its first 64 characters and an ellipsis, enough to tell which; a short id stays whole."""
+    long_id = "file-" + "x" * 5000
+    long_batch = "batch_" + "y" * 5000
+    long_model = "m" * 5000
+    sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    calls = {
+        "retrieve file": (lambda: sdk.files.retrieve(long_id), long_id),
+        "file content": (lambda: sdk.files.content(long_id), long_id),
+        "delete file": (lambda: sdk.files.delete(long_id), long_id),
+        "retrieve batch": (lambda: sdk.batches.retrieve(long_batch), long_batch),
+        "cancel batch": (lambda: sdk.batches.cancel(long_batch), long_batch),
+        "retrieve model": (lambda: sdk.models.retrieve(long_model), long_model),
+        "create batch": (
+            lambda: sdk.batches.create(input_file_id=long_id, endpoint="/v1/chat/completions", completion_window="24h"),
+            long_id,
+        ),
+        "chat completion": (
+            lambda: sdk.chat.completions.create(model=long_model, messages=[{"role": "user", "content": "hi"}]),
+            long_model,
+        ),
+    }
+    try:
+        for name, (call, given) in calls.items():
+            with pytest.raises((openai.NotFoundError, openai.BadRequestError)) as refused:
+                call()
+            message = refused.value.body["message"]
+            assert given[:64] + "…" in message and given[:65] not in message, (name, message[:300])
+            assert len(message) < 200, (name, len(message))
+        with pytest.raises(openai.NotFoundError) as short:
+            sdk.files.retrieve("file-" + "z" * 59)
+        assert repr("file-" + "z" * 59) in short.value.body["message"]
+    finally:
+        sdk.close()

@@ -243,19 +243,47 @@ def ask(gateway: GatewayProcess, method: str, path: str, key: str) -> httpx.Resp
 
 def test_with_admin_keys_the_board_lets_in_only_them(tenants_gateway):
     """The board shows and acts on every tenant's jobs: where admin keys are set, a tenant's key is
-    refused there as a wrong one (login form, Bearer reads and actions), and an admin key let in."""
+    refused there (login form, Bearer pages, reads and actions) with a 403 that says the board needs
+    an admin key, in the gateway's error shape (RFC 9110: the key is right, its rights are not
+    enough; it was the 401 of a wrong key); a wrong or
+    missing key stays a 401; an admin key is let in."""
     job_id = completion(tenants_gateway, KEY_A, f"idem-{uuid.uuid4().hex}", "on the board").headers["x-mili-job-ids"]
     board = f"{tenants_gateway.url}/board"
-    for key in (KEY_A, KEY_B):
-        bearer = {"Authorization": f"Bearer {key}", "X-MILI-Board": "1"}
-        refused = [
-            httpx.post(f"{board}/login", data={"key": key}),
+
+    def attempts(key: str | None) -> list[httpx.Response]:
+        bearer = {"X-MILI-Board": "1"} | ({} if key is None else {"Authorization": f"Bearer {key}"})
+        return [
+            httpx.get(board, headers=bearer),
+            httpx.get(f"{board}/job", params={"id": job_id}, headers=bearer),
             httpx.get(f"{board}/overview", headers=bearer),
             httpx.get(f"{board}/job/summary", params={"id": job_id}, headers=bearer),
             httpx.post(f"{board}/job/cancel", params={"id": job_id}, headers=bearer),
         ]
-        assert [r.status_code for r in refused] == [401] * 4, key
-        assert all(r.headers["www-authenticate"] == WWW_AUTHENTICATE for r in refused), key  # RFC 9110 11.6.1
+
+    for key in (KEY_A, KEY_B):
+        form = httpx.post(f"{board}/login", data={"key": key})
+        assert (form.status_code, "needs an admin key" in form.text) == (403, True), key
+        refused = attempts(key)
+        assert [r.status_code for r in refused] == [403] * 5, key
+        for answer in refused:
+            assert "www-authenticate" not in answer.headers, key
+            assert answer.json() == {
+                "error": {
+                    "message": answer.json()["error"]["message"],
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "admin_key_required",
+                }
+            }, key
+            assert "admin key" in answer.json()["error"]["message"], key
+    wrong_form = httpx.post(f"{board}/login", data={"key": "not-a-key"})
+    assert wrong_form.status_code == 401 and wrong_form.headers["www-authenticate"] == WWW_AUTHENTICATE
+    for key in ("not-a-key", None):
+        pages, *reads = attempts(key)[:1] + attempts(key)[2:]
+        assert (pages.status_code, pages.headers["location"]) == (303, "/board/login"), key
+        assert [r.status_code for r in reads] == [401] * 3, key
+        assert all(r.json()["error"]["code"] == "invalid_api_key" for r in reads), key
+        assert all(r.headers["www-authenticate"] == WWW_AUTHENTICATE for r in reads), key  # RFC 9110 11.6.1
     let_in = httpx.post(f"{board}/login", data={"key": ADMIN})
     assert let_in.status_code == 303 and let_in.headers["location"] == "/board"
     admin = {"Authorization": f"Bearer {ADMIN}"}
