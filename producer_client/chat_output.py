@@ -21,12 +21,15 @@ The rules, each the fix of a bug report against other Qwen3 parsers:
   output ends inside (truncated by max_tokens: vLLM PR#35230) is answer text, kept whole.
 - Whitespace next to a tool call is dropped, unless it separates answer text before the call from
   answer text after it; all other text around calls is kept. Markers may be split anywhere.
+- A `</tool_call>` inside one of a call's JSON strings is the argument's text, not the call's end
+  (a tool's parameter may spell it, and the grammar then makes the model write it).
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -193,6 +196,8 @@ class OutputParser:
 
     def _call(self, out: OutputDelta, final: bool) -> bool:
         end = self.text.find(CALL_CLOSE, self.scanned)
+        while end >= 0 and inside_a_json_string(self.text[:end]):
+            end = self.text.find(CALL_CLOSE, end + 1)
         if end < 0:
             self.scanned = max(0, len(self.text) - len(CALL_CLOSE) + 1)
             return False
@@ -244,6 +249,20 @@ class OutputParser:
         if not isinstance(arguments, dict):
             return None
         return ParsedCall(self.calls, call["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+# A JSON string, escapes and all: what lies between two of these in a call's body is outside strings.
+JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def inside_a_json_string(body: str) -> bool:
+    """Whether a call's body, a JSON object so far, ends inside one of its strings: a CALL_CLOSE
+    there is an argument's text (a tool's parameter may spell it, and the grammar then makes the
+    model write it), not the call's end. A body that opens no object is not JSON: its first
+    CALL_CLOSE ends it, as ever."""
+    if not body.lstrip(WHITESPACE).startswith("{"):
+        return False
+    return '"' in JSON_STRING.sub("", body)
 
 
 @dataclass(frozen=True)

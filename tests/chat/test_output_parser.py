@@ -243,3 +243,17 @@ def test_parallel_calls_are_numbered_and_text_around_them_is_kept():
         ("search", {"q": "x"}),
     ]
     assert out.content == "I'll check both.\nDone."
+
+
+def test_a_call_whose_argument_holds_the_close_marker_is_one_call_issue_40():
+    # Found by tests/gateway/test_structured_shapes.py: a tool's parameter spelling `</tool_call>`
+    # (a const the grammar made the model write): the marker inside a JSON string is the
+    # argument's text, not the call's end, so the reader split a call there and the answer was raw.
+    call = '{"name": "search", "arguments": {"q": "<think></tool_call>"}}'
+    text = f"{CALL_OPEN}\n{call}\n{CALL_CLOSE}\n{CALL_OPEN}\n{call}\n{CALL_CLOSE}"
+    out = both(text, OutputFormat(reasoning=Reasoning.OPTIONAL, tools=TOOLS))
+    assert [(c.index, c.name, json.loads(c.arguments)) for c in out.tool_calls] == [
+        (0, "search", {"q": "<think></tool_call>"}),
+        (1, "search", {"q": "<think></tool_call>"}),
+    ]
+    assert out.content == ""

@@ -235,6 +235,30 @@ def assert_in_format(request: JobRequest, output: OutputFormat | None, text: str
 @given(body=BODIES, seed=st.integers(0, 2**32))
 # Found in CI: a choice that opens with a newline, after a think block whose reader drops it.
 @example(body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "guided_choice": ["\n"]}, seed=0)
+# Found in CI: a tool's parameter whose const spells `</tool_call>`, which the reader took for the
+# call's end inside the argument's string (the answer came out raw, not the calls).
+@example(
+    body={
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_object"},
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"a": {"const": "<think></tool_call>"}},
+                        "required": ["a"],
+                        "additionalProperties": False,
+                    },
+                },
+            }
+        ],
+    },
+    seed=0,
+)
 def test_a_request_that_reaches_a_grammar_is_refused_naming_its_field_or_holds_to_it(tokenizer, grammars, body, seed):
     try:
         jobs = gateway_jobs(body)

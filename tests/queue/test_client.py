@@ -703,10 +703,14 @@ def test_cancel_many_cancels_each_job_and_passes_over_an_unknown_one(client):
 
 # A WAIT no replica answers holds a submit's enqueue this long on the server, unless it is stopped.
 HELD_ENQUEUE_MS = 20_000
+# The held client's socket timeout outlasts that WAIT: at redis-py's default (5 s) its own read gave
+# up first, so a test slowed past 5 s by load met RedisTimedOut before it could stop the enqueue.
+HELD_SOCKET_TIMEOUT_S = 2 * HELD_ENQUEUE_MS // 1000
 
 
 def held_enqueue_client(make, redis_server, queue):
-    return make(redis_server.url, queue, wait_replicas=1, wait_timeout_ms=HELD_ENQUEUE_MS)
+    url = f"{redis_server.url}?socket_timeout={HELD_SOCKET_TIMEOUT_S}"
+    return make(url, queue, wait_replicas=1, wait_timeout_ms=HELD_ENQUEUE_MS)
 
 
 def enqueue_reached_redis(redis_client, request_id: str) -> bool:
