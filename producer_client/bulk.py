@@ -36,7 +36,7 @@ from producer_client.errors import (
 )
 from producer_client.keys import DONE_TTL_MS, NO_TENANT, Keys
 from producer_client.new_job import KnownParams, NewJob, build_job_of
-from producer_client.operations import cancel_call, cancelled_entry, free_places
+from producer_client.operations import cancel_call
 from producer_client.placement import Placement
 from producer_client.protocol import job_reads
 from producer_client.protocol import producer as scripts
@@ -51,7 +51,6 @@ from producer_client.schema import JobExpired, JobResult, Timings, invalid_job_r
 from producer_client.sharing import (
     lane_job,
     placed_fields,
-    records_entry,
     refusal_error,
     refuse_queue_stream_of_another_type,
     uses_queue_stream,
@@ -417,15 +416,13 @@ def enqueue_commands(
                 scripts.add_fresh_create(pipe, keys, job.job_id, job.timeout_ms)
         if not shared:
             return
-        record = one_server and records_entry(max_depth, limits)
         if uses_queue_stream(shared, tenant):
             pairs = [(job.job_id, job.body) for job in shared]
-            scripts.enqueue_many(keys, keys.queue(queue), max_depth or 0, pairs, record).add_to(pipe)
+            scripts.enqueue_many(keys.queue(queue), max_depth or 0, pairs).add_to(pipe)
         else:
-            lane_jobs = [lane_job(job) for job in shared]
-            records_in = tuple(keys.job(job.job_id) for job in shared) if record else ()
-            call = scripts.enqueue_lanes(keys, queue, tenant, lane_jobs, max_depth or 0, limits, records_in=records_in)
-            call.add_to(pipe)
+            scripts.enqueue_lanes(
+                keys, queue, tenant, [lane_job(job) for job in shared], max_depth or 0, limits
+            ).add_to(pipe)
 
     return add
 
@@ -460,17 +457,11 @@ def forget_commands(jobs: list[NewJob], keys: Keys) -> AddCommands:
 
 
 def cancel_many(keys: Keys, job_ids: Iterable[str]) -> Steps[None]:
-    """CANCEL of each job in one pipeline, then the entries of those it ended while queued removed
-    where their enqueues recorded them (operations.free_places, one round trip for all); then
-    InvalidJob names the first job one of whose keys holds another type (its CANCEL wrote nothing),
-    the others cancelled."""
+    """CANCEL of each job in one pipeline; then InvalidJob names the first job one of whose keys
+    holds another type (its CANCEL wrote nothing), the others cancelled."""
     job_ids = check_job_ids(job_ids)
     if job_ids:
-        ended, replies, invalid = split_invalid(job_ids, (yield cancel_commands(keys, job_ids)))
-        entries = {job_id: cancelled_entry(keys, reply) for job_id, reply in zip(ended, replies)}
-        waiting = {job_id: entry for job_id, entry in entries.items() if entry is not None}
-        if waiting:
-            yield from free_places(keys, waiting)
+        _, _, invalid = split_invalid(job_ids, (yield cancel_commands(keys, job_ids)))
         if invalid:
             raise InvalidJob(invalid[0], OTHER_TYPE)
 

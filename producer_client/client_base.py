@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from typing import Literal, TypeVar
 
-from producer_client.cluster import AsyncRedis, SyncRedis, is_cluster
+from producer_client.cluster import AsyncRedis, SyncRedis
 from producer_client.connection import RedisURL, parse_url
 from producer_client.dead_letters import DeadLetters
 from producer_client.inspection import QueueInspector
@@ -57,9 +57,6 @@ class ClientBase:
         self.submissions = Submissions()  # shared by its copies (on_queue, as_tenant): ids are unique
         self.known_params: KnownParams = {}  # its jobs' SamplingParams, validated once each (new_job.sampling_params)
         self.redis = self._connect(parse_url(url), check_max_connections(max_connections))
-        # Not a cluster: where an enqueue may record in the job's hash where its entry waits
-        # (sharing.records_entry). Kept, not asked at each submit: a submit's Python calls count.
-        self.one_server = not is_cluster(self.redis)
 
     def _connect(self, target: RedisURL, max_connections: int | None) -> SyncRedis | AsyncRedis:
         """A redis-py client of `target`, with the clients' retry policy."""

@@ -132,21 +132,6 @@ class Keys:
             return self.queue(queue)
         return f"{self.queue(queue)}:{lane}:{tenant}"
 
-    def published_ttl(self, queue: str) -> str:
-        """String: the result_ttl_s of the queue's workers, each heartbeat's (the last one's where
-        they differ), expiring after that long: what a cancel gives the keys of a queued job whose
-        entry it removed, which no worker will meet (docs/architecture.md, "What a cancel frees")."""
-        return f"{self.prefix}:ttl:{{{queue}}}"
-
-    def published_ttl_of(self, stream: str) -> str | None:
-        """published_ttl of the queue (or shard) whose stream, or lane's stream, `stream` is; None
-        where it is none of this prefix's queue streams."""
-        head = f"{self.prefix}:q:{{"
-        if not stream.startswith(head):
-            return None
-        queue, closed, _ = stream[len(head) :].partition("}")
-        return self.published_ttl(queue) if closed and queue and "|" not in queue else None
-
     def lane(self, queue: str, lane: str) -> str:
         """Sorted set of the lane's active tenants (those with jobs nobody has read), each scored
         by its virtual token counter: the weighted tokens it was served (docs/architecture.md)."""

@@ -5,7 +5,6 @@ producer_client.job_stream."""
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import NamedTuple
 
@@ -13,14 +12,14 @@ from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
 from producer_client.connection import is_other_type
 from producer_client.errors import JobNotFound, JobTimeout, NotReplicated, RedisUnavailable
-from producer_client.keys import CANCELLED_TTL_S, NO_TENANT, Keys
+from producer_client.keys import NO_TENANT, Keys
 from producer_client.new_job import NewJob
 from producer_client.protocol import job_reads
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.execution import AddCommands, Pipe, Replies
-from producer_client.protocol.producer import NO_LIMITS, Limits, WaitingEntry
+from producer_client.protocol.producer import NO_LIMITS, Limits
 from producer_client.protocol.replication import Replication
-from producer_client.protocol.replies import Enqueued, Refusal, parse_enqueue, removal_ttl
+from producer_client.protocol.replies import Enqueued, Refusal, parse_enqueue
 from producer_client.protocol.script import ScriptCall
 from producer_client.rate_limits import NO_RATE_LIMITS, RateLimits
 from producer_client.schema import JobResult, JobStatus, Timings
@@ -44,8 +43,6 @@ from producer_client.waiting import (
     unended_expiry,
     wait_done,
 )
-
-log = logging.getLogger(__name__)
 
 
 def submit(client: ClientBase, job: NewJob) -> Steps[str]:
@@ -147,10 +144,8 @@ def enqueue_or_forget(
             reserved = parse_enqueue(checked((yield reserve_call(keys, queue, tenant, [job], limits).add_to))[0])
             if reserved.refusal is not Refusal.NONE:
                 return reserved, None
-        # sharing.records_entry, inline: a submit's Python calls count.
-        record = stream is None and client.one_server and (client.max_queue_depth or limits.max_waiting or 0) > 0
         add = enqueue_commands(
-            keys, queue, client.max_queue_depth, job, create, client.replication, stream, tenant, limits, record
+            keys, queue, client.max_queue_depth, job, create, client.replication, stream, tenant, limits
         )
         sent_at = time.monotonic()
         replies = yield (add if block_ms is None else with_end_read(add, keys.done(job.job_id), block_ms))
@@ -233,22 +228,19 @@ def enqueue_commands(
     stream: str | None = None,
     tenant: str = NO_TENANT,
     limits: Limits = NO_LIMITS,
-    record: bool = False,
 ) -> AddCommands:
     """The pipeline that enqueues `job`: CREATE first when `create` (a fresh id cannot collide, so
     creating and enqueueing take one round trip; CREATE sets the status only if there is none, so
     a retried pipeline never sets a started job back to queued), then the enqueue (sharing.
-    enqueue_call; with `record`, one that records in the job's hash where its entry waits), then
-    for a request_id's job the `enqueued` flag that tells a later submit with the same request_id
-    that the entry exists (no later submit names a fresh id); with a
+    enqueue_call), then for a request_id's job the `enqueued` flag that tells a later submit with
+    the same request_id that the entry exists (no later submit names a fresh id); with a
     replication to wait for, a WAIT on the job's node and one on the queue's (on one server they
     are the same: the second answers at once). `enqueued` reads the replies."""
 
     def add(pipe: Pipe) -> None:
-        job_key = scripts.add_fresh_create(pipe, keys, job.job_id, job.timeout_ms) if create else None
-        if record and job_key is None:
-            job_key = keys.job(job.job_id)
-        enqueue_call(keys, queue, tenant, job, max_depth, limits, stream, job_key if record else None).add_to(pipe)
+        if create:
+            scripts.add_fresh_create(pipe, keys, job.job_id, job.timeout_ms)
+        enqueue_call(keys, queue, tenant, job, max_depth, limits, stream).add_to(pipe)
         if job.idempotent:
             scripts.add_enqueued_flag(pipe, keys, job.job_id)
         if replication.waits:
@@ -332,44 +324,9 @@ def status(keys: Keys, job_id: str) -> Steps[JobStatus]:
 
 
 def cancel(keys: Keys, job_id: str) -> Steps[JobStatus]:
-    """Client.cancel: CANCEL, the entry of a job it ended while queued removed from its stream
-    where its enqueue recorded it (free_places), then the job's status."""
+    """Client.cancel: CANCEL, then the job's status."""
     job_id = check_job_id(job_id)
     (found,) = checked((yield cancel_call(keys, job_id).add_to))
     if found is None:
         raise JobNotFound(job_id)
-    entry = cancelled_entry(keys, found)
-    if entry is not None:
-        yield from free_places(keys, {job_id: entry})
     return (yield from read_status(keys, job_id))
-
-
-def cancelled_entry(keys: Keys, reply: object) -> WaitingEntry | None:
-    """Where the entry of a job CANCEL ended while queued waits, as its reply says; None where it
-    names none (a job that was not queued, or whose enqueue recorded nothing)."""
-    if isinstance(reply, list) and len(reply) == 2 and reply[0] == "queued":
-        return WaitingEntry.recorded(keys, reply[1])
-    return None
-
-
-def free_places(keys: Keys, entries: dict[str, WaitingEntry]) -> Steps[None]:
-    """The entries of jobs a cancel ended while queued (job id -> where its entry waits) removed
-    from their streams where no worker has read them, in one round trip (REMOVE_ENTRY, in each
-    stream's slot); then the keys of those it removed, which no worker will meet, get the result
-    TTL the queue's workers publish instead of CANCELLED_TTL_S (one PEXPIRE LT each, in the job's
-    slot: only shortened). A failure is logged: the jobs are cancelled, the worker that reads an
-    entry left behind drops it, and keys left with CANCELLED_TTL_S still go."""
-    job_ids = list(entries)
-
-    def removals(pipe: Pipe) -> None:
-        for job_id in job_ids:
-            scripts.add_removal(pipe, job_id, entries[job_id])
-
-    try:
-        replies = checked((yield Repeatable(removals)))
-        found = [removal_ttl(replies[2 * i], replies[2 * i + 1], CANCELLED_TTL_S) for i in range(len(job_ids))]
-        ttls = {job_id: ttl for job_id, ttl in zip(job_ids, found) if ttl is not None}
-        if ttls:
-            checked((yield Repeatable(lambda pipe: scripts.add_shortened_ttls(pipe, keys, ttls))))
-    except Exception as failed:
-        log.warning("cancelled jobs' entries were not removed from their streams: %s", failed)

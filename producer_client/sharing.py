@@ -58,34 +58,16 @@ def refuse_queue_stream_of_another_type(reply: object, queue: str, jobs: list[Ne
 
 
 def enqueue_call(
-    keys: Keys,
-    queue: str,
-    tenant: str,
-    job: NewJob,
-    max_depth: int | None,
-    limits: Limits,
-    stream: str | None,
-    record_in: str | None = None,
+    keys: Keys, queue: str, tenant: str, job: NewJob, max_depth: int | None, limits: Limits, stream: str | None
 ) -> ScriptCall | PlacedEntry:
     """The call that adds `job`: to the worker stream `stream` placement chose (no bound of its
     own: placement puts a job there only while the worker has a free slot; its route rides in its
-    fields), to the queue's own stream, or to its lane's stream of `tenant`; given `record_in`, the
-    job's hash (where records_entry holds), one that records there where its entry waits."""
+    fields), to the queue's own stream, or to its lane's stream of `tenant`."""
     if stream is not None:
         return PlacedEntry(stream, job.job_id, job.body, placed_fields(job, tenant))
     if goes_to_queue_stream(job, tenant):
-        return scripts.enqueue(keys.queue(queue), max_depth or 0, job.job_id, job.body, record_in)
-    records_in = () if record_in is None else (record_in,)
-    return scripts.enqueue_lanes(keys, queue, tenant, [lane_job(job)], max_depth or 0, limits, records_in=records_in)
-
-
-def records_entry(max_depth: int | None, limits: Limits) -> bool:
-    """Whether an enqueue on the shared route records in each job's hash where its entry waits: where
-    the stream's bound or the tenant's waiting quota counts the entry, which a cancel must then
-    free at once (docs/architecture.md, "What a cancel frees"). The enqueue script writes the record
-    beside its XADD, so only on one server: on a cluster the job's hash lies in another slot, and a
-    cancelled job's entry counts until a worker reads it."""
-    return bool(max_depth or limits.max_waiting)
+        return scripts.enqueue(keys.queue(queue), max_depth or 0, job.job_id, job.body)
+    return scripts.enqueue_lanes(keys, queue, tenant, [lane_job(job)], max_depth or 0, limits)
 
 
 def reserve_call(keys: Keys, queue: str, tenant: str, jobs: list[NewJob], limits: Limits) -> ScriptCall:

@@ -24,9 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from producer_client.keys import CANCELLED_TTL_S, DEFAULT_LANE, GROUP, LANES, NO_TENANT, PROTOCOL_VERSION, Keys
+from producer_client.keys import CANCELLED_TTL_S, DEFAULT_LANE, LANES, NO_TENANT, PROTOCOL_VERSION, Keys
 from producer_client.protocol.lanes import LUA_ACTIVATE, LUA_LANES, LUA_UNREAD
-from producer_client.protocol.replies import is_entry_id
 from producer_client.protocol.script import END_JOB, Script, ScriptCall, job_keys
 
 # -- a job's keys ---------------------------------------------------------------------------------
@@ -89,14 +88,9 @@ return created
 )
 
 # KEYS: job, events, done. ARGV: result JSON of a cancelled job, TTL seconds of a queued one's keys.
-# Returns the status before the call, or nil if there is no such job; for a queued job whose
-# enqueue recorded where its entry waits (`at`, on one server: ENQUEUE), {'queued', '<entry id>
-# <stream>'}: the caller then removes that entry (REMOVE_ENTRY, in the queue's slot), so that it
-# stops counting against the stream's bound and the tenant's waiting quota at once (docs/
-# architecture.md, "What a cancel frees"). A queued job ends here and
+# Returns the status before the call, or nil if there is no such job. A queued job ends here and
 # now (END_JOB), with the TTL (CANCELLED_TTL_S), so that its keys go even if no worker ever reads
-# its entry; a worker's claim of the entry gives them its result_ttl_s, and so does the caller
-# where REMOVE_ENTRY removed it (the TTL the queue's workers publish). A running one gets the
+# its entry; a worker's claim of the entry gives them its result_ttl_s. A running one gets the
 # flag its worker reads every step. A job stream of another type (a producer may
 # write one) is a WRONGTYPE error before anything is written, as the worker's scripts check
 # (JOB_KEY_TYPES): Redis does not undo a script's writes before a failed command, and END_JOB
@@ -106,8 +100,8 @@ CANCEL = Script(
     "cancel",
     END_JOB
     + """
-local status, tokens, fingerprint, streamed, resumed, at = unpack(
-  redis.call('HMGET', KEYS[1], 'status', 'tokens', 'fingerprint', 'streamed', 'resumed', 'at'))
+local status, tokens, fingerprint, streamed, resumed = unpack(
+  redis.call('HMGET', KEYS[1], 'status', 'tokens', 'fingerprint', 'streamed', 'resumed'))
 if not status then return false end
 if status == 'queued' then
   for i = 2, 3 do
@@ -116,7 +110,6 @@ if status == 'queued' then
   end
   local keep = streamed == '1' or resumed == '1'
   end_job(KEYS[1], KEYS[2], KEYS[3], 'cancelled', ARGV[1], tokens, fingerprint, '1', keep, ARGV[2])
-  if at then return {status, at} end
 elseif status == 'running' then
   redis.call('HSET', KEYS[1], 'cancel', '1')
 end
@@ -161,13 +154,10 @@ return {'queued'}
 
 # -- a queue's keys -------------------------------------------------------------------------------
 
-# KEYS: queue[, the job's hash]. ARGV: max depth (0: no bound), job id, protocol version, body.
-# Returns {1, entry id}, or {0, depth} when the queue is full. Checking and adding in one script
-# makes the bound exact under any number of producers; nothing is ever trimmed. Given the job's
-# hash (on one server only, where a bound counts the entry: sharing.records_entry), records in it
-# where the entry waits (`at`: '<entry id> <stream>'), which a cancel reads to remove the entry
-# (CANCEL, REMOVE_ENTRY); a hash of another type (a producer wrote it) records nothing. A job placed
-# on a worker's own stream, which has no bound, goes there by a plain XADD instead (PlacedEntry).
+# KEYS: queue. ARGV: max depth (0: no bound), job id, protocol version, body. Returns {1, entry
+# id}, or {0, depth} when the queue is full. Checking and adding in one script makes the bound
+# exact under any number of producers; nothing is ever trimmed. A job placed on a worker's own
+# stream, which has no bound, goes there by a plain XADD instead (PlacedEntry).
 ENQUEUE = Script(
     "enqueue",
     """
@@ -176,17 +166,13 @@ if max > 0 then
   local depth = redis.call('XLEN', KEYS[1])
   if depth >= max then return {0, depth} end
 end
-local id = redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])
-if KEYS[2] then redis.pcall('HSET', KEYS[2], 'at', id .. ' ' .. KEYS[1]) end
-return {1, id}
+return {1, redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'v', ARGV[3], 'body', ARGV[4])}
 """,
 )
 
 # KEYS: the queue's scheduler hash, its set of lane streams, its doorbell, the tenant's rate-limit
 # hash, the lanes' sorted sets (priority, default, flex), then the tenant's stream in each lane in
-# the same order, then (on one server, where a bound or a waiting quota counts the entries) each
-# job's hash, in the jobs' order, into which where its entry waits is recorded, as ENQUEUE records
-# it. ARGV: max depth of one stream (0: no bound), tenant ('-': none), weight ('':
+# the same order. ARGV: max depth of one stream (0: no bound), tenant ('-': none), weight ('':
 # unchanged), requests and tokens per minute and max waiting jobs (0: no limit each), '1' to
 # reserve only (check and count, add nothing: a job placed on a worker's own stream), protocol
 # version, then for each job: its lane (1-3, in LANES order), cost (its tokens: the prompt's
@@ -249,11 +235,8 @@ for i = 9, #ARGV, 6 do
   end
   if reason == '' and not reserve then
     local entry = {'XADD', stream, '*', 'id', ARGV[i + 4], 'v', ARGV[8], 'body', ARGV[i + 5], 'cost', cost}
-    local id = unless_wrongtype(redis.pcall(unpack(entry)), OTHER_TYPE)
-    if id == OTHER_TYPE then
+    if unless_wrongtype(redis.pcall(unpack(entry)), OTHER_TYPE) == OTHER_TYPE then
       reason, a, b = 'other_type', 0, LANES[lane]
-    elseif KEYS[11 + added] then
-      redis.pcall('HSET', KEYS[11 + added], 'at', id .. ' ' .. stream)
     end
   end
   if reason ~= '' then break end
@@ -299,12 +282,10 @@ return id
 """,
 )
 
-# KEYS: queue, then (on one server, where a bound counts the entries) each job's hash, in the
-# jobs' order. ARGV: max depth (0: no bound), protocol version, then each job's id and body.
+# KEYS: queue. ARGV: max depth (0: no bound), protocol version, then each job's id and body.
 # submit_many's ENQUEUE: adds the jobs in order while the queue holds fewer than max depth entries,
 # the bound ENQUEUE keeps for one job, so a chunk that would cross it fills the queue up to it and
-# adds no more; records in each job's hash given where its entry waits, as ENQUEUE does. Returns
-# {jobs added, depth after}.
+# adds no more. Returns {jobs added, depth after}.
 ENQUEUE_MANY = Script(
     "enqueue_many",
     """
@@ -312,40 +293,9 @@ local max, depth = tonumber(ARGV[1]), redis.call('XLEN', KEYS[1])
 local room = (#ARGV - 2) / 2
 if max > 0 then room = math.min(room, math.max(0, max - depth)) end
 for i = 1, room do
-  local id = redis.call('XADD', KEYS[1], '*', 'id', ARGV[2 * i + 1], 'v', ARGV[2], 'body', ARGV[2 * i + 2])
-  if KEYS[i + 1] then redis.pcall('HSET', KEYS[i + 1], 'at', id .. ' ' .. KEYS[1]) end
+  redis.call('XADD', KEYS[1], '*', 'id', ARGV[2 * i + 1], 'v', ARGV[2], 'body', ARGV[2 * i + 2])
 end
 return {room, depth + room}
-""",
-)
-
-# KEYS: the stream a cancelled job's entry waits in. ARGV: the entry's id, the job's id. Deletes
-# the entry where it is still there, names the job, and no worker has read it (no pending entry in
-# the group `workers`): the depth and the waiting count that ENQUEUE and ENQUEUE_LANES check are the
-# stream's length and its unread entries, so they drop by one at once, and READ never delivers it.
-# An entry a worker has read is left to it: it no longer counts as waiting, and the worker's CLAIM
-# finds the job ended ('final'), gives its keys its result_ttl_s and acknowledges and deletes the
-# entry, as before. READ and this script both run in the queue's slot, so each entry is either read
-# or deleted, never both. The job's id is checked because the hash's record is a producer's to
-# write (docs/security.md): a cancel deletes no other job's entry. Returns 1 if it deleted the
-# entry, else 0 (gone, read, or of another job): then no worker will meet the job, and the caller
-# gives its keys the result TTL the queue's workers publish (add_removal).
-REMOVE_ENTRY = Script(
-    "remove_entry",
-    f"""
-local found = redis.pcall('XRANGE', KEYS[1], ARGV[1], ARGV[1])
-if type(found) ~= 'table' or found.err or #found == 0 then return 0 end
-local fields, named = found[1][2], false
-for i = 1, #fields, 2 do
-  if fields[i] == 'id' then
-    named = fields[i + 1] == ARGV[2]
-    break
-  end
-end
-if not named then return 0 end
-local pending = redis.pcall('XPENDING', KEYS[1], '{GROUP}', ARGV[1], ARGV[1], 1)
-if type(pending) == 'table' and not pending.err and #pending > 0 then return 0 end
-return redis.call('XDEL', KEYS[1], ARGV[1])
 """,
 )
 
@@ -372,7 +322,6 @@ PRODUCER_SCRIPTS = (
     ENQUEUE,
     ENQUEUE_MANY,
     ENQUEUE_LANES,
-    REMOVE_ENTRY,
     RETRY,
     REVIVE,
     STORE_SHARDS,
@@ -407,44 +356,9 @@ def store_shards(sched: str, field: str, count: int) -> ScriptCall:
     return ScriptCall(STORE_SHARDS, (sched,), (field, count))
 
 
-def enqueue(stream: str, max_depth: int, job_id: str, body: str, record_in: str | None = None) -> ScriptCall:
-    """ENQUEUE into `stream`, a queue's own stream; max_depth 0: no bound; `record_in`: the job's
-    hash, where ENQUEUE records where the entry waits (on one server only: sharing.records_entry)."""
-    call_keys = (stream,) if record_in is None else (stream, record_in)
-    return ScriptCall(ENQUEUE, call_keys, (max_depth, job_id, PROTOCOL_VERSION, body))
-
-
-def remove_entry(job_id: str, entry: WaitingEntry) -> ScriptCall:
-    return ScriptCall(REMOVE_ENTRY, (entry.stream,), (entry.entry_id, job_id))
-
-
-def add_removal(pipe: Any, job_id: str, entry: WaitingEntry) -> None:
-    """REMOVE_ENTRY of the job's entry, then a GET of the result TTL its queue's workers publish
-    (a read apart from the script: the producers' ACL user may read that key, not write it):
-    replies.removal_ttl reads the two."""
-    remove_entry(job_id, entry).add_to(pipe)
-    pipe.get(entry.published_ttl)
-
-
-class WaitingEntry(NamedTuple):
-    """Where a queued job's entry waits, as its enqueue recorded it in the job's hash (`at`) and
-    CANCEL answers it: its stream, its id, and its queue's keys.published_ttl (REMOVE_ENTRY)."""
-
-    stream: str
-    entry_id: str
-    published_ttl: str
-
-    @classmethod
-    def recorded(cls, keys: Keys, text: object) -> WaitingEntry | None:
-        """The entry a job's `at` names ('<entry id> <stream>'); None for anything else, or a stream
-        that is no queue's of `keys` (a producer may write the hash)."""
-        if not isinstance(text, str):
-            return None
-        entry_id, _, stream = text.partition(" ")
-        published_ttl = keys.published_ttl_of(stream)
-        if not is_entry_id(entry_id) or published_ttl is None:
-            return None
-        return cls(stream, entry_id, published_ttl)
+def enqueue(stream: str, max_depth: int, job_id: str, body: str) -> ScriptCall:
+    """ENQUEUE into `stream`, a queue's own stream; max_depth 0: no bound."""
+    return ScriptCall(ENQUEUE, (stream,), (max_depth, job_id, PROTOCOL_VERSION, body))
 
 
 class LaneJob(NamedTuple):
@@ -491,19 +405,16 @@ def enqueue_lanes(
     max_depth: int,
     limits: Limits = NO_LIMITS,
     reserve: bool = False,
-    records_in: tuple[str, ...] = (),
 ) -> ScriptCall:
     """ENQUEUE_LANES of `jobs` of `tenant` (NO_TENANT: none); `reserve`: check and count them
-    against the limits, add nothing (the caller adds them to a worker's own stream); `records_in`:
-    the jobs' hashes, in their order, where each records where its entry waits (on one server only:
-    sharing.records_entry; empty: none)."""
+    against the limits, add nothing (the caller adds them to a worker's own stream)."""
     weight = "" if limits.weight is None else repr(float(limits.weight))
     head = (max_depth, tenant, weight, limits.rpm, limits.tpm, limits.max_waiting, int(reserve), PROTOCOL_VERSION)
     args: list[Any] = [*head]
     for job in jobs:  # a loop, not a generator: a frame resumed at every value of every job
         counted_tokens = job.cost if job.tokens is None else job.tokens
         args += (LANES.index(job.lane) + 1, job.cost, job.requests, counted_tokens, job.job_id, job.body)
-    return ScriptCall(ENQUEUE_LANES, enqueue_lanes_keys(keys, queue, tenant) + records_in, tuple(args))
+    return ScriptCall(ENQUEUE_LANES, enqueue_lanes_keys(keys, queue, tenant), tuple(args))
 
 
 # ENQUEUE_LANES' keys, by the keys' prefix, the queue and the tenant: the same ten for every job of
@@ -556,44 +467,27 @@ def revive(
     return ScriptCall(REVIVE, call_keys, (letter_id, job_id, version, body, lane, tenant, cost))
 
 
-def enqueue_many(
-    keys: Keys, stream: str, max_depth: int, ids_and_bodies: list[tuple[str, str]], record: bool = False
-) -> ScriptCall:
-    """ENQUEUE_MANY into `stream`; `record`: in each job's hash, where its entry waits (on one
-    server only: sharing.records_entry)."""
+def enqueue_many(stream: str, max_depth: int, ids_and_bodies: list[tuple[str, str]]) -> ScriptCall:
     flat = tuple(x for pair in ids_and_bodies for x in pair)
-    hashes = tuple(keys.job(job_id) for job_id, _ in ids_and_bodies) if record else ()
-    return ScriptCall(ENQUEUE_MANY, (stream, *hashes), (max_depth, PROTOCOL_VERSION, *flat))
+    return ScriptCall(ENQUEUE_MANY, (stream,), (max_depth, PROTOCOL_VERSION, *flat))
 
 
 # -- a job's commands beside the scripts ----------------------------------------------------------
 
 
-def add_fresh_create(pipe: Any, keys: Keys, job_id: str, timeout_ms: int) -> str:
+def add_fresh_create(pipe: Any, keys: Keys, job_id: str, timeout_ms: int) -> None:
     """CREATE of a job with a fresh id: without a deadline that is one HSETNX of its status, which
-    costs Redis less than a script (nobody reads the reply of a fresh id's CREATE). Returns the
-    job's hash, for the enqueue's record beside it (a submit's Python calls count)."""
-    key = keys.job(job_id)
+    costs Redis less than a script (nobody reads the reply of a fresh id's CREATE)."""
     if timeout_ms:
         create(keys, job_id, timeout_ms, "").add_to(pipe)
     else:
-        pipe.execute_command("HSETNX", key, "status", "queued")  # hsetnx's, one call less
-    return key
+        pipe.execute_command("HSETNX", keys.job(job_id), "status", "queued")  # hsetnx's, one call less
 
 
 def add_enqueued_flag(pipe: Any, keys: Keys, job_id: str) -> None:
     """The `enqueued` flag of a job with a request_id, once its entry is in a stream: a later
     submit of the same request_id that finds the job queued reads it (CREATE)."""
     pipe.hset(keys.job(job_id), "enqueued", "1")
-
-
-def add_shortened_ttls(pipe: Any, keys: Keys, ttls: dict[str, int]) -> None:
-    """The keys of cancelled jobs whose entries a cancel removed (job id -> the result TTL in
-    seconds the queue's workers publish: REMOVE_ENTRY's reply) given that TTL where theirs is
-    longer or none (PEXPIRE LT: a done stream's shorter one is left as it is)."""
-    for job_id, ttl in ttls.items():
-        for key in job_keys(keys, job_id):
-            pipe.pexpire(key, ttl * 1000, lt=True)
 
 
 def add_forget(pipe: Any, keys: Keys, job_ids: list[str]) -> None:

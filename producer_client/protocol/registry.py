@@ -41,13 +41,6 @@ def add_heartbeat(
     pipe.zrange(index, 0, -1)
 
 
-def add_published_ttl(pipe: Any, keys: Keys, queue: str, result_ttl_s: int) -> None:
-    """The worker's result_ttl_s where a cancel's REMOVE_ENTRY reads it, in the queue's (or shard's)
-    slot, expiring as a result kept would: a SET, which no key of another type refuses (a producer
-    may write one: the heartbeat stops at no write of theirs)."""
-    pipe.set(keys.published_ttl(queue), result_ttl_s, ex=result_ttl_s)
-
-
 def heartbeat_key_types(keys: Keys, queue: str, worker: str) -> dict[str, str]:
     """The registry's keys a worker's heartbeat writes, each with the type it holds. Only workers and
     operators may write them (docs/security.md), so one of another type is a mistake, and it held

@@ -200,14 +200,3 @@ def _count(value: object, script: str, reply: object) -> int:
     if count < 0:
         raise UnknownReply(script, reply)
     return count
-
-
-def removal_ttl(removed: object, published: object, longest: int) -> int | None:
-    """From REMOVE_ENTRY's reply and the GET after it (producer.add_removal): the result TTL in
-    seconds to give the keys of a job whose entry it removed, the queue's workers' (at most
-    `longest`: the key is the workers' to write, a producer's may hold anything); None where it
-    removed nothing, or no worker published a TTL (the keys keep CANCELLED_TTL_S)."""
-    if removed != 1 or not isinstance(published, str) or not published.isdigit():
-        return None
-    ttl = int(published)
-    return min(ttl, longest) if ttl > 0 else None

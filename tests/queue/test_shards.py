@@ -106,7 +106,6 @@ def test_one_shard_uses_exactly_todays_keys(redis_server, redis_client, queue, a
         f"mili:q:{{{queue}}}:flex:{tenant}",
         f"mili:sched:{{{queue}}}",
         f"mili:streams:{{{queue}}}",
-        f"mili:ttl:{{{queue}}}",  # the workers' published result TTL (a cancel's: docs/architecture.md)
         f"mili:workers:{{{queue}}}",
     ]
     assert redis_client.hget(KEYS.scheduler(queue), SHARDS_FIELD) == stored

@@ -14,7 +14,7 @@ from producer_client.protocol.execution import Pipe
 from producer_client.protocol.script import ScriptCall
 from producer_client.protocol.shards import shard_of
 from worker.loop.jobs import Job
-from worker.loop.queue import HANDED_OVER_IDLE_MS, RedisClock, is_transient, send_pipeline
+from worker.loop.queue import HANDED_OVER_IDLE_MS, RedisClock, send_pipeline
 from worker.loop.streams import DEFAULT_ROUTE, QueueShards, QueueStreams
 
 
@@ -34,7 +34,6 @@ class Membership:
         shards: QueueShards,
         clock: RedisClock,
         placed: bool,
-        result_ttl_s: int | None = None,
     ):
         self.redis = client
         self.keys = keys
@@ -43,9 +42,6 @@ class Membership:
         self.shards = shards
         self.clock = clock
         self.placed = placed
-        # Published in each shard's slot with every heartbeat: what a cancel gives the keys of a queued
-        # job whose entry it removed, which no worker will claim (REMOVE_ENTRY). None: not published.
-        self.result_ttl_s = result_ttl_s
         self.streams = QueueStreams(keys, queue)
         self.peers: list[str] = []  # every worker of the queue's index, as of the last heartbeat
 
@@ -61,7 +57,6 @@ class Membership:
             self.streams.add_refreshes(pipe, self.worker, by_stream)
             for stream in others:
                 registry.add_shard_depth(pipe, stream)
-            self.add_published_ttls(pipe)
 
         by_stream = self.streams.by_stream(held)
         others = list(self.shards.of_stream)[1:]  # the other shards' streams: the depth counts them too
@@ -75,31 +70,12 @@ class Membership:
                 raise
             sent_at = self.clock.local()
             replies = send_pipeline(self.redis, add)
-        if self.result_ttl_s is not None:
-            del replies[len(replies) - len(self.shards.names) :]  # the published TTLs' OKs
         self.clock.measured(sent_at, replies[0], self.clock.local())
         beat = replies[1 : 1 + registry.HEARTBEAT_COMMANDS]
         refreshes = replies[1 + registry.HEARTBEAT_COMMANDS : len(replies) - len(others)]
         depth, self.peers = registry.heartbeat_reply(beat)
         lost = [refs[i] for refs, reply in zip(by_stream.values(), refreshes) for i in reply]
         return depth + sum(replies[len(replies) - len(others) :]), lost
-
-    def publish_result_ttl(self) -> None:
-        """Publish the worker's result_ttl_s before it serves (each heartbeat publishes it again):
-        a cancel that removes a queued job's entry from the moment the worker exists gives the
-        job's keys that TTL, not CANCELLED_TTL_S."""
-        if self.result_ttl_s is None:
-            return
-        try:
-            send_pipeline(self.redis, self.add_published_ttls)
-        except Exception as error:  # Redis down or refusing writes: the heartbeats publish it later
-            if not is_transient(error):
-                raise
-
-    def add_published_ttls(self, pipe: Pipe) -> None:
-        if self.result_ttl_s is not None:
-            for shard in self.shards.names:
-                registry.add_published_ttl(pipe, self.keys, shard, self.result_ttl_s)
 
     def registry_made_anew(self) -> bool:
         """Delete those of the heartbeat's registry keys that hold another type, which the heartbeat

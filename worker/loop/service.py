@@ -104,9 +104,7 @@ class Worker:
             placed=settings.placement,
             poll_ms=settings.placement_poll_ms,
             shards=shards,
-            result_ttl_s=settings.result_ttl_s,
         )
-        self.queue.members.publish_result_ttl()
         job_commands = JobCommands(client, keys, name, settings.result_ttl_s, replication)
         self.holdings = Holdings(engine)
         ctx = LoopContext(name, settings, engine, self.queue, job_commands, clock, metrics, self.holdings)

@@ -34,7 +34,6 @@ class WorkerQueue:
         placed: bool = False,
         poll_ms: int = 50,
         shards: int = 1,
-        result_ttl_s: int | None = None,
     ):
         self.redis = client
         self.worker = worker
@@ -44,4 +43,4 @@ class WorkerQueue:
         self.groups = ConsumerGroups(client, keys, self.shards, own)
         self.reads = QueueReads(client, keys, queue, worker, self.shards, self.groups, clock, own, poll_ms)
         self.reclaims = Reclaims(client, keys, queue, worker, self.shards)
-        self.members = Membership(client, keys, queue, worker, self.shards, clock, placed, result_ttl_s)
+        self.members = Membership(client, keys, queue, worker, self.shards, clock, placed)
