@@ -56,7 +56,9 @@ class ClientBase:
         self.shards = QueueShards(queue_shards)
         self.submissions = Submissions()  # shared by its copies (on_queue, as_tenant): ids are unique
         self.known_params: KnownParams = {}  # its jobs' SamplingParams, validated once each (new_job.sampling_params)
-        self.redis = self._connect(parse_url(url), check_max_connections(max_connections))
+        target = parse_url(url)
+        self.replication.check_within(target.options.get("socket_timeout"))
+        self.redis = self._connect(target, check_max_connections(max_connections))
 
     def _connect(self, target: RedisURL, max_connections: int | None) -> SyncRedis | AsyncRedis:
         """A redis-py client of `target`, with the clients' retry policy."""

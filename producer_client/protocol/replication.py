@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from producer_client.errors import InvalidArgument
 
+REDIS_PY_SOCKET_TIMEOUT_S = 5.0  # redis-py's socket_timeout where the URL sets none
+
 
 @dataclass(frozen=True)
 class Replication:
@@ -26,3 +28,16 @@ class Replication:
     @property
     def waits(self) -> bool:
         return self.replicas > 0
+
+    def check_within(self, socket_timeout_s: float | None) -> None:
+        """Refuses a WAIT as long as the connection's socket timeout, or longer: its reply would come
+        after the client stopped reading, the retry policy would send the whole enqueue again (up to
+        ten times, a stream entry each), and the submit would end in RedisTimedOut after a minute
+        with its clean-up deleting a job whose entries are in the stream, never NotReplicated."""
+        timeout_s = REDIS_PY_SOCKET_TIMEOUT_S if socket_timeout_s is None else socket_timeout_s
+        if self.waits and self.timeout_ms >= timeout_s * 1000:
+            raise InvalidArgument(
+                "wait_timeout_ms",
+                f"must be shorter than the connection's socket_timeout ({timeout_s:g} s; the URL's "
+                "?socket_timeout= sets it)",
+            )

@@ -11,7 +11,7 @@ import pytest
 from harness.echo_workers import serving
 from harness.polling import eventually
 from harness.redis_servers import ServerProcess
-from producer_client import Client
+from producer_client import AsyncClient, Client
 from producer_client.errors import InvalidArgument, NotReplicated
 from producer_client.keys import GROUP, Keys
 from tests.support.clients import make_client
@@ -52,8 +52,23 @@ def test_a_bad_wait_setting_is_refused_before_anything_is_sent(setting, field):
     assert raised.value.field == field
 
 
+@pytest.mark.parametrize("make", [Client, AsyncClient])
+def test_a_wait_as_long_as_the_socket_timeout_is_refused_before_anything_connects(make):
+    """A WAIT of wait_timeout_ms at or past the connection's socket timeout (redis-py's 5 s where the
+    URL sets none) was read after the client had stopped reading: the retry policy sent the enqueue
+    again up to ten times and the submit raised RedisTimedOut after ~59 s, never NotReplicated
+    (y/flake4). Refused at construction, naming the field; a URL's longer socket_timeout admits it."""
+    for url, wait_ms in [("redis://127.0.0.1:1/0", 5000), ("redis://127.0.0.1:1/0?socket_timeout=2", 2000)]:
+        with pytest.raises(InvalidArgument) as raised:
+            make(url, wait_replicas=1, wait_timeout_ms=wait_ms)
+        assert raised.value.field == "wait_timeout_ms" and "socket_timeout" in str(raised.value)
+    for url, replicas in [("redis://127.0.0.1:1/0?socket_timeout=10", 1), ("redis://127.0.0.1:1/0", 0)]:
+        with Client(url, wait_replicas=replicas, wait_timeout_ms=5000):  # the longer socket timeout; no WAIT
+            pass
+
+
 def test_under_sentinel_a_confirmed_submit_is_on_the_replica(redis_sentinel, queue):
-    with Client(redis_sentinel.url, queue, wait_replicas=1, wait_timeout_ms=5000) as client:
+    with Client(redis_sentinel.url, queue, wait_replicas=1, wait_timeout_ms=4000) as client:
         job_id = client.submit("confirmed", max_tokens=4)
     master = redis_sentinel.current_master()
     replica = redis_sentinel.replica if master is redis_sentinel.master else redis_sentinel.master
@@ -63,7 +78,7 @@ def test_under_sentinel_a_confirmed_submit_is_on_the_replica(redis_sentinel, que
 
 
 def test_on_a_cluster_a_confirmed_submit_is_on_the_replicas_of_the_jobs_and_the_queues_masters(redis_cluster, queue):
-    with Client(redis_cluster.url, queue, wait_replicas=1, wait_timeout_ms=5000) as client:
+    with Client(redis_cluster.url, queue, wait_replicas=1, wait_timeout_ms=4000) as client:
         ids = [client.submit(f"confirmed {i}", max_tokens=4) for i in range(6)]
     for key, wanted in [*((KEYS.job(job_id), "queued") for job_id in ids), (KEYS.queue(queue), len(ids))]:
         with redis_cluster.replica_of(redis_cluster.master_of(key)).client() as c:
