@@ -4,11 +4,14 @@ custom_id answered exactly once whatever dies or is cancelled on the way."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
 import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -97,6 +100,25 @@ def gateway_flags(batch_queue: str, *more: str) -> tuple[str, ...]:
         json.dumps(["24h", "4s"]),
         *more,
     )
+
+
+@contextlib.contextmanager
+def private_gateway(
+    tmp_path: Path, *flags: str, api_key: str = "unused", max_retries: int = 0
+) -> Iterator[tuple[redis.Redis, GatewayProcess, openai.OpenAI]]:
+    """A gateway on a Redis of its own, a client of that Redis with every right, and the official
+    SDK on the gateway: for the tests that write under the Batch API's keys what the module's
+    gateways and batches must not meet (keys of another type)."""
+    with EmbeddedRedis(port=free_port()) as server:
+        admin = redis.Redis.from_url(server.url, decode_responses=True)
+        gateway = GatewayProcess(server.url, tmp_path, *flags).start()
+        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=api_key, max_retries=max_retries)
+        try:
+            yield admin, gateway, sdk
+        finally:
+            sdk.close()
+            gateway.stop()
+            admin.close()
 
 
 @pytest.fixture(scope="module")
@@ -571,42 +593,34 @@ def test_an_index_of_another_type_is_a_500_not_retried_and_the_rest_is_served(tm
     Now a 500 `key_of_another_type` with `x-should-retry: false`, as a job's keys or a lane's
     stream of another type are; once the key is deleted the same calls are served. A private
     Redis and gateway: the module's drive batches that write the indexes."""
-    with EmbeddedRedis(port=free_port()) as server:
-        admin = redis.Redis.from_url(server.url, decode_responses=True)
-        gateway = GatewayProcess(server.url, tmp_path, *gateway_flags("nobody-serves")).start()
-        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=2)
-        try:
-            file_id = upload(sdk, [chat_line("a", "x")])
-            admin.set(KEYS.files(), "an operator's mistake")
-            admin.set(KEYS.batches(), "an operator's mistake")
-            calls = {
-                "GET '/v1/files'": sdk.files.list,
-                "POST '/v1/files'": lambda: upload(sdk, [chat_line("b", "y")]),
-                "GET '/v1/batches'": sdk.batches.list,
-                "POST '/v1/batches'": lambda: sdk.batches.create(
-                    input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
-                ),
-            }
-            for call in calls.values():
-                with pytest.raises(openai.InternalServerError) as refused:
-                    call()
-                assert refused.value.response.headers["x-should-retry"] == "false"
-                assert refused.value.code == "key_of_another_type", refused.value.body
-            assert eventually(lambda: "POST '/v1/batches' -> 500" in gateway.log(), timeout=10), gateway.log()
-            for request in calls:
-                assert len(re.findall(rf"{re.escape(request)} -> 500", gateway.log())) == 1, gateway.log()
-            # The index made anew lists what is written from then on; the file it no longer names
-            # is there all the same.
-            admin.delete(KEYS.files(), KEYS.batches())
-            assert sdk.files.retrieve(file_id).id == file_id
-            uploaded = upload(sdk, [chat_line("c", "z")])
-            assert [f.id for f in sdk.files.list()] == [uploaded]
-            batch = sdk.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
-            assert [b.id for b in sdk.batches.list()] == [batch.id]
-        finally:
-            sdk.close()
-            gateway.stop()
-            admin.close()
+    with private_gateway(tmp_path, *gateway_flags("nobody-serves"), max_retries=2) as (admin, gateway, sdk):
+        file_id = upload(sdk, [chat_line("a", "x")])
+        admin.set(KEYS.files(), "an operator's mistake")
+        admin.set(KEYS.batches(), "an operator's mistake")
+        calls = {
+            "GET '/v1/files'": sdk.files.list,
+            "POST '/v1/files'": lambda: upload(sdk, [chat_line("b", "y")]),
+            "GET '/v1/batches'": sdk.batches.list,
+            "POST '/v1/batches'": lambda: sdk.batches.create(
+                input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+            ),
+        }
+        for call in calls.values():
+            with pytest.raises(openai.InternalServerError) as refused:
+                call()
+            assert refused.value.response.headers["x-should-retry"] == "false"
+            assert refused.value.code == "key_of_another_type", refused.value.body
+        assert eventually(lambda: "POST '/v1/batches' -> 500" in gateway.log(), timeout=10), gateway.log()
+        for request in calls:
+            assert len(re.findall(rf"{re.escape(request)} -> 500", gateway.log())) == 1, gateway.log()
+        # The index made anew lists what is written from then on; the file it no longer names
+        # is there all the same.
+        admin.delete(KEYS.files(), KEYS.batches())
+        assert sdk.files.retrieve(file_id).id == file_id
+        uploaded = upload(sdk, [chat_line("c", "z")])
+        assert [f.id for f in sdk.files.list()] == [uploaded]
+        batch = sdk.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert [b.id for b in sdk.batches.list()] == [batch.id]
 
 
 def test_a_failing_look_for_batches_is_logged_once_while_it_lasts(tmp_path):
@@ -645,47 +659,39 @@ def test_an_index_of_another_type_refuses_a_files_or_batchs_write_before_anythin
     with nothing written or deleted. A keyed gateway, so that its files and batches have an owner
     and an owner's index; a private Redis, whose every key the test can see."""
     key = uuid.uuid4().hex + uuid.uuid4().hex
-    with EmbeddedRedis(port=free_port()) as server:
-        admin = redis.Redis.from_url(server.url, decode_responses=True)
-        flags = (*gateway_flags("nobody-serves"), "--api-keys", json.dumps([key]))
-        gateway = GatewayProcess(server.url, tmp_path, *flags).start()
-        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
-        try:
-            file_id = upload(sdk, [chat_line("a", "x")])
-            (own_files,) = admin.keys(f"{KEYS.files()}:of:*")
-            owner = own_files.removeprefix(f"{KEYS.files()}:of:")
-            indexes = (KEYS.files(), own_files, KEYS.batches(), KEYS.batches_of(owner), KEYS.batches_unfinished())
+    flags = (*gateway_flags("nobody-serves"), "--api-keys", json.dumps([key]))
+    with private_gateway(tmp_path, *flags, api_key=key) as (admin, gateway, sdk):
+        file_id = upload(sdk, [chat_line("a", "x")])
+        (own_files,) = admin.keys(f"{KEYS.files()}:of:*")
+        owner = own_files.removeprefix(f"{KEYS.files()}:of:")
+        indexes = (KEYS.files(), own_files, KEYS.batches(), KEYS.batches_of(owner), KEYS.batches_unfinished())
 
-            def stored() -> tuple:
-                """Every file's and batch's keys, and what each index that is one names."""
-                named = [admin.zrange(i, 0, -1) if admin.type(i) == "zset" else None for i in indexes]
-                return sorted(admin.keys(f"{KEYS.prefix}:file:*") + admin.keys(f"{KEYS.prefix}:batch:*")), named
+        def stored() -> tuple:
+            """Every file's and batch's keys, and what each index that is one names."""
+            named = [admin.zrange(i, 0, -1) if admin.type(i) == "zset" else None for i in indexes]
+            return sorted(admin.keys(f"{KEYS.prefix}:file:*") + admin.keys(f"{KEYS.prefix}:batch:*")), named
 
-            upload_one = lambda: upload(sdk, [chat_line("c", "z")])  # noqa: E731
-            delete = lambda: sdk.files.delete(file_id)  # noqa: E731
-            create = lambda: sdk.batches.create(  # noqa: E731
-                input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-            writes = {indexes[0]: (upload_one, delete), indexes[1]: (upload_one, delete)}
-            writes |= {index: (create,) for index in indexes[2:]}
-            for index, calls in writes.items():
-                held = admin.dump(index)
-                admin.delete(index)
-                admin.set(index, "an operator's mistake")
-                for call in calls:
-                    before = stored()
-                    with pytest.raises(openai.InternalServerError) as refused:
-                        call()
-                    assert refused.value.code == "key_of_another_type", (index, refused.value.body)
-                    assert stored() == before, index
-                admin.delete(index)
-                if held is not None:
-                    admin.restore(index, 0, held)
-            assert sdk.files.retrieve(file_id).id == file_id
-        finally:
-            sdk.close()
-            gateway.stop()
-            admin.close()
+        upload_one = lambda: upload(sdk, [chat_line("c", "z")])  # noqa: E731
+        delete = lambda: sdk.files.delete(file_id)  # noqa: E731
+        create = lambda: sdk.batches.create(  # noqa: E731
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        writes = {indexes[0]: (upload_one, delete), indexes[1]: (upload_one, delete)}
+        writes |= {index: (create,) for index in indexes[2:]}
+        for index, calls in writes.items():
+            held = admin.dump(index)
+            admin.delete(index)
+            admin.set(index, "an operator's mistake")
+            for call in calls:
+                before = stored()
+                with pytest.raises(openai.InternalServerError) as refused:
+                    call()
+                assert refused.value.code == "key_of_another_type", (index, refused.value.body)
+                assert stored() == before, index
+            admin.delete(index)
+            if held is not None:
+                admin.restore(index, 0, held)
+        assert sdk.files.retrieve(file_id).id == file_id
 
 
 def test_a_files_text_of_another_type_is_a_500_before_its_answer_begins(tmp_path):
@@ -693,28 +699,20 @@ def test_a_files_text_of_another_type_is_a_500_before_its_answer_begins(tmp_path
     gone out, so a text key of another type cut the answer off (an incomplete chunked body, which
     the SDK raised as a broken connection and retries) with uvicorn's traceback in the log. Now
     the first pieces are read before the answer begins: a 500 key_of_another_type, not retried."""
-    with EmbeddedRedis(port=free_port()) as server:
-        admin = redis.Redis.from_url(server.url, decode_responses=True)
-        gateway = GatewayProcess(server.url, tmp_path, *gateway_flags("nobody-serves")).start()
-        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
-        try:
-            file_id = upload(sdk, [chat_line("a", "x")])
-            text = sdk.files.content(file_id).text
-            held = admin.dump(KEYS.file_content(file_id))
-            admin.delete(KEYS.file_content(file_id))
-            admin.set(KEYS.file_content(file_id), "an operator's mistake")
-            with pytest.raises(openai.InternalServerError) as refused:
-                sdk.files.content(file_id)
-            assert refused.value.code == "key_of_another_type", refused.value.body
-            assert refused.value.response.headers["x-should-retry"] == "false"
-            admin.delete(KEYS.file_content(file_id))
-            admin.restore(KEYS.file_content(file_id), 0, held)
-            assert sdk.files.content(file_id).text == text
-            assert "Exception in ASGI application" not in gateway.log(), gateway.log()
-        finally:
-            sdk.close()
-            gateway.stop()
-            admin.close()
+    with private_gateway(tmp_path, *gateway_flags("nobody-serves")) as (admin, gateway, sdk):
+        file_id = upload(sdk, [chat_line("a", "x")])
+        text = sdk.files.content(file_id).text
+        held = admin.dump(KEYS.file_content(file_id))
+        admin.delete(KEYS.file_content(file_id))
+        admin.set(KEYS.file_content(file_id), "an operator's mistake")
+        with pytest.raises(openai.InternalServerError) as refused:
+            sdk.files.content(file_id)
+        assert refused.value.code == "key_of_another_type", refused.value.body
+        assert refused.value.response.headers["x-should-retry"] == "false"
+        admin.delete(KEYS.file_content(file_id))
+        admin.restore(KEYS.file_content(file_id), 0, held)
+        assert sdk.files.content(file_id).text == text
+        assert "Exception in ASGI application" not in gateway.log(), gateway.log()
 
 
 def test_a_batch_whose_input_text_is_of_another_type_fails_naming_it(tmp_path):
@@ -722,24 +720,16 @@ def test_a_batch_whose_input_text_is_of_another_type_fails_naming_it(tmp_path):
     the driver logged 'driving stopped' with a traceback and gave the batch up, the next look took
     it again, a traceback every poll for as long as the batch lived, and it stayed `validating`.
     Now it fails as a batch whose input file is gone does, its error naming the file."""
-    with EmbeddedRedis(port=free_port()) as server:
-        admin = redis.Redis.from_url(server.url, decode_responses=True)
-        gateway = GatewayProcess(server.url, tmp_path, *gateway_flags("nobody-serves")).start()
-        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
-        try:
-            file_id = upload(sdk, [chat_line("a", "x")])
-            admin.delete(KEYS.file_content(file_id))
-            admin.set(KEYS.file_content(file_id), "an operator's mistake")
-            batch = sdk.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
-            ended = wait_for(sdk, batch.id, lambda b: b.status in ENDED, timeout=30)
-            assert ended.status == "failed", ended
-            (error,) = ended.errors.data
-            assert error.code == "invalid_input_file" and file_id in error.message, error
-            assert "driving stopped" not in gateway.log(), gateway.log()
-        finally:
-            sdk.close()
-            gateway.stop()
-            admin.close()
+    with private_gateway(tmp_path, *gateway_flags("nobody-serves")) as (admin, gateway, sdk):
+        file_id = upload(sdk, [chat_line("a", "x")])
+        admin.delete(KEYS.file_content(file_id))
+        admin.set(KEYS.file_content(file_id), "an operator's mistake")
+        batch = sdk.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+        ended = wait_for(sdk, batch.id, lambda b: b.status in ENDED, timeout=30)
+        assert ended.status == "failed", ended
+        (error,) = ended.errors.data
+        assert error.code == "invalid_input_file" and file_id in error.message, error
+        assert "driving stopped" not in gateway.log(), gateway.log()
 
 
 def test_a_batch_hash_of_another_type_is_left_out_of_listings_and_no_longer_driven(tmp_path):
@@ -749,32 +739,24 @@ def test_a_batch_hash_of_another_type_is_left_out_of_listings_and_no_longer_driv
     leaves it out and serves the others, warning once; the driver warns once and drops it from the
     unfinished batches; its own GET stays a 500 key_of_another_type, not retried."""
     bad = f"batch_{uuid.uuid4().hex}"
-    with EmbeddedRedis(port=free_port()) as server:
-        admin = redis.Redis.from_url(server.url, decode_responses=True)
-        flags = (*gateway_flags("nobody-serves"), "--batch-poll-s", "0.02")
-        gateway = GatewayProcess(server.url, tmp_path, *flags).start()
-        sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
-        try:
-            older = run_batch(sdk, [chat_line("a", "x")])
-            admin.set(KEYS.batch(bad), "an operator's mistake")
-            admin.zadd(KEYS.batches(), {bad: time.time()})
-            admin.zadd(KEYS.batches_unfinished(), {bad: time.time()})
-            newer = run_batch(sdk, [chat_line("b", "y")])
-            for _ in range(3):
-                assert [b.id for b in sdk.batches.list()] == [newer.id, older.id]
-            assert [b.id for b in sdk.batches.list(limit=1, after=newer.id)] == [older.id]
-            assert eventually(lambda: admin.zscore(KEYS.batches_unfinished(), bad) is None, timeout=10)
-            time.sleep(50 * 0.02)  # fifty more looks for batches
-            log = gateway.log()
-            assert log.count(f"batch {bad}: its hash {KEYS.batch(bad)} holds another type") == 1, log
-            assert log.count(f"batch {bad}: its hash holds another type") == 1, log
-            assert "driving stopped" not in log and "Traceback" not in log, log
-            with pytest.raises(openai.InternalServerError) as refused:
-                sdk.batches.retrieve(bad)
-            assert refused.value.code == "key_of_another_type", refused.value.body
-            assert refused.value.response.headers["x-should-retry"] == "false"
-            assert admin.zscore(KEYS.batches_unfinished(), older.id) is not None  # the others still driven
-        finally:
-            sdk.close()
-            gateway.stop()
-            admin.close()
+    flags = (*gateway_flags("nobody-serves"), "--batch-poll-s", "0.02")
+    with private_gateway(tmp_path, *flags) as (admin, gateway, sdk):
+        older = run_batch(sdk, [chat_line("a", "x")])
+        admin.set(KEYS.batch(bad), "an operator's mistake")
+        admin.zadd(KEYS.batches(), {bad: time.time()})
+        admin.zadd(KEYS.batches_unfinished(), {bad: time.time()})
+        newer = run_batch(sdk, [chat_line("b", "y")])
+        for _ in range(3):
+            assert [b.id for b in sdk.batches.list()] == [newer.id, older.id]
+        assert [b.id for b in sdk.batches.list(limit=1, after=newer.id)] == [older.id]
+        assert eventually(lambda: admin.zscore(KEYS.batches_unfinished(), bad) is None, timeout=10)
+        time.sleep(50 * 0.02)  # fifty more looks for batches
+        log = gateway.log()
+        assert log.count(f"batch {bad}: its hash {KEYS.batch(bad)} holds another type") == 1, log
+        assert log.count(f"batch {bad}: its hash holds another type") == 1, log
+        assert "driving stopped" not in log and "Traceback" not in log, log
+        with pytest.raises(openai.InternalServerError) as refused:
+            sdk.batches.retrieve(bad)
+        assert refused.value.code == "key_of_another_type", refused.value.body
+        assert refused.value.response.headers["x-should-retry"] == "false"
+        assert admin.zscore(KEYS.batches_unfinished(), older.id) is not None  # the others still driven
