@@ -12,12 +12,13 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from producer_client.client_base import DEFAULT_MAX_QUEUE_DEPTH
 from producer_client.connection import parse_url
 from producer_client.keys import DEFAULT_PREFIX, check_name
+from producer_client.protocol.replication import Replication
 from producer_client.settings import LOG_LEVEL_PATTERN, TomlSettings
 
 DEFAULT_CONFIG_FILE = Path(__file__).resolve().parents[1] / "config" / "gateway.toml"
@@ -150,6 +151,14 @@ class GatewaySettings(TomlSettings):
             raise ValueError("a gateway joins the workers' Redis: give its URL (there is no embedded Redis here)")
         parse_url(value)
         return value
+
+    @model_validator(mode="after")
+    def _wait_inside_the_socket_timeout(self) -> GatewaySettings:
+        # The gateway's client refuses it too, but only once uvicorn starts the app: a traceback.
+        Replication(self.wait_replicas, self.wait_timeout_ms).check_within(
+            parse_url(self.redis).options.get("socket_timeout")
+        )
+        return self
 
     @field_validator("api_keys", "admin_api_keys")
     @classmethod

@@ -464,12 +464,17 @@ def check_keys_expire(run: Run, admin: redis.Redis, keys: Keys) -> None:
         # The lanes' state outlives the jobs: idle tenants' counters, the set of lane streams, the doorbell.
         staying |= {keys.dead(shard), keys.scheduler(shard), keys.lane_streams(shard), keys.doorbell(shard)}
     heartbeats = f"{run.prefix}:worker:"
+    longest_ms = 1000 * SETTINGS["result_ttl_s"]
     for key in admin.scan_iter(match=f"{run.prefix}:*", count=1000):
         if key in staying or key.startswith(heartbeats):
             continue
-        ttl = admin.ttl(key)
-        if not 0 < ttl <= SETTINGS["result_ttl_s"]:
-            raise run.fail(f"key {key} stays: TTL {ttl}")
+        # PTTL, not TTL: TTL rounds to whole seconds, and a done stream in the last half second of
+        # its DONE_TTL_MS read 0, as a key that never expires would fail (seed 6279's "TTL 0").
+        ttl_ms = admin.pttl(key)
+        if ttl_ms == -2:
+            continue  # it expired between the scan and the read
+        if not 0 < ttl_ms <= longest_ms:
+            raise run.fail(f"key {key} stays: PTTL {ttl_ms} ms")
 
 
 def stop_workers(run: Run) -> None:

@@ -18,6 +18,7 @@ from pydantic_settings import SettingsConfigDict
 from producer_client.connection import parse_url
 from producer_client.errors import InvalidArgument
 from producer_client.keys import DEFAULT_PREFIX, MAX_SHARDS, check_name
+from producer_client.protocol.replication import Replication
 from producer_client.protocol.shards import check_count_or_auto
 from producer_client.schema import MAX_BODY_BYTES, MAX_TOKENS_LIMIT
 from producer_client.settings import LOG_LEVEL_PATTERN, TomlSettings
@@ -219,6 +220,14 @@ class WorkerSettings(TomlSettings):
                 "a worker back from a Redis outage refreshes its running jobs' entries only that long after, "
                 "and the other workers would reclaim them first",
             )
+        return self
+
+    @model_validator(mode="after")
+    def _wait_inside_the_socket_timeout(self) -> WorkerSettings:
+        # A WAIT whose reply comes after redis-py stopped reading reads as Redis gone: the loop
+        # backs off and sends the round again, which times out again, and no job after it ends.
+        socket_timeout_s = None if self.redis == "embedded" else parse_url(self.redis).options.get("socket_timeout")
+        Replication(self.wait_replicas, self.wait_timeout_ms).check_within(socket_timeout_s)
         return self
 
 

@@ -135,3 +135,23 @@ def test_an_abbreviated_flag_is_refused_not_taken_as_the_setting_it_begins(capsy
         main(["--log-lev", "loud"])
     assert stopped.value.code == 2
     assert "unrecognized arguments: --log-lev loud" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, timeout_s",
+    [
+        (["--wait-replicas", "1", "--wait-timeout-ms", "5000"], 5),  # redis-py's 5 s
+        (
+            ["--wait-replicas", "1", "--wait-timeout-ms", "900", "--redis", "redis://127.0.0.1:1/0?socket_timeout=0.5"],
+            0.5,
+        ),
+    ],
+)
+def test_a_wait_as_long_as_the_socket_timeout_is_refused_in_one_line_before_serving(flags, timeout_s, capsys):
+    """The gateway's client refused it only once uvicorn started the app: a traceback at start."""
+    assert main(flags) == 2
+    assert capsys.readouterr().err == (
+        f"error: invalid_argument: wait_timeout_ms: must be shorter than the connection's socket_timeout "
+        f"({timeout_s:g} s; the URL's ?socket_timeout= sets it)\n"
+    )
+    assert GatewaySettings(wait_replicas=1, wait_timeout_ms=4999).wait_timeout_ms == 4999

@@ -111,6 +111,28 @@ def test_a_claim_idle_time_too_short_is_refused_with_its_minimum_and_why(flags, 
 
 
 @pytest.mark.parametrize(
+    "flags, timeout_s",
+    [
+        (["--wait-replicas", "1", "--wait-timeout-ms", "5000"], 5),  # embedded: redis-py's 5 s
+        (["--wait-replicas", "2", "--wait-timeout-ms", "2500", "--redis", "redis://127.0.0.1:1/0?socket_timeout=2"], 2),
+    ],
+)
+def test_a_workers_wait_as_long_as_its_socket_timeout_is_refused_before_anything_loads(flags, timeout_s, capsys):
+    """A worker whose WAIT outlasted its connection's socket timeout read every publication round
+    as Redis gone (RedisTimedOut), backed off and sent the round again, which timed out again:
+    the first job's result was written, no later job ever ended (three jobs submitted, two never
+    finished in 40 s, its log one "Redis unavailable" line each 10 s)."""
+    assert worker_main(["serve", *flags]) == 2
+    assert capsys.readouterr().err == (
+        f"error: invalid_argument: wait_timeout_ms: must be shorter than the connection's socket_timeout "
+        f"({timeout_s} s; the URL's ?socket_timeout= sets it)\n"
+    )
+    # Shorter, or no WAIT at all, is taken.
+    assert WorkerSettings.load(None, wait_replicas=1, wait_timeout_ms=4999).wait_timeout_ms == 4999
+    assert WorkerSettings.load(None, wait_replicas=0, wait_timeout_ms=60_000).wait_timeout_ms == 60_000
+
+
+@pytest.mark.parametrize(
     "timing",
     [
         dict(heartbeat_interval_s=6.0),  # past the default TTL (5 s): the heartbeat is gone 1 s in 6

@@ -126,7 +126,7 @@ class Admission:
         else:
             claims = self.job_commands.claim(jobs)
         self.holdings.claims_answered()
-        resumed: list[tuple[Delivery, Job, int]] = []
+        resumed: list[tuple[Delivery, str, Job, int]] = []
         for d, run, job, claim in zip(deliveries, runs, prepared, claims):
             if isinstance(claim, Exception):
                 self.rejections.of_delivery(d, claim)
@@ -136,7 +136,7 @@ class Admission:
             if claim.outcome is not ClaimOutcome.CLAIMED:
                 log.info("dropping entry %s of job %s: %s", d.entry_id, d.job_id, claim.outcome.value)
                 self.holdings.ack_duplicate(d)
-            elif d.deliveries > self.settings.max_deliveries:
+            elif d.deliveries > self.settings.max_deliveries and not (claim.recorded_tokens and isinstance(job, Job)):
                 self._dead_letter_poison(d, run, claim.recorded_tokens)
             elif isinstance(job, MiliError):
                 log.info("job %s failed before it started: %s: %s", d.job_id, job.code, job.message)
@@ -145,8 +145,8 @@ class Admission:
             else:
                 if claim.deadline is not None:
                     job.deadline = claim.deadline
-                if claim.recorded_tokens:
-                    resumed.append((d, job, claim.recorded_tokens))
+                if claim.recorded_tokens:  # (a poison one too: it ends with what earlier runs made)
+                    resumed.append((d, run, job, claim.recorded_tokens))
                 else:
                     self.start_unless_expired(job)
         if resumed:
@@ -194,42 +194,50 @@ class Admission:
             return
         self.add_to_engine(job, encode_start(self.worker, now, job.resumed_tokens, job.output_format))
 
-    def _resume_all(self, resumed: list[tuple[Delivery, Job, int]]) -> None:
+    def _resume_all(self, resumed: list[tuple[Delivery, str, Job, int]]) -> None:
         try:
-            events = self.job_commands.recorded_events([job.id for _, job, _ in resumed])
+            events = self.job_commands.recorded_events([job.id for _, _, job, _ in resumed])
         except redis.RedisError:
-            self.holdings.take([d for d, _, _ in resumed])  # claimed again at the next try, with a new run
+            self.holdings.take([d for d, _, _, _ in resumed])  # claimed again at the next try, with a new run
             raise
-        for _, job, recorded_tokens in resumed:
-            self._resume(job, events[job.id], recorded_tokens)
+        for d, run, job, recorded_tokens in resumed:
+            if not self._took_over(job, events[job.id], recorded_tokens):
+                continue
+            if d.deliveries > self.settings.max_deliveries:
+                self._dead_letter_poison(d, run, recorded_tokens, job)
+            else:
+                log.info("job %s: resuming after %d recorded tokens", job.id, job.resumed_tokens)
+                self.start_unless_expired(job)
 
-    def _resume(self, job: Job, events: list[tuple[str, dict[str, str]]] | Exception, recorded_tokens: int) -> None:
+    def _took_over(self, job: Job, events: list[tuple[str, dict[str, str]]] | Exception, recorded_tokens: int) -> bool:
         """Take over the tokens the job's events record: as many as its hash counts, or it fails.
         Producers may write both keys, so neither is trusted to be readable or to agree."""
         if isinstance(events, Exception):
             self.rejections.of_job(job, events)
-            return
+            return False
         try:
             job.resume(events)
         except Exception as e:  # events this worker cannot read: fail the job, not the worker
             self.rejections.of_job(job, InvalidJob(f"its recorded events cannot be read: {type(e).__name__}: {e}"))
-            return
+            return False
         if job.resumed_tokens != recorded_tokens:
             error = InvalidJob(f"its hash records {recorded_tokens} tokens, its event stream {job.resumed_tokens}")
             self.rejections.of_job(job, error)
-            return
-        log.info("job %s: resuming after %d recorded tokens", job.id, job.resumed_tokens)
-        self.start_unless_expired(job)
+            return False
+        return True
 
-    def _dead_letter_poison(self, d: Delivery, run: str, recorded_tokens: int) -> None:
+    def _dead_letter_poison(self, d: Delivery, run: str, recorded_tokens: int, job: Job | None = None) -> None:
+        """`job`: the job with the tokens its earlier runs recorded, which its failed result holds."""
         error = Poison(
             f"delivered {d.deliveries} times, more than max_deliveries {self.settings.max_deliveries}: "
             "every worker that took it stopped before finishing it"
         )
         log.warning("job %s: %s; moving entry %s to the dead-letter stream", d.job_id, error.message, d.entry_id)
-        final = final_result(
-            d.job_id, "failed", "error", self.worker, self.clock.now(), entry_time(d.entry_id), error=error
-        )
+        now = self.clock.now()
+        if job is not None:
+            final = job.result("failed", "error", self.worker, now, error=error)
+        else:
+            final = final_result(d.job_id, "failed", "error", self.worker, now, entry_time(d.entry_id), error=error)
         self.holdings.dead_letter(d, run, recorded_tokens, final, error.message)
 
 
