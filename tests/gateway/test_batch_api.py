@@ -760,3 +760,30 @@ def test_a_batch_hash_of_another_type_is_left_out_of_listings_and_no_longer_driv
         assert refused.value.code == "key_of_another_type", refused.value.body
         assert refused.value.response.headers["x-should-retry"] == "false"
         assert admin.zscore(KEYS.batches_unfinished(), older.id) is not None  # the others still driven
+
+
+def test_a_file_hash_of_another_type_is_left_out_of_listings_and_the_others_are_served(tmp_path):
+    """A file's hash someone made another type (a SET at its key), its id still in the index:
+    GET /v1/files answered 500 for every file (the SDK's list raised), as batches' listing did
+    before 721a8f2. Now the listing leaves it out and serves the others, pages and `purpose` filter
+    included, warning once; its own GET stays a 500 key_of_another_type, not retried."""
+    bad = f"file-{uuid.uuid4().hex}"
+    with private_gateway(tmp_path, *gateway_flags("nobody-serves")) as (admin, gateway, sdk):
+        older = sdk.files.create(file=("a.jsonl", io.BytesIO(b'{"a": 1}\n')), purpose="batch")
+        admin.set(KEYS.file(bad), "an operator's mistake")
+        admin.zadd(KEYS.files(), {bad: time.time()})
+        newer = sdk.files.create(file=("b.jsonl", io.BytesIO(b'{"b": 2}\n')), purpose="batch")
+        for _ in range(3):
+            assert [f.id for f in sdk.files.list()] == [newer.id, older.id]
+        assert [f.id for f in sdk.files.list(purpose="batch")] == [newer.id, older.id]
+        first = sdk.files.list(limit=1)
+        assert [f.id for f in first.data] == [newer.id] and first.has_more
+        assert [f.id for f in sdk.files.list(limit=1, after=newer.id).data] == [older.id]
+        assert [f.id for f in sdk.files.list(order="asc")] == [older.id, newer.id]
+        log = gateway.log()
+        assert log.count(f"file {bad}: its hash {KEYS.file(bad)} holds another type") == 1, log
+        assert "Traceback" not in log, log
+        with pytest.raises(openai.InternalServerError) as refused:
+            sdk.files.retrieve(bad)
+        assert refused.value.code == "key_of_another_type", refused.value.body
+        assert refused.value.response.headers["x-should-retry"] == "false"
