@@ -48,18 +48,31 @@ def cmd_quota_set(client: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_quota_show(client: Client, args: argparse.Namespace) -> int:
+    """A tenant whose settings key holds another type is shown as it holds (no limits) and named on
+    stderr with its key: `quota show` left it out, and `quota show TENANT` said it had no settings."""
     quotas = client.tenant_quotas.all() if args.tenant is None else {args.tenant: client.tenant_quotas.get(args.tenant)}
-    print_quotas(quotas)
+    other_type = client.tenant_quotas.of_another_type(None if args.tenant is None else [args.tenant])
+    print_quotas(
+        quotas | dict.fromkeys(other_type, Quota()), {tenant: client.keys.quota(tenant) for tenant in other_type}
+    )
     return 0
 
 
-def print_quotas(quotas: dict[str, Quota]) -> None:
+def print_quotas(quotas: dict[str, Quota], other_type: dict[str, str] | None = None) -> None:
     """Each tenant's settings as they hold: an unset limit is no limit, an unset weight is 1 (a row
-    of dashes told a user nothing about a tenant with none). Such a tenant is named on stderr."""
+    of dashes told a user nothing about a tenant with none). Such a tenant is named on stderr, as
+    is one whose settings key (`other_type`: by tenant) holds another type."""
+    other_type = other_type or {}
     rows = [(tenant, *shown_settings(q)) for tenant, q in sorted(quotas.items())]
     print_table(("TENANT", "MAX WAITING", "RPM", "TPM", "WEIGHT"), rows)
     for tenant, quota in sorted(quotas.items()):
-        if quota == Quota():
+        if tenant in other_type:
+            print(
+                f"({tenant}: {other_type[tenant]} holds another type than the hash MILI writes there: read as no "
+                "settings, no limits, until an operator deletes it)",
+                file=sys.stderr,
+            )
+        elif quota == Quota():
             print(f"({tenant} has no settings: no limits, weight {DEFAULT_WEIGHT:g})", file=sys.stderr)
 
 

@@ -42,6 +42,24 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return APIError(400, message, "invalid_request_error", code, param)
 
 
+def bound_code(below: bool, decimal: bool) -> str:
+    """OpenAI's code for a number past a bound: it tells integers from decimals
+    (`integer_above_max_value`, "Invalid 'n': integer above maximum value")."""
+    kind = "decimal" if decimal else "integer"
+    return f"{kind}_below_min_value" if below else f"{kind}_above_max_value"
+
+
+def length_code(short: bool, value: object) -> str:
+    """OpenAI's code for a list or an object of too few or too many items: `empty_array` for an
+    empty list where one item is the least ("Invalid 'messages': empty array"),
+    `object_above_max_properties` for a `metadata` of too many pairs."""
+    if isinstance(value, dict):
+        return "object_below_min_properties" if short else "object_above_max_properties"
+    if short:
+        return "empty_array" if value == [] else "array_below_min_length"
+    return "array_above_max_length"
+
+
 def unsupported(message: str, param: str) -> APIError:
     """A parameter OpenAI's API has and MILI cannot honour."""
     return APIError(400, message, "invalid_request_error", "unsupported_parameter", param)
@@ -78,7 +96,7 @@ def job_error(error: JobFailed, prompt_param: str) -> APIError:
 def error_of(error: MiliError) -> APIError:
     """A client-library exception as OpenAI's error."""
     if isinstance(error, OutOfRange):  # as the gateway's own checks of a bound answer
-        return bad_request(error.message, error.field, "below_min_value" if error.below else "above_max_value")
+        return bad_request(error.message, error.field, bound_code(error.below, error.decimal))
     if isinstance(error, TooLong):
         return bad_request(error.message, error.field, "string_above_max_length")
     if isinstance(error, InvalidArgument):  # the client library's bad value is OpenAI's invalid_value

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from openai_format.errors import APIError, bad_request, unsupported
+from openai_format.errors import APIError, bad_request, bound_code, length_code, unsupported
 from openai_format.requests import (
     MAX_CHOICES,
     AssistantMessage,
@@ -22,7 +22,7 @@ from openai_format.requests import (
 )
 from producer_client.errors import InvalidArgument
 from producer_client.new_job import build_job
-from producer_client.schema import UNION_MEMBER
+from producer_client.schema import BOUNDS, UNION_MEMBER, is_decimal_bound
 from producer_client.structured import check_format, format_from_json
 
 # OpenAI's default for text completions. A chat runs to the client library's default
@@ -48,16 +48,10 @@ SAMPLING_FIELDS = (
     "stop_token_ids",
 )
 SEEDS = 2**63  # the spec's seeds are int64, the client's non-negative: a negative one counts from the top
-# pydantic's error types as OpenAI's error codes.
+# pydantic's error types as OpenAI's error codes, besides bounds, lengths and types (error_code).
 ERROR_CODES = {
     "missing": "missing_required_parameter",
     "extra_forbidden": "unknown_parameter",
-    "greater_than_equal": "below_min_value",
-    "greater_than": "below_min_value",
-    "less_than_equal": "above_max_value",
-    "less_than": "above_max_value",
-    "too_short": "below_min_length",
-    "too_long": "above_max_length",
     "string_too_long": "string_above_max_length",  # OpenAI's "string too long"
 }
 
@@ -122,7 +116,7 @@ def parse_body(model: type[Model], body: bytes | str) -> Model:
             raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter") from None
         if isinstance(first.get("ctx", {}).get("error"), Unsupported):
             raise unsupported(f"{param} {first['ctx']['error']}", param) from None
-        code = ERROR_CODES.get(first["type"], "invalid_value" if param else "invalid_json")
+        code = error_code(first, "invalid_value") if param else "invalid_json"  # a body that is no object
         raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param, code) from None
 
 
@@ -132,8 +126,23 @@ def parameter_error(errors: list) -> APIError:
     with where the value was read (`body`, `query`), which is no part of the client's name for it."""
     first = errors[0]
     param = ".".join(str(part) for part in first["loc"][1:]) or None
-    code = ERROR_CODES.get(first["type"], "invalid_value")
+    code = error_code(first, "invalid_value")
     return bad_request(f"{param}: {first['msg']}" if param else first["msg"], param, code)
+
+
+def error_code(error: dict, default: str) -> str:
+    """OpenAI's code for a pydantic error: a number past a bound by its kind and side
+    (`decimal_above_max_value`), a list or object by its length (`array_above_max_length`), a
+    value of another JSON type `invalid_type` (pydantic's `*_type` errors); else ERROR_CODES'
+    or `default`."""
+    kind = error["type"]
+    if kind in BOUNDS:
+        return bound_code(BOUNDS[kind], is_decimal_bound(error))
+    if kind in ("too_short", "too_long"):
+        return length_code(kind == "too_short", error.get("input"))
+    if kind.endswith("_type"):
+        return "invalid_type"
+    return ERROR_CODES.get(kind, default)
 
 
 def telling(errors: list) -> dict:

@@ -119,12 +119,12 @@ class SamplingRequest(Strict):
     model: str
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     max_tokens: int | None = None
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # float bounds: a decimal's codes (bound_code)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
     stop: str | Annotated[list[str], Field(min_length=1, max_length=MAX_STOP)] | None = None
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: Annotated[dict[str, int] | None, only({})] = None
     user: str | None = None  # accepted and logged; it steers nothing
     stream: bool | None = None

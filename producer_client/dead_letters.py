@@ -51,6 +51,8 @@ class DeadLetterNotFound(MiliError):
 
     def __init__(self, queue: str, ident: str):
         super().__init__(f"queue {queue!r} has no dead letter {ident!r} (by entry id or job id)")
+        self.queue = queue
+        self.ident = ident
 
 
 class NotRetryable(MiliError):

@@ -36,15 +36,17 @@ class InvalidArgument(MiliError):
 
 
 class OutOfRange(InvalidArgument):
-    """A number past a bound of its field's: `below` its minimum, else above its maximum (the
-    gateway's below_min_value and above_max_value, as for the fields it checks itself)."""
+    """A number past a bound of its field's: `below` its minimum, else above its maximum; a
+    `decimal` field's, else an integer's (the gateway's OpenAI codes, integer_below_min_value to
+    decimal_above_max_value, as for the fields it checks itself)."""
 
-    def __init__(self, field: str, message: str, below: bool):
+    def __init__(self, field: str, message: str, below: bool, decimal: bool = False):
         super().__init__(field, message)
         self.below = below
+        self.decimal = decimal
 
     def named(self, field: str) -> OutOfRange:
-        return OutOfRange(field, self.detail, self.below)
+        return OutOfRange(field, self.detail, self.below, self.decimal)
 
 
 class TooLong(InvalidArgument):

@@ -103,6 +103,13 @@ def all_quotas(keys: Keys) -> Steps[dict[str, Quota]]:
     return {tenant: quota_of(fields) for tenant, fields in zip(names, replies) if fields}
 
 
+def settings_keys_of_another_type(keys: Keys, names: list[str] | None) -> Steps[list[str]]:
+    """Of the tenants `names` (None: every tenant of the index), those whose settings key holds
+    another type (tenants.settings_of_another_type)."""
+    found = (yield from tenants.tenants_with_quotas(keys)) if names is None else names
+    return (yield from tenants.settings_of_another_type(keys, found))
+
+
 class TenantQuotas:
     """The operator's view of every tenant's settings. Each method returns its outcome; over an
     asyncio client (`run` is steps.arun) an awaitable of it. Bad arguments raise InvalidArgument
@@ -122,6 +129,12 @@ class TenantQuotas:
 
     def all(self) -> Any:
         return self.run(self.client, all_quotas(self.keys))
+
+    def of_another_type(self, names: list[str] | None = None) -> Any:
+        """Of the tenants `names` (None: every tenant of the index), those whose settings key holds
+        another type than MILI writes there: read as no settings, until an operator deletes it."""
+        checked = None if names is None else [check_tenant("tenant", name) for name in names]
+        return self.run(self.client, settings_keys_of_another_type(self.keys, checked))
 
 
 class Quotas:

@@ -102,6 +102,14 @@ def check_token_ids(field: str, token_ids: list[int]) -> None:
         raise InvalidArgument(field, f"token ids must be 0 to {MAX_TOKEN_ID - 1}")
 
 
+def is_decimal_bound(error: Any) -> bool:
+    """Whether a bound's pydantic error is of a decimal (a float field's: its bounds are floats)
+    rather than an integer: OpenAI's codes tell the two apart (decimal_above_max_value)."""
+    return any(isinstance(bound, float) for bound in error.get("ctx", {}).values()) or isinstance(
+        error.get("input"), float
+    )
+
+
 def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArgument:
     """The first error, its field named as users write it (`max_tokens`, not `params.max_tokens`;
     `response_format.pattern`, not the union member's tag or type pydantic puts in its path)."""
@@ -116,7 +124,7 @@ def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArg
         names.append("type")  # response_format's: the requests' one tagged union
     field = ".".join(names).removeprefix(strip) or "body"
     if first["type"] in BOUNDS:
-        return OutOfRange(field, first["msg"], below=BOUNDS[first["type"]])
+        return OutOfRange(field, first["msg"], below=BOUNDS[first["type"]], decimal=is_decimal_bound(first))
     if first["type"] == "string_too_long":
         return TooLong(field, first["msg"])
     return InvalidArgument(field, first["msg"])
@@ -159,7 +167,7 @@ class JobRequest(BaseModel):
     input_ids: list[int] | None = Field(None, min_length=1)
     params: SamplingParams = SamplingParams()
     priority: int = Field(0, ge=-1000, le=1000)
-    timeout_s: float | None = Field(None, gt=0.0, le=7 * 24 * 3600)
+    timeout_s: float | None = Field(None, gt=0.0, le=7 * 24 * 3600.0)
     stream: bool = False
     tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without

@@ -24,7 +24,7 @@ from gateway.batch.schema import ENDED, Batch, CreateBatch, ExpiresAfter, FileDe
 from gateway.batch.store import BatchStore, text_pieces
 from gateway.settings import GatewaySettings, duration_s
 from openai_format.batch_lines import ENDPOINTS, jsonl_lines
-from openai_format.errors import APIError, bad_request, echoed, not_found
+from openai_format.errors import APIError, bad_request, bound_code, echoed, not_found
 from openai_format.job_specs import parameter_error, parse_body
 
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
@@ -104,9 +104,9 @@ def add_file_routes(router: APIRouter, store: BatchStore, settings: GatewaySetti
 def check_limit(limit: int, most: int) -> None:
     """A listing's `limit`, refused with OpenAI's code for the bound it passes, as a body's number is."""
     if limit < 1:
-        raise bad_request(f"limit must be 1 to {most}", "limit", "below_min_value")
+        raise bad_request(f"limit must be 1 to {most}", "limit", bound_code(below=True, decimal=False))
     if limit > most:
-        raise bad_request(f"limit must be 1 to {most}", "limit", "above_max_value")
+        raise bad_request(f"limit must be 1 to {most}", "limit", bound_code(below=False, decimal=False))
 
 
 def add_batch_routes(router: APIRouter, store: BatchStore, settings: GatewaySettings) -> None:

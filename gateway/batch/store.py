@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 
 from gateway.batch.schema import Batch, BatchList, FileList, FileObject
@@ -26,6 +27,27 @@ from producer_client.steps import Steps, T
 log = logging.getLogger("gateway.batch")
 
 PIECE_CHARS = 1 << 18  # a file's text per list element, at most: 1 MiB of UTF-8 at the most
+LOGGED_IDS = 1024  # the ids of keys of another type a gateway remembers having warned about
+
+
+class WarnedOnce:
+    """The ids a warning was logged for, the LOGGED_IDS last ones: a listing meets a key of another
+    type again every time until an operator deletes it, and is warned about it once; kept without
+    a bound, the set grew by every id anyone made such a key under, for the gateway's life."""
+
+    def __init__(self, most: int = LOGGED_IDS):
+        self.most = most
+        self.ids: OrderedDict[str, None] = OrderedDict()
+
+    def first_time(self, key_id: str) -> bool:
+        """Whether `key_id` is new here (and now remembered, the oldest one forgotten past `most`)."""
+        if key_id in self.ids:
+            self.ids.move_to_end(key_id)
+            return False
+        self.ids[key_id] = None
+        if len(self.ids) > self.most:
+            self.ids.popitem(last=False)
+        return True
 
 
 class Pieces:
@@ -63,7 +85,7 @@ class BatchStore:
         # The client's own connection pool: the store's commands go where its jobs go.
         self.client = client
         self.keys = client.keys
-        self.other_type_logged: set[str] = set()  # batches of another type logged (log_other_type)
+        self.other_type_warned = WarnedOnce()  # files and batches of another type (log_other_type)
 
     async def _run(self, steps: Steps[T]) -> T:
         """A protocol operation over the store's connection (a server that lost the batch
@@ -128,8 +150,10 @@ class BatchStore:
         owner: str | None,
     ) -> FileList:
         """`limit` files after the file `after`, of `purpose` if given, of `owner` (None: of every
-        owner)."""
-        found = await self._run(file_commands.listed_files(self.keys, after, limit, newest_first, purpose, owner))
+        owner); a file whose hash holds another type left out, and logged once (listed_files)."""
+        listed = await self._run(file_commands.listed_files(self.keys, after, limit, newest_first, purpose, owner))
+        self.log_other_type("file", listed.other_type, self.keys.file)
+        found = listed.found
         page = [FileObject.model_validate(fields) for fields in found[:limit]]
         return FileList(
             data=page,
@@ -160,7 +184,7 @@ class BatchStore:
         """Newest first, `limit` after the batch `after`, of `owner` (None: of every owner); a batch
         whose hash holds another type left out, and logged once (listed_batches)."""
         listed = await self._run(batch_commands.listed_batches(self.keys, after, limit, owner))
-        self.log_other_type(listed.other_type)
+        self.log_other_type("batch", listed.other_type, self.keys.batch)
         batches = [Batch.from_fields(fields) for fields in listed.found]
         page = batches[:limit]
         return BatchList(
@@ -170,17 +194,17 @@ class BatchStore:
             has_more=len(batches) > limit,
         )
 
-    def log_other_type(self, batch_ids: list[str]) -> None:
-        """A warning per batch id, once per gateway: every listing meets it again until an operator
-        deletes the key."""
-        for batch_id in batch_ids:
-            if batch_id not in self.other_type_logged:
-                self.other_type_logged.add(batch_id)
+    def log_other_type(self, kind: str, key_ids: list[str], key: Callable[[str], str]) -> None:
+        """A warning per file or batch id (`kind`), once per gateway (WarnedOnce): every listing
+        meets it again until an operator deletes the key."""
+        for key_id in key_ids:
+            if self.other_type_warned.first_time(f"{kind} {key_id}"):
                 log.warning(
-                    "batch %s: its hash %s holds another type than MILI writes there (WRONGTYPE): left out "
+                    "%s %s: its hash %s holds another type than MILI writes there (WRONGTYPE): left out "
                     "of listings; an operator deletes it",
-                    batch_id,
-                    self.keys.batch(batch_id),
+                    kind,
+                    key_id,
+                    key(key_id),
                 )
 
     async def leave_unfinished(self, batch_id: str) -> None:

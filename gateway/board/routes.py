@@ -21,7 +21,7 @@ from gateway.edge import client_address
 from gateway.errors import WWW_AUTHENTICATE, retry_after_headers, unauthorized
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream
-from openai_format.errors import APIError, not_found
+from openai_format.errors import APIError, echoed, not_found
 from producer_client import AsyncClient, JobExpired, JobFailed, JobNotFound, JobTimeout
 from producer_client.dead_letters import DeadLetterNotFound, NotRetryable
 from producer_client.keys import check_name
@@ -156,7 +156,7 @@ def add_dead_letter_routes(router: APIRouter, client: AsyncClient, board: Board)
     @router.post("/dead/retry", dependencies=[Depends(board.from_the_board)])
     async def retry(queue: str, letter: str):
         try:
-            retried = await client.on_queue(check_name("queue", queue)).dead_letters.retry(letter)
+            retried = await client.on_queue(check_name("queue", queue)).dead_letters.retry(check_name("letter", letter))
         except (DeadLetterNotFound, NotRetryable) as e:
             raise action_refused(e) from None
         log.info(
@@ -171,7 +171,7 @@ def add_dead_letter_routes(router: APIRouter, client: AsyncClient, board: Board)
     @router.post("/dead/purge", dependencies=[Depends(board.from_the_board)])
     async def purge(queue: str, letter: str):
         try:
-            purged = await client.on_queue(check_name("queue", queue)).dead_letters.purge(letter)
+            purged = await client.on_queue(check_name("queue", queue)).dead_letters.purge(check_name("letter", letter))
         except DeadLetterNotFound as e:
             raise action_refused(e) from None
         log.info("board: dead letter %s of queue %r (job %s) purged", letter, queue, purged.job_id)
@@ -227,8 +227,11 @@ def session_started(session: str, secure: bool) -> Response:
 
 
 def action_refused(error: DeadLetterNotFound | NotRetryable) -> APIError:
-    status = 404 if isinstance(error, DeadLetterNotFound) else 409
-    return APIError(status, error.message, "invalid_request_error", error.code)
+    """A 404 quotes the letter's id as the API's 404s quote a name (openai_format.errors.echoed):
+    cut, where a 5,000-character `letter` came back whole."""
+    if isinstance(error, DeadLetterNotFound):
+        return not_found(DeadLetterNotFound(error.queue, echoed(error.ident)).message, error.code)
+    return APIError(409, error.message, "invalid_request_error", error.code)
 
 
 async def text_events(client: AsyncClient, job_id: str, after: str, keepalive_s: float) -> AsyncIterator[bytes]:

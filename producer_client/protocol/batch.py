@@ -21,12 +21,10 @@ statuses move through TRANSITION, from the statuses named only."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple
 
-from producer_client.connection import is_other_type
 from producer_client.keys import Keys
 from producer_client.protocol.execution import Pipe
-from producer_client.protocol.files import indexes_read, owned_by
+from producer_client.protocol.files import Listed, hashes_of, indexes_read, owned_by
 from producer_client.protocol.script import Script, ScriptCall, add_all
 from producer_client.steps import Steps, checked
 
@@ -184,11 +182,6 @@ def batch_owner(keys: Keys, batch_id: str) -> Steps[str | None]:
     return owner
 
 
-class Listed(NamedTuple):
-    found: list[dict[str, str]]  # up to `limit` + 1 batches' hashes
-    other_type: list[str]  # the ids met whose hash holds another type (an operator's mistake)
-
-
 def listed_batches(keys: Keys, after: str | None, limit: int, owner: str | None) -> Steps[Listed]:
     """The hashes of up to `limit` + 1 batches, newest first, after the batch `after` in the index
     of `owner` (None: every owner's). Batches that expired leave the index. A batch whose hash
@@ -224,8 +217,7 @@ def index_entries(
     """`count` batch ids of the index from rank `start`, newest first, and each one's hash (empty:
     expired; None: of another type)."""
     (ids,) = checked((yield lambda pipe: pipe.zrevrange(index, start, start + count - 1)))
-    replies = yield lambda pipe: [pipe.hgetall(keys.batch(batch_id)) for batch_id in ids]
-    return ids, [None if is_other_type(reply) else checked([reply])[0] for reply in replies]
+    return ids, hashes_of((yield lambda pipe: [pipe.hgetall(keys.batch(batch_id)) for batch_id in ids]))
 
 
 def leave_unfinished(keys: Keys, batch_id: str) -> Steps[None]:

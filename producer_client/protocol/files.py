@@ -12,8 +12,9 @@ half-way is not found, and its pieces expire."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+from producer_client.connection import is_other_type
 from producer_client.keys import Keys
 from producer_client.protocol.execution import Pipe
 from producer_client.steps import Repeatable, Steps, checked
@@ -101,28 +102,44 @@ def index_range(index: str, start: int, stop: int, newest_first: bool) -> Callab
     return lambda pipe: (pipe.zrevrange if newest_first else pipe.zrange)(index, start, stop)
 
 
+class Listed(NamedTuple):
+    """A page of a listing (files' or batches'), read on past the page's end by one."""
+
+    found: list[dict[str, str]]  # the hashes found, up to `limit` + 1
+    other_type: list[str]  # the ids met whose hash holds another type (an operator's mistake)
+
+
+def hashes_of(replies: list[Any]) -> list[dict[str, str] | None]:
+    """HGETALL replies of a listing's entries: {} for an expired one, None for a key of another
+    type, which is left out (and named) rather than made the whole listing's 500."""
+    return [None if is_other_type(reply) else checked([reply])[0] for reply in replies]
+
+
 def listed_files(
     keys: Keys, after: str | None, limit: int, newest_first: bool, purpose: str | None, owner: str | None
-) -> Steps[list[dict[str, str]]]:
+) -> Steps[Listed]:
     """The hashes of the files after the file `after` in the index of `owner` (None: every
     owner's), of `purpose` if given, in order: more than `limit` if there are, so that the caller
-    knows there are more. Files that expired leave the index."""
+    knows there are more. Files that expired leave the index; a file whose hash holds another type
+    is left out and named in `other_type` (it stays in the index, its GET a 500
+    key_of_another_type): one such file made every listing that 500."""
     index = keys.files() if owner is None else keys.files_of(owner)
     start = yield from rank_after(index, after, newest_first)
-    found: list[dict[str, str]] = []
+    listed = Listed([], [])
     # A yielded step runs before the generator resumes, so its lambda reads this iteration's values.
-    while len(found) <= limit:
+    while len(listed.found) <= limit:
         (ids,) = checked((yield index_range(index, start, start + limit, newest_first)))
         if not ids:
             break
         start += len(ids)
-        hashes = checked((yield lambda pipe: [pipe.hgetall(keys.file(file_id)) for file_id in ids]))  # noqa: B023
-        gone = [file_id for file_id, fields in zip(ids, hashes) if not fields]
+        hashes = hashes_of((yield lambda pipe: [pipe.hgetall(keys.file(file_id)) for file_id in ids]))  # noqa: B023
+        listed.other_type.extend(file_id for file_id, fields in zip(ids, hashes) if fields is None)
+        gone = [file_id for file_id, fields in zip(ids, hashes) if fields == {}]
         if gone:
             checked((yield lambda pipe: pipe.zrem(index, *gone)))  # noqa: B023
             start -= len(gone)
-        found += [fields for fields in hashes if fields and purpose in (None, fields["purpose"])]
-    return found
+        listed.found.extend(fields for fields in hashes if fields and purpose in (None, fields.get("purpose")))
+    return listed
 
 
 def rank_after(index: str, after: str | None, newest_first: bool) -> Steps[int]:

@@ -57,6 +57,17 @@ def quota_fields_of(keys: Keys, tenants: list[str]) -> Steps[list[dict[str, str]
     return [settings_hash(reply) for reply in replies]
 
 
+def settings_of_another_type(keys: Keys, tenants: list[str]) -> Steps[list[str]]:
+    """Of `tenants`, those whose settings key holds another type than a hash: every read takes it
+    for no settings (settings_hash), so the tenant runs without limits, and `mili quota show` said
+    it had none. HGETALL, not TYPE: the producers' ACL user, who runs `mili quota show TENANT`, may
+    not send TYPE."""
+    if not tenants:
+        return []
+    replies = yield Repeatable(lambda pipe: [pipe.hgetall(keys.quota(t)) for t in tenants])
+    return [tenant for tenant, reply in zip(tenants, replies) if is_other_type(reply)]
+
+
 def settings_hash(reply: Any) -> dict[str, str]:
     """A tenant's settings hash as HGETALL answered; a key of another type holds no setting, as a
     field that does not read counts as unset (quotas.quota_of): it raised WRONGTYPE from every

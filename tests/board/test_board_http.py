@@ -95,6 +95,24 @@ def test_actions_on_what_does_not_exist_answer_an_error_and_change_nothing(open_
     assert answer.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("action", ["retry", "purge"])
+def test_a_long_letter_id_is_quoted_cut_in_its_404_and_a_too_long_one_is_a_400_naming_letter(open_gateway, action):
+    """The dead-letter actions' 404 quoted the `letter` whole, where the API's 404s cut a name to
+    its first 64 characters and an ellipsis; an id past 128 characters was a 400 naming `id`, a
+    parameter the action does not have."""
+    url = f"{open_gateway.url}/board/dead/{action}"
+    letter = "L" * 128
+    answer = httpx.post(url, params={"queue": "board-echo", "letter": letter}, headers=ACTION)
+    assert answer.status_code == 404, answer.text
+    error = answer.json()["error"]
+    assert error["message"] == f"queue 'board-echo' has no dead letter '{'L' * 64}…' (by entry id or job id)", error
+    assert (error["type"], error["code"]) == ("invalid_request_error", "not_found")
+    answer = httpx.post(url, params={"queue": "board-echo", "letter": "L" * 5000}, headers=ACTION)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert (error["param"], error["code"], len(answer.content) < 1000) == ("letter", "invalid_value", True), error
+
+
 def test_an_action_without_the_board_s_header_is_forbidden_even_on_an_open_board(
     open_gateway, redis_server, redis_client
 ):

@@ -233,7 +233,7 @@ def test_the_sdk_uploads_runs_and_downloads_a_batch(sdk, redis_client, batch_que
     assert [c["index"] for c in done["two"]["response"]["body"]["choices"]] == [0, 1]
     failed = answers(sdk, batch.error_file_id)
     assert {k: (a["response"]["status_code"], a["response"]["body"]["error"]["code"]) for k, a in failed.items()} == {
-        "cold": (400, "below_min_value"),
+        "cold": (400, "decimal_below_min_value"),
         "nobody": (404, "model_not_found"),
     }
     output = sdk.files.retrieve(batch.output_file_id)
@@ -433,15 +433,15 @@ def test_files_are_refused_and_found_as_the_api_says(sdk, gateway):
 @pytest.mark.parametrize(
     "path, limit, code",
     [
-        ("/v1/files", 0, "below_min_value"),
-        ("/v1/files", 10_001, "above_max_value"),
-        ("/v1/batches", 0, "below_min_value"),
-        ("/v1/batches", 101, "above_max_value"),
+        ("/v1/files", 0, "integer_below_min_value"),
+        ("/v1/files", 10_001, "integer_above_max_value"),
+        ("/v1/batches", 0, "integer_below_min_value"),
+        ("/v1/batches", 101, "integer_above_max_value"),
     ],
 )
 def test_a_listings_limit_out_of_its_range_is_a_400_with_openais_code_for_the_bound(gateway, path, limit, code):
-    """A body's number past a bound is below_min_value or above_max_value (docs/http-api.md); a
-    listing's limit was invalid_value."""
+    """A body's integer past a bound is integer_below_min_value or integer_above_max_value, OpenAI's
+    codes (docs/http-api.md); a listing's limit was invalid_value."""
     response = httpx.get(f"{gateway.url}{path}", params={"limit": limit})
     assert response.status_code == 400, response.text
     assert response.json()["error"] | {"message": None} == {
@@ -541,7 +541,7 @@ def test_a_batchs_output_expires_after_is_when_its_output_files_expire(sdk, redi
             completion_window="24h",
             output_expires_after={"anchor": "created_at", "seconds": 60},
         )
-    assert refused.value.param == "output_expires_after.seconds" and refused.value.code == "below_min_value"
+    assert refused.value.param == "output_expires_after.seconds" and refused.value.code == "integer_below_min_value"
 
 
 def test_an_upload_of_a_field_given_twice_is_refused_naming_it_and_stores_nothing(gateway):
@@ -760,3 +760,30 @@ def test_a_batch_hash_of_another_type_is_left_out_of_listings_and_no_longer_driv
         assert refused.value.code == "key_of_another_type", refused.value.body
         assert refused.value.response.headers["x-should-retry"] == "false"
         assert admin.zscore(KEYS.batches_unfinished(), older.id) is not None  # the others still driven
+
+
+def test_a_file_hash_of_another_type_is_left_out_of_listings_and_the_others_are_served(tmp_path):
+    """A file's hash someone made another type (a SET at its key), its id still in the index:
+    GET /v1/files answered 500 for every file (the SDK's list raised), as batches' listing did
+    before 721a8f2. Now the listing leaves it out and serves the others, pages and `purpose` filter
+    included, warning once; its own GET stays a 500 key_of_another_type, not retried."""
+    bad = f"file-{uuid.uuid4().hex}"
+    with private_gateway(tmp_path, *gateway_flags("nobody-serves")) as (admin, gateway, sdk):
+        older = sdk.files.create(file=("a.jsonl", io.BytesIO(b'{"a": 1}\n')), purpose="batch")
+        admin.set(KEYS.file(bad), "an operator's mistake")
+        admin.zadd(KEYS.files(), {bad: time.time()})
+        newer = sdk.files.create(file=("b.jsonl", io.BytesIO(b'{"b": 2}\n')), purpose="batch")
+        for _ in range(3):
+            assert [f.id for f in sdk.files.list()] == [newer.id, older.id]
+        assert [f.id for f in sdk.files.list(purpose="batch")] == [newer.id, older.id]
+        first = sdk.files.list(limit=1)
+        assert [f.id for f in first.data] == [newer.id] and first.has_more
+        assert [f.id for f in sdk.files.list(limit=1, after=newer.id).data] == [older.id]
+        assert [f.id for f in sdk.files.list(order="asc")] == [older.id, newer.id]
+        log = gateway.log()
+        assert log.count(f"file {bad}: its hash {KEYS.file(bad)} holds another type") == 1, log
+        assert "Traceback" not in log, log
+        with pytest.raises(openai.InternalServerError) as refused:
+            sdk.files.retrieve(bad)
+        assert refused.value.code == "key_of_another_type", refused.value.body
+        assert refused.value.response.headers["x-should-retry"] == "false"

@@ -3,6 +3,7 @@
 
 import uuid
 
+from gateway.batch.store import LOGGED_IDS, WarnedOnce
 from producer_client.keys import Keys
 from producer_client.protocol.batch import listed_batches
 from producer_client.steps import run
@@ -22,3 +23,17 @@ def test_a_page_with_expired_batches_in_it_reads_on_to_a_full_page(redis_client)
     last = [b["id"] for b in run(redis_client, listed_batches(keys, "batch_1", 2, None)).found]
     assert last == ["batch_0"]
     assert redis_client.zrevrange(keys.batches(), 0, -1) == ["batch_7", "batch_4", "batch_2", "batch_1", "batch_0"]
+
+
+def test_the_ids_warned_about_once_are_bounded_and_the_oldest_forgotten():
+    """The store's memory of keys of another type it warned about grew by every id anyone made
+    such a key under, for the gateway's life; it keeps the last LOGGED_IDS."""
+    warned = WarnedOnce(most=3)
+    assert [warned.first_time(i) for i in ("a", "b", "c", "a")] == [True, True, True, False]
+    assert warned.first_time("d")  # "b", the least recently met, is forgotten: "a" was met again
+    assert list(warned.ids) == ["c", "a", "d"]
+    assert warned.first_time("b") and not warned.first_time("d")
+    many = WarnedOnce()
+    for i in range(10 * LOGGED_IDS):
+        many.first_time(f"batch_{i}")
+    assert len(many.ids) == LOGGED_IDS

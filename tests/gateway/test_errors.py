@@ -35,6 +35,7 @@ from worker.embedded_redis import EmbeddedRedis, free_port
 pytestmark = pytest.mark.waits
 
 CHAT = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 API_KEYS = ["key-one", "key-two"]
 STRICT_TIMEOUT_S = 1.0
 # A probe's timeout: /health must answer within it, whatever Redis does (health_timeout_s is 0.5 s).
@@ -566,17 +567,17 @@ def test_token_ids_past_the_vocabulary_found_by_the_worker_are_a_400_naming_the_
         (
             {"stop": ["x"] * 5},
             "stop",
-            "above_max_length",
+            "array_above_max_length",
             "stop: List should have at most 4 items after validation, not 5",
         ),
-        ({"stop": []}, "stop", "below_min_length", "stop: List should have at least 1 item after validation, not 0"),
+        ({"stop": []}, "stop", "empty_array", "stop: List should have at least 1 item after validation, not 0"),
         (
             {"messages": [{"role": "user", "content": []}]},
             "messages.0.content",
-            "below_min_length",
+            "empty_array",
             "messages.0.content: List should have at least 1 item after validation, not 0",
         ),
-        ({"stop": 5}, "stop", "invalid_value", "stop: Input should be a valid string"),
+        ({"stop": 5}, "stop", "invalid_type", "stop: Input should be a valid string"),
     ],
 )
 def test_a_union_fields_error_is_its_values_member_not_the_first_member(extra, param, code, message):
@@ -602,7 +603,7 @@ BATCH = {"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "complet
         ({"k": "v" * 513}, "string_above_max_length", "metadata: the value of 'k' is over 512 characters"),
         (
             {f"k{i}": "v" for i in range(17)},
-            "above_max_length",
+            "object_above_max_properties",
             "metadata: Dictionary should have at most 16 items after validation, not more",
         ),
     ],
@@ -774,3 +775,74 @@ def test_a_very_long_id_is_echoed_cut_to_its_first_characters(gateway):
         assert repr("file-" + "z" * 59) in short.value.body["message"]
     finally:
         sdk.close()
+
+
+PAST_A_BOUND = [
+    ("/v1/chat/completions", {"temperature": 3}, "temperature", "decimal_above_max_value"),
+    ("/v1/chat/completions", {"temperature": -0.5}, "temperature", "decimal_below_min_value"),
+    ("/v1/completions", {"top_p": 1.5}, "top_p", "decimal_above_max_value"),
+    ("/v1/chat/completions", {"presence_penalty": -2.5}, "presence_penalty", "decimal_below_min_value"),
+    ("/v1/completions", {"min_p": 2}, "min_p", "decimal_above_max_value"),  # checked by the client library
+    ("/v1/chat/completions", {"n": 0}, "n", "integer_below_min_value"),
+    ("/v1/chat/completions", {"n": 200}, "n", "integer_above_max_value"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "integer_above_max_value"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens", "integer_below_min_value"),  # the client library's
+    ("/v1/completions", {"seed": 2**64}, "seed", "integer_above_max_value"),
+    ("/v1/chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop", "array_above_max_length"),
+    ("/v1/chat/completions", {"stop": []}, "stop", "empty_array"),
+    ("/v1/chat/completions", {"messages": []}, "messages", "empty_array"),
+    ("/v1/chat/completions", {"tools": [TOOL] * 129}, "tools", "array_above_max_length"),
+    (
+        "/v1/chat/completions",
+        {"metadata": {f"k{i}": "v" for i in range(17)}},
+        "metadata",
+        "object_above_max_properties",
+    ),
+    ("/v1/chat/completions", {"temperature": "hot"}, "temperature", "invalid_type"),
+    ("/v1/chat/completions", {"n": 1.5}, "n", "invalid_type"),
+    ("/v1/chat/completions", {"stop": 5}, "stop", "invalid_type"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages", "invalid_type"),
+]
+
+
+@pytest.mark.parametrize("path, extra, param, code", PAST_A_BOUND)
+def test_a_number_list_or_object_past_its_bound_or_of_another_type_is_openais_code(
+    gateway, redis_client, path, extra, param, code
+):
+    """OpenAI answers a number past a bound by its kind and side (`integer_above_max_value`,
+    `decimal_below_min_value`), a list by its length (`array_above_max_length`, `empty_array`), an
+    object of too many pairs `object_above_max_properties`, a value of another JSON type
+    `invalid_type`; the gateway answered codes of its own (above_max_value, below_min_length,
+    above_max_length) or `invalid_value`. Each a 400 invalid_request_error naming the field, through
+    the official SDK's BadRequestError, nothing enqueued."""
+    prompt = {"prompt": "x"} if path == "/v1/completions" else {"messages": CHAT}
+    before = job_count(redis_client)
+    sdk = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+    try:
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.post(path.removeprefix("/v1"), body={"model": "echo", **prompt, **extra}, cast_to=httpx.Response)
+    finally:
+        sdk.close()
+    error = refused.value.body
+    assert (refused.value.status_code, error["type"], error["param"], error["code"]) == (
+        400,
+        "invalid_request_error",
+        param,
+        code,
+    ), error
+    assert job_count(redis_client) == before
+
+
+@pytest.mark.parametrize("body", ["[]", "null", '"text"', "5"])
+def test_a_body_that_is_no_object_stays_invalid_json_naming_no_param(body):
+    """A value of another type names a field (`invalid_type`); a body that is no JSON object names
+    none, and stays `invalid_json` as a body that does not parse."""
+    with pytest.raises(APIError) as refused:
+        parse_body(ChatCompletionRequest, body)
+    error = refused.value.body.error
+    assert (refused.value.status, error.type, error.param, error.code) == (
+        400,
+        "invalid_request_error",
+        None,
+        "invalid_json",
+    )

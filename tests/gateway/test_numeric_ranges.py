@@ -27,6 +27,18 @@ OUT_OF_RANGE = [
     ({"repetition_penalty": 1e308}, "repetition_penalty"),
     ({"min_tokens": 2**63}, "min_tokens"),
 ]
+# OpenAI's code for each, at the gateway: a number past a bound by its kind, an integer's or a
+# decimal's (it answered above_max_value, a code of MILI's own); a token id past int32 is no
+# bound of a field's number but of its list's items, and min_tokens is refused as more than
+# max_tokens, a rule between two fields.
+GATEWAY_CODES = {
+    "top_k": "integer_above_max_value",
+    "stop_token_ids": "invalid_value",
+    "seed": "integer_above_max_value",
+    "min_p": "decimal_above_max_value",
+    "repetition_penalty": "decimal_above_max_value",
+    "min_tokens": "invalid_value",
+}
 
 
 @pytest.mark.parametrize("sampling, field", OUT_OF_RANGE)
@@ -45,19 +57,19 @@ def test_the_gateway_answers_400_and_enqueues_nothing(gateway, redis_client, sam
     )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["code"] in ("invalid_value", "above_max_value") and error["param"] == field, error
+    assert (error["code"], error["param"]) == (GATEWAY_CODES[field], field), error
     assert job_count(redis_client) == before
 
 
 # A bound the client library checks answers as one the gateway's request model checks; a NaN or an
 # infinity (which Python's json writes and pydantic reads) is no number of any range.
 BOUND_CODES = [
-    ("/v1/completions", {"max_tokens": 0}, "max_tokens", "below_min_value"),
-    ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens", "below_min_value"),
-    ("/v1/completions", {"max_tokens": 10**6}, "max_tokens", "above_max_value"),
-    ("/v1/completions", {"top_k": -1}, "top_k", "below_min_value"),
-    ("/v1/completions", {"min_p": 2}, "min_p", "above_max_value"),
-    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty", "below_min_value"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens", "integer_below_min_value"),
+    ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens", "integer_below_min_value"),
+    ("/v1/completions", {"max_tokens": 10**6}, "max_tokens", "integer_above_max_value"),
+    ("/v1/completions", {"top_k": -1}, "top_k", "integer_below_min_value"),
+    ("/v1/completions", {"min_p": 2}, "min_p", "decimal_above_max_value"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty", "decimal_below_min_value"),
     ("/v1/completions", {"temperature": float("nan")}, "temperature", "invalid_value"),
     ("/v1/chat/completions", {"top_p": float("inf")}, "top_p", "invalid_value"),
 ]

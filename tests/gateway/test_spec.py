@@ -13,6 +13,8 @@ import pytest
 
 from harness.polling import eventually
 from openai_format import requests
+from openai_format.errors import APIError
+from openai_format.job_specs import parse_body
 from openai_format.render import finish_reason
 from producer_client import Client, JobResult
 from tests.gateway.support import PARKED_MODEL, PARKED_QUEUE
@@ -456,3 +458,58 @@ def test_a_job_cancelled_mid_stream_ends_with_stop_and_its_reason_beside(gateway
 )
 def test_finish_reasons_are_the_specs_with_the_reason_a_job_was_cut_short_beside(result, expected):
     assert finish_reason(result) == expected
+
+
+def spec_property_schemas(name: str) -> dict:
+    """A request schema's properties, those of the schemas it is made of (allOf) included."""
+    schema = SPEC["$defs"][name]
+    found = dict(schema.get("properties", {}))
+    for part in schema.get("allOf", []):
+        found.update(
+            spec_property_schemas(part["$ref"].rsplit("/", 1)[-1]) if "$ref" in part else part.get("properties", {})
+        )
+    return found
+
+
+def spec_bounds(name: str) -> list[tuple[str, str, str, float]]:
+    """(property, its JSON type, "minimum" or "maximum", the bound) of each bounded number."""
+    bounds = []
+    for prop, schema in spec_property_schemas(name).items():
+        for alt in (schema, *schema.get("anyOf", []), *schema.get("oneOf", [])):
+            if alt.get("type") in ("integer", "number"):
+                bounds += [(prop, alt["type"], side, alt[side]) for side in ("minimum", "maximum") if side in alt]
+    return bounds
+
+
+REQUESTS = [
+    ("CreateChatCompletionRequest", requests.ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]}),
+    ("CreateCompletionRequest", requests.CompletionRequest, {"prompt": "x"}),
+]
+# A bound the spec states that the request model leaves to the client library, whose refusal is
+# checked (with its code) through the gateway in test_numeric_ranges.
+CHECKED_LATER = {("CreateCompletionRequest", "max_tokens")}
+
+
+@pytest.mark.parametrize("name, model, body", REQUESTS)
+def test_every_bound_of_the_spec_is_refused_with_openais_code_for_its_type(name, model, body):
+    """Each number the spec bounds, just past each bound, is a 400 naming it with OpenAI's code for
+    an integer (`integer_above_max_value`) or a decimal (`decimal_below_min_value`) as the spec
+    types it: the kind comes from the request model's bounds, which must agree with the spec's."""
+    bounds = spec_bounds(name)
+    assert {prop for prop, *_ in bounds} >= {"temperature", "top_p", "n", "presence_penalty"}, bounds
+    for prop, kind, side, bound in bounds:
+        if (name, prop) in CHECKED_LATER:
+            continue
+        step = 1 if kind == "integer" else 0.5
+        value = bound + step if side == "maximum" else bound - step
+        extra = {"logprobs": True} if prop == "top_logprobs" else {}
+        with pytest.raises(APIError) as refused:
+            parse_body(model, json.dumps({"model": "m", **body, **extra, prop: value}))
+        error = refused.value.body.error
+        words = ("integer" if kind == "integer" else "decimal", "above_max" if side == "maximum" else "below_min")
+        assert (refused.value.status, error.type, error.param, error.code) == (
+            400,
+            "invalid_request_error",
+            prop,
+            f"{words[0]}_{words[1]}_value",
+        ), (prop, value)

@@ -213,6 +213,34 @@ def test_quota_set_refuses_a_quota_key_of_another_type_and_writes_nothing(mili, 
     ]
 
 
+def test_quota_show_names_a_tenant_whose_settings_key_holds_another_type(mili, redis_client, queue):
+    """A tenant's settings key made another type reads as no settings, so the tenant runs without
+    limits: `mili quota show` left the tenant out, and `mili quota show TENANT` said it had no
+    settings. Now both show it as it holds and name its key on stderr; the other tenants are shown
+    as before. Under a prefix of its own: other tests share the index."""
+    prefix = f"typed-{queue}"
+    keys = Keys(prefix)
+    for tenant in ("team-good", "team-bad"):
+        assert mili("--prefix", prefix, "quota", "set", tenant, "--rpm", "60")[0] == 0
+    redis_client.delete(keys.quota("team-bad"))
+    redis_client.set(keys.quota("team-bad"), "an operator's mistake")
+    named = (
+        f"(team-bad: {keys.quota('team-bad')} holds another type than the hash MILI writes there: read as no "
+        "settings, no limits, until an operator deletes it)\n"
+    )
+    code, out, err = mili("--prefix", prefix, "quota", "show")
+    assert (code, err) == (0, named), err
+    assert [line.split() for line in out.splitlines()[1:]] == [
+        ["team-bad", "unlimited", "unlimited", "unlimited", "1"],
+        ["team-good", "unlimited", "60", "unlimited", "1"],
+    ]
+    code, out, err = mili("--prefix", prefix, "quota", "show", "team-bad")
+    assert (code, err) == (0, named), err
+    assert out.splitlines()[1].split() == ["team-bad", "unlimited", "unlimited", "unlimited", "1"]
+    code, _, err = mili("--prefix", prefix, "quota", "show", "team-good")
+    assert (code, err) == (0, "")
+
+
 def test_submit_takes_a_service_tier_and_the_tenant(mili, redis_client, queue):
     code, out, _ = mili("--tenant", "team-cli", "submit", "hi", "--service-tier", "flex", "--max-tokens", "1")
     assert code == 0
