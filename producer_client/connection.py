@@ -687,6 +687,13 @@ class AsyncSentinelMaster(redis.asyncio.Redis):
 PROBE_TIMEOUT_S = 1.5
 
 
+def not_redis(error: redis.exceptions.InvalidResponse) -> str:
+    """The cause of an InvalidResponse at a program's first call: the URL's address and port answer,
+    but not in Redis's protocol (an HTTP server's port: the gateway's 8000 for Redis's 6379). No
+    retry makes that server Redis."""
+    return f"the server there answers as no Redis server does ({type(error).__name__}: {error}): is this Redis's address and port?"
+
+
 class Unreachable(redis.ConnectionError):
     """Redis refused, dropped or did not answer a probe; the text says which (the cause's type and
     message, or that nothing came within the bound)."""
@@ -748,9 +755,12 @@ def describe(error: BaseException) -> str:
 
 
 def unreachable_or_itself(error: BaseException) -> BaseException:
-    """Unreachable for an error that says Redis could not be reached; any other error as it is."""
+    """Unreachable for an error that says Redis could not be reached (or that no Redis is where the
+    URL points); any other error as it is."""
     if isinstance(error, RedisUnavailable):  # a check's call through the client's boundary: its cause
         return Unreachable(error.detail)
+    if isinstance(error, redis.exceptions.InvalidResponse):
+        return Unreachable(not_redis(error))
     if isinstance(error, (redis.ConnectionError, redis.TimeoutError)) and not is_fatal(error):
         return Unreachable(f"{type(error).__name__}: {error}")
     return error
