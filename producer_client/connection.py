@@ -65,10 +65,10 @@ from producer_client.pooling import (
 # Every call of the clients is safe to repeat: reads, CANCEL, and submits (CREATE never sets a
 # started job back to queued; an entry enqueued twice is dropped by the worker that claims the
 # second). So redis-py retries each call on a lost connection, with exponential backoff and
-# jitter: 10 tries over about 4 s, which rides out a Redis restart. Under Sentinel or on a cluster
+# jitter: 10 retries over about 6 s, which rides out a Redis restart. Under Sentinel or on a cluster
 # a lost master comes back as a failover, which takes longer (Redis first waits out
-# down-after-milliseconds or cluster-node-timeout, then elects a replica): 40 tries there, about
-# 20 s (see RETRIES).
+# down-after-milliseconds or cluster-node-timeout, then elects a replica): 40 retries there, about
+# 36 s (see RETRIES; redis-py waits min(cap, U * base * 2**failure) after each failure, U uniform).
 RETRY_BASE_S = 0.05
 RETRY_CAP_S = 1.0
 # Errors that retrying cannot mend: wrong credentials, an ACL that forbids a command, or a cluster's
