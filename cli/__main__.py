@@ -122,6 +122,8 @@ def first_check(url: str, timeout_s: float) -> None:
         raise RedisUnavailable(server_of_url(parse_url(url)), str(e)) from e
     except redis.AuthenticationError as e:
         raise CredentialsRefused(server_of_url(parse_url(url)), credentials_refusal(parse_url(url), e)) from e
+    except PermissionDenied:
+        raise  # the client's own, naming the command (a cluster's CLUSTER SLOTS)
     except redis.exceptions.NoPermissionError as e:
         raise PermissionDenied("a new connection's first commands (its set-up and a PING)", str(e)) from e
     except redis.ResponseError as e:

@@ -113,7 +113,7 @@ class Gateway:
         except redis.RedisError as e:
             log.warning("/metrics: Redis did not answer: %s", describe(e))
             return None
-        return await read_backlogs(self.client)
+        return await read_backlogs(self.client, self.settings.routed_queues())
 
     async def _health(self) -> Health:
         await self.health_probe.ping()

@@ -94,13 +94,18 @@ class QueueBacklogs(Collector):
         yield lanes
 
 
-async def read_backlogs(client: AsyncClient, timeout_s: float = BACKLOG_TIMEOUT_S) -> list[QueueStats] | None:
-    """Every queue's stats (the queue index's), for /metrics; None when Redis does not answer within
-    `timeout_s` or refuses: the gateway's own metrics are served still and the queue series go
-    missing (QueueBacklogs)."""
+async def read_backlogs(
+    client: AsyncClient, routed_queues: frozenset[str] = frozenset(), timeout_s: float = BACKLOG_TIMEOUT_S
+) -> list[QueueStats] | None:
+    """Every queue's stats (the queue index's, and `routed_queues`), for /metrics; None when Redis
+    does not answer within `timeout_s` or refuses: the gateway's own metrics are served still and
+    the queue series go missing (QueueBacklogs). A queue no worker serves leaves the index an hour
+    after its last heartbeat (and a fresh Redis has none), so the queues the gateway routes to are
+    counted whatever the index says: the backlog that scales their workers up from zero (KEDA)."""
 
     async def read() -> list[QueueStats]:
-        return [await client.on_queue(queue).queue_stats() for queue in await client.inspect.queues()]
+        queues = sorted(set(await client.inspect.queues()) | routed_queues)
+        return [await client.on_queue(queue).queue_stats() for queue in queues]
 
     try:
         return await asyncio.wait_for(read(), timeout_s)

@@ -144,6 +144,11 @@ class GatewaySettings(TomlSettings):
     )
     batch_poll_s: float = Field(1.0, gt=0.0, description="how often a gateway looks for batches no gateway drives")
 
+    def routed_queues(self) -> frozenset[str]:
+        """The queues this gateway routes to whatever the workers' heartbeats say: `default_queue`
+        and the queues the `models` setting pins (served while scaled to zero)."""
+        return frozenset({self.default_queue, *self.models.values()})
+
     @field_validator("redis")
     @classmethod
     def _existing_redis(cls, value: str) -> str:

@@ -36,6 +36,7 @@ from redis.exceptions import ClusterDownError, RedisClusterException, SlotNotCov
 from typing_extensions import TypeIs
 
 from producer_client import forks
+from producer_client.errors import PermissionDenied
 
 SCRIPT_CALLS = frozenset({"EVAL", "EVALSHA"})
 STREAM_READS = frozenset({"XREAD", "XREADGROUP"})
@@ -83,11 +84,28 @@ class topology_errors:
             return False
         if isinstance(e.__cause__, redis.RedisError):
             raise e.__cause__ from None  # e.g. "cannot be connected", from the ConnectionError behind it
+        refused = acl_refusal(e)
+        if refused is not None:
+            raise PermissionDenied(
+                "CLUSTER SLOTS (with which a cluster client reads the topology)", str(refused)
+            ) from None
         if NOT_A_CLUSTER in str(e):
             raise NotACluster(f"{NOT_A_CLUSTER}: for one server, use a redis:// URL") from None
         if isinstance(e, SlotNotCoveredError) or str(e).startswith("All slots are not covered"):
             raise ClusterDownError(str(e)) from e
         return False
+
+
+def acl_refusal(error: BaseException) -> redis.exceptions.NoPermissionError | None:
+    """The NOPERM behind a topology error, if one is: redis-py reads any error reply to a startup
+    node's CLUSTER SLOTS as a node with cluster mode off (NOT_A_CLUSTER), an ACL's refusal too,
+    keeping the reply only as the error's context, a few errors down."""
+    seen = error.__cause__ or error.__context__
+    for _ in range(8):
+        if seen is None or isinstance(seen, redis.exceptions.NoPermissionError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class _ParserProxy:

@@ -65,10 +65,10 @@ from producer_client.pooling import (
 # Every call of the clients is safe to repeat: reads, CANCEL, and submits (CREATE never sets a
 # started job back to queued; an entry enqueued twice is dropped by the worker that claims the
 # second). So redis-py retries each call on a lost connection, with exponential backoff and
-# jitter: 10 tries over about 4 s, which rides out a Redis restart. Under Sentinel or on a cluster
+# jitter: 10 retries over about 6 s, which rides out a Redis restart. Under Sentinel or on a cluster
 # a lost master comes back as a failover, which takes longer (Redis first waits out
-# down-after-milliseconds or cluster-node-timeout, then elects a replica): 40 tries there, about
-# 20 s (see RETRIES).
+# down-after-milliseconds or cluster-node-timeout, then elects a replica): 40 retries there, about
+# 36 s (see RETRIES; redis-py waits min(cap, U * base * 2**failure) after each failure, U uniform).
 RETRY_BASE_S = 0.05
 RETRY_CAP_S = 1.0
 # Errors that retrying cannot mend: wrong credentials, an ACL that forbids a command, or a cluster's
@@ -687,6 +687,13 @@ class AsyncSentinelMaster(redis.asyncio.Redis):
 PROBE_TIMEOUT_S = 1.5
 
 
+def not_redis(error: redis.exceptions.InvalidResponse) -> str:
+    """The cause of an InvalidResponse at a program's first call: the URL's address and port answer,
+    but not in Redis's protocol (an HTTP server's port: the gateway's 8000 for Redis's 6379). No
+    retry makes that server Redis."""
+    return f"the server there answers as no Redis server does ({type(error).__name__}: {error}): is this Redis's address and port?"
+
+
 class Unreachable(redis.ConnectionError):
     """Redis refused, dropped or did not answer a probe; the text says which (the cause's type and
     message, or that nothing came within the bound)."""
@@ -748,9 +755,12 @@ def describe(error: BaseException) -> str:
 
 
 def unreachable_or_itself(error: BaseException) -> BaseException:
-    """Unreachable for an error that says Redis could not be reached; any other error as it is."""
+    """Unreachable for an error that says Redis could not be reached (or that no Redis is where the
+    URL points); any other error as it is."""
     if isinstance(error, RedisUnavailable):  # a check's call through the client's boundary: its cause
         return Unreachable(error.detail)
+    if isinstance(error, redis.exceptions.InvalidResponse):
+        return Unreachable(not_redis(error))
     if isinstance(error, (redis.ConnectionError, redis.TimeoutError)) and not is_fatal(error):
         return Unreachable(f"{type(error).__name__}: {error}")
     return error

@@ -363,8 +363,8 @@ class RedisRefused(MiliError, redis.ResponseError):
 
 
 class RedisUnavailable(MiliError, redis.ConnectionError):
-    """Redis could not be reached, or dropped the connection, for all of the call's tries (about 4 s
-    on one server, 20 s under Sentinel or on a cluster): refused, reset, a name that does not
+    """Redis could not be reached, or dropped the connection, for all of the call's tries (about 6 s
+    on one server, 36 s under Sentinel or on a cluster): refused, reset, a name that does not
     resolve. `where` is the server as a message may show it, without the URL's credentials. A
     redis-py ConnectionError too; the call may be sent again once Redis is back. `job_id`: the job
     a call on one job was about (submit, result, cancel...; None: no one job), which the message

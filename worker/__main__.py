@@ -23,8 +23,8 @@ from wsgiref.simple_server import WSGIServer
 import redis
 
 from producer_client import logs
-from producer_client.connection import is_fatal, redact_url
-from producer_client.errors import InvalidArgument, MiliError, RedisRefused
+from producer_client.connection import is_fatal, not_redis, redact_url
+from producer_client.errors import InvalidArgument, MiliError, RedisRefused, RedisUnavailable
 from producer_client.hosts import Hosts
 from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.embedded_redis import EmbeddedRedis
@@ -183,6 +183,8 @@ def wait_for_redis(url: str, backoff_max_s: float):
         except redis.RedisError as e:
             if is_fatal(e):
                 raise RedisRefused(redact_url(url), f"{type(e).__name__}: {e}", "this worker") from None
+            if isinstance(e, redis.exceptions.InvalidResponse):
+                raise RedisUnavailable(redact_url(url), not_redis(e)) from None
             if not is_transient(e):
                 raise
             if link.up:

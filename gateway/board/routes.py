@@ -33,7 +33,7 @@ log = logging.getLogger("gateway.board")
 def add_board(app: FastAPI, client: AsyncClient, settings: GatewaySettings, failures: AuthFailures) -> None:
     board = Board(
         BoardAuth(board_keys(settings), tenant_keys=tenant_keys(settings)),
-        BoardReader(client, {settings.default_queue, *settings.models.values()}),
+        BoardReader(client, set(settings.routed_queues())),
     )
     router = APIRouter(prefix="/board")
     add_overview_routes(router, board)

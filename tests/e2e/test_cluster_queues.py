@@ -2,12 +2,14 @@
 tag, so one queue lives on one shard and load spreads over shards by queue), with an echo
 worker each: `mili stats --all`, `mili workers` and the clients see every queue and every
 heartbeat; bulk submission, as_completed and the Batch API, whose jobs' keys lie on every shard,
-work as on one server."""
+work as on one server; and docs/security.md's ACL users, with the rights docs/operations.md adds on
+a cluster."""
 
 from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -18,13 +20,16 @@ import pytest
 from harness.polling import eventually
 from harness.processes import REPO
 from producer_client import AsyncClient, Client, JobNotFound
+from producer_client.errors import PermissionDenied
 from producer_client.keys import Keys
+from tests.support.acl import PASSWORDS, acl_commands
 from tests.support.clients import SyncView
 from tests.support.gateways import GatewayProcess
 from tests.support.workers import WorkerProcess, start_workers
 
 KEYS = Keys()
 MODEL = "cluster-echo"
+OPERATIONS_DOC = REPO / "docs" / "operations.md"
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +142,67 @@ def test_the_batch_api_runs_a_batch_on_a_cluster(redis_cluster, queues, workers,
         assert texts == {f"c{i}": f"line {i:02d}"[:7] for i in range(40)}
     finally:
         gateway.stop()
+
+
+def cluster_rights() -> list[str]:
+    """What docs/operations.md says the ACL users need besides their rights on a cluster."""
+    said = re.search(
+        r"also need `([^`]+)`, with which redis-py reads the topology", " ".join(OPERATIONS_DOC.read_text().split())
+    )
+    assert said, "docs/operations.md names no cluster rights for the ACL users"
+    return said[1].split()
+
+
+def test_the_acl_users_run_on_a_cluster_with_the_rights_operations_md_adds(redis_cluster, tmp_path):
+    """docs/security.md's users, each with the cluster rights docs/operations.md adds, on every
+    node (a cluster's ACL is each node's own): an echo worker as the workers' user serves a queue of
+    its own, and the producers' and gateways' users submit, generate, bulk-submit and read
+    as_completed, stream, stat the queue and list the workers there, and run `mili stats --all`."""
+    for node in redis_cluster.live():
+        with node.client() as admin:
+            for command in acl_commands():
+                admin.execute_command(*command)
+                admin.execute_command("ACL", "SETUSER", command[2], *cluster_rights())
+    nodes = redis_cluster.url.removeprefix("redis+cluster://")
+    url = {
+        role: f"redis+cluster://mili-{role}:{PASSWORDS[f'{role.upper()}_PASSWORD']}@{nodes}"
+        for role in ("worker", "producer", "gateway")
+    }
+    queue = f"acl-{uuid.uuid4().hex[:8]}"
+    worker = WorkerProcess(url["worker"], queue, f"{queue}-w", tmp_path, model="echo")
+    try:
+        worker.start().wait_ready()
+        for role in ("producer", "gateway"):
+            with Client(url[role], queue) as client:
+                assert client.generate(prompt="here", max_tokens=4, timeout=60).text == "here", role
+                ids = client.submit_many([{"prompt": p, "max_tokens": 1} for p in "ab"])
+                assert sorted(r.text for r in client.as_completed(ids, timeout=60)) == ["a", "b"], role
+                streamed = client.submit(prompt="stream", max_tokens=4, stream=True)
+                assert "".join(d.text for d in client.stream(streamed)) == "stre", role
+                assert client.queue_stats().workers == [f"{queue}-w"], role
+                assert f"{queue}-w" in [w.name for w in client.workers()], role
+            assert queue in [q["queue"] for q in json.loads(mili(url[role], queue, "stats", "--all"))], role
+    finally:
+        worker.stop()
+
+
+def test_a_user_without_the_cluster_rights_is_told_the_right_it_lacks_not_that_the_cluster_is_none(redis_cluster):
+    """docs/security.md's producer user as it is, without the rights docs/operations.md adds on a
+    cluster: redis-py reads a NOPERM to its CLUSTER SLOTS as a node with cluster mode off, and the
+    client, the CLI and a worker said 'Cluster mode is not enabled on this node: for one server,
+    use a redis:// URL', sending the operator away from the ACL. Now redis_refused, naming the
+    command the user may not run."""
+    (producer,) = [c for c in acl_commands() if c[2] == "mili-producer"]
+    user = f"mili-nocluster-{uuid.uuid4().hex[:6]}"
+    for node in redis_cluster.live():
+        with node.client() as admin:
+            admin.execute_command("ACL", "SETUSER", user, *producer[3:])
+    url = redis_cluster.url.replace("redis+cluster://", f"redis+cluster://{user}:{PASSWORDS['PRODUCER_PASSWORD']}@")
+    with pytest.raises(PermissionDenied, match=re.escape("'cluster|slots'")):
+        Client(url).submit(prompt="a")
+    done = subprocess.run(
+        [sys.executable, "-m", "cli", "--redis", url, "stats"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: redis_refused: Redis refused ") and "'cluster|slots'" in done.stderr
+    assert "Cluster mode is not enabled" not in done.stderr and PASSWORDS["PRODUCER_PASSWORD"] not in done.stderr

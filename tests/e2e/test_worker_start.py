@@ -1,16 +1,19 @@
 """How a worker process starts when something is wrong, run for real: a Redis that is not there
 yet is waited for (one line, then it serves); wrong credentials and a taken metrics port stop it
-at once with one line, before any model loads; no password ever reaches the output."""
+at once with one line, before any model loads; no password ever reaches the output. And with no
+Redis named at all, on the private one it starts."""
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +86,29 @@ def test_a_worker_waits_for_a_redis_that_is_not_there_yet_then_serves(tmp_path):
     waiting = [line for line in output.splitlines() if "does not answer" in line]
     assert len(waiting) == 1, output
     assert "answers after" in output
+
+
+def test_a_worker_left_without_redis_serves_jobs_through_the_private_redis_it_starts(tmp_path):
+    """README: start a worker "or leave `--redis` out for a private embedded one". With no --redis
+    and no MILI_REDIS, its default `embedded` starts a redis-server of its own, on a unix socket
+    only this host reaches, which its log names; a client there gets its jobs served, and the
+    server ends with the worker."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MILI_")}
+    command = [sys.executable, "-m", "worker", "--model", "echo", "--metrics-port", "0"]
+    worker = ChildProcess(command, tmp_path / "worker.log", env=env)
+    said = re.compile(r"embedded redis-server at (unix://\S+) \(it stops with this worker\)")
+    try:
+        worker.start()
+        assert eventually(lambda: "serving queue 'default'" in worker.log() or not worker.running, 120), worker.log()
+        url = said.search(worker.log())[1]
+        with Client(url) as client:
+            assert client.generate(prompt="here", max_tokens=4, timeout=60).text == "here"
+            assert [w.queue for w in client.workers()] == ["default"]
+        returncode = worker.terminate(timeout=60)
+    finally:
+        worker.stop()
+    assert returncode == 0, worker.log()
+    assert not Path(url.removeprefix("unix://")).exists()
 
 
 def test_wrong_credentials_stop_the_worker_at_once_with_one_line_and_no_password(tmp_path):

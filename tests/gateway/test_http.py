@@ -4,6 +4,7 @@ the gateway's Idempotency-Key, over plain httpx."""
 import asyncio
 import http.client
 import io
+import json
 import socket
 import time
 import uuid
@@ -19,7 +20,9 @@ from harness.polling import eventually
 from producer_client import AsyncClient, Client
 from producer_client.keys import PROTOCOL_VERSION, Keys
 from tests.gateway.support import ECHO_QUEUE, PARKED_QUEUE
+from tests.support.gateways import GatewayProcess
 from tests.support.jobs import job_count, job_ids_in_queue
+from worker.embedded_redis import EmbeddedRedis, free_port
 
 
 def test_generate_returns_the_text_and_usage_of_its_job(gateway, redis_server):
@@ -166,6 +169,32 @@ def test_metrics_count_every_queues_backlog_over_its_lanes_and_its_workers_strea
         ("mili_queue_lane_waiting_jobs", (("lane", "flex"), ("queue", queue), ("tenant", "ta"))): 2,
         ("mili_queue_lane_waiting_jobs", (("lane", "placed"), ("queue", queue), ("tenant", ""))): 1,
     }
+
+
+def test_metrics_count_the_backlog_of_the_queues_it_routes_to_that_no_worker_ever_served(tmp_path):
+    """KEDA scales the workers from zero on the default queue's backlog (docker/k8s/scaledobject.yaml:
+    minReplicaCount 0 "works too"), but with no worker up none heartbeats the queue into the queue
+    index (a fresh Redis), or it left the index an hour after the last one while another queue's
+    workers ran: the gauge KEDA asks for was absent, an error to its trigger, and no worker ever
+    started. The queues the gateway routes to whatever the workers say (default_queue, the models'
+    pins) count always, as on the board."""
+    with EmbeddedRedis(port=free_port()) as server:
+        gateway = GatewayProcess(
+            server.url, tmp_path, "--default-queue", "cold", "--models", json.dumps({"pinned-model": "pinned"})
+        )
+        try:
+            gateway.start()
+            with Client(server.url, "cold") as client:
+                client.submit("waits for a worker", max_tokens=1)
+            waiting = {
+                s.labels["queue"]: s.value
+                for family in text_string_to_metric_families(httpx.get(f"{gateway.url}/metrics").text)
+                for s in family.samples
+                if s.name == "mili_queue_waiting_jobs"
+            }
+        finally:
+            gateway.stop()
+    assert waiting == {"cold": 1, "pinned": 0}
 
 
 # The headers a HEAD and its GET may differ in: each answer's own, the framing of a body a HEAD does

@@ -6,10 +6,11 @@ import sys
 import threading
 
 import pytest
+import tomllib
 from pydantic import ValidationError
 
 from gateway.__main__ import build_parser, main
-from gateway.settings import GatewaySettings, settings_from_args
+from gateway.settings import DEFAULT_CONFIG_FILE, GatewaySettings, settings_from_args
 from harness.processes import REPO, ProcessNotReady
 from producer_client import InvalidArgument
 from tests.support.gateways import GatewayProcess
@@ -22,6 +23,16 @@ def test_the_gateway_imports_neither_torch_nor_the_worker():
         "assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_the_shipped_file_lists_every_setting_at_its_default():
+    """docs/http-api.md: config/gateway.toml "lists each one at its default", as config/worker.toml
+    does the worker's (tests/queue/test_settings.py)."""
+    shipped = tomllib.loads(DEFAULT_CONFIG_FILE.read_text())
+    defaults = {
+        name: field.get_default(call_default_factory=True) for name, field in GatewaySettings.model_fields.items()
+    }
+    assert shipped == defaults
 
 
 def test_flags_override_the_environment_which_overrides_the_file(tmp_path, monkeypatch):

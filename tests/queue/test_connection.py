@@ -3,6 +3,7 @@ No server runs here except where a test says so: a bad URL must fail on its own,
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from harness.processes import REPO
 from producer_client import AsyncClient, Client, InvalidArgument, steps
 from producer_client.cluster import Cluster, NotACluster, known_keys
 from producer_client.connection import Mode, connect, connect_async, parse_url, redact_url
-from producer_client.errors import RedisRefused
+from producer_client.errors import RedisRefused, RedisUnavailable
 from producer_client.protocol import execution
 from worker.__main__ import wait_for_redis
 from worker.embedded_redis import EmbeddedRedis, free_port
@@ -253,6 +254,67 @@ async def test_a_cluster_url_naming_one_server_is_one_fatal_error_at_once_to_eve
         f"error: redis_refused: Redis at the cluster of {url.removeprefix('redis+cluster://')} refused this client: "
         "Cluster mode is not enabled on this node: for one server, use a redis:// URL\n"
     )
+
+
+@pytest.fixture
+def http_port():
+    """A port where an HTTP server answers (the gateway's port given for Redis's): what it reads, it
+    answers with a 400 and closes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with connection:
+                connection.settimeout(5)
+                try:
+                    connection.recv(65536)
+                    connection.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+def test_a_server_that_is_not_redis_is_one_line_at_once_to_the_cli_and_the_worker(http_port):
+    """A URL naming a port where another server answers (an HTTP server's): redis-py's
+    InvalidResponse, no RedisError that the CLI or the worker typed, so the CLI said it with no code
+    and the worker stopped with a traceback. Now redis_unavailable, saying so, at once (no retry
+    makes the server Redis), without the URL's password."""
+    url = f"redis://u:{SECRET}@127.0.0.1:{http_port}/0"
+    cause = "the server there answers as no Redis server does (InvalidResponse: "
+    with pytest.raises(RedisUnavailable, match=re.escape(cause)):
+        wait_for_redis(url, backoff_max_s=0.1)
+    done = subprocess.run(
+        [sys.executable, "-m", "cli", "--redis", url, "stats"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"error: redis_unavailable: Redis at 127.0.0.1:{http_port} is unavailable: {cause}")
+    assert done.stderr.endswith("): is this Redis's address and port?\n") and done.stderr.count("\n") == 1
+    worker = subprocess.run(
+        [sys.executable, "-m", "worker", "--model", "echo", "--redis", url, "--metrics-port", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert worker.returncode == 2, worker.stderr
+    assert worker.stderr.splitlines()[-1].startswith(
+        f"error: redis_unavailable: Redis at redis://***@127.0.0.1:{http_port}/0 is unavailable: {cause}"
+    )
+    assert "Traceback" not in worker.stderr and SECRET not in worker.stderr + done.stderr
 
 
 def test_asyncio_clients_connect_at_their_first_command():

@@ -120,7 +120,7 @@ def test_a_refused_connection_is_redis_unavailable_naming_the_host_without_the_p
     port = free_port()
     with Client(f"redis://someone:{SECRET}@127.0.0.1:{port}/0") as client:
         with pytest.raises(RedisUnavailable) as unavailable:
-            client.submit(prompt="hi", max_tokens=1)  # after the call's tries (about 4 s)
+            client.submit(prompt="hi", max_tokens=1)  # after the call's tries (about 6 s)
     error = unavailable.value
     assert isinstance(error, redis.ConnectionError) and not is_fatal(error)
     assert error.code == "redis_unavailable"
@@ -174,7 +174,7 @@ ONE_JOB_CALLS = {
 
 def test_redis_gone_under_a_call_on_one_job_is_redis_unavailable_naming_the_job():
     """A server that went away after the job was submitted: each call on one job, at once in threads
-    (each spends its tries, about 4 s), raises RedisUnavailable whose job_id and message name the
+    (each spends its tries, about 6 s), raises RedisUnavailable whose job_id and message name the
     job it was about (a submit's: the one it submitted), caused by redis-py's error. On main none
     named its job: a caller with many jobs in flight could not tell which call failed."""
     server = EmbeddedRedis(port=free_port()).start()
