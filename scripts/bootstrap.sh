@@ -29,17 +29,15 @@ if [ ! -x .venv/bin/python ]; then
 fi
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 
-# Without a GPU, pin the CPU build: PyPI's torch for Linux x86_64 is the CUDA build, pinned or not
-# (several GB of nvidia-* wheels); PyTorch's CPU index has the CPU build (2.13.0+cpu), which pip
-# prefers there to PyPI's wheel of the same version (aarch64's are CPU builds either way). Whether
-# torch is installed is looked up, not imported: an import takes seconds, on every run.
+# Without a GPU, pin the CPU build: an unpinned torch pulls several GB of CUDA wheels. Whether torch
+# is installed is looked up, not imported: an import takes seconds, on every run.
 if ! .venv/bin/python -c 'import importlib.util as u, sys; sys.exit(u.find_spec("torch") is None)'; then
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
     echo "[bootstrap] installing torch (a GPU is present: the CUDA build, several GB)"
     pip install torch
   else
     echo "[bootstrap] installing torch 2.13.0, the CPU build (about a minute)"
-    pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
+    pip install torch==2.13.0
   fi
 fi
 
