@@ -4,6 +4,7 @@ still ends with its whole echo."""
 
 from producer_client.schema import SamplingParams
 from worker.engine.echo import EchoEngine
+from worker.engine.outputs import RequestOutput, TokenCounts
 from worker.engine.settings import EngineSettings
 
 
@@ -58,3 +59,26 @@ def test_a_resumed_echo_goes_on_after_its_given_tokens_with_their_decoding_state
     texts = {rid: "".join(o.text_delta for o in outputs if o.request_id == rid) for rid in ("ascii", "utf8")}
     assert texts == {"ascii": "def", "utf8": "✓b"}
     assert {o.request_id: o.usage.completion_tokens for o in outputs if o.finished} == {"ascii": 6, "utf8": 5}
+
+
+def test_a_steps_outputs_are_the_request_outputs_a_caller_would_make_the_last_ones_included():
+    """A running request's next output is built in place (object.__new__, each slot set; see
+    outputs.RequestOutput): each equals the one RequestOutput(...) makes, so a field added to
+    RequestOutput and not set there fails this."""
+    engine = EchoEngine(EngineSettings())
+    engine.add_request("two", list(b"ab"), SamplingParams(max_tokens=2))
+    engine.add_request("one", list(b"c"), SamplingParams(max_tokens=8))
+    engine.add_request("utf8", list("é".encode()), SamplingParams(max_tokens=8))
+    steps = [engine.step(), engine.step()]
+    assert steps == [
+        [
+            RequestOutput("two", [97], "a", False, None, TokenCounts(2, 1, 0)),
+            RequestOutput("one", [99], "c", True, "stop", TokenCounts(1, 1, 0)),
+            RequestOutput("utf8", [0xC3], "", False, None, TokenCounts(2, 1, 0)),
+        ],
+        [
+            RequestOutput("two", [98], "b", True, "length", TokenCounts(2, 2, 0)),
+            RequestOutput("utf8", [0xA9], "é", True, "stop", TokenCounts(2, 2, 0)),
+        ],
+    ]
+    assert not engine.has_unfinished() and engine.running_pages == 0

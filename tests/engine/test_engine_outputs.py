@@ -5,6 +5,7 @@ import torch
 
 from producer_client.schema import SamplingParams
 from tests.engine.test_engine import random_prompts
+from worker.engine.outputs import RequestOutput, TokenCounts
 
 PROMPT = random_prompts(1, 12, 12, seed=11)[0]
 
@@ -90,6 +91,23 @@ def test_streamed_deltas_concatenate_to_the_final_text(make_engine):
     assert [t for o in outs for t in o.new_token_ids] == free.token_ids
     assert [o.usage.completion_tokens for o in outs] == list(range(1, 21))
     assert all(not o.finished for o in outs[:-1]) and outs[-1].finish_reason == "length"
+
+
+def test_each_tokens_output_is_the_request_output_a_caller_would_make(make_engine):
+    """A token's output that does not end its request is built in place (object.__new__, each slot
+    set; see outputs.RequestOutput): each equals the one RequestOutput(...) makes from the same
+    generation, its logprob included, so a field added to RequestOutput and not set there fails this."""
+    free = greedy(make_engine(), max_tokens=5, logprobs=2)
+    outs = stream(make_engine(), "t", PROMPT, SamplingParams(temperature=0, max_tokens=5, logprobs=2))
+    assert outs[:-1] == [
+        RequestOutput("t", [token], out.text_delta, False, None, TokenCounts(len(PROMPT), n, 0), [free.logprobs[n - 1]])
+        for n, (token, out) in enumerate(zip(free.token_ids, outs[:-1]), 1)
+    ]
+    plain = stream(make_engine(), "p", PROMPT, SamplingParams(temperature=0, max_tokens=3))
+    assert plain[:-1] == [
+        RequestOutput("p", [token], out.text_delta, False, None, TokenCounts(len(PROMPT), n, 0))
+        for n, (token, out) in enumerate(zip(free.token_ids, plain[:-1]), 1)
+    ]
 
 
 def test_repetition_penalty_matches_transformers(make_engine, hf_greedy):

@@ -110,6 +110,7 @@ class EchoRequest:
         default_factory=partial(codecs.getincrementaldecoder("utf-8"), "replace")
     )
     target: int = field(init=False)  # tokens it emits in all
+    prompt_len: int = field(init=False)  # its usage's prompt tokens, counted once (a model's Request keeps it too)
     # An ASCII output's text: each token's text is its character, what the decoder would give
     # token by token; read by index, so that the stand-in for a model spends no decoding per token
     # (None: the output has multi-byte characters, decoded as they come).
@@ -117,11 +118,12 @@ class EchoRequest:
 
     def __post_init__(self) -> None:
         self.target = min(len(self.output), self.max_tokens)
+        self.prompt_len = len(self.prompt)
         said = bytes(self.output[: self.target])
         self.ascii_text = said.decode("ascii") if said.isascii() else None
 
     def usage(self) -> TokenCounts:
-        return TokenCounts(len(self.prompt), self.emitted, 0)
+        return TokenCounts(self.prompt_len, self.emitted, 0)
 
 
 class EchoEngine:
@@ -275,11 +277,22 @@ class EchoEngine:
         at = req.emitted
         token = req.output[at]
         req.emitted = emitted = at + 1
-        finished = emitted >= req.target
-        text = req.ascii_text[at] if req.ascii_text is not None else req.decoder.decode(bytes([token]), final=finished)
-        reason: FinishReason | None = None
-        if finished:
-            self._release(req.request_id)
-            reason = "length" if emitted >= req.max_tokens else "stop"
-        usage = tuple.__new__(TokenCounts, (len(req.prompt), emitted, 0))  # see outputs.TokenCounts
-        return RequestOutput(req.request_id, [token], text, finished, reason, usage)
+        usage = tuple.__new__(TokenCounts, (req.prompt_len, emitted, 0))  # see outputs.TokenCounts
+        if emitted < req.target:
+            text = req.ascii_text[at] if req.ascii_text is not None else req.decoder.decode(bytes([token]))
+            # Built in place as the model engine's StepReader builds a token's output (see
+            # outputs.RequestOutput): the stand-in pays for its outputs what the model's engine does.
+            out = object.__new__(RequestOutput)
+            out.request_id = req.request_id
+            out.new_token_ids = [token]
+            out.text_delta = text
+            out.finished = False
+            out.finish_reason = None
+            out.usage = usage
+            out.logprobs = None
+            out.error = None
+            return out
+        text = req.ascii_text[at] if req.ascii_text is not None else req.decoder.decode(bytes([token]), final=True)
+        self._release(req.request_id)
+        reason: FinishReason = "length" if emitted >= req.max_tokens else "stop"
+        return RequestOutput(req.request_id, [token], text, True, reason, usage)

@@ -46,6 +46,10 @@ class SampledLogprob:
 # Slots: one is made per running request per step, and read once by the worker's loop; its fields
 # then sit in the object itself (Python 3.11 keeps a plain instance's in a second allocation), so a
 # step's outputs cost half the allocations and fewer cache lines (bench/RESULTS.md, x/whole).
+# A running request's next token's output, the one made per request per step, is built in place by
+# both engines (worker/engine/reader.py's StepReader, echo.py): object.__new__ and every slot set,
+# not the dataclass's __init__, a Python call an output (about 900 instructions of it; bench/RESULTS.md,
+# y/pub8). Their tests compare those outputs with RequestOutput(...)'s: a field added here must be set there.
 @dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request: a delta, or the final word on it."""

@@ -145,9 +145,18 @@ class StepReader:
         text, reason = self._check_stop(req, token, num_output)
         logprobs = [logprob] if logprob is not None else None
         if reason is None:
-            # see outputs.TokenCounts
-            usage = tuple.__new__(TokenCounts, (req.num_prompt_tokens, num_output, req.num_cached_prompt_tokens))
-            return RequestOutput(req.request_id, [token], text, False, None, usage, logprobs)
+            # Built in place, not by RequestOutput(...) (see outputs.RequestOutput); its counts
+            # likewise (see outputs.TokenCounts).
+            out = object.__new__(RequestOutput)
+            out.request_id = req.request_id
+            out.new_token_ids = [token]
+            out.text_delta = text
+            out.finished = False
+            out.finish_reason = None
+            out.usage = tuple.__new__(TokenCounts, (req.num_prompt_tokens, num_output, req.num_cached_prompt_tokens))
+            out.logprobs = logprobs
+            out.error = None
+            return out
         del req.token_ids[index + 1 :]
         req.finish(reason)
         self.scheduler.finish(req)
