@@ -15,7 +15,7 @@ A module whose tests mostly wait (on claim_idle_ms, timeouts, Redis restarts and
 processes' retries) carries `waits`, set by hand: run alone on a quiet machine, it uses less than
 half a core on average (the busy time /proc/stat counts over its run, over its wall time).
 scripts/test.sh runs those in a third pytest process beside the two xdist processes of the
-others (two more with --quick, where one ended last): their waits then overlap the others' work
+others (three, forked from one, with --quick, where one ended last): their waits then overlap the others' work
 instead of adding to the run's time.
 
 Both `timing` and `waits` are written in the test's own module (`pytest.mark.timing`,
