@@ -9,7 +9,7 @@ of none of them):
 
 A test that asserts a bound on elapsed time carries `timing`: scripts/test.sh runs those after the
 others, so that no other test running beside them on another core stretches their time (alone in the
-full run; two at a time with --quick, each mostly asleep, a core each: tests/support/shard.py).
+full run; four at a time with --quick, each mostly asleep: tests/support/shard.py).
 
 A module whose tests mostly wait (on claim_idle_ms, timeouts, Redis restarts and failovers, other
 processes' retries) carries `waits`, set by hand: run alone on a quiet machine, it uses less than
