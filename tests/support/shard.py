@@ -22,6 +22,7 @@ after its own share, adds their reports after its own, and fails where one of th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -123,19 +124,22 @@ def report_to(config: pytest.Config, report: Path) -> None:
     """This process's output (pytest's report and what its tests leave uncaptured) into `report`.
     pytest's capture keeps a copy of the descriptors it replaces and puts it back after each test:
     so it stops, the descriptors change, and it starts again over them."""
-    capture = config.pluginmanager.getplugin("capturemanager")
-    capture.stop_global_capturing()
+    capture = config.pluginmanager.getplugin("capturemanager")  # None under -p no:capture
+    if capture is not None:
+        capture.stop_global_capturing()
     written = os.open(report, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(written, sys.stdout.fileno())
     os.dup2(written, sys.stderr.fileno())
     os.close(written)
-    capture.start_global_capturing()
-    capture.suspend_global_capture()
+    if capture is not None:
+        capture.start_global_capturing()
+        capture.suspend_global_capture()
 
 
 def stop_forked(forked: dict[int, Path]) -> None:
     for pid in forked:
-        os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # one that has ended and been waited for
+            os.kill(pid, signal.SIGTERM)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
 
