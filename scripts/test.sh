@@ -12,17 +12,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 parallel="not timing"
 serial="timing"
+# A lane's processes, each its share of its tests (tests/support/shard.py): one collects, and forks
+# the others at its first test, so that more cost no collection (~4-5 s of CPU each, spent beside
+# the xdist lane that keeps both cores busy), where pytest-xdist's controller and workers each
+# import torch and collect.
 # The waiting tests' processes: one in the full run, where they end minutes before the others (10 min
-# of 14.5), so a second would only add its collection's CPU to theirs. In the quick run they were
-# the last to end (3:02 beside the others' 2:20, each test mostly asleep): two processes end them
-# before the others, for a collection's CPU (~7 s).
-waits_processes=()
-# The timing tests' processes, each its share of them (tests/support/shard.py): one in the full run
-# (CI), where nothing at all runs beside a timing test. In the quick run their lane ran last and
-# alone for ~34 s, one core idle and the other at 0.12 of a core (3.5 s of CPU over ~29 s of tests,
-# each mostly asleep; the busiest, a grammar checked while other coroutines run, half a core): two
-# processes, a core each, end it in about half that, for one more collection beside the others
-# (pytest-xdist's controller and two workers cost a third process and more CPU there: y/suite6).
+# of 14.5). In the quick run they ended last (3:02 beside the others' 2:20, each test mostly
+# asleep): three end them before the others.
+waits_processes=1
+# The timing tests' processes: one in the full run (CI), where nothing at all runs beside a timing
+# test. In the quick run their lane runs last and alone, each test mostly asleep (~5 s of CPU over
+# ~37 s of tests; the longest ~3.5 s): four end it in about a quarter of that.
 timing_processes=1
 # The folders of tests/ whose every test is of a tier --quick leaves out, by their folder alone
 # (tests/support/tiers.py's CHAOS_DIRS and E2E_DIRS): its lanes do not collect them, where each of
@@ -32,8 +32,8 @@ if [ "${1:-}" = "--quick" ]; then
   left_out=(chaos e2e board)
   parallel="not (timing or slow or e2e or chaos)"
   serial="timing and not (slow or e2e or chaos)"
-  waits_processes=(-n 2 --dist loadgroup)
-  timing_processes=2
+  waits_processes=3
+  timing_processes=4
   shift
 fi
 scripts/bootstrap.sh --dev
@@ -76,38 +76,40 @@ mapfile -t timing_modules < <(modules_naming timing)
 # compiles the kernels beside it on a fresh clone.
 warmed=$(mktemp -u)
 gate=$(mktemp -u)
+# shared_by N ENV sets the array ENV to the environment of a lane of N processes: with more than
+# one, the folder they share the tests out through (tests/support/shard.py) and their count.
+share_folders=()
+shared_by() {
+  local -n lane_env=$2
+  lane_env=()
+  [ "$1" -gt 1 ] || return 0
+  share_folders+=("$(mktemp -d)")
+  lane_env=(MILI_TESTS_SHARE="${share_folders[-1]}" MILI_TESTS_SHARES="$1")
+}
 # The waiting tests' report comes after the others' (two reports written at once would interleave).
 # They compute little beside two processes that take a core each: one torch thread for them and
 # the processes they start.
 waits_log=$(mktemp)
+shared_by "$waits_processes" waits_env
 MILI_TESTS_GATE="$warmed" MILI_TESTS_GATE_FOR="the kernels' warm-up" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
-  .venv/bin/python -m pytest "${waits_modules[@]}" "${waits_processes[@]}" -m "($parallel) and waits" \
-  -p tests.support.gate "$@" > "$waits_log" 2>&1 &
+  env "${waits_env[@]}" .venv/bin/python -m pytest "${waits_modules[@]}" -m "($parallel) and waits" \
+  -p tests.support.gate -p tests.support.shard "$@" > "$waits_log" 2>&1 &
 waits_pid=$!
-# The timing tests' processes collect now, beside the others (the whole tree was ~6 s of CPU, the
-# lane's own wall time after theirs), and run their first test once $gate exists, made when they
-# are done: no other test runs beside the timing tests.
-# With two, each has one torch thread, as each of the two xdist processes has (tests/conftest.py),
-# and they share the tests out as they go through an empty folder (tests/support/shard.py).
-timing_env=()
-timing_share=""
-if [ "$timing_processes" -gt 1 ]; then
-  timing_share=$(mktemp -d)
-  timing_env=(OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MILI_TESTS_SHARE="$timing_share")
-fi
-timing_logs=()
-timing_pids=()
-for ((process = 0; process < timing_processes; process++)); do
-  timing_logs+=("$(mktemp)")
-  MILI_TESTS_GATE="$gate" MILI_TESTS_GATE_FOR="the other lanes" env "${timing_env[@]}" .venv/bin/python -m pytest \
-    "${timing_modules[@]}" -m "$serial" -p tests.support.gate -p tests.support.shard "$@" > "${timing_logs[$process]}" 2>&1 &
-  timing_pids+=($!)
-done
+# The timing tests' process collects now, beside the others (the whole tree was ~6 s of CPU, the
+# lane's own wall time after theirs), and runs its first test once $gate exists, made when they
+# are done: no other test runs beside the timing tests. Shared out, each process has one torch
+# thread, as each of the two xdist processes has (tests/conftest.py).
+timing_log=$(mktemp)
+shared_by "$timing_processes" timing_env
+[ "$timing_processes" -eq 1 ] || timing_env+=(OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}")
+MILI_TESTS_GATE="$gate" MILI_TESTS_GATE_FOR="the other lanes" env "${timing_env[@]}" .venv/bin/python -m pytest \
+  "${timing_modules[@]}" -m "$serial" -p tests.support.gate -p tests.support.shard "$@" > "$timing_log" 2>&1 &
+timing_pid=$!
 MILI_TESTS_GATE="$warmed" MILI_TESTS_GATE_FOR="the kernels' warm-up" .venv/bin/python -m pytest tests \
   "${left_out[@]/#/--ignore=tests/}" -n 2 --dist loadgroup -m "($parallel) and not waits" -p tests.support.gate --durations=30 "$@" &
 others_pid=$!
-trap 'kill "$warm_up_pid" "$waits_pid" "${timing_pids[@]}" "$others_pid" 2>/dev/null || true
-  rm -rf "$warm_up_log" "$waits_log" "${timing_logs[@]}" "$warmed" "$gate" ${timing_share:+"$timing_share"}' EXIT
+trap 'kill "$warm_up_pid" "$waits_pid" "$timing_pid" "$others_pid" 2>/dev/null || true
+  rm -rf "$warm_up_log" "$waits_log" "$timing_log" "$warmed" "$gate" "${share_folders[@]}"' EXIT
 warm_up=0
 wait "$warm_up_pid" || warm_up=$?
 cat "$warm_up_log"
@@ -120,23 +122,14 @@ wait "$waits_pid" || waits=$?
 echo "--- the tests marked waits, run beside the others:"
 cat "$waits_log"
 touch "$gate"
-# The first process's report as it runs, then the other's once it ends (two written at once would
-# interleave).
-tail -n +1 -f --pid="${timing_pids[0]}" "${timing_logs[0]}"
-timing=()
-for ((process = 0; process < timing_processes; process++)); do
-  status=0
-  wait "${timing_pids[$process]}" || status=$?
-  timing+=("$status")
-  if [ "$process" -gt 0 ]; then
-    echo "--- the tests marked timing that the second process ran:"
-    cat "${timing_logs[$process]}"
-  fi
-done
+# Its report as it runs (the forked processes' at its end).
+tail -n +1 -f --pid="$timing_pid" "$timing_log"
+timing=0
+wait "$timing_pid" || timing=$?
 # 5 is pytest's "no test selected": a pass that arguments such as -k left empty, not a failure
 # unless every run is.
 all_empty=1
-for status in "$others" "$waits" "${timing[@]}"; do
+for status in "$others" "$waits" "$timing"; do
   if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
   [ "$status" -eq 5 ] || all_empty=0
 done

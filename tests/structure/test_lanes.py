@@ -6,6 +6,10 @@ of a tier it leaves out."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -93,16 +97,96 @@ def test_two_processes_share_the_tests_out_as_they_go_each_run_once_a_group_toge
     assert [test.nodeid.split("::")[1] for test in other.deselected] == ["t0", "t1"]
 
 
+# Each test waits until three processes run one, or gives up after 30 s: they pass only if the
+# session's tests ran in three processes at once. Six of them: a process takes its next test before
+# it runs one (tests/support/shard.py), so two processes hold four of them at most.
+AT_ONCE = textwrap.dedent("""\
+    import os
+    import time
+
+    import pytest
+
+    def meet(name):
+        here = os.environ["RAN"]
+        with open(os.path.join(here, f"{name} {os.getpid()}"), "w"):
+            pass
+        deadline = time.monotonic() + 30
+        while len({entry.split()[1] for entry in os.listdir(here)}) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("uncaptured output of", name)
+
+    @pytest.mark.parametrize("i", range(6))
+    def test_meets_the_others(i):
+        meet(f"test{i}")
+        assert len({entry.split()[1] for entry in os.listdir(os.environ["RAN"])}) == 3
+
+    def test_fails():
+        meet("failing")
+        assert False, "the failure of a forked process's test"
+""")
+
+
+def run_shared_session(tmp_path: Path, shares: int) -> tuple[subprocess.CompletedProcess, list[str]]:
+    (tmp_path / "test_at_once.py").write_text(AT_ONCE)
+    ran = tmp_path / "ran"
+    ran.mkdir()
+    share = tmp_path / "share"
+    share.mkdir()
+    env = {**os.environ, "RAN": str(ran), shard.SHARE_ENV: str(share), shard.SHARES_ENV: str(shares)}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-s",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.support.shard",
+            str(tmp_path),
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    return done, sorted(os.listdir(ran))
+
+
+def test_processes_forked_at_the_first_test_share_the_tests_out_and_their_reports_and_failures_are_the_sessions(
+    tmp_path,
+):
+    """MILI_TESTS_SHARES=3: one process collects and forks two others, which run tests of its
+    collection at the same time as it (each test here waits for the three); each test runs once, in
+    one of three processes; the forked processes' reports, and what their tests wrote, come in the
+    session's report, and a test failed in any of them fails the session."""
+    done, ran = run_shared_session(tmp_path, shares=3)
+    assert done.returncode == pytest.ExitCode.TESTS_FAILED, done.stdout + done.stderr
+    assert sorted(entry.split()[0] for entry in ran) == ["failing"] + [f"test{i}" for i in range(6)]
+    assert len({entry.split()[1] for entry in ran}) == 3
+    assert done.stdout.count("a forked process: exit status") == 2, done.stdout
+    assert "the failure of a forked process's test" in done.stdout
+    assert done.stdout.count("uncaptured output of ") == 7
+    assert done.stdout.count(" deselected in ") == 3  # a summary each, each of the tests the others ran
+
+
 def test_without_a_share_folder_pytest_runs_every_test_itself(monkeypatch):
     monkeypatch.delenv(shard.SHARE_ENV, raising=False)
     assert shard.pytest_runtestloop(SimpleNamespace()) is None
 
 
-def test_the_quick_runs_timing_tests_run_on_two_processes_and_the_full_runs_on_one():
-    """Nothing runs beside a timing test in CI's run; in the quick run the timing lane, last and alone
-    and mostly asleep, has two processes that share its tests out through one folder."""
+def test_the_quick_run_shares_its_waiting_and_timing_tests_out_among_forked_processes_and_the_full_run_does_not():
+    """Nothing runs beside a timing test in CI's run, and its waiting tests end minutes before the
+    others; in the quick run each of both lanes is one process that collects and forks the others
+    (tests/support/shard.py), mostly asleep: three for the waiting tests, four for the timing tests,
+    where pytest-xdist's controller and workers each imported torch and collected."""
     script = TEST_SH.read_text()
+    assert "\nwaits_processes=1\n" in script
     assert "\ntiming_processes=1\n" in script
-    quick = [line.strip() for line in quick_branch(script).splitlines() if "timing_processes=" in line]
-    assert quick == ["timing_processes=2"]
-    assert 'MILI_TESTS_SHARE="$timing_share"' in script
+    quick = [line.strip() for line in quick_branch(script).splitlines() if "_processes=" in line]
+    assert quick == ["waits_processes=3", "timing_processes=4"]
+    assert 'shared_by "$waits_processes" waits_env' in script
+    assert 'shared_by "$timing_processes" timing_env' in script
+    assert script.count("-n 2 --dist loadgroup") == 1  # the other tests' lane alone runs on pytest-xdist

@@ -9,13 +9,13 @@ of none of them):
 
 A test that asserts a bound on elapsed time carries `timing`: scripts/test.sh runs those after the
 others, so that no other test running beside them on another core stretches their time (alone in the
-full run; two at a time with --quick, each mostly asleep, a core each: tests/support/shard.py).
+full run; four at a time with --quick, each mostly asleep: tests/support/shard.py).
 
 A module whose tests mostly wait (on claim_idle_ms, timeouts, Redis restarts and failovers, other
 processes' retries) carries `waits`, set by hand: run alone on a quiet machine, it uses less than
 half a core on average (the busy time /proc/stat counts over its run, over its wall time).
 scripts/test.sh runs those in a third pytest process beside the two xdist processes of the
-others (two more with --quick, where one ended last): their waits then overlap the others' work
+others (three, forked from one, with --quick, where one ended last): their waits then overlap the others' work
 instead of adding to the run's time.
 
 Both `timing` and `waits` are written in the test's own module (`pytest.mark.timing`,
