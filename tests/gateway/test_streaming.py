@@ -146,6 +146,7 @@ LONG = {
 }
 
 
+@pytest.mark.timing  # tokens made while the cancel travels: a bound on its time, stretched by tests beside it
 def test_a_client_that_disconnects_mid_stream_cancels_its_job_within_a_step(gateway, redis_server):
     with Client(redis_server.url, TINY_QUEUE) as client:
         left = []  # (job id, tokens Redis held when its client left)
