@@ -45,21 +45,9 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 # exceptions (1.2 s of CPU in all in each process that collected the tree). Frozen, it is left out
 # of them (gc.freeze, as worker/__main__.py does with what its start-up built), the garbage of
 # collection collected first; unfrozen at exit, or the interpreter would never free it, and
-# Triton's C extension (nanobind) would report each of its objects as a leak. pytest-xdist's
-# controller collects nothing, yet imported the same modules here and allocates a report for each
-# test its workers ran: what it built is frozen once it is configured (and a process that collects
-# freezes again after collecting).
-@pytest.hookimpl(trylast=True)
-def pytest_configure(config: pytest.Config) -> None:
-    freeze_what_is_built()
-    atexit.register(gc.unfreeze)
-
-
+# Triton's C extension (nanobind) would report each of its objects as a leak.
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session: pytest.Session) -> None:
-    freeze_what_is_built()
-
-
-def freeze_what_is_built() -> None:
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)

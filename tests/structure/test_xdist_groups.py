@@ -107,35 +107,3 @@ def test_a_group_set_by_hand_keeps_every_test_of_its_module_in_it(tmp_path):
     )
     groups = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("GROUP ")]
     assert len(groups) == 101 and set(groups) == {"chaos-schedules"}, done.stdout[-2000:]
-
-
-FROZEN_WRITTEN = textwrap.dedent("""\
-    import gc
-    import os
-
-    def pytest_sessionfinish(session):
-        if not hasattr(session.config, "workerinput"):  # the controller (this test may run in a worker)
-            with open(os.environ["FROZEN"], "w") as written:
-                written.write(f"{gc.get_freeze_count()} {len(gc.get_objects())}")
-""")
-
-
-def test_the_xdist_controllers_garbage_collections_leave_out_what_its_start_up_built(tmp_path):
-    """pytest-xdist's controller collects no test, so tests/conftest.py's freeze after collection never
-    ran there: every full collection it made while its workers reported (and the five at its end)
-    walked the modules tests/conftest.py imports, torch's among them. Most of its objects at the
-    end of a session are frozen."""
-    (tmp_path / "frozen_written.py").write_text(FROZEN_WRITTEN)
-    frozen = tmp_path / "frozen"
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/structure/test_lanes.py", "-k", "without_a_share_folder"]
-        + ["-q", "-n", "1", "-p", "no:cacheprovider", "-p", "frozen_written"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(tmp_path), "FROZEN": str(frozen)},
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    frozen_count, tracked = map(int, frozen.read_text().split())
-    assert frozen_count > tracked, (frozen_count, tracked)
