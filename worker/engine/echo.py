@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING, Any
 from producer_client.errors import InvalidArgument, UnknownAdapter
 from producer_client.schema import SamplingParams
 from worker.engine.errors import KVCapacityExceeded, PromptTooLong
-from worker.engine.outputs import Capacity, EngineStats, FinishReason, RequestId, RequestOutput, TokenCounts
+from worker.engine.outputs import (
+    Capacity,
+    EngineStats,
+    FinishReason,
+    RequestId,
+    RequestOutput,
+    TokenCounts,
+    token_output,
+)
 from worker.engine.request import DEFAULT_LANE
 from worker.engine.settings import EngineSettings
 
@@ -280,18 +288,8 @@ class EchoEngine:
         usage = tuple.__new__(TokenCounts, (req.prompt_len, emitted, 0))  # see outputs.TokenCounts
         if emitted < req.target:
             text = req.ascii_text[at] if req.ascii_text is not None else req.decoder.decode(bytes([token]))
-            # Built in place as the model engine's StepReader builds a token's output (see
-            # outputs.RequestOutput): the stand-in pays for its outputs what the model's engine does.
-            out = object.__new__(RequestOutput)
-            out.request_id = req.request_id
-            out.new_token_ids = [token]
-            out.text_delta = text
-            out.finished = False
-            out.finish_reason = None
-            out.usage = usage
-            out.logprobs = None
-            out.error = None
-            return out
+            # As the model engine's StepReader builds it: the stand-in pays what the model's engine does.
+            return token_output(req.request_id, token, text, usage, None)
         text = req.ascii_text[at] if req.ascii_text is not None else req.decoder.decode(bytes([token]), final=True)
         self._release(req.request_id)
         reason: FinishReason = "length" if emitted >= req.max_tokens else "stop"

@@ -10,7 +10,15 @@ import logging
 
 from producer_client.errors import InvalidArgument, MiliError
 from worker.engine.errors import NonFiniteLogits, StructuredOutputError
-from worker.engine.outputs import FinishReason, RequestError, RequestId, RequestOutput, SampledLogprob, TokenCounts
+from worker.engine.outputs import (
+    FinishReason,
+    RequestError,
+    RequestId,
+    RequestOutput,
+    SampledLogprob,
+    TokenCounts,
+    token_output,
+)
 from worker.engine.overlap import LaunchedStep, drop_placeholders
 from worker.engine.request import Request, RequestStatus
 from worker.engine.sampler import SampledTokens, skip_draws
@@ -145,18 +153,9 @@ class StepReader:
         text, reason = self._check_stop(req, token, num_output)
         logprobs = [logprob] if logprob is not None else None
         if reason is None:
-            # Built in place, not by RequestOutput(...) (see outputs.RequestOutput); its counts
-            # likewise (see outputs.TokenCounts).
-            out = object.__new__(RequestOutput)
-            out.request_id = req.request_id
-            out.new_token_ids = [token]
-            out.text_delta = text
-            out.finished = False
-            out.finish_reason = None
-            out.usage = tuple.__new__(TokenCounts, (req.num_prompt_tokens, num_output, req.num_cached_prompt_tokens))
-            out.logprobs = logprobs
-            out.error = None
-            return out
+            # Its counts built in place, as outputs.TokenCounts says.
+            usage = tuple.__new__(TokenCounts, (req.num_prompt_tokens, num_output, req.num_cached_prompt_tokens))
+            return token_output(req.request_id, token, text, usage, logprobs)
         del req.token_ids[index + 1 :]
         req.finish(reason)
         self.scheduler.finish(req)
