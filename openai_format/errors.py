@@ -65,7 +65,7 @@ def unsupported(message: str, param: str) -> APIError:
     return APIError(400, message, "invalid_request_error", "unsupported_parameter", param)
 
 
-ECHOED_CHARS = 64  # of a name an answer echoes (a file's, batch's, model's it did not find)
+ECHOED_CHARS = 64  # of a name an answer echoes (a file's, batch's, model's or job's it did not find)
 
 
 def echoed(name: str) -> str:
@@ -108,7 +108,7 @@ def error_of(error: MiliError) -> APIError:
     if isinstance(error, QueueFull):
         return APIError(429, error.message, "rate_limit_error", error.code)
     if isinstance(error, JobNotFound):
-        return not_found(error.message, "job_not_found")
+        return not_found(JobNotFound(echoed(error.job_id)).message, "job_not_found")
     if isinstance(error, (JobTimeout, JobExpired)):
         return deadline_passed(error.message)
     if isinstance(error, JobFailed):

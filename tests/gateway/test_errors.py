@@ -777,6 +777,20 @@ def test_a_very_long_id_is_echoed_cut_to_its_first_characters(gateway):
         sdk.close()
 
 
+def test_a_long_job_id_is_echoed_cut_as_the_other_names_are(gateway):
+    """docs/http-api.md: a 404's message quotes a name longer than 64 characters cut to its first 64
+    and an ellipsis, a job's among them. A job id passes the client's bound (128 characters) up to
+    twice that, and GET /v1/jobs/{id} quoted it whole."""
+    long_job = "j" * 120
+    missing = httpx.get(f"{gateway.url}/v1/jobs/{long_job}", timeout=10)
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert error["code"] == "job_not_found"
+    assert repr(long_job[:64] + "…") in error["message"] and long_job[:65] not in error["message"]
+    short_job = "j" * 64
+    assert repr(short_job) in httpx.get(f"{gateway.url}/v1/jobs/{short_job}", timeout=10).json()["error"]["message"]
+
+
 PAST_A_BOUND = [
     ("/v1/chat/completions", {"temperature": 3}, "temperature", "decimal_above_max_value"),
     ("/v1/chat/completions", {"temperature": -0.5}, "temperature", "decimal_below_min_value"),
