@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import re
 
+import producer_client
+from producer_client import errors
 from tests.structure.test_layers import ROOT, modules
 
 
@@ -42,3 +44,16 @@ def test_the_docs_list_every_error_code_and_only_those():
 def test_every_listed_code_says_where_what_and_whether_to_retry():
     for code, (where, meaning, retry) in codes_in_the_docs().items():
         assert where and len(meaning) > 20 and retry, code
+
+
+def test_every_error_class_the_docs_name_is_importable_from_the_package():
+    """A user catches what the pages name as they import the client: `from producer_client import
+    NotReplicated` (operations.md's wait_replicas) raised ImportError while every other typed error
+    came from there; ShardCountMismatch (architecture.md's shards) neither."""
+    pages = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    classes = [
+        name for name, value in vars(errors).items() if isinstance(value, type) and issubclass(value, errors.MiliError)
+    ]
+    named = [name for name in classes if re.search(rf"`{name}`", pages)]
+    assert "NotReplicated" in named and "QueueFull" in named
+    assert [name for name in named if name not in producer_client.__all__] == []
