@@ -280,6 +280,15 @@ def add_openai_routes(app: FastAPI, gw: Gateway) -> None:
             )
         return json_response(card)
 
+    @app.post("/v1/embeddings")
+    async def embeddings():
+        # OpenAI's route, which the SDK's clients.embeddings calls: a 404 would read as a wrong
+        # base_url, where the answer is that MILI generates text only (docs/http-api.md, Not supported).
+        raise bad_request(
+            "embeddings are not supported by this server: MILI generates text (/v1/chat/completions, /v1/completions)",
+            code="unsupported_endpoint",
+        )
+
 
 def add_mili_routes(app: FastAPI, gw: Gateway, default_queue: str) -> None:
     """MILI's own: /generate (one prompt, its text) and a job's status by id."""

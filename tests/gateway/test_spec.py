@@ -372,6 +372,18 @@ def test_what_mili_cannot_honour_is_a_400_naming_it_and_enqueues_nothing(gateway
     assert job_count(redis_client) == before
 
 
+def test_embeddings_are_a_400_saying_mili_generates_text_and_enqueue_nothing(gateway, sdk, redis_client):
+    """docs/http-api.md lists embeddings among what is refused with a 400 naming it; the SDK's
+    embeddings.create got the 404 'Not Found' of a route the gateway has not, as a wrong base_url."""
+    before = job_count(redis_client)
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.embeddings.create(model="echo", input="hi")
+    assert (refused.value.code, refused.value.type) == ("unsupported_endpoint", "invalid_request_error")
+    assert "embeddings are not supported" in refused.value.message
+    check("ErrorResponse", refused.value.response.json())
+    assert job_count(redis_client) == before
+
+
 def test_a_service_tier_the_spec_has_not_is_an_invalid_value_not_an_unsupported_one(gateway, redis_client):
     """Only the spec's tiers MILI does not run (scale, fast) are unsupported_parameter; the message
     of a value the spec has not lists only the tiers MILI takes (it listed scale and fast too)."""
