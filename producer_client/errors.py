@@ -203,7 +203,7 @@ class ShardCountMismatch(MiliError):
     def __init__(self, queue: str, asked: int, stored: int):
         super().__init__(
             f"queue {queue!r} is spread over {stored} shards, not {asked}: start with --queue-shards {stored} "
-            "(changing a queue's count: docs/operating-the-queue.md)"
+            "(changing a queue's count: docs/architecture.md, 'A queue over several shards')"
         )
         self.queue = queue
         self.asked = asked
@@ -220,7 +220,7 @@ class InvalidShardCount(MiliError):
         super().__init__(
             f"queue {queue!r} has {stored!r} as its shard count, not an integer from 1 to {most}: set the "
             "field `shards` of its scheduler hash right, or delete it on an empty queue "
-            "(docs/operating-the-queue.md)"
+            "(docs/architecture.md, 'A queue over several shards')"
         )
         self.queue = queue
         self.stored = stored

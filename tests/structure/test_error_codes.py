@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import re
 
+import pytest
+
 import producer_client
 from producer_client import errors
 from tests.structure.test_layers import ROOT, modules
@@ -57,3 +59,21 @@ def test_every_error_class_the_docs_name_is_importable_from_the_package():
     named = [name for name in classes if re.search(rf"`{name}`", pages)]
     assert "NotReplicated" in named and "QueueFull" in named
     assert [name for name in named if name not in producer_client.__all__] == []
+
+
+@pytest.mark.parametrize(
+    ("error", "procedure"),
+    [
+        (errors.ShardCountMismatch("q", asked=2, stored=3), "HDEL mili:sched:{queue} shards"),
+        (errors.InvalidShardCount("q", stored="x", most=64), "the field `shards` of `mili:sched:{queue}`"),
+    ],
+)
+def test_an_error_that_sends_the_operator_to_a_page_names_the_section_that_says_what_to_do(error, procedure):
+    """ShardCountMismatch and InvalidShardCount said to change a queue's count as
+    docs/operating-the-queue.md says, a page with no word of shards: the procedure is in
+    architecture.md's section on them."""
+    page, section = re.search(r"docs/([a-z-]+\.md), '([^']+)'", error.message).groups()
+    text = (ROOT / "docs" / page).read_text()
+    body = re.search(rf"^#+ {re.escape(section)}\n(.*?)(?=^#+ |\Z)", text, re.M | re.S)
+    assert body is not None, (page, section)
+    assert procedure in body.group(1)
