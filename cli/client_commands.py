@@ -35,7 +35,7 @@ def add_commands(commands) -> None:
     stats.add_argument(
         "--all",
         action="store_true",
-        help="of every queue a worker served in the last hour (on a cluster: on every shard)",
+        help="of every queue a worker served in the last hour, and of --queue's (on a cluster: on every shard)",
     )
     stats.set_defaults(run=cmd_stats)
 
@@ -173,6 +173,9 @@ def cmd_stats(client: Client, args: argparse.Namespace) -> int:
     if not args.all:
         print(client.queue_stats().model_dump_json(indent=2))
         return 0
-    every = [client.on_queue(queue).queue_stats().model_dump(mode="json") for queue in client.inspect.queues()]
+    # The queue index holds a queue once a worker's heartbeat put it there: the named queue is
+    # counted too, so that jobs waiting for a first worker are seen (the gateway's routed_queues).
+    queues = sorted({*client.inspect.queues(), client.queue})
+    every = [client.on_queue(queue).queue_stats().model_dump(mode="json") for queue in queues]
     print(json.dumps(every, indent=2))
     return 0

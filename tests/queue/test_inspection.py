@@ -4,6 +4,7 @@ live, stale (past half their TTL) and gone, over several TTLs, through the worke
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -253,3 +254,19 @@ def test_a_registry_key_of_another_type_reads_as_missing_to_submits_and_listings
         assert mili(["--redis", server.url, "workers"]) == 0
         assert mili(["--redis", server.url, "stats", "--all"]) == 0
         assert "WRONGTYPE" not in capsys.readouterr().err
+
+
+def test_stats_all_counts_the_named_queue_though_no_worker_ever_served_it(capsys):
+    """`mili stats --all` read the queue index alone, which a queue enters by a worker's heartbeat:
+    on a fresh Redis whose jobs wait for a first worker (the outage an operator looks into) it
+    printed [], where `mili stats` counted them. The queue --queue names (default: default) is
+    counted too, as the gateway counts the queues it routes to."""
+    with EmbeddedRedis(port=free_port()) as server, Client(server.url, "cold") as client:
+        client.submit(prompt="waits for a worker", max_tokens=4)
+        client.redis.zadd(Keys().queues(), {"indexed": time.time()})
+        capsys.readouterr()
+        assert mili(["--redis", server.url, "--queue", "cold", "stats", "--all"]) == 0
+        stats = {s["queue"]: s for s in json.loads(capsys.readouterr().out)}
+        assert (stats["cold"]["depth"], stats["cold"]["waiting"], stats["indexed"]["depth"]) == (1, 1, 0)
+        assert mili(["--redis", server.url, "stats", "--all"]) == 0
+        assert sorted(s["queue"] for s in json.loads(capsys.readouterr().out)) == ["default", "indexed"]
