@@ -157,6 +157,10 @@ class AsyncClient(ClientBase):
     async def results(self, job_ids: Iterable[str], timeout: float | None = None) -> list[JobResult]:
         return await steps.arun(self.redis, bulk.results(self.keys, job_ids, timeout, is_cluster(self.redis)))
 
+    def watch(self, job_ids: Iterable[str] = ()) -> ResultWatch:
+        """A ResultWatch of `job_ids` over this client's keys, for finished() (Client.watch)."""
+        return ResultWatch(self.keys, job_ids)
+
     async def finished(self, watch: ResultWatch, timeout: float | None = None) -> list[JobResult]:
         return await steps.arun(self.redis, bulk.take_finished(watch, timeout, is_cluster(self.redis)))
 

@@ -189,6 +189,11 @@ class Client(ClientBase):
         """Every job's result, in the order of `job_ids`, collected as as_completed() does."""
         return steps.run(self.redis, bulk.results(self.keys, job_ids, timeout, is_cluster(self.redis)))
 
+    def watch(self, job_ids: Iterable[str] = ()) -> ResultWatch:
+        """A ResultWatch of `job_ids` over this client's keys (its prefix), for finished(): add jobs
+        to it as they go (watch.add)."""
+        return ResultWatch(self.keys, job_ids)
+
     def finished(self, watch: ResultWatch, timeout: float | None = None) -> list[JobResult]:
         """The results of the watched jobs that have ended, taken out of `watch`: at once if any
         has, else as soon as one does; [] if none has within `timeout` seconds. For callers that

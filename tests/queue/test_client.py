@@ -496,10 +496,10 @@ def test_cancelling_a_queued_job_ends_it_at_once(client):
     assert client.cancel(job_id).status == "cancelled"  # a second cancel changes nothing
 
 
-def end_as_a_worker(redis_client, job_id: str, text: str) -> JobResult:
+def end_as_a_worker(redis_client, job_id: str, text: str, keys: Keys | None = None) -> JobResult:
     """The job claimed and ended in one final PUBLISH, as a worker whose job ends within its first
     checkpoint interval does: one run, nobody streaming it. Returns the result written."""
-    keys = Keys()
+    keys = keys or Keys()
     result = JobResult(id=job_id, status="done", text=text, token_ids=list(text.encode()), finish_reason="stop")
     tokens = json.dumps({"ids": result.token_ids, "text": text})
     calls = [
@@ -573,6 +573,28 @@ def test_a_client_knows_the_expiry_of_its_own_submits_once_and_for_half_the_done
         now[0] += waiting.Submissions.KEPT_S
         kept.add(f"e{i}", None)
     assert set(kept.current) | set(kept.previous) == {"e1", "e2"}
+
+
+def test_a_clients_watch_follows_its_jobs_under_its_prefix_as_they_are_added(
+    client_kind, redis_server, redis_client, queue
+):
+    """docs/batch.md: a sliding window's jobs are collected with a ResultWatch and finished(); a user
+    had to build one as ResultWatch(Keys(prefix)), the client's internal key names, and a watch of
+    another prefix than the client's waited for ever. client.watch() makes it over the client's."""
+    keys = Keys("mili2")
+    client = make_client(client_kind, redis_server.url, queue, prefix=keys.prefix)
+    try:
+        first = client.submit("p0", max_tokens=4)
+        watch = client.watch([first])
+        later = client.submit("p1", max_tokens=4)
+        watch.add([later])
+        results = [end_as_a_worker(redis_client, job_id, f"out{i}", keys) for i, job_id in enumerate([first, later])]
+        found: list[JobResult] = []
+        while len(found) < 2:
+            found += client.finished(watch, timeout=10)
+        assert sorted(found, key=lambda r: r.id) == sorted(results, key=lambda r: r.id)
+    finally:
+        client.close()
 
 
 def test_a_watch_left_unread_past_the_done_streams_life_finds_its_jobs_in_their_hashes(client, redis_client):
