@@ -4,10 +4,10 @@
 #   scripts/test.sh --quick    the static checks and the fast tier, for local work: no test marked slow, e2e or chaos
 #                              (tests/support/tiers.py says how a test gets each mark)
 # The tests run on two pytest-xdist processes, and those marked `waits` (they mostly wait on
-# timeouts and faults) in a third pytest process beside them (two with --quick, below); then the
+# timeouts and faults) in a third pytest process beside them (three with --quick, below); then the
 # `timing` tests (bounds on elapsed time) run after them, so that no other test stretches their
 # time (their process collects beside the others, and waits for them before its first test): alone
-# in the full run, two at a time with --quick (below).
+# in the full run, four at a time with --quick (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 parallel="not timing"
