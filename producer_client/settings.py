@@ -4,6 +4,8 @@ client library itself, which needs no pydantic-settings."""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,6 +20,9 @@ SETTINGS_ERRORS = (ValidationError, SettingsError)
 # The levels a program's `log_level` takes, in any case: logging refused another only when the
 # program configured its logging (a ValueError traceback, at the worker's start).
 LOG_LEVEL_PATTERN = r"^(?i:DEBUG|INFO|WARNING|ERROR)$"
+# pydantic-settings' words for a MILI_* variable whose value is not the JSON its setting (a list, an
+# object, a table of settings) needs: it names the field, not the variable nor what it wants.
+ENV_NOT_JSON = re.compile(r'error parsing value for field "(\w+)" from source "EnvSettingsSource"')
 
 
 class TomlSettings(BaseSettings):
@@ -60,4 +65,18 @@ def settings_error_line(error: Exception) -> str:
         return "; ".join(
             f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in error.errors(include_input=False)
         )
+    found = ENV_NOT_JSON.match(str(error))
+    if found is not None:
+        return env_not_json_line(found.group(1))
     return str(error).split("\n", 1)[0]
+
+
+def env_not_json_line(field: str) -> str:
+    """The variables of `field` that are set (a table's, such as engine's, are MILI_ENGINE__<NAME>),
+    and that their value must be JSON."""
+    name = f"MILI_{field.upper()}"
+    given = sorted(v for v in os.environ if v.upper() == name or v.upper().startswith(f"{name}__")) or [name]
+    return (
+        f"{field}: {' or '.join(given)} is not the JSON this setting takes from the environment:"
+        """ a list or an object, such as MILI_API_KEYS='["KEY"]' or MILI_ENGINE__LORA_MODULES='{"sql": "/adapters/sql"}'"""
+    )

@@ -166,3 +166,14 @@ def test_a_wait_as_long_as_the_socket_timeout_is_refused_in_one_line_before_serv
         f"({timeout_s:g} s; the URL's ?socket_timeout= sets it)\n"
     )
     assert GatewaySettings(wait_replicas=1, wait_timeout_ms=4999).wait_timeout_ms == 4999
+
+
+def test_keys_given_in_the_environment_as_no_json_list_are_one_line_saying_so(monkeypatch, capsys):
+    """docs/operations.md and compose.yml give the gateway keys as MILI_API_KEYS='["..."]'; a key
+    given bare (MILI_API_KEYS=KEY) stopped it with 'error parsing value for field "api_keys" from
+    source "EnvSettingsSource"', which names neither the variable nor the JSON list it takes."""
+    monkeypatch.setenv("MILI_API_KEYS", "a-bare-key")
+    assert main(["--redis", "redis://localhost:1/0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: invalid_argument: api_keys: MILI_API_KEYS is not the JSON") and err.count("\n") == 1
+    assert "MILI_API_KEYS='[\"KEY\"]'" in err and "a-bare-key" not in err

@@ -2,6 +2,7 @@
 beat the environment, which beats the file."""
 
 import argparse
+import os
 import re
 
 import pytest
@@ -256,3 +257,21 @@ def test_an_abbreviated_flag_is_refused_not_taken_as_the_setting_it_begins(capsy
             worker_main([command, "--log-lev", "loud"])
         assert stopped.value.code == 2
         assert "unrecognized arguments: --log-lev loud" in capsys.readouterr().err
+
+
+def test_a_variable_whose_value_is_not_the_json_its_setting_takes_is_named_with_what_it_takes(monkeypatch, capsys):
+    """MILI_ENGINE__LORA_MODULES=sql=/adapters/sql (the flag's form) stopped the worker with
+    pydantic-settings' 'error parsing value for field "engine" from source "EnvSettingsSource"':
+    neither the variable nor that a table of settings is JSON there (docs/operations.md's table)."""
+    for name in [n for n in os.environ if n.startswith("MILI_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MILI_ENGINE__LORA_MODULES", "sql=/adapters/sql")
+    assert worker_main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: invalid_argument: engine: MILI_ENGINE__LORA_MODULES is not the JSON")
+        and err.count("\n") == 1
+    ), err
+    assert 'MILI_ENGINE__LORA_MODULES=\'{"sql": "/adapters/sql"}\'' in err
+    monkeypatch.setenv("MILI_ENGINE__LORA_MODULES", '{"sql": "/adapters/sql"}')
+    assert WorkerSettings.load(None).engine.lora_modules == {"sql": "/adapters/sql"}
