@@ -131,7 +131,7 @@ def invalid_argument_from(error: ValidationError, strip: str = "") -> InvalidArg
 
 
 # ---------------------------------------------------------------------------------------------
-# Protocol v1 wire models. A queue entry is {id, v, body}; `body` is a JobRequest as JSON.
+# Protocol wire models (v2, keys.PROTOCOL_VERSION). A queue entry is {id, v, body}; `body` is a JobRequest as JSON.
 
 MAX_BODY_BYTES = 1 << 20
 MAX_TOKENS_LIMIT = 32768

@@ -1,4 +1,4 @@
-"""Protocol v1: the one place that says how MILI talks to Redis. Keys are named in
+"""Protocol v2 (PROTOCOL_VERSION in keys.py): the one place that says how MILI talks to Redis. Keys are named in
 producer_client/keys.py; here are the Lua scripts, each beside its call builder (which owns the
 script's keys and argument order), by family: `producer` (a job's birth, cancel, follow, retry, and
 the queue's ENQUEUE), `worker` (claim, publish, fail, hand-over and the entries' upkeep), `batch`
