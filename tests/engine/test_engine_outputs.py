@@ -1,5 +1,7 @@
 """What a request's outputs say: stop conditions, text, penalties and logprobs, against exact expectations."""
 
+import gc
+
 import pytest
 import torch
 
@@ -136,3 +138,17 @@ def test_logprobs_are_the_models_own(make_engine, hf_model):
         top = ref[pos].topk(3)
         assert [t for t, _ in lp.top] == top.indices.tolist()
         assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_a_steps_token_outputs_make_no_token_counts_until_their_usage_is_read(make_engine):
+    """An output keeps its counts as ints (outputs.RequestOutput): the reader made a TokenCounts for
+    every token's output of every step, which the worker reads only of a request's last."""
+    engine = make_engine()
+    engine.add_request("t", PROMPT, SamplingParams(temperature=0, max_tokens=8))
+    before = sum(1 for o in gc.get_objects() if type(o) is TokenCounts)
+    outs: list[RequestOutput] = []
+    while len(outs) < 4:
+        outs += engine.step()
+    assert not any(o.finished for o in outs)
+    assert sum(1 for o in gc.get_objects() if type(o) is TokenCounts) == before
+    assert [o.usage for o in outs] == [TokenCounts(len(PROMPT), n, 0) for n in range(1, len(outs) + 1)]

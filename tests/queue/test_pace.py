@@ -8,7 +8,7 @@ Times are multiples of 1/128 s, exact in binary, so a slot is reached at an exac
 from types import SimpleNamespace
 
 from producer_client.schema import JobRequest
-from worker.engine.outputs import RequestOutput
+from worker.engine.outputs import RequestOutput, TokenCounts
 from worker.loop.collection import Collector
 from worker.loop.holdings import Holdings
 from worker.loop.jobs import AdmissionId, Job
@@ -320,7 +320,11 @@ def test_the_collection_tells_the_pace_each_steps_most_tokens_for_one_job_and_a_
 
     def step(*tokens: int) -> None:
         collector.collect(
-            [RequestOutput(job.engine_id, [7] * n, "x" * n, False, None, None) for job, n in zip(jobs, tokens) if n]
+            [
+                RequestOutput(job.engine_id, [7] * n, "x" * n, False, None, TokenCounts(1, n, 0))
+                for job, n in zip(jobs, tokens)
+                if n
+            ]
         )
 
     step(0, 0)  # a long prefill: nothing yet

@@ -285,12 +285,11 @@ class EchoEngine:
         at = req.emitted
         token = req.output[at]
         req.emitted = emitted = at + 1
-        usage = tuple.__new__(TokenCounts, (req.prompt_len, emitted, 0))  # see outputs.TokenCounts
         if emitted < req.target:
             text = req.ascii_text[at] if req.ascii_text is not None else req.decoder.decode(bytes([token]))
             # As the model engine's StepReader builds it: the stand-in pays what the model's engine does.
-            return token_output(req.request_id, token, text, usage, None)
+            return token_output(req.request_id, token, text, req.prompt_len, emitted, 0, None)
         text = req.ascii_text[at] if req.ascii_text is not None else req.decoder.decode(bytes([token]), final=True)
         self._release(req.request_id)
         reason: FinishReason = "length" if emitted >= req.max_tokens else "stop"
-        return RequestOutput(req.request_id, [token], text, True, reason, usage)
+        return RequestOutput(req.request_id, [token], text, True, reason, req.usage())

@@ -18,9 +18,8 @@ RequestId = Hashable
 # Usage, ErrorInfo, TokenLogprob) in one place, when it publishes (worker/loop/service.py).
 
 
-# An engine makes one per running request per step: there it is built by tuple.__new__(TokenCounts,
-# (prompt, completion, cached)), as the named tuple's own _make does, in C, where TokenCounts(...)
-# runs the named tuple's generated __new__, a Python function (about 0.1 us an output; bench/RESULTS.md).
+# A request's counts: its last output's `usage`, which the worker reads for the job's result. An
+# output keeps them as ints and makes this when `usage` is read (see RequestOutput).
 class TokenCounts(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
@@ -43,39 +42,115 @@ class SampledLogprob:
     top: tuple[tuple[int, float], ...]
 
 
-# Slots: one is made per running request per step, and read once by the worker's loop; its fields
-# then sit in the object itself (Python 3.11 keeps a plain instance's in a second allocation), so a
-# step's outputs cost half the allocations and fewer cache lines (bench/RESULTS.md, x/whole).
+# An engine makes one output per running request per step. Its counts are kept as three ints and
+# read as a TokenCounts (`usage`) when asked, which the worker does only of a request's last
+# output: a TokenCounts built per output, by tuple.__new__ in C and freed after the step, was
+# about 1,700 instructions of the echo's 6,200 an output (bench/RESULTS.md, z/pub9), and the
+# model's reader built it the same way.
+#
+# Slots: the fields sit in the object itself (Python 3.11 keeps a plain instance's in a second
+# allocation), so a step's outputs cost half the allocations and fewer cache lines (x/whole).
 # A running request's next token's output, the one made per request per step, is built by
-# `token_output` in both engines: object.__new__ and every slot set, not the dataclass's __init__,
-# whose type call costs twice a plain function's (283 against 237 ns here; y/pub8 counted about
-# 900 instructions an output for building it in place). Their tests compare those outputs with
-# RequestOutput(...)'s: a field added here must be set there.
-@dataclass(slots=True)
+# `token_output` in both engines: object.__new__ and every slot set, not __init__, whose type call
+# costs twice a plain function's (283 against 237 ns here; y/pub8). Their tests compare those
+# outputs with RequestOutput(...)'s: a field added here must be set there.
 class RequestOutput:
-    """What one step produced for one request: a delta, or the final word on it."""
+    """What one step produced for one request: a delta, or the final word on it. Equal to another
+    of the same fields, as a dataclass would be."""
+
+    __slots__ = (
+        "request_id",
+        "new_token_ids",
+        "text_delta",
+        "finished",
+        "finish_reason",
+        "_prompt_tokens",
+        "_completion_tokens",
+        "_cached_prompt_tokens",
+        "logprobs",
+        "error",
+    )
 
     request_id: RequestId
     new_token_ids: list[int]
     text_delta: str
     finished: bool
     finish_reason: FinishReason | None
-    usage: TokenCounts
-    logprobs: list[SampledLogprob] | None = None
-    error: RequestError | None = None
+    _prompt_tokens: int
+    _completion_tokens: int
+    _cached_prompt_tokens: int
+    logprobs: list[SampledLogprob] | None
+    error: RequestError | None
+
+    def __init__(
+        self,
+        request_id: RequestId,
+        new_token_ids: list[int],
+        text_delta: str,
+        finished: bool,
+        finish_reason: FinishReason | None,
+        usage: TokenCounts,
+        logprobs: list[SampledLogprob] | None = None,
+        error: RequestError | None = None,
+    ):
+        self.request_id = request_id
+        self.new_token_ids = new_token_ids
+        self.text_delta = text_delta
+        self.finished = finished
+        self.finish_reason = finish_reason
+        self.usage = usage
+        self.logprobs = logprobs
+        self.error = error
+
+    @property
+    def usage(self) -> TokenCounts:
+        return TokenCounts(self._prompt_tokens, self._completion_tokens, self._cached_prompt_tokens)
+
+    @usage.setter
+    def usage(self, counts: TokenCounts) -> None:
+        self._prompt_tokens, self._completion_tokens, self._cached_prompt_tokens = counts
+
+    def _fields(self) -> tuple[object, ...]:
+        return (
+            self.request_id,
+            self.new_token_ids,
+            self.text_delta,
+            self.finished,
+            self.finish_reason,
+            self.usage,
+            self.logprobs,
+            self.error,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._fields() == other._fields()  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        names = ("request_id", "new_token_ids", "text_delta", "finished", "finish_reason", "usage", "logprobs", "error")
+        return f"RequestOutput({', '.join(f'{n}={v!r}' for n, v in zip(names, self._fields()))})"
 
 
 def token_output(
-    request_id: RequestId, token: int, text: str, usage: TokenCounts, logprobs: list[SampledLogprob] | None
+    request_id: RequestId,
+    token: int,
+    text: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_prompt_tokens: int,
+    logprobs: list[SampledLogprob] | None,
 ) -> RequestOutput:
-    """A running request's output for its next token, not its last."""
+    """A running request's output for its next token, not its last; its counts as `usage` has them."""
     out = object.__new__(RequestOutput)
     out.request_id = request_id
     out.new_token_ids = [token]
     out.text_delta = text
     out.finished = False
     out.finish_reason = None
-    out.usage = usage
+    out._prompt_tokens = prompt_tokens
+    out._completion_tokens = completion_tokens
+    out._cached_prompt_tokens = cached_prompt_tokens
     out.logprobs = logprobs
     out.error = None
     return out

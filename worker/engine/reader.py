@@ -16,7 +16,6 @@ from worker.engine.outputs import (
     RequestId,
     RequestOutput,
     SampledLogprob,
-    TokenCounts,
     token_output,
 )
 from worker.engine.overlap import LaunchedStep, drop_placeholders
@@ -153,9 +152,9 @@ class StepReader:
         text, reason = self._check_stop(req, token, num_output)
         logprobs = [logprob] if logprob is not None else None
         if reason is None:
-            # Its counts built in place, as outputs.TokenCounts says.
-            usage = tuple.__new__(TokenCounts, (req.num_prompt_tokens, num_output, req.num_cached_prompt_tokens))
-            return token_output(req.request_id, token, text, usage, logprobs)
+            return token_output(
+                req.request_id, token, text, req.num_prompt_tokens, num_output, req.num_cached_prompt_tokens, logprobs
+            )
         del req.token_ids[index + 1 :]
         req.finish(reason)
         self.scheduler.finish(req)
