@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except BrokenPipeError:
         return reader_left()
+    except OSError as e:  # stdout's: the files commands name are InvalidArgument already (batch, --json-schema @FILE)
+        return output_failed(e)
 
 
 def values_joined_to_flags(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
@@ -157,6 +159,15 @@ def reader_left() -> int:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     return 128 + signal.SIGPIPE
+
+
+def output_failed(error: OSError) -> int:
+    """stdout could not be written (`mili jobs > jobs.txt` on a full disk): the CLI's one-line
+    error, exit 1, where it was a traceback. What is left to flush goes nowhere, as reader_left's."""
+    print(one_line(f"error: output: {error.strerror or error}"), file=sys.stderr)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
 
 
 def positive_seconds(text: str) -> float:

@@ -77,6 +77,7 @@ class AnswerFiles:
     or, for a line that is not a request, by its line number."""
 
     def __init__(self, output: Path, errors: Path):
+        self.paths = {"output": output, "errors": errors}
         with file_argument("output", output):
             written = read_answers(output)
         with file_argument("errors", errors):
@@ -92,15 +93,19 @@ class AnswerFiles:
         return custom_id in self.custom_ids
 
     def write(self, line: OutputLine) -> None:
-        (self.output if line.ok else self.errors).write(line.model_dump_json() + "\n")
+        name, file = ("output", self.output) if line.ok else ("errors", self.errors)
+        with file_argument(name, self.paths[name]):  # a full disk: the CLI's one-line error, not a traceback
+            file.write(line.model_dump_json() + "\n")
 
     def flush(self) -> None:
-        self.output.flush()
-        self.errors.flush()
+        for name, file in (("output", self.output), ("errors", self.errors)):
+            with file_argument(name, self.paths[name]):
+                file.flush()
 
     def close(self) -> None:
-        self.output.close()
-        self.errors.close()
+        for name, file in (("output", self.output), ("errors", self.errors)):
+            with file_argument(name, self.paths[name]):
+                file.close()
 
 
 @contextmanager
@@ -274,6 +279,6 @@ def run_batch(
     try:
         return run.run()
     finally:
+        bar.close()  # first: one left open draws itself again at exit, after the error line of a failed write
         files.flush()
         files.close()
-        bar.close()

@@ -22,6 +22,7 @@ from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta,
 from producer_client.sharing import Submitted
 from producer_client.status_reads import of_job, read_live_workers, read_queue_stats
 from producer_client.steps import Steps, T
+from producer_client.validation import check_job_id
 
 B = TypeVar("B")
 
@@ -113,7 +114,8 @@ class AsyncClient(ClientBase):
 
     async def wait(self, job_id: str, timeout: float | None = None) -> JobResult:
         return await steps.arun(
-            self.redis, of_job(job_id, operations.wait(self.keys, job_id, timeout, self.submissions.known(job_id)))
+            self.redis,
+            of_job(job_id, operations.wait(self.keys, job_id, timeout, self.submissions.known(check_job_id(job_id)))),
         )
 
     async def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenDelta]:

@@ -714,6 +714,8 @@ def results(keys: Keys, job_ids: Iterable[str], timeout: float | None, per_slot:
 def take_finished(watch: ResultWatch, timeout: float | None, per_slot: bool) -> Steps[list[JobResult]]:
     """Client.finished: the watched jobs that have ended, at once if any has, else as soon as one
     does; [] if none has within `timeout` seconds."""
+    if not isinstance(watch, ResultWatch):  # a list of ids raised AttributeError; None read as no jobs
+        raise InvalidArgument("watch", "must be a ResultWatch (as_completed() takes a list of job ids)")
     deadline = Deadline("", check_timeout(timeout))
     try:
         while watch:

@@ -21,6 +21,7 @@ from producer_client.rate_limits import RateLimits
 from producer_client.schema import JobResult, JobStatus, QueueStats, TokenDelta, WorkerInfo
 from producer_client.sharing import Submitted
 from producer_client.status_reads import of_job, read_live_workers, read_queue_stats
+from producer_client.validation import check_job_id
 
 
 class Client(ClientBase):
@@ -131,7 +132,8 @@ class Client(ClientBase):
         one) is looked at once first: for its deadline, and for a result its `done` stream no
         longer holds."""
         return steps.run(
-            self.redis, of_job(job_id, operations.wait(self.keys, job_id, timeout, self.submissions.known(job_id)))
+            self.redis,
+            of_job(job_id, operations.wait(self.keys, job_id, timeout, self.submissions.known(check_job_id(job_id)))),
         )
 
     def stream(self, job_id: str, after: str = "0-0", timeout: float | None = None) -> Iterator[TokenDelta]:

@@ -192,7 +192,7 @@ def lane_of(service_tier: Any) -> str:
     """The lane OpenAI's `service_tier` value names: auto and default the default lane."""
     if service_tier is None:
         return DEFAULT_LANE
-    if service_tier not in SERVICE_TIERS:
+    if not isinstance(service_tier, str) or service_tier not in SERVICE_TIERS:
         raise InvalidArgument("service_tier", f"must be one of {', '.join(SERVICE_TIERS)}")
     return SERVICE_TIERS[service_tier]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -83,6 +83,16 @@ def read_quota(keys: Keys, tenant: str) -> Steps[Quota]:
     return quota_of(fields)
 
 
+def check_unset(unset: Any) -> list[str]:
+    """The names of the settings to remove. One name alone is refused: as an iterable it is its
+    characters ('r' is not a quota setting; "" removed nothing, silently)."""
+    if isinstance(unset, (str, bytes)) or not isinstance(unset, Iterable):
+        raise InvalidArgument(
+            "unset", f"must be a list of quota settings' names ({', '.join(QUOTA_FIELDS)}), not one: wrap it, [name]"
+        )
+    return list(unset)
+
+
 def set_quota(keys: Keys, tenant: str, changes: Mapping[str, Any], unset: list[str]) -> Steps[Quota]:
     """Write `changes` and remove `unset` from the tenant's settings; returns them as they are now."""
     check_quota(changes)
@@ -124,7 +134,7 @@ class TenantQuotas:
     def set(self, tenant: str, unset: tuple[str, ...] = (), **settings: Any) -> Any:
         """Write `settings` (max_waiting, rpm, tpm, weight) and remove those named in `unset`;
         returns the tenant's settings as they are now. Producers see them within CACHE_S."""
-        steps = set_quota(self.keys, check_tenant("tenant", tenant), settings, list(unset))
+        steps = set_quota(self.keys, check_tenant("tenant", tenant), settings, check_unset(unset))
         return self.run(self.client, steps)
 
     def all(self) -> Any:

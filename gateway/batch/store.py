@@ -104,19 +104,34 @@ class BatchStore:
         ttl_s: int,
         owner: str | None,
     ) -> FileObject | None:
-        """Store a file of `owner` (a tenant's id) from its pieces (None if there are none)."""
+        """Store a file of `owner` (a tenant's id) from its pieces (None if there are none). A write
+        that fails (Redis past maxmemory) takes what was written before it with it: no call could
+        name the pieces (the hash goes last), which held what memory Redis had for `ttl_s`, a copy
+        more for each retry of an upload."""
         await self._run(file_commands.clear_content(self.keys, file_id, owner))
-        size = 0
-        async for piece in pieces:
-            await self._run(file_commands.append_piece(self.keys, file_id, piece, ttl_s))
-            size += len(piece.encode())
-        if not size:
-            return None
-        file = FileObject(
-            id=file_id, bytes=size, created_at=now, expires_at=now + ttl_s, filename=filename, purpose=purpose
-        )
-        await self._run(file_commands.add_file(self.keys, file_id, file.model_dump(), owner, ttl_s, time.time()))
-        return file
+        try:
+            size = 0
+            async for piece in pieces:
+                await self._run(file_commands.append_piece(self.keys, file_id, piece, ttl_s))
+                size += len(piece.encode())
+            if not size:
+                return None
+            file = FileObject(
+                id=file_id, bytes=size, created_at=now, expires_at=now + ttl_s, filename=filename, purpose=purpose
+            )
+            await self._run(file_commands.add_file(self.keys, file_id, file.model_dump(), owner, ttl_s, time.time()))
+            return file
+        except Exception:
+            await self._drop_unfinished(file_id)
+            raise
+
+    async def _drop_unfinished(self, file_id: str) -> None:
+        """The keys of a file whose writing failed, deleted if Redis takes the DEL; else they
+        expire with their TTL, and the write's own error is the one raised."""
+        try:
+            await self._run(file_commands.drop_unfinished(self.keys, file_id))
+        except Exception as e:
+            log.warning("file %s: what its failed writing stored is left to expire: %s", file_id, e)
 
     async def file(self, file_id: str, owned: Callable[[str | None], bool] = lambda owner: True) -> FileObject | None:
         """The file, if it exists and `owned(its owner)`."""

@@ -42,6 +42,13 @@ def clear_content(keys: Keys, file_id: str, owner: str | None) -> Steps[None]:
     checked((yield lambda pipe: pipe.delete(keys.file_content(file_id))))
 
 
+def drop_unfinished(keys: Keys, file_id: str) -> Steps[None]:
+    """The keys of a file whose writing failed part-way (a DEL, which Redis serves past maxmemory
+    too): its text, and its hash if that went in before an index's ZADD failed. An index that
+    names it drops it at its next listing, as it drops an expired file."""
+    checked((yield lambda pipe: pipe.delete(keys.file(file_id), keys.file_content(file_id))))
+
+
 def append_piece(keys: Keys, file_id: str, piece: str, ttl_s: int) -> Steps[None]:
     content = keys.file_content(file_id)
     checked((yield lambda pipe: (pipe.rpush(content, piece), pipe.expire(content, ttl_s))))

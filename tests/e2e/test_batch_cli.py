@@ -3,6 +3,7 @@ redis-server: every line answered once, bad lines in the error file with their n
 stopped by SIGINT finished by a second run with no job enqueued or run twice."""
 
 import json
+import resource
 import signal
 import subprocess
 import sys
@@ -65,13 +66,17 @@ def write_lines(path: Path, lines: list) -> Path:
     return path
 
 
-def mili_batch(redis_url: str, queue: str, *args: str) -> subprocess.Popen:
+def mili_batch(redis_url: str, queue: str, *args: str, file_bytes: int | None = None) -> subprocess.Popen:
+    """`file_bytes`: the largest file the run may write (RLIMIT_FSIZE; Python ignores SIGXFSZ, so a
+    write past it fails with EFBIG, as one on a full disk fails with ENOSPC)."""
+    limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))) if file_bytes else None
     return subprocess.Popen(
         [sys.executable, "-m", "cli", "--redis", redis_url, "--queue", queue, "batch", *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=limit,
     )
 
 
@@ -177,6 +182,28 @@ def test_a_rerun_cuts_a_line_a_crash_left_half_written_and_answers_it_again(
     assert code == 0, err
     assert len(answers_by_id(output)) == 20
     assert entries_added(redis_client, batch_queue) == added  # read back, not run again
+
+
+def test_an_answer_file_that_cannot_be_written_is_a_one_line_error_and_a_rerun_finishes(
+    redis_server, redis_client, batch_queue, workers, tmp_path
+):
+    """A write of the answers that fails (a full disk: here a file size limit) ended the run with a
+    Python traceback of the OSError; it is the CLI's one-line error naming the file, exit 1, and
+    the same command run again, with room, answers the lines left once."""
+    n = 40
+    source = write_lines(tmp_path / "in.jsonl", [request_line(f"w{i}", f"write {i:02d} " * 8, 32) for i in range(n)])
+    output = tmp_path / "out.jsonl"
+    before = entries_added(redis_client, batch_queue)
+    code, err = finish(mili_batch(redis_server.url, batch_queue, str(source), "-o", str(output), file_bytes=4096))
+    assert code == 1, err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == f"error: invalid_argument: output: {output}: File too large"
+    assert 0 < len(read_answers(output)) < n
+
+    code, err = finish(mili_batch(redis_server.url, batch_queue, str(source), "-o", str(output)))
+    assert code == 0, err
+    assert set(answers_by_id(output)) == {f"w{i}" for i in range(n)}
+    assert entries_added(redis_client, batch_queue) - before == n  # the lines answered before not enqueued again
 
 
 def test_lines_wait_for_room_in_a_full_queue(redis_server, redis_client, batch_queue, workers, tmp_path):

@@ -623,6 +623,29 @@ def test_an_index_of_another_type_is_a_500_not_retried_and_the_rest_is_served(tm
         assert [b.id for b in sdk.batches.list()] == [batch.id]
 
 
+def test_an_upload_that_redis_refuses_part_way_leaves_none_of_its_text(tmp_path):
+    """An upload is written a piece at a time, its hash last. Redis refusing a piece (maxmemory
+    reached) was answered 503 redis_unavailable, which the SDKs retry, with the pieces written
+    before it left under an id no call can name (no hash: never listed, GET and DELETE a 404) for
+    batch_ttl_s, 7 days: each try a copy more of the memory that Redis lacked. Now the upload that
+    failed deletes its text (DEL is served past maxmemory). A private Redis, whose memory the test
+    may fill."""
+    line = chat_line("l", "x" * 4000)
+    lines = [{**line, "custom_id": f"l{i}"} for i in range(450)]  # about 7 pieces
+    with private_gateway(tmp_path, *gateway_flags("nobody-serves")) as (admin, gateway, sdk):
+        used = admin.info("memory")["used_memory"]
+        admin.config_set("maxmemory", used + 3 * PIECE_CHARS)  # noeviction: a few pieces fit, not the file
+        try:
+            with pytest.raises(openai.APIStatusError) as refused:
+                upload(sdk, lines)
+            assert (refused.value.status_code, refused.value.code) == (503, "redis_unavailable"), refused.value.body
+        finally:
+            admin.config_set("maxmemory", 0)
+        assert admin.keys(f"{KEYS.prefix}:file:*") == []
+        file_id = upload(sdk, lines)  # with room, the same upload is stored whole
+        assert len(sdk.files.content(file_id).text.splitlines()) == len(lines)
+
+
 def test_a_failing_look_for_batches_is_logged_once_while_it_lasts(tmp_path):
     """A gateway looks for batches to drive every batch_poll_s; each look that failed logged a
     warning, a line a second for as long as the index of unfinished batches held another type (or

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from cli.__main__ import main
 from harness.processes import REPO
 from producer_client import Client
@@ -47,6 +49,27 @@ def test_a_closed_stdout_does_not_hide_an_error(redis_server):
         1,
         "error: not_found: job 'no-such-job' not found (never submitted, or its result expired)\n",
     )
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("args", [("stats",), ("workers",), ("jobs", "--status", "queued"), ("status", "JOB")])
+def test_an_output_that_cannot_be_written_is_one_line_on_stderr(redis_server, queue, args):
+    """`mili jobs > jobs.txt` on a full disk (here stdout is /dev/full: every write ENOSPC) ended
+    with a Python traceback of the OSError; it is the CLI's one-line error, exit 1."""
+    with Client(redis_server.url, queue) as client:
+        job_id = client.submit("unread", max_tokens=4)  # no worker serves this queue
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "cli", "--redis", redis_server.url, "--queue", queue]
+            + [job_id if arg == "JOB" else arg for arg in args],
+            cwd=REPO,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert (done.returncode, done.stderr) == (1, "error: output: No space left on device\n")
 
 
 def submit_with_schema(url: str, schema: str, capsys) -> tuple[int, str]:

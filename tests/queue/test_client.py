@@ -67,6 +67,7 @@ BAD_SUBMITS = [
     (dict(prompt="hi", request_id="{tag}"), "request_id"),
     (dict(prompt="hi", timeout_s=0), "timeout_s"),
     (dict(prompt="hi", priority=10**6), "priority"),
+    (dict(prompt="hi", service_tier=["flex"]), "service_tier"),  # a TypeError (unhashable) where a tier is looked up
     (dict(prompt="x" * (1 << 20)), "body"),
 ]
 
@@ -91,6 +92,9 @@ def test_invalid_arguments_raise_before_anything_reaches_redis(client_kind, kwar
         (lambda c: c.status("a{b}"), "job_id"),
         (lambda c: c.cancel(""), "job_id"),
         (lambda c: c.generate("hi", timeout=0), "timeout"),
+        # AttributeErrors (no `window`), and None taken for a watch of no jobs: the watch was used unchecked
+        (lambda c: c.finished(["a"]), "watch"),
+        (lambda c: c.finished(None), "watch"),
     ],
 )
 def test_invalid_reads_raise_before_anything_reaches_redis(client_kind, call, field):
@@ -99,6 +103,33 @@ def test_invalid_reads_raise_before_anything_reaches_redis(client_kind, call, fi
         with pytest.raises(InvalidArgument) as e:
             call(c)
         assert e.value.field == field
+    finally:
+        c.close()
+
+
+def test_a_wait_for_what_is_no_job_id_is_an_invalid_argument_after_a_submit_too(client, redis_client, queue):
+    """The client's memory of its submits was looked up with the id before the id was checked: once
+    it held a job, wait(["a"]) raised a TypeError (unhashable) instead of InvalidArgument."""
+    job_id = client.submit(prompt="x", max_tokens=2)  # no worker serves this queue
+    for bad in (["a"], {"id": "a"}, None):
+        with pytest.raises(InvalidArgument) as e:
+            client.wait(bad, timeout=1)
+        assert e.value.field == "job_id"
+    assert client.status(job_id).status == "queued"
+
+
+@pytest.mark.parametrize("unset", ["rpm", "", None, 5])
+def test_the_quota_settings_to_unset_are_a_list_of_names_or_an_invalid_argument(client_kind, unset):
+    """One name given where many are taken was its characters ('r' is not a quota setting; "" unset
+    nothing, silently), and None or a number raised a TypeError from the loop over it."""
+    c = make_client(client_kind, DEAD_URL, "default")
+    try:
+        with pytest.raises(InvalidArgument) as e:
+            c.tenant_quotas.set("team-a", unset=unset)
+        assert (e.value.field, e.value.message) == (
+            "unset",
+            "unset: must be a list of quota settings' names (max_waiting, rpm, tpm, weight), not one: wrap it, [name]",
+        )
     finally:
         c.close()
 
