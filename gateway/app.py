@@ -6,11 +6,14 @@ request's id in `x-request-id`."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from typing import Any, TypeVar
 
 import redis
 from fastapi import FastAPI, Request
@@ -43,7 +46,6 @@ from openai_format.errors import APIError, bad_request, echoed, job_error, not_f
 from openai_format.job_specs import (
     STRUCTURED_FIELDS,
     JobSpec,
-    Model,
     chat_jobs,
     completion_jobs,
     named_as_requested,
@@ -54,6 +56,7 @@ from openai_format.render import ChatRenderer, CompletionRenderer, Renderer, fin
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from openai_format.responses import ModelList
 from producer_client import AsyncClient, JobResult, MiliError, RateLimited
+from producer_client.aio import built_apart
 from producer_client.connection import answered_within, connect_async, describe, one_try_options
 from producer_client.errors import InvalidArgument, JobNotFound
 from producer_client.keys import NAME_PATTERN
@@ -64,6 +67,15 @@ from producer_client.schema import JobFailed, QueueStats
 from producer_client.validation import check_job_id
 
 log = logging.getLogger("gateway")
+T = TypeVar("T")
+# A body this long is parsed, validated and made into jobs on a thread (producer_client.aio's
+# BUILDER: the one for all such work, which holds the GIL, so that more threads would only take
+# it from the event loop more often). The pieces of that work written in Python (each message's
+# validators) let the interpreter hand the GIL to the event loop every switch interval (5 ms),
+# where on the loop a 4 MiB body of 140,000 messages held every other request for 0.5-2.4 s. A
+# shorter body takes under a millisecond (40 us a KiB of messages), which a thread's hop (35 us
+# at best) would lengthen for nothing.
+LONG_BODY_BYTES = 16 << 10
 # The answer's headers a page on a granted origin may read (cors_origins): none is CORS-safelisted.
 EXPOSED_HEADERS = [
     "x-request-id",
@@ -141,7 +153,10 @@ class Gateway:
             request.state.job_ids = jobs.ids  # x-mili-job-ids on its answer, an error's too (RequestContext)
             request.state.rate_limits = jobs.limits  # the x-ratelimit-* headers (gateway/rate_headers.py)
 
-        key, digest, request_id = scoped_key(request), fingerprint(request, body), request.state.request_id
+        key, request_id = scoped_key(request), request.state.request_id
+        # The digest binds an Idempotency-Key's jobs to their request, and is of no use without
+        # one. It serializes the request whole (130 ms for 140,000 messages): on a thread.
+        digest = "" if key is None else await built_apart(fingerprint, request, body)
         jobs = await self.jobs.submit(client, specs, key, digest, request_id, stream, tokens, record)
         record(jobs)
         return jobs
@@ -167,15 +182,15 @@ class Gateway:
     ) -> Response:
         """A chat or text completion: validate it whole, enqueue its jobs, then stream them or
         wait for them. `jobs_of` turns the request into job specs, `renderer_of` makes its renderer."""
-        req = await parse(request, request_model)
-        check_stream_options(req)
-        specs = await self.specs_of(req, jobs_of)
+        body = await request.body()
+        long = len(body) >= LONG_BODY_BYTES
+        req, specs = await self.request_of(body, request_model, jobs_of, long)
         prompt_of, lane = [s.prompt_index for s in specs], lane_of(specs[0].service_tier)
         renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, prompt_of, lane)
         try:
             route = await self.registry.route(req.model)
             specs = [replace(spec, adapter=route.adapter) for spec in specs]
-            tokens = self.check(specs, req.streams)
+            tokens = await (built_apart if long else on_loop)(self.check, specs, req.streams)
             jobs = await self.submit(request, specs, route.queue, req, stream=req.streams, tokens=tokens)
         except InvalidArgument as e:
             raise named_as_requested(e, req) from None
@@ -188,16 +203,28 @@ class Gateway:
             raise job_error(e, prompt) from None
         return client_left() if results is None else json_response(renderer.response(results))
 
-    async def specs_of(self, req: SamplingRequest, jobs_of) -> list[JobSpec]:
-        """`jobs_of(req)`; where the request asks for a grammar (a format, tools), on a thread, with
-        its first job checked as its submit will check it. Compiling a grammar takes the library up
-        to seconds of CPU (a schema of 60,000 values: 0.8 s), in which it lets the GIL go: on the
-        event loop it held every other request, and a key sending such schemas held them all. A
-        grammar compiled there is cached (structured.compile_error), which the submits on the loop
-        find."""
-        if not any(getattr(req, name, None) for name in (*STRUCTURED_FIELDS, "tools")):
-            return jobs_of(req)
-        return await asyncio.to_thread(self.checked_specs, req, jobs_of)
+    async def request_of(
+        self, body: bytes, request_model: type[SamplingRequest], jobs_of, long: bool
+    ) -> tuple[SamplingRequest, list[JobSpec]]:
+        """The request in `body`, validated whole, and its job specs (`jobs_of(req)`): on a thread
+        for a `long` body (LONG_BODY_BYTES), or where the request asks for a grammar (a format,
+        tools), whose first job is then checked as its submit will check it. Compiling a grammar
+        takes the library up to seconds of CPU (a schema of 60,000 values: 0.8 s), in which it lets
+        the GIL go: on the event loop it held every other request, and a key sending such schemas
+        held them all. A grammar compiled there is cached (structured.compile_error), which the
+        submits on the loop find."""
+        if long:
+            return await built_apart(self.specs_of_body, body, request_model, jobs_of)
+        req = parsed(request_model, body)
+        if not asks_for_grammar(req):
+            return req, jobs_of(req)
+        return req, await asyncio.to_thread(self.checked_specs, req, jobs_of)
+
+    def specs_of_body(
+        self, body: bytes, request_model: type[SamplingRequest], jobs_of
+    ) -> tuple[SamplingRequest, list[JobSpec]]:
+        req = parsed(request_model, body)
+        return req, self.checked_specs(req, jobs_of) if asks_for_grammar(req) else jobs_of(req)
 
     def checked_specs(self, req: SamplingRequest, jobs_of) -> list[JobSpec]:
         specs = jobs_of(req)
@@ -211,10 +238,18 @@ class Gateway:
         """Every job of a request passes the client's validation before the first is enqueued;
         returns the request's tokens (its jobs' together), which its first job counts against its
         tenant's tokens-per-minute limit (Jobs.submit). A single job needs no check here: `submit`
-        validates it before it touches Redis, and it counts its own tokens (None)."""
+        validates it before it touches Redis, and it counts its own tokens (None). A job equal to
+        the one before it (the n choices of a prompt without a seed) is not checked again: it
+        passes and costs as that one did, and n=128 choices of a long prompt were 128 checks of
+        130 ms each."""
         if len(specs) == 1:
             return None
-        return sum(spec.check(self.settings.job_timeout_s, stream) for spec in specs)
+        tokens, previous, cost = 0, None, 0
+        for spec in specs:
+            if spec != previous:
+                previous, cost = spec, spec.check(self.settings.job_timeout_s, stream)
+            tokens += cost
+        return tokens
 
 
 def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
@@ -248,6 +283,12 @@ def lifespan_of(gw: Gateway, lifecycle: Lifecycle, batch_driver: BatchDriver):
     async def lifespan(app: FastAPI):
         lifecycle.started()
         batch_driver.start()
+        # What the gateway made to start (modules, schemas, the app: some 80,000 objects) will live
+        # as long as it does: frozen, no collection walks it again. A full collection holds the
+        # GIL, and so every request, for as long as it walks (50 ms for these alone, on this VM):
+        # with a 4 MiB body's objects being made on a thread (LONG_BODY_BYTES), /health was held
+        # up to 1.2 s, under 0.1 s once they were frozen (bench/RESULTS.md, "Large request bodies").
+        gc.freeze()
         yield
         await batch_driver.stop()
         await gw.client.aclose()
@@ -302,7 +343,9 @@ def add_mili_routes(app: FastAPI, gw: Gateway, default_queue: str) -> None:
 
     @app.post("/generate")
     async def generate(request: Request):
-        req = await parse(request, GenerateRequest)
+        body = await request.body()
+        parse = built_apart if len(body) >= LONG_BODY_BYTES else on_loop
+        req = await parse(parse_body, GenerateRequest, body)
         spec = generate_job(req)
         route = Route(default_queue) if req.model is None else await gw.registry.route(req.model)
         jobs = await gw.submit(request, [replace(spec, adapter=route.adapter)], route.queue, req)
@@ -367,8 +410,19 @@ def json_response(model: BaseModel, headers: dict[str, str] | None = None, statu
     return Response(model.model_dump_json(), status_code=status, headers=headers, media_type="application/json")
 
 
-async def parse(request: Request, model: type[Model]) -> Model:
-    return parse_body(model, await request.body())
+async def on_loop(function: Callable[..., T], *args: Any) -> T:
+    """function(*args), here: built_apart's twin for work too short for a thread's hop."""
+    return function(*args)
+
+
+def parsed(request_model: type[SamplingRequest], body: bytes) -> SamplingRequest:
+    req = parse_body(request_model, body)
+    check_stream_options(req)
+    return req
+
+
+def asks_for_grammar(req: SamplingRequest) -> bool:
+    return any(getattr(req, name, None) for name in (*STRUCTURED_FIELDS, "tools"))
 
 
 def check_stream_options(req: SamplingRequest) -> None:

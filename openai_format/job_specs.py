@@ -4,8 +4,9 @@ each checked by the client library's own validation before any is enqueued."""
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -111,6 +112,8 @@ def parse_body(model: type[Model], body: bytes | str) -> Model:
         return model.model_validate_json(body, strict=True)
     except ValidationError as e:
         first = telling(e.errors())
+        if first["type"] == "json_invalid" and (overlong := overlong_integer(body)) is not None:
+            raise overlong from None
         param = param_of(first)
         if first["type"] == "extra_forbidden":
             raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter") from None
@@ -118,6 +121,51 @@ def parse_body(model: type[Model], body: bytes | str) -> Model:
             raise unsupported(f"{param} {first['ctx']['error']}", param) from None
         code = error_code(first, "invalid_value") if param else "invalid_json"  # a body that is no object
         raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param, code) from None
+
+
+class OverlongInteger(NamedTuple):
+    """An integer literal of more digits than Python converts (sys.get_int_max_str_digits, 4300),
+    as overlong_integer reads it."""
+
+    negative: bool
+    digits: int
+
+
+def overlong_integer(body: bytes | str) -> APIError | None:
+    """The error of a body that is JSON but holds an integer of more than 4,300 digits, naming
+    where: the parser refuses such a number (converting it costs time quadratic in its digits,
+    CVE-2020-10735) as invalid JSON, naming no field. Read again here, on that refusal only, with
+    such numbers marked. None: the body is not JSON for another reason too."""
+    limit = sys.get_int_max_str_digits()
+
+    def parse_int(literal: str) -> int | OverlongInteger:
+        digits = len(literal.lstrip("-"))
+        return int(literal) if digits <= limit else OverlongInteger(literal.startswith("-"), digits)
+
+    try:
+        found = first_path_to(json.loads(body, parse_int=parse_int), OverlongInteger)
+    except (ValueError, RecursionError):
+        return None
+    if found is None:
+        return None
+    path, number = found
+    param = ".".join(map(str, path)) or None
+    code = bound_code(number.negative, decimal=False)
+    return bad_request(
+        f"{param}: an integer of {number.digits} digits, over the {limit} this server reads", param, code
+    )
+
+
+def first_path_to(node: Any, kind: type) -> tuple[tuple, Any] | None:
+    """(the keys and indexes to the first value of `kind` in a JSON document, the value), in document order."""
+    if isinstance(node, kind):
+        return (), node
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        found = first_path_to(value, kind)
+        if found is not None:
+            return (key, *found[0]), found[1]
+    return None
 
 
 def parameter_error(errors: list) -> APIError:

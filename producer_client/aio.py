@@ -4,7 +4,9 @@ modes (producer_client.connection). It runs the same steps as `Client` (producer
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from producer_client import bulk, operations, steps
@@ -14,7 +16,7 @@ from producer_client.cluster import AsyncRedis, is_cluster
 from producer_client.connection import RedisURL, async_retry_policy, connect_async
 from producer_client.event_feed import AsyncSubscriber
 from producer_client.job_stream import follow
-from producer_client.new_job import asks_for_grammar, build_job, build_job_of
+from producer_client.new_job import asks_for_grammar, build_job, build_job_of, builds_long
 from producer_client.protocol.script import Script
 from producer_client.quotas import current_rate_limits
 from producer_client.rate_limits import RateLimits
@@ -27,12 +29,31 @@ from producer_client.validation import check_job_id
 B = TypeVar("B")
 
 
-async def validated(build: Callable[..., B], *args: Any, grammar: bool) -> B:
-    """build(*args): a job's validation, on a thread where it compiles a `grammar`. The grammar
-    library takes up to seconds of CPU for a large schema (60,000 enum values: about 0.5 s), in
-    which it lets the GIL go: on the caller's event loop it held every other coroutine of the
-    program. Other jobs are validated in place: a thread's hop would cost more than their check."""
-    return await asyncio.to_thread(build, *args) if grammar else build(*args)
+# Long jobs are built under the GIL (their validation is pydantic's and Python's): two threads
+# building them would not finish sooner, only take the GIL from the event loop's thread more
+# often. A gateway's 128 choices of one long prompt, built on the default executor's threads,
+# held its /health up to 9.5 s; one at a time on this thread, 0.3-0.5 s (bench/RESULTS.md).
+BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mili-builder")
+
+
+async def validated(build: Callable[..., B], *args: Any, grammar: bool, long: bool = False) -> B:
+    """build(*args): a job's validation, on a thread where it compiles a `grammar` or is `long`
+    (builds_long). The grammar library takes up to seconds of CPU for a large schema (60,000 enum
+    values: about 0.5 s), in which it lets the GIL go; a job of many messages takes up to 130 ms
+    (33,000 of them), in pieces between which the interpreter hands the GIL to the loop's thread.
+    On the caller's event loop either held every other coroutine of the program. Other jobs are
+    validated in place: a thread's hop would cost more than their check."""
+    if grammar:
+        return await asyncio.to_thread(build, *args)
+    if long:
+        return await built_apart(build, *args)
+    return build(*args)
+
+
+async def built_apart(function: Callable[..., B], *args: Any) -> B:
+    """function(*args) on BUILDER, the thread of work that holds the GIL: long jobs' builds, and
+    the gateway's parse of long bodies."""
+    return await asyncio.get_running_loop().run_in_executor(BUILDER, functools.partial(function, *args))
 
 
 class AsyncClient(ClientBase):
@@ -92,6 +113,7 @@ class AsyncClient(ClientBase):
             self.known_params,
             self.tenant,
             grammar=asks_for_grammar(sampling),
+            long=builds_long({"messages": messages, "input_ids": input_ids}),
         )
         return await steps.arun(self.redis, operations.submit(self, job))
 
@@ -106,6 +128,7 @@ class AsyncClient(ClientBase):
             self.tenant,
             counts_tokens,
             grammar=asks_for_grammar(arguments),
+            long=builds_long(arguments),
         )
         return await steps.arun(self.redis, operations.submit_rated(self, job))
 
@@ -140,14 +163,21 @@ class AsyncClient(ClientBase):
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> JobResult:
         arguments = {"prompt": prompt, **kwargs}
         job = await validated(
-            build_job_of, arguments, 1, self.known_params, self.tenant, grammar=asks_for_grammar(arguments)
+            build_job_of,
+            arguments,
+            1,
+            self.known_params,
+            self.tenant,
+            grammar=asks_for_grammar(arguments),
+            long=builds_long(arguments),
         )
         return await steps.arun(self.redis, operations.generate(self, job, timeout))
 
     async def submit_many(self, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
         specs = bulk.listed_specs(jobs)
         grammar = any(isinstance(spec, Mapping) and asks_for_grammar(spec) for spec in specs)
-        built = await validated(bulk.build_jobs, specs, self.tenant, grammar=grammar)
+        long = any(isinstance(spec, Mapping) and builds_long(spec) for spec in specs)
+        built = await validated(bulk.build_jobs, specs, self.tenant, grammar=grammar, long=long)
         return await steps.arun(self.redis, bulk.submit_built(self, built))
 
     async def as_completed(self, job_ids: Iterable[str], timeout: float | None = None) -> AsyncIterator[JobResult]:

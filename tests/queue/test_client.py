@@ -24,6 +24,7 @@ from producer_client import (
     JobNotFound,
     JobTimeout,
     QueueFull,
+    aio,
     job_stream,
     new_job,
     status_reads,
@@ -31,6 +32,7 @@ from producer_client import (
 )
 from producer_client.bulk import ResultWatch
 from producer_client.keys import DONE_TTL_MS, GROUP, Keys
+from producer_client.new_job import build_job_of
 from producer_client.protocol import execution
 from producer_client.protocol import worker as worker_scripts
 from producer_client.protocol.script import add_all
@@ -974,6 +976,29 @@ async def test_a_grammar_being_checked_holds_no_other_coroutine(redis_server, qu
     # VM, seconds beside a loaded lane): it must stand well above the ticks' 10 ms to be seen.
     assert took > 0.2, "the grammar compiled too fast to hold anything"
     assert paused < took / 3, (paused, took)
+
+
+@pytest.mark.parametrize("long", ["messages", "input_ids"])
+async def test_a_long_job_is_built_off_the_event_loop(redis_server, queue, monkeypatch, long):
+    """A job of many messages (or token ids) takes up to 130 ms to validate and serialize (33,000
+    messages), in pieces between which the interpreter hands the GIL to the loop's thread: built on
+    the caller's event loop, it held every other coroutine that long (the gateway's 128 choices of
+    one such prompt, 17 s). AsyncClient builds such a job on a thread, a short one in place."""
+    built_on = []
+
+    def recorded(*args, **kwargs):
+        built_on.append(threading.current_thread() is threading.main_thread())
+        return build_job_of(*args, **kwargs)
+
+    monkeypatch.setattr(aio, "build_job_of", recorded)
+    arguments = (
+        {"messages": [{"role": "user", "content": "a"}] * 600} if long == "messages" else {"input_ids": [1] * 20_000}
+    )
+    async with AsyncClient(redis_server.url, queue) as client:
+        await client.submit_rated(**arguments, max_tokens=1)
+        await client.submit_rated(prompt="short", max_tokens=1)
+        assert (await client.queue_stats()).waiting == 2
+    assert built_on == [False, True]
 
 
 def run_streamed_as_a_worker(
