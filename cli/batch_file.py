@@ -180,7 +180,8 @@ class BatchFileRun:
         """The input's request lines not answered yet. The others are answered here and now: a
         line that is not a request, a second line with a custom_id, a bad body."""
         seen: set[str] = set()
-        with self.input_path.open(encoding="utf-8", newline="\n") as f:  # JSON Lines end at \n only (jsonl_lines)
+        # JSON Lines end at \n only (jsonl_lines); utf-8-sig: a byte order mark is no part of line 1 (without_bom).
+        with self.input_path.open(encoding="utf-8-sig", newline="\n") as f:
             for number, text in enumerate(f, 1):
                 if not text.strip():
                     continue
@@ -256,7 +257,7 @@ def count_lines(path: Path) -> int:
     with file_argument("input", path), path.open("rb") as f:
         for number, raw in enumerate(f, 1):  # split at b"\n" only, as jsonl_lines splits
             try:
-                count += bool(raw.decode("utf-8").strip())
+                count += bool(raw.decode("utf-8-sig" if number == 1 else "utf-8").strip())
             except UnicodeDecodeError as e:
                 raise InvalidArgument(
                     "input", f"{path}: line {number} is not UTF-8 text ({e.reason} at byte {e.start})"

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 
 from producer_client.client import Client
-from producer_client.dead_letters import DEFAULT_LIMIT, DeadLetter, Retried
+from producer_client.dead_letters import DeadLetter, Retried
 from producer_client.errors import InvalidArgument
 from producer_client.inspection import RunningJob, WaitingJob, WorkerHealth
+from producer_client.validation import DEFAULT_LIMIT
 
 DURATION = re.compile(r"([-+]?\d+(?:\.\d+)?)([smhd])")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -154,6 +154,15 @@ def request_id(scope: str, custom_id: str, body: dict[str, Any], tenant: str | N
     return f"batch-{digest[:40]}" if tenant is None else f"{tenant}.batch-{digest[:40]}"
 
 
+BOM = "\ufeff"
+
+
+def without_bom(text: str) -> str:
+    """A file's text without the UTF-8 byte order mark that Windows tools (Notepad, PowerShell's
+    Out-File, Excel) write at its start: it is no JSON, and failed line 1 as invalid_json."""
+    return text.removeprefix(BOM)
+
+
 def jsonl_lines(text: str, keepends: bool = False) -> list[str]:
     """JSON Lines split as the format defines them: on \n only. str.splitlines also splits on
     U+2028, U+2029, U+0085 and other boundaries, which a JSON string may hold raw: a request would
@@ -186,8 +195,8 @@ def parse_line(text: str, number: int, urls: frozenset[str] = frozenset(ENDPOINT
 def check_lines(text: str, url: str, max_lines: int, max_errors: int = 100) -> tuple[list[str], list[LineError]]:
     """A batch input file's request lines (blank ones left out), and what is wrong with it: too
     many lines, lines that are not requests, a url other than the batch's, a custom_id twice. The
-    first `max_errors` errors are kept."""
-    numbered = [(number, line) for number, line in enumerate(jsonl_lines(text), 1) if line.strip()]
+    first `max_errors` errors are kept. A byte order mark at the file's start is no part of line 1."""
+    numbered = [(number, line) for number, line in enumerate(jsonl_lines(without_bom(text)), 1) if line.strip()]
     if len(numbered) > max_lines:
         return [], [
             LineError(numbered[max_lines][0], "too_many_lines", f"{len(numbered)} lines, the limit is {max_lines}")

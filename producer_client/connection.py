@@ -337,7 +337,7 @@ def server_of_url(target: RedisURL) -> str:
 def _server_of_options(options: dict[str, Any]) -> str:
     if "path" in options:
         return f"unix:{options['path']}"
-    return f"{options.get('host', '?')}:{options.get('port', '?')}"
+    return f"{options.get('host', '?')}:{options.get('port', DEFAULT_PORT[Mode.SERVER])}"
 
 
 # -- URLs ------------------------------------------------------------------------------------------
@@ -352,7 +352,7 @@ SCHEMES = {
     "redis+sentinel": (Mode.SENTINEL, False),
     "rediss+sentinel": (Mode.SENTINEL, True),
 }
-DEFAULT_PORT = {Mode.CLUSTER: 6379, Mode.SENTINEL: 26379}
+DEFAULT_PORT = {Mode.SERVER: 6379, Mode.CLUSTER: 6379, Mode.SENTINEL: 26379}  # redis-py's and Redis's
 # A one-server URL's path: its database, as a number (redis-py would take `/abc` for database 0
 # and `/1/2` for database 12).
 _DB_PATH = re.compile(r"/?|/\d{1,9}")
@@ -400,6 +400,7 @@ def parse_url(url: Any) -> RedisURL:
     if mode is Mode.SERVER:
         options = _redis_py_options(url, url)
         _check_query(url, parts.query, options.get("connection_class", redis.connection.Connection))
+        _check_server_named(url, scheme, options)
         if scheme != "unix" and not _DB_PATH.fullmatch(unquote(parts.path)):
             raise _bad(url, "its path must be a database number, such as /0")
         return RedisURL(url, mode, options=options)
@@ -435,6 +436,17 @@ def _split(url: str) -> SplitResult:
         encoded = ", ".join(f"{c} as {quote(c, safe='')}" for c in RESERVED_IN_CREDENTIALS)
         raise _bad(url, f"percent-encode the user name and password ({encoded}, @ as %40) or any @ after them")
     return parts
+
+
+def _check_server_named(url: str, scheme: str, options: dict[str, Any]) -> None:
+    """A one-server URL names its host (or its socket's path), as a cluster's and Sentinel's name
+    their nodes: redis-py takes none for localhost, and sent a URL's credentials there when an
+    empty ${REDIS_HOST} had made `redis://user:pw@/0` of one meant for another server."""
+    if scheme == "unix":
+        if not options.get("path"):
+            raise _bad(url, "name the socket's path: unix:///path/to/redis.sock")
+    elif not options.get("host"):
+        raise _bad(url, f"name the server's host: {scheme}://host:6379/0")
 
 
 def _redis_py_options(url: str, text: str) -> dict[str, Any]:

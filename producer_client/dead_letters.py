@@ -40,9 +40,8 @@ from producer_client.protocol.execution import Pipe
 from producer_client.protocol.lanes import DEFAULT_COST
 from producer_client.protocol.shards import stored_count
 from producer_client.steps import Runner, Steps, checked
-from producer_client.validation import EVENT_ID, check_limit
+from producer_client.validation import DEFAULT_LIMIT, EVENT_ID, check_limit
 
-DEFAULT_LIMIT = 20
 PAGE = 200  # letters per read when looking for a job id or retrying them all: bodies can be large
 
 

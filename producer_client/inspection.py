@@ -43,7 +43,7 @@ from producer_client.protocol.execution import Pipe
 from producer_client.protocol.job_reads import field_of_jobs
 from producer_client.schema import JobStatus, WorkerInfo
 from producer_client.steps import Runner, Steps, checked
-from producer_client.validation import check_limit
+from producer_client.validation import DEFAULT_LIMIT, check_limit
 
 GONE_SHOWN = 10  # gone workers listed per queue, the most recent first
 WAITING_SCAN = 1000  # entries read from the head of each queue to find a queued job's
@@ -120,11 +120,11 @@ class QueueInspector:
     def overview(self) -> Any:
         return self.run(self.client, overview(self.keys, self.queue))
 
-    def waiting(self, limit: int) -> Any:
+    def waiting(self, limit: int = DEFAULT_LIMIT) -> Any:
         """The first `limit` jobs no worker has read yet, oldest first."""
         return self.run(self.client, waiting(self.keys, self.queue, check_limit(limit)))
 
-    def running(self, limit: int) -> Any:
+    def running(self, limit: int = DEFAULT_LIMIT) -> Any:
         """Up to `limit` jobs that workers hold, oldest entry first."""
         return self.run(self.client, running(self.keys, self.queue, check_limit(limit)))
 

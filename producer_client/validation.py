@@ -13,6 +13,7 @@ from producer_client.errors import InvalidArgument
 from producer_client.keys import check_name
 
 MAX_LIMIT = 10_000  # items one listing returns at most: as many as a dead-letter stream holds
+DEFAULT_LIMIT = 20  # items a listing returns unless told: the dead letters', the waiting and running jobs'
 EVENT_ID = re.compile(r"\d{1,20}-\d{1,20}")
 # A stream id in each form Redis documents for reading after it (XREAD): `ms-seq`, or `ms` alone,
 # which it reads as `ms-0` (`0`: from the start); each part at most 2^64 - 1, leading zeros allowed.

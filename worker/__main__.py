@@ -33,6 +33,7 @@ from worker.healthcheck import run_healthcheck
 from worker.loop.queue import RedisLink, connect, is_transient
 from worker.loop.service import Worker
 from worker.metrics import WorkerMetrics
+from worker.model.names import check_model_named
 from worker.model.progress import logged_step
 from worker.model.rank_failed import RankFailed
 from worker.settings import WorkerSettings, add_setting_flags, settings_from_args
@@ -98,6 +99,7 @@ def serve_forever(settings: WorkerSettings) -> int:
     started = time.monotonic()
     name = settings.name or f"{socket.gethostname()}-{os.getpid()}"
     configure_logging(settings.log_level, name)
+    check_model_named(settings.model)
     with ExitStack() as stack:
         metrics = WorkerMetrics()
         server, port = serve_metrics(metrics, settings)

@@ -3,6 +3,7 @@ worker's own (no global state: tests run several workers in one process)."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from collections.abc import Callable, Iterable
@@ -75,12 +76,22 @@ REQUEST_TIMEOUT_S = 10.0
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 OUTCOMES = ("done", "failed", "cancelled", "expired", "dead_lettered")
 TAKEN_FROM = ("own", "shared", "stolen", "reclaimed")
+# Tenants are producers' names, without bound: each distinct one is a series per lane, held by this
+# process and by Prometheus for ever, so past this many the rest count under OTHER_TENANTS (as
+# exporters bound a label of client-given values). Not a tenant name: TENANT_PATTERN starts with one
+# of [A-Za-z0-9].
+MAX_TENANT_LABELS = 100
+OTHER_TENANTS = "_other"
+
+log = logging.getLogger(__name__)
 
 
 class WorkerMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         self._engine_totals: dict[str, float] = {}  # the last EngineStats totals counted (engine_totals)
+        self._tenant_labels: set[str] = set()  # the tenants with series of their own (tenant_label)
+        self._tenants_past_cap = False  # whether a tenant has counted under OTHER_TENANTS yet
         self._add_load_gauges()
         self._add_latency_histograms()
         self._add_job_counters()
@@ -244,7 +255,26 @@ class WorkerMetrics:
     def tokens_served(self, served: dict[tuple[str, str], int]) -> None:
         """Add the ledger's tokens served per (lane, tenant) since the last call (Ledger.take_served)."""
         for (lane, tenant), tokens in served.items():
-            self.served.labels(lane, "" if tenant == NO_TENANT else tenant).inc(tokens)
+            self.served.labels(lane, self.tenant_label(tenant)).inc(tokens)
+
+    def tenant_label(self, tenant: str) -> str:
+        """The `tenant` label of `tenant`'s series: '' for none, its name for the first
+        MAX_TENANT_LABELS tenants this worker served, OTHER_TENANTS for any other (said once)."""
+        if tenant == NO_TENANT:
+            return ""
+        if tenant in self._tenant_labels:
+            return tenant
+        if len(self._tenant_labels) < MAX_TENANT_LABELS:
+            self._tenant_labels.add(tenant)
+            return tenant
+        if not self._tenants_past_cap:
+            self._tenants_past_cap = True
+            log.warning(
+                "metrics: more than %d tenants served; tokens of tenants past them count under tenant=%r",
+                MAX_TENANT_LABELS,
+                OTHER_TENANTS,
+            )
+        return OTHER_TENANTS
 
     def engine_totals(self, stats: EngineStats) -> None:
         """Counters from the engine's running totals (EngineStats)."""

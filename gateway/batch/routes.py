@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import redis
 from fastapi import APIRouter, File, Form, Request, UploadFile
 from pydantic import ValidationError
 from starlette.datastructures import FormData
@@ -23,9 +24,10 @@ from gateway.api_keys import tenant_of
 from gateway.batch.schema import ENDED, Batch, CreateBatch, ExpiresAfter, FileDeleted, FileObject, RequestCounts
 from gateway.batch.store import BatchStore, text_pieces
 from gateway.settings import GatewaySettings, duration_s
-from openai_format.batch_lines import ENDPOINTS, jsonl_lines
+from openai_format.batch_lines import ENDPOINTS, jsonl_lines, without_bom
 from openai_format.errors import APIError, bad_request, bound_code, echoed, not_found
 from openai_format.job_specs import parameter_error, parse_body
+from producer_client.connection import is_other_type
 
 FILE_ID = re.compile(r"file-[0-9a-f]{32}")
 BATCH_ID = re.compile(r"batch_[0-9a-f]{32}")
@@ -122,6 +124,10 @@ def add_batch_routes(router: APIRouter, store: BatchStore, settings: GatewaySett
                 "input_file_id",
                 "file_not_found",
             )
+        if not await holds_a_request(store, file.id):
+            raise bad_request(
+                f"input_file_id {file.id!r} holds no request: its lines are all blank", "input_file_id", "empty_file"
+            )
         batch = new_batch(req, int(time.time()))
         output = req.output_expires_after
         await store.create_batch(batch, settings.batch_ttl_s, tenant_of(request).id, output and output.seconds)
@@ -157,6 +163,25 @@ def check_create(req: CreateBatch, settings: GatewaySettings) -> CreateBatch:
         allowed = ", ".join(settings.batch_completion_windows)
         raise bad_request(f"completion_window {req.completion_window!r} is not one of {allowed}", "completion_window")
     return req
+
+
+async def holds_a_request(store: BatchStore, file_id: str) -> bool:
+    """Whether the file has a line that is not blank (its byte order mark aside): a batch of none
+    would `complete` having done nothing. Its pieces are read up to the first such line: the
+    first piece of any file of requests. A text of another type (WRONGTYPE) is left to the batch's
+    validation, which fails it naming the file (BatchRun.validate)."""
+    try:
+        pieces = await store.file_text(file_id)
+        first = True
+        async for piece in pieces:
+            if (without_bom(piece) if first else piece).strip():
+                return True
+            first = False
+    except redis.ResponseError as e:
+        if not is_other_type(e):
+            raise
+        return True
+    return False
 
 
 def new_batch(req: CreateBatch, now: int) -> Batch:

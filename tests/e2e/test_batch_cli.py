@@ -2,6 +2,7 @@
 redis-server: every line answered once, bad lines in the error file with their numbers, and a run
 stopped by SIGINT finished by a second run with no job enqueued or run twice."""
 
+import codecs
 import json
 import resource
 import signal
@@ -134,6 +135,21 @@ def test_every_line_is_answered_once_and_bad_lines_name_their_numbers(redis_serv
         "cold": (400, "temperature"),
         "streamed": (400, "stream"),
     }
+
+
+def test_an_input_that_begins_with_a_byte_order_mark_runs_every_line(redis_server, batch_queue, workers, tmp_path):
+    """Notepad, PowerShell and Excel save UTF-8 with a byte order mark: line 1 was answered
+    invalid_json. It is no part of the file's lines."""
+    plain = write_lines(tmp_path / "plain.jsonl", [request_line("m0", "marked", 8), request_line("m1", "too", 8)])
+    source = tmp_path / "bom.jsonl"
+    source.write_bytes(codecs.BOM_UTF8 + plain.read_bytes())
+    output = tmp_path / "out.jsonl"
+    code, err = finish(mili_batch(redis_server.url, batch_queue, str(source), "-o", str(output)))
+    assert code == 0, err
+    assert "2 of 2 lines answered" in err
+    done = answers_by_id(output)
+    assert {k: a["response"]["body"]["choices"][0]["text"] for k, a in done.items()} == {"m0": "marked", "m1": "too"}
+    assert not (tmp_path / "out.errors.jsonl").exists() or not (tmp_path / "out.errors.jsonl").read_text()
 
 
 def test_an_interrupted_run_is_finished_by_a_rerun_with_no_job_enqueued_or_run_twice(

@@ -323,6 +323,19 @@ def test_a_worker_with_a_float8_cache_serves_jobs_and_says_what_its_pool_holds(t
     assert "4.0x the tokens of a torch.float32 cache in the same memory" in output
 
 
+def test_a_model_that_names_nothing_stops_the_worker_at_once_naming_what_model_takes():
+    """`--model nope` imported torch and the kernels (seconds), and waited for a Redis not there,
+    before it said that nope is no checkpoint directory nor a preset; and it left `echo` unsaid."""
+    done = run_to_exit(worker_command(f"redis://127.0.0.1:{free_port()}/0", "--metrics-port", "0", model="nope"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: checkpoint_error: nope: no such checkpoint directory, nor a preset (tiny, tiny-moe, small, "
+        "qwen3-0.6b), nor echo (the engine without a model)"
+    )
+    assert "importing torch" not in done.stderr and "waiting for it" not in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_a_checkpoint_with_an_unsupported_rope_scaling_stops_the_worker_with_one_line(tmp_path):
     ckpt = write_random_checkpoint(tmp_path / "ckpt", {**PRESETS["tiny"].config, "num_hidden_layers": 1})
     write_qwen3_tokenizer_files(ckpt)

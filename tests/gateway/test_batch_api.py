@@ -399,6 +399,35 @@ def test_a_bad_line_fails_the_batch_in_validation_naming_the_lines(sdk):
     ]
 
 
+def test_a_file_that_begins_with_a_byte_order_mark_runs_every_line(sdk):
+    """Notepad, PowerShell and Excel save UTF-8 with a byte order mark: it failed line 1 as
+    invalid_json. It is no part of the file's lines; the file comes back as it was uploaded."""
+    text = "\ufeff" + "".join(json.dumps(chat_line(f"m{i}", f"marked {i}")) + "\n" for i in range(3))
+    file_id = sdk.files.create(file=("bom.jsonl", io.BytesIO(text.encode())), purpose="batch").id
+    batch = ended(
+        sdk, sdk.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h").id
+    )
+    assert batch.status == "completed" and batch.errors is None, batch
+    done = answers(sdk, batch.output_file_id)
+    assert {k: a["response"]["body"]["choices"][0]["message"]["content"] for k, a in done.items()} == {
+        f"m{i}": echo_of(f"marked {i}") for i in range(3)
+    }
+    assert sdk.files.content(file_id).content == text.encode()
+
+
+@pytest.mark.parametrize("text", ["\n\n  \n", "\ufeff\n\r\n"])
+def test_a_batch_of_a_file_with_no_request_is_refused_naming_the_file(sdk, text):
+    """A file of blank lines only was taken, and its batch `completed` with 0 requests. OpenAI's
+    reference says nothing of such a file, so its batch is refused at creation, as an input file
+    that is not a batch file is: a 400 naming input_file_id."""
+    file_id = sdk.files.create(file=("blank.jsonl", io.BytesIO(text.encode())), purpose="batch").id
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert (refused.value.code, refused.value.param) == ("empty_file", "input_file_id"), refused.value.body
+    assert file_id in refused.value.message
+    assert all(b.input_file_id != file_id for b in sdk.batches.list(limit=100))
+
+
 def test_files_are_refused_and_found_as_the_api_says(sdk, gateway):
     with pytest.raises(openai.BadRequestError, match="purpose"):
         sdk.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")

@@ -23,7 +23,7 @@ from redis.backoff import ConstantBackoff, NoBackoff
 from harness.processes import REPO
 from producer_client import AsyncClient, Client, InvalidArgument, steps
 from producer_client.cluster import Cluster, NotACluster, known_keys
-from producer_client.connection import Mode, connect, connect_async, parse_url, redact_url
+from producer_client.connection import Mode, connect, connect_async, parse_url, redact_url, server_of, server_of_url
 from producer_client.errors import RedisRefused, RedisUnavailable
 from producer_client.protocol import execution
 from worker.__main__ import wait_for_redis
@@ -104,6 +104,15 @@ BAD = [
     ("rediss+sentinel://s1/m?parser_class=x", "none of redis-py's for a TLS connection (rediss://)"),
     ("unix:///tmp/r.sock?socket_keepalive=true", "none of redis-py's for a unix socket"),
     (f"redis://h:1/0?password=a&{SECRET}=b", "none of redis-py's for a TCP connection"),
+    # No host: redis-py connects to localhost:6379, the URL's credentials and all, where an empty
+    # ${REDIS_HOST} meant some other server; errors then named the server `?:?`.
+    (f"redis://u:{SECRET}@/0", "name the server's host: redis://host:6379/0"),
+    (f"rediss://:{SECRET}@", "name the server's host"),
+    ("redis:///0", "name the server's host"),
+    ("redis://", "name the server's host"),
+    ("redis://:6380/0", "name the server's host"),
+    (f"unix://u:{SECRET}@", "name the socket's path: unix:///path/to/redis.sock"),
+    ("unix://", "name the socket's path"),
     # A path that is no database number: redis-py took /abc for database 0 and /1/2 for 12.
     ("redis://h:1/abc", "its path must be a database number"),
     ("redis://h:1/1/2", "its path must be a database number"),
@@ -131,6 +140,21 @@ def test_a_bad_url_is_one_invalid_argument_naming_redis_without_the_password(url
         parse_url(url)
     assert e.value.field == "redis" and reason in e.value.message
     assert SECRET not in e.value.message and "\n" not in e.value.message and "fo0" not in e.value.message
+
+
+@pytest.mark.parametrize(
+    "url, server",
+    [
+        ("redis://localhost", "localhost:6379"),
+        (f"rediss://u:{SECRET}@cache.internal/1", "cache.internal:6379"),
+        ("redis://h:6380/0", "h:6380"),
+        ("unix:///tmp/r.sock", "unix:/tmp/r.sock"),
+    ],
+)
+def test_a_server_url_names_its_server_with_redis_pys_default_port(url, server):
+    """An error names the server a client talks to: a URL without a port said `localhost:?`."""
+    assert server_of_url(parse_url(url)) == server
+    assert server_of(connect(url)) == server
 
 
 def test_a_url_that_is_not_a_string_is_refused():

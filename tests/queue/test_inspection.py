@@ -13,6 +13,7 @@ from cli.__main__ import main as mili
 from producer_client import Client
 from producer_client.errors import InvalidArgument
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
+from producer_client.validation import DEFAULT_LIMIT
 from tests.queue.test_dead_letters import make_poison, settle, take
 from tests.support.clients import make_client
 from tests.support.fixtures import on_modes
@@ -40,6 +41,15 @@ def test_waiting_and_running_jobs_come_from_the_stream_and_the_pending_list(clie
         (jobs[1], second, "w2", 1, 0),
     ]
     assert all(0.05 <= r.idle_s < 5 for r in running)
+
+
+def test_waiting_and_running_list_at_most_the_default_limit_when_given_none(client, redis_client, queue):
+    """dead_letters.list() and `mili jobs` list DEFAULT_LIMIT items unless told; inspect.waiting()
+    and running() took no default (a TypeError)."""
+    jobs = [client.submit(f"job {i}", max_tokens=4) for i in range(DEFAULT_LIMIT + 3)]
+    assert [j.job_id for j in settle(client, client.inspect.waiting())] == jobs[:DEFAULT_LIMIT]
+    held = [take(redis_client, queue, "w1")[0] for _ in range(DEFAULT_LIMIT + 1)]
+    assert [r.entry_id for r in settle(client, client.inspect.running())] == held[:DEFAULT_LIMIT]
 
 
 def test_a_queue_without_a_stream_has_nothing(client, queue):

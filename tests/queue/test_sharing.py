@@ -7,13 +7,16 @@ retry."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import threading
 import time
+import urllib.request
 import uuid
 from contextlib import ExitStack
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from harness.echo_workers import GatedWorker, SlowEchoEngine, serving
 from harness.polling import eventually
@@ -30,6 +33,7 @@ from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.quotas import Quota
 from producer_client.waiting import MAX_BLOCK_MS
 from tests.support.clients import make_client
+from worker.metrics import MAX_TENANT_LABELS, OTHER_TENANTS
 
 pytestmark = pytest.mark.waits
 
@@ -147,6 +151,38 @@ def test_a_worker_counts_the_tokens_it_served_per_lane_and_tenant(redis_server, 
             served("default", ""),
             expected,
         )
+
+
+def test_a_worker_exports_a_bounded_number_of_tenant_series_and_counts_the_rest_as_other(redis_server, queue, caplog):
+    """Tenants are names producers choose: one series each let a careless or hostile producer grow
+    a worker's /metrics (and Prometheus's memory) without end. Past MAX_TENANT_LABELS tenants, the
+    rest count under OTHER_TENANTS, every token still counted, said in one log line."""
+    names = [f"t{i:03d}-{uuid.uuid4().hex[:6]}" for i in range(MAX_TENANT_LABELS + 7)]
+    with Client(redis_server.url, queue) as client, serving(redis_server.url, queue) as worker:
+        server, port = worker.metrics.serve("127.0.0.1", 0)
+        try:
+            with caplog.at_level(logging.WARNING, logger="worker.metrics"):
+                jobs = [client.as_tenant(name).submit(f"job of {name}", max_tokens=1) for name in names]
+                results = [client.result(job_id, timeout=20) for job_id in jobs]
+                expected = sum(r.usage.prompt_tokens + r.usage.completion_tokens for r in results)
+                # The heartbeat (every 0.05 s here) hands the ledger's counts to the metrics.
+                assert eventually(lambda: sum(served_by_tenant(port).values()) == expected), expected
+            scraped = served_by_tenant(port)
+        finally:
+            server.shutdown()
+            server.server_close()
+    assert set(scraped) <= {*names, OTHER_TENANTS}
+    assert len(scraped) == MAX_TENANT_LABELS + 1 and scraped[OTHER_TENANTS] > 0
+    past_cap = [r for r in caplog.records if OTHER_TENANTS in r.getMessage()]
+    assert len(past_cap) == 1
+
+
+def served_by_tenant(port: int) -> dict[str, float]:
+    """A worker's mili_served_tokens_total by tenant, scraped from its /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        families = text_string_to_metric_families(answer.read().decode())
+    (served,) = [f for f in families if f.name == "mili_served_tokens"]
+    return {s.labels["tenant"]: s.value for s in served.samples if s.name == "mili_served_tokens_total"}
 
 
 def test_bad_lanes_and_tenants_are_refused_before_anything_is_enqueued(redis_server, queue, redis_client):

@@ -23,22 +23,12 @@ from pydantic import (
     model_validator,
 )
 
-from producer_client.errors import MiliError
+# Named here too, where the model's modules have always imported them from.
+from worker.model.errors import CheckpointError as CheckpointError
+from worker.model.errors import UnsupportedModel as UnsupportedModel
 from worker.model.rope import YarnScaling
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CheckpointError(MiliError):
-    """A checkpoint directory is incomplete or inconsistent; the message names the file or tensor."""
-
-    code = "checkpoint_error"
-
-
-class UnsupportedModel(CheckpointError):
-    """A well-formed checkpoint of a model or feature this worker does not implement."""
-
-    code = "unsupported_model"
 
 
 def read_json(path: Path) -> dict[str, Any]:
