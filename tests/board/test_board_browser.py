@@ -6,8 +6,10 @@ keys it asks for one and keeps the session in an HttpOnly cookie. Each page is s
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
+from contextlib import contextmanager
 
 from playwright.sync_api import expect
 
@@ -16,6 +18,16 @@ from tests.board.support import API_KEY, PARKED_QUEUE
 from tests.support.poison import LONG_PROMPT, kill_until_dead_lettered
 
 REFRESHES_S = 5  # several of the board's 1 s refresh periods
+
+
+@contextmanager
+def worker_paused(worker):
+    """The worker's process stopped (SIGSTOP) inside, going on after (SIGCONT)."""
+    worker.process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        worker.process.send_signal(signal.SIGCONT)
 
 
 def depth_cell(page, queue: str):
@@ -55,11 +67,15 @@ def test_the_board_shows_the_live_worker_and_the_depth_as_jobs_arrive(
 
 
 def test_a_job_page_streams_the_text_as_it_grows(page, open_gateway, board_worker, redis_server, screenshots):
+    status = page.locator("#summary [data-status]")
     with Client(redis_server.url, board_worker.queue) as client:
-        job_id = client.submit(LONG_PROMPT, max_tokens=len(LONG_PROMPT))
-        page.goto(f"{open_gateway.url}/board/job?id={job_id}")
+        # The worker waits while the page loads: the job (16,000 echo steps, 2.8 s on a quiet
+        # machine) ended before a loaded CI's Chromium showed the page, which then read it whole.
+        with worker_paused(board_worker):
+            job_id = client.submit(LONG_PROMPT, max_tokens=len(LONG_PROMPT))
+            page.goto(f"{open_gateway.url}/board/job?id={job_id}")
+            expect(status).to_have_attribute("data-status", "queued")
         lengths = []
-        status = page.locator("#summary [data-status]")
         while status.get_attribute("data-status") in ("queued", "running"):
             lengths.append(len(page.locator("#text").text_content()))
             if len(lengths) == 20:
