@@ -111,16 +111,7 @@ class RequestOutput:
         self._prompt_tokens, self._completion_tokens, self._cached_prompt_tokens = counts
 
     def _fields(self) -> tuple[object, ...]:
-        return (
-            self.request_id,
-            self.new_token_ids,
-            self.text_delta,
-            self.finished,
-            self.finish_reason,
-            self.usage,
-            self.logprobs,
-            self.error,
-        )
+        return tuple(getattr(self, name) for name in FIELDS)
 
     def __eq__(self, other: object) -> bool:
         if other.__class__ is not self.__class__:
@@ -128,8 +119,11 @@ class RequestOutput:
         return self._fields() == other._fields()  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
-        names = ("request_id", "new_token_ids", "text_delta", "finished", "finish_reason", "usage", "logprobs", "error")
-        return f"RequestOutput({', '.join(f'{n}={v!r}' for n, v in zip(names, self._fields()))})"
+        return f"RequestOutput({', '.join(f'{n}={v!r}' for n, v in zip(FIELDS, self._fields()))})"
+
+
+# RequestOutput's fields, in its constructor's order: what its equality compares and its repr shows.
+FIELDS = ("request_id", "new_token_ids", "text_delta", "finished", "finish_reason", "usage", "logprobs", "error")
 
 
 def token_output(
