@@ -251,8 +251,8 @@ class BatchFileRun:
 
 def count_lines(path: Path) -> int:
     """The input's request lines (blank ones left out), once sure that the whole file reads as
-    UTF-8: one that does not is refused before any of its lines is submitted, as the Batch API
-    refuses such an upload."""
+    UTF-8 and holds one: one that does not is refused before any of its lines is submitted, as the
+    Batch API refuses such an upload, and a batch of such a file (`empty_file`)."""
     count = 0
     with file_argument("input", path), path.open("rb") as f:
         for number, raw in enumerate(f, 1):  # split at b"\n" only, as jsonl_lines splits
@@ -262,6 +262,8 @@ def count_lines(path: Path) -> int:
                 raise InvalidArgument(
                     "input", f"{path}: line {number} is not UTF-8 text ({e.reason} at byte {e.start})"
                 ) from None
+    if not count:
+        raise InvalidArgument("input", f"{path}: holds no request: it is empty or its lines are all blank")
     return count
 
 

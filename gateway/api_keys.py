@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -110,9 +109,10 @@ class AuthFailures:
         self.clock = clock
         self.windows: OrderedDict[str, tuple[float, int]] = OrderedDict()  # address -> (window start, failures)
 
-    def failed(self, address: str) -> int | None:
+    def failed(self, address: str) -> float | None:
         """Count a failed attempt of `address`: the seconds until its window ends if it is over
-        its limit (the attempt's answer is a 429 with that Retry-After), else None (a 401)."""
+        its limit (the attempt's answer is a 429 saying so: retry-after-ms exact, Retry-After
+        rounded up), else None (a 401)."""
         if self.per_minute <= 0:
             return None
         now = self.clock()
@@ -124,4 +124,4 @@ class AuthFailures:
             self.windows.popitem(last=False)
         if failures < self.per_minute:
             return None
-        return max(1, math.ceil(start + self.WINDOW_S - now))
+        return start + self.WINDOW_S - now

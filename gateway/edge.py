@@ -302,7 +302,7 @@ def too_slow(timeout_s: float) -> APIError:
     )
 
 
-def too_many_failures(retry_after_s: int) -> APIError:
+def too_many_failures(retry_after_s: float) -> APIError:
     return RetryLater(
         429,
         "too many wrong API keys from this address: until Retry-After each further wrong one is refused"

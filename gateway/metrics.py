@@ -14,6 +14,7 @@ from producer_client import AsyncClient, MiliError
 from producer_client.keys import LANES
 from producer_client.placement import Placement
 from producer_client.schema import QueueStats
+from producer_client.tenant_labels import TenantLabels
 
 log = logging.getLogger("gateway")
 
@@ -58,6 +59,7 @@ class QueueBacklogs(Collector):
 
     def __init__(self):
         self.stats: list[QueueStats] | None = None
+        self.tenants = TenantLabels("mili_queue_lane_waiting_jobs", log)  # bounded: producers name tenants
 
     def collect(self):
         yield GaugeMetricFamily(
@@ -88,7 +90,7 @@ class QueueBacklogs(Collector):
         for stats in self.stats or []:
             for name, family in families.items():
                 family.add_metric([stats.queue], getattr(stats, name))
-            for (lane, tenant), waiting in lane_backlogs(stats).items():
+            for (lane, tenant), waiting in lane_backlogs(stats, self.tenants).items():
                 lanes.add_metric([stats.queue, lane, tenant], waiting)
         yield from families.values()
         yield lanes
@@ -114,13 +116,13 @@ async def read_backlogs(
         return None
 
 
-def lane_backlogs(stats: QueueStats) -> dict[tuple[str, str], int]:
-    """The waiting jobs of each (lane, tenant) of the queue whose stream holds jobs, the workers'
-    streams summed as PLACED; each lane and PLACED of no tenant always, at 0 when empty, so that a
-    query of one lane (KEDA's) gets a value, never an empty answer."""
+def lane_backlogs(stats: QueueStats, tenants: TenantLabels) -> dict[tuple[str, str], int]:
+    """The waiting jobs of each (lane, tenant label) of the queue whose stream holds jobs, the
+    workers' streams summed as PLACED; each lane and PLACED of no tenant always, at 0 when empty, so
+    that a query of one lane (KEDA's) gets a value, never an empty answer."""
     waiting: dict[tuple[str, str], int] = {(lane, ""): 0 for lane in (*LANES, PLACED)}
     for s in stats.streams:
-        route = (PLACED, "") if s.worker is not None else (s.lane, s.tenant or "")
+        route = (PLACED, "") if s.worker is not None else (s.lane, tenants.label(s.tenant))
         waiting[route] = waiting.get(route, 0) + s.waiting
     return waiting
 

@@ -113,7 +113,7 @@ def build_job(
         job_id = fresh_job_id(tenant)
         return NewJob(job_id, body, False, timeout_ms, "", prefix_key(request), adapter, lane, cost)
     fingerprint = bound_fingerprint(request, fingerprint)
-    job_id = check_name("request_id", request_id)
+    job_id = checked_request_id(request_id, tenant)
     return NewJob(job_id, body, True, timeout_ms, fingerprint, prefix_key(request), adapter, lane, cost)
 
 
@@ -125,6 +125,24 @@ def check_least_size(messages: Any, input_ids: Any) -> None:
     if least > MAX_BODY_BYTES:
         what = "messages" if isinstance(messages, list) else "token ids"
         raise BodyTooLarge("body", f"{count} {what} take at least {least} bytes, over the limit of {MAX_BODY_BYTES}")
+
+
+def checked_request_id(request_id: Any, tenant: str | None) -> str:
+    """The caller's request_id as the job's id, refused (InvalidArgument) where it names a tenant
+    not the client's: a job's tenant is its id's up to the first '.' (fresh_job_id), and
+    `team-a.x` from a client of no tenant or of team-b would be team-a's job to the gateway's key
+    and to a Redis user pinned to team-a, while its lanes, quota and limits charged another. An
+    id without a '.' is no tenant's, as an open gateway's Idempotency-Keys are (gateway/idempotency.py)."""
+    job_id = check_name("request_id", request_id)
+    named, dot, _ = job_id.partition(".")
+    if dot and named != tenant:
+        own = "hold no '.'" if tenant is None else f"begin with {tenant + '.'!r} or hold no '.'"
+        raise InvalidArgument(
+            "request_id",
+            f"{job_id!r} names tenant {named!r} (a job's tenant is its id's up to the first '.'), "
+            f"and this client submits as {'no tenant' if tenant is None else f'tenant {tenant!r}'}: it must {own}",
+        )
+    return job_id
 
 
 def fresh_job_id(tenant: str | None) -> str:

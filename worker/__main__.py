@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    check_model_named(args.model)  # before the demo starts Redis and imports torch (its adapters)
     from worker.demo import demo  # the demo imports the client only when asked for
 
     return demo(args.model)

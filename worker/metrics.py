@@ -17,8 +17,8 @@ from prometheus_client.registry import Collector
 
 from producer_client.allow import with_head
 from producer_client.hosts import ONE_HOST_LINE, Hosts, names_one_host
-from producer_client.keys import NO_TENANT
 from producer_client.schema import JobResult
+from producer_client.tenant_labels import TenantLabels
 from worker.engine.outputs import EngineStats
 
 # vLLM's buckets, widened at the low end where a CPU-free queue path lives.
@@ -76,12 +76,6 @@ REQUEST_TIMEOUT_S = 10.0
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 OUTCOMES = ("done", "failed", "cancelled", "expired", "dead_lettered")
 TAKEN_FROM = ("own", "shared", "stolen", "reclaimed")
-# Tenants are producers' names, without bound: each distinct one is a series per lane, held by this
-# process and by Prometheus for ever, so past this many the rest count under OTHER_TENANTS (as
-# exporters bound a label of client-given values). Not a tenant name: TENANT_PATTERN starts with one
-# of [A-Za-z0-9].
-MAX_TENANT_LABELS = 100
-OTHER_TENANTS = "_other"
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +84,7 @@ class WorkerMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         self._engine_totals: dict[str, float] = {}  # the last EngineStats totals counted (engine_totals)
-        self._tenant_labels: set[str] = set()  # the tenants with series of their own (tenant_label)
-        self._tenants_past_cap = False  # whether a tenant has counted under OTHER_TENANTS yet
+        self._tenants = TenantLabels("mili_served_tokens", log)  # bounded: producers name tenants
         self._add_load_gauges()
         self._add_latency_histograms()
         self._add_job_counters()
@@ -255,26 +248,7 @@ class WorkerMetrics:
     def tokens_served(self, served: dict[tuple[str, str], int]) -> None:
         """Add the ledger's tokens served per (lane, tenant) since the last call (Ledger.take_served)."""
         for (lane, tenant), tokens in served.items():
-            self.served.labels(lane, self.tenant_label(tenant)).inc(tokens)
-
-    def tenant_label(self, tenant: str) -> str:
-        """The `tenant` label of `tenant`'s series: '' for none, its name for the first
-        MAX_TENANT_LABELS tenants this worker served, OTHER_TENANTS for any other (said once)."""
-        if tenant == NO_TENANT:
-            return ""
-        if tenant in self._tenant_labels:
-            return tenant
-        if len(self._tenant_labels) < MAX_TENANT_LABELS:
-            self._tenant_labels.add(tenant)
-            return tenant
-        if not self._tenants_past_cap:
-            self._tenants_past_cap = True
-            log.warning(
-                "metrics: more than %d tenants served; tokens of tenants past them count under tenant=%r",
-                MAX_TENANT_LABELS,
-                OTHER_TENANTS,
-            )
-        return OTHER_TENANTS
+            self.served.labels(lane, self._tenants.label(tenant)).inc(tokens)
 
     def engine_totals(self, stats: EngineStats) -> None:
         """Counters from the engine's running totals (EngineStats)."""

@@ -205,7 +205,7 @@ def add_session_routes(router: APIRouter, board: Board, failures: AuthFailures) 
         return response
 
 
-def login_refused(board: Board, request: Request, retry_after: int | None) -> Response:
+def login_refused(board: Board, request: Request, retry_after: float | None) -> Response:
     """A wrong key: the form again, 401 (its challenge as the API's: the board takes a Bearer key
     too), or 429 once its address has failed too often."""
     if retry_after is None:

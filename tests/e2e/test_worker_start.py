@@ -336,6 +336,18 @@ def test_a_model_that_names_nothing_stops_the_worker_at_once_naming_what_model_t
     assert "Traceback" not in done.stderr
 
 
+def test_the_demo_of_a_model_that_names_nothing_stops_at_once_naming_what_model_takes():
+    """`demo --model nope` started a redis-server and imported torch (its adapters are the model's)
+    before it said that nope is no checkpoint directory nor a preset, as serve did once."""
+    code = "import sys; from worker.__main__ import main; code = main(); print('torch' in sys.modules); sys.exit(code)"
+    done = run_to_exit([sys.executable, "-c", code, "demo", "--model", "nope"])
+    assert (done.returncode, done.stdout) == (2, "False\n"), done.stderr
+    assert done.stderr == (
+        "error: checkpoint_error: nope: no such checkpoint directory, nor a preset (tiny, tiny-moe, small, "
+        "qwen3-0.6b), nor echo (the engine without a model)\n"
+    )
+
+
 def test_a_checkpoint_with_an_unsupported_rope_scaling_stops_the_worker_with_one_line(tmp_path):
     ckpt = write_random_checkpoint(tmp_path / "ckpt", {**PRESETS["tiny"].config, "num_hidden_layers": 1})
     write_qwen3_tokenizer_files(ckpt)

@@ -5,6 +5,7 @@ import asyncio
 import http.client
 import io
 import json
+import logging
 import socket
 import time
 import uuid
@@ -15,10 +16,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.api_keys import tenant_id
-from gateway.metrics import read_backlogs
+from gateway.metrics import QueueBacklogs, read_backlogs
 from harness.polling import eventually
 from producer_client import AsyncClient, Client
 from producer_client.keys import PROTOCOL_VERSION, Keys
+from producer_client.tenant_labels import MAX_TENANT_LABELS, OTHER_TENANTS
 from tests.gateway.support import ECHO_QUEUE, PARKED_QUEUE
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import job_count, job_ids_in_queue
@@ -169,6 +171,35 @@ def test_metrics_count_every_queues_backlog_over_its_lanes_and_its_workers_strea
         ("mili_queue_lane_waiting_jobs", (("lane", "flex"), ("queue", queue), ("tenant", "ta"))): 2,
         ("mili_queue_lane_waiting_jobs", (("lane", "placed"), ("queue", queue), ("tenant", ""))): 1,
     }
+
+
+def test_metrics_export_a_bounded_number_of_tenant_series_of_waiting_jobs_and_count_the_rest_as_other(
+    redis_server, caplog
+):
+    """Tenants are names producers choose: one series each of the lanes' backlogs let a producer
+    naming thousands grow the gateway's /metrics (and Prometheus's memory) without end, as a
+    worker's mili_served_tokens did. Past MAX_TENANT_LABELS tenants, the rest count under
+    OTHER_TENANTS, every job still counted, the same tenants named at the next scrape, said in one
+    log line."""
+    queue = f"tenants-{uuid.uuid4().hex[:8]}"
+    names = [f"t{i:03d}-{uuid.uuid4().hex[:6]}" for i in range(MAX_TENANT_LABELS + 7)]
+    with Client(redis_server.url, queue, placement=False) as client:
+        for name in names:
+            client.as_tenant(name).submit("flex", max_tokens=1, service_tier="flex")
+        backlogs = QueueBacklogs()
+        backlogs.stats = [client.queue_stats()]
+
+    def flex_by_tenant() -> dict[str, float]:
+        (lanes,) = [f for f in backlogs.collect() if f.name == "mili_queue_lane_waiting_jobs"]
+        return {s.labels["tenant"]: s.value for s in lanes.samples if s.labels["lane"] == "flex"}
+
+    with caplog.at_level(logging.WARNING, logger="gateway"):
+        scraped = flex_by_tenant()
+        assert flex_by_tenant() == scraped
+    assert set(scraped) - {"", OTHER_TENANTS} <= set(names)
+    assert len(scraped) == MAX_TENANT_LABELS + 2 and scraped[OTHER_TENANTS] == 7 and scraped[""] == 0
+    assert sum(scraped.values()) == len(names)
+    assert len([r for r in caplog.records if OTHER_TENANTS in r.getMessage()]) == 1
 
 
 def test_metrics_count_the_backlog_of_the_queues_it_routes_to_that_no_worker_ever_served(tmp_path):

@@ -9,7 +9,6 @@ from harness.paged_model import PagedModelRunner
 from worker.model import presets
 from worker.model.config import CheckpointError, Qwen3MoeConfig, parse_config
 from worker.model.loader import load_model
-from worker.model.names import PRESET_NAMES
 from worker.model.presets import PRESETS, checkpoint_shapes, random_model, resolve_model_path
 from worker.model.qwen3 import Qwen3ForCausalLM
 from worker.model.tokenizer import Tokenizer
@@ -181,10 +180,6 @@ def test_a_directory_resolves_to_itself_and_anything_else_is_an_error(tmp_path):
     message = r"tiyn: no such checkpoint directory, nor a preset \(tiny, tiny-moe, small, qwen3-0.6b\)"
     with pytest.raises(CheckpointError, match=message):
         resolve_model_path("tiyn")
-
-
-def test_the_preset_names_a_worker_checks_without_torch_are_the_presets():
-    assert PRESET_NAMES == tuple(PRESETS)
 
 
 def test_preset_sizes():

@@ -120,17 +120,21 @@ def test_batch_files_it_cannot_use_are_named_before_any_line_is_submitted(
     redis_server, redis_client, queue, tmp_path, capsys
 ):
     """An input that is not there, a directory, a line that is not UTF-8 (the Batch API refuses such
-    an upload whole), an output it cannot create: one line naming the argument, exit 1, no output
+    an upload whole), blank lines only (the Batch API's `empty_file`: a run that ended "0 of 0 lines
+    answered", exit 0), an output it cannot create: one line naming the argument, exit 1, no output
     file left behind for a wrong input, and no job enqueued for any of them."""
     good = tmp_path / "good.jsonl"
     good.write_text(BATCH_LINE)
     latin1 = tmp_path / "latin1.jsonl"
     latin1.write_bytes(BATCH_LINE.encode() + b'{"custom_id": "caf\xe9"}\n')
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n\r\n\t\n")
     out = tmp_path / "out.jsonl"
     cases = {
         (tmp_path / "nofile.jsonl", out): f"input: {tmp_path / 'nofile.jsonl'}: No such file or directory",
         (tmp_path, out): f"input: {tmp_path}: Is a directory",
         (latin1, out): f"input: {latin1}: line 2 is not UTF-8 text (invalid continuation byte at byte 18)",
+        (blank, out): f"input: {blank}: holds no request: it is empty or its lines are all blank",
         (good, tmp_path / "no" / "out.jsonl"): f"output: {tmp_path / 'no' / 'out.jsonl'}: No such file or directory",
     }
     for (source, output), message in cases.items():

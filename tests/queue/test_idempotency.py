@@ -11,6 +11,8 @@ import redis
 
 from producer_client import IdempotencyConflict, InvalidArgument, bulk
 from producer_client.keys import Keys
+from tests.support.clients import make_client
+from tests.support.jobs import entries_added
 
 KEYS = Keys()
 
@@ -51,6 +53,37 @@ def test_a_request_id_whose_job_key_is_of_another_type_is_another_requests_and_e
         client.submit_many([{"prompt": "planted", "request_id": request_id}])
     assert not redis_client.exists(KEYS.queue(queue))
     assert redis_client.type(KEYS.job(request_id)) == "stream"
+
+
+def test_a_request_id_that_names_a_tenant_not_the_clients_is_refused_before_anything_is_enqueued(
+    client, client_kind, redis_server, redis_client, queue
+):
+    """A job's tenant is its id's up to the first '.': `team-a.x` from a client of no tenant (or of
+    team-b) made a job that team-a's gateway key and team-a's pinned Redis user took for theirs,
+    charged to another's lanes and limits. Refused, typed, before anything is written; an id of
+    the client's own tenant, or of none without a '.', stays as given."""
+    team_b = make_client(client_kind, redis_server.url, queue, tenant="team-b")
+    try:
+        refusals = [
+            ("request_id", lambda: client.submit(prompt="x", max_tokens=1, request_id="team-a.x")),
+            (
+                "jobs[1].request_id",
+                lambda: client.submit_many([{"prompt": "ok"}, {"prompt": "x", "request_id": "team-a.x"}]),
+            ),
+            ("request_id", lambda: team_b.submit(prompt="x", max_tokens=1, request_id="team-a.x")),
+            ("jobs[0].request_id", lambda: team_b.submit_many([{"prompt": "x", "request_id": "team-a.x"}])),
+        ]
+        for field, refused in refusals:
+            with pytest.raises(InvalidArgument) as e:
+                refused()
+            assert e.value.field == field and "names tenant 'team-a'" in e.value.detail, e.value
+        assert entries_added(redis_client, queue) == 0 and not redis_client.exists(KEYS.job("team-a.x"))
+        own, none = f"team-b.order-{uuid.uuid4().hex}", f"order-{uuid.uuid4().hex}"
+        assert team_b.submit(prompt="b", max_tokens=1, request_id=own) == own
+        assert client.submit(prompt="none", max_tokens=1, request_id=none) == none
+    finally:
+        team_b.close()
+    assert entries_added(redis_client, queue) == 2
 
 
 def test_submit_many_refuses_a_chunk_with_a_request_id_of_another_request(client, redis_client, queue):

@@ -31,9 +31,9 @@ from producer_client import (
 )
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.quotas import Quota
+from producer_client.tenant_labels import MAX_TENANT_LABELS, OTHER_TENANTS
 from producer_client.waiting import MAX_BLOCK_MS
 from tests.support.clients import make_client
-from worker.metrics import MAX_TENANT_LABELS, OTHER_TENANTS
 
 pytestmark = pytest.mark.waits
 

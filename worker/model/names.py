@@ -6,7 +6,8 @@ from pathlib import Path
 
 from worker.model.errors import CheckpointError
 
-PRESET_NAMES = ("tiny", "tiny-moe", "small", "qwen3-0.6b")  # worker.model.presets.PRESETS' names
+# The presets' names, their one list (torch-free), in the order of worker.model.presets.PRESET_SPECS.
+PRESET_NAMES = ("tiny", "tiny-moe", "small", "qwen3-0.6b")
 ECHO = "echo"  # the engine without a model (worker.engine.echo)
 
 
@@ -14,7 +15,10 @@ def check_model_named(name: str) -> None:
     """CheckpointError unless `name` is a preset, `echo` or a directory (whose files the load checks)."""
     if name == ECHO or name in PRESET_NAMES or Path(name).expanduser().is_dir():
         return
-    raise CheckpointError(
-        f"{name}: no such checkpoint directory, nor a preset ({', '.join(PRESET_NAMES)}), "
-        f"nor {ECHO} (the engine without a model)"
-    )
+    raise CheckpointError(f"{no_such_checkpoint(name)}, nor {ECHO} (the engine without a model)")
+
+
+def no_such_checkpoint(name: str | Path) -> str:
+    """What a name that is no checkpoint directory nor a preset is told (the engine's loaders
+    take no `echo`: check_model_named adds it)."""
+    return f"{name}: no such checkpoint directory, nor a preset ({', '.join(PRESET_NAMES)})"

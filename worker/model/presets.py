@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from worker.model.cache import cache_dir
 from worker.model.config import DTYPES, CheckpointError, Qwen3Config, parse_config
 from worker.model.loader import INDEX_FILE, SINGLE_FILE, checkpoint_targets
+from worker.model.names import PRESET_NAMES, no_such_checkpoint
 from worker.model.progress import logged_step
 from worker.model.qwen3 import Qwen3ForCausalLM
 from worker.model.qwen_tokenizer import write_qwen3_tokenizer_files
@@ -101,9 +102,10 @@ class Preset:
         return hashlib.sha256(spec.encode()).hexdigest()[:10]
 
 
-PRESETS = {
-    # 20.4M parameters, 19.4M of them the embedding: fast enough for every CPU test.
-    "tiny": Preset(
+# In the order of their names, PRESET_NAMES (worker.model.names: what a worker checks without torch).
+PRESET_SPECS = (
+    # tiny: 20.4M parameters, 19.4M of them the embedding: fast enough for every CPU test.
+    Preset(
         qwen3_config(
             hidden_size=128,
             intermediate_size=384,
@@ -115,8 +117,8 @@ PRESETS = {
         ),
         torch.float32,
     ),
-    # tiny's attention with 8 experts (2 per token) in every layer's MLP: 21.0M parameters.
-    "tiny-moe": Preset(
+    # tiny-moe: tiny's attention with 8 experts (2 per token) in every layer's MLP: 21.0M parameters.
+    Preset(
         qwen3_moe_config(
             hidden_size=128,
             intermediate_size=384,
@@ -131,8 +133,8 @@ PRESETS = {
         ),
         torch.float32,
     ),
-    # ~103M parameters for CPU benchmarks.
-    "small": Preset(
+    # small: ~103M parameters for CPU benchmarks.
+    Preset(
         qwen3_config(
             hidden_size=512,
             intermediate_size=1536,
@@ -144,8 +146,8 @@ PRESETS = {
         ),
         torch.float32,
     ),
-    # The real Qwen3-0.6B shape (596M parameters) for GPU benchmarks.
-    "qwen3-0.6b": Preset(
+    # qwen3-0.6b: the real Qwen3-0.6B shape (596M parameters) for GPU benchmarks.
+    Preset(
         qwen3_config(
             hidden_size=1024,
             intermediate_size=3072,
@@ -157,7 +159,8 @@ PRESETS = {
         ),
         torch.bfloat16,
     ),
-}
+)
+PRESETS = dict(zip(PRESET_NAMES, PRESET_SPECS, strict=True))
 
 
 def resolve_model_path(name_or_path: str | Path) -> Path:
@@ -165,10 +168,7 @@ def resolve_model_path(name_or_path: str | Path) -> Path:
     preset = PRESETS.get(str(name_or_path))
     if preset is not None:
         return ensure_preset(str(name_or_path), preset)
-    path = Path(name_or_path).expanduser()
-    if not path.is_dir():
-        raise CheckpointError(f"{name_or_path}: no such checkpoint directory, nor a preset ({', '.join(PRESETS)})")
-    return path
+    return checkpoint_directory(name_or_path)
 
 
 def model_config(name_or_path: str | Path) -> Qwen3Config:
@@ -176,10 +176,15 @@ def model_config(name_or_path: str | Path) -> Qwen3Config:
     preset = PRESETS.get(str(name_or_path))
     if preset is not None:
         return parse_config(preset.config, str(name_or_path))
+    return Qwen3Config.from_file(checkpoint_directory(name_or_path) / "config.json")
+
+
+def checkpoint_directory(name_or_path: str | Path) -> Path:
+    """The directory a name that is no preset names; CheckpointError if it is none."""
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
-        raise CheckpointError(f"{name_or_path}: no such checkpoint directory, nor a preset ({', '.join(PRESETS)})")
-    return Qwen3Config.from_file(path / "config.json")
+        raise CheckpointError(no_such_checkpoint(name_or_path))
+    return path
 
 
 def ensure_preset(name: str, preset: Preset) -> Path:
