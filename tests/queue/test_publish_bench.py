@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -79,3 +82,22 @@ def test_a_streamed_cases_readers_connect_before_the_benchs_readings(tmp_path):
     out, _ = jobs.communicate("go\n", timeout=60)
     assert before == ["connection made"] * ARGS.jobs
     assert out.split("\n")[-2] == "submitted"
+
+
+def test_the_workers_loop_thread_is_its_main_thread_and_the_kernels_share_a_fraction():
+    """bench.publish's split of a worker's CPU, read of this process: CPU burnt on the main thread
+    is the loop thread's; another thread's beside it is not."""
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    other = threading.Thread(target=burn, args=(0.3,))
+    before = publish.worker_threads(os.getpid())
+    other.start()
+    burn(0.2)
+    loop_s, kernel_share = publish.threads_since(os.getpid(), before)
+    other.join()
+    assert 0.2 <= loop_s < 0.3
+    assert 0.0 <= kernel_share <= 1.0
