@@ -68,6 +68,8 @@ class Case:
     probe: dict = field(default_factory=dict)
     delays: list[tuple[float, float]] = field(default_factory=list)  # (to Redis, to the reader) per token
     redis_sys_share: float = 0.0  # of redis-server's CPU, the kernel's (its I/O)
+    worker_sys_share: float = 0.0  # of the worker's CPU, the kernel's (its I/O, sleeps and wake-ups)
+    loop_cpu_s: float = 0.0  # of the worker's CPU, its loop thread's (the process's main thread)
 
     @property
     def unit(self) -> str:
@@ -167,9 +169,11 @@ def run_case(tree: str, path: Path, mode: str, args) -> Case:
             admin.config_resetstat()
             cpu_before = admin.info("cpu")
             before = cpu_seconds(worker.pid), cpu_seconds(server.process.pid), time.perf_counter()
+            threads_before = worker_threads(worker.pid)
             run_jobs(jobs)
             case.wall_s = time.perf_counter() - before[2]
             case.worker_cpu_s = cpu_seconds(worker.pid) - before[0]
+            case.loop_cpu_s, case.worker_sys_share = threads_since(worker.pid, threads_before)
             case.redis_cpu_s = cpu_seconds(server.process.pid) - before[1]
             case.commands = admin.info("commandstats")
             cpu_after = admin.info("cpu")
@@ -190,6 +194,23 @@ def run_case(tree: str, path: Path, mode: str, args) -> Case:
     if mode.startswith("streamed"):
         case.delays = token_delays(answer["arrivals"], answer["starts"], case.probe["samples"])
     return case
+
+
+def worker_threads(pid: int) -> tuple[int, int, int]:
+    """The worker's CPU so far: its loop thread's and all its threads' (ns, from each thread's
+    /proc schedstat; the loop thread is the process's main one), and its system time (clock ticks)."""
+    tasks = Path(f"/proc/{pid}/task")
+    run_ns = {int(tid.name): int((tid / "schedstat").read_text().split()[0]) for tid in tasks.iterdir()}
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return run_ns[pid], sum(run_ns.values()), int(fields[12])
+
+
+def threads_since(pid: int, before: tuple[int, int, int]) -> tuple[float, float]:
+    """The loop thread's CPU seconds since `before` (worker_threads), and the kernel's share of the
+    worker's CPU meanwhile. A thread that ended meanwhile takes its time with it: the share is of
+    the threads alive at both readings."""
+    loop, total, system = (now - then for now, then in zip(worker_threads(pid), before))
+    return loop / 1e9, min(1.0, system / os.sysconf("SC_CLK_TCK") / max(1e-9, total / 1e9))
 
 
 def configure(url: str, settings: list[tuple[str, str]]) -> None:
@@ -300,7 +321,8 @@ def report(case: Case) -> None:
     tqdm.write(
         f"[{case.tree} {case.mode}] {case.units} {unit}s in {case.wall_s:.2f}s ({case.units / case.wall_s:,.0f} {unit}s/s): "
         f"worker {case.per_unit_us(case.worker_cpu_s):.2f} us/{unit} (the engine's steps "
-        f"{case.per_unit_us(case.engine_cpu_s):.2f}), redis-server {case.per_unit_us(case.redis_cpu_s):.2f} us/{unit} "
+        f"{case.per_unit_us(case.engine_cpu_s):.2f}, the loop thread {case.per_unit_us(case.loop_cpu_s):.2f}, "
+        f"{case.worker_sys_share:.0%} in the kernel), redis-server {case.per_unit_us(case.redis_cpu_s):.2f} us/{unit} "
         f"({case.redis_sys_share:.0%} of it in the kernel)"
     )
     stalls = case.stalls()

@@ -4,8 +4,9 @@ source tree TREE (this branch's, or a worktree of an older commit), so that each
 measured with the client of its own version: a reader of this branch's stream() waits on the
 events an older worker does not publish, and read such a worker only at its silence reads.
 
-It waits for the worker and warms it up, prints `ready {"client": <its producer_client's file>}`,
-waits for a line on stdin (the bench's CPU readings taken), runs the case's jobs (PARAMS_JSON's
+It waits for the worker and warms it up, makes the readers' connections of a streamed case, prints
+`ready {"client": <its producer_client's file>}`, waits for a line on stdin (the bench's CPU
+readings taken), runs the case's jobs (PARAMS_JSON's
 `mode`: whole or streamed, a -gpu suffix changing nothing here, or per-job), prints `done` when
 they have ended (before the readings after), and writes to OUT.json the tokens (jobs, per job)
 generated and, for streamed jobs, each token's (event written, read) times and each reader's start.
@@ -20,6 +21,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 
 def main() -> int:
@@ -31,12 +33,17 @@ def main() -> int:
     import producer_client
 
     wait_ready(url, params["queue"])
-    print("ready " + json.dumps({"client": producer_client.__file__}), flush=True)
-    sys.stdin.readline()
+
+    def ready() -> None:
+        """Tell the bench, and wait for its go (its CPU readings taken)."""
+        print("ready " + json.dumps({"client": producer_client.__file__}), flush=True)
+        sys.stdin.readline()
+
     if params["mode"] == "per-job":
+        ready()
         answer: dict = {"units": run_per_job(url, params)}
     else:
-        answer = run_jobs(url, params)
+        answer = run_jobs(url, params, ready)
     print("done", flush=True)
     with open(out_path, "w") as f:
         json.dump(answer, f)
@@ -61,7 +68,7 @@ def prompt(i: int, tokens: int) -> str:
     return head + "x" * (tokens - len(head))
 
 
-def run_jobs(url: str, params: dict) -> dict:
+def run_jobs(url: str, params: dict, ready: Callable[[], None]) -> dict:
     from producer_client import Client
 
     specs = [{"prompt": prompt(i, params["tokens"]), "max_tokens": params["tokens"]} for i in range(params["jobs"])]
@@ -70,7 +77,8 @@ def run_jobs(url: str, params: dict) -> dict:
         for spec in specs:
             spec["stream"] = True
     if streamed:
-        return asyncio.run(stream_all(url, params["queue"], specs))
+        return asyncio.run(stream_all(url, params["queue"], specs, ready))
+    ready()
     with Client(url, params["queue"]) as client:
         ids = client.submit_many(specs)
         results = list(client.as_completed(ids, timeout=600))
@@ -86,13 +94,17 @@ def submit_all(url: str, queue: str, specs: list[dict]) -> list[str]:
         return client.submit_many(specs)
 
 
-async def stream_all(url: str, queue: str, specs: list[dict]) -> dict:
-    """A reader per job on stream(), each delta's arrival time noted per token."""
+async def stream_all(url: str, queue: str, specs: list[dict], ready: Callable[[], None]) -> dict:
+    """A reader per job on stream(), each delta's arrival time noted per token. A connection per
+    reader is made before `ready`, outside the case's CPU readings: making 256 connections cost
+    redis-server 30-40 ms of CPU, 0.23-0.30 us a token of the case, which is no token's publication
+    (bench/RESULTS.md, a/pub10)."""
     from producer_client import AsyncClient
 
     client = AsyncClient(url, queue, max_connections=len(specs) + 8)
     try:
-        await asyncio.gather(*(client.redis.ping() for _ in specs))  # a connection per reader, made now
+        await asyncio.gather(*(client.redis.ping() for _ in specs))
+        ready()
         ids = submit_all(url, queue, specs)
         arrivals: dict[str, list[tuple[float, float]]] = {}
         starts: dict[str, float] = {}

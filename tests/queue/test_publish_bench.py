@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +49,55 @@ def test_producers_running_another_trees_client_are_refused(tmp_path):
     with pytest.raises(AssertionError, match="run the client at"):
         publish.wait_ready(jobs, tmp_path / "new", worker=None)  # type: ignore[arg-type]
     jobs.wait(timeout=60)
+
+
+READERS_STAND_IN = """import sys
+class Client:
+    def __init__(self, *args, **kwargs): pass
+    def __enter__(self): return self
+    def __exit__(self, *exc): pass
+    def workers(self): return ["worker"]
+    def generate(self, *args, **kwargs): pass
+    def submit_many(self, specs):
+        print("submitted", flush=True)
+        sys.exit(0)
+class _Redis:
+    async def ping(self): print("connection made", flush=True)
+class AsyncClient:
+    def __init__(self, *args, **kwargs): self.redis = _Redis()
+    async def aclose(self): pass
+"""
+
+
+def test_a_streamed_cases_readers_connect_before_the_benchs_readings(tmp_path):
+    """The readers' connections (one each) are made before `ready`, after which the bench reads the
+    CPU of the worker and redis-server: making them is no token's publication."""
+    tree = tmp_path / "tree"
+    (tree / "producer_client").mkdir(parents=True)
+    (tree / "producer_client" / "__init__.py").write_text(READERS_STAND_IN)
+    jobs = publish.start_jobs(tree, "unix:///nowhere.sock", tmp_path / "jobs.json", "streamed-gpu", ARGS)
+    before = []
+    while not (line := jobs.stdout.readline()).startswith("ready"):
+        before.append(line.strip())
+    out, _ = jobs.communicate("go\n", timeout=60)
+    assert before == ["connection made"] * ARGS.jobs
+    assert out.split("\n")[-2] == "submitted"
+
+
+def test_the_workers_loop_thread_is_its_main_thread_and_the_kernels_share_a_fraction():
+    """bench.publish's split of a worker's CPU, read of this process: CPU burnt on the main thread
+    is the loop thread's; another thread's beside it is not."""
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    other = threading.Thread(target=burn, args=(0.3,))
+    before = publish.worker_threads(os.getpid())
+    other.start()
+    burn(0.2)
+    loop_s, kernel_share = publish.threads_since(os.getpid(), before)
+    other.join()
+    assert 0.2 <= loop_s < 0.3
+    assert 0.0 <= kernel_share <= 1.0
