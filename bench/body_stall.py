@@ -140,12 +140,12 @@ def one_round(url: str, path: str, body: bytes) -> tuple[int, float, float]:
     return response.status_code, took, slowest[0]
 
 
-def start_gateway(redis_url: str, tree: Path) -> tuple[subprocess.Popen, str]:
+def start_gateway(redis_url: str, tree: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     own_python = tree / ".venv" / "bin" / "python"
     python = str(own_python) if tree != REPO and own_python.exists() else sys.executable
     command = [python, "-m", "gateway", "--redis", redis_url, "--port", str(port), "--log-level", "WARNING"]
-    command += ["--models", json.dumps({MODEL: QUEUE})]
+    command += ["--models", json.dumps({MODEL: QUEUE}), *flags]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     return subprocess.Popen(command, cwd=tree, env=env, stdin=subprocess.DEVNULL), f"http://127.0.0.1:{port}"
 

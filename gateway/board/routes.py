@@ -4,9 +4,7 @@ Job ids and queue names go in the query string: both may hold a `/`."""
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -15,6 +13,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from gateway.api_keys import AuthFailures, bearer_key
 from gateway.board.auth import ACTION_HEADER, COOKIE, SESSION_S, BoardAuth
+from gateway.board.feed import text_events
 from gateway.board.pages import environment
 from gateway.board.views import JOBS_SHOWN, BoardReader
 from gateway.edge import client_address
@@ -22,7 +21,7 @@ from gateway.errors import WWW_AUTHENTICATE, retry_after_headers, unauthorized
 from gateway.settings import GatewaySettings
 from gateway.streaming import EventStream
 from openai_format.errors import APIError, echoed, not_found
-from producer_client import AsyncClient, JobExpired, JobFailed, JobNotFound, JobTimeout
+from producer_client import AsyncClient, JobNotFound
 from producer_client.dead_letters import DeadLetterNotFound, NotRetryable
 from producer_client.keys import check_name
 from producer_client.validation import check_event_id, check_job_id
@@ -232,26 +231,3 @@ def action_refused(error: DeadLetterNotFound | NotRetryable) -> APIError:
     if isinstance(error, DeadLetterNotFound):
         return not_found(DeadLetterNotFound(error.queue, echoed(error.ident)).message, error.code)
     return APIError(409, error.message, "invalid_request_error", error.code)
-
-
-async def text_events(client: AsyncClient, job_id: str, after: str, keepalive_s: float) -> AsyncIterator[bytes]:
-    """The job's text deltas as `text` events whose id is the job's event id (a reconnecting
-    EventSource sends it back as Last-Event-ID), then one `end` event with the result's
-    finished_at, by which the page tells a later run of the job (a retry) from this one; a
-    comment every `keepalive_s` while nothing comes, so that proxies keep a queued job's stream open."""
-    while True:
-        try:
-            async for delta in client.stream(job_id, after=after, timeout=keepalive_s):
-                after = delta.event_id
-                yield f"id: {after}\nevent: text\ndata: {json.dumps(delta.text)}\n\n".encode()
-            result = (await client.status(job_id)).result
-        except JobTimeout:
-            yield b": keep-alive\n\n"
-            continue
-        except (JobFailed, JobExpired) as e:
-            result = e.result
-        except JobNotFound:
-            result = None
-        finished = "" if result is None or result.timings.finished_at is None else str(result.timings.finished_at)
-        yield f"event: end\ndata: {json.dumps({'finished': finished})}\n\n".encode()
-        return

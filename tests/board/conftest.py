@@ -11,7 +11,7 @@ import shutil
 import pytest
 from playwright.sync_api import sync_playwright
 
-from tests.board.support import API_KEY, ECHO_QUEUE, KEEPALIVE_S, PARKED_QUEUE
+from tests.board.support import API_KEY, BRISK_KEEPALIVE_S, ECHO_QUEUE, KEEPALIVE_S, PARKED_QUEUE
 from tests.support.gateways import GatewayProcess
 from tests.support.poison import echo_worker
 
@@ -34,12 +34,12 @@ def board_worker(redis_server, tmp_path_factory):
     worker.stop()
 
 
-def gateway_process(redis_server, tmp_path_factory, *flags: str) -> GatewayProcess:
+def gateway_process(redis_server, tmp_path_factory, *flags: str, keepalive_s: float = KEEPALIVE_S) -> GatewayProcess:
     return GatewayProcess(
         redis_server.url,
         tmp_path_factory.mktemp("board-gateway"),
         "--keepalive-s",
-        str(KEEPALIVE_S),
+        str(keepalive_s),
         "--models",
         json.dumps({"parked": PARKED_QUEUE}),
         *flags,
@@ -49,6 +49,14 @@ def gateway_process(redis_server, tmp_path_factory, *flags: str) -> GatewayProce
 @pytest.fixture(scope="package")
 def open_gateway(redis_server, board_worker, tmp_path_factory):
     gateway = gateway_process(redis_server, tmp_path_factory)
+    yield gateway
+    gateway.stop()
+
+
+@pytest.fixture(scope="package")
+def brisk_gateway(redis_server, board_worker, tmp_path_factory):
+    """An open gateway that sends a keep-alive after each BRISK_KEEPALIVE_S without text."""
+    gateway = gateway_process(redis_server, tmp_path_factory, keepalive_s=BRISK_KEEPALIVE_S)
     yield gateway
     gateway.stop()
 

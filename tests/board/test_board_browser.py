@@ -6,29 +6,17 @@ keys it asks for one and keeps the session in an HttpOnly cookie. Each page is s
 
 from __future__ import annotations
 
-import signal
 import time
 import uuid
-from contextlib import contextmanager
 
 import pytest
 from playwright.sync_api import expect
 
 from producer_client import Client
-from tests.board.support import API_KEY, PARKED_QUEUE
+from tests.board.support import API_KEY, PARKED_QUEUE, worker_paused
 from tests.support.poison import LONG_PROMPT, kill_until_dead_lettered
 
 REFRESHES_S = 5  # several of the board's 1 s refresh periods
-
-
-@contextmanager
-def worker_paused(worker):
-    """The worker's process stopped (SIGSTOP) inside, going on after (SIGCONT)."""
-    worker.process.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        worker.process.send_signal(signal.SIGCONT)
 
 
 def depth_cell(page, queue: str):

@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, closing
 
 import httpx
 import pytest
 
 from producer_client import Client
-from tests.board.support import API_KEY, ECHO_QUEUE, KEEPALIVE_S, PARKED_QUEUE
+from tests.board.support import API_KEY, ECHO_QUEUE, KEEPALIVE_S, PARKED_QUEUE, worker_paused
 from tests.support.jobs import job_ids_in_queue
+from tests.support.poison import LONG_PROMPT
 
 ACTION = {"X-MILI-Board": "1"}
 
@@ -59,6 +62,40 @@ def test_a_waiting_job_s_stream_keeps_alive_for_many_intervals(open_gateway, red
         client.cancel(job_id)
     assert lines.count(": keep-alive") >= 4
     assert job_id in job_ids_in_queue(redis_client, PARKED_QUEUE)
+
+
+def timed_lines(url: str) -> Iterator[tuple[float, str]]:
+    """The lines of an event stream as they come, each with its time.time()."""
+    with httpx.stream("GET", url, timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            yield time.time(), line
+
+
+# A time bound: the text must come while the job runs. The keep-alive of brisk_gateway is shorter
+# than a read of the job's events from the first, which a feed that began a stream() per keep-alive
+# made before each new event: its text stopped early and never ended.
+@pytest.mark.timing
+def test_a_queued_job_s_text_comes_while_it_runs_however_short_the_keep_alive(
+    brisk_gateway, board_worker, redis_server
+):
+    with Client(redis_server.url, ECHO_QUEUE) as client, ExitStack() as stack:
+        with worker_paused(board_worker):
+            job_id = client.submit(LONG_PROMPT, max_tokens=len(LONG_PROMPT))
+            feed = stack.enter_context(closing(timed_lines(f"{brisk_gateway.url}/board/job/events?id={job_id}")))
+            assert next(line for _, line in feed if line) == ": keep-alive"  # it follows the job, queued
+        grown: list[tuple[float, int]] = []  # (when, the text's length) at each text event
+        text = ""
+        give_up_at = time.monotonic() + 30  # about three times the job's run on a loaded machine
+        for at, line in feed:
+            if line.startswith('data: "'):
+                text += json.loads(line.removeprefix("data: "))
+                grown.append((at, len(text)))
+            if line == "event: end" or time.monotonic() > give_up_at:
+                break
+        finished_at = client.result(job_id, timeout=30).timings.finished_at
+    assert text == LONG_PROMPT, f"{len(text)} of {len(LONG_PROMPT)} characters"
+    assert len([n for at, n in grown if at < finished_at]) >= 3, grown[:10]
 
 
 def test_a_job_s_text_resumes_after_the_last_event_id(open_gateway, redis_server, board_worker):
