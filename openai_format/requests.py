@@ -335,7 +335,7 @@ class ChatCompletionRequest(SamplingRequest):
     audio: Unused = None
     prediction: Unused = None
     reasoning_effort: Unused = None
-    verbosity: Unused = None
+    verbosity: Annotated[Any, only("medium")] = None  # the spec's default: no length asked for
     web_search_options: Unused = None
     moderation: Unused = None
     prompt_cache_retention: Unused = None

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any, NamedTuple, TypeVar
 
+from redis.exceptions import NoPermissionError
+
 from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
 from producer_client.connection import is_other_type
@@ -252,13 +254,16 @@ def enqueue_chunk(
     else:
         streams = yield from placement.streams_for(keys, queue, [job.prefix for job in to_add])
     shared = [job for job, stream in zip(to_add, streams) if stream is None]
+    replies: list[Any] = []
     try:
         replies = yield enqueue_commands(keys, into, max_depth, to_add, shared, tenant, limits, one_server)
         if shared:
             refuse_queue_stream_of_another_type(replies[-1], queue, shared, tenant)
         checked(replies)
     except Exception as stopped:
-        yield from undoing(forget_commands(to_add, keys), stopped)
+        written = maybe_written(to_add, replies, one_server)
+        if written:
+            yield from undoing(forget_commands(written, keys), stopped)
         raise
     outcome = chunk_outcome(replies[-1], shared, tenant) if shared else Enqueued(0)
     cut = to_add.index(shared[outcome.added]) if outcome.added < len(shared) else len(to_add)
@@ -450,6 +455,17 @@ def flag_commands(keys: Keys, enqueued: list[NewJob], refused: list[NewJob]) -> 
             scripts.add_forget(pipe, keys, [job.job_id for job in refused])
 
     return add
+
+
+def maybe_written(jobs: list[NewJob], replies: list[Any], one_server: bool) -> list[NewJob]:
+    """The jobs whose hash an enqueue_commands pipeline of `jobs` that failed may have written: all
+    but the fresh ones whose CREATE the ACL refused (its replies come first, one CREATE_MANY on
+    one server), which wrote nothing and whose DEL it refuses too: that refusal was logged as a
+    clean-up that failed, a second line from mili."""
+    fresh = [job for job in jobs if not job.idempotent]
+    creates = replies[:1] * len(fresh) if one_server else replies[: len(fresh)]
+    refused = {job.job_id for job, reply in zip(fresh, creates) if isinstance(reply, NoPermissionError)}
+    return [job for job in jobs if job.job_id not in refused]
 
 
 def forget_commands(jobs: list[NewJob], keys: Keys) -> AddCommands:

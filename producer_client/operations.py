@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
+from redis.exceptions import NoPermissionError
+
 from producer_client.client_base import ClientBase
 from producer_client.cluster import is_cluster
 from producer_client.connection import is_other_type
@@ -138,6 +140,7 @@ def enqueue_or_forget(
     if client.shards.spreads and not limits.any:
         queue = client.shards.name_for(queue, job.job_id)
     block_ms = None if read is None else first_read_block(client, job, create, stream, limits, read)
+    replies: Replies = []
     try:
         reserved = None
         if stream is not None and limits.any:
@@ -158,7 +161,10 @@ def enqueue_or_forget(
     except GeneratorExit:
         raise  # closed unfinished: its driver was stopped after the enqueue ran, so nothing to undo
     except BaseException as stopped:
-        yield from undoing(forget(keys, job), stopped)
+        if not (create and replies and isinstance(replies[0], NoPermissionError)):
+            yield from undoing(forget(keys, job), stopped)
+        # else the ACL refused the CREATE its job's hash: it wrote nothing there, and would refuse
+        # the DEL too, whose refusal was logged as a clean-up that failed (a second line from mili)
         raise
     outcome = enqueued(job, create, client.replication, replies)
     first = None if block_ms is None else FirstRead(end_read_of(read_reply), sent_at)

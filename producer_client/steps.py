@@ -93,9 +93,9 @@ def checked(replies: Replies) -> Replies:
 def undoing(add: Callable[[Pipe], object], stopped: BaseException) -> Steps[None]:
     """`add`'s commands, which undo what an operation began before `stopped` stopped it (a DEL of
     what it wrote). Their failure is logged, never raised: the caller raises `stopped`, the error
-    its user must see. The ACL that refused a submit refuses its clean-up too (a pinned tenant
-    user submitting outside its keys), and that DEL's refusal would hide why. (Logged, not a note
-    on `stopped`: Python 3.10 has no add_note.)"""
+    its user must see: a clean-up's refusal would hide why. (A CREATE the ACL refused wrote
+    nothing, and its callers send no clean-up of it: the same ACL refuses the DEL.) (Logged, not
+    a note on `stopped`: Python 3.10 has no add_note.)"""
     try:
         checked((yield add))
     except Exception as failed:

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -15,7 +19,7 @@ import redis
 
 from cli.__main__ import main as mili
 from harness.polling import eventually
-from producer_client import Client, IdempotencyConflict
+from producer_client import Client, IdempotencyConflict, PermissionDenied
 from producer_client.keys import GROUP, PROTOCOL_VERSION, Keys
 from producer_client.placement import Placed
 from producer_client.protocol.execution import execute
@@ -332,3 +336,32 @@ def test_the_producer_and_gateway_users_list_the_queued_and_running_jobs(user, a
         assert client.inspect.entry_of(client.status(waiting[1]), ["acl-idle"]).place == "waiting"
     for status in ("queued", "running"):
         assert mili_as(url, "--queue", "acl-idle", "jobs", "--status", status) == (0, False), status
+
+
+def test_a_submit_the_acl_refuses_outright_is_one_line_with_no_clean_up_to_log(acl_redis, caplog):
+    """A submit whose job hash the ACL refuses (team-a's pinned user naming no tenant) wrote nothing:
+    the refusal alone is raised and, from mili, one line on stderr (docs/failure-semantics.md), where
+    the client also tried to DEL the hash, which the same ACL refused, and logged 'the clean-up
+    after PermissionDenied failed too', a second line before mili's error."""
+    url = acl_redis["team-a"]
+    with caplog.at_level(logging.WARNING, logger="producer_client"), Client(url, placement=False) as client:
+        for submit in (
+            lambda: client.submit(prompt="no tenant", max_tokens=2),
+            lambda: client.generate(prompt="no tenant", max_tokens=2, timeout=5),
+            lambda: client.submit_many([{"prompt": "no tenant", "max_tokens": 2}] * 2),
+        ):
+            with pytest.raises(PermissionDenied, match="HSETNX|EVALSHA"):
+                submit()
+    assert caplog.records == []
+    refused = subprocess.run(
+        [sys.executable, "-m", "cli", "--redis", url, "submit", "no tenant", "--max-tokens", "2"],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr.startswith("error: redis_refused: Redis refused HSETNX on 'mili:job:{")
+    assert refused.stderr.count("\n") == 1, refused.stderr
+    assert acl_redis["admin"].keys("*") == []

@@ -14,6 +14,7 @@ import torch
 from gateway.metrics import QueueBacklogs
 from kernels.fp8 import FP8_DTYPE
 from producer_client.connection import RETRIES, RETRY_BASE_S, RETRY_CAP_S, Mode
+from producer_client.protocol.replication import REDIS_PY_SOCKET_TIMEOUT_S
 from producer_client.schema import QueueStats, StreamStats
 from tests.deploy.support import DOCKER, ROOT, load_compose, redis_server_flags
 from worker.engine.kv_pool import KVCacheShape
@@ -161,3 +162,19 @@ def test_the_clients_retries_are_said_as_the_retry_policy_spends_them():
     assert said and [int(n) for n in said.groups()] == [round(server), round(distributed)]
     said = re.search(r"the clients retry each call for about (\d+) s", " ".join(DOC.split()))
     assert said and int(said[1]) == round(distributed)
+
+
+def test_what_a_redis_that_never_answers_costs_a_call_is_said():
+    """The retries' 6 s are the waits between tries: against a Redis that takes the connection and
+    never answers, each of the 11 tries also waits out the socket's timeout, and a call raised
+    RedisTimedOut after 60.6 s (measured: Client.status on a port that accepts and stays silent),
+    where failure-semantics.md said 'about 6 s on one server' alone."""
+    text = " ".join((ROOT / "docs" / "failure-semantics.md").read_text().split())
+    tries = RETRIES[Mode.SERVER] + 1
+    said = re.search(
+        r"raises `RedisTimedOut` after about (\d+) s on one server \((\d+) tries of (\d+) s and the waits\)", text
+    )
+    assert said, "failure-semantics.md says not what a silent Redis costs a call"
+    total = tries * REDIS_PY_SOCKET_TIMEOUT_S + mean_retry_wait_s(Mode.SERVER)
+    assert [int(n) for n in said.groups()] == [round(total), tries, round(REDIS_PY_SOCKET_TIMEOUT_S)]
+    assert "each unanswered try's socket timeout besides" in text  # the redis_unavailable row
