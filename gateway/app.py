@@ -47,6 +47,7 @@ from openai_format.job_specs import (
     STRUCTURED_FIELDS,
     JobSpec,
     chat_jobs,
+    check_jobs,
     completion_jobs,
     named_as_requested,
     parameter_error,
@@ -235,21 +236,15 @@ class Gateway:
         return specs
 
     def check(self, specs: list[JobSpec], stream: bool) -> int | None:
-        """Every job of a request passes the client's validation before the first is enqueued;
-        returns the request's tokens (its jobs' together), which its first job counts against its
-        tenant's tokens-per-minute limit (Jobs.submit). A single job needs no check here: `submit`
-        validates it before it touches Redis, and it counts its own tokens (None). A job equal to
-        the one before it (the n choices of a prompt without a seed) is not checked again: it
-        passes and costs as that one did, and n=128 choices of a long prompt were 128 checks of
-        130 ms each."""
+        """Every job of a request passes the client's validation, and together they fit
+        max_request_jobs_bytes, before the first is enqueued (check_jobs); returns the request's
+        tokens (its jobs' together), which its first job counts against its tenant's
+        tokens-per-minute limit (Jobs.submit). A single job needs no check here: `submit`
+        validates it before it touches Redis, its body is within the bound (at most
+        MAX_BODY_BYTES, which the bound is not below), and it counts its own tokens (None)."""
         if len(specs) == 1:
             return None
-        tokens, previous, cost = 0, None, 0
-        for spec in specs:
-            if spec != previous:
-                previous, cost = spec, spec.check(self.settings.job_timeout_s, stream)
-            tokens += cost
-        return tokens
+        return check_jobs(specs, self.settings.job_timeout_s, stream, self.settings.max_request_jobs_bytes)
 
 
 def create_app(settings: GatewaySettings, lifecycle: Lifecycle):

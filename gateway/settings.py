@@ -19,6 +19,7 @@ from producer_client.client_base import DEFAULT_MAX_QUEUE_DEPTH
 from producer_client.connection import parse_url
 from producer_client.keys import DEFAULT_PREFIX, check_name
 from producer_client.protocol.replication import Replication
+from producer_client.schema import MAX_BODY_BYTES
 from producer_client.settings import LOG_LEVEL_PATTERN, TomlSettings
 
 DEFAULT_CONFIG_FILE = Path(__file__).resolve().parents[1] / "config" / "gateway.toml"
@@ -49,6 +50,14 @@ class GatewaySettings(TomlSettings):
         4 << 20,
         ge=1,
         description="the largest JSON request body; a larger one is refused with 413 before it is read",
+    )
+    # n=128 choices of a prompt as long as the presets' context (40,960 tokens, about 4 bytes each
+    # as text: this project's docs and code read 3.8-4.2 with Qwen3's tokenizer) take 21 MiB.
+    max_request_jobs_bytes: int = Field(
+        32 << 20,
+        ge=MAX_BODY_BYTES,
+        description="the most bytes of job bodies one request (or Batch API line) may enqueue: each of its n choices "
+        "is a job that holds the whole prompt; more is refused with 400 body_too_large before any is enqueued",
     )
     body_timeout_s: float = Field(
         60.0,

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from openai_format.errors import APIError, bad_request, error_of, job_error
-from openai_format.job_specs import JobSpec, chat_jobs, completion_jobs, named_as_requested, parse_body
+from openai_format.job_specs import JobSpec, chat_jobs, check_jobs, completion_jobs, named_as_requested, parse_body
 from openai_format.render import ChatRenderer, CompletionRenderer, Renderer
 from openai_format.requests import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from producer_client import JobResult
@@ -235,17 +235,18 @@ def custom_id_of(text: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def line_request(line: InputLine, number: int) -> LineRequest:
+def line_request(line: InputLine, number: int, max_jobs_bytes: int | None = None) -> LineRequest:
     """The line's request and jobs, validated as the HTTP API validates them (each job as the
-    client library will): an APIError (400) for a bad body."""
+    client library will, and together within `max_jobs_bytes`, the gateway's
+    max_request_jobs_bytes; None: `mili batch`, which submits with its caller's own access to
+    Redis): an APIError (400) for a bad body."""
     endpoint = ENDPOINTS[line.url]
     request = parse_body(endpoint.request, json.dumps(line.body))
     if request.stream:
         raise bad_request("a batch request cannot stream", "stream")
     specs = endpoint.jobs_of(request)
     try:
-        for spec in specs:
-            spec.check(None)
+        check_jobs(specs, None, False, max_jobs_bytes)
     except InvalidArgument as e:
         raise error_of(named_as_requested(e, request)) from None
     return LineRequest(number, line.custom_id, endpoint, line.body, request, specs)

@@ -21,8 +21,8 @@ from openai_format.requests import (
     ToolMessage,
     Unsupported,
 )
-from producer_client.errors import InvalidArgument
-from producer_client.new_job import build_job
+from producer_client.errors import BodyTooLarge, InvalidArgument
+from producer_client.new_job import NewJob, build_job
 from producer_client.schema import BOUNDS, UNION_MEMBER, is_decimal_bound
 from producer_client.structured import check_format, format_from_json
 
@@ -84,12 +84,49 @@ class JobSpec:
         """The sampling parameters and job options submit takes among them."""
         return {**(self.sampling or {}), **({"adapter": self.adapter} if self.adapter is not None else {})}
 
-    def check(self, timeout_s: float | None, stream: bool = False) -> int:
-        """Validate as `submit` will, touching nothing: raises InvalidArgument. Returns the job's
-        tokens as a tokens-per-minute limit counts them (NewJob.cost)."""
+    def check(self, timeout_s: float | None, stream: bool = False) -> NewJob:
+        """Validate as `submit` will, touching nothing: raises InvalidArgument. Returns the job as
+        submit would build it: its body, and its tokens as a tokens-per-minute limit counts them
+        (NewJob.cost)."""
         prompt, messages, ids, tier = self.prompt, self.messages, self.input_ids, self.service_tier
         options = self.options()
-        return build_job(prompt, messages, ids, None, timeout_s, self.priority, options, None, stream, tier).cost
+        return build_job(prompt, messages, ids, None, timeout_s, self.priority, options, None, stream, tier)
+
+
+def check_jobs(specs: list[JobSpec], timeout_s: float | None, stream: bool, max_bytes: int | None) -> int:
+    """Every job of a request validated as `submit` will, before the first is enqueued; returns
+    their tokens together (NewJob.cost). A job equal to the one before it (the n choices of a
+    prompt without a seed) is not checked again: it passes and costs as that one did, and n=128
+    choices of a long prompt were 128 checks of 130 ms each.
+    Their bodies together must fit `max_bytes` (None: no bound), else BodyTooLarge naming `n`
+    (or, for a completion's prompts of one choice each, `prompt`): every choice of a prompt holds
+    the whole prompt, and n=128 choices of a 0.9 MiB one put 121 MB of jobs in Redis. A prompt's choices
+    count as its first job's size each (a seed's choices differ from it by the seed's digits, a
+    few bytes), added as its first job is built: a request over the bound is refused before the
+    choices that pass it are built."""
+    n = len(specs) // (specs[-1].prompt_index + 1)  # the choices of each prompt, in order (completion_jobs)
+    tokens, total_bytes, previous, cost = 0, 0, None, 0
+    for spec in specs:
+        if spec != previous:
+            job = spec.check(timeout_s, stream)
+            if previous is None or spec.prompt_index != previous.prompt_index:  # a prompt's first job
+                total_bytes += len(job.body.encode()) * n
+                check_jobs_bytes(total_bytes, max_bytes, len(specs), n)
+            previous, cost = spec, job.cost
+        tokens += cost
+    return tokens
+
+
+def check_jobs_bytes(total_bytes: int, max_bytes: int | None, jobs: int, n: int) -> None:
+    """Refuses a request whose jobs' bodies take `total_bytes` at least (check_jobs), past `max_bytes`."""
+    if max_bytes is None or total_bytes <= max_bytes:
+        return
+    raise BodyTooLarge(
+        "n" if n > 1 else "prompt",
+        f"the request's {jobs} jobs ({n} choices a prompt, each a job that holds the whole prompt) take "
+        f"{total_bytes} bytes or more, over this server's limit of {max_bytes} bytes a request: lower n or shorten "
+        "the prompt",
+    )
 
 
 def named_as_requested(error: InvalidArgument, req: SamplingRequest) -> InvalidArgument:

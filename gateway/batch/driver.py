@@ -289,7 +289,7 @@ class DrivenBatch:
             line = parse_line(text, index + 1)
             rid = request_id(self.batch_id, line.custom_id, line.body, self.tenant)
             try:
-                request = line_request(line, index + 1)
+                request = line_request(line, index + 1, self.driver.settings.max_request_jobs_bytes)
                 route = await self.driver.registry.route(request.request.model)
             except APIError as e:
                 refused.append((index, error_answer(line.custom_id, rid, e)))

@@ -16,6 +16,7 @@ from gateway.app import Gateway
 from gateway.settings import GatewaySettings
 from openai_format.job_specs import JobSpec, chat_jobs, parse_body
 from openai_format.requests import ChatCompletionRequest
+from producer_client.new_job import NewJob
 
 USER = {"role": "user", "content": "a"}
 
@@ -91,7 +92,7 @@ def test_the_equal_jobs_of_a_requests_choices_are_checked_once(monkeypatch, seed
     checked = []
     check = JobSpec.check
 
-    def counted(spec: JobSpec, *args) -> int:
+    def counted(spec: JobSpec, *args) -> NewJob:
         checked.append(spec)
         return check(spec, *args)
 
@@ -102,7 +103,7 @@ def test_the_equal_jobs_of_a_requests_choices_are_checked_once(monkeypatch, seed
     gateway.settings = GatewaySettings()
     tokens = gateway.check(specs, stream=False)
     assert len(checked) == (1 if seed is None else 128)
-    assert tokens == sum(check(spec, gateway.settings.job_timeout_s) for spec in specs)
+    assert tokens == sum(check(spec, gateway.settings.job_timeout_s).cost for spec in specs)
 
 
 @pytest.mark.parametrize(
