@@ -24,6 +24,7 @@ import redis
 import redis.exceptions
 
 from cli import batch_command, client_commands, operator_commands, quota_commands
+from producer_client.arguments import OneLineParser
 from producer_client.client import Client
 from producer_client.client_base import DEFAULT_URL
 from producer_client.connection import (
@@ -209,19 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
     operator_commands.add_commands(commands)
     quota_commands.add_commands(commands)
     return parser
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Usage errors in one line, as every other error of the CLI (the subcommands' parsers are of
-    this class too). No abbreviated long flags: `submit --n 2` was taken as `--no-thinking`, a
-    misspelt flag as another one; a flag must be given whole, or it is an error."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):
-        self.exit(2, f"error: invalid_argument: {message} (see {self.prog} --help)\n")
 
 
 if __name__ == "__main__":

@@ -38,8 +38,7 @@ from openai_format.batch_lines import (
     jsonl_lines,
     line_request,
     not_a_request,
-    note_custom_id,
-    parse_line,
+    noted_line,
     request_id,
 )
 from openai_format.errors import APIError
@@ -186,8 +185,7 @@ class BatchFileRun:
                 if not text.strip():
                     continue
                 try:
-                    line = parse_line(text, number)
-                    note_custom_id(line, number, seen)
+                    line = noted_line(text, number, seen)
                 except LineError as e:
                     self.answer_once_by_line(e)
                     continue

@@ -6,6 +6,7 @@ mili-gateway --redis redis://host:6379/0 --host 0.0.0.0 --port 8000
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
 import uvicorn
@@ -14,7 +15,8 @@ from gateway.app import create_app
 from gateway.http_protocol import head_timed_protocol
 from gateway.lifecycle import Lifecycle
 from gateway.settings import GatewaySettings, add_setting_flags, settings_from_args
-from producer_client import MiliError, logs
+from producer_client import InvalidArgument, MiliError, logs
+from producer_client.arguments import OneLineParser
 from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 
 # A stream still open this long after SIGTERM is cut; the stop has already told it to end.
@@ -37,6 +39,7 @@ class GatewayServer(uvicorn.Server):
 def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(build_parser().parse_args(argv))
+        check_host_resolves(settings.host, settings.port)
     except MiliError as e:
         print(f"error: {e.code}: {e.message}", file=sys.stderr)
         return 2
@@ -47,11 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def check_host_resolves(host: str, port: int) -> None:
+    """A host that names no address, in one line: uvicorn logged the resolver's words alone
+    ('[Errno -2] Name or service not known', no host named) and exited 3, after its start-up."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise InvalidArgument("host", f"{host!r} is no address this host can listen on: {e.strerror}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    # No abbreviated flags: a misspelt one is an error, never taken as another setting.
-    parser = argparse.ArgumentParser(
-        prog="mili-gateway", description="MILI's OpenAI-compatible HTTP gateway", allow_abbrev=False
-    )
+    # A usage error in one line; no abbreviated flags: a misspelt one is never taken as another setting.
+    parser = OneLineParser(prog="mili-gateway", description="MILI's OpenAI-compatible HTTP gateway")
     add_setting_flags(parser)
     return parser
 

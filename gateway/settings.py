@@ -273,4 +273,13 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
 
 
 def _flag_type(annotation: Any):
-    return json.loads if typing.get_origin(annotation) in (list, dict) else annotation
+    return _json_flag if typing.get_origin(annotation) in (list, dict) else annotation
+
+
+def _json_flag(text: str) -> Any:
+    """A list's or a map's flag, read as JSON. Refused without its text, which may hold an API key
+    (argparse's own words were `invalid loads value: '<the text>'`)."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"is not JSON: {e}") from None

@@ -205,7 +205,7 @@ def check_lines(text: str, url: str, max_lines: int, max_errors: int = 100) -> t
     seen: set[str] = set()
     for number, text_line in numbered:
         try:
-            note_custom_id(parse_line(text_line, number, frozenset({url})), number, seen)
+            noted_line(text_line, number, seen, frozenset({url}))
         except LineError as e:
             errors.append(e)
             if len(errors) == max_errors:
@@ -213,9 +213,17 @@ def check_lines(text: str, url: str, max_lines: int, max_errors: int = 100) -> t
     return [line for _, line in numbered], errors
 
 
-def note_custom_id(line: InputLine, number: int, seen: set[str]) -> None:
-    """Adds the line's custom_id to those `seen` on earlier lines; one seen already is a LineError
-    (the Batch API refuses a file that repeats one: answers are matched to requests by it)."""
+def noted_line(text: str, number: int, seen: set[str], urls: frozenset[str] = frozenset(ENDPOINTS)) -> InputLine:
+    """parse_line, and the line's custom_id added to those `seen` on earlier lines; one seen
+    already is a LineError (the Batch API refuses a file that repeats one: answers are matched to
+    requests by it). A line that is no request notes its custom_id too, where it has one: a later
+    line repeating it was taken for the first, and its answer shared the custom_id of the error's."""
+    try:
+        line = parse_line(text, number, urls)
+    except LineError as e:
+        if e.custom_id is not None:
+            seen.add(e.custom_id)
+        raise
     if line.custom_id in seen:
         raise LineError(
             number,
@@ -225,6 +233,7 @@ def note_custom_id(line: InputLine, number: int, seen: set[str]) -> None:
             line.custom_id,
         )
     seen.add(line.custom_id)
+    return line
 
 
 def custom_id_of(text: str) -> str | None:

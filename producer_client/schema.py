@@ -213,8 +213,11 @@ class JobRequest(BaseModel):
     def check_chat_options(self) -> None:
         fields = self.__dict__  # see the module's note on fields read from `__dict__`
         if fields["messages"] is None:
-            for name, default in CHAT_DEFAULTS.items():
-                if fields[name] != default:
+            # Given at all, at any value but None, not only at a value other than its default:
+            # enable_thinking=True on a prompt passed where False was refused.
+            given = self.__pydantic_fields_set__
+            for name in CHAT_OPTIONS:
+                if name in given and fields[name] is not None:
                     raise InvalidArgument(name, "applies to chats only (messages)")
             return
         names = tool_names(self.tools or [])
@@ -257,10 +260,9 @@ class JobRequest(BaseModel):
         return f'{{"prompt":{text}}}' if params is None else f'{{"prompt":{text},"params":{params}}}'
 
 
-# Read once: JobRequest.model_fields is a class property, two Python calls at each read.
-CHAT_DEFAULTS = {name: JobRequest.model_fields[name].default for name in CHAT_OPTIONS}
 # JobRequest's fields beside its prompt and params, with their defaults: a prompt's job whose fields
 # all hold these has the body JobRequest.to_json joins. Every field of JobRequest has a plain default.
+# Read once: JobRequest.model_fields is a class property, two Python calls at each read.
 PROMPT_JOB_DEFAULTS = {
     name: field.default for name, field in JobRequest.model_fields.items() if name not in ("prompt", "params")
 }

@@ -23,6 +23,7 @@ from wsgiref.simple_server import WSGIServer
 import redis
 
 from producer_client import logs
+from producer_client.arguments import OneLineParser
 from producer_client.connection import is_fatal, not_redis, redact_url
 from producer_client.errors import InvalidArgument, MiliError, RedisRefused, RedisUnavailable
 from producer_client.hosts import Hosts
@@ -64,23 +65,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # No abbreviated flags (allow_abbrev=False, on each subcommand too): `--log-lev` is an error,
-    # not `--log-level`, and a misspelt flag is never taken as another one.
-    parser = argparse.ArgumentParser(
-        prog="python -m worker", description="MILI worker: Qwen3 generation from a Redis queue", allow_abbrev=False
-    )
+    # OneLineParser, the subcommands' too: a usage error in one line, and no abbreviated flags
+    # (`--log-lev` is an error, not `--log-level`; a misspelt flag is never taken as another one).
+    parser = OneLineParser(prog="python -m worker", description="MILI worker: Qwen3 generation from a Redis queue")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run a worker (the default)", allow_abbrev=False)
+    serve = commands.add_parser("serve", help="run a worker (the default)")
     add_setting_flags(serve)
     serve.set_defaults(run=lambda args: serve_forever(settings_from_args(args)))
-    demo = commands.add_parser(
-        "demo", help="start Redis and a worker, run a few jobs through the client, stop", allow_abbrev=False
-    )
+    demo = commands.add_parser("demo", help="start Redis and a worker, run a few jobs through the client, stop")
     demo.add_argument("--model", default="tiny", help="preset or checkpoint directory (default: tiny)")
     demo.set_defaults(run=run_demo)
-    check = commands.add_parser(
-        "healthcheck", help="exit 0 only if Redis answers and this worker's heartbeat is live", allow_abbrev=False
-    )
+    check = commands.add_parser("healthcheck", help="exit 0 only if Redis answers and this worker's heartbeat is live")
     add_setting_flags(check)
     check.set_defaults(run=run_healthcheck)
     return parser

@@ -107,12 +107,13 @@ def test_every_line_is_answered_once_and_bad_lines_name_their_numbers(redis_serv
         request_line("streamed", "x", 8, stream=True),
         "",
         request_line("long", "y" * 40, 40),
+        request_line("get", "x", 8),  # the custom_id of a line that is no request (line 8)
     ]
     source = write_lines(tmp_path / "in.jsonl", lines)
     output = tmp_path / "out.jsonl"
     code, err = finish(mili_batch(redis_server.url, batch_queue, str(source), "-o", str(output)))
     assert code == 0, err
-    assert "11 of 11 lines answered" in err
+    assert "12 of 12 lines answered" in err
     done = answers_by_id(output)
     assert set(done) == {"plain", "chat", "two", "long"}
     assert done["plain"]["response"]["status_code"] == 200
@@ -129,6 +130,7 @@ def test_every_line_is_answered_once_and_bad_lines_name_their_numbers(redis_serv
         6: "invalid_url",
         7: "invalid_line",
         8: "invalid_line",
+        13: "duplicate_custom_id",
     }
     refused = {a["custom_id"]: a["response"] for a in failed if a["response"]}
     assert {k: (r["status_code"], r["body"]["error"]["param"]) for k, r in refused.items()} == {

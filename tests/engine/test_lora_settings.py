@@ -2,18 +2,20 @@
 environment's JSON all give lora_modules by name, and a bad value stops the worker before it
 touches Redis or loads a model, with one line naming the setting."""
 
+import os
+
 import pytest
 
 from worker.__main__ import main
 from worker.settings import WorkerSettings
 
 
-def test_lora_flags_give_named_adapters_slots_host_cache_and_rank():
+def test_lora_flags_give_named_adapters_slots_host_cache_and_rank(tmp_path):
     settings = WorkerSettings.load(
         None,
         engine={
             "lora_modules": ["sql=/adapters/sql", "chat=/a=b"],  # a path may hold '='
-            "lora_dir": "/adapters/more",
+            "lora_dir": str(tmp_path),
             "max_loras": 2,
             "max_cpu_loras": 6,
             "max_lora_rank": 128,
@@ -21,7 +23,7 @@ def test_lora_flags_give_named_adapters_slots_host_cache_and_rank():
     ).engine
     assert settings.lora_modules == {"sql": "/adapters/sql", "chat": "/a=b"}
     assert (settings.lora_dir, settings.max_loras, settings.host_loras, settings.max_lora_rank) == (
-        "/adapters/more",
+        str(tmp_path),
         2,
         6,
         128,
@@ -62,3 +64,49 @@ def test_a_bad_lora_setting_stops_the_worker_with_one_line_naming_it(flags, line
     # An unreachable Redis: the settings are refused before the worker would wait for it.
     assert main(["--redis", "redis://localhost:1/0", *flags]) == 2
     assert capsys.readouterr().err == f"error: invalid_argument: {line}\n"
+
+
+def test_a_lora_dir_that_is_missing_or_a_file_stops_the_worker_with_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    """The worker started, logged the directory at INFO and served none of its adapters: every job
+    naming one failed unknown_adapter. As a flag, in the settings file and in the environment."""
+    (tmp_path / "file").write_text("")
+    config = tmp_path / "worker.toml"
+    config.write_text(f'[engine]\nlora_dir = "{tmp_path / "gone"}"\n')
+    for name in [n for n in os.environ if n.startswith("MILI_")]:
+        monkeypatch.delenv(name)
+    for flags, given, why in (
+        (["--lora-dir", str(tmp_path / "none")], tmp_path / "none", "does not exist"),
+        (["--lora-dir", str(tmp_path / "file")], tmp_path / "file", "is not a directory"),
+        (["--config", str(config)], tmp_path / "gone", "does not exist"),
+    ):
+        assert main(["--redis", "redis://localhost:1/0", *flags]) == 2
+        assert (
+            capsys.readouterr().err == f"error: invalid_argument: engine.lora_dir: Value error, {str(given)!r} {why}\n"
+        )
+    monkeypatch.setenv("MILI_ENGINE__LORA_DIR", str(tmp_path / "unset"))
+    assert main(["--redis", "redis://localhost:1/0"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: invalid_argument: engine.lora_dir: Value error, {str(tmp_path / 'unset')!r} does not exist\n"
+    )
+
+
+def test_a_lora_dir_the_worker_cannot_read_stops_it_with_one_line_naming_it(tmp_path, capsys):
+    """A path stat itself fails on (a loop of links), or a directory closed to the worker's user:
+    root may read any directory, so root's worker takes that one."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o000)
+    assert main(["--redis", "redis://localhost:1/0", "--lora-dir", str(loop)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: invalid_argument: engine.lora_dir: Value error, {str(loop)!r} cannot be read: "
+        "Too many levels of symbolic links\n"
+    )
+    if os.geteuid() == 0:
+        assert WorkerSettings.load(None, engine={"lora_dir": str(closed)}).engine.lora_dir == str(closed)
+    else:
+        assert main(["--redis", "redis://localhost:1/0", "--lora-dir", str(closed)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: invalid_argument: engine.lora_dir: Value error, {str(closed)!r} cannot be read: "
+            "Permission denied\n"
+        )

@@ -80,6 +80,20 @@ def test_check_lines_names_every_bad_line_up_to_the_cap_and_skips_blank_ones():
     assert [(e.line, e.code) for e in too_many] == [(4, "too_many_lines")]
 
 
+def test_a_custom_id_of_a_line_that_is_no_request_is_a_duplicate_on_a_later_line():
+    """Only a request line's custom_id was noted: a later line repeating that of a line refused
+    (a bad method, another url) passed, and `mili batch` answered the custom_id twice."""
+    text = "\n".join([line("a", method="GET"), line("b", url="/v1/completions"), "{", line("a"), line("b"), line("c")])
+    _, errors = check_lines(text, CHAT, max_lines=10)
+    assert [(e.line, e.code, e.custom_id) for e in errors] == [
+        (1, "invalid_line", "a"),
+        (2, "invalid_url", "b"),
+        (3, "invalid_json", None),
+        (4, "duplicate_custom_id", "a"),
+        (5, "duplicate_custom_id", "b"),
+    ]
+
+
 def test_request_ids_depend_on_scope_custom_id_and_body_and_fit_a_job_id():
     base = request_id("s", "a", {"x": 1, "y": [1, 2]})
     assert base == request_id("s", "a", {"y": [1, 2], "x": 1})

@@ -148,6 +148,34 @@ def test_an_abbreviated_flag_is_refused_not_taken_as_the_setting_it_begins(capsy
     assert "unrecognized arguments: --log-lev loud" in capsys.readouterr().err
 
 
+def test_a_flag_argparse_cannot_read_is_one_line_as_mili_says_it_and_never_shows_the_value(capsys):
+    """argparse printed its usage block (35 lines) before `invalid loads value: '<the text>'`,
+    an API key's text included, where mili and the worker say a usage error in one line."""
+    for flags, line in (
+        (["--models", "notjson"], "argument --models: is not JSON: Expecting value: line 1 column 1 (char 0)"),
+        (
+            ["--api-keys", "[sk-Zq1secret"],
+            "argument --api-keys: is not JSON: Expecting value: line 1 column 2 (char 1)",
+        ),
+        (["--port", "http"], "argument --port: invalid int value: 'http'"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            main(flags)
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err == f"error: invalid_argument: {line} (see mili-gateway --help)\n"
+
+
+def test_a_host_that_names_no_address_is_one_line_naming_it_before_uvicorn_starts(capsys):
+    """uvicorn started, then logged '[Errno -2] Name or service not known' alone, naming no host,
+    and exited 3."""
+    assert main(["--host", "no.such.host.invalid", "--redis", "redis://127.0.0.1:1/0"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: invalid_argument: host: 'no.such.host.invalid' is no address this host can listen on: ")
+        and err.count("\n") == 1
+    ), err
+
+
 @pytest.mark.parametrize(
     "flags, timeout_s",
     [

@@ -71,6 +71,11 @@ BAD_SUBMITS = [
     (dict(prompt="hi", priority=10**6), "priority"),
     (dict(prompt="hi", service_tier=["flex"]), "service_tier"),  # a TypeError (unhashable) where a tier is looked up
     (dict(prompt="x" * (1 << 20)), "body"),
+    # A chat's options, given at any value: enable_thinking=True on a prompt passed, False did not.
+    (dict(prompt="hi", enable_thinking=True), "enable_thinking"),
+    (dict(prompt="hi", enable_thinking=False), "enable_thinking"),
+    (dict(input_ids=[1, 2], parallel_tool_calls=True), "parallel_tool_calls"),
+    (dict(input_ids=[1, 2], tool_choice="none"), "tool_choice"),
 ]
 
 

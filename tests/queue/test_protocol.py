@@ -70,6 +70,16 @@ def test_a_valid_body_parses():
         (entry({"prompt": "hi", "input_ids": [1]}), InvalidArgument, "invalid_argument"),
         (entry({"input_ids": [-1]}), InvalidArgument, "invalid_argument"),
         (entry({"messages": []}), InvalidArgument, "invalid_argument"),
+        (
+            entry({"prompt": "hi", "params": {"max_tokens": 3}, "enable_thinking": True}),
+            InvalidArgument,
+            "invalid_argument",
+        ),
+        (
+            entry({"input_ids": [1], "params": {"max_tokens": 3}, "parallel_tool_calls": True}),
+            InvalidArgument,
+            "invalid_argument",
+        ),
         (entry({"prompt": "x" * 1000}), BodyTooLarge, "body_too_large"),
         (entry('{"prompt": "\udcff"}'), InvalidBody, "invalid_body"),  # invalid UTF-8, surrogate-escaped
     ],

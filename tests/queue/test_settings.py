@@ -259,6 +259,21 @@ def test_an_abbreviated_flag_is_refused_not_taken_as_the_setting_it_begins(capsy
         assert "unrecognized arguments: --log-lev loud" in capsys.readouterr().err
 
 
+def test_a_flag_argparse_cannot_read_is_one_line_as_mili_says_it(capsys):
+    """argparse printed the serve command's usage block, 40 lines, before its error."""
+    for argv, line in (
+        (
+            ["serve", "--max-running", "abc"],
+            "argument --max-running: invalid int value: 'abc' (see python -m worker serve",
+        ),
+        (["--bogus"], "unrecognized arguments: --bogus (see python -m worker"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            worker_main(argv)
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err == f"error: invalid_argument: {line} --help)\n"
+
+
 def test_a_variable_whose_value_is_not_the_json_its_setting_takes_is_named_with_what_it_takes(monkeypatch, capsys):
     """MILI_ENGINE__LORA_MODULES=sql=/adapters/sql (the flag's form) stopped the worker with
     pydantic-settings' 'error parsing value for field "engine" from source "EnvSettingsSource"':

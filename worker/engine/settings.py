@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -129,6 +133,15 @@ class EngineSettings(BaseModel):
             )
         return value
 
+    @field_validator("lora_dir")
+    @classmethod
+    def _a_directory_this_user_reads(cls, value: str | None) -> str | None:
+        """One a job's adapter can be read from: a worker given a path that is missing, a file or
+        unreadable started and served none of its adapters, with an INFO line naming it."""
+        if value is not None:
+            check_readable_directory(Path(value).expanduser(), value)
+        return value
+
     @property
     def serves_lora(self) -> bool:
         return bool(self.lora_modules) or self.lora_dir is not None
@@ -168,3 +181,18 @@ class EngineSettings(BaseModel):
             return cls(**kwargs)
         except ValidationError as e:
             raise invalid_argument_from(e) from None
+
+
+def check_readable_directory(path: Path, given: str) -> None:
+    """Raises ValueError, naming `given` and why, unless `path` is a directory this process may
+    list and enter."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise ValueError(f"{given!r} does not exist") from None
+    except OSError as e:
+        raise ValueError(f"{given!r} cannot be read: {e.strerror}") from None
+    if not stat.S_ISDIR(mode):
+        raise ValueError(f"{given!r} is not a directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise ValueError(f"{given!r} cannot be read: {os.strerror(errno.EACCES)}")
