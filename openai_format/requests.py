@@ -335,7 +335,7 @@ class ChatCompletionRequest(SamplingRequest):
     audio: Unused = None
     prediction: Unused = None
     reasoning_effort: Unused = None
-    verbosity: Unused = None
+    verbosity: Annotated[Literal["low", "medium", "high"] | None, only("medium")] = None  # medium: the spec's default
     web_search_options: Unused = None
     moderation: Unused = None
     prompt_cache_retention: Unused = None

@@ -202,6 +202,7 @@ ACCEPTED_CHATS = [
         "stop": "x",
         "stream_options": {"include_usage": True, "include_obfuscation": False},
         "stream": True,
+        "verbosity": "medium",  # the spec's default: MILI refused every value but null
     },
     {
         "messages": [
@@ -337,6 +338,7 @@ def test_completions_the_spec_allows_are_accepted(gateway, extra):
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
         ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
         ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
+        ("/v1/chat/completions", {"verbosity": "low"}, "verbosity"),
         ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
