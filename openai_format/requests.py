@@ -217,6 +217,20 @@ class UserMessage(Strict):
         return content
 
 
+def refusing_types(spec_types: frozenset[str], instead: str):
+    """An object of a `type` the spec has but MILI cannot honour (a custom tool, a custom call in
+    history, an allowed_tools choice) refused as such, an unsupported_parameter, not as a shape
+    the spec has not."""
+
+    def check(value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind in spec_types:
+            raise Unsupported(f"of type {kind!r} is not supported by this server: {instead}")
+        return value
+
+    return BeforeValidator(check)
+
+
 class ToolCallIn(ToolCall):
     """A call in history. The SDK's stream helper leaves each call's stream `index` on the
     message it assembles, and agents send that message back as it is: accepted, and unused."""
@@ -233,7 +247,7 @@ class AssistantMessage(Strict):
     content: str | Annotated[list[TextPart | RefusalPart], Field(min_length=1)] | None = None
     refusal: str | None = None
     name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
+    tool_calls: list[Annotated[ToolCallIn, refusing_types(frozenset({"custom"}), "only function calls")]] | None = None
     reasoning_content: str | None = None
     annotations: list[dict] | None = None  # a response's citations, sent back: nothing to render
     audio: Unused = None
@@ -287,19 +301,6 @@ class ChatTemplateKwargs(Strict):
     """vLLM's `chat_template_kwargs`: of Qwen3's template, its thinking switch."""
 
     enable_thinking: bool | None = None
-
-
-def refusing_types(spec_types: frozenset[str], instead: str):
-    """An object of a `type` the spec has but MILI cannot honour (a custom tool, an allowed_tools
-    choice) refused as such, an unsupported_parameter, not as a shape the spec has not."""
-
-    def check(value: Any) -> Any:
-        kind = value.get("type") if isinstance(value, dict) else None
-        if kind in spec_types:
-            raise Unsupported(f"of type {kind!r} is not supported by this server: {instead}")
-        return value
-
-    return BeforeValidator(check)
 
 
 ToolIn = Annotated[Tool, refusing_types(frozenset({"custom"}), "only function tools")]

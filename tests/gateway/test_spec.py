@@ -393,6 +393,21 @@ def test_completions_the_spec_allows_are_accepted(gateway, extra):
             {"tools": TOOLS, "tool_choice": {"type": "custom", "custom": {"name": "f"}}},
             "tool_choice",
         ),
+        # A custom tool's call in history, as OpenAI answers one (it was an invalid_value of its type).
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    *CHAT,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "type": "custom", "custom": {"name": "f", "input": "x"}}],
+                    },
+                    *CHAT,
+                ]
+            },
+            "messages.1.tool_calls.0",
+        ),
         # The deprecated functions' answer, a message of role `function` (it was an invalid_value).
         (
             "/v1/chat/completions",
