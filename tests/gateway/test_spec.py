@@ -364,6 +364,18 @@ def test_completions_the_spec_allows_are_accepted(gateway, extra):
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize("prompt", [None, "", [""]])
+def test_a_null_or_empty_prompt_is_the_specs_default_the_document_start(gateway, prompt):
+    """The spec's prompt is nullable, its strings may be empty, and its default is
+    `<|endoftext|>` (Qwen3's document start too, one token): it was a 400 (a prompt of no token)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+    check("CreateCompletionRequest", body)
+    response = post(gateway, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    check("CreateCompletionResponse", response.json())
+    assert response.json()["usage"]["prompt_tokens"] == 1
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [
