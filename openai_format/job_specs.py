@@ -152,12 +152,28 @@ def parse_body(model: type[Model], body: bytes | str) -> Model:
         if first["type"] == "json_invalid" and (overlong := overlong_integer(body)) is not None:
             raise overlong from None
         param = param_of(first)
+        if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            raise tag_error(first, param) from None
         if first["type"] == "extra_forbidden":
             raise bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter") from None
         if isinstance(first.get("ctx", {}).get("error"), Unsupported):
             raise unsupported(f"{param} {first['ctx']['error']}", param) from None
         code = error_code(first, "invalid_value") if param else "invalid_json"  # a body that is no object
         raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param, code) from None
+
+
+def tag_error(error: dict, param: str | None) -> APIError:
+    """The 400 for a tagged union's member that its tag does not pick (a message's `role`, a
+    response_format's `type`), worded as any field's: pydantic's own message names how the tag is
+    read (`<lambda>()` for a message's), and its error for a member that is not an object, or has
+    no tag, read as an invalid value of the tag."""
+    container = param.rsplit(".", 1)[0] if param else None
+    if not isinstance(error["input"], dict):
+        return bad_request(f"{container}: Input should be an object", container, "invalid_type")
+    if error["type"] == "union_tag_not_found":
+        return bad_request(f"{param}: Field required", param, "missing_required_parameter")
+    tags = error["ctx"]["expected_tags"]
+    return bad_request(f"{param}: Input tag {error['ctx']['tag']!r} is none of the expected tags: {tags}", param)
 
 
 class OverlongInteger(NamedTuple):

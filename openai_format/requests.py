@@ -35,6 +35,9 @@ MAX_STOP = 4  # the spec's bound on stop sequences
 INT64 = 2**63
 
 NonEmptyIds = Annotated[list[int], Field(min_length=1)]
+# A text completion's prompt where the request's is null or empty: the spec's default, the token
+# that begins a document for OpenAI's models and Qwen3's alike (it has no BOS token).
+DOCUMENT_START = "<|endoftext|>"
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # the spec's Metadata bounds
 
 
@@ -217,6 +220,20 @@ class UserMessage(Strict):
         return content
 
 
+def refusing_types(spec_types: frozenset[str], instead: str):
+    """An object of a `type` the spec has but MILI cannot honour (a custom tool, a custom call in
+    history, an allowed_tools choice) refused as such, an unsupported_parameter, not as a shape
+    the spec has not."""
+
+    def check(value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind in spec_types:
+            raise Unsupported(f"of type {kind!r} is not supported by this server: {instead}")
+        return value
+
+    return BeforeValidator(check)
+
+
 class ToolCallIn(ToolCall):
     """A call in history. The SDK's stream helper leaves each call's stream `index` on the
     message it assembles, and agents send that message back as it is: accepted, and unused."""
@@ -233,7 +250,7 @@ class AssistantMessage(Strict):
     content: str | Annotated[list[TextPart | RefusalPart], Field(min_length=1)] | None = None
     refusal: str | None = None
     name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
+    tool_calls: list[Annotated[ToolCallIn, refusing_types(frozenset({"custom"}), "only function calls")]] | None = None
     reasoning_content: str | None = None
     annotations: list[dict] | None = None  # a response's citations, sent back: nothing to render
     audio: Unused = None
@@ -287,19 +304,6 @@ class ChatTemplateKwargs(Strict):
     """vLLM's `chat_template_kwargs`: of Qwen3's template, its thinking switch."""
 
     enable_thinking: bool | None = None
-
-
-def refusing_types(spec_types: frozenset[str], instead: str):
-    """An object of a `type` the spec has but MILI cannot honour (a custom tool, an allowed_tools
-    choice) refused as such, an unsupported_parameter, not as a shape the spec has not."""
-
-    def check(value: Any) -> Any:
-        kind = value.get("type") if isinstance(value, dict) else None
-        if kind in spec_types:
-            raise Unsupported(f"of type {kind!r} is not supported by this server: {instead}")
-        return value
-
-    return BeforeValidator(check)
 
 
 ToolIn = Annotated[Tool, refusing_types(frozenset({"custom"}), "only function tools")]
@@ -365,13 +369,16 @@ class CompletionRequest(SamplingRequest):
         # One message instead of one per member of the union. A list is validated as the form its
         # first item names: the union tried every member over every item, holding the GIL (and
         # so every other request) 0.7 s for 2,000,000 token ids, where one member takes 0.04 s.
+        if value is None or value == "":
+            return DOCUMENT_START
         form = PROMPT_FORMS.get(type(value[0])) if isinstance(value, list) and value else None
         try:
-            return handler(value) if form is None else form.validate_python(value, strict=True)
+            prompt = handler(value) if form is None else form.validate_python(value, strict=True)
         except ValidationError:
             raise ValueError(
                 "must be a string, a list of strings, a list of token ids or a list of such lists"
             ) from None
+        return [p or DOCUMENT_START for p in prompt] if form is PROMPT_FORMS[str] else prompt
 
 
 # A completion's prompt list by the type of its first item (CompletionRequest._one_prompt_form).

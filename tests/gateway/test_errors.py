@@ -590,6 +590,41 @@ def test_a_union_fields_error_is_its_values_member_not_the_first_member(extra, p
     assert (refused.value.status, error.param, error.code, error.message) == (400, param, code, message)
 
 
+@pytest.mark.parametrize(
+    "extra, param, code, message",
+    [
+        (
+            {"messages": [{"content": "hi"}]},
+            "messages.0.role",
+            "missing_required_parameter",
+            "messages.0.role: Field required",
+        ),
+        ({"messages": ["hi"]}, "messages.0", "invalid_type", "messages.0: Input should be an object"),
+        (
+            {"messages": [{"role": "robot", "content": "hi"}]},
+            "messages.0.role",
+            "invalid_value",
+            "messages.0.role: Input tag 'robot' is none of the expected tags: "
+            "'system', 'user', 'assistant', 'tool', 'function'",
+        ),
+        (
+            {"response_format": {}},
+            "response_format.type",
+            "missing_required_parameter",
+            "response_format.type: Field required",
+        ),
+    ],
+)
+def test_a_tag_that_picks_no_member_is_worded_and_coded_as_any_fields_error(extra, param, code, message):
+    """A message without a role, or that is no object, was an invalid_value reading "Unable to
+    extract tag using discriminator <lambda>()", and a role of none of the members named
+    `<lambda>()` too: pydantic's words for how it reads the tag."""
+    with pytest.raises(APIError) as refused:
+        parse_body(ChatCompletionRequest, json.dumps({"model": "tiny", "messages": CHAT, **extra}))
+    error = refused.value.body.error
+    assert (refused.value.status, error.param, error.code, error.message) == (400, param, code, message)
+
+
 BATCH = {"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": "24h"}
 
 

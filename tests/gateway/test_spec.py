@@ -90,6 +90,30 @@ def test_text_completions_whole_and_streamed_validate(gateway):
     check("CreateCompletionResponse", chunks[-1])  # the usage chunk
 
 
+def test_n_choices_streamed_validate_each_with_its_role_and_finish_once_then_the_usage(gateway):
+    """n > 1 streamed (two prompts of a text completion, two choices each): every chunk validates,
+    each choice gets its role once (chat) and one finish_reason, and the usage chunk comes last."""
+    chat = {"messages": CHAT, "logprobs": True, "top_logprobs": 1}
+    for path, extra, schema, n in (
+        ("/v1/chat/completions", chat, "CreateChatCompletionStreamResponse", 2),
+        ("/v1/completions", {"prompt": ["a", "b"], "logprobs": 1}, "CompletionStreamChunk", 4),
+    ):
+        body = {"model": "tiny", "max_tokens": 3, "ignore_eos": True, "n": 2, "stream": True, **extra}
+        chunks = sse_chunks(post(gateway, path, {**body, "stream_options": {"include_usage": True}}))
+        *deltas, last = chunks
+        for chunk in deltas:
+            check(schema, chunk)
+        choices = [c for chunk in deltas for c in chunk["choices"]]
+        assert sorted({c["index"] for c in choices}) == list(range(n))
+        assert sorted(c["index"] for c in choices if c["finish_reason"] is not None) == list(range(n))
+        if path == "/v1/chat/completions":
+            assert sorted(c["index"] for c in choices if "role" in c["delta"]) == list(range(n))
+        check(
+            "CreateChatCompletionStreamResponse" if path == "/v1/chat/completions" else "CreateCompletionResponse", last
+        )
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3 * n, last
+
+
 def test_models_and_errors_validate(gateway):
     check("ListModelsResponse", httpx.get(f"{gateway.url}/v1/models").json())
     check("Model", httpx.get(f"{gateway.url}/v1/models/echo").json())
@@ -114,6 +138,14 @@ def test_files_and_batches_validate_and_files_are_listed(gateway, sdk):
         )
         + "\n"
         for i in range(2)
+    )
+    lines += json.dumps(  # an error file's line: the gateway's 404
+        {
+            "custom_id": "c2",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "nobody", "messages": CHAT},
+        }
     )
     uploaded = sdk.files.create(file=("in.jsonl", io.BytesIO(lines.encode())), purpose="batch")
     listed = httpx.get(f"{gateway.url}/v1/files").json()
@@ -142,6 +174,13 @@ def test_files_and_batches_validate_and_files_are_listed(gateway, sdk):
     batch = eventually(completed, 60, interval=0.2)
     assert batch, httpx.get(f"{gateway.url}/v1/batches/{created['id']}").json()
     check("ListBatchesResponse", httpx.get(f"{gateway.url}/v1/batches?limit=2").json())
+    answered = [json.loads(line) for line in sdk.files.content(batch["output_file_id"]).text.split("\n")[:-1]]
+    refused = [json.loads(line) for line in sdk.files.content(batch["error_file_id"]).text.split("\n")[:-1]]
+    assert sorted(a["custom_id"] for a in answered) == ["c0", "c1"] and [r["custom_id"] for r in refused] == ["c2"]
+    for line in answered:
+        check("CreateChatCompletionResponse", line["response"]["body"])
+    check("ErrorResponse", refused[0]["response"]["body"])
+    assert refused[0]["response"]["status_code"] == 404
     ended = httpx.post(f"{gateway.url}/v1/batches/{created['id']}/cancel")
     assert ended.status_code == 400 and ended.json()["error"]["code"] == "batch_ended"  # a 409 the SDK would retry
     deleted = httpx.delete(f"{gateway.url}/v1/files/{uploaded.id}").json()
@@ -202,6 +241,7 @@ ACCEPTED_CHATS = [
         "stop": "x",
         "stream_options": {"include_usage": True, "include_obfuscation": False},
         "stream": True,
+        "verbosity": "medium",  # the spec's default: MILI refused every value but null
     },
     {
         "messages": [
@@ -324,6 +364,18 @@ def test_completions_the_spec_allows_are_accepted(gateway, extra):
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize("prompt", [None, "", [""]])
+def test_a_null_or_empty_prompt_is_the_specs_default_the_document_start(gateway, prompt):
+    """The spec's prompt is nullable, its strings may be empty, and its default is
+    `<|endoftext|>` (Qwen3's document start too, one token): it was a 400 (a prompt of no token)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+    check("CreateCompletionRequest", body)
+    response = post(gateway, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    check("CreateCompletionResponse", response.json())
+    assert response.json()["usage"]["prompt_tokens"] == 1
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [
@@ -352,6 +404,21 @@ def test_completions_the_spec_allows_are_accepted(gateway, extra):
             "/v1/chat/completions",
             {"tools": TOOLS, "tool_choice": {"type": "custom", "custom": {"name": "f"}}},
             "tool_choice",
+        ),
+        # A custom tool's call in history, as OpenAI answers one (it was an invalid_value of its type).
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    *CHAT,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "type": "custom", "custom": {"name": "f", "input": "x"}}],
+                    },
+                    *CHAT,
+                ]
+            },
+            "messages.1.tool_calls.0",
         ),
         # The deprecated functions' answer, a message of role `function` (it was an invalid_value).
         (
