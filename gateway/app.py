@@ -244,7 +244,7 @@ class Gateway:
         MAX_BODY_BYTES, which the bound is not below), and it counts its own tokens (None)."""
         if len(specs) == 1:
             return None
-        return check_jobs(specs, self.settings.job_timeout_s, stream, self.settings.max_request_jobs_bytes)
+        return check_jobs(specs, self.settings.job_timeout_s, stream, self.settings.max_request_jobs_bytes).tokens
 
 
 def create_app(settings: GatewaySettings, lifecycle: Lifecycle):

@@ -148,6 +148,12 @@ class GatewaySettings(TomlSettings):
         7 * 24 * 3600, ge=1, description="files expire this long after they are written, batches after they end"
     )
     batch_in_flight: int = Field(1000, ge=1, description="a batch's lines submitted ahead of their answers")
+    batch_in_flight_bytes: int = Field(
+        64 << 20,
+        ge=1,
+        description="the bytes of a batch's jobs submitted ahead of their answers: a line that does not fit waits "
+        "for earlier ones (a line goes alone whatever its size)",
+    )
     batch_lease_s: float = Field(
         10.0, ge=1.0, description="a gateway that stops driving a batch loses it to another after this"
     )

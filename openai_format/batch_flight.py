@@ -9,7 +9,9 @@ or asyncio), its own source of lines and its own place for answers:
         for line in flight.ended(<client.finished(flight.watch)>): <write the line's answer>
 
 At most `limit` is out at a time, a line weighing `weight(line)` from its adding to its answer:
-the gateway counts lines, `mili batch` jobs. A full queue (other producers) takes the lines it
+the gateway counts lines, `mili batch` jobs. The gateway bounds the bytes of the jobs out too
+(`max_bytes`): a line that does not fit waits for earlier ones to be answered (`fits`), and goes
+alone into an empty flight whatever its size. A full queue (other producers) takes the lines it
 has room for whole; the others wait QUEUE_FULL_WAIT_S, and no line is added meanwhile. So do the
 lines the tenant's waiting quota refused, and those over its rate limits until their reset. A waiting
 line goes again whole: its jobs that got in are found by their request ids, not added twice
@@ -31,13 +33,15 @@ Refusal = BulkQueueFull | WaitingQuotaExceeded | RateLimited
 
 
 class Flight:
-    def __init__(self, keys: Keys, limit: int, weight: Callable[[LineJobs], int]):
+    def __init__(self, keys: Keys, limit: int, weight: Callable[[LineJobs], int], max_bytes: int | None = None):
         self.limit = limit
         self.weight = weight
+        self.max_bytes = max_bytes  # None: no bound
         self.watch = ResultWatch(keys)  # the jobs submitted and not ended
         self.line_of: dict[str, LineJobs] = {}  # job id -> its line, for each job in `watch`
         self.waiting: list[LineJobs] = []  # added and not yet taken by their queue
         self.load = 0  # the weight of the lines added and not yet answered
+        self.bytes = 0  # their jobs' bytes (LineRequest.jobs_bytes)
         self.retry_at = 0.0  # a full queue is tried again from then on
 
     def room(self) -> int:
@@ -46,9 +50,16 @@ class Flight:
             return 0
         return max(0, self.limit - self.load)
 
+    def fits(self, line: LineJobs) -> bool:
+        """Whether `line` may be added now: room for its weight and its bytes, or an empty flight."""
+        if self.room() < self.weight(line):
+            return False
+        return self.max_bytes is None or self.load == 0 or self.bytes + line.request.jobs_bytes <= self.max_bytes
+
     def add(self, line: LineJobs) -> None:
         self.waiting.append(line)
         self.load += self.weight(line)
+        self.bytes += line.request.jobs_bytes
 
     def due(self) -> dict[str | None, list[LineJobs]]:
         """The lines to submit now, by queue (None: the client's own), each queue's in their
@@ -75,6 +86,7 @@ class Flight:
     def resumed(self, lines: list[LineJobs]) -> None:
         """Lines whose jobs an earlier run submitted: watched, not submitted again."""
         self.load += sum(self.weight(line) for line in lines)
+        self.bytes += sum(line.request.jobs_bytes for line in lines)
         self._watch(lines)
 
     def _watch(self, lines: list[LineJobs]) -> None:
@@ -92,6 +104,7 @@ class Flight:
             if line.add(result):
                 done.append(line)
                 self.load -= self.weight(line)
+                self.bytes -= line.request.jobs_bytes
         return done
 
     def jobs_out(self) -> list[str]:

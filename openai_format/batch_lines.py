@@ -84,6 +84,7 @@ class LineRequest:
     body: dict[str, Any]
     request: SamplingRequest
     specs: list[JobSpec]
+    jobs_bytes: int  # what its jobs' bodies take in Redis together (check_jobs)
 
     def request_id(self, scope: str, tenant: str | None) -> str:
         return request_id(scope, self.custom_id, self.body, tenant)
@@ -255,10 +256,10 @@ def line_request(line: InputLine, number: int, max_jobs_bytes: int | None = None
         raise bad_request("a batch request cannot stream", "stream")
     specs = endpoint.jobs_of(request)
     try:
-        check_jobs(specs, None, False, max_jobs_bytes)
+        size = check_jobs(specs, None, False, max_jobs_bytes)
     except InvalidArgument as e:
         raise error_of(named_as_requested(e, request)) from None
-    return LineRequest(number, line.custom_id, endpoint, line.body, request, specs)
+    return LineRequest(number, line.custom_id, endpoint, line.body, request, specs, size.bytes)
 
 
 # -- output lines ------------------------------------------------------------------------------

@@ -93,9 +93,14 @@ class JobSpec:
         return build_job(prompt, messages, ids, None, timeout_s, self.priority, options, None, stream, tier)
 
 
-def check_jobs(specs: list[JobSpec], timeout_s: float | None, stream: bool, max_bytes: int | None) -> int:
+class JobsSize(NamedTuple):
+    tokens: int  # the jobs' together (NewJob.cost)
+    bytes: int  # their bodies' together, a prompt's choices counted as its first job's size each
+
+
+def check_jobs(specs: list[JobSpec], timeout_s: float | None, stream: bool, max_bytes: int | None) -> JobsSize:
     """Every job of a request validated as `submit` will, before the first is enqueued; returns
-    their tokens together (NewJob.cost). A job equal to the one before it (the n choices of a
+    their tokens and bytes together. A job equal to the one before it (the n choices of a
     prompt without a seed) is not checked again: it passes and costs as that one did, and n=128
     choices of a long prompt were 128 checks of 130 ms each.
     Their bodies together must fit `max_bytes` (None: no bound), else BodyTooLarge naming `n`
@@ -114,7 +119,7 @@ def check_jobs(specs: list[JobSpec], timeout_s: float | None, stream: bool, max_
                 check_jobs_bytes(total_bytes, max_bytes, len(specs), n)
             previous, cost = spec, job.cost
         tokens += cost
-    return tokens
+    return JobsSize(tokens, total_bytes)
 
 
 def check_jobs_bytes(total_bytes: int, max_bytes: int | None, jobs: int, n: int) -> None:

@@ -158,8 +158,12 @@ class MetricsPortTaken(MiliError):
 
 
 def serve_metrics(metrics: WorkerMetrics, settings: WorkerSettings) -> tuple[WSGIServer, int]:
+    """A host that names no address is said so, not as a taken port (another worker's)."""
+    host = settings.metrics_host
     try:
-        return metrics.serve(settings.metrics_host, settings.metrics_port, Hosts.of(settings.allowed_hosts))
+        return metrics.serve(host, settings.metrics_port, Hosts.of(settings.allowed_hosts))
+    except socket.gaierror as e:
+        raise InvalidArgument("metrics_host", f"{host!r} is no address this host can listen on: {e.strerror}") from None
     except OSError as e:
         raise MetricsPortTaken(
             f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port} ({e.strerror}): another worker "

@@ -31,6 +31,7 @@ import os
 import socket
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 
 import redis
@@ -134,9 +135,15 @@ class DrivenBatch:
         self.store = driver.store
         self.client = driver.client
         self.batch_id = batch_id
-        self.flight = Flight(driver.client.keys, driver.settings.batch_in_flight, weight=lambda line: 1)
+        settings = driver.settings
+        self.flight = Flight(
+            driver.client.keys, settings.batch_in_flight, lambda line: 1, settings.batch_in_flight_bytes
+        )
         self.total = 0
         self.next_line: int | None = None  # None until the run has taken the batch's progress on
+        # The lines read from next_line up to read_to and not yet added: their jobs' bytes did not fit.
+        self.ready: deque[LineJobs] = deque()
+        self.read_to = 0
         self.expires_at = 0
         self.ending: str | None = None  # batch_cancelled or batch_expired once the batch is ending
         self.ttl_s = driver.settings.batch_ttl_s  # the batch's own, once read
@@ -269,14 +276,19 @@ class DrivenBatch:
         )
 
     async def fill(self) -> None:
-        """Add the next lines while the flight has room (`batch_in_flight` lines), and submit
-        those due. The lines a full queue refused wait in the flight, below `next_line`: a gateway
-        that takes the batch over finds them unanswered."""
-        count = min(self.flight.room(), self.total - self.next_line)
-        if count > 0:
-            for line in await self.prepare(list(range(self.next_line, self.next_line + count))):
-                self.flight.add(line)
-            self.next_line += count
+        """Add the next lines while the flight has room (`batch_in_flight` lines, and
+        `batch_in_flight_bytes` of their jobs), and submit those due. The lines read that did not
+        fit wait in `ready`, from `next_line` on, until earlier ones are answered. The lines a full
+        queue refused wait in the flight, below `next_line`: a gateway that takes the batch over
+        finds them unanswered."""
+        if not self.ready:
+            self.read_to = self.next_line + min(self.flight.room(), self.total - self.next_line)
+            self.ready.extend(await self.prepare(list(range(self.next_line, self.read_to))))
+        while self.ready and self.flight.fits(self.ready[0]):
+            self.flight.add(self.ready.popleft())
+        next_line = index_of(self.ready[0]) if self.ready else self.read_to
+        if next_line != self.next_line:
+            self.next_line = next_line
             await self.store.set_fields(self.batch_id, next_line=self.next_line)
         await self.submit()
 

@@ -134,6 +134,17 @@ def test_a_taken_metrics_port_stops_the_worker_before_its_model_loads():
     assert "warming up" not in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_metrics_host_that_names_no_address_is_one_line_naming_it_not_a_taken_port():
+    unknown = ("--metrics-host", "no.such.host.invalid")
+    done = run_to_exit(worker_command("embedded", model="tiny", metrics_host=unknown))
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "error: invalid_argument: metrics_host: 'no.such.host.invalid' is no address this host can listen on: "
+    ), last
+    assert "another worker" not in done.stderr and "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize(
     "command",
     [

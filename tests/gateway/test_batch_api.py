@@ -20,9 +20,11 @@ import redis
 
 from gateway.batch.store import PIECE_CHARS
 from harness.polling import eventually
+from openai_format.batch_lines import request_id
 from producer_client.keys import Keys
 from producer_client.protocol.batch import LINES_PER_FIELD
 from producer_client.schema import MAX_TOKENS_LIMIT
+from producer_client.waiting import UNENDED
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import entries_added
 from tests.support.workers import echo_workers
@@ -342,6 +344,44 @@ def test_lines_wait_for_room_in_a_full_queue_and_are_answered_once(
         } == {f"q{i}": [echo_of(f"room {i}")] * choices[i] for i in range(n)}
         assert entries_added(redis_client, batch_queue) - before == sum(choices)
         assert "is full; line" in bounded.log()  # the runs met the bound, and waited
+    finally:
+        sdk.close()
+        bounded.stop()
+        gateway.start()
+
+
+def jobs_out(redis_client, job_ids: list[str]) -> int:
+    """How many of `job_ids` Redis holds queued or running."""
+    pipe = redis_client.pipeline(transaction=False)
+    for job_id in job_ids:
+        pipe.hget(KEYS.job(job_id), "status")
+    return sum(status in UNENDED for status in pipe.execute())
+
+
+def test_a_batch_keeps_at_most_its_in_flight_bytes_of_jobs_in_redis(
+    redis_server, redis_client, batch_queue, gateway, tmp_path
+):
+    """Lines of 20,000-byte prompts against a bound of 70,000 bytes of jobs: however many lines
+    batch_in_flight allows (IN_FLIGHT), at most three lines' jobs are queued or running at once,
+    as Redis's job hashes say, and every line is answered."""
+    prompt_bytes, bound, n = 20_000, 70_000, 12
+    flags = gateway_flags(batch_queue, "--batch-in-flight-bytes", str(bound))
+    bounded = GatewayProcess(redis_server.url, tmp_path, *flags, name="bytes-bounded")
+    sdk = openai.OpenAI(base_url=f"{bounded.url}/v1", api_key="unused", max_retries=0)
+    try:
+        gateway.terminate()  # the module's gateway, of no byte bound this low, sits this one out
+        bounded.start()
+        lines = [chat_line(f"b{i}", f"{i:04d} " + "y" * prompt_bytes, max_tokens=2100) for i in range(n)]
+        batch = run_batch(sdk, lines)
+        job_ids = [request_id(batch.id, line["custom_id"], line["body"]) + "-0" for line in lines]
+        most = 0
+        while sdk.batches.retrieve(batch.id).status not in ENDED:
+            most = max(most, jobs_out(redis_client, job_ids))
+            time.sleep(0.01)
+        done = ended(sdk, batch.id)
+        assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", n, 0)
+        assert set(answers(sdk, done.output_file_id)) == {line["custom_id"] for line in lines}
+        assert 2 <= most and most * prompt_bytes <= bound, most  # a job's body holds its prompt and more
     finally:
         sdk.close()
         bounded.stop()

@@ -94,3 +94,19 @@ def test_lines_taken_over_from_an_earlier_run_are_watched_and_weigh_but_are_not_
     flight.resumed(earlier)
     assert flight.due() == {} and flight.room() == 0 and len(flight.watch) == 3
     assert flight.ended([done(earlier[0].job_ids[0])]) == earlier[:1] and flight.room() == 1
+
+
+def test_a_line_whose_jobs_bytes_do_not_fit_waits_and_one_goes_alone_into_an_empty_flight():
+    small, large = line_jobs("small"), line_jobs("large", n=3)
+    flight = Flight(Keys(), limit=10, weight=lambda line: 1, max_bytes=small.request.jobs_bytes * 2)
+    assert large.request.jobs_bytes == 3 * small.request.jobs_bytes
+    assert flight.fits(large)  # the flight is empty: it goes alone
+    flight.add(small)
+    assert not flight.fits(large) and flight.fits(small) and flight.room() == 9
+    flight.add(line_jobs("small2"))
+    assert flight.bytes == flight.max_bytes and not flight.fits(line_jobs("small3"))
+    flight.submitted(flight.due()[None])
+    flight.ended([done(job_id) for job_id in flight.jobs_out()])
+    assert flight.bytes == 0 and flight.fits(large)
+    flight.add(large)
+    assert not flight.fits(line_jobs("small3"))  # the large line alone, over the bound

@@ -178,7 +178,7 @@ def test_a_completions_prompts_count_together(prompts, n, param):
     with pytest.raises(BodyTooLarge) as refused:
         check_jobs(specs, None, False, BOUND)
     assert refused.value.field == param
-    assert check_jobs(specs, None, False, BOUND + prompts * n) == sum(spec.check(None).cost for spec in specs)
+    assert check_jobs(specs, None, False, BOUND + prompts * n).tokens == sum(spec.check(None).cost for spec in specs)
 
 
 def test_the_setting_is_not_below_a_single_jobs_bound():
