@@ -233,7 +233,11 @@ def measure_load(path: str, rank: int, size: int, results) -> None:
 
 def peak_load_bytes(path: Path, loads: list[tuple[int, int]]) -> dict[tuple[int, int], tuple[int, int]]:
     """(rank, size) -> (the peak its load added, its weights' bytes), each load in a process of its own."""
-    ctx = multiprocessing.get_context("spawn")
+    # Each a fork of one process that imported this module (torch and the loader) once: spawned,
+    # each of the three imported them again (~3 s of CPU each, the test's most). A forked process
+    # starts from the same imports as a spawned one, and its peak counts what its load adds.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     results = ctx.Queue()
     procs = [ctx.Process(target=measure_load, args=(str(path), rank, size, results)) for rank, size in loads]
     for p in procs:
