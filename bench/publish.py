@@ -199,8 +199,12 @@ def run_case(tree: str, path: Path, mode: str, args) -> Case:
 def worker_threads(pid: int) -> tuple[int, int, int]:
     """The worker's CPU so far: its loop thread's and all its threads' (ns, from each thread's
     /proc schedstat; the loop thread is the process's main one), and its system time (clock ticks)."""
-    tasks = Path(f"/proc/{pid}/task")
-    run_ns = {int(tid.name): int((tid / "schedstat").read_text().split()[0]) for tid in tasks.iterdir()}
+    run_ns = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            run_ns[int(task.name)] = int((task / "schedstat").read_text().split()[0])
+        except FileNotFoundError:  # the thread ended between the listing and this read
+            continue
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return run_ns[pid], sum(run_ns.values()), int(fields[12])
 
