@@ -23,7 +23,7 @@ import pytest
 from gateway.http_protocol import LINGER_S
 from tests.gateway.support import ResourceWatch, raw_request, read_answer
 from tests.support.gateways import GatewayProcess
-from tests.support.jobs import job_count
+from tests.support.jobs import job_ids
 from worker.embedded_redis import EmbeddedRedis, free_port
 
 KEY = "edge-key"
@@ -166,7 +166,7 @@ def test_the_board_login_reads_a_bounded_form(edge_gateway, spool_dir):
     "content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"]
 )
 def test_a_json_route_takes_json_only_and_enqueues_nothing_else(edge_gateway, redis_client, content_type):
-    before = job_count(redis_client)
+    before = job_ids(redis_client)
     body = json.dumps({"model": "echo", "prompt": "cross-site", "max_tokens": 4}).encode()
     # A page of the gateway's own origin must send JSON too; one of another site, which a browser
     # too old for Sec-Fetch-Site marks by its Origin alone, is refused for where it comes from first.
@@ -179,7 +179,7 @@ def test_a_json_route_takes_json_only_and_enqueues_nothing_else(edge_gateway, re
             response = httpx.post(f"{edge_gateway.url}{path}", content=body, headers=headers)
             assert (response.status_code, response.json()["error"]["code"]) == refusal, (origin, path)
             assert "access-control-allow-origin" not in response.headers
-    assert job_count(redis_client) == before
+    assert job_ids(redis_client) <= before
 
 
 def test_cors_is_granted_to_configured_origins_only(edge_gateway, redis_server):
@@ -339,7 +339,7 @@ def test_an_open_gateway_answers_only_hosts_a_rebound_page_cannot_name(redis_ser
     its own host: an open gateway answers a Host that is an address, localhost, or a listed name."""
     gateway = GatewayProcess(redis_server.url, tmp_path, "--allowed-hosts", '["gw.internal"]').start()
     try:
-        before = job_count(redis_client)
+        before = job_ids(redis_client)
         rebound = {"Host": f"evil.example:{gateway.port}"}
         job = {"model": "nobody", "prompt": "hi", "max_tokens": 1}
         for answer in (
@@ -351,7 +351,7 @@ def test_an_open_gateway_answers_only_hosts_a_rebound_page_cannot_name(redis_ser
         ):
             assert answer.status_code == 400, answer.text
             assert answer.json()["error"]["code"] == "host_not_allowed"
-        assert job_count(redis_client) == before
+        assert job_ids(redis_client) <= before
         for host in (
             "127.0.0.1",
             f"127.0.0.1:{gateway.port}",
