@@ -356,9 +356,11 @@ def structured_output(req: SamplingRequest) -> dict[str, Any] | None:
     """The jobs' response_format, from OpenAI's `response_format` or one of vLLM's guided fields,
     refused with a 400 naming the part the grammar library cannot compile (before any job is
     enqueued)."""
+    # response_format `text` is OpenAI's default, no format at all: beside a guided field (as vLLM
+    # takes it) that field decides the format; json_object or json_schema beside one conflicts.
     given = [name for name in STRUCTURED_FIELDS if getattr(req, name) is not None]
-    if given == ["response_format"] and req.response_format.type == "text":
-        return None
+    if req.response_format is not None and req.response_format.type == "text":
+        given.remove("response_format")
     if len(given) > 1:
         raise bad_request(f"give one of {', '.join(STRUCTURED_FIELDS)}, not {' and '.join(given)}", given[1])
     if not given:

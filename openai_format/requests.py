@@ -342,7 +342,9 @@ class ChatCompletionRequest(SamplingRequest):
     verbosity: Annotated[Any, only("medium")] = None  # the spec's default: no length asked for
     web_search_options: Unused = None
     moderation: Unused = None
-    prompt_cache_retention: Unused = None
+    # The spec's "in_memory" (its other value, "24h", keeps prefixes up to a day: extended caching)
+    # is what the radix cache does: prefixes held in device memory while it has room for them.
+    prompt_cache_retention: Annotated[Any, only("in_memory")] = None
     functions: Unused = None
     function_call: Unused = None
 

@@ -14,7 +14,7 @@ import pytest
 from harness.polling import eventually
 from openai_format import requests
 from openai_format.errors import APIError
-from openai_format.job_specs import parse_body
+from openai_format.job_specs import chat_jobs, completion_jobs, parse_body
 from openai_format.render import finish_reason
 from producer_client import Client, JobResult
 from tests.gateway.support import PARKED_MODEL, PARKED_QUEUE
@@ -625,3 +625,47 @@ def test_every_field_the_spec_gives_a_default_is_accepted_at_it(name, model, bod
     assert {"temperature", "n"} <= set(defaults), defaults
     for prop, value in defaults.items():
         parse_body(model, json.dumps({"model": "m", **body, prop: value}))
+
+
+@pytest.mark.parametrize(
+    "guided, expected",
+    [
+        ({"guided_regex": "[a-z]+"}, {"type": "regex", "pattern": "[a-z]+"}),
+        ({"guided_choice": ["yes", "no"]}, {"type": "choice", "choices": ["yes", "no"]}),
+        (
+            {"guided_json": {"type": "object"}},
+            {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": {"type": "object"}}},
+        ),
+    ],
+)
+def test_response_format_text_beside_a_guided_field_leaves_the_format_to_that_field(guided, expected):
+    """`text` is the spec's default, no format at all (vLLM takes the pair): it was a 400 'give
+    one of ...'. json_object or json_schema beside a guided field still conflicts."""
+    for model, body in (
+        (requests.ChatCompletionRequest, {"messages": CHAT}),
+        (requests.CompletionRequest, {"prompt": "x"}),
+    ):
+        full = {"model": "tiny", **body, "response_format": {"type": "text"}, **guided}
+        (spec,) = parse_body_and_jobs(model, full)
+        assert spec.sampling["response_format"] == expected
+        with pytest.raises(APIError) as refused:
+            parse_body_and_jobs(model, {**full, "response_format": {"type": "json_object"}})
+        assert (refused.value.body.error.param, refused.value.body.error.code) == (next(iter(guided)), "invalid_value")
+
+
+def parse_body_and_jobs(model, body: dict):
+    req = parse_body(model, json.dumps(body))
+    return chat_jobs(req) if "messages" in body else completion_jobs(req)
+
+
+def test_prompt_cache_retention_in_memory_is_what_the_radix_cache_does_and_24h_is_unsupported():
+    """The spec's two values: in_memory (prefixes kept in memory while there is room: MILI's radix
+    cache) is accepted with no effect; 24h (extended caching, up to a day) is unsupported. Every
+    value was refused."""
+    body = {"model": "m", "messages": CHAT}
+    check("CreateChatCompletionRequest", {**body, "prompt_cache_retention": "in_memory"})
+    assert parse_body(requests.ChatCompletionRequest, json.dumps({**body, "prompt_cache_retention": "in_memory"}))
+    with pytest.raises(APIError) as refused:
+        parse_body(requests.ChatCompletionRequest, json.dumps({**body, "prompt_cache_retention": "24h"}))
+    error = refused.value.body.error
+    assert (refused.value.status, error.param, error.code) == (400, "prompt_cache_retention", "unsupported_parameter")

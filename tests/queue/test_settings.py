@@ -26,7 +26,9 @@ def test_the_shipped_file_lists_every_setting_at_its_default():
     text = DEFAULT_CONFIG_FILE.read_text()
     data = tomllib.loads(text)
     engine = data.pop("engine")
-    # Settings whose default is "unset" appear commented out: TOML has no null.
+    # Settings whose default is "unset" appear commented out: TOML has no null. So does one that
+    # is refused unless another, unset by default, is given (num_speculative_tokens: the loaded
+    # file would stop every worker without a speculative_method), at its default.
     top, engine_text = text.split("\n[engine]\n")
     commented_top = set(re.findall(r"^# (\w+) = ", top, flags=re.M))
     assert set(data) | commented_top == set(WorkerSettings.model_fields) - {"engine"}
@@ -34,7 +36,10 @@ def test_the_shipped_file_lists_every_setting_at_its_default():
     assert all(WorkerSettings.model_fields[name].default is None for name in commented_top)
     commented = set(re.findall(r"^# (\w+) = ", engine_text, flags=re.M))
     assert set(engine) | commented == set(EngineSettings.model_fields)
-    assert all(EngineSettings.model_fields[name].default is None for name in commented)
+    needing_another = {name for name in commented if EngineSettings.model_fields[name].default is not None}
+    assert needing_another == {"num_speculative_tokens"}
+    assert re.search(r"^# num_speculative_tokens = 4 ", engine_text, flags=re.M)
+    assert EngineSettings.model_fields["num_speculative_tokens"].default == 4
     defaults = WorkerSettings.model_construct()
     assert {k: getattr(defaults, k) for k in data} == data
     assert {k: getattr(EngineSettings(), k) for k in engine} == engine
@@ -202,6 +207,31 @@ def test_speculative_flags_reach_the_engine_settings_and_a_method_without_its_mo
     with pytest.raises(SystemExit):
         parse_flags("--speculative-method", "medusa")
     assert "invalid choice: 'medusa'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, environment, file",
+    [
+        (["--num-speculative-tokens", "4"], {}, ""),
+        ([], {"MILI_ENGINE__NUM_SPECULATIVE_TOKENS": "3"}, ""),
+        ([], {}, "[engine]\nnum_speculative_tokens = 2\n"),
+    ],
+)
+def test_num_speculative_tokens_without_a_method_stops_the_worker_with_one_line_naming_both(
+    flags, environment, file, tmp_path, monkeypatch, capsys
+):
+    """It was ignored (the worker served without speculation) where --speculative-model alone was
+    refused: a setting that cannot take effect is refused before the worker touches Redis, as a
+    flag, in the environment and in the settings file (even at its default, 4)."""
+    for name in [n for n in os.environ if n.startswith("MILI_")]:
+        monkeypatch.delenv(name)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    config = tmp_path / "worker.toml"
+    config.write_text(file)
+    assert worker_main(["--redis", "redis://localhost:1/0", "--config", str(config), *flags]) == 2
+    line = "num_speculative_tokens: has no effect without speculative_method (ngram, draft or eagle3)"
+    assert capsys.readouterr().err == f"error: invalid_argument: {line}\n"
 
 
 def test_a_settings_file_that_is_missing_or_no_toml_and_a_log_level_of_no_name_are_one_line_each(tmp_path, capsys):

@@ -160,6 +160,16 @@ class EngineSettings(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _draft_length_only_when_drafting(self) -> EngineSettings:
+        # Given without a method it was ignored: nothing drafts, so the worker ran without
+        # speculation while its operator asked for K tokens of it.
+        if "num_speculative_tokens" in self.model_fields_set and self.speculative_method is None:
+            raise InvalidArgument(
+                "num_speculative_tokens", "has no effect without speculative_method (ngram, draft or eagle3)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _decodes_fit_one_step(self) -> EngineSettings:
         # Every running request decodes every step, so a step must hold one token for each.
         if self.max_running > self.max_num_batched_tokens:
