@@ -15,8 +15,9 @@ from gateway.app import create_app
 from gateway.http_protocol import head_timed_protocol
 from gateway.lifecycle import Lifecycle
 from gateway.settings import GatewaySettings, add_setting_flags, settings_from_args
-from producer_client import InvalidArgument, MiliError, logs
+from producer_client import MiliError, logs
 from producer_client.arguments import OneLineParser
+from producer_client.hosts import no_address
 from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 
 # A stream still open this long after SIGTERM is cut; the stop has already told it to end.
@@ -56,7 +57,7 @@ def check_host_resolves(host: str, port: int) -> None:
     try:
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
-        raise InvalidArgument("host", f"{host!r} is no address this host can listen on: {e.strerror}") from None
+        raise no_address("host", host, e) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,10 @@ both import."""
 from __future__ import annotations
 
 import ipaddress
+import socket
 from dataclasses import dataclass
+
+from producer_client.errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -63,3 +66,9 @@ def is_address(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def no_address(setting: str, host: str, error: socket.gaierror) -> InvalidArgument:
+    """The error for a host to listen on that resolves to no address (the gateway's `host`, a
+    worker's `metrics_host`): one line naming it and the resolver's words."""
+    return InvalidArgument(setting, f"{host!r} is no address this host can listen on: {error.strerror}")

@@ -26,7 +26,7 @@ from producer_client import logs
 from producer_client.arguments import OneLineParser
 from producer_client.connection import is_fatal, not_redis, redact_url
 from producer_client.errors import InvalidArgument, MiliError, RedisRefused, RedisUnavailable
-from producer_client.hosts import Hosts
+from producer_client.hosts import Hosts, no_address
 from producer_client.settings import SETTINGS_ERRORS, settings_error_line
 from worker.embedded_redis import EmbeddedRedis
 from worker.engine.interface import EngineAPI
@@ -163,7 +163,7 @@ def serve_metrics(metrics: WorkerMetrics, settings: WorkerSettings) -> tuple[WSG
     try:
         return metrics.serve(host, settings.metrics_port, Hosts.of(settings.allowed_hosts))
     except socket.gaierror as e:
-        raise InvalidArgument("metrics_host", f"{host!r} is no address this host can listen on: {e.strerror}") from None
+        raise no_address("metrics_host", host, e) from None
     except OSError as e:
         raise MetricsPortTaken(
             f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port} ({e.strerror}): another worker "
