@@ -23,7 +23,7 @@ import contextlib
 import threading
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import redis
 
@@ -313,6 +313,26 @@ class Subscriber:
             thread.join(POLL_S * 2)
 
 
+class DispatcherTask(asyncio.Task[None]):
+    """The task of an AsyncSubscriber, which knows it was cancelled even where the CancelledError
+    never reached it. redis-py sends a command in an asyncio.wait_for, which up to Python 3.11
+    returns as if no cancel had come when the cancel comes as the command is sent (the write done,
+    the wait_for not yet woken): the task read on for ever. asyncio.run() cancels every task left
+    once its main coroutine has ended, and waits for them: it never returned (a forked child of
+    tests/queue/test_fork.py, once in a loaded CI run)."""
+
+    cancel_asked = False
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        self.cancel_asked = True
+        return super().cancel(msg)
+
+    def end_if_cancelled(self) -> None:
+        """Raises the CancelledError that a send swallowed, if any: the task ends cancelled, as asked."""
+        if self.cancel_asked:
+            raise asyncio.CancelledError
+
+
 class AsyncSubscriber:
     """`AsyncClient`'s subscriber: one PubSub connection and a task of the client's event loop
     reading it, made at the first stream() and closed with the client."""
@@ -360,7 +380,8 @@ class AsyncSubscriber:
                 if self.feeds.add(feed):
                     await self.pubsub.ssubscribe(feed.channel)
                 if self.task is None:
-                    self.task = asyncio.create_task(self._run(self.pubsub), name="mili-events")
+                    loop = asyncio.get_running_loop()
+                    self.task = DispatcherTask(self._run(self.pubsub), loop=loop, name="mili-events")
         except redis.RedisError as error:
             self.feeds.fail(error)
             await self._stop()
@@ -374,9 +395,13 @@ class AsyncSubscriber:
                 await pubsub.sunsubscribe(*channels)
 
     async def _run(self, pubsub: Any) -> None:
+        task = cast(DispatcherTask, asyncio.current_task())
         while not self.closed and pubsub is self.pubsub:
             try:
                 await self._leave(pubsub)
+                # Past the sends that may swallow a cancel (this SUNSUBSCRIBE, and redis-py's
+                # resubscription when a read reconnects): the read next would not end the task.
+                task.end_if_cancelled()
                 message = await pubsub.get_message(timeout=POLL_S)
             except Exception as error:  # a refusal, or a connection redis-py's retries gave up on
                 self.feeds.fail(error)

@@ -17,7 +17,7 @@ from harness.echo_workers import serving
 from harness.polling import eventually
 from producer_client import AsyncClient, Client
 from producer_client.cluster import is_cluster
-from producer_client.event_feed import HELD, Feeds, Published, Subscriber, ThreadFeed
+from producer_client.event_feed import HELD, POLL_S, Feeds, Published, Subscriber, ThreadFeed
 from producer_client.job_stream import EVENT_BATCH
 from producer_client.keys import Keys
 from producer_client.schema import TokenDelta
@@ -278,3 +278,54 @@ def test_a_reader_far_behind_reads_the_kept_events_batch_after_batch_without_wai
         again = list(client.stream(job_id, timeout=1.5))
     assert_exact(first, result.text)
     assert_exact(again, result.text)
+
+
+def test_an_asyncio_run_ends_when_its_end_cancels_the_subscriber_as_it_sends_a_command(redis_server, queue):
+    """asyncio.run() cancels every task left once its main coroutine has ended, and waits for them.
+    Here its cancel of the AsyncClient's subscriber task comes as the task sends the SUNSUBSCRIBE
+    of the channel its last reader left (the send held until the main coroutine ends, then made
+    in the same turn of the loop): redis-py sends in an asyncio.wait_for, which up to Python 3.11
+    returns as if no cancel had come when the command is sent by then, and the task read on for
+    ever, asyncio.run() waiting for it: a forked child of tests/queue/test_fork.py whose main
+    coroutine ended so, once in a loaded CI run, hung there until killed."""
+    client = AsyncClient(redis_server.url, queue)
+    sends: list[str] = []
+
+    def held_until_ended(sending: asyncio.Event) -> None:
+        """The subscriber's next SUNSUBSCRIBE held until the calling task, the main coroutine's, ends."""
+        main = asyncio.current_task()
+        assert main is not None
+        connection = client.subscriber.pubsub.connection
+        send = connection._send_packed_command  # the write that redis-py's wait_for runs as a task
+
+        async def sent_once_main_ended(command) -> None:
+            if b"SUNSUBSCRIBE" in b"".join(bytes(part) for part in command):
+                sends.append("SUNSUBSCRIBE")
+                sending.set()
+                # Woken by main's end in the same turn of the loop as asyncio.run()'s own callback, which
+                # stops the loop after that turn and cancels the tasks left: the subscriber's, sending.
+                await main
+            await send(command)
+
+        connection._send_packed_command = sent_once_main_ended
+
+    async def stream_to_its_end() -> str:
+        job_id = await client.submit(prompt(0), max_tokens=TOKENS)
+        deltas = client.stream(job_id, timeout=WAIT_S)
+        read = [await anext(deltas)]
+        sending = asyncio.Event()
+        held_until_ended(sending)
+        # To its end: its channel left, the subscriber's task sends the SUNSUBSCRIBE at its next turn.
+        read += [delta async for delta in deltas]
+        await asyncio.wait_for(sending.wait(), WAIT_S)
+        return "".join(delta.text for delta in read)
+
+    read: list[str] = []
+    running = threading.Thread(target=lambda: read.append(asyncio.run(stream_to_its_end())))
+    with serving(redis_server.url, queue, **PACE):
+        running.start()
+        running.join(10 * POLL_S)
+        hung = running.is_alive()
+        client.subscriber.closed = True  # a task reading on sees it within POLL_S: the thread ends either way
+        running.join(WAIT_S)
+    assert (sends, read, hung) == (["SUNSUBSCRIBE"], [prompt(0)], False)
