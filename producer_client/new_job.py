@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from producer_client import structured
 from producer_client.errors import BodyTooLarge, IdempotencyConflict, InvalidArgument
 from producer_client.keys import DEFAULT_LANE, Keys, check_name
-from producer_client.placement import prefix_key
+from producer_client.placement import prefix_key, prompt_prefix_key
 from producer_client.protocol import producer as scripts
 from producer_client.protocol.script import ScriptCall
 from producer_client.schema import (
@@ -25,6 +25,7 @@ from producer_client.schema import (
     JobRequest,
     SamplingParams,
     invalid_argument_from,
+    prompt_job_body,
 )
 
 FINGERPRINT_CHARS = 64
@@ -96,13 +97,13 @@ def build_job(
     IdempotencyConflict. `service_tier` names its lane (SERVICE_TIERS; None: default).
     `known_params`: see sampling_params. `tenant`: the submitting client's (fresh_job_id)."""
     lane = lane_of(service_tier)
+    plain = is_plain_prompt(prompt, messages, input_ids, priority, timeout_s, stream, options)
+    if plain and request_id is None and fingerprint is None:  # most submits: see plain_prompt_job
+        return plain_prompt_job(prompt, options, known_params, tenant, lane)
     if messages is not None or input_ids is not None:  # no call for a prompt's job: submit_many makes many
         check_least_size(messages, input_ids)
     request = validated_request(prompt, messages, input_ids, priority, timeout_s, stream, options, known_params)
-    body = request.to_json()
-    size = len(body.encode())
-    if size > MAX_BODY_BYTES:
-        raise BodyTooLarge("body", f"{size} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    body = checked_body(request.to_json())
     fields = request.__dict__  # not attributes: see schema.py's note on fields read from `__dict__`
     timeout_s, adapter = fields["timeout_s"], fields["adapter"]
     timeout_ms = 0 if timeout_s is None else max(1, round(timeout_s * 1000))
@@ -115,6 +116,52 @@ def build_job(
     fingerprint = bound_fingerprint(request, fingerprint)
     job_id = checked_request_id(request_id, tenant)
     return NewJob(job_id, body, True, timeout_ms, fingerprint, prefix_key(request), adapter, lane, cost)
+
+
+def is_plain_prompt(
+    prompt: Any, messages: Any, input_ids: Any, priority: Any, timeout_s: Any, stream: Any, options: dict[str, Any]
+) -> bool:
+    """Whether a job is a plain prompt's: a non-empty str, with sampling parameters alone and every
+    other field at its default (as given, not only equal to it: priority=False is no int). Its
+    JobRequest would hold these as given; JobRequest's schema refuses no such prompt (its one rule
+    for a str prompt is min_length=1), and its checks beside the params' cannot fail for it."""
+    return (
+        type(prompt) is str
+        and prompt != ""
+        and messages is None
+        and input_ids is None
+        and type(priority) is int
+        and priority == 0
+        and timeout_s is None
+        and stream is False
+        and options.keys().isdisjoint(JOB_OPTIONS)
+    )
+
+
+def plain_prompt_job(
+    prompt: str, sampling: dict[str, Any], known_params: KnownParams | None, tenant: str | None, lane: str
+) -> NewJob:
+    """build_job of a plain prompt's job (is_plain_prompt) with no request_id nor fingerprint: the
+    same checks, in the same order (its params', then its body's size), and the same job, without
+    the JobRequest, whose validation, field reads and checks were about a fifth of a submit's
+    instructions (bench/RESULTS.md, "A plain prompt's job built without its JobRequest")."""
+    try:
+        params = sampling_params(sampling, known_params)
+    except ValidationError as e:
+        raise invalid_argument_from(e, strip="params.") from None
+    params.check_within(MAX_TOKENS_LIMIT)
+    check_format_of(params)
+    body = checked_body(prompt_job_body(prompt, params))
+    cost = -(-len(prompt) // CHARS_PER_TOKEN) + params.__dict__["max_tokens"]  # estimated_tokens
+    return NewJob(fresh_job_id(tenant), body, False, 0, "", prompt_prefix_key(prompt), None, lane, cost)
+
+
+def checked_body(body: str) -> str:
+    """`body`, refused (BodyTooLarge) past MAX_BODY_BYTES."""
+    size = len(body.encode())
+    if size > MAX_BODY_BYTES:
+        raise BodyTooLarge("body", f"{size} bytes exceeds the limit of {MAX_BODY_BYTES}")
+    return body
 
 
 def check_least_size(messages: Any, input_ids: Any) -> None:
@@ -288,6 +335,17 @@ LONG_JOB_MESSAGES = 512
 LONG_JOB_IDS = 16384
 
 
+def check_format_of(
+    params: SamplingParams, check: Callable[..., None] = structured.check_format
+) -> structured.ResponseFormat | None:
+    """The params' response_format, refused (by `check`: see check_grammars) where the worker could
+    not compile it."""
+    fmt: structured.ResponseFormat | None = params.__dict__["response_format"]
+    if fmt is not None:
+        check(fmt)
+    return fmt
+
+
 def builds_long(arguments: Mapping[str, Any]) -> bool:
     """Whether submit()'s keyword arguments take more than about a millisecond to validate and
     serialize: many messages, or many token ids (a 1 MiB job of 33,000 messages takes 130 ms). Read
@@ -312,9 +370,7 @@ def check_grammars(request: JobRequest, check: Callable[..., None] = structured.
     tool_choice, or tools beside a response_format). `check`: structured.check_format, or the
     worker's structured.check_size."""
     fields = request.__dict__  # see schema.py's note on fields read from `__dict__`
-    fmt = fields["params"].__dict__["response_format"]
-    if fmt is not None:
-        check(fmt)
+    fmt = check_format_of(fields["params"], check)
     forced = fields["tool_choice"] not in (None, "auto", "none")
     if forced or fmt is not None:
         for i, tool in enumerate(request.tools or []):

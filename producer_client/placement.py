@@ -61,7 +61,7 @@ def prefix_key(request: JobRequest) -> bytes:
     if messages is not None:
         root = roots.chat_root(messages, fields["tools"]).encode()
     elif prompt is not None:
-        root = roots.text_root(prompt).encode()
+        return prompt_prefix_key(prompt)
     elif input_ids is not None:
         # The ids' machine bytes, not their decimal text: a third of the time, on a root of Qwen3's
         # chat format that may hold a whole system prompt.
@@ -69,6 +69,11 @@ def prefix_key(request: JobRequest) -> bytes:
     else:  # JobRequest's validation refuses this; a request built past it (model_construct) too
         raise InvalidArgument("prompt", "give exactly one of prompt, messages or input_ids")
     return hashlib.blake2b(root, digest_size=16).digest()
+
+
+def prompt_prefix_key(prompt: str) -> bytes:
+    """prefix_key of a prompt's job without an adapter."""
+    return hashlib.blake2b(roots.text_root(prompt).encode(), digest_size=16).digest()
 
 
 def rendezvous_score(key: bytes, worker: str) -> int:

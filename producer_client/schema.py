@@ -82,6 +82,15 @@ class SamplingParams(BaseModel):
         params.check_consistency()
         return params
 
+    def check_within(self, max_tokens_limit: int) -> None:
+        """The rules of these params a field-by-field schema cannot state, max_tokens within the
+        limit first (JobRequest.check: once per submit, and per job a worker reads)."""
+        max_tokens = self.__dict__["max_tokens"]  # see the module's note on fields read from `__dict__`
+        if max_tokens > max_tokens_limit:
+            message = f"{max_tokens} exceeds the limit of {max_tokens_limit}"
+            raise OutOfRange("max_tokens", message, below=False)
+        self.check_consistency()
+
     def check_consistency(self) -> None:
         fields = self.__dict__  # see the module's note on fields read from `__dict__`
         if fields["min_tokens"] > fields["max_tokens"]:
@@ -202,12 +211,7 @@ class JobRequest(BaseModel):
             raise InvalidArgument("prompt", "give exactly one of prompt, messages or input_ids")
         if input_ids is not None:
             check_token_ids("input_ids", input_ids)
-        params = fields["params"]
-        max_tokens = params.__dict__["max_tokens"]
-        if max_tokens > max_tokens_limit:
-            message = f"{max_tokens} exceeds the limit of {max_tokens_limit}"
-            raise OutOfRange("max_tokens", message, below=False)
-        params.check_consistency()
+        fields["params"].check_within(max_tokens_limit)
         self.check_chat_options()
 
     def check_chat_options(self) -> None:
@@ -256,8 +260,14 @@ class JobRequest(BaseModel):
         for name, default in PROMPT_JOB_DEFAULTS.items():  # a loop: a generator would be a frame more
             if fields[name] != default:
                 return self.__pydantic_serializer__.to_json(self, exclude_defaults=True).decode()
-        text, params = pydantic_core.to_json(prompt).decode(), params_json(fields["params"])
-        return f'{{"prompt":{text}}}' if params is None else f'{{"prompt":{text},"params":{params}}}'
+        return prompt_job_body(prompt, fields["params"])
+
+
+def prompt_job_body(prompt: str, params: SamplingParams) -> str:
+    """The body of a job of `prompt` and `params` whose every other field is at its default, as
+    JobRequest.to_json joins it: the prompt's JSON string and its params' JSON (params_json)."""
+    text, params_text = pydantic_core.to_json(prompt).decode(), params_json(params)
+    return f'{{"prompt":{text}}}' if params_text is None else f'{{"prompt":{text},"params":{params_text}}}'
 
 
 # JobRequest's fields beside its prompt and params, with their defaults: a prompt's job whose fields

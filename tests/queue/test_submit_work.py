@@ -16,16 +16,17 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from producer_client import Client
 from producer_client.cluster import AsyncCluster, Cluster, is_cluster
+from producer_client.errors import InvalidArgument, MiliError
 from producer_client.keys import DEFAULT_LANE, LANES, NO_TENANT, Keys
-from producer_client.new_job import build_job
-from producer_client.placement import Placed, Placement, View
+from producer_client.new_job import NewJob, build_job, estimated_tokens
+from producer_client.placement import Placed, Placement, View, prefix_key
 from producer_client.protocol import execution
 from producer_client.protocol import producer as protocol
 from producer_client.protocol.execution import _lacking_scripts, recorder
 from producer_client.protocol.replies import Enqueued, Refusal, UnknownReply, parse_enqueue
 from producer_client.quotas import Quotas
 from producer_client.rate_limits import NO_RATE_LIMITS, RateLimits
-from producer_client.schema import JobRequest, SamplingParams
+from producer_client.schema import MAX_BODY_BYTES, PROMPT_JOB_DEFAULTS, JobRequest, SamplingParams
 from producer_client.sharing import goes_to_queue_stream, rate_limits_of, uses_queue_stream
 
 PROMPTS = [
@@ -100,6 +101,100 @@ def test_building_a_prompt_job_makes_few_python_calls():
     # 759db3b: 20 (a model attribute read through pydantic's __getattr__ is no Python call; the
     # params' comparison with the defaults and the memo key's comprehension are).
     assert python_calls(build) <= 18
+
+
+def test_a_plain_prompts_job_is_built_without_its_job_request(monkeypatch):
+    """A plain prompt's job (a str prompt, sampling parameters, every other field at its default,
+    no request_id): its JobRequest is neither validated nor made (failed at 2dd42c8: it was)."""
+
+    def refuse(data: dict) -> JobRequest:
+        raise AssertionError("a JobRequest validated")
+
+    monkeypatch.setattr(JobRequest, "strictly_validated", refuse)
+    job = build_job("a prompt", None, None, None, None, 0, {"max_tokens": 1, "temperature": 0.0}, known_params={})
+    assert job.body == '{"prompt":"a prompt","params":{"max_tokens":1,"temperature":0.0}}'
+    with pytest.raises(AssertionError):  # a job of another kind still is
+        build_job("a prompt", None, None, None, None, 1, {"max_tokens": 1}, known_params={})
+
+
+PLAIN_SAMPLING = [
+    {},
+    {"max_tokens": 1, "temperature": 0.0},
+    {"stop": ["a\n"], "top_p": 0.5, "seed": 3, "min_tokens": 2},
+    {"max_tokens": 256},  # its default, given
+    {"response_format": {"type": "regex", "pattern": "[ab]+"}},
+]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("sampling", PLAIN_SAMPLING)
+@pytest.mark.parametrize("known", [None, {}])
+def test_a_plain_prompts_job_is_the_one_its_job_request_gives(prompt, sampling, known):
+    """The same body (pydantic's text), cost, prefix key and fields as the job built from its JobRequest."""
+    request = JobRequest(prompt=prompt, params=SamplingParams(**sampling))
+    for _ in range(2):  # the params validated, then from the memo
+        job = build_job(prompt, None, None, None, None, 0, dict(sampling), known_params=known, tenant="acme")
+        assert job.body == pydantic_body(request)
+        assert job.cost == estimated_tokens(request, job.body)
+        assert job.prefix == prefix_key(request)
+        assert job.job_id.startswith("acme.") and len(job.job_id) == len("acme.") + 32
+        assert job._replace(job_id="", body="", cost=0, prefix=b"") == NewJob("", "", False, 0, "", b"", None)
+
+
+@pytest.mark.parametrize(
+    "prompt, sampling",
+    [
+        ("p", {"max_tokens": 40000}),  # over MAX_TOKENS_LIMIT
+        ("p", {"max_tokens": 0}),
+        ("p", {"min_tokens": 5, "max_tokens": 2}),
+        ("p", {"stop": [""]}),
+        ("p", {"stop": ["x" * 300]}),
+        ("p", {"stop_token_ids": [-1]}),
+        ("p", {"temperature": "hot"}),
+        ("p", {"bogus": 1}),
+        ("p", {"max_tokens": 40000, "min_tokens": -1}),  # the schema's error first
+        ("p", {"response_format": {"type": "regex", "pattern": "(("}}),
+        ("p", {"response_format": {"type": "regex", "pattern": "a"}, "stop": ["x"]}),
+        ("x" * MAX_BODY_BYTES, {}),  # a body over the limit
+    ],
+)
+def test_a_plain_prompts_job_is_refused_as_its_job_request_is(prompt, sampling):
+    """Each refusal, in the same order, as that of the same job built from its JobRequest (a
+    request_id's job, built through it)."""
+    with pytest.raises(MiliError) as plain:
+        build_job(prompt, None, None, None, None, 0, dict(sampling), known_params={})
+    with pytest.raises(MiliError) as through_request:
+        build_job(prompt, None, None, "rid", None, 0, dict(sampling), known_params={})
+    assert type(plain.value) is type(through_request.value)
+    assert str(plain.value) == str(through_request.value)
+
+
+@pytest.mark.parametrize(
+    "prompt, priority, stream",
+    [("", 0, False), (None, 0, False), (b"p", 0, False), ("p", False, False), ("p", 0.0, False), ("p", 0, 0)],
+)
+def test_what_is_no_plain_prompt_is_judged_by_its_job_request(prompt, priority, stream):
+    """An empty prompt, none, or a field equal to its default but of another type: refused by the
+    schema as before (strict: priority=False is no int, stream=0 no bool)."""
+    with pytest.raises(InvalidArgument):
+        build_job(prompt, None, None, None, None, priority, {}, stream=stream, known_params={})
+
+
+def test_job_request_is_what_a_plain_prompts_job_assumes():
+    """is_plain_prompt's premises: JobRequest's one rule of a str prompt is min_length=1, no validator
+    of its own runs, and the fields a plain prompt leaves out default to what it checks they hold."""
+    prompt = JobRequest.model_fields["prompt"]
+    assert prompt.annotation == str | None and [type(m).__name__ for m in prompt.metadata] == ["MinLen"]
+    assert prompt.metadata[0].min_length == 1
+    decorators = JobRequest.__pydantic_decorators__
+    assert not decorators.field_validators and not decorators.model_validators and not decorators.validators
+    assert {k: PROMPT_JOB_DEFAULTS[k] for k in ("messages", "input_ids", "priority", "timeout_s", "stream")} == {
+        "messages": None,
+        "input_ids": None,
+        "priority": 0,
+        "timeout_s": None,
+        "stream": False,
+    }
 
 
 def test_a_queue_of_one_worker_or_none_sends_jobs_to_the_shared_stream_without_reading_placement():
