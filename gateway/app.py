@@ -169,13 +169,13 @@ class Gateway:
             log.info("request %s: the client left before its results", jobs.request_id)
         return results
 
-    async def stream(self, jobs: RequestJobs, renderer: Renderer, include_usage: bool) -> EventStream:
+    async def stream(self, jobs: RequestJobs, renderer: Renderer) -> EventStream:
         """The jobs' stream, once each has begun (or stream_hold_s has passed): a job the worker
         refuses (a prompt longer than the context) is an HTTP error before the stream starts."""
         s = self.settings
         inbox = self.jobs.open_inbox(jobs, stream=True, receive=None)
         first = await opening(inbox, s.stream_hold_s)
-        body = events(inbox, first, renderer, include_usage, s.keepalive_s, self.metrics, s.retry_after_s)
+        body = events(inbox, first, renderer, s.keepalive_s, self.metrics, s.retry_after_s)
         return EventStream(body)
 
     async def answer(
@@ -187,7 +187,9 @@ class Gateway:
         long = len(body) >= LONG_BODY_BYTES
         req, specs = await self.request_of(body, request_model, jobs_of, long)
         prompt_of, lane = [s.prompt_index for s in specs], lane_of(specs[0].service_tier)
-        renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, prompt_of, lane)
+        renderer = renderer_of(
+            f"{id_prefix}-{answer_id(request)}", req.model, prompt_of, lane, include_usage=include_usage(req)
+        )
         try:
             route = await self.registry.route(req.model)
             specs = [replace(spec, adapter=route.adapter) for spec in specs]
@@ -198,7 +200,7 @@ class Gateway:
         prompt = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         try:
             if req.streams:
-                return await self.stream(jobs, renderer, include_usage(req))
+                return await self.stream(jobs, renderer)
             results = await self.results(request, jobs)
         except JobFailed as e:
             raise job_error(e, prompt) from None

@@ -18,7 +18,7 @@ from openai_format.job_specs import chat_jobs, completion_jobs, parse_body
 from openai_format.render import finish_reason
 from producer_client import Client, JobResult
 from tests.gateway.support import PARKED_MODEL, PARKED_QUEUE
-from tests.openai_spec import SPEC, check
+from tests.openai_spec import SPEC, check, spec_text
 from tests.support.jobs import job_ids
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -112,6 +112,44 @@ def test_n_choices_streamed_validate_each_with_its_role_and_finish_once_then_the
             "CreateChatCompletionStreamResponse" if path == "/v1/chat/completions" else "CreateCompletionResponse", last
         )
         assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3 * n, last
+
+
+STREAM_USAGE = "/components/schemas/CreateChatCompletionStreamResponse/properties/usage/description"
+INCLUDE_USAGE = "/components/schemas/ChatCompletionStreamOptions/anyOf/0/properties/include_usage/description"
+
+
+def test_a_chat_streams_usage_is_absent_unless_include_usage_then_null_in_every_chunk_but_the_last(gateway):
+    """The spec's rule, which its schema cannot say (`usage` is optional and nullable): the field
+    is present only with `include_usage: true`, and then null in every chunk but the usage chunk
+    (choices empty). Every chunk said `"usage": null` whatever the request asked."""
+    assert 'only be present when you set `stream_options: {"include_usage": true}`' in spec_text(STREAM_USAGE)
+    assert "null value **except for the last chunk**" in spec_text(STREAM_USAGE)
+    assert "All other chunks will also include a `usage` field, but with a null value" in spec_text(INCLUDE_USAGE)
+    body = {"model": "echo", "messages": CHAT, "max_tokens": 4, "n": 2, "stream": True}
+    for options in ({}, {"stream_options": None}, {"stream_options": {"include_usage": False}}):
+        chunks = sse_chunks(post(gateway, "/v1/chat/completions", {**body, **options}))
+        for chunk in chunks:
+            check("CreateChatCompletionStreamResponse", chunk)
+        assert [c for c in chunks if "usage" in c] == [], options
+        assert all(c["choices"] for c in chunks)  # no usage chunk either
+    *chunks, last = sse_chunks(
+        post(gateway, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    )
+    for chunk in [*chunks, last]:
+        check("CreateChatCompletionStreamResponse", chunk)
+    assert [c["usage"] for c in chunks] == [None] * len(chunks)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8, last
+
+
+def test_a_text_completions_stream_has_no_usage_but_in_its_usage_chunk(gateway):
+    """A text completion's chunk is the spec's CreateCompletionResponse, whose `usage` is not
+    nullable: the field is left out of every chunk, and only the usage chunk asked for has it."""
+    body = {"model": "echo", "prompt": "abc", "max_tokens": 3, "stream": True}
+    for options in ({}, {"stream_options": {"include_usage": False}}):
+        chunks = sse_chunks(post(gateway, "/v1/completions", {**body, **options}))
+        for chunk in chunks:
+            check("CompletionStreamChunk", chunk)
+        assert [c for c in chunks if "usage" in c] == [] and all(c["choices"] for c in chunks), options
 
 
 def test_models_and_errors_validate(gateway):
