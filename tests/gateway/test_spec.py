@@ -478,6 +478,45 @@ def test_what_mili_cannot_honour_is_a_400_naming_it_and_enqueues_nothing(gateway
     assert job_ids(redis_client) <= before
 
 
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/v1/batches/"),  # was a 307 to /v1/batches (FastAPI's redirect_slashes)
+        ("POST", "/v1/chat/completions/"),  # was a 307: the SDK sent the body again, and got an answer
+        ("GET", "/v1/files/file-x/content/"),
+        ("GET", "/v1/nope"),
+        ("POST", "/v1/responses"),
+        ("GET", "/"),
+    ],
+)
+def test_a_path_the_gateway_has_not_is_openais_404_unknown_url_never_a_redirect(gateway, redis_client, method, path):
+    """OpenAI answers a path it has not, a trailing slash's too, with its error object: a 404
+    `unknown_url` naming the method and path. A redirect to the path without the slash is no
+    answer a spec client expects (a 307 has no error object; the SDK follows it)."""
+    before = job_ids(redis_client)
+    body = {"model": "echo", "messages": CHAT, "max_tokens": 1} if method == "POST" else None
+    answer = httpx.request(method, f"{gateway.url}{path}", json=body, timeout=30)
+    assert answer.status_code == 404, (answer.status_code, answer.headers.get("location"))
+    check("ErrorResponse", answer.json())
+    error = answer.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "unknown_url", None)
+    assert error["message"].startswith(f"Unknown request URL: {method} {path}. ")
+    assert answer.headers["x-request-id"]
+    assert job_ids(redis_client) <= before
+
+
+def test_a_path_the_sdk_asks_with_a_trailing_slash_raises_not_found_with_the_code(sdk, redis_client):
+    before = job_ids(redis_client)
+    for call in (
+        lambda: sdk.get("/batches/", cast_to=object),
+        lambda: sdk.post("/chat/completions/", cast_to=object, body={"model": "echo", "messages": CHAT}),
+    ):
+        with pytest.raises(openai.NotFoundError) as refused:
+            call()
+        assert refused.value.code == "unknown_url"
+    assert job_ids(redis_client) <= before
+
+
 def test_embeddings_are_a_400_saying_mili_generates_text_and_enqueue_nothing(gateway, sdk, redis_client):
     """docs/http-api.md lists embeddings among what is refused with a 400 naming it; the SDK's
     embeddings.create got the 404 'Not Found' of a route the gateway has not, as a wrong base_url."""
