@@ -423,7 +423,6 @@ def test_a_null_or_empty_prompt_is_the_specs_default_the_document_start(gateway,
         ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
         ("/v1/chat/completions", {"store": True}, "store"),
         ("/v1/chat/completions", {"service_tier": "scale"}, "service_tier"),
-        ("/v1/chat/completions", {"service_tier": "fast"}, "service_tier"),
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
         ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
         ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
@@ -530,14 +529,14 @@ def test_embeddings_are_a_400_saying_mili_generates_text_and_enqueue_nothing(gat
 
 
 def test_a_service_tier_the_spec_has_not_is_an_invalid_value_not_an_unsupported_one(gateway, redis_client):
-    """Only the spec's tiers MILI does not run (scale, fast) are unsupported_parameter; the message
-    of a value the spec has not lists only the tiers MILI takes (it listed scale and fast too)."""
+    """Only the spec's tier MILI does not run (scale) is unsupported_parameter; the message of a
+    value the spec has not lists only the tiers MILI takes (it listed scale too)."""
     before = job_ids(redis_client)
     for tier in ("bogus", "null", 5):
         response = post(gateway, "/v1/chat/completions", {"model": "echo", "messages": CHAT, "service_tier": tier})
         error = response.json()["error"]
         assert (response.status_code, error["param"], error["code"]) == (400, "service_tier", "invalid_value")
-        assert error["message"] == "service_tier: Input should be 'auto', 'default', 'flex' or 'priority'"
+        assert error["message"] == "service_tier: Input should be 'auto', 'default', 'flex', 'priority' or 'fast'"
     assert job_ids(redis_client) <= before
 
 
