@@ -319,6 +319,8 @@ def add_openai_routes(app: FastAPI, gw: Gateway) -> None:
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
+        if not model:
+            raise no_route()
         card = next((c for c in (await gw.registry.current(force=True)).cards if c.id == model), None)
         if card is None:
             raise not_found(
@@ -341,6 +343,8 @@ def add_mili_routes(app: FastAPI, gw: Gateway, default_queue: str) -> None:
 
     @app.get("/v1/jobs/{job_id:path}")
     async def job_status(request: Request, job_id: str):
+        if not job_id:
+            raise no_route()
         # Another tenant's job is answered as a missing one, before any read: its existence is not told.
         if not tenant_of(request).owns_job(check_job_id(job_id)):
             raise JobNotFound(job_id)
@@ -405,6 +409,12 @@ def edge_of(app, client: AsyncClient, settings: GatewaySettings, failures: AuthF
         )
     keys = [*settings.api_keys, *settings.admin_api_keys]
     return ProxyHeadersMiddleware(RequestContext(guarded, metrics, keys), trusted_hosts=settings.trusted_proxies)
+
+
+def no_route() -> StarletteHTTPException:
+    """The router's 404 (router_error: unknown_url), for a path a `:path` parameter matched empty:
+    `/v1/models/` is `/v1/models` with a trailing slash, as `/v1/batches/` is, not a model named ''."""
+    return StarletteHTTPException(404)
 
 
 def client_left() -> Response:

@@ -483,6 +483,8 @@ def test_what_mili_cannot_honour_is_a_400_naming_it_and_enqueues_nothing(gateway
         ("GET", "/v1/batches/"),  # was a 307 to /v1/batches (FastAPI's redirect_slashes)
         ("POST", "/v1/chat/completions/"),  # was a 307: the SDK sent the body again, and got an answer
         ("GET", "/v1/files/file-x/content/"),
+        ("GET", "/v1/models/"),  # was a 404 model_not_found of a model named ''
+        ("GET", "/v1/jobs/"),  # was a 400 invalid_value naming job_id
         ("GET", "/v1/nope"),
         ("POST", "/v1/responses"),
         ("GET", "/"),
