@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
+from starlette.routing import Match
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from gateway.api_keys import Access, AuthFailures, queue_tenant, tenant_of
@@ -32,7 +33,7 @@ from gateway.board import add_board
 from gateway.edge import Edge, Hosts, Limits
 from gateway.errors import api_error_of, headers_of
 from gateway.generate import GenerateRequest, GenerateResponse, Health, generate_job
-from gateway.head import HeadAsGet, allow_with_head
+from gateway.head import HeadAsGet
 from gateway.idempotency import fingerprint, idempotency_key, scoped_key
 from gateway.jobs import Jobs, RequestJobs, collect
 from gateway.key_strength import warn_of_weak_keys
@@ -58,6 +59,7 @@ from openai_format.requests import ChatCompletionRequest, CompletionRequest, Sam
 from openai_format.responses import ModelList
 from producer_client import AsyncClient, JobResult, MiliError, RateLimited
 from producer_client.aio import built_apart
+from producer_client.allow import with_head
 from producer_client.connection import answered_within, connect_async, describe, one_try_options
 from producer_client.errors import InvalidArgument, JobNotFound
 from producer_client.keys import NAME_PATTERN
@@ -77,6 +79,8 @@ T = TypeVar("T")
 # shorter body takes under a millisecond (40 us a KiB of messages), which a thread's hop (35 us
 # at best) would lengthen for nothing.
 LONG_BODY_BYTES = 16 << 10
+# The methods a route may take (a 405's Allow lists those its path is answered with).
+ROUTE_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 # The answer's headers a page on a granted origin may read (cors_origins): none is CORS-safelisted.
 EXPOSED_HEADERS = [
     "x-request-id",
@@ -169,13 +173,13 @@ class Gateway:
             log.info("request %s: the client left before its results", jobs.request_id)
         return results
 
-    async def stream(self, jobs: RequestJobs, renderer: Renderer, include_usage: bool) -> EventStream:
+    async def stream(self, jobs: RequestJobs, renderer: Renderer) -> EventStream:
         """The jobs' stream, once each has begun (or stream_hold_s has passed): a job the worker
         refuses (a prompt longer than the context) is an HTTP error before the stream starts."""
         s = self.settings
         inbox = self.jobs.open_inbox(jobs, stream=True, receive=None)
         first = await opening(inbox, s.stream_hold_s)
-        body = events(inbox, first, renderer, include_usage, s.keepalive_s, self.metrics, s.retry_after_s)
+        body = events(inbox, first, renderer, s.keepalive_s, self.metrics, s.retry_after_s)
         return EventStream(body)
 
     async def answer(
@@ -187,7 +191,9 @@ class Gateway:
         long = len(body) >= LONG_BODY_BYTES
         req, specs = await self.request_of(body, request_model, jobs_of, long)
         prompt_of, lane = [s.prompt_index for s in specs], lane_of(specs[0].service_tier)
-        renderer = renderer_of(f"{id_prefix}-{answer_id(request)}", req.model, prompt_of, lane)
+        renderer = renderer_of(
+            f"{id_prefix}-{answer_id(request)}", req.model, prompt_of, lane, include_usage=include_usage(req)
+        )
         try:
             route = await self.registry.route(req.model)
             specs = [replace(spec, adapter=route.adapter) for spec in specs]
@@ -198,7 +204,7 @@ class Gateway:
         prompt = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         try:
             if req.streams:
-                return await self.stream(jobs, renderer, include_usage(req))
+                return await self.stream(jobs, renderer)
             results = await self.results(request, jobs)
         except JobFailed as e:
             raise job_error(e, prompt) from None
@@ -259,6 +265,10 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        # A path with a trailing slash is one the gateway has not, answered as OpenAI answers it (a
+        # 404 unknown_url), not redirected: a spec client expects an error object, and the SDK
+        # followed the 307, a POST's body sent again.
+        redirect_slashes=False,
     )
     add_error_handlers(app, settings.retry_after_s)
     app.include_router(batch_router(batch_store, settings))
@@ -309,6 +319,8 @@ def add_openai_routes(app: FastAPI, gw: Gateway) -> None:
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
+        if not model:
+            raise no_route()
         card = next((c for c in (await gw.registry.current(force=True)).cards if c.id == model), None)
         if card is None:
             raise not_found(
@@ -331,6 +343,8 @@ def add_mili_routes(app: FastAPI, gw: Gateway, default_queue: str) -> None:
 
     @app.get("/v1/jobs/{job_id:path}")
     async def job_status(request: Request, job_id: str):
+        if not job_id:
+            raise no_route()
         # Another tenant's job is answered as a missing one, before any read: its existence is not told.
         if not tenant_of(request).owns_job(check_job_id(job_id)):
             raise JobNotFound(job_id)
@@ -397,6 +411,12 @@ def edge_of(app, client: AsyncClient, settings: GatewaySettings, failures: AuthF
     return ProxyHeadersMiddleware(RequestContext(guarded, metrics, keys), trusted_hosts=settings.trusted_proxies)
 
 
+def no_route() -> StarletteHTTPException:
+    """The router's 404 (router_error: unknown_url), for a path a `:path` parameter matched empty:
+    `/v1/models/` is `/v1/models` with a trailing slash, as `/v1/batches/` is, not a model named ''."""
+    return StarletteHTTPException(404)
+
+
 def client_left() -> Response:
     return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
@@ -442,11 +462,15 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     async def on_api_error(request: Request, error: APIError):
         return error_response(error)
 
-    # The router's own errors keep their headers: a 405's Allow, which HTTP requires (RFC 9110 15.5.6).
+    # The router's own errors keep their headers, and a 405 says every method its path takes in
+    # Allow, which HTTP requires (RFC 9110 15.5.6).
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, error: HTTPException):
-        api_error = APIError(error.status_code, str(error.detail), "invalid_request_error")
-        return json_response(api_error.body, allow_with_head(dict(error.headers or {})), api_error.status)
+        headers = dict(error.headers or {})
+        if error.status_code == 405:
+            headers["Allow"] = allowed_methods(request)
+        api_error = router_error(request, error.status_code, headers.get("Allow"), str(error.detail))
+        return json_response(api_error.body, headers, api_error.status)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, error: RequestValidationError):
@@ -468,6 +492,35 @@ def add_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     @app.exception_handler(Exception)
     async def on_bug(request: Request, error: Exception):
         return error_response(APIError(500, "internal error", "server_error"))
+
+
+def allowed_methods(request: Request) -> str:
+    """The methods the request's path is answered with, HEAD beside GET (producer_client.allow),
+    each found by matching the path again with it: the router's 405 named only the first route of
+    the path's (PUT /v1/batches said POST, not GET)."""
+    routes = request.app.router.routes
+    methods = [
+        method
+        for method in ROUTE_METHODS
+        if any(route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes)
+    ]
+    return with_head(", ".join(methods))
+
+
+def router_error(request: Request, status: int, allow: str | None, detail: str) -> APIError:
+    """The router's answer for a path no route has (OpenAI's 404 `unknown_url`, in its words) or a
+    method its route has not (a 405 naming the methods it takes, as its Allow header does)."""
+    asked = f"{request.method} {echoed(request.url.path)}"
+    if status == 404:
+        return not_found(
+            f"Unknown request URL: {asked}. Please check the URL for typos, or see docs/http-api.md for the routes.",
+            "unknown_url",
+        )
+    if status == 405:
+        return APIError(
+            405, f"Method not allowed: {asked} (this path takes {allow})", "invalid_request_error", "method_not_allowed"
+        )
+    return APIError(status, detail, "invalid_request_error")
 
 
 class RequestContext:

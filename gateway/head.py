@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import anyio
 
-from producer_client.allow import with_head
-
 END_OF_BODY = {"type": "http.response.body", "body": b"", "more_body": False}
 
 
@@ -39,11 +37,3 @@ class HeadAsGet:
                 await self.app(scope, receive, head_only)
             finally:
                 scope["method"] = "HEAD"
-
-
-def allow_with_head(headers: dict[str, str]) -> dict[str, str]:
-    """A 405's headers, its Allow naming HEAD wherever it names GET (producer_client.allow): the
-    router lists the routes' own methods, and HEAD is answered on every GET route."""
-    if "Allow" not in headers:
-        return headers
-    return {**headers, "Allow": with_head(headers["Allow"])}

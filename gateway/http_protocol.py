@@ -23,6 +23,7 @@ the connection's close lingers (close_lingering), so that the client reads the a
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import TYPE_CHECKING
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -185,11 +186,13 @@ def head_too_large() -> APIError:
 
 
 def answer(error: APIError) -> bytes:
-    """The error's answer, written whole on the socket: no request exists for the app to answer."""
+    """The error's answer, written whole on the socket: no request exists for the app to answer.
+    It has a request id of its own, as every answer of the gateway's (RequestContext): the client's
+    is in the head not read."""
     body = error.body.model_dump_json().encode()
     reason = {408: "Request Timeout", 431: "Request Header Fields Too Large"}[error.status]
     head = (
         f"HTTP/1.1 {error.status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
+        f"x-request-id: {uuid.uuid4().hex}\r\ncontent-length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body

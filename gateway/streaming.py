@@ -85,7 +85,6 @@ async def events(
     inbox: Inbox,
     first: list[JobEvent],
     renderer: ChatRenderer | CompletionRenderer,
-    include_usage: bool,
     keepalive_s: float,
     metrics: GatewayMetrics,
     retry_after_s: int,
@@ -95,7 +94,7 @@ async def events(
     metrics.open_streams.inc()
     ended = False
     try:
-        async for chunk in chunks(inbox, first, renderer, include_usage, keepalive_s, retry_after_s):
+        async for chunk in chunks(inbox, first, renderer, keepalive_s, retry_after_s):
             yield chunk
         ended = True
     finally:
@@ -107,7 +106,6 @@ async def chunks(
     inbox: Inbox,
     first: list[JobEvent],
     renderer: ChatRenderer | CompletionRenderer,
-    include_usage: bool,
     keepalive_s: float,
     retry_after_s: int,
 ) -> AsyncIterator[bytes]:
@@ -130,7 +128,7 @@ async def chunks(
             yield error_event(e, inbox.jobs.request_id, retry_after_s)
             yield DONE
             return
-    if include_usage:
+    if renderer.include_usage:
         yield data(renderer.usage_chunk(results))
     yield DONE
 

@@ -29,6 +29,7 @@ from openai_format.responses import (
     ToolCallDelta,
     TopLogprob,
     Usage,
+    UsageCountedChunk,
 )
 from producer_client import JobResult, TokenDelta
 from producer_client.chat import ToolCall
@@ -109,6 +110,7 @@ class Renderer:
     model: str
     prompt_of: list[int]  # job index -> prompt index
     service_tier: str | None = None  # the lane of its jobs, which a chat's answer echoes
+    include_usage: bool = False  # a stream's stream_options.include_usage: a last chunk of the usage
     created: int = field(default_factory=lambda: int(time.time()))
     calls_streamed: dict[int, int] = field(default_factory=dict)  # choice index -> its tool calls sent so far
 
@@ -166,7 +168,8 @@ class ChatRenderer(Renderer):
         )
 
     def _chunk(self, choice: ChatChunkChoice) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
+        kind = UsageCountedChunk if self.include_usage else ChatCompletionChunk
+        return kind(
             id=self.id, created=self.created, model=self.model, choices=[choice], service_tier=self.service_tier
         )
 
@@ -229,4 +232,6 @@ class CompletionRenderer(Renderer):
         return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage(results))
 
     def _chunk(self, choice: CompletionChoice) -> Completion:
+        # No `"usage": null` even with include_usage: the spec's chunk is CreateCompletionResponse,
+        # whose usage is not nullable, so only the usage chunk has the field.
         return Completion(id=self.id, created=self.created, model=self.model, choices=[choice])

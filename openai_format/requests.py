@@ -82,9 +82,11 @@ def repr_json(value: Any) -> str:
 Unused = Annotated[Any, only()]  # in the spec, not in MILI: null only
 
 # OpenAI's service_tier values: those MILI runs (producer_client.new_job.SERVICE_TIERS, a lane
-# each) and those it does not (unsupported_parameter).
-RUN_TIERS = ("auto", "default", "flex", "priority")
-OTHER_TIERS = ("scale", "fast")
+# each; `fast`, as the spec's ServiceTier says, is `priority` asked by another name, and answered
+# as `priority`) and the one it does not (unsupported_parameter).
+RUN_TIERS = ("auto", "default", "flex", "priority", "fast")
+OTHER_TIERS = ("scale",)
+SAME_TIER = {"fast": "priority"}
 
 
 def a_spec_tier(value: Any) -> Any:
@@ -95,6 +97,10 @@ def a_spec_tier(value: Any) -> Any:
         expected = ", ".join(map(repr, RUN_TIERS[:-1])) + f" or {RUN_TIERS[-1]!r}"
         raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
     return value
+
+
+def as_run_tier(value: str | None) -> str | None:
+    return SAME_TIER.get(value, value)
 
 
 class Strict(BaseModel):
@@ -322,12 +328,14 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: ToolChoiceIn = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    # The job's lane (producer_client.new_job.SERVICE_TIERS): OpenAI's "scale" and "fast" are not
-    # MILI's (unsupported_parameter); a value the spec has not is no service tier (invalid_value).
+    # The job's lane (producer_client.new_job.SERVICE_TIERS; `fast` read as `priority`): OpenAI's
+    # "scale" is not MILI's (unsupported_parameter); a value the spec has not is no service tier
+    # (invalid_value).
     service_tier: Annotated[
         Literal["auto", "default", "flex", "scale", "priority", "fast"] | None,
         BeforeValidator(a_spec_tier),
         only(*RUN_TIERS),
+        AfterValidator(as_run_tier),
     ] = None
     # Accepted as the spec describes them, with no effect on the output.
     metadata: Metadata | None = None

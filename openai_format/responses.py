@@ -118,13 +118,23 @@ class ChatChunkChoice(Response):
 
 
 class ChatCompletionChunk(Response):
+    """A chunk of a stream that did not ask for usage (`stream_options.include_usage`): the spec's
+    `usage` "will only be present when you set" it, so the field is left out."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | None = Omitted
     service_tier: str | None = Omitted
+
+
+class UsageCountedChunk(ChatCompletionChunk):
+    """A chunk of a stream that asked for usage: `usage` is null in every chunk but the last, the
+    usage chunk (choices empty), as the spec's include_usage says."""
+
+    usage: Usage | None = None
 
 
 class CompletionChoice(Response):

@@ -113,6 +113,12 @@ def add_overview_routes(router: APIRouter, board: Board) -> None:
             return board.signed_out(request)
         return board.html("board.jinja", request, view=await board.reader.overview(), shown=JOBS_SHOWN)
 
+    # The page's address as people type it: the app redirects no other path (redirect_slashes is
+    # off, so that an API path with a slash is OpenAI's 404), but a browser's /board/ is the board.
+    @router.get("/")
+    async def page_with_slash():
+        return RedirectResponse("/board", status_code=307)
+
     @router.get("/overview", dependencies=[Depends(board.signed_in)])
     async def overview(request: Request):
         return board.html("overview.jinja", request, view=await board.reader.overview(), shown=JOBS_SHOWN)

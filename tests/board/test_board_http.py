@@ -165,6 +165,14 @@ def test_a_job_page_of_an_unknown_job_is_not_found(open_gateway):
     assert httpx.get(f"{open_gateway.url}/board/job?id=no-such-job").status_code == 404
 
 
+def test_the_board_typed_with_a_trailing_slash_is_redirected_to_it(open_gateway):
+    """The app redirects no path with a slash (an API path's is OpenAI's 404 unknown_url): the
+    board's own address keeps the redirect a browser's user relies on."""
+    answer = httpx.get(f"{open_gateway.url}/board/")
+    assert (answer.status_code, answer.headers["location"]) == (307, "/board")
+    assert httpx.get(f"{open_gateway.url}/board/", follow_redirects=True).status_code == 200
+
+
 def test_with_api_keys_the_board_needs_a_session_or_the_bearer_key(keyed_gateway):
     url = keyed_gateway.url
     page = httpx.get(f"{url}/board")

@@ -11,6 +11,7 @@ answers a Host a page rebound by DNS to it cannot name only."""
 from __future__ import annotations
 
 import json
+import re
 import select
 import socket
 import time
@@ -680,6 +681,20 @@ def test_a_head_over_its_limit_that_ends_in_the_read_that_passes_it_is_refused_t
         assert answer["status"] == 431, (header_bytes, answer)
         assert error_of(answer["body"])["code"] == "headers_too_large"
     assert head_sent_whole(edge_gateway.port, 60_000)["status"] == 200
+
+
+def test_a_431_answered_before_any_request_carries_a_request_id_as_every_answer(edge_gateway):
+    """docs/http-api.md: every response carries x-request-id. The protocol's own answers (a head too
+    large or too slow), written before the app has a request, had none."""
+    head = f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\nX-Big: ".encode()
+    with socket.create_connection(("127.0.0.1", edge_gateway.port), timeout=30) as sock:
+        sock.sendall(head + b"a" * 70_000 + b"\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+    status_line, *headers = answer.partition(b"\r\n\r\n")[0].decode().split("\r\n")
+    assert status_line.split()[1] == "431"
+    assert any(re.fullmatch(r"x-request-id: [0-9a-f]{32}", line) for line in headers), headers
 
 
 def head_sent_whole(port: int, header_bytes: int) -> dict:

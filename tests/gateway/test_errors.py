@@ -28,6 +28,7 @@ from producer_client import Client
 from producer_client.errors import RedisOutOfMemory, RedisReadOnly
 from producer_client.keys import Keys
 from tests.gateway.support import ECHO_QUEUE, PARKED_MODEL
+from tests.openai_spec import check
 from tests.support.gateways import GatewayProcess
 from tests.support.jobs import job_ids, job_ids_in_queue
 from worker.embedded_redis import EmbeddedRedis, free_port
@@ -182,18 +183,24 @@ def test_an_unknown_model_job_or_route_is_a_404(gateway, sdk):
         ("DELETE", "/v1/models/echo", "GET, HEAD"),
         ("PUT", "/generate", "POST"),
         ("POST", "/metrics", "GET, HEAD"),
+        # A path of two routes: the router's Allow named the first one's alone (POST).
+        ("PUT", "/v1/batches", "GET, POST, HEAD"),
+        ("DELETE", "/v1/files", "GET, POST, HEAD"),
+        ("GET", "/v1/batches/batch_x/cancel", "POST"),
     ],
 )
 def test_a_method_a_route_does_not_take_is_a_405_naming_those_it_takes(gateway, method, path, allowed):
-    """HTTP requires a 405's Allow header (RFC 9110, 15.5.6), every method the route takes: HEAD
-    with GET (gateway/head.py); the error is OpenAI's shape."""
+    """HTTP requires a 405's Allow header (RFC 9110, 15.5.6), every method the path takes: HEAD
+    with GET (gateway/head.py); the error is OpenAI's shape, naming the method, the path and what
+    it takes, with a code to branch on as a 404's `unknown_url` (it said "Method Not Allowed", no code)."""
     response = httpx.request(method, f"{gateway.url}{path}")
     assert (response.status_code, response.headers.get("allow")) == (405, allowed)
+    check("ErrorResponse", response.json())
     assert error_of(response) == {
-        "message": "Method Not Allowed",
+        "message": f"Method not allowed: {method} {path} (this path takes {allowed})",
         "type": "invalid_request_error",
         "param": None,
-        "code": None,
+        "code": "method_not_allowed",
     }
 
 

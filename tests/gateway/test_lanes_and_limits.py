@@ -19,7 +19,7 @@ from gateway.rate_headers import RATE_HEADERS_TIMEOUT_S
 from producer_client import Client
 from producer_client.keys import Keys
 from tests.gateway.support import ECHO_QUEUE
-from tests.openai_spec import check
+from tests.openai_spec import check, spec_text
 from tests.support.gateways import GatewayProcess
 from worker.embedded_redis import EmbeddedRedis, free_port
 
@@ -86,6 +86,25 @@ def test_a_streamed_answer_echoes_the_lane_in_every_chunk(sdk):
     for chunk in chunks:
         check("CreateChatCompletionStreamResponse", chunk)
     assert [chunk["service_tier"] for chunk in chunks] == ["flex"] * len(chunks)
+
+
+def test_fast_runs_in_the_priority_lane_and_the_answer_says_priority_as_the_spec_says(sdk, redis_client):
+    """The spec's ServiceTier: `fast` opts in to what `priority` does, and the answer shows
+    `priority` either way. MILI runs a priority lane: `fast` was a 400 unsupported_parameter."""
+    rule = spec_text("/components/schemas/ServiceTier/anyOf/0/description")
+    assert "The response will show `service_tier=priority` regardless of if you specify `service_tier=fast`" in rule
+    whole = sdk.chat.completions.with_raw_response.create(
+        model="echo", messages=CHAT, max_tokens=4, service_tier="fast"
+    )
+    body = json.loads(whole.http_response.text)
+    check("CreateChatCompletionResponse", body)
+    assert body["service_tier"] == "priority"
+    assert "priority:-" in redis_client.smembers(Keys().lane_streams(ECHO_QUEUE))  # an open gateway's: no tenant's
+    stream = sdk.chat.completions.create(model="echo", messages=CHAT, max_tokens=4, service_tier="fast", stream=True)
+    chunks = [chunk.model_dump(mode="json", exclude_unset=True) for chunk in stream]
+    for chunk in chunks:
+        check("CreateChatCompletionStreamResponse", chunk)
+    assert [chunk["service_tier"] for chunk in chunks] == ["priority"] * len(chunks)
 
 
 def test_an_api_keys_jobs_are_its_tenants_in_their_lane(two_gateways, redis_client):

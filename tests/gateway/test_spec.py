@@ -18,7 +18,7 @@ from openai_format.job_specs import chat_jobs, completion_jobs, parse_body
 from openai_format.render import finish_reason
 from producer_client import Client, JobResult
 from tests.gateway.support import PARKED_MODEL, PARKED_QUEUE
-from tests.openai_spec import SPEC, check
+from tests.openai_spec import SPEC, check, spec_text
 from tests.support.jobs import job_ids
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -112,6 +112,44 @@ def test_n_choices_streamed_validate_each_with_its_role_and_finish_once_then_the
             "CreateChatCompletionStreamResponse" if path == "/v1/chat/completions" else "CreateCompletionResponse", last
         )
         assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3 * n, last
+
+
+STREAM_USAGE = "/components/schemas/CreateChatCompletionStreamResponse/properties/usage/description"
+INCLUDE_USAGE = "/components/schemas/ChatCompletionStreamOptions/anyOf/0/properties/include_usage/description"
+
+
+def test_a_chat_streams_usage_is_absent_unless_include_usage_then_null_in_every_chunk_but_the_last(gateway):
+    """The spec's rule, which its schema cannot say (`usage` is optional and nullable): the field
+    is present only with `include_usage: true`, and then null in every chunk but the usage chunk
+    (choices empty). Every chunk said `"usage": null` whatever the request asked."""
+    assert 'only be present when you set `stream_options: {"include_usage": true}`' in spec_text(STREAM_USAGE)
+    assert "null value **except for the last chunk**" in spec_text(STREAM_USAGE)
+    assert "All other chunks will also include a `usage` field, but with a null value" in spec_text(INCLUDE_USAGE)
+    body = {"model": "echo", "messages": CHAT, "max_tokens": 4, "n": 2, "stream": True}
+    for options in ({}, {"stream_options": None}, {"stream_options": {"include_usage": False}}):
+        chunks = sse_chunks(post(gateway, "/v1/chat/completions", {**body, **options}))
+        for chunk in chunks:
+            check("CreateChatCompletionStreamResponse", chunk)
+        assert [c for c in chunks if "usage" in c] == [], options
+        assert all(c["choices"] for c in chunks)  # no usage chunk either
+    *chunks, last = sse_chunks(
+        post(gateway, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    )
+    for chunk in [*chunks, last]:
+        check("CreateChatCompletionStreamResponse", chunk)
+    assert [c["usage"] for c in chunks] == [None] * len(chunks)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8, last
+
+
+def test_a_text_completions_stream_has_no_usage_but_in_its_usage_chunk(gateway):
+    """A text completion's chunk is the spec's CreateCompletionResponse, whose `usage` is not
+    nullable: the field is left out of every chunk, and only the usage chunk asked for has it."""
+    body = {"model": "echo", "prompt": "abc", "max_tokens": 3, "stream": True}
+    for options in ({}, {"stream_options": {"include_usage": False}}):
+        chunks = sse_chunks(post(gateway, "/v1/completions", {**body, **options}))
+        for chunk in chunks:
+            check("CompletionStreamChunk", chunk)
+        assert [c for c in chunks if "usage" in c] == [] and all(c["choices"] for c in chunks), options
 
 
 def test_models_and_errors_validate(gateway):
@@ -385,7 +423,6 @@ def test_a_null_or_empty_prompt_is_the_specs_default_the_document_start(gateway,
         ("/v1/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
         ("/v1/chat/completions", {"store": True}, "store"),
         ("/v1/chat/completions", {"service_tier": "scale"}, "service_tier"),
-        ("/v1/chat/completions", {"service_tier": "fast"}, "service_tier"),
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
         ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
         ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
@@ -440,6 +477,47 @@ def test_what_mili_cannot_honour_is_a_400_naming_it_and_enqueues_nothing(gateway
     assert job_ids(redis_client) <= before
 
 
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/v1/batches/"),  # was a 307 to /v1/batches (FastAPI's redirect_slashes)
+        ("POST", "/v1/chat/completions/"),  # was a 307: the SDK sent the body again, and got an answer
+        ("GET", "/v1/files/file-x/content/"),
+        ("GET", "/v1/models/"),  # was a 404 model_not_found of a model named ''
+        ("GET", "/v1/jobs/"),  # was a 400 invalid_value naming job_id
+        ("GET", "/v1/nope"),
+        ("POST", "/v1/responses"),
+        ("GET", "/"),
+    ],
+)
+def test_a_path_the_gateway_has_not_is_openais_404_unknown_url_never_a_redirect(gateway, redis_client, method, path):
+    """OpenAI answers a path it has not, a trailing slash's too, with its error object: a 404
+    `unknown_url` naming the method and path. A redirect to the path without the slash is no
+    answer a spec client expects (a 307 has no error object; the SDK follows it)."""
+    before = job_ids(redis_client)
+    body = {"model": "echo", "messages": CHAT, "max_tokens": 1} if method == "POST" else None
+    answer = httpx.request(method, f"{gateway.url}{path}", json=body, timeout=30)
+    assert answer.status_code == 404, (answer.status_code, answer.headers.get("location"))
+    check("ErrorResponse", answer.json())
+    error = answer.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "unknown_url", None)
+    assert error["message"].startswith(f"Unknown request URL: {method} {path}. ")
+    assert answer.headers["x-request-id"]
+    assert job_ids(redis_client) <= before
+
+
+def test_a_path_the_sdk_asks_with_a_trailing_slash_raises_not_found_with_the_code(sdk, redis_client):
+    before = job_ids(redis_client)
+    for call in (
+        lambda: sdk.get("/batches/", cast_to=object),
+        lambda: sdk.post("/chat/completions/", cast_to=object, body={"model": "echo", "messages": CHAT}),
+    ):
+        with pytest.raises(openai.NotFoundError) as refused:
+            call()
+        assert refused.value.code == "unknown_url"
+    assert job_ids(redis_client) <= before
+
+
 def test_embeddings_are_a_400_saying_mili_generates_text_and_enqueue_nothing(gateway, sdk, redis_client):
     """docs/http-api.md lists embeddings among what is refused with a 400 naming it; the SDK's
     embeddings.create got the 404 'Not Found' of a route the gateway has not, as a wrong base_url."""
@@ -453,14 +531,14 @@ def test_embeddings_are_a_400_saying_mili_generates_text_and_enqueue_nothing(gat
 
 
 def test_a_service_tier_the_spec_has_not_is_an_invalid_value_not_an_unsupported_one(gateway, redis_client):
-    """Only the spec's tiers MILI does not run (scale, fast) are unsupported_parameter; the message
-    of a value the spec has not lists only the tiers MILI takes (it listed scale and fast too)."""
+    """Only the spec's tier MILI does not run (scale) is unsupported_parameter; the message of a
+    value the spec has not lists only the tiers MILI takes (it listed scale too)."""
     before = job_ids(redis_client)
     for tier in ("bogus", "null", 5):
         response = post(gateway, "/v1/chat/completions", {"model": "echo", "messages": CHAT, "service_tier": tier})
         error = response.json()["error"]
         assert (response.status_code, error["param"], error["code"]) == (400, "service_tier", "invalid_value")
-        assert error["message"] == "service_tier: Input should be 'auto', 'default', 'flex' or 'priority'"
+        assert error["message"] == "service_tier: Input should be 'auto', 'default', 'flex', 'priority' or 'fast'"
     assert job_ids(redis_client) <= before
 
 

@@ -1,6 +1,7 @@
 """OpenAI's published OpenAPI spec as the tests' oracle: the component schemas in schemas.json
 (extracted by extract.py from github.com/openai/openai-openapi at the commit it records), and
-`check(name, instance)`, which fails naming every way `instance` deviates from schema `name`."""
+`check(name, instance)`, which fails naming every way `instance` deviates from schema `name`, and
+`spec_text(pointer)`, a description of the spec that states a rule no schema can (extract.py's TEXTS)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from jsonschema import Draft202012Validator
 
 SPEC = json.loads((Path(__file__).parent / "schemas.json").read_text())
 COMMIT = SPEC["commit"]
+
+
+def spec_text(pointer: str) -> str:
+    """The description at `pointer` in the spec, whitespace made single spaces (its lines wrap)."""
+    return " ".join(SPEC["texts"][pointer].split())
 
 
 @functools.cache

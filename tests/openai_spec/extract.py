@@ -3,6 +3,10 @@ the requests its tests send) are checked against, with every schema they refer t
 
     python tests/openai_spec/extract.py PATH/TO/openai-openapi/openapi.json COMMIT > tests/openai_spec/schemas.json
 
+Descriptions are left out of the schemas; the few that state a rule a schema cannot (when a field
+is present at all, what a value means) are kept whole under `texts`, by their JSON pointer, so that
+the tests enforcing each rule read it from the spec they validate against.
+
 The spec is OpenAPI 3.1 but still marks some fields `nullable: true` (OpenAPI 3.0's way), which
 JSON Schema ignores: such a schema is rewritten to also take null, as the spec means it. Refs
 become `#/$defs/NAME`, so the file is one JSON Schema document of definitions.
@@ -25,6 +29,14 @@ ROOTS = (
     "DeleteFileResponse",
     "Batch",
     "ListBatchesResponse",
+)
+# The descriptions that state a rule the tests enforce (tests/gateway/test_spec.py quotes each).
+TEXTS = (
+    # `usage` in a chat stream's chunks: absent unless include_usage, then null but in the last.
+    "/components/schemas/CreateChatCompletionStreamResponse/properties/usage/description",
+    "/components/schemas/ChatCompletionStreamOptions/anyOf/0/properties/include_usage/description",
+    # `fast` asks for what `priority` does, and the answer says `priority`.
+    "/components/schemas/ServiceTier/anyOf/0/description",
 )
 PREFIX = "#/components/schemas/"
 
@@ -51,8 +63,15 @@ def rewritten(node):
     return out
 
 
+def at_pointer(document, pointer: str):
+    for part in pointer.split("/")[1:]:
+        document = document[int(part) if isinstance(document, list) else part]
+    return document
+
+
 def main(spec_path: str, commit: str) -> None:
-    schemas = json.load(open(spec_path))["components"]["schemas"]
+    spec = json.load(open(spec_path))
+    schemas = spec["components"]["schemas"]
     wanted, todo = set(), list(ROOTS)
     while todo:
         name = todo.pop()
@@ -63,6 +82,7 @@ def main(spec_path: str, commit: str) -> None:
         "source": "https://github.com/openai/openai-openapi/blob/" + commit + "/openapi.json",
         "commit": commit,
         "$defs": {name: rewritten(schemas[name]) for name in sorted(wanted)},
+        "texts": {pointer: at_pointer(spec, pointer) for pointer in TEXTS},
     }
     json.dump(document, sys.stdout, indent=1, sort_keys=True)
     sys.stdout.write("\n")
