@@ -231,3 +231,15 @@ def test_keys_given_in_the_environment_as_no_json_list_are_one_line_saying_so(mo
     err = capsys.readouterr().err
     assert err.startswith("error: invalid_argument: api_keys: MILI_API_KEYS is not the JSON") and err.count("\n") == 1
     assert "MILI_API_KEYS='[\"KEY\"]'" in err and "a-bare-key" not in err
+
+
+@pytest.mark.parametrize("flag", ["--batch-lease-s", "--header-timeout-s", "--job-timeout-s", "--health-timeout-s"])
+def test_a_number_setting_that_is_not_finite_is_one_line_before_serving(flag, monkeypatch, capsys):
+    """`inf` passed every bound (inf > 0): batch_lease_s ended the gateway with an OverflowError
+    traceback, the timeouts never came. As a flag or a variable, as the worker and mili refuse it."""
+    setting = flag[2:].replace("-", "_")
+    assert main([flag, "inf", "--redis", "redis://127.0.0.1:1/0"]) == 2
+    assert capsys.readouterr().err == f"error: invalid_argument: {setting}: Input should be a finite number\n"
+    monkeypatch.setenv(f"MILI_{setting.upper()}", "nan")
+    assert main(["--redis", "redis://127.0.0.1:1/0"]) == 2
+    assert capsys.readouterr().err == f"error: invalid_argument: {setting}: Input should be a finite number\n"
