@@ -86,7 +86,7 @@ def serve_command(
 
 
 PORT_TRIES = 3
-PORT_TAKEN = "address already in use"  # a bind's errno 98, in redis-server's and uvicorn's words (any case)
+PORT_TAKEN = "address already in use"  # a bind's errno 98, in redis-server's and the gateway's words (any case)
 
 
 class ProcessNotReady(RuntimeError):

@@ -27,9 +27,12 @@ ENV_NOT_JSON = re.compile(r'error parsing value for field "(\w+)" from source "E
 
 class TomlSettings(BaseSettings):
     """A subclass names its default file in `model_config["toml_file"]`. A setting's value never
-    appears in a validation error: it may be a Redis URL with its password, or an API key."""
+    appears in a validation error: it may be a Redis URL with its password, or an API key. A
+    number setting is finite: `inf` passed the bounds of a timeout or an interval (inf > 0) and
+    ended the program with an OverflowError where it became an integer (a worker's
+    heartbeat_ttl_s, a gateway's batch_lease_s), or waited for ever; mili refused it already."""
 
-    model_config = SettingsConfigDict(hide_input_in_errors=True)
+    model_config = SettingsConfigDict(hide_input_in_errors=True, allow_inf_nan=False)
 
     @classmethod
     def settings_customise_sources(

@@ -233,10 +233,9 @@ def load_engine(settings: WorkerSettings) -> tuple[EngineAPI, str]:
     if settings.engine.tensor_parallel_size == 1:  # the ranks' own check names every device they need
         check_cuda_device(device, torch.cuda.device_count())
     dtype = None if settings.dtype == "auto" else settings.dtype
-    # What was given, as given: a default passed on would read as given to EngineSettings' checks
-    # of what an operator set (num_speculative_tokens without a speculative_method).
-    given = settings.engine.model_dump(exclude_unset=True)
-    engine = Engine.from_pretrained(settings.model, device=device, dtype=dtype, **given)
+    # The engine settings as checked at start (settings_from_args), not checked again:
+    # from_pretrained's check looked at a lora_dir a second time.
+    engine = Engine.from_settings(settings.model, device, dtype, settings.engine)
     try:
         engine.warm_up()  # before the heartbeat: a worker takes jobs only once its kernels are compiled
     except BaseException:

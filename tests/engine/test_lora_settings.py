@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from worker.__main__ import main
-from worker.settings import WorkerSettings
+from worker.__main__ import build_parser, load_engine, main
+from worker.engine import settings as engine_settings
+from worker.settings import WorkerSettings, settings_from_args
 
 
 def test_lora_flags_give_named_adapters_slots_host_cache_and_rank(tmp_path):
@@ -110,3 +111,21 @@ def test_a_lora_dir_the_worker_cannot_read_stops_it_with_one_line_naming_it(tmp_
             f"error: invalid_argument: engine.lora_dir: Value error, {str(closed)!r} cannot be read: "
             "Permission denied\n"
         )
+
+
+def test_the_worker_looks_at_its_lora_dir_once_at_start(tmp_path, monkeypatch):
+    """The worker's settings checked lora_dir at start, then Engine.from_pretrained checked the
+    settings again as it loaded the model: a second look, with words of its own (no `engine.`)."""
+    looked: list[str] = []
+    check = engine_settings.check_readable_directory
+
+    def counted(path, given):
+        looked.append(given)
+        check(path, given)
+
+    monkeypatch.setattr(engine_settings, "check_readable_directory", counted)
+    flags = ["serve", "--model", "tiny", "--device", "cpu", "--lora-dir", str(tmp_path)]
+    settings = settings_from_args(build_parser().parse_args(flags))
+    engine, _ = load_engine(settings)
+    engine.close()
+    assert looked == [str(tmp_path)]

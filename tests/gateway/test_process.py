@@ -14,6 +14,7 @@ from gateway.settings import DEFAULT_CONFIG_FILE, GatewaySettings, settings_from
 from harness.processes import REPO, ProcessNotReady
 from producer_client import InvalidArgument
 from tests.support.gateways import GatewayProcess
+from worker.embedded_redis import free_port
 
 
 def test_the_gateway_imports_neither_torch_nor_the_worker():
@@ -131,12 +132,37 @@ def test_a_first_start_whose_port_was_taken_meanwhile_moves_to_another(redis_ser
     try:
         gateway.start()
         assert gateway.port != taken and gateway.url == f"http://127.0.0.1:{gateway.port}"
-        assert f"Uvicorn running on {gateway.url}" in gateway.log_of_this_start()
+        assert f"listening on {gateway.url}" in gateway.log_of_this_start()
         assert "address already in use" in gateway.log().lower()  # the first try's
     finally:
         squatter.shutdown()
         squatter.server_close()
         gateway.stop()
+
+
+def test_a_gateway_on_a_port_another_process_holds_stops_in_one_line_with_exit_code_2(redis_server):
+    """uvicorn started the app, logged '[Errno 98] error while attempting to bind on address ...'
+    among its start-up and shut-down lines, and exited 3; the worker says its taken metrics port in
+    one line, exit code 2 (docs/failure-semantics.md), and so does the gateway now, before it starts."""
+    squatter = squat(free_port())
+    try:
+        port = squatter.server_address[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway", "--redis", redis_server.url, "--host", "127.0.0.1", "--port", str(port)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr == (
+        f"error: port_taken: cannot listen on 127.0.0.1:{port} (Address already in use): another process holds "
+        "the port. Stop it, or give the gateway another --port (MILI_PORT)\n"
+    )
 
 
 def test_an_abbreviated_flag_is_refused_not_taken_as_the_setting_it_begins(capsys):
@@ -205,3 +231,15 @@ def test_keys_given_in_the_environment_as_no_json_list_are_one_line_saying_so(mo
     err = capsys.readouterr().err
     assert err.startswith("error: invalid_argument: api_keys: MILI_API_KEYS is not the JSON") and err.count("\n") == 1
     assert "MILI_API_KEYS='[\"KEY\"]'" in err and "a-bare-key" not in err
+
+
+@pytest.mark.parametrize("flag", ["--batch-lease-s", "--header-timeout-s", "--job-timeout-s", "--health-timeout-s"])
+def test_a_number_setting_that_is_not_finite_is_one_line_before_serving(flag, monkeypatch, capsys):
+    """`inf` passed every bound (inf > 0): batch_lease_s ended the gateway with an OverflowError
+    traceback, the timeouts never came. As a flag or a variable, as the worker and mili refuse it."""
+    setting = flag[2:].replace("-", "_")
+    assert main([flag, "inf", "--redis", "redis://127.0.0.1:1/0"]) == 2
+    assert capsys.readouterr().err == f"error: invalid_argument: {setting}: Input should be a finite number\n"
+    monkeypatch.setenv(f"MILI_{setting.upper()}", "nan")
+    assert main(["--redis", "redis://127.0.0.1:1/0"]) == 2
+    assert capsys.readouterr().err == f"error: invalid_argument: {setting}: Input should be a finite number\n"

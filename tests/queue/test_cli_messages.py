@@ -159,3 +159,31 @@ def test_an_abbreviated_or_misspelt_flag_is_refused_not_taken_as_another(redis_s
             f"error: invalid_argument: unrecognized arguments: {unrecognized} (see mili --help)\n",
         )
     assert entries_added(redis_client, queue) == 0
+
+
+@pytest.mark.parametrize(
+    "args, unrecognized",
+    [
+        (["--bogus"], "--bogus"),
+        (["-x"], "-x"),
+        (["--bogus=3"], "--bogus=3"),
+        (["--queue", "q", "--bogus", "--also"], "--bogus --also"),
+    ],
+)
+def test_an_unknown_flag_without_a_command_is_named_exit_2_no_traceback(args, unrecognized):
+    """`mili --bogus` said "the following arguments are required: command", not a word of the flag
+    it did not know. It says the flag, as argparse says one after a command: one line on stderr,
+    exit status 2, nothing on stdout."""
+    done = subprocess.run(
+        [sys.executable, "-m", "cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2,
+        "",
+        f"error: invalid_argument: unrecognized arguments: {unrecognized} (see mili --help)\n",
+    )
+    missing = subprocess.run([sys.executable, "-m", "cli"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (missing.returncode, missing.stderr) == (
+        2,
+        "error: invalid_argument: the following arguments are required: command (see mili --help)\n",
+    )

@@ -320,3 +320,22 @@ def test_a_variable_whose_value_is_not_the_json_its_setting_takes_is_named_with_
     assert 'MILI_ENGINE__LORA_MODULES=\'{"sql": "/adapters/sql"}\'' in err
     monkeypatch.setenv("MILI_ENGINE__LORA_MODULES", '{"sql": "/adapters/sql"}')
     assert WorkerSettings.load(None).engine.lora_modules == {"sql": "/adapters/sql"}
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (["--heartbeat-ttl-s", "inf"], "heartbeat_ttl_s: Input should be a finite number"),
+        (["--drain-grace-s", "inf"], "drain_grace_s: Input should be a finite number"),
+        (["--gpu-memory-utilization", "nan"], "engine.gpu_memory_utilization: Input should be a finite number"),
+    ],
+)
+def test_a_number_setting_that_is_not_finite_is_one_line_before_anything_starts(flags, line, monkeypatch, capsys):
+    """`inf` passed every bound (inf > 0): heartbeat_ttl_s ended the worker with an OverflowError
+    traceback once it was made an integer, drain_grace_s waited for ever. As a flag, a variable
+    or in the file, as mili refuses an infinite --connect-timeout."""
+    assert worker_main(["--redis", "redis://localhost:1/0", *flags]) == 2
+    assert capsys.readouterr().err == f"error: invalid_argument: {line}\n"
+    monkeypatch.setenv("MILI_HEARTBEAT_TTL_S", "Infinity")
+    assert worker_main(["--redis", "redis://localhost:1/0"]) == 2
+    assert capsys.readouterr().err == "error: invalid_argument: heartbeat_ttl_s: Input should be a finite number\n"

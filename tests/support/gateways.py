@@ -62,8 +62,8 @@ class GatewayProcess(ChildProcess):
 
     def ready(self) -> bool:
         # A restart keeps the port, which another test's process may have taken meanwhile: it would
-        # answer the probe while this gateway fails to bind. uvicorn's line says the port is ours.
-        if f"Uvicorn running on {self.url}" not in self.log_of_this_start():
+        # answer the probe while this gateway fails to bind. The gateway's line says the port is ours.
+        if f"listening on {self.url}\n" not in self.log_of_this_start():  # the line, not a longer port
             return False
         try:
             # Answered, 200 or 401 (monitoring_needs_key); a scrape reads the queues' backlogs, up to

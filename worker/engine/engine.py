@@ -154,7 +154,18 @@ class Engine(OfflineGeneration):
         With tensor_parallel_size N > 1 the model is split over N ranks: this process is rank 0
         on `device` (cuda:K: ranks take cuda:K..K+N-1), and N-1 processes are started for the
         others, to be stopped with `close()` (or `with Engine.from_pretrained(...) as engine`)."""
-        engine_settings = EngineSettings.parse(**settings)
+        return cls.from_settings(model, device, dtype, EngineSettings.parse(**settings))
+
+    @classmethod
+    def from_settings(
+        cls,
+        model: str | Path,
+        device: str | torch.device,
+        dtype: torch.dtype | str | None,
+        engine_settings: EngineSettings,
+    ) -> Engine:
+        """from_pretrained with settings already checked (a worker's, checked with the rest of its
+        settings at start): they are not checked again, a lora_dir is looked at once."""
         if engine_settings.tensor_parallel_size > 1:  # a refusal comes before a preset is written or a weight read
             check_group(model_config(model), device, engine_settings.tensor_parallel_size)
         path = resolve_model_path(model)

@@ -16,7 +16,7 @@ from producer_client.schema import invalid_argument_from
 
 
 class EngineSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # as TomlSettings: finite numbers
 
     page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page (and the prefix cache's granularity)")
     num_pages: int | None = Field(
