@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator
 import redis
 
 from gateway.api_keys import queue_tenant
+from gateway.batch.budget import InFlightBudget
 from gateway.batch.schema import BatchErrors
 from gateway.batch.store import BatchStore, Pieces
 from gateway.cancellation import cancel_and_wait
@@ -65,6 +66,7 @@ log = logging.getLogger("gateway.batch")
 
 CANCEL_GRACE_S = 60.0  # how long the answers of cancelled jobs are awaited before lines are given up
 READ_WAIT_S = 0.5  # the longest wait for results in one step: a cancel is seen within about this
+READ_AHEAD_LINES = 64  # the most lines read ahead of the flight: those that do not fit wait in `ready`
 PREPARED_APART_CHARS = 1 << 20  # the text of the lines prepared in one hop to the builder thread, at most
 MAX_JOB_TIMEOUT_S = 7 * 24 * 3600  # the longest deadline a job may have (JobRequest.timeout_s)
 ENDED_CODES = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
@@ -89,6 +91,7 @@ class BatchDriver:
         self.lease_ms = int(settings.batch_lease_s * 1000)
         self.runs: dict[str, asyncio.Task] = {}
         self.task: asyncio.Task | None = None
+        self.budget = InFlightBudget(settings.batch_gateway_in_flight_bytes)  # shared by the batches driven here
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self._look_for_batches())
@@ -182,6 +185,7 @@ class DrivenBatch:
             # Redis away, or a bug: give the batch up; the next look for batches takes it again.
             log.exception("batch %s: driving stopped", self.batch_id)
         finally:
+            self.driver.budget.leave(self.batch_id)
             await asyncio.shield(self._release())
 
     async def batch_fields(self) -> dict[str, str] | None:
@@ -283,7 +287,8 @@ class DrivenBatch:
         """Where the batch stands: the lines submitted before and not yet answered are in flight
         again (submitted again when `resubmit`: their jobs are found, or made anew if they expired)."""
         self.total = int(fields.get("total", 0))
-        self.next_line = int(fields.get("next_line", 0))
+        self.next_line = self.read_to = int(fields.get("next_line", 0))
+        self.driver.budget.join(self.batch_id, self.flight)
         lines = await self.prepare(await self.store.unanswered(self.batch_id, self.next_line))
         if resubmit:
             for line in lines:
@@ -297,20 +302,28 @@ class DrivenBatch:
 
     async def fill(self) -> None:
         """Add the next lines while the flight has room (`batch_in_flight` lines, and
-        `batch_in_flight_bytes` of their jobs), and submit those due. The lines read that did not
-        fit wait in `ready`, from `next_line` on, until earlier ones are answered. The lines a full
-        queue refused wait in the flight, below `next_line`: a gateway that takes the batch over
-        finds them unanswered."""
-        if not self.ready:
-            self.read_to = self.next_line + min(self.flight.room(), self.total - self.next_line)
-            self.ready.extend(await self.prepare(list(range(self.next_line, self.read_to))))
-        while self.ready and self.flight.fits(self.ready[0]):
-            self.flight.add(self.ready.popleft())
+        `batch_in_flight_bytes` of their jobs) and the gateway's budget admits them
+        (`batch_gateway_in_flight_bytes`, gateway.batch.budget), and submit those due. Lines are
+        read READ_AHEAD_LINES at a time; those that did not fit wait in `ready`, from `next_line`
+        on, until earlier ones are answered. The lines a full queue refused wait in the flight,
+        below `next_line`: a gateway that takes the batch over finds them unanswered."""
+        while True:
+            while self.ready and self.admits(self.ready[0]):
+                self.flight.add(self.ready.popleft())
+            if self.ready or self.read_to == self.total or self.flight.room() == 0:
+                break
+            count = min(self.flight.room(), self.total - self.read_to, READ_AHEAD_LINES)
+            self.ready.extend(await self.prepare(list(range(self.read_to, self.read_to + count))))
+            self.read_to += count
         next_line = index_of(self.ready[0]) if self.ready else self.read_to
         if next_line != self.next_line:
             self.next_line = next_line
             await self.store.set_fields(self.batch_id, next_line=self.next_line)
         await self.submit()
+
+    def admits(self, line: LineJobs) -> bool:
+        """Whether the line fits the batch's flight and the gateway's budget now."""
+        return self.flight.fits(line) and self.driver.budget.admits(self.batch_id, line.request.jobs_bytes)
 
     async def prepare(self, indexes: list[int]) -> list[LineJobs]:
         """The lines' requests, each with the queue of its model. A line whose body the HTTP API
@@ -372,12 +385,13 @@ class DrivenBatch:
     async def collect(self) -> None:
         """Answer the lines whose jobs have all ended since the last step."""
         if not self.flight.watch:
-            await asyncio.sleep(READ_WAIT_S)
+            await self.driver.budget.wait(self.batch_id, READ_WAIT_S)
             return
         results = await self.client.finished(self.flight.watch, timeout=READ_WAIT_S)
-        await self.store.answer(
-            self.batch_id, [(index_of(line), self.answer(line)) for line in self.flight.ended(results)]
-        )
+        ended = self.flight.ended(results)
+        if ended:
+            self.driver.budget.freed()
+        await self.store.answer(self.batch_id, [(index_of(line), self.answer(line)) for line in ended])
 
     def answer(self, line: LineJobs) -> OutputLine:
         results = line.in_choice_order()
@@ -401,6 +415,7 @@ class DrivenBatch:
         """Cancelled, or past its window: the jobs in flight are cancelled and given
         CANCEL_GRACE_S to end; what ended is answered as it ended, every other line as not done."""
         self.ending = ENDED_CODES[final]
+        self.driver.budget.give_up_turn(self.batch_id)  # it adds no line any more
         if self.next_line is None:
             await self.take_on(fields, resubmit=False)
         await self.client.cancel_many(self.flight.jobs_out())

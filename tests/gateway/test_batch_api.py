@@ -359,6 +359,14 @@ def jobs_out(redis_client, job_ids: list[str]) -> int:
     return sum(status in UNENDED for status in pipe.execute())
 
 
+def jobs_ended(redis_client, job_ids: list[str]) -> int:
+    """How many of `job_ids` Redis holds ended."""
+    pipe = redis_client.pipeline(transaction=False)
+    for job_id in job_ids:
+        pipe.hget(KEYS.job(job_id), "status")
+    return sum(status is not None and status not in UNENDED for status in pipe.execute())
+
+
 def test_a_batch_keeps_at_most_its_in_flight_bytes_of_jobs_in_redis(
     redis_server, redis_client, batch_queue, gateway, tmp_path
 ):
@@ -383,6 +391,72 @@ def test_a_batch_keeps_at_most_its_in_flight_bytes_of_jobs_in_redis(
         assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", n, 0)
         assert set(answers(sdk, done.output_file_id)) == {line["custom_id"] for line in lines}
         assert 2 <= most and most * prompt_bytes <= bound, most  # a job's body holds its prompt and more
+    finally:
+        sdk.close()
+        bounded.stop()
+        gateway.start()
+
+
+def gauge(url: str, name: str) -> float:
+    """A gauge of the gateway's GET /metrics."""
+    found = re.search(rf"^{name} (\S+)$", httpx.get(f"{url}/metrics", timeout=30).text, re.MULTILINE)
+    assert found, name
+    return float(found.group(1))
+
+
+def test_batches_driven_at_once_keep_at_most_the_gateways_in_flight_bytes_and_each_progresses(
+    redis_server, redis_client, batch_queue, gateway, tmp_path
+):
+    """Four batches of lines of 20,000-byte prompts, started at once on one gateway: each batch may
+    have three lines out (batch_in_flight_bytes 70,000), the gateway four in all
+    (batch_gateway_in_flight_bytes 100,000). Redis's job hashes and the gateway's gauge stay within
+    the gateway's bound (each batch held its own, twelve lines in all), every batch has a line out
+    before any batch has all of its answered (none waits for another to end), and every line is
+    answered with its own echo."""
+    prompt_bytes, per_batch, bound, batches, n = 20_000, 70_000, 100_000, 4, 8
+    flags = gateway_flags(
+        batch_queue, "--batch-in-flight-bytes", str(per_batch), "--batch-gateway-in-flight-bytes", str(bound)
+    )
+    bounded = GatewayProcess(redis_server.url, tmp_path, *flags, name="gateway-bytes-bounded")
+    sdk = openai.OpenAI(base_url=f"{bounded.url}/v1", api_key="unused", max_retries=0)
+    try:
+        gateway.terminate()  # the module's gateway, of no byte bound this low, sits this one out
+        bounded.start()
+        inputs = {}
+        for b in range(batches):
+            lines = [chat_line(f"{b}-{i}", f"{b}-{i:04d} " + "y" * prompt_bytes, max_tokens=2100) for i in range(n)]
+            inputs[upload(sdk, lines)] = lines
+        created = {
+            sdk.batches.create(
+                input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+            ).id: lines
+            for file_id, lines in inputs.items()
+        }
+        job_ids = {
+            batch_id: [request_id(batch_id, line["custom_id"], line["body"]) + "-0" for line in lines]
+            for batch_id, lines in created.items()
+        }
+        most, most_gauge, started = 0, 0.0, set()
+        while any(sdk.batches.retrieve(batch_id).status not in ENDED for batch_id in created):
+            out = {batch_id: jobs_out(redis_client, ids) for batch_id, ids in job_ids.items()}
+            ended_here = {batch_id: jobs_ended(redis_client, ids) for batch_id, ids in job_ids.items()}
+            if all(ended < n for ended in ended_here.values()):
+                started |= {batch_id for batch_id in created if out[batch_id] or ended_here[batch_id]}
+            most = max(most, sum(out.values()))
+            most_gauge = max(most_gauge, gauge(bounded.url, "mili_gateway_batch_in_flight_bytes"))
+            time.sleep(0.01)
+        for batch_id, lines in created.items():
+            done = ended(sdk, batch_id)
+            assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", n, 0)
+            got = answers(sdk, done.output_file_id)
+            assert {
+                line["custom_id"]: got[line["custom_id"]]["response"]["body"]["choices"][0]["message"]["content"]
+                for line in lines
+            } == {line["custom_id"]: echo_of(line["body"]["messages"][0]["content"])[:2100] for line in lines}
+        assert 2 <= most and most * prompt_bytes <= bound, most  # a job's body holds its prompt and more
+        assert 0 < most_gauge <= bound, most_gauge
+        assert started == set(created), "a batch had no line out before another had all of its answered"
+        assert gauge(bounded.url, "mili_gateway_batch_in_flight_bytes") == 0
     finally:
         sdk.close()
         bounded.stop()
