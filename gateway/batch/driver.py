@@ -61,12 +61,12 @@ from openai_format.errors import APIError
 from producer_client import AsyncClient, BulkQueueFull
 from producer_client.aio import built_apart
 from producer_client.connection import is_other_type
+from producer_client.protocol.batch import LINES_PER_FIELD
 
 log = logging.getLogger("gateway.batch")
 
 CANCEL_GRACE_S = 60.0  # how long the answers of cancelled jobs are awaited before lines are given up
 READ_WAIT_S = 0.5  # the longest wait for results in one step: a cancel is seen within about this
-READ_AHEAD_LINES = 64  # the most lines read ahead of the flight: those that do not fit wait in `ready`
 PREPARED_APART_CHARS = 1 << 20  # the text of the lines prepared in one hop to the builder thread, at most
 MAX_JOB_TIMEOUT_S = 7 * 24 * 3600  # the longest deadline a job may have (JobRequest.timeout_s)
 ENDED_CODES = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
@@ -92,6 +92,7 @@ class BatchDriver:
         self.runs: dict[str, asyncio.Task] = {}
         self.task: asyncio.Task | None = None
         self.budget = InFlightBudget(settings.batch_gateway_in_flight_bytes)  # shared by the batches driven here
+        self.validating = asyncio.Lock()  # one batch's input file checked at a time (DrivenBatch.validate_in_turn)
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self._look_for_batches())
@@ -131,16 +132,23 @@ class BatchDriver:
 Checked = tuple[int, str, str, LineRequest | APIError]  # a line's index, custom_id, request id, request
 
 
-def hops_of(lines: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
-    """(index, text) lines in runs of at most PREPARED_APART_CHARS of text (a longer line alone)."""
-    hops: list[list[tuple[int, str]]] = []
+def first_hop(lines: deque[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The first of the (index, text) `lines`, taken off it, of at most PREPARED_APART_CHARS of
+    text together (a longer line alone)."""
+    hop: list[tuple[int, str]] = []
     chars = 0
-    for line in lines:
-        if not hops or chars + len(line[1]) > PREPARED_APART_CHARS:
-            hops.append([])
-            chars = 0
-        hops[-1].append(line)
-        chars += len(line[1])
+    while lines and (not hop or chars + len(lines[0][1]) <= PREPARED_APART_CHARS):
+        chars += len(lines[0][1])
+        hop.append(lines.popleft())
+    return hop
+
+
+def hops_of(lines: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+    """(index, text) lines in hops of at most PREPARED_APART_CHARS of text (a longer line alone)."""
+    rest = deque(lines)
+    hops = []
+    while rest:
+        hops.append(first_hop(rest))
     return hops
 
 
@@ -163,8 +171,10 @@ class DrivenBatch:
         )
         self.total = 0
         self.next_line: int | None = None  # None until the run has taken the batch's progress on
-        # The lines read from next_line up to read_to and not yet added: their jobs' bytes did not fit.
+        # The lines read from next_line up to read_to and not yet added: prepared (`ready`), whose
+        # jobs did not fit yet, then as read from the batch's input (`unread`, the rest of one run).
         self.ready: deque[LineJobs] = deque()
+        self.unread: deque[tuple[int, str]] = deque()
         self.read_to = 0
         self.expires_at = 0
         self.ending: str | None = None  # batch_cancelled or batch_expired once the batch is ending
@@ -221,7 +231,7 @@ class DrivenBatch:
         if status in ("validating", "in_progress") and time.time() >= self.expires_at:
             await self.end(fields, "expired")
         elif status == "validating":
-            await self.validate(fields)
+            await self.validate_in_turn(fields)
         elif status == "in_progress":
             await self.progress(fields)
         elif status == "cancelling":
@@ -233,6 +243,20 @@ class DrivenBatch:
         return True
 
     # -- validating ----------------------------------------------------------------------------
+
+    async def validate_in_turn(self, fields: dict[str, str]) -> None:
+        """validate, one batch at a time on this gateway: a validation holds its input file whole
+        (as text, as lines, and each line parsed), up to batch_max_file_bytes, and N batches
+        validated at once held N times that. A batch whose turn it is not waits a step, its lease
+        renewed meanwhile."""
+        try:
+            await asyncio.wait_for(self.driver.validating.acquire(), READ_WAIT_S)
+        except TimeoutError:
+            return
+        try:
+            await self.validate(fields)
+        finally:
+            self.driver.validating.release()
 
     async def validate(self, fields: dict[str, str]) -> None:
         """Check the input file whole, as OpenAI does before a batch runs: a bad line fails the
@@ -289,7 +313,7 @@ class DrivenBatch:
         self.total = int(fields.get("total", 0))
         self.next_line = self.read_to = int(fields.get("next_line", 0))
         self.driver.budget.join(self.batch_id, self.flight)
-        lines = await self.prepare(await self.store.unanswered(self.batch_id, self.next_line))
+        lines = await self.prepare(await self.read(await self.store.unanswered(self.batch_id, self.next_line)))
         if resubmit:
             for line in lines:
                 self.flight.add(line)
@@ -303,35 +327,47 @@ class DrivenBatch:
     async def fill(self) -> None:
         """Add the next lines while the flight has room (`batch_in_flight` lines, and
         `batch_in_flight_bytes` of their jobs) and the gateway's budget admits them
-        (`batch_gateway_in_flight_bytes`, gateway.batch.budget), and submit those due. Lines are
-        read READ_AHEAD_LINES at a time; those that did not fit wait in `ready`, from `next_line`
-        on, until earlier ones are answered. The lines a full queue refused wait in the flight,
+        (`batch_gateway_in_flight_bytes`, gateway.batch.budget), and submit those due. The input
+        is read a run (LINES_PER_FIELD lines) at a time into `unread`, and prepared a hop at a
+        time into `ready`, where the lines that do not fit wait until earlier ones are answered:
+        a batch waiting for room holds one run's text and one hop's requests, not the requests
+        of every line its flight could take. The lines a full queue refused wait in the flight,
         below `next_line`: a gateway that takes the batch over finds them unanswered."""
         while True:
             while self.ready and self.admits(self.ready[0]):
                 self.flight.add(self.ready.popleft())
-            if self.ready or self.read_to == self.total or self.flight.room() == 0:
+            if self.ready or self.flight.room() == 0 or (not self.unread and self.read_to == self.total):
                 break
-            count = min(self.flight.room(), self.total - self.read_to, READ_AHEAD_LINES)
-            self.ready.extend(await self.prepare(list(range(self.read_to, self.read_to + count))))
-            self.read_to += count
-        next_line = index_of(self.ready[0]) if self.ready else self.read_to
+            if not self.unread:
+                run_end = min(self.total, (self.read_to // LINES_PER_FIELD + 1) * LINES_PER_FIELD)
+                self.unread.extend(await self.read(list(range(self.read_to, run_end))))
+                self.read_to = run_end
+            self.ready.extend(await self.prepare(first_hop(self.unread)))
+        next_line = self.first_not_added()
         if next_line != self.next_line:
             self.next_line = next_line
             await self.store.set_fields(self.batch_id, next_line=self.next_line)
         await self.submit()
 
+    def first_not_added(self) -> int:
+        if self.ready:
+            return index_of(self.ready[0])
+        return self.unread[0][0] if self.unread else self.read_to
+
     def admits(self, line: LineJobs) -> bool:
         """Whether the line fits the batch's flight and the gateway's budget now."""
         return self.flight.fits(line) and self.driver.budget.admits(self.batch_id, line.request.jobs_bytes)
 
-    async def prepare(self, indexes: list[int]) -> list[LineJobs]:
-        """The lines' requests, each with the queue of its model. A line whose body the HTTP API
-        would refuse (or whose model no queue serves) is answered here with that error."""
+    async def read(self, indexes: list[int]) -> list[tuple[int, str]]:
+        """The input lines at `indexes`, each with its index."""
+        return list(zip(indexes, await self.store.input_lines(self.batch_id, indexes)))
+
+    async def prepare(self, lines: list[tuple[int, str]]) -> list[LineJobs]:
+        """The (index, text) lines' requests, each with the queue of its model. A line whose body
+        the HTTP API would refuse (or whose model no queue serves) is answered here with that error."""
         prepared: list[LineJobs] = []
         refused = []
-        texts = await self.store.input_lines(self.batch_id, indexes)
-        for index, custom_id, rid, request in await self.checked_apart(list(zip(indexes, texts))):
+        for index, custom_id, rid, request in await self.checked_apart(lines):
             try:
                 if isinstance(request, APIError):
                     raise request

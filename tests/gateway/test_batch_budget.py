@@ -1,10 +1,17 @@
-"""The bytes of jobs all the batches one gateway drives have out together (gateway/batch/budget.py):
-what fits, who waits, the room kept for the first batch waiting, and each batch's equal share
-while others wait. The batches driven at once against a real gateway: tests/gateway/test_batch_api.py."""
+"""What bounds the memory of the batches one gateway drives at once: the bytes of jobs they have
+out together (gateway/batch/budget.py: what fits, who waits, the room kept for the first batch
+waiting, and each batch's equal share while others wait), and one input file validated at a
+time. The batches driven at once against a real gateway: tests/gateway/test_batch_api.py."""
 
+import asyncio
+import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from gateway.batch.budget import InFlightBudget
+from gateway.batch.driver import BatchDriver, DrivenBatch
+from gateway.settings import GatewaySettings
+from producer_client.keys import Keys
 
 
 @dataclass
@@ -83,3 +90,28 @@ def test_a_batch_that_leaves_gives_up_its_bytes_and_its_turn():
     assert not budget.waiting
     budget.leave("a")
     assert budget.used == 0
+
+
+async def test_batches_driven_at_once_are_validated_one_at_a_time(monkeypatch):
+    """A validation holds its input file whole (up to batch_max_file_bytes): three batches
+    stepped at once had their files checked at once; one at a time now, each in its turn."""
+    validating, most, validated = 0, 0, []
+
+    async def validate(batch: DrivenBatch, fields: dict) -> None:
+        nonlocal validating, most
+        validating += 1
+        most = max(most, validating)
+        await asyncio.sleep(0.05)
+        validating -= 1
+        validated.append(batch.batch_id)
+
+    monkeypatch.setattr(DrivenBatch, "validate", validate)
+    driver = BatchDriver(None, SimpleNamespace(keys=Keys()), None, GatewaySettings())  # type: ignore[arg-type]
+    fields = {"status": "validating", "expires_at": str(int(time.time()) + 3600)}
+
+    async def step_until_validated(batch: DrivenBatch) -> None:
+        while batch.batch_id not in validated:
+            await batch.step(fields)
+
+    await asyncio.gather(*(step_until_validated(DrivenBatch(driver, f"batch-{i}")) for i in range(3)))
+    assert sorted(validated) == ["batch-0", "batch-1", "batch-2"] and most == 1
