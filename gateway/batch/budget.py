@@ -78,5 +78,5 @@ class InFlightBudget:
         if batch_id not in self.waiting:
             await asyncio.sleep(timeout_s)
             return
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError from Python 3.11 on, not on 3.10
             await asyncio.wait_for(self.room.wait(), timeout_s)

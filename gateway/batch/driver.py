@@ -251,7 +251,7 @@ class DrivenBatch:
         renewed meanwhile."""
         try:
             await asyncio.wait_for(self.driver.validating.acquire(), READ_WAIT_S)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on, not on 3.10
             return
         try:
             await self.validate(fields)
