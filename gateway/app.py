@@ -259,6 +259,7 @@ def create_app(settings: GatewaySettings, lifecycle: Lifecycle):
     gw = Gateway(settings, lifecycle)
     batch_store = BatchStore(gw.client)
     batch_driver = BatchDriver(batch_store, gw.client, gw.registry, settings)
+    gw.metrics.count_batches(batch_driver.budget)
     app = FastAPI(
         title="MILI gateway",
         lifespan=lifespan_of(gw, lifecycle, batch_driver),

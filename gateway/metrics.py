@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.batch.budget import InFlightBudget
 from producer_client import AsyncClient, MiliError
 from producer_client.keys import LANES
 from producer_client.placement import Placement
@@ -149,6 +150,20 @@ class GatewayMetrics:
         self.open_streams = Gauge(
             "mili_gateway_open_streams", "server-sent event streams open now", registry=self.registry
         )
+
+    def count_batches(self, budget: InFlightBudget) -> None:
+        """The gauges of the Batch API lines this gateway has out, read from `budget` at each scrape."""
+        Gauge(
+            "mili_gateway_batch_in_flight_bytes",
+            "the bytes of the jobs of the Batch API lines this gateway has out and not yet answered, all its "
+            "batches together: within batch_gateway_in_flight_bytes",
+            registry=self.registry,
+        ).set_function(lambda: budget.used)
+        Gauge(
+            "mili_gateway_batches_waiting",
+            "batches driven by this gateway that wait for room in batch_gateway_in_flight_bytes",
+            registry=self.registry,
+        ).set_function(lambda: len(budget.waiting))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

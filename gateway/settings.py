@@ -154,6 +154,14 @@ class GatewaySettings(TomlSettings):
         description="the bytes of a batch's jobs submitted ahead of their answers: a line that does not fit waits "
         "for earlier ones (a line goes alone whatever its size)",
     )
+    # Four batches at their own bound. A line's request and specs stay in the gateway's memory
+    # while its jobs are out, so this bounds the gateway's batch memory as well as Redis's.
+    batch_gateway_in_flight_bytes: int = Field(
+        256 << 20,
+        ge=1,
+        description="the bytes of jobs submitted ahead of their answers by all the batches one gateway drives "
+        "together: a batch waits for room, and while batches wait each gets at least an equal share",
+    )
     batch_lease_s: float = Field(
         10.0, ge=1.0, description="a gateway that stops driving a batch loses it to another after this"
     )

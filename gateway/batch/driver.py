@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator
 import redis
 
 from gateway.api_keys import queue_tenant
+from gateway.batch.budget import InFlightBudget
 from gateway.batch.schema import BatchErrors
 from gateway.batch.store import BatchStore, Pieces
 from gateway.cancellation import cancel_and_wait
@@ -46,6 +47,7 @@ from openai_format.batch_flight import REFUSALS, Flight
 from openai_format.batch_lines import (
     LineErrorBody,
     LineJobs,
+    LineRequest,
     OutputLine,
     answer,
     check_lines,
@@ -57,12 +59,15 @@ from openai_format.batch_lines import (
 )
 from openai_format.errors import APIError
 from producer_client import AsyncClient, BulkQueueFull
+from producer_client.aio import built_apart
 from producer_client.connection import is_other_type
+from producer_client.protocol.batch import LINES_PER_FIELD
 
 log = logging.getLogger("gateway.batch")
 
 CANCEL_GRACE_S = 60.0  # how long the answers of cancelled jobs are awaited before lines are given up
 READ_WAIT_S = 0.5  # the longest wait for results in one step: a cancel is seen within about this
+PREPARED_APART_CHARS = 1 << 20  # the text of the lines prepared in one hop to the builder thread, at most
 MAX_JOB_TIMEOUT_S = 7 * 24 * 3600  # the longest deadline a job may have (JobRequest.timeout_s)
 ENDED_CODES = {"cancelled": "batch_cancelled", "expired": "batch_expired"}
 UNANSWERED = {
@@ -86,6 +91,8 @@ class BatchDriver:
         self.lease_ms = int(settings.batch_lease_s * 1000)
         self.runs: dict[str, asyncio.Task] = {}
         self.task: asyncio.Task | None = None
+        self.budget = InFlightBudget(settings.batch_gateway_in_flight_bytes)  # shared by the batches driven here
+        self.validating = asyncio.Lock()  # one batch's input file checked at a time (DrivenBatch.validate_in_turn)
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self._look_for_batches())
@@ -122,6 +129,29 @@ class BatchDriver:
         task.add_done_callback(lambda _: self.runs.pop(batch_id, None))
 
 
+Checked = tuple[int, str, str, LineRequest | APIError]  # a line's index, custom_id, request id, request
+
+
+def first_hop(lines: deque[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The first of the (index, text) `lines`, taken off it, of at most PREPARED_APART_CHARS of
+    text together (a longer line alone)."""
+    hop: list[tuple[int, str]] = []
+    chars = 0
+    while lines and (not hop or chars + len(lines[0][1]) <= PREPARED_APART_CHARS):
+        chars += len(lines[0][1])
+        hop.append(lines.popleft())
+    return hop
+
+
+def hops_of(lines: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+    """(index, text) lines in hops of at most PREPARED_APART_CHARS of text (a longer line alone)."""
+    rest = deque(lines)
+    hops = []
+    while rest:
+        hops.append(first_hop(rest))
+    return hops
+
+
 def index_of(line: LineJobs) -> int:
     """A line's place in its batch, from 0 (LineRequest.line counts from 1)."""
     return line.request.line - 1
@@ -141,14 +171,17 @@ class DrivenBatch:
         )
         self.total = 0
         self.next_line: int | None = None  # None until the run has taken the batch's progress on
-        # The lines read from next_line up to read_to and not yet added: their jobs' bytes did not fit.
+        # The lines read from next_line up to read_to and not yet added: prepared (`ready`), whose
+        # jobs did not fit yet, then as read from the batch's input (`unread`, the rest of one run).
         self.ready: deque[LineJobs] = deque()
+        self.unread: deque[tuple[int, str]] = deque()
         self.read_to = 0
         self.expires_at = 0
         self.ending: str | None = None  # batch_cancelled or batch_expired once the batch is ending
         self.ttl_s = driver.settings.batch_ttl_s  # the batch's own, once read
         self.output_ttl_s = self.ttl_s  # its output files': its output_expires_after, else its own
         self.tenant: str | None = None  # its owner's, as its jobs are submitted (gateway/api_keys.py)
+        self.max_jobs_bytes = settings.max_request_jobs_bytes
 
     async def drive(self) -> None:
         try:
@@ -162,6 +195,7 @@ class DrivenBatch:
             # Redis away, or a bug: give the batch up; the next look for batches takes it again.
             log.exception("batch %s: driving stopped", self.batch_id)
         finally:
+            self.driver.budget.leave(self.batch_id)
             await asyncio.shield(self._release())
 
     async def batch_fields(self) -> dict[str, str] | None:
@@ -197,7 +231,7 @@ class DrivenBatch:
         if status in ("validating", "in_progress") and time.time() >= self.expires_at:
             await self.end(fields, "expired")
         elif status == "validating":
-            await self.validate(fields)
+            await self.validate_in_turn(fields)
         elif status == "in_progress":
             await self.progress(fields)
         elif status == "cancelling":
@@ -209,6 +243,20 @@ class DrivenBatch:
         return True
 
     # -- validating ----------------------------------------------------------------------------
+
+    async def validate_in_turn(self, fields: dict[str, str]) -> None:
+        """validate, one batch at a time on this gateway: a validation holds its input file whole
+        (as text, as lines, and each line parsed), up to batch_max_file_bytes, and N batches
+        validated at once held N times that. A batch whose turn it is not waits a step, its lease
+        renewed meanwhile."""
+        try:
+            await asyncio.wait_for(self.driver.validating.acquire(), READ_WAIT_S)
+        except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on, not on 3.10
+            return
+        try:
+            await self.validate(fields)
+        finally:
+            self.driver.validating.release()
 
     async def validate(self, fields: dict[str, str]) -> None:
         """Check the input file whole, as OpenAI does before a batch runs: a bad line fails the
@@ -263,8 +311,9 @@ class DrivenBatch:
         """Where the batch stands: the lines submitted before and not yet answered are in flight
         again (submitted again when `resubmit`: their jobs are found, or made anew if they expired)."""
         self.total = int(fields.get("total", 0))
-        self.next_line = int(fields.get("next_line", 0))
-        lines = await self.prepare(await self.store.unanswered(self.batch_id, self.next_line))
+        self.next_line = self.read_to = int(fields.get("next_line", 0))
+        self.driver.budget.join(self.batch_id, self.flight)
+        lines = await self.prepare(await self.read(await self.store.unanswered(self.batch_id, self.next_line)))
         if resubmit:
             for line in lines:
                 self.flight.add(line)
@@ -277,38 +326,79 @@ class DrivenBatch:
 
     async def fill(self) -> None:
         """Add the next lines while the flight has room (`batch_in_flight` lines, and
-        `batch_in_flight_bytes` of their jobs), and submit those due. The lines read that did not
-        fit wait in `ready`, from `next_line` on, until earlier ones are answered. The lines a full
-        queue refused wait in the flight, below `next_line`: a gateway that takes the batch over
-        finds them unanswered."""
-        if not self.ready:
-            self.read_to = self.next_line + min(self.flight.room(), self.total - self.next_line)
-            self.ready.extend(await self.prepare(list(range(self.next_line, self.read_to))))
-        while self.ready and self.flight.fits(self.ready[0]):
-            self.flight.add(self.ready.popleft())
-        next_line = index_of(self.ready[0]) if self.ready else self.read_to
+        `batch_in_flight_bytes` of their jobs) and the gateway's budget admits them
+        (`batch_gateway_in_flight_bytes`, gateway.batch.budget), and submit those due. The input
+        is read a run (LINES_PER_FIELD lines) at a time into `unread`, and prepared a hop at a
+        time into `ready`, where the lines that do not fit wait until earlier ones are answered:
+        a batch waiting for room holds one run's text and one hop's requests, not the requests
+        of every line its flight could take. The lines a full queue refused wait in the flight,
+        below `next_line`: a gateway that takes the batch over finds them unanswered."""
+        while True:
+            while self.ready and self.admits(self.ready[0]):
+                self.flight.add(self.ready.popleft())
+            if self.ready or self.flight.room() == 0 or (not self.unread and self.read_to == self.total):
+                break
+            if not self.unread:
+                run_end = min(self.total, (self.read_to // LINES_PER_FIELD + 1) * LINES_PER_FIELD)
+                self.unread.extend(await self.read(list(range(self.read_to, run_end))))
+                self.read_to = run_end
+            self.ready.extend(await self.prepare(first_hop(self.unread)))
+        next_line = self.first_not_added()
         if next_line != self.next_line:
             self.next_line = next_line
             await self.store.set_fields(self.batch_id, next_line=self.next_line)
         await self.submit()
 
-    async def prepare(self, indexes: list[int]) -> list[LineJobs]:
-        """The lines' requests, each with the queue of its model. A line whose body the HTTP API
-        would refuse (or whose model no queue serves) is answered here with that error."""
+    def first_not_added(self) -> int:
+        if self.ready:
+            return index_of(self.ready[0])
+        return self.unread[0][0] if self.unread else self.read_to
+
+    def admits(self, line: LineJobs) -> bool:
+        """Whether the line fits the batch's flight and the gateway's budget now."""
+        return self.flight.fits(line) and self.driver.budget.admits(self.batch_id, line.request.jobs_bytes)
+
+    async def read(self, indexes: list[int]) -> list[tuple[int, str]]:
+        """The input lines at `indexes`, each with its index."""
+        return list(zip(indexes, await self.store.input_lines(self.batch_id, indexes)))
+
+    async def prepare(self, lines: list[tuple[int, str]]) -> list[LineJobs]:
+        """The (index, text) lines' requests, each with the queue of its model. A line whose body
+        the HTTP API would refuse (or whose model no queue serves) is answered here with that error."""
         prepared: list[LineJobs] = []
         refused = []
-        for index, text in zip(indexes, await self.store.input_lines(self.batch_id, indexes)):
-            line = parse_line(text, index + 1)
-            rid = request_id(self.batch_id, line.custom_id, line.body, self.tenant)
+        for index, custom_id, rid, request in await self.checked_apart(lines):
             try:
-                request = line_request(line, index + 1, self.driver.settings.max_request_jobs_bytes)
+                if isinstance(request, APIError):
+                    raise request
                 route = await self.driver.registry.route(request.request.model)
             except APIError as e:
-                refused.append((index, error_answer(line.custom_id, rid, e)))
+                refused.append((index, error_answer(custom_id, rid, e)))
                 continue
             prepared.append(LineJobs(request, rid, route.queue, adapter=route.adapter))
         await self.store.answer(self.batch_id, refused)
         return prepared
+
+    async def checked_apart(self, lines: list[tuple[int, str]]) -> list[Checked]:
+        """The lines checked (`checked`) off the event loop: a line of 33,000 messages takes 0.2-0.3 s
+        of CPU, in which the loop answered no other request of the gateway. They go to the thread
+        that builds long jobs and parses long bodies (producer_client.aio.BUILDER: one at a time,
+        since they hold the GIL), in hops of at most PREPARED_APART_CHARS of text, so that a long
+        HTTP body waits behind one hop at most."""
+        return [line for hop in hops_of(lines) for line in await built_apart(self.checked, hop)]
+
+    def checked(self, lines: list[tuple[int, str]]) -> list[Checked]:
+        """Each line's (index, custom_id, request id, and request or the APIError that refuses its
+        body), as the HTTP API checks a body; CPU only."""
+        out: list[Checked] = []
+        for index, text in lines:
+            line = parse_line(text, index + 1)
+            rid = request_id(self.batch_id, line.custom_id, line.body, self.tenant)
+            try:
+                out.append((index, line.custom_id, rid, line_request(line, index + 1, self.max_jobs_bytes)))
+            except APIError as e:
+                out.append((index, line.custom_id, rid, e))
+        return out
 
     async def submit(self) -> None:
         """Enqueue the jobs of the lines due, each queue's in one submit_many, as the batch's owner
@@ -331,12 +421,13 @@ class DrivenBatch:
     async def collect(self) -> None:
         """Answer the lines whose jobs have all ended since the last step."""
         if not self.flight.watch:
-            await asyncio.sleep(READ_WAIT_S)
+            await self.driver.budget.wait(self.batch_id, READ_WAIT_S)
             return
         results = await self.client.finished(self.flight.watch, timeout=READ_WAIT_S)
-        await self.store.answer(
-            self.batch_id, [(index_of(line), self.answer(line)) for line in self.flight.ended(results)]
-        )
+        ended = self.flight.ended(results)
+        if ended:
+            self.driver.budget.freed()
+        await self.store.answer(self.batch_id, [(index_of(line), self.answer(line)) for line in ended])
 
     def answer(self, line: LineJobs) -> OutputLine:
         results = line.in_choice_order()
@@ -360,6 +451,7 @@ class DrivenBatch:
         """Cancelled, or past its window: the jobs in flight are cancelled and given
         CANCEL_GRACE_S to end; what ended is answered as it ended, every other line as not done."""
         self.ending = ENDED_CODES[final]
+        self.driver.budget.give_up_turn(self.batch_id)  # it adds no line any more
         if self.next_line is None:
             await self.take_on(fields, resubmit=False)
         await self.client.cancel_many(self.flight.jobs_out())

@@ -3,10 +3,7 @@ into jobs without holding every other request for as long (the event loop answer
 meanwhile), and its refusals are OpenAI's typed errors, naming their field."""
 
 import json
-import threading
-import time
 import warnings
-from collections.abc import Callable
 
 import httpx
 import openai
@@ -17,39 +14,9 @@ from gateway.settings import GatewaySettings
 from openai_format.job_specs import JobSpec, chat_jobs, parse_body
 from openai_format.requests import ChatCompletionRequest
 from producer_client.new_job import NewJob
+from tests.support.gateways import slowest_answer_while
 
 USER = {"role": "user", "content": "a"}
-
-
-def slowest_health_answer_while(url: str, work: Callable[[], object]) -> tuple[object, float, float]:
-    """(work()'s outcome, its seconds, the slowest answer to GET /health asked from another
-    connection every few milliseconds meanwhile)."""
-    done = threading.Event()
-    slowest = [0.0]
-
-    def probe() -> None:
-        with httpx.Client(base_url=url, timeout=120) as client:
-            client.get("/health")  # connected before the clock runs
-            ready.set()
-            while not done.is_set():
-                started = time.monotonic()
-                client.get("/health")
-                slowest[0] = max(slowest[0], time.monotonic() - started)
-                time.sleep(0.005)
-
-    ready = threading.Event()
-    prober = threading.Thread(target=probe)
-    prober.start()
-    ready.wait(60)
-    started = time.monotonic()
-    try:
-        outcome: object = work()
-    except openai.APIError as e:
-        outcome = e
-    took = time.monotonic() - started
-    done.set()
-    prober.join()
-    return outcome, took, slowest[0]
 
 
 def test_a_body_of_many_messages_holds_no_other_request(gateway):
@@ -66,7 +33,7 @@ def test_a_body_of_many_messages_holds_no_other_request(gateway):
         headers = {"content-type": "application/json"}
         return httpx.post(f"{gateway.url}/v1/chat/completions", content=body, headers=headers, timeout=120)
 
-    answer, took, slowest = slowest_health_answer_while(gateway.url, send)
+    answer, took, slowest = slowest_answer_while(gateway.url, send)
     assert isinstance(answer, httpx.Response) and answer.status_code == 400, answer
     error = answer.json()["error"]
     assert (error["code"], error["param"]) == ("body_too_large", "body"), error

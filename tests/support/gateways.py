@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import httpx
+import openai
 
 from gateway.metrics import BACKLOG_TIMEOUT_S
 from harness.processes import ChildProcess
@@ -72,3 +75,34 @@ class GatewayProcess(ChildProcess):
             return True
         except httpx.TransportError:
             return False
+
+
+def slowest_answer_while(url: str, work: Callable[[], object], path: str = "/health") -> tuple[object, float, float]:
+    """(work()'s outcome, its seconds, the slowest answer to GET `path` asked from another
+    connection every few milliseconds meanwhile)."""
+    done = threading.Event()
+    slowest = [0.0]
+
+    def probe() -> None:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            client.get(path)  # connected before the clock runs
+            ready.set()
+            while not done.is_set():
+                started = time.monotonic()
+                client.get(path)
+                slowest[0] = max(slowest[0], time.monotonic() - started)
+                time.sleep(0.005)
+
+    ready = threading.Event()
+    prober = threading.Thread(target=probe)
+    prober.start()
+    ready.wait(60)
+    started = time.monotonic()
+    try:
+        outcome: object = work()
+    except openai.APIError as e:
+        outcome = e
+    took = time.monotonic() - started
+    done.set()
+    prober.join()
+    return outcome, took, slowest[0]
