@@ -20,7 +20,8 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.given: list[str] = []
 
-    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None):
+    # typeshed declares this method as overloads on the namespace's type; one signature serves both
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         self.given = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
