@@ -39,10 +39,12 @@ def install(spec: dict) -> None:
             )
         return address
 
-    def getaddrinfo(host, port, *args, **kwargs):
-        if host in LOOPBACK and port is not None and int(port) in ports:
+    def getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):
+        # A passive lookup names an address to bind (the gateway resolves its --host and --port
+        # itself): bind() below maps it, so the test learns the documented port it stands for.
+        if not flags & socket.AI_PASSIVE and host in LOOPBACK and port is not None and int(port) in ports:
             host, port = "127.0.0.1", ports[int(port)]
-        return original_getaddrinfo(host, port, *args, **kwargs)
+        return original_getaddrinfo(host, port, family, type, proto, flags)
 
     def connect(self, address):
         return original_connect(self, mapped(address))
