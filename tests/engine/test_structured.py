@@ -21,11 +21,14 @@ from producer_client.schema import SamplingParams
 from tests.engine.test_engine import random_prompts
 from tests.engine.test_resume import run, text_of, tokens_of
 from tests.structured_schemas import closed
-from worker.engine import Engine
+from worker.engine import Engine, EngineSettings
 from worker.engine.grammar.constraint import Constraint, Thinking, ToolFunction, tool_call_constraint
 from worker.engine.grammar.masks import GrammarMasks
 from worker.engine.grammar.request_grammar import RequestGrammar, replayed
+from worker.model import tokenizer as tokenizer_module
+from worker.model.presets import resolve_model_path
 from worker.model.qwen_tokenizer import QWEN3_FIRST_ADDED_ID
+from worker.model.tokenizer import Tokenizer
 
 PERSON = {
     "type": "object",
@@ -227,6 +230,32 @@ def test_a_grammar_still_compiling_holds_no_one_back(make_tiny_engine):
     while engine.has_unfinished():
         finished |= {o.request_id for o in engine.step() if o.finished}
     assert finished == {"free", "slow"}
+
+
+def test_warm_up_builds_the_vocabulary_s_tables_so_that_no_step_waits_for_them(tiny_loaded, monkeypatch):
+    """Their build holds the GIL up to 0.9 s in one stretch (inside llguidance): at the first
+    structured request it stopped a serving loop for that long, heartbeat included."""
+    (model, config, generation), _ = tiny_loaded
+    tokenizer = Tokenizer.from_dir(resolve_model_path("tiny"))  # its own: no tables built yet
+    eos = list(generation.eos_token_ids) + list(tokenizer.eos_token_ids)
+    engine = Engine(
+        model, config, tokenizer, EngineSettings.parse(num_pages=256, page_size=4), eos, torch.device("cpu")
+    )
+    builds = []
+    monkeypatch.setattr(tokenizer_module, "grammar_vocabulary", spy(tokenizer_module.grammar_vocabulary, builds))
+    engine.warm_up()
+    assert len(builds) == 1
+    [output] = engine.generate(random_prompts(1, 3, 9, seed=56), constrained(temperature=0))
+    assert_valid(output)
+    assert len(builds) == 1
+
+
+def spy(function, calls: list):
+    def called(*args, **kwargs):
+        calls.append(args)
+        return function(*args, **kwargs)
+
+    return called
 
 
 def test_grammars_compile_once_and_are_reused(make_tiny_engine):

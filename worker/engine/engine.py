@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ from worker.model.config import Qwen3Config
 from worker.model.presets import model_config, resolve_model_path
 from worker.model.progress import logged_step
 from worker.model.qwen3 import Qwen3ForCausalLM
-from worker.model.tokenizer import Tokenizer
+from worker.model.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -201,18 +202,24 @@ class Engine(OfflineGeneration):
         kernels do not specialize on what changes from step to step (tests/engine/test_warm_up.py
         checks it against a varied batch); a mixture of experts, whose kernels take larger tiles
         for larger steps, also runs its experts once per tile shape, and a model that serves LoRA
-        adapters their kernels at each block size. The detokenizer's table is built here too. The
-        grammar library's view of the vocabulary is not: a worker that serves no structured output
-        never needs it, and its build (a second and a half of CPU for Qwen3's vocabulary, holding
-        the GIL) would hold up the warm-up; the first structured request has it built on the
-        compile thread (worker/engine/grammar/compiler.py). A speculative proposer drafts after them
-        (a draft model or an EAGLE-3 head runs its own kernels)."""
+        adapters their kernels at each block size. A speculative proposer drafts after them (a draft
+        model or an EAGLE-3 head runs its own kernels).
+
+        The detokenizer's table is built here too, and the grammar library's view of the vocabulary,
+        on the compile thread while the kernels run (worker/engine/grammar/compiler.py): its build (about a second of CPU for Qwen3's
+        vocabulary, 31 MiB) holds the GIL for up to 0.9 s in one stretch, inside llguidance. Built
+        at the first structured request, as it was, it stopped a serving worker's loop that long:
+        every running job's next token, and the heartbeat that keeps the worker's entries from
+        being reclaimed (on a loaded host past a 2 s claim_idle_ms: a live worker lost its jobs to
+        another)."""
         with logged_step(log, "warming up: the model and the sampler run once, to compile their kernels"):
+            grammar_tables = self.grammars.prepare()
             self.tokenizer.incremental_detokenizer(skip_special_tokens=True)
             page_table = self.scheduler.page_table
             warm_up_kernels(
                 self.runner, self.sampler, self.masks, self.allocator, page_table, self.settings, self.speculator
             )
+            await_grammar_tables(grammar_tables)
 
     # -- the loop interface ------------------------------------------------------------
 
@@ -311,3 +318,12 @@ class Engine(OfflineGeneration):
 def overlap_enabled(settings: EngineSettings, device: torch.device) -> bool:
     # Unset, it follows the device: on CPU the host runs the model itself, so nothing overlaps.
     return settings.overlap_schedule if settings.overlap_schedule is not None else device.type == "cuda"
+
+
+def await_grammar_tables(built: Future) -> None:
+    """Waits for the grammar library's vocabulary; a tokenizer it cannot take (not byte-level BPE)
+    leaves structured outputs off, and each structured request fails with that error, as before."""
+    try:
+        built.result()
+    except TokenizerError as error:
+        log.info("structured outputs are off: %s", error)

@@ -3,8 +3,9 @@
 One thread compiles. The loop hands it a constraint and goes on; the request waits unadmitted
 until its matcher is ready, and the requests behind it are admitted meanwhile. llguidance's view
 of the vocabulary (Tokenizer.grammar_tables: about a second of CPU for Qwen3's 151,936 tokens) is
-built on that thread, once, the first time it is needed: at the first structured request (a worker
-that serves none never builds it), or when `prepare` asks for it ahead.
+built on that thread, once: when `prepare` asks for it (Engine.warm_up does, before the engine
+serves: the build holds the GIL, and so every other thread, for up to 0.9 s), else at the first
+structured request.
 
 Compiled grammars are kept by the hash of their grammar in an LRU of at most `cache_size`: a
 prototype matcher each, of which every request gets its own copy (a copy costs microseconds,
@@ -64,10 +65,6 @@ class GrammarCompiler:
         constraint. It raises InvalidArgument (naming the constraint's field) when the grammar
         does not compile."""
         return self._thread().submit(lambda: then(self._matcher(constraint)))
-
-    def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _thread(self) -> ThreadPoolExecutor:
         with self._executor_lock:
