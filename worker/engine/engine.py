@@ -188,7 +188,9 @@ class Engine(OfflineGeneration):
         return [str(d) for d in self.ranks.devices] if self.ranks is not None else [str(self.device)]
 
     def close(self) -> None:
-        """Stops the other ranks of a tensor-parallel engine (nothing to do for one rank)."""
+        """Stops the grammar compile thread (warm-up starts it) and the other ranks of a
+        tensor-parallel engine."""
+        self.grammars.shutdown()
         if self.ranks is not None:
             self.ranks.close()
 

@@ -66,6 +66,11 @@ class GrammarCompiler:
         does not compile."""
         return self._thread().submit(lambda: then(self._matcher(constraint)))
 
+    def shutdown(self) -> None:
+        """Stops the compile thread; a compile waiting for it is cancelled."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
     def _thread(self) -> ThreadPoolExecutor:
         with self._executor_lock:
             if self._executor is None:
