@@ -9,6 +9,7 @@ import re
 import threading
 from functools import partial
 from types import SimpleNamespace
+from unittest import mock
 
 import jsonschema
 import openai
@@ -232,7 +233,7 @@ def test_a_grammar_still_compiling_holds_no_one_back(make_tiny_engine):
     assert finished == {"free", "slow"}
 
 
-def test_warm_up_builds_the_vocabulary_s_tables_so_that_no_step_waits_for_them(tiny_loaded, monkeypatch):
+def test_warm_up_builds_the_vocabulary_s_tables_so_that_no_step_waits_for_them(tiny_loaded):
     """Their build holds the GIL up to 0.9 s in one stretch (inside llguidance): at the first
     structured request it stopped a serving loop for that long, heartbeat included."""
     (model, config, generation), _ = tiny_loaded
@@ -241,21 +242,13 @@ def test_warm_up_builds_the_vocabulary_s_tables_so_that_no_step_waits_for_them(t
     engine = Engine(
         model, config, tokenizer, EngineSettings.parse(num_pages=256, page_size=4), eos, torch.device("cpu")
     )
-    builds = []
-    monkeypatch.setattr(tokenizer_module, "grammar_vocabulary", spy(tokenizer_module.grammar_vocabulary, builds))
-    engine.warm_up()
-    assert len(builds) == 1
-    [output] = engine.generate(random_prompts(1, 3, 9, seed=56), constrained(temperature=0))
-    assert_valid(output)
-    assert len(builds) == 1
-
-
-def spy(function, calls: list):
-    def called(*args, **kwargs):
-        calls.append(args)
-        return function(*args, **kwargs)
-
-    return called
+    vocabulary = tokenizer_module.grammar_vocabulary
+    with mock.patch.object(tokenizer_module, "grammar_vocabulary", wraps=vocabulary) as builds:
+        engine.warm_up()
+        assert builds.call_count == 1
+        [output] = engine.generate(random_prompts(1, 3, 9, seed=56), constrained(temperature=0))
+        assert_valid(output)
+        assert builds.call_count == 1
 
 
 def test_grammars_compile_once_and_are_reused(make_tiny_engine):

@@ -207,10 +207,11 @@ class Engine(OfflineGeneration):
         adapters their kernels at each block size. A speculative proposer drafts after them (a draft
         model or an EAGLE-3 head runs its own kernels).
 
-        The detokenizer's table is built here too, and the grammar library's view of the vocabulary,
-        on the compile thread while the kernels run (worker/engine/grammar/compiler.py): its build (about a second of CPU for Qwen3's
-        vocabulary, 31 MiB) holds the GIL for up to 0.9 s in one stretch, inside llguidance. Built
-        at the first structured request, as it was, it stopped a serving worker's loop that long:
+        The detokenizer's table is built here too, and the grammar library's view of the
+        vocabulary, on the compile thread while the kernels run (worker/engine/grammar/compiler.py):
+        its build (about a second of CPU for Qwen3's vocabulary, ~110 MiB more RSS) holds the GIL
+        for up to 0.9 s in one stretch, inside llguidance. Built at the first structured request,
+        as it was, it stopped a serving worker's loop that long:
         every running job's next token, and the heartbeat that keeps the worker's entries from
         being reclaimed (on a loaded host past a 2 s claim_idle_ms: a live worker lost its jobs to
         another)."""
