@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+import tokenizers
 import torch
 
 from producer_client.chat_output import ChatOutput, OutputFormat, Reasoning, parse_output
@@ -249,6 +250,25 @@ def test_warm_up_builds_the_vocabulary_s_tables_so_that_no_step_waits_for_them(t
         [output] = engine.generate(random_prompts(1, 3, 9, seed=56), constrained(temperature=0))
         assert_valid(output)
         assert builds.call_count == 1
+
+
+def test_a_tokenizer_the_grammar_library_cannot_take_warms_up_and_serves_all_but_structured_outputs(
+    tiny_loaded, tmp_path
+):
+    (model, config, generation), _ = tiny_loaded
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer.from_dir(tmp_path)  # not byte-level BPE
+    engine = Engine(
+        model, config, tokenizer, EngineSettings.parse(num_pages=256, page_size=4), [1], torch.device("cpu")
+    )
+    engine.warm_up()
+    free, bound = engine.generate(
+        [[0, 0, 0]] * 2, [SamplingParams(temperature=0, max_tokens=4), constrained(temperature=0)]
+    )
+    assert free.finish_reason == "length" and len(free.token_ids) == 4
+    assert bound.finish_reason == "error" and bound.token_ids == []
+    assert "byte-level BPE" in bound.error.message
 
 
 def test_grammars_compile_once_and_are_reused(make_tiny_engine):
